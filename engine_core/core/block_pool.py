@@ -1,0 +1,112 @@
+"""The pool of KV blocks: allocation, reference counts, LRU eviction and the prefix-cache map."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from engine_core.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+
+
+class BlockPool:
+    """Invariants (``check_integrity``): a block is free xor referenced; free + used == total;
+    the hash map and the blocks' own ``block_hash`` agree."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            # Callers check capacity first (allocate_slots returns None): reaching here is a bug.
+            raise ValueError(f"cannot get {num_blocks} blocks, {self.get_num_free_blocks()} free")
+        popleft = self.free_block_queue.popleft
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if self.cached_block_hash_to_block.get(block.block_hash) is block:  # type: ignore[arg-type]
+            del self.cached_block_hash_to_block[block.block_hash]  # type: ignore[arg-type]
+        block.block_hash = None
+
+    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
+                          start: int, end: int) -> None:
+        """Register blocks[start:end] under their hashes. A hash already cached by another block
+        keeps that block; the duplicate simply stays uncached."""
+        cached = self.cached_block_hash_to_block
+        for i in range(start, end):
+            block = blocks[i]
+            if block.block_hash is not None:
+                continue
+            block_hash = block_hashes[i]
+            if block_hash not in cached:
+                block.block_hash = block_hash
+                cached[block_hash] = block
+
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop blocks from the prefix cache whose contents will not be computed after all."""
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on shared (prefix-hit) blocks; a free one leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each; blocks reaching zero join the free queue in this order
+        (first freed, first evicted)."""
+        append = self.free_block_queue.append
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False) while any block is in use."""
+        if self.get_num_free_blocks() != self.num_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any pool invariant is broken (tests call this after every step)."""
+        free_ids = set()
+        for block in self.free_block_queue:
+            assert block.block_id not in free_ids, f"block {block.block_id} twice in the free queue"
+            free_ids.add(block.block_id)
+        assert len(free_ids) == self.free_block_queue.num_free_blocks, "free count out of sync"
+        used = 0
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"{block} has a negative ref count"
+            is_free = block.block_id in free_ids
+            assert is_free == (block.ref_cnt == 0), f"{block}: free={is_free} but ref_cnt={block.ref_cnt}"
+            used += not is_free
+            if block.block_hash is not None:
+                assert self.cached_block_hash_to_block.get(block.block_hash) is block, \
+                    f"{block} has a hash the cache map does not point back to it under"
+        assert used + len(free_ids) == self.num_blocks, "free + used != total"
+        for block_hash, block in self.cached_block_hash_to_block.items():
+            assert block.block_hash == block_hash, f"cache map entry for {block} has the wrong hash"

@@ -1,0 +1,141 @@
+"""Per-request KV block bookkeeping on top of the BlockPool, with prefix caching."""
+
+from __future__ import annotations
+
+from engine_core.core.block_pool import BlockPool
+from engine_core.core.kv_cache_utils import KVCacheBlock, extend_block_hashes
+from engine_core.outputs import PrefixCacheStats
+from engine_core.request import Request
+
+
+class KVCacheBlocks:
+    """A set of blocks handed back by the manager (what vLLM's allocate_slots returns)."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.blocks = blocks
+
+    def get_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 log_stats: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.log_stats = log_stats
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's leading blocks are registered (or known) in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._empty = KVCacheBlocks([])
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def empty_kv_cache_blocks(self) -> KVCacheBlocks:
+        return self._empty
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest run of the request's full blocks already in the prefix cache, and its token count."""
+        if not self.enable_caching:
+            return self._empty, 0
+        block_size = self.block_size
+        # The last prompt token is always recomputed: its logits are needed to sample.
+        max_hit_blocks = (request.num_tokens - 1) // block_size
+        extend_block_hashes(request.block_hashes, request.all_token_ids, max_hit_blocks, block_size,
+                            request.cache_salt)
+        get_cached = self.block_pool.get_cached_block
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = get_cached(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * block_size
+        if self.log_stats:
+            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
+        return (KVCacheBlocks(hits) if hits else self._empty), num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+        """Give the request slots for ``num_new_tokens`` more tokens; None if the pool cannot.
+
+        Never raises for capacity: the None sentinel is what triggers preemption in schedule().
+        Full blocks covered by computed + new tokens enter the prefix cache here.
+        """
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id)
+        num_req_blocks = 0 if req_blocks is None else len(req_blocks)
+        computed = new_computed_blocks.blocks if new_computed_blocks else ()
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_with_slots = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        num_new_blocks = -(-num_tokens_with_slots // self.block_size) - num_req_blocks - len(computed)
+        pool = self.block_pool
+        if num_new_blocks > 0 or computed:
+            # Touching a free cached block takes it out of the free queue, so it costs capacity too.
+            num_evictable = sum(1 for b in computed if b.ref_cnt == 0)
+            if max(num_new_blocks, 0) + num_evictable > pool.free_block_queue.num_free_blocks:
+                return None
+            if req_blocks is None:
+                req_blocks = self.req_to_blocks[req_id] = []
+                # Prefix-hit blocks are already in the cache map.
+                self.num_cached_block[req_id] = len(computed)
+            if computed:
+                pool.touch(computed)
+                req_blocks.extend(computed)
+            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+            req_blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+        if self.enable_caching and req_blocks is not None:
+            num_full_blocks = (num_computed_tokens + num_new_tokens) // self.block_size
+            num_cached = self.num_cached_block[req_id]
+            if num_full_blocks > num_cached:
+                extend_block_hashes(request.block_hashes, request.all_token_ids, num_full_blocks,
+                                    self.block_size, request.cache_salt)
+                pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
+                self.num_cached_block[req_id] = num_full_blocks
+        return KVCacheBlocks(new_blocks) if new_blocks else self._empty
+
+    def uncache_uncomputed_blocks(self, request: Request) -> None:
+        """Undo the caching of blocks this pass allocated but will not compute (a victim of
+        priority preemption that had already been scheduled in the same pass)."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if not req_blocks:
+            return
+        first_uncomputed = request.num_computed_tokens // self.block_size
+        self.block_pool.uncache_blocks(req_blocks[first_uncomputed:])
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its tail is evicted before its prefix."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_num_blocks(self, request_id: str) -> int:
+        blocks = self.req_to_blocks.get(request_id)
+        return len(blocks) if blocks else 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Counters since the previous call (the delta), then start counting afresh."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats

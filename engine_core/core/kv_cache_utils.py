@@ -1,0 +1,104 @@
+"""KV cache building blocks: the block record, the O(1) LRU free queue, and chained block hashes."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
+
+BlockHash = bytes
+
+# Parent hash of a request's first block. A constant, so hashes are stable across processes and
+# restarts (unlike Python's hash(), which is salted per process for str/bytes).
+NONE_HASH: BlockHash = hashlib.blake2b(b"llm-cluster/kv-root", digest_size=16).digest()
+
+
+def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int],
+                      extra_keys: tuple[object, ...] | None = None) -> BlockHash:
+    """Hash of one full block, chained on its parent so equal hashes mean equal prefixes."""
+    h = hashlib.blake2b(parent_hash, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int,
+                        block_size: int, cache_salt: str | None = None) -> None:
+    """Grow ``block_hashes`` in place to cover the first ``num_blocks`` full blocks of ``token_ids``."""
+    start = len(block_hashes)
+    parent = block_hashes[-1] if block_hashes else NONE_HASH
+    for i in range(start, num_blocks):
+        # The cache salt keys the first block only: every later block inherits it through the chain.
+        extra = (cache_salt,) if (i == 0 and cache_salt) else None
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
+        block_hashes.append(parent)
+
+
+class KVCacheBlock:
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Set while the block is registered in the prefix cache.
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks in eviction order (least recently freed at the front).
+
+    Removing a block from the middle (a prefix hit on a free cached block) is O(1), which a
+    deque cannot do.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev_b, next_b = block.prev_free, block.next_free
+        if prev_b is None or next_b is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        prev_b.next_free = next_b
+        next_b.prev_free = prev_b
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            self.append(block)
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def contains(self, block: KVCacheBlock) -> bool:
+        return block.prev_free is not None

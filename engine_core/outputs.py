@@ -1,0 +1,112 @@
+"""Types that cross the router <-> engine and worker -> engine boundaries.
+
+Router -> engine: ``EngineCoreRequest``. Engine -> router: ``EngineCoreOutputs`` per client_index.
+Worker rank 0 -> engine: ``ModelRunnerOutput``. All are msgspec structs: cheap to build on the
+per-step hot path and cheap to pickle across Ray actor calls.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine_core.request import FinishReason
+from engine_core.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True):
+    """A tokenised request as the router hands it to an engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float | None = None
+    priority: int = 0
+    client_index: int = 0
+    resumable: bool = False
+    cache_salt: str | None = None
+
+
+class LogprobsEntry(msgspec.Struct, array_like=True, gc=False):
+    """Logprob of each sampled token of a request, plus the top-N alternatives for it."""
+
+    sampled_logprobs: list[float]
+    # One list per sampled token: (token_id, logprob) pairs, best first.
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request, [] for a request whose prefill is still incomplete.
+    sampled_token_ids: list[list[int]]
+    # Aligned with req_ids; None where the request asked for no logprobs.
+    logprobs: list[LogprobsEntry | None] | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: LogprobsEntry | None = None
+    # Prompt tokens this request found in the prefix cache when first admitted.
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class PrefixCacheStats(msgspec.Struct):
+    """Deltas since the previous ``make_stats()``: requests looked up, tokens queried, tokens hit."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    # Re-admissions after preemption are counted apart so they do not inflate the hit rate.
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class SchedulerStats(msgspec.Struct):
+    # Gauges: instantaneous at make_stats() time.
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_skipped_waiting_reqs: int = 0
+    num_waiting_for_streaming_input: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    # Counters: deltas since the previous make_stats().
+    prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+    num_steps: int = 0
+    # The last pass: tokens scheduled out of the budget it started with.
+    step_num_scheduled_tokens: int = 0
+    step_token_budget: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    # Ids finished since the last send, so a client learns of a finish even with no token this pass.
+    finished_requests: set[str] | None = None
+    scheduler_stats: SchedulerStats | None = None
+    engine_index: int = 0
+    timestamp: float = 0.0

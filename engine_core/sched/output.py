@@ -1,0 +1,59 @@
+"""What one scheduling pass hands to the workers (engine -> worker boundary)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine_core.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the workers have not seen (or must replace in full): sent whole."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    # Tokens already in the KV cache (prefix hit) before this pass.
+    num_computed_tokens: int
+    # Outputs a continued streaming session already generated are part of prompt_token_ids.
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Requests the workers already know, as diffs. All lists are aligned with ``req_ids``."""
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    resumed_from_preemption: list[bool] = msgspec.field(default_factory=list)
+    # Running requests: exactly the tokens scheduled this pass (a decode's last sampled token, or
+    # the next prefill chunk). Resumed requests: all their token ids, since the workers dropped them.
+    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    # Blocks appended to the request this pass (for resumed requests: the whole table); None if none.
+    new_block_ids: list[list[int] | None] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    # For resumed requests: how many of new_token_ids are outputs (penalties need them).
+    num_output_tokens: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens this pass processes for it; the join between schedule() and update_from_output().
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests finished (or aborted) since the previous pass: workers drop their state.
+    finished_req_ids: set[str]
+    # Requests preempted in this pass only: workers drop their state, blocks are already freed.
+    preempted_req_ids: set[str]
+
+    @classmethod
+    def make_empty(cls) -> SchedulerOutput:
+        return cls([], CachedRequestData(), {}, 0, set(), set())
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

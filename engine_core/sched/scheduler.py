@@ -1,0 +1,650 @@
+"""vLLM-v1-style Scheduler: both halves of one pass in one class.
+
+``schedule()`` runs first in a pass and decides what the model computes; ``update_from_output()``
+runs last and folds the sampled tokens back in. Both read and write ``self.running`` and the
+waiting queues on the engine's one thread, so there is nothing to lock.
+Comments quote the facts of the seed (shared/seed/vllm-scheduler-both-halves.txt) where they live.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterable
+
+from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
+from engine_core.request import (
+    BLOCKED_WAITING_STATUSES,
+    EngineCoreEventType,
+    Request,
+    RequestStatus,
+    StreamingUpdate,
+)
+from engine_core.sched.interface import SchedulerInterface
+from engine_core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine_core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from engine_core.sched.utils import check_stop, remove_all
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_WAITING = RequestStatus.WAITING
+
+
+class PauseState(enum.IntEnum):
+    UNPAUSED = 0
+    # No admissions; running requests keep going.
+    PAUSED_NEW = 1
+    # Nothing at all: the token budget is 0.
+    PAUSED_ALL = 2
+
+
+class _PartialPrefillCounter:
+    """How many requests are mid-prefill in this pass, and how many of those are long.
+
+    Active only when max_num_partial_prefills > 1 (default 1 = the seed's engine, no cap).
+    """
+
+    __slots__ = ("long_threshold", "max_long", "max_partial", "num_long", "num_partial")
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.max_partial = config.max_num_partial_prefills
+        self.max_long = config.max_long_partial_prefills
+        self.long_threshold = config.long_prefill_token_threshold
+        self.num_partial = 0
+        self.num_long = 0
+
+    def add(self, num_prompt_tokens_left: int) -> None:
+        self.num_partial += 1
+        if num_prompt_tokens_left > self.long_threshold:
+            self.num_long += 1
+
+    def refuses(self, num_prompt_tokens_left: int) -> bool:
+        if self.num_partial >= self.max_partial:
+            return True
+        return num_prompt_tokens_left > self.long_threshold and self.num_long >= self.max_long
+
+
+class Scheduler(SchedulerInterface):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 log_stats: bool = True, include_finished_set: bool = False) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.log_stats = log_stats
+        # --max-num-seqs becomes max_num_running_reqs: an admission cap, not a batch cap.
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        # max_num_scheduled_tokens if set, else max_num_batched_tokens: the seed of token_budget.
+        self.max_num_scheduled_tokens = scheduler_config.token_budget
+        self.max_model_len = scheduler_config.max_model_len
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.block_size = cache_config.block_size
+        self.num_lookahead_tokens = 0
+        self.connector = None
+
+        # Every live request, whichever collection holds it.
+        self.requests: dict[str, Request] = {}
+        self.waiting: RequestQueue = create_request_queue(self.policy)
+        # Requests that cannot be looked at yet (or were declined this pass); drained first under FCFS.
+        self.skipped_waiting: RequestQueue = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Paused streaming sessions: in skipped_waiting, yet they hold a slot against max_num_seqs.
+        self.num_waiting_for_streaming_input = 0
+
+        # Finished since the previous pass: the workers drop these.
+        self.finished_req_ids: set[str] = set()
+        # Per client, finished since the last send (only with include_finished_set).
+        self.finished_req_ids_dict: dict[int, set[str]] | None = (
+            defaultdict(set) if include_finished_set else None)
+        # Finished outside a pass (grammar failure, never schedulable): reported by the next
+        # update_from_output, since no worker row carries them.
+        self._finished_outside_pass: list[Request] = []
+        self._grammar_failures: dict[str, str] = {}
+        self._pause_state = PauseState.UNPAUSED
+
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching, log_stats=log_stats)
+
+        # Stats counters (deltas since make_stats) and last-pass figures.
+        self._num_preemptions = 0
+        self._num_scheduled_tokens = 0
+        self._num_steps = 0
+        self._last_step_tokens = 0
+        self._last_step_budget = 0
+
+    # ------------------------------------------------------------------ add_request
+
+    def add_request(self, request: Request) -> None:
+        existing = self.requests.get(request.request_id)
+        # A live id is not a new request: it is the next input chunk of a streaming session.
+        if existing is not None:
+            if existing.streaming_queue is None:
+                raise ValueError(f"request id {request.request_id!r} is already in use "
+                                 "and is not a resumable streaming session")
+            update = StreamingUpdate.from_request(request)
+            if existing.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
+                # The session is busy: the update (or None, which ends it) waits its turn.
+                existing.streaming_queue.append(update)
+            elif update is not None:
+                self._update_request_as_session(existing, update)
+            else:
+                # A non-resumable continuation of an idle session ends it.
+                self.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+            return
+        if request.resumable:
+            request.streaming_queue = deque()
+        # No allocation, no budget, no limit here: add_request cannot fail for capacity.
+        self._enqueue_waiting_request(request)
+        self.requests[request.request_id] = request
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
+
+    def _enqueue_waiting_request(self, request: Request) -> None:
+        # The routing rule: a WAITING_FOR_* status goes to skipped_waiting, anything else to waiting.
+        if request.status in BLOCKED_WAITING_STATUSES:
+            self.skipped_waiting.add_request(request)
+        else:
+            self.waiting.add_request(request)
+
+    def _update_request_as_session(self, request: Request, update: StreamingUpdate) -> None:
+        """Apply the next chunk to an idle session; it stays in skipped_waiting, now admissible."""
+        request.apply_streaming_update(update)
+        request.status = _WAITING
+        self.num_waiting_for_streaming_input -= 1
+
+    # ------------------------------------------------------------------ blocked-request hooks
+
+    def on_grammar_ready(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            # Blocked is a phase: promoted to WAITING, admitted from skipped_waiting on a later pass.
+            request.status = _WAITING
+
+    def on_remote_kvs_ready(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            request.status = _WAITING
+
+    def on_grammar_failed(self, request_id: str, message: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None and not request.is_finished():
+            # Finished with FINISHED_ERROR by the next update_from_output; nobody else is touched.
+            self._grammar_failures[request_id] = message
+
+    # ------------------------------------------------------------------ schedule (first half)
+
+    def schedule(self) -> SchedulerOutput:
+        num_scheduled_tokens: dict[str, int] = {}
+        preempted_reqs: list[Request] = []
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
+        # The budget is a local: seeded every pass, spent by subtraction, thrown away at return.
+        token_budget = 0 if self._pause_state == PauseState.PAUSED_ALL else self.max_num_scheduled_tokens
+        scheduled_timestamp = time.monotonic()
+        # Read straight off the config, in both loops (never copied onto the scheduler).
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        partial = (_PartialPrefillCounter(self.scheduler_config)
+                   if self.scheduler_config.max_num_partial_prefills > 1 else None)
+        kv_cache_manager = self.kv_cache_manager
+        running = self.running
+
+        # Running loop first, indexed by hand: preemption mutates self.running while we walk it.
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            # No speculative tokens or output placeholders here: num_tokens_with_spec == num_tokens.
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            # Per-request clamp; "0 <" is the on/off switch (0 disables).
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            # Running requests are clamped by the budget, never rejected: chunked prefill is this min().
+            num_new_tokens = min(num_new_tokens, token_budget)
+            if num_new_tokens == 0:
+                # Skip, don't stop: requests behind a stuck one still get scheduled (not strict FCFS).
+                req_index += 1
+                continue
+
+            # allocate_slots returns None (never raises) when the pool cannot satisfy the request;
+            # that sentinel selects the preemption branch, retried until allocation succeeds.
+            while True:
+                new_blocks = kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
+                if new_blocks is not None:
+                    break
+                if self.policy == SchedulingPolicy.PRIORITY:
+                    # Priority victim: worst priority, latest arrival.
+                    preempted_req = max(running, key=lambda r: (r.priority, r.arrival_time))
+                    running.remove(preempted_req)
+                    if preempted_req in scheduled_running_reqs:
+                        # Victim already scheduled this pass: give its tokens back and step back.
+                        preempted_req_id = preempted_req.request_id
+                        scheduled_running_reqs.remove(preempted_req)
+                        token_budget += num_scheduled_tokens.pop(preempted_req_id)
+                        req_to_new_blocks.pop(preempted_req_id)
+                        # Blocks cached for tokens that will now not be computed must not be hit.
+                        kv_cache_manager.uncache_uncomputed_blocks(preempted_req)
+                        req_index -= 1
+                else:
+                    # FCFS victim: the last of running, i.e. the most recently admitted.
+                    preempted_req = running.pop()
+                self._preempt_request(preempted_req, scheduled_timestamp)
+                preempted_reqs.append(preempted_req)
+                if preempted_req is request:
+                    # Self-eviction: nothing left to preempt but the request itself.
+                    break
+            if new_blocks is None:
+                # This pass stops growing: nothing further in the running loop.
+                break
+
+            if partial is not None and request.num_computed_tokens < request.num_prompt_tokens:
+                # Running prefill chunks count against the partial-prefill caps (never refused by them).
+                partial.add(request.num_prompt_tokens - request.num_computed_tokens)
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[request.request_id] = new_blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # Admission loop second, and only if nothing was preempted this pass and we are unpaused:
+        # one preemption cancels every admission of the pass.
+        if not preempted_reqs and self._pause_state == PauseState.UNPAUSED:
+            token_budget = self._schedule_waiting(
+                token_budget, threshold, partial, num_scheduled_tokens, scheduled_new_reqs,
+                scheduled_resumed_reqs, req_to_new_blocks, scheduled_timestamp)
+
+        # Tripwires, not the mechanism: the arithmetic above is what holds the line.
+        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
+        assert token_budget >= 0
+        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
+        assert len(self.running) <= self.max_num_running_reqs
+
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=[self._make_new_request_data(r) for r in scheduled_new_reqs],
+            scheduled_cached_reqs=self._make_cached_request_data(
+                scheduled_running_reqs, scheduled_resumed_reqs, num_scheduled_tokens, req_to_new_blocks),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted_reqs},
+        )
+        self.finished_req_ids = set()
+        self._update_after_schedule(scheduler_output, scheduled_running_reqs, scheduled_new_reqs,
+                                    scheduled_resumed_reqs)
+        return scheduler_output
+
+    def _schedule_waiting(self, token_budget: int, threshold: int,
+                          partial: _PartialPrefillCounter | None,
+                          num_scheduled_tokens: dict[str, int], scheduled_new_reqs: list[Request],
+                          scheduled_resumed_reqs: list[Request], req_to_new_blocks: dict[str, KVCacheBlocks],
+                          scheduled_timestamp: float) -> int:
+        """The admission loop. Returns what is left of the token budget."""
+        kv_cache_manager = self.kv_cache_manager
+        step_skipped_waiting = create_request_queue(self.policy)
+        enable_chunked_prefill = self.scheduler_config.enable_chunked_prefill
+        while (self.waiting or self.skipped_waiting) and token_budget > 0:
+            # Paused streaming sessions hold slots too: the cap is on running + waiting-for-streaming.
+            if len(self.running) + self.num_waiting_for_streaming_input >= self.max_num_running_reqs:
+                break
+            request_queue = self._select_waiting_queue_for_scheduling()
+            request = request_queue.peek_request()
+
+            if request.status in BLOCKED_WAITING_STATUSES:
+                # Still blocked (grammar, remote KVs, idle session): set aside for this pass.
+                request_queue.pop_request()
+                step_skipped_waiting.prepend_request(request)
+                continue
+            if self._can_never_fit(request):
+                request_queue.pop_request()
+                self._finish_outside_pass(request, RequestStatus.FINISHED_IGNORED)
+                continue
+
+            if request.num_computed_tokens == 0:
+                # A prefix hit reaches the scheduler as one smaller local num_computed_tokens.
+                new_computed_blocks, num_new_local_computed_tokens = \
+                    kv_cache_manager.get_computed_blocks(request)
+                num_computed_tokens = num_new_local_computed_tokens
+            else:
+                # A continued streaming session keeps its blocks and its computed tokens.
+                new_computed_blocks = kv_cache_manager.empty_kv_cache_blocks()
+                num_new_local_computed_tokens = 0
+                num_computed_tokens = request.num_computed_tokens
+
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            # Without chunked prefill a waiting request that does not fit is refused outright.
+            if not enable_chunked_prefill and num_new_tokens > token_budget:
+                break
+            num_new_tokens = min(num_new_tokens, token_budget)
+
+            if partial is not None:
+                prompt_left = request.num_prompt_tokens - num_computed_tokens
+                if prompt_left > 0 and partial.refuses(prompt_left):
+                    # Refused by the partial-prefill cap: skipped, not a reason to stop admitting.
+                    request_queue.pop_request()
+                    step_skipped_waiting.prepend_request(request)
+                    continue
+
+            new_blocks = kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
+                num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is None:
+                # The pool cannot take it: admission stops here (the request keeps its place).
+                break
+
+            request = request_queue.pop_request()
+            # The only append to self.running anywhere: max_num_seqs guards the door, not the room.
+            self.running.append(request)
+            if request.status == _PREEMPTED:
+                scheduled_resumed_reqs.append(request)
+            else:
+                scheduled_new_reqs.append(request)
+            if partial is not None and request.num_prompt_tokens > num_computed_tokens:
+                partial.add(request.num_prompt_tokens - num_computed_tokens)
+            req_to_new_blocks[request.request_id] = new_blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            request.status = _RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed_tokens
+            if self.log_stats:
+                request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
+
+        # Requests declined this pass go back in one operation, at the head of skipped_waiting.
+        if step_skipped_waiting:
+            self.skipped_waiting.prepend_requests(step_skipped_waiting)
+        return token_budget
+
+    def _select_waiting_queue_for_scheduling(self) -> RequestQueue:
+        if self.policy == SchedulingPolicy.FCFS:
+            # skipped_waiting is drained first: its requests' dependencies may have resolved.
+            return self.skipped_waiting if self.skipped_waiting else self.waiting
+        if not self.skipped_waiting:
+            return self.waiting
+        if not self.waiting:
+            return self.skipped_waiting
+        a, b = self.skipped_waiting.peek_request(), self.waiting.peek_request()
+        return self.skipped_waiting if (a.priority, a.arrival_time) <= (b.priority, b.arrival_time) \
+            else self.waiting
+
+    def _can_never_fit(self, request: Request) -> bool:
+        return (request.num_tokens > self.max_model_len
+                or -(-request.num_tokens // self.block_size) > self.cache_config.num_blocks)
+
+    def _preempt_request(self, request: Request, timestamp: float) -> None:
+        """The state transition only: the caller has already taken the request out of running."""
+        assert request.status == _RUNNING
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        # This one assignment is why a preempted request re-prefills when readmitted.
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
+        # Leaving running involuntarily puts you at the front of waiting.
+        self.waiting.prepend_request(request)
+
+    def _make_new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
+                                  num_scheduled_tokens: dict[str, int],
+                                  req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
+        req_ids: list[str] = []
+        resumed: list[bool] = []
+        new_token_ids: list[list[int]] = []
+        new_block_ids: list[list[int] | None] = []
+        num_computed: list[int] = []
+        num_outputs: list[int] = []
+        for request in running_reqs:
+            req_id = request.request_id
+            start = request.num_computed_tokens
+            req_ids.append(req_id)
+            resumed.append(False)
+            new_token_ids.append(request.all_token_ids[start:start + num_scheduled_tokens[req_id]])
+            blocks = req_to_new_blocks[req_id]
+            new_block_ids.append(blocks.get_block_ids() if blocks else None)
+            num_computed.append(start)
+            num_outputs.append(request.num_output_tokens)
+        for request in resumed_reqs:
+            req_ids.append(request.request_id)
+            resumed.append(True)
+            new_token_ids.append(list(request.all_token_ids))
+            new_block_ids.append(self.kv_cache_manager.get_block_ids(request.request_id))
+            num_computed.append(request.num_computed_tokens)
+            num_outputs.append(request.num_output_tokens)
+        return CachedRequestData(req_ids, resumed, new_token_ids, new_block_ids, num_computed, num_outputs)
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput, *scheduled: list[Request]) -> None:
+        # num_computed_tokens advances now, for the tokens just scheduled: a second schedule()
+        # without an update schedules the next chunks.
+        num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+        for requests in scheduled:
+            for request in requests:
+                request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+        self._num_steps += 1
+        self._num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+        self._last_step_tokens = scheduler_output.total_num_scheduled_tokens
+        self._last_step_budget = (0 if self._pause_state == PauseState.PAUSED_ALL
+                                  else self.max_num_scheduled_tokens)
+
+    # ------------------------------------------------------------------ update_from_output (second half)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        req_id_to_index = model_runner_output.req_id_to_index
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        stopped_running_reqs: set[Request] = set()
+        stopped_preempted_reqs: set[Request] = set()
+        requests = self.requests
+
+        # Iterate what the first half wrote, not self.running.
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None or request.status > _PREEMPTED:
+                continue  # aborted or finished since it was scheduled
+            # Identity is re-attached to the worker's rows here.
+            req_index = req_id_to_index[req_id]
+            new_token_ids = sampled_token_ids[req_index] if sampled_token_ids else []
+            status_before_stop = request.status
+            stopped = False
+            if new_token_ids:
+                new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+            finish_reason = None
+            if stopped:
+                # Read the reason first: a continued session's status is reset just below.
+                finish_reason = request.get_finished_reason()
+                # Stopped is not finished: a resumable session goes back to waiting, blocks kept.
+                if self._handle_stopped_request(request):
+                    self._free_request(request)
+                # status_before_stop picks the collection: a request preempted this pass that
+                # still had a token in flight is removed from waiting, not running.
+                if status_before_stop == _RUNNING:
+                    stopped_running_reqs.add(request)
+                else:
+                    stopped_preempted_reqs.add(request)
+            # A mid-prefill chunk produced no token: it emits nothing.
+            if new_token_ids or stopped:
+                req_logprobs = logprobs[req_index] if logprobs else None
+                outputs[request.client_index].append(EngineCoreOutput(
+                    request_id=req_id, new_token_ids=new_token_ids, finish_reason=finish_reason,
+                    stop_reason=request.stop_reason, new_logprobs=req_logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+
+        # Removal is batched after the loop: running is rebuilt once instead of scanned per request.
+        if stopped_running_reqs:
+            self.running = remove_all(self.running, stopped_running_reqs)
+        if stopped_preempted_reqs:
+            self.waiting.remove_requests(stopped_preempted_reqs)
+
+        self._finish_grammar_failures()
+        for request in self._finished_outside_pass:
+            outputs[request.client_index].append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[],
+                finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason))
+        self._finished_outside_pass.clear()
+
+        engine_core_outputs = {client_index: EngineCoreOutputs(outputs=outs)
+                               for client_index, outs in outputs.items()}
+        if self.finished_req_ids_dict:
+            for client_index, finished_set in self.finished_req_ids_dict.items():
+                eco = engine_core_outputs.get(client_index)
+                if eco is None:
+                    eco = engine_core_outputs[client_index] = EngineCoreOutputs()
+                eco.finished_requests = finished_set
+            self.finished_req_ids_dict.clear()
+        stats = self.make_stats()
+        if stats is not None:
+            # The stats describe the engine, not a client: attached to exactly one entry.
+            eco = next(iter(engine_core_outputs.values()), None)
+            if eco is None:
+                eco = engine_core_outputs[0] = EngineCoreOutputs()
+            eco.scheduler_stats = stats
+        return engine_core_outputs
+
+    def _update_request_with_output(self, request: Request,
+                                    new_token_ids: list[int]) -> tuple[list[int], bool]:
+        """Append tokens one by one, checking stop after each; tokens after a stop are trimmed."""
+        max_model_len = self.max_model_len
+        for num_new, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token_id)
+            if check_stop(request, max_model_len):
+                if num_new < len(new_token_ids):
+                    return new_token_ids[:num_new], True
+                return new_token_ids, True
+        return new_token_ids, False
+
+    def _handle_stopped_request(self, request: Request) -> bool:
+        """True when the request is done with; False for a streaming session that continues."""
+        queue = request.streaming_queue
+        if queue is None:
+            return True
+        if queue:
+            update = queue.popleft()
+            if update is None:
+                return True  # a non-resumable continuation closed the session
+            request.apply_streaming_update(update)
+            request.status = _WAITING
+            self.waiting.add_request(request)
+        else:
+            request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+            self.num_waiting_for_streaming_input += 1
+            self.skipped_waiting.add_request(request)
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+        if self.finished_req_ids_dict is not None:
+            self.finished_req_ids_dict[request.client_index].add(request.request_id)
+
+    def _finish_outside_pass(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self._free_request(request)
+        self._finished_outside_pass.append(request)
+
+    def _finish_grammar_failures(self) -> None:
+        if not self._grammar_failures:
+            return
+        failures, self._grammar_failures = self._grammar_failures, {}
+        for request_id, message in failures.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            self._remove_from_collections([request])
+            request.stop_reason = message
+            self._finish_outside_pass(request, RequestStatus.FINISHED_ERROR)
+
+    # ------------------------------------------------------------------ finishing, pausing, stats
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        to_finish = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished():
+                to_finish.append(request)
+        if not to_finish:
+            return
+        self._remove_from_collections(to_finish)
+        for request in to_finish:
+            request.status = finished_status
+            # Blocks go back to the pool; the id reaches the workers in the next finished_req_ids.
+            self._free_request(request)
+
+    def _remove_from_collections(self, requests: list[Request]) -> None:
+        running = {r for r in requests if r.status == _RUNNING}
+        queued = {r for r in requests if r.status != _RUNNING}
+        if running:
+            self.running = remove_all(self.running, running)
+        if queued:
+            self.waiting.remove_requests(queued)
+            self.skipped_waiting.remove_requests(queued)
+            self.num_waiting_for_streaming_input -= sum(
+                1 for r in queued if r.status == RequestStatus.WAITING_FOR_STREAMING_REQ)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._finished_outside_pass) or bool(self._grammar_failures)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause_state
+
+    def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> None:
+        self._pause_state = PauseState(mode)
+
+    def resume(self) -> None:
+        self._pause_state = PauseState.UNPAUSED
+
+    def make_stats(self) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        pool = self.kv_cache_manager.block_pool
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            # Gauges: waiting excludes skipped_waiting, which is reported on its own.
+            num_waiting_reqs=len(self.waiting),
+            num_skipped_waiting_reqs=len(self.skipped_waiting),
+            num_waiting_for_streaming_input=self.num_waiting_for_streaming_input,
+            kv_cache_usage=pool.get_usage(),
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_total_blocks=pool.num_blocks,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            num_preemptions=self._num_preemptions,
+            num_scheduled_tokens=self._num_scheduled_tokens,
+            num_steps=self._num_steps,
+            step_num_scheduled_tokens=self._last_step_tokens,
+            step_token_budget=self._last_step_budget,
+        )
+        # Counters are deltas: start counting afresh.
+        self._num_preemptions = 0
+        self._num_scheduled_tokens = 0
+        self._num_steps = 0
+        return stats
