@@ -1,0 +1,50 @@
+import pytest
+
+from engine_core.config import CacheConfig, SchedulerConfig
+
+
+@pytest.mark.parametrize(("kwargs", "flag"), [
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({"max_num_scheduled_tokens": 0}, "max_num_scheduled_tokens"),
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+    ({"max_num_partial_prefills": 0}, "max_num_partial_prefills"),
+    ({"max_long_partial_prefills": 0}, "max_long_partial_prefills"),
+    ({"max_num_partial_prefills": 2, "max_long_partial_prefills": 3}, "max_long_partial_prefills"),
+    ({"policy": "lifo"}, "policy"),
+])
+def test_bad_scheduler_flags_raise_value_error_naming_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        SchedulerConfig(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "flag"), [({"block_size": 0}, "block_size"), ({"num_blocks": 0}, "num_blocks")])
+def test_bad_cache_flags_raise_value_error_naming_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        CacheConfig(**kwargs)
+
+
+def test_max_num_scheduled_tokens_outranks_max_num_batched_tokens():
+    assert SchedulerConfig(max_num_batched_tokens=2048).token_budget == 2048
+    # It may exceed max_num_batched_tokens: it outranks it.
+    assert SchedulerConfig(max_num_batched_tokens=2048, max_num_scheduled_tokens=4096).token_budget == 4096
+    assert SchedulerConfig(max_num_batched_tokens=2048, max_num_scheduled_tokens=100).token_budget == 100
+
+
+def test_long_prefill_threshold_defaults_to_4_percent_of_max_model_len_with_partial_prefills():
+    assert SchedulerConfig(max_model_len=10000).long_prefill_token_threshold == 0
+    cfg = SchedulerConfig(max_model_len=10000, max_num_partial_prefills=2)
+    assert cfg.long_prefill_token_threshold == 400
+    # An explicit threshold is kept.
+    assert SchedulerConfig(max_model_len=10000, max_num_partial_prefills=2,
+                           long_prefill_token_threshold=7).long_prefill_token_threshold == 7
+
+
+def test_defaults_match_the_documented_api():
+    cfg = SchedulerConfig()
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_num_scheduled_tokens, cfg.max_model_len,
+            cfg.enable_chunked_prefill, cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills,
+            cfg.max_long_partial_prefills, cfg.policy) == (256, 2048, None, 2048, True, 0, 1, 1, "fcfs")
+    cache = CacheConfig()
+    assert cache.block_size == 16 and cache.enable_prefix_caching

@@ -1,0 +1,183 @@
+import subprocess
+import sys
+
+import pytest
+
+from engine_core.core.block_pool import BlockPool
+from engine_core.core.kv_cache_manager import KVCacheManager
+from engine_core.core.kv_cache_utils import NONE_HASH, FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
+from engine_core.request import Request
+from engine_core.sampling_params import SamplingParams
+
+
+def _req(rid: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    return Request(rid, tokens, SamplingParams(), cache_salt=cache_salt)
+
+
+def test_free_queue_removes_from_the_middle_in_constant_time_and_keeps_lru_order():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = FreeKVCacheBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3, 4] and q.num_free_blocks == 4
+    assert q.popleft() is blocks[0]
+    q.append(blocks[0])
+    assert [b.block_id for b in q] == [1, 3, 4, 0]
+    with pytest.raises(RuntimeError):
+        q.remove(blocks[2])
+
+
+def test_block_hash_is_chained_and_stable_across_processes():
+    h1 = hash_block_tokens(NONE_HASH, [1, 2, 3])
+    assert h1 == hash_block_tokens(NONE_HASH, [1, 2, 3])
+    assert hash_block_tokens(h1, [4]) != hash_block_tokens(hash_block_tokens(NONE_HASH, [9, 9, 9]), [4])
+    assert hash_block_tokens(NONE_HASH, [1, 2, 3], ("salt",)) != h1
+    code = ("from engine_core.core.kv_cache_utils import NONE_HASH, hash_block_tokens;"
+            "print(hash_block_tokens(NONE_HASH, [1, 2, 3]).hex())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": "123"}).stdout.strip()
+    assert other == h1.hex()
+
+
+def test_request_frees_its_blocks_in_reverse_so_its_tail_is_evicted_first():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    req = _req("a", list(range(12)))
+    blocks = mgr.allocate_slots(req, 12)
+    ids = blocks.get_block_ids()
+    assert len(ids) == 3
+    mgr.free(req)
+    free_order = [b.block_id for b in mgr.block_pool.free_block_queue]
+    assert free_order[-3:] == list(reversed(ids))
+    mgr.block_pool.check_integrity()
+
+
+def test_full_blocks_enter_the_prefix_cache_when_allocate_slots_runs():
+    mgr = KVCacheManager(num_blocks=16, block_size=4)
+    a = _req("a", list(range(10)))
+    mgr.allocate_slots(a, 6)  # computed+new = 6 tokens: one full block
+    assert len(mgr.block_pool.cached_block_hash_to_block) == 1
+    a.num_computed_tokens = 6
+    mgr.allocate_slots(a, 4)  # 10 tokens: two full blocks
+    assert len(mgr.block_pool.cached_block_hash_to_block) == 2
+    b = _req("b", list(range(10)) + [77, 78])
+    hit_blocks, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 8 and hit_blocks.get_block_ids() == mgr.get_block_ids("a")[:2]
+    mgr.block_pool.check_integrity()
+
+
+def test_last_prompt_token_is_always_recomputed():
+    mgr = KVCacheManager(num_blocks=16, block_size=4)
+    a = _req("a", list(range(8)))
+    mgr.allocate_slots(a, 8)
+    same = _req("b", list(range(8)))
+    _, num_hit = mgr.get_computed_blocks(same)
+    assert num_hit == 4  # not 8: the last token's logits are needed
+
+
+def test_shared_blocks_are_ref_counted_and_a_free_cached_block_can_be_touched_back():
+    mgr = KVCacheManager(num_blocks=6, block_size=4)
+    a = _req("a", list(range(9)))
+    mgr.allocate_slots(a, 9)
+    b = _req("b", list(range(9)))
+    hits, n = mgr.get_computed_blocks(b)
+    assert mgr.allocate_slots(b, 9 - n, n, hits) is not None
+    shared = mgr.req_to_blocks["a"][0]
+    assert shared.ref_cnt == 2 and mgr.req_to_blocks["b"][0] is shared
+    mgr.free(a)
+    mgr.free(b)
+    assert shared.ref_cnt == 0 and mgr.block_pool.get_num_free_blocks() == 6
+    c = _req("c", list(range(9)))
+    hits, n = mgr.get_computed_blocks(c)
+    assert n == 8
+    mgr.allocate_slots(c, 1, n, hits)
+    assert shared.ref_cnt == 1 and mgr.block_pool.get_num_free_blocks() == 3
+    mgr.block_pool.check_integrity()
+
+
+def test_allocate_slots_returns_none_instead_of_raising_when_the_pool_is_short():
+    mgr = KVCacheManager(num_blocks=2, block_size=4)
+    a = _req("a", list(range(12)))
+    assert mgr.allocate_slots(a, 12) is None
+    assert mgr.block_pool.get_num_free_blocks() == 2 and "a" not in mgr.req_to_blocks
+    with pytest.raises(ValueError):
+        mgr.block_pool.get_new_blocks(3)  # asking the pool without checking first is a bug
+
+
+def test_touching_free_cached_blocks_counts_against_capacity():
+    mgr = KVCacheManager(num_blocks=3, block_size=4)
+    a = _req("a", list(range(9)))
+    mgr.allocate_slots(a, 9)
+    mgr.free(a)  # two cached blocks + one uncached, all free
+    b = _req("b", list(range(8)) + [50, 51, 52, 53, 54])
+    hits, n = mgr.get_computed_blocks(b)
+    assert n == 8
+    # 13 tokens need 4 blocks: 2 touched + 2 new > 3 in the pool.
+    assert mgr.allocate_slots(b, 5, n, hits) is None
+    mgr.block_pool.check_integrity()
+
+
+def test_eviction_reuses_the_least_recently_freed_cached_block():
+    mgr = KVCacheManager(num_blocks=2, block_size=4)
+    a = _req("a", list(range(8)))
+    mgr.allocate_slots(a, 8)
+    mgr.free(a)
+    assert len(mgr.block_pool.cached_block_hash_to_block) == 2
+    b = _req("b", [100, 101, 102, 103])
+    mgr.allocate_slots(b, 4)
+    # a's tail block was freed first, so it was evicted first; its first block survives.
+    assert len(mgr.block_pool.cached_block_hash_to_block) == 2
+    _, n = mgr.get_computed_blocks(_req("c", list(range(8)) + [1]))
+    assert n == 4
+    mgr.block_pool.check_integrity()
+
+
+def test_cache_salt_separates_identical_prompts():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    mgr.allocate_slots(_req("a", list(range(9)), cache_salt="tenant-1"), 9)
+    assert mgr.get_computed_blocks(_req("b", list(range(9)), cache_salt="tenant-2"))[1] == 0
+    assert mgr.get_computed_blocks(_req("c", list(range(9)), cache_salt="tenant-1"))[1] == 8
+
+
+def test_prefix_stats_count_requests_queries_hits_and_preempted_apart():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    mgr.allocate_slots(_req("a", list(range(9))), 9)
+    b = _req("b", list(range(9)))
+    mgr.get_computed_blocks(b)
+    b.num_preemptions = 1
+    mgr.get_computed_blocks(b)
+    stats = mgr.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (1, 9, 8)
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 9, 8)
+    assert mgr.make_prefix_cache_stats().requests == 0  # deltas
+
+
+def test_nothing_is_cached_or_counted_with_prefix_caching_off():
+    mgr = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    mgr.allocate_slots(_req("a", list(range(9))), 9)
+    assert not mgr.block_pool.cached_block_hash_to_block
+    assert mgr.get_computed_blocks(_req("b", list(range(9))))[1] == 0
+    assert mgr.make_prefix_cache_stats().requests == 0
+
+
+def test_reset_prefix_cache_is_refused_while_blocks_are_in_use():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    a = _req("a", list(range(9)))
+    mgr.allocate_slots(a, 9)
+    assert mgr.reset_prefix_cache() is False
+    mgr.free(a)
+    assert mgr.reset_prefix_cache() is True
+    assert not mgr.block_pool.cached_block_hash_to_block
+    mgr.block_pool.check_integrity()
+
+
+def test_check_integrity_catches_a_broken_invariant():
+    pool = BlockPool(4, enable_caching=True)
+    pool.check_integrity()
+    pool.blocks[1].ref_cnt = 1  # referenced yet still in the free queue
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+def test_usage_is_the_used_fraction():
+    mgr = KVCacheManager(num_blocks=4, block_size=4)
+    mgr.allocate_slots(_req("a", list(range(8))), 8)
+    assert mgr.usage == 0.5
