@@ -79,9 +79,7 @@ class StreamingUpdate:
 
 class Request:
     __slots__ = (
-        "_all_token_ids",
-        "_max_tokens",
-        "_output_token_ids",
+        "all_token_ids",
         "arrival_time",
         "block_hashes",
         "cache_salt",
@@ -92,6 +90,7 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "output_token_ids",
         "priority",
         "prompt_token_ids",
         "request_id",
@@ -124,9 +123,9 @@ class Request:
         self.resumable = resumable
         self.cache_salt = cache_salt
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self._output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
-        self._max_tokens = sampling_params.max_tokens
+        # Plain attributes (hot path): callers must not mutate them; use append_output_token_ids.
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache at first admission (-1: not admitted yet).
         self.num_cached_tokens = -1
@@ -142,45 +141,35 @@ class Request:
         else:
             self.status = RequestStatus.WAITING
 
-    # Token views. The lists are returned as is (no copy): callers must not mutate them.
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self._output_token_ids
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self._all_token_ids
-
     @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
+        return len(self.output_token_ids)
 
     @property
     def max_tokens(self) -> int:
-        return self._max_tokens
+        return self.sampling_params.max_tokens
 
     def append_output_token_ids(self, token_id: int) -> None:
-        self._output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     def trim_output_tokens(self, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` outputs (tokens sampled after a stop)."""
         if num_tokens > 0:
-            del self._output_token_ids[-num_tokens:]
-            del self._all_token_ids[-num_tokens:]
+            del self.output_token_ids[-num_tokens:]
+            del self.all_token_ids[-num_tokens:]
 
     def apply_streaming_update(self, update: StreamingUpdate) -> None:
         """Continue a session: what was generated so far becomes prompt, the update's tokens follow."""
-        self.prompt_token_ids = self._all_token_ids + list(update.prompt_token_ids)
-        self._all_token_ids = list(self.prompt_token_ids)
-        self._output_token_ids = []
+        self.prompt_token_ids = self.all_token_ids + list(update.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids = []
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.sampling_params = update.sampling_params
-        self._max_tokens = update.sampling_params.max_tokens
         self.stop_reason = None
 
     def is_finished(self) -> bool:

@@ -77,8 +77,15 @@ class KVCacheManager:
         """
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
+        if new_computed_blocks is None and req_blocks is not None:
+            # Fast path for a running request (every decode, every pass): usually no new block.
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if -(-(num_tokens + num_lookahead_tokens) // self.block_size) <= len(req_blocks):
+                if self.enable_caching and num_tokens // self.block_size > self.num_cached_block[req_id]:
+                    self._cache_full_blocks(request, req_blocks, num_tokens)
+                return self._empty
         num_req_blocks = 0 if req_blocks is None else len(req_blocks)
-        computed = new_computed_blocks.blocks if new_computed_blocks else ()
+        computed = new_computed_blocks.blocks if new_computed_blocks is not None else ()
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_with_slots = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_new_blocks = -(-num_tokens_with_slots // self.block_size) - num_req_blocks - len(computed)
@@ -100,14 +107,20 @@ class KVCacheManager:
         else:
             new_blocks = []
         if self.enable_caching and req_blocks is not None:
-            num_full_blocks = (num_computed_tokens + num_new_tokens) // self.block_size
-            num_cached = self.num_cached_block[req_id]
-            if num_full_blocks > num_cached:
-                extend_block_hashes(request.block_hashes, request.all_token_ids, num_full_blocks,
-                                    self.block_size, request.cache_salt)
-                pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
-                self.num_cached_block[req_id] = num_full_blocks
+            self._cache_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens)
         return KVCacheBlocks(new_blocks) if new_blocks else self._empty
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Register the blocks that the first ``num_tokens`` tokens fill (once computed this pass)."""
+        req_id = request.request_id
+        num_full_blocks = num_tokens // self.block_size
+        num_cached = self.num_cached_block[req_id]
+        if num_full_blocks <= num_cached:
+            return
+        extend_block_hashes(request.block_hashes, request.all_token_ids, num_full_blocks, self.block_size,
+                            request.cache_salt)
+        self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
+        self.num_cached_block[req_id] = num_full_blocks
 
     def uncache_uncomputed_blocks(self, request: Request) -> None:
         """Undo the caching of blocks this pass allocated but will not compute (a victim of

@@ -197,7 +197,7 @@ class Scheduler(SchedulerInterface):
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             # No speculative tokens or output placeholders here: num_tokens_with_spec == num_tokens.
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
             # Per-request clamp; "0 <" is the on/off switch (0 disables).
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
@@ -402,29 +402,23 @@ class Scheduler(SchedulerInterface):
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
                                   num_scheduled_tokens: dict[str, int],
                                   req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
-        req_ids: list[str] = []
-        resumed: list[bool] = []
-        new_token_ids: list[list[int]] = []
-        new_block_ids: list[list[int] | None] = []
-        num_computed: list[int] = []
-        num_outputs: list[int] = []
-        for request in running_reqs:
-            req_id = request.request_id
-            start = request.num_computed_tokens
-            req_ids.append(req_id)
-            resumed.append(False)
-            new_token_ids.append(request.all_token_ids[start:start + num_scheduled_tokens[req_id]])
-            blocks = req_to_new_blocks[req_id]
-            new_block_ids.append(blocks.get_block_ids() if blocks else None)
-            num_computed.append(start)
-            num_outputs.append(request.num_output_tokens)
+        # Built with comprehensions: this runs over every running request on every pass.
+        req_ids = [r.request_id for r in running_reqs]
+        num_computed = [r.num_computed_tokens for r in running_reqs]
+        new_token_ids = [r.all_token_ids[start:start + num_scheduled_tokens[req_id]]
+                         for r, req_id, start in zip(running_reqs, req_ids, num_computed)]
+        new_block_ids: list[list[int] | None] = [
+            blocks.get_block_ids() if blocks.blocks else None
+            for blocks in map(req_to_new_blocks.__getitem__, req_ids)]
+        num_outputs = [len(r.output_token_ids) for r in running_reqs]
+        resumed = [False] * len(req_ids)
         for request in resumed_reqs:
             req_ids.append(request.request_id)
             resumed.append(True)
             new_token_ids.append(list(request.all_token_ids))
             new_block_ids.append(self.kv_cache_manager.get_block_ids(request.request_id))
             num_computed.append(request.num_computed_tokens)
-            num_outputs.append(request.num_output_tokens)
+            num_outputs.append(len(request.output_token_ids))
         return CachedRequestData(req_ids, resumed, new_token_ids, new_block_ids, num_computed, num_outputs)
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput, *scheduled: list[Request]) -> None:
@@ -451,6 +445,7 @@ class Scheduler(SchedulerInterface):
         stopped_running_reqs: set[Request] = set()
         stopped_preempted_reqs: set[Request] = set()
         requests = self.requests
+        max_model_len = self.max_model_len
 
         # Iterate what the first half wrote, not self.running.
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -463,7 +458,11 @@ class Scheduler(SchedulerInterface):
             status_before_stop = request.status
             stopped = False
             if new_token_ids:
-                new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+                if len(new_token_ids) == 1:  # the common case: one token per pass, checked inline
+                    request.append_output_token_ids(new_token_ids[0])
+                    stopped = check_stop(request, max_model_len)
+                else:
+                    new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
             finish_reason = None
             if stopped:
                 # Read the reason first: a continued session's status is reset just below.
@@ -481,9 +480,8 @@ class Scheduler(SchedulerInterface):
             if new_token_ids or stopped:
                 req_logprobs = logprobs[req_index] if logprobs else None
                 outputs[request.client_index].append(EngineCoreOutput(
-                    request_id=req_id, new_token_ids=new_token_ids, finish_reason=finish_reason,
-                    stop_reason=request.stop_reason, new_logprobs=req_logprobs,
-                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+                    req_id, new_token_ids, finish_reason, request.stop_reason, req_logprobs,
+                    request.num_cached_tokens))
 
         # Removal is batched after the loop: running is rebuilt once instead of scanned per request.
         if stopped_running_reqs:

@@ -12,9 +12,10 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     sampler masks them too). Sets the finished status and, for a stop id, ``stop_reason``.
     """
     sampling_params = request.sampling_params
-    num_output_tokens = request.num_output_tokens
+    output_token_ids = request.output_token_ids
+    num_output_tokens = len(output_token_ids)
     if num_output_tokens >= sampling_params.min_tokens:
-        last_token_id = request.output_token_ids[-1]
+        last_token_id = output_token_ids[-1]
         if not sampling_params.ignore_eos and last_token_id == request.eos_token_id:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
@@ -22,7 +23,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last_token_id
             return True
-    if num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_output_tokens >= sampling_params.max_tokens or len(request.all_token_ids) >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
