@@ -74,3 +74,61 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1", self.block_size)
         _require(isinstance(self.num_blocks, int) and self.num_blocks >= 1, "num_blocks", ">= 1", self.num_blocks)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (one EngineCore actor + its TP worker group) needs; engines may differ."""
+
+    model: str = "SmolLM2-135M-Instruct"
+    engine_index: int = 0
+    tensor_parallel_size: int = 1
+    # "auto" picks cuda when available, else cpu.
+    device: str = "auto"
+    dtype: str = "auto"
+    scheduler: SchedulerConfig = SchedulerConfig()
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # KV pool size: an explicit block count, or a memory budget (CPU bytes / CUDA utilisation).
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # Placement of the worker group: PACK or STRICT_PACK; optional pinning to a node.
+    placement_strategy: str = "PACK"
+    num_cpus_per_worker: float = 1.0
+    resources_per_worker: tuple[tuple[str, float], ...] = ()
+    node_labels: tuple[tuple[str, str], ...] = ()
+    seed: int = 0
+    log_stats: bool = True
+    # Largest number of queued (waiting) requests before add_request is refused (0: unlimited).
+    max_waiting_requests: int = 0
+
+    def __post_init__(self) -> None:
+        where = f"engine {self.engine_index}: "
+        try:
+            _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                     "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
+            _require(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
+            _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1",
+                     self.block_size)
+            _require(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks",
+                     "None or >= 1", self.num_gpu_blocks)
+            _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                     "kv_cache_memory_bytes", "None or > 0", self.kv_cache_memory_bytes)
+            _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]",
+                     self.gpu_memory_utilization)
+            _require(self.placement_strategy in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
+                     "placement_strategy", "one of PACK, STRICT_PACK, SPREAD, STRICT_SPREAD",
+                     self.placement_strategy)
+            _require(self.num_cpus_per_worker > 0, "num_cpus_per_worker", "> 0", self.num_cpus_per_worker)
+            _require(self.max_waiting_requests >= 0, "max_waiting_requests", ">= 0", self.max_waiting_requests)
+        except ValueError as e:
+            raise ValueError(where + str(e)) from None
+
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
+                           enable_prefix_caching=self.enable_prefix_caching)
+
+    @property
+    def engine_name(self) -> str:
+        return f"engine-{self.engine_index}"

@@ -1,0 +1,309 @@
+"""EngineCoreActor: one Ray actor per engine, running the EngineCore busy loop in its own thread.
+
+Actor methods never step the engine themselves: they put commands on an input queue that the busy
+loop drains between passes (so no method blocks a pass for long, and a pass never sees a half-applied
+command). Outputs are fanned out by client_index into per-client buffers that ``get_output``
+long-polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_core.config import EngineConfig
+from engine_core.engine_core import EngineCore
+from engine_core.executor import ExecutorFactory, ModelInfo
+from engine_core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from engine_core.sched.scheduler import PauseState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """What ``get_stats`` reports: the flags in effect, the pool, and counters since start."""
+
+    engine_index: int
+    healthy: bool
+    scheduler_config: dict[str, Any]
+    num_blocks: int
+    block_size: int
+    last: SchedulerStats
+    num_steps: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_requests_added: int = 0
+    num_requests_finished: int = 0
+    num_waiting_reqs: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _ClientBuffer:
+    __slots__ = ("event", "items")
+
+    def __init__(self) -> None:
+        self.items: list[EngineCoreOutputs] = []
+        self.event = asyncio.Event()
+
+
+class EngineCoreService:
+    """The busy loop and its plumbing, independent of Ray (the actor below is a thin shell)."""
+
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
+        self.config = config
+        self._executor_factory = executor_factory
+        self.engine = EngineCore(config, executor_factory(config))
+        self._inputs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._buffers: dict[int, _ClientBuffer] = {}
+        self._buffers_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: str | None = None
+        self._stopped = False
+        self._restarting = False
+        self._counters = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0}
+        self.metrics_hook: Callable[[dict[int, EngineCoreOutputs], SchedulerStats | None], None] | None = None
+        self._thread = threading.Thread(target=self._run_busy_loop, name=f"engine-{config.engine_index}-busy-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- called from the actor's event loop -------------------------------------------------------
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def submit(self, command: Callable[[], None]) -> None:
+        self._inputs.put(command)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine {self.config.engine_index} is unhealthy: {self._error}")
+        self._counters["added"] += 1
+        self.submit(lambda: self.engine.add_request(request))
+
+    async def get_output(self, client_index: int, timeout: float) -> EngineCoreOutputs:
+        """Everything buffered for this client, merged; waits up to ``timeout`` for something."""
+        buffer = self._buffer(client_index)
+        if not buffer.items:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(buffer.event.wait(), timeout)
+        with self._buffers_lock:
+            items, buffer.items = buffer.items, []
+            buffer.event.clear()
+        return _merge(items, self.config.engine_index)
+
+    def _buffer(self, client_index: int) -> _ClientBuffer:
+        with self._buffers_lock:
+            buffer = self._buffers.get(client_index)
+            if buffer is None:
+                buffer = self._buffers[client_index] = _ClientBuffer()
+            return buffer
+
+    # -- the busy loop (its own thread) -----------------------------------------------------------
+
+    def _run_busy_loop(self) -> None:
+        engine = self.engine
+        while not self._stopped:
+            # An idle engine blocks here instead of spinning.
+            self._drain_inputs(block=not engine.has_work())
+            if self._stopped:
+                break
+            if not engine.has_work():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a worker died or the model raised: fail in-flight requests
+                logger.exception("engine %d: step failed", self.config.engine_index)
+                self._on_step_failure(e)
+                continue
+            self._publish(outputs)
+
+    def _drain_inputs(self, block: bool) -> None:
+        try:
+            command = self._inputs.get(timeout=0.5) if block else self._inputs.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if command is None:
+                self._stopped = True
+                return
+            try:
+                command()
+            except Exception:
+                # A bad request (e.g. a duplicate id) must not take the engine down.
+                logger.exception("engine %d: command failed", self.config.engine_index)
+            try:
+                command = self._inputs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _publish(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        stats = None
+        for eco in outputs.values():
+            if eco.scheduler_stats is not None:
+                stats = eco.scheduler_stats
+                # Stats describe the engine: kept here, not routed to whichever client got them.
+                eco.scheduler_stats = None
+                self._counters["prefix_queries"] += stats.prefix_cache_stats.queries
+                self._counters["prefix_hits"] += stats.prefix_cache_stats.hits
+                self._counters["preemptions"] += stats.num_preemptions
+        if self.metrics_hook is not None:
+            self.metrics_hook(outputs, stats)
+        loop = self._loop
+        for client_index, eco in outputs.items():
+            if not eco.outputs and not eco.finished_requests:
+                continue
+            self._counters["finished"] += sum(1 for o in eco.outputs if o.finish_reason is not None)
+            buffer = self._buffer(client_index)
+            with self._buffers_lock:
+                buffer.items.append(eco)
+            if loop is not None:
+                loop.call_soon_threadsafe(buffer.event.set)
+
+    def _on_step_failure(self, error: Exception) -> None:
+        message = f"engine {self.config.engine_index} failed: {type(error).__name__}: {error}"
+        self._error = message
+        self._publish(self.engine.fail_all_requests(message))
+        self._restart_executor()
+
+    def _restart_executor(self) -> None:
+        """Bring the workers back; the engine is healthy again once they serve."""
+        self._restarting = True
+        try:
+            self.engine.executor.restart()
+            num_blocks = self.engine.executor.determine_num_blocks()
+            self.engine.executor.initialize_cache(num_blocks)
+            self._error = None
+            logger.info("engine %d: workers restarted", self.config.engine_index)
+        except Exception as e:
+            logger.error("engine %d: restart failed: %s", self.config.engine_index, e)
+            self._error = f"{self._error}; restart failed: {e}"
+        finally:
+            self._restarting = False
+
+    # -- control ----------------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        if not self._thread.is_alive():
+            raise RuntimeError(f"engine {self.config.engine_index}: busy loop is not running")
+        self.engine.executor.check_health()
+
+    def is_healthy(self) -> bool:
+        try:
+            self.check_health()
+        except Exception:
+            return False
+        return True
+
+    def call_in_loop(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn`` on the busy-loop thread between passes and wait for its result."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def command() -> None:
+            try:
+                box["value"] = fn()
+            except Exception as e:
+                box["error"] = e
+            finally:
+                done.set()
+
+        self.submit(command)
+        if not done.wait(timeout):
+            raise TimeoutError("the engine loop did not run the command in time")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def num_waiting(self) -> int:
+        scheduler = self.engine.scheduler
+        return len(scheduler.waiting) + len(scheduler.skipped_waiting) + self._inputs.qsize()
+
+    def stats(self) -> EngineStats:
+        engine = self.engine
+        return EngineStats(
+            engine_index=self.config.engine_index, healthy=self.is_healthy(),
+            scheduler_config=dict(engine.scheduler_config.__dict__), num_blocks=engine.num_blocks,
+            block_size=self.config.block_size, last=engine.last_stats, num_steps=engine.num_steps,
+            prefix_cache_queries=self._counters["prefix_queries"], prefix_cache_hits=self._counters["prefix_hits"],
+            num_preemptions=self._counters["preemptions"], num_requests_added=self._counters["added"],
+            num_requests_finished=self._counters["finished"],
+            num_waiting_reqs=len(engine.scheduler.waiting) + len(engine.scheduler.skipped_waiting))
+
+    def shutdown(self) -> None:
+        self._inputs.put(None)
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+
+
+def _merge(items: list[EngineCoreOutputs], engine_index: int) -> EngineCoreOutputs:
+    if len(items) == 1:
+        return items[0]
+    merged = EngineCoreOutputs(engine_index=engine_index, timestamp=time.time())
+    finished: set[str] = set()
+    for eco in items:
+        merged.outputs.extend(eco.outputs)
+        if eco.finished_requests:
+            finished |= eco.finished_requests
+        merged.timestamp = eco.timestamp or merged.timestamp
+    merged.finished_requests = finished or None
+    return merged
+
+
+class EngineCoreActor:
+    """Ray actor shell around EngineCoreService (create with ``ray.remote(EngineCoreActor)``)."""
+
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
+        self.service = EngineCoreService(config, executor_factory)
+
+    def _bind(self) -> None:
+        if self.service._loop is None:
+            self.service.bind_loop(asyncio.get_running_loop())
+
+    async def ready(self) -> ModelInfo:
+        self._bind()
+        return self.service.engine.model_info
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        self._bind()
+        waiting_cap = self.service.config.max_waiting_requests
+        if waiting_cap and self.service.num_waiting() >= waiting_cap:
+            raise OverflowError(f"engine {self.service.config.engine_index}: queue is full "
+                                f"({waiting_cap} waiting requests)")
+        self.service.add_request(request)
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        self.service.submit(lambda: self.service.engine.abort_requests(list(request_ids)))
+
+    async def get_output(self, client_index: int, timeout: float = 1.0) -> EngineCoreOutputs:
+        self._bind()
+        return await self.service.get_output(client_index, timeout)
+
+    async def pause(self, mode: int = PauseState.PAUSED_NEW) -> None:
+        await asyncio.to_thread(self.service.call_in_loop, lambda: self.service.engine.pause(PauseState(mode)))
+
+    async def resume(self) -> None:
+        await asyncio.to_thread(self.service.call_in_loop, self.service.engine.resume)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.reset_prefix_cache)
+
+    async def get_stats(self) -> EngineStats:
+        return await asyncio.to_thread(self.service.call_in_loop, self.service.stats)
+
+    async def check_health(self) -> bool:
+        self.service.check_health()
+        return True
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.service.shutdown)

@@ -1,0 +1,111 @@
+"""EngineCore: one scheduler plus one executor, stepped on one thread.
+
+A pass is exactly the seed's order: ``schedule()`` -> ``executor.execute_model()`` ->
+``update_from_output()``, once each, with no concurrency inside the pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine_core.config import EngineConfig, SchedulerConfig
+from engine_core.executor import Executor, ModelInfo
+from engine_core.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    SchedulerStats,
+)
+from engine_core.request import FinishReason, Request, RequestStatus
+from engine_core.sched.scheduler import PauseState, Scheduler
+
+logger = logging.getLogger(__name__)
+
+_EMPTY_MODEL_OUTPUT = ModelRunnerOutput([], {}, [])
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        self.model_info: ModelInfo = executor.model_info()
+        num_blocks = executor.determine_num_blocks()
+        executor.initialize_cache(num_blocks)
+        self.num_blocks = num_blocks
+        sched_cfg = config.scheduler
+        if sched_cfg.max_model_len > self.model_info.max_model_len:
+            # The model's context window bounds what the scheduler may admit.
+            logger.info("engine %d: max_model_len %d capped to the model's %d", config.engine_index,
+                        sched_cfg.max_model_len, self.model_info.max_model_len)
+            sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "max_model_len": self.model_info.max_model_len})
+        self.scheduler_config = sched_cfg
+        self.scheduler = Scheduler(sched_cfg, config.cache_config(num_blocks), log_stats=config.log_stats,
+                                   include_finished_set=True)
+        self.last_stats = SchedulerStats()
+        self.num_steps = 0
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        eos = request.eos_token_id
+        if eos is None and self.model_info.eos_token_ids:
+            eos = self.model_info.eos_token_ids[0]
+        self.scheduler.add_request(Request(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params, eos_token_id=eos, arrival_time=request.arrival_time,
+            priority=request.priority, client_index=request.client_index, resumable=request.resumable,
+            cache_salt=request.cache_salt))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def pause(self, mode: PauseState) -> None:
+        self.scheduler.pause(mode)
+
+    def resume(self) -> None:
+        self.scheduler.resume()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+
+    # -- the pass -------------------------------------------------------------------------------
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """One pass. Raises whatever the executor raises (the caller fails the requests)."""
+        scheduler_output = self.scheduler.schedule()
+        if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids):
+            model_output = self.executor.execute_model(scheduler_output)
+        else:
+            model_output = _EMPTY_MODEL_OUTPUT
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.num_steps += 1
+        now = time.time()
+        for eco in outputs.values():
+            eco.engine_index = self.config.engine_index
+            eco.timestamp = now
+            if eco.scheduler_stats is not None:
+                self.last_stats = eco.scheduler_stats
+        return outputs
+
+    def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
+        """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""
+        requests = list(self.scheduler.requests.values())
+        self.scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ERROR)
+        outputs: dict[int, EngineCoreOutputs] = {}
+        now = time.time()
+        for request in requests:
+            eco = outputs.setdefault(request.client_index,
+                                     EngineCoreOutputs(engine_index=self.config.engine_index, timestamp=now))
+            eco.outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, message))
+        # The workers are gone or reset: forget what the scheduler would tell them next pass.
+        self.scheduler.finished_req_ids.clear()
+        return outputs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

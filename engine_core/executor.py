@@ -1,0 +1,60 @@
+"""The executor contract: how an EngineCore reaches its model workers.
+
+Implementations live with the workers (gpu_worker/executor.py) and are handed to the engine as a
+factory, so engine_core never imports gpu_worker.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_core.config import EngineConfig
+from engine_core.outputs import ModelRunnerOutput
+from engine_core.sched.output import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine and the router need to know about the loaded model."""
+
+    served_model_name: str
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+    device: str = "cpu"
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class Executor(ABC):
+    """Runs ``SchedulerOutput`` on the engine's workers and returns rank 0's ``ModelRunnerOutput``."""
+
+    @abstractmethod
+    def model_info(self) -> ModelInfo: ...
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit: an explicit setting, or what the memory budget allows."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if any worker is gone."""
+
+    def restart(self) -> None:
+        """Bring a failed worker group back (same config, fresh KV cache). Default: not supported."""
+        raise RuntimeError(f"{type(self).__name__} cannot restart its workers")
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+ExecutorFactory = Callable[[EngineConfig], Executor]
