@@ -1,0 +1,99 @@
+"""Incremental detokenisation and stop-string matching for one generated sequence.
+
+Text is released only when it is stable: a token window whose decode ends in U+FFFD (a multi-byte
+character split across tokens) is held back until the next token completes it, and text that could
+still turn out to be the start of a stop string is held back until it cannot. At the end, the text
+released over the whole stream equals the full decode of the tokens (minus a matched stop string).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+# Prompt-side context kept in the decode window, so leading-space rules see a real predecessor.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True, stop: list[str] | None = None,
+                 include_stop_str_in_output: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:]) if prompt_token_ids else []
+        self._tokens: list[int] = context
+        self._num_context = len(context)
+        # The decode window is tokens[prefix_offset:]; text of tokens[prefix_offset:read_offset] is settled.
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.output_text = ""
+        self._released = 0
+        self.stop = [s for s in (stop or []) if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.stop_reason: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._tokens[self._num_context:]
+
+    def add_tokens(self, new_token_ids: list[int]) -> str:
+        """Feed sampled tokens; returns newly releasable text (possibly empty)."""
+        for token_id in new_token_ids:
+            if self.stop_reason is not None:
+                break
+            self._tokens.append(token_id)
+            self._decode_step()
+        return self._release(final=self.stop_reason is not None)
+
+    def finish(self) -> str:
+        """The sequence ended: release everything left, fixing up the tail against a full decode."""
+        if self.stop_reason is None:
+            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+            if full.startswith(self.output_text):
+                self.output_text = full
+            else:
+                # The windowed decode disagreed only within unreleased text: take the full decode
+                # from where the released text ends.
+                self.output_text = self.output_text[:self._released] + full[self._released:]
+        return self._release(final=True)
+
+    def _decode_step(self) -> None:
+        decode = self.tokenizer.decode
+        window = self._tokens[self._prefix_offset:]
+        prefix_text = decode(self._tokens[self._prefix_offset:self._read_offset],
+                             skip_special_tokens=self.skip_special_tokens)
+        new_text = decode(window, skip_special_tokens=self.skip_special_tokens)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return  # incomplete character (or nothing visible yet): wait for more tokens
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        start = len(self.output_text)
+        self.output_text += delta
+        if self.stop:
+            self._check_stop(start)
+
+    def _check_stop(self, new_text_start: int) -> None:
+        # A stop string may straddle the previous text: search from (longest stop - 1) chars back.
+        search_from = max(0, new_text_start - self._holdback)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.output_text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.output_text = self.output_text[:i + len(s)] if self.include_stop_str_in_output \
+                else self.output_text[:i]
+            self.stop_reason = s
+
+    def _release(self, final: bool) -> str:
+        end = len(self.output_text) if final else max(self._released, len(self.output_text) - self._holdback)
+        out = self.output_text[self._released:end]
+        self._released = end
+        return out

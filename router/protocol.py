@@ -1,0 +1,258 @@
+"""OpenAI protocol models (plus vLLM's sampling extras), validated with pydantic at the user edge."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="Send a final chunk with token usage.")
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(..., description="Served model name (see GET /v1/models).")
+    max_tokens: int | None = Field(None, ge=1, description="Upper bound on generated tokens.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="vLLM extra: 0 or -1 disables.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extra.")
+    seed: int | None = Field(None, description="Same seed, same tokens.")
+    n: int = Field(1, ge=1, le=16, description="Choices per prompt.")
+    stop: str | list[str] | None = Field(None, description="Stop strings, matched on the text.")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM extra: stop on these token ids.")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extra.")
+    ignore_eos: bool = Field(False, description="vLLM extra: keep generating past EOS.")
+    min_tokens: int = Field(0, ge=0, description="vLLM extra: EOS and stop ids are masked until reached.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM extra.")
+    priority: int = Field(0, description="vLLM extra: lower runs first (needs the priority policy).")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="Text or token ids.")
+    echo: bool = Field(False, description="Prepend the prompt to the completion.")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Top logprobs per token.")
+    max_tokens: int | None = Field(16, ge=1)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _prompt_not_empty(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = Field(True, description="vLLM extra.")
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _logprobs_consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+FinishReasonLiteral = Literal["stop", "length", "abort", "error"] | None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReasonLiteral = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReasonLiteral = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReasonLiteral = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "llm-cluster"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,184 @@
+"""Routing policies: which engine gets a request.
+
+Every policy sees the same ``RoutingContext`` (the prompt's tokens, the session header, each
+engine's in-flight count as this router knows it, and which engines are healthy) and returns an
+engine index among the healthy ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine_core.core.kv_cache_utils import extend_block_hashes
+
+ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session")
+
+
+class NoHealthyEngineError(RuntimeError):
+    pass
+
+
+@dataclass
+class RoutingContext:
+    prompt_token_ids: list[int]
+    loads: list[int]
+    healthy: list[bool]
+    session_id: str | None = None
+
+    def healthy_indices(self) -> list[int]:
+        indices = [i for i, ok in enumerate(self.healthy) if ok]
+        if not indices:
+            raise NoHealthyEngineError("no healthy engine")
+        return indices
+
+
+class RoutingPolicy(ABC):
+    name: str
+
+    @abstractmethod
+    def choose(self, ctx: RoutingContext) -> int: ...
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, ctx: RoutingContext) -> int:
+        n = len(ctx.healthy)
+        for _ in range(n):
+            i = self._next % n
+            self._next += 1
+            if ctx.healthy[i]:
+                return i
+        raise NoHealthyEngineError("no healthy engine")
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    """Power of two choices: sample two healthy engines, take the one with fewer requests in flight."""
+
+    name = "least_loaded"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, ctx: RoutingContext) -> int:
+        candidates = ctx.healthy_indices()
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(candidates, 2)
+        return a if ctx.loads[a] <= ctx.loads[b] else b
+
+
+class PrefixAwarePolicy(RoutingPolicy):
+    """Send a prompt to the engine whose known prefix chain matches it longest.
+
+    The router remembers, per engine, the chained block hashes (same hash and block size as the
+    engine's prefix cache) of prompts it sent there, in a bounded LRU. Ties and misses go to the
+    least-loaded engine; so does a match on an engine loaded more than ``load_margin`` requests above
+    the least-loaded one (a cache hit is not worth an unbounded queue).
+    """
+
+    name = "prefix_aware"
+
+    def __init__(self, num_engines: int, block_size: int = 16, load_margin: int = 8,
+                 max_blocks_per_engine: int = 200_000, seed: int | None = None) -> None:
+        self.block_size = block_size
+        self.load_margin = load_margin
+        self.max_blocks_per_engine = max_blocks_per_engine
+        self._known: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_engines)]
+        self._fallback = LeastLoadedPolicy(seed)
+
+    def match_lengths(self, block_hashes: list[bytes]) -> list[int]:
+        lengths = []
+        for known in self._known:
+            n = 0
+            for h in block_hashes:
+                if h not in known:
+                    break
+                n += 1
+            lengths.append(n)
+        return lengths
+
+    def choose(self, ctx: RoutingContext) -> int:
+        healthy = ctx.healthy_indices()
+        block_hashes: list[bytes] = []
+        extend_block_hashes(block_hashes, ctx.prompt_token_ids, len(ctx.prompt_token_ids) // self.block_size,
+                            self.block_size)
+        lengths = self.match_lengths(block_hashes)
+        least = min(healthy, key=lambda i: ctx.loads[i])
+        best = max(healthy, key=lambda i: (lengths[i], -ctx.loads[i]))
+        if lengths[best] == 0:
+            best = self._fallback.choose(ctx)
+        elif ctx.loads[best] - ctx.loads[least] > self.load_margin:
+            best = least
+        self._remember(best, block_hashes)
+        return best
+
+    def _remember(self, engine: int, block_hashes: list[bytes]) -> None:
+        known = self._known[engine]
+        for h in block_hashes:
+            known[h] = None
+            known.move_to_end(h)
+        while len(known) > self.max_blocks_per_engine:
+            known.popitem(last=False)
+
+    def forget_engine(self, engine: int) -> None:
+        """An engine restarted: its prefix cache is empty, so is what we believe it holds."""
+        self._known[engine].clear()
+
+
+class SessionAffinityPolicy(RoutingPolicy):
+    """Consistent hashing of the ``x-session-id`` header over the healthy engines.
+
+    A session keeps its engine while that engine is healthy; when engines come or go only the
+    sessions of the affected engine move. Requests without a session id go to the least loaded.
+    """
+
+    name = "session"
+    _VNODES = 64
+
+    def __init__(self, num_engines: int, seed: int | None = None) -> None:
+        ring = []
+        for engine in range(num_engines):
+            for v in range(self._VNODES):
+                ring.append((self._hash(f"engine-{engine}#{v}"), engine))
+        ring.sort()
+        self._ring_keys = [k for k, _ in ring]
+        self._ring_engines = [e for _, e in ring]
+        self._fallback = LeastLoadedPolicy(seed)
+
+    @staticmethod
+    def _hash(key: str) -> int:
+        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+    def choose(self, ctx: RoutingContext) -> int:
+        if not ctx.session_id:
+            return self._fallback.choose(ctx)
+        ctx.healthy_indices()
+        start = bisect.bisect(self._ring_keys, self._hash(ctx.session_id))
+        n = len(self._ring_keys)
+        for step in range(n):
+            engine = self._ring_engines[(start + step) % n]
+            if ctx.healthy[engine]:
+                return engine
+        raise NoHealthyEngineError("no healthy engine")
+
+
+def create_routing_policy(name: str, num_engines: int, block_size: int = 16, load_margin: int = 8,
+                          seed: int | None = None) -> RoutingPolicy:
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy(seed)
+    if name == "prefix_aware":
+        return PrefixAwarePolicy(num_engines, block_size=block_size, load_margin=load_margin, seed=seed)
+    if name == "session":
+        return SessionAffinityPolicy(num_engines, seed=seed)
+    raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, got {name!r}")

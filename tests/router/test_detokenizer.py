@@ -1,0 +1,74 @@
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.detokenizer import IncrementalDetokenizer
+
+from .tokenizer_factory import CORPUS, byte_level_tokenizer
+
+TEXTS = ["Hello 😀 world", "東京は日本の首都です。", "naïve café 🚀🚀", "新しい文字 🎉 ß",
+         "def main():\n    return 42\n"]
+
+
+def stream(detok: IncrementalDetokenizer, token_ids: list[int], chunk: int = 1) -> list[str]:
+    pieces = [detok.add_tokens(token_ids[i:i + chunk]) for i in range(0, len(token_ids), chunk)]
+    pieces.append(detok.finish())
+    return pieces
+
+
+def test_stream_concatenates_to_the_full_decode_and_never_emits_broken_utf8():
+    tok = byte_level_tokenizer()
+    for text in TEXTS:
+        ids = tok.encode(text)
+        pieces = stream(IncrementalDetokenizer(tok), ids)
+        assert "".join(pieces) == tok.decode(ids) == text
+        assert all("\ufffd" not in p for p in pieces)
+    # The unseen text really splits characters across tokens.
+    assert any("\ufffd" in tok.decode([t]) for t in tok.encode(TEXTS[3]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 399), min_size=1, max_size=40), st.integers(1, 4))
+def test_random_token_streams_concatenate_to_the_full_decode(ids, chunk):
+    tok = byte_level_tokenizer()
+    prompt = tok.encode("Paris is")
+    pieces = stream(IncrementalDetokenizer(tok, prompt_token_ids=prompt), ids, chunk)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_is_excluded_and_ends_the_stream():
+    tok = byte_level_tokenizer()
+    ids = tok.encode("Paris is the capital of France. Berlin is")
+    detok = IncrementalDetokenizer(tok, stop=["France"])
+    text = "".join(stream(detok, ids))
+    assert text == "Paris is the capital of " and detok.stop_reason == "France"
+
+
+def test_stop_string_included_when_asked():
+    tok = byte_level_tokenizer()
+    ids = tok.encode("Paris is the capital of France. Berlin is")
+    detok = IncrementalDetokenizer(tok, stop=["capital", "Berlin"], include_stop_str_in_output=True)
+    assert "".join(stream(detok, ids)) == "Paris is the capital" and detok.stop_reason == "capital"
+
+
+def test_text_that_might_start_a_stop_string_is_held_back_until_it_cannot():
+    tok = byte_level_tokenizer()
+    detok = IncrementalDetokenizer(tok, stop=["lazy dog!"])
+    released = ""
+    for t in tok.encode("the quick brown fox jumps over the lazy dog."):
+        released += detok.add_tokens([t])
+        assert len(detok.output_text) - len(released) <= len("lazy dog!") - 1
+    released += detok.finish()
+    assert released == "the quick brown fox jumps over the lazy dog." and detok.stop_reason is None
+
+
+def test_stop_string_spanning_tokens_is_found():
+    tok = byte_level_tokenizer()
+    rng = random.Random(0)
+    for line in CORPUS[:4]:
+        cut = rng.randrange(5, len(line) - 5)
+        stop = line[cut:cut + 4]
+        first = line.find(stop)
+        detok = IncrementalDetokenizer(tok, stop=[stop])
+        assert "".join(stream(detok, tok.encode(line))) == line[:first]

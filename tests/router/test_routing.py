@@ -1,0 +1,94 @@
+from collections import Counter
+
+import pytest
+
+from router.routing import (
+    LeastLoadedPolicy,
+    NoHealthyEngineError,
+    PrefixAwarePolicy,
+    RoundRobinPolicy,
+    RoutingContext,
+    SessionAffinityPolicy,
+    create_routing_policy,
+)
+
+
+def ctx(loads, healthy=None, tokens=(), session=None):
+    return RoutingContext(list(tokens), list(loads), list(healthy or [True] * len(loads)), session)
+
+
+def test_round_robin_cycles_and_skips_unhealthy_engines():
+    p = RoundRobinPolicy()
+    assert [p.choose(ctx([0, 0, 0])) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert {p.choose(ctx([0, 0, 0], [True, False, True])) for _ in range(6)} == {0, 2}
+    with pytest.raises(NoHealthyEngineError):
+        p.choose(ctx([0, 0], [False, False]))
+
+
+def test_least_loaded_picks_the_lighter_of_two_samples():
+    p = LeastLoadedPolicy(seed=1)
+    assert all(p.choose(ctx([5, 0])) == 1 for _ in range(20))
+    # With three engines, the most loaded one is never chosen (it always loses its pair).
+    counts = Counter(p.choose(ctx([1, 9, 2])) for _ in range(300))
+    assert counts[1] == 0 and counts[0] > counts[2] > 0
+    assert p.choose(ctx([0, 0], [False, True])) == 1
+
+
+def test_prefix_aware_sends_a_shared_prefix_to_the_engine_that_holds_it():
+    p = PrefixAwarePolicy(num_engines=3, block_size=4, seed=0)
+    prefix = list(range(100, 132))
+    first = p.choose(ctx([0, 0, 0], tokens=prefix + [1, 2, 3]))
+    loads = [0, 0, 0]
+    loads[first] = 2  # busier, but within the margin
+    for tail in ([7, 8, 9, 10, 11], [20, 21], [30]):
+        assert p.choose(ctx(loads, tokens=prefix + tail)) == first
+    assert p.match_lengths(p_hashes(p, prefix))[first] == 8
+
+
+def p_hashes(p, tokens):
+    from engine_core.core.kv_cache_utils import extend_block_hashes
+    out: list[bytes] = []
+    extend_block_hashes(out, tokens, len(tokens) // p.block_size, p.block_size)
+    return out
+
+
+def test_prefix_aware_falls_back_to_least_loaded_beyond_the_margin():
+    p = PrefixAwarePolicy(num_engines=2, block_size=4, load_margin=3, seed=0)
+    prefix = list(range(64))
+    holder = p.choose(ctx([0, 0], tokens=prefix))
+    loads = [0, 0]
+    loads[holder] = 10
+    assert p.choose(ctx(loads, tokens=prefix)) == 1 - holder
+
+
+def test_prefix_aware_matches_hashes_of_the_engine_block_size_and_chain():
+    p = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0)
+    a = p.choose(ctx([0, 0], tokens=[1, 2, 3, 4, 5, 6, 7, 8]))
+    # Same second block but a different first block: the chain differs, so no match.
+    assert p.match_lengths(p_hashes(p, [9, 9, 9, 9, 5, 6, 7, 8]))[a] == 0
+    p.forget_engine(a)
+    assert p.match_lengths(p_hashes(p, [1, 2, 3, 4]))[a] == 0
+
+
+def test_session_affinity_is_sticky_and_moves_only_the_dead_engines_sessions():
+    p = SessionAffinityPolicy(num_engines=4, seed=0)
+    sessions = [f"user-{i}" for i in range(200)]
+    placed = {s: p.choose(ctx([0] * 4, session=s)) for s in sessions}
+    assert set(placed.values()) == {0, 1, 2, 3}
+    assert all(p.choose(ctx([9, 0, 0, 0], session=s)) == e for s, e in placed.items())
+    moved = {s: p.choose(ctx([0] * 4, [True, False, True, True], session=s)) for s in sessions}
+    for s, e in placed.items():
+        if e != 1:
+            assert moved[s] == e
+        else:
+            assert moved[s] != 1
+
+
+def test_session_without_header_goes_least_loaded():
+    p = SessionAffinityPolicy(num_engines=2, seed=0)
+    assert p.choose(ctx([4, 0])) == 1
+
+
+def test_unknown_policy_name_is_a_value_error():
+    with pytest.raises(ValueError, match="routing_policy"):
+        create_routing_policy("random", 2)
