@@ -1,0 +1,1 @@
+"""Model execution for the engine: models, paged KV cache, model runner, sampler and TP workers."""

@@ -1,0 +1,424 @@
+"""Turn a llama.cpp GGUF checkpoint (Llama architecture) into a Hugging Face model directory.
+
+The engine only knows how to load HF-style directories (config.json + safetensors + tokenizer files),
+so a GGUF file is converted once, dequantised, and cached on disk. Later starts reuse the cached
+directory, which loads in seconds instead of re-reading and dequantising the GGUF.
+
+What differs between GGUF and HF Llama checkpoints, and is undone here:
+  * tensor names (``blk.N.attn_q`` vs ``model.layers.N.self_attn.q_proj``);
+  * llama.cpp's converter permutes the rows of q_proj/k_proj so its rotary kernel can rotate adjacent
+    pairs, whereas HF rotates the two halves of each head (``rotate_half``);
+  * quantised blocks, expanded back to floats with ``gguf.quants.dequantize``.
+GGUF lists tensor dims innermost first (``[in, out]``); ``GGUFReader`` already exposes the data in
+numpy (row-major) order, so the dequantised array has torch's ``[out, in]`` shape with no transpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType, ReaderField
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+# Bump when the converted layout changes, so stale cache entries are not reused.
+CONVERTER_VERSION = 1
+CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+_TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+# --------------------------------------------------------------------------------------------- metadata
+
+
+def field_value(field: ReaderField) -> Any:
+    """Decode one GGUF metadata field into a Python scalar, string or list."""
+    main_type = field.types[0]
+    if main_type == GGUFValueType.ARRAY:
+        item_type = field.types[-1]
+        if item_type == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if main_type == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All metadata fields except the vocabulary-sized arrays, which only the tokenizer builder needs."""
+    return {key: field_value(field) for key, field in reader.fields.items() if key not in _VOCAB_ARRAY_KEYS}
+
+
+_VOCAB_ARRAY_KEYS = {
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+}
+
+
+def _float32(value: Any) -> float:
+    # GGUF stores these as float32; the shortest float32 repr gives back 1e-05 rather than 9.99999974e-06.
+    return float(str(np.float32(value)))
+
+
+def _require_key(meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise ValueError(f"GGUF metadata lacks required key {key!r}")
+    return meta[key]
+
+
+def _rope_parameters(meta: dict[str, Any], arch: str, rope_theta: float) -> dict[str, Any]:
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type in ("none", None):
+        return {"rope_type": "default", "rope_theta": rope_theta}
+    if scaling_type == "linear":
+        factor = _float32(_require_key(meta, f"{arch}.rope.scaling.factor"))
+        return {"rope_type": "linear", "rope_theta": rope_theta, "factor": factor}
+    raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported by this converter")
+
+
+def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A ``LlamaConfig``-compatible dict derived from the GGUF metadata and tensor list."""
+    meta = read_metadata(reader)
+    arch = _require_key(meta, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; only 'llama' checkpoints can be converted")
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        # Llama-3.1 style frequency factors cannot be mapped back to HF's rope_scaling parameters reliably.
+        raise ValueError("GGUF files with a rope_freqs tensor (Llama 3.1 rope scaling) are not supported")
+
+    hidden = int(_require_key(meta, f"{arch}.embedding_length"))
+    n_heads = int(_require_key(meta, f"{arch}.attention.head_count"))
+    n_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
+    rope_theta = _float32(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    rope_parameters = _rope_parameters(meta, arch, rope_theta)
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(_require_key(meta, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_require_key(meta, f"{arch}.block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _float32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        # Both spellings: transformers 4.x reads rope_theta/rope_scaling, 5.x reads rope_parameters.
+        "rope_theta": rope_theta,
+        "rope_scaling": None if rope_parameters["rope_type"] == "default" else rope_parameters,
+        "rope_parameters": rope_parameters,
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        # The embedding rows, not the optional vocab_size key: the weights must fit the config exactly.
+        "vocab_size": int(embed.shape[-1]),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+
+
+def unpermute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's ``permute`` (convert_hf_to_gguf.py, LlamaModel) of q_proj/k_proj rows.
+
+    llama.cpp reorders each head's rows from ``[half0, half1]`` to interleaved pairs so that its
+    rotary kernel rotates adjacent elements; HF's ``rotate_half`` expects the halves back.
+    ``n_heads`` is the number of heads the rows belong to (num_key_value_heads for k_proj).
+    Works for weights ``[out, in]`` and biases ``[out]`` alike since only rows move.
+    """
+    rows = weights.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"cannot un-permute {rows} rows into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    return weights.reshape(n_heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """Map a llama.cpp tensor name to the HF Llama parameter name."""
+    block = _BLOCK_RE.match(name)
+    if block:
+        layer, part, kind = block.groups()
+        if part not in _BLOCK_NAMES:
+            raise ValueError(f"unexpected GGUF tensor {name!r}: unknown block component {part!r}")
+        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    top = _TOP_RE.match(name)
+    if top and top.group(1) in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[top.group(1)]}.{top.group(2)}"
+    raise ValueError(f"unexpected GGUF tensor {name!r}: no Hugging Face Llama equivalent")
+
+
+def _heads_for(name: str, config: dict[str, Any]) -> int | None:
+    if ".attn_q." in name:
+        return int(config["num_attention_heads"])
+    if ".attn_k." in name:
+        return int(config["num_key_value_heads"])
+    return None
+
+
+def iter_hf_tensors(
+    reader: GGUFReader, config: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` one at a time so peak memory stays near one dequantised tensor."""
+    for tensor in reader.tensors:
+        expected_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        if weights.shape != expected_shape:
+            # Would mean the reader's layout assumption above no longer holds; refuse rather than guess.
+            raise ValueError(f"GGUF tensor {tensor.name!r} dequantised to {weights.shape}, expected {expected_shape}")
+        heads = _heads_for(tensor.name, config)
+        if heads is not None:
+            weights = unpermute_qk(weights, heads)
+        # Copy: F32/F16 tensors come back as views of the read-only memory map.
+        array = np.array(weights, dtype=np.float32, order="C", copy=True)
+        yield gguf_to_hf_name(tensor.name), torch.from_numpy(array).to(dtype)
+
+
+def load_gguf(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
+    """Open a GGUF file and return its HF config dict plus a lazy iterator over HF-named tensors."""
+    reader = GGUFReader(os.fspath(path))
+    config = build_hf_config(reader, dtype)
+    return config, iter_hf_tensors(reader, config, dtype)
+
+
+# -------------------------------------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer(gguf_path: Path) -> Any:
+    """A transformers fast tokenizer rebuilt from the tokenizer embedded in the GGUF file."""
+    from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
+
+    tokenizer = AutoTokenizer.from_pretrained(os.fspath(gguf_path.parent), gguf_file=gguf_path.name)
+    if not getattr(tokenizer, "chat_template", None):
+        template = _chat_template(gguf_path)
+        if template:
+            tokenizer.chat_template = template
+    return tokenizer
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path, max_length: int) -> None:
+    tokenizer = build_tokenizer(gguf_path)
+    # Otherwise transformers records "unlimited" and never warns about over-long prompts.
+    tokenizer.model_max_length = max_length
+    tokenizer.save_pretrained(os.fspath(out_dir))
+    config_path = out_dir / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    # Loader-call artefacts that would wrongly pin later loads to local files.
+    for key in ("is_local", "local_files_only"):
+        tokenizer_config.pop(key, None)
+    # transformers 5 writes its new class name, which 4.x cannot load; the old name works in both.
+    if tokenizer_config.get("tokenizer_class") == "TokenizersBackend":
+        tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    _write_json(config_path, tokenizer_config)
+
+
+def _chat_template(gguf_path: Path) -> str | None:
+    field = GGUFReader(os.fspath(gguf_path)).fields.get("tokenizer.chat_template")
+    return None if field is None else field_value(field)
+
+
+# ------------------------------------------------------------------------------------------- conversion
+
+
+def _save_weights(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, max_shard_bytes: int) -> None:
+    """Write safetensors shards, bounded in size so big models never sit in memory whole."""
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = 0
+    shards: list[tuple[Path, list[str]]] = []
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + size > max_shard_bytes:
+            shards.append(_flush_shard(shard, out_dir, len(shards)))
+            shard, shard_bytes = {}, 0
+        shard[name] = tensor
+        shard_bytes += size
+        total_bytes += size
+    shards.append(_flush_shard(shard, out_dir, len(shards)))
+    _name_shards(shards, out_dir, total_bytes)
+
+
+def _flush_shard(tensors: dict[str, torch.Tensor], out_dir: Path, index: int) -> tuple[Path, list[str]]:
+    path = out_dir / f"shard-{index:05d}.tmp.safetensors"
+    save_file(tensors, os.fspath(path), metadata={"format": "pt"})
+    return path, list(tensors)
+
+
+def _name_shards(shards: list[tuple[Path, list[str]]], out_dir: Path, total_bytes: int) -> None:
+    """Rename shards to HF's conventions; several shards also need an index mapping tensor to file."""
+    if len(shards) == 1:
+        shards[0][0].rename(out_dir / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    for i, (tmp, names) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tmp.rename(out_dir / final)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    _write_json(out_dir / "model.safetensors.index.json", index)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    # The engine stops on eos from generation_config.json; for chat GGUFs that is the end-of-turn token.
+    data: dict[str, Any] = {"_from_model_config": True}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(key) is not None:
+            data[key] = config[key]
+    return data
+
+
+def convert_gguf_to_hf(
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write a complete HF model directory for ``gguf_path`` into the existing, empty ``out_dir``.
+
+    Not atomic by itself; ``ensure_converted`` wraps it with a temp dir + rename.
+    """
+    gguf_path, out = Path(gguf_path), Path(out_dir)
+    config, tensors = load_gguf(gguf_path, dtype)
+    _save_weights(tensors, out, max_shard_bytes)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", _generation_config(config))
+    _save_tokenizer(gguf_path, out, int(config["max_position_embeddings"]))
+    stat = gguf_path.stat()
+    source = {"gguf_path": os.fspath(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+              "converter_version": CONVERTER_VERSION, "dtype": _DTYPE_NAMES[dtype]}
+    _write_json(out / "gguf_source.json", source)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ cache
+
+
+def default_cache_root() -> Path:
+    configured = os.environ.get(CACHE_ENV_VAR)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "llm-cluster"
+
+
+def cache_key(gguf_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> str:
+    """``<stem>-<hash>``: the hash covers path, size and mtime so a replaced file is converted again."""
+    path = Path(gguf_path).resolve()
+    stat = path.stat()
+    fingerprint = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{_DTYPE_NAMES[dtype]}|v{CONVERTER_VERSION}"
+    digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)
+    return f"{stem}-{digest}"
+
+
+def _is_complete(model_dir: Path) -> bool:
+    return (model_dir / "config.json").is_file() and (model_dir / "gguf_source.json").is_file()
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    # Several workers on one node may resolve the same GGUF at once; only one should pay for conversion.
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def ensure_converted(
+    gguf_path: str | os.PathLike[str],
+    cache_root: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Return the cached HF directory for ``gguf_path``, converting it first if needed."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    key = cache_key(gguf_path, dtype)
+    final = root / key
+    if _is_complete(final):
+        return final
+    with _file_lock(root / f".{key}.lock"):
+        if _is_complete(final):
+            return final
+        _convert_atomically(gguf_path, root, final, dtype)
+    return final
+
+
+def _make_readable(model_dir: Path) -> None:
+    # mkdtemp and safetensors create owner-only entries; the cache may be shared by several service users.
+    model_dir.chmod(0o755)
+    for entry in model_dir.iterdir():
+        entry.chmod(0o644)
+
+
+def _convert_atomically(gguf_path: Path, root: Path, final: Path, dtype: torch.dtype) -> None:
+    # Same filesystem as the destination, so the rename below is atomic: readers see all or nothing.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        start = time.perf_counter()
+        convert_gguf_to_hf(gguf_path, tmp, dtype)
+        _make_readable(tmp)
+        if final.exists():
+            # Leftover from an interrupted run of an older layout; it failed _is_complete.
+            shutil.rmtree(final)
+        tmp.rename(final)
+        logger.info("converted %s to %s in %.1fs", gguf_path, final, time.perf_counter() - start)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

