@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ExecutorFactory, ModelInfo
+from engine_core.metrics import EngineMetrics
 from engine_core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from engine_core.sched.scheduler import PauseState
 
@@ -47,6 +49,29 @@ class EngineStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EngineDescription:
+    model_info: ModelInfo
+    scheduler_config: dict[str, Any]
+    block_size: int
+    num_blocks: int
+    engine_index: int
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "config.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def read_tokenizer_files(model_dir: str) -> dict[str, bytes]:
+    files = {}
+    for name in TOKENIZER_FILES:
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                files[name] = f.read()
+    return files
+
+
 class _ClientBuffer:
     __slots__ = ("event", "items")
 
@@ -62,6 +87,8 @@ class EngineCoreService:
         self.config = config
         self._executor_factory = executor_factory
         self.engine = EngineCore(config, executor_factory(config))
+        self.metrics = EngineMetrics(config, self.engine.scheduler_config, self.engine.model_info.served_model_name,
+                                     self.engine.num_blocks) if config.log_stats else None
         self._inputs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._buffers: dict[int, _ClientBuffer] = {}
         self._buffers_lock = threading.Lock()
@@ -70,7 +97,6 @@ class EngineCoreService:
         self._stopped = False
         self._restarting = False
         self._counters = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0}
-        self.metrics_hook: Callable[[dict[int, EngineCoreOutputs], SchedulerStats | None], None] | None = None
         self._thread = threading.Thread(target=self._run_busy_loop, name=f"engine-{config.engine_index}-busy-loop",
                                         daemon=True)
         self._thread.start()
@@ -87,7 +113,12 @@ class EngineCoreService:
         if self._error is not None:
             raise RuntimeError(f"engine {self.config.engine_index} is unhealthy: {self._error}")
         self._counters["added"] += 1
-        self.submit(lambda: self.engine.add_request(request))
+        self.submit(lambda: self._add_request(request))
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        added = self.engine.add_request(request)
+        if added is not None and self.metrics is not None:
+            self.metrics.on_request_added(added)
 
     async def get_output(self, client_index: int, timeout: float) -> EngineCoreOutputs:
         """Everything buffered for this client, merged; waits up to ``timeout`` for something."""
@@ -155,8 +186,8 @@ class EngineCoreService:
                 self._counters["prefix_queries"] += stats.prefix_cache_stats.queries
                 self._counters["prefix_hits"] += stats.prefix_cache_stats.hits
                 self._counters["preemptions"] += stats.num_preemptions
-        if self.metrics_hook is not None:
-            self.metrics_hook(outputs, stats)
+        if self.metrics is not None:
+            self.metrics.on_step(outputs, stats)
         loop = self._loop
         for client_index, eco in outputs.items():
             if not eco.outputs and not eco.finished_requests:
@@ -274,6 +305,16 @@ class EngineCoreActor:
         self._bind()
         return self.service.engine.model_info
 
+    async def describe(self) -> EngineDescription:
+        engine = self.service.engine
+        return EngineDescription(model_info=engine.model_info, scheduler_config=dict(engine.scheduler_config.__dict__),
+                                 block_size=self.service.config.block_size, num_blocks=engine.num_blocks,
+                                 engine_index=self.service.config.engine_index)
+
+    async def get_tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer files of the engine's model dir, so a router on another node can load them."""
+        return read_tokenizer_files(self.service.engine.model_info.model_dir)
+
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._bind()
         waiting_cap = self.service.config.max_waiting_requests
@@ -300,6 +341,9 @@ class EngineCoreActor:
 
     async def get_stats(self) -> EngineStats:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.stats)
+
+    async def get_metrics_text(self) -> bytes:
+        return self.service.metrics.render() if self.service.metrics is not None else b""
 
     async def check_health(self) -> bool:
         self.service.check_health()

@@ -48,15 +48,19 @@ class EngineCore:
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest) -> Request | None:
+        """Returns the new Request, or None when the id continued a live streaming session."""
         eos = request.eos_token_id
         if eos is None and self.model_info.eos_token_ids:
             eos = self.model_info.eos_token_ids[0]
-        self.scheduler.add_request(Request(
+        is_new = request.request_id not in self.scheduler.requests
+        engine_request = Request(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, eos_token_id=eos, arrival_time=request.arrival_time,
             priority=request.priority, client_index=request.client_index, resumable=request.resumable,
-            cache_salt=request.cache_salt))
+            cache_salt=request.cache_salt)
+        self.scheduler.add_request(engine_request)
+        return engine_request if is_new else None
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

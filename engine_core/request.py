@@ -179,7 +179,7 @@ class Request:
         return _FINISHED_REASONS.get(self.status)
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
-        self.events.append((event_type, time.monotonic() if timestamp is None else timestamp))
+        self.events.append((event_type, time.time() if timestamp is None else timestamp))
 
 
     def __repr__(self) -> str:

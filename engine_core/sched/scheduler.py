@@ -184,7 +184,7 @@ class Scheduler(SchedulerInterface):
         req_to_new_blocks: dict[str, KVCacheBlocks] = {}
         # The budget is a local: seeded every pass, spent by subtraction, thrown away at return.
         token_budget = 0 if self._pause_state == PauseState.PAUSED_ALL else self.max_num_scheduled_tokens
-        scheduled_timestamp = time.monotonic()
+        scheduled_timestamp = time.time()
         # Read straight off the config, in both loops (never copied onto the scheduler).
         threshold = self.scheduler_config.long_prefill_token_threshold
         partial = (_PartialPrefillCounter(self.scheduler_config)

@@ -1,0 +1,132 @@
+"""The FastAPI application: routes, error bodies, SSE. Hosted by the Serve deployment or by uvicorn."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from router.serving import APIError, OpenAIServing, stream_error_event
+
+SESSION_HEADER = "x-session-id"
+
+
+def _error_response(status: int, message: str, type_: str, param: str | None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_,
+                                                                "param": param, "code": status}})
+
+
+def create_app(serving: OpenAIServing, extra_metrics: Any = None) -> FastAPI:
+    """``extra_metrics``: an async callable returning more exposition text for /metrics (engine series)."""
+    app = FastAPI(title="llm-cluster", version=serving.settings.version)
+    metrics = serving.metrics
+
+    @app.middleware("http")
+    async def count_responses(request: Request, call_next):
+        response = await call_next(request)
+        if metrics is not None:
+            metrics.record_response(request.url.path, response.status_code)
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc.status, exc.message, exc.type, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
+        param = loc[0] if loc else None
+        if first.get("type") == "json_invalid":
+            return _error_response(400, "The request body is not valid JSON.", "BadRequestError", None)
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+        return _error_response(400, message, "BadRequestError", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404
+                               else "HTTPError", None)
+
+    def respond(result: Any) -> Response:
+        if hasattr(result, "__aiter__"):
+            return StreamingResponse(_guard_stream(result), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(result.model_dump(mode="json"))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return respond(await serving.completions(body, request.headers.get(SESSION_HEADER)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return respond(await serving.chat(body, request.headers.get(SESSION_HEADER)))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=serving.settings.served_model_name,
+                                         max_model_len=serving.settings.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = await serving.client.refresh_health()
+        status = 200 if any(healthy) else 503
+        return JSONResponse(status_code=status, content={"healthy_engines": sum(healthy), "engines": len(healthy)})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": serving.settings.version}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(model=serving.settings.served_model_name, messages=body.messages,
+                                         add_generation_prompt=body.add_generation_prompt)
+            tokens = serving.render_chat(chat)
+        else:
+            tokens = list(serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=serving.settings.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        serving.tokenize_prompt(body.tokens)  # validates the id range
+        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        text = metrics.render() if metrics is not None else b""
+        if extra_metrics is not None:
+            text += await extra_metrics()
+        return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _guard_stream(chunks):
+    """Errors after the response started cannot change the status: send them as an SSE error event."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as e:
+        yield stream_error_event(e)
+    finally:
+        await chunks.aclose()
+
+
+def error_json(status: int, message: str) -> str:
+    return json.dumps({"error": {"message": message, "type": "InternalServerError", "param": None, "code": status}})

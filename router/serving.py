@@ -1,0 +1,412 @@
+"""The OpenAI endpoints' logic, independent of the web framework that hosts it.
+
+A request is validated (pydantic), rendered (chat template) and tokenised, checked against the
+model's context, routed to an engine, then each choice's tokens are detokenised incrementally and
+returned as one JSON body or as SSE chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
+from engine_core.request import FinishReason
+from engine_core.sampling_params import SamplingParams
+from router.detokenizer import IncrementalDetokenizer
+from router.engine_client import EngineClient, EngineOverloadedError, EngineUnavailableError
+from router.metrics import RouterMetrics
+from router.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChunk,
+    DeltaMessage,
+    SamplingFields,
+    TopLogprob,
+    UsageInfo,
+)
+from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
+
+
+class APIError(Exception):
+    """An error with an OpenAI-style body and an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "BadRequestError", param)
+
+
+@dataclass
+class ServingSettings:
+    served_model_name: str
+    max_model_len: int
+    block_size: int = 16
+    scheduling_policy: str = "fcfs"
+    request_timeout_s: float | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    version: str = "0.1.0"
+
+
+@dataclass
+class _Choice:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int]
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
+           FinishReason.ERROR: "error"}
+
+
+class OpenAIServing:
+    def __init__(self, settings: ServingSettings, client: EngineClient, tokenizer: Any, policy: RoutingPolicy,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.settings = settings
+        self.client = client
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.metrics = metrics
+
+    # -- request preparation ------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    def render_chat(self, request: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
+                **(request.chat_template_kwargs or {}))
+        except Exception as e:
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(prompt)
+
+    def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
+                        logprobs: int | None, seed_offset: int) -> SamplingParams:
+        room = self.settings.max_model_len - prompt_len
+        if room <= 0:
+            raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens; "
+                              f"the prompt has {prompt_len}.", "messages" if isinstance(
+                                  request, ChatCompletionRequest) else "prompt")
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens. "
+                              f"You requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                              f"{max_tokens} for the completion).", "max_tokens")
+        if request.priority != 0 and self.settings.scheduling_policy != "priority":
+            raise bad_request("priority needs an engine started with --scheduling-policy priority", "priority")
+        stop_ids = list(request.stop_token_ids or [])
+        # Further EOS ids of the model (generation config) stop too, unless EOS is ignored.
+        if not request.ignore_eos:
+            stop_ids += [t for t in self.settings.eos_token_ids[1:] if t not in stop_ids]
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, min_tokens=min(request.min_tokens, max_tokens),
+                ignore_eos=request.ignore_eos, stop_token_ids=stop_ids, temperature=request.temperature,
+                top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+                seed=None if request.seed is None else request.seed + seed_offset,
+                presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty, logprobs=logprobs)
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+
+    def choose_engine(self, prompt_token_ids: list[int], session_id: str | None) -> int:
+        t0 = time.perf_counter()
+        try:
+            engine = self.policy.choose(RoutingContext(prompt_token_ids, self.client.loads(), self.client.healthy(),
+                                                       session_id))
+        except NoHealthyEngineError as e:
+            raise APIError(503, "no healthy engine is available", "ServiceUnavailableError") from e
+        if self.metrics is not None:
+            self.metrics.record_routing(engine, self.policy.name, time.perf_counter() - t0)
+        return engine
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    async def _run_choice(self, engine: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                          fields: SamplingFields, choice: _Choice, sink: asyncio.Queue | None) -> None:
+        """Drive one choice to its end; with a sink, push (choice, text delta, new logprobs) as they come."""
+        eos = self.settings.eos_token_ids[0] if self.settings.eos_token_ids else None
+        engine_request = EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                                           eos_token_id=eos, arrival_time=time.time(), priority=fields.priority,
+                                           client_index=self.client.client_index)
+        stream = self.client.stream(engine, engine_request)
+        try:
+            async for output in stream:
+                delta, new_lp = self._apply_output(choice, output)
+                if sink is not None and (delta or new_lp or choice.finish_reason):
+                    sink.put_nowait((choice, delta, new_lp))
+                if choice.finish_reason is not None:
+                    break
+        finally:
+            # Leaving the loop early (stop string, disconnect, timeout) aborts the engine request.
+            await stream.aclose()
+
+    def _apply_output(self, choice: _Choice, output: EngineCoreOutput) -> tuple[str, list]:
+        new_lp = []
+        if output.new_logprobs is not None:
+            new_lp = _logprob_rows(output.new_token_ids, output.new_logprobs)
+            choice.logprobs.extend(new_lp)
+        choice.token_ids.extend(output.new_token_ids)
+        delta = choice.detok.add_tokens(output.new_token_ids)
+        if choice.detok.stop_reason is not None:
+            choice.finish_reason, choice.stop_reason = "stop", choice.detok.stop_reason
+            return delta + choice.detok.finish(), new_lp
+        if output.finish_reason is not None:
+            if output.finish_reason == FinishReason.ERROR:
+                choice.error = str(output.stop_reason or "engine error")
+            choice.finish_reason = _FINISH[output.finish_reason]
+            choice.stop_reason = output.stop_reason
+            delta += choice.detok.finish()
+        return delta, new_lp
+
+    def _new_choices(self, n: int, prompt_ids: list[int], fields: SamplingFields) -> list[_Choice]:
+        return [_Choice(i, IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=fields.stop_strings,
+                                                  include_stop_str_in_output=fields.include_stop_str_in_output),
+                        [], []) for i in range(n)]
+
+    async def _generate(self, jobs: list[tuple[int, str, list[int], SamplingParams, _Choice]],
+                        fields: SamplingFields, sink: asyncio.Queue | None) -> None:
+        tasks = [asyncio.create_task(self._run_choice(engine, rid, ids, params, fields, choice, sink))
+                 for engine, rid, ids, params, choice in jobs]
+        try:
+            if self.settings.request_timeout_s:
+                async with asyncio.timeout(self.settings.request_timeout_s):
+                    await asyncio.gather(*tasks)
+            else:
+                await asyncio.gather(*tasks)
+        except TimeoutError as e:
+            raise APIError(408, f"request timed out after {self.settings.request_timeout_s} s", "TimeoutError") from e
+        except EngineOverloadedError as e:
+            raise APIError(429, str(e), "RateLimitError") from e
+        except EngineUnavailableError as e:
+            raise APIError(503, str(e), "ServiceUnavailableError") from e
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- /v1/completions ----------------------------------------------------------------------------
+
+    async def completions(self, request: CompletionRequest, session_id: str | None = None):
+        self.check_model(request.model)
+        prompts = request.prompts()
+        if request.stream and len(prompts) > 1:
+            raise bad_request("streaming supports one prompt per request", "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        jobs = []
+        choices: list[_Choice] = []
+        prompt_texts: list[str] = []
+        num_prompt_tokens = 0
+        for p_index, prompt in enumerate(prompts):
+            ids = self.tokenize_prompt(prompt)
+            if not ids:
+                raise bad_request("prompt must not be empty", "prompt")
+            num_prompt_tokens += len(ids)
+            prompt_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
+            engine = self.choose_engine(ids, session_id)
+            for c in self._new_choices(request.n, ids, request):
+                params = self.sampling_params(request, len(ids), request.max_tokens, request.logprobs, c.index)
+                c.index = p_index * request.n + c.index
+                choices.append(c)
+                jobs.append((engine, f"{request_id}-{c.index}", ids, params, c))
+        if request.stream:
+            return self._stream_completion(request, request_id, created, jobs, prompt_texts[0], num_prompt_tokens)
+        await self._generate(jobs, request, None)
+        self._raise_engine_error(choices)
+        out = []
+        for c in choices:
+            prefix = prompt_texts[c.index // request.n] if request.echo else ""
+            logprobs = self._completion_logprobs(c.logprobs, len(prefix)) if request.logprobs is not None else None
+            out.append(CompletionChoice(index=c.index, text=prefix + c.detok.output_text, logprobs=logprobs,
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=request_id, created=created, model=self.settings.served_model_name, choices=out,
+                                  usage=_usage(num_prompt_tokens, choices))
+
+    async def _stream_completion(self, request: CompletionRequest, request_id: str, created: int, jobs: list,
+                                 prompt_text: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+        model = self.settings.served_model_name
+        choices = [job[4] for job in jobs]
+        if request.echo:
+            for c in choices:
+                yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
+                    CompletionChoice(index=c.index, text=prompt_text)]))
+        async for choice, delta, new_lp in self._events(jobs, request):
+            logprobs = self._completion_logprobs(new_lp, 0) if request.logprobs is not None and new_lp else None
+            yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[CompletionChoice(
+                index=choice.index, text=delta, logprobs=logprobs, finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason)]))
+        if request.stream_options and request.stream_options.include_usage:
+            yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[],
+                                             usage=_usage(num_prompt_tokens, choices)))
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/chat/completions -----------------------------------------------------------------------
+
+    async def chat(self, request: ChatCompletionRequest, session_id: str | None = None):
+        self.check_model(request.model)
+        ids = self.render_chat(request)
+        engine = self.choose_engine(ids, session_id)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        top = (request.top_logprobs or 0) if request.logprobs else None
+        choices = self._new_choices(request.n, ids, request)
+        jobs = [(engine, f"{request_id}-{c.index}", ids,
+                 self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index), c)
+                for c in choices]
+        if request.stream:
+            return self._stream_chat(request, request_id, created, jobs, len(ids))
+        await self._generate(jobs, request, None)
+        self._raise_engine_error(choices)
+        out = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.detok.output_text),
+                          logprobs=self._chat_logprobs(c.logprobs) if request.logprobs else None,
+                          finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices]
+        return ChatCompletionResponse(id=request_id, created=created, model=self.settings.served_model_name,
+                                      choices=out, usage=_usage(len(ids), choices))
+
+    async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, created: int, jobs: list,
+                           num_prompt_tokens: int) -> AsyncIterator[str]:
+        model = self.settings.served_model_name
+        choices = [job[4] for job in jobs]
+        for c in choices:
+            yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[
+                ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
+        async for choice, delta, new_lp in self._events(jobs, request):
+            logprobs = self._chat_logprobs(new_lp) if request.logprobs and new_lp else None
+            yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[ChatStreamChoice(
+                index=choice.index, delta=DeltaMessage(content=delta or None) if delta else DeltaMessage(),
+                logprobs=logprobs, finish_reason=choice.finish_reason)]))
+        if request.stream_options and request.stream_options.include_usage:
+            yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                           usage=_usage(num_prompt_tokens, choices)))
+        yield "data: [DONE]\n\n"
+
+    async def _events(self, jobs: list, fields: SamplingFields) -> AsyncIterator[tuple[_Choice, str, list]]:
+        """Merge the choices' events in arrival order; errors become one SSE error event."""
+        sink: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def run() -> None:
+            try:
+                await self._generate(jobs, fields, sink)
+            except APIError as e:
+                sink.put_nowait(e)
+            finally:
+                sink.put_nowait(done)
+
+        runner = asyncio.create_task(run())
+        try:
+            while True:
+                item = await sink.get()
+                if item is done:
+                    break
+                if isinstance(item, APIError):
+                    raise _StreamError(item)
+                choice, delta, new_lp = item
+                if choice.error is not None:
+                    raise _StreamError(APIError(500, choice.error, "InternalServerError"))
+                yield choice, delta, new_lp
+        finally:
+            # A client that goes away cancels this generator: the runner's cancel aborts the requests.
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _raise_engine_error(choices: list[_Choice]) -> None:
+        for c in choices:
+            if c.error is not None:
+                raise APIError(500, c.error, "InternalServerError")
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _chat_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]]) -> ChatLogprobs:
+        content = []
+        for token_id, logprob, top in rows:
+            text = self._token_text(token_id)
+            content.append(ChatTokenLogprob(
+                token=text, logprob=logprob, bytes=list(text.encode()),
+                top_logprobs=[TopLogprob(token=(t := self._token_text(tid)), logprob=lp, bytes=list(t.encode()))
+                              for tid, lp in top]))
+        return ChatLogprobs(content=content)
+
+    def _completion_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]],
+                             offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for token_id, logprob, top in rows:
+            text = self._token_text(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(logprob)
+            out.text_offset.append(offset)
+            offset += len(text)
+            out.top_logprobs.append({self._token_text(tid): lp for tid, lp in top} if top else None)
+        return out
+
+
+class _StreamError(Exception):
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def stream_error_event(error: Exception) -> str:
+    api_error = error.error if isinstance(error, _StreamError) else APIError(500, str(error), "InternalServerError")
+    return f"data: {json.dumps(api_error.body())}\n\ndata: [DONE]\n\n"
+
+
+def _logprob_rows(token_ids: list[int], entry: LogprobsEntry) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    return [(tid, entry.sampled_logprobs[i], [tuple(x) for x in entry.top_logprobs[i]])  # type: ignore[misc]
+            for i, tid in enumerate(token_ids) if i < len(entry.sampled_logprobs)]
+
+
+def _usage(num_prompt_tokens: int, choices: list[_Choice]) -> UsageInfo:
+    completion = sum(len(c.token_ids) for c in choices)
+    return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=num_prompt_tokens + completion)
+
+
+def _sse(model: Any) -> str:
+    return f"data: {model.model_dump_json(exclude_none=False)}\n\n"
