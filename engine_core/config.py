@@ -102,6 +102,9 @@ class EngineConfig:
     log_stats: bool = True
     # Largest number of queued (waiting) requests before add_request is refused (0: unlimited).
     max_waiting_requests: int = 0
+    # "uni": the model runs inside the engine process (TP=1 only); "ray": a Ray worker actor per
+    # rank; "auto": uni for TP=1, ray otherwise.
+    executor_backend: str = "auto"
 
     def __post_init__(self) -> None:
         where = f"engine {self.engine_index}: "
@@ -121,6 +124,10 @@ class EngineConfig:
                      "placement_strategy", "one of PACK, STRICT_PACK, SPREAD, STRICT_SPREAD",
                      self.placement_strategy)
             _require(self.num_cpus_per_worker > 0, "num_cpus_per_worker", "> 0", self.num_cpus_per_worker)
+            _require(self.executor_backend in ("auto", "uni", "ray"), "executor_backend", "one of auto, uni, ray",
+                     self.executor_backend)
+            _require(not (self.executor_backend == "uni" and self.tensor_parallel_size > 1), "executor_backend",
+                     "'ray' or 'auto' when tensor_parallel_size > 1", self.executor_backend)
             _require(self.max_waiting_requests >= 0, "max_waiting_requests", ">= 0", self.max_waiting_requests)
         except ValueError as e:
             raise ValueError(where + str(e)) from None

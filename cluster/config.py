@@ -1,0 +1,142 @@
+"""User-facing cluster configuration (pydantic): defaults plus per-engine overrides.
+
+A cluster is a list of engines that may differ in flags. ``engine_configs()`` turns it into the
+engine's frozen ``EngineConfig``s, raising ``ValueError`` that names the flag and the engine before
+anything starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine_core.config import EngineConfig, SchedulerConfig
+from router.routing import ROUTING_POLICIES
+
+SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_num_scheduled_tokens", "max_model_len",
+                   "enable_chunked_prefill", "long_prefill_token_threshold", "max_num_partial_prefills",
+                   "max_long_partial_prefills")
+
+
+class EngineSpec(BaseModel):
+    """Flags of one engine. Unset fields inherit the cluster's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_num_seqs: int | None = Field(None, description="Admission cap on running requests (--max-num-seqs).")
+    max_num_batched_tokens: int | None = Field(None, description="Token budget per pass.")
+    max_num_scheduled_tokens: int | None = Field(None, description="Outranks max_num_batched_tokens when set.")
+    max_model_len: int | None = Field(None, description="Context length (prompt + output).")
+    enable_chunked_prefill: bool | None = None
+    long_prefill_token_threshold: int | None = Field(None, description="Per-request clamp per pass (0: off).")
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int | None = None
+    scheduling_policy: Literal["fcfs", "priority"] | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    num_gpu_blocks: int | None = Field(None, description="Explicit KV pool size in blocks.")
+    kv_cache_memory_bytes: int | None = Field(None, description="KV budget in bytes (CPU).")
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int | None = None
+    device: Literal["auto", "cpu", "cuda"] | None = None
+    dtype: str | None = None
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = None
+    num_cpus_per_worker: float | None = None
+    resources: dict[str, float] | None = Field(None, description="Extra Ray resources per worker (pinning).")
+    node_labels: dict[str, str] | None = Field(None, description="Ray node labels the workers must run on.")
+    executor_backend: Literal["auto", "uni", "ray"] | None = None
+    max_waiting_requests: int | None = Field(None, description="Queue limit before requests get HTTP 429.")
+
+
+_DEFAULTS = EngineSpec(
+    max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2048, enable_chunked_prefill=True,
+    long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
+    scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
+    tensor_parallel_size=1, device="auto", dtype="auto", placement_strategy="PACK", num_cpus_per_worker=1.0,
+    executor_backend="auto", max_waiting_requests=0)
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("SmolLM2-135M-Instruct", description="Model name, HF directory or .gguf file.")
+    served_model_name: str | None = Field(None, description="Name clients use; defaults to the model's.")
+    num_engines: int = Field(1, ge=1, description="Engines (each: one scheduler + one TP worker group).")
+    defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags every engine starts from.")
+    engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
+    routing_policy: str = Field("least_loaded", description=f"One of {', '.join(ROUTING_POLICIES)}.")
+    prefix_load_margin: int = Field(8, ge=0, description="prefix_aware: load gap that overrides a cache match.")
+    num_router_replicas: int = Field(1, ge=1)
+    request_timeout_s: float | None = Field(None, gt=0)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    address: str | None = Field(None, description="Existing Ray cluster address; local Ray when unset.")
+    namespace: str = "llm-cluster"
+    seed: int = 0
+
+    def resolved_specs(self) -> list[EngineSpec]:
+        n = max(self.num_engines, len(self.engines))
+        base = _DEFAULTS.model_dump() | self.defaults.model_dump(exclude_none=True)
+        specs = []
+        for i in range(n):
+            override = self.engines[i].model_dump(exclude_none=True) if i < len(self.engines) else {}
+            specs.append(EngineSpec(**(base | override)))
+        return specs
+
+    def engine_configs(self) -> list[EngineConfig]:
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
+                             f"got {self.routing_policy!r}")
+        return [engine_config_from_spec(self.model, i, spec, self.seed) for i, spec in
+                enumerate(self.resolved_specs())]
+
+    @classmethod
+    def from_yaml(cls, path: str) -> ClusterConfig:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        return cls(**data)
+
+
+def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0) -> EngineConfig:
+    s = spec.model_dump()
+    try:
+        scheduler = SchedulerConfig(
+            max_num_seqs=s["max_num_seqs"], max_num_batched_tokens=s["max_num_batched_tokens"],
+            max_num_scheduled_tokens=s["max_num_scheduled_tokens"], max_model_len=s["max_model_len"],
+            enable_chunked_prefill=s["enable_chunked_prefill"],
+            long_prefill_token_threshold=s["long_prefill_token_threshold"],
+            max_num_partial_prefills=s["max_num_partial_prefills"],
+            max_long_partial_prefills=s["max_long_partial_prefills"], policy=s["scheduling_policy"])
+    except ValueError as e:
+        raise ValueError(f"engine {index}: {e}") from None
+    return EngineConfig(
+        model=model, engine_index=index, tensor_parallel_size=s["tensor_parallel_size"], device=s["device"],
+        dtype=s["dtype"], scheduler=scheduler, block_size=s["block_size"],
+        enable_prefix_caching=s["enable_prefix_caching"], num_gpu_blocks=s["num_gpu_blocks"],
+        kv_cache_memory_bytes=s["kv_cache_memory_bytes"], gpu_memory_utilization=s["gpu_memory_utilization"],
+        placement_strategy=s["placement_strategy"], num_cpus_per_worker=s["num_cpus_per_worker"],
+        resources_per_worker=tuple(sorted((s["resources"] or {}).items())),
+        node_labels=tuple(sorted((s["node_labels"] or {}).items())), seed=seed,
+        executor_backend=s["executor_backend"], max_waiting_requests=s["max_waiting_requests"])
+
+
+def load_engine_overrides(path: str) -> list[EngineSpec]:
+    """``--engine-config FILE``: a YAML list of per-engine override mappings."""
+    with open(path) as f:
+        data = yaml.safe_load(f) or []
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a YAML list of per-engine mappings")
+    try:
+        return [EngineSpec(**(item or {})) for item in data]
+    except ValidationError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def scheduler_flags_to_spec(flags: dict[str, Any]) -> EngineSpec:
+    """Map vLLM-named keyword flags (``LLM(max_num_seqs=...)``, ``policy`` too) onto an EngineSpec."""
+    flags = dict(flags)
+    if "policy" in flags:
+        flags["scheduling_policy"] = flags.pop("policy")
+    return EngineSpec(**flags)

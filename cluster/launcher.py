@@ -1,0 +1,137 @@
+"""Starting (or joining) Ray and placing engines: one placement group and one engine actor per engine.
+
+Each engine's TP workers live in one placement group (one bundle per rank, PACK by default); the
+engine actor sits in bundle 0 beside rank 0. Engines are named actors, so router replicas find them
+by name and a restarted engine is found again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine_core.config import EngineConfig
+from engine_core.engine_actor import EngineCoreActor, EngineDescription
+
+logger = logging.getLogger(__name__)
+
+# The engine actor restarts (re-running its constructor: model load, fresh KV pool) if its process dies.
+ENGINE_MAX_RESTARTS = 3
+
+
+def ensure_ray(address: str | None = None, namespace: str = "llm-cluster", num_cpus: int | None = None) -> None:
+    """Join the given cluster, or start a local one when no address is given."""
+    if ray.is_initialized():
+        return
+    # Engines must import our packages wherever they run; local Ray inherits this checkout's path.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    kwargs: dict[str, Any] = {"namespace": namespace, "ignore_reinit_error": True, "log_to_driver": True}
+    if address:
+        kwargs["address"] = address
+    else:
+        kwargs["include_dashboard"] = False
+        if num_cpus is not None:
+            kwargs["num_cpus"] = num_cpus
+    ray.init(**kwargs)
+
+
+def engine_actor_name(engine_index: int) -> str:
+    return f"llm-cluster-engine-{engine_index}"
+
+
+def _use_gpu(config: EngineConfig) -> bool:
+    if config.device == "cuda":
+        return True
+    if config.device == "cpu":
+        return False
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def resolve_backend(config: EngineConfig) -> str:
+    if config.executor_backend != "auto":
+        return config.executor_backend
+    return "uni" if config.tensor_parallel_size == 1 else "ray"
+
+
+@dataclass
+class EngineHandle:
+    index: int
+    name: str
+    actor: Any
+    placement_group: PlacementGroup
+    description: EngineDescription | None = None
+
+
+def start_engine(config: EngineConfig, namespace: str, detached: bool = False,
+                 ready_timeout_s: float = 900.0) -> EngineHandle:
+    from gpu_worker.executor import create_executor
+
+    use_gpu = _use_gpu(config)
+    bundle: dict[str, float] = {"CPU": config.num_cpus_per_worker, **dict(config.resources_per_worker)}
+    if use_gpu:
+        bundle["GPU"] = 1
+    tp = config.tensor_parallel_size
+    name = engine_actor_name(config.engine_index)
+    pg = placement_group([dict(bundle) for _ in range(tp)], strategy=config.placement_strategy,
+                         name=f"{name}-workers", lifetime="detached" if detached else None,
+                         bundle_label_selector=[dict(config.node_labels)] * tp if config.node_labels else None)
+    try:
+        ray.get(pg.ready(), timeout=ready_timeout_s)
+    except Exception as e:
+        remove_placement_group(pg)
+        raise RuntimeError(f"engine {config.engine_index}: cannot place {tp} worker bundle(s) {bundle}: {e}") from e
+    uni = resolve_backend(config) == "uni"
+    options: dict[str, Any] = {
+        "name": name, "namespace": namespace, "max_restarts": ENGINE_MAX_RESTARTS,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
+        # In-process execution: the engine process runs the model and holds the bundle's resources.
+        "num_cpus": config.num_cpus_per_worker if uni else 0,
+        "num_gpus": (1 if use_gpu else 0) if uni else 0,
+        "resources": dict(config.resources_per_worker) if uni else {},
+    }
+    if detached:
+        options["lifetime"] = "detached"
+    actor = ray.remote(EngineCoreActor).options(**options).remote(config, create_executor)
+    return EngineHandle(config.engine_index, name, actor, pg)
+
+
+def start_engines(configs: list[EngineConfig], namespace: str, detached: bool = False,
+                  ready_timeout_s: float = 900.0) -> list[EngineHandle]:
+    """Start every engine, then wait until each has loaded its model and sized its KV pool."""
+    handles: list[EngineHandle] = []
+    try:
+        for config in configs:
+            handles.append(start_engine(config, namespace, detached, ready_timeout_s))
+        deadline = time.monotonic() + ready_timeout_s
+        for h in handles:
+            h.description = ray.get(h.actor.describe.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            logger.info("engine %d ready: %d KV blocks of %d tokens", h.index, h.description.num_blocks,
+                        h.description.block_size)
+    except Exception:
+        stop_engines(handles)
+        raise
+    return handles
+
+
+def stop_engines(handles: list[EngineHandle]) -> None:
+    for h in handles:
+        try:
+            ray.get(h.actor.shutdown.remote(), timeout=30)
+        except Exception as e:
+            logger.warning("engine %d did not shut down cleanly: %s", h.index, e)
+        try:
+            ray.kill(h.actor, no_restart=True)
+        except Exception:
+            pass
+        try:
+            remove_placement_group(h.placement_group)
+        except Exception:
+            pass

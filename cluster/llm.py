@@ -1,0 +1,249 @@
+"""The offline API, named as vLLM's so scripts port over: ``LLM(...).generate(...)`` and ``.chat(...)``.
+
+One engine with TP=1 runs in this process (no Ray: the engine steps on the caller's thread);
+several engines or TP > 1 run as Ray engine actors, and prompts are spread across them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from cluster.config import ClusterConfig, scheduler_flags_to_spec
+from engine_core.config import EngineConfig
+from engine_core.engine_core import EngineCore
+from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
+from engine_core.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+
+
+class _Pending:
+    __slots__ = ("done", "finish_reason", "logprobs", "metrics", "prompt", "prompt_ids", "stop_reason", "token_ids",
+                 "want_logprobs")
+
+    def __init__(self, prompt: str | None, prompt_ids: list[int], want_logprobs: bool) -> None:
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
+        self.want_logprobs = want_logprobs
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(time.time())
+        self.done = False
+
+    def apply(self, out: EngineCoreOutput, now: float) -> None:
+        if out.new_token_ids:
+            if self.metrics.first_token_time is None:
+                self.metrics.first_token_time = now
+            self.token_ids.extend(out.new_token_ids)
+            if self.logprobs is not None and out.new_logprobs is not None:
+                self.logprobs.extend(_logprob_dicts(out.new_token_ids, out.new_logprobs))
+        if out.finish_reason is not None:
+            self.finish_reason = str(out.finish_reason)
+            self.stop_reason = out.stop_reason
+            self.metrics.finished_time = now
+            self.done = True
+
+
+def _logprob_dicts(token_ids: list[int], entry: LogprobsEntry) -> list[dict[int, float]]:
+    rows = []
+    for i, tid in enumerate(token_ids):
+        row = {tid: entry.sampled_logprobs[i]}
+        for alt, lp in entry.top_logprobs[i]:
+            row.setdefault(alt, lp)
+        rows.append(row)
+    return rows
+
+
+class LLM:
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", num_engines: int = 1, tensor_parallel_size: int = 1,
+                 num_gpu_blocks: int | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
+                 block_size: int = 16, enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
+                 executor_backend: str = "auto", use_ray: bool | None = None, address: str | None = None,
+                 **scheduler_flags: Any) -> None:
+        from gpu_worker.model_resolver import load_tokenizer, resolve_model
+
+        resolved = resolve_model(model)
+        self.model_dir = str(resolved.model_dir)
+        self.tokenizer = load_tokenizer(resolved.model_dir)
+        spec = scheduler_flags_to_spec(scheduler_flags).model_copy(update={
+            "tensor_parallel_size": tensor_parallel_size, "num_gpu_blocks": num_gpu_blocks, "device": device,
+            "dtype": dtype, "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend})
+        self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,
+                                            address=address, seed=seed)
+        self.engine_configs: list[EngineConfig] = self.cluster_config.engine_configs()
+        self.use_ray = use_ray if use_ray is not None else (num_engines > 1 or tensor_parallel_size > 1)
+        self._ids = itertools.count()
+        self._engine: EngineCore | None = None
+        self._handles: list[Any] = []
+        if self.use_ray:
+            from cluster.launcher import ensure_ray, start_engines
+
+            ensure_ray(address, namespace=self.cluster_config.namespace)
+            self._handles = start_engines(self.engine_configs, self.cluster_config.namespace)
+        else:
+            from gpu_worker.executor import create_executor
+
+            self._engine = EngineCore(self.engine_configs[0], create_executor(self.engine_configs[0]))
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        pending: dict[str, _Pending] = {}
+        requests = []
+        for prompt, params in zip(prompt_list, params_list):
+            ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+            request_id = str(next(self._ids))
+            pending[request_id] = _Pending(prompt if isinstance(prompt, str) else None, ids, params.logprobs is not None)
+            requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+                                              arrival_time=time.time()))
+        with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
+            if self._engine is not None:
+                self._run_in_process(requests, pending, bar)
+            else:
+                self._run_on_ray(requests, pending, bar)
+        return [self._to_output(rid, p) for rid, p in pending.items()]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        batch = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conversation in batch:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+            prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, prompt in zip(outputs, prompts):
+            out.prompt = self.tokenizer.decode(prompt)
+        return outputs
+
+    def get_stats(self) -> list[Any]:
+        import ray
+
+        if self._engine is not None:
+            return [self._engine.last_stats]
+        return ray.get([h.actor.get_stats.remote() for h in self._handles])
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+        if self._handles:
+            from cluster.launcher import stop_engines
+
+            stop_engines(self._handles)
+            self._handles = []
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- execution ------------------------------------------------------------------------------
+
+    def _run_in_process(self, requests: list[EngineCoreRequest], pending: dict[str, _Pending], bar: tqdm) -> None:
+        engine = self._engine
+        assert engine is not None
+        for request in requests:
+            engine.add_request(request)
+        remaining = len(requests)
+        while remaining:
+            outputs = engine.step()
+            remaining -= self._apply(outputs.values(), pending, bar)
+            if remaining and not engine.has_work():
+                raise RuntimeError("the engine has no work left but requests are unfinished")
+
+    def _run_on_ray(self, requests: list[EngineCoreRequest], pending: dict[str, _Pending], bar: tqdm) -> None:
+        import ray
+
+        handles = [h.actor for h in self._handles]
+        # Spread prompts across engines, in order (results keep the prompts' order regardless).
+        ray.get([handles[i % len(handles)].add_request.remote(r) for i, r in enumerate(requests)])
+        remaining = len(requests)
+        while remaining:
+            outs = ray.get([h.get_output.remote(0, 0.5) for h in handles])
+            remaining -= self._apply(outs, pending, bar)
+
+    @staticmethod
+    def _apply(outputs: Any, pending: dict[str, _Pending], bar: tqdm) -> int:
+        now = time.time()
+        finished = 0
+        for eco in outputs:
+            eco: EngineCoreOutputs
+            for out in eco.outputs:
+                p = pending.get(out.request_id)
+                if p is None or p.done:
+                    continue
+                p.apply(out, now)
+                if p.done:
+                    finished += 1
+                    bar.update(1)
+        return finished
+
+    def _to_output(self, request_id: str, p: _Pending) -> RequestOutput:
+        text = self.tokenizer.decode(p.token_ids, skip_special_tokens=True)
+        return RequestOutput(request_id=request_id, prompt=p.prompt, prompt_token_ids=p.prompt_ids,
+                             outputs=[CompletionOutput(0, text, p.token_ids, p.finish_reason, p.logprobs,
+                                                       p.stop_reason)],
+                             finished=p.done, metrics=p.metrics)
+
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    @staticmethod
+    def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+        return params
