@@ -7,6 +7,7 @@ by name and a restarted engine is found again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -127,11 +128,7 @@ def stop_engines(handles: list[EngineHandle]) -> None:
             ray.get(h.actor.shutdown.remote(), timeout=30)
         except Exception as e:
             logger.warning("engine %d did not shut down cleanly: %s", h.index, e)
-        try:
+        with contextlib.suppress(Exception):
             ray.kill(h.actor, no_restart=True)
-        except Exception:
-            pass
-        try:
+        with contextlib.suppress(Exception):
             remove_placement_group(h.placement_group)
-        except Exception:
-            pass

@@ -133,7 +133,8 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list):
             ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
             request_id = str(next(self._ids))
-            pending[request_id] = _Pending(prompt if isinstance(prompt, str) else None, ids, params.logprobs is not None)
+            text = prompt if isinstance(prompt, str) else None
+            pending[request_id] = _Pending(text, ids, params.logprobs is not None)
             requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                                               arrival_time=time.time()))
         with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
