@@ -1,0 +1,220 @@
+"""Executors: how an engine runs its workers.
+
+``UniProcExecutor`` runs the single TP=1 worker inside the engine's own process (no extra hop per
+step). ``RayWorkerGroupExecutor`` runs one ``Worker`` Ray actor per TP rank in the engine's
+placement group (bundle i holds rank i), sends every rank the same ``SchedulerOutput`` and returns
+rank 0's ``ModelRunnerOutput``; a rank that dies surfaces as an exception within the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+from engine_core.config import EngineConfig
+from engine_core.executor import Executor, ModelInfo
+from engine_core.outputs import ModelRunnerOutput
+from engine_core.sched.output import SchedulerOutput
+from gpu_worker.config import ModelConfig
+from gpu_worker.model_resolver import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+def _in_ray_actor() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        return False
+
+
+def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, num_cpus: int | None) -> dict[str, Any]:
+    return {
+        "model_path_or_config": str(model_dir), "device": config.device, "dtype": config.dtype,
+        "max_model_len": max_model_len, "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.token_budget, "num_cpus": num_cpus, "seed": config.seed,
+    }
+
+
+class _ExecutorBase(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        resolved = resolve_model(config.model)
+        self.model_dir = Path(resolved.model_dir)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
+        self._info = ModelInfo(
+            served_model_name=resolved.served_name, model_dir=str(self.model_dir), max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids))
+        self._num_blocks: int | None = None
+
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def _block_args(self) -> dict[str, Any]:
+        return {"block_size": self.config.block_size, "num_blocks": self.config.num_gpu_blocks,
+                "kv_cache_memory_bytes": self.config.kv_cache_memory_bytes,
+                "gpu_memory_utilization": self.config.gpu_memory_utilization}
+
+
+class UniProcExecutor(_ExecutorBase):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        from gpu_worker.worker import Worker
+
+        # Inside a Ray actor, torch gets as many threads as the actor holds CPUs (so engines sharing
+        # a machine do not oversubscribe it); in a user's own process, torch's default.
+        num_cpus = max(1, int(config.num_cpus_per_worker)) if _in_ray_actor() else None
+        self.worker = Worker(rank=0, world_size=1, **_worker_kwargs(config, self.model_dir, self.max_model_len,
+                                                                    num_cpus))
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        args = self._block_args()
+        if args["num_blocks"] is None and args["kv_cache_memory_bytes"] is None and self.worker.device.type == "cpu":
+            # CPU default: enough blocks for max_num_seqs full-length sequences, capped at 1 GiB.
+            per_block = self.worker.bytes_per_block(self.config.block_size)
+            args["kv_cache_memory_bytes"] = default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
+        return self.worker.determine_num_blocks(**args)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks, self.config.block_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        out = self.worker.execute_model(scheduler_output)
+        assert out is not None
+        return out
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def default_cpu_kv_bytes(config: EngineConfig, max_model_len: int, bytes_per_block: int) -> int:
+    blocks_wanted = config.scheduler.max_num_seqs * -(-max_model_len // config.block_size)
+    return min(blocks_wanted * bytes_per_block, 1 << 30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class RayWorkerGroupExecutor(_ExecutorBase):
+    """One Worker actor per rank, placed in the placement group the engine runs in (bundle = rank)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.workers: list[Any] = []
+        self._start_workers()
+
+    def _start_workers(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from gpu_worker.worker import Worker
+
+        pg = ray.util.get_current_placement_group()
+        tp = self.config.tensor_parallel_size
+        num_cpus = self.config.num_cpus_per_worker
+        use_gpu = self.config.device == "cuda" or (self.config.device == "auto"
+                                                    and ray.cluster_resources().get("GPU", 0) >= 1)
+        actor_cls = ray.remote(Worker)
+        workers = []
+        for rank in range(tp):
+            options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": 1 if use_gpu else 0,
+                                       "resources": dict(self.config.resources_per_worker)}
+            if pg is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            workers.append(actor_cls.options(**options).remote(
+                rank=rank, world_size=tp,
+                **_worker_kwargs(self.config, self.model_dir, self.max_model_len, max(1, int(num_cpus)))))
+        self.workers = workers
+        if tp > 1:
+            master_addr = ray.get(workers[0].__ray_call__.remote(lambda _self: ray.util.get_node_ip_address()))
+            master_port = ray.get(workers[0].__ray_call__.remote(lambda _self: _free_port()))
+            ray.get([w.init_distributed.remote(master_addr, master_port) for w in workers])
+        ray.get([w.load_model.remote() for w in workers])
+
+    def _run_all(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Call ``method`` on every rank; the first rank to fail raises at once (no waiting on the rest)."""
+        import ray
+
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        results: dict[Any, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                raise TimeoutError(f"workers did not finish {method} within {timeout} s")
+            results[ready[0]] = ray.get(ready[0])
+        return [results[r] for r in refs]
+
+    def determine_num_blocks(self) -> int:
+        import ray
+
+        args = self._block_args()
+        if args["num_blocks"] is None and args["kv_cache_memory_bytes"] is None:
+            device = ray.get(self.workers[0].__ray_call__.remote(lambda w: w.device.type))
+            if device == "cpu":
+                per_block = ray.get(self.workers[0].bytes_per_block.remote(self.config.block_size))
+                args["kv_cache_memory_bytes"] = default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
+        results = self._run_all("determine_num_blocks", *args.values())
+        return min(results)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._run_all("initialize_cache", num_blocks, self.config.block_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        import ray
+
+        ref = ray.put(scheduler_output)
+        out = self._run_all("execute_model", ref)[0]
+        assert out is not None
+        return out
+
+    def check_health(self) -> None:
+        import ray
+
+        ray.get([w.__ray_call__.remote(lambda _w: True) for w in self.workers], timeout=10)
+
+    def restart(self) -> None:
+        """Replace every rank (a survivor may be stuck in a collective with the dead one)."""
+        self._kill_workers()
+        self._start_workers()
+
+    def _kill_workers(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception as e:
+                logger.debug("kill worker: %s", e)
+        self.workers = []
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=10)
+        except Exception as e:
+            logger.debug("worker shutdown: %s", e)
+        self._kill_workers()
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The executor factory handed to the engine (engine_core never imports gpu_worker)."""
+    backend = config.executor_backend
+    if backend == "auto":
+        backend = "uni" if config.tensor_parallel_size == 1 else "ray"
+    if backend == "uni":
+        return UniProcExecutor(config)
+    return RayWorkerGroupExecutor(config)

@@ -1,0 +1,60 @@
+"""Tiny random-weight Llama models with a real (small, byte-level BPE) tokenizer, saved as HF dirs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+_CORPUS = [
+    "Hello world, the quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Ünïcödé tëxt, naïve café, 東京は日本の首都です。 😀🚀 emoji and more words.",
+    "def main():\n    return 42\n",
+    "user assistant system What is the capital of France?",
+] * 20
+
+
+def build_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_llama(path: Path, seed: int = 0, num_layers: int = 2, hidden: int = 64, heads: int = 4,
+                     kv_heads: int = 2, max_positions: int = 1024, tie: bool = False) -> Path:
+    """Save a random tiny Llama with our tokenizer into ``path`` (an HF model directory)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max_positions, tie_word_embeddings=tie,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         architectures=["LlamaForCausalLM"])
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Larger weights than the init default, so greedy decoding is not dominated by near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
