@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cluster.config import ClusterConfig, scheduler_flags_to_spec
+from cluster.config import ClusterConfig, EngineSpec, scheduler_flags_to_spec
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
@@ -94,7 +94,7 @@ class LLM:
                  num_gpu_blocks: int | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  block_size: int = 16, enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
                  executor_backend: str = "auto", use_ray: bool | None = None, address: str | None = None,
-                 **scheduler_flags: Any) -> None:
+                 engine_overrides: list[dict[str, Any]] | None = None, **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -104,10 +104,14 @@ class LLM:
             "tensor_parallel_size": tensor_parallel_size, "num_gpu_blocks": num_gpu_blocks, "device": device,
             "dtype": dtype, "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
             "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend})
+        # engine_overrides: per-engine flag mappings (engine i gets the i-th), e.g. a latency engine
+        # beside a throughput one.
         self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,
+                                            engines=[EngineSpec(**o) for o in engine_overrides or []],
                                             address=address, seed=seed)
         self.engine_configs: list[EngineConfig] = self.cluster_config.engine_configs()
-        self.use_ray = use_ray if use_ray is not None else (num_engines > 1 or tensor_parallel_size > 1)
+        self.use_ray = use_ray if use_ray is not None else (len(self.engine_configs) > 1 or tensor_parallel_size > 1
+                                                            or executor_backend == "ray")
         self._ids = itertools.count()
         self._engine: EngineCore | None = None
         self._handles: list[Any] = []
@@ -162,7 +166,7 @@ class LLM:
         import ray
 
         if self._engine is not None:
-            return [self._engine.last_stats]
+            return [self._engine.stats()]
         return ray.get([h.actor.get_stats.remote() for h in self._handles])
 
     def shutdown(self) -> None:

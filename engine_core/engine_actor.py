@@ -16,37 +16,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ExecutorFactory, ModelInfo
 from engine_core.metrics import EngineMetrics
-from engine_core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from engine_core.outputs import EngineCoreOutputs, EngineCoreRequest, EngineStats
 from engine_core.sched.scheduler import PauseState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """What ``get_stats`` reports: the flags in effect, the pool, and counters since start."""
-
-    engine_index: int
-    healthy: bool
-    scheduler_config: dict[str, Any]
-    num_blocks: int
-    block_size: int
-    last: SchedulerStats
-    num_steps: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_requests_added: int = 0
-    num_requests_finished: int = 0
-    num_waiting_reqs: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,7 +76,6 @@ class EngineCoreService:
         self._error: str | None = None
         self._stopped = False
         self._restarting = False
-        self._counters = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0}
         self._thread = threading.Thread(target=self._run_busy_loop, name=f"engine-{config.engine_index}-busy-loop",
                                         daemon=True)
         self._thread.start()
@@ -112,7 +91,6 @@ class EngineCoreService:
     def add_request(self, request: EngineCoreRequest) -> None:
         if self._error is not None:
             raise RuntimeError(f"engine {self.config.engine_index} is unhealthy: {self._error}")
-        self._counters["added"] += 1
         self.submit(lambda: self._add_request(request))
 
     def _add_request(self, request: EngineCoreRequest) -> None:
@@ -181,18 +159,14 @@ class EngineCoreService:
         for eco in outputs.values():
             if eco.scheduler_stats is not None:
                 stats = eco.scheduler_stats
-                # Stats describe the engine: kept here, not routed to whichever client got them.
+                # Stats describe the engine (EngineCore keeps them): not routed to whichever client got them.
                 eco.scheduler_stats = None
-                self._counters["prefix_queries"] += stats.prefix_cache_stats.queries
-                self._counters["prefix_hits"] += stats.prefix_cache_stats.hits
-                self._counters["preemptions"] += stats.num_preemptions
         if self.metrics is not None:
             self.metrics.on_step(outputs, stats)
         loop = self._loop
         for client_index, eco in outputs.items():
             if not eco.outputs and not eco.finished_requests:
                 continue
-            self._counters["finished"] += sum(1 for o in eco.outputs if o.finish_reason is not None)
             buffer = self._buffer(client_index)
             with self._buffers_lock:
                 buffer.items.append(eco)
@@ -261,15 +235,7 @@ class EngineCoreService:
         return len(scheduler.waiting) + len(scheduler.skipped_waiting) + self._inputs.qsize()
 
     def stats(self) -> EngineStats:
-        engine = self.engine
-        return EngineStats(
-            engine_index=self.config.engine_index, healthy=self.is_healthy(),
-            scheduler_config=dict(engine.scheduler_config.__dict__), num_blocks=engine.num_blocks,
-            block_size=self.config.block_size, last=engine.last_stats, num_steps=engine.num_steps,
-            prefix_cache_queries=self._counters["prefix_queries"], prefix_cache_hits=self._counters["prefix_hits"],
-            num_preemptions=self._counters["preemptions"], num_requests_added=self._counters["added"],
-            num_requests_finished=self._counters["finished"],
-            num_waiting_reqs=len(engine.scheduler.waiting) + len(engine.scheduler.skipped_waiting))
+        return self.engine.stats(healthy=self.is_healthy())
 
     def shutdown(self) -> None:
         self._inputs.put(None)

