@@ -1,0 +1,111 @@
+"""Engine actors on a real local Ray cluster: heterogeneous flags, aborts, worker faults."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cluster import LLM, SamplingParams
+from cluster.config import ClusterConfig, EngineSpec
+from cluster.launcher import start_engines, stop_engines
+from engine_core.outputs import EngineCoreRequest
+
+pytestmark = pytest.mark.slow
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 6
+
+
+def test_two_engines_with_different_flags_both_serve_with_their_own_flags(ray_cluster, tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), num_engines=2, num_gpu_blocks=128,
+              engine_overrides=[{"max_num_batched_tokens": 16, "long_prefill_token_threshold": 8, "max_num_seqs": 4},
+                                {"max_num_batched_tokens": 512}])
+    try:
+        outs = llm.generate([LONG] * 6, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+        stats = sorted(llm.get_stats(), key=lambda s: s.engine_index)
+    finally:
+        llm.shutdown()
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    # Greedy is deterministic: both engines produced the same tokens for the same prompt.
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    latency, throughput = stats
+    assert latency.num_requests_finished == 3 and throughput.num_requests_finished == 3
+    assert latency.scheduler_config["max_num_seqs"] == 4
+    assert latency.scheduler_config["long_prefill_token_threshold"] == 8
+    assert throughput.scheduler_config["max_num_seqs"] == 256
+    # In effect, not just reported: the latency engine never ran a pass above its 16-token budget.
+    assert latency.max_step_num_scheduled_tokens <= 16 < throughput.max_step_num_scheduled_tokens
+
+
+def _collect(actor, request_ids, timeout_s=60.0):
+    import ray
+
+    finals = {}
+    deadline = time.monotonic() + timeout_s
+    while len(finals) < len(request_ids) and time.monotonic() < deadline:
+        eco = ray.get(actor.get_output.remote(0, 0.5))
+        for out in eco.outputs:
+            if out.finish_reason is not None:
+                finals[out.request_id] = out
+    return finals
+
+
+def _request(rid, max_tokens=200):
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(range(3, 40)),
+                             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
+
+
+def test_abort_frees_kv_blocks(ray_cluster, tiny_model_dir):
+    import ray
+
+    config = ClusterConfig(model=str(tiny_model_dir), defaults=EngineSpec(num_gpu_blocks=64))
+    [engine] = start_engines(config.engine_configs(), config.namespace)
+    try:
+        ray.get([engine.actor.add_request.remote(_request(f"r{i}", 500)) for i in range(4)])
+        deadline = time.monotonic() + 30
+        while ray.get(engine.actor.get_stats.remote()).num_free_blocks == 64 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        busy = ray.get(engine.actor.get_stats.remote())
+        assert busy.num_free_blocks < 64 and busy.num_unfinished_requests == 4
+        ray.get(engine.actor.abort_requests.remote([f"r{i}" for i in range(4)]))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = ray.get(engine.actor.get_stats.remote())
+            if stats.num_unfinished_requests == 0:
+                break
+            time.sleep(0.05)
+        assert stats.num_unfinished_requests == 0 and stats.num_free_blocks == 64
+    finally:
+        stop_engines([engine])
+
+
+def test_killing_a_worker_errors_in_flight_requests_then_the_engine_recovers(ray_cluster, tiny_model_dir):
+    import ray
+
+    config = ClusterConfig(model=str(tiny_model_dir),
+                           defaults=EngineSpec(num_gpu_blocks=64, executor_backend="ray"))
+    [engine] = start_engines(config.engine_configs(), config.namespace)
+    try:
+        actor = engine.actor
+        ray.get([actor.add_request.remote(_request(f"k{i}", 5000)) for i in range(2)])
+        time.sleep(1.0)
+        worker = ray.get(actor.__ray_call__.remote(lambda self: self.service.engine.executor.workers[0]))
+        t0 = time.monotonic()
+        ray.kill(worker, no_restart=True)
+        finals = _collect(actor, ["k0", "k1"], timeout_s=30)
+        assert time.monotonic() - t0 < 30, "in-flight requests hung"
+        assert {f.finish_reason.name for f in finals.values()} == {"ERROR"} and len(finals) == 2
+        # The engine brings its workers back and serves again.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.check_health.remote())
+                break
+            except Exception:
+                time.sleep(0.5)
+        ray.get(actor.add_request.remote(_request("after", 5)))
+        finals = _collect(actor, ["after"])
+        assert finals["after"].finish_reason.name == "LENGTH"
+        assert ray.get(actor.get_stats.remote()).num_free_blocks == 64
+    finally:
+        stop_engines([engine])
