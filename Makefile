@@ -7,7 +7,10 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test lint serve bench-scheduler clean
+.PHONY: venv test lint serve bench-scheduler bench-offline bench-router clean
+
+# Extra flags for `make serve`, e.g. make serve SERVE_ARGS="--routing-policy prefix_aware"
+SERVE_ARGS ?=
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,11 +28,20 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
+serve: $(STAMP)
+	$(VENV)/bin/llm-cluster serve --model SmolLM2-135M-Instruct --num-engines 2 --host 127.0.0.1 --port 8000 $(SERVE_ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 bench-scheduler: $(STAMP)
 	$(PY) benchmarks/bench_scheduler.py
+
+bench-offline: $(STAMP)
+	$(PY) benchmarks/bench_offline.py
+
+bench-router: $(STAMP)
+	$(PY) benchmarks/bench_router.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
