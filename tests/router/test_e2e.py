@@ -1,0 +1,258 @@
+"""End to end: real Ray engines (tiny model), the Serve ingress deployment, real HTTP, the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from cluster.app import router_deployment
+from cluster.config import ClusterConfig, EngineSpec
+from cluster.launcher import start_engines, stop_engines
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(base: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base} did not come up")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, tiny_model_dir):
+    from ray import serve
+
+    config = ClusterConfig(
+        model=str(tiny_model_dir), served_model_name="tiny", num_engines=2, routing_policy="round_robin",
+        defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256),
+        # Engine 1 has a short queue, so flooding it yields 429s.
+        engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
+    engines = start_engines(config.engine_configs(), config.namespace)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(router_deployment(config), name="llm-cluster", route_prefix="/")
+    prefix_config = config.model_copy(update={"routing_policy": "prefix_aware"})
+    # A second router app over the same engines, with another policy.
+    serve.run(router_deployment(prefix_config), name="prefix", route_prefix="/prefix")
+    base = f"http://127.0.0.1:{port}"
+    _wait_ready(base)
+    _wait_ready(f"{base}/prefix")
+    yield {"base": base, "engines": engines, "config": config}
+    serve.shutdown()
+    stop_engines(engines)
+
+
+@pytest.fixture
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster['base']}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _stats(cluster):
+    import ray
+
+    return [ray.get(e.actor.get_stats.remote()) for e in cluster["engines"]]
+
+
+def _wait_idle(cluster, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = _stats(cluster)
+        if all(s.num_unfinished_requests == 0 and s.num_free_blocks == s.num_blocks for s in stats):
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"engines did not go idle: {stats}")
+
+
+def test_chat_plain_and_streamed(client, cluster):
+    msgs = [{"role": "user", "content": "Hello"}]
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    assert plain.object == "chat.completion" and plain.choices[0].message.role == "assistant"
+    assert plain.choices[0].finish_reason in ("stop", "length")
+    assert plain.usage.completion_tokens >= 1 and plain.usage.prompt_tokens > 0
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_completions_n2_and_echo(client):
+    out = client.completions.create(model="tiny", prompt="Paris is", max_tokens=6, n=2, temperature=1.0, seed=3,
+                                    extra_body={"ignore_eos": True})
+    assert len(out.choices) == 2 and {c.index for c in out.choices} == {0, 1}
+    assert out.usage.completion_tokens == 12
+    echo = client.completions.create(model="tiny", prompt="Paris is", max_tokens=2, echo=True, temperature=0)
+    assert echo.choices[0].text.startswith("Paris is")
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def run():
+        return client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=1.0, seed=1234,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    assert run() == run()
+
+
+def test_stop_string_cuts_the_text(client):
+    base = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(base) > 4
+    stop = base[2:4]
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == base[:base.find(stop)] and out.choices[0].finish_reason == "stop"
+    kept = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0, stop=stop,
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == base[:base.find(stop) + len(stop)]
+
+
+def test_logprobs(client):
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        # Greedy: the sampled token is the most likely one.
+        assert item.logprob == pytest.approx(max(t.logprob for t in item.top_logprobs), abs=1e-5)
+    comp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
+    assert len(comp.choices[0].logprobs.tokens) == 3 and len(comp.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def test_round_robin_sends_traffic_to_both_engines(client, cluster):
+    before = [s.num_requests_added for s in _stats(cluster)]
+    for _ in range(4):
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
+    after = [s.num_requests_added for s in _stats(cluster)]
+    assert all(a - b >= 1 for a, b in zip(after, before))
+
+
+def _error(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_error_statuses_with_openai_error_bodies(cluster):
+    base = cluster["base"]
+    r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and _error(r)
+    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny"})
+    assert r.status_code == 400 and _error(r)["param"] == "prompt"
+    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": 9})
+    assert r.status_code == 400 and _error(r)["param"] == "temperature"
+    r = httpx.post(f"{base}/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and _error(r)["param"] == "model"
+    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 10_000})
+    assert r.status_code == 400 and _error(r)["param"] == "max_tokens"
+    r = httpx.post(f"{base}/v1/chat/completions", json={"model": "tiny", "messages": [], "max_tokens": 2})
+    assert r.status_code == 400 and _error(r)["param"] == "messages"
+    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "priority": 3})
+    assert r.status_code == 400 and _error(r)["param"] == "priority"
+    _wait_idle(cluster)
+
+
+def test_queue_limit_gives_429_and_leaks_nothing(cluster):
+    base = cluster["base"]
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True}
+            return await asyncio.gather(*(c.post(f"{base}/v1/completions", json=body) for _ in range(16)))
+
+    codes = [r.status_code for r in asyncio.run(flood())]
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+    _wait_idle(cluster)
+
+
+def test_client_disconnect_aborts_the_request_and_frees_blocks(cluster):
+    base = cluster["base"]
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": "Hello", "max_tokens": 200, "stream": True,
+                            "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: ") and '"text"' in line:
+                break
+        busy = _stats(cluster)
+        assert any(s.num_unfinished_requests for s in busy)
+    # The stream is closed before 200 tokens were generated: the engine must drop the request.
+    stats = _wait_idle(cluster)
+    assert all(s.num_free_blocks == s.num_blocks for s in stats)
+
+
+def test_streaming_sse_format_ends_with_done(cluster):
+    with httpx.stream("POST", f"{cluster['base']}/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                            "stream": True}) as r:
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert all(json.loads(d)["object"] == "chat.completion.chunk" for d in data[:-1])
+
+
+def test_tokenize_detokenize_version_models(cluster):
+    base = cluster["base"]
+    toks = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world"}).json()
+    assert toks["count"] == len(toks["tokens"]) > 0
+    assert httpx.post(f"{base}/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "Hello world"
+    assert httpx.get(f"{base}/version").json()["version"]
+    assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
+    assert "llm_cluster:router_requests_routed_total" in httpx.get(f"{base}/metrics").text
+
+
+def test_prefix_aware_routing_sends_shared_prefix_to_the_engine_holding_it(cluster):
+    base = f"{cluster['base']}/prefix"
+    shared = "The quick brown fox jumps over the lazy dog. " * 4
+    before = _stats(cluster)
+    for tail in ("Hello", "Paris is", "def main():", "naïve café", "Berlin is"):
+        r = httpx.post(f"{base}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": shared + tail, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200
+    after = _stats(cluster)
+    added = [a.num_requests_added - b.num_requests_added for a, b in zip(after, before)]
+    hits = [a.prefix_cache_hits - b.prefix_cache_hits for a, b in zip(after, before)]
+    holder = max(range(2), key=lambda i: added[i])
+    assert added[holder] == 5 and added[1 - holder] == 0
+    # The engines' own prefix-cache counters prove the hits (4 later requests reuse the prefix blocks).
+    assert hits[holder] >= 4 * 16
+
+
+def test_health_is_503_when_every_engine_is_dead_and_200_after_restart(cluster):
+    import ray
+
+    base = cluster["base"]
+    assert httpx.get(f"{base}/health").status_code == 200
+    for e in cluster["engines"]:
+        ray.kill(e.actor, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and httpx.get(f"{base}/health", timeout=10).status_code != 503:
+        time.sleep(0.5)
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 503
+    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and _error(r)
+    stop_engines(cluster["engines"])
+    cluster["engines"][:] = start_engines(cluster["config"].engine_configs(), cluster["config"].namespace)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and httpx.get(f"{base}/health", timeout=10).status_code != 200:
+        time.sleep(0.5)
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
