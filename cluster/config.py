@@ -89,8 +89,8 @@ class ClusterConfig(BaseModel):
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.routing_policy!r}")
-        return [engine_config_from_spec(self.model, i, spec, self.seed) for i, spec in
-                enumerate(self.resolved_specs())]
+        return [engine_config_from_spec(self.model, i, spec, self.seed, self.served_model_name)
+                for i, spec in enumerate(self.resolved_specs())]
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:
@@ -99,7 +99,8 @@ class ClusterConfig(BaseModel):
         return cls(**data)
 
 
-def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0) -> EngineConfig:
+def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
+                            served_model_name: str | None = None) -> EngineConfig:
     s = spec.model_dump()
     try:
         scheduler = SchedulerConfig(
@@ -112,7 +113,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
     except ValueError as e:
         raise ValueError(f"engine {index}: {e}") from None
     return EngineConfig(
-        model=model, engine_index=index, tensor_parallel_size=s["tensor_parallel_size"], device=s["device"],
+        model=model, served_model_name=served_model_name, engine_index=index, tensor_parallel_size=s["tensor_parallel_size"], device=s["device"],
         dtype=s["dtype"], scheduler=scheduler, block_size=s["block_size"],
         enable_prefix_caching=s["enable_prefix_caching"], num_gpu_blocks=s["num_gpu_blocks"],
         kv_cache_memory_bytes=s["kv_cache_memory_bytes"], gpu_memory_utilization=s["gpu_memory_utilization"],

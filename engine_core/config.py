@@ -81,6 +81,8 @@ class EngineConfig:
     """Everything one engine (one EngineCore actor + its TP worker group) needs; engines may differ."""
 
     model: str = "SmolLM2-135M-Instruct"
+    # The name clients use (and the model_name label); defaults to the model's own name.
+    served_model_name: str | None = None
     engine_index: int = 0
     tensor_parallel_size: int = 1
     # "auto" picks cuda when available, else cpu.

@@ -11,11 +11,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.outputs import EngineCoreOutputs, SchedulerStats
 from engine_core.request import EngineCoreEventType, Request
+
+# As in vLLM: no *_created series.
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,8 +31,9 @@ def _error_response(status: int, message: str, type_: str, param: str | None) ->
                                                                 "param": param, "code": status}})
 
 
-def create_app(serving: OpenAIServing, extra_metrics: Any = None) -> FastAPI:
-    """``extra_metrics``: an async callable returning more exposition text for /metrics (engine series)."""
+def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
+    """``render_metrics``: an async callable producing the whole /metrics exposition (every replica's
+    and every engine's series); without it, /metrics shows this process's router series only."""
     app = FastAPI(title="llm-cluster", version=serving.settings.version)
     metrics = serving.metrics
 
@@ -109,9 +111,10 @@ def create_app(serving: OpenAIServing, extra_metrics: Any = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        text = metrics.render() if metrics is not None else b""
-        if extra_metrics is not None:
-            text += await extra_metrics()
+        if render_metrics is not None:
+            text = await render_metrics()
+        else:
+            text = metrics.render() if metrics is not None else b""
         return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import random
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +18,7 @@ from transformers import AutoTokenizer
 
 from router.app import create_app
 from router.engine_client import EngineClient
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, merge_expositions
 from router.routing import create_routing_policy
 from router.serving import OpenAIServing, ServingSettings
 
@@ -74,7 +77,32 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     return OpenAIServing(settings, client, tokenizer, policy, metrics), client
 
 
-async def engine_metrics_text(client: EngineClient) -> bytes:
+class RouterMetricsHub:
+    """A named actor holding each router replica's latest exposition, so any replica can serve all."""
+
+    def __init__(self) -> None:
+        self._texts: dict[str, tuple[bytes, float]] = {}
+
+    def push(self, replica: str, text: bytes) -> None:
+        self._texts[replica] = (text, time.time())
+
+    def get_all(self, max_age_s: float = 120.0) -> list[bytes]:
+        now = time.time()
+        # A replica that stopped pushing (gone) drops out after max_age_s.
+        self._texts = {r: v for r, v in self._texts.items() if now - v[1] <= max_age_s}
+        return [text for text, _ in self._texts.values()]
+
+
+METRICS_PUSH_INTERVAL_S = 1.0
+
+
+def metrics_hub(namespace: str) -> Any:
+    return ray.remote(RouterMetricsHub).options(
+        name="llm-cluster-router-metrics", namespace=namespace, get_if_exists=True, lifetime="detached",
+        num_cpus=0).remote()
+
+
+async def engine_metrics_texts(client: EngineClient) -> list[bytes]:
     """Every engine's exposition text, fetched from the engines themselves (same on every replica)."""
     parts = []
     for engine in range(client.num_engines):
@@ -84,7 +112,7 @@ async def engine_metrics_text(client: EngineClient) -> bytes:
             parts.append(await client.handle(engine).get_metrics_text.remote())
         except Exception as e:  # an engine dying mid-scrape must not fail the whole scrape
             logger.warning("metrics of engine %d unavailable: %s", engine, e)
-    return b"".join(parts)
+    return parts
 
 
 @serve.ingress()
@@ -92,6 +120,26 @@ class OpenAIRouter:
     async def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.serving, self.client = await build_serving(config)
+        self.metrics = self.serving.metrics
+        self.hub = metrics_hub(config.namespace)
+        self._push_task = asyncio.create_task(self._push_metrics())
+
+    async def _push_metrics(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.hub.push.remote(self.metrics.replica, self.metrics.render())
+            await asyncio.sleep(METRICS_PUSH_INTERVAL_S)
+
+    async def render_metrics(self) -> bytes:
+        """Every replica's router series (via the hub) and every engine's series, as one exposition."""
+        own = self.metrics.render()
+        try:
+            await self.hub.push.remote(self.metrics.replica, own)
+            router_texts = await self.hub.get_all.remote()
+        except Exception as e:
+            logger.warning("router metrics hub unavailable: %s", e)
+            router_texts = [own]
+        return merge_expositions([*router_texts, *await engine_metrics_texts(self.client)])
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.serving, extra_metrics=lambda: engine_metrics_text(self.client))
+        return create_app(self.serving, render_metrics=self.render_metrics)

@@ -1,8 +1,20 @@
-"""The router's own Prometheus metrics (the only module of the router that imports prometheus_client)."""
+"""The router's Prometheus side: its own metrics, and merging many expositions into one scrape.
+
+The only router module that imports prometheus_client. Each replica's series carry a ``replica``
+label; one scrape target returns every replica's series (through a shared hub actor) and every
+engine's series (from the engines themselves), merged by metric family so the exposition stays valid.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+# vLLM exports no *_created series either; they double the scrape size for nothing.
+disable_created_metrics()
 
 
 class RouterMetrics:
@@ -12,21 +24,47 @@ class RouterMetrics:
         self.replica = replica
         self.requests_routed = Counter(
             "llm_cluster:router_requests_routed", "Requests sent to each engine, by routing policy.",
-            ["model_name", "engine", "policy"], registry=self.registry)
+            ["model_name", "replica", "engine", "policy"], registry=self.registry)
         self.http_responses = Counter(
             "llm_cluster:router_http_responses", "HTTP responses by endpoint and status code.",
-            ["model_name", "endpoint", "status"], registry=self.registry)
+            ["model_name", "replica", "endpoint", "status"], registry=self.registry)
         self.routing_latency = Histogram(
             "llm_cluster:router_routing_decision_seconds", "Time to pick an engine for a request.",
-            ["model_name", "policy"], registry=self.registry,
+            ["model_name", "replica", "policy"], registry=self.registry,
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2))
 
     def record_routing(self, engine: int, policy: str, seconds: float) -> None:
-        self.requests_routed.labels(self.model_name, str(engine), policy).inc()
-        self.routing_latency.labels(self.model_name, policy).observe(seconds)
+        self.requests_routed.labels(self.model_name, self.replica, str(engine), policy).inc()
+        self.routing_latency.labels(self.model_name, self.replica, policy).observe(seconds)
 
     def record_response(self, endpoint: str, status: int) -> None:
-        self.http_responses.labels(self.model_name, endpoint, str(status)).inc()
+        self.http_responses.labels(self.model_name, self.replica, endpoint, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _MergedCollector:
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def merge_expositions(texts: Iterable[bytes]) -> bytes:
+    """One valid exposition from many: samples of the same family (e.g. one per engine) are grouped
+    under one HELP/TYPE header instead of repeating it, which Prometheus would reject."""
+    merged: dict[str, Metric] = {}
+    for text in texts:
+        if not text:
+            continue
+        for family in text_string_to_metric_families(text.decode()):
+            existing = merged.get(family.name)
+            if existing is None:
+                merged[family.name] = family
+            else:
+                existing.samples.extend(family.samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_MergedCollector(merged.values()))  # type: ignore[arg-type]
+    return generate_latest(registry)

@@ -4,60 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
 import openai
 import pytest
 
-from cluster.app import router_deployment
 from cluster.config import ClusterConfig, EngineSpec
 from cluster.launcher import start_engines, stop_engines
+from tests.serve_cluster import serve_cluster
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(base: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{base} did not come up")
-
-
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, tiny_model_dir):
-    from ray import serve
-
     config = ClusterConfig(
         model=str(tiny_model_dir), served_model_name="tiny", num_engines=2, routing_policy="round_robin",
         defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256),
         # Engine 1 has a short queue, so flooding it yields 429s.
         engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
-    engines = start_engines(config.engine_configs(), config.namespace)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(router_deployment(config), name="llm-cluster", route_prefix="/")
-    prefix_config = config.model_copy(update={"routing_policy": "prefix_aware"})
     # A second router app over the same engines, with another policy.
-    serve.run(router_deployment(prefix_config), name="prefix", route_prefix="/prefix")
-    base = f"http://127.0.0.1:{port}"
-    _wait_ready(base)
-    _wait_ready(f"{base}/prefix")
-    yield {"base": base, "engines": engines, "config": config}
-    serve.shutdown()
-    stop_engines(engines)
+    prefix_config = config.model_copy(update={"routing_policy": "prefix_aware"})
+    with serve_cluster(config, {"prefix": prefix_config}) as served:
+        yield {"base": served.base, "engines": served.engines, "config": config}
 
 
 @pytest.fixture

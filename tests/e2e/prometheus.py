@@ -1,0 +1,65 @@
+"""A real Prometheus (Debian's package) on a loopback port, scraping the cluster, for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import httpx
+
+from tests.serve_cluster import free_port
+
+
+def prometheus_binary() -> str | None:
+    return shutil.which("prometheus")
+
+
+@contextlib.contextmanager
+def run_prometheus(target: str, scrape_interval: str = "1s") -> Iterator[str]:
+    """Start Prometheus scraping ``target`` (host:port); yields its base URL."""
+    binary = prometheus_binary()
+    if binary is None:
+        raise RuntimeError("prometheus is not installed (apt-get install -y prometheus)")
+    workdir = tempfile.mkdtemp(prefix="prom-")
+    config = os.path.join(workdir, "prometheus.yml")
+    with open(config, "w") as f:
+        f.write(f"global:\n  scrape_interval: {scrape_interval}\n  evaluation_interval: {scrape_interval}\n"
+                f"scrape_configs:\n  - job_name: llm-cluster\n    static_configs:\n"
+                f"      - targets: ['{target}']\n")
+    port = free_port()
+    proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir}/data",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/-/ready", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.3)
+        else:
+            raise TimeoutError("prometheus did not become ready")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def query(base: str, expr: str) -> list[dict]:
+    r = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10)
+    body = r.json()
+    assert body["status"] == "success", f"{expr}: {body}"
+    return body["data"]["result"]
+
+
+def target_health(base: str) -> list[tuple[str, str]]:
+    """(health, last scrape error) of each target."""
+    targets = httpx.get(f"{base}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+    return [(t["health"], t["lastError"]) for t in targets]

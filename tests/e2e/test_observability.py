@@ -1,0 +1,125 @@
+"""Metrics through one scrape target into a real Prometheus, and every dashboard query answered."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.config import ClusterConfig, EngineSpec
+from tests.e2e.prometheus import prometheus_binary, query, run_prometheus, target_health
+from tests.serve_cluster import serve_cluster
+
+pytestmark = pytest.mark.slow
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "llm-cluster.json"
+
+# The core queries of vLLM's own example Grafana dashboard (examples/online_serving/prometheus_grafana).
+VLLM_DASHBOARD_QUERIES = [
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket[1m])))',
+    'rate(vllm:e2e_request_latency_seconds_sum[1m]) / rate(vllm:e2e_request_latency_seconds_count[1m])',
+    'rate(vllm:prompt_tokens_total[1m])',
+    'rate(vllm:generation_tokens_total[1m])',
+    'histogram_quantile(0.9, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket[1m])))',
+    'vllm:num_requests_running',
+    'vllm:num_requests_waiting',
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket[1m])))',
+    'vllm:kv_cache_usage_perc',
+    'sum by(le) (increase(vllm:request_prompt_tokens_bucket[1m]))',
+    'sum by(le) (increase(vllm:request_generation_tokens_bucket[1m]))',
+    'sum by(finished_reason) (increase(vllm:request_success_total[1m]))',
+    'rate(vllm:request_queue_time_seconds_sum[1m])',
+    'rate(vllm:request_prefill_time_seconds_sum[1m])',
+    'rate(vllm:request_decode_time_seconds_sum[1m])',
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:request_inference_time_seconds_bucket[1m])))',
+    'sum by(le) (increase(vllm:request_params_max_tokens_bucket[1m]))',
+    'sum by(le) (increase(vllm:request_params_n_bucket[1m]))',
+    'sum by(le) (increase(vllm:iteration_tokens_total_bucket[1m]))',
+    'rate(vllm:num_preemptions_total[1m])',
+    'rate(vllm:prefix_cache_hits_total[1m]) / rate(vllm:prefix_cache_queries_total[1m])',
+]
+
+
+def dashboard_queries() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    # What Grafana substitutes before sending a query.
+    return [e.replace("$__rate_interval", "1m").replace("$model_name", ".*") for e in exprs]
+
+
+@pytest.fixture(scope="module")
+def observed(ray_cluster, tiny_model_dir):
+    if prometheus_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus must be installed in CI (make test installs it)")
+        pytest.skip("prometheus not installed")
+    config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=2,
+                           num_router_replicas=2, routing_policy="round_robin",
+                           defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256))
+    with serve_cluster(config) as served:
+        for _ in range(4):  # warm both replicas' metrics path (the hub actor starts on first use)
+            httpx.get(f"{served.base}/metrics", timeout=60)
+        target = served.base.removeprefix("http://")
+        with run_prometheus(target, scrape_interval="2s") as prom:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and target_health(prom) != [("up", "")]:
+                time.sleep(0.5)
+            shared = "The quick brown fox jumps over the lazy dog. " * 3
+            body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            # Two waves with scrapes in between, so every rate() window sees counters move.
+            for wave in range(2):
+                with ThreadPoolExecutor(8) as pool:
+                    codes = list(pool.map(lambda i: httpx.post(
+                        f"{served.base}/v1/completions", timeout=60,
+                        json=body | {"prompt": shared + str(i)}).status_code, range(16 * wave, 16 * wave + 16)))
+                assert set(codes) == {200}
+                time.sleep(5)
+            yield served, prom
+
+
+def test_one_scrape_target_has_every_engine_and_router_series(observed):
+    served, prom = observed
+    assert target_health(prom) == [("up", "")]
+    text = httpx.get(f"{served.base}/metrics", timeout=60).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    engines = {s.labels.get("engine") for s in families["vllm:num_requests_running"].samples}
+    assert engines == {"0", "1"}
+    assert "llm_cluster:router_requests_routed" in families
+    flags = families["llm_cluster:engine_scheduler_flags_info"].samples
+    assert {s.labels["engine"] for s in flags} == {"0", "1"} and all(s.labels["model_name"] == "tiny" for s in flags)
+    assert all(s.labels["model_name"] == "tiny" for s in families["vllm:num_requests_running"].samples)
+
+
+def test_engine_series_are_the_same_whichever_replica_answers(observed):
+    served, _ = observed
+
+    def engine_counters() -> dict:
+        text = httpx.get(f"{served.base}/metrics", timeout=60).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name in ("vllm:generation_tokens_total", "vllm:request_success_total")}
+
+    # Idle cluster: several scrapes (spread over both replicas) must agree exactly.
+    samples = [engine_counters() for _ in range(6)]
+    assert all(s == samples[0] for s in samples) and samples[0]
+
+
+@pytest.mark.parametrize("expr", dashboard_queries())
+def test_every_dashboard_query_returns_data(observed, expr):
+    _, prom = observed
+    result = query(prom, expr)
+    assert result, f"no data for {expr}"
+    assert any(not math.isnan(float(r["value"][1])) for r in result), f"only NaN for {expr}"
+
+
+@pytest.mark.parametrize("expr", VLLM_DASHBOARD_QUERIES)
+def test_vllm_example_dashboard_queries_return_data(observed, expr):
+    _, prom = observed
+    assert query(prom, expr), f"no data for {expr}"

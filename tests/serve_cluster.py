@@ -1,0 +1,67 @@
+"""Start engines and router apps on the session's Ray cluster, for end-to-end tests (loopback only)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from cluster.app import router_deployment
+from cluster.config import ClusterConfig
+from cluster.launcher import EngineHandle, start_engines, stop_engines
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{base} did not come up")
+
+
+@dataclass
+class ServedCluster:
+    base: str
+    config: ClusterConfig
+    engines: list[EngineHandle]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def stats(self) -> list[Any]:
+        import ray
+
+        return [ray.get(e.actor.get_stats.remote()) for e in self.engines]
+
+
+@contextlib.contextmanager
+def serve_cluster(config: ClusterConfig, extra_apps: dict[str, ClusterConfig] | None = None) -> Iterator[ServedCluster]:
+    """Engines from ``config`` plus its router at /, and each extra router config at /<name>."""
+    from ray import serve
+
+    engines = start_engines(config.engine_configs(), config.namespace)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(router_deployment(config), name="llm-cluster", route_prefix="/")
+        for name, app_config in (extra_apps or {}).items():
+            serve.run(router_deployment(app_config), name=name, route_prefix=f"/{name}")
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base)
+        for name in extra_apps or {}:
+            wait_ready(f"{base}/{name}")
+        yield ServedCluster(base, config, engines)
+    finally:
+        serve.shutdown()
+        stop_engines(engines)
