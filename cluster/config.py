@@ -113,7 +113,8 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
     except ValueError as e:
         raise ValueError(f"engine {index}: {e}") from None
     return EngineConfig(
-        model=model, served_model_name=served_model_name, engine_index=index, tensor_parallel_size=s["tensor_parallel_size"], device=s["device"],
+        model=model, served_model_name=served_model_name, engine_index=index,
+        tensor_parallel_size=s["tensor_parallel_size"], device=s["device"],
         dtype=s["dtype"], scheduler=scheduler, block_size=s["block_size"],
         enable_prefix_caching=s["enable_prefix_caching"], num_gpu_blocks=s["num_gpu_blocks"],
         kv_cache_memory_bytes=s["kv_cache_memory_bytes"], gpu_memory_utilization=s["gpu_memory_utilization"],

@@ -48,7 +48,8 @@ class _ExecutorBase(Executor):
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
         self._info = ModelInfo(
-            served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir), max_model_len=self.max_model_len,
+            served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
+            max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids))
         self._num_blocks: int | None = None
 
