@@ -1,0 +1,75 @@
+"""The deploy files: Serve config through Ray's own schema, launcher and KubeRay YAML by their fields."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.config import ClusterConfig
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def _validate_serve_config(data: dict) -> ServeDeploySchema:
+    schema = ServeDeploySchema(**data)
+    for app in schema.applications:
+        assert app.import_path == "cluster.app:build_app"
+        # The builder's args are a ClusterConfig: every engine's flags must be valid.
+        configs = ClusterConfig(**app.args).engine_configs()
+        assert configs
+    return schema
+
+
+def test_serve_config_validates_with_ray_and_our_config():
+    data = yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())
+    schema = _validate_serve_config(data)
+    app = schema.applications[0]
+    engines = ClusterConfig(**app.args).engine_configs()
+    assert len(engines) == 2
+    assert engines[0].scheduler.long_prefill_token_threshold == 256 and engines[0].scheduler.max_num_seqs == 32
+    assert engines[1].scheduler.max_num_seqs == 128
+
+
+def test_ray_cluster_launcher_yaml_has_head_and_gpu_workers():
+    data = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    for key in ("cluster_name", "provider", "available_node_types", "head_node_type", "head_start_ray_commands",
+                "worker_start_ray_commands", "setup_commands"):
+        assert key in data, key
+    types = data["available_node_types"]
+    assert data["head_node_type"] in types
+    gpu = [t for t in types.values() if t.get("resources", {}).get("GPU", 0) >= 1]
+    assert gpu and all("min_workers" in t and "max_workers" in t for t in gpu)
+    assert any("RAY_SERVE_ENABLE_HA_PROXY=1" in c for c in data["head_start_ray_commands"])
+
+
+def test_kuberay_rayservice_embeds_a_valid_serve_config_and_scrape_settings():
+    service, pod_monitor = yaml.safe_load_all((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+    assert service["apiVersion"] == "ray.io/v1" and service["kind"] == "RayService"
+    spec = service["spec"]
+    embedded = yaml.safe_load(spec["serveConfigV2"])
+    _validate_serve_config(embedded)
+    assert embedded == yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())
+    cluster = spec["rayClusterConfig"]
+    head = cluster["headGroupSpec"]["template"]
+    annotations = head["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8000"
+    workers = cluster["workerGroupSpecs"]
+    assert any(c["resources"]["limits"].get("nvidia.com/gpu") for w in workers
+               for c in w["template"]["spec"]["containers"])
+    assert pod_monitor["kind"] == "PodMonitor" and pod_monitor["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+
+
+def test_prometheus_config_scrapes_the_router_metrics_path():
+    data = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in data["scrape_configs"]}
+    assert jobs["llm-cluster"]["metrics_path"] == "/metrics"
+    assert "kubernetes_sd_configs" in jobs["llm-cluster-kuberay"]
+
+
+def test_grafana_provisioning_points_at_the_dashboard_folder():
+    ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text())
+    assert ds["datasources"][0]["type"] == "prometheus" and ds["datasources"][0]["uid"] == "prometheus"
+    dash = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "llm-cluster.yaml").read_text())
+    assert dash["providers"][0]["type"] == "file"
