@@ -1,0 +1,45 @@
+"""Driver for the two-node test: joins an existing Ray cluster, pins one engine per node, serves requests
+through the router, and prints a JSON report on the last line of stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import httpx
+import ray
+from ray import serve
+
+from cluster.config import ClusterConfig, EngineSpec
+from tests.serve_cluster import serve_cluster
+
+
+def main(address: str, model_dir: str) -> None:
+    ray.init(address=address, namespace="llm-cluster", log_to_driver=False)
+    config = ClusterConfig(
+        model=model_dir, served_model_name="tiny", num_engines=2, routing_policy="round_robin",
+        defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
+        # Engine i may only be placed where its node's custom resource is.
+        engines=[EngineSpec(resources={"node_a": 0.5}), EngineSpec(resources={"node_b": 0.5})])
+    report: dict = {}
+    with serve_cluster(config) as served:
+        texts = []
+        for i in range(6):
+            r = httpx.post(f"{served.base}/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": f"Hello {i}", "max_tokens": 4, "temperature": 0})
+            r.raise_for_status()
+            texts.append(r.json()["choices"][0]["text"])
+        report["finished"] = [s.num_requests_finished for s in served.stats()]
+        report["engine_nodes"] = [ray.get(e.actor.__ray_call__.remote(
+            lambda _self: ray.get_runtime_context().get_node_id())) for e in served.engines]
+        nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+        report["engine_node_resources"] = [sorted(k for k in nodes[n] if k.startswith("node_"))
+                                           for n in report["engine_nodes"]]
+        report["num_nodes"] = len(nodes)
+        report["texts"] = texts
+    serve.shutdown()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
