@@ -1,0 +1,151 @@
+"""Latency the HTTP front end adds: Serve ingress + router vs calling the engine actors directly.
+
+Tiny random model, 2 engines, 200 streamed completions (16 output tokens) at concurrency 16, run
+as alternating rounds of both paths so machine noise hits both alike. Prints TTFT and end-to-end
+p50/p99 per path and the difference.
+Usage: python benchmarks/bench_router.py [--requests 200] [--concurrency 16] [--ingress haproxy|proxy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def configure_ingress(kind: str) -> None:
+    # Must happen before ray is imported: every Ray process inherits the environment.
+    if kind == "haproxy":
+        from cluster.cli import SERVE_ENV
+
+        os.environ.update(SERVE_ENV)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def http_round(base: str, n: int, concurrency: int, max_tokens: int) -> tuple[list[float], list[float]]:
+    import httpx
+
+    ttft, e2e = [], []
+    sem = asyncio.Semaphore(concurrency)
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
+        async def one() -> None:
+            async with sem:
+                t0 = time.perf_counter()
+                first = None
+                async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if first is None and line.startswith("data: {") and '"text":""' not in line:
+                            first = time.perf_counter() - t0
+                ttft.append(first if first is not None else time.perf_counter() - t0)
+                e2e.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(one() for _ in range(n)))
+    return ttft, e2e
+
+
+async def direct_round(client, n: int, concurrency: int, max_tokens: int, ids, tokens: list[int]):
+    from engine_core.outputs import EngineCoreRequest
+    from engine_core.sampling_params import SamplingParams
+
+    ttft, e2e = [], []
+    sem = asyncio.Semaphore(concurrency)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def one() -> None:
+        async with sem:
+            rid = f"direct-{next(ids)}"
+            engine = int(rid.rsplit("-", 1)[1]) % client.num_engines
+            t0 = time.perf_counter()
+            first = None
+            request = EngineCoreRequest(request_id=rid, prompt_token_ids=tokens, sampling_params=params,
+                                        client_index=client.client_index, arrival_time=time.time())
+            async for out in client.stream(engine, request):
+                if first is None and out.new_token_ids:
+                    first = time.perf_counter() - t0
+            ttft.append(first if first is not None else time.perf_counter() - t0)
+            e2e.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(one() for _ in range(n)))
+    return ttft, e2e
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy")
+    args = parser.parse_args()
+    configure_ingress(args.ingress)
+
+    import ray
+    from ray import serve
+
+    from cluster.config import ClusterConfig, EngineSpec
+    from router.engine_client import EngineClient
+    from tests.serve_cluster import serve_cluster
+    from tests.tiny_model import build_tiny_llama
+
+    model_dir = build_tiny_llama(Path(tempfile.mkdtemp(prefix="bench-router-")))
+    ray.init(include_dashboard=False, namespace="llm-cluster", log_to_driver=False)
+    config = ClusterConfig(model=str(model_dir), served_model_name="tiny", num_engines=2,
+                           routing_policy="round_robin", defaults=EngineSpec(num_gpu_blocks=256, max_model_len=256))
+    with serve_cluster(config) as served:
+        handles = [e.actor for e in served.engines]
+        tokens = list(range(3, 6))
+        per_round = max(1, args.requests // args.rounds)
+
+        async def run() -> dict[str, tuple[list[float], list[float]]]:
+            client = EngineClient(handles, client_index=424242)
+            client.start()
+            ids = itertools.count()
+            results = {"direct": ([], []), "http": ([], [])}
+            await http_round(served.base, 8, 4, args.max_tokens)  # warm-up
+            await direct_round(client, 8, 4, args.max_tokens, ids, tokens)
+            for _ in range(args.rounds):
+                for name in ("direct", "http"):
+                    if name == "http":
+                        t, e = await http_round(served.base, per_round, args.concurrency, args.max_tokens)
+                    else:
+                        t, e = await direct_round(client, per_round, args.concurrency, args.max_tokens, ids, tokens)
+                    results[name][0].extend(t)
+                    results[name][1].extend(e)
+            await client.close()
+            return results
+
+        results = asyncio.run(run())
+    serve.shutdown()
+    ray.shutdown()
+    print(f"\n{args.requests} streamed requests x {args.max_tokens} tokens, concurrency {args.concurrency}, "
+          f"2 engines (tiny model), ingress={args.ingress}\n")
+    print(f"{'path':<10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'E2E p50 ms':>12}{'E2E p99 ms':>12}")
+    rows = {}
+    for name, (ttft, e2e) in results.items():
+        rows[name] = [pct(ttft, 0.5), pct(ttft, 0.99), pct(e2e, 0.5), pct(e2e, 0.99)]
+        print(f"{name:<10}" + "".join(f"{v * 1000:>12.2f} " for v in rows[name]))
+    added = [h - d for h, d in zip(rows["http"], rows["direct"])]
+    print(f"{'added':<10}" + "".join(f"{v * 1000:>12.2f} " for v in added))
+    mean_direct = statistics.fmean(results["direct"][1]) * 1000
+    mean_http = statistics.fmean(results["http"][1]) * 1000
+    print(f"\nadded TTFT at p50: {added[0] * 1000:.2f} ms (target < 3 ms); "
+          f"mean e2e direct {mean_direct:.1f} ms, http {mean_http:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
