@@ -69,10 +69,20 @@ class UniProcExecutor(_ExecutorBase):
 
         # Inside a Ray actor, torch gets as many threads as the actor holds CPUs (so engines sharing
         # a machine do not oversubscribe it); in a user's own process, torch's default.
-        num_cpus = max(1, int(config.num_cpus_per_worker)) if _in_ray_actor() else None
-        self.worker = Worker(rank=0, world_size=1, **_worker_kwargs(config, self.model_dir, self.max_model_len,
-                                                                    num_cpus))
-        self.worker.load_model()
+        self._num_cpus = max(1, int(config.num_cpus_per_worker)) if _in_ray_actor() else None
+        self._worker_cls = Worker
+        self.worker = self._new_worker()
+
+    def _new_worker(self):
+        worker = self._worker_cls(rank=0, world_size=1, **_worker_kwargs(self.config, self.model_dir,
+                                                                         self.max_model_len, self._num_cpus))
+        worker.load_model()
+        return worker
+
+    def restart(self) -> None:
+        """A failed step may have left the runner's state half-updated: start from a fresh worker."""
+        self.worker.shutdown()
+        self.worker = self._new_worker()
 
     def determine_num_blocks(self) -> int:
         args = self._block_args()
