@@ -1,0 +1,156 @@
+"""Decode throughput: our ModelRunner vs HF transformers' forward with its own KV cache.
+
+Both run the same random SmolLM2-135M-shaped Llama weights, in the same dtype and thread count, at
+each batch size: a prompt of --prompt-len tokens per sequence, then --decode-steps greedy decode
+steps, of which only the decode steps are timed. Our side is driven by the engine's real Scheduler
+(its time is not counted: only ModelRunner.execute_model is). The two sides alternate step by step,
+so a burst of load from other processes hits both alike; tokens/s come from the median and the mean
+step time over --repeats runs (after one warm-up run), and "same tokens" is the share of greedy
+tokens on which both sides agree.
+
+    .venv/bin/python benchmarks/bench_model_runner.py --batch-sizes 1 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.request import Request
+from engine_core.sampling_params import SamplingParams
+from engine_core.sched.scheduler import Scheduler
+from gpu_worker.config import ModelConfig
+from gpu_worker.model_runner import ModelRunner
+
+SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+
+
+class HFDecoder:
+    """HF's own decode loop: forward with its DynamicCache, greedy argmax, one step per call."""
+
+    def __init__(self, model: LlamaForCausalLM, prompts: torch.Tensor) -> None:
+        self.model = model
+        with torch.inference_mode():
+            out = model(prompts, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        self.cache = out.past_key_values
+        self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.tokens = [self.tok]
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model(self.tok, past_key_values=self.cache, use_cache=True)
+            self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        elapsed = time.perf_counter() - t0
+        self.cache = out.past_key_values
+        self.tokens.append(self.tok)
+        return elapsed
+
+    def token_lists(self) -> list[list[int]]:
+        return torch.cat(self.tokens, 1).tolist()
+
+
+class OurDecoder:
+    """The engine's Scheduler feeding our ModelRunner; only execute_model is timed."""
+
+    def __init__(self, runner: ModelRunner, prompts: torch.Tensor, steps: int, block_size: int, tag: str) -> None:
+        batch, prompt_len = prompts.shape
+        self.runner = runner
+        self.sched = Scheduler(
+            SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
+                            max_model_len=runner.max_model_len),
+            CacheConfig(block_size=block_size, num_blocks=runner.num_blocks, enable_prefix_caching=False),
+            log_stats=False)
+        self.ids = [f"{tag}-{i}" for i in range(batch)]
+        for req_id, row in zip(self.ids, prompts.tolist(), strict=True):
+            params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+            self.sched.add_request(Request(req_id, row, params))
+        self.tokens: dict[str, list[int]] = {r: [] for r in self.ids}
+        self.step()  # the prefill, untimed by the caller
+
+    def step(self) -> float:
+        so = self.sched.schedule()
+        t0 = time.perf_counter()
+        out = self.runner.execute_model(so)
+        elapsed = time.perf_counter() - t0
+        for req_id, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            self.tokens[req_id].extend(toks)
+        self.sched.update_from_output(so, out)
+        return elapsed
+
+    def finish(self) -> list[list[int]]:
+        # The scheduler's next pass would tell the runner these finished: drop their state now.
+        so = self.sched.schedule()
+        self.runner.execute_model(so)
+        return [self.tokens[r] for r in self.ids]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    hf_cfg = LlamaConfig(**SMOLLM2_135M)
+    hf = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype).eval()
+    max_len = args.prompt_len + args.decode_steps + 1
+    runner = ModelRunner(ModelConfig.from_dict(SMOLLM2_135M), device=device, dtype=dtype,
+                         max_model_len=max(max_len, 256), max_num_seqs=max(args.batch_sizes))
+    # The converter entry point: HF-named tensors straight from the HF model, no files.
+    runner.load_model(iter(hf.state_dict().items()))
+    max_batch = max(args.batch_sizes)
+    runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
+
+    print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} prompt={args.prompt_len} "
+          f"decode_steps={args.decode_steps} repeats={args.repeats}")
+    print(f"{'batch':>5} {'HF tok/s (med/mean)':>22} {'ours tok/s (med/mean)':>24} {'ratio med':>10} "
+          f"{'ratio mean':>9} {'same tokens':>11}")
+    for batch in args.batch_sizes:
+        prompts = torch.randint(0, hf_cfg.vocab_size, (batch, args.prompt_len), device=device)
+        hf_times: list[float] = []
+        our_times: list[float] = []
+        same = 0.0
+        for rep in range(args.repeats + 1):
+            hf_dec = HFDecoder(hf, prompts)
+            our_dec = OurDecoder(runner, prompts.cpu(), args.decode_steps, args.block_size, f"b{batch}r{rep}")
+            # Alternate single steps, so a burst of load from elsewhere hits both sides alike.
+            pairs = [(hf_dec.step(), our_dec.step()) for _ in range(args.decode_steps)]
+            ours_tokens, hf_tokens = our_dec.finish(), hf_dec.token_lists()
+            if rep == 0:
+                continue  # warm-up
+            hf_times += [a for a, _ in pairs]
+            our_times += [b for _, b in pairs]
+            flat = [(a, b) for hr, orow in zip(hf_tokens, ours_tokens, strict=True)
+                    for a, b in zip(hr, orow, strict=True)]
+            same = sum(a == b for a, b in flat) / len(flat)
+        hf_med, our_med = statistics.median(hf_times), statistics.median(our_times)
+        hf_mean, our_mean = statistics.fmean(hf_times), statistics.fmean(our_times)
+        print(f"{batch:>5} {batch / hf_med:>11.1f} / {batch / hf_mean:>8.1f} {batch / our_med:>12.1f} / "
+              f"{batch / our_mean:>9.1f} {hf_med / our_med:>9.2f}x {hf_mean / our_mean:>8.2f}x {same:>10.0%}",
+              flush=True)
+
+if __name__ == "__main__":
+    main()

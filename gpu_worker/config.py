@@ -1,0 +1,148 @@
+"""The model facts the worker needs, read from an HF ``config.json`` (plus ``generation_config.json``).
+
+Parsed from a plain dict rather than a ``transformers`` config object so that a converter (GGUF ->
+HF-named tensors + HF config dict) can hand us its dict directly. Both the transformers 4.x layout
+(``rope_theta`` + ``rope_scaling``) and the 5.x layout (``rope_parameters``) are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Architectures whose decoder is the Llama block; the flags below are what tells them apart.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
+           "float": torch.float32}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[key]
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope_from_dict(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict with a ``rope_type`` key, or None for plain RoPE)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        # Per-layer-type rope parameters (hybrid models): ours only has full attention.
+        params = params["full_attention"]
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg.get("rope_scaling") or {})
+    # Old checkpoints spell the key "type".
+    rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
+    scaling["rope_type"] = rope_type
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}")
+    return theta, (None if rope_type == "default" else scaling)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # Bias on the q/k/v projections (Qwen2 always, Llama with attention_bias).
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+    dtype: torch.dtype | None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config has no 'architectures' entry: cannot pick a model class")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {SUPPORTED_ARCHITECTURES}, got {arch!r}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {act!r}")
+        num_heads = int(cfg["num_attention_heads"])
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        hidden = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        theta, scaling = _rope_from_dict(cfg)
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias, o_bias = True, False
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        else:
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+        # generation_config.json is where Llama-3-style checkpoints list their extra EOS ids.
+        eos = _eos_ids((generation_config or {}).get("eos_token_id")) or _eos_ids(cfg.get("eos_token_id"))
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            eos_token_ids=eos,
+            sliding_window=int(sliding) if sliding else None,
+            dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,
+            raw=dict(cfg),
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        gen_path = model_dir / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
+        return cls.from_dict(cfg, gen)

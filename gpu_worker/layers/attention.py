@@ -1,0 +1,70 @@
+"""Attention over the paged KV cache.
+
+Cache layout per layer: K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]. The new
+K/V of the whole batch are written through ``slot_mapping`` before any request attends, because the
+scheduler can hand request B prefix-cache blocks that request A fills in this very step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.attn_metadata import AttentionMetadata
+
+
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., num_kv_heads, seq_len, head_dim] (a copy of those blocks)."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    lead = block_ids.shape[:-1]
+    kv = cache.index_select(0, block_ids.reshape(-1))
+    kv = kv.view(*lead, block_ids.shape[-1] * block_size, num_kv_heads, head_dim)[..., :seq_len, :, :]
+    return kv.transpose(-3, -2)
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_groups = num_heads // num_kv_heads
+        # Bound by the model runner once the cache is allocated.
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, num_heads * head_dim]."""
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache is not bound: call initialize_cache() first")
+        k_cache, v_cache = self.kv_cache
+        num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+        num_tokens = q.shape[0]
+        nd = meta.num_decodes
+        decode_out = None
+        if nd:
+            kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len)
+            vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len)
+            # One query token per request: the query heads sharing a KV head become that head's
+            # "query rows", so grouped-query attention needs no K/V repetition.
+            qd = q[:nd].view(nd, num_kv_heads, self.num_groups, head_dim)
+            decode_out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
+            if not meta.prefills:
+                return decode_out.view(nd, self.num_heads * head_dim)
+        out = torch.empty_like(q)
+        if decode_out is not None:
+            out[:nd] = decode_out.view(nd, self.num_heads, head_dim)
+        gqa = self.num_groups > 1
+        for span in meta.prefills:
+            s, e = span.token_start, span.token_end
+            kp = _gather_kv(k_cache, span.block_ids, span.seq_len).unsqueeze(0)
+            vp = _gather_kv(v_cache, span.block_ids, span.seq_len).unsqueeze(0)
+            qp = q[s:e].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None,
+                                                scale=self.scale, enable_gqa=gqa)
+            out[s:e] = op[0].transpose(0, 1)
+        return out.view(num_tokens, self.num_heads * head_dim)

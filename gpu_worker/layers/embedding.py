@@ -1,0 +1,72 @@
+"""Vocab-parallel token embedding and LM head.
+
+The vocab is padded to a multiple of the TP size so every rank owns an equal contiguous range;
+padded rows are zero and their logits are cut off after the gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker import distributed
+from gpu_worker.layers.linear import _tp, new_weight
+from gpu_worker.layers.weight_utils import WeightLike, copy_into
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_padded = -(-num_embeddings // self.tp_size) * self.tp_size
+        self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+        if loaded.shape[0] != self.num_embeddings:
+            raise ValueError(f"embedding has {loaded.shape[0]} rows, config vocab_size is {self.num_embeddings}")
+        n = self.vocab_end - self.vocab_start
+        param.data[n:].zero_()
+        copy_into(param.data[:n], loaded.narrow(0, self.vocab_start, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Tokens owned by another rank look up row 0 here and are zeroed; the all-reduce fills them in.
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = (input_ids - self.vocab_start).masked_fill_(outside, 0)
+        out = F.embedding(local, self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return distributed.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> logits. Each rank computes its vocab slice; rank 0 gathers the full row."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+        if bias:
+            raise ValueError("ParallelLMHead does not support a bias")
+        # An untied head is only ever multiplied by, so it takes the GEMM-friendly layout; a tied
+        # head shares the row-major embedding table (tie_to) instead.
+        self.weight = new_weight(self.num_embeddings_per_partition, embedding_dim)
+        self.weight.weight_loader = self.weight_loader
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding matrix (tie_word_embeddings): one parameter, loaded once."""
+        self.weight = embedding.weight
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden_states, self.weight)
+        logits = distributed.gather(logits, dim=-1)
+        if logits is None:
+            return None
+        return logits[..., : self.num_embeddings]

@@ -1,0 +1,38 @@
+"""RMSNorm with the residual add fused in (the decoder's add + norm pattern)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+        copy_into(param, materialize(loaded))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel; in fp32 it is the same arithmetic as the reference below.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Same order of operations as HF (statistics in fp32, weight applied in the input dtype),
+        # so bf16 results match the reference bit for bit where possible.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,38 @@
+"""What a layer's weight loader accepts: a torch.Tensor, or a lazy checkpoint slice.
+
+A lazy slice (see ``gpu_worker.weights.LazyTensor``) reads only the rows a TP rank asks for, so a
+rank never materialises tensors it does not own. Both kinds offer ``shape`` and ``narrow``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class WeightLike(Protocol):
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+
+def materialize(weight: WeightLike) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return weight
+    return weight.narrow(0, 0, weight.shape[0])
+
+
+def copy_into(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"shape mismatch loading {name or 'weight'}: parameter {tuple(param.shape)}, "
+                         f"checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_sharded(param: torch.Tensor, loaded: WeightLike, dim: int, rank: int) -> None:
+    """Copy this rank's equal slice of ``loaded`` along ``dim`` into ``param``."""
+    size = param.shape[dim]
+    copy_into(param, loaded.narrow(dim, rank * size, size))

@@ -1,0 +1,280 @@
+"""ModelRunner: SchedulerOutput in, ModelRunnerOutput out, one flat batch per step.
+
+Per step: fold the scheduler's diffs into the per-request state, lay every scheduled token out in
+one flat batch (decodes first, then prefill chunks, each starting at its num_computed_tokens), run
+the model once, compute logits only for requests whose known tokens are all in the cache after this
+step, and sample one token for each of those. All per-token arrays are built with numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
+from engine_core.sched.output import SchedulerOutput
+from gpu_worker import distributed
+from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
+from gpu_worker.config import ModelConfig
+from gpu_worker.kv_cache import allocate_kv_cache
+from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.models import build_model
+from gpu_worker.request_state import RequestState, RequestStates
+from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from gpu_worker.weights import iter_safetensors, load_weights
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.from_numpy(out).to(device)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048) -> None:
+        self.config = model_config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({model_config.max_position_embeddings})")
+        if model_config.sliding_window is not None and self.max_model_len > model_config.sliding_window:
+            raise ValueError(f"sliding-window attention is not implemented: max_model_len ({self.max_model_len}) "
+                             f"must not exceed the model's sliding_window ({model_config.sliding_window})")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.tp_rank = distributed.get_tp_rank()
+        self.model: nn.Module | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+        self.num_blocks = 0
+        self.requests = RequestStates(model_config.eos_token_ids, self.device)
+        self.sampler = Sampler()
+
+    # ------------------------------------------------------------------ setup
+
+    def load_model(self, weights: str | Path | Iterable[tuple[str, WeightLike]]) -> None:
+        """``weights``: an HF model directory, or (hf_name, tensor) pairs (e.g. from a converter)."""
+        with torch.device(self.device), _default_dtype(self.dtype):
+            model = build_model(self.config)
+        source = iter_safetensors(weights) if isinstance(weights, (str, Path)) else weights
+        with torch.no_grad():
+            load_weights(model, source)
+        self.model = model.eval()
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        if self.model is None:
+            raise RuntimeError("load_model() must come before initialize_kv_cache()")
+        layers = self.model.attention_layers()
+        attn = layers[0]
+        self.kv_caches = allocate_kv_cache(len(layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
+                                           self.dtype, self.device)
+        for layer, cache in zip(layers, self.kv_caches, strict=True):
+            layer.kv_cache = cache
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    @torch.inference_mode()
+    def profile_run(self, block_size: int) -> None:
+        """One forward at the largest batch the scheduler may send, plus logits and sampling for
+        max_num_seqs rows, on a throwaway cache: its peak memory is what the KV cache must leave free."""
+        if self.model is None:
+            raise RuntimeError("load_model() must come before profile_run()")
+        num_tokens = min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+        lens = [self.max_model_len] * (num_tokens // self.max_model_len)
+        if num_tokens % self.max_model_len:
+            lens.append(num_tokens % self.max_model_len)
+        blocks_per_req = [-(-n // block_size) for n in lens]
+        layers = self.model.attention_layers()
+        caches = allocate_kv_cache(len(layers), sum(blocks_per_req), block_size, layers[0].num_kv_heads,
+                                   layers[0].head_dim, self.dtype, self.device)
+        saved = [layer.kv_cache for layer in layers]
+        try:
+            for layer, cache in zip(layers, caches, strict=True):
+                layer.kv_cache = cache
+            table = np.zeros((len(lens), max(blocks_per_req)), dtype=np.int64)
+            first = np.cumsum([0, *blocks_per_req[:-1]])
+            for i, nb in enumerate(blocks_per_req):
+                table[i, :nb] = np.arange(first[i], first[i] + nb)
+            qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            req_index = np.repeat(np.arange(len(lens)), lens)
+            positions = np.arange(num_tokens) - qsl[req_index]
+            slots = compute_slot_mapping(table, req_index, positions, block_size)
+            meta = build_attention_metadata(table, np.array(blocks_per_req), qsl, np.zeros(len(lens), np.int64),
+                                            0, slots, block_size, self.device)
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta)
+            rows = min(self.max_num_seqs, num_tokens)
+            logits = self.model.compute_logits(hidden[:rows])
+            if logits is not None:
+                n = logits.shape[0]
+                md = SamplingMetadata(
+                    temperature=torch.ones(n, device=self.device), all_greedy=False, all_random=True,
+                    top_k=torch.full((n,), 50, device=self.device), top_p=torch.full((n,), 0.9, device=self.device),
+                    max_num_logprobs=20)
+                self.sampler(logits, md)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            for layer, cache in zip(layers, saved, strict=True):
+                layer.kv_cache = cache
+            del caches
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.requests.update(so)
+        if not so.total_num_scheduled_tokens:
+            return ModelRunnerOutput([], {}, [], None)
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("the model and KV cache must be initialised before execute_model()")
+
+        # Decodes (one token) first: attention handles them as one padded batch.
+        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        states = [self.requests[r] for r in order]
+        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in order), dtype=np.int64, count=len(order))
+        num_decodes = int(np.count_nonzero(num_sched == 1))
+        hidden, sample_rows, logits_idx = self._forward(states, num_sched, num_decodes)
+
+        sampled: list[list[int]] = [[] for _ in order]
+        logprobs: list[LogprobsEntry | None] | None = None
+        if sample_rows:
+            # A decode-only step samples every token: no row selection needed.
+            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden.index_select(0, logits_idx)
+            logits = self.model.compute_logits(rows)
+            if logits is not None:  # TP rank 0 only
+                sample_states = [states[i] for i in sample_rows]
+                out = self.sampler(logits, self._sampling_metadata(sample_states, logits.shape[1]))
+                token_ids = out.sampled_token_ids.tolist()
+                for i, state, tok in zip(sample_rows, sample_states, token_ids, strict=True):
+                    sampled[i] = [tok]
+                    # Remembered so penalties see it before the scheduler resends it.
+                    state.token_ids.append(tok)
+                logprobs = self._logprobs_entries(out, sample_rows, sample_states, len(order))
+        return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
+                                 sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int
+                 ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        block_size = self.block_size
+        num_reqs = len(states)
+        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+        ends = starts + num_sched
+        num_blocks = np.fromiter((len(s.block_ids) for s in states), dtype=np.int64, count=num_reqs)
+        if (ends > num_blocks * block_size).any():
+            i = int(np.argmax(ends > num_blocks * block_size))
+            raise ValueError(f"request {states[i].req_id!r} has {int(num_blocks[i])} blocks for {int(ends[i])} tokens")
+        if int(ends.max()) > self.max_model_len:
+            raise ValueError(f"a request reaches {int(ends.max())} tokens, beyond max_model_len {self.max_model_len}")
+        block_table = np.zeros((num_reqs, int(num_blocks.max())), dtype=np.int64)
+        for i, s in enumerate(states):
+            block_table[i, : len(s.block_ids)] = s.block_ids
+
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        req_index = np.repeat(np.arange(num_reqs), num_sched)
+        positions = starts[req_index] + np.arange(num_tokens) - query_start_loc[req_index]
+        if num_decodes == num_reqs:
+            input_ids = np.fromiter((s.token_ids[p] for s, p in zip(states, starts.tolist(), strict=True)),
+                                    dtype=np.int64, count=num_reqs)
+        else:
+            input_ids = np.fromiter(
+                (t for s, a, b in zip(states, starts.tolist(), ends.tolist(), strict=True) for t in s.token_ids[a:b]),
+                dtype=np.int64, count=num_tokens)
+        slot_mapping = compute_slot_mapping(block_table, req_index, positions, block_size)
+        meta = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
+                                        block_size, self.device)
+
+        # A request samples once its chunk reaches the end of everything it knows (prompt done).
+        total_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        sample_rows = np.flatnonzero(ends >= total_known).tolist()
+        logits_idx = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(self.device)
+        for s, end in zip(states, ends.tolist(), strict=True):
+            s.num_computed_tokens = end
+
+        hidden = self.model(torch.from_numpy(input_ids).to(self.device),
+                            torch.from_numpy(positions).to(self.device), meta)
+        return hidden, sample_rows, logits_idx
+
+    # ------------------------------------------------------------------ sampling inputs and outputs
+
+    def _sampling_metadata(self, states: list[RequestState], vocab_size: int) -> SamplingMetadata:
+        device = self.device
+        params = [s.sampling_params for s in states]
+        temps = [p.temperature for p in params]
+        all_greedy = all(t == 0.0 for t in temps)
+        md = SamplingMetadata(temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+                              all_greedy=all_greedy, all_random=all(t > 0.0 for t in temps))
+        if not all_greedy:
+            if any(p.top_k > 0 for p in params):
+                md.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+            if any(p.top_p < 1.0 for p in params):
+                md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            if any(p.min_p > 0.0 for p in params):
+                md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            gens = {i: s.generator for i, s in enumerate(states) if s.generator is not None and temps[i] > 0}
+            md.generators = gens or None
+        use_rep = any(p.repetition_penalty != 1.0 for p in params)
+        use_freq = any(p.frequency_penalty != 0.0 for p in params)
+        use_pres = any(p.presence_penalty != 0.0 for p in params)
+        if use_rep or use_freq or use_pres:
+            md.output_token_ids = _padded([s.output_token_ids for s in states], vocab_size, device)
+            if use_rep:
+                md.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], device=device)
+                md.prompt_token_ids = _padded([s.token_ids[: s.num_prompt_tokens] for s in states], vocab_size, device)
+            if use_freq:
+                md.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], device=device)
+            if use_pres:
+                md.presence_penalties = torch.tensor([p.presence_penalty for p in params], device=device)
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, s in enumerate(states):
+            if s.min_tokens_stop_ids and s.num_output_tokens < s.sampling_params.min_tokens:
+                ids = [t for t in s.min_tokens_stop_ids if t < vocab_size]
+                rows.extend([i] * len(ids))
+                cols.extend(ids)
+        if rows:
+            md.min_tokens_mask = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        if wanted:
+            md.max_num_logprobs = max(wanted)
+        return md
+
+    @staticmethod
+    def _logprobs_entries(out: SamplerOutput, sample_rows: list[int], states: list[RequestState],
+                          num_reqs: int) -> list[LogprobsEntry | None] | None:
+        if out.sampled_logprobs is None:
+            return None
+        entries: list[LogprobsEntry | None] = [None] * num_reqs
+        sampled_lp = out.sampled_logprobs.tolist()
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for j, (row, state) in enumerate(zip(sample_rows, states, strict=True)):
+            n = state.sampling_params.logprobs
+            if n is None:
+                continue
+            top = list(zip(top_ids[j][:n], top_lp[j][:n], strict=True)) if n and top_ids is not None else []
+            entries[row] = LogprobsEntry(sampled_logprobs=[sampled_lp[j]], top_logprobs=[top])
+        return entries

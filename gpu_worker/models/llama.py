@@ -1,0 +1,135 @@
+"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2).
+
+The variants differ only in config flags (QKV bias, o_proj bias, tied embeddings, RoPE scaling),
+which ``ModelConfig`` has already resolved, so one implementation serves all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.activation import SiluAndMul
+from gpu_worker.layers.attention import PagedAttention
+from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from gpu_worker.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
+                                        bias=config.o_proj_bias)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        # q and k are adjacent in the fused output: rotate them as one tensor of heads.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        RotaryEmbedding.rotate_(qk, *rope)
+        q = qk[:, : self.num_heads]
+        k = qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(rope, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint projection name -> (our fused parameter, shard id within it).
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocab logits on TP rank 0, None on the other ranks."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is the Llama block; sliding-window attention is not implemented, so the model runner
+    refuses a max_model_len beyond the window."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 is the Llama block with a q/k/v bias (resolved in ModelConfig)."""

@@ -1,0 +1,26 @@
+"""HF ``architectures[0]`` -> our model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from gpu_worker.config import ModelConfig
+from gpu_worker.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"architecture must be one of {sorted(MODEL_REGISTRY)}, got {architecture!r}") from None
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    """Uninitialised model (parameters are torch.empty) on the current default device and dtype."""
+    return get_model_class(config.architecture)(config)

@@ -1,0 +1,124 @@
+"""The model runner's memory of each request across steps, kept in step with SchedulerOutput diffs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_core.sampling_params import SamplingParams
+from engine_core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    # Prompt, then every output token known so far (sampled here or sent by the scheduler).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    # Tokens forbidden while the request is short of min_tokens: EOS (unless ignore_eos) + stop ids.
+    min_tokens_stop_ids: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass(slots=True)
+class _Parked:
+    """What a preempted request keeps: the scheduler resends tokens and blocks on resumption, but
+    not its sampling parameters, and a seeded request must continue its random stream."""
+
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+
+
+class RequestStates:
+    def __init__(self, eos_token_ids: tuple[int, ...], device: torch.device) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.states: dict[str, RequestState] = {}
+        self._parked: dict[str, _Parked] = {}
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, req_id: str) -> RequestState:
+        return self.states[req_id]
+
+    def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed)
+        return gen
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        if params.min_tokens <= 0:
+            return ()
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+
+    def update(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.states.pop(req_id, None)
+            self._parked.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            state = self.states.pop(req_id, None)
+            if state is not None:
+                self._parked[req_id] = _Parked(state.sampling_params, state.generator)
+        for new in so.scheduled_new_reqs:
+            self._add_new(new)
+        self._apply_cached(so.scheduled_cached_reqs)
+
+    def _add_new(self, new: NewRequestData) -> None:
+        # A new request (or a continued streaming session) replaces whatever we held for its id.
+        self._parked.pop(new.req_id, None)
+        params = new.sampling_params
+        # Outputs a continued session already generated are the tail of prompt_token_ids.
+        num_outputs = len(new.output_token_ids)
+        self.states[new.req_id] = RequestState(
+            req_id=new.req_id, token_ids=list(new.prompt_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids) - num_outputs, sampling_params=params,
+            block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+            generator=self._make_generator(params), min_tokens_stop_ids=self._stop_ids(params))
+
+    def _apply_cached(self, cached: CachedRequestData) -> None:
+        for i, req_id in enumerate(cached.req_ids):
+            start = cached.num_computed_tokens[i]
+            tokens = cached.new_token_ids[i]
+            blocks = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                parked = self._parked.pop(req_id, None) or self.states.get(req_id)
+                if parked is None:
+                    raise KeyError(f"resumed request {req_id!r} was never seen by this worker")
+                params = parked.sampling_params
+                self.states[req_id] = RequestState(
+                    req_id=req_id, token_ids=list(tokens),
+                    num_prompt_tokens=len(tokens) - cached.num_output_tokens[i], sampling_params=params,
+                    block_ids=list(blocks or ()), num_computed_tokens=start, generator=parked.generator,
+                    min_tokens_stop_ids=self._stop_ids(params))
+                continue
+            state = self.states.get(req_id)
+            if state is None:
+                raise KeyError(f"cached request {req_id!r} is unknown to this worker")
+            if start > len(state.token_ids):
+                raise ValueError(f"request {req_id!r}: scheduled tokens start at {start} but only "
+                                 f"{len(state.token_ids)} tokens are known")
+            # The scheduler's tokens are authoritative (a sampled token we remembered is resent).
+            state.token_ids[start:start + len(tokens)] = tokens
+            state.num_computed_tokens = start
+            if blocks:
+                state.block_ids.extend(blocks)

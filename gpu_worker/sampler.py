@@ -1,0 +1,146 @@
+"""Batched token sampling: one set of tensor ops over all requests of a step.
+
+Order, per row: min_tokens masking and penalties (these shape greedy picks too), then, for random
+rows only, temperature, min-p, top-k and top-p, and a draw. Logprobs are those of the model's raw
+distribution (log_softmax of the unprocessed logits), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings (row i = the i-th request sampled this step)."""
+
+    # 0 marks a greedy row.
+    temperature: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    # None when no row uses the setting; disabled rows hold top_k=0 (-> vocab size), top_p=1, min_p=0.
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    # Row -> generator, for requests with a seed.
+    generators: dict[int, torch.Generator] | None = None
+    # Penalties (None when no row uses any): [N] each, plus the token ids they look at.
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    # [N, L] padded with vocab_size (an id that is counted into a discarded column).
+    output_token_ids: torch.Tensor | None = None
+    prompt_token_ids: torch.Tensor | None = None
+    # (rows, token ids) pairs to forbid: stop/EOS tokens of requests still short of min_tokens.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Largest top-N any row asked for; None when no row wants logprobs.
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor
+    # [N] logprob of each sampled token, and [N, max_num_logprobs] best alternatives (ids, logprobs).
+    sampled_logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, L] ids padded with ``vocab_size`` -> [N, vocab_size] occurrence counts."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    output_counts = token_counts(md.output_token_ids, vocab_size)
+    if md.repetition_penalties is not None:
+        # HF semantics: any token of prompt or output; positive logits shrink, negative grow.
+        seen = (token_counts(md.prompt_token_ids, vocab_size) > 0) | (output_counts > 0)
+        penalty = md.repetition_penalties.unsqueeze(1)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    # OpenAI semantics: over generated tokens only.
+    if md.frequency_penalties is not None:
+        logits = logits - md.frequency_penalties.unsqueeze(1) * output_counts
+    if md.presence_penalties is not None:
+        logits = logits - md.presence_penalties.unsqueeze(1) * (output_counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """One ascending sort serves both filters; rows with top_k=0 / top_p=1 are left alone."""
+    vocab_size = logits.shape[1]
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+        kth = logits_sort.gather(1, (vocab_size - k).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < kth, _NEG_INF)
+    if top_p is not None:
+        cum = logits_sort.softmax(dim=-1).cumsum_(dim=-1)
+        drop = cum <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # the best token always survives
+        logits_sort.masked_fill_(drop, _NEG_INF)
+    return logits.scatter(1, logits_idx, logits_sort)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | None) -> torch.Tensor:
+    """argmax(p / E) with E ~ Exp(1) draws a token with probability p; seeded rows draw E from
+    their own generator, so their tokens do not depend on what else is in the batch."""
+    noise = torch.empty_like(probs)
+    if generators and len(generators) == probs.shape[0]:
+        for row, gen in generators.items():
+            noise[row].exponential_(generator=gen)
+    else:
+        noise.exponential_()
+        for row, gen in (generators or {}).items():
+            noise[row].exponential_(generator=gen)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        if md.min_tokens_mask is not None:
+            rows, cols = md.min_tokens_mask
+            logits = logits.index_put((rows, cols), torch.tensor(_NEG_INF, device=logits.device))
+        if md.output_token_ids is not None:
+            logits = apply_penalties(logits, md)
+        sampled = self._sample(logits, md)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled)
+        sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+        top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs else (None, None)
+        return SamplerOutput(sampled, sampled_lp, top_ids, top_lp)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        if md.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        temperature = md.temperature
+        if greedy is not None:
+            # Greedy rows take argmax below; any positive value keeps the division finite.
+            temperature = torch.where(temperature > 0, temperature, 1.0)
+        logits = logits / temperature.unsqueeze(1)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        sampled = random_sample(logits.softmax(dim=-1), md.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(md.temperature > 0, sampled, greedy)

@@ -1,0 +1,109 @@
+"""Load HF-named weights into our models, each TP rank reading only its shard.
+
+Two entry points:
+* ``iter_safetensors(model_dir)`` yields ``(hf_name, LazyTensor)`` from ``*.safetensors`` (sharded
+  checkpoints through ``model.safetensors.index.json``); a ``LazyTensor`` reads only the rows or
+  columns a rank asks for.
+* ``load_weights(model, weights)`` takes any iterable of ``(hf_name, tensor)`` pairs, so a converter
+  producing HF-named ``torch.Tensor`` objects (e.g. from GGUF) reuses the same sharding logic.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
+
+# Checkpoint entries that are not parameters of ours (recomputed buffers in old checkpoints).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LazyTensor:
+    """One tensor of an open safetensors file, read on ``narrow`` (only the requested slice)."""
+
+    __slots__ = ("_slice", "shape")
+
+    def __init__(self, tensor_slice: object) -> None:
+        self._slice = tensor_slice
+        self.shape = torch.Size(tensor_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, LazyTensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, LazyTensor(f.get_slice(name))
+
+
+def _default_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+    copy_into(param, materialize(loaded))
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) -> None:
+    """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter.
+
+    Raises if the checkpoint has a tensor we cannot place, or leaves a parameter unloaded.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    # A fused parameter counts as loaded only once every one of its shards has arrived.
+    expected_shards: dict[str, set[int | str]] = {}
+    for ours, shard in packed.values():
+        expected_shards.setdefault(ours, set()).add(shard)
+    loaded: dict[str, set[int | str | None]] = {}
+    for hf_name, tensor in weights:
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if tied and hf_name == "lm_head.weight":
+            # Some tied checkpoints still store the head; it is the embedding we already load.
+            continue
+        name, shard_id = hf_name, None
+        for hf_part, (ours, shard) in packed.items():
+            if f".{hf_part}." in hf_name:
+                name, shard_id = hf_name.replace(f".{hf_part}.", f".{ours}."), shard
+                break
+        param = params.get(name)
+        if param is None:
+            raise KeyError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
+        getattr(param, "weight_loader", _default_loader)(param, tensor, shard_id)
+        loaded.setdefault(name, set()).add(shard_id)
+    if tied:
+        loaded["lm_head.weight"] = {None}
+    missing = []
+    for name in params:
+        module_name = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+        want = expected_shards.get(module_name, {None})
+        if not want <= loaded.get(name, set()):
+            missing.append(name)
+    if missing:
+        raise ValueError(f"checkpoint did not provide: {missing}")
+
+
+def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
+    with torch.no_grad():
+        load_weights(model, iter_safetensors(model_dir))

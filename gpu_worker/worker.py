@@ -1,0 +1,141 @@
+"""One tensor-parallel rank: owns a device, a model shard, its KV cache and a ModelRunner.
+
+A plain class so the engine can run it in-process or as a Ray actor (``ray.remote(Worker)``).
+Call order: ``init_distributed`` (TP > 1) -> ``load_model`` -> ``determine_num_blocks`` ->
+``initialize_cache`` -> ``execute_model`` per step, with the same SchedulerOutput on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_core.outputs import ModelRunnerOutput
+from engine_core.sched.output import SchedulerOutput
+from gpu_worker import distributed
+from gpu_worker.config import ModelConfig, parse_dtype
+from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget
+from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.model_runner import ModelRunner
+
+# A picklable source of (hf_name, tensor) pairs, e.g. functools.partial(gguf_to_hf_tensors, path).
+WeightsFactory = Callable[[], Iterable[tuple[str, WeightLike]]]
+
+
+def resolve_device(device: str | torch.device, rank: int) -> torch.device:
+    if str(device) != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if str(dtype) != "auto":
+        return parse_dtype(dtype)
+    if device.type == "cuda":
+        return config.dtype or torch.bfloat16
+    # CPU: fp32 keeps results exact and avoids slow fp16 kernels.
+    return torch.float32
+
+
+class Worker:
+    def __init__(self, rank: int, world_size: int, model_path_or_config: str | Path | ModelConfig | dict[str, Any],
+                 device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 weights: str | Path | WeightsFactory | None = None, num_cpus: int | None = None,
+                 seed: int = 0) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        if isinstance(model_path_or_config, ModelConfig):
+            self.model_config = model_path_or_config
+            self.model_dir = None
+        elif isinstance(model_path_or_config, dict):
+            self.model_config = ModelConfig.from_dict(model_path_or_config)
+            self.model_dir = None
+        else:
+            self.model_dir = Path(model_path_or_config)
+            self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.weights = weights if weights is not None else self.model_dir
+        if self.weights is None:
+            raise ValueError("a config without a model directory needs `weights` (a directory or a factory)")
+        self.device = resolve_device(device, rank)
+        self.dtype = resolve_dtype(dtype, self.model_config, self.device)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.runner: ModelRunner | None = None
+        self.block_size: int | None = None
+        if num_cpus is not None:
+            self.set_num_threads(num_cpus)
+        torch.manual_seed(seed)
+
+    def set_num_threads(self, num_cpus: int) -> None:
+        """Intra-op threads = the CPUs this rank was given (a Ray actor's num_cpus)."""
+        n = max(1, int(num_cpus))
+        torch.set_num_threads(n)
+        os.environ["OMP_NUM_THREADS"] = str(n)
+
+    def init_distributed(self, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
+        distributed.init_distributed(self.rank, self.world_size, master_addr, master_port, device=self.device)
+
+    def load_model(self) -> None:
+        if self.world_size > 1 and distributed.get_tp_world_size() != self.world_size:
+            raise RuntimeError("init_distributed() must come before load_model() when world_size > 1")
+        self.runner = ModelRunner(self.model_config, self.device, self.dtype, self.max_model_len,
+                                  self.max_num_seqs, self.max_num_batched_tokens)
+        weights = self.weights
+        self.runner.load_model(weights() if callable(weights) else weights)
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("load_model() has not been called")
+        return self.runner
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return model_bytes_per_block(self.model_config, block_size, self.world_size, self.dtype)
+
+    def determine_num_blocks(self, block_size: int, num_blocks: int | None = None,
+                             kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9) -> int:
+        """KV blocks for CacheConfig.num_blocks: explicit, from a byte budget, or (CUDA) from what a
+        profiled max-size step leaves of ``gpu_memory_utilization`` of the device. Every rank
+        returns the group-wide minimum."""
+        if num_blocks is None:
+            per_block = self.bytes_per_block(block_size)
+            if kv_cache_memory_bytes is not None:
+                num_blocks = num_blocks_for_budget(kv_cache_memory_bytes, per_block)
+            elif self.device.type == "cuda":
+                num_blocks = num_blocks_for_budget(self._profile_kv_budget(block_size, gpu_memory_utilization),
+                                                   per_block)
+            else:
+                raise ValueError("on CPU pass num_blocks or kv_cache_memory_bytes")
+        return distributed.all_reduce_min(num_blocks, self.device)
+
+    def _profile_kv_budget(self, block_size: int, gpu_memory_utilization: float) -> int:
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._runner().profile_run(block_size)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)  # weights + activations at the peak
+        free, total = torch.cuda.mem_get_info(self.device)
+        # CUDA context, NCCL buffers, other processes: used, yet not through torch's allocator.
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return int(total * gpu_memory_utilization - peak - outside_torch)
+
+    def initialize_cache(self, num_blocks: int, block_size: int) -> None:
+        self._runner().initialize_kv_cache(num_blocks, block_size)
+        self.block_size = block_size
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        out = self._runner().execute_model(scheduler_output)
+        return out if self.rank == 0 else None
+
+    def shutdown(self) -> None:
+        distributed.destroy_distributed()

@@ -1,0 +1,193 @@
+"""Layers in isolation: paged attention against dense causal attention, TP shard arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
+from gpu_worker.layers.activation import SiluAndMul
+from gpu_worker.layers.attention import PagedAttention
+from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from gpu_worker.layers.rotary import RotaryEmbedding
+
+H, KVH, D, BS = 4, 2, 8, 4
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q: [n, H, D] for positions start..start+n-1; k, v: [start+n, KVH, D] (all keys so far)."""
+    n, s = q.shape[0], k.shape[0]
+    rep = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(rep, 1).transpose(0, 1)
+    vv = v.repeat_interleave(rep, 1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ kk.transpose(1, 2) / math.sqrt(q.shape[-1])
+    allowed = torch.arange(s)[None, :] <= (start + torch.arange(n))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ vv).transpose(0, 1).reshape(n, -1)
+
+
+def run_batch(attn: PagedAttention, reqs: list[dict]) -> torch.Tensor:
+    """reqs: dicts with start, q, k, v (new tokens only), blocks; decodes (1 token) must come first."""
+    num_decodes = sum(1 for r in reqs if r["q"].shape[0] == 1)
+    nblocks = np.array([len(r["blocks"]) for r in reqs])
+    table = np.zeros((len(reqs), nblocks.max()), dtype=np.int64)
+    for i, r in enumerate(reqs):
+        table[i, : len(r["blocks"])] = r["blocks"]
+    lens = np.array([r["q"].shape[0] for r in reqs])
+    qsl = np.concatenate([[0], np.cumsum(lens)])
+    starts = np.array([r["start"] for r in reqs])
+    req_index = np.repeat(np.arange(len(reqs)), lens)
+    positions = starts[req_index] + np.arange(qsl[-1]) - qsl[req_index]
+    slots = compute_slot_mapping(table, req_index, positions, BS)
+    meta = build_attention_metadata(table, nblocks, qsl, starts, num_decodes, slots, BS, torch.device("cpu"))
+    return attn(torch.cat([r["q"] for r in reqs]), torch.cat([r["k"] for r in reqs]),
+                torch.cat([r["v"] for r in reqs]), meta)
+
+
+@pytest.fixture
+def attn():
+    layer = PagedAttention(H, KVH, D, D ** -0.5)
+    layer.kv_cache = (torch.zeros(32, BS, KVH, D), torch.zeros(32, BS, KVH, D))
+    return layer
+
+
+def test_mixed_batch_matches_dense(attn):
+    """Decodes of different lengths plus prefill chunks at arbitrary offsets, in one call."""
+    torch.manual_seed(0)
+    seqs = {name: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D))
+            for name, n in [("a", 11), ("b", 6), ("c", 13), ("d", 9)]}
+    blocks = {"a": [7, 3, 20], "b": [1, 30], "c": [4, 5, 6, 2], "d": [9, 8, 12]}
+    # Step 1: prefix of each request (a chunk from 0 for all).
+    first = {"a": 10, "b": 5, "c": 6, "d": 3}
+    reqs = [dict(start=0, q=seqs[n][0][:m], k=seqs[n][1][:m], v=seqs[n][2][:m], blocks=blocks[n])
+            for n, m in first.items()]
+    run_batch(attn, reqs)
+    # Step 2: a and b decode (different lengths), c and d continue prefilling mid-block.
+    step2 = {"a": (10, 11), "b": (5, 6), "c": (6, 13), "d": (3, 9)}
+    reqs = [dict(start=s, q=seqs[n][0][s:e], k=seqs[n][1][s:e], v=seqs[n][2][s:e], blocks=blocks[n])
+            for n, (s, e) in step2.items()]
+    out = run_batch(attn, reqs)
+    expected = torch.cat([dense_reference(seqs[n][0][s:e], seqs[n][1][:e], seqs[n][2][:e], s)
+                          for n, (s, e) in step2.items()])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_same_step_prefix_hit_sees_keys_written_in_that_step(attn):
+    """B shares A's first two blocks, which A writes in the very call where B reads them."""
+    torch.manual_seed(1)
+    n_a, shared = 10, 8
+    qa, ka, va = torch.randn(n_a, H, D), torch.randn(n_a, KVH, D), torch.randn(n_a, KVH, D)
+    tail_q, tail_k, tail_v = torch.randn(3, H, D), torch.randn(3, KVH, D), torch.randn(3, KVH, D)
+    reqs = [dict(start=0, q=qa, k=ka, v=va, blocks=[0, 1, 2]),
+            dict(start=shared, q=tail_q, k=tail_k, v=tail_v, blocks=[0, 1, 3])]
+    out = run_batch(attn, reqs)
+    kb = torch.cat([ka[:shared], tail_k])
+    vb = torch.cat([va[:shared], tail_v])
+    torch.testing.assert_close(out[n_a:], dense_reference(tail_q, kb, vb, shared), atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    hf_cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters=rope, max_position_embeddings=128)
+    hf_rope = LlamaRotaryEmbedding(hf_cfg)
+    ours = RotaryEmbedding(16, 128, 10000.0, rope)
+    positions = torch.tensor([0, 5, 17, 100, 127])
+    x = torch.randn(5, 3, 16)
+    cos, sin = hf_rope(x, positions[None])
+    ref, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(ours(positions, x.clone()), ref[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+def test_column_and_row_parallel_shards_compose_to_full_linear():
+    torch.manual_seed(0)
+    x = torch.randn(5, 12)
+    w1, b1 = torch.randn(8, 12), torch.randn(8)
+    w2, b2 = torch.randn(6, 8), torch.randn(6)
+    full = F.linear(F.linear(x, w1, b1), w2, b2)
+    partial = []
+    for rank in range(2):
+        col = ColumnParallelLinear(12, 8, bias=True, tp_rank=rank, tp_size=2)
+        col.weight_loader(col.weight, w1)
+        col.weight_loader(col.bias, b1)
+        row = RowParallelLinear(8, 6, bias=True, tp_rank=rank, tp_size=2)
+        row.weight_loader(row.weight, w2)
+        row.bias.weight_loader(row.bias, b2)
+        partial.append(F.linear(col(x), row.weight))
+    # The all-reduce sums the ranks' partial products; the bias is added once, after it.
+    torch.testing.assert_close(partial[0] + partial[1] + row.bias, full)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_qkv_and_merged_loaders_shard_heads(tp_size):
+    torch.manual_seed(0)
+    hidden, heads, kv_heads, d = 16, 4, 2, 4
+    wq, wk, wv = torch.randn(heads * d, hidden), torch.randn(kv_heads * d, hidden), torch.randn(kv_heads * d, hidden)
+    for rank in range(tp_size):
+        qkv = QKVParallelLinear(hidden, d, heads, kv_heads, tp_rank=rank, tp_size=tp_size)
+        for shard, w in (("q", wq), ("k", wk), ("v", wv)):
+            qkv.weight_loader(qkv.weight, w, shard)
+        q, k, v = qkv.weight.split([qkv.q_size, qkv.kv_size, qkv.kv_size])
+        q_heads = heads // tp_size
+        torch.testing.assert_close(q, wq[rank * q_heads * d:(rank + 1) * q_heads * d])
+        # With more ranks than KV heads, each rank holds the KV head its query heads use.
+        kv_head = (rank * q_heads) // (heads // kv_heads)
+        assert qkv.num_kv_heads == max(1, kv_heads // tp_size)
+        torch.testing.assert_close(k[:d], wk[kv_head * d:(kv_head + 1) * d])
+        torch.testing.assert_close(v[:d], wv[kv_head * d:(kv_head + 1) * d])
+    wg, wu = torch.randn(8, hidden), torch.randn(8, hidden)
+    merged = MergedColumnParallelLinear(hidden, [8, 8], tp_rank=tp_size - 1, tp_size=tp_size)
+    merged.weight_loader(merged.weight, wg, 0)
+    merged.weight_loader(merged.weight, wu, 1)
+    n = 8 // tp_size
+    torch.testing.assert_close(merged.weight, torch.cat([wg[-n:], wu[-n:]]))
+
+
+def test_vocab_parallel_embedding_and_head_shards():
+    """Ranks built with tp_size=2 in one process (collectives are no-ops here): summing their
+    embeddings and concatenating their logits must give the unsharded results."""
+    torch.manual_seed(0)
+    table = torch.randn(11, 4)  # 11 rows over 2 ranks: padded to 12
+    ids = torch.tensor([0, 5, 6, 10])
+    hidden = torch.randn(2, 4)
+    embedded, logits = [], []
+    for rank in range(2):
+        emb = VocabParallelEmbedding(11, 4, tp_rank=rank, tp_size=2)
+        emb.weight_loader(emb.weight, table)
+        embedded.append(emb(ids))
+        head = ParallelLMHead(11, 4, tp_rank=rank, tp_size=2)
+        head.tie_to(emb)
+        assert head.weight is emb.weight
+        logits.append(F.linear(hidden, head.weight))
+    torch.testing.assert_close(embedded[0] + embedded[1], F.embedding(ids, table))
+    torch.testing.assert_close(torch.cat(logits, -1)[:, :11], F.linear(hidden, table))
+
+
+def test_rmsnorm_residual_and_swiglu():
+    torch.manual_seed(0)
+    norm = RMSNorm(8, eps=1e-5)
+    norm.weight.data = torch.randn(8)
+    x, res = torch.randn(3, 8), torch.randn(3, 8)
+    out, new_res = norm(x, res)
+    s = x + res
+    torch.testing.assert_close(new_res, s)
+    torch.testing.assert_close(out, norm.weight * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5))
+    # bf16 takes the HF-ordered path (statistics in fp32).
+    out_bf16 = norm.to(torch.bfloat16)(s.to(torch.bfloat16))
+    torch.testing.assert_close(out_bf16.float(), out, atol=0.05, rtol=0.05)
+    gu = torch.randn(3, 16)
+    torch.testing.assert_close(SiluAndMul()(gu), F.silu(gu[:, :8]) * gu[:, 8:])

@@ -1,0 +1,219 @@
+"""ModelRunner end to end: the engine's Scheduler drives it, HF generate is the reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_core.request import Request
+from engine_core.sampling_params import SamplingParams
+from engine_core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from tests.gpu_worker.utils import (
+    greedy_request,
+    hf_greedy,
+    load_hf,
+    make_runner,
+    make_scheduler,
+    run_to_completion,
+    save_tiny_model,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return load_hf(model_dir)
+
+
+def prompts(seed: int, n: int, lo: int = 3, hi: int = 30, prefix: list[int] | None = None) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"s{seed}-r{i}": (prefix or []) + [rng.randrange(256) for _ in range(rng.randrange(lo, hi))]
+            for i in range(n)}
+
+
+@pytest.mark.parametrize(("budget", "threshold"), [(7, 0), (13, 5), (64, 0)])
+def test_greedy_matches_hf_with_chunked_prefill(model_dir, hf_model, budget, threshold):
+    runner = make_runner(model_dir, num_blocks=64, block_size=4)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=budget,
+                           long_prefill_token_threshold=threshold)
+    ps = prompts(budget, 4)
+    for rid, p in ps.items():
+        sched.add_request(greedy_request(rid, p, 8))
+    mixed_steps = []
+
+    def on_step(step, so):
+        n = so.num_scheduled_tokens
+        if any(v == 1 for v in n.values()) and any(v > 1 for v in n.values()):
+            mixed_steps.append(step)
+
+    got = run_to_completion(sched, runner.execute_model, on_step=on_step)
+    if budget < 64:
+        assert mixed_steps, "expected steps mixing decodes with prefill chunks"
+    for rid, p in ps.items():
+        assert got[rid] == hf_greedy(hf_model, p, 8), rid
+
+
+def test_preemption_and_resume_match_hf(model_dir, hf_model):
+    runner = make_runner(model_dir, num_blocks=16, block_size=4)
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32)
+    ps = prompts(1, 4, lo=8, hi=16)
+    for rid, p in ps.items():
+        sched.add_request(greedy_request(rid, p, 10))
+    seen = {"preempted": 0, "resumed": 0}
+
+    def on_step(step, so):
+        seen["preempted"] += len(so.preempted_req_ids)
+        seen["resumed"] += sum(so.scheduled_cached_reqs.resumed_from_preemption)
+
+    got = run_to_completion(sched, runner.execute_model, on_step=on_step)
+    assert seen["preempted"] and seen["resumed"]
+    for rid, p in ps.items():
+        assert got[rid] == hf_greedy(hf_model, p, 10), rid
+
+
+def test_prefix_sharing_including_same_step_hits(model_dir, hf_model):
+    runner = make_runner(model_dir, num_blocks=64, block_size=4)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=128)
+    prefix = [random.Random(5).randrange(256) for _ in range(13)]
+    ps = prompts(2, 3, lo=2, hi=9, prefix=prefix)
+    for rid, p in ps.items():
+        sched.add_request(greedy_request(rid, p, 6))
+    same_step_hits = []
+
+    def on_step(step, so):
+        if step == 0:
+            same_step_hits.extend(n.num_computed_tokens for n in so.scheduled_new_reqs[1:])
+
+    got = run_to_completion(sched, runner.execute_model, on_step=on_step)
+    # Later requests hit blocks the first request fills in that very step.
+    assert same_step_hits and all(n >= 12 for n in same_step_hits)
+    for rid, p in ps.items():
+        assert got[rid] == hf_greedy(hf_model, p, 6), rid
+    # A later request hits blocks cached by finished ones.
+    late = prefix + [9, 8, 7]
+    sched.add_request(greedy_request("late", late, 4))
+    hits = []
+    got = run_to_completion(sched, runner.execute_model,
+                            on_step=lambda s, so: hits.extend(n.num_computed_tokens for n in so.scheduled_new_reqs))
+    assert hits[0] == 12 and got["late"] == hf_greedy(hf_model, late, 4)
+
+
+def _so(new=(), cached: CachedRequestData | None = None, num: dict | None = None,
+        finished=(), preempted=()) -> SchedulerOutput:
+    num = num or {}
+    return SchedulerOutput(list(new), cached or CachedRequestData(), num, sum(num.values()), set(finished),
+                           set(preempted))
+
+
+def test_hand_built_chunks_mid_prefill_and_resume(model_dir, hf_model):
+    runner = make_runner(model_dir, num_blocks=32, block_size=4)
+    prompt = [(13 * i + 1) % 256 for i in range(15)]
+    ref = hf_greedy(hf_model, prompt, 3)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    # Chunks of 5, 3 and 7 tokens: the first two end mid-prompt and sample nothing.
+    out = runner.execute_model(_so([NewRequestData("a", prompt, greedy, [3, 9], 0)], num={"a": 5}))
+    assert out.req_ids == ["a"] and out.sampled_token_ids == [[]] and out.req_id_to_index == {"a": 0}
+    out = runner.execute_model(_so(cached=CachedRequestData(["a"], [False], [prompt[5:8]], [None], [5], [0]),
+                                   num={"a": 3}))
+    assert out.sampled_token_ids == [[]]
+    out = runner.execute_model(_so(cached=CachedRequestData(["a"], [False], [prompt[8:]], [[14, 2]], [8], [0]),
+                                   num={"a": 7}))
+    assert out.sampled_token_ids == [[ref[0]]]
+    out = runner.execute_model(_so(cached=CachedRequestData(["a"], [False], [[ref[0]]], [None], [15], [0]),
+                                   num={"a": 1}))
+    assert out.sampled_token_ids == [[ref[1]]]
+    # Preempted: state dropped (sampling params kept aside), then resumed with everything resent
+    # into a fresh block table, from a 4-token prefix "hit" on block 3.
+    runner.execute_model(_so(preempted={"a"}))
+    assert "a" not in runner.requests.states
+    tokens = prompt + ref[:2]
+    resumed = CachedRequestData(["a"], [True], [tokens], [[3, 20, 21, 22, 23]], [4], [2])
+    out = runner.execute_model(_so(cached=resumed, num={"a": len(tokens) - 4}))
+    assert out.sampled_token_ids == [[ref[2]]]
+    assert runner.requests["a"].output_token_ids == ref[:3]
+    runner.execute_model(_so(finished={"a"}))
+    assert not runner.requests.states
+
+
+def test_empty_step_and_unknown_request(model_dir):
+    runner = make_runner(model_dir)
+    out = runner.execute_model(SchedulerOutput.make_empty())
+    assert out.req_ids == [] and out.sampled_token_ids == []
+    with pytest.raises(KeyError, match="ghost"):
+        runner.execute_model(_so(cached=CachedRequestData(["ghost"], [False], [[1]], [None], [3], [0]),
+                                 num={"ghost": 1}))
+
+
+def test_seeded_sampling_is_independent_of_the_batch(model_dir):
+    def run(batch_extra: int) -> list[int]:
+        runner = make_runner(model_dir, num_blocks=64, block_size=4)
+        sched = make_scheduler(num_blocks=64, block_size=4)
+        sched.add_request(Request("seeded", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, temperature=1.0, seed=1234,
+                                                                               top_k=20, top_p=0.9)))
+        for i in range(batch_extra):
+            sched.add_request(Request(f"x{i}", [i + 1] * (3 + i), SamplingParams(max_tokens=5, temperature=1.0)))
+        return run_to_completion(sched, runner.execute_model)["seeded"]
+
+    alone = run(0)
+    assert alone == run(3)
+    assert len(set(alone)) > 1
+
+
+def test_logprobs_and_min_tokens_through_the_runner(tmp_path, hf_model, model_dir):
+    prompt = [11, 22, 33, 44, 55]
+    first = hf_greedy(hf_model, prompt, 1)[0]
+    # A model whose EOS is exactly the token greedy decoding picks first.
+    path = save_tiny_model(tmp_path, "llama", eos_token_id=first)
+    runner = make_runner(path)
+    sched = make_scheduler()
+    sched.add_request(Request("eos", prompt, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3),
+                              eos_token_id=first))
+    sched.add_request(Request("min", prompt, SamplingParams(max_tokens=4, min_tokens=2, temperature=0.0),
+                              eos_token_id=first))
+    logprobs = {}
+
+    def execute(so):
+        out = runner.execute_model(so)
+        for rid, lp in zip(out.req_ids, out.logprobs or [None] * len(out.req_ids), strict=True):
+            if lp is not None:
+                logprobs.setdefault(rid, []).append(lp)
+        return out
+
+    got = run_to_completion(sched, execute)
+    assert got["eos"] == [first]  # stops on EOS at once
+    assert first not in got["min"][:2] and len(got["min"]) >= 2
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+    [entry] = logprobs["eos"]
+    assert entry.sampled_logprobs[0] == pytest.approx(ref[first].item(), abs=1e-4)
+    top_ids = [t for t, _ in entry.top_logprobs[0]]
+    assert top_ids == ref.topk(3).indices.tolist()
+    assert "min" not in logprobs
+
+
+def test_penalties_use_remembered_outputs(model_dir, hf_model):
+    params = dict(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    runner = make_runner(model_dir)
+    sched = make_scheduler()
+    sched.add_request(Request("p", prompt, SamplingParams(max_tokens=6, ignore_eos=True, **params)))
+    got = run_to_completion(sched, runner.execute_model)["p"]
+    seq, outs = list(prompt), []
+    for _ in range(6):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([seq])).logits[0, -1].clone()
+        for t in set(seq):
+            logits[t] = logits[t] / 1.3 if logits[t] > 0 else logits[t] * 1.3
+        for t in set(outs):
+            logits[t] -= 0.7 * outs.count(t) + 0.4
+        tok = int(logits.argmax())
+        seq.append(tok)
+        outs.append(tok)
+    assert got == outs
+    assert got != hf_greedy(hf_model, prompt, 6)  # the penalties did change the picks

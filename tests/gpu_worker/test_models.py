@@ -1,0 +1,84 @@
+"""Our decoder's logits against transformers' on the same random weights (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpu_worker.config import ModelConfig
+from gpu_worker.models import MODEL_REGISTRY, get_model_class
+from gpu_worker.models.llama import MistralForCausalLM, Qwen2ForCausalLM
+from tests.gpu_worker.utils import LLAMA3_ROPE, load_hf, make_runner, prefill_logits, save_tiny_model
+
+CASES = {
+    "llama_untied": ("llama", {}),
+    "llama3_rope_tied": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 50000.0, "tie_word_embeddings": True}),
+    "llama_attention_bias": ("llama", {"attention_bias": True, "num_key_value_heads": 1}),
+    "qwen2_bias": ("qwen2", {"num_key_value_heads": 4}),
+    "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
+    "mistral": ("mistral", {"head_dim": 8, "num_attention_heads": 4, "num_key_value_heads": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(tmp_path, case):
+    kind, overrides = CASES[case]
+    path = save_tiny_model(tmp_path, kind, **overrides)
+    hf = load_hf(path)
+    runner = make_runner(path, num_blocks=16, block_size=4)
+    prompt = [(7 * i + 3) % 256 for i in range(45)]  # 45 tokens: past original_max_position_embeddings
+    ours = prefill_logits(runner, prompt, [5, 2, 9, 0, 11, 3, 7, 8, 1, 4, 6, 10])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_llama3_rope_scaling_is_applied(tmp_path):
+    scaled = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "a", rope_scaling=LLAMA3_ROPE))
+    plain = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "b"))
+    assert scaled.rope_scaling["rope_type"] == "llama3" and plain.rope_scaling is None
+    from gpu_worker.layers.rotary import compute_inv_freq
+    assert not torch.equal(compute_inv_freq(16, 10000.0, scaled.rope_scaling), compute_inv_freq(16, 10000.0, None))
+
+
+def test_config_accepts_transformers4_layout():
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256, "rope_theta": 500000.0,
+           "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192},
+           "eos_token_id": 2, "torch_dtype": "bfloat16"}
+    mc = ModelConfig.from_dict(cfg, {"eos_token_id": [2, 7]})
+    assert mc.rope_theta == 500000.0 and mc.rope_scaling["rope_type"] == "llama3"
+    assert mc.num_key_value_heads == 4 and mc.head_dim == 16
+    assert mc.eos_token_ids == (2, 7)
+    assert mc.dtype == torch.bfloat16
+
+
+def test_config_rejects_unsupported():
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
+    with pytest.raises(ValueError, match="architecture"):
+        ModelConfig.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="rope_type"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_dict({**base, "hidden_act": "gelu"})
+
+
+def test_registry_maps_architectures(tmp_path):
+    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
+    assert get_model_class("MistralForCausalLM") is MistralForCausalLM
+    with pytest.raises(ValueError):
+        get_model_class("Nope")
+
+
+def test_mistral_sliding_window_bounds_max_model_len(tmp_path):
+    path = save_tiny_model(tmp_path, "mistral", sliding_window=64)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["sliding_window"] == 64
+    with pytest.raises(ValueError, match="sliding"):
+        make_runner(path, max_model_len=128)
+    make_runner(path, max_model_len=64)

@@ -1,0 +1,103 @@
+"""Checkpoint loading: sharded safetensors, tied heads, converter-style iterators, TP slicing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpu_worker.config import ModelConfig
+from gpu_worker.models import build_model
+from gpu_worker.weights import LazyTensor, iter_safetensors, load_safetensors, load_weights, safetensors_files
+from tests.gpu_worker.utils import load_hf, make_runner, prefill_logits, save_tiny_model
+
+
+def hf_state(path) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in load_hf(path).state_dict().items()}
+
+
+def test_sharded_checkpoint_loads_every_shard(tmp_path):
+    path = tmp_path / "m"
+    save_tiny_model(path, tie_word_embeddings=False)
+    hf = load_hf(path)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    (tmp_path / "sharded" / "config.json").write_text((path / "config.json").read_text())
+    assert len(safetensors_files(tmp_path / "sharded")) == len(set(index["weight_map"].values()))
+    runner = make_runner(tmp_path / "sharded")
+    prompt = list(range(1, 20))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, [0, 1, 2, 3, 4]), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tied_checkpoint_without_lm_head(tmp_path):
+    path = save_tiny_model(tmp_path, tie_word_embeddings=True)
+    names = set(load_file(path / "model.safetensors"))
+    assert "lm_head.weight" not in names
+    model = build_model(ModelConfig.from_pretrained(path))
+    load_safetensors(model, path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(model.lm_head.weight, load_file(path / "model.safetensors")["model.embed_tokens.weight"])
+
+
+def test_converter_iterator_of_plain_tensors(tmp_path):
+    """A GGUF converter hands over HF-named torch tensors and a config dict: same loader."""
+    path = save_tiny_model(tmp_path)
+    state = hf_state(path)
+    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    model = build_model(config)
+    load_weights(model, iter(state.items()))
+    q, _, v = model.model.layers[1].self_attn.qkv_proj.weight.split([64, 32, 32])
+    torch.testing.assert_close(q, state["model.layers.1.self_attn.q_proj.weight"])
+    torch.testing.assert_close(v, state["model.layers.1.self_attn.v_proj.weight"])
+    _, up = model.model.layers[0].mlp.gate_up_proj.weight.chunk(2)
+    torch.testing.assert_close(up, state["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_missing_and_unknown_tensors_raise(tmp_path):
+    path = save_tiny_model(tmp_path)
+    state = hf_state(path)
+    config = ModelConfig.from_pretrained(path)
+    missing = {k: v for k, v in state.items() if k != "model.layers.0.self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match="qkv_proj"):
+        load_weights(build_model(config), missing.items())
+    with pytest.raises(KeyError, match="bogus"):
+        load_weights(build_model(config), [*state.items(), ("model.bogus.weight", torch.zeros(1))])
+    wrong = dict(state)
+    wrong["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        load_weights(build_model(config), wrong.items())
+
+
+def test_lazy_tensor_reads_only_the_requested_slice(tmp_path):
+    t = torch.arange(24, dtype=torch.float32).view(6, 4)
+    save_file({"w": t}, str(tmp_path / "x.safetensors"))
+    [(name, lazy)] = list(iter_safetensors(tmp_path))
+    assert name == "w" and isinstance(lazy, LazyTensor) and lazy.shape == (6, 4)
+    torch.testing.assert_close(lazy.narrow(0, 2, 3), t[2:5])
+    torch.testing.assert_close(lazy.narrow(1, 1, 2), t[:, 1:3])
+
+
+def test_rank_shapes_from_tp_slicing(tmp_path):
+    """A rank built with tp_size=2 loads half of every split weight from the same checkpoint."""
+    from gpu_worker import distributed
+
+    path = save_tiny_model(tmp_path)
+    state = hf_state(path)
+    config = ModelConfig.from_pretrained(path)
+    old = distributed._group
+    try:
+        distributed._group = distributed.TPGroup(rank=1, world_size=2)
+        model = build_model(config)
+    finally:
+        distributed._group = old
+    load_safetensors(model, path)
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.shape == (32 + 16 + 16, 64)
+    torch.testing.assert_close(layer.mlp.down_proj.weight, state["model.layers.0.mlp.down_proj.weight"][:, 64:])
+    torch.testing.assert_close(layer.self_attn.o_proj.weight, state["model.layers.0.self_attn.o_proj.weight"][:, 32:])
+    torch.testing.assert_close(model.model.embed_tokens.weight, state["model.embed_tokens.weight"][128:])

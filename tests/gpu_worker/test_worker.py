@@ -1,0 +1,110 @@
+"""Worker: cache sizing, in-process TP=1, and TP=2 over gloo (two Ray actors) against TP=1."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_core.sched.output import SchedulerOutput
+from gpu_worker.config import ModelConfig
+from gpu_worker.kv_cache import kv_cache_bytes_per_block, model_bytes_per_block
+from gpu_worker.worker import Worker
+from tests.gpu_worker.utils import (
+    free_port,
+    greedy_request,
+    make_scheduler,
+    run_to_completion,
+    save_tiny_model,
+)
+
+
+def test_bytes_per_block_formula(tmp_path):
+    assert kv_cache_bytes_per_block(30, 16, 3, 64, torch.bfloat16) == 2 * 30 * 16 * 3 * 64 * 2
+    cfg = ModelConfig.from_pretrained(save_tiny_model(tmp_path, num_key_value_heads=2))
+    # 2 layers, 2 KV heads of 16 dims; with TP=4 each rank still keeps one (replicated) head.
+    assert model_bytes_per_block(cfg, 4, 1, torch.float32) == 2 * 2 * 4 * 2 * 16 * 4
+    assert model_bytes_per_block(cfg, 4, 4, torch.float32) == 2 * 2 * 4 * 1 * 16 * 4
+
+
+def test_worker_tp1_lifecycle(tmp_path):
+    path = save_tiny_model(tmp_path)
+    worker = Worker(0, 1, str(path), device="cpu", dtype="auto", max_model_len=128, num_cpus=1)
+    assert worker.device == torch.device("cpu") and worker.dtype == torch.float32
+    worker.init_distributed()  # TP=1: no process group
+    assert not torch.distributed.is_initialized()
+    worker.load_model()
+    per_block = worker.bytes_per_block(4)
+    assert worker.determine_num_blocks(4, kv_cache_memory_bytes=per_block * 10 + 5) == 10
+    assert worker.determine_num_blocks(4, num_blocks=7) == 7
+    with pytest.raises(ValueError):
+        worker.determine_num_blocks(4)
+    worker.initialize_cache(10, 4)
+    sched = make_scheduler(num_blocks=10, block_size=4)
+    sched.add_request(greedy_request("a", [1, 2, 3, 4, 5], 3))
+    got = run_to_completion(sched, worker.execute_model)
+    assert len(got["a"]) == 3
+    assert worker.execute_model(SchedulerOutput.make_empty()).req_ids == []
+
+
+def test_worker_from_config_dict_and_weight_factory(tmp_path):
+    import json
+
+    from gpu_worker.weights import iter_safetensors
+
+    path = save_tiny_model(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    worker = Worker(0, 1, cfg, device="cpu", dtype="float32", weights=lambda: iter_safetensors(path))
+    worker.load_model()
+    worker.initialize_cache(8, 4)
+    with pytest.raises(ValueError, match="weights"):
+        Worker(0, 1, cfg)
+
+
+def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int) -> dict[str, list[int]]:
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16)
+    for rid, p in prompts.items():
+        sched.add_request(greedy_request(rid, p, 8))
+    return run_to_completion(sched, workers_execute)
+
+
+@pytest.mark.slow
+def test_tp2_over_gloo_equals_tp1(tmp_path):
+    ray = pytest.importorskip("ray")
+    # One KV head for two ranks (replicated), an odd vocab (padded shards) and tied embeddings.
+    path = save_tiny_model(tmp_path, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True)
+    rng = random.Random(3)
+    prompts = {f"r{i}": [rng.randrange(251) for _ in range(rng.randrange(3, 20))] for i in range(4)}
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1)
+
+    tp1 = Worker(0, 1, str(path), **kwargs)
+    tp1.load_model()
+    tp1.initialize_cache(40, 4)
+    expected = _drive(tp1.execute_model, prompts, 40)
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        remote_worker = ray.remote(num_cpus=1)(Worker)
+        ranks = [remote_worker.remote(rank, 2, str(path), **kwargs) for rank in range(2)]
+        port = free_port()
+        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
+        ray.get([w.load_model.remote() for w in ranks])
+        # The single KV head is replicated, so a rank's block is as large as a TP=1 block.
+        num_blocks = ray.get([w.determine_num_blocks.remote(4, None, 40 * tp1.bytes_per_block(4) + 1)
+                              for w in ranks])
+        assert num_blocks == [40, 40]
+        ray.get([w.initialize_cache.remote(40, 4) for w in ranks])
+
+        def execute(so):
+            outs = ray.get([w.execute_model.remote(so) for w in ranks])
+            assert outs[1] is None  # only rank 0 answers
+            return outs[0]
+
+        assert _drive(execute, prompts, 40) == expected
+        ray.get([w.shutdown.remote() for w in ranks])
+    finally:
+        if started_here:
+            ray.shutdown()

@@ -1,0 +1,131 @@
+"""Tiny random-weight HF checkpoints and helpers shared by the gpu_worker tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.request import Request
+from engine_core.sampling_params import SamplingParams
+from engine_core.sched.scheduler import Scheduler
+from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
+from gpu_worker.config import ModelConfig
+from gpu_worker.model_runner import ModelRunner
+
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+              # Wider than HF's default init so logits are peaked: greedy ties would make
+              # token-exact comparisons flaky.
+              initializer_range=0.2)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def make_config(kind: str = "llama", **overrides):
+    kw = dict(_SMALL)
+    kw.update(overrides)
+    if kind == "llama":
+        return LlamaConfig(**kw)
+    if kind == "qwen2":
+        return Qwen2Config(**kw)
+    if kind == "mistral":
+        kw.setdefault("sliding_window", None)
+        return MistralConfig(**kw)
+    raise ValueError(kind)
+
+
+def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random-weight HF model saved as safetensors; returns its directory."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(kind, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # HF initialises biases to zero, which would hide a bias we forget to load.
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf(path: Path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def make_runner(path: Path, num_blocks: int = 64, block_size: int = 4, device: str = "cpu",
+                **kwargs) -> ModelRunner:
+    runner = ModelRunner(ModelConfig.from_pretrained(path), device=device, dtype=torch.float32, **kwargs)
+    runner.load_model(path)
+    runner.initialize_kv_cache(num_blocks, block_size)
+    return runner
+
+
+def prefill_logits(runner: ModelRunner, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prompt, run as a single prefill through the paged cache."""
+    n = len(token_ids)
+    bs = runner.block_size
+    table = np.array([block_ids], dtype=np.int64)
+    positions = np.arange(n)
+    req_index = np.zeros(n, dtype=np.int64)
+    slots = compute_slot_mapping(table, req_index, positions, bs)
+    meta = build_attention_metadata(table, np.array([len(block_ids)]), np.array([0, n]), np.array([0]), 0, slots,
+                                    bs, runner.device)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(token_ids, device=runner.device), torch.from_numpy(positions), meta)
+        return runner.model.compute_logits(hidden)
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
+                   max_num_seqs: int = 16, max_model_len: int = 256, prefix_caching: bool = True,
+                   long_prefill_token_threshold: int = 0) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                     max_model_len=max_model_len,
+                                     long_prefill_token_threshold=long_prefill_token_threshold),
+                     CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+                     log_stats=False)
+
+
+def greedy_request(req_id: str, prompt: list[int], max_tokens: int, **params) -> Request:
+    params.setdefault("temperature", 0.0)
+    params.setdefault("ignore_eos", True)
+    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_id=None)
+
+
+def run_to_completion(scheduler: Scheduler, execute, max_steps: int = 500,
+                      on_step=None) -> dict[str, list[int]]:
+    """Drive schedule -> execute -> update until every request finishes; tokens per request id."""
+    tokens: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return tokens
+        so = scheduler.schedule()
+        if on_step is not None:
+            on_step(step, so)
+        out = execute(so)
+        for eco in scheduler.update_from_output(so, out).values():
+            for o in eco.outputs:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    raise AssertionError("requests did not finish")
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
