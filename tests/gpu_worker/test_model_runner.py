@@ -141,6 +141,34 @@ def test_hand_built_chunks_mid_prefill_and_resume(model_dir, hf_model):
     assert not runner.requests.states
 
 
+def test_continued_session_replaces_state_and_keeps_its_cache(model_dir, hf_model):
+    """A streaming session's next chunk arrives as NewRequestData for a live id: the prompt now holds
+    the earlier outputs, and the blocks already computed are reused."""
+    runner = make_runner(model_dir, num_blocks=32, block_size=4)
+    prompt = [(5 * i + 2) % 256 for i in range(9)]
+    first = hf_greedy(hf_model, prompt, 2)
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    out = runner.execute_model(_so([NewRequestData("s", prompt, greedy, [0, 1, 2], 0)], num={"s": 9}))
+    assert out.sampled_token_ids == [[first[0]]]
+    out = runner.execute_model(_so(cached=CachedRequestData(["s"], [False], [[first[0]]], [None], [9], [1]),
+                                   num={"s": 1}))
+    assert out.sampled_token_ids == [[first[1]]]
+    # The session stops after 2 tokens; its next input continues from everything so far. The
+    # last output was sampled but never fed, so the cache holds 10 tokens.
+    continued = prompt + first + [17, 18, 19]
+    new = NewRequestData("s", continued, greedy, [0, 1, 2, 3], 10)
+    out = runner.execute_model(_so([new], num={"s": len(continued) - 10}))
+    assert out.sampled_token_ids == [hf_greedy(hf_model, continued, 1)]
+
+
+def test_profile_run_leaves_the_cache_bound(model_dir):
+    runner = make_runner(model_dir, num_blocks=8, block_size=4, max_num_batched_tokens=40, max_model_len=16,
+                         max_num_seqs=3)
+    caches = [layer.kv_cache for layer in runner.model.attention_layers()]
+    runner.profile_run(4)
+    assert all(layer.kv_cache is cache for layer, cache in zip(runner.model.attention_layers(), caches, strict=True))
+
+
 def test_empty_step_and_unknown_request(model_dir):
     runner = make_runner(model_dir)
     out = runner.execute_model(SchedulerOutput.make_empty())
