@@ -35,8 +35,10 @@ def make_prompts(tokenizer, n: int, target_tokens: int = 200, seed: int = 0) -> 
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                              tokenize=False)
         ids = tokenizer.encode(text, add_special_tokens=False)
-        # Trim the notes so the rendered prompt is ~target_tokens long (keep the template's tail).
-        head, tail = ids[: target_tokens - 8], ids[-8:]
+        # Trim the notes so the rendered prompt is ~target_tokens long (uniform within +-25%, as real
+        # prompts differ), keeping the template's tail.
+        length = rng.randint(target_tokens * 3 // 4, target_tokens * 5 // 4)
+        head, tail = ids[: length - 8], ids[-8:]
         prompts.append(head + tail)
     return prompts
 
@@ -60,8 +62,9 @@ class ForwardTimer:
 
 
 def bench_ours(model: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:
+    longest = max(map(len, prompts))
     llm = LLM(model=model, max_num_seqs=len(prompts), max_num_batched_tokens=4096, max_model_len=2048,
-              num_gpu_blocks=len(prompts) * ((len(prompts[0]) + max_tokens) // 16 + 2))
+              num_gpu_blocks=len(prompts) * ((longest + max_tokens) // 16 + 2))
     engine = llm._engine
     assert engine is not None
     runner = engine.executor.worker.runner
@@ -123,7 +126,9 @@ def main() -> None:
 
     model_dir = str(resolve_model("SmolLM2-135M-Instruct").model_dir)
     prompts = make_prompts(load_tokenizer(model_dir), args.num_prompts)
-    print(f"SmolLM2-135M-Instruct fp32, {len(prompts)} prompts x {len(prompts[0])} tokens, "
+    mean_len = sum(map(len, prompts)) / len(prompts)
+    print(f"SmolLM2-135M-Instruct fp32, {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens (mean {mean_len:.0f}), "
           f"{args.max_tokens} output tokens, greedy, torch threads={torch.get_num_threads()}\n")
     ours, overhead, tokens = bench_ours(model_dir, prompts, args.max_tokens)
     print(f"ours        LLM.generate       {ours:8.1f} output tokens/s  ({tokens} tokens)")

@@ -43,6 +43,7 @@ class _Parked:
 
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    min_tokens_stop_ids: tuple[int, ...]
 
 
 class RequestStates:
@@ -65,10 +66,10 @@ class RequestStates:
         gen.manual_seed(params.seed)
         return gen
 
-    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+    def _stop_ids(self, params: SamplingParams, request_eos: int | None = None) -> tuple[int, ...]:
         if params.min_tokens <= 0:
             return ()
-        eos = () if params.ignore_eos else self.eos_token_ids
+        eos = () if params.ignore_eos else (*self.eos_token_ids, *(() if request_eos is None else (request_eos,)))
         return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
 
     def update(self, so: SchedulerOutput) -> None:
@@ -78,7 +79,7 @@ class RequestStates:
         for req_id in so.preempted_req_ids:
             state = self.states.pop(req_id, None)
             if state is not None:
-                self._parked[req_id] = _Parked(state.sampling_params, state.generator)
+                self._parked[req_id] = _Parked(state.sampling_params, state.generator, state.min_tokens_stop_ids)
         for new in so.scheduled_new_reqs:
             self._add_new(new)
         self._apply_cached(so.scheduled_cached_reqs)
@@ -93,7 +94,7 @@ class RequestStates:
             req_id=new.req_id, token_ids=list(new.prompt_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids) - num_outputs, sampling_params=params,
             block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-            generator=self._make_generator(params), min_tokens_stop_ids=self._stop_ids(params))
+            generator=self._make_generator(params), min_tokens_stop_ids=self._stop_ids(params, new.eos_token_id))
 
     def _apply_cached(self, cached: CachedRequestData) -> None:
         for i, req_id in enumerate(cached.req_ids):
@@ -109,7 +110,7 @@ class RequestStates:
                     req_id=req_id, token_ids=list(tokens),
                     num_prompt_tokens=len(tokens) - cached.num_output_tokens[i], sampling_params=params,
                     block_ids=list(blocks or ()), num_computed_tokens=start, generator=parked.generator,
-                    min_tokens_stop_ids=self._stop_ids(params))
+                    min_tokens_stop_ids=parked.min_tokens_stop_ids)
                 continue
             state = self.states.get(req_id)
             if state is None:

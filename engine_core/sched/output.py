@@ -16,8 +16,11 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     # Tokens already in the KV cache (prefix hit) before this pass.
     num_computed_tokens: int
-    # Outputs a continued streaming session already generated are part of prompt_token_ids.
+    # The tail of prompt_token_ids that are outputs (penalties count them). The scheduler folds a
+    # continued streaming session's earlier outputs into its prompt, so it sends none.
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+    # The request's own EOS id: masked (with stop ids) while it is short of min_tokens.
+    eos_token_id: int | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

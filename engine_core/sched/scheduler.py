@@ -397,6 +397,7 @@ class Scheduler(SchedulerInterface):
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            eos_token_id=request.eos_token_id,
         )
 
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
