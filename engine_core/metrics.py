@@ -4,29 +4,33 @@ The only engine_core module that imports prometheus_client. The scheduler hands 
 ``SchedulerStats`` per pass; request-level latencies come from the requests' own timestamps.
 Each engine keeps its own registry, rendered by the engine actor, so whichever router replica
 answers a scrape returns the same engine series.
+
+Recording runs on the engine's per-pass path, so it is plain Python arithmetic on preallocated
+counters and bucket arrays (no locks, no per-sample label lookups); a custom collector turns them
+into metric families only when Prometheus scrapes. (A separate metrics thread was measured and was
+slower: it contends for the GIL with the pass.)
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
+from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    Info,
-    disable_created_metrics,
-    generate_latest,
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
 )
 
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.outputs import EngineCoreOutputs, SchedulerStats
 from engine_core.request import EngineCoreEventType, Request
-
-# As in vLLM: no *_created series.
-disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -34,16 +38,42 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0)
 
 
-def _token_buckets(max_model_len: int) -> list[int]:
+def _token_buckets(max_model_len: int) -> tuple[float, ...]:
     """1, 2, 5, 10, 20, 50, ... up to max_model_len, as vLLM builds them."""
-    buckets, exponent = [], 0
+    buckets: list[float] = []
+    exponent = 0
     while True:
         for m in (1, 2, 5):
             value = m * 10 ** exponent
             if value > max_model_len:
-                return buckets
+                return tuple(buckets)
             buckets.append(value)
         exponent += 1
+
+
+class _Histogram:
+    __slots__ = ("bounds", "counts", "doc", "name", "total")
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
+        self.name = name
+        self.doc = doc
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # last slot: above every bound (+Inf)
+        self.total = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += n
+        self.total += value * n
+
+    def family(self, labels: list[str], values: list[str]) -> HistogramMetricFamily:
+        counts = list(self.counts)
+        buckets, running = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), counts):
+            running += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        fam = HistogramMetricFamily(self.name, self.doc, labels=labels)
+        fam.add_metric(values, buckets, self.total)
+        return fam
 
 
 @dataclass
@@ -58,84 +88,61 @@ class _Tracked:
 class EngineMetrics:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig, model_name: str,
                  num_blocks: int) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name", "engine"]
-        self._label_values = (model_name, str(config.engine_index))
-        r = self.registry
+        self._labels = ["model_name", "engine"]
+        self._values = [model_name, str(config.engine_index)]
         token_buckets = _token_buckets(scheduler_config.max_model_len)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent")
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*labels, *extra], registry=r)
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, registry=r, buckets=buckets)
-
-        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
-        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.")
-        self.preemptions = counter("vllm:num_preemptions", "Preemptions.")
-        self.request_success = counter("vllm:request_success", "Finished requests by reason.", ("finished_reason",))
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time waiting before first scheduled.",
-                                    _LATENCY_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "First scheduled to first token.",
-                                      _LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to last token.",
-                                     _LATENCY_BUCKETS)
-        self.inference_time = histogram("vllm:request_inference_time_seconds", "First scheduled to finish.",
-                                        _LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt length.", token_buckets)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Generated length.",
-                                                   token_buckets)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens scheduled per pass.",
-                                          _token_buckets(max(scheduler_config.token_budget, 1)))
-        self.params_max_tokens = histogram("vllm:request_params_max_tokens", "Requested max_tokens.", token_buckets)
-        self.params_n = histogram("vllm:request_params_n", "Requested n (one per engine request).",
-                                  (1, 2, 5, 10, 20))
-        # Our own series.
-        self.flags = Info("llm_cluster:engine_scheduler_flags", "Scheduler flags in effect on this engine.",
-                          labels, registry=r)
-        self.skipped_waiting = gauge("llm_cluster:num_requests_skipped_waiting",
-                                     "Requests in skipped_waiting (blocked or declined this pass).")
-        self.budget_used = counter("llm_cluster:scheduled_tokens", "Tokens scheduled, summed over passes.")
-        self.budget_total = counter("llm_cluster:token_budget", "Token budget offered, summed over passes.")
-        self.preemptions_by_policy = counter("llm_cluster:preemptions_by_victim_policy",
-                                             "Preemptions by victim-selection policy.", ("policy",))
-        self.num_blocks = gauge("llm_cluster:kv_cache_num_blocks", "KV blocks in this engine's pool.")
-        lv = self._label_values
-        self.flags.labels(*lv).info({k: str(v) for k, v in scheduler_config.__dict__.items()}
-                                    | {"tensor_parallel_size": str(config.tensor_parallel_size),
-                                       "block_size": str(config.block_size),
-                                       "enable_prefix_caching": str(config.enable_prefix_caching)})
-        self.num_blocks.labels(*lv).set(num_blocks)
+        h = _Histogram
+        self.ttft = h("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = h("vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        self.e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.queue_time = h("vllm:request_queue_time_seconds", "Time waiting before first scheduled.",
+                            _LATENCY_BUCKETS)
+        self.prefill_time = h("vllm:request_prefill_time_seconds", "First scheduled to first token.",
+                              _LATENCY_BUCKETS)
+        self.decode_time = h("vllm:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS)
+        self.inference_time = h("vllm:request_inference_time_seconds", "First scheduled to finish.",
+                                _LATENCY_BUCKETS)
+        self.request_prompt_tokens = h("vllm:request_prompt_tokens", "Prompt length.", token_buckets)
+        self.request_generation_tokens = h("vllm:request_generation_tokens", "Generated length.", token_buckets)
+        self.iteration_tokens = h("vllm:iteration_tokens_total", "Tokens scheduled per pass.",
+                                  _token_buckets(max(scheduler_config.token_budget, 1)))
+        self.params_max_tokens = h("vllm:request_params_max_tokens", "Requested max_tokens.", token_buckets)
+        self.params_n = h("vllm:request_params_n", "Requested n (one per engine request).", (1, 2, 5, 10, 20))
+        self._histograms = [self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
+                            self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
+                            self.iteration_tokens, self.params_max_tokens, self.params_n]
+        # Counters and gauges: plain numbers, read at scrape time.
+        self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits",
+                                       "preemptions", "budget_used", "budget_total"), 0.0)
+        self.gauges = dict.fromkeys(("running", "waiting", "skipped_waiting", "kv_usage"), 0.0)
+        self.gauges["num_blocks"] = float(num_blocks)
+        self.request_success: dict[str, float] = defaultdict(float)
+        for reason in ("stop", "length", "abort", "error"):
+            self.request_success[reason] = 0.0
+        self.flags = {k: str(v) for k, v in scheduler_config.__dict__.items()} | {
+            "tensor_parallel_size": str(config.tensor_parallel_size), "block_size": str(config.block_size),
+            "enable_prefix_caching": str(config.enable_prefix_caching)}
         self._policy = scheduler_config.policy
         self._tracked: dict[str, _Tracked] = {}
-        # Bound children once: labels() is a dict lookup plus a lock per call.
-        self._c = {name: getattr(self, name).labels(*lv) for name in (
-            "num_running", "num_waiting", "kv_usage", "prompt_tokens", "generation_tokens", "prefix_queries",
-            "prefix_hits", "preemptions", "ttft", "itl", "e2e", "queue_time", "prefill_time", "decode_time",
-            "inference_time", "request_prompt_tokens", "request_generation_tokens", "iteration_tokens",
-            "params_max_tokens", "params_n", "skipped_waiting", "budget_used", "budget_total")}
-        self._preempt_policy = self.preemptions_by_policy.labels(*lv, self._policy)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)  # type: ignore[arg-type]
+
+    # -- recording (the engine thread, after each pass) --------------------------------------------
+
 
     def on_request_added(self, request: Request) -> None:
         self._tracked[request.request_id] = _Tracked(request, request.arrival_time)
-        self._c["params_max_tokens"].observe(request.sampling_params.max_tokens)
-        self._c["params_n"].observe(1)
+        self.params_max_tokens.observe(request.sampling_params.max_tokens)
+        self.params_n.observe(1)
 
-    def on_step(self, outputs: dict[int, EngineCoreOutputs], stats: SchedulerStats | None) -> None:
-        now = time.time()
-        c = self._c
+    def on_step(self, outputs: dict[int, EngineCoreOutputs], stats: SchedulerStats | None,
+                now: float | None = None) -> None:
+        now = time.time() if now is None else now
         tracked = self._tracked
+        generated = 0
+        # Requests decoding in consecutive passes share their previous token's timestamp, so their
+        # inter-token latencies are equal: count them per timestamp, observe once per distinct one.
+        itl_from: dict[float, int] = defaultdict(int)
         for eco in outputs.values():
             for out in eco.outputs:
                 t = tracked.get(out.request_id)
@@ -143,13 +150,13 @@ class EngineMetrics:
                     continue
                 n = len(out.new_token_ids)
                 if n:
-                    c["generation_tokens"].inc(n)
+                    generated += n
                     if t.first_token is None:
                         t.first_token = now
-                        c["ttft"].observe(now - t.arrival)
-                        c["prompt_tokens"].inc(t.request.num_prompt_tokens)
+                        self.ttft.observe(now - t.arrival)
+                        self.counters["prompt_tokens"] += t.request.num_prompt_tokens
                     elif t.last_token is not None:
-                        c["itl"].observe(now - t.last_token)
+                        itl_from[t.last_token] += 1
                     t.last_token = now
                     t.num_generated += n
                 if out.finish_reason is not None:
@@ -157,40 +164,85 @@ class EngineMetrics:
             if eco.finished_requests:
                 for rid in eco.finished_requests:
                     tracked.pop(rid, None)  # aborted requests leave without a finish output
+        self.counters["generation_tokens"] += generated
+        for last, count in itl_from.items():
+            self.itl.observe(now - last, count)
         if stats is not None:
             self._record_stats(stats)
 
     def _finish(self, t: _Tracked, reason: str, now: float) -> None:
-        c = self._c
         self._tracked.pop(t.request.request_id, None)
-        self.request_success.labels(*self._label_values, reason).inc()
-        c["e2e"].observe(now - t.arrival)
-        c["request_prompt_tokens"].observe(t.request.num_prompt_tokens)
-        c["request_generation_tokens"].observe(t.num_generated)
+        self.request_success[reason] += 1
+        self.e2e.observe(now - t.arrival)
+        self.request_prompt_tokens.observe(t.request.num_prompt_tokens)
+        self.request_generation_tokens.observe(t.num_generated)
         scheduled = next((ts for ev, ts in t.request.events if ev == EngineCoreEventType.SCHEDULED), None)
         if scheduled is not None:
-            c["queue_time"].observe(max(0.0, scheduled - t.arrival))
-            c["inference_time"].observe(max(0.0, now - scheduled))
+            self.queue_time.observe(max(0.0, scheduled - t.arrival))
+            self.inference_time.observe(max(0.0, now - scheduled))
             if t.first_token is not None:
-                c["prefill_time"].observe(max(0.0, t.first_token - scheduled))
+                self.prefill_time.observe(max(0.0, t.first_token - scheduled))
         if t.first_token is not None and t.last_token is not None:
-            c["decode_time"].observe(t.last_token - t.first_token)
+            self.decode_time.observe(t.last_token - t.first_token)
 
     def _record_stats(self, stats: SchedulerStats) -> None:
-        c = self._c
-        c["num_running"].set(stats.num_running_reqs)
-        c["num_waiting"].set(stats.num_waiting_reqs + stats.num_skipped_waiting_reqs)
-        c["skipped_waiting"].set(stats.num_skipped_waiting_reqs)
-        c["kv_usage"].set(stats.kv_cache_usage)
-        c["prefix_queries"].inc(stats.prefix_cache_stats.queries)
-        c["prefix_hits"].inc(stats.prefix_cache_stats.hits)
-        if stats.num_preemptions:
-            c["preemptions"].inc(stats.num_preemptions)
-            self._preempt_policy.inc(stats.num_preemptions)
+        g, c = self.gauges, self.counters
+        g["running"] = stats.num_running_reqs
+        g["waiting"] = stats.num_waiting_reqs + stats.num_skipped_waiting_reqs
+        g["skipped_waiting"] = stats.num_skipped_waiting_reqs
+        g["kv_usage"] = stats.kv_cache_usage
+        c["prefix_queries"] += stats.prefix_cache_stats.queries
+        c["prefix_hits"] += stats.prefix_cache_stats.hits
+        c["preemptions"] += stats.num_preemptions
         if stats.step_num_scheduled_tokens:
-            c["iteration_tokens"].observe(stats.step_num_scheduled_tokens)
-        c["budget_used"].inc(stats.num_scheduled_tokens)
-        c["budget_total"].inc(stats.step_token_budget * stats.num_steps)
+            self.iteration_tokens.observe(stats.step_num_scheduled_tokens)
+        c["budget_used"] += stats.num_scheduled_tokens
+        c["budget_total"] += stats.step_token_budget * stats.num_steps
+
+    # -- exposition (scrape time) ------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        labels, values = self._labels, self._values
+        g, c = self.gauges, self.counters
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            fam = GaugeMetricFamily(name, doc, labels=labels)
+            fam.add_metric(values, value)
+            return fam
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            fam.add_metric(values, value)
+            return fam
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", g["running"])
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", g["waiting"])
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", g["kv_usage"])
+        yield counter("vllm:prompt_tokens", "Prefill tokens processed.", c["prompt_tokens"])
+        yield counter("vllm:generation_tokens", "Generated tokens.", c["generation_tokens"])
+        yield counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.", c["prefix_queries"])
+        yield counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.", c["prefix_hits"])
+        yield counter("vllm:num_preemptions", "Preemptions.", c["preemptions"])
+        success = CounterMetricFamily("vllm:request_success", "Finished requests by reason.",
+                                      labels=[*labels, "finished_reason"])
+        for reason, count in list(self.request_success.items()):
+            success.add_metric([*values, reason], count)
+        yield success
+        for hist in self._histograms:
+            yield hist.family(labels, values)
+        flags = InfoMetricFamily("llm_cluster:engine_scheduler_flags", "Scheduler flags in effect on this engine.",
+                                 labels=labels)
+        flags.add_metric(values, self.flags)
+        yield flags
+        yield gauge("llm_cluster:num_requests_skipped_waiting",
+                    "Requests in skipped_waiting (blocked or declined this pass).", g["skipped_waiting"])
+        yield counter("llm_cluster:scheduled_tokens", "Tokens scheduled, summed over passes.", c["budget_used"])
+        yield counter("llm_cluster:token_budget", "Token budget offered, summed over passes.", c["budget_total"])
+        by_policy = CounterMetricFamily("llm_cluster:preemptions_by_victim_policy",
+                                        "Preemptions by victim-selection policy.", labels=[*labels, "policy"])
+        by_policy.add_metric([*values, self._policy], c["preemptions"])
+        yield by_policy
+        yield gauge("llm_cluster:kv_cache_num_blocks", "KV blocks in this engine's pool.", g["num_blocks"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
