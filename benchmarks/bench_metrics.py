@@ -60,7 +60,8 @@ def main() -> None:
         engines[on] = (engine, metrics)
     times: dict[bool, list[float]] = {True: [], False: []}
     for r in range(args.rounds + 1):
-        for on in (True, False):
+        # Alternate which setting goes first, so an order effect (warm caches) cancels out.
+        for on in ((True, False) if r % 2 else (False, True)):
             t = run(*engines[on], args.requests, args.max_tokens, f"r{r}-{on}")
             if r:  # round 0 warms up
                 times[on].append(t)
