@@ -51,15 +51,13 @@ class RequestOutput:
 
 
 class _Pending:
-    __slots__ = ("done", "finish_reason", "logprobs", "metrics", "prompt", "prompt_ids", "stop_reason", "token_ids",
-                 "want_logprobs")
+    __slots__ = ("done", "finish_reason", "logprobs", "metrics", "prompt", "prompt_ids", "stop_reason", "token_ids")
 
     def __init__(self, prompt: str | None, prompt_ids: list[int], want_logprobs: bool) -> None:
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
-        self.want_logprobs = want_logprobs
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(time.time())

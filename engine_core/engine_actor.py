@@ -75,7 +75,6 @@ class EngineCoreService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: str | None = None
         self._stopped = False
-        self._restarting = False
         self._thread = threading.Thread(target=self._run_busy_loop, name=f"engine-{config.engine_index}-busy-loop",
                                         daemon=True)
         self._thread.start()
@@ -181,7 +180,6 @@ class EngineCoreService:
 
     def _restart_executor(self) -> None:
         """Bring the workers back; the engine is healthy again once they serve."""
-        self._restarting = True
         try:
             self.engine.executor.restart()
             num_blocks = self.engine.executor.determine_num_blocks()
@@ -191,8 +189,6 @@ class EngineCoreService:
         except Exception as e:
             logger.error("engine %d: restart failed: %s", self.config.engine_index, e)
             self._error = f"{self._error}; restart failed: {e}"
-        finally:
-            self._restarting = False
 
     # -- control ----------------------------------------------------------------------------------
 

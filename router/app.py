@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -129,7 +128,3 @@ async def _guard_stream(chunks):
         yield stream_error_event(e)
     finally:
         await chunks.aclose()
-
-
-def error_json(status: int, message: str) -> str:
-    return json.dumps({"error": {"message": message, "type": "InternalServerError", "param": None, "code": status}})

@@ -99,6 +99,3 @@ class FreeKVCacheBlockQueue:
         while block is not None and block is not self._tail:
             yield block
             block = block.next_free
-
-    def contains(self, block: KVCacheBlock) -> bool:
-        return block.prev_free is not None

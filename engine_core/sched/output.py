@@ -56,7 +56,3 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
         return cls([], CachedRequestData(), {}, 0, set(), set())
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0

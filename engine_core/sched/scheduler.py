@@ -184,6 +184,7 @@ class Scheduler(SchedulerInterface):
         req_to_new_blocks: dict[str, KVCacheBlocks] = {}
         # The budget is a local: seeded every pass, spent by subtraction, thrown away at return.
         token_budget = 0 if self._pause_state == PauseState.PAUSED_ALL else self.max_num_scheduled_tokens
+        initial_budget = token_budget
         scheduled_timestamp = time.time()
         # Read straight off the config, in both loops (never copied onto the scheduler).
         threshold = self.scheduler_config.long_prefill_token_threshold
@@ -272,6 +273,7 @@ class Scheduler(SchedulerInterface):
             preempted_req_ids={r.request_id for r in preempted_reqs},
         )
         self.finished_req_ids = set()
+        self._last_step_budget = initial_budget
         self._update_after_schedule(scheduler_output, scheduled_running_reqs, scheduled_new_reqs,
                                     scheduled_resumed_reqs)
         return scheduler_output
@@ -432,8 +434,6 @@ class Scheduler(SchedulerInterface):
         self._num_steps += 1
         self._num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         self._last_step_tokens = scheduler_output.total_num_scheduled_tokens
-        self._last_step_budget = (0 if self._pause_state == PauseState.PAUSED_ALL
-                                  else self.max_num_scheduled_tokens)
 
     # ------------------------------------------------------------------ update_from_output (second half)
 
@@ -611,10 +611,6 @@ class Scheduler(SchedulerInterface):
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
-
-    @property
-    def pause_state(self) -> PauseState:
-        return self._pause_state
 
     def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> None:
         self._pause_state = PauseState(mode)
