@@ -1,14 +1,15 @@
-"""Decode throughput: our ModelRunner vs HF transformers' forward with its own KV cache.
+"""Prefill and decode throughput: our ModelRunner vs HF transformers' forward with its own KV cache.
 
 Both run the same random SmolLM2-135M-shaped Llama weights, in the same dtype and thread count, at
-each batch size: a prompt of --prompt-len tokens per sequence, then --decode-steps greedy decode
-steps, of which only the decode steps are timed. Our side is driven by the engine's real Scheduler
-(its time is not counted: only ModelRunner.execute_model is). The two sides alternate step by step,
-so a burst of load from other processes hits both alike; tokens/s come from the median and the mean
-step time over --repeats runs (after one warm-up run), and "same tokens" is the share of greedy
-tokens on which both sides agree.
+each batch size: one prefill of --prompt-len tokens per sequence (timed once per side: prefill
+tokens/s), then --warmup untimed and --decode-steps timed greedy decode steps, so the decode
+contexts run from prompt-len up. Our side is driven by the engine's real Scheduler (its time is not
+counted: only ModelRunner.execute_model is). The two sides alternate step by step, so a burst of
+load from other processes hits both alike; decode tokens/s come from the median and the mean step
+time, and "same tokens" is the share of greedy tokens on which both sides agree.
 
-    .venv/bin/python benchmarks/bench_model_runner.py --batch-sizes 1 32
+    .venv/bin/python benchmarks/bench_model_runner.py                 # batch 1 8 32 64, 512-token prompts
+    .venv/bin/python benchmarks/bench_model_runner.py --batch-sizes 32 --decode-steps 16
 """
 
 from __future__ import annotations
@@ -49,8 +50,12 @@ class HFDecoder:
     def __init__(self, model: LlamaForCausalLM, prompts: torch.Tensor) -> None:
         self.model = model
         self.cache = DynamicCache(config=model.config)
+        t0 = time.perf_counter()
         with torch.inference_mode():
             out = model(prompts, **{_CACHE_KW: self.cache}, use_cache=True)
+            if out.logits.is_cuda:
+                torch.cuda.synchronize()
+        self.prefill_s = time.perf_counter() - t0
         self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
         self.tokens = [self.tok]
 
@@ -85,7 +90,7 @@ class OurDecoder:
             params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
             self.sched.add_request(Request(req_id, row, params))
         self.tokens: dict[str, list[int]] = {r: [] for r in self.ids}
-        self.step()  # the prefill, untimed by the caller
+        self.prefill_s = self.step()
 
     def step(self) -> float:
         so = self.sched.schedule()
@@ -106,10 +111,10 @@ class OurDecoder:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--decode-steps", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps after the prefill")
+    ap.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per batch size")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--block-size", type=int, default=16)
@@ -123,7 +128,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    max_len = args.prompt_len + args.decode_steps + 1
+    max_len = args.prompt_len + args.warmup + args.decode_steps + 1
     if args.model == "random":
         hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(SMOLLM2_135M)
@@ -143,35 +148,27 @@ def main() -> None:
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
     print(f"model={args.model} device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"prompt={args.prompt_len} "
-          f"decode_steps={args.decode_steps} repeats={args.repeats}")
-    print(f"{'batch':>5} {'HF tok/s (med/mean)':>22} {'ours tok/s (med/mean)':>24} {'ratio med':>10} "
-          f"{'ratio mean':>9} {'same tokens':>11}")
-    # "same tokens": share of greedy tokens (last repeat) on which HF and we agree.
+          f"prompt={args.prompt_len} warmup={args.warmup} decode_steps={args.decode_steps}")
+    print(f"{'batch':>5} | {'prefill tok/s HF':>16} {'ours':>8} {'ratio':>6} | {'decode tok/s HF (med/mean)':>26} "
+          f"{'ours (med/mean)':>17} {'ratio med':>9} {'mean':>6} | {'same tokens':>11}")
     for batch in args.batch_sizes:
         prompts = torch.randint(0, model_config.vocab_size, (batch, args.prompt_len), device=device)
-        hf_times: list[float] = []
-        our_times: list[float] = []
-        same = 0.0
-        for rep in range(args.repeats + 1):
-            hf_dec = HFDecoder(hf, prompts)
-            our_dec = OurDecoder(runner, prompts.cpu(), args.decode_steps, args.block_size, f"b{batch}r{rep}")
-            # Alternate single steps, so a burst of load from elsewhere hits both sides alike.
-            pairs = [(hf_dec.step(), our_dec.step()) for _ in range(args.decode_steps)]
-            ours_tokens, hf_tokens = our_dec.finish(), hf_dec.token_lists()
-            if rep == 0:
-                continue  # warm-up
-            hf_times += [a for a, _ in pairs]
-            our_times += [b for _, b in pairs]
-            flat = [(a, b) for hr, orow in zip(hf_tokens, ours_tokens, strict=True)
-                    for a, b in zip(hr, orow, strict=True)]
-            same = sum(a == b for a, b in flat) / len(flat)
+        steps = args.warmup + args.decode_steps
+        hf_dec = HFDecoder(hf, prompts)
+        our_dec = OurDecoder(runner, prompts.cpu(), steps, args.block_size, f"b{batch}")
+        # Alternate single steps, so a burst of load from elsewhere hits both sides alike.
+        pairs = [(hf_dec.step(), our_dec.step()) for _ in range(steps)][args.warmup:]
+        ours_tokens, hf_tokens = our_dec.finish(), hf_dec.token_lists()
+        flat = [(a, b) for hr, orow in zip(hf_tokens, ours_tokens, strict=True) for a, b in zip(hr, orow, strict=True)]
+        same = sum(a == b for a, b in flat) / len(flat)
+        hf_times, our_times = [a for a, _ in pairs], [b for _, b in pairs]
         hf_med, our_med = statistics.median(hf_times), statistics.median(our_times)
         hf_mean, our_mean = statistics.fmean(hf_times), statistics.fmean(our_times)
-        print(f"{batch:>5} {batch / hf_med:>11.1f} / {batch / hf_mean:>8.1f} {batch / our_med:>12.1f} / "
-              f"{batch / our_mean:>9.1f} {hf_med / our_med:>9.2f}x {hf_mean / our_mean:>8.2f}x {same:>10.0%}",
-              flush=True)
-
+        prompt_tokens = batch * args.prompt_len
+        print(f"{batch:>5} | {prompt_tokens / hf_dec.prefill_s:>16.1f} {prompt_tokens / our_dec.prefill_s:>8.1f} "
+              f"{hf_dec.prefill_s / our_dec.prefill_s:>5.2f}x | {batch / hf_med:>13.1f} / {batch / hf_mean:>10.1f} "
+              f"{batch / our_med:>7.1f} / {batch / our_mean:>7.1f} {hf_med / our_med:>8.2f}x "
+              f"{hf_mean / our_mean:>5.2f}x | {same:>10.0%}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -36,6 +36,9 @@ class AttentionMetadata:
     # [num_decodes, 1, 1, decode_max_seq_len] bool, None when every decode has the same length.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
+    # [num_decodes] int64 key counts, set when decodes read the paged cache in place (the CPU
+    # kernel); decode_mask is then not built.
+    decode_seq_lens: torch.Tensor | None = None
 
 
 def compute_slot_mapping(block_table: np.ndarray, req_index: np.ndarray, positions: np.ndarray,
@@ -47,21 +50,24 @@ def compute_slot_mapping(block_table: np.ndarray, req_index: np.ndarray, positio
 def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.ndarray,
                              query_start_loc: np.ndarray, num_computed: np.ndarray, num_decodes: int,
                              slot_mapping: np.ndarray, block_size: int,
-                             device: torch.device) -> AttentionMetadata:
+                             device: torch.device, decode_in_place: bool = False) -> AttentionMetadata:
     """Arguments are per request (decodes first) except ``query_start_loc`` ([num_reqs + 1]) and
-    ``slot_mapping`` (per token)."""
+    ``slot_mapping`` (per token). ``decode_in_place`` selects the kernel that reads the paged cache
+    where it lies (per-request lengths instead of a padding mask)."""
     query_lens = np.diff(query_start_loc)
     seq_lens = num_computed + query_lens
     slots = torch.from_numpy(slot_mapping).to(device, non_blocking=True)
 
-    decode_table = decode_mask = None
+    decode_table = decode_mask = decode_lens = None
     decode_max = 0
     if num_decodes:
         dec_lens = seq_lens[:num_decodes]
         decode_max = int(dec_lens.max())
         max_blocks = -(-decode_max // block_size)
         decode_table = torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks])).to(device)
-        if int(dec_lens.min()) != decode_max:
+        if decode_in_place:
+            decode_lens = torch.from_numpy(np.ascontiguousarray(dec_lens, dtype=np.int64)).to(device)
+        elif int(dec_lens.min()) != decode_max:
             mask = np.arange(decode_max)[None, :] < dec_lens[:, None]
             decode_mask = torch.from_numpy(mask).to(device).view(num_decodes, 1, 1, decode_max)
 
@@ -80,4 +86,4 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
             token_start=int(query_start_loc[i]), token_end=int(query_start_loc[i + 1]),
             block_ids=torch.from_numpy(np.ascontiguousarray(block_table[i, :needed])).to(device),
             seq_len=seq_len, mask=mask))
-    return AttentionMetadata(slots, num_decodes, decode_table, decode_max, decode_mask, prefills)
+    return AttentionMetadata(slots, num_decodes, decode_table, decode_max, decode_mask, prefills, decode_lens)

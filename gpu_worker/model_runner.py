@@ -20,6 +20,7 @@ from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
+from gpu_worker.cpu_kernels import paged_decode_attention_available
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models import build_model
@@ -66,6 +67,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.num_blocks = 0
+        self.decode_in_place = False
         self.requests = RequestStates(model_config.eos_token_ids, self.device)
         self.sampler = Sampler()
 
@@ -91,6 +93,10 @@ class ModelRunner:
             layer.kv_cache = cache
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # Decodes read the paged cache in place where the CPU kernel applies (fp32 on the CPU);
+        # elsewhere (CUDA, bf16) they gather their blocks and use SDPA.
+        self.decode_in_place = (self.device.type == "cpu" and self.dtype == torch.float32
+                                and paged_decode_attention_available())
 
     @torch.inference_mode()
     def profile_run(self, block_size: int) -> None:
@@ -203,7 +209,7 @@ class ModelRunner:
                 dtype=np.int64, count=num_tokens)
         slot_mapping = compute_slot_mapping(block_table, req_index, positions, block_size)
         meta = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
-                                        block_size, self.device)
+                                        block_size, self.device, self.decode_in_place)
 
         # A request samples once its chunk reaches the end of everything it knows (prompt done).
         total_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.cpu_kernels import paged_decode_attention
 
 
 def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -47,12 +48,18 @@ class PagedAttention(nn.Module):
         nd = meta.num_decodes
         decode_out = None
         if nd:
-            kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len)
-            vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len)
-            # One query token per request: the query heads sharing a KV head become that head's
-            # "query rows", so grouped-query attention needs no K/V repetition.
-            qd = q[:nd].view(nd, num_kv_heads, self.num_groups, head_dim)
-            decode_out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
+            if meta.decode_seq_lens is not None:
+                # The CPU kernel reads each request's blocks where they lie: no per-layer gather copy.
+                decode_out = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table,
+                                                    meta.decode_seq_lens, self.scale)
+            else:
+                kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len)
+                vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len)
+                # One query token per request: the query heads sharing a KV head become that head's
+                # "query rows", so grouped-query attention needs no K/V repetition.
+                qd = q[:nd].view(nd, num_kv_heads, self.num_groups, head_dim)
+                decode_out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                                            scale=self.scale)
             if not meta.prefills:
                 return decode_out.view(nd, self.num_heads * head_dim)
         out = torch.empty_like(q)

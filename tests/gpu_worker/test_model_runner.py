@@ -37,9 +37,18 @@ def prompts(seed: int, n: int, lo: int = 3, hi: int = 30, prefix: list[int] | No
             for i in range(n)}
 
 
+def runner_for(model_dir, decode_in_place: bool, **kwargs):
+    """decode_in_place: the CPU kernel reading the paged cache; otherwise gather + SDPA (the CUDA path)."""
+    runner = make_runner(model_dir, **kwargs)
+    assert runner.decode_in_place, "the CPU decode kernel should be in use on a fp32 CPU runner"
+    runner.decode_in_place = decode_in_place
+    return runner
+
+
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
 @pytest.mark.parametrize(("budget", "threshold"), [(7, 0), (13, 5), (64, 0)])
-def test_greedy_matches_hf_with_chunked_prefill(model_dir, hf_model, budget, threshold):
-    runner = make_runner(model_dir, num_blocks=64, block_size=4)
+def test_greedy_matches_hf_with_chunked_prefill(model_dir, hf_model, budget, threshold, decode_in_place):
+    runner = runner_for(model_dir, decode_in_place, num_blocks=64, block_size=4)
     sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=budget,
                            long_prefill_token_threshold=threshold)
     ps = prompts(budget, 4)
@@ -59,8 +68,9 @@ def test_greedy_matches_hf_with_chunked_prefill(model_dir, hf_model, budget, thr
         assert got[rid] == hf_greedy(hf_model, p, 8), rid
 
 
-def test_preemption_and_resume_match_hf(model_dir, hf_model):
-    runner = make_runner(model_dir, num_blocks=16, block_size=4)
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
+def test_preemption_and_resume_match_hf(model_dir, hf_model, decode_in_place):
+    runner = runner_for(model_dir, decode_in_place, num_blocks=16, block_size=4)
     sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32)
     ps = prompts(1, 4, lo=8, hi=16)
     for rid, p in ps.items():

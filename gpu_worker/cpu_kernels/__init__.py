@@ -1,0 +1,143 @@
+"""Small C kernels for the CPU path, compiled on first use with the machine's C compiler.
+
+Only what torch cannot do well on the CPU lives here: decode attention that reads the paged KV
+cache in place (torch needs a gather that copies every request's blocks per layer per step).
+
+The shared library is built with ``-march=native``, so it is cached per CPU: the cache key covers
+the source, the flags, the compiler and the CPU's feature flags. Building takes well under a
+second; concurrent builders (Ray workers starting together) each write a private temp file and
+rename it into place. When no compiler is found, or ``LLM_CLUSTER_CPU_KERNELS=0``, callers get
+``None`` and keep the pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gpu_worker.gguf_loader import default_cache_root
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_decode_attention.c")
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+ENV_SWITCH = "LLM_CLUSTER_CPU_KERNELS"
+
+DecodeAttentionFn = Callable[..., torch.Tensor]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _library_path(compiler: str) -> Path:
+    key = hashlib.blake2b(digest_size=12)
+    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), compiler.encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return default_cache_root() / "kernels" / f"paged_decode_attention-{key.hexdigest()}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *_CFLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _load_library() -> ctypes.CDLL | None:
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        logger.info("CPU kernels disabled by %s", ENV_SWITCH)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention uses the slower gather path")
+        return None
+    target = _library_path(compiler)
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        # torch is imported (above) before this load, so libgomp resolves to torch's copy.
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("could not build the CPU attention kernel (%s): using the gather path", exc)
+        return None
+    fn = lib.llmc_paged_decode_attention_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def paged_decode_attention_available() -> bool:
+    return _load_library() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per request against its paged keys/values, read where they lie.
+
+    q: [num_reqs, num_heads, head_dim] fp32; k_cache/v_cache: [num_blocks, block_size, num_kv_heads,
+    head_dim] fp32; block_table: [num_reqs, >= ceil(max(seq_lens) / block_size)] int64; seq_lens:
+    [num_reqs] int64. Returns [num_reqs, num_heads, head_dim].
+    """
+    lib = _load_library()
+    if lib is None:
+        raise RuntimeError("the CPU paged attention kernel is not available")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int64 or t.device.type != "cpu":
+            raise TypeError(f"{name} must be an int64 CPU tensor, got {t.dtype} on {t.device}")
+    num_reqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError("q, k_cache and v_cache disagree on head_dim or shape")
+    if block_table.dim() != 2 or block_table.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
+        raise ValueError("block_table must be [num_reqs, max_blocks] and seq_lens [num_reqs]")
+    if num_reqs and int(seq_lens.max()) > block_table.shape[1] * block_size:
+        raise ValueError("a sequence is longer than its block table row covers")
+    q = q.contiguous()
+    block_table = block_table.contiguous()
+    seq_lens = seq_lens.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    out = torch.empty_like(q)
+    if num_reqs == 0:
+        return out
+    status = lib.llmc_paged_decode_attention_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+        seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,
+        float(scale), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"paged decode attention kernel failed with status {status}")
+    return out

@@ -1,0 +1,134 @@
+/*
+ * Decode attention that reads the paged KV cache in place (CPU, fp32).
+ *
+ * One query token per request. A work item is one request and a range of its KV heads (all of
+ * them unless there are fewer requests than threads). An item walks the request's blocks once: per
+ * block it scores the block's keys for every query head of the item, folds them into a running
+ * softmax (max, sum, rescaled accumulator), then adds the block's values. A block's K (and V) rows
+ * for all heads are contiguous, so each block is one sequential read, and each key/value row is
+ * loaded once for all the query heads that share it (grouped-query attention).
+ *
+ * OpenMP splits the items over threads; when this library is loaded into a process that already
+ * holds torch, libgomp resolves to torch's copy, so this shares torch's thread pool.
+ *
+ * Layouts (all contiguous):
+ *   q, out       [num_reqs, num_heads, head_dim]
+ *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_table  [num_reqs, block_table_stride] int64
+ *   seq_lens     [num_reqs] int64: keys 0..seq_len-1 of each request are attended
+ * Returns 0, or a nonzero status for arguments it cannot handle.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LLMC_MAX_HEADS 256
+
+int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                                    const int64_t *block_table, int64_t block_table_stride,
+                                    const int64_t *seq_lens, float *out, int64_t num_reqs,
+                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    int64_t block_size, float scale, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+    if (num_heads > LLMC_MAX_HEADS) return 2;
+    for (int64_t r = 0; r < num_reqs; ++r)
+        if (seq_lens[r] <= 0) return 3;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t row_stride = num_kv_heads * head_dim; /* between consecutive tokens */
+    const int64_t block_stride = block_size * row_stride;
+    /* Fewer requests than threads: give each KV head its own item so every thread has work. */
+    const int64_t kv_per_item = num_reqs >= num_threads ? num_kv_heads : 1;
+    const int64_t items_per_req = num_kv_heads / kv_per_item;
+    const int64_t num_items = num_reqs * items_per_req;
+    int status = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(block_size * num_heads));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(num_heads * head_dim));
+        float run_max[LLMC_MAX_HEADS], run_sum[LLMC_MAX_HEADS];
+        if (scores == NULL || acc == NULL) {
+#pragma omp atomic write
+            status = 4;
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < num_items; ++item) {
+                const int64_t r = item / items_per_req;
+                const int64_t kv0 = (item % items_per_req) * kv_per_item;
+                const int64_t h0 = kv0 * group, nh = kv_per_item * group;
+                const int64_t len = seq_lens[r];
+                const int64_t *blocks = block_table + r * block_table_stride;
+                const float *qr = q + (r * num_heads + h0) * head_dim;
+                memset(acc, 0, sizeof(float) * (size_t)(nh * head_dim));
+                for (int64_t h = 0; h < nh; ++h) {
+                    run_max[h] = -FLT_MAX;
+                    run_sum[h] = 0.f;
+                }
+                const int64_t num_blocks = (len + block_size - 1) / block_size;
+                for (int64_t b = 0; b < num_blocks; ++b) {
+                    const int64_t n = b == num_blocks - 1 ? len - b * block_size : block_size;
+                    const float *kb = k_cache + blocks[b] * block_stride + kv0 * head_dim;
+                    const float *vb = v_cache + blocks[b] * block_stride + kv0 * head_dim;
+                    if (b + 1 < num_blocks) {
+                        /* blocks lie anywhere in the pool: ask for the next one while this one is scored */
+                        const char *nk = (const char *)(k_cache + blocks[b + 1] * block_stride);
+                        const char *nv = (const char *)(v_cache + blocks[b + 1] * block_stride);
+                        for (int64_t off = 0; off < block_stride * (int64_t)sizeof(float); off += 64) {
+                            __builtin_prefetch(nk + off);
+                            __builtin_prefetch(nv + off);
+                        }
+                    }
+                    /* scores[h][t] = scale * <q_h, k_t> for the item's query heads */
+                    for (int64_t t = 0; t < n; ++t) {
+                        const float *kr = kb + t * row_stride;
+                        for (int64_t h = 0; h < nh; ++h) {
+                            const float *qh = qr + h * head_dim, *kh = kr + (h / group) * head_dim;
+                            float dot = 0.f;
+                            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
+                            scores[h * block_size + t] = dot * scale;
+                        }
+                    }
+                    /* running softmax: rescale what was accumulated when the max grows */
+                    for (int64_t h = 0; h < nh; ++h) {
+                        float *sh = scores + h * block_size;
+                        float new_max = run_max[h];
+                        for (int64_t t = 0; t < n; ++t) new_max = sh[t] > new_max ? sh[t] : new_max;
+                        const float correction = expf(run_max[h] - new_max);
+                        float sum = 0.f;
+                        for (int64_t t = 0; t < n; ++t) {
+                            sh[t] = expf(sh[t] - new_max);
+                            sum += sh[t];
+                        }
+                        run_sum[h] = run_sum[h] * correction + sum;
+                        run_max[h] = new_max;
+                        if (correction != 1.f) {
+                            float *ah = acc + h * head_dim;
+                            for (int64_t d = 0; d < head_dim; ++d) ah[d] *= correction;
+                        }
+                    }
+                    /* acc[h] += sum_t p[h][t] * v_t */
+                    for (int64_t t = 0; t < n; ++t) {
+                        const float *vr = vb + t * row_stride;
+                        for (int64_t h = 0; h < nh; ++h) {
+                            const float p = scores[h * block_size + t];
+                            const float *vh = vr + (h / group) * head_dim;
+                            float *ah = acc + h * head_dim;
+                            for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * vh[d];
+                        }
+                    }
+                }
+                float *o = out + (r * num_heads + h0) * head_dim;
+                for (int64_t h = 0; h < nh; ++h) {
+                    const float inv = 1.f / run_sum[h];
+                    for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = acc[h * head_dim + d] * inv;
+                }
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+    return status;
+}

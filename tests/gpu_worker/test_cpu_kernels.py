@@ -1,0 +1,108 @@
+"""The CPU decode-attention kernel against plain softmax attention over gathered keys/values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker import cpu_kernels
+from gpu_worker.cpu_kernels import paged_decode_attention, paged_decode_attention_available
+
+
+def reference(q, k_cache, v_cache, block_table, seq_lens, scale):
+    """Per request: gather its keys/values token by token, repeat KV heads, softmax(q k^T) v."""
+    num_reqs, num_heads, _ = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for r in range(num_reqs):
+        n = int(seq_lens[r])
+        pos = torch.arange(n)
+        blocks = block_table[r, pos // block_size]
+        k = k_cache[blocks, pos % block_size].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D]
+        v = v_cache[blocks, pos % block_size].repeat_interleave(num_heads // num_kv_heads, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[r].double(), k.double()) * scale, dim=-1)
+        out[r] = torch.einsum("hn,nhd->hd", w, v.double()).float()
+    return out
+
+
+def random_case(num_reqs, num_heads, num_kv_heads, head_dim, block_size, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(lens) // block_size) + 1  # one spare column: rows are padded like the runner's
+    num_blocks = num_reqs * max_blocks + 3
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    table = torch.randperm(num_blocks, generator=g)[: num_reqs * max_blocks].view(num_reqs, max_blocks).contiguous()
+    q = torch.randn(num_reqs, num_heads, head_dim, generator=g)
+    return q, k, v, table, torch.tensor(lens, dtype=torch.int64)
+
+
+def test_kernel_builds_here():
+    # CI machines have a C compiler; losing the kernel silently would lose most of the decode speed-up.
+    assert paged_decode_attention_available()
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size", "lens"), [
+    (4, 4, 16, 4, [1, 5, 8, 13]),            # multi-head, lengths inside, at and past block edges
+    (9, 3, 64, 16, [512, 475, 17, 1, 300]),  # SmolLM2's shape (grouped-query, 3 per KV head)
+    (8, 1, 32, 8, [33, 7]),                  # multi-query
+    (6, 2, 24, 5, [29, 30, 31]),             # head_dim and block size that are not powers of two
+])
+def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, lens):
+    q, k, v, table, seq_lens = random_case(len(lens), num_heads, num_kv_heads, head_dim, block_size, lens)
+    scale = head_dim ** -0.5
+    got = paged_decode_attention(q, k, v, table, seq_lens, scale)
+    torch.testing.assert_close(got, reference(q, k, v, table, seq_lens, scale), atol=2e-5, rtol=1e-4)
+
+
+def test_non_contiguous_query_and_thread_counts():
+    q, k, v, table, seq_lens = random_case(5, 6, 2, 16, 4, [3, 9, 16, 17, 40], seed=3)
+    wide = torch.randn(5, 6, 48)
+    wide[:, :, 8:24] = q
+    strided = wide[:, :, 8:24]  # a view, like q sliced from a fused QKV projection
+    assert not strided.is_contiguous()
+    expected = reference(q, k, v, table, seq_lens, 0.25)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(paged_decode_attention(strided, k, v, table, seq_lens, 0.25), expected,
+                                       atol=2e-5, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_only_the_listed_blocks_are_read():
+    q, k, v, table, seq_lens = random_case(2, 4, 2, 8, 4, [6, 10], seed=5)
+    got = paged_decode_attention(q, k, v, table, seq_lens, 0.3)
+    used = {int(b) for r, n in enumerate(seq_lens.tolist()) for b in table[r, : -(-n // 4)]}
+    k2, v2 = k.clone(), v.clone()
+    for b in set(range(k.shape[0])) - used:
+        k2[b] = float("nan")
+        v2[b] = float("nan")
+    # Slots past seq_len inside a used block must not be read either.
+    k2[table[0, 1], 2:] = float("nan")
+    v2[table[0, 1], 2:] = float("nan")
+    torch.testing.assert_close(paged_decode_attention(q, k2, v2, table, seq_lens, 0.3), got)
+
+
+def test_rejects_what_it_cannot_handle():
+    q, k, v, table, seq_lens = random_case(2, 4, 2, 8, 4, [6, 10])
+    with pytest.raises(TypeError, match="float32"):
+        paged_decode_attention(q.double(), k, v, table, seq_lens, 0.3)
+    with pytest.raises(TypeError, match="int64"):
+        paged_decode_attention(q, k, v, table.int(), seq_lens, 0.3)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        paged_decode_attention(q, k, v, table[:, :1], seq_lens, 0.3)
+    with pytest.raises(RuntimeError, match="status 3"):
+        paged_decode_attention(q, k, v, table, torch.tensor([0, 4]), 0.3)
+
+
+def test_switch_off_leaves_the_gather_path(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    cpu_kernels._load_library.cache_clear()
+    try:
+        assert not paged_decode_attention_available()
+    finally:
+        monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
+        cpu_kernels._load_library.cache_clear()
+    assert paged_decode_attention_available()
