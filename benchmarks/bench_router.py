@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -35,28 +36,64 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def http_round(base: str, n: int, concurrency: int, max_tokens: int) -> tuple[list[float], list[float]]:
-    import httpx
+class SSEConnection:
+    """A lean keep-alive HTTP/1.1 client for SSE responses (chunked transfer encoding), so the load
+    generator's own CPU, which shares these two cores with the server, stays small: it only looks for
+    the first ``data: {`` event and for the end of the body, as the direct path only looks at tokens."""
 
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post_stream(self, path: str, body: bytes) -> tuple[float | None, float]:
+        """Send one request; return (time to the first data event, time to the end of the body)."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self.reader, self.writer
+        assert reader is not None
+        t0 = time.perf_counter()
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.decode(errors="replace"))
+        if b"chunked" not in head.lower():
+            raise RuntimeError("expected a chunked SSE body")
+        first = None
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                return first, time.perf_counter() - t0
+            if first is None and b"data: {" in data:
+                first = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def http_round(base: str, n: int, concurrency: int, max_tokens: int) -> tuple[list[float], list[float]]:
+    host, port = base.removeprefix("http://").split(":")
     ttft, e2e = [], []
-    sem = asyncio.Semaphore(concurrency)
     # logprobs=0 makes every token produce a chunk, so the first chunk is the first token even when
     # the random model's first bytes are not yet valid UTF-8 text (the direct path asks for it too).
-    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "logprobs": 0}
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
-        async def one() -> None:
-            async with sem:
-                t0 = time.perf_counter()
-                first = None
-                async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
-                    async for line in r.aiter_lines():
-                        if first is None and line.startswith("data: {"):
-                            first = time.perf_counter() - t0
-                ttft.append(first if first is not None else time.perf_counter() - t0)
-                e2e.append(time.perf_counter() - t0)
+    body = json.dumps({"model": "tiny", "prompt": "Hello world", "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "logprobs": 0}).encode()
+    remaining = iter(range(n))
 
-        await asyncio.gather(*(one() for _ in range(n)))
+    async def worker() -> None:
+        conn = SSEConnection(host, int(port))
+        try:
+            for _ in remaining:
+                first, total = await conn.post_stream("/v1/completions", body)
+                ttft.append(first if first is not None else total)
+                e2e.append(total)
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     return ttft, e2e
 
 
@@ -104,6 +141,7 @@ def main() -> None:
     from tests.serve_cluster import serve_cluster
     from tests.tiny_model import build_tiny_llama
 
+    os.environ.setdefault("LLM_CLUSTER_ENGINE_HOST", "127.0.0.1")  # engines' request channels on loopback
     model_dir = build_tiny_llama(Path(tempfile.mkdtemp(prefix="bench-router-")))
     ray.init(include_dashboard=False, namespace="llm-cluster", log_to_driver=False)
     config = ClusterConfig(model=str(model_dir), served_model_name="tiny", num_engines=2,
@@ -115,7 +153,7 @@ def main() -> None:
 
         async def run() -> dict[str, tuple[list[float], list[float]]]:
             client = EngineClient(handles, client_index=424242)
-            client.start()
+            await client.wait_connected()
             ids = itertools.count()
             results = {"direct": ([], []), "http": ([], [])}
             await http_round(served.base, 8, 4, args.max_tokens)  # warm-up

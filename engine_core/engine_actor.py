@@ -2,8 +2,8 @@
 
 Actor methods never step the engine themselves: they put commands on an input queue that the busy
 loop drains between passes (so no method blocks a pass for long, and a pass never sees a half-applied
-command). Outputs are fanned out by client_index into per-client buffers that ``get_output``
-long-polls.
+command). Outputs are fanned out by client_index into per-client buffers, which routers receive
+pushed over the request channel (engine_core.channel) and other callers long-poll with ``get_output``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine_core.channel import ChannelAddress, ChannelServer
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ExecutorFactory, ModelInfo
@@ -92,6 +93,17 @@ class EngineCoreService:
             raise RuntimeError(f"engine {self.config.engine_index} is unhealthy: {self._error}")
         self.submit(lambda: self._add_request(request))
 
+    def admit(self, request: EngineCoreRequest) -> None:
+        """add_request behind the waiting-queue cap: OverflowError when the queue is full."""
+        waiting_cap = self.config.max_waiting_requests
+        if waiting_cap and self.num_waiting() >= waiting_cap:
+            raise OverflowError(f"engine {self.config.engine_index}: queue is full ({waiting_cap} waiting requests)")
+        self.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        ids = list(request_ids)
+        self.submit(lambda: self.engine.abort_requests(ids))
+
     def _add_request(self, request: EngineCoreRequest) -> None:
         added = self.engine.add_request(request)
         if added is not None and self.metrics is not None:
@@ -107,6 +119,17 @@ class EngineCoreService:
             items, buffer.items = buffer.items, []
             buffer.event.clear()
         return _merge(items, self.config.engine_index)
+
+    async def next_outputs(self, client_index: int) -> EngineCoreOutputs:
+        """Wait until this client has outputs, then take them all, merged (the channel's pusher)."""
+        buffer = self._buffer(client_index)
+        while True:
+            await buffer.event.wait()
+            with self._buffers_lock:
+                items, buffer.items = buffer.items, []
+                buffer.event.clear()
+            if items:
+                return _merge(items, self.config.engine_index)
 
     def _buffer(self, client_index: int) -> _ClientBuffer:
         with self._buffers_lock:
@@ -258,6 +281,7 @@ class EngineCoreActor:
 
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
         self.service = EngineCoreService(config, executor_factory)
+        self._channel: ChannelServer | None = None
 
     def _bind(self) -> None:
         if self.service._loop is None:
@@ -279,14 +303,17 @@ class EngineCoreActor:
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._bind()
-        waiting_cap = self.service.config.max_waiting_requests
-        if waiting_cap and self.service.num_waiting() >= waiting_cap:
-            raise OverflowError(f"engine {self.service.config.engine_index}: queue is full "
-                                f"({waiting_cap} waiting requests)")
-        self.service.add_request(request)
+        self.service.admit(request)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
-        self.service.submit(lambda: self.service.engine.abort_requests(list(request_ids)))
+        self.service.abort_requests(request_ids)
+
+    async def channel_address(self) -> ChannelAddress:
+        """Where routers open this engine's request channel (engine_core.channel)."""
+        self._bind()
+        if self._channel is None:
+            self._channel = ChannelServer(self.service, self.service.admit)
+        return await self._channel.start()
 
     async def get_output(self, client_index: int, timeout: float = 1.0) -> EngineCoreOutputs:
         self._bind()
@@ -312,4 +339,6 @@ class EngineCoreActor:
         return True
 
     async def shutdown(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
         await asyncio.to_thread(self.service.shutdown)

@@ -9,7 +9,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.metrics import RouterMetrics
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,18 +32,45 @@ def _error_response(status: int, message: str, type_: str, param: str | None) ->
                                                                 "param": param, "code": status}})
 
 
+class ResponseCounter:
+    """Counts responses by path and status as plain ASGI: it only looks at ``http.response.start``.
+    (Starlette's ``@app.middleware("http")`` would copy every SSE chunk through an extra stream and
+    task, which costs latency on every streamed token.)"""
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        started = False
+
+        async def send_counted(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.record_response(path, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        except Exception:
+            if not started:  # the outer error middleware answers 500
+                self.metrics.record_response(path, 500)
+            raise
+
+
 def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
     """``render_metrics``: an async callable producing the whole /metrics exposition (every replica's
     and every engine's series); without it, /metrics shows this process's router series only."""
     app = FastAPI(title="llm-cluster", version=serving.settings.version)
     metrics = serving.metrics
 
-    @app.middleware("http")
-    async def count_responses(request: Request, call_next):
-        response = await call_next(request)
-        if metrics is not None:
-            metrics.record_response(request.url.path, response.status_code)
-        return response
+    if metrics is not None:
+        app.add_middleware(ResponseCounter, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -64,8 +93,7 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
 
     def respond(result: Any) -> Response:
         if hasattr(result, "__aiter__"):
-            return StreamingResponse(_guard_stream(result), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return EventStreamResponse(result)
         return JSONResponse(result.model_dump(mode="json"))
 
     @app.post("/v1/completions")
@@ -117,6 +145,21 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
         return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE from an async iterable with ``aclose()``, which is always called, even when the client
+    left before the body started (the engine request behind it must be aborted either way)."""
+
+    def __init__(self, source: Any) -> None:
+        super().__init__(_guard_stream(source), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._source = source
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._source.aclose()
 
 
 async def _guard_stream(chunks):

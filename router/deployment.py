@@ -73,7 +73,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     if hasattr(policy, "forget_engine"):
         client.on_engine_restart = policy.forget_engine
     metrics = RouterMetrics(settings.served_model_name, replica=str(client_index))
-    client.start()
+    await client.wait_connected()
     return OpenAIServing(settings, client, tokenizer, policy, metrics), client
 
 
@@ -122,6 +122,9 @@ class OpenAIRouter:
         self.serving, self.client = await build_serving(config)
         self.metrics = self.serving.metrics
         self.hub = metrics_hub(config.namespace)
+        # Wait for the hub actor (started by the first replica) before reporting ready: its start
+        # costs seconds of CPU, better spent before traffic than under it.
+        await self.hub.push.remote(self.metrics.replica, self.metrics.render())
         self._push_task = asyncio.create_task(self._push_metrics())
 
     async def _push_metrics(self) -> None:

@@ -8,14 +8,28 @@ released over the whole stream equals the full decode of the tokens (minus a mat
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 # Prompt-side context kept in the decode window, so leading-space rules see a real predecessor.
 _CONTEXT_TOKENS = 5
 
+Decode = Callable[[list[int], bool], str]
+
 
 class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def fast_decoder(tokenizer: Any) -> Decode:
+    """``decode(ids, skip_special_tokens)`` straight from the Rust ``tokenizers`` backend when the
+    tokenizer has one and transformers would add nothing on top (no clean-up of spaces); the
+    transformers wrapper costs several times the decode itself, twice per streamed token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        backend_decode = backend.decode
+        return lambda ids, skip: backend_decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 class IncrementalDetokenizer:
@@ -23,6 +37,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True, stop: list[str] | None = None,
                  include_stop_str_in_output: bool = False) -> None:
         self.tokenizer = tokenizer
+        self._decode = fast_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:]) if prompt_token_ids else []
         self._tokens: list[int] = context
@@ -53,7 +68,7 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """The sequence ended: release everything left, fixing up the tail against a full decode."""
         if self.stop_reason is None:
-            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+            full = self._decode(self.token_ids, self.skip_special_tokens)
             if full.startswith(self.output_text):
                 self.output_text = full
             else:
@@ -63,11 +78,9 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _decode_step(self) -> None:
-        decode = self.tokenizer.decode
-        window = self._tokens[self._prefix_offset:]
-        prefix_text = decode(self._tokens[self._prefix_offset:self._read_offset],
-                             skip_special_tokens=self.skip_special_tokens)
-        new_text = decode(window, skip_special_tokens=self.skip_special_tokens)
+        decode, skip = self._decode, self.skip_special_tokens
+        prefix_text = decode(self._tokens[self._prefix_offset:self._read_offset], skip)
+        new_text = decode(self._tokens[self._prefix_offset:], skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return  # incomplete character (or nothing visible yet): wait for more tokens
         delta = new_text[len(prefix_text):]

@@ -1,9 +1,11 @@
 """The router's side of the engine boundary.
 
 One ``EngineClient`` per router replica. It is a client of every engine under its own
-``client_index``, runs one output pump per engine (a ``get_output`` long-poll that fans outputs into
-per-request asyncio queues) and tracks each engine's in-flight requests for the routing policies.
-It never blocks the event loop: every actor call is awaited.
+``client_index``: per engine one request channel (engine_core.channel: requests and aborts out,
+pushed outputs in) and one reader task that fans outputs into per-request asyncio queues. It tracks
+each engine's in-flight requests for the routing policies. Engines are found by actor name, so a
+restarted engine is reconnected; the control plane (health) stays on awaited actor calls, so the
+event loop never blocks.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_core.channel import AbortRequests, Accepted, AddRequest, ChannelConnection, Outputs
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
 
@@ -32,6 +34,63 @@ class EngineOverloadedError(RuntimeError):
     pass
 
 
+class RequestTimeoutError(TimeoutError):
+    pass
+
+
+# Put into a request's queue by its timer when the request runs past its timeout.
+_TIMED_OUT = EngineCoreOutput("", [], None, "timeout")
+
+
+class RequestStream:
+    """One engine request's outputs, read in batches: everything that arrived since the last read.
+
+    A reader that falls behind (a busy event loop, a slow client) gets several steps' outputs at
+    once and can send them as one chunk, so the per-token work shrinks exactly when load grows.
+    ``close()`` aborts the request in the engine unless it finished.
+    """
+
+    def __init__(self, client: EngineClient, engine: int, request_id: str, queue: asyncio.Queue[EngineCoreOutput],
+                 timeout_s: float | None) -> None:
+        self.client = client
+        self.engine = engine
+        self.request_id = request_id
+        self.finished = False
+        self._queue = queue
+        self._timer = (asyncio.get_running_loop().call_later(timeout_s, queue.put_nowait, _TIMED_OUT)
+                       if timeout_s else None)
+
+    async def next_batch(self) -> list[EngineCoreOutput]:
+        """Wait for at least one output; return all queued ones, ending at the finishing one."""
+        if self.finished:
+            return []
+        queue = self._queue
+        batch = [await queue.get()]
+        while queue.qsize():
+            batch.append(queue.get_nowait())
+        for i, output in enumerate(batch):
+            if output is _TIMED_OUT:
+                raise RequestTimeoutError(f"request {self.request_id} timed out")
+            if output.finish_reason is not None:
+                self.finished = True
+                return batch[: i + 1]
+        return batch
+
+    async def __aiter__(self) -> AsyncIterator[list[EngineCoreOutput]]:
+        while not self.finished:
+            yield await self.next_batch()
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        slot = self.client._slots[self.engine]
+        self.client._forget(slot, self.request_id)
+        if not self.finished:
+            # Client gone, timeout or stop string: the engine frees the request's blocks.
+            self.finished = True
+            await self.client.abort(self.engine, [self.request_id])
+
+
 @dataclass
 class _EngineSlot:
     index: int
@@ -40,16 +99,18 @@ class _EngineSlot:
     in_flight: int = 0
     requests: set[str] = field(default_factory=set)
     last_error: str | None = None
-    last_probe: float = 0.0
+    channel: ChannelConnection | None = None
+    connected: asyncio.Event = field(default_factory=asyncio.Event)
+    # AddRequest frames sent and not yet answered, by request id.
+    pending: dict[str, asyncio.Future[Accepted]] = field(default_factory=dict)
+    prober: asyncio.Task[None] | None = None
 
 
 class EngineClient:
-    def __init__(self, handles: list[Any], client_index: int, resolve_handle: HandleResolver | None = None,
-                 poll_timeout_s: float = 1.0) -> None:
+    def __init__(self, handles: list[Any], client_index: int, resolve_handle: HandleResolver | None = None) -> None:
         self.client_index = client_index
         self._slots = [_EngineSlot(i, h) for i, h in enumerate(handles)]
         self._resolve_handle = resolve_handle
-        self._poll_timeout_s = poll_timeout_s
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         self._pumps: list[asyncio.Task[None]] = []
         self._closed = False
@@ -73,60 +134,75 @@ class EngineClient:
             self._pumps = [asyncio.create_task(self._pump(slot), name=f"engine-{slot.index}-pump")
                            for slot in self._slots]
 
+    async def wait_connected(self, timeout_s: float = 30.0) -> None:
+        """Wait until every engine's channel is open (requests to an unconnected engine fail)."""
+        self.start()
+        async with asyncio.timeout(timeout_s):
+            for slot in self._slots:
+                await slot.connected.wait()
+
     async def close(self) -> None:
         self._closed = True
-        for task in self._pumps:
+        for task in self._pumps + [s.prober for s in self._slots if s.prober is not None]:
             task.cancel()
         for task in self._pumps:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        for slot in self._slots:
+            if slot.channel is not None:
+                slot.channel.close()
 
     # -- requests ----------------------------------------------------------------------------------
 
     async def add_request(self, engine: int, request: EngineCoreRequest) -> asyncio.Queue[EngineCoreOutput]:
         slot = self._slots[engine]
-        if not slot.healthy:
-            raise EngineUnavailableError(f"engine {engine} is unavailable: {slot.last_error}")
+        if not slot.healthy or slot.channel is None:
+            raise EngineUnavailableError(f"engine {engine} is unavailable: {slot.last_error or 'not connected'}")
+        rid = request.request_id
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
-        self._queues[request.request_id] = queue
+        self._queues[rid] = queue
         slot.in_flight += 1
-        slot.requests.add(request.request_id)
+        slot.requests.add(rid)
+        answer: asyncio.Future[Accepted] = asyncio.get_running_loop().create_future()
+        slot.pending[rid] = answer
         try:
-            await slot.handle.add_request.remote(request)
-        except Exception as e:
-            self._forget(slot, request.request_id)
-            if isinstance(e, OverflowError) or "OverflowError" in type(e).__name__ or "queue is full" in str(e):
-                raise EngineOverloadedError(str(e)) from e
-            self._mark_unhealthy(slot, e)
+            slot.channel.send(AddRequest(request))
+            accepted = await answer
+        except BaseException as e:
+            slot.pending.pop(rid, None)
+            self._forget(slot, rid)
+            if isinstance(e, EngineUnavailableError | asyncio.CancelledError):
+                raise
             raise EngineUnavailableError(f"engine {engine} is unavailable: {e}") from e
+        if accepted.error is not None:
+            self._forget(slot, rid)
+            if accepted.overloaded:
+                raise EngineOverloadedError(accepted.error)
+            raise EngineUnavailableError(f"engine {engine} refused the request: {accepted.error}")
         return queue
+
+    async def open(self, engine: int, request: EngineCoreRequest, timeout_s: float | None = None) -> RequestStream:
+        """Add the request; its outputs are read from the returned stream, which must be closed."""
+        queue = await self.add_request(engine, request)
+        return RequestStream(self, engine, request.request_id, queue, timeout_s)
 
     async def stream(self, engine: int, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """Add the request and yield its outputs until it finishes. Leaving early aborts it."""
-        queue = await self.add_request(engine, request)
-        slot = self._slots[engine]
-        finished = False
+        stream = await self.open(engine, request)
         try:
-            while True:
-                output = await queue.get()
-                if output.finish_reason is not None:
-                    finished = True
-                yield output
-                if finished:
-                    return
+            while not stream.finished:
+                for output in await stream.next_batch():
+                    yield output
         finally:
-            self._forget(slot, request.request_id)
-            if not finished:
-                # Client gone, timeout or stop string: the engine frees the request's blocks.
-                await self.abort(engine, [request.request_id])
+            await stream.close()
 
     async def abort(self, engine: int, request_ids: list[str]) -> None:
         slot = self._slots[engine]
         for rid in request_ids:
             self._forget(slot, rid)
-        if slot.healthy:
+        if slot.healthy and slot.channel is not None:
             try:
-                await asyncio.shield(slot.handle.abort_requests.remote(request_ids))
+                slot.channel.send(AbortRequests(list(request_ids)))
             except Exception as e:
                 logger.warning("abort on engine %d failed: %s", engine, e)
 
@@ -136,28 +212,48 @@ class EngineClient:
             slot.in_flight -= 1
         self._queues.pop(request_id, None)
 
-    # -- the output pump ------------------------------------------------------------------------------
+    # -- the channel reader ---------------------------------------------------------------------------
 
     async def _pump(self, slot: _EngineSlot) -> None:
+        """Open the engine's channel, then route what arrives; reconnect (by actor name) when it breaks."""
         while not self._closed:
             try:
-                outputs = await slot.handle.get_output.remote(self.client_index, self._poll_timeout_s)
+                if slot.channel is None:
+                    await self._connect(slot)
+                message = await slot.channel.receive()  # type: ignore[union-attr]
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                self._drop_channel(slot)
                 self._mark_unhealthy(slot, e)
                 await self._wait_for_engine(slot)
                 continue
-            for output in outputs.outputs:
-                queue = self._queues.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
-            if not slot.healthy and time.monotonic() - slot.last_probe > 0.5:
-                # Reachable but reported unhealthy (e.g. its workers died): back once it says so.
-                slot.last_probe = time.monotonic()
-                with contextlib.suppress(Exception):
-                    await slot.handle.check_health.remote()
-                    self._set_healthy(slot)
+            if isinstance(message, Outputs):
+                queues = self._queues
+                for output in message.outputs.outputs:
+                    queue = queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+            else:
+                answer = slot.pending.pop(message.request_id, None)
+                if answer is not None and not answer.done():
+                    answer.set_result(message)
+
+    async def _connect(self, slot: _EngineSlot) -> None:
+        address = await slot.handle.channel_address.remote()
+        slot.channel = await ChannelConnection.open(address, self.client_index)
+        slot.connected.set()
+
+    def _drop_channel(self, slot: _EngineSlot) -> None:
+        if slot.channel is not None:
+            slot.channel.close()
+            slot.channel = None
+        slot.connected.clear()
+        error = EngineUnavailableError(f"engine {slot.index}: the request channel closed")
+        for answer in slot.pending.values():
+            if not answer.done():
+                answer.set_exception(error)
+        slot.pending.clear()
 
     def _mark_unhealthy(self, slot: _EngineSlot, error: Exception) -> None:
         if slot.healthy:
@@ -169,9 +265,21 @@ class EngineClient:
             queue = self._queues.get(rid)
             if queue is not None:
                 queue.put_nowait(EngineCoreOutput(rid, [], FinishReason.ERROR, slot.last_error))
+        if slot.channel is not None and (slot.prober is None or slot.prober.done()):
+            # Reachable but reported unhealthy (e.g. its workers died): back once it says so.
+            slot.prober = asyncio.create_task(self._probe_until_healthy(slot))
+
+    async def _probe_until_healthy(self, slot: _EngineSlot) -> None:
+        while not self._closed and not slot.healthy and slot.channel is not None:
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(Exception):
+                await slot.handle.check_health.remote()
+                if slot.channel is not None:
+                    self._set_healthy(slot)
 
     async def _wait_for_engine(self, slot: _EngineSlot) -> None:
-        """Poll until the engine (possibly a restarted actor found by name) answers again."""
+        """Poll until the engine (possibly a restarted actor found by name) answers again; the pump
+        then opens a new channel to it."""
         delay = 0.2
         while not self._closed:
             await asyncio.sleep(delay)
@@ -184,9 +292,11 @@ class EngineClient:
                     continue
             try:
                 await handle.check_health.remote()
+                slot.handle = handle
+                await self._connect(slot)
             except Exception:
+                self._drop_channel(slot)
                 continue
-            slot.handle = handle
             self._set_healthy(slot)
             return
 

@@ -15,11 +15,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
-from router.detokenizer import IncrementalDetokenizer
-from router.engine_client import EngineClient, EngineOverloadedError, EngineUnavailableError
+from router.detokenizer import IncrementalDetokenizer, fast_decoder
+from router.engine_client import (
+    EngineClient,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    RequestStream,
+    RequestTimeoutError,
+)
 from router.metrics import RouterMetrics
 from router.protocol import (
     ChatChoice,
@@ -93,6 +101,7 @@ class OpenAIServing:
         self.settings = settings
         self.client = client
         self.tokenizer = tokenizer
+        self._decode = fast_decoder(tokenizer)
         self.policy = policy
         self.metrics = metrics
 
@@ -163,14 +172,29 @@ class OpenAIServing:
 
     # -- generation ---------------------------------------------------------------------------------
 
+    def _engine_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                        fields: SamplingFields) -> EngineCoreRequest:
+        eos = self.settings.eos_token_ids[0] if self.settings.eos_token_ids else None
+        return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                                 eos_token_id=eos, arrival_time=time.time(), priority=fields.priority,
+                                 client_index=self.client.client_index)
+
+    async def _open(self, job: tuple[int, str, list[int], SamplingParams, _Choice],
+                    fields: SamplingFields) -> RequestStream:
+        """Send one choice's request to its engine now, so refusals become HTTP statuses."""
+        engine, request_id, prompt_ids, params, _ = job
+        try:
+            return await self.client.open(engine, self._engine_request(request_id, prompt_ids, params, fields),
+                                          self.settings.request_timeout_s)
+        except EngineOverloadedError as e:
+            raise APIError(429, str(e), "RateLimitError") from e
+        except EngineUnavailableError as e:
+            raise APIError(503, str(e), "ServiceUnavailableError") from e
+
     async def _run_choice(self, engine: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
                           fields: SamplingFields, choice: _Choice, sink: asyncio.Queue | None) -> None:
         """Drive one choice to its end; with a sink, push (choice, text delta, new logprobs) as they come."""
-        eos = self.settings.eos_token_ids[0] if self.settings.eos_token_ids else None
-        engine_request = EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
-                                           eos_token_id=eos, arrival_time=time.time(), priority=fields.priority,
-                                           client_index=self.client.client_index)
-        stream = self.client.stream(engine, engine_request)
+        stream = self.client.stream(engine, self._engine_request(request_id, prompt_ids, params, fields))
         try:
             async for output in stream:
                 delta, new_lp = self._apply_output(choice, output)
@@ -252,7 +276,9 @@ class OpenAIServing:
                 choices.append(c)
                 jobs.append((engine, f"{request_id}-{c.index}", ids, params, c))
         if request.stream:
-            return self._stream_completion(request, request_id, created, jobs, prompt_texts[0], num_prompt_tokens)
+            opened = await self._open(jobs[0], request) if len(jobs) == 1 else None
+            return SSEStream(self._stream_completion(request, request_id, created, jobs, prompt_texts[0],
+                                                     num_prompt_tokens, opened), opened)
         await self._generate(jobs, request, None)
         self._raise_engine_error(choices)
         out = []
@@ -265,18 +291,19 @@ class OpenAIServing:
                                   usage=_usage(num_prompt_tokens, choices))
 
     async def _stream_completion(self, request: CompletionRequest, request_id: str, created: int, jobs: list,
-                                 prompt_text: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+                                 prompt_text: str, num_prompt_tokens: int,
+                                 opened: RequestStream | None) -> AsyncIterator[str | bytes]:
         model = self.settings.served_model_name
         choices = [job[4] for job in jobs]
         if request.echo:
             for c in choices:
                 yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
                     CompletionChoice(index=c.index, text=prompt_text)]))
-        async for choice, delta, new_lp in self._events(jobs, request):
+        events = self._events(jobs, request) if opened is None else self._single_events(opened, choices[0])
+        async for choice, delta, new_lp in events:
             logprobs = self._completion_logprobs(new_lp, 0) if request.logprobs is not None and new_lp else None
-            yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[CompletionChoice(
-                index=choice.index, text=delta, logprobs=logprobs, finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason)]))
+            yield completion_token_chunk(request_id, created, model, choice.index, delta, logprobs,
+                                         choice.finish_reason, choice.stop_reason)
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[],
                                              usage=_usage(num_prompt_tokens, choices)))
@@ -296,7 +323,8 @@ class OpenAIServing:
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index), c)
                 for c in choices]
         if request.stream:
-            return self._stream_chat(request, request_id, created, jobs, len(ids))
+            opened = await self._open(jobs[0], request) if len(jobs) == 1 else None
+            return SSEStream(self._stream_chat(request, request_id, created, jobs, len(ids), opened), opened)
         await self._generate(jobs, request, None)
         self._raise_engine_error(choices)
         out = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.detok.output_text),
@@ -306,21 +334,48 @@ class OpenAIServing:
                                       choices=out, usage=_usage(len(ids), choices))
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, created: int, jobs: list,
-                           num_prompt_tokens: int) -> AsyncIterator[str]:
+                           num_prompt_tokens: int, opened: RequestStream | None) -> AsyncIterator[str | bytes]:
         model = self.settings.served_model_name
         choices = [job[4] for job in jobs]
         for c in choices:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
-        async for choice, delta, new_lp in self._events(jobs, request):
+        events = self._events(jobs, request) if opened is None else self._single_events(opened, choices[0])
+        async for choice, delta, new_lp in events:
             logprobs = self._chat_logprobs(new_lp) if request.logprobs and new_lp else None
-            yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[ChatStreamChoice(
-                index=choice.index, delta=DeltaMessage(content=delta or None) if delta else DeltaMessage(),
-                logprobs=logprobs, finish_reason=choice.finish_reason)]))
+            yield chat_token_chunk(request_id, created, model, choice.index, delta, logprobs, choice.finish_reason)
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                            usage=_usage(num_prompt_tokens, choices)))
         yield "data: [DONE]\n\n"
+
+    async def _single_events(self, stream: RequestStream, choice: _Choice) -> AsyncIterator[tuple[_Choice, str, list]]:
+        """One choice read straight from its engine queue (no task, no merge queue). Outputs that
+        queued up while the previous chunk was being sent are merged into one event."""
+        try:
+            while not stream.finished:
+                try:
+                    batch = await stream.next_batch()
+                except RequestTimeoutError as e:
+                    raise _StreamError(APIError(408, f"request timed out after {self.settings.request_timeout_s} s",
+                                                "TimeoutError")) from e
+                deltas, new_lps = [], []
+                for output in batch:
+                    delta, new_lp = self._apply_output(choice, output)
+                    deltas.append(delta)
+                    new_lps += new_lp
+                    if choice.finish_reason is not None:
+                        break
+                if choice.error is not None:
+                    raise _StreamError(APIError(500, choice.error, "InternalServerError"))
+                delta = "".join(deltas)
+                if delta or new_lps or choice.finish_reason:
+                    yield choice, delta, new_lps
+                if choice.finish_reason is not None:
+                    break
+        finally:
+            # Finished, a stop string, or the client went away: close() aborts what did not finish.
+            await stream.close()
 
     async def _events(self, jobs: list, fields: SamplingFields) -> AsyncIterator[tuple[_Choice, str, list]]:
         """Merge the choices' events in arrival order; errors become one SSE error event."""
@@ -361,7 +416,7 @@ class OpenAIServing:
                 raise APIError(500, c.error, "InternalServerError")
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self._decode([token_id], False)
 
     def _chat_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]]) -> ChatLogprobs:
         content = []
@@ -384,6 +439,23 @@ class OpenAIServing:
             offset += len(text)
             out.top_logprobs.append({self._token_text(tid): lp for tid, lp in top} if top else None)
         return out
+
+
+class SSEStream:
+    """A streamed response body plus the engine request opened for it. ``aclose()`` releases both,
+    also when the body was never started (the client left before the response began)."""
+
+    def __init__(self, chunks: AsyncIterator[str | bytes], opened: RequestStream | None) -> None:
+        self._chunks = chunks
+        self._opened = opened
+
+    def __aiter__(self) -> AsyncIterator[str | bytes]:
+        return self._chunks
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()  # type: ignore[attr-defined]
+        if self._opened is not None:
+            await self._opened.close()
 
 
 class _StreamError(Exception):
@@ -410,3 +482,25 @@ def _usage(num_prompt_tokens: int, choices: list[_Choice]) -> UsageInfo:
 
 def _sse(model: Any) -> str:
     return f"data: {model.model_dump_json(exclude_none=False)}\n\n"
+
+
+# The per-token chunks are the hot path of streaming: they are encoded from plain dicts (the same
+# JSON as the CompletionStreamChunk / ChatCompletionChunk models give) instead of building models.
+_json_encoder = msgspec.json.Encoder()
+
+
+def completion_token_chunk(request_id: str, created: int, model: str, index: int, text: str,
+                           logprobs: CompletionLogprobs | None, finish_reason: str | None,
+                           stop_reason: int | str | None) -> bytes:
+    choice = {"index": index, "text": text, "logprobs": None if logprobs is None else logprobs.model_dump(),
+              "finish_reason": finish_reason, "stop_reason": stop_reason}
+    return b"data: " + _json_encoder.encode({"id": request_id, "object": "text_completion", "created": created,
+                                             "model": model, "choices": [choice], "usage": None}) + b"\n\n"
+
+
+def chat_token_chunk(request_id: str, created: int, model: str, index: int, delta: str,
+                     logprobs: ChatLogprobs | None, finish_reason: str | None) -> bytes:
+    choice = {"index": index, "delta": {"role": None, "content": delta or None},
+              "logprobs": None if logprobs is None else logprobs.model_dump(), "finish_reason": finish_reason}
+    return b"data: " + _json_encoder.encode({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                             "model": model, "choices": [choice], "usage": None}) + b"\n\n"

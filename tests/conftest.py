@@ -9,6 +9,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines open their request channel on loopback (Ray workers inherit this environment).
+os.environ.setdefault("LLM_CLUSTER_ENGINE_HOST", "127.0.0.1")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.detokenizer import IncrementalDetokenizer
+from router.detokenizer import IncrementalDetokenizer, fast_decoder
 
 from .tokenizer_factory import CORPUS, byte_level_tokenizer
 
@@ -72,3 +72,20 @@ def test_stop_string_spanning_tokens_is_found():
         first = line.find(stop)
         detok = IncrementalDetokenizer(tok, stop=[stop])
         assert "".join(stream(detok, tok.encode(line))) == line[:first]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 399), max_size=30), st.booleans())
+def test_fast_decoder_equals_the_tokenizers_decode(ids, skip):
+    tok = byte_level_tokenizer()
+    assert fast_decoder(tok)(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_fast_decoder_defers_to_transformers_when_it_cleans_up_spaces():
+    tok = byte_level_tokenizer()
+    ids = tok.encode("Hello world , the fox .")
+    try:
+        tok.clean_up_tokenization_spaces = True
+        assert fast_decoder(tok)(ids, True) == tok.decode(ids, skip_special_tokens=True)
+    finally:
+        tok.clean_up_tokenization_spaces = False

@@ -26,7 +26,9 @@ def cluster(ray_cluster, tiny_model_dir):
         engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
     # A second router app over the same engines, with another policy.
     prefix_config = config.model_copy(update={"routing_policy": "prefix_aware"})
-    with serve_cluster(config, {"prefix": prefix_config}) as served:
+    # And one whose requests time out long before they could finish.
+    timeout_config = config.model_copy(update={"request_timeout_s": 0.05})
+    with serve_cluster(config, {"prefix": prefix_config, "timeout": timeout_config}) as served:
         yield {"base": served.base, "engines": served.engines, "config": config}
 
 
@@ -153,6 +155,32 @@ def test_queue_limit_gives_429_and_leaks_nothing(cluster):
     _wait_idle(cluster)
 
 
+def test_streamed_requests_are_refused_with_a_status_not_an_event(cluster):
+    # A streamed request is sent to its engine before the response starts, so a full queue is a 429
+    # the client sees as such (openai raises RateLimitError), not a 200 carrying an error event.
+    base = cluster["base"]
+
+    async def one(c):
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
+            text = (await r.aread()).decode()
+            return r.status_code, text
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(one(c) for _ in range(16)))
+
+    results = asyncio.run(flood())
+    codes = [code for code, _ in results]
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+    for code, text in results:
+        if code == 429:
+            assert json.loads(text)["error"]["type"] == "RateLimitError"
+        else:
+            assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+    _wait_idle(cluster)
+
+
 def test_client_disconnect_aborts_the_request_and_frees_blocks(cluster):
     base = cluster["base"]
     with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
@@ -165,6 +193,18 @@ def test_client_disconnect_aborts_the_request_and_frees_blocks(cluster):
         busy = _stats(cluster)
         assert any(s.num_unfinished_requests for s in busy)
     # The stream is closed before 200 tokens were generated: the engine must drop the request.
+    stats = _wait_idle(cluster)
+    assert all(s.num_free_blocks == s.num_blocks for s in stats)
+
+
+def test_request_timeout_aborts_and_frees_blocks(cluster):
+    url = f"{cluster['base']}/timeout/v1/completions"
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 408 and _error(r)["type"] == "TimeoutError"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and json.loads(data[-2])["error"]["code"] == 408
     stats = _wait_idle(cluster)
     assert all(s.num_free_blocks == s.num_blocks for s in stats)
 

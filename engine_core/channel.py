@@ -1,0 +1,216 @@
+"""The request channel: a direct TCP stream between a router replica and an engine.
+
+Ray actor calls carry the control plane (health, stats, pause, metrics). The data plane, requests in
+and outputs out, goes over one TCP connection per (router replica, engine): length-prefixed msgspec
+frames, no per-request actor call. An engine pushes a client's outputs as soon as a step produces
+them; whatever piles up while the socket is busy goes out merged in the next frame.
+
+The engine opens the channel on the address of its Ray node (or ``LLM_CLUSTER_ENGINE_HOST``), on a
+free port, and hands out the address with a random token through an actor call, so only callers
+that can reach the actor (Ray's own authentication) can use the channel.
+
+Frames: a 4-byte big-endian length, then a msgpack-encoded message (tagged msgspec structs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import struct
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from engine_core.outputs import EngineCoreOutputs, EngineCoreRequest
+
+if TYPE_CHECKING:
+    from engine_core.engine_actor import EngineCoreService
+
+logger = logging.getLogger(__name__)
+
+ENGINE_HOST_ENV = "LLM_CLUSTER_ENGINE_HOST"
+_LENGTH = struct.Struct(">I")
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+# -- messages, client -> engine ------------------------------------------------------------------
+
+class Hello(msgspec.Struct, tag="hello"):
+    client_index: int
+    token: str
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+# -- messages, engine -> client ------------------------------------------------------------------
+
+class Accepted(msgspec.Struct, tag="accepted"):
+    """The answer to one AddRequest: error is None when the engine took the request."""
+
+    request_id: str
+    error: str | None = None
+    # True when refused because the engine's waiting queue is full (HTTP 429, not 503).
+    overloaded: bool = False
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    outputs: EngineCoreOutputs
+
+
+ClientMessage = Hello | AddRequest | AbortRequests
+EngineMessage = Accepted | Outputs
+
+
+class ChannelAddress(msgspec.Struct, frozen=True):
+    host: str
+    port: int
+    token: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
+
+
+def encode_frame(message: ClientMessage | EngineMessage) -> bytes:
+    payload = _encoder.encode(message)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+async def read_payload(reader: asyncio.StreamReader) -> bytes:
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if length > MAX_FRAME_BYTES:
+        raise ConnectionError(f"frame of {length} bytes is larger than allowed")
+    return await reader.readexactly(length)
+
+
+def decode_engine_message(payload: bytes) -> EngineMessage:
+    return _engine_decoder.decode(payload)
+
+
+def default_engine_host() -> str:
+    configured = os.environ.get(ENGINE_HOST_ENV)
+    if configured:
+        return configured
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class ChannelServer:
+    """The engine's end: one connection per router client, served on the actor's event loop."""
+
+    def __init__(self, service: EngineCoreService, admit: Callable[[EngineCoreRequest], None]) -> None:
+        self._service = service
+        self._admit = admit
+        self._token = secrets.token_hex(16)
+        self._server: asyncio.Server | None = None
+        self._address: ChannelAddress | None = None
+        self._pushers: dict[int, asyncio.Task[None]] = {}
+
+    async def start(self, host: str | None = None) -> ChannelAddress:
+        if self._address is None:
+            host = host or default_engine_host()
+            self._server = await asyncio.start_server(self._serve, host, 0)
+            port = self._server.sockets[0].getsockname()[1]
+            self._address = ChannelAddress(host, port, self._token)
+        return self._address
+
+    async def close(self) -> None:
+        for task in self._pushers.values():
+            task.cancel()
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _set_nodelay(writer)
+        pusher: asyncio.Task[None] | None = None
+        client_index = -1
+        try:
+            hello = _client_decoder.decode(await read_payload(reader))
+            if not isinstance(hello, Hello) or not secrets.compare_digest(hello.token, self._token):
+                logger.warning("engine channel: refused a connection without the right token")
+                return
+            client_index = hello.client_index
+            previous = self._pushers.pop(client_index, None)
+            if previous is not None:  # the same client reconnected: the old stream is dead
+                previous.cancel()
+            pusher = self._pushers[client_index] = asyncio.create_task(self._push(client_index, writer))
+            while True:
+                message = _client_decoder.decode(await read_payload(reader))
+                if isinstance(message, AddRequest):
+                    writer.write(encode_frame(self._accept(message.request)))
+                elif isinstance(message, AbortRequests):
+                    self._service.abort_requests(message.request_ids)
+        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
+            pass  # the router went away (or spoke nonsense): its requests are aborted by the caller
+        finally:
+            if pusher is not None:
+                pusher.cancel()
+                if self._pushers.get(client_index) is pusher:
+                    del self._pushers[client_index]
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _accept(self, request: EngineCoreRequest) -> Accepted:
+        try:
+            self._admit(request)
+        except OverflowError as e:
+            return Accepted(request.request_id, str(e), overloaded=True)
+        except Exception as e:
+            return Accepted(request.request_id, f"{type(e).__name__}: {e}")
+        return Accepted(request.request_id)
+
+    async def _push(self, client_index: int, writer: asyncio.StreamWriter) -> None:
+        service = self._service
+        while True:
+            outputs = await service.next_outputs(client_index)
+            writer.write(encode_frame(Outputs(outputs)))
+            # While the socket drains, the next steps' outputs pile up and leave as one frame.
+            await writer.drain()
+
+
+class ChannelConnection:
+    """The router's end of one engine's channel."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    @classmethod
+    async def open(cls, address: ChannelAddress, client_index: int, timeout_s: float = 10.0) -> ChannelConnection:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), timeout_s)
+        _set_nodelay(writer)
+        writer.write(encode_frame(Hello(client_index, address.token)))
+        return cls(reader, writer)
+
+    def send(self, message: ClientMessage) -> None:
+        if self._writer.is_closing():
+            raise ConnectionError("the engine channel is closed")
+        self._writer.write(encode_frame(message))
+
+    async def receive(self) -> EngineMessage:
+        return decode_engine_message(await read_payload(self._reader))
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _set_nodelay(writer: asyncio.StreamWriter) -> None:
+    import socket
+
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
