@@ -1,0 +1,161 @@
+"""The engine's request channel on a real engine actor (Ray local cluster, tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cluster.config import ClusterConfig, EngineSpec
+from cluster.launcher import start_engines, stop_engines
+from engine_core.channel import (
+    AbortRequests,
+    Accepted,
+    AddRequest,
+    ChannelAddress,
+    ChannelConnection,
+    Outputs,
+    decode_engine_message,
+    encode_frame,
+)
+from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
+from engine_core.request import FinishReason
+from engine_core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CLIENT = 7
+
+
+def _request(rid: str, max_tokens: int) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(range(3, 30)), client_index=CLIENT,
+                             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
+
+
+@pytest.fixture(scope="module")
+def engine(ray_cluster, tiny_model_dir):
+    config = ClusterConfig(model=str(tiny_model_dir),
+                           defaults=EngineSpec(num_gpu_blocks=64, max_num_seqs=2, max_waiting_requests=2))
+    [handle] = start_engines(config.engine_configs(), config.namespace)
+    yield handle
+    stop_engines([handle])
+
+
+def _address(engine) -> ChannelAddress:
+    import ray
+
+    return ray.get(engine.actor.channel_address.remote())
+
+
+def _idle_stats(engine, timeout_s: float = 20.0):
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = ray.get(engine.actor.get_stats.remote())
+        if stats.num_unfinished_requests == 0 and stats.num_free_blocks == stats.num_blocks:
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"engine did not go idle: {stats}")
+
+
+async def _collect(conn: ChannelConnection, request_ids: set[str], timeout_s: float = 30.0):
+    """Read until every request finished: (tokens per request, acceptances)."""
+    tokens: dict[str, list[int]] = {}
+    accepted: dict[str, Accepted] = {}
+    finished: set[str] = set()
+    async with asyncio.timeout(timeout_s):
+        while finished != request_ids:
+            message = await conn.receive()
+            if isinstance(message, Accepted):
+                accepted[message.request_id] = message
+            else:
+                for out in message.outputs.outputs:
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.finish_reason is not None:
+                        finished.add(out.request_id)
+    return tokens, accepted
+
+
+def test_frames_round_trip():
+    frame = encode_frame(Accepted("r1", "queue is full", overloaded=True))
+    assert int.from_bytes(frame[:4], "big") == len(frame) - 4
+    assert decode_engine_message(frame[4:]) == Accepted("r1", "queue is full", overloaded=True)
+    outputs = EngineCoreOutputs(engine_index=1, outputs=[
+        EngineCoreOutput("r1", [5, 6], FinishReason.STOP, "###",
+                         LogprobsEntry([-0.5, -1.0], [[(5, -0.5)], [(6, -1.0), (2, -2.0)]]), 4)])
+    decoded = decode_engine_message(encode_frame(Outputs(outputs))[4:])
+    assert isinstance(decoded, Outputs) and decoded.outputs.outputs == outputs.outputs
+
+
+def test_requests_in_outputs_pushed_out(engine):
+    address = _address(engine)
+    assert address.host == "127.0.0.1" and address.port > 0 and len(address.token) == 32
+
+    async def run():
+        conn = await ChannelConnection.open(address, CLIENT)
+        try:
+            for rid in ("a", "b"):
+                conn.send(AddRequest(_request(rid, 12)))
+            return await _collect(conn, {"a", "b"})
+        finally:
+            conn.close()
+
+    tokens, accepted = asyncio.run(run())
+    assert accepted == {"a": Accepted("a"), "b": Accepted("b")}
+    assert len(tokens["a"]) == len(tokens["b"]) == 12 and tokens["a"] == tokens["b"]  # greedy, same prompt
+    _idle_stats(engine)
+
+
+def test_a_full_queue_is_refused_as_overloaded_and_abort_frees_blocks(engine):
+    address = _address(engine)
+
+    async def run():
+        conn = await ChannelConnection.open(address, CLIENT)
+        try:
+            ids = [f"q{i}" for i in range(8)]
+            for rid in ids:
+                conn.send(AddRequest(_request(rid, 5000 if rid in ("q0", "q1") else 3)))
+            answers: dict[str, Accepted] = {}
+            async with asyncio.timeout(30):
+                while len(answers) < len(ids):
+                    message = await conn.receive()
+                    if isinstance(message, Accepted):
+                        answers[message.request_id] = message
+            # Two run (max_num_seqs=2) and two may wait; the rest find the queue full.
+            refused = [a for a in answers.values() if a.error is not None]
+            assert refused and all(a.overloaded and "queue is full" in a.error for a in refused)
+            conn.send(AbortRequests([rid for rid, a in answers.items() if a.error is None]))
+            await asyncio.sleep(0.5)
+        finally:
+            conn.close()
+
+    asyncio.run(run())
+    stats = _idle_stats(engine)
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_wrong_token_is_refused_and_a_reconnect_takes_over_the_client(engine):
+    address = _address(engine)
+
+    async def run():
+        bad = await ChannelConnection.open(ChannelAddress(address.host, address.port, "0" * 32), CLIENT)
+        with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+            async with asyncio.timeout(10):
+                await bad.receive()
+        bad.close()
+        first = await ChannelConnection.open(address, CLIENT)
+        await asyncio.sleep(0.2)
+        # The same client reconnects (a router whose socket died): outputs now go to the new one.
+        second = await ChannelConnection.open(address, CLIENT)
+        try:
+            second.send(AddRequest(_request("c", 6)))
+            tokens, accepted = await _collect(second, {"c"})
+            assert accepted["c"].error is None and len(tokens["c"]) == 6
+        finally:
+            first.close()
+            second.close()
+
+    asyncio.run(run())
+    _idle_stats(engine)
