@@ -48,6 +48,7 @@ class EngineSpec(BaseModel):
     node_labels: dict[str, str] | None = Field(None, description="Ray node labels the workers must run on.")
     executor_backend: Literal["auto", "uni", "ray"] | None = None
     max_waiting_requests: int | None = Field(None, description="Queue limit before requests get HTTP 429.")
+    engine_niceness: int | None = Field(None, description="Niceness added to the engine's compute threads.")
 
 
 _DEFAULTS = EngineSpec(
@@ -55,7 +56,7 @@ _DEFAULTS = EngineSpec(
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", placement_strategy="PACK", num_cpus_per_worker=1.0,
-    executor_backend="auto", max_waiting_requests=0)
+    executor_backend="auto", max_waiting_requests=0, engine_niceness=4)
 
 
 class ClusterConfig(BaseModel):
@@ -121,7 +122,8 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         placement_strategy=s["placement_strategy"], num_cpus_per_worker=s["num_cpus_per_worker"],
         resources_per_worker=tuple(sorted((s["resources"] or {}).items())),
         node_labels=tuple(sorted((s["node_labels"] or {}).items())), seed=seed,
-        executor_backend=s["executor_backend"], max_waiting_requests=s["max_waiting_requests"])
+        executor_backend=s["executor_backend"], max_waiting_requests=s["max_waiting_requests"],
+        engine_niceness=s["engine_niceness"])
 
 
 def load_engine_overrides(path: str) -> list[EngineSpec]:

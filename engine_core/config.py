@@ -107,6 +107,9 @@ class EngineConfig:
     # "uni": the model runs inside the engine process (TP=1 only); "ray": a Ray worker actor per
     # rank; "auto": uni for TP=1, ray otherwise.
     executor_backend: str = "auto"
+    # Added to the niceness of the engine's compute threads (and its TP workers'), so the router,
+    # the ingress and the engine's I/O run first on a contended node (engine_core.cpu_priority).
+    engine_niceness: int = 4
 
     def __post_init__(self) -> None:
         where = f"engine {self.engine_index}: "
@@ -130,6 +133,8 @@ class EngineConfig:
                      self.executor_backend)
             _require(not (self.executor_backend == "uni" and self.tensor_parallel_size > 1), "executor_backend",
                      "'ray' or 'auto' when tensor_parallel_size > 1", self.executor_backend)
+            _require(isinstance(self.engine_niceness, int) and 0 <= self.engine_niceness <= 19, "engine_niceness",
+                     "an integer in [0, 19]", self.engine_niceness)
             _require(self.max_waiting_requests >= 0, "max_waiting_requests", ">= 0", self.max_waiting_requests)
         except ValueError as e:
             raise ValueError(where + str(e)) from None

@@ -21,6 +21,7 @@ from typing import Any
 
 from engine_core.channel import ChannelAddress, ChannelServer
 from engine_core.config import EngineConfig
+from engine_core.cpu_priority import lower_cpu_priority
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ExecutorFactory, ModelInfo
 from engine_core.metrics import EngineMetrics
@@ -280,6 +281,8 @@ class EngineCoreActor:
     """Ray actor shell around EngineCoreService (create with ``ray.remote(EngineCoreActor)``)."""
 
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
+        # Before the busy loop and torch's threads start, so they inherit it (Ray's I/O threads do not).
+        lower_cpu_priority(config.engine_niceness)
         self.service = EngineCoreService(config, executor_factory)
         self._channel: ChannelServer | None = None
 

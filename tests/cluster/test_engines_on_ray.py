@@ -109,3 +109,23 @@ def test_killing_a_worker_errors_in_flight_requests_then_the_engine_recovers(ray
         assert ray.get(actor.get_stats.remote()).num_free_blocks == 64
     finally:
         stop_engines([engine])
+
+
+def test_engine_compute_threads_run_at_lower_priority_than_its_io(ray_cluster, tiny_model_dir):
+    import ray
+
+    config = ClusterConfig(model=str(tiny_model_dir), defaults=EngineSpec(num_gpu_blocks=16, engine_niceness=3))
+    [engine] = start_engines(config.engine_configs(), config.namespace)
+    try:
+        def priorities(self):
+            import os
+            import threading
+
+            busy = os.getpriority(os.PRIO_PROCESS, self.service._thread.native_id)
+            return busy, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        busy, io = ray.get(engine.actor.__ray_call__.remote(priorities))
+        # The busy loop steps the model; the thread serving actor calls (and the request channel) keeps its priority.
+        assert busy == io + 3
+    finally:
+        stop_engines([engine])

@@ -84,6 +84,8 @@ def test_chat_uses_the_chat_template(tiny_model_dir):
 def test_bad_scheduler_flag_names_the_flag_and_engine(tiny_model_dir):
     with pytest.raises(ValueError, match="engine 1: max_num_seqs"):
         LLM(model=str(tiny_model_dir), num_engines=2, engine_overrides=[{}, {"max_num_seqs": 0}])
+    with pytest.raises(ValueError, match="engine 0: engine_niceness"):
+        LLM(model=str(tiny_model_dir), num_engines=2, engine_overrides=[{"engine_niceness": 20}, {}])
 
 
 @pytest.mark.slow
