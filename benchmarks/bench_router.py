@@ -1,8 +1,14 @@
-"""Latency the HTTP front end adds: Serve ingress + router vs calling the engine actors directly.
+"""Latency the HTTP front end adds: Serve ingress + router vs calling the engines directly.
 
 Tiny random model, 2 engines, 200 streamed completions (16 output tokens) at concurrency 16, run
 as alternating rounds of both paths so machine noise hits both alike. Prints TTFT and end-to-end
 p50/p99 per path and the difference.
+
+"direct" is what a router replica does internally: an EngineClient in this process (request
+channels to both engines, no HTTP). "http" is a keep-alive HTTP/1.1 client reading the SSE stream
+through the ingress (HAProxy by default) and the router replica. The HTTP client is deliberately
+lean (a few lines over asyncio streams, not httpx), because on a small machine the load generator
+shares the cores with the server and its own parsing would otherwise be counted as added latency.
 Usage: python benchmarks/bench_router.py [--requests 200] [--concurrency 16] [--ingress haproxy|proxy]
 """
 
