@@ -5,9 +5,9 @@ and outputs out, goes over one TCP connection per (router replica, engine): leng
 frames, no per-request actor call. An engine pushes a client's outputs as soon as a step produces
 them; whatever piles up while the socket is busy goes out merged in the next frame.
 
-The engine opens the channel on the address of its Ray node (or ``LLM_CLUSTER_ENGINE_HOST``), on a
-free port, and hands out the address with a random token through an actor call, so only callers
-that can reach the actor (Ray's own authentication) can use the channel.
+The engine actor opens the channel on the address of its Ray node (or ``LLM_CLUSTER_ENGINE_HOST``),
+on a free port, and hands out the address with a random token through an actor call, so only
+callers that can reach the actor (Ray's own authentication) can use the channel.
 
 Frames: a 4-byte big-endian length, then a msgpack-encoded message (tagged msgspec structs).
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import struct
 from collections.abc import Callable
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENGINE_HOST_ENV = "LLM_CLUSTER_ENGINE_HOST"
 _LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
@@ -98,15 +96,6 @@ def decode_engine_message(payload: bytes) -> EngineMessage:
     return _engine_decoder.decode(payload)
 
 
-def default_engine_host() -> str:
-    configured = os.environ.get(ENGINE_HOST_ENV)
-    if configured:
-        return configured
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
 class ChannelServer:
     """The engine's end: one connection per router client, served on the actor's event loop."""
 
@@ -118,9 +107,8 @@ class ChannelServer:
         self._address: ChannelAddress | None = None
         self._pushers: dict[int, asyncio.Task[None]] = {}
 
-    async def start(self, host: str | None = None) -> ChannelAddress:
+    async def start(self, host: str) -> ChannelAddress:
         if self._address is None:
-            host = host or default_engine_host()
             self._server = await asyncio.start_server(self._serve, host, 0)
             port = self._server.sockets[0].getsockname()[1]
             self._address = ChannelAddress(host, port, self._token)

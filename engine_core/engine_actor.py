@@ -277,6 +277,19 @@ def _merge(items: list[EngineCoreOutputs], engine_index: int) -> EngineCoreOutpu
     return merged
 
 
+ENGINE_HOST_ENV = "LLM_CLUSTER_ENGINE_HOST"
+
+
+def engine_host() -> str:
+    """The address an engine's request channel listens on: its Ray node's, unless configured."""
+    configured = os.environ.get(ENGINE_HOST_ENV)
+    if configured:
+        return configured
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 class EngineCoreActor:
     """Ray actor shell around EngineCoreService (create with ``ray.remote(EngineCoreActor)``)."""
 
@@ -316,7 +329,7 @@ class EngineCoreActor:
         self._bind()
         if self._channel is None:
             self._channel = ChannelServer(self.service, self.service.admit)
-        return await self._channel.start()
+        return await self._channel.start(engine_host())
 
     async def get_output(self, client_index: int, timeout: float = 1.0) -> EngineCoreOutputs:
         self._bind()
