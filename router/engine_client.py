@@ -76,10 +76,6 @@ class RequestStream:
                 return batch[: i + 1]
         return batch
 
-    async def __aiter__(self) -> AsyncIterator[list[EngineCoreOutput]]:
-        while not self.finished:
-            yield await self.next_batch()
-
     async def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
