@@ -162,11 +162,14 @@ class ChannelServer:
 
     async def _push(self, client_index: int, writer: asyncio.StreamWriter) -> None:
         service = self._service
-        while True:
-            outputs = await service.next_outputs(client_index)
-            writer.write(encode_frame(Outputs(outputs)))
-            # While the socket drains, the next steps' outputs pile up and leave as one frame.
-            await writer.drain()
+        try:
+            while True:
+                outputs = await service.next_outputs(client_index)
+                writer.write(encode_frame(Outputs(outputs)))
+                # While the socket drains, the next steps' outputs pile up and leave as one frame.
+                await writer.drain()
+        except ConnectionError:
+            pass  # the reader side sees the same and closes the connection
 
 
 class ChannelConnection:
