@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy")
+    parser.add_argument("--router-replicas", type=int, default=1)
     args = parser.parse_args()
     configure_ingress(args.ingress)
 
@@ -151,7 +152,8 @@ def main() -> None:
     model_dir = build_tiny_llama(Path(tempfile.mkdtemp(prefix="bench-router-")))
     ray.init(include_dashboard=False, namespace="llm-cluster", log_to_driver=False)
     config = ClusterConfig(model=str(model_dir), served_model_name="tiny", num_engines=2,
-                           routing_policy="round_robin", defaults=EngineSpec(num_gpu_blocks=256, max_model_len=256))
+                           routing_policy="round_robin", num_router_replicas=args.router_replicas,
+                           defaults=EngineSpec(num_gpu_blocks=256, max_model_len=256))
     with serve_cluster(config) as served:
         handles = [e.actor for e in served.engines]
         tokens = list(range(3, 6))
@@ -179,7 +181,7 @@ def main() -> None:
     serve.shutdown()
     ray.shutdown()
     print(f"\n{args.requests} streamed requests x {args.max_tokens} tokens, concurrency {args.concurrency}, "
-          f"2 engines (tiny model), ingress={args.ingress}\n")
+          f"2 engines (tiny model), ingress={args.ingress}, router replicas={args.router_replicas}\n")
     print(f"{'path':<10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'E2E p50 ms':>12}{'E2E p99 ms':>12}")
     rows = {}
     for name, (ttft, e2e) in results.items():
