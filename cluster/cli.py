@@ -33,7 +33,8 @@ SCHEDULER_ARGS = [
     ("--kv-cache-memory-bytes", int, "KV pool budget in bytes (CPU)."),
     ("--gpu-memory-utilization", float, "Share of GPU memory for weights + activations + KV (CUDA)."),
     ("--num-cpus-per-worker", float, "CPUs per TP worker (torch threads)."),
-    ("--engine-niceness", int, "Niceness added to engine compute threads so the router runs first (default 4)."),
+    ("--engine-niceness", int, "Niceness added to engine compute threads, so the router runs first "
+                               "(default: 4 on CPU engines, 0 on GPU engines)."),
 ]
 
 

@@ -48,7 +48,8 @@ class EngineSpec(BaseModel):
     node_labels: dict[str, str] | None = Field(None, description="Ray node labels the workers must run on.")
     executor_backend: Literal["auto", "uni", "ray"] | None = None
     max_waiting_requests: int | None = Field(None, description="Queue limit before requests get HTTP 429.")
-    engine_niceness: int | None = Field(None, description="Niceness added to the engine's compute threads.")
+    engine_niceness: int | None = Field(None, description="Niceness added to the engine's compute threads "
+                                        "(default: 4 on CPU engines, 0 on GPU engines).")
 
 
 _DEFAULTS = EngineSpec(
@@ -56,7 +57,7 @@ _DEFAULTS = EngineSpec(
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", placement_strategy="PACK", num_cpus_per_worker=1.0,
-    executor_backend="auto", max_waiting_requests=0, engine_niceness=4)
+    executor_backend="auto", max_waiting_requests=0)
 
 
 class ClusterConfig(BaseModel):

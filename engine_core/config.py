@@ -109,7 +109,8 @@ class EngineConfig:
     executor_backend: str = "auto"
     # Added to the niceness of the engine's compute threads (and its TP workers'), so the router,
     # the ingress and the engine's I/O run first on a contended node (engine_core.cpu_priority).
-    engine_niceness: int = 4
+    # None: 4 for engines that compute on the CPU, 0 for GPU engines (whose kernel launches must not wait).
+    engine_niceness: int | None = None
 
     def __post_init__(self) -> None:
         where = f"engine {self.engine_index}: "
@@ -133,8 +134,9 @@ class EngineConfig:
                      self.executor_backend)
             _require(not (self.executor_backend == "uni" and self.tensor_parallel_size > 1), "executor_backend",
                      "'ray' or 'auto' when tensor_parallel_size > 1", self.executor_backend)
-            _require(isinstance(self.engine_niceness, int) and 0 <= self.engine_niceness <= 19, "engine_niceness",
-                     "an integer in [0, 19]", self.engine_niceness)
+            _require(self.engine_niceness is None
+                     or (isinstance(self.engine_niceness, int) and 0 <= self.engine_niceness <= 19),
+                     "engine_niceness", "None or an integer in [0, 19]", self.engine_niceness)
             _require(self.max_waiting_requests >= 0, "max_waiting_requests", ">= 0", self.max_waiting_requests)
         except ValueError as e:
             raise ValueError(where + str(e)) from None

@@ -5,7 +5,8 @@ always has work would take its full share of every core, and the router replica,
 engine's own I/O thread would each wait a scheduler slice per hop. Raising the niceness of the
 engine's compute threads lets those light processes run first; the engine still gets all the CPU
 they leave. Measured on a 2-core machine (benchmarks/bench_router.py): streamed TTFT through HTTP
-at concurrency 16 fell from ~37 ms to ~24 ms with +4, and throughput rose.
+at concurrency 16 fell from ~37 ms to ~24 ms with +4, and throughput rose. GPU engines default to
+no change: there the engine's kernel launches are what must not wait.
 
 On Linux, niceness belongs to a thread and is inherited by the threads it starts: calling this
 first thing in an actor's constructor lowers that thread and everything it starts later (the busy
@@ -18,6 +19,14 @@ import logging
 import os
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_ENGINE_NICENESS = 4
+
+
+def engine_niceness(configured: int | None, on_gpu: bool) -> int:
+    if configured is not None:
+        return configured
+    return 0 if on_gpu else DEFAULT_CPU_ENGINE_NICENESS
 
 
 def lower_cpu_priority(increment: int) -> int | None:

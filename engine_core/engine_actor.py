@@ -21,7 +21,7 @@ from typing import Any
 
 from engine_core.channel import ChannelAddress, ChannelServer
 from engine_core.config import EngineConfig
-from engine_core.cpu_priority import lower_cpu_priority
+from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ExecutorFactory, ModelInfo
 from engine_core.metrics import EngineMetrics
@@ -280,6 +280,15 @@ def _merge(items: list[EngineCoreOutputs], engine_index: int) -> EngineCoreOutpu
 ENGINE_HOST_ENV = "LLM_CLUSTER_ENGINE_HOST"
 
 
+def _engine_uses_gpu(config: EngineConfig) -> bool:
+    """The executors' rule: "auto" means CUDA when the Ray cluster has GPUs."""
+    if config.device != "auto":
+        return config.device == "cuda"
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
 def engine_host() -> str:
     """The address an engine's request channel listens on: its Ray node's, unless configured."""
     configured = os.environ.get(ENGINE_HOST_ENV)
@@ -295,7 +304,7 @@ class EngineCoreActor:
 
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
         # Before the busy loop and torch's threads start, so they inherit it (Ray's I/O threads do not).
-        lower_cpu_priority(config.engine_niceness)
+        lower_cpu_priority(engine_niceness(config.engine_niceness, _engine_uses_gpu(config)))
         self.service = EngineCoreService(config, executor_factory)
         self._channel: ChannelServer | None = None
 

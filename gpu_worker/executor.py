@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_core.config import EngineConfig
-from engine_core.cpu_priority import lower_cpu_priority
+from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.executor import Executor, ModelInfo
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
@@ -151,7 +151,7 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         self.workers = workers
         # Sync actors run every call on their main thread: lowering it before load_model covers
         # the thread that computes and the torch threads it starts.
-        niceness = self.config.engine_niceness
+        niceness = engine_niceness(self.config.engine_niceness, use_gpu)
         ray.get([w.__ray_call__.remote(lambda _w: lower_cpu_priority(niceness)) for w in workers])
         if tp > 1:
             master_addr = ray.get(workers[0].__ray_call__.remote(lambda _self: ray.util.get_node_ip_address()))
