@@ -124,6 +124,8 @@ class ChannelServer:
         _set_nodelay(writer)
         pusher: asyncio.Task[None] | None = None
         client_index = -1
+        # Requests admitted over this connection and not yet finished: aborted if it drops.
+        unfinished: set[str] = set()
         try:
             hello = _client_decoder.decode(await read_payload(reader))
             if not isinstance(hello, Hello) or not secrets.compare_digest(hello.token, self._token):
@@ -133,20 +135,27 @@ class ChannelServer:
             previous = self._pushers.pop(client_index, None)
             if previous is not None:  # the same client reconnected: the old stream is dead
                 previous.cancel()
-            pusher = self._pushers[client_index] = asyncio.create_task(self._push(client_index, writer))
+            pusher = self._pushers[client_index] = asyncio.create_task(self._push(client_index, writer, unfinished))
             while True:
                 message = _client_decoder.decode(await read_payload(reader))
                 if isinstance(message, AddRequest):
-                    writer.write(encode_frame(self._accept(message.request)))
+                    accepted = self._accept(message.request)
+                    if accepted.error is None:
+                        unfinished.add(accepted.request_id)
+                    writer.write(encode_frame(accepted))
                 elif isinstance(message, AbortRequests):
+                    unfinished.difference_update(message.request_ids)
                     self._service.abort_requests(message.request_ids)
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
-            pass  # the router went away (or spoke nonsense): its requests are aborted by the caller
+            pass  # the router went away (or spoke nonsense)
         finally:
             if pusher is not None:
                 pusher.cancel()
                 if self._pushers.get(client_index) is pusher:
                     del self._pushers[client_index]
+            if unfinished:
+                # Nobody reads these any more (the router fails them on its side): free their blocks.
+                self._service.abort_requests(list(unfinished))
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -160,11 +169,14 @@ class ChannelServer:
             return Accepted(request.request_id, f"{type(e).__name__}: {e}")
         return Accepted(request.request_id)
 
-    async def _push(self, client_index: int, writer: asyncio.StreamWriter) -> None:
+    async def _push(self, client_index: int, writer: asyncio.StreamWriter, unfinished: set[str]) -> None:
         service = self._service
         try:
             while True:
                 outputs = await service.next_outputs(client_index)
+                for output in outputs.outputs:
+                    if output.finish_reason is not None:
+                        unfinished.discard(output.request_id)
                 writer.write(encode_frame(Outputs(outputs)))
                 # While the socket drains, the next steps' outputs pile up and leave as one frame.
                 await writer.drain()

@@ -159,3 +159,26 @@ def test_a_wrong_token_is_refused_and_a_reconnect_takes_over_the_client(engine):
 
     asyncio.run(run())
     _idle_stats(engine)
+
+
+def test_a_dropped_connection_aborts_its_unfinished_requests(engine):
+    import ray
+
+    address = _address(engine)
+
+    async def run():
+        conn = await ChannelConnection.open(address, CLIENT)
+        conn.send(AddRequest(_request("orphan", 5000)))
+        conn.send(AddRequest(_request("done", 2)))
+        await _collect(conn, {"done"})
+        stats = ray.get(engine.actor.get_stats.remote())
+        assert stats.num_unfinished_requests == 1
+        max_model_len = stats.scheduler_config["max_model_len"]
+        conn.close()  # the router dies without aborting "orphan"
+        return stats.num_steps, max_model_len
+
+    steps_at_close, max_model_len = asyncio.run(run())
+    stats = _idle_stats(engine)
+    assert stats.num_free_blocks == stats.num_blocks
+    # Left alone, "orphan" would have decoded until max_model_len: one step per token.
+    assert stats.num_steps - steps_at_close < max_model_len // 2
