@@ -48,13 +48,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _library_path(compiler: str) -> Path:
+def _library_name(compiler: str) -> str:
     key = hashlib.blake2b(digest_size=12)
     for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), compiler.encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
-    return default_cache_root() / "kernels" / f"paged_decode_attention-{key.hexdigest()}.so"
+    return f"paged_decode_attention-{key.hexdigest()}.so"
+
+
+def _writable_dirs() -> list[Path]:
+    # The user cache first; a read-only home (some containers) falls back to the temp dir.
+    return [default_cache_root() / "kernels", Path(tempfile.gettempdir()) / "llm-cluster-kernels"]
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -81,14 +86,23 @@ def _load_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: CPU decode attention uses the slower gather path")
         return None
-    target = _library_path(compiler)
-    try:
-        if not target.exists():
-            _build(compiler, target)
-        # torch is imported (above) before this load, so libgomp resolves to torch's copy.
-        lib = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("could not build the CPU attention kernel (%s): using the gather path", exc)
+    name = _library_name(compiler)
+    lib = None
+    for directory in _writable_dirs():
+        target = directory / name
+        try:
+            if not target.exists():
+                _build(compiler, target)
+            # torch is imported (above) before this load, so libgomp resolves to torch's copy.
+            lib = ctypes.CDLL(str(target))
+            break
+        except OSError as exc:  # not writable (read-only home), or not a directory
+            logger.info("cannot build or load the kernel in %s (%s): trying the next place", directory, exc)
+        except (RuntimeError, subprocess.SubprocessError) as exc:
+            logger.warning("could not build the CPU attention kernel (%s): using the gather path", exc)
+            return None
+    if lib is None:
+        logger.warning("nowhere writable to build the CPU attention kernel: using the gather path")
         return None
     fn = lib.llmc_paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -106,3 +106,19 @@ def test_switch_off_leaves_the_gather_path(monkeypatch):
         monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
         cpu_kernels._load_library.cache_clear()
     assert paged_decode_attention_available()
+
+
+def test_an_unusable_cache_dir_falls_back_to_the_temp_dir(monkeypatch, tmp_path):
+    # A cache root below a regular file cannot be created, whoever runs this (root included).
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("LLM_CLUSTER_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(scratch))
+    cpu_kernels._load_library.cache_clear()
+    try:
+        assert paged_decode_attention_available()
+        assert list((scratch / "llm-cluster-kernels").glob("paged_decode_attention-*.so"))
+    finally:
+        cpu_kernels._load_library.cache_clear()
