@@ -54,6 +54,17 @@ class SSEConnection:
 
     async def post_stream(self, path: str, body: bytes) -> tuple[float | None, float]:
         """Send one request; return (time to the first data event, time to the end of the body)."""
+        reused = self.writer is not None
+        try:
+            return await self._post_stream(path, body)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            if not reused:
+                raise
+            # A kept-alive connection the server closed meanwhile (e.g. an ingress reload): reopen once.
+            self.close()
+            return await self._post_stream(path, body)
+
+    async def _post_stream(self, path: str, body: bytes) -> tuple[float | None, float]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         reader, writer = self.reader, self.writer
@@ -78,6 +89,7 @@ class SSEConnection:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        self.reader = self.writer = None
 
 
 async def http_round(base: str, n: int, concurrency: int, max_tokens: int) -> tuple[list[float], list[float]]:
