@@ -283,7 +283,8 @@ class EngineClient:
             handle = slot.handle
             if self._resolve_handle is not None:
                 try:
-                    handle = self._resolve_handle(slot.index)
+                    # ray.get_actor is a blocking GCS lookup: off the event loop.
+                    handle = await asyncio.to_thread(self._resolve_handle, slot.index)
                 except Exception:
                     continue
             try:
