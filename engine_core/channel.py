@@ -121,7 +121,6 @@ class ChannelServer:
             self._server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        _set_nodelay(writer)
         pusher: asyncio.Task[None] | None = None
         client_index = -1
         # Requests admitted over this connection and not yet finished: aborted if it drops.
@@ -193,8 +192,8 @@ class ChannelConnection:
 
     @classmethod
     async def open(cls, address: ChannelAddress, client_index: int, timeout_s: float = 10.0) -> ChannelConnection:
+        # asyncio and uvloop set TCP_NODELAY on TCP sockets themselves: each frame leaves at once.
         reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), timeout_s)
-        _set_nodelay(writer)
         writer.write(encode_frame(Hello(client_index, address.token)))
         return cls(reader, writer)
 
@@ -209,11 +208,3 @@ class ChannelConnection:
     def close(self) -> None:
         self._writer.close()
 
-
-def _set_nodelay(writer: asyncio.StreamWriter) -> None:
-    import socket
-
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

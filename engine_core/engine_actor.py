@@ -116,21 +116,22 @@ class EngineCoreService:
         if not buffer.items:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(buffer.event.wait(), timeout)
-        with self._buffers_lock:
-            items, buffer.items = buffer.items, []
-            buffer.event.clear()
-        return _merge(items, self.config.engine_index)
+        return _merge(self._take(buffer), self.config.engine_index)
 
     async def next_outputs(self, client_index: int) -> EngineCoreOutputs:
         """Wait until this client has outputs, then take them all, merged (the channel's pusher)."""
         buffer = self._buffer(client_index)
         while True:
             await buffer.event.wait()
-            with self._buffers_lock:
-                items, buffer.items = buffer.items, []
-                buffer.event.clear()
+            items = self._take(buffer)
             if items:
                 return _merge(items, self.config.engine_index)
+
+    def _take(self, buffer: _ClientBuffer) -> list[EngineCoreOutputs]:
+        with self._buffers_lock:
+            items, buffer.items = buffer.items, []
+            buffer.event.clear()
+        return items
 
     def _buffer(self, client_index: int) -> _ClientBuffer:
         with self._buffers_lock:

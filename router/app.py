@@ -169,5 +169,3 @@ async def _guard_stream(chunks):
             yield chunk
     except Exception as e:
         yield stream_error_event(e)
-    finally:
-        await chunks.aclose()

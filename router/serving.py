@@ -186,10 +186,8 @@ class OpenAIServing:
         try:
             return await self.client.open(engine, self._engine_request(request_id, prompt_ids, params, fields),
                                           self.settings.request_timeout_s)
-        except EngineOverloadedError as e:
-            raise APIError(429, str(e), "RateLimitError") from e
-        except EngineUnavailableError as e:
-            raise APIError(503, str(e), "ServiceUnavailableError") from e
+        except (EngineOverloadedError, EngineUnavailableError) as e:
+            raise _engine_refusal(e) from e
 
     async def _run_choice(self, engine: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
                           fields: SamplingFields, choice: _Choice, sink: asyncio.Queue | None) -> None:
@@ -240,11 +238,9 @@ class OpenAIServing:
             else:
                 await asyncio.gather(*tasks)
         except TimeoutError as e:
-            raise APIError(408, f"request timed out after {self.settings.request_timeout_s} s", "TimeoutError") from e
-        except EngineOverloadedError as e:
-            raise APIError(429, str(e), "RateLimitError") from e
-        except EngineUnavailableError as e:
-            raise APIError(503, str(e), "ServiceUnavailableError") from e
+            raise self._timed_out() from e
+        except (EngineOverloadedError, EngineUnavailableError) as e:
+            raise _engine_refusal(e) from e
         finally:
             for task in tasks:
                 task.cancel()
@@ -357,8 +353,7 @@ class OpenAIServing:
                 try:
                     batch = await stream.next_batch()
                 except RequestTimeoutError as e:
-                    raise _StreamError(APIError(408, f"request timed out after {self.settings.request_timeout_s} s",
-                                                "TimeoutError")) from e
+                    raise _StreamError(self._timed_out()) from e
                 deltas, new_lps = [], []
                 for output in batch:
                     delta, new_lp = self._apply_output(choice, output)
@@ -409,6 +404,9 @@ class OpenAIServing:
 
     # -- helpers --------------------------------------------------------------------------------------
 
+    def _timed_out(self) -> APIError:
+        return APIError(408, f"request timed out after {self.settings.request_timeout_s} s", "TimeoutError")
+
     @staticmethod
     def _raise_engine_error(choices: list[_Choice]) -> None:
         for c in choices:
@@ -456,6 +454,13 @@ class SSEStream:
         await self._chunks.aclose()  # type: ignore[attr-defined]
         if self._opened is not None:
             await self._opened.close()
+
+
+def _engine_refusal(error: EngineOverloadedError | EngineUnavailableError) -> APIError:
+    """A full queue is the client's 429; an engine that is down or unreachable is a 503."""
+    if isinstance(error, EngineOverloadedError):
+        return APIError(429, str(error), "RateLimitError")
+    return APIError(503, str(error), "ServiceUnavailableError")
 
 
 class _StreamError(Exception):

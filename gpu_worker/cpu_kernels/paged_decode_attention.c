@@ -33,8 +33,10 @@ int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const 
                                     int64_t block_size, float scale, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
     if (num_heads > LLMC_MAX_HEADS) return 2;
-    for (int64_t r = 0; r < num_reqs; ++r)
+    for (int64_t r = 0; r < num_reqs; ++r) {
         if (seq_lens[r] <= 0) return 3;
+        if (seq_lens[r] > block_table_stride * block_size) return 5; /* row too short for the sequence */
+    }
     if (num_threads < 1) num_threads = 1;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row_stride = num_kv_heads * head_dim; /* between consecutive tokens */
