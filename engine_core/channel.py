@@ -15,6 +15,7 @@ Frames: a 4-byte big-endian length, then a msgpack-encoded message (tagged msgsp
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
@@ -183,28 +184,105 @@ class ChannelServer:
             pass  # the reader side sees the same and closes the connection
 
 
-class ChannelConnection:
-    """The router's end of one engine's channel."""
+class _FrameReader(asyncio.Protocol):
+    """Parses frames straight out of ``data_received`` and hands each decoded message to a callback:
+    no StreamReader, no coroutine wake-up per frame (the router reads one frame per engine step)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
+    def __init__(self, on_message: Callable[[EngineMessage], None]) -> None:
+        self._on_message = on_message
+        self._buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        offset, size = 0, len(buffer)
+        try:
+            with memoryview(buffer) as view:
+                while size - offset >= _LENGTH.size:
+                    (length,) = _LENGTH.unpack_from(view, offset)
+                    if length > MAX_FRAME_BYTES:
+                        raise ConnectionError(f"frame of {length} bytes is larger than allowed")
+                    end = offset + _LENGTH.size + length
+                    if end > size:
+                        break
+                    message = _engine_decoder.decode(view[offset + _LENGTH.size:end])
+                    offset = end
+                    self._on_message(message)
+        except Exception as e:  # a broken frame, or the handler failed: this channel is done
+            if not isinstance(e, ConnectionError | msgspec.DecodeError):
+                logger.exception("engine channel: handling a message failed")
+            self._fail(e)
+            return
+        del buffer[:offset]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("the engine closed the request channel"))
+
+    def _fail(self, error: Exception) -> None:
+        if not self.closed.done():
+            self.closed.set_exception(error if isinstance(error, ConnectionError) else ConnectionError(str(error)))
+            self.closed.exception()  # retrieved here: nobody may be waiting on it
+        if self.transport is not None:
+            self.transport.close()
+
+
+class ChannelConnection:
+    """The router's end of one engine's channel. With ``on_message``, every message is handed to it
+    as soon as its frame is complete; without, messages queue for ``receive()``."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: _FrameReader,
+                 inbox: collections.deque[EngineMessage] | None) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._inbox = inbox
+        self._arrived = asyncio.Event()
 
     @classmethod
-    async def open(cls, address: ChannelAddress, client_index: int, timeout_s: float = 10.0) -> ChannelConnection:
+    async def open(cls, address: ChannelAddress, client_index: int, timeout_s: float = 10.0,
+                   on_message: Callable[[EngineMessage], None] | None = None) -> ChannelConnection:
+        inbox: collections.deque[EngineMessage] | None = None
+        connection: ChannelConnection | None = None
+        if on_message is None:
+            inbox = collections.deque()
+
+            def on_message(message: EngineMessage) -> None:
+                inbox.append(message)  # type: ignore[union-attr]
+                if connection is not None:
+                    connection._arrived.set()
+
+        loop = asyncio.get_running_loop()
         # asyncio and uvloop set TCP_NODELAY on TCP sockets themselves: each frame leaves at once.
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), timeout_s)
-        writer.write(encode_frame(Hello(client_index, address.token)))
-        return cls(reader, writer)
+        transport, protocol = await asyncio.wait_for(
+            loop.create_connection(lambda: _FrameReader(on_message), address.host, address.port), timeout_s)
+        connection = cls(transport, protocol, inbox)  # type: ignore[arg-type]
+        connection.send(Hello(client_index, address.token))
+        return connection
 
     def send(self, message: ClientMessage) -> None:
-        if self._writer.is_closing():
+        if self._transport.is_closing():
             raise ConnectionError("the engine channel is closed")
-        self._writer.write(encode_frame(message))
+        self._transport.write(encode_frame(message))
+
+    async def wait_closed(self) -> None:
+        """Returns when the channel is gone, raising ConnectionError with the reason."""
+        await asyncio.shield(self._protocol.closed)
 
     async def receive(self) -> EngineMessage:
-        return decode_engine_message(await read_payload(self._reader))
+        """The next message (only without ``on_message``); ConnectionError once closed and drained."""
+        assert self._inbox is not None, "messages go to on_message"
+        while not self._inbox:
+            if self._protocol.closed.done():
+                await self._protocol.closed
+            self._arrived.clear()
+            waiter = asyncio.ensure_future(self._arrived.wait())
+            await asyncio.wait([waiter, self._protocol.closed], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        return self._inbox.popleft()
 
     def close(self) -> None:
-        self._writer.close()
-
+        self._transport.close()

@@ -11,7 +11,9 @@ event loop never blocks.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -42,6 +44,41 @@ class RequestTimeoutError(TimeoutError):
 _TIMED_OUT = EngineCoreOutput("", [], None, "timeout")
 
 
+class OutputQueue:
+    """One request's outputs as the channel reader delivers them; a single reader takes all that
+    arrived at once. (Lighter than asyncio.Queue: a deque plus one waiter future, set only when
+    the reader is actually waiting.)"""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[EngineCoreOutput] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, output: EngineCoreOutput) -> None:
+        self._items.append(output)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def take_all(self) -> list[EngineCoreOutput]:
+        """Wait until at least one output is there; return (and remove) all of them."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+
 class RequestStream:
     """One engine request's outputs, read in batches: everything that arrived since the last read.
 
@@ -50,7 +87,7 @@ class RequestStream:
     ``close()`` aborts the request in the engine unless it finished.
     """
 
-    def __init__(self, client: EngineClient, engine: int, request_id: str, queue: asyncio.Queue[EngineCoreOutput],
+    def __init__(self, client: EngineClient, engine: int, request_id: str, queue: OutputQueue,
                  timeout_s: float | None) -> None:
         self.client = client
         self.engine = engine
@@ -64,10 +101,7 @@ class RequestStream:
         """Wait for at least one output; return all queued ones, ending at the finishing one."""
         if self.finished:
             return []
-        queue = self._queue
-        batch = [await queue.get()]
-        while queue.qsize():
-            batch.append(queue.get_nowait())
+        batch = await self._queue.take_all()
         for i, output in enumerate(batch):
             if output is _TIMED_OUT:
                 raise RequestTimeoutError(f"request {self.request_id} timed out")
@@ -107,7 +141,7 @@ class EngineClient:
         self.client_index = client_index
         self._slots = [_EngineSlot(i, h) for i, h in enumerate(handles)]
         self._resolve_handle = resolve_handle
-        self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self._queues: dict[str, OutputQueue] = {}
         self._pumps: list[asyncio.Task[None]] = []
         self._closed = False
         self.on_engine_restart: Callable[[int], None] | None = None
@@ -150,12 +184,12 @@ class EngineClient:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    async def add_request(self, engine: int, request: EngineCoreRequest) -> asyncio.Queue[EngineCoreOutput]:
+    async def add_request(self, engine: int, request: EngineCoreRequest) -> OutputQueue:
         slot = self._slots[engine]
         if not slot.healthy or slot.channel is None:
             raise EngineUnavailableError(f"engine {engine} is unavailable: {slot.last_error or 'not connected'}")
         rid = request.request_id
-        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        queue = OutputQueue()
         self._queues[rid] = queue
         slot.in_flight += 1
         slot.requests.add(rid)
@@ -211,33 +245,39 @@ class EngineClient:
     # -- the channel reader ---------------------------------------------------------------------------
 
     async def _pump(self, slot: _EngineSlot) -> None:
-        """Open the engine's channel, then route what arrives; reconnect (by actor name) when it breaks."""
+        """Open the engine's channel (messages are routed by ``_on_message`` as their frames arrive),
+        then wait for it to break and reconnect (by actor name)."""
         while not self._closed:
             try:
                 if slot.channel is None:
                     await self._connect(slot)
-                message = await slot.channel.receive()  # type: ignore[union-attr]
+                await slot.channel.wait_closed()  # type: ignore[union-attr]
+                raise ConnectionError("the request channel closed")
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                if self._closed:
+                    return
                 self._drop_channel(slot)
                 self._mark_unhealthy(slot, e)
                 await self._wait_for_engine(slot)
-                continue
-            if isinstance(message, Outputs):
-                queues = self._queues
-                for output in message.outputs.outputs:
-                    queue = queues.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
-            else:
-                answer = slot.pending.pop(message.request_id, None)
-                if answer is not None and not answer.done():
-                    answer.set_result(message)
+
+    def _on_message(self, slot: _EngineSlot, message: Accepted | Outputs) -> None:
+        if isinstance(message, Outputs):
+            queues = self._queues
+            for output in message.outputs.outputs:
+                queue = queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+        else:
+            answer = slot.pending.pop(message.request_id, None)
+            if answer is not None and not answer.done():
+                answer.set_result(message)
 
     async def _connect(self, slot: _EngineSlot) -> None:
         address = await slot.handle.channel_address.remote()
-        slot.channel = await ChannelConnection.open(address, self.client_index)
+        slot.channel = await ChannelConnection.open(address, self.client_index,
+                                                    on_message=functools.partial(self._on_message, slot))
         slot.connected.set()
 
     def _drop_channel(self, slot: _EngineSlot) -> None:

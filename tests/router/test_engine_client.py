@@ -8,14 +8,14 @@ import pytest
 
 from engine_core.outputs import EngineCoreOutput
 from engine_core.request import FinishReason
-from router.engine_client import EngineClient, RequestStream, RequestTimeoutError
+from router.engine_client import EngineClient, OutputQueue, RequestStream, RequestTimeoutError
 
 
-def _client_with_request(rid: str) -> tuple[EngineClient, asyncio.Queue]:
+def _client_with_request(rid: str) -> tuple[EngineClient, OutputQueue]:
     # One engine slot with no channel: nothing here needs a real engine.
     client = EngineClient([object()], client_index=1)
     slot = client._slots[0]
-    queue: asyncio.Queue = asyncio.Queue()
+    queue = OutputQueue()
     client._queues[rid] = queue
     slot.requests.add(rid)
     slot.in_flight += 1
