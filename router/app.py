@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -147,25 +148,55 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
     return app
 
 
-class EventStreamResponse(StreamingResponse):
+class EventStreamResponse(Response):
     """SSE from an async iterable with ``aclose()``, which is always called, even when the client
-    left before the body started (the engine request behind it must be aborted either way)."""
+    left before the body started (the engine request behind it must be aborted either way).
+
+    Streams on the request's own task. A small watcher task awaits ``http.disconnect`` and cancels
+    the stream, whatever it is waiting on (an engine queue, a slow send), so the engine request is
+    aborted within a step. (Starlette's StreamingResponse runs an anyio task group with two tasks
+    per response for the same purpose.) Errors after the response started cannot change the status:
+    they go out as an SSE error event.
+    """
+
+    media_type = "text/event-stream"
 
     def __init__(self, source: Any) -> None:
-        super().__init__(_guard_stream(source), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._source = source
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streamer = asyncio.current_task()
+        assert streamer is not None
+        gone = False
+
+        async def watch_disconnect() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            streamer.cancel()
+
+        watcher = asyncio.create_task(watch_disconnect())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            try:
+                async for chunk in self._source:
+                    await send({"type": "http.response.body", "body": chunk if isinstance(chunk, bytes)
+                                else chunk.encode(), "more_body": True})
+            except (asyncio.CancelledError, OSError):
+                raise
+            except Exception as e:
+                await send({"type": "http.response.body", "body": stream_error_event(e).encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            # Our own cancel (the client left) ends the response quietly; any other cancel goes on.
+            if not gone or streamer.uncancel() > 0:
+                raise
+        except OSError:
+            pass  # the client left while we were sending (ASGI 2.4 servers raise on send)
         finally:
+            watcher.cancel()
             await self._source.aclose()
-
-
-async def _guard_stream(chunks):
-    """Errors after the response started cannot change the status: send them as an SSE error event."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except Exception as e:
-        yield stream_error_event(e)
