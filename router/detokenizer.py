@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from tokenizers.decoders import DecodeStream
+
 # Prompt-side context kept in the decode window, so leading-space rules see a real predecessor.
 _CONTEXT_TOKENS = 5
 
@@ -21,21 +23,34 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
-def fast_decoder(tokenizer: Any) -> Decode:
-    """``decode(ids, skip_special_tokens)`` straight from the Rust ``tokenizers`` backend when the
-    tokenizer has one and transformers would add nothing on top (no clean-up of spaces); the
-    transformers wrapper costs several times the decode itself, twice per streamed token."""
+def rust_backend(tokenizer: Any) -> Any | None:
+    """The Rust ``tokenizers.Tokenizer`` behind a transformers tokenizer, when transformers would add
+    nothing on top of its decode (no clean-up of spaces); else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend
+    return None
+
+
+def fast_decoder(tokenizer: Any) -> Decode:
+    """``decode(ids, skip_special_tokens)`` straight from the Rust backend when there is one: the
+    transformers wrapper costs several times the decode itself."""
+    backend = rust_backend(tokenizer)
+    if backend is not None:
         backend_decode = backend.decode
         return lambda ids, skip: backend_decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 class IncrementalDetokenizer:
+    """With a Rust backend, each token goes through the backend's own ``DecodeStream`` (one call per
+    token, the same prefix/read-offset windowing done in Rust); otherwise two windowed decodes per
+    token here. Should the stream ever refuse a token, this sequence continues windowed from the
+    first token whose text was not released yet."""
+
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None,
                  skip_special_tokens: bool = True, stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, use_decode_stream: bool = True) -> None:
         self.tokenizer = tokenizer
         self._decode = fast_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
@@ -51,6 +66,9 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.stop_reason: str | None = None
+        self._backend = rust_backend(tokenizer) if use_decode_stream else None
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) \
+            if self._backend is not None else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -62,7 +80,10 @@ class IncrementalDetokenizer:
             if self.stop_reason is not None:
                 break
             self._tokens.append(token_id)
-            self._decode_step()
+            if self._stream is not None:
+                self._stream_step(token_id)
+            else:
+                self._decode_step()
         return self._release(final=self.stop_reason is not None)
 
     def finish(self) -> str:
@@ -77,15 +98,30 @@ class IncrementalDetokenizer:
                 self.output_text = self.output_text[:self._released] + full[self._released:]
         return self._release(final=True)
 
+    def _stream_step(self, token_id: int) -> None:
+        try:
+            piece = self._stream.step(self._backend, token_id)  # type: ignore[union-attr]
+        except Exception:
+            # Continue windowed from the first token not released yet (read_offset is kept below).
+            self._stream = None
+            self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
+            self._decode_step()
+            return
+        if piece:  # None: an incomplete character, held back in the stream
+            self._read_offset = len(self._tokens)
+            self._append(piece)
+
     def _decode_step(self) -> None:
         decode, skip = self._decode, self.skip_special_tokens
         prefix_text = decode(self._tokens[self._prefix_offset:self._read_offset], skip)
         new_text = decode(self._tokens[self._prefix_offset:], skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return  # incomplete character (or nothing visible yet): wait for more tokens
-        delta = new_text[len(prefix_text):]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
+        self._append(new_text[len(prefix_text):])
+
+    def _append(self, delta: str) -> None:
         start = len(self.output_text)
         self.output_text += delta
         if self.stop:

@@ -1,5 +1,6 @@
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,44 +18,49 @@ def stream(detok: IncrementalDetokenizer, token_ids: list[int], chunk: int = 1) 
     return pieces
 
 
-def test_stream_concatenates_to_the_full_decode_and_never_emits_broken_utf8():
+@pytest.mark.parametrize("use_stream", [True, False], ids=["decode_stream", "windowed"])
+def test_stream_concatenates_to_the_full_decode_and_never_emits_broken_utf8(use_stream):
     tok = byte_level_tokenizer()
     for text in TEXTS:
         ids = tok.encode(text)
-        pieces = stream(IncrementalDetokenizer(tok), ids)
+        pieces = stream(IncrementalDetokenizer(tok, use_decode_stream=use_stream), ids)
         assert "".join(pieces) == tok.decode(ids) == text
         assert all("\ufffd" not in p for p in pieces)
     # The unseen text really splits characters across tokens.
     assert any("\ufffd" in tok.decode([t]) for t in tok.encode(TEXTS[3]))
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 399), min_size=1, max_size=40), st.integers(1, 4))
-def test_random_token_streams_concatenate_to_the_full_decode(ids, chunk):
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 399), min_size=1, max_size=40), st.integers(1, 4), st.booleans())
+def test_random_token_streams_concatenate_to_the_full_decode(ids, chunk, use_stream):
     tok = byte_level_tokenizer()
     prompt = tok.encode("Paris is")
-    pieces = stream(IncrementalDetokenizer(tok, prompt_token_ids=prompt), ids, chunk)
+    pieces = stream(IncrementalDetokenizer(tok, prompt_token_ids=prompt, use_decode_stream=use_stream), ids, chunk)
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
 
 
-def test_stop_string_is_excluded_and_ends_the_stream():
+@pytest.mark.parametrize("use_stream", [True, False], ids=["decode_stream", "windowed"])
+def test_stop_string_is_excluded_and_ends_the_stream(use_stream):
     tok = byte_level_tokenizer()
     ids = tok.encode("Paris is the capital of France. Berlin is")
-    detok = IncrementalDetokenizer(tok, stop=["France"])
+    detok = IncrementalDetokenizer(tok, stop=["France"], use_decode_stream=use_stream)
     text = "".join(stream(detok, ids))
     assert text == "Paris is the capital of " and detok.stop_reason == "France"
 
 
-def test_stop_string_included_when_asked():
+@pytest.mark.parametrize("use_stream", [True, False], ids=["decode_stream", "windowed"])
+def test_stop_string_included_when_asked(use_stream):
     tok = byte_level_tokenizer()
     ids = tok.encode("Paris is the capital of France. Berlin is")
-    detok = IncrementalDetokenizer(tok, stop=["capital", "Berlin"], include_stop_str_in_output=True)
+    detok = IncrementalDetokenizer(tok, stop=["capital", "Berlin"], include_stop_str_in_output=True,
+                                   use_decode_stream=use_stream)
     assert "".join(stream(detok, ids)) == "Paris is the capital" and detok.stop_reason == "capital"
 
 
-def test_text_that_might_start_a_stop_string_is_held_back_until_it_cannot():
+@pytest.mark.parametrize("use_stream", [True, False], ids=["decode_stream", "windowed"])
+def test_text_that_might_start_a_stop_string_is_held_back_until_it_cannot(use_stream):
     tok = byte_level_tokenizer()
-    detok = IncrementalDetokenizer(tok, stop=["lazy dog!"])
+    detok = IncrementalDetokenizer(tok, stop=["lazy dog!"], use_decode_stream=use_stream)
     released = ""
     for t in tok.encode("the quick brown fox jumps over the lazy dog."):
         released += detok.add_tokens([t])
@@ -63,14 +69,15 @@ def test_text_that_might_start_a_stop_string_is_held_back_until_it_cannot():
     assert released == "the quick brown fox jumps over the lazy dog." and detok.stop_reason is None
 
 
-def test_stop_string_spanning_tokens_is_found():
+@pytest.mark.parametrize("use_stream", [True, False], ids=["decode_stream", "windowed"])
+def test_stop_string_spanning_tokens_is_found(use_stream):
     tok = byte_level_tokenizer()
     rng = random.Random(0)
     for line in CORPUS[:4]:
         cut = rng.randrange(5, len(line) - 5)
         stop = line[cut:cut + 4]
         first = line.find(stop)
-        detok = IncrementalDetokenizer(tok, stop=[stop])
+        detok = IncrementalDetokenizer(tok, stop=[stop], use_decode_stream=use_stream)
         assert "".join(stream(detok, tok.encode(line))) == line[:first]
 
 
@@ -79,6 +86,24 @@ def test_stop_string_spanning_tokens_is_found():
 def test_fast_decoder_equals_the_tokenizers_decode(ids, skip):
     tok = byte_level_tokenizer()
     assert fast_decoder(tok)(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_stream_that_refuses_a_token_continues_windowed():
+    class Refusing:
+        def step(self, tokenizer, token_id):
+            raise RuntimeError("Invalid prefix encountered")
+
+    tok = byte_level_tokenizer()
+    for text in TEXTS:
+        ids = tok.encode(text)
+        for cut in range(len(ids)):
+            detok = IncrementalDetokenizer(tok, prompt_token_ids=tok.encode("Paris is"))
+            assert detok._stream is not None
+            pieces = [detok.add_tokens([t]) for t in ids[:cut]]
+            detok._stream = Refusing()
+            pieces += [detok.add_tokens([t]) for t in ids[cut:]] + [detok.finish()]
+            assert "".join(pieces) == text and detok._stream is None
+            assert all("\ufffd" not in p for p in pieces)
 
 
 def test_fast_decoder_defers_to_transformers_when_it_cleans_up_spaces():
