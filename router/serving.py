@@ -37,7 +37,6 @@ from router.protocol import (
     ChatLogprobs,
     ChatMessageOut,
     ChatStreamChoice,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -45,7 +44,6 @@ from router.protocol import (
     CompletionStreamChunk,
     DeltaMessage,
     SamplingFields,
-    TopLogprob,
     UsageInfo,
 )
 from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
@@ -280,7 +278,8 @@ class OpenAIServing:
         out = []
         for c in choices:
             prefix = prompt_texts[c.index // request.n] if request.echo else ""
-            logprobs = self._completion_logprobs(c.logprobs, len(prefix)) if request.logprobs is not None else None
+            logprobs = (CompletionLogprobs(**self._completion_logprobs(c.logprobs, len(prefix))[0])
+                        if request.logprobs is not None else None)
             out.append(CompletionChoice(index=c.index, text=prefix + c.detok.output_text, logprobs=logprobs,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=request_id, created=created, model=self.settings.served_model_name, choices=out,
@@ -291,13 +290,17 @@ class OpenAIServing:
                                  opened: RequestStream | None) -> AsyncIterator[str | bytes]:
         model = self.settings.served_model_name
         choices = [job[4] for job in jobs]
+        # Logprobs' text offsets count from the start of the choice's text (the echoed prompt included).
+        text_offsets = dict.fromkeys((c.index for c in choices), len(prompt_text) if request.echo else 0)
         if request.echo:
             for c in choices:
                 yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
                     CompletionChoice(index=c.index, text=prompt_text)]))
         events = self._events(jobs, request) if opened is None else self._single_events(opened, choices[0])
         async for choice, delta, new_lp in events:
-            logprobs = self._completion_logprobs(new_lp, 0) if request.logprobs is not None and new_lp else None
+            logprobs = None
+            if request.logprobs is not None and new_lp:
+                logprobs, text_offsets[choice.index] = self._completion_logprobs(new_lp, text_offsets[choice.index])
             yield completion_token_chunk(request_id, created, model, choice.index, delta, logprobs,
                                          choice.finish_reason, choice.stop_reason)
         if request.stream_options and request.stream_options.include_usage:
@@ -324,7 +327,7 @@ class OpenAIServing:
         await self._generate(jobs, request, None)
         self._raise_engine_error(choices)
         out = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.detok.output_text),
-                          logprobs=self._chat_logprobs(c.logprobs) if request.logprobs else None,
+                          logprobs=ChatLogprobs(**self._chat_logprobs(c.logprobs)) if request.logprobs else None,
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices]
         return ChatCompletionResponse(id=request_id, created=created, model=self.settings.served_model_name,
                                       choices=out, usage=_usage(len(ids), choices))
@@ -416,27 +419,29 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         return self._decode([token_id], False)
 
-    def _chat_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]]) -> ChatLogprobs:
+    def _chat_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]]) -> dict[str, Any]:
+        """The ``ChatLogprobs`` JSON of some tokens, as plain data (streamed chunks encode it directly)."""
         content = []
         for token_id, logprob, top in rows:
             text = self._token_text(token_id)
-            content.append(ChatTokenLogprob(
-                token=text, logprob=logprob, bytes=list(text.encode()),
-                top_logprobs=[TopLogprob(token=(t := self._token_text(tid)), logprob=lp, bytes=list(t.encode()))
-                              for tid, lp in top]))
-        return ChatLogprobs(content=content)
+            content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": [
+                {"token": (t := self._token_text(tid)), "logprob": lp, "bytes": list(t.encode())} for tid, lp in top]})
+        return {"content": content}
 
     def _completion_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]],
-                             offset: int) -> CompletionLogprobs:
-        out = CompletionLogprobs()
+                             offset: int) -> tuple[dict[str, Any], int]:
+        """The ``CompletionLogprobs`` JSON of some tokens whose text starts at ``offset`` in the
+        choice's text, and the offset after them."""
+        text_offset, token_logprobs, tokens, top_logprobs = [], [], [], []
         for token_id, logprob, top in rows:
             text = self._token_text(token_id)
-            out.tokens.append(text)
-            out.token_logprobs.append(logprob)
-            out.text_offset.append(offset)
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            text_offset.append(offset)
             offset += len(text)
-            out.top_logprobs.append({self._token_text(tid): lp for tid, lp in top} if top else None)
-        return out
+            top_logprobs.append({self._token_text(tid): lp for tid, lp in top} if top else None)
+        return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens,
+                "top_logprobs": top_logprobs}, offset
 
 
 class SSEStream:
@@ -495,17 +500,17 @@ _json_encoder = msgspec.json.Encoder()
 
 
 def completion_token_chunk(request_id: str, created: int, model: str, index: int, text: str,
-                           logprobs: CompletionLogprobs | None, finish_reason: str | None,
+                           logprobs: dict[str, Any] | None, finish_reason: str | None,
                            stop_reason: int | str | None) -> bytes:
-    choice = {"index": index, "text": text, "logprobs": None if logprobs is None else logprobs.model_dump(),
+    choice = {"index": index, "text": text, "logprobs": logprobs,
               "finish_reason": finish_reason, "stop_reason": stop_reason}
     return b"data: " + _json_encoder.encode({"id": request_id, "object": "text_completion", "created": created,
                                              "model": model, "choices": [choice], "usage": None}) + b"\n\n"
 
 
 def chat_token_chunk(request_id: str, created: int, model: str, index: int, delta: str,
-                     logprobs: ChatLogprobs | None, finish_reason: str | None) -> bytes:
-    choice = {"index": index, "delta": {"role": None, "content": delta or None},
-              "logprobs": None if logprobs is None else logprobs.model_dump(), "finish_reason": finish_reason}
+                     logprobs: dict[str, Any] | None, finish_reason: str | None) -> bytes:
+    choice = {"index": index, "delta": {"role": None, "content": delta or None}, "logprobs": logprobs,
+              "finish_reason": finish_reason}
     return b"data: " + _json_encoder.encode({"id": request_id, "object": "chat.completion.chunk", "created": created,
                                              "model": model, "choices": [choice], "usage": None}) + b"\n\n"

@@ -107,6 +107,16 @@ def test_logprobs(client):
         assert item.logprob == pytest.approx(max(t.logprob for t in item.top_logprobs), abs=1e-5)
     comp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
     assert len(comp.choices[0].logprobs.tokens) == 3 and len(comp.choices[0].logprobs.top_logprobs[0]) == 2
+    # Streamed, each chunk's text offsets continue where the previous chunk's ended (after the echo).
+    whole = client.completions.create(model="tiny", prompt="Hi", max_tokens=6, temperature=0, logprobs=1, echo=True,
+                                      extra_body={"ignore_eos": True}).choices[0].logprobs
+    offsets, tokens = [], []
+    for chunk in client.completions.create(model="tiny", prompt="Hi", max_tokens=6, temperature=0, logprobs=1,
+                                           echo=True, stream=True, extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            offsets += chunk.choices[0].logprobs.text_offset
+            tokens += chunk.choices[0].logprobs.tokens
+    assert tokens == whole.tokens and offsets == whole.text_offset and offsets[0] == len("Hi")
 
 
 def test_round_robin_sends_traffic_to_both_engines(client, cluster):

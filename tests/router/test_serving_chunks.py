@@ -38,7 +38,8 @@ COMPLETION_LOGPROBS = CompletionLogprobs(text_offset=[0, 3], token_logprobs=[-0.
     ("", None, "length", None),
 ])
 def test_completion_chunk_matches_the_model(text, logprobs, finish, stop):
-    fast = completion_token_chunk("cmpl-1", 1700000000, "tiny", 2, text, logprobs, finish, stop)
+    fast = completion_token_chunk("cmpl-1", 1700000000, "tiny", 2, text, logprobs and logprobs.model_dump(), finish,
+                                  stop)
     model = CompletionStreamChunk(id="cmpl-1", created=1700000000, model="tiny", choices=[CompletionChoice(
         index=2, text=text, logprobs=logprobs, finish_reason=finish, stop_reason=stop)])
     assert _data(fast) == _data(_sse(model))
@@ -52,7 +53,7 @@ CHAT_LOGPROBS = ChatLogprobs(content=[ChatTokenLogprob(token="Pa", logprob=-0.1,
 @pytest.mark.parametrize(("delta", "logprobs", "finish"), [
     ("Hi", None, None), ("", None, "length"), ("ß🚀", CHAT_LOGPROBS, "stop"), ("", CHAT_LOGPROBS, None)])
 def test_chat_chunk_matches_the_model(delta, logprobs, finish):
-    fast = chat_token_chunk("chatcmpl-1", 1700000000, "tiny", 0, delta, logprobs, finish)
+    fast = chat_token_chunk("chatcmpl-1", 1700000000, "tiny", 0, delta, logprobs and logprobs.model_dump(), finish)
     model = ChatCompletionChunk(id="chatcmpl-1", created=1700000000, model="tiny", choices=[ChatStreamChoice(
         index=0, delta=DeltaMessage(content=delta or None) if delta else DeltaMessage(), logprobs=logprobs,
         finish_reason=finish)])
