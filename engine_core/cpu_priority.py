@@ -8,9 +8,11 @@ they leave. Measured on a 2-core machine (benchmarks/bench_router.py): streamed 
 at concurrency 16 fell from ~37 ms to ~24 ms with +4, and throughput rose. GPU engines default to
 no change: there the engine's kernel launches are what must not wait.
 
-On Linux, niceness belongs to a thread and is inherited by the threads it starts: calling this
-first thing in an actor's constructor lowers that thread and everything it starts later (the busy
-loop, torch's thread pool), while Ray's I/O threads, started before, keep their priority.
+On Linux, niceness belongs to a thread and is inherited by the threads it starts. The engine's busy
+loop applies it to itself first thing, so its passes and the OpenMP pool its forwards start run
+lowered, while the actor's event loop (request channel, actor calls) keeps the process's priority.
+(Applied in the actor's constructor instead, it also lowered that event loop: Ray runs an async
+actor's constructor on the thread that then serves its event loop.)
 """
 
 from __future__ import annotations

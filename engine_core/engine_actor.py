@@ -65,9 +65,10 @@ class _ClientBuffer:
 class EngineCoreService:
     """The busy loop and its plumbing, independent of Ray (the actor below is a thin shell)."""
 
-    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory, compute_niceness: int = 0) -> None:
         self.config = config
         self._executor_factory = executor_factory
+        self._compute_niceness = compute_niceness
         self.engine = EngineCore(config, executor_factory(config))
         self.metrics = EngineMetrics(config, self.engine.scheduler_config, self.engine.model_info.served_model_name,
                                      self.engine.num_blocks) if config.log_stats else None
@@ -143,6 +144,12 @@ class EngineCoreService:
     # -- the busy loop (its own thread) -----------------------------------------------------------
 
     def _run_busy_loop(self) -> None:
+        # Niceness is per thread on Linux and inherited by the threads a thread starts: lowered here,
+        # it covers the passes and the OpenMP pool this thread's forwards start (libgomp keeps one pool
+        # per thread that opens parallel regions), while the event loop serving the request channel
+        # and actor calls keeps the process's priority.
+        if self._compute_niceness:
+            lower_cpu_priority(self._compute_niceness)
         engine = self.engine
         while not self._stopped:
             # An idle engine blocks here instead of spinning.
@@ -304,9 +311,9 @@ class EngineCoreActor:
     """Ray actor shell around EngineCoreService (create with ``ray.remote(EngineCoreActor)``)."""
 
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
-        # Before the busy loop and torch's threads start, so they inherit it (Ray's I/O threads do not).
-        lower_cpu_priority(engine_niceness(config.engine_niceness, _engine_uses_gpu(config)))
-        self.service = EngineCoreService(config, executor_factory)
+        self.service = EngineCoreService(config, executor_factory,
+                                         compute_niceness=engine_niceness(config.engine_niceness,
+                                                                          _engine_uses_gpu(config)))
         self._channel: ChannelServer | None = None
 
     def _bind(self) -> None:
@@ -359,6 +366,11 @@ class EngineCoreActor:
 
     async def get_metrics_text(self) -> bytes:
         return self.service.metrics.render() if self.service.metrics is not None else b""
+
+    async def thread_niceness(self) -> dict[str, int]:
+        """The niceness of the busy loop (compute) and of the event loop serving the request channel."""
+        return {"busy_loop": os.getpriority(os.PRIO_PROCESS, self.service._thread.native_id),
+                "event_loop": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}
 
     async def check_health(self) -> bool:
         self.service.check_health()

@@ -117,15 +117,11 @@ def test_engine_compute_threads_run_at_lower_priority_than_its_io(ray_cluster, t
     config = ClusterConfig(model=str(tiny_model_dir), defaults=EngineSpec(num_gpu_blocks=16, engine_niceness=3))
     [engine] = start_engines(config.engine_configs(), config.namespace)
     try:
-        def priorities(self):
-            import os
-            import threading
-
-            busy = os.getpriority(os.PRIO_PROCESS, self.service._thread.native_id)
-            return busy, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-        busy, io = ray.get(engine.actor.__ray_call__.remote(priorities))
-        # The busy loop steps the model; the thread serving actor calls (and the request channel) keeps its priority.
-        assert busy == io + 3
+        address = ray.get(engine.actor.channel_address.remote())  # the channel runs on the actor's event loop
+        assert address.port > 0
+        niceness = ray.get(engine.actor.thread_niceness.remote())
+        # The busy loop steps the model; the event loop serving the request channel and actor calls
+        # keeps the process's priority (it once inherited the busy loop's, through the constructor).
+        assert niceness["busy_loop"] == niceness["event_loop"] + 3
     finally:
         stop_engines([engine])
