@@ -9,6 +9,11 @@ channels to both engines, no HTTP). "http" is a keep-alive HTTP/1.1 client readi
 through the ingress (HAProxy by default) and the router replica. The HTTP client is deliberately
 lean (a few lines over asyncio streams, not httpx), because on a small machine the load generator
 shares the cores with the server and its own parsing would otherwise be counted as added latency.
+
+It also prints the CPU time per request of each role (load generator, engines, router replica,
+HAProxy) on each path. When the closed loop saturates the cores, latency follows CPU: with
+``concurrency`` requests always in flight, each CPU-millisecond per request that the HTTP path adds
+delays every request in flight, so those figures say what the latency gap is made of.
 Usage: python benchmarks/bench_router.py [--requests 200] [--concurrency 16] [--ingress haproxy|proxy]
 """
 
@@ -35,6 +40,32 @@ def configure_ingress(kind: str) -> None:
         from cluster.cli import SERVE_ENV
 
         os.environ.update(SERVE_ENV)
+
+
+# Where the CPU goes, per path: processes on this node by role (Linux /proc; the cluster is local).
+ROLES = {"load generator": None, "engines": "ray::EngineCoreActor", "router replica": "ray::ServeReplica:llm-cluster",
+         "HAProxy": "haproxy -db"}
+
+
+def role_cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by each role's processes (user + system)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals = dict.fromkeys(ROLES, 0.0)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        role = "load generator" if int(pid) == os.getpid() else next(
+            (name for name, pattern in ROLES.items() if pattern and pattern in cmdline), None)
+        if role is not None:
+            totals[role] += (int(fields[11]) + int(fields[12])) / tick
+    return totals
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -176,20 +207,27 @@ def main() -> None:
             await client.wait_connected()
             ids = itertools.count()
             results = {"direct": ([], []), "http": ([], [])}
+            cpu = {name: dict.fromkeys(ROLES, 0.0) for name in results}
+            wall = dict.fromkeys(results, 0.0)
             await http_round(served.base, 8, 4, args.max_tokens)  # warm-up
             await direct_round(client, 8, 4, args.max_tokens, ids, tokens)
             for _ in range(args.rounds):
                 for name in ("direct", "http"):
+                    before, t0 = role_cpu_seconds(), time.perf_counter()
                     if name == "http":
                         t, e = await http_round(served.base, per_round, args.concurrency, args.max_tokens)
                     else:
                         t, e = await direct_round(client, per_round, args.concurrency, args.max_tokens, ids, tokens)
+                    wall[name] += time.perf_counter() - t0
+                    after = role_cpu_seconds()
+                    for role in ROLES:
+                        cpu[name][role] += after[role] - before[role]
                     results[name][0].extend(t)
                     results[name][1].extend(e)
             await client.close()
-            return results
+            return results, cpu, wall
 
-        results = asyncio.run(run())
+        results, cpu, wall = asyncio.run(run())
     serve.shutdown()
     ray.shutdown()
     print(f"\n{args.requests} streamed requests x {args.max_tokens} tokens, concurrency {args.concurrency}, "
@@ -205,6 +243,18 @@ def main() -> None:
     mean_http = statistics.fmean(results["http"][1]) * 1000
     print(f"\nadded TTFT at p50: {added[0] * 1000:.2f} ms (target < 3 ms); "
           f"mean e2e direct {mean_direct:.1f} ms, http {mean_http:.1f} ms")
+    # The closed loop keeps `concurrency` requests in flight, so when the cores are saturated every
+    # CPU-millisecond per request the HTTP path adds shows up as latency for all requests in flight.
+    cores = os.cpu_count() or 1
+    print(f"\nCPU per request (ms) by role, and the roles' share of the {cores} cores:")
+    print(f"{'path':<10}" + "".join(f"{role:>16}" for role in ROLES)
+          + f"{'all roles':>12}{'cores used':>12}{'req/s':>8}")
+    for name in results:
+        n = len(results[name][0])
+        per_request = [cpu[name][role] / n * 1000 for role in ROLES]
+        busy = sum(cpu[name].values()) / (wall[name] * cores) * 100
+        print(f"{name:<10}" + "".join(f"{v:>16.2f}" for v in per_request) + f"{sum(per_request):>12.2f}"
+              f"{busy:>11.0f}%{n / wall[name]:>8.0f}")
 
 
 if __name__ == "__main__":
