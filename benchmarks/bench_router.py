@@ -14,7 +14,10 @@ It also prints the CPU time per request of each role (load generator, engines, r
 HAProxy) on each path. When the closed loop saturates the cores, latency follows CPU: with
 ``concurrency`` requests always in flight, each CPU-millisecond per request that the HTTP path adds
 delays every request in flight, so those figures say what the latency gap is made of.
-Usage: python benchmarks/bench_router.py [--requests 200] [--concurrency 16] [--ingress haproxy|proxy]
+``--request-rate R`` replaces the closed loop by Poisson arrivals at R requests/s (the same arrival
+times on both paths), to see what the router adds below saturation.
+Usage: python benchmarks/bench_router.py [--requests 200] [--concurrency 16 | --request-rate R]
+       [--ingress haproxy|proxy] [--router-replicas N]
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import asyncio
 import itertools
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,52 +128,77 @@ class SSEConnection:
         self.reader = self.writer = None
 
 
-async def http_round(base: str, n: int, concurrency: int, max_tokens: int) -> tuple[list[float], list[float]]:
+async def drive(one: Callable[[], Awaitable[None]], n: int, concurrency: int, rate: float | None,
+                rng: random.Random) -> None:
+    """Closed loop: ``concurrency`` requests always in flight (a new one as each ends). Open loop:
+    requests arrive at ``rate`` per second (Poisson), however many are in flight."""
+    if rate:
+        tasks = []
+        for _ in range(n):
+            tasks.append(asyncio.create_task(one()))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+        return
+    remaining = iter(range(n))
+
+    async def worker() -> None:
+        for _ in remaining:
+            await one()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+async def http_round(base: str, n: int, concurrency: int, max_tokens: int, rate: float | None = None,
+                     rng: random.Random | None = None) -> tuple[list[float], list[float]]:
     host, port = base.removeprefix("http://").split(":")
     ttft, e2e = [], []
     # logprobs=0 makes every token produce a chunk, so the first chunk is the first token even when
     # the random model's first bytes are not yet valid UTF-8 text (the direct path asks for it too).
     body = json.dumps({"model": "tiny", "prompt": "Hello world", "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True, "logprobs": 0}).encode()
-    remaining = iter(range(n))
+    idle: list[SSEConnection] = []  # kept-alive connections, reused by the next request
 
-    async def worker() -> None:
-        conn = SSEConnection(host, int(port))
+    async def one() -> None:
+        conn = idle.pop() if idle else SSEConnection(host, int(port))
         try:
-            for _ in remaining:
-                first, total = await conn.post_stream("/v1/completions", body)
-                ttft.append(first if first is not None else total)
-                e2e.append(total)
-        finally:
+            first, total = await conn.post_stream("/v1/completions", body)
+        except BaseException:
             conn.close()
+            raise
+        idle.append(conn)
+        ttft.append(first if first is not None else total)
+        e2e.append(total)
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    try:
+        await drive(one, n, concurrency, rate, rng or random.Random(0))
+    finally:
+        for conn in idle:
+            conn.close()
     return ttft, e2e
 
 
-async def direct_round(client, n: int, concurrency: int, max_tokens: int, ids, tokens: list[int]):
+async def direct_round(client, n: int, concurrency: int, max_tokens: int, ids, tokens: list[int],
+                       rate: float | None = None, rng: random.Random | None = None):
     from engine_core.outputs import EngineCoreRequest
     from engine_core.sampling_params import SamplingParams
 
     ttft, e2e = [], []
-    sem = asyncio.Semaphore(concurrency)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
 
     async def one() -> None:
-        async with sem:
-            rid = f"direct-{next(ids)}"
-            engine = int(rid.rsplit("-", 1)[1]) % client.num_engines
-            t0 = time.perf_counter()
-            first = None
-            request = EngineCoreRequest(request_id=rid, prompt_token_ids=tokens, sampling_params=params,
-                                        client_index=client.client_index, arrival_time=time.time())
-            async for out in client.stream(engine, request):
-                if first is None and out.new_token_ids:
-                    first = time.perf_counter() - t0
-            ttft.append(first if first is not None else time.perf_counter() - t0)
-            e2e.append(time.perf_counter() - t0)
+        rid = f"direct-{next(ids)}"
+        engine = int(rid.rsplit("-", 1)[1]) % client.num_engines
+        t0 = time.perf_counter()
+        first = None
+        request = EngineCoreRequest(request_id=rid, prompt_token_ids=tokens, sampling_params=params,
+                                    client_index=client.client_index, arrival_time=time.time())
+        async for out in client.stream(engine, request):
+            if first is None and out.new_token_ids:
+                first = time.perf_counter() - t0
+        ttft.append(first if first is not None else time.perf_counter() - t0)
+        e2e.append(time.perf_counter() - t0)
 
-    await asyncio.gather(*(one() for _ in range(n)))
+    await drive(one, n, concurrency, rate, rng or random.Random(0))
     return ttft, e2e
 
 
@@ -180,6 +210,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy")
     parser.add_argument("--router-replicas", type=int, default=1)
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="Open loop: Poisson arrivals at this many requests/s instead of a fixed concurrency.")
     args = parser.parse_args()
     configure_ingress(args.ingress)
 
@@ -214,10 +246,13 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name in ("direct", "http"):
                     before, t0 = role_cpu_seconds(), time.perf_counter()
+                    rng = random.Random(len(results[name][0]))  # both paths see the same arrival times
                     if name == "http":
-                        t, e = await http_round(served.base, per_round, args.concurrency, args.max_tokens)
+                        t, e = await http_round(served.base, per_round, args.concurrency, args.max_tokens,
+                                                args.request_rate, rng)
                     else:
-                        t, e = await direct_round(client, per_round, args.concurrency, args.max_tokens, ids, tokens)
+                        t, e = await direct_round(client, per_round, args.concurrency, args.max_tokens, ids, tokens,
+                                                  args.request_rate, rng)
                     wall[name] += time.perf_counter() - t0
                     after = role_cpu_seconds()
                     for role in ROLES:
@@ -230,7 +265,9 @@ def main() -> None:
         results, cpu, wall = asyncio.run(run())
     serve.shutdown()
     ray.shutdown()
-    print(f"\n{args.requests} streamed requests x {args.max_tokens} tokens, concurrency {args.concurrency}, "
+    load = f"Poisson arrivals at {args.request_rate:g} req/s" if args.request_rate else \
+        f"concurrency {args.concurrency}"
+    print(f"\n{args.requests} streamed requests x {args.max_tokens} tokens, {load}, "
           f"2 engines (tiny model), ingress={args.ingress}, router replicas={args.router_replicas}\n")
     print(f"{'path':<10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'E2E p50 ms':>12}{'E2E p99 ms':>12}")
     rows = {}
