@@ -1,7 +1,9 @@
 """Small C kernels for the CPU path, compiled on first use with the machine's C compiler.
 
 Only what torch cannot do well on the CPU lives here: decode attention that reads the paged KV
-cache in place (torch needs a gather that copies every request's blocks per layer per step).
+cache in place (torch needs a gather that copies every request's blocks per layer per step), and
+RMSNorm with the residual add fused in (torch's dispatch costs more than the arithmetic on the few
+rows of a decode step).
 
 The shared library is built with ``-march=native``, so it is cached per CPU: the cache key covers
 the source, the flags, the compiler and the CPU's feature flags. Building takes well under a
@@ -30,7 +32,7 @@ from gpu_worker.gguf_loader import default_cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode_attention.c")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention.c", "rms_norm.c"))
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
 ENV_SWITCH = "LLM_CLUSTER_CPU_KERNELS"
 
@@ -50,11 +52,11 @@ def _cpu_flags() -> str:
 
 def _library_name(compiler: str) -> str:
     key = hashlib.blake2b(digest_size=12)
-    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), compiler.encode(),
+    for part in (*(source.read_bytes() for source in _SOURCES), " ".join(_CFLAGS).encode(), compiler.encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
-    return f"paged_decode_attention-{key.hexdigest()}.so"
+    return f"llmc-kernels-{key.hexdigest()}.so"
 
 
 def _writable_dirs() -> list[Path]:
@@ -67,7 +69,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *_CFLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+        result = subprocess.run([compiler, *_CFLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
@@ -108,6 +110,9 @@ def _load_library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    norm = lib.llmc_add_rms_norm_f32
+    norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    norm.restype = None
     return lib
 
 
@@ -155,3 +160,44 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if status != 0:
         raise RuntimeError(f"paged decode attention kernel failed with status {status}")
     return out
+
+
+def fused_rms_norm_available() -> bool:
+    return _load_library() is not None
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of ``x`` (+ ``residual`` when given) over the last dim, times ``weight``, in one pass.
+
+    Returns (normed, x + residual) — the second is None without a residual. fp32 CPU tensors; x and
+    residual [..., hidden] contiguous, weight [hidden].
+    """
+    if _load_library() is None:
+        raise RuntimeError("the CPU kernels are not available")
+    cols = weight.shape[0]
+    for name, t in (("x", x), ("weight", weight), ("residual", residual)):
+        if t is None:
+            continue
+        if t.dtype != torch.float32 or not t.is_cpu:
+            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+        if not t.is_contiguous() or t.shape[-1] != cols:
+            raise ValueError(f"{name} must be contiguous with last dim {cols}, got {tuple(t.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    return add_rms_norm_unchecked(x, weight, eps, residual)
+
+
+def add_rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``add_rms_norm`` for callers that guarantee its argument rules (the per-layer hot path)."""
+    fn = _load_library().llmc_add_rms_norm_f32  # type: ignore[union-attr]
+    out = torch.empty_like(x)
+    if residual is None:
+        fn(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), x.numel() // weight.shape[0],
+           weight.shape[0], eps, torch.get_num_threads())
+        return out, None
+    summed = torch.empty_like(x)
+    fn(x.data_ptr(), residual.data_ptr(), summed.data_ptr(), weight.data_ptr(), out.data_ptr(),
+       x.numel() // weight.shape[0], weight.shape[0], eps, torch.get_num_threads())
+    return out, summed

@@ -1,4 +1,5 @@
-"""RMSNorm with the residual add fused in (the decoder's add + norm pattern)."""
+"""RMSNorm with the residual add fused in (the decoder's add + norm pattern): one C pass on the
+CPU in fp32 (gpu_worker.cpu_kernels), torch otherwise."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.cpu_kernels import add_rms_norm_unchecked, fused_rms_norm_available
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
 
 
@@ -32,6 +34,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and fused_rms_norm_available()
+                and (residual is None or residual.is_contiguous())):
+            # CPU fp32: the add and the norm in one C pass (torch's dispatch dominates at decode sizes).
+            out, summed = add_rms_norm_unchecked(x, self.weight, self.eps, residual)
+            return out if summed is None else (out, summed)
         if residual is None:
             return self._norm(x)
         x = x + residual

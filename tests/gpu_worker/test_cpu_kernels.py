@@ -1,4 +1,5 @@
-"""The CPU decode-attention kernel against plain softmax attention over gathered keys/values."""
+"""The CPU kernels against float64 references: decode attention over gathered keys/values, and the
+fused residual add + RMSNorm."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from gpu_worker import cpu_kernels
-from gpu_worker.cpu_kernels import paged_decode_attention, paged_decode_attention_available
+from gpu_worker.cpu_kernels import add_rms_norm, paged_decode_attention, paged_decode_attention_available
+from gpu_worker.layers.layernorm import RMSNorm
 
 
 def reference(q, k_cache, v_cache, block_table, seq_lens, scale):
@@ -119,6 +121,54 @@ def test_an_unusable_cache_dir_falls_back_to_the_temp_dir(monkeypatch, tmp_path)
     cpu_kernels._load_library.cache_clear()
     try:
         assert paged_decode_attention_available()
-        assert list((scratch / "llm-cluster-kernels").glob("paged_decode_attention-*.so"))
+        assert list((scratch / "llm-cluster-kernels").glob("llmc-kernels-*.so"))
     finally:
         cpu_kernels._load_library.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 700])  # 700 x 576 rows go through the OpenMP split
+@pytest.mark.parametrize("cols", [64, 100, 576])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_rms_norm_matches_the_definition(rows, cols, threads):
+    g = torch.Generator().manual_seed(rows * cols)
+    x, residual = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g) * 3
+    weight = torch.randn(cols, generator=g)
+
+    def definition(v):
+        v = v.double()
+        return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()).float()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        normed, summed = add_rms_norm(x, weight, 1e-5, residual)
+        alone, none = add_rms_norm(x, weight, 1e-5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(summed, x + residual) and none is None
+    torch.testing.assert_close(normed, definition(x + residual), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(alone, definition(x), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_module_takes_the_kernel_only_where_it_applies():
+    norm = RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 32))
+    x, residual = torch.randn(4, 32), torch.randn(4, 32)
+    fused, summed = norm(x, residual)  # CPU fp32: the kernel
+    torch.testing.assert_close(fused, torch.nn.functional.rms_norm(x + residual, (32,), norm.weight, 1e-6))
+    assert torch.equal(summed, x + residual)
+    strided = torch.randn(32, 4).t()  # not contiguous: the torch path, same result
+    torch.testing.assert_close(norm(strided), torch.nn.functional.rms_norm(strided, (32,), norm.weight, 1e-6))
+    bf16 = norm.to(torch.bfloat16)(x.bfloat16())
+    assert bf16.dtype == torch.bfloat16
+
+
+def test_add_rms_norm_rejects_what_it_cannot_handle():
+    x, weight = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(TypeError, match="float32"):
+        add_rms_norm(x.double(), weight, 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        add_rms_norm(torch.randn(8, 2).t(), weight, 1e-6)
+    with pytest.raises(ValueError, match="does not match"):
+        add_rms_norm(x, weight, 1e-6, torch.randn(1, 8))
