@@ -177,30 +177,36 @@ class OpenAIServing:
                                  eos_token_id=eos, arrival_time=time.time(), priority=fields.priority,
                                  client_index=self.client.client_index)
 
-    async def _open(self, job: tuple[int, str, list[int], SamplingParams, _Choice],
-                    fields: SamplingFields) -> RequestStream:
-        """Send one choice's request to its engine now, so refusals become HTTP statuses."""
-        engine, request_id, prompt_ids, params, _ = job
+    async def _open_all(self, jobs: list[tuple[int, str, list[int], SamplingParams, _Choice]],
+                        fields: SamplingFields) -> list[RequestStream]:
+        """Send every choice's request to its engine now, before any response starts, so a refusal
+        is an HTTP status (429 or 503) for streams too; what was opened is released on failure."""
+        streams: list[RequestStream] = []
         try:
-            return await self.client.open(engine, self._engine_request(request_id, prompt_ids, params, fields),
-                                          self.settings.request_timeout_s)
-        except (EngineOverloadedError, EngineUnavailableError) as e:
-            raise _engine_refusal(e) from e
+            for engine, request_id, prompt_ids, params, _ in jobs:
+                request = self._engine_request(request_id, prompt_ids, params, fields)
+                streams.append(await self.client.open(engine, request, self.settings.request_timeout_s))
+        except BaseException as e:
+            for stream in streams:
+                await stream.close()
+            if isinstance(e, EngineOverloadedError | EngineUnavailableError):
+                raise _engine_refusal(e) from e
+            raise
+        return streams
 
-    async def _run_choice(self, engine: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                          fields: SamplingFields, choice: _Choice, sink: asyncio.Queue | None) -> None:
+    async def _run_choice(self, stream: RequestStream, choice: _Choice, sink: asyncio.Queue | None) -> None:
         """Drive one choice to its end; with a sink, push (choice, text delta, new logprobs) as they come."""
-        stream = self.client.stream(engine, self._engine_request(request_id, prompt_ids, params, fields))
         try:
-            async for output in stream:
-                delta, new_lp = self._apply_output(choice, output)
-                if sink is not None and (delta or new_lp or choice.finish_reason):
-                    sink.put_nowait((choice, delta, new_lp))
-                if choice.finish_reason is not None:
-                    break
+            while not stream.finished:
+                for output in await stream.next_batch():
+                    delta, new_lp = self._apply_output(choice, output)
+                    if sink is not None and (delta or new_lp or choice.finish_reason):
+                        sink.put_nowait((choice, delta, new_lp))
+                    if choice.finish_reason is not None:
+                        return
         finally:
-            # Leaving the loop early (stop string, disconnect, timeout) aborts the engine request.
-            await stream.aclose()
+            # Leaving early (stop string, disconnect, timeout) aborts the engine request.
+            await stream.close()
 
     def _apply_output(self, choice: _Choice, output: EngineCoreOutput) -> tuple[str, list]:
         new_lp = []
@@ -225,24 +231,19 @@ class OpenAIServing:
                                                   include_stop_str_in_output=fields.include_stop_str_in_output),
                         [], []) for i in range(n)]
 
-    async def _generate(self, jobs: list[tuple[int, str, list[int], SamplingParams, _Choice]],
-                        fields: SamplingFields, sink: asyncio.Queue | None) -> None:
-        tasks = [asyncio.create_task(self._run_choice(engine, rid, ids, params, fields, choice, sink))
-                 for engine, rid, ids, params, choice in jobs]
+    async def _generate(self, streams: list[RequestStream], choices: list[_Choice], sink: asyncio.Queue | None) -> None:
+        tasks = [asyncio.create_task(self._run_choice(stream, choice, sink))
+                 for stream, choice in zip(streams, choices, strict=True)]
         try:
-            if self.settings.request_timeout_s:
-                async with asyncio.timeout(self.settings.request_timeout_s):
-                    await asyncio.gather(*tasks)
-            else:
-                await asyncio.gather(*tasks)
-        except TimeoutError as e:
+            await asyncio.gather(*tasks)
+        except RequestTimeoutError as e:
             raise self._timed_out() from e
-        except (EngineOverloadedError, EngineUnavailableError) as e:
-            raise _engine_refusal(e) from e
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:  # a task cancelled before it ran never closed its stream
+                await stream.close()
 
     # -- /v1/completions ----------------------------------------------------------------------------
 
@@ -269,11 +270,11 @@ class OpenAIServing:
                 c.index = p_index * request.n + c.index
                 choices.append(c)
                 jobs.append((engine, f"{request_id}-{c.index}", ids, params, c))
+        streams = await self._open_all(jobs, request)
         if request.stream:
-            opened = await self._open(jobs[0], request) if len(jobs) == 1 else None
-            return SSEStream(self._stream_completion(request, request_id, created, jobs, prompt_texts[0],
-                                                     num_prompt_tokens, opened), opened)
-        await self._generate(jobs, request, None)
+            return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts[0],
+                                                     num_prompt_tokens, streams), streams)
+        await self._generate(streams, choices, None)
         self._raise_engine_error(choices)
         out = []
         for c in choices:
@@ -285,19 +286,17 @@ class OpenAIServing:
         return CompletionResponse(id=request_id, created=created, model=self.settings.served_model_name, choices=out,
                                   usage=_usage(num_prompt_tokens, choices))
 
-    async def _stream_completion(self, request: CompletionRequest, request_id: str, created: int, jobs: list,
-                                 prompt_text: str, num_prompt_tokens: int,
-                                 opened: RequestStream | None) -> AsyncIterator[str | bytes]:
+    async def _stream_completion(self, request: CompletionRequest, request_id: str, created: int,
+                                 choices: list[_Choice], prompt_text: str, num_prompt_tokens: int,
+                                 streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
         model = self.settings.served_model_name
-        choices = [job[4] for job in jobs]
         # Logprobs' text offsets count from the start of the choice's text (the echoed prompt included).
         text_offsets = dict.fromkeys((c.index for c in choices), len(prompt_text) if request.echo else 0)
         if request.echo:
             for c in choices:
                 yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
                     CompletionChoice(index=c.index, text=prompt_text)]))
-        events = self._events(jobs, request) if opened is None else self._single_events(opened, choices[0])
-        async for choice, delta, new_lp in events:
+        async for choice, delta, new_lp in self._choice_events(streams, choices):
             logprobs = None
             if request.logprobs is not None and new_lp:
                 logprobs, text_offsets[choice.index] = self._completion_logprobs(new_lp, text_offsets[choice.index])
@@ -321,10 +320,10 @@ class OpenAIServing:
         jobs = [(engine, f"{request_id}-{c.index}", ids,
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index), c)
                 for c in choices]
+        streams = await self._open_all(jobs, request)
         if request.stream:
-            opened = await self._open(jobs[0], request) if len(jobs) == 1 else None
-            return SSEStream(self._stream_chat(request, request_id, created, jobs, len(ids), opened), opened)
-        await self._generate(jobs, request, None)
+            return SSEStream(self._stream_chat(request, request_id, created, choices, len(ids), streams), streams)
+        await self._generate(streams, choices, None)
         self._raise_engine_error(choices)
         out = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.detok.output_text),
                           logprobs=ChatLogprobs(**self._chat_logprobs(c.logprobs)) if request.logprobs else None,
@@ -332,15 +331,14 @@ class OpenAIServing:
         return ChatCompletionResponse(id=request_id, created=created, model=self.settings.served_model_name,
                                       choices=out, usage=_usage(len(ids), choices))
 
-    async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, created: int, jobs: list,
-                           num_prompt_tokens: int, opened: RequestStream | None) -> AsyncIterator[str | bytes]:
+    async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, created: int,
+                           choices: list[_Choice], num_prompt_tokens: int,
+                           streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
         model = self.settings.served_model_name
-        choices = [job[4] for job in jobs]
         for c in choices:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
-        events = self._events(jobs, request) if opened is None else self._single_events(opened, choices[0])
-        async for choice, delta, new_lp in events:
+        async for choice, delta, new_lp in self._choice_events(streams, choices):
             logprobs = self._chat_logprobs(new_lp) if request.logprobs and new_lp else None
             yield chat_token_chunk(request_id, created, model, choice.index, delta, logprobs, choice.finish_reason)
         if request.stream_options and request.stream_options.include_usage:
@@ -375,14 +373,21 @@ class OpenAIServing:
             # Finished, a stop string, or the client went away: close() aborts what did not finish.
             await stream.close()
 
-    async def _events(self, jobs: list, fields: SamplingFields) -> AsyncIterator[tuple[_Choice, str, list]]:
-        """Merge the choices' events in arrival order; errors become one SSE error event."""
+    def _choice_events(self, streams: list[RequestStream], choices: list[_Choice]
+                       ) -> AsyncIterator[tuple[_Choice, str, list]]:
+        if len(streams) == 1:
+            return self._single_events(streams[0], choices[0])
+        return self._merged_events(streams, choices)
+
+    async def _merged_events(self, streams: list[RequestStream], choices: list[_Choice]
+                             ) -> AsyncIterator[tuple[_Choice, str, list]]:
+        """Several choices' events in arrival order (one task per choice); errors become one SSE error event."""
         sink: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def run() -> None:
             try:
-                await self._generate(jobs, fields, sink)
+                await self._generate(streams, choices, sink)
             except APIError as e:
                 sink.put_nowait(e)
             finally:
@@ -445,20 +450,20 @@ class OpenAIServing:
 
 
 class SSEStream:
-    """A streamed response body plus the engine request opened for it. ``aclose()`` releases both,
-    also when the body was never started (the client left before the response began)."""
+    """A streamed response body plus the engine requests opened for it. ``aclose()`` releases them
+    all, also when the body was never started (the client left before the response began)."""
 
-    def __init__(self, chunks: AsyncIterator[str | bytes], opened: RequestStream | None) -> None:
+    def __init__(self, chunks: AsyncIterator[str | bytes], streams: list[RequestStream]) -> None:
         self._chunks = chunks
-        self._opened = opened
+        self._streams = streams
 
     def __aiter__(self) -> AsyncIterator[str | bytes]:
         return self._chunks
 
     async def aclose(self) -> None:
         await self._chunks.aclose()  # type: ignore[attr-defined]
-        if self._opened is not None:
-            await self._opened.close()
+        for stream in self._streams:
+            await stream.close()
 
 
 def _engine_refusal(error: EngineOverloadedError | EngineUnavailableError) -> APIError:

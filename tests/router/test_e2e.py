@@ -165,13 +165,15 @@ def test_queue_limit_gives_429_and_leaks_nothing(cluster):
     _wait_idle(cluster)
 
 
-def test_streamed_requests_are_refused_with_a_status_not_an_event(cluster):
-    # A streamed request is sent to its engine before the response starts, so a full queue is a 429
-    # the client sees as such (openai raises RateLimitError), not a 200 carrying an error event.
+@pytest.mark.parametrize("n", [1, 2])
+def test_streamed_requests_are_refused_with_a_status_not_an_event(cluster, n):
+    # Every choice of a streamed request is sent to its engine before the response starts, so a full
+    # queue is a 429 the client sees as such (openai raises RateLimitError), not a 200 carrying an
+    # error event; choices already admitted for a refused request are aborted.
     base = cluster["base"]
 
     async def one(c):
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True, "n": n}
         async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
             text = (await r.aread()).decode()
             return r.status_code, text
@@ -188,7 +190,9 @@ def test_streamed_requests_are_refused_with_a_status_not_an_event(cluster):
             assert json.loads(text)["error"]["type"] == "RateLimitError"
         else:
             assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
-    _wait_idle(cluster)
+            assert text.count('"finish_reason":"length"') == n
+    stats = _wait_idle(cluster)
+    assert all(s.num_free_blocks == s.num_blocks for s in stats)
 
 
 def test_client_disconnect_aborts_the_request_and_frees_blocks(cluster):
