@@ -195,12 +195,18 @@ class EngineClient:
         slot.requests.add(rid)
         answer: asyncio.Future[Accepted] = asyncio.get_running_loop().create_future()
         slot.pending[rid] = answer
+        sent = False
         try:
             slot.channel.send(AddRequest(request))
+            sent = True
             accepted = await answer
         except BaseException as e:
             slot.pending.pop(rid, None)
             self._forget(slot, rid)
+            if sent and isinstance(e, asyncio.CancelledError) and slot.channel is not None:
+                # The caller left while the engine was admitting it: nobody will read or abort it later.
+                with contextlib.suppress(Exception):
+                    slot.channel.send(AbortRequests([rid]))
             if isinstance(e, EngineUnavailableError | asyncio.CancelledError):
                 raise
             raise EngineUnavailableError(f"engine {engine} is unavailable: {e}") from e

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from engine_core.outputs import EngineCoreOutput
+from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
+from engine_core.sampling_params import SamplingParams
 from router.engine_client import EngineClient, OutputQueue, RequestStream, RequestTimeoutError
 
 
@@ -64,5 +65,30 @@ def test_the_timer_is_cancelled_when_the_request_finishes_first():
         await stream.close()
         await asyncio.sleep(0.1)
         assert queue.empty()  # no late timeout marker
+
+    asyncio.run(run())
+
+
+def test_a_caller_that_leaves_while_the_engine_admits_aborts_the_request():
+    class RecordingChannel:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    async def run():
+        client = EngineClient([object()], client_index=1)
+        channel = client._slots[0].channel = RecordingChannel()
+        request = EngineCoreRequest(request_id="left", prompt_token_ids=[1, 2], sampling_params=SamplingParams(),
+                                    client_index=1)
+        task = asyncio.create_task(client.add_request(0, request))
+        await asyncio.sleep(0.05)  # sent; the engine's Accepted has not come back
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [type(m).__name__ for m in channel.sent] == ["AddRequest", "AbortRequests"]
+        assert channel.sent[1].request_ids == ["left"]
+        assert client.loads() == [0] and not client._slots[0].pending
 
     asyncio.run(run())
