@@ -40,7 +40,8 @@ def router_deployment(config: ClusterConfig):
         OpenAIRouter, name="OpenAIRouter", num_replicas=config.num_router_replicas,
         ray_actor_options={"num_cpus": 0},
         # Streaming requests stay open for a long time: let each replica hold many.
-        max_ongoing_requests=1024)
+        max_ongoing_requests=1024,
+        logging_config={"enable_access_log": config.enable_access_log})
     return deployment.bind(router_config)
 
 

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefix-load-margin", type=int, default=8)
     serve.add_argument("--num-router-replicas", type=int, default=1)
     serve.add_argument("--request-timeout", type=float, default=None, help="Seconds before a request is aborted.")
+    serve.add_argument("--disable-access-log", action="store_true",
+                       help="No per-request access log lines from the router replicas.")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--address", default=None, help="Existing Ray cluster (ray://... or host:port).")
@@ -82,8 +84,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         model=args.model, served_model_name=args.served_model_name, num_engines=args.num_engines,
         defaults=EngineSpec(**{k: v for k, v in defaults.items() if v is not None}), engines=overrides,
         routing_policy=args.routing_policy, prefix_load_margin=args.prefix_load_margin,
-        num_router_replicas=args.num_router_replicas, request_timeout_s=args.request_timeout, host=args.host,
-        port=args.port, address=args.address)
+        num_router_replicas=args.num_router_replicas, request_timeout_s=args.request_timeout,
+        enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address)
 
 
 def serve_command(args: argparse.Namespace) -> int:
