@@ -7,8 +7,9 @@ p50/p99 per path and the difference.
 "direct" is what a router replica does internally: an EngineClient in this process (request
 channels to both engines, no HTTP). "http" is a keep-alive HTTP/1.1 client reading the SSE stream
 through the ingress (HAProxy by default) and the router replica. The HTTP client is deliberately
-lean (a few lines over asyncio streams, not httpx), because on a small machine the load generator
-shares the cores with the server and its own parsing would otherwise be counted as added latency.
+lean (a chunked-response parser inside an asyncio Protocol, not httpx), because on a small machine
+the load generator shares the cores with the server and its own parsing would otherwise be counted
+as added latency.
 
 It also prints the CPU time per request of each role (load generator, engines, router replica,
 HAProxy) on each path. When the closed loop saturates the cores, latency follows CPU: with
@@ -78,22 +79,84 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+class _SSEResponseParser(asyncio.Protocol):
+    """Parses one chunked SSE response at a time inside ``data_received`` (no coroutine wake-up per
+    chunk): notes when the first ``data: {`` chunk is complete and resolves ``done`` at the end."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._done: asyncio.Future[tuple[float | None, float]] | None = None
+        self._t0 = 0.0
+        self._first: float | None = None
+        self._in_body = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def start(self, request: bytes) -> asyncio.Future[tuple[float | None, float]]:
+        assert self.transport is not None and self._done is None
+        self._done = asyncio.get_running_loop().create_future()
+        self._first, self._in_body = None, False
+        self._t0 = time.perf_counter()
+        self.transport.write(request)
+        return self._done
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        while self._done is not None:
+            if not self._in_body:
+                end = buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head = bytes(buffer[:end])
+                del buffer[:end + 4]
+                if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
+                    self._finish(RuntimeError(f"expected a chunked 200 SSE response: {head[:300]!r}"))
+                    return
+                self._in_body = True
+            line_end = buffer.find(b"\r\n")
+            if line_end < 0:
+                return
+            size = int(buffer[:line_end], 16)
+            if len(buffer) < line_end + 2 + size + 2:
+                return  # the chunk (and its CRLF) is not complete yet
+            if size == 0:
+                del buffer[:line_end + 4]
+                self._finish(None)
+                return
+            if self._first is None and buffer.find(b"data: {", line_end + 2, line_end + 2 + size) >= 0:
+                self._first = time.perf_counter() - self._t0
+            del buffer[:line_end + 2 + size + 2]
+
+    def _finish(self, error: Exception | None) -> None:
+        done, self._done = self._done, None
+        if done is not None and not done.done():
+            if error is None:
+                done.set_result((self._first, time.perf_counter() - self._t0))
+            else:
+                done.set_exception(error)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._finish(exc or ConnectionError("the server closed the connection"))
+
+
 class SSEConnection:
     """A lean keep-alive HTTP/1.1 client for SSE responses (chunked transfer encoding), so the load
-    generator's own CPU, which shares these two cores with the server, stays small: it only looks for
+    generator's own CPU, which shares these cores with the server, stays small: it only looks for
     the first ``data: {`` event and for the end of the body, as the direct path only looks at tokens."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self._protocol: _SSEResponseParser | None = None
 
     async def post_stream(self, path: str, body: bytes) -> tuple[float | None, float]:
         """Send one request; return (time to the first data event, time to the end of the body)."""
-        reused = self.writer is not None
+        reused = self._protocol is not None
         try:
             return await self._post_stream(path, body)
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except ConnectionError:
             if not reused:
                 raise
             # A kept-alive connection the server closed meanwhile (e.g. an ingress reload): reopen once.
@@ -101,31 +164,17 @@ class SSEConnection:
             return await self._post_stream(path, body)
 
     async def _post_stream(self, path: str, body: bytes) -> tuple[float | None, float]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        reader, writer = self.reader, self.writer
-        assert reader is not None
-        t0 = time.perf_counter()
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        head = await reader.readuntil(b"\r\n\r\n")
-        if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(head.decode(errors="replace"))
-        if b"chunked" not in head.lower():
-            raise RuntimeError("expected a chunked SSE body")
-        first = None
-        while True:
-            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
-            data = await reader.readexactly(size + 2)
-            if size == 0:
-                return first, time.perf_counter() - t0
-            if first is None and b"data: {" in data:
-                first = time.perf_counter() - t0
+        if self._protocol is None or self._protocol.transport is None or self._protocol.transport.is_closing():
+            _, self._protocol = await asyncio.get_running_loop().create_connection(
+                _SSEResponseParser, self.host, self.port)
+        request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        return await self._protocol.start(request)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
+        if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.transport.close()
+        self._protocol = None
 
 
 async def drive(one: Callable[[], Awaitable[None]], n: int, concurrency: int, rate: float | None,
