@@ -89,6 +89,18 @@ class _Choice:
     error: str | None = None
 
 
+@dataclass(slots=True)
+class _Delta:
+    """What one streamed chunk of a choice carries, captured when its outputs arrived (the choice
+    itself may have moved on, even finished, by the time a merged stream sends the chunk)."""
+
+    choice: _Choice
+    text: str
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]]
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
            FinishReason.ERROR: "error"}
 
@@ -201,7 +213,7 @@ class OpenAIServing:
                 for output in await stream.next_batch():
                     delta, new_lp = self._apply_output(choice, output)
                     if sink is not None and (delta or new_lp or choice.finish_reason):
-                        sink.put_nowait((choice, delta, new_lp))
+                        sink.put_nowait(_Delta(choice, delta, new_lp, choice.finish_reason, choice.stop_reason))
                     if choice.finish_reason is not None:
                         return
         finally:
@@ -296,12 +308,12 @@ class OpenAIServing:
             for c in choices:
                 yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
                     CompletionChoice(index=c.index, text=prompt_text)]))
-        async for choice, delta, new_lp in self._choice_events(streams, choices):
-            logprobs = None
-            if request.logprobs is not None and new_lp:
-                logprobs, text_offsets[choice.index] = self._completion_logprobs(new_lp, text_offsets[choice.index])
-            yield completion_token_chunk(request_id, created, model, choice.index, delta, logprobs,
-                                         choice.finish_reason, choice.stop_reason)
+        async for event in self._choice_events(streams, choices):
+            index, logprobs = event.choice.index, None
+            if request.logprobs is not None and event.logprobs:
+                logprobs, text_offsets[index] = self._completion_logprobs(event.logprobs, text_offsets[index])
+            yield completion_token_chunk(request_id, created, model, index, event.text, logprobs,
+                                         event.finish_reason, event.stop_reason)
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[],
                                              usage=_usage(num_prompt_tokens, choices)))
@@ -338,15 +350,16 @@ class OpenAIServing:
         for c in choices:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
-        async for choice, delta, new_lp in self._choice_events(streams, choices):
-            logprobs = self._chat_logprobs(new_lp) if request.logprobs and new_lp else None
-            yield chat_token_chunk(request_id, created, model, choice.index, delta, logprobs, choice.finish_reason)
+        async for event in self._choice_events(streams, choices):
+            logprobs = self._chat_logprobs(event.logprobs) if request.logprobs and event.logprobs else None
+            yield chat_token_chunk(request_id, created, model, event.choice.index, event.text, logprobs,
+                                   event.finish_reason)
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                            usage=_usage(num_prompt_tokens, choices)))
         yield "data: [DONE]\n\n"
 
-    async def _single_events(self, stream: RequestStream, choice: _Choice) -> AsyncIterator[tuple[_Choice, str, list]]:
+    async def _single_events(self, stream: RequestStream, choice: _Choice) -> AsyncIterator[_Delta]:
         """One choice read straight from its engine queue (no task, no merge queue). Outputs that
         queued up while the previous chunk was being sent are merged into one event."""
         try:
@@ -366,7 +379,7 @@ class OpenAIServing:
                     raise _StreamError(APIError(500, choice.error, "InternalServerError"))
                 delta = "".join(deltas)
                 if delta or new_lps or choice.finish_reason:
-                    yield choice, delta, new_lps
+                    yield _Delta(choice, delta, new_lps, choice.finish_reason, choice.stop_reason)
                 if choice.finish_reason is not None:
                     break
         finally:
@@ -374,13 +387,13 @@ class OpenAIServing:
             await stream.close()
 
     def _choice_events(self, streams: list[RequestStream], choices: list[_Choice]
-                       ) -> AsyncIterator[tuple[_Choice, str, list]]:
+                       ) -> AsyncIterator[_Delta]:
         if len(streams) == 1:
             return self._single_events(streams[0], choices[0])
         return self._merged_events(streams, choices)
 
     async def _merged_events(self, streams: list[RequestStream], choices: list[_Choice]
-                             ) -> AsyncIterator[tuple[_Choice, str, list]]:
+                             ) -> AsyncIterator[_Delta]:
         """Several choices' events in arrival order (one task per choice); errors become one SSE error event."""
         sink: asyncio.Queue = asyncio.Queue()
         done = object()
@@ -401,10 +414,9 @@ class OpenAIServing:
                     break
                 if isinstance(item, APIError):
                     raise _StreamError(item)
-                choice, delta, new_lp = item
-                if choice.error is not None:
-                    raise _StreamError(APIError(500, choice.error, "InternalServerError"))
-                yield choice, delta, new_lp
+                if item.choice.error is not None:
+                    raise _StreamError(APIError(500, item.choice.error, "InternalServerError"))
+                yield item
         finally:
             # A client that goes away cancels this generator: the runner's cancel aborts the requests.
             runner.cancel()
