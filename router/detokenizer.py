@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tokenizers.decoders import DecodeStream
+try:  # DecodeStream with a prefill (ids=) needs a recent tokenizers; older ones use the windowed path
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover
+    DecodeStream = None
 
 # Prompt-side context kept in the decode window, so leading-space rules see a real predecessor.
 _CONTEXT_TOKENS = 5
@@ -66,9 +69,13 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.stop_reason: str | None = None
-        self._backend = rust_backend(tokenizer) if use_decode_stream else None
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) \
-            if self._backend is not None else None
+        self._backend = rust_backend(tokenizer) if use_decode_stream and DecodeStream is not None else None
+        self._stream = None
+        if self._backend is not None:
+            try:
+                self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+            except TypeError:  # a tokenizers without prefilled streams: the windowed path
+                self._backend = None
 
     @property
     def token_ids(self) -> list[int]:
