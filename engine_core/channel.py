@@ -100,9 +100,8 @@ def decode_engine_message(payload: bytes) -> EngineMessage:
 class ChannelServer:
     """The engine's end: one connection per router client, served on the actor's event loop."""
 
-    def __init__(self, service: EngineCoreService, admit: Callable[[EngineCoreRequest], None]) -> None:
+    def __init__(self, service: EngineCoreService) -> None:
         self._service = service
-        self._admit = admit
         self._token = secrets.token_hex(16)
         self._server: asyncio.Server | None = None
         self._address: ChannelAddress | None = None
@@ -162,7 +161,7 @@ class ChannelServer:
 
     def _accept(self, request: EngineCoreRequest) -> Accepted:
         try:
-            self._admit(request)
+            self._service.admit(request)
         except OverflowError as e:
             return Accepted(request.request_id, str(e), overloaded=True)
         except Exception as e:

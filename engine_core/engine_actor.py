@@ -23,7 +23,7 @@ from engine_core.channel import ChannelAddress, ChannelServer
 from engine_core.config import EngineConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.engine_core import EngineCore
-from engine_core.executor import ExecutorFactory, ModelInfo
+from engine_core.executor import ExecutorFactory, ModelInfo, engine_uses_gpu
 from engine_core.metrics import EngineMetrics
 from engine_core.outputs import EngineCoreOutputs, EngineCoreRequest, EngineStats
 from engine_core.sched.scheduler import PauseState
@@ -288,15 +288,6 @@ def _merge(items: list[EngineCoreOutputs], engine_index: int) -> EngineCoreOutpu
 ENGINE_HOST_ENV = "LLM_CLUSTER_ENGINE_HOST"
 
 
-def _engine_uses_gpu(config: EngineConfig) -> bool:
-    """The executors' rule: "auto" means CUDA when the Ray cluster has GPUs."""
-    if config.device != "auto":
-        return config.device == "cuda"
-    import ray
-
-    return ray.cluster_resources().get("GPU", 0) >= 1
-
-
 def engine_host() -> str:
     """The address an engine's request channel listens on: its Ray node's, unless configured."""
     configured = os.environ.get(ENGINE_HOST_ENV)
@@ -313,7 +304,7 @@ class EngineCoreActor:
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
         self.service = EngineCoreService(config, executor_factory,
                                          compute_niceness=engine_niceness(config.engine_niceness,
-                                                                          _engine_uses_gpu(config)))
+                                                                          engine_uses_gpu(config)))
         self._channel: ChannelServer | None = None
 
     def _bind(self) -> None:
@@ -345,7 +336,7 @@ class EngineCoreActor:
         """Where routers open this engine's request channel (engine_core.channel)."""
         self._bind()
         if self._channel is None:
-            self._channel = ChannelServer(self.service, self.service.admit)
+            self._channel = ChannelServer(self.service)
         return await self._channel.start(engine_host())
 
     async def get_output(self, client_index: int, timeout: float = 1.0) -> EngineCoreOutputs:

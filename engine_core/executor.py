@@ -15,6 +15,15 @@ from engine_core.outputs import ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 
 
+def engine_uses_gpu(config: EngineConfig) -> bool:
+    """Where an engine's workers are placed: "auto" means CUDA when the Ray cluster has GPUs."""
+    if config.device != "auto":
+        return config.device == "cuda"
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the engine and the router need to know about the loaded model."""

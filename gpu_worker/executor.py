@@ -15,7 +15,7 @@ from typing import Any
 
 from engine_core.config import EngineConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
-from engine_core.executor import Executor, ModelInfo
+from engine_core.executor import Executor, ModelInfo, engine_uses_gpu
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
@@ -136,8 +136,7 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         pg = ray.util.get_current_placement_group()
         tp = self.config.tensor_parallel_size
         num_cpus = self.config.num_cpus_per_worker
-        use_gpu = self.config.device == "cuda" or (self.config.device == "auto"
-                                                    and ray.cluster_resources().get("GPU", 0) >= 1)
+        use_gpu = engine_uses_gpu(self.config)
         actor_cls = ray.remote(Worker)
         workers = []
         for rank in range(tp):

@@ -20,7 +20,7 @@ from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
-from gpu_worker.cpu_kernels import paged_decode_attention_available
+from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models import build_model
@@ -96,7 +96,7 @@ class ModelRunner:
         # Decodes read the paged cache in place where the CPU kernel applies (fp32 on the CPU);
         # elsewhere (CUDA, bf16) they gather their blocks and use SDPA.
         self.decode_in_place = (self.device.type == "cpu" and self.dtype == torch.float32
-                                and paged_decode_attention_available())
+                                and cpu_kernels_available())
 
     @torch.inference_mode()
     def profile_run(self, block_size: int) -> None:

@@ -113,10 +113,10 @@ class RequestStream:
     async def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        slot = self.client._slots[self.engine]
-        self.client._forget(slot, self.request_id)
-        if not self.finished:
-            # Client gone, timeout or stop string: the engine frees the request's blocks.
+        if self.finished:
+            self.client._forget(self.client._slots[self.engine], self.request_id)
+        else:
+            # Client gone, timeout or stop string: the engine frees the request's blocks (abort forgets it here).
             self.finished = True
             await self.client.abort(self.engine, [self.request_id])
 

@@ -207,18 +207,10 @@ class OpenAIServing:
         return streams
 
     async def _run_choice(self, stream: RequestStream, choice: _Choice, sink: asyncio.Queue | None) -> None:
-        """Drive one choice to its end; with a sink, push (choice, text delta, new logprobs) as they come."""
-        try:
-            while not stream.finished:
-                for output in await stream.next_batch():
-                    delta, new_lp = self._apply_output(choice, output)
-                    if sink is not None and (delta or new_lp or choice.finish_reason):
-                        sink.put_nowait(_Delta(choice, delta, new_lp, choice.finish_reason, choice.stop_reason))
-                    if choice.finish_reason is not None:
-                        return
-        finally:
-            # Leaving early (stop string, disconnect, timeout) aborts the engine request.
-            await stream.close()
+        """Drive one choice to its end; with a sink, push its deltas as they come."""
+        async for event in self._deltas(stream, choice):
+            if sink is not None:
+                sink.put_nowait(event)
 
     def _apply_output(self, choice: _Choice, output: EngineCoreOutput) -> tuple[str, list]:
         new_lp = []
@@ -248,8 +240,8 @@ class OpenAIServing:
                  for stream, choice in zip(streams, choices, strict=True)]
         try:
             await asyncio.gather(*tasks)
-        except RequestTimeoutError as e:
-            raise self._timed_out() from e
+        except _StreamError as e:  # a timeout or an engine error in one choice fails the request
+            raise e.error from e
         finally:
             for task in tasks:
                 task.cancel()
@@ -287,7 +279,6 @@ class OpenAIServing:
             return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts[0],
                                                      num_prompt_tokens, streams), streams)
         await self._generate(streams, choices, None)
-        self._raise_engine_error(choices)
         out = []
         for c in choices:
             prefix = prompt_texts[c.index // request.n] if request.echo else ""
@@ -336,7 +327,6 @@ class OpenAIServing:
         if request.stream:
             return SSEStream(self._stream_chat(request, request_id, created, choices, len(ids), streams), streams)
         await self._generate(streams, choices, None)
-        self._raise_engine_error(choices)
         out = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.detok.output_text),
                           logprobs=ChatLogprobs(**self._chat_logprobs(c.logprobs)) if request.logprobs else None,
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices]
@@ -359,9 +349,9 @@ class OpenAIServing:
                                            usage=_usage(num_prompt_tokens, choices)))
         yield "data: [DONE]\n\n"
 
-    async def _single_events(self, stream: RequestStream, choice: _Choice) -> AsyncIterator[_Delta]:
-        """One choice read straight from its engine queue (no task, no merge queue). Outputs that
-        queued up while the previous chunk was being sent are merged into one event."""
+    async def _deltas(self, stream: RequestStream, choice: _Choice) -> AsyncIterator[_Delta]:
+        """One choice read straight from its engine queue. Outputs that queued up while the previous
+        delta was being handled are merged into one. A timeout or an engine error raises _StreamError."""
         try:
             while not stream.finished:
                 try:
@@ -389,7 +379,7 @@ class OpenAIServing:
     def _choice_events(self, streams: list[RequestStream], choices: list[_Choice]
                        ) -> AsyncIterator[_Delta]:
         if len(streams) == 1:
-            return self._single_events(streams[0], choices[0])
+            return self._deltas(streams[0], choices[0])
         return self._merged_events(streams, choices)
 
     async def _merged_events(self, streams: list[RequestStream], choices: list[_Choice]
@@ -414,8 +404,6 @@ class OpenAIServing:
                     break
                 if isinstance(item, APIError):
                     raise _StreamError(item)
-                if item.choice.error is not None:
-                    raise _StreamError(APIError(500, item.choice.error, "InternalServerError"))
                 yield item
         finally:
             # A client that goes away cancels this generator: the runner's cancel aborts the requests.
@@ -426,12 +414,6 @@ class OpenAIServing:
 
     def _timed_out(self) -> APIError:
         return APIError(408, f"request timed out after {self.settings.request_timeout_s} s", "TimeoutError")
-
-    @staticmethod
-    def _raise_engine_error(choices: list[_Choice]) -> None:
-        for c in choices:
-            if c.error is not None:
-                raise APIError(500, c.error, "InternalServerError")
 
     def _token_text(self, token_id: int) -> str:
         return self._decode([token_id], False)

@@ -116,7 +116,8 @@ def _load_library() -> ctypes.CDLL | None:
     return lib
 
 
-def paged_decode_attention_available() -> bool:
+def cpu_kernels_available() -> bool:
+    """Whether this process has the kernels (built or loaded); without, callers keep torch's path."""
     return _load_library() is not None
 
 
@@ -128,8 +129,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     head_dim] fp32; block_table: [num_reqs, >= ceil(max(seq_lens) / block_size)] int64; seq_lens:
     [num_reqs] int64. Returns [num_reqs, num_heads, head_dim].
     """
-    lib = _load_library()
-    if lib is None:
+    if _load_library() is None:
         raise RuntimeError("the CPU paged attention kernel is not available")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or t.device.type != "cpu":
@@ -137,21 +137,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
         if t.dtype != torch.int64 or t.device.type != "cpu":
             raise TypeError(f"{name} must be an int64 CPU tensor, got {t.dtype} on {t.device}")
-    num_reqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
+    num_reqs, _, head_dim = q.shape
+    if k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError("q, k_cache and v_cache disagree on head_dim or shape")
     if block_table.dim() != 2 or block_table.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
         raise ValueError("block_table must be [num_reqs, max_blocks] and seq_lens [num_reqs]")
-    q = q.contiguous()
-    block_table = block_table.contiguous()
-    seq_lens = seq_lens.contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
+    return paged_decode_attention_unchecked(q, k_cache, v_cache, block_table.contiguous(), seq_lens.contiguous(),
+                                            scale)
+
+
+def paged_decode_attention_unchecked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """``paged_decode_attention`` for callers that guarantee its argument rules: the attention layer,
+    whose block table and lengths the metadata builder makes once per step for every layer."""
+    q = q.contiguous()
     out = torch.empty_like(q)
+    num_reqs, num_heads, head_dim = q.shape
     if num_reqs == 0:
         return out
-    status = lib.llmc_paged_decode_attention_f32(
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    status = _load_library().llmc_paged_decode_attention_f32(  # type: ignore[union-attr]
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
         seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,
         float(scale), torch.get_num_threads())
@@ -160,10 +167,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if status != 0:
         raise RuntimeError(f"paged decode attention kernel failed with status {status}")
     return out
-
-
-def fused_rms_norm_available() -> bool:
-    return _load_library() is not None
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -191,13 +194,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 def add_rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``add_rms_norm`` for callers that guarantee its argument rules (the per-layer hot path)."""
-    fn = _load_library().llmc_add_rms_norm_f32  # type: ignore[union-attr]
     out = torch.empty_like(x)
-    if residual is None:
-        fn(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), x.numel() // weight.shape[0],
-           weight.shape[0], eps, torch.get_num_threads())
-        return out, None
-    summed = torch.empty_like(x)
-    fn(x.data_ptr(), residual.data_ptr(), summed.data_ptr(), weight.data_ptr(), out.data_ptr(),
-       x.numel() // weight.shape[0], weight.shape[0], eps, torch.get_num_threads())
+    summed = None if residual is None else torch.empty_like(x)
+    cols = weight.shape[0]
+    _load_library().llmc_add_rms_norm_f32(  # type: ignore[union-attr]
+        x.data_ptr(), None if residual is None else residual.data_ptr(), None if summed is None else summed.data_ptr(),
+        weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps, torch.get_num_threads())
     return out, summed

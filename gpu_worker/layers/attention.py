@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attn_metadata import AttentionMetadata
-from gpu_worker.cpu_kernels import paged_decode_attention
+from gpu_worker.cpu_kernels import paged_decode_attention_unchecked
 
 
 def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -50,8 +50,8 @@ class PagedAttention(nn.Module):
         if nd:
             if meta.decode_seq_lens is not None:
                 # The CPU kernel reads each request's blocks where they lie: no per-layer gather copy.
-                decode_out = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table,
-                                                    meta.decode_seq_lens, self.scale)
+                decode_out = paged_decode_attention_unchecked(q[:nd], k_cache, v_cache, meta.decode_block_table,
+                                                              meta.decode_seq_lens, self.scale)
             else:
                 kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len)
                 vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.cpu_kernels import add_rms_norm_unchecked, fused_rms_norm_available
+from gpu_worker.cpu_kernels import add_rms_norm_unchecked, cpu_kernels_available
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
 
 
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and fused_rms_norm_available()
+        if (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and cpu_kernels_available()
                 and (residual is None or residual.is_contiguous())):
             # CPU fp32: the add and the norm in one C pass (torch's dispatch dominates at decode sizes).
             out, summed = add_rms_norm_unchecked(x, self.weight, self.eps, residual)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker import cpu_kernels
-from gpu_worker.cpu_kernels import add_rms_norm, paged_decode_attention, paged_decode_attention_available
+from gpu_worker.cpu_kernels import add_rms_norm, cpu_kernels_available, paged_decode_attention
 from gpu_worker.layers.layernorm import RMSNorm
 
 
@@ -40,7 +40,7 @@ def random_case(num_reqs, num_heads, num_kv_heads, head_dim, block_size, lens, s
 
 def test_kernel_builds_here():
     # CI machines have a C compiler; losing the kernel silently would lose most of the decode speed-up.
-    assert paged_decode_attention_available()
+    assert cpu_kernels_available()
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size", "lens"), [
@@ -103,11 +103,11 @@ def test_switch_off_leaves_the_gather_path(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     cpu_kernels._load_library.cache_clear()
     try:
-        assert not paged_decode_attention_available()
+        assert not cpu_kernels_available()
     finally:
         monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
         cpu_kernels._load_library.cache_clear()
-    assert paged_decode_attention_available()
+    assert cpu_kernels_available()
 
 
 def test_an_unusable_cache_dir_falls_back_to_the_temp_dir(monkeypatch, tmp_path):
@@ -120,7 +120,7 @@ def test_an_unusable_cache_dir_falls_back_to_the_temp_dir(monkeypatch, tmp_path)
     monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(scratch))
     cpu_kernels._load_library.cache_clear()
     try:
-        assert paged_decode_attention_available()
+        assert cpu_kernels_available()
         assert list((scratch / "llm-cluster-kernels").glob("llmc-kernels-*.so"))
     finally:
         cpu_kernels._load_library.cache_clear()

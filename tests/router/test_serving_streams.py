@@ -29,19 +29,28 @@ def _serving_with_streams(num_choices: int) -> tuple[OpenAIServing, list[Request
 
 
 def test_merged_choices_carry_the_finish_of_their_own_chunk():
-    # Each choice's task runs ahead of the merged stream's reader (every output is already queued),
-    # so a choice is finished before its earlier chunks are sent: each chunk must carry the finish
-    # reason it had when its outputs arrived, not the choice's state at sending time.
+    # Each choice's task runs ahead of the merged stream's reader, so a choice is finished before its
+    # earlier chunks are sent: each chunk must carry the finish reason it had when its outputs
+    # arrived, not the choice's state at sending time.
     async def run():
         serving, streams = _serving_with_streams(2)
         ids = byte_level_tokenizer().encode("Paris is the capital")
-        for stream in streams:
+
+        async def engine_steps():  # one output per choice per step; each choice's task takes it at once
             for i, token in enumerate(ids):
                 finish = FinishReason.LENGTH if i == len(ids) - 1 else None
-                stream._queue.put_nowait(EngineCoreOutput(stream.request_id, [token], finish))
-                await asyncio.sleep(0)  # separate batches, as separate engine steps would give
+                for stream in streams:
+                    stream._queue.put_nowait(EngineCoreOutput(stream.request_id, [token], finish))
+                for _ in range(3):
+                    await asyncio.sleep(0)
+
         choices = serving._new_choices(2, [], CompletionRequest(model="tiny", prompt="x"))
-        seen = [(event, event.choice.finish_reason) async for event in serving._choice_events(streams, choices)]
+        steps = asyncio.create_task(engine_steps())
+        seen = []
+        async for event in serving._choice_events(streams, choices):
+            seen.append((event, event.choice.finish_reason))
+            await asyncio.sleep(0.01)  # a slow reader: the choices' tasks run ahead of it
+        await steps
         for choice in choices:
             own = [(event, state) for event, state in seen if event.choice is choice]
             assert [event.finish_reason for event, _ in own] == [None] * (len(own) - 1) + ["length"]
