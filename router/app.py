@@ -81,11 +81,12 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
-        param = loc[0] if loc else None
         if first.get("type") == "json_invalid":
             return _error_response(400, "The request body is not valid JSON.", "BadRequestError", None)
+        if first.get("type") == "invalid_param":  # a cross-field check (protocol.invalid) names its parameter
+            return _error_response(400, first["msg"], "BadRequestError", first["ctx"]["param"])
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        return _error_response(400, message, "BadRequestError", param)
+        return _error_response(400, message, "BadRequestError", loc[0] if loc else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

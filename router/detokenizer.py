@@ -53,7 +53,8 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None,
                  skip_special_tokens: bool = True, stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, use_decode_stream: bool = True) -> None:
+                 include_stop_str_in_output: bool = False, use_decode_stream: bool = True,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self._decode = fast_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
@@ -67,8 +68,12 @@ class IncrementalDetokenizer:
         self._released = 0
         self.stop = [s for s in (stop or []) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
+        # Stop strings count only once more than min_tokens tokens exist (as the engine treats stop ids),
+        # and only in text that arrives from then on.
+        self.min_tokens = min_tokens
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.stop_reason: str | None = None
+        self._min_text_end = 0  # where the text of the first min_tokens tokens ends
         self._backend = rust_backend(tokenizer) if use_decode_stream and DecodeStream is not None else None
         self._stream = None
         if self._backend is not None:
@@ -131,12 +136,15 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> None:
         start = len(self.output_text)
         self.output_text += delta
-        if self.stop:
-            self._check_stop(start)
+        if self.stop and len(self._tokens) - self._num_context > self.min_tokens:
+            self._check_stop(max(start, self._min_text_end))
+        elif self.stop:
+            self._min_text_end = len(self.output_text)
 
     def _check_stop(self, new_text_start: int) -> None:
-        # A stop string may straddle the previous text: search from (longest stop - 1) chars back.
-        search_from = max(0, new_text_start - self._holdback)
+        # A stop string may straddle the previous text: search from (longest stop - 1) chars back,
+        # but not into the text of the first min_tokens tokens.
+        search_from = max(self._min_text_end, new_text_start - self._holdback)
         best: tuple[int, str] | None = None
         for s in self.stop:
             i = self.output_text.find(s, search_from)

@@ -7,6 +7,16 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+# Integers cross to the engine as 64-bit values: larger ones are the client's error (400), not a
+# failure to encode on the way to the engine.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def invalid(param: str, message: str) -> PydanticCustomError:
+    """A cross-field validation error that still names its parameter in the OpenAI error body."""
+    return PydanticCustomError("invalid_param", message, {"param": param})
 
 
 def random_id(prefix: str) -> str:
@@ -22,13 +32,30 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI lets clients send ``null`` for optional parameters (the openai client does for
+        ``temperature=None``): a null optional field takes its default."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required()}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options", "stream_options can only be set when stream is true")
+        return self
+
     model: str = Field(..., description="Served model name (see GET /v1/models).")
     max_tokens: int | None = Field(None, ge=1, description="Upper bound on generated tokens.")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="vLLM extra: 0 or -1 disables.")
+    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="vLLM extra: 0 or -1 disables.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extra.")
-    seed: int | None = Field(None, description="Same seed, same tokens.")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="Same seed, same tokens.")
     n: int = Field(1, ge=1, le=16, description="Choices per prompt.")
     stop: str | list[str] | None = Field(None, description="Stop strings, matched on the text.")
     stop_token_ids: list[int] | None = Field(None, description="vLLM extra: stop on these token ids.")
@@ -38,7 +65,8 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM extra.")
-    priority: int = Field(0, description="vLLM extra: lower runs first (needs the priority policy).")
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX,
+                          description="vLLM extra: lower runs first (needs the priority policy).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -60,9 +88,9 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _prompt_not_empty(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
-            raise ValueError("prompt must not be empty")
+            raise invalid("prompt", "prompt must not be empty")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise invalid("suffix", "suffix is not supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -84,7 +112,18 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        # Text parts are joined by newlines, as vLLM renders them.
+        return "\n".join(part.get("text", "") for part in self.content)
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ChatMessage:
+        # Other kinds of part (images, audio) cannot be shown to a text-only model: refused rather
+        # than silently dropped.
+        for part in self.content if isinstance(self.content, list) else ():
+            if part.get("type") != "text":
+                raise invalid("messages", f"message content of type {part.get('type')!r} is not supported "
+                              "(text only)")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -94,11 +133,20 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = Field(True, description="vLLM extra.")
     chat_template_kwargs: dict[str, Any] | None = None
+    # Accepted only in the forms this server honours (plain text, no tools), refused otherwise.
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _logprobs_consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise invalid("response_format", f"response_format {self.response_format.get('type')!r} is not "
+                          "supported: this server does not constrain output to JSON")
+        if self.tools and self.tool_choice != "none":
+            raise invalid("tools", "tool calling is not supported")
         return self
 
     @property

@@ -30,6 +30,7 @@ from router.engine_client import (
 )
 from router.metrics import RouterMetrics
 from router.protocol import (
+    INT64_MIN,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -122,7 +123,8 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent.
+        messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in request.messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
@@ -148,22 +150,31 @@ class OpenAIServing:
                                   request, ChatCompletionRequest) else "prompt")
         if max_tokens is None:
             max_tokens = room
+            min_tokens = min(request.min_tokens, max_tokens)
+        elif request.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({request.min_tokens}) must be less than or equal to max_tokens "
+                              f"({max_tokens})", "min_tokens")
         elif max_tokens > room:
             raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens. "
                               f"You requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                               f"{max_tokens} for the completion).", "max_tokens")
         if request.priority != 0 and self.settings.scheduling_policy != "priority":
             raise bad_request("priority needs an engine started with --scheduling-policy priority", "priority")
+        else:
+            min_tokens = request.min_tokens
         stop_ids = list(request.stop_token_ids or [])
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in stop_ids):
+            raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         # Further EOS ids of the model (generation config) stop too, unless EOS is ignored.
         if not request.ignore_eos:
             stop_ids += [t for t in self.settings.eos_token_ids[1:] if t not in stop_ids]
         try:
             return SamplingParams(
-                max_tokens=max_tokens, min_tokens=min(request.min_tokens, max_tokens),
+                max_tokens=max_tokens, min_tokens=min_tokens,
                 ignore_eos=request.ignore_eos, stop_token_ids=stop_ids, temperature=request.temperature,
                 top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
-                seed=None if request.seed is None else request.seed + seed_offset,
+                seed=None if request.seed is None else _wrap_int64(request.seed + seed_offset),
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                 repetition_penalty=request.repetition_penalty, logprobs=logprobs)
         except ValueError as e:
@@ -218,7 +229,10 @@ class OpenAIServing:
             new_lp = _logprob_rows(output.new_token_ids, output.new_logprobs)
             choice.logprobs.extend(new_lp)
         choice.token_ids.extend(output.new_token_ids)
-        delta = choice.detok.add_tokens(output.new_token_ids)
+        text_ids = output.new_token_ids
+        if output.finish_reason == FinishReason.STOP and text_ids and not choice.detok.include_stop_str_in_output:
+            text_ids = text_ids[:-1]  # the EOS or stop token that ended it is not part of the text (vLLM)
+        delta = choice.detok.add_tokens(text_ids)
         if choice.detok.stop_reason is not None:
             choice.finish_reason, choice.stop_reason = "stop", choice.detok.stop_reason
             return delta + choice.detok.finish(), new_lp
@@ -232,7 +246,8 @@ class OpenAIServing:
 
     def _new_choices(self, n: int, prompt_ids: list[int], fields: SamplingFields) -> list[_Choice]:
         return [_Choice(i, IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=fields.stop_strings,
-                                                  include_stop_str_in_output=fields.include_stop_str_in_output),
+                                                  include_stop_str_in_output=fields.include_stop_str_in_output,
+                                                  min_tokens=fields.min_tokens),
                         [], []) for i in range(n)]
 
     async def _generate(self, streams: list[RequestStream], choices: list[_Choice], sink: asyncio.Queue | None) -> None:
@@ -458,6 +473,11 @@ class SSEStream:
         await self._chunks.aclose()  # type: ignore[attr-defined]
         for stream in self._streams:
             await stream.close()
+
+
+def _wrap_int64(value: int) -> int:
+    """Choice i samples with seed + i, kept in the engine's 64-bit range."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def _engine_refusal(error: EngineOverloadedError | EngineUnavailableError) -> APIError:

@@ -1,0 +1,159 @@
+"""Request fields through the real FastAPI app and OpenAIServing, with the engine's side of the
+channel played by a script: what is refused (400 naming the parameter), what null means, and how
+min_tokens and stop token ids shape the text, as vLLM's OpenAI server does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from starlette.testclient import TestClient
+
+from engine_core.channel import Accepted, AddRequest, encode_frame
+from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
+from engine_core.request import FinishReason
+from router.app import create_app
+from router.engine_client import EngineClient
+from router.protocol import ChatMessage
+from router.routing import RoundRobinPolicy
+from router.serving import OpenAIServing, ServingSettings
+
+from .tokenizer_factory import byte_level_tokenizer
+
+TOKENIZER = byte_level_tokenizer()
+TEXT = "Hello world, the quick brown fox, jumps over the lazy dog."
+
+
+class ScriptedEngine:
+    """Admits every request and answers it with one output per token of ``script(request)``; the
+    last output carries ``finish`` (and ``stop_reason``)."""
+
+    def __init__(self, client: EngineClient, script: Callable[[EngineCoreRequest], list[int]],
+                 finish: FinishReason = FinishReason.LENGTH, stop_reason: int | None = None) -> None:
+        self.client, self.script, self.finish, self.stop_reason = client, script, finish, stop_reason
+        self.requests: list[EngineCoreRequest] = []
+
+    def send(self, message: object) -> None:
+        encode_frame(message)  # what the real channel would put on the wire must encode
+        if isinstance(message, AddRequest):
+            self.requests.append(message.request)
+            asyncio.get_running_loop().call_soon(self._answer, message.request)
+
+    def _answer(self, request: EngineCoreRequest) -> None:
+        self.client._on_message(self.client._slots[0], Accepted(request.request_id))
+        tokens = self.script(request)[:request.sampling_params.max_tokens]
+        queue = self.client._queues[request.request_id]
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            queue.put_nowait(EngineCoreOutput(request.request_id, [token], self.finish if last else None,
+                                              self.stop_reason if last else None))
+
+
+def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
+         **engine) -> tuple[TestClient, ScriptedEngine]:
+    client = EngineClient([object()], client_index=1)
+    scripted = client._slots[0].channel = ScriptedEngine(client, script, **engine)
+    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256), client, TOKENIZER,
+                            RoundRobinPolicy())
+    return TestClient(create_app(serving)), scripted
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 20}, "min_tokens"),  # the default max_tokens is 16
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -2**63 - 1}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [len(TOKENIZER)]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "priority": 2**63}, "priority"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages"),
+])
+def test_refused_fields_name_their_parameter(path, body, param):
+    http, engine = _app()
+    r = http.post(path, json={"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert param != "messages" or "'image_url' is not supported" in r.json()["error"]["message"]
+    assert not engine.requests  # nothing reached the engine
+
+
+def test_null_optional_fields_take_their_defaults():
+    http, engine = _app()
+    r = http.post("/v1/completions", json={
+        "model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": None, "top_p": None, "n": None,
+        "presence_penalty": None, "frequency_penalty": None, "stream": None, "seed": None, "stop": None,
+        "logprobs": None, "echo": None, "user": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] == 3
+    params = engine.requests[0].sampling_params
+    assert (params.temperature, params.top_p, params.presence_penalty, params.seed) == (1.0, 1.0, 0.0, None)
+    # Required fields stay required.
+    assert http.post("/v1/completions", json={"model": "tiny", "prompt": None}).status_code == 400
+
+
+def test_accepted_forms_of_response_format_and_tools():
+    http, _ = _app()
+    for extra in ({"response_format": {"type": "text"}}, {"tools": [{"type": "function"}], "tool_choice": "none"}):
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra})
+        assert r.status_code == 200, r.text
+
+
+def test_text_parts_of_a_message_are_joined_by_newlines():
+    message = ChatMessage(role="user", content=[{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}])
+    assert message.text() == "Hello\nworld"
+
+
+def test_seeds_of_several_choices_stay_in_64_bits():
+    http, engine = _app()
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 2,
+                                           "seed": 2**63 - 1})
+    assert r.status_code == 200, r.text
+    assert sorted(req.sampling_params.seed for req in engine.requests) == [-2**63, 2**63 - 1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_count_only_after_min_tokens(stream):
+    http, _ = _app()
+    comma = len(TOKENIZER.encode("Hello world,"))
+
+    def text(body: dict) -> str:
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 40, "stream": stream,
+                                               "stop": [","], **body})
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()["choices"][0]["text"]
+        import json
+        return "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                       if line.startswith("data: {"))
+
+    assert text({}) == "Hello world"
+    assert text({"min_tokens": comma - 1}) == "Hello world"  # the comma is the token after min_tokens
+    # While min_tokens are not yet generated a stop string does not count, nor later in that text.
+    assert text({"min_tokens": comma}) == "Hello world, the quick brown fox"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_that_ended_a_choice_is_not_in_its_text(include):
+    comma = TOKENIZER.encode(",")[0]
+    ids = TOKENIZER.encode("Hello world,")
+    assert ids[-1] == comma
+    http, _ = _app(lambda _: ids, finish=FinishReason.STOP, stop_reason=comma)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 10,
+                                           "stop_token_ids": [comma], "include_stop_str_in_output": include})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == ("Hello world," if include else "Hello world")
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", comma)
+    assert r.json()["usage"]["completion_tokens"] == len(ids)  # the stop token still counts
