@@ -6,8 +6,8 @@ checked with ``assert``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
 
 SchedulingPolicyName = Literal["fcfs", "priority"]
 
@@ -49,10 +49,26 @@ class SchedulerConfig:
                  "max_long_partial_prefills", f"between 1 and max_num_partial_prefills "
                  f"({self.max_num_partial_prefills})", self.max_long_partial_prefills)
         _require(self.policy in ("fcfs", "priority"), "policy", "one of 'fcfs', 'priority'", self.policy)
+        # Without chunked prefill a prompt is admitted whole or not at all: one longer than the
+        # per-pass budget would wait at the head of the queue forever (vLLM refuses this too).
+        _require(self.enable_chunked_prefill or self.token_budget >= self.max_model_len,
+                 "max_num_batched_tokens", f">= max_model_len ({self.max_model_len}) when chunked prefill is "
+                 "disabled, or prompts longer than the budget could never be scheduled", self.token_budget)
         # Seed: with max_num_partial_prefills > 1 and no threshold given, the config fills the
         # threshold in as 4% of the model's context length.
-        if self.max_num_partial_prefills > 1 and self.long_prefill_token_threshold == 0:
+        derived = self.max_num_partial_prefills > 1 and self.long_prefill_token_threshold == 0
+        object.__setattr__(self, "_threshold_derived", derived)
+        if derived:
             object.__setattr__(self, "long_prefill_token_threshold", int(self.max_model_len * 0.04))
+
+    def with_max_model_len(self, max_model_len: int) -> SchedulerConfig:
+        """The same flags for another context length; a threshold derived from the context length
+        is derived again from the new one."""
+        threshold = 0 if self._threshold_derived else self.long_prefill_token_threshold  # type: ignore[attr-defined]
+        return replace(self, max_model_len=max_model_len, long_prefill_token_threshold=threshold)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
     @property
     def token_budget(self) -> int:

@@ -317,7 +317,7 @@ class EngineCoreActor:
 
     async def describe(self) -> EngineDescription:
         engine = self.service.engine
-        return EngineDescription(model_info=engine.model_info, scheduler_config=dict(engine.scheduler_config.__dict__),
+        return EngineDescription(model_info=engine.model_info, scheduler_config=engine.scheduler_config.as_dict(),
                                  block_size=self.service.config.block_size, num_blocks=engine.num_blocks,
                                  engine_index=self.service.config.engine_index)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engine_core.config import EngineConfig, SchedulerConfig
+from engine_core.config import EngineConfig
 from engine_core.executor import Executor, ModelInfo
 from engine_core.outputs import (
     EngineCoreOutput,
@@ -40,7 +40,7 @@ class EngineCore:
             # The model's context window bounds what the scheduler may admit.
             logger.info("engine %d: max_model_len %d capped to the model's %d", config.engine_index,
                         sched_cfg.max_model_len, self.model_info.max_model_len)
-            sched_cfg = SchedulerConfig(**{**sched_cfg.__dict__, "max_model_len": self.model_info.max_model_len})
+            sched_cfg = sched_cfg.with_max_model_len(self.model_info.max_model_len)
         self.scheduler_config = sched_cfg
         self.scheduler = Scheduler(sched_cfg, config.cache_config(num_blocks), log_stats=config.log_stats,
                                    include_finished_set=True)
@@ -115,7 +115,7 @@ class EngineCore:
         t = self._totals
         return EngineStats(
             engine_index=self.config.engine_index, healthy=healthy,
-            scheduler_config=dict(self.scheduler_config.__dict__), num_blocks=self.num_blocks,
+            scheduler_config=self.scheduler_config.as_dict(), num_blocks=self.num_blocks,
             block_size=self.config.block_size, last=self.last_stats, num_steps=self.num_steps,
             num_free_blocks=scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
             num_unfinished_requests=scheduler.get_num_unfinished_requests(),

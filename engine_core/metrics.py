@@ -119,7 +119,7 @@ class EngineMetrics:
         self.request_success: dict[str, float] = defaultdict(float)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success[reason] = 0.0
-        self.flags = {k: str(v) for k, v in scheduler_config.__dict__.items()} | {
+        self.flags = {k: str(v) for k, v in scheduler_config.as_dict().items()} | {
             "tensor_parallel_size": str(config.tensor_parallel_size), "block_size": str(config.block_size),
             "enable_prefix_caching": str(config.enable_prefix_caching)}
         self._policy = scheduler_config.policy

@@ -13,6 +13,10 @@ from engine_core.config import CacheConfig, SchedulerConfig
     ({"max_long_partial_prefills": 0}, "max_long_partial_prefills"),
     ({"max_num_partial_prefills": 2, "max_long_partial_prefills": 3}, "max_long_partial_prefills"),
     ({"policy": "lifo"}, "policy"),
+    # Without chunked prefill, a prompt longer than the budget could never be admitted.
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 256}, "max_num_batched_tokens"),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 4096, "max_num_scheduled_tokens": 64,
+      "max_model_len": 256}, "max_num_batched_tokens"),
 ])
 def test_bad_scheduler_flags_raise_value_error_naming_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
@@ -48,3 +52,18 @@ def test_defaults_match_the_documented_api():
             cfg.max_long_partial_prefills, cfg.policy) == (256, 2048, None, 2048, True, 0, 1, 1, "fcfs")
     cache = CacheConfig()
     assert cache.block_size == 16 and cache.enable_prefix_caching
+
+
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_context():
+    cfg = SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=256)
+    assert cfg.token_budget == 256
+
+
+def test_another_context_length_derives_the_threshold_again():
+    derived = SchedulerConfig(max_model_len=32768, max_num_partial_prefills=2)
+    assert derived.long_prefill_token_threshold == 1310
+    capped = derived.with_max_model_len(2048)
+    assert (capped.max_model_len, capped.long_prefill_token_threshold) == (2048, 81)
+    explicit = SchedulerConfig(max_model_len=32768, max_num_partial_prefills=2, long_prefill_token_threshold=500)
+    assert explicit.with_max_model_len(2048).long_prefill_token_threshold == 500
+    assert "_threshold_derived" not in derived.as_dict()

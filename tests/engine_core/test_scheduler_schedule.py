@@ -86,7 +86,7 @@ def test_max_num_seqs_caps_admission():
 
 
 def test_without_chunked_prefill_a_waiting_request_that_does_not_fit_stops_admission():
-    sched = create_scheduler(max_num_batched_tokens=100, enable_chunked_prefill=False, max_model_len=1000)
+    sched = create_scheduler(max_num_batched_tokens=100, enable_chunked_prefill=False, max_model_len=100)
     a, b, c = create_requests(1, num_tokens=60) + create_requests(1, num_tokens=60) + create_requests(1, num_tokens=10)
     for r in (a, b, c):
         sched.add_request(r)
