@@ -44,6 +44,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     sampled_token_ids: list[list[int]]
     # Aligned with req_ids; None where the request asked for no logprobs.
     logprobs: list[LogprobsEntry | None] | None = None
+    # Complete prompt logprobs of requests whose prefill finished this step (positions 1..n-1).
+    prompt_logprobs: dict[str, LogprobsEntry] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -54,6 +56,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_logprobs: LogprobsEntry | None = None
     # Prompt tokens this request found in the prefix cache when first admitted.
     num_cached_tokens: int = 0
+    # With the first output of a request that asked for them: the prompt's logprobs, positions 1..n-1.
+    new_prompt_logprobs: LogprobsEntry | None = None
 
     @property
     def finished(self) -> bool:

@@ -26,6 +26,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens (each given the tokens before it), with this many top
+    # alternatives; sent with the request's first output. Such a request skips the prefix cache,
+    # since cached positions are never computed.
+    prompt_logprobs: int | None = None
     # e.g. {"json": schema}, {"regex": "..."}, {"choice": [...]}: the request waits for its grammar.
     structured_output: dict[str, Any] | None = None
 
@@ -43,6 +47,9 @@ class SamplingParams:
         _check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0", self.repetition_penalty)
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                "logprobs", "None or in [0, 20]", self.logprobs)
+        _check(self.prompt_logprobs is None
+               or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", "None or in [0, 20]", self.prompt_logprobs)
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
         if self.top_k == -1:

@@ -159,7 +159,11 @@ class ModelRunner:
         states = [self.requests[r] for r in order]
         num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in order), dtype=np.int64, count=len(order))
         num_decodes = int(np.count_nonzero(num_sched == 1))
+        # (index, first position) of requests whose prompt logprobs this step's chunk extends.
+        prompt_lp_chunks = [(i, s.num_computed_tokens) for i, s in enumerate(states) if s.wants_prompt_logprobs]
         hidden, sample_rows, logits_idx = self._forward(states, num_sched, num_decodes)
+        prompt_logprobs = (self._prompt_logprobs(hidden, states, num_sched, prompt_lp_chunks)
+                           if prompt_lp_chunks else None)
 
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list[LogprobsEntry | None] | None = None
@@ -177,7 +181,49 @@ class ModelRunner:
                     state.token_ids.append(tok)
                 logprobs = self._logprobs_entries(out, sample_rows, sample_states, len(order))
         return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
-                                 sampled_token_ids=sampled, logprobs=logprobs)
+                                 sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, states: list[RequestState], num_sched: np.ndarray,
+                         chunks: list[tuple[int, int]]) -> dict[str, LogprobsEntry] | None:
+        """Score each prompt token of these chunks given the tokens before it (the hidden state of
+        position p predicts token p + 1); a request's entries go out once its prefill is complete."""
+        row_starts = np.concatenate(([0], np.cumsum(num_sched)[:-1]))
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[RequestState, int]] = []  # (request, number of its rows)
+        for i, start in chunks:
+            state = states[i]
+            # The last prompt position predicts the first output, which is sampled, not scored here.
+            end = min(start + int(num_sched[i]), state.num_prompt_tokens - 1)
+            count = max(0, end - start)
+            rows.extend(range(int(row_starts[i]), int(row_starts[i]) + count))
+            targets.extend(state.token_ids[start + 1:end + 1])
+            spans.append((state, count))
+        values = top_values = top_tokens = None
+        logits = (self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
+                  if rows else None)
+        if logits is not None:  # (None on TP ranks other than 0, which only keep their states in step)
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            target_lp = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1)
+            k = max(s.sampling_params.prompt_logprobs or 0 for s, _ in spans)
+            top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+            values = target_lp.tolist()
+            top_values = top_lp.tolist() if top_lp is not None else None
+            top_tokens = top_ids.tolist() if top_ids is not None else None
+        done: dict[str, LogprobsEntry] = {}
+        row = 0
+        for state, count in spans:
+            n = state.sampling_params.prompt_logprobs or 0
+            for j in range(row, row + count) if values is not None else ():
+                state.prompt_logprobs.append(values[j])
+                state.prompt_top_logprobs.append(list(zip(top_tokens[j][:n], top_values[j][:n], strict=True))
+                                                 if n else [])
+            row += count
+            if state.num_computed_tokens >= state.num_prompt_tokens:  # (set by _forward) the prefill is done
+                done[state.req_id] = LogprobsEntry(state.prompt_logprobs, state.prompt_top_logprobs)
+                state.prompt_logprobs, state.prompt_top_logprobs = [], []
+                state.prompt_logprobs_sent = True
+        return done if done and (values is not None or not rows) else None
 
     def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int
                  ) -> tuple[torch.Tensor, list[int], torch.Tensor]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,15 @@ class RequestState:
     generator: torch.Generator | None
     # Tokens forbidden while the request is short of min_tokens: EOS (unless ignore_eos) + stop ids.
     min_tokens_stop_ids: tuple[int, ...]
+    # Prompt logprobs gathered chunk by chunk until the prefill ends (then sent once).
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return (self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+                and self.num_computed_tokens < self.num_prompt_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +53,7 @@ class _Parked:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     min_tokens_stop_ids: tuple[int, ...]
+    prompt_logprobs_sent: bool
 
 
 class RequestStates:
@@ -79,7 +89,8 @@ class RequestStates:
         for req_id in so.preempted_req_ids:
             state = self.states.pop(req_id, None)
             if state is not None:
-                self._parked[req_id] = _Parked(state.sampling_params, state.generator, state.min_tokens_stop_ids)
+                self._parked[req_id] = _Parked(state.sampling_params, state.generator, state.min_tokens_stop_ids,
+                                               state.prompt_logprobs_sent)
         for new in so.scheduled_new_reqs:
             self._add_new(new)
         self._apply_cached(so.scheduled_cached_reqs)
@@ -110,7 +121,9 @@ class RequestStates:
                     req_id=req_id, token_ids=list(tokens),
                     num_prompt_tokens=len(tokens) - cached.num_output_tokens[i], sampling_params=params,
                     block_ids=list(blocks or ()), num_computed_tokens=start, generator=parked.generator,
-                    min_tokens_stop_ids=parked.min_tokens_stop_ids)
+                    min_tokens_stop_ids=parked.min_tokens_stop_ids,
+                    # Resumed after its prompt logprobs went out: recomputing the prompt sends nothing.
+                    prompt_logprobs_sent=parked.prompt_logprobs_sent)
                 continue
             state = self.states.get(req_id)
             if state is None:

@@ -82,7 +82,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="Text or token ids.")
     echo: bool = Field(False, description="Prepend the prompt to the completion.")
     logprobs: int | None = Field(None, ge=0, le=20, description="Top logprobs per token.")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt (and its logprobs) alone.")
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -91,6 +91,8 @@ class CompletionRequest(SamplingFields):
             raise invalid("prompt", "prompt must not be empty")
         if self.suffix:
             raise invalid("suffix", "suffix is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens", "max_tokens must be at least 1 unless echo is true")
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -88,6 +88,8 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    # The prompt's logprobs (positions 1..n-1), with the first output, when echo asked for them.
+    prompt_logprobs: LogprobsEntry | None = None
 
 
 @dataclass(slots=True)
@@ -142,7 +144,7 @@ class OpenAIServing:
         return list(prompt)
 
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None, seed_offset: int) -> SamplingParams:
+                        logprobs: int | None, seed_offset: int, prompt_logprobs: int | None = None) -> SamplingParams:
         room = self.settings.max_model_len - prompt_len
         if room <= 0:
             raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens; "
@@ -176,7 +178,7 @@ class OpenAIServing:
                 top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
                 seed=None if request.seed is None else _wrap_int64(request.seed + seed_offset),
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-                repetition_penalty=request.repetition_penalty, logprobs=logprobs)
+                repetition_penalty=request.repetition_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
 
@@ -224,6 +226,8 @@ class OpenAIServing:
                 sink.put_nowait(event)
 
     def _apply_output(self, choice: _Choice, output: EngineCoreOutput) -> tuple[str, list]:
+        if output.new_prompt_logprobs is not None and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = output.new_prompt_logprobs  # (a preempted request never sends them twice)
         new_lp = []
         if output.new_logprobs is not None:
             new_lp = _logprob_rows(output.new_token_ids, output.new_logprobs)
@@ -276,6 +280,7 @@ class OpenAIServing:
         jobs = []
         choices: list[_Choice] = []
         prompt_texts: list[str] = []
+        prompt_ids: list[list[int]] = []
         num_prompt_tokens = 0
         for p_index, prompt in enumerate(prompts):
             ids = self.tokenize_prompt(prompt)
@@ -284,42 +289,66 @@ class OpenAIServing:
             num_prompt_tokens += len(ids)
             prompt_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
             engine = self.choose_engine(ids, session_id)
+            prompt_ids.append(ids)
             for c in self._new_choices(request.n, ids, request):
-                params = self.sampling_params(request, len(ids), request.max_tokens, request.logprobs, c.index)
+                # max_tokens=0 (echo only): one token is generated and dropped, as vLLM does.
+                params = self.sampling_params(request, len(ids), request.max_tokens or 1, request.logprobs, c.index,
+                                              prompt_logprobs=request.logprobs if request.echo else None)
                 c.index = p_index * request.n + c.index
                 choices.append(c)
                 jobs.append((engine, f"{request_id}-{c.index}", ids, params, c))
         streams = await self._open_all(jobs, request)
         if request.stream:
             return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts[0],
-                                                     num_prompt_tokens, streams), streams)
+                                                     prompt_ids[0], num_prompt_tokens, streams), streams)
         await self._generate(streams, choices, None)
         out = []
         for c in choices:
             prefix = prompt_texts[c.index // request.n] if request.echo else ""
-            logprobs = (CompletionLogprobs(**self._completion_logprobs(c.logprobs, len(prefix))[0])
-                        if request.logprobs is not None else None)
+            if request.max_tokens == 0:
+                _drop_output(c)
+            logprobs = None
+            if request.logprobs is not None:
+                rows, offset = [], len(prefix)
+                if request.echo:
+                    rows, offset = _prompt_logprob_rows(prompt_ids[c.index // request.n], c.prompt_logprobs), 0
+                logprobs = CompletionLogprobs(**self._completion_logprobs(rows + c.logprobs, offset)[0])
             out.append(CompletionChoice(index=c.index, text=prefix + c.detok.output_text, logprobs=logprobs,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=request_id, created=created, model=self.settings.served_model_name, choices=out,
                                   usage=_usage(num_prompt_tokens, choices))
 
     async def _stream_completion(self, request: CompletionRequest, request_id: str, created: int,
-                                 choices: list[_Choice], prompt_text: str, num_prompt_tokens: int,
-                                 streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
+                                 choices: list[_Choice], prompt_text: str, prompt_ids: list[int],
+                                 num_prompt_tokens: int, streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
         model = self.settings.served_model_name
         # Logprobs' text offsets count from the start of the choice's text (the echoed prompt included).
         text_offsets = dict.fromkeys((c.index for c in choices), len(prompt_text) if request.echo else 0)
-        if request.echo:
+        # With logprobs the echoed prompt waits for its logprobs, which come with the first output.
+        echo_pending = {c.index for c in choices} if request.echo and request.logprobs is not None else set()
+        if request.echo and not echo_pending:
             for c in choices:
                 yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
                     CompletionChoice(index=c.index, text=prompt_text)]))
         async for event in self._choice_events(streams, choices):
             index, logprobs = event.choice.index, None
+            if index in echo_pending:
+                echo_pending.discard(index)
+                prompt_lp, text_offsets[index] = self._completion_logprobs(
+                    _prompt_logprob_rows(prompt_ids, event.choice.prompt_logprobs), 0)
+                yield completion_token_chunk(request_id, created, model, index, prompt_text, prompt_lp, None, None)
+            if request.max_tokens == 0:  # echo only: the one generated token is dropped
+                if event.finish_reason:
+                    yield completion_token_chunk(request_id, created, model, index, "", None, event.finish_reason,
+                                                 event.stop_reason)
+                continue
             if request.logprobs is not None and event.logprobs:
                 logprobs, text_offsets[index] = self._completion_logprobs(event.logprobs, text_offsets[index])
             yield completion_token_chunk(request_id, created, model, index, event.text, logprobs,
                                          event.finish_reason, event.stop_reason)
+        if request.max_tokens == 0:
+            for c in choices:
+                _drop_output(c)
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[],
                                              usage=_usage(num_prompt_tokens, choices)))
@@ -501,6 +530,22 @@ def stream_error_event(error: Exception) -> str:
 def _logprob_rows(token_ids: list[int], entry: LogprobsEntry) -> list[tuple[int, float, list[tuple[int, float]]]]:
     return [(tid, entry.sampled_logprobs[i], [tuple(x) for x in entry.top_logprobs[i]])  # type: ignore[misc]
             for i, tid in enumerate(token_ids) if i < len(entry.sampled_logprobs)]
+
+
+def _prompt_logprob_rows(prompt_ids: list[int], entry: LogprobsEntry | None
+                         ) -> list[tuple[int, float | None, list[tuple[int, float]]]]:
+    """Rows of the prompt's tokens for echoed logprobs: the first token has none (nothing precedes it)."""
+    rows: list[tuple[int, float | None, list[tuple[int, float]]]] = [(prompt_ids[0], None, [])]
+    if entry is not None:
+        rows += _logprob_rows(prompt_ids[1:], entry)
+    return rows
+
+
+def _drop_output(choice: _Choice) -> None:
+    """max_tokens=0 with echo: the token generated to satisfy the engine is not part of the answer."""
+    choice.token_ids.clear()
+    choice.logprobs.clear()
+    choice.detok.output_text = ""
 
 
 def _usage(num_prompt_tokens: int, choices: list[_Choice]) -> UsageInfo:

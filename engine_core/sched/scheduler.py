@@ -441,6 +441,7 @@ class Scheduler(SchedulerInterface):
                            model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
         req_id_to_index = model_runner_output.req_id_to_index
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running_reqs: set[Request] = set()
@@ -482,7 +483,7 @@ class Scheduler(SchedulerInterface):
                 req_logprobs = logprobs[req_index] if logprobs else None
                 outputs[request.client_index].append(EngineCoreOutput(
                     req_id, new_token_ids, finish_reason, request.stop_reason, req_logprobs,
-                    request.num_cached_tokens))
+                    request.num_cached_tokens, prompt_logprobs.get(req_id) if prompt_logprobs else None))
 
         # Removal is batched after the loop: running is rebuilt once instead of scanned per request.
         if stopped_running_reqs:

@@ -255,3 +255,44 @@ def test_penalties_use_remembered_outputs(model_dir, hf_model):
         outs.append(tok)
     assert got == outs
     assert got != hf_greedy(hf_model, prompt, 6)  # the penalties did change the picks
+
+
+@pytest.mark.parametrize("budget", [5, 64])
+def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache(model_dir, hf_model, budget):
+    runner = make_runner(model_dir)
+    sched = make_scheduler(max_num_batched_tokens=budget)
+    prompt = [7, 3, 99, 42, 5, 17, 250, 8, 64, 1, 33, 2, 90]
+    # The same prompt first without prompt logprobs, so its blocks are in the prefix cache.
+    sched.add_request(greedy_request("warm", prompt, 2))
+    run_to_completion(sched, runner.execute_model)
+    sched.add_request(greedy_request("plp", prompt, 3, prompt_logprobs=2))
+    sched.add_request(greedy_request("none", prompt[:5], 3))
+    sent: dict[str, list] = {}
+    outputs: dict[str, list] = {}
+
+    def execute(so):
+        out = runner.execute_model(so)
+        for rid, entry in (out.prompt_logprobs or {}).items():
+            sent.setdefault(rid, []).append(entry)
+        return out
+
+    for step in range(100):
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        for eco in sched.update_from_output(so, execute(so)).values():
+            for o in eco.outputs:
+                outputs.setdefault(o.request_id, []).append(o)
+    assert list(sent) == ["plp"] and len(sent["plp"]) == 1  # once, when the prefill is complete
+    [entry] = sent["plp"]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert len(entry.sampled_logprobs) == len(prompt) - 1
+    for p in range(len(prompt) - 1):  # position p scores token p + 1
+        assert entry.sampled_logprobs[p] == pytest.approx(ref[p, prompt[p + 1]].item(), abs=1e-4)
+        assert [t for t, _ in entry.top_logprobs[p]] == ref[p].topk(2).indices.tolist()
+    # The engine output carries them with the request's first token, and only there.
+    first, *rest = outputs["plp"]
+    assert first.new_token_ids and first.new_prompt_logprobs == entry
+    assert all(o.new_prompt_logprobs is None for o in rest)
+    assert first.num_cached_tokens == 0  # the cached prefix was not used

@@ -107,16 +107,25 @@ def test_logprobs(client):
         assert item.logprob == pytest.approx(max(t.logprob for t in item.top_logprobs), abs=1e-5)
     comp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
     assert len(comp.choices[0].logprobs.tokens) == 3 and len(comp.choices[0].logprobs.top_logprobs[0]) == 2
-    # Streamed, each chunk's text offsets continue where the previous chunk's ended (after the echo).
-    whole = client.completions.create(model="tiny", prompt="Hi", max_tokens=6, temperature=0, logprobs=1, echo=True,
-                                      extra_body={"ignore_eos": True}).choices[0].logprobs
+    # Echo with logprobs scores the prompt too (its first token has none), as evaluation harnesses need.
+    prompt = "Paris is the capital of"
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=1,
+                                       echo=True, extra_body={"ignore_eos": True})
+    whole, num_prompt = echoed.choices[0].logprobs, echoed.usage.prompt_tokens
+    assert num_prompt > 3 and len(whole.tokens) == num_prompt + 6 and "".join(whole.tokens[:num_prompt]) == prompt
+    assert whole.token_logprobs[0] is None and whole.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in whole.token_logprobs[1:]) and whole.text_offset[0] == 0
+    only_prompt = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    assert only_prompt.choices[0].text == prompt and only_prompt.usage.completion_tokens == 0
+    assert only_prompt.choices[0].logprobs.token_logprobs == pytest.approx(whole.token_logprobs[:num_prompt])
+    # Streamed, the same tokens and offsets: the echo chunk carries the prompt's, then each chunk continues.
     offsets, tokens = [], []
-    for chunk in client.completions.create(model="tiny", prompt="Hi", max_tokens=6, temperature=0, logprobs=1,
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=1,
                                            echo=True, stream=True, extra_body={"ignore_eos": True}):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             offsets += chunk.choices[0].logprobs.text_offset
             tokens += chunk.choices[0].logprobs.tokens
-    assert tokens == whole.tokens and offsets == whole.text_offset and offsets[0] == len("Hi")
+    assert tokens == whole.tokens and offsets == whole.text_offset
 
 
 def test_round_robin_sends_traffic_to_both_engines(client, cluster):

@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine_core.channel import Accepted, AddRequest, encode_frame
-from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
+from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
 from engine_core.request import FinishReason
 from router.app import create_app
 from router.engine_client import EngineClient
@@ -44,10 +44,16 @@ class ScriptedEngine:
         self.client._on_message(self.client._slots[0], Accepted(request.request_id))
         tokens = self.script(request)[:request.sampling_params.max_tokens]
         queue = self.client._queues[request.request_id]
+        params = request.sampling_params
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
+            logprobs = LogprobsEntry([-0.5], [[]]) if params.logprobs is not None else None
+            # Prompt logprobs: position p scores token p + 1 with -p/10, so tests can tell them apart.
+            num_prompt = len(request.prompt_token_ids)
+            prompt_logprobs = (LogprobsEntry([-p / 10 for p in range(1, num_prompt)], [[]] * (num_prompt - 1))
+                               if i == 0 and params.prompt_logprobs is not None else None)
             queue.put_nowait(EngineCoreOutput(request.request_id, [token], self.finish if last else None,
-                                              self.stop_reason if last else None))
+                                              self.stop_reason if last else None, logprobs, 0, prompt_logprobs))
 
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
@@ -73,6 +79,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("/v1/completions", {"prompt": "hi", "priority": 2**63}, "priority"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # only with echo
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -157,3 +164,48 @@ def test_the_stop_token_that_ended_a_choice_is_not_in_its_text(include):
     assert choice["text"] == ("Hello world," if include else "Hello world")
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", comma)
     assert r.json()["usage"]["completion_tokens"] == len(ids)  # the stop token still counts
+
+
+def _events(text: str) -> list[dict]:
+    import json
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs_only(stream):
+    http, engine = _app()
+    prompt = "Paris is the capital"
+    ids = TOKENIZER.encode(prompt)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True,
+                                           "logprobs": 0, "stream": stream,
+                                           "stream_options": {"include_usage": True} if stream else None})
+    assert r.status_code == 200, r.text
+    assert engine.requests[0].sampling_params.prompt_logprobs == 0
+    assert engine.requests[0].sampling_params.max_tokens == 1  # one token, dropped
+    if stream:
+        events = _events(r.text)
+        first, usage = events[0]["choices"][0], events[-1]["usage"]
+        assert first["text"] == prompt and [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, "length"]
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == prompt
+        logprobs = first["logprobs"]
+    else:
+        choice, usage = r.json()["choices"][0], r.json()["usage"]
+        assert choice["text"] == prompt and choice["finish_reason"] == "length"
+        logprobs = choice["logprobs"]
+    assert usage["completion_tokens"] == 0
+    assert logprobs["tokens"] == [TOKENIZER.decode([t]) for t in ids]
+    assert logprobs["token_logprobs"] == [None] + [-p / 10 for p in range(1, len(ids))]
+    assert logprobs["text_offset"][0] == 0
+
+
+def test_streamed_echo_with_logprobs_sends_the_prompt_then_continues_the_offsets():
+    http, _ = _app()
+    prompt = "Paris is"
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3, "echo": True,
+                                           "logprobs": 0, "stream": True})
+    events = [e["choices"][0] for e in _events(r.text)]
+    assert events[0]["text"] == prompt and events[0]["logprobs"]["token_logprobs"][0] is None
+    offsets = [o for e in events for o in e["logprobs"]["text_offset"]]
+    tokens = [t for e in events for t in e["logprobs"]["tokens"]]
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    assert "".join(e["text"] for e in events) == prompt + "".join(tokens[len(TOKENIZER.encode(prompt)):])
