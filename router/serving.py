@@ -273,8 +273,6 @@ class OpenAIServing:
     async def completions(self, request: CompletionRequest, session_id: str | None = None):
         self.check_model(request.model)
         prompts = request.prompts()
-        if request.stream and len(prompts) > 1:
-            raise bad_request("streaming supports one prompt per request", "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         jobs = []
@@ -299,8 +297,8 @@ class OpenAIServing:
                 jobs.append((engine, f"{request_id}-{c.index}", ids, params, c))
         streams = await self._open_all(jobs, request)
         if request.stream:
-            return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts[0],
-                                                     prompt_ids[0], num_prompt_tokens, streams), streams)
+            return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts,
+                                                     prompt_ids, num_prompt_tokens, streams), streams)
         await self._generate(streams, choices, None)
         out = []
         for c in choices:
@@ -319,24 +317,27 @@ class OpenAIServing:
                                   usage=_usage(num_prompt_tokens, choices))
 
     async def _stream_completion(self, request: CompletionRequest, request_id: str, created: int,
-                                 choices: list[_Choice], prompt_text: str, prompt_ids: list[int],
+                                 choices: list[_Choice], prompt_texts: list[str], prompt_ids: list[list[int]],
                                  num_prompt_tokens: int, streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
+        """Choice i answers prompt i // n (several prompts stream their choices interleaved)."""
         model = self.settings.served_model_name
+        n = request.n
         # Logprobs' text offsets count from the start of the choice's text (the echoed prompt included).
-        text_offsets = dict.fromkeys((c.index for c in choices), len(prompt_text) if request.echo else 0)
+        text_offsets = {c.index: len(prompt_texts[c.index // n]) if request.echo else 0 for c in choices}
         # With logprobs the echoed prompt waits for its logprobs, which come with the first output.
         echo_pending = {c.index for c in choices} if request.echo and request.logprobs is not None else set()
         if request.echo and not echo_pending:
             for c in choices:
                 yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
-                    CompletionChoice(index=c.index, text=prompt_text)]))
+                    CompletionChoice(index=c.index, text=prompt_texts[c.index // n])]))
         async for event in self._choice_events(streams, choices):
             index, logprobs = event.choice.index, None
             if index in echo_pending:
                 echo_pending.discard(index)
                 prompt_lp, text_offsets[index] = self._completion_logprobs(
-                    _prompt_logprob_rows(prompt_ids, event.choice.prompt_logprobs), 0)
-                yield completion_token_chunk(request_id, created, model, index, prompt_text, prompt_lp, None, None)
+                    _prompt_logprob_rows(prompt_ids[index // n], event.choice.prompt_logprobs), 0)
+                yield completion_token_chunk(request_id, created, model, index, prompt_texts[index // n], prompt_lp,
+                                             None, None)
             if request.max_tokens == 0:  # echo only: the one generated token is dropped
                 if event.finish_reason:
                     yield completion_token_chunk(request_id, created, model, index, "", None, event.finish_reason,

@@ -276,7 +276,7 @@ def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache(model_
             sent.setdefault(rid, []).append(entry)
         return out
 
-    for step in range(100):
+    for _ in range(100):
         if not sched.has_unfinished_requests():
             break
         so = sched.schedule()

@@ -209,3 +209,19 @@ def test_streamed_echo_with_logprobs_sends_the_prompt_then_continues_the_offsets
     tokens = [t for e in events for t in e["logprobs"]["tokens"]]
     assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
     assert "".join(e["text"] for e in events) == prompt + "".join(tokens[len(TOKENIZER.encode(prompt)):])
+
+
+def test_several_prompts_stream_their_choices_by_index():
+    http, engine = _app(lambda request: request.prompt_token_ids[::-1])  # each answer is its prompt reversed
+    prompts = ["Paris is", "the quick brown"]
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 10,
+                                           "stream": True, "echo": True})
+    assert r.status_code == 200, r.text
+    texts: dict[int, str] = {}
+    for event in _events(r.text):
+        choice = event["choices"][0]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    for index in range(4):
+        ids = TOKENIZER.encode(prompts[index // 2])
+        assert texts[index] == prompts[index // 2] + TOKENIZER.decode(ids[::-1])
+    assert len(engine.requests) == 4
