@@ -296,3 +296,33 @@ def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache(model_
     assert first.new_token_ids and first.new_prompt_logprobs == entry
     assert all(o.new_prompt_logprobs is None for o in rest)
     assert first.num_cached_tokens == 0  # the cached prefix was not used
+
+
+def test_prompt_logprobs_survive_preemption_and_are_sent_once(model_dir, hf_model):
+    runner = make_runner(model_dir, num_blocks=16, block_size=4)
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32)
+    ps = prompts(1, 4, lo=8, hi=16)
+    for rid, p in ps.items():
+        sched.add_request(greedy_request(rid, p, 10, prompt_logprobs=0))
+    seen = {"preempted": 0, "resumed": 0}
+    sent: dict[str, list] = {}
+
+    def on_step(step, so):
+        seen["preempted"] += len(so.preempted_req_ids)
+        seen["resumed"] += sum(so.scheduled_cached_reqs.resumed_from_preemption)
+
+    def execute(so):
+        out = runner.execute_model(so)
+        for rid, entry in (out.prompt_logprobs or {}).items():
+            sent.setdefault(rid, []).append(entry)
+        return out
+
+    got = run_to_completion(sched, execute, on_step=on_step)
+    assert seen["preempted"] and seen["resumed"]
+    for rid, p in ps.items():
+        assert got[rid] == hf_greedy(hf_model, p, 10), rid
+        [entry] = sent[rid]
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([p])).logits[0].log_softmax(-1)
+        expected = [ref[i, p[i + 1]].item() for i in range(len(p) - 1)]
+        assert entry.sampled_logprobs == pytest.approx(expected, abs=1e-4), rid
