@@ -36,6 +36,11 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
+# vLLM's request_latency_buckets: whole-request and phase times (e2e, queue, prefill, decode, inference).
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                            240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Tokens per pass, as vLLM buckets vllm:iteration_tokens_total.
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def _token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -94,23 +99,30 @@ class EngineMetrics:
         h = _Histogram
         self.ttft = h("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = h("vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
-        self.e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency.", _REQUEST_LATENCY_BUCKETS)
         self.queue_time = h("vllm:request_queue_time_seconds", "Time waiting before first scheduled.",
-                            _LATENCY_BUCKETS)
+                            _REQUEST_LATENCY_BUCKETS)
         self.prefill_time = h("vllm:request_prefill_time_seconds", "First scheduled to first token.",
-                              _LATENCY_BUCKETS)
-        self.decode_time = h("vllm:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS)
+                              _REQUEST_LATENCY_BUCKETS)
+        self.decode_time = h("vllm:request_decode_time_seconds", "First token to last token.",
+                             _REQUEST_LATENCY_BUCKETS)
         self.inference_time = h("vllm:request_inference_time_seconds", "First scheduled to finish.",
-                                _LATENCY_BUCKETS)
+                                _REQUEST_LATENCY_BUCKETS)
+        self.time_per_output_token = h("vllm:request_time_per_output_token_seconds",
+                                       "Mean time per output token after the first, per request.", _ITL_BUCKETS)
         self.request_prompt_tokens = h("vllm:request_prompt_tokens", "Prompt length.", token_buckets)
         self.request_generation_tokens = h("vllm:request_generation_tokens", "Generated length.", token_buckets)
+        # Longest generation among a request's parallel samples: each engine request is one sample here.
+        self.max_num_generation_tokens = h("vllm:request_max_num_generation_tokens",
+                                           "Longest generation of a request's samples.", token_buckets)
         self.iteration_tokens = h("vllm:iteration_tokens_total", "Tokens scheduled per pass.",
-                                  _token_buckets(max(scheduler_config.token_budget, 1)))
+                                  _ITERATION_TOKEN_BUCKETS)
         self.params_max_tokens = h("vllm:request_params_max_tokens", "Requested max_tokens.", token_buckets)
         self.params_n = h("vllm:request_params_n", "Requested n (one per engine request).", (1, 2, 5, 10, 20))
         self._histograms = [self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
-                            self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
-                            self.iteration_tokens, self.params_max_tokens, self.params_n]
+                            self.inference_time, self.time_per_output_token, self.request_prompt_tokens,
+                            self.request_generation_tokens, self.max_num_generation_tokens, self.iteration_tokens,
+                            self.params_max_tokens, self.params_n]
         # Counters and gauges: plain numbers, read at scrape time.
         self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits",
                                        "preemptions", "budget_used", "budget_total"), 0.0)
@@ -176,6 +188,7 @@ class EngineMetrics:
         self.e2e.observe(now - t.arrival)
         self.request_prompt_tokens.observe(t.request.num_prompt_tokens)
         self.request_generation_tokens.observe(t.num_generated)
+        self.max_num_generation_tokens.observe(t.num_generated)
         scheduled = next((ts for ev, ts in t.request.events if ev == EngineCoreEventType.SCHEDULED), None)
         if scheduled is not None:
             self.queue_time.observe(max(0.0, scheduled - t.arrival))
@@ -184,6 +197,9 @@ class EngineMetrics:
                 self.prefill_time.observe(max(0.0, t.first_token - scheduled))
         if t.first_token is not None and t.last_token is not None:
             self.decode_time.observe(t.last_token - t.first_token)
+            # As vLLM: the decode time over the tokens after the first (0 for a single token).
+            self.time_per_output_token.observe((t.last_token - t.first_token) / (t.num_generated - 1)
+                                               if t.num_generated > 1 else 0.0)
 
     def _record_stats(self, stats: SchedulerStats) -> None:
         g, c = self.gauges, self.counters

@@ -44,6 +44,8 @@ VLLM_DASHBOARD_QUERIES = [
     'sum by(le) (increase(vllm:iteration_tokens_total_bucket[1m]))',
     'rate(vllm:num_preemptions_total[1m])',
     'rate(vllm:prefix_cache_hits_total[1m]) / rate(vllm:prefix_cache_queries_total[1m])',
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:request_time_per_output_token_seconds_bucket[1m])))',
+    'sum by(le) (increase(vllm:request_max_num_generation_tokens_bucket[1m]))',
 ]
 
 

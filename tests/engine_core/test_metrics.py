@@ -1,0 +1,50 @@
+"""EngineMetrics against vLLM's exposition: names, bucket boundaries and per-request values."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_core.config import EngineConfig, SchedulerConfig
+from engine_core.metrics import EngineMetrics
+from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs
+from engine_core.request import EngineCoreEventType, FinishReason, Request
+from engine_core.sampling_params import SamplingParams
+
+# vllm/v1/metrics/loggers.py: request_latency_buckets, and the iteration-tokens buckets.
+VLLM_REQUEST_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0]
+VLLM_ITERATION_TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def _families(metrics: EngineMetrics) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+
+
+def _bounds(family) -> list[float]:
+    return sorted({float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")} - {float("inf")})
+
+
+def _sum(family) -> float:
+    return next(s.value for s in family.samples if s.name.endswith("_sum"))
+
+
+def test_one_request_through_the_metrics_as_vllm_reports_it():
+    metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=100.0)
+    request.record_event(EngineCoreEventType.SCHEDULED, 100.5)
+    metrics.on_request_added(request)
+    times = [101.0, 101.2, 101.4, 101.6]  # first token at 101.0, then one every 0.2 s
+    for i, now in enumerate(times):
+        finish = FinishReason.LENGTH if i == len(times) - 1 else None
+        metrics.on_step({0: EngineCoreOutputs(outputs=[EngineCoreOutput("r", [7], finish)])}, None, now=now)
+    families = _families(metrics)
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert _bounds(families[f"vllm:{name}"]) == VLLM_REQUEST_LATENCY, name
+    assert _bounds(families["vllm:iteration_tokens_total"]) == VLLM_ITERATION_TOKENS
+    assert abs(_sum(families["vllm:e2e_request_latency_seconds"]) - 1.6) < 1e-9
+    assert abs(_sum(families["vllm:request_queue_time_seconds"]) - 0.5) < 1e-9
+    # Mean time per output token after the first: 0.6 s of decode over 3 tokens.
+    assert abs(_sum(families["vllm:request_time_per_output_token_seconds"]) - 0.2) < 1e-9
+    assert _sum(families["vllm:request_max_num_generation_tokens"]) == 4
+    assert _sum(families["vllm:request_generation_tokens"]) == 4
