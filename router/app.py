@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,17 +36,24 @@ def _error_response(status: int, message: str, type_: str, param: str | None) ->
 class ResponseCounter:
     """Counts responses by path and status as plain ASGI: it only looks at ``http.response.start``.
     (Starlette's ``@app.middleware("http")`` would copy every SSE chunk through an extra stream and
-    task, which costs latency on every streamed token.)"""
+    task, which costs latency on every streamed token.) Paths outside ``endpoints`` count as
+    ``other``: a scanner probing random URLs must not create a series per URL."""
 
-    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics, endpoints: Collection[str]) -> None:
         self.app = app
         self.metrics = metrics
+        self.endpoints = frozenset(endpoints)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if path not in self.endpoints:
+            path = "other"
         started = False
 
         async def send_counted(message: Message) -> None:
@@ -69,9 +76,6 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
     and every engine's series); without it, /metrics shows this process's router series only."""
     app = FastAPI(title="llm-cluster", version=serving.settings.version)
     metrics = serving.metrics
-
-    if metrics is not None:
-        app.add_middleware(ResponseCounter, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -146,6 +150,9 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
             text = metrics.render() if metrics is not None else b""
         return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if metrics is not None:
+        app.add_middleware(ResponseCounter, metrics=metrics,
+                           endpoints={route.path for route in app.routes if hasattr(route, "path")})
     return app
 
 

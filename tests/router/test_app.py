@@ -40,12 +40,14 @@ def test_counts_statuses_and_passes_streams_through():
     app = Starlette(routes=[Route("/ok", ok), Route("/missing", missing), Route("/crash", crash),
                             Route("/stream", stream)])
     metrics = RouterMetrics("m", "r0")
-    app.add_middleware(ResponseCounter, metrics=metrics)
+    app.add_middleware(ResponseCounter, metrics=metrics, endpoints={"/ok", "/missing", "/crash", "/stream"})
     with TestClient(app, raise_server_exceptions=False) as client:
         assert client.get("/ok").text == "fine"
         assert client.get("/ok").status_code == 200
         assert client.get("/missing").status_code == 404
         assert client.get("/crash").status_code == 500
         assert client.get("/stream").text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        for i in range(5):  # unknown paths share one series
+            assert client.get(f"/probe-{i}").status_code == 404
     assert _counts(metrics) == {("/ok", "200"): 2.0, ("/missing", "404"): 1.0, ("/crash", "500"): 1.0,
-                                ("/stream", "200"): 1.0}
+                                ("/stream", "200"): 1.0, ("other", "404"): 5.0}
