@@ -31,6 +31,10 @@ from engine_core.sched.scheduler import PauseState
 logger = logging.getLogger(__name__)
 
 
+# How long a pass that could do nothing waits for input before trying again.
+_IDLE_PASS_WAIT_S = 0.005
+
+
 @dataclass(frozen=True)
 class EngineDescription:
     model_info: ModelInfo
@@ -152,8 +156,14 @@ class EngineCoreService:
             lower_cpu_priority(self._compute_niceness)
         engine = self.engine
         while not self._stopped:
-            # An idle engine blocks here instead of spinning.
-            self._drain_inputs(block=not engine.has_work())
+            # An idle engine blocks here instead of spinning; one whose last pass could do nothing
+            # (paused, or waiting requests that cannot be admitted yet) waits briefly for input.
+            if not engine.has_work():
+                self._drain_inputs(block=True)
+            elif engine.last_step_idle:
+                self._drain_inputs(block=True, timeout=_IDLE_PASS_WAIT_S)
+            else:
+                self._drain_inputs(block=False)
             if self._stopped:
                 break
             if not engine.has_work():
@@ -166,9 +176,9 @@ class EngineCoreService:
                 continue
             self._publish(outputs)
 
-    def _drain_inputs(self, block: bool) -> None:
+    def _drain_inputs(self, block: bool, timeout: float = 0.5) -> None:
         try:
-            command = self._inputs.get(timeout=0.5) if block else self._inputs.get_nowait()
+            command = self._inputs.get(timeout=timeout) if block else self._inputs.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -214,8 +224,11 @@ class EngineCoreService:
         """Bring the workers back; the engine is healthy again once they serve."""
         try:
             self.engine.executor.restart()
-            num_blocks = self.engine.executor.determine_num_blocks()
-            self.engine.executor.initialize_cache(num_blocks)
+            # The new workers' caches are empty: the same pool size (the scheduler's block ids), and
+            # nothing the prefix cache remembers is valid any more (every block is free by now).
+            self.engine.executor.initialize_cache(self.engine.num_blocks)
+            if not self.engine.reset_prefix_cache():
+                raise RuntimeError("the prefix cache could not be reset after the restart")
             self._error = None
             logger.info("engine %d: workers restarted", self.config.engine_index)
         except Exception as e:
@@ -364,7 +377,9 @@ class EngineCoreActor:
                 "event_loop": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}
 
     async def check_health(self) -> bool:
-        self.service.check_health()
+        # Off the event loop: a Ray executor's check waits for its workers, which may be mid-step,
+        # and the event loop serves the request channel.
+        await asyncio.to_thread(self.service.check_health)
         return True
 
     async def shutdown(self) -> None:

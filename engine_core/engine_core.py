@@ -46,6 +46,8 @@ class EngineCore:
                                    include_finished_set=True)
         self.last_stats = SchedulerStats()
         self.num_steps = 0
+        # The last pass scheduled and produced nothing (paused, or nothing admissible yet).
+        self.last_step_idle = False
         # Totals since start (the scheduler's counters are per-pass deltas).
         self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
                         "max_step_tokens": 0}
@@ -94,6 +96,7 @@ class EngineCore:
         else:
             model_output = _EMPTY_MODEL_OUTPUT
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.last_step_idle = model_output is _EMPTY_MODEL_OUTPUT and not any(eco.outputs for eco in outputs.values())
         self.num_steps += 1
         now = time.time()
         totals = self._totals

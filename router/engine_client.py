@@ -184,7 +184,10 @@ class EngineClient:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    async def add_request(self, engine: int, request: EngineCoreRequest) -> OutputQueue:
+    async def add_request(self, engine: int, request: EngineCoreRequest,
+                          timeout_s: float | None = None) -> OutputQueue:
+        """Send the request and wait for the engine to admit it (within ``timeout_s``, the request's
+        own timeout: an engine that never answers must not hold the caller forever)."""
         slot = self._slots[engine]
         if not slot.healthy or slot.channel is None:
             raise EngineUnavailableError(f"engine {engine} is unavailable: {slot.last_error or 'not connected'}")
@@ -199,14 +202,18 @@ class EngineClient:
         try:
             slot.channel.send(AddRequest(request))
             sent = True
-            accepted = await answer
+            async with asyncio.timeout(timeout_s):
+                accepted = await answer
         except BaseException as e:
             slot.pending.pop(rid, None)
             self._forget(slot, rid)
-            if sent and isinstance(e, asyncio.CancelledError) and slot.channel is not None:
-                # The caller left while the engine was admitting it: nobody will read or abort it later.
+            if sent and isinstance(e, asyncio.CancelledError | TimeoutError) and slot.channel is not None:
+                # The caller left (or gave up) while the engine was admitting it: nobody will read or
+                # abort it later.
                 with contextlib.suppress(Exception):
                     slot.channel.send(AbortRequests([rid]))
+            if isinstance(e, TimeoutError):
+                raise RequestTimeoutError(f"request {rid}: engine {engine} did not admit it in {timeout_s} s") from e
             if isinstance(e, EngineUnavailableError | asyncio.CancelledError):
                 raise
             raise EngineUnavailableError(f"engine {engine} is unavailable: {e}") from e
@@ -214,12 +221,16 @@ class EngineClient:
             self._forget(slot, rid)
             if accepted.overloaded:
                 raise EngineOverloadedError(accepted.error)
-            raise EngineUnavailableError(f"engine {engine} refused the request: {accepted.error}")
+            # It refuses everything for now (e.g. its workers are restarting): route elsewhere until
+            # its health check passes again.
+            error = EngineUnavailableError(f"engine {engine} refused the request: {accepted.error}")
+            self._mark_unhealthy(slot, error)
+            raise error
         return queue
 
     async def open(self, engine: int, request: EngineCoreRequest, timeout_s: float | None = None) -> RequestStream:
         """Add the request; its outputs are read from the returned stream, which must be closed."""
-        queue = await self.add_request(engine, request)
+        queue = await self.add_request(engine, request, timeout_s)
         return RequestStream(self, engine, request.request_id, queue, timeout_s)
 
     async def stream(self, engine: int, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
@@ -236,7 +247,7 @@ class EngineClient:
         slot = self._slots[engine]
         for rid in request_ids:
             self._forget(slot, rid)
-        if slot.healthy and slot.channel is not None:
+        if slot.channel is not None:  # (also while marked unhealthy: the engine may still run them)
             try:
                 slot.channel.send(AbortRequests(list(request_ids)))
             except Exception as e:
@@ -298,15 +309,18 @@ class EngineClient:
         slot.pending.clear()
 
     def _mark_unhealthy(self, slot: _EngineSlot, error: Exception) -> None:
+        """No new requests go to this engine until it answers again. Requests in flight there are
+        failed only when the channel is gone (they can never finish); over a live channel the engine
+        reports its own failures, and a slow health probe must not fail requests that are running."""
         if slot.healthy:
-            logger.error("engine %d unreachable: %s", slot.index, error)
+            logger.error("engine %d unhealthy: %s", slot.index, error)
         slot.healthy = False
         slot.last_error = f"{type(error).__name__}: {error}"
-        # Requests in flight there will never finish: tell their waiters now rather than hang.
-        for rid in list(slot.requests):
-            queue = self._queues.get(rid)
-            if queue is not None:
-                queue.put_nowait(EngineCoreOutput(rid, [], FinishReason.ERROR, slot.last_error))
+        if slot.channel is None:
+            for rid in list(slot.requests):
+                queue = self._queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(EngineCoreOutput(rid, [], FinishReason.ERROR, slot.last_error))
         if slot.channel is not None and (slot.prober is None or slot.prober.done()):
             # Reachable but reported unhealthy (e.g. its workers died): back once it says so.
             slot.prober = asyncio.create_task(self._probe_until_healthy(slot))
@@ -356,7 +370,7 @@ class EngineClient:
         async def probe(slot: _EngineSlot) -> None:
             try:
                 await asyncio.wait_for(slot.handle.check_health.remote(), timeout_s)
-                if not slot.healthy:
+                if not slot.healthy and slot.channel is not None:  # no channel: requests there would fail
                     self._set_healthy(slot)
             except Exception as e:
                 self._mark_unhealthy(slot, e)

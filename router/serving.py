@@ -216,6 +216,8 @@ class OpenAIServing:
                 await stream.close()
             if isinstance(e, EngineOverloadedError | EngineUnavailableError):
                 raise _engine_refusal(e) from e
+            if isinstance(e, RequestTimeoutError):  # the engine did not even admit it in time
+                raise self._timed_out() from e
             raise
         return streams
 

@@ -6,10 +6,17 @@ import asyncio
 
 import pytest
 
+from engine_core.channel import AbortRequests, Accepted
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
-from router.engine_client import EngineClient, OutputQueue, RequestStream, RequestTimeoutError
+from router.engine_client import (
+    EngineClient,
+    EngineUnavailableError,
+    OutputQueue,
+    RequestStream,
+    RequestTimeoutError,
+)
 
 
 def _client_with_request(rid: str) -> tuple[EngineClient, OutputQueue]:
@@ -89,6 +96,99 @@ def test_a_caller_that_leaves_while_the_engine_admits_aborts_the_request():
             await task
         assert [type(m).__name__ for m in channel.sent] == ["AddRequest", "AbortRequests"]
         assert channel.sent[1].request_ids == ["left"]
+        assert client.loads() == [0] and not client._slots[0].pending
+
+    asyncio.run(run())
+
+
+class _Channel:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+
+def _admitted(client: EngineClient, rid: str):
+    """Open a request on engine 0 and answer its admission; returns the stream."""
+    async def run():
+        opening = asyncio.create_task(client.open(0, EngineCoreRequest(
+            request_id=rid, prompt_token_ids=[1, 2], sampling_params=SamplingParams(), client_index=1)))
+        await asyncio.sleep(0)
+        client._on_message(client._slots[0], Accepted(rid))
+        return await opening
+    return run()
+
+
+def test_a_failed_health_probe_over_a_live_channel_stops_routing_but_fails_nothing():
+    async def run():
+        client = EngineClient([object()], client_index=1)
+        slot = client._slots[0]
+        channel = slot.channel = _Channel()
+        stream = await _admitted(client, "live")
+        client._mark_unhealthy(slot, TimeoutError("health probe took too long"))
+        assert client.healthy() == [False]
+        assert stream._queue.empty()  # the engine still runs it and reports its own failures
+        await stream.close()  # the client left: the abort goes out although the engine is marked unhealthy
+        assert isinstance(channel.sent[-1], AbortRequests) and channel.sent[-1].request_ids == ["live"]
+        slot.channel = None  # the channel is gone: now requests there can never finish
+        await _admitted_without_channel_fails(client)
+        if slot.prober is not None:
+            slot.prober.cancel()
+
+    async def _admitted_without_channel_fails(client):
+        slot = client._slots[0]
+        queue = client._queues["orphan"] = OutputQueue()
+        slot.requests.add("orphan")
+        client._mark_unhealthy(slot, ConnectionError("channel closed"))
+        [out] = await queue.take_all()
+        assert out.finish_reason == FinishReason.ERROR
+
+    asyncio.run(run())
+
+
+def test_health_needs_an_open_channel():
+    async def run():
+        class Handle:
+            class check_health:
+                @staticmethod
+                async def remote():
+                    return True
+
+        client = EngineClient([Handle()], client_index=1)
+        client._slots[0].healthy = False
+        assert await client.refresh_health() == [False]  # the actor answers, but requests would fail
+        client._slots[0].channel = _Channel()
+        assert await client.refresh_health() == [True]
+
+    asyncio.run(run())
+
+
+def test_an_engine_that_refuses_requests_is_taken_out_of_routing():
+    async def run():
+        client = EngineClient([object()], client_index=1)
+        slot = client._slots[0]
+        slot.channel = _Channel()
+        opening = asyncio.create_task(client.add_request(0, EngineCoreRequest(
+            request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(), client_index=1)))
+        await asyncio.sleep(0)
+        client._on_message(slot, Accepted("r", "engine 0 is unhealthy: workers restarting"))
+        with pytest.raises(EngineUnavailableError):
+            await opening
+        assert client.healthy() == [False] and client.loads() == [0]
+        slot.prober.cancel()
+
+    asyncio.run(run())
+
+
+def test_the_request_timeout_covers_the_wait_for_admission():
+    async def run():
+        client = EngineClient([object()], client_index=1)
+        channel = client._slots[0].channel = _Channel()
+        with pytest.raises(RequestTimeoutError):
+            await client.open(0, EngineCoreRequest(request_id="stuck", prompt_token_ids=[1],
+                                                   sampling_params=SamplingParams(), client_index=1), timeout_s=0.05)
+        assert [type(m).__name__ for m in channel.sent] == ["AddRequest", "AbortRequests"]
         assert client.loads() == [0] and not client._slots[0].pending
 
     asyncio.run(run())
