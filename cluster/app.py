@@ -18,6 +18,9 @@ from router.deployment import OpenAIRouter, RouterConfig
 
 logger = logging.getLogger(__name__)
 
+# The Serve application's name (the CLI's; a Serve config names its own).
+APP_NAME = "llm-cluster"
+
 
 def existing_engines(config: ClusterConfig) -> list[Any] | None:
     """The engines of a previous deploy, if all of them are still alive (a redeploy reuses them)."""
@@ -64,4 +67,4 @@ def start_cluster(config: ClusterConfig) -> list[EngineHandle]:
 
 def run_router(config: ClusterConfig, blocking: bool = False) -> None:
     serve.start(http_options={"host": config.host, "port": config.port})
-    serve.run(router_deployment(config), name="llm-cluster", route_prefix="/", blocking=blocking)
+    serve.run(router_deployment(config), name=APP_NAME, route_prefix="/", blocking=blocking)

@@ -88,20 +88,35 @@ def cluster_config_from_args(args: argparse.Namespace):
         enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address)
 
 
+def _config_error(error: Exception) -> str:
+    """One line per problem, naming the flag (pydantic's own text spans several lines)."""
+    from pydantic import ValidationError
+
+    if not isinstance(error, ValidationError):
+        return str(error)
+    flags = {"request_timeout_s": "request-timeout"}
+    lines = []
+    for e in error.errors():
+        field = ".".join(str(x) for x in e["loc"])
+        message = e["msg"].removeprefix("Value error, ")
+        lines.append(f"--{flags.get(field, field.replace('_', '-'))}: {message}" if field else message)
+    return "; ".join(lines)
+
+
 def serve_command(args: argparse.Namespace) -> int:
     for key, value in SERVE_ENV.items():
         os.environ.setdefault(key, value)
-    config = cluster_config_from_args(args)
     try:
+        config = cluster_config_from_args(args)
         config.engine_configs()
-    except ValueError as e:
-        print(f"llm-cluster: {e}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as e:  # (pydantic's ValidationError is a ValueError)
+        print(f"llm-cluster: {_config_error(e)}", file=sys.stderr)
         return 2
 
     import ray
     from ray import serve
 
-    from cluster.app import run_router, start_cluster
+    from cluster.app import APP_NAME, run_router, start_cluster
     from cluster.launcher import ensure_ray, stop_engines
 
     ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
@@ -120,7 +135,8 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         print("llm-cluster: shutting down", flush=True)
         try:
-            serve.shutdown()
+            # Only our application: on a shared cluster (--address) other Serve apps keep running.
+            serve.delete(APP_NAME)
         finally:
             stop_engines(engines)
             ray.shutdown()

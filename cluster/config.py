@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine_core.config import EngineConfig, SchedulerConfig
 from router.routing import ROUTING_POLICIES
@@ -80,6 +80,15 @@ class ClusterConfig(BaseModel):
     namespace: str = "llm-cluster"
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _engine_count(self) -> ClusterConfig:
+        # Without num_engines the override list sets the count; with it, extra entries are an error
+        # (they would start engines nobody asked for).
+        if "num_engines" in self.model_fields_set and len(self.engines) > self.num_engines:
+            raise ValueError(f"engines has {len(self.engines)} per-engine entries but num_engines is "
+                             f"{self.num_engines}")
+        return self
+
     def resolved_specs(self) -> list[EngineSpec]:
         n = max(self.num_engines, len(self.engines))
         base = _DEFAULTS.model_dump() | self.defaults.model_dump(exclude_none=True)
@@ -133,12 +142,16 @@ def load_engine_overrides(path: str) -> list[EngineSpec]:
     """``--engine-config FILE``: a YAML list of per-engine override mappings."""
     with open(path) as f:
         data = yaml.safe_load(f) or []
-    if not isinstance(data, list):
+    if not isinstance(data, list) or not all(item is None or isinstance(item, dict) for item in data):
         raise ValueError(f"{path}: expected a YAML list of per-engine mappings")
-    try:
-        return [EngineSpec(**(item or {})) for item in data]
-    except ValidationError as e:
-        raise ValueError(f"{path}: {e}") from None
+    specs = []
+    for i, item in enumerate(data):
+        try:
+            specs.append(EngineSpec(**(item or {})))
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"{path}: engine {i}: {problems}") from None
+    return specs
 
 
 def scheduler_flags_to_spec(flags: dict[str, Any]) -> EngineSpec:

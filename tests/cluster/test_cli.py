@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.app import router_deployment
-from cluster.cli import build_parser, cluster_config_from_args
+from cluster.cli import build_parser, cluster_config_from_args, main
 
 
 def _config(*flags: str):
@@ -26,3 +28,30 @@ def test_the_access_log_is_on_unless_disabled():
     quiet = _config("--disable-access-log", "--num-router-replicas", "2")
     deployment = router_deployment(quiet)._bound_deployment  # the deployment behind the bound application
     assert deployment.logging_config["enable_access_log"] is False and deployment.num_replicas == 2
+
+
+@pytest.mark.parametrize(("flags", "files", "message"), [
+    (["--num-engines", "0"], {}, "--num-engines: Input should be greater than or equal to 1"),
+    (["--port", "70000"], {}, "--port: Input should be less than or equal to 65535"),
+    (["--request-timeout", "0"], {}, "--request-timeout: Input should be greater than 0"),
+    (["--max-num-seqs", "0"], {}, "max_num_seqs must be >= 1"),
+    (["--engine-config", "{missing}"], {}, "No such file or directory"),
+    (["--engine-config", "{file}"], {"file": "- 5\n"}, "expected a YAML list of per-engine mappings"),
+    (["--engine-config", "{file}"], {"file": "- {max_num_sqs: 4}\n"}, "max_num_sqs"),
+    (["--num-engines", "1", "--engine-config", "{file}"], {"file": "- {}\n- {}\n"},
+     "engines has 2 per-engine entries but num_engines is 1"),
+])
+def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
+    paths = {"missing": str(tmp_path / "missing.yaml")}
+    for key, text in files.items():
+        (tmp_path / f"{key}.yaml").write_text(text)
+        paths[key] = str(tmp_path / f"{key}.yaml")
+    assert main(["serve", *(f.format(**paths) for f in flags)]) == 2  # before Ray starts
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("llm-cluster: ") and message in err and "\n" not in err
+
+
+def test_the_override_list_sets_the_engine_count_when_num_engines_is_not_given():
+    from cluster.config import ClusterConfig
+
+    assert len(ClusterConfig(engines=[{}, {"max_num_seqs": 4}]).engine_configs()) == 2
