@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+_GREEDY_BELOW = 1e-5
+_MIN_TEMPERATURE = 1e-2
 
 
 def _check(condition: bool, name: str, allowed: str, value: object) -> None:
@@ -38,7 +42,14 @@ class SamplingParams:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", f"between 0 and max_tokens ({self.max_tokens})", self.min_tokens)
-        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature", "finite and >= 0",
+               self.temperature)
+        # As vLLM: a temperature this close to 0 is greedy, and one below 0.01 is raised to it
+        # (dividing logits by less overflows them to inf, and the sample turns into token 0).
+        if self.temperature < _GREEDY_BELOW:
+            self.temperature = 0.0
+        elif self.temperature < _MIN_TEMPERATURE:
+            self.temperature = _MIN_TEMPERATURE
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", ">= -1 (0 or -1 disables)", self.top_k)
         _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)

@@ -38,7 +38,9 @@ from safetensors.torch import save_file
 logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes, so stale cache entries are not reused.
-CONVERTER_VERSION = 1
+# Bumped whenever the converted directory changes (a cached conversion of an older version is redone).
+# 2: linear RoPE from scale_linear / a factor without a type; end-of-turn/message ids stop generation.
+CONVERTER_VERSION = 2
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -105,12 +107,18 @@ def _require_key(meta: dict[str, Any], key: str) -> Any:
 
 
 def _rope_parameters(meta: dict[str, Any], arch: str, rope_theta: float) -> dict[str, Any]:
-    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type in ("none", None):
+    # As llama.cpp reads them: a factor (rope.scaling.factor, or the older rope.scale_linear) with no
+    # type means linear scaling; "none" means no scaling whatever the factor.
+    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    if scaling_type is None:
+        scaling_type = "linear" if factor is not None and _float32(factor) not in (0.0, 1.0) else "none"
+    if scaling_type == "none":
         return {"rope_type": "default", "rope_theta": rope_theta}
     if scaling_type == "linear":
-        factor = _float32(_require_key(meta, f"{arch}.rope.scaling.factor"))
-        return {"rope_type": "linear", "rope_theta": rope_theta, "factor": factor}
+        if factor is None:
+            raise ValueError(f"GGUF metadata lacks required key '{arch}.rope.scaling.factor'")
+        return {"rope_type": "linear", "rope_theta": rope_theta, "factor": _float32(factor)}
     raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported by this converter")
 
 
@@ -313,12 +321,17 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
-    # The engine stops on eos from generation_config.json; for chat GGUFs that is the end-of-turn token.
+def _generation_config(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    # The engine stops on every eos id of generation_config.json: the GGUF's eos and, as llama.cpp
+    # does, its end-of-turn and end-of-message tokens (Llama-3 chat files: eos 128001, eot 128009).
     data: dict[str, Any] = {"_from_model_config": True}
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    for key in ("bos_token_id", "pad_token_id"):
         if config.get(key) is not None:
             data[key] = config[key]
+    stops = [meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    stops = list(dict.fromkeys(t for t in stops if t is not None))
+    if stops:
+        data["eos_token_id"] = stops[0] if len(stops) == 1 else stops
     return data
 
 
@@ -336,7 +349,7 @@ def convert_gguf_to_hf(
     config, tensors = load_gguf(gguf_path, dtype)
     _save_weights(tensors, out, max_shard_bytes)
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(config))
+    _write_json(out / "generation_config.json", _generation_config(config, read_metadata(GGUFReader(gguf_path))))
     _save_tokenizer(gguf_path, out, int(config["max_position_embeddings"]))
     stat = gguf_path.stat()
     source = {"gguf_path": os.fspath(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,

@@ -292,3 +292,28 @@ def test_smollm2_matches_transformers_gguf_loader(smollm2_dir: tuple[Path, float
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 2, 198]])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("meta", "expected"), [
+    ({}, {"rope_type": "default"}),
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, {"rope_type": "default"}),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    # As llama.cpp reads older files: a factor without a type is linear, also from rope.scale_linear.
+    ({"llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    ({"llama.rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
+    ({"llama.rope.scale_linear": 1.0}, {"rope_type": "default"}),
+])
+def test_rope_scaling_is_read_as_llama_cpp_reads_it(meta: dict, expected: dict) -> None:
+    from gpu_worker.gguf_loader import _rope_parameters
+
+    assert _rope_parameters(meta, "llama", 10000.0) == {"rope_theta": 10000.0, **expected}
+
+
+def test_end_of_turn_and_message_tokens_stop_generation_too() -> None:
+    from gpu_worker.gguf_loader import _generation_config
+
+    config = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
+    meta = {"tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 8}
+    assert _generation_config(config, meta) == {"_from_model_config": True, "bos_token_id": 1,
+                                                "eos_token_id": [2, 7, 8]}
+    assert _generation_config(config, {"tokenizer.ggml.eos_token_id": 2})["eos_token_id"] == 2

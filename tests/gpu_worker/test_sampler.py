@@ -112,3 +112,15 @@ def test_logprobs_are_log_softmax_of_raw_logits(logits):
     top_lp, top_ids = ref.topk(3)
     assert torch.equal(out.top_token_ids, top_ids)
     torch.testing.assert_close(out.top_logprobs, top_lp)
+
+
+def test_tiny_temperatures_are_greedy_or_clamped_as_in_vllm():
+    from engine_core.sampling_params import SamplingParams
+
+    assert SamplingParams(temperature=1e-40).temperature == 0.0  # greedy
+    assert SamplingParams(temperature=1e-6).temperature == 0.0
+    assert SamplingParams(temperature=1e-3).temperature == 0.01  # raised to vLLM's floor
+    assert SamplingParams(temperature=0.7).temperature == 0.7
+    for bad in (float("inf"), float("nan"), -0.1):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
