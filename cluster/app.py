@@ -6,6 +6,7 @@ a Serve config (``serve run deploy/serve_config.yaml``; ``import_path: cluster.a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -13,8 +14,15 @@ import ray
 from ray import serve
 
 from cluster.config import ClusterConfig
-from cluster.launcher import EngineHandle, engine_actor_name, ensure_ray, start_engines
-from router.deployment import OpenAIRouter, RouterConfig
+from cluster.launcher import (
+    EngineHandle,
+    engine_actor_name,
+    ensure_ray,
+    named_actor,
+    start_engines,
+    stop_named_engine,
+)
+from router.deployment import METRICS_HUB_NAME, OpenAIRouter, RouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -22,15 +30,53 @@ logger = logging.getLogger(__name__)
 APP_NAME = "llm-cluster"
 
 
-def existing_engines(config: ClusterConfig) -> list[Any] | None:
-    """The engines of a previous deploy, if all of them are still alive (a redeploy reuses them)."""
-    handles = []
-    for i in range(len(config.resolved_specs())):
-        try:
-            handles.append(ray.get_actor(engine_actor_name(i), namespace=config.namespace))
-        except ValueError:
-            return None
-    return handles
+def reconcile_engines(config: ClusterConfig) -> list[int]:
+    """Make the running (detached) engines match ``config``: an engine whose flags or model are
+    unchanged is kept, one that differs (or died) is replaced, one beyond the wanted count is
+    stopped. Returns the indexes started now. (A redeploy with new ``args`` must not keep serving
+    the old flags, and a dead engine's placement group must not stay reserved.)"""
+    wanted = config.engine_configs()
+    to_start = []
+    for engine in wanted:
+        name = engine_actor_name(engine.engine_index)
+        actor = named_actor(name, config.namespace)
+        if actor is not None:
+            try:
+                if ray.get(actor.engine_config.remote(), timeout=60) == engine:
+                    continue
+                logger.info("engine %d: its configuration changed; replacing it", engine.engine_index)
+            except Exception as e:
+                logger.warning("engine %d does not answer (%s); replacing it", engine.engine_index, e)
+        stop_named_engine(name, config.namespace)  # also a dead engine's leftover placement group
+        to_start.append(engine)
+    extra = len(wanted)
+    while named_actor(engine_actor_name(extra), config.namespace) is not None:
+        logger.info("engine %d is beyond num_engines; stopping it", extra)
+        stop_named_engine(engine_actor_name(extra), config.namespace)
+        extra += 1
+    if to_start:
+        # Detached: the engines belong to the Serve application, not to the process that built it.
+        start_engines(to_start, config.namespace, detached=True)
+    return [engine.engine_index for engine in to_start]
+
+
+def stop_app(namespace: str = "llm-cluster", app_name: str = APP_NAME) -> list[str]:
+    """`llm-cluster stop`: delete the Serve application and stop the detached engines and metrics hub
+    a Serve deploy left running (``serve shutdown`` / ``serve delete`` do not know about them)."""
+    with contextlib.suppress(Exception):
+        serve.delete(app_name)
+    stopped = []
+    index = 0
+    while (name := engine_actor_name(index)) and named_actor(name, namespace) is not None:
+        stop_named_engine(name, namespace)
+        stopped.append(name)
+        index += 1
+    hub = named_actor(METRICS_HUB_NAME, namespace)
+    if hub is not None:
+        with contextlib.suppress(Exception):
+            ray.kill(hub, no_restart=True)
+        stopped.append(METRICS_HUB_NAME)
+    return stopped
 
 
 def router_deployment(config: ClusterConfig):
@@ -53,9 +99,7 @@ def build_app(args: dict[str, Any]):
     config = ClusterConfig(**args)
     config.engine_configs()  # validate every engine's flags before anything starts
     ensure_ray(config.address, namespace=config.namespace)
-    if existing_engines(config) is None:
-        # Detached: the engines belong to the Serve application, not to the process that built it.
-        start_engines(config.engine_configs(), config.namespace, detached=True)
+    reconcile_engines(config)
     return router_deployment(config)
 
 

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--address", default=None, help="Existing Ray cluster (ray://... or host:port).")
     serve.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray (default: all).")
+    stop = sub.add_parser("stop", help="Delete a Serve-deployed application and stop its detached engines.")
+    stop.add_argument("--address", default="auto", help="The Ray cluster (default: the one running here).")
+    stop.add_argument("--namespace", default="llm-cluster", help="The namespace of the application's actors.")
+    stop.add_argument("--app-name", default="llm-cluster", help="The Serve application's name.")
     return parser
 
 
@@ -148,7 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve_command(args)
+    if args.command == "stop":
+        return stop_command(args)
     return 1
+
+
+def stop_command(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.app import stop_app
+
+    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False)
+    try:
+        stopped = stop_app(args.namespace, args.app_name)
+    finally:
+        ray.shutdown()
+    print(f"llm-cluster: deleted application {args.app_name!r}; stopped {', '.join(stopped) or 'no engines'}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -122,6 +122,39 @@ def start_engines(configs: list[EngineConfig], namespace: str, detached: bool = 
     return handles
 
 
+def named_actor(name: str, namespace: str) -> Any | None:
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def stop_named_engine(name: str, namespace: str) -> None:
+    """Stop a (detached) engine found by name and free its placement group; also frees the group of
+    an engine whose actor is already gone."""
+    actor = named_actor(name, namespace)
+    if actor is not None:
+        try:
+            ray.get(actor.shutdown.remote(), timeout=30)
+        except Exception as e:
+            logger.warning("%s did not shut down cleanly: %s", name, e)
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+    for group in placement_groups_named(f"{name}-workers"):
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)
+
+
+def placement_groups_named(name: str) -> list[PlacementGroup]:
+    """Live placement groups with this name, whichever job (namespace) created them: a Serve deploy
+    builds its engines inside Serve's own job, `llm-cluster stop` runs in another."""
+    from ray._raylet import PlacementGroupID
+
+    return [PlacementGroup(PlacementGroupID(bytes.fromhex(group_id)))
+            for group_id, info in ray.util.placement_group_table().items()
+            if info.get("name") == name and info.get("state") != "REMOVED"]
+
+
 def stop_engines(handles: list[EngineHandle]) -> None:
     for h in handles:
         try:

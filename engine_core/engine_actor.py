@@ -334,6 +334,10 @@ class EngineCoreActor:
                                  block_size=self.service.config.block_size, num_blocks=engine.num_blocks,
                                  engine_index=self.service.config.engine_index)
 
+    async def engine_config(self) -> EngineConfig:
+        """The configuration this engine was started with (a redeploy compares it with the wanted one)."""
+        return self.service.config
+
     async def get_tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer files of the engine's model dir, so a router on another node can load them."""
         return read_tokenizer_files(self.service.engine.model_info.model_dir)

@@ -96,9 +96,12 @@ class RouterMetricsHub:
 METRICS_PUSH_INTERVAL_S = 1.0
 
 
+METRICS_HUB_NAME = "llm-cluster-router-metrics"
+
+
 def metrics_hub(namespace: str) -> Any:
     return ray.remote(RouterMetricsHub).options(
-        name="llm-cluster-router-metrics", namespace=namespace, get_if_exists=True, lifetime="detached",
+        name=METRICS_HUB_NAME, namespace=namespace, get_if_exists=True, lifetime="detached",
         num_cpus=0).remote()
 
 

@@ -1,0 +1,50 @@
+"""A Serve redeploy (``build_app`` again) reconciles the detached engines with the new args, and
+``llm-cluster stop`` removes what a Serve deploy left running. Real local Ray, tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.app import reconcile_engines, stop_app
+from cluster.config import ClusterConfig, EngineSpec
+from cluster.launcher import engine_actor_name, named_actor, placement_groups_named
+
+pytestmark = pytest.mark.slow
+
+NAMESPACE = "redeploy-test"  # its own: the engine names are fixed per namespace
+
+
+def _config(model_dir, num_engines: int, max_num_seqs: int) -> ClusterConfig:
+    return ClusterConfig(model=str(model_dir), num_engines=num_engines, namespace=NAMESPACE,
+                         defaults=EngineSpec(num_gpu_blocks=32, max_model_len=128, max_num_seqs=max_num_seqs,
+                                             num_cpus_per_worker=0.5))
+
+
+def _placement_group_exists(name: str) -> bool:
+    return bool(placement_groups_named(f"{name}-workers"))
+
+
+def test_a_redeploy_keeps_unchanged_engines_and_replaces_changed_or_extra_ones(ray_cluster, tiny_model_dir):
+    import ray
+
+    try:
+        assert reconcile_engines(_config(tiny_model_dir, 1, 8)) == [0]
+        first = named_actor(engine_actor_name(0), NAMESPACE)
+        assert reconcile_engines(_config(tiny_model_dir, 1, 8)) == []  # same args: the same engine serves on
+        assert named_actor(engine_actor_name(0), NAMESPACE)._actor_id == first._actor_id
+        # New flags: engine 0 is replaced, and it runs them.
+        assert reconcile_engines(_config(tiny_model_dir, 1, 4)) == [0]
+        engine = named_actor(engine_actor_name(0), NAMESPACE)
+        assert engine._actor_id != first._actor_id
+        assert ray.get(engine.engine_config.remote()).scheduler.max_num_seqs == 4
+        # More engines: only the new one starts; fewer: the extra one stops and frees its bundles.
+        assert reconcile_engines(_config(tiny_model_dir, 2, 4)) == [1]
+        assert reconcile_engines(_config(tiny_model_dir, 1, 4)) == []
+        assert named_actor(engine_actor_name(1), NAMESPACE) is None
+        assert not _placement_group_exists(engine_actor_name(1))
+        assert _placement_group_exists(engine_actor_name(0))
+    finally:
+        stopped = stop_app(NAMESPACE, app_name="redeploy-test-app")
+    assert stopped == [engine_actor_name(0)]
+    assert named_actor(engine_actor_name(0), NAMESPACE) is None
+    assert not _placement_group_exists(engine_actor_name(0))
