@@ -24,7 +24,7 @@ SCHEDULER_ARGS = [
     ("--max-num-seqs", int, "Admission cap on running requests."),
     ("--max-num-batched-tokens", int, "Token budget per pass."),
     ("--max-num-scheduled-tokens", int, "Per-pass budget that outranks --max-num-batched-tokens."),
-    ("--max-model-len", int, "Context length (prompt + output)."),
+    ("--max-model-len", int, "Context length (prompt + output); default: the model's own."),
     ("--long-prefill-token-threshold", int, "Clamp on one request's tokens per pass (0: off)."),
     ("--max-num-partial-prefills", int, "Requests that may be mid-prefill in one pass (1: no cap)."),
     ("--max-long-partial-prefills", int, "Of those, how many may be long."),

@@ -28,7 +28,7 @@ class EngineSpec(BaseModel):
     max_num_seqs: int | None = Field(None, description="Admission cap on running requests (--max-num-seqs).")
     max_num_batched_tokens: int | None = Field(None, description="Token budget per pass.")
     max_num_scheduled_tokens: int | None = Field(None, description="Outranks max_num_batched_tokens when set.")
-    max_model_len: int | None = Field(None, description="Context length (prompt + output).")
+    max_model_len: int | None = Field(None, description="Context length (prompt + output); None: the model's.")
     enable_chunked_prefill: bool | None = None
     long_prefill_token_threshold: int | None = Field(None, description="Per-request clamp per pass (0: off).")
     max_num_partial_prefills: int | None = None
@@ -53,7 +53,7 @@ class EngineSpec(BaseModel):
 
 
 _DEFAULTS = EngineSpec(
-    max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2048, enable_chunked_prefill=True,
+    max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None, enable_chunked_prefill=True,
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", placement_strategy="PACK", num_cpus_per_worker=1.0,

@@ -23,7 +23,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # When set, outranks max_num_batched_tokens as the per-pass token budget (seed: "silently outranks").
     max_num_scheduled_tokens: int | None = None
-    max_model_len: int = 2048
+    # None: the model's own context length (the engine fills it in when it loads the model).
+    max_model_len: int | None = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
@@ -38,8 +39,8 @@ class SchedulerConfig:
         _require(self.max_num_scheduled_tokens is None
                  or (isinstance(self.max_num_scheduled_tokens, int) and self.max_num_scheduled_tokens >= 1),
                  "max_num_scheduled_tokens", "None or >= 1", self.max_num_scheduled_tokens)
-        _require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
-                 "max_model_len", ">= 1", self.max_model_len)
+        _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+                 "max_model_len", "None (the model's) or >= 1", self.max_model_len)
         _require(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,
                  "long_prefill_token_threshold", ">= 0", self.long_prefill_token_threshold)
         _require(isinstance(self.max_num_partial_prefills, int) and self.max_num_partial_prefills >= 1,
@@ -51,14 +52,14 @@ class SchedulerConfig:
         _require(self.policy in ("fcfs", "priority"), "policy", "one of 'fcfs', 'priority'", self.policy)
         # Without chunked prefill a prompt is admitted whole or not at all: one longer than the
         # per-pass budget would wait at the head of the queue forever (vLLM refuses this too).
-        _require(self.enable_chunked_prefill or self.token_budget >= self.max_model_len,
+        _require(self.enable_chunked_prefill or self.max_model_len is None or self.token_budget >= self.max_model_len,
                  "max_num_batched_tokens", f">= max_model_len ({self.max_model_len}) when chunked prefill is "
                  "disabled, or prompts longer than the budget could never be scheduled", self.token_budget)
         # Seed: with max_num_partial_prefills > 1 and no threshold given, the config fills the
         # threshold in as 4% of the model's context length.
         derived = self.max_num_partial_prefills > 1 and self.long_prefill_token_threshold == 0
         object.__setattr__(self, "_threshold_derived", derived)
-        if derived:
+        if derived and self.max_model_len is not None:
             object.__setattr__(self, "long_prefill_token_threshold", int(self.max_model_len * 0.04))
 
     def with_max_model_len(self, max_model_len: int) -> SchedulerConfig:

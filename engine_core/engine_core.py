@@ -36,11 +36,22 @@ class EngineCore:
         executor.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
         sched_cfg = config.scheduler
-        if sched_cfg.max_model_len > self.model_info.max_model_len:
+        if sched_cfg.max_model_len is None:  # the model's own context length, as vLLM defaults it
+            sched_cfg = sched_cfg.with_max_model_len(self.model_info.max_model_len)
+        elif sched_cfg.max_model_len > self.model_info.max_model_len:
             # The model's context window bounds what the scheduler may admit.
             logger.info("engine %d: max_model_len %d capped to the model's %d", config.engine_index,
                         sched_cfg.max_model_len, self.model_info.max_model_len)
             sched_cfg = sched_cfg.with_max_model_len(self.model_info.max_model_len)
+        capacity = num_blocks * config.block_size
+        if capacity < sched_cfg.max_model_len:
+            # A request that long could never be admitted, and would hold up the queue behind it.
+            executor.shutdown()
+            raise ValueError(
+                f"engine {config.engine_index}: max_model_len ({sched_cfg.max_model_len}) is larger than the KV cache "
+                f"can hold ({num_blocks} blocks of {config.block_size} = {capacity} tokens): lower --max-model-len "
+                "or give the cache more memory (--num-gpu-blocks, --kv-cache-memory-bytes, "
+                "--gpu-memory-utilization)")
         self.scheduler_config = sched_cfg
         self.scheduler = Scheduler(sched_cfg, config.cache_config(num_blocks), log_stats=config.log_stats,
                                    include_finished_set=True)

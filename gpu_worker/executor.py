@@ -47,7 +47,9 @@ class _ExecutorBase(Executor):
         resolved = resolve_model(config.model)
         self.model_dir = Path(resolved.model_dir)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        self.max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
+        wanted = config.scheduler.max_model_len  # None: the model's context length
+        self.max_model_len = min(wanted or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
         self._info = ModelInfo(
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
             max_model_len=self.max_model_len,

@@ -114,7 +114,8 @@ def test_killing_a_worker_errors_in_flight_requests_then_the_engine_recovers(ray
 def test_engine_compute_threads_run_at_lower_priority_than_its_io(ray_cluster, tiny_model_dir):
     import ray
 
-    config = ClusterConfig(model=str(tiny_model_dir), defaults=EngineSpec(num_gpu_blocks=16, engine_niceness=3))
+    config = ClusterConfig(model=str(tiny_model_dir), defaults=EngineSpec(num_gpu_blocks=16, engine_niceness=3,
+                                                                         max_model_len=256))
     [engine] = start_engines(config.engine_configs(), config.namespace)
     try:
         address = ray.get(engine.actor.channel_address.remote())  # the channel runs on the actor's event loop

@@ -35,7 +35,8 @@ def hf_greedy(model_dir, prompts, max_tokens):
 def test_greedy_generate_equals_transformers_with_chunked_prefill_and_preemption(tiny_model_dir):
     max_tokens = 24
     # 16-token budget forces chunked prefill; 12 blocks of 16 for 8 growing requests forces preemption.
-    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=12, max_num_batched_tokens=16, max_num_seqs=8)
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=12, max_num_batched_tokens=16, max_num_seqs=8,
+              max_model_len=128)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -90,7 +91,7 @@ def test_bad_scheduler_flag_names_the_flag_and_engine(tiny_model_dir):
 
 @pytest.mark.slow
 def test_smollm2_answers_paris(smollm2_dir):
-    llm = LLM(model="SmolLM2-135M-Instruct", num_gpu_blocks=256)
+    llm = LLM(model="SmolLM2-135M-Instruct", num_gpu_blocks=256, max_model_len=2048)
     try:
         out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0]

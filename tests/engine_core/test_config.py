@@ -67,3 +67,10 @@ def test_another_context_length_derives_the_threshold_again():
     explicit = SchedulerConfig(max_model_len=32768, max_num_partial_prefills=2, long_prefill_token_threshold=500)
     assert explicit.with_max_model_len(2048).long_prefill_token_threshold == 500
     assert "_threshold_derived" not in derived.as_dict()
+
+
+def test_max_model_len_can_be_left_to_the_model():
+    cfg = SchedulerConfig(max_model_len=None, max_num_partial_prefills=2, enable_chunked_prefill=False)
+    assert cfg.max_model_len is None  # checks that need it wait for the model's length
+    resolved = cfg.with_max_model_len(2048)
+    assert (resolved.max_model_len, resolved.long_prefill_token_threshold) == (2048, 81)

@@ -84,3 +84,17 @@ def test_a_paused_engine_with_waiting_work_waits_instead_of_spinning(service):
         finished = any(o.request_id == "held" and o.finish_reason is not None
                        for eco in service._take(service._buffer(0)) for o in eco.outputs)
     assert finished
+
+
+def test_max_model_len_defaults_to_the_models_and_must_fit_the_kv_cache(tmp_path_factory):
+    from engine_core.engine_core import EngineCore
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny"), max_positions=512)
+    [config] = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=64)).engine_configs()
+    assert config.scheduler.max_model_len is None
+    engine = EngineCore(config, create_executor(config))
+    assert engine.scheduler_config.max_model_len == 512  # the model's context length, as in vLLM
+    engine.shutdown()
+    [small] = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=8)).engine_configs()
+    with pytest.raises(ValueError, match=r"max_model_len \(512\) is larger than the KV cache can hold"):
+        EngineCore(small, create_executor(small))
