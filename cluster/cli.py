@@ -113,6 +113,10 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         config = cluster_config_from_args(args)
         config.engine_configs()
+        if config.address is None:  # a local model must exist here (on a cluster, on the engines' nodes)
+            from gpu_worker.model_resolver import check_model_reference
+
+            check_model_reference(config.model)
     except (ValueError, TypeError, OSError) as e:  # (pydantic's ValidationError is a ValueError)
         print(f"llm-cluster: {_config_error(e)}", file=sys.stderr)
         return 2

