@@ -85,6 +85,14 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
+    def max_context_len(self) -> int:
+        """The longest sequence the model serves: linear RoPE scaling stretches the trained positions
+        by its factor (as vLLM derives it; llama3 configs already state their extended length)."""
+        if self.rope_scaling and self.rope_scaling.get("rope_type") == "linear":
+            return int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
     def num_key_value_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 

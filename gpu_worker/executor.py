@@ -48,8 +48,7 @@ class _ExecutorBase(Executor):
         self.model_dir = Path(resolved.model_dir)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         wanted = config.scheduler.max_model_len  # None: the model's context length
-        self.max_model_len = min(wanted or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = min(wanted or self.model_config.max_context_len, self.model_config.max_context_len)
         self._info = ModelInfo(
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
             max_model_len=self.max_model_len,

@@ -54,10 +54,10 @@ class ModelRunner:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.max_model_len = max_model_len or model_config.max_position_embeddings
-        if self.max_model_len > model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({model_config.max_position_embeddings})")
+        self.max_model_len = max_model_len or model_config.max_context_len
+        if self.max_model_len > model_config.max_context_len:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context length "
+                             f"({model_config.max_context_len})")
         if model_config.sliding_window is not None and self.max_model_len > model_config.sliding_window:
             raise ValueError(f"sliding-window attention is not implemented: max_model_len ({self.max_model_len}) "
                              f"must not exceed the model's sliding_window ({model_config.sliding_window})")

@@ -326,3 +326,17 @@ def test_prompt_logprobs_survive_preemption_and_are_sent_once(model_dir, hf_mode
             ref = hf_model(torch.tensor([p])).logits[0].log_softmax(-1)
         expected = [ref[i, p[i + 1]].item() for i in range(len(p) - 1)]
         assert entry.sampled_logprobs == pytest.approx(expected, abs=1e-4), rid
+
+
+def test_linear_rope_scaling_serves_the_stretched_context_as_hf_computes_it(tmp_path):
+    # 32 trained positions stretched 4x: the model serves 128, and matches HF beyond position 32.
+    path = save_tiny_model(tmp_path, "llama", max_position_embeddings=32,
+                           rope_scaling={"rope_type": "linear", "factor": 4.0})
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    assert runner.max_model_len == 128
+    hf_model = load_hf(path)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_model_len=128)
+    prompt = [random.Random(9).randrange(256) for _ in range(60)]
+    sched.add_request(greedy_request("long", prompt, 12))
+    got = run_to_completion(sched, runner.execute_model)
+    assert got["long"] == hf_greedy(hf_model, prompt, 12)
