@@ -38,6 +38,10 @@ SCHEDULER_ARGS = [
 ]
 
 
+# vLLM's own spellings of our flags, accepted too.
+FLAG_ALIASES = {"--num-gpu-blocks": ("--num-gpu-blocks-override",)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-engines", type=int, default=1)
     serve.add_argument("--tensor-parallel-size", type=int, default=None)
     for flag, kind, help_text in SCHEDULER_ARGS:
-        serve.add_argument(flag, type=kind, default=None, help=help_text)
+        serve.add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=kind, default=None, help=help_text)
     serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)

@@ -57,3 +57,8 @@ def test_the_override_list_sets_the_engine_count_when_num_engines_is_not_given()
     from cluster.config import ClusterConfig
 
     assert len(ClusterConfig(engines=[{}, {"max_num_seqs": 4}]).engine_configs()) == 2
+
+
+def test_vllms_spelling_of_the_block_count_flag_is_accepted():
+    [engine] = _config("--num-gpu-blocks-override", "96").engine_configs()
+    assert engine.num_gpu_blocks == 96
