@@ -132,8 +132,17 @@ class LLM:
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         pending: dict[str, _Pending] = {}
         requests = []
-        for prompt, params in zip(prompt_list, params_list):
+        max_model_len, vocab = self._max_model_len(), len(self.tokenizer)
+        for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+            # Checked before anything is queued, as vLLM does: a bad prompt fails the call, not a pass.
+            if not ids:
+                raise ValueError(f"prompt {index} is empty")
+            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"prompt {index}: token ids must be integers in [0, {vocab})")
+            if len(ids) >= max_model_len:
+                raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len is {max_model_len}, "
+                                 "which leaves no room to generate")
             request_id = str(next(self._ids))
             text = prompt if isinstance(prompt, str) else None
             pending[request_id] = _Pending(text, ids, params.logprobs is not None)
@@ -185,17 +194,29 @@ class LLM:
 
     # -- execution ------------------------------------------------------------------------------
 
+    def _max_model_len(self) -> int:
+        if self._engine is None and not self._handles:
+            raise RuntimeError("this LLM was shut down")
+        if self._engine is not None:
+            return self._engine.scheduler_config.max_model_len
+        return min(h.description.scheduler_config["max_model_len"] for h in self._handles)
+
     def _run_in_process(self, requests: list[EngineCoreRequest], pending: dict[str, _Pending], bar: tqdm) -> None:
         engine = self._engine
         assert engine is not None
-        for request in requests:
-            engine.add_request(request)
-        remaining = len(requests)
-        while remaining:
-            outputs = engine.step()
-            remaining -= self._apply(outputs.values(), pending, bar)
-            if remaining and not engine.has_work():
-                raise RuntimeError("the engine has no work left but requests are unfinished")
+        try:
+            for request in requests:
+                engine.add_request(request)
+            remaining = len(requests)
+            while remaining:
+                outputs = engine.step()
+                remaining -= self._apply(outputs.values(), pending, bar)
+                if remaining and not engine.has_work():
+                    raise RuntimeError("the engine has no work left but requests are unfinished")
+        except BaseException:
+            # Ctrl-C or an error: nothing of this call stays in the engine (nor its KV blocks).
+            engine.abort_requests([rid for rid, p in pending.items() if not p.done])
+            raise
 
     def _run_on_ray(self, requests: list[EngineCoreRequest], pending: dict[str, _Pending], bar: tqdm) -> None:
         import ray
@@ -225,7 +246,9 @@ class LLM:
         return finished
 
     def _to_output(self, request_id: str, p: _Pending) -> RequestOutput:
-        text = self.tokenizer.decode(p.token_ids, skip_special_tokens=True)
+        # The EOS or stop token that ended the request is not part of its text (vLLM); token_ids keep it.
+        text_ids = p.token_ids[:-1] if p.finish_reason == "stop" else p.token_ids
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
         return RequestOutput(request_id=request_id, prompt=p.prompt, prompt_token_ids=p.prompt_ids,
                              outputs=[CompletionOutput(0, text, p.token_ids, p.finish_reason, p.logprobs,
                                                        p.stop_reason)],
@@ -233,12 +256,26 @@ class LLM:
 
     @staticmethod
     def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-        if isinstance(prompts, str):
-            return [prompts]
+        """Text, token ids, or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids}),
+        one or a list of them."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) for t in prompts):
             return [prompts]  # one prompt given as token ids
-        return prompts
+        out: list[PromptType] = []
+        for prompt in prompts:
+            if isinstance(prompt, dict):
+                if "prompt_token_ids" in prompt:
+                    prompt = list(prompt["prompt_token_ids"])
+                elif isinstance(prompt.get("prompt"), str):
+                    prompt = prompt["prompt"]
+                else:
+                    raise TypeError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got {sorted(prompt)}")
+            elif not isinstance(prompt, str | list):
+                raise TypeError(f"a prompt is text, a list of token ids or a prompt dict, got {type(prompt).__name__}")
+            out.append(prompt)
+        return out
 
     @staticmethod
     def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

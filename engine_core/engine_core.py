@@ -6,6 +6,7 @@ A pass is exactly the seed's order: ``schedule()`` -> ``executor.execute_model()
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -70,6 +71,14 @@ class EngineCore:
         eos = request.eos_token_id
         if eos is None and self.model_info.eos_token_ids:
             eos = self.model_info.eos_token_ids[0]
+        params = request.sampling_params
+        if not params.ignore_eos and len(self.model_info.eos_token_ids) > 1:
+            # The model's further EOS ids (generation config; e.g. Llama 3's end of turn) stop it too,
+            # as vLLM adds them to the stop ids, whichever client sent the request.
+            extra = [t for t in self.model_info.eos_token_ids if t != eos and t not in params.stop_token_ids]
+            if extra:  # (a copy: the caller's parameters may be shared by other requests)
+                request.sampling_params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids,
+                                                                                         *extra])
         is_new = request.request_id not in self.scheduler.requests
         engine_request = Request(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,

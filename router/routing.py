@@ -80,9 +80,10 @@ class PrefixAwarePolicy(RoutingPolicy):
     """Send a prompt to the engine whose known prefix chain matches it longest.
 
     The router remembers, per engine, the chained block hashes (same hash and block size as the
-    engine's prefix cache) of prompts it sent there, in a bounded LRU. Ties and misses go to the
-    least-loaded engine; so does a match on an engine loaded more than ``load_margin`` requests above
-    the least-loaded one (a cache hit is not worth an unbounded queue).
+    engine's prefix cache) of prompts it sent there, in a bounded LRU. Ties go to the less loaded of
+    the matching engines and misses to the least-loaded policy (power of two choices); a match on an
+    engine loaded more than ``load_margin`` requests above the least-loaded one goes to that least
+    loaded engine instead (a cache hit is not worth an unbounded queue).
     """
 
     name = "prefix_aware"

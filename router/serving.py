@@ -182,11 +182,16 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
 
-    def choose_engine(self, prompt_token_ids: list[int], session_id: str | None) -> int:
+    def choose_engine(self, prompt_token_ids: list[int], session_id: str | None,
+                      chosen: list[int] | None = None) -> int:
+        """``chosen``: requests this call already placed but has not opened yet, per engine (several
+        prompts of one request must see each other's load, or they all go to one engine)."""
         t0 = time.perf_counter()
+        loads = self.client.loads()
+        if chosen is not None:
+            loads = [load + extra for load, extra in zip(loads, chosen, strict=True)]
         try:
-            engine = self.policy.choose(RoutingContext(prompt_token_ids, self.client.loads(), self.client.healthy(),
-                                                       session_id))
+            engine = self.policy.choose(RoutingContext(prompt_token_ids, loads, self.client.healthy(), session_id))
         except NoHealthyEngineError as e:
             raise APIError(503, "no healthy engine is available", "ServiceUnavailableError") from e
         if self.metrics is not None:
@@ -282,13 +287,15 @@ class OpenAIServing:
         prompt_texts: list[str] = []
         prompt_ids: list[list[int]] = []
         num_prompt_tokens = 0
+        chosen = [0] * self.client.num_engines
         for p_index, prompt in enumerate(prompts):
             ids = self.tokenize_prompt(prompt)
             if not ids:
                 raise bad_request("prompt must not be empty", "prompt")
             num_prompt_tokens += len(ids)
             prompt_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
-            engine = self.choose_engine(ids, session_id)
+            engine = self.choose_engine(ids, session_id, chosen)
+            chosen[engine] += request.n
             prompt_ids.append(ids)
             for c in self._new_choices(request.n, ids, request):
                 # max_tokens=0 (echo only): one token is generated and dropped, as vLLM does.

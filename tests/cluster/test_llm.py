@@ -71,6 +71,59 @@ def test_generate_accepts_token_ids_and_per_prompt_params(tiny_model_dir):
         llm.shutdown()
 
 
+def test_prompt_dicts_and_bad_prompts_as_vllm_takes_them(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    try:
+        plain = llm.generate(["Hello", [5, 6, 7]], params, use_tqdm=False)
+        dicts = llm.generate([{"prompt": "Hello"}, {"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+        for bad, error in (([[]], "prompt 0 is empty"), ([[5, 10**6]], "token ids must be integers"),
+                           ([[-1]], "token ids must be integers"), ([[5] * 1024], "leaves no room"),
+                           ([{"text": "x"}], "prompt dict needs"), ([3.5], "a prompt is text")):
+            with pytest.raises((ValueError, TypeError), match=error):
+                llm.generate(bad, params, use_tqdm=False)
+        # Nothing of the refused calls stayed in the engine: it serves on with every block free.
+        assert llm.generate([5, 6, 7], params, use_tqdm=False)[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+        assert llm.get_stats()[0].num_free_blocks == llm.get_stats()[0].num_blocks
+    finally:
+        llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate("Hello", params, use_tqdm=False)
+
+
+def test_every_eos_id_of_the_generation_config_stops_and_stays_out_of_the_text(tmp_path, tiny_model_dir):
+    import shutil
+
+    from transformers import GenerationConfig
+
+    prompt = [5, 6, 7, 8]
+    reference = LLM(model=str(tiny_model_dir), num_gpu_blocks=64)
+    try:
+        free = reference.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        reference.shutdown()
+    # A second EOS id (as Llama 3's end of turn): the first greedy token after the first that is new.
+    model_dir = tmp_path / "two-eos"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = GenerationConfig.from_pretrained(model_dir)
+    stop = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    assert config.eos_token_id not in free[:stop + 1]
+    config.eos_token_id = [config.eos_token_id, free[stop]]
+    config.save_pretrained(model_dir)
+    llm = LLM(model=str(model_dir), num_gpu_blocks=64)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0)
+        [out] = llm.generate(prompt, params, use_tqdm=False)
+        assert params.stop_token_ids == []  # the caller's parameters are not changed
+    finally:
+        llm.shutdown()
+    completion = out.outputs[0]
+    assert completion.token_ids == free[:stop + 1] and completion.finish_reason == "stop"
+    assert completion.text == llm.tokenizer.decode(free[:stop], skip_special_tokens=True)
+
+
 def test_chat_uses_the_chat_template(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64)
     try:

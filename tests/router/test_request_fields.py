@@ -30,8 +30,9 @@ class ScriptedEngine:
     last output carries ``finish`` (and ``stop_reason``)."""
 
     def __init__(self, client: EngineClient, script: Callable[[EngineCoreRequest], list[int]],
-                 finish: FinishReason = FinishReason.LENGTH, stop_reason: int | None = None) -> None:
+                 finish: FinishReason = FinishReason.LENGTH, stop_reason: int | None = None, slot: int = 0) -> None:
         self.client, self.script, self.finish, self.stop_reason = client, script, finish, stop_reason
+        self.slot = slot
         self.requests: list[EngineCoreRequest] = []
 
     def send(self, message: object) -> None:
@@ -41,7 +42,7 @@ class ScriptedEngine:
             asyncio.get_running_loop().call_soon(self._answer, message.request)
 
     def _answer(self, request: EngineCoreRequest) -> None:
-        self.client._on_message(self.client._slots[0], Accepted(request.request_id))
+        self.client._on_message(self.client._slots[self.slot], Accepted(request.request_id))
         tokens = self.script(request)[:request.sampling_params.max_tokens]
         queue = self.client._queues[request.request_id]
         params = request.sampling_params
@@ -225,3 +226,22 @@ def test_several_prompts_stream_their_choices_by_index():
         ids = TOKENIZER.encode(prompts[index // 2])
         assert texts[index] == prompts[index // 2] + TOKENIZER.decode(ids[::-1])
     assert len(engine.requests) == 4
+
+
+def test_the_prompts_of_one_request_see_each_others_load_when_routed():
+    from router.routing import PrefixAwarePolicy
+
+    client = EngineClient([object(), object()], client_index=1)
+    engines = []
+    for slot in range(2):
+        engines.append(ScriptedEngine(client, lambda _: TOKENIZER.encode("x"), slot=slot))
+        client._slots[slot].channel = engines[-1]
+    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256), client, TOKENIZER,
+                            PrefixAwarePolicy(2, block_size=4, load_margin=2, seed=0))
+    shared = list(range(10, 26))  # four full blocks every prompt shares
+    r = TestClient(create_app(serving)).post("/v1/completions", json={
+        "model": "tiny", "prompt": [shared + [i] for i in range(20)], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    counts = sorted(len(engine.requests) for engine in engines)
+    # The shared prefix pulls them together only up to the load margin: not all 20 on one engine.
+    assert sum(counts) == 20 and counts[0] >= 8, counts
