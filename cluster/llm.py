@@ -6,6 +6,7 @@ several engines or TP > 1 run as Ray engine actors, and prompts are spread acros
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -18,9 +19,31 @@ from cluster.config import ClusterConfig, EngineSpec, scheduler_flags_to_spec
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import SamplingParams as EngineSamplingParams
+from router.detokenizer import IncrementalDetokenizer
 
 PromptType = str | list[int]
+
+
+@dataclass
+class SamplingParams(EngineSamplingParams):
+    """vLLM's offline sampling parameters: the engine's, plus what the offline API applies itself
+    (``n`` samples per prompt, stop strings matched on the text)."""
+
+    n: int = 1
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n!r}")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
 
 @dataclass
@@ -51,11 +74,17 @@ class RequestOutput:
 
 
 class _Pending:
-    __slots__ = ("done", "finish_reason", "logprobs", "metrics", "prompt", "prompt_ids", "stop_reason", "token_ids")
+    """One sample (engine request) of a prompt: ``group`` is the prompt's output, ``index`` the sample."""
 
-    def __init__(self, prompt: str | None, prompt_ids: list[int], want_logprobs: bool) -> None:
+    __slots__ = ("detok", "done", "engine", "finish_reason", "group", "index", "logprobs", "metrics", "prompt",
+                 "prompt_ids", "stop_reason", "token_ids")
+
+    def __init__(self, prompt: str | None, prompt_ids: list[int], want_logprobs: bool, group: str = "",
+                 index: int = 0, detok: IncrementalDetokenizer | None = None) -> None:
         self.prompt = prompt
         self.prompt_ids = prompt_ids
+        self.group, self.index, self.detok = group, index, detok
+        self.engine = 0
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
         self.finish_reason: str | None = None
@@ -63,18 +92,27 @@ class _Pending:
         self.metrics = RequestMetrics(time.time())
         self.done = False
 
-    def apply(self, out: EngineCoreOutput, now: float) -> None:
+    def apply(self, out: EngineCoreOutput, now: float) -> bool:
+        """True when a stop string ended the sample here (the engine must then abort it)."""
         if out.new_token_ids:
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now
             self.token_ids.extend(out.new_token_ids)
             if self.logprobs is not None and out.new_logprobs is not None:
                 self.logprobs.extend(_logprob_dicts(out.new_token_ids, out.new_logprobs))
+            if self.detok is not None:
+                self.detok.add_tokens(out.new_token_ids)
+                if self.detok.stop_reason is not None:
+                    self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
+                    self.metrics.finished_time = now
+                    self.done = True
+                    return out.finish_reason is None
         if out.finish_reason is not None:
             self.finish_reason = str(out.finish_reason)
             self.stop_reason = out.stop_reason
             self.metrics.finished_time = now
             self.done = True
+        return False
 
 
 def _logprob_dicts(token_ids: list[int], entry: LogprobsEntry) -> list[dict[int, float]]:
@@ -143,17 +181,30 @@ class LLM:
             if len(ids) >= max_model_len:
                 raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len is {max_model_len}, "
                                  "which leaves no room to generate")
-            request_id = str(next(self._ids))
+            group = str(next(self._ids))
             text = prompt if isinstance(prompt, str) else None
-            pending[request_id] = _Pending(text, ids, params.logprobs is not None)
-            requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
-                                              arrival_time=time.time()))
+            n = getattr(params, "n", 1)
+            stops = getattr(params, "stop_strings", [])
+            for sample in range(n):
+                request_id = group if n == 1 else f"{group}-{sample}"
+                sample_params = params
+                if sample and params.seed is not None:  # sample i draws with seed + i, as vLLM and the router do
+                    sample_params = dataclasses.replace(params, seed=params.seed + sample)
+                detok = (IncrementalDetokenizer(self.tokenizer, ids, stop=stops,
+                                                include_stop_str_in_output=params.include_stop_str_in_output,
+                                                min_tokens=params.min_tokens) if stops else None)
+                pending[request_id] = _Pending(text, ids, params.logprobs is not None, group, sample, detok)
+                requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
+                                                  sampling_params=sample_params, arrival_time=time.time()))
         with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
             if self._engine is not None:
                 self._run_in_process(requests, pending, bar)
             else:
                 self._run_on_ray(requests, pending, bar)
-        return [self._to_output(rid, p) for rid, p in pending.items()]
+        groups: dict[str, list[_Pending]] = {}
+        for p in pending.values():
+            groups.setdefault(p.group, []).append(p)
+        return [self._to_output(group, samples) for group, samples in groups.items()]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -210,7 +261,10 @@ class LLM:
             remaining = len(requests)
             while remaining:
                 outputs = engine.step()
-                remaining -= self._apply(outputs.values(), pending, bar)
+                finished, stopped = self._apply(outputs.values(), pending, bar)
+                remaining -= finished
+                if stopped:  # a stop string ended them: the engine stops too
+                    engine.abort_requests(stopped)
                 if remaining and not engine.has_work():
                     raise RuntimeError("the engine has no work left but requests are unfinished")
         except BaseException:
@@ -223,36 +277,49 @@ class LLM:
 
         handles = [h.actor for h in self._handles]
         # Spread prompts across engines, in order (results keep the prompts' order regardless).
-        ray.get([handles[i % len(handles)].add_request.remote(r) for i, r in enumerate(requests)])
+        for i, request in enumerate(requests):
+            pending[request.request_id].engine = i % len(handles)
+        ray.get([handles[pending[r.request_id].engine].add_request.remote(r) for r in requests])
         remaining = len(requests)
         while remaining:
             outs = ray.get([h.get_output.remote(0, 0.5) for h in handles])
-            remaining -= self._apply(outs, pending, bar)
+            finished, stopped = self._apply(outs, pending, bar)
+            remaining -= finished
+            for rid in stopped:  # a stop string ended them: the engines stop too
+                handles[pending[rid].engine].abort_requests.remote([rid])
 
     @staticmethod
-    def _apply(outputs: Any, pending: dict[str, _Pending], bar: tqdm) -> int:
+    def _apply(outputs: Any, pending: dict[str, _Pending], bar: tqdm) -> tuple[int, list[str]]:
+        """Samples finished by these outputs, and those a stop string ended (to abort in the engine)."""
         now = time.time()
         finished = 0
+        stopped = []
         for eco in outputs:
             eco: EngineCoreOutputs
             for out in eco.outputs:
                 p = pending.get(out.request_id)
                 if p is None or p.done:
                     continue
-                p.apply(out, now)
+                if p.apply(out, now):
+                    stopped.append(out.request_id)
                 if p.done:
                     finished += 1
                     bar.update(1)
-        return finished
+        return finished, stopped
 
-    def _to_output(self, request_id: str, p: _Pending) -> RequestOutput:
+    def _text(self, p: _Pending) -> str:
+        if p.detok is not None and isinstance(p.stop_reason, str):
+            return p.detok.output_text  # cut at the stop string (kept when include_stop_str_in_output)
         # The EOS or stop token that ended the request is not part of its text (vLLM); token_ids keep it.
         text_ids = p.token_ids[:-1] if p.finish_reason == "stop" else p.token_ids
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        return RequestOutput(request_id=request_id, prompt=p.prompt, prompt_token_ids=p.prompt_ids,
-                             outputs=[CompletionOutput(0, text, p.token_ids, p.finish_reason, p.logprobs,
-                                                       p.stop_reason)],
-                             finished=p.done, metrics=p.metrics)
+        return self.tokenizer.decode(text_ids, skip_special_tokens=True)
+
+    def _to_output(self, request_id: str, samples: list[_Pending]) -> RequestOutput:
+        first = samples[0]
+        return RequestOutput(request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_ids,
+                             outputs=[CompletionOutput(p.index, self._text(p), p.token_ids, p.finish_reason,
+                                                       p.logprobs, p.stop_reason) for p in samples],
+                             finished=all(p.done for p in samples), metrics=first.metrics)
 
     @staticmethod
     def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -281,7 +348,7 @@ class LLM:
     def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams() for _ in range(n)]
-        if isinstance(params, SamplingParams):
+        if isinstance(params, EngineSamplingParams):
             return [params] * n
         params = list(params)
         if len(params) != n:

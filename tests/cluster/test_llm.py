@@ -151,3 +151,33 @@ def test_smollm2_answers_paris(smollm2_dir):
     finally:
         llm.shutdown()
     assert "Paris" in out.outputs[0].text
+
+
+def test_n_samples_and_stop_strings_as_vllm_scripts_use_them(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64)
+    try:
+        [free] = llm.generate("Paris is", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                              use_tqdm=False)
+        text = free.outputs[0].text
+        stop = next(text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip())
+        cut = text.index(stop)
+        [out] = llm.generate("Paris is", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]),
+                             use_tqdm=False)
+        sample = out.outputs[0]
+        assert (sample.text, sample.finish_reason, sample.stop_reason) == (text[:cut], "stop", stop)
+        [kept] = llm.generate("Paris is", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=stop,
+                                                         include_stop_str_in_output=True), use_tqdm=False)
+        assert kept.outputs[0].text == text[:cut + len(stop)]
+        # n samples per prompt, indexed, each seeded with seed + index (so different, and reproducible).
+        params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+        runs = [llm.generate(["Hello", "Paris is"], params, use_tqdm=False) for _ in range(2)]
+        assert [len(o.outputs) for o in runs[0]] == [3, 3]
+        assert [s.index for s in runs[0][0].outputs] == [0, 1, 2]
+        tokens = [[s.token_ids for s in o.outputs] for o in runs[0]]
+        assert tokens == [[s.token_ids for s in o.outputs] for o in runs[1]]
+        assert len({tuple(t) for t in tokens[0]}) > 1
+        assert llm.get_stats()[0].num_free_blocks == llm.get_stats()[0].num_blocks  # stopped samples were aborted
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=0)
