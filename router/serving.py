@@ -168,9 +168,7 @@ class OpenAIServing:
         vocab = len(self.tokenizer)
         if any(t < 0 or t >= vocab for t in stop_ids):
             raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
-        # Further EOS ids of the model (generation config) stop too, unless EOS is ignored.
-        if not request.ignore_eos:
-            stop_ids += [t for t in self.settings.eos_token_ids[1:] if t not in stop_ids]
+        # (The model's further EOS ids are added by the engine, for every client.)
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=min_tokens,
