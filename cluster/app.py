@@ -42,9 +42,17 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
         actor = named_actor(name, config.namespace)
         if actor is not None:
             try:
-                if ray.get(actor.engine_config.remote(), timeout=60) == engine:
+                running = ray.get(actor.engine_config.remote(), timeout=60)
+                if running == engine:
                     continue
-                logger.info("engine %d: its configuration changed; replacing it", engine.engine_index)
+                if running.model != engine.model:
+                    # Either a redeploy with a new model, or a second application deployed into this
+                    # one's namespace, which would take its engines over.
+                    logger.warning("engine %d in namespace %r serves %s; replacing it with one serving %s. "
+                                   "Applications sharing a Ray cluster need their own `namespace` arg.",
+                                   engine.engine_index, config.namespace, running.model, engine.model)
+                else:
+                    logger.info("engine %d: its configuration changed; replacing it", engine.engine_index)
             except Exception as e:
                 logger.warning("engine %d does not answer (%s); replacing it", engine.engine_index, e)
         stop_named_engine(name, config.namespace)  # also a dead engine's leftover placement group

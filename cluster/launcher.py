@@ -47,6 +47,13 @@ def engine_actor_name(engine_index: int) -> str:
     return f"llm-cluster-engine-{engine_index}"
 
 
+def engine_placement_group_name(name: str, namespace: str) -> str:
+    """The name of an engine's worker bundles. Placement group names are cluster-wide (not per
+    namespace, unlike actor names), so it carries the namespace: stopping one application's engine
+    must not free the bundles of another application's engine with the same index."""
+    return f"{namespace}/{name}-workers"
+
+
 def _use_gpu(config: EngineConfig) -> bool:
     if config.device == "cuda":
         return True
@@ -81,7 +88,7 @@ def start_engine(config: EngineConfig, namespace: str, detached: bool = False,
     tp = config.tensor_parallel_size
     name = engine_actor_name(config.engine_index)
     pg = placement_group([dict(bundle) for _ in range(tp)], strategy=config.placement_strategy,
-                         name=f"{name}-workers", lifetime="detached" if detached else None,
+                         name=engine_placement_group_name(name, namespace), lifetime="detached" if detached else None,
                          bundle_label_selector=[dict(config.node_labels)] * tp if config.node_labels else None)
     try:
         ray.get(pg.ready(), timeout=ready_timeout_s)
@@ -140,7 +147,7 @@ def stop_named_engine(name: str, namespace: str) -> None:
             logger.warning("%s did not shut down cleanly: %s", name, e)
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
-    for group in placement_groups_named(f"{name}-workers"):
+    for group in placement_groups_named(engine_placement_group_name(name, namespace)):
         with contextlib.suppress(Exception):
             remove_placement_group(group)
 

@@ -7,21 +7,21 @@ import pytest
 
 from cluster.app import reconcile_engines, stop_app
 from cluster.config import ClusterConfig, EngineSpec
-from cluster.launcher import engine_actor_name, named_actor, placement_groups_named
+from cluster.launcher import engine_actor_name, engine_placement_group_name, named_actor, placement_groups_named
 
 pytestmark = pytest.mark.slow
 
 NAMESPACE = "redeploy-test"  # its own: the engine names are fixed per namespace
 
 
-def _config(model_dir, num_engines: int, max_num_seqs: int) -> ClusterConfig:
-    return ClusterConfig(model=str(model_dir), num_engines=num_engines, namespace=NAMESPACE,
+def _config(model_dir, num_engines: int, max_num_seqs: int, namespace: str = NAMESPACE) -> ClusterConfig:
+    return ClusterConfig(model=str(model_dir), num_engines=num_engines, namespace=namespace,
                          defaults=EngineSpec(num_gpu_blocks=32, max_model_len=128, max_num_seqs=max_num_seqs,
                                              num_cpus_per_worker=0.5))
 
 
-def _placement_group_exists(name: str) -> bool:
-    return bool(placement_groups_named(f"{name}-workers"))
+def _placement_group_exists(name: str, namespace: str = NAMESPACE) -> bool:
+    return bool(placement_groups_named(engine_placement_group_name(name, namespace)))
 
 
 def test_a_redeploy_keeps_unchanged_engines_and_replaces_changed_or_extra_ones(ray_cluster, tiny_model_dir):
@@ -48,3 +48,29 @@ def test_a_redeploy_keeps_unchanged_engines_and_replaces_changed_or_extra_ones(r
     assert stopped == [engine_actor_name(0)]
     assert named_actor(engine_actor_name(0), NAMESPACE) is None
     assert not _placement_group_exists(engine_actor_name(0))
+
+
+def test_two_applications_in_their_own_namespaces_keep_each_others_engines(ray_cluster, tiny_model_dir):
+    """Two Serve-config applications on one cluster (the README: each its own ``namespace``): both
+    have an engine 0. Starting, replacing and stopping one's engines leaves the other's actor and
+    worker bundles alone (placement group names are cluster-wide; they used to collide)."""
+    import ray
+
+    a, b = "redeploy-test-a", "redeploy-test-b"
+    try:
+        assert reconcile_engines(_config(tiny_model_dir, 1, 8, namespace=a)) == [0]
+        engine_a = named_actor(engine_actor_name(0), a)
+        assert reconcile_engines(_config(tiny_model_dir, 1, 4, namespace=b)) == [0]
+        assert reconcile_engines(_config(tiny_model_dir, 1, 2, namespace=b)) == [0]  # b replaces its own
+        assert stop_app(b, app_name="redeploy-test-app-b") == [engine_actor_name(0)]
+        assert named_actor(engine_actor_name(0), b) is None
+        assert not _placement_group_exists(engine_actor_name(0), b)
+        # a's engine is the same actor, still holds its bundles, and still serves its own flags.
+        assert named_actor(engine_actor_name(0), a)._actor_id == engine_a._actor_id
+        assert _placement_group_exists(engine_actor_name(0), a)
+        assert ray.get(engine_a.engine_config.remote(), timeout=60).scheduler.max_num_seqs == 8
+        assert ray.get(engine_a.check_health.remote(), timeout=60) is True
+    finally:
+        stop_app(a, app_name="redeploy-test-app-a")
+        stop_app(b, app_name="redeploy-test-app-b")
+    assert not _placement_group_exists(engine_actor_name(0), a)
