@@ -74,6 +74,30 @@ def role_cpu_seconds() -> dict[str, float]:
     return totals
 
 
+def pin_roles(engine_cpus: set[int]) -> set[int]:
+    """Give the engines ``engine_cpus`` and every other process of this benchmark (router replica,
+    HAProxy, load generator, Ray's own daemons) the remaining CPUs: every thread of each process.
+    Returns the CPUs left to the rest."""
+    all_cpus = os.sched_getaffinity(0)
+    rest = all_cpus - engine_cpus
+    if not engine_cpus or not rest:
+        raise SystemExit(f"--engine-cpus must name some but not all of the CPUs {sorted(all_cpus)}")
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if os.getuid() != os.stat(f"/proc/{pid}").st_uid:
+                continue
+            cpus = engine_cpus if ROLES["engines"] in cmdline else rest
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            continue
+    return rest
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -261,6 +285,9 @@ def main() -> None:
     parser.add_argument("--router-replicas", type=int, default=1)
     parser.add_argument("--request-rate", type=float, default=None,
                         help="Open loop: Poisson arrivals at this many requests/s instead of a fixed concurrency.")
+    parser.add_argument("--engine-cpus", default=None,
+                        help="Pin the engines to these CPUs (e.g. 0) and everything else to the others, so the "
+                             "router does not take CPU from the engines, as in a deployment with GPU engines.")
     args = parser.parse_args()
     configure_ingress(args.ingress)
 
@@ -280,6 +307,10 @@ def main() -> None:
                            defaults=EngineSpec(num_gpu_blocks=256, max_model_len=256))
     with serve_cluster(config) as served:
         handles = [e.actor for e in served.engines]
+        if args.engine_cpus is not None:
+            engine_cpus = {int(c) for c in args.engine_cpus.split(",")}
+            rest = pin_roles(engine_cpus)
+            print(f"engines pinned to CPUs {sorted(engine_cpus)}, everything else to {sorted(rest)}")
         tokens = list(range(3, 6))
         per_round = max(1, args.requests // args.rounds)
 
