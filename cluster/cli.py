@@ -129,9 +129,16 @@ def serve_command(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app import APP_NAME, run_router, start_cluster
-    from cluster.launcher import ensure_ray, stop_engines
+    from cluster.launcher import InsufficientResourcesError, check_local_capacity, ensure_ray, stop_engines
 
     ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
+    if config.address is None and not os.environ.get("RAY_ADDRESS"):  # our own local Ray: fixed size
+        try:
+            check_local_capacity(config.engine_configs())
+        except InsufficientResourcesError as e:
+            print(f"llm-cluster: {e}", file=sys.stderr)
+            ray.shutdown()
+            return 2
     stop = threading.Event()
     engines = []
     try:

@@ -68,6 +68,64 @@ def resolve_backend(config: EngineConfig) -> str:
     return "uni" if config.tensor_parallel_size == 1 else "ray"
 
 
+def engine_bundle(config: EngineConfig, use_gpu: bool) -> dict[str, float]:
+    """What one TP worker of this engine reserves (one bundle per rank)."""
+    bundle: dict[str, float] = {"CPU": config.num_cpus_per_worker, **dict(config.resources_per_worker)}
+    if use_gpu:
+        bundle["GPU"] = 1
+    return bundle
+
+
+class InsufficientResourcesError(ValueError):
+    """The engines ask for more than the (local, fixed-size) Ray cluster has at all."""
+
+
+def check_local_capacity(configs: list[EngineConfig]) -> None:
+    """On a local Ray (one node, no autoscaler) a placement that exceeds the node's resources can
+    never happen: say what is short now, instead of after the placement timeout."""
+    total = ray.cluster_resources()
+    need: dict[str, float] = {}
+    for config in configs:
+        for resource, amount in engine_bundle(config, _use_gpu(config)).items():
+            need[resource] = need.get(resource, 0.0) + amount * config.tensor_parallel_size
+    short = {r: (amount, total.get(r, 0.0)) for r, amount in need.items() if amount > total.get(r, 0.0) + 1e-9}
+    if short:
+        parts = ", ".join(f"{amount:g} {r} (this Ray has {have:g})" for r, (amount, have) in short.items())
+        raise InsufficientResourcesError(
+            f"the {len(configs)} engine(s) need {parts}: each engine reserves one bundle per tensor-parallel "
+            f"rank; lower --num-engines, --tensor-parallel-size or --num-cpus-per-worker, or give Ray more "
+            f"(--num-cpus)")
+
+
+def wait_until_placed(pg: PlacementGroup, what: str, timeout_s: float, first_warning_s: float = 10.0) -> None:
+    """Wait for a placement group, saying what it waits for and what the cluster has free after 10 s,
+    30 s, 70 s, ... (on an autoscaling cluster the wait can be long and legitimate)."""
+    ready = pg.ready()
+    start = time.monotonic()
+    interval = first_warning_s
+    while True:
+        remaining = timeout_s - (time.monotonic() - start)
+        if remaining <= 0:
+            raise TimeoutError(f"not placed after {timeout_s:g} s; free now: {_free_resources()} (see `ray status`)")
+        done, _ = ray.wait([ready], timeout=min(interval, remaining))
+        if done:
+            ray.get(ready)
+            return
+        if time.monotonic() - start >= timeout_s:
+            continue  # (the timeout error says it)
+        logger.warning("%s: not placed after %.0f s; free now: %s. Waiting up to %.0f s in all "
+                       "(an autoscaler may add nodes; see `ray status`).", what, time.monotonic() - start,
+                       _free_resources(), timeout_s)
+        interval *= 2
+
+
+def _free_resources() -> str:
+    # (Without Ray's bookkeeping resources: per-node markers, memory, and placement groups' own.)
+    free = {r: v for r, v in sorted(ray.available_resources().items())
+            if not r.startswith(("node:", "memory", "object_store_memory")) and "_group_" not in r}
+    return ", ".join(f"{v:g} {r}" for r, v in free.items()) or "nothing"
+
+
 @dataclass
 class EngineHandle:
     index: int
@@ -82,17 +140,16 @@ def start_engine(config: EngineConfig, namespace: str, detached: bool = False,
     from gpu_worker.executor import create_executor
 
     use_gpu = _use_gpu(config)
-    bundle: dict[str, float] = {"CPU": config.num_cpus_per_worker, **dict(config.resources_per_worker)}
-    if use_gpu:
-        bundle["GPU"] = 1
+    bundle = engine_bundle(config, use_gpu)
     tp = config.tensor_parallel_size
     name = engine_actor_name(config.engine_index)
     pg = placement_group([dict(bundle) for _ in range(tp)], strategy=config.placement_strategy,
                          name=engine_placement_group_name(name, namespace), lifetime="detached" if detached else None,
                          bundle_label_selector=[dict(config.node_labels)] * tp if config.node_labels else None)
     try:
-        ray.get(pg.ready(), timeout=ready_timeout_s)
-    except Exception as e:
+        wait_until_placed(pg, f"engine {config.engine_index}: {tp} worker bundle(s) {bundle} "
+                              f"({config.placement_strategy})", ready_timeout_s)
+    except BaseException as e:
         remove_placement_group(pg)
         raise RuntimeError(f"engine {config.engine_index}: cannot place {tp} worker bundle(s) {bundle}: {e}") from e
     uni = resolve_backend(config) == "uni"
