@@ -20,6 +20,7 @@ from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
+from router.bad_words import bad_words_token_ids
 from router.detokenizer import IncrementalDetokenizer
 
 PromptType = str | list[int]
@@ -33,6 +34,8 @@ class SamplingParams(EngineSamplingParams):
     n: int = 1
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
+    # Words that must not be generated (tokenised by the LLM into ``bad_words_token_ids``).
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -171,6 +174,11 @@ class LLM:
         pending: dict[str, _Pending] = {}
         requests = []
         max_model_len, vocab = self._max_model_len(), len(self.tokenizer)
+        resolved: dict[int, EngineSamplingParams] = {}
+        for params in params_list:
+            if id(params) not in resolved:
+                resolved[id(params)] = self._resolve_params(params, vocab)
+        params_list = [resolved[id(params)] for params in params_list]
         for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
             # Checked before anything is queued, as vLLM does: a bad prompt fails the call, not a pass.
@@ -219,6 +227,17 @@ class LLM:
         for out, prompt in zip(outputs, prompts):
             out.prompt = self.tokenizer.decode(prompt)
         return outputs
+
+    def _resolve_params(self, params: EngineSamplingParams, vocab: int) -> EngineSamplingParams:
+        """Bad words become token sequences; every token id the parameters name must be in the
+        vocabulary (checked before anything is queued)."""
+        words = getattr(params, "bad_words", None)
+        if words:
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, words))
+        outside = sorted({t for t in params.token_ids_in_use() if t >= vocab})
+        if outside:
+            raise ValueError(f"sampling parameters name token ids outside the vocabulary [0, {vocab}): {outside[:8]}")
+        return params
 
     def get_stats(self) -> list[Any]:
         import ray

@@ -36,6 +36,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # e.g. {"json": schema}, {"regex": "..."}, {"choice": [...]}: the request waits for its grammar.
     structured_output: dict[str, Any] | None = None
+    # OpenAI's logit_bias: added to the token's logit before sampling (clamped to [-100, 100], as vLLM).
+    logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words, as token id sequences (the router tokenises the words): the last token of a
+    # sequence is banned whenever the output so far ends with the ones before it.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -65,6 +72,31 @@ class SamplingParams:
                "stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict)
+                   and all(isinstance(t, int) and t >= 0 and isinstance(b, int | float) and math.isfinite(b)
+                           for t, b in self.logit_bias.items()),
+                   "logit_bias", "a mapping of non-negative token ids to finite numbers", self.logit_bias)
+            self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, list) and len(self.allowed_token_ids) > 0
+                   and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", "a non-empty list of non-negative token ids", self.allowed_token_ids)
+        if self.bad_words_token_ids is not None:
+            _check(isinstance(self.bad_words_token_ids, list)
+                   and all(isinstance(w, list) and w and all(isinstance(t, int) and t >= 0 for t in w)
+                           for w in self.bad_words_token_ids),
+                   "bad_words_token_ids", "a list of non-empty token id lists", self.bad_words_token_ids)
+            self.bad_words_token_ids = self.bad_words_token_ids or None
+
+    def token_ids_in_use(self) -> list[int]:
+        """Every token id these parameters name (to check against a vocabulary)."""
+        ids = list(self.stop_token_ids)
+        ids += self.logit_bias or ()
+        ids += self.allowed_token_ids or ()
+        for word in self.bad_words_token_ids or ():
+            ids += word
+        return ids
 
     @property
     def greedy(self) -> bool:

@@ -301,12 +301,28 @@ class ModelRunner:
         rows: list[int] = []
         cols: list[int] = []
         for i, s in enumerate(states):
+            banned = []
             if s.min_tokens_stop_ids and s.num_output_tokens < s.sampling_params.min_tokens:
-                ids = [t for t in s.min_tokens_stop_ids if t < vocab_size]
-                rows.extend([i] * len(ids))
-                cols.extend(ids)
+                banned += s.min_tokens_stop_ids
+            if s.sampling_params.bad_words_token_ids:
+                banned += bad_word_completions(s.sampling_params.bad_words_token_ids, s.token_ids, s.num_output_tokens)
+            banned = [t for t in banned if t < vocab_size]
+            rows.extend([i] * len(banned))
+            cols.extend(banned)
         if rows:
-            md.min_tokens_mask = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+            md.banned_tokens = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        if allowed_rows:
+            allowed = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool)
+            for k, i in enumerate(allowed_rows):
+                allowed[k, [t for t in params[i].allowed_token_ids if t < vocab_size]] = True
+            md.allowed_token_ids = (torch.tensor(allowed_rows, device=device), allowed.to(device))
+        bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()
+                if t < vocab_size]
+        if bias:
+            bias_rows, bias_ids, bias_values = zip(*bias, strict=True)
+            md.logit_bias = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device),
+                             torch.tensor(bias_values, dtype=torch.float32, device=device))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             md.max_num_logprobs = max(wanted)
@@ -328,3 +344,15 @@ class ModelRunner:
             top = list(zip(top_ids[j][:n], top_lp[j][:n], strict=True)) if n and top_ids is not None else []
             entries[row] = LogprobsEntry(sampled_logprobs=[sampled_lp[j]], top_logprobs=[top])
         return entries
+
+
+def bad_word_completions(bad_words: list[list[int]], token_ids: list[int], num_output_tokens: int) -> list[int]:
+    """The tokens that would complete a bad word now: a one-token word always; a longer one when
+    the output (``token_ids``' last ``num_output_tokens``) ends with all of its tokens but the last
+    (vLLM's rule: the prompt does not count)."""
+    banned = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if not prefix or (len(prefix) <= num_output_tokens and token_ids[-len(prefix):] == prefix):
+            banned.append(word[-1])
+    return banned

@@ -1,7 +1,8 @@
 """Batched token sampling: one set of tensor ops over all requests of a step.
 
-Order, per row: min_tokens masking and penalties (these shape greedy picks too), then, for random
-rows only, temperature, min-p, top-k and top-p, and a draw. Logprobs are those of the model's raw
+Order, per row, as vLLM's sampler: allowed_token_ids, banned tokens (bad words, and stop ids under
+min_tokens), logit_bias, penalties (these shape greedy picks too), then, for random rows only,
+temperature, min-p, top-k and top-p, and a draw. Logprobs are those of the model's raw
 distribution (log_softmax of the unprocessed logits), as vLLM reports them by default.
 """
 
@@ -35,8 +36,13 @@ class SamplingMetadata:
     # [N, L] padded with vocab_size (an id that is counted into a discarded column).
     output_token_ids: torch.Tensor | None = None
     prompt_token_ids: torch.Tensor | None = None
-    # (rows, token ids) pairs to forbid: stop/EOS tokens of requests still short of min_tokens.
-    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Rows limited to their allowed_token_ids: (rows [k], [k, vocab] True where a token is allowed).
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids) pairs to forbid: stop/EOS tokens of requests still short of min_tokens, and
+    # the tokens that would complete a bad word.
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, biases) added to the logits (logit_bias).
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Largest top-N any row asked for; None when no row wants logprobs.
     max_num_logprobs: int | None = None
 
@@ -114,9 +120,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        if md.min_tokens_mask is not None:
-            rows, cols = md.min_tokens_mask
+        if md.allowed_token_ids is not None:
+            rows, allowed = md.allowed_token_ids
+            logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
+        if md.banned_tokens is not None:
+            rows, cols = md.banned_tokens
             logits = logits.index_put((rows, cols), torch.tensor(_NEG_INF, device=logits.device))
+        if md.logit_bias is not None:
+            rows, cols, biases = md.logit_bias
+            logits = logits.index_put((rows, cols), biases, accumulate=True)
         if md.output_token_ids is not None:
             logits = apply_penalties(logits, md)
         sampled = self._sample(logits, md)

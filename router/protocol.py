@@ -67,6 +67,11 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM extra.")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX,
                           description="vLLM extra: lower runs first (needs the priority policy).")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit, clamped to [-100, 100].")
+    allowed_token_ids: list[int] | None = Field(None, min_length=1,
+                                                description="vLLM extra: only these tokens may be sampled.")
+    bad_words: list[str] | None = Field(None, description="vLLM extra: words that must not be generated.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

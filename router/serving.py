@@ -20,6 +20,7 @@ import msgspec
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
+from router.bad_words import bad_words_token_ids
 from router.detokenizer import IncrementalDetokenizer, fast_decoder
 from router.engine_client import (
     EngineClient,
@@ -168,6 +169,7 @@ class OpenAIServing:
         vocab = len(self.tokenizer)
         if any(t < 0 or t >= vocab for t in stop_ids):
             raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        logit_bias, allowed_ids, bad_words = self._token_filters(request, vocab)
         # (The model's further EOS ids are added by the engine, for every client.)
         try:
             return SamplingParams(
@@ -176,9 +178,33 @@ class OpenAIServing:
                 top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
                 seed=None if request.seed is None else _wrap_int64(request.seed + seed_offset),
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-                repetition_penalty=request.repetition_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                repetition_penalty=request.repetition_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                logit_bias=logit_bias, allowed_token_ids=allowed_ids, bad_words_token_ids=bad_words)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+
+    def _token_filters(self, request: SamplingFields, vocab: int
+                       ) -> tuple[dict[int, float] | None, list[int] | None, list[list[int]] | None]:
+        """logit_bias (OpenAI: token ids as strings), allowed_token_ids and bad_words, checked against
+        the vocabulary (an id outside it is the client's error, not the engine's)."""
+        logit_bias = None
+        if request.logit_bias:
+            try:
+                logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
+            except ValueError as e:
+                raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from e
+            if any(t < 0 or t >= vocab for t in logit_bias):
+                raise bad_request(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        allowed = request.allowed_token_ids
+        if allowed and any(t < 0 or t >= vocab for t in allowed):
+            raise bad_request(f"allowed_token_ids must be in [0, {vocab})", "allowed_token_ids")
+        bad = None
+        if request.bad_words:
+            try:
+                bad = bad_words_token_ids(self.tokenizer, request.bad_words)
+            except ValueError as e:
+                raise bad_request(str(e), "bad_words") from e
+        return logit_bias, allowed, bad
 
     def choose_engine(self, prompt_token_ids: list[int], session_id: str | None,
                       chosen: list[int] | None = None) -> int:

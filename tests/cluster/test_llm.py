@@ -181,3 +181,35 @@ def test_n_samples_and_stop_strings_as_vllm_scripts_use_them(tiny_model_dir):
         llm.shutdown()
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=0)
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_shape_what_the_engine_samples(tiny_model_dir):
+    """On the real tiny model, in a batch with unconstrained requests: each constraint holds for its
+    own request only."""
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_model_len=128)
+    try:
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        free = llm.generate(PROMPTS[:2], greedy, use_tqdm=False)
+        first, second = free[0].outputs[0].token_ids[:2]
+        forced = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logit_bias={42: 100})
+        allowed = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=[5, 9, 77])
+        banned_first = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, bad_words_token_ids=[[first]])
+        banned_pair = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                     bad_words_token_ids=[[first, second]])
+        outs = llm.generate([PROMPTS[0]] * 4 + [PROMPTS[1]],
+                            [forced, allowed, banned_first, banned_pair, greedy], use_tqdm=False)
+        word = llm.tokenizer.decode(free[0].outputs[0].token_ids[:1]).strip()
+        by_word = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                           bad_words=[word]), use_tqdm=False)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logit_bias={len(llm.tokenizer): 1.0}))
+    finally:
+        llm.shutdown()
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert tokens[0] == [42] * 8
+    assert set(tokens[1]) <= {5, 9, 77} and len(set(tokens[1])) > 1
+    assert tokens[2][0] != first
+    # The pair is banned only where it would be completed: the first token is free, the second not.
+    assert tokens[3][0] == first and tokens[3][1] != second
+    assert tokens[4] == free[1].outputs[0].token_ids  # an unconstrained neighbour is untouched
+    assert word and by_word[0].outputs[0].token_ids[0] != first  # the word, as the tokenizer splits it

@@ -340,3 +340,15 @@ def test_linear_rope_scaling_serves_the_stretched_context_as_hf_computes_it(tmp_
     sched.add_request(greedy_request("long", prompt, 12))
     got = run_to_completion(sched, runner.execute_model)
     assert got["long"] == hf_greedy(hf_model, prompt, 12)
+
+
+def test_a_bad_word_is_banned_once_the_output_ends_with_its_beginning():
+    from gpu_worker.model_runner import bad_word_completions
+
+    prompt = [7, 8]
+    words = [[5], [8, 9], [1, 2, 3]]
+    # A one-token word is always banned; [8, 9] is not, though the prompt ends with 8 (only the output counts).
+    assert bad_word_completions(words, prompt, 0) == [5]
+    assert bad_word_completions(words, [*prompt, 8], 1) == [5, 9]
+    assert bad_word_completions(words, [*prompt, 1, 2], 2) == [5, 3]
+    assert bad_word_completions(words, [*prompt, 2], 1) == [5]

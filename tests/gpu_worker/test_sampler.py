@@ -81,7 +81,7 @@ def test_sampling_follows_the_distribution():
 def test_min_tokens_mask_blocks_eos():
     logits = torch.zeros(2, V)
     logits[:, 2] = 10.0  # EOS would win
-    m = md(2, temperature=0.0, min_tokens_mask=(torch.tensor([0]), torch.tensor([2])))
+    m = md(2, temperature=0.0, banned_tokens=(torch.tensor([0]), torch.tensor([2])))
     out = Sampler()(logits, m).sampled_token_ids
     assert out[0] != 2 and out[1] == 2
 
@@ -124,3 +124,32 @@ def test_tiny_temperatures_are_greedy_or_clamped_as_in_vllm():
     for bad in (float("inf"), float("nan"), -0.1):
         with pytest.raises(ValueError, match="temperature"):
             SamplingParams(temperature=bad)
+
+
+def test_allowed_token_ids_limit_only_their_rows(logits):
+    allowed = torch.zeros(1, V, dtype=torch.bool)
+    allowed[0, [3, 7]] = True
+    for temperature in (0.0, 1.0):
+        m = md(4, temperature=temperature, allowed_token_ids=(torch.tensor([2]), allowed), max_num_logprobs=1)
+        out = Sampler()(logits.clone(), m)
+        assert out.sampled_token_ids[2].item() in (3, 7)
+        if temperature == 0.0:
+            others = [0, 1, 3]
+            assert out.sampled_token_ids[others].tolist() == logits[others].argmax(dim=-1).tolist()
+        # Logprobs stay those of the model's own distribution (vLLM's default), restricted or not.
+        raw = logits.log_softmax(dim=-1)
+        torch.testing.assert_close(out.sampled_logprobs, raw.gather(1, out.sampled_token_ids.unsqueeze(1)).squeeze(1))
+
+
+def test_logit_bias_adds_to_the_logits_before_penalties_and_sampling():
+    logits = torch.zeros(2, V)
+    logits[:, 5] = 4.0
+    # Row 0: +5 on token 9 beats token 5; row 1: -10 on token 5 leaves the rest tied (argmax: the first).
+    m = md(2, temperature=0.0, logit_bias=(torch.tensor([0, 1]), torch.tensor([9, 5]), torch.tensor([5.0, -10.0])))
+    assert Sampler()(logits, m).sampled_token_ids.tolist() == [9, 0]
+    # A bias of -100 keeps a token out of random draws too.
+    many = torch.zeros(2000, V)
+    rows = torch.arange(2000).repeat_interleave(V - 1)
+    cols = torch.arange(1, V).repeat(2000)
+    m = md(2000, logit_bias=(rows, cols, torch.full((rows.numel(),), -100.0)))
+    assert (Sampler()(many, m).sampled_token_ids == 0).all()

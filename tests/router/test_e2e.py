@@ -96,6 +96,21 @@ def test_stop_string_cuts_the_text(client):
     assert kept.choices[0].text == base[:base.find(stop) + len(stop)]
 
 
+def test_logit_bias_and_allowed_token_ids_through_the_openai_client(client, cluster):
+    """OpenAI's logit_bias (token ids as strings) and vLLM's allowed_token_ids steer the engines'
+    sampler; the text is those tokens' decode."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cluster["config"].model)
+    forced = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0,
+                                       logit_bias={"65": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == tok.decode([65] * 5)
+    allowed = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=12, temperature=1.0, seed=7, logprobs=True,
+                                             extra_body={"ignore_eos": True, "allowed_token_ids": [65, 66, 67]})
+    assert {t.token for t in allowed.choices[0].logprobs.content} <= {tok.decode([t]) for t in (65, 66, 67)}
+
+
 def test_logprobs(client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=3)

@@ -81,6 +81,12 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # only with echo
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(len(TOKENIZER)): 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [len(TOKENIZER)]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["fox", "  "]}, "bad_words"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -245,3 +251,23 @@ def test_the_prompts_of_one_request_see_each_others_load_when_routed():
     counts = sorted(len(engine.requests) for engine in engines)
     # The shared prefix pulls them together only up to the load margin: not all 20 on one engine.
     assert sum(counts) == 20 and counts[0] >= 8, counts
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_engine_as_token_ids():
+    http, engine = _app()
+    r = http.post("/v1/completions", json={
+        "model": "tiny", "prompt": "hi", "max_tokens": 2, "logit_bias": {"17": 250, "3": -1.5},
+        "allowed_token_ids": [3, 17, 40], "bad_words": [" fox", "quick brown"]})
+    assert r.status_code == 200, r.text
+    params = engine.requests[0].sampling_params
+    assert params.logit_bias == {17: 100.0, 3: -1.5}  # clamped to [-100, 100], as vLLM does
+    assert params.allowed_token_ids == [3, 17, 40]
+    # Each word as at the start of the text, and after a space when that tokenises differently.
+    expected = []
+    for word in ("fox", "quick brown"):
+        alone, spaced = TOKENIZER.encode(word), TOKENIZER.encode(" " + word)
+        expected.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            expected.append(spaced)
+    assert params.bad_words_token_ids == expected
+    assert len(expected) == 3  # (" quick brown" tokenises differently, " fox" into fewer tokens)
