@@ -20,6 +20,7 @@ from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
+from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.detokenizer import IncrementalDetokenizer
 
@@ -231,6 +232,8 @@ class LLM:
     def _resolve_params(self, params: EngineSamplingParams, vocab: int) -> EngineSamplingParams:
         """Bad words become token sequences; every token id the parameters name must be in the
         vocabulary (checked before anything is queued)."""
+        if params.structured_output is not None:
+            check_structured_output(params.structured_output)
         words = getattr(params, "bad_words", None)
         if words:
             params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, words))

@@ -22,6 +22,7 @@ from engine_core.outputs import (
 )
 from engine_core.request import FinishReason, Request, RequestStatus
 from engine_core.sched.scheduler import PauseState, Scheduler
+from engine_core.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,21 @@ class EngineCore:
         # Totals since start (the scheduler's counters are per-pass deltas).
         self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
                         "max_step_tokens": 0}
+        # Made at the first structured-output request (xgrammar and the tokenizer load then).
+        self._structured: StructuredOutputManager | None = None
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        if self._structured is None:
+            model_dir, info = self.model_info.model_dir, self.model_info
+
+            def load_tokenizer():
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer.from_pretrained(model_dir)
+
+            self._structured = StructuredOutputManager(load_tokenizer, info.vocab_size, info.eos_token_ids)
+        return self._structured
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -88,10 +104,16 @@ class EngineCore:
         self.scheduler.add_request(engine_request)
         if is_new:
             self._totals["added"] += 1
+            if request.sampling_params.structured_output is not None:
+                # Blocked on its grammar (by the Request constructor) until step() sees it compiled.
+                self.structured_output.submit(request.request_id, request.sampling_params.structured_output)
         return engine_request if is_new else None
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self._structured is not None:
+            for request_id in request_ids:
+                self._structured.remove(request_id)
 
     def pause(self, mode: PauseState) -> None:
         self.scheduler.pause(mode)
@@ -109,13 +131,28 @@ class EngineCore:
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """One pass. Raises whatever the executor raises (the caller fails the requests)."""
+        structured = self._structured
+        if structured is not None and structured.has_pending():
+            ready, failed = structured.poll()
+            for request_id in ready:
+                self.scheduler.on_grammar_ready(request_id)
+            for request_id, message in failed:
+                self.scheduler.on_grammar_failed(request_id, message)
         scheduler_output = self.scheduler.schedule()
+        if structured is not None and structured.has_matchers():
+            scheduler_output.grammar_bitmask = structured.bitmask(scheduler_output.num_scheduled_tokens)
         if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
                 or scheduler_output.preempted_req_ids):
             model_output = self.executor.execute_model(scheduler_output)
         else:
             model_output = _EMPTY_MODEL_OUTPUT
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if structured is not None and structured.has_matchers():
+            for eco in outputs.values():
+                for out in eco.outputs:
+                    structured.accept(out.request_id, out.new_token_ids)
+                    if out.finish_reason is not None:
+                        structured.remove(out.request_id)
         self.last_step_idle = model_output is _EMPTY_MODEL_OUTPUT and not any(eco.outputs for eco in outputs.values())
         self.num_steps += 1
         now = time.time()
@@ -158,7 +195,11 @@ class EngineCore:
             eco.outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, message))
         # The workers are gone or reset: forget what the scheduler would tell them next pass.
         self.scheduler.finished_req_ids.clear()
+        if self._structured is not None:
+            self._structured.clear()
         return outputs
 
     def shutdown(self) -> None:
+        if self._structured is not None:
+            self._structured.shutdown()
         self.executor.shutdown()

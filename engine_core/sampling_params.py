@@ -88,6 +88,10 @@ class SamplingParams:
                            for w in self.bad_words_token_ids),
                    "bad_words_token_ids", "a list of non-empty token id lists", self.bad_words_token_ids)
             self.bad_words_token_ids = self.bad_words_token_ids or None
+        if self.structured_output is not None:
+            # A finished grammar allows only EOS: neither may forbid it.
+            _check(not self.ignore_eos and self.min_tokens == 0, "structured_output",
+                   "used without ignore_eos and min_tokens", self.structured_output)
 
     def token_ids_in_use(self) -> list[int]:
         """Every token id these parameters name (to check against a vocabulary)."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
+from engine_core.structured_output import GrammarBitmask
 from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
@@ -173,7 +174,10 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
             if logits is not None:  # TP rank 0 only
                 sample_states = [states[i] for i in sample_rows]
-                out = self.sampler(logits, self._sampling_metadata(sample_states, logits.shape[1]))
+                md = self._sampling_metadata(sample_states, logits.shape[1])
+                if so.grammar_bitmask is not None:
+                    md.grammar_bitmask = self._grammar_rows(so.grammar_bitmask, sample_states)
+                out = self.sampler(logits, md)
                 token_ids = out.sampled_token_ids.tolist()
                 for i, state, tok in zip(sample_rows, sample_states, token_ids, strict=True):
                     sampled[i] = [tok]
@@ -327,6 +331,17 @@ class ModelRunner:
         if wanted:
             md.max_num_logprobs = max(wanted)
         return md
+
+    def _grammar_rows(self, grammar: GrammarBitmask, sample_states: list[RequestState]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The bitmask rows of the structured requests sampled this step, with their sample rows."""
+        index = {req_id: i for i, req_id in enumerate(grammar.request_ids)}
+        pairs = [(row, index[s.req_id]) for row, s in enumerate(sample_states) if s.req_id in index]
+        if not pairs:
+            return None
+        rows, picks = zip(*pairs, strict=True)
+        bitmask = torch.from_numpy(grammar.rows()[list(picks)])
+        return torch.tensor(rows, device=self.device), bitmask.to(self.device)
 
     @staticmethod
     def _logprobs_entries(out: SamplerOutput, sample_rows: list[int], states: list[RequestState],

@@ -1,9 +1,10 @@
 """Batched token sampling: one set of tensor ops over all requests of a step.
 
-Order, per row, as vLLM's sampler: allowed_token_ids, banned tokens (bad words, and stop ids under
-min_tokens), logit_bias, penalties (these shape greedy picks too), then, for random rows only,
-temperature, min-p, top-k and top-p, and a draw. Logprobs are those of the model's raw
-distribution (log_softmax of the unprocessed logits), as vLLM reports them by default.
+Order, per row, as vLLM's sampler: the grammar's mask (structured output), allowed_token_ids,
+banned tokens (bad words, and stop ids under min_tokens), logit_bias, penalties (these shape greedy
+picks too), then, for random rows only, temperature, min-p, top-k and top-p, and a draw. Logprobs
+are those of the model's raw distribution (log_softmax of the unprocessed logits), as vLLM reports
+them by default.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None = None
     # Rows limited to their allowed_token_ids: (rows [k], [k, vocab] True where a token is allowed).
     allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Rows limited by their grammar (structured output): (rows [k], [k, words] int32 bitmask).
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     # (rows, token ids) pairs to forbid: stop/EOS tokens of requests still short of min_tokens, and
     # the tokens that would complete a bad word.
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -54,6 +57,15 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor | None = None
     top_token_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[k, words] int32 (bit t % 32 of word t // 32 = token t, xgrammar's layout) -> [k, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()
+    if allowed.shape[1] < vocab_size:  # (logits wider than the grammar's vocabulary: the rest is not allowed)
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return allowed[:, :vocab_size]
 
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -120,6 +132,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        if md.grammar_bitmask is not None:
+            rows, bitmask = md.grammar_bitmask
+            allowed = unpack_bitmask(bitmask, logits.shape[1])
+            logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
         if md.allowed_token_ids is not None:
             rows, allowed = md.allowed_token_ids
             logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import random
@@ -73,6 +74,10 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     if hasattr(policy, "forget_engine"):
         client.on_engine_restart = policy.forget_engine
     metrics = RouterMetrics(settings.served_model_name, replica=str(client_index))
+    # Structured-output requests are checked with xgrammar: import it now (seconds), not on the event
+    # loop under the first such request.
+    with contextlib.suppress(ImportError):
+        await asyncio.to_thread(importlib.import_module, "xgrammar")
     await client.wait_connected()
     return OpenAIServing(settings, client, tokenizer, policy, metrics), client
 

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 # Integers cross to the engine as 64-bit values: larger ones are the client's error (400), not a
@@ -47,7 +47,51 @@ class SamplingFields(BaseModel):
     def _consistent(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "stream_options can only be set when stream is true")
+        self._structured_output = self._structured_output_spec()
         return self
+
+    def _structured_output_spec(self) -> dict[str, Any] | None:
+        """The one output constraint asked for, in the engine's form: OpenAI's response_format, or
+        vLLM's structured_outputs (or its older guided_json / guided_regex / guided_choice /
+        guided_grammar)."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            if fmt.get("type") == "json_object":
+                asked.append(("response_format", {"json_object": True}))
+            elif fmt.get("type") == "json_schema":
+                schema = (fmt.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise invalid("response_format", "response_format json_schema needs json_schema.schema (an object)")
+                asked.append(("response_format", {"json": schema}))
+            else:
+                raise invalid("response_format", f"response_format type {fmt.get('type')!r} is not supported "
+                              "(text, json_object or json_schema)")
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", dict(self.structured_outputs)))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                asked.append((f"guided_{kind}", {kind: value}))
+        if not asked:
+            return None
+        param, spec = asked[0]
+        if len(asked) > 1:
+            raise invalid(asked[1][0], f"only one output constraint per request ({', '.join(p for p, _ in asked)})")
+        if self.ignore_eos or self.min_tokens:
+            raise invalid(param, "structured output cannot be combined with ignore_eos or min_tokens (a "
+                          "finished grammar allows only the end of sequence)")
+        from engine_core.structured_output import check_structured_output
+
+        try:
+            check_structured_output(spec)
+        except ValueError as e:
+            raise invalid(param, str(e)) from e
+        return spec
+
+    @property
+    def structured_output(self) -> dict[str, Any] | None:
+        return self._structured_output
 
     model: str = Field(..., description="Served model name (see GET /v1/models).")
     max_tokens: int | None = Field(None, ge=1, description="Upper bound on generated tokens.")
@@ -72,6 +116,15 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, min_length=1,
                                                 description="vLLM extra: only these tokens may be sampled.")
     bad_words: list[str] | None = Field(None, description="vLLM extra: words that must not be generated.")
+    # Structured output: OpenAI's response_format, or vLLM's extras (at most one of them).
+    response_format: dict[str, Any] | None = Field(None, description="text, json_object or json_schema.")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM extra: exactly one of json, json_object, regex, choice, grammar (EBNF).")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extra (older name).")
+    guided_regex: str | None = Field(None, description="vLLM extra (older name).")
+    guided_choice: list[str] | None = Field(None, description="vLLM extra (older name).")
+    guided_grammar: str | None = Field(None, description="vLLM extra (older name).")
+    _structured_output: dict[str, Any] | None = PrivateAttr(default=None)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -140,8 +193,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = Field(True, description="vLLM extra.")
     chat_template_kwargs: dict[str, Any] | None = None
-    # Accepted only in the forms this server honours (plain text, no tools), refused otherwise.
-    response_format: dict[str, Any] | None = None
+    # Accepted only with tool_choice "none" (no tool calling), refused otherwise.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -149,9 +201,6 @@ class ChatCompletionRequest(SamplingFields):
     def _logprobs_consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise invalid("response_format", f"response_format {self.response_format.get('type')!r} is not "
-                          "supported: this server does not constrain output to JSON")
         if self.tools and self.tool_choice != "none":
             raise invalid("tools", "tool calling is not supported")
         return self

@@ -179,7 +179,8 @@ class OpenAIServing:
                 seed=None if request.seed is None else _wrap_int64(request.seed + seed_offset),
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                 repetition_penalty=request.repetition_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                logit_bias=logit_bias, allowed_token_ids=allowed_ids, bad_words_token_ids=bad_words)
+                logit_bias=logit_bias, allowed_token_ids=allowed_ids, bad_words_token_ids=bad_words,
+                structured_output=request.structured_output)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output import GrammarBitmask
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
@@ -52,6 +53,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     finished_req_ids: set[str]
     # Requests preempted in this pass only: workers drop their state, blocks are already freed.
     preempted_req_ids: set[str]
+    # What the grammars of the scheduled structured-output requests allow next (set by the engine
+    # after schedule(); rows of requests that do not sample this pass go unused).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

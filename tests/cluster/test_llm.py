@@ -213,3 +213,49 @@ def test_logit_bias_allowed_token_ids_and_bad_words_shape_what_the_engine_sample
     assert tokens[3][0] == first and tokens[3][1] != second
     assert tokens[4] == free[1].outputs[0].token_ids  # an unconstrained neighbour is untouched
     assert word and by_word[0].outputs[0].token_ids[0] != first  # the word, as the tokenizer splits it
+
+
+def _whitespace_bias(tokenizer) -> dict[int, float]:
+    """-100 on every whitespace-only token: a random model, free to pick JSON's optional whitespace,
+    would otherwise spend its whole budget on it."""
+    return {t: -100.0 for t in range(len(tokenizer))
+            if (text := tokenizer.decode([t])) and not text.strip() and t not in tokenizer.all_special_ids}
+
+
+def test_structured_output_holds_through_chunked_prefill_and_preemption(tiny_model_dir):
+    """Every structured request's text fits its grammar and ends by the grammar's EOS, in a batch
+    with unconstrained requests, a 16-token budget (chunked prefill) and too few blocks (preemption)."""
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
+              "required": ["color", "n"], "additionalProperties": False}
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=14, max_num_batched_tokens=16, max_num_seqs=8,
+              max_model_len=160)
+    try:
+        quiet = _whitespace_bias(llm.tokenizer)
+        # Any JSON object: strings end only by a quote, so quotes and braces are favoured too.
+        closing = {**quiet, **{llm.tokenizer.convert_tokens_to_ids(t): 5.0 for t in ('"', "}")}}
+        specs = [{"regex": "[a-c]{3}-[0-9]{2}"}, {"choice": ["alpha", "beta gamma", "x.y"]},
+                 {"json": schema}, {"json_object": True}, {"grammar": 'root ::= "yes" | "no" | "maybe"'}]
+        biases = [None, None, quiet, closing, None]
+        params = [SamplingParams(max_tokens=96, temperature=1.0, seed=i, structured_output=spec, logit_bias=bias)
+                  for i, (spec, bias) in enumerate(zip(specs, biases, strict=True))]
+        free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        prompts = [PROMPTS[3]] * len(specs) + PROMPTS[3:6]
+        outs = llm.generate(prompts, params + [free] * 3, use_tqdm=False)
+        stats = llm.get_stats()[0]
+        with pytest.raises(ValueError, match="invalid regex"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, structured_output={"regex": "(a"}))
+    finally:
+        llm.shutdown()
+    assert stats.num_preemptions > 0
+    texts = [o.outputs[0].text for o in outs]
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs[:len(specs)]), texts
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", texts[0])
+    assert texts[1] in ("alpha", "beta gamma", "x.y")
+    value = json.loads(texts[2])
+    assert set(value) == {"color", "n"} and value["color"] in ("red", "green") and isinstance(value["n"], int)
+    assert isinstance(json.loads(texts[3]), dict)
+    assert texts[4] in ("yes", "no", "maybe")
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs[len(specs):])

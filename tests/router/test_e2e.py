@@ -111,6 +111,37 @@ def test_logit_bias_and_allowed_token_ids_through_the_openai_client(client, clus
     assert {t.token for t in allowed.choices[0].logprobs.content} <= {tok.decode([t]) for t in (65, 66, 67)}
 
 
+def test_structured_output_through_the_openai_client(client, cluster):
+    """response_format json_schema (chat, streamed too) and vLLM's guided_choice (completions): the
+    text fits the constraint and the choice ends with finish_reason "stop"."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cluster["config"].model)
+    # The random model would spend its budget on JSON's optional whitespace: keep it out.
+    quiet = {str(t): -100 for t in range(len(tok))
+             if (text := tok.decode([t])) and not text.strip() and t not in tok.all_special_ids}
+    schema = {"type": "object", "properties": {"size": {"enum": ["S", "M", "L"]}, "qty": {"type": "integer"}},
+              "required": ["size", "qty"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "order", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Order a shirt"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, temperature=1.0, seed=5,
+                                          response_format=response_format, logit_bias=quiet)
+    order = json.loads(chat.choices[0].message.content)
+    assert order["size"] in ("S", "M", "L") and isinstance(order["qty"], int)
+    assert chat.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, temperature=1.0, seed=5,
+                                            response_format=response_format, logit_bias=quiet, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == chat.choices[0].message.content
+    picked = client.completions.create(model="tiny", prompt="Pick one:", max_tokens=16, temperature=1.0, n=2, seed=2,
+                                       extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in picked.choices)
+    bad = httpx.post(f"{cluster['base']}/v1/completions", json={
+        "model": "tiny", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "objekt"}}}}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+
+
 def test_logprobs(client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=3)

@@ -88,7 +88,15 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [len(TOKENIZER)]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "bad_words": ["fox", "  "]}, "bad_words"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objekt"}}}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "(a"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+     "guided_choice"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "ignore_eos": True}, "guided_choice"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
@@ -119,10 +127,31 @@ def test_null_optional_fields_take_their_defaults():
 
 
 def test_accepted_forms_of_response_format_and_tools():
-    http, _ = _app()
+    http, engine = _app()
     for extra in ({"response_format": {"type": "text"}}, {"tools": [{"type": "function"}], "tool_choice": "none"}):
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra})
         assert r.status_code == 200, r.text
+    assert all(req.sampling_params.structured_output is None for req in engine.requests)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("fields", "spec"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+     {"json": SCHEMA}),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"structured_outputs": {"regex": "[ab]+"}}, {"regex": "[ab]+"}),
+    ({"structured_outputs": {"grammar": 'root ::= "x"'}}, {"grammar": 'root ::= "x"'}),
+    ({"guided_json": SCHEMA}, {"json": SCHEMA}),
+    ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+])
+def test_output_constraints_reach_the_engine_in_one_form(fields, spec):
+    http, engine = _app()
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, **fields})
+    assert r.status_code == 200, r.text
+    assert engine.requests[0].sampling_params.structured_output == spec
 
 
 def test_text_parts_of_a_message_are_joined_by_newlines():

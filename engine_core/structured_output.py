@@ -1,0 +1,212 @@
+"""Structured output (JSON schema, JSON object, regex, choice, EBNF grammar) with xgrammar.
+
+A request with ``SamplingParams.structured_output`` starts blocked on its grammar
+(WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, set by the Request constructor). Its grammar compiles on a
+thread pool, off the busy loop; ``poll`` then promotes the request (or fails it with the compile
+error). Each pass, ``bitmask`` packs, for every scheduled structured request, the tokens its
+grammar allows next (32 tokens per int32, xgrammar's layout), and the model runner masks the others
+before sampling. ``accept`` advances a request's matcher by the tokens it produced. A finished
+grammar allows only the model's EOS ids, so the request ends the usual way.
+
+The spec is a dict with exactly one key: ``json`` (a schema, dict or string), ``json_object``
+(any JSON object), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True):
+    """Row i of ``bitmask`` (int32, ``num_words`` per row) is what request ``request_ids[i]`` may
+    sample next: bit t % 32 of word t // 32 set = token t allowed."""
+
+    request_ids: list[str]
+    num_words: int
+    bitmask: bytes
+
+    def rows(self) -> np.ndarray:
+        return np.frombuffer(self.bitmask, dtype=np.int32).reshape(len(self.request_ids), self.num_words)
+
+
+def check_structured_output(spec: Any) -> None:
+    """Raise ValueError unless ``spec`` is a well-formed structured-output request (the grammar
+    itself is checked too, without a tokenizer, so a bad schema is the client's error up front)."""
+    try:
+        import xgrammar as xgr
+    except ImportError as e:
+        raise ValueError("structured output needs the xgrammar package (pip install --no-deps xgrammar)") from e
+
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_OUTPUT_KINDS:
+        raise ValueError(f"structured output takes exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
+    kind, value = next(iter(spec.items()))
+    try:
+        if kind == "json":
+            if not isinstance(value, dict | str):
+                raise ValueError("a JSON schema must be an object or a string")
+            xgr.Grammar.from_json_schema(value if isinstance(value, str) else json.dumps(value))
+        elif kind == "json_object":
+            if value is not True:
+                raise ValueError("json_object must be true")
+        elif kind == "regex":
+            if not isinstance(value, str):
+                raise ValueError("a regex must be a string")
+            xgr.Grammar.from_regex(value)
+        elif kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+                raise ValueError("choice must be a non-empty list of strings")
+        else:
+            if not isinstance(value, str):
+                raise ValueError("a grammar must be an EBNF string")
+            xgr.Grammar.from_ebnf(value)
+    except RuntimeError as e:  # xgrammar's parse errors
+        raise ValueError(f"invalid {kind}: {_first_line(str(e))}") from e
+
+
+def _first_line(message: str) -> str:
+    # xgrammar prefixes "[time] file:line: " to its C++ errors.
+    line = message.strip().splitlines()[0] if message.strip() else message
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)
+
+
+_REGEX_SPECIAL = set("\\.^$*+?{}[]|()")
+
+
+def _choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of ``choices`` (only regex syntax is escaped: xgrammar does not
+    take Python's escapes of spaces and other plain characters)."""
+    return "(" + "|".join("".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in c) for c in choices) + ")"
+
+
+class StructuredOutputManager:
+    """The engine's grammars: compiled grammars (cached by spec), one matcher per live request."""
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: tuple[int, ...],
+                 max_threads: int = 2, cache_size: int = 128) -> None:
+        # xgrammar and the tokenizer load on the compile thread, with the first grammar (seconds of
+        # imports the busy loop must not wait for).
+        self._load_tokenizer = load_tokenizer
+        self._xgr: Any = None
+        self._compiler: Any = None
+        self._max_threads = max_threads
+        # The model's logits size (may exceed the tokenizer's); the model's EOS ids end a finished grammar.
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        # One thread: compiles run in order, and the first one sets up xgrammar for all.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._cache_size = cache_size
+        self._pending: dict[str, tuple[str, Future]] = {}
+        self._matchers: dict[str, Any] = {}
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def submit(self, request_id: str, spec: dict[str, Any]) -> None:
+        """Start compiling the request's grammar (a cached one is ready at the next ``poll``)."""
+        key = json.dumps(spec, sort_keys=True)
+        future: Future = Future()
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            future.set_result(self._compiled[key])
+        else:
+            future = self._pool.submit(self._compile, spec)
+        self._pending[request_id] = (key, future)
+
+    def _compile(self, spec: dict[str, Any]) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                                                      stop_token_ids=list(self.eos_token_ids) or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+            self._xgr = xgr
+        kind, value = next(iter(spec.items()))
+        if kind == "json":
+            return self._compiler.compile_json_schema(value if isinstance(value, str) else json.dumps(value))
+        if kind == "json_object":
+            return self._compiler.compile_builtin_json_grammar()
+        if kind == "regex":
+            return self._compiler.compile_regex(value)
+        if kind == "choice":
+            return self._compiler.compile_regex(_choice_regex(value))
+        return self._compiler.compile_grammar(value)
+
+    def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """Requests whose grammar is now ready (they get a matcher), and (request, error) pairs for
+        grammars that failed to compile."""
+        ready, failed = [], []
+        for request_id, (key, future) in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[request_id]
+            try:
+                compiled = future.result()
+            except Exception as e:
+                failed.append((request_id, f"structured output: {_first_line(str(e))}"))
+                continue
+            self._compiled[key] = compiled
+            self._compiled.move_to_end(key)
+            while len(self._compiled) > self._cache_size:
+                self._compiled.popitem(last=False)
+            self._matchers[request_id] = self._xgr.GrammarMatcher(compiled)
+            ready.append(request_id)
+        return ready, failed
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def has_matchers(self) -> bool:
+        return bool(self._matchers)
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+        entry = self._pending.pop(request_id, None)
+        if entry is not None:
+            entry[1].cancel()
+
+    def clear(self) -> None:
+        for request_id in list(self._pending) + list(self._matchers):
+            self.remove(request_id)
+
+    # -- each pass ------------------------------------------------------------------------------
+
+    def bitmask(self, scheduled_request_ids: Any) -> GrammarBitmask | None:
+        """The allowed-token rows of the scheduled requests that have a matcher (None if none)."""
+        ids = [r for r in scheduled_request_ids if r in self._matchers]
+        if not ids:
+            return None
+        bitmask = self._xgr.allocate_token_bitmask(len(ids), self.vocab_size)
+        for row, request_id in enumerate(ids):
+            self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
+        return GrammarBitmask(ids, bitmask.shape[1], bitmask.numpy().tobytes())
+
+    def accept(self, request_id: str, token_ids: list[int]) -> None:
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return
+        for token in token_ids:
+            if matcher.is_terminated():
+                break  # (the EOS that ended the grammar was accepted; nothing follows it)
+            if not matcher.accept_token(token):
+                # Only possible when a constraint outside the grammar (a stop id, say) picked the token.
+                logger.warning("request %s: token %d does not fit its grammar", request_id, token)
+                break
+
+    def is_structured(self, request_id: str) -> bool:
+        return request_id in self._matchers or request_id in self._pending
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,138 @@
+"""Structured output's engine side: specs checked up front, grammars compiled off the busy loop
+(cached), the allowed-token bitmask per pass, and matchers advanced by the sampled tokens. xgrammar
+and the tiny model's real tokenizer."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from engine_core.outputs import EngineCoreRequest
+from engine_core.request import FinishReason
+from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output import StructuredOutputManager, check_structured_output
+from gpu_worker.sampler import unpack_bitmask
+from tests.tiny_model import build_tokenizer
+
+TOKENIZER = build_tokenizer()
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"json": {"type": "object"}, "regex": "a"}, "exactly one of"),
+    ({"xml": "<a/>"}, "exactly one of"),
+    ({"regex": "(ab"}, "invalid regex: Regex parsing error"),
+    ({"json": {"type": "objekt"}}, "invalid json"),
+    ({"json": 5}, "a JSON schema must be an object or a string"),
+    ({"choice": []}, "choice must be a non-empty list of strings"),
+    ({"grammar": "root ::= "}, "invalid grammar"),
+    ({"json_object": False}, "json_object must be true"),
+])
+def test_malformed_specs_are_refused_with_what_is_wrong(spec, message):
+    with pytest.raises(ValueError, match=message):
+        check_structured_output(spec)
+
+
+def test_well_formed_specs_pass():
+    for spec in ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, {"json": '{"type": "string"}'},
+                 {"json_object": True}, {"regex": "[a-z]+"}, {"choice": ["a b", "c.d"]},
+                 {"grammar": 'root ::= "yes" | "no"'}):
+        check_structured_output(spec)
+
+
+def test_structured_output_excludes_ignore_eos_and_min_tokens():
+    for extra in ({"ignore_eos": True}, {"min_tokens": 2}):
+        with pytest.raises(ValueError, match="structured_output must be used without ignore_eos and min_tokens"):
+            SamplingParams(max_tokens=4, structured_output={"regex": "a"}, **extra)
+
+
+def _manager() -> StructuredOutputManager:
+    return StructuredOutputManager(lambda: TOKENIZER, len(TOKENIZER), (TOKENIZER.eos_token_id,))
+
+
+def _poll_until_done(manager: StructuredOutputManager) -> tuple[list[str], list[tuple[str, str]]]:
+    ready, failed = [], []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now_ready, now_failed = manager.poll()
+        ready, failed = ready + now_ready, failed + now_failed
+        if not manager.has_pending():
+            break
+        time.sleep(0.01)
+    return ready, failed
+
+
+def _allowed(manager: StructuredOutputManager, request_id: str) -> set[int]:
+    grammar = manager.bitmask([request_id])
+    mask = unpack_bitmask(torch.from_numpy(grammar.rows().copy()), len(TOKENIZER))[0]
+    return set(torch.nonzero(mask).flatten().tolist())
+
+
+def test_a_grammar_compiles_then_its_matcher_allows_only_what_fits_and_ends_with_eos():
+    manager = _manager()
+    manager.submit("a", {"choice": ["yes", "no"]})
+    assert manager.is_structured("a") and manager.bitmask(["a"]) is None  # not compiled yet: no row
+    assert _poll_until_done(manager) == (["a"], [])
+    first = _allowed(manager, "a")
+    assert first and all(TOKENIZER.decode([t]) and ("yes".startswith(TOKENIZER.decode([t]))
+                                                    or "no".startswith(TOKENIZER.decode([t]))) for t in first)
+    manager.accept("a", TOKENIZER.encode("yes", add_special_tokens=False))
+    assert _allowed(manager, "a") == {TOKENIZER.eos_token_id}  # the grammar is complete: only EOS
+    manager.accept("a", [TOKENIZER.eos_token_id])
+    # A request without a matcher has no row; a removed one neither.
+    manager.remove("a")
+    assert manager.bitmask(["a", "other"]) is None and not manager.has_matchers()
+    manager.shutdown()
+
+
+def test_the_same_spec_compiles_once_and_a_failed_compile_is_reported():
+    manager = _manager()
+    spec = {"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}
+    manager.submit("a", spec)
+    _poll_until_done(manager)
+    compiled = dict(manager._compiled)
+    manager.submit("b", json.loads(json.dumps(spec)))  # an equal spec: ready at the next poll, no compile
+    assert not manager._pool._work_queue.qsize()
+    assert manager.poll() == (["b"], []) and dict(manager._compiled) == compiled
+    # Unchecked input that xgrammar cannot compile fails that request only, with its error.
+    manager.submit("c", {"regex": "(unclosed"})
+    ready, failed = _poll_until_done(manager)
+    assert ready == [] and [r for r, _ in failed] == ["c"] and "parenthesis" in failed[0][1]
+    assert manager.has_matchers()
+    manager.shutdown()
+
+
+def test_the_engine_fails_only_the_request_whose_grammar_does_not_compile(tmp_path):
+    from cluster.config import ClusterConfig, EngineSpec
+    from engine_core.engine_core import EngineCore
+    from gpu_worker.executor import create_executor
+    from tests.tiny_model import build_tiny_llama
+
+    config = ClusterConfig(model=str(build_tiny_llama(tmp_path)), defaults=EngineSpec(
+        num_gpu_blocks=32, max_model_len=128)).engine_configs()[0]
+    engine = EngineCore(config, create_executor(config))
+    try:
+        prompt = TOKENIZER.encode("Hello")
+        # (The engine does not re-check specs: the router and the offline LLM refuse bad ones first.)
+        for rid, spec in (("bad", {"regex": "(unclosed"}), ("good", {"regex": "[ab]{4}"})):
+            params = SamplingParams(max_tokens=16, temperature=1.0, seed=1, structured_output=spec)
+            engine.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params))
+        finished: dict[str, tuple] = {}
+        tokens: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(finished) < 2 and time.monotonic() < deadline:
+            for eco in engine.step().values():
+                for out in eco.outputs:
+                    if out.request_id == "good":
+                        tokens += out.new_token_ids
+                    if out.finish_reason is not None:
+                        finished[out.request_id] = (out.finish_reason, out.stop_reason)
+            time.sleep(0.001)
+    finally:
+        engine.shutdown()
+    assert finished["bad"][0] == FinishReason.ERROR and "parenthesis" in finished["bad"][1]
+    assert finished["good"][0] == FinishReason.STOP
+    text = TOKENIZER.decode(tokens[:-1])
+    assert len(text) == 4 and set(text) <= {"a", "b"} and tokens[-1] == TOKENIZER.eos_token_id
