@@ -105,14 +105,13 @@ def wait_until_placed(pg: PlacementGroup, what: str, timeout_s: float, first_war
     interval = first_warning_s
     while True:
         remaining = timeout_s - (time.monotonic() - start)
-        if remaining <= 0:
-            raise TimeoutError(f"not placed after {timeout_s:g} s; free now: {_free_resources()} (see `ray status`)")
-        done, _ = ray.wait([ready], timeout=min(interval, remaining))
+        final = remaining <= interval  # the last wait: it ends in the timeout error, not a warning
+        done, _ = ray.wait([ready], timeout=max(0.0, remaining if final else interval))
         if done:
             ray.get(ready)
             return
-        if time.monotonic() - start >= timeout_s:
-            continue  # (the timeout error says it)
+        if final:
+            raise TimeoutError(f"not placed after {timeout_s:g} s; free now: {_free_resources()} (see `ray status`)")
         logger.warning("%s: not placed after %.0f s; free now: %s. Waiting up to %.0f s in all "
                        "(an autoscaler may add nodes; see `ray status`).", what, time.monotonic() - start,
                        _free_resources(), timeout_s)

@@ -139,8 +139,9 @@ class EngineCore:
             for request_id, message in failed:
                 self.scheduler.on_grammar_failed(request_id, message)
         scheduler_output = self.scheduler.schedule()
+        failed: list[tuple[str, str]] = []
         if structured is not None and structured.has_matchers():
-            scheduler_output.grammar_bitmask = structured.bitmask(scheduler_output.num_scheduled_tokens)
+            scheduler_output.grammar_bitmask, failed = structured.bitmask(scheduler_output.num_scheduled_tokens)
         if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
                 or scheduler_output.preempted_req_ids):
             model_output = self.executor.execute_model(scheduler_output)
@@ -148,11 +149,15 @@ class EngineCore:
             model_output = _EMPTY_MODEL_OUTPUT
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if structured is not None and structured.has_matchers():
-            for eco in outputs.values():
-                for out in eco.outputs:
-                    structured.accept(out.request_id, out.new_token_ids)
+            for eco in list(outputs.values()):
+                for out in list(eco.outputs):
+                    error = structured.accept(out.request_id, out.new_token_ids)
                     if out.finish_reason is not None:
                         structured.remove(out.request_id)
+                    elif error is not None:
+                        failed.append((out.request_id, error))
+        for request_id, message in failed:
+            self._fail_request(outputs, request_id, message)
         self.last_step_idle = model_output is _EMPTY_MODEL_OUTPUT and not any(eco.outputs for eco in outputs.values())
         self.num_steps += 1
         now = time.time()
@@ -169,6 +174,16 @@ class EngineCore:
                 totals["preemptions"] += stats.num_preemptions
                 totals["max_step_tokens"] = max(totals["max_step_tokens"], stats.step_num_scheduled_tokens)
         return outputs
+
+    def _fail_request(self, outputs: dict[int, EngineCoreOutputs], request_id: str, message: str) -> None:
+        """Finish one live request with an error now (its client reads the message)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.is_finished():
+            return
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+        eco = outputs.setdefault(request.client_index,
+                                 EngineCoreOutputs(engine_index=self.config.engine_index, timestamp=time.time()))
+        eco.outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, message))
 
     def stats(self, healthy: bool = True) -> EngineStats:
         scheduler = self.scheduler

@@ -8,8 +8,9 @@ grammar allows next (32 tokens per int32, xgrammar's layout), and the model runn
 before sampling. ``accept`` advances a request's matcher by the tokens it produced. A finished
 grammar allows only the model's EOS ids, so the request ends the usual way.
 
-The spec is a dict with exactly one key: ``json`` (a schema, dict or string), ``json_object``
-(any JSON object), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF).
+The spec is a dict with exactly one constraint: ``json`` (a schema, dict or string),
+``json_object`` (any JSON object), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF);
+and optionally vLLM's ``disable_any_whitespace`` (JSON without optional whitespace).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace",)
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True):
@@ -50,9 +52,16 @@ def check_structured_output(spec: Any) -> None:
     except ImportError as e:
         raise ValueError("structured output needs the xgrammar package (pip install --no-deps xgrammar)") from e
 
-    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_OUTPUT_KINDS:
+    kinds = [k for k in spec if k in STRUCTURED_OUTPUT_KINDS] if isinstance(spec, dict) else []
+    if len(kinds) != 1:
         raise ValueError(f"structured output takes exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
-    kind, value = next(iter(spec.items()))
+    unknown = [k for k in spec if k not in STRUCTURED_OUTPUT_KINDS and k not in STRUCTURED_OUTPUT_OPTIONS]
+    if unknown:
+        raise ValueError(f"unsupported structured output option(s): {', '.join(map(str, unknown))}")
+    if not isinstance(spec.get("disable_any_whitespace", False), bool):
+        raise ValueError("disable_any_whitespace must be true or false")
+    kind = kinds[0]
+    value = spec[kind]
     try:
         if kind == "json":
             if not isinstance(value, dict | str):
@@ -126,18 +135,21 @@ class StructuredOutputManager:
         self._pending[request_id] = (key, future)
 
     def _compile(self, spec: dict[str, Any]) -> Any:
-        if self._compiler is None:
+        if self._compiler is None:  # (first use: on this thread)
             import xgrammar as xgr
 
             info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
                                                       stop_token_ids=list(self.eos_token_ids) or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
             self._xgr = xgr
-        kind, value = next(iter(spec.items()))
+        kind = next(k for k in spec if k in STRUCTURED_OUTPUT_KINDS)
+        value = spec[kind]
+        any_whitespace = not spec.get("disable_any_whitespace", False)
         if kind == "json":
-            return self._compiler.compile_json_schema(value if isinstance(value, str) else json.dumps(value))
-        if kind == "json_object":
-            return self._compiler.compile_builtin_json_grammar()
+            return self._compiler.compile_json_schema(value if isinstance(value, str) else json.dumps(value),
+                                                      any_whitespace=any_whitespace)
+        if kind == "json_object":  # an object, as OpenAI promises (xgrammar's builtin JSON takes any value)
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
         if kind == "regex":
             return self._compiler.compile_regex(value)
         if kind == "choice":
@@ -183,27 +195,42 @@ class StructuredOutputManager:
 
     # -- each pass ------------------------------------------------------------------------------
 
-    def bitmask(self, scheduled_request_ids: Any) -> GrammarBitmask | None:
-        """The allowed-token rows of the scheduled requests that have a matcher (None if none)."""
-        ids = [r for r in scheduled_request_ids if r in self._matchers]
+    def bitmask(self, scheduled_request_ids: Any) -> tuple[GrammarBitmask | None, list[tuple[str, str]]]:
+        """The allowed-token rows of the scheduled requests that have a live matcher (None if none),
+        and (request, error) pairs for matchers that failed (those requests must be failed). A
+        finished grammar (its EOS accepted) constrains nothing, as in vLLM."""
+        ids = [r for r in scheduled_request_ids if r in self._matchers and not self._matchers[r].is_terminated()]
         if not ids:
-            return None
+            return None, []
         bitmask = self._xgr.allocate_token_bitmask(len(ids), self.vocab_size)
-        for row, request_id in enumerate(ids):
-            self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
-        return GrammarBitmask(ids, bitmask.shape[1], bitmask.numpy().tobytes())
+        kept, failed = [], []
+        for request_id in ids:
+            try:
+                self._matchers[request_id].fill_next_token_bitmask(bitmask, len(kept))
+            except Exception as e:
+                failed.append((request_id, f"structured output: {_first_line(str(e))}"))
+                self.remove(request_id)
+                continue
+            kept.append(request_id)
+        if not kept:
+            return None, failed
+        rows = bitmask[:len(kept)].numpy()
+        return GrammarBitmask(kept, rows.shape[1], rows.tobytes()), failed
 
-    def accept(self, request_id: str, token_ids: list[int]) -> None:
+    def accept(self, request_id: str, token_ids: list[int]) -> str | None:
+        """Advance the request's matcher; an error message when a token does not fit its grammar
+        (only possible when other constraints left the grammar no token: the request must fail)."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
-            return
+            return None
         for token in token_ids:
             if matcher.is_terminated():
                 break  # (the EOS that ended the grammar was accepted; nothing follows it)
             if not matcher.accept_token(token):
-                # Only possible when a constraint outside the grammar (a stop id, say) picked the token.
-                logger.warning("request %s: token %d does not fit its grammar", request_id, token)
-                break
+                self.remove(request_id)
+                return (f"structured output: token {token} does not fit the grammar (its other sampling "
+                        "constraints left the grammar no allowed token)")
+        return None
 
     def is_structured(self, request_id: str) -> bool:
         return request_id in self._matchers or request_id in self._pending

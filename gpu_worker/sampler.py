@@ -61,8 +61,11 @@ class SamplerOutput:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[k, words] int32 (bit t % 32 of word t // 32 = token t, xgrammar's layout) -> [k, vocab] bool."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()
+    # Byte by byte (little-endian words: byte t // 8 holds token t at bit t % 8), so the unpacked
+    # intermediate is one byte per token, not four.
+    as_bytes = bitmask.contiguous().view(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    allowed = ((as_bytes.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()
     if allowed.shape[1] < vocab_size:  # (logits wider than the grammar's vocabulary: the rest is not allowed)
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
     return allowed[:, :vocab_size]

@@ -14,6 +14,10 @@ from pydantic_core import PydanticCustomError
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+# vLLM structured_outputs fields for its other grammar backends (guidance, outlines).
+_OTHER_BACKENDS_OPTIONS = ("disable_fallback", "disable_additional_properties", "whitespace_pattern")
+
+
 def invalid(param: str, message: str) -> PydanticCustomError:
     """A cross-field validation error that still names its parameter in the OpenAI error body."""
     return PydanticCustomError("invalid_param", message, {"param": param})
@@ -68,7 +72,10 @@ class SamplingFields(BaseModel):
                 raise invalid("response_format", f"response_format type {fmt.get('type')!r} is not supported "
                               "(text, json_object or json_schema)")
         if self.structured_outputs is not None:
-            asked.append(("structured_outputs", dict(self.structured_outputs)))
+            # As vLLM's StructuredOutputsParams: unset (null) fields do not count, and the options
+            # only other backends use (xgrammar ignores them in vLLM too) are dropped.
+            asked.append(("structured_outputs", {k: v for k, v in self.structured_outputs.items()
+                                                 if v is not None and k not in _OTHER_BACKENDS_OPTIONS}))
         for kind in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{kind}")
             if value is not None:

@@ -33,15 +33,16 @@ def test_a_waiting_placement_warns_with_the_free_resources_then_times_out(ray_cl
     pg = placement_group([{"CPU": 64}], strategy="PACK", name="test-unplaceable")
     try:
         with caplog.at_level(logging.WARNING, logger="cluster.launcher"), pytest.raises(TimeoutError) as error:
-            wait_until_placed(pg, "engine 9: 1 worker bundle(s) {'CPU': 64}", timeout_s=1.6, first_warning_s=0.5)
+            wait_until_placed(pg, "engine 9: 1 worker bundle(s) {'CPU': 64}", timeout_s=2.5, first_warning_s=0.5)
     finally:
         remove_placement_group(pg)
     warnings = [r.getMessage() for r in caplog.records]
-    # At 0.5 s and 1.5 s (the interval doubles), each naming the bundles and the free CPUs.
+    # At 0.5 s and 1.5 s (the interval doubles; the wait after that ends in the timeout), each
+    # naming the bundles and the free CPUs.
     assert len(warnings) == 2, warnings
     assert all("engine 9: 1 worker bundle(s) {'CPU': 64}: not placed after" in w for w in warnings)
     assert all("free now: " in w and " CPU" in w and "_group_" not in w for w in warnings)
-    assert "not placed after 1.6 s" in str(error.value)
+    assert "not placed after 2.5 s" in str(error.value)
 
 
 def test_a_placement_that_fits_returns_without_warning(ray_cluster, caplog):

@@ -29,6 +29,8 @@ TOKENIZER = build_tokenizer()
     ({"choice": []}, "choice must be a non-empty list of strings"),
     ({"grammar": "root ::= "}, "invalid grammar"),
     ({"json_object": False}, "json_object must be true"),
+    ({"regex": "a", "whitespace_pattern": " "}, "unsupported structured output option"),
+    ({"regex": "a", "disable_any_whitespace": "yes"}, "disable_any_whitespace must be true or false"),
 ])
 def test_malformed_specs_are_refused_with_what_is_wrong(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -38,7 +40,7 @@ def test_malformed_specs_are_refused_with_what_is_wrong(spec, message):
 def test_well_formed_specs_pass():
     for spec in ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, {"json": '{"type": "string"}'},
                  {"json_object": True}, {"regex": "[a-z]+"}, {"choice": ["a b", "c.d"]},
-                 {"grammar": 'root ::= "yes" | "no"'}):
+                 {"grammar": 'root ::= "yes" | "no"'}, {"json": {"type": "object"}, "disable_any_whitespace": True}):
         check_structured_output(spec)
 
 
@@ -65,7 +67,8 @@ def _poll_until_done(manager: StructuredOutputManager) -> tuple[list[str], list[
 
 
 def _allowed(manager: StructuredOutputManager, request_id: str) -> set[int]:
-    grammar = manager.bitmask([request_id])
+    grammar, failed = manager.bitmask([request_id])
+    assert not failed
     mask = unpack_bitmask(torch.from_numpy(grammar.rows().copy()), len(TOKENIZER))[0]
     return set(torch.nonzero(mask).flatten().tolist())
 
@@ -73,17 +76,35 @@ def _allowed(manager: StructuredOutputManager, request_id: str) -> set[int]:
 def test_a_grammar_compiles_then_its_matcher_allows_only_what_fits_and_ends_with_eos():
     manager = _manager()
     manager.submit("a", {"choice": ["yes", "no"]})
-    assert manager.is_structured("a") and manager.bitmask(["a"]) is None  # not compiled yet: no row
+    assert manager.is_structured("a") and manager.bitmask(["a"]) == (None, [])  # not compiled yet: no row
     assert _poll_until_done(manager) == (["a"], [])
     first = _allowed(manager, "a")
     assert first and all(TOKENIZER.decode([t]) and ("yes".startswith(TOKENIZER.decode([t]))
                                                     or "no".startswith(TOKENIZER.decode([t]))) for t in first)
-    manager.accept("a", TOKENIZER.encode("yes", add_special_tokens=False))
+    assert manager.accept("a", TOKENIZER.encode("yes", add_special_tokens=False)) is None
     assert _allowed(manager, "a") == {TOKENIZER.eos_token_id}  # the grammar is complete: only EOS
-    manager.accept("a", [TOKENIZER.eos_token_id])
+    assert manager.accept("a", [TOKENIZER.eos_token_id]) is None
+    # A finished grammar constrains nothing more (xgrammar would raise if asked for its mask).
+    assert manager.bitmask(["a"]) == (None, [])
     # A request without a matcher has no row; a removed one neither.
     manager.remove("a")
-    assert manager.bitmask(["a", "other"]) is None and not manager.has_matchers()
+    assert manager.bitmask(["a", "other"]) == (None, []) and not manager.has_matchers()
+    manager.shutdown()
+
+
+def test_json_object_is_an_object_and_whitespace_can_be_disabled():
+    manager = _manager()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    manager.submit("object", {"json_object": True})
+    manager.submit("spaced", {"json": schema})
+    manager.submit("compact", {"json": schema, "disable_any_whitespace": True})
+    assert sorted(_poll_until_done(manager)[0]) == ["compact", "object", "spaced"]
+    # OpenAI's json_object promises an object: a top-level array does not fit, and the request fails.
+    error = manager.accept("object", TOKENIZER.encode("[1]", add_special_tokens=False))
+    assert error is not None and "does not fit the grammar" in error and not manager.is_structured("object")
+    newline = TOKENIZER.encode("{\n", add_special_tokens=False)
+    assert manager.accept("spaced", newline) is None
+    assert manager.accept("compact", newline) is not None
     manager.shutdown()
 
 
@@ -116,13 +137,17 @@ def test_the_engine_fails_only_the_request_whose_grammar_does_not_compile(tmp_pa
     try:
         prompt = TOKENIZER.encode("Hello")
         # (The engine does not re-check specs: the router and the offline LLM refuse bad ones first.)
-        for rid, spec in (("bad", {"regex": "(unclosed"}), ("good", {"regex": "[ab]{4}"})):
-            params = SamplingParams(max_tokens=16, temperature=1.0, seed=1, structured_output=spec)
+        z = TOKENIZER.convert_tokens_to_ids("z")
+        # "clash": the grammar allows only a and b, allowed_token_ids only z: nothing fits, it fails alone.
+        for rid, spec, allowed in (("bad", {"regex": "(unclosed"}, None), ("good", {"regex": "[ab]{4}"}, None),
+                                   ("clash", {"regex": "[ab]{4}"}, [z])):
+            params = SamplingParams(max_tokens=16, temperature=1.0, seed=1, structured_output=spec,
+                                    allowed_token_ids=allowed)
             engine.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params))
         finished: dict[str, tuple] = {}
         tokens: list[int] = []
         deadline = time.monotonic() + 60
-        while len(finished) < 2 and time.monotonic() < deadline:
+        while len(finished) < 3 and time.monotonic() < deadline:
             for eco in engine.step().values():
                 for out in eco.outputs:
                     if out.request_id == "good":
@@ -133,6 +158,8 @@ def test_the_engine_fails_only_the_request_whose_grammar_does_not_compile(tmp_pa
     finally:
         engine.shutdown()
     assert finished["bad"][0] == FinishReason.ERROR and "parenthesis" in finished["bad"][1]
+    assert finished["clash"][0] == FinishReason.ERROR and "does not fit the grammar" in finished["clash"][1]
+    assert not engine._structured.has_matchers() and not engine._structured.has_pending()  # nothing left behind
     assert finished["good"][0] == FinishReason.STOP
     text = TOKENIZER.decode(tokens[:-1])
     assert len(text) == 4 and set(text) <= {"a", "b"} and tokens[-1] == TOKENIZER.eos_token_id

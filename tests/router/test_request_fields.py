@@ -143,6 +143,10 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ({"response_format": {"type": "json_object"}}, {"json_object": True}),
     ({"structured_outputs": {"regex": "[ab]+"}}, {"regex": "[ab]+"}),
     ({"structured_outputs": {"grammar": 'root ::= "x"'}}, {"grammar": 'root ::= "x"'}),
+    # A dumped vLLM StructuredOutputsParams: nulls and other backends' options do not count.
+    ({"structured_outputs": {"choice": ["a", "b"], "regex": None, "json": None, "disable_fallback": False,
+                             "whitespace_pattern": None, "disable_any_whitespace": True}},
+     {"choice": ["a", "b"], "disable_any_whitespace": True}),
     ({"guided_json": SCHEMA}, {"json": SCHEMA}),
     ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
     ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
