@@ -59,6 +59,16 @@ def query(base: str, expr: str) -> list[dict]:
     return body["data"]["result"]
 
 
+def query_with_data(base: str, expr: str, timeout_s: float = 12.0) -> list[dict]:
+    """``query``, asked again for a few scrape intervals while it has no data: on a loaded machine one
+    scrape can time out, and Prometheus then marks every series stale until the next one succeeds
+    (a dashboard shows the gap and fills in at its next refresh)."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := query(base, expr)) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return result
+
+
 def target_health(base: str) -> list[tuple[str, str]]:
     """(health, last scrape error) of each target."""
     targets = httpx.get(f"{base}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import ClusterConfig, EngineSpec
-from tests.e2e.prometheus import prometheus_binary, query, run_prometheus, target_health
+from tests.e2e.prometheus import prometheus_binary, query_with_data, run_prometheus, target_health
 from tests.serve_cluster import serve_cluster
 
 pytestmark = pytest.mark.slow
@@ -116,7 +116,7 @@ def test_engine_series_are_the_same_whichever_replica_answers(observed):
 @pytest.mark.parametrize("expr", dashboard_queries())
 def test_every_dashboard_query_returns_data(observed, expr):
     _, prom = observed
-    result = query(prom, expr)
+    result = query_with_data(prom, expr)
     assert result, f"no data for {expr}"
     assert any(not math.isnan(float(r["value"][1])) for r in result), f"only NaN for {expr}"
 
@@ -124,4 +124,4 @@ def test_every_dashboard_query_returns_data(observed, expr):
 @pytest.mark.parametrize("expr", VLLM_DASHBOARD_QUERIES)
 def test_vllm_example_dashboard_queries_return_data(observed, expr):
     _, prom = observed
-    assert query(prom, expr), f"no data for {expr}"
+    assert query_with_data(prom, expr), f"no data for {expr}"
