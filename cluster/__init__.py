@@ -1,5 +1,5 @@
 """Cluster: configuration, Ray placement of engines, the Serve application, the CLI and the offline LLM API."""
 
-from cluster.llm import LLM, CompletionOutput, RequestOutput, SamplingParams
+from cluster.llm import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]

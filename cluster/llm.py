@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,13 +58,26 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """vLLM's: a token's logprob in the model's distribution, its rank there (1 = the most likely)
+    and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: list[dict[int, float]] | None = None
+    # One {token id: Logprob} per generated token: the sampled token and the top ``logprobs`` others.
+    logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: int | str | None = None
+    # The sum of the sampled tokens' logprobs (when logprobs were asked for), as vLLM reports it.
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -75,13 +88,16 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing precedes it), then
+    # each prompt token's {token id: Logprob}, its top ``prompt_logprobs`` alternatives included.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class _Pending:
     """One sample (engine request) of a prompt: ``group`` is the prompt's output, ``index`` the sample."""
 
-    __slots__ = ("detok", "done", "engine", "finish_reason", "group", "index", "logprobs", "metrics", "prompt",
-                 "prompt_ids", "stop_reason", "token_ids")
+    __slots__ = ("detok", "done", "engine", "finish_reason", "group", "index", "logprob_entries", "metrics",
+                 "prompt", "prompt_ids", "prompt_logprobs", "stop_reason", "token_ids")
 
     def __init__(self, prompt: str | None, prompt_ids: list[int], want_logprobs: bool, group: str = "",
                  index: int = 0, detok: IncrementalDetokenizer | None = None) -> None:
@@ -90,7 +106,9 @@ class _Pending:
         self.group, self.index, self.detok = group, index, detok
         self.engine = 0
         self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
+        # (token ids, entry) per output with logprobs; turned into Logprob dicts once, at the end.
+        self.logprob_entries: list[tuple[list[int], LogprobsEntry]] | None = [] if want_logprobs else None
+        self.prompt_logprobs: LogprobsEntry | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(time.time())
@@ -98,12 +116,14 @@ class _Pending:
 
     def apply(self, out: EngineCoreOutput, now: float) -> bool:
         """True when a stop string ended the sample here (the engine must then abort it)."""
+        if out.new_prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.new_prompt_logprobs
         if out.new_token_ids:
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now
             self.token_ids.extend(out.new_token_ids)
-            if self.logprobs is not None and out.new_logprobs is not None:
-                self.logprobs.extend(_logprob_dicts(out.new_token_ids, out.new_logprobs))
+            if self.logprob_entries is not None and out.new_logprobs is not None:
+                self.logprob_entries.append((out.new_token_ids, out.new_logprobs))
             if self.detok is not None:
                 self.detok.add_tokens(out.new_token_ids)
                 if self.detok.stop_reason is not None:
@@ -119,12 +139,16 @@ class _Pending:
         return False
 
 
-def _logprob_dicts(token_ids: list[int], entry: LogprobsEntry) -> list[dict[int, float]]:
+def _logprob_dicts(token_ids: list[int], entry: LogprobsEntry, decode: Callable[[int], str]
+                   ) -> list[dict[int, Logprob]]:
+    """One {token id: Logprob} per token: the token itself first, then its alternatives (ranked 1..k)."""
     rows = []
-    for i, tid in enumerate(token_ids):
-        row = {tid: entry.sampled_logprobs[i]}
-        for alt, lp in entry.top_logprobs[i]:
-            row.setdefault(alt, lp)
+    for i, tid in enumerate(token_ids[:len(entry.sampled_logprobs)]):
+        rank = entry.ranks[i] if entry.ranks else None
+        row = {tid: Logprob(entry.sampled_logprobs[i], rank, decode(tid))}
+        for position, (alt, lp) in enumerate(entry.top_logprobs[i], start=1):
+            if alt not in row:
+                row[alt] = Logprob(lp, position, decode(alt))
         rows.append(row)
     return rows
 
@@ -140,6 +164,7 @@ class LLM:
         resolved = resolve_model(model)
         self.model_dir = str(resolved.model_dir)
         self.tokenizer = load_tokenizer(resolved.model_dir)
+        self._token_texts: dict[int, str] = {}
         spec = scheduler_flags_to_spec(scheduler_flags).model_copy(update={
             "tensor_parallel_size": tensor_parallel_size, "num_gpu_blocks": num_gpu_blocks, "device": device,
             "dtype": dtype, "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
@@ -336,12 +361,31 @@ class LLM:
         text_ids = p.token_ids[:-1] if p.finish_reason == "stop" else p.token_ids
         return self.tokenizer.decode(text_ids, skip_special_tokens=True)
 
+    def _decode_token(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _sample_output(self, p: _Pending) -> CompletionOutput:
+        logprobs = cumulative = None
+        if p.logprob_entries is not None:
+            logprobs = [row for ids, entry in p.logprob_entries
+                        for row in _logprob_dicts(ids, entry, self._decode_token)]
+            cumulative = sum(row[tid].logprob for row, tid in zip(logprobs, p.token_ids, strict=False))
+        return CompletionOutput(index=p.index, text=self._text(p), token_ids=p.token_ids, finish_reason=p.finish_reason,
+                                logprobs=logprobs, stop_reason=p.stop_reason, cumulative_logprob=cumulative)
+
     def _to_output(self, request_id: str, samples: list[_Pending]) -> RequestOutput:
         first = samples[0]
+        prompt_logprobs = None
+        entry = next((p.prompt_logprobs for p in samples if p.prompt_logprobs is not None), None)
+        if entry is not None:
+            prompt_logprobs = [None, *_logprob_dicts(first.prompt_ids[1:], entry, self._decode_token)]
         return RequestOutput(request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_ids,
-                             outputs=[CompletionOutput(p.index, self._text(p), p.token_ids, p.finish_reason,
-                                                       p.logprobs, p.stop_reason) for p in samples],
-                             finished=all(p.done for p in samples), metrics=first.metrics)
+                             outputs=[self._sample_output(p) for p in samples],
+                             finished=all(p.done for p in samples), metrics=first.metrics,
+                             prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

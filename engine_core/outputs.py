@@ -35,6 +35,9 @@ class LogprobsEntry(msgspec.Struct, array_like=True, gc=False):
     sampled_logprobs: list[float]
     # One list per sampled token: (token_id, logprob) pairs, best first.
     top_logprobs: list[list[tuple[int, float]]]
+    # Each sampled (or scored prompt) token's rank in the model's distribution, 1 = the most likely
+    # (vLLM's Logprob.rank); None from senders that do not compute it.
+    ranks: list[int] | None = None
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):

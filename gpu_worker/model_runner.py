@@ -203,12 +203,13 @@ class ModelRunner:
             rows.extend(range(int(row_starts[i]), int(row_starts[i]) + count))
             targets.extend(state.token_ids[start + 1:end + 1])
             spans.append((state, count))
-        values = top_values = top_tokens = None
+        values = top_values = top_tokens = ranks = None
         logits = (self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
                   if rows else None)
         if logits is not None:  # (None on TP ranks other than 0, which only keep their states in step)
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             target_lp = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1)
+            ranks = ((logprobs > target_lp.unsqueeze(1)).sum(dim=1) + 1).tolist()
             k = max(s.sampling_params.prompt_logprobs or 0 for s, _ in spans)
             top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
             values = target_lp.tolist()
@@ -220,12 +221,14 @@ class ModelRunner:
             n = state.sampling_params.prompt_logprobs or 0
             for j in range(row, row + count) if values is not None else ():
                 state.prompt_logprobs.append(values[j])
+                state.prompt_ranks.append(ranks[j])
                 state.prompt_top_logprobs.append(list(zip(top_tokens[j][:n], top_values[j][:n], strict=True))
                                                  if n else [])
             row += count
             if state.num_computed_tokens >= state.num_prompt_tokens:  # (set by _forward) the prefill is done
-                done[state.req_id] = LogprobsEntry(state.prompt_logprobs, state.prompt_top_logprobs)
-                state.prompt_logprobs, state.prompt_top_logprobs = [], []
+                done[state.req_id] = LogprobsEntry(state.prompt_logprobs, state.prompt_top_logprobs,
+                                                   state.prompt_ranks)
+                state.prompt_logprobs, state.prompt_top_logprobs, state.prompt_ranks = [], [], []
                 state.prompt_logprobs_sent = True
         return done if done and (values is not None or not rows) else None
 
@@ -352,12 +355,14 @@ class ModelRunner:
         sampled_lp = out.sampled_logprobs.tolist()
         top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None
         for j, (row, state) in enumerate(zip(sample_rows, states, strict=True)):
             n = state.sampling_params.logprobs
             if n is None:
                 continue
             top = list(zip(top_ids[j][:n], top_lp[j][:n], strict=True)) if n and top_ids is not None else []
-            entries[row] = LogprobsEntry(sampled_logprobs=[sampled_lp[j]], top_logprobs=[top])
+            entries[row] = LogprobsEntry(sampled_logprobs=[sampled_lp[j]], top_logprobs=[top],
+                                         ranks=[ranks[j]] if ranks is not None else None)
         return entries
 
 

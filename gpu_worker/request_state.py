@@ -25,6 +25,7 @@ class RequestState:
     # Prompt logprobs gathered chunk by chunk until the prefill ends (then sent once).
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
 
     @property

@@ -57,6 +57,8 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor | None = None
     top_token_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    # [N] rank of each sampled token in the model's distribution (1 = the most likely).
+    sampled_ranks: torch.Tensor | None = None
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -155,7 +157,8 @@ class Sampler:
             return SamplerOutput(sampled)
         sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
         top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs else (None, None)
-        return SamplerOutput(sampled, sampled_lp, top_ids, top_lp)
+        ranks = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
+        return SamplerOutput(sampled, sampled_lp, top_ids, top_lp, ranks)
 
     @staticmethod
     def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -259,3 +259,45 @@ def test_structured_output_holds_through_chunked_prefill_and_preemption(tiny_mod
     assert isinstance(json.loads(texts[3]), dict)
     assert texts[4] in ("yes", "no", "maybe")
     assert all(len(o.outputs[0].token_ids) == 40 for o in outs[len(specs):])
+
+
+def test_logprobs_and_prompt_logprobs_are_vllm_logprob_objects_matching_transformers(tiny_model_dir):
+    """vLLM scripts read ``output.logprobs[i][token].logprob`` / ``.rank`` / ``.decoded_token``,
+    ``cumulative_logprob`` and ``RequestOutput.prompt_logprobs``: each checked against HF's
+    log-softmax, ranks included."""
+    from cluster import Logprob
+
+    prompt = PROMPTS[1]
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=32, max_model_len=128)
+    try:
+        [out] = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True,
+                                                    logprobs=3, prompt_logprobs=2), use_tqdm=False)
+        [plain] = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    sample = out.outputs[0]
+    ids = out.prompt_token_ids + sample.token_ids
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    def check(row: dict, position: int, token: int, k: int) -> None:
+        expected = reference[position]
+        assert next(iter(row)) == token and len(row) in (k, k + 1)
+        for tid, lp in row.items():
+            assert isinstance(lp, Logprob) and lp.decoded_token == tok.decode([tid])
+            assert abs(lp.logprob - expected[tid].item()) < 1e-3
+            assert lp.rank == int((expected > expected[tid]).sum()) + 1
+
+    n = len(out.prompt_token_ids)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == n
+    for p in range(1, n):  # position p - 1 predicts prompt token p
+        check(out.prompt_logprobs[p], p - 1, out.prompt_token_ids[p], 2)
+    assert len(sample.logprobs) == 6
+    for i, row in enumerate(sample.logprobs):
+        check(row, n - 1 + i, sample.token_ids[i], 3)
+    total = sum(row[t].logprob for row, t in zip(sample.logprobs, sample.token_ids, strict=True))
+    assert abs(sample.cumulative_logprob - total) < 1e-6
+    assert plain.prompt_logprobs is None and plain.outputs[0].logprobs is None
+    assert plain.outputs[0].cumulative_logprob is None
