@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
+
+logger = logging.getLogger(__name__)
 
 # Integers cross to the engine as 64-bit values: larger ones are the client's error (400), not a
 # failure to encode on the way to the engine.
@@ -16,6 +19,19 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # vLLM structured_outputs fields for its other grammar backends (guidance, outlines).
 _OTHER_BACKENDS_OPTIONS = ("disable_fallback", "disable_additional_properties", "whitespace_pattern")
+
+
+_warned_fields: set[tuple[str, str]] = set()
+
+
+def _warn_ignored(request_kind: str, names: list[str]) -> None:
+    """Fields this server does not know are ignored, as vLLM does; like vLLM it says so in the log
+    (once per field, so a client that always sends one does not flood it)."""
+    new = [n for n in names if (request_kind, n) not in _warned_fields]
+    if new:
+        _warned_fields.update((request_kind, n) for n in new)
+        logger.warning("%s: ignoring request field(s) this server does not support: %s", request_kind,
+                       ", ".join(sorted(map(str, new))))
 
 
 def invalid(param: str, message: str) -> PydanticCustomError:
@@ -43,6 +59,7 @@ class SamplingFields(BaseModel):
         ``temperature=None``): a null optional field takes its default."""
         if isinstance(data, dict):
             fields = cls.model_fields
+            _warn_ignored(cls.__name__, [k for k in data if k not in fields])
             return {k: v for k, v in data.items()
                     if v is not None or k not in fields or fields[k].is_required()}
         return data
@@ -203,6 +220,9 @@ class ChatCompletionRequest(SamplingFields):
     # Accepted only with tool_choice "none" (no tool calling), refused otherwise.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # OpenAI's older form of tools: refused the same way.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _logprobs_consistent(self) -> ChatCompletionRequest:
@@ -210,6 +230,8 @@ class ChatCompletionRequest(SamplingFields):
             raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.tools and self.tool_choice != "none":
             raise invalid("tools", "tool calling is not supported")
+        if self.functions and self.function_call != "none":
+            raise invalid("functions", "function calling is not supported")
         return self
 
     @property

@@ -99,6 +99,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "ignore_eos": True}, "guided_choice"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages"),
@@ -304,3 +305,15 @@ def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_engine_as_token_id
             expected.append(spaced)
     assert params.bad_words_token_ids == expected
     assert len(expected) == 3  # (" quick brown" tokenises differently, " fox" into fewer tokens)
+
+
+def test_unknown_fields_are_ignored_with_one_warning_each(caplog):
+    http, engine = _app()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "max_token": 50, "service_tier": "auto"}
+    with caplog.at_level("WARNING", logger="router.protocol"):
+        for _ in range(3):
+            assert http.post("/v1/completions", json=body).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "ignoring request field" in r.getMessage()]
+    assert warnings == ["CompletionRequest: ignoring request field(s) this server does not support: "
+                        "max_token, service_tier"]
+    assert all(req.sampling_params.max_tokens == 2 for req in engine.requests)
