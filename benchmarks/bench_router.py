@@ -75,9 +75,10 @@ def role_cpu_seconds() -> dict[str, float]:
 
 
 def pin_roles(engine_cpus: set[int]) -> set[int]:
-    """Give the engines ``engine_cpus`` and every other process of this benchmark (router replica,
-    HAProxy, load generator, Ray's own daemons) the remaining CPUs: every thread of each process.
-    Returns the CPUs left to the rest."""
+    """Give the engines ``engine_cpus`` and this benchmark's other processes (this load generator,
+    the router replica, HAProxy, Ray's own daemons: every process whose command line names ray or
+    haproxy) the remaining CPUs, every thread of each. Those processes end with the benchmark; the
+    load generator's own affinity is restored by ``main``. Returns the CPUs left to the rest."""
     all_cpus = os.sched_getaffinity(0)
     rest = all_cpus - engine_cpus
     if not engine_cpus or not rest:
@@ -88,7 +89,7 @@ def pin_roles(engine_cpus: set[int]) -> set[int]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-            if os.getuid() != os.stat(f"/proc/{pid}").st_uid:
+            if int(pid) != os.getpid() and "ray" not in cmdline and "haproxy" not in cmdline:
                 continue
             cpus = engine_cpus if ROLES["engines"] in cmdline else rest
             for tid in os.listdir(f"/proc/{pid}/task"):
@@ -307,6 +308,7 @@ def main() -> None:
                            defaults=EngineSpec(num_gpu_blocks=256, max_model_len=256))
     with serve_cluster(config) as served:
         handles = [e.actor for e in served.engines]
+        own_cpus = os.sched_getaffinity(0)
         if args.engine_cpus is not None:
             engine_cpus = {int(c) for c in args.engine_cpus.split(",")}
             rest = pin_roles(engine_cpus)
@@ -343,6 +345,8 @@ def main() -> None:
             return results, cpu, wall
 
         results, cpu, wall = asyncio.run(run())
+        for tid in os.listdir(f"/proc/{os.getpid()}/task"):
+            os.sched_setaffinity(int(tid), own_cpus)
     serve.shutdown()
     ray.shutdown()
     load = f"Poisson arrivals at {args.request_rate:g} req/s" if args.request_rate else \

@@ -131,8 +131,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from cluster.app import APP_NAME, run_router, start_cluster
     from cluster.launcher import InsufficientResourcesError, check_local_capacity, ensure_ray, stop_engines
 
-    ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
-    if config.address is None and not os.environ.get("RAY_ADDRESS"):  # our own local Ray: fixed size
+    started_local = ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
+    if started_local:  # our own one-node Ray: nothing will ever add resources to it
         try:
             check_local_capacity(config.engine_configs())
         except InsufficientResourcesError as e:

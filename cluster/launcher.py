@@ -27,10 +27,13 @@ logger = logging.getLogger(__name__)
 ENGINE_MAX_RESTARTS = 3
 
 
-def ensure_ray(address: str | None = None, namespace: str = "llm-cluster", num_cpus: int | None = None) -> None:
-    """Join the given cluster, or start a local one when no address is given."""
+def ensure_ray(address: str | None = None, namespace: str = "llm-cluster", num_cpus: int | None = None) -> bool:
+    """Join the given cluster, or, with no address, the one Ray finds (RAY_ADDRESS, or a `ray start`
+    on this machine), else start a local one. True when this call started a new local Ray: one node
+    and no autoscaler, so nothing will ever add resources to it."""
     if ray.is_initialized():
-        return
+        return False
+    started_local = not address and _no_cluster_to_join()
     # Engines must import our packages wherever they run; local Ray inherits this checkout's path.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     kwargs: dict[str, Any] = {"namespace": namespace, "ignore_reinit_error": True, "log_to_driver": True}
@@ -41,6 +44,17 @@ def ensure_ray(address: str | None = None, namespace: str = "llm-cluster", num_c
         if num_cpus is not None:
             kwargs["num_cpus"] = num_cpus
     ray.init(**kwargs)
+    return started_local
+
+
+def _no_cluster_to_join() -> bool:
+    """What ray.init() without an address will do: start a new local Ray (True) or join one."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address(None) is None
+    except Exception:  # (a private helper: if it moved, do not claim the Ray is ours)
+        return False
 
 
 def engine_actor_name(engine_index: int) -> str:
@@ -150,6 +164,8 @@ def start_engine(config: EngineConfig, namespace: str, detached: bool = False,
                               f"({config.placement_strategy})", ready_timeout_s)
     except BaseException as e:
         remove_placement_group(pg)
+        if not isinstance(e, Exception):
+            raise  # (Ctrl-C while waiting stays a KeyboardInterrupt)
         raise RuntimeError(f"engine {config.engine_index}: cannot place {tp} worker bundle(s) {bundle}: {e}") from e
     uni = resolve_backend(config) == "uni"
     options: dict[str, Any] = {

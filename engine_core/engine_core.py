@@ -21,6 +21,7 @@ from engine_core.outputs import (
     SchedulerStats,
 )
 from engine_core.request import FinishReason, Request, RequestStatus
+from engine_core.sched.output import SchedulerOutput
 from engine_core.sched.scheduler import PauseState, Scheduler
 from engine_core.structured_output import StructuredOutputManager
 
@@ -131,31 +132,16 @@ class EngineCore:
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """One pass. Raises whatever the executor raises (the caller fails the requests)."""
-        structured = self._structured
-        if structured is not None and structured.has_pending():
-            ready, failed = structured.poll()
-            for request_id in ready:
-                self.scheduler.on_grammar_ready(request_id)
-            for request_id, message in failed:
-                self.scheduler.on_grammar_failed(request_id, message)
+        self._promote_compiled_grammars()
         scheduler_output = self.scheduler.schedule()
-        failed: list[tuple[str, str]] = []
-        if structured is not None and structured.has_matchers():
-            scheduler_output.grammar_bitmask, failed = structured.bitmask(scheduler_output.num_scheduled_tokens)
+        failed = self._attach_grammar_bitmask(scheduler_output)
         if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
                 or scheduler_output.preempted_req_ids):
             model_output = self.executor.execute_model(scheduler_output)
         else:
             model_output = _EMPTY_MODEL_OUTPUT
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        if structured is not None and structured.has_matchers():
-            for eco in list(outputs.values()):
-                for out in list(eco.outputs):
-                    error = structured.accept(out.request_id, out.new_token_ids)
-                    if out.finish_reason is not None:
-                        structured.remove(out.request_id)
-                    elif error is not None:
-                        failed.append((out.request_id, error))
+        failed += self._advance_grammars(outputs)
         for request_id, message in failed:
             self._fail_request(outputs, request_id, message)
         self.last_step_idle = model_output is _EMPTY_MODEL_OUTPUT and not any(eco.outputs for eco in outputs.values())
@@ -174,6 +160,46 @@ class EngineCore:
                 totals["preemptions"] += stats.num_preemptions
                 totals["max_step_tokens"] = max(totals["max_step_tokens"], stats.step_num_scheduled_tokens)
         return outputs
+
+    # -- structured output (the grammars live beside the scheduler, see structured_output.py) --------
+
+    def _promote_compiled_grammars(self) -> None:
+        structured = self._structured
+        if structured is None or not structured.has_pending():
+            return
+        ready, failed = structured.poll()
+        for request_id in ready:
+            self.scheduler.on_grammar_ready(request_id)
+        for request_id, message in failed:
+            self.scheduler.on_grammar_failed(request_id, message)
+
+    def _attach_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> list[tuple[str, str]]:
+        """Set the pass's grammar bitmask: a row for each structured request that samples this pass
+        (a prefill chunk short of the prompt's end does not). Returns requests whose matcher failed."""
+        structured = self._structured
+        if structured is None or not structured.has_matchers():
+            return []
+        requests = self.scheduler.requests
+        sampling = [r for r in scheduler_output.num_scheduled_tokens
+                    if (req := requests.get(r)) is not None and req.num_computed_tokens >= req.num_tokens]
+        scheduler_output.grammar_bitmask, failed = structured.bitmask(sampling)
+        return failed
+
+    def _advance_grammars(self, outputs: dict[int, EngineCoreOutputs]) -> list[tuple[str, str]]:
+        """Advance each matcher by the tokens its request emitted; drop finished requests' matchers.
+        Returns requests that emitted a token their grammar does not allow."""
+        structured = self._structured
+        if structured is None or not structured.has_matchers():
+            return []
+        failed = []
+        for eco in outputs.values():
+            for out in eco.outputs:
+                error = structured.accept(out.request_id, out.new_token_ids)
+                if out.finish_reason is not None:
+                    structured.remove(out.request_id)
+                elif error is not None:
+                    failed.append((out.request_id, error))
+        return failed
 
     def _fail_request(self, outputs: dict[int, EngineCoreOutputs], request_id: str, message: str) -> None:
         """Finish one live request with an error now (its client reads the message)."""

@@ -23,25 +23,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import msgspec
-import numpy as np
+from engine_core.sched.output import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace",)
-
-
-class GrammarBitmask(msgspec.Struct, array_like=True):
-    """Row i of ``bitmask`` (int32, ``num_words`` per row) is what request ``request_ids[i]`` may
-    sample next: bit t % 32 of word t // 32 set = token t allowed."""
-
-    request_ids: list[str]
-    num_words: int
-    bitmask: bytes
-
-    def rows(self) -> np.ndarray:
-        return np.frombuffer(self.bitmask, dtype=np.int32).reshape(len(self.request_ids), self.num_words)
 
 
 def check_structured_output(spec: Any) -> None:
@@ -119,6 +106,8 @@ class StructuredOutputManager:
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._cache_size = cache_size
         self._pending: dict[str, tuple[str, Future]] = {}
+        # Compiles under way, by spec: requests with the same spec share one.
+        self._compiling: dict[str, Future] = {}
         self._matchers: dict[str, Any] = {}
 
     # -- requests -------------------------------------------------------------------------------
@@ -126,12 +115,14 @@ class StructuredOutputManager:
     def submit(self, request_id: str, spec: dict[str, Any]) -> None:
         """Start compiling the request's grammar (a cached one is ready at the next ``poll``)."""
         key = json.dumps(spec, sort_keys=True)
-        future: Future = Future()
-        if key in self._compiled:
-            self._compiled.move_to_end(key)
-            future.set_result(self._compiled[key])
-        else:
-            future = self._pool.submit(self._compile, spec)
+        future = self._compiling.get(key)
+        if future is None:
+            future = Future()
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                future.set_result(self._compiled[key])
+            else:
+                future = self._compiling[key] = self._pool.submit(self._compile, spec)
         self._pending[request_id] = (key, future)
 
     def _compile(self, spec: dict[str, Any]) -> Any:
@@ -164,6 +155,8 @@ class StructuredOutputManager:
             if not future.done():
                 continue
             del self._pending[request_id]
+            if self._compiling.get(key) is future:
+                del self._compiling[key]
             try:
                 compiled = future.result()
             except Exception as e:
@@ -186,8 +179,10 @@ class StructuredOutputManager:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
         entry = self._pending.pop(request_id, None)
-        if entry is not None:
-            entry[1].cancel()
+        if entry is not None and not any(future is entry[1] for _, future in self._pending.values()):
+            entry[1].cancel()  # (nobody else waits for it)
+            if self._compiling.get(entry[0]) is entry[1]:
+                del self._compiling[entry[0]]
 
     def clear(self) -> None:
         for request_id in list(self._pending) + list(self._matchers):

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
-from engine_core.sched.output import SchedulerOutput
-from engine_core.structured_output import GrammarBitmask
+from engine_core.sched.output import GrammarBitmask, SchedulerOutput
 from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
@@ -320,20 +319,34 @@ class ModelRunner:
             md.banned_tokens = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
         allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
         if allowed_rows:
-            allowed = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool)
-            for k, i in enumerate(allowed_rows):
-                allowed[k, [t for t in params[i].allowed_token_ids if t < vocab_size]] = True
-            md.allowed_token_ids = (torch.tensor(allowed_rows, device=device), allowed.to(device))
-        bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()
-                if t < vocab_size]
-        if bias:
-            bias_rows, bias_ids, bias_values = zip(*bias, strict=True)
-            md.logit_bias = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device),
-                             torch.tensor(bias_values, dtype=torch.float32, device=device))
+            md.allowed_token_ids = (torch.tensor(allowed_rows, device=device),
+                                    torch.stack([self._allowed_mask(states[i], vocab_size) for i in allowed_rows]))
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        if bias_rows:
+            pairs = [self._logit_bias_tensors(states[i], vocab_size) for i in bias_rows]
+            md.logit_bias = (torch.cat([torch.full_like(ids, i) for i, (ids, _) in zip(bias_rows, pairs, strict=True)]),
+                             torch.cat([ids for ids, _ in pairs]), torch.cat([values for _, values in pairs]))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             md.max_num_logprobs = max(wanted)
+            if len(wanted) < len(params):  # ranks cost a pass over the vocabulary: only for these rows
+                md.logprob_rows = torch.tensor([i for i, p in enumerate(params) if p.logprobs is not None],
+                                               device=device)
         return md
+
+    def _allowed_mask(self, state: RequestState, vocab_size: int) -> torch.Tensor:
+        if state.allowed_mask is None:
+            mask = torch.zeros(vocab_size, dtype=torch.bool)
+            mask[[t for t in state.sampling_params.allowed_token_ids if t < vocab_size]] = True
+            state.allowed_mask = mask.to(self.device)
+        return state.allowed_mask
+
+    def _logit_bias_tensors(self, state: RequestState, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if state.logit_bias_tensors is None:
+            items = [(t, b) for t, b in state.sampling_params.logit_bias.items() if t < vocab_size]
+            state.logit_bias_tensors = (torch.tensor([t for t, _ in items], dtype=torch.int64, device=self.device),
+                                        torch.tensor([b for _, b in items], dtype=torch.float32, device=self.device))
+        return state.logit_bias_tensors
 
     def _grammar_rows(self, grammar: GrammarBitmask, sample_states: list[RequestState]
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -343,7 +356,8 @@ class ModelRunner:
         if not pairs:
             return None
         rows, picks = zip(*pairs, strict=True)
-        bitmask = torch.from_numpy(grammar.rows()[list(picks)])
+        words = np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(len(grammar.request_ids), grammar.num_words)
+        bitmask = torch.from_numpy(words[list(picks)])
         return torch.tensor(rows, device=self.device), bitmask.to(self.device)
 
     @staticmethod

@@ -27,6 +27,10 @@ class RequestState:
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_ranks: list[int] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # allowed_token_ids as a [vocab] mask, and logit_bias as (ids, biases): built at the first step
+    # that samples the request (on the runner's device), reused by every later one.
+    allowed_mask: torch.Tensor | None = None
+    logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

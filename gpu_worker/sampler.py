@@ -48,6 +48,8 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Largest top-N any row asked for; None when no row wants logprobs.
     max_num_logprobs: int | None = None
+    # The rows that want logprobs, when not all do (their sampled tokens' ranks are computed).
+    logprob_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -157,7 +159,12 @@ class Sampler:
             return SamplerOutput(sampled)
         sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
         top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs else (None, None)
-        ranks = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
+        if md.logprob_rows is None:
+            ranks = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
+        else:  # (other rows keep rank 0: nobody reads them)
+            rows = md.logprob_rows
+            ranks = torch.zeros_like(sampled)
+            ranks[rows] = (raw_logprobs[rows] > sampled_lp[rows].unsqueeze(1)).sum(dim=1) + 1
         return SamplerOutput(sampled, sampled_lp, top_ids, top_lp, ranks)
 
     @staticmethod

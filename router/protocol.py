@@ -22,16 +22,20 @@ _OTHER_BACKENDS_OPTIONS = ("disable_fallback", "disable_additional_properties", 
 
 
 _warned_fields: set[tuple[str, str]] = set()
+# Field names are the client's: remember (and log) at most this many, each shortened and quoted.
+_MAX_WARNED_FIELDS = 256
 
 
 def _warn_ignored(request_kind: str, names: list[str]) -> None:
     """Fields this server does not know are ignored, as vLLM does; like vLLM it says so in the log
     (once per field, so a client that always sends one does not flood it)."""
-    new = [n for n in names if (request_kind, n) not in _warned_fields]
+    if not names or len(_warned_fields) >= _MAX_WARNED_FIELDS:
+        return
+    new = [n for n in names if (request_kind, n) not in _warned_fields][:_MAX_WARNED_FIELDS - len(_warned_fields)]
     if new:
         _warned_fields.update((request_kind, n) for n in new)
         logger.warning("%s: ignoring request field(s) this server does not support: %s", request_kind,
-                       ", ".join(sorted(map(str, new))))
+                       ", ".join(sorted(repr(str(n)[:64]) for n in new)))
 
 
 def invalid(param: str, message: str) -> PydanticCustomError:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgspec
 
 from engine_core.sampling_params import SamplingParams
-from engine_core.structured_output import GrammarBitmask
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
@@ -41,6 +40,16 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True):
+    """What the grammars of structured-output requests allow next: row i (``num_words`` int32,
+    native byte order) is request ``request_ids[i]``'s, bit t % 32 of word t // 32 set = token t
+    allowed (xgrammar's layout)."""
+
+    request_ids: list[str]
+    num_words: int
+    bitmask: bytes
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):

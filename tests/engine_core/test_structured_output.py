@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,7 +70,8 @@ def _poll_until_done(manager: StructuredOutputManager) -> tuple[list[str], list[
 def _allowed(manager: StructuredOutputManager, request_id: str) -> set[int]:
     grammar, failed = manager.bitmask([request_id])
     assert not failed
-    mask = unpack_bitmask(torch.from_numpy(grammar.rows().copy()), len(TOKENIZER))[0]
+    words = np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(len(grammar.request_ids), grammar.num_words)
+    mask = unpack_bitmask(torch.from_numpy(words.copy()), len(TOKENIZER))[0]
     return set(torch.nonzero(mask).flatten().tolist())
 
 
@@ -89,6 +91,16 @@ def test_a_grammar_compiles_then_its_matcher_allows_only_what_fits_and_ends_with
     # A request without a matcher has no row; a removed one neither.
     manager.remove("a")
     assert manager.bitmask(["a", "other"]) == (None, []) and not manager.has_matchers()
+    manager.shutdown()
+
+
+def test_requests_with_the_same_spec_share_one_compile():
+    manager = _manager()
+    for request_id in ("a", "b", "c"):  # all before the first compile ends (the normal burst)
+        manager.submit(request_id, {"regex": "[0-9]{3}"})
+    assert len({id(future) for _, future in manager._pending.values()}) == 1
+    manager.remove("b")  # one leaving does not cancel the others' compile
+    assert sorted(_poll_until_done(manager)[0]) == ["a", "c"] and not manager._compiling
     manager.shutdown()
 
 
@@ -115,7 +127,7 @@ def test_the_same_spec_compiles_once_and_a_failed_compile_is_reported():
     _poll_until_done(manager)
     compiled = dict(manager._compiled)
     manager.submit("b", json.loads(json.dumps(spec)))  # an equal spec: ready at the next poll, no compile
-    assert not manager._pool._work_queue.qsize()
+    assert manager._pending["b"][1].done()
     assert manager.poll() == (["b"], []) and dict(manager._compiled) == compiled
     # Unchecked input that xgrammar cannot compile fails that request only, with its error.
     manager.submit("c", {"regex": "(unclosed"})
@@ -163,3 +175,38 @@ def test_the_engine_fails_only_the_request_whose_grammar_does_not_compile(tmp_pa
     assert finished["good"][0] == FinishReason.STOP
     text = TOKENIZER.decode(tokens[:-1])
     assert len(text) == 4 and set(text) <= {"a", "b"} and tokens[-1] == TOKENIZER.eos_token_id
+
+
+def test_only_requests_that_sample_this_pass_get_a_bitmask_row(tmp_path):
+    """A structured request's prompt in 16-token chunks: the passes that end short of the prompt send
+    no row for it (nothing is sampled there); the pass that completes it, and each decode, do."""
+    from cluster.config import ClusterConfig, EngineSpec
+    from engine_core.engine_core import EngineCore
+    from gpu_worker.executor import create_executor
+    from tests.tiny_model import build_tiny_llama
+
+    config = ClusterConfig(model=str(build_tiny_llama(tmp_path)), defaults=EngineSpec(
+        num_gpu_blocks=32, max_model_len=128, max_num_batched_tokens=16, long_prefill_token_threshold=16,
+        max_num_partial_prefills=1)).engine_configs()[0]
+    engine = EngineCore(config, create_executor(config))
+    rows: list[tuple[int, list[str]]] = []  # (tokens scheduled for the request, requests with a row)
+    execute = engine.executor.execute_model
+
+    def recording(so):
+        if "r" in so.num_scheduled_tokens:
+            rows.append((so.num_scheduled_tokens["r"], so.grammar_bitmask.request_ids if so.grammar_bitmask else []))
+        return execute(so)
+
+    engine.executor.execute_model = recording
+    try:
+        prompt = list(range(3, 43))  # 40 tokens: chunks of 16, 16, 8
+        params = SamplingParams(max_tokens=4, temperature=0, structured_output={"regex": "[ab]{3}"})
+        engine.add_request(EngineCoreRequest(request_id="r", prompt_token_ids=prompt, sampling_params=params))
+        finished = False
+        deadline = time.monotonic() + 60
+        while not finished and time.monotonic() < deadline:
+            finished = any(o.finish_reason is not None for eco in engine.step().values() for o in eco.outputs)
+    finally:
+        engine.shutdown()
+    assert rows[:3] == [(16, []), (16, []), (8, ["r"])]
+    assert all(ids == ["r"] for n, ids in rows[3:]) and len(rows) == 6  # 3 letters, then EOS

@@ -172,3 +172,15 @@ def test_the_grammar_bitmask_masks_as_xgrammar_does():
     m = md(3, temperature=0.0, grammar_bitmask=(torch.tensor([1]), bitmask[1:2]))
     picks = Sampler()(logits.clone(), m).sampled_token_ids
     assert picks[1] == expected[1].argmax() and picks[0] == logits[0].argmax() and picks[2] == logits[2].argmax()
+
+
+def test_ranks_count_the_tokens_more_likely_than_the_sampled_one_on_the_rows_asked():
+    torch.manual_seed(1)
+    logits = torch.randn(4, V)
+    m = md(4, temperature=1.0, max_num_logprobs=0, logprob_rows=torch.tensor([1, 3]))
+    out = Sampler()(logits.clone(), m)
+    raw = logits.log_softmax(dim=-1)
+    for row in (1, 3):
+        sampled = out.sampled_token_ids[row]
+        assert out.sampled_ranks[row] == int((raw[row] > raw[row, sampled]).sum()) + 1
+    assert out.sampled_ranks[0] == out.sampled_ranks[2] == 0  # (not asked: not computed)

@@ -307,7 +307,10 @@ def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_engine_as_token_id
     assert len(expected) == 3  # (" quick brown" tokenises differently, " fox" into fewer tokens)
 
 
-def test_unknown_fields_are_ignored_with_one_warning_each(caplog):
+def test_unknown_fields_are_ignored_with_one_warning_each(caplog, monkeypatch):
+    from router import protocol
+
+    monkeypatch.setattr(protocol, "_warned_fields", set())
     http, engine = _app()
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "max_token": 50, "service_tier": "auto"}
     with caplog.at_level("WARNING", logger="router.protocol"):
@@ -315,5 +318,11 @@ def test_unknown_fields_are_ignored_with_one_warning_each(caplog):
             assert http.post("/v1/completions", json=body).status_code == 200
     warnings = [r.getMessage() for r in caplog.records if "ignoring request field" in r.getMessage()]
     assert warnings == ["CompletionRequest: ignoring request field(s) this server does not support: "
-                        "max_token, service_tier"]
+                        "'max_token', 'service_tier'"]
     assert all(req.sampling_params.max_tokens == 2 for req in engine.requests)
+    # The names are the client's: a bounded number is remembered, each quoted and shortened.
+    for i in range(300):
+        http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1, f"x{i}\nforged": 1,
+                                           "y" * 500: 1})
+    assert len(protocol._warned_fields) == protocol._MAX_WARNED_FIELDS
+    assert all("\n" not in r.getMessage() and len(r.getMessage()) < 400 for r in caplog.records)
