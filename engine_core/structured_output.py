@@ -3,10 +3,12 @@
 A request with ``SamplingParams.structured_output`` starts blocked on its grammar
 (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, set by the Request constructor). Its grammar compiles on a
 thread pool, off the busy loop; ``poll`` then promotes the request (or fails it with the compile
-error). Each pass, ``bitmask`` packs, for every scheduled structured request, the tokens its
-grammar allows next (32 tokens per int32, xgrammar's layout), and the model runner masks the others
-before sampling. ``accept`` advances a request's matcher by the tokens it produced. A finished
-grammar allows only the model's EOS ids, so the request ends the usual way.
+error; requests with the same spec share one compile). Each pass, ``bitmask`` packs, for every
+structured request that samples in it, the tokens its grammar allows next (32 tokens per int32,
+xgrammar's layout), and the model runner masks the others before sampling. ``accept`` advances a
+request's matcher by the tokens it produced; a token its grammar refuses fails the request. A
+complete grammar allows only the model's EOS ids, so the request ends the usual way (once its EOS
+is accepted, the grammar constrains nothing more).
 
 The spec is a dict with exactly one constraint: ``json`` (a schema, dict or string),
 ``json_object`` (any JSON object), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF);
