@@ -33,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,21 +53,29 @@ ROLES = {"load generator": None, "engines": "ray::EngineCoreActor", "router repl
          "HAProxy": "haproxy -db"}
 
 
-def role_cpu_seconds() -> dict[str, float]:
-    """CPU seconds used so far by each role's processes (user + system)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    totals = dict.fromkeys(ROLES, 0.0)
+def processes() -> Iterator[tuple[int, str]]:
+    """(pid, command line) of every process on this machine that can still be read."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+                yield int(pid), f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+
+
+def role_cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by each role's processes (user + system)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals = dict.fromkeys(ROLES, 0.0)
+    for pid, cmdline in processes():
+        try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        role = "load generator" if int(pid) == os.getpid() else next(
+        role = "load generator" if pid == os.getpid() else next(
             (name for name, pattern in ROLES.items() if pattern and pattern in cmdline), None)
         if role is not None:
             totals[role] += (int(fields[11]) + int(fields[12])) / tick
@@ -83,15 +91,11 @@ def pin_roles(engine_cpus: set[int]) -> set[int]:
     rest = all_cpus - engine_cpus
     if not engine_cpus or not rest:
         raise SystemExit(f"--engine-cpus must name some but not all of the CPUs {sorted(all_cpus)}")
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+    for pid, cmdline in processes():
+        if pid != os.getpid() and "ray" not in cmdline and "haproxy" not in cmdline:
             continue
+        cpus = engine_cpus if ROLES["engines"] in cmdline else rest
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-            if int(pid) != os.getpid() and "ray" not in cmdline and "haproxy" not in cmdline:
-                continue
-            cpus = engine_cpus if ROLES["engines"] in cmdline else rest
             for tid in os.listdir(f"/proc/{pid}/task"):
                 os.sched_setaffinity(int(tid), cpus)
         except OSError:

@@ -207,9 +207,12 @@ class EngineCore:
         if request is None or request.is_finished():
             return
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+        self._add_error_output(outputs, request, message)
+
+    def _add_error_output(self, outputs: dict[int, EngineCoreOutputs], request: Request, message: str) -> None:
         eco = outputs.setdefault(request.client_index,
                                  EngineCoreOutputs(engine_index=self.config.engine_index, timestamp=time.time()))
-        eco.outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, message))
+        eco.outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, message))
 
     def stats(self, healthy: bool = True) -> EngineStats:
         scheduler = self.scheduler
@@ -229,11 +232,8 @@ class EngineCore:
         requests = list(self.scheduler.requests.values())
         self.scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ERROR)
         outputs: dict[int, EngineCoreOutputs] = {}
-        now = time.time()
         for request in requests:
-            eco = outputs.setdefault(request.client_index,
-                                     EngineCoreOutputs(engine_index=self.config.engine_index, timestamp=now))
-            eco.outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, message))
+            self._add_error_output(outputs, request, message)
         # The workers are gone or reset: forget what the scheduler would tell them next pass.
         self.scheduler.finished_req_ids.clear()
         if self._structured is not None:

@@ -133,7 +133,8 @@ class StructuredOutputManager:
 
             info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
                                                       stop_token_ids=list(self.eos_token_ids) or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+            # Our bounded cache (by spec) is the one cache: xgrammar's own would keep every grammar.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
             self._xgr = xgr
         kind = next(k for k in spec if k in STRUCTURED_OUTPUT_KINDS)
         value = spec[kind]

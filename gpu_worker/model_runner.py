@@ -307,11 +307,13 @@ class ModelRunner:
         rows: list[int] = []
         cols: list[int] = []
         for i, s in enumerate(states):
-            banned = []
-            if s.min_tokens_stop_ids and s.num_output_tokens < s.sampling_params.min_tokens:
-                banned += s.min_tokens_stop_ids
-            if s.sampling_params.bad_words_token_ids:
-                banned += bad_word_completions(s.sampling_params.bad_words_token_ids, s.token_ids, s.num_output_tokens)
+            p = s.sampling_params
+            short_of_min = s.min_tokens_stop_ids and s.num_output_tokens < p.min_tokens
+            if not short_of_min and not p.bad_words_token_ids:
+                continue  # (most requests: nothing to ban)
+            banned = list(s.min_tokens_stop_ids) if short_of_min else []
+            if p.bad_words_token_ids:
+                banned += bad_word_completions(p.bad_words_token_ids, s.token_ids, s.num_output_tokens)
             banned = [t for t in banned if t < vocab_size]
             rows.extend([i] * len(banned))
             cols.extend(banned)
