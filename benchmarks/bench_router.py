@@ -82,6 +82,12 @@ def role_cpu_seconds() -> dict[str, float]:
     return totals
 
 
+def _is_cluster_process(cmdline: str) -> bool:
+    """Ray's processes (workers are ``ray::...``; raylet, GCS, agents run from ray's package) and
+    HAProxy. Narrow on purpose: a loose match ("ray" anywhere) once pinned the machine's init."""
+    return cmdline.startswith(("ray::", "haproxy")) or "/site-packages/ray/" in cmdline
+
+
 def pin_roles(engine_cpus: set[int]) -> set[int]:
     """Give the engines ``engine_cpus`` and this benchmark's other processes (this load generator,
     the router replica, HAProxy, Ray's own daemons: every process whose command line names ray or
@@ -92,7 +98,7 @@ def pin_roles(engine_cpus: set[int]) -> set[int]:
     if not engine_cpus or not rest:
         raise SystemExit(f"--engine-cpus must name some but not all of the CPUs {sorted(all_cpus)}")
     for pid, cmdline in processes():
-        if pid != os.getpid() and "ray" not in cmdline and "haproxy" not in cmdline:
+        if pid != os.getpid() and not _is_cluster_process(cmdline):
             continue
         cpus = engine_cpus if ROLES["engines"] in cmdline else rest
         try:

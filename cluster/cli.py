@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 
+from router.tool_calls import TOOL_CALL_PARSERS
+
 # Ray Serve's HAProxy ingress forwards HTTP straight to a server inside the router replica instead
 # of through the Python proxy actor (about 2 ms added instead of about 9 ms here). The setting must
 # be in the environment before ray is imported, so every Ray process started from here inherits it.
@@ -64,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefix-load-margin", type=int, default=8)
     serve.add_argument("--num-router-replicas", type=int, default=1)
     serve.add_argument("--request-timeout", type=float, default=None, help="Seconds before a request is aborted.")
+    serve.add_argument("--chat-template", default=None,
+                       help="Jinja chat template (a file, or the template itself) replacing the model's own.")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='Allow tool_choice "auto": the model decides, read with --tool-call-parser.')
+    serve.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+                       help="The model's tool-call format (hermes: <tool_call>{...}</tool_call>).")
     serve.add_argument("--disable-access-log", action="store_true",
                        help="No per-request access log lines from the router replicas.")
     serve.add_argument("--host", default="127.0.0.1")
@@ -93,7 +101,21 @@ def cluster_config_from_args(args: argparse.Namespace):
         defaults=EngineSpec(**{k: v for k, v in defaults.items() if v is not None}), engines=overrides,
         routing_policy=args.routing_policy, prefix_load_margin=args.prefix_load_margin,
         num_router_replicas=args.num_router_replicas, request_timeout_s=args.request_timeout,
+        chat_template=read_chat_template(args.chat_template), enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself when it is not a file (as vLLM)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: no such file: {value}")
 
 
 def _config_error(error: Exception) -> str:

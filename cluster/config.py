@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engine_core.config import EngineConfig, SchedulerConfig
 from router.routing import ROUTING_POLICIES
+from router.tool_calls import TOOL_CALL_PARSERS
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_num_scheduled_tokens", "max_model_len",
                    "enable_chunked_prefill", "long_prefill_token_threshold", "max_num_partial_prefills",
@@ -72,6 +73,10 @@ class ClusterConfig(BaseModel):
     prefix_load_margin: int = Field(8, ge=0, description="prefix_aware: load gap that overrides a cache match.")
     num_router_replicas: int = Field(1, ge=1)
     request_timeout_s: float | None = Field(None, gt=0)
+    chat_template: str | None = Field(None, description="Jinja chat template replacing the model's own.")
+    enable_auto_tool_choice: bool = Field(False, description='Allow tool_choice "auto" (needs tool_call_parser).')
+    tool_call_parser: str | None = Field(
+        None, description=f"The model's tool-call format: {', '.join(TOOL_CALL_PARSERS)}.")
     enable_access_log: bool = Field(True, description="Router replicas log one line per request (Serve's access "
                                                        "log); about 3-5% of a replica's CPU under load.")
     host: str = "127.0.0.1"
@@ -79,6 +84,14 @@ class ClusterConfig(BaseModel):
     address: str | None = Field(None, description="Existing Ray cluster address; local Ray when unset.")
     namespace: str = "llm-cluster"
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _auto_tool_choice(self) -> ClusterConfig:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (the model's tool-call format)")
+        return self
 
     @model_validator(mode="after")
     def _engine_count(self) -> ClusterConfig:

@@ -36,6 +36,8 @@ class RouterConfig:
     prefix_load_margin: int = 8
     request_timeout_s: float | None = None
     served_model_name: str | None = None
+    chat_template: str | None = None  # replaces the model's own
+    tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, read with this parser
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -56,6 +58,8 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     descriptions = [await h.describe.remote() for h in handles]
     first = descriptions[0]
     tokenizer = await load_tokenizer_from_engine(handles[0])
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
     # Each replica is a distinct client of every engine.
     client_index = random.getrandbits(31) if client_index is None else client_index
     client = EngineClient(handles, client_index,
@@ -68,6 +72,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         if all(d.scheduler_config["policy"] == first.scheduler_config["policy"] for d in descriptions) else "fcfs",
         request_timeout_s=config.request_timeout_s,
         eos_token_ids=first.model_info.eos_token_ids,
+        tool_call_parser=config.tool_call_parser,
     )
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin)

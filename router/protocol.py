@@ -214,6 +214,27 @@ class ChatMessage(BaseModel):
         return self
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(..., min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments.")
+    strict: bool | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens.")
@@ -221,22 +242,65 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = Field(True, description="vLLM extra.")
     chat_template_kwargs: dict[str, Any] | None = None
-    # Accepted only with tool_choice "none" (no tool calling), refused otherwise.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    # OpenAI's older form of tools: refused the same way.
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without.")
+    parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call allowed.")
+    # OpenAI's older form of tools: refused.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _logprobs_consistent(self) -> ChatCompletionRequest:
+    def _chat_consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
-        if self.tools and self.tool_choice != "none":
-            raise invalid("tools", "tool calling is not supported")
         if self.functions and self.function_call != "none":
-            raise invalid("functions", "function calling is not supported")
+            raise invalid("functions", "functions and function_call are deprecated and not supported: use tools")
+        self._check_tool_choice()
         return self
+
+    def _check_tool_choice(self) -> None:
+        """A named or required tool choice constrains the output (as structured output does)."""
+        choice = self.effective_tool_choice
+        names = [t.function.name for t in self.tools or ()]
+        if choice == "required" and not names:
+            raise invalid("tool_choice", 'tool_choice "required" needs tools')
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid("tool_choice", f"tool_choice names the function {choice.function.name!r}, which is not "
+                          "among the tools")
+        from router.tool_calls import tool_choice_constraint
+
+        constraint = tool_choice_constraint(self.tool_dicts(), self.tool_choice_form(), self.parallel_tool_calls)
+        if constraint is None:
+            return
+        if self._structured_output is not None:
+            raise invalid("tool_choice", "a named or required tool_choice cannot be combined with response_format "
+                          "or structured outputs")
+        if self.ignore_eos or self.min_tokens:
+            raise invalid("tool_choice", "a named or required tool_choice cannot be combined with ignore_eos or "
+                          "min_tokens")
+        from engine_core.structured_output import check_structured_output
+
+        try:
+            check_structured_output(constraint)
+        except ValueError as e:
+            raise invalid("tools", f"a tool's parameters schema is not usable: {e}") from e
+        self._structured_output = constraint
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice if self.tools or self.tool_choice != "auto" else "none"
+        return "auto" if self.tools else "none"
+
+    def tool_choice_form(self) -> str | dict[str, Any]:
+        """The effective tool_choice as plain data ("none", "auto", "required" or the named form)."""
+        choice = self.effective_tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as the chat template and the tool-call code take them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -270,7 +334,7 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-FinishReasonLiteral = Literal["stop", "length", "abort", "error"] | None
+FinishReasonLiteral = Literal["stop", "length", "tool_calls", "abort", "error"] | None
 
 
 class CompletionChoice(BaseModel):
@@ -290,9 +354,21 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(..., description="JSON text, as the model wrote it.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -46,9 +46,12 @@ from router.protocol import (
     CompletionStreamChunk,
     DeltaMessage,
     SamplingFields,
+    ToolCall,
     UsageInfo,
 )
 from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
+from router.tool_calls import ToolCallParser, create_tool_call_parser
+from router.tool_calls import collect as collect_tool_calls
 
 
 class APIError(Exception):
@@ -78,6 +81,9 @@ class ServingSettings:
     request_timeout_s: float | None = None
     eos_token_ids: tuple[int, ...] = ()
     version: str = "0.1.0"
+    # The parser of the model's own tool-call format, when tool_choice "auto" is enabled
+    # (--enable-auto-tool-choice --tool-call-parser); None: "auto" is refused, as in vLLM.
+    tool_call_parser: str | None = None
 
 
 @dataclass
@@ -91,6 +97,8 @@ class _Choice:
     error: str | None = None
     # The prompt's logprobs (positions 1..n-1), with the first output, when echo asked for them.
     prompt_logprobs: LogprobsEntry | None = None
+    # Chat with tools: reads tool calls out of the choice's text.
+    tool_parser: ToolCallParser | None = None
 
 
 @dataclass(slots=True)
@@ -126,12 +134,15 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:
-        # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent.
-        messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in request.messages]
+        # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent, except
+        # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
+        messages = [_template_message(m.model_extra or {}, m.role, m.text()) for m in request.messages]
+        kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools:
+            kwargs.setdefault("tools", request.tool_dicts())
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
-                **(request.chat_template_kwargs or {}))
+                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False, **kwargs)
         except Exception as e:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -393,12 +404,19 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, session_id: str | None = None):
         self.check_model(request.model)
+        tool_choice = request.tool_choice_form()
+        if tool_choice == "auto" and self.settings.tool_call_parser is None:
+            raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
+                              "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
+                              '"required" or "none"', "tool_choice")
         ids = self.render_chat(request)
         engine = self.choose_engine(ids, session_id)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         top = (request.top_logprobs or 0) if request.logprobs else None
         choices = self._new_choices(request.n, ids, request)
+        for c in choices:
+            c.tool_parser = create_tool_call_parser(tool_choice, self.settings.tool_call_parser)
         jobs = [(engine, f"{request_id}-{c.index}", ids,
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index), c)
                 for c in choices]
@@ -406,9 +424,16 @@ class OpenAIServing:
         if request.stream:
             return SSEStream(self._stream_chat(request, request_id, created, choices, len(ids), streams), streams)
         await self._generate(streams, choices, None)
-        out = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.detok.output_text),
-                          logprobs=ChatLogprobs(**self._chat_logprobs(c.logprobs)) if request.logprobs else None,
-                          finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices]
+        out = []
+        for c in choices:
+            message, finish_reason = ChatMessageOut(content=c.detok.output_text), c.finish_reason
+            if c.tool_parser is not None:
+                content, calls = collect_tool_calls(c.tool_parser, c.detok.output_text)
+                message = ChatMessageOut(content=content, tool_calls=[ToolCall(**call) for call in calls] or None)
+                finish_reason = _tool_finish_reason(c.tool_parser, finish_reason)
+            logprobs = ChatLogprobs(**self._chat_logprobs(c.logprobs)) if request.logprobs else None
+            out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                                  stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=self.settings.served_model_name,
                                       choices=out, usage=_usage(len(ids), choices))
 
@@ -421,8 +446,18 @@ class OpenAIServing:
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
         async for event in self._choice_events(streams, choices):
             logprobs = self._chat_logprobs(event.logprobs) if request.logprobs and event.logprobs else None
-            yield chat_token_chunk(request_id, created, model, event.choice.index, event.text, logprobs,
-                                   event.finish_reason)
+            text, tool_calls, finish_reason = event.text, None, event.finish_reason
+            parser = event.choice.tool_parser
+            if parser is not None:
+                released = parser.feed(text)
+                if finish_reason is not None:
+                    released.extend(parser.finish())
+                    finish_reason = _tool_finish_reason(parser, finish_reason)
+                text, tool_calls = released.content, released.tool_calls or None
+                if not (text or tool_calls or logprobs or finish_reason):
+                    continue  # held back (a tag may be starting)
+            yield chat_token_chunk(request_id, created, model, event.choice.index, text, logprobs,
+                                   finish_reason, tool_calls)
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                            usage=_usage(num_prompt_tokens, choices)))
@@ -539,6 +574,35 @@ class SSEStream:
             await stream.close()
 
 
+def _template_message(extra: dict[str, Any], role: str, content: str) -> dict[str, Any]:
+    message = {**extra, "role": role, "content": content}
+    calls = extra.get("tool_calls")
+    if isinstance(calls, list):
+        message["tool_calls"] = [_parsed_arguments(call) for call in calls]
+    return message
+
+
+def _parsed_arguments(call: Any) -> Any:
+    """A tool call of an earlier assistant turn, with its ``arguments`` JSON text parsed (vLLM does
+    the same for the templates)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError as e:
+        raise bad_request(f"a tool call's arguments are not JSON: {e}", "messages") from e
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _tool_finish_reason(parser: ToolCallParser, finish_reason: str | None) -> str | None:
+    """A choice that ended normally after calling tools finishes with ``tool_calls`` (a named
+    tool_choice keeps ``stop``, as OpenAI answers a forced function)."""
+    if finish_reason == "stop" and parser.calls:
+        return parser.finish_reason_on_call
+    return finish_reason
+
+
 def _wrap_int64(value: int) -> int:
     """Choice i samples with seed + i, kept in the engine's 64-bit range."""
     return (value - INT64_MIN) % 2**64 + INT64_MIN
@@ -608,8 +672,11 @@ def completion_token_chunk(request_id: str, created: int, model: str, index: int
 
 
 def chat_token_chunk(request_id: str, created: int, model: str, index: int, delta: str,
-                     logprobs: dict[str, Any] | None, finish_reason: str | None) -> bytes:
-    choice = {"index": index, "delta": {"role": None, "content": delta or None}, "logprobs": logprobs,
-              "finish_reason": finish_reason}
+                     logprobs: dict[str, Any] | None, finish_reason: str | None,
+                     tool_calls: list[dict[str, Any]] | None = None) -> bytes:
+    message: dict[str, Any] = {"role": None, "content": delta or None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return b"data: " + _json_encoder.encode({"id": request_id, "object": "chat.completion.chunk", "created": created,
                                              "model": model, "choices": [choice], "usage": None}) + b"\n\n"

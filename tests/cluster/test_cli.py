@@ -42,6 +42,8 @@ def test_the_access_log_is_on_unless_disabled():
      "engines has 2 per-engine entries but num_engines is 1"),
     (["--model", "{missing}"], {}, "neither an existing path nor a known model name"),
     (["--model", "{file}"], {"file": "not a model"}, "is not a .gguf file"),
+    (["--enable-auto-tool-choice"], {}, "enable_auto_tool_choice needs tool_call_parser"),
+    (["--chat-template", "{missing}"], {}, "--chat-template: no such file"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -51,6 +53,19 @@ def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, fl
     assert main(["serve", *(f.format(**paths) for f in flags)]) == 2  # before Ray starts
     err = capsys.readouterr().err.strip()
     assert err.startswith("llm-cluster: ") and message in err and "\n" not in err
+
+
+def test_tool_calling_flags_and_the_chat_template_reach_the_router(tmp_path):
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    [router] = router_deployment(_config("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                         "--chat-template", str(template)))._bound_deployment.init_args
+    assert router.tool_call_parser == "hermes" and router.chat_template == template.read_text()
+    # Without --enable-auto-tool-choice the parser alone does not enable "auto" (as in vLLM).
+    [plain] = router_deployment(_config("--tool-call-parser", "hermes"))._bound_deployment.init_args
+    assert plain.tool_call_parser is None and plain.chat_template is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
 
 
 def test_the_override_list_sets_the_engine_count_when_num_engines_is_not_given():

@@ -16,6 +16,10 @@ from tests.serve_cluster import serve_cluster
 
 pytestmark = pytest.mark.slow
 
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, tiny_model_dir):
@@ -24,8 +28,10 @@ def cluster(ray_cluster, tiny_model_dir):
         defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256),
         # Engine 1 has a short queue, so flooding it yields 429s.
         engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
-    # A second router app over the same engines, with another policy.
-    prefix_config = config.model_copy(update={"routing_policy": "prefix_aware"})
+    # A second router app over the same engines, with another policy, and tool_choice "auto" read
+    # with the hermes parser under a chat template that shows the tools.
+    prefix_config = config.model_copy(update={"routing_policy": "prefix_aware", "enable_auto_tool_choice": True,
+                                              "tool_call_parser": "hermes", "chat_template": TOOLS_TEMPLATE})
     # And one whose requests time out long before they could finish.
     timeout_config = config.model_copy(update={"request_timeout_s": 0.05})
     with serve_cluster(config, {"prefix": prefix_config, "timeout": timeout_config}) as served:
@@ -140,6 +146,59 @@ def test_structured_output_through_the_openai_client(client, cluster):
         "model": "tiny", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "objekt"}}}}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+
+
+def test_tool_calls_through_the_openai_client(client, cluster):
+    """A named tool_choice and "required" constrain the model to the tools' schemas: the openai
+    client gets tool calls whose arguments fit them, whole and streamed; "auto" (enabled on the
+    prefix app, hermes parser) leaves the model free, under a chat template that shows the tools."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cluster["config"].model)
+    quiet = {str(t): -100 for t in range(len(tok))
+             if (text := tok.decode([t])) and not text.strip() and t not in tok.all_special_ids}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Rome", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}}
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    common = {"model": "tiny", "messages": messages, "tools": [weather, clock], "max_tokens": 64, "temperature": 1.0,
+              "seed": 3, "logit_bias": quiet}
+    named = client.chat.completions.create(**common, tool_choice={"type": "function",
+                                                                  "function": {"name": "get_weather"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Rome", "Oslo") and args["days"] in (1, 2, 3)
+    assert named.choices[0].finish_reason == "stop" and named.choices[0].message.content is None
+    streamed_args = "".join(
+        tc.function.arguments or "" for chunk in client.chat.completions.create(
+            **common, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True)
+        for tc in (chunk.choices[0].delta.tool_calls or () if chunk.choices else ()))
+    assert streamed_args == call.function.arguments
+    # (One call each: the random model would otherwise go on adding calls up to max_tokens.)
+    required = client.chat.completions.create(**common, tool_choice="required", n=2, parallel_tool_calls=False)
+    for choice in required.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        assert len(choice.message.tool_calls) == 1 and choice.message.content is None
+        for tc in choice.message.tool_calls:
+            schema = {"get_weather": weather, "get_time": clock}[tc.function.name]["function"]["parameters"]
+            assert set(json.loads(tc.function.arguments)) == set(schema["required"])
+    # "auto" on the app that enabled it: the tools reach the prompt through its chat template.
+    # (A short tool: the tiny model's context is 256 tokens.)
+    auto = httpx.post(f"{cluster['base']}/prefix/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": messages, "tools": [{"type": "function", "function": {"name": "now"}}],
+        "max_tokens": 4})
+    plain = httpx.post(f"{cluster['base']}/prefix/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": messages, "max_tokens": 4})
+    assert auto.status_code == 200 and plain.status_code == 200, auto.text
+    assert auto.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"] + 10
+    # The main app did not enable "auto": the default tool_choice with tools is refused there.
+    refused = httpx.post(f"{cluster['base']}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": messages, "tools": [weather]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
 
 
 def test_logprobs(client):

@@ -97,8 +97,6 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}, "guided_choice": ["a"]},
      "guided_choice"),
     ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "ignore_eos": True}, "guided_choice"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
     ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},

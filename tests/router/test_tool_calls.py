@@ -1,0 +1,245 @@
+"""Tool calling: the parsers on their own (streamed in every split equals whole), the constraint a
+tool_choice asks of the engine, and /v1/chat/completions through the real FastAPI app with the
+engine's side played by a script (what is refused, what the response and the stream carry)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from engine_core.request import FinishReason
+from engine_core.structured_output import check_structured_output
+from router.app import create_app
+from router.engine_client import EngineClient
+from router.routing import RoundRobinPolicy
+from router.serving import OpenAIServing, ServingSettings
+from router.tool_calls import (
+    HermesToolCallParser,
+    NamedToolCallParser,
+    RequiredToolCallParser,
+    ToolCallParser,
+    ToolDelta,
+    collect,
+    tool_choice_constraint,
+)
+
+from .test_request_fields import ScriptedEngine
+from .tokenizer_factory import byte_level_tokenizer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: an object of anything
+
+
+def _streamed(parser: ToolCallParser, text: str, step: int) -> tuple[str, dict[int, dict[str, str]]]:
+    """Feed ``text`` in pieces of ``step`` characters and merge the deltas as a client does."""
+    out = ToolDelta()
+    for i in range(0, len(text), step):
+        out.extend(parser.feed(text[i:i + step]))
+    out.extend(parser.finish())
+    calls: dict[int, dict[str, str]] = {}
+    for delta in out.tool_calls:
+        if "id" in delta:
+            assert delta["index"] not in calls and delta["type"] == "function"
+            assert delta["id"].startswith("chatcmpl-tool-")
+            calls[delta["index"]] = {"name": delta["function"]["name"], "arguments": ""}
+        calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    return out.content, calls
+
+
+REQUIRED_TEXT = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris }{", "days": [1, {"a": []}]}},\n'
+                 ' {"name":"get_time","parameters":{}}, {"parameters": 5, "name": "n\\u00e9"}]')
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 8, 1000])
+def test_required_parser_streams_each_call_as_its_name_and_arguments_arrive(step):
+    content, calls = _streamed(RequiredToolCallParser(), REQUIRED_TEXT, step)
+    assert content == ""
+    assert [c["name"] for c in calls.values()] == ["get_weather", "get_time", "né"]
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [
+        {"city": 'Pa"ris }{', "days": [1, {"a": []}]}, {}, 5]
+    # Whole, the same calls.
+    whole_content, whole = collect(RequiredToolCallParser(), REQUIRED_TEXT)
+    assert whole_content is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == [
+        (c["name"], c["arguments"]) for c in calls.values()]
+
+
+def test_required_parser_releases_the_name_before_the_arguments_end():
+    parser = RequiredToolCallParser()
+    assert parser.feed('[{"name": "get_wea').tool_calls == []
+    first = parser.feed('ther", "parameters": {"ci').tool_calls
+    assert [(d["index"], d["function"]) for d in first] == [(0, {"name": "get_weather", "arguments": '{"ci'})]
+    assert parser.feed('ty": "Rome"}}]').tool_calls == [{"index": 0, "function": {"arguments": 'ty": "Rome"}'}}]
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_named_parser_makes_the_whole_text_the_arguments(step):
+    content, calls = _streamed(NamedToolCallParser("get_weather"), '{"city": "Rome"}', step)
+    assert content == "" and calls == {0: {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    assert collect(NamedToolCallParser("f"), "")[1][0]["function"] == {"name": "f", "arguments": ""}
+
+
+HERMES_TEXT = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+               '<tool_call>{"name": "get_time"}</tool_call> a < b <tool_call>not json</tool_call> done <tool_c')
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_hermes_parser_splits_content_from_calls(step):
+    content, calls = _streamed(HermesToolCallParser(), HERMES_TEXT, step)
+    # A block that is not a call stays content; a partial tag at the end is released at finish.
+    assert content == "Let me look. \n a < b <tool_call>not json</tool_call> done <tool_c"
+    assert calls == {0: {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                     1: {"name": "get_time", "arguments": "{}"}}
+
+
+def test_hermes_parser_holds_back_only_what_may_be_a_tag():
+    parser = HermesToolCallParser()
+    assert parser.feed("Sure <tool").content == "Sure "
+    assert parser.feed("box>").content == "<toolbox>"
+    # No closing tag at the end: a complete call still counts; anything else is content.
+    parser.feed('<tool_call>{"name": "f", "arguments": {}}')
+    assert parser.finish().tool_calls[0]["function"] == {"name": "f", "arguments": "{}"}
+    assert collect(HermesToolCallParser(), "plain answer") == ("plain answer", [])
+
+
+def test_constraints_for_named_and_required_choices_compile():
+    named = tool_choice_constraint([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, True)
+    assert named == {"json": WEATHER["function"]["parameters"]}
+    required = tool_choice_constraint([WEATHER, TIME], "required", True)
+    one = tool_choice_constraint([WEATHER, TIME], "required", False)
+    assert "maxItems" not in required["json"] and one["json"]["maxItems"] == 1
+    assert [item["properties"]["name"]["enum"] for item in required["json"]["items"]["anyOf"]] == [
+        ["get_weather"], ["get_time"]]
+    assert required["json"]["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    for spec in (named, required, one):
+        check_structured_output(spec)
+    assert tool_choice_constraint([WEATHER], "auto", True) is None
+    assert tool_choice_constraint([WEATHER], "none", True) is None
+
+
+# -- through the app ------------------------------------------------------------------------------------
+
+# A template that shows the tools and earlier tool calls, as tool-aware templates do.
+TEMPLATE = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m['role'] }}: "
+            "{{ m['content'] }}{% if m.tool_calls %} CALLS {{ m.tool_calls[0].function.arguments.city }}{% endif %}"
+            "\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+MESSAGES = [{"role": "user", "content": "weather in Rome?"}]
+
+
+def _app(answer: str, parser: str | None = None) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
+    tokenizer = byte_level_tokenizer.__wrapped__()  # a copy of its own: the template is set on it
+    tokenizer.chat_template = TEMPLATE
+    client = EngineClient([object()], client_index=1)
+    # The answer's tokens, then EOS (finish STOP: the EOS is not part of the text).
+    scripted = client._slots[0].channel = ScriptedEngine(
+        client, lambda _: [*tokenizer.encode(answer), tokenizer.eos_token_id], finish=FinishReason.STOP)
+    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=512, tool_call_parser=parser),
+                            client, tokenizer, RoundRobinPolicy())
+    return TestClient(create_app(serving)), scripted, serving
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [WEATHER]}, "tool_choice"),  # the default is auto, which this server has not enabled
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "none", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{not json"}}]}]}, "messages"),
+])
+def test_refused_tool_requests_name_their_parameter(body, param):
+    http, engine, _ = _app("x")
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert not engine.requests
+
+
+def test_named_tool_choice_constrains_the_output_and_answers_with_a_call():
+    http, engine, _ = _app('{"city": "Rome"}')
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "tools": [WEATHER, TIME],
+                                                "tool_choice": NAMED})
+    assert r.status_code == 200, r.text
+    assert engine.requests[0].sampling_params.structured_output == {"json": WEATHER["function"]["parameters"]}
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"  # as OpenAI answers a forced function
+    assert choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
+def test_required_tool_choice_streams_calls_that_add_up_to_the_whole_answer():
+    answer = '[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_time", "parameters": {}}]'
+    http, engine, _ = _app(answer)
+    body = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER, TIME], "tool_choice": "required",
+            "parallel_tool_calls": False}
+    whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert engine.requests[0].sampling_params.structured_output["json"]["maxItems"] == 1
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["message"]["tool_calls"]] \
+        == [("get_weather", {"city": "Rome"}), ("get_time", {})]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0] for e in events]
+    assert deltas[0]["delta"]["role"] == "assistant" and deltas[-1]["finish_reason"] == "tool_calls"
+    calls: dict[int, dict[str, str]] = {}
+    for d in deltas:
+        assert not d["delta"].get("content")
+        for call in d["delta"].get("tool_calls") or ():
+            entry = calls.setdefault(call["index"], {"name": call["function"].get("name"), "arguments": ""})
+            entry["arguments"] += call["function"]["arguments"]
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+
+
+def test_auto_tool_choice_with_the_hermes_parser():
+    answer = 'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    http, engine, _ = _app(answer, parser="hermes")
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]})
+    assert r.status_code == 200, r.text
+    assert engine.requests[0].sampling_params.structured_output is None  # the model decides
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking. "
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    with http.stream("POST", "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
+                                                           "tools": [WEATHER], "stream": True}) as s:
+        deltas = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Checking. "
+    assert [c["function"] for d in deltas for c in d["delta"].get("tool_calls") or ()] == [
+        {"name": "get_weather", "arguments": '{"city": "Rome"}'}]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    # A plain answer stays a plain answer.
+    http, _, _ = _app("It is sunny.", parser="hermes")
+    plain = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]})
+    assert plain.json()["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny.",
+                                                     "tool_calls": None}
+    assert plain.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_template_sees_the_tools_and_earlier_calls_with_parsed_arguments():
+    _, _, serving = _app("x")
+    from router.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(model="tiny", tools=[WEATHER], tool_choice="none", messages=[
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+    text = serving.tokenizer.decode(serving.render_chat(request))
+    assert text.startswith('TOOLS [{"type": "function", "function": {"name": "get_weather"')
+    # The arguments reached the template as an object (its .city), the tool's answer as content.
+    # (Chat templates render with trim_blocks: no newline after a block tag.)
+    assert text.endswith("user: weather in Rome?assistant:  CALLS Rometool: sunnyassistant:")
