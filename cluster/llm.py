@@ -240,14 +240,23 @@ class LLM:
             groups.setdefault(p.group, []).append(p)
         return [self._to_output(group, samples) for group, samples in groups.items()]
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: each conversation rendered with the chat template (or ``chat_template``),
+        the ``tools`` passed to it; ``continue_final_message`` leaves the last message open for the
+        answer to continue (instead of starting a new assistant turn)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         batch = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for conversation in batch:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
+                **(chat_template_kwargs or {}))
             prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         for out, prompt in zip(outputs, prompts):

@@ -241,6 +241,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = Field(True, description="vLLM extra.")
+    continue_final_message: bool = Field(False, description="vLLM extra: the answer continues the last message "
+                                                            "(needs add_generation_prompt false).")
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
@@ -254,6 +256,9 @@ class ChatCompletionRequest(SamplingFields):
     def _chat_consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
+                          "be true")
         if self.functions and self.function_call != "none":
             raise invalid("functions", "functions and function_call are deprecated and not supported: use tools")
         self._check_tool_choice()

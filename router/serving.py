@@ -142,7 +142,8 @@ class OpenAIServing:
             kwargs.setdefault("tools", request.tool_dicts())
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False, **kwargs)
+                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
+                continue_final_message=request.continue_final_message, **kwargs)
         except Exception as e:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -135,6 +135,28 @@ def test_chat_uses_the_chat_template(tiny_model_dir):
     assert 1 <= len(out.outputs[0].token_ids) <= 4
 
 
+def test_chat_takes_vllms_template_options(tiny_model_dir):
+    """chat_template, tools (to the template), chat_template_kwargs and continue_final_message."""
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64)
+    template = ("{% if tools %}[{{ tools[0].function.name }}|{{ mood }}]{% endif %}{% for m in messages %}"
+                "<{{ m['role'] }}>{{ m['content'] }}{% if not (continue_final_message and loop.last) %}</>{% endif %}"
+                "{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    try:
+        opened = llm.chat(conversation, params, use_tqdm=False, add_generation_prompt=False,
+                          continue_final_message=True, chat_template=template, tools=tools,
+                          chat_template_kwargs={"mood": "calm"})[0]
+        closed = llm.chat(conversation, params, use_tqdm=False, add_generation_prompt=False)[0]
+        with pytest.raises(ValueError, match="cannot both be true"):
+            llm.chat(conversation, params, continue_final_message=True)
+    finally:
+        llm.shutdown()
+    assert opened.prompt == "[get_weather|calm]<user>Hi</><assistant>Hello, I am"
+    assert closed.prompt.endswith("<|im_start|>assistant\nHello, I am<|im_end|>\n")
+
+
 def test_bad_scheduler_flag_names_the_flag_and_engine(tiny_model_dir):
     with pytest.raises(ValueError, match="engine 1: max_num_seqs"):
         LLM(model=str(tiny_model_dir), num_engines=2, engine_overrides=[{}, {"max_num_seqs": 0}])

@@ -229,6 +229,20 @@ def test_auto_tool_choice_with_the_hermes_parser():
     assert plain.json()["choices"][0]["finish_reason"] == "stop"
 
 
+def test_continue_final_message_leaves_the_last_message_open():
+    http, engine, serving = _app("x")
+    serving.tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}|END|{% endfor %}"
+    body = {"model": "tiny", "messages": [*MESSAGES, {"role": "assistant", "content": "It is"}],
+            "add_generation_prompt": False}
+    assert http.post("/v1/chat/completions", json={**body, "continue_final_message": True}).status_code == 200
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    opened, closed = (serving.tokenizer.decode(r.prompt_token_ids) for r in engine.requests)
+    assert opened.endswith("assistant: It is") and closed.endswith("assistant: It is|END|")
+    refused = http.post("/v1/chat/completions", json={**body, "continue_final_message": True,
+                                                      "add_generation_prompt": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+
+
 def test_the_template_sees_the_tools_and_earlier_calls_with_parsed_arguments():
     _, _, serving = _app("x")
     from router.protocol import ChatCompletionRequest
