@@ -49,6 +49,8 @@ def random_id(prefix: str) -> str:
 
 class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="Send a final chunk with token usage.")
+    continuous_usage_stats: bool = Field(False, description="vLLM extra: with include_usage, every chunk "
+                                                            "carries its choice's usage so far.")
 
 
 class SamplingFields(BaseModel):

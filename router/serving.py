@@ -111,6 +111,7 @@ class _Delta:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]]
     finish_reason: str | None
     stop_reason: int | str | None
+    num_tokens: int  # the choice's tokens so far
 
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
@@ -392,7 +393,8 @@ class OpenAIServing:
             if request.logprobs is not None and event.logprobs:
                 logprobs, text_offsets[index] = self._completion_logprobs(event.logprobs, text_offsets[index])
             yield completion_token_chunk(request_id, created, model, index, event.text, logprobs,
-                                         event.finish_reason, event.stop_reason)
+                                         event.finish_reason, event.stop_reason,
+                                         _running_usage(request, len(prompt_ids[index // n]), event))
         if request.max_tokens == 0:
             for c in choices:
                 _drop_output(c)
@@ -442,8 +444,11 @@ class OpenAIServing:
                            choices: list[_Choice], num_prompt_tokens: int,
                            streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
         model = self.settings.served_model_name
+        options = request.stream_options
+        opening_usage = UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens) \
+            if options is not None and options.include_usage and options.continuous_usage_stats else None
         for c in choices:
-            yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[
+            yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, usage=opening_usage, choices=[
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
         async for event in self._choice_events(streams, choices):
             logprobs = self._chat_logprobs(event.logprobs) if request.logprobs and event.logprobs else None
@@ -458,7 +463,7 @@ class OpenAIServing:
                 if not (text or tool_calls or logprobs or finish_reason):
                     continue  # held back (a tag may be starting)
             yield chat_token_chunk(request_id, created, model, event.choice.index, text, logprobs,
-                                   finish_reason, tool_calls)
+                                   finish_reason, tool_calls, _running_usage(request, num_prompt_tokens, event))
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                            usage=_usage(num_prompt_tokens, choices)))
@@ -484,7 +489,8 @@ class OpenAIServing:
                     raise _StreamError(APIError(500, choice.error, "InternalServerError"))
                 delta = "".join(deltas)
                 if delta or new_lps or choice.finish_reason:
-                    yield _Delta(choice, delta, new_lps, choice.finish_reason, choice.stop_reason)
+                    yield _Delta(choice, delta, new_lps, choice.finish_reason, choice.stop_reason,
+                                 len(choice.token_ids))
                 if choice.finish_reason is not None:
                     break
         finally:
@@ -648,6 +654,15 @@ def _drop_output(choice: _Choice) -> None:
     choice.detok.output_text = ""
 
 
+def _running_usage(request: SamplingFields, num_prompt_tokens: int, event: _Delta) -> dict[str, int] | None:
+    """vLLM's continuous_usage_stats: a streamed chunk's usage, its choice's tokens so far."""
+    options = request.stream_options
+    if options is None or not (options.include_usage and options.continuous_usage_stats):
+        return None
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": event.num_tokens,
+            "total_tokens": num_prompt_tokens + event.num_tokens}
+
+
 def _usage(num_prompt_tokens: int, choices: list[_Choice]) -> UsageInfo:
     completion = sum(len(c.token_ids) for c in choices)
     return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
@@ -665,19 +680,19 @@ _json_encoder = msgspec.json.Encoder()
 
 def completion_token_chunk(request_id: str, created: int, model: str, index: int, text: str,
                            logprobs: dict[str, Any] | None, finish_reason: str | None,
-                           stop_reason: int | str | None) -> bytes:
+                           stop_reason: int | str | None, usage: dict[str, int] | None = None) -> bytes:
     choice = {"index": index, "text": text, "logprobs": logprobs,
               "finish_reason": finish_reason, "stop_reason": stop_reason}
     return b"data: " + _json_encoder.encode({"id": request_id, "object": "text_completion", "created": created,
-                                             "model": model, "choices": [choice], "usage": None}) + b"\n\n"
+                                             "model": model, "choices": [choice], "usage": usage}) + b"\n\n"
 
 
 def chat_token_chunk(request_id: str, created: int, model: str, index: int, delta: str,
                      logprobs: dict[str, Any] | None, finish_reason: str | None,
-                     tool_calls: list[dict[str, Any]] | None = None) -> bytes:
+                     tool_calls: list[dict[str, Any]] | None = None, usage: dict[str, int] | None = None) -> bytes:
     message: dict[str, Any] = {"role": None, "content": delta or None}
     if tool_calls:
         message["tool_calls"] = tool_calls
     choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return b"data: " + _json_encoder.encode({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                             "model": model, "choices": [choice], "usage": None}) + b"\n\n"
+                                             "model": model, "choices": [choice], "usage": usage}) + b"\n\n"

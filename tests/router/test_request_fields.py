@@ -58,10 +58,10 @@ class ScriptedEngine:
 
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
-         **engine) -> tuple[TestClient, ScriptedEngine]:
+         tokenizer=TOKENIZER, **engine) -> tuple[TestClient, ScriptedEngine]:
     client = EngineClient([object()], client_index=1)
     scripted = client._slots[0].channel = ScriptedEngine(client, script, **engine)
-    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256), client, TOKENIZER,
+    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256), client, tokenizer,
                             RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted
 
@@ -264,6 +264,31 @@ def test_several_prompts_stream_their_choices_by_index():
         ids = TOKENIZER.encode(prompts[index // 2])
         assert texts[index] == prompts[index // 2] + TOKENIZER.decode(ids[::-1])
     assert len(engine.requests) == 4
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(path):
+    chat_tokenizer = byte_level_tokenizer.__wrapped__()  # its own copy, with a chat template
+    chat_tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    http, _ = _app(lambda request: TOKENIZER.encode(TEXT)[:6], tokenizer=chat_tokenizer)
+    prompt = {"prompt": "Paris is"} if path == "/v1/completions" else {"messages": MESSAGES}
+    body = {"model": "tiny", **prompt, "n": 2, "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = _events(http.post(path, json=body).text)
+    final = events[-1]["usage"]
+    assert events[-1]["choices"] == [] and final["completion_tokens"] == 12
+    prompt_tokens = final["prompt_tokens"]
+    seen: dict[int, int] = {}
+    for event in events[:-1]:
+        usage, index = event["usage"], event["choices"][0]["index"]
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+        assert usage["completion_tokens"] >= seen.get(index, 0)
+        seen[index] = usage["completion_tokens"]
+    assert seen == {0: 6, 1: 6}
+    # Without it (include_usage alone) only the last chunk has usage.
+    body["stream_options"] = {"include_usage": True}
+    assert all(e["usage"] is None for e in _events(http.post(path, json=body).text)[:-1])
 
 
 def test_the_prompts_of_one_request_see_each_others_load_when_routed():
