@@ -155,6 +155,7 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = Field(None, description="vLLM extra (older name).")
     guided_grammar: str | None = Field(None, description="vLLM extra (older name).")
     _structured_output: dict[str, Any] | None = PrivateAttr(default=None)
+    skip_special_tokens: bool = Field(True, description="vLLM extra: leave special tokens out of the text.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -270,8 +271,8 @@ class ChatCompletionRequest(SamplingFields):
         """A named or required tool choice constrains the output (as structured output does)."""
         choice = self.effective_tool_choice
         names = [t.function.name for t in self.tools or ()]
-        if choice == "required" and not names:
-            raise invalid("tool_choice", 'tool_choice "required" needs tools')
+        if choice != "none" and not names:
+            raise invalid("tool_choice", "when tool_choice is set (other than none), tools must be given")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise invalid("tool_choice", f"tool_choice names the function {choice.function.name!r}, which is not "
                           "among the tools")
@@ -297,7 +298,7 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
         if self.tool_choice is not None:
-            return self.tool_choice if self.tools or self.tool_choice != "auto" else "none"
+            return self.tool_choice
         return "auto" if self.tools else "none"
 
     def tool_choice_form(self) -> str | dict[str, Any]:

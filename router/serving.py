@@ -293,10 +293,12 @@ class OpenAIServing:
             delta += choice.detok.finish()
         return delta, new_lp
 
-    def _new_choices(self, n: int, prompt_ids: list[int], fields: SamplingFields) -> list[_Choice]:
+    def _new_choices(self, n: int, prompt_ids: list[int], fields: SamplingFields,
+                     skip_special_tokens: bool | None = None) -> list[_Choice]:
+        skip = fields.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
         return [_Choice(i, IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=fields.stop_strings,
                                                   include_stop_str_in_output=fields.include_stop_str_in_output,
-                                                  min_tokens=fields.min_tokens),
+                                                  min_tokens=fields.min_tokens, skip_special_tokens=skip),
                         [], []) for i in range(n)]
 
     async def _generate(self, streams: list[RequestStream], choices: list[_Choice], sink: asyncio.Queue | None) -> None:
@@ -417,9 +419,11 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         top = (request.top_logprobs or 0) if request.logprobs else None
-        choices = self._new_choices(request.n, ids, request)
+        # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
+        choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
         for c in choices:
-            c.tool_parser = create_tool_call_parser(tool_choice, self.settings.tool_call_parser)
+            c.tool_parser = create_tool_call_parser(tool_choice, self.settings.tool_call_parser,
+                                                    request.parallel_tool_calls)
         jobs = [(engine, f"{request_id}-{c.index}", ids,
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index), c)
                 for c in choices]
@@ -462,6 +466,12 @@ class OpenAIServing:
                 text, tool_calls = released.content, released.tool_calls or None
                 if not (text or tool_calls or logprobs or finish_reason):
                     continue  # held back (a tag may be starting)
+                if finish_reason is not None and (text or tool_calls):
+                    # The finish goes in a chunk of its own, as OpenAI ends a stream: the openai
+                    # client's stream helper closes the last call only on a later chunk.
+                    yield chat_token_chunk(request_id, created, model, event.choice.index, text, logprobs, None,
+                                           tool_calls, _running_usage(request, num_prompt_tokens, event))
+                    text, tool_calls, logprobs = "", None, None
             yield chat_token_chunk(request_id, created, model, event.choice.index, text, logprobs,
                                    finish_reason, tool_calls, _running_usage(request, num_prompt_tokens, event))
         if request.stream_options and request.stream_options.include_usage:
@@ -593,13 +603,14 @@ def _parsed_arguments(call: Any) -> Any:
     """A tool call of an earlier assistant turn, with its ``arguments`` JSON text parsed (vLLM does
     the same for the templates)."""
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str | None):
         return call
     try:
-        arguments = json.loads(function["arguments"])
+        # Empty or null arguments (a call without any) are an empty object, as in vLLM.
+        arguments = json.loads(function["arguments"]) if (function["arguments"] or "").strip() else None
     except ValueError as e:
         raise bad_request(f"a tool call's arguments are not JSON: {e}", "messages") from e
-    return {**call, "function": {**function, "arguments": arguments}}
+    return {**call, "function": {**function, "arguments": {} if arguments is None else arguments}}
 
 
 def _tool_finish_reason(parser: ToolCallParser, finish_reason: str | None) -> str | None:

@@ -30,9 +30,10 @@ def random_tool_call_id() -> str:
 
 
 def tool_parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool's parameters schema; a function without one takes an object of anything."""
+    """A tool's parameters schema; a function without one (or with ``{}``) takes an object, as in
+    vLLM (an empty schema would let any JSON value through as the arguments)."""
     params = tool["function"].get("parameters")
-    return params if params is not None else {"type": "object"}
+    return params if params else {"type": "object", "properties": {}}
 
 
 def tool_choice_constraint(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any],
@@ -219,14 +220,19 @@ class RequiredToolCallParser(ToolCallParser):
 class HermesToolCallParser(ToolCallParser):
     """``auto`` with ``--tool-call-parser hermes``: ``<tool_call>{"name", "arguments"}</tool_call>``
     blocks are calls, the rest is content. Text that may be the start of a tag is held back; a call
-    is released whole when its closing tag arrives. A block that is not such JSON stays content."""
+    is released whole when its closing tag arrives. A block that is not such JSON stays content.
+    Blank text after a call (the newline between two calls) is held back until other text follows,
+    so a reply of calls alone has no content. With ``parallel_tool_calls`` false, calls after the
+    first are dropped (as vLLM keeps only the first)."""
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, parallel_tool_calls: bool = True) -> None:
         super().__init__()
+        self.parallel_tool_calls = parallel_tool_calls
         self._pending = ""  # content that may be the start of a tag, or a call's body
         self._in_call = False
+        self._blank = ""  # blank content after a call, not released yet
 
     def feed(self, text: str) -> ToolDelta:
         self._pending += text
@@ -236,38 +242,48 @@ class HermesToolCallParser(ToolCallParser):
                 end = self._pending.find(self.END)
                 if end < 0:
                     return out
-                self._emit_call(self._pending[:end], out)
+                self._emit_call(self._pending[:end], closed=True, out=out)
                 self._pending = self._pending[end + len(self.END):]
                 self._in_call = False
                 continue
             start = self._pending.find(self.START)
             if start >= 0:
-                out.content += self._pending[:start]
+                self._add_content(self._pending[:start], out)
                 self._pending = self._pending[start + len(self.START):]
                 self._in_call = True
                 continue
             keep = _partial_suffix(self._pending, self.START)
-            out.content += self._pending[:len(self._pending) - keep]
+            self._add_content(self._pending[:len(self._pending) - keep], out)
             self._pending = self._pending[len(self._pending) - keep:]
             return out
 
     def finish(self) -> ToolDelta:
         out = ToolDelta()
         if self._in_call:  # no closing tag (the model stopped right after the JSON, or was cut off)
-            self._emit_call(self._pending, out)
+            self._emit_call(self._pending, closed=False, out=out)
         else:
-            out.content = self._pending
-        self._pending, self._in_call = "", False
+            self._add_content(self._pending, out)
+        self._pending, self._in_call, self._blank = "", False, ""  # blank text after the last call is dropped
         return out
 
-    def _emit_call(self, body: str, out: ToolDelta) -> None:
+    def _add_content(self, text: str, out: ToolDelta) -> None:
+        if self.calls and not (self._blank + text).strip():
+            self._blank += text
+            return
+        out.content += self._blank + text
+        self._blank = ""
+
+    def _emit_call(self, body: str, closed: bool, out: ToolDelta) -> None:
         try:
             call = json.loads(body)
             name, arguments = call["name"], call.get("arguments", {})
             if not isinstance(name, str):
                 raise TypeError(name)
         except (ValueError, TypeError, KeyError):
-            out.content += self.START + body + (self.END if self._in_call else "")
+            self._add_content(self.START + body + (self.END if closed else ""), out)
+            return
+        self._blank = ""
+        if self.calls and not self.parallel_tool_calls:
             return
         out.tool_calls.append(self._start_call(name, json.dumps(arguments, ensure_ascii=False)))
 
@@ -280,7 +296,8 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None) -> ToolCallParser | None:
+def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None,
+                            parallel_tool_calls: bool = True) -> ToolCallParser | None:
     """The parser a chat request's effective ``tool_choice`` needs (None: plain content)."""
     if isinstance(tool_choice, dict):
         return NamedToolCallParser(tool_choice["function"]["name"])
@@ -288,7 +305,7 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
         return RequiredToolCallParser()
     if tool_choice == "auto":
         if server_parser == "hermes":
-            return HermesToolCallParser()
+            return HermesToolCallParser(parallel_tool_calls)
         raise ValueError(f"unknown tool call parser {server_parser!r}")
     return None
 
@@ -304,5 +321,5 @@ def collect(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict[st
                           "function": {"name": delta["function"]["name"], "arguments": delta["function"]["arguments"]}})
         else:
             calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
-    content = out.content if out.content or not calls else None
+    content = out.content if out.content.strip() or not calls else None
     return content, calls

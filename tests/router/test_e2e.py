@@ -178,6 +178,14 @@ def test_tool_calls_through_the_openai_client(client, cluster):
             **common, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True)
         for tc in (chunk.choices[0].delta.tool_calls or () if chunk.choices else ()))
     assert streamed_args == call.function.arguments
+    # The openai client's stream helper (strict tools only) sees each call end and parses it.
+    strict = {"type": "function", "function": {**weather["function"], "strict": True}}
+    with client.chat.completions.stream(**{**common, "tools": [strict]}, tool_choice={
+            "type": "function", "function": {"name": "get_weather"}}) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion()
+    assert [(e.name, e.arguments) for e in done] == [("get_weather", call.function.arguments)]
+    assert final.choices[0].message.tool_calls[0].function.parsed_arguments == args
     # (One call each: the random model would otherwise go on adding calls up to max_tokens.)
     required = client.chat.completions.create(**common, tool_choice="required", n=2, parallel_tool_calls=False)
     for choice in required.choices:

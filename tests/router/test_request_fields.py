@@ -266,6 +266,15 @@ def test_several_prompts_stream_their_choices_by_index():
     assert len(engine.requests) == 4
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text():
+    eos = TOKENIZER.eos_token_id
+    http, _ = _app(lambda _: [*TOKENIZER.encode("Hello"), eos, *TOKENIZER.encode(" world")])
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 8}
+    assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == "Hello world"
+    kept = http.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()["choices"][0]["text"]
+    assert kept == "Hello<eos> world"
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_continuous_usage_stats_count_each_choices_tokens_so_far(path):
     chat_tokenizer = byte_level_tokenizer.__wrapped__()  # its own copy, with a chat template

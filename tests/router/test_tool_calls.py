@@ -90,8 +90,9 @@ HERMES_TEXT = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
 def test_hermes_parser_splits_content_from_calls(step):
     content, calls = _streamed(HermesToolCallParser(), HERMES_TEXT, step)
-    # A block that is not a call stays content; a partial tag at the end is released at finish.
-    assert content == "Let me look. \n a < b <tool_call>not json</tool_call> done <tool_c"
+    # A block that is not a call stays content; a partial tag at the end is released at finish; the
+    # newline between two calls is not content.
+    assert content == "Let me look.  a < b <tool_call>not json</tool_call> done <tool_c"
     assert calls == {0: {"name": "get_weather", "arguments": '{"city": "Rome"}'},
                      1: {"name": "get_time", "arguments": "{}"}}
 
@@ -106,6 +107,19 @@ def test_hermes_parser_holds_back_only_what_may_be_a_tag():
     assert collect(HermesToolCallParser(), "plain answer") == ("plain answer", [])
 
 
+def test_hermes_calls_alone_have_no_content_and_nothing_is_invented():
+    two_calls = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g"}</tool_call>\n'
+    content, calls = collect(HermesToolCallParser(), two_calls)
+    assert content is None and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert _streamed(HermesToolCallParser(), two_calls, 1)[0] == ""
+    # A call cut off before its JSON ends stays content, without a closing tag the model never wrote.
+    cut = 'Hi <tool_call>{"name": "f", "arguments": {"a": 1'
+    assert collect(HermesToolCallParser(), cut) == (cut, [])
+    # parallel_tool_calls false: the first call only.
+    assert [c["function"]["name"] for c in collect(HermesToolCallParser(parallel_tool_calls=False), two_calls)[1]] \
+        == ["f"]
+
+
 def test_constraints_for_named_and_required_choices_compile():
     named = tool_choice_constraint([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, True)
     assert named == {"json": WEATHER["function"]["parameters"]}
@@ -114,7 +128,11 @@ def test_constraints_for_named_and_required_choices_compile():
     assert "maxItems" not in required["json"] and one["json"]["maxItems"] == 1
     assert [item["properties"]["name"]["enum"] for item in required["json"]["items"]["anyOf"]] == [
         ["get_weather"], ["get_time"]]
-    assert required["json"]["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    assert required["json"]["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    # An empty parameters schema still means an object (not any JSON value).
+    empty = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert tool_choice_constraint([empty], {"type": "function", "function": {"name": "f"}}, True) == {
+        "json": {"type": "object", "properties": {}}}
     for spec in (named, required, one):
         check_structured_output(spec)
     assert tool_choice_constraint([WEATHER], "auto", True) is None
@@ -149,6 +167,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
     ({"tools": [WEATHER]}, "tool_choice"),  # the default is auto, which this server has not enabled
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # tool_choice without tools (as OpenAI and vLLM refuse it)
+    ({"tools": [], "tool_choice": NAMED}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
@@ -179,6 +199,21 @@ def test_named_tool_choice_constrains_the_output_and_answers_with_a_call():
     assert choice["message"]["content"] is None
     [call] = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
+def test_the_openai_stream_helper_sees_the_last_call_end():
+    """Here the whole answer and its finish arrive in one engine batch: the finish still goes in a
+    chunk of its own, or the openai client's stream helper never closes the last call."""
+    import openai
+
+    http, _, _ = _app('{"city": "Rome"}')
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    with client.chat.completions.stream(model="tiny", messages=MESSAGES, tools=[strict], tool_choice=NAMED) as s:
+        done = [e for e in s if e.type == "tool_calls.function.arguments.done"]
+        final = s.get_final_completion()
+    assert [(e.name, e.parsed_arguments) for e in done] == [("get_weather", {"city": "Rome"})]
+    assert final.choices[0].finish_reason == "stop"
 
 
 def test_required_tool_choice_streams_calls_that_add_up_to_the_whole_answer():
@@ -253,6 +288,12 @@ def test_the_template_sees_the_tools_and_earlier_calls_with_parsed_arguments():
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
     text = serving.tokenizer.decode(serving.render_chat(request))
+    # A call without arguments (as our own named choice can answer) goes back as an empty object.
+    for empty in ("", None, "null"):
+        no_args = ChatCompletionRequest(model="tiny", tools=[WEATHER], tool_choice="none", messages=[
+            *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": empty}}]}])
+        serving.render_chat(no_args)
     assert text.startswith('TOOLS [{"type": "function", "function": {"name": "get_weather"')
     # The arguments reached the template as an object (its .city), the tool's answer as content.
     # (Chat templates render with trim_blocks: no newline after a block tag.)
