@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 
+from router.reasoning import REASONING_PARSERS
 from router.tool_calls import TOOL_CALL_PARSERS
 
 # Ray Serve's HAProxy ingress forwards HTTP straight to a server inside the router replica instead
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help='Allow tool_choice "auto": the model decides, read with --tool-call-parser.')
     serve.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                        help="The model's tool-call format (hermes: <tool_call>{...}</tool_call>).")
+    serve.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                       help="Return chat answers' <think>...</think> as reasoning_content.")
     serve.add_argument("--disable-access-log", action="store_true",
                        help="No per-request access log lines from the router replicas.")
     serve.add_argument("--host", default="127.0.0.1")
@@ -102,7 +105,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         routing_policy=args.routing_policy, prefix_load_margin=args.prefix_load_margin,
         num_router_replicas=args.num_router_replicas, request_timeout_s=args.request_timeout,
         chat_template=read_chat_template(args.chat_template), enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address)
 
 

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine_core.config import EngineConfig, SchedulerConfig
+from router.reasoning import REASONING_PARSERS
 from router.routing import ROUTING_POLICIES
 from router.tool_calls import TOOL_CALL_PARSERS
 
@@ -77,6 +78,8 @@ class ClusterConfig(BaseModel):
     enable_auto_tool_choice: bool = Field(False, description='Allow tool_choice "auto" (needs tool_call_parser).')
     tool_call_parser: str | None = Field(
         None, description=f"The model's tool-call format: {', '.join(TOOL_CALL_PARSERS)}.")
+    reasoning_parser: str | None = Field(
+        None, description=f"Chat answers' thinking to reasoning_content: {', '.join(REASONING_PARSERS)}.")
     enable_access_log: bool = Field(True, description="Router replicas log one line per request (Serve's access "
                                                        "log); about 3-5% of a replica's CPU under load.")
     host: str = "127.0.0.1"
@@ -89,6 +92,8 @@ class ClusterConfig(BaseModel):
     def _auto_tool_choice(self) -> ClusterConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (the model's tool-call format)")
         return self

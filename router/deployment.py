@@ -38,6 +38,7 @@ class RouterConfig:
     served_model_name: str | None = None
     chat_template: str | None = None  # replaces the model's own
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, read with this parser
+    reasoning_parser: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -73,6 +74,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         request_timeout_s=config.request_timeout_s,
         eos_token_ids=first.model_info.eos_token_ids,
         tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
     )
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin)

@@ -251,6 +251,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: auto with tools, none without.")
     parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call allowed.")
+    include_reasoning: bool = Field(True, description="vLLM extra: with --reasoning-parser, return the thinking.")
     # OpenAI's older form of tools: refused.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -376,6 +377,8 @@ class ToolCall(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # vLLM extra, with --reasoning-parser: the answer's thinking.
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 

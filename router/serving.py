@@ -21,6 +21,7 @@ from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEnt
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
 from router.bad_words import bad_words_token_ids
+from router.chat_parsing import ChatDelta, ChatOutputParser
 from router.detokenizer import IncrementalDetokenizer, fast_decoder
 from router.engine_client import (
     EngineClient,
@@ -49,9 +50,9 @@ from router.protocol import (
     ToolCall,
     UsageInfo,
 )
+from router.reasoning import create_reasoning_parser
 from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
-from router.tool_calls import ToolCallParser, create_tool_call_parser
-from router.tool_calls import collect as collect_tool_calls
+from router.tool_calls import create_tool_call_parser
 
 
 class APIError(Exception):
@@ -84,6 +85,8 @@ class ServingSettings:
     # The parser of the model's own tool-call format, when tool_choice "auto" is enabled
     # (--enable-auto-tool-choice --tool-call-parser); None: "auto" is refused, as in vLLM.
     tool_call_parser: str | None = None
+    # --reasoning-parser: chat answers' <think>...</think> goes to reasoning_content.
+    reasoning_parser: str | None = None
 
 
 @dataclass
@@ -97,8 +100,8 @@ class _Choice:
     error: str | None = None
     # The prompt's logprobs (positions 1..n-1), with the first output, when echo asked for them.
     prompt_logprobs: LogprobsEntry | None = None
-    # Chat with tools: reads tool calls out of the choice's text.
-    tool_parser: ToolCallParser | None = None
+    # Chat with a reasoning parser or tools: splits the choice's text into reasoning, content, calls.
+    output_parser: ChatOutputParser | None = None
 
 
 @dataclass(slots=True)
@@ -148,6 +151,19 @@ class OpenAIServing:
         except Exception as e:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _chat_output_parser(self, request: ChatCompletionRequest, tool_choice: str | dict[str, Any]
+                            ) -> ChatOutputParser | None:
+        """What splits a choice's text, if anything: the server's reasoning parser (not under an
+        output constraint, which rules thinking out from the first token) and the tool-call parser
+        the tool choice needs."""
+        tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser, request.parallel_tool_calls)
+        reasoning = None
+        if self.settings.reasoning_parser is not None and request.structured_output is None:
+            reasoning = create_reasoning_parser(self.settings.reasoning_parser)
+        if tools is None and reasoning is None:
+            return None
+        return ChatOutputParser(reasoning, tools, request.include_reasoning)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -422,8 +438,7 @@ class OpenAIServing:
         # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
         choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
         for c in choices:
-            c.tool_parser = create_tool_call_parser(tool_choice, self.settings.tool_call_parser,
-                                                    request.parallel_tool_calls)
+            c.output_parser = self._chat_output_parser(request, tool_choice)
         jobs = [(engine, f"{request_id}-{c.index}", ids,
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index), c)
                 for c in choices]
@@ -434,10 +449,11 @@ class OpenAIServing:
         out = []
         for c in choices:
             message, finish_reason = ChatMessageOut(content=c.detok.output_text), c.finish_reason
-            if c.tool_parser is not None:
-                content, calls = collect_tool_calls(c.tool_parser, c.detok.output_text)
-                message = ChatMessageOut(content=content, tool_calls=[ToolCall(**call) for call in calls] or None)
-                finish_reason = _tool_finish_reason(c.tool_parser, finish_reason)
+            if c.output_parser is not None:
+                answer = c.output_parser.whole(c.detok.output_text)
+                message = ChatMessageOut(content=answer.content, reasoning_content=answer.reasoning,
+                                         tool_calls=[ToolCall(**call) for call in answer.tool_calls] or None)
+                finish_reason = c.output_parser.finish_reason(finish_reason)
             logprobs = ChatLogprobs(**self._chat_logprobs(c.logprobs)) if request.logprobs else None
             out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                                   stop_reason=c.stop_reason))
@@ -456,24 +472,24 @@ class OpenAIServing:
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
         async for event in self._choice_events(streams, choices):
             logprobs = self._chat_logprobs(event.logprobs) if request.logprobs and event.logprobs else None
-            text, tool_calls, finish_reason = event.text, None, event.finish_reason
-            parser = event.choice.tool_parser
+            text, finish_reason, parsed = event.text, event.finish_reason, None
+            parser = event.choice.output_parser
             if parser is not None:
-                released = parser.feed(text)
+                parsed = parser.feed(text)
                 if finish_reason is not None:
-                    released.extend(parser.finish())
-                    finish_reason = _tool_finish_reason(parser, finish_reason)
-                text, tool_calls = released.content, released.tool_calls or None
-                if not (text or tool_calls or logprobs or finish_reason):
+                    parsed.extend(parser.finish())
+                    finish_reason = parser.finish_reason(finish_reason)
+                if not (parsed or logprobs or finish_reason):
                     continue  # held back (a tag may be starting)
-                if finish_reason is not None and (text or tool_calls):
+                if finish_reason is not None and parsed.tool_calls:
                     # The finish goes in a chunk of its own, as OpenAI ends a stream: the openai
                     # client's stream helper closes the last call only on a later chunk.
-                    yield chat_token_chunk(request_id, created, model, event.choice.index, text, logprobs, None,
-                                           tool_calls, _running_usage(request, num_prompt_tokens, event))
-                    text, tool_calls, logprobs = "", None, None
+                    yield chat_token_chunk(request_id, created, model, event.choice.index, parsed.content, logprobs,
+                                           None, parsed, _running_usage(request, num_prompt_tokens, event))
+                    parsed, logprobs = None, None
+                text = parsed.content if parsed is not None else ""
             yield chat_token_chunk(request_id, created, model, event.choice.index, text, logprobs,
-                                   finish_reason, tool_calls, _running_usage(request, num_prompt_tokens, event))
+                                   finish_reason, parsed, _running_usage(request, num_prompt_tokens, event))
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                            usage=_usage(num_prompt_tokens, choices)))
@@ -613,14 +629,6 @@ def _parsed_arguments(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": {} if arguments is None else arguments}}
 
 
-def _tool_finish_reason(parser: ToolCallParser, finish_reason: str | None) -> str | None:
-    """A choice that ended normally after calling tools finishes with ``tool_calls`` (a named
-    tool_choice keeps ``stop``, as OpenAI answers a forced function)."""
-    if finish_reason == "stop" and parser.calls:
-        return parser.finish_reason_on_call
-    return finish_reason
-
-
 def _wrap_int64(value: int) -> int:
     """Choice i samples with seed + i, kept in the engine's 64-bit range."""
     return (value - INT64_MIN) % 2**64 + INT64_MIN
@@ -700,10 +708,15 @@ def completion_token_chunk(request_id: str, created: int, model: str, index: int
 
 def chat_token_chunk(request_id: str, created: int, model: str, index: int, delta: str,
                      logprobs: dict[str, Any] | None, finish_reason: str | None,
-                     tool_calls: list[dict[str, Any]] | None = None, usage: dict[str, int] | None = None) -> bytes:
+                     parsed: ChatDelta | None = None, usage: dict[str, int] | None = None) -> bytes:
+    """``parsed``: what a reasoning or tool-call parser made of the text (its reasoning and tool
+    calls go in the delta; ``delta`` is then its content)."""
     message: dict[str, Any] = {"role": None, "content": delta or None}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
+    if parsed is not None:
+        if parsed.reasoning:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
     choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return b"data: " + _json_encoder.encode({"id": request_id, "object": "chat.completion.chunk", "created": created,
                                              "model": model, "choices": [choice], "usage": usage}) + b"\n\n"

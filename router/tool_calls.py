@@ -252,7 +252,7 @@ class HermesToolCallParser(ToolCallParser):
                 self._pending = self._pending[start + len(self.START):]
                 self._in_call = True
                 continue
-            keep = _partial_suffix(self._pending, self.START)
+            keep = partial_suffix(self._pending, self.START)
             self._add_content(self._pending[:len(self._pending) - keep], out)
             self._pending = self._pending[len(self._pending) - keep:]
             return out
@@ -288,7 +288,7 @@ class HermesToolCallParser(ToolCallParser):
         out.tool_calls.append(self._start_call(name, json.dumps(arguments, ensure_ascii=False)))
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``tag``."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:n]):
@@ -314,12 +314,18 @@ def collect(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict[st
     """A whole answer: its content (None when it is only tool calls) and its complete tool calls."""
     out = parser.feed(text)
     out.extend(parser.finish())
+    calls = merge_tool_call_deltas(out.tool_calls)
+    content = out.content if out.content.strip() or not calls else None
+    return content, calls
+
+
+def merge_tool_call_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed tool-call deltas merged into whole calls (``{"id", "type", "function"}``)."""
     calls: list[dict[str, Any]] = []
-    for delta in out.tool_calls:
+    for delta in deltas:
         if "id" in delta:
             calls.append({"id": delta["id"], "type": "function",
                           "function": {"name": delta["function"]["name"], "arguments": delta["function"]["arguments"]}})
         else:
             calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
-    content = out.content if out.content.strip() or not calls else None
-    return content, calls
+    return calls

@@ -59,13 +59,16 @@ def test_tool_calling_flags_and_the_chat_template_reach_the_router(tmp_path):
     template = tmp_path / "tools.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     [router] = router_deployment(_config("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                         "--chat-template", str(template)))._bound_deployment.init_args
+                                         "--chat-template", str(template), "--reasoning-parser", "qwen3")
+                                 )._bound_deployment.init_args
     assert router.tool_call_parser == "hermes" and router.chat_template == template.read_text()
+    assert router.reasoning_parser == "qwen3"
     # Without --enable-auto-tool-choice the parser alone does not enable "auto" (as in vLLM).
     [plain] = router_deployment(_config("--tool-call-parser", "hermes"))._bound_deployment.init_args
     assert plain.tool_call_parser is None and plain.chat_template is None
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+    for flag in ("--tool-call-parser", "--reasoning-parser"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", flag, "mistral"])
 
 
 def test_the_override_list_sets_the_engine_count_when_num_engines_is_not_given():

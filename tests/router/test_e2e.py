@@ -29,9 +29,10 @@ def cluster(ray_cluster, tiny_model_dir):
         # Engine 1 has a short queue, so flooding it yields 429s.
         engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
     # A second router app over the same engines, with another policy, and tool_choice "auto" read
-    # with the hermes parser under a chat template that shows the tools.
+    # with the hermes parser under a chat template that shows the tools, and a reasoning parser.
     prefix_config = config.model_copy(update={"routing_policy": "prefix_aware", "enable_auto_tool_choice": True,
-                                              "tool_call_parser": "hermes", "chat_template": TOOLS_TEMPLATE})
+                                              "tool_call_parser": "hermes", "chat_template": TOOLS_TEMPLATE,
+                                              "reasoning_parser": "deepseek_r1"})
     # And one whose requests time out long before they could finish.
     timeout_config = config.model_copy(update={"request_timeout_s": 0.05})
     with serve_cluster(config, {"prefix": prefix_config, "timeout": timeout_config}) as served:
@@ -198,11 +199,15 @@ def test_tool_calls_through_the_openai_client(client, cluster):
     # (A short tool: the tiny model's context is 256 tokens.)
     auto = httpx.post(f"{cluster['base']}/prefix/v1/chat/completions", timeout=60, json={
         "model": "tiny", "messages": messages, "tools": [{"type": "function", "function": {"name": "now"}}],
-        "max_tokens": 4})
+        "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     plain = httpx.post(f"{cluster['base']}/prefix/v1/chat/completions", timeout=60, json={
         "model": "tiny", "messages": messages, "max_tokens": 4})
     assert auto.status_code == 200 and plain.status_code == 200, auto.text
     assert auto.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"] + 10
+    # That app's deepseek_r1 reasoning parser: the random model never closes its thinking, so the
+    # whole answer is reasoning.
+    message = auto.json()["choices"][0]["message"]
+    assert message["reasoning_content"] and message["content"] is None and message["tool_calls"] is None
     # The main app did not enable "auto": the default tool_choice with tools is refused there.
     refused = httpx.post(f"{cluster['base']}/v1/chat/completions", timeout=60, json={
         "model": "tiny", "messages": messages, "tools": [weather]})

@@ -148,15 +148,16 @@ TEMPLATE = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in me
 MESSAGES = [{"role": "user", "content": "weather in Rome?"}]
 
 
-def _app(answer: str, parser: str | None = None) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
+def _app(answer: str, parser: str | None = None, reasoning: str | None = None
+         ) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
     tokenizer = byte_level_tokenizer.__wrapped__()  # a copy of its own: the template is set on it
     tokenizer.chat_template = TEMPLATE
     client = EngineClient([object()], client_index=1)
     # The answer's tokens, then EOS (finish STOP: the EOS is not part of the text).
     scripted = client._slots[0].channel = ScriptedEngine(
         client, lambda _: [*tokenizer.encode(answer), tokenizer.eos_token_id], finish=FinishReason.STOP)
-    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=512, tool_call_parser=parser),
-                            client, tokenizer, RoundRobinPolicy())
+    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=512, tool_call_parser=parser,
+                                            reasoning_parser=reasoning), client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted, serving
 
 
@@ -260,7 +261,7 @@ def test_auto_tool_choice_with_the_hermes_parser():
     http, _, _ = _app("It is sunny.", parser="hermes")
     plain = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]})
     assert plain.json()["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny.",
-                                                     "tool_calls": None}
+                                                     "reasoning_content": None, "tool_calls": None}
     assert plain.json()["choices"][0]["finish_reason"] == "stop"
 
 

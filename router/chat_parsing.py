@@ -1,0 +1,73 @@
+"""One chat choice's generated text split into what the response carries: reasoning (with a
+``--reasoning-parser``), content, and tool calls (read from the content, after any reasoning).
+The same parser serves streamed chunks (``feed``/``finish``) and whole responses (``whole``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.reasoning import ReasoningParser
+from router.tool_calls import ToolCallParser, merge_tool_call_deltas
+
+
+@dataclass
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def extend(self, other: ChatDelta) -> None:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+@dataclass
+class ChatAnswer:
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+
+
+class ChatOutputParser:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None,
+                 include_reasoning: bool = True) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        self.include_reasoning = include_reasoning
+
+    def feed(self, text: str) -> ChatDelta:
+        reasoning, content = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
+        return self._read_tools(reasoning, content, final=False)
+
+    def finish(self) -> ChatDelta:
+        reasoning, content = self.reasoning.finish() if self.reasoning is not None else ("", "")
+        return self._read_tools(reasoning, content, final=True)
+
+    def _read_tools(self, reasoning: str, content: str, final: bool) -> ChatDelta:
+        out = ChatDelta(reasoning if self.include_reasoning else "", content)
+        if self.tools is not None:
+            released = self.tools.feed(content)
+            if final:
+                released.extend(self.tools.finish())
+            out.content, out.tool_calls = released.content, released.tool_calls
+        return out
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        """A choice that ended normally after calling tools finishes with ``tool_calls`` (a named
+        tool_choice keeps ``stop``, as OpenAI answers a forced function)."""
+        if self.tools is not None and finish_reason == "stop" and self.tools.calls:
+            return self.tools.finish_reason_on_call
+        return finish_reason
+
+    def whole(self, text: str) -> ChatAnswer:
+        out = self.feed(text)
+        out.extend(self.finish())
+        calls = merge_tool_call_deltas(out.tool_calls)
+        # A reply that is only tool calls (or only reasoning and calls) has no content.
+        content = out.content if out.content.strip() or not (calls or out.reasoning) else None
+        return ChatAnswer(out.reasoning or None, content, calls)

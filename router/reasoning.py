@@ -1,0 +1,73 @@
+"""Reasoning parsers (``--reasoning-parser``): split a chat answer's thinking, written between
+``<think>`` and ``</think>``, from its content, as vLLM returns it in ``reasoning_content``.
+
+- ``deepseek_r1``: the text up to ``</think>`` is reasoning (the chat template of DeepSeek-R1 opens
+  the ``<think>`` in the prompt, so the answer may not repeat it); an answer cut off before
+  ``</think>`` is all reasoning.
+- ``qwen3``: only an answer that opens with ``<think>`` reasons (Qwen3 with thinking switched off
+  writes none, and then everything is content).
+
+Incremental like the tool-call parsers: ``feed(text)`` returns the (reasoning, content) that can be
+released now, holding back what may be the start of a tag; ``finish()`` the rest. A whole answer
+runs the same parser (``split``), so streamed and whole responses agree.
+"""
+
+from __future__ import annotations
+
+from router.tool_calls import partial_suffix
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+START, END = "<think>", "</think>"
+
+
+class ReasoningParser:
+    def __init__(self, needs_start_tag: bool) -> None:
+        self.needs_start_tag = needs_start_tag
+        self._state = "start"  # start (before anything but blanks), reasoning, content
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._pending += text
+        reasoning = content = ""
+        if self._state == "start":
+            stripped = self._pending.lstrip()
+            if stripped.startswith(START):
+                self._pending, self._state = stripped[len(START):], "reasoning"
+            elif START.startswith(stripped):  # blanks, or a start tag still arriving
+                return "", ""
+            else:
+                self._state = "content" if self.needs_start_tag else "reasoning"
+        if self._state == "reasoning":
+            end = self._pending.find(END)
+            if end >= 0:
+                reasoning, self._pending = self._pending[:end], self._pending[end + len(END):]
+                self._state = "content"
+            else:
+                keep = partial_suffix(self._pending, END)
+                reasoning = self._pending[:len(self._pending) - keep]
+                self._pending = self._pending[len(self._pending) - keep:]
+                return reasoning, ""
+        content, self._pending = self._pending, ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        pending, self._pending = self._pending, ""
+        if self._state == "start":  # only blanks (or a lone partial tag) were written
+            return ("", pending) if self.needs_start_tag else (pending, "")
+        return (pending, "") if self._state == "reasoning" else ("", pending)
+
+
+def create_reasoning_parser(name: str) -> ReasoningParser:
+    if name == "deepseek_r1":
+        return ReasoningParser(needs_start_tag=False)
+    if name == "qwen3":
+        return ReasoningParser(needs_start_tag=True)
+    raise ValueError(f"unknown reasoning parser {name!r} (one of {', '.join(REASONING_PARSERS)})")
+
+
+def split(parser: ReasoningParser, text: str) -> tuple[str, str]:
+    """A whole answer's (reasoning, content)."""
+    reasoning, content = parser.feed(text)
+    more_reasoning, more_content = parser.finish()
+    return reasoning + more_reasoning, content + more_content

@@ -1,0 +1,93 @@
+"""Reasoning parsers: thinking split from content, streamed in every split as whole, and through
+the chat endpoint (with the engine's side played by a script), alone and before a tool call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.chat_parsing import ChatOutputParser
+from router.reasoning import create_reasoning_parser, split
+from router.tool_calls import HermesToolCallParser
+
+from .test_tool_calls import MESSAGES, WEATHER, _app
+
+
+def _streamed(name: str, text: str, step: int) -> tuple[str, str]:
+    parser = create_reasoning_parser(name)
+    reasoning = content = ""
+    for i in range(0, len(text), step):
+        r, c = parser.feed(text[i:i + step])
+        reasoning, content = reasoning + r, content + c
+    r, c = parser.finish()
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), [
+    ("deepseek_r1", "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "\n\nParis.")),
+    # DeepSeek-R1's template opens <think> in the prompt: the answer starts inside it.
+    ("deepseek_r1", "Let me see.</think>Paris.", ("Let me see.", "Paris.")),
+    ("deepseek_r1", "Still thinking <", ("Still thinking <", "")),  # cut off: all reasoning
+    ("deepseek_r1", "", ("", "")),
+    ("qwen3", "<think>hmm</think>Paris.", ("hmm", "Paris.")),
+    ("qwen3", "  <think>a < b</thinker></think>", ("a < b</thinker>", "")),
+    ("qwen3", "Paris. </think> is a tag", ("", "Paris. </think> is a tag")),  # no opening tag: all content
+    ("qwen3", "<thi", ("", "<thi")),
+])
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_reasoning_parsers_split_thinking_from_content(name, text, expected, step):
+    assert _streamed(name, text, step) == expected
+    assert split(create_reasoning_parser(name), text) == expected
+
+
+def test_reasoning_then_tool_calls_and_what_a_whole_answer_keeps():
+    text = '<think>need weather</think>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    answer = ChatOutputParser(create_reasoning_parser("qwen3"), HermesToolCallParser()).whole(text)
+    assert answer.reasoning == "need weather" and answer.content is None
+    assert answer.tool_calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    # Cut off while thinking: reasoning only, no content.
+    cut = ChatOutputParser(create_reasoning_parser("deepseek_r1"), None).whole("so far")
+    assert (cut.reasoning, cut.content) == ("so far", None)
+    hidden = ChatOutputParser(create_reasoning_parser("deepseek_r1"), None, include_reasoning=False).whole(
+        "x</think>y")
+    assert (hidden.reasoning, hidden.content) == (None, "y")
+
+
+def _deltas(http, body):
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        return [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_the_chat_endpoint_returns_reasoning_content_whole_and_streamed():
+    http, _, _ = _app("<think>The capital of Italy.</think>Rome.", reasoning="qwen3")
+    body = {"model": "tiny", "messages": MESSAGES}
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("The capital of Italy.", "Rome.")
+    deltas = _deltas(http, body)
+    assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "The capital of Italy."
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Rome."
+    assert deltas[-1]["finish_reason"] == "stop"
+    hidden = http.post("/v1/chat/completions", json={**body, "include_reasoning": False}).json()
+    assert hidden["choices"][0]["message"]["reasoning_content"] is None
+    assert hidden["choices"][0]["message"]["content"] == "Rome."
+
+
+def test_reasoning_before_an_auto_tool_call_and_none_under_an_output_constraint():
+    answer = '<think>weather</think><tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    http, _, _ = _app(answer, parser="hermes", reasoning="qwen3")
+    choice = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
+                                                     "tools": [WEATHER]}).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "weather"
+    assert choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
+    deltas = _deltas(http, {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]})
+    assert [c["function"]["name"] for d in deltas for c in d["delta"].get("tool_calls") or ()] == ["get_weather"]
+    assert deltas[-1] == {"index": 0, "delta": {"role": None, "content": None}, "logprobs": None,
+                          "finish_reason": "tool_calls"}
+    # A JSON constraint rules thinking out from the first token: the text is all content.
+    http, _, _ = _app('{"a": "<think>x</think>"}', reasoning="deepseek_r1")
+    constrained = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
+                                                          "response_format": {"type": "json_object"}}).json()
+    assert constrained["choices"][0]["message"]["content"] == '{"a": "<think>x</think>"}'
+    assert constrained["choices"][0]["message"]["reasoning_content"] is None
