@@ -9,8 +9,8 @@ import signal
 import sys
 import threading
 
-from router.reasoning import REASONING_PARSERS
-from router.tool_calls import TOOL_CALL_PARSERS
+from router.reasoning_parsers import REASONING_PARSERS
+from router.tool_parsers import TOOL_CALL_PARSERS
 
 # Ray Serve's HAProxy ingress forwards HTTP straight to a server inside the router replica instead
 # of through the Python proxy actor (about 2 ms added instead of about 9 ms here). The setting must

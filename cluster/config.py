@@ -13,9 +13,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine_core.config import EngineConfig, SchedulerConfig
-from router.reasoning import REASONING_PARSERS
+from router.reasoning_parsers import REASONING_PARSERS
 from router.routing import ROUTING_POLICIES
-from router.tool_calls import TOOL_CALL_PARSERS
+from router.tool_parsers import TOOL_CALL_PARSERS
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_num_scheduled_tokens", "max_model_len",
                    "enable_chunked_prefill", "long_prefill_token_threshold", "max_num_partial_prefills",
@@ -89,7 +89,7 @@ class ClusterConfig(BaseModel):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _auto_tool_choice(self) -> ClusterConfig:
+    def _output_parsers(self) -> ClusterConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

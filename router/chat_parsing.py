@@ -4,26 +4,12 @@ The same parser serves streamed chunks (``feed``/``finish``) and whole responses
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from router.reasoning import ReasoningParser
-from router.tool_calls import ToolCallParser, merge_tool_call_deltas
-
-
-@dataclass
-class ChatDelta:
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-
-    def extend(self, other: ChatDelta) -> None:
-        self.reasoning += other.reasoning
-        self.content += other.content
-        self.tool_calls += other.tool_calls
-
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
+from router.parsed_output import ParsedDelta, merge_tool_call_deltas
+from router.reasoning_parsers import ReasoningParser
+from router.tool_parsers import ToolCallParser
 
 
 @dataclass
@@ -39,17 +25,19 @@ class ChatOutputParser:
         self.reasoning = reasoning
         self.tools = tools
         self.include_reasoning = include_reasoning
+        self.reasoned = False  # some reasoning was read (returned or not)
 
-    def feed(self, text: str) -> ChatDelta:
+    def feed(self, text: str) -> ParsedDelta:
         reasoning, content = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
         return self._read_tools(reasoning, content, final=False)
 
-    def finish(self) -> ChatDelta:
+    def finish(self) -> ParsedDelta:
         reasoning, content = self.reasoning.finish() if self.reasoning is not None else ("", "")
         return self._read_tools(reasoning, content, final=True)
 
-    def _read_tools(self, reasoning: str, content: str, final: bool) -> ChatDelta:
-        out = ChatDelta(reasoning if self.include_reasoning else "", content)
+    def _read_tools(self, reasoning: str, content: str, final: bool) -> ParsedDelta:
+        self.reasoned = self.reasoned or bool(reasoning)
+        out = ParsedDelta(reasoning if self.include_reasoning else "", content)
         if self.tools is not None:
             released = self.tools.feed(content)
             if final:
@@ -68,6 +56,7 @@ class ChatOutputParser:
         out = self.feed(text)
         out.extend(self.finish())
         calls = merge_tool_call_deltas(out.tool_calls)
-        # A reply that is only tool calls (or only reasoning and calls) has no content.
-        content = out.content if out.content.strip() or not (calls or out.reasoning) else None
+        # An answer that is all thinking or tool calls has no content (null, as OpenAI sends it);
+        # any text, blanks included, is content, as streamed.
+        content = out.content if out.content or not (calls or self.reasoned) else None
         return ChatAnswer(out.reasoning or None, content, calls)

@@ -250,7 +250,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: auto with tools, none without.")
-    parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call allowed.")
+    parallel_tool_calls: bool = Field(True, description="More than one call per answer (required, or auto).")
     include_reasoning: bool = Field(True, description="vLLM extra: with --reasoning-parser, return the thinking.")
     # OpenAI's older form of tools: refused.
     functions: list[dict[str, Any]] | None = None
@@ -277,11 +277,12 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise invalid("tool_choice", f"tool_choice names the function {choice.function.name!r}, which is not "
                           "among the tools")
-        from router.tool_calls import tool_choice_constraint
+        if choice in ("none", "auto"):  # the model answers freely
+            return
+        from router.tool_choice import tool_choice_constraint
 
         constraint = tool_choice_constraint(self.tool_dicts(), self.tool_choice_form(), self.parallel_tool_calls)
-        if constraint is None:
-            return
+        assert constraint is not None
         if self._structured_output is not None:
             raise invalid("tool_choice", "a named or required tool_choice cannot be combined with response_format "
                           "or structured outputs")

@@ -21,7 +21,7 @@ from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEnt
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
 from router.bad_words import bad_words_token_ids
-from router.chat_parsing import ChatDelta, ChatOutputParser
+from router.chat_parsing import ChatOutputParser
 from router.detokenizer import IncrementalDetokenizer, fast_decoder
 from router.engine_client import (
     EngineClient,
@@ -31,6 +31,7 @@ from router.engine_client import (
     RequestTimeoutError,
 )
 from router.metrics import RouterMetrics
+from router.parsed_output import ParsedDelta
 from router.protocol import (
     INT64_MIN,
     ChatChoice,
@@ -50,9 +51,9 @@ from router.protocol import (
     ToolCall,
     UsageInfo,
 )
-from router.reasoning import create_reasoning_parser
+from router.reasoning_parsers import create_reasoning_parser
 from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
-from router.tool_calls import create_tool_call_parser
+from router.tool_parsers import create_tool_call_parser
 
 
 class APIError(Exception):
@@ -389,6 +390,7 @@ class OpenAIServing:
         n = request.n
         # Logprobs' text offsets count from the start of the choice's text (the echoed prompt included).
         text_offsets = {c.index: len(prompt_texts[c.index // n]) if request.echo else 0 for c in choices}
+        running_usage = _continuous_usage(request)
         # With logprobs the echoed prompt waits for its logprobs, which come with the first output.
         echo_pending = {c.index for c in choices} if request.echo and request.logprobs is not None else set()
         if request.echo and not echo_pending:
@@ -412,7 +414,7 @@ class OpenAIServing:
                 logprobs, text_offsets[index] = self._completion_logprobs(event.logprobs, text_offsets[index])
             yield completion_token_chunk(request_id, created, model, index, event.text, logprobs,
                                          event.finish_reason, event.stop_reason,
-                                         _running_usage(request, len(prompt_ids[index // n]), event))
+                                         _running_usage(len(prompt_ids[index // n]), event) if running_usage else None)
         if request.max_tokens == 0:
             for c in choices:
                 _drop_output(c)
@@ -464,36 +466,45 @@ class OpenAIServing:
                            choices: list[_Choice], num_prompt_tokens: int,
                            streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
         model = self.settings.served_model_name
-        options = request.stream_options
+        running_usage = _continuous_usage(request)
         opening_usage = UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens) \
-            if options is not None and options.include_usage and options.continuous_usage_stats else None
+            if running_usage else None
         for c in choices:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, usage=opening_usage, choices=[
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
         async for event in self._choice_events(streams, choices):
             logprobs = self._chat_logprobs(event.logprobs) if request.logprobs and event.logprobs else None
-            text, finish_reason, parsed = event.text, event.finish_reason, None
+            usage = _running_usage(num_prompt_tokens, event) if running_usage else None
             parser = event.choice.output_parser
-            if parser is not None:
-                parsed = parser.feed(text)
-                if finish_reason is not None:
-                    parsed.extend(parser.finish())
-                    finish_reason = parser.finish_reason(finish_reason)
-                if not (parsed or logprobs or finish_reason):
-                    continue  # held back (a tag may be starting)
-                if finish_reason is not None and parsed.tool_calls:
-                    # The finish goes in a chunk of its own, as OpenAI ends a stream: the openai
-                    # client's stream helper closes the last call only on a later chunk.
-                    yield chat_token_chunk(request_id, created, model, event.choice.index, parsed.content, logprobs,
-                                           None, parsed, _running_usage(request, num_prompt_tokens, event))
-                    parsed, logprobs = None, None
-                text = parsed.content if parsed is not None else ""
-            yield chat_token_chunk(request_id, created, model, event.choice.index, text, logprobs,
-                                   finish_reason, parsed, _running_usage(request, num_prompt_tokens, event))
+            if parser is None:
+                yield chat_token_chunk(request_id, created, model, event.choice.index, event.text, logprobs,
+                                       event.finish_reason, None, usage)
+                continue
+            for chunk in self._parsed_chat_chunks(parser, event, logprobs, usage, request_id, created):
+                yield chunk
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                            usage=_usage(num_prompt_tokens, choices)))
         yield "data: [DONE]\n\n"
+
+    def _parsed_chat_chunks(self, parser: ChatOutputParser, event: _Delta, logprobs: dict[str, Any] | None,
+                            usage: dict[str, int] | None, request_id: str, created: int) -> list[bytes]:
+        """The chunks of one event of a choice whose text is parsed (reasoning, tool calls): none
+        while a tag may be starting; after tool calls, the finish in a chunk of its own, as OpenAI
+        ends a stream (the openai client's stream helper closes the last call only on a later chunk)."""
+        model, index = self.settings.served_model_name, event.choice.index
+        parsed = parser.feed(event.text)
+        finish_reason = event.finish_reason
+        if finish_reason is not None:
+            parsed.extend(parser.finish())
+            finish_reason = parser.finish_reason(finish_reason)
+        if not (parsed or logprobs or finish_reason):
+            return []
+        if finish_reason is not None and parsed.tool_calls:
+            return [chat_token_chunk(request_id, created, model, index, parsed.content, logprobs, None, parsed, usage),
+                    chat_token_chunk(request_id, created, model, index, "", None, finish_reason, None, usage)]
+        return [chat_token_chunk(request_id, created, model, index, parsed.content, logprobs, finish_reason, parsed,
+                                 usage)]
 
     async def _deltas(self, stream: RequestStream, choice: _Choice) -> AsyncIterator[_Delta]:
         """One choice read straight from its engine queue. Outputs that queued up while the previous
@@ -673,11 +684,13 @@ def _drop_output(choice: _Choice) -> None:
     choice.detok.output_text = ""
 
 
-def _running_usage(request: SamplingFields, num_prompt_tokens: int, event: _Delta) -> dict[str, int] | None:
-    """vLLM's continuous_usage_stats: a streamed chunk's usage, its choice's tokens so far."""
+def _continuous_usage(request: SamplingFields) -> bool:
+    """vLLM's continuous_usage_stats: every token chunk carries its choice's usage so far."""
     options = request.stream_options
-    if options is None or not (options.include_usage and options.continuous_usage_stats):
-        return None
+    return options is not None and options.include_usage and options.continuous_usage_stats
+
+
+def _running_usage(num_prompt_tokens: int, event: _Delta) -> dict[str, int]:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": event.num_tokens,
             "total_tokens": num_prompt_tokens + event.num_tokens}
 
@@ -708,7 +721,7 @@ def completion_token_chunk(request_id: str, created: int, model: str, index: int
 
 def chat_token_chunk(request_id: str, created: int, model: str, index: int, delta: str,
                      logprobs: dict[str, Any] | None, finish_reason: str | None,
-                     parsed: ChatDelta | None = None, usage: dict[str, int] | None = None) -> bytes:
+                     parsed: ParsedDelta | None = None, usage: dict[str, int] | None = None) -> bytes:
     """``parsed``: what a reasoning or tool-call parser made of the text (its reasoning and tool
     calls go in the delta; ``delta`` is then its content)."""
     message: dict[str, Any] = {"role": None, "content": delta or None}

@@ -66,6 +66,9 @@ def test_tool_calling_flags_and_the_chat_template_reach_the_router(tmp_path):
     # Without --enable-auto-tool-choice the parser alone does not enable "auto" (as in vLLM).
     [plain] = router_deployment(_config("--tool-call-parser", "hermes"))._bound_deployment.init_args
     assert plain.tool_call_parser is None and plain.chat_template is None
+    # A template given inline (not a file), as vLLM also takes it.
+    [inline] = router_deployment(_config("--chat-template", "{{ messages[0]['content'] }}"))._bound_deployment.init_args
+    assert inline.chat_template == "{{ messages[0]['content'] }}"
     for flag in ("--tool-call-parser", "--reasoning-parser"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", flag, "mistral"])

@@ -27,12 +27,15 @@ TEXT = "Hello world, the quick brown fox, jumps over the lazy dog."
 
 class ScriptedEngine:
     """Admits every request and answers it with one output per token of ``script(request)``; the
-    last output carries ``finish`` (and ``stop_reason``)."""
+    last output carries ``finish`` (and ``stop_reason``). All outputs are queued at once (a reader
+    takes them as one batch), or with ``spaced`` one per event-loop turn, as a real engine streams
+    them step by step."""
 
     def __init__(self, client: EngineClient, script: Callable[[EngineCoreRequest], list[int]],
-                 finish: FinishReason = FinishReason.LENGTH, stop_reason: int | None = None, slot: int = 0) -> None:
+                 finish: FinishReason = FinishReason.LENGTH, stop_reason: int | None = None, slot: int = 0,
+                 spaced: bool = False) -> None:
         self.client, self.script, self.finish, self.stop_reason = client, script, finish, stop_reason
-        self.slot = slot
+        self.slot, self.spaced = slot, spaced
         self.requests: list[EngineCoreRequest] = []
 
     def send(self, message: object) -> None:
@@ -53,8 +56,12 @@ class ScriptedEngine:
             num_prompt = len(request.prompt_token_ids)
             prompt_logprobs = (LogprobsEntry([-p / 10 for p in range(1, num_prompt)], [[]] * (num_prompt - 1))
                                if i == 0 and params.prompt_logprobs is not None else None)
-            queue.put_nowait(EngineCoreOutput(request.request_id, [token], self.finish if last else None,
-                                              self.stop_reason if last else None, logprobs, 0, prompt_logprobs))
+            output = EngineCoreOutput(request.request_id, [token], self.finish if last else None,
+                                      self.stop_reason if last else None, logprobs, 0, prompt_logprobs)
+            if self.spaced:
+                asyncio.get_running_loop().call_later(0.002 * (i + 1), queue.put_nowait, output)
+            else:
+                queue.put_nowait(output)
 
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
@@ -279,7 +286,7 @@ def test_skip_special_tokens_false_keeps_them_in_the_text():
 def test_continuous_usage_stats_count_each_choices_tokens_so_far(path):
     chat_tokenizer = byte_level_tokenizer.__wrapped__()  # its own copy, with a chat template
     chat_tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    http, _ = _app(lambda request: TOKENIZER.encode(TEXT)[:6], tokenizer=chat_tokenizer)
+    http, _ = _app(lambda request: TOKENIZER.encode(TEXT)[:6], tokenizer=chat_tokenizer, spaced=True)
     prompt = {"prompt": "Paris is"} if path == "/v1/completions" else {"messages": MESSAGES}
     body = {"model": "tiny", **prompt, "n": 2, "max_tokens": 6, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -295,6 +302,7 @@ def test_continuous_usage_stats_count_each_choices_tokens_so_far(path):
         assert usage["completion_tokens"] >= seen.get(index, 0)
         seen[index] = usage["completion_tokens"]
     assert seen == {0: 6, 1: 6}
+    assert len(events) > 12  # (one chunk per token and choice: the counts grew chunk by chunk)
     # Without it (include_usage alone) only the last chunk has usage.
     body["stream_options"] = {"include_usage": True}
     assert all(e["usage"] is None for e in _events(http.post(path, json=body).text)[:-1])

@@ -14,7 +14,7 @@ runs the same parser (``split``), so streamed and whole responses agree.
 
 from __future__ import annotations
 
-from router.tool_calls import partial_suffix
+from router.parsed_output import partial_suffix
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
@@ -64,10 +64,3 @@ def create_reasoning_parser(name: str) -> ReasoningParser:
     if name == "qwen3":
         return ReasoningParser(needs_start_tag=True)
     raise ValueError(f"unknown reasoning parser {name!r} (one of {', '.join(REASONING_PARSERS)})")
-
-
-def split(parser: ReasoningParser, text: str) -> tuple[str, str]:
-    """A whole answer's (reasoning, content)."""
-    reasoning, content = parser.feed(text)
-    more_reasoning, more_content = parser.finish()
-    return reasoning + more_reasoning, content + more_content

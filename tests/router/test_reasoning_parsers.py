@@ -8,10 +8,10 @@ import json
 import pytest
 
 from router.chat_parsing import ChatOutputParser
-from router.reasoning import create_reasoning_parser, split
-from router.tool_calls import HermesToolCallParser
+from router.reasoning_parsers import create_reasoning_parser
+from router.tool_parsers import HermesToolCallParser
 
-from .test_tool_calls import MESSAGES, WEATHER, _app
+from .test_tool_calling import MESSAGES, WEATHER, _app
 
 
 def _streamed(name: str, text: str, step: int) -> tuple[str, str]:
@@ -38,13 +38,14 @@ def _streamed(name: str, text: str, step: int) -> tuple[str, str]:
 @pytest.mark.parametrize("step", [1, 2, 5, 1000])
 def test_reasoning_parsers_split_thinking_from_content(name, text, expected, step):
     assert _streamed(name, text, step) == expected
-    assert split(create_reasoning_parser(name), text) == expected
+    whole = ChatOutputParser(create_reasoning_parser(name), None).whole(text)
+    assert (whole.reasoning or "", whole.content or "") == expected
 
 
 def test_reasoning_then_tool_calls_and_what_a_whole_answer_keeps():
     text = '<think>need weather</think>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
     answer = ChatOutputParser(create_reasoning_parser("qwen3"), HermesToolCallParser()).whole(text)
-    assert answer.reasoning == "need weather" and answer.content is None
+    assert answer.reasoning == "need weather" and answer.content is None  # (the newline is not content)
     assert answer.tool_calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     # Cut off while thinking: reasoning only, no content.
     cut = ChatOutputParser(create_reasoning_parser("deepseek_r1"), None).whole("so far")
@@ -71,6 +72,10 @@ def test_the_chat_endpoint_returns_reasoning_content_whole_and_streamed():
     hidden = http.post("/v1/chat/completions", json={**body, "include_reasoning": False}).json()
     assert hidden["choices"][0]["message"]["reasoning_content"] is None
     assert hidden["choices"][0]["message"]["content"] == "Rome."
+    hidden_deltas = _deltas(http, {**body, "include_reasoning": False})
+    assert not any(d["delta"].get("reasoning_content") for d in hidden_deltas)
+    assert "".join(d["delta"].get("content") or "" for d in hidden_deltas) == "Rome."
+    assert len(deltas) > 4  # streamed token by token
 
 
 def test_reasoning_before_an_auto_tool_call_and_none_under_an_output_constraint():

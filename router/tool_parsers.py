@@ -1,72 +1,31 @@
-"""Tool calling for /v1/chat/completions: the output constraint a ``tool_choice`` needs, and the
-parsers that turn a choice's generated text into OpenAI ``tool_calls``, streamed or whole.
+"""Tool-call parsers for /v1/chat/completions: they turn a choice's generated text into OpenAI
+``tool_calls``, streamed or whole (the output constraints they read are in ``tool_choice``).
 
-- ``tool_choice`` naming a function: the output is constrained to that function's ``parameters``
-  schema, and the whole text is the call's ``arguments`` (finish reason ``stop``, as OpenAI gives
-  for a forced function).
-- ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}`` objects
-  (one of the tools each; at most one when ``parallel_tool_calls`` is false); each element is a call.
+- ``tool_choice`` naming a function: the whole text is the call's ``arguments`` (finish reason
+  ``stop``, as OpenAI gives for a forced function).
+- ``"required"``: the text is a JSON array of ``{"name", "parameters"}`` objects; each is a call.
 - ``"auto"``: the model decides, in its own format, read by the server's ``--tool-call-parser``
   (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Hermes and Qwen
   models write it); text outside the tags is the message's content.
 
 Every parser is incremental: ``feed(text)`` returns what can be released now (content and
 tool-call deltas, in OpenAI's streamed shape), ``finish()`` what is left. A whole response runs the
-same parser over the whole text (``collect``), so streamed and whole responses agree.
+same parser over the whole text (``ChatOutputParser.whole``), so streamed and whole responses agree.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
+
+from router.parsed_output import ParsedDelta, partial_suffix
 
 TOOL_CALL_PARSERS = ("hermes",)
 
 
 def random_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def tool_parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool's parameters schema; a function without one (or with ``{}``) takes an object, as in
-    vLLM (an empty schema would let any JSON value through as the arguments)."""
-    params = tool["function"].get("parameters")
-    return params if params else {"type": "object", "properties": {}}
-
-
-def tool_choice_constraint(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any],
-                           parallel_tool_calls: bool) -> dict[str, Any] | None:
-    """The structured-output spec (engine form) a tool choice needs, or None (``none``, ``auto``)."""
-    if isinstance(tool_choice, dict):
-        name = tool_choice["function"]["name"]
-        tool = next(t for t in tools if t["function"]["name"] == name)
-        return {"json": tool_parameters(tool)}
-    if tool_choice != "required":
-        return None
-    one_call = [{"type": "object",
-                 "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                "parameters": tool_parameters(t)},
-                 "required": ["name", "parameters"]} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
-    if not parallel_tool_calls:
-        schema["maxItems"] = 1
-    return {"json": schema}
-
-
-@dataclass
-class ToolDelta:
-    """What a parser releases: message content, and tool-call deltas as OpenAI streams them
-    (``{"index", "id", "type", "function": {"name", "arguments"}}`` first, then
-    ``{"index", "function": {"arguments"}}`` for more of the same call's arguments)."""
-
-    content: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-
-    def extend(self, other: ToolDelta) -> None:
-        self.content += other.content
-        self.tool_calls += other.tool_calls
 
 
 class ToolCallParser:
@@ -77,11 +36,11 @@ class ToolCallParser:
     def __init__(self) -> None:
         self.calls = 0
 
-    def feed(self, text: str) -> ToolDelta:
-        return ToolDelta(content=text)
+    def feed(self, text: str) -> ParsedDelta:
+        return ParsedDelta(content=text)
 
-    def finish(self) -> ToolDelta:
-        return ToolDelta()
+    def finish(self) -> ParsedDelta:
+        return ParsedDelta()
 
     def _start_call(self, name: str, arguments: str) -> dict[str, Any]:
         call = {"index": self.calls, "id": random_tool_call_id(), "type": "function",
@@ -99,16 +58,16 @@ class NamedToolCallParser(ToolCallParser):
         super().__init__()
         self.name = name
 
-    def feed(self, text: str) -> ToolDelta:
+    def feed(self, text: str) -> ParsedDelta:
         if not text:
-            return ToolDelta()
+            return ParsedDelta()
         if self.calls == 0:
-            return ToolDelta(tool_calls=[self._start_call(self.name, text)])
-        return ToolDelta(tool_calls=[{"index": 0, "function": {"arguments": text}}])
+            return ParsedDelta(tool_calls=[self._start_call(self.name, text)])
+        return ParsedDelta(tool_calls=[{"index": 0, "function": {"arguments": text}}])
 
-    def finish(self) -> ToolDelta:
+    def finish(self) -> ParsedDelta:
         # Even an empty answer is a call to the named function (with empty arguments).
-        return ToolDelta(tool_calls=[self._start_call(self.name, "")]) if self.calls == 0 else ToolDelta()
+        return ParsedDelta(tool_calls=[self._start_call(self.name, "")]) if self.calls == 0 else ParsedDelta()
 
 
 class RequiredToolCallParser(ToolCallParser):
@@ -135,8 +94,8 @@ class RequiredToolCallParser(ToolCallParser):
         self._args_state = "before"  # before, in, done
         self._args_seen = False  # a non-blank character of the parameters value was read
 
-    def feed(self, text: str) -> ToolDelta:
-        out = ToolDelta()
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
         for ch in text:
             if self._step(ch):  # a new element starts: release what is left of the previous one
                 self._release(out)
@@ -144,7 +103,7 @@ class RequiredToolCallParser(ToolCallParser):
         self._release(out)
         return out
 
-    def _release(self, out: ToolDelta) -> None:
+    def _release(self, out: ParsedDelta) -> None:
         if self._name is None:
             return
         args = "".join(self._args)
@@ -221,8 +180,8 @@ class HermesToolCallParser(ToolCallParser):
     """``auto`` with ``--tool-call-parser hermes``: ``<tool_call>{"name", "arguments"}</tool_call>``
     blocks are calls, the rest is content. Text that may be the start of a tag is held back; a call
     is released whole when its closing tag arrives. A block that is not such JSON stays content.
-    Blank text after a call (the newline between two calls) is held back until other text follows,
-    so a reply of calls alone has no content. With ``parallel_tool_calls`` false, calls after the
+    Trailing blanks are held back until other text follows, so the blanks just before or between
+    calls are not content and a reply of calls alone has none. With ``parallel_tool_calls`` false, calls after the
     first are dropped (as vLLM keeps only the first)."""
 
     START, END = "<tool_call>", "</tool_call>"
@@ -234,12 +193,15 @@ class HermesToolCallParser(ToolCallParser):
         self._in_call = False
         self._blank = ""  # blank content after a call, not released yet
 
-    def feed(self, text: str) -> ToolDelta:
+    def feed(self, text: str) -> ParsedDelta:
+        # Inside a call, only the new text (and a tag's worth before it) can hold the closing tag.
+        search_from = max(0, len(self._pending) - len(self.END) + 1) if self._in_call else 0
         self._pending += text
-        out = ToolDelta()
+        out = ParsedDelta()
         while True:
             if self._in_call:
-                end = self._pending.find(self.END)
+                end = self._pending.find(self.END, search_from)
+                search_from = 0
                 if end < 0:
                     return out
                 self._emit_call(self._pending[:end], closed=True, out=out)
@@ -257,23 +219,26 @@ class HermesToolCallParser(ToolCallParser):
             self._pending = self._pending[len(self._pending) - keep:]
             return out
 
-    def finish(self) -> ToolDelta:
-        out = ToolDelta()
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
         if self._in_call:  # no closing tag (the model stopped right after the JSON, or was cut off)
             self._emit_call(self._pending, closed=False, out=out)
         else:
             self._add_content(self._pending, out)
-        self._pending, self._in_call, self._blank = "", False, ""  # blank text after the last call is dropped
+        if not self.calls:  # a blank answer is still the answer; blanks around calls are not content
+            out.content += self._blank
+        self._pending, self._in_call, self._blank = "", False, ""
         return out
 
-    def _add_content(self, text: str, out: ToolDelta) -> None:
-        if self.calls and not (self._blank + text).strip():
-            self._blank += text
-            return
-        out.content += self._blank + text
-        self._blank = ""
+    def _add_content(self, text: str, out: ParsedDelta) -> None:
+        """Release content but its trailing blanks, which wait for what follows: dropped before a
+        call, released before more text."""
+        text = self._blank + text
+        kept = text.rstrip()
+        out.content += kept
+        self._blank = text[len(kept):]
 
-    def _emit_call(self, body: str, closed: bool, out: ToolDelta) -> None:
+    def _emit_call(self, body: str, closed: bool, out: ParsedDelta) -> None:
         try:
             call = json.loads(body)
             name, arguments = call["name"], call.get("arguments", {})
@@ -288,14 +253,6 @@ class HermesToolCallParser(ToolCallParser):
         out.tool_calls.append(self._start_call(name, json.dumps(arguments, ensure_ascii=False)))
 
 
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None,
                             parallel_tool_calls: bool = True) -> ToolCallParser | None:
     """The parser a chat request's effective ``tool_choice`` needs (None: plain content)."""
@@ -308,24 +265,3 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
             return HermesToolCallParser(parallel_tool_calls)
         raise ValueError(f"unknown tool call parser {server_parser!r}")
     return None
-
-
-def collect(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole answer: its content (None when it is only tool calls) and its complete tool calls."""
-    out = parser.feed(text)
-    out.extend(parser.finish())
-    calls = merge_tool_call_deltas(out.tool_calls)
-    content = out.content if out.content.strip() or not calls else None
-    return content, calls
-
-
-def merge_tool_call_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Streamed tool-call deltas merged into whole calls (``{"id", "type", "function"}``)."""
-    calls: list[dict[str, Any]] = []
-    for delta in deltas:
-        if "id" in delta:
-            calls.append({"id": delta["id"], "type": "function",
-                          "function": {"name": delta["function"]["name"], "arguments": delta["function"]["arguments"]}})
-        else:
-            calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
-    return calls

@@ -12,17 +12,17 @@ from starlette.testclient import TestClient
 from engine_core.request import FinishReason
 from engine_core.structured_output import check_structured_output
 from router.app import create_app
+from router.chat_parsing import ChatOutputParser
 from router.engine_client import EngineClient
+from router.parsed_output import ParsedDelta
 from router.routing import RoundRobinPolicy
 from router.serving import OpenAIServing, ServingSettings
-from router.tool_calls import (
+from router.tool_choice import tool_choice_constraint
+from router.tool_parsers import (
     HermesToolCallParser,
     NamedToolCallParser,
     RequiredToolCallParser,
     ToolCallParser,
-    ToolDelta,
-    collect,
-    tool_choice_constraint,
 )
 
 from .test_request_fields import ScriptedEngine
@@ -34,9 +34,15 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: an object of anything
 
 
+def collect(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict]]:
+    """A whole answer's content and calls, as the server makes them."""
+    answer = ChatOutputParser(None, parser).whole(text)
+    return answer.content, answer.tool_calls
+
+
 def _streamed(parser: ToolCallParser, text: str, step: int) -> tuple[str, dict[int, dict[str, str]]]:
     """Feed ``text`` in pieces of ``step`` characters and merge the deltas as a client does."""
-    out = ToolDelta()
+    out = ParsedDelta()
     for i in range(0, len(text), step):
         out.extend(parser.feed(text[i:i + step]))
     out.extend(parser.finish())
@@ -91,16 +97,16 @@ HERMES_TEXT = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {
 def test_hermes_parser_splits_content_from_calls(step):
     content, calls = _streamed(HermesToolCallParser(), HERMES_TEXT, step)
     # A block that is not a call stays content; a partial tag at the end is released at finish; the
-    # newline between two calls is not content.
-    assert content == "Let me look.  a < b <tool_call>not json</tool_call> done <tool_c"
+    # blanks before a call are not content.
+    assert content == "Let me look. a < b <tool_call>not json</tool_call> done <tool_c"
     assert calls == {0: {"name": "get_weather", "arguments": '{"city": "Rome"}'},
                      1: {"name": "get_time", "arguments": "{}"}}
 
 
 def test_hermes_parser_holds_back_only_what_may_be_a_tag():
     parser = HermesToolCallParser()
-    assert parser.feed("Sure <tool").content == "Sure "
-    assert parser.feed("box>").content == "<toolbox>"
+    assert parser.feed("Sure <tool").content == "Sure"
+    assert parser.feed("box>").content == " <toolbox>"
     # No closing tag at the end: a complete call still counts; anything else is content.
     parser.feed('<tool_call>{"name": "f", "arguments": {}}')
     assert parser.finish().tool_calls[0]["function"] == {"name": "f", "arguments": "{}"}
@@ -148,14 +154,16 @@ TEMPLATE = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in me
 MESSAGES = [{"role": "user", "content": "weather in Rome?"}]
 
 
-def _app(answer: str, parser: str | None = None, reasoning: str | None = None
+def _app(answer: str, parser: str | None = None, reasoning: str | None = None, spaced: bool = True
          ) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
+    """``spaced``: the answer streams one token per engine output, as from a real engine."""
     tokenizer = byte_level_tokenizer.__wrapped__()  # a copy of its own: the template is set on it
     tokenizer.chat_template = TEMPLATE
     client = EngineClient([object()], client_index=1)
     # The answer's tokens, then EOS (finish STOP: the EOS is not part of the text).
     scripted = client._slots[0].channel = ScriptedEngine(
-        client, lambda _: [*tokenizer.encode(answer), tokenizer.eos_token_id], finish=FinishReason.STOP)
+        client, lambda _: [*tokenizer.encode(answer), tokenizer.eos_token_id], finish=FinishReason.STOP,
+        spaced=spaced)
     serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=512, tool_call_parser=parser,
                                             reasoning_parser=reasoning), client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted, serving
@@ -207,7 +215,7 @@ def test_the_openai_stream_helper_sees_the_last_call_end():
     chunk of its own, or the openai client's stream helper never closes the last call."""
     import openai
 
-    http, _, _ = _app('{"city": "Rome"}')
+    http, _, _ = _app('{"city": "Rome"}', spaced=False)
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
     with client.chat.completions.stream(model="tiny", messages=MESSAGES, tools=[strict], tool_choice=NAMED) as s:
@@ -239,6 +247,8 @@ def test_required_tool_choice_streams_calls_that_add_up_to_the_whole_answer():
             entry["arguments"] += call["function"]["arguments"]
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    # The arguments came in pieces, as the tokens did.
+    assert sum(len(d["delta"].get("tool_calls") or ()) for d in deltas) > 6
 
 
 def test_auto_tool_choice_with_the_hermes_parser():
@@ -248,12 +258,12 @@ def test_auto_tool_choice_with_the_hermes_parser():
     assert r.status_code == 200, r.text
     assert engine.requests[0].sampling_params.structured_output is None  # the model decides
     choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking. "
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     with http.stream("POST", "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
                                                            "tools": [WEATHER], "stream": True}) as s:
         deltas = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
-    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Checking. "
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Checking."
     assert [c["function"] for d in deltas for c in d["delta"].get("tool_calls") or ()] == [
         {"name": "get_weather", "arguments": '{"city": "Rome"}'}]
     assert deltas[-1]["finish_reason"] == "tool_calls"
@@ -277,6 +287,37 @@ def test_continue_final_message_leaves_the_last_message_open():
     refused = http.post("/v1/chat/completions", json={**body, "continue_final_message": True,
                                                       "add_generation_prompt": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+
+
+def test_auto_keeps_special_tokens_in_the_text_the_parser_reads():
+    """Some models' tool-call tags are special tokens: under "auto" they stay in the text."""
+    http, _, _ = _app("A<eos>B", parser="hermes")
+    body = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]}
+    assert http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == "A<eos>B"
+    plain = http.post("/v1/chat/completions", json={**body, "tool_choice": "none"}).json()
+    assert plain["choices"][0]["message"]["content"] == "AB"
+
+
+def test_several_streamed_choices_are_parsed_apart():
+    answer = ('<think>hm</think>Let me see. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}'
+              '</tool_call>')
+    http, _, _ = _app(answer, parser="hermes", reasoning="qwen3")
+    body = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER], "n": 2, "logprobs": True}
+    whole = http.post("/v1/chat/completions", json=body).json()["choices"]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        deltas = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+    for index in (0, 1):
+        mine = [d for d in deltas if d["index"] == index]
+        assert "".join(d["delta"].get("reasoning_content") or "" for d in mine) == "hm"
+        assert "".join(d["delta"].get("content") or "" for d in mine) == "Let me see."
+        assert [c["function"] for d in mine for c in d["delta"].get("tool_calls") or ()] == [
+            {"name": "get_weather", "arguments": '{"city": "Rome"}'}]
+        assert [d["finish_reason"] for d in mine if d["finish_reason"]] == ["tool_calls"]
+        # Every token's logprob arrives, also those of text held back while a tag might be starting.
+        streamed_logprobs = [lp for d in mine for lp in (d["logprobs"] or {}).get("content") or ()]
+        assert len(streamed_logprobs) == len(whole[index]["logprobs"]["content"])
+        assert whole[index]["message"] == {"role": "assistant", "content": "Let me see.", "reasoning_content": "hm",
+                                           "tool_calls": whole[index]["message"]["tool_calls"]}
 
 
 def test_the_template_sees_the_tools_and_earlier_calls_with_parsed_arguments():

@@ -1,0 +1,47 @@
+"""What the chat output parsers (reasoning, tool calls) release from a choice's text, and the small
+text helpers they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ParsedDelta:
+    """Reasoning, message content, and tool-call deltas as OpenAI streams them
+    (``{"index", "id", "type", "function": {"name", "arguments"}}`` first, then
+    ``{"index", "function": {"arguments"}}`` for more of the same call's arguments)."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def extend(self, other: ParsedDelta) -> None:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+def merge_tool_call_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed tool-call deltas merged into whole calls (``{"id", "type", "function"}``)."""
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        if "id" in delta:
+            calls.append({"id": delta["id"], "type": "function",
+                          "function": {"name": delta["function"]["name"], "arguments": delta["function"]["arguments"]}})
+        else:
+            calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+    return calls
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag`` (text to hold back
+    while the tag may still be arriving)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
