@@ -21,7 +21,7 @@ from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 def random_tool_call_id() -> str:
@@ -253,6 +253,72 @@ class HermesToolCallParser(ToolCallParser):
         out.tool_calls.append(self._start_call(name, json.dumps(arguments, ensure_ascii=False)))
 
 
+class Llama3JsonToolCallParser(ToolCallParser):
+    """``auto`` with ``--tool-call-parser llama3_json``: Llama 3.x writes its calls as JSON objects
+    ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), separated by ``;``, optionally after
+    ``<|python_tag|>``. An answer that starts otherwise is content. Each call is released when its
+    object is complete; an answer whose calls do not parse is content, whole (as vLLM does)."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self, parallel_tool_calls: bool = True) -> None:
+        super().__init__()
+        self.parallel_tool_calls = parallel_tool_calls
+        self._mode = "start"  # start, calls, content
+        self._text = ""  # everything read in calls mode (kept whole, for the fallback to content)
+        self._parsed_to = 0  # where in _text the next object starts
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, text: str) -> ParsedDelta:
+        if self._mode == "content":
+            return ParsedDelta(content=text)
+        self._text += text
+        if self._mode == "start":
+            head = self._text.lstrip()
+            if not head or self.TAG.startswith(head):
+                return ParsedDelta()  # blanks, or the tag still arriving
+            if head.startswith(self.TAG):
+                self._parsed_to = len(self._text) - len(head) + len(self.TAG)
+            elif head.startswith("{"):
+                self._parsed_to = len(self._text) - len(head)
+            else:
+                self._mode = "content"
+                return ParsedDelta(content=self._text)
+            self._mode = "calls"
+        return self._release_calls()
+
+    def _release_calls(self) -> ParsedDelta:
+        out = ParsedDelta()
+        while True:
+            start = self._parsed_to
+            while start < len(self._text) and self._text[start] in " \t\r\n;":
+                start += 1
+            try:
+                obj, end = self._decoder.raw_decode(self._text, start)
+            except ValueError:
+                return out  # incomplete (or not JSON: decided at the finish)
+            name = obj.get("name") if isinstance(obj, dict) else None
+            if not isinstance(name, str):
+                return out
+            arguments = obj.get("arguments", obj.get("parameters", {}))
+            self._parsed_to = end
+            if self.calls and not self.parallel_tool_calls:
+                continue  # a further call with parallel_tool_calls false: dropped
+            out.tool_calls.append(self._start_call(name, json.dumps(arguments, ensure_ascii=False)))
+
+    def finish(self) -> ParsedDelta:
+        if self._mode == "start":  # only blanks, or a lone partial tag
+            return ParsedDelta(content=self._text)
+        if self._mode == "content":
+            return ParsedDelta()
+        rest = self._text[self._parsed_to:].strip(" \t\r\n;")
+        if not rest:
+            return ParsedDelta()
+        if not self.calls:  # nothing parsed: the whole answer was text after all
+            return ParsedDelta(content=self._text)
+        return ParsedDelta(content=rest)
+
+
 def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None,
                             parallel_tool_calls: bool = True) -> ToolCallParser | None:
     """The parser a chat request's effective ``tool_choice`` needs (None: plain content)."""
@@ -263,5 +329,7 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
     if tool_choice == "auto":
         if server_parser == "hermes":
             return HermesToolCallParser(parallel_tool_calls)
+        if server_parser == "llama3_json":
+            return Llama3JsonToolCallParser(parallel_tool_calls)
         raise ValueError(f"unknown tool call parser {server_parser!r}")
     return None

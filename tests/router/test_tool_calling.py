@@ -20,6 +20,7 @@ from router.serving import OpenAIServing, ServingSettings
 from router.tool_choice import tool_choice_constraint
 from router.tool_parsers import (
     HermesToolCallParser,
+    Llama3JsonToolCallParser,
     NamedToolCallParser,
     RequiredToolCallParser,
     ToolCallParser,
@@ -124,6 +125,29 @@ def test_hermes_calls_alone_have_no_content_and_nothing_is_invented():
     # parallel_tool_calls false: the first call only.
     assert [c["function"]["name"] for c in collect(HermesToolCallParser(parallel_tool_calls=False), two_calls)[1]] \
         == ["f"]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('<|python_tag|>{"name": "f", "parameters": {"a": "x;y"}}; {"name": "g", "arguments": {}}', "",
+     {0: {"name": "f", "arguments": '{"a": "x;y"}'}, 1: {"name": "g", "arguments": "{}"}}),
+    (' {"name": "f", "parameters": {"a": [1, {"b": 2}]}}', "", {0: {"name": "f", "arguments": '{"a": [1, {"b": 2}]}'}}),
+    ('Hello {"name": "f"}', 'Hello {"name": "f"}', {}),  # not starting with a call: content
+    ('{"name": "f", "param', '{"name": "f", "param', {}),  # cut off: the whole answer is content
+    ("{not json}", "{not json}", {}),
+    ("  ", "  ", {}),
+    ('{"name": "f", "parameters": {}} and then', "and then", {0: {"name": "f", "arguments": "{}"}}),
+])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_llama3_json_parser(text, content, calls, step):
+    assert _streamed(Llama3JsonToolCallParser(), text, step) == (content, calls)
+    whole_content, whole_calls = collect(Llama3JsonToolCallParser(), text)
+    assert whole_content == (content if content or not calls else None)
+    assert {i: c["function"] for i, c in enumerate(whole_calls)} == calls
+
+
+def test_llama3_json_parser_keeps_one_call_without_parallel_calls():
+    text = '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}'
+    assert [c["function"]["name"] for c in collect(Llama3JsonToolCallParser(False), text)[1]] == ["f"]
 
 
 def test_constraints_for_named_and_required_choices_compile():
@@ -287,6 +311,23 @@ def test_continue_final_message_leaves_the_last_message_open():
     refused = http.post("/v1/chat/completions", json={**body, "continue_final_message": True,
                                                       "add_generation_prompt": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+
+
+def test_auto_tool_choice_with_the_llama3_json_parser():
+    answer = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    http, _, _ = _app(answer, parser="llama3_json")
+    body = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]}
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    deltas = _deltas(http, body)
+    assert [c["function"] for d in deltas for c in d["delta"].get("tool_calls") or ()] == [
+        {"name": "get_weather", "arguments": '{"city": "Rome"}'}]
+
+
+def _deltas(http: TestClient, body: dict) -> list[dict]:
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        return [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
 
 
 def test_auto_keeps_special_tokens_in_the_text_the_parser_reads():
