@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, default_api_keys
 from cluster.launcher import (
     EngineHandle,
     engine_actor_name,
@@ -94,7 +94,7 @@ def router_deployment(config: ClusterConfig):
         prefix_load_margin=config.prefix_load_margin, request_timeout_s=config.request_timeout_s,
         served_model_name=config.served_model_name, chat_template=config.chat_template,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
-        reasoning_parser=config.reasoning_parser)
+        reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys))
     deployment = serve.deployment(
         OpenAIRouter, name="OpenAIRouter", num_replicas=config.num_router_replicas,
         ray_actor_options={"num_cpus": 0},
@@ -106,7 +106,7 @@ def router_deployment(config: ClusterConfig):
 
 def build_app(args: dict[str, Any]):
     """Serve application builder: ``args`` is a ClusterConfig mapping (engines and their flags)."""
-    config = ClusterConfig(**args)
+    config = ClusterConfig(**({"api_keys": default_api_keys()} | args))
     config.engine_configs()  # validate every engine's flags before anything starts
     ensure_ray(config.address, namespace=config.namespace)
     reconcile_engines(config)

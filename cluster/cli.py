@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 
+from cluster.config import API_KEY_ENV, default_api_keys
 from router.reasoning_parsers import REASONING_PARSERS
 from router.tool_parsers import TOOL_CALL_PARSERS
 
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "Llama 3.x's JSON objects).")
     serve.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="Return chat answers' <think>...</think> as reasoning_content.")
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="Require this Bearer key on /v1 requests (repeat for several keys; default: "
+                            f"${API_KEY_ENV}, else no authentication).")
     serve.add_argument("--disable-access-log", action="store_true",
                        help="No per-request access log lines from the router replicas.")
     serve.add_argument("--host", default="127.0.0.1")
@@ -107,6 +111,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         num_router_replicas=args.num_router_replicas, request_timeout_s=args.request_timeout,
         chat_template=read_chat_template(args.chat_template), enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        api_keys=args.api_key or default_api_keys(),
         enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address)
 
 

@@ -7,6 +7,7 @@ anything starts.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import yaml
@@ -62,6 +63,16 @@ _DEFAULTS = EngineSpec(
     executor_backend="auto", max_waiting_requests=0)
 
 
+# Where the API key comes from when the CLI's --api-key or the Serve config's api_keys is not given
+# (a key in the environment stays out of `ps` and of config files).
+API_KEY_ENV = "LLM_CLUSTER_API_KEY"
+
+
+def default_api_keys() -> list[str]:
+    key = os.environ.get(API_KEY_ENV)
+    return [key] if key else []
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -78,6 +89,7 @@ class ClusterConfig(BaseModel):
     enable_auto_tool_choice: bool = Field(False, description='Allow tool_choice "auto" (needs tool_call_parser).')
     tool_call_parser: str | None = Field(
         None, description=f"The model's tool-call format: {', '.join(TOOL_CALL_PARSERS)}.")
+    api_keys: list[str] = Field(default_factory=list, description="Bearer keys /v1 requests need (none: open).")
     reasoning_parser: str | None = Field(
         None, description=f"Chat answers' thinking to reasoning_content: {', '.join(REASONING_PARSERS)}.")
     enable_access_log: bool = Field(True, description="Router replicas log one line per request (Serve's access "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
@@ -48,10 +49,7 @@ class ResponseCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):]
+        path = _route_path(scope)
         if path not in self.endpoints:
             path = "other"
         started = False
@@ -69,6 +67,33 @@ class ResponseCounter:
             if not started:  # the outer error middleware answers 500
                 self.metrics.record_response(path, 500)
             raise
+
+
+class APIKeyAuth:
+    """``--api-key``: requests to ``/v1/...`` need ``Authorization: Bearer <key>`` (one of the
+    keys), else 401 with an OpenAI error body; the other endpoints (health, metrics, version,
+    tokenize) stay open, and CORS preflights pass, as in vLLM. Plain ASGI: nothing per streamed chunk."""
+
+    def __init__(self, app: ASGIApp, api_keys: Collection[str]) -> None:
+        self.app = app
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _route_path(scope).startswith("/v1"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            # Compared in constant time against every key, so timing tells nothing about any of them.
+            if not any([hmac.compare_digest(given, expected) for expected in self.expected]):
+                response = _error_response(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
+                                           "AuthenticationError", None)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path below the application's root path (Serve mounts apps under a prefix)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
@@ -150,6 +175,8 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
             text = metrics.render() if metrics is not None else b""
         return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if serving.settings.api_keys:  # (inside the response counter, which counts its 401s)
+        app.add_middleware(APIKeyAuth, api_keys=serving.settings.api_keys)
     if metrics is not None:
         app.add_middleware(ResponseCounter, metrics=metrics,
                            endpoints={route.path for route in app.routes if hasattr(route, "path")})

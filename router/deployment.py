@@ -39,6 +39,7 @@ class RouterConfig:
     chat_template: str | None = None  # replaces the model's own
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, read with this parser
     reasoning_parser: str | None = None
+    api_keys: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -75,6 +76,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         eos_token_ids=first.model_info.eos_token_ids,
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
+        api_keys=tuple(config.api_keys),
     )
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin)

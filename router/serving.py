@@ -88,6 +88,8 @@ class ServingSettings:
     tool_call_parser: str | None = None
     # --reasoning-parser: chat answers' <think>...</think> goes to reasoning_content.
     reasoning_parser: str | None = None
+    # --api-key: /v1 requests need one of these as a Bearer token (none: no authentication).
+    api_keys: tuple[str, ...] = ()
 
 
 @dataclass

@@ -74,6 +74,16 @@ def test_tool_calling_flags_and_the_chat_template_reach_the_router(tmp_path):
             build_parser().parse_args(["serve", flag, "mistral"])
 
 
+def test_api_keys_come_from_the_flag_or_the_environment(monkeypatch):
+    [router] = router_deployment(_config("--api-key", "a", "--api-key", "b"))._bound_deployment.init_args
+    assert router.api_keys == ("a", "b")
+    monkeypatch.setenv("LLM_CLUSTER_API_KEY", "from-env")
+    [router] = router_deployment(_config())._bound_deployment.init_args
+    assert router.api_keys == ("from-env",)
+    monkeypatch.delenv("LLM_CLUSTER_API_KEY")
+    assert router_deployment(_config())._bound_deployment.init_args[0].api_keys == ()
+
+
 def test_the_override_list_sets_the_engine_count_when_num_engines_is_not_given():
     from cluster.config import ClusterConfig
 

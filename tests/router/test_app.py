@@ -1,15 +1,22 @@
-"""The ASGI response counter: statuses by path, streamed bodies passed through untouched."""
+"""The ASGI layers around the app: the response counter (statuses by path, streamed bodies passed
+through untouched) and the API-key check."""
 
 from __future__ import annotations
 
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from router.app import ResponseCounter
+from router.app import ResponseCounter, create_app
+from router.engine_client import EngineClient
 from router.metrics import RouterMetrics
+from router.routing import RoundRobinPolicy
+from router.serving import OpenAIServing, ServingSettings
+
+from .tokenizer_factory import byte_level_tokenizer
 
 
 def _counts(metrics: RouterMetrics) -> dict[tuple[str, str], float]:
@@ -51,3 +58,35 @@ def test_counts_statuses_and_passes_streams_through():
             assert client.get(f"/probe-{i}").status_code == 404
     assert _counts(metrics) == {("/ok", "200"): 2.0, ("/missing", "404"): 1.0, ("/crash", "500"): 1.0,
                                 ("/stream", "200"): 1.0, ("other", "404"): 5.0}
+
+
+def test_api_keys_guard_the_v1_endpoints_only():
+    """--api-key: /v1 needs a Bearer key (any of them); health, metrics and version stay open; the
+    openai client's api_key is what it sends; refusals are counted."""
+    metrics = RouterMetrics("tiny", "r0")
+    client = EngineClient([object()], client_index=1)
+    settings = ServingSettings(served_model_name="tiny", max_model_len=64, api_keys=("k-one", "k-two"))
+    http = TestClient(create_app(OpenAIServing(settings, client, byte_level_tokenizer(), RoundRobinPolicy(), metrics)))
+    assert http.get("/v1/models").status_code == 401
+    refused = http.get("/v1/models", headers={"Authorization": "Bearer k-three"})
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "AuthenticationError"
+    assert http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}).status_code == 401
+    for key in ("k-one", "k-two"):
+        assert http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert http.options("/v1/models").status_code != 401  # CORS preflights carry no key
+    for open_path in ("/version", "/metrics"):
+        assert http.get(open_path).status_code == 200
+    assert _counts(metrics)[("/v1/models", "401")] == 2
+    good = openai.OpenAI(base_url="http://testserver/v1", api_key="k-two", http_client=http, max_retries=0)
+    assert [m.id for m in good.models.list()] == ["tiny"]
+    bad = openai.OpenAI(base_url="http://testserver/v1", api_key="nope", http_client=http, max_retries=0)
+    try:
+        bad.models.list()
+    except openai.AuthenticationError as e:
+        assert e.status_code == 401
+    else:
+        raise AssertionError("a wrong key was accepted")
+    # Without keys nothing is guarded.
+    plain = ServingSettings(served_model_name="tiny", max_model_len=64)
+    assert TestClient(create_app(OpenAIServing(plain, client, byte_level_tokenizer(), RoundRobinPolicy()))).get(
+        "/v1/models").status_code == 200
