@@ -135,10 +135,17 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return respond(await serving.chat(body, request.headers.get(SESSION_HEADER)))
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=serving.settings.served_model_name, max_model_len=serving.settings.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=serving.settings.served_model_name,
-                                         max_model_len=serving.settings.max_model_len)])
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:  # the openai client's models.retrieve()
+        serving.check_model(model)
+        return model_card()
 
     @app.get("/health")
     async def health() -> Response:

@@ -79,6 +79,13 @@ def test_api_keys_guard_the_v1_endpoints_only():
     assert _counts(metrics)[("/v1/models", "401")] == 2
     good = openai.OpenAI(base_url="http://testserver/v1", api_key="k-two", http_client=http, max_retries=0)
     assert [m.id for m in good.models.list()] == ["tiny"]
+    assert good.models.retrieve("tiny").id == "tiny"
+    try:
+        good.models.retrieve("other")
+    except openai.NotFoundError as e:
+        assert e.body["param"] == "model"
+    else:
+        raise AssertionError("an unknown model was found")
     bad = openai.OpenAI(base_url="http://testserver/v1", api_key="nope", http_client=http, max_retries=0)
     try:
         bad.models.list()
