@@ -70,14 +70,14 @@ class NamedToolCallParser(ToolCallParser):
         return ParsedDelta(tool_calls=[self._start_call(self.name, "")]) if self.calls == 0 else ParsedDelta()
 
 
-class RequiredToolCallParser(ToolCallParser):
-    """tool_choice "required": the text is a JSON array of ``{"name": ..., "parameters": {...}}``.
+class CallScanner:
+    """Reads calls out of JSON text as it arrives: objects ``{"name": ..., <args_key>: ...}`` at
+    nesting ``depth`` (1: the text is one object; 2: an array of them). A character scanner
+    (strings and nesting only; it needs no complete JSON): a call is released once its name has
+    been read, then its arguments' text as it arrives, verbatim."""
 
-    A character scanner (strings and nesting only; it needs no complete JSON): a call is released
-    once its name has been read, then its ``parameters`` value's text as it arrives."""
-
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, owner: ToolCallParser, depth: int, args_key: str) -> None:
+        self.owner, self.depth, self.args_key = owner, depth, args_key
         self._depth = 0
         self._in_string = False
         self._escaped = False
@@ -89,30 +89,28 @@ class RequiredToolCallParser(ToolCallParser):
     def _new_element(self) -> None:
         self._key: str | None = None  # the element's last key read
         self._name: str | None = None
-        self._index: int | None = None  # the call's index once released
+        self.index: int | None = None  # the call's index once released
         self._args: list[str] = []  # parameters text not released yet
         self._args_state = "before"  # before, in, done
-        self._args_seen = False  # a non-blank character of the parameters value was read
+        self.args_seen = False  # a non-blank character of the arguments value was read
 
-    def feed(self, text: str) -> ParsedDelta:
-        out = ParsedDelta()
+    def feed(self, text: str, out: ParsedDelta) -> None:
         for ch in text:
             if self._step(ch):  # a new element starts: release what is left of the previous one
                 self._release(out)
                 self._new_element()
         self._release(out)
-        return out
 
     def _release(self, out: ParsedDelta) -> None:
         if self._name is None:
             return
         args = "".join(self._args)
         self._args = []
-        if self._index is None:
-            out.tool_calls.append(self._start_call(self._name, args))
-            self._index = self.calls - 1
+        if self.index is None:
+            out.tool_calls.append(self.owner._start_call(self._name, args))
+            self.index = self.owner.calls - 1
         elif args:
-            out.tool_calls.append({"index": self._index, "function": {"arguments": args}})
+            out.tool_calls.append({"index": self.index, "function": {"arguments": args}})
 
     def _step(self, ch: str) -> bool:
         """Scan one character; True when it opens a new element."""
@@ -128,36 +126,36 @@ class RequiredToolCallParser(ToolCallParser):
                 self._in_string = False
                 if self._capture is not None:
                     self._end_capture()
-                elif args_in and self._depth == 2:  # a string value ended
+                elif args_in and self._depth == self.depth:  # a string value ended
                     self._args_state = "done"
                 return False
             if self._capture is not None:
                 self._capture.append(ch)
             return False
         if args_in:
-            if self._depth == 2 and ch in ",}":  # a scalar value ended; the character is structure
+            if self._depth == self.depth and ch in ",}":  # a scalar value ended; the character is structure
                 self._args_state = "done"
                 args_in = False
-            elif self._args_seen or not ch.isspace():
+            elif self.args_seen or not ch.isspace():
                 self._args.append(ch)
-                self._args_seen = True
+                self.args_seen = True
         if ch == '"':
             self._in_string = True
-            if self._depth == 2 and not args_in and (self._expecting_key or self._key == "name"):
+            if self._depth == self.depth and not args_in and (self._expecting_key or self._key == "name"):
                 self._capture, self._capturing_key = [], self._expecting_key
         elif ch in "[{":
             self._depth += 1
-            if self._depth == 2:
+            if self._depth == self.depth:
                 self._expecting_key = True
                 return True
         elif ch in "]}":
             self._depth -= 1
-            if args_in and self._depth == 2:
+            if args_in and self._depth == self.depth:
                 self._args_state = "done"
-        elif self._depth == 2 and not args_in:
+        elif self._depth == self.depth and not args_in:
             if ch == ":":
                 self._expecting_key = False
-                if self._key == "parameters" and self._args_state == "before":
+                if self._key == self.args_key and self._args_state == "before":
                     self._args_state = "in"
             elif ch == ",":
                 self._expecting_key = True
@@ -176,43 +174,65 @@ class RequiredToolCallParser(ToolCallParser):
         self._capture = None
 
 
+
+class RequiredToolCallParser(ToolCallParser):
+    """tool_choice "required": the text is a JSON array of ``{"name": ..., "parameters": {...}}``;
+    each element is a call, streamed as its name and arguments arrive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scanner = CallScanner(self, depth=2, args_key="parameters")
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        self._scanner.feed(text, out)
+        return out
+
+
 class HermesToolCallParser(ToolCallParser):
     """``auto`` with ``--tool-call-parser hermes``: ``<tool_call>{"name", "arguments"}</tool_call>``
-    blocks are calls, the rest is content. Text that may be the start of a tag is held back; a call
-    is released whole when its closing tag arrives. A block that is not such JSON stays content.
-    Trailing blanks are held back until other text follows, so the blanks just before or between
-    calls are not content and a reply of calls alone has none. With ``parallel_tool_calls`` false, calls after the
-    first are dropped (as vLLM keeps only the first)."""
+    blocks are calls, the rest is content.
+
+    - Text that may be the start of a tag is held back.
+    - Inside a block, the call is released once its name is read, then its arguments as they
+      arrive (verbatim; ``{}`` when the block has none). A block without a name stays content.
+    - Trailing blanks are held back until other text follows, so the blanks just before or
+      between calls are not content and a reply of calls alone has none.
+    - With ``parallel_tool_calls`` false, blocks after the first call are dropped (as vLLM keeps
+      only the first call)."""
 
     START, END = "<tool_call>", "</tool_call>"
 
     def __init__(self, parallel_tool_calls: bool = True) -> None:
         super().__init__()
         self.parallel_tool_calls = parallel_tool_calls
-        self._pending = ""  # content that may be the start of a tag, or a call's body
+        self._pending = ""  # content that may be the start of a tag, or the current block's body
         self._in_call = False
-        self._blank = ""  # blank content after a call, not released yet
+        self._scanner: CallScanner | None = None  # the current block's (None: a dropped block)
+        self._fed = 0  # how much of the block's body the scanner has read
+        self._blank = ""  # trailing blank content not released yet
 
     def feed(self, text: str) -> ParsedDelta:
-        # Inside a call, only the new text (and a tag's worth before it) can hold the closing tag.
-        search_from = max(0, len(self._pending) - len(self.END) + 1) if self._in_call else 0
         self._pending += text
         out = ParsedDelta()
         while True:
             if self._in_call:
-                end = self._pending.find(self.END, search_from)
-                search_from = 0
+                # Only the text after what the scanner read (and a tag's worth before it) can hold
+                # the closing tag.
+                end = self._pending.find(self.END, max(0, self._fed - len(self.END) + 1))
                 if end < 0:
+                    safe = len(self._pending) - partial_suffix(self._pending, self.END)
+                    self._scan(safe, out)
                     return out
-                self._emit_call(self._pending[:end], closed=True, out=out)
+                self._scan(end, out)
+                self._end_call(self._pending[:end], closed=True, out=out)
                 self._pending = self._pending[end + len(self.END):]
-                self._in_call = False
                 continue
             start = self._pending.find(self.START)
             if start >= 0:
                 self._add_content(self._pending[:start], out)
                 self._pending = self._pending[start + len(self.START):]
-                self._in_call = True
+                self._start_block()
                 continue
             keep = partial_suffix(self._pending, self.START)
             self._add_content(self._pending[:len(self._pending) - keep], out)
@@ -222,13 +242,35 @@ class HermesToolCallParser(ToolCallParser):
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self._in_call:  # no closing tag (the model stopped right after the JSON, or was cut off)
-            self._emit_call(self._pending, closed=False, out=out)
+            self._scan(len(self._pending), out)
+            self._end_call(self._pending, closed=False, out=out)
         else:
             self._add_content(self._pending, out)
         if not self.calls:  # a blank answer is still the answer; blanks around calls are not content
             out.content += self._blank
         self._pending, self._in_call, self._blank = "", False, ""
         return out
+
+    def _start_block(self) -> None:
+        self._in_call, self._fed = True, 0
+        dropped = self.calls and not self.parallel_tool_calls
+        self._scanner = None if dropped else CallScanner(self, depth=1, args_key="arguments")
+
+    def _scan(self, upto: int, out: ParsedDelta) -> None:
+        if self._scanner is not None and upto > self._fed:
+            self._scanner.feed(self._pending[self._fed:upto], out)
+        self._fed = max(self._fed, upto)
+
+    def _end_call(self, body: str, closed: bool, out: ParsedDelta) -> None:
+        scanner, self._scanner, self._in_call = self._scanner, None, False
+        if scanner is None:  # a block dropped (parallel_tool_calls false)
+            self._blank = ""
+        elif scanner.index is None:  # no call in it: the block was text
+            self._add_content(self.START + body + (self.END if closed else ""), out)
+        else:
+            self._blank = ""
+            if not scanner.args_seen:
+                out.tool_calls.append({"index": scanner.index, "function": {"arguments": "{}"}})
 
     def _add_content(self, text: str, out: ParsedDelta) -> None:
         """Release content but its trailing blanks, which wait for what follows: dropped before a
@@ -237,20 +279,6 @@ class HermesToolCallParser(ToolCallParser):
         kept = text.rstrip()
         out.content += kept
         self._blank = text[len(kept):]
-
-    def _emit_call(self, body: str, closed: bool, out: ParsedDelta) -> None:
-        try:
-            call = json.loads(body)
-            name, arguments = call["name"], call.get("arguments", {})
-            if not isinstance(name, str):
-                raise TypeError(name)
-        except (ValueError, TypeError, KeyError):
-            self._add_content(self.START + body + (self.END if closed else ""), out)
-            return
-        self._blank = ""
-        if self.calls and not self.parallel_tool_calls:
-            return
-        out.tool_calls.append(self._start_call(name, json.dumps(arguments, ensure_ascii=False)))
 
 
 class Llama3JsonToolCallParser(ToolCallParser):

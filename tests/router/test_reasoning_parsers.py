@@ -11,7 +11,7 @@ from router.chat_parsing import ChatOutputParser
 from router.reasoning_parsers import create_reasoning_parser
 from router.tool_parsers import HermesToolCallParser
 
-from .test_tool_calling import MESSAGES, WEATHER, _app
+from .test_tool_calling import MESSAGES, WEATHER, _app, merged_calls
 
 
 def _streamed(name: str, text: str, step: int) -> tuple[str, str]:
@@ -87,7 +87,7 @@ def test_reasoning_before_an_auto_tool_call_and_none_under_an_output_constraint(
     assert choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
     deltas = _deltas(http, {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]})
-    assert [c["function"]["name"] for d in deltas for c in d["delta"].get("tool_calls") or ()] == ["get_weather"]
+    assert merged_calls(deltas) == [{"name": "get_weather", "arguments": '{"city": "Rome"}'}]
     assert deltas[-1] == {"index": 0, "delta": {"role": None, "content": None}, "logprobs": None,
                           "finish_reason": "tool_calls"}
     # A JSON constraint rules thinking out from the first token: the text is all content.

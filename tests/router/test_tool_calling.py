@@ -41,6 +41,16 @@ def collect(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict]]:
     return answer.content, answer.tool_calls
 
 
+def merged_calls(deltas: list[dict]) -> list[dict[str, str]]:
+    """The calls of streamed chunks' deltas, as a client merges them."""
+    calls: dict[int, dict[str, str]] = {}
+    for d in deltas:
+        for call in d["delta"].get("tool_calls") or ():
+            entry = calls.setdefault(call["index"], {"name": call["function"].get("name"), "arguments": ""})
+            entry["arguments"] += call["function"]["arguments"]
+    return list(calls.values())
+
+
 def _streamed(parser: ToolCallParser, text: str, step: int) -> tuple[str, dict[int, dict[str, str]]]:
     """Feed ``text`` in pieces of ``step`` characters and merge the deltas as a client does."""
     out = ParsedDelta()
@@ -108,9 +118,12 @@ def test_hermes_parser_holds_back_only_what_may_be_a_tag():
     parser = HermesToolCallParser()
     assert parser.feed("Sure <tool").content == "Sure"
     assert parser.feed("box>").content == " <toolbox>"
-    # No closing tag at the end: a complete call still counts; anything else is content.
-    parser.feed('<tool_call>{"name": "f", "arguments": {}}')
-    assert parser.finish().tool_calls[0]["function"] == {"name": "f", "arguments": "{}"}
+    # A call is released as soon as its name is read, its arguments as they come; no closing tag
+    # is needed at the end.
+    assert parser.feed('<tool_call>{"name": "f", "argu').tool_calls[0]["function"] == {"name": "f", "arguments": ""}
+    assert parser.feed('ments": {"a"').tool_calls == [{"index": 0, "function": {"arguments": '{"a"'}}]
+    assert parser.feed(": 1}}").tool_calls == [{"index": 0, "function": {"arguments": ": 1}"}}]
+    assert parser.finish() == ParsedDelta()
     assert collect(HermesToolCallParser(), "plain answer") == ("plain answer", [])
 
 
@@ -119,9 +132,12 @@ def test_hermes_calls_alone_have_no_content_and_nothing_is_invented():
     content, calls = collect(HermesToolCallParser(), two_calls)
     assert content is None and [c["function"]["name"] for c in calls] == ["f", "g"]
     assert _streamed(HermesToolCallParser(), two_calls, 1)[0] == ""
-    # A call cut off before its JSON ends stays content, without a closing tag the model never wrote.
-    cut = 'Hi <tool_call>{"name": "f", "arguments": {"a": 1'
-    assert collect(HermesToolCallParser(), cut) == (cut, [])
+    # A call cut off keeps the arguments it got (as streamed); a block without a name stays content,
+    # without a closing tag the model never wrote.
+    cut = collect(HermesToolCallParser(), 'Hi <tool_call>{"name": "f", "arguments": {"a": 1')
+    assert cut[0] == "Hi" and cut[1][0]["function"] == {"name": "f", "arguments": '{"a": 1'}
+    nameless = 'Hi <tool_call>{"arguments": {"a": 1}}'
+    assert collect(HermesToolCallParser(), nameless) == (nameless, [])
     # parallel_tool_calls false: the first call only.
     assert [c["function"]["name"] for c in collect(HermesToolCallParser(parallel_tool_calls=False), two_calls)[1]] \
         == ["f"]
@@ -288,8 +304,9 @@ def test_auto_tool_choice_with_the_hermes_parser():
                                                            "tools": [WEATHER], "stream": True}) as s:
         deltas = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
     assert "".join(d["delta"].get("content") or "" for d in deltas) == "Checking."
-    assert [c["function"] for d in deltas for c in d["delta"].get("tool_calls") or ()] == [
+    assert merged_calls(deltas) == [
         {"name": "get_weather", "arguments": '{"city": "Rome"}'}]
+    assert sum(len(d["delta"].get("tool_calls") or ()) for d in deltas) > 3  # the arguments in pieces
     assert deltas[-1]["finish_reason"] == "tool_calls"
     # A plain answer stays a plain answer.
     http, _, _ = _app("It is sunny.", parser="hermes")
@@ -321,7 +338,7 @@ def test_auto_tool_choice_with_the_llama3_json_parser():
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     deltas = _deltas(http, body)
-    assert [c["function"] for d in deltas for c in d["delta"].get("tool_calls") or ()] == [
+    assert merged_calls(deltas) == [
         {"name": "get_weather", "arguments": '{"city": "Rome"}'}]
 
 
@@ -351,7 +368,7 @@ def test_several_streamed_choices_are_parsed_apart():
         mine = [d for d in deltas if d["index"] == index]
         assert "".join(d["delta"].get("reasoning_content") or "" for d in mine) == "hm"
         assert "".join(d["delta"].get("content") or "" for d in mine) == "Let me see."
-        assert [c["function"] for d in mine for c in d["delta"].get("tool_calls") or ()] == [
+        assert merged_calls(mine) == [
             {"name": "get_weather", "arguments": '{"city": "Rome"}'}]
         assert [d["finish_reason"] for d in mine if d["finish_reason"]] == ["tool_calls"]
         # Every token's logprob arrives, also those of text held back while a tag might be starting.
