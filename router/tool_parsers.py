@@ -21,7 +21,7 @@ from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 def random_tool_call_id() -> str:
@@ -43,10 +43,31 @@ class ToolCallParser:
         return ParsedDelta()
 
     def _start_call(self, name: str, arguments: str) -> dict[str, Any]:
-        call = {"index": self.calls, "id": random_tool_call_id(), "type": "function",
+        call = {"index": self.calls, "id": self._call_id(), "type": "function",
                 "function": {"name": name, "arguments": arguments}}
         self.calls += 1
         return call
+
+    def _call_id(self) -> str:
+        return random_tool_call_id()
+
+
+class ContentWithHeldBlanks:
+    """Content released but its trailing blanks, which wait for what follows: dropped before a
+    call (``drop``), released before more text. So streamed and whole answers agree, and the
+    blanks next to calls are not content."""
+
+    def __init__(self) -> None:
+        self.blank = ""
+
+    def add(self, text: str, out: ParsedDelta) -> None:
+        text = self.blank + text
+        kept = text.rstrip()
+        out.content += kept
+        self.blank = text[len(kept):]
+
+    def drop(self) -> None:
+        self.blank = ""
 
 
 class NamedToolCallParser(ToolCallParser):
@@ -210,7 +231,7 @@ class HermesToolCallParser(ToolCallParser):
         self._in_call = False
         self._scanner: CallScanner | None = None  # the current block's (None: a dropped block)
         self._fed = 0  # how much of the block's body the scanner has read
-        self._blank = ""  # trailing blank content not released yet
+        self._content = ContentWithHeldBlanks()
 
     def feed(self, text: str) -> ParsedDelta:
         self._pending += text
@@ -247,8 +268,9 @@ class HermesToolCallParser(ToolCallParser):
         else:
             self._add_content(self._pending, out)
         if not self.calls:  # a blank answer is still the answer; blanks around calls are not content
-            out.content += self._blank
-        self._pending, self._in_call, self._blank = "", False, ""
+            out.content += self._content.blank
+        self._pending, self._in_call = "", False
+        self._content.drop()
         return out
 
     def _start_block(self) -> None:
@@ -264,21 +286,16 @@ class HermesToolCallParser(ToolCallParser):
     def _end_call(self, body: str, closed: bool, out: ParsedDelta) -> None:
         scanner, self._scanner, self._in_call = self._scanner, None, False
         if scanner is None:  # a block dropped (parallel_tool_calls false)
-            self._blank = ""
+            self._content.drop()
         elif scanner.index is None:  # no call in it: the block was text
             self._add_content(self.START + body + (self.END if closed else ""), out)
         else:
-            self._blank = ""
+            self._content.drop()
             if not scanner.args_seen:
                 out.tool_calls.append({"index": scanner.index, "function": {"arguments": "{}"}})
 
     def _add_content(self, text: str, out: ParsedDelta) -> None:
-        """Release content but its trailing blanks, which wait for what follows: dropped before a
-        call, released before more text."""
-        text = self._blank + text
-        kept = text.rstrip()
-        out.content += kept
-        self._blank = text[len(kept):]
+        self._content.add(text, out)
 
 
 class Llama3JsonToolCallParser(ToolCallParser):
@@ -347,6 +364,58 @@ class Llama3JsonToolCallParser(ToolCallParser):
         return ParsedDelta(content=rest)
 
 
+class MistralToolCallParser(ToolCallParser):
+    """``auto`` with ``--tool-call-parser mistral``: Mistral's instruct models (v0.3 format) write
+    ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` calls; the text before the tag is
+    content. Calls stream as their names and arguments arrive. Call ids are 9 letters and digits,
+    as Mistral's chat templates require of the ids sent back to them."""
+
+    TAG = "[TOOL_CALLS]"
+
+    def __init__(self, parallel_tool_calls: bool = True) -> None:
+        super().__init__()
+        self.parallel_tool_calls = parallel_tool_calls
+        self._pending = ""
+        self._content = ContentWithHeldBlanks()
+        self._scanner: CallScanner | None = None  # set once the tag has been read
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._scanner is not None:
+            self._scan(text, out)
+            return out
+        self._pending += text
+        start = self._pending.find(self.TAG)
+        if start < 0:
+            cut = len(self._pending) - partial_suffix(self._pending, self.TAG)
+            self._content.add(self._pending[:cut], out)
+            self._pending = self._pending[cut:]
+            return out
+        self._content.add(self._pending[:start], out)
+        self._content.drop()
+        self._scanner = CallScanner(self, depth=2, args_key="arguments")
+        rest, self._pending = self._pending[start + len(self.TAG):], ""
+        self._scan(rest, out)
+        return out
+
+    def _scan(self, text: str, out: ParsedDelta) -> None:
+        assert self._scanner is not None
+        calls = ParsedDelta()
+        self._scanner.feed(text, calls)
+        # parallel_tool_calls false: only the first call's deltas go out.
+        out.tool_calls += [d for d in calls.tool_calls if self.parallel_tool_calls or d["index"] == 0]
+
+    def finish(self) -> ParsedDelta:
+        if self._scanner is None:  # no calls: the whole answer is content
+            pending, self._pending = self._content.blank + self._pending, ""
+            self._content.drop()
+            return ParsedDelta(content=pending)
+        return ParsedDelta()
+
+    def _call_id(self) -> str:
+        return uuid.uuid4().hex[:9]
+
+
 def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None,
                             parallel_tool_calls: bool = True) -> ToolCallParser | None:
     """The parser a chat request's effective ``tool_choice`` needs (None: plain content)."""
@@ -359,5 +428,7 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
             return HermesToolCallParser(parallel_tool_calls)
         if server_parser == "llama3_json":
             return Llama3JsonToolCallParser(parallel_tool_calls)
+        if server_parser == "mistral":
+            return MistralToolCallParser(parallel_tool_calls)
         raise ValueError(f"unknown tool call parser {server_parser!r}")
     return None

@@ -21,6 +21,7 @@ from router.tool_choice import tool_choice_constraint
 from router.tool_parsers import (
     HermesToolCallParser,
     Llama3JsonToolCallParser,
+    MistralToolCallParser,
     NamedToolCallParser,
     RequiredToolCallParser,
     ToolCallParser,
@@ -61,7 +62,7 @@ def _streamed(parser: ToolCallParser, text: str, step: int) -> tuple[str, dict[i
     for delta in out.tool_calls:
         if "id" in delta:
             assert delta["index"] not in calls and delta["type"] == "function"
-            assert delta["id"].startswith("chatcmpl-tool-")
+            assert delta["id"].startswith("chatcmpl-tool-") or isinstance(parser, MistralToolCallParser)
             calls[delta["index"]] = {"name": delta["function"]["name"], "arguments": ""}
         calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
     return out.content, calls
@@ -164,6 +165,28 @@ def test_llama3_json_parser(text, content, calls, step):
 def test_llama3_json_parser_keeps_one_call_without_parallel_calls():
     text = '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}'
     assert [c["function"]["name"] for c in collect(Llama3JsonToolCallParser(False), text)[1]] == ["f"]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"a": "[x]"}}, {"name": "g", "arguments": {}}]', "Sure.",
+     {0: {"name": "f", "arguments": '{"a": "[x]"}'}, 1: {"name": "g", "arguments": "{}"}}),
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', "", {0: {"name": "f", "arguments": '{"a": 1}'}}),
+    ("No tools needed. [TOOL_", "No tools needed. [TOOL_", {}),
+    ("  ", "  ", {}),
+])
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_mistral_parser(text, content, calls, step):
+    assert _streamed(MistralToolCallParser(), text, step) == (content, calls)
+    whole_content, whole_calls = collect(MistralToolCallParser(), text)
+    assert whole_content == (content if content or not calls else None)
+    assert {i: c["function"] for i, c in enumerate(whole_calls)} == calls
+    # Mistral's templates take back only 9-character alphanumeric call ids.
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in whole_calls)
+
+
+def test_mistral_parser_keeps_one_call_without_parallel_calls():
+    text = '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"b": 2}}]'
+    assert _streamed(MistralToolCallParser(False), text, 3) == ("", {0: {"name": "f", "arguments": "{}"}})
 
 
 def test_constraints_for_named_and_required_choices_compile():
@@ -330,9 +353,12 @@ def test_continue_final_message_leaves_the_last_message_open():
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
 
 
-def test_auto_tool_choice_with_the_llama3_json_parser():
-    answer = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
-    http, _, _ = _app(answer, parser="llama3_json")
+@pytest.mark.parametrize(("parser", "answer"), [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}'),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]'),
+])
+def test_auto_tool_choice_with_the_llama3_json_and_mistral_parsers(parser, answer):
+    http, _, _ = _app(answer, parser=parser)
     body = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]}
     choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
