@@ -107,7 +107,8 @@ class EngineCore:
             self._totals["added"] += 1
             if request.sampling_params.structured_output is not None:
                 # Blocked on its grammar (by the Request constructor) until step() sees it compiled.
-                self.structured_output.submit(request.request_id, request.sampling_params.structured_output)
+                self.structured_output.submit(request.request_id, request.sampling_params.structured_output,
+                                              request.sampling_params.structured_output_after)
         return engine_request if is_new else None
 
     def abort_requests(self, request_ids: list[str]) -> None:

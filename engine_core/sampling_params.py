@@ -36,6 +36,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # e.g. {"json": schema}, {"regex": "..."}, {"choice": [...]}: the request waits for its grammar.
     structured_output: dict[str, Any] | None = None
+    # With structured_output: the grammar constrains only the tokens after the output first ends
+    # with this sequence (a reasoning model's end of thinking, e.g. "</think>"): it thinks freely.
+    structured_output_after: list[int] | None = None
     # OpenAI's logit_bias: added to the token's logit before sampling (clamped to [-100, 100], as vLLM).
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: only these may be sampled.
@@ -92,12 +95,19 @@ class SamplingParams:
             # A finished grammar allows only EOS: neither may forbid it.
             _check(not self.ignore_eos and self.min_tokens == 0, "structured_output",
                    "used without ignore_eos and min_tokens", self.structured_output)
+        if self.structured_output_after is not None:
+            _check(self.structured_output is not None and isinstance(self.structured_output_after, list)
+                   and len(self.structured_output_after) > 0
+                   and all(isinstance(t, int) and t >= 0 for t in self.structured_output_after),
+                   "structured_output_after", "a non-empty list of token ids, with structured_output",
+                   self.structured_output_after)
 
     def token_ids_in_use(self) -> list[int]:
         """Every token id these parameters name (to check against a vocabulary)."""
         ids = list(self.stop_token_ids)
         ids += self.logit_bias or ()
         ids += self.allowed_token_ids or ()
+        ids += self.structured_output_after or ()
         for word in self.bad_words_token_ids or ():
             ids += word
         return ids

@@ -111,11 +111,17 @@ class StructuredOutputManager:
         # Compiles under way, by spec: requests with the same spec share one.
         self._compiling: dict[str, Future] = {}
         self._matchers: dict[str, Any] = {}
+        # Requests whose grammar starts after a token sequence: (the sequence, the last tokens seen).
+        self._starts_after: dict[str, tuple[list[int], list[int]]] = {}
 
     # -- requests -------------------------------------------------------------------------------
 
-    def submit(self, request_id: str, spec: dict[str, Any]) -> None:
-        """Start compiling the request's grammar (a cached one is ready at the next ``poll``)."""
+    def submit(self, request_id: str, spec: dict[str, Any], starts_after: list[int] | None = None) -> None:
+        """Start compiling the request's grammar (a cached one is ready at the next ``poll``).
+        ``starts_after``: the grammar constrains only what follows the first time the output ends
+        with these tokens (a reasoning model thinks freely first)."""
+        if starts_after:
+            self._starts_after[request_id] = (list(starts_after), [])
         key = json.dumps(spec, sort_keys=True)
         future = self._compiling.get(key)
         if future is None:
@@ -181,6 +187,7 @@ class StructuredOutputManager:
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._starts_after.pop(request_id, None)
         entry = self._pending.pop(request_id, None)
         if entry is not None and not any(future is entry[1] for _, future in self._pending.values()):
             entry[1].cancel()  # (nobody else waits for it)
@@ -197,7 +204,8 @@ class StructuredOutputManager:
         """The allowed-token rows of the scheduled requests that have a live matcher (None if none),
         and (request, error) pairs for matchers that failed (those requests must be failed). A
         finished grammar (its EOS accepted) constrains nothing, as in vLLM."""
-        ids = [r for r in scheduled_request_ids if r in self._matchers and not self._matchers[r].is_terminated()]
+        ids = [r for r in scheduled_request_ids if r in self._matchers and not self._matchers[r].is_terminated()
+               and r not in self._starts_after]
         if not ids:
             return None, []
         bitmask = self._xgr.allocate_token_bitmask(len(ids), self.vocab_size)
@@ -221,7 +229,16 @@ class StructuredOutputManager:
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return None
+        waiting = self._starts_after.get(request_id)
         for token in token_ids:
+            if waiting is not None:  # still before the grammar's start: watch for the sequence
+                sequence, seen = waiting
+                seen.append(token)
+                del seen[:-len(sequence)]
+                if seen == sequence:
+                    del self._starts_after[request_id]
+                    waiting = None
+                continue
             if matcher.is_terminated():
                 break  # (the EOS that ended the grammar was accepted; nothing follows it)
             if not matcher.accept_token(token):

@@ -51,6 +51,7 @@ from router.protocol import (
     ToolCall,
     UsageInfo,
 )
+from router.reasoning_parsers import END as REASONING_END
 from router.reasoning_parsers import create_reasoning_parser
 from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
 from router.tool_parsers import create_tool_call_parser
@@ -133,6 +134,10 @@ class OpenAIServing:
         self._decode = fast_decoder(tokenizer)
         self.policy = policy
         self.metrics = metrics
+        # The tokens of "</think>", after which a reasoning model's output constraint starts.
+        self._reasoning_end_ids: list[int] | None = None
+        if settings.reasoning_parser is not None:
+            self._reasoning_end_ids = list(tokenizer.encode(REASONING_END, add_special_tokens=False)) or None
 
     # -- request preparation ------------------------------------------------------------------------
 
@@ -155,14 +160,21 @@ class OpenAIServing:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def _thinks_before_constraint(self) -> bool:
+        """Whether an output constraint starts after the model's thinking: with deepseek_r1, whose
+        answers think first (up to ``</think>``), when the tokenizer knows that tag. (A qwen3 answer
+        may not think at all, so its constraint applies from the first token.)"""
+        return self.settings.reasoning_parser == "deepseek_r1" and self._reasoning_end_ids is not None
+
     def _chat_output_parser(self, request: ChatCompletionRequest, tool_choice: str | dict[str, Any]
                             ) -> ChatOutputParser | None:
-        """What splits a choice's text, if anything: the server's reasoning parser (not under an
-        output constraint, which rules thinking out from the first token) and the tool-call parser
+        """What splits a choice's text, if anything: the server's reasoning parser (under an output
+        constraint only when the constraint starts after the thinking) and the tool-call parser
         the tool choice needs."""
         tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser, request.parallel_tool_calls)
         reasoning = None
-        if self.settings.reasoning_parser is not None and request.structured_output is None:
+        if self.settings.reasoning_parser is not None and (
+                request.structured_output is None or self._thinks_before_constraint()):
             reasoning = create_reasoning_parser(self.settings.reasoning_parser)
         if tools is None and reasoning is None:
             return None
@@ -177,7 +189,8 @@ class OpenAIServing:
         return list(prompt)
 
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None, seed_offset: int, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None, seed_offset: int, prompt_logprobs: int | None = None,
+                        structured_output_after: list[int] | None = None) -> SamplingParams:
         room = self.settings.max_model_len - prompt_len
         if room <= 0:
             raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens; "
@@ -212,7 +225,8 @@ class OpenAIServing:
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                 repetition_penalty=request.repetition_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 logit_bias=logit_bias, allowed_token_ids=allowed_ids, bad_words_token_ids=bad_words,
-                structured_output=request.structured_output)
+                structured_output=request.structured_output,
+                structured_output_after=structured_output_after if request.structured_output else None)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
 
@@ -443,8 +457,11 @@ class OpenAIServing:
         choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
         for c in choices:
             c.output_parser = self._chat_output_parser(request, tool_choice)
+        # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
+        after = self._reasoning_end_ids if self._thinks_before_constraint() else None
         jobs = [(engine, f"{request_id}-{c.index}", ids,
-                 self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index), c)
+                 self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
+                                      structured_output_after=after), c)
                 for c in choices]
         streams = await self._open_all(jobs, request)
         if request.stream:

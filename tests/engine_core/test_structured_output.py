@@ -210,3 +210,58 @@ def test_only_requests_that_sample_this_pass_get_a_bitmask_row(tmp_path):
         engine.shutdown()
     assert rows[:3] == [(16, []), (16, []), (8, ["r"])]
     assert all(ids == ["r"] for n, ids in rows[3:]) and len(rows) == 6  # 3 letters, then EOS
+
+
+def test_a_grammar_that_starts_after_a_token_sequence_constrains_nothing_before_it():
+    manager = _manager()
+    end = TOKENIZER.encode("</x>", add_special_tokens=False)
+    assert len(end) > 1  # a sequence, seen across calls
+    manager.submit("r", {"choice": ["yes"]}, starts_after=end)
+    assert _poll_until_done(manager) == (["r"], [])
+    assert manager.bitmask(["r"]) == (None, [])  # thinking: no row
+    # Free tokens (ones the grammar would refuse), then the end sequence split over two outputs.
+    assert manager.accept("r", [*TOKENIZER.encode("zz no", add_special_tokens=False), *end[:1]]) is None
+    assert manager.bitmask(["r"]) == (None, [])
+    assert manager.accept("r", [*end[1:], *TOKENIZER.encode("y", add_special_tokens=False)]) is None
+    # After it the grammar holds, and had already taken the "y" that followed the sequence.
+    assert {TOKENIZER.decode([t]) for t in _allowed(manager, "r")} <= {"e", "es"}
+    assert manager.accept("r", TOKENIZER.encode("x", add_special_tokens=False)) is not None  # does not fit
+    manager.shutdown()
+
+
+def test_the_engine_starts_a_grammar_after_the_thinking_ends(tmp_path):
+    """Greedy on the tiny model: the answer runs free (as without a grammar) up to and including
+    the first occurrence of the 'end of thinking' token, and fits the grammar after it."""
+    from cluster.config import ClusterConfig, EngineSpec
+    from engine_core.engine_core import EngineCore
+    from gpu_worker.executor import create_executor
+    from tests.tiny_model import build_tiny_llama
+
+    config = ClusterConfig(model=str(build_tiny_llama(tmp_path)), defaults=EngineSpec(
+        num_gpu_blocks=32, max_model_len=128)).engine_configs()[0]
+    engine = EngineCore(config, create_executor(config))
+    tokenizer = TOKENIZER  # (the tiny model's own)
+
+    def run(request_id: str, params: SamplingParams) -> list[int]:
+        engine.add_request(EngineCoreRequest(request_id=request_id, prompt_token_ids=tokenizer.encode("Hello"),
+                                             sampling_params=params))
+        tokens: list[int] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            outputs = [o for eco in engine.step().values() for o in eco.outputs if o.request_id == request_id]
+            tokens += [t for o in outputs for t in o.new_token_ids]
+            if any(o.finish_reason is not None for o in outputs):
+                return tokens
+        raise AssertionError("the request did not finish")
+
+    try:
+        free = run("free", SamplingParams(max_tokens=8, temperature=0))
+        trigger = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i])  # first seen at i
+        constrained = run("thinks", SamplingParams(max_tokens=24, temperature=0, structured_output={"regex": "[ab]{3}"},
+                                                   structured_output_after=[free[trigger]]))
+    finally:
+        engine.shutdown()
+    assert constrained[:trigger + 1] == free[:trigger + 1]
+    answer = constrained[trigger + 1:]
+    assert set(tokenizer.decode(answer[:-1])) <= {"a", "b"} and len(tokenizer.decode(answer[:-1])) == 3
+    assert answer[-1] == tokenizer.eos_token_id

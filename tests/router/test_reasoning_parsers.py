@@ -90,9 +90,21 @@ def test_reasoning_before_an_auto_tool_call_and_none_under_an_output_constraint(
     assert merged_calls(deltas) == [{"name": "get_weather", "arguments": '{"city": "Rome"}'}]
     assert deltas[-1] == {"index": 0, "delta": {"role": None, "content": None}, "logprobs": None,
                           "finish_reason": "tool_calls"}
-    # A JSON constraint rules thinking out from the first token: the text is all content.
-    http, _, _ = _app('{"a": "<think>x</think>"}', reasoning="deepseek_r1")
-    constrained = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
-                                                          "response_format": {"type": "json_object"}}).json()
-    assert constrained["choices"][0]["message"]["content"] == '{"a": "<think>x</think>"}'
-    assert constrained["choices"][0]["message"]["reasoning_content"] is None
+
+
+
+def test_an_output_constraint_starts_after_deepseek_r1s_thinking_and_rules_out_qwen3s():
+    body = {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_object"}}
+    # deepseek_r1 thinks first: the engine starts the grammar after "</think>", and the thinking
+    # is split off the JSON.
+    http, engine, serving = _app('Braces next.</think>{"a": 1}', reasoning="deepseek_r1")
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Braces next.", '{"a": 1}')
+    params = engine.requests[0].sampling_params
+    assert serving.tokenizer.decode(params.structured_output_after) == "</think>"
+    assert params.structured_output == {"json_object": True}
+    # qwen3 may not think at all: the grammar applies from the first token, and the text is content.
+    http, engine, _ = _app('{"a": "<think>x</think>"}', reasoning="qwen3")
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (None, '{"a": "<think>x</think>"}')
+    assert engine.requests[0].sampling_params.structured_output_after is None
