@@ -106,6 +106,8 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not be empty strings (an empty key would let in an empty Bearer token)")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (the model's tool-call format)")
         return self

@@ -169,6 +169,7 @@ class StructuredOutputManager:
             try:
                 compiled = future.result()
             except Exception as e:
+                self._starts_after.pop(request_id, None)
                 failed.append((request_id, f"structured output: {_first_line(str(e))}"))
                 continue
             self._compiled[key] = compiled
@@ -195,7 +196,7 @@ class StructuredOutputManager:
                 del self._compiling[entry[0]]
 
     def clear(self) -> None:
-        for request_id in list(self._pending) + list(self._matchers):
+        for request_id in list(self._pending) + list(self._matchers) + list(self._starts_after):
             self.remove(request_id)
 
     # -- each pass ------------------------------------------------------------------------------

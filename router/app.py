@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
@@ -76,18 +77,24 @@ class APIKeyAuth:
 
     def __init__(self, app: ASGIApp, api_keys: Collection[str]) -> None:
         self.app = app
-        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+        # Digests are compared, in constant time and against every key: the timing says nothing
+        # about a key, not even its length.
+        self.expected = [_digest(f"Bearer {key}".encode()) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and _route_path(scope).startswith("/v1"):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            # Compared in constant time against every key, so timing tells nothing about any of them.
+            given = _digest(next((v for k, v in scope["headers"] if k == b"authorization"), b""))
             if not any([hmac.compare_digest(given, expected) for expected in self.expected]):
                 response = _error_response(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
                                            "AuthenticationError", None)
+                response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
 
 
 def _route_path(scope: Scope) -> str:

@@ -52,6 +52,7 @@ from router.protocol import (
     UsageInfo,
 )
 from router.reasoning_parsers import END as REASONING_END
+from router.reasoning_parsers import START as REASONING_START
 from router.reasoning_parsers import create_reasoning_parser
 from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
 from router.tool_parsers import create_tool_call_parser
@@ -134,10 +135,12 @@ class OpenAIServing:
         self._decode = fast_decoder(tokenizer)
         self.policy = policy
         self.metrics = metrics
-        # The tokens of "</think>", after which a reasoning model's output constraint starts.
-        self._reasoning_end_ids: list[int] | None = None
-        if settings.reasoning_parser is not None:
-            self._reasoning_end_ids = list(tokenizer.encode(REASONING_END, add_special_tokens=False)) or None
+        # The tokens that open and close a reasoning model's thinking, when each is one token of the
+        # vocabulary (as in reasoning models): the engine starts an output constraint after the
+        # closing one, and a prompt that already closed the thinking (thinking switched off) is
+        # answered without any.
+        self._think_start_id = _single_token_id(tokenizer, REASONING_START)
+        self._think_end_id = _single_token_id(tokenizer, REASONING_END)
 
     # -- request preparation ------------------------------------------------------------------------
 
@@ -162,19 +165,29 @@ class OpenAIServing:
 
     def _thinks_before_constraint(self) -> bool:
         """Whether an output constraint starts after the model's thinking: with deepseek_r1, whose
-        answers think first (up to ``</think>``), when the tokenizer knows that tag. (A qwen3 answer
-        may not think at all, so its constraint applies from the first token.)"""
-        return self.settings.reasoning_parser == "deepseek_r1" and self._reasoning_end_ids is not None
+        answers think first (up to ``</think>``), when ``</think>`` is one token of the vocabulary,
+        as the engine watches for it. (A qwen3 answer may not think at all, so its constraint
+        applies from the first token.)"""
+        return self.settings.reasoning_parser == "deepseek_r1" and self._think_end_id is not None
 
-    def _chat_output_parser(self, request: ChatCompletionRequest, tool_choice: str | dict[str, Any]
-                            ) -> ChatOutputParser | None:
-        """What splits a choice's text, if anything: the server's reasoning parser (under an output
-        constraint only when the constraint starts after the thinking) and the tool-call parser
-        the tool choice needs."""
+    def _prompt_closed_thinking(self, prompt_ids: list[int]) -> bool:
+        """The chat template already closed the thinking (a template with thinking switched off
+        writes ``<think></think>`` into the prompt): the answer has none to parse or wait for."""
+        end = self._think_end_id
+        if end is None:
+            return False
+        start = self._think_start_id
+        last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1) if start is not None else -1
+        return end in prompt_ids[last_start + 1:]
+
+    def _chat_output_parser(self, request: ChatCompletionRequest, tool_choice: str | dict[str, Any],
+                            thinks: bool) -> ChatOutputParser | None:
+        """What splits a choice's text, if anything: the server's reasoning parser (when the answer
+        may think: not after a prompt that closed the thinking, and under an output constraint only
+        when the constraint starts after the thinking) and the tool-call parser the tool choice needs."""
         tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser, request.parallel_tool_calls)
         reasoning = None
-        if self.settings.reasoning_parser is not None and (
-                request.structured_output is None or self._thinks_before_constraint()):
+        if thinks and (request.structured_output is None or self._thinks_before_constraint()):
             reasoning = create_reasoning_parser(self.settings.reasoning_parser)
         if tools is None and reasoning is None:
             return None
@@ -455,10 +468,11 @@ class OpenAIServing:
         top = (request.top_logprobs or 0) if request.logprobs else None
         # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
         choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
+        thinks = self.settings.reasoning_parser is not None and not self._prompt_closed_thinking(ids)
         for c in choices:
-            c.output_parser = self._chat_output_parser(request, tool_choice)
+            c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
         # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
-        after = self._reasoning_end_ids if self._thinks_before_constraint() else None
+        after = [self._think_end_id] if thinks and self._thinks_before_constraint() else None
         jobs = [(engine, f"{request_id}-{c.index}", ids,
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                       structured_output_after=after), c)
@@ -635,6 +649,12 @@ class SSEStream:
         await self._chunks.aclose()  # type: ignore[attr-defined]
         for stream in self._streams:
             await stream.close()
+
+
+def _single_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` when the tokenizer encodes it as exactly one token, else None."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 def _template_message(extra: dict[str, Any], role: str, content: str) -> dict[str, Any]:

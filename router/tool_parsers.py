@@ -91,11 +91,15 @@ class NamedToolCallParser(ToolCallParser):
         return ParsedDelta(tool_calls=[self._start_call(self.name, "")]) if self.calls == 0 else ParsedDelta()
 
 
+_NOTHING, _OPENED, _CLOSED = 0, 1, 2  # what a character did to the element being read
+
+
 class CallScanner:
     """Reads calls out of JSON text as it arrives: objects ``{"name": ..., <args_key>: ...}`` at
     nesting ``depth`` (1: the text is one object; 2: an array of them). A character scanner
     (strings and nesting only; it needs no complete JSON): a call is released once its name has
-    been read, then its arguments' text as it arrives, verbatim."""
+    been read, then its arguments' text as it arrives, verbatim (trailing blanks wait for what
+    follows; a call whose object ends without arguments gets ``{}``)."""
 
     def __init__(self, owner: ToolCallParser, depth: int, args_key: str) -> None:
         self.owner, self.depth, self.args_key = owner, depth, args_key
@@ -114,27 +118,43 @@ class CallScanner:
         self._args: list[str] = []  # parameters text not released yet
         self._args_state = "before"  # before, in, done
         self.args_seen = False  # a non-blank character of the arguments value was read
+        self._closed = False
 
     def feed(self, text: str, out: ParsedDelta) -> None:
         for ch in text:
-            if self._step(ch):  # a new element starts: release what is left of the previous one
-                self._release(out)
+            event = self._step(ch)
+            if event == _OPENED:  # what is left of the previous element goes out first
+                self._close(out)
                 self._new_element()
+            elif event == _CLOSED:
+                self._close(out)
         self._release(out)
 
-    def _release(self, out: ParsedDelta) -> None:
-        if self._name is None:
+    def finish(self, out: ParsedDelta) -> None:
+        """The text ended (cut off, or a closing tag): close the element being read."""
+        self._close(out)
+
+    def _close(self, out: ParsedDelta) -> None:
+        if not self._closed:
+            self._release(out, final=True)
+            self._closed = True
+
+    def _release(self, out: ParsedDelta, final: bool = False) -> None:
+        if self._name is None or self._closed:
             return
-        args = "".join(self._args)
-        self._args = []
+        text = "".join(self._args)
+        args = text.rstrip()
+        self._args = [] if final else [text[len(args):]]
+        if final and not self.args_seen:
+            args = "{}"
         if self.index is None:
             out.tool_calls.append(self.owner._start_call(self._name, args))
             self.index = self.owner.calls - 1
         elif args:
             out.tool_calls.append({"index": self.index, "function": {"arguments": args}})
 
-    def _step(self, ch: str) -> bool:
-        """Scan one character; True when it opens a new element."""
+    def _step(self, ch: str) -> int:
+        """Scan one character: _OPENED when it opens an element, _CLOSED when it closes one."""
         args_in = self._args_state == "in"
         if self._in_string:
             if args_in:
@@ -149,10 +169,10 @@ class CallScanner:
                     self._end_capture()
                 elif args_in and self._depth == self.depth:  # a string value ended
                     self._args_state = "done"
-                return False
+                return _NOTHING
             if self._capture is not None:
                 self._capture.append(ch)
-            return False
+            return _NOTHING
         if args_in:
             if self._depth == self.depth and ch in ",}":  # a scalar value ended; the character is structure
                 self._args_state = "done"
@@ -168,11 +188,13 @@ class CallScanner:
             self._depth += 1
             if self._depth == self.depth:
                 self._expecting_key = True
-                return True
+                return _OPENED
         elif ch in "]}":
             self._depth -= 1
             if args_in and self._depth == self.depth:
                 self._args_state = "done"
+            elif self._depth == self.depth - 1:
+                return _CLOSED
         elif self._depth == self.depth and not args_in:
             if ch == ":":
                 self._expecting_key = False
@@ -180,7 +202,7 @@ class CallScanner:
                     self._args_state = "in"
             elif ch == ",":
                 self._expecting_key = True
-        return False
+        return _NOTHING
 
     def _end_capture(self) -> None:
         assert self._capture is not None
@@ -207,6 +229,11 @@ class RequiredToolCallParser(ToolCallParser):
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
         self._scanner.feed(text, out)
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        self._scanner.finish(out)
         return out
 
 
@@ -285,14 +312,12 @@ class HermesToolCallParser(ToolCallParser):
 
     def _end_call(self, body: str, closed: bool, out: ParsedDelta) -> None:
         scanner, self._scanner, self._in_call = self._scanner, None, False
-        if scanner is None:  # a block dropped (parallel_tool_calls false)
-            self._content.drop()
-        elif scanner.index is None:  # no call in it: the block was text
+        if scanner is not None:
+            scanner.finish(out)
+        if scanner is not None and scanner.index is None:  # no call in it: the block was text
             self._add_content(self.START + body + (self.END if closed else ""), out)
-        else:
+        else:  # a call, or a block dropped (parallel_tool_calls false)
             self._content.drop()
-            if not scanner.args_seen:
-                out.tool_calls.append({"index": scanner.index, "function": {"arguments": "{}"}})
 
     def _add_content(self, text: str, out: ParsedDelta) -> None:
         self._content.add(text, out)
@@ -343,9 +368,9 @@ class Llama3JsonToolCallParser(ToolCallParser):
             except ValueError:
                 return out  # incomplete (or not JSON: decided at the finish)
             name = obj.get("name") if isinstance(obj, dict) else None
-            if not isinstance(name, str):
-                return out
-            arguments = obj.get("arguments", obj.get("parameters", {}))
+            if not isinstance(name, str) or not ("arguments" in obj or "parameters" in obj):
+                return out  # not a call: decided at the finish (as vLLM, a call needs its arguments)
+            arguments = obj.get("arguments", obj.get("parameters"))
             self._parsed_to = end
             if self.calls and not self.parallel_tool_calls:
                 continue  # a further call with parallel_tool_calls false: dropped
@@ -365,10 +390,12 @@ class Llama3JsonToolCallParser(ToolCallParser):
 
 
 class MistralToolCallParser(ToolCallParser):
-    """``auto`` with ``--tool-call-parser mistral``: Mistral's instruct models (v0.3 format) write
-    ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` calls; the text before the tag is
-    content. Calls stream as their names and arguments arrive. Call ids are 9 letters and digits,
-    as Mistral's chat templates require of the ids sent back to them."""
+    """``auto`` with ``--tool-call-parser mistral``: Mistral's instruct models of the v0.3 format
+    (Mistral-7B-Instruct-v0.3, Mistral-Nemo, Mistral-Large-2407) write ``[TOOL_CALLS]`` then a JSON
+    array of ``{"name", "arguments"}`` calls; the text before the tag is content. Calls stream as
+    their names and arguments arrive; when no call follows the tag (later models' ``name[ARGS]{...}``
+    format, or text), the text after it is content. Call ids are 9 letters and digits, as Mistral's
+    chat templates require of the ids sent back to them."""
 
     TAG = "[TOOL_CALLS]"
 
@@ -378,6 +405,7 @@ class MistralToolCallParser(ToolCallParser):
         self._pending = ""
         self._content = ContentWithHeldBlanks()
         self._scanner: CallScanner | None = None  # set once the tag has been read
+        self._after_tag = ""  # the text after the tag, until a call is read (else it was content)
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -398,19 +426,27 @@ class MistralToolCallParser(ToolCallParser):
         self._scan(rest, out)
         return out
 
-    def _scan(self, text: str, out: ParsedDelta) -> None:
+    def _scan(self, text: str, out: ParsedDelta, final: bool = False) -> None:
         assert self._scanner is not None
+        if not self.calls:
+            self._after_tag += text
         calls = ParsedDelta()
         self._scanner.feed(text, calls)
+        if final:
+            self._scanner.finish(calls)
         # parallel_tool_calls false: only the first call's deltas go out.
         out.tool_calls += [d for d in calls.tool_calls if self.parallel_tool_calls or d["index"] == 0]
 
     def finish(self) -> ParsedDelta:
-        if self._scanner is None:  # no calls: the whole answer is content
-            pending, self._pending = self._content.blank + self._pending, ""
+        out = ParsedDelta()
+        if self._scanner is None:  # no tag: the whole answer is content
+            out.content, self._pending = self._content.blank + self._pending, ""
             self._content.drop()
-            return ParsedDelta(content=pending)
-        return ParsedDelta()
+            return out
+        self._scan("", out, final=True)
+        if not self.calls:  # no call after the tag (another format, or text): it was content
+            out.content = self.TAG + self._after_tag
+        return out
 
     def _call_id(self) -> str:
         return uuid.uuid4().hex[:9]

@@ -43,6 +43,7 @@ def test_the_access_log_is_on_unless_disabled():
     (["--model", "{missing}"], {}, "neither an existing path nor a known model name"),
     (["--model", "{file}"], {"file": "not a model"}, "is not a .gguf file"),
     (["--enable-auto-tool-choice"], {}, "enable_auto_tool_choice needs tool_call_parser"),
+    (["--api-key", ""], {}, "api_keys must not be empty strings"),
     (["--chat-template", "{missing}"], {}, "--chat-template: no such file"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):

@@ -226,6 +226,13 @@ def test_a_grammar_that_starts_after_a_token_sequence_constrains_nothing_before_
     # After it the grammar holds, and had already taken the "y" that followed the sequence.
     assert {TOKENIZER.decode([t]) for t in _allowed(manager, "r")} <= {"e", "es"}
     assert manager.accept("r", TOKENIZER.encode("x", add_special_tokens=False)) is not None  # does not fit
+    # A grammar that fails to compile leaves nothing behind, nor does clear().
+    manager.submit("bad", {"regex": "(unclosed"}, starts_after=end)
+    manager.submit("waits", {"choice": ["yes"]}, starts_after=end)
+    assert [r for r, _ in _poll_until_done(manager)[1]] == ["bad"]
+    assert "bad" not in manager._starts_after
+    manager.clear()
+    assert not manager._starts_after and not manager.has_matchers()
     manager.shutdown()
 
 

@@ -70,13 +70,15 @@ def test_api_keys_guard_the_v1_endpoints_only():
     assert http.get("/v1/models").status_code == 401
     refused = http.get("/v1/models", headers={"Authorization": "Bearer k-three"})
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "AuthenticationError"
+    assert refused.headers["www-authenticate"] == "Bearer"
+    assert http.get("/v1/models", headers={"Authorization": "Bearer "}).status_code == 401
     assert http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}).status_code == 401
     for key in ("k-one", "k-two"):
         assert http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     assert http.options("/v1/models").status_code != 401  # CORS preflights carry no key
     for open_path in ("/version", "/metrics"):
         assert http.get(open_path).status_code == 200
-    assert _counts(metrics)[("/v1/models", "401")] == 2
+    assert _counts(metrics)[("/v1/models", "401")] == 3
     good = openai.OpenAI(base_url="http://testserver/v1", api_key="k-two", http_client=http, max_retries=0)
     assert [m.id for m in good.models.list()] == ["tiny"]
     assert good.models.retrieve("tiny").id == "tiny"

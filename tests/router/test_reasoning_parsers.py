@@ -95,14 +95,28 @@ def test_reasoning_before_an_auto_tool_call_and_none_under_an_output_constraint(
 
 def test_an_output_constraint_starts_after_deepseek_r1s_thinking_and_rules_out_qwen3s():
     body = {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_object"}}
-    # deepseek_r1 thinks first: the engine starts the grammar after "</think>", and the thinking
-    # is split off the JSON.
-    http, engine, serving = _app('Braces next.</think>{"a": 1}', reasoning="deepseek_r1")
+    # deepseek_r1 thinks first: the engine starts the grammar after the "</think>" token, and the
+    # thinking is split off the JSON.
+    http, engine, serving = _app('Braces next.</think>{"a": 1}', reasoning="deepseek_r1", think_tokens=True)
     message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == ("Braces next.", '{"a": 1}')
     params = engine.requests[0].sampling_params
-    assert serving.tokenizer.decode(params.structured_output_after) == "</think>"
+    assert params.structured_output_after == [serving.tokenizer.convert_tokens_to_ids("</think>")]
     assert params.structured_output == {"json_object": True}
+    # A template that closed the thinking in the prompt (thinking switched off): no wait, no split.
+    closed = {**body, "messages": [{"role": "user", "content": "Answer now. <think></think>"}]}
+    http, engine, _ = _app('{"a": "x</think>"}', reasoning="deepseek_r1", think_tokens=True)
+    message = http.post("/v1/chat/completions", json=closed).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (None, '{"a": "x</think>"}')
+    assert engine.requests[0].sampling_params.structured_output_after is None
+    free = http.post("/v1/chat/completions", json={**closed, "response_format": None}).json()
+    assert free["choices"][0]["message"]["reasoning_content"] is None
+    # A vocabulary where "</think>" is no single token (the engine could not see it): the grammar
+    # holds from the first token, and nothing is parsed as thinking.
+    http, engine, _ = _app('{"a": 1}', reasoning="deepseek_r1")
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (None, '{"a": 1}')
+    assert engine.requests[0].sampling_params.structured_output_after is None
     # qwen3 may not think at all: the grammar applies from the first token, and the text is content.
     http, engine, _ = _app('{"a": "<think>x</think>"}', reasoning="qwen3")
     message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]

@@ -68,6 +68,25 @@ def _streamed(parser: ToolCallParser, text: str, step: int) -> tuple[str, dict[i
     return out.content, calls
 
 
+def test_a_call_without_arguments_gets_an_empty_object_and_no_trailing_blanks():
+    assert collect(RequiredToolCallParser(), '[{"name": "f"}, {"name": "g", "parameters": 5 }]')[1] == [
+        {"id": ANY_ID, "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        {"id": ANY_ID, "type": "function", "function": {"name": "g", "arguments": "5"}}]
+    hermes = '<tool_call>{"name": "f", "arguments": 5 }</tool_call><tool_call>{"name": "g"}</tool_call>'
+    assert _streamed(HermesToolCallParser(), hermes, 1)[1] == {0: {"name": "f", "arguments": "5"},
+                                                               1: {"name": "g", "arguments": "{}"}}
+
+
+class _AnyId(str):
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and bool(other)
+
+    __hash__ = str.__hash__
+
+
+ANY_ID = _AnyId()
+
+
 REQUIRED_TEXT = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris }{", "days": [1, {"a": []}]}},\n'
                  ' {"name":"get_time","parameters":{}}, {"parameters": 5, "name": "n\\u00e9"}]')
 
@@ -153,6 +172,8 @@ def test_hermes_calls_alone_have_no_content_and_nothing_is_invented():
     ("{not json}", "{not json}", {}),
     ("  ", "  ", {}),
     ('{"name": "f", "parameters": {}} and then', "and then", {0: {"name": "f", "arguments": "{}"}}),
+    # JSON with a name but no arguments is not a call (as vLLM): an answer about Alice stays text.
+    ('{"name": "Alice", "email": "a@x.org"}', '{"name": "Alice", "email": "a@x.org"}', {}),
 ])
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_llama3_json_parser(text, content, calls, step):
@@ -173,6 +194,10 @@ def test_llama3_json_parser_keeps_one_call_without_parallel_calls():
     ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', "", {0: {"name": "f", "arguments": '{"a": 1}'}}),
     ("No tools needed. [TOOL_", "No tools needed. [TOOL_", {}),
     ("  ", "  ", {}),
+    ('[TOOL_CALLS][{"name": "f"}]', "", {0: {"name": "f", "arguments": "{}"}}),  # no arguments: {}
+    # No call after the tag (text, or later models' name[ARGS]{...} format): the text is content.
+    ("Hm. [TOOL_CALLS] sorry, I cannot", "Hm.[TOOL_CALLS] sorry, I cannot", {}),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', {}),
 ])
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_mistral_parser(text, content, calls, step):
@@ -217,11 +242,14 @@ TEMPLATE = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in me
 MESSAGES = [{"role": "user", "content": "weather in Rome?"}]
 
 
-def _app(answer: str, parser: str | None = None, reasoning: str | None = None, spaced: bool = True
-         ) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
-    """``spaced``: the answer streams one token per engine output, as from a real engine."""
+def _app(answer: str, parser: str | None = None, reasoning: str | None = None, spaced: bool = True,
+         think_tokens: bool = False) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
+    """``spaced``: the answer streams one token per engine output, as from a real engine.
+    ``think_tokens``: <think> and </think> are tokens of the vocabulary, as in reasoning models."""
     tokenizer = byte_level_tokenizer.__wrapped__()  # a copy of its own: the template is set on it
     tokenizer.chat_template = TEMPLATE
+    if think_tokens:
+        tokenizer.add_tokens(["<think>", "</think>"])
     client = EngineClient([object()], client_index=1)
     # The answer's tokens, then EOS (finish STOP: the EOS is not part of the text).
     scripted = client._slots[0].channel = ScriptedEngine(
