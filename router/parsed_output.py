@@ -41,7 +41,10 @@ def merge_tool_call_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]
 def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``tag`` (text to hold back
     while the tag may still be arriving)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
+    # Only a tail that starts with the tag's first character can be one (usually none: one find).
+    i = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while i != -1:
+        if tag.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(tag[0], i + 1)
     return 0

@@ -343,6 +343,8 @@ class Llama3JsonToolCallParser(ToolCallParser):
         if self._mode == "content":
             return ParsedDelta(content=text)
         self._text += text
+        if self._mode == "calls" and "}" not in text:
+            return ParsedDelta()  # (an object can only have ended with a closing brace)
         if self._mode == "start":
             head = self._text.lstrip()
             if not head or self.TAG.startswith(head):
