@@ -28,8 +28,8 @@ TEXT = "Hello world, the quick brown fox, jumps over the lazy dog."
 class ScriptedEngine:
     """Admits every request and answers it with one output per token of ``script(request)``; the
     last output carries ``finish`` (and ``stop_reason``). All outputs are queued at once (a reader
-    takes them as one batch), or with ``spaced`` one per event-loop turn, as a real engine streams
-    them step by step."""
+    takes them as one batch), or with ``spaced`` each only once the reader has taken the one
+    before, so every output is a batch of its own, as a real engine streams them step by step."""
 
     def __init__(self, client: EngineClient, script: Callable[[EngineCoreRequest], list[int]],
                  finish: FinishReason = FinishReason.LENGTH, stop_reason: int | None = None, slot: int = 0,
@@ -49,6 +49,7 @@ class ScriptedEngine:
         tokens = self.script(request)[:request.sampling_params.max_tokens]
         queue = self.client._queues[request.request_id]
         params = request.sampling_params
+        outputs = []
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
             logprobs = LogprobsEntry([-0.5], [[]]) if params.logprobs is not None else None
@@ -56,12 +57,21 @@ class ScriptedEngine:
             num_prompt = len(request.prompt_token_ids)
             prompt_logprobs = (LogprobsEntry([-p / 10 for p in range(1, num_prompt)], [[]] * (num_prompt - 1))
                                if i == 0 and params.prompt_logprobs is not None else None)
-            output = EngineCoreOutput(request.request_id, [token], self.finish if last else None,
-                                      self.stop_reason if last else None, logprobs, 0, prompt_logprobs)
-            if self.spaced:
-                asyncio.get_running_loop().call_later(0.002 * (i + 1), queue.put_nowait, output)
-            else:
+            outputs.append(EngineCoreOutput(request.request_id, [token], self.finish if last else None,
+                                            self.stop_reason if last else None, logprobs, 0, prompt_logprobs))
+        if not self.spaced:
+            for output in outputs:
                 queue.put_nowait(output)
+            return
+        loop = asyncio.get_running_loop()
+
+        def deliver() -> None:
+            if queue.empty():  # (the reader took the one before)
+                queue.put_nowait(outputs.pop(0))
+            if outputs:
+                loop.call_later(0.001, deliver)
+
+        deliver()
 
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
