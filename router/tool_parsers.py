@@ -15,13 +15,14 @@ same parser over the whole text (``ChatOutputParser.whole``), so streamed and wh
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 def random_tool_call_id() -> str:
@@ -454,6 +455,107 @@ class MistralToolCallParser(ToolCallParser):
         return uuid.uuid4().hex[:9]
 
 
+class PythonicToolCallParser(ToolCallParser):
+    """``auto`` with ``--tool-call-parser pythonic`` (Llama 3.2, Llama 4's pythonic templates): an
+    answer that is a Python list of calls with keyword arguments, ``[get_weather(city="Rome"),
+    f(n=1)]`` (optionally between ``<|python_start|>`` and ``<|python_end|>``). The calls are
+    released once the list parses; an answer that does not start with ``[`` or never parses as such
+    a list is content, whole (as vLLM)."""
+
+    TAGS = ("<|python_start|>", "<|python_end|>")
+
+    def __init__(self, parallel_tool_calls: bool = True) -> None:
+        super().__init__()
+        self.parallel_tool_calls = parallel_tool_calls
+        self._mode = "start"  # start, list, done (the list parsed), content
+        self._text = ""
+        self._checked = 0  # the code before this has no closing bracket that ends a list of calls
+
+    def feed(self, text: str) -> ParsedDelta:
+        if self._mode == "content":
+            return ParsedDelta(content=text)
+        if self._mode == "done":  # after the list: held for the finish (usually the closing tag)
+            self._rest += text
+            return ParsedDelta()
+        self._text += text
+        if self._mode == "start":
+            head = self._code().lstrip()
+            if not head or any(tag.startswith(self._text.lstrip()) for tag in self.TAGS):
+                return ParsedDelta()  # blanks, or a tag still arriving
+            if not head.startswith("["):
+                self._mode = "content"
+                return ParsedDelta(content=self._text)
+            self._mode = "list"
+        # The list can only end at a closing bracket: try each new one (the first that closes a
+        # list of calls ends it, whether the text was fed whole or in pieces).
+        code = self._code()
+        calls, end = None, self._checked
+        while calls is None:
+            end = code.find("]", end)
+            if end < 0:
+                self._checked = len(code)
+                return ParsedDelta()
+            end += 1
+            calls = self._parse(code[:end].strip())
+        self._mode, self._rest = "done", code[end:]
+        out = ParsedDelta()
+        for name, arguments in calls[:None if self.parallel_tool_calls else 1]:
+            out.tool_calls.append(self._start_call(name, arguments))
+        return out
+
+    def finish(self) -> ParsedDelta:
+        if self._mode in ("start", "list"):  # never a list of calls: the whole answer is content
+            return ParsedDelta(content=self._text)
+        if self._mode == "done":  # text after the list, but for the tags, is content
+            rest = self._without_tags(self._rest)
+            return ParsedDelta(content=rest if rest.strip() else "")
+        return ParsedDelta()
+
+    def _code(self) -> str:
+        return self._without_tags(self._text)
+
+    def _without_tags(self, text: str) -> str:
+        for tag in self.TAGS:
+            text = text.replace(tag, "")
+        return text
+
+    @staticmethod
+    def _parse(code: str) -> list[tuple[str, str]] | None:
+        """The (name, JSON of the keyword arguments) of a list of calls, or None when ``code`` is
+        not one."""
+        try:
+            tree = ast.parse(code, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for call in tree.elts:
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args):
+                return None
+            try:
+                arguments = json.dumps({kw.arg: _literal(kw.value) for kw in call.keywords if kw.arg is not None},
+                                       ensure_ascii=False)
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return None  # not literals (a call, a name...), or keys JSON cannot take
+            calls.append((call.func.id, arguments))
+        return calls
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.expr) -> Any:
+    """A call argument's value: Python literals, and JSON's true/false/null as models write them."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True) if k is not None}
+    return ast.literal_eval(node)
+
+
 def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None,
                             parallel_tool_calls: bool = True) -> ToolCallParser | None:
     """The parser a chat request's effective ``tool_choice`` needs (None: plain content)."""
@@ -468,5 +570,7 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
             return Llama3JsonToolCallParser(parallel_tool_calls)
         if server_parser == "mistral":
             return MistralToolCallParser(parallel_tool_calls)
+        if server_parser == "pythonic":
+            return PythonicToolCallParser(parallel_tool_calls)
         raise ValueError(f"unknown tool call parser {server_parser!r}")
     return None

@@ -72,7 +72,7 @@ def test_tool_calling_flags_and_the_chat_template_reach_the_router(tmp_path):
     assert inline.chat_template == "{{ messages[0]['content'] }}"
     for flag in ("--tool-call-parser", "--reasoning-parser"):
         with pytest.raises(SystemExit):
-            build_parser().parse_args(["serve", flag, "pythonic"])
+            build_parser().parse_args(["serve", flag, "granite"])
 
 
 def test_api_keys_come_from_the_flag_or_the_environment(monkeypatch):

@@ -23,6 +23,7 @@ from router.tool_parsers import (
     Llama3JsonToolCallParser,
     MistralToolCallParser,
     NamedToolCallParser,
+    PythonicToolCallParser,
     RequiredToolCallParser,
     ToolCallParser,
 )
@@ -214,6 +215,26 @@ def test_mistral_parser_keeps_one_call_without_parallel_calls():
     assert _streamed(MistralToolCallParser(False), text, 3) == ("", {0: {"name": "f", "arguments": "{}"}})
 
 
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('[get_weather(city="Rome", days=[1, 2]), now()]', "",
+     {0: {"name": "get_weather", "arguments": '{"city": "Rome", "days": [1, 2]}'},
+      1: {"name": "now", "arguments": "{}"}}),
+    ('<|python_start|>[f(a=true, b=null, c={"x": "]"})]<|python_end|>', "",
+     {0: {"name": "f", "arguments": '{"a": true, "b": null, "c": {"x": "]"}}'}}),
+    ('[f(a=1)] and more', " and more", {0: {"name": "f", "arguments": '{"a": 1}'}}),
+    ("Hello [f(a=1)]", "Hello [f(a=1)]", {}),  # not starting with the list: content
+    ("[f(a=1)", "[f(a=1)", {}),  # cut off: the whole answer is content
+    ("[1, 2]", "[1, 2]", {}),  # a list, but not of calls
+    ('[f(x=open("/etc/passwd"))]', '[f(x=open("/etc/passwd"))]', {}),  # only literals are arguments
+])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_pythonic_parser(text, content, calls, step):
+    assert _streamed(PythonicToolCallParser(), text, step) == (content, calls)
+    whole_content, whole_calls = collect(PythonicToolCallParser(), text)
+    assert whole_content == (content if content or not calls else None)
+    assert {i: c["function"] for i, c in enumerate(whole_calls)} == calls
+
+
 def test_constraints_for_named_and_required_choices_compile():
     named = tool_choice_constraint([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, True)
     assert named == {"json": WEATHER["function"]["parameters"]}
@@ -384,8 +405,9 @@ def test_continue_final_message_leaves_the_last_message_open():
 @pytest.mark.parametrize(("parser", "answer"), [
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}'),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]'),
+    ("pythonic", '[get_weather(city="Rome")]'),
 ])
-def test_auto_tool_choice_with_the_llama3_json_and_mistral_parsers(parser, answer):
+def test_auto_tool_choice_with_the_other_parsers(parser, answer):
     http, _, _ = _app(answer, parser=parser)
     body = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]}
     choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
