@@ -37,6 +37,17 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: an object of anything
 
 
+def _streamed_and_whole_agree(make: type[ToolCallParser], text: str, step: int, content: str,
+                              calls: dict[int, dict[str, str]]) -> list[dict]:
+    """The parser streamed in pieces of ``step`` and run on the whole text gives ``content`` and
+    ``calls`` (a whole answer of calls alone has null content); returns the whole answer's calls."""
+    assert _streamed(make(), text, step) == (content, calls)
+    whole_content, whole_calls = collect(make(), text)
+    assert whole_content == (content if content or not calls else None)
+    assert {i: c["function"] for i, c in enumerate(whole_calls)} == calls
+    return whole_calls
+
+
 def collect(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict]]:
     """A whole answer's content and calls, as the server makes them."""
     answer = ChatOutputParser(None, parser).whole(text)
@@ -178,10 +189,7 @@ def test_hermes_calls_alone_have_no_content_and_nothing_is_invented():
 ])
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_llama3_json_parser(text, content, calls, step):
-    assert _streamed(Llama3JsonToolCallParser(), text, step) == (content, calls)
-    whole_content, whole_calls = collect(Llama3JsonToolCallParser(), text)
-    assert whole_content == (content if content or not calls else None)
-    assert {i: c["function"] for i, c in enumerate(whole_calls)} == calls
+    _streamed_and_whole_agree(Llama3JsonToolCallParser, text, step, content, calls)
 
 
 def test_llama3_json_parser_keeps_one_call_without_parallel_calls():
@@ -202,10 +210,7 @@ def test_llama3_json_parser_keeps_one_call_without_parallel_calls():
 ])
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_mistral_parser(text, content, calls, step):
-    assert _streamed(MistralToolCallParser(), text, step) == (content, calls)
-    whole_content, whole_calls = collect(MistralToolCallParser(), text)
-    assert whole_content == (content if content or not calls else None)
-    assert {i: c["function"] for i, c in enumerate(whole_calls)} == calls
+    whole_calls = _streamed_and_whole_agree(MistralToolCallParser, text, step, content, calls)
     # Mistral's templates take back only 9-character alphanumeric call ids.
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in whole_calls)
 
@@ -229,10 +234,7 @@ def test_mistral_parser_keeps_one_call_without_parallel_calls():
 ])
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_pythonic_parser(text, content, calls, step):
-    assert _streamed(PythonicToolCallParser(), text, step) == (content, calls)
-    whole_content, whole_calls = collect(PythonicToolCallParser(), text)
-    assert whole_content == (content if content or not calls else None)
-    assert {i: c["function"] for i, c in enumerate(whole_calls)} == calls
+    _streamed_and_whole_agree(PythonicToolCallParser, text, step, content, calls)
 
 
 def test_constraints_for_named_and_required_choices_compile():
