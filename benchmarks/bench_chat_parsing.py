@@ -22,7 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from router.chat_parsing import ChatOutputParser
 from router.reasoning_parsers import create_reasoning_parser
 from router.serving import chat_token_chunk
-from router.tool_parsers import HermesToolCallParser, Llama3JsonToolCallParser, RequiredToolCallParser
+from router.tool_parsers import (
+    HermesToolCallParser,
+    Llama3JsonToolCallParser,
+    PythonicToolCallParser,
+    RequiredToolCallParser,
+)
 
 
 def answers(size: int) -> dict[str, str]:
@@ -36,6 +41,7 @@ def answers(size: int) -> dict[str, str]:
                   "</tool_call>",
         "required": json.dumps([{"name": "search", "parameters": json.loads(arguments)}]),
         "llama3_json": json.dumps({"name": "search", "parameters": json.loads(arguments)}),
+        "pythonic": f'[search(query="{words[: size * 2]}", limit=10)]',
         "deepseek_r1 + hermes": f"{thinking}</think><tool_call>{json.dumps({'name': 'search', 'arguments': {}})}"
                                 "</tool_call>",
     }
@@ -46,6 +52,7 @@ PARSERS: dict[str, Callable[[], ChatOutputParser | None]] = {
     "hermes": lambda: ChatOutputParser(None, HermesToolCallParser()),
     "required": lambda: ChatOutputParser(None, RequiredToolCallParser()),
     "llama3_json": lambda: ChatOutputParser(None, Llama3JsonToolCallParser()),
+    "pythonic": lambda: ChatOutputParser(None, PythonicToolCallParser()),
     "deepseek_r1 + hermes": lambda: ChatOutputParser(create_reasoning_parser("deepseek_r1"), HermesToolCallParser()),
 }
 
