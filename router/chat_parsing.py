@@ -21,10 +21,12 @@ class ChatAnswer:
 
 class ChatOutputParser:
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None,
-                 include_reasoning: bool = True) -> None:
+                 include_reasoning: bool = True, parallel_tool_calls: bool = True) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.include_reasoning = include_reasoning
+        # False: only the first call goes out (as vLLM keeps only the first), whatever the format.
+        self.parallel_tool_calls = parallel_tool_calls
         self.reasoned = False  # some reasoning was read (returned or not)
 
     def feed(self, text: str) -> ParsedDelta:
@@ -43,6 +45,8 @@ class ChatOutputParser:
             if final:
                 released.extend(self.tools.finish())
             out.content, out.tool_calls = released.content, released.tool_calls
+            if not self.parallel_tool_calls:
+                out.tool_calls = [d for d in out.tool_calls if d["index"] == 0]
         return out
 
     def finish_reason(self, finish_reason: str | None) -> str | None:

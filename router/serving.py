@@ -185,13 +185,15 @@ class OpenAIServing:
         """What splits a choice's text, if anything: the server's reasoning parser (when the answer
         may think: not after a prompt that closed the thinking, and under an output constraint only
         when the constraint starts after the thinking) and the tool-call parser the tool choice needs."""
-        tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser, request.parallel_tool_calls)
+        tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser)
         reasoning = None
         if thinks and (request.structured_output is None or self._thinks_before_constraint()):
             reasoning = create_reasoning_parser(self.settings.reasoning_parser)
         if tools is None and reasoning is None:
             return None
-        return ChatOutputParser(reasoning, tools, request.include_reasoning)
+        # (Under "required" the grammar itself allows one call only; under "auto" the parser keeps one.)
+        return ChatOutputParser(reasoning, tools, request.include_reasoning,
+                                parallel_tool_calls=request.parallel_tool_calls or tool_choice != "auto")
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -247,17 +247,15 @@ class HermesToolCallParser(ToolCallParser):
       arrive (verbatim; ``{}`` when the block has none). A block without a name stays content.
     - Trailing blanks are held back until other text follows, so the blanks just before or
       between calls are not content and a reply of calls alone has none.
-    - With ``parallel_tool_calls`` false, blocks after the first call are dropped (as vLLM keeps
-      only the first call)."""
+"""
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self, parallel_tool_calls: bool = True) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.parallel_tool_calls = parallel_tool_calls
         self._pending = ""  # content that may be the start of a tag, or the current block's body
         self._in_call = False
-        self._scanner: CallScanner | None = None  # the current block's (None: a dropped block)
+        self._scanner: CallScanner | None = None  # the current block's
         self._fed = 0  # how much of the block's body the scanner has read
         self._content = ContentWithHeldBlanks()
 
@@ -303,21 +301,21 @@ class HermesToolCallParser(ToolCallParser):
 
     def _start_block(self) -> None:
         self._in_call, self._fed = True, 0
-        dropped = self.calls and not self.parallel_tool_calls
-        self._scanner = None if dropped else CallScanner(self, depth=1, args_key="arguments")
+        self._scanner = CallScanner(self, depth=1, args_key="arguments")
 
     def _scan(self, upto: int, out: ParsedDelta) -> None:
-        if self._scanner is not None and upto > self._fed:
+        assert self._scanner is not None  # (inside a block)
+        if upto > self._fed:
             self._scanner.feed(self._pending[self._fed:upto], out)
-        self._fed = max(self._fed, upto)
+            self._fed = upto
 
     def _end_call(self, body: str, closed: bool, out: ParsedDelta) -> None:
         scanner, self._scanner, self._in_call = self._scanner, None, False
-        if scanner is not None:
-            scanner.finish(out)
-        if scanner is not None and scanner.index is None:  # no call in it: the block was text
+        assert scanner is not None
+        scanner.finish(out)
+        if scanner.index is None:  # no call in it: the block was text
             self._add_content(self.START + body + (self.END if closed else ""), out)
-        else:  # a call, or a block dropped (parallel_tool_calls false)
+        else:
             self._content.drop()
 
     def _add_content(self, text: str, out: ParsedDelta) -> None:
@@ -332,9 +330,8 @@ class Llama3JsonToolCallParser(ToolCallParser):
 
     TAG = "<|python_tag|>"
 
-    def __init__(self, parallel_tool_calls: bool = True) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.parallel_tool_calls = parallel_tool_calls
         self._mode = "start"  # start, calls, content
         self._text = ""  # everything read in calls mode (kept whole, for the fallback to content)
         self._parsed_to = 0  # where in _text the next object starts
@@ -375,8 +372,6 @@ class Llama3JsonToolCallParser(ToolCallParser):
                 return out  # not a call: decided at the finish (as vLLM, a call needs its arguments)
             arguments = obj.get("arguments", obj.get("parameters"))
             self._parsed_to = end
-            if self.calls and not self.parallel_tool_calls:
-                continue  # a further call with parallel_tool_calls false: dropped
             out.tool_calls.append(self._start_call(name, json.dumps(arguments, ensure_ascii=False)))
 
     def finish(self) -> ParsedDelta:
@@ -402,9 +397,8 @@ class MistralToolCallParser(ToolCallParser):
 
     TAG = "[TOOL_CALLS]"
 
-    def __init__(self, parallel_tool_calls: bool = True) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.parallel_tool_calls = parallel_tool_calls
         self._pending = ""
         self._content = ContentWithHeldBlanks()
         self._scanner: CallScanner | None = None  # set once the tag has been read
@@ -433,12 +427,9 @@ class MistralToolCallParser(ToolCallParser):
         assert self._scanner is not None
         if not self.calls:
             self._after_tag += text
-        calls = ParsedDelta()
-        self._scanner.feed(text, calls)
+        self._scanner.feed(text, out)
         if final:
-            self._scanner.finish(calls)
-        # parallel_tool_calls false: only the first call's deltas go out.
-        out.tool_calls += [d for d in calls.tool_calls if self.parallel_tool_calls or d["index"] == 0]
+            self._scanner.finish(out)
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
@@ -464,9 +455,8 @@ class PythonicToolCallParser(ToolCallParser):
 
     TAGS = ("<|python_start|>", "<|python_end|>")
 
-    def __init__(self, parallel_tool_calls: bool = True) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.parallel_tool_calls = parallel_tool_calls
         self._mode = "start"  # start, list, done (the list parsed), content
         self._text = ""
         self._checked = 0  # the code before this has no closing bracket that ends a list of calls
@@ -499,7 +489,7 @@ class PythonicToolCallParser(ToolCallParser):
             calls = self._parse(code[:end].strip())
         self._mode, self._rest = "done", code[end:]
         out = ParsedDelta()
-        for name, arguments in calls[:None if self.parallel_tool_calls else 1]:
+        for name, arguments in calls:
             out.tool_calls.append(self._start_call(name, arguments))
         return out
 
@@ -556,8 +546,7 @@ def _literal(node: ast.expr) -> Any:
     return ast.literal_eval(node)
 
 
-def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None,
-                            parallel_tool_calls: bool = True) -> ToolCallParser | None:
+def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None) -> ToolCallParser | None:
     """The parser a chat request's effective ``tool_choice`` needs (None: plain content)."""
     if isinstance(tool_choice, dict):
         return NamedToolCallParser(tool_choice["function"]["name"])
@@ -565,12 +554,12 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
         return RequiredToolCallParser()
     if tool_choice == "auto":
         if server_parser == "hermes":
-            return HermesToolCallParser(parallel_tool_calls)
+            return HermesToolCallParser()
         if server_parser == "llama3_json":
-            return Llama3JsonToolCallParser(parallel_tool_calls)
+            return Llama3JsonToolCallParser()
         if server_parser == "mistral":
-            return MistralToolCallParser(parallel_tool_calls)
+            return MistralToolCallParser()
         if server_parser == "pythonic":
-            return PythonicToolCallParser(parallel_tool_calls)
+            return PythonicToolCallParser()
         raise ValueError(f"unknown tool call parser {server_parser!r}")
     return None

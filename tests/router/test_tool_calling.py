@@ -48,9 +48,9 @@ def _streamed_and_whole_agree(make: type[ToolCallParser], text: str, step: int, 
     return whole_calls
 
 
-def collect(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict]]:
+def collect(parser: ToolCallParser, text: str, parallel_tool_calls: bool = True) -> tuple[str | None, list[dict]]:
     """A whole answer's content and calls, as the server makes them."""
-    answer = ChatOutputParser(None, parser).whole(text)
+    answer = ChatOutputParser(None, parser, parallel_tool_calls=parallel_tool_calls).whole(text)
     return answer.content, answer.tool_calls
 
 
@@ -64,12 +64,15 @@ def merged_calls(deltas: list[dict]) -> list[dict[str, str]]:
     return list(calls.values())
 
 
-def _streamed(parser: ToolCallParser, text: str, step: int) -> tuple[str, dict[int, dict[str, str]]]:
-    """Feed ``text`` in pieces of ``step`` characters and merge the deltas as a client does."""
+def _streamed(parser: ToolCallParser, text: str, step: int,
+              parallel_tool_calls: bool = True) -> tuple[str, dict[int, dict[str, str]]]:
+    """Feed ``text`` in pieces of ``step`` characters (through the server's per-choice parser) and
+    merge the deltas as a client does."""
+    choice = ChatOutputParser(None, parser, parallel_tool_calls=parallel_tool_calls)
     out = ParsedDelta()
     for i in range(0, len(text), step):
-        out.extend(parser.feed(text[i:i + step]))
-    out.extend(parser.finish())
+        out.extend(choice.feed(text[i:i + step]))
+    out.extend(choice.finish())
     calls: dict[int, dict[str, str]] = {}
     for delta in out.tool_calls:
         if "id" in delta:
@@ -171,7 +174,7 @@ def test_hermes_calls_alone_have_no_content_and_nothing_is_invented():
     nameless = 'Hi <tool_call>{"arguments": {"a": 1}}'
     assert collect(HermesToolCallParser(), nameless) == (nameless, [])
     # parallel_tool_calls false: the first call only.
-    assert [c["function"]["name"] for c in collect(HermesToolCallParser(parallel_tool_calls=False), two_calls)[1]] \
+    assert [c["function"]["name"] for c in collect(HermesToolCallParser(), two_calls, parallel_tool_calls=False)[1]] \
         == ["f"]
 
 
@@ -194,7 +197,8 @@ def test_llama3_json_parser(text, content, calls, step):
 
 def test_llama3_json_parser_keeps_one_call_without_parallel_calls():
     text = '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}'
-    assert [c["function"]["name"] for c in collect(Llama3JsonToolCallParser(False), text)[1]] == ["f"]
+    calls = collect(Llama3JsonToolCallParser(), text, parallel_tool_calls=False)[1]
+    assert [c["function"]["name"] for c in calls] == ["f"]
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), [
@@ -217,7 +221,8 @@ def test_mistral_parser(text, content, calls, step):
 
 def test_mistral_parser_keeps_one_call_without_parallel_calls():
     text = '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"b": 2}}]'
-    assert _streamed(MistralToolCallParser(False), text, 3) == ("", {0: {"name": "f", "arguments": "{}"}})
+    assert _streamed(MistralToolCallParser(), text, 3, parallel_tool_calls=False) == (
+        "", {0: {"name": "f", "arguments": "{}"}})
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), [
