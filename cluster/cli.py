@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -46,6 +47,16 @@ SCHEDULER_ARGS = [
 FLAG_ALIASES = {"--num-gpu-blocks": ("--num-gpu-blocks-override",)}
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     serve.add_argument("--dtype", default=None)
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="Queue limit per engine (429 beyond).")
+    serve.add_argument("--speculative-config", type=_json_object, default=None,
+                       help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.')
     serve.add_argument("--engine-config", default=None, help="YAML list of per-engine flag overrides.")
     serve.add_argument("--routing-policy", default="least_loaded",
                        choices=["round_robin", "least_loaded", "prefix_aware", "session"])
@@ -99,7 +113,7 @@ def cluster_config_from_args(args: argparse.Namespace):
     defaults = {"tensor_parallel_size": args.tensor_parallel_size, "scheduling_policy": args.scheduling_policy,
                 "enable_prefix_caching": args.enable_prefix_caching,
                 "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
-                "max_waiting_requests": args.max_waiting_requests}
+                "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config}
     for flag, _, _ in SCHEDULER_ARGS:
         name = flag.lstrip("-").replace("-", "_")
         defaults[name] = getattr(args, name)

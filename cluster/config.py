@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine_core.config import EngineConfig, SchedulerConfig
+from engine_core.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from router.reasoning_parsers import REASONING_PARSERS
 from router.routing import ROUTING_POLICIES
 from router.tool_parsers import TOOL_CALL_PARSERS
@@ -53,6 +53,9 @@ class EngineSpec(BaseModel):
     max_waiting_requests: int | None = Field(None, description="Queue limit before requests get HTTP 429.")
     engine_niceness: int | None = Field(None, description="Niceness added to the engine's compute threads "
                                         "(default: 4 on CPU engines, 0 on GPU engines).")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description='Speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
+                          '"prompt_lookup_max": 4, "prompt_lookup_min": 2}.')
 
 
 _DEFAULTS = EngineSpec(
@@ -155,7 +158,8 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
             long_prefill_token_threshold=s["long_prefill_token_threshold"],
             max_num_partial_prefills=s["max_num_partial_prefills"],
             max_long_partial_prefills=s["max_long_partial_prefills"], policy=s["scheduling_policy"])
-    except ValueError as e:
+        speculative = SpeculativeConfig.from_dict(s["speculative_config"])
+    except (ValueError, TypeError) as e:
         raise ValueError(f"engine {index}: {e}") from None
     return EngineConfig(
         model=model, served_model_name=served_model_name, engine_index=index,
@@ -167,7 +171,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         resources_per_worker=tuple(sorted((s["resources"] or {}).items())),
         node_labels=tuple(sorted((s["node_labels"] or {}).items())), seed=seed,
         executor_backend=s["executor_backend"], max_waiting_requests=s["max_waiting_requests"],
-        engine_niceness=s["engine_niceness"])
+        engine_niceness=s["engine_niceness"], speculative_config=speculative)
 
 
 def load_engine_overrides(path: str) -> list[EngineSpec]:

@@ -94,6 +94,46 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config``). Only ``ngram`` (prompt lookup) is
+    built: the draft is the tokens that followed the latest earlier occurrence of the context's last
+    n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    # None: the other bound, or 5 when both are None (vLLM's defaults).
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.method == "ngram", "speculative_config.method", "'ngram' (the only drafter built)",
+                 self.method)
+        _require(isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
+                 "speculative_config.num_speculative_tokens", ">= 1", self.num_speculative_tokens)
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        _require(isinstance(lo, int) and lo >= 1, "speculative_config.prompt_lookup_min", ">= 1", lo)
+        _require(isinstance(hi, int) and hi >= lo, "speculative_config.prompt_lookup_max",
+                 f">= prompt_lookup_min ({lo})", hi)
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> SpeculativeConfig | None:
+        if data is None:
+            return None
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(data) - known)
+        _require(not unknown, "speculative_config", f"a mapping of {', '.join(sorted(known))}", unknown)
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine (one EngineCore actor + its TP worker group) needs; engines may differ."""
 
@@ -128,6 +168,8 @@ class EngineConfig:
     # the ingress and the engine's I/O run first on a contended node (engine_core.cpu_priority).
     # None: 4 for engines that compute on the CPU, 0 for GPU engines (whose kernel launches must not wait).
     engine_niceness: int | None = None
+    # Speculative decoding; None: one token per request per pass.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         where = f"engine {self.engine_index}: "

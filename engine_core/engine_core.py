@@ -23,6 +23,7 @@ from engine_core.outputs import (
 from engine_core.request import FinishReason, Request, RequestStatus
 from engine_core.sched.output import SchedulerOutput
 from engine_core.sched.scheduler import PauseState, Scheduler
+from engine_core.spec_decode import NgramProposer
 from engine_core.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -56,15 +57,19 @@ class EngineCore:
                 "or give the cache more memory (--num-gpu-blocks, --kv-cache-memory-bytes, "
                 "--gpu-memory-utilization)")
         self.scheduler_config = sched_cfg
+        spec = config.speculative_config
         self.scheduler = Scheduler(sched_cfg, config.cache_config(num_blocks), log_stats=config.log_stats,
-                                   include_finished_set=True)
+                                   include_finished_set=True,
+                                   num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0)
+        # Speculative decoding: drafts are proposed here, from token ids, after every pass.
+        self.drafter = NgramProposer(spec, sched_cfg.max_model_len) if spec is not None else None
         self.last_stats = SchedulerStats()
         self.num_steps = 0
         # The last pass scheduled and produced nothing (paused, or nothing admissible yet).
         self.last_step_idle = False
         # Totals since start (the scheduler's counters are per-pass deltas).
         self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
-                        "max_step_tokens": 0}
+                        "max_step_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         # Made at the first structured-output request (xgrammar and the tokenizer load then).
         self._structured: StructuredOutputManager | None = None
 
@@ -142,6 +147,8 @@ class EngineCore:
         else:
             model_output = _EMPTY_MODEL_OUTPUT
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.drafter is not None and self.scheduler.running:
+            self.scheduler.update_draft_token_ids(self.drafter.propose(self.scheduler.running))
         failed += self._advance_grammars(outputs)
         for request_id, message in failed:
             self._fail_request(outputs, request_id, message)
@@ -160,6 +167,10 @@ class EngineCore:
                 totals["prefix_hits"] += stats.prefix_cache_stats.hits
                 totals["preemptions"] += stats.num_preemptions
                 totals["max_step_tokens"] = max(totals["max_step_tokens"], stats.step_num_scheduled_tokens)
+                if stats.spec_decoding_stats is not None:
+                    totals["drafts"] += stats.spec_decoding_stats.num_drafts
+                    totals["draft_tokens"] += stats.spec_decoding_stats.num_draft_tokens
+                    totals["accepted_tokens"] += stats.spec_decoding_stats.num_accepted_tokens
         return outputs
 
     # -- structured output (the grammars live beside the scheduler, see structured_output.py) --------
@@ -226,7 +237,8 @@ class EngineCore:
             num_unfinished_requests=scheduler.get_num_unfinished_requests(),
             prefix_cache_queries=t["prefix_queries"], prefix_cache_hits=t["prefix_hits"],
             num_preemptions=t["preemptions"], num_requests_added=t["added"], num_requests_finished=t["finished"],
-            max_step_num_scheduled_tokens=t["max_step_tokens"])
+            max_step_num_scheduled_tokens=t["max_step_tokens"], spec_decode_num_drafts=t["drafts"],
+            spec_decode_num_draft_tokens=t["draft_tokens"], spec_decode_num_accepted_tokens=t["accepted_tokens"])
 
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""

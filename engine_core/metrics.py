@@ -135,6 +135,14 @@ class EngineMetrics:
             "tensor_parallel_size": str(config.tensor_parallel_size), "block_size": str(config.block_size),
             "enable_prefix_caching": str(config.enable_prefix_caching)}
         self._policy = scheduler_config.policy
+        spec = config.speculative_config
+        if spec is not None:
+            self.flags["speculative_config"] = (f"{spec.method} k={spec.num_speculative_tokens} "
+                                                f"n={spec.prompt_lookup_min}..{spec.prompt_lookup_max}")
+        # Speculative decoding counters (exported only when the engine drafts, as vLLM does).
+        self.spec: dict[str, float] | None = (dict.fromkeys(("drafts", "draft_tokens", "accepted_tokens"), 0.0)
+                                              if spec is not None else None)
+        self.spec_accepted_per_pos = [0.0] * (spec.num_speculative_tokens if spec is not None else 0)
         self._tracked: dict[str, _Tracked] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
@@ -214,6 +222,13 @@ class EngineMetrics:
             self.iteration_tokens.observe(stats.step_num_scheduled_tokens)
         c["budget_used"] += stats.num_scheduled_tokens
         c["budget_total"] += stats.step_token_budget * stats.num_steps
+        sd = stats.spec_decoding_stats
+        if sd is not None and self.spec is not None:
+            self.spec["drafts"] += sd.num_drafts
+            self.spec["draft_tokens"] += sd.num_draft_tokens
+            self.spec["accepted_tokens"] += sd.num_accepted_tokens
+            for pos, n in enumerate(sd.num_accepted_tokens_per_pos[:len(self.spec_accepted_per_pos)]):
+                self.spec_accepted_per_pos[pos] += n
 
     # -- exposition (scrape time) ------------------------------------------------------------------
 
@@ -259,6 +274,17 @@ class EngineMetrics:
         by_policy.add_metric([*values, self._policy], c["preemptions"])
         yield by_policy
         yield gauge("llm_cluster:kv_cache_num_blocks", "KV blocks in this engine's pool.", g["num_blocks"])
+        if self.spec is not None:
+            sp = self.spec
+            yield counter("vllm:spec_decode_num_drafts", "Requests whose draft tokens a pass verified.", sp["drafts"])
+            yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", sp["draft_tokens"])
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", sp["accepted_tokens"])
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft (0: the first).",
+                                          labels=[*labels, "position"])
+            for pos, n in enumerate(self.spec_accepted_per_pos):
+                per_pos.add_metric([*values, str(pos)], n)
+            yield per_pos
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

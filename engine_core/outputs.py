@@ -93,6 +93,25 @@ class PrefixCacheStats(msgspec.Struct):
         return self.hits / self.queries if self.queries else 0.0
 
 
+class SpecDecodingStats(msgspec.Struct):
+    """Speculative decoding since the previous make_stats() (counters, as vLLM's)."""
+
+    num_spec_tokens: int = 0
+    # Requests whose drafts a pass verified, the draft tokens verified, and those accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [num_spec_tokens]: accepted drafts at each draft position (position 0 = the first draft token).
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+
 class SchedulerStats(msgspec.Struct):
     # Gauges: instantaneous at make_stats() time.
     num_running_reqs: int = 0
@@ -110,6 +129,8 @@ class SchedulerStats(msgspec.Struct):
     # The last pass: tokens scheduled out of the budget it started with.
     step_num_scheduled_tokens: int = 0
     step_token_budget: int = 0
+    # Present when the engine drafts (speculative decoding).
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -139,3 +160,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_requests_added: int = 0
     num_requests_finished: int = 0
     max_step_num_scheduled_tokens: int = 0
+    # Speculative decoding since start: passes that verified a request's drafts, drafts, accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0

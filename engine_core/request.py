@@ -96,6 +96,7 @@ class Request:
         "request_id",
         "resumable",
         "sampling_params",
+        "spec_token_ids",
         "status",
         "stop_reason",
         "streaming_queue",
@@ -127,6 +128,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Draft tokens (speculative decoding) the next pass verifies after the last known token.
+        self.spec_token_ids: list[int] = []
         # Prompt tokens found in the prefix cache at first admission (-1: not admitted yet).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -144,6 +147,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -38,6 +38,7 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "model_path_or_config": str(model_dir), "device": config.device, "dtype": config.dtype,
         "max_model_len": max_model_len, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.token_budget, "num_cpus": num_cpus, "seed": config.seed,
+        "num_spec_tokens": config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
     }
 
 

@@ -3,7 +3,9 @@
 Per step: fold the scheduler's diffs into the per-request state, lay every scheduled token out in
 one flat batch (decodes first, then prefill chunks, each starting at its num_computed_tokens), run
 the model once, compute logits only for requests whose known tokens are all in the cache after this
-step, and sample one token for each of those. All per-token arrays are built with numpy.
+step, and sample one token for each of those. A request with draft tokens (speculative decoding)
+has them laid out after its last token and gets logits at each; the rejection sampler keeps the
+drafts the model agrees with, plus one token of its own. All per-token arrays are built with numpy.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models import build_model
+from gpu_worker.rejection_sampler import rejection_sample
 from gpu_worker.request_state import RequestState, RequestStates
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from gpu_worker.weights import iter_safetensors, load_weights
@@ -50,7 +53,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048) -> None:
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_spec_tokens: int = 0) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -63,6 +66,8 @@ class ModelRunner:
                              f"must not exceed the model's sliding_window ({model_config.sliding_window})")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Speculative decoding: a request may have this many draft tokens, each with its own logits row.
+        self.num_spec_tokens = num_spec_tokens
         self.model: nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
@@ -128,7 +133,7 @@ class ModelRunner:
                                             0, slots, block_size, self.device)
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta)
-            rows = min(self.max_num_seqs, num_tokens)
+            rows = min(self.max_num_seqs * (1 + self.num_spec_tokens), num_tokens)
             logits = self.model.compute_logits(hidden[:rows])
             if logits is not None:
                 n = logits.shape[0]
@@ -149,6 +154,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.requests.update(so)
+        spec = so.scheduled_spec_decode_tokens
+        for req_id, draft in spec.items():
+            # Computed after the request's last token; the ones the target model rejects are dropped.
+            self.requests[req_id].token_ids.extend(draft)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput([], {}, [], None)
         if self.model is None or not self.kv_caches:
@@ -161,13 +170,18 @@ class ModelRunner:
         num_decodes = int(np.count_nonzero(num_sched == 1))
         # (index, first position) of requests whose prompt logprobs this step's chunk extends.
         prompt_lp_chunks = [(i, s.num_computed_tokens) for i, s in enumerate(states) if s.wants_prompt_logprobs]
-        hidden, sample_rows, logits_idx = self._forward(states, num_sched, num_decodes)
+        num_drafts = (np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
+                      if spec else None)
+        hidden, sample_rows, logits_idx = self._forward(states, num_sched, num_decodes, num_drafts)
         prompt_logprobs = (self._prompt_logprobs(hidden, states, num_sched, prompt_lp_chunks)
                            if prompt_lp_chunks else None)
 
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list[LogprobsEntry | None] | None = None
-        if sample_rows:
+        if sample_rows and num_drafts is not None:
+            logprobs = self._verify_drafts(so, hidden.index_select(0, logits_idx), states, sample_rows,
+                                           num_drafts, sampled)
+        elif sample_rows:
             # A decode-only step samples every token: no row selection needed.
             rows = hidden if len(sample_rows) == hidden.shape[0] else hidden.index_select(0, logits_idx)
             logits = self.model.compute_logits(rows)
@@ -231,8 +245,54 @@ class ModelRunner:
                 state.prompt_logprobs_sent = True
         return done if done and (values is not None or not rows) else None
 
-    def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int
-                 ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    def _verify_drafts(self, so: SchedulerOutput, rows: torch.Tensor, states: list[RequestState],
+                       sample_rows: list[int], num_drafts: np.ndarray, sampled: list[list[int]]
+                       ) -> list[LogprobsEntry | None] | None:
+        """A pass with draft tokens: ``rows`` holds the hidden states of each sampled request's last
+        token and its drafts. Keeps the drafts the target model accepts (see rejection_sampler.py),
+        fills ``sampled`` and returns the logprobs entries."""
+        logits = self.model.compute_logits(rows)
+        if logits is None:  # TP ranks other than 0: the next pass's diffs say what was kept
+            return None
+        sample_states = [states[i] for i in sample_rows]
+        counts = [1 + int(num_drafts[i]) for i in sample_rows]
+        # Each request's settings on each of its rows.
+        row_states = [s for s, c in zip(sample_states, counts, strict=True) for _ in range(c)]
+        md = self._sampling_metadata(row_states, logits.shape[1])
+        if so.grammar_bitmask is not None:  # (a grammar's requests get no drafts: one row each)
+            md.grammar_bitmask = self._grammar_rows(so.grammar_bitmask, row_states)
+        drafts = [s.token_ids[len(s.token_ids) - c + 1:] for s, c in zip(sample_states, counts, strict=True)]
+        tokens = rejection_sample(logits, md, drafts)
+        first_rows = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
+        for i, state, draft, toks in zip(sample_rows, sample_states, drafts, tokens, strict=True):
+            sampled[i] = toks
+            # The drafts computed but rejected are not in the cache: the next pass recomputes from here.
+            num_rejected = len(draft) - (len(toks) - 1)
+            state.num_computed_tokens -= num_rejected
+            del state.token_ids[len(state.token_ids) - len(draft):]
+            state.token_ids.extend(toks)
+        if md.max_num_logprobs is None:
+            return None
+        # Logprobs of the model's raw distribution at the row each output token was drawn from.
+        raw = logits.float().log_softmax(dim=-1)
+        entries: list[LogprobsEntry | None] = [None] * len(states)
+        for i, state, toks, first in zip(sample_rows, sample_states, tokens, first_rows, strict=True):
+            n = state.sampling_params.logprobs
+            if n is None:
+                continue
+            at = raw[first:first + len(toks)]
+            ids = torch.tensor(toks, device=at.device).unsqueeze(1)
+            lp = at.gather(1, ids)
+            ranks = ((at > lp).sum(dim=1) + 1).tolist()
+            top = at.topk(n, dim=-1) if n else None
+            top_lists = ([list(zip(t, v, strict=True)) for t, v in zip(top.indices.tolist(), top.values.tolist(),
+                                                                        strict=True)]
+                         if top is not None else [[] for _ in toks])
+            entries[i] = LogprobsEntry(sampled_logprobs=lp.squeeze(1).tolist(), top_logprobs=top_lists, ranks=ranks)
+        return entries
+
+    def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int,
+                 num_drafts: np.ndarray | None = None) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         block_size = self.block_size
         num_reqs = len(states)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
@@ -266,7 +326,13 @@ class ModelRunner:
         # A request samples once its chunk reaches the end of everything it knows (prompt done).
         total_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
         sample_rows = np.flatnonzero(ends >= total_known).tolist()
-        logits_idx = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(self.device)
+        last_rows = query_start_loc[1:][sample_rows] - 1
+        if num_drafts is None or not sample_rows:
+            logits_idx = torch.from_numpy(last_rows).to(self.device)
+        else:  # a request with drafts samples at its last known token and at each draft
+            logits_idx = torch.from_numpy(np.concatenate(
+                [np.arange(last - d, last + 1) for last, d in zip(last_rows, num_drafts[sample_rows], strict=True)]
+            ).astype(np.int64)).to(self.device)
         for s, end in zip(states, ends.tolist(), strict=True):
             s.num_computed_tokens = end
 

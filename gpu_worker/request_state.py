@@ -137,7 +137,13 @@ class RequestStates:
                 raise ValueError(f"request {req_id!r}: scheduled tokens start at {start} but only "
                                  f"{len(state.token_ids)} tokens are known")
             # The scheduler's tokens are authoritative (a sampled token we remembered is resent).
-            state.token_ids[start:start + len(tokens)] = tokens
+            if start >= state.num_prompt_tokens:
+                # Decoding: everything from start on is stale (the token resent now, and draft
+                # tokens of the last pass that were rejected, or that this rank never learnt about).
+                del state.token_ids[start:]
+                state.token_ids.extend(tokens)
+            else:
+                state.token_ids[start:start + len(tokens)] = tokens
             state.num_computed_tokens = start
             if blocks:
                 state.block_ids.extend(blocks)

@@ -139,6 +139,23 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        logits = self.constrain(logits, md)
+        sampled = self._sample(logits, md)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled)
+        sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+        top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs else (None, None)
+        if md.logprob_rows is None:
+            ranks = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
+        else:  # (other rows keep rank 0: nobody reads them)
+            rows = md.logprob_rows
+            ranks = torch.zeros_like(sampled)
+            ranks[rows] = (raw_logprobs[rows] > sampled_lp[rows].unsqueeze(1)).sum(dim=1) + 1
+        return SamplerOutput(sampled, sampled_lp, top_ids, top_lp, ranks)
+
+    @staticmethod
+    def constrain(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The masks, biases and penalties: what shapes greedy and random rows alike."""
         if md.grammar_bitmask is not None:
             rows, bitmask = md.grammar_bitmask
             allowed = unpack_bitmask(bitmask, logits.shape[1])
@@ -154,34 +171,40 @@ class Sampler:
             logits = logits.index_put((rows, cols), biases, accumulate=True)
         if md.output_token_ids is not None:
             logits = apply_penalties(logits, md)
-        sampled = self._sample(logits, md)
-        if raw_logprobs is None:
-            return SamplerOutput(sampled)
-        sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
-        top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs else (None, None)
-        if md.logprob_rows is None:
-            ranks = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
-        else:  # (other rows keep rank 0: nobody reads them)
-            rows = md.logprob_rows
-            ranks = torch.zeros_like(sampled)
-            ranks[rows] = (raw_logprobs[rows] > sampled_lp[rows].unsqueeze(1)).sum(dim=1) + 1
-        return SamplerOutput(sampled, sampled_lp, top_ids, top_lp, ranks)
+        return logits
 
     @staticmethod
-    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        if md.all_greedy:
-            return logits.argmax(dim=-1)
+    def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row draws from, given constrained logits: one-hot on the argmax
+        for greedy rows; temperature, min-p, top-k and top-p, then softmax, for random rows."""
         greedy = None if md.all_random else logits.argmax(dim=-1)
-        temperature = md.temperature
+        if md.all_greedy:
+            return torch.zeros_like(logits).scatter_(1, greedy.unsqueeze(1), 1.0)
+        probs = Sampler._random_probs(logits, md)
         if greedy is not None:
-            # Greedy rows take argmax below; any positive value keeps the division finite.
+            one_hot = torch.zeros_like(probs).scatter_(1, greedy.unsqueeze(1), 1.0)
+            probs = torch.where((md.temperature > 0).unsqueeze(1), probs, one_hot)
+        return probs
+
+    @staticmethod
+    def _random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        temperature = md.temperature
+        if not md.all_random:
+            # Greedy rows take argmax elsewhere; any positive value keeps the division finite.
             temperature = torch.where(temperature > 0, temperature, 1.0)
         logits = logits / temperature.unsqueeze(1)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        sampled = random_sample(logits.softmax(dim=-1), md.generators)
+        return logits.softmax(dim=-1)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        if md.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        sampled = random_sample(Sampler._random_probs(logits, md), md.generators)
         if greedy is None:
             return sampled
         return torch.where(md.temperature > 0, sampled, greedy)

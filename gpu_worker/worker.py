@@ -50,7 +50,7 @@ class Worker:
                  device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  weights: str | Path | WeightsFactory | None = None, num_cpus: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, num_spec_tokens: int = 0) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -70,6 +70,7 @@ class Worker:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_spec_tokens = num_spec_tokens
         self.runner: ModelRunner | None = None
         self.block_size: int | None = None
         if num_cpus is not None:
@@ -87,7 +88,7 @@ class Worker:
         if self.world_size > 1 and distributed.get_tp_world_size() != self.world_size:
             raise RuntimeError("init_distributed() must come before load_model() when world_size > 1")
         self.runner = ModelRunner(self.model_config, self.device, self.dtype, self.max_model_len,
-                                  self.max_num_seqs, self.max_num_batched_tokens)
+                                  self.max_num_seqs, self.max_num_batched_tokens, self.num_spec_tokens)
         weights = self.weights
         self.runner.load_model(weights() if callable(weights) else weights)
 

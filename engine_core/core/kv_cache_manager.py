@@ -81,6 +81,8 @@ class KVCacheManager:
             # Fast path for a running request (every decode, every pass): usually no new block.
             num_tokens = request.num_computed_tokens + num_new_tokens
             if -(-(num_tokens + num_lookahead_tokens) // self.block_size) <= len(req_blocks):
+                # Draft tokens (speculative decoding) get slots but never enter the cache: they may be rejected.
+                num_tokens = min(num_tokens, request.num_tokens)
                 if self.enable_caching and num_tokens // self.block_size > self.num_cached_block[req_id]:
                     self._cache_full_blocks(request, req_blocks, num_tokens)
                 return self._empty
@@ -107,7 +109,7 @@ class KVCacheManager:
         else:
             new_blocks = []
         if self.enable_caching and req_blocks is not None:
-            self._cache_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens)
+            self._cache_full_blocks(request, req_blocks, min(num_computed_tokens + num_new_tokens, request.num_tokens))
         return KVCacheBlocks(new_blocks) if new_blocks else self._empty
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:

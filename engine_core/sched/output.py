@@ -65,6 +65,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # What the grammars of the scheduled structured-output requests allow next (set by the engine
     # after schedule(); rows of requests that do not sample this pass go unused).
     grammar_bitmask: GrammarBitmask | None = None
+    # req_id -> the draft tokens (speculative decoding) scheduled after its last known token; the
+    # pass computes them with it and keeps those the target model agrees with.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -15,7 +15,13 @@ from collections.abc import Iterable
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
+from engine_core.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from engine_core.request import (
     BLOCKED_WAITING_STATUSES,
     EngineCoreEventType,
@@ -69,7 +75,7 @@ class _PartialPrefillCounter:
 
 class Scheduler(SchedulerInterface):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 log_stats: bool = True, include_finished_set: bool = False) -> None:
+                 log_stats: bool = True, include_finished_set: bool = False, num_spec_tokens: int = 0) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.log_stats = log_stats
@@ -81,6 +87,8 @@ class Scheduler(SchedulerInterface):
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.block_size = cache_config.block_size
         self.num_lookahead_tokens = 0
+        # Most draft tokens a request carries into a pass (speculative decoding; 0: off).
+        self.num_spec_tokens = num_spec_tokens
         self.connector = None
 
         # Every live request, whichever collection holds it.
@@ -113,6 +121,8 @@ class Scheduler(SchedulerInterface):
         self._num_steps = 0
         self._last_step_tokens = 0
         self._last_step_budget = 0
+        self._spec_stats = SpecDecodingStats(num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens) \
+            if num_spec_tokens else None
 
     # ------------------------------------------------------------------ add_request
 
@@ -182,6 +192,7 @@ class Scheduler(SchedulerInterface):
         scheduled_resumed_reqs: list[Request] = []
         scheduled_running_reqs: list[Request] = []
         req_to_new_blocks: dict[str, KVCacheBlocks] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         # The budget is a local: seeded every pass, spent by subtraction, thrown away at return.
         token_budget = 0 if self._pause_state == PauseState.PAUSED_ALL else self.max_num_scheduled_tokens
         initial_budget = token_budget
@@ -197,13 +208,17 @@ class Scheduler(SchedulerInterface):
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            # No speculative tokens or output placeholders here: num_tokens_with_spec == num_tokens.
-            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            # num_tokens_with_spec: the known tokens plus any drafts (no output placeholders here).
+            spec_token_ids = request.spec_token_ids
+            num_new_tokens = len(request.all_token_ids) + len(spec_token_ids) - request.num_computed_tokens
             # Per-request clamp; "0 <" is the on/off switch (0 disables).
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             # Running requests are clamped by the budget, never rejected: chunked prefill is this min().
             num_new_tokens = min(num_new_tokens, token_budget)
+            if spec_token_ids:
+                # The input positions must stay inside max_model_len: drafts beyond it are dropped.
+                num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
             if num_new_tokens == 0:
                 # Skip, don't stop: requests behind a stuck one still get scheduled (not strict FCFS).
                 req_index += 1
@@ -226,6 +241,7 @@ class Scheduler(SchedulerInterface):
                         scheduled_running_reqs.remove(preempted_req)
                         token_budget += num_scheduled_tokens.pop(preempted_req_id)
                         req_to_new_blocks.pop(preempted_req_id)
+                        scheduled_spec_decode_tokens.pop(preempted_req_id, None)
                         # Blocks cached for tokens that will now not be computed must not be hit.
                         kv_cache_manager.uncache_uncomputed_blocks(preempted_req)
                         req_index -= 1
@@ -247,6 +263,12 @@ class Scheduler(SchedulerInterface):
             scheduled_running_reqs.append(request)
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            if spec_token_ids:
+                # The drafts that fit this pass go to the workers; the request's own list is spent.
+                num_scheduled_spec_tokens = num_new_tokens + request.num_computed_tokens - request.num_tokens
+                if num_scheduled_spec_tokens > 0:
+                    scheduled_spec_decode_tokens[request.request_id] = spec_token_ids[:num_scheduled_spec_tokens]
+                request.spec_token_ids = []
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -271,6 +293,7 @@ class Scheduler(SchedulerInterface):
             total_num_scheduled_tokens=total_num_scheduled_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted_reqs},
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
         )
         self.finished_req_ids = set()
         self._last_step_budget = initial_budget
@@ -385,6 +408,8 @@ class Scheduler(SchedulerInterface):
         request.status = RequestStatus.PREEMPTED
         # This one assignment is why a preempted request re-prefills when readmitted.
         request.num_computed_tokens = 0
+        if request.spec_token_ids:
+            request.spec_token_ids = []
         request.num_preemptions += 1
         self._num_preemptions += 1
         if self.log_stats:
@@ -448,6 +473,7 @@ class Scheduler(SchedulerInterface):
         stopped_preempted_reqs: set[Request] = set()
         requests = self.requests
         max_model_len = self.max_model_len
+        scheduled_spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
 
         # Iterate what the first half wrote, not self.running.
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -459,6 +485,16 @@ class Scheduler(SchedulerInterface):
             new_token_ids = sampled_token_ids[req_index] if sampled_token_ids else []
             status_before_stop = request.status
             stopped = False
+            if scheduled_spec_decode_tokens and new_token_ids:
+                draft = scheduled_spec_decode_tokens.get(req_id)
+                if draft:
+                    # The first len(new_token_ids) - 1 drafts were accepted; the rest were computed
+                    # for nothing, and are computed again (with the right tokens) next pass.
+                    num_accepted = len(new_token_ids) - 1
+                    if request.status == _RUNNING:
+                        request.num_computed_tokens -= len(draft) - num_accepted
+                    if self._spec_stats is not None:
+                        self._spec_stats.observe_draft(len(draft), num_accepted)
             if new_token_ids:
                 if len(new_token_ids) == 1:  # the common case: one token per pass, checked inline
                     request.append_output_token_ids(new_token_ids[0])
@@ -527,6 +563,14 @@ class Scheduler(SchedulerInterface):
                     return new_token_ids[:num_new], True
                 return new_token_ids, True
         return new_token_ids, False
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Give running requests the drafts the next pass verifies (speculative decoding)."""
+        requests = self.requests
+        for req_id, draft in draft_token_ids.items():
+            request = requests.get(req_id)
+            if request is not None and request.status == _RUNNING:
+                request.spec_token_ids = draft[:self.num_spec_tokens]
 
     def _handle_stopped_request(self, request: Request) -> bool:
         """True when the request is done with; False for a streaming session that continues."""
@@ -638,7 +682,11 @@ class Scheduler(SchedulerInterface):
             num_steps=self._num_steps,
             step_num_scheduled_tokens=self._last_step_tokens,
             step_token_budget=self._last_step_budget,
+            spec_decoding_stats=self._spec_stats,
         )
+        if self._spec_stats is not None:
+            self._spec_stats = SpecDecodingStats(self.num_spec_tokens,
+                                                 num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
         # Counters are deltas: start counting afresh.
         self._num_preemptions = 0
         self._num_scheduled_tokens = 0

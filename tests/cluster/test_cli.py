@@ -45,6 +45,9 @@ def test_the_access_log_is_on_unless_disabled():
     (["--enable-auto-tool-choice"], {}, "enable_auto_tool_choice needs tool_call_parser"),
     (["--api-key", ""], {}, "api_keys must not be empty strings"),
     (["--chat-template", "{missing}"], {}, "--chat-template: no such file"),
+    (["--speculative-config", '{{"method": "eagle"}}'], {}, "speculative_config.method must be 'ngram'"),
+    (["--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 0}}'], {},
+     "speculative_config.num_speculative_tokens must be >= 1"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -94,3 +97,19 @@ def test_the_override_list_sets_the_engine_count_when_num_engines_is_not_given()
 def test_vllms_spelling_of_the_block_count_flag_is_accepted():
     [engine] = _config("--num-gpu-blocks-override", "96").engine_configs()
     assert engine.num_gpu_blocks == 96
+
+
+def test_speculative_config_reaches_the_engines_and_can_differ_per_engine(tmp_path):
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {speculative_config: null}\n- {speculative_config: {num_speculative_tokens: 5}}\n")
+    config = _config("--num-engines", "3", "--engine-config", str(overrides),
+                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}')
+    engines = config.engine_configs()
+    spec = engines[0].speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == \
+        ("ngram", 2, 4, 4)
+    # An override replaces the whole mapping; null in YAML inherits the default.
+    assert engines[1].speculative_config == spec
+    assert engines[2].speculative_config.num_speculative_tokens == 5
+    assert engines[2].speculative_config.prompt_lookup_max == 5
+    assert _config().engine_configs()[0].speculative_config is None

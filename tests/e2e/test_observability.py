@@ -49,6 +49,9 @@ VLLM_DASHBOARD_QUERIES = [
 ]
 
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
 def dashboard_queries() -> list[str]:
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
@@ -64,7 +67,9 @@ def observed(ray_cluster, tiny_model_dir):
         pytest.skip("prometheus not installed")
     config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=2,
                            num_router_replicas=2, routing_policy="round_robin",
-                           defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256))
+                           defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
+                           # Engine 1 drafts (n-gram speculative decoding), so its panels have data.
+                           engines=[EngineSpec(), EngineSpec(speculative_config=SPEC)])
     with serve_cluster(config) as served:
         for _ in range(4):  # warm both replicas' metrics path (the hub actor starts on first use)
             httpx.get(f"{served.base}/metrics", timeout=60)
@@ -97,6 +102,14 @@ def test_one_scrape_target_has_every_engine_and_router_series(observed):
     flags = families["llm_cluster:engine_scheduler_flags_info"].samples
     assert {s.labels["engine"] for s in flags} == {"0", "1"} and all(s.labels["model_name"] == "tiny" for s in flags)
     assert all(s.labels["model_name"] == "tiny" for s in families["vllm:num_requests_running"].samples)
+    # Speculative decoding series come from the engine that drafts, and only from it.
+    drafted = families["vllm:spec_decode_num_draft_tokens"].samples
+    accepted = families["vllm:spec_decode_num_accepted_tokens"].samples
+    assert [s.labels["engine"] for s in drafted] == ["1"] and drafted[0].value > 0
+    assert 0 <= accepted[0].value <= drafted[0].value
+    per_pos = families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert sorted(s.labels["position"] for s in per_pos) == ["0", "1", "2"]
+    assert sum(s.value for s in per_pos) == accepted[0].value
 
 
 def test_engine_series_are_the_same_whichever_replica_answers(observed):

@@ -7,7 +7,9 @@ import random
 import pytest
 import torch
 
+from engine_core.config import SpeculativeConfig
 from engine_core.sched.output import SchedulerOutput
+from engine_core.spec_decode import NgramProposer
 from gpu_worker.config import ModelConfig
 from gpu_worker.kv_cache import kv_cache_bytes_per_block, model_bytes_per_block
 from gpu_worker.worker import Worker
@@ -62,11 +64,22 @@ def test_worker_from_config_dict_and_weight_factory(tmp_path):
         Worker(0, 1, cfg)
 
 
-def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int) -> dict[str, list[int]]:
-    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16)
+def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec: bool = False,
+           drafted: list[int] | None = None) -> dict[str, list[int]]:
+    """Greedy answers; with ``spec``, n-gram drafts verified in the same passes (the number of
+    passes that carried drafts goes to ``drafted``)."""
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16,
+                           num_spec_tokens=3 if spec else 0)
     for rid, p in prompts.items():
         sched.add_request(greedy_request(rid, p, 8))
-    return run_to_completion(sched, workers_execute)
+    drafter = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2),
+                            max_model_len=sched.max_model_len) if spec else None
+
+    def count(_: int, so: SchedulerOutput) -> None:
+        if drafted is not None and so.scheduled_spec_decode_tokens:
+            drafted.append(len(so.scheduled_spec_decode_tokens))
+
+    return run_to_completion(sched, workers_execute, on_step=count, drafter=drafter)
 
 
 @pytest.mark.slow
@@ -104,6 +117,10 @@ def test_tp2_over_gloo_equals_tp1(tmp_path):
             return outs[0]
 
         assert _drive(execute, prompts, 40) == expected
+        # Speculative decoding: rank 1 never sees which drafts rank 0 kept, only the next pass's diffs.
+        drafted: list[int] = []
+        assert _drive(execute, prompts, 40, spec=True, drafted=drafted) == expected
+        assert drafted, "no pass carried drafts"
         ray.get([w.shutdown.remote() for w in ranks])
     finally:
         if started_here:

@@ -84,12 +84,12 @@ def prefill_logits(runner: ModelRunner, token_ids: list[int], block_ids: list[in
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
                    max_num_seqs: int = 16, max_model_len: int = 256, prefix_caching: bool = True,
-                   long_prefill_token_threshold: int = 0) -> Scheduler:
+                   long_prefill_token_threshold: int = 0, num_spec_tokens: int = 0) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      max_model_len=max_model_len,
                                      long_prefill_token_threshold=long_prefill_token_threshold),
                      CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
-                     log_stats=False)
+                     log_stats=False, num_spec_tokens=num_spec_tokens)
 
 
 def greedy_request(req_id: str, prompt: list[int], max_tokens: int, **params) -> Request:
@@ -99,8 +99,10 @@ def greedy_request(req_id: str, prompt: list[int], max_tokens: int, **params) ->
 
 
 def run_to_completion(scheduler: Scheduler, execute, max_steps: int = 500,
-                      on_step=None) -> dict[str, list[int]]:
-    """Drive schedule -> execute -> update until every request finishes; tokens per request id."""
+                      on_step=None, drafter=None) -> dict[str, list[int]]:
+    """Drive schedule -> execute -> update until every request finishes; tokens per request id.
+    With a ``drafter`` (engine_core.spec_decode.NgramProposer), drafts are proposed after each pass,
+    as the engine does."""
     tokens: dict[str, list[int]] = {}
     for step in range(max_steps):
         if not scheduler.has_unfinished_requests():
@@ -112,6 +114,8 @@ def run_to_completion(scheduler: Scheduler, execute, max_steps: int = 500,
         for eco in scheduler.update_from_output(so, out).values():
             for o in eco.outputs:
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if drafter is not None:
+            scheduler.update_draft_token_ids(drafter.propose(scheduler.running))
     raise AssertionError("requests did not finish")
 
 

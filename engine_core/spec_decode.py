@@ -1,0 +1,72 @@
+"""Draft tokens for speculative decoding: the n-gram (prompt lookup) drafter, on token ids only.
+
+After each pass the engine asks the drafter for every running request that is decoding: if the
+context's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) occurred
+earlier in the context, the tokens that followed their latest earlier occurrence are the draft.
+The next pass computes the draft with the request's last token, and the worker keeps the drafts
+the target model agrees with (see gpu_worker/rejection_sampler.py). No torch here: this runs on
+the engine's thread beside the scheduler, so drafting is the same whatever the tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from engine_core.config import SpeculativeConfig
+from engine_core.request import Request, RequestStatus
+from engine_core.sampling_params import SamplingParams
+
+
+def drafts_allowed(params: SamplingParams) -> bool:
+    """Whether the request's next-token distribution can be checked at several positions in one
+    pass. Penalties and bad words depend on the tokens before each position, and a grammar's mask
+    on the grammar's state after each draft, which the pass does not have: such requests decode one
+    token per pass. (min_tokens is checked per request in ``propose``.)"""
+    return (params.structured_output is None and not params.bad_words_token_ids
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0)
+
+
+def ngram_draft(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
+    ``token_ids`` (between ``min_n`` and ``max_n`` tokens long) that occurred before."""
+    total = token_ids.shape[0]
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = token_ids[total - n:]
+        # Windows starting at 0 .. total - n - 1: every occurrence that ends before the suffix does.
+        windows = sliding_window_view(token_ids[:total - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return token_ids[start:start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self.max_model_len = max_model_len
+
+    def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
+        """Drafts for the requests that are decoding (their last token is the only one not computed)."""
+        drafts: dict[str, list[int]] = {}
+        for request in requests:
+            if request.status != RequestStatus.RUNNING or request.num_computed_tokens != request.num_tokens - 1:
+                continue  # mid-prefill, or preempted
+            params = request.sampling_params
+            if request.num_output_tokens < params.min_tokens or not drafts_allowed(params):
+                continue
+            # No point drafting past the request's end: max_tokens, or the context length.
+            room = min(self.k, params.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens)
+            if room <= 0:
+                continue
+            draft = ngram_draft(np.asarray(request.all_token_ids, dtype=np.int64), self.min_n, self.max_n, room)
+            if draft:
+                drafts[request.request_id] = draft
+        return drafts

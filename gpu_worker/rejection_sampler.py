@@ -1,0 +1,96 @@
+"""Verifying draft tokens (speculative decoding) against the target model, in one pass.
+
+A request with drafts d_1..d_k has k + 1 rows of logits: row j (0-based) is the target model's
+distribution p_j for the token after d_j (row 0: after the last known token). Draft j + 1 is
+accepted with probability p_j(d_{j+1}) / q(d_{j+1}); an n-gram draft is deterministic (q = 1 on
+it), so that is p_j(d_{j+1}). At the first rejection the token is drawn from the residual
+max(p_j - q, 0), i.e. p_j without d_{j+1}, renormalised, and the rest of the draft is dropped;
+when every draft is accepted, a bonus token is drawn from p_k. Each output token is then
+distributed exactly as the target model's own sampling would give it (Leviathan et al., 2023;
+vLLM's rejection sampler). Greedy rows use a one-hot p on the argmax, which makes this "accept
+while the draft equals the argmax, then take the argmax".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.sampler import Sampler, SamplingMetadata, random_sample
+
+
+def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, drafts: list[list[int]]) -> list[list[int]]:
+    """``logits`` [sum(len(d) + 1), vocab]: each request's rows in order, ``md`` row-aligned with
+    them (a request's settings repeated on each of its rows). Returns each request's tokens:
+    its accepted drafts, then one token drawn by the target model."""
+    logits = Sampler.constrain(logits.float(), md)
+    if md.all_greedy:
+        return _greedy(logits.argmax(dim=-1).tolist(), drafts)
+    probs = Sampler.target_probs(logits, md)
+    device = probs.device
+    # Rows followed by a draft token, and that token.
+    draft_rows: list[int] = []
+    draft_tokens: list[int] = []
+    first_row = 0
+    for draft in drafts:
+        draft_rows.extend(range(first_row, first_row + len(draft)))
+        draft_tokens.extend(draft)
+        first_row += len(draft) + 1
+    if first_row != probs.shape[0]:
+        raise ValueError(f"{probs.shape[0]} rows of logits for drafts needing {first_row}")
+
+    accepted: list[bool] = []
+    residual = probs
+    if draft_rows:
+        rows = torch.tensor(draft_rows, device=device)
+        tokens = torch.tensor(draft_tokens, device=device)
+        p_draft = probs[rows, tokens]
+        uniform = torch.rand(len(draft_rows), device=device)
+        for i, row in enumerate(draft_rows):  # seeded requests draw from their own generator
+            gen = md.generators.get(row) if md.generators else None
+            if gen is not None:
+                uniform[i] = torch.rand(1, device=device, generator=gen)[0]
+        # u < p: always for p = 1 (a greedy row's argmax), never for p = 0.
+        accepted = (uniform < p_draft).tolist()
+        residual = probs.index_put((rows, tokens), torch.zeros((), device=device, dtype=probs.dtype))
+        # A row whose draft held all the mass cannot be rejected; keep it drawable anyway.
+        empty = residual.sum(dim=1) <= 0
+        if bool(empty.any()):
+            residual = torch.where(empty.unsqueeze(1), probs, residual)
+    drawn = random_sample(residual, md.generators).tolist()
+
+    out: list[list[int]] = []
+    row = 0
+    index = 0  # into draft_rows / accepted
+    for draft in drafts:
+        tokens_out: list[int] = []
+        for token in draft:
+            if not accepted[index]:
+                break
+            tokens_out.append(token)
+            index += 1
+            row += 1
+        else:
+            out.append([*tokens_out, drawn[row]])  # every draft accepted: the bonus token from p_k
+            row += 1
+            continue
+        out.append([*tokens_out, drawn[row]])  # the first rejection: a token from the residual
+        skipped = len(draft) - len(tokens_out)
+        index += skipped
+        row += skipped + 1
+    return out
+
+
+def _greedy(argmax: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    """Every row greedy: keep drafts while they equal the argmax, then the argmax itself."""
+    out: list[list[int]] = []
+    row = 0
+    for draft in drafts:
+        tokens: list[int] = []
+        for token in draft:
+            if argmax[row + len(tokens)] != token:
+                break
+            tokens.append(token)
+        tokens.append(argmax[row + len(tokens)])
+        out.append(tokens)
+        row += len(draft) + 1
+    return out

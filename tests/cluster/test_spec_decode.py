@@ -1,0 +1,70 @@
+"""Speculative decoding (n-gram drafts) end to end on a real engine with the tiny model: greedy
+answers equal to plain decoding and to transformers, with drafts really accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import LLM, SamplingParams
+from tests.cluster.test_llm import PROMPTS, hf_greedy
+
+# prompt_lookup_min 1: a random model's greedy output repeats itself, so drafts are found often.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def run(model_dir, prompts, params, **flags):
+    llm = LLM(model=str(model_dir), **flags)
+    try:
+        return llm.generate(prompts, params, use_tqdm=False), llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+
+
+def test_greedy_with_drafts_equals_transformers_under_chunked_prefill_and_preemption(tiny_model_dir):
+    max_tokens = 24
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs, stats = run(tiny_model_dir, PROMPTS, params, num_gpu_blocks=12, max_num_batched_tokens=16,
+                         max_num_seqs=8, max_model_len=128, speculative_config=NGRAM)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(tiny_model_dir, PROMPTS, max_tokens)
+    assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
+    assert stats.spec_decode_num_drafts > 0
+    assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    # Fewer passes than tokens: drafts were accepted.
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_logprobs_and_the_other_sampling_features_are_unchanged_by_drafts(tiny_model_dir):
+    """Greedy requests with logprobs, penalties, a grammar, min_tokens, stop ids and
+    allowed_token_ids, in one batch: the same answers with and without drafting. (Requests with
+    penalties, bad words, grammars, or short of min_tokens are not drafted for; the rest are.)"""
+    prompts = PROMPTS[:6]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, structured_output={"regex": "[a-z ]{5,15}"}),
+        SamplingParams(max_tokens=20, temperature=0.0, min_tokens=10, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[40, 41, 42, 43], logprobs=0),
+        SamplingParams(max_tokens=20, temperature=0.0, allowed_token_ids=list(range(30, 60)), ignore_eos=True),
+    ]
+    plain, _ = run(tiny_model_dir, prompts, params, num_gpu_blocks=64)
+    drafted, stats = run(tiny_model_dir, prompts, params, num_gpu_blocks=64, speculative_config=NGRAM)
+    assert stats.spec_decode_num_accepted_tokens > 0
+    for a, b in zip(plain, drafted, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.token_ids, y.finish_reason, y.text) == (x.token_ids, x.finish_reason, x.text)
+        if x.logprobs is not None:
+            assert len(y.logprobs) == len(x.logprobs)
+            for px, py in zip(x.logprobs, y.logprobs, strict=True):
+                assert px.keys() == py.keys()
+                for token in px:
+                    assert py[token].logprob == pytest.approx(px[token].logprob, abs=1e-4)
+                    assert py[token].rank == px[token].rank
+
+
+def test_seeded_sampling_with_drafts_repeats_and_respects_max_tokens(tiny_model_dir):
+    params = [SamplingParams(max_tokens=16, temperature=0.7, seed=s, ignore_eos=True) for s in range(4)]
+    first, stats = run(tiny_model_dir, PROMPTS[:4], params, num_gpu_blocks=64, speculative_config=NGRAM)
+    again, _ = run(tiny_model_dir, PROMPTS[:4], params, num_gpu_blocks=64, speculative_config=NGRAM)
+    assert stats.spec_decode_num_drafts > 0
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert all(len(o.outputs[0].token_ids) == 16 and o.outputs[0].finish_reason == "length" for o in first)
