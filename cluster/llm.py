@@ -121,16 +121,22 @@ class _Pending:
         if out.new_token_ids:
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now
-            self.token_ids.extend(out.new_token_ids)
-            if self.logprob_entries is not None and out.new_logprobs is not None:
-                self.logprob_entries.append((out.new_token_ids, out.new_logprobs))
+            new_token_ids = out.new_token_ids
             if self.detok is not None:
-                self.detok.add_tokens(out.new_token_ids)
+                consumed = len(self.detok.token_ids)
+                self.detok.add_tokens(new_token_ids)
                 if self.detok.stop_reason is not None:
-                    self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
-                    self.metrics.finished_time = now
-                    self.done = True
-                    return out.finish_reason is None
+                    # Tokens after the stop string (several arrive at once with speculative decoding)
+                    # are not part of the sample.
+                    new_token_ids = new_token_ids[:len(self.detok.token_ids) - consumed]
+            self.token_ids.extend(new_token_ids)
+            if self.logprob_entries is not None and out.new_logprobs is not None:
+                self.logprob_entries.append((new_token_ids, out.new_logprobs))
+            if self.detok is not None and self.detok.stop_reason is not None:
+                self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
+                self.metrics.finished_time = now
+                self.done = True
+                return out.finish_reason is None
         if out.finish_reason is not None:
             self.finish_reason = str(out.finish_reason)
             self.stop_reason = out.stop_reason

@@ -100,16 +100,19 @@ class SpeculativeConfig:
     n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 3
+    # Required, as in vLLM: drafts per request per pass.
+    num_speculative_tokens: int | None = None
     # None: the other bound, or 5 when both are None (vLLM's defaults).
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
 
     def __post_init__(self) -> None:
+        if self.method == "[ngram]":  # (vLLM's older spelling)
+            object.__setattr__(self, "method", "ngram")
         _require(self.method == "ngram", "speculative_config.method", "'ngram' (the only drafter built)",
                  self.method)
         _require(isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
-                 "speculative_config.num_speculative_tokens", ">= 1", self.num_speculative_tokens)
+                 "speculative_config.num_speculative_tokens", "given, and >= 1", self.num_speculative_tokens)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -125,7 +128,9 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SpeculativeConfig | None:
-        if data is None:
+        """None or an empty mapping: no speculative decoding (``{}`` turns a cluster-wide default off
+        for one engine in an override list)."""
+        if not data:
             return None
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
         unknown = sorted(set(data) - known)

@@ -1,8 +1,8 @@
 """Draft tokens for speculative decoding: the n-gram (prompt lookup) drafter, on token ids only.
 
 After each pass the engine asks the drafter for every running request that is decoding: if the
-context's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) occurred
-earlier in the context, the tokens that followed their latest earlier occurrence are the draft.
+context's last n tokens (the longest n up to ``prompt_lookup_max``, at least ``prompt_lookup_min``)
+occurred earlier in the context, the tokens that followed their earliest occurrence are the draft.
 The next pass computes the draft with the request's last token, and the worker keeps the drafts
 the target model agrees with (see gpu_worker/rejection_sampler.py). No torch here: this runs on
 the engine's thread beside the scheduler, so drafting is the same whatever the tensor parallelism.
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from engine_core.config import SpeculativeConfig
 from engine_core.request import Request, RequestStatus
@@ -31,18 +30,26 @@ def drafts_allowed(params: SamplingParams) -> bool:
 
 
 def ngram_draft(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
-    ``token_ids`` (between ``min_n`` and ``max_n`` tokens long) that occurred before."""
+    """Up to ``k`` tokens that followed the earliest earlier occurrence of the longest suffix of
+    ``token_ids`` (between ``min_n`` and ``max_n`` tokens long) that occurred before, as vLLM's
+    n-gram drafter picks them. One pass over the context finds where its last token occurred;
+    longer matches are then checked at those positions only."""
     total = token_ids.shape[0]
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = token_ids[total - n:]
-        # Windows starting at 0 .. total - n - 1: every occurrence that ends before the suffix does.
-        windows = sliding_window_view(token_ids[:total - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return token_ids[start:start + k].tolist()
-    return []
+    if total < min_n + 1:
+        return []
+    # Occurrences of the suffix end at these positions (never at the suffix's own end).
+    ends = np.flatnonzero(token_ids[:total - 1] == token_ids[total - 1])
+    length = 1
+    while ends.size and length < max_n and length < total - 1:
+        ends_ok = ends[ends >= length]
+        longer = ends_ok[token_ids[ends_ok - length] == token_ids[total - 1 - length]]
+        if not longer.size:
+            break
+        ends, length = longer, length + 1
+    if not ends.size or length < min_n:
+        return []
+    start = int(ends[0]) + 1
+    return token_ids[start:start + k].tolist()
 
 
 class NgramProposer:
@@ -51,10 +58,30 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.max_model_len = max_model_len
+        # Each drafting request's tokens as an array, extended by the new tokens each pass rather
+        # than converted whole (kept while the request drafts pass after pass).
+        self._arrays: dict[str, tuple[np.ndarray, int]] = {}
+
+    def _tokens(self, request: Request, arrays: dict[str, tuple[np.ndarray, int]]) -> np.ndarray:
+        tokens = request.all_token_ids
+        n = len(tokens)
+        buf, filled = self._arrays.get(request.request_id, (None, 0))
+        if buf is None or filled > n or buf.shape[0] < n:
+            if buf is None or filled > n:
+                filled = 0
+            grown = np.empty(max(2 * n, 64), dtype=np.int64)
+            if filled:
+                grown[:filled] = buf[:filled]
+            buf = grown
+        if filled < n:
+            buf[filled:n] = tokens[filled:]
+        arrays[request.request_id] = (buf, n)
+        return buf[:n]
 
     def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
         """Drafts for the requests that are decoding (their last token is the only one not computed)."""
         drafts: dict[str, list[int]] = {}
+        arrays: dict[str, tuple[np.ndarray, int]] = {}
         for request in requests:
             if request.status != RequestStatus.RUNNING or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # mid-prefill, or preempted
@@ -66,7 +93,8 @@ class NgramProposer:
                        self.max_model_len - request.num_tokens)
             if room <= 0:
                 continue
-            draft = ngram_draft(np.asarray(request.all_token_ids, dtype=np.int64), self.min_n, self.max_n, room)
+            draft = ngram_draft(self._tokens(request, arrays), self.min_n, self.max_n, room)
             if draft:
                 drafts[request.request_id] = draft
+        self._arrays = arrays  # (requests that did not draft this pass are forgotten)
         return drafts

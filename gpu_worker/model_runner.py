@@ -157,7 +157,9 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         for req_id, draft in spec.items():
             # Computed after the request's last token; the ones the target model rejects are dropped.
-            self.requests[req_id].token_ids.extend(draft)
+            state = self.requests[req_id]
+            state.token_ids.extend(draft)
+            state.num_draft_tokens = len(draft)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput([], {}, [], None)
         if self.model is None or not self.kv_caches:
@@ -271,6 +273,7 @@ class ModelRunner:
             state.num_computed_tokens -= num_rejected
             del state.token_ids[len(state.token_ids) - len(draft):]
             state.token_ids.extend(toks)
+            state.num_draft_tokens = 0
         if md.max_num_logprobs is None:
             return None
         # Logprobs of the model's raw distribution at the row each output token was drawn from.

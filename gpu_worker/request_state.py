@@ -27,6 +27,9 @@ class RequestState:
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_ranks: list[int] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # Draft tokens (speculative decoding) at the end of token_ids that the pass which computed them
+    # did not resolve on this rank (ranks other than 0 never learn which were kept).
+    num_draft_tokens: int = 0
     # allowed_token_ids as a [vocab] mask, and logit_bias as (ids, biases): built at the first step
     # that samples the request (on the runner's device), reused by every later one.
     allowed_mask: torch.Tensor | None = None
@@ -136,14 +139,12 @@ class RequestStates:
             if start > len(state.token_ids):
                 raise ValueError(f"request {req_id!r}: scheduled tokens start at {start} but only "
                                  f"{len(state.token_ids)} tokens are known")
-            # The scheduler's tokens are authoritative (a sampled token we remembered is resent).
-            if start >= state.num_prompt_tokens:
-                # Decoding: everything from start on is stale (the token resent now, and draft
-                # tokens of the last pass that were rejected, or that this rank never learnt about).
+            if state.num_draft_tokens:
+                # Drafts of the last pass: those before ``start`` were accepted; the rest are stale.
                 del state.token_ids[start:]
-                state.token_ids.extend(tokens)
-            else:
-                state.token_ids[start:start + len(tokens)] = tokens
+                state.num_draft_tokens = 0
+            # The scheduler's tokens are authoritative (a sampled token we remembered is resent).
+            state.token_ids[start:start + len(tokens)] = tokens
             state.num_computed_tokens = start
             if blocks:
                 state.block_ids.extend(blocks)

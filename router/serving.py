@@ -324,15 +324,22 @@ class OpenAIServing:
         new_lp = []
         if output.new_logprobs is not None:
             new_lp = _logprob_rows(output.new_token_ids, output.new_logprobs)
-            choice.logprobs.extend(new_lp)
-        choice.token_ids.extend(output.new_token_ids)
         text_ids = output.new_token_ids
         if output.finish_reason == FinishReason.STOP and text_ids and not choice.detok.include_stop_str_in_output:
             text_ids = text_ids[:-1]  # the EOS or stop token that ended it is not part of the text (vLLM)
-        delta = choice.detok.add_tokens(text_ids)
-        if choice.detok.stop_reason is not None:
-            choice.finish_reason, choice.stop_reason = "stop", choice.detok.stop_reason
-            return delta + choice.detok.finish(), new_lp
+        detok = choice.detok
+        consumed = len(detok.token_ids)
+        delta = detok.add_tokens(text_ids)
+        if detok.stop_reason is not None:
+            # A stop string ended the text: tokens after it (several come at once with speculative
+            # decoding, or when outputs merge) are not part of the answer, its usage or its logprobs.
+            consumed = len(detok.token_ids) - consumed
+            choice.token_ids.extend(output.new_token_ids[:consumed])
+            choice.logprobs.extend(new_lp[:consumed])
+            choice.finish_reason, choice.stop_reason = "stop", detok.stop_reason
+            return delta + detok.finish(), new_lp[:consumed]
+        choice.token_ids.extend(output.new_token_ids)
+        choice.logprobs.extend(new_lp)
         if output.finish_reason is not None:
             if output.finish_reason == FinishReason.ERROR:
                 choice.error = str(output.stop_reason or "engine error")

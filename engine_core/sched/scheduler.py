@@ -231,6 +231,11 @@ class Scheduler(SchedulerInterface):
                     request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
                 if new_blocks is not None:
                     break
+                if spec_token_ids:
+                    # Drafts are optional: give them up before preempting anyone for their slots.
+                    num_new_tokens = max(1, min(num_new_tokens, request.num_tokens - request.num_computed_tokens))
+                    spec_token_ids = request.spec_token_ids = []
+                    continue
                 if self.policy == SchedulingPolicy.PRIORITY:
                     # Priority victim: worst priority, latest arrival.
                     preempted_req = max(running, key=lambda r: (r.priority, r.arrival_time))
@@ -501,6 +506,10 @@ class Scheduler(SchedulerInterface):
                     stopped = check_stop(request, max_model_len)
                 else:
                     new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+                    if stopped and request.num_computed_tokens >= request.num_tokens:
+                        # Accepted drafts after the stop were trimmed: what counts as computed ends
+                        # before the last token again (a streaming session continues from here).
+                        request.num_computed_tokens = request.num_tokens - 1
             finish_reason = None
             if stopped:
                 # Read the reason first: a continued session's status is reset just below.

@@ -45,9 +45,10 @@ def test_the_access_log_is_on_unless_disabled():
     (["--enable-auto-tool-choice"], {}, "enable_auto_tool_choice needs tool_call_parser"),
     (["--api-key", ""], {}, "api_keys must not be empty strings"),
     (["--chat-template", "{missing}"], {}, "--chat-template: no such file"),
-    (["--speculative-config", '{{"method": "eagle"}}'], {}, "speculative_config.method must be 'ngram'"),
+    (["--speculative-config", '{{"method": "eagle", "num_speculative_tokens": 2}}'], {},
+     "speculative_config.method must be 'ngram'"),
     (["--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 0}}'], {},
-     "speculative_config.num_speculative_tokens must be >= 1"),
+     "speculative_config.num_speculative_tokens must be given, and >= 1"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -101,8 +102,9 @@ def test_vllms_spelling_of_the_block_count_flag_is_accepted():
 
 def test_speculative_config_reaches_the_engines_and_can_differ_per_engine(tmp_path):
     overrides = tmp_path / "engines.yaml"
-    overrides.write_text("- {}\n- {speculative_config: null}\n- {speculative_config: {num_speculative_tokens: 5}}\n")
-    config = _config("--num-engines", "3", "--engine-config", str(overrides),
+    overrides.write_text("- {}\n- {speculative_config: null}\n- {speculative_config: {num_speculative_tokens: 5}}\n"
+                         "- {speculative_config: {}}\n")
+    config = _config("--num-engines", "4", "--engine-config", str(overrides),
                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}')
     engines = config.engine_configs()
     spec = engines[0].speculative_config
@@ -112,4 +114,5 @@ def test_speculative_config_reaches_the_engines_and_can_differ_per_engine(tmp_pa
     assert engines[1].speculative_config == spec
     assert engines[2].speculative_config.num_speculative_tokens == 5
     assert engines[2].speculative_config.prompt_lookup_max == 5
+    assert engines[3].speculative_config is None  # {} turns it off for one engine
     assert _config().engine_configs()[0].speculative_config is None

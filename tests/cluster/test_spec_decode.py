@@ -4,6 +4,7 @@ answers equal to plain decoding and to transformers, with drafts really accepted
 from __future__ import annotations
 
 import pytest
+from transformers import AutoTokenizer
 
 from cluster import LLM, SamplingParams
 from tests.cluster.test_llm import PROMPTS, hf_greedy
@@ -68,3 +69,45 @@ def test_seeded_sampling_with_drafts_repeats_and_respects_max_tokens(tiny_model_
     assert stats.spec_decode_num_drafts > 0
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
     assert all(len(o.outputs[0].token_ids) == 16 and o.outputs[0].finish_reason == "length" for o in first)
+
+
+def test_stop_strings_end_samples_where_plain_decoding_ends_them(tiny_model_dir):
+    """Each prompt stops on two characters from the last third of its free answer, so the stop
+    string completes after drafts have been accepted, often inside a pass's several tokens."""
+    free = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    answers, _ = run(tiny_model_dir, PROMPTS, free, num_gpu_blocks=64)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    stops = []
+    for answer in answers:
+        ids = answer.outputs[0].token_ids
+        # The text of a token from the last third of the answer (a plain ASCII one: a random model's
+        # answers also hold pieces of multi-byte characters).
+        pieces = [tokenizer.decode([t]).strip() for t in ids[2 * len(ids) // 3:]]
+        stops.append(next((p for p in pieces if p.isascii() and p.isalnum()), "never"))
+    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, stop=[s], logprobs=1) for s in stops]
+    plain, _ = run(tiny_model_dir, PROMPTS, params, num_gpu_blocks=64)
+    drafted, stats = run(tiny_model_dir, PROMPTS, params, num_gpu_blocks=64, speculative_config=NGRAM)
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert sum(a.outputs[0].finish_reason == "stop" for a in plain) >= 5
+    for a, b in zip(plain, drafted, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.text, y.token_ids, y.finish_reason, y.stop_reason) == (x.text, x.token_ids, x.finish_reason,
+                                                                          x.stop_reason)
+        assert len(y.logprobs) == len(y.token_ids)
+
+
+def test_a_sample_ends_at_a_stop_string_that_completes_inside_a_multi_token_output():
+    from cluster.llm import _Pending
+    from engine_core.outputs import EngineCoreOutput, LogprobsEntry
+    from router.detokenizer import IncrementalDetokenizer
+    from tests.router.tokenizer_factory import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    ids = tokenizer.encode("Hello world, the quick brown fox")
+    pending = _Pending("hi", [1], want_logprobs=True, detok=IncrementalDetokenizer(tokenizer, [1], stop=[","]))
+    comma = len(tokenizer.encode("Hello world,"))
+    lp = LogprobsEntry([-0.5] * (comma + 3), [[]] * (comma + 3))
+    # One pass accepted drafts past the comma: the sample ends at it.
+    assert pending.apply(EngineCoreOutput("r", ids[:comma + 3], None, None, lp), 0.0)
+    assert pending.token_ids == ids[:comma] and pending.stop_reason == ","
+    assert pending.logprob_entries[0][0] == ids[:comma]

@@ -16,12 +16,15 @@ def draft(tokens: list[int], min_n: int = 1, max_n: int = 3, k: int = 3) -> list
     return ngram_draft(np.asarray(tokens, dtype=np.int64), min_n, max_n, k)
 
 
-def test_ngram_draft_follows_the_latest_earlier_occurrence_of_the_longest_suffix():
-    # Suffix [1, 2] occurred twice; the latest earlier occurrence is followed by 7, 8, 1.
-    assert draft([1, 2, 3, 4, 1, 2, 7, 8, 1, 2]) == [7, 8, 1]
-    # The longest suffix wins: [5, 1, 2] matches at the start (followed by 9), although [1, 2]
-    # occurs later (followed by 6).
-    assert draft([5, 1, 2, 9, 1, 2, 6, 5, 1, 2]) == [9, 1, 2]
+def test_ngram_draft_follows_the_earliest_occurrence_of_the_longest_suffix():
+    # Suffix [1, 2] occurred twice before; the earliest occurrence is followed by 3, 4, 1 (vLLM's choice).
+    assert draft([1, 2, 3, 4, 1, 2, 7, 8, 1, 2]) == [3, 4, 1]
+    # The longest suffix wins: [6, 1, 2] matches only the later occurrence (followed by 9), although
+    # [1, 2] occurs earlier (followed by 5).
+    assert draft([1, 2, 5, 6, 1, 2, 9, 6, 1, 2]) == [9, 6, 1]
+    # Periodic text: the earliest occurrence leaves room for a whole draft.
+    assert draft([7, 4, 4, 4, 4, 4, 4]) == [4, 4, 4]
+    assert draft([1, 2] * 6, min_n=2, max_n=2, k=5) == [1, 2, 1, 2, 1]
     # k caps the draft; a match near the end gives fewer tokens.
     assert draft([1, 2, 3, 1, 2], k=1) == [3]
     assert draft([4, 4]) == [4]
@@ -32,15 +35,19 @@ def test_ngram_draft_follows_the_latest_earlier_occurrence_of_the_longest_suffix
 
 
 def test_speculative_config_defaults_and_refusals():
-    assert (SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max) == (5, 5)
+    default = SpeculativeConfig(num_speculative_tokens=3)
+    assert (default.prompt_lookup_min, default.prompt_lookup_max) == (5, 5)
+    assert SpeculativeConfig(method="[ngram]", num_speculative_tokens=1).method == "ngram"
+    with pytest.raises(ValueError, match="num_speculative_tokens must be given"):
+        SpeculativeConfig.from_dict({"method": "ngram"})
     cfg = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=4)
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)
     with pytest.raises(ValueError, match="method"):
-        SpeculativeConfig(method="eagle")
+        SpeculativeConfig(method="eagle", num_speculative_tokens=3)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_max"):
-        SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=2)
+        SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=4, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="speculative_config"):
         SpeculativeConfig.from_dict({"method": "ngram", "draft_model": "x"})
 
@@ -171,3 +178,51 @@ def test_preemption_drops_the_drafts():
         assert request.status == RequestStatus.PREEMPTED and request.spec_token_ids == []
         assert request.request_id not in so.scheduled_spec_decode_tokens
     assert sum(so.num_scheduled_tokens.values()) == so.total_num_scheduled_tokens
+
+
+def test_the_drafter_keeps_each_requests_tokens_in_step_with_the_request():
+    """The proposer extends its copy of each request's tokens pass by pass; what it drafts from
+    must always be the request's tokens as they are now."""
+    scheduler = create_scheduler(num_spec_tokens=3)
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                               prompt_lookup_max=2), max_model_len=scheduler.max_model_len)
+    request = _decoding(scheduler, prompt_len=4, max_tokens=200)  # 10 11 12 13 | 10
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        drafts = proposer.propose([request])
+        expected = draft(request.all_token_ids, 1, 2, 3)
+        assert drafts.get(request.request_id, []) == expected
+        step(scheduler, tokens={request.request_id: int(rng.integers(10, 16))})
+
+
+def test_a_stop_inside_the_draft_leaves_a_streaming_session_consistent():
+    """A session stopped by an accepted draft (with more accepted after it) continues from a
+    computed count inside its tokens: the next chunk is scheduled in full, not from beyond it."""
+    scheduler = create_scheduler(num_spec_tokens=3)
+    (session,) = create_requests(1, num_tokens=8, max_tokens=32, resumable=True)
+    scheduler.add_request(session)
+    step(scheduler, tokens={session.request_id: 10})
+    scheduler.update_draft_token_ids({session.request_id: [EOS_TOKEN_ID, 21, 22]})
+    so = scheduler.schedule()
+    _verify(scheduler, so, {session.request_id: [EOS_TOKEN_ID, 21, 22, 23]})
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    assert session.output_token_ids == [10, EOS_TOKEN_ID]
+    assert session.num_computed_tokens == session.num_tokens - 1
+    (chunk,) = create_requests(1, num_tokens=1, max_tokens=4, resumable=True)
+    chunk.request_id = session.request_id
+    scheduler.add_request(chunk)
+    so = scheduler.schedule()
+    # The stop token and the new chunk's token: both still to be computed.
+    assert so.num_scheduled_tokens[session.request_id] == 2
+
+
+def test_drafts_give_way_before_anyone_is_preempted_for_their_slots():
+    scheduler = create_scheduler(num_spec_tokens=3, block_size=4, num_blocks=4)
+    first = _decoding(scheduler)  # 9 tokens: 3 blocks; the drafts would need a 4th... and a 5th
+    (second,) = create_requests(1, num_tokens=3)
+    scheduler.add_request(second)
+    step(scheduler)  # second takes the 4th block
+    scheduler.update_draft_token_ids({first.request_id: [11, 12, 13]})
+    so = scheduler.schedule()
+    assert not so.preempted_req_ids
+    assert so.num_scheduled_tokens[first.request_id] == 1 and so.scheduled_spec_decode_tokens == {}

@@ -125,3 +125,37 @@ def test_tp2_over_gloo_equals_tp1(tmp_path):
     finally:
         if started_here:
             ray.shutdown()
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_preempted_request_recomputes_its_outputs_in_chunks_without_sampling_early(tmp_path, spec):
+    """After preemption a request re-prefills prompt and outputs; with a small budget the chunks
+    start past the prompt. Only the chunk that reaches its last token may sample."""
+    path = save_tiny_model(tmp_path)
+    worker = Worker(0, 1, str(path), device="cpu", dtype="float32", max_model_len=128, num_cpus=1)
+    worker.load_model()
+    worker.initialize_cache(64, 4)
+    rng = random.Random(5)
+    prompts = {f"r{i}": [rng.randrange(100) for _ in range(3)] for i in range(3)}
+
+    def answers(num_blocks: int, chunks_past_prompt: list[int]) -> dict[str, list[int]]:
+        sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=6,
+                               num_spec_tokens=3 if spec else 0)
+        for rid, p in prompts.items():
+            sched.add_request(greedy_request(rid, p, 30))
+        drafter = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1),
+                                max_model_len=128) if spec else None
+
+        def watch(_: int, so: SchedulerOutput) -> None:
+            for rid, start in zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens,
+                                  strict=True):
+                request = sched.requests[rid]
+                if start >= request.num_prompt_tokens and start + so.num_scheduled_tokens[rid] < request.num_tokens:
+                    chunks_past_prompt.append(start)
+
+        return run_to_completion(sched, worker.execute_model, on_step=watch, drafter=drafter)
+
+    expected = answers(64, [])
+    chunks: list[int] = []
+    assert answers(14, chunks) == expected
+    assert chunks, "no recompute chunk started past a prompt: the pool was meant to force preemption"

@@ -29,13 +29,14 @@ class ScriptedEngine:
     """Admits every request and answers it with one output per token of ``script(request)``; the
     last output carries ``finish`` (and ``stop_reason``). All outputs are queued at once (a reader
     takes them as one batch), or with ``spaced`` each only once the reader has taken the one
-    before, so every output is a batch of its own, as a real engine streams them step by step."""
+    before, so every output is a batch of its own, as a real engine streams them step by step.
+    ``tokens_per_output`` > 1 puts several tokens in each output, as speculative decoding does."""
 
     def __init__(self, client: EngineClient, script: Callable[[EngineCoreRequest], list[int]],
                  finish: FinishReason = FinishReason.LENGTH, stop_reason: int | None = None, slot: int = 0,
-                 spaced: bool = False) -> None:
+                 spaced: bool = False, tokens_per_output: int = 1) -> None:
         self.client, self.script, self.finish, self.stop_reason = client, script, finish, stop_reason
-        self.slot, self.spaced = slot, spaced
+        self.slot, self.spaced, self.tokens_per_output = slot, spaced, tokens_per_output
         self.requests: list[EngineCoreRequest] = []
 
     def send(self, message: object) -> None:
@@ -59,6 +60,9 @@ class ScriptedEngine:
                                if i == 0 and params.prompt_logprobs is not None else None)
             outputs.append(EngineCoreOutput(request.request_id, [token], self.finish if last else None,
                                             self.stop_reason if last else None, logprobs, 0, prompt_logprobs))
+        if self.tokens_per_output > 1:
+            outputs = [_joined(outputs[i:i + self.tokens_per_output])
+                       for i in range(0, len(outputs), self.tokens_per_output)]
         if not self.spaced:
             for output in outputs:
                 queue.put_nowait(output)
@@ -72,6 +76,17 @@ class ScriptedEngine:
                 loop.call_later(0.001, deliver)
 
         deliver()
+
+
+def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
+    """One output carrying the tokens (and logprobs) of several."""
+    first, last = outputs[0], outputs[-1]
+    logprobs = None
+    if first.new_logprobs is not None:
+        logprobs = LogprobsEntry([v for o in outputs for v in o.new_logprobs.sampled_logprobs],
+                                 [t for o in outputs for t in o.new_logprobs.top_logprobs])
+    return EngineCoreOutput(first.request_id, [t for o in outputs for t in o.new_token_ids], last.finish_reason,
+                            last.stop_reason, logprobs, 0, first.new_prompt_logprobs)
 
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
@@ -206,6 +221,28 @@ def test_stop_strings_count_only_after_min_tokens(stream):
     assert text({"min_tokens": comma - 1}) == "Hello world"  # the comma is the token after min_tokens
     # While min_tokens are not yet generated a stop string does not count, nor later in that text.
     assert text({"min_tokens": comma}) == "Hello world, the quick brown fox"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_after_a_stop_string_in_the_same_output_are_not_counted(stream):
+    """All outputs queued at once reach the reader as one batch, as several tokens per pass do with
+    speculative decoding: the stop string ends the answer inside it, and the usage and logprobs end there."""
+    http, _ = _app(tokens_per_output=5, spaced=True)
+    through_comma = len(TOKENIZER.encode("Hello world,"))
+    assert through_comma % 5, "the comma must not end an output"
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 40, "stream": stream,
+                                           "stop": [","], "logprobs": 0, "stream_options": {"include_usage": True}
+                                           if stream else None})
+    assert r.status_code == 200, r.text
+    if stream:
+        events = _events(r.text)
+        tokens = [t for e in events if e["choices"] for t in e["choices"][0]["logprobs"]["tokens"]]
+        usage = events[-1]["usage"]
+    else:
+        tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+        usage = r.json()["usage"]
+    assert usage["completion_tokens"] == through_comma
+    assert len(tokens) == through_comma
 
 
 @pytest.mark.parametrize("include", [False, True])
