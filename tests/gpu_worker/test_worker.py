@@ -9,6 +9,7 @@ import torch
 
 from engine_core.config import SpeculativeConfig
 from engine_core.sched.output import SchedulerOutput
+from engine_core.sched.scheduler import Scheduler
 from engine_core.spec_decode import NgramProposer
 from gpu_worker.config import ModelConfig
 from gpu_worker.kv_cache import kv_cache_bytes_per_block, model_bytes_per_block
@@ -159,3 +160,32 @@ def test_a_preempted_request_recomputes_its_outputs_in_chunks_without_sampling_e
     chunks: list[int] = []
     assert answers(14, chunks) == expected
     assert chunks, "no recompute chunk started past a prompt: the pool was meant to force preemption"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_answers_do_not_depend_on_budget_pool_or_drafting(tmp_path, seed):
+    """Random workloads under small token budgets (chunked prefill), small KV pools (preemption,
+    recompute past the prompt) and random draft settings: the same greedy tokens as one roomy,
+    plain run."""
+    path = save_tiny_model(tmp_path)
+    worker = Worker(0, 1, str(path), device="cpu", dtype="float32", max_model_len=128, num_cpus=1)
+    worker.load_model()
+    worker.initialize_cache(128, 4)
+    rng = random.Random(seed)
+    # Small alphabets make the n-gram drafter find matches; some requests stop on a token id.
+    requests = [(f"r{i}", [rng.randrange(12) for _ in range(rng.randrange(1, 30))], rng.randrange(1, 40),
+                 [rng.randrange(12)] if rng.random() < 0.3 else []) for i in range(8)]
+
+    def answers(num_blocks: int, budget: int, k: int) -> tuple[dict[str, list[int]], Scheduler]:
+        sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, num_spec_tokens=k)
+        for rid, prompt, max_tokens, stop_ids in requests:
+            sched.add_request(greedy_request(rid, prompt, max_tokens, stop_token_ids=stop_ids))
+        drafter = (NgramProposer(SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=rng.randrange(1, 3),
+                                                   prompt_lookup_max=3), max_model_len=128) if k else None)
+        return run_to_completion(sched, worker.execute_model, max_steps=2000, drafter=drafter), sched
+
+    expected, _ = answers(128, 256, 0)
+    for _ in range(3):
+        got, sched = answers(rng.randrange(18, 40), rng.randrange(4, 24), rng.randrange(0, 5))
+        assert got == expected
+        assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == sched.cache_config.num_blocks
