@@ -111,7 +111,8 @@ class SpeculativeConfig:
             object.__setattr__(self, "method", "ngram")
         _require(self.method == "ngram", "speculative_config.method", "'ngram' (the only drafter built)",
                  self.method)
-        _require(isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
+        _require(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
+                 and self.num_speculative_tokens >= 1,
                  "speculative_config.num_speculative_tokens", "given, and >= 1", self.num_speculative_tokens)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:

@@ -149,10 +149,6 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

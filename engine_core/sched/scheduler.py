@@ -208,17 +208,15 @@ class Scheduler(SchedulerInterface):
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            # num_tokens_with_spec: the known tokens plus any drafts (no output placeholders here).
-            spec_token_ids = request.spec_token_ids
-            num_new_tokens = len(request.all_token_ids) + len(spec_token_ids) - request.num_computed_tokens
+            # The known tokens only: drafts (num_tokens_with_spec - num_tokens) are added by
+            # _schedule_drafts once every running request has its own tokens, so that no draft ever
+            # costs another request its place (no output placeholders here).
+            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
             # Per-request clamp; "0 <" is the on/off switch (0 disables).
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             # Running requests are clamped by the budget, never rejected: chunked prefill is this min().
             num_new_tokens = min(num_new_tokens, token_budget)
-            if spec_token_ids:
-                # The input positions must stay inside max_model_len: drafts beyond it are dropped.
-                num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
             if num_new_tokens == 0:
                 # Skip, don't stop: requests behind a stuck one still get scheduled (not strict FCFS).
                 req_index += 1
@@ -231,11 +229,6 @@ class Scheduler(SchedulerInterface):
                     request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
                 if new_blocks is not None:
                     break
-                if spec_token_ids:
-                    # Drafts are optional: give them up before preempting anyone for their slots.
-                    num_new_tokens = max(1, min(num_new_tokens, request.num_tokens - request.num_computed_tokens))
-                    spec_token_ids = request.spec_token_ids = []
-                    continue
                 if self.policy == SchedulingPolicy.PRIORITY:
                     # Priority victim: worst priority, latest arrival.
                     preempted_req = max(running, key=lambda r: (r.priority, r.arrival_time))
@@ -246,7 +239,6 @@ class Scheduler(SchedulerInterface):
                         scheduled_running_reqs.remove(preempted_req)
                         token_budget += num_scheduled_tokens.pop(preempted_req_id)
                         req_to_new_blocks.pop(preempted_req_id)
-                        scheduled_spec_decode_tokens.pop(preempted_req_id, None)
                         # Blocks cached for tokens that will now not be computed must not be hit.
                         kv_cache_manager.uncache_uncomputed_blocks(preempted_req)
                         req_index -= 1
@@ -268,14 +260,12 @@ class Scheduler(SchedulerInterface):
             scheduled_running_reqs.append(request)
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
-            if spec_token_ids:
-                # The drafts that fit this pass go to the workers; the request's own list is spent.
-                num_scheduled_spec_tokens = num_new_tokens + request.num_computed_tokens - request.num_tokens
-                if num_scheduled_spec_tokens > 0:
-                    scheduled_spec_decode_tokens[request.request_id] = spec_token_ids[:num_scheduled_spec_tokens]
-                request.spec_token_ids = []
             token_budget -= num_new_tokens
             req_index += 1
+
+        if self.num_spec_tokens and scheduled_running_reqs:
+            token_budget = self._schedule_drafts(scheduled_running_reqs, token_budget, threshold, num_scheduled_tokens,
+                                                 req_to_new_blocks, scheduled_spec_decode_tokens)
 
         # Admission loop second, and only if nothing was preempted this pass and we are unpaused:
         # one preemption cancels every admission of the pass.
@@ -305,6 +295,48 @@ class Scheduler(SchedulerInterface):
         self._update_after_schedule(scheduler_output, scheduled_running_reqs, scheduled_new_reqs,
                                     scheduled_resumed_reqs)
         return scheduler_output
+
+    def _schedule_drafts(self, scheduled: list[Request], token_budget: int, threshold: int,
+                         num_scheduled_tokens: dict[str, int], req_to_new_blocks: dict[str, KVCacheBlocks],
+                         scheduled_spec_decode_tokens: dict[str, list[int]]) -> int:
+        """Add the drafts of the decodes just scheduled, from what is left of the budget and of the
+        pool, before any admission. A draft whose slots do not fit is dropped: drafts never preempt.
+        Returns what is left of the token budget."""
+        kv_cache_manager = self.kv_cache_manager
+        for request in scheduled:
+            draft = request.spec_token_ids
+            if not draft:
+                continue
+            request.spec_token_ids = []  # spent, scheduled or not; the drafter proposes afresh next pass
+            req_id = request.request_id
+            num_new_tokens = num_scheduled_tokens[req_id]
+            if token_budget <= 0 or request.num_computed_tokens + num_new_tokens != request.num_tokens:
+                continue  # no budget left, or not a decode that reaches its last token
+            # The input positions must stay inside max_model_len, and the threshold clamps the total.
+            num_draft = min(len(draft), token_budget, self.max_model_len - request.num_tokens)
+            if threshold > 0:
+                num_draft = min(num_draft, threshold - num_new_tokens)
+            if num_draft <= 0:
+                continue
+            new_blocks = kv_cache_manager.allocate_slots(request, num_new_tokens + num_draft,
+                                                         num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is None:
+                # The pool cannot take them all: keep those that fit in the request's own blocks.
+                room = (len(kv_cache_manager.req_to_blocks[req_id]) * self.block_size - request.num_computed_tokens
+                        - num_new_tokens - self.num_lookahead_tokens)
+                num_draft = min(num_draft, room)
+                if num_draft <= 0:
+                    continue
+                new_blocks = kv_cache_manager.allocate_slots(request, num_new_tokens + num_draft,
+                                                             num_lookahead_tokens=self.num_lookahead_tokens)
+                if new_blocks is None:
+                    continue
+            if new_blocks:
+                req_to_new_blocks[req_id] = KVCacheBlocks(req_to_new_blocks[req_id].blocks + new_blocks.blocks)
+            num_scheduled_tokens[req_id] = num_new_tokens + num_draft
+            scheduled_spec_decode_tokens[req_id] = draft[:num_draft]
+            token_budget -= num_draft
+        return token_budget
 
     def _schedule_waiting(self, token_budget: int, threshold: int,
                           partial: _PartialPrefillCounter | None,

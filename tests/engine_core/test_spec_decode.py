@@ -72,6 +72,10 @@ def test_proposer_drafts_only_for_decoding_requests_it_can_verify():
     assert not drafts_allowed(create_requests(1, repetition_penalty=1.2)[0].sampling_params)
     assert not drafts_allowed(create_requests(1, bad_words_token_ids=[[5]])[0].sampling_params)
     assert not drafts_allowed(create_requests(1, structured_output={"regex": "a+"})[0].sampling_params)
+    # A seeded random request's draws must not depend on how many drafts fit each pass.
+    assert not drafts_allowed(create_requests(1, seed=3, temperature=0.7)[0].sampling_params)
+    assert drafts_allowed(create_requests(1, seed=3, temperature=0.0)[0].sampling_params)
+    assert drafts_allowed(create_requests(1, temperature=0.7)[0].sampling_params)
     short = _decoding(create_scheduler(), min_tokens=4)
     assert proposer.propose([short]) == {}
     # The draft never runs past max_tokens (it leaves room for the token the pass samples itself).
@@ -217,12 +221,30 @@ def test_a_stop_inside_the_draft_leaves_a_streaming_session_consistent():
 
 
 def test_drafts_give_way_before_anyone_is_preempted_for_their_slots():
-    scheduler = create_scheduler(num_spec_tokens=3, block_size=4, num_blocks=4)
-    first = _decoding(scheduler)  # 9 tokens: 3 blocks; the drafts would need a 4th... and a 5th
-    (second,) = create_requests(1, num_tokens=3)
-    scheduler.add_request(second)
-    step(scheduler)  # second takes the 4th block
-    scheduler.update_draft_token_ids({first.request_id: [11, 12, 13]})
+    # Blocks of 4, a pool of 5. A: 6 prompt tokens (2 blocks), B: 8 (2 blocks); one block is free.
+    scheduler = create_scheduler(num_spec_tokens=3, block_size=4, num_blocks=5)
+    a, b = create_requests(2, num_tokens=8)
+    a.prompt_token_ids[:] = a.all_token_ids[:] = a.prompt_token_ids[:6]
+    a.num_prompt_tokens = 6
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    step(scheduler)
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 1
+    # A (first in running) would need the free block for all three drafts; B needs it for its own
+    # next token. B gets it; A keeps the one draft its own blocks hold.
+    scheduler.update_draft_token_ids({a.request_id: [11, 12, 13]})
     so = scheduler.schedule()
     assert not so.preempted_req_ids
-    assert so.num_scheduled_tokens[first.request_id] == 1 and so.scheduled_spec_decode_tokens == {}
+    assert so.num_scheduled_tokens == {a.request_id: 2, b.request_id: 1}
+    assert so.scheduled_spec_decode_tokens == {a.request_id: [11]}
+    # Drafts come after every running request's own tokens, so a small budget serves B first.
+    scheduler = create_scheduler(num_spec_tokens=3, max_num_batched_tokens=16)
+    a, b = create_requests(2, num_tokens=8)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    step(scheduler)
+    scheduler.max_num_scheduled_tokens = 3  # (the per-pass budget, lowered once the prompts are in)
+    scheduler.update_draft_token_ids({a.request_id: [1, 2, 3], b.request_id: [4, 5, 6]})
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {a.request_id: 2, b.request_id: 1}
+    assert so.scheduled_spec_decode_tokens == {a.request_id: [1]}
