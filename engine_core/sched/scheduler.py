@@ -300,8 +300,8 @@ class Scheduler(SchedulerInterface):
                          num_scheduled_tokens: dict[str, int], req_to_new_blocks: dict[str, KVCacheBlocks],
                          scheduled_spec_decode_tokens: dict[str, list[int]]) -> int:
         """Add the drafts of the decodes just scheduled, from what is left of the budget and of the
-        pool, before any admission. A draft whose slots do not fit is dropped: drafts never preempt.
-        Returns what is left of the token budget."""
+        pool, before any admission. A draft whose slots do not fit shrinks to the slots its request
+        already holds (or to nothing): drafts never preempt. Returns what is left of the token budget."""
         kv_cache_manager = self.kv_cache_manager
         for request in scheduled:
             draft = request.spec_token_ids
