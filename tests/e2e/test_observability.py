@@ -138,3 +138,27 @@ def test_every_dashboard_query_returns_data(observed, expr):
 def test_vllm_example_dashboard_queries_return_data(observed, expr):
     _, prom = observed
     assert query_with_data(prom, expr), f"no data for {expr}"
+
+
+def test_streamed_answers_are_the_same_from_the_drafting_and_the_plain_engine(observed):
+    """Greedy streams through the whole stack (HAProxy, a router replica, an engine): the engine
+    that drafts (n-gram, several tokens per pass) answers exactly as the one that does not."""
+    import openai
+
+    served, _ = observed
+
+    def drafts() -> float:
+        text = httpx.get(f"{served.base}/metrics", timeout=60).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "vllm:spec_decode_num_drafts_total")
+
+    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=60)
+    before = drafts()
+    texts = []
+    # Round robin in each of the two replicas: six requests reach both engines.
+    for _ in range(6):
+        stream = client.completions.create(model="tiny", prompt="one two three one two three one two", max_tokens=24,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        texts.append("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
+    assert drafts() > before, "the drafting engine answered none of them"
+    assert len(set(texts)) == 1 and texts[0]
