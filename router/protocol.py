@@ -156,6 +156,10 @@ class SamplingFields(BaseModel):
     guided_grammar: str | None = Field(None, description="vLLM extra (older name).")
     _structured_output: dict[str, Any] | None = PrivateAttr(default=None)
     skip_special_tokens: bool = Field(True, description="vLLM extra: leave special tokens out of the text.")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="vLLM extra: keep only the prompt's last k tokens (-1: max_model_len).")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="vLLM extra: each prompt token's logprob and the k best alternatives.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -347,12 +351,29 @@ class CompletionLogprobs(BaseModel):
 FinishReasonLiteral = Literal["stop", "length", "tool_calls", "abort", "error"] | None
 
 
-class CompletionChoice(BaseModel):
+class PromptLogprob(BaseModel):
+    """vLLM's: a prompt token's (or an alternative's) logprob, its rank and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: one {token id: PromptLogprob} per prompt token (None for the first).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionStreamChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonLiteral = None
     stop_reason: int | str | None = None
+
+
+class CompletionChoice(CompletionStreamChoice):
+    # (not streamed: prompt_logprobs and stream are refused together, as in vLLM)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -398,6 +419,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -426,7 +448,7 @@ class CompletionStreamChunk(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
 
 

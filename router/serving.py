@@ -45,8 +45,10 @@ from router.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionStreamChoice,
     CompletionStreamChunk,
     DeltaMessage,
+    PromptLogprob,
     SamplingFields,
     ToolCall,
     UsageInfo,
@@ -194,6 +196,38 @@ class OpenAIServing:
         # (Under "required" the grammar itself allows one call only; under "auto" the parser keeps one.)
         return ChatOutputParser(reasoning, tools, request.include_reasoning,
                                 parallel_tool_calls=request.parallel_tool_calls or tool_choice != "auto")
+
+    def truncate_prompt(self, ids: list[int], request: SamplingFields) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as max_model_len)."""
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return ids
+        max_model_len = self.settings.max_model_len
+        if k == 0 or k > max_model_len:
+            raise bad_request(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len ({max_model_len}), "
+                              f"got {k}", "truncate_prompt_tokens")
+        k = max_model_len if k == -1 else k
+        return ids[-k:]
+
+    def _prompt_logprobs(self, request: SamplingFields, prompt_ids: list[int],
+                         entry: LogprobsEntry | None) -> list[dict[int, PromptLogprob] | None] | None:
+        """vLLM's prompt_logprobs: None for the first token, then each token's logprob and rank, with
+        the request's k best alternatives (ranked 1..k)."""
+        k = request.prompt_logprobs
+        if k is None:
+            return None
+        out: list[dict[int, PromptLogprob] | None] = [None]
+        if entry is None:
+            return out
+        for i, tid in enumerate(prompt_ids[1:len(entry.sampled_logprobs) + 1]):
+            rank = entry.ranks[i] if entry.ranks else None
+            row = {tid: PromptLogprob(logprob=entry.sampled_logprobs[i], rank=rank,
+                                      decoded_token=self._token_text(tid))}
+            for position, (alt, lp) in enumerate(entry.top_logprobs[i][:k], start=1):
+                if alt not in row:
+                    row[alt] = PromptLogprob(logprob=lp, rank=position, decoded_token=self._token_text(alt))
+            out.append(row)
+        return out
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -374,6 +408,7 @@ class OpenAIServing:
 
     async def completions(self, request: CompletionRequest, session_id: str | None = None):
         self.check_model(request.model)
+        _no_stream_prompt_logprobs(request)
         prompts = request.prompts()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -387,6 +422,9 @@ class OpenAIServing:
             ids = self.tokenize_prompt(prompt)
             if not ids:
                 raise bad_request("prompt must not be empty", "prompt")
+            truncated = self.truncate_prompt(ids, request)
+            if len(truncated) < len(ids):  # (echo returns the prompt the model saw)
+                ids, prompt = truncated, truncated
             num_prompt_tokens += len(ids)
             prompt_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
             engine = self.choose_engine(ids, session_id, chosen)
@@ -395,7 +433,8 @@ class OpenAIServing:
             for c in self._new_choices(request.n, ids, request):
                 # max_tokens=0 (echo only): one token is generated and dropped, as vLLM does.
                 params = self.sampling_params(request, len(ids), request.max_tokens or 1, request.logprobs, c.index,
-                                              prompt_logprobs=request.logprobs if request.echo else None)
+                                              prompt_logprobs=_max_or_none(request.logprobs if request.echo else None,
+                                                                           request.prompt_logprobs))
                 c.index = p_index * request.n + c.index
                 choices.append(c)
                 jobs.append((engine, f"{request_id}-{c.index}", ids, params, c))
@@ -416,7 +455,9 @@ class OpenAIServing:
                     rows, offset = _prompt_logprob_rows(prompt_ids[c.index // request.n], c.prompt_logprobs), 0
                 logprobs = CompletionLogprobs(**self._completion_logprobs(rows + c.logprobs, offset)[0])
             out.append(CompletionChoice(index=c.index, text=prefix + c.detok.output_text, logprobs=logprobs,
-                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                        prompt_logprobs=self._prompt_logprobs(request, prompt_ids[c.index // request.n],
+                                                                              c.prompt_logprobs)))
         return CompletionResponse(id=request_id, created=created, model=self.settings.served_model_name, choices=out,
                                   usage=_usage(num_prompt_tokens, choices))
 
@@ -434,7 +475,7 @@ class OpenAIServing:
         if request.echo and not echo_pending:
             for c in choices:
                 yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
-                    CompletionChoice(index=c.index, text=prompt_texts[c.index // n])]))
+                    CompletionStreamChoice(index=c.index, text=prompt_texts[c.index // n])]))
         async for event in self._choice_events(streams, choices):
             index, logprobs = event.choice.index, None
             if index in echo_pending:
@@ -465,12 +506,13 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, session_id: str | None = None):
         self.check_model(request.model)
+        _no_stream_prompt_logprobs(request)
         tool_choice = request.tool_choice_form()
         if tool_choice == "auto" and self.settings.tool_call_parser is None:
             raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
                               "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
                               '"required" or "none"', "tool_choice")
-        ids = self.render_chat(request)
+        ids = self.truncate_prompt(self.render_chat(request), request)
         engine = self.choose_engine(ids, session_id)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -484,7 +526,7 @@ class OpenAIServing:
         after = [self._think_end_id] if thinks and self._thinks_before_constraint() else None
         jobs = [(engine, f"{request_id}-{c.index}", ids,
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
-                                      structured_output_after=after), c)
+                                      prompt_logprobs=request.prompt_logprobs, structured_output_after=after), c)
                 for c in choices]
         streams = await self._open_all(jobs, request)
         if request.stream:
@@ -502,7 +544,8 @@ class OpenAIServing:
             out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                                   stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=self.settings.served_model_name,
-                                      choices=out, usage=_usage(len(ids), choices))
+                                      choices=out, usage=_usage(len(ids), choices),
+                                      prompt_logprobs=self._prompt_logprobs(request, ids, choices[0].prompt_logprobs))
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, created: int,
                            choices: list[_Choice], num_prompt_tokens: int,
@@ -714,6 +757,15 @@ def stream_error_event(error: Exception) -> str:
 def _logprob_rows(token_ids: list[int], entry: LogprobsEntry) -> list[tuple[int, float, list[tuple[int, float]]]]:
     return [(tid, entry.sampled_logprobs[i], [tuple(x) for x in entry.top_logprobs[i]])  # type: ignore[misc]
             for i, tid in enumerate(token_ids) if i < len(entry.sampled_logprobs)]
+
+
+def _no_stream_prompt_logprobs(request: SamplingFields) -> None:
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true (as in vLLM)", "prompt_logprobs")
+
+
+def _max_or_none(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 def _prompt_logprob_rows(prompt_ids: list[int], entry: LogprobsEntry | None

@@ -244,6 +244,26 @@ def test_logprobs(client):
             offsets += chunk.choices[0].logprobs.text_offset
             tokens += chunk.choices[0].logprobs.tokens
     assert tokens == whole.tokens and offsets == whole.text_offset
+    # vLLM's prompt_logprobs: per prompt token (None for the first) its logprob, its rank and the
+    # k best alternatives; the same numbers as echo's.
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+    rows = scored.choices[0].model_extra["prompt_logprobs"]
+    assert len(rows) == num_prompt and rows[0] is None
+    for row, token, logprob in zip(rows[1:], whole.tokens[1:num_prompt], whole.token_logprobs[1:num_prompt],
+                                   strict=True):
+        first = next(iter(row.values()))  # the prompt's own token comes first
+        assert first["decoded_token"] == token and first["logprob"] == pytest.approx(logprob, abs=1e-5)
+        assert first["rank"] >= 1 and 2 <= len(row) <= 3
+        alternatives = sorted(v["rank"] for v in row.values())
+        assert alternatives[-1] <= max(2, first["rank"])
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    rows = chat.model_extra["prompt_logprobs"]
+    assert len(rows) == chat.usage.prompt_tokens and rows[0] is None and all(len(r) == 1 for r in rows[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
 
 
 def test_round_robin_sends_traffic_to_both_engines(client, cluster):

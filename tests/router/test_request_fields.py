@@ -413,3 +413,28 @@ def test_unknown_fields_are_ignored_with_one_warning_each(caplog, monkeypatch):
                                            "y" * 500: 1})
     assert len(protocol._warned_fields) == protocol._MAX_WARNED_FIELDS
     assert all("\n" not in r.getMessage() and len(r.getMessage()) < 400 for r in caplog.records)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
+    chat_tokenizer = byte_level_tokenizer.__wrapped__()  # its own copy, with a chat template
+    chat_tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    http, engine = _app(tokenizer=chat_tokenizer)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 2,
+                                           "truncate_prompt_tokens": 3, "echo": True})
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].prompt_token_ids == [7, 8, 9]
+    assert r.json()["usage"]["prompt_tokens"] == 3
+    assert r.json()["choices"][0]["text"].startswith(chat_tokenizer.decode([7, 8, 9]))
+    # Chat: the rendered conversation's last tokens.
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                                "truncate_prompt_tokens": 4})
+    assert r.status_code == 200, r.text
+    whole = chat_tokenizer.encode("user: hi\n", add_special_tokens=False)
+    assert engine.requests[-1].prompt_token_ids == whole[-4:] and r.json()["usage"]["prompt_tokens"] == 4
+    # -1: as many as max_model_len (256 here), so a short prompt is whole.
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2,
+                                           "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and engine.requests[-1].prompt_token_ids == [5, 6, 7]
+    for bad in (0, 257, -2):
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

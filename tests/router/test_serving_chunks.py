@@ -11,8 +11,8 @@ from router.protocol import (
     ChatLogprobs,
     ChatStreamChoice,
     ChatTokenLogprob,
-    CompletionChoice,
     CompletionLogprobs,
+    CompletionStreamChoice,
     CompletionStreamChunk,
     DeltaMessage,
     TopLogprob,
@@ -40,7 +40,7 @@ COMPLETION_LOGPROBS = CompletionLogprobs(text_offset=[0, 3], token_logprobs=[-0.
 def test_completion_chunk_matches_the_model(text, logprobs, finish, stop):
     fast = completion_token_chunk("cmpl-1", 1700000000, "tiny", 2, text, logprobs and logprobs.model_dump(), finish,
                                   stop)
-    model = CompletionStreamChunk(id="cmpl-1", created=1700000000, model="tiny", choices=[CompletionChoice(
+    model = CompletionStreamChunk(id="cmpl-1", created=1700000000, model="tiny", choices=[CompletionStreamChoice(
         index=2, text=text, logprobs=logprobs, finish_reason=finish, stop_reason=stop)])
     assert _data(fast) == _data(_sse(model))
     assert CompletionStreamChunk.model_validate(_data(fast)) == model
