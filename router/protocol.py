@@ -160,6 +160,9 @@ class SamplingFields(BaseModel):
         None, ge=-1, description="vLLM extra: keep only the prompt's last k tokens (-1: max_model_len).")
     prompt_logprobs: int | None = Field(
         None, ge=0, le=20, description="vLLM extra: each prompt token's logprob and the k best alternatives.")
+    return_tokens_as_token_ids: bool = Field(
+        False, description="vLLM extra: logprobs name tokens 'token_id:N' (for tokens whose text is not valid UTF-8 "
+                           "alone, and for callers that work in token ids).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -453,7 +453,8 @@ class OpenAIServing:
                 rows, offset = [], len(prefix)
                 if request.echo:
                     rows, offset = _prompt_logprob_rows(prompt_ids[c.index // request.n], c.prompt_logprobs), 0
-                logprobs = CompletionLogprobs(**self._completion_logprobs(rows + c.logprobs, offset)[0])
+                logprobs = CompletionLogprobs(**self._completion_logprobs(rows + c.logprobs, offset,
+                                                                          request.return_tokens_as_token_ids)[0])
             out.append(CompletionChoice(index=c.index, text=prefix + c.detok.output_text, logprobs=logprobs,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                         prompt_logprobs=self._prompt_logprobs(request, prompt_ids[c.index // request.n],
@@ -481,7 +482,8 @@ class OpenAIServing:
             if index in echo_pending:
                 echo_pending.discard(index)
                 prompt_lp, text_offsets[index] = self._completion_logprobs(
-                    _prompt_logprob_rows(prompt_ids[index // n], event.choice.prompt_logprobs), 0)
+                    _prompt_logprob_rows(prompt_ids[index // n], event.choice.prompt_logprobs), 0,
+                    request.return_tokens_as_token_ids)
                 yield completion_token_chunk(request_id, created, model, index, prompt_texts[index // n], prompt_lp,
                                              None, None)
             if request.max_tokens == 0:  # echo only: the one generated token is dropped
@@ -490,7 +492,8 @@ class OpenAIServing:
                                                  event.stop_reason)
                 continue
             if request.logprobs is not None and event.logprobs:
-                logprobs, text_offsets[index] = self._completion_logprobs(event.logprobs, text_offsets[index])
+                logprobs, text_offsets[index] = self._completion_logprobs(event.logprobs, text_offsets[index],
+                                                                          request.return_tokens_as_token_ids)
             yield completion_token_chunk(request_id, created, model, index, event.text, logprobs,
                                          event.finish_reason, event.stop_reason,
                                          _running_usage(len(prompt_ids[index // n]), event) if running_usage else None)
@@ -540,7 +543,8 @@ class OpenAIServing:
                 message = ChatMessageOut(content=answer.content, reasoning_content=answer.reasoning,
                                          tool_calls=[ToolCall(**call) for call in answer.tool_calls] or None)
                 finish_reason = c.output_parser.finish_reason(finish_reason)
-            logprobs = ChatLogprobs(**self._chat_logprobs(c.logprobs)) if request.logprobs else None
+            logprobs = (ChatLogprobs(**self._chat_logprobs(c.logprobs, request.return_tokens_as_token_ids))
+                        if request.logprobs else None)
             out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                                   stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=self.settings.served_model_name,
@@ -558,7 +562,8 @@ class OpenAIServing:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, usage=opening_usage, choices=[
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
         async for event in self._choice_events(streams, choices):
-            logprobs = self._chat_logprobs(event.logprobs) if request.logprobs and event.logprobs else None
+            logprobs = (self._chat_logprobs(event.logprobs, request.return_tokens_as_token_ids)
+                        if request.logprobs and event.logprobs else None)
             usage = _running_usage(num_prompt_tokens, event) if running_usage else None
             parser = event.choice.output_parser
             if parser is None:
@@ -661,27 +666,35 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         return self._decode([token_id], False)
 
-    def _chat_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]]) -> dict[str, Any]:
+    def _token_label(self, as_ids: bool):
+        """How logprobs name tokens: their text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
+        return (lambda token_id: f"token_id:{token_id}") if as_ids else self._token_text
+
+    def _chat_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]],
+                       as_ids: bool = False) -> dict[str, Any]:
         """The ``ChatLogprobs`` JSON of some tokens, as plain data (streamed chunks encode it directly)."""
+        label = self._token_label(as_ids)
         content = []
         for token_id, logprob, top in rows:
-            text = self._token_text(token_id)
+            text = label(token_id)
             content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": [
-                {"token": (t := self._token_text(tid)), "logprob": lp, "bytes": list(t.encode())} for tid, lp in top]})
+                {"token": (t := label(tid)), "logprob": lp, "bytes": list(t.encode())} for tid, lp in top]})
         return {"content": content}
 
     def _completion_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]],
-                             offset: int) -> tuple[dict[str, Any], int]:
+                             offset: int, as_ids: bool = False) -> tuple[dict[str, Any], int]:
         """The ``CompletionLogprobs`` JSON of some tokens whose text starts at ``offset`` in the
-        choice's text, and the offset after them."""
+        choice's text, and the offset after them (offsets follow the text even when tokens are
+        named by id)."""
+        label = self._token_label(as_ids)
         text_offset, token_logprobs, tokens, top_logprobs = [], [], [], []
         for token_id, logprob, top in rows:
             text = self._token_text(token_id)
-            tokens.append(text)
+            tokens.append(label(token_id) if as_ids else text)
             token_logprobs.append(logprob)
             text_offset.append(offset)
             offset += len(text)
-            top_logprobs.append({self._token_text(tid): lp for tid, lp in top} if top else None)
+            top_logprobs.append({label(tid): lp for tid, lp in top} if top else None)
         return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens,
                 "top_logprobs": top_logprobs}, offset
 

@@ -438,3 +438,35 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
     for bad in (0, 257, -2):
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "truncate_prompt_tokens": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(stream):
+    chat_tokenizer = byte_level_tokenizer.__wrapped__()  # its own copy, with a chat template
+    chat_tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    ids = chat_tokenizer.encode("Hello world")
+    http, _ = _app(lambda _: ids, tokenizer=chat_tokenizer, spaced=True)
+    names = [f"token_id:{t}" for t in ids]
+    body = {"model": "tiny", "max_tokens": len(ids), "stream": stream, "return_tokens_as_token_ids": True}
+    r = http.post("/v1/completions", json={**body, "prompt": "hi", "logprobs": 0})
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [e["choices"][0] for e in _events(r.text) if e["choices"]]
+        tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+        text = "".join(c["text"] for c in chunks)
+    else:
+        choice = r.json()["choices"][0]
+        tokens, offsets, text = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"], choice["text"]
+    assert tokens == names and text == "Hello world"
+    # Offsets still follow the text.
+    assert offsets == [len(chat_tokenizer.decode(ids[:i])) for i in range(len(ids))]
+    r = http.post("/v1/chat/completions", json={**body, "messages": MESSAGES, "logprobs": True})
+    assert r.status_code == 200, r.text
+    if stream:
+        content = [t for e in _events(r.text) if e["choices"] and e["choices"][0]["logprobs"]
+                   for t in e["choices"][0]["logprobs"]["content"]]
+    else:
+        content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in content] == names
+    assert all(t["bytes"] == list(t["token"].encode()) for t in content)
