@@ -148,15 +148,7 @@ class _Pending:
 def _logprob_dicts(token_ids: list[int], entry: LogprobsEntry, decode: Callable[[int], str]
                    ) -> list[dict[int, Logprob]]:
     """One {token id: Logprob} per token: the token itself first, then its alternatives (ranked 1..k)."""
-    rows = []
-    for i, tid in enumerate(token_ids[:len(entry.sampled_logprobs)]):
-        rank = entry.ranks[i] if entry.ranks else None
-        row = {tid: Logprob(entry.sampled_logprobs[i], rank, decode(tid))}
-        for position, (alt, lp) in enumerate(entry.top_logprobs[i], start=1):
-            if alt not in row:
-                row[alt] = Logprob(lp, position, decode(alt))
-        rows.append(row)
-    return rows
+    return [{t: Logprob(lp, rank, decode(t)) for t, lp, rank in row} for row in entry.ranked(token_ids)]
 
 
 class LLM:

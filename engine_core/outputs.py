@@ -39,6 +39,17 @@ class LogprobsEntry(msgspec.Struct, array_like=True, gc=False):
     # (vLLM's Logprob.rank); None from senders that do not compute it.
     ranks: list[int] | None = None
 
+    def ranked(self, token_ids: list[int], k: int | None = None) -> list[list[tuple[int, float, int | None]]]:
+        """vLLM's {token id: Logprob} rows as (token, logprob, rank) triples: per token, the token
+        itself first, then its (at most ``k``) best alternatives not already listed, ranked 1..k."""
+        rows = []
+        for i, tid in enumerate(token_ids[:len(self.sampled_logprobs)]):
+            row = [(tid, self.sampled_logprobs[i], self.ranks[i] if self.ranks else None)]
+            row += [(alt, lp, position) for position, (alt, lp) in enumerate(self.top_logprobs[i][:k], start=1)
+                    if alt != tid]
+            rows.append(row)
+        return rows
+
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]

@@ -28,7 +28,7 @@ from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models import build_model
 from gpu_worker.rejection_sampler import rejection_sample
 from gpu_worker.request_state import RequestState, RequestStates
-from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
 from gpu_worker.weights import iter_safetensors, load_weights
 
 
@@ -276,22 +276,25 @@ class ModelRunner:
             state.num_draft_tokens = 0
         if md.max_num_logprobs is None:
             return None
-        # Logprobs of the model's raw distribution at the row each output token was drawn from.
-        raw = logits.float().log_softmax(dim=-1)
+        # Logprobs of the model's raw distribution at the row each output token was drawn from, for
+        # the requests that want them, in one pass over all their tokens.
+        wanted = [j for j, s in enumerate(sample_states) if s.sampling_params.logprobs is not None]
+        rows_idx = [first_rows[j] + t for j in wanted for t in range(len(tokens[j]))]
+        device = logits.device
+        out = token_logprobs(logits[torch.tensor(rows_idx, device=device)].float().log_softmax(dim=-1),
+                             torch.tensor([t for j in wanted for t in tokens[j]], device=device),
+                             md.max_num_logprobs)
+        values, ranks = out.sampled_logprobs.tolist(), out.sampled_ranks.tolist()
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         entries: list[LogprobsEntry | None] = [None] * len(states)
-        for i, state, toks, first in zip(sample_rows, sample_states, tokens, first_rows, strict=True):
-            n = state.sampling_params.logprobs
-            if n is None:
-                continue
-            at = raw[first:first + len(toks)]
-            ids = torch.tensor(toks, device=at.device).unsqueeze(1)
-            lp = at.gather(1, ids)
-            ranks = ((at > lp).sum(dim=1) + 1).tolist()
-            top = at.topk(n, dim=-1) if n else None
-            top_lists = ([list(zip(t, v, strict=True)) for t, v in zip(top.indices.tolist(), top.values.tolist(),
-                                                                        strict=True)]
-                         if top is not None else [[] for _ in toks])
-            entries[i] = LogprobsEntry(sampled_logprobs=lp.squeeze(1).tolist(), top_logprobs=top_lists, ranks=ranks)
+        at = 0
+        for j in wanted:
+            n, end = sample_states[j].sampling_params.logprobs, at + len(tokens[j])
+            top = [list(zip(top_ids[r][:n], top_lp[r][:n], strict=True)) if n and top_ids is not None else []
+                   for r in range(at, end)]
+            entries[sample_rows[j]] = LogprobsEntry(values[at:end], top, ranks[at:end])
+            at = end
         return entries
 
     def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int,

@@ -135,6 +135,20 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | 
     return probs.div_(noise).argmax(dim=-1)
 
 
+def token_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
+                   rank_rows: torch.Tensor | None = None) -> SamplerOutput:
+    """Row i's token ``token_ids[i]``: its logprob, its rank (only in ``rank_rows`` when given:
+    ranks cost a pass over the vocabulary; other rows keep 0) and the row's ``k`` best tokens."""
+    lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+    if rank_rows is None:
+        ranks = (raw_logprobs > lp.unsqueeze(1)).sum(dim=1) + 1
+    else:
+        ranks = torch.zeros_like(token_ids)
+        ranks[rank_rows] = (raw_logprobs[rank_rows] > lp[rank_rows].unsqueeze(1)).sum(dim=1) + 1
+    return SamplerOutput(token_ids, lp, top_ids, top_lp, ranks)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
@@ -143,15 +157,7 @@ class Sampler:
         sampled = self._sample(logits, md)
         if raw_logprobs is None:
             return SamplerOutput(sampled)
-        sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
-        top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs else (None, None)
-        if md.logprob_rows is None:
-            ranks = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
-        else:  # (other rows keep rank 0: nobody reads them)
-            rows = md.logprob_rows
-            ranks = torch.zeros_like(sampled)
-            ranks[rows] = (raw_logprobs[rows] > sampled_lp[rows].unsqueeze(1)).sum(dim=1) + 1
-        return SamplerOutput(sampled, sampled_lp, top_ids, top_lp, ranks)
+        return token_logprobs(raw_logprobs, sampled, md.max_num_logprobs, md.logprob_rows)
 
     @staticmethod
     def constrain(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

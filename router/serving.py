@@ -217,16 +217,9 @@ class OpenAIServing:
         if k is None:
             return None
         out: list[dict[int, PromptLogprob] | None] = [None]
-        if entry is None:
-            return out
-        for i, tid in enumerate(prompt_ids[1:len(entry.sampled_logprobs) + 1]):
-            rank = entry.ranks[i] if entry.ranks else None
-            row = {tid: PromptLogprob(logprob=entry.sampled_logprobs[i], rank=rank,
-                                      decoded_token=self._token_text(tid))}
-            for position, (alt, lp) in enumerate(entry.top_logprobs[i][:k], start=1):
-                if alt not in row:
-                    row[alt] = PromptLogprob(logprob=lp, rank=position, decoded_token=self._token_text(alt))
-            out.append(row)
+        if entry is not None:
+            out += [{t: PromptLogprob(logprob=lp, rank=rank, decoded_token=self._token_text(t)) for t, lp, rank in row}
+                    for row in entry.ranked(prompt_ids[1:], k)]
         return out
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:

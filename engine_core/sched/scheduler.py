@@ -538,10 +538,6 @@ class Scheduler(SchedulerInterface):
                     stopped = check_stop(request, max_model_len)
                 else:
                     new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
-                    if stopped and request.num_computed_tokens >= request.num_tokens:
-                        # Accepted drafts after the stop were trimmed: what counts as computed ends
-                        # before the last token again (a streaming session continues from here).
-                        request.num_computed_tokens = request.num_tokens - 1
             finish_reason = None
             if stopped:
                 # Read the reason first: a continued session's status is reset just below.
@@ -601,6 +597,9 @@ class Scheduler(SchedulerInterface):
             request.append_output_token_ids(token_id)
             if check_stop(request, max_model_len):
                 if num_new < len(new_token_ids):
+                    # Accepted drafts after the stop are dropped: what counts as computed ends before
+                    # the last token again (a streaming session continues from there).
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
                     return new_token_ids[:num_new], True
                 return new_token_ids, True
         return new_token_ids, False
