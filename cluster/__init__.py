@@ -1,5 +1,6 @@
 """Cluster: configuration, Ray placement of engines, the Serve application, the CLI and the offline LLM API."""
 
 from cluster.llm import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
+from engine_core.outputs import LoRARequest
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "Logprob", "RequestOutput", "SamplingParams"]

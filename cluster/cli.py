@@ -76,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.')
+    serve.add_argument("--enable-lora", action="store_true",
+                       help="Serve LoRA adapters: clients name one as the request's model.")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help='Adapters (PEFT checkpoint directories) to load at start: name=path, or JSON '
+                            '\'{"name": "...", "path": "..."}\'.')
+    serve.add_argument("--max-loras", type=int, default=1, help="Most different adapters in one batch.")
+    serve.add_argument("--max-lora-rank", type=int, default=16, help="Largest adapter rank served.")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
+                            "$VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
     serve.add_argument("--engine-config", default=None, help="YAML list of per-engine flag overrides.")
     serve.add_argument("--routing-policy", default="least_loaded",
                        choices=["round_robin", "least_loaded", "prefix_aware", "session"])
@@ -126,7 +137,9 @@ def cluster_config_from_args(args: argparse.Namespace):
         chat_template=read_chat_template(args.chat_template), enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         api_keys=args.api_key or default_api_keys(),
-        enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address)
+        enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address,
+        enable_lora=args.enable_lora, lora_modules=args.lora_modules or [], max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -166,6 +179,10 @@ def serve_command(args: argparse.Namespace) -> int:
             from gpu_worker.model_resolver import check_model_reference
 
             check_model_reference(config.model)
+            from gpu_worker.lora.peft_adapter import read_adapter_config
+
+            for module in config.lora_module_list():  # an unreadable adapter fails now, not in every engine
+                read_adapter_config(module.path, config.max_lora_rank)
     except (ValueError, TypeError, OSError) as e:  # (pydantic's ValidationError is a ValueError)
         print(f"llm-cluster: {_config_error(e)}", file=sys.stderr)
         return 2

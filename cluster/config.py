@@ -7,13 +7,15 @@ anything starts.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine_core.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine_core.config import EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
+from engine_core.lora import LoRAModule, parse_lora_module, static_lora_requests
 from router.reasoning_parsers import REASONING_PARSERS
 from router.routing import ROUTING_POLICIES
 from router.tool_parsers import TOOL_CALL_PARSERS
@@ -97,6 +99,13 @@ class ClusterConfig(BaseModel):
         None, description=f"Chat answers' thinking to reasoning_content: {', '.join(REASONING_PARSERS)}.")
     enable_access_log: bool = Field(True, description="Router replicas log one line per request (Serve's access "
                                                        "log); about 3-5% of a replica's CPU under load.")
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (named by clients as the model).")
+    lora_modules: list[str | dict[str, str]] = Field(
+        default_factory=list, description='Adapters to load at start: "name=path" or {"name": ..., "path": ...}.')
+    max_loras: int = Field(1, ge=1, description="Most different adapters in one batch.")
+    max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank served.")
+    allow_runtime_lora_updating: bool = Field(
+        False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     address: str | None = Field(None, description="Existing Ray cluster address; local Ray when unset.")
@@ -114,6 +123,23 @@ class ClusterConfig(BaseModel):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (the model's tool-call format)")
         return self
+
+    @model_validator(mode="after")
+    def _lora(self) -> ClusterConfig:
+        if (self.lora_modules or self.allow_runtime_lora_updating) and not self.enable_lora:
+            raise ValueError("lora_modules and allow_runtime_lora_updating need enable_lora (--enable-lora)")
+        static_lora_requests(self.lora_module_list())  # names must be unique
+        return self
+
+    def lora_module_list(self) -> list[LoRAModule]:
+        return [parse_lora_module(m) if isinstance(m, str) else parse_lora_module(json.dumps(m))
+                for m in self.lora_modules]
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          lora_modules=tuple(self.lora_module_list()))
 
     @model_validator(mode="after")
     def _engine_count(self) -> ClusterConfig:
@@ -137,7 +163,8 @@ class ClusterConfig(BaseModel):
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.routing_policy!r}")
-        return [engine_config_from_spec(self.model, i, spec, self.seed, self.served_model_name)
+        lora = self.lora_config()
+        return [engine_config_from_spec(self.model, i, spec, self.seed, self.served_model_name, lora)
                 for i, spec in enumerate(self.resolved_specs())]
 
     @classmethod
@@ -148,7 +175,8 @@ class ClusterConfig(BaseModel):
 
 
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
-                            served_model_name: str | None = None) -> EngineConfig:
+                            served_model_name: str | None = None,
+                            lora_config: LoRAConfig | None = None) -> EngineConfig:
     s = spec.model_dump()
     try:
         scheduler = SchedulerConfig(
@@ -171,7 +199,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         resources_per_worker=tuple(sorted((s["resources"] or {}).items())),
         node_labels=tuple(sorted((s["node_labels"] or {}).items())), seed=seed,
         executor_backend=s["executor_backend"], max_waiting_requests=s["max_waiting_requests"],
-        engine_niceness=s["engine_niceness"], speculative_config=speculative)
+        engine_niceness=s["engine_niceness"], speculative_config=speculative, lora_config=lora_config)
 
 
 def load_engine_overrides(path: str) -> list[EngineSpec]:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from cluster.config import ClusterConfig, EngineSpec, scheduler_flags_to_spec
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
-from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
+from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
 from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
@@ -156,7 +156,8 @@ class LLM:
                  num_gpu_blocks: int | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  block_size: int = 16, enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
                  executor_backend: str = "auto", use_ray: bool | None = None, address: str | None = None,
-                 engine_overrides: list[dict[str, Any]] | None = None, **scheduler_flags: Any) -> None:
+                 engine_overrides: list[dict[str, Any]] | None = None, enable_lora: bool = False,
+                 max_loras: int = 1, max_lora_rank: int = 16, **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -171,7 +172,8 @@ class LLM:
         # beside a throughput one.
         self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,
                                             engines=[EngineSpec(**o) for o in engine_overrides or []],
-                                            address=address, seed=seed)
+                                            address=address, seed=seed, enable_lora=enable_lora,
+                                            max_loras=max_loras, max_lora_rank=max_lora_rank)
         self.engine_configs: list[EngineConfig] = self.cluster_config.engine_configs()
         self.use_ray = use_ray if use_ray is not None else (len(self.engine_configs) > 1 or tensor_parallel_size > 1
                                                             or executor_backend == "ray")
@@ -192,9 +194,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or one (or None) per prompt, as vLLM;
+        adapters not loaded yet are loaded first (a checkpoint the model cannot serve raises)."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
+        loras = self._as_lora_list(lora_request, len(prompt_list))
         pending: dict[str, _Pending] = {}
         requests = []
         max_model_len, vocab = self._max_model_len(), len(self.tokenizer)
@@ -203,7 +209,9 @@ class LLM:
             if id(params) not in resolved:
                 resolved[id(params)] = self._resolve_params(params, vocab)
         params_list = [resolved[id(params)] for params in params_list]
-        for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+        for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
+            self._load_lora(lora)
+        for index, (prompt, params, lora) in enumerate(zip(prompt_list, params_list, loras, strict=True)):
             ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
             # Checked before anything is queued, as vLLM does: a bad prompt fails the call, not a pass.
             if not ids:
@@ -227,7 +235,8 @@ class LLM:
                                                 min_tokens=params.min_tokens) if stops else None)
                 pending[request_id] = _Pending(text, ids, params.logprobs is not None, group, sample, detok)
                 requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
-                                                  sampling_params=sample_params, arrival_time=time.time()))
+                                                  sampling_params=sample_params, arrival_time=time.time(),
+                                                  lora_request=lora))
         with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
             if self._engine is not None:
                 self._run_in_process(requests, pending, bar)
@@ -242,7 +251,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: each conversation rendered with the chat template (or ``chat_template``),
         the ``tools`` passed to it; ``continue_final_message`` leaves the last message open for the
         answer to continue (instead of starting a new assistant turn)."""
@@ -256,7 +266,7 @@ class LLM:
                 continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
                 **(chat_template_kwargs or {}))
             prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         for out, prompt in zip(outputs, prompts):
             out.prompt = self.tokenizer.decode(prompt)
         return outputs
@@ -273,6 +283,24 @@ class LLM:
         if outside:
             raise ValueError(f"sampling parameters name token ids outside the vocabulary [0, {vocab}): {outside[:8]}")
         return params
+
+    def _load_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter on every engine unless it is loaded already (vLLM loads on first use too)."""
+        import ray
+
+        if self._engine is not None:
+            self._engine.add_lora(lora)
+        else:
+            ray.get([h.actor.add_lora.remote(lora) for h in self._handles])
+
+    @staticmethod
+    def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+        if lora is None or isinstance(lora, LoRARequest):
+            return [lora] * n
+        loras = list(lora)
+        if len(loras) != n:
+            raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts")
+        return loras
 
     def get_stats(self) -> list[Any]:
         import ray

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from engine_core.lora import LoRANotLoadedError
 from engine_core.outputs import EngineCoreOutputs, EngineCoreRequest
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class Accepted(msgspec.Struct, tag="accepted"):
     error: str | None = None
     # True when refused because the engine's waiting queue is full (HTTP 429, not 503).
     overloaded: bool = False
+    # True when refused because the request names a LoRA adapter the engine does not hold (HTTP 404).
+    unknown_model: bool = False
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
@@ -164,6 +167,8 @@ class ChannelServer:
             self._service.admit(request)
         except OverflowError as e:
             return Accepted(request.request_id, str(e), overloaded=True)
+        except LoRANotLoadedError as e:
+            return Accepted(request.request_id, str(e), unknown_model=True)
         except Exception as e:
             return Accepted(request.request_id, f"{type(e).__name__}: {e}")
         return Accepted(request.request_id)

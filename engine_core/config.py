@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from engine_core.lora import LoRAModule
+
 SchedulingPolicyName = Literal["fcfs", "priority"]
 
 
@@ -140,6 +142,24 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's ``--enable-lora`` family). Every registered adapter is held in
+    the workers' memory; a batch mixes at most ``max_loras`` different adapters."""
+
+    max_loras: int = 1
+    # Largest rank an adapter may have (vLLM's default: 16).
+    max_lora_rank: int = 16
+    # Adapters registered at start-up (``--lora-modules``), with ids 1, 2, ... in this order.
+    lora_modules: tuple[LoRAModule, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
+        _require(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "max_lora_rank", ">= 1",
+                 self.max_lora_rank)
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine (one EngineCore actor + its TP worker group) needs; engines may differ."""
 
@@ -176,6 +196,8 @@ class EngineConfig:
     engine_niceness: int | None = None
     # Speculative decoding; None: one token per request per pass.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters; None: the base model only (requests naming an adapter are refused).
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         where = f"engine {self.engine_index}: "

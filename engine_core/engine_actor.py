@@ -24,8 +24,10 @@ from engine_core.config import EngineConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ExecutorFactory, ModelInfo, engine_uses_gpu
+from engine_core.lora import LoRANotLoadedError
 from engine_core.metrics import EngineMetrics
-from engine_core.outputs import EngineCoreOutputs, EngineCoreRequest, EngineStats
+from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStats, LoRARequest
+from engine_core.request import FinishReason
 from engine_core.sched.scheduler import PauseState
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class EngineCoreService:
         self.engine = EngineCore(config, executor_factory(config))
         self.metrics = EngineMetrics(config, self.engine.scheduler_config, self.engine.model_info.served_model_name,
                                      self.engine.num_blocks) if config.log_stats else None
+        self._on_adapters_changed()
         self._inputs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._buffers: dict[int, _ClientBuffer] = {}
         self._buffers_lock = threading.Lock()
@@ -104,6 +107,8 @@ class EngineCoreService:
         waiting_cap = self.config.max_waiting_requests
         if waiting_cap and self.num_waiting() >= waiting_cap:
             raise OverflowError(f"engine {self.config.engine_index}: queue is full ({waiting_cap} waiting requests)")
+        # Refused here, before it is queued: the caller learns why (an unloaded adapter).
+        self.engine.check_lora(request)
         self.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -111,9 +116,36 @@ class EngineCoreService:
         self.submit(lambda: self.engine.abort_requests(ids))
 
     def _add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            self.engine.check_lora(request)
+        except LoRANotLoadedError as e:  # (its adapter was unloaded after admit() checked it)
+            self._publish({request.client_index: EngineCoreOutputs(
+                [EngineCoreOutput(request.request_id, [], FinishReason.ERROR, str(e))],
+                engine_index=self.config.engine_index, timestamp=time.time())})
+            return
         added = self.engine.add_request(request)
         if added is not None and self.metrics is not None:
             self.metrics.on_request_added(added)
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Load an adapter between passes (ValueError for one the model cannot serve)."""
+        return self._change_adapters(lambda: self.engine.add_lora(lora), timeout=300.0)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._change_adapters(lambda: self.engine.remove_lora(lora_int_id))
+
+    def _change_adapters(self, change: Callable[[], bool], timeout: float = 30.0) -> bool:
+        def run() -> bool:
+            try:
+                return change()
+            finally:
+                self._on_adapters_changed()
+
+        return self.call_in_loop(run, timeout=timeout)
+
+    def _on_adapters_changed(self) -> None:
+        if self.metrics is not None and self.config.lora_config is not None:
+            self.metrics.on_adapters_loaded([lora.lora_name for lora in self.engine.list_loras()])
 
     async def get_output(self, client_index: int, timeout: float) -> EngineCoreOutputs:
         """Everything buffered for this client, merged; waits up to ``timeout`` for something."""
@@ -368,6 +400,16 @@ class EngineCoreActor:
 
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.reset_prefix_cache)
+
+    async def add_lora(self, lora: LoRARequest) -> bool:
+        """Load an adapter on this engine's workers (between passes); ValueError if it cannot be served."""
+        return await asyncio.to_thread(self.service.add_lora, lora)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await asyncio.to_thread(self.service.remove_lora, lora_int_id)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.list_loras)
 
     async def get_stats(self) -> EngineStats:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.stats)

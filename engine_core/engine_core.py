@@ -12,11 +12,13 @@ import time
 
 from engine_core.config import EngineConfig
 from engine_core.executor import Executor, ModelInfo
+from engine_core.lora import LoRANotLoadedError, static_lora_requests
 from engine_core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
+    LoRARequest,
     ModelRunnerOutput,
     SchedulerStats,
 )
@@ -60,7 +62,17 @@ class EngineCore:
         spec = config.speculative_config
         self.scheduler = Scheduler(sched_cfg, config.cache_config(num_blocks), log_stats=config.log_stats,
                                    include_finished_set=True,
-                                   num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0)
+                                   num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                                   lora_config=config.lora_config)
+        # LoRA adapters loaded on the workers, by id; the static ones (--lora-modules) load now.
+        self.loras: dict[int, LoRARequest] = {}
+        if config.lora_config is not None:
+            try:
+                for lora in static_lora_requests(config.lora_config.lora_modules):
+                    self.add_lora(lora)
+            except Exception:
+                executor.shutdown()
+                raise
         # Speculative decoding: drafts are proposed here, from token ids, after every pass.
         self.drafter = NgramProposer(spec, sched_cfg.max_model_len) if spec is not None else None
         self.last_stats = SchedulerStats()
@@ -86,10 +98,50 @@ class EngineCore:
             self._structured = StructuredOutputManager(load_tokenizer, info.vocab_size, info.eos_token_ids)
         return self._structured
 
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Load an adapter on every worker; False when it is loaded already. ValueError for a name
+        or id taken by another adapter, or a checkpoint the model cannot serve."""
+        if self.config.lora_config is None:
+            raise ValueError(f"engine {self.config.engine_index}: LoRA is not enabled (--enable-lora)")
+        held = self.loras.get(lora.lora_int_id)
+        if held is not None and held != lora:
+            raise ValueError(f"LoRA id {lora.lora_int_id} is already the adapter {held.lora_name!r}")
+        for other in self.loras.values():
+            if other.lora_name == lora.lora_name and other.lora_int_id != lora.lora_int_id:
+                raise ValueError(f"a LoRA adapter named {lora.lora_name!r} is already loaded")
+        added = self.executor.add_lora(lora)
+        self.loras[lora.lora_int_id] = lora
+        return added
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter no unfinished request uses; False when it was not loaded."""
+        if lora_int_id not in self.loras:
+            return False
+        users = sum(1 for r in self.scheduler.requests.values()
+                    if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id)
+        if users:
+            raise ValueError(f"LoRA adapter {self.loras[lora_int_id].lora_name!r} is in use by {users} requests")
+        self.executor.remove_lora(lora_int_id)
+        del self.loras[lora_int_id]
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
+
+    def check_lora(self, request: EngineCoreRequest) -> None:
+        """LoRANotLoadedError unless the request's adapter (if any) is the one loaded under its id."""
+        lora = request.lora_request
+        if lora is not None and self.loras.get(lora.lora_int_id) != lora:
+            raise LoRANotLoadedError(f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}) is not loaded on engine "
+                             f"{self.config.engine_index}")
+
     # -- inputs ---------------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> Request | None:
         """Returns the new Request, or None when the id continued a live streaming session."""
+        self.check_lora(request)
         eos = request.eos_token_id
         if eos is None and self.model_info.eos_token_ids:
             eos = self.model_info.eos_token_ids[0]
@@ -106,7 +158,7 @@ class EngineCore:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, eos_token_id=eos, arrival_time=request.arrival_time,
             priority=request.priority, client_index=request.client_index, resumable=request.resumable,
-            cache_salt=request.cache_salt)
+            cache_salt=request.cache_salt, lora_request=request.lora_request)
         self.scheduler.add_request(engine_request)
         if is_new:
             self._totals["added"] += 1

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_core.config import EngineConfig
-from engine_core.outputs import ModelRunnerOutput
+from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 
 
@@ -57,6 +57,14 @@ class Executor(ABC):
     @abstractmethod
     def check_health(self) -> None:
         """Raise if any worker is gone."""
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Load an adapter on every worker (raises ValueError for one the model cannot serve);
+        False when it was already loaded. Restarted workers get the loaded adapters back."""
+        raise RuntimeError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        raise RuntimeError(f"{type(self).__name__} does not serve LoRA adapters")
 
     def restart(self) -> None:
         """Bring a failed worker group back (same config, fresh KV cache). Default: not supported."""

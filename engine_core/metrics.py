@@ -143,6 +143,16 @@ class EngineMetrics:
         self.spec: dict[str, float] | None = (dict.fromkeys(("drafts", "draft_tokens", "accepted_tokens"), 0.0)
                                               if spec is not None else None)
         self.spec_accepted_per_pos = [0.0] * (spec.num_speculative_tokens if spec is not None else 0)
+        # LoRA (exported only when the engine serves adapters): requests per adapter name, running
+        # and waiting. Every loaded adapter has a series (0 when idle), and so does one seen in use.
+        lora = config.lora_config
+        self.max_loras = lora.max_loras if lora is not None else 0
+        if lora is not None:
+            self.flags["max_loras"] = str(lora.max_loras)
+            self.flags["max_lora_rank"] = str(lora.max_lora_rank)
+        self.lora_running: dict[str, int] = {}
+        self.lora_waiting: dict[str, int] = {}
+        self.lora_info_time = 0.0
         self._tracked: dict[str, _Tracked] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
@@ -209,6 +219,14 @@ class EngineMetrics:
             self.time_per_output_token.observe((t.last_token - t.first_token) / (t.num_generated - 1)
                                                if t.num_generated > 1 else 0.0)
 
+    def on_adapters_loaded(self, names: list[str]) -> None:
+        """The adapters now loaded: each gets its series; an unloaded one with no requests loses them."""
+        # (New dicts, swapped in whole: a scrape on another thread reads them meanwhile.)
+        def keep(counts: dict[str, int]) -> dict[str, int]:
+            return dict.fromkeys(names, 0) | {n: c for n, c in counts.items() if c or n in names}
+
+        self.lora_running, self.lora_waiting = keep(self.lora_running), keep(self.lora_waiting)
+
     def _record_stats(self, stats: SchedulerStats) -> None:
         g, c = self.gauges, self.counters
         g["running"] = stats.num_running_reqs
@@ -222,6 +240,10 @@ class EngineMetrics:
             self.iteration_tokens.observe(stats.step_num_scheduled_tokens)
         c["budget_used"] += stats.num_scheduled_tokens
         c["budget_total"] += stats.step_token_budget * stats.num_steps
+        if self.max_loras and stats.running_lora_adapters is not None:
+            self.lora_running = dict.fromkeys(self.lora_running, 0) | stats.running_lora_adapters
+            self.lora_waiting = dict.fromkeys(self.lora_waiting, 0) | (stats.waiting_lora_adapters or {})
+            self.lora_info_time = time.time()
         sd = stats.spec_decoding_stats
         if sd is not None and self.spec is not None:
             self.spec["drafts"] += sd.num_drafts
@@ -285,6 +307,25 @@ class EngineMetrics:
             for pos, n in enumerate(self.spec_accepted_per_pos):
                 per_pos.add_metric([*values, str(pos)], n)
             yield per_pos
+        if self.max_loras:
+            yield from self._lora_families(labels, values)
+
+    def _lora_families(self, labels: list[str], values: list[str]) -> Iterator[Metric]:
+        def names(counts: dict[str, int]) -> str:
+            return ",".join(sorted(name for name, n in counts.items() if n))
+
+        # vLLM's info gauge: the adapters in use as label values, the time of the update as the value.
+        info = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests.",
+                                 labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([*values, str(self.max_loras), names(self.lora_running), names(self.lora_waiting)],
+                        self.lora_info_time)
+        yield info
+        for state, counts in (("running", self.lora_running), ("waiting", self.lora_waiting)):
+            fam = GaugeMetricFamily(f"llm_cluster:lora_num_requests_{state}",
+                                    f"Requests {state}, per LoRA adapter.", labels=[*labels, "lora_name"])
+            for name, n in sorted(counts.items()):
+                fam.add_metric([*values, name], n)
+            yield fam
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

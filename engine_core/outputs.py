@@ -15,6 +15,22 @@ from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
 
 
+class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
+    """A LoRA adapter as requests name it (vLLM's ``LoRARequest``): its name (what clients put in
+    ``model``), its id (what the scheduler and the workers key on; 0 is the base model) and the
+    directory of its PEFT checkpoint."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be >= 1 (0 is the base model), got {self.lora_int_id}")
+        if not self.lora_name:
+            raise ValueError("lora_name must not be empty")
+
+
 class EngineCoreRequest(msgspec.Struct, kw_only=True):
     """A tokenised request as the router hands it to an engine."""
 
@@ -27,6 +43,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     client_index: int = 0
     resumable: bool = False
     cache_salt: str | None = None
+    # The LoRA adapter to run under; None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True, gc=False):
@@ -142,6 +160,9 @@ class SchedulerStats(msgspec.Struct):
     step_token_budget: int = 0
     # Present when the engine drafts (speculative decoding).
     spec_decoding_stats: SpecDecodingStats | None = None
+    # With LoRA on: requests per adapter name, running and waiting (vLLM's lora_requests_info).
+    running_lora_adapters: dict[str, int] | None = None
+    waiting_lora_adapters: dict[str, int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

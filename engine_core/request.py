@@ -6,8 +6,12 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.outputs import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -86,6 +90,7 @@ class Request:
         "client_index",
         "eos_token_id",
         "events",
+        "lora_request",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -113,6 +118,7 @@ class Request:
         client_index: int = 0,
         resumable: bool = False,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -123,6 +129,8 @@ class Request:
         self.client_index = client_index
         self.resumable = resumable
         self.cache_salt = cache_salt
+        # The LoRA adapter this request runs under (None: the base model).
+        self.lora_request = lora_request
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # Plain attributes (hot path): callers must not mutate them; use append_output_token_ids.
         self.output_token_ids: list[int] = []
@@ -143,6 +151,12 @@ class Request:
             self.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
         else:
             self.status = RequestStatus.WAITING
+
+    @property
+    def lora_key(self) -> tuple[int, str] | None:
+        """(id, name) of the request's adapter, which keys its prefix-cache blocks; None for the base model."""
+        lora = self.lora_request
+        return None if lora is None else (lora.lora_int_id, lora.lora_name)
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 from engine_core.config import EngineConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.executor import Executor, ModelInfo, engine_uses_gpu
-from engine_core.outputs import ModelRunnerOutput
+from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
 from gpu_worker.model_resolver import resolve_model
@@ -39,6 +39,7 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "max_model_len": max_model_len, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.token_budget, "num_cpus": num_cpus, "seed": config.seed,
         "num_spec_tokens": config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
+        "max_lora_rank": config.lora_config.max_lora_rank if config.lora_config is not None else None,
     }
 
 
@@ -55,6 +56,30 @@ class _ExecutorBase(Executor):
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids))
         self._num_blocks: int | None = None
+        # Adapters loaded on the workers, in load order: a restarted worker group gets them back.
+        self._loras: dict[int, LoRARequest] = {}
+
+    def _check_lora_enabled(self) -> None:
+        if self.config.lora_config is None:
+            raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        self._check_lora_enabled()
+        added = any(self._load_lora(lora))
+        self._loras[lora.lora_int_id] = lora
+        return added
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._check_lora_enabled()
+        removed = any(self._unload_lora(lora_int_id))
+        self._loras.pop(lora_int_id, None)
+        return removed
+
+    def _load_lora(self, lora: LoRARequest) -> list[bool]:
+        raise NotImplementedError
+
+    def _unload_lora(self, lora_int_id: int) -> list[bool]:
+        raise NotImplementedError
 
     def model_info(self) -> ModelInfo:
         return self._info
@@ -80,7 +105,15 @@ class UniProcExecutor(_ExecutorBase):
         worker = self._worker_cls(rank=0, world_size=1, **_worker_kwargs(self.config, self.model_dir,
                                                                          self.max_model_len, self._num_cpus))
         worker.load_model()
+        for lora in self._loras.values():
+            worker.add_lora(lora)
         return worker
+
+    def _load_lora(self, lora: LoRARequest) -> list[bool]:
+        return [self.worker.add_lora(lora)]
+
+    def _unload_lora(self, lora_int_id: int) -> list[bool]:
+        return [self.worker.remove_lora(lora_int_id)]
 
     def restart(self) -> None:
         """A failed step may have left the runner's state half-updated: start from a fresh worker."""
@@ -159,6 +192,14 @@ class RayWorkerGroupExecutor(_ExecutorBase):
             master_port = ray.get(workers[0].__ray_call__.remote(lambda _self: _free_port()))
             ray.get([w.init_distributed.remote(master_addr, master_port) for w in workers])
         ray.get([w.load_model.remote() for w in workers])
+        for lora in self._loras.values():
+            ray.get([w.add_lora.remote(lora) for w in workers])
+
+    def _load_lora(self, lora: LoRARequest) -> list[bool]:
+        return self._run_all("add_lora", lora)
+
+    def _unload_lora(self, lora_int_id: int) -> list[bool]:
+        return self._run_all("remove_lora", lora_int_id)
 
     def _run_all(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """Call ``method`` on every rank; the first rank to fail raises at once (no waiting on the rest)."""

@@ -25,6 +25,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
 from gpu_worker.rejection_sampler import rejection_sample
 from gpu_worker.request_state import RequestState, RequestStates
@@ -53,7 +54,8 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_spec_tokens: int = 0) -> None:
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_spec_tokens: int = 0,
+                 max_lora_rank: int | None = None) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -75,6 +77,9 @@ class ModelRunner:
         self.decode_in_place = False
         self.requests = RequestStates(model_config.eos_token_ids, self.device)
         self.sampler = Sampler()
+        # LoRA (None: off): the projections are wrapped once the weights are loaded.
+        self.max_lora_rank = max_lora_rank
+        self.lora: LoRAManager | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -86,6 +91,8 @@ class ModelRunner:
         with torch.no_grad():
             load_weights(model, source)
         self.model = model.eval()
+        if self.max_lora_rank is not None:
+            self.lora = LoRAManager(model, self.max_lora_rank, self.device, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         if self.model is None:
@@ -132,6 +139,8 @@ class ModelRunner:
             meta = build_attention_metadata(table, np.array(blocks_per_req), qsl, np.zeros(len(lens), np.int64),
                                             0, slots, block_size, self.device)
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            if self.lora is not None:
+                self.lora.set_batch([0] * len(lens), qsl)
             hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta)
             rows = min(self.max_num_seqs * (1 + self.num_spec_tokens), num_tokens)
             logits = self.model.compute_logits(hidden[:rows])
@@ -328,6 +337,8 @@ class ModelRunner:
         slot_mapping = compute_slot_mapping(block_table, req_index, positions, block_size)
         meta = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
                                         block_size, self.device, self.decode_in_place)
+        if self.lora is not None:
+            self.lora.set_batch([s.lora_int_id for s in states], query_start_loc)
 
         # A request samples once its chunk reaches the end of everything it knows (prompt done).
         total_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)

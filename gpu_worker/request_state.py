@@ -34,6 +34,8 @@ class RequestState:
     # that samples the request (on the runner's device), reused by every later one.
     allowed_mask: torch.Tensor | None = None
     logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The LoRA adapter applied to this request's tokens (0: the base model).
+    lora_int_id: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -62,6 +64,7 @@ class _Parked:
     generator: torch.Generator | None
     min_tokens_stop_ids: tuple[int, ...]
     prompt_logprobs_sent: bool
+    lora_int_id: int
 
 
 class RequestStates:
@@ -98,7 +101,7 @@ class RequestStates:
             state = self.states.pop(req_id, None)
             if state is not None:
                 self._parked[req_id] = _Parked(state.sampling_params, state.generator, state.min_tokens_stop_ids,
-                                               state.prompt_logprobs_sent)
+                                               state.prompt_logprobs_sent, state.lora_int_id)
         for new in so.scheduled_new_reqs:
             self._add_new(new)
         self._apply_cached(so.scheduled_cached_reqs)
@@ -113,7 +116,8 @@ class RequestStates:
             req_id=new.req_id, token_ids=list(new.prompt_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids) - num_outputs, sampling_params=params,
             block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-            generator=self._make_generator(params), min_tokens_stop_ids=self._stop_ids(params, new.eos_token_id))
+            generator=self._make_generator(params), min_tokens_stop_ids=self._stop_ids(params, new.eos_token_id),
+            lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0)
 
     def _apply_cached(self, cached: CachedRequestData) -> None:
         for i, req_id in enumerate(cached.req_ids):
@@ -131,7 +135,7 @@ class RequestStates:
                     block_ids=list(blocks or ()), num_computed_tokens=start, generator=parked.generator,
                     min_tokens_stop_ids=parked.min_tokens_stop_ids,
                     # Resumed after its prompt logprobs went out: recomputing the prompt sends nothing.
-                    prompt_logprobs_sent=parked.prompt_logprobs_sent)
+                    prompt_logprobs_sent=parked.prompt_logprobs_sent, lora_int_id=parked.lora_int_id)
                 continue
             state = self.states.get(req_id)
             if state is None:

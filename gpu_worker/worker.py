@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
-from engine_core.outputs import ModelRunnerOutput
+from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker import distributed
 from gpu_worker.config import ModelConfig, parse_dtype
 from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget
 from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.model_runner import ModelRunner
 
 # A picklable source of (hf_name, tensor) pairs, e.g. functools.partial(gguf_to_hf_tensors, path).
@@ -50,7 +51,7 @@ class Worker:
                  device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  weights: str | Path | WeightsFactory | None = None, num_cpus: int | None = None,
-                 seed: int = 0, num_spec_tokens: int = 0) -> None:
+                 seed: int = 0, num_spec_tokens: int = 0, max_lora_rank: int | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -71,6 +72,8 @@ class Worker:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec_tokens = num_spec_tokens
+        # LoRA: the largest adapter rank served (None: LoRA off).
+        self.max_lora_rank = max_lora_rank
         self.runner: ModelRunner | None = None
         self.block_size: int | None = None
         if num_cpus is not None:
@@ -88,7 +91,8 @@ class Worker:
         if self.world_size > 1 and distributed.get_tp_world_size() != self.world_size:
             raise RuntimeError("init_distributed() must come before load_model() when world_size > 1")
         self.runner = ModelRunner(self.model_config, self.device, self.dtype, self.max_model_len,
-                                  self.max_num_seqs, self.max_num_batched_tokens, self.num_spec_tokens)
+                                  self.max_num_seqs, self.max_num_batched_tokens, self.num_spec_tokens,
+                                  self.max_lora_rank)
         weights = self.weights
         self.runner.load_model(weights() if callable(weights) else weights)
 
@@ -137,6 +141,22 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         out = self._runner().execute_model(scheduler_output)
         return out if self.rank == 0 else None
+
+    def _lora(self) -> LoRAManager:
+        lora = self._runner().lora
+        if lora is None:
+            raise ValueError("LoRA is not enabled on this worker")
+        return lora
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Load this rank's shard of an adapter; False if it was loaded already."""
+        return self._lora().add_adapter(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora().remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora().list_adapters()
 
     def shutdown(self) -> None:
         distributed.destroy_distributed()

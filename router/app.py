@@ -10,20 +10,23 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine_core.outputs import LoRARequest
 from router.metrics import RouterMetrics
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from router.serving import APIError, OpenAIServing, stream_error_event
 
@@ -142,17 +145,22 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return respond(await serving.chat(body, request.headers.get(SESSION_HEADER)))
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=serving.settings.served_model_name, max_model_len=serving.settings.max_model_len)
+    def model_card(lora: LoRARequest | None = None) -> ModelCard:
+        base = serving.settings.served_model_name
+        if lora is None:
+            return ModelCard(id=base, root=base, max_model_len=serving.settings.max_model_len)
+        # As vLLM lists an adapter: its root is where it was loaded from, its parent the base model.
+        return ModelCard(id=lora.lora_name, root=lora.lora_path, parent=base,
+                         max_model_len=serving.settings.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[model_card()])
+        await serving.refresh_loras()
+        return ModelList(data=[model_card(), *(model_card(lora) for lora in serving.lora_adapters.values())])
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:  # the openai client's models.retrieve()
-        serving.check_model(model)
-        return model_card()
+        return model_card(await serving.resolve_model(model))
 
     @app.get("/health")
     async def health() -> Response:
@@ -164,9 +172,20 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
     async def version() -> dict[str, str]:
         return {"version": serving.settings.version}
 
+    if serving.settings.allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            await serving.load_lora_adapter(body.lora_name, body.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            await serving.unload_lora_adapter(body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        serving.check_model(body.model)
+        await serving.resolve_model(body.model)  # (adapters share the base model's tokenizer)
         if body.messages is not None:
             chat = ChatCompletionRequest(model=serving.settings.served_model_name, messages=body.messages,
                                          add_generation_prompt=body.add_generation_prompt)
@@ -177,7 +196,7 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        serving.check_model(body.model)
+        await serving.resolve_model(body.model)
         serving.tokenize_prompt(body.tokens)  # validates the id range
         return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
 

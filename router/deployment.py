@@ -17,6 +17,7 @@ import ray
 from ray import serve
 from transformers import AutoTokenizer
 
+from engine_core.outputs import LoRARequest
 from router.app import create_app
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics, merge_expositions
@@ -40,6 +41,7 @@ class RouterConfig:
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, read with this parser
     reasoning_parser: str | None = None
     api_keys: tuple[str, ...] = ()
+    allow_runtime_lora_updating: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -77,6 +79,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
         api_keys=tuple(config.api_keys),
+        allow_runtime_lora_updating=config.allow_runtime_lora_updating,
     )
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin)
@@ -88,7 +91,18 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     with contextlib.suppress(ImportError):
         await asyncio.to_thread(importlib.import_module, "xgrammar")
     await client.wait_connected()
-    return OpenAIServing(settings, client, tokenizer, policy, metrics), client
+    serving = OpenAIServing(settings, client, tokenizer, policy, metrics)
+    serving.list_loras = lambda: engine_loras(client)
+    await serving.refresh_loras()
+    return serving, client
+
+
+async def engine_loras(client: EngineClient) -> list[LoRARequest]:
+    """The adapters loaded on the engines, asked of the first healthy one (all engines load the same)."""
+    for engine in range(client.num_engines):
+        if client.healthy()[engine]:
+            return await client.handle(engine).list_loras.remote()
+    return []
 
 
 class RouterMetricsHub:

@@ -32,6 +32,10 @@ class EngineUnavailableError(RuntimeError):
     pass
 
 
+class UnknownModelError(LookupError):
+    """The engine does not hold the LoRA adapter the request names."""
+
+
 class EngineOverloadedError(RuntimeError):
     pass
 
@@ -221,6 +225,8 @@ class EngineClient:
             self._forget(slot, rid)
             if accepted.overloaded:
                 raise EngineOverloadedError(accepted.error)
+            if accepted.unknown_model:  # the request's fault, not the engine's: it stays healthy
+                raise UnknownModelError(accepted.error)
             # It refuses everything for now (e.g. its workers are restarting): route elsewhere until
             # its health check passes again.
             error = EngineUnavailableError(f"engine {engine} refused the request: {accepted.error}")

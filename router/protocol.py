@@ -460,12 +460,29 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "llm-cluster"
+    # vLLM's fields: the base model's name (or an adapter's path), and an adapter's base model.
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 
 
 class TokenizeRequest(BaseModel):

@@ -29,6 +29,8 @@ class RoutingContext:
     loads: list[int]
     healthy: list[bool]
     session_id: str | None = None
+    # (id, name) of the LoRA adapter the request runs under: its KV, and so its prefixes, are its own.
+    lora_key: tuple[int, str] | None = None
 
     def healthy_indices(self) -> list[int]:
         indices = [i for i, ok in enumerate(self.healthy) if ok]
@@ -111,7 +113,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         healthy = ctx.healthy_indices()
         block_hashes: list[bytes] = []
         extend_block_hashes(block_hashes, ctx.prompt_token_ids, len(ctx.prompt_token_ids) // self.block_size,
-                            self.block_size)
+                            self.block_size, lora_key=ctx.lora_key)
         lengths = self.match_lengths(block_hashes)
         least = min(healthy, key=lambda i: ctx.loads[i])
         best = max(healthy, key=lambda i: (lengths[i], -ctx.loads[i]))

@@ -8,16 +8,18 @@ returned as one JSON body or as SSE chunks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
+from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
 from router.bad_words import bad_words_token_ids
@@ -29,6 +31,7 @@ from router.engine_client import (
     EngineUnavailableError,
     RequestStream,
     RequestTimeoutError,
+    UnknownModelError,
 )
 from router.metrics import RouterMetrics
 from router.parsed_output import ParsedDelta
@@ -94,6 +97,9 @@ class ServingSettings:
     reasoning_parser: str | None = None
     # --api-key: /v1 requests need one of these as a Bearer token (none: no authentication).
     api_keys: tuple[str, ...] = ()
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING; --allow-runtime-lora-updating here).
+    allow_runtime_lora_updating: bool = False
 
 
 @dataclass
@@ -143,12 +149,67 @@ class OpenAIServing:
         # answered without any.
         self._think_start_id = _single_token_id(tokenizer, REASONING_START)
         self._think_end_id = _single_token_id(tokenizer, REASONING_END)
+        # LoRA adapters clients may name as ``model``, by name. The engines are the registry: an
+        # unknown name is looked up there (``list_loras``) before it is refused, so adapters loaded
+        # through another replica are found.
+        self.lora_adapters: dict[str, LoRARequest] = {}
+        self.list_loras: Callable[[], Awaitable[list[LoRARequest]]] | None = None
 
     # -- request preparation ------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    async def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names; None for the base model; 404 for anything else."""
+        if model is None or model == self.settings.served_model_name:
+            return None
+        lora = self.lora_adapters.get(model)
+        if lora is None and self.list_loras is not None:
+            await self.refresh_loras()
+            lora = self.lora_adapters.get(model)
+        if lora is None:
+            raise _unknown_model(model)
+        return lora
+
+    async def refresh_loras(self) -> None:
+        if self.list_loras is not None:
+            self.lora_adapters = {lora.lora_name: lora for lora in await self.list_loras()}
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Load an adapter on every engine, or on none: an engine that refuses it (a checkpoint the
+        model cannot serve) undoes the loads before it. Its id comes from its name and path, so every
+        replica would give it the same one."""
+        await self.refresh_loras()
+        if name == self.settings.served_model_name or name in self.lora_adapters:
+            raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        lora = LoRARequest(name, dynamic_lora_id(name, path), path)
+        loaded: list[int] = []
+        try:
+            for engine in range(self.client.num_engines):
+                await self.client.handle(engine).add_lora.remote(lora)
+                loaded.append(engine)
+        except Exception as e:
+            for engine in loaded:
+                with contextlib.suppress(Exception):
+                    await self.client.handle(engine).remove_lora.remote(lora.lora_int_id)
+            raise bad_request(f"Failed to load the lora adapter '{name}': {_remote_message(e)}", "lora_path") from e
+        self.lora_adapters[name] = lora
+        return lora
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.refresh_loras()
+        lora = self.lora_adapters.get(name)
+        if lora is None:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")
+        for engine in range(self.client.num_engines):
+            try:
+                await self.client.handle(engine).remove_lora.remote(lora.lora_int_id)
+            except Exception as e:  # (in use by unfinished requests)
+                raise bad_request(f"Failed to unload the lora adapter '{name}': {_remote_message(e)}",
+                                  "lora_name") from e
+        self.lora_adapters.pop(name, None)
+
+    def model_name(self, model: str | None) -> str:
+        """The name responses carry: the adapter's when the request named one."""
+        return model if model is not None and model in self.lora_adapters else self.settings.served_model_name
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:
         # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent, except
@@ -296,7 +357,7 @@ class OpenAIServing:
         return logit_bias, allowed, bad
 
     def choose_engine(self, prompt_token_ids: list[int], session_id: str | None,
-                      chosen: list[int] | None = None) -> int:
+                      chosen: list[int] | None = None, lora: LoRARequest | None = None) -> int:
         """``chosen``: requests this call already placed but has not opened yet, per engine (several
         prompts of one request must see each other's load, or they all go to one engine)."""
         t0 = time.perf_counter()
@@ -304,7 +365,8 @@ class OpenAIServing:
         if chosen is not None:
             loads = [load + extra for load, extra in zip(loads, chosen, strict=True)]
         try:
-            engine = self.policy.choose(RoutingContext(prompt_token_ids, loads, self.client.healthy(), session_id))
+            engine = self.policy.choose(RoutingContext(prompt_token_ids, loads, self.client.healthy(), session_id,
+                                                       None if lora is None else (lora.lora_int_id, lora.lora_name)))
         except NoHealthyEngineError as e:
             raise APIError(503, "no healthy engine is available", "ServiceUnavailableError") from e
         if self.metrics is not None:
@@ -314,26 +376,30 @@ class OpenAIServing:
     # -- generation ---------------------------------------------------------------------------------
 
     def _engine_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        fields: SamplingFields) -> EngineCoreRequest:
+                        fields: SamplingFields, lora: LoRARequest | None) -> EngineCoreRequest:
         eos = self.settings.eos_token_ids[0] if self.settings.eos_token_ids else None
         return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                  eos_token_id=eos, arrival_time=time.time(), priority=fields.priority,
-                                 client_index=self.client.client_index)
+                                 client_index=self.client.client_index, lora_request=lora)
 
     async def _open_all(self, jobs: list[tuple[int, str, list[int], SamplingParams, _Choice]],
-                        fields: SamplingFields) -> list[RequestStream]:
+                        fields: SamplingFields, lora: LoRARequest | None = None) -> list[RequestStream]:
         """Send every choice's request to its engine now, before any response starts, so a refusal
         is an HTTP status (429 or 503) for streams too; what was opened is released on failure."""
         streams: list[RequestStream] = []
         try:
             for engine, request_id, prompt_ids, params, _ in jobs:
-                request = self._engine_request(request_id, prompt_ids, params, fields)
+                request = self._engine_request(request_id, prompt_ids, params, fields, lora)
                 streams.append(await self.client.open(engine, request, self.settings.request_timeout_s))
         except BaseException as e:
             for stream in streams:
                 await stream.close()
             if isinstance(e, EngineOverloadedError | EngineUnavailableError):
                 raise _engine_refusal(e) from e
+            if isinstance(e, UnknownModelError) and lora is not None:
+                # Unloaded (through another replica) since this one last looked.
+                self.lora_adapters.pop(lora.lora_name, None)
+                raise _unknown_model(lora.lora_name) from e
             if isinstance(e, RequestTimeoutError):  # the engine did not even admit it in time
                 raise self._timed_out() from e
             raise
@@ -400,7 +466,7 @@ class OpenAIServing:
     # -- /v1/completions ----------------------------------------------------------------------------
 
     async def completions(self, request: CompletionRequest, session_id: str | None = None):
-        self.check_model(request.model)
+        lora = await self.resolve_model(request.model)
         _no_stream_prompt_logprobs(request)
         prompts = request.prompts()
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -420,7 +486,7 @@ class OpenAIServing:
                 ids, prompt = truncated, truncated
             num_prompt_tokens += len(ids)
             prompt_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
-            engine = self.choose_engine(ids, session_id, chosen)
+            engine = self.choose_engine(ids, session_id, chosen, lora)
             chosen[engine] += request.n
             prompt_ids.append(ids)
             for c in self._new_choices(request.n, ids, request):
@@ -431,7 +497,7 @@ class OpenAIServing:
                 c.index = p_index * request.n + c.index
                 choices.append(c)
                 jobs.append((engine, f"{request_id}-{c.index}", ids, params, c))
-        streams = await self._open_all(jobs, request)
+        streams = await self._open_all(jobs, request, lora)
         if request.stream:
             return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts,
                                                      prompt_ids, num_prompt_tokens, streams), streams)
@@ -452,14 +518,14 @@ class OpenAIServing:
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                         prompt_logprobs=self._prompt_logprobs(request, prompt_ids[c.index // request.n],
                                                                               c.prompt_logprobs)))
-        return CompletionResponse(id=request_id, created=created, model=self.settings.served_model_name, choices=out,
+        return CompletionResponse(id=request_id, created=created, model=self.model_name(request.model), choices=out,
                                   usage=_usage(num_prompt_tokens, choices))
 
     async def _stream_completion(self, request: CompletionRequest, request_id: str, created: int,
                                  choices: list[_Choice], prompt_texts: list[str], prompt_ids: list[list[int]],
                                  num_prompt_tokens: int, streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
         """Choice i answers prompt i // n (several prompts stream their choices interleaved)."""
-        model = self.settings.served_model_name
+        model = self.model_name(request.model)
         n = request.n
         # Logprobs' text offsets count from the start of the choice's text (the echoed prompt included).
         text_offsets = {c.index: len(prompt_texts[c.index // n]) if request.echo else 0 for c in choices}
@@ -501,7 +567,7 @@ class OpenAIServing:
     # -- /v1/chat/completions -----------------------------------------------------------------------
 
     async def chat(self, request: ChatCompletionRequest, session_id: str | None = None):
-        self.check_model(request.model)
+        lora = await self.resolve_model(request.model)
         _no_stream_prompt_logprobs(request)
         tool_choice = request.tool_choice_form()
         if tool_choice == "auto" and self.settings.tool_call_parser is None:
@@ -509,7 +575,7 @@ class OpenAIServing:
                               "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
                               '"required" or "none"', "tool_choice")
         ids = self.truncate_prompt(self.render_chat(request), request)
-        engine = self.choose_engine(ids, session_id)
+        engine = self.choose_engine(ids, session_id, lora=lora)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         top = (request.top_logprobs or 0) if request.logprobs else None
@@ -524,7 +590,7 @@ class OpenAIServing:
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                       prompt_logprobs=request.prompt_logprobs, structured_output_after=after), c)
                 for c in choices]
-        streams = await self._open_all(jobs, request)
+        streams = await self._open_all(jobs, request, lora)
         if request.stream:
             return SSEStream(self._stream_chat(request, request_id, created, choices, len(ids), streams), streams)
         await self._generate(streams, choices, None)
@@ -540,14 +606,14 @@ class OpenAIServing:
                         if request.logprobs else None)
             out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                                   stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=request_id, created=created, model=self.settings.served_model_name,
+        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name(request.model),
                                       choices=out, usage=_usage(len(ids), choices),
                                       prompt_logprobs=self._prompt_logprobs(request, ids, choices[0].prompt_logprobs))
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, created: int,
                            choices: list[_Choice], num_prompt_tokens: int,
                            streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
-        model = self.settings.served_model_name
+        model = self.model_name(request.model)
         running_usage = _continuous_usage(request)
         opening_usage = UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens) \
             if running_usage else None
@@ -563,7 +629,7 @@ class OpenAIServing:
                 yield chat_token_chunk(request_id, created, model, event.choice.index, event.text, logprobs,
                                        event.finish_reason, None, usage)
                 continue
-            for chunk in self._parsed_chat_chunks(parser, event, logprobs, usage, request_id, created):
+            for chunk in self._parsed_chat_chunks(parser, event, logprobs, usage, request_id, created, model):
                 yield chunk
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
@@ -571,11 +637,11 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     def _parsed_chat_chunks(self, parser: ChatOutputParser, event: _Delta, logprobs: dict[str, Any] | None,
-                            usage: dict[str, int] | None, request_id: str, created: int) -> list[bytes]:
+                            usage: dict[str, int] | None, request_id: str, created: int, model: str) -> list[bytes]:
         """The chunks of one event of a choice whose text is parsed (reasoning, tool calls): none
         while a tag may be starting; after tool calls, the finish in a chunk of its own, as OpenAI
         ends a stream (the openai client's stream helper closes the last call only on a later chunk)."""
-        model, index = self.settings.served_model_name, event.choice.index
+        index = event.choice.index
         parsed = parser.feed(event.text)
         finish_reason = event.finish_reason
         if finish_reason is not None:
@@ -740,6 +806,23 @@ def _parsed_arguments(call: Any) -> Any:
 def _wrap_int64(value: int) -> int:
     """Choice i samples with seed + i, kept in the engine's 64-bit range."""
     return (value - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def dynamic_lora_id(name: str, path: str) -> int:
+    """An id for a runtime-loaded adapter: above every static one (1, 2, ...), and a function of
+    its name and path, so router replicas agree on it without talking to each other."""
+    digest = hashlib.blake2b(f"{name}\0{path}".encode(), digest_size=7).digest()
+    return (1 << 32) + int.from_bytes(digest, "big")
+
+
+def _remote_message(error: BaseException) -> str:
+    """The message of an error raised inside an engine actor, without Ray's traceback wrapper."""
+    cause = getattr(error, "cause", None)
+    return str(cause if cause is not None else error).strip().splitlines()[-1]
+
+
+def _unknown_model(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
 
 def _engine_refusal(error: EngineOverloadedError | EngineUnavailableError) -> APIError:

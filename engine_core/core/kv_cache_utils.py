@@ -23,14 +23,27 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int],
     return h.digest()
 
 
+def first_block_keys(cache_salt: str | None = None, lora_key: tuple[int, str] | None = None
+                     ) -> tuple[object, ...] | None:
+    """The extra keys of a request's first block: its cache salt and its LoRA adapter (id, name).
+    KV computed under one adapter is wrong for every other one, so an adapter keys its own prefixes."""
+    keys: tuple[object, ...] = ()
+    if cache_salt:
+        keys += (cache_salt,)
+    if lora_key is not None:
+        keys += (("lora", *lora_key),)
+    return keys or None
+
+
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int,
-                        block_size: int, cache_salt: str | None = None) -> None:
+                        block_size: int, cache_salt: str | None = None,
+                        lora_key: tuple[int, str] | None = None) -> None:
     """Grow ``block_hashes`` in place to cover the first ``num_blocks`` full blocks of ``token_ids``."""
     start = len(block_hashes)
     parent = block_hashes[-1] if block_hashes else NONE_HASH
     for i in range(start, num_blocks):
-        # The cache salt keys the first block only: every later block inherits it through the chain.
-        extra = (cache_salt,) if (i == 0 and cache_salt) else None
+        # The salt and the adapter key the first block only: later blocks inherit them through the chain.
+        extra = first_block_keys(cache_salt, lora_key) if i == 0 else None
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         block_hashes.append(parent)
 

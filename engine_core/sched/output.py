@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine_core.outputs import LoRARequest
 from engine_core.sampling_params import SamplingParams
 
 
@@ -21,6 +22,8 @@ class NewRequestData(msgspec.Struct, array_like=True):
     output_token_ids: list[int] = msgspec.field(default_factory=list)
     # The request's own EOS id: masked (with stop ids) while it is short of min_tokens.
     eos_token_id: int | None = None
+    # The LoRA adapter the workers apply to this request's tokens (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

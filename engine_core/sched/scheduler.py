@@ -13,7 +13,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
 
-from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.config import CacheConfig, LoRAConfig, SchedulerConfig
 from engine_core.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine_core.outputs import (
     EngineCoreOutput,
@@ -73,9 +73,19 @@ class _PartialPrefillCounter:
         return num_prompt_tokens_left > self.long_threshold and self.num_long >= self.max_long
 
 
+def _count_adapters(requests: list[Request]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 class Scheduler(SchedulerInterface):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 log_stats: bool = True, include_finished_set: bool = False, num_spec_tokens: int = 0) -> None:
+                 log_stats: bool = True, include_finished_set: bool = False, num_spec_tokens: int = 0,
+                 lora_config: LoRAConfig | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.log_stats = log_stats
@@ -89,6 +99,8 @@ class Scheduler(SchedulerInterface):
         self.num_lookahead_tokens = 0
         # Most draft tokens a request carries into a pass (speculative decoding; 0: off).
         self.num_spec_tokens = num_spec_tokens
+        # Most distinct LoRA adapters in one pass (0: LoRA off). Both loops hold it.
+        self.max_loras = lora_config.max_loras if lora_config is not None else 0
         self.connector = None
 
         # Every live request, whichever collection holds it.
@@ -203,11 +215,19 @@ class Scheduler(SchedulerInterface):
                    if self.scheduler_config.max_num_partial_prefills > 1 else None)
         kv_cache_manager = self.kv_cache_manager
         running = self.running
+        # The adapters of the requests scheduled so far this pass (LoRA slot accounting).
+        scheduled_loras: set[int] = set()
+        max_loras = self.max_loras
 
         # Running loop first, indexed by hand: preemption mutates self.running while we walk it.
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
+            if (max_loras and request.lora_request is not None and len(scheduled_loras) >= max_loras
+                    and request.lora_request.lora_int_id not in scheduled_loras):
+                # Another adapter would exceed max_loras in this batch: it waits for a later pass.
+                req_index += 1
+                continue
             # The known tokens only: drafts (num_tokens_with_spec - num_tokens) are added by
             # _schedule_drafts once every running request has its own tokens, so that no draft ever
             # costs another request its place (no output placeholders here).
@@ -261,6 +281,8 @@ class Scheduler(SchedulerInterface):
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if request.lora_request is not None:
+                scheduled_loras.add(request.lora_request.lora_int_id)
             req_index += 1
 
         if self.num_spec_tokens and scheduled_running_reqs:
@@ -272,7 +294,7 @@ class Scheduler(SchedulerInterface):
         if not preempted_reqs and self._pause_state == PauseState.UNPAUSED:
             token_budget = self._schedule_waiting(
                 token_budget, threshold, partial, num_scheduled_tokens, scheduled_new_reqs,
-                scheduled_resumed_reqs, req_to_new_blocks, scheduled_timestamp)
+                scheduled_resumed_reqs, req_to_new_blocks, scheduled_timestamp, scheduled_loras)
 
         # Tripwires, not the mechanism: the arithmetic above is what holds the line.
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
@@ -342,7 +364,7 @@ class Scheduler(SchedulerInterface):
                           partial: _PartialPrefillCounter | None,
                           num_scheduled_tokens: dict[str, int], scheduled_new_reqs: list[Request],
                           scheduled_resumed_reqs: list[Request], req_to_new_blocks: dict[str, KVCacheBlocks],
-                          scheduled_timestamp: float) -> int:
+                          scheduled_timestamp: float, scheduled_loras: set[int]) -> int:
         """The admission loop. Returns what is left of the token budget."""
         kv_cache_manager = self.kv_cache_manager
         step_skipped_waiting = create_request_queue(self.policy)
@@ -362,6 +384,13 @@ class Scheduler(SchedulerInterface):
             if self._can_never_fit(request):
                 request_queue.pop_request()
                 self._finish_outside_pass(request, RequestStatus.FINISHED_IGNORED)
+                continue
+            lora = request.lora_request
+            if (lora is not None and self.max_loras and len(scheduled_loras) >= self.max_loras
+                    and lora.lora_int_id not in scheduled_loras):
+                # Admitting it would put one adapter too many in this batch: skipped, not a stop.
+                request_queue.pop_request()
+                step_skipped_waiting.prepend_request(request)
                 continue
 
             if request.num_computed_tokens == 0:
@@ -412,6 +441,8 @@ class Scheduler(SchedulerInterface):
             token_budget -= num_new_tokens
             request.status = _RUNNING
             request.num_computed_tokens = num_computed_tokens
+            if lora is not None:
+                scheduled_loras.add(lora.lora_int_id)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed_tokens
             if self.log_stats:
@@ -462,6 +493,7 @@ class Scheduler(SchedulerInterface):
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
+            lora_request=request.lora_request,
         )
 
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
@@ -724,6 +756,9 @@ class Scheduler(SchedulerInterface):
             step_token_budget=self._last_step_budget,
             spec_decoding_stats=self._spec_stats,
         )
+        if self.max_loras:
+            stats.running_lora_adapters = _count_adapters(self.running)
+            stats.waiting_lora_adapters = _count_adapters([*self.waiting, *self.skipped_waiting])
         if self._spec_stats is not None:
             self._spec_stats = SpecDecodingStats(self.num_spec_tokens,
                                                  num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)

@@ -49,6 +49,11 @@ def test_the_access_log_is_on_unless_disabled():
      "speculative_config.method must be 'ngram'"),
     (["--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 0}}'], {},
      "speculative_config.num_speculative_tokens must be given, and >= 1"),
+    (["--lora-modules", "a=/x"], {}, "lora_modules and allow_runtime_lora_updating need enable_lora"),
+    (["--enable-lora", "--lora-modules", "a"], {}, "--lora-modules: expected name=path, got 'a'"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], {}, "the name 'a' is given twice"),
+    (["--enable-lora", "--lora-modules", "a={missing}"], {}, "no adapter_config.json"),
+    (["--enable-lora", "--max-loras", "0"], {}, "--max-loras: Input should be greater than or equal to 1"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -116,3 +121,17 @@ def test_speculative_config_reaches_the_engines_and_can_differ_per_engine(tmp_pa
     assert engines[2].speculative_config.prompt_lookup_max == 5
     assert engines[3].speculative_config is None  # {} turns it off for one engine
     assert _config().engine_configs()[0].speculative_config is None
+
+
+def test_lora_flags_reach_every_engine_and_the_router(monkeypatch):
+    config = _config("--num-engines", "2", "--enable-lora", "--lora-modules", "sql=/adapters/sql",
+                     '{"name": "chat", "path": "/adapters/chat"}', "--max-loras", "3", "--max-lora-rank", "64")
+    for engine in config.engine_configs():
+        lora = engine.lora_config
+        assert (lora.max_loras, lora.max_lora_rank) == (3, 64)
+        assert [(m.name, m.path) for m in lora.lora_modules] == [("sql", "/adapters/sql"), ("chat", "/adapters/chat")]
+    assert router_deployment(config)._bound_deployment.init_args[0].allow_runtime_lora_updating is False
+    assert _config().engine_configs()[0].lora_config is None
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # vLLM's switch for the load endpoints
+    updating = _config("--enable-lora")
+    assert router_deployment(updating)._bound_deployment.init_args[0].allow_runtime_lora_updating is True

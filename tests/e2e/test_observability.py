@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import ClusterConfig, EngineSpec
 from tests.e2e.prometheus import prometheus_binary, query_with_data, run_prometheus, target_health
+from tests.lora_adapters import save_adapter
 from tests.serve_cluster import serve_cluster
 
 pytestmark = pytest.mark.slow
@@ -60,16 +61,19 @@ def dashboard_queries() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def observed(ray_cluster, tiny_model_dir):
+def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
     if prometheus_binary() is None:
         if os.environ.get("CI"):
             pytest.fail("prometheus must be installed in CI (make test installs it)")
         pytest.skip("prometheus not installed")
+    adapter = save_adapter(tiny_model_dir, tmp_path_factory.mktemp("sql"))
     config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=2,
                            num_router_replicas=2, routing_policy="round_robin",
                            defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
                            # Engine 1 drafts (n-gram speculative decoding), so its panels have data.
-                           engines=[EngineSpec(), EngineSpec(speculative_config=SPEC)])
+                           engines=[EngineSpec(), EngineSpec(speculative_config=SPEC)],
+                           # Half the requests run under a LoRA adapter, so its panel has data.
+                           enable_lora=True, lora_modules=[f"sql={adapter}"])
     with serve_cluster(config) as served:
         for _ in range(4):  # warm both replicas' metrics path (the hub actor starts on first use)
             httpx.get(f"{served.base}/metrics", timeout=60)
@@ -85,7 +89,8 @@ def observed(ray_cluster, tiny_model_dir):
                 with ThreadPoolExecutor(8) as pool:
                     codes = list(pool.map(lambda i: httpx.post(
                         f"{served.base}/v1/completions", timeout=60,
-                        json=body | {"prompt": shared + str(i)}).status_code, range(16 * wave, 16 * wave + 16)))
+                        json=body | {"prompt": shared + str(i), "model": ("tiny", "sql")[i % 2]}).status_code,
+                        range(16 * wave, 16 * wave + 16)))
                 assert set(codes) == {200}
                 time.sleep(5)
             yield served, prom

@@ -5,7 +5,14 @@ import pytest
 
 from engine_core.core.block_pool import BlockPool
 from engine_core.core.kv_cache_manager import KVCacheManager
-from engine_core.core.kv_cache_utils import NONE_HASH, FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
+from engine_core.core.kv_cache_utils import (
+    NONE_HASH,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    first_block_keys,
+    hash_block_tokens,
+)
+from engine_core.outputs import LoRARequest
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 
@@ -181,3 +188,20 @@ def test_usage_is_the_used_fraction():
     mgr = KVCacheManager(num_blocks=4, block_size=4)
     mgr.allocate_slots(_req("a", list(range(8))), 8)
     assert mgr.usage == 0.5
+
+
+def test_a_lora_adapter_keys_its_own_prefixes():
+    """KV computed under one adapter is wrong for the base model and for every other adapter."""
+    mgr = KVCacheManager(num_blocks=16, block_size=4)
+    a, b = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
+
+    def req(rid: str, lora: LoRARequest | None, salt: str | None = None) -> Request:
+        return Request(rid, list(range(9)), SamplingParams(), cache_salt=salt, lora_request=lora)
+
+    mgr.allocate_slots(req("a1", a), 9)
+    assert mgr.get_computed_blocks(req("base", None))[1] == 0
+    assert mgr.get_computed_blocks(req("b1", b))[1] == 0
+    assert mgr.get_computed_blocks(req("a2", a))[1] == 8
+    assert mgr.get_computed_blocks(req("a3", a, salt="tenant"))[1] == 0  # the salt still separates
+    # A cache salt alone hashes as before adapters existed (the router mirrors these hashes).
+    assert first_block_keys("tenant") == ("tenant",) and first_block_keys() is None

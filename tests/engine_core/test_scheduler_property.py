@@ -3,6 +3,7 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine_core.outputs import LoRARequest
 from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import SamplingParams
 
@@ -29,6 +30,8 @@ def workloads(draw):
     if draw(st.booleans()):
         config["max_num_partial_prefills"] = draw(st.integers(2, 3))
         config["max_long_partial_prefills"] = draw(st.integers(1, config["max_num_partial_prefills"]))
+    if draw(st.booleans()):  # LoRA: requests of several adapters (and of the base model), a per-pass cap
+        config["max_loras"] = draw(st.integers(1, 2))
     prefixes = [draw(st.lists(st.integers(0, 50), min_size=1, max_size=24)) for _ in range(3)]
     requests = []
     for _ in range(draw(st.integers(1, 20))):
@@ -40,6 +43,7 @@ def workloads(draw):
             "max_tokens": draw(st.integers(1, max_tokens_cap)),
             "priority": draw(st.integers(0, 3)),
             "abort_step": draw(st.one_of(st.none(), st.integers(0, 30))),
+            "lora": draw(st.sampled_from([0, 1, 2, 3])) if "max_loras" in config else 0,
         })
     return config, requests
 
@@ -55,8 +59,10 @@ def test_random_workloads_keep_every_invariant(workload):
     while step_no < 2000:
         for i, spec in enumerate(specs):
             if spec["arrival_step"] == step_no:
+                lora = LoRARequest(f"lora{spec['lora']}", spec["lora"], "/adapters") if spec["lora"] else None
                 req = Request(f"r{i}", spec["prompt"], SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True),
-                              eos_token_id=0, priority=spec["priority"], arrival_time=float(step_no) + i * 1e-3)
+                              eos_token_id=0, priority=spec["priority"], arrival_time=float(step_no) + i * 1e-3,
+                              lora_request=lora)
                 requests.append(req)
                 sched.add_request(req)
             if spec["abort_step"] == step_no and f"r{i}" in sched.requests:
@@ -68,6 +74,8 @@ def test_random_workloads_keep_every_invariant(workload):
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         assert so.total_num_scheduled_tokens <= sched.max_num_scheduled_tokens
         assert len(sched.running) <= config["max_num_seqs"]
+        adapters = {sched.requests[r].lora_key for r in so.num_scheduled_tokens} - {None}
+        assert len(adapters) <= config.get("max_loras", 3)
         cached = so.scheduled_cached_reqs
         for j, req_id in enumerate(cached.req_ids):
             if not cached.resumed_from_preemption[j]:

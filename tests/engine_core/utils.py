@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.config import CacheConfig, LoRAConfig, SchedulerConfig
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
@@ -21,7 +21,8 @@ def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
                      max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1,
                      policy: str = "fcfs", block_size: int = 16, num_blocks: int = 10000,
                      enable_prefix_caching: bool = True, log_stats: bool = True,
-                     include_finished_set: bool = False, num_spec_tokens: int = 0) -> Scheduler:
+                     include_finished_set: bool = False, num_spec_tokens: int = 0,
+                     max_loras: int = 0) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_num_scheduled_tokens=max_num_scheduled_tokens,
@@ -33,7 +34,8 @@ def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching)
     return Scheduler(scheduler_config, cache_config, log_stats=log_stats,
-                     include_finished_set=include_finished_set, num_spec_tokens=num_spec_tokens)
+                     include_finished_set=include_finished_set, num_spec_tokens=num_spec_tokens,
+                     lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None)
 
 
 def create_requests(num_requests: int, num_tokens: int = 10, max_tokens: int = 16,

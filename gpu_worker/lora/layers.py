@@ -1,0 +1,85 @@
+"""Linear layers that add each token's LoRA delta: ``y = x W^T + (x A^T) B^T`` per adapter.
+
+A ``LoRALinear`` wraps one of the model's (tensor-parallel) projections after its weights are
+loaded. Every wrapper of a model shares one ``LoRABatch``: which rows of this step's flat batch run
+under which adapter. A step mixes at most ``max_loras`` adapters, so the delta is one pair of small
+matmuls per adapter present, over that adapter's rows only (a slice when they are contiguous, as
+they are when one adapter covers the batch). Rows of base-model requests get nothing added.
+
+Tensor parallelism follows the base layer. A column-parallel projection holds A whole and the rows
+of B for its output slice; a row-parallel one holds the columns of A for its input slice and B
+whole, and its partial delta joins the partial product before the all-reduce, which sums both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker import distributed
+from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclass
+class AdapterShard:
+    """One adapter on one rank: per wrapped layer, (A^T [in, R], B^T [R, out]) with the scaling in B."""
+
+    lora_int_id: int
+    lora_name: str
+    lora_path: str
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+Rows = slice | torch.Tensor | None  # None: every row of the batch
+
+
+@dataclass
+class LoRABatch:
+    groups: list[tuple[AdapterShard, Rows]] = field(default_factory=list)
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, path: str, batch: LoRABatch) -> None:
+        super().__init__()
+        self.base = base
+        self.path = path
+        self.batch = batch
+        self.row_parallel = isinstance(base, RowParallelLinear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.batch.groups
+        if not groups:
+            return self.base.forward(x)
+        base = self.base
+        if self.row_parallel:
+            split = base.tp_size > 1
+            out = F.linear(x, base.weight, None if split else base.bias)
+            self._add_deltas(x, out, groups)
+            if split:
+                if base.reduce_results:
+                    distributed.all_reduce(out)
+                if base.bias is not None:
+                    out = out + base.bias
+            return out
+        out = F.linear(x, base.weight, base.bias)
+        self._add_deltas(x, out, groups)
+        if base.gather_output:
+            out = distributed.all_gather(out, dim=-1)
+        return out
+
+    def _add_deltas(self, x: torch.Tensor, out: torch.Tensor, groups: list[tuple[AdapterShard, Rows]]) -> None:
+        path = self.path
+        for adapter, rows in groups:
+            pair = adapter.layers.get(path)
+            if pair is None:  # (this adapter does not train this projection)
+                continue
+            a_t, b_t = pair
+            if rows is None:
+                out.addmm_(x @ a_t, b_t)
+            elif isinstance(rows, slice):
+                out[rows].addmm_(x[rows] @ a_t, b_t)
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)

@@ -1,0 +1,118 @@
+"""Reading a PEFT LoRA checkpoint (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+What is served: LoRA on the attention and MLP projections of Llama-family models (``q_proj``,
+``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``), with the plain or
+rank-stabilised scaling. Anything else a checkpoint may hold (DoRA, trained biases, embedding or
+LM-head adapters, full modules to save, per-module rank or alpha patterns) is refused with a
+message naming it, rather than served wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PREFIX = "base_model.model."
+_A, _B = ".lora_A.weight", ".lora_B.weight"
+# adapter_config.json settings that change what the adapter computes, and are not served.
+_UNSUPPORTED = {
+    "use_dora": "DoRA", "lora_bias": "a bias on lora_B", "layer_replication": "layer replication",
+    "alora_invocation_tokens": "activated LoRA", "trainable_token_indices": "trained token embeddings",
+    "target_parameters": "LoRA on parameters rather than modules", "use_qalora": "QA-LoRA",
+    "use_bdlora": "block-diagonal LoRA",
+}
+
+
+@dataclass
+class PeftAdapter:
+    rank: int
+    scaling: float
+    # HF module name ("model.layers.0.self_attn.q_proj") -> (A [r, in], B [out, r]), scaling not applied.
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _refuse(path: Path, why: str) -> ValueError:
+    return ValueError(f"LoRA adapter {path}: {why}")
+
+
+def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
+    """The checked ``adapter_config.json`` of the adapter directory ``path``."""
+    path = Path(path)
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise _refuse(path, "no adapter_config.json (expected a PEFT LoRA checkpoint directory)")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise _refuse(path, f"adapter_config.json is not valid JSON ({e})") from None
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise _refuse(path, f"peft_type {config.get('peft_type')!r} is not LORA")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise _refuse(path, f"{what} ({key}) is not supported")
+    if config.get("bias", "none") != "none":
+        raise _refuse(path, f"trained biases (bias={config.get('bias')!r}) are not supported")
+    if config.get("fan_in_fan_out"):
+        raise _refuse(path, "fan_in_fan_out weights (Conv1D models) are not supported")
+    if config.get("modules_to_save"):
+        raise _refuse(path, f"modules_to_save {config['modules_to_save']!r} (whole trained modules) is not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise _refuse(path, f"per-module {key} is not supported")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise _refuse(path, f"r must be a positive integer, got {rank!r}")
+    if rank > max_lora_rank:
+        raise _refuse(path, f"rank {rank} is above --max-lora-rank {max_lora_rank}")
+    if not isinstance(config.get("lora_alpha", rank), (int, float)):
+        raise _refuse(path, f"lora_alpha must be a number, got {config.get('lora_alpha')!r}")
+    return config
+
+
+def load_peft_adapter(path: str | Path, max_lora_rank: int) -> PeftAdapter:
+    path = Path(path)
+    config = read_adapter_config(path, max_lora_rank)
+    rank = config["r"]
+    alpha = float(config.get("lora_alpha", rank))
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    tensors = _read_tensors(path)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+        if name.endswith(_A):
+            pairs.setdefault(name[: -len(_A)], {})["A"] = tensor
+        elif name.endswith(_B):
+            pairs.setdefault(name[: -len(_B)], {})["B"] = tensor
+        else:
+            raise _refuse(path, f"tensor {key!r} is not a LoRA A/B weight of a linear layer")
+    if not pairs:
+        raise _refuse(path, "the checkpoint holds no LoRA weights")
+    weights = {}
+    for module, ab in pairs.items():
+        if module.rsplit(".", 1)[-1] not in TARGET_MODULES:
+            raise _refuse(path, f"module {module!r} is not one of {', '.join(TARGET_MODULES)}")
+        if set(ab) != {"A", "B"}:
+            raise _refuse(path, f"module {module!r} has lora_{'A' if 'A' in ab else 'B'} without its pair")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] > max_lora_rank:
+            raise _refuse(path, f"module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
+                                f"a rank <= {max_lora_rank} pair")
+        weights[module] = (a, b)
+    return PeftAdapter(rank=rank, scaling=scaling, weights=weights)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    safetensors_file = path / "adapter_model.safetensors"
+    if safetensors_file.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(safetensors_file))
+    bin_file = path / "adapter_model.bin"
+    if bin_file.is_file():
+        return torch.load(str(bin_file), map_location="cpu", weights_only=True)
+    raise _refuse(path, "no adapter_model.safetensors or adapter_model.bin")

@@ -1,0 +1,174 @@
+"""LoRA on the workers: PEFT checkpoints served per request, checked against PEFT's own model."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from engine_core.config import CacheConfig, LoRAConfig, SchedulerConfig
+from engine_core.outputs import LoRARequest
+from engine_core.request import Request
+from engine_core.sampling_params import SamplingParams
+from engine_core.sched.scheduler import Scheduler
+from gpu_worker.lora.peft_adapter import load_peft_adapter
+from gpu_worker.worker import Worker
+from tests.gpu_worker.utils import free_port, hf_greedy, load_hf, run_to_completion, save_tiny_model
+from tests.lora_adapters import peft_model, save_adapter
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A base model, two adapters (one rank-stabilised, on a subset of projections) and the
+    greedy answers of PEFT's models and the base model to a few prompts."""
+    root = tmp_path_factory.mktemp("lora")
+    base = save_tiny_model(root / "base", num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True)
+    kwargs_a = dict(seed=1, r=8, alpha=16.0)
+    kwargs_b = dict(seed=2, r=4, alpha=8.0, use_rslora=True, targets=("q_proj", "v_proj", "down_proj"))
+    save_adapter(base, root / "a", **kwargs_a)
+    save_adapter(base, root / "b", **kwargs_b)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(6)]
+    models = {0: load_hf(base), 1: peft_model(base, **kwargs_a), 2: peft_model(base, **kwargs_b)}
+    adapters = {1: LoRARequest("a", 1, str(root / "a")), 2: LoRARequest("b", 2, str(root / "b"))}
+    # Request i runs under adapter i % 3: base, a, b, base, a, b.
+    expected = {f"r{i}": hf_greedy(models[i % 3], p, MAX_TOKENS) for i, p in enumerate(prompts)}
+    return base, adapters, prompts, expected
+
+
+def _drive(execute, adapters: dict[int, LoRARequest], prompts: list[list[int]], max_loras: int,
+           budget: int = 16, batches: list[set[int]] | None = None) -> dict[str, list[int]]:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=128),
+                      CacheConfig(block_size=4, num_blocks=60), log_stats=False,
+                      lora_config=LoRAConfig(max_loras=max_loras))
+    for i, p in enumerate(prompts):
+        sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                                  lora_request=adapters.get(i % 3)))
+
+    def record(_: int, so) -> None:
+        if batches is not None:
+            ids = {sched.requests[r].lora_request.lora_int_id for r in so.num_scheduled_tokens
+                   if sched.requests[r].lora_request is not None}
+            batches.append(ids)
+
+    return run_to_completion(sched, execute, on_step=record)
+
+
+def _worker(base: Path, adapters: dict[int, LoRARequest], **kwargs) -> Worker:
+    worker = Worker(0, 1, str(base), device="cpu", dtype="float32", max_model_len=128, max_lora_rank=8, **kwargs)
+    worker.load_model()
+    worker.initialize_cache(60, 4)
+    for lora in adapters.values():
+        assert worker.add_lora(lora)
+    return worker
+
+
+@pytest.mark.parametrize(("max_loras", "budget"), [(2, 16), (1, 7), (2, 64)])
+def test_mixed_batches_equal_each_adapters_peft_model(setup, max_loras, budget):
+    """Base-model requests and two adapters' requests in the same batches (chunked prefills,
+    decodes, rows of one adapter not contiguous) give exactly what PEFT's model gives each."""
+    base, adapters, prompts, expected = setup
+    worker = _worker(base, adapters)
+    batches: list[set[int]] = []
+    assert _drive(worker.execute_model, adapters, prompts, max_loras, budget, batches) == expected
+    assert max(len(b) for b in batches) == max_loras  # the scheduler held the cap, and reached it
+    assert worker.list_loras() == [1, 2]
+
+
+def test_an_adapter_changes_the_answers_and_unloading_it_restores_nothing_else(setup):
+    base, adapters, prompts, expected = setup
+    # The adapters do change the model's answers (else the test above would prove nothing).
+    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    worker = _worker(base, adapters)
+    assert worker.add_lora(adapters[1]) is False  # already held
+    with pytest.raises(ValueError, match="already"):
+        worker.add_lora(LoRARequest("other", 1, adapters[2].lora_path))
+    assert worker.remove_lora(1) and not worker.remove_lora(1)
+    assert worker.list_loras() == [2]
+
+
+@pytest.mark.slow
+def test_tp2_over_gloo_serves_adapters_as_tp1(setup):
+    """Column-parallel shards of B and row-parallel shards of A, summed by the all-reduce, give
+    the same answers as one rank (one KV head replicated on both ranks, a padded vocabulary)."""
+    ray = pytest.importorskip("ray")
+    base, adapters, prompts, expected = setup
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        remote_worker = ray.remote(num_cpus=1)(Worker)
+        ranks = [remote_worker.remote(rank, 2, str(base), device="cpu", dtype="float32", max_model_len=128,
+                                      num_cpus=1, max_lora_rank=8) for rank in range(2)]
+        port = free_port()
+        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
+        ray.get([w.load_model.remote() for w in ranks])
+        ray.get([w.initialize_cache.remote(60, 4) for w in ranks])
+        for lora in adapters.values():
+            assert ray.get([w.add_lora.remote(lora) for w in ranks]) == [True, True]
+
+        def execute(so):
+            return ray.get([w.execute_model.remote(so) for w in ranks])[0]
+
+        assert _drive(execute, adapters, prompts, max_loras=2) == expected
+        ray.get([w.shutdown.remote() for w in ranks])
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def test_adapter_weights_and_scaling(setup):
+    _, adapters, _, _ = setup
+    a = load_peft_adapter(adapters[1].lora_path, max_lora_rank=8)
+    b = load_peft_adapter(adapters[2].lora_path, max_lora_rank=8)
+    assert (a.rank, a.scaling) == (8, 2.0)
+    assert (b.rank, b.scaling) == (4, 8.0 / 2.0)  # rsLoRA: alpha / sqrt(r)
+    assert sorted({m.rsplit(".", 1)[1] for m in b.weights}) == ["down_proj", "q_proj", "v_proj"]
+    lora_a, lora_b = a.weights["model.layers.1.self_attn.k_proj"]
+    assert lora_a.shape == (8, 64) and lora_b.shape == (16, 8)  # one KV head of 16 dims
+
+
+def _edited_copy(src: str, dst: Path, **config_changes) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    config.update(config_changes)
+    (dst / "adapter_config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"use_dora": True}, "DoRA"),
+    ({"lora_bias": True}, "bias on lora_B"),
+    ({"bias": "all"}, "trained biases"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+    ({"peft_type": "IA3"}, "not LORA"),
+    ({"r": 32}, "above --max-lora-rank 8"),
+])
+def test_adapters_the_model_cannot_serve_are_refused_by_name(setup, tmp_path, changes, message):
+    base, adapters, _, _ = setup
+    bad = _edited_copy(adapters[1].lora_path, tmp_path / "bad", **changes)
+    worker = _worker(base, {})
+    with pytest.raises(ValueError, match=message):
+        worker.add_lora(LoRARequest("bad", 3, str(bad)))
+    assert worker.list_loras() == []
+
+
+def test_an_adapter_for_another_model_or_not_an_adapter_is_refused(setup, tmp_path):
+    base, _, _, _ = setup
+    worker = _worker(base, {})
+    other = save_tiny_model(tmp_path / "wide", hidden_size=96, vocab_size=251)
+    with pytest.raises(ValueError, match="do not fit the model"):
+        worker.add_lora(LoRARequest("wide", 3, str(save_adapter(other, tmp_path / "wide_adapter"))))
+    with pytest.raises(ValueError, match=r"no adapter_config\.json"):
+        worker.add_lora(LoRARequest("nothing", 4, str(tmp_path)))
+    head = save_adapter(base, tmp_path / "head", targets=("q_proj", "lm_head"))
+    with pytest.raises(ValueError, match="lm_head"):
+        worker.add_lora(LoRARequest("head", 5, str(head)))
+    assert worker.list_loras() == []
