@@ -95,7 +95,7 @@ def router_deployment(config: ClusterConfig):
         served_model_name=config.served_model_name, chat_template=config.chat_template,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys),
-        allow_runtime_lora_updating=config.allow_runtime_lora_updating)
+        enable_lora=config.enable_lora, allow_runtime_lora_updating=config.allow_runtime_lora_updating)
     deployment = serve.deployment(
         OpenAIRouter, name="OpenAIRouter", num_replicas=config.num_router_replicas,
         ray_actor_options={"num_cpus": 0},

@@ -104,11 +104,11 @@ class EngineCoreService:
 
     def admit(self, request: EngineCoreRequest) -> None:
         """add_request behind the waiting-queue cap: OverflowError when the queue is full."""
+        # Refused here, before it is queued: the caller learns why (an adapter this engine lacks).
+        self.engine.check_lora(request)
         waiting_cap = self.config.max_waiting_requests
         if waiting_cap and self.num_waiting() >= waiting_cap:
             raise OverflowError(f"engine {self.config.engine_index}: queue is full ({waiting_cap} waiting requests)")
-        # Refused here, before it is queued: the caller learns why (an unloaded adapter).
-        self.engine.check_lora(request)
         self.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -409,7 +409,11 @@ class EngineCoreActor:
         return await asyncio.to_thread(self.service.remove_lora, lora_int_id)
 
     async def list_loras(self) -> list[LoRARequest]:
-        return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.list_loras)
+        # Read as it stands (a copy taken in one step): no need to wait for the running pass.
+        return self.service.engine.list_loras()
+
+    async def lora_users(self, lora_int_id: int) -> int:
+        return self.service.engine.lora_users(lora_int_id)
 
     async def get_stats(self) -> EngineStats:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.stats)

@@ -119,8 +119,7 @@ class EngineCore:
         """Unload an adapter no unfinished request uses; False when it was not loaded."""
         if lora_int_id not in self.loras:
             return False
-        users = sum(1 for r in self.scheduler.requests.values()
-                    if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id)
+        users = self.lora_users(lora_int_id)
         if users:
             raise ValueError(f"LoRA adapter {self.loras[lora_int_id].lora_name!r} is in use by {users} requests")
         self.executor.remove_lora(lora_int_id)
@@ -129,6 +128,11 @@ class EngineCore:
 
     def list_loras(self) -> list[LoRARequest]:
         return list(self.loras.values())
+
+    def lora_users(self, lora_int_id: int) -> int:
+        """Unfinished requests running under the adapter (an unload waits for them)."""
+        return sum(1 for r in list(self.scheduler.requests.values())
+                   if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id)
 
     def check_lora(self, request: EngineCoreRequest) -> None:
         """LoRANotLoadedError unless the request's adapter (if any) is the one loaded under its id."""

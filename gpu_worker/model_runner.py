@@ -175,7 +175,11 @@ class ModelRunner:
             raise RuntimeError("the model and KV cache must be initialised before execute_model()")
 
         # Decodes (one token) first: attention handles them as one padded batch.
-        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        if self.lora is None:
+            order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        else:  # and each adapter's decodes (and prefills) side by side: its rows are at most two slices
+            order = sorted(so.num_scheduled_tokens, key=lambda r: (so.num_scheduled_tokens[r] != 1,
+                                                                   self.requests[r].lora_int_id))
         states = [self.requests[r] for r in order]
         num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in order), dtype=np.int64, count=len(order))
         num_decodes = int(np.count_nonzero(num_sched == 1))

@@ -41,6 +41,7 @@ class RouterConfig:
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, read with this parser
     reasoning_parser: str | None = None
     api_keys: tuple[str, ...] = ()
+    enable_lora: bool = False
     allow_runtime_lora_updating: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -92,17 +93,27 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         await asyncio.to_thread(importlib.import_module, "xgrammar")
     await client.wait_connected()
     serving = OpenAIServing(settings, client, tokenizer, policy, metrics)
-    serving.list_loras = lambda: engine_loras(client)
-    await serving.refresh_loras()
+    if config.enable_lora:
+        serving.list_loras = lambda: engine_loras(client)
+        await serving.refresh_loras()
     return serving, client
 
 
-async def engine_loras(client: EngineClient) -> list[LoRARequest]:
-    """The adapters loaded on the engines, asked of the first healthy one (all engines load the same)."""
+async def engine_loras(client: EngineClient, timeout_s: float = 5.0) -> list[LoRARequest]:
+    """The adapters loaded on any healthy engine (an engine restarted since a runtime load lacks it,
+    and is given it again when a request needs it there)."""
+    found: dict[str, LoRARequest] = {}
     for engine in range(client.num_engines):
-        if client.healthy()[engine]:
-            return await client.handle(engine).list_loras.remote()
-    return []
+        if not client.healthy()[engine]:
+            continue
+        try:
+            loras = await asyncio.wait_for(client.handle(engine).list_loras.remote(), timeout_s)
+        except Exception as e:  # an engine that does not answer must not fail the lookup
+            logger.warning("adapters of engine %d unavailable: %s", engine, e)
+            continue
+        for lora in loras:
+            found.setdefault(lora.lora_name, lora)
+    return list(found.values())
 
 
 class RouterMetricsHub:

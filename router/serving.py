@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -175,12 +175,12 @@ class OpenAIServing:
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
         """Load an adapter on every engine, or on none: an engine that refuses it (a checkpoint the
-        model cannot serve) undoes the loads before it. Its id comes from its name and path, so every
-        replica would give it the same one."""
+        model cannot serve) undoes the loads before it. Each load gets a new id, so KV cached under an
+        earlier load of the same name (whose files may have changed since) is never reused."""
         await self.refresh_loras()
         if name == self.settings.served_model_name or name in self.lora_adapters:
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
-        lora = LoRARequest(name, dynamic_lora_id(name, path), path)
+        lora = LoRARequest(name, new_dynamic_lora_id(), path)
         loaded: list[int] = []
         try:
             for engine in range(self.client.num_engines):
@@ -195,17 +195,46 @@ class OpenAIServing:
         return lora
 
     async def unload_lora_adapter(self, name: str) -> None:
+        """Unload an adapter from every engine, or from none: while requests still run under it on
+        any engine, the unload is refused (and an engine that refuses late gets it back elsewhere)."""
         await self.refresh_loras()
         lora = self.lora_adapters.get(name)
         if lora is None:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")
-        for engine in range(self.client.num_engines):
-            try:
-                await self.client.handle(engine).remove_lora.remote(lora.lora_int_id)
-            except Exception as e:  # (in use by unfinished requests)
-                raise bad_request(f"Failed to unload the lora adapter '{name}': {_remote_message(e)}",
-                                  "lora_name") from e
+        handles = [self.client.handle(engine) for engine in range(self.client.num_engines)]
+        users = sum([await h.lora_users.remote(lora.lora_int_id) for h in handles])
+        if users:
+            raise bad_request(f"The lora adapter '{name}' is in use by {users} requests; unload it once they "
+                              "finish.", "lora_name")
+        removed = []
+        try:
+            for handle in handles:
+                await handle.remove_lora.remote(lora.lora_int_id)
+                removed.append(handle)
+        except Exception as e:  # (a request arrived since the check)
+            for handle in removed:
+                with contextlib.suppress(Exception):
+                    await handle.add_lora.remote(lora)
+            raise bad_request(f"Failed to unload the lora adapter '{name}': {_remote_message(e)}",
+                              "lora_name") from e
         self.lora_adapters.pop(name, None)
+
+    async def _recover_adapter(self, engine: int, lora: LoRARequest) -> LoRARequest:
+        """An engine refused ``lora`` as unknown: the adapter to retry with, or a 404. Either another
+        replica reloaded the name (a new id: retry with it), or this engine restarted and lost a
+        runtime-loaded adapter the other engines hold (load it there again)."""
+        self.lora_adapters.pop(lora.lora_name, None)
+        await self.refresh_loras()
+        current = self.lora_adapters.get(lora.lora_name)
+        if current is None:
+            raise _unknown_model(lora.lora_name)
+        if current == lora:
+            try:
+                await self.client.handle(engine).add_lora.remote(current)
+            except Exception as e:
+                raise APIError(503, f"engine {engine} could not load the lora adapter '{lora.lora_name}': "
+                                    f"{_remote_message(e)}", "ServiceUnavailableError") from e
+        return current
 
     def model_name(self, model: str | None) -> str:
         """The name responses carry: the adapter's when the request named one."""
@@ -386,24 +415,29 @@ class OpenAIServing:
                         fields: SamplingFields, lora: LoRARequest | None = None) -> list[RequestStream]:
         """Send every choice's request to its engine now, before any response starts, so a refusal
         is an HTTP status (429 or 503) for streams too; what was opened is released on failure."""
-        streams: list[RequestStream] = []
-        try:
-            for engine, request_id, prompt_ids, params, _ in jobs:
-                request = self._engine_request(request_id, prompt_ids, params, fields, lora)
-                streams.append(await self.client.open(engine, request, self.settings.request_timeout_s))
-        except BaseException as e:
-            for stream in streams:
-                await stream.close()
-            if isinstance(e, EngineOverloadedError | EngineUnavailableError):
-                raise _engine_refusal(e) from e
-            if isinstance(e, UnknownModelError) and lora is not None:
-                # Unloaded (through another replica) since this one last looked.
-                self.lora_adapters.pop(lora.lora_name, None)
-                raise _unknown_model(lora.lora_name) from e
-            if isinstance(e, RequestTimeoutError):  # the engine did not even admit it in time
-                raise self._timed_out() from e
-            raise
-        return streams
+        for attempt in range(2):
+            streams: list[RequestStream] = []
+            engine = -1
+            try:
+                for engine, request_id, prompt_ids, params, _ in jobs:
+                    request = self._engine_request(request_id, prompt_ids, params, fields, lora)
+                    streams.append(await self.client.open(engine, request, self.settings.request_timeout_s))
+                return streams
+            except BaseException as e:
+                for stream in streams:
+                    await stream.close()
+                if isinstance(e, EngineOverloadedError | EngineUnavailableError):
+                    raise _engine_refusal(e) from e
+                if isinstance(e, UnknownModelError) and lora is not None:
+                    if attempt:
+                        raise _unknown_model(lora.lora_name) from e
+                    # Unloaded or reloaded through another replica, or lost by a restarted engine.
+                    lora = await self._recover_adapter(engine, lora)
+                    continue
+                if isinstance(e, RequestTimeoutError):  # the engine did not even admit it in time
+                    raise self._timed_out() from e
+                raise
+        raise AssertionError("unreachable")
 
     async def _run_choice(self, stream: RequestStream, choice: _Choice, sink: asyncio.Queue | None) -> None:
         """Drive one choice to its end; with a sink, push its deltas as they come."""
@@ -808,11 +842,10 @@ def _wrap_int64(value: int) -> int:
     return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
-def dynamic_lora_id(name: str, path: str) -> int:
-    """An id for a runtime-loaded adapter: above every static one (1, 2, ...), and a function of
-    its name and path, so router replicas agree on it without talking to each other."""
-    digest = hashlib.blake2b(f"{name}\0{path}".encode(), digest_size=7).digest()
-    return (1 << 32) + int.from_bytes(digest, "big")
+def new_dynamic_lora_id() -> int:
+    """A fresh id for a runtime load: above every static one (1, 2, ...), random so that replicas
+    loading at the same time do not collide (the engines are the registry others read it from)."""
+    return (1 << 32) + secrets.randbits(56)
 
 
 def _remote_message(error: BaseException) -> str:

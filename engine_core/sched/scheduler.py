@@ -101,6 +101,8 @@ class Scheduler(SchedulerInterface):
         self.num_spec_tokens = num_spec_tokens
         # Most distinct LoRA adapters in one pass (0: LoRA off). Both loops hold it.
         self.max_loras = lora_config.max_loras if lora_config is not None else 0
+        # Adapters whose requests the cap held back, carried to the next pass (fairness, see _schedule_waiting).
+        self._held_back_loras: set[int] = set()
         self.connector = None
 
         # Every live request, whichever collection holds it.
@@ -215,9 +217,11 @@ class Scheduler(SchedulerInterface):
                    if self.scheduler_config.max_num_partial_prefills > 1 else None)
         kv_cache_manager = self.kv_cache_manager
         running = self.running
-        # The adapters of the requests scheduled so far this pass (LoRA slot accounting).
+        # The adapters of the requests scheduled so far this pass (LoRA slot accounting), and those
+        # of requests the max_loras cap held back (in an earlier pass too, while they still wait).
         scheduled_loras: set[int] = set()
         max_loras = self.max_loras
+        held_back_loras = self._waiting_held_back_loras() if self._held_back_loras else set()
 
         # Running loop first, indexed by hand: preemption mutates self.running while we walk it.
         req_index = 0
@@ -226,6 +230,7 @@ class Scheduler(SchedulerInterface):
             if (max_loras and request.lora_request is not None and len(scheduled_loras) >= max_loras
                     and request.lora_request.lora_int_id not in scheduled_loras):
                 # Another adapter would exceed max_loras in this batch: it waits for a later pass.
+                held_back_loras.add(request.lora_request.lora_int_id)
                 req_index += 1
                 continue
             # The known tokens only: drafts (num_tokens_with_spec - num_tokens) are added by
@@ -294,7 +299,9 @@ class Scheduler(SchedulerInterface):
         if not preempted_reqs and self._pause_state == PauseState.UNPAUSED:
             token_budget = self._schedule_waiting(
                 token_budget, threshold, partial, num_scheduled_tokens, scheduled_new_reqs,
-                scheduled_resumed_reqs, req_to_new_blocks, scheduled_timestamp, scheduled_loras)
+                scheduled_resumed_reqs, req_to_new_blocks, scheduled_timestamp, scheduled_loras, held_back_loras)
+
+        self._held_back_loras = held_back_loras - scheduled_loras
 
         # Tripwires, not the mechanism: the arithmetic above is what holds the line.
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
@@ -364,7 +371,7 @@ class Scheduler(SchedulerInterface):
                           partial: _PartialPrefillCounter | None,
                           num_scheduled_tokens: dict[str, int], scheduled_new_reqs: list[Request],
                           scheduled_resumed_reqs: list[Request], req_to_new_blocks: dict[str, KVCacheBlocks],
-                          scheduled_timestamp: float, scheduled_loras: set[int]) -> int:
+                          scheduled_timestamp: float, scheduled_loras: set[int], held_back_loras: set[int]) -> int:
         """The admission loop. Returns what is left of the token budget."""
         kv_cache_manager = self.kv_cache_manager
         step_skipped_waiting = create_request_queue(self.policy)
@@ -386,12 +393,20 @@ class Scheduler(SchedulerInterface):
                 self._finish_outside_pass(request, RequestStatus.FINISHED_IGNORED)
                 continue
             lora = request.lora_request
-            if (lora is not None and self.max_loras and len(scheduled_loras) >= self.max_loras
-                    and lora.lora_int_id not in scheduled_loras):
+            if lora is not None and self.max_loras:
                 # Admitting it would put one adapter too many in this batch: skipped, not a stop.
-                request_queue.pop_request()
-                step_skipped_waiting.prepend_request(request)
-                continue
+                over_cap = len(scheduled_loras) >= self.max_loras and lora.lora_int_id not in scheduled_loras
+                # And while a request of another adapter is held back by the cap, no request of a
+                # different adapter is admitted (even of one in the batch): the batch's adapters drain
+                # and the one held back gets its slot. (vLLM lets it wait as long as the others have
+                # traffic.) Base-model requests hold no slot and still go in.
+                behind = bool(held_back_loras) and lora.lora_int_id not in held_back_loras
+                if over_cap or behind:
+                    if over_cap:
+                        held_back_loras.add(lora.lora_int_id)
+                    request_queue.pop_request()
+                    step_skipped_waiting.prepend_request(request)
+                    continue
 
             if request.num_computed_tokens == 0:
                 # A prefix hit reaches the scheduler as one smaller local num_computed_tokens.
@@ -452,6 +467,13 @@ class Scheduler(SchedulerInterface):
         if step_skipped_waiting:
             self.skipped_waiting.prepend_requests(step_skipped_waiting)
         return token_budget
+
+    def _waiting_held_back_loras(self) -> set[int]:
+        """The held-back adapters that still have a request waiting (an aborted one holds nothing)."""
+        waiting = {r.lora_request.lora_int_id for queue in (self.waiting, self.skipped_waiting) for r in queue
+                   if r.lora_request is not None}
+        waiting |= {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return self._held_back_loras & waiting
 
     def _select_waiting_queue_for_scheduling(self) -> RequestQueue:
         if self.policy == SchedulingPolicy.FCFS:

@@ -3,8 +3,9 @@
 A ``LoRALinear`` wraps one of the model's (tensor-parallel) projections after its weights are
 loaded. Every wrapper of a model shares one ``LoRABatch``: which rows of this step's flat batch run
 under which adapter. A step mixes at most ``max_loras`` adapters, so the delta is one pair of small
-matmuls per adapter present, over that adapter's rows only (a slice when they are contiguous, as
-they are when one adapter covers the batch). Rows of base-model requests get nothing added.
+matmuls per adapter present, over that adapter's rows only: the model runner lays each adapter's
+decodes side by side, and its prefill chunks, so they are at most two slices of the batch (no
+gather). Rows of base-model requests get nothing added.
 
 Tensor parallelism follows the base layer. A column-parallel projection holds A whole and the rows
 of B for its output slice; a row-parallel one holds the columns of A for its input slice and B
@@ -33,7 +34,7 @@ class AdapterShard:
     layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-Rows = slice | torch.Tensor | None  # None: every row of the batch
+Rows = list[slice] | None  # None: every row of the batch
 
 
 @dataclass
@@ -79,7 +80,6 @@ class LoRALinear(nn.Module):
             a_t, b_t = pair
             if rows is None:
                 out.addmm_(x @ a_t, b_t)
-            elif isinstance(rows, slice):
-                out[rows].addmm_(x[rows] @ a_t, b_t)
             else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)
+                for part in rows:
+                    out[part].addmm_(x[part] @ a_t, b_t)

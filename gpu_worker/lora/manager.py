@@ -23,6 +23,16 @@ from gpu_worker.lora.layers import AdapterShard, LoRABatch, LoRALinear, Rows
 from gpu_worker.lora.peft_adapter import TARGET_MODULES, PeftAdapter, load_peft_adapter
 
 
+def _full_output_size(base: ColumnParallelLinear, shard_id: int | str | None) -> int:
+    """Outputs of the whole (unsharded) sub-projection ``shard_id`` of a column-parallel layer."""
+    if isinstance(base, QKVParallelLinear):
+        heads = base.total_num_heads if shard_id == "q" else base.total_num_kv_heads
+        return heads * base.head_dim
+    if isinstance(base, MergedColumnParallelLinear):
+        return base.output_sizes[int(shard_id)]
+    return base.output_size
+
+
 def wrap_model(model: nn.Module, batch: LoRABatch) -> dict[str, LoRALinear]:
     """Replace the model's projections that adapters may train by LoRA wrappers (after the weights
     are loaded: parameter names keep their checkpoint form until then). Returns them by path."""
@@ -81,14 +91,12 @@ class LoRAManager:
                 if adapter is None:
                     raise KeyError(f"LoRA adapter {lora_id} is not loaded on this worker")
                 reqs = np.flatnonzero(ids == lora_id)
-                starts, ends = query_start_loc[reqs], query_start_loc[reqs + 1]
-                if len(reqs) == len(ids):
-                    rows: Rows = None
-                elif (starts[1:] == ends[:-1]).all():  # consecutive requests: one slice
-                    rows = slice(int(starts[0]), int(ends[-1]))
-                else:
-                    rows = torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-                                            ).to(self.device)
+                rows: Rows = None
+                if len(reqs) < len(ids):
+                    # Runs of consecutive requests, each one slice of rows.
+                    breaks = np.flatnonzero(np.diff(reqs) != 1) + 1
+                    rows = [slice(int(query_start_loc[run[0]]), int(query_start_loc[run[-1] + 1]))
+                            for run in np.split(reqs, breaks)]
                 groups.append((adapter, rows))
         self.batch.groups = groups
 
@@ -121,6 +129,9 @@ class LoRAManager:
     def _row_parallel(base: RowParallelLinear, ab: tuple[torch.Tensor, torch.Tensor]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = ab
+        inputs = base.input_size_per_partition * base.tp_size
+        if a.shape[1] != inputs:
+            raise ValueError(f"lora_A has {a.shape[1]} inputs, the layer {inputs}")
         a_part = torch.empty(a.shape[0], base.input_size_per_partition, dtype=a.dtype)
         base.weight_loader(a_part, a)  # this rank's input columns
         if b.shape[0] != base.output_size:
@@ -144,6 +155,10 @@ class LoRAManager:
         for s in present:
             if subs[s][0].shape[1] != base.input_size:
                 raise ValueError(f"lora_A has {subs[s][0].shape[1]} inputs, the layer {base.input_size}")
+            # The whole projection's outputs (the loaders below would take a slice of a larger B).
+            if subs[s][1].shape[0] != _full_output_size(base, s):
+                raise ValueError(f"lora_B of {s if s is not None else 'the projection'} has {subs[s][1].shape[0]} "
+                                 f"outputs, the layer {_full_output_size(base, s)}")
         a = torch.cat([subs[s][0] for s in present])
         b = torch.zeros(base.output_size_per_partition, a.shape[0], dtype=a.dtype)
         col = 0

@@ -24,8 +24,12 @@ _UNSUPPORTED = {
     "use_dora": "DoRA", "lora_bias": "a bias on lora_B", "layer_replication": "layer replication",
     "alora_invocation_tokens": "activated LoRA", "trainable_token_indices": "trained token embeddings",
     "target_parameters": "LoRA on parameters rather than modules", "use_qalora": "QA-LoRA",
-    "use_bdlora": "block-diagonal LoRA",
+    "use_bdlora": "block-diagonal LoRA", "arrow_config": "Arrow routing over several adapters",
 }
+# init_lora_weights values after which the adapter is only right on a changed base model (PiSSA,
+# OLoRA, CorDA, LoftQ and LoRA-GA move part of W into A and B). PEFT writes True instead once it has
+# converted such an adapter to apply to the original model (path_initial_model_for_weight_conversion).
+_PLAIN_INITS = (True, False, "gaussian", "eva")
 
 
 @dataclass
@@ -61,6 +65,10 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
         raise _refuse(path, "fan_in_fan_out weights (Conv1D models) are not supported")
     if config.get("modules_to_save"):
         raise _refuse(path, f"modules_to_save {config['modules_to_save']!r} (whole trained modules) is not supported")
+    init = config.get("init_lora_weights", True)
+    if init not in _PLAIN_INITS:
+        raise _refuse(path, f"init_lora_weights={init!r} adapters change the base model's weights; convert it "
+                            "for the original model first (PEFT's path_initial_model_for_weight_conversion)")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise _refuse(path, f"per-module {key} is not supported")

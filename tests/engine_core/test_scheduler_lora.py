@@ -30,13 +30,14 @@ def test_a_third_adapter_waits_while_base_model_requests_go_ahead():
         so = sched.schedule()
         assert len(_adapters(sched, so)) <= 2
         if first:
-            # The third adapter is skipped, not a stop: requests behind it (base model, a known adapter) go in.
-            assert set(so.num_scheduled_tokens) == {"a1", "b1", "base", "a2"}
-            assert [r.request_id for r in sched.skipped_waiting] == ["c1"]
+            # The third adapter is skipped, not a stop: the base-model request behind it goes in. A
+            # later request of an adapter in the batch does not jump ahead of it.
+            assert set(so.num_scheduled_tokens) == {"a1", "b1", "base"}
+            assert sorted(r.request_id for r in sched.skipped_waiting) == ["a2", "c1"]
             first = False
         if "c1" in so.num_scheduled_tokens:
-            # c went in once a's and b's requests had left the batch.
-            assert not {"a1", "a2", "b1"} & set(sched.requests)
+            # c went in once a1 and b1 had left the batch, before a2.
+            assert not {"a1", "b1"} & set(sched.requests) and "a2" in sched.requests
         sched.update_from_output(so, fake_model_output(sched, so))
         if not sched.has_unfinished_requests():
             break
@@ -78,3 +79,23 @@ def test_stats_count_requests_per_adapter():
     stats = sched.make_stats()
     assert stats.running_lora_adapters == {"a": 2}
     assert stats.waiting_lora_adapters == {"b": 1}
+
+
+def test_an_adapter_held_back_by_the_cap_is_not_starved_by_another_adapters_traffic():
+    """max_loras=1, one new request of adapter a every pass, one request of b: b gets its slot as
+    soon as the a requests in the batch finish (vLLM would keep admitting a, and b would wait for
+    as long as a has traffic)."""
+    sched = create_scheduler(max_loras=1, block_size=4)
+    sched.add_request(_request("a0", A, max_tokens=4))
+    sched.add_request(_request("b0", B, max_tokens=4))
+    admitted_at = None
+    for i in range(40):
+        sched.add_request(_request(f"a{i + 1}", A, max_tokens=4))
+        so = sched.schedule()
+        assert len(_adapters(sched, so)) <= 1
+        if "b0" in so.num_scheduled_tokens and admitted_at is None:
+            admitted_at = i
+        sched.update_from_output(so, fake_model_output(sched, so))
+    assert admitted_at == 4  # a0's prefill and its 3 decodes, then b0
+    # and a's requests get their turn again once b0 is done.
+    assert sum(1 for r in sched.requests.values() if r.lora_request == A) < 40

@@ -150,6 +150,9 @@ def _edited_copy(src: str, dst: Path, **config_changes) -> Path:
     ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
     ({"peft_type": "IA3"}, "not LORA"),
     ({"r": 32}, "above --max-lora-rank 8"),
+    ({"init_lora_weights": "pissa"}, "change the base model's weights"),
+    ({"init_lora_weights": "olora"}, "change the base model's weights"),
+    ({"arrow_config": {"top_k": 2}}, "Arrow"),
 ])
 def test_adapters_the_model_cannot_serve_are_refused_by_name(setup, tmp_path, changes, message):
     base, adapters, _, _ = setup
@@ -166,9 +169,48 @@ def test_an_adapter_for_another_model_or_not_an_adapter_is_refused(setup, tmp_pa
     other = save_tiny_model(tmp_path / "wide", hidden_size=96, vocab_size=251)
     with pytest.raises(ValueError, match="do not fit the model"):
         worker.add_lora(LoRARequest("wide", 3, str(save_adapter(other, tmp_path / "wide_adapter"))))
+    # Same hidden size, more KV heads and a wider MLP: the loaders alone would take a slice of B.
+    taller = save_tiny_model(tmp_path / "taller", num_key_value_heads=2, intermediate_size=256, vocab_size=251)
+    with pytest.raises(ValueError, match="lora_A has 256 inputs, the layer 128"):  # down_proj
+        worker.add_lora(LoRARequest("taller", 6, str(save_adapter(taller, tmp_path / "taller_adapter"))))
+    with pytest.raises(ValueError, match="lora_B of 0 has 256 outputs, the layer 128"):  # gate_proj
+        worker.add_lora(LoRARequest("gate", 8, str(save_adapter(taller, tmp_path / "gate_adapter",
+                                                                targets=("gate_proj",)))))
+    only_k = save_tiny_model(tmp_path / "only_k", num_key_value_heads=2, vocab_size=251)
+    with pytest.raises(ValueError, match="lora_B of k has 32 outputs, the layer 16"):
+        worker.add_lora(LoRARequest("k", 7, str(save_adapter(only_k, tmp_path / "k_adapter", targets=("k_proj",)))))
     with pytest.raises(ValueError, match=r"no adapter_config\.json"):
         worker.add_lora(LoRARequest("nothing", 4, str(tmp_path)))
     head = save_adapter(base, tmp_path / "head", targets=("q_proj", "lm_head"))
     with pytest.raises(ValueError, match="lm_head"):
         worker.add_lora(LoRARequest("head", 5, str(head)))
     assert worker.list_loras() == []
+
+
+def test_each_adapters_rows_get_its_own_delta_however_they_are_laid_out(setup):
+    """set_batch's runs of rows: an adapter's requests scattered through the batch (the runner
+    sorts them side by side, but the layer must not depend on it)."""
+    import numpy as np
+    import torch
+
+    base, adapters, _, _ = setup
+    worker = _worker(base, adapters)
+    manager = worker.runner.lora
+    qsl = np.array([0, 3, 4, 9, 10, 12, 13])  # 6 requests of 3, 1, 5, 1, 2 and 1 tokens
+    ids = [1, 0, 1, 2, 1, 2]
+    manager.set_batch(ids, qsl)
+    groups = {adapter.lora_int_id: rows for adapter, rows in manager.batch.groups}
+    assert groups == {1: [slice(0, 3), slice(4, 9), slice(10, 12)], 2: [slice(9, 10), slice(12, 13)]}
+    layer = manager.layers["model.layers.0.mlp.down_proj"]
+    x = torch.randn(13, layer.base.input_size_per_partition)
+    out = layer.forward(x)
+    plain = torch.nn.functional.linear(x, layer.base.weight, layer.base.bias)
+    token_ids = np.repeat(ids, np.diff(qsl))
+    for row, lora_id in enumerate(token_ids):
+        expected = plain[row]
+        if lora_id:
+            a_t, b_t = manager.adapters[lora_id].layers["model.layers.0.mlp.down_proj"]
+            expected = expected + (x[row] @ a_t) @ b_t
+        torch.testing.assert_close(out[row], expected)
+    manager.set_batch([0, 0], np.array([0, 1, 2]))
+    assert manager.batch.groups == []

@@ -4,6 +4,7 @@ and at runtime, routed, cached and counted; the answers checked against PEFT's o
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -36,7 +37,9 @@ def cluster(ray_cluster, tiny_model_dir, adapters):
         enable_lora=True, lora_modules=[f"a={adapters['a']}"], max_loras=2, max_lora_rank=16,
         allow_runtime_lora_updating=True)
     # A second router app over the same engines: its replica learns of runtime loads from the engines.
-    with serve_cluster(config, {"other": config}) as served:
+    # A third routes round robin, so a test can send a request to each engine in turn.
+    with serve_cluster(config, {"other": config,
+                                "rr": config.model_copy(update={"routing_policy": "round_robin"})}) as served:
         yield served
 
 
@@ -146,3 +149,68 @@ def test_metrics_count_requests_per_adapter(cluster, client):
     running = [line for line in text.splitlines()
                if line.startswith("llm_cluster:lora_num_requests_running{") and 'lora_name="a"' in line]
     assert running and all(line.endswith(" 0.0") for line in running)  # seen, now finished
+
+
+def _engine_loras(cluster) -> list[dict[str, int]]:
+    import ray
+
+    return [{lora.lora_name: lora.lora_int_id for lora in ray.get(e.actor.list_loras.remote())}
+            for e in cluster.engines]
+
+
+def _load(base: str, name: str, path) -> httpx.Response:
+    return httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=60)
+
+
+def test_an_adapter_in_use_is_not_unloaded_from_any_engine(cluster, adapters):
+    import ray
+
+    from engine_core.sched.scheduler import PauseState
+
+    base = cluster.base
+    assert _load(base, "busy", adapters["b"]).status_code == 200
+    # Engines that schedule nothing keep the request unfinished for as long as the test needs.
+    ray.get([e.actor.pause.remote(int(PauseState.PAUSED_ALL)) for e in cluster.engines])
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{base}/v1/completions", timeout=60,
+                              json={"model": "busy", "prompt": PROMPT, "max_tokens": 4})
+        try:
+            deadline = time.monotonic() + 20
+            while sum(s.num_unfinished_requests for s in cluster.stats()) == 0:
+                assert time.monotonic() < deadline, "the request never reached an engine"
+                time.sleep(0.05)
+            r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "busy"})
+            assert r.status_code == 400 and "in use by 1 requests" in r.json()["error"]["message"]
+            assert all("busy" in loras for loras in _engine_loras(cluster))  # on every engine still
+        finally:
+            ray.get([e.actor.resume.remote() for e in cluster.engines])
+        assert pending.result().status_code == 200
+    assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "busy"}).status_code == 200
+    assert not any("busy" in loras for loras in _engine_loras(cluster))
+
+
+def test_a_reload_gets_a_new_id_so_old_kv_is_never_reused(cluster, adapters):
+    base = cluster.base
+    assert _load(base, "again", adapters["b"]).status_code == 200
+    first = _engine_loras(cluster)[0]["again"]
+    assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "again"}).status_code == 200
+    assert _load(base, "again", adapters["b"]).status_code == 200
+    second = _engine_loras(cluster)
+    assert second[0]["again"] == second[1]["again"] != first
+    assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "again"}).status_code == 200
+
+
+def test_an_engine_that_lost_a_runtime_adapter_gets_it_back(cluster, adapters):
+    """A restarted engine actor comes back with the --lora-modules adapters only: the router loads
+    a runtime one there again when a request needs it."""
+    import ray
+
+    base, rr = cluster.base, f"{cluster.base}/rr"
+    assert _load(base, "kept", adapters["b"]).status_code == 200
+    lost = _engine_loras(cluster)[0]["kept"]
+    assert ray.get(cluster.engines[0].actor.remove_lora.remote(lost))  # as a restart would
+    codes = [httpx.post(f"{rr}/v1/completions", timeout=60, json={
+        "model": "kept", "prompt": PROMPT, "max_tokens": 2}).status_code for _ in range(2)]
+    assert codes == [200, 200]  # one of them went to engine 0
+    assert [loras.get("kept") for loras in _engine_loras(cluster)] == [lost, lost]
+    assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "kept"}).status_code == 200
