@@ -42,6 +42,8 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 class Hello(msgspec.Struct, tag="hello"):
     client_index: int
     token: str
+    # Send this client the prefix cache's contents and then its changes (KV cache events).
+    kv_events: bool = False
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -138,6 +140,8 @@ class ChannelServer:
             if previous is not None:  # the same client reconnected: the old stream is dead
                 previous.cancel()
             pusher = self._pushers[client_index] = asyncio.create_task(self._push(client_index, writer, unfinished))
+            if hello.kv_events:
+                self._service.subscribe_kv_events(client_index)
             while True:
                 message = _client_decoder.decode(await read_payload(reader))
                 if isinstance(message, AddRequest):
@@ -155,6 +159,7 @@ class ChannelServer:
                 pusher.cancel()
                 if self._pushers.get(client_index) is pusher:
                     del self._pushers[client_index]
+                    self._service.unsubscribe_kv_events(client_index)
             if unfinished:
                 # Nobody reads these any more (the router fails them on its side): free their blocks.
                 self._service.abort_requests(list(unfinished))
@@ -248,7 +253,8 @@ class ChannelConnection:
 
     @classmethod
     async def open(cls, address: ChannelAddress, client_index: int, timeout_s: float = 10.0,
-                   on_message: Callable[[EngineMessage], None] | None = None) -> ChannelConnection:
+                   on_message: Callable[[EngineMessage], None] | None = None,
+                   kv_events: bool = False) -> ChannelConnection:
         inbox: collections.deque[EngineMessage] | None = None
         connection: ChannelConnection | None = None
         if on_message is None:
@@ -264,7 +270,7 @@ class ChannelConnection:
         transport, protocol = await asyncio.wait_for(
             loop.create_connection(lambda: _FrameReader(on_message), address.host, address.port), timeout_s)
         connection = cls(transport, protocol, inbox)  # type: ignore[arg-type]
-        connection.send(Hello(client_index, address.token))
+        connection.send(Hello(client_index, address.token, kv_events))
         return connection
 
     def send(self, message: ClientMessage) -> None:

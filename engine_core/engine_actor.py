@@ -81,6 +81,8 @@ class EngineCoreService:
         self._on_adapters_changed()
         self._inputs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._buffers: dict[int, _ClientBuffer] = {}
+        # Clients that receive the KV cache events (busy-loop thread only).
+        self._kv_subscribers: set[int] = set()
         self._buffers_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: str | None = None
@@ -110,6 +112,21 @@ class EngineCoreService:
         if waiting_cap and self.num_waiting() >= waiting_cap:
             raise OverflowError(f"engine {self.config.engine_index}: queue is full ({waiting_cap} waiting requests)")
         self.add_request(request)
+
+    def subscribe_kv_events(self, client_index: int) -> None:
+        """Send this client the prefix cache's contents, then every change (a prefix-aware router)."""
+        def subscribe() -> None:
+            self._publish({})  # events so far go to the earlier subscribers, not into the snapshot's wake
+            snapshot = self.engine.record_kv_events()
+            self._kv_subscribers.add(client_index)
+            self._publish({client_index: EngineCoreOutputs(engine_index=self.config.engine_index,
+                                                           timestamp=time.time(), kv_events=snapshot)},
+                          take_events=False)
+
+        self.submit(subscribe)
+
+    def unsubscribe_kv_events(self, client_index: int) -> None:
+        self.submit(lambda: self._kv_subscribers.discard(client_index))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         ids = list(request_ids)
@@ -225,9 +242,17 @@ class EngineCoreService:
             try:
                 command = self._inputs.get_nowait()
             except queue.Empty:
+                if self._kv_subscribers:
+                    self._publish({})  # changes a command made (a prefix cache reset) go out now
                 return
 
-    def _publish(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+    def _publish(self, outputs: dict[int, EngineCoreOutputs], take_events: bool = True) -> None:
+        if take_events and self._kv_subscribers:
+            events = self.engine.take_kv_events()
+            if events:  # every subscriber gets every change, whichever client's requests caused it
+                for client_index in self._kv_subscribers:
+                    outputs.setdefault(client_index, EngineCoreOutputs(
+                        engine_index=self.config.engine_index, timestamp=time.time())).kv_events = events
         stats = None
         for eco in outputs.values():
             if eco.scheduler_stats is not None:
@@ -238,7 +263,7 @@ class EngineCoreService:
             self.metrics.on_step(outputs, stats)
         loop = self._loop
         for client_index, eco in outputs.items():
-            if not eco.outputs and not eco.finished_requests:
+            if not eco.outputs and not eco.finished_requests and not eco.kv_events:
                 continue
             buffer = self._buffer(client_index)
             with self._buffers_lock:
@@ -321,12 +346,16 @@ def _merge(items: list[EngineCoreOutputs], engine_index: int) -> EngineCoreOutpu
         return items[0]
     merged = EngineCoreOutputs(engine_index=engine_index, timestamp=time.time())
     finished: set[str] = set()
+    events: list[tuple[int, list[bytes]]] = []
     for eco in items:
         merged.outputs.extend(eco.outputs)
         if eco.finished_requests:
             finished |= eco.finished_requests
+        if eco.kv_events:
+            events.extend(eco.kv_events)
         merged.timestamp = eco.timestamp or merged.timestamp
     merged.finished_requests = finished or None
+    merged.kv_events = events or None
     return merged
 
 

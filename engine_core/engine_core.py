@@ -11,6 +11,7 @@ import logging
 import time
 
 from engine_core.config import EngineConfig
+from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_STORED
 from engine_core.executor import Executor, ModelInfo
 from engine_core.lora import LoRANotLoadedError, static_lora_requests
 from engine_core.outputs import (
@@ -125,6 +126,18 @@ class EngineCore:
         self.executor.remove_lora(lora_int_id)
         del self.loras[lora_int_id]
         return True
+
+    # -- KV cache events ---------------------------------------------------------------------------
+
+    def record_kv_events(self) -> list[tuple[int, list[bytes]]]:
+        """Start recording the prefix cache's changes; returns its contents now as events (cleared,
+        then every cached hash stored), the starting point for the changes that follow."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        pool.record_kv_events()
+        return [(ALL_BLOCKS_CLEARED, []), (BLOCKS_STORED, list(pool.cached_block_hash_to_block))]
+
+    def take_kv_events(self) -> list[tuple[int, list[bytes]]]:
+        return self.scheduler.kv_cache_manager.block_pool.take_kv_events()
 
     def list_loras(self) -> list[LoRARequest]:
         return list(self.loras.values())

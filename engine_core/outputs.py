@@ -172,6 +172,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     engine_index: int = 0
     timestamp: float = 0.0
+    # KV cache events since the last frame, for clients that asked for them (prefix-aware routers):
+    # (kind, block hashes) in order, kinds as in engine_core.core.block_pool (stored, removed, cleared).
+    kv_events: list[tuple[int, list[bytes]]] | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -86,6 +86,8 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
                                    load_margin=config.prefix_load_margin)
     if hasattr(policy, "forget_engine"):
         client.on_engine_restart = policy.forget_engine
+    if hasattr(policy, "apply_kv_events"):  # each engine reports what its prefix cache holds
+        client.on_kv_events = policy.apply_kv_events
     metrics = RouterMetrics(settings.served_model_name, replica=str(client_index))
     # Structured-output requests are checked with xgrammar: import it now (seconds), not on the event
     # loop under the first such request.

@@ -149,6 +149,8 @@ class EngineClient:
         self._pumps: list[asyncio.Task[None]] = []
         self._closed = False
         self.on_engine_restart: Callable[[int], None] | None = None
+        # Set before connecting (a prefix-aware policy): each engine's KV cache events, as they come.
+        self.on_kv_events: Callable[[int, list[tuple[int, list[bytes]]]], None] | None = None
 
     @property
     def num_engines(self) -> int:
@@ -292,6 +294,8 @@ class EngineClient:
                 queue = queues.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
+            if message.outputs.kv_events and self.on_kv_events is not None:
+                self.on_kv_events(slot.index, message.outputs.kv_events)
         else:
             answer = slot.pending.pop(message.request_id, None)
             if answer is not None and not answer.done():
@@ -300,7 +304,8 @@ class EngineClient:
     async def _connect(self, slot: _EngineSlot) -> None:
         address = await slot.handle.channel_address.remote()
         slot.channel = await ChannelConnection.open(address, self.client_index,
-                                                    on_message=functools.partial(self._on_message, slot))
+                                                    on_message=functools.partial(self._on_message, slot),
+                                                    kv_events=self.on_kv_events is not None)
         slot.connected.set()
 
     def _drop_channel(self, slot: _EngineSlot) -> None:

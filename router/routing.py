@@ -10,10 +10,13 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_REMOVED, BLOCKS_STORED
 from engine_core.core.kv_cache_utils import extend_block_hashes
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session")
@@ -79,35 +82,75 @@ class LeastLoadedPolicy(RoutingPolicy):
 
 
 class PrefixAwarePolicy(RoutingPolicy):
-    """Send a prompt to the engine whose known prefix chain matches it longest.
+    """Send a prompt to the engine whose prefix cache holds the longest run of its blocks.
 
-    The router remembers, per engine, the chained block hashes (same hash and block size as the
-    engine's prefix cache) of prompts it sent there, in a bounded LRU. Ties go to the less loaded of
-    the matching engines and misses to the least-loaded policy (power of two choices); a match on an
-    engine loaded more than ``load_margin`` requests above the least-loaded one goes to that least
-    loaded engine instead (a cache hit is not worth an unbounded queue).
+    Each engine reports what its prefix cache holds (KV cache events over the request channel: a
+    snapshot when the router connects, then every block stored, evicted or cleared), so every router
+    replica knows what every engine caches, whichever replica sent the requests that filled it, and
+    forgets a prefix once the engine evicts it. The chained block hashes are the engine's own (same
+    hash, block size and LoRA key). Prompts this replica has just sent count too until their blocks
+    are reported (``pending_ttl_s``), so a burst sharing a prefix goes to one engine before the first
+    prefill ends; from an engine that reports no events, they are all the policy knows (a bounded LRU).
+
+    Ties go to the less loaded of the matching engines and misses to the least-loaded policy (power
+    of two choices); a match on an engine loaded more than ``load_margin`` requests above the least
+    loaded one goes to that least loaded engine instead (a cache hit is not worth an unbounded queue).
     """
 
     name = "prefix_aware"
 
     def __init__(self, num_engines: int, block_size: int = 16, load_margin: int = 8,
-                 max_blocks_per_engine: int = 200_000, seed: int | None = None) -> None:
+                 max_blocks_per_engine: int = 200_000, seed: int | None = None,
+                 pending_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.load_margin = load_margin
         self.max_blocks_per_engine = max_blocks_per_engine
-        self._known: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_engines)]
+        self.pending_ttl_s = pending_ttl_s
+        self._clock = clock
+        # Blocks this replica routed to each engine (hash -> when), not yet reported cached.
+        self._known: list[OrderedDict[bytes, float]] = [OrderedDict() for _ in range(num_engines)]
+        # What each engine reports its prefix cache holds; None until it reports (no events from it).
+        self._cached: list[set[bytes] | None] = [None] * num_engines
         self._fallback = LeastLoadedPolicy(seed)
 
     def match_lengths(self, block_hashes: list[bytes]) -> list[int]:
         lengths = []
-        for known in self._known:
+        oldest_pending = self._clock() - self.pending_ttl_s
+        for known, cached in zip(self._known, self._cached, strict=True):
             n = 0
             for h in block_hashes:
-                if h not in known:
+                if cached is not None and h in cached:
+                    n += 1
+                    continue
+                sent = known.get(h)
+                if sent is None or (cached is not None and sent < oldest_pending):
                     break
                 n += 1
             lengths.append(n)
         return lengths
+
+    def apply_kv_events(self, engine: int, events: list[tuple[int, list[bytes]]]) -> None:
+        """One engine's KV cache events, in order (engine_core.core.block_pool's kinds)."""
+        cached = self._cached[engine]
+        if cached is None:
+            cached = self._cached[engine] = set()
+        known = self._known[engine]
+        for kind, hashes in events:
+            if kind == BLOCKS_STORED:
+                cached.update(hashes)
+                for h in hashes:
+                    known.pop(h, None)
+            elif kind == BLOCKS_REMOVED:
+                cached.difference_update(hashes)
+                for h in hashes:
+                    known.pop(h, None)
+            elif kind == ALL_BLOCKS_CLEARED:
+                cached.clear()
+                known.clear()
+
+    def num_cached_blocks(self) -> list[int | None]:
+        """Blocks each engine reports cached (None: it reports nothing)."""
+        return [None if cached is None else len(cached) for cached in self._cached]
 
     def choose(self, ctx: RoutingContext) -> int:
         healthy = ctx.healthy_indices()
@@ -125,16 +168,22 @@ class PrefixAwarePolicy(RoutingPolicy):
         return best
 
     def _remember(self, engine: int, block_hashes: list[bytes]) -> None:
-        known = self._known[engine]
+        known, cached, now = self._known[engine], self._cached[engine], self._clock()
         for h in block_hashes:
-            known[h] = None
+            if cached is not None and h in cached:
+                continue
+            known[h] = now
             known.move_to_end(h)
         while len(known) > self.max_blocks_per_engine:
             known.popitem(last=False)
 
     def forget_engine(self, engine: int) -> None:
-        """An engine restarted: its prefix cache is empty, so is what we believe it holds."""
+        """An engine restarted: its prefix cache is empty, so is what we believe it holds (a new
+        channel then brings a fresh snapshot)."""
         self._known[engine].clear()
+        cached = self._cached[engine]
+        if cached is not None:
+            cached.clear()
 
 
 class SessionAffinityPolicy(RoutingPolicy):

@@ -6,6 +6,11 @@ from collections.abc import Iterable, Sequence
 
 from engine_core.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
+# KV cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared), in the order they happened:
+# (kind, block hashes). Applied in order to a set, they give the set of hashes the pool caches.
+BLOCKS_STORED, BLOCKS_REMOVED, ALL_BLOCKS_CLEARED = 0, 1, 2
+KVEvent = tuple[int, list[BlockHash]]
+
 
 class BlockPool:
     """Invariants (``check_integrity``): a block is free xor referenced; free + used == total;
@@ -17,6 +22,30 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Recorded while someone listens (a prefix-aware router): None when nobody does.
+        self.kv_events: list[KVEvent] | None = None
+
+    def record_kv_events(self) -> None:
+        if self.kv_events is None:
+            self.kv_events = []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The events since the last call (none while not recording)."""
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
+
+    def _event(self, kind: int, block_hash: BlockHash | None) -> None:
+        events = self.kv_events
+        if events is None:
+            return
+        if kind == ALL_BLOCKS_CLEARED:
+            events.append((kind, []))
+        elif events and events[-1][0] == kind:
+            events[-1][1].append(block_hash)  # type: ignore[arg-type]
+        else:
+            events.append((kind, [block_hash]))  # type: ignore[list-item]
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -44,6 +73,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if self.cached_block_hash_to_block.get(block.block_hash) is block:  # type: ignore[arg-type]
             del self.cached_block_hash_to_block[block.block_hash]  # type: ignore[arg-type]
+            if self.kv_events is not None:
+                self._event(BLOCKS_REMOVED, block.block_hash)
         block.block_hash = None
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
@@ -59,6 +90,8 @@ class BlockPool:
             if block_hash not in cached:
                 block.block_hash = block_hash
                 cached[block_hash] = block
+                if self.kv_events is not None:
+                    self._event(BLOCKS_STORED, block_hash)
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop blocks from the prefix cache whose contents will not be computed after all."""
@@ -89,6 +122,7 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self._event(ALL_BLOCKS_CLEARED, None)
         return True
 
     def check_integrity(self) -> None:

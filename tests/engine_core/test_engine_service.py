@@ -98,3 +98,42 @@ def test_max_model_len_defaults_to_the_models_and_must_fit_the_kv_cache(tmp_path
     [small] = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=8)).engine_configs()
     with pytest.raises(ValueError, match=r"max_model_len \(512\) is larger than the KV cache can hold"):
         EngineCore(small, create_executor(small))
+
+
+def test_kv_cache_events_go_to_every_subscriber_from_a_snapshot_on(service):
+    from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_REMOVED, BLOCKS_STORED
+
+    def events_of(client: int) -> list:
+        return [e for eco in service._take(service._buffer(client)) for e in (eco.kv_events or [])]
+
+    def apply(state: set, events: list) -> set:
+        for kind, hashes in events:
+            if kind == BLOCKS_STORED:
+                state |= set(hashes)
+            elif kind == BLOCKS_REMOVED:
+                state -= set(hashes)
+            else:
+                state.clear()
+        return state
+
+    def cached() -> set:
+        return service.call_in_loop(lambda: set(service.engine.scheduler.kv_cache_manager.block_pool
+                                                .cached_block_hash_to_block))
+
+    # Full blocks cached before anyone listens.
+    assert _run(service, "before", list(range(200, 240)))[2] == FinishReason.LENGTH
+    service.subscribe_kv_events(7)
+    service.call_in_loop(lambda: None)  # (the subscription is done on the busy loop)
+    snapshot = events_of(7)
+    assert snapshot[0] == (ALL_BLOCKS_CLEARED, []) and apply(set(), snapshot) == cached() != set()
+    # Client 0's requests fill the cache; subscriber 7 hears of it (and client 0, not subscribed, not).
+    assert _run(service, "during", list(range(250, 310)))[2] == FinishReason.LENGTH
+    mirror = apply(apply(set(), snapshot), events_of(7))
+    assert mirror == cached()
+    assert not any(eco.kv_events for eco in service._take(service._buffer(0)))
+    assert service.call_in_loop(service.engine.reset_prefix_cache)
+    service.call_in_loop(lambda: None)
+    assert apply(mirror, events_of(7)) == set()
+    service.unsubscribe_kv_events(7)
+    assert _run(service, "after", list(range(320, 360)))[2] == FinishReason.LENGTH
+    assert events_of(7) == []

@@ -3,6 +3,7 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine_core.core.block_pool import BLOCKS_REMOVED, BLOCKS_STORED
 from engine_core.outputs import LoRARequest
 from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import SamplingParams
@@ -53,6 +54,10 @@ def workloads(draw):
 def test_random_workloads_keep_every_invariant(workload):
     config, specs = workload
     sched = create_scheduler(max_model_len=1000, **config)
+    pool = sched.kv_cache_manager.block_pool
+    # The KV cache events, applied in order to a set, must give exactly the hashes the pool caches.
+    pool.record_kv_events()
+    reported: set[bytes] = set()
     requests: list[Request] = []
     aborted: set[str] = set()
     step_no = 0
@@ -87,6 +92,16 @@ def test_random_workloads_keep_every_invariant(workload):
         sched.kv_cache_manager.block_pool.check_integrity()
         sched.update_from_output(so, fake_model_output(sched, so, token_id=3))
         sched.kv_cache_manager.block_pool.check_integrity()
+        for kind, hashes in pool.take_kv_events():
+            if kind == BLOCKS_STORED:
+                assert not reported & set(hashes)
+                reported.update(hashes)
+            elif kind == BLOCKS_REMOVED:
+                assert set(hashes) <= reported
+                reported.difference_update(hashes)
+            else:
+                reported.clear()
+        assert reported == set(pool.cached_block_hash_to_block)
         live = sched.requests.values()
         queued = list(sched.running) + list(sched.waiting) + list(sched.skipped_waiting)
         assert len(queued) == len(set(map(id, queued))) == len(live)

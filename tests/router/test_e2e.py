@@ -35,7 +35,10 @@ def cluster(ray_cluster, tiny_model_dir):
                                               "reasoning_parser": "deepseek_r1"})
     # And one whose requests time out long before they could finish.
     timeout_config = config.model_copy(update={"request_timeout_s": 0.05})
-    with serve_cluster(config, {"prefix": prefix_config, "timeout": timeout_config}) as served:
+    # And a second prefix-aware replica set, which learns what the engines cache from their KV events.
+    prefix2_config = config.model_copy(update={"routing_policy": "prefix_aware"})
+    with serve_cluster(config, {"prefix": prefix_config, "timeout": timeout_config,
+                                "prefix2": prefix2_config}) as served:
         yield {"base": served.base, "engines": served.engines, "config": config}
 
 
@@ -404,6 +407,30 @@ def test_prefix_aware_routing_sends_shared_prefix_to_the_engine_holding_it(clust
     assert added[holder] == 5 and added[1 - holder] == 0
     # The engines' own prefix-cache counters prove the hits (4 later requests reuse the prefix blocks).
     assert hits[holder] >= 4 * 16
+
+
+def test_a_prefix_cached_through_one_router_attracts_another_routers_requests(cluster):
+    """The "prefix2" replica never routed these prefixes: it knows from the engines' KV cache events
+    which engine holds each, and sends the requests that share it there (without the events, each
+    would have a 1 in 2 chance; three prefixes make a lucky pass 1 in 8)."""
+    def post(app: str, prompt: str) -> None:
+        r = httpx.post(f"{cluster['base']}/{app}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200
+
+    for round_ in range(3):
+        shared = f"Round {round_}: Berlin is the capital of Germany, Paris is the capital of France. " * 3
+        before = _stats(cluster)
+        post("prefix", shared + "Rome")
+        middle = _stats(cluster)
+        holder = max(range(2), key=lambda i: middle[i].num_requests_added - before[i].num_requests_added)
+        time.sleep(0.3)  # the events of that pass reach every subscribed replica
+        for tail in ("Madrid", "Lisbon"):
+            post("prefix2", shared + tail)
+        after = _stats(cluster)
+        added = [a.num_requests_added - m.num_requests_added for a, m in zip(after, middle)]
+        assert added[holder] == 2 and added[1 - holder] == 0, (round_, holder, added)
+        assert after[holder].prefix_cache_hits - middle[holder].prefix_cache_hits >= 2 * 16
 
 
 def test_health_is_503_when_every_engine_is_dead_and_200_after_restart(cluster):

@@ -92,3 +92,34 @@ def test_session_without_header_goes_least_loaded():
 def test_unknown_policy_name_is_a_value_error():
     with pytest.raises(ValueError, match="routing_policy"):
         create_routing_policy("random", 2)
+
+
+def test_prefix_aware_follows_what_the_engines_report_they_cache():
+    """KV cache events: blocks another replica filled count, an evicted prefix stops attracting
+    requests, a cleared cache forgets everything, and this replica's own unreported routes expire."""
+    from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_REMOVED, BLOCKS_STORED
+
+    now = [0.0]
+    p = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0, pending_ttl_s=10.0, clock=lambda: now[0])
+    prefix = list(range(200, 216))
+    hashes = p_hashes(p, prefix)
+    p.apply_kv_events(0, [(ALL_BLOCKS_CLEARED, []), (BLOCKS_STORED, [])])
+    p.apply_kv_events(1, [(ALL_BLOCKS_CLEARED, []), (BLOCKS_STORED, hashes)])  # filled via another replica
+    assert p.num_cached_blocks() == [0, 4]
+    assert all(p.choose(ctx([1, 0], tokens=prefix + [t])) == 1 for t in range(5))
+    p.apply_kv_events(1, [(BLOCKS_REMOVED, hashes[2:])])  # evicted the tail of the prefix
+    assert p.match_lengths(hashes)[1] == 2
+    p.apply_kv_events(1, [(ALL_BLOCKS_CLEARED, [])])
+    assert p.match_lengths(hashes) == [0, 0]
+    # A route this replica just made counts until the engine reports the blocks, for pending_ttl_s.
+    other = list(range(300, 312))
+    first = p.choose(ctx([0, 0], tokens=other))
+    assert p.match_lengths(p_hashes(p, other))[first] == 3
+    now[0] = 11.0
+    assert p.match_lengths(p_hashes(p, other))[first] == 0
+    # Reported, it stays (whatever the time) until evicted.
+    p.apply_kv_events(first, [(BLOCKS_STORED, p_hashes(p, other))])
+    now[0] = 1000.0
+    assert p.match_lengths(p_hashes(p, other))[first] == 3
+    p.forget_engine(first)
+    assert p.match_lengths(p_hashes(p, other))[first] == 0 and p.num_cached_blocks()[first] == 0
