@@ -61,11 +61,13 @@ def read_tokenizer_files(model_dir: str) -> dict[str, bytes]:
 
 
 class _ClientBuffer:
-    __slots__ = ("event", "items")
+    __slots__ = ("event", "items", "num_event_hashes")
 
     def __init__(self) -> None:
         self.items: list[EngineCoreOutputs] = []
         self.event = asyncio.Event()
+        # Block hashes in the KV cache events waiting in ``items`` (bounded: see _publish).
+        self.num_event_hashes = 0
 
 
 class EngineCoreService:
@@ -81,8 +83,10 @@ class EngineCoreService:
         self._on_adapters_changed()
         self._inputs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._buffers: dict[int, _ClientBuffer] = {}
-        # Clients that receive the KV cache events (busy-loop thread only).
+        # Clients that receive the KV cache events (busy-loop thread only), and how many unread hashes
+        # one may have before its unread changes are replaced by a snapshot.
         self._kv_subscribers: set[int] = set()
+        self._max_buffered_event_hashes = max(4 * self.engine.num_blocks, 65536)
         self._buffers_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: str | None = None
@@ -116,7 +120,8 @@ class EngineCoreService:
     def subscribe_kv_events(self, client_index: int) -> None:
         """Send this client the prefix cache's contents, then every change (a prefix-aware router)."""
         def subscribe() -> None:
-            self._publish({})  # events so far go to the earlier subscribers, not into the snapshot's wake
+            if self._kv_subscribers:
+                self._publish({})  # events so far go to the earlier subscribers, not after the snapshot
             snapshot = self.engine.record_kv_events()
             self._kv_subscribers.add(client_index)
             self._publish({client_index: EngineCoreOutputs(engine_index=self.config.engine_index,
@@ -126,7 +131,12 @@ class EngineCoreService:
         self.submit(subscribe)
 
     def unsubscribe_kv_events(self, client_index: int) -> None:
-        self.submit(lambda: self._kv_subscribers.discard(client_index))
+        def unsubscribe() -> None:
+            self._kv_subscribers.discard(client_index)
+            if not self._kv_subscribers:  # nobody listens: stop recording (the next subscriber gets a snapshot)
+                self.engine.stop_kv_events()
+
+        self.submit(unsubscribe)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         ids = list(request_ids)
@@ -184,6 +194,7 @@ class EngineCoreService:
     def _take(self, buffer: _ClientBuffer) -> list[EngineCoreOutputs]:
         with self._buffers_lock:
             items, buffer.items = buffer.items, []
+            buffer.num_event_hashes = 0
             buffer.event.clear()
         return items
 
@@ -268,14 +279,30 @@ class EngineCoreService:
             buffer = self._buffer(client_index)
             with self._buffers_lock:
                 buffer.items.append(eco)
+                if eco.kv_events:
+                    buffer.num_event_hashes += sum(len(hashes) for _, hashes in eco.kv_events)
+                    if buffer.num_event_hashes > self._max_buffered_event_hashes:
+                        self._compact_events(buffer)
             if loop is not None:
                 loop.call_soon_threadsafe(buffer.event.set)
+
+    def _compact_events(self, buffer: _ClientBuffer) -> None:
+        """A subscriber that stopped reading (stalled, or gone without closing its socket): its unread
+        changes are replaced by one snapshot of the cache, which says the same in at most a pool's
+        worth of hashes. Busy-loop thread, under the buffers lock."""
+        for item in buffer.items:
+            item.kv_events = None
+        snapshot = self.engine.kv_snapshot()
+        buffer.items.append(EngineCoreOutputs(engine_index=self.config.engine_index, timestamp=time.time(),
+                                              kv_events=snapshot))
+        buffer.num_event_hashes = len(snapshot[-1][1])
 
     def _on_step_failure(self, error: Exception) -> None:
         message = f"engine {self.config.engine_index} failed: {type(error).__name__}: {error}"
         self._error = message
         self._publish(self.engine.fail_all_requests(message))
         self._restart_executor()
+        self._publish({})  # the restart cleared the prefix cache: subscribers hear it now, not at the next pass
 
     def _restart_executor(self) -> None:
         """Bring the workers back; the engine is healthy again once they serve."""

@@ -134,10 +134,19 @@ class EngineCore:
         then every cached hash stored), the starting point for the changes that follow."""
         pool = self.scheduler.kv_cache_manager.block_pool
         pool.record_kv_events()
-        return [(ALL_BLOCKS_CLEARED, []), (BLOCKS_STORED, list(pool.cached_block_hash_to_block))]
+        pool.take_kv_events()  # (what was recorded before is in the snapshot)
+        return self.kv_snapshot()
+
+    def kv_snapshot(self) -> list[tuple[int, list[bytes]]]:
+        """The prefix cache's contents as events: cleared, then every cached hash stored."""
+        return [(ALL_BLOCKS_CLEARED, []),
+                (BLOCKS_STORED, list(self.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block))]
 
     def take_kv_events(self) -> list[tuple[int, list[bytes]]]:
         return self.scheduler.kv_cache_manager.block_pool.take_kv_events()
+
+    def stop_kv_events(self) -> None:
+        self.scheduler.kv_cache_manager.block_pool.kv_events = None
 
     def list_loras(self) -> list[LoRARequest]:
         return list(self.loras.values())

@@ -178,12 +178,10 @@ class PrefixAwarePolicy(RoutingPolicy):
             known.popitem(last=False)
 
     def forget_engine(self, engine: int) -> None:
-        """An engine restarted: its prefix cache is empty, so is what we believe it holds (a new
-        channel then brings a fresh snapshot)."""
+        """An engine came back after being unhealthy. What this replica routed there is forgotten.
+        What an engine reports stays: a real restart clears it through the engine's own events (its
+        cache reset, or the snapshot of a new channel), while a health flap leaves the cache intact."""
         self._known[engine].clear()
-        cached = self._cached[engine]
-        if cached is not None:
-            cached.clear()
 
 
 class SessionAffinityPolicy(RoutingPolicy):

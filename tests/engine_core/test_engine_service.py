@@ -137,3 +137,18 @@ def test_kv_cache_events_go_to_every_subscriber_from_a_snapshot_on(service):
     service.unsubscribe_kv_events(7)
     assert _run(service, "after", list(range(320, 360)))[2] == FinishReason.LENGTH
     assert events_of(7) == []
+    # Nobody listens: nothing is recorded any more.
+    assert service.call_in_loop(lambda: service.engine.scheduler.kv_cache_manager.block_pool.kv_events) is None
+
+    # A subscriber that stops reading: past the limit, its unread changes become one snapshot.
+    service._max_buffered_event_hashes = 3
+    try:
+        service.subscribe_kv_events(8)
+        for i in range(3):
+            assert _run(service, f"unread-{i}", list(range(10 + 40 * i, 50 + 40 * i)))[2] == FinishReason.LENGTH
+        unread = events_of(8)
+        assert [kind for kind, _ in unread] == [ALL_BLOCKS_CLEARED, BLOCKS_STORED]  # one snapshot, no deltas
+        assert apply(set(), unread) == cached()
+    finally:
+        service._max_buffered_event_hashes = 65536
+        service.unsubscribe_kv_events(8)

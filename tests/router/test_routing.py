@@ -121,5 +121,8 @@ def test_prefix_aware_follows_what_the_engines_report_they_cache():
     p.apply_kv_events(first, [(BLOCKS_STORED, p_hashes(p, other))])
     now[0] = 1000.0
     assert p.match_lengths(p_hashes(p, other))[first] == 3
+    # A health flap forgets this replica's routes, not what the engine reports (its own events clear that).
     p.forget_engine(first)
+    assert p.match_lengths(p_hashes(p, other))[first] == 3
+    p.apply_kv_events(first, [(ALL_BLOCKS_CLEARED, [])])
     assert p.match_lengths(p_hashes(p, other))[first] == 0 and p.num_cached_blocks()[first] == 0
