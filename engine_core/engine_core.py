@@ -107,7 +107,9 @@ class EngineCore:
         if self.config.lora_config is None:
             raise ValueError(f"engine {self.config.engine_index}: LoRA is not enabled (--enable-lora)")
         held = self.loras.get(lora.lora_int_id)
-        if held is not None and held != lora:
+        if held == lora:
+            return False  # (loaded on every worker already; a restarted group got it back from the executor)
+        if held is not None:
             raise ValueError(f"LoRA id {lora.lora_int_id} is already the adapter {held.lora_name!r}")
         for other in self.loras.values():
             if other.lora_name == lora.lora_name and other.lora_int_id != lora.lora_int_id:

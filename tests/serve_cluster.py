@@ -32,6 +32,21 @@ def wait_ready(base: str, timeout: float = 120.0) -> None:
     raise TimeoutError(f"{base} did not come up")
 
 
+def wait_until_healthy(actor: Any, timeout: float = 60.0) -> None:
+    """Poll an engine actor's health check until it passes (after its workers were restarted)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.get(actor.check_health.remote())
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 @dataclass
 class ServedCluster:
     base: str

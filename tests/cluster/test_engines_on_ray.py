@@ -10,6 +10,7 @@ from cluster import LLM, SamplingParams
 from cluster.config import ClusterConfig, EngineSpec
 from cluster.launcher import start_engines, stop_engines
 from engine_core.outputs import EngineCoreRequest
+from tests.serve_cluster import wait_until_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -96,13 +97,7 @@ def test_killing_a_worker_errors_in_flight_requests_then_the_engine_recovers(ray
         assert time.monotonic() - t0 < 30, "in-flight requests hung"
         assert {f.finish_reason.name for f in finals.values()} == {"ERROR"} and len(finals) == 2
         # The engine brings its workers back and serves again.
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                ray.get(actor.check_health.remote())
-                break
-            except Exception:
-                time.sleep(0.5)
+        wait_until_healthy(actor)
         ray.get(actor.add_request.remote(_request("after", 5)))
         finals = _collect(actor, ["after"])
         assert finals["after"].finish_reason.name == "LENGTH"
