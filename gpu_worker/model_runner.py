@@ -55,7 +55,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_spec_tokens: int = 0,
-                 max_lora_rank: int | None = None) -> None:
+                 max_lora_rank: int | None = None, max_resident_loras: int | None = None) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -79,6 +79,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # LoRA (None: off): the projections are wrapped once the weights are loaded.
         self.max_lora_rank = max_lora_rank
+        # Adapters on the device at once (None: all that are loaded); the rest wait in host memory.
+        self.max_resident_loras = max_resident_loras
         self.lora: LoRAManager | None = None
 
     # ------------------------------------------------------------------ setup
@@ -92,7 +94,7 @@ class ModelRunner:
             load_weights(model, source)
         self.model = model.eval()
         if self.max_lora_rank is not None:
-            self.lora = LoRAManager(model, self.max_lora_rank, self.device, self.dtype)
+            self.lora = LoRAManager(model, self.max_lora_rank, self.device, self.dtype, self.max_resident_loras)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         if self.model is None:

@@ -51,7 +51,8 @@ class Worker:
                  device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  weights: str | Path | WeightsFactory | None = None, num_cpus: int | None = None,
-                 seed: int = 0, num_spec_tokens: int = 0, max_lora_rank: int | None = None) -> None:
+                 seed: int = 0, num_spec_tokens: int = 0, max_lora_rank: int | None = None,
+                 max_loras: int | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -74,6 +75,7 @@ class Worker:
         self.num_spec_tokens = num_spec_tokens
         # LoRA: the largest adapter rank served (None: LoRA off).
         self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
         self.runner: ModelRunner | None = None
         self.block_size: int | None = None
         if num_cpus is not None:
@@ -92,7 +94,9 @@ class Worker:
             raise RuntimeError("init_distributed() must come before load_model() when world_size > 1")
         self.runner = ModelRunner(self.model_config, self.device, self.dtype, self.max_model_len,
                                   self.max_num_seqs, self.max_num_batched_tokens, self.num_spec_tokens,
-                                  self.max_lora_rank)
+                                  self.max_lora_rank,
+                                  # On an accelerator only a step's worth of adapters stays on the device.
+                                  self.max_loras if self.device.type != "cpu" else None)
         weights = self.weights
         self.runner.load_model(weights() if callable(weights) else weights)
 

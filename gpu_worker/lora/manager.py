@@ -1,12 +1,16 @@
 """The adapters one worker holds: loading, sharding for its rank, and the mapping of each step's
 tokens to them.
 
-Every registered adapter stays resident on the worker's device (adapters are small next to the
-model: a rank-16 adapter on every projection of SmolLM2-135M is about 5 MB in fp32). ``max_loras``
-bounds how many different adapters one step computes, which the scheduler enforces.
+Every loaded adapter is kept in host memory, sharded for this rank (a rank-16 adapter on every
+projection of SmolLM2-135M is about 5 MB in fp32). On an accelerator at most ``max_resident`` of them
+(``--max-loras``, the most one step may use, which the scheduler enforces) are on the device at a
+time: a step's adapters are copied in before its forward, replacing the least recently used ones
+it does not need, as vLLM's LoRA slots do. On the CPU the host copy is the one computed with.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -49,7 +53,8 @@ def wrap_model(model: nn.Module, batch: LoRABatch) -> dict[str, LoRALinear]:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, max_lora_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, max_lora_rank: int, device: torch.device, dtype: torch.dtype,
+                 max_resident: int | None = None) -> None:
         self.batch = LoRABatch()
         self.layers = wrap_model(model, self.batch)
         self.packed: dict[str, tuple[str, int | str]] = dict(getattr(model, "packed_modules_mapping", {}))
@@ -57,6 +62,12 @@ class LoRAManager:
         self.device = device
         self.dtype = dtype
         self.adapters: dict[int, AdapterShard] = {}
+        # None: every adapter is computed with where it is loaded. Else: the host copies, and the
+        # adapters now on the device, least recently used first.
+        self.max_resident = max_resident
+        self._host: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._resident: OrderedDict[int, None] = OrderedDict()
+        self.num_copies_in = 0
 
     # -- registry -------------------------------------------------------------------------------
 
@@ -69,11 +80,41 @@ class LoRAManager:
                 raise ValueError(f"LoRA id {lora.lora_int_id} is already {held.lora_name!r} ({held.lora_path})")
             return False
         peft = load_peft_adapter(lora.lora_path, self.max_lora_rank)
-        self.adapters[lora.lora_int_id] = self._shard(lora, peft)
+        adapter = self._shard(lora, peft)
+        if self.max_resident is not None:  # on the device only while steps use it
+            pin = self.device.type == "cuda"
+            self._host[lora.lora_int_id] = {path: (a.pin_memory() if pin else a, b.pin_memory() if pin else b)
+                                            for path, (a, b) in adapter.layers.items()}
+            adapter.layers = {}
+        else:
+            adapter.layers = {path: (a.to(self.device), b.to(self.device)) for path, (a, b) in adapter.layers.items()}
+        self.adapters[lora.lora_int_id] = adapter
         return True
 
     def remove_adapter(self, lora_int_id: int) -> bool:
+        self._host.pop(lora_int_id, None)
+        self._resident.pop(lora_int_id, None)
         return self.adapters.pop(lora_int_id, None) is not None
+
+    def resident_adapters(self) -> list[int]:
+        """The adapters now on the device (all of them when there is no limit)."""
+        return list(self._resident) if self.max_resident is not None else sorted(self.adapters)
+
+    def _make_resident(self, adapter: AdapterShard, in_use: set[int]) -> None:
+        lora_id = adapter.lora_int_id
+        if lora_id in self._resident:
+            self._resident.move_to_end(lora_id)
+            return
+        while len(self._resident) >= self.max_resident:  # type: ignore[operator]
+            victim = next((i for i in self._resident if i not in in_use), None)
+            if victim is None:
+                raise RuntimeError(f"a step uses more than max_loras={self.max_resident} adapters")
+            del self._resident[victim]
+            self.adapters[victim].layers = {}
+        adapter.layers = {path: (a.to(self.device, non_blocking=True), b.to(self.device, non_blocking=True))
+                          for path, (a, b) in self._host[lora_id].items()}
+        self._resident[lora_id] = None
+        self.num_copies_in += 1
 
     def list_adapters(self) -> list[int]:
         return sorted(self.adapters)
@@ -86,10 +127,13 @@ class LoRAManager:
         groups: list[tuple[AdapterShard, Rows]] = []
         if any(lora_ids):
             ids = np.asarray(lora_ids, dtype=np.int64)
-            for lora_id in np.unique(ids[ids > 0]).tolist():
+            in_use = np.unique(ids[ids > 0]).tolist()
+            for lora_id in in_use:
                 adapter = self.adapters.get(lora_id)
                 if adapter is None:
                     raise KeyError(f"LoRA adapter {lora_id} is not loaded on this worker")
+                if self.max_resident is not None:
+                    self._make_resident(adapter, set(in_use))
                 reqs = np.flatnonzero(ids == lora_id)
                 rows: Rows = None
                 if len(reqs) < len(ids):
@@ -121,8 +165,8 @@ class LoRAManager:
             except (ValueError, RuntimeError, IndexError) as e:
                 raise ValueError(f"LoRA adapter {lora.lora_path}: its weights for {path} do not fit the model "
                                  f"({e})") from None
-            layers[path] = (a.t().contiguous().to(self.device, self.dtype),
-                            b.t().contiguous().to(self.device, self.dtype))
+            # (On the host here: add_adapter places them.)
+            layers[path] = (a.t().contiguous().to(self.dtype), b.t().contiguous().to(self.dtype))
         return AdapterShard(lora.lora_int_id, lora.lora_name, lora.lora_path, layers)
 
     @staticmethod

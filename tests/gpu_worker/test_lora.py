@@ -214,3 +214,33 @@ def test_each_adapters_rows_get_its_own_delta_however_they_are_laid_out(setup):
         torch.testing.assert_close(out[row], expected)
     manager.set_batch([0, 0], np.array([0, 1, 2]))
     assert manager.batch.groups == []
+
+
+def test_with_a_device_limit_adapters_wait_in_host_memory_and_cycle_through_the_device(setup):
+    """As on an accelerator (here simulated on the CPU): at most max_loras adapters on the device;
+    each step's are copied in, replacing the least recently used; answers stay PEFT's."""
+    import numpy as np
+
+    from gpu_worker.config import ModelConfig
+    from gpu_worker.model_runner import ModelRunner
+
+    base, adapters, prompts, expected = setup
+    runner = ModelRunner(ModelConfig.from_pretrained(base), "cpu", max_model_len=128, max_lora_rank=8,
+                         max_resident_loras=1)
+    runner.load_model(base)
+    runner.initialize_kv_cache(60, 4)
+    for lora in adapters.values():
+        runner.lora.add_adapter(lora)
+    assert runner.lora.resident_adapters() == []  # loaded, in host memory only
+    resident: list[list[int]] = []
+
+    def execute(so):
+        out = runner.execute_model(so)
+        resident.append(runner.lora.resident_adapters())
+        return out
+
+    assert _drive(execute, adapters, prompts, max_loras=1) == expected
+    assert max(len(r) for r in resident) == 1 and {tuple(r) for r in resident} >= {(1,), (2,)}
+    assert runner.lora.num_copies_in >= 2
+    with pytest.raises(RuntimeError, match="more than max_loras=1"):
+        runner.lora.set_batch([1, 2], np.array([0, 1, 2]))
