@@ -294,6 +294,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy")
     parser.add_argument("--router-replicas", type=int, default=1)
+    parser.add_argument("--routing-policy", default="round_robin",
+                        help="The router's policy on the HTTP path (prefix_aware: with the engines' KV cache events).")
     parser.add_argument("--request-rate", type=float, default=None,
                         help="Open loop: Poisson arrivals at this many requests/s instead of a fixed concurrency.")
     parser.add_argument("--engine-cpus", default=None,
@@ -314,7 +316,7 @@ def main() -> None:
     model_dir = build_tiny_llama(Path(tempfile.mkdtemp(prefix="bench-router-")))
     ray.init(include_dashboard=False, namespace="llm-cluster", log_to_driver=False)
     config = ClusterConfig(model=str(model_dir), served_model_name="tiny", num_engines=2,
-                           routing_policy="round_robin", num_router_replicas=args.router_replicas,
+                           routing_policy=args.routing_policy, num_router_replicas=args.router_replicas,
                            defaults=EngineSpec(num_gpu_blocks=256, max_model_len=256))
     with serve_cluster(config) as served:
         handles = [e.actor for e in served.engines]
@@ -362,7 +364,8 @@ def main() -> None:
     load = f"Poisson arrivals at {args.request_rate:g} req/s" if args.request_rate else \
         f"concurrency {args.concurrency}"
     print(f"\n{args.requests} streamed requests x {args.max_tokens} tokens, {load}, "
-          f"2 engines (tiny model), ingress={args.ingress}, router replicas={args.router_replicas}\n")
+          f"2 engines (tiny model), ingress={args.ingress}, router replicas={args.router_replicas}, "
+          f"routing={args.routing_policy}\n")
     print(f"{'path':<10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'E2E p50 ms':>12}{'E2E p99 ms':>12}")
     rows = {}
     for name, (ttft, e2e) in results.items():
