@@ -144,13 +144,12 @@ class EngineCoreService:
 
     def _add_request(self, request: EngineCoreRequest) -> None:
         try:
-            self.engine.check_lora(request)
+            added = self.engine.add_request(request)
         except LoRANotLoadedError as e:  # (its adapter was unloaded after admit() checked it)
             self._publish({request.client_index: EngineCoreOutputs(
                 [EngineCoreOutput(request.request_id, [], FinishReason.ERROR, str(e))],
                 engine_index=self.config.engine_index, timestamp=time.time())})
             return
-        added = self.engine.add_request(request)
         if added is not None and self.metrics is not None:
             self.metrics.on_request_added(added)
 
@@ -264,6 +263,8 @@ class EngineCoreService:
                 for client_index in self._kv_subscribers:
                     outputs.setdefault(client_index, EngineCoreOutputs(
                         engine_index=self.config.engine_index, timestamp=time.time())).kv_events = events
+        if not outputs:
+            return  # (a drain after commands that changed nothing)
         stats = None
         for eco in outputs.values():
             if eco.scheduler_stats is not None:

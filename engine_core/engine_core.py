@@ -148,7 +148,7 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.block_pool.take_kv_events()
 
     def stop_kv_events(self) -> None:
-        self.scheduler.kv_cache_manager.block_pool.kv_events = None
+        self.scheduler.kv_cache_manager.block_pool.stop_kv_events()
 
     def list_loras(self) -> list[LoRARequest]:
         return list(self.loras.values())

@@ -24,6 +24,11 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
     lora_int_id: int
     lora_path: str
 
+    @property
+    def cache_key(self) -> tuple[int, str]:
+        """What keys the prefix-cache blocks computed under this adapter (engine and router alike)."""
+        return (self.lora_int_id, self.lora_name)
+
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be >= 1 (0 is the base model), got {self.lora_int_id}")

@@ -155,8 +155,7 @@ class Request:
     @property
     def lora_key(self) -> tuple[int, str] | None:
         """(id, name) of the request's adapter, which keys its prefix-cache blocks; None for the base model."""
-        lora = self.lora_request
-        return None if lora is None else (lora.lora_int_id, lora.lora_name)
+        return None if self.lora_request is None else self.lora_request.cache_key
 
     @property
     def num_tokens(self) -> int:

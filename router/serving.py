@@ -395,7 +395,7 @@ class OpenAIServing:
             loads = [load + extra for load, extra in zip(loads, chosen, strict=True)]
         try:
             engine = self.policy.choose(RoutingContext(prompt_token_ids, loads, self.client.healthy(), session_id,
-                                                       None if lora is None else (lora.lora_int_id, lora.lora_name)))
+                                                       None if lora is None else lora.cache_key))
         except NoHealthyEngineError as e:
             raise APIError(503, "no healthy engine is available", "ServiceUnavailableError") from e
         if self.metrics is not None:

@@ -29,6 +29,9 @@ class BlockPool:
         if self.kv_events is None:
             self.kv_events = []
 
+    def stop_kv_events(self) -> None:
+        self.kv_events = None
+
     def take_kv_events(self) -> list[KVEvent]:
         """The events since the last call (none while not recording)."""
         if not self.kv_events:

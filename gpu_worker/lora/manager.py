@@ -127,13 +127,13 @@ class LoRAManager:
         groups: list[tuple[AdapterShard, Rows]] = []
         if any(lora_ids):
             ids = np.asarray(lora_ids, dtype=np.int64)
-            in_use = np.unique(ids[ids > 0]).tolist()
-            for lora_id in in_use:
+            in_use = set(np.unique(ids[ids > 0]).tolist())
+            for lora_id in sorted(in_use):
                 adapter = self.adapters.get(lora_id)
                 if adapter is None:
                     raise KeyError(f"LoRA adapter {lora_id} is not loaded on this worker")
                 if self.max_resident is not None:
-                    self._make_resident(adapter, set(in_use))
+                    self._make_resident(adapter, in_use)
                 reqs = np.flatnonzero(ids == lora_id)
                 rows: Rows = None
                 if len(reqs) < len(ids):
