@@ -3,6 +3,8 @@ again when the engine brings dead workers back."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -29,6 +31,22 @@ def _peft_greedy(model_dir, prompts, max_tokens, **adapter):
     return outs
 
 
+def _wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=1.0)
+        except RayActorError:
+            return
+        except GetTimeoutError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the killed worker is still alive")
+
+
 def test_tp2_engine_serves_an_adapter_and_keeps_it_across_a_worker_restart(ray_cluster, tiny_model_dir, tmp_path):
     import ray
 
@@ -44,6 +62,7 @@ def test_tp2_engine_serves_an_adapter_and_keeps_it_across_a_worker_restart(ray_c
         actor = llm._handles[0].actor
         worker = ray.get(actor.__ray_call__.remote(lambda self: self.service.engine.executor.workers[1]))
         ray.kill(worker, no_restart=True)
+        _wait_until_dead(worker)  # ray.kill only asks: a short generate could finish before the worker dies
         # The pass that finds rank 1 dead fails its requests, and the engine starts new workers.
         failed = llm.generate(PROMPTS[:1], params, use_tqdm=False, lora_request=lora)
         assert failed[0].outputs[0].finish_reason == "error"
