@@ -11,6 +11,7 @@ import sys
 import threading
 
 from cluster.config import API_KEY_ENV, default_api_keys
+from engine_core.config import KV_CACHE_DTYPE_NAMES
 from router.reasoning_parsers import REASONING_PARSERS
 from router.tool_parsers import TOOL_CALL_PARSERS
 
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     serve.add_argument("--dtype", default=None)
+    serve.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPE_NAMES), default=None,
+                       help="KV cache storage: auto (the model's dtype), bfloat16, or fp8 (= fp8_e4m3), fp8_e5m2: "
+                            "one byte per element, so 2x (bf16) or 4x (fp32) the KV blocks in the same memory.")
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="Queue limit per engine (429 beyond).")
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
@@ -124,6 +128,7 @@ def cluster_config_from_args(args: argparse.Namespace):
     defaults = {"tensor_parallel_size": args.tensor_parallel_size, "scheduling_policy": args.scheduling_policy,
                 "enable_prefix_caching": args.enable_prefix_caching,
                 "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
+                "kv_cache_dtype": args.kv_cache_dtype,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config}
     for flag, _, _ in SCHEDULER_ARGS:
         name = flag.lstrip("-").replace("-", "_")

@@ -157,7 +157,8 @@ class LLM:
                  block_size: int = 16, enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
                  executor_backend: str = "auto", use_ray: bool | None = None, address: str | None = None,
                  engine_overrides: list[dict[str, Any]] | None = None, enable_lora: bool = False,
-                 max_loras: int = 1, max_lora_rank: int = 16, **scheduler_flags: Any) -> None:
+                 max_loras: int = 1, max_lora_rank: int = 16, kv_cache_dtype: str = "auto",
+                 **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -167,7 +168,8 @@ class LLM:
         spec = scheduler_flags_to_spec(scheduler_flags).model_copy(update={
             "tensor_parallel_size": tensor_parallel_size, "num_gpu_blocks": num_gpu_blocks, "device": device,
             "dtype": dtype, "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
-            "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend})
+            "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend,
+            "kv_cache_dtype": kv_cache_dtype})
         # engine_overrides: per-engine flag mappings (engine i gets the i-th), e.g. a latency engine
         # beside a throughput one.
         self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,

@@ -11,6 +11,9 @@ from typing import Any, Literal
 
 from engine_core.lora import LoRAModule
 
+# vLLM's --kv-cache-dtype choices that this engine stores (the workers map them to torch dtypes).
+KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 SchedulingPolicyName = Literal["fcfs", "priority"]
 
 
@@ -171,6 +174,9 @@ class EngineConfig:
     # "auto" picks cuda when available, else cpu.
     device: str = "auto"
     dtype: str = "auto"
+    # The KV cache's storage dtype (vLLM's --kv-cache-dtype): "auto" (the model's), "bfloat16", or
+    # "fp8" / "fp8_e4m3" / "fp8_e5m2" (one byte per element: more blocks for the same memory).
+    kv_cache_dtype: str = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -205,6 +211,8 @@ class EngineConfig:
             _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                      "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
             _require(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
+            _require(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES, "kv_cache_dtype",
+                     f"one of {', '.join(KV_CACHE_DTYPE_NAMES)}", self.kv_cache_dtype)
             _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1",
                      self.block_size)
             _require(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks",

@@ -133,7 +133,12 @@ class EngineMetrics:
             self.request_success[reason] = 0.0
         self.flags = {k: str(v) for k, v in scheduler_config.as_dict().items()} | {
             "tensor_parallel_size": str(config.tensor_parallel_size), "block_size": str(config.block_size),
-            "enable_prefix_caching": str(config.enable_prefix_caching)}
+            "enable_prefix_caching": str(config.enable_prefix_caching), "kv_cache_dtype": config.kv_cache_dtype}
+        # vLLM's cache_config_info: the KV cache's settings as labels (value 1).
+        self.cache_config = {"block_size": str(config.block_size), "cache_dtype": config.kv_cache_dtype,
+                             "enable_prefix_caching": str(config.enable_prefix_caching),
+                             "num_gpu_blocks": str(num_blocks),
+                             "gpu_memory_utilization": str(config.gpu_memory_utilization)}
         self._policy = scheduler_config.policy
         spec = config.speculative_config
         if spec is not None:
@@ -287,6 +292,10 @@ class EngineMetrics:
                                  labels=labels)
         flags.add_metric(values, self.flags)
         yield flags
+        cache_info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache's configuration.",
+                                       labels=[*labels, *self.cache_config])
+        cache_info.add_metric([*values, *self.cache_config.values()], 1.0)
+        yield cache_info
         yield gauge("llm_cluster:num_requests_skipped_waiting",
                     "Requests in skipped_waiting (blocked or declined this pass).", g["skipped_waiting"])
         yield counter("llm_cluster:scheduled_tokens", "Tokens scheduled, summed over passes.", c["budget_used"])

@@ -1,10 +1,50 @@
-"""KV cache sizing and allocation."""
+"""KV cache sizing, allocation, and the storage dtype (vLLM's ``--kv-cache-dtype``).
+
+An fp8 cache stores each K/V element in one byte: the pool holds two (bf16 models) or four (fp32)
+times the blocks for the same memory. Values are stored unscaled (vLLM's default scales of 1.0
+when a checkpoint brings none) and saturate at the format's largest finite value, as vLLM's
+saturating conversion does. Attention reads them back into the model's dtype.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from engine_core.config import KV_CACHE_DTYPE_NAMES
 from gpu_worker.config import ModelConfig
+
+# vLLM's names: "fp8" is e4m3 (more mantissa), as on CUDA in vLLM.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+assert tuple(KV_CACHE_DTYPES) == KV_CACHE_DTYPE_NAMES, "the engine config and the workers disagree on the names"
+
+
+def resolve_kv_cache_dtype(name: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype: ``auto`` (or None) is the model's."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None:
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
+def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    """Write x [T, num_kv_heads, head_dim] into the cache slots ``slot_mapping`` [T], converting to
+    the cache's dtype (fp8 saturates). torch has no index_copy_ for fp8, so fp8 goes in as bytes."""
+    rows = cache.view(-1, *x.shape[1:])
+    if cache.dtype == x.dtype:
+        rows.index_copy_(0, slot_mapping, x)
+    elif cache.dtype in FP8_DTYPES:
+        limit = torch.finfo(cache.dtype).max
+        packed = x.clamp(-limit, limit).to(cache.dtype).view(torch.uint8)
+        rows.view(torch.uint8).index_copy_(0, slot_mapping, packed)
+    else:
+        rows.index_copy_(0, slot_mapping, x.to(cache.dtype))
 
 
 def num_kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
@@ -30,6 +70,11 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
         raise ValueError(f"KV cache budget of {budget_bytes} bytes is less than one block "
                          f"({bytes_per_block} bytes)")
     return num_blocks
+
+
+def read_kv(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows (already gathered) as ``dtype``: a no-op when the cache holds that dtype."""
+    return blocks if blocks.dtype == dtype else blocks.to(dtype)
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -23,7 +23,7 @@ from engine_core.sched.output import GrammarBitmask, SchedulerOutput
 from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
-from gpu_worker.kv_cache import allocate_kv_cache
+from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
@@ -55,10 +55,13 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_spec_tokens: int = 0,
-                 max_lora_rank: int | None = None, max_resident_loras: int | None = None) -> None:
+                 max_lora_rank: int | None = None, max_resident_loras: int | None = None,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
+        # The KV cache's storage dtype (None: the model's); fp8 halves (bf16) or quarters (fp32) it.
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.max_model_len = max_model_len or model_config.max_context_len
         if self.max_model_len > model_config.max_context_len:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context length "
@@ -102,14 +105,15 @@ class ModelRunner:
         layers = self.model.attention_layers()
         attn = layers[0]
         self.kv_caches = allocate_kv_cache(len(layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
-                                           self.dtype, self.device)
+                                           self.kv_cache_dtype, self.device)
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # Decodes read the paged cache in place where the CPU kernel applies (fp32 on the CPU);
-        # elsewhere (CUDA, bf16) they gather their blocks and use SDPA.
+        # Decodes read the paged cache in place where the CPU kernel applies (an fp32 model on the CPU,
+        # with an fp32 or fp8 cache); elsewhere (CUDA, bf16) they gather their blocks and use SDPA.
         self.decode_in_place = (self.device.type == "cpu" and self.dtype == torch.float32
+                                and self.kv_cache_dtype in (torch.float32, *FP8_DTYPES)
                                 and cpu_kernels_available())
 
     @torch.inference_mode()
@@ -125,7 +129,7 @@ class ModelRunner:
         blocks_per_req = [-(-n // block_size) for n in lens]
         layers = self.model.attention_layers()
         caches = allocate_kv_cache(len(layers), sum(blocks_per_req), block_size, layers[0].num_kv_heads,
-                                   layers[0].head_dim, self.dtype, self.device)
+                                   layers[0].head_dim, self.kv_cache_dtype, self.device)
         saved = [layer.kv_cache for layer in layers]
         try:
             for layer, cache in zip(layers, caches, strict=True):

@@ -17,7 +17,7 @@ from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker import distributed
 from gpu_worker.config import ModelConfig, parse_dtype
-from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget
+from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.model_runner import ModelRunner
@@ -52,7 +52,7 @@ class Worker:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  weights: str | Path | WeightsFactory | None = None, num_cpus: int | None = None,
                  seed: int = 0, num_spec_tokens: int = 0, max_lora_rank: int | None = None,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, kv_cache_dtype: str | torch.dtype | None = "auto") -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -69,6 +69,7 @@ class Worker:
             raise ValueError("a config without a model directory needs `weights` (a directory or a factory)")
         self.device = resolve_device(device, rank)
         self.dtype = resolve_dtype(dtype, self.model_config, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -96,7 +97,8 @@ class Worker:
                                   self.max_num_seqs, self.max_num_batched_tokens, self.num_spec_tokens,
                                   self.max_lora_rank,
                                   # On an accelerator only a step's worth of adapters stays on the device.
-                                  self.max_loras if self.device.type != "cpu" else None)
+                                  self.max_loras if self.device.type != "cpu" else None,
+                                  kv_cache_dtype=self.kv_cache_dtype)
         weights = self.weights
         self.runner.load_model(weights() if callable(weights) else weights)
 
@@ -106,7 +108,7 @@ class Worker:
         return self.runner
 
     def bytes_per_block(self, block_size: int) -> int:
-        return model_bytes_per_block(self.model_config, block_size, self.world_size, self.dtype)
+        return model_bytes_per_block(self.model_config, block_size, self.world_size, self.kv_cache_dtype)
 
     def determine_num_blocks(self, block_size: int, num_blocks: int | None = None,
                              kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.gguf_loader import default_cache_root
+from gpu_worker.kv_cache import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,12 @@ def _load_library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn8 = lib.llmc_paged_decode_attention_fp8
+    fn8.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+                    ctypes.c_int]
+    fn8.restype = ctypes.c_int
+    lib.llmc_fp8_to_float.argtypes = [ctypes.c_uint8, ctypes.c_int]
+    lib.llmc_fp8_to_float.restype = ctypes.c_float
     norm = lib.llmc_add_rms_norm_f32
     norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     norm.restype = None
@@ -126,14 +133,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One query token per request against its paged keys/values, read where they lie.
 
     q: [num_reqs, num_heads, head_dim] fp32; k_cache/v_cache: [num_blocks, block_size, num_kv_heads,
-    head_dim] fp32; block_table: [num_reqs, >= ceil(max(seq_lens) / block_size)] int64; seq_lens:
+    head_dim] fp32, or both fp8 (e4m3 or e5m2, widened in C);
+    block_table: [num_reqs, >= ceil(max(seq_lens) / block_size)] int64; seq_lens:
     [num_reqs] int64. Returns [num_reqs, num_heads, head_dim].
     """
     if _load_library() is None:
         raise RuntimeError("the CPU paged attention kernel is not available")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if q.dtype != torch.float32 or q.device.type != "cpu":
+        raise TypeError(f"q must be a float32 CPU tensor, got {q.dtype} on {q.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in (torch.float32, *FP8_DTYPES) or t.dtype != k_cache.dtype or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a float32 or fp8 CPU tensor (both caches alike), "
+                            f"got {t.dtype} on {t.device}")
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
         if t.dtype != torch.int64 or t.device.type != "cpu":
             raise TypeError(f"{name} must be an int64 CPU tensor, got {t.dtype} on {t.device}")
@@ -158,15 +169,31 @@ def paged_decode_attention_unchecked(q: torch.Tensor, k_cache: torch.Tensor, v_c
     if num_reqs == 0:
         return out
     _, block_size, num_kv_heads, _ = k_cache.shape
-    status = _load_library().llmc_paged_decode_attention_f32(  # type: ignore[union-attr]
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-        seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-        float(scale), torch.get_num_threads())
+    lib = _load_library()
+    if k_cache.dtype == torch.float32:
+        status = lib.llmc_paged_decode_attention_f32(  # type: ignore[union-attr]
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+            seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,
+            float(scale), torch.get_num_threads())
+    elif k_cache.dtype in FP8_DTYPES:
+        status = lib.llmc_paged_decode_attention_fp8(  # type: ignore[union-attr]
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float8_e5m2),
+            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs,
+            num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
+    else:
+        raise TypeError(f"the decode kernel reads float32 or fp8 caches, not {k_cache.dtype}")
     if status == 5:  # checked in C: a host-side max() per layer per step would cost more than the check
         raise ValueError("a sequence is longer than its block table row covers")
     if status != 0:
         raise RuntimeError(f"paged decode attention kernel failed with status {status}")
     return out
+
+
+def fp8_byte_value(byte: int, dtype: torch.dtype) -> float:
+    """What the decode kernel reads an fp8 cache byte as (``dtype``: torch.float8_e4m3fn or e5m2)."""
+    if _load_library() is None:
+        raise RuntimeError("the CPU kernels are not available")
+    return _load_library().llmc_fp8_to_float(byte, int(dtype == torch.float8_e5m2))  # type: ignore[union-attr]
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

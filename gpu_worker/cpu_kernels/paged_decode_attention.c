@@ -1,5 +1,5 @@
 /*
- * Decode attention that reads the paged KV cache in place (CPU, fp32).
+ * Decode attention that reads the paged KV cache in place (CPU; fp32 queries, fp32 or fp8 cache).
  *
  * One query token per request. A work item is one request and a range of its KV heads (all of
  * them unless there are fewer requests than threads). An item walks the request's blocks once: per
@@ -13,7 +13,7 @@
  *
  * Layouts (all contiguous):
  *   q, out       [num_reqs, num_heads, head_dim]
- *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim] float32, or bytes (fp8)
  *   block_table  [num_reqs, block_table_stride] int64
  *   seq_lens     [num_reqs] int64: keys 0..seq_len-1 of each request are attended
  * Returns 0, or a nonzero status for arguments it cannot handle.
@@ -26,11 +26,31 @@
 
 #define LLMC_MAX_HEADS 256
 
-int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                                    const int64_t *block_table, int64_t block_table_stride,
-                                    const int64_t *seq_lens, float *out, int64_t num_reqs,
-                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                    int64_t block_size, float scale, int num_threads) {
+enum { CACHE_F32 = 0, CACHE_FP8_E4M3 = 1, CACHE_FP8_E5M2 = 2 };
+
+/* One fp8 byte as float, with integer ops only (so a row of them vectorizes): the exponent and
+ * mantissa bits move into float's fields and the exponent is rebiased; subnormals (exponent 0) are
+ * mantissa * 2^(1 - bias - mantissa bits). The writer saturates, so no byte holds inf or NaN. */
+static inline float fp8_to_float(uint8_t byte, int format) {
+    const uint32_t magnitude = byte & 0x7Fu, sign = (uint32_t)(byte & 0x80u) << 24;
+    const int e4m3 = format == CACHE_FP8_E4M3;
+    const uint32_t mantissa_bits = e4m3 ? 3u : 2u;
+    const uint32_t rebias = e4m3 ? (127u - 7u) : (127u - 15u);
+    union { uint32_t u; float f; } normal = {.u = (magnitude << (23u - mantissa_bits)) + (rebias << 23)};
+    const float subnormal = (float)(magnitude & ((1u << mantissa_bits) - 1u)) * (e4m3 ? 0x1p-9f : 0x1p-16f);
+    union { float f; uint32_t u; } value = {.f = (magnitude >> mantissa_bits) == 0 ? subnormal : normal.f};
+    value.u |= sign;
+    return value.f;
+}
+
+/* format CACHE_F32: the caches hold float32. Otherwise they hold one byte per element (fp8): every
+ * block is read once into float rows, then scored as float32 caches are. */
+static inline __attribute__((always_inline)) int paged_decode_attention(
+    const float *q, const void *k_cache, const void *v_cache, int format, const int64_t *block_table,
+    int64_t block_table_stride, const int64_t *seq_lens, float *out, int64_t num_reqs, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    const int fp8 = format != CACHE_F32;
+    const int64_t elem_size = fp8 ? 1 : (int64_t)sizeof(float);
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
     if (num_heads > LLMC_MAX_HEADS) return 2;
     for (int64_t r = 0; r < num_reqs; ++r) {
@@ -51,8 +71,11 @@ int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const 
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(block_size * num_heads));
         float *acc = (float *)malloc(sizeof(float) * (size_t)(num_heads * head_dim));
+        /* fp8: one block's K and V rows for an item's KV heads, as float */
+        float *kbuf = fp8 ? (float *)malloc(sizeof(float) * (size_t)(block_size * row_stride)) : NULL;
+        float *vbuf = fp8 ? (float *)malloc(sizeof(float) * (size_t)(block_size * row_stride)) : NULL;
         float run_max[LLMC_MAX_HEADS], run_sum[LLMC_MAX_HEADS];
-        if (scores == NULL || acc == NULL) {
+        if (scores == NULL || acc == NULL || (fp8 && (kbuf == NULL || vbuf == NULL))) {
 #pragma omp atomic write
             status = 4;
         } else {
@@ -72,20 +95,37 @@ int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const 
                 const int64_t num_blocks = (len + block_size - 1) / block_size;
                 for (int64_t b = 0; b < num_blocks; ++b) {
                     const int64_t n = b == num_blocks - 1 ? len - b * block_size : block_size;
-                    const float *kb = k_cache + blocks[b] * block_stride + kv0 * head_dim;
-                    const float *vb = v_cache + blocks[b] * block_stride + kv0 * head_dim;
+                    const int64_t first = (blocks[b] * block_stride + kv0 * head_dim) * elem_size;
+                    const float *kb, *vb;
+                    int64_t rs; /* between consecutive tokens' rows of kb/vb */
+                    if (fp8) {
+                        const uint8_t *kq = (const uint8_t *)k_cache + first, *vq = (const uint8_t *)v_cache + first;
+                        const int64_t width = kv_per_item * head_dim;
+                        for (int64_t t = 0; t < n; ++t)
+                            for (int64_t d = 0; d < width; ++d) {
+                                kbuf[t * width + d] = fp8_to_float(kq[t * row_stride + d], format);
+                                vbuf[t * width + d] = fp8_to_float(vq[t * row_stride + d], format);
+                            }
+                        kb = kbuf;
+                        vb = vbuf;
+                        rs = width;
+                    } else {
+                        kb = (const float *)((const char *)k_cache + first);
+                        vb = (const float *)((const char *)v_cache + first);
+                        rs = row_stride;
+                    }
                     if (b + 1 < num_blocks) {
                         /* blocks lie anywhere in the pool: ask for the next one while this one is scored */
-                        const char *nk = (const char *)(k_cache + blocks[b + 1] * block_stride);
-                        const char *nv = (const char *)(v_cache + blocks[b + 1] * block_stride);
-                        for (int64_t off = 0; off < block_stride * (int64_t)sizeof(float); off += 64) {
+                        const char *nk = (const char *)k_cache + blocks[b + 1] * block_stride * elem_size;
+                        const char *nv = (const char *)v_cache + blocks[b + 1] * block_stride * elem_size;
+                        for (int64_t off = 0; off < block_stride * elem_size; off += 64) {
                             __builtin_prefetch(nk + off);
                             __builtin_prefetch(nv + off);
                         }
                     }
                     /* scores[h][t] = scale * <q_h, k_t> for the item's query heads */
                     for (int64_t t = 0; t < n; ++t) {
-                        const float *kr = kb + t * row_stride;
+                        const float *kr = kb + t * rs;
                         for (int64_t h = 0; h < nh; ++h) {
                             const float *qh = qr + h * head_dim, *kh = kr + (h / group) * head_dim;
                             float dot = 0.f;
@@ -113,7 +153,7 @@ int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const 
                     }
                     /* acc[h] += sum_t p[h][t] * v_t */
                     for (int64_t t = 0; t < n; ++t) {
-                        const float *vr = vb + t * row_stride;
+                        const float *vr = vb + t * rs;
                         for (int64_t h = 0; h < nh; ++h) {
                             const float p = scores[h * block_size + t];
                             const float *vh = vr + (h / group) * head_dim;
@@ -131,6 +171,34 @@ int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const 
         }
         free(scores);
         free(acc);
+        free(kbuf);
+        free(vbuf);
     }
     return status;
 }
+
+int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                                    const int64_t *block_table, int64_t block_table_stride,
+                                    const int64_t *seq_lens, float *out, int64_t num_reqs,
+                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    int64_t block_size, float scale, int num_threads) {
+    return paged_decode_attention(q, k_cache, v_cache, CACHE_F32, block_table, block_table_stride, seq_lens, out,
+                                  num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+}
+
+/* e5m2: 0 for e4m3 (torch.float8_e4m3fn), 1 for e5m2 (torch.float8_e5m2). */
+int llmc_paged_decode_attention_fp8(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, int e5m2,
+                                    const int64_t *block_table, int64_t block_table_stride,
+                                    const int64_t *seq_lens, float *out, int64_t num_reqs,
+                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    int64_t block_size, float scale, int num_threads) {
+    if (e5m2)
+        return paged_decode_attention(q, k_cache, v_cache, CACHE_FP8_E5M2, block_table, block_table_stride,
+                                      seq_lens, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
+                                      scale, num_threads);
+    return paged_decode_attention(q, k_cache, v_cache, CACHE_FP8_E4M3, block_table, block_table_stride, seq_lens,
+                                  out, num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+}
+
+/* For tests: the value of one fp8 byte, as the kernel reads it. */
+float llmc_fp8_to_float(uint8_t byte, int e5m2) { return fp8_to_float(byte, e5m2 ? CACHE_FP8_E5M2 : CACHE_FP8_E4M3); }

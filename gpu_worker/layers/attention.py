@@ -1,6 +1,7 @@
 """Attention over the paged KV cache.
 
-Cache layout per layer: K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]. The new
+Cache layout per layer: K and V of shape [num_blocks, block_size, num_kv_heads, head_dim], in the
+model's dtype or the one ``--kv-cache-dtype`` chose (fp8: converted on write, widened on read). The new
 K/V of the whole batch are written through ``slot_mapping`` before any request attends, because the
 scheduler can hand request B prefix-cache blocks that request A fills in this very step.
 """
@@ -13,15 +14,20 @@ from torch import nn
 
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.cpu_kernels import paged_decode_attention_unchecked
+from gpu_worker.kv_cache import FP8_DTYPES, read_kv, store_kv
 
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., num_kv_heads, seq_len, head_dim] (a copy of those blocks)."""
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., num_kv_heads, seq_len, head_dim] in ``dtype`` (a copy of
+    those blocks; an fp8 cache is gathered as bytes, then widened)."""
     _, block_size, num_kv_heads, head_dim = cache.shape
     lead = block_ids.shape[:-1]
-    kv = cache.index_select(0, block_ids.reshape(-1))
+    if cache.dtype in FP8_DTYPES:
+        kv = cache.view(torch.uint8).index_select(0, block_ids.reshape(-1)).view(cache.dtype)
+    else:
+        kv = cache.index_select(0, block_ids.reshape(-1))
     kv = kv.view(*lead, block_ids.shape[-1] * block_size, num_kv_heads, head_dim)[..., :seq_len, :, :]
-    return kv.transpose(-3, -2)
+    return read_kv(kv, dtype).transpose(-3, -2)
 
 
 class PagedAttention(nn.Module):
@@ -41,8 +47,8 @@ class PagedAttention(nn.Module):
             raise RuntimeError("KV cache is not bound: call initialize_cache() first")
         k_cache, v_cache = self.kv_cache
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        store_kv(k_cache, meta.slot_mapping, k)
+        store_kv(v_cache, meta.slot_mapping, v)
 
         num_tokens = q.shape[0]
         nd = meta.num_decodes
@@ -53,8 +59,8 @@ class PagedAttention(nn.Module):
                 decode_out = paged_decode_attention_unchecked(q[:nd], k_cache, v_cache, meta.decode_block_table,
                                                               meta.decode_seq_lens, self.scale)
             else:
-                kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len)
-                vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len)
+                kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
+                vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
                 # One query token per request: the query heads sharing a KV head become that head's
                 # "query rows", so grouped-query attention needs no K/V repetition.
                 qd = q[:nd].view(nd, num_kv_heads, self.num_groups, head_dim)
@@ -68,8 +74,8 @@ class PagedAttention(nn.Module):
         gqa = self.num_groups > 1
         for span in meta.prefills:
             s, e = span.token_start, span.token_end
-            kp = _gather_kv(k_cache, span.block_ids, span.seq_len).unsqueeze(0)
-            vp = _gather_kv(v_cache, span.block_ids, span.seq_len).unsqueeze(0)
+            kp = _gather_kv(k_cache, span.block_ids, span.seq_len, q.dtype).unsqueeze(0)
+            vp = _gather_kv(v_cache, span.block_ids, span.seq_len, q.dtype).unsqueeze(0)
             qp = q[s:e].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None,
                                                 scale=self.scale, enable_gqa=gqa)

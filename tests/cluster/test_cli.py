@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 
 from cluster.app import router_deployment
 from cluster.cli import build_parser, cluster_config_from_args, main
+from cluster.config import EngineSpec
+from engine_core.config import KV_CACHE_DTYPE_NAMES, EngineConfig
 
 
 def _config(*flags: str):
@@ -54,6 +58,7 @@ def test_the_access_log_is_on_unless_disabled():
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], {}, "the name 'a' is given twice"),
     (["--enable-lora", "--lora-modules", "a={missing}"], {}, "no adapter_config.json"),
     (["--enable-lora", "--max-loras", "0"], {}, "--max-loras: Input should be greater than or equal to 1"),
+    (["--engine-config", "{file}"], {"file": "- {kv_cache_dtype: int8}\n"}, "kv_cache_dtype"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -135,3 +140,16 @@ def test_lora_flags_reach_every_engine_and_the_router(monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # vLLM's switch for the load endpoints
     updating = _config("--enable-lora")
     assert router_deployment(updating)._bound_deployment.init_args[0].allow_runtime_lora_updating is True
+
+
+def test_the_kv_cache_dtype_reaches_every_engine_and_can_differ_per_engine(tmp_path):
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {kv_cache_dtype: auto}\n")
+    engines = _config("--num-engines", "2", "--kv-cache-dtype", "fp8", "--engine-config", str(overrides)
+                      ).engine_configs()
+    assert [e.kv_cache_dtype for e in engines] == ["fp8", "auto"]
+    assert _config().engine_configs()[0].kv_cache_dtype == "auto"
+    # The Serve config's field takes exactly the names the engines (and vLLM's flag) take.
+    assert get_args(get_args(EngineSpec.model_fields["kv_cache_dtype"].annotation)[0]) == KV_CACHE_DTYPE_NAMES
+    with pytest.raises(ValueError, match="engine 0: kv_cache_dtype must be one of auto, bfloat16, fp8"):
+        EngineConfig(kv_cache_dtype="int8")

@@ -157,6 +157,21 @@ def test_chat_takes_vllms_template_options(tiny_model_dir):
     assert closed.prompt.endswith("<|im_start|>assistant\nHello, I am<|im_end|>\n")
 
 
+def test_an_fp8_kv_cache_holds_four_times_the_blocks_of_fp32_and_serves(tiny_model_dir):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    budget = 1 << 20
+    blocks = {}
+    for name in ("auto", "fp8"):
+        llm = LLM(model=str(tiny_model_dir), kv_cache_memory_bytes=budget, kv_cache_dtype=name, max_model_len=256)
+        try:
+            outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+            assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
+            blocks[name] = llm._engine.scheduler.cache_config.num_blocks
+        finally:
+            llm.shutdown()
+    assert blocks["fp8"] == 4 * blocks["auto"]
+
+
 def test_bad_scheduler_flag_names_the_flag_and_engine(tiny_model_dir):
     with pytest.raises(ValueError, match="engine 1: max_num_seqs"):
         LLM(model=str(tiny_model_dir), num_engines=2, engine_overrides=[{}, {"max_num_seqs": 0}])
