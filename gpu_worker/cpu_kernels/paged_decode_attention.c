@@ -28,10 +28,10 @@
 
 enum { CACHE_F32 = 0, CACHE_FP8_E4M3 = 1, CACHE_FP8_E5M2 = 2 };
 
-/* One fp8 byte as float, with integer ops only (so a row of them vectorizes): the exponent and
- * mantissa bits move into float's fields and the exponent is rebiased; subnormals (exponent 0) are
- * mantissa * 2^(1 - bias - mantissa bits). The writer saturates, so no byte holds inf or NaN. */
-static inline float fp8_to_float(uint8_t byte, int format) {
+/* One finite fp8 byte as float, with integer ops only (so a row of them vectorizes): the exponent
+ * and mantissa bits move into float's fields and the exponent is rebiased; subnormals (exponent 0)
+ * are mantissa * 2^(1 - bias - mantissa bits). */
+static inline float fp8_finite_to_float(uint8_t byte, int format) {
     const uint32_t magnitude = byte & 0x7Fu, sign = (uint32_t)(byte & 0x80u) << 24;
     const int e4m3 = format == CACHE_FP8_E4M3;
     const uint32_t mantissa_bits = e4m3 ? 3u : 2u;
@@ -40,6 +40,19 @@ static inline float fp8_to_float(uint8_t byte, int format) {
     const float subnormal = (float)(magnitude & ((1u << mantissa_bits) - 1u)) * (e4m3 ? 0x1p-9f : 0x1p-16f);
     union { float f; uint32_t u; } value = {.f = (magnitude >> mantissa_bits) == 0 ? subnormal : normal.f};
     value.u |= sign;
+    return value.f;
+}
+
+/* The bytes fp8_finite_to_float does not read: e4m3fn's NaN (magnitude 0x7F), e5m2's inf and NaN
+ * (exponent 31). The writer saturates finite values, so only an inf or NaN activation writes them. */
+static inline int fp8_is_special(uint8_t byte, int format) {
+    return format == CACHE_FP8_E4M3 ? (byte & 0x7Fu) == 0x7Fu : (byte & 0x7Cu) == 0x7Cu;
+}
+
+static inline float fp8_to_float(uint8_t byte, int format) {
+    if (!fp8_is_special(byte, format)) return fp8_finite_to_float(byte, format);
+    union { uint32_t u; float f; } value = {.u = (uint32_t)(byte & 0x80u) << 24};
+    value.u |= format == CACHE_FP8_E5M2 && (byte & 0x3u) == 0 ? 0x7F800000u : 0x7FC00000u; /* inf, or NaN */
     return value.f;
 }
 
@@ -101,11 +114,20 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                     if (fp8) {
                         const uint8_t *kq = (const uint8_t *)k_cache + first, *vq = (const uint8_t *)v_cache + first;
                         const int64_t width = kv_per_item * head_dim;
+                        int special = 0;
                         for (int64_t t = 0; t < n; ++t)
                             for (int64_t d = 0; d < width; ++d) {
-                                kbuf[t * width + d] = fp8_to_float(kq[t * row_stride + d], format);
-                                vbuf[t * width + d] = fp8_to_float(vq[t * row_stride + d], format);
+                                const uint8_t kbyte = kq[t * row_stride + d], vbyte = vq[t * row_stride + d];
+                                kbuf[t * width + d] = fp8_finite_to_float(kbyte, format);
+                                vbuf[t * width + d] = fp8_finite_to_float(vbyte, format);
+                                special |= fp8_is_special(kbyte, format) | fp8_is_special(vbyte, format);
                             }
+                        if (special) /* an inf or NaN was stored: read it as such (off the vectorized path) */
+                            for (int64_t t = 0; t < n; ++t)
+                                for (int64_t d = 0; d < width; ++d) {
+                                    kbuf[t * width + d] = fp8_to_float(kq[t * row_stride + d], format);
+                                    vbuf[t * width + d] = fp8_to_float(vq[t * row_stride + d], format);
+                                }
                         kb = kbuf;
                         vb = vbuf;
                         rs = width;

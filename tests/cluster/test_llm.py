@@ -158,6 +158,8 @@ def test_chat_takes_vllms_template_options(tiny_model_dir):
 
 
 def test_an_fp8_kv_cache_holds_four_times_the_blocks_of_fp32_and_serves(tiny_model_dir):
+    """The flag's way through LLM, the engine config and the executor to the worker (what an fp8
+    cache answers is tested against a reference in tests/gpu_worker/test_kv_cache_dtype.py)."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     budget = 1 << 20
     blocks = {}

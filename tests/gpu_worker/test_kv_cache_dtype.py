@@ -55,27 +55,39 @@ def test_writes_convert_and_saturate_and_the_gather_widens(dtype):
 @pytest.mark.parametrize("dtype", FP8)
 def test_the_decode_kernel_reads_every_fp8_byte_as_torch_does(dtype):
     values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().tolist()
-    # The writer saturates, so the bytes for inf and NaN never reach the kernel.
     finite = [b for b in range(256) if math.isfinite(values[b])]
     assert len(finite) == (254 if dtype == torch.float8_e4m3fn else 248)
     assert [fp8_byte_value(b, dtype) for b in finite] == [values[b] for b in finite]
+    # inf and NaN (only an inf or NaN activation writes them: finite values saturate) stay so.
+    for b in set(range(256)) - set(finite):
+        got = fp8_byte_value(b, dtype)
+        assert (math.isnan(got) and math.isnan(values[b])) or got == values[b], (b, got, values[b])
 
 
 @needs_kernels
+@pytest.mark.parametrize("num_reqs", [4, 1], ids=["per-request", "per-kv-head"])
 @pytest.mark.parametrize("dtype", FP8)
-def test_the_decode_kernel_on_an_fp8_cache_equals_sdpa_on_the_widened_cache(dtype):
+def test_the_decode_kernel_on_an_fp8_cache_equals_sdpa_on_the_widened_cache(dtype, num_reqs):
+    """With fewer requests than threads the kernel splits each request by KV head (its other layout
+    of the fp8 rows it widens): both layouts, against SDPA on the widened cache."""
     torch.manual_seed(1)
     num_blocks, block_size, num_kv_heads, head_dim, num_heads = 24, 4, 2, 16, 6
+    group = num_heads // num_kv_heads
     k = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 3).to(dtype)
     v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
-    q = torch.randn(4, num_heads, head_dim)
-    table = torch.stack([torch.randperm(num_blocks)[:6] for _ in range(4)])
-    seq_lens = torch.tensor([1, 7, 16, 23])
-    out = paged_decode_attention(q, k, v, table, seq_lens, 0.25)
-    for r in range(4):
+    q = torch.randn(num_reqs, num_heads, head_dim)
+    table = torch.stack([torch.randperm(num_blocks)[:6] for _ in range(num_reqs)])
+    seq_lens = torch.tensor([23, 1, 7, 16][:num_reqs])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # more threads than requests when num_reqs is 1
+    try:
+        out = paged_decode_attention(q, k, v, table, seq_lens, 0.25)
+    finally:
+        torch.set_num_threads(threads)
+    for r in range(num_reqs):
         n = int(seq_lens[r])
-        kr = k[table[r]].float().reshape(-1, num_kv_heads, head_dim)[:n].repeat_interleave(3, dim=1)
-        vr = v[table[r]].float().reshape(-1, num_kv_heads, head_dim)[:n].repeat_interleave(3, dim=1)
+        kr = k[table[r]].float().reshape(-1, num_kv_heads, head_dim)[:n].repeat_interleave(group, dim=1)
+        vr = v[table[r]].float().reshape(-1, num_kv_heads, head_dim)[:n].repeat_interleave(group, dim=1)
         ref = F.scaled_dot_product_attention(q[r].unsqueeze(1), kr.transpose(0, 1), vr.transpose(0, 1), scale=0.25)
         torch.testing.assert_close(out[r], ref.squeeze(1), rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError, match="float32 or fp8"):
