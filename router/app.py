@@ -28,6 +28,7 @@ from router.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from router.responses import ResponsesRequest, ResponsesServing
 from router.serving import APIError, OpenAIServing, stream_error_event
 
 SESSION_HEADER = "x-session-id"
@@ -144,6 +145,18 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return respond(await serving.chat(body, request.headers.get(SESSION_HEADER)))
+
+    responses = ResponsesServing(serving)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        result = await responses.create(body, request.headers.get(SESSION_HEADER))
+        return EventStreamResponse(result) if hasattr(result, "__aiter__") else JSONResponse(result)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        raise APIError(404, f"Response {response_id!r} not found: this server does not store responses "
+                       "(as vLLM by default)", "NotFoundError", "response_id")
 
     def model_card(lora: LoRARequest | None = None) -> ModelCard:
         base = serving.settings.served_model_name

@@ -115,6 +115,8 @@ class _Choice:
     prompt_logprobs: LogprobsEntry | None = None
     # Chat with a reasoning parser or tools: splits the choice's text into reasoning, content, calls.
     output_parser: ChatOutputParser | None = None
+    # Prompt tokens the engine found in its prefix cache (the Responses API reports them).
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -128,6 +130,17 @@ class _Delta:
     finish_reason: str | None
     stop_reason: int | str | None
     num_tokens: int  # the choice's tokens so far
+
+
+@dataclass
+class ChatRun:
+    """A chat request sent to its engine: its choices fill in as the outputs are read."""
+
+    request_id: str
+    created: int
+    prompt_ids: list[int]
+    choices: list[_Choice]
+    streams: list[RequestStream]
 
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
@@ -448,6 +461,8 @@ class OpenAIServing:
     def _apply_output(self, choice: _Choice, output: EngineCoreOutput) -> tuple[str, list]:
         if output.new_prompt_logprobs is not None and choice.prompt_logprobs is None:
             choice.prompt_logprobs = output.new_prompt_logprobs  # (a preempted request never sends them twice)
+        if output.num_cached_tokens > choice.num_cached_tokens:
+            choice.num_cached_tokens = output.num_cached_tokens
         new_lp = []
         if output.new_logprobs is not None:
             new_lp = _logprob_rows(output.new_token_ids, output.new_logprobs)
@@ -601,30 +616,9 @@ class OpenAIServing:
     # -- /v1/chat/completions -----------------------------------------------------------------------
 
     async def chat(self, request: ChatCompletionRequest, session_id: str | None = None):
-        lora = await self.resolve_model(request.model)
-        _no_stream_prompt_logprobs(request)
-        tool_choice = request.tool_choice_form()
-        if tool_choice == "auto" and self.settings.tool_call_parser is None:
-            raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
-                              "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
-                              '"required" or "none"', "tool_choice")
-        ids = self.truncate_prompt(self.render_chat(request), request)
-        engine = self.choose_engine(ids, session_id, lora=lora)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        top = (request.top_logprobs or 0) if request.logprobs else None
-        # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
-        choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
-        thinks = self.settings.reasoning_parser is not None and not self._prompt_closed_thinking(ids)
-        for c in choices:
-            c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
-        # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
-        after = [self._think_end_id] if thinks and self._thinks_before_constraint() else None
-        jobs = [(engine, f"{request_id}-{c.index}", ids,
-                 self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
-                                      prompt_logprobs=request.prompt_logprobs, structured_output_after=after), c)
-                for c in choices]
-        streams = await self._open_all(jobs, request, lora)
+        run = await self.start_chat(request, session_id)
+        request_id, created, ids, choices, streams = run.request_id, run.created, run.prompt_ids, run.choices, \
+            run.streams
         if request.stream:
             return SSEStream(self._stream_chat(request, request_id, created, choices, len(ids), streams), streams)
         await self._generate(streams, choices, None)
@@ -643,6 +637,45 @@ class OpenAIServing:
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name(request.model),
                                       choices=out, usage=_usage(len(ids), choices),
                                       prompt_logprobs=self._prompt_logprobs(request, ids, choices[0].prompt_logprobs))
+
+    async def start_chat(self, request: ChatCompletionRequest, session_id: str | None = None,
+                         id_prefix: str = "chatcmpl") -> ChatRun:
+        """Render, route and send a chat request's choices to their engine; what comes back is read
+        with ``finish_chat`` (whole) or ``choice_events`` (streamed). Also the Responses API's way in."""
+        lora = await self.resolve_model(request.model)
+        _no_stream_prompt_logprobs(request)
+        tool_choice = request.tool_choice_form()
+        if tool_choice == "auto" and self.settings.tool_call_parser is None:
+            raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
+                              "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
+                              '"required" or "none"', "tool_choice")
+        ids = self.truncate_prompt(self.render_chat(request), request)
+        engine = self.choose_engine(ids, session_id, lora=lora)
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        top = (request.top_logprobs or 0) if request.logprobs else None
+        # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
+        choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
+        thinks = self.settings.reasoning_parser is not None and not self._prompt_closed_thinking(ids)
+        for c in choices:
+            c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
+        # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
+        after = [self._think_end_id] if thinks and self._thinks_before_constraint() else None
+        jobs = [(engine, f"{request_id}-{c.index}", ids,
+                 self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
+                                      prompt_logprobs=request.prompt_logprobs, structured_output_after=after), c)
+                for c in choices]
+        streams = await self._open_all(jobs, request, lora)
+        return ChatRun(request_id, created, ids, choices, streams)
+
+    async def finish_chat(self, run: ChatRun) -> None:
+        """Every choice of a started chat, to its end."""
+        await self._generate(run.streams, run.choices, None)
+
+    def choice_events(self, run: ChatRun) -> AsyncIterator[_Delta]:
+        """A started chat's outputs as they come (its choices' in arrival order); a timeout or an
+        engine error raises _StreamError."""
+        return self._choice_events(run.streams, run.choices)
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, created: int,
                            choices: list[_Choice], num_prompt_tokens: int,

@@ -77,6 +77,29 @@ def test_chat_plain_and_streamed(client, cluster):
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
+def test_responses_api_plain_and_streamed_equal_chat(client):
+    """POST /v1/responses on real engines: the same greedy answer as chat completions, whole and as
+    the Responses event stream (through the openai client's stream helper)."""
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."},
+                                                                  {"role": "user", "content": "Hello"}],
+                                          max_tokens=8, temperature=0)
+    response = client.responses.create(model="tiny", instructions="Be brief.", input="Hello", max_output_tokens=8,
+                                       temperature=0)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    with client.responses.stream(model="tiny", instructions="Be brief.", input="Hello", max_output_tokens=8,
+                                 temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == response.output_text
+    # The same prompt three more times over two engines: at least one finds its first block cached.
+    assert response.usage.input_tokens > 16
+    again = [client.responses.create(model="tiny", instructions="Be brief.", input="Hello", max_output_tokens=1)
+             for _ in range(3)]
+    assert max(r.usage.input_tokens_details.cached_tokens for r in again) >= 16
+
+
 def test_completions_n2_and_echo(client):
     out = client.completions.create(model="tiny", prompt="Paris is", max_tokens=6, n=2, temperature=1.0, seed=3,
                                     extra_body={"ignore_eos": True})

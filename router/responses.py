@@ -1,0 +1,411 @@
+"""OpenAI's Responses API (``POST /v1/responses``) on top of the chat pipeline.
+
+A request's ``instructions`` and ``input`` items (messages, earlier function calls and their
+outputs) become chat messages; ``tools``, ``tool_choice``, ``text.format``, ``max_output_tokens``
+and the sampling fields become the chat request's; the answer goes through the same engines,
+chat template, tool-call and reasoning parsers as ``/v1/chat/completions``. Its reasoning, text
+and function calls come back as the response's output items: whole, or streamed as the Responses
+event sequence (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``).
+
+Stateless, as vLLM is by default (its response store is off unless VLLM_ENABLE_RESPONSES_API_STORE
+is set): responses are not kept, so ``store`` answers false, ``previous_response_id`` is refused and
+a client carries its conversation in ``input`` (as the openai Agents SDK does by default).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from router.parsed_output import ParsedDelta
+from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, invalid
+from router.serving import APIError, SSEStream, _StreamError, bad_request
+
+if TYPE_CHECKING:
+    from router.serving import ChatRun, OpenAIServing
+
+# Responses fields whose chat counterpart has another name: a chat validation error names the
+# Responses parameter.
+_CHAT_TO_RESPONSES_PARAM = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                            "response_format": "text", "chat_template_kwargs": "reasoning"}
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+
+
+class ResponsesRequest(BaseModel):
+    """The request body of ``POST /v1/responses``: OpenAI's fields, plus vLLM's sampling extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            _warn_ignored(cls.__name__, [k for k in data if k not in fields])
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        return data
+
+    model: str = Field(..., description="Served model name (see GET /v1/models).")
+    input: str | list[dict[str, Any]] = Field(..., description="Text, or a list of input items.")
+    instructions: str | None = Field(None, description="A system message put before the input.")
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = Field(True, description="Accepted; responses are never stored (the response says store: false).")
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    text: dict[str, Any] | None = Field(None, description='{"format": {"type": "text" | "json_object" | '
+                                                          '"json_schema", "name", "schema", "strict"}}')
+    tools: list[dict[str, Any]] | None = Field(None, description="Function tools.")
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    reasoning: dict[str, Any] | None = Field(None, description='{"effort": ...}: passed to the chat template '
+                                                               "as reasoning_effort.")
+    truncation: Literal["disabled", "auto"] = "disabled"
+    background: bool = False
+    # vLLM's sampling extras.
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+
+    @model_validator(mode="after")
+    def _supported(self) -> ResponsesRequest:
+        if self.previous_response_id is not None:
+            raise invalid("previous_response_id", "previous_response_id needs stored responses, and this server "
+                          "does not store them (as vLLM by default): send the conversation in input")
+        if self.background:
+            raise invalid("background", "background responses are not supported")
+        if self.truncation == "auto":
+            raise invalid("truncation", 'truncation "auto" is not supported: a prompt beyond the context '
+                          "length is refused")
+        if isinstance(self.input, list) and not self.input:
+            raise invalid("input", "input must not be empty")
+        return self
+
+    # -- to a chat request ---------------------------------------------------------------------------
+
+    def chat_request(self) -> ChatCompletionRequest:
+        body: dict[str, Any] = {
+            "model": self.model, "messages": self._messages(), "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "seed": self.seed, "stop": self.stop, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+            "priority": self.priority, "user": self.user, "parallel_tool_calls": self.parallel_tool_calls,
+            "response_format": self._response_format(), "stream": self.stream,
+        }
+        if self.tools:
+            body["tools"] = [self._tool(i, tool) for i, tool in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = self._tool_choice()
+        if self.reasoning and self.reasoning.get("effort") is not None:
+            body["chat_template_kwargs"] = {"reasoning_effort": self.reasoning["effort"]}
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            if first.get("type") == "invalid_param":
+                param = first["ctx"]["param"]
+                raise _bad(_CHAT_TO_RESPONSES_PARAM.get(param, param), first["msg"]) from None
+            loc = [str(x) for x in first.get("loc", ())]
+            param = _CHAT_TO_RESPONSES_PARAM.get(loc[0], loc[0]) if loc else "input"
+            raise _bad(param, f"{'.'.join([param, *loc[1:]])}: {first.get('msg', 'invalid value')}") from None
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        for i, item in enumerate(items):
+            kind = item.get("type", "message")
+            where = f"input[{i}]"
+            if kind == "message":
+                role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+                if role is None:
+                    raise _bad("input", f"{where}.role must be one of user, assistant, system, developer")
+                messages.append({"role": role, "content": _text(item.get("content"), where)})
+            elif kind == "function_call":
+                call = {"id": _required(item, "call_id", where), "type": "function",
+                        "function": {"name": _required(item, "name", where),
+                                     "arguments": item.get("arguments") or "{}"}}
+                last = messages[-1] if messages else None
+                # Calls right after an assistant message (or after other calls) belong to that turn.
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = item.get("output")
+                messages.append({"role": "tool", "tool_call_id": _required(item, "call_id", where),
+                                 "content": output if isinstance(output, str) else _text(output, where)})
+            elif kind == "reasoning":
+                continue  # earlier turns' thinking is not shown to the model again (chat templates drop it too)
+            else:
+                raise _bad("input", f"{where}: input items of type {kind!r} are not supported (message, "
+                              "function_call, function_call_output, reasoning)")
+        return messages
+
+    def _tool(self, i: int, tool: dict[str, Any]) -> dict[str, Any]:
+        if tool.get("type") != "function":
+            raise _bad("tools", f"tools[{i}]: tools of type {tool.get('type')!r} are not supported (function)")
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        return {"type": "function", "function": function}
+
+    def _tool_choice(self) -> str | dict[str, Any]:
+        choice = self.tool_choice
+        if isinstance(choice, str):
+            return choice
+        if choice.get("type") == "function" and isinstance(choice.get("name"), str):  # type: ignore[union-attr]
+            return {"type": "function", "function": {"name": choice["name"]}}  # type: ignore[index]
+        raise _bad("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                      '{"type": "function", "name": ...}')
+
+    def _response_format(self) -> dict[str, Any] | None:
+        fmt = (self.text or {}).get("format")
+        if fmt is None or fmt.get("type", "text") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return {"type": "json_object"}
+        if fmt.get("type") == "json_schema":
+            keys = ("name", "schema", "strict", "description")
+            return {"type": "json_schema", "json_schema": {k: fmt[k] for k in keys if k in fmt}}
+        raise _bad("text", f"text.format type {fmt.get('type')!r} is not supported (text, json_object, "
+                      "json_schema)")
+
+    def echo_fields(self) -> dict[str, Any]:
+        """The request's settings as a response repeats them."""
+        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls,
+                "previous_response_id": None, "reasoning": self.reasoning, "store": False,
+                "temperature": self.temperature, "text": self.text or {"format": {"type": "text"}},
+                "tool_choice": self.tool_choice or ("auto" if self.tools else "none"),
+                "tools": self.tools or [], "top_p": self.top_p, "truncation": self.truncation, "user": self.user,
+                "background": False}
+
+
+def _bad(param: str, message: str) -> APIError:
+    return bad_request(message, param)
+
+
+def _required(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise _bad("input", f"{where}.{key} is required")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or text parts (input_text, output_text, refusal)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad("input", f"{where}.content must be a string or a list of content parts")
+    texts = []
+    for part in content:
+        key = _TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+        if key is None or not isinstance(part.get(key), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _bad("input", f"{where}: content parts of type {kind!r} are not supported (text only: "
+                          "input_text, output_text, refusal)")
+        texts.append(part[key])
+    return "\n".join(texts)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class _OpenItem:
+    """One output item while the answer is produced: reasoning, the message, or one function call."""
+
+    index: int
+    item: dict[str, Any]
+    text: str = ""
+
+
+@dataclass
+class OutputItems:
+    """Builds the response's output items from the parsed answer, in the order they start, and the
+    stream events that announce them (``emit`` receives each event's type and fields)."""
+
+    emit: Callable[..., None]
+    items: list[_OpenItem] = field(default_factory=list)
+    reasoning: _OpenItem | None = None
+    message: _OpenItem | None = None
+    calls: dict[int, _OpenItem] = field(default_factory=dict)  # by the parser's call index
+
+    def _open(self, item: dict[str, Any]) -> _OpenItem:
+        opened = _OpenItem(len(self.items), item)
+        self.items.append(opened)
+        self.emit("response.output_item.added", output_index=opened.index, item=dict(item))
+        return opened
+
+    def _open_message(self) -> _OpenItem:
+        message = self._open({"type": "message", "id": _item_id("msg"), "role": "assistant",
+                              "status": "in_progress", "content": []})
+        self.emit("response.content_part.added", item_id=message.item["id"], output_index=message.index,
+                  content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        return message
+
+    def open_empty_message(self) -> None:
+        self.message = self._open_message()
+
+    def add(self, parsed: ParsedDelta) -> None:
+        if parsed.reasoning:
+            if self.reasoning is None:
+                self.reasoning = self._open({"type": "reasoning", "id": _item_id("rs"), "summary": [],
+                                             "content": [], "status": "in_progress"})
+                self.emit("response.content_part.added", item_id=self.reasoning.item["id"],
+                          output_index=self.reasoning.index, content_index=0,
+                          part={"type": "reasoning_text", "text": ""})
+            self.reasoning.text += parsed.reasoning
+            self.emit("response.reasoning_text.delta", item_id=self.reasoning.item["id"],
+                      output_index=self.reasoning.index, content_index=0, delta=parsed.reasoning)
+        if parsed.content:
+            if self.message is None:
+                self.message = self._open_message()
+            self.message.text += parsed.content
+            self.emit("response.output_text.delta", item_id=self.message.item["id"], output_index=self.message.index,
+                      content_index=0, delta=parsed.content, logprobs=[])
+        for delta in parsed.tool_calls:
+            call = self.calls.get(delta["index"])
+            if call is None:
+                call = self.calls[delta["index"]] = self._open({
+                    "type": "function_call", "id": _item_id("fc"), "call_id": delta["id"],
+                    "name": delta["function"]["name"], "arguments": "", "status": "in_progress"})
+            arguments = delta["function"].get("arguments") or ""
+            if arguments:
+                call.text += arguments
+                self.emit("response.function_call_arguments.delta", item_id=call.item["id"],
+                          output_index=call.index, delta=arguments)
+
+    def finish(self, status: str) -> list[dict[str, Any]]:
+        """Close every item (their done events, in output order); returns the output items."""
+        out = []
+        for opened in self.items:
+            item, index = opened.item, opened.index
+            item["status"] = status
+            if item["type"] == "reasoning":
+                part = {"type": "reasoning_text", "text": opened.text}
+                item["content"] = [part]
+                self.emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                          text=opened.text)
+                self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                          part=part)
+            elif item["type"] == "message":
+                part = {"type": "output_text", "text": opened.text, "annotations": [], "logprobs": []}
+                item["content"] = [part]
+                self.emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                          text=opened.text, logprobs=[])
+                self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                          part=part)
+            else:
+                item["arguments"] = opened.text
+                self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                          name=item["name"], arguments=opened.text)
+            self.emit("response.output_item.done", output_index=index, item=item)
+            out.append(item)
+        return out
+
+
+class ResponsesServing:
+    """``POST /v1/responses`` through an OpenAIServing's chat path."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, request: ResponsesRequest, session_id: str | None = None) -> dict[str, Any] | Any:
+        chat = request.chat_request()
+        run = await self.serving.start_chat(chat, session_id, id_prefix="resp")
+        response_id = run.request_id.replace("resp-", "resp_", 1)
+        base = {"id": response_id, "object": "response", "created_at": run.created,
+                "model": self.serving.model_name(request.model), "error": None, "incomplete_details": None,
+                "output": [], "usage": None, **request.echo_fields()}
+        if request.stream:
+            return SSEStream(self._stream(base, run), run.streams)
+        await self.serving.finish_chat(run)
+        choice = run.choices[0]
+        items = OutputItems(lambda *_, **__: None)
+        items.add(_parse_whole(choice))
+        return self._final(base, run, items)
+
+    def _final(self, base: dict[str, Any], run: ChatRun, items: OutputItems) -> dict[str, Any]:
+        choice = run.choices[0]
+        finish_reason = choice.output_parser.finish_reason(choice.finish_reason) if choice.output_parser \
+            else choice.finish_reason
+        incomplete = finish_reason == "length"
+        if not items.items:
+            items.open_empty_message()  # an answer with no text at all still has its (empty) message
+        output = items.finish("incomplete" if incomplete else "completed")
+        prompt, generated = len(run.prompt_ids), len(choice.token_ids)
+        # The thinking's share of the output, counted by re-encoding its text (the tags are not in it).
+        reasoning = sum(len(self.serving.tokenizer.encode(part["text"], add_special_tokens=False))
+                        for item in output if item["type"] == "reasoning" for part in item["content"])
+        return base | {
+            "status": "incomplete" if incomplete else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "completed_at": time.time(), "output": output,
+            "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
+                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning},
+                      "total_tokens": prompt + generated}}
+
+    async def _stream(self, base: dict[str, Any], run: ChatRun) -> AsyncIterator[str]:
+        sequence = 0
+        pending: list[str] = []
+
+        def emit(type_: str, **fields: Any) -> None:
+            nonlocal sequence
+            data = json.dumps({"type": type_, "sequence_number": sequence, **fields}, ensure_ascii=False)
+            sequence += 1
+            pending.append(f"event: {type_}\ndata: {data}\n\n")
+
+        started = base | {"status": "in_progress"}
+        emit("response.created", response=started)
+        emit("response.in_progress", response=started)
+        yield "".join(pending)
+        pending.clear()
+        items = OutputItems(emit)
+        choice = run.choices[0]
+        parser = choice.output_parser
+        try:
+            async for event in self.serving.choice_events(run):
+                parsed = parser.feed(event.text) if parser is not None else ParsedDelta(content=event.text)
+                if event.finish_reason is not None and parser is not None:
+                    parsed.extend(parser.finish())
+                items.add(parsed)
+                if pending:
+                    yield "".join(pending)
+                    pending.clear()
+        except _StreamError as e:
+            error = e.error
+            emit("error", code=error.type, message=error.message, param=error.param)
+            yield "".join(pending)
+            return
+        final = self._final(base, run, items)
+        emit("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+        yield "".join(pending)
+
+
+def _parse_whole(choice: Any) -> ParsedDelta:
+    """A finished choice's text, split as a stream would have been (reasoning, content, calls)."""
+    text = choice.detok.output_text
+    parser = choice.output_parser
+    if parser is None:
+        return ParsedDelta(content=text)
+    parsed = parser.feed(text)
+    parsed.extend(parser.finish())
+    return parsed

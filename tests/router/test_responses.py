@@ -1,0 +1,184 @@
+"""POST /v1/responses through the app and the official openai client (its responses.create and its
+stream helper), against a scripted engine: input items to the chat template, tools, text formats,
+reasoning, the output items, the event stream, and the refusals. (test_e2e runs it on real engines.)"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from engine_core.request import FinishReason
+
+from .test_tool_calling import _app
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+HERMES_ANSWER = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+def _client(http) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+def _prompt(serving, engine, i: int = 0) -> str:
+    return serving.tokenizer.decode(engine.requests[i].prompt_token_ids)
+
+
+
+
+def test_text_in_text_out_with_instructions():
+    http, engine, serving = _app("Paris is the capital.")
+    response = _client(http).responses.create(model="tiny", input="Capital of France?", instructions="Be brief.",
+                                              temperature=0)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.status == "completed" and response.error is None and response.store is False
+    assert response.output_text == "Paris is the capital."
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.status == "completed"
+    assert message.id.startswith("msg_") and message.content[0].type == "output_text"
+    # The instructions are the system message, before the input; the template's generation prompt follows.
+    # (The template's newlines go with trim_blocks, as HF renders chat templates.)
+    assert _prompt(serving, engine) == "system: Be brief.user: Capital of France?assistant:"
+    assert response.usage.input_tokens == len(engine.requests[0].prompt_token_ids)
+    assert response.usage.output_tokens == len(serving.tokenizer.encode("Paris is the capital.")) + 1  # and EOS
+    assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+    assert engine.requests[0].sampling_params.temperature == 0.0
+    assert response.instructions == "Be brief." and response.model == "tiny"
+
+
+def test_max_output_tokens_caps_the_answer_and_marks_it_incomplete():
+    http, engine, _ = _app("one two three four five six")
+    engine.finish = FinishReason.LENGTH  # what an engine reports when max_tokens ends the answer
+    response = _client(http).responses.create(model="tiny", input="count", max_output_tokens=3)
+    assert engine.requests[0].sampling_params.max_tokens == 3
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3 and response.output_text == "one"[:3]
+
+
+def test_the_stream_is_the_responses_event_sequence_and_adds_up_to_the_final_response():
+    http, _, _ = _app("Hello there, friend.")
+    with _client(http).responses.stream(model="tiny", input="Hi") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 3 and "".join(deltas) == "Hello there, friend."
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.status == "completed" and final.output_text == "Hello there, friend."
+    created = events[0].response
+    assert created.id == final.id and created.status == "in_progress"
+
+
+def test_function_tools_answer_with_function_call_items_whole_and_streamed():
+    http, engine, serving = _app(HERMES_ANSWER, parser="hermes")
+    client = _client(http)
+    response = client.responses.create(model="tiny", input="weather in Rome?", tools=[WEATHER_TOOL])
+    message, call = response.output
+    assert message.type == "message" and message.content[0].text == "Let me look."  # as chat's content
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {
+        "city": "Rome"}
+    assert call.call_id and call.id.startswith("fc_") and call.status == "completed"
+    # The template saw the tools, in chat form.
+    assert '"name": "get_weather"' in _prompt(serving, engine)
+    with client.responses.stream(model="tiny", input="weather in Rome?", tools=[WEATHER_TOOL]) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(arguments) == {"city": "Rome"} and done.arguments == arguments
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert final.output[1].arguments == arguments
+
+
+def test_a_conversation_with_calls_and_their_outputs_reaches_the_template():
+    http, engine, serving = _app("It is sunny in Rome.", parser="hermes")
+    response = _client(http).responses.create(model="tiny", tools=[WEATHER_TOOL], input=[
+        {"role": "developer", "content": "Answer in one line."},
+        {"role": "user", "content": [{"type": "input_text", "text": "weather in Rome?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 24 C"},
+    ])
+    assert response.output_text == "It is sunny in Rome."
+    prompt = _prompt(serving, engine)
+    assert prompt.endswith("system: Answer in one line.user: weather in Rome?assistant:  CALLS Rome"
+                           "tool: sunny, 24 Cassistant:")
+
+
+def test_text_format_json_schema_constrains_the_output():
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    http, engine, _ = _app('{"city": "Paris"}')
+    response = _client(http).responses.create(model="tiny", input="a city", text={"format": {
+        "type": "json_schema", "name": "city", "schema": schema, "strict": True}})
+    assert engine.requests[0].sampling_params.structured_output == {"json": schema}
+    assert json.loads(response.output_text) == {"city": "Paris"}
+    assert response.text.format.type == "json_schema"
+    _client(http).responses.create(model="tiny", input="json", text={"format": {"type": "json_object"}})
+    assert engine.requests[1].sampling_params.structured_output == {"json_object": True}
+
+
+def test_reasoning_comes_as_a_reasoning_item_before_the_message():
+    http, _, serving = _app("<think>Short question.</think>Paris.", reasoning="deepseek_r1", think_tokens=True)
+    client = _client(http)
+    response = client.responses.create(model="tiny", input="Capital of France?")
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Short question."
+    assert response.usage.output_tokens_details.reasoning_tokens == len(
+        serving.tokenizer.encode("Short question.", add_special_tokens=False))
+    assert message.content[0].text == "Paris." and response.output_text == "Paris."
+    with client.responses.stream(model="tiny", input="Capital of France?") as stream:
+        events = list(stream)
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == "Short question."
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+
+
+def test_an_engine_error_is_a_500_whole_and_an_error_event_streamed():
+    http, engine, _ = _app("partial answer")
+    engine.finish, engine.stop_reason = FinishReason.ERROR, "worker died"
+    r = http.post("/v1/responses", json={"model": "tiny", "input": "hi"})
+    assert r.status_code == 500 and "worker died" in r.json()["error"]["message"]
+    with http.stream("POST", "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "error"
+    assert "worker died" in events[-1]["message"]
+    assert not any(e["type"] == "response.completed" for e in events)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"text": {"format": {"type": "xml"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": 3}, "temperature"),
+])
+def test_what_is_not_supported_is_refused_naming_the_parameter(body, param):
+    http, engine, _ = _app("x")
+    r = http.post("/v1/responses", json={"model": "tiny", "input": "hi", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert not engine.requests
+
+
+def test_responses_are_not_stored():
+    http, _, _ = _app("x")
+    with pytest.raises(openai.NotFoundError, match="does not store responses"):
+        _client(http).responses.retrieve("resp_123")
