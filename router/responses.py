@@ -72,6 +72,9 @@ class ResponsesRequest(BaseModel):
                                                                "as reasoning_effort.")
     truncation: Literal["disabled", "auto"] = "disabled"
     background: bool = False
+    # Stateful fields: refused (a client relying on them would silently lose its history).
+    conversation: Any = None
+    prompt: Any = None
     # vLLM's sampling extras.
     top_k: int = Field(0, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -94,6 +97,13 @@ class ResponsesRequest(BaseModel):
                           "length is refused")
         if isinstance(self.input, list) and not self.input:
             raise invalid("input", "input must not be empty")
+        for name in ("conversation", "prompt"):
+            if getattr(self, name) is not None:
+                raise invalid(name, f"{name} needs state this server does not keep (stored conversations and "
+                              "prompts): send the conversation in input")
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and not isinstance(effort, str):
+            raise invalid("reasoning", "reasoning.effort must be a string (e.g. low, medium, high)")
         return self
 
     # -- to a chat request ---------------------------------------------------------------------------
@@ -130,10 +140,13 @@ class ResponsesRequest(BaseModel):
             messages.append({"role": "system", "content": self.instructions})
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
         for i, item in enumerate(items):
-            kind = item.get("type", "message")
             where = f"input[{i}]"
+            if not isinstance(item, dict):
+                raise _bad("input", f"{where} must be an object")
+            kind = item.get("type", "message")
             if kind == "message":
-                role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+                role = item.get("role")
+                role = _ROLES.get(role) if isinstance(role, str) else None
                 if role is None:
                     raise _bad("input", f"{where}.role must be one of user, assistant, system, developer")
                 messages.append({"role": role, "content": _text(item.get("content"), where)})
@@ -175,6 +188,9 @@ class ResponsesRequest(BaseModel):
 
     def _response_format(self) -> dict[str, Any] | None:
         fmt = (self.text or {}).get("format")
+        if fmt is not None and not isinstance(fmt, dict):
+            raise _bad("text", 'text.format must be an object, e.g. {"type": "json_schema", "name": ..., '
+                       '"schema": ...}')
         if fmt is None or fmt.get("type", "text") == "text":
             return None
         if fmt.get("type") == "json_object":
@@ -215,7 +231,8 @@ def _text(content: Any, where: str) -> str:
         raise _bad("input", f"{where}.content must be a string or a list of content parts")
     texts = []
     for part in content:
-        key = _TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None or not isinstance(part.get(key), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise _bad("input", f"{where}: content parts of type {kind!r} are not supported (text only: "
@@ -230,17 +247,20 @@ def _item_id(prefix: str) -> str:
 
 @dataclass
 class _OpenItem:
-    """One output item while the answer is produced: reasoning, the message, or one function call."""
+    """One output item while the answer is produced: reasoning, a message, or one function call."""
 
     index: int
     item: dict[str, Any]
     text: str = ""
+    closed: bool = False
 
 
 @dataclass
 class OutputItems:
-    """Builds the response's output items from the parsed answer, in the order they start, and the
-    stream events that announce them (``emit`` receives each event's type and fields)."""
+    """Builds the response's output items from the parsed answer, and the stream events that
+    announce them (``emit`` receives each event's type and fields). Items come in the order they
+    start, and each is closed (its done events) when the next begins, as OpenAI streams them:
+    reasoning, then the message, then the function calls; text after a call opens a new message."""
 
     emit: Callable[..., None]
     items: list[_OpenItem] = field(default_factory=list)
@@ -249,6 +269,8 @@ class OutputItems:
     calls: dict[int, _OpenItem] = field(default_factory=dict)  # by the parser's call index
 
     def _open(self, item: dict[str, Any]) -> _OpenItem:
+        for earlier in self.items:  # one item streams at a time
+            self._close(earlier, "completed")
         opened = _OpenItem(len(self.items), item)
         self.items.append(opened)
         self.emit("response.output_item.added", output_index=opened.index, item=dict(item))
@@ -266,7 +288,7 @@ class OutputItems:
 
     def add(self, parsed: ParsedDelta) -> None:
         if parsed.reasoning:
-            if self.reasoning is None:
+            if self.reasoning is None or self.reasoning.closed:
                 self.reasoning = self._open({"type": "reasoning", "id": _item_id("rs"), "summary": [],
                                              "content": [], "status": "in_progress"})
                 self.emit("response.content_part.added", item_id=self.reasoning.item["id"],
@@ -276,7 +298,7 @@ class OutputItems:
             self.emit("response.reasoning_text.delta", item_id=self.reasoning.item["id"],
                       output_index=self.reasoning.index, content_index=0, delta=parsed.reasoning)
         if parsed.content:
-            if self.message is None:
+            if self.message is None or self.message.closed:
                 self.message = self._open_message()
             self.message.text += parsed.content
             self.emit("response.output_text.delta", item_id=self.message.item["id"], output_index=self.message.index,
@@ -293,33 +315,42 @@ class OutputItems:
                 self.emit("response.function_call_arguments.delta", item_id=call.item["id"],
                           output_index=call.index, delta=arguments)
 
+    def _close(self, opened: _OpenItem, status: str) -> None:
+        if opened.closed:
+            return
+        opened.closed = True
+        item, index = opened.item, opened.index
+        item["status"] = status
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": opened.text}
+            item["content"] = [part]
+            self.emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                      text=opened.text)
+            self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                      part=part)
+        elif item["type"] == "message":
+            part = {"type": "output_text", "text": opened.text, "annotations": [], "logprobs": []}
+            item["content"] = [part]
+            self.emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                      text=opened.text, logprobs=[])
+            self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                      part=part)
+        else:
+            item["arguments"] = opened.text
+            self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                      name=item["name"], arguments=opened.text)
+        self.emit("response.output_item.done", output_index=index, item=item)
+
     def finish(self, status: str) -> list[dict[str, Any]]:
-        """Close every item (their done events, in output order); returns the output items."""
-        out = []
+        """Close what is still open (with the response's status); returns the output items."""
         for opened in self.items:
-            item, index = opened.item, opened.index
-            item["status"] = status
-            if item["type"] == "reasoning":
-                part = {"type": "reasoning_text", "text": opened.text}
-                item["content"] = [part]
-                self.emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
-                          text=opened.text)
-                self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                          part=part)
-            elif item["type"] == "message":
-                part = {"type": "output_text", "text": opened.text, "annotations": [], "logprobs": []}
-                item["content"] = [part]
-                self.emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                          text=opened.text, logprobs=[])
-                self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                          part=part)
-            else:
-                item["arguments"] = opened.text
-                self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                          name=item["name"], arguments=opened.text)
-            self.emit("response.output_item.done", output_index=index, item=item)
-            out.append(item)
-        return out
+            self._close(opened, status)
+        return [opened.item for opened in self.items]
+
+
+# Chat parameters named by errors raised past the request's validation (context length, template,
+# tool-call arguments), and the Responses parameters they come from.
+_CHAT_ERROR_PARAM = {**_CHAT_TO_RESPONSES_PARAM, "max_tokens": "max_output_tokens", "tool_choice": "tool_choice"}
 
 
 class ResponsesServing:
@@ -330,7 +361,13 @@ class ResponsesServing:
 
     async def create(self, request: ResponsesRequest, session_id: str | None = None) -> dict[str, Any] | Any:
         chat = request.chat_request()
-        run = await self.serving.start_chat(chat, session_id, id_prefix="resp")
+        try:
+            run = await self.serving.start_chat(chat, session_id, id_prefix="resp")
+        except APIError as e:
+            if e.param in _CHAT_ERROR_PARAM:
+                e.param = _CHAT_ERROR_PARAM[e.param]
+                e.message = e.message.replace("max_tokens", "max_output_tokens")
+            raise
         response_id = run.request_id.replace("resp-", "resp_", 1)
         base = {"id": response_id, "object": "response", "created_at": run.created,
                 "model": self.serving.model_name(request.model), "error": None, "incomplete_details": None,
@@ -347,19 +384,24 @@ class ResponsesServing:
         choice = run.choices[0]
         finish_reason = choice.output_parser.finish_reason(choice.finish_reason) if choice.output_parser \
             else choice.finish_reason
-        incomplete = finish_reason == "length"
-        if not items.items:
+        if finish_reason == "abort":  # the engine dropped the request (a restart, a reset): no full answer
+            status, error = "failed", {"code": "server_error", "message": "the engine aborted the request"}
+        else:
+            status, error = ("incomplete" if finish_reason == "length" else "completed"), None
+        if not items.items and status != "failed":
             items.open_empty_message()  # an answer with no text at all still has its (empty) message
-        output = items.finish("incomplete" if incomplete else "completed")
+        output = items.finish("completed" if status == "completed" else "incomplete")
         prompt, generated = len(run.prompt_ids), len(choice.token_ids)
         # The thinking's share of the output, counted by re-encoding its text (the tags are not in it).
         reasoning = sum(len(self.serving.tokenizer.encode(part["text"], add_special_tokens=False))
                         for item in output if item["type"] == "reasoning" for part in item["content"])
         return base | {
-            "status": "incomplete" if incomplete else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "completed_at": time.time(), "output": output,
-            "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
+            "status": status, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "completed_at": time.time() if status == "completed" else None, "output": output,
+            # cache_write_tokens: the engines do not report what they add to their prefix caches.
+            "usage": {"input_tokens": prompt,
+                      "input_tokens_details": {"cached_tokens": choice.num_cached_tokens, "cache_write_tokens": 0},
                       "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning},
                       "total_tokens": prompt + generated}}
 
@@ -391,12 +433,17 @@ class ResponsesServing:
                     yield "".join(pending)
                     pending.clear()
         except _StreamError as e:
+            # A timeout or an engine failure: OpenAI's error event, then the response as failed.
             error = e.error
-            emit("error", code=error.type, message=error.message, param=error.param)
+            output = items.finish("incomplete")  # what was produced so far, closed
+            emit("error", code="server_error", message=error.message, param=None)
+            emit("response.failed", response=base | {
+                "status": "failed", "output": output, "error": {"code": "server_error", "message": error.message}})
             yield "".join(pending)
             return
         final = self._final(base, run, items)
-        emit("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+        emit({"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+            final["status"], "response.failed"), response=final)
         yield "".join(pending)
 
 

@@ -8,8 +8,11 @@ import json
 
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from engine_core.request import FinishReason
+from router.responses import ResponsesRequest
 
 from .test_tool_calling import _app
 
@@ -55,7 +58,72 @@ def test_max_output_tokens_caps_the_answer_and_marks_it_incomplete():
     assert engine.requests[0].sampling_params.max_tokens == 3
     assert response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens"
-    assert response.usage.output_tokens == 3 and response.output_text == "one"[:3]
+    assert response.usage.output_tokens == 3 and response.output_text == "one"  # one byte-level token each
+
+
+def test_responses_and_events_validate_strictly_against_the_openai_types():
+    http, _, _ = _app("<think>Hmm.</think>" + HERMES_ANSWER, parser="hermes", reasoning="deepseek_r1",
+                      think_tokens=True)
+    body = {"model": "tiny", "input": "weather in Rome?", "tools": [WEATHER_TOOL]}
+    whole = Response.model_validate(http.post("/v1/responses", json=body).json())
+    assert [item.type for item in whole.output] == ["reasoning", "message", "function_call"]
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        events = [TypeAdapter(ResponseStreamEvent).validate_python(json.loads(line[6:]))
+                  for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1].type == "response.completed"
+    # One item streams at a time: each is done before the next is added, as OpenAI streams them.
+    lifecycle = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
+    assert lifecycle == [("response.output_item.added", 0), ("response.output_item.done", 0),
+                         ("response.output_item.added", 1), ("response.output_item.done", 1),
+                         ("response.output_item.added", 2), ("response.output_item.done", 2)]
+
+
+def test_a_stream_cut_by_max_output_tokens_ends_incomplete():
+    http, engine, _ = _app("one two three four five six")
+    engine.finish = FinishReason.LENGTH
+    with _client(http).responses.stream(model="tiny", input="count", max_output_tokens=3) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert events[-2].type == "response.output_item.done" and events[-2].item.status == "incomplete"
+
+
+def test_input_items_become_chat_turns():
+    """An assistant message and the calls after it are one turn; a call right after the user opens
+    a turn of its own; outputs (text or text parts) are tool messages; the effort reaches the template."""
+    chat = ResponsesRequest.model_validate({"model": "tiny", "reasoning": {"effort": "low"}, "input": [
+        {"role": "user", "content": "weather in Rome and Oslo?"},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Looking.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Rome"}',
+         "status": "completed"},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "rain"}]},
+        {"role": "user", "content": "and Paris?"},
+        {"type": "function_call", "call_id": "c3", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+    ]}).chat_request()
+    turns = [(m.role, m.content, [c["id"] for c in (m.model_extra or {}).get("tool_calls", [])],
+              (m.model_extra or {}).get("tool_call_id")) for m in chat.messages]
+    assert turns == [("user", "weather in Rome and Oslo?", [], None), ("assistant", "Looking.", ["c1", "c2"], None),
+                     ("tool", "sunny", [], "c1"), ("tool", "rain", [], "c2"), ("user", "and Paris?", [], None),
+                     ("assistant", None, ["c3"], None)]
+    assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
+
+
+def test_named_and_required_tool_choices_constrain_as_in_chat():
+    http, engine, _ = _app('{"city": "Rome"}')
+    client = _client(http)
+    named = client.responses.create(model="tiny", input="weather?", tools=[WEATHER_TOOL],
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    assert engine.requests[0].sampling_params.structured_output == {"json": WEATHER_TOOL["parameters"]}
+    [call] = named.output
+    assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Rome"}
+    http, engine, _ = _app('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    required = _client(http).responses.create(model="tiny", input="weather?", tools=[WEATHER_TOOL],
+                                              tool_choice="required")
+    assert engine.requests[0].sampling_params.structured_output is not None
+    assert [(c.name, json.loads(c.arguments)) for c in required.output] == [("get_weather", {"city": "Oslo"})]
 
 
 def test_the_stream_is_the_responses_event_sequence_and_adds_up_to_the_final_response():
@@ -140,6 +208,9 @@ def test_reasoning_comes_as_a_reasoning_item_before_the_message():
     assert thought == "Short question."
     added = [e.item.type for e in events if e.type == "response.output_item.added"]
     assert added == ["reasoning", "message"]
+    [done] = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert done.text == "Short question."
+    assert stream.get_final_response().output[0].content[0].text == "Short question."
 
 
 def test_an_engine_error_is_a_500_whole_and_an_error_event_streamed():
@@ -149,9 +220,19 @@ def test_an_engine_error_is_a_500_whole_and_an_error_event_streamed():
     assert r.status_code == 500 and "worker died" in r.json()["error"]["message"]
     with http.stream("POST", "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[0]["type"] == "response.created" and events[-1]["type"] == "error"
-    assert "worker died" in events[-1]["message"]
+    assert events[0]["type"] == "response.created" and [e["type"] for e in events[-2:]] == ["error",
+                                                                                           "response.failed"]
+    assert "worker died" in events[-2]["message"] and events[-2]["code"] == "server_error"
+    failed = Response.model_validate(events[-1]["response"])
+    assert failed.status == "failed" and failed.error.code == "server_error" and "worker died" in failed.error.message
     assert not any(e["type"] == "response.completed" for e in events)
+
+
+def test_an_answer_the_engine_aborted_is_failed_not_completed():
+    http, engine, _ = _app("partial answer")
+    engine.finish = FinishReason.ABORT
+    response = Response.model_validate(http.post("/v1/responses", json={"model": "tiny", "input": "hi"}).json())
+    assert response.status == "failed" and response.error.code == "server_error"
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -168,13 +249,23 @@ def test_an_engine_error_is_a_500_whole_and_an_error_event_streamed():
     ({"text": {"format": {"type": "xml"}}}, "text"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": 100000}, "max_output_tokens"),  # beyond the context length
     ({"temperature": 3}, "temperature"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"reasoning": {"effort": 5}}, "reasoning"),
+    ({"text": {"format": "json"}}, "text"),
+    ({"input": [{"role": ["user"], "content": "hi"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": ["input_text"], "text": "hi"}]}]}, "input"),
+    ({"input": ["hi"]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{not json"}]}, "input"),
 ])
 def test_what_is_not_supported_is_refused_naming_the_parameter(body, param):
     http, engine, _ = _app("x")
     r = http.post("/v1/responses", json={"model": "tiny", "input": "hi", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert "max_tokens" not in r.json()["error"]["message"]  # the Responses name, not chat's
     assert not engine.requests
 
 
