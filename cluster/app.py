@@ -23,6 +23,7 @@ from cluster.launcher import (
     stop_named_engine,
 )
 from router.deployment import METRICS_HUB_NAME, OpenAIRouter, RouterConfig
+from router.response_store import RESPONSE_STORE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,9 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
 
 
 def stop_app(namespace: str = "llm-cluster", app_name: str = APP_NAME) -> list[str]:
-    """`llm-cluster stop`: delete the Serve application and stop the detached engines and metrics hub
-    a Serve deploy left running (``serve shutdown`` / ``serve delete`` do not know about them)."""
+    """`llm-cluster stop`: delete the Serve application and stop the detached engines, metrics hub
+    and responses store a Serve deploy left running (``serve shutdown`` / ``serve delete`` do not
+    know about them)."""
     with contextlib.suppress(Exception):
         serve.delete(app_name)
     stopped = []
@@ -79,11 +81,19 @@ def stop_app(namespace: str = "llm-cluster", app_name: str = APP_NAME) -> list[s
         stop_named_engine(engine_actor_name(index), namespace)
         stopped.append(engine_actor_name(index))
         index += 1
-    hub = named_actor(METRICS_HUB_NAME, namespace)
-    if hub is not None:
-        with contextlib.suppress(Exception):
-            ray.kill(hub, no_restart=True)
-        stopped.append(METRICS_HUB_NAME)
+    return stopped + stop_router_helpers(namespace)
+
+
+def stop_router_helpers(namespace: str) -> list[str]:
+    """Stop the detached actors the router replicas share (the metrics hub, the responses store):
+    they outlive the replicas, on purpose, until the application stops."""
+    stopped = []
+    for name in (METRICS_HUB_NAME, RESPONSE_STORE_NAME):
+        actor = named_actor(name, namespace)
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            stopped.append(name)
     return stopped
 
 
@@ -95,7 +105,9 @@ def router_deployment(config: ClusterConfig):
         served_model_name=config.served_model_name, chat_template=config.chat_template,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys),
-        enable_lora=config.enable_lora, allow_runtime_lora_updating=config.allow_runtime_lora_updating)
+        enable_lora=config.enable_lora, allow_runtime_lora_updating=config.allow_runtime_lora_updating,
+        enable_responses_store=config.enable_responses_store,
+        responses_store_max_entries=config.responses_store_max_entries)
     deployment = serve.deployment(
         OpenAIRouter, name="OpenAIRouter", num_replicas=config.num_router_replicas,
         ray_actor_options={"num_cpus": 0},

@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
                        help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
                             "$VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
+    serve.add_argument("--enable-responses-store", action="store_true",
+                       default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").lower() in ("1", "true"),
+                       help="Keep Responses API responses for GET/DELETE /v1/responses/{id} and "
+                            "previous_response_id (default: $VLLM_ENABLE_RESPONSES_API_STORE).")
+    serve.add_argument("--responses-store-max-entries", type=int, default=10_000,
+                       help="Most responses kept (the least recently used are forgotten first).")
     serve.add_argument("--engine-config", default=None, help="YAML list of per-engine flag overrides.")
     serve.add_argument("--routing-policy", default="least_loaded",
                        choices=["round_robin", "least_loaded", "prefix_aware", "session"])
@@ -144,7 +150,9 @@ def cluster_config_from_args(args: argparse.Namespace):
         api_keys=args.api_key or default_api_keys(),
         enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address,
         enable_lora=args.enable_lora, lora_modules=args.lora_modules or [], max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+        max_lora_rank=args.max_lora_rank, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        enable_responses_store=args.enable_responses_store,
+        responses_store_max_entries=args.responses_store_max_entries)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -195,7 +203,7 @@ def serve_command(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import APP_NAME, run_router, start_cluster
+    from cluster.app import APP_NAME, run_router, start_cluster, stop_router_helpers
     from cluster.launcher import InsufficientResourcesError, check_local_capacity, ensure_ray, stop_engines
 
     started_local = ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
@@ -225,6 +233,7 @@ def serve_command(args: argparse.Namespace) -> int:
             serve.delete(APP_NAME)
         finally:
             stop_engines(engines)
+            stop_router_helpers(config.namespace)
             ray.shutdown()
     return 0
 

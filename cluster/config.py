@@ -110,6 +110,12 @@ class ClusterConfig(BaseModel):
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank served.")
     allow_runtime_lora_updating: bool = Field(
         False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")
+    enable_responses_store: bool = Field(
+        default_factory=lambda: os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").lower() in ("1", "true"),
+        description="Keep Responses API responses (store: true) for GET/DELETE /v1/responses/{id} and "
+                    "previous_response_id (default: $VLLM_ENABLE_RESPONSES_API_STORE, as vLLM).")
+    responses_store_max_entries: int = Field(10_000, ge=1, description="Most responses kept (least recently "
+                                                                        "used forgotten first).")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     address: str | None = Field(None, description="Existing Ray cluster address; local Ray when unset.")

@@ -107,9 +107,11 @@ def _route_path(scope: Scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
-def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
+def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[bytes]] | None = None,
+               response_store: Any = None) -> FastAPI:
     """``render_metrics``: an async callable producing the whole /metrics exposition (every replica's
-    and every engine's series); without it, /metrics shows this process's router series only."""
+    and every engine's series); without it, /metrics shows this process's router series only.
+    ``response_store`` (router.response_store): the Responses API keeps responses there."""
     app = FastAPI(title="llm-cluster", version=serving.settings.version)
     metrics = serving.metrics
 
@@ -146,7 +148,7 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return respond(await serving.chat(body, request.headers.get(SESSION_HEADER)))
 
-    responses = ResponsesServing(serving)
+    responses = ResponsesServing(serving, response_store)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
@@ -155,8 +157,11 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
-        raise APIError(404, f"Response {response_id!r} not found: this server does not store responses "
-                       "(as vLLM by default)", "NotFoundError", "response_id")
+        return JSONResponse(await responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return JSONResponse(await responses.delete(response_id))
 
     def model_card(lora: LoRARequest | None = None) -> ModelCard:
         base = serving.settings.served_model_name

@@ -21,6 +21,7 @@ from engine_core.outputs import LoRARequest
 from router.app import create_app
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics, merge_expositions
+from router.response_store import ActorResponseStore
 from router.routing import create_routing_policy
 from router.serving import OpenAIServing, ServingSettings
 
@@ -43,6 +44,9 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     enable_lora: bool = False
     allow_runtime_lora_updating: bool = False
+    # The Responses API's store (a named actor shared by the replicas); off: responses are not kept.
+    enable_responses_store: bool = False
+    responses_store_max_entries: int = 10_000
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -166,6 +170,8 @@ class OpenAIRouter:
         self.serving, self.client = await build_serving(config)
         self.metrics = self.serving.metrics
         self.hub = metrics_hub(config.namespace)
+        self.response_store = (ActorResponseStore(config.namespace, config.responses_store_max_entries)
+                               if config.enable_responses_store else None)
         # Wait for the hub actor (started by the first replica) before reporting ready: its start
         # costs seconds of CPU, better spent before traffic than under it.
         await self.hub.push.remote(self.metrics.replica, self.metrics.render())
@@ -189,4 +195,4 @@ class OpenAIRouter:
         return merge_expositions([*router_texts, *await engine_metrics_texts(self.client)])
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.serving, render_metrics=self.render_metrics)
+        return create_app(self.serving, render_metrics=self.render_metrics, response_store=self.response_store)

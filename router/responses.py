@@ -7,9 +7,12 @@ chat template, tool-call and reasoning parsers as ``/v1/chat/completions``. Its 
 and function calls come back as the response's output items: whole, or streamed as the Responses
 event sequence (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``).
 
-Stateless, as vLLM is by default (its response store is off unless VLLM_ENABLE_RESPONSES_API_STORE
-is set): responses are not kept, so ``store`` answers false, ``previous_response_id`` is refused and
-a client carries its conversation in ``input`` (as the openai Agents SDK does by default).
+Without a store (the default, as in vLLM, whose store is off unless VLLM_ENABLE_RESPONSES_API_STORE
+is set) responses are not kept: ``store`` answers false, ``previous_response_id`` is refused and a
+client carries its conversation in ``input`` (as the openai Agents SDK does by default). With one
+(router.response_store), a response asked to be stored can be retrieved, deleted, and continued:
+``previous_response_id`` puts the stored conversation (its inputs and outputs, not its
+instructions) before the new input.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,10 +28,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from router.parsed_output import ParsedDelta
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, invalid
+from router.response_store import MissingResponseError
 from router.serving import APIError, SSEStream, _StreamError, bad_request
 
 if TYPE_CHECKING:
+    from router.response_store import ActorResponseStore, LocalResponseStore
     from router.serving import ChatRun, OpenAIServing
+
+    ResponseStoreLike = ActorResponseStore | LocalResponseStore
 
 # Responses fields whose chat counterpart has another name: a chat validation error names the
 # Responses parameter.
@@ -87,9 +94,6 @@ class ResponsesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
-        if self.previous_response_id is not None:
-            raise invalid("previous_response_id", "previous_response_id needs stored responses, and this server "
-                          "does not store them (as vLLM by default): send the conversation in input")
         if self.background:
             raise invalid("background", "background responses are not supported")
         if self.truncation == "auto":
@@ -108,9 +112,14 @@ class ResponsesRequest(BaseModel):
 
     # -- to a chat request ---------------------------------------------------------------------------
 
-    def chat_request(self) -> ChatCompletionRequest:
+    def input_items(self) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": self.input}] if isinstance(self.input, str) else list(self.input)
+
+    def chat_request(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The chat request this one runs as; ``history``: the items of the conversation it continues."""
         body: dict[str, Any] = {
-            "model": self.model, "messages": self._messages(), "max_completion_tokens": self.max_output_tokens,
+            "model": self.model, "messages": self._messages(history or []),
+            "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "seed": self.seed, "stop": self.stop, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
@@ -134,13 +143,13 @@ class ResponsesRequest(BaseModel):
             param = _CHAT_TO_RESPONSES_PARAM.get(loc[0], loc[0]) if loc else "input"
             raise _bad(param, f"{'.'.join([param, *loc[1:]])}: {first.get('msg', 'invalid value')}") from None
 
-    def _messages(self) -> list[dict[str, Any]]:
+    def _messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
-        for i, item in enumerate(items):
-            where = f"input[{i}]"
+        for i, item in enumerate([*history, *self.input_items()]):
+            # (A stored conversation's items were checked when they were this request's input.)
+            where = f"input[{i - len(history)}]"
             if not isinstance(item, dict):
                 raise _bad("input", f"{where} must be an object")
             kind = item.get("type", "message")
@@ -201,11 +210,11 @@ class ResponsesRequest(BaseModel):
         raise _bad("text", f"text.format type {fmt.get('type')!r} is not supported (text, json_object, "
                       "json_schema)")
 
-    def echo_fields(self) -> dict[str, Any]:
+    def echo_fields(self, stored: bool) -> dict[str, Any]:
         """The request's settings as a response repeats them."""
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
                 "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls,
-                "previous_response_id": None, "reasoning": self.reasoning, "store": False,
+                "previous_response_id": self.previous_response_id, "reasoning": self.reasoning, "store": stored,
                 "temperature": self.temperature, "text": self.text or {"format": {"type": "text"}},
                 "tool_choice": self.tool_choice or ("auto" if self.tools else "none"),
                 "tools": self.tools or [], "top_p": self.top_p, "truncation": self.truncation, "user": self.user,
@@ -354,13 +363,40 @@ _CHAT_ERROR_PARAM = {**_CHAT_TO_RESPONSES_PARAM, "max_tokens": "max_output_token
 
 
 class ResponsesServing:
-    """``POST /v1/responses`` through an OpenAIServing's chat path."""
+    """``POST /v1/responses`` through an OpenAIServing's chat path; with a store, also retrieval,
+    deletion and ``previous_response_id``."""
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, store: ResponseStoreLike | None = None) -> None:
         self.serving = serving
+        self.store = store
+
+    async def retrieve(self, response_id: str) -> dict[str, Any]:
+        response = await self.store.get(response_id) if self.store is not None else None
+        if response is None:
+            raise _not_found(response_id, "response_id", self.store is not None)
+        return response
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        if self.store is None or not await self.store.delete(response_id):
+            raise _not_found(response_id, "response_id", self.store is not None)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def _history(self, request: ResponsesRequest) -> list[dict[str, Any]] | None:
+        if request.previous_response_id is None:
+            return None
+        if self.store is None:
+            raise bad_request("previous_response_id needs stored responses, and this server does not store them "
+                              "(start it with --enable-responses-store): send the conversation in input",
+                              "previous_response_id")
+        try:
+            return await self.store.conversation(request.previous_response_id)
+        except MissingResponseError as e:
+            raise _not_found(e.response_id, "previous_response_id", True) from None
 
     async def create(self, request: ResponsesRequest, session_id: str | None = None) -> dict[str, Any] | Any:
-        chat = request.chat_request()
+        history = await self._history(request)
+        chat = request.chat_request(history)
+        storing = self.store is not None and request.store
         try:
             run = await self.serving.start_chat(chat, session_id, id_prefix="resp")
         except APIError as e:
@@ -371,14 +407,23 @@ class ResponsesServing:
         response_id = run.request_id.replace("resp-", "resp_", 1)
         base = {"id": response_id, "object": "response", "created_at": run.created,
                 "model": self.serving.model_name(request.model), "error": None, "incomplete_details": None,
-                "output": [], "usage": None, **request.echo_fields()}
+                "output": [], "usage": None, **request.echo_fields(storing)}
+
+        async def keep(final: dict[str, Any]) -> None:
+            # Stored before the client hears of it, so a follow-up through any replica finds it.
+            if storing and final["status"] != "failed":
+                await self.store.put(final, request.previous_response_id,  # type: ignore[union-attr]
+                                     [*request.input_items(), *final["output"]])
+
         if request.stream:
-            return SSEStream(self._stream(base, run), run.streams)
+            return SSEStream(self._stream(base, run, keep), run.streams)
         await self.serving.finish_chat(run)
         choice = run.choices[0]
         items = OutputItems(lambda *_, **__: None)
         items.add(_parse_whole(choice))
-        return self._final(base, run, items)
+        final = self._final(base, run, items)
+        await keep(final)
+        return final
 
     def _final(self, base: dict[str, Any], run: ChatRun, items: OutputItems) -> dict[str, Any]:
         choice = run.choices[0]
@@ -405,7 +450,8 @@ class ResponsesServing:
                       "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning},
                       "total_tokens": prompt + generated}}
 
-    async def _stream(self, base: dict[str, Any], run: ChatRun) -> AsyncIterator[str]:
+    async def _stream(self, base: dict[str, Any], run: ChatRun,
+                      keep: Callable[[dict[str, Any]], Awaitable[None]]) -> AsyncIterator[str]:
         sequence = 0
         pending: list[str] = []
 
@@ -442,9 +488,15 @@ class ResponsesServing:
             yield "".join(pending)
             return
         final = self._final(base, run, items)
+        await keep(final)
         emit({"completed": "response.completed", "incomplete": "response.incomplete"}.get(
             final["status"], "response.failed"), response=final)
         yield "".join(pending)
+
+
+def _not_found(response_id: str, param: str, storing: bool) -> APIError:
+    why = "" if storing else ": this server does not store responses (start it with --enable-responses-store)"
+    return APIError(404, f"Response with id {response_id!r} not found{why}", "NotFoundError", param)
 
 
 def _parse_whole(choice: Any) -> ParsedDelta:

@@ -59,6 +59,8 @@ def test_the_access_log_is_on_unless_disabled():
     (["--enable-lora", "--lora-modules", "a={missing}"], {}, "no adapter_config.json"),
     (["--enable-lora", "--max-loras", "0"], {}, "--max-loras: Input should be greater than or equal to 1"),
     (["--engine-config", "{file}"], {"file": "- {kv_cache_dtype: int8}\n"}, "kv_cache_dtype"),
+    (["--enable-responses-store", "--responses-store-max-entries", "0"], {},
+     "--responses-store-max-entries: Input should be greater than or equal to 1"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -153,3 +155,14 @@ def test_the_kv_cache_dtype_reaches_every_engine_and_can_differ_per_engine(tmp_p
     assert get_args(get_args(EngineSpec.model_fields["kv_cache_dtype"].annotation)[0]) == KV_CACHE_DTYPE_NAMES
     with pytest.raises(ValueError, match="engine 0: kv_cache_dtype must be one of auto, bfloat16, fp8"):
         EngineConfig(kv_cache_dtype="int8")
+
+
+def test_the_responses_store_is_off_unless_asked_for(monkeypatch):
+    def router_config(*flags):
+        return router_deployment(_config(*flags))._bound_deployment.init_args[0]
+
+    assert router_config().enable_responses_store is False
+    on = router_config("--enable-responses-store", "--responses-store-max-entries", "500")
+    assert on.enable_responses_store is True and on.responses_store_max_entries == 500
+    monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")  # vLLM's switch
+    assert router_config().enable_responses_store is True

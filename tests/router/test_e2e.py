@@ -25,6 +25,7 @@ TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}
 def cluster(ray_cluster, tiny_model_dir):
     config = ClusterConfig(
         model=str(tiny_model_dir), served_model_name="tiny", num_engines=2, routing_policy="round_robin",
+        enable_responses_store=True,  # shared by every app of the namespace (prefix2 uses it too)
         defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256),
         # Engine 1 has a short queue, so flooding it yields 429s.
         engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
@@ -98,6 +99,24 @@ def test_responses_api_plain_and_streamed_equal_chat(client):
     again = [client.responses.create(model="tiny", instructions="Be brief.", input="Hello", max_output_tokens=1)
              for _ in range(3)]
     assert max(r.usage.input_tokens_details.cached_tokens for r in again) >= 16
+
+
+def test_a_stored_conversation_continues_through_another_router(client, cluster):
+    """The responses store is one actor for every replica: a response made through one router app
+    is retrieved and continued through another (prefix2), which sends the whole conversation."""
+    other = openai.OpenAI(base_url=f"{cluster['base']}/prefix2/v1", api_key="unused", max_retries=0, timeout=60)
+    first = client.responses.create(model="tiny", input="My name is Ada.", max_output_tokens=4, temperature=0)
+    assert first.store is True
+    assert other.responses.retrieve(first.id).output_text == first.output_text
+    second = other.responses.create(model="tiny", input="What is my name?", previous_response_id=first.id,
+                                    max_output_tokens=4, temperature=0)
+    alone = other.responses.create(model="tiny", input="What is my name?", max_output_tokens=4, temperature=0)
+    # The continued prompt carries the first turn (its input and its answer) before the new input.
+    assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(second.id).previous_response_id == first.id
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model="tiny", input="And now?", previous_response_id=second.id, max_output_tokens=2)
 
 
 def test_completions_n2_and_echo(client):

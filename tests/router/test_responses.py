@@ -10,8 +10,11 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from starlette.testclient import TestClient
 
 from engine_core.request import FinishReason
+from router.app import create_app
+from router.response_store import LocalResponseStore, ResponseStore
 from router.responses import ResponsesRequest
 
 from .test_tool_calling import _app
@@ -273,3 +276,79 @@ def test_responses_are_not_stored():
     http, _, _ = _app("x")
     with pytest.raises(openai.NotFoundError, match="does not store responses"):
         _client(http).responses.retrieve("resp_123")
+
+
+# -- with a store (--enable-responses-store) ------------------------------------------------------
+
+
+def _stored_app(answers: list[str], parser: str | None = None, max_entries: int = 100):
+    """An app with a response store whose engine answers each request with the next of ``answers``."""
+    _, engine, serving = _app(answers[0], parser=parser)
+    tokenizer = serving.tokenizer
+    engine.script = lambda _: [*tokenizer.encode(answers[min(len(engine.requests) - 1, len(answers) - 1)]),
+                               tokenizer.eos_token_id]
+    store = LocalResponseStore(max_entries)
+    return TestClient(create_app(serving, response_store=store)), engine, serving, store
+
+
+def test_stored_responses_are_retrieved_deleted_and_continued():
+    http, engine, serving, _ = _stored_app(["Hello Ada.", "Your name is Ada.", "Still Ada.", "Ada!"])
+    client = _client(http)
+    first = client.responses.create(model="tiny", instructions="Be kind.", input="My name is Ada.")
+    assert first.store is True
+    second = client.responses.create(model="tiny", input="What is my name?", previous_response_id=first.id)
+    assert second.previous_response_id == first.id and second.output_text == "Your name is Ada."
+    # The stored turn (its input and its answer) comes first; its instructions are not carried over.
+    assert _prompt(serving, engine, 1) == ("user: My name is Ada.assistant: Hello Ada."
+                                           "user: What is my name?assistant:")
+    with client.responses.stream(model="tiny", input="Sure?", previous_response_id=second.id) as stream:
+        third = stream.get_final_response()
+    assert third.output_text == "Still Ada."
+    fourth = client.responses.create(model="tiny", input="Once more.", previous_response_id=third.id)
+    assert _prompt(serving, engine, 3) == ("user: My name is Ada.assistant: Hello Ada.user: What is my name?"
+                                           "assistant: Your name is Ada.user: Sure?assistant: Still Ada."
+                                           "user: Once more.assistant:")
+    assert client.responses.retrieve(second.id).model_dump() == second.model_dump()
+    assert client.responses.retrieve(fourth.id).output_text == "Ada!"
+    assert http.delete(f"/v1/responses/{second.id}").json() == {"id": second.id, "object": "response",
+                                                               "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+    # A conversation through a deleted response cannot be continued: the 404 names the missing one.
+    r = http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": fourth.id})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert second.id in r.json()["error"]["message"]
+    assert len(engine.requests) == 4
+
+
+def test_a_response_asked_not_to_be_stored_is_not_kept():
+    http, engine, _, store = _stored_app(["Fine."])
+    unstored = _client(http).responses.create(model="tiny", input="hi", store=False)
+    assert unstored.store is False and len(store.store) == 0
+    r = http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": unstored.id})
+    assert r.status_code == 404 and len(engine.requests) == 1
+
+
+def test_a_stored_function_call_is_continued_with_its_output():
+    http, engine, serving, _ = _stored_app([HERMES_ANSWER, "It is sunny."], parser="hermes")
+    client = _client(http)
+    first = client.responses.create(model="tiny", input="weather in Rome?", tools=[WEATHER_TOOL])
+    call = first.output[1]
+    second = client.responses.create(model="tiny", tools=[WEATHER_TOOL], previous_response_id=first.id, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert second.output_text == "It is sunny."
+    assert _prompt(serving, engine, 1).endswith("user: weather in Rome?assistant: Let me look. CALLS Rome"
+                                                "tool: sunnyassistant:")
+
+
+def test_the_store_forgets_the_least_recently_used_and_the_chains_through_them():
+    store = ResponseStore(max_entries=2)
+    store.put({"id": "a"}, None, [{"role": "user", "content": "1"}])
+    store.put({"id": "b"}, "a", [{"role": "user", "content": "2"}])
+    assert store.conversation("b") == ([{"role": "user", "content": "1"}, {"role": "user", "content": "2"}], None)
+    store.get("a")  # used: b is now the least recently used
+    store.put({"id": "c"}, None, [])
+    assert store.get("b") is None and store.get("a") == {"id": "a"} and len(store) == 2
+    store.put({"id": "d"}, "b", [])
+    assert store.conversation("d") == (None, "b")
+    assert store.delete("d") and not store.delete("d")
