@@ -156,7 +156,9 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
         return EventStreamResponse(result) if hasattr(result, "__aiter__") else JSONResponse(result)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> Response:
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        if request.query_params.get("stream", "").lower() in ("1", "true"):
+            raise APIError(400, "streaming a stored response again is not supported", "BadRequestError", "stream")
         return JSONResponse(await responses.retrieve(response_id))
 
     @app.delete("/v1/responses/{response_id}")

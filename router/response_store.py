@@ -2,17 +2,19 @@
 ``VLLM_ENABLE_RESPONSES_API_STORE=1``): ``GET``/``DELETE /v1/responses/{id}`` and
 ``previous_response_id``.
 
-One store serves every router replica of an application: a named Ray actor in the cluster's
-namespace (as the router metrics hub is), so a conversation continues through whichever replica
-the ingress picks. Each response keeps its own turn only (the input items it was given and the
-output items it produced) and the id of the response it continued; a conversation is rebuilt by
-walking that chain. The store holds at most ``max_entries`` responses and forgets the least
-recently used first (continuing a conversation uses every response in it); a chain with a
-forgotten response can no longer be continued.
+One store serves every router replica: a named Ray actor in the cluster's namespace (as the
+router metrics hub is), so a conversation continues through whichever replica the ingress picks.
+(Every application of the namespace shares it, and the latest replica's ``max_entries`` applies.)
+Each response keeps its own input items and the id of the response it continued (its output items
+are in the response); a conversation is rebuilt by walking that chain. The store holds at most
+``max_entries`` responses and forgets the least recently used first (continuing a conversation
+uses every response in it); a chain with a forgotten response can no longer be continued. It
+lives in memory: a restarted store process starts empty.
 """
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +34,21 @@ class MissingResponseError(KeyError):
 class _Entry:
     response: dict[str, Any]
     previous_id: str | None
-    items: list[dict[str, Any]]  # this turn: its input items, then its output items
+    input_items: list[dict[str, Any]]  # this turn's input (its output items are the response's)
+
+
+def replayable_output(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stored response's output items as the next turn's input: a function call cut off before
+    its arguments were whole (an ``incomplete`` answer) is left out, as it could not be sent again."""
+    out = []
+    for item in response.get("output") or []:
+        if item.get("type") == "function_call":
+            try:
+                json.loads(item.get("arguments") or "{}")
+            except ValueError:
+                continue
+        out.append(item)
+    return out
 
 
 class ResponseStore:
@@ -44,8 +60,16 @@ class ResponseStore:
         self.max_entries = max_entries
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
-    def put(self, response: dict[str, Any], previous_id: str | None, items: list[dict[str, Any]]) -> None:
-        self._entries[response["id"]] = _Entry(response, previous_id, items)
+    def set_max_entries(self, max_entries: int) -> None:
+        """The latest deployment's limit applies (the actor outlives the replicas that made it)."""
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def put(self, response: dict[str, Any], previous_id: str | None, input_items: list[dict[str, Any]]) -> None:
+        self._entries[response["id"]] = _Entry(response, previous_id, input_items)
         self._entries.move_to_end(response["id"])
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -73,7 +97,7 @@ class ResponseStore:
                 return None, next_id
             seen.add(next_id)
             self._entries.move_to_end(next_id)
-            turns.append(entry.items)
+            turns.append([*entry.input_items, *replayable_output(entry.response)])
             next_id = entry.previous_id
         return [item for turn in reversed(turns) for item in turn], None
 
@@ -88,8 +112,9 @@ class LocalResponseStore:
     def __init__(self, max_entries: int = 10_000) -> None:
         self.store = ResponseStore(max_entries)
 
-    async def put(self, response: dict[str, Any], previous_id: str | None, items: list[dict[str, Any]]) -> None:
-        self.store.put(response, previous_id, items)
+    async def put(self, response: dict[str, Any], previous_id: str | None,
+                  input_items: list[dict[str, Any]]) -> None:
+        self.store.put(response, previous_id, input_items)
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
         return self.store.get(response_id)
@@ -102,26 +127,45 @@ class LocalResponseStore:
 
 
 class ActorResponseStore:
-    """The application's shared store: the named actor, started by the first replica that needs it."""
+    """The application's shared store: the named actor, started by the first replica that needs it
+    (restarted empty if its process dies; a replica that finds its handle dead looks it up, or
+    starts it, again)."""
 
     def __init__(self, namespace: str, max_entries: int) -> None:
+        self.namespace = namespace
+        self.max_entries = max_entries
+        self.actor = self._connect()
+
+    def _connect(self) -> Any:
         import ray
 
-        self.actor = ray.remote(ResponseStore).options(
-            name=RESPONSE_STORE_NAME, namespace=namespace, get_if_exists=True, lifetime="detached",
-            num_cpus=0).remote(max_entries)
+        actor = ray.remote(ResponseStore).options(
+            name=RESPONSE_STORE_NAME, namespace=self.namespace, get_if_exists=True, lifetime="detached",
+            num_cpus=0, max_restarts=-1, max_task_retries=-1).remote(self.max_entries)
+        actor.set_max_entries.remote(self.max_entries)  # an existing store takes this deployment's limit
+        return actor
 
-    async def put(self, response: dict[str, Any], previous_id: str | None, items: list[dict[str, Any]]) -> None:
-        await self.actor.put.remote(response, previous_id, items)
+    async def _call(self, method: str, *args: Any) -> Any:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayActorError:  # killed (llm-cluster stop) or lost with its node: find or start it again
+            self.actor = self._connect()
+            return await getattr(self.actor, method).remote(*args)
+
+    async def put(self, response: dict[str, Any], previous_id: str | None,
+                  input_items: list[dict[str, Any]]) -> None:
+        await self._call("put", response, previous_id, input_items)
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
-        return await self.actor.get.remote(response_id)
+        return await self._call("get", response_id)
 
     async def delete(self, response_id: str) -> bool:
-        return await self.actor.delete.remote(response_id)
+        return await self._call("delete", response_id)
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]]:
-        return _found(*await self.actor.conversation.remote(response_id))
+        return _found(*await self._call("conversation", response_id))
 
 
 def _found(items: list[dict[str, Any]] | None, missing_id: str | None) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ instructions) before the new input.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from router.serving import ChatRun, OpenAIServing
 
     ResponseStoreLike = ActorResponseStore | LocalResponseStore
+
+logger = logging.getLogger(__name__)
 
 # Responses fields whose chat counterpart has another name: a chat validation error names the
 # Responses parameter.
@@ -66,7 +69,8 @@ class ResponsesRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = False
-    store: bool = Field(True, description="Accepted; responses are never stored (the response says store: false).")
+    store: bool = Field(True, description="Keep the response (with --enable-responses-store; without, the "
+                                          "response says store: false).")
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -370,14 +374,23 @@ class ResponsesServing:
         self.serving = serving
         self.store = store
 
+    async def _ask_store(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.store, method)(*args)
+        except MissingResponseError:
+            raise
+        except Exception as e:
+            logger.warning("response store unavailable: %s", e)
+            raise APIError(503, f"the response store is unavailable: {e}", "ServiceUnavailableError") from e
+
     async def retrieve(self, response_id: str) -> dict[str, Any]:
-        response = await self.store.get(response_id) if self.store is not None else None
+        response = await self._ask_store("get", response_id) if self.store is not None else None
         if response is None:
             raise _not_found(response_id, "response_id", self.store is not None)
         return response
 
     async def delete(self, response_id: str) -> dict[str, Any]:
-        if self.store is None or not await self.store.delete(response_id):
+        if self.store is None or not await self._ask_store("delete", response_id):
             raise _not_found(response_id, "response_id", self.store is not None)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -389,7 +402,7 @@ class ResponsesServing:
                               "(start it with --enable-responses-store): send the conversation in input",
                               "previous_response_id")
         try:
-            return await self.store.conversation(request.previous_response_id)
+            return await self._ask_store("conversation", request.previous_response_id)
         except MissingResponseError as e:
             raise _not_found(e.response_id, "previous_response_id", True) from None
 
@@ -411,9 +424,13 @@ class ResponsesServing:
 
         async def keep(final: dict[str, Any]) -> None:
             # Stored before the client hears of it, so a follow-up through any replica finds it.
-            if storing and final["status"] != "failed":
-                await self.store.put(final, request.previous_response_id,  # type: ignore[union-attr]
-                                     [*request.input_items(), *final["output"]])
+            if not storing or final["status"] == "failed":
+                return
+            try:
+                await self.store.put(final, request.previous_response_id, request.input_items())  # type: ignore[union-attr]
+            except Exception as e:  # the answer stands; only its storing failed, and it says so
+                logger.warning("could not store response %s: %s", final["id"], e)
+                final["store"] = False
 
         if request.stream:
             return SSEStream(self._stream(base, run, keep), run.streams)

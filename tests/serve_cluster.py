@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from cluster.app import router_deployment
+from cluster.app import router_deployment, stop_router_helpers
 from cluster.config import ClusterConfig
 from cluster.launcher import EngineHandle, start_engines, stop_engines
 
@@ -80,3 +80,4 @@ def serve_cluster(config: ClusterConfig, extra_apps: dict[str, ClusterConfig] | 
     finally:
         serve.shutdown()
         stop_engines(engines)
+        stop_router_helpers(config.namespace)  # the replicas' shared actors outlive them by design

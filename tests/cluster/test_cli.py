@@ -161,6 +161,7 @@ def test_the_responses_store_is_off_unless_asked_for(monkeypatch):
     def router_config(*flags):
         return router_deployment(_config(*flags))._bound_deployment.init_args[0]
 
+    monkeypatch.delenv("VLLM_ENABLE_RESPONSES_API_STORE", raising=False)
     assert router_config().enable_responses_store is False
     on = router_config("--enable-responses-store", "--responses-store-max-entries", "500")
     assert on.enable_responses_store is True and on.responses_store_max_entries == 500

@@ -352,3 +352,45 @@ def test_the_store_forgets_the_least_recently_used_and_the_chains_through_them()
     store.put({"id": "d"}, "b", [])
     assert store.conversation("d") == (None, "b")
     assert store.delete("d") and not store.delete("d")
+
+
+def test_a_call_cut_off_by_max_output_tokens_is_not_replayed():
+    """An incomplete answer stored mid-call: its conversation still continues, without the call
+    whose arguments never closed (it could not be sent to the template again)."""
+    http, engine, serving, _ = _stored_app([HERMES_ANSWER, "Let me try again."], parser="hermes")
+    engine.finish = FinishReason.LENGTH
+    client = _client(http)
+    first = client.responses.create(model="tiny", input="weather in Rome?", tools=[WEATHER_TOOL],
+                                    max_output_tokens=len(serving.tokenizer.encode(
+                                        HERMES_ANSWER[:HERMES_ANSWER.index("Rome") + 2])))
+    assert first.status == "incomplete" and first.output[-1].type == "function_call"
+    assert first.output[-1].arguments.endswith('"Ro')
+    second = client.responses.create(model="tiny", input="go on", previous_response_id=first.id)
+    assert second.status in ("completed", "incomplete")
+    assert "CALLS" not in _prompt(serving, engine, 1) and "user: go onassistant:" in _prompt(serving, engine, 1)
+
+
+class _BrokenStore(LocalResponseStore):
+    async def put(self, *args):
+        raise ConnectionError("store actor gone")
+
+    async def get(self, response_id):
+        raise ConnectionError("store actor gone")
+
+
+def test_a_store_that_fails_leaves_the_answer_and_says_so():
+    _, _, serving = _app("Fine.")
+    http = TestClient(create_app(serving, response_store=_BrokenStore()))
+    response = _client(http).responses.create(model="tiny", input="hi")
+    assert response.output_text == "Fine." and response.store is False
+    r = http.get(f"/v1/responses/{response.id}")
+    assert r.status_code == 503 and "store actor gone" in r.json()["error"]["message"]
+    assert http.get(f"/v1/responses/{response.id}?stream=true").status_code == 400
+
+
+def test_the_latest_limit_applies_to_an_existing_store():
+    store = ResponseStore(max_entries=3)
+    for rid in "abc":
+        store.put({"id": rid}, None, [])
+    store.set_max_entries(1)
+    assert len(store) == 1 and store.get("c") == {"id": "c"}
