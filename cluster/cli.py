@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                             '\'{"name": "...", "path": "..."}\'.')
     serve.add_argument("--max-loras", type=int, default=1, help="Most different adapters in one batch.")
     serve.add_argument("--max-lora-rank", type=int, default=16, help="Largest adapter rank served.")
+    serve.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="Adapters kept in the workers' memory (>= --max-loras); the least recently used "
+                            "beyond it are read from their checkpoints again when next needed (default: all).")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
                        help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
@@ -150,7 +153,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         api_keys=args.api_key or default_api_keys(),
         enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address,
         enable_lora=args.enable_lora, lora_modules=args.lora_modules or [], max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_responses_store=args.enable_responses_store,
         responses_store_max_entries=args.responses_store_max_entries)
 

@@ -108,6 +108,9 @@ class ClusterConfig(BaseModel):
         default_factory=list, description='Adapters to load at start: "name=path" or {"name": ..., "path": ...}.')
     max_loras: int = Field(1, ge=1, description="Most different adapters in one batch.")
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank served.")
+    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept in the workers' memory (>= "
+                                      "max_loras; the least recently used are read again when needed). "
+                                      "None: all loaded ones.")
     allow_runtime_lora_updating: bool = Field(
         False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")
     enable_responses_store: bool = Field(
@@ -149,7 +152,7 @@ class ClusterConfig(BaseModel):
         if not self.enable_lora:
             return None
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                          lora_modules=tuple(self.lora_module_list()))
+                          max_cpu_loras=self.max_cpu_loras, lora_modules=tuple(self.lora_module_list()))
 
     @model_validator(mode="after")
     def _engine_count(self) -> ClusterConfig:

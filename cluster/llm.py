@@ -157,7 +157,8 @@ class LLM:
                  block_size: int = 16, enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
                  executor_backend: str = "auto", use_ray: bool | None = None, address: str | None = None,
                  engine_overrides: list[dict[str, Any]] | None = None, enable_lora: bool = False,
-                 max_loras: int = 1, max_lora_rank: int = 16, kv_cache_dtype: str = "auto",
+                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 kv_cache_dtype: str = "auto",
                  **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
@@ -175,7 +176,8 @@ class LLM:
         self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,
                                             engines=[EngineSpec(**o) for o in engine_overrides or []],
                                             address=address, seed=seed, enable_lora=enable_lora,
-                                            max_loras=max_loras, max_lora_rank=max_lora_rank)
+                                            max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                            max_cpu_loras=max_cpu_loras)
         self.engine_configs: list[EngineConfig] = self.cluster_config.engine_configs()
         self.use_ray = use_ray if use_ray is not None else (len(self.engine_configs) > 1 or tensor_parallel_size > 1
                                                             or executor_backend == "ray")

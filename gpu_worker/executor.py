@@ -41,6 +41,7 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "num_spec_tokens": config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
         "max_lora_rank": config.lora_config.max_lora_rank if config.lora_config is not None else None,
         "max_loras": config.lora_config.max_loras if config.lora_config is not None else None,
+        "max_cpu_loras": config.lora_config.max_cpu_loras if config.lora_config is not None else None,
         "kv_cache_dtype": config.kv_cache_dtype,
     }
 

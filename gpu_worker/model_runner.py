@@ -56,7 +56,7 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_spec_tokens: int = 0,
                  max_lora_rank: int | None = None, max_resident_loras: int | None = None,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, max_cpu_loras: int | None = None) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -84,6 +84,8 @@ class ModelRunner:
         self.max_lora_rank = max_lora_rank
         # Adapters on the device at once (None: all that are loaded); the rest wait in host memory.
         self.max_resident_loras = max_resident_loras
+        # Adapters in host memory at once (None: all that are loaded); others are read again when needed.
+        self.max_cpu_loras = max_cpu_loras
         self.lora: LoRAManager | None = None
 
     # ------------------------------------------------------------------ setup
@@ -97,7 +99,8 @@ class ModelRunner:
             load_weights(model, source)
         self.model = model.eval()
         if self.max_lora_rank is not None:
-            self.lora = LoRAManager(model, self.max_lora_rank, self.device, self.dtype, self.max_resident_loras)
+            self.lora = LoRAManager(model, self.max_lora_rank, self.device, self.dtype, self.max_resident_loras,
+                                    self.max_cpu_loras)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         if self.model is None:

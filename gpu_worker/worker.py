@@ -52,7 +52,8 @@ class Worker:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  weights: str | Path | WeightsFactory | None = None, num_cpus: int | None = None,
                  seed: int = 0, num_spec_tokens: int = 0, max_lora_rank: int | None = None,
-                 max_loras: int | None = None, kv_cache_dtype: str | torch.dtype | None = "auto") -> None:
+                 max_loras: int | None = None, kv_cache_dtype: str | torch.dtype | None = "auto",
+                 max_cpu_loras: int | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -77,6 +78,7 @@ class Worker:
         # LoRA: the largest adapter rank served (None: LoRA off).
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
         self.runner: ModelRunner | None = None
         self.block_size: int | None = None
         if num_cpus is not None:
@@ -98,7 +100,7 @@ class Worker:
                                   self.max_lora_rank,
                                   # On an accelerator only a step's worth of adapters stays on the device.
                                   self.max_loras if self.device.type != "cpu" else None,
-                                  kv_cache_dtype=self.kv_cache_dtype)
+                                  kv_cache_dtype=self.kv_cache_dtype, max_cpu_loras=self.max_cpu_loras)
         weights = self.weights
         self.runner.load_model(weights() if callable(weights) else weights)
 

@@ -32,3 +32,19 @@ def save_adapter(base_dir: Path, out_dir: Path, **kwargs) -> Path:
     """Write a random adapter for the model in ``base_dir`` to ``out_dir`` (PEFT's save_pretrained)."""
     peft_model(base_dir, **kwargs).save_pretrained(out_dir)
     return out_dir
+
+
+def peft_greedy(base_dir: Path, prompts: list[str], max_tokens: int, **adapter) -> list[list[int]]:
+    """PEFT's own greedy tokens for each text prompt, under the adapter ``peft_model(**adapter)``."""
+    from transformers import AutoTokenizer
+
+    model = peft_model(base_dir, **adapter)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    outs = []
+    for p in prompts:
+        ids = tokenizer(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                               min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(g[0, ids.shape[1]:].tolist())
+    return outs

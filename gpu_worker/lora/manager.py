@@ -1,8 +1,10 @@
 """The adapters one worker holds: loading, sharding for its rank, and the mapping of each step's
 tokens to them.
 
-Every loaded adapter is kept in host memory, sharded for this rank (a rank-16 adapter on every
-projection of SmolLM2-135M is about 5 MB in fp32). On an accelerator at most ``max_resident`` of them
+Loaded adapters are kept in host memory, sharded for this rank (a rank-16 adapter on every
+projection of SmolLM2-135M is about 5 MB in fp32): all of them, or with ``max_cpu`` (vLLM's
+``--max-cpu-loras``) at most that many, the least recently used dropped first; an adapter a step
+needs that was dropped is read from its checkpoint again. On an accelerator at most ``max_resident`` of them
 (``--max-loras``, the most one step may use, which the scheduler enforces) are on the device at a
 time: a step's adapters are copied in before its forward, replacing the least recently used ones
 it does not need, as vLLM's LoRA slots do. On the CPU the host copy is the one computed with.
@@ -54,14 +56,18 @@ def wrap_model(model: nn.Module, batch: LoRABatch) -> dict[str, LoRALinear]:
 
 class LoRAManager:
     def __init__(self, model: nn.Module, max_lora_rank: int, device: torch.device, dtype: torch.dtype,
-                 max_resident: int | None = None) -> None:
+                 max_resident: int | None = None, max_cpu: int | None = None) -> None:
         self.batch = LoRABatch()
         self.layers = wrap_model(model, self.batch)
         self.packed: dict[str, tuple[str, int | str]] = dict(getattr(model, "packed_modules_mapping", {}))
         self.max_lora_rank = max_lora_rank
         self.device = device
         self.dtype = dtype
-        self.adapters: dict[int, AdapterShard] = {}
+        # Every adapter added (until removed), and those loaded in memory, least recently used first.
+        self.registered: dict[int, LoRARequest] = {}
+        self.adapters: OrderedDict[int, AdapterShard] = OrderedDict()
+        self.max_cpu = max_cpu
+        self.num_loads = 0
         # None: every adapter is computed with where it is loaded. Else: the host copies, and the
         # adapters now on the device, least recently used first.
         self.max_resident = max_resident
@@ -74,11 +80,18 @@ class LoRAManager:
     def add_adapter(self, lora: LoRARequest) -> bool:
         """Load and shard the adapter; False if this id is already held (with the same name and path).
         Raises ValueError for a checkpoint that cannot be served on this model."""
-        held = self.adapters.get(lora.lora_int_id)
+        held = self.registered.get(lora.lora_int_id)
         if held is not None:
             if (held.lora_name, held.lora_path) != (lora.lora_name, lora.lora_path):
                 raise ValueError(f"LoRA id {lora.lora_int_id} is already {held.lora_name!r} ({held.lora_path})")
             return False
+        self._load(lora, in_use=set())
+        self.registered[lora.lora_int_id] = lora
+        return True
+
+    def _load(self, lora: LoRARequest, in_use: set[int]) -> AdapterShard:
+        """Read, check and shard the checkpoint, making room under ``max_cpu`` by dropping the least
+        recently used adapters that are not ``in_use`` (they are read again when next needed)."""
         peft = load_peft_adapter(lora.lora_path, self.max_lora_rank)
         adapter = self._shard(lora, peft)
         if self.max_resident is not None:  # on the device only while steps use it
@@ -88,13 +101,24 @@ class LoRAManager:
             adapter.layers = {}
         else:
             adapter.layers = {path: (a.to(self.device), b.to(self.device)) for path, (a, b) in adapter.layers.items()}
+        if self.max_cpu is not None:
+            while len(self.adapters) >= self.max_cpu:
+                victim = next((i for i in self.adapters if i not in in_use), None)
+                if victim is None:
+                    raise RuntimeError(f"a step uses more than max_cpu_loras={self.max_cpu} adapters")
+                self._unload(victim)
         self.adapters[lora.lora_int_id] = adapter
-        return True
+        self.num_loads += 1
+        return adapter
 
-    def remove_adapter(self, lora_int_id: int) -> bool:
+    def _unload(self, lora_int_id: int) -> bool:
         self._host.pop(lora_int_id, None)
         self._resident.pop(lora_int_id, None)
         return self.adapters.pop(lora_int_id, None) is not None
+
+    def remove_adapter(self, lora_int_id: int) -> bool:
+        self._unload(lora_int_id)
+        return self.registered.pop(lora_int_id, None) is not None
 
     def resident_adapters(self) -> list[int]:
         """The adapters now on the device (all of them when there is no limit)."""
@@ -117,7 +141,11 @@ class LoRAManager:
         self.num_copies_in += 1
 
     def list_adapters(self) -> list[int]:
-        return sorted(self.adapters)
+        return sorted(self.registered)
+
+    def loaded_adapters(self) -> list[int]:
+        """The adapters in memory now, least recently used first."""
+        return list(self.adapters)
 
     # -- per step -------------------------------------------------------------------------------
 
@@ -131,7 +159,11 @@ class LoRAManager:
             for lora_id in sorted(in_use):
                 adapter = self.adapters.get(lora_id)
                 if adapter is None:
-                    raise KeyError(f"LoRA adapter {lora_id} is not loaded on this worker")
+                    lora = self.registered.get(lora_id)
+                    if lora is None:
+                        raise KeyError(f"LoRA adapter {lora_id} is not loaded on this worker")
+                    adapter = self._load(lora, in_use)  # dropped under max_cpu_loras: read it again
+                self.adapters.move_to_end(lora_id)
                 if self.max_resident is not None:
                     self._make_resident(adapter, in_use)
                 reqs = np.flatnonzero(ids == lora_id)

@@ -58,6 +58,8 @@ def test_the_access_log_is_on_unless_disabled():
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], {}, "the name 'a' is given twice"),
     (["--enable-lora", "--lora-modules", "a={missing}"], {}, "no adapter_config.json"),
     (["--enable-lora", "--max-loras", "0"], {}, "--max-loras: Input should be greater than or equal to 1"),
+    (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], {},
+     "max_cpu_loras must be None or >= max_loras (2)"),
     (["--engine-config", "{file}"], {"file": "- {kv_cache_dtype: int8}\n"}, "kv_cache_dtype"),
     (["--enable-responses-store", "--responses-store-max-entries", "0"], {},
      "--responses-store-max-entries: Input should be greater than or equal to 1"),
@@ -132,10 +134,11 @@ def test_speculative_config_reaches_the_engines_and_can_differ_per_engine(tmp_pa
 
 def test_lora_flags_reach_every_engine_and_the_router(monkeypatch):
     config = _config("--num-engines", "2", "--enable-lora", "--lora-modules", "sql=/adapters/sql",
-                     '{"name": "chat", "path": "/adapters/chat"}', "--max-loras", "3", "--max-lora-rank", "64")
+                     '{"name": "chat", "path": "/adapters/chat"}', "--max-loras", "3", "--max-lora-rank", "64",
+                     "--max-cpu-loras", "5")
     for engine in config.engine_configs():
         lora = engine.lora_config
-        assert (lora.max_loras, lora.max_lora_rank) == (3, 64)
+        assert (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (3, 64, 5)
         assert [(m.name, m.path) for m in lora.lora_modules] == [("sql", "/adapters/sql"), ("chat", "/adapters/chat")]
     assert router_deployment(config)._bound_deployment.init_args[0].allow_runtime_lora_updating is False
     assert _config().engine_configs()[0].lora_config is None

@@ -174,6 +174,31 @@ def test_an_fp8_kv_cache_holds_four_times_the_blocks_of_fp32_and_serves(tiny_mod
     assert blocks["fp8"] == 4 * blocks["auto"]
 
 
+def test_max_cpu_loras_keeps_one_adapter_in_memory_and_answers_as_peft(tiny_model_dir, tmp_path):
+    """Two adapters alternating under --max-cpu-loras 1: the engine's worker reads the dropped one
+    again when a request needs it, and every answer is PEFT's."""
+    from cluster import LoRARequest
+    from tests.lora_adapters import peft_greedy, save_adapter
+
+    prompts = ["Hello world", "Paris is the capital of"]
+    loras = [LoRARequest(name, i + 1, str(save_adapter(tiny_model_dir, tmp_path / name, seed=30 + i)))
+             for i, name in enumerate("ab")]
+    expected = [peft_greedy(tiny_model_dir, prompts, 6, seed=30 + i) for i in range(2)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_model_len=256, enable_lora=True, max_cpu_loras=1)
+    try:
+        manager = llm._engine.executor.worker.runner.lora
+        for _ in range(2):
+            for i, lora in enumerate(loras):
+                got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False,
+                                                                      lora_request=lora)]
+                assert got == expected[i]
+                assert manager.loaded_adapters() == [lora.lora_int_id]
+        assert manager.max_cpu == 1 and manager.num_loads >= 4
+    finally:
+        llm.shutdown()
+
+
 def test_bad_scheduler_flag_names_the_flag_and_engine(tiny_model_dir):
     with pytest.raises(ValueError, match="engine 1: max_num_seqs"):
         LLM(model=str(tiny_model_dir), num_engines=2, engine_overrides=[{}, {"max_num_seqs": 0}])

@@ -6,29 +6,14 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
-from transformers import AutoTokenizer
 
 from cluster import LLM, LoRARequest, SamplingParams
-from tests.lora_adapters import peft_model, save_adapter
+from tests.lora_adapters import peft_greedy, save_adapter
 from tests.serve_cluster import wait_until_healthy
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["Hello world", "Paris is the capital of", "def main():\n    return 42\n"]
-
-
-def _peft_greedy(model_dir, prompts, max_tokens, **adapter):
-    model = peft_model(model_dir, **adapter)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    outs = []
-    for p in prompts:
-        ids = tokenizer(p, return_tensors="pt").input_ids
-        with torch.no_grad():
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                               min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(g[0, ids.shape[1]:].tolist())
-    return outs
 
 
 def _wait_until_dead(actor, timeout_s: float = 30.0) -> None:
@@ -51,7 +36,7 @@ def test_tp2_engine_serves_an_adapter_and_keeps_it_across_a_worker_restart(ray_c
     import ray
 
     adapter = save_adapter(tiny_model_dir, tmp_path / "a", seed=21)
-    expected = _peft_greedy(tiny_model_dir, PROMPTS, 8, seed=21)
+    expected = peft_greedy(tiny_model_dir, PROMPTS, 8, seed=21)
     lora = LoRARequest("a", 1, str(adapter))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm = LLM(model=str(tiny_model_dir), tensor_parallel_size=2, num_gpu_blocks=64, enable_lora=True,

@@ -244,3 +244,32 @@ def test_with_a_device_limit_adapters_wait_in_host_memory_and_cycle_through_the_
     assert runner.lora.num_copies_in >= 2
     with pytest.raises(RuntimeError, match="more than max_loras=1"):
         runner.lora.set_batch([1, 2], np.array([0, 1, 2]))
+
+
+@pytest.mark.parametrize("max_resident", [None, 1], ids=["cpu", "device-slots"])
+def test_with_a_host_memory_limit_adapters_are_read_again_when_needed(setup, max_resident):
+    """--max-cpu-loras 1 with two adapters alternating: one stays in memory, the other is read from
+    its checkpoint again when a step needs it; answers stay PEFT's (also with a device-slot limit)."""
+    from gpu_worker.config import ModelConfig
+    from gpu_worker.model_runner import ModelRunner
+
+    base, adapters, prompts, expected = setup
+    runner = ModelRunner(ModelConfig.from_pretrained(base), "cpu", max_model_len=128, max_lora_rank=8,
+                         max_resident_loras=max_resident, max_cpu_loras=1)
+    runner.load_model(base)
+    runner.initialize_kv_cache(60, 4)
+    for lora in adapters.values():
+        assert runner.lora.add_adapter(lora)
+    assert runner.lora.list_adapters() == [1, 2] and runner.lora.loaded_adapters() == [2]
+    loaded: list[list[int]] = []
+
+    def execute(so):
+        out = runner.execute_model(so)
+        loaded.append(runner.lora.loaded_adapters())
+        return out
+
+    assert _drive(execute, adapters, prompts, max_loras=1) == expected
+    assert max(len(ids) for ids in loaded) == 1 and {tuple(ids) for ids in loaded} >= {(1,), (2,)}
+    assert runner.lora.num_loads >= 3  # both at add_adapter, then at least one read again
+    assert not runner.lora.add_adapter(adapters[1])  # still registered, though not in memory
+    assert runner.lora.remove_adapter(1) and runner.lora.list_adapters() == [2]
