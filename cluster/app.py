@@ -107,6 +107,7 @@ def router_deployment(config: ClusterConfig):
         reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys),
         enable_lora=config.enable_lora, allow_runtime_lora_updating=config.allow_runtime_lora_updating,
         enable_responses_store=config.enable_responses_store,
+        enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         responses_store_max_entries=config.responses_store_max_entries)
     deployment = serve.deployment(
         OpenAIRouter, name="OpenAIRouter", num_replicas=config.num_router_replicas,

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
                        help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
                             "$VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="Report usage.prompt_tokens_details.cached_tokens: the prompt tokens the engines "
+                            "found in their prefix caches.")
     serve.add_argument("--enable-responses-store", action="store_true",
                        default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").lower() in ("1", "true"),
                        help="Keep Responses API responses for GET/DELETE /v1/responses/{id} and "
@@ -156,6 +159,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_responses_store=args.enable_responses_store,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         responses_store_max_entries=args.responses_store_max_entries)
 
 

@@ -119,6 +119,9 @@ class ClusterConfig(BaseModel):
                     "previous_response_id (default: $VLLM_ENABLE_RESPONSES_API_STORE, as vLLM).")
     responses_store_max_entries: int = Field(10_000, ge=1, description="Most responses kept (least recently "
                                                                         "used forgotten first).")
+    enable_prompt_tokens_details: bool = Field(
+        False, description="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the engines' "
+                           "prefix caches (vLLM's --enable-prompt-tokens-details).")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     address: str | None = Field(None, description="Existing Ray cluster address; local Ray when unset.")

@@ -46,6 +46,7 @@ class RouterConfig:
     allow_runtime_lora_updating: bool = False
     # The Responses API's store (a named actor shared by the replicas); off: responses are not kept.
     enable_responses_store: bool = False
+    enable_prompt_tokens_details: bool = False
     responses_store_max_entries: int = 10_000
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -85,6 +86,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         reasoning_parser=config.reasoning_parser,
         api_keys=tuple(config.api_keys),
         allow_runtime_lora_updating=config.allow_runtime_lora_updating,
+        enable_prompt_tokens_details=config.enable_prompt_tokens_details,
     )
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin)

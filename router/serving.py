@@ -52,6 +52,7 @@ from router.protocol import (
     CompletionStreamChunk,
     DeltaMessage,
     PromptLogprob,
+    PromptTokensDetails,
     SamplingFields,
     ToolCall,
     UsageInfo,
@@ -100,6 +101,8 @@ class ServingSettings:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING; --allow-runtime-lora-updating here).
     allow_runtime_lora_updating: bool = False
+    # --enable-prompt-tokens-details (vLLM's): usage.prompt_tokens_details.cached_tokens.
+    enable_prompt_tokens_details: bool = False
 
 
 @dataclass
@@ -568,7 +571,7 @@ class OpenAIServing:
                                         prompt_logprobs=self._prompt_logprobs(request, prompt_ids[c.index // request.n],
                                                                               c.prompt_logprobs)))
         return CompletionResponse(id=request_id, created=created, model=self.model_name(request.model), choices=out,
-                                  usage=_usage(num_prompt_tokens, choices))
+                                  usage=self._usage(num_prompt_tokens, choices, request.n))
 
     async def _stream_completion(self, request: CompletionRequest, request_id: str, created: int,
                                  choices: list[_Choice], prompt_texts: list[str], prompt_ids: list[list[int]],
@@ -610,7 +613,7 @@ class OpenAIServing:
                 _drop_output(c)
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[],
-                                             usage=_usage(num_prompt_tokens, choices)))
+                                             usage=self._usage(num_prompt_tokens, choices, request.n)))
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions -----------------------------------------------------------------------
@@ -635,7 +638,7 @@ class OpenAIServing:
             out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                                   stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name(request.model),
-                                      choices=out, usage=_usage(len(ids), choices),
+                                      choices=out, usage=self._usage(len(ids), choices, request.n),
                                       prompt_logprobs=self._prompt_logprobs(request, ids, choices[0].prompt_logprobs))
 
     async def start_chat(self, request: ChatCompletionRequest, session_id: str | None = None,
@@ -700,7 +703,7 @@ class OpenAIServing:
                 yield chunk
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                           usage=_usage(num_prompt_tokens, choices)))
+                                           usage=self._usage(num_prompt_tokens, choices, request.n)))
         yield "data: [DONE]\n\n"
 
     def _parsed_chat_chunks(self, parser: ChatOutputParser, event: _Delta, logprobs: dict[str, Any] | None,
@@ -785,6 +788,17 @@ class OpenAIServing:
             await asyncio.gather(runner, return_exceptions=True)
 
     # -- helpers --------------------------------------------------------------------------------------
+
+    def _usage(self, num_prompt_tokens: int, choices: list[_Choice], n: int) -> UsageInfo:
+        """Token counts; with --enable-prompt-tokens-details also the prompt tokens the engines found
+        in their prefix caches (per prompt: its n choices share it, so the most any of them found)."""
+        completion = sum(len(c.token_ids) for c in choices)
+        details = None
+        if self.settings.enable_prompt_tokens_details:
+            cached = sum(max(c.num_cached_tokens for c in choices[i:i + n]) for i in range(0, len(choices), n))
+            details = PromptTokensDetails(cached_tokens=cached)
+        return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
+                         total_tokens=num_prompt_tokens + completion, prompt_tokens_details=details)
 
     def _timed_out(self) -> APIError:
         return APIError(408, f"request timed out after {self.settings.request_timeout_s} s", "TimeoutError")
@@ -950,10 +964,6 @@ def _running_usage(num_prompt_tokens: int, event: _Delta) -> dict[str, int]:
             "total_tokens": num_prompt_tokens + event.num_tokens}
 
 
-def _usage(num_prompt_tokens: int, choices: list[_Choice]) -> UsageInfo:
-    completion = sum(len(c.token_ids) for c in choices)
-    return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
-                     total_tokens=num_prompt_tokens + completion)
 
 
 def _sse(model: Any) -> str:

@@ -170,3 +170,5 @@ def test_the_responses_store_is_off_unless_asked_for(monkeypatch):
     assert on.enable_responses_store is True and on.responses_store_max_entries == 500
     monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")  # vLLM's switch
     assert router_config().enable_responses_store is True
+    assert router_config().enable_prompt_tokens_details is False
+    assert router_config("--enable-prompt-tokens-details").enable_prompt_tokens_details is True

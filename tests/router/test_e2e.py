@@ -26,6 +26,7 @@ def cluster(ray_cluster, tiny_model_dir):
     config = ClusterConfig(
         model=str(tiny_model_dir), served_model_name="tiny", num_engines=2, routing_policy="round_robin",
         enable_responses_store=True,  # shared by every app of the namespace (prefix2 uses it too)
+        enable_prompt_tokens_details=True,
         defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256),
         # Engine 1 has a short queue, so flooding it yields 429s.
         engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
@@ -99,6 +100,11 @@ def test_responses_api_plain_and_streamed_equal_chat(client):
     again = [client.responses.create(model="tiny", instructions="Be brief.", input="Hello", max_output_tokens=1)
              for _ in range(3)]
     assert max(r.usage.input_tokens_details.cached_tokens for r in again) >= 16
+    # Chat reports the same (--enable-prompt-tokens-details).
+    chats = [client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."},
+                                                                    {"role": "user", "content": "Hello"}],
+                                            max_tokens=1) for _ in range(2)]
+    assert min(c.usage.prompt_tokens_details.cached_tokens for c in chats) >= 16
 
 
 def test_a_stored_conversation_continues_through_another_router(client, cluster):

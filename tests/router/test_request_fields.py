@@ -5,6 +5,7 @@ min_tokens and stop token ids shape the text, as vLLM's OpenAI server does."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 import pytest
@@ -34,9 +35,10 @@ class ScriptedEngine:
 
     def __init__(self, client: EngineClient, script: Callable[[EngineCoreRequest], list[int]],
                  finish: FinishReason = FinishReason.LENGTH, stop_reason: int | None = None, slot: int = 0,
-                 spaced: bool = False, tokens_per_output: int = 1) -> None:
+                 spaced: bool = False, tokens_per_output: int = 1, num_cached_tokens: int = 0) -> None:
         self.client, self.script, self.finish, self.stop_reason = client, script, finish, stop_reason
         self.slot, self.spaced, self.tokens_per_output = slot, spaced, tokens_per_output
+        self.num_cached_tokens = num_cached_tokens  # what the engine reports found in its prefix cache
         self.requests: list[EngineCoreRequest] = []
 
     def send(self, message: object) -> None:
@@ -59,7 +61,8 @@ class ScriptedEngine:
             prompt_logprobs = (LogprobsEntry([-p / 10 for p in range(1, num_prompt)], [[]] * (num_prompt - 1))
                                if i == 0 and params.prompt_logprobs is not None else None)
             outputs.append(EngineCoreOutput(request.request_id, [token], self.finish if last else None,
-                                            self.stop_reason if last else None, logprobs, 0, prompt_logprobs))
+                                            self.stop_reason if last else None, logprobs, self.num_cached_tokens,
+                                            prompt_logprobs))
         if self.tokens_per_output > 1:
             outputs = [_joined(outputs[i:i + self.tokens_per_output])
                        for i in range(0, len(outputs), self.tokens_per_output)]
@@ -90,11 +93,12 @@ def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
 
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
-         tokenizer=TOKENIZER, **engine) -> tuple[TestClient, ScriptedEngine]:
+         tokenizer=TOKENIZER, prompt_tokens_details: bool = False, **engine) -> tuple[TestClient, ScriptedEngine]:
     client = EngineClient([object()], client_index=1)
     scripted = client._slots[0].channel = ScriptedEngine(client, script, **engine)
-    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256), client, tokenizer,
-                            RoundRobinPolicy())
+    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256,
+                                            enable_prompt_tokens_details=prompt_tokens_details),
+                            client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted
 
 
@@ -470,3 +474,21 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(stream):
         content = r.json()["choices"][0]["logprobs"]["content"]
     assert [t["token"] for t in content] == names
     assert all(t["bytes"] == list(t["token"].encode()) for t in content)
+
+
+def test_prompt_tokens_details_report_the_prefix_cache_hits_when_enabled():
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, per prompt (its n
+    choices share one prompt), whole and in the streamed usage chunk; off, the field is null. (Chat
+    builds its usage the same way; test_e2e checks it on real engines.)"""
+    http, _ = _app(prompt_tokens_details=True, num_cached_tokens=8)
+    body = {"model": "tiny", "prompt": ["one prompt", "another"], "n": 2, "max_tokens": 3}
+    usage = http.post("/v1/completions", json=body).json()["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 16}  # 8 for each of the two prompts
+    one = http.post("/v1/completions", json={**body, "prompt": "one prompt", "n": 3}).json()
+    assert one["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                      "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    off, _ = _app(num_cached_tokens=8)
+    assert off.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"] is None
