@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     serve.add_argument("--dtype", default=None)
     serve.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPE_NAMES), default=None,
-                       help="KV cache storage: auto (the model's dtype), bfloat16, or fp8 (= fp8_e4m3), fp8_e5m2: "
-                            "one byte per element, so 2x (bf16) or 4x (fp32) the KV blocks in the same memory.")
+                       help="KV cache storage: auto (the model's dtype), bfloat16 (two bytes per element), or "
+                            "fp8 (= fp8_e4m3), fp8_e5m2 (one byte per element: 2x (bf16) or 4x (fp32) the KV "
+                            "blocks in the same memory).")
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="Queue limit per engine (429 beyond).")
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine_core.config import EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
+from engine_core.config import EngineConfig, KVCacheDType, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from engine_core.lora import LoRAModule, parse_lora_module, static_lora_requests
 from router.reasoning_parsers import REASONING_PARSERS
 from router.routing import ROUTING_POLICIES
@@ -47,7 +47,7 @@ class EngineSpec(BaseModel):
     tensor_parallel_size: int | None = None
     device: Literal["auto", "cpu", "cuda"] | None = None
     dtype: str | None = None
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = Field(
+    kv_cache_dtype: KVCacheDType | None = Field(
         None, description="KV cache storage dtype (--kv-cache-dtype): auto is the model's; fp8 stores one byte "
                           "per element, for 2x (bf16 models) or 4x (fp32) the blocks in the same memory.")
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = None
@@ -142,6 +142,9 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _lora(self) -> ClusterConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras (--max-cpu-loras, {self.max_cpu_loras}) must be at least max_loras "
+                             f"(--max-loras, {self.max_loras})")
         if (self.lora_modules or self.allow_runtime_lora_updating) and not self.enable_lora:
             raise ValueError("lora_modules and allow_runtime_lora_updating need enable_lora (--enable-lora)")
         static_lora_requests(self.lora_module_list())  # names must be unique

@@ -16,7 +16,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from cluster.config import ClusterConfig, EngineSpec, scheduler_flags_to_spec
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, KVCacheDType
 from engine_core.engine_core import EngineCore
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
@@ -158,7 +158,7 @@ class LLM:
                  executor_backend: str = "auto", use_ray: bool | None = None, address: str | None = None,
                  engine_overrides: list[dict[str, Any]] | None = None, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 kv_cache_dtype: str = "auto",
+                 kv_cache_dtype: KVCacheDType = "auto",
                  **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 

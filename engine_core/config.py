@@ -7,12 +7,13 @@ checked with ``assert``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from engine_core.lora import LoRAModule
 
 # vLLM's --kv-cache-dtype choices that this engine stores (the workers map them to torch dtypes).
-KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KVCacheDType = Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDType)
 
 SchedulingPolicyName = Literal["fcfs", "priority"]
 
@@ -165,7 +166,7 @@ class LoRAConfig:
                  self.max_lora_rank)
         _require(self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int)
                                                  and self.max_cpu_loras >= self.max_loras),
-                 "max_cpu_loras", f"None or >= max_loras ({self.max_loras})", self.max_cpu_loras)
+                 "max_cpu_loras", f"at least max_loras ({self.max_loras}) when set", self.max_cpu_loras)
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
 
 
@@ -183,7 +184,7 @@ class EngineConfig:
     dtype: str = "auto"
     # The KV cache's storage dtype (vLLM's --kv-cache-dtype): "auto" (the model's), "bfloat16", or
     # "fp8" / "fp8_e4m3" / "fp8_e5m2" (one byte per element: more blocks for the same memory).
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: KVCacheDType = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
     enable_prefix_caching: bool = True

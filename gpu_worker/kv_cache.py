@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.config import KV_CACHE_DTYPE_NAMES
 from gpu_worker.config import ModelConfig
 
 # vLLM's names: "fp8" is e4m3 (more mantissa), as on CUDA in vLLM.
@@ -19,7 +18,6 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-assert tuple(KV_CACHE_DTYPES) == KV_CACHE_DTYPE_NAMES, "the engine config and the workers disagree on the names"
 
 
 def resolve_kv_cache_dtype(name: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:

@@ -56,9 +56,14 @@ class ChatOutputParser:
             return self.tools.finish_reason_on_call
         return finish_reason
 
-    def whole(self, text: str) -> ChatAnswer:
+    def parse(self, text: str) -> ParsedDelta:
+        """A whole answer's text, split as its stream would have been."""
         out = self.feed(text)
         out.extend(self.finish())
+        return out
+
+    def whole(self, text: str) -> ChatAnswer:
+        out = self.parse(text)
         calls = merge_tool_call_deltas(out.tool_calls)
         # An answer that is all thinking or tool calls has no content (null, as OpenAI sends it);
         # any text, blanks included, is content, as streamed.

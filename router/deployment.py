@@ -46,6 +46,7 @@ class RouterConfig:
     allow_runtime_lora_updating: bool = False
     # The Responses API's store (a named actor shared by the replicas); off: responses are not kept.
     enable_responses_store: bool = False
+    # usage.prompt_tokens_details.cached_tokens in completions and chat.
     enable_prompt_tokens_details: bool = False
     responses_store_max_entries: int = 10_000
     extra: dict[str, Any] = field(default_factory=dict)

@@ -106,8 +106,8 @@ class ResponseStore:
 
 
 class LocalResponseStore:
-    """A ResponseStore in this process, behind the async interface the serving code uses (a single
-    router process, tests)."""
+    """A ResponseStore in this process, behind the async interface the serving code uses (for an
+    app built with ``create_app`` outside Ray Serve, as the tests do)."""
 
     def __init__(self, max_entries: int = 10_000) -> None:
         self.store = ResponseStore(max_entries)

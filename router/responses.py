@@ -406,19 +406,18 @@ class ResponsesServing:
         except MissingResponseError as e:
             raise _not_found(e.response_id, "previous_response_id", True) from None
 
-    async def create(self, request: ResponsesRequest, session_id: str | None = None) -> dict[str, Any] | Any:
+    async def create(self, request: ResponsesRequest, session_id: str | None = None) -> dict[str, Any] | SSEStream:
         history = await self._history(request)
         chat = request.chat_request(history)
         storing = self.store is not None and request.store
         try:
-            run = await self.serving.start_chat(chat, session_id, id_prefix="resp")
+            run = await self.serving.start_chat(chat, session_id, request_id=f"resp_{uuid.uuid4().hex}")
         except APIError as e:
             if e.param in _CHAT_ERROR_PARAM:
                 e.param = _CHAT_ERROR_PARAM[e.param]
                 e.message = e.message.replace("max_tokens", "max_output_tokens")
             raise
-        response_id = run.request_id.replace("resp-", "resp_", 1)
-        base = {"id": response_id, "object": "response", "created_at": run.created,
+        base = {"id": run.request_id, "object": "response", "created_at": run.created,
                 "model": self.serving.model_name(request.model), "error": None, "incomplete_details": None,
                 "output": [], "usage": None, **request.echo_fields(storing)}
 
@@ -499,7 +498,7 @@ class ResponsesServing:
             # A timeout or an engine failure: OpenAI's error event, then the response as failed.
             error = e.error
             output = items.finish("incomplete")  # what was produced so far, closed
-            emit("error", code="server_error", message=error.message, param=None)
+            emit("error", code="timeout" if error.status == 408 else "server_error", message=error.message, param=None)
             emit("response.failed", response=base | {
                 "status": "failed", "output": output, "error": {"code": "server_error", "message": error.message}})
             yield "".join(pending)
@@ -519,9 +518,4 @@ def _not_found(response_id: str, param: str, storing: bool) -> APIError:
 def _parse_whole(choice: Any) -> ParsedDelta:
     """A finished choice's text, split as a stream would have been (reasoning, content, calls)."""
     text = choice.detok.output_text
-    parser = choice.output_parser
-    if parser is None:
-        return ParsedDelta(content=text)
-    parsed = parser.feed(text)
-    parsed.extend(parser.finish())
-    return parsed
+    return choice.output_parser.parse(text) if choice.output_parser is not None else ParsedDelta(content=text)

@@ -118,7 +118,7 @@ class _Choice:
     prompt_logprobs: LogprobsEntry | None = None
     # Chat with a reasoning parser or tools: splits the choice's text into reasoning, content, calls.
     output_parser: ChatOutputParser | None = None
-    # Prompt tokens the engine found in its prefix cache (the Responses API reports them).
+    # Prompt tokens the engine found in its prefix cache (usage's cached tokens).
     num_cached_tokens: int = 0
 
 
@@ -620,11 +620,11 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, session_id: str | None = None):
         run = await self.start_chat(request, session_id)
-        request_id, created, ids, choices, streams = run.request_id, run.created, run.prompt_ids, run.choices, \
-            run.streams
+        request_id, created, ids, choices = run.request_id, run.created, run.prompt_ids, run.choices
         if request.stream:
-            return SSEStream(self._stream_chat(request, request_id, created, choices, len(ids), streams), streams)
-        await self._generate(streams, choices, None)
+            return SSEStream(self._stream_chat(request, request_id, created, choices, len(ids), run.streams),
+                             run.streams)
+        await self.finish_chat(run)
         out = []
         for c in choices:
             message, finish_reason = ChatMessageOut(content=c.detok.output_text), c.finish_reason
@@ -642,7 +642,7 @@ class OpenAIServing:
                                       prompt_logprobs=self._prompt_logprobs(request, ids, choices[0].prompt_logprobs))
 
     async def start_chat(self, request: ChatCompletionRequest, session_id: str | None = None,
-                         id_prefix: str = "chatcmpl") -> ChatRun:
+                         request_id: str | None = None) -> ChatRun:
         """Render, route and send a chat request's choices to their engine; what comes back is read
         with ``finish_chat`` (whole) or ``choice_events`` (streamed). Also the Responses API's way in."""
         lora = await self.resolve_model(request.model)
@@ -654,7 +654,7 @@ class OpenAIServing:
                               '"required" or "none"', "tool_choice")
         ids = self.truncate_prompt(self.render_chat(request), request)
         engine = self.choose_engine(ids, session_id, lora=lora)
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         top = (request.top_logprobs or 0) if request.logprobs else None
         # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
@@ -962,8 +962,6 @@ def _continuous_usage(request: SamplingFields) -> bool:
 def _running_usage(num_prompt_tokens: int, event: _Delta) -> dict[str, int]:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": event.num_tokens,
             "total_tokens": num_prompt_tokens + event.num_tokens}
-
-
 
 
 def _sse(model: Any) -> str:

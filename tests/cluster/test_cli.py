@@ -59,7 +59,7 @@ def test_the_access_log_is_on_unless_disabled():
     (["--enable-lora", "--lora-modules", "a={missing}"], {}, "no adapter_config.json"),
     (["--enable-lora", "--max-loras", "0"], {}, "--max-loras: Input should be greater than or equal to 1"),
     (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], {},
-     "max_cpu_loras must be None or >= max_loras (2)"),
+     "max_cpu_loras (--max-cpu-loras, 1) must be at least max_loras (--max-loras, 2)"),
     (["--engine-config", "{file}"], {"file": "- {kv_cache_dtype: int8}\n"}, "kv_cache_dtype"),
     (["--enable-responses-store", "--responses-store-max-entries", "0"], {},
      "--responses-store-max-entries: Input should be greater than or equal to 1"),

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import gpu_worker.layers.attention as attention
+from engine_core.config import KV_CACHE_DTYPE_NAMES
 from gpu_worker.cpu_kernels import cpu_kernels_available, fp8_byte_value, paged_decode_attention
 from gpu_worker.kv_cache import KV_CACHE_DTYPES, resolve_kv_cache_dtype, store_kv
 from gpu_worker.worker import Worker
@@ -21,6 +22,7 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="no C com
 
 
 def test_names_resolve_as_vllms_flag():
+    assert tuple(KV_CACHE_DTYPES) == KV_CACHE_DTYPE_NAMES  # the workers map every name the config takes
     assert resolve_kv_cache_dtype("auto", torch.bfloat16) is torch.bfloat16
     assert resolve_kv_cache_dtype("fp8", torch.float32) is torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16) is torch.float8_e4m3fn
@@ -41,7 +43,7 @@ def test_writes_convert_and_saturate_and_the_gather_widens(dtype):
     limit = torch.finfo(dtype).max
     stored = cache.view(-1, 2, 8).float()
     assert torch.equal(stored[slots], x.clamp(-limit, limit).to(dtype).float())
-    assert stored[0 + 5, 0, 0] == limit and stored[0, 1, 3] == -limit
+    assert stored[5, 0, 0] == limit and stored[0, 1, 3] == -limit
     untouched = torch.ones(24, dtype=torch.bool)
     untouched[slots] = False
     assert not stored[untouched].any()

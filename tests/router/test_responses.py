@@ -366,7 +366,7 @@ def test_a_call_cut_off_by_max_output_tokens_is_not_replayed():
     assert first.status == "incomplete" and first.output[-1].type == "function_call"
     assert first.output[-1].arguments.endswith('"Ro')
     second = client.responses.create(model="tiny", input="go on", previous_response_id=first.id)
-    assert second.status in ("completed", "incomplete")
+    assert second.status == "incomplete"  # (this engine finishes every answer by length)
     assert "CALLS" not in _prompt(serving, engine, 1) and "user: go onassistant:" in _prompt(serving, engine, 1)
 
 
