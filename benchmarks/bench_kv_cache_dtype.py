@@ -17,13 +17,12 @@ Usage: python benchmarks/bench_kv_cache_dtype.py [--num-prompts 32] [--max-token
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.llm_modes import LLMMode, run_alternating
 from cluster import LLM, SamplingParams
 
 QUESTIONS = ["Explain how rainbows form.", "Write a short story about a lighthouse keeper.",
@@ -32,30 +31,19 @@ QUESTIONS = ["Explain how rainbows form.", "Write a short story about a lighthou
 MODES = ("auto", "bfloat16", "fp8", "fp8_e5m2")
 
 
-class Mode:
-    """One cache dtype: its own in-process engine, kept for the whole run."""
+class CacheDTypeMode(LLMMode):
+    """One cache dtype under the shared KV budget; also counts the preemptions of its last run."""
 
     def __init__(self, name: str, budget: int, max_num_seqs: int) -> None:
-        self.name = name
-        self.llm = LLM(kv_cache_dtype=name, kv_cache_memory_bytes=budget, max_num_seqs=max_num_seqs,
-                       max_model_len=512)
+        super().__init__(name, LLM(kv_cache_dtype=name, kv_cache_memory_bytes=budget, max_num_seqs=max_num_seqs,
+                                   max_model_len=512))
         self.num_blocks = self.llm._engine.scheduler.cache_config.num_blocks
-        self.rates: list[float] = []
         self.preemptions = 0
-        self.answers: list[list[int]] = []
 
     def run(self, prompts: list[list[int]], params: SamplingParams) -> None:
         before = self.llm.get_stats()[0].num_preemptions
-        t0 = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
+        super().run(prompts, params)
         self.preemptions = self.llm.get_stats()[0].num_preemptions - before
-        self.rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
-        self.answers = [o.outputs[0].token_ids for o in outputs]
-
-    @property
-    def rate(self) -> float:
-        return statistics.median(self.rates)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -74,24 +62,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     budget = int(args.kv_cache_memory_mib * 2**20)
-    modes = [Mode(name, budget, args.max_num_seqs) for name in MODES]
+    modes = [CacheDTypeMode(name, budget, args.max_num_seqs) for name in MODES]
     tokenizer = modes[0].llm.tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], add_generation_prompt=True, tokenize=False),
         add_special_tokens=False) for i in range(args.num_prompts)]
-    try:
-        for mode in modes:  # warm-up
-            mode.run(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0))
-            mode.rates.clear()
-        # ignore_eos: every mode computes the same number of tokens; the answers are compared up to
-        # their first difference anyway.
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        for r in range(args.rounds):
-            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-                mode.run(prompts, params)
-    finally:
-        for mode in modes:
-            mode.llm.shutdown()
+    # ignore_eos: every mode computes the same number of tokens; the answers are compared up to
+    # their first difference anyway.
+    run_alternating(modes, prompts[:2], prompts,
+                    SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True), args.rounds)
     auto = modes[0]
     print(f"{args.num_prompts} chat prompts x {args.max_tokens} greedy tokens, max_num_seqs={args.max_num_seqs}, "
           f"KV budget {args.kv_cache_memory_mib:g} MiB for every mode; median of {args.rounds} rounds")

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.llm_modes import LLMMode, run_alternating
 from cluster import LLM, LoRARequest, SamplingParams
 from tests.lora_adapters import peft_model
 
@@ -48,27 +47,12 @@ def make_adapters(base_dir: Path, out: Path, count: int, rank: int) -> tuple[lis
     return paths, out / "merged"
 
 
-class Mode:
-    """One way of serving: its own in-process engine, kept for the whole run."""
-
-    def __init__(self, name: str, model: str, loras: list[LoRARequest | None] | None, max_loras: int,
-                 max_num_seqs: int) -> None:
-        self.name, self.loras = name, loras
-        self.llm = LLM(model=model, max_num_seqs=max_num_seqs, enable_lora=loras is not None,
-                       max_loras=max_loras, max_lora_rank=64, max_model_len=512)
-        self.rates: list[float] = []
-        self.answers: list[list[int]] = []
-
-    def run(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        t0 = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.loras)
-        elapsed = time.perf_counter() - t0
-        self.rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
-        self.answers = [o.outputs[0].token_ids for o in outputs]
-
-    @property
-    def rate(self) -> float:
-        return statistics.median(self.rates)
+def lora_mode(name: str, model: str, loras: list[LoRARequest | None] | None, max_loras: int,
+              max_num_seqs: int) -> LLMMode:
+    """One way of serving: ``loras`` None is an engine without LoRA, else each prompt's adapter."""
+    llm = LLM(model=model, max_num_seqs=max_num_seqs, enable_lora=loras is not None, max_loras=max_loras,
+              max_lora_rank=64, max_model_len=512)
+    return LLMMode(name, llm, lora_request=loras)
 
 
 def main() -> None:
@@ -92,26 +76,16 @@ def main() -> None:
         adapters = [LoRARequest(f"adapter{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         n = args.num_prompts
         modes = [
-            Mode("base", str(base_dir), None, 1, args.max_num_seqs),
-            Mode("lora-on", str(base_dir), [None] * n, 1, args.max_num_seqs),
-            Mode("1 adapter", str(base_dir), [adapters[0]] * n, 1, args.max_num_seqs),
-            Mode(f"{args.adapters} adapters", str(base_dir), [adapters[i % args.adapters] for i in range(n)],
+            lora_mode("base", str(base_dir), None, 1, args.max_num_seqs),
+            lora_mode("lora-on", str(base_dir), [None] * n, 1, args.max_num_seqs),
+            lora_mode("1 adapter", str(base_dir), [adapters[0]] * n, 1, args.max_num_seqs),
+            lora_mode(f"{args.adapters} adapters", str(base_dir), [adapters[i % args.adapters] for i in range(n)],
                  args.adapters, args.max_num_seqs),
-            Mode("merged", str(merged), None, 1, args.max_num_seqs),
+            lora_mode("merged", str(merged), None, 1, args.max_num_seqs),
         ]
-        try:
-            for mode in modes:  # warm-up (and the adapters' first load, which is not timed)
-                mode.run(prompts, SamplingParams(max_tokens=2, temperature=0.0))
-                mode.rates.clear()
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-            # Rounds alternate the modes, each round starting one mode later, so a noisy spell on this
-            # shared machine (or a mode's place in the round) hits all of them alike.
-            for r in range(args.rounds):
-                for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-                    mode.run(prompts, params)
-        finally:
-            for mode in modes:
-                mode.llm.shutdown()
+        # (The warm-up also loads the adapters, which is not timed.)
+        run_alternating(modes, prompts, prompts,
+                        SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True), args.rounds)
     print(f"{n} prompts x {args.max_tokens} tokens, greedy, max_num_seqs={args.max_num_seqs}, "
           f"rank {args.rank} on q/k/v/o/gate/up/down; median of {args.rounds} rounds")
     print(f"{'mode':12} {'tok/s':>8} {'vs base':>8} {'vs merged':>10}")

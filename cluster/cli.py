@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from cluster.config import API_KEY_ENV, default_api_keys
+from cluster.config import API_KEY_ENV, default_api_keys, env_switch
 from engine_core.config import KV_CACHE_DTYPE_NAMES
 from router.reasoning_parsers import REASONING_PARSERS
 from router.tool_parsers import TOOL_CALL_PARSERS
@@ -92,14 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Adapters kept in the workers' memory (>= --max-loras); the least recently used "
                             "beyond it are read from their checkpoints again when next needed (default: all).")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
-                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       default=env_switch("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
                        help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
                             "$VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="Report usage.prompt_tokens_details.cached_tokens: the prompt tokens the engines "
                             "found in their prefix caches.")
     serve.add_argument("--enable-responses-store", action="store_true",
-                       default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").lower() in ("1", "true"),
+                       default=env_switch("VLLM_ENABLE_RESPONSES_API_STORE"),
                        help="Keep Responses API responses for GET/DELETE /v1/responses/{id} and "
                             "previous_response_id (default: $VLLM_ENABLE_RESPONSES_API_STORE).")
     serve.add_argument("--responses-store-max-entries", type=int, default=10_000,

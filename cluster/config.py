@@ -77,6 +77,11 @@ _DEFAULTS = EngineSpec(
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
 
 
+def env_switch(name: str) -> bool:
+    """A vLLM environment switch that sets a default ("1" or "true")."""
+    return os.environ.get(name, "").lower() in ("1", "true")
+
+
 def default_api_keys() -> list[str]:
     key = os.environ.get(API_KEY_ENV)
     return [key] if key else []
@@ -114,7 +119,7 @@ class ClusterConfig(BaseModel):
     allow_runtime_lora_updating: bool = Field(
         False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")
     enable_responses_store: bool = Field(
-        default_factory=lambda: os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").lower() in ("1", "true"),
+        default_factory=lambda: env_switch("VLLM_ENABLE_RESPONSES_API_STORE"),
         description="Keep Responses API responses (store: true) for GET/DELETE /v1/responses/{id} and "
                     "previous_response_id (default: $VLLM_ENABLE_RESPONSES_API_STORE, as vLLM).")
     responses_store_max_entries: int = Field(10_000, ge=1, description="Most responses kept (least recently "

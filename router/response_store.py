@@ -105,28 +105,42 @@ class ResponseStore:
         return len(self._entries)
 
 
-class LocalResponseStore:
-    """A ResponseStore in this process, behind the async interface the serving code uses (for an
-    app built with ``create_app`` outside Ray Serve, as the tests do)."""
+class AsyncResponseStore:
+    """The async interface the serving code uses; ``_call`` runs one ResponseStore method wherever
+    the store lives."""
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    async def put(self, response: dict[str, Any], previous_id: str | None,
+                  input_items: list[dict[str, Any]]) -> None:
+        await self._call("put", response, previous_id, input_items)
+
+    async def get(self, response_id: str) -> dict[str, Any] | None:
+        return await self._call("get", response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self._call("delete", response_id)
+
+    async def conversation(self, response_id: str) -> list[dict[str, Any]]:
+        items, missing_id = await self._call("conversation", response_id)
+        if items is None:
+            raise MissingResponseError(missing_id or "")
+        return items
+
+
+class LocalResponseStore(AsyncResponseStore):
+    """A ResponseStore in this process (for an app built with ``create_app`` outside Ray Serve, as
+    the tests do)."""
 
     def __init__(self, max_entries: int = 10_000) -> None:
         self.store = ResponseStore(max_entries)
 
-    async def put(self, response: dict[str, Any], previous_id: str | None,
-                  input_items: list[dict[str, Any]]) -> None:
-        self.store.put(response, previous_id, input_items)
-
-    async def get(self, response_id: str) -> dict[str, Any] | None:
-        return self.store.get(response_id)
-
-    async def delete(self, response_id: str) -> bool:
-        return self.store.delete(response_id)
-
-    async def conversation(self, response_id: str) -> list[dict[str, Any]]:
-        return _found(*self.store.conversation(response_id))
+    async def _call(self, method: str, *args: Any) -> Any:
+        return getattr(self.store, method)(*args)
 
 
-class ActorResponseStore:
+class ActorResponseStore(AsyncResponseStore):
     """The application's shared store: the named actor, started by the first replica that needs it
     (restarted empty if its process dies; a replica that finds its handle dead looks it up, or
     starts it, again)."""
@@ -153,22 +167,3 @@ class ActorResponseStore:
         except RayActorError:  # killed (llm-cluster stop) or lost with its node: find or start it again
             self.actor = self._connect()
             return await getattr(self.actor, method).remote(*args)
-
-    async def put(self, response: dict[str, Any], previous_id: str | None,
-                  input_items: list[dict[str, Any]]) -> None:
-        await self._call("put", response, previous_id, input_items)
-
-    async def get(self, response_id: str) -> dict[str, Any] | None:
-        return await self._call("get", response_id)
-
-    async def delete(self, response_id: str) -> bool:
-        return await self._call("delete", response_id)
-
-    async def conversation(self, response_id: str) -> list[dict[str, Any]]:
-        return _found(*await self._call("conversation", response_id))
-
-
-def _found(items: list[dict[str, Any]] | None, missing_id: str | None) -> list[dict[str, Any]]:
-    if items is None:
-        raise MissingResponseError(missing_id or "")
-    return items

@@ -33,10 +33,8 @@ from router.response_store import MissingResponseError
 from router.serving import APIError, SSEStream, _StreamError, bad_request
 
 if TYPE_CHECKING:
-    from router.response_store import ActorResponseStore, LocalResponseStore
+    from router.response_store import AsyncResponseStore
     from router.serving import ChatRun, OpenAIServing
-
-    ResponseStoreLike = ActorResponseStore | LocalResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +368,7 @@ class ResponsesServing:
     """``POST /v1/responses`` through an OpenAIServing's chat path; with a store, also retrieval,
     deletion and ``previous_response_id``."""
 
-    def __init__(self, serving: OpenAIServing, store: ResponseStoreLike | None = None) -> None:
+    def __init__(self, serving: OpenAIServing, store: AsyncResponseStore | None = None) -> None:
         self.serving = serving
         self.store = store
 

@@ -67,6 +67,19 @@ def _worker(base: Path, adapters: dict[int, LoRARequest], **kwargs) -> Worker:
     return worker
 
 
+def _runner(base: Path, adapters: dict[int, LoRARequest], **kwargs):
+    """A CPU model runner with the adapters added (``kwargs``: its LoRA memory limits)."""
+    from gpu_worker.config import ModelConfig
+    from gpu_worker.model_runner import ModelRunner
+
+    runner = ModelRunner(ModelConfig.from_pretrained(base), "cpu", max_model_len=128, max_lora_rank=8, **kwargs)
+    runner.load_model(base)
+    runner.initialize_kv_cache(60, 4)
+    for lora in adapters.values():
+        assert runner.lora.add_adapter(lora)
+    return runner
+
+
 @pytest.mark.parametrize(("max_loras", "budget"), [(2, 16), (1, 7), (2, 64)])
 def test_mixed_batches_equal_each_adapters_peft_model(setup, max_loras, budget):
     """Base-model requests and two adapters' requests in the same batches (chunked prefills,
@@ -221,16 +234,8 @@ def test_with_a_device_limit_adapters_wait_in_host_memory_and_cycle_through_the_
     each step's are copied in, replacing the least recently used; answers stay PEFT's."""
     import numpy as np
 
-    from gpu_worker.config import ModelConfig
-    from gpu_worker.model_runner import ModelRunner
-
     base, adapters, prompts, expected = setup
-    runner = ModelRunner(ModelConfig.from_pretrained(base), "cpu", max_model_len=128, max_lora_rank=8,
-                         max_resident_loras=1)
-    runner.load_model(base)
-    runner.initialize_kv_cache(60, 4)
-    for lora in adapters.values():
-        runner.lora.add_adapter(lora)
+    runner = _runner(base, adapters, max_resident_loras=1)
     assert runner.lora.resident_adapters() == []  # loaded, in host memory only
     resident: list[list[int]] = []
 
@@ -250,16 +255,8 @@ def test_with_a_device_limit_adapters_wait_in_host_memory_and_cycle_through_the_
 def test_with_a_host_memory_limit_adapters_are_read_again_when_needed(setup, max_resident):
     """--max-cpu-loras 1 with two adapters alternating: one stays in memory, the other is read from
     its checkpoint again when a step needs it; answers stay PEFT's (also with a device-slot limit)."""
-    from gpu_worker.config import ModelConfig
-    from gpu_worker.model_runner import ModelRunner
-
     base, adapters, prompts, expected = setup
-    runner = ModelRunner(ModelConfig.from_pretrained(base), "cpu", max_model_len=128, max_lora_rank=8,
-                         max_resident_loras=max_resident, max_cpu_loras=1)
-    runner.load_model(base)
-    runner.initialize_kv_cache(60, 4)
-    for lora in adapters.values():
-        assert runner.lora.add_adapter(lora)
+    runner = _runner(base, adapters, max_resident_loras=max_resident, max_cpu_loras=1)
     assert runner.lora.list_adapters() == [1, 2] and runner.lora.loaded_adapters() == [2]
     loaded: list[list[int]] = []
 
