@@ -108,6 +108,7 @@ def router_deployment(config: ClusterConfig):
         enable_lora=config.enable_lora, allow_runtime_lora_updating=config.allow_runtime_lora_updating,
         enable_responses_store=config.enable_responses_store,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
+        stream_interval=config.stream_interval,
         responses_store_max_entries=config.responses_store_max_entries)
     deployment = serve.deployment(
         OpenAIRouter, name="OpenAIRouter", num_replicas=config.num_router_replicas,

@@ -127,6 +127,10 @@ class ClusterConfig(BaseModel):
     enable_prompt_tokens_details: bool = Field(
         False, description="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the engines' "
                            "prefix caches (vLLM's --enable-prompt-tokens-details).")
+    stream_interval: int = Field(
+        1, ge=1, description="Streamed answers: the first tokens go at once, then a chunk per this many new "
+                             "tokens (and the last); larger values cost less CPU per request (vLLM's "
+                             "--stream-interval).")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     address: str | None = Field(None, description="Existing Ray cluster address; local Ray when unset.")

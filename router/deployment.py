@@ -48,6 +48,8 @@ class RouterConfig:
     enable_responses_store: bool = False
     # usage.prompt_tokens_details.cached_tokens in completions and chat.
     enable_prompt_tokens_details: bool = False
+    # Tokens a streamed choice gathers between chunks after its first (vLLM's --stream-interval).
+    stream_interval: int = 1
     responses_store_max_entries: int = 10_000
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -88,6 +90,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         api_keys=tuple(config.api_keys),
         allow_runtime_lora_updating=config.allow_runtime_lora_updating,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
+        stream_interval=config.stream_interval,
     )
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin)

@@ -103,6 +103,14 @@ class ServingSettings:
     allow_runtime_lora_updating: bool = False
     # --enable-prompt-tokens-details (vLLM's): usage.prompt_tokens_details.cached_tokens.
     enable_prompt_tokens_details: bool = False
+    # --stream-interval (vLLM's): a streamed choice sends its first tokens at once, then waits until
+    # it has this many new tokens (or has finished) before its next chunk. Fewer, larger chunks cost
+    # the router, the ingress and the client less CPU per request; 1 sends every engine output.
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
 
 @dataclass
@@ -727,14 +735,19 @@ class OpenAIServing:
 
     async def _deltas(self, stream: RequestStream, choice: _Choice) -> AsyncIterator[_Delta]:
         """One choice read straight from its engine queue. Outputs that queued up while the previous
-        delta was being handled are merged into one. A timeout or an engine error raises _StreamError."""
+        delta was being handled are merged into one, and with --stream-interval N > 1 so are those
+        that bring fewer than N tokens since the last delta (the first delta and the last are never
+        held). A timeout or an engine error raises _StreamError."""
+        interval = self.settings.stream_interval
+        deltas: list[str] = []
+        new_lps: list = []
+        num_sent = 0  # the choice's tokens when its last delta left (0: none has)
         try:
             while not stream.finished:
                 try:
                     batch = await stream.next_batch()
                 except RequestTimeoutError as e:
                     raise _StreamError(self._timed_out()) from e
-                deltas, new_lps = [], []
                 for output in batch:
                     delta, new_lp = self._apply_output(choice, output)
                     deltas.append(delta)
@@ -743,10 +756,14 @@ class OpenAIServing:
                         break
                 if choice.error is not None:
                     raise _StreamError(APIError(500, choice.error, "InternalServerError"))
+                if (interval > 1 and choice.finish_reason is None and num_sent
+                        and len(choice.token_ids) - num_sent < interval):
+                    continue  # held: goes with the next delta
                 delta = "".join(deltas)
                 if delta or new_lps or choice.finish_reason:
-                    yield _Delta(choice, delta, new_lps, choice.finish_reason, choice.stop_reason,
-                                 len(choice.token_ids))
+                    num_sent = len(choice.token_ids)
+                    yield _Delta(choice, delta, new_lps, choice.finish_reason, choice.stop_reason, num_sent)
+                    deltas, new_lps = [], []
                 if choice.finish_reason is not None:
                     break
         finally:

@@ -63,6 +63,7 @@ def test_the_access_log_is_on_unless_disabled():
     (["--engine-config", "{file}"], {"file": "- {kv_cache_dtype: int8}\n"}, "kv_cache_dtype"),
     (["--enable-responses-store", "--responses-store-max-entries", "0"], {},
      "--responses-store-max-entries: Input should be greater than or equal to 1"),
+    (["--stream-interval", "0"], {}, "--stream-interval: Input should be greater than or equal to 1"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -172,3 +173,11 @@ def test_the_responses_store_is_off_unless_asked_for(monkeypatch):
     assert router_config().enable_responses_store is True
     assert router_config().enable_prompt_tokens_details is False
     assert router_config("--enable-prompt-tokens-details").enable_prompt_tokens_details is True
+
+
+def test_the_stream_interval_reaches_the_router():
+    def router_config(*flags):
+        return router_deployment(_config(*flags))._bound_deployment.init_args[0]
+
+    assert router_config().stream_interval == 1  # vLLM's default: every engine step's tokens
+    assert router_config("--stream-interval", "8").stream_interval == 8

@@ -37,8 +37,9 @@ def cluster(ray_cluster, tiny_model_dir):
                                               "reasoning_parser": "deepseek_r1"})
     # And one whose requests time out long before they could finish.
     timeout_config = config.model_copy(update={"request_timeout_s": 0.05})
-    # And a second prefix-aware replica set, which learns what the engines cache from their KV events.
-    prefix2_config = config.model_copy(update={"routing_policy": "prefix_aware"})
+    # And a second prefix-aware replica set, which learns what the engines cache from their KV events,
+    # and streams in chunks of 5 tokens after the first (--stream-interval).
+    prefix2_config = config.model_copy(update={"routing_policy": "prefix_aware", "stream_interval": 5})
     with serve_cluster(config, {"prefix": prefix_config, "timeout": timeout_config,
                                 "prefix2": prefix2_config}) as served:
         yield {"base": served.base, "engines": served.engines, "config": config}
@@ -77,6 +78,22 @@ def test_chat_plain_and_streamed(client, cluster):
     assert text == plain.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(client, cluster):
+    gathered = openai.OpenAI(base_url=f"{cluster['base']}/prefix2/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def chunks(c: openai.OpenAI) -> list:
+        return [chunk.choices[0] for chunk in c.completions.create(
+            model="tiny", prompt="Hello world", max_tokens=16, temperature=0, logprobs=0, stream=True,
+            extra_body={"ignore_eos": True})]
+
+    every, fewer = chunks(client), chunks(gathered)
+    assert [t for c in fewer for t in c.logprobs.tokens] == [t for c in every for t in c.logprobs.tokens]
+    assert "".join(c.text for c in fewer) == "".join(c.text for c in every)
+    sizes = [len(c.logprobs.tokens) for c in fewer]
+    assert sum(sizes) == 16 and all(size >= 5 for size in sizes[1:-1]) and len(sizes) <= 4
+    assert fewer[-1].finish_reason == "length"
 
 
 def test_responses_api_plain_and_streamed_equal_chat(client):

@@ -93,11 +93,13 @@ def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
 
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
-         tokenizer=TOKENIZER, prompt_tokens_details: bool = False, **engine) -> tuple[TestClient, ScriptedEngine]:
+         tokenizer=TOKENIZER, prompt_tokens_details: bool = False, stream_interval: int = 1,
+         **engine) -> tuple[TestClient, ScriptedEngine]:
     client = EngineClient([object()], client_index=1)
     scripted = client._slots[0].channel = ScriptedEngine(client, script, **engine)
     serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256,
-                                            enable_prompt_tokens_details=prompt_tokens_details),
+                                            enable_prompt_tokens_details=prompt_tokens_details,
+                                            stream_interval=stream_interval),
                             client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted
 

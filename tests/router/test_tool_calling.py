@@ -271,7 +271,7 @@ MESSAGES = [{"role": "user", "content": "weather in Rome?"}]
 
 
 def _app(answer: str, parser: str | None = None, reasoning: str | None = None, spaced: bool = True,
-         think_tokens: bool = False) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
+         think_tokens: bool = False, stream_interval: int = 1) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
     """``spaced``: the answer streams one token per engine output, as from a real engine.
     ``think_tokens``: <think> and </think> are tokens of the vocabulary, as in reasoning models."""
     tokenizer = byte_level_tokenizer.__wrapped__()  # a copy of its own: the template is set on it
@@ -284,7 +284,8 @@ def _app(answer: str, parser: str | None = None, reasoning: str | None = None, s
         client, lambda _: [*tokenizer.encode(answer), tokenizer.eos_token_id], finish=FinishReason.STOP,
         spaced=spaced)
     serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=512, tool_call_parser=parser,
-                                            reasoning_parser=reasoning), client, tokenizer, RoundRobinPolicy())
+                                            reasoning_parser=reasoning, stream_interval=stream_interval),
+                            client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted, serving
 
 
