@@ -6,9 +6,9 @@ import asyncio
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -122,7 +122,7 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query")]
         if first.get("type") == "json_invalid":
             return _error_response(400, "The request body is not valid JSON.", "BadRequestError", None)
         if first.get("type") == "invalid_param":  # a cross-field check (protocol.invalid) names its parameter
@@ -160,6 +160,12 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
         if request.query_params.get("stream", "").lower() in ("1", "true"):
             raise APIError(400, "streaming a stored response again is not supported", "BadRequestError", "stream")
         return JSONResponse(await responses.retrieve(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, after: str | None = None, before: str | None = None,
+                                   limit: int = Query(20, ge=1, le=100),
+                                   order: Literal["asc", "desc"] = "desc") -> Response:
+        return JSONResponse(await responses.input_items(response_id, after, before, limit, order))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:

@@ -101,6 +101,20 @@ class ResponseStore:
             next_id = entry.previous_id
         return [item for turn in reversed(turns) for item in turn], None
 
+    def input_items(self, response_id: str) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """The items ``response_id`` was generated from, oldest first: the conversation it continued
+        (as ``conversation`` gives it) and its own input; or (None, the first id not held)."""
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None, response_id
+        self._entries.move_to_end(response_id)
+        earlier: list[dict[str, Any]] | None = []
+        if entry.previous_id is not None:
+            earlier, missing_id = self.conversation(entry.previous_id)
+            if earlier is None:
+                return None, missing_id
+        return [*earlier, *entry.input_items], None
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -123,7 +137,14 @@ class AsyncResponseStore:
         return await self._call("delete", response_id)
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]]:
-        items, missing_id = await self._call("conversation", response_id)
+        return self._found(await self._call("conversation", response_id))
+
+    async def input_items(self, response_id: str) -> list[dict[str, Any]]:
+        return self._found(await self._call("input_items", response_id))
+
+    @staticmethod
+    def _found(answer: tuple[list[dict[str, Any]] | None, str | None]) -> list[dict[str, Any]]:
+        items, missing_id = answer
         if items is None:
             raise MissingResponseError(missing_id or "")
         return items

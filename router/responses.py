@@ -117,6 +117,11 @@ class ResponsesRequest(BaseModel):
     def input_items(self) -> list[dict[str, Any]]:
         return [{"role": "user", "content": self.input}] if isinstance(self.input, str) else list(self.input)
 
+    def stored_input_items(self) -> list[dict[str, Any]]:
+        """The input as the store keeps it and ``input_items`` lists it: OpenAI's item shapes, each
+        with an id and a status (messages' text in content parts). Called once the input was read."""
+        return [_as_response_item(item) for item in self.input_items()]
+
     def chat_request(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
         """The chat request this one runs as; ``history``: the items of the conversation it continues."""
         body: dict[str, Any] = {
@@ -256,6 +261,36 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _as_response_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item (already checked by ``_messages``) in the shape OpenAI lists it: an id and a
+    status; a message's content as parts (input_text for user, system and developer, output_text
+    for assistant, as in OpenAI's input and output messages)."""
+    kind = item.get("type", "message")
+    out = {**item, "type": kind, "id": item.get("id") or _item_id(_ITEM_ID_PREFIXES[kind]),
+           "status": item.get("status") or "completed"}
+    if kind == "message":
+        assistant = item["role"] == "assistant"
+        content = item["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        out["content"] = [_as_content_part(part, assistant) for part in parts]
+    elif kind == "function_call":
+        out.setdefault("arguments", "{}")
+    elif kind == "reasoning":
+        out.setdefault("summary", [])
+    return out
+
+
+def _as_content_part(part: dict[str, Any], assistant: bool) -> dict[str, Any]:
+    if part["type"] == "refusal":
+        return part
+    if assistant:
+        return {"annotations": [], **part, "type": "output_text"}
+    return {**part, "type": "input_text"}
+
+
 @dataclass
 class _OpenItem:
     """One output item while the answer is produced: reasoning, a message, or one function call."""
@@ -392,6 +427,38 @@ class ResponsesServing:
             raise _not_found(response_id, "response_id", self.store is not None)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    async def input_items(self, response_id: str, after: str | None = None, before: str | None = None,
+                          limit: int = 20, order: str = "desc") -> dict[str, Any]:
+        """``GET /v1/responses/{id}/input_items``: the items the response was generated from (the
+        conversation it continued, then its own input), a page at a time as OpenAI lists them:
+        ``order`` asc is oldest first, ``after``/``before`` are item ids, ``limit`` 1 to 100."""
+        if self.store is None:
+            raise _not_found(response_id, "response_id", False)
+        try:
+            items = await self._ask_store("input_items", response_id)
+        except MissingResponseError as e:
+            if e.response_id == response_id:
+                raise _not_found(response_id, "response_id", True) from None
+            raise APIError(404, f"Response {response_id!r} continued the conversation of response "
+                           f"{e.response_id!r}, which is no longer stored", "NotFoundError", "response_id") from None
+        if order == "desc":
+            items.reverse()
+        ids = [item.get("id") for item in items]
+        start, end = 0, len(items)
+        for param, item_id in (("after", after), ("before", before)):
+            if item_id is None:
+                continue
+            if item_id not in ids:
+                raise bad_request(f"{param}: response {response_id!r} has no input item {item_id!r}", param)
+            if param == "after":
+                start = ids.index(item_id) + 1
+            else:
+                end = ids.index(item_id)
+        window = items[start:end]
+        page = window[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(window) > limit}
+
     async def _history(self, request: ResponsesRequest) -> list[dict[str, Any]] | None:
         if request.previous_response_id is None:
             return None
@@ -424,7 +491,8 @@ class ResponsesServing:
             if not storing or final["status"] == "failed":
                 return
             try:
-                await self.store.put(final, request.previous_response_id, request.input_items())  # type: ignore[union-attr]
+                await self.store.put(final, request.previous_response_id,  # type: ignore[union-attr]
+                                     request.stored_input_items())
             except Exception as e:  # the answer stands; only its storing failed, and it says so
                 logger.warning("could not store response %s: %s", final["id"], e)
                 final["store"] = False

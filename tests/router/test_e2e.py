@@ -137,6 +137,10 @@ def test_a_stored_conversation_continues_through_another_router(client, cluster)
     # The continued prompt carries the first turn (its input and its answer) before the new input.
     assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
     assert client.responses.retrieve(second.id).previous_response_id == first.id
+    # What the second was generated from, listed through the first router: both turns' items.
+    items = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [item.type for item in items] == ["message"] * 3
+    assert [item.content[0].text for item in items] == ["My name is Ada.", first.output_text, "What is my name?"]
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         other.responses.create(model="tiny", input="And now?", previous_response_id=second.id, max_output_tokens=2)

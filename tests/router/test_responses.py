@@ -8,7 +8,7 @@ import json
 
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 from starlette.testclient import TestClient
 
@@ -394,3 +394,76 @@ def test_the_latest_limit_applies_to_an_existing_store():
         store.put({"id": rid}, None, [])
     store.set_max_entries(1)
     assert len(store) == 1 and store.get("c") == {"id": "c"}
+
+
+_RESPONSE_ITEM = TypeAdapter(ResponseItem)
+
+
+def test_input_items_list_what_each_response_was_generated_from():
+    http, engine, serving, _ = _stored_app([HERMES_ANSWER, "It is sunny.", "Bye."], parser="hermes")
+    client = _client(http)
+    first = client.responses.create(model="tiny", tools=[WEATHER_TOOL], input=[
+        {"role": "developer", "content": "Answer in one line."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather in Rome?"}]}])
+    call = first.output[1]
+    second = client.responses.create(model="tiny", tools=[WEATHER_TOOL], previous_response_id=first.id, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    third = client.responses.create(model="tiny", previous_response_id=second.id, input=[
+        {"role": "assistant", "content": "Anything else?"}, {"role": "user", "content": "No, thanks."}])
+
+    listed = client.responses.input_items.list(third.id, order="asc", limit=100)
+    assert listed.has_more is False
+    items = [item.model_dump(exclude_none=True) for item in listed.data]
+    for item in items:  # every item is one of OpenAI's item types, as the client would check it
+        _RESPONSE_ITEM.validate_python(item, strict=True)
+    assert len({item["id"] for item in items}) == len(items)
+    summary = [(item["type"], item.get("role"), item.get("name") or item.get("output")) for item in items]
+    assert summary == [
+        ("message", "developer", None), ("message", "user", None),  # first's input
+        ("message", "assistant", None), ("function_call", None, "get_weather"),  # first's output
+        ("function_call_output", None, "sunny"),  # second's input
+        ("message", "assistant", None),  # second's output
+        ("message", "assistant", None), ("message", "user", None)]  # third's input
+    texts = [item["content"][0]["text"] for item in items if item["type"] == "message"]
+    assert texts == ["Answer in one line.", "weather in Rome?", "Let me look.", "It is sunny.", "Anything else?",
+                     "No, thanks."]
+    assert items[2]["id"] == first.output[0].id and items[3]["call_id"] == call.call_id
+    assert [p["type"] for item in items if item["type"] == "message" for p in item["content"]] == [
+        "input_text", "input_text", "output_text", "output_text", "output_text", "input_text"]
+    # The default order is newest first; the client's pager walks pages of 3 with after=.
+    newest_first = [item.id for item in client.responses.input_items.list(third.id, limit=3)]
+    assert newest_first == [item["id"] for item in reversed(items)]
+    page = client.responses.input_items.list(third.id, limit=3)
+    assert page.has_more is True and len(page.data) == 3
+    before = http.get(f"/v1/responses/{third.id}/input_items", params={"before": items[2]["id"], "order": "asc"})
+    assert [item["id"] for item in before.json()["data"]] == [items[0]["id"], items[1]["id"]]
+    assert [item.id for item in client.responses.input_items.list(first.id, order="asc")] == [
+        item["id"] for item in items[:2]]
+    # The stored items, in their listed shape, still make the same prompt when continued.
+    assert _prompt(serving, engine, 2).startswith("system: Answer in one line.user: weather in Rome?assistant: "
+                                                  "Let me look. CALLS Rome")
+
+
+@pytest.mark.parametrize(("query", "status", "param"), [
+    ({"limit": 0}, 400, "limit"), ({"limit": 101}, 400, "limit"), ({"order": "newest"}, 400, "order"),
+    ({"after": "msg_nope"}, 400, "after"), ({"before": "msg_nope"}, 400, "before")])
+def test_input_items_refuse_bad_pages(query, status, param):
+    http, _, _, _ = _stored_app(["Fine."])
+    response = _client(http).responses.create(model="tiny", input="hi")
+    r = http.get(f"/v1/responses/{response.id}/input_items", params=query)
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
+def test_input_items_of_a_response_not_held_are_a_404():
+    http, _, _, _ = _stored_app(["One.", "Two."])
+    client = _client(http)
+    first = client.responses.create(model="tiny", input="1")
+    second = client.responses.create(model="tiny", input="2", previous_response_id=first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match=first.id):  # the conversation it continued is gone
+        client.responses.input_items.list(second.id)
+    http, _, _ = _app("x")
+    with pytest.raises(openai.NotFoundError, match="does not store responses"):
+        _client(http).responses.input_items.list("resp_123")
