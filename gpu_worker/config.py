@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -79,6 +79,8 @@ class ModelConfig:
     qkv_bias: bool
     o_proj_bias: bool
     mlp_bias: bool
+    # RMSNorm of each query and key head before RoPE (Qwen3's q_norm/k_norm).
+    qk_norm: bool
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
     dtype: torch.dtype | None
@@ -118,6 +120,9 @@ class ModelConfig:
         if arch == "Qwen2ForCausalLM":
             qkv_bias, o_bias = True, False
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        elif arch == "Qwen3ForCausalLM":
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
@@ -141,6 +146,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,

@@ -1,4 +1,5 @@
-"""Turn a llama.cpp GGUF checkpoint (Llama architecture) into a Hugging Face model directory.
+"""Turn a llama.cpp GGUF checkpoint (Llama, Qwen2 or Qwen3 architecture) into a Hugging Face model
+directory.
 
 The engine only knows how to load HF-style directories (config.json + safetensors + tokenizer files),
 so a GGUF file is converted once, dequantised, and cached on disk. Later starts reuse the cached
@@ -6,8 +7,9 @@ directory, which loads in seconds instead of re-reading and dequantising the GGU
 
 What differs between GGUF and HF Llama checkpoints, and is undone here:
   * tensor names (``blk.N.attn_q`` vs ``model.layers.N.self_attn.q_proj``);
-  * llama.cpp's converter permutes the rows of q_proj/k_proj so its rotary kernel can rotate adjacent
-    pairs, whereas HF rotates the two halves of each head (``rotate_half``);
+  * for Llama only, llama.cpp's converter permutes the rows of q_proj/k_proj so its rotary kernel can
+    rotate adjacent pairs, whereas HF rotates the two halves of each head (``rotate_half``); Qwen's
+    files keep HF's order (llama.cpp rotates them NeoX-style, halves as HF does);
   * quantised blocks, expanded back to floats with ``gguf.quants.dequantize``.
 GGUF lists tensor dims innermost first (``[in, out]``); ``GGUFReader`` already exposes the data in
 numpy (row-major) order, so the dequantised array has torch's ``[out, in]`` shape with no transpose.
@@ -59,6 +61,14 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+}
+# GGUF general.architecture -> HF (architecture, model_type); only "llama" files have permuted q/k rows.
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -126,8 +136,10 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32) -> d
     """A ``LlamaConfig``-compatible dict derived from the GGUF metadata and tensor list."""
     meta = read_metadata(reader)
     arch = _require_key(meta, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; only 'llama' checkpoints can be converted")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; one of {', '.join(_ARCHITECTURES)} "
+                         "can be converted")
+    architecture, model_type = _ARCHITECTURES[arch]
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:
         # Llama-3.1 style frequency factors cannot be mapped back to HF's rope_scaling parameters reliably.
@@ -143,8 +155,8 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32) -> d
         raise ValueError("GGUF file has no token_embd.weight tensor")
     rope_parameters = _rope_parameters(meta, arch, rope_theta)
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(_require_key(meta, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_require_key(meta, f"{arch}.block_count")),
@@ -171,6 +183,8 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32) -> d
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
+    if model_type != "llama":
+        config["use_sliding_window"] = False  # (llama.cpp's Qwen files run full attention in every layer)
     return config
 
 
@@ -193,7 +207,7 @@ def unpermute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_to_hf_name(name: str) -> str:
-    """Map a llama.cpp tensor name to the HF Llama parameter name."""
+    """Map a llama.cpp tensor name to the HF parameter name."""
     block = _BLOCK_RE.match(name)
     if block:
         layer, part, kind = block.groups()
@@ -203,10 +217,13 @@ def gguf_to_hf_name(name: str) -> str:
     top = _TOP_RE.match(name)
     if top and top.group(1) in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[top.group(1)]}.{top.group(2)}"
-    raise ValueError(f"unexpected GGUF tensor {name!r}: no Hugging Face Llama equivalent")
+    raise ValueError(f"unexpected GGUF tensor {name!r}: no Hugging Face equivalent")
 
 
 def _heads_for(name: str, config: dict[str, Any]) -> int | None:
+    """The heads whose rows llama.cpp permuted in this tensor (None: not permuted)."""
+    if config["model_type"] != "llama":
+        return None
     if ".attn_q." in name:
         return int(config["num_attention_heads"])
     if ".attn_k." in name:

@@ -1,6 +1,7 @@
-"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2).
+"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2, Qwen3).
 
-The variants differ only in config flags (QKV bias, o_proj bias, tied embeddings, RoPE scaling),
+The variants differ only in config flags (QKV bias, o_proj bias, Qwen3's per-head q/k norms, tied
+embeddings, RoPE scaling),
 which ``ModelConfig`` has already resolved, so one implementation serves all of them.
 
 Submodules are called through ``.forward`` rather than ``__call__``: this code registers no hooks,
@@ -36,13 +37,24 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                         bias=config.o_proj_bias)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        # Qwen3: one RMSNorm over each query head and one over each key head (weights of head_dim,
+        # the same on every TP rank), before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)
-        # q and k are adjacent in the fused output: rotate them as one tensor of heads.
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k are adjacent in the fused output: rotate them as one tensor of heads.
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                           self.head_dim)
+        else:
+            q = self.q_norm.forward(qkv[:, : self.q_size].reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm.forward(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(
+                num_tokens, self.num_kv_heads, self.head_dim))
+            qk = torch.cat((q, k), dim=1)
         RotaryEmbedding.rotate_(qk, *rope)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads:]
@@ -137,3 +149,8 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 is the Llama block with a q/k/v bias (resolved in ModelConfig)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (dense) is the Llama block with RMSNorms on the query and key heads (ModelConfig.qk_norm)
+    and its own head_dim (128 in every size, whatever hidden_size / num_attention_heads is)."""

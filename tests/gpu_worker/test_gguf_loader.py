@@ -26,6 +26,7 @@ from gpu_worker.gguf_loader import (
 from gpu_worker.model_resolver import find_default_gguf
 
 from .tiny_gguf import CHAT_TEMPLATE, llama_cpp_permute, tiny_llama, write_tiny_gguf
+from .utils import make_runner, prefill_logits
 
 PROMPT_IDS = torch.tensor([[1, 120, 118, 263, 13, 107, 108, 261, 117, 104, 2, 13]])
 
@@ -142,10 +143,40 @@ def test_tied_embeddings_have_no_lm_head(tmp_path: Path) -> None:
     assert "lm_head.weight" not in dict(tensors)
 
 
-def test_non_llama_architecture_is_rejected(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
-    path = write_tiny_gguf(tmp_path / "other.gguf", tiny_model, architecture="qwen2")
-    with pytest.raises(ValueError, match="architecture 'qwen2' is not supported"):
+def test_other_architectures_are_rejected(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
+    path = write_tiny_gguf(tmp_path / "other.gguf", tiny_model, architecture="gemma2")
+    with pytest.raises(ValueError, match="architecture 'gemma2' is not supported; one of llama, qwen2, qwen3"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen_files_convert_without_the_llama_permutation(tmp_path: Path, kind: str) -> None:
+    """llama.cpp writes Qwen2/Qwen3 q/k rows in HF's order: un-permuting them as Llama's would break
+    RoPE. The converted directory gives the source model's logits, in transformers and in our
+    runner, and Qwen3's head norms and head_dim come through."""
+    source = tiny_llama(kind=kind, seed=2)
+    model_dir = ensure_converted(write_tiny_gguf(tmp_path / f"tiny-{kind}.Q8_0.gguf", source,
+                                                 GGMLQuantizationType.Q8_0), tmp_path / "cache")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == [type(source).__name__] and config["model_type"] == kind
+    assert config["head_dim"] == source.config.head_dim
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert type(loaded) is type(source)
+    # Q8_0 weights: close to the source, and exactly what the GGUF's dequantised weights give.
+    torch.testing.assert_close(_logits(loaded), _logits(source), rtol=0, atol=0.05)
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    np.testing.assert_allclose(loaded.state_dict()[q_proj].numpy(), source.state_dict()[q_proj].numpy(), atol=0.02)
+    if kind == "qwen3":
+        norm = "model.layers.1.self_attn.k_norm.weight"
+        torch.testing.assert_close(loaded.state_dict()[norm], source.state_dict()[norm], rtol=0, atol=0)
+    else:
+        bias = "model.layers.1.self_attn.k_proj.bias"
+        torch.testing.assert_close(loaded.state_dict()[bias], source.state_dict()[bias], rtol=0, atol=0)
+    runner = make_runner(model_dir, num_blocks=8, block_size=4)
+    ours = prefill_logits(runner, PROMPT_IDS[0].tolist(), [3, 1, 0])
+    torch.testing.assert_close(ours, _logits(loaded)[0], rtol=1e-4, atol=1e-4)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.decode(tokenizer.encode("the cat in there")) == "the cat in there"
 
 
 # ------------------------------------------------------------------------------------- converted model dir

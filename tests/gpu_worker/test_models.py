@@ -9,7 +9,7 @@ import torch
 
 from gpu_worker.config import ModelConfig
 from gpu_worker.models import MODEL_REGISTRY, get_model_class
-from gpu_worker.models.llama import MistralForCausalLM, Qwen2ForCausalLM
+from gpu_worker.models.llama import MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from tests.gpu_worker.utils import LLAMA3_ROPE, load_hf, make_runner, prefill_logits, save_tiny_model
 
 CASES = {
@@ -19,6 +19,10 @@ CASES = {
     "qwen2_bias": ("qwen2", {"num_key_value_heads": 4}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {"head_dim": 8, "num_attention_heads": 4, "num_key_value_heads": 2}),
+    # Qwen3's head_dim is its own (here 32, not hidden_size / heads = 16), with per-head q/k norms.
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "qwen3_tied_bias_mqa": ("qwen3", {"tie_word_embeddings": True, "attention_bias": True,
+                                      "num_key_value_heads": 1}),
 }
 
 
@@ -68,8 +72,9 @@ def test_config_rejects_unsupported():
 
 
 def test_registry_maps_architectures(tmp_path):
-    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
+    assert get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
     assert get_model_class("MistralForCausalLM") is MistralForCausalLM
     with pytest.raises(ValueError):
         get_model_class("Nope")

@@ -101,3 +101,24 @@ def test_rank_shapes_from_tp_slicing(tmp_path):
     torch.testing.assert_close(layer.mlp.down_proj.weight, state["model.layers.0.mlp.down_proj.weight"][:, 64:])
     torch.testing.assert_close(layer.self_attn.o_proj.weight, state["model.layers.0.self_attn.o_proj.weight"][:, 32:])
     torch.testing.assert_close(model.model.embed_tokens.weight, state["model.embed_tokens.weight"][128:])
+
+
+def test_qwen3_head_norms_are_whole_on_every_rank(tmp_path):
+    """Qwen3's q/k norms weigh each head's head_dim values: a TP rank holds fewer heads, not a part
+    of the norm, so every rank loads the whole weight."""
+    from gpu_worker import distributed
+
+    path = save_tiny_model(tmp_path, "qwen3", head_dim=32)
+    state = hf_state(path)
+    old = distributed._group
+    try:
+        distributed._group = distributed.TPGroup(rank=1, world_size=2)
+        model = build_model(ModelConfig.from_pretrained(path))
+    finally:
+        distributed._group = old
+    load_safetensors(model, path)
+    attention = model.model.layers[1].self_attn
+    assert (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (2, 1, 32)
+    for name in ("q_norm", "k_norm"):
+        torch.testing.assert_close(getattr(attention, name).weight, state[f"model.layers.1.self_attn.{name}.weight"])
+    assert not torch.equal(attention.q_norm.weight, attention.k_norm.weight)

@@ -1,4 +1,4 @@
-"""Build a tiny Llama GGUF the way llama.cpp's convert_hf_to_gguf.py does, for loader tests."""
+"""Build tiny Llama, Qwen2 and Qwen3 GGUFs the way llama.cpp's convert_hf_to_gguf.py does, for loader tests."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -27,6 +29,8 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -49,20 +53,30 @@ def tiny_vocab() -> list[str]:
     return SPECIAL_TOKENS + byte_level_alphabet() + merged
 
 
-def tiny_llama(tie_word_embeddings: bool = False, seed: int = 0) -> LlamaForCausalLM:
-    config = LlamaConfig(
+_KINDS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, HFQwen2ForCausalLM),
+          "qwen3": (Qwen3Config, HFQwen3ForCausalLM)}
+
+
+def tiny_llama(tie_word_embeddings: bool = False, seed: int = 0, kind: str = "llama") -> PreTrainedModel:
+    """A tiny random model of ``kind`` (llama; qwen2, with q/k/v biases; qwen3, with per-head q/k
+    norms and a head_dim of its own)."""
+    config_class, model_class = _KINDS[kind]
+    config = config_class(
         vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24 if kind == "qwen3" else 16,
+        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
-        # Random init leaves norms at exactly 1; perturb them so a swapped norm would be caught.
+        # Random init leaves norms at exactly 1 and biases at 0; perturb them so a swapped norm or a
+        # lost bias would be caught.
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.5)
     return model
 
 
@@ -87,29 +101,32 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF_BLOCK[module]}.{kind}"
 
 
-def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
-    """HF state dict renamed and with q/k rows permuted as llama.cpp writes them."""
+def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
+    """HF state dict renamed and, for Llama, with q/k rows permuted as llama.cpp writes them (its
+    Qwen converters keep HF's order)."""
     config = model.config
     out = {}
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         data = tensor.detach().float().numpy().copy()
-        if ".q_proj." in hf_name:
+        permuted = config.model_type == "llama"
+        if permuted and ".q_proj." in hf_name:
             data = llama_cpp_permute(data, config.num_attention_heads, config.num_attention_heads)
-        elif ".k_proj." in hf_name:
+        elif permuted and ".k_proj." in hf_name:
             data = llama_cpp_permute(data, config.num_attention_heads, config.num_key_value_heads)
         out[gguf_tensor_name(hf_name)] = data
     return out
 
 
 def write_tiny_gguf(
-    path: Path, model: LlamaForCausalLM, quant: GGMLQuantizationType = GGMLQuantizationType.F32,
-    architecture: str = "llama",
+    path: Path, model: PreTrainedModel, quant: GGMLQuantizationType = GGMLQuantizationType.F32,
+    architecture: str | None = None,
 ) -> Path:
-    """Write ``model`` as GGUF; 2-D weights use ``quant``, norms stay F32 as in llama.cpp."""
+    """Write ``model`` as GGUF (its own architecture unless one is named); 2-D weights use
+    ``quant``, norms and biases stay F32 as in llama.cpp."""
     config = model.config
-    writer = GGUFWriter(str(path), architecture)
+    writer = GGUFWriter(str(path), architecture or config.model_type)
     writer.add_name("tiny-llama")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -120,6 +137,8 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(config.head_dim)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
     _add_tokenizer(writer)
     for name, data in gguf_tensors(model).items():

@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
@@ -36,6 +36,8 @@ def make_config(kind: str = "llama", **overrides):
         return LlamaConfig(**kw)
     if kind == "qwen2":
         return Qwen2Config(**kw)
+    if kind == "qwen3":
+        return Qwen3Config(**kw)
     if kind == "mistral":
         kw.setdefault("sliding_window", None)
         return MistralConfig(**kw)
@@ -51,6 +53,9 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # HF initialises biases to zero, which would hide a bias we forget to load.
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
+            # Qwen3's per-head norms start at 1, which would hide one applied to the wrong heads.
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
