@@ -7,6 +7,7 @@ a Serve config (``serve run deploy/serve_config.yaml``; ``import_path: cluster.a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -98,8 +99,9 @@ def stop_router_helpers(namespace: str) -> list[str]:
 
 
 def router_deployment(config: ClusterConfig):
+    (_, first_engines), *others = config.model_engines()
     router_config = RouterConfig(
-        engine_actor_names=[engine_actor_name(i) for i in range(len(config.resolved_specs()))],
+        engine_actor_names=[engine_actor_name(i) for i in first_engines],
         namespace=config.namespace, routing_policy=config.routing_policy,
         prefix_load_margin=config.prefix_load_margin, request_timeout_s=config.request_timeout_s,
         served_model_name=config.served_model_name, chat_template=config.chat_template,
@@ -110,13 +112,21 @@ def router_deployment(config: ClusterConfig):
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         stream_interval=config.stream_interval,
         responses_store_max_entries=config.responses_store_max_entries)
+    # Further models: the same router settings, their own engines, names, template and parsers (no
+    # adapters: those belong to the first model).
+    more_models = [dataclasses.replace(
+        router_config, engine_actor_names=[engine_actor_name(i) for i in indexes], first_engine_index=indexes[0],
+        served_model_name=served.served_model_name, chat_template=served.chat_template,
+        tool_call_parser=served.tool_call_parser if served.enable_auto_tool_choice else None,
+        reasoning_parser=served.reasoning_parser, enable_lora=False, allow_runtime_lora_updating=False)
+        for served, indexes in others]
     deployment = serve.deployment(
         OpenAIRouter, name="OpenAIRouter", num_replicas=config.num_router_replicas,
         ray_actor_options={"num_cpus": 0},
         # Streaming requests stay open for a long time: let each replica hold many.
         max_ongoing_requests=1024,
         logging_config={"enable_access_log": config.enable_access_log})
-    return deployment.bind(router_config)
+    return deployment.bind(router_config, more_models) if more_models else deployment.bind(router_config)
 
 
 def build_app(args: dict[str, Any]):

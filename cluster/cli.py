@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--responses-store-max-entries", type=int, default=10_000,
                        help="Most responses kept (the least recently used are forgotten first).")
     serve.add_argument("--engine-config", default=None, help="YAML list of per-engine flag overrides.")
+    serve.add_argument("--extra-models", default=None, metavar="FILE",
+                       help="YAML list of further models served through the same endpoint, each on engines of its "
+                            "own (model, served_model_name, num_engines, defaults, engines, chat_template, "
+                            "tool_call_parser, reasoning_parser, enable_auto_tool_choice).")
     serve.add_argument("--routing-policy", default="least_loaded",
                        choices=["round_robin", "least_loaded", "prefix_aware", "session"])
     serve.add_argument("--prefix-load-margin", type=int, default=8)
@@ -140,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cluster_config_from_args(args: argparse.Namespace):
-    from cluster.config import ClusterConfig, EngineSpec, load_engine_overrides
+    from cluster.config import ClusterConfig, EngineSpec, load_engine_overrides, load_extra_models
 
     defaults = {"tensor_parallel_size": args.tensor_parallel_size, "scheduling_policy": args.scheduling_policy,
                 "enable_prefix_caching": args.enable_prefix_caching,
@@ -165,7 +169,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_responses_store=args.enable_responses_store,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details, stream_interval=args.stream_interval,
-        responses_store_max_entries=args.responses_store_max_entries)
+        responses_store_max_entries=args.responses_store_max_entries,
+        models=load_extra_models(args.extra_models) if args.extra_models else [])
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -204,7 +209,8 @@ def serve_command(args: argparse.Namespace) -> int:
         if config.address is None:  # a local model must exist here (on a cluster, on the engines' nodes)
             from gpu_worker.model_resolver import check_model_reference
 
-            check_model_reference(config.model)
+            for model in [config.model, *(m.model for m in config.models)]:
+                check_model_reference(model)
             from gpu_worker.lora.peft_adapter import read_adapter_config
 
             for module in config.lora_module_list():  # an unreadable adapter fails now, not in every engine
@@ -235,8 +241,9 @@ def serve_command(args: argparse.Namespace) -> int:
         # Installed after Ray and Serve started, so theirs do not replace ours.
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        print(f"llm-cluster: serving {engines[0].description.model_info.served_model_name} with "
-              f"{len(engines)} engine(s) on http://{config.host}:{config.port}/v1  (Ctrl-C to stop)", flush=True)
+        names = dict.fromkeys(e.description.model_info.served_model_name for e in engines)
+        print(f"llm-cluster: serving {', '.join(names)} with {len(engines)} engine(s) on "
+              f"http://{config.host}:{config.port}/v1  (Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):
             pass
     finally:

@@ -2,7 +2,8 @@
 
 A cluster is a list of engines that may differ in flags. ``engine_configs()`` turns it into the
 engine's frozen ``EngineConfig``s, raising ``ValueError`` that names the flag and the engine before
-anything starts.
+anything starts. One endpoint may serve several models (``models``): each has engines of its own,
+numbered after the first model's.
 """
 
 from __future__ import annotations
@@ -82,6 +83,54 @@ def env_switch(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true")
 
 
+def _resolve_specs(defaults: dict[str, Any], num_engines: int, engines: list[EngineSpec]) -> list[EngineSpec]:
+    """Each engine's flags: ``defaults`` under its own overrides (the list may set the count)."""
+    return [EngineSpec(**(defaults | (engines[i].model_dump(exclude_none=True) if i < len(engines) else {})))
+            for i in range(max(num_engines, len(engines)))]
+
+
+def _check_engine_count(fields_set: set[str], num_engines: int, engines: list[EngineSpec], where: str) -> None:
+    # Without num_engines the override list sets the count; with it, extra entries are an error
+    # (they would start engines nobody asked for).
+    if "num_engines" in fields_set and len(engines) > num_engines:
+        raise ValueError(f"{where}engines has {len(engines)} per-engine entries but num_engines is {num_engines}")
+
+
+def _check_output_parsers(tool_call_parser: str | None, reasoning_parser: str | None,
+                          enable_auto_tool_choice: bool, where: str = "") -> None:
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"{where}tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"{where}reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(f"{where}enable_auto_tool_choice needs tool_call_parser (the model's tool-call format)")
+
+
+class ServedModel(BaseModel):
+    """Another model served through the same endpoint (``ClusterConfig.models``), on engines of its
+    own; clients pick it by its name in ``model``. Engine flags: the cluster's ``defaults``, then
+    this model's ``defaults``, then its per-engine entries."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(..., description="Model name, HF directory or .gguf file.")
+    served_model_name: str | None = Field(None, description="Name clients use; defaults to the model's.")
+    num_engines: int = Field(1, ge=1)
+    defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags of this model's engines.")
+    engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
+    chat_template: str | None = Field(None, description="Jinja chat template replacing the model's own.")
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> ServedModel:
+        where = f"models[{self.served_model_name or self.model}]."
+        _check_output_parsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice, where)
+        _check_engine_count(self.model_fields_set, self.num_engines, self.engines, where)
+        return self
+
+
 def default_api_keys() -> list[str]:
     key = os.environ.get(API_KEY_ENV)
     return [key] if key else []
@@ -124,6 +173,9 @@ class ClusterConfig(BaseModel):
                     "previous_response_id (default: $VLLM_ENABLE_RESPONSES_API_STORE, as vLLM).")
     responses_store_max_entries: int = Field(10_000, ge=1, description="Most responses kept (least recently "
                                                                         "used forgotten first).")
+    models: list[ServedModel] = Field(
+        default_factory=list, description="More models served through the same endpoint, each on engines of "
+                                          "its own (LoRA adapters apply to the first model only).")
     enable_prompt_tokens_details: bool = Field(
         False, description="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the engines' "
                            "prefix caches (vLLM's --enable-prompt-tokens-details).")
@@ -139,14 +191,18 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _output_parsers(self) -> ClusterConfig:
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+        _check_output_parsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice)
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not be empty strings (an empty key would let in an empty Bearer token)")
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs tool_call_parser (the model's tool-call format)")
+        return self
+
+    @model_validator(mode="after")
+    def _served_names(self) -> ClusterConfig:
+        # (A name left to the model is only known once loaded; the router checks those again.)
+        names = [self.served_model_name or self.model, *(m.served_model_name or m.model for m in self.models)]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"two served models are named {name!r}: give each a served_model_name of its own")
         return self
 
     @model_validator(mode="after")
@@ -171,29 +227,40 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _engine_count(self) -> ClusterConfig:
-        # Without num_engines the override list sets the count; with it, extra entries are an error
-        # (they would start engines nobody asked for).
-        if "num_engines" in self.model_fields_set and len(self.engines) > self.num_engines:
-            raise ValueError(f"engines has {len(self.engines)} per-engine entries but num_engines is "
-                             f"{self.num_engines}")
+        _check_engine_count(self.model_fields_set, self.num_engines, self.engines, "")
         return self
 
+    def _base_flags(self) -> dict[str, Any]:
+        return _DEFAULTS.model_dump() | self.defaults.model_dump(exclude_none=True)
+
     def resolved_specs(self) -> list[EngineSpec]:
-        n = max(self.num_engines, len(self.engines))
-        base = _DEFAULTS.model_dump() | self.defaults.model_dump(exclude_none=True)
-        specs = []
-        for i in range(n):
-            override = self.engines[i].model_dump(exclude_none=True) if i < len(self.engines) else {}
-            specs.append(EngineSpec(**(base | override)))
-        return specs
+        """The first model's engines' flags."""
+        return _resolve_specs(self._base_flags(), self.num_engines, self.engines)
+
+    def model_engines(self) -> list[tuple[ServedModel | None, list[int]]]:
+        """Each served model (None: the first, described by the top-level fields) with the indexes
+        of its engines: the first model's from 0, each further model's after the previous ones."""
+        out: list[tuple[ServedModel | None, list[int]]] = [(None, list(range(len(self.resolved_specs()))))]
+        start = len(out[0][1])
+        for served in self.models:
+            count = max(served.num_engines, len(served.engines))
+            out.append((served, list(range(start, start + count))))
+            start += count
+        return out
 
     def engine_configs(self) -> list[EngineConfig]:
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.routing_policy!r}")
         lora = self.lora_config()
-        return [engine_config_from_spec(self.model, i, spec, self.seed, self.served_model_name, lora)
-                for i, spec in enumerate(self.resolved_specs())]
+        configs = [engine_config_from_spec(self.model, i, spec, self.seed, self.served_model_name, lora)
+                   for i, spec in enumerate(self.resolved_specs())]
+        for served in self.models:
+            flags = self._base_flags() | served.defaults.model_dump(exclude_none=True)
+            for spec in _resolve_specs(flags, served.num_engines, served.engines):
+                configs.append(engine_config_from_spec(served.model, len(configs), spec, self.seed,
+                                                       served.served_model_name))
+        return configs
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:
@@ -244,6 +311,22 @@ def load_engine_overrides(path: str) -> list[EngineSpec]:
             problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
             raise ValueError(f"{path}: engine {i}: {problems}") from None
     return specs
+
+
+def load_extra_models(path: str) -> list[ServedModel]:
+    """``--extra-models FILE``: a YAML list of further served models (``ServedModel`` mappings)."""
+    with open(path) as f:
+        data = yaml.safe_load(f) or []
+    if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
+        raise ValueError(f"{path}: expected a YAML list of model mappings (model, served_model_name, ...)")
+    models = []
+    for i, item in enumerate(data):
+        try:
+            models.append(ServedModel(**item))
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"{path}: model {i}: {problems}") from None
+    return models
 
 
 def scheduler_flags_to_spec(flags: dict[str, Any]) -> EngineSpec:

@@ -15,7 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_core.outputs import LoRARequest
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, merge_expositions
+from router.model_servings import ModelServings
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -107,11 +108,15 @@ def _route_path(scope: Scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
-def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[bytes]] | None = None,
-               response_store: Any = None) -> FastAPI:
-    """``render_metrics``: an async callable producing the whole /metrics exposition (every replica's
-    and every engine's series); without it, /metrics shows this process's router series only.
-    ``response_store`` (router.response_store): the Responses API keeps responses there."""
+def create_app(serving: OpenAIServing | list[OpenAIServing],
+               render_metrics: Callable[[], Awaitable[bytes]] | None = None, response_store: Any = None) -> FastAPI:
+    """``serving``: the served model's, or one per served model (the first is the default, and the
+    one whose settings the app takes: API keys, adapters). ``render_metrics``: an async callable
+    producing the whole /metrics exposition (every replica's and every engine's series); without
+    it, /metrics shows this process's router series only. ``response_store``
+    (router.response_store): the Responses API keeps responses there."""
+    servings = ModelServings(serving if isinstance(serving, list) else [serving])
+    serving = servings.default
     app = FastAPI(title="llm-cluster", version=serving.settings.version)
     metrics = serving.metrics
 
@@ -142,17 +147,22 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return respond(await serving.completions(body, request.headers.get(SESSION_HEADER)))
+        chosen = await servings.for_model(body.model)
+        return respond(await chosen.completions(body, request.headers.get(SESSION_HEADER)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return respond(await serving.chat(body, request.headers.get(SESSION_HEADER)))
+        chosen = await servings.for_model(body.model)
+        return respond(await chosen.chat(body, request.headers.get(SESSION_HEADER)))
 
-    responses = ResponsesServing(serving, response_store)
+    # One store for every model: a stored response is found whichever model answered it.
+    responses_of = {id(s): ResponsesServing(s, response_store) for s in servings}
+    responses = responses_of[id(serving)]
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        result = await responses.create(body, request.headers.get(SESSION_HEADER))
+        chosen = responses_of[id(await servings.for_model(body.model))]
+        result = await chosen.create(body, request.headers.get(SESSION_HEADER))
         return EventStreamResponse(result) if hasattr(result, "__aiter__") else JSONResponse(result)
 
     @app.get("/v1/responses/{response_id}")
@@ -171,28 +181,37 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
     async def delete_response(response_id: str) -> Response:
         return JSONResponse(await responses.delete(response_id))
 
-    def model_card(lora: LoRARequest | None = None) -> ModelCard:
-        base = serving.settings.served_model_name
+    def model_card(owner: OpenAIServing, lora: LoRARequest | None = None) -> ModelCard:
+        base = owner.settings.served_model_name
         if lora is None:
-            return ModelCard(id=base, root=base, max_model_len=serving.settings.max_model_len)
+            return ModelCard(id=base, root=base, max_model_len=owner.settings.max_model_len)
         # As vLLM lists an adapter: its root is where it was loaded from, its parent the base model.
         return ModelCard(id=lora.lora_name, root=lora.lora_path, parent=base,
-                         max_model_len=serving.settings.max_model_len)
+                         max_model_len=owner.settings.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        await serving.refresh_loras()
-        return ModelList(data=[model_card(), *(model_card(lora) for lora in serving.lora_adapters.values())])
+        cards = []
+        for owner in servings:
+            await owner.refresh_loras()
+            cards += [model_card(owner), *(model_card(owner, lora) for lora in owner.lora_adapters.values())]
+        return ModelList(data=cards)
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:  # the openai client's models.retrieve()
-        return model_card(await serving.resolve_model(model))
+        owner = await servings.for_model(model)
+        return model_card(owner, await owner.resolve_model(model))
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = await serving.client.refresh_health()
-        status = 200 if any(healthy) else 503
-        return JSONResponse(status_code=status, content={"healthy_engines": sum(healthy), "engines": len(healthy)})
+        """200 while any engine is healthy (each model's own count in ``models``)."""
+        counts = {owner.settings.served_model_name: await owner.client.refresh_health() for owner in servings}
+        healthy = [ok for flags in counts.values() for ok in flags]
+        content: dict[str, Any] = {"healthy_engines": sum(healthy), "engines": len(healthy)}
+        if len(counts) > 1:
+            content["models"] = {name: {"healthy_engines": sum(flags), "engines": len(flags)}
+                                 for name, flags in counts.items()}
+        return JSONResponse(status_code=200 if any(healthy) else 503, content=content)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -211,27 +230,29 @@ def create_app(serving: OpenAIServing, render_metrics: Callable[[], Awaitable[by
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        await serving.resolve_model(body.model)  # (adapters share the base model's tokenizer)
+        owner = await servings.for_model(body.model)
+        await owner.resolve_model(body.model)  # (adapters share the base model's tokenizer)
         if body.messages is not None:
-            chat = ChatCompletionRequest(model=serving.settings.served_model_name, messages=body.messages,
+            chat = ChatCompletionRequest(model=owner.settings.served_model_name, messages=body.messages,
                                          add_generation_prompt=body.add_generation_prompt)
-            tokens = serving.render_chat(chat)
+            tokens = owner.render_chat(chat)
         else:
-            tokens = list(serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=serving.settings.max_model_len)
+            tokens = list(owner.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=owner.settings.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        await serving.resolve_model(body.model)
-        serving.tokenize_prompt(body.tokens)  # validates the id range
-        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+        owner = await servings.for_model(body.model)
+        await owner.resolve_model(body.model)
+        owner.tokenize_prompt(body.tokens)  # validates the id range
+        return DetokenizeResponse(prompt=owner.tokenizer.decode(body.tokens))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         if render_metrics is not None:
             text = await render_metrics()
         else:
-            text = metrics.render() if metrics is not None else b""
+            text = merge_expositions(s.metrics.render() for s in servings if s.metrics is not None)
         return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     if serving.settings.api_keys:  # (inside the response counter, which counts its 401s)

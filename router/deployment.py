@@ -34,6 +34,9 @@ class RouterConfig:
 
     engine_actor_names: list[str]
     namespace: str
+    # The cluster-wide index of the first engine (the engines' own ``engine`` metric label): further
+    # models' engines are numbered after the first model's.
+    first_engine_index: int = 0
     routing_policy: str = "least_loaded"
     prefix_load_margin: int = 8
     request_timeout_s: float | None = None
@@ -98,7 +101,8 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         client.on_engine_restart = policy.forget_engine
     if hasattr(policy, "apply_kv_events"):  # each engine reports what its prefix cache holds
         client.on_kv_events = policy.apply_kv_events
-    metrics = RouterMetrics(settings.served_model_name, replica=str(client_index))
+    metrics = RouterMetrics(settings.served_model_name, replica=str(client_index),
+                            first_engine_index=config.first_engine_index)
     # Structured-output requests are checked with xgrammar: import it now (seconds), not on the event
     # loop under the first such request.
     with contextlib.suppress(ImportError):
@@ -171,34 +175,47 @@ async def engine_metrics_texts(client: EngineClient) -> list[bytes]:
 
 @serve.ingress()
 class OpenAIRouter:
-    async def __init__(self, config: RouterConfig) -> None:
+    """``config``: the first (default) model's routing; ``more_models``: each further served model's,
+    on its own engines (one EngineClient and serving per model in every replica)."""
+
+    async def __init__(self, config: RouterConfig, more_models: list[RouterConfig] | None = None) -> None:
         self.config = config
-        self.serving, self.client = await build_serving(config)
+        client_index = random.getrandbits(31)  # one client of every engine, whichever model it serves
+        built = [await build_serving(c, client_index) for c in [config, *(more_models or [])]]
+        self.servings = [serving for serving, _ in built]
+        self.clients = [client for _, client in built]
+        self.serving, self.client = built[0]
         self.metrics = self.serving.metrics
         self.hub = metrics_hub(config.namespace)
         self.response_store = (ActorResponseStore(config.namespace, config.responses_store_max_entries)
                                if config.enable_responses_store else None)
         # Wait for the hub actor (started by the first replica) before reporting ready: its start
         # costs seconds of CPU, better spent before traffic than under it.
-        await self.hub.push.remote(self.metrics.replica, self.metrics.render())
+        await self.hub.push.remote(self.metrics.replica, self._render_own())
         self._push_task = asyncio.create_task(self._push_metrics())
+
+    def _render_own(self) -> bytes:
+        if len(self.servings) == 1:
+            return self.metrics.render()
+        return merge_expositions(serving.metrics.render() for serving in self.servings)
 
     async def _push_metrics(self) -> None:
         while True:
             with contextlib.suppress(Exception):
-                await self.hub.push.remote(self.metrics.replica, self.metrics.render())
+                await self.hub.push.remote(self.metrics.replica, self._render_own())
             await asyncio.sleep(METRICS_PUSH_INTERVAL_S)
 
     async def render_metrics(self) -> bytes:
         """Every replica's router series (via the hub) and every engine's series, as one exposition."""
-        own = self.metrics.render()
+        own = self._render_own()
         try:
             await self.hub.push.remote(self.metrics.replica, own)
             router_texts = await self.hub.get_all.remote()
         except Exception as e:
             logger.warning("router metrics hub unavailable: %s", e)
             router_texts = [own]
-        return merge_expositions([*router_texts, *await engine_metrics_texts(self.client)])
+        engine_texts = [text for client in self.clients for text in await engine_metrics_texts(client)]
+        return merge_expositions([*router_texts, *engine_texts])
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.serving, render_metrics=self.render_metrics, response_store=self.response_store)
+        return create_app(self.servings, render_metrics=self.render_metrics, response_store=self.response_store)

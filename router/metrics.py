@@ -18,10 +18,12 @@ disable_created_metrics()
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str, replica: str) -> None:
+    def __init__(self, model_name: str, replica: str, first_engine_index: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.replica = replica
+        # The router numbers a model's engines from 0; the label is the engines' own (cluster-wide) index.
+        self.first_engine_index = first_engine_index
         self.requests_routed = Counter(
             "llm_cluster:router_requests_routed", "Requests sent to each engine, by routing policy.",
             ["model_name", "replica", "engine", "policy"], registry=self.registry)
@@ -34,7 +36,7 @@ class RouterMetrics:
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2))
 
     def record_routing(self, engine: int, policy: str, seconds: float) -> None:
-        self.requests_routed.labels(self.model_name, self.replica, str(engine), policy).inc()
+        self.requests_routed.labels(self.model_name, self.replica, str(self.first_engine_index + engine), policy).inc()
         self.routing_latency.labels(self.model_name, self.replica, policy).observe(seconds)
 
     def record_response(self, endpoint: str, status: int) -> None:

@@ -190,7 +190,7 @@ class OpenAIServing:
             await self.refresh_loras()
             lora = self.lora_adapters.get(model)
         if lora is None:
-            raise _unknown_model(model)
+            raise unknown_model(model)
         return lora
 
     async def refresh_loras(self) -> None:
@@ -251,7 +251,7 @@ class OpenAIServing:
         await self.refresh_loras()
         current = self.lora_adapters.get(lora.lora_name)
         if current is None:
-            raise _unknown_model(lora.lora_name)
+            raise unknown_model(lora.lora_name)
         if current == lora:
             try:
                 await self.client.handle(engine).add_lora.remote(current)
@@ -454,7 +454,7 @@ class OpenAIServing:
                     raise _engine_refusal(e) from e
                 if isinstance(e, UnknownModelError) and lora is not None:
                     if attempt:
-                        raise _unknown_model(lora.lora_name) from e
+                        raise unknown_model(lora.lora_name) from e
                     # Unloaded or reloaded through another replica, or lost by a restarted engine.
                     lora = await self._recover_adapter(engine, lora)
                     continue
@@ -918,7 +918,7 @@ def _remote_message(error: BaseException) -> str:
     return str(cause if cause is not None else error).strip().splitlines()[-1]
 
 
-def _unknown_model(model: str) -> APIError:
+def unknown_model(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
 

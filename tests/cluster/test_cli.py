@@ -9,6 +9,7 @@ import pytest
 from cluster.app import router_deployment
 from cluster.cli import build_parser, cluster_config_from_args, main
 from cluster.config import EngineSpec
+from cluster.launcher import engine_actor_name
 from engine_core.config import KV_CACHE_DTYPE_NAMES, EngineConfig
 
 
@@ -64,6 +65,15 @@ def test_the_access_log_is_on_unless_disabled():
     (["--enable-responses-store", "--responses-store-max-entries", "0"], {},
      "--responses-store-max-entries: Input should be greater than or equal to 1"),
     (["--stream-interval", "0"], {}, "--stream-interval: Input should be greater than or equal to 1"),
+    (["--extra-models", "{file}"], {"file": "model: x\n"}, "expected a YAML list of model mappings"),
+    (["--extra-models", "{file}"], {"file": "- {model: x, num_engine: 2}\n"}, "model 0: num_engine"),
+    (["--served-model-name", "tiny", "--extra-models", "{file}"], {"file": "- {model: x, served_model_name: tiny}\n"},
+     "two served models are named 'tiny'"),
+    (["--extra-models", "{file}"], {"file": "- {model: x, tool_call_parser: nope}\n"},
+     "models[x].tool_call_parser must be one of"),
+    (["--extra-models", "{file}"], {"file": "- {model: x, num_engines: 1, engines: [{}, {}]}\n"},
+     "models[x].engines has 2 per-engine entries but num_engines is 1"),
+    (["--extra-models", "{file}"], {"file": "- {model: x}\n"}, "model 'x' not found"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -181,3 +191,28 @@ def test_the_stream_interval_reaches_the_router():
 
     assert router_config().stream_interval == 1  # vLLM's default: every engine step's tokens
     assert router_config("--stream-interval", "8").stream_interval == 8
+
+
+def test_extra_models_get_engines_of_their_own_after_the_first_models(tmp_path):
+    models = tmp_path / "models.yaml"
+    models.write_text("- {model: /models/b, served_model_name: b, num_engines: 2, defaults: {max_num_seqs: 4},\n"
+                      "   engines: [{}, {max_num_seqs: 2}], reasoning_parser: qwen3}\n"
+                      "- {model: /models/c, served_model_name: c, enable_auto_tool_choice: true,\n"
+                      "   tool_call_parser: hermes, chat_template: '{{ messages }}'}\n")
+    config = _config("--served-model-name", "tiny", "--num-engines", "2", "--max-num-seqs", "8",
+                     "--block-size", "32", "--extra-models", str(models), "--tool-call-parser", "mistral")
+    engines = config.engine_configs()
+    assert [(e.engine_index, e.model, e.served_model_name) for e in engines] == [
+        (0, "SmolLM2-135M-Instruct", "tiny"), (1, "SmolLM2-135M-Instruct", "tiny"), (2, "/models/b", "b"),
+        (3, "/models/b", "b"), (4, "/models/c", "c")]
+    # The cluster's flags, then the model's defaults, then its per-engine entries.
+    assert [e.scheduler.max_num_seqs for e in engines] == [8, 8, 4, 2, 8]
+    assert {e.block_size for e in engines} == {32}
+    first, more = router_deployment(config)._bound_deployment.init_args
+    assert first.engine_actor_names == [engine_actor_name(0), engine_actor_name(1)] and first.first_engine_index == 0
+    assert first.tool_call_parser is None  # the first model's "auto" is not enabled
+    b, c = more
+    assert b.engine_actor_names == [engine_actor_name(2), engine_actor_name(3)] and b.first_engine_index == 2
+    assert (b.served_model_name, b.reasoning_parser, b.tool_call_parser) == ("b", "qwen3", None)
+    assert (c.served_model_name, c.tool_call_parser, c.chat_template) == ("c", "hermes", "{{ messages }}")
+    assert c.engine_actor_names == [engine_actor_name(4)] and not c.enable_lora

@@ -1,0 +1,52 @@
+"""Two models behind one endpoint (``ClusterConfig.models``), on real engines over Ray with the
+Serve router: each request reaches its own model's engines; the model list, /health and /metrics
+show both."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from cluster.config import ClusterConfig, EngineSpec, ServedModel
+from tests.serve_cluster import serve_cluster
+from tests.tiny_model import build_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+
+def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_model_dir, tmp_path_factory):
+    second = build_tiny_llama(tmp_path_factory.mktemp("second-model"), seed=7, num_layers=1)
+    config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=1,
+                           defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
+                           models=[ServedModel(model=str(second), served_model_name="tiny-b")])
+    with serve_cluster(config) as served:
+        client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == ["tiny", "tiny-b"]
+        greedy = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        a = client.completions.create(model="tiny", prompt="Hello world", **greedy)
+        b = [client.completions.create(model="tiny-b", prompt="Hello world", **greedy) for _ in range(2)]
+        assert a.model == "tiny" and {r.model for r in b} == {"tiny-b"}
+        assert b[0].choices[0].text == b[1].choices[0].text != a.choices[0].text  # another model's weights
+        chat = client.chat.completions.create(model="tiny-b", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=4)
+        assert chat.model == "tiny-b" and chat.usage.completion_tokens >= 1
+        # Engine 0 serves "tiny", engine 1 "tiny-b" (numbered after the first model's).
+        assert [s.num_requests_added for s in served.stats()] == [1, 3]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="tiny-c", prompt="Hello")
+        health = httpx.get(f"{served.base}/health", timeout=30).json()
+        assert health["models"] == {"tiny": {"healthy_engines": 1, "engines": 1},
+                                    "tiny-b": {"healthy_engines": 1, "engines": 1}}
+        metrics = httpx.get(f"{served.base}/metrics", timeout=30).text
+
+        def series(name: str, **labels: str) -> list[str]:
+            return [line for line in metrics.splitlines() if line.startswith(name + "{")
+                    and all(re.search(f'{k}="{re.escape(v)}"', line) for k, v in labels.items())]
+
+        assert series("vllm:request_success_total", model_name="tiny-b", engine="1")
+        assert series("vllm:request_success_total", model_name="tiny", engine="0")
+        routed = series("llm_cluster:router_requests_routed_total", model_name="tiny-b")
+        assert routed and all('engine="1"' in line for line in routed)

@@ -1,0 +1,86 @@
+"""Several models behind one app (ModelServings): each request goes to the serving, engines and
+tokenizer of the model it names; the list, the tokenizer endpoints and the Responses API follow."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from engine_core.outputs import LoRARequest
+from router.app import create_app
+from router.engine_client import EngineClient
+from router.model_servings import ModelServings
+from router.response_store import LocalResponseStore
+from router.routing import RoundRobinPolicy
+from router.serving import OpenAIServing, ServingSettings
+
+from .test_request_fields import ScriptedEngine
+from .tokenizer_factory import byte_level_tokenizer
+
+ANSWERS = {"alpha": "Hello world", "beta": "Paris is the capital"}
+
+
+def _serving(name: str) -> tuple[OpenAIServing, ScriptedEngine]:
+    tokenizer = byte_level_tokenizer.__wrapped__()  # each model its own tokenizer and template
+    tokenizer.chat_template = f"[{name}]{{% for m in messages %}}{{{{ m['content'] }}}}{{% endfor %}}"
+    client = EngineClient([object()], client_index=1)
+    scripted = client._slots[0].channel = ScriptedEngine(client, lambda _: tokenizer.encode(ANSWERS[name]))
+    return OpenAIServing(ServingSettings(served_model_name=name, max_model_len=256), client, tokenizer,
+                         RoundRobinPolicy()), scripted
+
+
+@pytest.fixture
+def two_models():
+    (alpha, alpha_engine), (beta, beta_engine) = _serving("alpha"), _serving("beta")
+    http = TestClient(create_app([alpha, beta], response_store=LocalResponseStore()))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    return http, client, {"alpha": (alpha, alpha_engine), "beta": (beta, beta_engine)}
+
+
+def test_each_request_reaches_the_engines_of_the_model_it_names(two_models):
+    _, client, models = two_models
+    for name in ("beta", "alpha", "beta"):
+        out = client.completions.create(model=name, prompt="Hi", max_tokens=30)
+        assert out.model == name and out.choices[0].text == ANSWERS[name]
+    assert [len(engine.requests) for _, engine in models.values()] == [1, 2]
+    chat = client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "Hi"}], max_tokens=30)
+    assert chat.choices[0].message.content == ANSWERS["beta"]
+    beta, beta_engine = models["beta"]
+    assert beta.tokenizer.decode(beta_engine.requests[-1].prompt_token_ids) == "[beta]Hi"  # beta's own template
+    streamed = client.completions.create(model="alpha", prompt="Hi", max_tokens=30, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == ANSWERS["alpha"]
+    with pytest.raises(openai.NotFoundError, match="`gamma` does not exist"):
+        client.completions.create(model="gamma", prompt="Hi")
+    assert [len(engine.requests) for _, engine in models.values()] == [2, 3]
+
+
+def test_models_tokenizers_and_responses_follow_the_model(two_models):
+    http, client, models = two_models
+    assert [m.id for m in client.models.list()] == ["alpha", "beta"]
+    assert client.models.retrieve("beta").id == "beta"
+    tokens = http.post("/tokenize", json={"model": "beta", "messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert models["beta"][0].tokenizer.decode(tokens["tokens"]) == "[beta]Hi"
+    assert http.post("/tokenize", json={"model": "gamma", "prompt": "Hi"}).status_code == 404
+    response = client.responses.create(model="beta", input="Hi")
+    assert response.output_text == ANSWERS["beta"] and response.model == "beta"
+    # One store for every model: found, and continued by the other model, which sees the conversation.
+    assert client.responses.retrieve(response.id).output_text == ANSWERS["beta"]
+    follow = client.responses.create(model="alpha", input="And?", previous_response_id=response.id)
+    alpha, alpha_engine = models["alpha"]
+    assert alpha.tokenizer.decode(alpha_engine.requests[-1].prompt_token_ids) == f"[alpha]Hi{ANSWERS['beta']}And?"
+    assert follow.output_text == ANSWERS["alpha"]
+
+
+def test_adapters_belong_to_the_first_model(two_models):
+    _, client, models = two_models
+    alpha, alpha_engine = models["alpha"]
+    alpha.lora_adapters["sql"] = LoRARequest("sql", 1, "/adapters/sql")
+    client.completions.create(model="sql", prompt="Hi", max_tokens=3)
+    assert alpha_engine.requests[-1].lora_request == alpha.lora_adapters["sql"]
+    assert [m.id for m in client.models.list()] == ["alpha", "sql", "beta"]
+
+
+def test_two_models_of_one_name_are_refused():
+    with pytest.raises(ValueError, match="two served models are named 'alpha'"):
+        ModelServings([_serving("alpha")[0], _serving("alpha")[0]])
