@@ -81,6 +81,21 @@ class CompletionOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's ``LLM.embed`` result: one prompt's embedding."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -96,8 +111,8 @@ class RequestOutput:
 class _Pending:
     """One sample (engine request) of a prompt: ``group`` is the prompt's output, ``index`` the sample."""
 
-    __slots__ = ("detok", "done", "engine", "finish_reason", "group", "index", "logprob_entries", "metrics",
-                 "prompt", "prompt_ids", "prompt_logprobs", "stop_reason", "token_ids")
+    __slots__ = ("detok", "done", "embedding", "engine", "finish_reason", "group", "index", "logprob_entries",
+                 "metrics", "prompt", "prompt_ids", "prompt_logprobs", "stop_reason", "token_ids")
 
     def __init__(self, prompt: str | None, prompt_ids: list[int], want_logprobs: bool, group: str = "",
                  index: int = 0, detok: IncrementalDetokenizer | None = None) -> None:
@@ -113,9 +128,12 @@ class _Pending:
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(time.time())
         self.done = False
+        self.embedding: list[float] | None = None
 
     def apply(self, out: EngineCoreOutput, now: float) -> bool:
         """True when a stop string ended the sample here (the engine must then abort it)."""
+        if out.pooling_output is not None:
+            self.embedding = out.pooling_output
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = out.new_prompt_logprobs
         if out.new_token_ids:
@@ -216,15 +234,7 @@ class LLM:
         for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
             self._load_lora(lora)
         for index, (prompt, params, lora) in enumerate(zip(prompt_list, params_list, loras, strict=True)):
-            ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
-            # Checked before anything is queued, as vLLM does: a bad prompt fails the call, not a pass.
-            if not ids:
-                raise ValueError(f"prompt {index} is empty")
-            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-                raise ValueError(f"prompt {index}: token ids must be integers in [0, {vocab})")
-            if len(ids) >= max_model_len:
-                raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len is {max_model_len}, "
-                                 "which leaves no room to generate")
+            ids = self._prompt_ids(index, prompt, vocab, max_model_len - 1)
             group = str(next(self._ids))
             text = prompt if isinstance(prompt, str) else None
             n = getattr(params, "n", 1)
@@ -250,6 +260,52 @@ class LLM:
         for p in pending.values():
             groups.setdefault(p.group, []).append(p)
         return [self._to_output(group, samples) for group, samples in groups.items()]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, normalize: bool = True,
+              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: each prompt's embedding, the final hidden state of its last token
+        (see /v1/embeddings), first ``dimensions`` values when given, L2-normalised unless not asked."""
+        prompt_list = self._as_prompt_list(prompts)
+        loras = self._as_lora_list(lora_request, len(prompt_list))
+        for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
+            self._load_lora(lora)
+        params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
+                                      embed_dimensions=dimensions)
+        vocab, max_model_len = len(self.tokenizer), self._max_model_len()
+        pending: dict[str, _Pending] = {}
+        requests = []
+        for index, (prompt, lora) in enumerate(zip(prompt_list, loras, strict=True)):
+            ids = self._prompt_ids(index, prompt, vocab, max_model_len)
+            request_id = str(next(self._ids))
+            pending[request_id] = _Pending(prompt if isinstance(prompt, str) else None, ids, False, request_id)
+            requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+                                              arrival_time=time.time(), lora_request=lora))
+        with tqdm(total=len(requests), desc="Embedded prompts", disable=not use_tqdm) as bar:
+            if self._engine is not None:
+                self._run_in_process(requests, pending, bar)
+            else:
+                self._run_on_ray(requests, pending, bar)
+        out = []
+        for request_id, p in pending.items():
+            if p.embedding is None:
+                raise RuntimeError(f"prompt {request_id} ended without its embedding ({p.finish_reason}: "
+                                   f"{p.stop_reason})")
+            out.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(p.embedding), p.prompt_ids))
+        return out
+
+    def _prompt_ids(self, index: int, prompt: PromptType, vocab: int, max_tokens: int) -> list[int]:
+        """A prompt's token ids, checked before anything is queued, as vLLM does: a bad prompt fails
+        the call, not a pass."""
+        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt {index}: token ids must be integers in [0, {vocab})")
+        if len(ids) > max_tokens:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len is {self._max_model_len()}"
+                             + (", which leaves no room to generate" if max_tokens < self._max_model_len() else ""))
+        return ids
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -83,6 +83,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: list[LogprobsEntry | None] | None = None
     # Complete prompt logprobs of requests whose prefill finished this step (positions 1..n-1).
     prompt_logprobs: dict[str, LogprobsEntry] | None = None
+    # The embeddings of embedding requests (SamplingParams.embed) whose prefill finished this step.
+    pooler_output: dict[str, list[float]] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -95,6 +97,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # With the first output of a request that asked for them: the prompt's logprobs, positions 1..n-1.
     new_prompt_logprobs: LogprobsEntry | None = None
+    # An embedding request's embedding, with its (only, finishing) output.
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -46,6 +46,13 @@ class SamplingParams:
     # vLLM's bad_words, as token id sequences (the router tokenises the words): the last token of a
     # sequence is banned whenever the output so far ends with the ones before it.
     bad_words_token_ids: list[list[int]] | None = None
+    # An embedding instead of tokens (/v1/embeddings): the final hidden state of the prompt's last
+    # token (after the model's last norm: "last" pooling, as decoder embedding models such as
+    # Qwen3-Embedding and e5-mistral are read), its first ``embed_dimensions`` values when set
+    # (Matryoshka models), L2-normalised when ``embed_normalize``. The request ends with its prefill.
+    embed: bool = False
+    embed_normalize: bool = True
+    embed_dimensions: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -95,6 +102,12 @@ class SamplingParams:
             # A finished grammar allows only EOS: neither may forbid it.
             _check(not self.ignore_eos and self.min_tokens == 0, "structured_output",
                    "used without ignore_eos and min_tokens", self.structured_output)
+        if self.embed:
+            _check(self.max_tokens == 1 and self.logprobs is None and self.prompt_logprobs is None
+                   and self.structured_output is None, "embed",
+                   "used with max_tokens 1 and without logprobs, prompt_logprobs or structured_output", self.embed)
+        _check(self.embed_dimensions is None or (isinstance(self.embed_dimensions, int) and self.embed_dimensions >= 1),
+               "embed_dimensions", "None or >= 1", self.embed_dimensions)
         if self.structured_output_after is not None:
             _check(self.structured_output is not None and isinstance(self.structured_output_after, list)
                    and len(self.structured_output_after) > 0

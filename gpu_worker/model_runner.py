@@ -196,7 +196,14 @@ class ModelRunner:
         prompt_lp_chunks = [(i, s.num_computed_tokens) for i, s in enumerate(states) if s.wants_prompt_logprobs]
         num_drafts = (np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
                       if spec else None)
-        hidden, sample_rows, logits_idx = self._forward(states, num_sched, num_decodes, num_drafts)
+        hidden, sample_rows = self._forward(states, num_sched, num_decodes)
+        last_rows = np.cumsum(num_sched) - 1  # each request's last row of this pass
+        pooler_output = None
+        if any(states[i].sampling_params.embed for i in sample_rows):
+            pooler_output = self._embeddings(hidden, [(states[i], int(last_rows[i])) for i in sample_rows
+                                                      if states[i].sampling_params.embed])
+            sample_rows = [i for i in sample_rows if not states[i].sampling_params.embed]
+        logits_idx = self._logits_rows(last_rows, sample_rows, num_drafts)
         prompt_logprobs = (self._prompt_logprobs(hidden, states, num_sched, prompt_lp_chunks)
                            if prompt_lp_chunks else None)
 
@@ -222,7 +229,34 @@ class ModelRunner:
                     state.token_ids.append(tok)
                 logprobs = self._logprobs_entries(out, sample_rows, sample_states, len(order))
         return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
-                                 sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                 sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                 pooler_output=pooler_output)
+
+    def _logits_rows(self, last_rows: np.ndarray, sample_rows: list[int], num_drafts: np.ndarray | None
+                     ) -> torch.Tensor:
+        """The hidden-state rows the sampled requests' logits come from: each one's last row, and
+        with drafts also the rows of its drafts before it."""
+        last = last_rows[sample_rows]
+        if num_drafts is None or not sample_rows:
+            return torch.from_numpy(last).to(self.device)
+        return torch.from_numpy(np.concatenate(
+            [np.arange(row - d, row + 1) for row, d in zip(last, num_drafts[sample_rows], strict=True)]
+        ).astype(np.int64)).to(self.device)
+
+    @staticmethod
+    def _embeddings(hidden: torch.Tensor, wanted: list[tuple[RequestState, int]]) -> dict[str, list[float]]:
+        """Last pooling: the final hidden state of each finished prompt's last token (every TP rank
+        holds it whole), cut to its dimensions and L2-normalised as the request asks."""
+        rows = hidden.index_select(0, torch.tensor([row for _, row in wanted], device=hidden.device)).float()
+        out = {}
+        for (state, _), row in zip(wanted, rows, strict=True):
+            params = state.sampling_params
+            if params.embed_dimensions is not None:
+                row = row[: params.embed_dimensions]
+            if params.embed_normalize:
+                row = torch.nn.functional.normalize(row, dim=0)
+            out[state.req_id] = row.tolist()
+        return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, states: list[RequestState], num_sched: np.ndarray,
                          chunks: list[tuple[int, int]]) -> dict[str, LogprobsEntry] | None:
@@ -319,8 +353,10 @@ class ModelRunner:
             at = end
         return entries
 
-    def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int,
-                 num_drafts: np.ndarray | None = None) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int
+                 ) -> tuple[torch.Tensor, list[int]]:
+        """Run the model over this pass's tokens: every row's final hidden state, and the indexes of
+        the requests whose chunk reaches the end of what they know (they sample, or are embedded)."""
         block_size = self.block_size
         num_reqs = len(states)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
@@ -356,19 +392,12 @@ class ModelRunner:
         # A request samples once its chunk reaches the end of everything it knows (prompt done).
         total_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
         sample_rows = np.flatnonzero(ends >= total_known).tolist()
-        last_rows = query_start_loc[1:][sample_rows] - 1
-        if num_drafts is None or not sample_rows:
-            logits_idx = torch.from_numpy(last_rows).to(self.device)
-        else:  # a request with drafts samples at its last known token and at each draft
-            logits_idx = torch.from_numpy(np.concatenate(
-                [np.arange(last - d, last + 1) for last, d in zip(last_rows, num_drafts[sample_rows], strict=True)]
-            ).astype(np.int64)).to(self.device)
         for s, end in zip(states, ends.tolist(), strict=True):
             s.num_computed_tokens = end
 
         hidden = self.model(torch.from_numpy(input_ids).to(self.device),
                             torch.from_numpy(positions).to(self.device), meta)
-        return hidden, sample_rows, logits_idx
+        return hidden, sample_rows
 
     # ------------------------------------------------------------------ sampling inputs and outputs
 

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_core.outputs import LoRARequest
+from router.embeddings import EmbeddingRequest, EmbeddingsServing
 from router.metrics import RouterMetrics, merge_expositions
 from router.model_servings import ModelServings
 from router.protocol import (
@@ -164,6 +165,13 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         chosen = responses_of[id(await servings.for_model(body.model))]
         result = await chosen.create(body, request.headers.get(SESSION_HEADER))
         return EventStreamResponse(result) if hasattr(result, "__aiter__") else JSONResponse(result)
+
+    embeddings_of = {id(s): EmbeddingsServing(s) for s in servings}
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        chosen = embeddings_of[id(await servings.for_model(body.model))]
+        return JSONResponse(await chosen.create(body, request.headers.get(SESSION_HEADER)))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> Response:

@@ -354,7 +354,6 @@ class OpenAIServing:
                                   request, ChatCompletionRequest) else "prompt")
         if max_tokens is None:
             max_tokens = room
-            min_tokens = min(request.min_tokens, max_tokens)
         elif request.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({request.min_tokens}) must be less than or equal to max_tokens "
                               f"({max_tokens})", "min_tokens")
@@ -362,10 +361,8 @@ class OpenAIServing:
             raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens. "
                               f"You requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                               f"{max_tokens} for the completion).", "max_tokens")
-        if request.priority != 0 and self.settings.scheduling_policy != "priority":
-            raise bad_request("priority needs an engine started with --scheduling-policy priority", "priority")
-        else:
-            min_tokens = request.min_tokens
+        self.check_priority(request.priority)
+        min_tokens = request.min_tokens
         stop_ids = list(request.stop_token_ids or [])
         vocab = len(self.tokenizer)
         if any(t < 0 or t >= vocab for t in stop_ids):
@@ -385,6 +382,10 @@ class OpenAIServing:
                 structured_output_after=structured_output_after if request.structured_output else None)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+
+    def check_priority(self, priority: int) -> None:
+        if priority != 0 and self.settings.scheduling_policy != "priority":
+            raise bad_request("priority needs an engine started with --scheduling-policy priority", "priority")
 
     def _token_filters(self, request: SamplingFields, vocab: int
                        ) -> tuple[dict[int, float] | None, list[int] | None, list[list[int]] | None]:
@@ -429,22 +430,23 @@ class OpenAIServing:
     # -- generation ---------------------------------------------------------------------------------
 
     def _engine_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        fields: SamplingFields, lora: LoRARequest | None) -> EngineCoreRequest:
+                        priority: int, lora: LoRARequest | None) -> EngineCoreRequest:
         eos = self.settings.eos_token_ids[0] if self.settings.eos_token_ids else None
         return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
-                                 eos_token_id=eos, arrival_time=time.time(), priority=fields.priority,
+                                 eos_token_id=eos, arrival_time=time.time(), priority=priority,
                                  client_index=self.client.client_index, lora_request=lora)
 
-    async def _open_all(self, jobs: list[tuple[int, str, list[int], SamplingParams, _Choice]],
-                        fields: SamplingFields, lora: LoRARequest | None = None) -> list[RequestStream]:
-        """Send every choice's request to its engine now, before any response starts, so a refusal
-        is an HTTP status (429 or 503) for streams too; what was opened is released on failure."""
+    async def _open_all(self, jobs: list[tuple[int, str, list[int], SamplingParams]], priority: int,
+                        lora: LoRARequest | None = None) -> list[RequestStream]:
+        """Send every job's request (engine, request id, prompt, parameters) to its engine now,
+        before any response starts, so a refusal is an HTTP status (429 or 503) for streams too;
+        what was opened is released on failure."""
         for attempt in range(2):
             streams: list[RequestStream] = []
             engine = -1
             try:
-                for engine, request_id, prompt_ids, params, _ in jobs:
-                    request = self._engine_request(request_id, prompt_ids, params, fields, lora)
+                for engine, request_id, prompt_ids, params in jobs:
+                    request = self._engine_request(request_id, prompt_ids, params, priority, lora)
                     streams.append(await self.client.open(engine, request, self.settings.request_timeout_s))
                 return streams
             except BaseException as e:
@@ -556,8 +558,8 @@ class OpenAIServing:
                                                                            request.prompt_logprobs))
                 c.index = p_index * request.n + c.index
                 choices.append(c)
-                jobs.append((engine, f"{request_id}-{c.index}", ids, params, c))
-        streams = await self._open_all(jobs, request, lora)
+                jobs.append((engine, f"{request_id}-{c.index}", ids, params))
+        streams = await self._open_all(jobs, request.priority, lora)
         if request.stream:
             return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts,
                                                      prompt_ids, num_prompt_tokens, streams), streams)
@@ -674,9 +676,9 @@ class OpenAIServing:
         after = [self._think_end_id] if thinks and self._thinks_before_constraint() else None
         jobs = [(engine, f"{request_id}-{c.index}", ids,
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
-                                      prompt_logprobs=request.prompt_logprobs, structured_output_after=after), c)
+                                      prompt_logprobs=request.prompt_logprobs, structured_output_after=after))
                 for c in choices]
-        streams = await self._open_all(jobs, request, lora)
+        streams = await self._open_all(jobs, request.priority, lora)
         return ChatRun(request_id, created, ids, choices, streams)
 
     async def finish_chat(self, run: ChatRun) -> None:
@@ -803,6 +805,41 @@ class OpenAIServing:
             # A client that goes away cancels this generator: the runner's cancel aborts the requests.
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)
+
+    # -- /v1/embeddings -------------------------------------------------------------------------------
+
+    async def embed(self, prompts: list[list[int]], params: SamplingParams, priority: int,
+                    lora: LoRARequest | None, session_id: str | None = None) -> list[list[float]]:
+        """Each prompt's embedding (``params.embed``), their requests sent together to the engines
+        the routing policy picks; a timeout or an engine error fails them all."""
+        request_id = f"embd-{uuid.uuid4().hex}"
+        chosen = [0] * self.client.num_engines
+        jobs = []
+        for i, ids in enumerate(prompts):
+            engine = self.choose_engine(ids, session_id, chosen, lora)
+            chosen[engine] += 1
+            jobs.append((engine, f"{request_id}-{i}", ids, params))
+        streams = await self._open_all(jobs, priority, lora)
+        try:
+            return list(await asyncio.gather(*(self._embedding(stream) for stream in streams)))
+        finally:
+            for stream in streams:  # (aborts the others when one failed, or the client left)
+                await stream.close()
+
+    async def _embedding(self, stream: RequestStream) -> list[float]:
+        while not stream.finished:
+            try:
+                batch = await stream.next_batch()
+            except RequestTimeoutError as e:
+                raise self._timed_out() from e
+            for output in batch:
+                if output.pooling_output is not None:
+                    return output.pooling_output
+                if output.finish_reason is not None:
+                    raise APIError(500, str(output.stop_reason or f"the engine ended the request "
+                                                               f"({output.finish_reason.name.lower()})"),
+                                   "InternalServerError")
+        raise APIError(500, "the engine ended the request without its embedding", "InternalServerError")
 
     # -- helpers --------------------------------------------------------------------------------------
 

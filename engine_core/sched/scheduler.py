@@ -559,6 +559,7 @@ class Scheduler(SchedulerInterface):
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
         req_id_to_index = model_runner_output.req_id_to_index
+        pooler_output = model_runner_output.pooler_output
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running_reqs: set[Request] = set()
         stopped_preempted_reqs: set[Request] = set()
@@ -586,7 +587,11 @@ class Scheduler(SchedulerInterface):
                         request.num_computed_tokens -= len(draft) - num_accepted
                     if self._spec_stats is not None:
                         self._spec_stats.observe_draft(len(draft), num_accepted)
-            if new_token_ids:
+            embedding = pooler_output.get(req_id) if pooler_output else None
+            if embedding is not None:  # an embedding request ends with its prefill
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
+            elif new_token_ids:
                 if len(new_token_ids) == 1:  # the common case: one token per pass, checked inline
                     request.append_output_token_ids(new_token_ids[0])
                     stopped = check_stop(request, max_model_len)
@@ -610,7 +615,8 @@ class Scheduler(SchedulerInterface):
                 req_logprobs = logprobs[req_index] if logprobs else None
                 outputs[request.client_index].append(EngineCoreOutput(
                     req_id, new_token_ids, finish_reason, request.stop_reason, req_logprobs,
-                    request.num_cached_tokens, prompt_logprobs.get(req_id) if prompt_logprobs else None))
+                    request.num_cached_tokens, prompt_logprobs.get(req_id) if prompt_logprobs else None,
+                    embedding))
 
         # Removal is batched after the loop: running is rebuilt once instead of scanned per request.
         if stopped_running_reqs:

@@ -54,6 +54,33 @@ def test_greedy_generate_equals_transformers_with_chunked_prefill_and_preemption
         assert m.arrival_time <= m.first_token_time <= m.finished_time
 
 
+def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_num_batched_tokens=16)
+    try:
+        outputs = llm.embed(PROMPTS, use_tqdm=False)
+        raw = llm.embed([tok.encode(PROMPTS[1])], use_tqdm=False, normalize=False, dimensions=10)
+        with pytest.raises(ValueError, match="prompt 0 has 2000 tokens; max_model_len is"):
+            llm.embed([[5] * 2000], use_tqdm=False)
+        # Generation afterwards is untouched, and nothing was left in the engine.
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == \
+            hf_greedy(tiny_model_dir, PROMPTS[:2], 4)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    assert stats.num_free_blocks == stats.num_blocks
+    for out, prompt in zip(outputs, PROMPTS, strict=True):
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            ref = model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+        assert out.prompt_token_ids == ids
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref / ref.norm(), atol=1e-4, rtol=1e-4)
+        if prompt == PROMPTS[1]:
+            torch.testing.assert_close(torch.tensor(raw[0].outputs.embedding), ref[:10], atol=1e-4, rtol=1e-4)
+
+
 def test_generate_accepts_token_ids_and_per_prompt_params(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64)
     try:

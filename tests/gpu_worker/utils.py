@@ -104,10 +104,10 @@ def greedy_request(req_id: str, prompt: list[int], max_tokens: int, **params) ->
 
 
 def run_to_completion(scheduler: Scheduler, execute, max_steps: int = 500,
-                      on_step=None, drafter=None) -> dict[str, list[int]]:
+                      on_step=None, drafter=None, on_output=None) -> dict[str, list[int]]:
     """Drive schedule -> execute -> update until every request finishes; tokens per request id.
     With a ``drafter`` (engine_core.spec_decode.NgramProposer), drafts are proposed after each pass,
-    as the engine does."""
+    as the engine does; ``on_output`` sees every EngineCoreOutput."""
     tokens: dict[str, list[int]] = {}
     for step in range(max_steps):
         if not scheduler.has_unfinished_requests():
@@ -119,6 +119,8 @@ def run_to_completion(scheduler: Scheduler, execute, max_steps: int = 500,
         for eco in scheduler.update_from_output(so, out).values():
             for o in eco.outputs:
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if on_output is not None:
+                    on_output(o)
         if drafter is not None:
             scheduler.update_draft_token_ids(drafter.propose(scheduler.running))
     raise AssertionError("requests did not finish")

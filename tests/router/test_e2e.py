@@ -96,6 +96,25 @@ def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(client, cluster
     assert fewer[-1].finish_reason == "length"
 
 
+def test_embeddings_are_the_last_tokens_final_hidden_state(client, tiny_model_dir):
+    """/v1/embeddings on real engines, through the openai client (base64 on the wire): each text's
+    embedding is transformers' final hidden state of its last token, L2-normalised."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    texts = ["Hello world", "Paris is the capital of France.", "Hello world"]
+    out = client.embeddings.create(model="tiny", input=texts)
+    assert out.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts)
+    for item, text in zip(out.data, texts, strict=True):
+        with torch.no_grad():
+            ref = hf.model(torch.tensor([tokenizer.encode(text)])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(item.embedding), ref / ref.norm(), atol=1e-4, rtol=1e-4)
+    cut = client.embeddings.create(model="tiny", input=texts[0], dimensions=8, encoding_format="float")
+    assert len(cut.data[0].embedding) == 8
+
+
 def test_responses_api_plain_and_streamed_equal_chat(client):
     """POST /v1/responses on real engines: the same greedy answer as chat completions, whole and as
     the Responses event stream (through the openai client's stream helper)."""

@@ -53,6 +53,9 @@ def test_each_request_reaches_the_engines_of_the_model_it_names(two_models):
     with pytest.raises(openai.NotFoundError, match="`gamma` does not exist"):
         client.completions.create(model="gamma", prompt="Hi")
     assert [len(engine.requests) for _, engine in models.values()] == [2, 3]
+    embedded = client.embeddings.create(model="beta", input="Hi")
+    assert embedded.model == "beta" and beta_engine.requests[-1].sampling_params.embed
+    assert [len(engine.requests) for _, engine in models.values()] == [2, 4]
 
 
 def test_models_tokenizers_and_responses_follow_the_model(two_models):

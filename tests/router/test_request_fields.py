@@ -14,6 +14,7 @@ from starlette.testclient import TestClient
 from engine_core.channel import Accepted, AddRequest, encode_frame
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
 from engine_core.request import FinishReason
+from engine_core.sampling_params import SamplingParams
 from router.app import create_app
 from router.engine_client import EngineClient
 from router.protocol import ChatMessage
@@ -49,9 +50,13 @@ class ScriptedEngine:
 
     def _answer(self, request: EngineCoreRequest) -> None:
         self.client._on_message(self.client._slots[self.slot], Accepted(request.request_id))
-        tokens = self.script(request)[:request.sampling_params.max_tokens]
         queue = self.client._queues[request.request_id]
         params = request.sampling_params
+        if params.embed:  # an embedding request: one finishing output with the prompt's embedding
+            queue.put_nowait(EngineCoreOutput(request.request_id, [], FinishReason.STOP,
+                                              pooling_output=scripted_embedding(request.prompt_token_ids, params)))
+            return
+        tokens = self.script(request)[:request.sampling_params.max_tokens]
         outputs = []
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
@@ -79,6 +84,15 @@ class ScriptedEngine:
                 loop.call_later(0.001, deliver)
 
         deliver()
+
+
+def scripted_embedding(prompt: list[int], params: SamplingParams) -> list[float]:
+    """What the scripted engine answers an embedding request with: 8 values made from the prompt,
+    cut and normalised as the request asks (as the model runner does)."""
+    vector = [float(len(prompt)), float(sum(prompt) % 97), 1.0, -2.0, 0.5, float(prompt[0]), float(prompt[-1]), 3.0]
+    vector = vector[:params.embed_dimensions] if params.embed_dimensions else vector
+    norm = sum(v * v for v in vector) ** 0.5 if params.embed_normalize else 1.0
+    return [v / norm for v in vector]
 
 
 def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:

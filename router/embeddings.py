@@ -1,0 +1,98 @@
+"""``POST /v1/embeddings``: OpenAI's Embeddings API (and vLLM's extras) on the serving's engines.
+
+Each input is tokenised (or taken as token ids), sent as an embedding request (SamplingParams.embed)
+and answered with the final hidden state of its last token: "last" pooling, how decoder embedding
+models (Qwen3-Embedding, e5-mistral, gte-Qwen2) are read. Any served model answers; one trained
+for embeddings gives useful ones. ``encoding_format: "base64"`` (what the openai client asks for
+by default) sends little-endian float32 bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine_core.sampling_params import SamplingParams
+from router.protocol import INT64_MAX, INT64_MIN, invalid
+from router.serving import OpenAIServing, bad_request
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(..., description="Served model name (see GET /v1/models).")
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="Text, texts, token ids, or lists of token ids: one embedding each.")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Keep the first values only (Matryoshka models).")
+    user: str | None = None
+    # vLLM's extras.
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep each input's last k tokens "
+                                                                         "(-1: max_model_len).")
+    normalize: bool | None = Field(None, description="L2-normalise (default: true).")
+    add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens to text.")
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> EmbeddingRequest:
+        if self.input == [] or any(item in ("", []) for item in (self.input if isinstance(self.input, list)
+                                                                  else [self.input])):
+            raise invalid("input", "input must not be empty, nor hold an empty text or token list")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        if isinstance(self.input, str):
+            return [self.input]
+        if all(isinstance(item, int) for item in self.input):
+            return [list(self.input)]  # type: ignore[arg-type]
+        return list(self.input)  # type: ignore[arg-type]
+
+
+class EmbeddingsServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, request: EmbeddingRequest, session_id: str | None = None) -> dict[str, Any]:
+        serving = self.serving
+        lora = await serving.resolve_model(request.model)
+        serving.check_priority(request.priority)
+        prompts = [self._prompt_ids(item, request) for item in request.inputs()]
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
+                                embed_normalize=request.normalize is not False, embed_dimensions=request.dimensions)
+        vectors = await serving.embed(prompts, params, request.priority, lora, session_id)
+        if request.dimensions is not None and any(len(v) < request.dimensions for v in vectors):
+            raise bad_request(f"dimensions ({request.dimensions}) is larger than the model's embeddings "
+                              f"({min(len(v) for v in vectors)} values)", "dimensions")
+        num_tokens = sum(len(ids) for ids in prompts)
+        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": serving.model_name(request.model),
+                "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, request.encoding_format)}
+                         for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    def _prompt_ids(self, item: str | list[int], request: EmbeddingRequest) -> list[int]:
+        serving = self.serving
+        if isinstance(item, str):
+            ids = list(serving.tokenizer.encode(item, add_special_tokens=request.add_special_tokens))
+        else:
+            vocab = len(serving.tokenizer)
+            if any(t < 0 or t >= vocab for t in item):
+                raise bad_request(f"input token ids must be in [0, {vocab})", "input")
+            ids = list(item)
+        ids = serving.truncate_prompt(ids, request)  # type: ignore[arg-type]
+        max_model_len = serving.settings.max_model_len
+        if len(ids) > max_model_len:
+            raise bad_request(f"This model's maximum context length is {max_model_len} tokens; an input has "
+                              f"{len(ids)}: shorten it, or set truncate_prompt_tokens", "input")
+        return ids
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector

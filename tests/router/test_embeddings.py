@@ -1,0 +1,68 @@
+"""POST /v1/embeddings through the app and the official openai client (which asks for base64 by
+default), against a scripted engine: inputs of every shape, what reaches the engine, the encodings,
+usage, and the refusals."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from .test_request_fields import TOKENIZER, _app, scripted_embedding
+
+
+def _client(http) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+def test_texts_and_token_ids_get_one_embedding_each():
+    http, engine = _app()
+    client = _client(http)
+    texts = ["Hello world", "Paris is the capital of France."]
+    out = client.embeddings.create(model="tiny", input=texts)  # (base64 on the wire, decoded by the client)
+    assert out.object == "list" and out.model == "tiny" and [d.index for d in out.data] == [0, 1]
+    ids = [TOKENIZER.encode(t) for t in texts]
+    assert [r.prompt_token_ids for r in engine.requests] == ids
+    params = engine.requests[0].sampling_params
+    assert params.embed and params.embed_normalize and params.max_tokens == 1 and params.embed_dimensions is None
+    for d, prompt in zip(out.data, ids, strict=True):
+        assert d.embedding == pytest.approx(scripted_embedding(prompt, params), abs=1e-6)  # float32 on the wire
+    assert out.usage.prompt_tokens == out.usage.total_tokens == sum(len(p) for p in ids)
+    # Floats as JSON numbers; token ids (one list, or several) as prompts.
+    plain = http.post("/v1/embeddings", json={"model": "tiny", "input": ids[0], "encoding_format": "float"}).json()
+    assert plain["data"][0]["embedding"] == scripted_embedding(ids[0], params)
+    many = client.embeddings.create(model="tiny", input=ids, encoding_format="float")
+    assert len(many.data) == 2 and engine.requests[-1].prompt_token_ids == ids[1]
+
+
+def test_vllm_extras_reach_the_engine():
+    http, engine = _app()
+    client = _client(http)
+    out = client.embeddings.create(model="tiny", input="Hello world, the quick brown fox", dimensions=3,
+                                   extra_body={"normalize": False, "truncate_prompt_tokens": 4})
+    params = engine.requests[0].sampling_params
+    assert (params.embed_dimensions, params.embed_normalize) == (3, False)
+    prompt = TOKENIZER.encode("Hello world, the quick brown fox")[-4:]
+    assert engine.requests[0].prompt_token_ids == prompt
+    assert out.data[0].embedding == pytest.approx(scripted_embedding(prompt, params), abs=1e-4)
+    assert len(out.data[0].embedding) == 3
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"input": []}, 400, "input"),
+    ({"input": ["a", ""]}, 400, "input"),
+    ({"input": [[1, 2], []]}, 400, "input"),
+    ({"input": [1, "a"]}, 400, "input"),
+    ({"input": [len(TOKENIZER)]}, 400, "input"),
+    ({"input": "x" * 300}, 400, "input"),  # beyond max_model_len (256)
+    ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"input": "hi", "dimensions": 0}, 400, "dimensions"),
+    ({"input": "hi", "dimensions": 9}, 400, "dimensions"),  # the scripted model's embeddings have 8 values
+    ({"input": "hi", "priority": 3}, 400, "priority"),
+    ({"input": "hi", "model": "other"}, 404, "model"),
+])
+def test_refusals_name_their_parameter(body, status, param):
+    http, _ = _app()
+    r = http.post("/v1/embeddings", json={"model": "tiny", **body})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
