@@ -1,0 +1,94 @@
+"""Embeddings (LLM.embed, what /v1/embeddings runs) against transformers on the same texts, in one run.
+
+SmolLM2-135M-Instruct on this machine's device, fp32: the same texts embedded by
+  ours           LLM.embed: the engine's scheduler batches the prompts into passes of
+                 --max-num-batched-tokens (no padding), last-token pooling, L2-normalised
+  transformers   the HF model in batches of --hf-batch-size texts, left-padded with an attention
+                 mask, the last position's final hidden state, L2-normalised
+Rounds alternate between the two, each round with texts of its own (the engine's prefix cache would
+otherwise answer a repeated text from its cached blocks); prints each one's median texts/s, the
+ratio, and the largest difference between the two embeddings of any text (they must agree to float
+rounding).
+Usage: python benchmarks/bench_embeddings.py [--num-texts 256] [--rounds 3] [--hf-batch-size 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from cluster import LLM
+
+WORDS = ("the cluster serves many models on engines with paged attention while the router streams tokens "
+         "to clients that ask about rivers mountains cities history science music and food").split()
+
+
+def make_texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(8, 120))) for _ in range(n)]
+
+
+def hf_embed(model, tokenizer, texts: list[str], batch_size: int, device: torch.device) -> torch.Tensor:
+    out = []
+    for i in range(0, len(texts), batch_size):
+        batch = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True).to(device)
+        with torch.inference_mode():
+            hidden = model.model(**batch).last_hidden_state[:, -1]  # (left padding: the last position is real)
+        out.append(torch.nn.functional.normalize(hidden.float(), dim=-1).cpu())
+    return torch.cat(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-texts", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rounds = [make_texts(args.num_texts, seed=r + 1) for r in range(args.rounds)]
+    llm = LLM(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256, dtype="float32")
+    model_dir = llm.model_dir
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    num_tokens = statistics.mean(sum(len(tokenizer.encode(t)) for t in texts) for texts in rounds)
+    rates: dict[str, list[float]] = {"ours": [], "transformers": []}
+    ours = reference = None
+    try:
+        warmup = make_texts(4, seed=0)
+        llm.embed(warmup, use_tqdm=False)
+        hf_embed(model, tokenizer, warmup, args.hf_batch_size, device)
+        for r, texts in enumerate(rounds):
+            for name in (("ours", "transformers") if r % 2 == 0 else ("transformers", "ours")):
+                t0 = time.perf_counter()
+                if name == "ours":
+                    ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+                else:
+                    reference = hf_embed(model, tokenizer, texts, args.hf_batch_size, device)
+                rates[name].append(len(texts) / (time.perf_counter() - t0))
+    finally:
+        llm.shutdown()
+    assert ours is not None and reference is not None
+    ours_rate, hf_rate = statistics.median(rates["ours"]), statistics.median(rates["transformers"])
+    print(f"\n{args.num_texts} texts a round (about {num_tokens:.0f} tokens), {args.rounds} rounds, device {device}, "
+          f"budget {args.max_num_batched_tokens} tokens per pass, HF batches of {args.hf_batch_size}\n")
+    print(f"{'':<14}{'texts/s':>10}{'tokens/s':>12}{'vs transformers':>18}")
+    for name, rate in (("ours", ours_rate), ("transformers", hf_rate)):
+        print(f"{name:<14}{rate:>10.1f}{rate * num_tokens / args.num_texts:>12.0f}{rate / hf_rate:>17.2f}x")
+    print(f"\nlargest difference between the two embeddings of a text: {(ours - reference).abs().max().item():.2e}")
+
+
+if __name__ == "__main__":
+    main()
