@@ -170,7 +170,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         enable_responses_store=args.enable_responses_store,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details, stream_interval=args.stream_interval,
         responses_store_max_entries=args.responses_store_max_entries,
-        models=load_extra_models(args.extra_models) if args.extra_models else [])
+        models=[m.model_copy(update={"chat_template": read_chat_template(m.chat_template)})
+                for m in load_extra_models(args.extra_models)] if args.extra_models else [])
 
 
 def read_chat_template(value: str | None) -> str | None:

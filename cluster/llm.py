@@ -231,8 +231,7 @@ class LLM:
             if id(params) not in resolved:
                 resolved[id(params)] = self._resolve_params(params, vocab)
         params_list = [resolved[id(params)] for params in params_list]
-        for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
-            self._load_lora(lora)
+        self._load_loras(loras)
         for index, (prompt, params, lora) in enumerate(zip(prompt_list, params_list, loras, strict=True)):
             ids = self._prompt_ids(index, prompt, vocab, max_model_len - 1)
             group = str(next(self._ids))
@@ -251,11 +250,7 @@ class LLM:
                 requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                                   sampling_params=sample_params, arrival_time=time.time(),
                                                   lora_request=lora))
-        with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
-            if self._engine is not None:
-                self._run_in_process(requests, pending, bar)
-            else:
-                self._run_on_ray(requests, pending, bar)
+        self._run(requests, pending, "Processed prompts", use_tqdm)
         groups: dict[str, list[_Pending]] = {}
         for p in pending.values():
             groups.setdefault(p.group, []).append(p)
@@ -268,8 +263,7 @@ class LLM:
         (see /v1/embeddings), first ``dimensions`` values when given, L2-normalised unless not asked."""
         prompt_list = self._as_prompt_list(prompts)
         loras = self._as_lora_list(lora_request, len(prompt_list))
-        for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
-            self._load_lora(lora)
+        self._load_loras(loras)
         params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
                                       embed_dimensions=dimensions)
         vocab, max_model_len = len(self.tokenizer), self._max_model_len()
@@ -281,11 +275,7 @@ class LLM:
             pending[request_id] = _Pending(prompt if isinstance(prompt, str) else None, ids, False, request_id)
             requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                                               arrival_time=time.time(), lora_request=lora))
-        with tqdm(total=len(requests), desc="Embedded prompts", disable=not use_tqdm) as bar:
-            if self._engine is not None:
-                self._run_in_process(requests, pending, bar)
-            else:
-                self._run_on_ray(requests, pending, bar)
+        self._run(requests, pending, "Embedded prompts", use_tqdm)
         out = []
         for request_id, p in pending.items():
             if p.embedding is None:
@@ -393,6 +383,19 @@ class LLM:
         if self._engine is not None:
             return self._engine.scheduler_config.max_model_len
         return min(h.description.scheduler_config["max_model_len"] for h in self._handles)
+
+    def _load_loras(self, loras: list[LoRARequest | None]) -> None:
+        """Load (once each) the adapters not loaded yet."""
+        for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
+            self._load_lora(lora)
+
+    def _run(self, requests: list[EngineCoreRequest], pending: dict[str, _Pending], desc: str,
+             use_tqdm: bool) -> None:
+        with tqdm(total=len(requests), desc=desc, disable=not use_tqdm) as bar:
+            if self._engine is not None:
+                self._run_in_process(requests, pending, bar)
+            else:
+                self._run_on_ray(requests, pending, bar)
 
     def _run_in_process(self, requests: list[EngineCoreRequest], pending: dict[str, _Pending], bar: tqdm) -> None:
         engine = self._engine

@@ -33,6 +33,8 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
+    # The size of the model's hidden states (an embedding's values); 0 where unknown.
+    hidden_size: int = 0
     dtype: str = "float32"
     device: str = "cpu"
     extra: dict[str, str] = field(default_factory=dict)

@@ -194,6 +194,8 @@ class EngineMetrics:
                         itl_from[t.last_token] += 1
                     t.last_token = now
                     t.num_generated += n
+                elif out.pooling_output is not None:  # an embedding request: its prompt was its work
+                    self.counters["prompt_tokens"] += t.request.num_prompt_tokens
                 if out.finish_reason is not None:
                     self._finish(t, str(out.finish_reason), now)
             if eco.finished_requests:

@@ -57,7 +57,8 @@ class _ExecutorBase(Executor):
         self._info = ModelInfo(
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
             max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids))
+            vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
+            hidden_size=self.model_config.hidden_size)
         self._num_blocks: int | None = None
         # Adapters loaded on the workers, in load order: a restarted worker group gets them back.
         self._loras: dict[int, LoRARequest] = {}

@@ -23,6 +23,7 @@ from engine_core.sched.output import GrammarBitmask, SchedulerOutput
 from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
+from gpu_worker.distributed import get_tp_rank
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.lora.manager import LoRAManager
@@ -199,10 +200,13 @@ class ModelRunner:
         hidden, sample_rows = self._forward(states, num_sched, num_decodes)
         last_rows = np.cumsum(num_sched) - 1  # each request's last row of this pass
         pooler_output = None
-        if any(states[i].sampling_params.embed for i in sample_rows):
-            pooler_output = self._embeddings(hidden, [(states[i], int(last_rows[i])) for i in sample_rows
-                                                      if states[i].sampling_params.embed])
-            sample_rows = [i for i in sample_rows if not states[i].sampling_params.embed]
+        if self.requests.embedding_ids:
+            embed_rows = [i for i in sample_rows if states[i].sampling_params.embed]
+            if embed_rows:
+                # (Only TP rank 0's output is read; the others only keep their states in step.)
+                pooler_output = (self._embeddings(hidden, [(states[i], int(last_rows[i])) for i in embed_rows])
+                                 if get_tp_rank() == 0 else {})
+                sample_rows = [i for i in sample_rows if not states[i].sampling_params.embed]
         logits_idx = self._logits_rows(last_rows, sample_rows, num_drafts)
         prompt_logprobs = (self._prompt_logprobs(hidden, states, num_sched, prompt_lp_chunks)
                            if prompt_lp_chunks else None)
@@ -246,8 +250,9 @@ class ModelRunner:
     @staticmethod
     def _embeddings(hidden: torch.Tensor, wanted: list[tuple[RequestState, int]]) -> dict[str, list[float]]:
         """Last pooling: the final hidden state of each finished prompt's last token (every TP rank
-        holds it whole), cut to its dimensions and L2-normalised as the request asks."""
-        rows = hidden.index_select(0, torch.tensor([row for _, row in wanted], device=hidden.device)).float()
+        holds it whole), cut to its dimensions and L2-normalised as the request asks (on the CPU,
+        after one copy of the rows)."""
+        rows = hidden.index_select(0, torch.tensor([row for _, row in wanted], device=hidden.device)).float().cpu()
         out = {}
         for (state, _), row in zip(wanted, rows, strict=True):
             params = state.sampling_params

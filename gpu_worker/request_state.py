@@ -73,6 +73,8 @@ class RequestStates:
         self.device = device
         self.states: dict[str, RequestState] = {}
         self._parked: dict[str, _Parked] = {}
+        # Embedding requests held (SamplingParams.embed): a pass looks for them only while there are some.
+        self.embedding_ids: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.states)
@@ -97,7 +99,9 @@ class RequestStates:
         for req_id in so.finished_req_ids:
             self.states.pop(req_id, None)
             self._parked.pop(req_id, None)
+            self.embedding_ids.discard(req_id)
         for req_id in so.preempted_req_ids:
+            self.embedding_ids.discard(req_id)
             state = self.states.pop(req_id, None)
             if state is not None:
                 self._parked[req_id] = _Parked(state.sampling_params, state.generator, state.min_tokens_stop_ids,
@@ -112,6 +116,8 @@ class RequestStates:
         params = new.sampling_params
         # Outputs a continued session already generated are the tail of prompt_token_ids.
         num_outputs = len(new.output_token_ids)
+        if params.embed:
+            self.embedding_ids.add(new.req_id)
         self.states[new.req_id] = RequestState(
             req_id=new.req_id, token_ids=list(new.prompt_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids) - num_outputs, sampling_params=params,
@@ -129,6 +135,8 @@ class RequestStates:
                 if parked is None:
                     raise KeyError(f"resumed request {req_id!r} was never seen by this worker")
                 params = parked.sampling_params
+                if params.embed:
+                    self.embedding_ids.add(req_id)
                 self.states[req_id] = RequestState(
                     req_id=req_id, token_ids=list(tokens),
                     num_prompt_tokens=len(tokens) - cached.num_output_tokens[i], sampling_params=params,

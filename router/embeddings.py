@@ -61,15 +61,17 @@ class EmbeddingsServing:
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
+        hidden_size = serving.settings.hidden_size
+        if request.dimensions is not None and hidden_size and request.dimensions > hidden_size:
+            raise bad_request(f"dimensions ({request.dimensions}) is larger than the model's embeddings "
+                              f"({hidden_size} values)", "dimensions")
         prompts = [self._prompt_ids(item, request) for item in request.inputs()]
         params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
                                 embed_normalize=request.normalize is not False, embed_dimensions=request.dimensions)
-        vectors = await serving.embed(prompts, params, request.priority, lora, session_id)
-        if request.dimensions is not None and any(len(v) < request.dimensions for v in vectors):
-            raise bad_request(f"dimensions ({request.dimensions}) is larger than the model's embeddings "
-                              f"({min(len(v) for v in vectors)} values)", "dimensions")
+        request_id = f"embd-{uuid.uuid4().hex}"
+        vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         num_tokens = sum(len(ids) for ids in prompts)
-        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": serving.model_name(request.model),
                 "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, request.encoding_format)}
                          for i, v in enumerate(vectors)],

@@ -117,10 +117,20 @@ class ResponsesRequest(BaseModel):
     def input_items(self) -> list[dict[str, Any]]:
         return [{"role": "user", "content": self.input}] if isinstance(self.input, str) else list(self.input)
 
-    def stored_input_items(self) -> list[dict[str, Any]]:
+    def stored_input_items(self, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The input as the store keeps it and ``input_items`` lists it: OpenAI's item shapes, each
-        with an id and a status (messages' text in content parts). Called once the input was read."""
-        return [_as_response_item(item) for item in self.input_items()]
+        with an id and a status (messages' text in content parts). An item whose id the conversation
+        (``history``) or an earlier item already has gets a new one, so ids page unambiguously.
+        Called once the input was read."""
+        taken = {item.get("id") for item in history or ()}
+        items = []
+        for item in self.input_items():
+            stored = _as_response_item(item)
+            if stored["id"] in taken:
+                stored["id"] = _item_id(_ITEM_ID_PREFIXES[stored["type"]])
+            taken.add(stored["id"])
+            items.append(stored)
+        return items
 
     def chat_request(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
         """The chat request this one runs as; ``history``: the items of the conversation it continues."""
@@ -443,7 +453,7 @@ class ResponsesServing:
                            f"{e.response_id!r}, which is no longer stored", "NotFoundError", "response_id") from None
         if order == "desc":
             items.reverse()
-        ids = [item.get("id") for item in items]
+        ids = [item.get("id") for item in items]  # (items stored by an earlier build may have none)
         start, end = 0, len(items)
         for param, item_id in (("after", after), ("before", before)):
             if item_id is None:
@@ -456,8 +466,8 @@ class ResponsesServing:
                 end = ids.index(item_id)
         window = items[start:end]
         page = window[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(window) > limit}
+        return {"object": "list", "data": page, "first_id": page[0].get("id") if page else None,
+                "last_id": page[-1].get("id") if page else None, "has_more": len(window) > limit}
 
     async def _history(self, request: ResponsesRequest) -> list[dict[str, Any]] | None:
         if request.previous_response_id is None:
@@ -492,7 +502,7 @@ class ResponsesServing:
                 return
             try:
                 await self.store.put(final, request.previous_response_id,  # type: ignore[union-attr]
-                                     request.stored_input_items())
+                                     request.stored_input_items(history))
             except Exception as e:  # the answer stands; only its storing failed, and it says so
                 logger.warning("could not store response %s: %s", final["id"], e)
                 final["store"] = False

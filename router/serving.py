@@ -90,6 +90,8 @@ class ServingSettings:
     scheduling_policy: str = "fcfs"
     request_timeout_s: float | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # The model's hidden size: an embedding's values (0: unknown, not checked).
+    hidden_size: int = 0
     version: str = "0.1.0"
     # The parser of the model's own tool-call format, when tool_choice "auto" is enabled
     # (--enable-auto-tool-choice --tool-call-parser); None: "auto" is refused, as in vLLM.
@@ -411,9 +413,10 @@ class OpenAIServing:
         return logit_bias, allowed, bad
 
     def choose_engine(self, prompt_token_ids: list[int], session_id: str | None,
-                      chosen: list[int] | None = None, lora: LoRARequest | None = None) -> int:
+                      chosen: list[int] | None = None, lora: LoRARequest | None = None, count: int = 1) -> int:
         """``chosen``: requests this call already placed but has not opened yet, per engine (several
-        prompts of one request must see each other's load, or they all go to one engine)."""
+        prompts of one request must see each other's load, or they all go to one engine); the
+        ``count`` requests of this prompt are added to the chosen engine's."""
         t0 = time.perf_counter()
         loads = self.client.loads()
         if chosen is not None:
@@ -425,6 +428,8 @@ class OpenAIServing:
             raise APIError(503, "no healthy engine is available", "ServiceUnavailableError") from e
         if self.metrics is not None:
             self.metrics.record_routing(engine, self.policy.name, time.perf_counter() - t0)
+        if chosen is not None:
+            chosen[engine] += count
         return engine
 
     # -- generation ---------------------------------------------------------------------------------
@@ -548,8 +553,7 @@ class OpenAIServing:
                 ids, prompt = truncated, truncated
             num_prompt_tokens += len(ids)
             prompt_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
-            engine = self.choose_engine(ids, session_id, chosen, lora)
-            chosen[engine] += request.n
+            engine = self.choose_engine(ids, session_id, chosen, lora, request.n)
             prompt_ids.append(ids)
             for c in self._new_choices(request.n, ids, request):
                 # max_tokens=0 (echo only): one token is generated and dropped, as vLLM does.
@@ -808,20 +812,17 @@ class OpenAIServing:
 
     # -- /v1/embeddings -------------------------------------------------------------------------------
 
-    async def embed(self, prompts: list[list[int]], params: SamplingParams, priority: int,
+    async def embed(self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
                     lora: LoRARequest | None, session_id: str | None = None) -> list[list[float]]:
         """Each prompt's embedding (``params.embed``), their requests sent together to the engines
-        the routing policy picks; a timeout or an engine error fails them all."""
-        request_id = f"embd-{uuid.uuid4().hex}"
+        the routing policy picks (and read one after another: they run at once in the engines);
+        a timeout or an engine error fails them all."""
         chosen = [0] * self.client.num_engines
-        jobs = []
-        for i, ids in enumerate(prompts):
-            engine = self.choose_engine(ids, session_id, chosen, lora)
-            chosen[engine] += 1
-            jobs.append((engine, f"{request_id}-{i}", ids, params))
+        jobs = [(self.choose_engine(ids, session_id, chosen, lora), f"{request_id}-{i}", ids, params)
+                for i, ids in enumerate(prompts)]
         streams = await self._open_all(jobs, priority, lora)
         try:
-            return list(await asyncio.gather(*(self._embedding(stream) for stream in streams)))
+            return [await self._embedding(stream) for stream in streams]
         finally:
             for stream in streams:  # (aborts the others when one failed, or the client left)
                 await stream.close()

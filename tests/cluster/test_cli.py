@@ -195,10 +195,11 @@ def test_the_stream_interval_reaches_the_router():
 
 def test_extra_models_get_engines_of_their_own_after_the_first_models(tmp_path):
     models = tmp_path / "models.yaml"
+    (tmp_path / "c.jinja").write_text("{{ messages }}")  # a file, as --chat-template takes it
     models.write_text("- {model: /models/b, served_model_name: b, num_engines: 2, defaults: {max_num_seqs: 4},\n"
                       "   engines: [{}, {max_num_seqs: 2}], reasoning_parser: qwen3}\n"
                       "- {model: /models/c, served_model_name: c, enable_auto_tool_choice: true,\n"
-                      "   tool_call_parser: hermes, chat_template: '{{ messages }}'}\n")
+                      f"   tool_call_parser: hermes, chat_template: {tmp_path / 'c.jinja'}}}\n")
     config = _config("--served-model-name", "tiny", "--num-engines", "2", "--max-num-seqs", "8",
                      "--block-size", "32", "--extra-models", str(models), "--tool-call-parser", "mistral")
     engines = config.engine_configs()

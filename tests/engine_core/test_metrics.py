@@ -59,3 +59,16 @@ def test_cache_config_info_carries_the_kv_cache_settings_as_vllm_does():
     assert sample.labels == {"model_name": "m", "engine": "1", "block_size": "32", "cache_dtype": "fp8",
                              "enable_prefix_caching": "False", "num_gpu_blocks": "640",
                              "gpu_memory_utilization": "0.9"}
+
+
+def test_an_embedding_request_counts_its_prompt_and_no_generation():
+    metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
+    request = Request("e", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1, embed=True), arrival_time=100.0)
+    metrics.on_request_added(request)
+    metrics.on_step({0: EngineCoreOutputs(outputs=[EngineCoreOutput("e", [], FinishReason.STOP,
+                                                                    pooling_output=[0.6, 0.8])])}, None, now=100.3)
+    families = _families(metrics)
+    assert next(s.value for s in families["vllm:prompt_tokens"].samples) == 5
+    assert next(s.value for s in families["vllm:generation_tokens"].samples) == 0
+    success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples}
+    assert success["stop"] == 1

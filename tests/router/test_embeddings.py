@@ -61,8 +61,22 @@ def test_vllm_extras_reach_the_engine():
     ({"input": "hi", "model": "other"}, 404, "model"),
 ])
 def test_refusals_name_their_parameter(body, status, param):
-    http, _ = _app()
+    http, engine = _app(hidden_size=8)
     r = http.post("/v1/embeddings", json={"model": "tiny", **body})
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+    assert not engine.requests  # refused before anything ran
 
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failing_input_fails_the_request_and_aborts_the_others(failing):
+    http, engine = _app()
+    texts = ["Hello world", "Paris is the capital of France.", "the quick brown fox"]
+    engine.failing_prompt = TOKENIZER.encode(texts[failing])
+    r = http.post("/v1/embeddings", json={"model": "tiny", "input": texts})
+    assert r.status_code == 500 and "worker died" in r.json()["error"]["message"]
+    # The inputs after the failing one (whose outputs were never read) were aborted; nothing is left.
+    assert engine.aborted == [rq.request_id for rq in engine.requests[failing + 1:]]
+    client = engine.client
+    assert client.loads() == [0] and not client._queues

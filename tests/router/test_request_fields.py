@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 from starlette.testclient import TestClient
 
-from engine_core.channel import Accepted, AddRequest, encode_frame
+from engine_core.channel import AbortRequests, Accepted, AddRequest, encode_frame
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
@@ -41,9 +41,13 @@ class ScriptedEngine:
         self.slot, self.spaced, self.tokens_per_output = slot, spaced, tokens_per_output
         self.num_cached_tokens = num_cached_tokens  # what the engine reports found in its prefix cache
         self.requests: list[EngineCoreRequest] = []
+        self.failing_prompt: list[int] | None = None  # an embedding request of this prompt fails
+        self.aborted: list[str] = []
 
     def send(self, message: object) -> None:
         encode_frame(message)  # what the real channel would put on the wire must encode
+        if isinstance(message, AbortRequests):
+            self.aborted += message.request_ids
         if isinstance(message, AddRequest):
             self.requests.append(message.request)
             asyncio.get_running_loop().call_soon(self._answer, message.request)
@@ -53,6 +57,9 @@ class ScriptedEngine:
         queue = self.client._queues[request.request_id]
         params = request.sampling_params
         if params.embed:  # an embedding request: one finishing output with the prompt's embedding
+            if request.prompt_token_ids == self.failing_prompt:
+                queue.put_nowait(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, "worker died"))
+                return
             queue.put_nowait(EngineCoreOutput(request.request_id, [], FinishReason.STOP,
                                               pooling_output=scripted_embedding(request.prompt_token_ids, params)))
             return
@@ -107,13 +114,13 @@ def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
 
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
-         tokenizer=TOKENIZER, prompt_tokens_details: bool = False, stream_interval: int = 1,
+         tokenizer=TOKENIZER, prompt_tokens_details: bool = False, stream_interval: int = 1, hidden_size: int = 0,
          **engine) -> tuple[TestClient, ScriptedEngine]:
     client = EngineClient([object()], client_index=1)
     scripted = client._slots[0].channel = ScriptedEngine(client, script, **engine)
     serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256,
                                             enable_prompt_tokens_details=prompt_tokens_details,
-                                            stream_interval=stream_interval),
+                                            stream_interval=stream_interval, hidden_size=hidden_size),
                             client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted
 

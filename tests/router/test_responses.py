@@ -467,3 +467,22 @@ def test_input_items_of_a_response_not_held_are_a_404():
     http, _, _ = _app("x")
     with pytest.raises(openai.NotFoundError, match="does not store responses"):
         _client(http).responses.input_items.list("resp_123")
+
+
+def test_input_item_ids_stay_unique_when_a_client_resends_items():
+    http, _, _, _ = _stored_app(["Hello Ada.", "Yes.", "Bye."])
+    client = _client(http)
+    first = client.responses.create(model="tiny", input="My name is Ada.")
+    answer = first.output[0]
+    # The client continues the stored conversation but also resends the answer it got (with its id),
+    # twice, and an id of its own twice.
+    again = {"type": "message", "role": "assistant", "id": answer.id,
+             "content": [{"type": "output_text", "text": "Hello Ada.", "annotations": []}]}
+    mine = {"type": "message", "role": "user", "id": "msg_mine", "content": "Right?"}
+    second = client.responses.create(model="tiny", previous_response_id=first.id, input=[again, again, mine, mine])
+    items = list(client.responses.input_items.list(second.id, order="asc"))
+    ids = [item.id for item in items]
+    assert len(ids) == 6 and len(set(ids)) == 6
+    assert ids[1] == answer.id and ids[4] == "msg_mine"  # the first use keeps its id
+    after = client.responses.input_items.list(second.id, order="asc", after=ids[2]).data
+    assert [item.id for item in after] == ids[3:]
