@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -117,6 +118,10 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         theta, scaling = _rope_from_dict(cfg)
+        params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        if partial != 1.0:  # (Phi-4-mini rotates 3/4 of each head)
+            raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE over whole heads), got {partial}")
         if arch == "Qwen2ForCausalLM":
             qkv_bias, o_bias = True, False
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
@@ -125,7 +130,8 @@ class ModelConfig:
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-            sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+            # Phi-3's window (2047 in the 4k models) bounds max_model_len as Mistral's does.
+            sliding = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Phi3ForCausalLM") else None
         # generation_config.json is where Llama-3-style checkpoints list their extra EOS ids.
         eos = _eos_ids((generation_config or {}).get("eos_token_id")) or _eos_ids(cfg.get("eos_token_id"))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")

@@ -70,6 +70,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
+    if hasattr(model, "checkpoint_tensors"):  # a model whose checkpoint stores some shards fused (Phi-3)
+        weights = model.checkpoint_tensors(weights)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     # A fused parameter counts as loaded only once every one of its shards has arrived.
     expected_shards: dict[str, set[int | str]] = {}

@@ -1,4 +1,4 @@
-"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2, Qwen3).
+"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2, Qwen3, Phi-3).
 
 The variants differ only in config flags (QKV bias, o_proj bias, Qwen3's per-head q/k norms, tied
 embeddings, RoPE scaling),
@@ -11,6 +11,8 @@ two-layer model (on the CPU, where a small model's step is dominated by such ove
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
@@ -22,6 +24,7 @@ from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.weight_utils import WeightLike
 
 
 class LlamaAttention(nn.Module):
@@ -154,3 +157,23 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense) is the Llama block with RMSNorms on the query and key heads (ModelConfig.qk_norm)
     and its own head_dim (128 in every size, whatever hidden_size / num_attention_heads is)."""
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4 are the Llama block, with q/k/v and gate/up stored fused in the checkpoint
+    (``qkv_proj``, ``gate_up_proj``): they are split into the shards the loader places per TP rank."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        config = self.config
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        for name, tensor in weights:
+            if ".qkv_proj." in name:
+                for part, start, size in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                    yield name.replace(".qkv_proj.", f".{part}."), tensor.narrow(0, start, size)
+            elif ".gate_up_proj." in name:
+                half = config.intermediate_size
+                yield name.replace(".gate_up_proj.", ".gate_proj."), tensor.narrow(0, 0, half)
+                yield name.replace(".gate_up_proj.", ".up_proj."), tensor.narrow(0, half, half)
+            else:
+                yield name, tensor

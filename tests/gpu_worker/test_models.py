@@ -23,6 +23,9 @@ CASES = {
     "qwen3": ("qwen3", {"head_dim": 32}),
     "qwen3_tied_bias_mqa": ("qwen3", {"tie_word_embeddings": True, "attention_bias": True,
                                       "num_key_value_heads": 1}),
+    # Phi-3's checkpoint stores q/k/v and gate/up fused: split at load.
+    "phi3": ("phi3", {}),
+    "phi3_mqa_tied": ("phi3", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
 }
 
 
@@ -69,10 +72,16 @@ def test_config_rejects_unsupported():
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_dict({**base, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="partial_rotary_factor must be 1.0"):  # Phi-4-mini's
+        ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match="rope_type"):  # Phi-3's 128k models (LongRoPE)
+        ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "rope_scaling": {
+            "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
 
 
 def test_registry_maps_architectures(tmp_path):
-    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                   "Phi3ForCausalLM"}
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
     assert get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
     assert get_model_class("MistralForCausalLM") is MistralForCausalLM

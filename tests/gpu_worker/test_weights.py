@@ -122,3 +122,25 @@ def test_qwen3_head_norms_are_whole_on_every_rank(tmp_path):
     for name in ("q_norm", "k_norm"):
         torch.testing.assert_close(getattr(attention, name).weight, state[f"model.layers.1.self_attn.{name}.weight"])
     assert not torch.equal(attention.q_norm.weight, attention.k_norm.weight)
+
+
+def test_phi3_fused_checkpoint_tensors_are_split_per_rank(tmp_path):
+    """Phi-3 stores q/k/v (and gate/up) as one tensor: each TP rank gets its heads of each part."""
+    from gpu_worker import distributed
+
+    path = save_tiny_model(tmp_path, "phi3")
+    state = hf_state(path)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in state and "model.layers.0.mlp.gate_up_proj.weight" in state
+    old = distributed._group
+    try:
+        distributed._group = distributed.TPGroup(rank=1, world_size=2)
+        model = build_model(ModelConfig.from_pretrained(path))
+    finally:
+        distributed._group = old
+    load_safetensors(model, path)
+    layer = model.model.layers[0]
+    fused = state["model.layers.0.self_attn.qkv_proj.weight"]  # [q (4 heads x 16); k (2 x 16); v (2 x 16)]
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight,
+                               torch.cat([fused[32:64], fused[64 + 16:96], fused[96 + 16:128]]))
+    gate_up = state["model.layers.0.mlp.gate_up_proj.weight"]  # [gate (128); up (128)]
+    torch.testing.assert_close(layer.mlp.gate_up_proj.weight, torch.cat([gate_up[64:128], gate_up[192:256]]))

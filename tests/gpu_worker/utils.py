@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
@@ -38,6 +38,8 @@ def make_config(kind: str = "llama", **overrides):
         return Qwen2Config(**kw)
     if kind == "qwen3":
         return Qwen3Config(**kw)
+    if kind == "phi3":
+        return Phi3Config(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "mistral":
         kw.setdefault("sliding_window", None)
         return MistralConfig(**kw)
