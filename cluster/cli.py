@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cluster_config_from_args(args: argparse.Namespace):
-    from cluster.config import ClusterConfig, EngineSpec, load_engine_overrides, load_extra_models
+    from cluster.config import ClusterConfig, EngineSpec, load_engine_overrides
 
     defaults = {"tensor_parallel_size": args.tensor_parallel_size, "scheduling_policy": args.scheduling_policy,
                 "enable_prefix_caching": args.enable_prefix_caching,
@@ -170,8 +170,22 @@ def cluster_config_from_args(args: argparse.Namespace):
         enable_responses_store=args.enable_responses_store,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details, stream_interval=args.stream_interval,
         responses_store_max_entries=args.responses_store_max_entries,
-        models=[m.model_copy(update={"chat_template": read_chat_template(m.chat_template)})
-                for m in load_extra_models(args.extra_models)] if args.extra_models else [])
+        models=_extra_models(args.extra_models) if args.extra_models else [])
+
+
+def _extra_models(path: str) -> list:
+    """``--extra-models FILE``, each chat template read as ``--chat-template`` reads it (a path
+    relative to the file's folder, or the template itself)."""
+    from cluster.config import load_extra_models
+
+    folder = os.path.dirname(os.path.abspath(path))
+    models = []
+    for m in load_extra_models(path):
+        template = m.chat_template
+        if template is not None and not os.path.isabs(template) and os.path.isfile(os.path.join(folder, template)):
+            template = os.path.join(folder, template)
+        models.append(m.model_copy(update={"chat_template": read_chat_template(template)}))
+    return models
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -266,6 +266,11 @@ class LLM:
         self._load_loras(loras)
         params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
                                       embed_dimensions=dimensions)
+        info = (self._engine.model_info if self._engine is not None
+                else self._handles[0].description.model_info if self._handles else None)
+        if dimensions is not None and info is not None and dimensions > info.hidden_size:
+            raise ValueError(f"dimensions ({dimensions}) is larger than the model's embeddings "
+                             f"({info.hidden_size} values)")
         vocab, max_model_len = len(self.tokenizer), self._max_model_len()
         pending: dict[str, _Pending] = {}
         requests = []

@@ -90,10 +90,13 @@ class ModelConfig:
     @property
     def max_context_len(self) -> int:
         """The longest sequence the model serves: linear RoPE scaling stretches the trained positions
-        by its factor (as vLLM derives it; llama3 configs already state their extended length)."""
+        by its factor (as vLLM derives it; llama3 configs already state their extended length), and
+        a sliding window bounds it, as sliding-window attention is not implemented (so a Phi-3-4k or
+        Mistral-v0.1 model serves its window by default, without --max-model-len)."""
+        length = self.max_position_embeddings
         if self.rope_scaling and self.rope_scaling.get("rope_type") == "linear":
-            return int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
-        return self.max_position_embeddings
+            length = int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
+        return length if self.sliding_window is None else min(length, self.sliding_window)
 
     @property
     def num_key_value_groups(self) -> int:

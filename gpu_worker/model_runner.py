@@ -64,12 +64,12 @@ class ModelRunner:
         # The KV cache's storage dtype (None: the model's); fp8 halves (bf16) or quarters (fp32) it.
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.max_model_len = max_model_len or model_config.max_context_len
-        if self.max_model_len > model_config.max_context_len:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context length "
-                             f"({model_config.max_context_len})")
         if model_config.sliding_window is not None and self.max_model_len > model_config.sliding_window:
             raise ValueError(f"sliding-window attention is not implemented: max_model_len ({self.max_model_len}) "
                              f"must not exceed the model's sliding_window ({model_config.sliding_window})")
+        if self.max_model_len > model_config.max_context_len:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context length "
+                             f"({model_config.max_context_len})")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Speculative decoding: a request may have this many draft tokens, each with its own logits row.

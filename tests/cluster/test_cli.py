@@ -199,7 +199,7 @@ def test_extra_models_get_engines_of_their_own_after_the_first_models(tmp_path):
     models.write_text("- {model: /models/b, served_model_name: b, num_engines: 2, defaults: {max_num_seqs: 4},\n"
                       "   engines: [{}, {max_num_seqs: 2}], reasoning_parser: qwen3}\n"
                       "- {model: /models/c, served_model_name: c, enable_auto_tool_choice: true,\n"
-                      f"   tool_call_parser: hermes, chat_template: {tmp_path / 'c.jinja'}}}\n")
+                      "   tool_call_parser: hermes, chat_template: c.jinja}\n")  # (beside the YAML file)
     config = _config("--served-model-name", "tiny", "--num-engines", "2", "--max-num-seqs", "8",
                      "--block-size", "32", "--extra-models", str(models), "--tool-call-parser", "mistral")
     engines = config.engine_configs()

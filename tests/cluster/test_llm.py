@@ -63,6 +63,8 @@ def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_m
         raw = llm.embed([tok.encode(PROMPTS[1])], use_tqdm=False, normalize=False, dimensions=10)
         with pytest.raises(ValueError, match="prompt 0 has 2000 tokens; max_model_len is"):
             llm.embed([[5] * 2000], use_tqdm=False)
+        with pytest.raises(ValueError, match=r"dimensions \(65\) is larger than the model's embeddings \(64"):
+            llm.embed(PROMPTS[:1], use_tqdm=False, dimensions=65)
         # Generation afterwards is untouched, and nothing was left in the engine.
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == \

@@ -72,7 +72,7 @@ def test_config_rejects_unsupported():
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_dict({**base, "hidden_act": "gelu"})
-    with pytest.raises(ValueError, match="partial_rotary_factor must be 1.0"):  # Phi-4-mini's
+    with pytest.raises(ValueError, match=r"partial_rotary_factor must be 1\.0"):  # Phi-4-mini's
         ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75})
     with pytest.raises(ValueError, match="rope_type"):  # Phi-3's 128k models (LongRoPE)
         ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "rope_scaling": {
@@ -96,3 +96,12 @@ def test_mistral_sliding_window_bounds_max_model_len(tmp_path):
     with pytest.raises(ValueError, match="sliding"):
         make_runner(path, max_model_len=128)
     make_runner(path, max_model_len=64)
+
+
+def test_a_sliding_window_is_the_default_context_length(tmp_path):
+    """Phi-3-4k (and Mistral v0.1) serve their window without --max-model-len: the default context
+    length is the window, not the trained positions, which the runner would refuse."""
+    path = save_tiny_model(tmp_path, "phi3", sliding_window=31, max_position_embeddings=64)
+    config = ModelConfig.from_pretrained(path)
+    assert config.sliding_window == 31 and config.max_context_len == 31
+    assert make_runner(path, num_blocks=16).max_model_len == 31  # (no max_model_len given)

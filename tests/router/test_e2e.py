@@ -113,6 +113,9 @@ def test_embeddings_are_the_last_tokens_final_hidden_state(client, tiny_model_di
         torch.testing.assert_close(torch.tensor(item.embedding), ref / ref.norm(), atol=1e-4, rtol=1e-4)
     cut = client.embeddings.create(model="tiny", input=texts[0], dimensions=8, encoding_format="float")
     assert len(cut.data[0].embedding) == 8
+    # The engines report the model's hidden size (64) to the router, which refuses more up front.
+    with pytest.raises(openai.BadRequestError, match=r"dimensions \(65\) is larger than the model's embeddings"):
+        client.embeddings.create(model="tiny", input=texts[0], dimensions=65)
 
 
 def test_responses_api_plain_and_streamed_equal_chat(client):
