@@ -197,8 +197,7 @@ class ModelRunner:
         prompt_lp_chunks = [(i, s.num_computed_tokens) for i, s in enumerate(states) if s.wants_prompt_logprobs]
         num_drafts = (np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
                       if spec else None)
-        hidden, sample_rows = self._forward(states, num_sched, num_decodes)
-        last_rows = np.cumsum(num_sched) - 1  # each request's last row of this pass
+        hidden, sample_rows, last_rows = self._forward(states, num_sched, num_decodes)
         pooler_output = None
         if self.requests.embedding_ids:
             embed_rows = [i for i in sample_rows if states[i].sampling_params.embed]
@@ -359,9 +358,10 @@ class ModelRunner:
         return entries
 
     def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int
-                 ) -> tuple[torch.Tensor, list[int]]:
-        """Run the model over this pass's tokens: every row's final hidden state, and the indexes of
-        the requests whose chunk reaches the end of what they know (they sample, or are embedded)."""
+                 ) -> tuple[torch.Tensor, list[int], np.ndarray]:
+        """Run the model over this pass's tokens: every row's final hidden state, the indexes of the
+        requests whose chunk reaches the end of what they know (they sample, or are embedded), and
+        each request's last row."""
         block_size = self.block_size
         num_reqs = len(states)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
@@ -402,7 +402,7 @@ class ModelRunner:
 
         hidden = self.model(torch.from_numpy(input_ids).to(self.device),
                             torch.from_numpy(positions).to(self.device), meta)
-        return hidden, sample_rows
+        return hidden, sample_rows, query_start_loc[1:] - 1
 
     # ------------------------------------------------------------------ sampling inputs and outputs
 

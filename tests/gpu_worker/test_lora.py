@@ -67,6 +67,15 @@ def _worker(base: Path, adapters: dict[int, LoRARequest], **kwargs) -> Worker:
     return worker
 
 
+def _recording(runner, read, into: list):
+    """The runner's execute_model, appending ``read()`` to ``into`` after each step."""
+    def execute(so):
+        out = runner.execute_model(so)
+        into.append(read())
+        return out
+    return execute
+
+
 def _runner(base: Path, adapters: dict[int, LoRARequest], **kwargs):
     """A CPU model runner with the adapters added (``kwargs``: its LoRA memory limits)."""
     from gpu_worker.config import ModelConfig
@@ -238,13 +247,8 @@ def test_with_a_device_limit_adapters_wait_in_host_memory_and_cycle_through_the_
     runner = _runner(base, adapters, max_resident_loras=1)
     assert runner.lora.resident_adapters() == []  # loaded, in host memory only
     resident: list[list[int]] = []
-
-    def execute(so):
-        out = runner.execute_model(so)
-        resident.append(runner.lora.resident_adapters())
-        return out
-
-    assert _drive(execute, adapters, prompts, max_loras=1) == expected
+    assert _drive(_recording(runner, runner.lora.resident_adapters, resident), adapters, prompts,
+                  max_loras=1) == expected
     assert max(len(r) for r in resident) == 1 and {tuple(r) for r in resident} >= {(1,), (2,)}
     assert runner.lora.num_copies_in >= 2
     with pytest.raises(RuntimeError, match="more than max_loras=1"):
@@ -259,13 +263,8 @@ def test_with_a_host_memory_limit_adapters_are_read_again_when_needed(setup, max
     runner = _runner(base, adapters, max_resident_loras=max_resident, max_cpu_loras=1)
     assert runner.lora.list_adapters() == [1, 2] and runner.lora.loaded_adapters() == [2]
     loaded: list[list[int]] = []
-
-    def execute(so):
-        out = runner.execute_model(so)
-        loaded.append(runner.lora.loaded_adapters())
-        return out
-
-    assert _drive(execute, adapters, prompts, max_loras=1) == expected
+    assert _drive(_recording(runner, runner.lora.loaded_adapters, loaded), adapters, prompts,
+                  max_loras=1) == expected
     assert max(len(ids) for ids in loaded) == 1 and {tuple(ids) for ids in loaded} >= {(1,), (2,)}
     assert runner.lora.num_loads >= 3  # both at add_adapter, then at least one read again
     assert not runner.lora.add_adapter(adapters[1])  # still registered, though not in memory

@@ -82,20 +82,25 @@ def test_lazy_tensor_reads_only_the_requested_slice(tmp_path):
     torch.testing.assert_close(lazy.narrow(1, 1, 2), t[:, 1:3])
 
 
-def test_rank_shapes_from_tp_slicing(tmp_path):
-    """A rank built with tp_size=2 loads half of every split weight from the same checkpoint."""
+def _rank_one_of_two(path):
+    """The model as TP rank 1 of 2 builds and loads it from ``path`` (collectives are not needed)."""
     from gpu_worker import distributed
 
-    path = save_tiny_model(tmp_path)
-    state = hf_state(path)
-    config = ModelConfig.from_pretrained(path)
     old = distributed._group
     try:
         distributed._group = distributed.TPGroup(rank=1, world_size=2)
-        model = build_model(config)
+        model = build_model(ModelConfig.from_pretrained(path))
     finally:
         distributed._group = old
     load_safetensors(model, path)
+    return model
+
+
+def test_rank_shapes_from_tp_slicing(tmp_path):
+    """A rank built with tp_size=2 loads half of every split weight from the same checkpoint."""
+    path = save_tiny_model(tmp_path)
+    state = hf_state(path)
+    model = _rank_one_of_two(path)
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.shape == (32 + 16 + 16, 64)
     torch.testing.assert_close(layer.mlp.down_proj.weight, state["model.layers.0.mlp.down_proj.weight"][:, 64:])
@@ -106,17 +111,9 @@ def test_rank_shapes_from_tp_slicing(tmp_path):
 def test_qwen3_head_norms_are_whole_on_every_rank(tmp_path):
     """Qwen3's q/k norms weigh each head's head_dim values: a TP rank holds fewer heads, not a part
     of the norm, so every rank loads the whole weight."""
-    from gpu_worker import distributed
-
     path = save_tiny_model(tmp_path, "qwen3", head_dim=32)
     state = hf_state(path)
-    old = distributed._group
-    try:
-        distributed._group = distributed.TPGroup(rank=1, world_size=2)
-        model = build_model(ModelConfig.from_pretrained(path))
-    finally:
-        distributed._group = old
-    load_safetensors(model, path)
+    model = _rank_one_of_two(path)
     attention = model.model.layers[1].self_attn
     assert (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (2, 1, 32)
     for name in ("q_norm", "k_norm"):
@@ -126,18 +123,10 @@ def test_qwen3_head_norms_are_whole_on_every_rank(tmp_path):
 
 def test_phi3_fused_checkpoint_tensors_are_split_per_rank(tmp_path):
     """Phi-3 stores q/k/v (and gate/up) as one tensor: each TP rank gets its heads of each part."""
-    from gpu_worker import distributed
-
     path = save_tiny_model(tmp_path, "phi3")
     state = hf_state(path)
     assert "model.layers.0.self_attn.qkv_proj.weight" in state and "model.layers.0.mlp.gate_up_proj.weight" in state
-    old = distributed._group
-    try:
-        distributed._group = distributed.TPGroup(rank=1, world_size=2)
-        model = build_model(ModelConfig.from_pretrained(path))
-    finally:
-        distributed._group = old
-    load_safetensors(model, path)
+    model = _rank_one_of_two(path)
     layer = model.model.layers[0]
     fused = state["model.layers.0.self_attn.qkv_proj.weight"]  # [q (4 heads x 16); k (2 x 16); v (2 x 16)]
     torch.testing.assert_close(layer.self_attn.qkv_proj.weight,
