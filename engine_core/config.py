@@ -93,10 +93,15 @@ class CacheConfig:
     # [0, num_blocks) can hold tokens.
     num_blocks: int = 4096
     enable_prefix_caching: bool = True
+    # The model's sliding window when every layer attends through it (from the model, not a flag):
+    # blocks behind a request's window are released as it advances.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1", self.block_size)
         _require(isinstance(self.num_blocks, int) and self.num_blocks >= 1, "num_blocks", ">= 1", self.num_blocks)
+        _require(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
+                 "sliding_window", ">= 1", self.sliding_window)
 
 
 @dataclass(frozen=True)
@@ -244,9 +249,9 @@ class EngineConfig:
         except ValueError as e:
             raise ValueError(where + str(e)) from None
 
-    def cache_config(self, num_blocks: int) -> CacheConfig:
+    def cache_config(self, num_blocks: int, sliding_window: int | None = None) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching, sliding_window=sliding_window)
 
     @property
     def engine_name(self) -> str:

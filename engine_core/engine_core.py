@@ -51,17 +51,25 @@ class EngineCore:
                         sched_cfg.max_model_len, self.model_info.max_model_len)
             sched_cfg = sched_cfg.with_max_model_len(self.model_info.max_model_len)
         capacity = num_blocks * config.block_size
-        if capacity < sched_cfg.max_model_len:
+        needed = sched_cfg.max_model_len
+        window = self.model_info.sliding_window
+        if window is not None:
+            # Blocks behind the window are released: a request holds at most its window's keys
+            # plus one pass's tokens, rounded out to blocks at both ends (vLLM's bound).
+            needed = min(needed, (-(-(window - 1 + sched_cfg.token_budget) // config.block_size) + 1)
+                         * config.block_size)
+        if capacity < needed:
             # A request that long could never be admitted, and would hold up the queue behind it.
             executor.shutdown()
             raise ValueError(
-                f"engine {config.engine_index}: max_model_len ({sched_cfg.max_model_len}) is larger than the KV cache "
-                f"can hold ({num_blocks} blocks of {config.block_size} = {capacity} tokens): lower --max-model-len "
-                "or give the cache more memory (--num-gpu-blocks, --kv-cache-memory-bytes, "
+                f"engine {config.engine_index}: max_model_len ({sched_cfg.max_model_len}) needs {needed} tokens of "
+                f"KV cache, more than it can hold ({num_blocks} blocks of {config.block_size} = {capacity} tokens): "
+                "lower --max-model-len or give the cache more memory (--num-gpu-blocks, --kv-cache-memory-bytes, "
                 "--gpu-memory-utilization)")
         self.scheduler_config = sched_cfg
         spec = config.speculative_config
-        self.scheduler = Scheduler(sched_cfg, config.cache_config(num_blocks), log_stats=config.log_stats,
+        self.scheduler = Scheduler(sched_cfg, config.cache_config(num_blocks, self.model_info.sliding_window),
+                                   log_stats=config.log_stats,
                                    include_finished_set=True,
                                    num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
                                    lora_config=config.lora_config)

@@ -35,6 +35,9 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     # The size of the model's hidden states (an embedding's values); 0 where unknown.
     hidden_size: int = 0
+    # The sliding window when every layer attends through it (the KV cache releases blocks behind
+    # it); None when any layer attends fully.
+    sliding_window: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
     extra: dict[str, str] = field(default_factory=dict)

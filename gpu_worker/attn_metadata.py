@@ -3,6 +3,11 @@
 The flat batch holds decode tokens first (one per decode request), then each prefill chunk's
 tokens. Decodes are attended as one padded batch; each prefill chunk gets its own call (its
 query length differs), so there is one Python iteration per prefill request, never per token.
+
+Sliding-window attention (Mistral v0.1, Phi-3, Qwen2's upper layers): the query at position p sees
+the keys in (p - window, p], as transformers' sliding-window mask and vLLM's kernels define it. Its
+layers get their own metadata (``AttentionMetadata.for_window``), which reads only the blocks that
+hold a window's keys, so attention costs O(window) per token however long the sequence grows.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ import torch
 class PrefillSpan:
     token_start: int
     token_end: int
-    # The request's blocks that hold positions [0, seq_len).
+    # The request's blocks that hold the keys attended, from block key_offset // block_size on.
     block_ids: torch.Tensor
-    seq_len: int
-    # [query_len, seq_len] bool (True = attend) when the chunk starts after position 0; None means
-    # plain causal attention over exactly the chunk.
+    # Keys gathered from the start of block_ids[0] (positions key_offset .. key_offset + num_keys - 1).
+    num_keys: int
+    # [query_len, num_keys] bool (True = attend) when the chunk starts after position 0 or a window
+    # cuts it; None means plain causal attention over exactly the chunk.
     mask: torch.Tensor | None
 
 
@@ -33,12 +39,27 @@ class AttentionMetadata:
     # [num_decodes, max_blocks] block ids (padded with block 0, masked out) and the keys' extent.
     decode_block_table: torch.Tensor | None
     decode_max_seq_len: int
-    # [num_decodes, 1, 1, decode_max_seq_len] bool, None when every decode has the same length.
+    # [num_decodes, 1, 1, decode_max_seq_len] bool, None when every decode reads all of its keys.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
     # [num_decodes] int64 key counts, set when decodes read the paged cache in place (the CPU
     # kernel); decode_mask is then not built.
     decode_seq_lens: torch.Tensor | None = None
+    # In place, under a sliding window: [num_decodes] int64 position of each request's first key.
+    decode_key_starts: torch.Tensor | None = None
+    # The sliding window this metadata attends with (None: full causal attention).
+    window: int | None = None
+    # The same step's metadata for the model's sliding-window layers, when its other layers attend fully.
+    windowed: AttentionMetadata | None = None
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata a layer with this sliding window (None: full attention) attends with."""
+        if window == self.window:
+            return self
+        if self.windowed is not None and self.windowed.window == window:
+            return self.windowed
+        raise ValueError(f"this step's attention metadata was built for window {self.window}, "
+                         f"not for a layer with window {window}")
 
 
 def compute_slot_mapping(block_table: np.ndarray, req_index: np.ndarray, positions: np.ndarray,
@@ -49,26 +70,52 @@ def compute_slot_mapping(block_table: np.ndarray, req_index: np.ndarray, positio
 
 def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.ndarray,
                              query_start_loc: np.ndarray, num_computed: np.ndarray, num_decodes: int,
-                             slot_mapping: np.ndarray, block_size: int,
-                             device: torch.device, decode_in_place: bool = False) -> AttentionMetadata:
+                             slot_mapping: np.ndarray | torch.Tensor, block_size: int,
+                             device: torch.device, decode_in_place: bool = False,
+                             window: int | None = None) -> AttentionMetadata:
     """Arguments are per request (decodes first) except ``query_start_loc`` ([num_reqs + 1]) and
     ``slot_mapping`` (per token). ``decode_in_place`` selects the kernel that reads the paged cache
-    where it lies (per-request lengths instead of a padding mask)."""
+    where it lies (per-request lengths instead of a padding mask). ``window``: the sliding window
+    (None: full causal attention)."""
     query_lens = np.diff(query_start_loc)
     seq_lens = num_computed + query_lens
-    slots = torch.from_numpy(slot_mapping).to(device, non_blocking=True)
+    if isinstance(slot_mapping, torch.Tensor):
+        slots = slot_mapping
+    else:
+        slots = torch.from_numpy(slot_mapping).to(device, non_blocking=True)
+    # The first key each request's first query token sees.
+    key_lo = np.zeros_like(seq_lens) if window is None else np.maximum(num_computed - window + 1, 0)
 
-    decode_table = decode_mask = decode_lens = None
+    decode_table = decode_mask = decode_lens = decode_starts = None
     decode_max = 0
     if num_decodes:
         dec_lens = seq_lens[:num_decodes]
-        decode_max = int(dec_lens.max())
-        max_blocks = -(-decode_max // block_size)
-        decode_table = torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks])).to(device)
+        dec_lo = key_lo[:num_decodes]
         if decode_in_place:
+            # The kernel skips the blocks before each request's first key itself.
+            max_blocks = -(-int(dec_lens.max()) // block_size)
+            decode_table = torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks])).to(device)
+            decode_max = int(dec_lens.max())
             decode_lens = torch.from_numpy(np.ascontiguousarray(dec_lens, dtype=np.int64)).to(device)
-        elif int(dec_lens.min()) != decode_max:
-            mask = np.arange(decode_max)[None, :] < dec_lens[:, None]
+            if window is not None:
+                decode_starts = torch.from_numpy(np.ascontiguousarray(dec_lo, dtype=np.int64)).to(device)
+        elif window is None or not dec_lo.any():
+            decode_max = int(dec_lens.max())
+            max_blocks = -(-decode_max // block_size)
+            decode_table = torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks])).to(device)
+            if int(dec_lens.min()) != decode_max:
+                mask = np.arange(decode_max)[None, :] < dec_lens[:, None]
+                decode_mask = torch.from_numpy(mask).to(device).view(num_decodes, 1, 1, decode_max)
+        else:
+            # Each row starts at the block holding its first key: a window's blocks, not the whole sequence.
+            first_block = dec_lo // block_size
+            offset = first_block * block_size
+            decode_max = int((dec_lens - offset).max())
+            max_blocks = -(-decode_max // block_size)
+            cols = np.minimum(first_block[:, None] + np.arange(max_blocks)[None, :], block_table.shape[1] - 1)
+            decode_table = torch.from_numpy(block_table[np.arange(num_decodes)[:, None], cols]).to(device)
+            keys = np.arange(decode_max)[None, :] + offset[:, None]
+            mask = (keys >= dec_lo[:, None]) & (keys < dec_lens[:, None])
             decode_mask = torch.from_numpy(mask).to(device).view(num_decodes, 1, 1, decode_max)
 
     prefills = []
@@ -77,13 +124,22 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
         nb = int(num_blocks_per_req[i])
         needed = -(-seq_len // block_size)
         if needed > nb:
-            raise ValueError(f"request needs {needed} KV blocks for {seq_len} tokens but has {nb}")
+            raise ValueError(f"request {i} needs {needed} KV blocks for {seq_len} tokens but has {nb}")
+        first_block = int(key_lo[i]) // block_size
+        offset = first_block * block_size
         mask = None
-        if start:
-            # Query i of a chunk starting at position p sees keys 0..p+i.
-            mask = torch.from_numpy(np.arange(seq_len)[None, :] <= (start + np.arange(qlen))[:, None]).to(device)
+        if start or (window is not None and qlen > window):
+            # Query j of a chunk starting at position p sees keys up to p + j (and, under a window,
+            # from p + j - window + 1).
+            keys = np.arange(offset, seq_len)[None, :]
+            pos = (start + np.arange(qlen))[:, None]
+            visible = keys <= pos
+            if window is not None:
+                visible &= keys > pos - window
+            mask = torch.from_numpy(visible).to(device)
         prefills.append(PrefillSpan(
             token_start=int(query_start_loc[i]), token_end=int(query_start_loc[i + 1]),
-            block_ids=torch.from_numpy(np.ascontiguousarray(block_table[i, :needed])).to(device),
-            seq_len=seq_len, mask=mask))
-    return AttentionMetadata(slots, num_decodes, decode_table, decode_max, decode_mask, prefills, decode_lens)
+            block_ids=torch.from_numpy(np.ascontiguousarray(block_table[i, first_block:needed])).to(device),
+            num_keys=seq_len - offset, mask=mask))
+    return AttentionMetadata(slots, num_decodes, decode_table, decode_max, decode_mask, prefills, decode_lens,
+                             decode_starts, window)

@@ -86,17 +86,32 @@ class ModelConfig:
     sliding_window: int | None
     dtype: torch.dtype | None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Per layer, whether it attends through the sliding window (empty: every layer does, when there
+    # is one). Qwen2/Qwen3 window only their layers from max_window_layers on.
+    sliding_window_layers: tuple[bool, ...] = ()
+
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The sliding window when every layer attends through it (None when any attends fully)."""
+        if self.sliding_window is None or not all(self.sliding_window_layers or (True,)):
+            return None
+        return self.sliding_window
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer`` (None: full causal attention)."""
+        if self.sliding_window is None or (self.sliding_window_layers and not self.sliding_window_layers[layer]):
+            return None
+        return self.sliding_window
 
     @property
     def max_context_len(self) -> int:
         """The longest sequence the model serves: linear RoPE scaling stretches the trained positions
-        by its factor (as vLLM derives it; llama3 configs already state their extended length), and
-        a sliding window bounds it, as sliding-window attention is not implemented (so a Phi-3-4k or
-        Mistral-v0.1 model serves its window by default, without --max-model-len)."""
+        by its factor (as vLLM derives it; llama3 configs already state their extended length). A
+        sliding window does not bound it: those layers attend to the window's keys at any length."""
         length = self.max_position_embeddings
         if self.rope_scaling and self.rope_scaling.get("rope_type") == "linear":
             length = int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
-        return length if self.sliding_window is None else min(length, self.sliding_window)
+        return length
 
     @property
     def num_key_value_groups(self) -> int:
@@ -133,8 +148,18 @@ class ModelConfig:
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-            # Phi-3's window (2047 in the 4k models) bounds max_model_len as Mistral's does.
+            # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
             sliding = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Phi3ForCausalLM") else None
+        num_layers = int(cfg["num_hidden_layers"])
+        window_layers: tuple[bool, ...] = ()
+        if sliding and isinstance(cfg.get("layer_types"), list):
+            window_layers = tuple(kind == "sliding_attention" for kind in cfg["layer_types"])
+            if len(window_layers) != num_layers:
+                raise ValueError(f"layer_types lists {len(window_layers)} layers, the model has {num_layers}")
+        elif sliding and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            # transformers' rule: the layers from max_window_layers (28 by default) on use the window.
+            first = int(cfg.get("max_window_layers", 28))
+            window_layers = tuple(i >= first for i in range(num_layers))
         # generation_config.json is where Llama-3-style checkpoints list their extra EOS ids.
         eos = _eos_ids((generation_config or {}).get("eos_token_id")) or _eos_ids(cfg.get("eos_token_id"))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
@@ -143,7 +168,7 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
@@ -160,6 +185,7 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,
             raw=dict(cfg),
+            sliding_window_layers=window_layers,
         )
 
     @classmethod

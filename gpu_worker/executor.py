@@ -58,7 +58,7 @@ class _ExecutorBase(Executor):
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
-            hidden_size=self.model_config.hidden_size)
+            hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window)
         self._num_blocks: int | None = None
         # Adapters loaded on the workers, in load order: a restarted worker group gets them back.
         self._loras: dict[int, LoRARequest] = {}

@@ -20,7 +20,7 @@ from torch import nn
 
 from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
 from engine_core.sched.output import GrammarBitmask, SchedulerOutput
-from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
+from gpu_worker.attn_metadata import AttentionMetadata, build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.distributed import get_tp_rank
@@ -64,9 +64,6 @@ class ModelRunner:
         # The KV cache's storage dtype (None: the model's); fp8 halves (bf16) or quarters (fp32) it.
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.max_model_len = max_model_len or model_config.max_context_len
-        if model_config.sliding_window is not None and self.max_model_len > model_config.sliding_window:
-            raise ValueError(f"sliding-window attention is not implemented: max_model_len ({self.max_model_len}) "
-                             f"must not exceed the model's sliding_window ({model_config.sliding_window})")
         if self.max_model_len > model_config.max_context_len:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context length "
                              f"({model_config.max_context_len})")
@@ -75,6 +72,7 @@ class ModelRunner:
         # Speculative decoding: a request may have this many draft tokens, each with its own logits row.
         self.num_spec_tokens = num_spec_tokens
         self.model: nn.Module | None = None
+        self.attention_windows: frozenset[int | None] = frozenset({None})
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.num_blocks = 0
@@ -99,6 +97,8 @@ class ModelRunner:
         with torch.no_grad():
             load_weights(model, source)
         self.model = model.eval()
+        # The sliding windows the layers attend with (None: full attention): one metadata each per step.
+        self.attention_windows = frozenset(layer.sliding_window for layer in model.attention_layers())
         if self.max_lora_rank is not None:
             self.lora = LoRAManager(model, self.max_lora_rank, self.device, self.dtype, self.max_resident_loras,
                                     self.max_cpu_loras)
@@ -146,8 +146,8 @@ class ModelRunner:
             req_index = np.repeat(np.arange(len(lens)), lens)
             positions = np.arange(num_tokens) - qsl[req_index]
             slots = compute_slot_mapping(table, req_index, positions, block_size)
-            meta = build_attention_metadata(table, np.array(blocks_per_req), qsl, np.zeros(len(lens), np.int64),
-                                            0, slots, block_size, self.device)
+            meta = self.attention_metadata(table, np.array(blocks_per_req), qsl, np.zeros(len(lens), np.int64),
+                                            0, slots, block_size, decode_in_place=False)
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             if self.lora is not None:
                 self.lora.set_batch([0] * len(lens), qsl)
@@ -389,8 +389,8 @@ class ModelRunner:
                 (t for s, a, b in zip(states, starts.tolist(), ends.tolist(), strict=True) for t in s.token_ids[a:b]),
                 dtype=np.int64, count=num_tokens)
         slot_mapping = compute_slot_mapping(block_table, req_index, positions, block_size)
-        meta = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
-                                        block_size, self.device, self.decode_in_place)
+        meta = self.attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
+                                        block_size, self.decode_in_place)
         if self.lora is not None:
             self.lora.set_batch([s.lora_int_id for s in states], query_start_loc)
 
@@ -403,6 +403,21 @@ class ModelRunner:
         hidden = self.model(torch.from_numpy(input_ids).to(self.device),
                             torch.from_numpy(positions).to(self.device), meta)
         return hidden, sample_rows, query_start_loc[1:] - 1
+
+    def attention_metadata(self, block_table: np.ndarray, num_blocks: np.ndarray, query_start_loc: np.ndarray,
+                            starts: np.ndarray, num_decodes: int, slot_mapping: np.ndarray, block_size: int,
+                            decode_in_place: bool) -> AttentionMetadata:
+        """This step's metadata for the model's layers: full attention, a sliding window, or (Qwen2's
+        upper layers) both, the windowed one hung on the full one."""
+        window, windows = self.config.sliding_window, self.attention_windows
+        meta = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
+                                        block_size, self.device, decode_in_place,
+                                        window=None if None in windows else window)
+        if None in windows and window in windows:
+            meta.windowed = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes,
+                                                     meta.slot_mapping, block_size, self.device, decode_in_place,
+                                                     window=window)
+        return meta
 
     # ------------------------------------------------------------------ sampling inputs and outputs
 

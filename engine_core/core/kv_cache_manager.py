@@ -1,4 +1,11 @@
-"""Per-request KV block bookkeeping on top of the BlockPool, with prefix caching."""
+"""Per-request KV block bookkeeping on top of the BlockPool, with prefix caching.
+
+Under a sliding window that every layer attends through (Mistral v0.1, Phi-3), a request's blocks
+that lie wholly before the window of its next token are released as it advances, as vLLM's
+SlidingWindowManager does: they go back to the pool (still in the prefix cache until evicted) and a
+placeholder keeps their place in the request's list, so block indexes stay positions // block_size.
+The model runner never reads them: its attention starts at each request's window.
+"""
 
 from __future__ import annotations
 
@@ -26,10 +33,19 @@ class KVCacheBlocks:
         return bool(self.blocks)
 
 
+# Stands in a request's block list for a block released behind its sliding window. It belongs to no
+# pool; its id (0) reaches the model runner's block table only where attention never reads.
+RELEASED_BLOCK = KVCacheBlock(0)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 log_stats: bool = True) -> None:
+                 log_stats: bool = True, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        # The window every layer attends through (None: full attention, every block kept).
+        self.sliding_window = sliding_window
+        # How many of a request's leading blocks were released behind its window.
+        self.num_released_block: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -77,6 +93,8 @@ class KVCacheManager:
         """
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
+        if self.sliding_window is not None and req_blocks is not None:
+            self._release_blocks_behind_window(request, req_blocks)
         if new_computed_blocks is None and req_blocks is not None:
             # Fast path for a running request (every decode, every pass): usually no new block.
             num_tokens = request.num_computed_tokens + num_new_tokens
@@ -91,10 +109,15 @@ class KVCacheManager:
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_with_slots = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_new_blocks = -(-num_tokens_with_slots // self.block_size) - num_req_blocks - len(computed)
+        # Prefix-hit blocks already behind the window of the first token to compute are not taken.
+        num_behind = 0
+        if computed and self.sliding_window is not None and req_blocks is None:
+            num_behind = min(max((num_computed_tokens - self.sliding_window + 1) // self.block_size, 0),
+                             len(computed))
         pool = self.block_pool
         if num_new_blocks > 0 or computed:
             # Touching a free cached block takes it out of the free queue, so it costs capacity too.
-            num_evictable = sum(1 for b in computed if b.ref_cnt == 0)
+            num_evictable = sum(1 for b in computed[num_behind:] if b.ref_cnt == 0)
             if max(num_new_blocks, 0) + num_evictable > pool.free_block_queue.num_free_blocks:
                 return None
             if req_blocks is None:
@@ -102,6 +125,10 @@ class KVCacheManager:
                 # Prefix-hit blocks are already in the cache map.
                 self.num_cached_block[req_id] = len(computed)
             if computed:
+                if num_behind:
+                    self.num_released_block[req_id] = num_behind
+                    req_blocks.extend([RELEASED_BLOCK] * num_behind)
+                    computed = computed[num_behind:]
                 pool.touch(computed)
                 req_blocks.extend(computed)
             new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
@@ -111,6 +138,23 @@ class KVCacheManager:
         if self.enable_caching and req_blocks is not None:
             self._cache_full_blocks(request, req_blocks, min(num_computed_tokens + num_new_tokens, request.num_tokens))
         return KVCacheBlocks(new_blocks) if new_blocks else self._empty
+
+    def _release_blocks_behind_window(self, request: Request, req_blocks: list[KVCacheBlock]) -> None:
+        """Release the blocks wholly before the first key the request's next token attends to
+        (position num_computed_tokens sees keys from num_computed_tokens - window + 1 on). Only
+        blocks already registered in the prefix cache go, so none is ever cached as a placeholder."""
+        req_id = request.request_id
+        num_behind = (request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if self.enable_caching:
+            num_behind = min(num_behind, self.num_cached_block[req_id])
+        num_released = self.num_released_block.get(req_id, 0)
+        if num_behind <= num_released:
+            return
+        released = req_blocks[num_released:num_behind]
+        req_blocks[num_released:num_behind] = [RELEASED_BLOCK] * len(released)
+        self.num_released_block[req_id] = num_behind
+        # Latest first, like free(): a prefix stays in the cache longer than what follows it.
+        self.block_pool.free_blocks(reversed(released))
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register the blocks that the first ``num_tokens`` tokens fill (once computed this pass)."""
@@ -137,15 +181,21 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its tail is evicted before its prefix."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        num_released = self.num_released_block.pop(request.request_id, 0)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[num_released:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def get_num_blocks(self, request_id: str) -> int:
+        """The request's block positions (a block released behind its window still counts)."""
         blocks = self.req_to_blocks.get(request_id)
         return len(blocks) if blocks else 0
+
+    def get_num_held_blocks(self, request_id: str) -> int:
+        """The blocks the request holds in the pool (its released ones not counted)."""
+        return self.get_num_blocks(request_id) - self.num_released_block.get(request_id, 0)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -127,7 +127,8 @@ class Scheduler(SchedulerInterface):
 
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching, log_stats=log_stats)
+            enable_caching=cache_config.enable_prefix_caching, log_stats=log_stats,
+            sliding_window=cache_config.sliding_window)
 
         # Stats counters (deltas since make_stats) and last-pass figures.
         self._num_preemptions = 0
@@ -488,8 +489,16 @@ class Scheduler(SchedulerInterface):
             else self.waiting
 
     def _can_never_fit(self, request: Request) -> bool:
-        return (request.num_tokens > self.max_model_len
-                or -(-request.num_tokens // self.block_size) > self.cache_config.num_blocks)
+        if request.num_tokens > self.max_model_len:
+            return True
+        num_tokens = request.num_tokens
+        window = self.cache_config.sliding_window
+        if window is not None:
+            # Blocks behind the window are released: at most the window's keys and one pass's tokens
+            # are held, plus a block where they straddle block edges.
+            num_tokens = min(num_tokens, window - 1 + self.max_num_scheduled_tokens + self.num_lookahead_tokens
+                             + self.block_size)
+        return -(-num_tokens // self.block_size) > self.cache_config.num_blocks
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         """The state transition only: the caller has already taken the request out of running."""

@@ -109,10 +109,10 @@ def _load_library() -> ctypes.CDLL | None:
         return None
     fn = lib.llmc_paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     fn8 = lib.llmc_paged_decode_attention_fp8
-    fn8.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+    fn8.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                     ctypes.c_int]
     fn8.restype = ctypes.c_int
     lib.llmc_fp8_to_float.argtypes = [ctypes.c_uint8, ctypes.c_int]
@@ -129,13 +129,15 @@ def cpu_kernels_available() -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           key_starts: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per request against its paged keys/values, read where they lie.
 
     q: [num_reqs, num_heads, head_dim] fp32; k_cache/v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim] fp32, or both fp8 (e4m3 or e5m2, widened in C);
     block_table: [num_reqs, >= ceil(max(seq_lens) / block_size)] int64; seq_lens:
-    [num_reqs] int64. Returns [num_reqs, num_heads, head_dim].
+    [num_reqs] int64; key_starts: [num_reqs] int64 first key of each request (a sliding window's
+    start; None: 0), whose earlier blocks are not read. Returns [num_reqs, num_heads, head_dim].
     """
     if _load_library() is None:
         raise RuntimeError("the CPU paged attention kernel is not available")
@@ -145,22 +147,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if t.dtype not in (torch.float32, *FP8_DTYPES) or t.dtype != k_cache.dtype or t.device.type != "cpu":
             raise TypeError(f"{name} must be a float32 or fp8 CPU tensor (both caches alike), "
                             f"got {t.dtype} on {t.device}")
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
-        if t.dtype != torch.int64 or t.device.type != "cpu":
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("key_starts", key_starts)):
+        if t is not None and (t.dtype != torch.int64 or t.device.type != "cpu"):
             raise TypeError(f"{name} must be an int64 CPU tensor, got {t.dtype} on {t.device}")
     num_reqs, _, head_dim = q.shape
     if k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError("q, k_cache and v_cache disagree on head_dim or shape")
     if block_table.dim() != 2 or block_table.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
         raise ValueError("block_table must be [num_reqs, max_blocks] and seq_lens [num_reqs]")
+    if key_starts is not None and key_starts.shape != (num_reqs,):
+        raise ValueError("key_starts must be [num_reqs]")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
     return paged_decode_attention_unchecked(q, k_cache, v_cache, block_table.contiguous(), seq_lens.contiguous(),
-                                            scale)
+                                            scale, None if key_starts is None else key_starts.contiguous())
 
 
 def paged_decode_attention_unchecked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                     key_starts: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_decode_attention`` for callers that guarantee its argument rules: the attention layer,
     whose block table and lengths the metadata builder makes once per step for every layer."""
     q = q.contiguous()
@@ -170,20 +175,23 @@ def paged_decode_attention_unchecked(q: torch.Tensor, k_cache: torch.Tensor, v_c
         return out
     _, block_size, num_kv_heads, _ = k_cache.shape
     lib = _load_library()
+    starts = None if key_starts is None else key_starts.data_ptr()
     if k_cache.dtype == torch.float32:
         status = lib.llmc_paged_decode_attention_f32(  # type: ignore[union-attr]
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-            seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,
+            seq_lens.data_ptr(), starts, out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,
             float(scale), torch.get_num_threads())
     elif k_cache.dtype in FP8_DTYPES:
         status = lib.llmc_paged_decode_attention_fp8(  # type: ignore[union-attr]
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float8_e5m2),
-            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs,
+            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), starts, out.data_ptr(), num_reqs,
             num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
     else:
         raise TypeError(f"the decode kernel reads float32 or fp8 caches, not {k_cache.dtype}")
     if status == 5:  # checked in C: a host-side max() per layer per step would cost more than the check
         raise ValueError("a sequence is longer than its block table row covers")
+    if status == 6:
+        raise ValueError("a key start is negative or not before its sequence's end")
     if status != 0:
         raise RuntimeError(f"paged decode attention kernel failed with status {status}")
     return out

@@ -15,7 +15,9 @@
  *   q, out       [num_reqs, num_heads, head_dim]
  *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim] float32, or bytes (fp8)
  *   block_table  [num_reqs, block_table_stride] int64
- *   seq_lens     [num_reqs] int64: keys 0..seq_len-1 of each request are attended
+ *   seq_lens     [num_reqs] int64: keys key_start..seq_len-1 of each request are attended
+ *   key_starts   [num_reqs] int64 first key (a sliding window's start), or NULL for 0; the blocks
+ *                before a request's first key are not read
  * Returns 0, or a nonzero status for arguments it cannot handle.
  */
 #include <float.h>
@@ -60,8 +62,8 @@ static inline float fp8_to_float(uint8_t byte, int format) {
  * block is read once into float rows, then scored as float32 caches are. */
 static inline __attribute__((always_inline)) int paged_decode_attention(
     const float *q, const void *k_cache, const void *v_cache, int format, const int64_t *block_table,
-    int64_t block_table_stride, const int64_t *seq_lens, float *out, int64_t num_reqs, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    int64_t block_table_stride, const int64_t *seq_lens, const int64_t *key_starts, float *out, int64_t num_reqs,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
     const int fp8 = format != CACHE_F32;
     const int64_t elem_size = fp8 ? 1 : (int64_t)sizeof(float);
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
@@ -69,6 +71,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     for (int64_t r = 0; r < num_reqs; ++r) {
         if (seq_lens[r] <= 0) return 3;
         if (seq_lens[r] > block_table_stride * block_size) return 5; /* row too short for the sequence */
+        if (key_starts != NULL && (key_starts[r] < 0 || key_starts[r] >= seq_lens[r])) return 6;
     }
     if (num_threads < 1) num_threads = 1;
     const int64_t group = num_heads / num_kv_heads;
@@ -105,9 +108,13 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                     run_max[h] = -FLT_MAX;
                     run_sum[h] = 0.f;
                 }
+                const int64_t key_start = key_starts != NULL ? key_starts[r] : 0;
+                const int64_t first_block = key_start / block_size;
                 const int64_t num_blocks = (len + block_size - 1) / block_size;
-                for (int64_t b = 0; b < num_blocks; ++b) {
+                for (int64_t b = first_block; b < num_blocks; ++b) {
                     const int64_t n = b == num_blocks - 1 ? len - b * block_size : block_size;
+                    /* the first block read may begin before the request's first key */
+                    const int64_t t0 = b == first_block ? key_start - b * block_size : 0;
                     const int64_t first = (blocks[b] * block_stride + kv0 * head_dim) * elem_size;
                     const float *kb, *vb;
                     int64_t rs; /* between consecutive tokens' rows of kb/vb */
@@ -115,7 +122,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                         const uint8_t *kq = (const uint8_t *)k_cache + first, *vq = (const uint8_t *)v_cache + first;
                         const int64_t width = kv_per_item * head_dim;
                         int special = 0;
-                        for (int64_t t = 0; t < n; ++t)
+                        for (int64_t t = t0; t < n; ++t)
                             for (int64_t d = 0; d < width; ++d) {
                                 const uint8_t kbyte = kq[t * row_stride + d], vbyte = vq[t * row_stride + d];
                                 kbuf[t * width + d] = fp8_finite_to_float(kbyte, format);
@@ -123,7 +130,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                                 special |= fp8_is_special(kbyte, format) | fp8_is_special(vbyte, format);
                             }
                         if (special) /* an inf or NaN was stored: read it as such (off the vectorized path) */
-                            for (int64_t t = 0; t < n; ++t)
+                            for (int64_t t = t0; t < n; ++t)
                                 for (int64_t d = 0; d < width; ++d) {
                                     kbuf[t * width + d] = fp8_to_float(kq[t * row_stride + d], format);
                                     vbuf[t * width + d] = fp8_to_float(vq[t * row_stride + d], format);
@@ -146,7 +153,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                         }
                     }
                     /* scores[h][t] = scale * <q_h, k_t> for the item's query heads */
-                    for (int64_t t = 0; t < n; ++t) {
+                    for (int64_t t = t0; t < n; ++t) {
                         const float *kr = kb + t * rs;
                         for (int64_t h = 0; h < nh; ++h) {
                             const float *qh = qr + h * head_dim, *kh = kr + (h / group) * head_dim;
@@ -159,10 +166,10 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                     for (int64_t h = 0; h < nh; ++h) {
                         float *sh = scores + h * block_size;
                         float new_max = run_max[h];
-                        for (int64_t t = 0; t < n; ++t) new_max = sh[t] > new_max ? sh[t] : new_max;
+                        for (int64_t t = t0; t < n; ++t) new_max = sh[t] > new_max ? sh[t] : new_max;
                         const float correction = expf(run_max[h] - new_max);
                         float sum = 0.f;
-                        for (int64_t t = 0; t < n; ++t) {
+                        for (int64_t t = t0; t < n; ++t) {
                             sh[t] = expf(sh[t] - new_max);
                             sum += sh[t];
                         }
@@ -174,7 +181,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                         }
                     }
                     /* acc[h] += sum_t p[h][t] * v_t */
-                    for (int64_t t = 0; t < n; ++t) {
+                    for (int64_t t = t0; t < n; ++t) {
                         const float *vr = vb + t * rs;
                         for (int64_t h = 0; h < nh; ++h) {
                             const float p = scores[h * block_size + t];
@@ -201,25 +208,27 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
 
 int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                                     const int64_t *block_table, int64_t block_table_stride,
-                                    const int64_t *seq_lens, float *out, int64_t num_reqs,
-                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    const int64_t *seq_lens, const int64_t *key_starts, float *out,
+                                    int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                     int64_t block_size, float scale, int num_threads) {
-    return paged_decode_attention(q, k_cache, v_cache, CACHE_F32, block_table, block_table_stride, seq_lens, out,
-                                  num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+    return paged_decode_attention(q, k_cache, v_cache, CACHE_F32, block_table, block_table_stride, seq_lens,
+                                  key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                  num_threads);
 }
 
 /* e5m2: 0 for e4m3 (torch.float8_e4m3fn), 1 for e5m2 (torch.float8_e5m2). */
 int llmc_paged_decode_attention_fp8(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, int e5m2,
                                     const int64_t *block_table, int64_t block_table_stride,
-                                    const int64_t *seq_lens, float *out, int64_t num_reqs,
-                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    const int64_t *seq_lens, const int64_t *key_starts, float *out,
+                                    int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                     int64_t block_size, float scale, int num_threads) {
     if (e5m2)
         return paged_decode_attention(q, k_cache, v_cache, CACHE_FP8_E5M2, block_table, block_table_stride,
-                                      seq_lens, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-                                      scale, num_threads);
+                                      seq_lens, key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim,
+                                      block_size, scale, num_threads);
     return paged_decode_attention(q, k_cache, v_cache, CACHE_FP8_E4M3, block_table, block_table_stride, seq_lens,
-                                  out, num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+                                  key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                  num_threads);
 }
 
 /* For tests: the value of one fp8 byte, as the kernel reads it. */

@@ -31,13 +31,16 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_groups = num_heads // num_kv_heads
+        # The query at position p sees the keys in (p - sliding_window, p]; None: all keys up to p.
+        self.sliding_window = sliding_window
         # Bound by the model runner once the cache is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -46,6 +49,8 @@ class PagedAttention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound: call initialize_cache() first")
         k_cache, v_cache = self.kv_cache
+        if meta.window != self.sliding_window:
+            meta = meta.for_window(self.sliding_window)
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
         store_kv(k_cache, meta.slot_mapping, k)
         store_kv(v_cache, meta.slot_mapping, v)
@@ -57,7 +62,8 @@ class PagedAttention(nn.Module):
             if meta.decode_seq_lens is not None:
                 # The CPU kernel reads each request's blocks where they lie: no per-layer gather copy.
                 decode_out = paged_decode_attention_unchecked(q[:nd], k_cache, v_cache, meta.decode_block_table,
-                                                              meta.decode_seq_lens, self.scale)
+                                                              meta.decode_seq_lens, self.scale,
+                                                              meta.decode_key_starts)
             else:
                 kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
                 vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
@@ -74,8 +80,8 @@ class PagedAttention(nn.Module):
         gqa = self.num_groups > 1
         for span in meta.prefills:
             s, e = span.token_start, span.token_end
-            kp = _gather_kv(k_cache, span.block_ids, span.seq_len, q.dtype).unsqueeze(0)
-            vp = _gather_kv(v_cache, span.block_ids, span.seq_len, q.dtype).unsqueeze(0)
+            kp = _gather_kv(k_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
+            vp = _gather_kv(v_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
             qp = q[s:e].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None,
                                                 scale=self.scale, enable_gqa=gqa)

@@ -1,7 +1,7 @@
-"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2, Qwen3, Phi-3).
+"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3).
 
 The variants differ only in config flags (QKV bias, o_proj bias, Qwen3's per-head q/k norms, tied
-embeddings, RoPE scaling),
+embeddings, RoPE scaling, a sliding window on all or some layers),
 which ``ModelConfig`` has already resolved, so one implementation serves all of them.
 
 Submodules are called through ``.forward`` rather than ``__call__``: this code registers no hooks,
@@ -28,7 +28,7 @@ from gpu_worker.layers.weight_utils import WeightLike
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
@@ -39,7 +39,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                         bias=config.o_proj_bias)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                   config.layer_sliding_window(layer))
         # Qwen3: one RMSNorm over each query head and one over each key head (weights of head_dim,
         # the same on every TP rank), before RoPE.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -78,9 +79,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -103,7 +104,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_context_len, config.rope_theta,
                                           config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -146,8 +147,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is the Llama block; sliding-window attention is not implemented, so the model runner
-    refuses a max_model_len beyond the window."""
+    """Mistral is the Llama block; v0.1 attends through a 4096-token sliding window in every layer."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

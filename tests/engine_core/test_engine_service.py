@@ -13,7 +13,7 @@ from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.scheduler import PauseState
 from gpu_worker.executor import create_executor
-from tests.tiny_model import build_tiny_llama
+from tests.tiny_model import build_tiny_llama, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +96,47 @@ def test_max_model_len_defaults_to_the_models_and_must_fit_the_kv_cache(tmp_path
     assert engine.scheduler_config.max_model_len == 512  # the model's context length, as in vLLM
     engine.shutdown()
     [small] = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=8)).engine_configs()
-    with pytest.raises(ValueError, match=r"max_model_len \(512\) is larger than the KV cache can hold"):
+    with pytest.raises(ValueError, match=r"max_model_len \(512\) needs 512 tokens of KV cache, more than it can hold"):
         EngineCore(small, create_executor(small))
+
+
+def test_a_model_windowed_in_every_layer_serves_past_what_its_cache_holds(tmp_path):
+    """Mistral-style sliding window (8 keys): the KV cache releases the blocks behind each request's
+    window, so 8 blocks of 16 serve a 512-token context, and a 300-token prompt runs to its end with
+    the output transformers computes."""
+    import torch
+
+    from engine_core.engine_core import EngineCore
+    from tests.gpu_worker.utils import hf_greedy, load_hf, save_tiny_model
+
+    model = save_tiny_model(tmp_path, "mistral", sliding_window=8, max_position_embeddings=512)
+    build_tokenizer().save_pretrained(model)
+    spec = EngineSpec(num_gpu_blocks=8, max_num_batched_tokens=32, max_num_seqs=2)
+    [config] = ClusterConfig(model=str(model), defaults=spec).engine_configs()
+    engine = EngineCore(config, create_executor(config))
+    try:
+        assert engine.model_info.sliding_window == 8 and engine.scheduler_config.max_model_len == 512
+        prompt = [(11 * i + 5) % 256 for i in range(300)]
+        engine.add_request(EngineCoreRequest(request_id="long", prompt_token_ids=prompt, client_index=0,
+                                             sampling_params=SamplingParams(max_tokens=6, ignore_eos=True,
+                                                                            temperature=0.0)))
+        tokens: list[int] = []
+        held = 0
+        while engine.scheduler.has_unfinished_requests():
+            for eco in engine.step().values():
+                for out in eco.outputs:
+                    tokens += out.new_token_ids
+            held = max(held, engine.scheduler.kv_cache_manager.get_num_held_blocks("long"))
+        with torch.no_grad():
+            assert tokens == hf_greedy(load_hf(model), prompt, 6)
+        assert held <= 4  # (7 keys behind + 32 new) / 16, plus a block at each end
+    finally:
+        engine.shutdown()
+    # The window is no exemption for a budget whose one pass the cache cannot hold.
+    wide = EngineSpec(num_gpu_blocks=8, max_num_batched_tokens=256)
+    [config] = ClusterConfig(model=str(model), defaults=wide).engine_configs()
+    with pytest.raises(ValueError, match=r"max_model_len \(512\) needs 288 tokens of KV cache"):
+        EngineCore(config, create_executor(config))
 
 
 def test_kv_cache_events_go_to_every_subscriber_from_a_snapshot_on(service):

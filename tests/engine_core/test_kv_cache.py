@@ -205,3 +205,70 @@ def test_a_lora_adapter_keys_its_own_prefixes():
     assert mgr.get_computed_blocks(req("a3", a, salt="tenant"))[1] == 0  # the salt still separates
     # A cache salt alone hashes as before adapters existed (the router mirrors these hashes).
     assert first_block_keys("tenant") == ("tenant",) and first_block_keys() is None
+
+
+def test_blocks_behind_a_sliding_window_are_released_as_the_request_advances():
+    """Window 6, block size 4: the token at position p attends to keys p-5..p, so once the request has
+    computed n tokens, the blocks wholly before key n-5 go back to the pool, cached and in order."""
+    from engine_core.core.kv_cache_manager import RELEASED_BLOCK
+
+    mgr = KVCacheManager(num_blocks=8, block_size=4, sliding_window=6)
+    a = _req("a", list(range(30)))
+    mgr.allocate_slots(a, 8)  # blocks 0..1 (positions 0..7)
+    first_two = list(mgr.req_to_blocks["a"])
+    a.num_computed_tokens = 8
+    mgr.allocate_slots(a, 8)  # next token 8 sees keys 3..8: nothing wholly behind yet
+    assert mgr.get_num_held_blocks("a") == 4 and mgr.get_num_blocks("a") == 4
+    a.num_computed_tokens = 16
+    mgr.allocate_slots(a, 8)  # token 16 sees keys 11..16: blocks 0 and 1 (keys 0..7) are released
+    assert mgr.req_to_blocks["a"][:2] == [RELEASED_BLOCK] * 2
+    assert mgr.get_num_blocks("a") == 6 and mgr.get_num_held_blocks("a") == 4
+    assert all(b.ref_cnt == 0 for b in first_two) and mgr.block_pool.get_num_free_blocks() == 4
+    # Still in the prefix cache until evicted; released latest first, so the older block is evicted last.
+    assert [b.block_id for b in mgr.block_pool.free_block_queue][-2:] == [first_two[1].block_id,
+                                                                             first_two[0].block_id]
+    assert mgr.get_block_ids("a")[:2] == [0, 0]  # the runner's table keeps positions // block_size
+    b = _req("b", list(range(9)))
+    _, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 8
+    mgr.block_pool.check_integrity()
+    mgr.free(a)  # the placeholders are not freed again
+    assert mgr.block_pool.get_num_free_blocks() == 8 and "a" not in mgr.num_released_block
+    mgr.block_pool.check_integrity()
+
+
+def test_a_window_releases_only_blocks_the_prefix_cache_holds():
+    mgr = KVCacheManager(num_blocks=8, block_size=4, sliding_window=2)
+    a = _req("a", list(range(12)) + [5] * 4)
+    mgr.allocate_slots(a, 12)
+    mgr.num_cached_block["a"] = 1  # as if only block 0 had been registered
+    a.num_computed_tokens = 12
+    mgr.allocate_slots(a, 4)  # token 12 sees 11..12: blocks 0..1 behind, only block 0 cached
+    assert mgr.num_released_block["a"] == 1
+    # Without prefix caching, nothing is registered, and every block behind the window goes.
+    plain = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False, sliding_window=2)
+    c = _req("c", list(range(16)))
+    plain.allocate_slots(c, 12)
+    c.num_computed_tokens = 12
+    plain.allocate_slots(c, 4)
+    assert plain.num_released_block["c"] == 2 and plain.block_pool.get_num_free_blocks() == 6
+    plain.block_pool.check_integrity()
+
+
+def test_a_prefix_hit_does_not_take_blocks_already_behind_the_window():
+    from engine_core.core.kv_cache_manager import RELEASED_BLOCK
+
+    mgr = KVCacheManager(num_blocks=8, block_size=4, sliding_window=5)
+    a = _req("a", list(range(17)))
+    mgr.allocate_slots(a, 17)
+    mgr.free(a)  # four cached blocks, all free
+    b = _req("b", list(range(16)) + [99])
+    hits, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 16
+    # Token 16 sees keys 12..16: hit blocks 0..2 stay in the pool, only block 3 is taken.
+    assert mgr.allocate_slots(b, 1, num_hit, hits) is not None
+    assert mgr.req_to_blocks["b"][:3] == [RELEASED_BLOCK] * 3 and mgr.get_num_held_blocks("b") == 2
+    assert [blk.ref_cnt for blk in hits.blocks] == [0, 0, 0, 1]
+    mgr.free(b)
+    assert mgr.block_pool.get_num_free_blocks() == 8
+    mgr.block_pool.check_integrity()

@@ -280,6 +280,33 @@ def test_request_too_long_for_the_model_is_finished_as_ignored():
     assert ok.status == RequestStatus.RUNNING
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_sliding_window_serves_a_request_longer_than_the_pool(prefix_caching):
+    """8 blocks of 4 hold 32 tokens. With full attention, a 100-token prompt can never fit and is
+    ignored; with a window of 6 the blocks behind it are released chunk by chunk, so it prefills,
+    decodes to its end, and never holds more than (5 keys + 8 new) / 4 + 1 = 5 blocks."""
+    ignored = create_scheduler(max_num_batched_tokens=8, block_size=4, num_blocks=8, max_model_len=200)
+    [too_long] = create_requests(1, num_tokens=100, max_tokens=3)
+    ignored.add_request(too_long)
+    step(ignored)
+    assert too_long.status == RequestStatus.FINISHED_IGNORED
+    sched = create_scheduler(max_num_batched_tokens=8, block_size=4, num_blocks=8, max_model_len=200,
+                             sliding_window=6, enable_prefix_caching=prefix_caching)
+    [long] = create_requests(1, num_tokens=100, max_tokens=3, ignore_eos=True)
+    sched.add_request(long)
+    kv = sched.kv_cache_manager
+    held = []
+    for _ in range(20):
+        so, _ = step(sched)
+        if long.request_id in so.num_scheduled_tokens:
+            held.append(kv.get_num_held_blocks(long.request_id))
+        kv.block_pool.check_integrity()
+        if long.is_finished():
+            break
+    assert long.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(long.output_token_ids) == 3
+    assert max(held) <= 5 and kv.block_pool.get_num_free_blocks() == 8
+
+
 def test_new_and_cached_request_data_shapes():
     sched = create_scheduler(max_num_batched_tokens=64, block_size=16)
     a = create_requests(1, num_tokens=40, max_tokens=20, ignore_eos=True)[0]

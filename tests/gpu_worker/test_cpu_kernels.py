@@ -11,14 +11,15 @@ from gpu_worker.cpu_kernels import add_rms_norm, cpu_kernels_available, paged_de
 from gpu_worker.layers.layernorm import RMSNorm
 
 
-def reference(q, k_cache, v_cache, block_table, seq_lens, scale):
-    """Per request: gather its keys/values token by token, repeat KV heads, softmax(q k^T) v."""
+def reference(q, k_cache, v_cache, block_table, seq_lens, scale, key_starts=None):
+    """Per request: gather its keys/values token by token (from its key start), repeat KV heads,
+    softmax(q k^T) v."""
     num_reqs, num_heads, _ = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     for r in range(num_reqs):
         n = int(seq_lens[r])
-        pos = torch.arange(n)
+        pos = torch.arange(0 if key_starts is None else int(key_starts[r]), n)
         blocks = block_table[r, pos // block_size]
         k = k_cache[blocks, pos % block_size].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D]
         v = v_cache[blocks, pos % block_size].repeat_interleave(num_heads // num_kv_heads, dim=1)
@@ -87,6 +88,38 @@ def test_only_the_listed_blocks_are_read():
     torch.testing.assert_close(paged_decode_attention(q, k2, v2, table, seq_lens, 0.3), got)
 
 
+@pytest.mark.parametrize(("block_size", "lens", "starts"), [
+    (4, [13, 9, 30, 5], [6, 8, 27, 0]),  # a start mid-block, at a block's last key, one key, none skipped
+    (16, [512, 300, 17], [400, 256, 16]),  # block-aligned starts, a sliding window of 112
+])
+def test_key_starts_attend_only_the_window(block_size, lens, starts):
+    """A sliding window: each request attends keys key_start..seq_len-1; the blocks before its start
+    are not read (poisoned with NaN here), nor the slots before the start in the first block read."""
+    q, k, v, table, seq_lens = random_case(len(lens), 6, 2, 16, block_size, lens, seed=7)
+    key_starts = torch.tensor(starts, dtype=torch.int64)
+    expected = reference(q, k, v, table, seq_lens, 0.25, key_starts)
+    k2, v2 = k.clone(), v.clone()
+    for r, start in enumerate(starts):
+        for b in range(start // block_size):
+            k2[table[r, b]] = float("nan")
+            v2[table[r, b]] = float("nan")
+        k2[table[r, start // block_size], : start % block_size] = float("nan")
+        v2[table[r, start // block_size], : start % block_size] = float("nan")
+    torch.testing.assert_close(paged_decode_attention(q, k2, v2, table, seq_lens, 0.25, key_starts), expected,
+                               atol=2e-5, rtol=1e-4)
+    # The window matters: attending every key gives other values.
+    assert not torch.allclose(paged_decode_attention(q, k, v, table, seq_lens, 0.25), expected, atol=1e-3)
+
+
+def test_key_starts_on_an_fp8_cache():
+    q, k, v, table, seq_lens = random_case(3, 4, 2, 8, 4, [10, 17, 6], seed=9)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    key_starts = torch.tensor([3, 12, 0], dtype=torch.int64)
+    expected = reference(q, k8.float(), v8.float(), table, seq_lens, 0.3, key_starts)
+    torch.testing.assert_close(paged_decode_attention(q, k8, v8, table, seq_lens, 0.3, key_starts), expected,
+                               atol=2e-5, rtol=1e-4)
+
+
 def test_rejects_what_it_cannot_handle():
     q, k, v, table, seq_lens = random_case(2, 4, 2, 8, 4, [6, 10])
     with pytest.raises(TypeError, match="float32"):
@@ -97,6 +130,12 @@ def test_rejects_what_it_cannot_handle():
         paged_decode_attention(q, k, v, table[:, :1], seq_lens, 0.3)
     with pytest.raises(RuntimeError, match="status 3"):
         paged_decode_attention(q, k, v, table, torch.tensor([0, 4]), 0.3)
+    with pytest.raises(ValueError, match="key start"):  # a start at (or past) the sequence's end
+        paged_decode_attention(q, k, v, table, seq_lens, 0.3, torch.tensor([2, 10]))
+    with pytest.raises(ValueError, match="key start"):
+        paged_decode_attention(q, k, v, table, seq_lens, 0.3, torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match=r"key_starts must be \[num_reqs\]"):
+        paged_decode_attention(q, k, v, table, seq_lens, 0.3, torch.tensor([0]))
 
 
 def test_switch_off_leaves_the_gather_path(monkeypatch):

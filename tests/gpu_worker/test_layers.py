@@ -25,20 +25,25 @@ from gpu_worker.layers.rotary import RotaryEmbedding
 H, KVH, D, BS = 4, 2, 8, 4
 
 
-def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """q: [n, H, D] for positions start..start+n-1; k, v: [start+n, KVH, D] (all keys so far)."""
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                    window: int | None = None) -> torch.Tensor:
+    """q: [n, H, D] for positions start..start+n-1; k, v: [start+n, KVH, D] (all keys so far); a
+    sliding window lets position p see keys p - window + 1 .. p."""
     n, s = q.shape[0], k.shape[0]
     rep = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(rep, 1).transpose(0, 1)
     vv = v.repeat_interleave(rep, 1).transpose(0, 1)
     scores = q.transpose(0, 1) @ kk.transpose(1, 2) / math.sqrt(q.shape[-1])
     allowed = torch.arange(s)[None, :] <= (start + torch.arange(n))[:, None]
+    if window is not None:
+        allowed &= torch.arange(s)[None, :] > (start + torch.arange(n))[:, None] - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return (scores.softmax(-1) @ vv).transpose(0, 1).reshape(n, -1)
 
 
-def run_batch(attn: PagedAttention, reqs: list[dict]) -> torch.Tensor:
-    """reqs: dicts with start, q, k, v (new tokens only), blocks; decodes (1 token) must come first."""
+def run_batch(attn: PagedAttention, reqs: list[dict], decode_in_place: bool = False):
+    """reqs: dicts with start, q, k, v (new tokens only), blocks; decodes (1 token) must come first.
+    Returns the output and the metadata (built for the layer's sliding window)."""
     num_decodes = sum(1 for r in reqs if r["q"].shape[0] == 1)
     nblocks = np.array([len(r["blocks"]) for r in reqs])
     table = np.zeros((len(reqs), nblocks.max()), dtype=np.int64)
@@ -50,9 +55,11 @@ def run_batch(attn: PagedAttention, reqs: list[dict]) -> torch.Tensor:
     req_index = np.repeat(np.arange(len(reqs)), lens)
     positions = starts[req_index] + np.arange(qsl[-1]) - qsl[req_index]
     slots = compute_slot_mapping(table, req_index, positions, BS)
-    meta = build_attention_metadata(table, nblocks, qsl, starts, num_decodes, slots, BS, torch.device("cpu"))
-    return attn(torch.cat([r["q"] for r in reqs]), torch.cat([r["k"] for r in reqs]),
-                torch.cat([r["v"] for r in reqs]), meta)
+    meta = build_attention_metadata(table, nblocks, qsl, starts, num_decodes, slots, BS, torch.device("cpu"),
+                                    decode_in_place, window=attn.sliding_window)
+    out = attn(torch.cat([r["q"] for r in reqs]), torch.cat([r["k"] for r in reqs]),
+               torch.cat([r["v"] for r in reqs]), meta)
+    return out, meta
 
 
 @pytest.fixture
@@ -77,7 +84,7 @@ def test_mixed_batch_matches_dense(attn):
     step2 = {"a": (10, 11), "b": (5, 6), "c": (6, 13), "d": (3, 9)}
     reqs = [dict(start=s, q=seqs[n][0][s:e], k=seqs[n][1][s:e], v=seqs[n][2][s:e], blocks=blocks[n])
             for n, (s, e) in step2.items()]
-    out = run_batch(attn, reqs)
+    out, _ = run_batch(attn, reqs)
     expected = torch.cat([dense_reference(seqs[n][0][s:e], seqs[n][1][:e], seqs[n][2][:e], s)
                           for n, (s, e) in step2.items()])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -91,10 +98,54 @@ def test_same_step_prefix_hit_sees_keys_written_in_that_step(attn):
     tail_q, tail_k, tail_v = torch.randn(3, H, D), torch.randn(3, KVH, D), torch.randn(3, KVH, D)
     reqs = [dict(start=0, q=qa, k=ka, v=va, blocks=[0, 1, 2]),
             dict(start=shared, q=tail_q, k=tail_k, v=tail_v, blocks=[0, 1, 3])]
-    out = run_batch(attn, reqs)
+    out, _ = run_batch(attn, reqs)
     kb = torch.cat([ka[:shared], tail_k])
     vb = torch.cat([va[:shared], tail_v])
     torch.testing.assert_close(out[n_a:], dense_reference(tail_q, kb, vb, shared), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
+def test_sliding_window_attends_the_window_and_reads_only_its_blocks(decode_in_place):
+    """Window 6, block size 4: decodes at several depths, a chunk that starts past the window and a
+    prefill from 0 longer than the window, in one call, against dense attention with the window's mask.
+    The metadata hands the layer only the blocks holding a window's keys."""
+    window = 6
+    layer = PagedAttention(H, KVH, D, D ** -0.5, sliding_window=window)
+    layer.kv_cache = (torch.zeros(32, BS, KVH, D), torch.zeros(32, BS, KVH, D))
+    torch.manual_seed(2)
+    seqs = {name: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D))
+            for name, n in [("a", 15), ("b", 5), ("c", 18), ("d", 11)]}
+    blocks = {"a": [7, 3, 20, 11], "b": [1, 30], "c": [4, 5, 6, 2, 13], "d": [9, 8, 12]}
+    first = {"a": 14, "b": 4, "c": 9}
+    run_batch(layer, [dict(start=0, q=seqs[n][0][:m], k=seqs[n][1][:m], v=seqs[n][2][:m], blocks=blocks[n])
+                      for n, m in first.items()], decode_in_place)
+    # a and b decode (a at position 14: keys 9..14), c continues from 9 (keys from 4 on), d starts (11 > 6).
+    step2 = {"a": (14, 15), "b": (4, 5), "c": (9, 18), "d": (0, 11)}
+    reqs = [dict(start=s, q=seqs[n][0][s:e], k=seqs[n][1][s:e], v=seqs[n][2][s:e], blocks=blocks[n])
+            for n, (s, e) in step2.items()]
+    out, meta = run_batch(layer, reqs, decode_in_place)
+    expected = torch.cat([dense_reference(seqs[n][0][s:e], seqs[n][1][:e], seqs[n][2][:e], s, window)
+                          for n, (s, e) in step2.items()])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    full = torch.cat([dense_reference(seqs[n][0][s:e], seqs[n][1][:e], seqs[n][2][:e], s)
+                      for n, (s, e) in step2.items()])
+    assert not torch.allclose(out, full, atol=1e-3)  # the window changes the result
+    c, d = meta.prefills
+    assert c.block_ids.tolist() == [5, 6, 2, 13] and c.num_keys == 14  # c's first key is 4: block 0 skipped
+    assert d.block_ids.tolist() == [9, 8, 12] and d.mask is not None
+    if decode_in_place:
+        assert meta.decode_key_starts.tolist() == [9, 0]
+    else:  # a's row starts at its block 2 (keys 8..14), b's at block 0
+        assert meta.decode_block_table.tolist() == [[20, 11], [1, 30]] and meta.decode_max_seq_len == 7
+
+
+def test_metadata_for_a_window_it_was_not_built_for_is_refused():
+    layer = PagedAttention(H, KVH, D, D ** -0.5, sliding_window=6)
+    layer.kv_cache = (torch.zeros(4, BS, KVH, D), torch.zeros(4, BS, KVH, D))
+    meta = build_attention_metadata(np.array([[0, 1]]), np.array([2]), np.array([0, 5]), np.array([0]), 0,
+                                    np.arange(5), BS, torch.device("cpu"))
+    with pytest.raises(ValueError, match="window None, not for a layer with window 6"):
+        layer(torch.randn(5, H, D), torch.randn(5, KVH, D), torch.randn(5, KVH, D), meta)
 
 
 def test_rotary_matches_transformers():

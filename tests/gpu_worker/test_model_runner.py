@@ -10,6 +10,7 @@ import torch
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from gpu_worker.config import ModelConfig
 from tests.gpu_worker.utils import (
     greedy_request,
     hf_greedy,
@@ -82,6 +83,45 @@ def test_qwen3_greedy_matches_hf(tmp_path, decode_in_place):
     got = run_to_completion(sched, runner.execute_model)
     for rid, p in ps.items():
         assert got[rid] == hf_greedy(hf, p, 8), rid
+
+
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("mistral", {"sliding_window": 6}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+], ids=["mistral_every_layer", "qwen2_upper_layer"])
+def test_sliding_window_greedy_matches_hf(tmp_path, kind, overrides, decode_in_place):
+    """Sequences run far past the window, through chunked prefill (chunks starting past it), decodes
+    beside prefills, a preemption and a prefix-cache hit, on both attention paths. Where every layer
+    is windowed (Mistral), the scheduler releases the blocks behind each request's window as it goes,
+    and other requests reuse them while the runner's tables still list them."""
+    path = save_tiny_model(tmp_path, kind, **overrides)
+    config = ModelConfig.from_pretrained(path)
+    hf = load_hf(path)
+    num_blocks = 24 if config.uniform_sliding_window is None else 10
+    runner = runner_for(path, decode_in_place, num_blocks=num_blocks, block_size=4)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=13,
+                           long_prefill_token_threshold=5, sliding_window=config.uniform_sliding_window)
+    ps = prompts(11, 4, lo=10, hi=30, prefix=[9, 8, 7, 6, 5, 4, 3, 2])
+    for rid, p in ps.items():
+        sched.add_request(greedy_request(rid, p, 12))
+    seen = {"preempted": 0, "hits": 0, "held": 0, "positions": 0}
+    kv = sched.kv_cache_manager
+
+    def on_step(step, so):
+        seen["preempted"] += len(so.preempted_req_ids)
+        seen["hits"] += sum(1 for r in so.scheduled_new_reqs if r.num_computed_tokens)
+        seen["held"] = max([seen["held"], *(kv.get_num_held_blocks(r.request_id) for r in sched.running)])
+        seen["positions"] = max([seen["positions"], *(kv.get_num_blocks(r.request_id) for r in sched.running)])
+
+    got = run_to_completion(sched, runner.execute_model, on_step=on_step)
+    assert seen["preempted"] and seen["hits"]
+    if config.uniform_sliding_window is not None:
+        # A request holds at most its window's keys plus a pass's tokens, in blocks (here 5 + 5 keys
+        # span at most 4 blocks), though its sequence spans many more.
+        assert seen["held"] <= 4 < seen["positions"]
+    for rid, p in ps.items():
+        assert got[rid] == hf_greedy(hf, p, 12), rid
 
 
 @pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -26,6 +24,11 @@ CASES = {
     # Phi-3's checkpoint stores q/k/v and gate/up fused: split at load.
     "phi3": ("phi3", {}),
     "phi3_mqa_tied": ("phi3", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    # Sliding windows far shorter than the 45-token prompt: every layer (Mistral v0.1, Phi-3), or
+    # only the layers from max_window_layers on (Qwen2), the others attending fully.
+    "mistral_window": ("mistral", {"sliding_window": 8}),
+    "phi3_window": ("phi3", {"sliding_window": 7}),
+    "qwen2_window_upper_layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
 }
 
 
@@ -89,19 +92,43 @@ def test_registry_maps_architectures(tmp_path):
         get_model_class("Nope")
 
 
-def test_mistral_sliding_window_bounds_max_model_len(tmp_path):
-    path = save_tiny_model(tmp_path, "mistral", sliding_window=64)
-    cfg = json.loads((path / "config.json").read_text())
-    assert cfg["sliding_window"] == 64
-    with pytest.raises(ValueError, match="sliding"):
-        make_runner(path, max_model_len=128)
-    make_runner(path, max_model_len=64)
-
-
-def test_a_sliding_window_is_the_default_context_length(tmp_path):
-    """Phi-3-4k (and Mistral v0.1) serve their window without --max-model-len: the default context
-    length is the window, not the trained positions, which the runner would refuse."""
-    path = save_tiny_model(tmp_path, "phi3", sliding_window=31, max_position_embeddings=64)
+def test_a_sliding_window_does_not_bound_the_context_length(tmp_path):
+    """Sliding-window attention is implemented: Phi-3-4k and Mistral v0.1 serve their trained
+    positions, and the window changes what the model computes past it."""
+    path = save_tiny_model(tmp_path, "phi3", sliding_window=7, max_position_embeddings=64)
     config = ModelConfig.from_pretrained(path)
-    assert config.sliding_window == 31 and config.max_context_len == 31
-    assert make_runner(path, num_blocks=16).max_model_len == 31  # (no max_model_len given)
+    assert config.sliding_window == 7 and config.max_context_len == 64
+    assert [config.layer_sliding_window(i) for i in range(2)] == [7, 7]
+    runner = make_runner(path, num_blocks=16)
+    assert runner.max_model_len == 64 and runner.attention_windows == {7}
+    unwindowed = make_runner(path, num_blocks=16)
+    for layer in unwindowed.model.attention_layers():
+        layer.sliding_window = None
+    unwindowed.attention_windows = frozenset({None})
+    prompt = [(5 * i + 1) % 256 for i in range(30)]
+    windowed_logits = prefill_logits(runner, prompt, list(range(8)))
+    full_logits = prefill_logits(unwindowed, prompt, list(range(8)))
+    torch.testing.assert_close(windowed_logits[:7], full_logits[:7])  # inside the window: the same
+    assert not torch.allclose(windowed_logits[7:], full_logits[7:], atol=1e-3)
+
+
+def test_which_layers_use_the_window():
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "vocab_size": 256, "sliding_window": 16}
+    qwen2 = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+                                   "max_window_layers": 2})
+    assert [qwen2.layer_sliding_window(i) for i in range(4)] == [None, None, 16, 16]
+    # Qwen2 without use_sliding_window (every released checkpoint) attends fully everywhere.
+    plain = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"], "max_window_layers": 2})
+    assert plain.sliding_window is None and plain.layer_sliding_window(3) is None
+    # transformers' layer_types, where a config lists them, decide.
+    typed = ModelConfig.from_dict({**base, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True,
+                                   "layer_types": ["sliding_attention", "full_attention"] * 2})
+    assert [typed.layer_sliding_window(i) for i in range(4)] == [16, None, 16, None]
+    mistral = ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"]})
+    assert [mistral.layer_sliding_window(i) for i in range(4)] == [16] * 4
+    # Llama has no window, whatever a config carries.
+    assert ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"]}).layer_sliding_window(0) is None
+    with pytest.raises(ValueError, match="layer_types lists 2 layers, the model has 4"):
+        ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+                               "layer_types": ["sliding_attention"] * 2})

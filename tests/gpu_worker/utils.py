@@ -15,7 +15,7 @@ from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.scheduler import Scheduler
-from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
+from gpu_worker.attn_metadata import compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.model_runner import ModelRunner
 
@@ -82,8 +82,8 @@ def prefill_logits(runner: ModelRunner, token_ids: list[int], block_ids: list[in
     positions = np.arange(n)
     req_index = np.zeros(n, dtype=np.int64)
     slots = compute_slot_mapping(table, req_index, positions, bs)
-    meta = build_attention_metadata(table, np.array([len(block_ids)]), np.array([0, n]), np.array([0]), 0, slots,
-                                    bs, runner.device)
+    meta = runner.attention_metadata(table, np.array([len(block_ids)]), np.array([0, n]), np.array([0]), 0, slots,
+                                     bs, decode_in_place=False)
     with torch.inference_mode():
         hidden = runner.model(torch.tensor(token_ids, device=runner.device), torch.from_numpy(positions), meta)
         return runner.model.compute_logits(hidden)
@@ -91,11 +91,13 @@ def prefill_logits(runner: ModelRunner, token_ids: list[int], block_ids: list[in
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
                    max_num_seqs: int = 16, max_model_len: int = 256, prefix_caching: bool = True,
-                   long_prefill_token_threshold: int = 0, num_spec_tokens: int = 0) -> Scheduler:
+                   long_prefill_token_threshold: int = 0, num_spec_tokens: int = 0,
+                   sliding_window: int | None = None) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      max_model_len=max_model_len,
                                      long_prefill_token_threshold=long_prefill_token_threshold),
-                     CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+                     CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+                                 sliding_window=sliding_window),
                      log_stats=False, num_spec_tokens=num_spec_tokens)
 
 
