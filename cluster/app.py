@@ -108,6 +108,7 @@ def router_deployment(config: ClusterConfig):
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys),
         enable_lora=config.enable_lora, allow_runtime_lora_updating=config.allow_runtime_lora_updating,
+        server_dev_mode=config.server_dev_mode,
         enable_responses_store=config.enable_responses_store,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         stream_interval=config.stream_interval,

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-cpu-loras", type=int, default=None,
                        help="Adapters kept in the workers' memory (>= --max-loras); the least recently used "
                             "beyond it are read from their checkpoints again when next needed (default: all).")
+    serve.add_argument("--server-dev-mode", action="store_true", default=env_switch("VLLM_SERVER_DEV_MODE"),
+                       help="Enable POST /pause (?mode=abort|wait|keep&clear_cache=), /resume, "
+                            "/reset_prefix_cache and GET /is_paused on every engine (default: "
+                            "$VLLM_SERVER_DEV_MODE).")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        default=env_switch("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
                        help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
@@ -166,7 +170,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address,
         enable_lora=args.enable_lora, lora_modules=args.lora_modules or [], max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating, server_dev_mode=args.server_dev_mode,
         enable_responses_store=args.enable_responses_store,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details, stream_interval=args.stream_interval,
         responses_store_max_entries=args.responses_store_max_entries,

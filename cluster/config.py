@@ -167,6 +167,11 @@ class ClusterConfig(BaseModel):
                                       "None: all loaded ones.")
     allow_runtime_lora_updating: bool = Field(
         False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")
+    server_dev_mode: bool = Field(
+        default_factory=lambda: env_switch("VLLM_SERVER_DEV_MODE"),
+        description="Enable the operators' endpoints POST /pause, /resume, /reset_prefix_cache and GET "
+                    "/is_paused, acting on every engine (default: $VLLM_SERVER_DEV_MODE, as vLLM). With "
+                    "api_keys they need a key, as /v1 does.")
     enable_responses_store: bool = Field(
         default_factory=lambda: env_switch("VLLM_ENABLE_RESPONSES_API_STORE"),
         description="Keep Responses API responses (store: true) for GET/DELETE /v1/responses/{id} and "

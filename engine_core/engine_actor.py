@@ -28,7 +28,7 @@ from engine_core.lora import LoRANotLoadedError
 from engine_core.metrics import EngineMetrics
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStats, LoRARequest
 from engine_core.request import FinishReason
-from engine_core.sched.scheduler import PauseState
+from engine_core.sched.scheduler import PAUSE_MODES, PauseState
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,29 @@ class EngineCoreService:
             return
         if added is not None and self.metrics is not None:
             self.metrics.on_request_added(added)
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> bool:
+        """vLLM's pause for weight updates (blocking). No request is admitted until resume; those in flight:
+
+        - "abort": are aborted at once, each client told (finish reason "abort");
+        - "wait": run to their end first (this returns once none runs; queued ones stay queued);
+        - "keep": stay where they are, frozen (nothing is scheduled), and go on after resume.
+
+        ``clear_cache`` then empties the prefix cache (not with "keep": its requests hold their
+        blocks). Returns whether the cache was cleared."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        engine = self.engine
+        if mode == "keep":
+            self.call_in_loop(lambda: engine.pause(PauseState.PAUSED_ALL))
+            return False
+        self.call_in_loop(lambda: engine.pause(PauseState.PAUSED_NEW))
+        if mode == "abort":
+            self.call_in_loop(engine.abort_all_requests)
+        else:
+            while self.call_in_loop(engine.num_running_requests):
+                time.sleep(0.02)
+        return bool(clear_cache and self.call_in_loop(engine.reset_prefix_cache))
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Load an adapter between passes (ValueError for one the model cannot serve)."""
@@ -451,6 +474,12 @@ class EngineCoreActor:
 
     async def pause(self, mode: int = PauseState.PAUSED_NEW) -> None:
         await asyncio.to_thread(self.service.call_in_loop, lambda: self.service.engine.pause(PauseState(mode)))
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> bool:
+        return await asyncio.to_thread(self.service.pause_generation, mode, clear_cache)
+
+    async def is_paused(self) -> bool:
+        return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.is_paused)
 
     async def resume(self) -> None:
         await asyncio.to_thread(self.service.call_in_loop, self.service.engine.resume)

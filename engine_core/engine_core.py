@@ -210,8 +210,22 @@ class EngineCore:
             for request_id in request_ids:
                 self._structured.remove(request_id)
 
+    def abort_all_requests(self) -> int:
+        """Abort every request this engine holds, telling each client (a pause's "abort" mode)."""
+        aborted = self.scheduler.abort_all_requests()
+        if self._structured is not None:
+            for request_id in aborted:
+                self._structured.remove(request_id)
+        return len(aborted)
+
     def pause(self, mode: PauseState) -> None:
         self.scheduler.pause(mode)
+
+    def is_paused(self) -> bool:
+        return self.scheduler.pause_state != PauseState.UNPAUSED
+
+    def num_running_requests(self) -> int:
+        return len(self.scheduler.running)
 
     def resume(self) -> None:
         self.scheduler.resume()

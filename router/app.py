@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_core.outputs import LoRARequest
+from engine_core.sched.scheduler import PAUSE_MODES
 from router.embeddings import EmbeddingRequest, EmbeddingsServing
 from router.metrics import RouterMetrics, merge_expositions
 from router.model_servings import ModelServings
@@ -31,7 +32,7 @@ from router.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from router.responses import ResponsesRequest, ResponsesServing
-from router.serving import APIError, OpenAIServing, stream_error_event
+from router.serving import APIError, OpenAIServing, bad_request, stream_error_event
 
 SESSION_HEADER = "x-session-id"
 
@@ -76,10 +77,15 @@ class ResponseCounter:
             raise
 
 
+# The operators' endpoints (--server-dev-mode): with --api-key they need a key too, unlike vLLM's.
+DEV_MODE_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/reset_prefix_cache"})
+
+
 class APIKeyAuth:
-    """``--api-key``: requests to ``/v1/...`` need ``Authorization: Bearer <key>`` (one of the
-    keys), else 401 with an OpenAI error body; the other endpoints (health, metrics, version,
-    tokenize) stay open, and CORS preflights pass, as in vLLM. Plain ASGI: nothing per streamed chunk."""
+    """``--api-key``: requests to ``/v1/...`` (and the dev-mode endpoints) need ``Authorization:
+    Bearer <key>`` (one of the keys), else 401 with an OpenAI error body; the other endpoints (health,
+    metrics, version, tokenize) stay open, and CORS preflights pass, as in vLLM. Plain ASGI: nothing
+    per streamed chunk."""
 
     def __init__(self, app: ASGIApp, api_keys: Collection[str]) -> None:
         self.app = app
@@ -88,7 +94,7 @@ class APIKeyAuth:
         self.expected = [_digest(f"Bearer {key}".encode()) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _route_path(scope).startswith("/v1"):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _needs_key(_route_path(scope)):
             given = _digest(next((v for k, v in scope["headers"] if k == b"authorization"), b""))
             if not any([hmac.compare_digest(given, expected) for expected in self.expected]):
                 response = _error_response(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
@@ -97,6 +103,10 @@ class APIKeyAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _needs_key(path: str) -> bool:
+    return path.startswith("/v1") or path in DEV_MODE_PATHS
 
 
 def _digest(value: bytes) -> bytes:
@@ -235,6 +245,44 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
             await serving.unload_lora_adapter(body.lora_name)
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    if serving.settings.server_dev_mode:
+        @app.post("/pause")
+        async def pause(mode: str = Query("abort"), wait_for_inflight_requests: bool = Query(False),
+                        clear_cache: bool = Query(True)) -> dict[str, str]:
+            """vLLM's pause for weight updates, on every engine of every model: nothing new is admitted
+            until /resume; in-flight requests are aborted ("abort"), finished first ("wait": returns
+            once they are) or frozen ("keep"); clear_cache empties the prefix caches after."""
+            if wait_for_inflight_requests:  # (vLLM's older spelling of mode=wait)
+                mode = "wait"
+            if mode not in PAUSE_MODES:
+                raise bad_request(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "mode")
+            await asyncio.gather(*(owner.pause_generation(mode, clear_cache) for owner in servings))
+            return {"status": "paused"}
+
+        @app.post("/resume")
+        async def resume() -> dict[str, str]:
+            await asyncio.gather(*(owner.resume_generation() for owner in servings))
+            return {"status": "resumed"}
+
+        @app.get("/is_paused")
+        async def is_paused() -> dict[str, Any]:
+            """Paused while any engine is; the counts say how many are."""
+            flags = [flag for owner in servings for flag in await owner.paused_engines()]
+            return {"is_paused": any(flags), "paused_engines": sum(flags), "engines": len(flags)}
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> dict[str, str]:
+            refused = {}
+            for owner in servings:
+                engines = [engine for engine, reset in enumerate(await owner.reset_prefix_cache()) if not reset]
+                if engines:
+                    refused[owner.settings.served_model_name] = engines
+            if refused:
+                which = "; ".join(f"{name!r} engines {engines}" for name, engines in refused.items())
+                raise APIError(409, f"{which} hold KV blocks of running requests: a prefix cache is emptied only "
+                                    "while idle (POST /pause first, or retry)", "ConflictError")
+            return {"status": "reset"}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -103,6 +103,9 @@ class ServingSettings:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING; --allow-runtime-lora-updating here).
     allow_runtime_lora_updating: bool = False
+    # POST /pause, /resume, /reset_prefix_cache and GET /is_paused exist (vLLM's VLLM_SERVER_DEV_MODE
+    # endpoints; --server-dev-mode here). They act on every engine, for every router replica.
+    server_dev_mode: bool = False
     # --enable-prompt-tokens-details (vLLM's): usage.prompt_tokens_details.cached_tokens.
     enable_prompt_tokens_details: bool = False
     # --stream-interval (vLLM's): a streamed choice sends its first tokens at once, then waits until
@@ -244,6 +247,32 @@ class OpenAIServing:
             raise bad_request(f"Failed to unload the lora adapter '{name}': {_remote_message(e)}",
                               "lora_name") from e
         self.lora_adapters.pop(name, None)
+
+    # -- operators' endpoints (--server-dev-mode): every engine of this model at once ------------------
+
+    async def _each_engine(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every engine concurrently; a 503 naming the engines that failed."""
+        handles = [self.client.handle(engine) for engine in range(self.client.num_engines)]
+        results = await asyncio.gather(*(getattr(h, method).remote(*args) for h in handles), return_exceptions=True)
+        failed = {engine: r for engine, r in enumerate(results) if isinstance(r, BaseException)}
+        if failed:
+            detail = "; ".join(f"engine {e}: {_remote_message(r)}" for e, r in failed.items())  # type: ignore[arg-type]
+            raise APIError(503, f"{method} failed on {len(failed)} of {len(handles)} engines: {detail}",
+                           "ServiceUnavailableError")
+        return results
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        await self._each_engine("pause_generation", mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self._each_engine("resume")
+
+    async def paused_engines(self) -> list[bool]:
+        return await self._each_engine("is_paused")
+
+    async def reset_prefix_cache(self) -> list[bool]:
+        """Per engine, whether its prefix cache was emptied (refused while requests hold blocks)."""
+        return await self._each_engine("reset_prefix_cache")
 
     async def _recover_adapter(self, engine: int, lora: LoRARequest) -> LoRARequest:
         """An engine refused ``lora`` as unknown: the adapter to retry with, or a 404. Either another

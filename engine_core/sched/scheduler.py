@@ -39,6 +39,10 @@ _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 
 
+# vLLM's pause modes (POST /pause?mode=): what happens to the requests in flight (EngineActor.pause_generation).
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
 class PauseState(enum.IntEnum):
     UNPAUSED = 0
     # No admissions; running requests keep going.
@@ -765,6 +769,19 @@ class Scheduler(SchedulerInterface):
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def abort_all_requests(self) -> list[str]:
+        """Finish every live request as aborted, each with a final output that tells its client
+        (the engine ends them itself, as a pause does; a client's own abort needs none)."""
+        live = [request for request in self.requests.values() if not request.is_finished()]
+        self._remove_from_collections(live)
+        for request in live:
+            self._finish_outside_pass(request, RequestStatus.FINISHED_ABORTED)
+        return [request.request_id for request in live]
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause_state
 
     def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> None:
         self._pause_state = PauseState(mode)

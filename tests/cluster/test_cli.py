@@ -8,7 +8,7 @@ import pytest
 
 from cluster.app import router_deployment
 from cluster.cli import build_parser, cluster_config_from_args, main
-from cluster.config import EngineSpec
+from cluster.config import ClusterConfig, EngineSpec
 from cluster.launcher import engine_actor_name
 from engine_core.config import KV_CACHE_DTYPE_NAMES, EngineConfig
 
@@ -156,6 +156,18 @@ def test_lora_flags_reach_every_engine_and_the_router(monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # vLLM's switch for the load endpoints
     updating = _config("--enable-lora")
     assert router_deployment(updating)._bound_deployment.init_args[0].allow_runtime_lora_updating is True
+
+
+def test_server_dev_mode_reaches_the_router_from_the_flag_or_vllms_variable(monkeypatch):
+    def dev_mode(config):
+        return router_deployment(config)._bound_deployment.init_args[0].server_dev_mode
+
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    assert dev_mode(_config()) is False
+    assert dev_mode(_config("--server-dev-mode")) is True
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    assert dev_mode(_config()) is True
+    assert ClusterConfig(model="m").server_dev_mode is True  # (a Serve config's default, too)
 
 
 def test_the_kv_cache_dtype_reaches_every_engine_and_can_differ_per_engine(tmp_path):

@@ -86,6 +86,97 @@ def test_a_paused_engine_with_waiting_work_waits_instead_of_spinning(service):
     assert finished
 
 
+def _start(service: EngineCoreService, rid: str, prompt: list[int], max_tokens: int) -> None:
+    service.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, client_index=0,
+                                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                         temperature=0.0)))
+
+
+def _collect(service: EngineCoreService, seconds: float) -> dict[str, tuple[list[int], FinishReason | None]]:
+    """What the client buffer receives in ``seconds``: per request, its tokens and finish reason."""
+    got: dict[str, tuple[list[int], FinishReason | None]] = {}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        for eco in service._take(service._buffer(0)):
+            for out in eco.outputs:
+                tokens, _ = got.get(out.request_id, ([], None))
+                got[out.request_id] = (tokens + out.new_token_ids, out.finish_reason)
+    return got
+
+
+def _until_finished(service: EngineCoreService, rid: str) -> tuple[list[int], FinishReason | None]:
+    tokens: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for got_id, (new, finish) in _collect(service, 0.05).items():
+            if got_id == rid:
+                tokens += new
+                if finish is not None:
+                    return tokens, finish
+    raise AssertionError(f"{rid} did not finish")
+
+
+def _until_running(service: EngineCoreService) -> None:
+    deadline = time.monotonic() + 30
+    while not service.call_in_loop(service.engine.num_running_requests):
+        assert time.monotonic() < deadline, "the request was not admitted"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def resumed_after(service):
+    """The engine is resumed after the test, whatever it asserted."""
+    yield
+    service.call_in_loop(service.engine.resume)
+
+
+def test_pause_abort_ends_what_runs_and_holds_what_comes(service, resumed_after):
+    """mode "abort": a running request (frozen by "keep" first, so the test cannot lose the race with
+    its last token) ends with finish reason abort, its client told; a request sent while paused
+    waits, then runs after resume; the prefix cache is emptied."""
+    prompt = list(range(3, 40))
+    _run(service, "cached", prompt)
+    _start(service, "running", list(range(50, 60)), 240)
+    _until_running(service)
+    service.pause_generation("keep")
+    assert service.pause_generation("abort", clear_cache=True) is True
+    assert service.call_in_loop(service.engine.is_paused)
+    got = _collect(service, 0.3)
+    assert got["running"][1] == FinishReason.ABORT
+    _start(service, "later", prompt, 4)
+    assert "later" not in _collect(service, 0.3)  # held while paused
+    pool = service.engine.scheduler.kv_cache_manager.block_pool
+    assert service.call_in_loop(pool.get_usage) == 0.0
+    assert service.call_in_loop(lambda: len(pool.cached_block_hash_to_block)) == 0  # "cached" was forgotten
+    service.call_in_loop(service.engine.resume)
+    tokens, finish = _until_finished(service, "later")
+    assert len(tokens) == 4 and finish == FinishReason.LENGTH
+    assert not service.call_in_loop(service.engine.is_paused)
+
+
+def test_pause_wait_lets_running_requests_finish_and_keep_freezes_them(service, resumed_after):
+    _start(service, "runs-out", list(range(60, 70)), 240)
+    _until_running(service)
+    assert service.pause_generation("wait", clear_cache=False) is False  # returns once nothing runs
+    assert service.call_in_loop(service.engine.num_running_requests) == 0
+    tokens, finish = _until_finished(service, "runs-out")
+    assert len(tokens) == 240 and finish == FinishReason.LENGTH  # it ran to its end, not aborted
+    service.call_in_loop(service.engine.resume)
+
+    _start(service, "frozen", list(range(70, 80)), 240)
+    _until_running(service)
+    assert service.pause_generation("keep", clear_cache=True) is False  # (its blocks stay: no clearing)
+    _collect(service, 0.1)  # what the pass in flight produced
+    assert _collect(service, 0.3).get("frozen", ([], None))[0] == []  # no tokens while frozen
+    assert service.call_in_loop(service.engine.num_running_requests) == 1
+    service.call_in_loop(service.engine.resume)
+    assert _collect(service, 0.3)["frozen"][0]  # going on where it stopped
+    service.abort_requests(["frozen"])
+    with pytest.raises(ValueError, match="pause mode must be one of"):
+        service.pause_generation("later")
+
+
 def test_max_model_len_defaults_to_the_models_and_must_fit_the_kv_cache(tmp_path_factory):
     from engine_core.engine_core import EngineCore
 

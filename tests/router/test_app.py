@@ -99,3 +99,68 @@ def test_api_keys_guard_the_v1_endpoints_only():
     plain = ServingSettings(served_model_name="tiny", max_model_len=64)
     assert TestClient(create_app(OpenAIServing(plain, client, byte_level_tokenizer(), RoundRobinPolicy()))).get(
         "/v1/models").status_code == 200
+
+
+class _EngineHandle:
+    """Stands for an engine actor's handle: each method's ``.remote(...)`` is awaitable, as a Ray
+    ObjectRef is, and records the call (the real engines are exercised in test_e2e)."""
+
+    def __init__(self, resets: bool = True) -> None:
+        self.calls: list[tuple] = []
+        self.paused = False
+        self.resets = resets
+
+    def __getattr__(self, method: str):
+        handle = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args):
+                handle.calls.append((method, *args))
+
+                async def result():
+                    if method == "pause_generation":
+                        handle.paused = True
+                    elif method == "resume":
+                        handle.paused = False
+                    elif method == "is_paused":
+                        return handle.paused
+                    elif method == "reset_prefix_cache":
+                        return handle.resets
+                    return None
+                return result()
+        return _Method
+
+
+def test_dev_mode_endpoints_reach_every_engine_and_need_a_key():
+    """--server-dev-mode: /pause, /resume, /is_paused, /reset_prefix_cache act on every engine, with
+    vLLM's query parameters; a refused cache reset is a 409 naming the engine; with --api-key they need
+    a key; without the flag they do not exist."""
+    engines = [_EngineHandle(), _EngineHandle(resets=False)]
+    settings = ServingSettings(served_model_name="tiny", max_model_len=64, api_keys=("key",), server_dev_mode=True)
+    serving = OpenAIServing(settings, EngineClient(engines, client_index=0), byte_level_tokenizer(),
+                            RoundRobinPolicy())
+    http = TestClient(create_app(serving), headers={"Authorization": "Bearer key"})
+    assert http.get("/is_paused").json() == {"is_paused": False, "paused_engines": 0, "engines": 2}
+    assert http.post("/pause").json() == {"status": "paused"}
+    assert http.post("/pause?mode=keep&clear_cache=false").status_code == 200
+    assert http.post("/pause?wait_for_inflight_requests=true").status_code == 200  # vLLM's older mode=wait
+    assert [c for c in engines[1].calls if c[0] == "pause_generation"] == [
+        ("pause_generation", "abort", True), ("pause_generation", "keep", False), ("pause_generation", "wait", True)]
+    assert http.get("/is_paused").json() == {"is_paused": True, "paused_engines": 2, "engines": 2}
+    bad = http.post("/pause?mode=later")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
+    assert http.post("/resume").json() == {"status": "resumed"}
+    assert not any(engine.paused for engine in engines)
+    refused = http.post("/reset_prefix_cache")
+    assert refused.status_code == 409 and "'tiny' engines [1]" in refused.json()["error"]["message"]
+    engines[1].resets = True
+    assert http.post("/reset_prefix_cache").json() == {"status": "reset"}
+    anonymous = TestClient(create_app(serving))
+    for method, path in (("post", "/pause"), ("post", "/resume"), ("get", "/is_paused"),
+                         ("post", "/reset_prefix_cache")):
+        assert getattr(anonymous, method)(path).status_code == 401
+    off = ServingSettings(served_model_name="tiny", max_model_len=64)
+    plain = TestClient(create_app(OpenAIServing(off, EngineClient(engines, client_index=0), byte_level_tokenizer(),
+                                                RoundRobinPolicy())))
+    assert plain.post("/pause").status_code == 404 and plain.get("/is_paused").status_code == 404

@@ -39,7 +39,9 @@ def cluster(ray_cluster, tiny_model_dir):
     timeout_config = config.model_copy(update={"request_timeout_s": 0.05})
     # And a second prefix-aware replica set, which learns what the engines cache from their KV events,
     # and streams in chunks of 5 tokens after the first (--stream-interval).
-    prefix2_config = config.model_copy(update={"routing_policy": "prefix_aware", "stream_interval": 5})
+    # It also serves the operators' endpoints (--server-dev-mode).
+    prefix2_config = config.model_copy(update={"routing_policy": "prefix_aware", "stream_interval": 5,
+                                               "server_dev_mode": True})
     with serve_cluster(config, {"prefix": prefix_config, "timeout": timeout_config,
                                 "prefix2": prefix2_config}) as served:
         yield {"base": served.base, "engines": served.engines, "config": config}
@@ -522,6 +524,46 @@ def test_a_prefix_cached_through_one_router_attracts_another_routers_requests(cl
         added = [a.num_requests_added - m.num_requests_added for a, m in zip(after, middle)]
         assert added[holder] == 2 and added[1 - holder] == 0, (round_, holder, added)
         assert after[holder].prefix_cache_hits - middle[holder].prefix_cache_hits >= 2 * 16
+
+
+def test_pause_aborts_streams_holds_new_requests_and_resume_serves_them(cluster):
+    """--server-dev-mode on real engines: a stream sent while the engines are frozen (mode keep) waits;
+    POST /pause (mode abort) ends it with finish reason "abort" and leaves the engines empty; a request
+    sent while paused waits until /resume; /reset_prefix_cache succeeds once idle; the app without the
+    flag has no such endpoints."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = f"{cluster['base']}/prefix2"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert httpx.post(f"{cluster['base']}/pause").status_code == 404  # (the app at / has no dev mode)
+
+    def streamed_finish_reasons():
+        stream = client.completions.create(model="tiny", prompt="Paris is", max_tokens=100, stream=True,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        return [chunk.choices[0].finish_reason for chunk in stream if chunk.choices]
+
+    try:
+        assert httpx.post(f"{base}/pause?mode=keep").json() == {"status": "paused"}
+        assert httpx.get(f"{base}/is_paused").json() == {"is_paused": True, "paused_engines": 2, "engines": 2}
+        with ThreadPoolExecutor(2) as pool:
+            frozen = pool.submit(streamed_finish_reasons)
+            time.sleep(1.0)
+            assert not frozen.done()
+            assert httpx.post(f"{base}/pause?mode=abort", timeout=30).json() == {"status": "paused"}
+            assert frozen.result(timeout=30)[-1] == "abort"
+            stats = _stats(cluster)
+            assert all(s.num_unfinished_requests == 0 and s.num_free_blocks == s.num_blocks for s in stats)
+            held = pool.submit(client.completions.create, model="tiny", prompt="Berlin is", max_tokens=4,
+                               temperature=0)
+            time.sleep(1.0)
+            assert not held.done()  # waiting in an engine's queue
+            assert httpx.post(f"{base}/resume").json() == {"status": "resumed"}
+            assert held.result(timeout=60).choices[0].finish_reason == "length"
+    finally:
+        httpx.post(f"{base}/resume")
+    assert httpx.get(f"{base}/is_paused").json()["is_paused"] is False
+    _wait_idle(cluster)
+    assert httpx.post(f"{base}/reset_prefix_cache").json() == {"status": "reset"}
 
 
 def test_health_is_503_when_every_engine_is_dead_and_200_after_restart(cluster):
