@@ -91,6 +91,10 @@ class EngineCoreService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: str | None = None
         self._stopped = False
+        # While a "wait" pause drains the requests in flight, new ones wait here (busy-loop thread only),
+        # and each resume starts a new epoch, so a drain that a resume overtook does not pause after it.
+        self._held_requests: list[EngineCoreRequest] | None = None
+        self._pause_epoch = 0
         self._thread = threading.Thread(target=self._run_busy_loop, name=f"engine-{config.engine_index}-busy-loop",
                                         daemon=True)
         self._thread.start()
@@ -140,9 +144,18 @@ class EngineCoreService:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         ids = list(request_ids)
-        self.submit(lambda: self.engine.abort_requests(ids))
+        self.submit(lambda: self._abort_requests(ids))
+
+    def _abort_requests(self, request_ids: list[str]) -> None:
+        if self._held_requests:
+            gone = set(request_ids)
+            self._held_requests = [r for r in self._held_requests if r.request_id not in gone]
+        self.engine.abort_requests(request_ids)
 
     def _add_request(self, request: EngineCoreRequest) -> None:
+        if self._held_requests is not None:
+            self._held_requests.append(request)
+            return
         try:
             added = self.engine.add_request(request)
         except LoRANotLoadedError as e:  # (its adapter was unloaded after admit() checked it)
@@ -157,7 +170,8 @@ class EngineCoreService:
         """vLLM's pause for weight updates (blocking). No request is admitted until resume; those in flight:
 
         - "abort": are aborted at once, each client told (finish reason "abort");
-        - "wait": run to their end first (this returns once none runs; queued ones stay queued);
+        - "wait": run to their end first, queued ones included (this returns once none is left;
+          requests arriving meanwhile are held, then queued);
         - "keep": stay where they are, frozen (nothing is scheduled), and go on after resume.
 
         ``clear_cache`` then empties the prefix cache (not with "keep": its requests hold their
@@ -168,13 +182,50 @@ class EngineCoreService:
         if mode == "keep":
             self.call_in_loop(lambda: engine.pause(PauseState.PAUSED_ALL))
             return False
-        self.call_in_loop(lambda: engine.pause(PauseState.PAUSED_NEW))
         if mode == "abort":
+            self.call_in_loop(lambda: engine.pause(PauseState.PAUSED_NEW))
             self.call_in_loop(engine.abort_all_requests)
-        else:
-            while self.call_in_loop(engine.num_running_requests):
-                time.sleep(0.02)
+        elif not self._drain_then_pause():
+            return False  # a resume came first: not paused, nothing cleared
         return bool(clear_cache and self.call_in_loop(engine.reset_prefix_cache))
+
+    def _drain_then_pause(self) -> bool:
+        """Mode "wait": the engine keeps running every request it holds (queued ones and preempted
+        ones included, as vLLM drains what its front end accepted) while new ones are held back;
+        once none is left, it pauses and takes the held ones into its (paused) queue. False when a
+        resume overtook the drain."""
+        engine = self.engine
+
+        def hold() -> int:
+            if self._held_requests is None:
+                self._held_requests = []
+            return self._pause_epoch
+
+        epoch = self.call_in_loop(hold)
+        while self.call_in_loop(lambda: self._pause_epoch == epoch and engine.num_in_flight_requests() > 0):
+            time.sleep(0.02)
+
+        def pause_and_release() -> bool:
+            if self._pause_epoch != epoch:
+                return False
+            engine.pause(PauseState.PAUSED_NEW)
+            self._release_held_requests()
+            return True
+
+        return self.call_in_loop(pause_and_release)
+
+    def _release_held_requests(self) -> None:
+        held, self._held_requests = self._held_requests or [], None
+        for request in held:
+            self._add_request(request)
+
+    def resume_generation(self) -> None:
+        def resume() -> None:
+            self._pause_epoch += 1
+            self.engine.resume()
+            self._release_held_requests()
+
+        self.call_in_loop(resume)
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Load an adapter between passes (ValueError for one the model cannot serve)."""
@@ -482,7 +533,7 @@ class EngineCoreActor:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.is_paused)
 
     async def resume(self) -> None:
-        await asyncio.to_thread(self.service.call_in_loop, self.service.engine.resume)
+        await asyncio.to_thread(self.service.resume_generation)
 
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.reset_prefix_cache)

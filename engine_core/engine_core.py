@@ -58,6 +58,13 @@ class EngineCore:
             # plus one pass's tokens, rounded out to blocks at both ends (vLLM's bound).
             needed = min(needed, (-(-(window - 1 + sched_cfg.token_budget) // config.block_size) + 1)
                          * config.block_size)
+        if capacity < needed and window is not None and config.scheduler.max_model_len is None:
+            # No --max-model-len, and a long pass's window does not fit: serve what the cache holds
+            # (at least the window, the length such a model served before the window was implemented).
+            logger.info("engine %d: max_model_len %d capped to the %d tokens the KV cache holds",
+                        config.engine_index, sched_cfg.max_model_len, capacity)
+            sched_cfg = sched_cfg.with_max_model_len(capacity)
+            needed = capacity
         if capacity < needed:
             # A request that long could never be admitted, and would hold up the queue behind it.
             executor.shutdown()
@@ -226,6 +233,10 @@ class EngineCore:
 
     def num_running_requests(self) -> int:
         return len(self.scheduler.running)
+
+    def num_in_flight_requests(self) -> int:
+        """Requests this engine still has to finish (streaming sessions waiting for input not counted)."""
+        return self.scheduler.get_num_unfinished_requests() - self.scheduler.num_waiting_for_streaming_input
 
     def resume(self) -> None:
         self.scheduler.resume()

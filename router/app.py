@@ -249,7 +249,7 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     if serving.settings.server_dev_mode:
         @app.post("/pause")
         async def pause(mode: str = Query("abort"), wait_for_inflight_requests: bool = Query(False),
-                        clear_cache: bool = Query(True)) -> dict[str, str]:
+                        clear_cache: bool = Query(True)) -> dict[str, Any]:
             """vLLM's pause for weight updates, on every engine of every model: nothing new is admitted
             until /resume; in-flight requests are aborted ("abort"), finished first ("wait": returns
             once they are) or frozen ("keep"); clear_cache empties the prefix caches after."""
@@ -257,8 +257,11 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
                 mode = "wait"
             if mode not in PAUSE_MODES:
                 raise bad_request(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "mode")
-            await asyncio.gather(*(owner.pause_generation(mode, clear_cache) for owner in servings))
-            return {"status": "paused"}
+            cleared = await asyncio.gather(*(owner.pause_generation(mode, clear_cache) for owner in servings))
+            content: dict[str, Any] = {"status": "paused"}
+            if clear_cache and mode != "keep":  # (an engine refuses while a request still holds blocks)
+                content["cache_cleared"] = all(flag for flags in cleared for flag in flags)
+            return content
 
         @app.post("/resume")
         async def resume() -> dict[str, str]:

@@ -261,8 +261,9 @@ class OpenAIServing:
                            "ServiceUnavailableError")
         return results
 
-    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
-        await self._each_engine("pause_generation", mode, clear_cache)
+    async def pause_generation(self, mode: str, clear_cache: bool) -> list[bool]:
+        """Per engine, whether its prefix cache was emptied."""
+        return await self._each_engine("pause_generation", mode, clear_cache)
 
     async def resume_generation(self) -> None:
         await self._each_engine("resume")

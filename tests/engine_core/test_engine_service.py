@@ -128,7 +128,7 @@ def _until_running(service: EngineCoreService) -> None:
 def resumed_after(service):
     """The engine is resumed after the test, whatever it asserted."""
     yield
-    service.call_in_loop(service.engine.resume)
+    service.resume_generation()
 
 
 def test_pause_abort_ends_what_runs_and_holds_what_comes(service, resumed_after):
@@ -149,20 +149,43 @@ def test_pause_abort_ends_what_runs_and_holds_what_comes(service, resumed_after)
     pool = service.engine.scheduler.kv_cache_manager.block_pool
     assert service.call_in_loop(pool.get_usage) == 0.0
     assert service.call_in_loop(lambda: len(pool.cached_block_hash_to_block)) == 0  # "cached" was forgotten
-    service.call_in_loop(service.engine.resume)
+    service.resume_generation()
     tokens, finish = _until_finished(service, "later")
     assert len(tokens) == 4 and finish == FinishReason.LENGTH
     assert not service.call_in_loop(service.engine.is_paused)
 
 
 def test_pause_wait_lets_running_requests_finish_and_keep_freezes_them(service, resumed_after):
+    """mode "wait": what the engine holds runs to its end while a request arriving meanwhile is held,
+    then queued behind the pause; a resume during a drain wins (the drain does not pause after it);
+    mode "keep" freezes a running request, which goes on after resume."""
+    from concurrent.futures import ThreadPoolExecutor
+
     _start(service, "runs-out", list(range(60, 70)), 240)
     _until_running(service)
-    assert service.pause_generation("wait", clear_cache=False) is False  # returns once nothing runs
-    assert service.call_in_loop(service.engine.num_running_requests) == 0
+    with ThreadPoolExecutor(1) as pool:
+        pausing = pool.submit(service.pause_generation, "wait", True)
+        time.sleep(0.01)
+        _start(service, "during", list(range(90, 100)), 4)
+        assert pausing.result(timeout=60) is True  # drained, paused, cache cleared
     tokens, finish = _until_finished(service, "runs-out")
     assert len(tokens) == 240 and finish == FinishReason.LENGTH  # it ran to its end, not aborted
-    service.call_in_loop(service.engine.resume)
+    assert service.call_in_loop(service.engine.is_paused)
+    assert service.call_in_loop(service.engine.num_in_flight_requests) == 1  # "during", queued
+    assert "during" not in _collect(service, 0.2)
+    service.resume_generation()
+    tokens, finish = _until_finished(service, "during")
+    assert len(tokens) == 4 and finish == FinishReason.LENGTH
+
+    _start(service, "long", list(range(100, 110)), 240)
+    _until_running(service)
+    with ThreadPoolExecutor(1) as pool:
+        pausing = pool.submit(service.pause_generation, "wait", True)
+        time.sleep(0.01)
+        service.resume_generation()  # (another router replica's /resume, say)
+        assert pausing.result(timeout=60) is False
+    assert not service.call_in_loop(service.engine.is_paused)
+    assert _until_finished(service, "long")[1] == FinishReason.LENGTH
 
     _start(service, "frozen", list(range(70, 80)), 240)
     _until_running(service)
@@ -170,7 +193,7 @@ def test_pause_wait_lets_running_requests_finish_and_keep_freezes_them(service, 
     _collect(service, 0.1)  # what the pass in flight produced
     assert _collect(service, 0.3).get("frozen", ([], None))[0] == []  # no tokens while frozen
     assert service.call_in_loop(service.engine.num_running_requests) == 1
-    service.call_in_loop(service.engine.resume)
+    service.resume_generation()
     assert _collect(service, 0.3)["frozen"][0]  # going on where it stopped
     service.abort_requests(["frozen"])
     with pytest.raises(ValueError, match="pause mode must be one of"):
@@ -223,11 +246,18 @@ def test_a_model_windowed_in_every_layer_serves_past_what_its_cache_holds(tmp_pa
         assert held <= 4  # (7 keys behind + 32 new) / 16, plus a block at each end
     finally:
         engine.shutdown()
-    # The window is no exemption for a budget whose one pass the cache cannot hold.
-    wide = EngineSpec(num_gpu_blocks=8, max_num_batched_tokens=256)
+    # The window is no exemption for a budget whose one pass the cache cannot hold ...
+    wide = EngineSpec(num_gpu_blocks=8, max_num_batched_tokens=256, max_model_len=512)
     [config] = ClusterConfig(model=str(model), defaults=wide).engine_configs()
     with pytest.raises(ValueError, match=r"max_model_len \(512\) needs 288 tokens of KV cache"):
         EngineCore(config, create_executor(config))
+    # ... but without --max-model-len the engine starts, serving what the cache holds (as Mistral
+    # v0.1 on the CPU's default 1 GiB cache: 4096 tokens, fewer than 4095 + a 2048-token pass).
+    [config] = ClusterConfig(model=str(model), defaults=wide.model_copy(update={"max_model_len": None})
+                             ).engine_configs()
+    engine = EngineCore(config, create_executor(config))
+    assert engine.scheduler_config.max_model_len == 128
+    engine.shutdown()
 
 
 def test_kv_cache_events_go_to_every_subscriber_from_a_snapshot_on(service):

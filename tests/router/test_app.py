@@ -121,6 +121,7 @@ class _EngineHandle:
                 async def result():
                     if method == "pause_generation":
                         handle.paused = True
+                        return args[1] and args[0] != "keep"
                     elif method == "resume":
                         handle.paused = False
                     elif method == "is_paused":
@@ -142,8 +143,8 @@ def test_dev_mode_endpoints_reach_every_engine_and_need_a_key():
                             RoundRobinPolicy())
     http = TestClient(create_app(serving), headers={"Authorization": "Bearer key"})
     assert http.get("/is_paused").json() == {"is_paused": False, "paused_engines": 0, "engines": 2}
-    assert http.post("/pause").json() == {"status": "paused"}
-    assert http.post("/pause?mode=keep&clear_cache=false").status_code == 200
+    assert http.post("/pause").json() == {"status": "paused", "cache_cleared": True}
+    assert http.post("/pause?mode=keep&clear_cache=false").json() == {"status": "paused"}
     assert http.post("/pause?wait_for_inflight_requests=true").status_code == 200  # vLLM's older mode=wait
     assert [c for c in engines[1].calls if c[0] == "pause_generation"] == [
         ("pause_generation", "abort", True), ("pause_generation", "keep", False), ("pause_generation", "wait", True)]

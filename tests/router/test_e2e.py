@@ -547,16 +547,24 @@ def test_pause_aborts_streams_holds_new_requests_and_resume_serves_them(cluster)
         assert httpx.get(f"{base}/is_paused").json() == {"is_paused": True, "paused_engines": 2, "engines": 2}
         with ThreadPoolExecutor(2) as pool:
             frozen = pool.submit(streamed_finish_reasons)
-            time.sleep(1.0)
+            deadline = time.monotonic() + 30
+            while sum(s.num_unfinished_requests for s in _stats(cluster)) == 0:  # it reached an engine
+                assert time.monotonic() < deadline and not frozen.done()
+                time.sleep(0.05)
             assert not frozen.done()
-            assert httpx.post(f"{base}/pause?mode=abort", timeout=30).json() == {"status": "paused"}
+            assert httpx.post(f"{base}/pause?mode=abort", timeout=30).json() == {"status": "paused",
+                                                                                   "cache_cleared": True}
             assert frozen.result(timeout=30)[-1] == "abort"
             stats = _stats(cluster)
             assert all(s.num_unfinished_requests == 0 and s.num_free_blocks == s.num_blocks for s in stats)
             held = pool.submit(client.completions.create, model="tiny", prompt="Berlin is", max_tokens=4,
                                temperature=0)
-            time.sleep(1.0)
-            assert not held.done()  # waiting in an engine's queue
+            deadline = time.monotonic() + 30
+            while sum(s.num_unfinished_requests for s in _stats(cluster)) == 0:  # it reached an engine
+                assert time.monotonic() < deadline and not held.done()
+                time.sleep(0.05)
+            time.sleep(0.5)
+            assert not held.done()  # waiting in the engine's queue
             assert httpx.post(f"{base}/resume").json() == {"status": "resumed"}
             assert held.result(timeout=60).choices[0].finish_reason == "length"
     finally:
