@@ -83,23 +83,23 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
         slots = slot_mapping
     else:
         slots = torch.from_numpy(slot_mapping).to(device, non_blocking=True)
-    # The first key each request's first query token sees.
-    key_lo = np.zeros_like(seq_lens) if window is None else np.maximum(num_computed - window + 1, 0)
+    # The first key each request's first query token sees (None without a window: key 0).
+    key_lo = None if window is None else np.maximum(num_computed - window + 1, 0)
 
     decode_table = decode_mask = decode_lens = decode_starts = None
     decode_max = 0
     if num_decodes:
         dec_lens = seq_lens[:num_decodes]
-        dec_lo = key_lo[:num_decodes]
+        dec_lo = None if key_lo is None else key_lo[:num_decodes]
         if decode_in_place:
             # The kernel skips the blocks before each request's first key itself.
-            max_blocks = -(-int(dec_lens.max()) // block_size)
-            decode_table = torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks])).to(device)
             decode_max = int(dec_lens.max())
+            max_blocks = -(-decode_max // block_size)
+            decode_table = torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks])).to(device)
             decode_lens = torch.from_numpy(np.ascontiguousarray(dec_lens, dtype=np.int64)).to(device)
-            if window is not None:
+            if dec_lo is not None:
                 decode_starts = torch.from_numpy(np.ascontiguousarray(dec_lo, dtype=np.int64)).to(device)
-        elif window is None or not dec_lo.any():
+        elif dec_lo is None or not dec_lo.any():
             decode_max = int(dec_lens.max())
             max_blocks = -(-decode_max // block_size)
             decode_table = torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks])).to(device)
@@ -125,7 +125,7 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
         needed = -(-seq_len // block_size)
         if needed > nb:
             raise ValueError(f"request {i} needs {needed} KV blocks for {seq_len} tokens but has {nb}")
-        first_block = int(key_lo[i]) // block_size
+        first_block = 0 if key_lo is None else int(key_lo[i]) // block_size
         offset = first_block * block_size
         mask = None
         if start or (window is not None and qlen > window):
