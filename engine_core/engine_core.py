@@ -231,9 +231,6 @@ class EngineCore:
     def is_paused(self) -> bool:
         return self.scheduler.pause_state != PauseState.UNPAUSED
 
-    def num_running_requests(self) -> int:
-        return len(self.scheduler.running)
-
     def num_in_flight_requests(self) -> int:
         """Requests this engine still has to finish (streaming sessions waiting for input not counted)."""
         return self.scheduler.get_num_unfinished_requests() - self.scheduler.num_waiting_for_streaming_input

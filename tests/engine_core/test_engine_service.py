@@ -28,9 +28,7 @@ def service(tmp_path_factory):
 
 def _run(service: EngineCoreService, rid: str, prompt: list[int], max_tokens: int = 8):
     """Add a request and read its outputs off the client buffer: (tokens, cached prompt tokens, finish)."""
-    service.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, client_index=0,
-                                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                                         temperature=0.0)))
+    _start(service, rid, prompt, max_tokens)
     tokens, cached, finish = [], None, None
     deadline = time.monotonic() + 60
     while finish is None and time.monotonic() < deadline:
@@ -119,7 +117,7 @@ def _until_finished(service: EngineCoreService, rid: str) -> tuple[list[int], Fi
 
 def _until_running(service: EngineCoreService) -> None:
     deadline = time.monotonic() + 30
-    while not service.call_in_loop(service.engine.num_running_requests):
+    while not service.call_in_loop(lambda: len(service.engine.scheduler.running)):
         assert time.monotonic() < deadline, "the request was not admitted"
         time.sleep(0.001)
 
@@ -192,7 +190,7 @@ def test_pause_wait_lets_running_requests_finish_and_keep_freezes_them(service, 
     assert service.pause_generation("keep", clear_cache=True) is False  # (its blocks stay: no clearing)
     _collect(service, 0.1)  # what the pass in flight produced
     assert _collect(service, 0.3).get("frozen", ([], None))[0] == []  # no tokens while frozen
-    assert service.call_in_loop(service.engine.num_running_requests) == 1
+    assert service.call_in_loop(lambda: len(service.engine.scheduler.running)) == 1
     service.resume_generation()
     assert _collect(service, 0.3)["frozen"][0]  # going on where it stopped
     service.abort_requests(["frozen"])
