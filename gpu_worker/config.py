@@ -16,7 +16,7 @@ import torch
 
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")
+                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -61,6 +61,25 @@ def _rope_from_dict(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, (None if rope_type == "default" else scaling)
 
 
+def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields for an MoE architecture (none for a dense one)."""
+    if arch == "MixtralForCausalLM":
+        # Every layer routed; the experts' width is intermediate_size; weights always renormalised.
+        return dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return dict(num_experts=num_experts, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=shared, moe_layers=layers)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -89,6 +108,20 @@ class ModelConfig:
     # Per layer, whether it attends through the sliding window (empty: every layer does, when there
     # is one). Qwen2/Qwen3 window only their layers from max_window_layers on.
     sliding_window_layers: tuple[bool, ...] = ()
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); num_experts 0 for a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # Renormalise the top-k routing weights to sum to one (Mixtral always; Qwen's norm_topk_prob).
+    norm_topk_prob: bool = False
+    # Qwen2-MoE's shared expert, gated per token by a sigmoid (0: none).
+    shared_expert_intermediate_size: int = 0
+    # Per layer, whether its MLP is the routed experts (empty: every layer's is, in an MoE model).
+    # Qwen-MoE keeps dense MLPs in mlp_only_layers and off its decoder_sparse_step.
+    moe_layers: tuple[bool, ...] = ()
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     @property
     def uniform_sliding_window(self) -> int | None:
@@ -140,26 +173,28 @@ class ModelConfig:
         partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
         if partial != 1.0:  # (Phi-4-mini rotates 3/4 of each head)
             raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE over whole heads), got {partial}")
-        if arch == "Qwen2ForCausalLM":
-            qkv_bias, o_bias = True, False
+        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+            qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        elif arch == "Qwen3ForCausalLM":
+        elif arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
-            sliding = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Phi3ForCausalLM") else None
+            sliding = (cfg.get("sliding_window")
+                       if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") else None)
         num_layers = int(cfg["num_hidden_layers"])
         window_layers: tuple[bool, ...] = ()
         if sliding and isinstance(cfg.get("layer_types"), list):
             window_layers = tuple(kind == "sliding_attention" for kind in cfg["layer_types"])
             if len(window_layers) != num_layers:
                 raise ValueError(f"layer_types lists {len(window_layers)} layers, the model has {num_layers}")
-        elif sliding and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        elif sliding and arch.startswith(("Qwen2", "Qwen3")):
             # transformers' rule: the layers from max_window_layers (28 by default) on use the window.
             first = int(cfg.get("max_window_layers", 28))
             window_layers = tuple(i >= first for i in range(num_layers))
+        moe = _moe_from_dict(arch, cfg, num_layers)
         # generation_config.json is where Llama-3-style checkpoints list their extra EOS ids.
         eos = _eos_ids((generation_config or {}).get("eos_token_id")) or _eos_ids(cfg.get("eos_token_id"))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
@@ -180,12 +215,13 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,
             raw=dict(cfg),
             sliding_window_layers=window_layers,
+            **moe,
         )
 
     @classmethod

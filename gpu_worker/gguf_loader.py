@@ -140,6 +140,10 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32) -> d
         raise ValueError(f"GGUF architecture {arch!r} is not supported; one of {', '.join(_ARCHITECTURES)} "
                          "can be converted")
     architecture, model_type = _ARCHITECTURES[arch]
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if experts:
+        raise ValueError(f"GGUF mixture-of-experts files ({experts} experts) are not converted; serve the model's "
+                         "Hugging Face checkpoint directory instead (Mixtral and Qwen-MoE are served from it)")
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:
         # Llama-3.1 style frequency factors cannot be mapped back to HF's rope_scaling parameters reliably.

@@ -11,6 +11,7 @@ Two entry points:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from gpu_worker.layers.fused_moe import DOWN, GATE, UP
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
 
 # Checkpoint entries that are not parameters of ours (recomputed buffers in old checkpoints).
@@ -59,6 +61,24 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, LazyTensor]]:
                 yield name, LazyTensor(f.get_slice(name))
 
 
+# One expert's projection in a checkpoint (Qwen-MoE's names, and Mixtral's w1/w3/w2), stored in our
+# stacked FusedMoE parameters: (parameter, projection shard).
+_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.weight$")
+_EXPERT_PROJECTIONS = {"gate_proj": ("w13_weight", GATE), "w1": ("w13_weight", GATE),
+                       "up_proj": ("w13_weight", UP), "w3": ("w13_weight", UP),
+                       "down_proj": ("w2_weight", DOWN), "w2": ("w2_weight", DOWN)}
+
+
+def _expert_parameter(hf_name: str, params: dict[str, nn.Parameter]) -> tuple[str, tuple[int, int]] | None:
+    """(our stacked parameter, (expert, projection)) for a routed expert's tensor, else None."""
+    match = _EXPERT_TENSOR.match(hf_name)
+    if match is None or match["proj"] not in _EXPERT_PROJECTIONS:
+        return None
+    suffix, projection = _EXPERT_PROJECTIONS[match["proj"]]
+    name = f"{match['experts']}.{suffix}"
+    return (name, (int(match["index"]), projection)) if name in params else None
+
+
 def _default_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
     copy_into(param, materialize(loaded))
 
@@ -77,7 +97,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
     expected_shards: dict[str, set[int | str]] = {}
     for ours, shard in packed.values():
         expected_shards.setdefault(ours, set()).add(shard)
-    loaded: dict[str, set[int | str | None]] = {}
+    loaded: dict[str, set[int | str | tuple[int, int] | None]] = {}
     for hf_name, tensor in weights:
         if hf_name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -85,10 +105,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
             # Some tied checkpoints still store the head; it is the embedding we already load.
             continue
         name, shard_id = hf_name, None
-        for hf_part, (ours, shard) in packed.items():
-            if f".{hf_part}." in hf_name:
-                name, shard_id = hf_name.replace(f".{hf_part}.", f".{ours}."), shard
-                break
+        expert = _expert_parameter(hf_name, params) if ".experts." in hf_name else None
+        if expert is not None:
+            name, shard_id = expert
+        else:
+            for hf_part, (ours, shard) in packed.items():
+                if f".{hf_part}." in hf_name:
+                    name, shard_id = hf_name.replace(f".{hf_part}.", f".{ours}."), shard
+                    break
         param = params.get(name)
         if param is None:
             raise KeyError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
@@ -99,7 +123,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
     missing = []
     for name in params:
         module_name = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-        want = expected_shards.get(module_name, {None})
+        want = getattr(params[name], "expected_shards", None) or expected_shards.get(module_name, {None})
         if not want <= loaded.get(name, set()):
             missing.append(name)
     if missing:

@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama models with a real (small, byte-level BPE) tokenizer, saved as HF dirs."""
+"""Tiny random-weight Llama (and Qwen2-MoE) models with a real (small, byte-level BPE) tokenizer, saved as HF dirs."""
 
 from __future__ import annotations
 
@@ -36,19 +36,42 @@ def build_tokenizer(vocab_size: int = 384):
 def build_tiny_llama(path: Path, seed: int = 0, num_layers: int = 2, hidden: int = 64, heads: int = 4,
                      kv_heads: int = 2, max_positions: int = 1024, tie: bool = False) -> Path:
     """Save a random tiny Llama with our tokenizer into ``path`` (an HF model directory)."""
+    from transformers import LlamaConfig
+
+    def config(**common):
+        return LlamaConfig(intermediate_size=hidden * 2, num_key_value_heads=kv_heads, tie_word_embeddings=tie,
+                           architectures=["LlamaForCausalLM"], **common)
+
+    return _save_random_model(path, config, seed, num_layers, hidden, heads, max_positions)
+
+
+def build_tiny_moe(path: Path, seed: int = 0, num_layers: int = 2, hidden: int = 64, heads: int = 4,
+                   max_positions: int = 1024) -> Path:
+    """Save a random tiny Qwen2-MoE (8 routed experts, 2 per token, a gated shared expert, the first
+    layer's MLP dense) with our tokenizer into ``path``."""
+    from transformers import Qwen2MoeConfig
+
+    def config(**common):
+        return Qwen2MoeConfig(intermediate_size=hidden * 2, num_key_value_heads=2, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+                              shared_expert_intermediate_size=hidden, mlp_only_layers=[0],
+                              architectures=["Qwen2MoeForCausalLM"], **common)
+
+    return _save_random_model(path, config, seed, num_layers, hidden, heads, max_positions)
+
+
+def _save_random_model(path: Path, make_config, seed: int, num_layers: int, hidden: int, heads: int,
+                       max_positions: int) -> Path:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     tokenizer = build_tokenizer()
-    vocab = len(tokenizer)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
-                         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=max_positions, tie_word_embeddings=tie,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         architectures=["LlamaForCausalLM"])
+    config = make_config(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=num_layers,
+                         num_attention_heads=heads, max_position_embeddings=max_positions,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     # Larger weights than the init default, so greedy decoding is not dominated by near-ties.
     with torch.no_grad():
         for p in model.parameters():

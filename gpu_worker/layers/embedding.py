@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker import distributed
-from gpu_worker.layers.linear import _tp, new_weight
+from gpu_worker.layers.linear import new_weight, tp_rank_and_size
 from gpu_worker.layers.weight_utils import WeightLike, copy_into
 
 
@@ -19,7 +19,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.num_embeddings = num_embeddings
         self.num_embeddings_padded = -(-num_embeddings // self.tp_size) * self.tp_size
         self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size

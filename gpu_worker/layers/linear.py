@@ -14,7 +14,7 @@ from gpu_worker import distributed
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, load_sharded
 
 
-def _divide(numerator: int, denominator: int, what: str) -> int:
+def divide_for_tp(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) must be divisible by the tensor-parallel size ({denominator})")
     return numerator // denominator
@@ -31,7 +31,7 @@ def new_weight(out_features: int, in_features: int) -> nn.Parameter:
     return nn.Parameter(weight, requires_grad=False)
 
 
-def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+def tp_rank_and_size(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
     return (distributed.get_tp_rank() if tp_rank is None else tp_rank,
             distributed.get_tp_world_size() if tp_size is None else tp_size)
 
@@ -42,7 +42,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_partition = self._partition_size()
@@ -56,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def _partition_size(self) -> int:
-        return _divide(self.output_size, self.tp_size, "output_size")
+        return divide_for_tp(self.output_size, self.tp_size, "output_size")
 
     def weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
         load_sharded(param, loaded, 0, self.tp_rank)
@@ -81,7 +81,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, False, tp_rank, tp_size)
 
     def _partition_size(self) -> int:
-        return sum(_divide(s, self.tp_size, "output size") for s in self.output_sizes)
+        return sum(divide_for_tp(s, self.tp_size, "output size") for s in self.output_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
         if shard_id is None:
@@ -98,15 +98,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
-        rank, size = _tp(tp_rank, tp_size)
+        rank, size = tp_rank_and_size(tp_rank, tp_size)
         self.head_dim = head_dim
         self.total_num_heads = num_heads
         self.total_num_kv_heads = num_kv_heads
-        self.num_heads = _divide(num_heads, size, "num_attention_heads")
+        self.num_heads = divide_for_tp(num_heads, size, "num_attention_heads")
         if num_kv_heads >= size:
-            self.num_kv_heads = _divide(num_kv_heads, size, "num_key_value_heads")
+            self.num_kv_heads = divide_for_tp(num_kv_heads, size, "num_key_value_heads")
         else:
-            _divide(size, num_kv_heads, "tensor-parallel size over num_key_value_heads")
+            divide_for_tp(size, num_kv_heads, "tensor-parallel size over num_key_value_heads")
             self.num_kv_heads = 1
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
@@ -142,8 +142,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
-        self.input_size_per_partition = _divide(input_size, self.tp_size, "input_size")
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
+        self.input_size_per_partition = divide_for_tp(input_size, self.tp_size, "input_size")
         self.output_size = output_size
         self.reduce_results = reduce_results
         self.weight = new_weight(output_size, self.input_size_per_partition)

@@ -1,8 +1,10 @@
-"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3).
+"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 The variants differ only in config flags (QKV bias, o_proj bias, Qwen3's per-head q/k norms, tied
-embeddings, RoPE scaling, a sliding window on all or some layers),
-which ``ModelConfig`` has already resolved, so one implementation serves all of them.
+embeddings, RoPE scaling, a sliding window on all or some layers, routed experts in place of some
+or all layers' MLPs, a gated shared expert), which ``ModelConfig`` has already resolved, so one
+implementation serves all of them.
 
 Submodules are called through ``.forward`` rather than ``__call__``: this code registers no hooks,
 and nn.Module's call path costs a few microseconds per call, about 30 calls per decode step of a
@@ -16,11 +18,13 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from gpu_worker import distributed
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.activation import SiluAndMul
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from gpu_worker.layers.fused_moe import FusedMoE, select_experts
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gpu_worker.layers.rotary import RotaryEmbedding
@@ -67,22 +71,55 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, reduce_results: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       bias=config.mlp_bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size] * 2, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias,
+                                           reduce_results=reduce_results)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(x)))
 
 
+class SparseMoeBlock(nn.Module):
+    """Routed experts in place of the MLP (Mixtral's block_sparse_moe, Qwen-MoE's mlp): a router
+    (``gate``, replicated on every rank) picks each token's top-k experts; Qwen2-MoE adds a shared
+    expert every token goes through, scaled by sigmoid(``shared_expert_gate``). Each rank computes
+    its partial sums of both, and one all-reduce adds them up."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.renormalize = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate.weight.requires_grad_(False)
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size)
+        self.tp_size = self.experts.tp_size
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size, reduce_results=False)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate.weight.requires_grad_(False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate.forward(x), self.experts.top_k, self.renormalize)
+        out = self.experts.forward(x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert.forward(x)
+            out += shared.mul_(torch.sigmoid(self.shared_expert_gate.forward(x)))
+        if self.tp_size > 1:
+            distributed.all_reduce(out)
+        return out
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer)
-        self.mlp = LlamaMLP(config)
+        self.mlp = SparseMoeBlock(config) if config.layer_is_moe(layer) else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -177,3 +214,21 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name.replace(".gate_up_proj.", ".up_proj."), tensor.narrow(0, half, half)
             else:
                 yield name, tensor
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral is Mistral with every MLP replaced by routed experts (``block_sparse_moe``, whose
+    experts name their projections w1 = gate, w3 = up, w2 = down)."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            yield name.replace(".block_sparse_moe.", ".mlp."), tensor
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention, routed experts plus a gated
+    shared expert in the sparse layers, dense MLPs in ``mlp_only_layers``."""
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention, routed experts."""

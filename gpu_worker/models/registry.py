@@ -8,9 +8,12 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
+    MixtralForCausalLM,
     Phi3ForCausalLM,
     Qwen2ForCausalLM,
+    Qwen2MoeForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
 )
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -19,6 +22,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

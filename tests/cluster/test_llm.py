@@ -54,6 +54,22 @@ def test_greedy_generate_equals_transformers_with_chunked_prefill_and_preemption
         assert m.arrival_time <= m.first_token_time <= m.finished_time
 
 
+def test_a_moe_model_on_two_tensor_parallel_ranks_generates_as_transformers(ray_cluster, tmp_path):
+    """Qwen2-MoE (routed experts, a gated shared expert, one dense layer) through an engine whose
+    two workers each hold half of every expert, with chunked prefill and batched decodes."""
+    from tests.tiny_model import build_tiny_moe
+
+    path = build_tiny_moe(tmp_path / "moe")
+    llm = LLM(model=str(path), tensor_parallel_size=2, num_gpu_blocks=64, max_num_batched_tokens=16,
+              max_num_seqs=8, max_model_len=128)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, PROMPTS, 12)
+
+
 def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -149,6 +149,13 @@ def test_other_architectures_are_rejected(tmp_path: Path, tiny_model: LlamaForCa
         load_gguf(path)
 
 
+def test_mixture_of_experts_files_are_refused(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
+    """Mixtral's GGUF says llama and stacks its experts (ffn_*_exps): refused with the way out."""
+    path = write_tiny_gguf(tmp_path / "moe.gguf", tiny_model, expert_count=8)
+    with pytest.raises(ValueError, match=r"mixture-of-experts .*8 experts.*Hugging Face checkpoint"):
+        load_gguf(path)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_qwen_files_convert_without_the_llama_permutation(tmp_path: Path, kind: str) -> None:
     """llama.cpp writes Qwen2/Qwen3 q/k rows in HF's order: un-permuting them as Llama's would break

@@ -269,3 +269,25 @@ def test_with_a_host_memory_limit_adapters_are_read_again_when_needed(setup, max
     assert runner.lora.num_loads >= 3  # both at add_adapter, then at least one read again
     assert not runner.lora.add_adapter(adapters[1])  # still registered, though not in memory
     assert runner.lora.remove_adapter(1) and runner.lora.list_adapters() == [2]
+
+
+def test_an_adapter_on_a_moe_model_covers_attention_the_shared_expert_and_dense_layers(tmp_path):
+    """PEFT adapts a Qwen2-MoE's linear projections (attention, the shared expert, the dense layer's
+    MLP), not its stacked routed experts; served, it gives PEFT's tokens."""
+    from safetensors import safe_open
+
+    base = save_tiny_model(tmp_path / "base", "qwen2_moe", mlp_only_layers=[0], vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=3)
+    with safe_open(str(tmp_path / "a" / "adapter_model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(".mlp.shared_expert.gate_proj." in n for n in names)
+    assert any(".layers.0.mlp.down_proj." in n for n in names)
+    assert not any(".experts." in n for n in names)
+    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
+    rng = random.Random(9)
+    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    adapted = peft_model(base, seed=3)
+    expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
+                for i, p in enumerate(prompts)}
+    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected

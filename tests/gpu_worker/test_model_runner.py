@@ -70,19 +70,26 @@ def test_greedy_matches_hf_with_chunked_prefill(model_dir, hf_model, budget, thr
 
 
 @pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
-def test_qwen3_greedy_matches_hf(tmp_path, decode_in_place):
-    """Qwen3's per-head q/k norms and own head_dim (32 here; hidden / heads is 16) through chunked
-    prefill and decode, on both attention paths."""
-    path = save_tiny_model(tmp_path, "qwen3", head_dim=32)
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("qwen3", {"head_dim": 32}),
+    ("mixtral", {}),
+    ("qwen2_moe", {"mlp_only_layers": [1]}),
+    ("qwen3_moe", {"head_dim": 32}),
+], ids=["qwen3", "mixtral", "qwen2_moe_shared_expert_dense_layer", "qwen3_moe"])
+def test_other_architectures_greedy_match_hf(tmp_path, kind, overrides, decode_in_place):
+    """Qwen3's per-head q/k norms and own head_dim (32 here; hidden / heads is 16), and routed
+    experts, through chunked prefill and decode on both attention paths: every step mixes the tokens
+    of several requests, so each expert's group holds rows of different requests, in varying numbers."""
+    path = save_tiny_model(tmp_path, kind, **overrides)
     hf = load_hf(path)
     runner = runner_for(path, decode_in_place, num_blocks=64, block_size=4)
     sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=13, long_prefill_token_threshold=5)
-    ps = prompts(7, 4)
+    ps = prompts(7, 5)
     for rid, p in ps.items():
-        sched.add_request(greedy_request(rid, p, 8))
+        sched.add_request(greedy_request(rid, p, 10))
     got = run_to_completion(sched, runner.execute_model)
     for rid, p in ps.items():
-        assert got[rid] == hf_greedy(hf, p, 8), rid
+        assert got[rid] == hf_greedy(hf, p, 10), rid
 
 
 @pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])

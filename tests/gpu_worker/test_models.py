@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.config import ModelConfig
+from gpu_worker.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from gpu_worker.models import MODEL_REGISTRY, get_model_class
 from gpu_worker.models.llama import MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from tests.gpu_worker.utils import LLAMA3_ROPE, load_hf, make_runner, prefill_logits, save_tiny_model
@@ -29,6 +29,16 @@ CASES = {
     "mistral_window": ("mistral", {"sliding_window": 8}),
     "phi3_window": ("phi3", {"sliding_window": 7}),
     "qwen2_window_upper_layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    # Mixture of experts: 8 experts, 2 per token. Mixtral renormalises the two weights; Qwen2-MoE
+    # does not, adds a gated shared expert, and keeps a dense MLP in the layers listed (or off its
+    # sparse step); Qwen3-MoE renormalises, with its q/k norms.
+    "mixtral": ("mixtral", {}),
+    "mixtral_window_mqa": ("mixtral", {"sliding_window": 8, "num_key_value_heads": 1}),
+    "qwen2_moe_shared_expert": ("qwen2_moe", {}),
+    "qwen2_moe_dense_layer": ("qwen2_moe", {"mlp_only_layers": [0]}),
+    "qwen2_moe_sparse_step": ("qwen2_moe", {"decoder_sparse_step": 2, "norm_topk_prob": True}),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 32}),
+    "qwen3_moe_top1_tied": ("qwen3_moe", {"num_experts_per_tok": 1, "tie_word_embeddings": True}),
 }
 
 
@@ -84,7 +94,9 @@ def test_config_rejects_unsupported():
 
 def test_registry_maps_architectures(tmp_path):
     assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                   "Phi3ForCausalLM"}
+                                   "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                                   "Qwen3MoeForCausalLM"}
+    assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
     assert get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
     assert get_model_class("MistralForCausalLM") is MistralForCausalLM
@@ -132,3 +144,24 @@ def test_which_layers_use_the_window():
     with pytest.raises(ValueError, match="layer_types lists 2 layers, the model has 4"):
         ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
                                "layer_types": ["sliding_attention"] * 2})
+
+
+def test_which_layers_route_through_experts():
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "vocab_size": 256, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    mixtral = ModelConfig.from_dict({**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8})
+    assert [mixtral.layer_is_moe(i) for i in range(4)] == [True] * 4
+    # Mixtral's experts are intermediate_size wide and always renormalise their two weights.
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (8, 128, True)
+    qwen2 = ModelConfig.from_dict({**base, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 8,
+                                   "decoder_sparse_step": 2, "mlp_only_layers": [3],
+                                   "shared_expert_intermediate_size": 48})
+    assert [qwen2.layer_is_moe(i) for i in range(4)] == [False, True, False, False]
+    assert qwen2.shared_expert_intermediate_size == 48 and not qwen2.norm_topk_prob and qwen2.qkv_bias
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; the hub's configs say num_experts.
+    qwen3 = ModelConfig.from_dict({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": 4,
+                                   "norm_topk_prob": True})
+    assert qwen3.num_experts == 4 and qwen3.norm_topk_prob and qwen3.qk_norm
+    assert qwen3.shared_expert_intermediate_size == 0 and all(qwen3.layer_is_moe(i) for i in range(4))
+    dense = ModelConfig.from_dict({**base, "architectures": ["Qwen3ForCausalLM"], "num_experts": 8})
+    assert dense.num_experts == 0 and not dense.layer_is_moe(0)

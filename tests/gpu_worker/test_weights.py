@@ -133,3 +133,34 @@ def test_phi3_fused_checkpoint_tensors_are_split_per_rank(tmp_path):
                                torch.cat([fused[32:64], fused[64 + 16:96], fused[96 + 16:128]]))
     gate_up = state["model.layers.0.mlp.gate_up_proj.weight"]  # [gate (128); up (128)]
     torch.testing.assert_close(layer.mlp.gate_up_proj.weight, torch.cat([gate_up[64:128], gate_up[192:256]]))
+
+
+def test_moe_experts_are_stacked_and_split_per_rank(tmp_path):
+    """Each expert's gate/up/down land in the stacked parameters; a TP rank holds its half of every
+    expert's intermediate dimension (and of the shared expert's); the routers are whole."""
+    path = save_tiny_model(tmp_path, "qwen2_moe")
+    state = load_file(str(path / "model.safetensors"))  # per-expert tensors, as checkpoints store them
+    model = _rank_one_of_two(path)
+    block = model.model.layers[1].mlp
+    prefix = "model.layers.1.mlp"
+    for e in (0, 5):
+        torch.testing.assert_close(block.experts.w13_weight[e],
+                                   torch.cat([state[f"{prefix}.experts.{e}.gate_proj.weight"][16:],
+                                              state[f"{prefix}.experts.{e}.up_proj.weight"][16:]]))
+        torch.testing.assert_close(block.experts.w2_weight[e], state[f"{prefix}.experts.{e}.down_proj.weight"][:, 16:])
+    torch.testing.assert_close(block.shared_expert.down_proj.weight,
+                               state[f"{prefix}.shared_expert.down_proj.weight"][:, 24:])
+    torch.testing.assert_close(block.gate.weight, state[f"{prefix}.gate.weight"])
+    torch.testing.assert_close(block.shared_expert_gate.weight, state[f"{prefix}.shared_expert_gate.weight"])
+
+
+def test_a_missing_or_extra_expert_is_refused(tmp_path):
+    path = save_tiny_model(tmp_path, "qwen3_moe")
+    state = load_file(str(path / "model.safetensors"))
+    config = ModelConfig.from_pretrained(path)
+    missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.experts.5.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"did not provide: \['model.layers.1.mlp.experts.w13_weight'\]"):
+        load_weights(build_model(config), missing.items())
+    extra = {**state, "model.layers.0.mlp.experts.8.down_proj.weight": torch.zeros(64, 32)}
+    with pytest.raises(ValueError, match="expert 8 is out of range"):
+        load_weights(build_model(config), extra.items())

@@ -84,10 +84,15 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
 
 
 @pytest.mark.slow
-def test_tp2_over_gloo_equals_tp1(tmp_path):
+@pytest.mark.parametrize(("kind", "overrides"), [("llama", {}), ("qwen2_moe", {"mlp_only_layers": [0]})],
+                         ids=["llama", "qwen2_moe"])
+def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides):
+    """Qwen2-MoE: each rank holds half of every expert and of the shared expert, and one all-reduce
+    per layer sums the partial outputs of both."""
     ray = pytest.importorskip("ray")
     # One KV head for two ranks (replicated), an odd vocab (padded shards) and tied embeddings.
-    path = save_tiny_model(tmp_path, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True)
+    path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,
+                           **overrides)
     rng = random.Random(3)
     prompts = {f"r{i}": [rng.randrange(251) for _ in range(rng.randrange(3, 20))] for i in range(4)}
     kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1)

@@ -121,10 +121,11 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
 
 def write_tiny_gguf(
     path: Path, model: PreTrainedModel, quant: GGMLQuantizationType = GGMLQuantizationType.F32,
-    architecture: str | None = None,
+    architecture: str | None = None, expert_count: int = 0,
 ) -> Path:
     """Write ``model`` as GGUF (its own architecture unless one is named); 2-D weights use
-    ``quant``, norms and biases stay F32 as in llama.cpp."""
+    ``quant``, norms and biases stay F32 as in llama.cpp. ``expert_count`` writes the key a
+    mixture-of-experts file (Mixtral's, under ``llama``) carries."""
     config = model.config
     writer = GGUFWriter(str(path), architecture or config.model_type)
     writer.add_name("tiny-llama")
@@ -140,6 +141,8 @@ def write_tiny_gguf(
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
+    if expert_count:
+        writer.add_expert_count(expert_count)
     _add_tokenizer(writer)
     for name, data in gguf_tensors(model).items():
         if data.ndim == 2 and quant != GGMLQuantizationType.F32:

@@ -9,7 +9,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
@@ -43,6 +53,16 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "mistral":
         kw.setdefault("sliding_window", None)
         return MistralConfig(**kw)
+    # Mixture of experts: 8 experts, 2 per token, narrower than the dense MLP where the model allows.
+    if kind == "mixtral":
+        kw.setdefault("sliding_window", None)
+        return MixtralConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, **kw})
+    if kind == "qwen2_moe":
+        return Qwen2MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                 "shared_expert_intermediate_size": 48, **kw})
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                 "norm_topk_prob": True, **kw})
     raise ValueError(kind)
 
 

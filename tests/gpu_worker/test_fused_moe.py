@@ -1,0 +1,105 @@
+"""The routed experts (FusedMoE, select_experts) against a dense float64 reference, whole and split
+over tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.layers.fused_moe import DOWN, GATE, UP, FusedMoE, select_experts
+
+HIDDEN, INTERMEDIATE, EXPERTS = 12, 8, 6
+
+
+def _checkpoint(seed: int = 0) -> dict[int, dict[int, torch.Tensor]]:
+    """Per expert, its gate [I, H], up [I, H] and down [H, I] projections (HF layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {e: {GATE: torch.randn(INTERMEDIATE, HIDDEN, generator=gen),
+                UP: torch.randn(INTERMEDIATE, HIDDEN, generator=gen),
+                DOWN: torch.randn(HIDDEN, INTERMEDIATE, generator=gen)} for e in range(EXPERTS)}
+
+
+def _load(ckpt, top_k: int, tp_rank: int = 0, tp_size: int = 1) -> FusedMoE:
+    moe = FusedMoE(EXPERTS, top_k, HIDDEN, INTERMEDIATE, tp_rank=tp_rank, tp_size=tp_size)
+    for expert, projections in ckpt.items():
+        for projection, weight in projections.items():
+            param = moe.w2_weight if projection == DOWN else moe.w13_weight
+            moe.weight_loader(param, weight, (expert, projection))
+    return moe
+
+
+def _dense_reference(ckpt, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Every token through each expert it chose, one at a time, in float64."""
+    x = x.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            w = {p: m.double() for p, m in ckpt[int(ids[t, k])].items()}
+            h = F.silu(x[t] @ w[GATE].T) * (x[t] @ w[UP].T)
+            out[t] += float(weights[t, k]) * (h @ w[DOWN].T)
+    return out
+
+
+def _routing(num_tokens: int, top_k: int, seed: int = 1, unused: int | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, EXPERTS, generator=gen)
+    if unused is not None:
+        logits[:, unused] = -1e4  # an expert no token chooses: skipped
+    return select_experts(logits, top_k, renormalize=True)
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (17, 2), (9, 1), (5, EXPERTS)])
+def test_experts_match_the_dense_reference(num_tokens, top_k):
+    ckpt = _checkpoint()
+    moe = _load(ckpt, top_k)
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(2))
+    weights, ids = _routing(num_tokens, top_k, unused=3 if top_k < EXPERTS else None)
+    if top_k < EXPERTS:
+        assert not (ids == 3).any()
+    out = moe.forward(x, weights, ids)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    torch.testing.assert_close(out.double(), _dense_reference(ckpt, x, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_tensor_parallel_ranks_sum_to_the_whole():
+    """Each rank holds its slice of every expert's intermediate dimension; the all-reduce of their
+    partial outputs (summed here, ranks built in one process) is the unsplit output."""
+    ckpt = _checkpoint()
+    x = torch.randn(11, HIDDEN)
+    weights, ids = _routing(11, 2)
+    whole = _load(ckpt, 2).forward(x, weights, ids)
+    ranks = [_load(ckpt, 2, rank, 2) for rank in range(2)]
+    assert ranks[0].w13_weight.shape == (EXPERTS, INTERMEDIATE, HIDDEN)  # gate and up halves
+    torch.testing.assert_close(ranks[1].w2_weight[4], ckpt[4][DOWN][:, INTERMEDIATE // 2:])
+    torch.testing.assert_close(ranks[1].w13_weight[4][: INTERMEDIATE // 2], ckpt[4][GATE][INTERMEDIATE // 2:])
+    partial = [rank.forward(x, weights, ids) for rank in ranks]
+    torch.testing.assert_close(partial[0] + partial[1], whole, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        FusedMoE(EXPERTS, 2, HIDDEN, INTERMEDIATE, tp_rank=0, tp_size=3)
+
+
+def test_select_experts_takes_the_softmax_top_k():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 4.0]])
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    assert ids.tolist() == [[1, 2], [2, 3]]
+    torch.testing.assert_close(weights, probs.gather(1, ids))
+    renormalised, same_ids = select_experts(logits.bfloat16(), 2, renormalize=True)
+    assert renormalised.dtype == torch.float32 and torch.equal(same_ids, ids)
+    torch.testing.assert_close(renormalised.sum(-1), torch.ones(2))
+    torch.testing.assert_close(renormalised, weights / weights.sum(-1, keepdim=True), atol=1e-2, rtol=1e-2)
+
+
+def test_the_loader_refuses_what_it_cannot_place():
+    moe = FusedMoE(EXPERTS, 2, HIDDEN, INTERMEDIATE)
+    gate = torch.randn(INTERMEDIATE, HIDDEN)
+    with pytest.raises(ValueError, match="shard_id"):
+        moe.weight_loader(moe.w13_weight, gate, 0)
+    with pytest.raises(ValueError, match="expert 6 is out of range"):
+        moe.weight_loader(moe.w13_weight, gate, (EXPERTS, GATE))
+    with pytest.raises(ValueError, match="shape mismatch loading up_proj"):
+        moe.weight_loader(moe.w13_weight, torch.randn(INTERMEDIATE, HIDDEN + 1), (0, UP))
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        FusedMoE(EXPERTS, EXPERTS + 1, HIDDEN, INTERMEDIATE)
+    assert moe.w13_weight.expected_shards == {(e, p) for e in range(EXPERTS) for p in (GATE, UP)}
