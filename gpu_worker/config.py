@@ -63,19 +63,33 @@ def _rope_from_dict(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields for an MoE architecture (none for a dense one)."""
+    # A key a config leaves out takes transformers' default for the architecture, as HF reads it.
+    def read(key: str, default: int, *aliases: str) -> int:
+        for name in (key, *aliases):
+            if cfg.get(name) is not None:
+                return int(cfg[name])
+        return default
+
     if arch == "MixtralForCausalLM":
         # Every layer routed; the experts' width is intermediate_size; weights always renormalised.
-        return dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        return dict(num_experts=read("num_local_experts", 8, "num_experts"),
+                    num_experts_per_tok=read("num_experts_per_tok", 2),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
-    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch == "Qwen2MoeForCausalLM":
+        defaults = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408}
+        shared = read("shared_expert_intermediate_size", 5632)
+    elif arch == "Qwen3MoeForCausalLM":
+        defaults = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
+        shared = 0
+    else:
         return {}
-    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    num_experts = read("num_experts", defaults["num_experts"], "num_local_experts")
+    step = read("decoder_sparse_step", 1) or 1
     dense = set(cfg.get("mlp_only_layers") or ())
     layers = tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0) if arch == "Qwen2MoeForCausalLM" else 0
-    return dict(num_experts=num_experts, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+    return dict(num_experts=num_experts,
+                num_experts_per_tok=read("num_experts_per_tok", defaults["num_experts_per_tok"]),
+                moe_intermediate_size=read("moe_intermediate_size", defaults["moe_intermediate_size"]),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=shared, moe_layers=layers)
 
@@ -186,11 +200,16 @@ class ModelConfig:
                        if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") else None)
         num_layers = int(cfg["num_hidden_layers"])
         window_layers: tuple[bool, ...] = ()
-        if sliding and isinstance(cfg.get("layer_types"), list):
+        if sliding and isinstance(cfg.get("layer_types"), list) and arch != "Qwen3MoeForCausalLM":
+            # (Qwen3-MoE windows every layer when it windows at all, whatever a config lists.)
             window_layers = tuple(kind == "sliding_attention" for kind in cfg["layer_types"])
             if len(window_layers) != num_layers:
                 raise ValueError(f"layer_types lists {len(window_layers)} layers, the model has {num_layers}")
-        elif sliding and arch.startswith(("Qwen2", "Qwen3")):
+        elif sliding and arch == "Qwen2MoeForCausalLM":
+            # transformers' rule for Qwen2-MoE: every other layer (the even ones) below max_window_layers.
+            last = int(cfg.get("max_window_layers", 28))
+            window_layers = tuple(i % 2 == 0 and i < last for i in range(num_layers))
+        elif sliding and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
             # transformers' rule: the layers from max_window_layers (28 by default) on use the window.
             first = int(cfg.get("max_window_layers", 28))
             window_layers = tuple(i >= first for i in range(num_layers))

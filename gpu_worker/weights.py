@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from gpu_worker.layers.fused_moe import DOWN, GATE, UP
+from gpu_worker.layers.fused_moe import ALL_EXPERTS, DOWN, GATE, UP
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
 
 # Checkpoint entries that are not parameters of ours (recomputed buffers in old checkpoints).
@@ -67,16 +67,25 @@ _EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<pro
 _EXPERT_PROJECTIONS = {"gate_proj": ("w13_weight", GATE), "w1": ("w13_weight", GATE),
                        "up_proj": ("w13_weight", UP), "w3": ("w13_weight", UP),
                        "down_proj": ("w2_weight", DOWN), "w2": ("w2_weight", DOWN)}
+# Or every expert of a layer in one tensor, as transformers 5 holds them (no ".weight" suffix).
+_STACKED_EXPERTS = re.compile(r"^(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_STACKED_PROJECTIONS = {"gate_up_proj": ("w13_weight", GATE), "down_proj": ("w2_weight", DOWN)}
 
 
 def _expert_parameter(hf_name: str, params: dict[str, nn.Parameter]) -> tuple[str, tuple[int, int]] | None:
-    """(our stacked parameter, (expert, projection)) for a routed expert's tensor, else None."""
+    """(our stacked parameter, (expert or ALL_EXPERTS, projection)) for a routed expert's tensor,
+    else None."""
     match = _EXPERT_TENSOR.match(hf_name)
-    if match is None or match["proj"] not in _EXPERT_PROJECTIONS:
+    if match is not None and match["proj"] in _EXPERT_PROJECTIONS:
+        suffix, projection = _EXPERT_PROJECTIONS[match["proj"]]
+        expert = int(match["index"])
+    elif (match := _STACKED_EXPERTS.match(hf_name)) is not None:
+        suffix, projection = _STACKED_PROJECTIONS[match["proj"]]
+        expert = ALL_EXPERTS
+    else:
         return None
-    suffix, projection = _EXPERT_PROJECTIONS[match["proj"]]
     name = f"{match['experts']}.{suffix}"
-    return (name, (int(match["index"]), projection)) if name in params else None
+    return (name, (expert, projection)) if name in params else None
 
 
 def _default_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
@@ -117,7 +126,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
         if param is None:
             raise KeyError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
         getattr(param, "weight_loader", _default_loader)(param, tensor, shard_id)
-        loaded.setdefault(name, set()).add(shard_id)
+        if isinstance(shard_id, tuple) and shard_id[0] == ALL_EXPERTS:
+            loaded.setdefault(name, set()).update(param.expected_shards)  # the whole stack at once
+        else:
+            loaded.setdefault(name, set()).add(shard_id)
     if tied:
         loaded["lm_head.weight"] = {None}
     missing = []

@@ -7,10 +7,12 @@ split: each rank holds its slice of each expert's intermediate dimension (gate/u
 columns), so its output is a partial sum that the block all-reduces once, together with a shared
 expert's partial sum where the model has one.
 
-The forward pass groups the batch's (token, expert) pairs by expert and runs one pair of matmuls
-per expert that any token chose, over exactly those tokens; the results, scaled by each token's
-routing weight, are scattered back with ``index_add_``. That costs one host read of the per-expert
-counts per layer (a device sync on CUDA); there is no fused grouped-GEMM kernel here.
+The forward pass groups the batch's (token, expert) pairs by expert, so each expert's rows are
+contiguous, and multiplies every group by its expert's weights in one grouped GEMM per projection
+(``torch.nn.functional.grouped_mm``, group boundaries as device-side offsets: no host sync, two
+kernel launches per layer); the results, scaled by each token's routing weight, are scattered back
+with ``index_add_``. Where grouped_mm has no kernel (CUDA below sm80, or not bf16) one pair of
+matmuls runs per expert that any token chose, which needs the per-expert counts on the host.
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ from torch import nn
 from gpu_worker.layers.linear import divide_for_tp, tp_rank_and_size
 from gpu_worker.layers.weight_utils import WeightLike, copy_into
 
-# Shard ids of one expert's projections within the stacked parameters.
+# Shard ids of one expert's projections within the stacked parameters: (expert, projection).
 GATE, UP, DOWN = 0, 1, 2
+# (ALL_EXPERTS, GATE): every expert's gate and up rows in one [experts, 2 * intermediate, hidden]
+# tensor; (ALL_EXPERTS, DOWN): every expert's down projection, [experts, hidden, intermediate]
+# (transformers 5's in-memory layout, which save_pretrained(save_original_format=False) writes).
+ALL_EXPERTS = -1
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,15 +77,47 @@ class FusedMoE(nn.Module):
             raise ValueError(f"FusedMoE loads one expert's projection at a time, shard_id (expert, proj), "
                              f"got {shard_id!r}")
         expert, projection = shard_id
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"checkpoint expert {expert} is out of range: the model has {self.num_experts}")
         size = self.intermediate_size_per_partition
         start = self.tp_rank * size
+        full = size * self.tp_size
+        if expert == ALL_EXPERTS:
+            # Stacked: narrow the experts' intermediate dimension (dim 1 of gate_up, 2 of down).
+            if projection == DOWN:
+                self._check_width(loaded, 2, full, "down_proj")
+                copy_into(param.data, loaded.narrow(2, start, size), "down_proj")
+            else:
+                self._check_width(loaded, 1, 2 * full, "gate_up_proj")
+                copy_into(param.data.narrow(1, 0, size), loaded.narrow(1, start, size), "gate_up_proj")
+                copy_into(param.data.narrow(1, size, size), loaded.narrow(1, full + start, size), "gate_up_proj")
+            return
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint expert {expert} is out of range: the model has {self.num_experts}")
         if projection == DOWN:
+            self._check_width(loaded, 1, full, "down_proj")
             copy_into(param.data[expert], loaded.narrow(1, start, size), "down_proj")
         else:
-            copy_into(param.data[expert].narrow(0, projection * size, size), loaded.narrow(0, start, size),
-                      "gate_proj" if projection == GATE else "up_proj")
+            name = "gate_proj" if projection == GATE else "up_proj"
+            self._check_width(loaded, 0, full, name)
+            copy_into(param.data[expert].narrow(0, projection * size, size), loaded.narrow(0, start, size), name)
+
+    @staticmethod
+    def _check_width(loaded: WeightLike, dim: int, expected: int, name: str) -> None:
+        """A rank reads only its slice: check the whole width first, so a mismatched config is not
+        silently truncated."""
+        if loaded.shape[dim] != expected:
+            raise ValueError(f"shape mismatch loading {name}: the checkpoint's dimension {dim} is "
+                             f"{loaded.shape[dim]}, the config says {expected} ({tuple(loaded.shape)})")
+
+    def use_grouped_mm(self, hidden: torch.Tensor) -> bool:
+        """Whether grouped_mm has a kernel for this input: every CPU dtype; bf16 on CUDA sm80+."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm
+        if hidden.device.type == "cuda":
+            return hidden.dtype == torch.bfloat16 and torch.cuda.get_device_capability(hidden.device) >= (8, 0)
+        return True
+
+    # None: grouped_mm wherever it has a kernel; tests set False to run the per-expert loop.
+    grouped_mm: bool | None = None
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         flat_ids = topk_ids.reshape(-1)
@@ -87,17 +125,28 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat_ids, stable=True)
         tokens = order // self.top_k
         weights = topk_weights.reshape(-1)[order].to(hidden.dtype).unsqueeze(1)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        rows = hidden.index_select(0, tokens)
+        if self.use_grouped_mm(hidden):
+            expert_out = self._grouped(rows, torch.cumsum(counts, 0, dtype=torch.int32))
+        else:
+            expert_out = self._per_expert(rows, counts.tolist())
         out = torch.zeros_like(hidden)
-        w13, w2 = self.w13_weight, self.w2_weight
+        return out.index_add_(0, tokens, expert_out.mul_(weights))
+
+    def _grouped(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        # [experts, in, out] views: on the CPU, the storage itself.
+        gate_up = F.grouped_mm(rows, self.w13_weight.transpose(1, 2), offs=offsets)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.grouped_mm(F.silu(gate).mul_(up), self.w2_weight.transpose(1, 2), offs=offsets)
+
+    def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        out = torch.empty_like(rows)
         end = 0
         for expert, count in enumerate(counts):
             if not count:
                 continue
             start, end = end, end + count
-            rows = tokens[start:end]
-            gate_up = F.linear(hidden.index_select(0, rows), w13[expert])
-            gate, up = gate_up.chunk(2, dim=-1)
-            expert_out = F.linear(F.silu(gate).mul_(up), w2[expert])
-            out.index_add_(0, rows, expert_out.mul_(weights[start:end]))
+            gate, up = F.linear(rows[start:end], self.w13_weight[expert]).chunk(2, dim=-1)
+            torch.mm(F.silu(gate).mul_(up), self.w2_weight[expert].t(), out=out[start:end])
         return out

@@ -136,7 +136,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """Y = X A^T with A split by columns (input features): partial sums are all-reduced.
 
-    The bias is added once, after the reduction, so it is not counted tp_size times.
+    The bias is added once, after the reduction, so it is not counted tp_size times. With
+    ``reduce_results=False`` the caller all-reduces (a MoE block: routed + shared expert).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
@@ -166,6 +167,11 @@ class RowParallelLinear(nn.Module):
         out = F.linear(x, self.weight)
         if self.reduce_results:
             distributed.all_reduce(out)
-        if self.bias is not None:
-            out = out + self.bias
-        return out
+        return self.add_bias_once(out)
+
+    def add_bias_once(self, out: torch.Tensor) -> torch.Tensor:
+        """The bias, added after the all-reduce; without one here (the caller reduces a sum of
+        partial outputs) only rank 0 adds it, so the reduction counts it once."""
+        if self.bias is None or not (self.reduce_results or self.tp_rank == 0):
+            return out
+        return out + self.bias

@@ -62,8 +62,7 @@ class LoRALinear(nn.Module):
             if split:
                 if base.reduce_results:
                     distributed.all_reduce(out)
-                if base.bias is not None:
-                    out = out + base.bias
+                out = base.add_bias_once(out)
             return out
         out = F.linear(x, base.weight, base.bias)
         self._add_deltas(x, out, groups)

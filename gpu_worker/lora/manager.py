@@ -186,6 +186,10 @@ class LoRAManager:
             fused, shard_id = self.packed.get(name, (name, None))
             path = f"{prefix}.{fused}" if prefix else fused
             if path not in self.layers:
+                if ".experts." in module:
+                    raise ValueError(f"LoRA adapter {lora.lora_path}: it adapts the routed expert projection "
+                                     f"{module!r}; adapters on routed experts are not served (attention, "
+                                     "shared-expert and dense MLP projections are)")
                 raise ValueError(f"LoRA adapter {lora.lora_path}: the model has no projection {module!r}")
             by_layer.setdefault(path, {})[shard_id] = (a.float(), b.float() * peft.scaling)
         layers = {}

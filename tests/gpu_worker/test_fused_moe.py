@@ -50,9 +50,12 @@ def _routing(num_tokens: int, top_k: int, seed: int = 1, unused: int | None = No
 
 
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (17, 2), (9, 1), (5, EXPERTS)])
-def test_experts_match_the_dense_reference(num_tokens, top_k):
+@pytest.mark.parametrize("grouped_mm", [None, False], ids=["grouped_mm", "per_expert"])
+def test_experts_match_the_dense_reference(num_tokens, top_k, grouped_mm):
     ckpt = _checkpoint()
     moe = _load(ckpt, top_k)
+    moe.grouped_mm = grouped_mm
+    assert moe.use_grouped_mm(torch.zeros(1)) is (grouped_mm is None)
     x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(2))
     weights, ids = _routing(num_tokens, top_k, unused=3 if top_k < EXPERTS else None)
     if top_k < EXPERTS:

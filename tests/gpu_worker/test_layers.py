@@ -181,6 +181,18 @@ def test_column_and_row_parallel_shards_compose_to_full_linear():
         partial.append(F.linear(col(x), row.weight))
     # The all-reduce sums the ranks' partial products; the bias is added once, after it.
     torch.testing.assert_close(partial[0] + partial[1] + row.bias, full)
+    # Without the reduction here (a MoE block sums routed and shared experts, then reduces once),
+    # rank 0 alone adds the bias.
+    unreduced = []
+    for rank in range(2):
+        row = RowParallelLinear(8, 6, bias=True, reduce_results=False, tp_rank=rank, tp_size=2)
+        row.weight_loader(row.weight, w2)
+        row.bias.weight_loader(row.bias, b2)
+        col = ColumnParallelLinear(12, 8, bias=True, tp_rank=rank, tp_size=2)
+        col.weight_loader(col.weight, w1)
+        col.weight_loader(col.bias, b1)
+        unreduced.append(row.forward(col.forward(x)))
+    torch.testing.assert_close(unreduced[0] + unreduced[1], full)
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])

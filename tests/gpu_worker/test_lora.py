@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_core.config import CacheConfig, LoRAConfig, SchedulerConfig
 from engine_core.outputs import LoRARequest
@@ -290,4 +291,16 @@ def test_an_adapter_on_a_moe_model_covers_attention_the_shared_expert_and_dense_
     expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
                 for i, p in enumerate(prompts)}
     assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
-    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
+    worker = _worker(base, adapters)
+    assert _drive(worker.execute_model, adapters, prompts, max_loras=1) == expected
+    # An adapter trained on routed experts (PEFT under transformers 4 could) is refused, by name.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(tmp_path / "a", tmp_path / "experts")
+    weights = load_file(str(tmp_path / "experts" / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.1.mlp.experts.0.gate_proj"
+    weights[f"{prefix}.lora_A.weight"], weights[f"{prefix}.lora_B.weight"] = torch.zeros(8, 64), torch.zeros(32, 8)
+    save_file(weights, str(tmp_path / "experts" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"routed expert projection .*layers.1.mlp.experts.0.gate_proj"):
+        worker.add_lora(LoRARequest("experts", 2, str(tmp_path / "experts")))

@@ -39,6 +39,10 @@ CASES = {
     "qwen2_moe_sparse_step": ("qwen2_moe", {"decoder_sparse_step": 2, "norm_topk_prob": True}),
     "qwen3_moe": ("qwen3_moe", {"head_dim": 32}),
     "qwen3_moe_top1_tied": ("qwen3_moe", {"num_experts_per_tok": 1, "tie_word_embeddings": True}),
+    # Their windows: Qwen3-MoE windows every layer; Qwen2-MoE the even layers below max_window_layers.
+    "qwen3_moe_window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 6}),
+    "qwen2_moe_window": ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2,
+                                       "num_hidden_layers": 3}),
 }
 
 
@@ -165,3 +169,22 @@ def test_which_layers_route_through_experts():
     assert qwen3.shared_expert_intermediate_size == 0 and all(qwen3.layer_is_moe(i) for i in range(4))
     dense = ModelConfig.from_dict({**base, "architectures": ["Qwen3ForCausalLM"], "num_experts": 8})
     assert dense.num_experts == 0 and not dense.layer_is_moe(0)
+    # Keys a config leaves out take transformers' defaults (Qwen3-MoE: 128 experts, 8 per token, 768 wide).
+    sparse = {k: v for k, v in base.items() if k not in ("num_experts_per_tok", "moe_intermediate_size")}
+    defaults = ModelConfig.from_dict({**sparse, "architectures": ["Qwen3MoeForCausalLM"]})
+    assert (defaults.num_experts, defaults.num_experts_per_tok, defaults.moe_intermediate_size) == (128, 8, 768)
+    qwen2_defaults = ModelConfig.from_dict({**sparse, "architectures": ["Qwen2MoeForCausalLM"]})
+    assert (qwen2_defaults.num_experts, qwen2_defaults.shared_expert_intermediate_size) == (60, 5632)
+    assert ModelConfig.from_dict({**sparse, "architectures": ["MixtralForCausalLM"], "num_experts": 4}).num_experts == 4
+
+
+def test_which_moe_layers_use_the_window():
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "vocab_size": 256, "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 4}
+    qwen2 = ModelConfig.from_dict({**base, "architectures": ["Qwen2MoeForCausalLM"]})
+    assert [qwen2.layer_sliding_window(i) for i in range(6)] == [16, None, 16, None, None, None]
+    qwen3 = ModelConfig.from_dict({**base, "architectures": ["Qwen3MoeForCausalLM"],
+                                   "layer_types": ["full_attention"] * 6})
+    assert qwen3.uniform_sliding_window == 16
+    mixtral = ModelConfig.from_dict({**base, "architectures": ["MixtralForCausalLM"]})
+    assert mixtral.uniform_sliding_window == 16

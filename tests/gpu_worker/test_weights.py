@@ -164,3 +164,26 @@ def test_a_missing_or_extra_expert_is_refused(tmp_path):
     extra = {**state, "model.layers.0.mlp.experts.8.down_proj.weight": torch.zeros(64, 32)}
     with pytest.raises(ValueError, match="expert 8 is out of range"):
         load_weights(build_model(config), extra.items())
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_a_checkpoint_with_stacked_experts_loads_as_the_per_expert_one(tmp_path, kind):
+    """transformers 5 can also write every expert of a layer as one tensor (gate_up_proj
+    [experts, 2 * intermediate, hidden], down_proj [experts, hidden, intermediate]): a TP rank
+    reads its slice of those and ends up with exactly the parameters the per-expert files give."""
+    from transformers import AutoModelForCausalLM
+
+    per_expert = save_tiny_model(tmp_path / "per_expert", kind)
+    stacked = tmp_path / "stacked"
+    AutoModelForCausalLM.from_pretrained(per_expert, dtype=torch.float32).save_pretrained(
+        stacked, save_original_format=False)
+    names = set(load_file(str(stacked / "model.safetensors")))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
+    ours, reference = _rank_one_of_two(stacked), _rank_one_of_two(per_expert)
+    reference_params = dict(reference.named_parameters())
+    for name, param in ours.named_parameters():
+        torch.testing.assert_close(param, reference_params[name], rtol=0, atol=0, msg=name)
+    truncated = {n: t[:, :-2] if n.endswith("experts.gate_up_proj") else t
+                 for n, t in load_file(str(stacked / "model.safetensors")).items()}
+    with pytest.raises(ValueError, match="gate_up_proj: the checkpoint's dimension 1 is"):
+        load_weights(build_model(ModelConfig.from_pretrained(stacked)), truncated.items())
