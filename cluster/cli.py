@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache storage: auto (the model's dtype), bfloat16 (two bytes per element), or "
                             "fp8 (= fp8_e4m3), fp8_e5m2 (one byte per element: 2x (bf16) or 4x (fp32) the KV "
                             "blocks in the same memory).")
+    serve.add_argument("--enable-expert-parallel", "-ep", action="store_true", default=None,
+                       help="Mixture-of-experts models: each of the --tensor-parallel-size ranks holds "
+                            "num_experts / tp whole experts, instead of a slice of every expert.")
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="Queue limit per engine (429 beyond).")
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
@@ -153,7 +156,7 @@ def cluster_config_from_args(args: argparse.Namespace):
     defaults = {"tensor_parallel_size": args.tensor_parallel_size, "scheduling_policy": args.scheduling_policy,
                 "enable_prefix_caching": args.enable_prefix_caching,
                 "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
-                "kv_cache_dtype": args.kv_cache_dtype,
+                "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config}
     for flag, _, _ in SCHEDULER_ARGS:
         name = flag.lstrip("-").replace("-", "_")

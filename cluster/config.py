@@ -51,6 +51,9 @@ class EngineSpec(BaseModel):
     kv_cache_dtype: KVCacheDType | None = Field(
         None, description="KV cache storage dtype (--kv-cache-dtype): auto is the model's; fp8 stores one byte "
                           "per element, for 2x (bf16 models) or 4x (fp32) the blocks in the same memory.")
+    enable_expert_parallel: bool | None = Field(
+        None, description="Mixture-of-experts models: each TP rank holds num_experts / tp whole experts "
+                          "(--enable-expert-parallel) instead of a slice of every expert.")
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = None
     num_cpus_per_worker: float | None = None
     resources: dict[str, float] | None = Field(None, description="Extra Ray resources per worker (pinning).")
@@ -68,7 +71,7 @@ _DEFAULTS = EngineSpec(
     max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None, enable_chunked_prefill=True,
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
-    tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto",
+    tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,
     placement_strategy="PACK", num_cpus_per_worker=1.0,
     executor_backend="auto", max_waiting_requests=0)
 
@@ -292,7 +295,8 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
     return EngineConfig(
         model=model, served_model_name=served_model_name, engine_index=index,
         tensor_parallel_size=s["tensor_parallel_size"], device=s["device"],
-        dtype=s["dtype"], kv_cache_dtype=s["kv_cache_dtype"], scheduler=scheduler, block_size=s["block_size"],
+        dtype=s["dtype"], kv_cache_dtype=s["kv_cache_dtype"], enable_expert_parallel=s["enable_expert_parallel"],
+        scheduler=scheduler, block_size=s["block_size"],
         enable_prefix_caching=s["enable_prefix_caching"], num_gpu_blocks=s["num_gpu_blocks"],
         kv_cache_memory_bytes=s["kv_cache_memory_bytes"], gpu_memory_utilization=s["gpu_memory_utilization"],
         placement_strategy=s["placement_strategy"], num_cpus_per_worker=s["num_cpus_per_worker"],

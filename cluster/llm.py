@@ -176,7 +176,7 @@ class LLM:
                  executor_backend: str = "auto", use_ray: bool | None = None, address: str | None = None,
                  engine_overrides: list[dict[str, Any]] | None = None, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 kv_cache_dtype: KVCacheDType = "auto",
+                 kv_cache_dtype: KVCacheDType = "auto", enable_expert_parallel: bool = False,
                  **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
@@ -188,7 +188,7 @@ class LLM:
             "tensor_parallel_size": tensor_parallel_size, "num_gpu_blocks": num_gpu_blocks, "device": device,
             "dtype": dtype, "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
             "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend,
-            "kv_cache_dtype": kv_cache_dtype})
+            "kv_cache_dtype": kv_cache_dtype, "enable_expert_parallel": enable_expert_parallel})
         # engine_overrides: per-engine flag mappings (engine i gets the i-th), e.g. a latency engine
         # beside a throughput one.
         self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,

@@ -190,6 +190,9 @@ class EngineConfig:
     # The KV cache's storage dtype (vLLM's --kv-cache-dtype): "auto" (the model's), "bfloat16", or
     # "fp8" / "fp8_e4m3" / "fp8_e5m2" (one byte per element: more blocks for the same memory).
     kv_cache_dtype: KVCacheDType = "auto"
+    # Mixture-of-experts models: split the experts over the TP ranks (each holds E / tp of them whole)
+    # instead of splitting every expert's width (vLLM's --enable-expert-parallel).
+    enable_expert_parallel: bool = False
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
     enable_prefix_caching: bool = True

@@ -133,6 +133,9 @@ class ModelConfig:
     # Per layer, whether its MLP is the routed experts (empty: every layer's is, in an MoE model).
     # Qwen-MoE keeps dense MLPs in mlp_only_layers and off its decoder_sparse_step.
     moe_layers: tuple[bool, ...] = ()
+    # Not a checkpoint fact: how the workers place the experts (--enable-expert-parallel). True: each
+    # TP rank holds num_experts / tp whole experts; False: a slice of every expert's width.
+    expert_parallel: bool = False
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])

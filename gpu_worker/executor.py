@@ -43,6 +43,7 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "max_loras": config.lora_config.max_loras if config.lora_config is not None else None,
         "max_cpu_loras": config.lora_config.max_cpu_loras if config.lora_config is not None else None,
         "kv_cache_dtype": config.kv_cache_dtype,
+        "enable_expert_parallel": config.enable_expert_parallel,
     }
 
 

@@ -7,6 +7,7 @@ Call order: ``init_distributed`` (TP > 1) -> ``load_model`` -> ``determine_num_b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ class Worker:
                  weights: str | Path | WeightsFactory | None = None, num_cpus: int | None = None,
                  seed: int = 0, num_spec_tokens: int = 0, max_lora_rank: int | None = None,
                  max_loras: int | None = None, kv_cache_dtype: str | torch.dtype | None = "auto",
-                 max_cpu_loras: int | None = None) -> None:
+                 max_cpu_loras: int | None = None, enable_expert_parallel: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -65,6 +66,9 @@ class Worker:
         else:
             self.model_dir = Path(model_path_or_config)
             self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        if enable_expert_parallel:
+            # A MoE model's ranks hold whole experts, a share of them each (no effect on a dense model).
+            self.model_config = dataclasses.replace(self.model_config, expert_parallel=True)
         self.weights = weights if weights is not None else self.model_dir
         if self.weights is None:
             raise ValueError("a config without a model directory needs `weights` (a directory or a factory)")

@@ -53,23 +53,38 @@ def _new_expert_weight(num_experts: int, out_features: int, in_features: int) ->
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer. ``forward`` returns this rank's partial sum (not reduced)."""
+    """The routed experts of one layer. ``forward`` returns this rank's partial sum (not reduced).
+
+    With ``expert_parallel`` (vLLM's --enable-expert-parallel) the ranks split the experts instead
+    of their width: rank r holds experts [r * E / tp, (r + 1) * E / tp) whole, computes only the
+    (token, expert) pairs routed to those, and the same all-reduce adds up every rank's share.
+    """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None, expert_parallel: bool = False) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
         self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.num_experts = num_experts
         self.top_k = top_k
-        self.intermediate_size_per_partition = divide_for_tp(intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.expert_parallel = expert_parallel and self.tp_size > 1
+        if self.expert_parallel:
+            self.num_local_experts = divide_for_tp(num_experts, self.tp_size, "num_experts (expert parallel)")
+            self.intermediate_size_per_partition = intermediate_size
+        else:
+            self.num_local_experts = num_experts
+            self.intermediate_size_per_partition = divide_for_tp(intermediate_size, self.tp_size,
+                                                                 "moe_intermediate_size")
+        # The global id of this rank's first expert (0 unless the experts are split).
+        self.first_expert = self.tp_rank * self.num_local_experts if self.expert_parallel else 0
         size = self.intermediate_size_per_partition
-        self.w13_weight = _new_expert_weight(num_experts, 2 * size, hidden_size)
-        self.w2_weight = _new_expert_weight(num_experts, hidden_size, size)
+        self.w13_weight = _new_expert_weight(self.num_local_experts, 2 * size, hidden_size)
+        self.w2_weight = _new_expert_weight(self.num_local_experts, hidden_size, size)
         for param, projections in ((self.w13_weight, (GATE, UP)), (self.w2_weight, (DOWN,))):
             param.weight_loader = self.weight_loader
-            # What the checkpoint must provide before the loader counts the parameter as loaded.
+            # What the checkpoint must provide (every expert, on every rank) for the parameter to count
+            # as loaded.
             param.expected_shards = {(e, p) for e in range(num_experts) for p in projections}
 
     def weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
@@ -78,27 +93,33 @@ class FusedMoE(nn.Module):
                              f"got {shard_id!r}")
         expert, projection = shard_id
         size = self.intermediate_size_per_partition
-        start = self.tp_rank * size
-        full = size * self.tp_size
+        # Under expert parallelism a rank holds whole experts: its slice of their width is all of it.
+        start = 0 if self.expert_parallel else self.tp_rank * size
+        full = size if self.expert_parallel else size * self.tp_size
         if expert == ALL_EXPERTS:
-            # Stacked: narrow the experts' intermediate dimension (dim 1 of gate_up, 2 of down).
+            self._check_width(loaded, 0, self.num_experts, "experts")
+            # This rank's experts, then its slice of their width (dim 1 of gate_up, 2 of down).
+            mine = loaded.narrow(0, self.first_expert, self.num_local_experts) if self.expert_parallel else loaded
             if projection == DOWN:
-                self._check_width(loaded, 2, full, "down_proj")
-                copy_into(param.data, loaded.narrow(2, start, size), "down_proj")
+                self._check_width(mine, 2, full, "down_proj")
+                copy_into(param.data, mine.narrow(2, start, size), "down_proj")
             else:
-                self._check_width(loaded, 1, 2 * full, "gate_up_proj")
-                copy_into(param.data.narrow(1, 0, size), loaded.narrow(1, start, size), "gate_up_proj")
-                copy_into(param.data.narrow(1, size, size), loaded.narrow(1, full + start, size), "gate_up_proj")
+                self._check_width(mine, 1, 2 * full, "gate_up_proj")
+                copy_into(param.data.narrow(1, 0, size), mine.narrow(1, start, size), "gate_up_proj")
+                copy_into(param.data.narrow(1, size, size), mine.narrow(1, full + start, size), "gate_up_proj")
             return
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint expert {expert} is out of range: the model has {self.num_experts}")
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert
         if projection == DOWN:
             self._check_width(loaded, 1, full, "down_proj")
-            copy_into(param.data[expert], loaded.narrow(1, start, size), "down_proj")
+            copy_into(param.data[local], loaded.narrow(1, start, size), "down_proj")
         else:
             name = "gate_proj" if projection == GATE else "up_proj"
             self._check_width(loaded, 0, full, name)
-            copy_into(param.data[expert].narrow(0, projection * size, size), loaded.narrow(0, start, size), name)
+            copy_into(param.data[local].narrow(0, projection * size, size), loaded.narrow(0, start, size), name)
 
     @staticmethod
     def _check_width(loaded: WeightLike, dim: int, expected: int, name: str) -> None:
@@ -121,16 +142,25 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         flat_ids = topk_ids.reshape(-1)
+        num_local = self.num_local_experts
+        if self.expert_parallel:
+            # Local ids; another rank's experts go to one extra group past the last, never computed.
+            flat_ids = flat_ids - self.first_expert
+            flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= num_local), num_local)
         # Each (token, choice) pair, grouped by expert; a stable sort keeps tokens in order within one.
         order = torch.argsort(flat_ids, stable=True)
         tokens = order // self.top_k
         weights = topk_weights.reshape(-1)[order].to(hidden.dtype).unsqueeze(1)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        counts = torch.bincount(flat_ids, minlength=num_local + 1)[:num_local]
         rows = hidden.index_select(0, tokens)
         if self.use_grouped_mm(hidden):
             expert_out = self._grouped(rows, torch.cumsum(counts, 0, dtype=torch.int32))
         else:
             expert_out = self._per_expert(rows, counts.tolist())
+        if self.expert_parallel:
+            # The rows routed elsewhere were not computed (whatever they hold): they add nothing here.
+            routed_here = (flat_ids[order] < num_local).unsqueeze(1)
+            expert_out = torch.where(routed_here, expert_out, 0)
         out = torch.zeros_like(hidden)
         return out.index_add_(0, tokens, expert_out.mul_(weights))
 

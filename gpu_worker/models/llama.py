@@ -87,7 +87,8 @@ class SparseMoeBlock(nn.Module):
     """Routed experts in place of the MLP (Mixtral's block_sparse_moe, Qwen-MoE's mlp): a router
     (``gate``, replicated on every rank) picks each token's top-k experts; Qwen2-MoE adds a shared
     expert every token goes through, scaled by sigmoid(``shared_expert_gate``). Each rank computes
-    its partial sums of both, and one all-reduce adds them up."""
+    its partial sums of both (the shared expert split by width even under expert parallelism, as
+    vLLM does), and one all-reduce adds them up."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -95,7 +96,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size)
+                                config.moe_intermediate_size, expert_parallel=config.expert_parallel)
         self.tp_size = self.experts.tp_size
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size, reduce_results=False)

@@ -229,3 +229,16 @@ def test_extra_models_get_engines_of_their_own_after_the_first_models(tmp_path):
     assert (b.served_model_name, b.reasoning_parser, b.tool_call_parser) == ("b", "qwen3", None)
     assert (c.served_model_name, c.tool_call_parser, c.chat_template) == ("c", "hermes", "{{ messages }}")
     assert c.engine_actor_names == [engine_actor_name(4)] and not c.enable_lora
+
+
+def test_expert_parallelism_reaches_the_engines_workers(tmp_path):
+    from gpu_worker.executor import _worker_kwargs
+
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {enable_expert_parallel: false}\n")
+    engines = _config("--num-engines", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel",
+                      "--engine-config", str(overrides)).engine_configs()
+    assert [e.enable_expert_parallel for e in engines] == [True, False]
+    assert _config("-ep").engine_configs()[0].enable_expert_parallel is True
+    assert _config().engine_configs()[0].enable_expert_parallel is False
+    assert _worker_kwargs(engines[0], tmp_path, 128, 1)["enable_expert_parallel"] is True

@@ -54,17 +54,27 @@ def test_greedy_generate_equals_transformers_with_chunked_prefill_and_preemption
         assert m.arrival_time <= m.first_token_time <= m.finished_time
 
 
-def test_a_moe_model_on_two_tensor_parallel_ranks_generates_as_transformers(ray_cluster, tmp_path):
+def test_a_moe_model_on_two_expert_parallel_ranks_generates_as_transformers(ray_cluster, tmp_path):
     """Qwen2-MoE (routed experts, a gated shared expert, one dense layer) through an engine whose
-    two workers each hold half of every expert, with chunked prefill and batched decodes."""
+    two workers each hold half of the experts whole (enable_expert_parallel), with chunked prefill
+    and batched decodes. (Width-split experts: tests/gpu_worker/test_worker.py, over the same gloo.)"""
+    import ray
+
     from tests.tiny_model import build_tiny_moe
 
     path = build_tiny_moe(tmp_path / "moe")
-    llm = LLM(model=str(path), tensor_parallel_size=2, num_gpu_blocks=64, max_num_batched_tokens=16,
-              max_num_seqs=8, max_model_len=128)
+    llm = LLM(model=str(path), tensor_parallel_size=2, enable_expert_parallel=True, num_gpu_blocks=64,
+              max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        workers = ray.get(llm._handles[0].actor.__ray_call__.remote(lambda self: self.service.engine.executor.workers))
+
+        def held_experts(worker):
+            experts = worker.runner.model.model.layers[1].mlp.experts
+            return experts.first_expert, experts.num_local_experts
+
+        assert ray.get([w.__ray_call__.remote(held_experts) for w in workers]) == [(0, 4), (4, 4)]
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, PROMPTS, 12)

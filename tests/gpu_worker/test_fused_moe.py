@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.layers.fused_moe import DOWN, GATE, UP, FusedMoE, select_experts
+from gpu_worker.layers.fused_moe import ALL_EXPERTS, DOWN, GATE, UP, FusedMoE, select_experts
 
 HIDDEN, INTERMEDIATE, EXPERTS = 12, 8, 6
 
@@ -106,3 +106,50 @@ def test_the_loader_refuses_what_it_cannot_place():
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         FusedMoE(EXPERTS, EXPERTS + 1, HIDDEN, INTERMEDIATE)
     assert moe.w13_weight.expected_shards == {(e, p) for e in range(EXPERTS) for p in (GATE, UP)}
+
+
+@pytest.mark.parametrize("grouped_mm", [None, False], ids=["grouped_mm", "per_expert"])
+def test_expert_parallel_ranks_hold_whole_experts_and_sum_to_the_whole(grouped_mm):
+    """--enable-expert-parallel: rank r of 2 holds experts 3r..3r+2 whole and computes only the
+    pairs routed to them; the sum of the ranks' outputs is the unsplit output."""
+    ckpt = _checkpoint()
+    x = torch.randn(13, HIDDEN)
+    weights, ids = _routing(13, 2)
+    assert (ids < 3).any() and (ids >= 3).any()
+    whole = _load(ckpt, 2).forward(x, weights, ids)
+    partial = []
+    for rank in range(2):
+        moe = FusedMoE(EXPERTS, 2, HIDDEN, INTERMEDIATE, tp_rank=rank, tp_size=2, expert_parallel=True)
+        moe.grouped_mm = grouped_mm
+        assert (moe.num_local_experts, moe.first_expert) == (3, 3 * rank)
+        assert moe.w13_weight.shape == (3, 2 * INTERMEDIATE, HIDDEN)
+        for expert, projections in ckpt.items():
+            for projection, weight in projections.items():
+                moe.weight_loader(moe.w2_weight if projection == DOWN else moe.w13_weight, weight,
+                                  (expert, projection))
+        torch.testing.assert_close(moe.w2_weight[1], ckpt[3 * rank + 1][DOWN])
+        partial.append(moe.forward(x, weights, ids))
+    torch.testing.assert_close(partial[0] + partial[1], whole, atol=1e-5, rtol=1e-5)
+    # A token routed only to the other rank's experts gets nothing from this one.
+    only_rank1 = ((ids >= 3).all(dim=1)).nonzero().flatten()
+    assert len(only_rank1) and torch.equal(partial[0][only_rank1], torch.zeros(len(only_rank1), HIDDEN))
+    with pytest.raises(ValueError, match=r"num_experts \(expert parallel\) \(6\) must be divisible"):
+        FusedMoE(EXPERTS, 2, HIDDEN, INTERMEDIATE, tp_rank=0, tp_size=4, expert_parallel=True)
+
+
+def test_stacked_experts_load_per_rank_in_either_layout():
+    """transformers 5's stacked tensors: a rank takes its slice of every expert's width, or its
+    experts whole under expert parallelism."""
+    ckpt = _checkpoint()
+    gate_up = torch.stack([torch.cat([ckpt[e][GATE], ckpt[e][UP]]) for e in range(EXPERTS)])
+    down = torch.stack([ckpt[e][DOWN] for e in range(EXPERTS)])
+    for expert_parallel in (False, True):
+        moe = FusedMoE(EXPERTS, 2, HIDDEN, INTERMEDIATE, tp_rank=1, tp_size=2, expert_parallel=expert_parallel)
+        moe.weight_loader(moe.w13_weight, gate_up, (ALL_EXPERTS, GATE))
+        moe.weight_loader(moe.w2_weight, down, (ALL_EXPERTS, DOWN))
+        reference = FusedMoE(EXPERTS, 2, HIDDEN, INTERMEDIATE, tp_rank=1, tp_size=2, expert_parallel=expert_parallel)
+        for expert, projections in ckpt.items():
+            for projection, weight in projections.items():
+                reference.weight_loader(reference.w2_weight if projection == DOWN else reference.w13_weight, weight,
+                                        (expert, projection))
+        assert torch.equal(moe.w13_weight, reference.w13_weight) and torch.equal(moe.w2_weight, reference.w2_weight)

@@ -84,18 +84,22 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "overrides"), [("llama", {}), ("qwen2_moe", {"mlp_only_layers": [0]})],
-                         ids=["llama", "qwen2_moe"])
-def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides):
-    """Qwen2-MoE: each rank holds half of every expert and of the shared expert, and one all-reduce
-    per layer sums the partial outputs of both."""
+@pytest.mark.parametrize(("kind", "overrides", "expert_parallel"), [
+    ("llama", {}, False),
+    ("qwen2_moe", {"mlp_only_layers": [0]}, False),
+    ("qwen2_moe", {"mlp_only_layers": [0]}, True),
+], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel"])
+def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
+    """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
+    experts whole) and half of the shared expert; one all-reduce per layer sums their outputs."""
     ray = pytest.importorskip("ray")
     # One KV head for two ranks (replicated), an odd vocab (padded shards) and tied embeddings.
     path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,
                            **overrides)
     rng = random.Random(3)
     prompts = {f"r{i}": [rng.randrange(251) for _ in range(rng.randrange(3, 20))] for i in range(4)}
-    kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1)
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1,
+                  enable_expert_parallel=expert_parallel)
 
     tp1 = Worker(0, 1, str(path), **kwargs)
     tp1.load_model()
@@ -116,6 +120,11 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides):
                               for w in ranks])
         assert num_blocks == [40, 40]
         ray.get([w.initialize_cache.remote(40, 4) for w in ranks])
+        if expert_parallel:
+            def first_expert(worker):
+                return worker.runner.model.model.layers[1].mlp.experts.first_expert
+
+            assert ray.get([w.__ray_call__.remote(first_expert) for w in ranks]) == [0, 4]
 
         def execute(so):
             outs = ray.get([w.execute_model.remote(so) for w in ranks])
