@@ -192,10 +192,12 @@ class ModelConfig:
             raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE over whole heads), got {partial}")
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
-            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+            # (transformers reads a missing sliding_window as 4096.)
+            sliding = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
         elif arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+            # (transformers reads a missing sliding_window as 4096.)
+            sliding = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.

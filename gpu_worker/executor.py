@@ -60,6 +60,12 @@ class _ExecutorBase(Executor):
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
             hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window)
+        experts, tp = self.model_config.num_experts, config.tensor_parallel_size
+        if config.enable_expert_parallel and experts % tp:
+            # Refused here, before any worker starts, rather than by every rank's model build.
+            raise ValueError(f"enable_expert_parallel: the model's {experts} experts cannot be split evenly over "
+                             f"tensor_parallel_size={tp}; drop --enable-expert-parallel (experts split by width) "
+                             "or pick a size that divides them")
         self._num_blocks: int | None = None
         # Adapters loaded on the workers, in load order: a restarted worker group gets them back.
         self._loras: dict[int, LoRARequest] = {}

@@ -7,15 +7,19 @@ split: each rank holds its slice of each expert's intermediate dimension (gate/u
 columns), so its output is a partial sum that the block all-reduces once, together with a shared
 expert's partial sum where the model has one.
 
-The forward pass groups the batch's (token, expert) pairs by expert, so each expert's rows are
+The forward pass sorts the batch's (token, expert) pairs by expert, so each expert's rows are
 contiguous, and multiplies every group by its expert's weights in one grouped GEMM per projection
-(``torch.nn.functional.grouped_mm``, group boundaries as device-side offsets: no host sync, two
-kernel launches per layer); the results, scaled by each token's routing weight, are scattered back
-with ``index_add_``. Where grouped_mm has no kernel (CUDA below sm80, or not bf16) one pair of
-matmuls runs per expert that any token chose, which needs the per-expert counts on the host.
+(``torch.nn.functional.grouped_mm``), the group boundaries found on the device (``searchsorted``
+over the sorted ids: no host read here; torch's fused CUDA kernel runs on sm90+, on sm80/89 it
+reads the offsets and loops itself). The results, scaled by each token's routing weight, are
+scattered back with ``index_add_``. Where grouped_mm cannot run (no such function in this torch,
+CUDA below sm80 or not bf16, float64, or rows not a multiple of 16 bytes wide) one pair of matmuls
+runs per expert that any token chose, which reads the per-expert counts on the host.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +54,19 @@ def _new_expert_weight(num_experts: int, out_features: int, in_features: int) ->
     else:
         weight = torch.empty(num_experts, out_features, in_features)
     return nn.Parameter(weight, requires_grad=False)
+
+
+@cache
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden_size: int, width: int) -> bool:
+    if not hasattr(F, "grouped_mm"):  # (public from torch 2.10)
+        return False
+    if device.type == "cuda":
+        if dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (8, 0):
+            return False
+    elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    size = torch.empty((), dtype=dtype, device="meta").element_size()
+    return (hidden_size * size) % 16 == 0 and (width * size) % 16 == 0
 
 
 class FusedMoE(nn.Module):
@@ -130,12 +147,11 @@ class FusedMoE(nn.Module):
                              f"{loaded.shape[dim]}, the config says {expected} ({tuple(loaded.shape)})")
 
     def use_grouped_mm(self, hidden: torch.Tensor) -> bool:
-        """Whether grouped_mm has a kernel for this input: every CPU dtype; bf16 on CUDA sm80+."""
+        """Whether grouped_mm runs on this input: fp32/bf16/fp16 on the CPU, bf16 on CUDA sm80+, with
+        every operand's rows a multiple of 16 bytes wide (the kernel's stride rule)."""
         if self.grouped_mm is not None:
             return self.grouped_mm
-        if hidden.device.type == "cuda":
-            return hidden.dtype == torch.bfloat16 and torch.cuda.get_device_capability(hidden.device) >= (8, 0)
-        return True
+        return _grouped_mm_runs(hidden.device, hidden.dtype, hidden.shape[-1], self.intermediate_size_per_partition)
 
     # None: grouped_mm wherever it has a kernel; tests set False to run the per-expert loop.
     grouped_mm: bool | None = None
@@ -148,19 +164,20 @@ class FusedMoE(nn.Module):
             flat_ids = flat_ids - self.first_expert
             flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= num_local), num_local)
         # Each (token, choice) pair, grouped by expert; a stable sort keeps tokens in order within one.
-        order = torch.argsort(flat_ids, stable=True)
+        sorted_ids, order = torch.sort(flat_ids, stable=True)
         tokens = order // self.top_k
         weights = topk_weights.reshape(-1)[order].to(hidden.dtype).unsqueeze(1)
-        counts = torch.bincount(flat_ids, minlength=num_local + 1)[:num_local]
         rows = hidden.index_select(0, tokens)
         if self.use_grouped_mm(hidden):
-            expert_out = self._grouped(rows, torch.cumsum(counts, 0, dtype=torch.int32))
+            # Where each expert's rows end: the number of sorted ids up to it (computed on the device).
+            ends = torch.arange(1, num_local + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+            expert_out = self._grouped(rows, torch.searchsorted(sorted_ids, ends, out_int32=True))
         else:
+            counts = torch.bincount(flat_ids, minlength=num_local + 1)[:num_local]
             expert_out = self._per_expert(rows, counts.tolist())
         if self.expert_parallel:
             # The rows routed elsewhere were not computed (whatever they hold): they add nothing here.
-            routed_here = (flat_ids[order] < num_local).unsqueeze(1)
-            expert_out = torch.where(routed_here, expert_out, 0)
+            expert_out = torch.where((sorted_ids < num_local).unsqueeze(1), expert_out, 0)
         out = torch.zeros_like(hidden)
         return out.index_add_(0, tokens, expert_out.mul_(weights))
 

@@ -55,7 +55,7 @@ def test_experts_match_the_dense_reference(num_tokens, top_k, grouped_mm):
     ckpt = _checkpoint()
     moe = _load(ckpt, top_k)
     moe.grouped_mm = grouped_mm
-    assert moe.use_grouped_mm(torch.zeros(1)) is (grouped_mm is None)
+    assert moe.use_grouped_mm(torch.zeros(1, HIDDEN)) is (grouped_mm is None)
     x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(2))
     weights, ids = _routing(num_tokens, top_k, unused=3 if top_k < EXPERTS else None)
     if top_k < EXPERTS:
@@ -153,3 +153,23 @@ def test_stacked_experts_load_per_rank_in_either_layout():
                 reference.weight_loader(reference.w2_weight if projection == DOWN else reference.w13_weight, weight,
                                         (expert, projection))
         assert torch.equal(moe.w13_weight, reference.w13_weight) and torch.equal(moe.w2_weight, reference.w2_weight)
+
+
+def test_grouped_mm_is_used_only_where_it_runs_and_the_loop_covers_the_rest():
+    """grouped_mm needs rows a multiple of 16 bytes wide and fp32/bf16/fp16 on the CPU: an odd
+    width (6 fp32 values: 24 bytes) or float64 takes the per-expert loop, with the same result."""
+    ckpt = {e: {p: w[:6] if p != DOWN else w[:, :6] for p, w in ws.items()} for e, ws in _checkpoint().items()}
+    odd = FusedMoE(EXPERTS, 2, HIDDEN, 6)
+    for expert, projections in ckpt.items():
+        for projection, weight in projections.items():
+            odd.weight_loader(odd.w2_weight if projection == DOWN else odd.w13_weight, weight, (expert, projection))
+    x = torch.randn(7, HIDDEN)
+    weights, ids = _routing(7, 2)
+    assert not odd.use_grouped_mm(x)
+    torch.testing.assert_close(odd.forward(x, weights, ids).double(), _dense_reference(ckpt, x, weights, ids),
+                               atol=1e-4, rtol=1e-4)
+    assert not odd.use_grouped_mm(x.double())
+    aligned = _load(_checkpoint(), 2)  # 12 and 8 values wide: 48 and 32 bytes in fp32
+    assert aligned.use_grouped_mm(x) and aligned.use_grouped_mm(torch.zeros(1, 16, dtype=torch.bfloat16))
+    assert not aligned.use_grouped_mm(x.bfloat16())  # 12 bf16 values: 24 bytes
+    assert not aligned.use_grouped_mm(x.double())

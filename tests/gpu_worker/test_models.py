@@ -188,3 +188,5 @@ def test_which_moe_layers_use_the_window():
     assert qwen3.uniform_sliding_window == 16
     mixtral = ModelConfig.from_dict({**base, "architectures": ["MixtralForCausalLM"]})
     assert mixtral.uniform_sliding_window == 16
+    unsized = {k: v for k, v in base.items() if k != "sliding_window"}
+    assert ModelConfig.from_dict({**unsized, "architectures": ["Qwen3MoeForCausalLM"]}).sliding_window == 4096

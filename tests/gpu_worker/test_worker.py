@@ -203,3 +203,14 @@ def test_greedy_answers_do_not_depend_on_budget_pool_or_drafting(tmp_path, seed)
         got, sched = answers(rng.randrange(18, 40), rng.randrange(4, 24), rng.randrange(0, 5))
         assert got == expected
         assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == sched.cache_config.num_blocks
+
+
+def test_expert_parallelism_over_a_size_that_does_not_divide_the_experts_is_refused_before_workers_start(tmp_path):
+    from engine_core.config import EngineConfig
+    from gpu_worker.executor import create_executor
+    from tests.tiny_model import build_tiny_moe
+
+    path = build_tiny_moe(tmp_path)  # 8 experts
+    with pytest.raises(ValueError, match=r"8 experts cannot be split evenly over tensor_parallel_size=3"):
+        create_executor(EngineConfig(model=str(path), tensor_parallel_size=3, enable_expert_parallel=True,
+                                     device="cpu"))
