@@ -23,8 +23,13 @@ from engine_core.sampling_params import SamplingParams as EngineSamplingParams
 from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.detokenizer import IncrementalDetokenizer
+from router.scoring import cosine_scores, score_pairs
 
 PromptType = str | list[int]
+
+
+def _prompt_key(prompt: PromptType) -> tuple[str, Any]:
+    return ("text", prompt) if isinstance(prompt, str) else ("ids", tuple(prompt))
 
 
 @dataclass
@@ -91,6 +96,21 @@ class EmbeddingRequestOutput:
 
     request_id: str
     outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's ``LLM.score`` result: one pair's score (the cosine similarity of its embeddings)."""
+
+    request_id: str
+    outputs: ScoringOutput
     prompt_token_ids: list[int]
     finished: bool = True
 
@@ -288,6 +308,24 @@ class LLM:
                                    f"{p.stop_reason})")
             out.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(p.embedding), p.prompt_ids))
         return out
+
+    def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType],
+              use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` with an embedding model: each pair's cosine similarity, pairing one
+        ``data_1`` prompt with every ``data_2`` prompt, or the i-th with the i-th. Each distinct prompt
+        is embedded once. A pair's ``prompt_token_ids`` are its two prompts' ids, joined."""
+        first, second = self._as_prompt_list(data_1), self._as_prompt_list(data_2)
+        pairs = score_pairs(len(first), len(second))
+        unique: dict[tuple[str, Any], PromptType] = {}
+        for prompt in [*first, *second]:
+            unique.setdefault(_prompt_key(prompt), prompt)
+        position = {key: i for i, key in enumerate(unique)}
+        embedded = self.embed(list(unique.values()), use_tqdm=use_tqdm, lora_request=lora_request)
+        at = [position[_prompt_key(p)] for p in first], [position[_prompt_key(p)] for p in second]
+        scores = cosine_scores([e.outputs.embedding for e in embedded], [(at[0][i], at[1][j]) for i, j in pairs])
+        return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(score),
+                                     embedded[at[0][i]].prompt_token_ids + embedded[at[1][j]].prompt_token_ids)
+                for (i, j), score in zip(pairs, scores, strict=True)]
 
     def _prompt_ids(self, index: int, prompt: PromptType, vocab: int, max_tokens: int) -> list[int]:
         """A prompt's token ids, checked before anything is queued, as vLLM does: a bad prompt fails

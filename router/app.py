@@ -32,6 +32,7 @@ from router.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from router.responses import ResponsesRequest, ResponsesServing
+from router.scoring import SCORING_PATHS, RerankRequest, ScoreRequest, ScoringServing
 from router.serving import APIError, OpenAIServing, bad_request, stream_error_event
 
 SESSION_HEADER = "x-session-id"
@@ -106,7 +107,7 @@ class APIKeyAuth:
 
 
 def _needs_key(path: str) -> bool:
-    return path.startswith("/v1") or path in DEV_MODE_PATHS
+    return path.startswith(("/v1", "/v2")) or path in DEV_MODE_PATHS or path in SCORING_PATHS
 
 
 def _digest(value: bytes) -> bytes:
@@ -182,6 +183,19 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
         chosen = embeddings_of[id(await servings.for_model(body.model))]
         return JSONResponse(await chosen.create(body, request.headers.get(SESSION_HEADER)))
+
+    scoring_of = {id(s): ScoringServing(s) for s in servings}
+
+    async def create_scores(body: ScoreRequest, request: Request) -> Response:
+        chosen = scoring_of[id(await servings.for_model(body.model))]
+        return JSONResponse(await chosen.score(body, request.headers.get(SESSION_HEADER)))
+
+    async def create_ranking(body: RerankRequest, request: Request) -> Response:
+        chosen = scoring_of[id(await servings.for_model(body.model))]
+        return JSONResponse(await chosen.rerank(body, request.headers.get(SESSION_HEADER)))
+
+    for path in SCORING_PATHS:
+        app.post(path)(create_ranking if path.endswith("rerank") else create_scores)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> Response:

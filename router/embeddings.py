@@ -65,7 +65,7 @@ class EmbeddingsServing:
         if request.dimensions is not None and hidden_size and request.dimensions > hidden_size:
             raise bad_request(f"dimensions ({request.dimensions}) is larger than the model's embeddings "
                               f"({hidden_size} values)", "dimensions")
-        prompts = [self._prompt_ids(item, request) for item in request.inputs()]
+        prompts = [self.prompt_ids(item, request) for item in request.inputs()]
         params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
                                 embed_normalize=request.normalize is not False, embed_dimensions=request.dimensions)
         request_id = f"embd-{uuid.uuid4().hex}"
@@ -77,20 +77,22 @@ class EmbeddingsServing:
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
-    def _prompt_ids(self, item: str | list[int], request: EmbeddingRequest) -> list[int]:
+    def prompt_ids(self, item: str | list[int], request: Any, param: str = "input") -> list[int]:
+        """The token ids embedded for one input: ``request`` carries ``truncate_prompt_tokens`` and
+        ``add_special_tokens``; ``param`` is the request field a refusal names."""
         serving = self.serving
         if isinstance(item, str):
             ids = list(serving.tokenizer.encode(item, add_special_tokens=request.add_special_tokens))
         else:
             vocab = len(serving.tokenizer)
             if any(t < 0 or t >= vocab for t in item):
-                raise bad_request(f"input token ids must be in [0, {vocab})", "input")
+                raise bad_request(f"input token ids must be in [0, {vocab})", param)
             ids = list(item)
         ids = serving.truncate_prompt(ids, request)  # type: ignore[arg-type]
         max_model_len = serving.settings.max_model_len
         if len(ids) > max_model_len:
             raise bad_request(f"This model's maximum context length is {max_model_len} tokens; an input has "
-                              f"{len(ids)}: shorten it, or set truncate_prompt_tokens", "input")
+                              f"{len(ids)}: shorten it, or set truncate_prompt_tokens", param)
         return ids
 
 

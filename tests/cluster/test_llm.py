@@ -91,6 +91,11 @@ def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_m
             llm.embed([[5] * 2000], use_tqdm=False)
         with pytest.raises(ValueError, match=r"dimensions \(65\) is larger than the model's embeddings \(64"):
             llm.embed(PROMPTS[:1], use_tqdm=False, dimensions=65)
+        # vLLM's LLM.score with an embedding model: cosine similarities, one against many or pairwise.
+        one_to_many = llm.score(PROMPTS[0], PROMPTS[1:4], use_tqdm=False)
+        pairwise = llm.score(PROMPTS[:2], [PROMPTS[0], tok.encode(PROMPTS[2])], use_tqdm=False)
+        with pytest.raises(ValueError, match="one text, or as many as the second"):
+            llm.score(PROMPTS[:2], PROMPTS[:3], use_tqdm=False)
         # Generation afterwards is untouched, and nothing was left in the engine.
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == \
@@ -99,14 +104,21 @@ def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_m
     finally:
         llm.shutdown()
     assert stats.num_free_blocks == stats.num_blocks
+    refs = []
     for out, prompt in zip(outputs, PROMPTS, strict=True):
         ids = tok.encode(prompt)
         with torch.no_grad():
             ref = model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+        refs.append(ref / ref.norm())
         assert out.prompt_token_ids == ids
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref / ref.norm(), atol=1e-4, rtol=1e-4)
         if prompt == PROMPTS[1]:
             torch.testing.assert_close(torch.tensor(raw[0].outputs.embedding), ref[:10], atol=1e-4, rtol=1e-4)
+    assert [o.outputs.score for o in one_to_many] == pytest.approx([float(refs[0] @ refs[j]) for j in (1, 2, 3)],
+                                                                   abs=1e-4)
+    assert [o.outputs.score for o in pairwise] == pytest.approx([1.0, float(refs[1] @ refs[2])], abs=1e-4)
+    assert pairwise[0].outputs.score == 1.0  # a prompt against itself, exactly
+    assert one_to_many[0].prompt_token_ids == tok.encode(PROMPTS[0]) + tok.encode(PROMPTS[1])
 
 
 def test_generate_accepts_token_ids_and_per_prompt_params(tiny_model_dir):

@@ -109,10 +109,20 @@ def test_embeddings_are_the_last_tokens_final_hidden_state(client, tiny_model_di
     texts = ["Hello world", "Paris is the capital of France.", "Hello world"]
     out = client.embeddings.create(model="tiny", input=texts)
     assert out.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts)
+    refs = []
     for item, text in zip(out.data, texts, strict=True):
         with torch.no_grad():
             ref = hf.model(torch.tensor([tokenizer.encode(text)])).last_hidden_state[0, -1]
-        torch.testing.assert_close(torch.tensor(item.embedding), ref / ref.norm(), atol=1e-4, rtol=1e-4)
+        refs.append(ref / ref.norm())
+        torch.testing.assert_close(torch.tensor(item.embedding), refs[-1], atol=1e-4, rtol=1e-4)
+    # vLLM's /v1/score and /v1/rerank on the same embeddings: cosine similarities (the client's
+    # base URL ends in /v1).
+    scored = client.post("/score", body={"model": "tiny", "text_1": texts[1], "text_2": texts}, cast_to=object)
+    assert [d["score"] for d in scored["data"]] == pytest.approx([float(refs[1] @ r) for r in refs], abs=1e-4)
+    ranked = client.post("/rerank", body={"model": "tiny", "query": texts[0], "documents": texts[1:]},
+                         cast_to=object)
+    assert [r["index"] for r in ranked["results"]] == [1, 0]  # "Hello world" itself first
+    assert ranked["results"][0]["relevance_score"] == 1.0
     cut = client.embeddings.create(model="tiny", input=texts[0], dimensions=8, encoding_format="float")
     assert len(cut.data[0].embedding) == 8
     # The engines report the model's hidden size (64) to the router, which refuses more up front.

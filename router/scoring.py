@@ -1,0 +1,167 @@
+"""vLLM's scoring endpoints for embedding (bi-encoder) models: ``POST /score`` (``/v1/score``) and
+``POST /rerank`` (``/v1/rerank``, ``/v2/rerank``, the Jina/Cohere shape).
+
+Each distinct text is embedded once, as ``/v1/embeddings`` embeds it (last-token pooling, L2
+normalised, on the serving's engines, all of a request's texts sent together), and a pair's score is
+the cosine similarity of its two embeddings: how vLLM scores with an embedding model. Cross-encoder
+rerankers (a classification head over the pair) are not among the served architectures.
+
+Pairing, as vLLM's: one first text against every second text (1 to N), or the i-th with the i-th
+(N to N).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine_core.sampling_params import SamplingParams
+from router.embeddings import EmbeddingsServing
+from router.protocol import INT64_MAX, INT64_MIN, invalid
+from router.serving import APIError, OpenAIServing
+
+# The paths these endpoints answer on (every one needs the API key when one is set).
+SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+
+
+class _ScoringFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(..., description="Served model name (see GET /v1/models).")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep each text's last k tokens "
+                                                                         "(-1: max_model_len).")
+    add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens to text.")
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    user: str | None = None
+
+
+def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
+    """(first, second) index pairs, as vLLM pairs them: one first text against every second text,
+    or the i-th with the i-th. ValueError otherwise."""
+    if num_first == 1:
+        return [(0, j) for j in range(num_second)]
+    if num_first == num_second:
+        return [(i, i) for i in range(num_second)]
+    raise ValueError(f"the first side must hold one text, or as many as the second ({num_first} vs {num_second})")
+
+
+def cosine_scores(vectors: list[list[float]], pairs: list[tuple[int, int]]) -> list[float]:
+    """Each pair's cosine similarity, computed in float64 and held to [-1, 1] (so a text scores
+    exactly 1 against itself, not 1 + a rounding error)."""
+    matrix = np.asarray(vectors, dtype=np.float64)
+    if not np.isfinite(matrix).all():
+        raise ValueError("the model produced a non-finite embedding")
+    matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+    return [min(1.0, max(-1.0, float(matrix[i] @ matrix[j]))) for i, j in pairs]
+
+
+def _texts(value: str | list[str], param: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else list(value)
+    if not texts or any(t == "" for t in texts):
+        raise invalid(param, f"{param} must not be empty, nor hold an empty text")
+    return texts
+
+
+class ScoreRequest(_ScoringFields):
+    """``text_1``/``text_2`` (vLLM's names), or ``queries``/``documents`` (its newer ones)."""
+
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_pair_of_sides(self) -> ScoreRequest:
+        legacy, named = (self.text_1, self.text_2), (self.queries, self.documents)
+        if any(v is not None for v in legacy) and any(v is not None for v in named):
+            raise invalid("text_1", "give text_1 and text_2, or queries and documents, not both")
+        first, second = legacy if any(v is not None for v in legacy) else named
+        names = ("text_1", "text_2") if any(v is not None for v in legacy) else ("queries", "documents")
+        if first is None or second is None:
+            raise invalid(names[0] if first is None else names[1], f"{names[0]} and {names[1]} are both required")
+        left, right = _texts(first, names[0]), _texts(second, names[1])
+        try:
+            score_pairs(len(left), len(right))
+        except ValueError:
+            raise invalid(names[1], f"{names[0]} must hold one text, or as many as {names[1]} "
+                                    f"({len(left)} vs {len(right)})") from None
+        return self
+
+    def sides(self) -> tuple[list[str], list[str]]:
+        if self.text_1 is not None:
+            return _texts(self.text_1, "text_1"), _texts(self.text_2, "text_2")  # type: ignore[arg-type]
+        return _texts(self.queries, "queries"), _texts(self.documents, "documents")  # type: ignore[arg-type]
+
+
+class RerankRequest(_ScoringFields):
+    query: str
+    # Texts, or Cohere's {"text": ...} objects.
+    documents: list[str | dict[str, Any]]
+    top_n: int = Field(0, ge=0, description="Return the n best documents (0: all).")
+    return_documents: bool = Field(True, description="Include each document's text in its result.")
+
+    @model_validator(mode="after")
+    def _texts_present(self) -> RerankRequest:
+        _texts(self.query, "query")
+        if not self.documents:
+            raise invalid("documents", "documents must not be empty")
+        for doc in self.documents:
+            if isinstance(doc, dict) and not isinstance(doc.get("text"), str):
+                raise invalid("documents", 'a document object must carry its text as {"text": "..."}')
+        _texts(self.document_texts(), "documents")
+        return self
+
+    def document_texts(self) -> list[str]:
+        return [doc if isinstance(doc, str) else doc["text"] for doc in self.documents]
+
+
+class ScoringServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.embeddings = EmbeddingsServing(serving)
+
+    async def score(self, request: ScoreRequest, session_id: str | None = None) -> dict[str, Any]:
+        left, right = request.sides()
+        pairs = score_pairs(len(left), len(right))
+        request_id = f"score-{uuid.uuid4().hex}"
+        scores, num_tokens = await self._cosine(request_id, request, left, right, pairs, session_id)
+        return {"id": request_id, "object": "list", "created": int(time.time()),
+                "model": self.serving.model_name(request.model),
+                "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    async def rerank(self, request: RerankRequest, session_id: str | None = None) -> dict[str, Any]:
+        documents = request.document_texts()
+        request_id = f"rerank-{uuid.uuid4().hex}"
+        scores, num_tokens = await self._cosine(request_id, request, [request.query], documents,
+                                                [(0, i) for i in range(len(documents))], session_id)
+        ranked = sorted(range(len(documents)), key=lambda i: -scores[i])  # (stable: ties keep their order)
+        if request.top_n:
+            ranked = ranked[: request.top_n]
+        return {"id": request_id, "model": self.serving.model_name(request.model),
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+                "results": [{"index": i, "relevance_score": scores[i],
+                             "document": {"text": documents[i]} if request.return_documents else None}
+                            for i in ranked]}
+
+    async def _cosine(self, request_id: str, request: _ScoringFields, left: list[str], right: list[str],
+                      pairs: list[tuple[int, int]], session_id: str | None = None) -> tuple[list[float], int]:
+        """Each pair's cosine similarity, and the prompt tokens embedded (each distinct text once)."""
+        serving = self.serving
+        lora = await serving.resolve_model(request.model)
+        serving.check_priority(request.priority)
+        texts = list(dict.fromkeys(left + right))
+        where = {text: i for i, text in enumerate(texts)}
+        prompts = [self.embeddings.prompt_ids(text, request, "documents" if text in right else "query")
+                   for text in texts]
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=True)
+        vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        try:
+            scores = cosine_scores(vectors, [(where[left[i]], where[right[j]]) for i, j in pairs])
+        except ValueError as e:
+            raise APIError(500, str(e), "InternalServerError") from None
+        return scores, sum(len(p) for p in prompts)
