@@ -366,15 +366,14 @@ class ModelRunner:
         num_reqs = len(states)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
         ends = starts + num_sched
-        num_blocks = np.fromiter((len(s.block_ids) for s in states), dtype=np.int64, count=num_reqs)
+        num_blocks = np.fromiter((s.num_blocks for s in states), dtype=np.int64, count=num_reqs)
         if (ends > num_blocks * block_size).any():
             i = int(np.argmax(ends > num_blocks * block_size))
             raise ValueError(f"request {states[i].req_id!r} has {int(num_blocks[i])} blocks for {int(ends[i])} tokens")
         if int(ends.max()) > self.max_model_len:
             raise ValueError(f"a request reaches {int(ends.max())} tokens, beyond max_model_len {self.max_model_len}")
-        block_table = np.zeros((num_reqs, int(num_blocks.max())), dtype=np.int64)
-        for i, s in enumerate(states):
-            block_table[i, : len(s.block_ids)] = s.block_ids
+        rows = np.fromiter((s.table_row for s in states), dtype=np.int64, count=num_reqs)
+        block_table = self.requests.block_table.gather(rows, int(num_blocks.max()))
 
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_sched, out=query_start_loc[1:])

@@ -8,6 +8,7 @@ import torch
 
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from gpu_worker.block_table import BlockTable
 
 
 @dataclass(slots=True)
@@ -17,7 +18,9 @@ class RequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # Its KV blocks: how many, and its row of RequestStates.block_table, which holds their ids.
+    num_blocks: int
+    table_row: int
     num_computed_tokens: int
     generator: torch.Generator | None
     # Tokens forbidden while the request is short of min_tokens: EOS (unless ignore_eos) + stop ids.
@@ -75,6 +78,8 @@ class RequestStates:
         self._parked: dict[str, _Parked] = {}
         # Embedding requests held (SamplingParams.embed): a pass looks for them only while there are some.
         self.embedding_ids: set[str] = set()
+        # The block ids of every held request (a row each); parked requests hold none.
+        self.block_table = BlockTable()
 
     def __len__(self) -> int:
         return len(self.states)
@@ -95,14 +100,26 @@ class RequestStates:
         eos = () if params.ignore_eos else (*self.eos_token_ids, *(() if request_eos is None else (request_eos,)))
         return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
 
+    def _drop(self, req_id: str) -> RequestState | None:
+        state = self.states.pop(req_id, None)
+        if state is not None:
+            self.block_table.free(state.table_row)
+        return state
+
+    def _hold(self, state: RequestState, block_ids: list[int]) -> None:
+        """Hold ``state`` (replacing one of the same id), its blocks in a row of the table."""
+        self._drop(state.req_id)
+        state.table_row = self.block_table.add(block_ids)
+        self.states[state.req_id] = state
+
     def update(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
-            self.states.pop(req_id, None)
+            self._drop(req_id)
             self._parked.pop(req_id, None)
             self.embedding_ids.discard(req_id)
         for req_id in so.preempted_req_ids:
             self.embedding_ids.discard(req_id)
-            state = self.states.pop(req_id, None)
+            state = self._drop(req_id)
             if state is not None:
                 self._parked[req_id] = _Parked(state.sampling_params, state.generator, state.min_tokens_stop_ids,
                                                state.prompt_logprobs_sent, state.lora_int_id)
@@ -118,12 +135,12 @@ class RequestStates:
         num_outputs = len(new.output_token_ids)
         if params.embed:
             self.embedding_ids.add(new.req_id)
-        self.states[new.req_id] = RequestState(
+        self._hold(RequestState(
             req_id=new.req_id, token_ids=list(new.prompt_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids) - num_outputs, sampling_params=params,
-            block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+            num_blocks=len(new.block_ids), table_row=-1, num_computed_tokens=new.num_computed_tokens,
             generator=self._make_generator(params), min_tokens_stop_ids=self._stop_ids(params, new.eos_token_id),
-            lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0)
+            lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0), list(new.block_ids))
 
     def _apply_cached(self, cached: CachedRequestData) -> None:
         for i, req_id in enumerate(cached.req_ids):
@@ -137,13 +154,14 @@ class RequestStates:
                 params = parked.sampling_params
                 if params.embed:
                     self.embedding_ids.add(req_id)
-                self.states[req_id] = RequestState(
+                block_ids = list(blocks or ())
+                self._hold(RequestState(
                     req_id=req_id, token_ids=list(tokens),
                     num_prompt_tokens=len(tokens) - cached.num_output_tokens[i], sampling_params=params,
-                    block_ids=list(blocks or ()), num_computed_tokens=start, generator=parked.generator,
+                    num_blocks=len(block_ids), table_row=-1, num_computed_tokens=start, generator=parked.generator,
                     min_tokens_stop_ids=parked.min_tokens_stop_ids,
                     # Resumed after its prompt logprobs went out: recomputing the prompt sends nothing.
-                    prompt_logprobs_sent=parked.prompt_logprobs_sent, lora_int_id=parked.lora_int_id)
+                    prompt_logprobs_sent=parked.prompt_logprobs_sent, lora_int_id=parked.lora_int_id), block_ids)
                 continue
             state = self.states.get(req_id)
             if state is None:
@@ -159,4 +177,5 @@ class RequestStates:
             state.token_ids[start:start + len(tokens)] = tokens
             state.num_computed_tokens = start
             if blocks:
-                state.block_ids.extend(blocks)
+                self.block_table.write(state.table_row, state.num_blocks, blocks)
+                state.num_blocks += len(blocks)
