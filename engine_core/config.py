@@ -96,6 +96,8 @@ class CacheConfig:
     # The model's sliding window when every layer attends through it (from the model, not a flag):
     # blocks behind a request's window are released as it advances.
     sliding_window: int | None = None
+    # LongRoPE models (Phi-3 128k): the pretrained length; a longer prompt's blocks are keyed apart.
+    long_rope_after: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1", self.block_size)
@@ -252,9 +254,11 @@ class EngineConfig:
         except ValueError as e:
             raise ValueError(where + str(e)) from None
 
-    def cache_config(self, num_blocks: int, sliding_window: int | None = None) -> CacheConfig:
+    def cache_config(self, num_blocks: int, sliding_window: int | None = None,
+                     long_rope_after: int | None = None) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching, sliding_window=sliding_window)
+                           enable_prefix_caching=self.enable_prefix_caching, sliding_window=sliding_window,
+                           long_rope_after=long_rope_after)
 
     @property
     def engine_name(self) -> str:

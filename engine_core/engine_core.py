@@ -75,7 +75,8 @@ class EngineCore:
                 "--gpu-memory-utilization)")
         self.scheduler_config = sched_cfg
         spec = config.speculative_config
-        self.scheduler = Scheduler(sched_cfg, config.cache_config(num_blocks, self.model_info.sliding_window),
+        self.scheduler = Scheduler(sched_cfg, config.cache_config(num_blocks, self.model_info.sliding_window,
+                                                                  self.model_info.long_rope_after),
                                    log_stats=config.log_stats,
                                    include_finished_set=True,
                                    num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,

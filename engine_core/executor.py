@@ -38,6 +38,8 @@ class ModelInfo:
     # The sliding window when every layer attends through it (the KV cache releases blocks behind
     # it); None when any layer attends fully.
     sliding_window: int | None = None
+    # LongRoPE models: the pretrained length above which a prompt uses the long rotary factors.
+    long_rope_after: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
     extra: dict[str, str] = field(default_factory=dict)

@@ -17,7 +17,7 @@ import torch
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
@@ -55,9 +55,23 @@ def _rope_from_dict(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         scaling = dict(cfg.get("rope_scaling") or {})
     # Old checkpoints spell the key "type".
     rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
+    # Phi-3's early configs call LongRoPE "su" (or "yarn"), as transformers reads them.
+    if rope_type == "su" or (rope_type == "yarn" and (cfg.get("architectures") or [None])[0] == "Phi3ForCausalLM"):
+        rope_type = "longrope"
     scaling["rope_type"] = rope_type
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}")
+    if rope_type == "longrope":
+        # Phi-3's 128k models: the pretrained length (above which the long factors apply) sits at
+        # the config's top level; the default attention factor uses max_position_embeddings over it.
+        original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if not original:
+            raise ValueError("a longrope config needs original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = int(original)
+        scaling.setdefault("max_position_embeddings", int(cfg.get("max_position_embeddings", 2048)))
+        for key in ("short_factor", "long_factor"):
+            if not isinstance(scaling.get(key), list):
+                raise ValueError(f"a longrope config needs {key} (a list of per-frequency factors)")
     return theta, (None if rope_type == "default" else scaling)
 
 
@@ -133,6 +147,8 @@ class ModelConfig:
     # Per layer, whether its MLP is the routed experts (empty: every layer's is, in an MoE model).
     # Qwen-MoE keeps dense MLPs in mlp_only_layers and off its decoder_sparse_step.
     moe_layers: tuple[bool, ...] = ()
+    # RoPE's width within each head (head_dim unless partial_rotary_factor < 1: Phi-4-mini); 0: head_dim.
+    rotary_dim: int = 0
     # Not a checkpoint fact: how the workers place the experts (--enable-expert-parallel). True: each
     # TP rank holds num_experts / tp whole experts; False: a slice of every expert's width.
     expert_parallel: bool = False
@@ -146,6 +162,13 @@ class ModelConfig:
         if self.sliding_window is None or not all(self.sliding_window_layers or (True,)):
             return None
         return self.sliding_window
+
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE: the pretrained length, past which a sequence uses the long rotary factors."""
+        if self.rope_scaling and self.rope_scaling.get("rope_type") == "longrope":
+            return int(self.rope_scaling["original_max_position_embeddings"])
+        return None
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer`` (None: full causal attention)."""
@@ -188,8 +211,11 @@ class ModelConfig:
         theta, scaling = _rope_from_dict(cfg)
         params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
-        if partial != 1.0:  # (Phi-4-mini rotates 3/4 of each head)
-            raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE over whole heads), got {partial}")
+        rotary_dim = int(head_dim * partial)
+        # Phi-4-mini rotates 3/4 of each head; the Llama-family code of the others rotates whole heads.
+        if partial != 1.0 and (arch != "Phi3ForCausalLM" or not 0 < rotary_dim <= head_dim or rotary_dim % 2):
+            raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE over whole heads) for {arch}, or give an "
+                             f"even rotary width for Phi-3, got {partial}")
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
             # (transformers reads a missing sliding_window as 4096.)
@@ -245,6 +271,7 @@ class ModelConfig:
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,
             raw=dict(cfg),
             sliding_window_layers=window_layers,
+            rotary_dim=rotary_dim,
             **moe,
         )
 

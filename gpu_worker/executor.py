@@ -59,7 +59,8 @@ class _ExecutorBase(Executor):
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
-            hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window)
+            hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
+            long_rope_after=self.model_config.long_rope_after)
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and experts % tp:
             # Refused here, before any worker starts, rather than by every rank's model build.

@@ -73,6 +73,8 @@ class ModelRunner:
         self.num_spec_tokens = num_spec_tokens
         self.model: nn.Module | None = None
         self.attention_windows: frozenset[int | None] = frozenset({None})
+        self.rope_short_offset: int | None = None
+        self.rope_original_len: int | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.num_blocks = 0
@@ -99,6 +101,9 @@ class ModelRunner:
         self.model = model.eval()
         # The sliding windows the layers attend with (None: full attention): one metadata each per step.
         self.attention_windows = frozenset(layer.sliding_window for layer in model.attention_layers())
+        # LongRoPE: where the short factors' rotary rows start, and the length above which they stop.
+        rotary = model.model.rotary_emb
+        self.rope_short_offset, self.rope_original_len = rotary.short_offset, rotary.original_max_position
         if self.max_lora_rank is not None:
             self.lora = LoRAManager(model, self.max_lora_rank, self.device, self.dtype, self.max_resident_loras,
                                     self.max_cpu_loras)
@@ -399,6 +404,12 @@ class ModelRunner:
         for s, end in zip(states, ends.tolist(), strict=True):
             s.num_computed_tokens = end
 
+        if self.rope_short_offset is not None:
+            # LongRoPE, as transformers picks the factors for a sequence: the long ones once it is
+            # longer than the pretrained length (a prompt counts whole, however it is chunked).
+            prompt_lens = np.fromiter((s.num_prompt_tokens for s in states), dtype=np.int64, count=num_reqs)
+            short = np.maximum(ends, prompt_lens) <= self.rope_original_len
+            positions = positions + np.where(short, self.rope_short_offset, 0)[req_index]
         hidden = self.model(torch.from_numpy(input_ids).to(self.device),
                             torch.from_numpy(positions).to(self.device), meta)
         return hidden, sample_rows, query_start_loc[1:] - 1

@@ -40,8 +40,11 @@ RELEASED_BLOCK = KVCacheBlock(0)
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 log_stats: bool = True, sliding_window: int | None = None) -> None:
+                 log_stats: bool = True, sliding_window: int | None = None,
+                 long_rope_after: int | None = None) -> None:
         self.block_size = block_size
+        # LongRoPE models: prompts longer than this use the long rotary factors (their own prefixes).
+        self.long_rope_after = long_rope_after
         # The window every layer attends through (None: full attention, every block kept).
         self.sliding_window = sliding_window
         # How many of a request's leading blocks were released behind its window.
@@ -62,6 +65,9 @@ class KVCacheManager:
     def empty_kv_cache_blocks(self) -> KVCacheBlocks:
         return self._empty
 
+    def _long_rope(self, request: Request) -> bool:
+        return self.long_rope_after is not None and request.num_prompt_tokens > self.long_rope_after
+
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest run of the request's full blocks already in the prefix cache, and its token count."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
@@ -70,7 +76,7 @@ class KVCacheManager:
         # The last prompt token is always recomputed: its logits are needed to sample.
         max_hit_blocks = (request.num_tokens - 1) // block_size
         extend_block_hashes(request.block_hashes, request.all_token_ids, max_hit_blocks, block_size,
-                            request.cache_salt, request.lora_key)
+                            request.cache_salt, request.lora_key, self._long_rope(request))
         get_cached = self.block_pool.get_cached_block
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -164,7 +170,7 @@ class KVCacheManager:
         if num_full_blocks <= num_cached:
             return
         extend_block_hashes(request.block_hashes, request.all_token_ids, num_full_blocks, self.block_size,
-                            request.cache_salt, request.lora_key)
+                            request.cache_salt, request.lora_key, self._long_rope(request))
         self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
         self.num_cached_block[req_id] = num_full_blocks
 

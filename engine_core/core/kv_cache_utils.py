@@ -23,27 +23,31 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int],
     return h.digest()
 
 
-def first_block_keys(cache_salt: str | None = None, lora_key: tuple[int, str] | None = None
-                     ) -> tuple[object, ...] | None:
+def first_block_keys(cache_salt: str | None = None, lora_key: tuple[int, str] | None = None,
+                     long_rope: bool = False) -> tuple[object, ...] | None:
     """The extra keys of a request's first block: its cache salt and its LoRA adapter (id, name).
-    KV computed under one adapter is wrong for every other one, so an adapter keys its own prefixes."""
+    KV computed under one adapter is wrong for every other one, so an adapter keys its own prefixes.
+    ``long_rope``: a LongRoPE model computes a prompt longer than its pretrained length with other
+    rotary factors than a shorter one, so the two never share blocks."""
     keys: tuple[object, ...] = ()
     if cache_salt:
         keys += (cache_salt,)
     if lora_key is not None:
         keys += (("lora", *lora_key),)
+    if long_rope:
+        keys += ("longrope",)
     return keys or None
 
 
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int,
                         block_size: int, cache_salt: str | None = None,
-                        lora_key: tuple[int, str] | None = None) -> None:
+                        lora_key: tuple[int, str] | None = None, long_rope: bool = False) -> None:
     """Grow ``block_hashes`` in place to cover the first ``num_blocks`` full blocks of ``token_ids``."""
     start = len(block_hashes)
     parent = block_hashes[-1] if block_hashes else NONE_HASH
     for i in range(start, num_blocks):
         # The salt and the adapter key the first block only: later blocks inherit them through the chain.
-        extra = first_block_keys(cache_salt, lora_key) if i == 0 else None
+        extra = first_block_keys(cache_salt, lora_key, long_rope) if i == 0 else None
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         block_hashes.append(parent)
 

@@ -132,7 +132,7 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching, log_stats=log_stats,
-            sliding_window=cache_config.sliding_window)
+            sliding_window=cache_config.sliding_window, long_rope_after=cache_config.long_rope_after)
 
         # Stats counters (deltas since make_stats) and last-pass figures.
         self._num_preemptions = 0

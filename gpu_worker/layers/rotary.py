@@ -1,7 +1,14 @@
-"""Rotary position embedding (HF "rotate_half" layout), with linear and Llama-3 frequency scaling.
+"""Rotary position embedding (HF "rotate_half" layout), with linear, Llama-3 and LongRoPE frequency
+scaling, over whole heads or their first ``rotary_dim`` values (Phi-4-mini's partial rotary).
 
 cos/sin are precomputed for every position once, so a step only indexes them by ``positions``;
 that is what lets one flat batch mix requests at arbitrary offsets.
+
+LongRoPE (Phi-3/3.5/4-mini 128k) rotates with its long factors once a sequence is longer than the
+pretrained length, its short ones before, and scales cos/sin by an attention factor. The table
+holds the long rows for every position, then the short rows for the pretrained positions, from
+``short_offset`` on: the model runner picks a token's row (its position, or ``short_offset`` + its
+position) per request, as transformers picks the factors for a sequence.
 """
 
 from __future__ import annotations
@@ -46,31 +53,62 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     return inv_freq
 
 
+def _longrope_tables(rotary_dim: int, max_position: int, theta: float, scaling: dict[str, Any]
+                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(cos, sin, original length): the long factors' rows for every position, then the short
+    factors' rows for the pretrained positions, both scaled by the attention factor."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or scaling["max_position_embeddings"] / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    rows = []
+    for key, length in (("long_factor", max_position), ("short_factor", min(original, max_position))):
+        factors = torch.tensor(scaling[key], dtype=torch.float32)
+        if factors.shape != exponents.shape:
+            raise ValueError(f"longrope {key} has {factors.numel()} values; the rotary width {rotary_dim} needs "
+                             f"{exponents.numel()}")
+        rows.append(torch.outer(torch.arange(length, dtype=torch.float32), 1.0 / (factors * theta ** exponents)))
+    freqs = torch.cat(rows)
+    return freqs.cos() * float(attention), freqs.sin() * float(attention), original
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float,
+    def __init__(self, rotary_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.head_dim = head_dim
-        inv_freq = compute_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.rotary_dim = rotary_dim
+        # LongRoPE: where the short factors' rows start, and the length above which the long ones apply.
+        self.short_offset: int | None = None
+        self.original_max_position: int | None = None
+        if (scaling or {}).get("rope_type") == "longrope":
+            cos, sin, self.original_max_position = _longrope_tables(rotary_dim, max_position, theta, scaling)
+            self.short_offset = max_position
+        else:
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32),
+                                compute_inv_freq(rotary_dim, theta, scaling))
+            cos, sin = freqs.cos(), freqs.sin()
         dtype = dtype or torch.get_default_dtype()
-        # [max_position, head_dim // 2] each; buffers so .to(device) moves them with the model.
-        self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
+        # [rows, rotary_dim // 2] each; buffers so .to(device) moves them with the model.
+        self.register_buffer("cos_cache", cos.to(dtype), persistent=False)
+        self.register_buffer("sin_cache", sin.to(dtype), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, 1, head_dim // 2] each: looked up once per step, shared by every layer."""
+        """[num_tokens, 1, rotary_dim // 2] each: looked up once per step, shared by every layer.
+        ``positions`` are rows of the table (for LongRoPE, see the module's docstring)."""
         return (self.cos_cache.index_select(0, positions).unsqueeze(1),
                 self.sin_cache.index_select(0, positions).unsqueeze(1))
 
     @staticmethod
     def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape [num_tokens, num_heads, head_dim] in place; returns it.
+        """Rotate the first 2 * cos.shape[-1] values of each head of ``x`` [num_tokens, num_heads,
+        head_dim] in place (all of them unless the rotary is partial); returns it.
 
         Queries and keys are passed together as one head axis, so the rotation runs once per layer.
         """
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
+        half = cos.shape[-1]
+        x1, x2 = x[..., :half], x[..., half: 2 * half]
         r1 = x1 * cos - x2 * sin
         r2 = x2 * cos + x1 * sin
         x1.copy_(r1)

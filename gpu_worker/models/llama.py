@@ -140,12 +140,14 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_context_len, config.rope_theta,
-                                          config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
+                                          config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``positions``: each token's row of the rotary table (its position, except for LongRoPE's
+        short-factor rows: see layers.rotary)."""
         hidden = self.embed_tokens.forward(input_ids)
         rope = self.rotary_emb.cos_sin(positions)
         residual = None

@@ -310,3 +310,37 @@ def test_kv_cache_events_go_to_every_subscriber_from_a_snapshot_on(service):
     finally:
         service._max_buffered_event_hashes = 65536
         service.unsubscribe_kv_events(8)
+
+
+def test_a_longrope_engine_keys_long_prompts_apart_in_its_prefix_cache(tmp_path):
+    """Phi-3 128k (LongRoPE, pretrained length 16): the engine tells its KV cache the length, so a
+    prompt past it finds nothing a shorter one computed with the short factors, and each request's
+    tokens are transformers' (see test_model_runner for the factor switch while decoding)."""
+    from engine_core.engine_core import EngineCore
+    from tests.gpu_worker.utils import LONGROPE, hf_greedy, load_hf, save_tiny_model
+
+    model = save_tiny_model(tmp_path, "phi3", original_max_position_embeddings=16, rope_scaling=LONGROPE)
+    build_tokenizer().save_pretrained(model)
+    [config] = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=64, block_size=4)).engine_configs()
+    engine = EngineCore(config, create_executor(config))
+    prefix = [(7 * i + 3) % 256 for i in range(12)]
+    # (The short ones stay within 16 tokens: past it transformers' generate recomputes everything.)
+    prompts = {"short": prefix + [1], "long": prefix + [9] * 8, "short2": prefix + [3]}
+    try:
+        assert engine.model_info.long_rope_after == 16
+        assert engine.scheduler.kv_cache_manager.long_rope_after == 16
+        hits, tokens = {}, {}
+        for rid, prompt in prompts.items():  # one after the other: each could hit the ones before
+            engine.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, client_index=0,
+                                                 sampling_params=SamplingParams(max_tokens=3, ignore_eos=True,
+                                                                                temperature=0.0)))
+            while engine.scheduler.has_unfinished_requests():
+                for eco in engine.step().values():
+                    for out in eco.outputs:
+                        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                        hits.setdefault(out.request_id, out.num_cached_tokens)  # (on its first output)
+    finally:
+        engine.shutdown()
+    assert hits == {"short": 0, "long": 0, "short2": 12}
+    hf = load_hf(model)
+    assert tokens == {rid: hf_greedy(hf, p, 3) for rid, p in prompts.items()}

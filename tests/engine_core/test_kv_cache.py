@@ -207,6 +207,22 @@ def test_a_lora_adapter_keys_its_own_prefixes():
     assert first_block_keys("tenant") == ("tenant",) and first_block_keys() is None
 
 
+def test_longrope_prompts_past_the_pretrained_length_key_their_own_prefixes():
+    """A LongRoPE model (pretrained length 12 here) rotates a longer prompt with its long factors
+    from the first token: such a prompt's blocks never serve a shorter one's, nor the reverse."""
+    mgr = KVCacheManager(num_blocks=32, block_size=4, long_rope_after=12)
+    mgr.allocate_slots(_req("short", list(range(10))), 10)
+    assert mgr.get_computed_blocks(_req("short2", list(range(11))))[1] == 8
+    assert mgr.get_computed_blocks(_req("long", list(range(13))))[1] == 0  # same first 8 tokens
+    mgr.allocate_slots(_req("long", list(range(13))), 13)
+    assert mgr.get_computed_blocks(_req("long2", list(range(14))))[1] == 12
+    assert mgr.get_computed_blocks(_req("short3", list(range(9))))[1] == 8  # the short blocks, still there
+    # Without LongRoPE, the same prompts share their prefix.
+    plain = KVCacheManager(num_blocks=32, block_size=4)
+    plain.allocate_slots(_req("short", list(range(10))), 10)
+    assert plain.get_computed_blocks(_req("long", list(range(13))))[1] == 8
+
+
 def test_blocks_behind_a_sliding_window_are_released_as_the_request_advances():
     """Window 6, block size 4: the token at position p attends to keys p-5..p, so once the request has
     computed n tokens, the blocks wholly before key n-5 go back to the pool, cached and in order."""

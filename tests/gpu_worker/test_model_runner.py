@@ -12,6 +12,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from gpu_worker.config import ModelConfig
 from tests.gpu_worker.utils import (
+    LONGROPE,
     greedy_request,
     hf_greedy,
     load_hf,
@@ -90,6 +91,43 @@ def test_other_architectures_greedy_match_hf(tmp_path, kind, overrides, decode_i
     got = run_to_completion(sched, runner.execute_model)
     for rid, p in ps.items():
         assert got[rid] == hf_greedy(hf, p, 10), rid
+
+
+def _hf_cached_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' model run step by step over its own KV cache (its rotary picks LongRoPE's
+    factors from each step's sequence length). Its ``generate`` for Phi-3 also drops the cache and
+    recomputes the whole sequence once it outgrows the pretrained length; we (like vLLM) keep it."""
+    import torch
+
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for step in range(max_new_tokens - 1):
+            out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True,
+                     position_ids=torch.tensor([[len(prompt) + step]]))
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def test_longrope_switches_to_the_long_factors_as_transformers_does(tmp_path):
+    """Phi-3 128k's LongRoPE, pretrained length 24: a prompt longer than that uses the long factors
+    for all its chunks (transformers sees the whole prompt at once); a shorter one uses the short
+    factors until its sequence outgrows 24 while decoding, then the long ones, the keys already
+    cached staying as they were computed. Both kinds share the batches; each request follows its own
+    length (vLLM switches a whole batch once any of its sequences is long)."""
+    path = save_tiny_model(tmp_path, "phi3", original_max_position_embeddings=24, rope_scaling=LONGROPE)
+    hf = load_hf(path)
+    runner = make_runner(path, num_blocks=96, block_size=4)
+    assert (runner.rope_short_offset, runner.rope_original_len) == (256, 24)
+    sched = make_scheduler(num_blocks=96, block_size=4, max_num_batched_tokens=13, long_prefill_token_threshold=5)
+    ps = {**prompts(3, 3, lo=14, hi=22), **prompts(4, 2, lo=30, hi=40)}
+    for rid, p in ps.items():
+        sched.add_request(greedy_request(rid, p, 12))
+    got = run_to_completion(sched, runner.execute_model)
+    for rid, p in ps.items():
+        assert got[rid] == _hf_cached_greedy(hf, p, 12), rid
+        if len(p) > 24:  # long from the start: transformers' generate agrees too
+            assert got[rid] == hf_greedy(hf, p, 12), rid
 
 
 @pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])

@@ -8,7 +8,7 @@ import torch
 from gpu_worker.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from gpu_worker.models import MODEL_REGISTRY, get_model_class
 from gpu_worker.models.llama import MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from tests.gpu_worker.utils import LLAMA3_ROPE, load_hf, make_runner, prefill_logits, save_tiny_model
+from tests.gpu_worker.utils import LLAMA3_ROPE, LONGROPE, load_hf, make_runner, prefill_logits, save_tiny_model
 
 CASES = {
     "llama_untied": ("llama", {}),
@@ -29,6 +29,13 @@ CASES = {
     "mistral_window": ("mistral", {"sliding_window": 8}),
     "phi3_window": ("phi3", {"sliding_window": 7}),
     "qwen2_window_upper_layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    # LongRoPE (Phi-3/3.5-mini 128k): the 45-token prompt is past the pretrained 16, so the long
+    # factors apply, with the attention factor from 256 / 16; Phi-4-mini rotates 3/4 of each head.
+    "phi3_longrope": ("phi3", {"original_max_position_embeddings": 16, "rope_scaling": LONGROPE}),
+    "phi4_mini_partial_longrope": ("phi3", {"original_max_position_embeddings": 16, "partial_rotary_factor": 0.75,
+                                            "rope_scaling": {k: v[:6] if isinstance(v, list) else v
+                                                             for k, v in LONGROPE.items()}}),
+    "phi3_partial_rotary": ("phi3", {"partial_rotary_factor": 0.5}),
     # Mixture of experts: 8 experts, 2 per token. Mixtral renormalises the two weights; Qwen2-MoE
     # does not, adds a gated shared expert, and keeps a dense MLP in the layers listed (or off its
     # sparse step); Qwen3-MoE renormalises, with its q/k norms.
@@ -89,11 +96,22 @@ def test_config_rejects_unsupported():
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_dict({**base, "hidden_act": "gelu"})
-    with pytest.raises(ValueError, match=r"partial_rotary_factor must be 1\.0"):  # Phi-4-mini's
-        ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75})
-    with pytest.raises(ValueError, match="rope_type"):  # Phi-3's 128k models (LongRoPE)
-        ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "rope_scaling": {
-            "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+    # A partial rotary is Phi-3's (Phi-4-mini); the Llama family's code rotates whole heads.
+    with pytest.raises(ValueError, match=r"partial_rotary_factor must be 1\.0 .* for LlamaForCausalLM"):
+        ModelConfig.from_dict({**base, "partial_rotary_factor": 0.75})
+    assert ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"],
+                                  "partial_rotary_factor": 0.75}).rotary_dim == 12
+    longrope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "rope_scaling": longrope})
+    with pytest.raises(ValueError, match="long_factor"):
+        ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 16,
+                               "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}})
+    # Phi-3's first 128k configs say "su" (or "yarn"): LongRoPE, as transformers reads them.
+    su = ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 16,
+                                "max_position_embeddings": 64, "rope_scaling": {**longrope, "type": "su"}})
+    assert su.rope_scaling["rope_type"] == "longrope" and su.rope_scaling["original_max_position_embeddings"] == 16
+    assert su.max_context_len == 64
 
 
 def test_registry_maps_architectures(tmp_path):

@@ -37,6 +37,9 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
+# Phi-3's LongRoPE for 16-dim heads: a factor per frequency pair, short ones near 1, long ones larger.
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.8, 2.0],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}
 
 
 def make_config(kind: str = "llama", **overrides):
