@@ -99,7 +99,8 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         stream_interval=config.stream_interval,
     )
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
-                                   load_margin=config.prefix_load_margin)
+                                   load_margin=config.prefix_load_margin,
+                                   long_rope_after=first.model_info.long_rope_after)
     if hasattr(policy, "forget_engine"):
         client.on_engine_restart = policy.forget_engine
     if hasattr(policy, "apply_kv_events"):  # each engine reports what its prefix cache holds

@@ -101,8 +101,11 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def __init__(self, num_engines: int, block_size: int = 16, load_margin: int = 8,
                  max_blocks_per_engine: int = 200_000, seed: int | None = None,
-                 pending_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 pending_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 long_rope_after: int | None = None) -> None:
         self.block_size = block_size
+        # LongRoPE models: the engines key a prompt longer than this apart; so do we, to match them.
+        self.long_rope_after = long_rope_after
         self.load_margin = load_margin
         self.max_blocks_per_engine = max_blocks_per_engine
         self.pending_ttl_s = pending_ttl_s
@@ -155,8 +158,10 @@ class PrefixAwarePolicy(RoutingPolicy):
     def choose(self, ctx: RoutingContext) -> int:
         healthy = ctx.healthy_indices()
         block_hashes: list[bytes] = []
-        extend_block_hashes(block_hashes, ctx.prompt_token_ids, len(ctx.prompt_token_ids) // self.block_size,
-                            self.block_size, lora_key=ctx.lora_key)
+        num_tokens = len(ctx.prompt_token_ids)
+        extend_block_hashes(block_hashes, ctx.prompt_token_ids, num_tokens // self.block_size, self.block_size,
+                            lora_key=ctx.lora_key,
+                            long_rope=self.long_rope_after is not None and num_tokens > self.long_rope_after)
         lengths = self.match_lengths(block_hashes)
         least = min(healthy, key=lambda i: ctx.loads[i])
         best = max(healthy, key=lambda i: (lengths[i], -ctx.loads[i]))
@@ -222,13 +227,14 @@ class SessionAffinityPolicy(RoutingPolicy):
 
 
 def create_routing_policy(name: str, num_engines: int, block_size: int = 16, load_margin: int = 8,
-                          seed: int | None = None) -> RoutingPolicy:
+                          seed: int | None = None, long_rope_after: int | None = None) -> RoutingPolicy:
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_loaded":
         return LeastLoadedPolicy(seed)
     if name == "prefix_aware":
-        return PrefixAwarePolicy(num_engines, block_size=block_size, load_margin=load_margin, seed=seed)
+        return PrefixAwarePolicy(num_engines, block_size=block_size, load_margin=load_margin, seed=seed,
+                                 long_rope_after=long_rope_after)
     if name == "session":
         return SessionAffinityPolicy(num_engines, seed=seed)
     raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, got {name!r}")

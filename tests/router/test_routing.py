@@ -126,3 +126,27 @@ def test_prefix_aware_follows_what_the_engines_report_they_cache():
     assert p.match_lengths(p_hashes(p, other))[first] == 3
     p.apply_kv_events(first, [(ALL_BLOCKS_CLEARED, [])])
     assert p.match_lengths(p_hashes(p, other))[first] == 0 and p.num_cached_blocks()[first] == 0
+
+
+def test_prefix_aware_hashes_a_longrope_models_prompts_as_its_engines_do():
+    """A LongRoPE model's engines key prompts past the pretrained length (12 here) apart: the policy
+    hashes them the same way, so a long prompt follows the blocks an engine reports for long ones,
+    and a short prompt with the same prefix does not."""
+    from engine_core.core.block_pool import BLOCKS_STORED
+    from engine_core.core.kv_cache_manager import KVCacheManager
+    from engine_core.request import Request
+    from engine_core.sampling_params import SamplingParams
+
+    long_prompt = list(range(200, 216))  # 16 tokens
+    engine_side = KVCacheManager(num_blocks=16, block_size=4, long_rope_after=12)
+    request = Request("r", long_prompt, SamplingParams())
+    engine_side.allocate_slots(request, len(long_prompt))
+    p = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0, long_rope_after=12)
+    p.apply_kv_events(0, [(BLOCKS_STORED, [])])
+    p.apply_kv_events(1, [(BLOCKS_STORED, request.block_hashes)])
+    assert all(p.choose(ctx([1, 0], tokens=long_prompt + [t])) == 1 for t in range(3))
+    assert p.match_lengths(p_hashes(p, long_prompt[:8]))[1] == 0  # a short prompt's hashes differ
+    # Without the model's length the policy would hash a long prompt as a short one, and miss.
+    plain = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0)
+    plain.apply_kv_events(1, [(BLOCKS_STORED, request.block_hashes)])
+    assert plain.match_lengths(p_hashes(plain, long_prompt))[1] == 0
