@@ -315,6 +315,8 @@ class LLM:
         ``data_1`` prompt with every ``data_2`` prompt, or the i-th with the i-th. Each distinct prompt
         is embedded once. A pair's ``prompt_token_ids`` are its two prompts' ids, joined."""
         first, second = self._as_prompt_list(data_1), self._as_prompt_list(data_2)
+        if not first or not second:
+            raise ValueError("LLM.score needs at least one prompt on each side")
         pairs = score_pairs(len(first), len(second))
         unique: dict[tuple[str, Any], PromptType] = {}
         for prompt in [*first, *second]:

@@ -63,8 +63,11 @@ def _rope_from_dict(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}")
     if rope_type == "longrope":
         # Phi-3's 128k models: the pretrained length (above which the long factors apply) sits at
-        # the config's top level; the default attention factor uses max_position_embeddings over it.
-        original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        # the config's top level (read first, as transformers does; Phi-3's default is 4096); the
+        # default attention factor uses max_position_embeddings over it.
+        original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        if not original and (cfg.get("architectures") or [None])[0] == "Phi3ForCausalLM":
+            original = 4096
         if not original:
             raise ValueError("a longrope config needs original_max_position_embeddings")
         scaling["original_max_position_embeddings"] = int(original)

@@ -25,6 +25,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.distributed import get_tp_rank
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache
+from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
@@ -404,12 +405,10 @@ class ModelRunner:
         for s, end in zip(states, ends.tolist(), strict=True):
             s.num_computed_tokens = end
 
-        if self.rope_short_offset is not None:
-            # LongRoPE, as transformers picks the factors for a sequence: the long ones once it is
-            # longer than the pretrained length (a prompt counts whole, however it is chunked).
+        if self.rope_short_offset is not None:  # LongRoPE: short or long rotary rows, per token
             prompt_lens = np.fromiter((s.num_prompt_tokens for s in states), dtype=np.int64, count=num_reqs)
-            short = np.maximum(ends, prompt_lens) <= self.rope_original_len
-            positions = positions + np.where(short, self.rope_short_offset, 0)[req_index]
+            positions = longrope_rows(positions, prompt_lens[req_index], self.rope_short_offset,
+                                      self.rope_original_len)
         hidden = self.model(torch.from_numpy(input_ids).to(self.device),
                             torch.from_numpy(positions).to(self.device), meta)
         return hidden, sample_rows, query_start_loc[1:] - 1

@@ -101,7 +101,7 @@ class RerankRequest(_ScoringFields):
     query: str
     # Texts, or Cohere's {"text": ...} objects.
     documents: list[str | dict[str, Any]]
-    top_n: int = Field(0, ge=0, description="Return the n best documents (0: all).")
+    top_n: int = Field(0, description="Return the n best documents (0 or less: all, as vLLM reads it).")
     return_documents: bool = Field(True, description="Include each document's text in its result.")
 
     @model_validator(mode="after")
@@ -128,7 +128,8 @@ class ScoringServing:
         left, right = request.sides()
         pairs = score_pairs(len(left), len(right))
         request_id = f"score-{uuid.uuid4().hex}"
-        scores, num_tokens = await self._cosine(request_id, request, left, right, pairs, session_id)
+        names = ("text_1", "text_2") if request.text_1 is not None else ("queries", "documents")
+        scores, num_tokens = await self._cosine(request_id, request, left, right, pairs, session_id, names)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": self.serving.model_name(request.model),
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -138,9 +139,10 @@ class ScoringServing:
         documents = request.document_texts()
         request_id = f"rerank-{uuid.uuid4().hex}"
         scores, num_tokens = await self._cosine(request_id, request, [request.query], documents,
-                                                [(0, i) for i in range(len(documents))], session_id)
+                                                [(0, i) for i in range(len(documents))], session_id,
+                                                ("query", "documents"))
         ranked = sorted(range(len(documents)), key=lambda i: -scores[i])  # (stable: ties keep their order)
-        if request.top_n:
+        if request.top_n > 0:
             ranked = ranked[: request.top_n]
         return {"id": request_id, "model": self.serving.model_name(request.model),
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
@@ -149,14 +151,17 @@ class ScoringServing:
                             for i in ranked]}
 
     async def _cosine(self, request_id: str, request: _ScoringFields, left: list[str], right: list[str],
-                      pairs: list[tuple[int, int]], session_id: str | None = None) -> tuple[list[float], int]:
-        """Each pair's cosine similarity, and the prompt tokens embedded (each distinct text once)."""
+                      pairs: list[tuple[int, int]], session_id: str | None, names: tuple[str, str]
+                      ) -> tuple[list[float], int]:
+        """Each pair's cosine similarity, and the prompt tokens embedded: each distinct text once
+        (what ran; vLLM counts each pair's two texts)."""
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
         texts = list(dict.fromkeys(left + right))
         where = {text: i for i, text in enumerate(texts)}
-        prompts = [self.embeddings.prompt_ids(text, request, "documents" if text in right else "query")
+        firsts = set(left)
+        prompts = [self.embeddings.prompt_ids(text, request, names[0] if text in firsts else names[1])
                    for text in texts]
         params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=True)
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)

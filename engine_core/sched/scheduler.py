@@ -179,7 +179,7 @@ class Scheduler(SchedulerInterface):
 
     def _update_request_as_session(self, request: Request, update: StreamingUpdate) -> None:
         """Apply the next chunk to an idle session; it stays in skipped_waiting, now admissible."""
-        request.apply_streaming_update(update)
+        self._continue_session(request, update)
         request.status = _WAITING
         self.num_waiting_for_streaming_input -= 1
 
@@ -694,7 +694,7 @@ class Scheduler(SchedulerInterface):
             update = queue.popleft()
             if update is None:
                 return True  # a non-resumable continuation closed the session
-            request.apply_streaming_update(update)
+            self._continue_session(request, update)
             request.status = _WAITING
             self.waiting.add_request(request)
         else:
@@ -702,6 +702,18 @@ class Scheduler(SchedulerInterface):
             self.num_waiting_for_streaming_input += 1
             self.skipped_waiting.add_request(request)
         return False
+
+    def _continue_session(self, request: Request, update: StreamingUpdate) -> None:
+        """A streaming session's next chunk. A LongRoPE model whose session now outgrows the
+        pretrained length recomputes the whole of it (its KV was rotated with the short factors,
+        which the prompt no longer takes), from blocks keyed as a long prompt's."""
+        after = self.kv_cache_manager.long_rope_after
+        was_short = after is not None and request.num_prompt_tokens <= after
+        request.apply_streaming_update(update)
+        if was_short and request.num_prompt_tokens > after:
+            self.kv_cache_manager.free(request)
+            request.block_hashes = []
+            request.num_computed_tokens = 0
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -72,6 +73,18 @@ def _longrope_tables(rotary_dim: int, max_position: int, theta: float, scaling: 
         rows.append(torch.outer(torch.arange(length, dtype=torch.float32), 1.0 / (factors * theta ** exponents)))
     freqs = torch.cat(rows)
     return freqs.cos() * float(attention), freqs.sin() * float(attention), original
+
+
+def longrope_rows(positions: np.ndarray, prompt_lens: np.ndarray, short_offset: int, original_len: int
+                  ) -> np.ndarray:
+    """Each token's row of a LongRoPE table, as transformers picks the factors for a sequence: the
+    long ones once the sequence up to the token is longer than the pretrained length, a prompt
+    counting whole however it is chunked (``prompt_lens``: each token's request's prompt length).
+    Decided per token, so drafts, or a recompute after a preemption, rotate each token as its own
+    decode step did, and a block's KV depends only on its tokens and on whether the prompt is long
+    (what its prefix-cache key says)."""
+    short = np.maximum(positions + 1, prompt_lens) <= original_len
+    return positions + np.where(short, short_offset, 0)
 
 
 class RotaryEmbedding(nn.Module):

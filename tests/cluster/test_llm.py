@@ -96,6 +96,8 @@ def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_m
         pairwise = llm.score(PROMPTS[:2], [PROMPTS[0], tok.encode(PROMPTS[2])], use_tqdm=False)
         with pytest.raises(ValueError, match="one text, or as many as the second"):
             llm.score(PROMPTS[:2], PROMPTS[:3], use_tqdm=False)
+        with pytest.raises(ValueError, match="at least one prompt on each side"):
+            llm.score(PROMPTS[0], [], use_tqdm=False)
         # Generation afterwards is untouched, and nothing was left in the engine.
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == \

@@ -120,3 +120,28 @@ def test_non_resumable_repeat_of_a_busy_session_ends_it_when_the_turn_stops():
     assert list(session.streaming_queue) == [None]
     step(sched)
     assert session.is_finished() and session.request_id not in sched.requests
+
+
+def test_a_longrope_session_outgrowing_the_pretrained_length_is_recomputed_whole():
+    """Its KV so far was rotated with LongRoPE's short factors, which a prompt past the pretrained
+    length (8 here) no longer takes: the continuation starts over, from blocks keyed as long."""
+    sched = create_scheduler(block_size=4, long_rope_after=8)
+    session = _session(sched)  # 5 prompt tokens + 2 outputs: short
+    step(sched)
+    step(sched)
+    assert session.num_computed_tokens > 0 and sched.kv_cache_manager.get_num_blocks(session.request_id) > 0
+    short_first_block = session.block_hashes[0]
+    sched.add_request(_continuation(session, tokens=(21, 22, 23)))  # 7 + 3 = 10 > 8
+    assert session.num_computed_tokens == 0 and not session.block_hashes
+    assert sched.kv_cache_manager.get_num_blocks(session.request_id) == 0
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens[session.request_id] == session.num_prompt_tokens == 10
+    assert session.block_hashes[0] != short_first_block  # (same first 4 tokens, keyed long)
+    # A session that stays short keeps its blocks, as any session does.
+    kept = create_scheduler(block_size=4, long_rope_after=64)
+    other = _session(kept)
+    step(kept)
+    step(kept)
+    computed = other.num_computed_tokens
+    kept.add_request(_continuation(other, tokens=(21, 22, 23)))
+    assert other.num_computed_tokens == computed

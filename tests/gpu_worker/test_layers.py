@@ -164,6 +164,20 @@ def test_rotary_matches_transformers():
     torch.testing.assert_close(ours(positions, x.clone()), ref[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
 
 
+def test_longrope_picks_each_tokens_rows_by_the_sequence_up_to_it():
+    """Pretrained length 24, short rows from 256 on: a short prompt's tokens stay short through
+    position 23 and go long from 24 (the step whose sequence is 25 long), even within one chunk
+    (drafts, a recompute after preemption); a longer prompt's are all long; exactly 24 is short."""
+    import numpy as np
+
+    from gpu_worker.layers.rotary import longrope_rows
+
+    chunk = np.arange(20, 28)
+    assert longrope_rows(chunk, np.full(8, 10), 256, 24).tolist() == [276, 277, 278, 279, 24, 25, 26, 27]
+    assert longrope_rows(np.arange(0, 4), np.full(4, 30), 256, 24).tolist() == [0, 1, 2, 3]
+    assert longrope_rows(np.array([23, 24]), np.array([24, 24]), 256, 24).tolist() == [279, 24]
+
+
 def test_column_and_row_parallel_shards_compose_to_full_linear():
     torch.manual_seed(0)
     x = torch.randn(5, 12)

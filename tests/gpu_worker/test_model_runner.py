@@ -109,21 +109,43 @@ def _hf_cached_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
     return tokens
 
 
-def test_longrope_switches_to_the_long_factors_as_transformers_does(tmp_path):
+@pytest.mark.parametrize("variant", ["plain", "drafts", "preemption"])
+def test_longrope_switches_to_the_long_factors_as_transformers_does(tmp_path, variant):
     """Phi-3 128k's LongRoPE, pretrained length 24: a prompt longer than that uses the long factors
     for all its chunks (transformers sees the whole prompt at once); a shorter one uses the short
     factors until its sequence outgrows 24 while decoding, then the long ones, the keys already
     cached staying as they were computed. Both kinds share the batches; each request follows its own
-    length (vLLM switches a whole batch once any of its sequences is long)."""
+    length (vLLM switches a whole batch once any of its sequences is long). The choice is per
+    token: n-gram drafts that cross 24, and recomputing after a preemption past it (from a pool too
+    small for every request, the prefix cache on), rotate each token as its own decode step did."""
+    from engine_core.config import SpeculativeConfig
+    from engine_core.spec_decode import NgramProposer
+
     path = save_tiny_model(tmp_path, "phi3", original_max_position_embeddings=24, rope_scaling=LONGROPE)
     hf = load_hf(path)
-    runner = make_runner(path, num_blocks=96, block_size=4)
+    num_blocks = 20 if variant == "preemption" else 96
+    spec = 3 if variant == "drafts" else 0
+    runner = make_runner(path, num_blocks=num_blocks, block_size=4, num_spec_tokens=spec)
     assert (runner.rope_short_offset, runner.rope_original_len) == (256, 24)
-    sched = make_scheduler(num_blocks=96, block_size=4, max_num_batched_tokens=13, long_prefill_token_threshold=5)
-    ps = {**prompts(3, 3, lo=14, hi=22), **prompts(4, 2, lo=30, hi=40)}
+    # (Without the prefix cache a preempted request recomputes all it had, across the threshold.)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=13,
+                           long_prefill_token_threshold=5, num_spec_tokens=spec,
+                           prefix_caching=variant != "preemption")
+    # Repeating prompts, so that n-grams find drafts.
+    ps = {**{k: v * 2 for k, v in prompts(3, 3, lo=7, hi=11).items()}, **prompts(4, 2, lo=30, hi=40)}
     for rid, p in ps.items():
         sched.add_request(greedy_request(rid, p, 12))
-    got = run_to_completion(sched, runner.execute_model)
+    seen = {"drafts": 0, "preempted": 0}
+
+    def on_step(_: int, so) -> None:
+        seen["drafts"] += len(so.scheduled_spec_decode_tokens)
+        seen["preempted"] += len(so.preempted_req_ids)
+
+    drafter = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2),
+                            max_model_len=sched.max_model_len) if spec else None
+    got = run_to_completion(sched, runner.execute_model, on_step=on_step, drafter=drafter)
+    assert seen["drafts"] if variant == "drafts" else True
+    assert seen["preempted"] if variant == "preemption" else True
     for rid, p in ps.items():
         assert got[rid] == _hf_cached_greedy(hf, p, 12), rid
         if len(p) > 24:  # long from the start: transformers' generate agrees too

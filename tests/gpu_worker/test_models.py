@@ -103,7 +103,13 @@ def test_config_rejects_unsupported():
                                   "partial_rotary_factor": 0.75}).rotary_dim == 12
     longrope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     with pytest.raises(ValueError, match="original_max_position_embeddings"):
-        ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "rope_scaling": longrope})
+        ModelConfig.from_dict({**base, "rope_scaling": longrope})
+    # (Phi-3 reads a missing one as 4096, as transformers does; the top-level value wins.)
+    assert ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "rope_scaling": longrope}
+                                 ).long_rope_after == 4096
+    assert ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 8,
+                                  "rope_scaling": {**longrope, "original_max_position_embeddings": 99}}
+                                 ).long_rope_after == 8
     with pytest.raises(ValueError, match="long_factor"):
         ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 16,
                                "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}})

@@ -71,6 +71,8 @@ def test_rerank_orders_documents_by_relevance():
     top = http.post("/v2/rerank", json={"model": "tiny", "query": QUERY, "top_n": 2, "return_documents": False,
                                         "documents": [{"text": d} for d in DOCS]}).json()
     assert [r["index"] for r in top["results"]] == order[:2] and top["results"][0]["document"] is None
+    every = http.post("/rerank", json={"model": "tiny", "query": QUERY, "documents": DOCS, "top_n": -1}).json()
+    assert [r["index"] for r in every["results"]] == order  # (0 or less: all, as vLLM reads it)
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), [
@@ -79,13 +81,13 @@ def test_rerank_orders_documents_by_relevance():
     ("/score", {"text_1": "a", "text_2": ["b", ""]}, 400, "text_2"),
     ("/score", {"text_1": "a"}, 400, "text_2"),
     ("/score", {"queries": "a", "documents": ["b"], "text_1": "a"}, 400, "text_1"),
-    ("/score", {"text_1": "a", "text_2": "x" * 300}, 400, "documents"),  # beyond max_model_len (256)
+    ("/score", {"text_1": "a", "text_2": "x" * 300}, 400, "text_2"),  # beyond max_model_len (256)
+    ("/score", {"queries": "x" * 300, "documents": "b"}, 400, "queries"),
     ("/score", {"text_1": "a", "text_2": "b", "priority": 3}, 400, "priority"),
     ("/score", {"text_1": "a", "text_2": "b", "model": "other"}, 404, "model"),
     ("/rerank", {"query": "a", "documents": []}, 400, "documents"),
     ("/rerank", {"query": "", "documents": ["b"]}, 400, "query"),
     ("/rerank", {"query": "a", "documents": [{"title": "no text"}]}, 400, "documents"),
-    ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, 400, "top_n"),
     ("/rerank", {"query": "x" * 300, "documents": ["b"]}, 400, "query"),
 ])
 def test_refusals_name_their_parameter(path, body, status, param):
