@@ -62,6 +62,9 @@ class _ExecutorBase(Executor):
             hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after)
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
+        if config.enable_expert_parallel and (not experts or tp == 1):
+            logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,
+                        "the model has no experts" if not experts else "tensor_parallel_size is 1")
         if config.enable_expert_parallel and experts % tp:
             # Refused here, before any worker starts, rather than by every rank's model build.
             raise ValueError(f"enable_expert_parallel: the model's {experts} experts cannot be split evenly over "

@@ -205,7 +205,10 @@ def test_greedy_answers_do_not_depend_on_budget_pool_or_drafting(tmp_path, seed)
         assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == sched.cache_config.num_blocks
 
 
-def test_expert_parallelism_over_a_size_that_does_not_divide_the_experts_is_refused_before_workers_start(tmp_path):
+def test_expert_parallelism_over_a_size_that_does_not_divide_the_experts_is_refused_before_workers_start(
+        tmp_path, caplog):
+    import logging
+
     from engine_core.config import EngineConfig
     from gpu_worker.executor import create_executor
     from tests.tiny_model import build_tiny_moe
@@ -214,3 +217,8 @@ def test_expert_parallelism_over_a_size_that_does_not_divide_the_experts_is_refu
     with pytest.raises(ValueError, match=r"8 experts cannot be split evenly over tensor_parallel_size=3"):
         create_executor(EngineConfig(model=str(path), tensor_parallel_size=3, enable_expert_parallel=True,
                                      device="cpu"))
+    # On one rank the flag changes nothing, and says so.
+    with caplog.at_level(logging.INFO, logger="gpu_worker.executor"):
+        create_executor(EngineConfig(model=str(path), enable_expert_parallel=True, device="cpu",
+                                     num_gpu_blocks=8)).shutdown()
+    assert "--enable-expert-parallel has no effect (tensor_parallel_size is 1)" in caplog.text
