@@ -41,7 +41,7 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope_from_dict(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict with a ``rope_type`` key, or None for plain RoPE)."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
@@ -56,7 +56,7 @@ def _rope_from_dict(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     # Old checkpoints spell the key "type".
     rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
     # Phi-3's early configs call LongRoPE "su" (or "yarn"), as transformers reads them.
-    if rope_type == "su" or (rope_type == "yarn" and (cfg.get("architectures") or [None])[0] == "Phi3ForCausalLM"):
+    if rope_type == "su" or (rope_type == "yarn" and arch == "Phi3ForCausalLM"):
         rope_type = "longrope"
     scaling["rope_type"] = rope_type
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -66,7 +66,7 @@ def _rope_from_dict(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         # the config's top level (read first, as transformers does; Phi-3's default is 4096); the
         # default attention factor uses max_position_embeddings over it.
         original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-        if not original and (cfg.get("architectures") or [None])[0] == "Phi3ForCausalLM":
+        if not original and arch == "Phi3ForCausalLM":
             original = 4096
         if not original:
             raise ValueError("a longrope config needs original_max_position_embeddings")
@@ -211,7 +211,7 @@ class ModelConfig:
                              f"num_key_value_heads ({num_kv_heads})")
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-        theta, scaling = _rope_from_dict(cfg)
+        theta, scaling = _rope_from_dict(arch, cfg)
         params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
         rotary_dim = int(head_dim * partial)
