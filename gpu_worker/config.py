@@ -16,8 +16,13 @@ import torch
 
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                           "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# The MLP activations we compute (transformers' ACT2FN names): SwiGLU's silu, GeGLU's tanh-approximated
+# or exact gelu.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
@@ -42,16 +47,17 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 
 def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict with a ``rope_type`` key, or None for plain RoPE)."""
+    """(rope_theta, scaling dict with a ``rope_type`` key, or None for plain RoPE): the RoPE of the
+    full-attention layers, where a config gives one per layer type (Gemma 3)."""
+    default_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
-        # Per-layer-type rope parameters (hybrid models): ours only has full attention.
         params = params["full_attention"]
     if isinstance(params, dict):
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta = float(cfg.get("rope_theta", 10000.0))
+        theta = float(cfg.get("rope_theta", default_theta))
         scaling = dict(cfg.get("rope_scaling") or {})
     # Old checkpoints spell the key "type".
     rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
@@ -76,6 +82,60 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
             if not isinstance(scaling.get(key), list):
                 raise ValueError(f"a longrope config needs {key} (a list of per-frequency factors)")
     return theta, (None if rope_type == "default" else scaling)
+
+
+def _activation(arch: str, cfg: dict[str, Any]) -> str:
+    """The MLP's activation, read where transformers reads it for the architecture."""
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    elif arch == "GemmaForCausalLM":
+        # Gemma's first configs say "gelu", which always meant the tanh approximation (transformers
+        # converts it); hidden_activation, where set, names it.
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        act = "gelu_pytorch_tanh" if act == "gelu" else act
+    else:
+        act = cfg.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"hidden_act must be one of {SUPPORTED_ACTIVATIONS}, got {act!r}")
+    return act
+
+
+def _gemma_from_dict(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's Gemma 2/3 fields (attention scale, soft caps, Gemma 3's local RoPE), with
+    transformers' defaults for the keys a config leaves out."""
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return {}
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (EmbeddingGemma) is not supported: "
+                         "the decoder attends causally")
+    gemma2 = arch == "Gemma2ForCausalLM"
+
+    def optional(key: str, default: float | None) -> float | None:
+        value = cfg.get(key, default)
+        return None if value is None else float(value)
+
+    fields = dict(query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+                  attn_logit_softcapping=optional("attn_logit_softcapping", 50.0 if gemma2 else None),
+                  final_logit_softcapping=optional("final_logit_softcapping", 30.0 if gemma2 else None))
+    if not gemma2:
+        # Gemma 3's sliding-window layers rotate with plain RoPE of their own base.
+        params = cfg.get("rope_parameters")
+        local = params.get("sliding_attention") if isinstance(params, dict) else None
+        local = dict(local or {})
+        local_type = local.get("rope_type") or local.get("type") or "default"
+        if local_type != "default":
+            raise ValueError(f"Gemma 3's sliding-window layers must use plain RoPE, got rope_type {local_type!r}")
+        fields["local_rope_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+    return fields
+
+
+def _gemma_window_layers(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """transformers' default layer types for Gemma 2 (every other layer windowed, from the first)
+    and Gemma 3 (all but every ``sliding_window_pattern``-th layer)."""
+    if arch == "Gemma2ForCausalLM":
+        return tuple(i % 2 == 0 for i in range(num_layers))
+    pattern = int(cfg.get("sliding_window_pattern") or 6)
+    return tuple((i + 1) % pattern != 0 for i in range(num_layers))
 
 
 def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -155,6 +215,20 @@ class ModelConfig:
     # Not a checkpoint fact: how the workers place the experts (--enable-expert-parallel). True: each
     # TP rank holds num_experts / tp whole experts; False: a slice of every expert's width.
     expert_parallel: bool = False
+    # The MLP's activation (SUPPORTED_ACTIVATIONS): SwiGLU for most, GeGLU for Gemma.
+    hidden_act: str = "silu"
+    # Gemma 2/3 scale attention scores by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # Gemma 2's soft caps: cap * tanh(x / cap) on attention scores and on the final logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma 3: the sliding-window layers' RoPE base (plain RoPE; the others use rope_theta and
+    # rope_scaling). None: every layer rotates alike.
+    local_rope_theta: float | None = None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
@@ -185,7 +259,9 @@ class ModelConfig:
         by its factor (as vLLM derives it; llama3 configs already state their extended length). A
         sliding window does not bound it: those layers attend to the window's keys at any length."""
         length = self.max_position_embeddings
-        if self.rope_scaling and self.rope_scaling.get("rope_type") == "linear":
+        # (Gemma 3's max_position_embeddings already is its scaled length, as vLLM reads it.)
+        if (self.rope_scaling and self.rope_scaling.get("rope_type") == "linear"
+                and self.architecture != "Gemma3ForCausalLM"):
             length = int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
         return length
 
@@ -201,17 +277,20 @@ class ModelConfig:
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture must be one of {SUPPORTED_ARCHITECTURES}, got {arch!r}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {act!r}")
+        act = _activation(arch, cfg)
+        gemma = arch in GEMMA_ARCHITECTURES
         num_heads = int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
                              f"num_key_value_heads ({num_kv_heads})")
         hidden = int(cfg["hidden_size"])
-        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        # (transformers' Gemma configs default head_dim to 256, whatever hidden_size / heads is.)
+        head_dim = int(cfg.get("head_dim") or (256 if gemma else hidden // num_heads))
         theta, scaling = _rope_from_dict(arch, cfg)
+        if gemma and scaling and scaling["rope_type"] not in ("linear", "llama3"):
+            raise ValueError(f"rope_type must be 'default', 'linear' or 'llama3' for {arch}, "
+                             f"got {scaling['rope_type']!r}")
         params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
         rotary_dim = int(head_dim * partial)
@@ -227,6 +306,9 @@ class ModelConfig:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             # (transformers reads a missing sliding_window as 4096.)
             sliding = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+        elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            sliding = cfg.get("sliding_window", 4096)
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
@@ -234,11 +316,15 @@ class ModelConfig:
                        if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") else None)
         num_layers = int(cfg["num_hidden_layers"])
         window_layers: tuple[bool, ...] = ()
-        if sliding and isinstance(cfg.get("layer_types"), list) and arch != "Qwen3MoeForCausalLM":
-            # (Qwen3-MoE windows every layer when it windows at all, whatever a config lists.)
+        gemma_kinds = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+        if (sliding or gemma_kinds) and isinstance(cfg.get("layer_types"), list) and arch != "Qwen3MoeForCausalLM":
+            # (Qwen3-MoE windows every layer when it windows at all, whatever a config lists. Gemma's
+            # layer kinds are kept without a window too: Gemma 3's also choose each layer's RoPE.)
             window_layers = tuple(kind == "sliding_attention" for kind in cfg["layer_types"])
             if len(window_layers) != num_layers:
                 raise ValueError(f"layer_types lists {len(window_layers)} layers, the model has {num_layers}")
+        elif gemma_kinds:
+            window_layers = _gemma_window_layers(arch, cfg, num_layers)
         elif sliding and arch == "Qwen2MoeForCausalLM":
             # transformers' rule for Qwen2-MoE: every other layer (the even ones) below max_window_layers.
             last = int(cfg.get("max_window_layers", 28))
@@ -248,6 +334,8 @@ class ModelConfig:
             first = int(cfg.get("max_window_layers", 28))
             window_layers = tuple(i >= first for i in range(num_layers))
         moe = _moe_from_dict(arch, cfg, num_layers)
+        if moe and act != "silu":
+            raise ValueError(f"hidden_act must be 'silu' for a mixture-of-experts model, got {act!r}")
         # generation_config.json is where Llama-3-style checkpoints list their extra EOS ids.
         eos = _eos_ids((generation_config or {}).get("eos_token_id")) or _eos_ids(cfg.get("eos_token_id"))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
@@ -264,18 +352,21 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # (Gemma ties them unless its config says otherwise, as transformers reads it.)
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,
             raw=dict(cfg),
             sliding_window_layers=window_layers,
             rotary_dim=rotary_dim,
+            hidden_act=act,
             **moe,
+            **_gemma_from_dict(arch, cfg),
         )
 
     @classmethod

@@ -63,7 +63,8 @@ static inline float fp8_to_float(uint8_t byte, int format) {
 static inline __attribute__((always_inline)) int paged_decode_attention(
     const float *q, const void *k_cache, const void *v_cache, int format, const int64_t *block_table,
     int64_t block_table_stride, const int64_t *seq_lens, const int64_t *key_starts, float *out, int64_t num_reqs,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
+    int num_threads) {
     const int fp8 = format != CACHE_F32;
     const int64_t elem_size = fp8 ? 1 : (int64_t)sizeof(float);
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
@@ -159,7 +160,9 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                             const float *qh = qr + h * head_dim, *kh = kr + (h / group) * head_dim;
                             float dot = 0.f;
                             for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-                            scores[h * block_size + t] = dot * scale;
+                            const float score = dot * scale;
+                            /* Gemma 2's soft cap: cap * tanh(score / cap); 0 means none */
+                            scores[h * block_size + t] = softcap > 0.f ? softcap * tanhf(score / softcap) : score;
                         }
                     }
                     /* running softmax: rescale what was accumulated when the max grows */
@@ -210,10 +213,10 @@ int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const 
                                     const int64_t *block_table, int64_t block_table_stride,
                                     const int64_t *seq_lens, const int64_t *key_starts, float *out,
                                     int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                    int64_t block_size, float scale, int num_threads) {
+                                    int64_t block_size, float scale, float softcap, int num_threads) {
     return paged_decode_attention(q, k_cache, v_cache, CACHE_F32, block_table, block_table_stride, seq_lens,
                                   key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                  num_threads);
+                                  softcap, num_threads);
 }
 
 /* e5m2: 0 for e4m3 (torch.float8_e4m3fn), 1 for e5m2 (torch.float8_e5m2). */
@@ -221,14 +224,14 @@ int llmc_paged_decode_attention_fp8(const float *q, const uint8_t *k_cache, cons
                                     const int64_t *block_table, int64_t block_table_stride,
                                     const int64_t *seq_lens, const int64_t *key_starts, float *out,
                                     int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                    int64_t block_size, float scale, int num_threads) {
+                                    int64_t block_size, float scale, float softcap, int num_threads) {
     if (e5m2)
         return paged_decode_attention(q, k_cache, v_cache, CACHE_FP8_E5M2, block_table, block_table_stride,
                                       seq_lens, key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim,
-                                      block_size, scale, num_threads);
+                                      block_size, scale, softcap, num_threads);
     return paged_decode_attention(q, k_cache, v_cache, CACHE_FP8_E4M3, block_table, block_table_stride, seq_lens,
                                   key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                  num_threads);
+                                  softcap, num_threads);
 }
 
 /* For tests: the value of one fp8 byte, as the kernel reads it. */

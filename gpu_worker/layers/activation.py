@@ -1,4 +1,4 @@
-"""SwiGLU activation over a fused gate/up projection output."""
+"""Gated activations over a fused gate/up projection output: SwiGLU, and Gemma's GeGLU."""
 
 from __future__ import annotations
 
@@ -13,3 +13,24 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+
+class GeluAndMul(nn.Module):
+    """gelu(x[..., :d]) * x[..., d:] (GeGLU), ``approximate`` "tanh" (Gemma's gelu_pytorch_tanh) or "none"."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate).mul_(up)
+
+
+def gated_activation(name: str) -> nn.Module:
+    """The gated activation for a config's ``hidden_act`` (gpu_worker.config.SUPPORTED_ACTIVATIONS)."""
+    if name == "silu":
+        return SiluAndMul()
+    if name in ("gelu_pytorch_tanh", "gelu"):
+        return GeluAndMul("tanh" if name == "gelu_pytorch_tanh" else "none")
+    raise ValueError(f"unsupported activation {name!r}")

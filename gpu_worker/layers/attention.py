@@ -4,6 +4,9 @@ Cache layout per layer: K and V of shape [num_blocks, block_size, num_kv_heads, 
 model's dtype or the one ``--kv-cache-dtype`` chose (fp8: converted on write, widened on read). The new
 K/V of the whole batch are written through ``slot_mapping`` before any request attends, because the
 scheduler can hand request B prefix-cache blocks that request A fills in this very step.
+
+Gemma 2 caps attention scores softly (cap * tanh(score / cap)) before the softmax, which SDPA cannot
+do: its layers attend through ``softcapped_attention`` (or the CPU decode kernel, which caps in C).
 """
 
 from __future__ import annotations
@@ -30,9 +33,23 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype
     return read_kv(kv, dtype).transpose(-3, -2)
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, as transformers' eager Gemma 2 computes it (the softmax in
+    fp32). q: [B, num_kv_heads, groups, M, head_dim], the query heads grouped by the KV head they
+    share; k, v: [B, num_kv_heads, N, head_dim]; mask: bool (True = attend), broadcastable to
+    [B, num_kv_heads, groups, M, N], or None. Returns [B, num_kv_heads, groups, M, head_dim]."""
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v.unsqueeze(2))
+
+
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -41,6 +58,8 @@ class PagedAttention(nn.Module):
         self.num_groups = num_heads // num_kv_heads
         # The query at position p sees the keys in (p - sliding_window, p]; None: all keys up to p.
         self.sliding_window = sliding_window
+        # Scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); None: no cap.
+        self.softcap = softcap
         # Bound by the model runner once the cache is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -63,15 +82,19 @@ class PagedAttention(nn.Module):
                 # The CPU kernel reads each request's blocks where they lie: no per-layer gather copy.
                 decode_out = paged_decode_attention_unchecked(q[:nd], k_cache, v_cache, meta.decode_block_table,
                                                               meta.decode_seq_lens, self.scale,
-                                                              meta.decode_key_starts)
+                                                              meta.decode_key_starts, self.softcap)
             else:
                 kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
                 vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
                 # One query token per request: the query heads sharing a KV head become that head's
                 # "query rows", so grouped-query attention needs no K/V repetition.
                 qd = q[:nd].view(nd, num_kv_heads, self.num_groups, head_dim)
-                decode_out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                                            scale=self.scale)
+                if self.softcap is None:
+                    decode_out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                                                scale=self.scale)
+                else:
+                    mask = None if meta.decode_mask is None else meta.decode_mask.unsqueeze(-2)
+                    decode_out = softcapped_attention(qd.unsqueeze(-2), kd, vd, mask, self.scale, self.softcap)
             if not meta.prefills:
                 return decode_out.view(nd, self.num_heads * head_dim)
         out = torch.empty_like(q)
@@ -82,8 +105,22 @@ class PagedAttention(nn.Module):
             s, e = span.token_start, span.token_end
             kp = _gather_kv(k_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
             vp = _gather_kv(v_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
+            if self.softcap is not None:
+                out[s:e] = self._softcapped_prefill(q[s:e], kp, vp, span.mask)
+                continue
             qp = q[s:e].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None,
                                                 scale=self.scale, enable_gqa=gqa)
             out[s:e] = op[0].transpose(0, 1)
         return out.view(num_tokens, self.num_heads * head_dim)
+
+    def _softcapped_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+                            ) -> torch.Tensor:
+        """One prefill chunk's q [L, num_heads, head_dim] against its keys [1, num_kv_heads, N, head_dim];
+        ``mask`` [L, N] (None: causal over exactly the chunk). Returns [L, num_heads, head_dim]."""
+        num_queries = q.shape[0]
+        if mask is None:
+            mask = torch.ones(num_queries, k.shape[2], dtype=torch.bool, device=q.device).tril_()
+        grouped = q.view(num_queries, self.num_kv_heads, self.num_groups, self.head_dim).permute(1, 2, 0, 3)
+        out = softcapped_attention(grouped.unsqueeze(0), k, v, mask, self.scale, self.softcap)
+        return out[0].permute(2, 0, 1, 3).reshape(num_queries, self.num_heads, self.head_dim)

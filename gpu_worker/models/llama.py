@@ -21,7 +21,7 @@ from torch import nn
 from gpu_worker import distributed
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.activation import SiluAndMul
+from gpu_worker.layers.activation import gated_activation
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts
@@ -32,7 +32,7 @@ from gpu_worker.layers.weight_utils import WeightLike
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
@@ -43,12 +43,12 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                         bias=config.o_proj_bias)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                                   config.layer_sliding_window(layer))
-        # Qwen3: one RMSNorm over each query head and one over each key head (weights of head_dim,
-        # the same on every TP rank), before RoPE.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale,
+                                   config.layer_sliding_window(layer), config.attn_logit_softcapping)
+        # Qwen3 (and Gemma 3): one norm over each query head and one over each key head (weights of
+        # head_dim, the same on every TP rank), before RoPE.
+        self.q_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -77,7 +77,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size] * 2, bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias,
                                            reduce_results=reduce_results)
-        self.act = SiluAndMul()
+        self.act = gated_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(x)))
@@ -166,11 +166,13 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # The decoder stack (Gemma's differs).
+    model_class: type[nn.Module] = LlamaModel
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.model_class(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -11,9 +11,9 @@ from gpu_worker.cpu_kernels import add_rms_norm, cpu_kernels_available, paged_de
 from gpu_worker.layers.layernorm import RMSNorm
 
 
-def reference(q, k_cache, v_cache, block_table, seq_lens, scale, key_starts=None):
+def reference(q, k_cache, v_cache, block_table, seq_lens, scale, key_starts=None, softcap=None):
     """Per request: gather its keys/values token by token (from its key start), repeat KV heads,
-    softmax(q k^T) v."""
+    softmax(q k^T) v (the scores capped at softcap * tanh(score / softcap) where given)."""
     num_reqs, num_heads, _ = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -23,7 +23,10 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, scale, key_starts=None
         blocks = block_table[r, pos // block_size]
         k = k_cache[blocks, pos % block_size].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D]
         v = v_cache[blocks, pos % block_size].repeat_interleave(num_heads // num_kv_heads, dim=1)
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q[r].double(), k.double()) * scale, dim=-1)
+        scores = torch.einsum("hd,nhd->hn", q[r].double(), k.double()) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        w = torch.softmax(scores, dim=-1)
         out[r] = torch.einsum("hn,nhd->hd", w, v.double()).float()
     return out
 
@@ -55,6 +58,22 @@ def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, lens):
     scale = head_dim ** -0.5
     got = paged_decode_attention(q, k, v, table, seq_lens, scale)
     torch.testing.assert_close(got, reference(q, k, v, table, seq_lens, scale), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["float32", "fp8"])
+def test_soft_capped_scores_match_reference(cache):
+    """Gemma 2's soft cap, in C: large scores (queries scaled up) are where the cap changes the answer."""
+    q, k, v, table, seq_lens = random_case(3, 8, 2, 16, 4, [9, 23, 4], seed=5)
+    q = q * 4
+    key_starts = torch.tensor([0, 15, 1], dtype=torch.int64)
+    if cache == "fp8":
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    ref_k, ref_v = k.float(), v.float()
+    got = paged_decode_attention(q, k, v, table, seq_lens, 0.25, key_starts, softcap=2.0)
+    torch.testing.assert_close(got, reference(q, ref_k, ref_v, table, seq_lens, 0.25, key_starts, softcap=2.0),
+                               atol=2e-5, rtol=1e-4)
+    uncapped = reference(q, ref_k, ref_v, table, seq_lens, 0.25, key_starts)
+    assert (got - uncapped).abs().max() > 0.05
 
 
 def test_non_contiguous_query_and_thread_counts():

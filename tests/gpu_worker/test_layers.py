@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.attn_metadata import build_attention_metadata, compute_slot_mapping
-from gpu_worker.layers.activation import SiluAndMul
+from gpu_worker.layers.activation import SiluAndMul, gated_activation
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.layernorm import GemmaRMSNorm, RMSNorm
 from gpu_worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -26,14 +26,18 @@ H, KVH, D, BS = 4, 2, 8, 4
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, scale: float | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [n, H, D] for positions start..start+n-1; k, v: [start+n, KVH, D] (all keys so far); a
-    sliding window lets position p see keys p - window + 1 .. p."""
+    sliding window lets position p see keys p - window + 1 .. p; scores are scaled by ``scale``
+    (1 / sqrt(D) by default) and soft-capped where ``softcap`` is given."""
     n, s = q.shape[0], k.shape[0]
     rep = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(rep, 1).transpose(0, 1)
     vv = v.repeat_interleave(rep, 1).transpose(0, 1)
-    scores = q.transpose(0, 1) @ kk.transpose(1, 2) / math.sqrt(q.shape[-1])
+    scores = q.transpose(0, 1) @ kk.transpose(1, 2) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     allowed = torch.arange(s)[None, :] <= (start + torch.arange(n))[:, None]
     if window is not None:
         allowed &= torch.arange(s)[None, :] > (start + torch.arange(n))[:, None] - window
@@ -137,6 +141,59 @@ def test_sliding_window_attends_the_window_and_reads_only_its_blocks(decode_in_p
         assert meta.decode_key_starts.tolist() == [9, 0]
     else:  # a's row starts at its block 2 (keys 8..14), b's at block 0
         assert meta.decode_block_table.tolist() == [[20, 11], [1, 30]] and meta.decode_max_seq_len == 7
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
+def test_soft_capped_scores_on_every_path(decode_in_place, window):
+    """Gemma 2's cap * tanh(score / cap) on the scores: decodes (in C, or gathered) and prefill chunks
+    from 0 and from an offset, with and without a window, against dense attention with the cap.
+    Scale 1 and cap 2 make the cap bind on most scores."""
+    layer = PagedAttention(H, KVH, D, 1.0, sliding_window=window, softcap=2.0)
+    layer.kv_cache = (torch.zeros(32, BS, KVH, D), torch.zeros(32, BS, KVH, D))
+    torch.manual_seed(4)
+    seqs = {name: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D))
+            for name, n in [("a", 15), ("b", 5), ("c", 18), ("d", 11)]}
+    blocks = {"a": [7, 3, 20, 11], "b": [1, 30], "c": [4, 5, 6, 2, 13], "d": [9, 8, 12]}
+    first = {"a": 14, "b": 4, "c": 9}
+    run_batch(layer, [dict(start=0, q=seqs[n][0][:m], k=seqs[n][1][:m], v=seqs[n][2][:m], blocks=blocks[n])
+                      for n, m in first.items()], decode_in_place)
+    step2 = {"a": (14, 15), "b": (4, 5), "c": (9, 18), "d": (0, 11)}
+    reqs = [dict(start=s, q=seqs[n][0][s:e], k=seqs[n][1][s:e], v=seqs[n][2][s:e], blocks=blocks[n])
+            for n, (s, e) in step2.items()]
+    out, _ = run_batch(layer, reqs, decode_in_place)
+
+    def expected(softcap):
+        return torch.cat([dense_reference(seqs[n][0][s:e], seqs[n][1][:e], seqs[n][2][:e], s, window, 1.0, softcap)
+                          for n, (s, e) in step2.items()])
+
+    torch.testing.assert_close(out, expected(2.0), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, expected(None), atol=1e-2)  # the cap changes the result
+
+
+def test_gemma_rmsnorm_and_geglu_match_transformers():
+    """Gemma's norm scales by 1 + w in fp32 before casting (bit for bit with transformers' in bf16,
+    where Llama's order would differ); GeGLU is gelu (tanh-approximated, or exact) times up."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as HFGemmaRMSNorm
+
+    torch.manual_seed(0)
+    hf = HFGemmaRMSNorm(64, eps=1e-6)
+    hf.weight.data = torch.randn(64).to(torch.bfloat16)
+    hf = hf.to(torch.bfloat16)
+    ours = GemmaRMSNorm(64, eps=1e-6)
+    ours.weight_loader(ours.weight, hf.weight.data)
+    x, res = torch.randn(5, 64).to(torch.bfloat16), torch.randn(5, 64).to(torch.bfloat16)
+    assert torch.equal(ours(x), hf(x))
+    out, summed = ours(x, res)
+    assert torch.equal(summed, x + res) and torch.equal(out, hf(x + res))
+    # fp32 takes RMSNorm's fused path, with 1 + w as its weight.
+    x32 = x.float()
+    torch.testing.assert_close(ours(x32), hf.float()(x32), atol=1e-5, rtol=1e-5)
+    gu = torch.randn(3, 16)
+    torch.testing.assert_close(gated_activation("gelu_pytorch_tanh")(gu),
+                               F.gelu(gu[:, :8], approximate="tanh") * gu[:, 8:])
+    torch.testing.assert_close(gated_activation("gelu")(gu), F.gelu(gu[:, :8]) * gu[:, 8:])
+    assert not torch.equal(gated_activation("gelu")(gu), gated_activation("gelu_pytorch_tanh")(gu))
 
 
 def test_metadata_for_a_window_it_was_not_built_for_is_refused():

@@ -304,3 +304,18 @@ def test_an_adapter_on_a_moe_model_covers_attention_the_shared_expert_and_dense_
     save_file(weights, str(tmp_path / "experts" / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=r"routed expert projection .*layers.1.mlp.experts.0.gate_proj"):
         worker.add_lora(LoRARequest("experts", 2, str(tmp_path / "experts")))
+
+
+def test_an_adapter_on_gemma2_gives_pefts_tokens(tmp_path):
+    """Gemma 2's projections take adapters as Llama's do; its soft caps, four norms a layer and
+    windowed layers stay as they are."""
+    base = save_tiny_model(tmp_path / "base", "gemma2", vocab_size=251, attn_logit_softcapping=1.5)
+    save_adapter(base, tmp_path / "a", seed=4)
+    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
+    rng = random.Random(11)
+    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    adapted = peft_model(base, seed=4)
+    expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
+                for i, p in enumerate(prompts)}
+    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected

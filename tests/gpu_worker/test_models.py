@@ -50,6 +50,22 @@ CASES = {
     "qwen3_moe_window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 6}),
     "qwen2_moe_window": ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2,
                                        "num_hidden_layers": 3}),
+    # Gemma: (1 + w) norms, GeGLU, embeddings scaled by sqrt(hidden), a tied head.
+    "gemma": ("gemma", {}),
+    "gemma_mqa": ("gemma", {"num_key_value_heads": 1}),
+    # Gemma 2: four norms a layer, windowed and full layers alternating (window 8), its scale from
+    # query_pre_attn_scalar, soft caps at its defaults and at values small enough to bind everywhere.
+    "gemma2": ("gemma2", {}),
+    "gemma2_tight_caps": ("gemma2", {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 3.0,
+                                     "num_hidden_layers": 3}),
+    "gemma2_no_caps": ("gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": None}),
+    # Gemma 3: q/k head norms, a RoPE base for each kind of layer, linear scaling on the full ones.
+    "gemma3": ("gemma3", {}),
+    "gemma3_scaled_global_rope": ("gemma3", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}}),
+    "gemma3_pattern3": ("gemma3", {"sliding_window_pattern": 3, "num_hidden_layers": 3,
+                                   "num_key_value_heads": 1}),
 }
 
 
@@ -95,7 +111,9 @@ def test_config_rejects_unsupported():
     with pytest.raises(ValueError, match="rope_type"):
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="hidden_act"):
-        ModelConfig.from_dict({**base, "hidden_act": "gelu"})
+        ModelConfig.from_dict({**base, "hidden_act": "relu"})
+    with pytest.raises(ValueError, match="hidden_act must be 'silu' for a mixture-of-experts model"):
+        ModelConfig.from_dict({**base, "architectures": ["MixtralForCausalLM"], "hidden_act": "gelu"})
     # A partial rotary is Phi-3's (Phi-4-mini); the Llama family's code rotates whole heads.
     with pytest.raises(ValueError, match=r"partial_rotary_factor must be 1\.0 .* for LlamaForCausalLM"):
         ModelConfig.from_dict({**base, "partial_rotary_factor": 0.75})
@@ -123,7 +141,8 @@ def test_config_rejects_unsupported():
 def test_registry_maps_architectures(tmp_path):
     assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                   "Qwen3MoeForCausalLM"}
+                                   "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+                                   "Gemma3ForCausalLM"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
     assert get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
@@ -214,3 +233,82 @@ def test_which_moe_layers_use_the_window():
     assert mixtral.uniform_sliding_window == 16
     unsized = {k: v for k, v in base.items() if k != "sliding_window"}
     assert ModelConfig.from_dict({**unsized, "architectures": ["Qwen3MoeForCausalLM"]}).sliding_window == 4096
+
+
+# Released Gemma configs, as they appear on the Hub (transformers 4.x layout), trimmed of keys we do not read.
+GEMMA_2B = {"architectures": ["GemmaForCausalLM"], "eos_token_id": 1, "head_dim": 256, "hidden_act": "gelu",
+            "hidden_size": 2048, "intermediate_size": 16384, "max_position_embeddings": 8192,
+            "num_attention_heads": 8, "num_hidden_layers": 18, "num_key_value_heads": 1, "rms_norm_eps": 1e-06,
+            "rope_scaling": None, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "vocab_size": 256000}
+GEMMA2_2B_IT = {"architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": 50.0,
+                "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 256,
+                "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304,
+                "intermediate_size": 9216, "max_position_embeddings": 8192, "num_attention_heads": 8,
+                "num_hidden_layers": 26, "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
+                "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
+                "vocab_size": 256000}
+GEMMA3_1B_IT = {"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": None, "eos_token_id": [1, 106],
+                "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768,
+                "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+                "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+                "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+                "torch_dtype": "bfloat16", "vocab_size": 262144}
+
+
+def test_gemma_configs_read_as_transformers_reads_them():
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    gemma = ModelConfig.from_dict(GEMMA_2B)
+    # "gelu" in Gemma's first configs is the tanh approximation; the head is tied unless a config says not.
+    assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.tie_word_embeddings
+    assert gemma.attention_scale == 256 ** -0.5 and gemma.sliding_window is None
+    assert gemma.attn_logit_softcapping is gemma.final_logit_softcapping is None
+
+    gemma2 = ModelConfig.from_dict(GEMMA2_2B_IT)
+    hf2 = Gemma2Config(**{k: v for k, v in GEMMA2_2B_IT.items() if k != "architectures"})
+    assert [gemma2.layer_sliding_window(i) for i in range(26)] == [
+        4096 if kind == "sliding_attention" else None for kind in hf2.layer_types]
+    assert gemma2.layer_sliding_window(0) == 4096 and gemma2.layer_sliding_window(1) is None
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    assert gemma2.attention_scale == 256 ** -0.5 and gemma2.eos_token_ids == (1, 107)
+    assert gemma2.uniform_sliding_window is None  # hybrid: the KV cache keeps every key
+    # Keys left out take transformers' defaults (the soft caps, query_pre_attn_scalar, the window).
+    bare = ModelConfig.from_dict({k: v for k, v in GEMMA2_2B_IT.items()
+                                  if k not in ("attn_logit_softcapping", "final_logit_softcapping",
+                                               "query_pre_attn_scalar", "sliding_window", "head_dim")})
+    assert (bare.attn_logit_softcapping, bare.final_logit_softcapping, bare.sliding_window) == (50.0, 30.0, 4096)
+    assert bare.head_dim == 256 and bare.attention_scale == 256 ** -0.5
+
+    gemma3 = ModelConfig.from_dict(GEMMA3_1B_IT)
+    hf3 = Gemma3TextConfig(**{k: v for k, v in GEMMA3_1B_IT.items() if k != "architectures"})
+    assert [gemma3.layer_sliding_window(i) for i in range(26)] == [
+        512 if kind == "sliding_attention" else None for kind in hf3.layer_types]
+    assert gemma3.layer_sliding_window(5) is None and gemma3.layer_sliding_window(6) == 512
+    assert (gemma3.rope_theta, gemma3.local_rope_theta, gemma3.rope_scaling) == (1e6, 1e4, None)
+    assert gemma3.qk_norm and gemma3.attn_logit_softcapping is None
+    # Gemma 3 4B+'s language model scales its global RoPE by 8; its max_position_embeddings already
+    # is the scaled length (vLLM reads it so too).
+    scaled = ModelConfig.from_dict({**GEMMA3_1B_IT, "max_position_embeddings": 131072,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert scaled.rope_scaling["factor"] == 8.0 and scaled.max_context_len == 131072
+    # transformers 5's layout: a RoPE per layer kind.
+    new = ModelConfig.from_dict({**{k: v for k, v in GEMMA3_1B_IT.items()
+                                    if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")},
+                                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 5e3},
+                                                     "full_attention": {"rope_type": "default", "rope_theta": 2e6}}})
+    assert (new.rope_theta, new.local_rope_theta) == (2e6, 5e3)
+
+
+def test_gemma_configs_we_cannot_serve_are_refused():
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_dict({**GEMMA3_1B_IT, "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="sliding-window layers must use plain RoPE"):
+        ModelConfig.from_dict({**GEMMA3_1B_IT, "rope_parameters": {
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0}, "full_attention": {"rope_type": "default"}}})
+    with pytest.raises(ValueError, match="rope_type must be 'default', 'linear' or 'llama3' for Gemma2ForCausalLM"):
+        ModelConfig.from_dict({**GEMMA2_2B_IT, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 128,
+                                                                 "long_factor": [1.0] * 128,
+                                                                 "original_max_position_embeddings": 4096}})
+    with pytest.raises(ValueError, match="hidden_act must be one of"):
+        ModelConfig.from_dict({**GEMMA2_2B_IT, "hidden_activation": "relu"})

@@ -88,7 +88,8 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("llama", {}, False),
     ("qwen2_moe", {"mlp_only_layers": [0]}, False),
     ("qwen2_moe", {"mlp_only_layers": [0]}, True),
-], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel"])
+    ("gemma2", {"attn_logit_softcapping": 1.5}, False),
+], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs."""

@@ -11,6 +11,9 @@ import numpy as np
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -66,6 +69,14 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "qwen3_moe":
         return Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                  "norm_topk_prob": True, **kw})
+    # Gemma: 16-dim heads (its default is 256), windows short enough for a 45-token prompt to cross.
+    if kind == "gemma":
+        return GemmaConfig(**{"head_dim": 16, **kw})
+    if kind == "gemma2":
+        return Gemma2Config(**{"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, **kw})
+    if kind == "gemma3":
+        return Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                                   "sliding_window_pattern": 2, **kw})
     raise ValueError(kind)
 
 
@@ -81,6 +92,10 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # Qwen3's per-head norms start at 1, which would hide one applied to the wrong heads.
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.normal_(1.0, 0.5)
+            # Gemma's norms store w for a scale of 1 + w, and start at 0: random ones show a norm
+            # skipped or scaled by w alone.
+            if kind.startswith("gemma") and name.endswith("norm.weight"):
+                param.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

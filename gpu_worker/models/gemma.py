@@ -1,0 +1,109 @@
+"""Gemma, Gemma 2 and Gemma 3 (text) decoders.
+
+Each is the Llama block with Gemma's choices:
+* RMSNorms scale by (1 + w) in fp32 (``GemmaRMSNorm``); the MLP is GeGLU (tanh-approximated gelu);
+* the embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype; the head is tied;
+* Gemma 2 and 3 norm the attention's and the MLP's outputs too before each residual add (four
+  norms a layer), scale scores by query_pre_attn_scalar ** -0.5, and alternate sliding-window and
+  full-attention layers (Gemma 2 every other layer; Gemma 3 five windowed layers to one full);
+* Gemma 2 caps attention scores and the final logits softly (cap * tanh(x / cap));
+* Gemma 3 norms each query and key head (as Qwen3 does, with Gemma's norm), and rotates its
+  windowed layers with plain RoPE of their own base (10k), its full layers with rope_theta (1M) and
+  rope_scaling.
+All of these are ModelConfig fields, so one implementation serves the three.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.embedding import VocabParallelEmbedding
+from gpu_worker.layers.layernorm import GemmaRMSNorm
+from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer, norm_class=GemmaRMSNorm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        sandwich = config.architecture != "GemmaForCausalLM"
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+        # Gemma 3's sliding-window layers rotate with the local RoPE.
+        self.local_rope = (config.local_rope_theta is not None and bool(config.sliding_window_layers)
+                           and config.sliding_window_layers[layer])
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in and out, as LlamaDecoderLayer: the layer's input is their sum."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm.forward(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward(hidden, residual)
+        hidden = self.self_attn.forward(rope, hidden, meta)
+        if self.pre_feedforward_layernorm is None:
+            # Gemma: Llama's order (the residual add fused into the norm before the MLP).
+            hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+            return self.mlp.forward(hidden), residual
+        hidden = self.post_attention_layernorm.forward(hidden)
+        hidden, residual = self.pre_feedforward_layernorm.forward(hidden, residual)
+        return self.post_feedforward_layernorm.forward(self.mlp.forward(hidden)), residual
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # sqrt(hidden_size) in the model's dtype, as transformers multiplies by it (55.4256 is 55.5 in bf16).
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5), persistent=False)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
+                                          config.rope_theta, config.rope_scaling)
+        self.local_rotary_emb = (None if config.local_rope_theta is None else
+                                 RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
+                                                 config.local_rope_theta))
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens.forward(input_ids) * self.embed_scale
+        rope = self.rotary_emb.cos_sin(positions)
+        local = rope if self.local_rotary_emb is None else self.local_rotary_emb.cos_sin(positions)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer.forward(local if layer.local_rope else rope, hidden, residual, meta)
+        hidden, _ = self.norm.forward(hidden, residual)
+        return hidden
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma (2B, 7B, CodeGemma): the Llama block with Gemma's norms, GeGLU and scaled embeddings."""
+
+    model_class = GemmaModel
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.final_logit_softcapping = config.final_logit_softcapping
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden)
+        if logits is not None and self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    """Gemma 2 (2B, 9B, 27B): four norms a layer, soft caps, windowed and full layers alternating."""
+
+
+class Gemma3ForCausalLM(GemmaForCausalLM):
+    """Gemma 3's text decoder (the 1B model; the larger ones' language model): q/k head norms, five
+    windowed layers to one full, and a RoPE base for each kind."""
