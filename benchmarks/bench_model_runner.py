@@ -12,12 +12,15 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --batch-sizes 32 --decode-steps 16
     .venv/bin/python benchmarks/bench_model_runner.py --sliding-window 128 --prompt-len 1024  # Mistral-style
     .venv/bin/python benchmarks/bench_model_runner.py --experts 8 --experts-per-token 2  # Qwen3-MoE-style
+    .venv/bin/python benchmarks/bench_model_runner.py --gemma2  # Gemma 2: soft caps, alternating windows
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
 scheduler releasing the blocks behind it). With --experts, as a Qwen3-MoE model whose every MLP is
 that many routed experts of half SmolLM2's MLP width each (HF's default experts implementation;
-ours loading the per-expert checkpoint HF writes).
+ours loading the per-expert checkpoint HF writes). With --gemma2, as a Gemma 2 model (soft caps 50 on
+attention scores and 30 on logits, a window of --sliding-window (4096 by default) on the even
+layers): HF runs its eager attention, the one that applies the caps.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -145,6 +150,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=0,
                     help="run the random model as Qwen3-MoE with this many routed experts in every layer")
     ap.add_argument("--experts-per-token", type=int, default=2)
+    ap.add_argument("--gemma2", action="store_true",
+                    help="run the random model as Gemma 2 (soft caps, windowed even layers)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -166,6 +173,14 @@ def main() -> None:
         weights = Path(tempfile.mkdtemp(prefix="bench-moe-"))
         atexit.register(shutil.rmtree, weights, ignore_errors=True)
         hf.save_pretrained(weights)
+    elif args.model == "random" and args.gemma2:
+        shapes = {**SMOLLM2_135M, "architectures": ["Gemma2ForCausalLM"], "head_dim": 64,
+                  "query_pre_attn_scalar": 64, "sliding_window": args.sliding_window or 4096,
+                  "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+        hf = Gemma2ForCausalLM(Gemma2Config(**shapes, attn_implementation="eager")).to(device=device, dtype=dtype)
+        hf = hf.eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf = MistralForCausalLM(MistralConfig(**shapes)).to(device=device, dtype=dtype).eval()
@@ -189,7 +204,8 @@ def main() -> None:
     max_batch = max(args.batch_sizes)
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
-    print(f"model={args.model} sliding_window={args.sliding_window} experts={args.experts}/"
+    print(f"model={args.model}{' as gemma2' if args.gemma2 else ''} sliding_window={args.sliding_window} "
+          f"experts={args.experts}/"
           f"{args.experts_per_token if args.experts else 0} device={device} dtype={args.dtype} "
           f"threads={torch.get_num_threads()} "
           f"prompt={args.prompt_len} warmup={args.warmup} decode_steps={args.decode_steps}")

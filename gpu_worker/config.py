@@ -19,6 +19,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Vision-language checkpoints whose language model we serve on text (ModelConfig reads their
+# text_config; the decoder's loader skips the vision tower).
+TEXT_DECODER_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# transformers' Gemma3TextConfig defaults: Gemma 3 4B+'s text_config lists only what differs from them.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "eos_token_id": 1}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # The MLP activations we compute (transformers' ACT2FN names): SwiGLU's silu, GeGLU's tanh-approximated
 # or exact gelu.
@@ -82,6 +90,17 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
             if not isinstance(scaling.get(key), list):
                 raise ValueError(f"a longrope config needs {key} (a list of per-frequency factors)")
     return theta, (None if rope_type == "default" else scaling)
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config's language model, as a decoder's config: its text_config, with the
+    top level's EOS ids and dtype where it states them."""
+    text = dict(cfg.get("text_config") or {})
+    for key in ("eos_token_id", "torch_dtype", "dtype"):
+        if cfg.get(key) is not None:
+            text[key] = cfg[key]
+    text["architectures"] = [TEXT_DECODER_OF[cfg["architectures"][0]]]
+    return text
 
 
 def _activation(arch: str, cfg: dict[str, Any]) -> str:
@@ -275,8 +294,14 @@ class ModelConfig:
         if not archs:
             raise ValueError("config has no 'architectures' entry: cannot pick a model class")
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture must be one of {SUPPORTED_ARCHITECTURES}, got {arch!r}")
+        if arch in TEXT_DECODER_OF:
+            cfg = _text_config(cfg)
+            arch = TEXT_DECODER_OF[arch]
+        elif arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF)}, "
+                             f"got {arch!r}")
+        if arch == "Gemma3ForCausalLM":
+            cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
         act = _activation(arch, cfg)
         gemma = arch in GEMMA_ARCHITECTURES
         num_heads = int(cfg["num_attention_heads"])

@@ -60,6 +60,20 @@ def build_tiny_moe(path: Path, seed: int = 0, num_layers: int = 2, hidden: int =
     return _save_random_model(path, config, seed, num_layers, hidden, heads, max_positions)
 
 
+def build_tiny_gemma2(path: Path, seed: int = 0, num_layers: int = 2, hidden: int = 64, heads: int = 4,
+                      max_positions: int = 1024) -> Path:
+    """Save a random tiny Gemma 2 (window 8 on its even layers, soft caps that bind: 2 on attention
+    scores, 5 on the logits) with our tokenizer into ``path``."""
+    from transformers import Gemma2Config
+
+    def config(**common):
+        return Gemma2Config(intermediate_size=hidden * 2, num_key_value_heads=2, head_dim=hidden // heads,
+                            query_pre_attn_scalar=hidden // heads, sliding_window=8, attn_logit_softcapping=2.0,
+                            final_logit_softcapping=5.0, architectures=["Gemma2ForCausalLM"], **common)
+
+    return _save_random_model(path, config, seed, num_layers, hidden, heads, max_positions)
+
+
 def _save_random_model(path: Path, make_config, seed: int, num_layers: int, hidden: int, heads: int,
                        max_positions: int) -> Path:
     import torch

@@ -33,6 +33,10 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype
     return read_kv(kv, dtype).transpose(-3, -2)
 
 
+# Soft-capped prefill holds its scores in memory (fp32 for the softmax): 2^24 of them (64 MiB) at most at once.
+_SCORES_PER_TILE = 1 << 24
+
+
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                          scale: float, softcap: float) -> torch.Tensor:
     """Attention with soft-capped scores, as transformers' eager Gemma 2 computes it (the softmax in
@@ -118,9 +122,13 @@ class PagedAttention(nn.Module):
                             ) -> torch.Tensor:
         """One prefill chunk's q [L, num_heads, head_dim] against its keys [1, num_kv_heads, N, head_dim];
         ``mask`` [L, N] (None: causal over exactly the chunk). Returns [L, num_heads, head_dim]."""
-        num_queries = q.shape[0]
+        num_queries, num_keys = q.shape[0], k.shape[2]
         if mask is None:
-            mask = torch.ones(num_queries, k.shape[2], dtype=torch.bool, device=q.device).tril_()
+            mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril_()
         grouped = q.view(num_queries, self.num_kv_heads, self.num_groups, self.head_dim).permute(1, 2, 0, 3)
-        out = softcapped_attention(grouped.unsqueeze(0), k, v, mask, self.scale, self.softcap)
-        return out[0].permute(2, 0, 1, 3).reshape(num_queries, self.num_heads, self.head_dim)
+        # The scores are materialised: queries go in tiles of at most _SCORES_PER_TILE scores.
+        tile = max(1, _SCORES_PER_TILE // (self.num_heads * num_keys))
+        out = torch.cat([softcapped_attention(grouped[:, :, i: i + tile].unsqueeze(0), k, v, mask[i: i + tile],
+                                              self.scale, self.softcap)[0]
+                         for i in range(0, num_queries, tile)], dim=2)
+        return out.permute(2, 0, 1, 3).reshape(num_queries, self.num_heads, self.head_dim)

@@ -15,6 +15,8 @@ All of these are ModelConfig fields, so one implementation serves the three.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.layernorm import GemmaRMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
@@ -106,4 +109,24 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
 
 class Gemma3ForCausalLM(GemmaForCausalLM):
     """Gemma 3's text decoder (the 1B model; the larger ones' language model): q/k head norms, five
-    windowed layers to one full, and a RoPE base for each kind."""
+    windowed layers to one full, and a RoPE base for each kind.
+
+    Gemma 3 4B/12B/27B ship as vision-language checkpoints (Gemma3ForConditionalGeneration): their
+    language model's tensors are read under its prefix, and the vision tower's and projector's are
+    skipped (we serve text)."""
+
+    # Checkpoint prefix of the language model -> ours (transformers 4.50's layout, then 4.52's).
+    _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                                ("model.language_model.", "model."))
+    _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            if name.startswith(self._VISION_PREFIXES):
+                continue
+            for theirs, ours in self._LANGUAGE_MODEL_PREFIXES:
+                if name.startswith(theirs):
+                    name = ours + name[len(theirs):]
+                    break
+            yield name, tensor

@@ -80,6 +80,31 @@ def test_a_moe_model_on_two_expert_parallel_ranks_generates_as_transformers(ray_
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, PROMPTS, 12)
 
 
+def test_a_gemma2_engine_generates_as_transformers(tmp_path):
+    """Gemma 2 through an engine: windowed and full layers alternating (the KV cache keeps every key),
+    soft caps binding, chunked prefill, preemption and the prefix cache, against transformers' eager
+    attention (which applies the caps)."""
+    from tests.tiny_model import build_tiny_gemma2
+
+    path = build_tiny_gemma2(tmp_path / "gemma2")
+    llm = LLM(model=str(path), num_gpu_blocks=12, max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(PROMPTS + PROMPTS[:2], params, use_tqdm=False)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(path)
+    expected = []
+    for prompt in PROMPTS + PROMPTS[:2]:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+        expected.append(out[0, ids.shape[1]:].tolist())
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert stats.num_preemptions > 0 and stats.num_free_blocks == stats.num_blocks
+
+
 def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

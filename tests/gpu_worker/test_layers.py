@@ -143,12 +143,18 @@ def test_sliding_window_attends_the_window_and_reads_only_its_blocks(decode_in_p
         assert meta.decode_block_table.tolist() == [[20, 11], [1, 30]] and meta.decode_max_seq_len == 7
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["one-tile", "row-tiles"])
 @pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
 @pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
-def test_soft_capped_scores_on_every_path(decode_in_place, window):
+def test_soft_capped_scores_on_every_path(monkeypatch, decode_in_place, window, tiled):
     """Gemma 2's cap * tanh(score / cap) on the scores: decodes (in C, or gathered) and prefill chunks
     from 0 and from an offset, with and without a window, against dense attention with the cap.
-    Scale 1 and cap 2 make the cap bind on most scores."""
+    Scale 1 and cap 2 make the cap bind on most scores. Prefill scores are held a tile of queries at
+    a time: here all at once, or (a tiny tile budget) one query row per tile."""
+    from gpu_worker.layers import attention
+
+    if tiled:
+        monkeypatch.setattr(attention, "_SCORES_PER_TILE", 40)
     layer = PagedAttention(H, KVH, D, 1.0, sliding_window=window, softcap=2.0)
     layer.kv_cache = (torch.zeros(32, BS, KVH, D), torch.zeros(32, BS, KVH, D))
     torch.manual_seed(4)

@@ -66,6 +66,8 @@ CASES = {
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}}),
     "gemma3_pattern3": ("gemma3", {"sliding_window_pattern": 3, "num_hidden_layers": 3,
                                    "num_key_value_heads": 1}),
+    # Gemma 3 4B+: the language model of a vision-language checkpoint, served on text.
+    "gemma3_vision_language": ("gemma3_vlm", {}),
 }
 
 
@@ -312,3 +314,60 @@ def test_gemma_configs_we_cannot_serve_are_refused():
                                                                  "original_max_position_embeddings": 4096}})
     with pytest.raises(ValueError, match="hidden_act must be one of"):
         ModelConfig.from_dict({**GEMMA2_2B_IT, "hidden_activation": "relu"})
+
+
+GEMMA3_4B_IT = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+                "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+                "mm_tokens_per_image": 256, "model_type": "gemma3",
+                "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                "sliding_window": 1024},
+                "torch_dtype": "bfloat16",
+                "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                  "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                                  "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+
+
+def test_a_gemma3_vision_language_config_is_read_as_its_text_decoder():
+    """Gemma 3 4B's config lists only what its text_config changes from transformers' defaults."""
+    from transformers import Gemma3Config
+
+    ours = ModelConfig.from_dict(GEMMA3_4B_IT)
+    hf = Gemma3Config(**{k: v for k, v in GEMMA3_4B_IT.items() if k not in ("architectures", "model_type")}).text_config
+    assert ours.architecture == "Gemma3ForCausalLM"
+    assert (ours.hidden_size, ours.intermediate_size, ours.num_hidden_layers) == (2560, 10240, 34)
+    assert (ours.num_attention_heads, ours.num_key_value_heads, ours.head_dim, ours.vocab_size) == (
+        hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.vocab_size)
+    assert [ours.layer_sliding_window(i) for i in range(34)] == [
+        1024 if kind == "sliding_attention" else None for kind in hf.layer_types]
+    assert ours.rope_scaling == {"rope_type": "linear", "factor": 8.0} and ours.rope_theta == 1e6
+    assert ours.local_rope_theta == 1e4 and ours.max_context_len == hf.max_position_embeddings == 131072
+    assert ours.eos_token_ids == (1, 106) and ours.dtype == torch.bfloat16 and ours.tie_word_embeddings
+    assert ours.attention_scale == hf.query_pre_attn_scalar ** -0.5
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration"):
+        ModelConfig.from_dict({**GEMMA3_4B_IT, "architectures": ["PaliGemmaForConditionalGeneration"]})
+
+
+def test_gemma3_language_model_loads_from_either_checkpoint_layout(tmp_path):
+    """transformers 4.50 saved the language model as language_model.model.*, 4.52 on as
+    model.language_model.* (and the vision tower under model.): both load, the vision tower skipped."""
+    from gpu_worker.weights import iter_safetensors
+
+    path = save_tiny_model(tmp_path, "gemma3_vlm")
+    names = [name for name, _ in iter_safetensors(path)]
+    assert any(n.startswith("vision_tower.") for n in names)
+    assert any(n.startswith("language_model.model.layers.") for n in names)
+
+    def newer_layout():
+        for name, tensor in iter_safetensors(path):
+            name = name.replace("language_model.model.", "model.language_model.")
+            yield ("model." + name if name.startswith(("vision_tower.", "multi_modal_projector.")) else name), tensor
+
+    prompt = [(5 * i + 1) % 250 for i in range(20)]
+    blocks = [3, 0, 4, 1, 2]
+    runner = make_runner(path, num_blocks=8, block_size=4)
+    newer = make_runner(path, num_blocks=8, block_size=4)
+    newer.load_model(newer_layout())
+    newer.initialize_kv_cache(8, 4)
+    torch.testing.assert_close(prefill_logits(newer, prompt, blocks), prefill_logits(runner, prompt, blocks),
+                               atol=0, rtol=0)

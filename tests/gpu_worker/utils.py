@@ -12,6 +12,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3Config,
     Gemma3TextConfig,
     GemmaConfig,
     LlamaConfig,
@@ -77,6 +78,14 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "gemma3":
         return Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
                                    "sliding_window_pattern": 2, **kw})
+    if kind == "gemma3_vlm":
+        # Gemma 3 4B+: the text decoder under a vision-language model, with a one-layer vision tower.
+        text = make_config("gemma3", **overrides).to_dict()
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14)
+        return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                            image_token_index=kw["vocab_size"] - 1, boi_token_index=kw["vocab_size"] - 3,
+                            eoi_token_index=kw["vocab_size"] - 2, initializer_range=0.2)
     raise ValueError(kind)
 
 
