@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-expert-parallel", "-ep", action="store_true", default=None,
                        help="Mixture-of-experts models: each of the --tensor-parallel-size ranks holds "
                             "num_experts / tp whole experts, instead of a slice of every expert.")
+    serve.add_argument("--runner", choices=["auto", "generate", "pooling"], default=None,
+                       help="pooling: serve the model for embeddings only (no LM head; generation refused). "
+                            "auto (default): pooling for a bare-decoder checkpoint (e5-mistral's MistralModel), "
+                            "generate otherwise (which embeds too).")
+    serve.add_argument("--pooler-config", type=_json_object, default=None,
+                       help='How embeddings pool (JSON), over the checkpoint\'s sentence-transformers files: '
+                            '\'{"pooling_type": "MEAN", "normalize": true}\' (LAST, MEAN or CLS).')
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="Queue limit per engine (429 beyond).")
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
@@ -157,6 +164,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "enable_prefix_caching": args.enable_prefix_caching,
                 "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
+                "runner": args.runner, "pooler_config": args.pooler_config,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config}
     for flag, _, _ in SCHEDULER_ARGS:
         name = flag.lstrip("-").replace("-", "_")

@@ -54,6 +54,12 @@ class EngineSpec(BaseModel):
     enable_expert_parallel: bool | None = Field(
         None, description="Mixture-of-experts models: each TP rank holds num_experts / tp whole experts "
                           "(--enable-expert-parallel) instead of a slice of every expert.")
+    runner: Literal["auto", "generate", "pooling"] | None = Field(
+        None, description="pooling: embeddings only, no LM head (--runner); auto: pooling for a bare-decoder "
+                          "checkpoint such as e5-mistral's MistralModel, generate otherwise.")
+    pooler_config: dict[str, Any] | None = Field(
+        None, description='How embeddings pool (--pooler-config): {"pooling_type": "LAST" | "MEAN" | "CLS", '
+                          '"normalize": bool}, over the checkpoint\'s sentence-transformers files.')
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = None
     num_cpus_per_worker: float | None = None
     resources: dict[str, float] | None = Field(None, description="Extra Ray resources per worker (pinning).")
@@ -72,7 +78,7 @@ _DEFAULTS = EngineSpec(
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,
-    placement_strategy="PACK", num_cpus_per_worker=1.0,
+    runner="auto", placement_strategy="PACK", num_cpus_per_worker=1.0,
     executor_backend="auto", max_waiting_requests=0)
 
 
@@ -296,6 +302,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         model=model, served_model_name=served_model_name, engine_index=index,
         tensor_parallel_size=s["tensor_parallel_size"], device=s["device"],
         dtype=s["dtype"], kv_cache_dtype=s["kv_cache_dtype"], enable_expert_parallel=s["enable_expert_parallel"],
+        runner=s["runner"], pooler_config=tuple(sorted((s["pooler_config"] or {}).items())),
         scheduler=scheduler, block_size=s["block_size"],
         enable_prefix_caching=s["enable_prefix_caching"], num_gpu_blocks=s["num_gpu_blocks"],
         kv_cache_memory_bytes=s["kv_cache_memory_bytes"], gpu_memory_utilization=s["gpu_memory_utilization"],

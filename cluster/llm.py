@@ -197,6 +197,7 @@ class LLM:
                  engine_overrides: list[dict[str, Any]] | None = None, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  kv_cache_dtype: KVCacheDType = "auto", enable_expert_parallel: bool = False,
+                 runner: str = "auto", pooler_config: dict[str, Any] | None = None,
                  **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
@@ -208,7 +209,8 @@ class LLM:
             "tensor_parallel_size": tensor_parallel_size, "num_gpu_blocks": num_gpu_blocks, "device": device,
             "dtype": dtype, "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
             "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend,
-            "kv_cache_dtype": kv_cache_dtype, "enable_expert_parallel": enable_expert_parallel})
+            "kv_cache_dtype": kv_cache_dtype, "enable_expert_parallel": enable_expert_parallel,
+            "runner": runner, "pooler_config": pooler_config})
         # engine_overrides: per-engine flag mappings (engine i gets the i-th), e.g. a latency engine
         # beside a throughput one.
         self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,
@@ -277,17 +279,21 @@ class LLM:
         return [self._to_output(group, samples) for group, samples in groups.items()]
 
     def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
-              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, normalize: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, normalize: bool | None = None,
               dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
-        """vLLM's ``LLM.embed``: each prompt's embedding, the final hidden state of its last token
-        (see /v1/embeddings), first ``dimensions`` values when given, L2-normalised unless not asked."""
+        """vLLM's ``LLM.embed``: each prompt's embedding, pooled as the model's pooler config says (its
+        last token's final hidden state by default; see /v1/embeddings), first ``dimensions`` values
+        when given, L2-normalised unless ``normalize`` or the pooler config says not."""
         prompt_list = self._as_prompt_list(prompts)
         loras = self._as_lora_list(lora_request, len(prompt_list))
         self._load_loras(loras)
-        params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
-                                      embed_dimensions=dimensions)
         info = (self._engine.model_info if self._engine is not None
                 else self._handles[0].description.model_info if self._handles else None)
+        if normalize is None:
+            normalize = info.pooling_normalize if info is not None else True
+        params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
+                                      embed_dimensions=dimensions,
+                                      embed_pooling=info.pooling_type if info is not None else "LAST")
         if dimensions is not None and info is not None and dimensions > info.hidden_size:
             raise ValueError(f"dimensions ({dimensions}) is larger than the model's embeddings "
                              f"({info.hidden_size} values)")

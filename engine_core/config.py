@@ -195,6 +195,13 @@ class EngineConfig:
     # Mixture-of-experts models: split the experts over the TP ranks (each holds E / tp of them whole)
     # instead of splitting every expert's width (vLLM's --enable-expert-parallel).
     enable_expert_parallel: bool = False
+    # vLLM's --runner: "generate" (tokens; embeddings too, from the last token), "pooling" (embeddings
+    # only: no LM head is loaded, generation is refused), "auto" (pooling for a bare-decoder
+    # checkpoint such as e5-mistral's MistralModel, generate otherwise).
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    # vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}, over what
+    # the checkpoint's sentence-transformers files say (gpu_worker.pooler_config).
+    pooler_config: tuple[tuple[str, Any], ...] = ()
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -251,6 +258,13 @@ class EngineConfig:
                      or (isinstance(self.engine_niceness, int) and 0 <= self.engine_niceness <= 19),
                      "engine_niceness", "None or an integer in [0, 19]", self.engine_niceness)
             _require(self.max_waiting_requests >= 0, "max_waiting_requests", ">= 0", self.max_waiting_requests)
+            _require(self.runner in ("auto", "generate", "pooling"), "runner", "one of auto, generate, pooling",
+                     self.runner)
+            pooler = dict(self.pooler_config)
+            _require(set(pooler) <= {"pooling_type", "normalize"}
+                     and str(pooler.get("pooling_type", "LAST")).upper() in ("LAST", "MEAN", "CLS")
+                     and isinstance(pooler.get("normalize", True), bool), "pooler_config",
+                     "an object of pooling_type (LAST, MEAN or CLS) and normalize (true or false)", pooler)
         except ValueError as e:
             raise ValueError(where + str(e)) from None
 

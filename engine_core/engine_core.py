@@ -186,6 +186,9 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> Request | None:
         """Returns the new Request, or None when the id continued a live streaming session."""
         self.check_lora(request)
+        if not self.model_info.generates and not request.sampling_params.embed:
+            raise ValueError(f"{self.model_info.served_model_name} is an embedding model (runner pooling): it does "
+                             "not generate; ask it for embeddings")
         eos = request.eos_token_id
         if eos is None and self.model_info.eos_token_ids:
             eos = self.model_info.eos_token_ids[0]

@@ -40,6 +40,11 @@ class ModelInfo:
     sliding_window: int | None = None
     # LongRoPE models: the pretrained length above which a prompt uses the long rotary factors.
     long_rope_after: int | None = None
+    # False for an embedding-only model (no LM head): generation requests are refused.
+    generates: bool = True
+    # How embeddings are pooled ("LAST", "MEAN" or "CLS"), and whether they are L2-normalised by default.
+    pooling_type: str = "LAST"
+    pooling_normalize: bool = True
     dtype: str = "float32"
     device: str = "cpu"
     extra: dict[str, str] = field(default_factory=dict)

@@ -53,6 +53,9 @@ class SamplingParams:
     embed: bool = False
     embed_normalize: bool = True
     embed_dimensions: int | None = None
+    # How the embedding pools the prompt's final hidden states (gpu_worker.pooler_config): "LAST",
+    # "MEAN" or "CLS". The router and LLM.embed set the model's.
+    embed_pooling: str = "LAST"
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -106,6 +109,8 @@ class SamplingParams:
             _check(self.max_tokens == 1 and self.logprobs is None and self.prompt_logprobs is None
                    and self.structured_output is None, "embed",
                    "used with max_tokens 1 and without logprobs, prompt_logprobs or structured_output", self.embed)
+        _check(self.embed_pooling in ("LAST", "MEAN", "CLS"), "embed_pooling", "one of LAST, MEAN, CLS",
+               self.embed_pooling)
         _check(self.embed_dimensions is None or (isinstance(self.embed_dimensions, int) and self.embed_dimensions >= 1),
                "embed_dimensions", "None or >= 1", self.embed_dimensions)
         if self.structured_output_after is not None:
@@ -128,3 +133,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Whether every prompt position must be computed, so prefix-cache hits are not used (they
+        still fill the cache): prompt logprobs score each one, MEAN and CLS pooling read their
+        hidden states (the first one's for CLS)."""
+        return self.prompt_logprobs is not None or (self.embed and self.embed_pooling != "LAST")

@@ -22,6 +22,13 @@ GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausal
 # Vision-language checkpoints whose language model we serve on text (ModelConfig reads their
 # text_config; the decoder's loader skips the vision tower).
 TEXT_DECODER_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# Embedding checkpoints saved from transformers' bare decoder (no LM head; tensors named without the
+# "model." prefix): e5-mistral (MistralModel), bge-multilingual-gemma2 (Gemma2Model), gte-Qwen2 and
+# Qwen3-Embedding exports. They are served as embedding models only.
+EMBEDDING_DECODER_OF = {
+    "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM", "Phi3Model": "Phi3ForCausalLM", "GemmaModel": "GemmaForCausalLM",
+    "Gemma2Model": "Gemma2ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
 # transformers' Gemma3TextConfig defaults: Gemma 3 4B+'s text_config lists only what differs from them.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -244,6 +251,8 @@ class ModelConfig:
     # Gemma 3: the sliding-window layers' RoPE base (plain RoPE; the others use rope_theta and
     # rope_scaling). None: every layer rotates alike.
     local_rope_theta: float | None = None
+    # No LM head: the model embeds and does not generate (a bare-decoder checkpoint, or --runner pooling).
+    embedding_only: bool = False
 
     @property
     def attention_scale(self) -> float:
@@ -294,12 +303,15 @@ class ModelConfig:
         if not archs:
             raise ValueError("config has no 'architectures' entry: cannot pick a model class")
         arch = archs[0]
+        embedding_only = arch in EMBEDDING_DECODER_OF
         if arch in TEXT_DECODER_OF:
             cfg = _text_config(cfg)
             arch = TEXT_DECODER_OF[arch]
+        elif embedding_only:
+            arch = EMBEDDING_DECODER_OF[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture must be one of {SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF)}, "
-                             f"got {arch!r}")
+            known = SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + tuple(EMBEDDING_DECODER_OF)
+            raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
         act = _activation(arch, cfg)
@@ -390,6 +402,7 @@ class ModelConfig:
             sliding_window_layers=window_layers,
             rotary_dim=rotary_dim,
             hidden_act=act,
+            embedding_only=embedding_only,
             **moe,
             **_gemma_from_dict(arch, cfg),
         )

@@ -20,6 +20,7 @@ from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
 from gpu_worker.model_resolver import resolve_model
+from gpu_worker.pooler_config import resolve_pooler_config
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "max_cpu_loras": config.lora_config.max_cpu_loras if config.lora_config is not None else None,
         "kv_cache_dtype": config.kv_cache_dtype,
         "enable_expert_parallel": config.enable_expert_parallel,
+        "embedding_only": config.runner == "pooling",
     }
 
 
@@ -53,6 +55,10 @@ class _ExecutorBase(Executor):
         resolved = resolve_model(config.model)
         self.model_dir = Path(resolved.model_dir)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        if config.runner == "generate" and self.model_config.embedding_only:
+            raise ValueError(f"runner 'generate': {self.model_dir} is an embedding model without an LM head "
+                             f"({self.model_config.raw['architectures'][0]}); serve it with --runner pooling or auto")
+        pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config))
         wanted = config.scheduler.max_model_len  # None: the model's context length
         self.max_model_len = min(wanted or self.model_config.max_context_len, self.model_config.max_context_len)
         self._info = ModelInfo(
@@ -60,7 +66,9 @@ class _ExecutorBase(Executor):
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
             hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
-            long_rope_after=self.model_config.long_rope_after)
+            long_rope_after=self.model_config.long_rope_after,
+            generates=not (self.model_config.embedding_only or config.runner == "pooling"),
+            pooling_type=pooler.pooling_type, pooling_normalize=pooler.normalize)
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

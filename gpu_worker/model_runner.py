@@ -159,7 +159,8 @@ class ModelRunner:
                 self.lora.set_batch([0] * len(lens), qsl)
             hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta)
             rows = min(self.max_num_seqs * (1 + self.num_spec_tokens), num_tokens)
-            logits = self.model.compute_logits(hidden[:rows])
+            # (An embedding-only model has no head: the forward is its peak.)
+            logits = None if self.config.embedding_only else self.model.compute_logits(hidden[:rows])
             if logits is not None:
                 n = logits.shape[0]
                 md = SamplingMetadata(
@@ -206,6 +207,7 @@ class ModelRunner:
         hidden, sample_rows, last_rows = self._forward(states, num_sched, num_decodes)
         pooler_output = None
         if self.requests.embedding_ids:
+            self._pool_chunks(hidden, states, num_sched)
             embed_rows = [i for i in sample_rows if states[i].sampling_params.embed]
             if embed_rows:
                 # (Only TP rank 0's output is read; the others only keep their states in step.)
@@ -253,13 +255,32 @@ class ModelRunner:
         ).astype(np.int64)).to(self.device)
 
     @staticmethod
+    def _pool_chunks(hidden: torch.Tensor, states: list[RequestState], num_sched: np.ndarray) -> None:
+        """MEAN and CLS pooling read more than a prompt's last token: add this step's chunk of each
+        such request to its running sum (MEAN), or keep its first token's hidden state (CLS). Their
+        prompts are computed whole, never read from the prefix cache (skip_reading_prefix_cache)."""
+        start = 0
+        for state, count in zip(states, num_sched.tolist(), strict=True):
+            pooling = state.sampling_params.embed_pooling if state.sampling_params.embed else "LAST"
+            if pooling == "MEAN":
+                chunk = hidden[start: start + count].float().sum(0)
+                state.pooled = chunk if state.pooled is None else state.pooled.add_(chunk)
+            elif pooling == "CLS" and state.num_computed_tokens == count:  # (_forward moved it past the chunk)
+                state.pooled = hidden[start].float()
+            start += count
+
+    @staticmethod
     def _embeddings(hidden: torch.Tensor, wanted: list[tuple[RequestState, int]]) -> dict[str, list[float]]:
-        """Last pooling: the final hidden state of each finished prompt's last token (every TP rank
-        holds it whole), cut to its dimensions and L2-normalised as the request asks (on the CPU,
-        after one copy of the rows)."""
-        rows = hidden.index_select(0, torch.tensor([row for _, row in wanted], device=hidden.device)).float().cpu()
+        """Each finished prompt's embedding (every TP rank holds the hidden states whole): its last
+        token's final hidden state (LAST pooling), or what _pool_chunks gathered (MEAN: the sum over
+        the prompt, divided here; CLS: the first token's), cut to its dimensions and L2-normalised as
+        the request asks (on the CPU, after one copy of the rows)."""
+        rows = hidden.index_select(0, torch.tensor([row for _, row in wanted], device=hidden.device)).float()
+        pooled = [row if state.pooled is None else
+                  state.pooled / state.num_prompt_tokens if state.sampling_params.embed_pooling == "MEAN" else
+                  state.pooled for (state, _), row in zip(wanted, rows, strict=True)]
         out = {}
-        for (state, _), row in zip(wanted, rows, strict=True):
+        for (state, _), row in zip(wanted, torch.stack(pooled).cpu(), strict=True):
             params = state.sampling_params
             if params.embed_dimensions is not None:
                 row = row[: params.embed_dimensions]

@@ -39,6 +39,9 @@ class RequestState:
     logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
     # The LoRA adapter applied to this request's tokens (0: the base model).
     lora_int_id: int = 0
+    # An embedding pooled over its prompt's chunks (SamplingParams.embed_pooling): MEAN's running
+    # sum of hidden states, or CLS's first one (fp32, [hidden_size]).
+    pooled: torch.Tensor | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -102,6 +102,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
     if hasattr(model, "checkpoint_tensors"):  # a model whose checkpoint stores some shards fused (Phi-3)
         weights = model.checkpoint_tensors(weights)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    # An embedding-only model has no head: a head its checkpoint carries is not read.
+    headless = getattr(model, "lm_head", True) is None
+    # Checkpoints saved from transformers' bare decoder name its tensors without "model.".
+    top_level = {name.split(".", 1)[0] for name in params}
     # A fused parameter counts as loaded only once every one of its shards has arrived.
     expected_shards: dict[str, set[int | str]] = {}
     for ours, shard in packed.values():
@@ -110,9 +114,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
     for hf_name, tensor in weights:
         if hf_name.endswith(_IGNORED_SUFFIXES):
             continue
-        if tied and hf_name == "lm_head.weight":
+        if (tied and hf_name == "lm_head.weight") or (headless and hf_name.startswith("lm_head.")):
             # Some tied checkpoints still store the head; it is the embedding we already load.
             continue
+        checkpoint_name = hf_name
+        if hf_name.split(".", 1)[0] not in top_level and "model" in top_level:
+            hf_name = f"model.{hf_name}"
         name, shard_id = hf_name, None
         expert = _expert_parameter(hf_name, params) if ".experts." in hf_name else None
         if expert is not None:
@@ -124,13 +131,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
                     break
         param = params.get(name)
         if param is None:
-            raise KeyError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
+            raise KeyError(f"checkpoint tensor {checkpoint_name!r} has no matching parameter in "
+                           f"{type(model).__name__}")
         getattr(param, "weight_loader", _default_loader)(param, tensor, shard_id)
         if isinstance(shard_id, tuple) and shard_id[0] == ALL_EXPERTS:
             loaded.setdefault(name, set()).update(param.expected_shards)  # the whole stack at once
         else:
             loaded.setdefault(name, set()).add(shard_id)
-    if tied:
+    if tied and not headless:
         loaded["lm_head.weight"] = {None}
     missing = []
     for name in params:

@@ -54,7 +54,8 @@ class Worker:
                  weights: str | Path | WeightsFactory | None = None, num_cpus: int | None = None,
                  seed: int = 0, num_spec_tokens: int = 0, max_lora_rank: int | None = None,
                  max_loras: int | None = None, kv_cache_dtype: str | torch.dtype | None = "auto",
-                 max_cpu_loras: int | None = None, enable_expert_parallel: bool = False) -> None:
+                 max_cpu_loras: int | None = None, enable_expert_parallel: bool = False,
+                 embedding_only: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -69,6 +70,9 @@ class Worker:
         if enable_expert_parallel:
             # A MoE model's ranks hold whole experts, a share of them each (no effect on a dense model).
             self.model_config = dataclasses.replace(self.model_config, expert_parallel=True)
+        if embedding_only:
+            # --runner pooling: served for embeddings, without the LM head.
+            self.model_config = dataclasses.replace(self.model_config, embedding_only=True)
         self.weights = weights if weights is not None else self.model_dir
         if self.weights is None:
             raise ValueError("a config without a model directory needs `weights` (a directory or a factory)")

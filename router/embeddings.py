@@ -34,7 +34,8 @@ class EmbeddingRequest(BaseModel):
     # vLLM's extras.
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep each input's last k tokens "
                                                                          "(-1: max_model_len).")
-    normalize: bool | None = Field(None, description="L2-normalise (default: true).")
+    normalize: bool | None = Field(None, description="L2-normalise (default: the model's pooler config, "
+                                                     "true unless its sentence-transformers files omit Normalize).")
     add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens to text.")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
@@ -66,8 +67,9 @@ class EmbeddingsServing:
             raise bad_request(f"dimensions ({request.dimensions}) is larger than the model's embeddings "
                               f"({hidden_size} values)", "dimensions")
         prompts = [self.prompt_ids(item, request) for item in request.inputs()]
-        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
-                                embed_normalize=request.normalize is not False, embed_dimensions=request.dimensions)
+        normalize = serving.settings.pooling_normalize if request.normalize is None else request.normalize
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
+                                embed_dimensions=request.dimensions, embed_pooling=serving.settings.pooling_type)
         request_id = f"embd-{uuid.uuid4().hex}"
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         num_tokens = sum(len(ids) for ids in prompts)

@@ -163,7 +163,8 @@ class ScoringServing:
         firsts = set(left)
         prompts = [self.embeddings.prompt_ids(text, request, names[0] if text in firsts else names[1])
                    for text in texts]
-        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=True)
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=True,
+                                embed_pooling=self.serving.settings.pooling_type)
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         try:
             scores = cosine_scores(vectors, [(where[left[i]], where[right[j]]) for i, j in pairs])

@@ -92,6 +92,11 @@ class ServingSettings:
     eos_token_ids: tuple[int, ...] = ()
     # The model's hidden size: an embedding's values (0: unknown, not checked).
     hidden_size: int = 0
+    # False for an embedding model (--runner pooling): generation endpoints answer 400.
+    generates: bool = True
+    # How its embeddings are pooled, and whether they are normalised unless a request says.
+    pooling_type: str = "LAST"
+    pooling_normalize: bool = True
     version: str = "0.1.0"
     # The parser of the model's own tool-call format, when tool_choice "auto" is enabled
     # (--enable-auto-tool-choice --tool-call-parser); None: "auto" is refused, as in vLLM.
@@ -562,8 +567,14 @@ class OpenAIServing:
 
     # -- /v1/completions ----------------------------------------------------------------------------
 
+    def _check_generates(self) -> None:
+        if not self.settings.generates:
+            raise bad_request(f"{self.settings.served_model_name} is an embedding model: it does not generate "
+                              "(use /v1/embeddings, /score or /rerank)", "model")
+
     async def completions(self, request: CompletionRequest, session_id: str | None = None):
         lora = await self.resolve_model(request.model)
+        self._check_generates()
         _no_stream_prompt_logprobs(request)
         prompts = request.prompts()
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -690,6 +701,7 @@ class OpenAIServing:
         """Render, route and send a chat request's choices to their engine; what comes back is read
         with ``finish_chat`` (whole) or ``choice_events`` (streamed). Also the Responses API's way in."""
         lora = await self.resolve_model(request.model)
+        self._check_generates()
         _no_stream_prompt_logprobs(request)
         tool_choice = request.tool_choice_form()
         if tool_choice == "auto" and self.settings.tool_call_parser is None:

@@ -74,8 +74,32 @@ def build_tiny_gemma2(path: Path, seed: int = 0, num_layers: int = 2, hidden: in
     return _save_random_model(path, config, seed, num_layers, hidden, heads, max_positions)
 
 
+def build_tiny_embedder(path: Path, pooling_mode: str = "pooling_mode_mean_tokens", normalize: bool = False,
+                        seed: int = 0) -> Path:
+    """Save a random tiny e5-mistral-style embedding model into ``path``: transformers' bare
+    MistralModel (no LM head), our tokenizer, and sentence-transformers files declaring
+    ``pooling_mode`` (and a Normalize module when ``normalize``)."""
+    import json
+
+    from transformers import AutoModel, MistralConfig
+
+    def config(**common):
+        return MistralConfig(intermediate_size=128, num_key_value_heads=2, sliding_window=None,
+                             architectures=["MistralModel"], **common)
+
+    path = _save_random_model(path, config, seed, 2, 64, 4, 1024, auto_class=AutoModel)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, pooling_mode: True}))
+    return path
+
+
 def _save_random_model(path: Path, make_config, seed: int, num_layers: int, hidden: int, heads: int,
-                       max_positions: int) -> Path:
+                       max_positions: int, auto_class=None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -85,7 +109,7 @@ def _save_random_model(path: Path, make_config, seed: int, num_layers: int, hidd
                          num_attention_heads=heads, max_position_embeddings=max_positions,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = (auto_class or AutoModelForCausalLM).from_config(config)
     # Larger weights than the init default, so greedy decoding is not dominated by near-ties.
     with torch.no_grad():
         for p in model.parameters():

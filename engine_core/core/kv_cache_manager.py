@@ -70,8 +70,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest run of the request's full blocks already in the prefix cache, and its token count."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return self._empty, 0  # (prompt logprobs need every prompt position computed)
+        if not self.enable_caching or request.sampling_params.skip_reading_prefix_cache:
+            return self._empty, 0
         block_size = self.block_size
         # The last prompt token is always recomputed: its logits are needed to sample.
         max_hit_blocks = (request.num_tokens - 1) // block_size

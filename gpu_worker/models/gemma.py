@@ -96,7 +96,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.final_logit_softcapping = config.final_logit_softcapping
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.lm_head(hidden)
+        logits = super().compute_logits(hidden)
         if logits is not None and self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap).mul_(cap)

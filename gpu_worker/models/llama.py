@@ -173,8 +173,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_class(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
+        # An embedding-only model has no head (its checkpoint may carry one: it is not loaded).
+        self.lm_head = None if config.embedding_only else ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -182,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on TP rank 0, None on the other ranks."""
+        if self.lm_head is None:
+            raise RuntimeError("this model is served for embeddings only: it has no LM head")
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:

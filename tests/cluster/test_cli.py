@@ -242,3 +242,22 @@ def test_expert_parallelism_reaches_the_engines_workers(tmp_path):
     assert _config("-ep").engine_configs()[0].enable_expert_parallel is True
     assert _config().engine_configs()[0].enable_expert_parallel is False
     assert _worker_kwargs(engines[0], tmp_path, 128, 1)["enable_expert_parallel"] is True
+
+
+def test_runner_and_pooler_config_reach_the_engines(tmp_path):
+    """--runner pooling and --pooler-config (vLLM's flags), per engine through --engine-config too."""
+    from gpu_worker.executor import _worker_kwargs
+
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {runner: generate, pooler_config: {pooling_type: CLS}}\n")
+    engines = _config("--num-engines", "2", "--runner", "pooling", "--pooler-config",
+                      '{"pooling_type": "MEAN", "normalize": false}', "--engine-config",
+                      str(overrides)).engine_configs()
+    assert [e.runner for e in engines] == ["pooling", "generate"]
+    assert dict(engines[0].pooler_config) == {"pooling_type": "MEAN", "normalize": False}
+    assert dict(engines[1].pooler_config) == {"pooling_type": "CLS"}
+    assert _worker_kwargs(engines[0], tmp_path, 128, 1)["embedding_only"] is True
+    assert _worker_kwargs(engines[1], tmp_path, 128, 1)["embedding_only"] is False
+    assert _config().engine_configs()[0].runner == "auto"
+    with pytest.raises(ValueError, match="pooler_config must be an object of pooling_type"):
+        _config("--pooler-config", '{"pooling_type": "MAX"}').engine_configs()

@@ -105,6 +105,57 @@ def test_a_gemma2_engine_generates_as_transformers(tmp_path):
     assert stats.num_preemptions > 0 and stats.num_free_blocks == stats.num_blocks
 
 
+def test_an_e5_mistral_style_embedding_model_pools_as_its_sentence_transformers_files_say(tmp_path, tiny_model_dir):
+    """A bare MistralModel checkpoint (no LM head) with sentence-transformers files asking for MEAN
+    pooling and no Normalize: the engine runs it for embeddings only (runner auto), pools the mean
+    of every prompt token's final hidden state through chunked prefill, leaves it unnormalised unless
+    asked, and refuses to generate. --pooler-config overrides the files; --runner pooling makes a
+    causal LM embedding-only; --runner generate refuses a model without a head."""
+    from transformers import AutoModel
+
+    from tests.tiny_model import build_tiny_embedder
+
+    path = build_tiny_embedder(tmp_path / "e5")
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+
+    def states(prompt):
+        with torch.no_grad():
+            return model(tok(prompt, return_tensors="pt").input_ids).last_hidden_state[0]
+
+    llm = LLM(model=str(path), num_gpu_blocks=64, max_num_batched_tokens=8, max_model_len=128)
+    try:
+        outs = llm.embed(PROMPTS[:4], use_tqdm=False)
+        normalised = llm.embed(PROMPTS[:1], use_tqdm=False, normalize=True)
+        with pytest.raises(ValueError, match=r"is an embedding model .* does not generate"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, prompt in zip(outs, PROMPTS[:4], strict=True):
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), states(prompt).mean(0), atol=1e-4, rtol=1e-4)
+    mean = states(PROMPTS[0]).mean(0)
+    torch.testing.assert_close(torch.tensor(normalised[0].outputs.embedding), mean / mean.norm(), atol=1e-5,
+                               rtol=1e-5)
+
+    llm = LLM(model=str(path), num_gpu_blocks=64, pooler_config={"pooling_type": "CLS", "normalize": True})
+    try:
+        cls = llm.embed(PROMPTS[1:2], use_tqdm=False)[0].outputs.embedding
+    finally:
+        llm.shutdown()
+    first = states(PROMPTS[1])[0]
+    torch.testing.assert_close(torch.tensor(cls), first / first.norm(), atol=1e-5, rtol=1e-5)
+
+    with pytest.raises(ValueError, match=r"runner 'generate'.* an embedding model without an LM head"):
+        LLM(model=str(path), num_gpu_blocks=64, runner="generate")
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, runner="pooling")
+    try:
+        assert len(llm.embed(PROMPTS[:1], use_tqdm=False)[0].outputs.embedding) == 64
+        with pytest.raises(ValueError, match="does not generate"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
 def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -80,3 +80,27 @@ def test_a_failing_input_fails_the_request_and_aborts_the_others(failing):
     assert engine.aborted == [rq.request_id for rq in engine.requests[failing + 1:]]
     client = engine.client
     assert client.loads() == [0] and not client._queues
+
+
+def test_an_embedding_model_pools_as_configured_and_does_not_generate():
+    """An engine running an embedding model (runner pooling; MEAN pooling, not normalised by its
+    sentence-transformers files): embeddings and scores carry its pooling, a request's normalize
+    overrides the model's default, and every generation endpoint answers 400 naming the model."""
+    http, engine = _app(settings={"generates": False, "pooling_type": "MEAN", "pooling_normalize": False})
+    client = _client(http)
+    client.embeddings.create(model="tiny", input="Hello world")
+    params = engine.requests[-1].sampling_params
+    assert params.embed_pooling == "MEAN" and not params.embed_normalize
+    client.embeddings.create(model="tiny", input="Hello world", extra_body={"normalize": True})
+    assert engine.requests[-1].sampling_params.embed_normalize
+    assert http.post("/v1/score", json={"model": "tiny", "text_1": "a", "text_2": "b"}).status_code == 200
+    assert engine.requests[-1].sampling_params.embed_pooling == "MEAN"
+    sent = len(engine.requests)
+    for path, body in [("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/completions", {"prompt": "hi", "stream": True}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/responses", {"input": "hi"})]:
+        r = http.post(path, json={"model": "tiny", **body})
+        assert r.status_code == 400, path
+        assert r.json()["error"]["param"] == "model" and "is an embedding model" in r.json()["error"]["message"]
+    assert len(engine.requests) == sent  # nothing reached the engine

@@ -115,12 +115,13 @@ def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
          tokenizer=TOKENIZER, prompt_tokens_details: bool = False, stream_interval: int = 1, hidden_size: int = 0,
-         **engine) -> tuple[TestClient, ScriptedEngine]:
+         settings: dict | None = None, **engine) -> tuple[TestClient, ScriptedEngine]:
     client = EngineClient([object()], client_index=1)
     scripted = client._slots[0].channel = ScriptedEngine(client, script, **engine)
     serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256,
                                             enable_prompt_tokens_details=prompt_tokens_details,
-                                            stream_interval=stream_interval, hidden_size=hidden_size),
+                                            stream_interval=stream_interval, hidden_size=hidden_size,
+                                            **(settings or {})),
                             client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted
 
