@@ -2,14 +2,19 @@
 
 from cluster.llm import (
     LLM,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     Logprob,
     RequestOutput,
     SamplingParams,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from engine_core.outputs import LoRARequest
 
-__all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "LoRARequest", "Logprob",
-           "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "LoRARequest", "Logprob", "RequestOutput", "SamplingParams", "ScoringOutput",
+           "ScoringRequestOutput"]

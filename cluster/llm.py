@@ -18,10 +18,12 @@ from tqdm.auto import tqdm
 from cluster.config import ClusterConfig, EngineSpec, scheduler_flags_to_spec
 from engine_core.config import EngineConfig, KVCacheDType
 from engine_core.engine_core import EngineCore
+from engine_core.executor import ModelInfo
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
 from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
+from router.classification import class_probabilities
 from router.detokenizer import IncrementalDetokenizer
 from router.scoring import cosine_scores, score_pairs
 
@@ -96,6 +98,25 @@ class EmbeddingRequestOutput:
 
     request_id: str
     outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's ``LLM.classify`` result: one prompt's class probabilities."""
+
+    request_id: str
+    outputs: ClassificationOutput
     prompt_token_ids: list[int]
     finished: bool = True
 
@@ -284,19 +305,44 @@ class LLM:
         """vLLM's ``LLM.embed``: each prompt's embedding, pooled as the model's pooler config says (its
         last token's final hidden state by default; see /v1/embeddings), first ``dimensions`` values
         when given, L2-normalised unless ``normalize`` or the pooler config says not."""
+        info = self._model_info()
+        if info.labels:
+            raise ValueError("this model is a sequence classifier: use LLM.classify (or LLM.score for a "
+                             "cross-encoder), not LLM.embed")
+        if normalize is None:
+            normalize = info.pooling_normalize
+        params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
+                                      embed_dimensions=dimensions, embed_pooling=info.pooling_type)
+        if dimensions is not None and dimensions > info.hidden_size:
+            raise ValueError(f"dimensions ({dimensions}) is larger than the model's embeddings "
+                             f"({info.hidden_size} values)")
+        return [EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), ids)
+                for request_id, ids, vector in self._pool(prompts, params, lora_request, use_tqdm, "Embedded prompts")]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify`` with a sequence classifier: each prompt's class probabilities
+        (``outputs.probs``: softmax over the classes, a sigmoid for a one-output model), as /classify."""
+        info = self._model_info()
+        if not info.labels:
+            raise ValueError("this model is not a sequence classifier (a *ForSequenceClassification checkpoint)")
+        params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=False,
+                                      embed_pooling=info.pooling_type)
+        return [ClassificationRequestOutput(request_id, ClassificationOutput(class_probabilities(logits)), ids)
+                for request_id, ids, logits in self._pool(prompts, params, lora_request, use_tqdm,
+                                                          "Classified prompts")]
+
+    def _model_info(self) -> ModelInfo:
+        return self._engine.model_info if self._engine is not None else self._handles[0].description.model_info
+
+    def _pool(self, prompts: PromptType | Sequence[PromptType], params: EngineSamplingParams,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None, use_tqdm: bool, label: str
+              ) -> list[tuple[str, list[int], list[float]]]:
+        """(request id, prompt ids, pooled output) of each prompt, run as embedding requests."""
         prompt_list = self._as_prompt_list(prompts)
         loras = self._as_lora_list(lora_request, len(prompt_list))
         self._load_loras(loras)
-        info = (self._engine.model_info if self._engine is not None
-                else self._handles[0].description.model_info if self._handles else None)
-        if normalize is None:
-            normalize = info.pooling_normalize if info is not None else True
-        params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
-                                      embed_dimensions=dimensions,
-                                      embed_pooling=info.pooling_type if info is not None else "LAST")
-        if dimensions is not None and info is not None and dimensions > info.hidden_size:
-            raise ValueError(f"dimensions ({dimensions}) is larger than the model's embeddings "
-                             f"({info.hidden_size} values)")
         vocab, max_model_len = len(self.tokenizer), self._max_model_len()
         pending: dict[str, _Pending] = {}
         requests = []
@@ -306,24 +352,28 @@ class LLM:
             pending[request_id] = _Pending(prompt if isinstance(prompt, str) else None, ids, False, request_id)
             requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                                               arrival_time=time.time(), lora_request=lora))
-        self._run(requests, pending, "Embedded prompts", use_tqdm)
+        self._run(requests, pending, label, use_tqdm)
         out = []
         for request_id, p in pending.items():
             if p.embedding is None:
-                raise RuntimeError(f"prompt {request_id} ended without its embedding ({p.finish_reason}: "
+                raise RuntimeError(f"prompt {request_id} ended without its pooled output ({p.finish_reason}: "
                                    f"{p.stop_reason})")
-            out.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(p.embedding), p.prompt_ids))
+            out.append((request_id, p.prompt_ids, p.embedding))
         return out
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType],
               use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` with an embedding model: each pair's cosine similarity, pairing one
-        ``data_1`` prompt with every ``data_2`` prompt, or the i-th with the i-th. Each distinct prompt
-        is embedded once. A pair's ``prompt_token_ids`` are its two prompts' ids, joined."""
+        """vLLM's ``LLM.score``, pairing one ``data_1`` prompt with every ``data_2`` prompt, or the
+        i-th with the i-th. With an embedding model, each pair's cosine similarity: each distinct
+        prompt is embedded once, and a pair's ``prompt_token_ids`` are its two prompts' ids, joined.
+        With a cross-encoder (a one-output sequence classifier), the sigmoid of its logit over the
+        pair, tokenised as the tokenizer joins a text pair (``prompt_token_ids``)."""
         first, second = self._as_prompt_list(data_1), self._as_prompt_list(data_2)
         if not first or not second:
             raise ValueError("LLM.score needs at least one prompt on each side")
         pairs = score_pairs(len(first), len(second))
+        if self._model_info().labels:
+            return self._cross_encoder_scores(first, second, pairs, use_tqdm, lora_request)
         unique: dict[tuple[str, Any], PromptType] = {}
         for prompt in [*first, *second]:
             unique.setdefault(_prompt_key(prompt), prompt)
@@ -334,6 +384,19 @@ class LLM:
         return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(score),
                                      embedded[at[0][i]].prompt_token_ids + embedded[at[1][j]].prompt_token_ids)
                 for (i, j), score in zip(pairs, scores, strict=True)]
+
+    def _cross_encoder_scores(self, first: list[PromptType], second: list[PromptType],
+                              pairs: list[tuple[int, int]], use_tqdm: bool, lora_request: LoRARequest | None
+                              ) -> list[ScoringRequestOutput]:
+        if len(self._model_info().labels) != 1:
+            raise ValueError("LLM.score needs a cross-encoder with one output; this classifier has "
+                             f"{len(self._model_info().labels)} classes (use LLM.classify)")
+        if not all(isinstance(p, str) for p in (*first, *second)):
+            raise ValueError("a cross-encoder scores text pairs: give texts on both sides")
+        joined = [list(self.tokenizer(first[i], text_pair=second[j])["input_ids"]) for i, j in pairs]
+        classified = self.classify(joined, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [ScoringRequestOutput(c.request_id, ScoringOutput(c.outputs.probs[0]), c.prompt_token_ids)
+                for c in classified]
 
     def _prompt_ids(self, index: int, prompt: PromptType, vocab: int, max_tokens: int) -> list[int]:
         """A prompt's token ids, checked before anything is queued, as vLLM does: a bad prompt fails

@@ -29,6 +29,13 @@ EMBEDDING_DECODER_OF = {
     "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM", "Phi3Model": "Phi3ForCausalLM", "GemmaModel": "GemmaForCausalLM",
     "Gemma2Model": "Gemma2ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
+# Sequence classifiers (cross-encoder rerankers, reward models, classifiers): the decoder, and a
+# ``score`` head over the last token's final hidden state. Served without an LM head.
+CLASSIFIER_DECODER_OF = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM", "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM", "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+    "GemmaForSequenceClassification": "GemmaForCausalLM", "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
+    "Phi3ForSequenceClassification": "Phi3ForCausalLM"}
 # transformers' Gemma3TextConfig defaults: Gemma 3 4B+'s text_config lists only what differs from them.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -97,6 +104,18 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
             if not isinstance(scaling.get(key), list):
                 raise ValueError(f"a longrope config needs {key} (a list of per-frequency factors)")
     return theta, (None if rope_type == "default" else scaling)
+
+
+def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """A sequence classifier's class names, by index: its id2label, else num_labels unnamed ones
+    (transformers' LABEL_i), 2 when neither is given."""
+    id2label = cfg.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        by_index = {int(i): str(name) for i, name in id2label.items()}
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"id2label must name the classes 0..n-1, got {sorted(by_index)}")
+        return tuple(by_index[i] for i in range(len(by_index)))
+    return tuple(f"LABEL_{i}" for i in range(int(cfg.get("num_labels") or 2)))
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -253,6 +272,8 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # No LM head: the model embeds and does not generate (a bare-decoder checkpoint, or --runner pooling).
     embedding_only: bool = False
+    # A sequence classifier's class names (its ``score`` head has one output per class); () otherwise.
+    labels: tuple[str, ...] = ()
 
     @property
     def attention_scale(self) -> float:
@@ -303,14 +324,16 @@ class ModelConfig:
         if not archs:
             raise ValueError("config has no 'architectures' entry: cannot pick a model class")
         arch = archs[0]
-        embedding_only = arch in EMBEDDING_DECODER_OF
+        embedding_only = arch in EMBEDDING_DECODER_OF or arch in CLASSIFIER_DECODER_OF
+        labels = _labels(cfg) if arch in CLASSIFIER_DECODER_OF else ()
         if arch in TEXT_DECODER_OF:
             cfg = _text_config(cfg)
             arch = TEXT_DECODER_OF[arch]
         elif embedding_only:
-            arch = EMBEDDING_DECODER_OF[arch]
+            arch = {**EMBEDDING_DECODER_OF, **CLASSIFIER_DECODER_OF}[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:
-            known = SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + tuple(EMBEDDING_DECODER_OF)
+            known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + tuple(EMBEDDING_DECODER_OF)
+                     + tuple(CLASSIFIER_DECODER_OF))
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
@@ -403,6 +426,7 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             hidden_act=act,
             embedding_only=embedding_only,
+            labels=labels,
             **moe,
             **_gemma_from_dict(arch, cfg),
         )

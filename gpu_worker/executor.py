@@ -57,7 +57,8 @@ class _ExecutorBase(Executor):
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         if config.runner == "generate" and self.model_config.embedding_only:
             raise ValueError(f"runner 'generate': {self.model_dir} is an embedding model without an LM head "
-                             f"({self.model_config.raw['architectures'][0]}); serve it with --runner pooling or auto")
+                             f"({self.model_config.raw['architectures'][0]}: embeddings or classes only); serve it "
+                             "with --runner pooling or auto")
         pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config))
         wanted = config.scheduler.max_model_len  # None: the model's context length
         self.max_model_len = min(wanted or self.model_config.max_context_len, self.model_config.max_context_len)
@@ -68,7 +69,7 @@ class _ExecutorBase(Executor):
             hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after,
             generates=not (self.model_config.embedding_only or config.runner == "pooling"),
-            pooling_type=pooler.pooling_type, pooling_normalize=pooler.normalize)
+            pooling_type=pooler.pooling_type, pooling_normalize=pooler.normalize, labels=self.model_config.labels)
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

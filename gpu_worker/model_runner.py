@@ -269,18 +269,20 @@ class ModelRunner:
                 state.pooled = hidden[start].float()
             start += count
 
-    @staticmethod
-    def _embeddings(hidden: torch.Tensor, wanted: list[tuple[RequestState, int]]) -> dict[str, list[float]]:
+    def _embeddings(self, hidden: torch.Tensor, wanted: list[tuple[RequestState, int]]) -> dict[str, list[float]]:
         """Each finished prompt's embedding (every TP rank holds the hidden states whole): its last
         token's final hidden state (LAST pooling), or what _pool_chunks gathered (MEAN: the sum over
-        the prompt, divided here; CLS: the first token's), cut to its dimensions and L2-normalised as
-        the request asks (on the CPU, after one copy of the rows)."""
+        the prompt, divided here; CLS: the first token's); a sequence classifier's class logits from
+        it instead. Cut to its dimensions and L2-normalised as the request asks (on the CPU, after
+        one copy of the rows)."""
         rows = hidden.index_select(0, torch.tensor([row for _, row in wanted], device=hidden.device)).float()
-        pooled = [row if state.pooled is None else
-                  state.pooled / state.num_prompt_tokens if state.sampling_params.embed_pooling == "MEAN" else
-                  state.pooled for (state, _), row in zip(wanted, rows, strict=True)]
+        pooled = torch.stack([row if state.pooled is None else
+                              state.pooled / state.num_prompt_tokens if state.sampling_params.embed_pooling == "MEAN"
+                              else state.pooled for (state, _), row in zip(wanted, rows, strict=True)])
+        if self.config.labels:
+            pooled = self.model.classify(pooled.to(hidden.dtype)).float()
         out = {}
-        for (state, _), row in zip(wanted, torch.stack(pooled).cpu(), strict=True):
+        for (state, _), row in zip(wanted, pooled.cpu(), strict=True):
             params = state.sampling_params
             if params.embed_dimensions is not None:
                 row = row[: params.embed_dimensions]

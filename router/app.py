@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_core.outputs import LoRARequest
 from engine_core.sched.scheduler import PAUSE_MODES
+from router.classification import CLASSIFY_PATHS, ClassificationRequest, ClassificationServing
 from router.embeddings import EmbeddingRequest, EmbeddingsServing
 from router.metrics import RouterMetrics, merge_expositions
 from router.model_servings import ModelServings
@@ -107,7 +108,8 @@ class APIKeyAuth:
 
 
 def _needs_key(path: str) -> bool:
-    return path.startswith(("/v1", "/v2")) or path in DEV_MODE_PATHS or path in SCORING_PATHS
+    return (path.startswith(("/v1", "/v2")) or path in DEV_MODE_PATHS or path in SCORING_PATHS
+            or path in CLASSIFY_PATHS)
 
 
 def _digest(value: bytes) -> bytes:
@@ -196,6 +198,15 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
     for path in SCORING_PATHS:
         app.post(path)(create_ranking if path.endswith("rerank") else create_scores)
+
+    classification_of = {id(s): ClassificationServing(s) for s in servings}
+
+    async def create_classification(body: ClassificationRequest, request: Request) -> Response:
+        chosen = classification_of[id(await servings.for_model(body.model))]
+        return JSONResponse(await chosen.create(body, request.headers.get(SESSION_HEADER)))
+
+    for path in CLASSIFY_PATHS:
+        app.post(path)(create_classification)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> Response:

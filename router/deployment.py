@@ -94,6 +94,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         generates=first.model_info.generates,
         pooling_type=first.model_info.pooling_type,
         pooling_normalize=first.model_info.pooling_normalize,
+        labels=first.model_info.labels,
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
         api_keys=tuple(config.api_keys),

@@ -62,6 +62,9 @@ class EmbeddingsServing:
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
+        if serving.settings.labels:
+            raise bad_request(f"{serving.settings.served_model_name} is a sequence classifier: it answers "
+                              "/classify (and /score for a cross-encoder), not embeddings", "model")
         hidden_size = serving.settings.hidden_size
         if request.dimensions is not None and hidden_size and request.dimensions > hidden_size:
             raise bad_request(f"dimensions ({request.dimensions}) is larger than the model's embeddings "

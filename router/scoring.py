@@ -1,10 +1,12 @@
-"""vLLM's scoring endpoints for embedding (bi-encoder) models: ``POST /score`` (``/v1/score``) and
-``POST /rerank`` (``/v1/rerank``, ``/v2/rerank``, the Jina/Cohere shape).
+"""vLLM's scoring endpoints: ``POST /score`` (``/v1/score``) and ``POST /rerank`` (``/v1/rerank``,
+``/v2/rerank``, the Jina/Cohere shape), for embedding (bi-encoder) and cross-encoder models.
 
-Each distinct text is embedded once, as ``/v1/embeddings`` embeds it (last-token pooling, L2
-normalised, on the serving's engines, all of a request's texts sent together), and a pair's score is
-the cosine similarity of its two embeddings: how vLLM scores with an embedding model. Cross-encoder
-rerankers (a classification head over the pair) are not among the served architectures.
+* An embedding model: each distinct text is embedded once, as ``/v1/embeddings`` embeds it (on the
+  serving's engines, all of a request's texts sent together), and a pair's score is the cosine
+  similarity of its two embeddings.
+* A cross-encoder (a sequence classifier with one output): each pair is tokenised together, as the
+  tokenizer joins a text pair, and its score is the sigmoid of the classifier's logit.
+That is how vLLM scores with each kind of model.
 
 Pairing, as vLLM's: one first text against every second text (1 to N), or the i-th with the i-th
 (N to N).
@@ -19,12 +21,14 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine_core.outputs import LoRARequest
 from engine_core.sampling_params import SamplingParams
+from router.classification import class_probabilities, classifier_params
 from router.embeddings import EmbeddingsServing
 from router.protocol import INT64_MAX, INT64_MIN, invalid
-from router.serving import APIError, OpenAIServing
+from router.serving import APIError, OpenAIServing, bad_request
 
-# The paths these endpoints answer on (every one needs the API key when one is set).
+# The paths these endpoints answer on (every one needs the API key when one is set, as /classify's do).
 SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 
 
@@ -129,7 +133,7 @@ class ScoringServing:
         pairs = score_pairs(len(left), len(right))
         request_id = f"score-{uuid.uuid4().hex}"
         names = ("text_1", "text_2") if request.text_1 is not None else ("queries", "documents")
-        scores, num_tokens = await self._cosine(request_id, request, left, right, pairs, session_id, names)
+        scores, num_tokens = await self._scores(request_id, request, left, right, pairs, session_id, names)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": self.serving.model_name(request.model),
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -138,7 +142,7 @@ class ScoringServing:
     async def rerank(self, request: RerankRequest, session_id: str | None = None) -> dict[str, Any]:
         documents = request.document_texts()
         request_id = f"rerank-{uuid.uuid4().hex}"
-        scores, num_tokens = await self._cosine(request_id, request, [request.query], documents,
+        scores, num_tokens = await self._scores(request_id, request, [request.query], documents,
                                                 [(0, i) for i in range(len(documents))], session_id,
                                                 ("query", "documents"))
         ranked = sorted(range(len(documents)), key=lambda i: -scores[i])  # (stable: ties keep their order)
@@ -150,14 +154,16 @@ class ScoringServing:
                              "document": {"text": documents[i]} if request.return_documents else None}
                             for i in ranked]}
 
-    async def _cosine(self, request_id: str, request: _ScoringFields, left: list[str], right: list[str],
+    async def _scores(self, request_id: str, request: _ScoringFields, left: list[str], right: list[str],
                       pairs: list[tuple[int, int]], session_id: str | None, names: tuple[str, str]
                       ) -> tuple[list[float], int]:
-        """Each pair's cosine similarity, and the prompt tokens embedded: each distinct text once
-        (what ran; vLLM counts each pair's two texts)."""
+        """Each pair's score, and the prompt tokens that ran: each distinct text once for an
+        embedding model (vLLM counts each pair's two texts), each pair for a cross-encoder."""
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
+        if serving.settings.labels:
+            return await self._cross_encoded(request_id, request, left, right, pairs, session_id, names, lora)
         texts = list(dict.fromkeys(left + right))
         where = {text: i for i, text in enumerate(texts)}
         firsts = set(left)
@@ -168,6 +174,28 @@ class ScoringServing:
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         try:
             scores = cosine_scores(vectors, [(where[left[i]], where[right[j]]) for i, j in pairs])
+        except ValueError as e:
+            raise APIError(500, str(e), "InternalServerError") from None
+        return scores, sum(len(p) for p in prompts)
+
+    async def _cross_encoded(self, request_id: str, request: _ScoringFields, left: list[str], right: list[str],
+                             pairs: list[tuple[int, int]], session_id: str | None, names: tuple[str, str],
+                             lora: LoRARequest | None) -> tuple[list[float], int]:
+        """A cross-encoder's score of each pair: the sigmoid of its one logit over the pair, tokenised
+        as the tokenizer joins a text pair (truncate_prompt_tokens keeps the joined ids' tail)."""
+        serving = self.serving
+        params = classifier_params(serving)
+        if len(serving.settings.labels) != 1:
+            raise bad_request(f"scoring needs a cross-encoder with one output; {serving.settings.served_model_name} "
+                              f"has {len(serving.settings.labels)} classes (use /classify)", "model")
+        prompts = []
+        for i, j in pairs:
+            ids = list(serving.tokenizer(left[i], text_pair=right[j],
+                                         add_special_tokens=request.add_special_tokens)["input_ids"])
+            prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
+        logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        try:
+            scores = [class_probabilities(row)[0] for row in logits]
         except ValueError as e:
             raise APIError(500, str(e), "InternalServerError") from None
         return scores, sum(len(p) for p in prompts)

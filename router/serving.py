@@ -97,6 +97,8 @@ class ServingSettings:
     # How its embeddings are pooled, and whether they are normalised unless a request says.
     pooling_type: str = "LAST"
     pooling_normalize: bool = True
+    # A sequence classifier's class names: /classify and cross-encoder /score answer, /v1/embeddings does not.
+    labels: tuple[str, ...] = ()
     version: str = "0.1.0"
     # The parser of the model's own tool-call format, when tool_choice "auto" is enabled
     # (--enable-auto-tool-choice --tool-call-parser); None: "auto" is refused, as in vLLM.

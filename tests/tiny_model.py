@@ -98,6 +98,18 @@ def build_tiny_embedder(path: Path, pooling_mode: str = "pooling_mode_mean_token
     return path
 
 
+def build_tiny_classifier(path: Path, num_labels: int = 1, seed: int = 0) -> Path:
+    """Save a random tiny LlamaForSequenceClassification (one output: a cross-encoder or reward
+    model) with our tokenizer into ``path``."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    def config(**common):
+        return LlamaConfig(intermediate_size=128, num_key_value_heads=2, num_labels=num_labels,
+                           architectures=["LlamaForSequenceClassification"], **common)
+
+    return _save_random_model(path, config, seed, 2, 64, 4, 1024, auto_class=AutoModelForSequenceClassification)
+
+
 def _save_random_model(path: Path, make_config, seed: int, num_layers: int, hidden: int, heads: int,
                        max_positions: int, auto_class=None) -> Path:
     import torch

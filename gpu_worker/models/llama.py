@@ -177,6 +177,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.embedding_only else ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
+        # A sequence classifier's head (transformers' *ForSequenceClassification ``score``): one
+        # logit per class from a pooled final hidden state; whole on every TP rank.
+        self.score = None
+        if config.labels:
+            self.score = nn.Linear(config.hidden_size, len(config.labels), bias=False)
+            self.score.weight.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model.forward(input_ids, positions, meta)
@@ -186,6 +192,12 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             raise RuntimeError("this model is served for embeddings only: it has no LM head")
         return self.lm_head(hidden)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's class logits for pooled hidden states [n, hidden] -> [n, classes]."""
+        if self.score is None:
+            raise RuntimeError("this model has no classification head")
+        return self.score.forward(pooled.to(self.score.weight.dtype))
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -156,6 +156,42 @@ def test_an_e5_mistral_style_embedding_model_pools_as_its_sentence_transformers_
         llm.shutdown()
 
 
+def test_a_cross_encoder_classifies_and_scores_pairs_as_transformers(tmp_path):
+    """A one-output LlamaForSequenceClassification: LLM.classify gives the sigmoid of its logit
+    (softmax for several classes), LLM.score scores each text pair tokenised together; it neither
+    embeds nor generates."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny_model import build_tiny_classifier
+
+    path = build_tiny_classifier(tmp_path / "reranker")
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+
+    def logit(ids):
+        with torch.no_grad():
+            return float(model(torch.tensor([ids])).logits[0, 0])
+
+    llm = LLM(model=str(path), num_gpu_blocks=64, max_num_batched_tokens=8, max_model_len=128)
+    try:
+        classified = llm.classify(PROMPTS[:3], use_tqdm=False)
+        scored = llm.score("Which city is in France?", ["Paris is.", "Berlin is not."], use_tqdm=False)
+        with pytest.raises(ValueError, match=r"sequence classifier: use LLM\.classify"):
+            llm.embed(PROMPTS[:1], use_tqdm=False)
+        with pytest.raises(ValueError, match="does not generate"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, prompt in zip(classified, PROMPTS[:3], strict=True):
+        assert out.outputs.num_classes == 1
+        assert out.outputs.probs[0] == pytest.approx(float(torch.sigmoid(torch.tensor(logit(tok(prompt).input_ids)))),
+                                                     abs=1e-5)
+    for out, doc in zip(scored, ["Paris is.", "Berlin is not."], strict=True):
+        ids = tok("Which city is in France?", text_pair=doc).input_ids
+        assert out.prompt_token_ids == ids
+        assert out.outputs.score == pytest.approx(float(torch.sigmoid(torch.tensor(logit(ids)))), abs=1e-5)
+
+
 def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

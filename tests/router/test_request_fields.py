@@ -36,13 +36,15 @@ class ScriptedEngine:
 
     def __init__(self, client: EngineClient, script: Callable[[EngineCoreRequest], list[int]],
                  finish: FinishReason = FinishReason.LENGTH, stop_reason: int | None = None, slot: int = 0,
-                 spaced: bool = False, tokens_per_output: int = 1, num_cached_tokens: int = 0) -> None:
+                 spaced: bool = False, tokens_per_output: int = 1, num_cached_tokens: int = 0,
+                 num_pooled: int = 8) -> None:
         self.client, self.script, self.finish, self.stop_reason = client, script, finish, stop_reason
         self.slot, self.spaced, self.tokens_per_output = slot, spaced, tokens_per_output
         self.num_cached_tokens = num_cached_tokens  # what the engine reports found in its prefix cache
         self.requests: list[EngineCoreRequest] = []
         self.failing_prompt: list[int] | None = None  # an embedding request of this prompt fails
         self.aborted: list[str] = []
+        self.num_pooled = num_pooled  # the values of a pooled output (a classifier's: one per class)
 
     def send(self, message: object) -> None:
         encode_frame(message)  # what the real channel would put on the wire must encode
@@ -61,7 +63,8 @@ class ScriptedEngine:
                 queue.put_nowait(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, "worker died"))
                 return
             queue.put_nowait(EngineCoreOutput(request.request_id, [], FinishReason.STOP,
-                                              pooling_output=scripted_embedding(request.prompt_token_ids, params)))
+                                              pooling_output=scripted_embedding(request.prompt_token_ids,
+                                                                                params)[:self.num_pooled]))
             return
         tokens = self.script(request)[:request.sampling_params.max_tokens]
         outputs = []

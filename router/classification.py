@@ -1,0 +1,98 @@
+"""vLLM's ``POST /classify`` (and ``/v1/classify``) for sequence classifiers
+(``*ForSequenceClassification`` checkpoints: classifiers, reward models, cross-encoder rerankers).
+
+Each input runs through the engines as an embedding request; a classifier's engine answers with the
+class logits of the input's last token (its ``score`` head over the final hidden state), and they
+are turned into probabilities here, as vLLM's classify pooler does: softmax over the classes, or a
+sigmoid for a one-output model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine_core.sampling_params import SamplingParams
+from router.embeddings import EmbeddingsServing
+from router.protocol import INT64_MAX, INT64_MIN, invalid
+from router.serving import OpenAIServing, bad_request
+
+CLASSIFY_PATHS = ("/classify", "/v1/classify")
+
+
+class ClassificationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(..., description="Served model name (see GET /v1/models).")
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="Text, texts, token ids, or lists of token ids: one classification each.")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep each input's last k tokens "
+                                                                         "(-1: max_model_len).")
+    add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens to text.")
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> ClassificationRequest:
+        items = self.input if isinstance(self.input, list) else [self.input]
+        if not items or any(item in ("", []) for item in items):
+            raise invalid("input", "input must not be empty, nor hold an empty text or token list")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        if isinstance(self.input, str):
+            return [self.input]
+        if all(isinstance(item, int) for item in self.input):
+            return [list(self.input)]  # type: ignore[arg-type]
+        return list(self.input)  # type: ignore[arg-type]
+
+
+def class_probabilities(logits: list[float]) -> list[float]:
+    """Softmax over the classes (in float64), or the sigmoid of a one-output model's logit."""
+    values = np.asarray(logits, dtype=np.float64)
+    if not np.isfinite(values).all():
+        raise ValueError("the model produced a non-finite class logit")
+    if values.size == 1:
+        return [1.0 / (1.0 + math.exp(-float(values[0])))]
+    exp = np.exp(values - values.max())
+    return (exp / exp.sum()).tolist()
+
+
+def classifier_params(serving: OpenAIServing) -> SamplingParams:
+    """What a classifier's engine is asked: the class logits of the pooled prompt, unnormalised.
+    Refused (400) for a model without a classification head."""
+    if not serving.settings.labels:
+        raise bad_request(f"{serving.settings.served_model_name} is not a sequence classifier "
+                          "(a *ForSequenceClassification checkpoint)", "model")
+    return SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=False,
+                          embed_pooling=serving.settings.pooling_type)
+
+
+class ClassificationServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.embeddings = EmbeddingsServing(serving)
+
+    async def create(self, request: ClassificationRequest, session_id: str | None = None) -> dict[str, Any]:
+        serving = self.serving
+        lora = await serving.resolve_model(request.model)
+        serving.check_priority(request.priority)
+        params = classifier_params(serving)
+        prompts = [self.embeddings.prompt_ids(item, request) for item in request.inputs()]
+        request_id = f"classify-{uuid.uuid4().hex}"
+        logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        labels = serving.settings.labels
+        data = []
+        for i, row in enumerate(logits):
+            probs = class_probabilities(row)
+            data.append({"index": i, "label": labels[int(np.argmax(probs))], "probs": probs,
+                         "num_classes": len(probs)})
+        num_tokens = sum(len(ids) for ids in prompts)
+        return {"id": request_id, "object": "list", "created": int(time.time()),
+                "model": serving.model_name(request.model), "data": data,
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}}

@@ -1,0 +1,68 @@
+"""Sequence classifiers (transformers' *ForSequenceClassification: classifiers, reward models,
+cross-encoders) through the real scheduler and model runner: the class logits of each prompt's last
+token, as transformers computes them, through chunked prefill and beside other requests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from engine_core.request import Request
+from engine_core.sampling_params import SamplingParams
+from gpu_worker.config import ModelConfig
+from tests.gpu_worker.utils import make_config, make_runner, make_scheduler, run_to_completion
+
+
+def save_tiny_classifier(path, kind: str, **overrides):
+    """A random-weight *ForSequenceClassification checkpoint (its pad id out of the prompts' range,
+    so transformers pools the last token, as we do)."""
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_config(make_config(kind, pad_token_id=255, **overrides),
+                                                           dtype=torch.float32)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+@pytest.mark.parametrize(("kind", "overrides", "labels"), [
+    ("llama", {"id2label": {0: "negative", 1: "neutral", 2: "positive"},
+               "label2id": {"negative": 0, "neutral": 1, "positive": 2}}, ("negative", "neutral", "positive")),
+    ("qwen3", {"num_labels": 1, "head_dim": 32}, ("LABEL_0",)),  # a cross-encoder / reward model: one output
+    ("gemma2", {"num_labels": 2, "attn_logit_softcapping": 1.5}, ("LABEL_0", "LABEL_1")),
+], ids=["llama-3-classes", "qwen3-one-output", "gemma2"])
+def test_class_logits_match_transformers(tmp_path, kind, overrides, labels):
+    path, hf = save_tiny_classifier(tmp_path, kind, **overrides)
+    config = ModelConfig.from_pretrained(path)
+    assert config.labels == labels and config.embedding_only
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    assert runner.model.lm_head is None and runner.model.score.weight.shape == (len(labels), 64)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=7)
+    rng = random.Random(2)
+    prompts = {f"c{i}": [rng.randrange(250) for _ in range(rng.randrange(2, 20))] for i in range(5)}
+    for rid, prompt in prompts.items():
+        sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, embed=True,
+                                                              embed_normalize=False), eos_token_id=None))
+    outputs = {}
+    run_to_completion(sched, runner.execute_model,
+                      on_output=lambda o: outputs.update({o.request_id: o.pooling_output}))
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_classifier_configs():
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 256}
+    plain = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForSequenceClassification"]})
+    assert plain.architecture == "Qwen2ForCausalLM" and plain.labels == ("LABEL_0", "LABEL_1")
+    named = ModelConfig.from_dict({**base, "architectures": ["MistralForSequenceClassification"],
+                                   "id2label": {"1": "yes", "0": "no"}})
+    assert named.labels == ("no", "yes") and named.embedding_only
+    with pytest.raises(ValueError, match=r"id2label must name the classes 0\.\.n-1"):
+        ModelConfig.from_dict({**base, "architectures": ["LlamaForSequenceClassification"],
+                               "id2label": {"0": "a", "2": "c"}})

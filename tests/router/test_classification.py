@@ -1,0 +1,80 @@
+"""POST /classify and cross-encoder /score and /rerank, against a scripted engine: what reaches the
+engine, how logits become probabilities and scores, and the refusals on the wrong kind of model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from router.classification import class_probabilities
+
+from .test_request_fields import TOKENIZER, _app, scripted_embedding
+
+LABELS = ("negative", "neutral", "positive")
+
+
+def _classifier(labels=LABELS):
+    return _app(settings={"generates": False, "labels": labels}, num_pooled=len(labels))
+
+
+def test_classify_answers_class_probabilities_and_labels():
+    http, engine = _classifier()
+    body = http.post("/classify", json={"model": "tiny", "input": ["Hello world", "Paris is lovely"]}).json()
+    assert body["object"] == "list" and body["model"] == "tiny" and body["id"].startswith("classify-")
+    prompts = [TOKENIZER.encode(t) for t in ["Hello world", "Paris is lovely"]]
+    assert [r.prompt_token_ids for r in engine.requests] == prompts
+    params = engine.requests[0].sampling_params
+    assert params.embed and not params.embed_normalize and params.embed_dimensions is None
+    for item, prompt in zip(body["data"], prompts, strict=True):
+        logits = np.array(scripted_embedding(prompt, params)[:3])
+        expected = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        assert item["probs"] == pytest.approx(expected.tolist(), abs=1e-12)
+        assert item["label"] == LABELS[int(expected.argmax())] and item["num_classes"] == 3
+    assert body["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    # /v1/classify too, token ids as input; embeddings are refused on a classifier.
+    ids = http.post("/v1/classify", json={"model": "tiny", "input": [5, 6, 7]}).json()
+    assert engine.requests[-1].prompt_token_ids == [5, 6, 7] and len(ids["data"]) == 1
+    refused = http.post("/v1/embeddings", json={"model": "tiny", "input": "hi"})
+    assert refused.status_code == 400 and "sequence classifier" in refused.json()["error"]["message"]
+
+
+def test_classify_refusals():
+    http, _ = _app()  # a generative model
+    r = http.post("/classify", json={"model": "tiny", "input": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    http, _ = _classifier()
+    for body, param in [({"input": []}, "input"), ({"input": ""}, "input"),
+                        ({"input": "hi", "priority": 2}, "priority"), ({"input": "x" * 300}, "input")]:
+        r = http.post("/classify", json={"model": "tiny", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, body
+    assert http.post("/classify", json={"model": "nope", "input": "hi"}).status_code == 404
+
+
+def test_a_cross_encoder_scores_each_pair_joined_with_the_sigmoid_of_its_logit():
+    http, engine = _classifier(labels=("LABEL_0",))
+    body = http.post("/v1/score", json={"model": "tiny", "text_1": "what is paris",
+                                        "text_2": ["a city", "a person"]}).json()
+    joined = [TOKENIZER("what is paris", text_pair=doc)["input_ids"] for doc in ["a city", "a person"]]
+    assert [r.prompt_token_ids for r in engine.requests] == joined
+    params = engine.requests[0].sampling_params
+    scores = [1 / (1 + math.exp(-scripted_embedding(ids, params)[0])) for ids in joined]
+    assert [d["score"] for d in body["data"]] == pytest.approx(scores, abs=1e-12)
+    assert body["usage"]["prompt_tokens"] == sum(len(ids) for ids in joined)
+    ranked = http.post("/rerank", json={"model": "tiny", "query": "what is paris",
+                                        "documents": ["a city", "a person"]}).json()["results"]
+    assert [r["index"] for r in ranked] == sorted(range(2), key=lambda i: -scores[i])
+    assert [r["relevance_score"] for r in ranked] == pytest.approx(sorted(scores, reverse=True), abs=1e-12)
+    # A classifier with several classes is not a cross-encoder.
+    http, _ = _classifier()
+    r = http.post("/score", json={"model": "tiny", "text_1": "a", "text_2": "b"})
+    assert r.status_code == 400 and "one output" in r.json()["error"]["message"]
+
+
+def test_class_probabilities():
+    assert class_probabilities([0.0]) == [0.5]
+    assert class_probabilities([1000.0, 0.0]) == pytest.approx([1.0, 0.0])
+    assert sum(class_probabilities([0.3, -2.0, 5.0])) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="non-finite"):
+        class_probabilities([float("nan"), 1.0])
