@@ -1,5 +1,5 @@
-"""Turn a llama.cpp GGUF checkpoint (Llama, Qwen2 or Qwen3 architecture) into a Hugging Face model
-directory.
+"""Turn a llama.cpp GGUF checkpoint (Llama, Qwen2, Qwen3, Gemma, Gemma 2 or Gemma 3 architecture)
+into a Hugging Face model directory.
 
 The engine only knows how to load HF-style directories (config.json + safetensors + tokenizer files),
 so a GGUF file is converted once, dequantised, and cached on disk. Later starts reuse the cached
@@ -10,7 +10,11 @@ What differs between GGUF and HF Llama checkpoints, and is undone here:
   * for Llama only, llama.cpp's converter permutes the rows of q_proj/k_proj so its rotary kernel can
     rotate adjacent pairs, whereas HF rotates the two halves of each head (``rotate_half``); Qwen's
     files keep HF's order (llama.cpp rotates them NeoX-style, halves as HF does);
-  * quantised blocks, expanded back to floats with ``gguf.quants.dequantize``.
+  * quantised blocks, expanded back to floats with ``gguf.quants.dequantize``;
+  * Gemma's norm weights, which llama.cpp's converter stores as 1 + w (its kernel scales by the
+    weight, Gemma's by 1 + the weight): 1 is taken off again. Gemma 2 and 3's four norms a layer
+    are named post_attention_norm / ffn_norm / post_ffw_norm there; their attention scale, local
+    RoPE base and window pattern are what llama.cpp derives when the file does not state them.
 GGUF lists tensor dims innermost first (``[in, out]``); ``GGUFReader`` already exposes the data in
 numpy (row-major) order, so the dequantised array has torch's ``[out, in]`` shape with no transpose.
 """
@@ -39,10 +43,10 @@ from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
-# Bump when the converted layout changes, so stale cache entries are not reused.
 # Bumped whenever the converted directory changes (a cached conversion of an older version is redone).
 # 2: linear RoPE from scale_linear / a factor without a type; end-of-turn/message ids stop generation.
-CONVERTER_VERSION = 2
+# 3: Gemma, Gemma 2 and Gemma 3 files.
+CONVERTER_VERSION = 3
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -64,12 +68,26 @@ _BLOCK_NAMES = {
     "attn_q_norm": "self_attn.q_norm",  # Qwen3
     "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma 2 and 3 norm the attention's and the MLP's outputs too: their ffn_norm is the norm before the MLP.
+_SANDWICH_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # GGUF general.architecture -> HF (architecture, model_type); only "llama" files have permuted q/k rows.
 _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma": ("GemmaForCausalLM", "gemma"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+# llama.cpp tells the 27B Gemma 2 / Gemma 3 apart by their layer counts, and scales their attention
+# by 1 / sqrt(hidden / heads) instead of 1 / sqrt(head_dim) (transformers' query_pre_attn_scalar).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -187,9 +205,43 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32) -> d
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
-    if model_type != "llama":
+    if arch in _GEMMA_ARCHITECTURES:
+        config.update(_gemma_config(meta, arch, config))
+    elif model_type != "llama":
         config["use_sliding_window"] = False  # (llama.cpp's Qwen files run full attention in every layer)
     return config
+
+
+def _gemma_config(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's config keys, as llama.cpp reads the file (its defaults where the file is silent)."""
+    extra: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma":
+        return extra
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    is_27b = config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    extra["query_pre_attn_scalar"] = hidden // heads if is_27b else config["head_dim"]
+    window = meta.get(f"{arch}.attention.sliding_window")
+    extra["sliding_window"] = int(window) if window else None
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = meta.get(f"{arch}.{key}")
+            extra[key] = None if value is None else _float32(value)
+        return extra
+    extra["attn_logit_softcapping"] = extra["final_logit_softcapping"] = None
+    # Gemma 3 rotates its windowed layers with plain RoPE of their own base (10k unless the file says).
+    local_theta = _float32(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+    extra["rope_local_base_freq"] = local_theta
+    extra["rope_parameters"] = {"full_attention": config["rope_parameters"],
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        if len(pattern) != config["num_hidden_layers"]:
+            raise ValueError(f"GGUF {arch}.attention.sliding_window_pattern lists {len(pattern)} layers, "
+                             f"the model has {config['num_hidden_layers']}")
+        extra["layer_types"] = ["sliding_attention" if windowed else "full_attention" for windowed in pattern]
+    else:
+        extra["sliding_window_pattern"] = int(pattern)
+    return extra
 
 
 # ---------------------------------------------------------------------------------------------- tensors
@@ -210,14 +262,15 @@ def unpermute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
     return weights.reshape(n_heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """Map a llama.cpp tensor name to the HF parameter name."""
+def gguf_to_hf_name(name: str, model_type: str = "llama") -> str:
+    """Map a llama.cpp tensor name to the HF parameter name (``model_type``: the HF config's)."""
     block = _BLOCK_RE.match(name)
     if block:
         layer, part, kind = block.groups()
-        if part not in _BLOCK_NAMES:
+        names = _SANDWICH_BLOCK_NAMES if model_type in ("gemma2", "gemma3_text") else _BLOCK_NAMES
+        if part not in names:
             raise ValueError(f"unexpected GGUF tensor {name!r}: unknown block component {part!r}")
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     top = _TOP_RE.match(name)
     if top and top.group(1) in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[top.group(1)]}.{top.group(2)}"
@@ -250,7 +303,9 @@ def iter_hf_tensors(
             weights = unpermute_qk(weights, heads)
         # Copy: F32/F16 tensors come back as views of the read-only memory map.
         array = np.array(weights, dtype=np.float32, order="C", copy=True)
-        yield gguf_to_hf_name(tensor.name), torch.from_numpy(array).to(dtype)
+        if config["model_type"].startswith("gemma") and tensor.name.endswith("norm.weight"):
+            array -= 1.0  # (llama.cpp stored Gemma's 1 + w)
+        yield gguf_to_hf_name(tensor.name, config["model_type"]), torch.from_numpy(array).to(dtype)
 
 
 def load_gguf(
@@ -267,9 +322,16 @@ def load_gguf(
 
 def build_tokenizer(gguf_path: Path) -> Any:
     """A transformers fast tokenizer rebuilt from the tokenizer embedded in the GGUF file."""
-    from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # deferred: importing transformers costs seconds
 
-    tokenizer = AutoTokenizer.from_pretrained(os.fspath(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(gguf_path.parent), gguf_file=gguf_path.name)
+    except ValueError as e:
+        if "is not supported yet" not in str(e):
+            raise
+        # transformers reads no model config from this architecture's files (Gemma 1), only their
+        # tokenizer: build that alone.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(os.fspath(gguf_path.parent), gguf_file=gguf_path.name)
     if not getattr(tokenizer, "chat_template", None):
         template = _chat_template(gguf_path)
         if template:

@@ -144,8 +144,8 @@ def test_tied_embeddings_have_no_lm_head(tmp_path: Path) -> None:
 
 
 def test_other_architectures_are_rejected(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
-    path = write_tiny_gguf(tmp_path / "other.gguf", tiny_model, architecture="gemma2")
-    with pytest.raises(ValueError, match="architecture 'gemma2' is not supported; one of llama, qwen2, qwen3"):
+    path = write_tiny_gguf(tmp_path / "other.gguf", tiny_model, architecture="phi2")
+    with pytest.raises(ValueError, match="architecture 'phi2' is not supported; one of llama, qwen2, qwen3, gemma"):
         load_gguf(path)
 
 
@@ -184,6 +184,52 @@ def test_qwen_files_convert_without_the_llama_permutation(tmp_path: Path, kind: 
     torch.testing.assert_close(ours, _logits(loaded)[0], rtol=1e-4, atol=1e-4)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert tokenizer.decode(tokenizer.encode("the cat in there")) == "the cat in there"
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gemma2", "gemma3"])
+def test_gemma_files_convert_with_their_norms_and_settings(tmp_path: Path, kind: str) -> None:
+    """llama.cpp stores Gemma's norm weights as 1 + w and renames Gemma 2/3's four norms a layer;
+    the soft caps, window and Gemma 3's window pattern and scaled global RoPE are in the metadata,
+    its attention scale and local RoPE base are llama.cpp's defaults. The converted directory gives
+    the source model's logits, in transformers and in our runner."""
+    source = tiny_llama(kind=kind, seed=3, tie_word_embeddings=True)
+    model_dir = ensure_converted(write_tiny_gguf(tmp_path / f"tiny-{kind}.gguf", source), tmp_path / "cache")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == [type(source).__name__] and config["tie_word_embeddings"]
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    assert type(loaded) is type(source)
+    for name, param in source.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], param, rtol=0, atol=1e-6, msg=name)
+    reference = source.eval()
+    reference.config._attn_implementation = "eager"
+    torch.testing.assert_close(_logits(loaded), _logits(reference), rtol=0, atol=1e-5)
+    ours = prefill_logits(make_runner(model_dir, num_blocks=8, block_size=4), PROMPT_IDS[0].tolist(), [3, 1, 0])
+    torch.testing.assert_close(ours, _logits(reference)[0], rtol=1e-4, atol=1e-4)
+    if kind == "gemma2":
+        assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (2.0, 5.0)
+    if kind == "gemma3":
+        assert config["layer_types"] == source.config.layer_types and config["rope_local_base_freq"] == 10000.0
+        assert config["rope_parameters"]["full_attention"]["factor"] == 2.0
+
+
+def test_gemma_27b_files_scale_attention_by_hidden_over_heads() -> None:
+    """llama.cpp knows Gemma 2/3 27B by their layer counts (46 / 62) and scales their scores by
+    1 / sqrt(hidden / heads), transformers' query_pre_attn_scalar of 144 / 168."""
+    from gpu_worker.gguf_loader import _gemma_config
+
+    meta = {"gemma2.attention.sliding_window": 4096, "gemma2.attn_logit_softcapping": 50.0,
+            "gemma2.final_logit_softcapping": 30.0}
+    big = _gemma_config(meta, "gemma2", {"num_attention_heads": 32, "hidden_size": 4608, "num_hidden_layers": 46,
+                                         "head_dim": 128, "rope_parameters": {}})
+    assert big["query_pre_attn_scalar"] == 144 and big["final_logit_softcapping"] == 30.0
+    small = _gemma_config(meta, "gemma2", {"num_attention_heads": 8, "hidden_size": 2304, "num_hidden_layers": 26,
+                                           "head_dim": 256, "rope_parameters": {}})
+    assert small["query_pre_attn_scalar"] == 256
+    gemma3 = _gemma_config({"gemma3.attention.sliding_window": 1024}, "gemma3",
+                           {"num_attention_heads": 32, "hidden_size": 5376, "num_hidden_layers": 62, "head_dim": 128,
+                            "rope_parameters": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    assert gemma3["query_pre_attn_scalar"] == 168 and gemma3["sliding_window_pattern"] == 6
+    assert gemma3["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
 
 
 # ------------------------------------------------------------------------------------- converted model dir

@@ -1,14 +1,28 @@
-"""Build tiny Llama, Qwen2 and Qwen3 GGUFs the way llama.cpp's convert_hf_to_gguf.py does, for loader tests."""
+"""Build tiny Llama, Qwen2, Qwen3 and Gemma (1, 2, 3) GGUFs the way llama.cpp's convert_hf_to_gguf.py
+does, for loader tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
@@ -54,18 +68,32 @@ def tiny_vocab() -> list[str]:
 
 
 _KINDS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, HFQwen2ForCausalLM),
-          "qwen3": (Qwen3Config, HFQwen3ForCausalLM)}
+          "qwen3": (Qwen3Config, HFQwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
+          "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
+# Gemma 2 and 3's extra keys: a window of 8 (every other layer for Gemma 2; Gemma 3's pattern of 2),
+# soft caps that bind for Gemma 2; their scale is 1 / sqrt(head_dim), as llama.cpp assumes below 27B.
+_GEMMA_KEYS = {"gemma2": {"sliding_window": 8, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0,
+                          "final_logit_softcapping": 5.0},
+               "gemma3": {"sliding_window": 8, "query_pre_attn_scalar": 16, "sliding_window_pattern": 2,
+                          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 1000000.0},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}}
+# transformers' Gemma 2/3 names for the norms around the attention and the MLP -> llama.cpp's.
+_SANDWICH_HF_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                        "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def tiny_llama(tie_word_embeddings: bool = False, seed: int = 0, kind: str = "llama") -> PreTrainedModel:
     """A tiny random model of ``kind`` (llama; qwen2, with q/k/v biases; qwen3, with per-head q/k
     norms and a head_dim of its own)."""
     config_class, model_class = _KINDS[kind]
+    rope = {} if kind == "gemma3" else {"rope_theta": 10000.0}
     config = config_class(
-        vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3 if kind.startswith("gemma") else 2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=24 if kind == "qwen3" else 16,
-        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **rope, **_GEMMA_KEYS.get(kind, {}),
     )
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -91,14 +119,16 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -
     )
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, model_type: str = "llama") -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     if hf_name in top:
         return top[hf_name]
     _, _, layer, *rest = hf_name.split(".")
     module, kind = ".".join(rest[:-1]), rest[-1]
-    return f"blk.{layer}.{_HF_TO_GGUF_BLOCK[module]}.{kind}"
+    names = {**_HF_TO_GGUF_BLOCK, **_SANDWICH_HF_TO_GGUF} if model_type in ("gemma2", "gemma3_text") \
+        else _HF_TO_GGUF_BLOCK
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
@@ -115,7 +145,9 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
             data = llama_cpp_permute(data, config.num_attention_heads, config.num_attention_heads)
         elif permuted and ".k_proj." in hf_name:
             data = llama_cpp_permute(data, config.num_attention_heads, config.num_key_value_heads)
-        out[gguf_tensor_name(hf_name)] = data
+        if config.model_type.startswith("gemma") and hf_name.endswith("norm.weight"):
+            data = data + 1  # (llama.cpp's Gemma converters store 1 + w)
+        out[gguf_tensor_name(hf_name, config.model_type)] = data
     return out
 
 
@@ -127,7 +159,8 @@ def write_tiny_gguf(
     ``quant``, norms and biases stay F32 as in llama.cpp. ``expert_count`` writes the key a
     mixture-of-experts file (Mixtral's, under ``llama``) carries."""
     config = model.config
-    writer = GGUFWriter(str(path), architecture or config.model_type)
+    arch = architecture or {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
+    writer = GGUFWriter(str(path), arch)
     writer.add_name("tiny-llama")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -136,7 +169,18 @@ def write_tiny_gguf(
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "gemma3":
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
