@@ -269,11 +269,13 @@ class ClusterConfig(BaseModel):
         lora = self.lora_config()
         configs = [engine_config_from_spec(self.model, i, spec, self.seed, self.served_model_name, lora)
                    for i, spec in enumerate(self.resolved_specs())]
+        _check_one_runner(configs)
         for served in self.models:
             flags = self._base_flags() | served.defaults.model_dump(exclude_none=True)
-            for spec in _resolve_specs(flags, served.num_engines, served.engines):
-                configs.append(engine_config_from_spec(served.model, len(configs), spec, self.seed,
-                                                       served.served_model_name))
+            group = [engine_config_from_spec(served.model, len(configs) + i, spec, self.seed, served.served_model_name)
+                     for i, spec in enumerate(_resolve_specs(flags, served.num_engines, served.engines))]
+            _check_one_runner(group)
+            configs += group
         return configs
 
     @classmethod
@@ -281,6 +283,18 @@ class ClusterConfig(BaseModel):
         with open(path) as f:
             data = yaml.safe_load(f) or {}
         return cls(**data)
+
+
+def _check_one_runner(group: list[EngineConfig]) -> None:
+    """The engines of one served model must agree on what it is served as (runner) and how it pools:
+    its endpoints answer (or refuse) generation and pool embeddings one way, whichever engine a
+    request reaches."""
+    first = group[0]
+    for config in group[1:]:
+        if (config.runner, config.pooler_config) != (first.runner, first.pooler_config):
+            raise ValueError(f"engine {config.engine_index}: runner and pooler_config must be the same on every "
+                             f"engine of a model (engine {first.engine_index} has runner {first.runner!r}, "
+                             f"pooler_config {dict(first.pooler_config)}); set them for the model, not per engine")
 
 
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,

@@ -263,6 +263,9 @@ class LLM:
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """``lora_request``: one adapter for every prompt, or one (or None) per prompt, as vLLM;
         adapters not loaded yet are loaded first (a checkpoint the model cannot serve raises)."""
+        if not self._model_info().generates:
+            raise ValueError("this model is an embedding model (runner pooling): it does not generate; use "
+                             "LLM.embed" + (", LLM.classify or LLM.score" if self._model_info().labels else ""))
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         loras = self._as_lora_list(lora_request, len(prompt_list))
@@ -323,15 +326,16 @@ class LLM:
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[ClassificationRequestOutput]:
         """vLLM's ``LLM.classify`` with a sequence classifier: each prompt's class probabilities
-        (``outputs.probs``: softmax over the classes, a sigmoid for a one-output model), as /classify."""
+        (``outputs.probs``: by the checkpoint's problem_type, as /classify computes them)."""
         info = self._model_info()
         if not info.labels:
             raise ValueError("this model is not a sequence classifier (a *ForSequenceClassification checkpoint)")
         params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=False,
                                       embed_pooling=info.pooling_type)
-        return [ClassificationRequestOutput(request_id, ClassificationOutput(class_probabilities(logits)), ids)
-                for request_id, ids, logits in self._pool(prompts, params, lora_request, use_tqdm,
-                                                          "Classified prompts")]
+        pooled = self._pool(prompts, params, lora_request, use_tqdm, "Classified prompts")
+        return [ClassificationRequestOutput(request_id, ClassificationOutput(
+                    class_probabilities(logits, info.classifier_activation)), ids)
+                for request_id, ids, logits in pooled]
 
     def _model_info(self) -> ModelInfo:
         return self._engine.model_info if self._engine is not None else self._handles[0].description.model_info

@@ -114,8 +114,10 @@ class EngineCoreService:
 
     def admit(self, request: EngineCoreRequest) -> None:
         """add_request behind the waiting-queue cap: OverflowError when the queue is full."""
-        # Refused here, before it is queued: the caller learns why (an adapter this engine lacks).
+        # Refused here, before it is queued: the caller learns why (an adapter this engine lacks, or
+        # generation asked of an embedding model).
         self.engine.check_lora(request)
+        self.engine.check_generates(request)
         waiting_cap = self.config.max_waiting_requests
         if waiting_cap and self.num_waiting() >= waiting_cap:
             raise OverflowError(f"engine {self.config.engine_index}: queue is full ({waiting_cap} waiting requests)")
@@ -158,7 +160,9 @@ class EngineCoreService:
             return
         try:
             added = self.engine.add_request(request)
-        except LoRANotLoadedError as e:  # (its adapter was unloaded after admit() checked it)
+        except (LoRANotLoadedError, ValueError) as e:
+            # (Its adapter was unloaded after admit() checked it, or a request admit() never saw was
+            # refused: the client learns it from an error output rather than waiting forever.)
             self._publish({request.client_index: EngineCoreOutputs(
                 [EngineCoreOutput(request.request_id, [], FinishReason.ERROR, str(e))],
                 engine_index=self.config.engine_index, timestamp=time.time())})

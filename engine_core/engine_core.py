@@ -183,12 +183,16 @@ class EngineCore:
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest) -> Request | None:
-        """Returns the new Request, or None when the id continued a live streaming session."""
-        self.check_lora(request)
+    def check_generates(self, request: EngineCoreRequest) -> None:
+        """ValueError for a generation request to an embedding-only model (runner pooling)."""
         if not self.model_info.generates and not request.sampling_params.embed:
             raise ValueError(f"{self.model_info.served_model_name} is an embedding model (runner pooling): it does "
                              "not generate; ask it for embeddings")
+
+    def add_request(self, request: EngineCoreRequest) -> Request | None:
+        """Returns the new Request, or None when the id continued a live streaming session."""
+        self.check_lora(request)
+        self.check_generates(request)
         eos = request.eos_token_id
         if eos is None and self.model_info.eos_token_ids:
             eos = self.model_info.eos_token_ids[0]

@@ -45,8 +45,10 @@ class ModelInfo:
     # How embeddings are pooled ("LAST", "MEAN" or "CLS"), and whether they are L2-normalised by default.
     pooling_type: str = "LAST"
     pooling_normalize: bool = True
-    # A sequence classifier's class names (its "embeddings" are class logits); () otherwise.
+    # A sequence classifier's class names (its "embeddings" are class logits); () otherwise; and
+    # what turns them into probabilities ("softmax", "sigmoid" or "none").
     labels: tuple[str, ...] = ()
+    classifier_activation: str = "softmax"
     dtype: str = "float32"
     device: str = "cpu"
     extra: dict[str, str] = field(default_factory=dict)

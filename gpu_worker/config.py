@@ -118,11 +118,23 @@ def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
     return tuple(f"LABEL_{i}" for i in range(int(cfg.get("num_labels") or 2)))
 
 
+def _classifier_activation(problem_type: str | None, num_labels: int) -> str:
+    if problem_type == "regression":
+        return "none"
+    if problem_type == "multi_label_classification" or (problem_type is None and num_labels == 1):
+        return "sigmoid"
+    if problem_type in (None, "single_label_classification"):
+        return "softmax"
+    raise ValueError(f"problem_type must be regression, single_label_classification or "
+                     f"multi_label_classification, got {problem_type!r}")
+
+
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A vision-language config's language model, as a decoder's config: its text_config, with the
-    top level's EOS ids and dtype where it states them."""
+    top level's EOS ids, dtype and head tying where it states them (transformers ties the head by
+    the top level's tie_word_embeddings)."""
     text = dict(cfg.get("text_config") or {})
-    for key in ("eos_token_id", "torch_dtype", "dtype"):
+    for key in ("eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
         if cfg.get(key) is not None:
             text[key] = cfg[key]
     text["architectures"] = [TEXT_DECODER_OF[cfg["architectures"][0]]]
@@ -274,6 +286,9 @@ class ModelConfig:
     embedding_only: bool = False
     # A sequence classifier's class names (its ``score`` head has one output per class); () otherwise.
     labels: tuple[str, ...] = ()
+    # What turns its logits into probabilities, from its problem_type as transformers' loss reads it:
+    # "softmax" (single-label), "sigmoid" (multi-label, or one output), "none" (regression).
+    classifier_activation: str = "softmax"
 
     @property
     def attention_scale(self) -> float:
@@ -427,6 +442,7 @@ class ModelConfig:
             hidden_act=act,
             embedding_only=embedding_only,
             labels=labels,
+            classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),
             **moe,
             **_gemma_from_dict(arch, cfg),
         )

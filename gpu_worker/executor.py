@@ -20,7 +20,7 @@ from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
 from gpu_worker.model_resolver import resolve_model
-from gpu_worker.pooler_config import resolve_pooler_config
+from gpu_worker.pooler_config import PoolerConfig, resolve_pooler_config
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,15 @@ class _ExecutorBase(Executor):
             raise ValueError(f"runner 'generate': {self.model_dir} is an embedding model without an LM head "
                              f"({self.model_config.raw['architectures'][0]}: embeddings or classes only); serve it "
                              "with --runner pooling or auto")
-        pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config))
+        embeds_only = self.model_config.embedding_only or config.runner == "pooling"
+        try:
+            pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config))
+        except ValueError as e:
+            if embeds_only:
+                raise
+            # Served to generate: its sentence-transformers pooling need not stop that.
+            logger.warning("engine %d: %s; its embeddings use LAST pooling, normalised", config.engine_index, e)
+            pooler = PoolerConfig()
         wanted = config.scheduler.max_model_len  # None: the model's context length
         self.max_model_len = min(wanted or self.model_config.max_context_len, self.model_config.max_context_len)
         self._info = ModelInfo(
@@ -68,8 +76,9 @@ class _ExecutorBase(Executor):
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
             hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after,
-            generates=not (self.model_config.embedding_only or config.runner == "pooling"),
-            pooling_type=pooler.pooling_type, pooling_normalize=pooler.normalize, labels=self.model_config.labels)
+            generates=not embeds_only,
+            pooling_type=pooler.pooling_type, pooling_normalize=pooler.normalize, labels=self.model_config.labels,
+            classifier_activation=self.model_config.classifier_activation)
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

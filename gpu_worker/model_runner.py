@@ -266,7 +266,7 @@ class ModelRunner:
                 chunk = hidden[start: start + count].float().sum(0)
                 state.pooled = chunk if state.pooled is None else state.pooled.add_(chunk)
             elif pooling == "CLS" and state.num_computed_tokens == count:  # (_forward moved it past the chunk)
-                state.pooled = hidden[start].float()
+                state.pooled = hidden[start].to(torch.float32, copy=True)  # (not a view pinning the step's states)
             start += count
 
     def _embeddings(self, hidden: torch.Tensor, wanted: list[tuple[RequestState, int]]) -> dict[str, list[float]]:

@@ -44,7 +44,14 @@ def _sentence_transformers_pooler(model_dir: Path, need_type: bool) -> dict[str,
     if not modules_file.exists():
         return {}
     modules = json.loads(modules_file.read_text())
-    found: dict[str, Any] = {"normalize": any(str(m.get("type", "")).endswith(".Normalize") for m in modules)}
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+    others = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
+    if others:
+        # (A Dense projection, for one, changes the embedding's size and meaning: skipping it would
+        # answer wrong vectors without a word.)
+        raise ValueError(f"{modules_file} lists {', '.join(others)} modules, which are not served (only the "
+                         "Transformer, its Pooling and Normalize are)")
+    found: dict[str, Any] = {"normalize": "Normalize" in kinds}
     pooling = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
     if pooling is None or not need_type:
         return found
@@ -53,6 +60,9 @@ def _sentence_transformers_pooler(model_dir: Path, need_type: bool) -> dict[str,
         return found
     settings = json.loads(settings_file.read_text())
     unsupported = [mode for mode in _UNSUPPORTED_MODES if settings.get(mode)]
+    enabled = [mode for mode in _SENTENCE_TRANSFORMERS_MODES if settings.get(mode)]
+    if len(enabled) > 1:  # (sentence-transformers concatenates the poolings)
+        unsupported.append(" and ".join(enabled) + " together")
     if unsupported or settings.get("include_prompt") is False:
         what = ", ".join(unsupported) or "include_prompt: false"
         raise ValueError(f"{settings_file} asks for {what}, which is not served (LAST, MEAN or CLS pooling over "

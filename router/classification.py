@@ -3,13 +3,13 @@
 
 Each input runs through the engines as an embedding request; a classifier's engine answers with the
 class logits of the input's last token (its ``score`` head over the final hidden state), and they
-are turned into probabilities here, as vLLM's classify pooler does: softmax over the classes, or a
-sigmoid for a one-output model.
+are turned into probabilities here by the checkpoint's problem_type: softmax over the classes
+(single-label), a sigmoid per class (multi-label, and a one-output model without a problem_type),
+or the logits as they are (regression).
 """
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from typing import Any
@@ -52,13 +52,16 @@ class ClassificationRequest(BaseModel):
         return list(self.input)  # type: ignore[arg-type]
 
 
-def class_probabilities(logits: list[float]) -> list[float]:
-    """Softmax over the classes (in float64), or the sigmoid of a one-output model's logit."""
+def class_probabilities(logits: list[float], activation: str = "softmax") -> list[float]:
+    """The classes' scores from their logits (in float64): ``activation`` "softmax", "sigmoid" (per
+    class) or "none" (the logits)."""
     values = np.asarray(logits, dtype=np.float64)
     if not np.isfinite(values).all():
         raise ValueError("the model produced a non-finite class logit")
-    if values.size == 1:
-        return [1.0 / (1.0 + math.exp(-float(values[0])))]
+    if activation == "none":
+        return values.tolist()
+    if activation == "sigmoid":
+        return (1.0 / (1.0 + np.exp(-values))).tolist()
     exp = np.exp(values - values.max())
     return (exp / exp.sum()).tolist()
 
@@ -89,7 +92,7 @@ class ClassificationServing:
         labels = serving.settings.labels
         data = []
         for i, row in enumerate(logits):
-            probs = class_probabilities(row)
+            probs = class_probabilities(row, serving.settings.classifier_activation)
             data.append({"index": i, "label": labels[int(np.argmax(probs))], "probs": probs,
                          "num_classes": len(probs)})
         num_tokens = sum(len(ids) for ids in prompts)

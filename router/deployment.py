@@ -95,6 +95,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         pooling_type=first.model_info.pooling_type,
         pooling_normalize=first.model_info.pooling_normalize,
         labels=first.model_info.labels,
+        classifier_activation=first.model_info.classifier_activation,
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
         api_keys=tuple(config.api_keys),

@@ -181,8 +181,9 @@ class ScoringServing:
     async def _cross_encoded(self, request_id: str, request: _ScoringFields, left: list[str], right: list[str],
                              pairs: list[tuple[int, int]], session_id: str | None, names: tuple[str, str],
                              lora: LoRARequest | None) -> tuple[list[float], int]:
-        """A cross-encoder's score of each pair: the sigmoid of its one logit over the pair, tokenised
-        as the tokenizer joins a text pair (truncate_prompt_tokens keeps the joined ids' tail)."""
+        """A cross-encoder's score of each pair: the sigmoid of its one logit over the pair (the logit
+        itself for a regression model), tokenised as the tokenizer joins a text pair
+        (truncate_prompt_tokens keeps the joined ids' tail)."""
         serving = self.serving
         params = classifier_params(serving)
         if len(serving.settings.labels) != 1:
@@ -195,7 +196,7 @@ class ScoringServing:
             prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
         logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         try:
-            scores = [class_probabilities(row)[0] for row in logits]
+            scores = [class_probabilities(row, serving.settings.classifier_activation)[0] for row in logits]
         except ValueError as e:
             raise APIError(500, str(e), "InternalServerError") from None
         return scores, sum(len(p) for p in prompts)

@@ -99,6 +99,7 @@ class ServingSettings:
     pooling_normalize: bool = True
     # A sequence classifier's class names: /classify and cross-encoder /score answer, /v1/embeddings does not.
     labels: tuple[str, ...] = ()
+    classifier_activation: str = "softmax"
     version: str = "0.1.0"
     # The parser of the model's own tool-call format, when tool_choice "auto" is enabled
     # (--enable-auto-tool-choice --tool-call-parser); None: "auto" is refused, as in vLLM.

@@ -160,9 +160,16 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                             const float *qh = qr + h * head_dim, *kh = kr + (h / group) * head_dim;
                             float dot = 0.f;
                             for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-                            const float score = dot * scale;
-                            /* Gemma 2's soft cap: cap * tanh(score / cap); 0 means none */
-                            scores[h * block_size + t] = softcap > 0.f ? softcap * tanhf(score / softcap) : score;
+                            scores[h * block_size + t] = dot * scale;
+                        }
+                    }
+                    if (softcap > 0.f) {
+                        /* Gemma 2's soft cap, cap * tanh(score / cap), over each head's contiguous
+                         * scores (a loop the compiler vectorises, tanhf included) */
+                        const float inv_cap = 1.f / softcap;
+                        for (int64_t h = 0; h < nh; ++h) {
+                            float *sh = scores + h * block_size;
+                            for (int64_t t = t0; t < n; ++t) sh[t] = softcap * tanhf(sh[t] * inv_cap);
                         }
                     }
                     /* running softmax: rescale what was accumulated when the max grows */

@@ -40,15 +40,16 @@ _SCORES_PER_TILE = 1 << 24
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                          scale: float, softcap: float) -> torch.Tensor:
     """Attention with soft-capped scores, as transformers' eager Gemma 2 computes it (the softmax in
-    fp32). q: [B, num_kv_heads, groups, M, head_dim], the query heads grouped by the KV head they
-    share; k, v: [B, num_kv_heads, N, head_dim]; mask: bool (True = attend), broadcastable to
-    [B, num_kv_heads, groups, M, N], or None. Returns [B, num_kv_heads, groups, M, head_dim]."""
-    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    fp32). q: [B, num_kv_heads, R, head_dim], the rows of every query head sharing a KV head stacked
+    (so one matmul per KV head reads its keys once); k, v: [B, num_kv_heads, N, head_dim]; mask:
+    bool (True = attend), broadcastable to [B, num_kv_heads, R, N], or None. Returns [B,
+    num_kv_heads, R, head_dim]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v.unsqueeze(2))
+    return torch.matmul(probs, v)
 
 
 class PagedAttention(nn.Module):
@@ -96,9 +97,8 @@ class PagedAttention(nn.Module):
                 if self.softcap is None:
                     decode_out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
                                                                 scale=self.scale)
-                else:
-                    mask = None if meta.decode_mask is None else meta.decode_mask.unsqueeze(-2)
-                    decode_out = softcapped_attention(qd.unsqueeze(-2), kd, vd, mask, self.scale, self.softcap)
+                else:  # (the one query token's heads are the rows of their KV head)
+                    decode_out = softcapped_attention(qd, kd, vd, meta.decode_mask, self.scale, self.softcap)
             if not meta.prefills:
                 return decode_out.view(nd, self.num_heads * head_dim)
         out = torch.empty_like(q)
@@ -123,12 +123,21 @@ class PagedAttention(nn.Module):
         """One prefill chunk's q [L, num_heads, head_dim] against its keys [1, num_kv_heads, N, head_dim];
         ``mask`` [L, N] (None: causal over exactly the chunk). Returns [L, num_heads, head_dim]."""
         num_queries, num_keys = q.shape[0], k.shape[2]
-        if mask is None:
-            mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril_()
-        grouped = q.view(num_queries, self.num_kv_heads, self.num_groups, self.head_dim).permute(1, 2, 0, 3)
+        groups, kv_heads, head_dim = self.num_groups, self.num_kv_heads, self.head_dim
+        # [kv_heads, groups, L, head_dim]: each KV head's query heads, their rows stacked per tile.
+        grouped = q.view(num_queries, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
         # The scores are materialised: queries go in tiles of at most _SCORES_PER_TILE scores.
         tile = max(1, _SCORES_PER_TILE // (self.num_heads * num_keys))
-        out = torch.cat([softcapped_attention(grouped[:, :, i: i + tile].unsqueeze(0), k, v, mask[i: i + tile],
-                                              self.scale, self.softcap)[0]
-                         for i in range(0, num_queries, tile)], dim=2)
-        return out.permute(2, 0, 1, 3).reshape(num_queries, self.num_heads, self.head_dim)
+        outs = []
+        for i in range(0, num_queries, tile):
+            rows = min(tile, num_queries - i)
+            if mask is None:  # causal over exactly the chunk: query i + r sees keys 0 .. i + r
+                tile_mask = (torch.arange(num_keys, device=q.device)[None, :]
+                             <= torch.arange(i, i + rows, device=q.device)[:, None])
+            else:
+                tile_mask = mask[i: i + rows]
+            out = softcapped_attention(grouped[:, :, i: i + rows].reshape(1, kv_heads, groups * rows, head_dim),
+                                       k, v, tile_mask.repeat(groups, 1), self.scale, self.softcap)
+            outs.append(out.view(kv_heads, groups, rows, head_dim))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out.permute(2, 0, 1, 3).reshape(num_queries, self.num_heads, head_dim)

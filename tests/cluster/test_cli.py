@@ -245,19 +245,21 @@ def test_expert_parallelism_reaches_the_engines_workers(tmp_path):
 
 
 def test_runner_and_pooler_config_reach_the_engines(tmp_path):
-    """--runner pooling and --pooler-config (vLLM's flags), per engine through --engine-config too."""
+    """--runner pooling and --pooler-config (vLLM's flags) reach every engine of the model."""
     from gpu_worker.executor import _worker_kwargs
 
-    overrides = tmp_path / "engines.yaml"
-    overrides.write_text("- {}\n- {runner: generate, pooler_config: {pooling_type: CLS}}\n")
     engines = _config("--num-engines", "2", "--runner", "pooling", "--pooler-config",
-                      '{"pooling_type": "MEAN", "normalize": false}', "--engine-config",
-                      str(overrides)).engine_configs()
-    assert [e.runner for e in engines] == ["pooling", "generate"]
-    assert dict(engines[0].pooler_config) == {"pooling_type": "MEAN", "normalize": False}
-    assert dict(engines[1].pooler_config) == {"pooling_type": "CLS"}
+                      '{"pooling_type": "MEAN", "normalize": false}').engine_configs()
+    assert [e.runner for e in engines] == ["pooling", "pooling"]
+    assert dict(engines[1].pooler_config) == {"pooling_type": "MEAN", "normalize": False}
     assert _worker_kwargs(engines[0], tmp_path, 128, 1)["embedding_only"] is True
-    assert _worker_kwargs(engines[1], tmp_path, 128, 1)["embedding_only"] is False
+    assert _worker_kwargs(_config().engine_configs()[0], tmp_path, 128, 1)["embedding_only"] is False
     assert _config().engine_configs()[0].runner == "auto"
+    # One model's engines must agree: its endpoints answer one way whichever engine a request reaches.
+    overrides = tmp_path / "engines.yaml"
+    for override in ("{runner: generate}", "{pooler_config: {pooling_type: CLS}}"):
+        overrides.write_text(f"- {{}}\n- {override}\n")
+        with pytest.raises(ValueError, match="engine 1: runner and pooler_config must be the same on every engine"):
+            _config("--num-engines", "2", "--runner", "pooling", "--engine-config", str(overrides)).engine_configs()
     with pytest.raises(ValueError, match="pooler_config must be an object of pooling_type"):
         _config("--pooler-config", '{"pooling_type": "MAX"}').engine_configs()

@@ -121,3 +121,18 @@ def test_engine_compute_threads_run_at_lower_priority_than_its_io(ray_cluster, t
         assert niceness["busy_loop"] == niceness["event_loop"] + 3
     finally:
         stop_engines([engine])
+
+
+def test_an_embedding_engine_refuses_generation_without_hanging_its_client(ray_cluster, tiny_model_dir):
+    """Generation asked of a runner-pooling engine actor is refused when it is admitted, to the
+    caller (it used to be dropped inside the engine loop, leaving the caller waiting forever)."""
+    import ray
+
+    config = ClusterConfig(model=str(tiny_model_dir), defaults=EngineSpec(num_gpu_blocks=64, runner="pooling"))
+    [engine] = start_engines(config.engine_configs(), config.namespace)
+    try:
+        with pytest.raises(ValueError, match="is an embedding model"):
+            ray.get(engine.actor.add_request.remote(_request("a", 4)))
+        assert ray.get(engine.actor.get_stats.remote()).num_unfinished_requests == 0
+    finally:
+        stop_engines([engine])

@@ -156,6 +156,26 @@ def test_an_e5_mistral_style_embedding_model_pools_as_its_sentence_transformers_
         llm.shutdown()
 
 
+def test_a_generative_model_with_a_pooling_we_do_not_serve_still_starts(tmp_path, tiny_model_dir, caplog):
+    """sentence-transformers files asking for max pooling: a model served to generate starts (its
+    embeddings use LAST pooling, with a warning); served for embeddings only, it is refused."""
+    import shutil
+
+    from tests.gpu_worker.test_pooler_config import write_sentence_transformers
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    write_sentence_transformers(model, {"pooling_mode_max_tokens": True}, True)
+    llm = LLM(model=str(model), num_gpu_blocks=64)
+    try:
+        assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+        assert llm._model_info().pooling_type == "LAST"
+    finally:
+        llm.shutdown()
+    assert "pooling_mode_max_tokens, which is not served" in caplog.text
+    with pytest.raises(ValueError, match="pooling_mode_max_tokens, which is not served"):
+        LLM(model=str(model), num_gpu_blocks=64, runner="pooling")
+
+
 def test_a_cross_encoder_classifies_and_scores_pairs_as_transformers(tmp_path):
     """A one-output LlamaForSequenceClassification: LLM.classify gives the sigmoid of its logit
     (softmax for several classes), LLM.score scores each text pair tokenised together; it neither

@@ -344,3 +344,22 @@ def test_a_longrope_engine_keys_long_prompts_apart_in_its_prefix_cache(tmp_path)
     assert hits == {"short": 0, "long": 0, "short2": 12}
     hf = load_hf(model)
     assert tokens == {rid: hf_greedy(hf, p, 3) for rid, p in prompts.items()}
+
+
+def test_a_request_the_engine_refuses_in_its_loop_ends_with_an_error_output(service):
+    """A request refused by the engine after admission (here: generation, once the model is
+    embedding-only) is answered with an ERROR output: its client is not left waiting."""
+    import dataclasses
+
+    engine = service.engine
+    saved = engine.model_info
+    engine.model_info = dataclasses.replace(saved, generates=False)
+    try:
+        service._add_request(EngineCoreRequest(request_id="refused", prompt_token_ids=[5, 6, 7],
+                                               sampling_params=SamplingParams(max_tokens=2)))
+    finally:
+        engine.model_info = saved
+    [eco] = service._take(service._buffer(0))
+    [out] = eco.outputs
+    assert (out.request_id, out.finish_reason) == ("refused", FinishReason.ERROR)
+    assert "embedding model" in out.stop_reason

@@ -63,6 +63,15 @@ def test_classifier_configs():
     named = ModelConfig.from_dict({**base, "architectures": ["MistralForSequenceClassification"],
                                    "id2label": {"1": "yes", "0": "no"}})
     assert named.labels == ("no", "yes") and named.embedding_only
+    # What turns logits into probabilities, as transformers' loss reads problem_type.
+    assert plain.classifier_activation == "softmax"
+    one = {**base, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1}
+    assert ModelConfig.from_dict(one).classifier_activation == "sigmoid"
+    assert ModelConfig.from_dict({**one, "problem_type": "regression"}).classifier_activation == "none"
+    assert ModelConfig.from_dict({**base, "architectures": ["LlamaForSequenceClassification"], "num_labels": 4,
+                                  "problem_type": "multi_label_classification"}).classifier_activation == "sigmoid"
+    with pytest.raises(ValueError, match="problem_type must be"):
+        ModelConfig.from_dict({**one, "problem_type": "ranking"})
     with pytest.raises(ValueError, match=r"id2label must name the classes 0\.\.n-1"):
         ModelConfig.from_dict({**base, "architectures": ["LlamaForSequenceClassification"],
                                "id2label": {"0": "a", "2": "c"}})

@@ -344,6 +344,11 @@ def test_a_gemma3_vision_language_config_is_read_as_its_text_decoder():
     assert ours.local_rope_theta == 1e4 and ours.max_context_len == hf.max_position_embeddings == 131072
     assert ours.eos_token_ids == (1, 106) and ours.dtype == torch.bfloat16 and ours.tie_word_embeddings
     assert ours.attention_scale == hf.query_pre_attn_scalar ** -0.5
+    # transformers ties the head by the top level's tie_word_embeddings (an untied fine-tune).
+    untied = {**GEMMA3_4B_IT, "tie_word_embeddings": False}
+    assert not ModelConfig.from_dict(untied).tie_word_embeddings
+    assert not Gemma3Config(**{k: v for k, v in untied.items() if k not in ("architectures", "model_type")}
+                            ).tie_word_embeddings
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration"):
         ModelConfig.from_dict({**GEMMA3_4B_IT, "architectures": ["PaliGemmaForConditionalGeneration"]})
 

@@ -56,3 +56,18 @@ def test_poolings_we_do_not_compute_are_refused_unless_overridden(tmp_path):
         resolve_pooler_config(tmp_path, {"softmax": True})
     with pytest.raises(ValueError, match="normalize must be true or false"):
         resolve_pooler_config(tmp_path, {"normalize": "yes"})
+
+
+def test_pipelines_we_cannot_reproduce_are_refused(tmp_path):
+    """A Dense projection after the pooling, or several poolings concatenated, would change the
+    embedding's size and meaning: refused rather than answered wrong."""
+    st = write_sentence_transformers(tmp_path, {"pooling_mode_mean_tokens": True}, True)
+    modules = json.loads((st / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    (st / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="lists Dense modules, which are not served"):
+        resolve_pooler_config(st)
+    both = write_sentence_transformers(tmp_path / "both", {"pooling_mode_mean_tokens": True,
+                                                           "pooling_mode_cls_token": True}, False)
+    with pytest.raises(ValueError, match="pooling_mode_mean_tokens and pooling_mode_cls_token together"):
+        resolve_pooler_config(both)

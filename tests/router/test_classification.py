@@ -15,8 +15,9 @@ from .test_request_fields import TOKENIZER, _app, scripted_embedding
 LABELS = ("negative", "neutral", "positive")
 
 
-def _classifier(labels=LABELS):
-    return _app(settings={"generates": False, "labels": labels}, num_pooled=len(labels))
+def _classifier(labels=LABELS, activation="softmax"):
+    return _app(settings={"generates": False, "labels": labels, "classifier_activation": activation},
+                num_pooled=len(labels))
 
 
 def test_classify_answers_class_probabilities_and_labels():
@@ -53,7 +54,7 @@ def test_classify_refusals():
 
 
 def test_a_cross_encoder_scores_each_pair_joined_with_the_sigmoid_of_its_logit():
-    http, engine = _classifier(labels=("LABEL_0",))
+    http, engine = _classifier(labels=("LABEL_0",), activation="sigmoid")
     body = http.post("/v1/score", json={"model": "tiny", "text_1": "what is paris",
                                         "text_2": ["a city", "a person"]}).json()
     joined = [TOKENIZER("what is paris", text_pair=doc)["input_ids"] for doc in ["a city", "a person"]]
@@ -73,8 +74,20 @@ def test_a_cross_encoder_scores_each_pair_joined_with_the_sigmoid_of_its_logit()
 
 
 def test_class_probabilities():
-    assert class_probabilities([0.0]) == [0.5]
+    assert class_probabilities([0.0], "sigmoid") == [0.5]
     assert class_probabilities([1000.0, 0.0]) == pytest.approx([1.0, 0.0])
     assert sum(class_probabilities([0.3, -2.0, 5.0])) == pytest.approx(1.0)
+    # Multi-label: each class on its own; regression: the logits themselves.
+    assert class_probabilities([0.0, 2.0], "sigmoid") == pytest.approx([0.5, 1 / (1 + math.exp(-2.0))])
+    assert class_probabilities([-3.5, 2.0], "none") == [-3.5, 2.0]
     with pytest.raises(ValueError, match="non-finite"):
         class_probabilities([float("nan"), 1.0])
+
+
+def test_a_regression_cross_encoder_scores_with_its_raw_logit():
+    http, engine = _classifier(labels=("LABEL_0",), activation="none")
+    body = http.post("/score", json={"model": "tiny", "text_1": "q", "text_2": "d"}).json()
+    joined = TOKENIZER("q", text_pair="d")["input_ids"]
+    assert body["data"][0]["score"] == scripted_embedding(joined, engine.requests[0].sampling_params)[0]
+    probs = http.post("/classify", json={"model": "tiny", "input": "q"}).json()["data"][0]["probs"]
+    assert probs == [scripted_embedding(TOKENIZER.encode("q"), engine.requests[-1].sampling_params)[0]]
