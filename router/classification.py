@@ -15,41 +15,16 @@ import uuid
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_core.sampling_params import SamplingParams
-from router.embeddings import EmbeddingsServing
-from router.protocol import INT64_MAX, INT64_MIN, invalid
+from router.embeddings import EmbeddingsServing, PooledInputRequest
 from router.serving import OpenAIServing, bad_request
 
 CLASSIFY_PATHS = ("/classify", "/v1/classify")
 
 
-class ClassificationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = Field(..., description="Served model name (see GET /v1/models).")
-    input: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="Text, texts, token ids, or lists of token ids: one classification each.")
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep each input's last k tokens "
-                                                                         "(-1: max_model_len).")
-    add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens to text.")
-    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
-    user: str | None = None
-
-    @model_validator(mode="after")
-    def _not_empty(self) -> ClassificationRequest:
-        items = self.input if isinstance(self.input, list) else [self.input]
-        if not items or any(item in ("", []) for item in items):
-            raise invalid("input", "input must not be empty, nor hold an empty text or token list")
-        return self
-
-    def inputs(self) -> list[str | list[int]]:
-        if isinstance(self.input, str):
-            return [self.input]
-        if all(isinstance(item, int) for item in self.input):
-            return [list(self.input)]  # type: ignore[arg-type]
-        return list(self.input)  # type: ignore[arg-type]
+class ClassificationRequest(PooledInputRequest):
+    """vLLM's classify request: ``input`` and the shared fields (router.embeddings)."""
 
 
 def class_probabilities(logits: list[float], activation: str = "softmax") -> list[float]:

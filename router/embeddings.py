@@ -22,25 +22,24 @@ from router.protocol import INT64_MAX, INT64_MIN, invalid
 from router.serving import OpenAIServing, bad_request
 
 
-class EmbeddingRequest(BaseModel):
+class PooledInputRequest(BaseModel):
+    """What /v1/embeddings and /classify share: the inputs pooled into one answer each, and how they
+    are tokenised and scheduled."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., description="Served model name (see GET /v1/models).")
     input: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="Text, texts, token ids, or lists of token ids: one embedding each.")
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, description="Keep the first values only (Matryoshka models).")
+        ..., description="Text, texts, token ids, or lists of token ids: one answer each.")
     user: str | None = None
     # vLLM's extras.
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep each input's last k tokens "
                                                                          "(-1: max_model_len).")
-    normalize: bool | None = Field(None, description="L2-normalise (default: the model's pooler config, "
-                                                     "true unless its sentence-transformers files omit Normalize).")
     add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens to text.")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
     @model_validator(mode="after")
-    def _not_empty(self) -> EmbeddingRequest:
+    def _not_empty(self) -> PooledInputRequest:
         if self.input == [] or any(item in ("", []) for item in (self.input if isinstance(self.input, list)
                                                                   else [self.input])):
             raise invalid("input", "input must not be empty, nor hold an empty text or token list")
@@ -52,6 +51,13 @@ class EmbeddingRequest(BaseModel):
         if all(isinstance(item, int) for item in self.input):
             return [list(self.input)]  # type: ignore[arg-type]
         return list(self.input)  # type: ignore[arg-type]
+
+
+class EmbeddingRequest(PooledInputRequest):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Keep the first values only (Matryoshka models).")
+    normalize: bool | None = Field(None, description="L2-normalise (default: the model's pooler config, "
+                                                     "true unless its sentence-transformers files omit Normalize).")
 
 
 class EmbeddingsServing:
