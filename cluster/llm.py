@@ -338,6 +338,8 @@ class LLM:
                 for request_id, ids, logits in pooled]
 
     def _model_info(self) -> ModelInfo:
+        if self._engine is None and not self._handles:
+            raise RuntimeError("this LLM was shut down")
         return self._engine.model_info if self._engine is not None else self._handles[0].description.model_info
 
     def _pool(self, prompts: PromptType | Sequence[PromptType], params: EngineSamplingParams,
@@ -496,8 +498,7 @@ class LLM:
     # -- execution ------------------------------------------------------------------------------
 
     def _max_model_len(self) -> int:
-        if self._engine is None and not self._handles:
-            raise RuntimeError("this LLM was shut down")
+        self._model_info()  # (refuses a shut-down LLM)
         if self._engine is not None:
             return self._engine.scheduler_config.max_model_len
         return min(h.description.scheduler_config["max_model_len"] for h in self._handles)
