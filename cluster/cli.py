@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--pooler-config", type=_json_object, default=None,
                        help='How embeddings pool (JSON), over the checkpoint\'s sentence-transformers files: '
                             '\'{"pooling_type": "MEAN", "normalize": true}\' (LAST, MEAN or CLS).')
+    serve.add_argument("--hf-overrides", type=_json_object, default=None,
+                       help='Keys set over the model\'s config.json (JSON), e.g. to serve Qwen3-Reranker as a '
+                            'cross-encoder: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+                            '"classifier_from_token": ["no", "yes"]}\'.')
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="Queue limit per engine (429 beyond).")
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
@@ -164,7 +168,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "enable_prefix_caching": args.enable_prefix_caching,
                 "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
-                "runner": args.runner, "pooler_config": args.pooler_config,
+                "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config}
     for flag, _, _ in SCHEDULER_ARGS:
         name = flag.lstrip("-").replace("-", "_")

@@ -60,6 +60,10 @@ class EngineSpec(BaseModel):
     pooler_config: dict[str, Any] | None = Field(
         None, description='How embeddings pool (--pooler-config): {"pooling_type": "LAST" | "MEAN" | "CLS", '
                           '"normalize": bool}, over the checkpoint\'s sentence-transformers files.')
+    hf_overrides: dict[str, Any] | None = Field(
+        None, description="Keys set over the model's config.json (--hf-overrides), e.g. "
+                          '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+                          '["no", "yes"]} to serve Qwen3-Reranker as a cross-encoder.')
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = None
     num_cpus_per_worker: float | None = None
     resources: dict[str, float] | None = Field(None, description="Extra Ray resources per worker (pinning).")
@@ -291,10 +295,12 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
     request reaches."""
     first = group[0]
     for config in group[1:]:
-        if (config.runner, config.pooler_config) != (first.runner, first.pooler_config):
-            raise ValueError(f"engine {config.engine_index}: runner and pooler_config must be the same on every "
-                             f"engine of a model (engine {first.engine_index} has runner {first.runner!r}, "
-                             f"pooler_config {dict(first.pooler_config)}); set them for the model, not per engine")
+        if (config.runner, config.pooler_config, config.hf_overrides) != (first.runner, first.pooler_config,
+                                                                          first.hf_overrides):
+            raise ValueError(f"engine {config.engine_index}: runner, pooler_config and hf_overrides must be the "
+                             f"same on every engine of a model (engine {first.engine_index} has runner "
+                             f"{first.runner!r}, pooler_config {dict(first.pooler_config)}, hf_overrides "
+                             f"{first.hf_overrides or '{}'}); set them for the model, not per engine")
 
 
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
@@ -317,6 +323,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         tensor_parallel_size=s["tensor_parallel_size"], device=s["device"],
         dtype=s["dtype"], kv_cache_dtype=s["kv_cache_dtype"], enable_expert_parallel=s["enable_expert_parallel"],
         runner=s["runner"], pooler_config=tuple(sorted((s["pooler_config"] or {}).items())),
+        hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
         scheduler=scheduler, block_size=s["block_size"],
         enable_prefix_caching=s["enable_prefix_caching"], num_gpu_blocks=s["num_gpu_blocks"],
         kv_cache_memory_bytes=s["kv_cache_memory_bytes"], gpu_memory_utilization=s["gpu_memory_utilization"],

@@ -219,6 +219,7 @@ class LLM:
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  kv_cache_dtype: KVCacheDType = "auto", enable_expert_parallel: bool = False,
                  runner: str = "auto", pooler_config: dict[str, Any] | None = None,
+                 hf_overrides: dict[str, Any] | None = None,
                  **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
@@ -231,7 +232,7 @@ class LLM:
             "dtype": dtype, "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
             "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend,
             "kv_cache_dtype": kv_cache_dtype, "enable_expert_parallel": enable_expert_parallel,
-            "runner": runner, "pooler_config": pooler_config})
+            "runner": runner, "pooler_config": pooler_config, "hf_overrides": hf_overrides})
         # engine_overrides: per-engine flag mappings (engine i gets the i-th), e.g. a latency engine
         # beside a throughput one.
         self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,

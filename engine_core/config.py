@@ -6,6 +6,7 @@ checked with ``assert``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, get_args
 
@@ -202,6 +203,10 @@ class EngineConfig:
     # vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}, over what
     # the checkpoint's sentence-transformers files say (gpu_worker.pooler_config).
     pooler_config: tuple[tuple[str, Any], ...] = ()
+    # vLLM's --hf-overrides, as JSON text (hashable): keys set over the checkpoint's config.json,
+    # e.g. {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
+    # to serve Qwen3-Reranker as a cross-encoder.
+    hf_overrides: str = ""
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -260,6 +265,8 @@ class EngineConfig:
             _require(self.max_waiting_requests >= 0, "max_waiting_requests", ">= 0", self.max_waiting_requests)
             _require(self.runner in ("auto", "generate", "pooling"), "runner", "one of auto, generate, pooling",
                      self.runner)
+            _require(not self.hf_overrides or isinstance(json.loads(self.hf_overrides), dict), "hf_overrides",
+                     "a JSON object", self.hf_overrides)
             pooler = dict(self.pooler_config)
             _require(set(pooler) <= {"pooling_type", "normalize"}
                      and str(pooler.get("pooling_type", "LAST")).upper() in ("LAST", "MEAN", "CLS")

@@ -7,6 +7,7 @@ HF-named tensors + HF config dict) can hand us its dict directly. Both the trans
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,7 +109,14 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
 
 def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
     """A sequence classifier's class names, by index: its id2label, else num_labels unnamed ones
-    (transformers' LABEL_i), 2 when neither is given."""
+    (transformers' LABEL_i), 2 when neither is given. A causal LM served as a classifier (vLLM's
+    ``classifier_from_token``, through --hf-overrides) has a class per token named, or one output
+    for two tokens: the second's logit minus the first's (Qwen3-Reranker's "yes" over "no")."""
+    tokens = cfg.get("classifier_from_token")
+    if tokens is not None:
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise ValueError(f"classifier_from_token must be a non-empty list of tokens, got {tokens!r}")
+        return ("LABEL_0",) if len(tokens) == 2 else tuple(tokens)
     id2label = cfg.get("id2label")
     if isinstance(id2label, dict) and id2label:
         by_index = {int(i): str(name) for i, name in id2label.items()}
@@ -116,6 +124,20 @@ def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
             raise ValueError(f"id2label must name the classes 0..n-1, got {sorted(by_index)}")
         return tuple(by_index[i] for i in range(len(by_index)))
     return tuple(f"LABEL_{i}" for i in range(int(cfg.get("num_labels") or 2)))
+
+
+def _token_ids(model_dir: Path, tokens: list[str]) -> tuple[int, ...]:
+    """The ids of ``tokens`` in the model's vocabulary (each must be one token of it)."""
+    from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of the model's vocabulary")
+        ids.append(int(token_id))
+    return tuple(ids)
 
 
 def _classifier_activation(problem_type: str | None, num_labels: int) -> str:
@@ -286,6 +308,9 @@ class ModelConfig:
     embedding_only: bool = False
     # A sequence classifier's class names (its ``score`` head has one output per class); () otherwise.
     labels: tuple[str, ...] = ()
+    # A causal LM served as a classifier (classifier_from_token): the vocabulary rows its head is made
+    # of (two: one output, the second row minus the first); () for a checkpoint with its own head.
+    classifier_token_ids: tuple[int, ...] = ()
     # What turns its logits into probabilities, from its problem_type as transformers' loss reads it:
     # "softmax" (single-label), "sigmoid" (multi-label, or one output), "none" (regression).
     classifier_activation: str = "softmax"
@@ -448,9 +473,15 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+    def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """``hf_overrides`` (vLLM's --hf-overrides): keys set over config.json's, e.g. to serve a
+        causal LM as a classifier (below)."""
         model_dir = Path(model_dir)
-        cfg = json.loads((model_dir / "config.json").read_text())
+        cfg = {**json.loads((model_dir / "config.json").read_text()), **(hf_overrides or {})}
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
-        return cls.from_dict(cfg, gen)
+        config = cls.from_dict(cfg, gen)
+        if config.labels and cfg.get("classifier_from_token"):
+            config = dataclasses.replace(config, classifier_token_ids=_token_ids(model_dir,
+                                                                                 cfg["classifier_from_token"]))
+        return config

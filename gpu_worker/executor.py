@@ -8,6 +8,7 @@ rank 0's ``ModelRunnerOutput``; a rank that dies surfaces as an exception within
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 from pathlib import Path
@@ -46,6 +47,7 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "kv_cache_dtype": config.kv_cache_dtype,
         "enable_expert_parallel": config.enable_expert_parallel,
         "embedding_only": config.runner == "pooling",
+        "hf_overrides": json.loads(config.hf_overrides) if config.hf_overrides else None,
     }
 
 
@@ -54,7 +56,8 @@ class _ExecutorBase(Executor):
         self.config = config
         resolved = resolve_model(config.model)
         self.model_dir = Path(resolved.model_dir)
-        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.model_config = ModelConfig.from_pretrained(
+            self.model_dir, json.loads(config.hf_overrides) if config.hf_overrides else None)
         if config.runner == "generate" and self.model_config.embedding_only:
             raise ValueError(f"runner 'generate': {self.model_dir} is an embedding model without an LM head "
                              f"({self.model_config.raw['architectures'][0]}: embeddings or classes only); serve it "

@@ -88,6 +88,13 @@ def _expert_parameter(hf_name: str, params: dict[str, nn.Parameter]) -> tuple[st
     return (name, (expert, projection)) if name in params else None
 
 
+def _score_from_head_rows(head: WeightLike, token_ids: tuple[int, ...]) -> torch.Tensor:
+    """A classifier head from LM-head rows, as vLLM builds one from classifier_from_token: the rows
+    of the tokens named, or for two tokens one output, the second's row minus the first's (in fp32)."""
+    rows = torch.cat([materialize(head.narrow(0, token_id, 1)).float() for token_id in token_ids])
+    return (rows[1] - rows[0]).unsqueeze(0) if len(token_ids) == 2 else rows
+
+
 def _default_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
     copy_into(param, materialize(loaded))
 
@@ -104,8 +111,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     # An embedding-only model has no head: a head its checkpoint carries is not read.
     headless = getattr(model, "lm_head", True) is None
-    # Checkpoints saved from transformers' bare decoder name its tensors without "model.".
-    top_level = {name.split(".", 1)[0] for name in params}
+    # Checkpoints saved from transformers' bare decoder name its tensors without "model." (a head
+    # keeps its name, loaded or not).
+    top_level = {name.split(".", 1)[0] for name in params} | {"lm_head"}
+    # A causal LM served as a classifier (classifier_from_token): its score head is made of rows of
+    # the LM head (the embedding, when tied) that the checkpoint holds.
+    token_ids = getattr(getattr(model, "config", None), "classifier_token_ids", ())
+    head_rows_from = "model.embed_tokens.weight" if tied else "lm_head.weight"
     # A fused parameter counts as loaded only once every one of its shards has arrived.
     expected_shards: dict[str, set[int | str]] = {}
     for ours, shard in packed.values():
@@ -114,12 +126,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
     for hf_name, tensor in weights:
         if hf_name.endswith(_IGNORED_SUFFIXES):
             continue
-        if (tied and hf_name == "lm_head.weight") or (headless and hf_name.startswith("lm_head.")):
-            # Some tied checkpoints still store the head; it is the embedding we already load.
-            continue
         checkpoint_name = hf_name
         if hf_name.split(".", 1)[0] not in top_level and "model" in top_level:
             hf_name = f"model.{hf_name}"
+        if token_ids and hf_name == head_rows_from:
+            params["score.weight"].copy_(_score_from_head_rows(tensor, token_ids))
+            loaded["score.weight"] = {None}
+        if (tied and hf_name == "lm_head.weight") or (headless and hf_name.startswith("lm_head.")):
+            # Some tied checkpoints still store the head; it is the embedding we already load.
+            continue
         name, shard_id = hf_name, None
         expert = _expert_parameter(hf_name, params) if ".experts." in hf_name else None
         if expert is not None:

@@ -257,9 +257,22 @@ def test_runner_and_pooler_config_reach_the_engines(tmp_path):
     assert _config().engine_configs()[0].runner == "auto"
     # One model's engines must agree: its endpoints answer one way whichever engine a request reaches.
     overrides = tmp_path / "engines.yaml"
-    for override in ("{runner: generate}", "{pooler_config: {pooling_type: CLS}}"):
+    for override in ("{runner: generate}", "{pooler_config: {pooling_type: CLS}}",
+                     "{hf_overrides: {num_labels: 3}}"):
         overrides.write_text(f"- {{}}\n- {override}\n")
-        with pytest.raises(ValueError, match="engine 1: runner and pooler_config must be the same on every engine"):
+        with pytest.raises(ValueError, match="engine 1: runner, pooler_config and hf_overrides must be the same"):
             _config("--num-engines", "2", "--runner", "pooling", "--engine-config", str(overrides)).engine_configs()
     with pytest.raises(ValueError, match="pooler_config must be an object of pooling_type"):
         _config("--pooler-config", '{"pooling_type": "MAX"}').engine_configs()
+
+
+def test_hf_overrides_reach_the_engines_as_json(tmp_path):
+    import json
+
+    from gpu_worker.executor import _worker_kwargs
+
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
+    [engine] = _config("--hf-overrides", json.dumps(overrides)).engine_configs()
+    assert json.loads(engine.hf_overrides) == overrides
+    assert _worker_kwargs(engine, tmp_path, 128, 1)["hf_overrides"] == overrides
+    assert _config().engine_configs()[0].hf_overrides == ""

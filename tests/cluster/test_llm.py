@@ -212,6 +212,26 @@ def test_a_cross_encoder_classifies_and_scores_pairs_as_transformers(tmp_path):
         assert out.outputs.score == pytest.approx(float(torch.sigmoid(torch.tensor(logit(ids)))), abs=1e-5)
 
 
+def test_a_causal_lm_reranks_through_hf_overrides_as_qwen3_reranker_is_served(tiny_model_dir):
+    """vLLM's recipe for Qwen3-Reranker: --hf-overrides makes the causal LM a one-output classifier
+    from its "no" / "yes" rows, so a pair's score is P(yes) over {no, yes} at its last token. (The
+    tiny vocabulary has "n" and "y".)"""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    no, yes = tok.convert_tokens_to_ids("n"), tok.convert_tokens_to_ids("y")
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64,
+              hf_overrides={"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["n", "y"]})
+    try:
+        scored = llm.score("Which city is in France?", ["Paris is.", "Berlin is not."], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, doc in zip(scored, ["Paris is.", "Berlin is not."], strict=True):
+        ids = tok("Which city is in France?", text_pair=doc).input_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        assert out.outputs.score == pytest.approx(float(torch.softmax(logits[[no, yes]], -1)[1]), abs=1e-5)
+
+
 def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -13,6 +13,7 @@ from transformers import AutoModelForSequenceClassification
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from gpu_worker.config import ModelConfig
+from gpu_worker.model_runner import ModelRunner
 from tests.gpu_worker.utils import make_config, make_runner, make_scheduler, run_to_completion
 
 
@@ -75,3 +76,46 @@ def test_classifier_configs():
     with pytest.raises(ValueError, match=r"id2label must name the classes 0\.\.n-1"):
         ModelConfig.from_dict({**base, "architectures": ["LlamaForSequenceClassification"],
                                "id2label": {"0": "a", "2": "c"}})
+
+
+@pytest.mark.parametrize(("tokens", "tied"), [(["n", "y"], True), (["n", "y"], False),
+                                              (["a", "b", "c"], False)],
+                         ids=["two-tokens-tied", "two-tokens-untied", "three-tokens"])
+def test_a_causal_lm_serves_as_a_classifier_from_token_rows(tmp_path, tokens, tied):
+    """vLLM's classifier_from_token (through --hf-overrides): Qwen3-Reranker is a causal LM whose
+    score is P("yes") against "no" at the last token. As a one-output classifier its logit is the
+    difference of the two tokens' LM logits (so its sigmoid is that probability); with other than
+    two tokens, a class per token, its LM logit. (The tiny vocabulary has "n" and "y", not the words.)"""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(make_config("qwen3", vocab_size=len(tokenizer), head_dim=32,
+                                                      tie_word_embeddings=tied), dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": tokens}
+    config = ModelConfig.from_pretrained(tmp_path, overrides)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    assert config.classifier_token_ids == tuple(ids) and config.embedding_only
+    assert config.labels == (("LABEL_0",) if len(tokens) == 2 else tuple(tokens))
+    runner = ModelRunner(config, device="cpu", dtype=torch.float32)
+    runner.load_model(tmp_path)
+    runner.initialize_kv_cache(32, 4)
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=6)
+    prompts = {"p0": [5, 9, 17, 3, 40, 41, 8], "p1": [7, 7, 2]}
+    for rid, prompt in prompts.items():
+        sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, embed=True,
+                                                              embed_normalize=False), eos_token_id=None))
+    outputs = {}
+    run_to_completion(sched, runner.execute_model,
+                      on_output=lambda o: outputs.update({o.request_id: o.pooling_output}))
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0, -1]
+        expected = (logits[ids[1]] - logits[ids[0]]).unsqueeze(0) if len(tokens) == 2 else logits[ids]
+        torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="'zzz-not-a-token' is not a token"):
+        ModelConfig.from_pretrained(tmp_path, {**overrides, "classifier_from_token": ["n", "zzz-not-a-token"]})
