@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.experimental import internal_kv
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine_core.config import EngineConfig
-from engine_core.engine_actor import EngineCoreActor, EngineDescription
+from engine_core.engine_actor import EngineCoreActor, EngineDescription, pause_record_key
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,8 @@ def start_engine(config: EngineConfig, namespace: str, detached: bool = False,
     }
     if detached:
         options["lifetime"] = "detached"
+    # A new engine starts unpaused, whatever a stopped one of the same name recorded.
+    internal_kv._internal_kv_del(pause_record_key(namespace, name))
     actor = ray.remote(EngineCoreActor).options(**options).remote(config, create_executor)
     return EngineHandle(config.engine_index, name, actor, pg)
 

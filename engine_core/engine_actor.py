@@ -478,14 +478,37 @@ def engine_host() -> str:
     return ray.util.get_node_ip_address()
 
 
+def pause_record_key(namespace: str, name: str) -> str:
+    """Where the engine actor ``name`` records that it is paused, in Ray's key-value store (which
+    outlives the actor): a restarted actor reads it and comes back paused; a new one starts clear."""
+    return f"llm-cluster/paused/{namespace}/{name}"
+
+
+def _own_pause_record_key() -> str | None:
+    import ray
+
+    context = ray.get_runtime_context()
+    name = context.get_actor_name()
+    return pause_record_key(context.namespace, name) if name else None
+
+
 class EngineCoreActor:
     """Ray actor shell around EngineCoreService (create with ``ray.remote(EngineCoreActor)``)."""
 
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
+        from ray.experimental import internal_kv
+
         self.service = EngineCoreService(config, executor_factory,
                                          compute_niceness=engine_niceness(config.engine_niceness,
                                                                           engine_uses_gpu(config)))
         self._channel: ChannelServer | None = None
+        self._kv = internal_kv
+        self._pause_key = _own_pause_record_key()
+        if self._pause_key is not None and internal_kv._internal_kv_get(self._pause_key):
+            # Paused (/pause) when this actor died: it comes back paused. It holds no request, so
+            # "keep" (nothing scheduled) is what every mode leaves.
+            logger.info("engine %d: restarted while paused; staying paused until /resume", config.engine_index)
+            self.service.pause_generation("keep", clear_cache=False)
 
     def _bind(self) -> None:
         if self.service._loop is None:
@@ -531,12 +554,17 @@ class EngineCoreActor:
         await asyncio.to_thread(self.service.call_in_loop, lambda: self.service.engine.pause(PauseState(mode)))
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> bool:
-        return await asyncio.to_thread(self.service.pause_generation, mode, clear_cache)
+        cleared = await asyncio.to_thread(self.service.pause_generation, mode, clear_cache)
+        if self._pause_key is not None and await self.is_paused():
+            self._kv._internal_kv_put(self._pause_key, mode.encode(), overwrite=True)
+        return cleared
 
     async def is_paused(self) -> bool:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.is_paused)
 
     async def resume(self) -> None:
+        if self._pause_key is not None:
+            self._kv._internal_kv_del(self._pause_key)
         await asyncio.to_thread(self.service.resume_generation)
 
     async def reset_prefix_cache(self) -> bool:

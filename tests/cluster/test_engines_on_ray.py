@@ -136,3 +136,43 @@ def test_an_embedding_engine_refuses_generation_without_hanging_its_client(ray_c
         assert ray.get(engine.actor.get_stats.remote()).num_unfinished_requests == 0
     finally:
         stop_engines([engine])
+
+
+def test_an_engine_restarted_while_paused_comes_back_paused(ray_cluster, tiny_model_dir):
+    """/pause is recorded outside the engine actor: an actor that dies and is restarted by Ray while
+    paused comes back paused (and serves again after resume); one restarted after resume, or a new
+    engine of the same name, starts unpaused."""
+    import ray
+
+    config = ClusterConfig(model=str(tiny_model_dir), defaults=EngineSpec(num_gpu_blocks=64))
+
+    def restart(actor) -> None:
+        ray.kill(actor, no_restart=False)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                ray.get(actor.ready.remote(), timeout=10)
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                    ray.exceptions.GetTimeoutError):
+                assert time.monotonic() < deadline, "the engine actor did not come back"
+                time.sleep(0.5)
+
+    [engine] = start_engines(config.engine_configs(), config.namespace)
+    try:
+        ray.get(engine.actor.pause_generation.remote("abort"))
+        restart(engine.actor)
+        assert ray.get(engine.actor.is_paused.remote())
+        ray.get(engine.actor.resume.remote())
+        ray.get(engine.actor.add_request.remote(_request("after", 5)))
+        assert _collect(engine.actor, ["after"])["after"].finish_reason.name == "LENGTH"
+        restart(engine.actor)
+        assert not ray.get(engine.actor.is_paused.remote())
+        ray.get(engine.actor.pause_generation.remote("keep"))
+    finally:
+        stop_engines([engine])
+    [engine] = start_engines(config.engine_configs(), config.namespace)
+    try:
+        assert not ray.get(engine.actor.is_paused.remote())
+    finally:
+        stop_engines([engine])
