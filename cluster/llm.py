@@ -102,6 +102,13 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
+def _pooled_params(info: ModelInfo, normalize: bool = False, dimensions: int | None = None
+                   ) -> EngineSamplingParams:
+    """An embedding request's parameters (a classifier's class logits), pooled as the model pools."""
+    return EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
+                                embed_dimensions=dimensions, embed_pooling=info.pooling_type)
+
+
 @dataclass
 class ClassificationOutput:
     probs: list[float]
@@ -313,10 +320,11 @@ class LLM:
         if info.labels:
             raise ValueError("this model is a sequence classifier: use LLM.classify (or LLM.score for a "
                              "cross-encoder), not LLM.embed")
+        if info.pooling_unavailable:
+            raise ValueError(f"this model does not serve embeddings: {info.pooling_unavailable}")
         if normalize is None:
             normalize = info.pooling_normalize
-        params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
-                                      embed_dimensions=dimensions, embed_pooling=info.pooling_type)
+        params = _pooled_params(info, normalize, dimensions)
         if dimensions is not None and dimensions > info.hidden_size:
             raise ValueError(f"dimensions ({dimensions}) is larger than the model's embeddings "
                              f"({info.hidden_size} values)")
@@ -331,9 +339,7 @@ class LLM:
         info = self._model_info()
         if not info.labels:
             raise ValueError("this model is not a sequence classifier (a *ForSequenceClassification checkpoint)")
-        params = EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=False,
-                                      embed_pooling=info.pooling_type)
-        pooled = self._pool(prompts, params, lora_request, use_tqdm, "Classified prompts")
+        pooled = self._pool(prompts, _pooled_params(info), lora_request, use_tqdm, "Classified prompts")
         return [ClassificationRequestOutput(request_id, ClassificationOutput(
                     class_probabilities(logits, info.classifier_activation)), ids)
                 for request_id, ids, logits in pooled]
@@ -395,15 +401,17 @@ class LLM:
     def _cross_encoder_scores(self, first: list[PromptType], second: list[PromptType],
                               pairs: list[tuple[int, int]], use_tqdm: bool, lora_request: LoRARequest | None
                               ) -> list[ScoringRequestOutput]:
-        if len(self._model_info().labels) != 1:
+        info = self._model_info()
+        if len(info.labels) != 1:
             raise ValueError("LLM.score needs a cross-encoder with one output; this classifier has "
-                             f"{len(self._model_info().labels)} classes (use LLM.classify)")
+                             f"{len(info.labels)} classes (use LLM.classify)")
         if not all(isinstance(p, str) for p in (*first, *second)):
             raise ValueError("a cross-encoder scores text pairs: give texts on both sides")
         joined = [list(self.tokenizer(first[i], text_pair=second[j])["input_ids"]) for i, j in pairs]
-        classified = self.classify(joined, use_tqdm=use_tqdm, lora_request=lora_request)
-        return [ScoringRequestOutput(c.request_id, ScoringOutput(c.outputs.probs[0]), c.prompt_token_ids)
-                for c in classified]
+        return [ScoringRequestOutput(request_id, ScoringOutput(
+                    class_probabilities(logits, info.cross_encoder_activation)[0]), ids)
+                for request_id, ids, logits in self._pool(joined, _pooled_params(info), lora_request, use_tqdm,
+                                                          "Scored pairs")]
 
     def _prompt_ids(self, index: int, prompt: PromptType, vocab: int, max_tokens: int) -> list[int]:
         """A prompt's token ids, checked before anything is queued, as vLLM does: a bad prompt fails

@@ -22,7 +22,7 @@ from typing import Any
 from engine_core.channel import ChannelAddress, ChannelServer
 from engine_core.config import EngineConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
-from engine_core.engine_core import EngineCore
+from engine_core.engine_core import EngineCore, GenerationRefusedError
 from engine_core.executor import ExecutorFactory, ModelInfo, engine_uses_gpu
 from engine_core.lora import LoRANotLoadedError
 from engine_core.metrics import EngineMetrics
@@ -160,9 +160,9 @@ class EngineCoreService:
             return
         try:
             added = self.engine.add_request(request)
-        except (LoRANotLoadedError, ValueError) as e:
-            # (Its adapter was unloaded after admit() checked it, or a request admit() never saw was
-            # refused: the client learns it from an error output rather than waiting forever.)
+        except (LoRANotLoadedError, GenerationRefusedError) as e:
+            # (Its adapter was unloaded after admit() checked it, or generation reached an embedding
+            # model without admit(): the client learns it from an error output, not by waiting.)
             self._publish({request.client_index: EngineCoreOutputs(
                 [EngineCoreOutput(request.request_id, [], FinishReason.ERROR, str(e))],
                 engine_index=self.config.engine_index, timestamp=time.time())})
@@ -504,6 +504,9 @@ class EngineCoreActor:
         self._channel: ChannelServer | None = None
         self._kv = internal_kv
         self._pause_key = _own_pause_record_key()
+        # Pause and resume, with their record, one at a time: a resume racing a pause cannot leave
+        # a record saying paused on a running engine.
+        self._pause_lock = asyncio.Lock()
         if self._pause_key is not None and internal_kv._internal_kv_get(self._pause_key):
             # Paused (/pause) when this actor died: it comes back paused. It holds no request, so
             # "keep" (nothing scheduled) is what every mode leaves.
@@ -554,18 +557,34 @@ class EngineCoreActor:
         await asyncio.to_thread(self.service.call_in_loop, lambda: self.service.engine.pause(PauseState(mode)))
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> bool:
-        cleared = await asyncio.to_thread(self.service.pause_generation, mode, clear_cache)
-        if self._pause_key is not None and await self.is_paused():
-            self._kv._internal_kv_put(self._pause_key, mode.encode(), overwrite=True)
-        return cleared
+        async with self._pause_lock:
+            cleared = await asyncio.to_thread(self.service.pause_generation, mode, clear_cache)
+            if await self.is_paused():
+                await self._record_pause(mode)
+            return cleared
 
     async def is_paused(self) -> bool:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.is_paused)
 
     async def resume(self) -> None:
-        if self._pause_key is not None:
-            self._kv._internal_kv_del(self._pause_key)
-        await asyncio.to_thread(self.service.resume_generation)
+        async with self._pause_lock:
+            await asyncio.to_thread(self.service.resume_generation)
+            await self._record_pause(None)
+
+    async def _record_pause(self, mode: str | None) -> None:
+        """Record (or, with None, clear) the pause in Ray's key-value store, off the event loop. A
+        store that fails only costs the record: the pause itself stands, and is logged."""
+        if self._pause_key is None:
+            return
+        key = self._pause_key
+        try:
+            if mode is None:
+                await asyncio.to_thread(self._kv._internal_kv_del, key)
+            else:
+                await asyncio.to_thread(self._kv._internal_kv_put, key, mode.encode(), True)
+        except Exception as e:
+            logger.warning("engine %d: could not record the pause state (%s); a restart will not restore it",
+                           self.service.config.engine_index, e)
 
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.reset_prefix_cache)

@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 _EMPTY_MODEL_OUTPUT = ModelRunnerOutput([], {}, [])
 
 
+class GenerationRefusedError(ValueError):
+    """A generation request sent to an engine whose model does not generate (runner pooling)."""
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
@@ -184,10 +188,10 @@ class EngineCore:
     # -- inputs ---------------------------------------------------------------------------------
 
     def check_generates(self, request: EngineCoreRequest) -> None:
-        """ValueError for a generation request to an embedding-only model (runner pooling)."""
+        """GenerationRefusedError for a generation request to an embedding-only model (runner pooling)."""
         if not self.model_info.generates and not request.sampling_params.embed:
-            raise ValueError(f"{self.model_info.served_model_name} is an embedding model (runner pooling): it does "
-                             "not generate; ask it for embeddings")
+            raise GenerationRefusedError(f"{self.model_info.served_model_name} is an embedding model (runner "
+                                         "pooling): it does not generate; ask it for embeddings")
 
     def add_request(self, request: EngineCoreRequest) -> Request | None:
         """Returns the new Request, or None when the id continued a live streaming session."""

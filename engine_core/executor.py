@@ -45,10 +45,15 @@ class ModelInfo:
     # How embeddings are pooled ("LAST", "MEAN" or "CLS"), and whether they are L2-normalised by default.
     pooling_type: str = "LAST"
     pooling_normalize: bool = True
+    # Why its embeddings cannot be served as its checkpoint declares them ("" when they can): a
+    # generating model whose sentence-transformers files ask for what is not served.
+    pooling_unavailable: str = ""
     # A sequence classifier's class names (its "embeddings" are class logits); () otherwise; and
     # what turns them into probabilities ("softmax", "sigmoid" or "none").
     labels: tuple[str, ...] = ()
     classifier_activation: str = "softmax"
+    # A cross-encoder's /score activation ("sigmoid" or "none").
+    cross_encoder_activation: str = "sigmoid"
     dtype: str = "float32"
     device: str = "cpu"
     extra: dict[str, str] = field(default_factory=dict)

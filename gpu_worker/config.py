@@ -107,6 +107,19 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
     return theta, (None if rope_type == "default" else scaling)
 
 
+def _two_way(cfg: dict[str, Any], tokens: list[str]) -> bool:
+    """Whether classifier_from_token builds one output from two tokens (vLLM's from_2_way_softmax,
+    the default for two, and what is_original_qwen3_reranker asks) or a class per token
+    (no_post_processing)."""
+    method = cfg.get("method") or ("from_2_way_softmax" if len(tokens) == 2 else "no_post_processing")
+    if method not in ("from_2_way_softmax", "no_post_processing"):
+        raise ValueError(f"classifier_from_token method must be from_2_way_softmax or no_post_processing, "
+                         f"got {method!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"from_2_way_softmax needs two tokens (false, true), got {tokens!r}")
+    return method == "from_2_way_softmax"
+
+
 def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
     """A sequence classifier's class names, by index: its id2label, else num_labels unnamed ones
     (transformers' LABEL_i), 2 when neither is given. A causal LM served as a classifier (vLLM's
@@ -116,7 +129,7 @@ def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
     if tokens is not None:
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
             raise ValueError(f"classifier_from_token must be a non-empty list of tokens, got {tokens!r}")
-        return ("LABEL_0",) if len(tokens) == 2 else tuple(tokens)
+        return ("LABEL_0",) if _two_way(cfg, tokens) else tuple(tokens)
     id2label = cfg.get("id2label")
     if isinstance(id2label, dict) and id2label:
         by_index = {int(i): str(name) for i, name in id2label.items()}
@@ -141,14 +154,26 @@ def _token_ids(model_dir: Path, tokens: list[str]) -> tuple[int, ...]:
 
 
 def _classifier_activation(problem_type: str | None, num_labels: int) -> str:
+    """/classify's: by problem_type, as transformers' loss reads it (a softmax over one logit would
+    always be 1: one output takes a sigmoid, as vLLM's classify pooler does)."""
     if problem_type == "regression":
         return "none"
-    if problem_type == "multi_label_classification" or (problem_type is None and num_labels == 1):
+    if problem_type not in (None, "single_label_classification", "multi_label_classification"):
+        raise ValueError(f"problem_type must be regression, single_label_classification or "
+                         f"multi_label_classification, got {problem_type!r}")
+    return "softmax" if problem_type != "multi_label_classification" and num_labels >= 2 else "sigmoid"
+
+
+def _cross_encoder_activation(cfg: dict[str, Any]) -> str:
+    """/score's for a cross-encoder, as vLLM picks it: the sentence-transformers activation the
+    config names (Identity or Sigmoid), a sigmoid otherwise."""
+    named = ((cfg.get("sentence_transformers") or {}).get("activation_fn")
+             or cfg.get("sbert_ce_default_activation_function"))
+    if named is None or str(named).endswith("Sigmoid"):
         return "sigmoid"
-    if problem_type in (None, "single_label_classification"):
-        return "softmax"
-    raise ValueError(f"problem_type must be regression, single_label_classification or "
-                     f"multi_label_classification, got {problem_type!r}")
+    if str(named).endswith("Identity"):
+        return "none"
+    raise ValueError(f"the cross-encoder activation {named!r} is not served (Sigmoid or Identity are)")
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -314,6 +339,8 @@ class ModelConfig:
     # What turns its logits into probabilities, from its problem_type as transformers' loss reads it:
     # "softmax" (single-label), "sigmoid" (multi-label, or one output), "none" (regression).
     classifier_activation: str = "softmax"
+    # What turns a one-output classifier's logit into a /score score (cross-encoders).
+    cross_encoder_activation: str = "sigmoid"
 
     @property
     def attention_scale(self) -> float:
@@ -364,6 +391,9 @@ class ModelConfig:
         if not archs:
             raise ValueError("config has no 'architectures' entry: cannot pick a model class")
         arch = archs[0]
+        if cfg.get("classifier_from_token") is not None and arch not in CLASSIFIER_DECODER_OF:
+            raise ValueError(f"classifier_from_token needs a sequence-classification architecture (set "
+                             f'"architectures" too, e.g. ["Qwen3ForSequenceClassification"]), got {arch!r}')
         embedding_only = arch in EMBEDDING_DECODER_OF or arch in CLASSIFIER_DECODER_OF
         labels = _labels(cfg) if arch in CLASSIFIER_DECODER_OF else ()
         if arch in TEXT_DECODER_OF:
@@ -468,6 +498,7 @@ class ModelConfig:
             embedding_only=embedding_only,
             labels=labels,
             classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),
+            cross_encoder_activation=_cross_encoder_activation(cfg) if labels else "sigmoid",
             **moe,
             **_gemma_from_dict(arch, cfg),
         )

@@ -63,14 +63,16 @@ class _ExecutorBase(Executor):
                              f"({self.model_config.raw['architectures'][0]}: embeddings or classes only); serve it "
                              "with --runner pooling or auto")
         embeds_only = self.model_config.embedding_only or config.runner == "pooling"
+        pooling_unavailable = ""
         try:
             pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config))
         except ValueError as e:
             if embeds_only:
                 raise
-            # Served to generate: its sentence-transformers pooling need not stop that.
-            logger.warning("engine %d: %s; its embeddings use LAST pooling, normalised", config.engine_index, e)
-            pooler = PoolerConfig()
+            # Served to generate: its sentence-transformers pooling need not stop that; embedding
+            # requests are refused with the reason.
+            logger.warning("engine %d: %s; it generates, and refuses embeddings", config.engine_index, e)
+            pooler, pooling_unavailable = PoolerConfig(), str(e)
         wanted = config.scheduler.max_model_len  # None: the model's context length
         self.max_model_len = min(wanted or self.model_config.max_context_len, self.model_config.max_context_len)
         self._info = ModelInfo(
@@ -80,8 +82,10 @@ class _ExecutorBase(Executor):
             hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after,
             generates=not embeds_only,
-            pooling_type=pooler.pooling_type, pooling_normalize=pooler.normalize, labels=self.model_config.labels,
-            classifier_activation=self.model_config.classifier_activation)
+            pooling_type=pooler.pooling_type, pooling_normalize=pooler.normalize,
+            pooling_unavailable=pooling_unavailable, labels=self.model_config.labels,
+            classifier_activation=self.model_config.classifier_activation,
+            cross_encoder_activation=self.model_config.cross_encoder_activation)
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

@@ -221,20 +221,26 @@ def _gemma_config(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> di
     is_27b = config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
     extra["query_pre_attn_scalar"] = hidden // heads if is_27b else config["head_dim"]
     window = meta.get(f"{arch}.attention.sliding_window")
-    extra["sliding_window"] = int(window) if window else None
     if arch == "gemma2":
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            value = meta.get(f"{arch}.{key}")
-            extra[key] = None if value is None else _float32(value)
+        # llama.cpp's defaults for files written before these keys existed: a 4096 window, caps 50 / 30.
+        extra["sliding_window"] = int(window or 4096)
+        for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+            extra[key] = _float32(meta.get(f"{arch}.{key}", default))
         return extra
-    extra["attn_logit_softcapping"] = extra["final_logit_softcapping"] = None
+    extra["sliding_window"] = int(window) if window else None
+    extra["attn_logit_softcapping"] = None
+    final_cap = meta.get(f"{arch}.final_logit_softcapping")
+    extra["final_logit_softcapping"] = None if final_cap is None else _float32(final_cap)
     # Gemma 3 rotates its windowed layers with plain RoPE of their own base (10k unless the file says).
     local_theta = _float32(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
     extra["rope_local_base_freq"] = local_theta
     extra["rope_parameters"] = {"full_attention": config["rope_parameters"],
                                 "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):
+    if not window:
+        # (llama.cpp's converter writes no window for a pattern of 1: every layer global, global RoPE.)
+        extra["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    elif isinstance(pattern, list):
         if len(pattern) != config["num_hidden_layers"]:
             raise ValueError(f"GGUF {arch}.attention.sliding_window_pattern lists {len(pattern)} layers, "
                              f"the model has {config['num_hidden_layers']}")
@@ -404,13 +410,29 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _generation_config(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+# End-of-turn tokens llama.cpp finds by their text when a file names none (Gemma's files do not).
+_END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<EOT>")
+
+
+def _end_of_turn_by_text(reader: GGUFReader) -> int | None:
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return None
+    position = {bytes(field.parts[i]).decode("utf-8", errors="replace"): n for n, i in enumerate(field.data)}
+    return next((position[text] for text in _END_OF_TURN_TEXTS if text in position), None)
+
+
+def _generation_config(config: dict[str, Any], meta: dict[str, Any], end_of_turn: int | None = None
+                       ) -> dict[str, Any]:
     # The engine stops on every eos id of generation_config.json: the GGUF's eos and, as llama.cpp
-    # does, its end-of-turn and end-of-message tokens (Llama-3 chat files: eos 128001, eot 128009).
+    # does, its end-of-turn and end-of-message tokens (Llama-3 chat files: eos 128001, eot 128009),
+    # the end of turn found by its text (``end_of_turn``) where the file names none.
     data: dict[str, Any] = {"_from_model_config": True}
     for key in ("bos_token_id", "pad_token_id"):
         if config.get(key) is not None:
             data[key] = config[key]
+    if meta.get("tokenizer.ggml.eot_token_id") is None and end_of_turn is not None:
+        meta = {**meta, "tokenizer.ggml.eot_token_id": end_of_turn}
     stops = [meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
     stops = list(dict.fromkeys(t for t in stops if t is not None))
     if stops:
@@ -432,7 +454,9 @@ def convert_gguf_to_hf(
     config, tensors = load_gguf(gguf_path, dtype)
     _save_weights(tensors, out, max_shard_bytes)
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(config, read_metadata(GGUFReader(gguf_path))))
+    reader = GGUFReader(gguf_path)
+    _write_json(out / "generation_config.json",
+                _generation_config(config, read_metadata(reader), _end_of_turn_by_text(reader)))
     _save_tokenizer(gguf_path, out, int(config["max_position_embeddings"]))
     stat = gguf_path.stat()
     source = {"gguf_path": os.fspath(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,

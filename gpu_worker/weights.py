@@ -88,11 +88,12 @@ def _expert_parameter(hf_name: str, params: dict[str, nn.Parameter]) -> tuple[st
     return (name, (expert, projection)) if name in params else None
 
 
-def _score_from_head_rows(head: WeightLike, token_ids: tuple[int, ...]) -> torch.Tensor:
+def _score_from_head_rows(head: WeightLike, token_ids: tuple[int, ...], num_outputs: int) -> torch.Tensor:
     """A classifier head from LM-head rows, as vLLM builds one from classifier_from_token: the rows
-    of the tokens named, or for two tokens one output, the second's row minus the first's (in fp32)."""
+    of the tokens named, or for two tokens and one output (from_2_way_softmax) the second's row
+    minus the first's (in fp32)."""
     rows = torch.cat([materialize(head.narrow(0, token_id, 1)).float() for token_id in token_ids])
-    return (rows[1] - rows[0]).unsqueeze(0) if len(token_ids) == 2 else rows
+    return (rows[1] - rows[0]).unsqueeze(0) if num_outputs == 1 and len(token_ids) == 2 else rows
 
 
 def _default_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
@@ -130,7 +131,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
         if hf_name.split(".", 1)[0] not in top_level and "model" in top_level:
             hf_name = f"model.{hf_name}"
         if token_ids and hf_name == head_rows_from:
-            params["score.weight"].copy_(_score_from_head_rows(tensor, token_ids))
+            score = params["score.weight"]
+            score.copy_(_score_from_head_rows(tensor, token_ids, score.shape[0]))
             loaded["score.weight"] = {None}
         if (tied and hf_name == "lm_head.weight") or (headless and hf_name.startswith("lm_head.")):
             # Some tied checkpoints still store the head; it is the embedding we already load.

@@ -60,6 +60,18 @@ class EmbeddingRequest(PooledInputRequest):
                                                      "true unless its sentence-transformers files omit Normalize).")
 
 
+def check_embeds(serving: OpenAIServing) -> None:
+    """400 unless the model answers embeddings: not a sequence classifier, and pooled as its
+    checkpoint declares."""
+    settings = serving.settings
+    if settings.labels:
+        raise bad_request(f"{settings.served_model_name} is a sequence classifier: it answers /classify (and "
+                          "/score for a cross-encoder), not embeddings", "model")
+    if settings.pooling_unavailable:
+        raise bad_request(f"{settings.served_model_name} does not serve embeddings: {settings.pooling_unavailable}",
+                          "model")
+
+
 class EmbeddingsServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -68,9 +80,7 @@ class EmbeddingsServing:
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
-        if serving.settings.labels:
-            raise bad_request(f"{serving.settings.served_model_name} is a sequence classifier: it answers "
-                              "/classify (and /score for a cross-encoder), not embeddings", "model")
+        check_embeds(serving)
         hidden_size = serving.settings.hidden_size
         if request.dimensions is not None and hidden_size and request.dimensions > hidden_size:
             raise bad_request(f"dimensions ({request.dimensions}) is larger than the model's embeddings "

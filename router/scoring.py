@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine_core.outputs import LoRARequest
 from engine_core.sampling_params import SamplingParams
 from router.classification import class_probabilities, classifier_params
-from router.embeddings import EmbeddingsServing
+from router.embeddings import EmbeddingsServing, check_embeds
 from router.protocol import INT64_MAX, INT64_MIN, invalid
 from router.serving import APIError, OpenAIServing, bad_request
 
@@ -164,6 +164,7 @@ class ScoringServing:
         serving.check_priority(request.priority)
         if serving.settings.labels:
             return await self._cross_encoded(request_id, request, left, right, pairs, session_id, names, lora)
+        check_embeds(serving)
         texts = list(dict.fromkeys(left + right))
         where = {text: i for i, text in enumerate(texts)}
         firsts = set(left)
@@ -182,8 +183,8 @@ class ScoringServing:
                              pairs: list[tuple[int, int]], session_id: str | None, names: tuple[str, str],
                              lora: LoRARequest | None) -> tuple[list[float], int]:
         """A cross-encoder's score of each pair: the sigmoid of its one logit over the pair (the logit
-        itself for a regression model), tokenised as the tokenizer joins a text pair
-        (truncate_prompt_tokens keeps the joined ids' tail)."""
+        itself where its sentence-transformers activation is Identity), tokenised as the tokenizer
+        joins a text pair (truncate_prompt_tokens keeps the joined ids' tail)."""
         serving = self.serving
         params = classifier_params(serving)
         if len(serving.settings.labels) != 1:
@@ -196,7 +197,7 @@ class ScoringServing:
             prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
         logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         try:
-            scores = [class_probabilities(row, serving.settings.classifier_activation)[0] for row in logits]
+            scores = [class_probabilities(row, serving.settings.cross_encoder_activation)[0] for row in logits]
         except ValueError as e:
             raise APIError(500, str(e), "InternalServerError") from None
         return scores, sum(len(p) for p in prompts)

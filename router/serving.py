@@ -97,9 +97,12 @@ class ServingSettings:
     # How its embeddings are pooled, and whether they are normalised unless a request says.
     pooling_type: str = "LAST"
     pooling_normalize: bool = True
+    # Why embeddings are refused ("" when they are served): see ModelInfo.pooling_unavailable.
+    pooling_unavailable: str = ""
     # A sequence classifier's class names: /classify and cross-encoder /score answer, /v1/embeddings does not.
     labels: tuple[str, ...] = ()
     classifier_activation: str = "softmax"
+    cross_encoder_activation: str = "sigmoid"
     version: str = "0.1.0"
     # The parser of the model's own tool-call format, when tool_choice "auto" is enabled
     # (--enable-auto-tool-choice --tool-call-parser); None: "auto" is refused, as in vLLM.

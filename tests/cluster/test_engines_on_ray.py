@@ -146,17 +146,27 @@ def test_an_engine_restarted_while_paused_comes_back_paused(ray_cluster, tiny_mo
 
     config = ClusterConfig(model=str(tiny_model_dir), defaults=EngineSpec(num_gpu_blocks=64))
 
+    def pid(actor) -> int:
+        import os
+
+        return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=10)
+
     def restart(actor) -> None:
+        """Kill the actor for Ray to restart it; return once the new process answers (the kill is
+        asynchronous: the old one may still answer for a moment)."""
+        before = pid(actor)
         ray.kill(actor, no_restart=False)
         deadline = time.monotonic() + 120
         while True:
             try:
-                ray.get(actor.ready.remote(), timeout=10)
-                return
+                if pid(actor) != before:
+                    ray.get(actor.ready.remote(), timeout=30)
+                    return
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                     ray.exceptions.GetTimeoutError):
-                assert time.monotonic() < deadline, "the engine actor did not come back"
-                time.sleep(0.5)
+                pass
+            assert time.monotonic() < deadline, "the engine actor did not come back"
+            time.sleep(0.5)
 
     [engine] = start_engines(config.engine_configs(), config.namespace)
     try:

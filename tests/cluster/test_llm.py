@@ -157,8 +157,8 @@ def test_an_e5_mistral_style_embedding_model_pools_as_its_sentence_transformers_
 
 
 def test_a_generative_model_with_a_pooling_we_do_not_serve_still_starts(tmp_path, tiny_model_dir, caplog):
-    """sentence-transformers files asking for max pooling: a model served to generate starts (its
-    embeddings use LAST pooling, with a warning); served for embeddings only, it is refused."""
+    """sentence-transformers files asking for max pooling: a model served to generate starts, with a
+    warning, and refuses embeddings with the reason; served for embeddings only, it is refused."""
     import shutil
 
     from tests.gpu_worker.test_pooler_config import write_sentence_transformers
@@ -168,7 +168,8 @@ def test_a_generative_model_with_a_pooling_we_do_not_serve_still_starts(tmp_path
     llm = LLM(model=str(model), num_gpu_blocks=64)
     try:
         assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
-        assert llm._model_info().pooling_type == "LAST"
+        with pytest.raises(ValueError, match=r"does not serve embeddings: .*pooling_mode_max_tokens"):
+            llm.embed(PROMPTS[:1], use_tqdm=False)
     finally:
         llm.shutdown()
     assert "pooling_mode_max_tokens, which is not served" in caplog.text

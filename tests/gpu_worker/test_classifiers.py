@@ -68,6 +68,16 @@ def test_classifier_configs():
     assert plain.classifier_activation == "softmax"
     one = {**base, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1}
     assert ModelConfig.from_dict(one).classifier_activation == "sigmoid"
+    # (A softmax over one logit is always 1: one output takes a sigmoid whatever the problem type.)
+    assert ModelConfig.from_dict({**one, "problem_type": "single_label_classification"}
+                                 ).classifier_activation == "sigmoid"
+    # /score's activation for a cross-encoder: the sentence-transformers one its config names, else a sigmoid.
+    assert ModelConfig.from_dict(one).cross_encoder_activation == "sigmoid"
+    assert ModelConfig.from_dict({**one, "sentence_transformers": {
+        "activation_fn": "torch.nn.modules.linear.Identity"}}).cross_encoder_activation == "none"
+    assert ModelConfig.from_dict({**one, "problem_type": "regression"}).cross_encoder_activation == "sigmoid"
+    with pytest.raises(ValueError, match=r"cross-encoder activation 'torch\.nn\.Tanh' is not served"):
+        ModelConfig.from_dict({**one, "sbert_ce_default_activation_function": "torch.nn.Tanh"})
     assert ModelConfig.from_dict({**one, "problem_type": "regression"}).classifier_activation == "none"
     assert ModelConfig.from_dict({**base, "architectures": ["LlamaForSequenceClassification"], "num_labels": 4,
                                   "problem_type": "multi_label_classification"}).classifier_activation == "sigmoid"
@@ -117,5 +127,14 @@ def test_a_causal_lm_serves_as_a_classifier_from_token_rows(tmp_path, tokens, ti
             logits = hf(torch.tensor([prompt])).logits[0, -1]
         expected = (logits[ids[1]] - logits[ids[0]]).unsqueeze(0) if len(tokens) == 2 else logits[ids]
         torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
+    # vLLM's methods: two tokens as a class each (no_post_processing); the token list needs a
+    # classifier architecture.
+    per_token = ModelConfig.from_pretrained(tmp_path, {**overrides, "method": "no_post_processing"})
+    assert per_token.labels == tuple(tokens) and per_token.classifier_token_ids == tuple(ids)
+    with pytest.raises(ValueError, match="from_2_way_softmax needs two tokens"):
+        ModelConfig.from_pretrained(tmp_path, {**overrides, "classifier_from_token": ["a", "b", "c"],
+                                               "method": "from_2_way_softmax"})
+    with pytest.raises(ValueError, match="classifier_from_token needs a sequence-classification architecture"):
+        ModelConfig.from_pretrained(tmp_path, {"classifier_from_token": tokens})
     with pytest.raises(ValueError, match="'zzz-not-a-token' is not a token"):
         ModelConfig.from_pretrained(tmp_path, {**overrides, "classifier_from_token": ["n", "zzz-not-a-token"]})

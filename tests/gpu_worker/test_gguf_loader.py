@@ -225,6 +225,14 @@ def test_gemma_27b_files_scale_attention_by_hidden_over_heads() -> None:
     small = _gemma_config(meta, "gemma2", {"num_attention_heads": 8, "hidden_size": 2304, "num_hidden_layers": 26,
                                            "head_dim": 256, "rope_parameters": {}})
     assert small["query_pre_attn_scalar"] == 256
+    # A Gemma 2 file from before llama.cpp wrote its window and caps: llama.cpp's defaults.
+    old = _gemma_config({}, "gemma2", {"num_attention_heads": 8, "hidden_size": 2304, "num_hidden_layers": 26,
+                                       "head_dim": 256, "rope_parameters": {}})
+    assert (old["sliding_window"], old["attn_logit_softcapping"], old["final_logit_softcapping"]) == (4096, 50.0, 30.0)
+    # A Gemma 3 file without a window (a pattern of 1): every layer global, with the global RoPE.
+    unwindowed = _gemma_config({}, "gemma3", {"num_attention_heads": 4, "hidden_size": 1152, "num_hidden_layers": 3,
+                                              "head_dim": 256, "rope_parameters": {}})
+    assert unwindowed["layer_types"] == ["full_attention"] * 3 and unwindowed["sliding_window"] is None
     gemma3 = _gemma_config({"gemma3.attention.sliding_window": 1024}, "gemma3",
                            {"num_attention_heads": 32, "hidden_size": 5376, "num_hidden_layers": 62, "head_dim": 128,
                             "rope_parameters": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
@@ -401,3 +409,12 @@ def test_end_of_turn_and_message_tokens_stop_generation_too() -> None:
     assert _generation_config(config, meta) == {"_from_model_config": True, "bos_token_id": 1,
                                                 "eos_token_id": [2, 7, 8]}
     assert _generation_config(config, {"tokenizer.ggml.eos_token_id": 2})["eos_token_id"] == 2
+    # A file naming no end of turn (Gemma's): llama.cpp's end-of-turn texts, found in its vocabulary.
+    assert _generation_config(config, {"tokenizer.ggml.eos_token_id": 1}, 107)["eos_token_id"] == [1, 107]
+    assert _generation_config(config, meta, 107)["eos_token_id"] == [2, 7, 8]  # (a named one wins)
+
+
+def test_end_of_turn_found_by_its_text(tiny_gguf: Path) -> None:
+    from gpu_worker.gguf_loader import _end_of_turn_by_text
+
+    assert _end_of_turn_by_text(GGUFReader(tiny_gguf)) == 2  # "<|im_end|>" in the tiny vocabulary

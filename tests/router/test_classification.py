@@ -84,10 +84,31 @@ def test_class_probabilities():
         class_probabilities([float("nan"), 1.0])
 
 
-def test_a_regression_cross_encoder_scores_with_its_raw_logit():
-    http, engine = _classifier(labels=("LABEL_0",), activation="none")
+def test_a_cross_encoder_with_an_identity_activation_scores_with_its_raw_logit():
+    """/score follows the cross-encoder's sentence-transformers activation (Identity here), /classify
+    the problem type (regression here)."""
+    http, engine = _app(settings={"generates": False, "labels": ("LABEL_0",), "classifier_activation": "none",
+                                  "cross_encoder_activation": "none"}, num_pooled=1)
     body = http.post("/score", json={"model": "tiny", "text_1": "q", "text_2": "d"}).json()
     joined = TOKENIZER("q", text_pair="d")["input_ids"]
     assert body["data"][0]["score"] == scripted_embedding(joined, engine.requests[0].sampling_params)[0]
     probs = http.post("/classify", json={"model": "tiny", "input": "q"}).json()["data"][0]["probs"]
     assert probs == [scripted_embedding(TOKENIZER.encode("q"), engine.requests[-1].sampling_params)[0]]
+
+
+def test_scores_use_the_cross_encoder_activation_not_the_problem_type():
+    http, engine = _app(settings={"generates": False, "labels": ("LABEL_0",), "classifier_activation": "none",
+                                  "cross_encoder_activation": "sigmoid"}, num_pooled=1)
+    body = http.post("/score", json={"model": "tiny", "text_1": "q", "text_2": "d"}).json()
+    logit = scripted_embedding(TOKENIZER("q", text_pair="d")["input_ids"], engine.requests[0].sampling_params)[0]
+    assert body["data"][0]["score"] == pytest.approx(1 / (1 + math.exp(-logit)))
+
+
+def test_embeddings_the_checkpoint_declares_unservable_are_refused():
+    """A generating model whose sentence-transformers files ask for a pooling we do not serve: its
+    embeddings (and embedding scores) answer 400 with the reason, not vectors pooled otherwise."""
+    http, engine = _app(settings={"pooling_unavailable": "modules.json lists Dense modules"})
+    for path, body in [("/v1/embeddings", {"input": "hi"}), ("/v1/score", {"text_1": "a", "text_2": "b"})]:
+        r = http.post(path, json={"model": "tiny", **body})
+        assert r.status_code == 400 and "lists Dense modules" in r.json()["error"]["message"], path
+    assert not engine.requests
