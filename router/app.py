@@ -20,6 +20,7 @@ from router.classification import CLASSIFY_PATHS, ClassificationRequest, Classif
 from router.embeddings import EmbeddingRequest, EmbeddingsServing
 from router.metrics import RouterMetrics, merge_expositions
 from router.model_servings import ModelServings
+from router.pooling import POOLING_PATHS, PoolingRequest, PoolingServing
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -109,7 +110,7 @@ class APIKeyAuth:
 
 def _needs_key(path: str) -> bool:
     return (path.startswith(("/v1", "/v2")) or path in DEV_MODE_PATHS or path in SCORING_PATHS
-            or path in CLASSIFY_PATHS)
+            or path in CLASSIFY_PATHS or path in POOLING_PATHS)
 
 
 def _digest(value: bytes) -> bytes:
@@ -207,6 +208,15 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
     for path in CLASSIFY_PATHS:
         app.post(path)(create_classification)
+
+    pooling_of = {id(s): PoolingServing(s) for s in servings}
+
+    async def create_pooling(body: PoolingRequest, request: Request) -> Response:
+        chosen = pooling_of[id(await servings.for_model(body.model))]
+        return JSONResponse(await chosen.create(body, request.headers.get(SESSION_HEADER)))
+
+    for path in POOLING_PATHS:
+        app.post(path)(create_pooling)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> Response:

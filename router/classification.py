@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from engine_core.sampling_params import SamplingParams
-from router.embeddings import EmbeddingsServing, PooledInputRequest
+from router.embeddings import EmbeddingsServing, PooledInputRequest, embedding_params
 from router.serving import OpenAIServing, bad_request
 
 CLASSIFY_PATHS = ("/classify", "/v1/classify")
@@ -47,8 +47,7 @@ def classifier_params(serving: OpenAIServing) -> SamplingParams:
     if not serving.settings.labels:
         raise bad_request(f"{serving.settings.served_model_name} is not a sequence classifier "
                           "(a *ForSequenceClassification checkpoint)", "model")
-    return SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=False,
-                          embed_pooling=serving.settings.pooling_type)
+    return embedding_params(serving, normalize=False)
 
 
 class ClassificationServing:

@@ -72,6 +72,16 @@ def check_embeds(serving: OpenAIServing) -> None:
                           "model")
 
 
+def embedding_params(serving: OpenAIServing, normalize: bool | None = None,
+                     dimensions: int | None = None) -> SamplingParams:
+    """An embedding request's parameters: pooled as the model pools, normalised as asked (None: as
+    its pooler config says), its first ``dimensions`` values."""
+    settings = serving.settings
+    return SamplingParams(max_tokens=1, temperature=0.0, embed=True,
+                          embed_normalize=settings.pooling_normalize if normalize is None else normalize,
+                          embed_dimensions=dimensions, embed_pooling=settings.pooling_type)
+
+
 class EmbeddingsServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -86,15 +96,13 @@ class EmbeddingsServing:
             raise bad_request(f"dimensions ({request.dimensions}) is larger than the model's embeddings "
                               f"({hidden_size} values)", "dimensions")
         prompts = [self.prompt_ids(item, request) for item in request.inputs()]
-        normalize = serving.settings.pooling_normalize if request.normalize is None else request.normalize
-        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
-                                embed_dimensions=request.dimensions, embed_pooling=serving.settings.pooling_type)
+        params = embedding_params(serving, request.normalize, request.dimensions)
         request_id = f"embd-{uuid.uuid4().hex}"
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         num_tokens = sum(len(ids) for ids in prompts)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": serving.model_name(request.model),
-                "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, request.encoding_format)}
+                "data": [{"object": "embedding", "index": i, "embedding": encoded(v, request.encoding_format)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
@@ -117,7 +125,7 @@ class EmbeddingsServing:
         return ids
 
 
-def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
     return vector

@@ -22,9 +22,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_core.outputs import LoRARequest
-from engine_core.sampling_params import SamplingParams
 from router.classification import class_probabilities, classifier_params
-from router.embeddings import EmbeddingsServing, check_embeds
+from router.embeddings import EmbeddingsServing, check_embeds, embedding_params
 from router.protocol import INT64_MAX, INT64_MIN, invalid
 from router.serving import APIError, OpenAIServing, bad_request
 
@@ -170,8 +169,7 @@ class ScoringServing:
         firsts = set(left)
         prompts = [self.embeddings.prompt_ids(text, request, names[0] if text in firsts else names[1])
                    for text in texts]
-        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=True,
-                                embed_pooling=self.serving.settings.pooling_type)
+        params = embedding_params(serving, normalize=True)
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         try:
             scores = cosine_scores(vectors, [(where[left[i]], where[right[j]]) for i, j in pairs])

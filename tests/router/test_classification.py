@@ -112,3 +112,25 @@ def test_embeddings_the_checkpoint_declares_unservable_are_refused():
         r = http.post(path, json={"model": "tiny", **body})
         assert r.status_code == 400 and "lists Dense modules" in r.json()["error"]["message"], path
     assert not engine.requests
+
+
+def test_pooling_answers_each_models_pooled_output():
+    """vLLM's /pooling: a classifier's class probabilities (as /classify), an embedding model's
+    embedding (as /v1/embeddings, normalised as its pooler config says), floats or base64."""
+    import base64
+
+    http, engine = _classifier()
+    body = http.post("/pooling", json={"model": "tiny", "input": ["Hello world"]}).json()
+    assert body["object"] == "list" and body["id"].startswith("pool-") and body["data"][0]["object"] == "pooling"
+    classified = http.post("/classify", json={"model": "tiny", "input": ["Hello world"]}).json()
+    assert body["data"][0]["data"] == classified["data"][0]["probs"]
+    http, engine = _app(settings={"pooling_normalize": False, "pooling_type": "MEAN"})
+    body = http.post("/v1/pooling", json={"model": "tiny", "input": [5, 6, 7], "encoding_format": "base64"}).json()
+    params = engine.requests[0].sampling_params
+    assert params.embed and not params.embed_normalize and params.embed_pooling == "MEAN"
+    expected = np.asarray(scripted_embedding([5, 6, 7], params), dtype="<f4")
+    assert np.frombuffer(base64.b64decode(body["data"][0]["data"]), dtype="<f4").tolist() == expected.tolist()
+    assert body["usage"]["prompt_tokens"] == 3
+    http, _ = _app(settings={"pooling_unavailable": "modules.json lists Dense modules"})
+    r = http.post("/pooling", json={"model": "tiny", "input": "hi"})
+    assert r.status_code == 400 and "Dense" in r.json()["error"]["message"]

@@ -98,12 +98,13 @@ def test_refusals_name_their_parameter(path, body, status, param):
     assert not engine.requests  # refused before anything ran
 
 
-def test_an_api_key_guards_every_scoring_and_classify_path():
+def test_an_api_key_guards_every_scoring_classify_and_pooling_path():
     from router.engine_client import EngineClient
 
     settings = ServingSettings(served_model_name="tiny", max_model_len=64, api_keys=("k",))
     http = TestClient(create_app(OpenAIServing(settings, EngineClient([object()], client_index=1), TOKENIZER,
                                                RoundRobinPolicy())))
-    for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/v1/classify"):
+    for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/v1/classify",
+                 "/pooling", "/v1/pooling"):
         assert http.post(path, json={}).status_code == 401, path
         assert http.post(path, json={}, headers={"Authorization": "Bearer k"}).status_code == 400, path

@@ -1,0 +1,48 @@
+"""vLLM's ``POST /pooling`` (and ``/v1/pooling``): each input's pooled output, whatever kind of
+pooling model serves it, as that model's own endpoint computes it: a sequence classifier's class
+probabilities (as /classify), an embedding model's embedding (as /v1/embeddings, pooled and
+normalised as its pooler config says). Reward models and classifiers are read this way."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from router.classification import class_probabilities, classifier_params
+from router.embeddings import EmbeddingsServing, PooledInputRequest, check_embeds, embedding_params, encoded
+from router.serving import OpenAIServing
+
+POOLING_PATHS = ("/pooling", "/v1/pooling")
+
+
+class PoolingRequest(PooledInputRequest):
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class PoolingServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.embeddings = EmbeddingsServing(serving)
+
+    async def create(self, request: PoolingRequest, session_id: str | None = None) -> dict[str, Any]:
+        serving = self.serving
+        settings = serving.settings
+        lora = await serving.resolve_model(request.model)
+        serving.check_priority(request.priority)
+        if settings.labels:
+            params = classifier_params(serving)
+        else:
+            check_embeds(serving)
+            params = embedding_params(serving)
+        prompts = [self.embeddings.prompt_ids(item, request) for item in request.inputs()]
+        request_id = f"pool-{uuid.uuid4().hex}"
+        outputs = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        if settings.labels:
+            outputs = [class_probabilities(row, settings.classifier_activation) for row in outputs]
+        num_tokens = sum(len(ids) for ids in prompts)
+        return {"id": request_id, "object": "list", "created": int(time.time()),
+                "model": serving.model_name(request.model),
+                "data": [{"index": i, "object": "pooling", "data": encoded(row, request.encoding_format)}
+                         for i, row in enumerate(outputs)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}}
