@@ -26,16 +26,17 @@ from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.layernorm import GemmaRMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with Gemma's norms (Gemma); Gemma 2/3 also norm the attention's and the MLP's
+    outputs before each residual add."""
+
+    norm_class = GemmaRMSNorm
+
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer, norm_class=GemmaRMSNorm)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, layer)
         sandwich = config.architecture != "GemmaForCausalLM"
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
@@ -45,17 +46,9 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) in and out, as LlamaDecoderLayer: the layer's input is their sum."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm.forward(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward(hidden, residual)
-        hidden = self.self_attn.forward(rope, hidden, meta)
         if self.pre_feedforward_layernorm is None:
-            # Gemma: Llama's order (the residual add fused into the norm before the MLP).
-            hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
-            return self.mlp.forward(hidden), residual
+            return super().forward(rope, hidden, residual, meta)
+        hidden, residual = self._attention(rope, hidden, residual, meta)
         hidden = self.post_attention_layernorm.forward(hidden)
         hidden, residual = self.pre_feedforward_layernorm.forward(hidden, residual)
         return self.post_feedforward_layernorm.forward(self.mlp.forward(hidden)), residual

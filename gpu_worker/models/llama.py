@@ -117,23 +117,33 @@ class SparseMoeBlock(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The norms' kind (Gemma's scale by 1 + w).
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer)
+        self.self_attn = LlamaAttention(config, layer, self.norm_class)
         self.mlp = SparseMoeBlock(config) if config.layer_is_moe(layer) else LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in and out: the layer's input is their sum (the residual add is fused
+        into the next norm)."""
+        hidden, residual = self._attention(rope, hidden, residual, meta)
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.mlp.forward(hidden), residual
+
+    def _attention(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm (adding the residual) and self-attention: (attention output, residual)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm.forward(hidden)
         else:
             hidden, residual = self.input_layernorm.forward(hidden, residual)
-        hidden = self.self_attn.forward(rope, hidden, meta)
-        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
-        return self.mlp.forward(hidden), residual
+        return self.self_attn.forward(rope, hidden, meta), residual
 
 
 class LlamaModel(nn.Module):

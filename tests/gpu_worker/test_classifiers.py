@@ -29,6 +29,19 @@ def save_tiny_classifier(path, kind: str, **overrides):
     return path, model.eval()
 
 
+def _pooled_outputs(runner, prompts: dict[str, list[int]], num_blocks: int, budget: int) -> dict[str, list[float]]:
+    """Each prompt's pooled output (a classifier's class logits), run as embedding requests through
+    the real scheduler with a token budget small enough to chunk them."""
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget)
+    for rid, prompt in prompts.items():
+        sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, embed=True,
+                                                              embed_normalize=False), eos_token_id=None))
+    outputs = {}
+    run_to_completion(sched, runner.execute_model,
+                      on_output=lambda o: outputs.update({o.request_id: o.pooling_output}))
+    return outputs
+
+
 @pytest.mark.parametrize(("kind", "overrides", "labels"), [
     ("llama", {"id2label": {0: "negative", 1: "neutral", 2: "positive"},
                "label2id": {"negative": 0, "neutral": 1, "positive": 2}}, ("negative", "neutral", "positive")),
@@ -41,15 +54,9 @@ def test_class_logits_match_transformers(tmp_path, kind, overrides, labels):
     assert config.labels == labels and config.embedding_only
     runner = make_runner(path, num_blocks=64, block_size=4)
     assert runner.model.lm_head is None and runner.model.score.weight.shape == (len(labels), 64)
-    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=7)
     rng = random.Random(2)
     prompts = {f"c{i}": [rng.randrange(250) for _ in range(rng.randrange(2, 20))] for i in range(5)}
-    for rid, prompt in prompts.items():
-        sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, embed=True,
-                                                              embed_normalize=False), eos_token_id=None))
-    outputs = {}
-    run_to_completion(sched, runner.execute_model,
-                      on_output=lambda o: outputs.update({o.request_id: o.pooling_output}))
+    outputs = _pooled_outputs(runner, prompts, num_blocks=64, budget=7)
     for rid, prompt in prompts.items():
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0]
@@ -114,14 +121,8 @@ def test_a_causal_lm_serves_as_a_classifier_from_token_rows(tmp_path, tokens, ti
     runner = ModelRunner(config, device="cpu", dtype=torch.float32)
     runner.load_model(tmp_path)
     runner.initialize_kv_cache(32, 4)
-    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=6)
     prompts = {"p0": [5, 9, 17, 3, 40, 41, 8], "p1": [7, 7, 2]}
-    for rid, prompt in prompts.items():
-        sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, embed=True,
-                                                              embed_normalize=False), eos_token_id=None))
-    outputs = {}
-    run_to_completion(sched, runner.execute_model,
-                      on_output=lambda o: outputs.update({o.request_id: o.pooling_output}))
+    outputs = _pooled_outputs(runner, prompts, num_blocks=32, budget=6)
     for rid, prompt in prompts.items():
         with torch.no_grad():
             logits = hf(torch.tensor([prompt])).logits[0, -1]

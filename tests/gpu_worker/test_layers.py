@@ -108,6 +108,25 @@ def test_same_step_prefix_hit_sees_keys_written_in_that_step(attn):
     torch.testing.assert_close(out[n_a:], dense_reference(tail_q, kb, vb, shared), atol=1e-5, rtol=1e-5)
 
 
+def _two_steps_of_four_requests(layer: PagedAttention, decode_in_place: bool, seed: int):
+    """Prefill a (14 tokens), b (4) and c (9) from 0; then a and b decode, c continues from 9 and d
+    (11 tokens) starts, in one call. Returns that call's (out, meta), the requests' q/k/v and the
+    second step's (start, end) per request."""
+    layer.kv_cache = (torch.zeros(32, BS, KVH, D), torch.zeros(32, BS, KVH, D))
+    torch.manual_seed(seed)
+    seqs = {name: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D))
+            for name, n in [("a", 15), ("b", 5), ("c", 18), ("d", 11)]}
+    blocks = {"a": [7, 3, 20, 11], "b": [1, 30], "c": [4, 5, 6, 2, 13], "d": [9, 8, 12]}
+    first = {"a": 14, "b": 4, "c": 9}
+    run_batch(layer, [dict(start=0, q=seqs[n][0][:m], k=seqs[n][1][:m], v=seqs[n][2][:m], blocks=blocks[n])
+                      for n, m in first.items()], decode_in_place)
+    step2 = {"a": (14, 15), "b": (4, 5), "c": (9, 18), "d": (0, 11)}
+    reqs = [dict(start=s, q=seqs[n][0][s:e], k=seqs[n][1][s:e], v=seqs[n][2][s:e], blocks=blocks[n])
+            for n, (s, e) in step2.items()]
+    out, meta = run_batch(layer, reqs, decode_in_place)
+    return out, meta, seqs, step2
+
+
 @pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
 def test_sliding_window_attends_the_window_and_reads_only_its_blocks(decode_in_place):
     """Window 6, block size 4: decodes at several depths, a chunk that starts past the window and a
@@ -115,19 +134,8 @@ def test_sliding_window_attends_the_window_and_reads_only_its_blocks(decode_in_p
     The metadata hands the layer only the blocks holding a window's keys."""
     window = 6
     layer = PagedAttention(H, KVH, D, D ** -0.5, sliding_window=window)
-    layer.kv_cache = (torch.zeros(32, BS, KVH, D), torch.zeros(32, BS, KVH, D))
-    torch.manual_seed(2)
-    seqs = {name: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D))
-            for name, n in [("a", 15), ("b", 5), ("c", 18), ("d", 11)]}
-    blocks = {"a": [7, 3, 20, 11], "b": [1, 30], "c": [4, 5, 6, 2, 13], "d": [9, 8, 12]}
-    first = {"a": 14, "b": 4, "c": 9}
-    run_batch(layer, [dict(start=0, q=seqs[n][0][:m], k=seqs[n][1][:m], v=seqs[n][2][:m], blocks=blocks[n])
-                      for n, m in first.items()], decode_in_place)
     # a and b decode (a at position 14: keys 9..14), c continues from 9 (keys from 4 on), d starts (11 > 6).
-    step2 = {"a": (14, 15), "b": (4, 5), "c": (9, 18), "d": (0, 11)}
-    reqs = [dict(start=s, q=seqs[n][0][s:e], k=seqs[n][1][s:e], v=seqs[n][2][s:e], blocks=blocks[n])
-            for n, (s, e) in step2.items()]
-    out, meta = run_batch(layer, reqs, decode_in_place)
+    out, meta, seqs, step2 = _two_steps_of_four_requests(layer, decode_in_place, seed=2)
     expected = torch.cat([dense_reference(seqs[n][0][s:e], seqs[n][1][:e], seqs[n][2][:e], s, window)
                           for n, (s, e) in step2.items()])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -156,18 +164,7 @@ def test_soft_capped_scores_on_every_path(monkeypatch, decode_in_place, window, 
     if tiled:
         monkeypatch.setattr(attention, "_SCORES_PER_TILE", 40)
     layer = PagedAttention(H, KVH, D, 1.0, sliding_window=window, softcap=2.0)
-    layer.kv_cache = (torch.zeros(32, BS, KVH, D), torch.zeros(32, BS, KVH, D))
-    torch.manual_seed(4)
-    seqs = {name: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D))
-            for name, n in [("a", 15), ("b", 5), ("c", 18), ("d", 11)]}
-    blocks = {"a": [7, 3, 20, 11], "b": [1, 30], "c": [4, 5, 6, 2, 13], "d": [9, 8, 12]}
-    first = {"a": 14, "b": 4, "c": 9}
-    run_batch(layer, [dict(start=0, q=seqs[n][0][:m], k=seqs[n][1][:m], v=seqs[n][2][:m], blocks=blocks[n])
-                      for n, m in first.items()], decode_in_place)
-    step2 = {"a": (14, 15), "b": (4, 5), "c": (9, 18), "d": (0, 11)}
-    reqs = [dict(start=s, q=seqs[n][0][s:e], k=seqs[n][1][s:e], v=seqs[n][2][s:e], blocks=blocks[n])
-            for n, (s, e) in step2.items()]
-    out, _ = run_batch(layer, reqs, decode_in_place)
+    out, _, seqs, step2 = _two_steps_of_four_requests(layer, decode_in_place, seed=4)
 
     def expected(softcap):
         return torch.cat([dense_reference(seqs[n][0][s:e], seqs[n][1][:e], seqs[n][2][:e], s, window, 1.0, softcap)
