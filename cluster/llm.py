@@ -106,7 +106,7 @@ def _pooled_params(info: ModelInfo, normalize: bool = False, dimensions: int | N
                    ) -> EngineSamplingParams:
     """An embedding request's parameters (a classifier's class logits), pooled as the model pools."""
     return EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
-                                embed_dimensions=dimensions, embed_pooling=info.pooling_type)
+                                embed_dimensions=dimensions, embed_pooling=info.pooling.pooling_type)
 
 
 @dataclass
@@ -271,9 +271,9 @@ class LLM:
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """``lora_request``: one adapter for every prompt, or one (or None) per prompt, as vLLM;
         adapters not loaded yet are loaded first (a checkpoint the model cannot serve raises)."""
-        if not self._model_info().generates:
+        if not self._model_info().pooling.generates:
             raise ValueError("this model is an embedding model (runner pooling): it does not generate; use "
-                             "LLM.embed" + (", LLM.classify or LLM.score" if self._model_info().labels else ""))
+                             "LLM.embed" + (", LLM.classify or LLM.score" if self._model_info().pooling.labels else ""))
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         loras = self._as_lora_list(lora_request, len(prompt_list))
@@ -317,13 +317,13 @@ class LLM:
         last token's final hidden state by default; see /v1/embeddings), first ``dimensions`` values
         when given, L2-normalised unless ``normalize`` or the pooler config says not."""
         info = self._model_info()
-        if info.labels:
+        if info.pooling.labels:
             raise ValueError("this model is a sequence classifier: use LLM.classify (or LLM.score for a "
                              "cross-encoder), not LLM.embed")
-        if info.pooling_unavailable:
-            raise ValueError(f"this model does not serve embeddings: {info.pooling_unavailable}")
+        if info.pooling.unavailable:
+            raise ValueError(f"this model does not serve embeddings: {info.pooling.unavailable}")
         if normalize is None:
-            normalize = info.pooling_normalize
+            normalize = info.pooling.normalize
         params = _pooled_params(info, normalize, dimensions)
         if dimensions is not None and dimensions > info.hidden_size:
             raise ValueError(f"dimensions ({dimensions}) is larger than the model's embeddings "
@@ -337,11 +337,11 @@ class LLM:
         """vLLM's ``LLM.classify`` with a sequence classifier: each prompt's class probabilities
         (``outputs.probs``: by the checkpoint's problem_type, as /classify computes them)."""
         info = self._model_info()
-        if not info.labels:
+        if not info.pooling.labels:
             raise ValueError("this model is not a sequence classifier (a *ForSequenceClassification checkpoint)")
         pooled = self._pool(prompts, _pooled_params(info), lora_request, use_tqdm, "Classified prompts")
         return [ClassificationRequestOutput(request_id, ClassificationOutput(
-                    class_probabilities(logits, info.classifier_activation)), ids)
+                    class_probabilities(logits, info.pooling.classifier_activation)), ids)
                 for request_id, ids, logits in pooled]
 
     def _model_info(self) -> ModelInfo:
@@ -385,7 +385,7 @@ class LLM:
         if not first or not second:
             raise ValueError("LLM.score needs at least one prompt on each side")
         pairs = score_pairs(len(first), len(second))
-        if self._model_info().labels:
+        if self._model_info().pooling.labels:
             return self._cross_encoder_scores(first, second, pairs, use_tqdm, lora_request)
         unique: dict[tuple[str, Any], PromptType] = {}
         for prompt in [*first, *second]:
@@ -402,14 +402,14 @@ class LLM:
                               pairs: list[tuple[int, int]], use_tqdm: bool, lora_request: LoRARequest | None
                               ) -> list[ScoringRequestOutput]:
         info = self._model_info()
-        if len(info.labels) != 1:
+        if len(info.pooling.labels) != 1:
             raise ValueError("LLM.score needs a cross-encoder with one output; this classifier has "
-                             f"{len(info.labels)} classes (use LLM.classify)")
+                             f"{len(info.pooling.labels)} classes (use LLM.classify)")
         if not all(isinstance(p, str) for p in (*first, *second)):
             raise ValueError("a cross-encoder scores text pairs: give texts on both sides")
         joined = [list(self.tokenizer(first[i], text_pair=second[j])["input_ids"]) for i, j in pairs]
         return [ScoringRequestOutput(request_id, ScoringOutput(
-                    class_probabilities(logits, info.cross_encoder_activation)[0]), ids)
+                    class_probabilities(logits, info.pooling.cross_encoder_activation)[0]), ids)
                 for request_id, ids, logits in self._pool(joined, _pooled_params(info), lora_request, use_tqdm,
                                                           "Scored pairs")]
 

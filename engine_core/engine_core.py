@@ -189,7 +189,7 @@ class EngineCore:
 
     def check_generates(self, request: EngineCoreRequest) -> None:
         """GenerationRefusedError for a generation request to an embedding-only model (runner pooling)."""
-        if not self.model_info.generates and not request.sampling_params.embed:
+        if not self.model_info.pooling.generates and not request.sampling_params.embed:
             raise GenerationRefusedError(f"{self.model_info.served_model_name} is an embedding model (runner "
                                          "pooling): it does not generate; ask it for embeddings")
 

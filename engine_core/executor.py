@@ -25,6 +25,27 @@ def engine_uses_gpu(config: EngineConfig) -> bool:
 
 
 @dataclass(frozen=True)
+class PoolingInfo:
+    """What a model serves besides (or instead of) tokens: the router's pooling endpoints and the
+    offline LLM read it from the engines."""
+
+    # False for an embedding-only model (no LM head, --runner pooling): generation is refused.
+    generates: bool = True
+    # How embeddings are pooled ("LAST", "MEAN" or "CLS"), and whether they are L2-normalised by default.
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    # Why its embeddings cannot be served as its checkpoint declares them ("" when they can): a
+    # generating model whose sentence-transformers files ask for what is not served.
+    unavailable: str = ""
+    # A sequence classifier's class names (its "embeddings" are class logits); () otherwise; what
+    # turns them into /classify's probabilities ("softmax", "sigmoid" or "none"), and a one-output
+    # cross-encoder's logit into a /score score ("sigmoid" or "none").
+    labels: tuple[str, ...] = ()
+    classifier_activation: str = "softmax"
+    cross_encoder_activation: str = "sigmoid"
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the engine and the router need to know about the loaded model."""
 
@@ -40,20 +61,8 @@ class ModelInfo:
     sliding_window: int | None = None
     # LongRoPE models: the pretrained length above which a prompt uses the long rotary factors.
     long_rope_after: int | None = None
-    # False for an embedding-only model (no LM head): generation requests are refused.
-    generates: bool = True
-    # How embeddings are pooled ("LAST", "MEAN" or "CLS"), and whether they are L2-normalised by default.
-    pooling_type: str = "LAST"
-    pooling_normalize: bool = True
-    # Why its embeddings cannot be served as its checkpoint declares them ("" when they can): a
-    # generating model whose sentence-transformers files ask for what is not served.
-    pooling_unavailable: str = ""
-    # A sequence classifier's class names (its "embeddings" are class logits); () otherwise; and
-    # what turns them into probabilities ("softmax", "sigmoid" or "none").
-    labels: tuple[str, ...] = ()
-    classifier_activation: str = "softmax"
-    # A cross-encoder's /score activation ("sigmoid" or "none").
-    cross_encoder_activation: str = "sigmoid"
+    # Whether it generates, and how it pools embeddings and classes.
+    pooling: PoolingInfo = field(default_factory=PoolingInfo)
     dtype: str = "float32"
     device: str = "cpu"
     extra: dict[str, str] = field(default_factory=dict)

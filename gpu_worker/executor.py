@@ -16,7 +16,7 @@ from typing import Any
 
 from engine_core.config import EngineConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
-from engine_core.executor import Executor, ModelInfo, engine_uses_gpu
+from engine_core.executor import Executor, ModelInfo, PoolingInfo, engine_uses_gpu
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
@@ -81,11 +81,11 @@ class _ExecutorBase(Executor):
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
             hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after,
-            generates=not embeds_only,
-            pooling_type=pooler.pooling_type, pooling_normalize=pooler.normalize,
-            pooling_unavailable=pooling_unavailable, labels=self.model_config.labels,
-            classifier_activation=self.model_config.classifier_activation,
-            cross_encoder_activation=self.model_config.cross_encoder_activation)
+            pooling=PoolingInfo(generates=not embeds_only, pooling_type=pooler.pooling_type,
+                                normalize=pooler.normalize, unavailable=pooling_unavailable,
+                                labels=self.model_config.labels,
+                                classifier_activation=self.model_config.classifier_activation,
+                                cross_encoder_activation=self.model_config.cross_encoder_activation))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

@@ -44,7 +44,7 @@ def class_probabilities(logits: list[float], activation: str = "softmax") -> lis
 def classifier_params(serving: OpenAIServing) -> SamplingParams:
     """What a classifier's engine is asked: the class logits of the pooled prompt, unnormalised.
     Refused (400) for a model without a classification head."""
-    if not serving.settings.labels:
+    if not serving.settings.pooling.labels:
         raise bad_request(f"{serving.settings.served_model_name} is not a sequence classifier "
                           "(a *ForSequenceClassification checkpoint)", "model")
     return embedding_params(serving, normalize=False)
@@ -63,10 +63,10 @@ class ClassificationServing:
         prompts = [self.embeddings.prompt_ids(item, request) for item in request.inputs()]
         request_id = f"classify-{uuid.uuid4().hex}"
         logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
-        labels = serving.settings.labels
+        labels = serving.settings.pooling.labels
         data = []
         for i, row in enumerate(logits):
-            probs = class_probabilities(row, serving.settings.classifier_activation)
+            probs = class_probabilities(row, serving.settings.pooling.classifier_activation)
             data.append({"index": i, "label": labels[int(np.argmax(probs))], "probs": probs,
                          "num_classes": len(probs)})
         num_tokens = sum(len(ids) for ids in prompts)

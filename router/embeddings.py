@@ -64,11 +64,11 @@ def check_embeds(serving: OpenAIServing) -> None:
     """400 unless the model answers embeddings: not a sequence classifier, and pooled as its
     checkpoint declares."""
     settings = serving.settings
-    if settings.labels:
+    if settings.pooling.labels:
         raise bad_request(f"{settings.served_model_name} is a sequence classifier: it answers /classify (and "
                           "/score for a cross-encoder), not embeddings", "model")
-    if settings.pooling_unavailable:
-        raise bad_request(f"{settings.served_model_name} does not serve embeddings: {settings.pooling_unavailable}",
+    if settings.pooling.unavailable:
+        raise bad_request(f"{settings.served_model_name} does not serve embeddings: {settings.pooling.unavailable}",
                           "model")
 
 
@@ -78,8 +78,8 @@ def embedding_params(serving: OpenAIServing, normalize: bool | None = None,
     its pooler config says), its first ``dimensions`` values."""
     settings = serving.settings
     return SamplingParams(max_tokens=1, temperature=0.0, embed=True,
-                          embed_normalize=settings.pooling_normalize if normalize is None else normalize,
-                          embed_dimensions=dimensions, embed_pooling=settings.pooling_type)
+                          embed_normalize=settings.pooling.normalize if normalize is None else normalize,
+                          embed_dimensions=dimensions, embed_pooling=settings.pooling.pooling_type)
 
 
 class EmbeddingsServing:

@@ -30,7 +30,7 @@ class PoolingServing:
         settings = serving.settings
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
-        if settings.labels:
+        if settings.pooling.labels:
             params = classifier_params(serving)
         else:
             check_embeds(serving)
@@ -38,8 +38,8 @@ class PoolingServing:
         prompts = [self.embeddings.prompt_ids(item, request) for item in request.inputs()]
         request_id = f"pool-{uuid.uuid4().hex}"
         outputs = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
-        if settings.labels:
-            outputs = [class_probabilities(row, settings.classifier_activation) for row in outputs]
+        if settings.pooling.labels:
+            outputs = [class_probabilities(row, settings.pooling.classifier_activation) for row in outputs]
         num_tokens = sum(len(ids) for ids in prompts)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": serving.model_name(request.model),

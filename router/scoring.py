@@ -161,7 +161,7 @@ class ScoringServing:
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
-        if serving.settings.labels:
+        if serving.settings.pooling.labels:
             return await self._cross_encoded(request_id, request, left, right, pairs, session_id, names, lora)
         check_embeds(serving)
         texts = list(dict.fromkeys(left + right))
@@ -185,9 +185,9 @@ class ScoringServing:
         joins a text pair (truncate_prompt_tokens keeps the joined ids' tail)."""
         serving = self.serving
         params = classifier_params(serving)
-        if len(serving.settings.labels) != 1:
+        if len(serving.settings.pooling.labels) != 1:
             raise bad_request(f"scoring needs a cross-encoder with one output; {serving.settings.served_model_name} "
-                              f"has {len(serving.settings.labels)} classes (use /classify)", "model")
+                              f"has {len(serving.settings.pooling.labels)} classes (use /classify)", "model")
         prompts = []
         for i, j in pairs:
             ids = list(serving.tokenizer(left[i], text_pair=right[j],
@@ -195,7 +195,7 @@ class ScoringServing:
             prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
         logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         try:
-            scores = [class_probabilities(row, serving.settings.cross_encoder_activation)[0] for row in logits]
+            scores = [class_probabilities(row, serving.settings.pooling.cross_encoder_activation)[0] for row in logits]
         except ValueError as e:
             raise APIError(500, str(e), "InternalServerError") from None
         return scores, sum(len(p) for p in prompts)

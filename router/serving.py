@@ -14,11 +14,12 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from engine_core.executor import PoolingInfo
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
@@ -92,17 +93,9 @@ class ServingSettings:
     eos_token_ids: tuple[int, ...] = ()
     # The model's hidden size: an embedding's values (0: unknown, not checked).
     hidden_size: int = 0
-    # False for an embedding model (--runner pooling): generation endpoints answer 400.
-    generates: bool = True
-    # How its embeddings are pooled, and whether they are normalised unless a request says.
-    pooling_type: str = "LAST"
-    pooling_normalize: bool = True
-    # Why embeddings are refused ("" when they are served): see ModelInfo.pooling_unavailable.
-    pooling_unavailable: str = ""
-    # A sequence classifier's class names: /classify and cross-encoder /score answer, /v1/embeddings does not.
-    labels: tuple[str, ...] = ()
-    classifier_activation: str = "softmax"
-    cross_encoder_activation: str = "sigmoid"
+    # The engines' PoolingInfo: whether the model generates (else generation endpoints answer 400),
+    # how it pools embeddings, and a classifier's classes.
+    pooling: PoolingInfo = field(default_factory=PoolingInfo)
     version: str = "0.1.0"
     # The parser of the model's own tool-call format, when tool_choice "auto" is enabled
     # (--enable-auto-tool-choice --tool-call-parser); None: "auto" is refused, as in vLLM.
@@ -574,7 +567,7 @@ class OpenAIServing:
     # -- /v1/completions ----------------------------------------------------------------------------
 
     def _check_generates(self) -> None:
-        if not self.settings.generates:
+        if not self.settings.pooling.generates:
             raise bad_request(f"{self.settings.served_model_name} is an embedding model: it does not generate "
                               "(use /v1/embeddings, /score or /rerank)", "model")
 

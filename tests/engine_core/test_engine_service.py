@@ -353,7 +353,7 @@ def test_a_request_the_engine_refuses_in_its_loop_ends_with_an_error_output(serv
 
     engine = service.engine
     saved = engine.model_info
-    engine.model_info = dataclasses.replace(saved, generates=False)
+    engine.model_info = dataclasses.replace(saved, pooling=dataclasses.replace(saved.pooling, generates=False))
     try:
         service._add_request(EngineCoreRequest(request_id="refused", prompt_token_ids=[5, 6, 7],
                                                sampling_params=SamplingParams(max_tokens=2)))

@@ -16,7 +16,7 @@ LABELS = ("negative", "neutral", "positive")
 
 
 def _classifier(labels=LABELS, activation="softmax"):
-    return _app(settings={"generates": False, "labels": labels, "classifier_activation": activation},
+    return _app(pooling={"generates": False, "labels": labels, "classifier_activation": activation},
                 num_pooled=len(labels))
 
 
@@ -87,7 +87,7 @@ def test_class_probabilities():
 def test_a_cross_encoder_with_an_identity_activation_scores_with_its_raw_logit():
     """/score follows the cross-encoder's sentence-transformers activation (Identity here), /classify
     the problem type (regression here)."""
-    http, engine = _app(settings={"generates": False, "labels": ("LABEL_0",), "classifier_activation": "none",
+    http, engine = _app(pooling={"generates": False, "labels": ("LABEL_0",), "classifier_activation": "none",
                                   "cross_encoder_activation": "none"}, num_pooled=1)
     body = http.post("/score", json={"model": "tiny", "text_1": "q", "text_2": "d"}).json()
     joined = TOKENIZER("q", text_pair="d")["input_ids"]
@@ -97,7 +97,7 @@ def test_a_cross_encoder_with_an_identity_activation_scores_with_its_raw_logit()
 
 
 def test_scores_use_the_cross_encoder_activation_not_the_problem_type():
-    http, engine = _app(settings={"generates": False, "labels": ("LABEL_0",), "classifier_activation": "none",
+    http, engine = _app(pooling={"generates": False, "labels": ("LABEL_0",), "classifier_activation": "none",
                                   "cross_encoder_activation": "sigmoid"}, num_pooled=1)
     body = http.post("/score", json={"model": "tiny", "text_1": "q", "text_2": "d"}).json()
     logit = scripted_embedding(TOKENIZER("q", text_pair="d")["input_ids"], engine.requests[0].sampling_params)[0]
@@ -107,7 +107,7 @@ def test_scores_use_the_cross_encoder_activation_not_the_problem_type():
 def test_embeddings_the_checkpoint_declares_unservable_are_refused():
     """A generating model whose sentence-transformers files ask for a pooling we do not serve: its
     embeddings (and embedding scores) answer 400 with the reason, not vectors pooled otherwise."""
-    http, engine = _app(settings={"pooling_unavailable": "modules.json lists Dense modules"})
+    http, engine = _app(pooling={"unavailable": "modules.json lists Dense modules"})
     for path, body in [("/v1/embeddings", {"input": "hi"}), ("/v1/score", {"text_1": "a", "text_2": "b"})]:
         r = http.post(path, json={"model": "tiny", **body})
         assert r.status_code == 400 and "lists Dense modules" in r.json()["error"]["message"], path
@@ -124,13 +124,13 @@ def test_pooling_answers_each_models_pooled_output():
     assert body["object"] == "list" and body["id"].startswith("pool-") and body["data"][0]["object"] == "pooling"
     classified = http.post("/classify", json={"model": "tiny", "input": ["Hello world"]}).json()
     assert body["data"][0]["data"] == classified["data"][0]["probs"]
-    http, engine = _app(settings={"pooling_normalize": False, "pooling_type": "MEAN"})
+    http, engine = _app(pooling={"normalize": False, "pooling_type": "MEAN"})
     body = http.post("/v1/pooling", json={"model": "tiny", "input": [5, 6, 7], "encoding_format": "base64"}).json()
     params = engine.requests[0].sampling_params
     assert params.embed and not params.embed_normalize and params.embed_pooling == "MEAN"
     expected = np.asarray(scripted_embedding([5, 6, 7], params), dtype="<f4")
     assert np.frombuffer(base64.b64decode(body["data"][0]["data"]), dtype="<f4").tolist() == expected.tolist()
     assert body["usage"]["prompt_tokens"] == 3
-    http, _ = _app(settings={"pooling_unavailable": "modules.json lists Dense modules"})
+    http, _ = _app(pooling={"unavailable": "modules.json lists Dense modules"})
     r = http.post("/pooling", json={"model": "tiny", "input": "hi"})
     assert r.status_code == 400 and "Dense" in r.json()["error"]["message"]

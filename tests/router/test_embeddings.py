@@ -86,7 +86,7 @@ def test_an_embedding_model_pools_as_configured_and_does_not_generate():
     """An engine running an embedding model (runner pooling; MEAN pooling, not normalised by its
     sentence-transformers files): embeddings and scores carry its pooling, a request's normalize
     overrides the model's default, and every generation endpoint answers 400 naming the model."""
-    http, engine = _app(settings={"generates": False, "pooling_type": "MEAN", "pooling_normalize": False})
+    http, engine = _app(pooling={"generates": False, "pooling_type": "MEAN", "normalize": False})
     client = _client(http)
     client.embeddings.create(model="tiny", input="Hello world")
     params = engine.requests[-1].sampling_params

@@ -12,6 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine_core.channel import AbortRequests, Accepted, AddRequest, encode_frame
+from engine_core.executor import PoolingInfo
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
@@ -118,13 +119,13 @@ def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
          tokenizer=TOKENIZER, prompt_tokens_details: bool = False, stream_interval: int = 1, hidden_size: int = 0,
-         settings: dict | None = None, **engine) -> tuple[TestClient, ScriptedEngine]:
+         pooling: dict | None = None, **engine) -> tuple[TestClient, ScriptedEngine]:
     client = EngineClient([object()], client_index=1)
     scripted = client._slots[0].channel = ScriptedEngine(client, script, **engine)
     serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256,
                                             enable_prompt_tokens_details=prompt_tokens_details,
                                             stream_interval=stream_interval, hidden_size=hidden_size,
-                                            **(settings or {})),
+                                            pooling=PoolingInfo(**(pooling or {}))),
                             client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted
 
