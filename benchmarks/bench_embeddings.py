@@ -5,11 +5,17 @@ SmolLM2-135M-Instruct on this machine's device, fp32: the same texts embedded by
                  --max-num-batched-tokens (no padding), last-token pooling, L2-normalised
   transformers   the HF model in batches of --hf-batch-size texts, left-padded with an attention
                  mask, the last position's final hidden state, L2-normalised
+With --bert, a BERT encoder at all-MiniLM-L6-v2's shapes (6 layers, 384 wide, 12 heads; random
+weights, a small WordPiece vocabulary) saved with sentence-transformers files for MEAN pooling and
+normalisation, as all-MiniLM ships:
+  ours           LLM.embed: whole prompts per pass, bidirectional attention, no KV cache
+  transformers   BertModel in batches, right-padded with an attention mask, the masked mean of the
+                 final hidden states (sentence-transformers' MEAN pooling), L2-normalised
 Rounds alternate between the two, each round with texts of its own (the engine's prefix cache would
 otherwise answer a repeated text from its cached blocks); prints each one's median texts/s, the
 ratio, and the largest difference between the two embeddings of any text (they must agree to float
 rounding).
-Usage: python benchmarks/bench_embeddings.py [--num-texts 256] [--rounds 3] [--hf-batch-size 32]
+Usage: python benchmarks/bench_embeddings.py [--num-texts 256] [--rounds 3] [--hf-batch-size 32] [--bert]
 """
 
 from __future__ import annotations
@@ -46,43 +52,90 @@ def hf_embed(model, tokenizer, texts: list[str], batch_size: int, device: torch.
     return torch.cat(out)
 
 
+def hf_mean_embed(model, tokenizer, texts: list[str], batch_size: int, device: torch.device) -> torch.Tensor:
+    """sentence-transformers' MEAN pooling over a right-padded batch, L2-normalised."""
+    out = []
+    for i in range(0, len(texts), batch_size):
+        batch = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True).to(device)
+        with torch.inference_mode():
+            hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        mean = (hidden * mask).sum(1) / mask.sum(1)
+        out.append(torch.nn.functional.normalize(mean.float(), dim=-1).cpu())
+    return torch.cat(out)
+
+
+def save_minilm_shaped_bert(path: Path) -> Path:
+    """A random BERT at all-MiniLM-L6-v2's shapes, with MEAN-pooling sentence-transformers files."""
+    from transformers import BertConfig, BertModel
+
+    from tests.tiny_model import _write_sentence_transformers_files, build_wordpiece_tokenizer
+
+    tokenizer = build_wordpiece_tokenizer(WORDS)
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=30522, hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
+                                 num_attention_heads=12, max_position_embeddings=512))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    _write_sentence_transformers_files(path, "pooling_mode_mean_tokens", normalize=True)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-texts", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--bert", action="store_true", help="a BERT encoder at all-MiniLM-L6-v2's shapes")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import tempfile
+
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     rounds = [make_texts(args.num_texts, seed=r + 1) for r in range(args.rounds)]
-    llm = LLM(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256, dtype="float32")
-    model_dir = llm.model_dir
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    if args.bert:
+        model_dir = str(save_minilm_shaped_bert(Path(tempfile.mkdtemp(prefix="bench-bert-"))))
+        llm = LLM(model=model_dir, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
+                  dtype="float32")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+
+        def reference_embed(texts: list[str]) -> torch.Tensor:
+            return hf_mean_embed(model, tokenizer, texts, args.hf_batch_size, device)
+    else:
+        llm = LLM(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256, dtype="float32")
+        model_dir = llm.model_dir
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+        tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+
+        def reference_embed(texts: list[str]) -> torch.Tensor:
+            return hf_embed(model, tokenizer, texts, args.hf_batch_size, device)
     num_tokens = statistics.mean(sum(len(tokenizer.encode(t)) for t in texts) for texts in rounds)
     rates: dict[str, list[float]] = {"ours": [], "transformers": []}
     ours = reference = None
     try:
         warmup = make_texts(4, seed=0)
         llm.embed(warmup, use_tqdm=False)
-        hf_embed(model, tokenizer, warmup, args.hf_batch_size, device)
+        reference_embed(warmup)
         for r, texts in enumerate(rounds):
             for name in (("ours", "transformers") if r % 2 == 0 else ("transformers", "ours")):
                 t0 = time.perf_counter()
                 if name == "ours":
                     ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
                 else:
-                    reference = hf_embed(model, tokenizer, texts, args.hf_batch_size, device)
+                    reference = reference_embed(texts)
                 rates[name].append(len(texts) / (time.perf_counter() - t0))
     finally:
         llm.shutdown()
     assert ours is not None and reference is not None
     ours_rate, hf_rate = statistics.median(rates["ours"]), statistics.median(rates["transformers"])
-    print(f"\n{args.num_texts} texts a round (about {num_tokens:.0f} tokens), {args.rounds} rounds, device {device}, "
+    model_name = "BERT (all-MiniLM-L6-v2 shapes), " if args.bert else ""
+    print(f"\n{model_name}{args.num_texts} texts a round (about {num_tokens:.0f} tokens), {args.rounds} rounds, "
+          f"device {device}, "
           f"budget {args.max_num_batched_tokens} tokens per pass, HF batches of {args.hf_batch_size}\n")
     print(f"{'':<14}{'texts/s':>10}{'tokens/s':>12}{'vs transformers':>18}")
     for name, rate in (("ours", ours_rate), ("transformers", hf_rate)):

@@ -25,7 +25,7 @@ from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities
 from router.detokenizer import IncrementalDetokenizer
-from router.scoring import cosine_scores, score_pairs
+from router.scoring import cosine_scores, score_pairs, tokenize_pair
 
 PromptType = str | list[int]
 
@@ -349,22 +349,26 @@ class LLM:
             raise RuntimeError("this LLM was shut down")
         return self._engine.model_info if self._engine is not None else self._handles[0].description.model_info
 
-    def _pool(self, prompts: PromptType | Sequence[PromptType], params: EngineSamplingParams,
+    def _pool(self, prompts: PromptType | Sequence[PromptType],
+              params: EngineSamplingParams | list[EngineSamplingParams],
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None, use_tqdm: bool, label: str
               ) -> list[tuple[str, list[int], list[float]]]:
-        """(request id, prompt ids, pooled output) of each prompt, run as embedding requests."""
+        """(request id, prompt ids, pooled output) of each prompt, run as embedding requests
+        (``params``: for all, or each prompt's own)."""
         prompt_list = self._as_prompt_list(prompts)
         loras = self._as_lora_list(lora_request, len(prompt_list))
+        each = params if isinstance(params, list) else [params] * len(prompt_list)
         self._load_loras(loras)
         vocab, max_model_len = len(self.tokenizer), self._max_model_len()
         pending: dict[str, _Pending] = {}
         requests = []
-        for index, (prompt, lora) in enumerate(zip(prompt_list, loras, strict=True)):
+        for index, (prompt, lora, prompt_params) in enumerate(zip(prompt_list, loras, each, strict=True)):
             ids = self._prompt_ids(index, prompt, vocab, max_model_len)
             request_id = str(next(self._ids))
             pending[request_id] = _Pending(prompt if isinstance(prompt, str) else None, ids, False, request_id)
-            requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
-                                              arrival_time=time.time(), lora_request=lora))
+            requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
+                                              sampling_params=prompt_params, arrival_time=time.time(),
+                                              lora_request=lora))
         self._run(requests, pending, label, use_tqdm)
         out = []
         for request_id, p in pending.items():
@@ -407,10 +411,13 @@ class LLM:
                              f"{len(info.pooling.labels)} classes (use LLM.classify)")
         if not all(isinstance(p, str) for p in (*first, *second)):
             raise ValueError("a cross-encoder scores text pairs: give texts on both sides")
-        joined = [list(self.tokenizer(first[i], text_pair=second[j])["input_ids"]) for i, j in pairs]
+        joined = [tokenize_pair(self.tokenizer, first[i], second[j]) for i, j in pairs]
+        params = _pooled_params(info)
+        each = [params if start is None else dataclasses.replace(params, compressed_token_type_ids=start)
+                for _, start in joined]
         return [ScoringRequestOutput(request_id, ScoringOutput(
                     class_probabilities(logits, info.pooling.cross_encoder_activation)[0]), ids)
-                for request_id, ids, logits in self._pool(joined, _pooled_params(info), lora_request, use_tqdm,
+                for request_id, ids, logits in self._pool([ids for ids, _ in joined], each, lora_request, use_tqdm,
                                                           "Scored pairs")]
 
     def _prompt_ids(self, index: int, prompt: PromptType, vocab: int, max_tokens: int) -> list[int]:

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import time
 
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_STORED
 from engine_core.executor import Executor, ModelInfo
 from engine_core.lora import LoRANotLoadedError, static_lora_requests
@@ -54,6 +54,8 @@ class EngineCore:
             logger.info("engine %d: max_model_len %d capped to the model's %d", config.engine_index,
                         sched_cfg.max_model_len, self.model_info.max_model_len)
             sched_cfg = sched_cfg.with_max_model_len(self.model_info.max_model_len)
+        if self.model_info.encoder_only:
+            sched_cfg = self._encoder_scheduler_config(sched_cfg)
         capacity = num_blocks * config.block_size
         needed = sched_cfg.max_model_len
         window = self.model_info.sliding_window
@@ -79,8 +81,11 @@ class EngineCore:
                 "--gpu-memory-utilization)")
         self.scheduler_config = sched_cfg
         spec = config.speculative_config
-        self.scheduler = Scheduler(sched_cfg, config.cache_config(num_blocks, self.model_info.sliding_window,
-                                                                  self.model_info.long_rope_after),
+        cache_cfg = config.cache_config(num_blocks, self.model_info.sliding_window, self.model_info.long_rope_after)
+        if self.model_info.encoder_only:
+            # (Cached keys of a prefix depend on the tokens after it: a hit would be wrong.)
+            cache_cfg = dataclasses.replace(cache_cfg, enable_prefix_caching=False)
+        self.scheduler = Scheduler(sched_cfg, cache_cfg,
                                    log_stats=config.log_stats,
                                    include_finished_set=True,
                                    num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
@@ -120,6 +125,20 @@ class EngineCore:
         return self._structured
 
     # -- LoRA adapters ----------------------------------------------------------------------------
+
+    def _encoder_scheduler_config(self, sched_cfg: SchedulerConfig) -> SchedulerConfig:
+        """An encoder's prompts attend both ways: each is scheduled whole in one pass (no chunked
+        prefill, no long-prefill threshold), which a budget below max_model_len could not do."""
+        if sched_cfg.token_budget < sched_cfg.max_model_len:
+            self.executor.shutdown()
+            raise ValueError(
+                f"engine {self.config.engine_index}: an encoder model runs each prompt whole in one pass, so "
+                f"max_num_batched_tokens ({sched_cfg.token_budget}) must be >= max_model_len "
+                f"({sched_cfg.max_model_len}): raise --max-num-batched-tokens or lower --max-model-len")
+        if sched_cfg.enable_chunked_prefill:
+            logger.info("engine %d: encoder model: chunked prefill and prefix caching off", self.config.engine_index)
+        return dataclasses.replace(sched_cfg, enable_chunked_prefill=False, long_prefill_token_threshold=0,
+                       max_num_partial_prefills=1, max_long_partial_prefills=1)
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Load an adapter on every worker; False when it is loaded already. ValueError for a name

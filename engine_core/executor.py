@@ -61,6 +61,9 @@ class ModelInfo:
     sliding_window: int | None = None
     # LongRoPE models: the pretrained length above which a prompt uses the long rotary factors.
     long_rope_after: int | None = None
+    # An encoder (BERT family): its prompts attend both ways, so each runs whole in one pass and none
+    # may start from the prefix cache (the engine turns chunked prefill and prefix caching off).
+    encoder_only: bool = False
     # Whether it generates, and how it pools embeddings and classes.
     pooling: PoolingInfo = field(default_factory=PoolingInfo)
     dtype: str = "float32"

@@ -56,6 +56,10 @@ class SamplingParams:
     # How the embedding pools the prompt's final hidden states (gpu_worker.pooler_config): "LAST",
     # "MEAN" or "CLS". The router and LLM.embed set the model's.
     embed_pooling: str = "LAST"
+    # An encoder's token types as vLLM compresses them: the first prompt position of type 1 (the
+    # second text of a pair, for cross-encoders whose tokenizer returns token_type_ids); None: every
+    # token is of type 0.
+    compressed_token_type_ids: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -111,6 +115,11 @@ class SamplingParams:
                    "used with max_tokens 1 and without logprobs, prompt_logprobs or structured_output", self.embed)
         _check(self.embed_pooling in ("LAST", "MEAN", "CLS"), "embed_pooling", "one of LAST, MEAN, CLS",
                self.embed_pooling)
+        _check(self.compressed_token_type_ids is None
+               or (self.embed and isinstance(self.compressed_token_type_ids, int)
+                   and self.compressed_token_type_ids >= 0),
+               "compressed_token_type_ids", "None, or an int >= 0 on an embedding request",
+               self.compressed_token_type_ids)
         _check(self.embed_dimensions is None or (isinstance(self.embed_dimensions, int) and self.embed_dimensions >= 1),
                "embed_dimensions", "None or >= 1", self.embed_dimensions)
         if self.structured_output_after is not None:

@@ -62,6 +62,15 @@ class AttentionMetadata:
                          f"not for a layer with window {window}")
 
 
+@dataclass
+class EncoderMetadata:
+    """An encoder's pass (bidirectional attention, no KV cache): where each prompt's tokens lie in
+    the flat batch, every prompt whole and starting at position 0."""
+
+    # [num_reqs + 1] host ints: prompt i is rows query_start_loc[i] .. query_start_loc[i + 1] - 1.
+    query_start_loc: list[int]
+
+
 def compute_slot_mapping(block_table: np.ndarray, req_index: np.ndarray, positions: np.ndarray,
                          block_size: int) -> np.ndarray:
     """Cache slot of each token: its request's block for ``position // block_size``, plus the offset."""

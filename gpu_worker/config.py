@@ -37,6 +37,14 @@ CLASSIFIER_DECODER_OF = {
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM", "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
     "GemmaForSequenceClassification": "GemmaForCausalLM", "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
     "Phi3ForSequenceClassification": "Phi3ForCausalLM"}
+# Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa): bidirectional attention over the whole
+# prompt, learned absolute positions, post-norm layers. The bare encoders (all-MiniLM, bge, e5, gte,
+# bge-m3, multilingual-e5) are served for embeddings; their sequence classifiers (ms-marco
+# cross-encoders, bge-reranker) as classifiers, over the [CLS] token. Value: our model class.
+ENCODER_ARCHITECTURES = {
+    "BertModel": "BertModel", "RobertaModel": "RobertaModel", "XLMRobertaModel": "RobertaModel",
+    "BertForSequenceClassification": "BertModel", "RobertaForSequenceClassification": "RobertaModel",
+    "XLMRobertaForSequenceClassification": "RobertaModel"}
 # transformers' Gemma3TextConfig defaults: Gemma 3 4B+'s text_config lists only what differs from them.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -46,6 +54,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # The MLP activations we compute (transformers' ACT2FN names): SwiGLU's silu, GeGLU's tanh-approximated
 # or exact gelu.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+# An encoder's feed-forward activation (transformers' names): exact gelu (BERT's), or its tanh form.
+ENCODER_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
@@ -341,6 +351,15 @@ class ModelConfig:
     classifier_activation: str = "softmax"
     # What turns a one-output classifier's logit into a /score score (cross-encoders).
     cross_encoder_activation: str = "sigmoid"
+    # An encoder (BERT family): every token attends to every other token of its prompt, so a prompt
+    # runs whole in one pass, keeps no KV cache, and never generates.
+    encoder_only: bool = False
+    # An encoder's LayerNorm epsilon, its token-type (segment) vocabulary (2 for BERT's sentence
+    # pairs; 0 or 1: every token is of type 0), and the row of its position table that position 0
+    # reads (RoBERTa's: padding_idx + 1).
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
+    position_offset: int = 0
 
     @property
     def attention_scale(self) -> float:
@@ -391,6 +410,8 @@ class ModelConfig:
         if not archs:
             raise ValueError("config has no 'architectures' entry: cannot pick a model class")
         arch = archs[0]
+        if arch in ENCODER_ARCHITECTURES:
+            return cls._encoder(arch, cfg)
         if cfg.get("classifier_from_token") is not None and arch not in CLASSIFIER_DECODER_OF:
             raise ValueError(f"classifier_from_token needs a sequence-classification architecture (set "
                              f'"architectures" too, e.g. ["Qwen3ForSequenceClassification"]), got {arch!r}')
@@ -403,7 +424,7 @@ class ModelConfig:
             arch = {**EMBEDDING_DECODER_OF, **CLASSIFIER_DECODER_OF}[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:
             known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + tuple(EMBEDDING_DECODER_OF)
-                     + tuple(CLASSIFIER_DECODER_OF))
+                     + tuple(CLASSIFIER_DECODER_OF) + tuple(ENCODER_ARCHITECTURES))
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
@@ -502,6 +523,47 @@ class ModelConfig:
             **moe,
             **_gemma_from_dict(arch, cfg),
         )
+
+    @classmethod
+    def _encoder(cls, arch: str, cfg: dict[str, Any]) -> ModelConfig:
+        """A BERT-family encoder's config, as transformers' BertConfig / RobertaConfig read it."""
+        ours = ENCODER_ARCHITECTURES[arch]
+        if cfg.get("classifier_from_token") is not None:
+            raise ValueError(f"classifier_from_token is for causal LMs; {arch} has its own classifier head")
+        if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+            raise ValueError(f"{arch} configured as a decoder (is_decoder / add_cross_attention) is not served: "
+                             "only the encoder is")
+        position_type = cfg.get("position_embedding_type") or "absolute"
+        if position_type != "absolute":
+            raise ValueError(f"position_embedding_type must be 'absolute' for {arch}, got {position_type!r}")
+        act = cfg.get("hidden_act", "gelu")
+        if act not in ENCODER_ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {tuple(ENCODER_ACTIVATIONS)} for {arch}, got {act!r}")
+        hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        if hidden % num_heads:
+            raise ValueError(f"hidden_size ({hidden}) must be a multiple of num_attention_heads ({num_heads})")
+        # RoBERTa numbers positions from padding_idx + 1: its table's first rows are never read.
+        offset = int(cfg.get("pad_token_id", 1)) + 1 if ours == "RobertaModel" else 0
+        positions = int(cfg.get("max_position_embeddings", 512)) - offset
+        if positions < 1:
+            raise ValueError(f"max_position_embeddings ({cfg.get('max_position_embeddings')}) leaves no position "
+                             f"after {arch}'s offset of {offset}")
+        classifier = arch.endswith("ForSequenceClassification")
+        labels = _labels(cfg) if classifier else ()
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
+        return cls(
+            architecture=ours, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=num_heads, num_key_value_heads=num_heads, head_dim=hidden // num_heads,
+            rms_norm_eps=0.0, rope_theta=0.0, rope_scaling=None, max_position_embeddings=positions,
+            tie_word_embeddings=False, qkv_bias=True, o_proj_bias=True, mlp_bias=True, qk_norm=False,
+            eos_token_ids=(), sliding_window=None,
+            dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None, raw=dict(cfg),
+            hidden_act=act, embedding_only=True, labels=labels,
+            classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),
+            cross_encoder_activation=_cross_encoder_activation(cfg) if labels else "sigmoid",
+            encoder_only=True, layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            type_vocab_size=int(cfg.get("type_vocab_size", 2)), position_offset=offset)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:

@@ -65,7 +65,9 @@ class _ExecutorBase(Executor):
         embeds_only = self.model_config.embedding_only or config.runner == "pooling"
         pooling_unavailable = ""
         try:
-            pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config))
+            # (An encoder pools its [CLS] token unless its files say otherwise, as vLLM's BERT models do.)
+            pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config),
+                                           default_type="CLS" if self.model_config.encoder_only else "LAST")
         except ValueError as e:
             if embeds_only:
                 raise
@@ -80,7 +82,7 @@ class _ExecutorBase(Executor):
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
             hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
-            long_rope_after=self.model_config.long_rope_after,
+            long_rope_after=self.model_config.long_rope_after, encoder_only=self.model_config.encoder_only,
             pooling=PoolingInfo(generates=not embeds_only, pooling_type=pooler.pooling_type,
                                 normalize=pooler.normalize, unavailable=pooling_unavailable,
                                 labels=self.model_config.labels,

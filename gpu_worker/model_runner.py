@@ -20,7 +20,12 @@ from torch import nn
 
 from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
 from engine_core.sched.output import GrammarBitmask, SchedulerOutput
-from gpu_worker.attn_metadata import AttentionMetadata, build_attention_metadata, compute_slot_mapping
+from gpu_worker.attn_metadata import (
+    AttentionMetadata,
+    EncoderMetadata,
+    build_attention_metadata,
+    compute_slot_mapping,
+)
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.distributed import get_tp_rank
@@ -103,8 +108,12 @@ class ModelRunner:
         # The sliding windows the layers attend with (None: full attention): one metadata each per step.
         self.attention_windows = frozenset(layer.sliding_window for layer in model.attention_layers())
         # LongRoPE: where the short factors' rotary rows start, and the length above which they stop.
-        rotary = model.model.rotary_emb
-        self.rope_short_offset, self.rope_original_len = rotary.short_offset, rotary.original_max_position
+        rotary = getattr(model.model, "rotary_emb", None)  # (an encoder's positions are embedded)
+        if rotary is not None:
+            self.rope_short_offset, self.rope_original_len = rotary.short_offset, rotary.original_max_position
+        if self.max_lora_rank is not None and self.config.encoder_only:
+            raise ValueError(f"LoRA adapters are not served on encoder models ({self.config.architecture}); "
+                             "drop --enable-lora")
         if self.max_lora_rank is not None:
             self.lora = LoRAManager(model, self.max_lora_rank, self.device, self.dtype, self.max_resident_loras,
                                     self.max_cpu_loras)
@@ -113,9 +122,10 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("load_model() must come before initialize_kv_cache()")
         layers = self.model.attention_layers()
-        attn = layers[0]
-        self.kv_caches = allocate_kv_cache(len(layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
-                                           self.kv_cache_dtype, self.device)
+        # (An encoder attends within the pass: it has no layer to give a cache to, and the blocks
+        # only count its tokens for the scheduler.)
+        self.kv_caches = allocate_kv_cache(len(layers), num_blocks, block_size, layers[0].num_kv_heads,
+                                           layers[0].head_dim, self.kv_cache_dtype, self.device) if layers else []
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
         self.block_size = block_size
@@ -139,7 +149,7 @@ class ModelRunner:
         blocks_per_req = [-(-n // block_size) for n in lens]
         layers = self.model.attention_layers()
         caches = allocate_kv_cache(len(layers), sum(blocks_per_req), block_size, layers[0].num_kv_heads,
-                                   layers[0].head_dim, self.kv_cache_dtype, self.device)
+                                   layers[0].head_dim, self.kv_cache_dtype, self.device) if layers else []
         saved = [layer.kv_cache for layer in layers]
         try:
             for layer, cache in zip(layers, caches, strict=True):
@@ -152,8 +162,9 @@ class ModelRunner:
             req_index = np.repeat(np.arange(len(lens)), lens)
             positions = np.arange(num_tokens) - qsl[req_index]
             slots = compute_slot_mapping(table, req_index, positions, block_size)
-            meta = self.attention_metadata(table, np.array(blocks_per_req), qsl, np.zeros(len(lens), np.int64),
-                                            0, slots, block_size, decode_in_place=False)
+            meta = (EncoderMetadata(qsl.tolist()) if self.config.encoder_only else
+                    self.attention_metadata(table, np.array(blocks_per_req), qsl, np.zeros(len(lens), np.int64),
+                                            0, slots, block_size, decode_in_place=False))
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             if self.lora is not None:
                 self.lora.set_batch([0] * len(lens), qsl)
@@ -188,7 +199,7 @@ class ModelRunner:
             state.num_draft_tokens = len(draft)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput([], {}, [], None)
-        if self.model is None or not self.kv_caches:
+        if self.model is None or not self.block_size:
             raise RuntimeError("the model and KV cache must be initialised before execute_model()")
 
         # Decodes (one token) first: attention handles them as one padded batch.
@@ -391,6 +402,8 @@ class ModelRunner:
         """Run the model over this pass's tokens: every row's final hidden state, the indexes of the
         requests whose chunk reaches the end of what they know (they sample, or are embedded), and
         each request's last row."""
+        if self.config.encoder_only:
+            return self._forward_encoder(states, num_sched)
         block_size = self.block_size
         num_reqs = len(states)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
@@ -435,6 +448,42 @@ class ModelRunner:
         hidden = self.model(torch.from_numpy(input_ids).to(self.device),
                             torch.from_numpy(positions).to(self.device), meta)
         return hidden, sample_rows, query_start_loc[1:] - 1
+
+    def _forward_encoder(self, states: list[RequestState], num_sched: np.ndarray
+                         ) -> tuple[torch.Tensor, list[int], np.ndarray]:
+        """An encoder's pass (as _forward): each prompt runs whole from position 0, as the engine
+        schedules an encoder's requests (no chunked prefill, no prefix cache); its blocks are not read."""
+        for state, count in zip(states, num_sched.tolist(), strict=True):
+            if state.num_computed_tokens or count != state.num_tokens:
+                raise ValueError(f"request {state.req_id!r}: an encoder runs a prompt whole in one pass, but "
+                                 f"{count} of its {state.num_tokens} tokens were scheduled from position "
+                                 f"{state.num_computed_tokens} (chunked prefill and prefix caching must be off)")
+        num_reqs = len(states)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        if int(num_sched.max()) > self.max_model_len:
+            raise ValueError(f"a prompt of {int(num_sched.max())} tokens is beyond max_model_len {self.max_model_len}")
+        req_index = np.repeat(np.arange(num_reqs), num_sched)
+        positions = np.arange(num_tokens) - query_start_loc[req_index]
+        input_ids = np.fromiter((t for s in states for t in s.token_ids), dtype=np.int64, count=num_tokens)
+        token_types = None
+        type_starts = [s.sampling_params.compressed_token_type_ids for s in states]
+        if any(start is not None for start in type_starts):
+            # Type 1 from each pair's second text on (None: all type 0).
+            first_of_type_1 = np.array([num_tokens if t is None else t for t in type_starts], dtype=np.int64)
+            token_types = torch.from_numpy((positions >= first_of_type_1[req_index]).astype(np.int64)).to(self.device)
+        for state in states:
+            state.num_computed_tokens = state.num_tokens
+        hidden = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
+                            EncoderMetadata(query_start_loc.tolist()), token_types)
+        return hidden, list(range(num_reqs)), query_start_loc[1:] - 1
+
+    def cacheless_num_blocks(self, block_size: int) -> int:
+        """An encoder's KV blocks cost no memory (it keeps no cache): enough for the scheduler to
+        count a full pass of prompts, and one at the longest length."""
+        per_pass = -(-self.max_num_batched_tokens // block_size) + self.max_num_seqs
+        return max(per_pass, -(-self.max_model_len // block_size))
 
     def attention_metadata(self, block_table: np.ndarray, num_blocks: np.ndarray, query_start_loc: np.ndarray,
                             starts: np.ndarray, num_decodes: int, slot_mapping: np.ndarray, block_size: int,

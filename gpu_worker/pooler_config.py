@@ -9,7 +9,8 @@
 A checkpoint trained with sentence-transformers says how it pools: ``modules.json`` names a Pooling
 module whose ``config.json`` sets one ``pooling_mode_*``, and a Normalize module where it
 normalises. That is read as vLLM reads it; ``--pooler-config`` (a JSON object with
-``pooling_type`` and/or ``normalize``) overrides it. Without either: LAST, normalised.
+``pooling_type`` and/or ``normalize``) overrides it. Without either: LAST (CLS for an encoder),
+normalised.
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ def _sentence_transformers_pooler(model_dir: Path, need_type: bool) -> dict[str,
     return found
 
 
-def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None = None) -> PoolerConfig:
+def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None = None,
+                          default_type: str = "LAST") -> PoolerConfig:
     """The model's pooling: ``override`` (--pooler-config) over its sentence-transformers files over
-    LAST + normalise."""
+    ``default_type`` (LAST for decoders, CLS for encoders) + normalise."""
     override = dict(override or {})
     unknown = set(override) - {"pooling_type", "normalize"}
     if unknown:
@@ -87,4 +89,4 @@ def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None
         raise ValueError(f"pooler_config normalize must be true or false, got {override['normalize']!r}")
     declared = ({} if {"pooling_type", "normalize"} <= set(override)
                 else _sentence_transformers_pooler(Path(model_dir), "pooling_type" not in override))
-    return PoolerConfig(**{**declared, **override})
+    return PoolerConfig(**{"pooling_type": default_type, **declared, **override})

@@ -124,7 +124,10 @@ class Worker:
                              kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9) -> int:
         """KV blocks for CacheConfig.num_blocks: explicit, from a byte budget, or (CUDA) from what a
         profiled max-size step leaves of ``gpu_memory_utilization`` of the device. Every rank
-        returns the group-wide minimum."""
+        returns the group-wide minimum. An encoder keeps no cache: its blocks cost nothing, and
+        only count a pass's tokens for the scheduler."""
+        if num_blocks is None and self.model_config.encoder_only:
+            num_blocks = self._runner().cacheless_num_blocks(block_size)
         if num_blocks is None:
             per_block = self.bytes_per_block(block_size)
             if kv_cache_memory_bytes is not None:

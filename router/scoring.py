@@ -14,6 +14,7 @@ Pairing, as vLLM's: one first text against every second text (1 to N), or the i-
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -50,6 +51,27 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
     if num_first == num_second:
         return [(i, i) for i in range(num_second)]
     raise ValueError(f"the first side must hold one text, or as many as the second ({num_first} vs {num_second})")
+
+
+def tokenize_pair(tokenizer: Any, first: str, second: str, add_special_tokens: bool = True
+                  ) -> tuple[list[int], int | None]:
+    """A cross-encoder's input: the pair's ids as the tokenizer joins them, and where its token
+    types turn to 1 (vLLM's compressed_token_type_ids: a BERT tokenizer marks the second text with
+    type 1; None where the tokenizer gives no types, or all 0, as RoBERTa's and decoders' do)."""
+    encoding = tokenizer(first, text_pair=second, add_special_tokens=add_special_tokens)
+    ids = list(encoding["input_ids"])
+    types = list(encoding.get("token_type_ids") or ())
+    if 1 not in types:
+        return ids, None
+    start = types.index(1)
+    if any(t != 1 for t in types[start:]) or any(t != 0 for t in types[:start]):
+        raise ValueError(f"token types of a text pair must be 0s then 1s, got {types}")
+    return ids, start
+
+
+def truncated_type_start(type_start: int | None, num_ids: int, num_kept: int) -> int | None:
+    """Where token type 1 starts once a pair's ids keep only their last ``num_kept`` of ``num_ids``."""
+    return None if type_start is None else max(0, type_start - (num_ids - num_kept))
 
 
 def cosine_scores(vectors: list[list[float]], pairs: list[tuple[int, int]]) -> list[float]:
@@ -188,12 +210,14 @@ class ScoringServing:
         if len(serving.settings.pooling.labels) != 1:
             raise bad_request(f"scoring needs a cross-encoder with one output; {serving.settings.served_model_name} "
                               f"has {len(serving.settings.pooling.labels)} classes (use /classify)", "model")
-        prompts = []
+        prompts, pair_params = [], []
         for i, j in pairs:
-            ids = list(serving.tokenizer(left[i], text_pair=right[j],
-                                         add_special_tokens=request.add_special_tokens)["input_ids"])
+            ids, type_start = tokenize_pair(serving.tokenizer, left[i], right[j], request.add_special_tokens)
             prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
-        logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+            type_start = truncated_type_start(type_start, len(ids), len(prompts[-1]))
+            pair_params.append(params if type_start is None
+                               else dataclasses.replace(params, compressed_token_type_ids=type_start))
+        logits = await serving.embed(request_id, prompts, pair_params, request.priority, lora, session_id)
         try:
             scores = [class_probabilities(row, serving.settings.pooling.cross_encoder_activation)[0] for row in logits]
         except ValueError as e:

@@ -853,14 +853,15 @@ class OpenAIServing:
 
     # -- /v1/embeddings -------------------------------------------------------------------------------
 
-    async def embed(self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-                    lora: LoRARequest | None, session_id: str | None = None) -> list[list[float]]:
-        """Each prompt's embedding (``params.embed``), their requests sent together to the engines
-        the routing policy picks (and read one after another: they run at once in the engines);
-        a timeout or an engine error fails them all."""
+    async def embed(self, request_id: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                    priority: int, lora: LoRARequest | None, session_id: str | None = None) -> list[list[float]]:
+        """Each prompt's embedding (``params.embed``; a list: each prompt's own), their requests sent
+        together to the engines the routing policy picks (and read one after another: they run at
+        once in the engines); a timeout or an engine error fails them all."""
         chosen = [0] * self.client.num_engines
-        jobs = [(self.choose_engine(ids, session_id, chosen, lora), f"{request_id}-{i}", ids, params)
-                for i, ids in enumerate(prompts)]
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        jobs = [(self.choose_engine(ids, session_id, chosen, lora), f"{request_id}-{i}", ids, p)
+                for i, (ids, p) in enumerate(zip(prompts, each, strict=True))]
         streams = await self._open_all(jobs, priority, lora)
         try:
             return [await self._embedding(stream) for stream in streams]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 CHAT_TEMPLATE = (
@@ -79,8 +80,6 @@ def build_tiny_embedder(path: Path, pooling_mode: str = "pooling_mode_mean_token
     """Save a random tiny e5-mistral-style embedding model into ``path``: transformers' bare
     MistralModel (no LM head), our tokenizer, and sentence-transformers files declaring
     ``pooling_mode`` (and a Normalize module when ``normalize``)."""
-    import json
-
     from transformers import AutoModel, MistralConfig
 
     def config(**common):
@@ -88,6 +87,12 @@ def build_tiny_embedder(path: Path, pooling_mode: str = "pooling_mode_mean_token
                              architectures=["MistralModel"], **common)
 
     path = _save_random_model(path, config, seed, 2, 64, 4, 1024, auto_class=AutoModel)
+    _write_sentence_transformers_files(path, pooling_mode, normalize)
+    return path
+
+
+def _write_sentence_transformers_files(path: Path, pooling_mode: str, normalize: bool) -> None:
+    """modules.json and the Pooling module's config, as sentence-transformers saves them."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if normalize:
@@ -95,7 +100,6 @@ def build_tiny_embedder(path: Path, pooling_mode: str = "pooling_mode_mean_token
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir()
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, pooling_mode: True}))
-    return path
 
 
 def build_tiny_classifier(path: Path, num_labels: int = 1, seed: int = 0) -> Path:
@@ -130,4 +134,43 @@ def _save_random_model(path: Path, make_config, seed: int, num_layers: int, hidd
     model.save_pretrained(path, safe_serialization=True)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def build_wordpiece_tokenizer(extra_words: tuple[str, ...] = ()):
+    """A small BERT (WordPiece, lower-cased) tokenizer over the corpus' words (and ``extra_words``):
+    [CLS] a [SEP] b [SEP] with token types 0 then 1 for a pair, as BERT's tokenizers join them."""
+    import re
+
+    from transformers import BertTokenizerFast
+
+    words = sorted({w for line in _CORPUS for w in re.findall(r"[a-z]+", line.lower())} | set(extra_words))
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789.,!?'():"
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *(f"##{c}" for c in chars[:36]), *words]
+    return BertTokenizerFast(vocab={token: i for i, token in enumerate(dict.fromkeys(vocab))}, do_lower_case=True)
+
+
+def build_tiny_bert(path: Path, num_labels: int = 0, seed: int = 0, pooling_mode: str | None = None,
+                    normalize: bool = True) -> Path:
+    """Save a random tiny BERT with a WordPiece tokenizer into ``path``: the bare encoder (an
+    embedding model; with ``pooling_mode`` its sentence-transformers files), or with ``num_labels``
+    a BertForSequenceClassification (a cross-encoder for one)."""
+    import torch
+    from transformers import AutoModel, AutoModelForSequenceClassification, BertConfig
+
+    path = Path(path)
+    tokenizer = build_wordpiece_tokenizer()
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=128, num_labels=max(num_labels, 1),
+                        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = (AutoModelForSequenceClassification if num_labels else AutoModel).from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # (Biases start at 0 and LayerNorms at 1 in transformers: random ones show any skipped.)
+            p.normal_(1.0 if name.endswith("LayerNorm.weight") else 0.0, 0.2 if p.dim() > 1 else 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    if pooling_mode is not None:
+        _write_sentence_transformers_files(path, pooling_mode, normalize)
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from gpu_worker.config import ModelConfig
+from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.llama import (
     LlamaForCausalLM,
@@ -29,6 +30,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "BertModel": BertModel,
+    "RobertaModel": RobertaModel,
 }
 
 

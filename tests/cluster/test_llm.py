@@ -587,3 +587,52 @@ def test_logprobs_and_prompt_logprobs_are_vllm_logprob_objects_matching_transfor
     assert abs(sample.cumulative_logprob - total) < 1e-6
     assert plain.prompt_logprobs is None and plain.outputs[0].logprobs is None
     assert plain.outputs[0].cumulative_logprob is None
+
+
+def test_bert_embeds_and_cross_encodes_as_transformers(tmp_path):
+    """A BERT encoder (all-MiniLM-style: MEAN pooling, normalised) and a BERT cross-encoder
+    (ms-marco-style: one output over [CLS], token type 1 for the second text): the engine turns
+    chunked prefill and the prefix cache off for them, and the results equal transformers'."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    from tests.tiny_model import build_tiny_bert
+
+    path = build_tiny_bert(tmp_path / "minilm", pooling_mode="pooling_mode_mean_tokens", normalize=True)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_model_len \(128\)"):
+        LLM(model=str(path), num_gpu_blocks=64, max_num_batched_tokens=8)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    # (The third repeats the first, over a full KV block: a prefix-cache hit would start it mid-prompt.)
+    texts = ["Hello world, the quick brown fox. " * 3, "Paris is the capital of France."]
+    texts.append(texts[0])
+    llm = LLM(model=str(path), max_num_batched_tokens=256)
+    try:
+        scheduler = llm._engine.scheduler
+        assert not scheduler.scheduler_config.enable_chunked_prefill
+        assert not scheduler.kv_cache_manager.enable_caching
+        outs = llm.embed(texts, use_tqdm=False)
+        with pytest.raises(ValueError, match="does not generate"):
+            llm.generate(texts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, text in zip(outs, texts, strict=True):
+        ids = tok(text).input_ids
+        assert out.prompt_token_ids == ids and ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
+        with torch.no_grad():
+            mean = model(torch.tensor([ids])).last_hidden_state[0].mean(0)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), mean / mean.norm(), atol=1e-5, rtol=1e-5)
+
+    path = build_tiny_bert(tmp_path / "ms-marco", num_labels=1)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    query, docs = "what is the capital of france?", ["Paris is the capital of France.", "Berlin is in Germany."]
+    llm = LLM(model=str(path))
+    try:
+        scored = llm.score(query, docs, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, doc in zip(scored, docs, strict=True):
+        pair = tok(query, text_pair=doc, return_tensors="pt")
+        assert out.prompt_token_ids == pair.input_ids[0].tolist() and 1 in pair.token_type_ids[0].tolist()
+        with torch.no_grad():
+            logit = model(**pair).logits[0, 0]
+        assert out.outputs.score == pytest.approx(float(torch.sigmoid(logit)), abs=1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from gpu_worker.config import ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 from gpu_worker.models import MODEL_REGISTRY, get_model_class
 from gpu_worker.models.llama import MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from tests.gpu_worker.utils import LLAMA3_ROPE, LONGROPE, load_hf, make_runner, prefill_logits, save_tiny_model
@@ -144,8 +144,8 @@ def test_registry_maps_architectures(tmp_path):
     assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                    "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
-                                   "Gemma3ForCausalLM"}
-    assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
+                                   "Gemma3ForCausalLM", "BertModel", "RobertaModel"}
+    assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
     assert get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
     assert get_model_class("MistralForCausalLM") is MistralForCausalLM

@@ -134,3 +134,30 @@ def test_pooling_answers_each_models_pooled_output():
     http, _ = _app(pooling={"unavailable": "modules.json lists Dense modules"})
     r = http.post("/pooling", json={"model": "tiny", "input": "hi"})
     assert r.status_code == 400 and "Dense" in r.json()["error"]["message"]
+
+
+def test_a_bert_cross_encoder_gets_each_pairs_token_types():
+    """A BERT tokenizer marks a pair's second text with token type 1: each pair's request carries
+    where type 1 starts (compressed_token_type_ids), moved with truncate_prompt_tokens; a tokenizer
+    without token types (and /classify's single texts) send none."""
+    from router.scoring import tokenize_pair
+    from tests.tiny_model import build_wordpiece_tokenizer
+
+    bert = build_wordpiece_tokenizer()
+    http, engine = _app(tokenizer=bert, num_pooled=1,
+                        pooling={"generates": False, "labels": ("LABEL_0",), "cross_encoder_activation": "sigmoid"})
+    docs = ["paris is the capital", "berlin"]
+    body = http.post("/score", json={"model": "tiny", "text_1": "what is the capital of france",
+                                     "text_2": docs}).json()
+    assert len(body["data"]) == 2
+    for request, doc in zip(engine.requests, docs, strict=True):
+        pair = bert("what is the capital of france", text_pair=doc)
+        assert request.prompt_token_ids == pair["input_ids"]
+        assert request.sampling_params.compressed_token_type_ids == pair["token_type_ids"].index(1) == 8
+    http.post("/score", json={"model": "tiny", "text_1": "what is the capital of france", "text_2": "berlin",
+                              "truncate_prompt_tokens": 5})
+    # [CLS] what is the capital of france [SEP] berlin [SEP]: the last 5 keep "of france [SEP]" of type 0.
+    assert engine.requests[-1].sampling_params.compressed_token_type_ids == 3
+    http.post("/classify", json={"model": "tiny", "input": "paris"})
+    assert engine.requests[-1].sampling_params.compressed_token_type_ids is None
+    assert tokenize_pair(TOKENIZER, "a", "b") == (TOKENIZER("a", text_pair="b")["input_ids"], None)

@@ -1,0 +1,192 @@
+"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa) through the real scheduler and model runner,
+against transformers: embeddings pooled from the bidirectional encoder, and the class logits of
+their sequence classifiers, with BERT's token types for sentence pairs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForSequenceClassification, BertConfig, RobertaConfig, XLMRobertaConfig
+
+from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.request import Request
+from engine_core.sampling_params import SamplingParams
+from engine_core.sched.scheduler import Scheduler
+from gpu_worker.config import ModelConfig
+from tests.gpu_worker.utils import make_runner, run_to_completion
+
+_CONFIGS = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig}
+
+
+def save_tiny_encoder(path, kind: str, num_labels: int = 0, seed: int = 0, **overrides):
+    """A random-weight encoder checkpoint: the bare model (AutoModel, saved with BERT's pooler) or,
+    with ``num_labels``, its *ForSequenceClassification. Biases and LayerNorms are random too."""
+    roberta = kind != "bert"
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64 + (2 if roberta else 0), type_vocab_size=1 if roberta else 2,
+              pad_token_id=1 if roberta else 0, num_labels=max(num_labels, 1))
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    auto = AutoModelForSequenceClassification if num_labels else AutoModel
+    model = auto.from_config(_CONFIGS[kind](**kw), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith("LayerNorm.weight") else 0.0, 0.2 if p.dim() > 1 else 0.3)
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+def encoder_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_model_len: int = 64,
+                      chunked: bool = False) -> Scheduler:
+    """The scheduler as an engine sets it up for an encoder (whole prompts, no prefix cache); with
+    ``chunked``, as it would be for a decoder."""
+    return Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                                     enable_chunked_prefill=chunked),
+                     CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=chunked),
+                     log_stats=False)
+
+
+def pooled_outputs(runner, prompts: dict[str, list[int]], pooling: str = "CLS",
+                   type_starts: dict[str, int] | None = None, execute=None, **sched) -> dict[str, list[float]]:
+    scheduler = encoder_scheduler(**sched)
+    for rid, prompt in prompts.items():
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=False,
+                                embed_pooling=pooling,
+                                compressed_token_type_ids=(type_starts or {}).get(rid))
+        scheduler.add_request(Request(rid, prompt, params, eos_token_id=None))
+    outputs = {}
+    run_to_completion(scheduler, execute or runner.execute_model,
+                      on_output=lambda o: outputs.update({o.request_id: o.pooling_output}))
+    return outputs
+
+
+def random_prompts(count: int, seed: int, max_len: int = 40) -> dict[str, list[int]]:
+    # (Ids from 5 up: RoBERTa numbers positions past its padding id 1, which must not occur.)
+    rng = random.Random(seed)
+    return {f"p{i}": [rng.randrange(5, 250) for _ in range(rng.randrange(1, max_len))] for i in range(count)}
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
+@pytest.mark.parametrize("pooling", ["CLS", "MEAN", "LAST"])
+def test_embeddings_match_transformers(tmp_path, kind, pooling):
+    """Several prompts of different lengths (one of a single token) in one pass, each attending to
+    its own tokens both ways, pooled as asked, equal transformers' encoder output."""
+    path, hf = save_tiny_encoder(tmp_path, kind)
+    config = ModelConfig.from_pretrained(path)
+    assert config.encoder_only and config.embedding_only and config.labels == ()
+    assert config.architecture == ("BertModel" if kind == "bert" else "RobertaModel")
+    assert config.max_context_len == 64  # (RoBERTa's table holds 66 rows; positions start at row 2)
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    assert runner.model.model.pooler is None  # (the checkpoint's pooler is not what embeddings read)
+    prompts = {**random_prompts(5, seed=3), "single": [42]}
+    outputs = pooled_outputs(runner, prompts, pooling)
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            states = hf(torch.tensor([prompt])).last_hidden_state[0]
+        expected = {"CLS": states[0], "MEAN": states.mean(0), "LAST": states[-1]}[pooling]
+        torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("kind", "num_labels"), [("bert", 3), ("bert", 1), ("roberta", 2), ("xlm-roberta", 1)])
+def test_classifier_logits_match_transformers(tmp_path, kind, num_labels):
+    """BertForSequenceClassification (pooler + classifier over [CLS]) and RoBERTa's classification
+    head; BERT's sentence pairs with token type 1 from the second text on (compressed_token_type_ids)."""
+    path, hf = save_tiny_encoder(tmp_path, kind, num_labels=num_labels)
+    config = ModelConfig.from_pretrained(path)
+    assert len(config.labels) == num_labels and config.encoder_only
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    prompts = random_prompts(6, seed=4)
+    rng = random.Random(5)
+    type_starts = ({rid: rng.randrange(len(p) + 1) for rid, p in prompts.items() if len(p) > 2}
+                   if kind == "bert" else {})
+    outputs = pooled_outputs(runner, prompts, "CLS", type_starts)
+    for rid, prompt in prompts.items():
+        types = torch.zeros(1, len(prompt), dtype=torch.long)
+        if rid in type_starts:
+            types[0, type_starts[rid]:] = 1
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt]), token_type_ids=types).logits[0]
+        torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
+    if kind == "bert" and num_labels == 3:  # (types that matter: the same pair as all type 0 differs)
+        rid = next(iter(type_starts))
+        plain = pooled_outputs(runner, {rid: prompts[rid]}, "CLS")
+        assert not torch.allclose(torch.tensor(plain[rid]), torch.tensor(outputs[rid]), atol=1e-3)
+
+
+def test_a_prompt_scheduled_in_chunks_is_refused(tmp_path):
+    """An encoder cannot attend to keys of a chunk it does not see: the runner refuses a prompt the
+    scheduler split (the engine never schedules one so; see EngineCore)."""
+    path, _ = save_tiny_encoder(tmp_path, "bert")
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    with pytest.raises(ValueError, match="an encoder runs a prompt whole in one pass"):
+        pooled_outputs(runner, {"long": list(range(5, 30))}, budget=8, chunked=True)
+
+
+def test_encoder_configs():
+    base = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4}
+    bert = ModelConfig.from_dict({**base, "architectures": ["BertModel"]})
+    assert (bert.max_context_len, bert.position_offset, bert.type_vocab_size, bert.layer_norm_eps) == (512, 0, 2, 1e-12)
+    xlmr = ModelConfig.from_dict({**base, "architectures": ["XLMRobertaModel"], "max_position_embeddings": 8194,
+                                  "pad_token_id": 1, "type_vocab_size": 1, "layer_norm_eps": 1e-5})
+    # bge-m3: 8194 rows, positions from row 2: 8192 tokens.
+    assert (xlmr.architecture, xlmr.max_context_len, xlmr.position_offset) == ("RobertaModel", 8192, 2)
+    reranker = ModelConfig.from_dict({**base, "architectures": ["XLMRobertaForSequenceClassification"],
+                                      "num_labels": 1, "max_position_embeddings": 514})
+    assert reranker.labels == ("LABEL_0",) and reranker.cross_encoder_activation == "sigmoid"
+    ms_marco = ModelConfig.from_dict({**base, "architectures": ["BertForSequenceClassification"], "num_labels": 1,
+                                      "sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"})
+    assert ms_marco.cross_encoder_activation == "none" and ms_marco.labels == ("LABEL_0",)
+    with pytest.raises(ValueError, match="position_embedding_type must be 'absolute'"):
+        ModelConfig.from_dict({**base, "architectures": ["BertModel"], "position_embedding_type": "relative_key"})
+    with pytest.raises(ValueError, match="is_decoder / add_cross_attention"):
+        ModelConfig.from_dict({**base, "architectures": ["BertModel"], "is_decoder": True})
+    with pytest.raises(ValueError, match="hidden_act must be one of"):
+        ModelConfig.from_dict({**base, "architectures": ["BertModel"], "hidden_act": "relu"})
+    with pytest.raises(ValueError, match="classifier_from_token is for causal LMs"):
+        ModelConfig.from_dict({**base, "architectures": ["BertForSequenceClassification"],
+                               "classifier_from_token": ["a", "b"]})
+
+
+@pytest.mark.slow
+def test_tp2_over_gloo_equals_tp1(tmp_path):
+    """A BERT classifier split over two ranks (heads and MLP by width, an odd vocabulary padded):
+    the same class logits, token types included, as on one; no rank keeps a KV cache."""
+    ray = pytest.importorskip("ray")
+    from gpu_worker.worker import Worker
+    from tests.gpu_worker.utils import free_port
+
+    path, _ = save_tiny_encoder(tmp_path, "bert", num_labels=3, vocab_size=251)
+    prompts = random_prompts(5, seed=6)
+    type_starts = {rid: len(p) // 2 for rid, p in prompts.items()}
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=64, num_cpus=1)
+    tp1 = Worker(0, 1, str(path), **kwargs)
+    tp1.load_model()
+    num_blocks = tp1.determine_num_blocks(4)  # (no memory asked for: an encoder's blocks cost none)
+    tp1.initialize_cache(num_blocks, 4)
+    expected = pooled_outputs(None, prompts, "CLS", type_starts, execute=tp1.execute_model, num_blocks=num_blocks)
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ranks = [ray.remote(num_cpus=1)(Worker).remote(rank, 2, str(path), **kwargs) for rank in range(2)]
+        port = free_port()
+        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
+        ray.get([w.load_model.remote() for w in ranks])
+        assert ray.get([w.determine_num_blocks.remote(4) for w in ranks]) == [num_blocks] * 2
+        ray.get([w.initialize_cache.remote(num_blocks, 4) for w in ranks])
+        assert ray.get([w.__ray_call__.remote(lambda w: len(w.runner.kv_caches)) for w in ranks]) == [0, 0]
+
+        def execute(so):
+            outs = ray.get([w.execute_model.remote(so) for w in ranks])
+            return outs[0]
+
+        got = pooled_outputs(None, prompts, "CLS", type_starts, execute=execute, num_blocks=num_blocks)
+        ray.get([w.shutdown.remote() for w in ranks])
+    finally:
+        if started_here:
+            ray.shutdown()
+    for rid in prompts:
+        torch.testing.assert_close(torch.tensor(got[rid]), torch.tensor(expected[rid]), atol=1e-5, rtol=1e-5)
