@@ -12,19 +12,23 @@ import pytest
 
 from cluster.config import ClusterConfig, EngineSpec, ServedModel
 from tests.serve_cluster import serve_cluster
-from tests.tiny_model import build_tiny_llama
+from tests.tiny_model import build_tiny_bert, build_tiny_llama
 
 pytestmark = pytest.mark.slow
 
 
 def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_model_dir, tmp_path_factory):
     second = build_tiny_llama(tmp_path_factory.mktemp("second-model"), seed=7, num_layers=1)
+    # And a third: a BERT cross-encoder (ms-marco-style), on an engine of its own.
+    reranker = build_tiny_bert(tmp_path_factory.mktemp("bert-reranker"), num_labels=1)
     config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=1,
                            defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
-                           models=[ServedModel(model=str(second), served_model_name="tiny-b")])
+                           models=[ServedModel(model=str(second), served_model_name="tiny-b"),
+                                   ServedModel(model=str(reranker), served_model_name="bert-ce")])
     with serve_cluster(config) as served:
         client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list()] == ["tiny", "tiny-b"]
+        assert [m.id for m in client.models.list()] == ["tiny", "tiny-b", "bert-ce"]
+        _check_bert_reranker(client, reranker)
         greedy = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
         a = client.completions.create(model="tiny", prompt="Hello world", **greedy)
         b = [client.completions.create(model="tiny-b", prompt="Hello world", **greedy) for _ in range(2)]
@@ -33,13 +37,14 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
         chat = client.chat.completions.create(model="tiny-b", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=4)
         assert chat.model == "tiny-b" and chat.usage.completion_tokens >= 1
-        # Engine 0 serves "tiny", engine 1 "tiny-b" (numbered after the first model's).
-        assert [s.num_requests_added for s in served.stats()] == [1, 3]
+        # Engine 0 serves "tiny", engine 1 "tiny-b" (numbered after the first model's), engine 2 "bert-ce".
+        assert [s.num_requests_added for s in served.stats()] == [1, 3, 2]
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="tiny-c", prompt="Hello")
         health = httpx.get(f"{served.base}/health", timeout=30).json()
         assert health["models"] == {"tiny": {"healthy_engines": 1, "engines": 1},
-                                    "tiny-b": {"healthy_engines": 1, "engines": 1}}
+                                    "tiny-b": {"healthy_engines": 1, "engines": 1},
+                                    "bert-ce": {"healthy_engines": 1, "engines": 1}}
         metrics = httpx.get(f"{served.base}/metrics", timeout=30).text
 
         def series(name: str, **labels: str) -> list[str]:
@@ -50,3 +55,26 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
         assert series("vllm:request_success_total", model_name="tiny", engine="0")
         routed = series("llm_cluster:router_requests_routed_total", model_name="tiny-b")
         assert routed and all('engine="1"' in line for line in routed)
+
+
+def _check_bert_reranker(client: openai.OpenAI, path) -> None:
+    """/v1/rerank on the BERT cross-encoder's engine actor: each (query, document) pair scored as
+    transformers scores it, token types included; it neither embeds nor generates."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    query, docs = "what is the capital of france?", ["Berlin is in Germany.", "Paris is the capital of France."]
+    ranked = client.post("/rerank", body={"model": "bert-ce", "query": query, "documents": docs}, cast_to=object)
+    expected = []
+    for doc in docs:
+        with torch.no_grad():
+            expected.append(float(torch.sigmoid(model(**tokenizer(query, text_pair=doc, return_tensors="pt")
+                                                      ).logits[0, 0])))
+    assert {r["index"]: r["relevance_score"] for r in ranked["results"]} == pytest.approx(dict(enumerate(expected)),
+                                                                                       abs=1e-5)
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="bert-ce", input="Paris")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="bert-ce", prompt="Paris", max_tokens=2)
