@@ -44,7 +44,10 @@ CLASSIFIER_DECODER_OF = {
 ENCODER_ARCHITECTURES = {
     "BertModel": "BertModel", "RobertaModel": "RobertaModel", "XLMRobertaModel": "RobertaModel",
     "BertForSequenceClassification": "BertModel", "RobertaForSequenceClassification": "RobertaModel",
-    "XLMRobertaForSequenceClassification": "RobertaModel"}
+    "XLMRobertaForSequenceClassification": "RobertaModel",
+    # ModernBERT (gte-modernbert, modernbert-embed, gte-reranker-modernbert): RoPE, pre-norm layers,
+    # GeGLU, and a bidirectional sliding window in two layers of three.
+    "ModernBertModel": "ModernBertModel", "ModernBertForSequenceClassification": "ModernBertModel"}
 # transformers' Gemma3TextConfig defaults: Gemma 3 4B+'s text_config lists only what differs from them.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -184,6 +187,64 @@ def _cross_encoder_activation(cfg: dict[str, Any]) -> str:
     if str(named).endswith("Identity"):
         return "none"
     raise ValueError(f"the cross-encoder activation {named!r} is not served (Sigmoid or Identity are)")
+
+
+def _encoder_activation(arch: str, cfg: dict[str, Any], key: str, default: str = "gelu") -> str:
+    act = cfg.get(key) or default
+    if act not in ENCODER_ACTIVATIONS:
+        raise ValueError(f"{key} must be one of {tuple(ENCODER_ACTIVATIONS)} for {arch}, got {act!r}")
+    return act
+
+
+def _bert_fields(ours: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """BERT's and RoBERTa's own ModelConfig fields, as BertConfig / RobertaConfig read them."""
+    position_type = cfg.get("position_embedding_type") or "absolute"
+    if position_type != "absolute":
+        raise ValueError(f"position_embedding_type must be 'absolute' for {arch}, got {position_type!r}")
+    # RoBERTa numbers positions from padding_idx + 1: its table's first rows are never read.
+    offset = int(cfg.get("pad_token_id", 1)) + 1 if ours == "RobertaModel" else 0
+    positions = int(cfg.get("max_position_embeddings", 512)) - offset
+    if positions < 1:
+        raise ValueError(f"max_position_embeddings ({cfg.get('max_position_embeddings')}) leaves no position "
+                         f"after {arch}'s offset of {offset}")
+    return dict(rope_theta=0.0, max_position_embeddings=positions, qkv_bias=True, o_proj_bias=True, mlp_bias=True,
+                sliding_window=None, hidden_act=_encoder_activation(arch, cfg, "hidden_act"),
+                layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+                type_vocab_size=int(cfg.get("type_vocab_size", 2)), position_offset=offset, default_pooling_type="CLS")
+
+
+def _modernbert_fields(arch: str, cfg: dict[str, Any], classifier: bool) -> dict[str, Any]:
+    """ModernBERT's own ModelConfig fields, as ModernBertConfig reads them (its 4.x keys, or 5.x's
+    layer_types and per-kind rope_parameters): global RoPE on the full-attention layers, local RoPE
+    and a bidirectional window of local_attention // 2 tokens each side on the others."""
+    num_layers = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list):
+        every = int(cfg.get("global_attn_every_n_layers", 3))
+        kinds = ["sliding_attention" if i % every else "full_attention" for i in range(num_layers)]
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types lists {len(kinds)} layers, the model has {num_layers}")
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    thetas = {}
+    for kind, key, default in (("full_attention", "global_rope_theta", 160_000.0),
+                               ("sliding_attention", "local_rope_theta", 10_000.0)):
+        kind_params = params.get(kind) or {}
+        if kind_params.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
+            raise ValueError(f"{arch}: only default RoPE is served, got {kind_params or cfg.get('rope_scaling')}")
+        thetas[kind] = float(kind_params.get("rope_theta", cfg.get(key, default)))
+    pooling = str(cfg.get("classifier_pooling", "cls")).upper()
+    if pooling not in ("CLS", "MEAN"):
+        raise ValueError(f"classifier_pooling must be 'cls' or 'mean' for {arch}, "
+                         f"got {cfg.get('classifier_pooling')!r}")
+    _encoder_activation(arch, cfg, "classifier_activation")
+    return dict(rope_theta=thetas["full_attention"], local_rope_theta=thetas["sliding_attention"],
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+                qkv_bias=bool(cfg.get("attention_bias", False)), o_proj_bias=bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_window=int(cfg.get("local_attention", 128)) // 2,
+                sliding_window_layers=tuple(kind == "sliding_attention" for kind in kinds),
+                hidden_act=_encoder_activation(arch, cfg, "hidden_activation"),
+                layer_norm_eps=float(cfg.get("norm_eps", 1e-5)), norm_bias=bool(cfg.get("norm_bias", False)),
+                type_vocab_size=0, default_pooling_type=pooling if classifier else "CLS")
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -360,6 +421,12 @@ class ModelConfig:
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 0
     position_offset: int = 0
+    # Whether an encoder's LayerNorms have a bias (ModernBERT's do not, by default).
+    norm_bias: bool = True
+    # How its embeddings (and class logits) pool the prompt unless its sentence-transformers files or
+    # --pooler-config say otherwise: LAST for decoders, CLS for encoders (ModernBERT's classifiers:
+    # their classifier_pooling).
+    default_pooling_type: str = "LAST"
 
     @property
     def attention_scale(self) -> float:
@@ -526,44 +593,30 @@ class ModelConfig:
 
     @classmethod
     def _encoder(cls, arch: str, cfg: dict[str, Any]) -> ModelConfig:
-        """A BERT-family encoder's config, as transformers' BertConfig / RobertaConfig read it."""
+        """A BERT-family encoder's config, as transformers' BertConfig / RobertaConfig / ModernBertConfig read it."""
         ours = ENCODER_ARCHITECTURES[arch]
         if cfg.get("classifier_from_token") is not None:
             raise ValueError(f"classifier_from_token is for causal LMs; {arch} has its own classifier head")
         if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
             raise ValueError(f"{arch} configured as a decoder (is_decoder / add_cross_attention) is not served: "
                              "only the encoder is")
-        position_type = cfg.get("position_embedding_type") or "absolute"
-        if position_type != "absolute":
-            raise ValueError(f"position_embedding_type must be 'absolute' for {arch}, got {position_type!r}")
-        act = cfg.get("hidden_act", "gelu")
-        if act not in ENCODER_ACTIVATIONS:
-            raise ValueError(f"hidden_act must be one of {tuple(ENCODER_ACTIVATIONS)} for {arch}, got {act!r}")
         hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         if hidden % num_heads:
             raise ValueError(f"hidden_size ({hidden}) must be a multiple of num_attention_heads ({num_heads})")
-        # RoBERTa numbers positions from padding_idx + 1: its table's first rows are never read.
-        offset = int(cfg.get("pad_token_id", 1)) + 1 if ours == "RobertaModel" else 0
-        positions = int(cfg.get("max_position_embeddings", 512)) - offset
-        if positions < 1:
-            raise ValueError(f"max_position_embeddings ({cfg.get('max_position_embeddings')}) leaves no position "
-                             f"after {arch}'s offset of {offset}")
-        classifier = arch.endswith("ForSequenceClassification")
-        labels = _labels(cfg) if classifier else ()
+        labels = _labels(cfg) if arch.endswith("ForSequenceClassification") else ()
+        family = (_modernbert_fields(arch, cfg, bool(labels)) if ours == "ModernBertModel"
+                  else _bert_fields(ours, arch, cfg))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
         return cls(
             architecture=ours, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=num_heads, num_key_value_heads=num_heads, head_dim=hidden // num_heads,
-            rms_norm_eps=0.0, rope_theta=0.0, rope_scaling=None, max_position_embeddings=positions,
-            tie_word_embeddings=False, qkv_bias=True, o_proj_bias=True, mlp_bias=True, qk_norm=False,
-            eos_token_ids=(), sliding_window=None,
+            rms_norm_eps=0.0, rope_scaling=None, tie_word_embeddings=False, qk_norm=False, eos_token_ids=(),
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None, raw=dict(cfg),
-            hidden_act=act, embedding_only=True, labels=labels,
+            embedding_only=True, labels=labels,
             classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),
             cross_encoder_activation=_cross_encoder_activation(cfg) if labels else "sigmoid",
-            encoder_only=True, layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
-            type_vocab_size=int(cfg.get("type_vocab_size", 2)), position_offset=offset)
+            encoder_only=True, **family)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:

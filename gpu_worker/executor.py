@@ -67,7 +67,7 @@ class _ExecutorBase(Executor):
         try:
             # (An encoder pools its [CLS] token unless its files say otherwise, as vLLM's BERT models do.)
             pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config),
-                                           default_type="CLS" if self.model_config.encoder_only else "LAST")
+                                           default_type=self.model_config.default_pooling_type)
         except ValueError as e:
             if embeds_only:
                 raise

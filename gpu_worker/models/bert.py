@@ -44,13 +44,15 @@ def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
 
 
 class EncoderAttention(nn.Module):
-    """Bidirectional attention within each prompt, over the pass's own q/k/v: nothing is cached."""
+    """Bidirectional attention within each prompt, over the pass's own q/k/v: nothing is cached.
+    With a ``window``, query i sees only the keys j with |i - j| <= window (ModernBERT's local layers)."""
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         """q, k, v: [T, num_heads, head_dim], the pass's prompts one after another.
@@ -58,15 +60,18 @@ class EncoderAttention(nn.Module):
         num_tokens = q.shape[0]
         bounds = meta.query_start_loc
         if len(bounds) == 2:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                 scale=self.scale)
-            return out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim)
+            return self._attend(q, k, v, meta).reshape(num_tokens, self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         for start, end in itertools.pairwise(bounds):
-            span = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
-                                                  v[start:end].transpose(0, 1), scale=self.scale)
-            out[start:end] = span.transpose(0, 1)
+            out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], meta)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
+        """One prompt's [L, num_heads, head_dim] q, k, v -> its [L, num_heads, head_dim] output."""
+        mask = None if self.window is None else meta.window_mask(q.shape[0], self.window, q.device)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask, scale=self.scale)
+        return out.transpose(0, 1)
 
 
 class BertSelfAttention(nn.Module):

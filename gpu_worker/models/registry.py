@@ -17,6 +17,7 @@ from gpu_worker.models.llama import (
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from gpu_worker.models.modernbert import ModernBertModel
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -32,6 +33,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
+    "ModernBertModel": ModernBertModel,
 }
 
 

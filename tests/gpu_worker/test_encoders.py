@@ -8,7 +8,14 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModel, AutoModelForSequenceClassification, BertConfig, RobertaConfig, XLMRobertaConfig
+from transformers import (
+    AutoModel,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    ModernBertConfig,
+    RobertaConfig,
+    XLMRobertaConfig,
+)
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
@@ -17,16 +24,24 @@ from engine_core.sched.scheduler import Scheduler
 from gpu_worker.config import ModelConfig
 from tests.gpu_worker.utils import make_runner, run_to_completion
 
-_CONFIGS = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig}
+_CONFIGS = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig,
+            "modernbert": ModernBertConfig}
 
 
 def save_tiny_encoder(path, kind: str, num_labels: int = 0, seed: int = 0, **overrides):
     """A random-weight encoder checkpoint: the bare model (AutoModel, saved with BERT's pooler) or,
-    with ``num_labels``, its *ForSequenceClassification. Biases and LayerNorms are random too."""
-    roberta = kind != "bert"
+    with ``num_labels``, its *ForSequenceClassification. Biases and LayerNorms are random too.
+    ModernBERT: three layers (two windowed, of 8 tokens each side), with biases, so that all of them
+    are read."""
+    roberta = kind in ("roberta", "xlm-roberta")
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=64 + (2 if roberta else 0), type_vocab_size=1 if roberta else 2,
               pad_token_id=1 if roberta else 0, num_labels=max(num_labels, 1))
+    if kind == "modernbert":
+        kw.update(num_hidden_layers=3, local_attention=16, global_attn_every_n_layers=3, norm_bias=True,
+                  attention_bias=True, mlp_bias=True, classifier_bias=True, global_rope_theta=1000.0,
+                  local_rope_theta=100.0)
+        del kw["type_vocab_size"]
     kw.update(overrides)
     torch.manual_seed(seed)
     auto = AutoModelForSequenceClassification if num_labels else AutoModel
@@ -68,7 +83,7 @@ def random_prompts(count: int, seed: int, max_len: int = 40) -> dict[str, list[i
     return {f"p{i}": [rng.randrange(5, 250) for _ in range(rng.randrange(1, max_len))] for i in range(count)}
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta", "modernbert"])
 @pytest.mark.parametrize("pooling", ["CLS", "MEAN", "LAST"])
 def test_embeddings_match_transformers(tmp_path, kind, pooling):
     """Several prompts of different lengths (one of a single token) in one pass, each attending to
@@ -76,10 +91,12 @@ def test_embeddings_match_transformers(tmp_path, kind, pooling):
     path, hf = save_tiny_encoder(tmp_path, kind)
     config = ModelConfig.from_pretrained(path)
     assert config.encoder_only and config.embedding_only and config.labels == ()
-    assert config.architecture == ("BertModel" if kind == "bert" else "RobertaModel")
+    assert config.architecture == {"bert": "BertModel", "modernbert": "ModernBertModel"}.get(kind, "RobertaModel")
     assert config.max_context_len == 64  # (RoBERTa's table holds 66 rows; positions start at row 2)
     runner = make_runner(path, num_blocks=64, block_size=4)
-    assert runner.model.model.pooler is None  # (the checkpoint's pooler is not what embeddings read)
+    # (The checkpoint's pooler is not what embeddings read.)
+    assert getattr(runner.model.model, "pooler", None) is None
+    # (Prompts up to 40 tokens: longer than ModernBERT's window of 17.)
     prompts = {**random_prompts(5, seed=3), "single": [42]}
     outputs = pooled_outputs(runner, prompts, pooling)
     for rid, prompt in prompts.items():
@@ -89,25 +106,31 @@ def test_embeddings_match_transformers(tmp_path, kind, pooling):
         torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("kind", "num_labels"), [("bert", 3), ("bert", 1), ("roberta", 2), ("xlm-roberta", 1)])
-def test_classifier_logits_match_transformers(tmp_path, kind, num_labels):
-    """BertForSequenceClassification (pooler + classifier over [CLS]) and RoBERTa's classification
-    head; BERT's sentence pairs with token type 1 from the second text on (compressed_token_type_ids)."""
-    path, hf = save_tiny_encoder(tmp_path, kind, num_labels=num_labels)
+@pytest.mark.parametrize(("kind", "num_labels", "overrides"), [
+    ("bert", 3, {}), ("bert", 1, {}), ("roberta", 2, {}), ("xlm-roberta", 1, {}),
+    ("modernbert", 2, {}), ("modernbert", 1, {"classifier_pooling": "mean"})])
+def test_classifier_logits_match_transformers(tmp_path, kind, num_labels, overrides):
+    """BertForSequenceClassification (pooler + classifier over [CLS]), RoBERTa's classification head
+    and ModernBERT's (head + classifier over its classifier_pooling); BERT's sentence pairs with
+    token type 1 from the second text on (compressed_token_type_ids)."""
+    path, hf = save_tiny_encoder(tmp_path, kind, num_labels=num_labels, **overrides)
     config = ModelConfig.from_pretrained(path)
     assert len(config.labels) == num_labels and config.encoder_only
+    pooling = config.default_pooling_type
+    assert pooling == ("MEAN" if overrides else "CLS")
     runner = make_runner(path, num_blocks=64, block_size=4)
     prompts = random_prompts(6, seed=4)
     rng = random.Random(5)
     type_starts = ({rid: rng.randrange(len(p) + 1) for rid, p in prompts.items() if len(p) > 2}
                    if kind == "bert" else {})
-    outputs = pooled_outputs(runner, prompts, "CLS", type_starts)
+    outputs = pooled_outputs(runner, prompts, pooling, type_starts)
     for rid, prompt in prompts.items():
         types = torch.zeros(1, len(prompt), dtype=torch.long)
         if rid in type_starts:
             types[0, type_starts[rid]:] = 1
         with torch.no_grad():
-            expected = hf(torch.tensor([prompt]), token_type_ids=types).logits[0]
+            expected = hf(torch.tensor([prompt]), **({"token_type_ids": types} if kind != "modernbert" else {})
+                          ).logits[0]
         torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
     if kind == "bert" and num_labels == 3:  # (types that matter: the same pair as all type 0 differs)
         rid = next(iter(type_starts))
@@ -145,22 +168,45 @@ def test_encoder_configs():
         ModelConfig.from_dict({**base, "architectures": ["BertModel"], "is_decoder": True})
     with pytest.raises(ValueError, match="hidden_act must be one of"):
         ModelConfig.from_dict({**base, "architectures": ["BertModel"], "hidden_act": "relu"})
+    # gte-modernbert-base's config (transformers 4.x keys), and 5.x's layer_types / rope_parameters.
+    modern = {**base, "architectures": ["ModernBertModel"], "num_hidden_layers": 22, "global_attn_every_n_layers": 3,
+              "local_attention": 128, "global_rope_theta": 160000.0, "local_rope_theta": 10000.0,
+              "max_position_embeddings": 8192, "norm_eps": 1e-5, "norm_bias": False, "hidden_activation": "gelu",
+              "classifier_pooling": "mean"}
+    gte = ModelConfig.from_dict(modern)
+    assert (gte.max_context_len, gte.sliding_window, gte.rope_theta, gte.local_rope_theta) == (8192, 64, 160000.0,
+                                                                                                10000.0)
+    assert [i for i, windowed in enumerate(gte.sliding_window_layers) if not windowed] == [0, 3, 6, 9, 12, 15, 18, 21]
+    assert (gte.default_pooling_type, gte.norm_bias, gte.qkv_bias, gte.mlp_bias) == ("CLS", False, False, False)
+    assert ModelConfig.from_dict({**modern, "architectures": ["ModernBertForSequenceClassification"],
+                                  "num_labels": 1}).default_pooling_type == "MEAN"
+    v5 = ModelConfig.from_dict({**base, "architectures": ["ModernBertModel"],
+                                "layer_types": ["full_attention", "sliding_attention"],
+                                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5.0},
+                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 7.0}}})
+    assert (v5.sliding_window_layers, v5.rope_theta, v5.local_rope_theta) == ((False, True), 5.0, 7.0)
+    with pytest.raises(ValueError, match="only default RoPE is served"):
+        ModelConfig.from_dict({**modern, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    with pytest.raises(ValueError, match="classifier_pooling must be 'cls' or 'mean'"):
+        ModelConfig.from_dict({**modern, "classifier_pooling": "max"})
     with pytest.raises(ValueError, match="classifier_from_token is for causal LMs"):
         ModelConfig.from_dict({**base, "architectures": ["BertForSequenceClassification"],
                                "classifier_from_token": ["a", "b"]})
 
 
 @pytest.mark.slow
-def test_tp2_over_gloo_equals_tp1(tmp_path):
-    """A BERT classifier split over two ranks (heads and MLP by width, an odd vocabulary padded):
-    the same class logits, token types included, as on one; no rank keeps a KV cache."""
+@pytest.mark.parametrize("kind", ["bert", "modernbert"])
+def test_tp2_over_gloo_equals_tp1(tmp_path, kind):
+    """A BERT (ModernBERT) classifier split over two ranks (heads and MLP by width, ModernBERT's fused
+    Wqkv and Wi split as read, an odd vocabulary padded): the same class logits, BERT's token types
+    included, as on one; no rank keeps a KV cache."""
     ray = pytest.importorskip("ray")
     from gpu_worker.worker import Worker
     from tests.gpu_worker.utils import free_port
 
-    path, _ = save_tiny_encoder(tmp_path, "bert", num_labels=3, vocab_size=251)
+    path, _ = save_tiny_encoder(tmp_path, kind, num_labels=3, vocab_size=251)
     prompts = random_prompts(5, seed=6)
-    type_starts = {rid: len(p) // 2 for rid, p in prompts.items()}
+    type_starts = {rid: len(p) // 2 for rid, p in prompts.items()} if kind == "bert" else {}
     kwargs = dict(device="cpu", dtype="float32", max_model_len=64, num_cpus=1)
     tp1 = Worker(0, 1, str(path), **kwargs)
     tp1.load_model()
