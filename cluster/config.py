@@ -78,7 +78,7 @@ class EngineSpec(BaseModel):
 
 
 _DEFAULTS = EngineSpec(
-    max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None, enable_chunked_prefill=True,
+    max_num_seqs=256, max_num_batched_tokens=None, max_model_len=None, enable_chunked_prefill=True,
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,

@@ -24,10 +24,16 @@ def _require(condition: bool, flag: str, allowed: str, value: object) -> None:
         raise ValueError(f"{flag} must be {allowed}, got {value!r}")
 
 
+# The per-pass token budget when --max-num-batched-tokens is not given (vLLM's default for online serving).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # None: DEFAULT_MAX_NUM_BATCHED_TOKENS, or max_model_len where that is more and prompts run whole
+    # (chunked prefill off, an encoder), as vLLM derives it.
+    max_num_batched_tokens: int | None = None
     # When set, outranks max_num_batched_tokens as the per-pass token budget (seed: "silently outranks").
     max_num_scheduled_tokens: int | None = None
     # None: the model's own context length (the engine fills it in when it loads the model).
@@ -41,6 +47,12 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
                  "max_num_seqs", ">= 1", self.max_num_seqs)
+        budget_derived = self.max_num_batched_tokens is None
+        object.__setattr__(self, "_budget_derived", budget_derived)
+        if budget_derived:
+            whole = not self.enable_chunked_prefill and self.max_model_len is not None
+            object.__setattr__(self, "max_num_batched_tokens", max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                                   self.max_model_len if whole else 0))
         _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
                  "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
         _require(self.max_num_scheduled_tokens is None
@@ -69,11 +81,31 @@ class SchedulerConfig:
         if derived and self.max_model_len is not None:
             object.__setattr__(self, "long_prefill_token_threshold", int(self.max_model_len * 0.04))
 
+    def _replaced(self, **changes: Any) -> SchedulerConfig:
+        """``replace``, with what was derived from other flags left to be derived again."""
+        derived: dict[str, Any] = {}
+        if self._budget_derived:  # type: ignore[attr-defined]
+            derived["max_num_batched_tokens"] = None
+        if self._threshold_derived:  # type: ignore[attr-defined]
+            derived["long_prefill_token_threshold"] = 0
+        return replace(self, **{**derived, **changes})
+
     def with_max_model_len(self, max_model_len: int) -> SchedulerConfig:
-        """The same flags for another context length; a threshold derived from the context length
-        is derived again from the new one."""
-        threshold = 0 if self._threshold_derived else self.long_prefill_token_threshold  # type: ignore[attr-defined]
-        return replace(self, max_model_len=max_model_len, long_prefill_token_threshold=threshold)
+        """The same flags for another context length; a threshold (or budget) derived from the
+        context length is derived again from the new one."""
+        return self._replaced(max_model_len=max_model_len)
+
+    def for_whole_prompts(self) -> SchedulerConfig:
+        """The same flags for a model whose prompts cannot be split (an encoder: every token attends
+        to every other): no chunked prefill and no long-prefill threshold; a derived budget grows to
+        max_model_len, and one set below it is refused (ValueError naming the flag)."""
+        budget_set = not self._budget_derived or self.max_num_scheduled_tokens is not None  # type: ignore[attr-defined]
+        if budget_set and self.max_model_len is not None and self.token_budget < self.max_model_len:
+            raise ValueError(f"this model runs each prompt whole in one pass (an encoder), so max_num_batched_tokens "
+                             f"({self.token_budget}) must be >= max_model_len ({self.max_model_len}): raise "
+                             "--max-num-batched-tokens or lower --max-model-len")
+        return self._replaced(enable_chunked_prefill=False, long_prefill_token_threshold=0,
+                              max_num_partial_prefills=1, max_long_partial_prefills=1)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -22,7 +22,7 @@ from typing import Any
 from engine_core.channel import ChannelAddress, ChannelServer
 from engine_core.config import EngineConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
-from engine_core.engine_core import EngineCore, GenerationRefusedError
+from engine_core.engine_core import EngineCore, RequestRefusedError
 from engine_core.executor import ExecutorFactory, ModelInfo, engine_uses_gpu
 from engine_core.lora import LoRANotLoadedError
 from engine_core.metrics import EngineMetrics
@@ -115,9 +115,9 @@ class EngineCoreService:
     def admit(self, request: EngineCoreRequest) -> None:
         """add_request behind the waiting-queue cap: OverflowError when the queue is full."""
         # Refused here, before it is queued: the caller learns why (an adapter this engine lacks, or
-        # generation asked of an embedding model).
+        # what the model cannot serve: generation asked of an embedding model, ...).
         self.engine.check_lora(request)
-        self.engine.check_generates(request)
+        self.engine.check_servable(request)
         waiting_cap = self.config.max_waiting_requests
         if waiting_cap and self.num_waiting() >= waiting_cap:
             raise OverflowError(f"engine {self.config.engine_index}: queue is full ({waiting_cap} waiting requests)")
@@ -160,9 +160,9 @@ class EngineCoreService:
             return
         try:
             added = self.engine.add_request(request)
-        except (LoRANotLoadedError, GenerationRefusedError) as e:
-            # (Its adapter was unloaded after admit() checked it, or generation reached an embedding
-            # model without admit(): the client learns it from an error output, not by waiting.)
+        except (LoRANotLoadedError, RequestRefusedError) as e:
+            # (Its adapter was unloaded after admit() checked it, or what the model cannot serve
+            # reached it without admit(): the client learns it from an error output, not by waiting.)
             self._publish({request.client_index: EngineCoreOutputs(
                 [EngineCoreOutput(request.request_id, [], FinishReason.ERROR, str(e))],
                 engine_index=self.config.engine_index, timestamp=time.time())})

@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 _EMPTY_MODEL_OUTPUT = ModelRunnerOutput([], {}, [])
 
 
-class GenerationRefusedError(ValueError):
-    """A generation request sent to an engine whose model does not generate (runner pooling)."""
+class RequestRefusedError(ValueError):
+    """A request this engine's model cannot serve as asked: generation of an embedding-only model
+    (runner pooling), token types for a model without them, a streaming session on an encoder."""
 
 
 class EngineCore:
@@ -129,16 +130,14 @@ class EngineCore:
     def _encoder_scheduler_config(self, sched_cfg: SchedulerConfig) -> SchedulerConfig:
         """An encoder's prompts attend both ways: each is scheduled whole in one pass (no chunked
         prefill, no long-prefill threshold), which a budget below max_model_len could not do."""
-        if sched_cfg.token_budget < sched_cfg.max_model_len:
+        try:
+            whole = sched_cfg.for_whole_prompts()
+        except ValueError as e:
             self.executor.shutdown()
-            raise ValueError(
-                f"engine {self.config.engine_index}: an encoder model runs each prompt whole in one pass, so "
-                f"max_num_batched_tokens ({sched_cfg.token_budget}) must be >= max_model_len "
-                f"({sched_cfg.max_model_len}): raise --max-num-batched-tokens or lower --max-model-len")
-        if sched_cfg.enable_chunked_prefill:
-            logger.info("engine %d: encoder model: chunked prefill and prefix caching off", self.config.engine_index)
-        return dataclasses.replace(sched_cfg, enable_chunked_prefill=False, long_prefill_token_threshold=0,
-                       max_num_partial_prefills=1, max_long_partial_prefills=1)
+            raise ValueError(f"engine {self.config.engine_index}: {e}") from None
+        logger.info("engine %d: encoder model: whole prompts (budget %d), no prefix caching",
+                    self.config.engine_index, whole.token_budget)
+        return whole
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Load an adapter on every worker; False when it is loaded already. ValueError for a name
@@ -206,16 +205,25 @@ class EngineCore:
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def check_generates(self, request: EngineCoreRequest) -> None:
-        """GenerationRefusedError for a generation request to an embedding-only model (runner pooling)."""
-        if not self.model_info.pooling.generates and not request.sampling_params.embed:
-            raise GenerationRefusedError(f"{self.model_info.served_model_name} is an embedding model (runner "
-                                         "pooling): it does not generate; ask it for embeddings")
+    def check_servable(self, request: EngineCoreRequest) -> None:
+        """RequestRefusedError for what the model cannot serve: generation of an embedding-only model
+        (runner pooling), token types for a model without a second type (not a BERT), a resumable
+        (streaming-session) request on an encoder, whose prompt must run whole in one pass."""
+        name, params = self.model_info.served_model_name, request.sampling_params
+        if not self.model_info.pooling.generates and not params.embed:
+            raise RequestRefusedError(f"{name} is an embedding model (runner pooling): it does not generate; "
+                                      "ask it for embeddings")
+        if params.compressed_token_type_ids is not None and not self.model_info.pooling.token_types:
+            raise RequestRefusedError(f"{name} takes no token types (compressed_token_type_ids): only a model with "
+                                      "two token types (BERT) does")
+        if request.resumable and self.model_info.encoder_only:
+            raise RequestRefusedError(f"{name} is an encoder: its prompts run whole in one pass, so it serves no "
+                                      "streaming session (resumable request)")
 
     def add_request(self, request: EngineCoreRequest) -> Request | None:
         """Returns the new Request, or None when the id continued a live streaming session."""
         self.check_lora(request)
-        self.check_generates(request)
+        self.check_servable(request)
         eos = request.eos_token_id
         if eos is None and self.model_info.eos_token_ids:
             eos = self.model_info.eos_token_ids[0]

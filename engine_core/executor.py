@@ -43,6 +43,8 @@ class PoolingInfo:
     labels: tuple[str, ...] = ()
     classifier_activation: str = "softmax"
     cross_encoder_activation: str = "sigmoid"
+    # Whether its inputs take token types (BERT's two: a cross-encoder pair's second text is type 1).
+    token_types: bool = False
 
 
 @dataclass(frozen=True)

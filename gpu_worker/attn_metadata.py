@@ -12,7 +12,7 @@ hold a window's keys, so attention costs O(window) per token however long the se
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -60,29 +60,6 @@ class AttentionMetadata:
             return self.windowed
         raise ValueError(f"this step's attention metadata was built for window {self.window}, "
                          f"not for a layer with window {window}")
-
-
-@dataclass
-class EncoderMetadata:
-    """An encoder's pass (bidirectional attention, no KV cache): where each prompt's tokens lie in
-    the flat batch, every prompt whole and starting at position 0."""
-
-    # [num_reqs + 1] host ints: prompt i is rows query_start_loc[i] .. query_start_loc[i + 1] - 1.
-    query_start_loc: list[int]
-    # Sliding-window masks by (prompt length, window), built once a pass for all the windowed layers.
-    window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
-
-    def window_mask(self, length: int, window: int, device: torch.device) -> torch.Tensor | None:
-        """[length, length] bool (True = attend): query i sees key j where |i - j| <= ``window``
-        (ModernBERT's local layers); None when the window covers the whole prompt."""
-        if length <= window + 1:
-            return None
-        mask = self.window_masks.get((length, window))
-        if mask is None:
-            offsets = torch.arange(length, device=device)
-            mask = (offsets[None, :] - offsets[:, None]).abs_() <= window
-            self.window_masks[(length, window)] = mask
-        return mask
 
 
 def compute_slot_mapping(block_table: np.ndarray, req_index: np.ndarray, positions: np.ndarray,

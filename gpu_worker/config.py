@@ -202,7 +202,8 @@ def _bert_fields(ours: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if position_type != "absolute":
         raise ValueError(f"position_embedding_type must be 'absolute' for {arch}, got {position_type!r}")
     # RoBERTa numbers positions from padding_idx + 1: its table's first rows are never read.
-    offset = int(cfg.get("pad_token_id", 1)) + 1 if ours == "RobertaModel" else 0
+    pad = cfg.get("pad_token_id")
+    offset = (1 if pad is None else int(pad)) + 1 if ours == "RobertaModel" else 0
     positions = int(cfg.get("max_position_embeddings", 512)) - offset
     if positions < 1:
         raise ValueError(f"max_position_embeddings ({cfg.get('max_position_embeddings')}) leaves no position "

@@ -8,6 +8,7 @@ rank 0's ``ModelRunnerOutput``; a rank that dies surfaces as an exception within
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -21,7 +22,7 @@ from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
 from gpu_worker.model_resolver import resolve_model
-from gpu_worker.pooler_config import PoolerConfig, resolve_pooler_config
+from gpu_worker.pooler_config import PoolerConfig, resolve_pooler_config, sentence_transformers_max_seq_length
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,20 @@ class _ExecutorBase(Executor):
             # requests are refused with the reason.
             logger.warning("engine %d: %s; it generates, and refuses embeddings", config.engine_index, e)
             pooler, pooling_unavailable = PoolerConfig(), str(e)
+        if self.model_config.encoder_only and self.model_config.labels:
+            pooler = self._encoder_classifier_pooler(pooler, dict(config.pooler_config))
         wanted = config.scheduler.max_model_len  # None: the model's context length
+        if wanted is None and embeds_only:
+            # (A sentence-transformers checkpoint's max_seq_length bounds it by default, as in vLLM.)
+            wanted = sentence_transformers_max_seq_length(self.model_dir)
         self.max_model_len = min(wanted or self.model_config.max_context_len, self.model_config.max_context_len)
+        if self.model_config.encoder_only:
+            # Its prompts run whole: the workers size a pass as the engine's scheduler will (EngineCore).
+            try:
+                whole = config.scheduler.with_max_model_len(self.max_model_len).for_whole_prompts()
+            except ValueError as e:
+                raise ValueError(f"engine {config.engine_index}: {e}") from None
+            self.config = config = dataclasses.replace(config, scheduler=whole)
         self._info = ModelInfo(
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
             max_model_len=self.max_model_len,
@@ -87,7 +100,8 @@ class _ExecutorBase(Executor):
                                 normalize=pooler.normalize, unavailable=pooling_unavailable,
                                 labels=self.model_config.labels,
                                 classifier_activation=self.model_config.classifier_activation,
-                                cross_encoder_activation=self.model_config.cross_encoder_activation))
+                                cross_encoder_activation=self.model_config.cross_encoder_activation,
+                                token_types=self.model_config.type_vocab_size > 1))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,
@@ -100,6 +114,16 @@ class _ExecutorBase(Executor):
         self._num_blocks: int | None = None
         # Adapters loaded on the workers, in load order: a restarted worker group gets them back.
         self._loras: dict[int, LoRARequest] = {}
+
+    def _encoder_classifier_pooler(self, pooler: PoolerConfig, asked: dict[str, Any]) -> PoolerConfig:
+        """An encoder classifier's head reads what its architecture pools (BERT's and RoBERTa's
+        [CLS], ModernBERT's classifier_pooling), as transformers and vLLM run it, whatever
+        sentence-transformers files say; --pooler-config asking another pooling is refused."""
+        pooling = self.model_config.default_pooling_type
+        if str(asked.get("pooling_type", pooling)).upper() != pooling:
+            raise ValueError(f"pooler_config pooling_type {asked['pooling_type']!r}: the classifier head of "
+                             f"{self.model_config.raw['architectures'][0]} reads {pooling} pooling; drop pooling_type")
+        return dataclasses.replace(pooler, pooling_type=pooling)
 
     def _check_lora_enabled(self) -> None:
         if self.config.lora_config is None:

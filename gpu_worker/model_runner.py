@@ -20,15 +20,11 @@ from torch import nn
 
 from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
 from engine_core.sched.output import GrammarBitmask, SchedulerOutput
-from gpu_worker.attn_metadata import (
-    AttentionMetadata,
-    EncoderMetadata,
-    build_attention_metadata,
-    compute_slot_mapping,
-)
+from gpu_worker.attn_metadata import AttentionMetadata, build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.distributed import get_tp_rank
+from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache
 from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
@@ -162,7 +158,7 @@ class ModelRunner:
             req_index = np.repeat(np.arange(len(lens)), lens)
             positions = np.arange(num_tokens) - qsl[req_index]
             slots = compute_slot_mapping(table, req_index, positions, block_size)
-            meta = (EncoderMetadata(qsl.tolist()) if self.config.encoder_only else
+            meta = (EncoderMetadata.build(qsl, self.device) if self.config.encoder_only else
                     self.attention_metadata(table, np.array(blocks_per_req), qsl, np.zeros(len(lens), np.int64),
                                             0, slots, block_size, decode_in_place=False))
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
@@ -476,7 +472,7 @@ class ModelRunner:
         for state in states:
             state.num_computed_tokens = state.num_tokens
         hidden = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
-                            EncoderMetadata(query_start_loc.tolist()), token_types)
+                            EncoderMetadata.build(query_start_loc, self.device), token_types)
         return hidden, list(range(num_reqs)), query_start_loc[1:] - 1
 
     def cacheless_num_blocks(self, block_size: int) -> int:

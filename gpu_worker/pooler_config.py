@@ -75,6 +75,24 @@ def _sentence_transformers_pooler(model_dir: Path, need_type: bool) -> dict[str,
     return found
 
 
+# Where sentence-transformers keeps its Transformer module's settings, by model family (as vLLM reads them).
+_SENTENCE_TRANSFORMERS_CONFIGS = ("sentence_bert_config.json", "sentence_roberta_config.json",
+                                  "sentence_distilbert_config.json", "sentence_camembert_config.json",
+                                  "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
+                                  "sentence_xlnet_config.json")
+
+
+def sentence_transformers_max_seq_length(model_dir: str | Path) -> int | None:
+    """The longest input a sentence-transformers checkpoint was trained to embed (its
+    ``max_seq_length``: 256 for all-MiniLM-L6-v2, 512 for bge), None where it does not say."""
+    for name in _SENTENCE_TRANSFORMERS_CONFIGS:
+        path = Path(model_dir) / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("max_seq_length")
+            return int(value) if isinstance(value, int) and value > 0 else None
+    return None
+
+
 def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None = None,
                           default_type: str = "LAST") -> PoolerConfig:
     """The model's pooling: ``override`` (--pooler-config) over its sentence-transformers files over

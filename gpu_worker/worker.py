@@ -127,6 +127,11 @@ class Worker:
         returns the group-wide minimum. An encoder keeps no cache: its blocks cost nothing, and
         only count a pass's tokens for the scheduler."""
         if num_blocks is None and self.model_config.encoder_only:
+            # (On CUDA a full pass is still profiled: weights and activations must fit the share.)
+            if self.device.type == "cuda" and self._profile_kv_budget(block_size, gpu_memory_utilization) < 0:
+                raise ValueError(f"the model and a pass of {self._runner().max_num_batched_tokens} tokens need more "
+                                 f"than gpu_memory_utilization={gpu_memory_utilization} of the device: raise it, or "
+                                 "lower --max-num-batched-tokens / --max-num-seqs")
             num_blocks = self._runner().cacheless_num_blocks(block_size)
         if num_blocks is None:
             per_block = self.bytes_per_block(block_size)

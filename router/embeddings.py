@@ -108,10 +108,14 @@ class EmbeddingsServing:
 
     def prompt_ids(self, item: str | list[int], request: Any, param: str = "input") -> list[int]:
         """The token ids embedded for one input: ``request`` carries ``truncate_prompt_tokens`` and
-        ``add_special_tokens``; ``param`` is the request field a refusal names."""
+        ``add_special_tokens``; ``param`` is the request field a refusal names. A text is truncated
+        by its tokenizer, which keeps its special tokens (an encoder's [CLS] and [SEP]) around the
+        text's last tokens; token ids keep their last k."""
         serving = self.serving
         if isinstance(item, str):
-            ids = list(serving.tokenizer.encode(item, add_special_tokens=request.add_special_tokens))
+            encoding = tokenize_keeping_the_end(serving.tokenizer, item, None, request.add_special_tokens,
+                                                serving.truncation_length(request))
+            ids = list(encoding["input_ids"])
         else:
             vocab = len(serving.tokenizer)
             if any(t < 0 or t >= vocab for t in item):
@@ -123,6 +127,22 @@ class EmbeddingsServing:
             raise bad_request(f"This model's maximum context length is {max_model_len} tokens; an input has "
                               f"{len(ids)}: shorten it, or set truncate_prompt_tokens", param)
         return ids
+
+
+def tokenize_keeping_the_end(tokenizer: Any, text: str, text_pair: str | None, add_special_tokens: bool,
+                             max_length: int | None) -> Any:
+    """The tokenizer's encoding of a text (or pair), at most ``max_length`` tokens long: truncated
+    by the tokenizer from the left (truncate_prompt_tokens keeps the last tokens; a pair, its longer
+    text's), so that its special tokens stay where they belong."""
+    if max_length is None:
+        return tokenizer(text, text_pair=text_pair, add_special_tokens=add_special_tokens)
+    side = tokenizer.truncation_side
+    tokenizer.truncation_side = "left"
+    try:
+        return tokenizer(text, text_pair=text_pair, add_special_tokens=add_special_tokens, truncation=True,
+                         max_length=max_length)
+    finally:
+        tokenizer.truncation_side = side
 
 
 def encoded(vector: list[float], encoding_format: str) -> list[float] | str:

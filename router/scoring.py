@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_core.outputs import LoRARequest
 from router.classification import class_probabilities, classifier_params
-from router.embeddings import EmbeddingsServing, check_embeds, embedding_params
+from router.embeddings import EmbeddingsServing, check_embeds, embedding_params, tokenize_keeping_the_end
 from router.protocol import INT64_MAX, INT64_MIN, invalid
 from router.serving import APIError, OpenAIServing, bad_request
 
@@ -53,12 +53,13 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
     raise ValueError(f"the first side must hold one text, or as many as the second ({num_first} vs {num_second})")
 
 
-def tokenize_pair(tokenizer: Any, first: str, second: str, add_special_tokens: bool = True
-                  ) -> tuple[list[int], int | None]:
-    """A cross-encoder's input: the pair's ids as the tokenizer joins them, and where its token
-    types turn to 1 (vLLM's compressed_token_type_ids: a BERT tokenizer marks the second text with
-    type 1; None where the tokenizer gives no types, or all 0, as RoBERTa's and decoders' do)."""
-    encoding = tokenizer(first, text_pair=second, add_special_tokens=add_special_tokens)
+def tokenize_pair(tokenizer: Any, first: str, second: str, add_special_tokens: bool = True,
+                  max_length: int | None = None) -> tuple[list[int], int | None]:
+    """A cross-encoder's input: the pair's ids as the tokenizer joins them (at most ``max_length``,
+    the tokenizer truncating the longer text from the left), and where its token types turn to 1
+    (vLLM's compressed_token_type_ids: a BERT tokenizer marks the second text with type 1; None
+    where the tokenizer gives no types, or all 0, as RoBERTa's and decoders' do)."""
+    encoding = tokenize_keeping_the_end(tokenizer, first, second, add_special_tokens, max_length)
     ids = list(encoding["input_ids"])
     types = list(encoding.get("token_type_ids") or ())
     if 1 not in types:
@@ -67,11 +68,6 @@ def tokenize_pair(tokenizer: Any, first: str, second: str, add_special_tokens: b
     if any(t != 1 for t in types[start:]) or any(t != 0 for t in types[:start]):
         raise ValueError(f"token types of a text pair must be 0s then 1s, got {types}")
     return ids, start
-
-
-def truncated_type_start(type_start: int | None, num_ids: int, num_kept: int) -> int | None:
-    """Where token type 1 starts once a pair's ids keep only their last ``num_kept`` of ``num_ids``."""
-    return None if type_start is None else max(0, type_start - (num_ids - num_kept))
 
 
 def cosine_scores(vectors: list[list[float]], pairs: list[tuple[int, int]]) -> list[float]:
@@ -204,7 +200,7 @@ class ScoringServing:
                              lora: LoRARequest | None) -> tuple[list[float], int]:
         """A cross-encoder's score of each pair: the sigmoid of its one logit over the pair (the logit
         itself where its sentence-transformers activation is Identity), tokenised as the tokenizer
-        joins a text pair (truncate_prompt_tokens keeps the joined ids' tail)."""
+        joins a text pair (truncate_prompt_tokens truncates the longer text from the left)."""
         serving = self.serving
         params = classifier_params(serving)
         if len(serving.settings.pooling.labels) != 1:
@@ -212,10 +208,10 @@ class ScoringServing:
                               f"has {len(serving.settings.pooling.labels)} classes (use /classify)", "model")
         prompts, pair_params = [], []
         for i, j in pairs:
-            ids, type_start = tokenize_pair(serving.tokenizer, left[i], right[j], request.add_special_tokens)
+            ids, type_start = tokenize_pair(serving.tokenizer, left[i], right[j], request.add_special_tokens,
+                                            serving.truncation_length(request))
             prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
-            type_start = truncated_type_start(type_start, len(ids), len(prompts[-1]))
-            pair_params.append(params if type_start is None
+            pair_params.append(params if type_start is None or not serving.settings.pooling.token_types
                                else dataclasses.replace(params, compressed_token_type_ids=type_start))
         logits = await serving.embed(request_id, prompts, pair_params, request.priority, lora, session_id)
         try:

@@ -347,17 +347,21 @@ class OpenAIServing:
         return ChatOutputParser(reasoning, tools, request.include_reasoning,
                                 parallel_tool_calls=request.parallel_tool_calls or tool_choice != "auto")
 
-    def truncate_prompt(self, ids: list[int], request: SamplingFields) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as max_model_len)."""
+    def truncation_length(self, request: SamplingFields) -> int | None:
+        """vLLM's truncate_prompt_tokens as a token count (-1: max_model_len); None when not asked."""
         k = request.truncate_prompt_tokens
         if k is None:
-            return ids
+            return None
         max_model_len = self.settings.max_model_len
         if k == 0 or k > max_model_len:
             raise bad_request(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len ({max_model_len}), "
                               f"got {k}", "truncate_prompt_tokens")
-        k = max_model_len if k == -1 else k
-        return ids[-k:]
+        return max_model_len if k == -1 else k
+
+    def truncate_prompt(self, ids: list[int], request: SamplingFields) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as max_model_len)."""
+        k = self.truncation_length(request)
+        return ids if k is None else ids[-k:]
 
     def _prompt_logprobs(self, request: SamplingFields, prompt_ids: list[int],
                          entry: LogprobsEntry | None) -> list[dict[int, PromptLogprob] | None] | None:

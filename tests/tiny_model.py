@@ -151,7 +151,7 @@ def build_wordpiece_tokenizer(extra_words: tuple[str, ...] = ()):
 
 
 def build_tiny_bert(path: Path, num_labels: int = 0, seed: int = 0, pooling_mode: str | None = None,
-                    normalize: bool = True) -> Path:
+                    normalize: bool = True, max_positions: int = 128) -> Path:
     """Save a random tiny BERT with a WordPiece tokenizer into ``path``: the bare encoder (an
     embedding model; with ``pooling_mode`` its sentence-transformers files), or with ``num_labels``
     a BertForSequenceClassification (a cross-encoder for one)."""
@@ -161,7 +161,7 @@ def build_tiny_bert(path: Path, num_labels: int = 0, seed: int = 0, pooling_mode
     path = Path(path)
     tokenizer = build_wordpiece_tokenizer()
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, max_position_embeddings=128, num_labels=max(num_labels, 1),
+                        num_attention_heads=4, max_position_embeddings=max_positions, num_labels=max(num_labels, 1),
                         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = (AutoModelForSequenceClassification if num_labels else AutoModel).from_config(config)

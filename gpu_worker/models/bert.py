@@ -17,15 +17,14 @@ prefix of a classifier's encoder is taken off; masked-LM heads and unused pooler
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attn_metadata import EncoderMetadata
 from gpu_worker.config import ENCODER_ACTIVATIONS, ModelConfig
+from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gpu_worker.layers.weight_utils import WeightLike
@@ -45,7 +44,8 @@ def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
 
 class EncoderAttention(nn.Module):
     """Bidirectional attention within each prompt, over the pass's own q/k/v: nothing is cached.
-    With a ``window``, query i sees only the keys j with |i - j| <= window (ModernBERT's local layers)."""
+    With a ``window``, query i sees only the keys j with |i - j| <= window (ModernBERT's local layers).
+    The pass's prompts are attended in the padded batches of its metadata: one fused 4-D call each."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, window: int | None = None) -> None:
         super().__init__()
@@ -57,21 +57,23 @@ class EncoderAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         """q, k, v: [T, num_heads, head_dim], the pass's prompts one after another.
         Returns [T, num_heads * head_dim]."""
-        num_tokens = q.shape[0]
-        bounds = meta.query_start_loc
-        if len(bounds) == 2:
-            return self._attend(q, k, v, meta).reshape(num_tokens, self.num_heads * self.head_dim)
+        num_tokens, width = q.shape[0], self.num_heads * self.head_dim
+        if not meta.batches:  # one prompt: attended where it lies
+            mask = None
+            if self.window is not None and num_tokens > self.window + 1:
+                offsets = torch.arange(num_tokens, device=q.device)
+                mask = (offsets[None, :] - offsets[:, None]).abs_() <= self.window
+            out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                                 v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=self.scale)
+            return out[0].transpose(0, 1).reshape(num_tokens, width)
         out = torch.empty_like(q)
-        for start, end in itertools.pairwise(bounds):
-            out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], meta)
-        return out.view(num_tokens, self.num_heads * self.head_dim)
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
-        """One prompt's [L, num_heads, head_dim] q, k, v -> its [L, num_heads, head_dim] output."""
-        mask = None if self.window is None else meta.window_mask(q.shape[0], self.window, q.device)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask, scale=self.scale)
-        return out.transpose(0, 1)
+        for batch in meta.batches:
+            shape = (batch.batch, batch.length, self.num_heads, self.head_dim)
+            qb, kb, vb = (x.index_select(0, batch.gather_rows).view(shape).transpose(1, 2) for x in (q, k, v))
+            attended = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=batch.mask(self.window), scale=self.scale)
+            flat = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+            out.index_copy_(0, batch.real_rows, flat.index_select(0, batch.real_slots))
+        return out.view(num_tokens, width)
 
 
 class BertSelfAttention(nn.Module):

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attn_metadata import EncoderMetadata
 from gpu_worker.config import ENCODER_ACTIVATIONS, ModelConfig
+from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.layers.activation import GeluAndMul
 from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear

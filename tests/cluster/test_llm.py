@@ -7,6 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster import LLM, SamplingParams
+from engine_core.engine_core import RequestRefusedError
+from engine_core.outputs import EngineCoreRequest
+from engine_core.sampling_params import SamplingParams as EngineSamplingParams
 
 PROMPTS = [
     "Hello",
@@ -598,7 +601,10 @@ def test_bert_embeds_and_cross_encodes_as_transformers(tmp_path):
     from tests.tiny_model import build_tiny_bert
 
     path = build_tiny_bert(tmp_path / "minilm", pooling_mode="pooling_mode_mean_tokens", normalize=True)
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_model_len \(128\)"):
+    # (Its sentence-transformers max_seq_length is the default max_model_len, as in vLLM.)
+    (path / "sentence_bert_config.json").write_text('{"max_seq_length": 100, "do_lower_case": false}')
+    # A budget set below max_model_len is refused; one left unset grows to it (vLLM's default).
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_model_len \(100\)"):
         LLM(model=str(path), num_gpu_blocks=64, max_num_batched_tokens=8)
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
@@ -610,6 +616,12 @@ def test_bert_embeds_and_cross_encodes_as_transformers(tmp_path):
         scheduler = llm._engine.scheduler
         assert not scheduler.scheduler_config.enable_chunked_prefill
         assert not scheduler.kv_cache_manager.enable_caching
+        assert scheduler.scheduler_config.max_model_len == 100 and llm._engine.model_info.pooling.token_types
+        # A streaming session cannot continue an encoder's prompt: refused at admission.
+        with pytest.raises(RequestRefusedError, match="serves no streaming session"):
+            llm._engine.check_servable(EngineCoreRequest(
+                request_id="s", prompt_token_ids=[2, 5, 3], resumable=True,
+                sampling_params=EngineSamplingParams(max_tokens=1, embed=True)))
         outs = llm.embed(texts, use_tqdm=False)
         with pytest.raises(ValueError, match="does not generate"):
             llm.generate(texts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -622,7 +634,24 @@ def test_bert_embeds_and_cross_encodes_as_transformers(tmp_path):
             mean = model(torch.tensor([ids])).last_hidden_state[0].mean(0)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), mean / mean.norm(), atol=1e-5, rtol=1e-5)
 
+    # bge-m3-like: more positions than the default budget, which grows to hold a whole prompt.
+    path = build_tiny_bert(tmp_path / "long", max_positions=4096)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(model=str(path))
+    try:
+        assert llm._engine.scheduler.scheduler_config.token_budget == 4096
+        long_ids = tok("hello world " * 1500).input_ids
+        [out] = llm.embed([long_ids], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    with torch.no_grad():
+        cls = model(torch.tensor([long_ids])).last_hidden_state[0, 0]
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), cls / cls.norm(), atol=1e-5, rtol=1e-5)
+
     path = build_tiny_bert(tmp_path / "ms-marco", num_labels=1)
+    # Its head reads [CLS], as transformers runs it: another pooling is refused.
+    with pytest.raises(ValueError, match="reads CLS pooling; drop pooling_type"):
+        LLM(model=str(path), pooler_config={"pooling_type": "MEAN"})
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     query, docs = "what is the capital of france?", ["Paris is the capital of France.", "Berlin is in Germany."]
     llm = LLM(model=str(path))
@@ -636,3 +665,15 @@ def test_bert_embeds_and_cross_encodes_as_transformers(tmp_path):
         with torch.no_grad():
             logit = model(**pair).logits[0, 0]
         assert out.outputs.score == pytest.approx(float(torch.sigmoid(logit)), abs=1e-5)
+
+
+def test_token_types_are_refused_by_a_model_without_them(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=16, max_model_len=128, runner="pooling")
+    try:
+        assert not llm._engine.model_info.pooling.token_types
+        with pytest.raises(RequestRefusedError, match="takes no token types"):
+            llm._engine.add_request(EngineCoreRequest(
+                request_id="t", prompt_token_ids=[5, 6, 7],
+                sampling_params=EngineSamplingParams(max_tokens=1, embed=True, compressed_token_type_ids=1)))
+    finally:
+        llm.shutdown()

@@ -59,6 +59,24 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_context():
     assert cfg.token_budget == 256
 
 
+def test_an_unset_budget_holds_a_whole_prompt_when_prompts_run_whole():
+    """vLLM's default budget: 2048 tokens, or max_model_len where prompts cannot be split (chunked
+    prefill off, an encoder), derived again for another context length; a budget set below a whole
+    prompt is refused for a model whose prompts run whole."""
+    assert SchedulerConfig(max_model_len=8192).max_num_batched_tokens == 2048
+    assert SchedulerConfig(max_model_len=8192, enable_chunked_prefill=False).max_num_batched_tokens == 8192
+    whole = SchedulerConfig(max_model_len=None, max_num_partial_prefills=2).with_max_model_len(8192).for_whole_prompts()
+    assert (whole.token_budget, whole.enable_chunked_prefill, whole.long_prefill_token_threshold,
+            whole.max_num_partial_prefills) == (8192, False, 0, 1)
+    assert whole.with_max_model_len(512).token_budget == 2048
+    assert SchedulerConfig(max_model_len=512).for_whole_prompts().token_budget == 2048
+    assert SchedulerConfig(max_num_batched_tokens=300, max_model_len=256).for_whole_prompts().token_budget == 300
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(1024\) must be >= max_model_len \(8192\)"):
+        SchedulerConfig(max_num_batched_tokens=1024, max_model_len=8192).for_whole_prompts()
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) must be >= max_model_len \(8192\)"):
+        SchedulerConfig(max_num_scheduled_tokens=64, max_model_len=8192).for_whole_prompts()
+
+
 def test_another_context_length_derives_the_threshold_again():
     derived = SchedulerConfig(max_model_len=32768, max_num_partial_prefills=2)
     assert derived.long_prefill_token_threshold == 1310

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -138,6 +139,31 @@ def test_classifier_logits_match_transformers(tmp_path, kind, num_labels, overri
         assert not torch.allclose(torch.tensor(plain[rid]), torch.tensor(outputs[rid]), atol=1e-3)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_pass_is_attended_in_padded_batches_of_similar_lengths(seed):
+    """Every prompt row is read and written back once; a batch's padding stays within a quarter of
+    its tokens (a prompt alone is never padded); padded keys are masked, and windows fold into it."""
+    from gpu_worker.encoder_metadata import EncoderMetadata
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 60, size=int(rng.integers(2, 40)))
+    qsl = np.concatenate([[0], np.cumsum(lengths)])
+    meta = EncoderMetadata.build(qsl, torch.device("cpu"))
+    written = np.concatenate([b.real_rows.numpy() for b in meta.batches])
+    assert sorted(written.tolist()) == list(range(int(qsl[-1])))
+    for batch in meta.batches:
+        real = batch.real_rows.numel()
+        assert batch.batch == 1 or batch.batch * batch.length <= 1.25 * real
+        assert batch.gather_rows[batch.real_slots].tolist() == batch.real_rows.tolist()
+        if batch.key_mask is not None:
+            assert int(batch.key_mask.sum()) == real
+            windowed = batch.mask(2)
+            if batch.length > 3:
+                assert windowed.shape == (batch.batch, 1, batch.length, batch.length)
+                assert not (windowed & ~batch.key_mask).any()
+    assert EncoderMetadata.build(np.array([0, 7]), torch.device("cpu")).batches == []
+
+
 def test_a_prompt_scheduled_in_chunks_is_refused(tmp_path):
     """An encoder cannot attend to keys of a chunk it does not see: the runner refuses a prompt the
     scheduler split (the engine never schedules one so; see EngineCore)."""
@@ -162,6 +188,9 @@ def test_encoder_configs():
     ms_marco = ModelConfig.from_dict({**base, "architectures": ["BertForSequenceClassification"], "num_labels": 1,
                                       "sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"})
     assert ms_marco.cross_encoder_activation == "none" and ms_marco.labels == ("LABEL_0",)
+    # (A RoBERTa config may say "pad_token_id": null: transformers' default padding id 1.)
+    assert ModelConfig.from_dict({**base, "architectures": ["RobertaModel"], "pad_token_id": None,
+                                  "max_position_embeddings": 514}).max_context_len == 512
     with pytest.raises(ValueError, match="position_embedding_type must be 'absolute'"):
         ModelConfig.from_dict({**base, "architectures": ["BertModel"], "position_embedding_type": "relative_key"})
     with pytest.raises(ValueError, match="is_decoder / add_cross_attention"):

@@ -138,14 +138,14 @@ def test_pooling_answers_each_models_pooled_output():
 
 def test_a_bert_cross_encoder_gets_each_pairs_token_types():
     """A BERT tokenizer marks a pair's second text with token type 1: each pair's request carries
-    where type 1 starts (compressed_token_type_ids), moved with truncate_prompt_tokens; a tokenizer
-    without token types (and /classify's single texts) send none."""
+    where type 1 starts (compressed_token_type_ids), as the tokenizer truncates the pair with
+    truncate_prompt_tokens; a tokenizer without token types (and /classify's single texts) send none."""
     from router.scoring import tokenize_pair
     from tests.tiny_model import build_wordpiece_tokenizer
 
     bert = build_wordpiece_tokenizer()
-    http, engine = _app(tokenizer=bert, num_pooled=1,
-                        pooling={"generates": False, "labels": ("LABEL_0",), "cross_encoder_activation": "sigmoid"})
+    pooling = {"generates": False, "labels": ("LABEL_0",), "cross_encoder_activation": "sigmoid", "token_types": True}
+    http, engine = _app(tokenizer=bert, num_pooled=1, pooling=pooling)
     docs = ["paris is the capital", "berlin"]
     body = http.post("/score", json={"model": "tiny", "text_1": "what is the capital of france",
                                      "text_2": docs}).json()
@@ -155,9 +155,21 @@ def test_a_bert_cross_encoder_gets_each_pairs_token_types():
         assert request.prompt_token_ids == pair["input_ids"]
         assert request.sampling_params.compressed_token_type_ids == pair["token_type_ids"].index(1) == 8
     http.post("/score", json={"model": "tiny", "text_1": "what is the capital of france", "text_2": "berlin",
-                              "truncate_prompt_tokens": 5})
-    # [CLS] what is the capital of france [SEP] berlin [SEP]: the last 5 keep "of france [SEP]" of type 0.
-    assert engine.requests[-1].sampling_params.compressed_token_type_ids == 3
+                              "truncate_prompt_tokens": 6})
+    # The tokenizer truncates the longer text from the left and keeps its special tokens:
+    # [CLS] of france [SEP] berlin [SEP], type 1 from "berlin" on.
+    truncated = engine.requests[-1]
+    assert bert.convert_ids_to_tokens(truncated.prompt_token_ids) == [
+        "[CLS]", "of", "france", "[SEP]", "berlin", "[SEP]"]
+    assert truncated.sampling_params.compressed_token_type_ids == 4
+    # A text keeps its [CLS] and [SEP] around its last tokens too.
+    http.post("/classify", json={"model": "tiny", "input": "what is the capital of france",
+                                 "truncate_prompt_tokens": 4})
+    assert bert.convert_ids_to_tokens(engine.requests[-1].prompt_token_ids) == ["[CLS]", "of", "france", "[SEP]"]
     http.post("/classify", json={"model": "tiny", "input": "paris"})
     assert engine.requests[-1].sampling_params.compressed_token_type_ids is None
     assert tokenize_pair(TOKENIZER, "a", "b") == (TOKENIZER("a", text_pair="b")["input_ids"], None)
+    # A model without token types (a RoBERTa, a decoder) gets none, whatever its tokenizer returns.
+    http, engine = _app(tokenizer=bert, num_pooled=1, pooling={**pooling, "token_types": False})
+    http.post("/score", json={"model": "tiny", "text_1": "what is the capital of france", "text_2": "berlin"})
+    assert engine.requests[-1].sampling_params.compressed_token_type_ids is None
