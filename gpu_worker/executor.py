@@ -22,7 +22,12 @@ from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
 from gpu_worker.model_resolver import resolve_model
-from gpu_worker.pooler_config import PoolerConfig, resolve_pooler_config, sentence_transformers_max_seq_length
+from gpu_worker.pooler_config import (
+    DenseProjection,
+    PoolerConfig,
+    resolve_pooler_config,
+    sentence_transformers_max_seq_length,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +41,10 @@ def _in_ray_actor() -> bool:
         return False
 
 
-def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, num_cpus: int | None) -> dict[str, Any]:
+def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, num_cpus: int | None,
+                   pooler_dense: tuple[DenseProjection, ...]) -> dict[str, Any]:
     return {
+        "pooler_dense": pooler_dense,
         "model_path_or_config": str(model_dir), "device": config.device, "dtype": config.dtype,
         "max_model_len": max_model_len, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.token_budget, "num_cpus": num_cpus, "seed": config.seed,
@@ -68,7 +75,8 @@ class _ExecutorBase(Executor):
         try:
             # (An encoder pools its [CLS] token unless its files say otherwise, as vLLM's BERT models do.)
             pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config),
-                                           default_type=self.model_config.default_pooling_type)
+                                           default_type=self.model_config.default_pooling_type,
+                                           hidden_size=self.model_config.hidden_size)
         except ValueError as e:
             if embeds_only:
                 raise
@@ -78,6 +86,9 @@ class _ExecutorBase(Executor):
             pooler, pooling_unavailable = PoolerConfig(), str(e)
         if self.model_config.encoder_only and self.model_config.labels:
             pooler = self._encoder_classifier_pooler(pooler, dict(config.pooler_config))
+        # The sentence-transformers projections of an embedding model's pooled states (a classifier's
+        # head reads them unprojected); the workers load their weights.
+        self.pooler_dense = () if self.model_config.labels else pooler.dense
         wanted = config.scheduler.max_model_len  # None: the model's context length
         if wanted is None and embeds_only:
             # (A sentence-transformers checkpoint's max_seq_length bounds it by default, as in vLLM.)
@@ -94,7 +105,8 @@ class _ExecutorBase(Executor):
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
-            hidden_size=self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
+            hidden_size=pooler.embedding_size(self.model_config.hidden_size) if not self.model_config.labels
+            else self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after, encoder_only=self.model_config.encoder_only,
             pooling=PoolingInfo(generates=not embeds_only, pooling_type=pooler.pooling_type,
                                 normalize=pooler.normalize, unavailable=pooling_unavailable,
@@ -169,7 +181,8 @@ class UniProcExecutor(_ExecutorBase):
 
     def _new_worker(self):
         worker = self._worker_cls(rank=0, world_size=1, **_worker_kwargs(self.config, self.model_dir,
-                                                                         self.max_model_len, self._num_cpus))
+                                                                         self.max_model_len, self._num_cpus,
+                                                                         self.pooler_dense))
         worker.load_model()
         for lora in self._loras.values():
             worker.add_lora(lora)
@@ -247,7 +260,8 @@ class RayWorkerGroupExecutor(_ExecutorBase):
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             workers.append(actor_cls.options(**options).remote(
                 rank=rank, world_size=tp,
-                **_worker_kwargs(self.config, self.model_dir, self.max_model_len, max(1, int(num_cpus)))))
+                **_worker_kwargs(self.config, self.model_dir, self.max_model_len, max(1, int(num_cpus)),
+                                 self.pooler_dense)))
         self.workers = workers
         # Sync actors run every call on their main thread: lowering it before load_model covers
         # the thread that computes and the torch threads it starts.

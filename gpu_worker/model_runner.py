@@ -30,6 +30,7 @@ from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
+from gpu_worker.pooler_config import DENSE_ACTIVATIONS, DenseProjection, load_dense_weights
 from gpu_worker.rejection_sampler import rejection_sample
 from gpu_worker.request_state import RequestState, RequestStates
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
@@ -90,8 +91,18 @@ class ModelRunner:
         # Adapters in host memory at once (None: all that are loaded); others are read again when needed.
         self.max_cpu_loras = max_cpu_loras
         self.lora: LoRAManager | None = None
+        # sentence-transformers Dense projections of pooled embeddings: (weight, bias, activation), fp32.
+        self.dense: list[tuple[torch.Tensor, torch.Tensor | None, str]] = []
 
     # ------------------------------------------------------------------ setup
+
+    def load_dense(self, model_dir: str | Path, projections: tuple[DenseProjection, ...]) -> None:
+        """The embedding's sentence-transformers Dense projections, applied after the pooling."""
+        self.dense = []
+        for projection in projections:
+            weight, bias = load_dense_weights(model_dir, projection)
+            self.dense.append((weight.to(self.device, torch.float32),
+                               None if bias is None else bias.to(self.device, torch.float32), projection.activation))
 
     def load_model(self, weights: str | Path | Iterable[tuple[str, WeightLike]]) -> None:
         """``weights``: an HF model directory, or (hf_name, tensor) pairs (e.g. from a converter)."""
@@ -281,13 +292,15 @@ class ModelRunner:
         token's final hidden state (LAST pooling), or what _pool_chunks gathered (MEAN: the sum over
         the prompt, divided here; CLS: the first token's); a sequence classifier's class logits from
         it instead. Cut to its dimensions and L2-normalised as the request asks (on the CPU, after
-        one copy of the rows)."""
+        one copy of the rows); projected first by the checkpoint's Dense modules, where it has any."""
         rows = hidden.index_select(0, torch.tensor([row for _, row in wanted], device=hidden.device)).float()
         pooled = torch.stack([row if state.pooled is None else
                               state.pooled / state.num_prompt_tokens if state.sampling_params.embed_pooling == "MEAN"
                               else state.pooled for (state, _), row in zip(wanted, rows, strict=True)])
         if self.config.labels:
             pooled = self.model.classify(pooled.to(hidden.dtype)).float()
+        for weight, bias, activation in self.dense:
+            pooled = DENSE_ACTIVATIONS[activation](torch.nn.functional.linear(pooled, weight, bias))
         out = {}
         for (state, _), row in zip(wanted, pooled.cpu(), strict=True):
             params = state.sampling_params

@@ -7,9 +7,10 @@
 ``normalize``: L2-normalise by default (a request's ``normalize`` overrides it).
 
 A checkpoint trained with sentence-transformers says how it pools: ``modules.json`` names a Pooling
-module whose ``config.json`` sets one ``pooling_mode_*``, and a Normalize module where it
-normalises. That is read as vLLM reads it; ``--pooler-config`` (a JSON object with
-``pooling_type`` and/or ``normalize``) overrides it. Without either: LAST (CLS for an encoder),
+module whose ``config.json`` sets one ``pooling_mode_*``, Dense modules that project the pooled
+state (LaBSE), and a Normalize module where it normalises. That is read as vLLM reads it;
+``--pooler-config`` (a JSON object with ``pooling_type`` and/or ``normalize``) overrides the pooling
+and normalisation. Without either: LAST (CLS for an encoder),
 normalised.
 """
 
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # sentence-transformers' Pooling modes -> ours (the first one a config enables).
 _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
@@ -28,31 +31,93 @@ _UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tok
                       "pooling_mode_weightedmean_tokens")
 
 
+# sentence-transformers Dense activations applied (torch.nn class names; Tanh is its default).
+DENSE_ACTIVATIONS = {"Identity": lambda x: x, "Tanh": torch.tanh, "ReLU": torch.relu, "Sigmoid": torch.sigmoid,
+                     "GELU": torch.nn.functional.gelu}
+
+
+@dataclass(frozen=True)
+class DenseProjection:
+    """A sentence-transformers Dense module after the pooling (LaBSE's, for one):
+    activation(W x + b), its weights in ``path`` (relative to the model's directory)."""
+
+    path: str
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str
+
+
 @dataclass(frozen=True)
 class PoolerConfig:
     pooling_type: str = "LAST"
     normalize: bool = True
+    # Projections applied to the pooled state, in order, before normalising.
+    dense: tuple[DenseProjection, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
 
+    def embedding_size(self, hidden_size: int) -> int:
+        """The size of the embeddings: the last projection's output, else the hidden size."""
+        return self.dense[-1].out_features if self.dense else hidden_size
 
-def _sentence_transformers_pooler(model_dir: Path, need_type: bool) -> dict[str, Any]:
-    """The pooling a sentence-transformers checkpoint declares ({} when it is not one); its pooling
-    type only when ``need_type`` (else the caller has one)."""
+
+def _dense_projection(model_dir: Path, module: dict[str, Any], in_features: int) -> DenseProjection:
+    """A Dense module's settings, checked against the size it is fed."""
+    path = str(module.get("path", ""))
+    settings = json.loads((model_dir / path / "config.json").read_text())
+    activation = str(settings.get("activation_function") or "torch.nn.modules.activation.Tanh").rsplit(".", 1)[-1]
+    if activation not in DENSE_ACTIVATIONS:
+        raise ValueError(f"{model_dir / path}: the Dense activation {activation!r} is not served "
+                         f"({', '.join(DENSE_ACTIVATIONS)} are)")
+    dense = DenseProjection(path=path, in_features=int(settings["in_features"]),
+                            out_features=int(settings["out_features"]), bias=bool(settings.get("bias", True)),
+                            activation=activation)
+    if dense.in_features != in_features:
+        raise ValueError(f"{model_dir / path}: the Dense module takes {dense.in_features} values, the pooled "
+                         f"embedding before it has {in_features}")
+    return dense
+
+
+def load_dense_weights(model_dir: str | Path, dense: DenseProjection) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A Dense module's (weight [out, in], bias) from its model.safetensors (or older pytorch_model.bin)."""
+    directory = Path(model_dir) / dense.path
+    if (directory / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(directory / "model.safetensors"))
+    else:
+        tensors = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    weight = tensors["linear.weight"]
+    if tuple(weight.shape) != (dense.out_features, dense.in_features):
+        raise ValueError(f"{directory}: linear.weight is {tuple(weight.shape)}, its config says "
+                         f"{(dense.out_features, dense.in_features)}")
+    return weight, tensors.get("linear.bias") if dense.bias else None
+
+
+def _sentence_transformers_pooler(model_dir: Path, need_type: bool, hidden_size: int) -> dict[str, Any]:
+    """The pooling a sentence-transformers checkpoint declares ({} when it is not one): its Dense
+    projections and normalisation, and its pooling type when ``need_type`` (else the caller has one)."""
     modules_file = model_dir / "modules.json"
     if not modules_file.exists():
         return {}
     modules = json.loads(modules_file.read_text())
     kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
-    others = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
+    others = sorted(set(kinds) - {"Transformer", "Pooling", "Dense", "Normalize"})
     if others:
-        # (A Dense projection, for one, changes the embedding's size and meaning: skipping it would
-        # answer wrong vectors without a word.)
+        # (Any other module changes the embedding's size or meaning: skipping it would answer wrong
+        # vectors without a word.)
         raise ValueError(f"{modules_file} lists {', '.join(others)} modules, which are not served (only the "
-                         "Transformer, its Pooling and Normalize are)")
-    found: dict[str, Any] = {"normalize": "Normalize" in kinds}
+                         "Transformer, its Pooling, Dense projections and Normalize are)")
+    dense: list[DenseProjection] = []
+    for kind, module in zip(kinds, modules, strict=True):
+        if kind == "Dense":
+            if "Pooling" not in kinds or kinds.index("Pooling") > kinds.index("Dense"):
+                raise ValueError(f"{modules_file}: a Dense module before the Pooling is not served")
+            dense.append(_dense_projection(model_dir, module, dense[-1].out_features if dense else hidden_size))
+    found: dict[str, Any] = {"normalize": "Normalize" in kinds, "dense": tuple(dense)}
     pooling = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
     if pooling is None or not need_type:
         return found
@@ -94,9 +159,10 @@ def sentence_transformers_max_seq_length(model_dir: str | Path) -> int | None:
 
 
 def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None = None,
-                          default_type: str = "LAST") -> PoolerConfig:
+                          default_type: str = "LAST", hidden_size: int = 0) -> PoolerConfig:
     """The model's pooling: ``override`` (--pooler-config) over its sentence-transformers files over
-    ``default_type`` (LAST for decoders, CLS for encoders) + normalise."""
+    ``default_type`` (LAST for decoders, CLS for encoders) + normalise; the files' Dense projections
+    (the first fed ``hidden_size`` values) whatever the override says."""
     override = dict(override or {})
     unknown = set(override) - {"pooling_type", "normalize"}
     if unknown:
@@ -105,6 +171,5 @@ def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None
         override["pooling_type"] = str(override["pooling_type"]).upper()
     if "normalize" in override and not isinstance(override["normalize"], bool):
         raise ValueError(f"pooler_config normalize must be true or false, got {override['normalize']!r}")
-    declared = ({} if {"pooling_type", "normalize"} <= set(override)
-                else _sentence_transformers_pooler(Path(model_dir), "pooling_type" not in override))
+    declared = _sentence_transformers_pooler(Path(model_dir), "pooling_type" not in override, hidden_size)
     return PoolerConfig(**{"pooling_type": default_type, **declared, **override})

@@ -22,6 +22,7 @@ from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget, re
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.pooler_config import DenseProjection
 
 # A picklable source of (hf_name, tensor) pairs, e.g. functools.partial(gguf_to_hf_tensors, path).
 WeightsFactory = Callable[[], Iterable[tuple[str, WeightLike]]]
@@ -55,7 +56,8 @@ class Worker:
                  seed: int = 0, num_spec_tokens: int = 0, max_lora_rank: int | None = None,
                  max_loras: int | None = None, kv_cache_dtype: str | torch.dtype | None = "auto",
                  max_cpu_loras: int | None = None, enable_expert_parallel: bool = False,
-                 embedding_only: bool = False, hf_overrides: dict[str, Any] | None = None) -> None:
+                 embedding_only: bool = False, hf_overrides: dict[str, Any] | None = None,
+                 pooler_dense: tuple[DenseProjection, ...] = ()) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -87,6 +89,8 @@ class Worker:
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
+        # The sentence-transformers projections of its embeddings (read from model_dir at load).
+        self.pooler_dense = tuple(pooler_dense)
         self.runner: ModelRunner | None = None
         self.block_size: int | None = None
         if num_cpus is not None:
@@ -111,6 +115,10 @@ class Worker:
                                   kv_cache_dtype=self.kv_cache_dtype, max_cpu_loras=self.max_cpu_loras)
         weights = self.weights
         self.runner.load_model(weights() if callable(weights) else weights)
+        if self.pooler_dense:
+            if self.model_dir is None:
+                raise ValueError("Dense projections are read from a model directory; this worker has none")
+            self.runner.load_dense(self.model_dir, self.pooler_dense)
 
     def _runner(self) -> ModelRunner:
         if self.runner is None:

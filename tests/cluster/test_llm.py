@@ -677,3 +677,37 @@ def test_token_types_are_refused_by_a_model_without_them(tiny_model_dir):
                 sampling_params=EngineSamplingParams(max_tokens=1, embed=True, compressed_token_type_ids=1)))
     finally:
         llm.shutdown()
+
+
+def test_a_labse_style_model_projects_its_pooled_embedding_through_its_dense_modules(tmp_path):
+    """LaBSE (BERT, CLS pooling, Dense 768 -> 768 with tanh, Normalize) and longer
+    chains: the pooled state goes through each Dense module (here 64 -> 32 tanh, then 32 -> 16 with
+    no bias or activation, from an older pytorch_model.bin), then is normalised; the model reports
+    16-value embeddings."""
+    from transformers import AutoModel
+
+    from tests.gpu_worker.test_pooler_config import add_dense
+    from tests.tiny_model import build_tiny_bert
+
+    path = build_tiny_bert(tmp_path / "labse", pooling_mode="pooling_mode_cls_token", normalize=True)
+    w1, b1 = add_dense(path, 2, 64, 32)
+    w2, _ = add_dense(path, 3, 32, 16, activation="Identity", bias=False, weights="bin", seed=1)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    llm = LLM(model=str(path))
+    try:
+        assert llm._engine.model_info.hidden_size == 16
+        outs = llm.embed(PROMPTS[:3], use_tqdm=False)
+        raw = llm.embed(PROMPTS[:1], use_tqdm=False, normalize=False)[0].outputs.embedding
+        with pytest.raises(ValueError, match=r"dimensions \(17\) is larger than the model's embeddings \(16 values\)"):
+            llm.embed(PROMPTS[:1], use_tqdm=False, dimensions=17)
+    finally:
+        llm.shutdown()
+    for i, (out, prompt) in enumerate(zip(outs, PROMPTS[:3], strict=True)):
+        with torch.no_grad():
+            cls = model(**tok(prompt, return_tensors="pt")).last_hidden_state[0, 0]
+        projected = torch.tanh(cls @ w1.T + b1) @ w2.T
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), projected / projected.norm(),
+                                   atol=1e-5, rtol=1e-5)
+        if i == 0:
+            torch.testing.assert_close(torch.tensor(raw), projected, atol=1e-5, rtol=1e-5)
