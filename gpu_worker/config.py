@@ -232,7 +232,9 @@ def _modernbert_fields(arch: str, cfg: dict[str, Any], classifier: bool) -> dict
         kind_params = params.get(kind) or {}
         if kind_params.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
             raise ValueError(f"{arch}: only default RoPE is served, got {kind_params or cfg.get('rope_scaling')}")
-        thetas[kind] = float(kind_params.get("rope_theta", cfg.get(key, default)))
+        theta = kind_params.get("rope_theta", cfg.get(key, default))
+        # (A null local_rope_theta meant the global one in transformers 4.x's ModernBERT.)
+        thetas[kind] = float(thetas.get("full_attention", default) if theta is None else theta)
     pooling = str(cfg.get("classifier_pooling", "cls")).upper()
     if pooling not in ("CLS", "MEAN"):
         raise ValueError(f"classifier_pooling must be 'cls' or 'mean' for {arch}, "
@@ -281,9 +283,10 @@ def _gemma_from_dict(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     transformers' defaults for the keys a config leaves out."""
     if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         return {}
-    if cfg.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention (EmbeddingGemma) is not supported: "
-                         "the decoder attends causally")
+    if cfg.get("use_bidirectional_attention") and (arch != "Gemma3ForCausalLM" or cfg.get("attn_logit_softcapping")):
+        raise ValueError("use_bidirectional_attention is served on Gemma 3 without attention soft caps "
+                         f"(EmbeddingGemma), not on {arch} with attn_logit_softcapping "
+                         f"{cfg.get('attn_logit_softcapping')}")
     gemma2 = arch == "Gemma2ForCausalLM"
 
     def optional(key: str, default: float | None) -> float | None:
@@ -498,6 +501,8 @@ class ModelConfig:
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
         act = _activation(arch, cfg)
         gemma = arch in GEMMA_ARCHITECTURES
+        # EmbeddingGemma: Gemma 3 run as an encoder (every token attends to every other), for embeddings only.
+        bidirectional = bool(cfg.get("use_bidirectional_attention")) and arch == "Gemma3ForCausalLM"
         num_heads = int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
@@ -528,6 +533,9 @@ class ModelConfig:
         elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window", 4096)
+            if bidirectional and sliding:
+                # EmbeddingGemma's windowed layers: |i - j| < sliding_window // 2 + 1, as transformers reads it.
+                sliding = int(sliding) // 2
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
@@ -584,7 +592,8 @@ class ModelConfig:
             sliding_window_layers=window_layers,
             rotary_dim=rotary_dim,
             hidden_act=act,
-            embedding_only=embedding_only,
+            embedding_only=embedding_only or bidirectional,
+            encoder_only=bidirectional,
             labels=labels,
             classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),
             cross_encoder_activation=_cross_encoder_activation(cfg) if labels else "sigmoid",

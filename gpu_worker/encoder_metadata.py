@@ -1,15 +1,19 @@
 """Per-pass metadata of an encoder (bidirectional attention within each prompt, no KV cache).
 
-The pass's prompts lie one after another in the flat batch, each whole and from position 0. They
-are attended in padded batches: prompts of similar length (sorted, so that padding adds at most a
-quarter to a batch's tokens) are gathered into one [batch, heads, length, head_dim] call, padded
-keys masked out, so that one fused attention kernel serves many short prompts at once. The gather
-indexes, padding masks and sliding-window masks are built once a pass, on the host, and shared by
+The pass's prompts lie one after another in the flat batch, each whole and from position 0. How
+they are attended depends on the device:
+* on the CPU, one prompt after another where it lies (a 4-D attention call each): gathering them
+  into padded batches costs more than the calls it saves there;
+* on CUDA, in padded batches: prompts of similar length (sorted, so that padding adds at most a
+  quarter to a batch's tokens) gathered into one [batch, heads, length, head_dim] call, padded keys
+  masked out, so that one kernel launch serves many short prompts.
+The spans, gather indexes and masks (padding, sliding windows) are built once a pass and shared by
 every layer.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,23 +45,46 @@ class PaddedBatch:
         if window is None or self.length <= window + 1:
             return self.key_mask
         if window not in self.windowed_masks:
-            offsets = torch.arange(self.length, device=self.gather_rows.device)
-            near = (offsets[None, :] - offsets[:, None]).abs_() <= window
+            near = band_mask(self.length, window, self.gather_rows.device)
             self.windowed_masks[window] = near if self.key_mask is None else self.key_mask & near
         return self.windowed_masks[window]
 
 
+def band_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """[length, length] bool: True where |i - j| <= window."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril_(window).triu_(-window)
+
+
 @dataclass
 class EncoderMetadata:
-    # The padded batches covering every prompt; empty when the pass is one prompt (attended in place).
+    # Each prompt's (first row, end row), attended one after another (the CPU's way); empty when the
+    # pass is attended in padded batches.
+    spans: list[tuple[int, int]]
+    # The padded batches covering every prompt (CUDA's way); empty otherwise.
     batches: list[PaddedBatch]
+    device: torch.device
+    # A prompt's sliding-window mask by (length, window), built once a pass.
+    window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def window_mask(self, length: int, window: int | None) -> torch.Tensor | None:
+        """The mask of one prompt of ``length`` tokens under a bidirectional ``window`` (None when
+        it sees every key)."""
+        if window is None or length <= window + 1:
+            return None
+        if (length, window) not in self.window_masks:
+            self.window_masks[(length, window)] = band_mask(length, window, self.device)
+        return self.window_masks[(length, window)]
 
     @classmethod
-    def build(cls, query_start_loc: np.ndarray, device: torch.device) -> EncoderMetadata:
-        """``query_start_loc``: [num_reqs + 1], prompt i is rows query_start_loc[i] .. [i + 1] - 1."""
+    def build(cls, query_start_loc: np.ndarray, device: torch.device, padded: bool | None = None) -> EncoderMetadata:
+        """``query_start_loc``: [num_reqs + 1], prompt i is rows query_start_loc[i] .. [i + 1] - 1.
+        ``padded``: attend in padded batches (None: on CUDA, not on the CPU)."""
         lengths = np.diff(query_start_loc)
-        if len(lengths) == 1:
-            return cls([])
+        if padded is None:
+            padded = device.type == "cuda"
+        if len(lengths) == 1 or not padded:
+            bounds = query_start_loc.tolist()
+            return cls(list(itertools.pairwise(bounds)), [], device)
         batches = []
         order = np.argsort(lengths, kind="stable")
         group: list[int] = []
@@ -70,7 +97,7 @@ class EncoderMetadata:
             group.append(index)
             tokens += length
         batches.append(_padded_batch(group, query_start_loc, lengths, device))
-        return cls(batches)
+        return cls([], batches, device)
 
 
 def _padded_batch(prompts: list[int], query_start_loc: np.ndarray, lengths: np.ndarray,

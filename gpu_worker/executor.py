@@ -42,7 +42,7 @@ def _in_ray_actor() -> bool:
 
 
 def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, num_cpus: int | None,
-                   pooler_dense: tuple[DenseProjection, ...]) -> dict[str, Any]:
+                   pooler_dense: tuple[DenseProjection, ...] = ()) -> dict[str, Any]:
     return {
         "pooler_dense": pooler_dense,
         "model_path_or_config": str(model_dir), "device": config.device, "dtype": config.dtype,
@@ -94,13 +94,15 @@ class _ExecutorBase(Executor):
             # (A sentence-transformers checkpoint's max_seq_length bounds it by default, as in vLLM.)
             wanted = sentence_transformers_max_seq_length(self.model_dir)
         self.max_model_len = min(wanted or self.model_config.max_context_len, self.model_config.max_context_len)
+        # The workers size a pass as the engine's scheduler will (EngineCore): a budget derived from the
+        # context length is derived from this one; an encoder's prompts run whole.
+        scheduler = config.scheduler.with_max_model_len(self.max_model_len)
         if self.model_config.encoder_only:
-            # Its prompts run whole: the workers size a pass as the engine's scheduler will (EngineCore).
             try:
-                whole = config.scheduler.with_max_model_len(self.max_model_len).for_whole_prompts()
+                scheduler = scheduler.for_whole_prompts()
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
-            self.config = config = dataclasses.replace(config, scheduler=whole)
+        self.config = config = dataclasses.replace(config, scheduler=scheduler)
         self._info = ModelInfo(
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
             max_model_len=self.max_model_len,

@@ -91,6 +91,8 @@ class ModelRunner:
         # Adapters in host memory at once (None: all that are loaded); others are read again when needed.
         self.max_cpu_loras = max_cpu_loras
         self.lora: LoRAManager | None = None
+        # An encoder's prompts attended in padded batches (None: on CUDA; the CPU attends one after another).
+        self.encoder_batches_padded: bool | None = None
         # sentence-transformers Dense projections of pooled embeddings: (weight, bias, activation), fp32.
         self.dense: list[tuple[torch.Tensor, torch.Tensor | None, str]] = []
 
@@ -169,7 +171,8 @@ class ModelRunner:
             req_index = np.repeat(np.arange(len(lens)), lens)
             positions = np.arange(num_tokens) - qsl[req_index]
             slots = compute_slot_mapping(table, req_index, positions, block_size)
-            meta = (EncoderMetadata.build(qsl, self.device) if self.config.encoder_only else
+            padded = self.encoder_batches_padded
+            meta = (EncoderMetadata.build(qsl, self.device, padded) if self.config.encoder_only else
                     self.attention_metadata(table, np.array(blocks_per_req), qsl, np.zeros(len(lens), np.int64),
                                             0, slots, block_size, decode_in_place=False))
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
@@ -484,8 +487,10 @@ class ModelRunner:
             token_types = torch.from_numpy((positions >= first_of_type_1[req_index]).astype(np.int64)).to(self.device)
         for state in states:
             state.num_computed_tokens = state.num_tokens
-        hidden = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
-                            EncoderMetadata.build(query_start_loc, self.device), token_types)
+        inputs = (torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
+                  EncoderMetadata.build(query_start_loc, self.device, self.encoder_batches_padded))
+        # (Token types only reach a model that takes them: the engine refuses them for the others.)
+        hidden = self.model(*inputs) if token_types is None else self.model(*inputs, token_types)
         return hidden, list(range(num_reqs)), query_start_loc[1:] - 1
 
     def cacheless_num_blocks(self, block_size: int) -> int:

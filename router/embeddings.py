@@ -21,6 +21,10 @@ from engine_core.sampling_params import SamplingParams
 from router.protocol import INT64_MAX, INT64_MIN, invalid
 from router.serving import OpenAIServing, bad_request
 
+TruncationSide = Literal["left", "right"]
+TRUNCATION_SIDE_HELP = ('Which end truncate_prompt_tokens cuts: "right" keeps an input\'s first tokens (as '
+                        'sentence-transformers and vLLM\'s pooling endpoints do), "left" its last.')
+
 
 class PooledInputRequest(BaseModel):
     """What /v1/embeddings and /classify share: the inputs pooled into one answer each, and how they
@@ -33,8 +37,9 @@ class PooledInputRequest(BaseModel):
         ..., description="Text, texts, token ids, or lists of token ids: one answer each.")
     user: str | None = None
     # vLLM's extras.
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep each input's last k tokens "
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Truncate each input to k tokens "
                                                                          "(-1: max_model_len).")
+    truncation_side: TruncationSide = Field("right", description=TRUNCATION_SIDE_HELP)
     add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens to text.")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
@@ -107,21 +112,22 @@ class EmbeddingsServing:
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
     def prompt_ids(self, item: str | list[int], request: Any, param: str = "input") -> list[int]:
-        """The token ids embedded for one input: ``request`` carries ``truncate_prompt_tokens`` and
-        ``add_special_tokens``; ``param`` is the request field a refusal names. A text is truncated
-        by its tokenizer, which keeps its special tokens (an encoder's [CLS] and [SEP]) around the
-        text's last tokens; token ids keep their last k."""
+        """The token ids embedded for one input: ``request`` carries ``truncate_prompt_tokens``,
+        ``truncation_side`` and ``add_special_tokens``; ``param`` is the request field a refusal
+        names. A text is truncated by its tokenizer, which keeps its special tokens (an encoder's
+        [CLS] and [SEP]) around the tokens kept; token ids keep their first (or last) k."""
         serving = self.serving
+        max_length = serving.truncation_length(request)
         if isinstance(item, str):
-            encoding = tokenize_keeping_the_end(serving.tokenizer, item, None, request.add_special_tokens,
-                                                serving.truncation_length(request))
-            ids = list(encoding["input_ids"])
+            ids = list(tokenize_truncated(serving.tokenizer, item, None, request.add_special_tokens, max_length,
+                                          request.truncation_side)["input_ids"])
         else:
             vocab = len(serving.tokenizer)
             if any(t < 0 or t >= vocab for t in item):
                 raise bad_request(f"input token ids must be in [0, {vocab})", param)
             ids = list(item)
-        ids = serving.truncate_prompt(ids, request)  # type: ignore[arg-type]
+            if max_length is not None:
+                ids = ids[:max_length] if request.truncation_side == "right" else ids[-max_length:]
         max_model_len = serving.settings.max_model_len
         if len(ids) > max_model_len:
             raise bad_request(f"This model's maximum context length is {max_model_len} tokens; an input has "
@@ -129,20 +135,25 @@ class EmbeddingsServing:
         return ids
 
 
-def tokenize_keeping_the_end(tokenizer: Any, text: str, text_pair: str | None, add_special_tokens: bool,
-                             max_length: int | None) -> Any:
-    """The tokenizer's encoding of a text (or pair), at most ``max_length`` tokens long: truncated
-    by the tokenizer from the left (truncate_prompt_tokens keeps the last tokens; a pair, its longer
-    text's), so that its special tokens stay where they belong."""
+def tokenize_truncated(tokenizer: Any, text: str, text_pair: str | None, add_special_tokens: bool,
+                       max_length: int | None, side: TruncationSide = "right") -> Any:
+    """The tokenizer's encoding of a text (or pair), at most ``max_length`` tokens: truncated by the
+    tokenizer on ``side`` ("right" keeps the start; a pair loses tokens from its longer text first),
+    so that its special tokens stay where they belong. 400 when they alone are longer."""
     if max_length is None:
         return tokenizer(text, text_pair=text_pair, add_special_tokens=add_special_tokens)
-    side = tokenizer.truncation_side
-    tokenizer.truncation_side = "left"
+    saved = tokenizer.truncation_side
+    # (The router tokenizes on its event loop, one call at a time: the side is restored before any other.)
+    tokenizer.truncation_side = side
     try:
-        return tokenizer(text, text_pair=text_pair, add_special_tokens=add_special_tokens, truncation=True,
-                         max_length=max_length)
+        encoding = tokenizer(text, text_pair=text_pair, add_special_tokens=add_special_tokens, truncation=True,
+                             max_length=max_length)
     finally:
-        tokenizer.truncation_side = side
+        tokenizer.truncation_side = saved
+    if len(encoding["input_ids"]) > max_length:
+        raise bad_request(f"truncate_prompt_tokens ({max_length}) leaves no room for the input: the tokenizer's "
+                          "special tokens alone are longer", "truncate_prompt_tokens")
+    return encoding
 
 
 def encoded(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -24,7 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_core.outputs import LoRARequest
 from router.classification import class_probabilities, classifier_params
-from router.embeddings import EmbeddingsServing, check_embeds, embedding_params, tokenize_keeping_the_end
+from router.embeddings import (
+    TRUNCATION_SIDE_HELP,
+    EmbeddingsServing,
+    TruncationSide,
+    check_embeds,
+    embedding_params,
+    tokenize_truncated,
+)
 from router.protocol import INT64_MAX, INT64_MIN, invalid
 from router.serving import APIError, OpenAIServing, bad_request
 
@@ -36,8 +43,9 @@ class _ScoringFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., description="Served model name (see GET /v1/models).")
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep each text's last k tokens "
-                                                                         "(-1: max_model_len).")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Truncate each text (a cross-encoder's "
+                                                                         "pair) to k tokens (-1: max_model_len).")
+    truncation_side: TruncationSide = Field("right", description=TRUNCATION_SIDE_HELP)
     add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens to text.")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
@@ -54,12 +62,12 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
 
 
 def tokenize_pair(tokenizer: Any, first: str, second: str, add_special_tokens: bool = True,
-                  max_length: int | None = None) -> tuple[list[int], int | None]:
+                  max_length: int | None = None, side: TruncationSide = "right") -> tuple[list[int], int | None]:
     """A cross-encoder's input: the pair's ids as the tokenizer joins them (at most ``max_length``,
-    the tokenizer truncating the longer text from the left), and where its token types turn to 1
+    the tokenizer truncating the longer text on ``side``), and where its token types turn to 1
     (vLLM's compressed_token_type_ids: a BERT tokenizer marks the second text with type 1; None
     where the tokenizer gives no types, or all 0, as RoBERTa's and decoders' do)."""
-    encoding = tokenize_keeping_the_end(tokenizer, first, second, add_special_tokens, max_length)
+    encoding = tokenize_truncated(tokenizer, first, second, add_special_tokens, max_length, side)
     ids = list(encoding["input_ids"])
     types = list(encoding.get("token_type_ids") or ())
     if 1 not in types:
@@ -200,7 +208,7 @@ class ScoringServing:
                              lora: LoRARequest | None) -> tuple[list[float], int]:
         """A cross-encoder's score of each pair: the sigmoid of its one logit over the pair (the logit
         itself where its sentence-transformers activation is Identity), tokenised as the tokenizer
-        joins a text pair (truncate_prompt_tokens truncates the longer text from the left)."""
+        joins a text pair (truncate_prompt_tokens truncates the longer text on truncation_side)."""
         serving = self.serving
         params = classifier_params(serving)
         if len(serving.settings.pooling.labels) != 1:
@@ -209,7 +217,7 @@ class ScoringServing:
         prompts, pair_params = [], []
         for i, j in pairs:
             ids, type_start = tokenize_pair(serving.tokenizer, left[i], right[j], request.add_special_tokens,
-                                            serving.truncation_length(request))
+                                            serving.truncation_length(request), request.truncation_side)
             prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
             pair_params.append(params if type_start is None or not serving.settings.pooling.token_types
                                else dataclasses.replace(params, compressed_token_type_ids=type_start))

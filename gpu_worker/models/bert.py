@@ -26,6 +26,7 @@ from torch import nn
 from gpu_worker.config import ENCODER_ACTIVATIONS, ModelConfig
 from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.layers.embedding import VocabParallelEmbedding
+from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gpu_worker.layers.weight_utils import WeightLike
 
@@ -42,40 +43,6 @@ def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
     return norm
 
 
-class EncoderAttention(nn.Module):
-    """Bidirectional attention within each prompt, over the pass's own q/k/v: nothing is cached.
-    With a ``window``, query i sees only the keys j with |i - j| <= window (ModernBERT's local layers).
-    The pass's prompts are attended in the padded batches of its metadata: one fused 4-D call each."""
-
-    def __init__(self, num_heads: int, head_dim: int, scale: float, window: int | None = None) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.window = window
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
-        """q, k, v: [T, num_heads, head_dim], the pass's prompts one after another.
-        Returns [T, num_heads * head_dim]."""
-        num_tokens, width = q.shape[0], self.num_heads * self.head_dim
-        if not meta.batches:  # one prompt: attended where it lies
-            mask = None
-            if self.window is not None and num_tokens > self.window + 1:
-                offsets = torch.arange(num_tokens, device=q.device)
-                mask = (offsets[None, :] - offsets[:, None]).abs_() <= self.window
-            out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                                 v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=self.scale)
-            return out[0].transpose(0, 1).reshape(num_tokens, width)
-        out = torch.empty_like(q)
-        for batch in meta.batches:
-            shape = (batch.batch, batch.length, self.num_heads, self.head_dim)
-            qb, kb, vb = (x.index_select(0, batch.gather_rows).view(shape).transpose(1, 2) for x in (q, k, v))
-            attended = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=batch.mask(self.window), scale=self.scale)
-            flat = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
-            out.index_copy_(0, batch.real_rows, flat.index_select(0, batch.real_slots))
-        return out.view(num_tokens, width)
-
-
 class BertSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -84,7 +51,7 @@ class BertSelfAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.q_size = self.qkv_proj.q_size
         self.head_dim = config.head_dim
-        self.attn = EncoderAttention(self.num_heads, self.head_dim, config.head_dim ** -0.5)
+        self.attn = EncoderAttention(self.num_heads, self.num_heads, self.head_dim, config.head_dim ** -0.5)
 
     def forward(self, hidden: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         qkv = self.qkv_proj.forward(hidden).view(hidden.shape[0], 3 * self.num_heads, self.head_dim)

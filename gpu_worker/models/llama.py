@@ -24,6 +24,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.layers.activation import gated_activation
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -43,8 +44,11 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                         bias=config.o_proj_bias)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale,
-                                   config.layer_sliding_window(layer), config.attn_logit_softcapping)
+        # (A decoder run as an encoder, EmbeddingGemma, attends both ways within each prompt: no cache.)
+        self.attn = (EncoderAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale,
+                                      config.layer_sliding_window(layer)) if config.encoder_only else
+                     PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale,
+                                    config.layer_sliding_window(layer), config.attn_logit_softcapping))
         # Qwen3 (and Gemma 3): one norm over each query head and one over each key head (weights of
         # head_dim, the same on every TP rank), before RoPE.
         self.q_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -210,7 +214,8 @@ class LlamaForCausalLM(nn.Module):
         return self.score.forward(pooled.to(self.score.weight.dtype))
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """The layers reading the paged KV cache (none when run as an encoder)."""
+        return [] if self.config.encoder_only else [layer.self_attn.attn for layer in self.model.layers]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -26,10 +26,10 @@ from gpu_worker.config import ENCODER_ACTIVATIONS, ModelConfig
 from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.layers.activation import GeluAndMul
 from gpu_worker.layers.embedding import VocabParallelEmbedding
+from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.bert import EncoderAttention
 
 
 def _norm(config: ModelConfig) -> nn.LayerNorm:
@@ -47,7 +47,8 @@ class ModernBertAttention(nn.Module):
         self.head_dim = config.head_dim
         self.Wo = RowParallelLinear(config.hidden_size, config.hidden_size, bias=config.o_proj_bias)
         self.window = config.layer_sliding_window(layer)
-        self.attn = EncoderAttention(self.num_heads, self.head_dim, config.head_dim ** -0.5, self.window)
+        self.attn = EncoderAttention(self.num_heads, self.num_heads, self.head_dim, config.head_dim ** -0.5,
+                                     self.window)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 meta: EncoderMetadata) -> torch.Tensor:

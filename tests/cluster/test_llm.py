@@ -711,3 +711,52 @@ def test_a_labse_style_model_projects_its_pooled_embedding_through_its_dense_mod
                                    atol=1e-5, rtol=1e-5)
         if i == 0:
             torch.testing.assert_close(torch.tensor(raw), projected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_embeddinggemma_style_model_embeds_as_its_sentence_transformers_pipeline(tmp_path):
+    """EmbeddingGemma's pipeline: bidirectional Gemma 3 (an encoder: whole prompts, no prefix
+    cache), MEAN pooling, two Dense projections without activation (64 -> 128 -> 32 here), Normalize."""
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    from tests.gpu_worker.test_pooler_config import add_dense
+    from tests.tiny_model import _write_sentence_transformers_files, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    path = tmp_path / "embeddinggemma"
+    torch.manual_seed(5)
+    model = Gemma3TextModel(Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=3,
+        max_position_embeddings=256, use_bidirectional_attention=True, architectures=["Gemma3TextModel"])).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    _write_sentence_transformers_files(path, "pooling_mode_mean_tokens", normalize=True)
+    w1, _ = add_dense(path, 2, 64, 128, activation="Identity", bias=False)
+    w2, _ = add_dense(path, 3, 128, 32, activation="Identity", bias=False, seed=1)
+    llm = LLM(model=str(path))
+    try:
+        assert not llm._engine.scheduler.kv_cache_manager.enable_caching and llm._engine.model_info.hidden_size == 32
+        outs = llm.embed(PROMPTS[:4], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, prompt in zip(outs, PROMPTS[:4], strict=True):
+        with torch.no_grad():
+            mean = model(torch.tensor([tokenizer.encode(prompt)])).last_hidden_state[0].mean(0)
+        projected = mean @ w1.T @ w2.T
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), projected / projected.norm(),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_without_chunked_prefill_an_unset_budget_holds_a_whole_context_on_the_workers_too(tmp_path):
+    """A decoder served without chunked prefill and no --max-num-batched-tokens: the budget grows to
+    the model's 4096 positions (vLLM's default), for the scheduler and the workers alike (so that a
+    profiled pass is the size of the passes that run)."""
+    from tests.tiny_model import build_tiny_llama
+
+    path = build_tiny_llama(tmp_path / "long", max_positions=4096)
+    llm = LLM(model=str(path), enable_chunked_prefill=False, num_gpu_blocks=260)
+    try:
+        assert llm._engine.scheduler_config.token_budget == 4096
+        assert llm._engine.executor.worker.runner.max_num_batched_tokens == 4096
+    finally:
+        llm.shutdown()

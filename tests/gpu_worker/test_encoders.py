@@ -66,6 +66,21 @@ def encoder_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 6
 
 def pooled_outputs(runner, prompts: dict[str, list[int]], pooling: str = "CLS",
                    type_starts: dict[str, int] | None = None, execute=None, **sched) -> dict[str, list[float]]:
+    """Each prompt's pooled output through the real scheduler; with a runner, attended both ways (one
+    prompt after another, the CPU's default, and in padded batches, CUDA's), which must agree."""
+    if runner is None:
+        return _pooled_outputs(prompts, pooling, type_starts, execute, sched)
+    runner.encoder_batches_padded = True
+    padded = _pooled_outputs(prompts, pooling, type_starts, execute or runner.execute_model, sched)
+    runner.encoder_batches_padded = None
+    outputs = _pooled_outputs(prompts, pooling, type_starts, execute or runner.execute_model, sched)
+    for rid in prompts:
+        torch.testing.assert_close(torch.tensor(padded[rid]), torch.tensor(outputs[rid]), atol=1e-5, rtol=1e-5)
+    return outputs
+
+
+def _pooled_outputs(prompts: dict[str, list[int]], pooling: str, type_starts: dict[str, int] | None, execute,
+                    sched: dict) -> dict[str, list[float]]:
     scheduler = encoder_scheduler(**sched)
     for rid, prompt in prompts.items():
         params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=False,
@@ -73,8 +88,7 @@ def pooled_outputs(runner, prompts: dict[str, list[int]], pooling: str = "CLS",
                                 compressed_token_type_ids=(type_starts or {}).get(rid))
         scheduler.add_request(Request(rid, prompt, params, eos_token_id=None))
     outputs = {}
-    run_to_completion(scheduler, execute or runner.execute_model,
-                      on_output=lambda o: outputs.update({o.request_id: o.pooling_output}))
+    run_to_completion(scheduler, execute, on_output=lambda o: outputs.update({o.request_id: o.pooling_output}))
     return outputs
 
 
@@ -107,9 +121,14 @@ def test_embeddings_match_transformers(tmp_path, kind, pooling):
         torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
 
 
+# (ModernBERT's defaults have no biases anywhere: the last case keeps them.)
+_MODERNBERT_DEFAULTS = {"norm_bias": False, "attention_bias": False, "mlp_bias": False, "classifier_bias": False}
+
+
 @pytest.mark.parametrize(("kind", "num_labels", "overrides"), [
     ("bert", 3, {}), ("bert", 1, {}), ("roberta", 2, {}), ("xlm-roberta", 1, {}),
-    ("modernbert", 2, {}), ("modernbert", 1, {"classifier_pooling": "mean"})])
+    ("modernbert", 2, {}), ("modernbert", 1, {"classifier_pooling": "mean"}),
+    ("modernbert", 3, _MODERNBERT_DEFAULTS)])
 def test_classifier_logits_match_transformers(tmp_path, kind, num_labels, overrides):
     """BertForSequenceClassification (pooler + classifier over [CLS]), RoBERTa's classification head
     and ModernBERT's (head + classifier over its classifier_pooling); BERT's sentence pairs with
@@ -118,7 +137,7 @@ def test_classifier_logits_match_transformers(tmp_path, kind, num_labels, overri
     config = ModelConfig.from_pretrained(path)
     assert len(config.labels) == num_labels and config.encoder_only
     pooling = config.default_pooling_type
-    assert pooling == ("MEAN" if overrides else "CLS")
+    assert pooling == ("MEAN" if overrides.get("classifier_pooling") == "mean" else "CLS")
     runner = make_runner(path, num_blocks=64, block_size=4)
     prompts = random_prompts(6, seed=4)
     rng = random.Random(5)
@@ -148,7 +167,7 @@ def test_a_pass_is_attended_in_padded_batches_of_similar_lengths(seed):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 60, size=int(rng.integers(2, 40)))
     qsl = np.concatenate([[0], np.cumsum(lengths)])
-    meta = EncoderMetadata.build(qsl, torch.device("cpu"))
+    meta = EncoderMetadata.build(qsl, torch.device("cpu"), padded=True)
     written = np.concatenate([b.real_rows.numpy() for b in meta.batches])
     assert sorted(written.tolist()) == list(range(int(qsl[-1])))
     for batch in meta.batches:
@@ -161,7 +180,43 @@ def test_a_pass_is_attended_in_padded_batches_of_similar_lengths(seed):
             if batch.length > 3:
                 assert windowed.shape == (batch.batch, 1, batch.length, batch.length)
                 assert not (windowed & ~batch.key_mask).any()
-    assert EncoderMetadata.build(np.array([0, 7]), torch.device("cpu")).batches == []
+    assert EncoderMetadata.build(np.array([0, 7]), torch.device("cpu"), padded=True).batches == []
+    # (On the CPU, by default, prompts are attended one after another where they lie.)
+    spans = EncoderMetadata.build(qsl, torch.device("cpu"))
+    assert spans.batches == [] and spans.spans == list(zip(qsl[:-1].tolist(), qsl[1:].tolist(), strict=True))
+
+
+@pytest.mark.parametrize("pooling", ["MEAN", "CLS", "LAST"])
+def test_embeddinggemma_attends_both_ways_as_transformers(tmp_path, pooling):
+    """EmbeddingGemma: Gemma 3 with use_bidirectional_attention, run as an encoder (whole prompts,
+    no KV cache): full layers see the whole prompt, windowed ones |i - j| < sliding_window // 2 + 1;
+    grouped-query attention (one KV head for four query heads); local and global RoPE."""
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    config = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24,
+                              sliding_window=12, sliding_window_pattern=3, max_position_embeddings=128,
+                              use_bidirectional_attention=True, initializer_range=0.2,
+                              architectures=["Gemma3TextModel"])
+    torch.manual_seed(7)
+    hf = Gemma3TextModel(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)
+    hf.save_pretrained(tmp_path)
+    ours = ModelConfig.from_pretrained(tmp_path)
+    assert ours.encoder_only and ours.embedding_only and ours.sliding_window == 6
+    assert ours.sliding_window_layers == (True, True, False)
+    runner = make_runner(tmp_path, num_blocks=64, block_size=4)
+    assert runner.kv_caches == []
+    prompts = {**random_prompts(5, seed=8), "single": [9]}
+    outputs = pooled_outputs(runner, prompts, pooling)
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            states = hf(torch.tensor([prompt])).last_hidden_state[0]
+        expected = {"CLS": states[0], "MEAN": states.mean(0), "LAST": states[-1]}[pooling]
+        torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_a_prompt_scheduled_in_chunks_is_refused(tmp_path):
@@ -214,6 +269,7 @@ def test_encoder_configs():
                                 "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5.0},
                                                     "sliding_attention": {"rope_type": "default", "rope_theta": 7.0}}})
     assert (v5.sliding_window_layers, v5.rope_theta, v5.local_rope_theta) == ((False, True), 5.0, 7.0)
+    assert ModelConfig.from_dict({**modern, "local_rope_theta": None}).local_rope_theta == 160000.0
     with pytest.raises(ValueError, match="only default RoPE is served"):
         ModelConfig.from_dict({**modern, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     with pytest.raises(ValueError, match="classifier_pooling must be 'cls' or 'mean'"):

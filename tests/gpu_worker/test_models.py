@@ -304,8 +304,12 @@ def test_gemma_configs_read_as_transformers_reads_them():
 
 
 def test_gemma_configs_we_cannot_serve_are_refused():
-    with pytest.raises(ValueError, match="use_bidirectional_attention"):
-        ModelConfig.from_dict({**GEMMA3_1B_IT, "use_bidirectional_attention": True})
+    # (Bidirectional Gemma 3 is EmbeddingGemma, an encoder: see test_encoders; not Gemma 2 with soft caps.)
+    embedding = ModelConfig.from_dict({**GEMMA3_1B_IT, "use_bidirectional_attention": True})
+    assert embedding.encoder_only and embedding.embedding_only and embedding.sliding_window == 256
+    with pytest.raises(ValueError, match="use_bidirectional_attention is served on Gemma 3 without attention soft"):
+        ModelConfig.from_dict({**GEMMA3_1B_IT, "architectures": ["Gemma2ForCausalLM"],
+                               "use_bidirectional_attention": True})
     with pytest.raises(ValueError, match="sliding-window layers must use plain RoPE"):
         ModelConfig.from_dict({**GEMMA3_1B_IT, "rope_parameters": {
             "sliding_attention": {"rope_type": "linear", "factor": 2.0}, "full_attention": {"rope_type": "default"}}})

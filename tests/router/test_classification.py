@@ -154,18 +154,23 @@ def test_a_bert_cross_encoder_gets_each_pairs_token_types():
         pair = bert("what is the capital of france", text_pair=doc)
         assert request.prompt_token_ids == pair["input_ids"]
         assert request.sampling_params.compressed_token_type_ids == pair["token_type_ids"].index(1) == 8
-    http.post("/score", json={"model": "tiny", "text_1": "what is the capital of france", "text_2": "berlin",
-                              "truncate_prompt_tokens": 6})
-    # The tokenizer truncates the longer text from the left and keeps its special tokens:
-    # [CLS] of france [SEP] berlin [SEP], type 1 from "berlin" on.
-    truncated = engine.requests[-1]
-    assert bert.convert_ids_to_tokens(truncated.prompt_token_ids) == [
-        "[CLS]", "of", "france", "[SEP]", "berlin", "[SEP]"]
-    assert truncated.sampling_params.compressed_token_type_ids == 4
-    # A text keeps its [CLS] and [SEP] around its last tokens too.
+    # The tokenizer truncates the longer text, keeping its start (truncation_side "right", vLLM's for
+    # pooling) or its end, and keeps the special tokens: type 1 from "berlin" on.
+    for side, kept in (("right", ["what", "is"]), ("left", ["of", "france"])):
+        http.post("/score", json={"model": "tiny", "text_1": "what is the capital of france", "text_2": "berlin",
+                                  "truncate_prompt_tokens": 6, "truncation_side": side})
+        truncated = engine.requests[-1]
+        assert bert.convert_ids_to_tokens(truncated.prompt_token_ids) == ["[CLS]", *kept, "[SEP]", "berlin", "[SEP]"]
+        assert truncated.sampling_params.compressed_token_type_ids == 4
+    # A text keeps its [CLS] and [SEP] around the tokens kept too; token ids keep their first k.
     http.post("/classify", json={"model": "tiny", "input": "what is the capital of france",
                                  "truncate_prompt_tokens": 4})
-    assert bert.convert_ids_to_tokens(engine.requests[-1].prompt_token_ids) == ["[CLS]", "of", "france", "[SEP]"]
+    assert bert.convert_ids_to_tokens(engine.requests[-1].prompt_token_ids) == ["[CLS]", "what", "is", "[SEP]"]
+    http.post("/classify", json={"model": "tiny", "input": [5, 6, 7, 8], "truncate_prompt_tokens": 2})
+    assert engine.requests[-1].prompt_token_ids == [5, 6]
+    # Special tokens alone longer than the cut: refused, not silently cut again.
+    refused = http.post("/classify", json={"model": "tiny", "input": "paris", "truncate_prompt_tokens": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
     http.post("/classify", json={"model": "tiny", "input": "paris"})
     assert engine.requests[-1].sampling_params.compressed_token_type_ids is None
     assert tokenize_pair(TOKENIZER, "a", "b") == (TOKENIZER("a", text_pair="b")["input_ids"], None)

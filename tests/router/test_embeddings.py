@@ -41,10 +41,14 @@ def test_vllm_extras_reach_the_engine():
                                    extra_body={"normalize": False, "truncate_prompt_tokens": 4})
     params = engine.requests[0].sampling_params
     assert (params.embed_dimensions, params.embed_normalize) == (3, False)
-    prompt = TOKENIZER.encode("Hello world, the quick brown fox")[-4:]
+    # (truncate_prompt_tokens keeps the first tokens, as vLLM's pooling endpoints do; or the last ones.)
+    prompt = TOKENIZER.encode("Hello world, the quick brown fox")[:4]
     assert engine.requests[0].prompt_token_ids == prompt
     assert out.data[0].embedding == pytest.approx(scripted_embedding(prompt, params), abs=1e-4)
     assert len(out.data[0].embedding) == 3
+    client.embeddings.create(model="tiny", input="Hello world, the quick brown fox",
+                             extra_body={"truncate_prompt_tokens": 4, "truncation_side": "left"})
+    assert engine.requests[-1].prompt_token_ids == TOKENIZER.encode("Hello world, the quick brown fox")[-4:]
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
