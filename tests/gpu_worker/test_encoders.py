@@ -92,6 +92,16 @@ def _pooled_outputs(prompts: dict[str, list[int]], pooling: str, type_starts: di
     return outputs
 
 
+def assert_pooled_as_transformers(runner, hf, prompts: dict[str, list[int]], pooling: str) -> None:
+    """Each prompt's pooled embedding, all run in one pass, equals transformers' encoder output pooled."""
+    outputs = pooled_outputs(runner, prompts, pooling)
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            states = hf(torch.tensor([prompt])).last_hidden_state[0]
+        expected = {"CLS": states[0], "MEAN": states.mean(0), "LAST": states[-1]}[pooling]
+        torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
+
+
 def random_prompts(count: int, seed: int, max_len: int = 40) -> dict[str, list[int]]:
     # (Ids from 5 up: RoBERTa numbers positions past its padding id 1, which must not occur.)
     rng = random.Random(seed)
@@ -113,12 +123,7 @@ def test_embeddings_match_transformers(tmp_path, kind, pooling):
     assert getattr(runner.model.model, "pooler", None) is None
     # (Prompts up to 40 tokens: longer than ModernBERT's window of 17.)
     prompts = {**random_prompts(5, seed=3), "single": [42]}
-    outputs = pooled_outputs(runner, prompts, pooling)
-    for rid, prompt in prompts.items():
-        with torch.no_grad():
-            states = hf(torch.tensor([prompt])).last_hidden_state[0]
-        expected = {"CLS": states[0], "MEAN": states.mean(0), "LAST": states[-1]}[pooling]
-        torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
+    assert_pooled_as_transformers(runner, hf, prompts, pooling)
 
 
 # (ModernBERT's defaults have no biases anywhere: the last case keeps them.)
@@ -211,12 +216,7 @@ def test_embeddinggemma_attends_both_ways_as_transformers(tmp_path, pooling):
     runner = make_runner(tmp_path, num_blocks=64, block_size=4)
     assert runner.kv_caches == []
     prompts = {**random_prompts(5, seed=8), "single": [9]}
-    outputs = pooled_outputs(runner, prompts, pooling)
-    for rid, prompt in prompts.items():
-        with torch.no_grad():
-            states = hf(torch.tensor([prompt])).last_hidden_state[0]
-        expected = {"CLS": states[0], "MEAN": states.mean(0), "LAST": states[-1]}[pooling]
-        torch.testing.assert_close(torch.tensor(outputs[rid]), expected, atol=1e-4, rtol=1e-4)
+    assert_pooled_as_transformers(runner, hf, prompts, pooling)
 
 
 def test_a_prompt_scheduled_in_chunks_is_refused(tmp_path):
