@@ -25,7 +25,7 @@ from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities
 from router.detokenizer import IncrementalDetokenizer
-from router.scoring import cosine_scores, score_pairs, tokenize_pair
+from router.scoring import cosine_scores, pair_params, score_pairs, tokenize_pair
 
 PromptType = str | list[int]
 
@@ -413,8 +413,7 @@ class LLM:
             raise ValueError("a cross-encoder scores text pairs: give texts on both sides")
         joined = [tokenize_pair(self.tokenizer, first[i], second[j]) for i, j in pairs]
         params = _pooled_params(info)
-        each = [params if start is None or not info.pooling.token_types
-                else dataclasses.replace(params, compressed_token_type_ids=start) for _, start in joined]
+        each = [pair_params(params, start, info.pooling.token_types) for _, start in joined]
         return [ScoringRequestOutput(request_id, ScoringOutput(
                     class_probabilities(logits, info.pooling.cross_encoder_activation)[0]), ids)
                 for request_id, ids, logits in self._pool([ids for ids, _ in joined], each, lora_request, use_tqdm,

@@ -78,7 +78,9 @@ class EngineCoreService:
         self._executor_factory = executor_factory
         self._compute_niceness = compute_niceness
         self.engine = EngineCore(config, executor_factory(config))
-        self.metrics = EngineMetrics(config, self.engine.scheduler_config, self.engine.model_info.served_model_name,
+        # (The engine's own config: an encoder's turns prefix caching off.)
+        self.metrics = EngineMetrics(self.engine.config, self.engine.scheduler_config,
+                                     self.engine.model_info.served_model_name,
                                      self.engine.num_blocks) if config.log_stats else None
         self._on_adapters_changed()
         self._inputs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()

@@ -47,7 +47,8 @@ class EngineCore:
         num_blocks = executor.determine_num_blocks()
         executor.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
-        sched_cfg = config.scheduler
+        # (The executor may have derived it already, to size its workers' passes alike.)
+        sched_cfg = executor.scheduler_config() or config.scheduler
         if sched_cfg.max_model_len is None:  # the model's own context length, as vLLM defaults it
             sched_cfg = sched_cfg.with_max_model_len(self.model_info.max_model_len)
         elif sched_cfg.max_model_len > self.model_info.max_model_len:
@@ -82,10 +83,10 @@ class EngineCore:
                 "--gpu-memory-utilization)")
         self.scheduler_config = sched_cfg
         spec = config.speculative_config
-        cache_cfg = config.cache_config(num_blocks, self.model_info.sliding_window, self.model_info.long_rope_after)
-        if self.model_info.encoder_only:
+        if self.model_info.encoder_only and config.enable_prefix_caching:
             # (Cached keys of a prefix depend on the tokens after it: a hit would be wrong.)
-            cache_cfg = dataclasses.replace(cache_cfg, enable_prefix_caching=False)
+            self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
+        cache_cfg = config.cache_config(num_blocks, self.model_info.sliding_window, self.model_info.long_rope_after)
         self.scheduler = Scheduler(sched_cfg, cache_cfg,
                                    log_stats=config.log_stats,
                                    include_finished_set=True,

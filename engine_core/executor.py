@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 
@@ -78,6 +78,11 @@ class Executor(ABC):
 
     @abstractmethod
     def model_info(self) -> ModelInfo: ...
+
+    def scheduler_config(self) -> SchedulerConfig | None:
+        """The scheduler flags as the executor sized its workers' passes for them (the budget derived
+        for the model's context length, an encoder's whole prompts); None: the engine's own."""
+        return None
 
     @abstractmethod
     def determine_num_blocks(self) -> int:

@@ -284,9 +284,9 @@ def _gemma_from_dict(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         return {}
     if cfg.get("use_bidirectional_attention") and (arch != "Gemma3ForCausalLM" or cfg.get("attn_logit_softcapping")):
-        raise ValueError("use_bidirectional_attention is served on Gemma 3 without attention soft caps "
-                         f"(EmbeddingGemma), not on {arch} with attn_logit_softcapping "
-                         f"{cfg.get('attn_logit_softcapping')}")
+        why = "Gemma 2" if arch == "Gemma2ForCausalLM" else "attention soft caps"
+        raise ValueError(f"use_bidirectional_attention is served on Gemma 3 without attention soft caps "
+                         f"(EmbeddingGemma), not with {why}")
     gemma2 = arch == "Gemma2ForCausalLM"
 
     def optional(key: str, default: float | None) -> float | None:
@@ -428,8 +428,8 @@ class ModelConfig:
     # Whether an encoder's LayerNorms have a bias (ModernBERT's do not, by default).
     norm_bias: bool = True
     # How its embeddings (and class logits) pool the prompt unless its sentence-transformers files or
-    # --pooler-config say otherwise: LAST for decoders, CLS for encoders (ModernBERT's classifiers:
-    # their classifier_pooling).
+    # --pooler-config say otherwise: LAST for decoders (EmbeddingGemma's too), CLS for BERT-family
+    # encoders (ModernBERT's classifiers: their classifier_pooling).
     default_pooling_type: str = "LAST"
 
     @property

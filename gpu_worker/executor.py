@@ -15,7 +15,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.executor import Executor, ModelInfo, PoolingInfo, engine_uses_gpu
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
@@ -67,7 +67,9 @@ class _ExecutorBase(Executor):
         self.model_config = ModelConfig.from_pretrained(
             self.model_dir, json.loads(config.hf_overrides) if config.hf_overrides else None)
         if config.runner == "generate" and self.model_config.embedding_only:
-            raise ValueError(f"runner 'generate': {self.model_dir} is an embedding model without an LM head "
+            kind = ("an encoder (bidirectional attention)" if self.model_config.encoder_only
+                    else "an embedding model without an LM head")
+            raise ValueError(f"runner 'generate': {self.model_dir} is {kind} "
                              f"({self.model_config.raw['architectures'][0]}: embeddings or classes only); serve it "
                              "with --runner pooling or auto")
         embeds_only = self.model_config.embedding_only or config.runner == "pooling"
@@ -163,6 +165,9 @@ class _ExecutorBase(Executor):
 
     def model_info(self) -> ModelInfo:
         return self._info
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.config.scheduler
 
     def _block_args(self) -> dict[str, Any]:
         return {"block_size": self.config.block_size, "num_blocks": self.config.num_gpu_blocks,

@@ -97,16 +97,19 @@ def load_dense_weights(model_dir: str | Path, dense: DenseProjection) -> tuple[t
     return weight, tensors.get("linear.bias") if dense.bias else None
 
 
-def _sentence_transformers_pooler(model_dir: Path, need_type: bool, hidden_size: int) -> dict[str, Any]:
+def _sentence_transformers_pooler(model_dir: Path, need_type: bool, hidden_size: int,
+                                  overridden: bool = False) -> dict[str, Any]:
     """The pooling a sentence-transformers checkpoint declares ({} when it is not one): its Dense
-    projections and normalisation, and its pooling type when ``need_type`` (else the caller has one)."""
+    projections and normalisation, and its pooling type when ``need_type`` (else the caller has one).
+    ``overridden``: --pooler-config sets both pooling and normalisation, so modules we do not run are
+    the user's call (only the Dense projections are read)."""
     modules_file = model_dir / "modules.json"
     if not modules_file.exists():
         return {}
     modules = json.loads(modules_file.read_text())
     kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
     others = sorted(set(kinds) - {"Transformer", "Pooling", "Dense", "Normalize"})
-    if others:
+    if others and not overridden:
         # (Any other module changes the embedding's size or meaning: skipping it would answer wrong
         # vectors without a word.)
         raise ValueError(f"{modules_file} lists {', '.join(others)} modules, which are not served (only the "
@@ -171,5 +174,6 @@ def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None
         override["pooling_type"] = str(override["pooling_type"]).upper()
     if "normalize" in override and not isinstance(override["normalize"], bool):
         raise ValueError(f"pooler_config normalize must be true or false, got {override['normalize']!r}")
-    declared = _sentence_transformers_pooler(Path(model_dir), "pooling_type" not in override, hidden_size)
+    declared = _sentence_transformers_pooler(Path(model_dir), "pooling_type" not in override, hidden_size,
+                                             overridden={"pooling_type", "normalize"} <= set(override))
     return PoolerConfig(**{"pooling_type": default_type, **declared, **override})

@@ -23,6 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_core.outputs import LoRARequest
+from engine_core.sampling_params import SamplingParams
 from router.classification import class_probabilities, classifier_params
 from router.embeddings import (
     TRUNCATION_SIDE_HELP,
@@ -76,6 +77,14 @@ def tokenize_pair(tokenizer: Any, first: str, second: str, add_special_tokens: b
     if any(t != 1 for t in types[start:]) or any(t != 0 for t in types[:start]):
         raise ValueError(f"token types of a text pair must be 0s then 1s, got {types}")
     return ids, start
+
+
+def pair_params(params: SamplingParams, type_start: int | None, takes_token_types: bool) -> SamplingParams:
+    """A cross-encoder pair's request parameters: with where its token type 1 starts, for a model
+    that takes token types (a BERT); ``params`` itself otherwise."""
+    if type_start is None or not takes_token_types:
+        return params
+    return dataclasses.replace(params, compressed_token_type_ids=type_start)
 
 
 def cosine_scores(vectors: list[list[float]], pairs: list[tuple[int, int]]) -> list[float]:
@@ -214,14 +223,13 @@ class ScoringServing:
         if len(serving.settings.pooling.labels) != 1:
             raise bad_request(f"scoring needs a cross-encoder with one output; {serving.settings.served_model_name} "
                               f"has {len(serving.settings.pooling.labels)} classes (use /classify)", "model")
-        prompts, pair_params = [], []
+        prompts, each = [], []
         for i, j in pairs:
             ids, type_start = tokenize_pair(serving.tokenizer, left[i], right[j], request.add_special_tokens,
                                             serving.truncation_length(request), request.truncation_side)
             prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
-            pair_params.append(params if type_start is None or not serving.settings.pooling.token_types
-                               else dataclasses.replace(params, compressed_token_type_ids=type_start))
-        logits = await serving.embed(request_id, prompts, pair_params, request.priority, lora, session_id)
+            each.append(pair_params(params, type_start, serving.settings.pooling.token_types))
+        logits = await serving.embed(request_id, prompts, each, request.priority, lora, session_id)
         try:
             scores = [class_probabilities(row, serving.settings.pooling.cross_encoder_activation)[0] for row in logits]
         except ValueError as e:

@@ -178,8 +178,6 @@ class BertModel(nn.Module):
     packed_modules_mapping = {"query": ("qkv_proj", "q"), "key": ("qkv_proj", "k"), "value": ("qkv_proj", "v")}
     # What prefixes the encoder's tensors in a classifier checkpoint (base_model_prefix).
     base_model_prefix = "bert"
-    # Encoders keep no KV cache and take token types.
-    encoder_only = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -137,7 +137,6 @@ class ModernBertModel(nn.Module):
     # The checkpoint's fused projections, split into shards as read (checkpoint_tensors): (ours, shard).
     packed_modules_mapping = {"Wq": ("Wqkv", "q"), "Wk": ("Wqkv", "k"), "Wv": ("Wqkv", "v"),
                               "Wi_input": ("Wi", 0), "Wi_gate": ("Wi", 1)}
-    encoder_only = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -150,8 +149,7 @@ class ModernBertModel(nn.Module):
             self.classifier = nn.Linear(config.hidden_size, len(config.labels))
             self.classifier.requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         return self.model.forward(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

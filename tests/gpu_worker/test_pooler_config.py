@@ -131,6 +131,8 @@ def test_pipelines_we_cannot_reproduce_are_refused(tmp_path):
     (st / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="lists LayerNorm modules, which are not served"):
         resolve_pooler_config(st)
+    # Unless --pooler-config takes the pooling and normalisation over.
+    assert resolve_pooler_config(st, {"pooling_type": "CLS", "normalize": False}) == PoolerConfig("CLS", False)
     both = write_sentence_transformers(tmp_path / "both", {"pooling_mode_mean_tokens": True,
                                                            "pooling_mode_cls_token": True}, False)
     with pytest.raises(ValueError, match="pooling_mode_mean_tokens and pooling_mode_cls_token together"):
