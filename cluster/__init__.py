@@ -8,6 +8,8 @@ from cluster.llm import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     SamplingParams,
     ScoringOutput,
@@ -16,5 +18,5 @@ from cluster.llm import (
 from engine_core.outputs import LoRARequest
 
 __all__ = ["LLM", "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "LoRARequest", "Logprob", "RequestOutput", "SamplingParams", "ScoringOutput",
-           "ScoringRequestOutput"]
+           "EmbeddingRequestOutput", "LoRARequest", "Logprob", "PoolingOutput", "PoolingRequestOutput", "RequestOutput",
+           "SamplingParams", "ScoringOutput", "ScoringRequestOutput"]

@@ -23,7 +23,7 @@ from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreR
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
 from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
-from router.classification import class_probabilities
+from router.classification import class_probabilities, token_class_probabilities
 from router.detokenizer import IncrementalDetokenizer
 from router.scoring import cosine_scores, pair_params, score_pairs, tokenize_pair
 
@@ -124,6 +124,22 @@ class ClassificationRequestOutput:
 
     request_id: str
     outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    # An embedding, a classifier's class probabilities, or a token classifier's: one list per token.
+    data: list[float] | list[list[float]]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's ``LLM.encode`` result: one prompt's pooled output, as /pooling answers it."""
+
+    request_id: str
+    outputs: PoolingOutput
     prompt_token_ids: list[int]
     finished: bool = True
 
@@ -339,10 +355,30 @@ class LLM:
         info = self._model_info()
         if not info.pooling.labels:
             raise ValueError("this model is not a sequence classifier (a *ForSequenceClassification checkpoint)")
+        if info.pooling.per_token:
+            raise ValueError("this model is a token classifier: LLM.encode gives each token's class probabilities")
         pooled = self._pool(prompts, _pooled_params(info), lora_request, use_tqdm, "Classified prompts")
         return [ClassificationRequestOutput(request_id, ClassificationOutput(
                     class_probabilities(logits, info.pooling.classifier_activation)), ids)
                 for request_id, ids, logits in pooled]
+
+    def encode(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.encode``: each prompt's pooled output as the model's own endpoint computes it
+        (as /pooling answers): an embedding model's embedding, a sequence classifier's class
+        probabilities, a token classifier's for every prompt token (NER)."""
+        info = self._model_info()
+        if not info.pooling.labels:
+            return [PoolingRequestOutput(out.request_id, PoolingOutput(out.outputs.embedding), out.prompt_token_ids)
+                    for out in self.embed(prompts, use_tqdm, lora_request)]
+        pooling = info.pooling
+        outputs = []
+        for request_id, ids, logits in self._pool(prompts, _pooled_params(info), lora_request, use_tqdm,
+                                                  "Pooled prompts"):
+            data = (token_class_probabilities(logits, len(pooling.labels), pooling.classifier_activation)
+                    if pooling.per_token else class_probabilities(logits, pooling.classifier_activation))
+            outputs.append(PoolingRequestOutput(request_id, PoolingOutput(data), ids))
+        return outputs
 
     def _model_info(self) -> ModelInfo:
         if self._engine is None and not self._handles:

@@ -45,6 +45,9 @@ class PoolingInfo:
     cross_encoder_activation: str = "sigmoid"
     # Whether its inputs take token types (BERT's two: a cross-encoder pair's second text is type 1).
     token_types: bool = False
+    # A token classifier (NER): its pooled output is every prompt token's class logits, one row of
+    # len(labels) values after another.
+    per_token: bool = False
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,10 @@ ENCODER_ARCHITECTURES = {
     "XLMRobertaForSequenceClassification": "RobertaModel",
     # ModernBERT (gte-modernbert, modernbert-embed, gte-reranker-modernbert): RoPE, pre-norm layers,
     # GeGLU, and a bidirectional sliding window in two layers of three.
-    "ModernBertModel": "ModernBertModel", "ModernBertForSequenceClassification": "ModernBertModel"}
+    "ModernBertModel": "ModernBertModel", "ModernBertForSequenceClassification": "ModernBertModel",
+    # Token classifiers (NER and other taggers): class logits for every prompt token.
+    "BertForTokenClassification": "BertModel", "RobertaForTokenClassification": "RobertaModel",
+    "XLMRobertaForTokenClassification": "RobertaModel", "ModernBertForTokenClassification": "ModernBertModel"}
 # transformers' Gemma3TextConfig defaults: Gemma 3 4B+'s text_config lists only what differs from them.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -425,6 +428,9 @@ class ModelConfig:
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 0
     position_offset: int = 0
+    # A token classifier (*ForTokenClassification: NER): its labels classify every prompt token, not
+    # one pooled state.
+    token_classifier: bool = False
     # Whether an encoder's LayerNorms have a bias (ModernBERT's do not, by default).
     norm_bias: bool = True
     # How its embeddings (and class logits) pool the prompt unless its sentence-transformers files or
@@ -613,7 +619,8 @@ class ModelConfig:
         hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         if hidden % num_heads:
             raise ValueError(f"hidden_size ({hidden}) must be a multiple of num_attention_heads ({num_heads})")
-        labels = _labels(cfg) if arch.endswith("ForSequenceClassification") else ()
+        token_classifier = arch.endswith("ForTokenClassification")
+        labels = _labels(cfg) if arch.endswith("ForSequenceClassification") or token_classifier else ()
         family = (_modernbert_fields(arch, cfg, bool(labels)) if ours == "ModernBertModel"
                   else _bert_fields(ours, arch, cfg))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
@@ -626,7 +633,7 @@ class ModelConfig:
             embedding_only=True, labels=labels,
             classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),
             cross_encoder_activation=_cross_encoder_activation(cfg) if labels else "sigmoid",
-            encoder_only=True, **family)
+            encoder_only=True, token_classifier=token_classifier, **family)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:

@@ -117,7 +117,8 @@ class _ExecutorBase(Executor):
                                 labels=self.model_config.labels,
                                 classifier_activation=self.model_config.classifier_activation,
                                 cross_encoder_activation=self.model_config.cross_encoder_activation,
-                                token_types=self.model_config.type_vocab_size > 1))
+                                token_types=self.model_config.type_vocab_size > 1,
+                                per_token=self.model_config.token_classifier))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

@@ -296,6 +296,10 @@ class ModelRunner:
         the prompt, divided here; CLS: the first token's); a sequence classifier's class logits from
         it instead. Cut to its dimensions and L2-normalised as the request asks (on the CPU, after
         one copy of the rows); projected first by the checkpoint's Dense modules, where it has any."""
+        if self.config.token_classifier:
+            # Every prompt token's class logits, flattened (an encoder's prompt is all in this pass).
+            return {state.req_id: self.model.classify(hidden[row + 1 - state.num_prompt_tokens: row + 1]).float()
+                    .flatten().tolist() for state, row in wanted}
         rows = hidden.index_select(0, torch.tensor([row for _, row in wanted], device=hidden.device)).float()
         pooled = torch.stack([row if state.pooled is None else
                               state.pooled / state.num_prompt_tokens if state.sampling_params.embed_pooling == "MEAN"

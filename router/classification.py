@@ -41,12 +41,24 @@ def class_probabilities(logits: list[float], activation: str = "softmax") -> lis
     return (exp / exp.sum()).tolist()
 
 
-def classifier_params(serving: OpenAIServing) -> SamplingParams:
-    """What a classifier's engine is asked: the class logits of the pooled prompt, unnormalised.
-    Refused (400) for a model without a classification head."""
-    if not serving.settings.pooling.labels:
+def token_class_probabilities(flat_logits: list[float], num_labels: int, activation: str) -> list[list[float]]:
+    """A token classifier's answer: each prompt token's class scores (its logits arrive flattened,
+    ``num_labels`` values per token)."""
+    return [class_probabilities(flat_logits[i: i + num_labels], activation)
+            for i in range(0, len(flat_logits), num_labels)]
+
+
+def classifier_params(serving: OpenAIServing, per_token: bool = False) -> SamplingParams:
+    """What a classifier's engine is asked: the class logits of the pooled prompt (``per_token``: of
+    each token, which only /pooling answers), unnormalised. Refused (400) for a model without a
+    classification head, or of the other kind."""
+    pooling = serving.settings.pooling
+    if not pooling.labels:
         raise bad_request(f"{serving.settings.served_model_name} is not a sequence classifier "
                           "(a *ForSequenceClassification checkpoint)", "model")
+    if pooling.per_token and not per_token:
+        raise bad_request(f"{serving.settings.served_model_name} is a token classifier: /pooling answers each "
+                          "token's classes", "model")
     return embedding_params(serving, normalize=False)
 
 

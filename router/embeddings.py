@@ -156,7 +156,9 @@ def tokenize_truncated(tokenizer: Any, text: str, text_pair: str | None, add_spe
     return encoding
 
 
-def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+def encoded(vector: list[float] | list[list[float]], encoding_format: str) -> list[float] | list[list[float]] | str:
+    """``vector`` as asked: the values, or their little-endian float32 bytes in base64 (rows one
+    after another, for a 2-D output)."""
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
     return vector

@@ -1,6 +1,7 @@
 """vLLM's ``POST /pooling`` (and ``/v1/pooling``): each input's pooled output, whatever kind of
 pooling model serves it, as that model's own endpoint computes it: a sequence classifier's class
-probabilities (as /classify), an embedding model's embedding (as /v1/embeddings, pooled and
+probabilities (as /classify), a token classifier's class probabilities for every prompt token
+(one row per token: NER), an embedding model's embedding (as /v1/embeddings, pooled and
 normalised as its pooler config says). Reward models and classifiers are read this way."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from router.classification import class_probabilities, classifier_params
+from router.classification import class_probabilities, classifier_params, token_class_probabilities
 from router.embeddings import EmbeddingsServing, PooledInputRequest, check_embeds, embedding_params, encoded
 from router.serving import OpenAIServing
 
@@ -31,15 +32,19 @@ class PoolingServing:
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
         if settings.pooling.labels:
-            params = classifier_params(serving)
+            params = classifier_params(serving, per_token=True)
         else:
             check_embeds(serving)
             params = embedding_params(serving)
         prompts = [self.embeddings.prompt_ids(item, request) for item in request.inputs()]
         request_id = f"pool-{uuid.uuid4().hex}"
         outputs = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
-        if settings.pooling.labels:
-            outputs = [class_probabilities(row, settings.pooling.classifier_activation) for row in outputs]
+        pooling = settings.pooling
+        if pooling.per_token:  # (a [tokens][classes] array for each input)
+            outputs = [token_class_probabilities(row, len(pooling.labels), pooling.classifier_activation)
+                       for row in outputs]
+        elif pooling.labels:
+            outputs = [class_probabilities(row, pooling.classifier_activation) for row in outputs]
         num_tokens = sum(len(ids) for ids in prompts)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": serving.model_name(request.model),

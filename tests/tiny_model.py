@@ -151,12 +151,12 @@ def build_wordpiece_tokenizer(extra_words: tuple[str, ...] = ()):
 
 
 def build_tiny_bert(path: Path, num_labels: int = 0, seed: int = 0, pooling_mode: str | None = None,
-                    normalize: bool = True, max_positions: int = 128) -> Path:
+                    normalize: bool = True, max_positions: int = 128, per_token: bool = False) -> Path:
     """Save a random tiny BERT with a WordPiece tokenizer into ``path``: the bare encoder (an
     embedding model; with ``pooling_mode`` its sentence-transformers files), or with ``num_labels``
-    a BertForSequenceClassification (a cross-encoder for one)."""
+    a BertForSequenceClassification (a cross-encoder for one; ``per_token``: BertForTokenClassification)."""
     import torch
-    from transformers import AutoModel, AutoModelForSequenceClassification, BertConfig
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification, BertConfig
 
     path = Path(path)
     tokenizer = build_wordpiece_tokenizer()
@@ -164,7 +164,8 @@ def build_tiny_bert(path: Path, num_labels: int = 0, seed: int = 0, pooling_mode
                         num_attention_heads=4, max_position_embeddings=max_positions, num_labels=max(num_labels, 1),
                         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = (AutoModelForSequenceClassification if num_labels else AutoModel).from_config(config)
+    auto = AutoModelForTokenClassification if per_token else AutoModelForSequenceClassification
+    model = (auto if num_labels else AutoModel).from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             # (Biases start at 0 and LayerNorms at 1 in transformers: random ones show any skipped.)

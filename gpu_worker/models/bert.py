@@ -185,7 +185,9 @@ class BertModel(nn.Module):
         # No LM head: an encoder embeds or classifies.
         self.lm_head = None
         classifier = bool(config.labels)
-        self.model = BertEncoderModel(config, with_pooler=classifier and self.base_model_prefix == "bert")
+        # (A sequence classifier reads BERT's pooler; a token classifier classifies every final state.)
+        self.model = BertEncoderModel(config, with_pooler=classifier and self.base_model_prefix == "bert"
+                                      and not config.token_classifier)
         self.classifier = self._classifier_head(config) if classifier else None
 
     def _classifier_head(self, config: ModelConfig) -> nn.Module:
@@ -199,10 +201,12 @@ class BertModel(nn.Module):
         raise RuntimeError("an encoder model is served for embeddings or classes only: it has no LM head")
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Class logits of pooled ([CLS]) final hidden states [n, hidden] -> [n, classes]."""
+        """Class logits of pooled ([CLS]) final hidden states [n, hidden] -> [n, classes] (a token
+        classifier's: of each token's final state)."""
         if self.classifier is None:
             raise RuntimeError("this model has no classification head")
-        return self.classifier.forward(self.model.pooler.forward(pooled.to(self.classifier.weight.dtype)))
+        pooled = pooled.to(self.classifier.weight.dtype)
+        return self.classifier.forward(pooled if self.model.pooler is None else self.model.pooler.forward(pooled))
 
     def attention_layers(self) -> list[nn.Module]:
         """Layers reading the paged KV cache: none (an encoder attends within the pass)."""
@@ -231,9 +235,12 @@ class RobertaModel(BertModel):
     base_model_prefix = "roberta"
 
     def _classifier_head(self, config: ModelConfig) -> nn.Module:
-        return RobertaClassificationHead(config)
+        # (A token classifier's is one linear layer, as BERT's.)
+        return super()._classifier_head(config) if config.token_classifier else RobertaClassificationHead(config)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        if self.config.token_classifier:
+            return super().classify(pooled)
         if self.classifier is None:
             raise RuntimeError("this model has no classification head")
         return self.classifier.forward(pooled.to(self.classifier.dense.weight.dtype))

@@ -760,3 +760,38 @@ def test_without_chunked_prefill_an_unset_budget_holds_a_whole_context_on_the_wo
         assert llm._engine.executor.worker.runner.max_num_batched_tokens == 4096
     finally:
         llm.shutdown()
+
+
+def test_a_bert_token_classifier_tags_every_token_through_encode(tmp_path):
+    """BertForTokenClassification (NER): LLM.encode gives each prompt token's class probabilities
+    (softmax of transformers' logits); LLM.classify refers to it; on an embedding model encode is
+    its embedding."""
+    from transformers import AutoModelForTokenClassification
+
+    from tests.tiny_model import build_tiny_bert
+
+    path = build_tiny_bert(tmp_path / "ner", num_labels=5, per_token=True)
+    model = AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = ["Paris is the capital of France.", "Hello world"]
+    llm = LLM(model=str(path))
+    try:
+        tagged = llm.encode(texts, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"token classifier: LLM\.encode"):
+            llm.classify(texts, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, text in zip(tagged, texts, strict=True):
+        ids = tok(text).input_ids
+        with torch.no_grad():
+            expected = torch.softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+        assert out.prompt_token_ids == ids
+        torch.testing.assert_close(torch.tensor(out.outputs.data, dtype=torch.float32), expected, atol=1e-5, rtol=1e-5)
+
+    path = build_tiny_bert(tmp_path / "embedder", pooling_mode="pooling_mode_mean_tokens")
+    llm = LLM(model=str(path))
+    try:
+        assert llm.encode(texts[:1], use_tqdm=False)[0].outputs.data == llm.embed(texts[:1], use_tqdm=False)[
+            0].outputs.embedding
+    finally:
+        llm.shutdown()

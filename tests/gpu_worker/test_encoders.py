@@ -12,6 +12,7 @@ import torch
 from transformers import (
     AutoModel,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     BertConfig,
     ModernBertConfig,
     RobertaConfig,
@@ -29,9 +30,10 @@ _CONFIGS = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobe
             "modernbert": ModernBertConfig}
 
 
-def save_tiny_encoder(path, kind: str, num_labels: int = 0, seed: int = 0, **overrides):
+def save_tiny_encoder(path, kind: str, num_labels: int = 0, seed: int = 0, per_token: bool = False, **overrides):
     """A random-weight encoder checkpoint: the bare model (AutoModel, saved with BERT's pooler) or,
-    with ``num_labels``, its *ForSequenceClassification. Biases and LayerNorms are random too.
+    with ``num_labels``, its *ForSequenceClassification (``per_token``: *ForTokenClassification).
+    Biases and LayerNorms are random too.
     ModernBERT: three layers (two windowed, of 8 tokens each side), with biases, so that all of them
     are read."""
     roberta = kind in ("roberta", "xlm-roberta")
@@ -45,7 +47,8 @@ def save_tiny_encoder(path, kind: str, num_labels: int = 0, seed: int = 0, **ove
         del kw["type_vocab_size"]
     kw.update(overrides)
     torch.manual_seed(seed)
-    auto = AutoModelForSequenceClassification if num_labels else AutoModel
+    auto = (AutoModelForTokenClassification if per_token else
+            AutoModelForSequenceClassification if num_labels else AutoModel)
     model = auto.from_config(_CONFIGS[kind](**kw), dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -161,6 +164,25 @@ def test_classifier_logits_match_transformers(tmp_path, kind, num_labels, overri
         rid = next(iter(type_starts))
         plain = pooled_outputs(runner, {rid: prompts[rid]}, "CLS")
         assert not torch.allclose(torch.tensor(plain[rid]), torch.tensor(outputs[rid]), atol=1e-3)
+
+
+@pytest.mark.parametrize(("kind", "num_labels"), [("bert", 5), ("roberta", 3), ("xlm-roberta", 2),
+                                                ("modernbert", 4)])
+def test_token_classifier_logits_match_transformers(tmp_path, kind, num_labels):
+    """*ForTokenClassification (NER): every prompt token's class logits (ModernBERT's through its
+    head), flattened, as transformers computes them."""
+    path, hf = save_tiny_encoder(tmp_path, kind, num_labels=num_labels, per_token=True)
+    config = ModelConfig.from_pretrained(path)
+    assert config.token_classifier and len(config.labels) == num_labels
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    assert getattr(runner.model.model, "pooler", None) is None
+    prompts = {**random_prompts(5, seed=9), "single": [11]}
+    outputs = pooled_outputs(runner, prompts, config.default_pooling_type)
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        got = torch.tensor(outputs[rid]).view(len(prompt), num_labels)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("seed", range(5))

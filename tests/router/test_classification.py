@@ -136,6 +136,20 @@ def test_pooling_answers_each_models_pooled_output():
     assert r.status_code == 400 and "Dense" in r.json()["error"]["message"]
 
 
+def test_a_token_classifier_answers_pooling_with_each_tokens_classes():
+    """A token classifier (NER): /pooling answers a [tokens][classes] array per input, the softmax of
+    each token's logits (which arrive flattened); /classify and /score are refused."""
+    http, engine = _app(num_pooled=8, pooling={"generates": False, "labels": ("O", "B-LOC"), "per_token": True})
+    body = http.post("/pooling", json={"model": "tiny", "input": [5, 6, 7]}).json()
+    flat = scripted_embedding([5, 6, 7], engine.requests[0].sampling_params)
+    rows = [flat[i: i + 2] for i in range(0, 8, 2)]
+    expected = [(np.exp(row) / np.exp(row).sum()).tolist() for row in map(np.asarray, rows)]
+    np.testing.assert_allclose(body["data"][0]["data"], expected, atol=1e-12)
+    for path, body in (("/classify", {"input": "hi"}), ("/score", {"text_1": "a", "text_2": "b"})):
+        r = http.post(path, json={"model": "tiny", **body})
+        assert r.status_code == 400 and "token classifier" in r.json()["error"]["message"], path
+
+
 def test_a_bert_cross_encoder_gets_each_pairs_token_types():
     """A BERT tokenizer marks a pair's second text with token type 1: each pair's request carries
     where type 1 starts (compressed_token_type_ids), as the tokenizer truncates the pair with
