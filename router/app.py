@@ -180,43 +180,27 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         result = await chosen.create(body, request.headers.get(SESSION_HEADER))
         return EventStreamResponse(result) if hasattr(result, "__aiter__") else JSONResponse(result)
 
-    embeddings_of = {id(s): EmbeddingsServing(s) for s in servings}
+    def model_endpoint(serving_class: type, body_type: type,
+                       method: str = "create") -> Callable[..., Awaitable[Response]]:
+        """A JSON endpoint answered by ``method`` of the chosen model's ``serving_class`` (one per
+        served model), its body parsed as ``body_type``."""
+        serving_of = {id(s): serving_class(s) for s in servings}
 
-    @app.post("/v1/embeddings")
-    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        chosen = embeddings_of[id(await servings.for_model(body.model))]
-        return JSONResponse(await chosen.create(body, request.headers.get(SESSION_HEADER)))
+        async def endpoint(body: Any, request: Request) -> Response:
+            chosen = serving_of[id(await servings.for_model(body.model))]
+            return JSONResponse(await getattr(chosen, method)(body, request.headers.get(SESSION_HEADER)))
 
-    scoring_of = {id(s): ScoringServing(s) for s in servings}
+        endpoint.__annotations__["body"] = body_type  # (what FastAPI validates the body as)
+        return endpoint
 
-    async def create_scores(body: ScoreRequest, request: Request) -> Response:
-        chosen = scoring_of[id(await servings.for_model(body.model))]
-        return JSONResponse(await chosen.score(body, request.headers.get(SESSION_HEADER)))
-
-    async def create_ranking(body: RerankRequest, request: Request) -> Response:
-        chosen = scoring_of[id(await servings.for_model(body.model))]
-        return JSONResponse(await chosen.rerank(body, request.headers.get(SESSION_HEADER)))
-
+    app.post("/v1/embeddings")(model_endpoint(EmbeddingsServing, EmbeddingRequest))
     for path in SCORING_PATHS:
-        app.post(path)(create_ranking if path.endswith("rerank") else create_scores)
-
-    classification_of = {id(s): ClassificationServing(s) for s in servings}
-
-    async def create_classification(body: ClassificationRequest, request: Request) -> Response:
-        chosen = classification_of[id(await servings.for_model(body.model))]
-        return JSONResponse(await chosen.create(body, request.headers.get(SESSION_HEADER)))
-
+        app.post(path)(model_endpoint(ScoringServing, RerankRequest, "rerank") if path.endswith("rerank")
+                       else model_endpoint(ScoringServing, ScoreRequest, "score"))
     for path in CLASSIFY_PATHS:
-        app.post(path)(create_classification)
-
-    pooling_of = {id(s): PoolingServing(s) for s in servings}
-
-    async def create_pooling(body: PoolingRequest, request: Request) -> Response:
-        chosen = pooling_of[id(await servings.for_model(body.model))]
-        return JSONResponse(await chosen.create(body, request.headers.get(SESSION_HEADER)))
-
+        app.post(path)(model_endpoint(ClassificationServing, ClassificationRequest))
     for path in POOLING_PATHS:
-        app.post(path)(create_pooling)
+        app.post(path)(model_endpoint(PoolingServing, PoolingRequest))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> Response:

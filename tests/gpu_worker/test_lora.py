@@ -272,6 +272,20 @@ def test_with_a_host_memory_limit_adapters_are_read_again_when_needed(setup, max
     assert runner.lora.remove_adapter(1) and runner.lora.list_adapters() == [2]
 
 
+def _adapter_a_expectations(base, tmp_path, adapter_seed: int, prompt_seed: int) -> tuple[dict, list, dict]:
+    """Adapter "a" (saved in tmp_path / "a" with ``adapter_seed``) and three prompts over a 251-token
+    vocabulary: PEFT's greedy tokens for each, the second prompt adapted, the others on the base
+    model (and the adapter must change the second's)."""
+    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
+    rng = random.Random(prompt_seed)
+    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    adapted = peft_model(base, seed=adapter_seed)
+    expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
+                for i, p in enumerate(prompts)}
+    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    return adapters, prompts, expected
+
+
 def test_an_adapter_on_a_moe_model_covers_attention_the_shared_expert_and_dense_layers(tmp_path):
     """PEFT adapts a Qwen2-MoE's linear projections (attention, the shared expert, the dense layer's
     MLP), not its stacked routed experts; served, it gives PEFT's tokens."""
@@ -284,13 +298,7 @@ def test_an_adapter_on_a_moe_model_covers_attention_the_shared_expert_and_dense_
     assert any(".mlp.shared_expert.gate_proj." in n for n in names)
     assert any(".layers.0.mlp.down_proj." in n for n in names)
     assert not any(".experts." in n for n in names)
-    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
-    rng = random.Random(9)
-    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
-    adapted = peft_model(base, seed=3)
-    expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
-                for i, p in enumerate(prompts)}
-    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=3, prompt_seed=9)
     worker = _worker(base, adapters)
     assert _drive(worker.execute_model, adapters, prompts, max_loras=1) == expected
     # An adapter trained on routed experts (PEFT under transformers 4 could) is refused, by name.
@@ -311,11 +319,5 @@ def test_an_adapter_on_gemma2_gives_pefts_tokens(tmp_path):
     windowed layers stay as they are."""
     base = save_tiny_model(tmp_path / "base", "gemma2", vocab_size=251, attn_logit_softcapping=1.5)
     save_adapter(base, tmp_path / "a", seed=4)
-    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
-    rng = random.Random(11)
-    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
-    adapted = peft_model(base, seed=4)
-    expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
-                for i, p in enumerate(prompts)}
-    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=4, prompt_seed=11)
     assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
