@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "generate otherwise (which embeds too).")
     serve.add_argument("--pooler-config", type=_json_object, default=None,
                        help='How embeddings pool (JSON), over the checkpoint\'s sentence-transformers files: '
-                            '\'{"pooling_type": "MEAN", "normalize": true}\' (LAST, MEAN or CLS).')
+                            '\'{"pooling_type": "MEAN", "normalize": true}\' (LAST, MEAN, CLS; ALL: every token\'s '
+                            'row; STEP: the rows of step_tag_id\'s positions, cut to returned_token_ids).')
     serve.add_argument("--hf-overrides", type=_json_object, default=None,
                        help='Keys set over the model\'s config.json (JSON), e.g. to serve Qwen3-Reranker as a '
                             'cross-encoder: \'{"architectures": ["Qwen3ForSequenceClassification"], '

@@ -58,8 +58,9 @@ class EngineSpec(BaseModel):
         None, description="pooling: embeddings only, no LM head (--runner); auto: pooling for a bare-decoder "
                           "checkpoint such as e5-mistral's MistralModel, generate otherwise.")
     pooler_config: dict[str, Any] | None = Field(
-        None, description='How embeddings pool (--pooler-config): {"pooling_type": "LAST" | "MEAN" | "CLS", '
-                          '"normalize": bool}, over the checkpoint\'s sentence-transformers files.')
+        None, description='How embeddings pool (--pooler-config): {"pooling_type": "LAST" | "MEAN" | "CLS" | "ALL" | '
+                          '"STEP", "normalize": bool, "step_tag_id": int, "returned_token_ids": [int]}, over the '
+                          'checkpoint\'s sentence-transformers files.')
     hf_overrides: dict[str, Any] | None = Field(
         None, description="Keys set over the model's config.json (--hf-overrides), e.g. "
                           '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
@@ -322,7 +323,8 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         model=model, served_model_name=served_model_name, engine_index=index,
         tensor_parallel_size=s["tensor_parallel_size"], device=s["device"],
         dtype=s["dtype"], kv_cache_dtype=s["kv_cache_dtype"], enable_expert_parallel=s["enable_expert_parallel"],
-        runner=s["runner"], pooler_config=tuple(sorted((s["pooler_config"] or {}).items())),
+        runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                          for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
         scheduler=scheduler, block_size=s["block_size"],
         enable_prefix_caching=s["enable_prefix_caching"], num_gpu_blocks=s["num_gpu_blocks"],

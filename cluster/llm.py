@@ -23,7 +23,7 @@ from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreR
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
 from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
-from router.classification import class_probabilities, token_class_probabilities
+from router.classification import class_probabilities, token_class_probabilities, token_rows
 from router.detokenizer import IncrementalDetokenizer
 from router.scoring import cosine_scores, pair_params, score_pairs, tokenize_pair
 
@@ -106,7 +106,7 @@ def _pooled_params(info: ModelInfo, normalize: bool = False, dimensions: int | N
                    ) -> EngineSamplingParams:
     """An embedding request's parameters (a classifier's class logits), pooled as the model pools."""
     return EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
-                                embed_dimensions=dimensions, embed_pooling=info.pooling.pooling_type)
+                                embed_dimensions=dimensions, **info.pooling.params_fields())
 
 
 @dataclass
@@ -130,7 +130,8 @@ class ClassificationRequestOutput:
 
 @dataclass
 class PoolingOutput:
-    # An embedding, a classifier's class probabilities, or a token classifier's: one list per token.
+    # An embedding, a classifier's class probabilities, or (ALL / STEP pooling) one list per kept
+    # token: a token classifier's class probabilities, a reward model's rewards, an embedding.
     data: list[float] | list[list[float]]
 
 
@@ -336,6 +337,9 @@ class LLM:
         if info.pooling.labels:
             raise ValueError("this model is a sequence classifier: use LLM.classify (or LLM.score for a "
                              "cross-encoder), not LLM.embed")
+        if info.pooling.per_token:
+            raise ValueError(f"this model pools every token ({info.pooling.pooling_type} pooling): LLM.encode gives "
+                             "each token's embedding")
         if info.pooling.unavailable:
             raise ValueError(f"this model does not serve embeddings: {info.pooling.unavailable}")
         if normalize is None:
@@ -356,7 +360,8 @@ class LLM:
         if not info.pooling.labels:
             raise ValueError("this model is not a sequence classifier (a *ForSequenceClassification checkpoint)")
         if info.pooling.per_token:
-            raise ValueError("this model is a token classifier: LLM.encode gives each token's class probabilities")
+            raise ValueError("this model classifies every token (a token classifier or reward model): LLM.encode "
+                             "gives each token's class probabilities")
         pooled = self._pool(prompts, _pooled_params(info), lora_request, use_tqdm, "Classified prompts")
         return [ClassificationRequestOutput(request_id, ClassificationOutput(
                     class_probabilities(logits, info.pooling.classifier_activation)), ids)
@@ -366,19 +371,36 @@ class LLM:
                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode``: each prompt's pooled output as the model's own endpoint computes it
         (as /pooling answers): an embedding model's embedding, a sequence classifier's class
-        probabilities, a token classifier's for every prompt token (NER)."""
+        probabilities; under ALL / STEP pooling one row per kept token: a token classifier's class
+        probabilities (NER), a reward model's rewards, each token's embedding."""
         info = self._model_info()
-        if not info.pooling.labels:
+        pooling = info.pooling
+        if not pooling.labels and not pooling.per_token:
             return [PoolingRequestOutput(out.request_id, PoolingOutput(out.outputs.embedding), out.prompt_token_ids)
                     for out in self.embed(prompts, use_tqdm, lora_request)]
-        pooling = info.pooling
+        if pooling.unavailable:
+            raise ValueError(f"this model does not serve embeddings: {pooling.unavailable}")
+        params = _pooled_params(info, normalize=pooling.normalize and not pooling.labels)
         outputs = []
-        for request_id, ids, logits in self._pool(prompts, _pooled_params(info), lora_request, use_tqdm,
-                                                  "Pooled prompts"):
-            data = (token_class_probabilities(logits, len(pooling.labels), pooling.classifier_activation)
-                    if pooling.per_token else class_probabilities(logits, pooling.classifier_activation))
+        for request_id, ids, values in self._pool(prompts, params, lora_request, use_tqdm, "Pooled prompts"):
+            if not pooling.labels:
+                data: list[float] | list[list[float]] = token_rows(values, pooling.row_size)
+            elif pooling.per_token:
+                data = token_class_probabilities(values, pooling.row_size, pooling.classifier_activation)
+            else:
+                data = class_probabilities(values, pooling.classifier_activation)
             outputs.append(PoolingRequestOutput(request_id, PoolingOutput(data), ids))
         return outputs
+
+    def reward(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.reward``, for reward models (and token classifiers): each prompt's rows, as
+        LLM.encode gives them (an outcome reward model's reward at every token, a process reward
+        model's two class probabilities at every step separator)."""
+        if not self._model_info().pooling.per_token:
+            raise ValueError("LLM.reward reads a model that pools every token (ALL or STEP pooling: a reward model "
+                             "or token classifier); use LLM.classify or LLM.embed for this one")
+        return self.encode(prompts, use_tqdm, lora_request)
 
     def _model_info(self) -> ModelInfo:
         if self._engine is None and not self._handles:

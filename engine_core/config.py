@@ -232,7 +232,8 @@ class EngineConfig:
     # only: no LM head is loaded, generation is refused), "auto" (pooling for a bare-decoder
     # checkpoint such as e5-mistral's MistralModel, generate otherwise).
     runner: Literal["auto", "generate", "pooling"] = "auto"
-    # vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}, over what
+    # vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS" | "ALL" | "STEP", "normalize": bool,
+    # "step_tag_id": int, "returned_token_ids": [int, ...]} (the last two: STEP only), over what
     # the checkpoint's sentence-transformers files say (gpu_worker.pooler_config).
     pooler_config: tuple[tuple[str, Any], ...] = ()
     # vLLM's --hf-overrides, as JSON text (hashable): keys set over the checkpoint's config.json,
@@ -300,10 +301,15 @@ class EngineConfig:
             _require(not self.hf_overrides or isinstance(json.loads(self.hf_overrides), dict), "hf_overrides",
                      "a JSON object", self.hf_overrides)
             pooler = dict(self.pooler_config)
-            _require(set(pooler) <= {"pooling_type", "normalize"}
-                     and str(pooler.get("pooling_type", "LAST")).upper() in ("LAST", "MEAN", "CLS")
-                     and isinstance(pooler.get("normalize", True), bool), "pooler_config",
-                     "an object of pooling_type (LAST, MEAN or CLS) and normalize (true or false)", pooler)
+            step_tag, returned = pooler.get("step_tag_id"), pooler.get("returned_token_ids")
+            _require(set(pooler) <= {"pooling_type", "normalize", "step_tag_id", "returned_token_ids"}
+                     and str(pooler.get("pooling_type", "LAST")).upper() in ("LAST", "MEAN", "CLS", "ALL", "STEP")
+                     and isinstance(pooler.get("normalize", True), bool)
+                     and (step_tag is None or (type(step_tag) is int and step_tag >= 0))
+                     and (returned is None or (isinstance(returned, list | tuple) and len(returned) > 0
+                                               and all(type(t) is int and t >= 0 for t in returned))),
+                     "pooler_config", "an object of pooling_type (LAST, MEAN, CLS, ALL or STEP), normalize (true or "
+                     "false), and for STEP step_tag_id (a token id) and returned_token_ids (token ids)", pooler)
         except ValueError as e:
             raise ValueError(where + str(e)) from None
 

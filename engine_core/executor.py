@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
@@ -31,7 +32,8 @@ class PoolingInfo:
 
     # False for an embedding-only model (no LM head, --runner pooling): generation is refused.
     generates: bool = True
-    # How embeddings are pooled ("LAST", "MEAN" or "CLS"), and whether they are L2-normalised by default.
+    # How embeddings are pooled ("LAST", "MEAN", "CLS"; "ALL" and "STEP" per token), and whether they
+    # are L2-normalised by default.
     pooling_type: str = "LAST"
     normalize: bool = True
     # Why its embeddings cannot be served as its checkpoint declares them ("" when they can): a
@@ -45,9 +47,24 @@ class PoolingInfo:
     cross_encoder_activation: str = "sigmoid"
     # Whether its inputs take token types (BERT's two: a cross-encoder pair's second text is type 1).
     token_types: bool = False
-    # A token classifier (NER): its pooled output is every prompt token's class logits, one row of
-    # len(labels) values after another.
-    per_token: bool = False
+    # STEP pooling's settings (gpu_worker.pooler_config): the positions kept (those of this token;
+    # None: all), and the columns of each row kept (None: all).
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
+    # The values in one pooled row (a class logit each, or the embedding's; STEP: the columns kept).
+    row_size: int = 0
+
+    @property
+    def per_token(self) -> bool:
+        """Whether a prompt's pooled output is one row per token (ALL: a token classifier such as an
+        NER tagger, a reward model) or per step separator (STEP: a process reward model), rows of
+        ``row_size`` values one after another, rather than one row."""
+        return self.pooling_type in ("ALL", "STEP")
+
+    def params_fields(self) -> dict[str, Any]:
+        """The SamplingParams fields that pool a prompt as this model pools."""
+        return {"embed_pooling": self.pooling_type, "embed_step_tag_id": self.step_tag_id,
+                "embed_returned_token_ids": list(self.returned_token_ids) if self.returned_token_ids else None}
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,12 @@ class SamplingParams:
     embed_normalize: bool = True
     embed_dimensions: int | None = None
     # How the embedding pools the prompt's final hidden states (gpu_worker.pooler_config): "LAST",
-    # "MEAN" or "CLS". The router and LLM.embed set the model's.
+    # "MEAN" or "CLS"; "ALL" and "STEP" give one row per prompt token (STEP: per position holding
+    # ``embed_step_tag_id``, every position when None), each cut to the columns
+    # ``embed_returned_token_ids`` (all when None), rows flattened. The router and LLM set the model's.
     embed_pooling: str = "LAST"
+    embed_step_tag_id: int | None = None
+    embed_returned_token_ids: list[int] | None = None
     # An encoder's token types as vLLM compresses them: the first prompt position of type 1 (the
     # second text of a pair, for cross-encoders whose tokenizer returns token_type_ids); None: every
     # token is of type 0.
@@ -113,8 +117,18 @@ class SamplingParams:
             _check(self.max_tokens == 1 and self.logprobs is None and self.prompt_logprobs is None
                    and self.structured_output is None, "embed",
                    "used with max_tokens 1 and without logprobs, prompt_logprobs or structured_output", self.embed)
-        _check(self.embed_pooling in ("LAST", "MEAN", "CLS"), "embed_pooling", "one of LAST, MEAN, CLS",
-               self.embed_pooling)
+        _check(self.embed_pooling in ("LAST", "MEAN", "CLS", "ALL", "STEP"), "embed_pooling",
+               "one of LAST, MEAN, CLS, ALL, STEP", self.embed_pooling)
+        _check((self.embed_step_tag_id is None and self.embed_returned_token_ids is None)
+               or self.embed_pooling == "STEP", "embed_step_tag_id",
+               "set (with embed_returned_token_ids) for STEP pooling only", self.embed_step_tag_id)
+        _check(self.embed_step_tag_id is None
+               or (type(self.embed_step_tag_id) is int and self.embed_step_tag_id >= 0),
+               "embed_step_tag_id", "None or a token id", self.embed_step_tag_id)
+        _check(self.embed_returned_token_ids is None
+               or (isinstance(self.embed_returned_token_ids, list) and len(self.embed_returned_token_ids) > 0
+                   and all(type(t) is int and t >= 0 for t in self.embed_returned_token_ids)),
+               "embed_returned_token_ids", "None or a non-empty list of ints >= 0", self.embed_returned_token_ids)
         _check(self.compressed_token_type_ids is None
                or (self.embed and isinstance(self.compressed_token_type_ids, int)
                    and self.compressed_token_type_ids >= 0),
@@ -146,6 +160,6 @@ class SamplingParams:
     @property
     def skip_reading_prefix_cache(self) -> bool:
         """Whether every prompt position must be computed, so prefix-cache hits are not used (they
-        still fill the cache): prompt logprobs score each one, MEAN and CLS pooling read their
-        hidden states (the first one's for CLS)."""
+        still fill the cache): prompt logprobs score each one, MEAN, ALL and STEP pooling read their
+        hidden states (CLS the first one's)."""
         return self.prompt_logprobs is not None or (self.embed and self.embed_pooling != "LAST")

@@ -37,6 +37,21 @@ CLASSIFIER_DECODER_OF = {
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM", "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
     "GemmaForSequenceClassification": "GemmaForCausalLM", "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
     "Phi3ForSequenceClassification": "Phi3ForCausalLM"}
+# Token classifiers on a decoder (transformers' *ForTokenClassification): a ``score`` head (with a
+# bias) over every prompt token's final hidden state.
+TOKEN_CLASSIFIER_DECODER_OF = {
+    "LlamaForTokenClassification": "LlamaForCausalLM", "MistralForTokenClassification": "MistralForCausalLM",
+    "Qwen2ForTokenClassification": "Qwen2ForCausalLM", "Qwen3ForTokenClassification": "Qwen3ForCausalLM",
+    "GemmaForTokenClassification": "GemmaForCausalLM", "Gemma2ForTokenClassification": "Gemma2ForCausalLM",
+    "Phi3ForTokenClassification": "Phi3ForCausalLM"}
+# Reward models (Qwen2.5-Math-RM's custom code, and Qwen2.5-Math-PRM's): the decoder and an MLP
+# ``score`` head (Linear, ReLU, Linear, with biases) over every prompt token. The outcome reward
+# model scores each token with one raw reward (ALL pooling); the process reward model gives two
+# classes' probabilities at each step separator (STEP pooling at its "<extra_0>" token).
+REWARD_DECODER_OF = {"Qwen2ForRewardModel": "Qwen2ForCausalLM", "Qwen2ForProcessRewardModel": "Qwen2ForCausalLM"}
+# The reward models' (number of outputs, default pooling, activation, step separator token).
+_REWARD_HEADS = {"Qwen2ForRewardModel": (1, "ALL", "none", None),
+                 "Qwen2ForProcessRewardModel": (2, "STEP", "softmax", "<extra_0>")}
 # Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa): bidirectional attention over the whole
 # prompt, learned absolute positions, post-norm layers. The bare encoders (all-MiniLM, bge, e5, gte,
 # bge-m3, multilingual-e5) are served for embeddings; their sequence classifiers (ms-marco
@@ -167,6 +182,32 @@ def _token_ids(model_dir: Path, tokens: list[str]) -> tuple[int, ...]:
             raise ValueError(f"classifier_from_token: {token!r} is not a token of the model's vocabulary")
         ids.append(int(token_id))
     return tuple(ids)
+
+
+def _token_id_if_any(model_dir: Path, token: str) -> int | None:
+    """The id of ``token`` in the model's vocabulary, None where it is not one token of it."""
+    from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return None if token_id is None or token_id == tokenizer.unk_token_id else int(token_id)
+
+
+def _decoder_head(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A decoder classifier's ModelConfig fields: its labels, head, default pooling (and, for a
+    reward model, its activation and step separator)."""
+    if arch in CLASSIFIER_DECODER_OF:
+        return {"labels": _labels(cfg)}
+    if arch in TOKEN_CLASSIFIER_DECODER_OF:
+        return {"labels": _labels(cfg), "token_classifier": True, "default_pooling_type": "ALL",
+                "score_head": "linear_bias" if cfg.get("token_classification_bias", True) else "linear"}
+    num_labels, pooling, activation, step_tag = _REWARD_HEADS[arch]
+    # (Its custom code fixes the number of outputs, whatever num_labels / id2label say.)
+    id2label = cfg.get("id2label")
+    named = isinstance(id2label, dict) and len(id2label) == num_labels
+    return {"labels": _labels({"id2label": id2label} if named else {"num_labels": num_labels}),
+            "token_classifier": True, "default_pooling_type": pooling, "score_head": "relu_mlp",
+            "classifier_activation": activation, "step_tag_token": step_tag}
 
 
 def _classifier_activation(problem_type: str | None, num_labels: int) -> str:
@@ -428,15 +469,23 @@ class ModelConfig:
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 0
     position_offset: int = 0
-    # A token classifier (*ForTokenClassification: NER): its labels classify every prompt token, not
-    # one pooled state.
+    # A token classifier (*ForTokenClassification: NER; reward models): its head classifies every
+    # prompt token's final state (ALL or STEP pooling), not one pooled state.
     token_classifier: bool = False
     # Whether an encoder's LayerNorms have a bias (ModernBERT's do not, by default).
     norm_bias: bool = True
     # How its embeddings (and class logits) pool the prompt unless its sentence-transformers files or
     # --pooler-config say otherwise: LAST for decoders (EmbeddingGemma's too), CLS for BERT-family
-    # encoders (ModernBERT's classifiers: their classifier_pooling).
+    # encoders (ModernBERT's classifiers: their classifier_pooling), ALL for token classifiers and
+    # outcome reward models, STEP for process reward models.
     default_pooling_type: str = "LAST"
+    # A decoder classifier's ``score`` head: "linear" (sequence classifiers: no bias), "linear_bias"
+    # (token classifiers), "relu_mlp" (reward models: Linear, ReLU, Linear, with biases).
+    score_head: str = "linear"
+    # STEP pooling's default step separator (a process reward model's "<extra_0>"), as text; its id
+    # once from_pretrained has read the tokenizer (None where the vocabulary lacks it).
+    step_tag_token: str | None = None
+    step_tag_id: int | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -492,16 +541,18 @@ class ModelConfig:
         if cfg.get("classifier_from_token") is not None and arch not in CLASSIFIER_DECODER_OF:
             raise ValueError(f"classifier_from_token needs a sequence-classification architecture (set "
                              f'"architectures" too, e.g. ["Qwen3ForSequenceClassification"]), got {arch!r}')
-        embedding_only = arch in EMBEDDING_DECODER_OF or arch in CLASSIFIER_DECODER_OF
-        labels = _labels(cfg) if arch in CLASSIFIER_DECODER_OF else ()
+        headed = {**CLASSIFIER_DECODER_OF, **TOKEN_CLASSIFIER_DECODER_OF, **REWARD_DECODER_OF}
+        embedding_only = arch in EMBEDDING_DECODER_OF or arch in headed
+        head = _decoder_head(arch, cfg) if arch in headed else {}
+        labels = head.pop("labels", ())
         if arch in TEXT_DECODER_OF:
             cfg = _text_config(cfg)
             arch = TEXT_DECODER_OF[arch]
         elif embedding_only:
-            arch = {**EMBEDDING_DECODER_OF, **CLASSIFIER_DECODER_OF}[arch]
+            arch = {**EMBEDDING_DECODER_OF, **headed}[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:
             known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + tuple(EMBEDDING_DECODER_OF)
-                     + tuple(CLASSIFIER_DECODER_OF) + tuple(ENCODER_ARCHITECTURES))
+                     + tuple(headed) + tuple(ENCODER_ARCHITECTURES))
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
@@ -601,8 +652,10 @@ class ModelConfig:
             embedding_only=embedding_only or bidirectional,
             encoder_only=bidirectional,
             labels=labels,
-            classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),
+            classifier_activation=head.pop("classifier_activation", None)
+            or _classifier_activation(cfg.get("problem_type"), len(labels)),
             cross_encoder_activation=_cross_encoder_activation(cfg) if labels else "sigmoid",
+            **head,
             **moe,
             **_gemma_from_dict(arch, cfg),
         )
@@ -623,6 +676,8 @@ class ModelConfig:
         labels = _labels(cfg) if arch.endswith("ForSequenceClassification") or token_classifier else ()
         family = (_modernbert_fields(arch, cfg, bool(labels)) if ours == "ModernBertModel"
                   else _bert_fields(ours, arch, cfg))
+        if token_classifier:  # (its head classifies every token's final state)
+            family["default_pooling_type"] = "ALL"
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
         return cls(
             architecture=ours, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
@@ -644,6 +699,8 @@ class ModelConfig:
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)
+        if config.step_tag_token is not None:
+            config = dataclasses.replace(config, step_tag_id=_token_id_if_any(model_dir, config.step_tag_token))
         if config.labels and cfg.get("classifier_from_token"):
             config = dataclasses.replace(config, classifier_token_ids=_token_ids(model_dir,
                                                                                  cfg["classifier_from_token"]))

@@ -78,7 +78,8 @@ class _ExecutorBase(Executor):
             # (An encoder pools its [CLS] token unless its files say otherwise, as vLLM's BERT models do.)
             pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config),
                                            default_type=self.model_config.default_pooling_type,
-                                           hidden_size=self.model_config.hidden_size)
+                                           hidden_size=self.model_config.hidden_size,
+                                           default_step_tag_id=self.model_config.step_tag_id)
         except ValueError as e:
             if embeds_only:
                 raise
@@ -86,11 +87,18 @@ class _ExecutorBase(Executor):
             # requests are refused with the reason.
             logger.warning("engine %d: %s; it generates, and refuses embeddings", config.engine_index, e)
             pooler, pooling_unavailable = PoolerConfig(), str(e)
-        if self.model_config.encoder_only and self.model_config.labels:
+        if self.model_config.encoder_only and self.model_config.labels and not self.model_config.token_classifier:
             pooler = self._encoder_classifier_pooler(pooler, dict(config.pooler_config))
         # The sentence-transformers projections of an embedding model's pooled states (a classifier's
         # head reads them unprojected); the workers load their weights.
         self.pooler_dense = () if self.model_config.labels else pooler.dense
+        # One pooled row's values: a class logit each, or the embedding's (STEP: the columns kept).
+        row_size = len(self.model_config.labels) or pooler.embedding_size(self.model_config.hidden_size)
+        if pooler.returned_token_ids is not None:
+            if max(pooler.returned_token_ids) >= row_size:
+                raise ValueError(f"pooler_config returned_token_ids {list(pooler.returned_token_ids)}: each row "
+                                 f"pooled from this model has {row_size} values (columns 0..{row_size - 1})")
+            row_size = len(pooler.returned_token_ids)
         wanted = config.scheduler.max_model_len  # None: the model's context length
         if wanted is None and embeds_only:
             # (A sentence-transformers checkpoint's max_seq_length bounds it by default, as in vLLM.)
@@ -118,7 +126,8 @@ class _ExecutorBase(Executor):
                                 classifier_activation=self.model_config.classifier_activation,
                                 cross_encoder_activation=self.model_config.cross_encoder_activation,
                                 token_types=self.model_config.type_vocab_size > 1,
-                                per_token=self.model_config.token_classifier))
+                                step_tag_id=pooler.step_tag_id, returned_token_ids=pooler.returned_token_ids,
+                                row_size=row_size))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

@@ -30,7 +30,7 @@ from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
-from gpu_worker.pooler_config import DENSE_ACTIVATIONS, DenseProjection, load_dense_weights
+from gpu_worker.pooler_config import DENSE_ACTIVATIONS, PER_TOKEN_POOLING, DenseProjection, load_dense_weights
 from gpu_worker.rejection_sampler import rejection_sample
 from gpu_worker.request_state import RequestState, RequestStates
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
@@ -228,12 +228,14 @@ class ModelRunner:
         hidden, sample_rows, last_rows = self._forward(states, num_sched, num_decodes)
         pooler_output = None
         if self.requests.embedding_ids:
-            self._pool_chunks(hidden, states, num_sched)
+            # (Only TP rank 0's output is read; the others only keep their states in step.)
+            pools = get_tp_rank() == 0
+            if pools:
+                self._pool_chunks(hidden, states, num_sched)
             embed_rows = [i for i in sample_rows if states[i].sampling_params.embed]
             if embed_rows:
-                # (Only TP rank 0's output is read; the others only keep their states in step.)
                 pooler_output = (self._embeddings(hidden, [(states[i], int(last_rows[i])) for i in embed_rows])
-                                 if get_tp_rank() == 0 else {})
+                                 if pools else {})
                 sample_rows = [i for i in sample_rows if not states[i].sampling_params.embed]
         logits_idx = self._logits_rows(last_rows, sample_rows, num_drafts)
         prompt_logprobs = (self._prompt_logprobs(hidden, states, num_sched, prompt_lp_chunks)
@@ -275,41 +277,67 @@ class ModelRunner:
             [np.arange(row - d, row + 1) for row, d in zip(last, num_drafts[sample_rows], strict=True)]
         ).astype(np.int64)).to(self.device)
 
-    @staticmethod
-    def _pool_chunks(hidden: torch.Tensor, states: list[RequestState], num_sched: np.ndarray) -> None:
-        """MEAN and CLS pooling read more than a prompt's last token: add this step's chunk of each
-        such request to its running sum (MEAN), or keep its first token's hidden state (CLS). Their
-        prompts are computed whole, never read from the prefix cache (skip_reading_prefix_cache)."""
+    def _pool_chunks(self, hidden: torch.Tensor, states: list[RequestState], num_sched: np.ndarray) -> None:
+        """MEAN, CLS, ALL and STEP pooling read more than a prompt's last token: add this step's
+        chunk of each such request to its running sum (MEAN), keep its first token's hidden state
+        (CLS), or keep its chunk's rows (ALL; STEP: those at the step tag). Their prompts are
+        computed whole, never read from the prefix cache (skip_reading_prefix_cache)."""
         start = 0
         for state, count in zip(states, num_sched.tolist(), strict=True):
-            pooling = state.sampling_params.embed_pooling if state.sampling_params.embed else "LAST"
+            params = state.sampling_params
+            pooling = params.embed_pooling if params.embed else "LAST"
             if pooling == "MEAN":
                 chunk = hidden[start: start + count].float().sum(0)
                 state.pooled = chunk if state.pooled is None else state.pooled.add_(chunk)
             elif pooling == "CLS" and state.num_computed_tokens == count:  # (_forward moved it past the chunk)
                 state.pooled = hidden[start].to(torch.float32, copy=True)  # (not a view pinning the step's states)
+            elif pooling in PER_TOKEN_POOLING:
+                rows = hidden[start: start + count]
+                if params.embed_step_tag_id is not None:
+                    first = state.num_computed_tokens - count
+                    chunk_ids = np.asarray(state.token_ids[first: first + count])
+                    tagged = np.flatnonzero(chunk_ids == params.embed_step_tag_id)
+                    rows = rows.index_select(0, torch.from_numpy(tagged).to(rows.device)) if len(tagged) else None
+                if rows is not None:
+                    state.pooled_rows.append(self._token_rows(rows, params.embed_returned_token_ids))
             start += count
+
+    def _token_rows(self, rows: torch.Tensor, columns: list[int] | None) -> torch.Tensor:
+        """ALL / STEP rows (fp32): each token's class logits (a classifier's head over its final
+        state) or embedding (projected by the Dense modules), cut to ``columns`` when given."""
+        if self.config.labels:
+            values = self.model.classify(rows).float()
+        else:
+            values = rows.float()
+            for weight, bias, activation in self.dense:
+                values = DENSE_ACTIVATIONS[activation](torch.nn.functional.linear(values, weight, bias))
+        return values if columns is None else values[:, columns]
 
     def _embeddings(self, hidden: torch.Tensor, wanted: list[tuple[RequestState, int]]) -> dict[str, list[float]]:
         """Each finished prompt's embedding (every TP rank holds the hidden states whole): its last
         token's final hidden state (LAST pooling), or what _pool_chunks gathered (MEAN: the sum over
-        the prompt, divided here; CLS: the first token's); a sequence classifier's class logits from
-        it instead. Cut to its dimensions and L2-normalised as the request asks (on the CPU, after
-        one copy of the rows); projected first by the checkpoint's Dense modules, where it has any."""
-        if self.config.token_classifier:
-            # Every prompt token's class logits, flattened (an encoder's prompt is all in this pass).
-            return {state.req_id: self.model.classify(hidden[row + 1 - state.num_prompt_tokens: row + 1]).float()
-                    .flatten().tolist() for state, row in wanted}
-        rows = hidden.index_select(0, torch.tensor([row for _, row in wanted], device=hidden.device)).float()
+        the prompt, divided here; CLS: the first token's; ALL / STEP: the rows, flattened); a
+        classifier's class logits from it instead. Cut to its dimensions and L2-normalised (each row)
+        as the request asks (on the CPU, after one copy of the rows); projected first by the
+        checkpoint's Dense modules, where it has any."""
+        out = {}
+        pooled_once = []
+        for state, row in wanted:
+            if state.sampling_params.embed_pooling in PER_TOKEN_POOLING:
+                out[state.req_id] = self._finished_rows(state)
+            else:
+                pooled_once.append((state, row))
+        if not pooled_once:
+            return out
+        rows = hidden.index_select(0, torch.tensor([row for _, row in pooled_once], device=hidden.device)).float()
         pooled = torch.stack([row if state.pooled is None else
                               state.pooled / state.num_prompt_tokens if state.sampling_params.embed_pooling == "MEAN"
-                              else state.pooled for (state, _), row in zip(wanted, rows, strict=True)])
+                              else state.pooled for (state, _), row in zip(pooled_once, rows, strict=True)])
         if self.config.labels:
             pooled = self.model.classify(pooled.to(hidden.dtype)).float()
         for weight, bias, activation in self.dense:
             pooled = DENSE_ACTIVATIONS[activation](torch.nn.functional.linear(pooled, weight, bias))
-        out = {}
-        for (state, _), row in zip(wanted, pooled.cpu(), strict=True):
+        for (state, _), row in zip(pooled_once, pooled.cpu(), strict=True):
             params = state.sampling_params
             if params.embed_dimensions is not None:
                 row = row[: params.embed_dimensions]
@@ -317,6 +345,21 @@ class ModelRunner:
                 row = torch.nn.functional.normalize(row, dim=0)
             out[state.req_id] = row.tolist()
         return out
+
+    @staticmethod
+    def _finished_rows(state: RequestState) -> list[float]:
+        """A per-token pooled output: its rows (none when no token was kept), cut and normalised
+        row by row as the request asks, flattened."""
+        if not state.pooled_rows:
+            return []
+        rows = torch.cat(state.pooled_rows).cpu()
+        state.pooled_rows.clear()
+        params = state.sampling_params
+        if params.embed_dimensions is not None:
+            rows = rows[:, : params.embed_dimensions]
+        if params.embed_normalize:
+            rows = torch.nn.functional.normalize(rows, dim=1)
+        return rows.flatten().tolist()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, states: list[RequestState], num_sched: np.ndarray,
                          chunks: list[tuple[int, int]]) -> dict[str, LogprobsEntry] | None:

@@ -3,8 +3,13 @@
 * ``LAST``: the last prompt token's hidden state (decoder embedding models: e5-mistral, gte-Qwen2,
   Qwen3-Embedding, bge-multilingual-gemma2);
 * ``MEAN``: the mean over every prompt token's;
-* ``CLS``: the first token's.
-``normalize``: L2-normalise by default (a request's ``normalize`` overrides it).
+* ``CLS``: the first token's;
+* ``ALL``: every prompt token's, one row each (vLLM's token_embed / token_classify: token classifiers
+  such as NER taggers, reward models scoring each token);
+* ``STEP``: the rows of the prompt tokens equal to ``step_tag_id`` (every token's when it is unset),
+  each cut to the columns ``returned_token_ids`` names (all when unset): process reward models,
+  whose step separator token carries each reasoning step's score.
+``normalize``: L2-normalise by default (a request's ``normalize`` overrides it; each row of ALL / STEP).
 
 A checkpoint trained with sentence-transformers says how it pools: ``modules.json`` names a Pooling
 module whose ``config.json`` sets one ``pooling_mode_*``, Dense modules that project the pooled
@@ -23,7 +28,11 @@ from typing import Any
 
 import torch
 
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
+# The pooling types whose output is one row per (selected) prompt token.
+PER_TOKEN_POOLING = ("ALL", "STEP")
+# What --pooler-config may set.
+POOLER_CONFIG_KEYS = ("pooling_type", "normalize", "step_tag_id", "returned_token_ids")
 # sentence-transformers' Pooling modes -> ours (the first one a config enables).
 _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                                 "pooling_mode_cls_token": "CLS"}
@@ -54,10 +63,30 @@ class PoolerConfig:
     normalize: bool = True
     # Projections applied to the pooled state, in order, before normalising.
     dense: tuple[DenseProjection, ...] = ()
+    # STEP pooling: the token whose positions are kept (None: every position), and the columns of
+    # each kept row returned (None: all of them; e.g. a causal LM's "+" / "-" logits).
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+        if (self.step_tag_id is not None or self.returned_token_ids is not None) and self.pooling_type != "STEP":
+            raise ValueError(f"pooler_config step_tag_id and returned_token_ids are read by STEP pooling, not "
+                             f"{self.pooling_type}")
+        if self.step_tag_id is not None and (isinstance(self.step_tag_id, bool) or not isinstance(self.step_tag_id, int)
+                                             or self.step_tag_id < 0):
+            raise ValueError(f"pooler_config step_tag_id must be a token id (an int >= 0), got {self.step_tag_id!r}")
+        if self.returned_token_ids is not None and (
+                not self.returned_token_ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.returned_token_ids)):
+            raise ValueError(f"pooler_config returned_token_ids must be a non-empty list of ints >= 0, got "
+                             f"{list(self.returned_token_ids)!r}")
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the output is one row per prompt token (ALL), or per step tag (STEP)."""
+        return self.pooling_type in PER_TOKEN_POOLING
 
     def embedding_size(self, hidden_size: int) -> int:
         """The size of the embeddings: the last projection's output, else the hidden size."""
@@ -162,18 +191,29 @@ def sentence_transformers_max_seq_length(model_dir: str | Path) -> int | None:
 
 
 def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None = None,
-                          default_type: str = "LAST", hidden_size: int = 0) -> PoolerConfig:
+                          default_type: str = "LAST", hidden_size: int = 0,
+                          default_step_tag_id: int | None = None) -> PoolerConfig:
     """The model's pooling: ``override`` (--pooler-config) over its sentence-transformers files over
-    ``default_type`` (LAST for decoders, CLS for encoders) + normalise; the files' Dense projections
-    (the first fed ``hidden_size`` values) whatever the override says."""
+    ``default_type`` (LAST for decoders, CLS for encoders, ALL / STEP for token classifiers and
+    reward models) + normalise; the files' Dense projections (the first fed ``hidden_size`` values)
+    whatever the override says. STEP pooling keeps ``default_step_tag_id``'s positions (a process
+    reward model's step separator) unless the override names another."""
     override = dict(override or {})
-    unknown = set(override) - {"pooling_type", "normalize"}
+    unknown = set(override) - set(POOLER_CONFIG_KEYS)
     if unknown:
-        raise ValueError(f"pooler_config takes pooling_type and normalize, not {sorted(unknown)}")
+        raise ValueError(f"pooler_config takes {', '.join(POOLER_CONFIG_KEYS)}, not {sorted(unknown)}")
+    returned = override.get("returned_token_ids")
+    if returned is not None:
+        if not isinstance(returned, list | tuple):
+            raise ValueError(f"pooler_config returned_token_ids must be a list of token ids, got {returned!r}")
+        override["returned_token_ids"] = tuple(returned)
     if "pooling_type" in override:
         override["pooling_type"] = str(override["pooling_type"]).upper()
     if "normalize" in override and not isinstance(override["normalize"], bool):
         raise ValueError(f"pooler_config normalize must be true or false, got {override['normalize']!r}")
     declared = _sentence_transformers_pooler(Path(model_dir), "pooling_type" not in override, hidden_size,
                                              overridden={"pooling_type", "normalize"} <= set(override))
-    return PoolerConfig(**{"pooling_type": default_type, **declared, **override})
+    settings = {"pooling_type": default_type, **declared, **override}
+    if settings["pooling_type"] == "STEP" and default_step_tag_id is not None:
+        settings.setdefault("step_tag_id", default_step_tag_id)
+    return PoolerConfig(**settings)

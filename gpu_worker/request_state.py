@@ -40,8 +40,10 @@ class RequestState:
     # The LoRA adapter applied to this request's tokens (0: the base model).
     lora_int_id: int = 0
     # An embedding pooled over its prompt's chunks (SamplingParams.embed_pooling): MEAN's running
-    # sum of hidden states, or CLS's first one (fp32, [hidden_size]).
+    # sum of hidden states, or CLS's first one (fp32, [hidden_size]); ALL / STEP's rows, chunk by
+    # chunk (fp32 [tokens kept, row values] each, on TP rank 0 only).
     pooled: torch.Tensor | None = None
+    pooled_rows: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, Field
 
 from engine_core.sampling_params import SamplingParams
 from router.embeddings import EmbeddingsServing, PooledInputRequest, embedding_params
@@ -23,8 +24,21 @@ from router.serving import OpenAIServing, bad_request
 CLASSIFY_PATHS = ("/classify", "/v1/classify")
 
 
-class ClassificationRequest(PooledInputRequest):
-    """vLLM's classify request: ``input`` and the shared fields (router.embeddings)."""
+class ActivationField(BaseModel):
+    """vLLM's switch for a classifier's activation (``activation`` is its older name)."""
+
+    use_activation: bool | None = Field(None, description="Turn class logits into probabilities by the model's "
+                                                          "activation (default); false: the logits as they are.")
+    activation: bool | None = Field(None, description="The older name of use_activation.")
+
+    def class_activation(self, model_activation: str) -> str:
+        """The activation applied: the model's, or "none" when the request switches it off."""
+        wanted = self.use_activation if self.use_activation is not None else self.activation
+        return "none" if wanted is False else model_activation
+
+
+class ClassificationRequest(PooledInputRequest, ActivationField):
+    """vLLM's classify request: ``input`` (or ``messages``) and the shared fields (router.embeddings)."""
 
 
 def class_probabilities(logits: list[float], activation: str = "softmax") -> list[float]:
@@ -41,11 +55,16 @@ def class_probabilities(logits: list[float], activation: str = "softmax") -> lis
     return (exp / exp.sum()).tolist()
 
 
-def token_class_probabilities(flat_logits: list[float], num_labels: int, activation: str) -> list[list[float]]:
-    """A token classifier's answer: each prompt token's class scores (its logits arrive flattened,
-    ``num_labels`` values per token)."""
-    return [class_probabilities(flat_logits[i: i + num_labels], activation)
-            for i in range(0, len(flat_logits), num_labels)]
+def token_rows(flat: list[float], row_size: int) -> list[list[float]]:
+    """A per-token pooled output (ALL / STEP pooling) as its rows: it arrives flattened, ``row_size``
+    values per kept token."""
+    return [flat[i: i + row_size] for i in range(0, len(flat), row_size)]
+
+
+def token_class_probabilities(flat_logits: list[float], row_size: int, activation: str) -> list[list[float]]:
+    """A token classifier's answer: each kept token's class scores (its logits arrive flattened,
+    ``row_size`` values per token)."""
+    return [class_probabilities(row, activation) for row in token_rows(flat_logits, row_size)]
 
 
 def classifier_params(serving: OpenAIServing, per_token: bool = False) -> SamplingParams:
@@ -57,8 +76,9 @@ def classifier_params(serving: OpenAIServing, per_token: bool = False) -> Sampli
         raise bad_request(f"{serving.settings.served_model_name} is not a sequence classifier "
                           "(a *ForSequenceClassification checkpoint)", "model")
     if pooling.per_token and not per_token:
-        raise bad_request(f"{serving.settings.served_model_name} is a token classifier: /pooling answers each "
-                          "token's classes", "model")
+        raise bad_request(f"{serving.settings.served_model_name} classifies every token ({pooling.pooling_type} "
+                          "pooling: a token classifier or reward model): /pooling answers each token's classes",
+                          "model")
     return embedding_params(serving, normalize=False)
 
 
@@ -72,13 +92,14 @@ class ClassificationServing:
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
         params = classifier_params(serving)
-        prompts = [self.embeddings.prompt_ids(item, request) for item in request.inputs()]
+        prompts = self.embeddings.request_prompts(request)
         request_id = f"classify-{uuid.uuid4().hex}"
         logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         labels = serving.settings.pooling.labels
+        activation = request.class_activation(serving.settings.pooling.classifier_activation)
         data = []
         for i, row in enumerate(logits):
-            probs = class_probabilities(row, serving.settings.pooling.classifier_activation)
+            probs = class_probabilities(row, activation)
             data.append({"index": i, "label": labels[int(np.argmax(probs))], "probs": probs,
                          "num_classes": len(probs)})
         num_tokens = sum(len(ids) for ids in prompts)

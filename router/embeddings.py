@@ -18,7 +18,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_core.sampling_params import SamplingParams
-from router.protocol import INT64_MAX, INT64_MIN, invalid
+from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, invalid
 from router.serving import OpenAIServing, bad_request
 
 TruncationSide = Literal["left", "right"]
@@ -27,16 +27,22 @@ TRUNCATION_SIDE_HELP = ('Which end truncate_prompt_tokens cuts: "right" keeps an
 
 
 class PooledInputRequest(BaseModel):
-    """What /v1/embeddings and /classify share: the inputs pooled into one answer each, and how they
-    are tokenised and scheduled."""
+    """What /v1/embeddings, /classify and /pooling share: the inputs pooled into one answer each (or
+    one conversation, vLLM's chat form of these requests), and how they are tokenised and scheduled."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., description="Served model name (see GET /v1/models).")
-    input: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="Text, texts, token ids, or lists of token ids: one answer each.")
+    input: str | list[str] | list[int] | list[list[int]] | None = Field(
+        None, description="Text, texts, token ids, or lists of token ids: one answer each (or give messages).")
     user: str | None = None
     # vLLM's extras.
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="One conversation instead of input, written by the model's chat template "
+                                        "(which adds the special tokens): one answer.")
+    add_generation_prompt: bool = Field(False, description="With messages: end with the assistant's turn opening.")
+    continue_final_message: bool = Field(False, description="With messages: leave the last message open.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="With messages: the template's extras.")
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Truncate each input to k tokens "
                                                                          "(-1: max_model_len).")
     truncation_side: TruncationSide = Field("right", description=TRUNCATION_SIDE_HELP)
@@ -45,12 +51,20 @@ class PooledInputRequest(BaseModel):
 
     @model_validator(mode="after")
     def _not_empty(self) -> PooledInputRequest:
-        if self.input == [] or any(item in ("", []) for item in (self.input if isinstance(self.input, list)
-                                                                  else [self.input])):
+        if (self.input is None) == (self.messages is None):
+            raise invalid("input", "give exactly one of input or messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
+                          "be true")
+        if self.input is not None and (self.input == [] or any(
+                item in ("", []) for item in (self.input if isinstance(self.input, list) else [self.input]))):
             raise invalid("input", "input must not be empty, nor hold an empty text or token list")
         return self
 
     def inputs(self) -> list[str | list[int]]:
+        """The inputs given as ``input`` (none for a conversation)."""
+        if self.input is None:
+            return []
         if isinstance(self.input, str):
             return [self.input]
         if all(isinstance(item, int) for item in self.input):
@@ -65,13 +79,16 @@ class EmbeddingRequest(PooledInputRequest):
                                                      "true unless its sentence-transformers files omit Normalize).")
 
 
-def check_embeds(serving: OpenAIServing) -> None:
-    """400 unless the model answers embeddings: not a sequence classifier, and pooled as its
-    checkpoint declares."""
+def check_embeds(serving: OpenAIServing, per_token: bool = False) -> None:
+    """400 unless the model answers embeddings: not a classifier, pooled as its checkpoint
+    declares, and one embedding per input unless ``per_token`` (/pooling reads every token's)."""
     settings = serving.settings
     if settings.pooling.labels:
         raise bad_request(f"{settings.served_model_name} is a sequence classifier: it answers /classify (and "
                           "/score for a cross-encoder), not embeddings", "model")
+    if settings.pooling.per_token and not per_token:
+        raise bad_request(f"{settings.served_model_name} pools every token ({settings.pooling.pooling_type} "
+                          "pooling): /pooling answers each token's embedding", "model")
     if settings.pooling.unavailable:
         raise bad_request(f"{settings.served_model_name} does not serve embeddings: {settings.pooling.unavailable}",
                           "model")
@@ -84,7 +101,7 @@ def embedding_params(serving: OpenAIServing, normalize: bool | None = None,
     settings = serving.settings
     return SamplingParams(max_tokens=1, temperature=0.0, embed=True,
                           embed_normalize=settings.pooling.normalize if normalize is None else normalize,
-                          embed_dimensions=dimensions, embed_pooling=settings.pooling.pooling_type)
+                          embed_dimensions=dimensions, **settings.pooling.params_fields())
 
 
 class EmbeddingsServing:
@@ -100,7 +117,7 @@ class EmbeddingsServing:
         if request.dimensions is not None and hidden_size and request.dimensions > hidden_size:
             raise bad_request(f"dimensions ({request.dimensions}) is larger than the model's embeddings "
                               f"({hidden_size} values)", "dimensions")
-        prompts = [self.prompt_ids(item, request) for item in request.inputs()]
+        prompts = self.request_prompts(request)
         params = embedding_params(serving, request.normalize, request.dimensions)
         request_id = f"embd-{uuid.uuid4().hex}"
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
@@ -110,6 +127,15 @@ class EmbeddingsServing:
                 "data": [{"object": "embedding", "index": i, "embedding": encoded(v, request.encoding_format)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    def request_prompts(self, request: PooledInputRequest) -> list[list[int]]:
+        """The token ids pooled for each of the request's inputs, or for its one conversation (its
+        chat template's text, truncated as the request asks)."""
+        if request.messages is None:
+            return [self.prompt_ids(item, request) for item in request.inputs()]
+        ids = self.serving.render_messages(request.messages, request.add_generation_prompt,
+                                           request.continue_final_message, request.chat_template_kwargs)
+        return [self.prompt_ids(ids, request, "messages")]
 
     def prompt_ids(self, item: str | list[int], request: Any, param: str = "input") -> list[int]:
         """The token ids embedded for one input: ``request`` carries ``truncate_prompt_tokens``,

@@ -2,7 +2,10 @@
 pooling model serves it, as that model's own endpoint computes it: a sequence classifier's class
 probabilities (as /classify), a token classifier's class probabilities for every prompt token
 (one row per token: NER), an embedding model's embedding (as /v1/embeddings, pooled and
-normalised as its pooler config says). Reward models and classifiers are read this way."""
+normalised as its pooler config says). Under ALL or STEP pooling every input answers one row per
+kept token: each token's reward (an outcome reward model), each step separator's two class
+probabilities (a process reward model), each token's embedding. Reward models read chat
+conversations: ``messages`` instead of ``input``."""
 
 from __future__ import annotations
 
@@ -10,14 +13,20 @@ import time
 import uuid
 from typing import Any, Literal
 
-from router.classification import class_probabilities, classifier_params, token_class_probabilities
+from router.classification import (
+    ActivationField,
+    class_probabilities,
+    classifier_params,
+    token_class_probabilities,
+    token_rows,
+)
 from router.embeddings import EmbeddingsServing, PooledInputRequest, check_embeds, embedding_params, encoded
 from router.serving import OpenAIServing
 
 POOLING_PATHS = ("/pooling", "/v1/pooling")
 
 
-class PoolingRequest(PooledInputRequest):
+class PoolingRequest(PooledInputRequest, ActivationField):
     encoding_format: Literal["float", "base64"] = "float"
 
 
@@ -28,23 +37,23 @@ class PoolingServing:
 
     async def create(self, request: PoolingRequest, session_id: str | None = None) -> dict[str, Any]:
         serving = self.serving
-        settings = serving.settings
+        pooling = serving.settings.pooling
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
-        if settings.pooling.labels:
+        if pooling.labels:
             params = classifier_params(serving, per_token=True)
         else:
-            check_embeds(serving)
+            check_embeds(serving, per_token=True)
             params = embedding_params(serving)
-        prompts = [self.embeddings.prompt_ids(item, request) for item in request.inputs()]
+        prompts = self.embeddings.request_prompts(request)
         request_id = f"pool-{uuid.uuid4().hex}"
-        outputs = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
-        pooling = settings.pooling
-        if pooling.per_token:  # (a [tokens][classes] array for each input)
-            outputs = [token_class_probabilities(row, len(pooling.labels), pooling.classifier_activation)
-                       for row in outputs]
+        outputs: list[Any] = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        activation = request.class_activation(pooling.classifier_activation)
+        if pooling.per_token:  # (a [tokens][values] array for each input)
+            outputs = [token_class_probabilities(row, pooling.row_size, activation) if pooling.labels
+                       else token_rows(row, pooling.row_size) for row in outputs]
         elif pooling.labels:
-            outputs = [class_probabilities(row, pooling.classifier_activation) for row in outputs]
+            outputs = [class_probabilities(row, activation) for row in outputs]
         num_tokens = sum(len(ids) for ids in prompts)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": serving.model_name(request.model),

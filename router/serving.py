@@ -43,6 +43,7 @@ from router.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatMessageOut,
     ChatStreamChoice,
     CompletionChoice,
@@ -301,16 +302,24 @@ class OpenAIServing:
         return model if model is not None and model in self.lora_adapters else self.settings.served_model_name
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:
+        return self.render_messages(request.messages, request.add_generation_prompt, request.continue_final_message,
+                                    request.chat_template_kwargs, request.tool_dicts() if request.tools else None)
+
+    def render_messages(self, chat: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                        chat_template_kwargs: dict[str, Any] | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A conversation's token ids, written by the tokenizer's chat template (which writes its
+        special tokens itself)."""
         # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent, except
         # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
-        messages = [_template_message(m.model_extra or {}, m.role, m.text()) for m in request.messages]
-        kwargs = dict(request.chat_template_kwargs or {})
-        if request.tools:
-            kwargs.setdefault("tools", request.tool_dicts())
+        messages = [_template_message(m.model_extra or {}, m.role, m.text()) for m in chat]
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs.setdefault("tools", tools)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
-                continue_final_message=request.continue_final_message, **kwargs)
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                continue_final_message=continue_final_message, **kwargs)
         except Exception as e:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))

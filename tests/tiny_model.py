@@ -175,3 +175,53 @@ def build_tiny_bert(path: Path, num_labels: int = 0, seed: int = 0, pooling_mode
     if pooling_mode is not None:
         _write_sentence_transformers_files(path, pooling_mode, normalize)
     return path
+
+
+class RewardReference:
+    """Qwen2.5-Math-RM / -PRM as their custom code computes: transformers' Qwen2Model, then score =
+    Linear, ReLU, Linear (with biases) over every token's final hidden state."""
+
+    def __init__(self, num_labels: int, vocab_size: int, seed: int = 4) -> None:
+        import torch
+        from transformers import AutoModel, Qwen2Config
+
+        torch.manual_seed(seed)
+        config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        self.model = AutoModel.from_config(config, dtype=torch.float32).eval()
+        self.score = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, num_labels))
+        with torch.no_grad():
+            for p in [*self.model.parameters(), *self.score.parameters()]:
+                p.normal_(0.0, 0.2)
+
+    def __call__(self, prompt: list[int]):
+        """Each token's outputs [len(prompt), num_labels]."""
+        import torch
+
+        with torch.no_grad():
+            return self.score(self.model(torch.tensor([prompt])).last_hidden_state[0])
+
+
+def build_tiny_reward_model(path: Path, architecture: str = "Qwen2ForProcessRewardModel") -> RewardReference:
+    """Save a random tiny Qwen2ForRewardModel (one output) or Qwen2ForProcessRewardModel (two) into
+    ``path`` as the Qwen reward checkpoints are (model.*, score.0.*, score.2.*, and an LM head nothing
+    reads), with our tokenizer (chat template included) plus the step separator "<extra_0>"; returns
+    the reference that computes its outputs."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra_0>"]})
+    reference = RewardReference(2 if architecture == "Qwen2ForProcessRewardModel" else 1, len(tokenizer))
+    tensors = {f"model.{k}": v.contiguous() for k, v in reference.model.state_dict().items()}
+    tensors |= {f"score.{k}": v.contiguous() for k, v in reference.score.state_dict().items()}
+    tensors["lm_head.weight"] = torch.randn(len(tokenizer), 64)
+    save_file(tensors, str(path / "model.safetensors"))
+    config = reference.model.config.to_dict() | {"architectures": [architecture],
+                                                 "bos_token_id": tokenizer.bos_token_id,
+                                                 "eos_token_id": tokenizer.eos_token_id}
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer.save_pretrained(path)
+    return reference

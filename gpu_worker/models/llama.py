@@ -191,12 +191,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.embedding_only else ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
-        # A sequence classifier's head (transformers' *ForSequenceClassification ``score``): one
-        # logit per class from a pooled final hidden state; whole on every TP rank.
-        self.score = None
-        if config.labels:
-            self.score = nn.Linear(config.hidden_size, len(config.labels), bias=False)
-            self.score.weight.requires_grad_(False)
+        # A classifier's head (transformers' *ForSequenceClassification / *ForTokenClassification
+        # ``score``, a reward model's MLP): one logit per class from a pooled final hidden state, or
+        # from each token's; whole on every TP rank.
+        self.score = _score_head(config) if config.labels else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model.forward(input_ids, positions, meta)
@@ -211,11 +209,21 @@ class LlamaForCausalLM(nn.Module):
         """A sequence classifier's class logits for pooled hidden states [n, hidden] -> [n, classes]."""
         if self.score is None:
             raise RuntimeError("this model has no classification head")
-        return self.score.forward(pooled.to(self.score.weight.dtype))
+        return self.score.forward(pooled.to(next(self.score.parameters()).dtype))
 
     def attention_layers(self) -> list[PagedAttention]:
         """The layers reading the paged KV cache (none when run as an encoder)."""
         return [] if self.config.encoder_only else [layer.self_attn.attn for layer in self.model.layers]
+
+
+def _score_head(config: ModelConfig) -> nn.Module:
+    """The classifier head ModelConfig.score_head names, [.., hidden] -> [.., classes]."""
+    width, outputs = config.hidden_size, len(config.labels)
+    if config.score_head == "relu_mlp":
+        head: nn.Module = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, outputs))
+    else:
+        head = nn.Linear(width, outputs, bias=config.score_head == "linear_bias")
+    return head.requires_grad_(False)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -264,6 +264,15 @@ def test_runner_and_pooler_config_reach_the_engines(tmp_path):
             _config("--num-engines", "2", "--runner", "pooling", "--engine-config", str(overrides)).engine_configs()
     with pytest.raises(ValueError, match="pooler_config must be an object of pooling_type"):
         _config("--pooler-config", '{"pooling_type": "MAX"}').engine_configs()
+    # STEP pooling's settings (a process reward model's) arrive hashable; bad ones are refused.
+    [step] = _config("--pooler-config", '{"pooling_type": "STEP", "step_tag_id": 12902, '
+                                        '"returned_token_ids": [648, 387]}').engine_configs()
+    assert dict(step.pooler_config) == {"pooling_type": "STEP", "step_tag_id": 12902, "returned_token_ids": (648, 387)}
+    assert hash(step)
+    for bad in ('{"pooling_type": "STEP", "step_tag_id": "x"}', '{"pooling_type": "STEP", "returned_token_ids": []}',
+                '{"pooling_type": "ALL", "softmax": true}'):
+        with pytest.raises(ValueError, match="pooler_config must be an object of pooling_type"):
+            _config("--pooler-config", bad).engine_configs()
 
 
 def test_hf_overrides_reach_the_engines_as_json(tmp_path):

@@ -777,7 +777,7 @@ def test_a_bert_token_classifier_tags_every_token_through_encode(tmp_path):
     llm = LLM(model=str(path))
     try:
         tagged = llm.encode(texts, use_tqdm=False)
-        with pytest.raises(ValueError, match=r"token classifier: LLM\.encode"):
+        with pytest.raises(ValueError, match=r"classifies every token .*: LLM\.encode"):
             llm.classify(texts, use_tqdm=False)
     finally:
         llm.shutdown()
@@ -795,3 +795,37 @@ def test_a_bert_token_classifier_tags_every_token_through_encode(tmp_path):
             0].outputs.embedding
     finally:
         llm.shutdown()
+
+
+def test_reward_models_score_each_step_and_token_through_reward(tmp_path):
+    """Qwen2ForProcessRewardModel through LLM, its prompts chunked: LLM.reward gives the two classes'
+    probabilities at each "<extra_0>" (the softmax of its reference's logits there), and refers
+    LLM.classify and LLM.embed to itself; Qwen2ForRewardModel gives every token's raw reward."""
+    from tests.tiny_model import build_tiny_reward_model
+
+    texts = ["Step one: add the numbers.<extra_0>Step two: carry the one.<extra_0>", "Hello world<extra_0>",
+             "No steps here"]
+    for architecture in ("Qwen2ForProcessRewardModel", "Qwen2ForRewardModel"):
+        path = tmp_path / architecture
+        reference = build_tiny_reward_model(path, architecture)
+        tok = AutoTokenizer.from_pretrained(path)
+        llm = LLM(model=str(path), max_num_batched_tokens=8, long_prefill_token_threshold=5)
+        try:
+            rewarded = llm.reward(texts, use_tqdm=False)
+            with pytest.raises(ValueError, match="classifies every token"):
+                llm.classify(texts, use_tqdm=False)
+            with pytest.raises(ValueError, match="sequence classifier"):
+                llm.embed(texts, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        for out, text in zip(rewarded, texts, strict=True):
+            ids = tok(text).input_ids
+            assert out.prompt_token_ids == ids
+            if architecture == "Qwen2ForProcessRewardModel":
+                steps = [i for i, t in enumerate(ids) if t == tok.convert_tokens_to_ids("<extra_0>")]
+                expected = torch.softmax(reference(ids)[steps], dim=-1)
+            else:
+                expected = reference(ids)
+            got = torch.tensor(out.outputs.data, dtype=torch.float32).view(-1, expected.shape[1])
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert rewarded[2].outputs.data and len(rewarded[2].outputs.data) == len(tok(texts[2]).input_ids)

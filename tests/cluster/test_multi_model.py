@@ -12,7 +12,7 @@ import pytest
 
 from cluster.config import ClusterConfig, EngineSpec, ServedModel
 from tests.serve_cluster import serve_cluster
-from tests.tiny_model import build_tiny_bert, build_tiny_llama
+from tests.tiny_model import build_tiny_bert, build_tiny_llama, build_tiny_reward_model
 
 pytestmark = pytest.mark.slow
 
@@ -21,14 +21,19 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
     second = build_tiny_llama(tmp_path_factory.mktemp("second-model"), seed=7, num_layers=1)
     # And a third: a BERT cross-encoder (ms-marco-style), on an engine of its own.
     reranker = build_tiny_bert(tmp_path_factory.mktemp("bert-reranker"), num_labels=1)
+    # And a fourth: a process reward model (Qwen2.5-Math-PRM-style), read through /pooling.
+    prm = tmp_path_factory.mktemp("prm")
+    prm_reference = build_tiny_reward_model(prm)
     config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=1,
                            defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
                            models=[ServedModel(model=str(second), served_model_name="tiny-b"),
-                                   ServedModel(model=str(reranker), served_model_name="bert-ce")])
+                                   ServedModel(model=str(reranker), served_model_name="bert-ce"),
+                                   ServedModel(model=str(prm), served_model_name="prm")])
     with serve_cluster(config) as served:
         client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list()] == ["tiny", "tiny-b", "bert-ce"]
+        assert [m.id for m in client.models.list()] == ["tiny", "tiny-b", "bert-ce", "prm"]
         _check_bert_reranker(client, reranker)
+        _check_process_reward_model(client, prm, prm_reference)
         greedy = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
         a = client.completions.create(model="tiny", prompt="Hello world", **greedy)
         b = [client.completions.create(model="tiny-b", prompt="Hello world", **greedy) for _ in range(2)]
@@ -38,13 +43,14 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
                                               max_tokens=4)
         assert chat.model == "tiny-b" and chat.usage.completion_tokens >= 1
         # Engine 0 serves "tiny", engine 1 "tiny-b" (numbered after the first model's), engine 2 "bert-ce".
-        assert [s.num_requests_added for s in served.stats()] == [1, 3, 2]
+        assert [s.num_requests_added for s in served.stats()] == [1, 3, 2, 1]
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="tiny-c", prompt="Hello")
         health = httpx.get(f"{served.base}/health", timeout=30).json()
         assert health["models"] == {"tiny": {"healthy_engines": 1, "engines": 1},
                                     "tiny-b": {"healthy_engines": 1, "engines": 1},
-                                    "bert-ce": {"healthy_engines": 1, "engines": 1}}
+                                    "bert-ce": {"healthy_engines": 1, "engines": 1},
+                                    "prm": {"healthy_engines": 1, "engines": 1}}
         metrics = httpx.get(f"{served.base}/metrics", timeout=30).text
 
         def series(name: str, **labels: str) -> list[str]:
@@ -78,3 +84,24 @@ def _check_bert_reranker(client: openai.OpenAI, path) -> None:
         client.embeddings.create(model="bert-ce", input="Paris")
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="bert-ce", prompt="Paris", max_tokens=2)
+
+
+def _check_process_reward_model(client: openai.OpenAI, path, reference) -> None:
+    """/pooling on the process reward model's engine, given a conversation: its chat template's text
+    scored at each step separator ("<extra_0>"), two class probabilities a step, as the reference
+    computes them; /classify refers to /pooling."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": "What is 17 + 25?"},
+                {"role": "assistant", "content": "7 + 5 = 12, carry 1.<extra_0>1 + 2 + 1 = 4, so 42.<extra_0>"}]
+    pooled = client.post("/pooling", body={"model": "prm", "messages": messages}, cast_to=object)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+    steps = [i for i, t in enumerate(ids) if t == tokenizer.convert_tokens_to_ids("<extra_0>")]
+    assert len(steps) == 2 and pooled["usage"]["prompt_tokens"] == len(ids)
+    expected = torch.softmax(reference(ids)[steps], dim=-1)
+    got = torch.tensor(pooled["data"][0]["data"], dtype=torch.float32)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(openai.BadRequestError, match="/pooling"):
+        client.post("/classify", body={"model": "prm", "input": "1 + 1 = 2<extra_0>"}, cast_to=object)

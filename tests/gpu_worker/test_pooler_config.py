@@ -52,7 +52,7 @@ def test_poolings_we_do_not_compute_are_refused_unless_overridden(tmp_path):
         resolve_pooler_config(instructed)
     with pytest.raises(ValueError, match="pooling_type must be one of"):
         resolve_pooler_config(tmp_path, {"pooling_type": "MAX"})
-    with pytest.raises(ValueError, match=r"pooler_config takes pooling_type and normalize, not \['softmax'\]"):
+    with pytest.raises(ValueError, match=r"returned_token_ids, not \[.softmax.\]"):
         resolve_pooler_config(tmp_path, {"softmax": True})
     with pytest.raises(ValueError, match="normalize must be true or false"):
         resolve_pooler_config(tmp_path, {"normalize": "yes"})

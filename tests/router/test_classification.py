@@ -139,7 +139,8 @@ def test_pooling_answers_each_models_pooled_output():
 def test_a_token_classifier_answers_pooling_with_each_tokens_classes():
     """A token classifier (NER): /pooling answers a [tokens][classes] array per input, the softmax of
     each token's logits (which arrive flattened); /classify and /score are refused."""
-    http, engine = _app(num_pooled=8, pooling={"generates": False, "labels": ("O", "B-LOC"), "per_token": True})
+    http, engine = _app(num_pooled=8, pooling={"generates": False, "labels": ("O", "B-LOC"), "pooling_type": "ALL",
+                                                   "row_size": 2})
     body = http.post("/pooling", json={"model": "tiny", "input": [5, 6, 7]}).json()
     flat = scripted_embedding([5, 6, 7], engine.requests[0].sampling_params)
     rows = [flat[i: i + 2] for i in range(0, 8, 2)]

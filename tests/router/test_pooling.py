@@ -1,0 +1,99 @@
+"""/pooling under per-token pooling (reward models, token embeddings) and the chat form of the
+pooling endpoints (``messages``), against a scripted engine: what reaches the engine, and how each
+input's flattened rows come back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from router.classification import class_probabilities
+from tests.router.tokenizer_factory import byte_level_tokenizer
+from tests.tiny_model import CHAT_TEMPLATE
+
+from .test_request_fields import _app, scripted_embedding
+
+CHAT_TOKENIZER = byte_level_tokenizer()
+CHAT_TOKENIZER.chat_template = CHAT_TEMPLATE
+CONVERSATION = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}]
+REWARD_MODEL = {"generates": False, "labels": ("LABEL_0",), "pooling_type": "ALL", "classifier_activation": "none",
+                "row_size": 1}
+PROCESS_REWARD_MODEL = {"generates": False, "labels": ("LABEL_0", "LABEL_1"), "pooling_type": "STEP",
+                        "step_tag_id": 7, "row_size": 2}
+
+
+def _rendered(messages, add_generation_prompt: bool = False) -> list[int]:
+    text = CHAT_TOKENIZER.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return CHAT_TOKENIZER.encode(text, add_special_tokens=False)
+
+
+def test_a_reward_model_scores_a_conversation_token_by_token():
+    """messages are written by the chat template (no generation prompt unless asked) and pooled as one
+    input; an outcome reward model answers one raw reward per token."""
+    http, engine = _app(tokenizer=CHAT_TOKENIZER, num_pooled=6, pooling=REWARD_MODEL)
+    body = http.post("/pooling", json={"model": "tiny", "messages": CONVERSATION}).json()
+    prompt = _rendered(CONVERSATION)
+    request = engine.requests[0]
+    assert request.prompt_token_ids == prompt and body["usage"]["prompt_tokens"] == len(prompt)
+    assert request.sampling_params.embed_pooling == "ALL" and not request.sampling_params.embed_normalize
+    assert body["data"][0]["data"] == [[v] for v in scripted_embedding(prompt, request.sampling_params)[:6]]
+    http.post("/pooling", json={"model": "tiny", "messages": CONVERSATION[:1], "add_generation_prompt": True})
+    assert engine.requests[-1].prompt_token_ids == _rendered(CONVERSATION[:1], add_generation_prompt=True)
+    # Truncation applies to the conversation's tokens.
+    http.post("/pooling", json={"model": "tiny", "messages": CONVERSATION, "truncate_prompt_tokens": 5,
+                                "truncation_side": "left"})
+    assert engine.requests[-1].prompt_token_ids == prompt[-5:]
+
+
+def test_a_process_reward_model_answers_each_steps_class_probabilities():
+    """STEP pooling: the engine is asked for the step tag's rows; each row (two class logits) comes
+    back as its softmax, or as the logits with use_activation (or its older name activation) false."""
+    http, engine = _app(num_pooled=6, pooling=PROCESS_REWARD_MODEL)
+    body = http.post("/pooling", json={"model": "tiny", "input": [5, 7, 6, 7]}).json()
+    params = engine.requests[0].sampling_params
+    assert (params.embed_pooling, params.embed_step_tag_id, params.embed_returned_token_ids) == ("STEP", 7, None)
+    flat = scripted_embedding([5, 7, 6, 7], params)[:6]
+    rows = [flat[i: i + 2] for i in range(0, 6, 2)]
+    np.testing.assert_allclose(body["data"][0]["data"], [class_probabilities(r) for r in rows], atol=1e-12)
+    for switch in ("use_activation", "activation"):
+        raw = http.post("/pooling", json={"model": "tiny", "input": [5, 7, 6, 7], switch: False}).json()
+        assert raw["data"][0]["data"] == rows
+    for path, payload in (("/classify", {"input": "hi"}), ("/v1/embeddings", {"input": "hi"})):
+        r = http.post(path, json={"model": "tiny", **payload})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", path
+
+
+def test_per_token_embeddings_come_back_row_by_row():
+    """ALL pooling on an embedding model: /pooling answers each token's embedding (row_size values
+    a row); /v1/embeddings and /score, which need one vector per input, refuse it."""
+    http, engine = _app(num_pooled=8, pooling={"pooling_type": "ALL", "row_size": 4, "normalize": False})
+    body = http.post("/pooling", json={"model": "tiny", "input": [[5, 6], [9]]}).json()
+    for item, prompt, request in zip(body["data"], [[5, 6], [9]], engine.requests, strict=True):
+        flat = scripted_embedding(prompt, request.sampling_params)
+        assert item["data"] == [flat[:4], flat[4:]] and request.sampling_params.embed_pooling == "ALL"
+    for path, payload in (("/v1/embeddings", {"input": "hi"}), ("/score", {"text_1": "a", "text_2": "b"})):
+        r = http.post(path, json={"model": "tiny", **payload})
+        assert r.status_code == 400 and "pools every token" in r.json()["error"]["message"], path
+
+
+def test_embeddings_and_classify_read_conversations_too():
+    """/v1/embeddings and /classify take messages as /pooling does (vLLM's chat forms of them)."""
+    http, engine = _app(tokenizer=CHAT_TOKENIZER)
+    body = http.post("/v1/embeddings", json={"model": "tiny", "messages": CONVERSATION}).json()
+    assert engine.requests[0].prompt_token_ids == _rendered(CONVERSATION) and len(body["data"]) == 1
+    http, engine = _app(tokenizer=CHAT_TOKENIZER, num_pooled=3,
+                        pooling={"generates": False, "labels": ("a", "b", "c")})
+    body = http.post("/classify", json={"model": "tiny", "messages": CONVERSATION, "use_activation": False}).json()
+    params = engine.requests[0].sampling_params
+    assert engine.requests[0].prompt_token_ids == _rendered(CONVERSATION)
+    assert body["data"][0]["probs"] == scripted_embedding(_rendered(CONVERSATION), params)[:3]
+
+
+@pytest.mark.parametrize(("payload", "param"), [
+    ({"input": "hi", "messages": CONVERSATION}, "input"), ({}, "input"), ({"messages": []}, "messages"),
+    ({"messages": CONVERSATION, "add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message")])
+def test_conversation_refusals(payload, param):
+    http, _ = _app(tokenizer=CHAT_TOKENIZER, num_pooled=6, pooling=REWARD_MODEL)
+    r = http.post("/pooling", json={"model": "tiny", **payload})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
