@@ -11,11 +11,18 @@ normalisation, as all-MiniLM ships:
   ours           LLM.embed: whole prompts per pass, bidirectional attention, no KV cache
   transformers   BertModel in batches, right-padded with an attention mask, the masked mean of the
                  final hidden states (sentence-transformers' MEAN pooling), L2-normalised
+With --reward, a process reward model (Qwen2.5-Math-PRM's architecture, Qwen2ForProcessRewardModel:
+8 layers, 512 wide; random weights, our small tokenizer) scoring texts of reasoning steps, each step
+closed by the step separator "<extra_0>":
+  ours           LLM.reward: chunked prefill, STEP pooling (the score head's two class
+                 probabilities at each separator)
+  transformers   Qwen2Model and the same score head (Linear, ReLU, Linear) in right-padded batches
+                 with an attention mask, the softmax at each separator, as its reference code does
 Rounds alternate between the two, each round with texts of its own (the engine's prefix cache would
 otherwise answer a repeated text from its cached blocks); prints each one's median texts/s, the
 ratio, and the largest difference between the two embeddings of any text (they must agree to float
 rounding).
-Usage: python benchmarks/bench_embeddings.py [--num-texts 256] [--rounds 3] [--hf-batch-size 32] [--bert]
+Usage: python benchmarks/bench_embeddings.py [--num-texts 256] [--rounds 3] [--hf-batch-size 32] [--bert | --reward]
 """
 
 from __future__ import annotations
@@ -65,6 +72,26 @@ def hf_mean_embed(model, tokenizer, texts: list[str], batch_size: int, device: t
     return torch.cat(out)
 
 
+def make_steps(n: int, seed: int = 0) -> list[str]:
+    """Texts of 2 to 8 reasoning steps of random words, each closed by the step separator."""
+    rng = random.Random(seed)
+    return ["".join(" ".join(rng.choice(WORDS) for _ in range(rng.randrange(4, 24))) + "<extra_0>"
+                    for _ in range(rng.randrange(2, 9))) for _ in range(n)]
+
+
+def hf_step_rewards(reference, tokenizer, texts: list[str], batch_size: int, device: torch.device) -> torch.Tensor:
+    """A process reward model's two class probabilities at each step separator, every text's rows
+    one after another (right-padded batches, as its reference code runs)."""
+    tag = tokenizer.convert_tokens_to_ids("<extra_0>")
+    out = []
+    for i in range(0, len(texts), batch_size):
+        batch = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True).to(device)
+        with torch.inference_mode():
+            probs = torch.softmax(reference.score(reference.model(**batch).last_hidden_state), dim=-1)
+        out.extend(row[ids == tag].cpu() for row, ids in zip(probs, batch["input_ids"], strict=True))
+    return torch.cat(out)
+
+
 def save_minilm_shaped_bert(path: Path) -> Path:
     """A random BERT at all-MiniLM-L6-v2's shapes, with MEAN-pooling sentence-transformers files."""
     from transformers import BertConfig, BertModel
@@ -88,15 +115,32 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--bert", action="store_true", help="a BERT encoder at all-MiniLM-L6-v2's shapes")
+    parser.add_argument("--reward", action="store_true", help="a process reward model scoring reasoning steps")
     args = parser.parse_args()
 
     import tempfile
 
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    rounds = [make_texts(args.num_texts, seed=r + 1) for r in range(args.rounds)]
+    make = make_steps if args.reward else make_texts
+    rounds = [make(args.num_texts, seed=r + 1) for r in range(args.rounds)]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.bert:
+    run_ours = "embed"
+    if args.reward:
+        from tests.tiny_model import build_tiny_reward_model
+
+        model_dir = tempfile.mkdtemp(prefix="bench-prm-")
+        reward_reference = build_tiny_reward_model(Path(model_dir), hidden=512, num_layers=8, max_positions=1024)
+        reward_reference.model.to(device)
+        reward_reference.score.to(device)
+        llm = LLM(model=model_dir, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
+                  dtype="float32")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        run_ours = "reward"
+
+        def reference_embed(texts: list[str]) -> torch.Tensor:
+            return hf_step_rewards(reward_reference, tokenizer, texts, args.hf_batch_size, device)
+    elif args.bert:
         model_dir = str(save_minilm_shaped_bert(Path(tempfile.mkdtemp(prefix="bench-bert-"))))
         llm = LLM(model=model_dir, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
                   dtype="float32")
@@ -118,13 +162,15 @@ def main() -> None:
     rates: dict[str, list[float]] = {"ours": [], "transformers": []}
     ours = reference = None
     try:
-        warmup = make_texts(4, seed=0)
-        llm.embed(warmup, use_tqdm=False)
+        warmup = make(4, seed=0)
+        getattr(llm, run_ours)(warmup, use_tqdm=False)
         reference_embed(warmup)
         for r, texts in enumerate(rounds):
             for name in (("ours", "transformers") if r % 2 == 0 else ("transformers", "ours")):
                 t0 = time.perf_counter()
-                if name == "ours":
+                if name == "ours" and args.reward:
+                    ours = torch.tensor([row for o in llm.reward(texts, use_tqdm=False) for row in o.outputs.data])
+                elif name == "ours":
                     ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
                 else:
                     reference = reference_embed(texts)
@@ -133,14 +179,16 @@ def main() -> None:
         llm.shutdown()
     assert ours is not None and reference is not None
     ours_rate, hf_rate = statistics.median(rates["ours"]), statistics.median(rates["transformers"])
-    model_name = "BERT (all-MiniLM-L6-v2 shapes), " if args.bert else ""
+    model_name = ("process reward model (8 layers, 512 wide), " if args.reward
+                  else "BERT (all-MiniLM-L6-v2 shapes), " if args.bert else "")
     print(f"\n{model_name}{args.num_texts} texts a round (about {num_tokens:.0f} tokens), {args.rounds} rounds, "
           f"device {device}, "
           f"budget {args.max_num_batched_tokens} tokens per pass, HF batches of {args.hf_batch_size}\n")
     print(f"{'':<14}{'texts/s':>10}{'tokens/s':>12}{'vs transformers':>18}")
     for name, rate in (("ours", ours_rate), ("transformers", hf_rate)):
         print(f"{name:<14}{rate:>10.1f}{rate * num_tokens / args.num_texts:>12.0f}{rate / hf_rate:>17.2f}x")
-    print(f"\nlargest difference between the two embeddings of a text: {(ours - reference).abs().max().item():.2e}")
+    what = "step probabilities" if args.reward else "embeddings of a text"
+    print(f"\nlargest difference between the two {what}: {(ours - reference).abs().max().item():.2e}")
 
 
 if __name__ == "__main__":

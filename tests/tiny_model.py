@@ -181,18 +181,21 @@ class RewardReference:
     """Qwen2.5-Math-RM / -PRM as their custom code computes: transformers' Qwen2Model, then score =
     Linear, ReLU, Linear (with biases) over every token's final hidden state."""
 
-    def __init__(self, num_labels: int, vocab_size: int, seed: int = 4) -> None:
+    def __init__(self, num_labels: int, vocab_size: int, seed: int = 4, hidden: int = 64, num_layers: int = 2,
+                 max_positions: int = 256) -> None:
         import torch
         from transformers import AutoModel, Qwen2Config
 
         torch.manual_seed(seed)
-        config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2,
+                             num_hidden_layers=num_layers, num_attention_heads=hidden // 16, num_key_value_heads=2,
+                             max_position_embeddings=max_positions)
         self.model = AutoModel.from_config(config, dtype=torch.float32).eval()
-        self.score = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, num_labels))
+        self.score = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+                                         torch.nn.Linear(hidden, num_labels))
         with torch.no_grad():
             for p in [*self.model.parameters(), *self.score.parameters()]:
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, 0.2 if hidden <= 64 else 0.04)
 
     def __call__(self, prompt: list[int]):
         """Each token's outputs [len(prompt), num_labels]."""
@@ -202,7 +205,7 @@ class RewardReference:
             return self.score(self.model(torch.tensor([prompt])).last_hidden_state[0])
 
 
-def build_tiny_reward_model(path: Path, architecture: str = "Qwen2ForProcessRewardModel") -> RewardReference:
+def build_tiny_reward_model(path: Path, architecture: str = "Qwen2ForProcessRewardModel", **shape) -> RewardReference:
     """Save a random tiny Qwen2ForRewardModel (one output) or Qwen2ForProcessRewardModel (two) into
     ``path`` as the Qwen reward checkpoints are (model.*, score.0.*, score.2.*, and an LM head nothing
     reads), with our tokenizer (chat template included) plus the step separator "<extra_0>"; returns
@@ -214,10 +217,11 @@ def build_tiny_reward_model(path: Path, architecture: str = "Qwen2ForProcessRewa
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<extra_0>"]})
-    reference = RewardReference(2 if architecture == "Qwen2ForProcessRewardModel" else 1, len(tokenizer))
+    # (``shape``: RewardReference's hidden, num_layers and max_positions, for benchmarks.)
+    reference = RewardReference(2 if architecture == "Qwen2ForProcessRewardModel" else 1, len(tokenizer), **shape)
     tensors = {f"model.{k}": v.contiguous() for k, v in reference.model.state_dict().items()}
     tensors |= {f"score.{k}": v.contiguous() for k, v in reference.score.state_dict().items()}
-    tensors["lm_head.weight"] = torch.randn(len(tokenizer), 64)
+    tensors["lm_head.weight"] = torch.randn(len(tokenizer), reference.model.config.hidden_size)
     save_file(tensors, str(path / "model.safetensors"))
     config = reference.model.config.to_dict() | {"architectures": [architecture],
                                                  "bos_token_id": tokenizer.bos_token_id,

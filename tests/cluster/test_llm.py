@@ -797,10 +797,11 @@ def test_a_bert_token_classifier_tags_every_token_through_encode(tmp_path):
         llm.shutdown()
 
 
-def test_reward_models_score_each_step_and_token_through_reward(tmp_path):
-    """Qwen2ForProcessRewardModel through LLM, its prompts chunked: LLM.reward gives the two classes'
-    probabilities at each "<extra_0>" (the softmax of its reference's logits there), and refers
-    LLM.classify and LLM.embed to itself; Qwen2ForRewardModel gives every token's raw reward."""
+def test_reward_models_score_each_step_and_token_through_reward(ray_cluster, tmp_path):
+    """Qwen2ForProcessRewardModel through LLM on two TP ranks, its prompts chunked: LLM.reward gives
+    the two classes' probabilities at each "<extra_0>" (the softmax of its reference's logits there),
+    and refers LLM.classify and LLM.embed to itself; Qwen2ForRewardModel (one rank) gives every
+    token's raw reward."""
     from tests.tiny_model import build_tiny_reward_model
 
     texts = ["Step one: add the numbers.<extra_0>Step two: carry the one.<extra_0>", "Hello world<extra_0>",
@@ -809,7 +810,8 @@ def test_reward_models_score_each_step_and_token_through_reward(tmp_path):
         path = tmp_path / architecture
         reference = build_tiny_reward_model(path, architecture)
         tok = AutoTokenizer.from_pretrained(path)
-        llm = LLM(model=str(path), max_num_batched_tokens=8, long_prefill_token_threshold=5)
+        tp = 2 if architecture == "Qwen2ForProcessRewardModel" else 1
+        llm = LLM(model=str(path), tensor_parallel_size=tp, max_num_batched_tokens=8, long_prefill_token_threshold=5)
         try:
             rewarded = llm.reward(texts, use_tqdm=False)
             with pytest.raises(ValueError, match="classifies every token"):
