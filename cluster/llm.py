@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from cluster.config import ClusterConfig, EngineSpec, scheduler_flags_to_spec
 from engine_core.config import EngineConfig, KVCacheDType
 from engine_core.engine_core import EngineCore
-from engine_core.executor import ModelInfo
+from engine_core.executor import ModelInfo, PoolingInfo
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
 from engine_core.structured_output import check_structured_output
@@ -102,11 +102,12 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
-def _pooled_params(info: ModelInfo, normalize: bool = False, dimensions: int | None = None
-                   ) -> EngineSamplingParams:
-    """An embedding request's parameters (a classifier's class logits), pooled as the model pools."""
+def _pooled_params(info: ModelInfo, normalize: bool = False, dimensions: int | None = None,
+                   pooling: PoolingInfo | None = None) -> EngineSamplingParams:
+    """An embedding request's parameters (a classifier's class logits), pooled as the model pools
+    (or as ``pooling``, a pooling task's)."""
     return EngineSamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=normalize,
-                                embed_dimensions=dimensions, **info.pooling.params_fields())
+                                embed_dimensions=dimensions, **(pooling or info.pooling).params_fields())
 
 
 @dataclass
@@ -368,19 +369,21 @@ class LLM:
                 for request_id, ids, logits in pooled]
 
     def encode(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
-               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode``: each prompt's pooled output as the model's own endpoint computes it
         (as /pooling answers): an embedding model's embedding, a sequence classifier's class
         probabilities; under ALL / STEP pooling one row per kept token: a token classifier's class
-        probabilities (NER), a reward model's rewards, each token's embedding."""
+        probabilities (NER), a reward model's rewards, each token's embedding. ``pooling_task``
+        (vLLM's: embed, classify, token_embed, token_classify) asks for one of them."""
         info = self._model_info()
-        pooling = info.pooling
+        pooling = info.pooling.for_task(pooling_task)
         if not pooling.labels and not pooling.per_token:
             return [PoolingRequestOutput(out.request_id, PoolingOutput(out.outputs.embedding), out.prompt_token_ids)
                     for out in self.embed(prompts, use_tqdm, lora_request)]
         if pooling.unavailable:
             raise ValueError(f"this model does not serve embeddings: {pooling.unavailable}")
-        params = _pooled_params(info, normalize=pooling.normalize and not pooling.labels)
+        params = _pooled_params(info, normalize=pooling.normalize and not pooling.labels, pooling=pooling)
         outputs = []
         for request_id, ids, values in self._pool(prompts, params, lora_request, use_tqdm, "Pooled prompts"):
             if not pooling.labels:

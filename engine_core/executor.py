@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine_core.config import EngineConfig, SchedulerConfig
@@ -23,6 +23,10 @@ def engine_uses_gpu(config: EngineConfig) -> bool:
     import ray
 
     return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+# vLLM's pooling tasks a /pooling request (or LLM.encode) may ask for.
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,26 @@ class PoolingInfo:
         NER tagger, a reward model) or per step separator (STEP: a process reward model), rows of
         ``row_size`` values one after another, rather than one row."""
         return self.pooling_type in ("ALL", "STEP")
+
+    def for_task(self, task: str | None) -> PoolingInfo:
+        """How a request for vLLM's pooling ``task`` pools on this model (None: as the model pools):
+        "embed" / "classify" one row per prompt, "token_embed" / "token_classify" one per token (the
+        model's own ALL / STEP pooling, else ALL). ValueError for a task the model does not serve."""
+        if task is None:
+            return self
+        if task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {', '.join(POOLING_TASKS)}, got {task!r}")
+        classifies = task.endswith("classify")
+        if classifies != bool(self.labels):
+            kind = ("a classifier: classify or token_classify" if self.labels
+                    else "an embedding model: embed or token_embed")
+            raise ValueError(f"task {task!r}: the model is {kind}")
+        if task.startswith("token_"):
+            return self if self.per_token else replace(self, pooling_type="ALL")
+        if self.per_token:
+            raise ValueError(f"task {task!r}: the model pools every token ({self.pooling_type} pooling): ask for "
+                             f"token_{task}")
+        return self
 
     def params_fields(self) -> dict[str, Any]:
         """The SamplingParams fields that pool a prompt as this model pools."""

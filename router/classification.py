@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field
 
+from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
 from router.embeddings import EmbeddingsServing, PooledInputRequest, embedding_params
 from router.serving import OpenAIServing, bad_request
@@ -30,10 +31,11 @@ class ActivationField(BaseModel):
     use_activation: bool | None = Field(None, description="Turn class logits into probabilities by the model's "
                                                           "activation (default); false: the logits as they are.")
     activation: bool | None = Field(None, description="The older name of use_activation.")
+    softmax: bool | None = Field(None, description="The oldest name of use_activation.")
 
     def class_activation(self, model_activation: str) -> str:
         """The activation applied: the model's, or "none" when the request switches it off."""
-        wanted = self.use_activation if self.use_activation is not None else self.activation
+        wanted = next((v for v in (self.use_activation, self.activation, self.softmax) if v is not None), None)
         return "none" if wanted is False else model_activation
 
 
@@ -67,11 +69,13 @@ def token_class_probabilities(flat_logits: list[float], row_size: int, activatio
     return [class_probabilities(row, activation) for row in token_rows(flat_logits, row_size)]
 
 
-def classifier_params(serving: OpenAIServing, per_token: bool = False) -> SamplingParams:
+def classifier_params(serving: OpenAIServing, per_token: bool = False,
+                      pooling: PoolingInfo | None = None) -> SamplingParams:
     """What a classifier's engine is asked: the class logits of the pooled prompt (``per_token``: of
-    each token, which only /pooling answers), unnormalised. Refused (400) for a model without a
-    classification head, or of the other kind."""
-    pooling = serving.settings.pooling
+    each token, which only /pooling answers), unnormalised, pooled as the model pools (or as
+    ``pooling``, a /pooling task's). Refused (400) for a model without a classification head, or of
+    the other kind."""
+    pooling = pooling or serving.settings.pooling
     if not pooling.labels:
         raise bad_request(f"{serving.settings.served_model_name} is not a sequence classifier "
                           "(a *ForSequenceClassification checkpoint)", "model")
@@ -79,7 +83,7 @@ def classifier_params(serving: OpenAIServing, per_token: bool = False) -> Sampli
         raise bad_request(f"{serving.settings.served_model_name} classifies every token ({pooling.pooling_type} "
                           "pooling: a token classifier or reward model): /pooling answers each token's classes",
                           "model")
-    return embedding_params(serving, normalize=False)
+    return embedding_params(serving, normalize=False, pooling=pooling)
 
 
 class ClassificationServing:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
 from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, invalid
 from router.serving import OpenAIServing, bad_request
@@ -94,14 +95,22 @@ def check_embeds(serving: OpenAIServing, per_token: bool = False) -> None:
                           "model")
 
 
-def embedding_params(serving: OpenAIServing, normalize: bool | None = None,
-                     dimensions: int | None = None) -> SamplingParams:
-    """An embedding request's parameters: pooled as the model pools, normalised as asked (None: as
-    its pooler config says), its first ``dimensions`` values."""
-    settings = serving.settings
+def embedding_params(serving: OpenAIServing, normalize: bool | None = None, dimensions: int | None = None,
+                     pooling: PoolingInfo | None = None) -> SamplingParams:
+    """An embedding request's parameters: pooled as the model pools (or as ``pooling``, a /pooling
+    task's), normalised as asked (None: as its pooler config says), its first ``dimensions`` values."""
+    pooling = pooling or serving.settings.pooling
     return SamplingParams(max_tokens=1, temperature=0.0, embed=True,
-                          embed_normalize=settings.pooling.normalize if normalize is None else normalize,
-                          embed_dimensions=dimensions, **settings.pooling.params_fields())
+                          embed_normalize=pooling.normalize if normalize is None else normalize,
+                          embed_dimensions=dimensions, **pooling.params_fields())
+
+
+def check_dimensions(serving: OpenAIServing, dimensions: int | None) -> None:
+    """400 unless ``dimensions`` (when given) fits in the model's embeddings."""
+    hidden_size = serving.settings.hidden_size
+    if dimensions is not None and hidden_size and dimensions > hidden_size:
+        raise bad_request(f"dimensions ({dimensions}) is larger than the model's embeddings "
+                          f"({hidden_size} values)", "dimensions")
 
 
 class EmbeddingsServing:
@@ -113,10 +122,7 @@ class EmbeddingsServing:
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
         check_embeds(serving)
-        hidden_size = serving.settings.hidden_size
-        if request.dimensions is not None and hidden_size and request.dimensions > hidden_size:
-            raise bad_request(f"dimensions ({request.dimensions}) is larger than the model's embeddings "
-                              f"({hidden_size} values)", "dimensions")
+        check_dimensions(serving, request.dimensions)
         prompts = self.request_prompts(request)
         params = embedding_params(serving, request.normalize, request.dimensions)
         request_id = f"embd-{uuid.uuid4().hex}"

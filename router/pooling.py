@@ -13,6 +13,8 @@ import time
 import uuid
 from typing import Any, Literal
 
+from pydantic import Field
+
 from router.classification import (
     ActivationField,
     class_probabilities,
@@ -20,14 +22,26 @@ from router.classification import (
     token_class_probabilities,
     token_rows,
 )
-from router.embeddings import EmbeddingsServing, PooledInputRequest, check_embeds, embedding_params, encoded
-from router.serving import OpenAIServing
+from router.embeddings import (
+    EmbeddingsServing,
+    PooledInputRequest,
+    check_dimensions,
+    check_embeds,
+    embedding_params,
+    encoded,
+)
+from router.serving import OpenAIServing, bad_request
 
 POOLING_PATHS = ("/pooling", "/v1/pooling")
 
 
 class PoolingRequest(PooledInputRequest, ActivationField):
     encoding_format: Literal["float", "base64"] = "float"
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = Field(
+        None, description="vLLM's pooling task: one row per input (embed, classify) or per token (token_embed, "
+                          "token_classify); default: as the model pools.")
+    dimensions: int | None = Field(None, ge=1, description="An embedding's first values only (each row's).")
+    normalize: bool | None = Field(None, description="L2-normalise embeddings (each row); default: the model's.")
 
 
 class PoolingServing:
@@ -37,21 +51,30 @@ class PoolingServing:
 
     async def create(self, request: PoolingRequest, session_id: str | None = None) -> dict[str, Any]:
         serving = self.serving
-        pooling = serving.settings.pooling
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
+        try:
+            pooling = serving.settings.pooling.for_task(request.task)
+        except ValueError as e:
+            raise bad_request(f"{serving.settings.served_model_name}: {e}", "task") from None
         if pooling.labels:
-            params = classifier_params(serving, per_token=True)
+            for name in ("dimensions", "normalize"):
+                if getattr(request, name) is not None:
+                    raise bad_request(f"{name} applies to embeddings; {serving.settings.served_model_name} is a "
+                                      "classifier", name)
+            params = classifier_params(serving, per_token=True, pooling=pooling)
         else:
             check_embeds(serving, per_token=True)
-            params = embedding_params(serving)
+            check_dimensions(serving, request.dimensions)
+            params = embedding_params(serving, request.normalize, request.dimensions, pooling)
         prompts = self.embeddings.request_prompts(request)
         request_id = f"pool-{uuid.uuid4().hex}"
         outputs: list[Any] = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         activation = request.class_activation(pooling.classifier_activation)
         if pooling.per_token:  # (a [tokens][values] array for each input)
-            outputs = [token_class_probabilities(row, pooling.row_size, activation) if pooling.labels
-                       else token_rows(row, pooling.row_size) for row in outputs]
+            row_size = min(pooling.row_size, request.dimensions or pooling.row_size)
+            outputs = [token_class_probabilities(row, row_size, activation) if pooling.labels
+                       else token_rows(row, row_size) for row in outputs]
         elif pooling.labels:
             outputs = [class_probabilities(row, activation) for row in outputs]
         num_tokens = sum(len(ids) for ids in prompts)

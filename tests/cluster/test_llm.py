@@ -793,8 +793,18 @@ def test_a_bert_token_classifier_tags_every_token_through_encode(tmp_path):
     try:
         assert llm.encode(texts[:1], use_tqdm=False)[0].outputs.data == llm.embed(texts[:1], use_tqdm=False)[
             0].outputs.embedding
+        # vLLM's token_embed task: every token's final state, each normalised as the model normalises.
+        [per_token] = llm.encode(texts[:1], use_tqdm=False, pooling_task="token_embed")
+        with pytest.raises(ValueError, match="the model is an embedding model"):
+            llm.encode(texts[:1], use_tqdm=False, pooling_task="token_classify")
     finally:
         llm.shutdown()
+    from transformers import AutoModel
+
+    with torch.no_grad():
+        states = AutoModel.from_pretrained(path, dtype=torch.float32)(torch.tensor([per_token.prompt_token_ids]))
+    torch.testing.assert_close(torch.tensor(per_token.outputs.data, dtype=torch.float32),
+                               torch.nn.functional.normalize(states.last_hidden_state[0], dim=1), atol=1e-5, rtol=1e-5)
 
 
 def test_reward_models_score_each_step_and_token_through_reward(ray_cluster, tmp_path):

@@ -97,3 +97,40 @@ def test_conversation_refusals(payload, param):
     http, _ = _app(tokenizer=CHAT_TOKENIZER, num_pooled=6, pooling=REWARD_MODEL)
     r = http.post("/pooling", json={"model": "tiny", **payload})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_pooling_task_picks_one_row_per_input_or_per_token():
+    """vLLM's task: token_embed pools every token of an embedding model (each row cut to dimensions),
+    token_classify every token of a sequence classifier; embed / classify keep the model's pooling;
+    a task of the other kind, or classify on a per-token model, is refused naming task."""
+    http, engine = _app(num_pooled=8, hidden_size=4, pooling={"pooling_type": "MEAN", "row_size": 4})
+    body = http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "token_embed"}).json()
+    params = engine.requests[-1].sampling_params
+    assert params.embed_pooling == "ALL" and params.embed_normalize
+    flat = scripted_embedding([5, 6], params)
+    assert body["data"][0]["data"] == [flat[:4], flat[4:]]
+    http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "token_embed", "dimensions": 2,
+                                "normalize": False})
+    params = engine.requests[-1].sampling_params
+    assert (params.embed_dimensions, params.embed_normalize) == (2, False)
+    http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "embed"})
+    assert engine.requests[-1].sampling_params.embed_pooling == "MEAN"
+    for payload, param in (({"task": "classify"}, "task"), ({"task": "score"}, "task"),
+                           ({"dimensions": 5}, "dimensions")):
+        r = http.post("/pooling", json={"model": "tiny", "input": "hi", **payload})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, payload
+
+    http, engine = _app(num_pooled=6, pooling={"generates": False, "labels": ("a", "b", "c"), "row_size": 3})
+    body = http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "token_classify"}).json()
+    params = engine.requests[-1].sampling_params
+    flat = scripted_embedding([5, 6], params)[:6]
+    assert params.embed_pooling == "ALL" and not params.embed_normalize
+    np.testing.assert_allclose(body["data"][0]["data"], [class_probabilities(flat[:3]), class_probabilities(flat[3:])],
+                               atol=1e-12)
+    for payload, param in (({"task": "embed"}, "task"), ({"task": "classify", "dimensions": 2}, "dimensions")):
+        r = http.post("/pooling", json={"model": "tiny", "input": "hi", **payload})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, payload
+    http, _ = _app(num_pooled=6, pooling=REWARD_MODEL)
+    r = http.post("/pooling", json={"model": "tiny", "input": "hi", "task": "classify"})
+    assert r.status_code == 400 and "token_classify" in r.json()["error"]["message"]
+    assert http.post("/pooling", json={"model": "tiny", "input": [5], "task": "token_classify"}).status_code == 200
