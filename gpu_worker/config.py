@@ -46,12 +46,14 @@ TOKEN_CLASSIFIER_DECODER_OF = {
     "Phi3ForTokenClassification": "Phi3ForCausalLM"}
 # Reward models (Qwen2.5-Math-RM's custom code, and Qwen2.5-Math-PRM's): the decoder and an MLP
 # ``score`` head (Linear, ReLU, Linear, with biases) over every prompt token. The outcome reward
-# model scores each token with one raw reward (ALL pooling); the process reward model gives two
+# model scores each token with one reward (ALL pooling); the process reward model gives two
 # classes' probabilities at each step separator (STEP pooling at its "<extra_0>" token).
 REWARD_DECODER_OF = {"Qwen2ForRewardModel": "Qwen2ForCausalLM", "Qwen2ForProcessRewardModel": "Qwen2ForCausalLM"}
-# The reward models' (number of outputs, default pooling, activation, step separator token).
-_REWARD_HEADS = {"Qwen2ForRewardModel": (1, "ALL", "none", None),
-                 "Qwen2ForProcessRewardModel": (2, "STEP", "softmax", "<extra_0>")}
+# The reward models' (number of outputs, default pooling, step separator token). Their outputs pass
+# through the classifier activation as vLLM's token_classify applies it: a sigmoid over one output
+# (the outcome reward model's; a request's use_activation false gives the raw reward), a softmax
+# over two.
+_REWARD_HEADS = {"Qwen2ForRewardModel": (1, "ALL", None), "Qwen2ForProcessRewardModel": (2, "STEP", "<extra_0>")}
 # Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa): bidirectional attention over the whole
 # prompt, learned absolute positions, post-norm layers. The bare encoders (all-MiniLM, bge, e5, gte,
 # bge-m3, multilingual-e5) are served for embeddings; their sequence classifiers (ms-marco
@@ -201,13 +203,13 @@ def _decoder_head(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch in TOKEN_CLASSIFIER_DECODER_OF:
         return {"labels": _labels(cfg), "token_classifier": True, "default_pooling_type": "ALL",
                 "score_head": "linear_bias" if cfg.get("token_classification_bias", True) else "linear"}
-    num_labels, pooling, activation, step_tag = _REWARD_HEADS[arch]
+    num_labels, pooling, step_tag = _REWARD_HEADS[arch]
     # (Its custom code fixes the number of outputs, whatever num_labels / id2label say.)
     id2label = cfg.get("id2label")
     named = isinstance(id2label, dict) and len(id2label) == num_labels
     return {"labels": _labels({"id2label": id2label} if named else {"num_labels": num_labels}),
             "token_classifier": True, "default_pooling_type": pooling, "score_head": "relu_mlp",
-            "classifier_activation": activation, "step_tag_token": step_tag}
+            "step_tag_token": step_tag}
 
 
 def _classifier_activation(problem_type: str | None, num_labels: int) -> str:

@@ -79,7 +79,8 @@ class _ExecutorBase(Executor):
             pooler = resolve_pooler_config(self.model_dir, dict(config.pooler_config),
                                            default_type=self.model_config.default_pooling_type,
                                            hidden_size=self.model_config.hidden_size,
-                                           default_step_tag_id=self.model_config.step_tag_id)
+                                           default_step_tag_id=self.model_config.step_tag_id,
+                                           read_files_pooling=not self.model_config.token_classifier)
         except ValueError as e:
             if embeds_only:
                 raise

@@ -303,15 +303,20 @@ class ModelRunner:
             start += count
 
     def _token_rows(self, rows: torch.Tensor, columns: list[int] | None) -> torch.Tensor:
-        """ALL / STEP rows (fp32): each token's class logits (a classifier's head over its final
-        state) or embedding (projected by the Dense modules), cut to ``columns`` when given."""
+        """ALL / STEP rows, cut to ``columns`` when given: each token's class logits (a classifier's
+        fp32 head over its final state), or embedding (projected by the Dense modules in fp32; kept
+        in the model's dtype without them, made fp32 when the prompt ends). A copy: the step's
+        hidden states are not held until the prompt ends."""
         if self.config.labels:
             values = self.model.classify(rows).float()
-        else:
+        elif self.dense:
             values = rows.float()
             for weight, bias, activation in self.dense:
                 values = DENSE_ACTIVATIONS[activation](torch.nn.functional.linear(values, weight, bias))
-        return values if columns is None else values[:, columns]
+        else:
+            values = rows
+        values = values if columns is None else values[:, columns]
+        return values.clone() if values is rows else values
 
     def _embeddings(self, hidden: torch.Tensor, wanted: list[tuple[RequestState, int]]) -> dict[str, list[float]]:
         """Each finished prompt's embedding (every TP rank holds the hidden states whole): its last
@@ -352,7 +357,7 @@ class ModelRunner:
         row by row as the request asks, flattened."""
         if not state.pooled_rows:
             return []
-        rows = torch.cat(state.pooled_rows).cpu()
+        rows = torch.cat(state.pooled_rows).float().cpu()
         state.pooled_rows.clear()
         params = state.sampling_params
         if params.embed_dimensions is not None:

@@ -192,12 +192,14 @@ def sentence_transformers_max_seq_length(model_dir: str | Path) -> int | None:
 
 def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None = None,
                           default_type: str = "LAST", hidden_size: int = 0,
-                          default_step_tag_id: int | None = None) -> PoolerConfig:
+                          default_step_tag_id: int | None = None, read_files_pooling: bool = True) -> PoolerConfig:
     """The model's pooling: ``override`` (--pooler-config) over its sentence-transformers files over
     ``default_type`` (LAST for decoders, CLS for encoders, ALL / STEP for token classifiers and
     reward models) + normalise; the files' Dense projections (the first fed ``hidden_size`` values)
     whatever the override says. STEP pooling keeps ``default_step_tag_id``'s positions (a process
-    reward model's step separator) unless the override names another."""
+    reward model's step separator) unless the override names another. ``read_files_pooling`` false:
+    the files' pooling mode is not read (a token classifier's head classifies every token, whatever
+    sentence-transformers pooled)."""
     override = dict(override or {})
     unknown = set(override) - set(POOLER_CONFIG_KEYS)
     if unknown:
@@ -211,8 +213,8 @@ def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None
         override["pooling_type"] = str(override["pooling_type"]).upper()
     if "normalize" in override and not isinstance(override["normalize"], bool):
         raise ValueError(f"pooler_config normalize must be true or false, got {override['normalize']!r}")
-    declared = _sentence_transformers_pooler(Path(model_dir), "pooling_type" not in override, hidden_size,
-                                             overridden={"pooling_type", "normalize"} <= set(override))
+    declared = _sentence_transformers_pooler(Path(model_dir), read_files_pooling and "pooling_type" not in override,
+                                             hidden_size, overridden={"pooling_type", "normalize"} <= set(override))
     settings = {"pooling_type": default_type, **declared, **override}
     if settings["pooling_type"] == "STEP" and default_step_tag_id is not None:
         settings.setdefault("step_tag_id", default_step_tag_id)

@@ -33,10 +33,13 @@ class ActivationField(BaseModel):
     activation: bool | None = Field(None, description="The older name of use_activation.")
     softmax: bool | None = Field(None, description="The oldest name of use_activation.")
 
+    def wants_activation(self) -> bool | None:
+        """What the request asks, by whichever name it uses (None: the model's default)."""
+        return next((v for v in (self.use_activation, self.activation, self.softmax) if v is not None), None)
+
     def class_activation(self, model_activation: str) -> str:
         """The activation applied: the model's, or "none" when the request switches it off."""
-        wanted = next((v for v in (self.use_activation, self.activation, self.softmax) if v is not None), None)
-        return "none" if wanted is False else model_activation
+        return "none" if self.wants_activation() is False else model_activation
 
 
 class ClassificationRequest(PooledInputRequest, ActivationField):
@@ -65,7 +68,10 @@ def token_rows(flat: list[float], row_size: int) -> list[list[float]]:
 
 def token_class_probabilities(flat_logits: list[float], row_size: int, activation: str) -> list[list[float]]:
     """A token classifier's answer: each kept token's class scores (its logits arrive flattened,
-    ``row_size`` values per token)."""
+    ``row_size`` values per token). A softmax over one value (a STEP model's returned_token_ids
+    keeping one column) would always be 1: one value takes a sigmoid, as vLLM counts the columns."""
+    if row_size == 1 and activation == "softmax":
+        activation = "sigmoid"
     return [class_probabilities(row, activation) for row in token_rows(flat_logits, row_size)]
 
 

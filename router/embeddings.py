@@ -47,7 +47,8 @@ class PooledInputRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Truncate each input to k tokens "
                                                                          "(-1: max_model_len).")
     truncation_side: TruncationSide = Field("right", description=TRUNCATION_SIDE_HELP)
-    add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens to text.")
+    add_special_tokens: bool | None = Field(None, description="Let the tokenizer add its special tokens to text "
+                                                              "(default: true for input, false for messages).")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
     @model_validator(mode="after")
@@ -140,7 +141,8 @@ class EmbeddingsServing:
         if request.messages is None:
             return [self.prompt_ids(item, request) for item in request.inputs()]
         ids = self.serving.render_messages(request.messages, request.add_generation_prompt,
-                                           request.continue_final_message, request.chat_template_kwargs)
+                                           request.continue_final_message, request.chat_template_kwargs,
+                                           add_special_tokens=bool(request.add_special_tokens))
         return [self.prompt_ids(ids, request, "messages")]
 
     def prompt_ids(self, item: str | list[int], request: Any, param: str = "input") -> list[int]:
@@ -151,8 +153,8 @@ class EmbeddingsServing:
         serving = self.serving
         max_length = serving.truncation_length(request)
         if isinstance(item, str):
-            ids = list(tokenize_truncated(serving.tokenizer, item, None, request.add_special_tokens, max_length,
-                                          request.truncation_side)["input_ids"])
+            ids = list(tokenize_truncated(serving.tokenizer, item, None, request.add_special_tokens is not False,
+                                          max_length, request.truncation_side)["input_ids"])
         else:
             vocab = len(serving.tokenizer)
             if any(t < 0 or t >= vocab for t in item):

@@ -66,7 +66,9 @@ class PoolingServing:
         else:
             check_embeds(serving, per_token=True)
             check_dimensions(serving, request.dimensions)
-            params = embedding_params(serving, request.normalize, request.dimensions, pooling)
+            # (An embedding's activation is its normalisation: vLLM reads use_activation so.)
+            normalize = request.wants_activation() if request.normalize is None else request.normalize
+            params = embedding_params(serving, normalize, request.dimensions, pooling)
         prompts = self.embeddings.request_prompts(request)
         request_id = f"pool-{uuid.uuid4().hex}"
         outputs: list[Any] = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)

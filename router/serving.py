@@ -307,9 +307,9 @@ class OpenAIServing:
 
     def render_messages(self, chat: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
                         chat_template_kwargs: dict[str, Any] | None = None,
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+                        tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False) -> list[int]:
         """A conversation's token ids, written by the tokenizer's chat template (which writes its
-        special tokens itself)."""
+        special tokens itself, unless ``add_special_tokens`` asks the tokenizer to add its own too)."""
         # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent, except
         # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
         messages = [_template_message(m.model_extra or {}, m.role, m.text()) for m in chat]
@@ -322,7 +322,7 @@ class OpenAIServing:
                 continue_final_message=continue_final_message, **kwargs)
         except Exception as e:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _thinks_before_constraint(self) -> bool:
         """Whether an output constraint starts after the model's thinking: with deepseek_r1, whose

@@ -217,12 +217,15 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _score_head(config: ModelConfig) -> nn.Module:
-    """The classifier head ModelConfig.score_head names, [.., hidden] -> [.., classes]."""
+    """The classifier head ModelConfig.score_head names, [.., hidden] -> [.., classes], in fp32
+    whatever the model's dtype (as vLLM runs pooling heads: a reward MLP in bf16 loses the small
+    differences between rewards)."""
     width, outputs = config.hidden_size, len(config.labels)
     if config.score_head == "relu_mlp":
-        head: nn.Module = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, outputs))
+        head: nn.Module = nn.Sequential(nn.Linear(width, width, dtype=torch.float32), nn.ReLU(),
+                                        nn.Linear(width, outputs, dtype=torch.float32))
     else:
-        head = nn.Linear(width, outputs, bias=config.score_head == "linear_bias")
+        head = nn.Linear(width, outputs, bias=config.score_head == "linear_bias", dtype=torch.float32)
     return head.requires_grad_(False)
 
 

@@ -35,10 +35,10 @@ def save_tiny_token_classifier(path, kind: str, num_labels: int = 3, **overrides
 
 
 def pooled(runner, prompts: dict[str, list[int]], pooling: str, budget: int = 7, normalize: bool = False,
-           **params) -> dict[str, list[float]]:
+           sched=None, **params) -> dict[str, list[float]]:
     """Each prompt's pooled output, run as embedding requests through the real scheduler with a token
     budget small enough to chunk them (and the prefix cache on: per-token pooling must not read it)."""
-    sched = make_scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=budget)
+    sched = sched or make_scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=budget)
     for rid, prompt in prompts.items():
         sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, embed=True,
                                                               embed_normalize=normalize, embed_pooling=pooling,
@@ -78,8 +78,9 @@ def test_outcome_reward_model_scores_every_token(tmp_path):
     head is not read. The same prompt twice (a prefix-cache hit, were it read) scores alike."""
     reference = build_tiny_reward_model(tmp_path, "Qwen2ForRewardModel")
     config = ModelConfig.from_pretrained(tmp_path)
+    # (One output takes vLLM's sigmoid by default: the router applies it; a request can switch it off.)
     assert (config.labels, config.default_pooling_type, config.classifier_activation, config.score_head) == (
-        ("LABEL_0",), "ALL", "none", "relu_mlp")
+        ("LABEL_0",), "ALL", "sigmoid", "relu_mlp")
     runner = make_runner(tmp_path, num_blocks=128, block_size=4)
     prompts = random_prompts(4, seed=6)
     prompts["again"] = prompts["p0"] = [7, *prompts["p0"], 9, 9, 9, 9, 9]
@@ -115,6 +116,12 @@ def test_process_reward_model_scores_each_step_separator(tmp_path):
         rows = [i for i, t in enumerate(prompt) if t == tag]
         expected = reference(prompt)[rows]
         torch.testing.assert_close(torch.tensor(outputs[rid]).view(len(rows), 2), expected, atol=1e-4, rtol=1e-4)
+    # Preempted mid-prefill (a KV pool too small for all of them), each prompt starts its rows again.
+    small = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=16, long_prefill_token_threshold=5)
+    again = pooled(runner, prompts, "STEP", sched=small, embed_step_tag_id=tag)
+    assert small._num_preemptions > 0
+    for rid in prompts:
+        torch.testing.assert_close(torch.tensor(again[rid]), torch.tensor(outputs[rid]), atol=1e-5, rtol=1e-5)
     # Without a step tag STEP keeps every row, cut to the columns asked (here the second class's).
     every = pooled(runner, prompts, "STEP", embed_returned_token_ids=[1])
     for rid, prompt in prompts.items():

@@ -4,6 +4,8 @@ input's flattened rows come back."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,8 @@ from tests.tiny_model import CHAT_TEMPLATE
 
 from .test_request_fields import _app, scripted_embedding
 
-CHAT_TOKENIZER = byte_level_tokenizer()
+# (Copies: byte_level_tokenizer() is one cached object the other router tests share.)
+CHAT_TOKENIZER = copy.deepcopy(byte_level_tokenizer())
 CHAT_TOKENIZER.chat_template = CHAT_TEMPLATE
 CONVERSATION = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}]
 REWARD_MODEL = {"generates": False, "labels": ("LABEL_0",), "pooling_type": "ALL", "classifier_activation": "none",
@@ -134,3 +137,41 @@ def test_a_pooling_task_picks_one_row_per_input_or_per_token():
     r = http.post("/pooling", json={"model": "tiny", "input": "hi", "task": "classify"})
     assert r.status_code == 400 and "token_classify" in r.json()["error"]["message"]
     assert http.post("/pooling", json={"model": "tiny", "input": [5], "task": "token_classify"}).status_code == 200
+
+
+def test_one_kept_column_takes_a_sigmoid_and_activation_switches_apply_everywhere():
+    """A STEP model keeping one column (returned_token_ids) gets a sigmoid per row, as vLLM counts the
+    columns (a softmax over one value is always 1); use_activation false on /classify gives a
+    one-output classifier's logit; on an embedding model it switches off the normalisation."""
+    http, engine = _app(num_pooled=3, pooling={**PROCESS_REWARD_MODEL, "returned_token_ids": (1,), "row_size": 1})
+    body = http.post("/pooling", json={"model": "tiny", "input": [7, 7, 7]}).json()
+    flat = scripted_embedding([7, 7, 7], engine.requests[0].sampling_params)[:3]
+    assert engine.requests[0].sampling_params.embed_returned_token_ids == [1]
+    np.testing.assert_allclose(body["data"][0]["data"], [[1 / (1 + np.exp(-v))] for v in flat], atol=1e-12)
+    http, engine = _app(num_pooled=1, pooling={"generates": False, "labels": ("LABEL_0",),
+                                               "classifier_activation": "sigmoid"})
+    body = http.post("/classify", json={"model": "tiny", "input": [5, 6], "use_activation": False}).json()
+    assert body["data"][0]["probs"] == scripted_embedding([5, 6], engine.requests[0].sampling_params)[:1]
+    http, engine = _app(pooling={"pooling_type": "ALL", "row_size": 4})
+    http.post("/pooling", json={"model": "tiny", "input": [5, 6], "use_activation": False})
+    assert not engine.requests[0].sampling_params.embed_normalize
+
+
+def test_messages_take_add_special_tokens_when_asked():
+    """The chat template writes a conversation's special tokens; add_special_tokens true also lets
+    the tokenizer add its own (vLLM's default for messages is false)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = copy.deepcopy(CHAT_TOKENIZER)
+    eos = tokenizer.convert_tokens_to_ids("<eos>")
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", eos)])
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    http, engine = _app(tokenizer=tokenizer, num_pooled=6, pooling=REWARD_MODEL)
+    text = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    http.post("/pooling", json={"model": "tiny", "messages": CONVERSATION})
+    http.post("/pooling", json={"model": "tiny", "messages": CONVERSATION, "add_special_tokens": True})
+    http.post("/pooling", json={"model": "tiny", "input": "hi"})
+    plain, special, single = (r.prompt_token_ids for r in engine.requests)
+    assert plain == tokenizer.encode(text, add_special_tokens=False) and special == [*plain, eos]
+    assert single[-1] == eos
