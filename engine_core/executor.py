@@ -57,6 +57,11 @@ class PoolingInfo:
     returned_token_ids: tuple[int, ...] | None = None
     # The values in one pooled row (a class logit each, or the embedding's; STEP: the columns kept).
     row_size: int = 0
+    # The pooling tasks an embedding model answers with per-token heads of its own (BGE-M3's:
+    # token_classify, each token's lexical weight; token_embed, its ColBERT vector), and the one a
+    # request asks for (for_task sets it).
+    token_heads: tuple[str, ...] = ()
+    task: str | None = None
 
     @property
     def per_token(self) -> bool:
@@ -73,6 +78,10 @@ class PoolingInfo:
             return self
         if task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {', '.join(POOLING_TASKS)}, got {task!r}")
+        if task in self.token_heads:  # (its own head, one lexical weight or a normalised vector a token)
+            return replace(self, pooling_type="ALL", task=task, step_tag_id=None, returned_token_ids=None,
+                           row_size=1 if task == "token_classify" else self.row_size,
+                           normalize=self.normalize and task == "token_embed")
         classifies = task.endswith("classify")
         if classifies != bool(self.labels):
             kind = ("a classifier: classify or token_classify" if self.labels
@@ -88,7 +97,8 @@ class PoolingInfo:
     def params_fields(self) -> dict[str, Any]:
         """The SamplingParams fields that pool a prompt as this model pools."""
         return {"embed_pooling": self.pooling_type, "embed_step_tag_id": self.step_tag_id,
-                "embed_returned_token_ids": list(self.returned_token_ids) if self.returned_token_ids else None}
+                "embed_returned_token_ids": list(self.returned_token_ids) if self.returned_token_ids else None,
+                "pooling_task": self.task}
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,9 @@ class SamplingParams:
     embed_pooling: str = "LAST"
     embed_step_tag_id: int | None = None
     embed_returned_token_ids: list[int] | None = None
+    # vLLM's PoolingParams.task where the model pools a task with a head of its own (BGE-M3's
+    # "token_classify": lexical weights, "token_embed": ColBERT vectors); None otherwise.
+    pooling_task: str | None = None
     # An encoder's token types as vLLM compresses them: the first prompt position of type 1 (the
     # second text of a pair, for cross-encoders whose tokenizer returns token_type_ids); None: every
     # token is of type 0.
@@ -122,6 +125,8 @@ class SamplingParams:
         _check((self.embed_step_tag_id is None and self.embed_returned_token_ids is None)
                or self.embed_pooling == "STEP", "embed_step_tag_id",
                "set (with embed_returned_token_ids) for STEP pooling only", self.embed_step_tag_id)
+        _check(self.pooling_task is None or (self.embed and self.pooling_task in ("token_embed", "token_classify")),
+               "pooling_task", "None, or token_embed / token_classify on an embedding request", self.pooling_task)
         _check(self.embed_step_tag_id is None
                or (type(self.embed_step_tag_id) is int and self.embed_step_tag_id >= 0),
                "embed_step_tag_id", "None or a token id", self.embed_step_tag_id)

@@ -65,6 +65,9 @@ ENCODER_ARCHITECTURES = {
     # ModernBERT (gte-modernbert, modernbert-embed, gte-reranker-modernbert): RoPE, pre-norm layers,
     # GeGLU, and a bidirectional sliding window in two layers of three.
     "ModernBertModel": "ModernBertModel", "ModernBertForSequenceClassification": "ModernBertModel",
+    # BGE-M3 with its sparse and ColBERT heads (vLLM's BgeM3EmbeddingModel, asked for through
+    # --hf-overrides '{"architectures": ["BgeM3EmbeddingModel"]}').
+    "BgeM3EmbeddingModel": "RobertaModel",
     # Token classifiers (NER and other taggers): class logits for every prompt token.
     "BertForTokenClassification": "BertModel", "RobertaForTokenClassification": "RobertaModel",
     "XLMRobertaForTokenClassification": "RobertaModel", "ModernBertForTokenClassification": "ModernBertModel"}
@@ -488,6 +491,9 @@ class ModelConfig:
     # once from_pretrained has read the tokenizer (None where the vocabulary lacks it).
     step_tag_token: str | None = None
     step_tag_id: int | None = None
+    # BGE-M3's heads beside its dense [CLS] embedding (read from sparse_linear.pt and colbert_linear.pt):
+    # each token's lexical weight (token_classify) and ColBERT vector (token_embed).
+    m3_heads: bool = False
 
     @property
     def attention_scale(self) -> float:
@@ -690,7 +696,7 @@ class ModelConfig:
             embedding_only=True, labels=labels,
             classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),
             cross_encoder_activation=_cross_encoder_activation(cfg) if labels else "sigmoid",
-            encoder_only=True, token_classifier=token_classifier, **family)
+            encoder_only=True, token_classifier=token_classifier, m3_heads=arch == "BgeM3EmbeddingModel", **family)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:

@@ -128,7 +128,8 @@ class _ExecutorBase(Executor):
                                 cross_encoder_activation=self.model_config.cross_encoder_activation,
                                 token_types=self.model_config.type_vocab_size > 1,
                                 step_tag_id=pooler.step_tag_id, returned_token_ids=pooler.returned_token_ids,
-                                row_size=row_size))
+                                row_size=row_size,
+                                token_heads=("token_embed", "token_classify") if self.model_config.m3_heads else ()))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

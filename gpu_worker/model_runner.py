@@ -10,6 +10,7 @@ drafts the model agrees with, plus one token of its own. All per-token arrays ar
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
+from engine_core.sampling_params import SamplingParams
 from engine_core.sched.output import GrammarBitmask, SchedulerOutput
 from gpu_worker.attn_metadata import AttentionMetadata, build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
@@ -111,6 +113,8 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = build_model(self.config)
         source = iter_safetensors(weights) if isinstance(weights, (str, Path)) else weights
+        if isinstance(weights, (str, Path)) and hasattr(model, "extra_checkpoint_tensors"):
+            source = itertools.chain(source, model.extra_checkpoint_tensors(weights))
         with torch.no_grad():
             load_weights(model, source)
         self.model = model.eval()
@@ -293,21 +297,43 @@ class ModelRunner:
                 state.pooled = hidden[start].to(torch.float32, copy=True)  # (not a view pinning the step's states)
             elif pooling in PER_TOKEN_POOLING:
                 rows = hidden[start: start + count]
-                if params.embed_step_tag_id is not None:
-                    first = state.num_computed_tokens - count
-                    chunk_ids = np.asarray(state.token_ids[first: first + count])
-                    tagged = np.flatnonzero(chunk_ids == params.embed_step_tag_id)
-                    rows = rows.index_select(0, torch.from_numpy(tagged).to(rows.device)) if len(tagged) else None
+                kept = self._kept_positions(state, count)
+                if kept is not None:
+                    rows = rows.index_select(0, torch.from_numpy(kept).to(rows.device)) if len(kept) else None
                 if rows is not None:
-                    state.pooled_rows.append(self._token_rows(rows, params.embed_returned_token_ids))
+                    state.pooled_rows.append(self._token_rows(rows, params))
             start += count
 
-    def _token_rows(self, rows: torch.Tensor, columns: list[int] | None) -> torch.Tensor:
-        """ALL / STEP rows, cut to ``columns`` when given: each token's class logits (a classifier's
-        fp32 head over its final state), or embedding (projected by the Dense modules in fp32; kept
-        in the model's dtype without them, made fp32 when the prompt ends). A copy: the step's
-        hidden states are not held until the prompt ends."""
-        if self.config.labels:
+    def _kept_positions(self, state: RequestState, count: int) -> np.ndarray | None:
+        """Which rows of this step's chunk of a per-token request are kept (None: all of them): STEP's
+        at its step tag; BGE-M3's without the prompt's leading BOS (and, for lexical weights, its
+        closing EOS), as FlagEmbedding reads them."""
+        params = state.sampling_params
+        if params.embed_step_tag_id is None and (params.pooling_task is None or not self.config.m3_heads):
+            return None
+        first = state.num_computed_tokens - count  # (_forward moved it past the chunk)
+        chunk_ids = np.asarray(state.token_ids[first: first + count])
+        if params.embed_step_tag_id is not None:
+            return np.flatnonzero(chunk_ids == params.embed_step_tag_id)
+        keep = np.ones(count, dtype=bool)
+        if first == 0 and chunk_ids[0] == self.config.raw.get("bos_token_id"):
+            keep[0] = False
+        last = state.num_prompt_tokens - 1 - first
+        if (params.pooling_task == "token_classify" and last < count
+                and chunk_ids[last] == self.config.raw.get("eos_token_id")):
+            keep[last] = False
+        return None if keep.all() else np.flatnonzero(keep)
+
+    def _token_rows(self, rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """ALL / STEP rows, cut to the request's returned_token_ids when given: each token's class
+        logits (a classifier's fp32 head over its final state), BGE-M3's head for the request's
+        pooling task, or embedding (projected by the Dense modules in fp32; kept in the model's
+        dtype without them, made fp32 when the prompt ends). A copy: the step's hidden states are
+        not held until the prompt ends."""
+        columns = params.embed_returned_token_ids
+        if params.pooling_task is not None and self.config.m3_heads:
+            values = self.model.token_head(params.pooling_task, rows)
+        elif self.config.labels:
             values = self.model.classify(rows).float()
         elif self.dense:
             values = rows.float()

@@ -18,6 +18,7 @@ prefix of a classifier's encoder is taken off; masked-LM heads and unused pooler
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +190,13 @@ class BertModel(nn.Module):
         self.model = BertEncoderModel(config, with_pooler=classifier and self.base_model_prefix == "bert"
                                       and not config.token_classifier)
         self.classifier = self._classifier_head(config) if classifier else None
+        # BGE-M3's per-token heads (fp32, whole on every TP rank): a lexical weight per token, and a
+        # ColBERT vector per token.
+        self.sparse_linear = self.colbert_linear = None
+        if config.m3_heads:
+            width = config.hidden_size
+            self.sparse_linear = nn.Linear(width, 1, dtype=torch.float32).requires_grad_(False)
+            self.colbert_linear = nn.Linear(width, width, dtype=torch.float32).requires_grad_(False)
 
     def _classifier_head(self, config: ModelConfig) -> nn.Module:
         return _replicated_linear(config.hidden_size, len(config.labels))
@@ -207,6 +215,30 @@ class BertModel(nn.Module):
             raise RuntimeError("this model has no classification head")
         pooled = pooled.to(self.classifier.weight.dtype)
         return self.classifier.forward(pooled if self.model.pooler is None else self.model.pooler.forward(pooled))
+
+    def token_head(self, task: str, rows: torch.Tensor) -> torch.Tensor:
+        """BGE-M3's rows for vLLM's ``task`` from final hidden states [n, hidden]: token_classify,
+        each token's lexical weight relu(sparse_linear(h)) [n, 1]; token_embed, each token's ColBERT
+        vector colbert_linear(h) [n, hidden] (normalised afterwards, as the request asks)."""
+        if self.sparse_linear is None or self.colbert_linear is None:
+            raise RuntimeError("this model has no per-token heads")
+        rows = rows.float()
+        if task == "token_classify":
+            return torch.relu(self.sparse_linear.forward(rows))
+        return self.colbert_linear.forward(rows)
+
+    def extra_checkpoint_tensors(self, model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors kept beside the checkpoint: BGE-M3's sparse and ColBERT heads, saved by
+        FlagEmbedding as sparse_linear.pt and colbert_linear.pt (state dicts of one Linear each)."""
+        if not self.config.m3_heads:
+            return
+        for head in ("sparse_linear", "colbert_linear"):
+            path = Path(model_dir) / f"{head}.pt"
+            if not path.exists():
+                raise ValueError(f"{model_dir}: BgeM3EmbeddingModel reads its {head} head from {path.name}, which "
+                                 "is missing")
+            for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+                yield f"{head}.{name}", tensor
 
     def attention_layers(self) -> list[nn.Module]:
         """Layers reading the paged KV cache: none (an encoder attends within the pass)."""

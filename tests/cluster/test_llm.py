@@ -843,3 +843,33 @@ def test_reward_models_score_each_step_and_token_through_reward(ray_cluster, tmp
                 assert len(out.outputs.data) == len(ids)
             got = torch.tensor(out.outputs.data, dtype=torch.float32).view(-1, expected.shape[1])
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bge_m3_gives_dense_sparse_and_colbert_outputs_through_encode(tmp_path):
+    """An XLM-RoBERTa served as BGE-M3 (--hf-overrides naming BgeM3EmbeddingModel, as vLLM serves
+    it): LLM.embed its dense embedding, LLM.encode with vLLM's token_classify its lexical weights and
+    with token_embed its ColBERT vectors, as FlagEmbedding computes them from the tokenizer's ids."""
+    import json
+
+    from tests.gpu_worker.test_encoders import save_tiny_bge_m3
+    from tests.tiny_model import build_wordpiece_tokenizer
+
+    tok = build_wordpiece_tokenizer()
+    path, reference = save_tiny_bge_m3(tmp_path, vocab_size=len(tok), bos_token_id=tok.cls_token_id,
+                                       eos_token_id=tok.sep_token_id)
+    tok.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["XLMRobertaModel"]}))
+    texts = ["Paris is the capital of France.", "hello world"]
+    llm = LLM(model=str(path), hf_overrides={"architectures": ["BgeM3EmbeddingModel"]})
+    try:
+        dense = llm.embed(texts, use_tqdm=False)
+        lexical = llm.encode(texts, use_tqdm=False, pooling_task="token_classify")
+        colbert = llm.encode(texts, use_tqdm=False, pooling_task="token_embed")
+    finally:
+        llm.shutdown()
+    for d, s, c, text in zip(dense, lexical, colbert, texts, strict=True):
+        want_dense, want_lexical, want_colbert = reference(tok(text).input_ids)
+        torch.testing.assert_close(torch.tensor(d.outputs.embedding), want_dense, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(s.outputs.data)[:, 0], want_lexical, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(c.outputs.data), want_colbert, atol=1e-5, rtol=1e-5)

@@ -343,3 +343,63 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind):
             ray.shutdown()
     for rid in prompts:
         torch.testing.assert_close(torch.tensor(got[rid]), torch.tensor(expected[rid]), atol=1e-5, rtol=1e-5)
+
+
+def save_tiny_bge_m3(path, **overrides):
+    """A random XLM-RoBERTa saved as BGE-M3 is served (config.json naming BgeM3EmbeddingModel, as
+    vLLM's --hf-overrides asks), with random sparse_linear.pt and colbert_linear.pt heads beside it;
+    returns FlagEmbedding's outputs as a function of the prompt: (dense [CLS], lexical weights of
+    the tokens between BOS and EOS, normalised ColBERT vectors of the tokens after BOS)."""
+    import json
+
+    path, hf = save_tiny_encoder(path, "xlm-roberta", **overrides)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["BgeM3EmbeddingModel"]}))
+    torch.manual_seed(11)
+    sparse, colbert = torch.nn.Linear(64, 1), torch.nn.Linear(64, 64)
+    torch.save(sparse.state_dict(), path / "sparse_linear.pt")
+    torch.save(colbert.state_dict(), path / "colbert_linear.pt")
+    bos, eos = hf.config.bos_token_id, hf.config.eos_token_id
+
+    @torch.no_grad()
+    def reference(prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        states = hf(torch.tensor([prompt])).last_hidden_state[0]
+        start = 1 if prompt[0] == bos else 0
+        end = len(prompt) - 1 if prompt[-1] == eos else len(prompt)
+        return (torch.nn.functional.normalize(states[0], dim=0), torch.relu(sparse(states[start:end]))[:, 0],
+                torch.nn.functional.normalize(colbert(states[start:]), dim=1))
+
+    return path, reference
+
+
+def test_bge_m3_serves_lexical_weights_and_colbert_vectors(tmp_path):
+    """BgeM3EmbeddingModel: its dense [CLS] embedding as any XLM-RoBERTa's; token_classify, each
+    token's lexical weight relu(sparse_linear(h)) without BOS and EOS; token_embed, each token's
+    ColBERT vector without BOS, normalised; as FlagEmbedding computes them."""
+    path, reference = save_tiny_bge_m3(tmp_path)
+    config = ModelConfig.from_pretrained(path)
+    assert config.m3_heads and config.architecture == "RobertaModel" and not config.labels
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    rng = random.Random(12)
+    prompts = {f"p{i}": [0, *(rng.randrange(5, 250) for _ in range(rng.randrange(1, 30))), 2] for i in range(4)}
+    prompts["bare"] = [7, 8, 9]  # (no BOS / EOS: every token's row is kept)
+    outputs = {}
+    for task in (None, "token_classify", "token_embed"):
+        scheduler = encoder_scheduler()
+        for rid, prompt in prompts.items():
+            params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_normalize=task != "token_classify",
+                                    embed_pooling="CLS" if task is None else "ALL", pooling_task=task)
+            scheduler.add_request(Request(rid, prompt, params, eos_token_id=None))
+        outputs[task] = {}
+        run_to_completion(scheduler, runner.execute_model,
+                          on_output=lambda o, t=task: outputs[t].update({o.request_id: o.pooling_output}))
+    for rid, prompt in prompts.items():
+        dense, lexical, colbert = reference(prompt)
+        torch.testing.assert_close(torch.tensor(outputs[None][rid]), dense, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(outputs["token_classify"][rid]), lexical, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(outputs["token_embed"][rid]).view(-1, 64), colbert, atol=1e-5,
+                                   rtol=1e-5)
+    assert len(outputs["token_classify"]["p0"]) == len(prompts["p0"]) - 2
+    (path / "colbert_linear.pt").unlink()
+    with pytest.raises(ValueError, match=r"colbert_linear\.pt, which is missing"):
+        make_runner(path, num_blocks=64, block_size=4)

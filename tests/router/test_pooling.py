@@ -175,3 +175,22 @@ def test_messages_take_add_special_tokens_when_asked():
     plain, special, single = (r.prompt_token_ids for r in engine.requests)
     assert plain == tokenizer.encode(text, add_special_tokens=False) and special == [*plain, eos]
     assert single[-1] == eos
+
+
+def test_bge_m3_answers_its_per_token_tasks_with_its_own_heads():
+    """An embedding model with per-token heads (BGE-M3): token_classify asks the engine for its
+    lexical weights (one unnormalised value a token), token_embed for its ColBERT vectors
+    (normalised rows); /v1/embeddings keeps its dense embedding."""
+    http, engine = _app(num_pooled=8, hidden_size=4, pooling={"pooling_type": "CLS", "row_size": 4,
+                                                              "token_heads": ("token_embed", "token_classify")})
+    body = http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "token_classify"}).json()
+    params = engine.requests[-1].sampling_params
+    assert (params.embed_pooling, params.pooling_task, params.embed_normalize) == ("ALL", "token_classify", False)
+    assert body["data"][0]["data"] == [[v] for v in scripted_embedding([5, 6], params)]
+    body = http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "token_embed"}).json()
+    params = engine.requests[-1].sampling_params
+    assert (params.embed_pooling, params.pooling_task, params.embed_normalize) == ("ALL", "token_embed", True)
+    assert len(body["data"][0]["data"]) == 2 and len(body["data"][0]["data"][0]) == 4
+    http.post("/v1/embeddings", json={"model": "tiny", "input": [5, 6]})
+    params = engine.requests[-1].sampling_params
+    assert (params.embed_pooling, params.pooling_task) == ("CLS", None)
