@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
-from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, invalid
+from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, invalid, refuse_request_chat_template
 from router.serving import OpenAIServing, bad_request
 
 TruncationSide = Literal["left", "right"]
@@ -44,6 +44,7 @@ class PooledInputRequest(BaseModel):
     add_generation_prompt: bool = Field(False, description="With messages: end with the assistant's turn opening.")
     continue_final_message: bool = Field(False, description="With messages: leave the last message open.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="With messages: the template's extras.")
+    chat_template: str | None = Field(None, description="Refused: the server's chat template writes messages.")
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Truncate each input to k tokens "
                                                                          "(-1: max_model_len).")
     truncation_side: TruncationSide = Field("right", description=TRUNCATION_SIDE_HELP)
@@ -58,6 +59,7 @@ class PooledInputRequest(BaseModel):
         if self.continue_final_message and self.add_generation_prompt:
             raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
                           "be true")
+        refuse_request_chat_template(self.chat_template)
         if self.input is not None and (self.input == [] or any(
                 item in ("", []) for item in (self.input if isinstance(self.input, list) else [self.input]))):
             raise invalid("input", "input must not be empty, nor hold an empty text or token list")

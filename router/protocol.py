@@ -245,6 +245,13 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+def refuse_request_chat_template(chat_template: str | None) -> None:
+    """A request's own chat template is not run (vLLM refuses one unless the server trusts them)."""
+    if chat_template is not None:
+        raise invalid("chat_template", "a request's own chat_template is not accepted: the server's chat template "
+                      "(or its --chat-template) writes every conversation")
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens.")
@@ -254,6 +261,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = Field(False, description="vLLM extra: the answer continues the last message "
                                                             "(needs add_generation_prompt false).")
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's per-request template: refused, as vLLM refuses it without --trust-request-chat-template
+    # (the server's template, or --chat-template, writes every conversation).
+    chat_template: str | None = None
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: auto with tools, none without.")
@@ -270,6 +280,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.continue_final_message and self.add_generation_prompt:
             raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
                           "be true")
+        refuse_request_chat_template(self.chat_template)
         if self.functions and self.function_call != "none":
             raise invalid("functions", "functions and function_call are deprecated and not supported: use tools")
         self._check_tool_choice()

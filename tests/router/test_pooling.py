@@ -95,7 +95,7 @@ def test_embeddings_and_classify_read_conversations_too():
 @pytest.mark.parametrize(("payload", "param"), [
     ({"input": "hi", "messages": CONVERSATION}, "input"), ({}, "input"), ({"messages": []}, "messages"),
     ({"messages": CONVERSATION, "add_generation_prompt": True, "continue_final_message": True},
-     "continue_final_message")])
+     "continue_final_message"), ({"messages": CONVERSATION, "chat_template": "{{ messages }}"}, "chat_template")])
 def test_conversation_refusals(payload, param):
     http, _ = _app(tokenizer=CHAT_TOKENIZER, num_pooled=6, pooling=REWARD_MODEL)
     r = http.post("/pooling", json={"model": "tiny", **payload})

@@ -408,6 +408,9 @@ def test_continue_final_message_leaves_the_last_message_open():
     refused = http.post("/v1/chat/completions", json={**body, "continue_final_message": True,
                                                       "add_generation_prompt": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+    # A request's own template is refused, as vLLM refuses it from an untrusting server.
+    refused = http.post("/v1/chat/completions", json={**body, "chat_template": "{{ messages }}"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
 
 
 @pytest.mark.parametrize(("parser", "answer"), [
