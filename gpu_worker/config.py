@@ -65,6 +65,9 @@ ENCODER_ARCHITECTURES = {
     # ModernBERT (gte-modernbert, modernbert-embed, gte-reranker-modernbert): RoPE, pre-norm layers,
     # GeGLU, and a bidirectional sliding window in two layers of three.
     "ModernBertModel": "ModernBertModel", "ModernBertForSequenceClassification": "ModernBertModel",
+    # Rotary-position encoders with gated MLPs: NomicBERT (nomic-embed-text-v1 / v1.5) and GTE
+    # (gte-multilingual-base; "NewModel" is the name its own code gives it).
+    "NomicBertModel": "NomicBertModel", "GteModel": "GteModel", "NewModel": "GteModel",
     # BGE-M3 with its sparse and ColBERT heads (vLLM's BgeM3EmbeddingModel, asked for through
     # --hf-overrides '{"architectures": ["BgeM3EmbeddingModel"]}').
     "BgeM3EmbeddingModel": "RobertaModel",
@@ -261,6 +264,60 @@ def _bert_fields(ours: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 sliding_window=None, hidden_act=_encoder_activation(arch, cfg, "hidden_act"),
                 layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
                 type_vocab_size=int(cfg.get("type_vocab_size", 2)), position_offset=offset, default_pooling_type="CLS")
+
+
+# NomicBERT's own config names (its remote code's) -> transformers'.
+_NOMIC_KEYS = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_inner": "intermediate_size",
+               "n_layer": "num_hidden_layers", "layer_norm_epsilon": "layer_norm_eps"}
+
+
+def _rope_bert_config(ours: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A NomicBERT / GTE config in transformers' names: NomicBERT's own code's keys (n_embd, ...)
+    renamed, and the variants that code allows but we do not compute refused."""
+    if ours == "NomicBertModel" and "n_embd" in cfg:
+        unsupported = {"rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "prenorm": False,
+                       "causal": False, "use_rms_norm": False, "rotary_scaling_factor": None}
+        for key, served in unsupported.items():
+            if cfg.get(key, served) != served:
+                raise ValueError(f"NomicBertModel with {key}={cfg[key]!r} is not served (only {served!r})")
+        if str(cfg.get("activation_function", "swiglu")) not in ("swiglu", "silu"):
+            raise ValueError(f"NomicBertModel's activation_function must be swiglu, got {cfg['activation_function']!r}")
+        cfg = {**cfg, **{ours_key: cfg[key] for key, ours_key in _NOMIC_KEYS.items() if key in cfg}}
+        cfg.setdefault("intermediate_size", 4 * int(cfg["hidden_size"]))
+    return cfg
+
+
+def _rope_bert_fields(ours: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """NomicBERT's and GTE's own ModelConfig fields: RoPE's base, the trained context, the biases
+    and the gated MLP's activation, from transformers' config or from their own code's."""
+    nomic = ours == "NomicBertModel"
+    own_code = "n_embd" in cfg or arch == "NewModel"
+    if own_code and cfg.get("rope_scaling"):
+        raise ValueError(f"{arch} with rope_scaling {cfg['rope_scaling']!r} is not served (its NTK scaling is not "
+                         "computed here)")
+    if arch == "NewModel" and (cfg.get("logn_attention_scale") or cfg.get("layer_norm_type", "layer_norm")
+                               != "layer_norm"):
+        raise ValueError("NewModel with logn_attention_scale or another layer_norm_type is not served")
+    theta, scaling = _rope_from_dict("", {"rope_theta": cfg.get("rotary_emb_base", 1000.0 if nomic else 160_000.0),
+                                          **cfg})
+    if scaling is not None:
+        raise ValueError(f"{arch}: only default RoPE is served, got {scaling['rope_type']!r}")
+    # NomicBERT's own configs give the trained context apart from the (extrapolated) table size.
+    positions = int(cfg.get("max_trained_positions") or cfg.get("max_position_embeddings")
+                    or (2048 if nomic else 8192))
+    if nomic:  # (its own code: biases on q/k/v/out and fc11/fc12 and fc2 as its flags say; transformers': none)
+        qkv_bias = bool(cfg.get("qkv_proj_bias", True)) if own_code else False
+        gate_up_bias = bool(cfg.get("mlp_fc1_bias", True)) if own_code else False
+        down_bias = bool(cfg.get("mlp_fc2_bias", True)) if own_code else False
+        act = "silu"
+    else:  # GTE: biases on q/k/v/o and on down, none on up/gate
+        qkv_bias, gate_up_bias, down_bias = True, False, True
+        act = _encoder_activation(arch, cfg, "hidden_act")
+    return dict(rope_theta=theta, max_position_embeddings=positions, qkv_bias=qkv_bias, o_proj_bias=qkv_bias,
+                mlp_bias=gate_up_bias, down_proj_bias=down_bias, sliding_window=None, hidden_act=act,
+                layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+                type_vocab_size=int(cfg.get("type_vocab_size", 2 if nomic else 1)), position_offset=0,
+                default_pooling_type="CLS")
 
 
 def _modernbert_fields(arch: str, cfg: dict[str, Any], classifier: bool) -> dict[str, Any]:
@@ -491,6 +548,8 @@ class ModelConfig:
     # once from_pretrained has read the tokenizer (None where the vocabulary lacks it).
     step_tag_token: str | None = None
     step_tag_id: int | None = None
+    # NomicBERT / GTE: whether the MLP's down projection has a bias (None: as mlp_bias says).
+    down_proj_bias: bool | None = None
     # BGE-M3's heads beside its dense [CLS] embedding (read from sparse_linear.pt and colbert_linear.pt):
     # each token's lexical weight (token_classify) and ColBERT vector (token_embed).
     m3_heads: bool = False
@@ -672,6 +731,8 @@ class ModelConfig:
     def _encoder(cls, arch: str, cfg: dict[str, Any]) -> ModelConfig:
         """A BERT-family encoder's config, as transformers' BertConfig / RobertaConfig / ModernBertConfig read it."""
         ours = ENCODER_ARCHITECTURES[arch]
+        if ours in ("NomicBertModel", "GteModel"):
+            cfg = _rope_bert_config(ours, cfg)
         if cfg.get("classifier_from_token") is not None:
             raise ValueError(f"classifier_from_token is for causal LMs; {arch} has its own classifier head")
         if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
@@ -683,6 +744,7 @@ class ModelConfig:
         token_classifier = arch.endswith("ForTokenClassification")
         labels = _labels(cfg) if arch.endswith("ForSequenceClassification") or token_classifier else ()
         family = (_modernbert_fields(arch, cfg, bool(labels)) if ours == "ModernBertModel"
+                  else _rope_bert_fields(ours, arch, cfg) if ours in ("NomicBertModel", "GteModel")
                   else _bert_fields(ours, arch, cfg))
         if token_classifier:  # (its head classifies every token's final state)
             family["default_pooling_type"] = "ALL"

@@ -6,6 +6,7 @@ from torch import nn
 
 from gpu_worker.config import ModelConfig
 from gpu_worker.models.bert import BertModel, RobertaModel
+from gpu_worker.models.bert_rope import RopeBertModel
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.llama import (
     LlamaForCausalLM,
@@ -34,6 +35,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,
+    "NomicBertModel": RopeBertModel,
+    "GteModel": RopeBertModel,
 }
 
 

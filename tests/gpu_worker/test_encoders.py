@@ -14,7 +14,9 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     BertConfig,
+    GteConfig,
     ModernBertConfig,
+    NomicBertConfig,
     RobertaConfig,
     XLMRobertaConfig,
 )
@@ -27,7 +29,7 @@ from gpu_worker.config import ModelConfig
 from tests.gpu_worker.utils import make_runner, run_to_completion
 
 _CONFIGS = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig,
-            "modernbert": ModernBertConfig}
+            "modernbert": ModernBertConfig, "nomic": NomicBertConfig, "gte": GteConfig}
 
 
 def save_tiny_encoder(path, kind: str, num_labels: int = 0, seed: int = 0, per_token: bool = False, **overrides):
@@ -40,6 +42,8 @@ def save_tiny_encoder(path, kind: str, num_labels: int = 0, seed: int = 0, per_t
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=64 + (2 if roberta else 0), type_vocab_size=1 if roberta else 2,
               pad_token_id=1 if roberta else 0, num_labels=max(num_labels, 1))
+    if kind == "gte":  # (gte-multilingual-base's one token type)
+        kw["type_vocab_size"] = 1
     if kind == "modernbert":
         kw.update(num_hidden_layers=3, local_attention=16, global_attn_every_n_layers=3, norm_bias=True,
                   attention_bias=True, mlp_bias=True, classifier_bias=True, global_rope_theta=1000.0,
@@ -111,7 +115,7 @@ def random_prompts(count: int, seed: int, max_len: int = 40) -> dict[str, list[i
     return {f"p{i}": [rng.randrange(5, 250) for _ in range(rng.randrange(1, max_len))] for i in range(count)}
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta", "modernbert", "nomic", "gte"])
 @pytest.mark.parametrize("pooling", ["CLS", "MEAN", "LAST"])
 def test_embeddings_match_transformers(tmp_path, kind, pooling):
     """Several prompts of different lengths (one of a single token) in one pass, each attending to
@@ -119,7 +123,8 @@ def test_embeddings_match_transformers(tmp_path, kind, pooling):
     path, hf = save_tiny_encoder(tmp_path, kind)
     config = ModelConfig.from_pretrained(path)
     assert config.encoder_only and config.embedding_only and config.labels == ()
-    assert config.architecture == {"bert": "BertModel", "modernbert": "ModernBertModel"}.get(kind, "RobertaModel")
+    assert config.architecture == {"bert": "BertModel", "modernbert": "ModernBertModel", "nomic": "NomicBertModel",
+                                   "gte": "GteModel"}.get(kind, "RobertaModel")
     assert config.max_context_len == 64  # (RoBERTa's table holds 66 rows; positions start at row 2)
     runner = make_runner(path, num_blocks=64, block_size=4)
     # (The checkpoint's pooler is not what embeddings read.)
@@ -403,3 +408,80 @@ def test_bge_m3_serves_lexical_weights_and_colbert_vectors(tmp_path):
     (path / "colbert_linear.pt").unlink()
     with pytest.raises(ValueError, match=r"colbert_linear\.pt, which is missing"):
         make_runner(path, num_blocks=64, block_size=4)
+
+
+def _resave_as_own_code(path, kind: str, hf) -> None:
+    """Re-save a transformers NomicBERT / GTE checkpoint as their own remote code saves them:
+    NomicBERT's config keys (n_embd, ...) and tensors (emb_ln, encoder.layers.N.attn.Wqkv, mlp.fc11
+    / fc12 / fc2, norm1 / norm2); GTE's NewModel (encoder.layer.N.attention.qkv_proj, mlp.up_gate_proj,
+    attn_ln / mlp_ln)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    c = hf.config
+    own: dict[str, torch.Tensor] = {}
+    state = hf.state_dict()
+    for name, tensor in state.items():
+        if name.startswith("embeddings."):
+            own[name.replace("embeddings.LayerNorm.", "emb_ln.") if kind == "nomic" else name] = tensor
+    for i in range(c.num_hidden_layers):
+        layer = {k.split(f"layers.{i}.", 1)[1]: v for k, v in state.items() if k.startswith(f"layers.{i}.")}
+        qkv = [layer[f"self_attn.{p}_proj.weight"] for p in "qkv"]
+        if kind == "nomic":
+            prefix = f"encoder.layers.{i}."
+            own |= {prefix + "attn.Wqkv.weight": torch.cat(qkv), prefix + "attn.out_proj.weight": layer[
+                "self_attn.o_proj.weight"], prefix + "mlp.fc11.weight": layer["mlp.up_proj.weight"],
+                prefix + "mlp.fc12.weight": layer["mlp.gate_proj.weight"], prefix + "mlp.fc2.weight": layer[
+                "mlp.down_proj.weight"]}
+            norms = {"post_attention_layernorm": "norm1", "post_mlp_layernorm": "norm2"}
+        else:
+            prefix = f"encoder.layer.{i}."
+            own |= {prefix + "attention.qkv_proj.weight": torch.cat(qkv),
+                    prefix + "attention.qkv_proj.bias": torch.cat([layer[f"self_attn.{p}_proj.bias"] for p in "qkv"]),
+                    prefix + "mlp.up_gate_proj.weight": torch.cat([layer["mlp.up_proj.weight"],
+                                                                   layer["mlp.gate_proj.weight"]])}
+            own |= {prefix + f"attention.o_proj.{w}": layer[f"self_attn.o_proj.{w}"] for w in ("weight", "bias")}
+            own |= {prefix + f"mlp.down_proj.{w}": layer[f"mlp.down_proj.{w}"] for w in ("weight", "bias")}
+            norms = {"post_attention_layernorm": "attn_ln", "post_mlp_layernorm": "mlp_ln"}
+        for ours, theirs in norms.items():
+            own |= {prefix + f"{theirs}.{w}": layer[f"{ours}.{w}"] for w in ("weight", "bias")}
+    (path / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in own.items()}, str(path / "model.safetensors"))
+    if kind == "nomic":
+        config = {"architectures": ["NomicBertModel"], "model_type": "nomic_bert", "n_embd": c.hidden_size,
+                  "n_head": c.num_attention_heads, "n_inner": c.intermediate_size, "n_layer": c.num_hidden_layers,
+                  "layer_norm_epsilon": c.layer_norm_eps, "rotary_emb_base": c.rope_parameters["rope_theta"],
+                  "n_positions": 8192, "max_trained_positions": 64, "vocab_size": c.vocab_size,
+                  "type_vocab_size": c.type_vocab_size, "qkv_proj_bias": False, "mlp_fc1_bias": False,
+                  "mlp_fc2_bias": False, "activation_function": "swiglu", "rotary_emb_fraction": 1.0,
+                  "rotary_emb_interleaved": False, "prenorm": False, "causal": False, "pad_token_id": 0}
+    else:
+        config = {"architectures": ["NewModel"], "model_type": "new", "hidden_size": c.hidden_size,
+                  "num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size,
+                  "num_hidden_layers": c.num_hidden_layers, "layer_norm_eps": c.layer_norm_eps,
+                  "rope_theta": c.rope_parameters["rope_theta"], "max_position_embeddings": 64,
+                  "vocab_size": c.vocab_size, "type_vocab_size": c.type_vocab_size, "hidden_act": "gelu",
+                  "position_embedding_type": "rope", "layer_norm_type": "layer_norm", "pad_token_id": 1}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("kind", ["nomic", "gte"])
+def test_nomic_and_gte_checkpoints_of_their_own_code_load(tmp_path, kind):
+    """nomic-embed-text's and gte's checkpoints as their remote code saved them (their own config
+    keys and tensor names, fused q/k/v and up/gate) embed as transformers' models do; the variants
+    their code allows and we do not compute are refused."""
+    import json
+
+    path, hf = save_tiny_encoder(tmp_path, kind)
+    _resave_as_own_code(path, kind, hf)
+    config = ModelConfig.from_pretrained(path)
+    assert config.architecture == {"nomic": "NomicBertModel", "gte": "GteModel"}[kind]
+    assert config.max_context_len == 64 and config.rope_theta == hf.config.rope_parameters["rope_theta"]
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    assert_pooled_as_transformers(runner, hf, {**random_prompts(4, seed=13), "single": [42]}, "MEAN")
+    raw = json.loads((path / "config.json").read_text())
+    refused = ({"rotary_emb_fraction": 0.5}, {"prenorm": True}, {"rope_scaling": {"type": "ntk", "factor": 2.0}})
+    for bad in refused if kind == "nomic" else refused[2:] + ({"logn_attention_scale": True},):
+        with pytest.raises(ValueError, match="not served"):
+            ModelConfig.from_dict({**raw, **bad})
