@@ -38,7 +38,8 @@ def _replicated_linear(in_features: int, out_features: int) -> nn.Linear:
     return layer
 
 
-def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
+def encoder_layer_norm(config: ModelConfig) -> nn.LayerNorm:
+    """A BERT-style LayerNorm (with bias) at the config's epsilon, frozen."""
     norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
     norm.requires_grad_(False)
     return norm
@@ -67,7 +68,7 @@ class BertResidualOutput(nn.Module):
     def __init__(self, config: ModelConfig, input_size: int) -> None:
         super().__init__()
         self.dense = RowParallelLinear(input_size, config.hidden_size, bias=True)
-        self.LayerNorm = _layer_norm(config)
+        self.LayerNorm = encoder_layer_norm(config)
 
     def forward(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm.forward(self.dense.forward(attended).add_(residual))
@@ -112,7 +113,7 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings + config.position_offset,
                                                 config.hidden_size)
         self.token_type_embeddings = nn.Embedding(max(1, config.type_vocab_size), config.hidden_size)
-        self.LayerNorm = _layer_norm(config)
+        self.LayerNorm = encoder_layer_norm(config)
         self.position_offset = config.position_offset
         self.requires_grad_(False)
 

@@ -29,12 +29,7 @@ from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike
-
-
-def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
-    norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-    norm.requires_grad_(False)
-    return norm
+from gpu_worker.models.bert import encoder_layer_norm
 
 
 class RopeBertAttention(nn.Module):
@@ -72,9 +67,9 @@ class RopeBertLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.self_attn = RopeBertAttention(config)
-        self.post_attention_layernorm = _layer_norm(config)
+        self.post_attention_layernorm = encoder_layer_norm(config)
         self.mlp = RopeBertMLP(config)
-        self.post_mlp_layernorm = _layer_norm(config)
+        self.post_mlp_layernorm = encoder_layer_norm(config)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 meta: EncoderMetadata) -> torch.Tensor:
@@ -88,7 +83,7 @@ class RopeBertEmbeddings(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.token_type_embeddings = (nn.Embedding(config.type_vocab_size, config.hidden_size)
                                       if config.type_vocab_size else None)
-        self.LayerNorm = _layer_norm(config)
+        self.LayerNorm = encoder_layer_norm(config)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
