@@ -23,7 +23,7 @@ from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreR
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
 from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
-from router.classification import class_probabilities, token_class_probabilities, token_rows
+from router.classification import class_probabilities, pooled_output
 from router.detokenizer import IncrementalDetokenizer
 from router.scoring import cosine_scores, pair_params, score_pairs, tokenize_pair
 
@@ -383,17 +383,10 @@ class LLM:
                     for out in self.embed(prompts, use_tqdm, lora_request)]
         if pooling.unavailable:
             raise ValueError(f"this model does not serve embeddings: {pooling.unavailable}")
-        params = _pooled_params(info, normalize=pooling.normalize and not pooling.labels, pooling=pooling)
-        outputs = []
-        for request_id, ids, values in self._pool(prompts, params, lora_request, use_tqdm, "Pooled prompts"):
-            if not pooling.labels:
-                data: list[float] | list[list[float]] = token_rows(values, pooling.row_size)
-            elif pooling.per_token:
-                data = token_class_probabilities(values, pooling.row_size, pooling.classifier_activation)
-            else:
-                data = class_probabilities(values, pooling.classifier_activation)
-            outputs.append(PoolingRequestOutput(request_id, PoolingOutput(data), ids))
-        return outputs
+        params = _pooled_params(info, normalize=pooling.normalize and not pooling.classifies, pooling=pooling)
+        return [PoolingRequestOutput(request_id, PoolingOutput(pooled_output(values, pooling,
+                                                                             pooling.classifier_activation)), ids)
+                for request_id, ids, values in self._pool(prompts, params, lora_request, use_tqdm, "Pooled prompts")]
 
     def reward(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:

@@ -78,10 +78,10 @@ class PoolingInfo:
             return self
         if task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {', '.join(POOLING_TASKS)}, got {task!r}")
-        if task in self.token_heads:  # (its own head, one lexical weight or a normalised vector a token)
+        if task in self.token_heads:  # (its own head: one lexical weight, through a relu, or a vector a token)
             return replace(self, pooling_type="ALL", task=task, step_tag_id=None, returned_token_ids=None,
                            row_size=1 if task == "token_classify" else self.row_size,
-                           normalize=self.normalize and task == "token_embed")
+                           normalize=self.normalize and task == "token_embed", classifier_activation="relu")
         classifies = task.endswith("classify")
         if classifies != bool(self.labels):
             kind = ("a classifier: classify or token_classify" if self.labels
@@ -93,6 +93,12 @@ class PoolingInfo:
             raise ValueError(f"task {task!r}: the model pools every token ({self.pooling_type} pooling): ask for "
                              f"token_{task}")
         return self
+
+    @property
+    def classifies(self) -> bool:
+        """Whether its pooled values are class logits (or a head's, as BGE-M3's lexical weights),
+        turned into scores by classifier_activation, rather than embeddings."""
+        return bool(self.labels) or self.task == "token_classify"
 
     def params_fields(self) -> dict[str, Any]:
         """The SamplingParams fields that pool a prompt as this model pools."""

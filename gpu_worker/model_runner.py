@@ -301,7 +301,7 @@ class ModelRunner:
                 if kept is not None:
                     rows = rows.index_select(0, torch.from_numpy(kept).to(rows.device)) if len(kept) else None
                 if rows is not None:
-                    state.pooled_rows.append(self._token_rows(rows, params))
+                    state.pooled_rows.append(self._token_rows(rows, params, view=kept is None))
             start += count
 
     def _kept_positions(self, state: RequestState, count: int) -> np.ndarray | None:
@@ -324,17 +324,17 @@ class ModelRunner:
             keep[last] = False
         return None if keep.all() else np.flatnonzero(keep)
 
-    def _token_rows(self, rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    def _token_rows(self, rows: torch.Tensor, params: SamplingParams, view: bool = True) -> torch.Tensor:
         """ALL / STEP rows, cut to the request's returned_token_ids when given: each token's class
         logits (a classifier's fp32 head over its final state), BGE-M3's head for the request's
         pooling task, or embedding (projected by the Dense modules in fp32; kept in the model's
-        dtype without them, made fp32 when the prompt ends). A copy: the step's hidden states are
-        not held until the prompt ends."""
+        dtype without them, made fp32 when the prompt ends). A copy where ``rows`` is a ``view`` of
+        the step's hidden states: they are not held until the prompt ends."""
         columns = params.embed_returned_token_ids
         if params.pooling_task is not None and self.config.m3_heads:
             values = self.model.token_head(params.pooling_task, rows)
         elif self.config.labels:
-            values = self.model.classify(rows).float()
+            values = self.model.classify(rows, per_token=True).float()
         elif self.dense:
             values = rows.float()
             for weight, bias, activation in self.dense:
@@ -342,7 +342,7 @@ class ModelRunner:
         else:
             values = rows
         values = values if columns is None else values[:, columns]
-        return values.clone() if values is rows else values
+        return values.clone() if view and values is rows else values
 
     def _embeddings(self, hidden: torch.Tensor, wanted: list[tuple[RequestState, int]]) -> dict[str, list[float]]:
         """Each finished prompt's embedding (every TP rank holds the hidden states whole): its last
@@ -365,7 +365,7 @@ class ModelRunner:
                               state.pooled / state.num_prompt_tokens if state.sampling_params.embed_pooling == "MEAN"
                               else state.pooled for (state, _), row in zip(pooled_once, rows, strict=True)])
         if self.config.labels:
-            pooled = self.model.classify(pooled.to(hidden.dtype)).float()
+            pooled = self.model.classify(pooled).float()  # (the head casts to its own dtype)
         for weight, bias, activation in self.dense:
             pooled = DENSE_ACTIVATIONS[activation](torch.nn.functional.linear(pooled, weight, bias))
         for (state, _), row in zip(pooled_once, pooled.cpu(), strict=True):

@@ -54,6 +54,8 @@ def class_probabilities(logits: list[float], activation: str = "softmax") -> lis
         raise ValueError("the model produced a non-finite class logit")
     if activation == "none":
         return values.tolist()
+    if activation == "relu":
+        return np.maximum(values, 0.0).tolist()
     if activation == "sigmoid":
         return (1.0 / (1.0 + np.exp(-values))).tolist()
     exp = np.exp(values - values.max())
@@ -73,6 +75,19 @@ def token_class_probabilities(flat_logits: list[float], row_size: int, activatio
     if row_size == 1 and activation == "softmax":
         activation = "sigmoid"
     return [class_probabilities(row, activation) for row in token_rows(flat_logits, row_size)]
+
+
+def pooled_output(values: list[float], pooling: PoolingInfo, activation: str) -> list[float] | list[list[float]]:
+    """One input's answer from the values its engine pooled (as /pooling and LLM.encode give it): an
+    embedding as it is; a classifier's class scores by ``activation``; under ALL / STEP pooling a row
+    per kept token, each scored so; a head's single value a token (BGE-M3's lexical weights) as one
+    flat list, as vLLM squeezes it."""
+    if not pooling.per_token:
+        return class_probabilities(values, activation) if pooling.classifies else values
+    if not pooling.classifies:
+        return token_rows(values, pooling.row_size)
+    rows = token_class_probabilities(values, pooling.row_size, activation)
+    return [row[0] for row in rows] if pooling.task == "token_classify" else rows
 
 
 def classifier_params(serving: OpenAIServing, per_token: bool = False,

@@ -59,7 +59,7 @@ class PooledInputRequest(BaseModel):
         if self.continue_final_message and self.add_generation_prompt:
             raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
                           "be true")
-        refuse_request_chat_template(self.chat_template)
+        refuse_request_chat_template(self.chat_template, self.chat_template_kwargs)
         if self.input is not None and (self.input == [] or any(
                 item in ("", []) for item in (self.input if isinstance(self.input, list) else [self.input]))):
             raise invalid("input", "input must not be empty, nor hold an empty text or token list")

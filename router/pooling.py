@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import Field
 
-from router.classification import (
-    ActivationField,
-    class_probabilities,
-    classifier_params,
-    token_class_probabilities,
-    token_rows,
-)
+from router.classification import ActivationField, classifier_params, pooled_output
 from router.embeddings import (
     EmbeddingsServing,
     PooledInputRequest,
@@ -57,12 +52,13 @@ class PoolingServing:
             pooling = serving.settings.pooling.for_task(request.task)
         except ValueError as e:
             raise bad_request(f"{serving.settings.served_model_name}: {e}", "task") from None
-        if pooling.labels:
+        if pooling.classifies:
             for name in ("dimensions", "normalize"):
                 if getattr(request, name) is not None:
-                    raise bad_request(f"{name} applies to embeddings; {serving.settings.served_model_name} is a "
-                                      "classifier", name)
-            params = classifier_params(serving, per_token=True, pooling=pooling)
+                    raise bad_request(f"{name} applies to embeddings; {serving.settings.served_model_name} "
+                                      f"answers {request.task or 'classes'} here", name)
+            params = (classifier_params(serving, per_token=True, pooling=pooling) if pooling.labels
+                      else embedding_params(serving, False, None, pooling))
         else:
             check_embeds(serving, per_token=True)
             check_dimensions(serving, request.dimensions)
@@ -73,12 +69,9 @@ class PoolingServing:
         request_id = f"pool-{uuid.uuid4().hex}"
         outputs: list[Any] = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         activation = request.class_activation(pooling.classifier_activation)
-        if pooling.per_token:  # (a [tokens][values] array for each input)
-            row_size = min(pooling.row_size, request.dimensions or pooling.row_size)
-            outputs = [token_class_probabilities(row, row_size, activation) if pooling.labels
-                       else token_rows(row, row_size) for row in outputs]
-        elif pooling.labels:
-            outputs = [class_probabilities(row, activation) for row in outputs]
+        if request.dimensions is not None:  # (each embedding row cut to it)
+            pooling = replace(pooling, row_size=min(pooling.row_size, request.dimensions))
+        outputs = [pooled_output(row, pooling, activation) for row in outputs]
         num_tokens = sum(len(ids) for ids in prompts)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": serving.model_name(request.model),

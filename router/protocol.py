@@ -245,11 +245,14 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-def refuse_request_chat_template(chat_template: str | None) -> None:
-    """A request's own chat template is not run (vLLM refuses one unless the server trusts them)."""
-    if chat_template is not None:
-        raise invalid("chat_template", "a request's own chat_template is not accepted: the server's chat template "
-                      "(or its --chat-template) writes every conversation")
+def refuse_request_chat_template(chat_template: str | None, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    """A request's own chat template is not run, given as chat_template or inside
+    chat_template_kwargs (vLLM refuses both unless the server trusts request templates)."""
+    for param, given in (("chat_template", chat_template),
+                         ("chat_template_kwargs", (chat_template_kwargs or {}).get("chat_template"))):
+        if given is not None:
+            raise invalid(param, "a request's own chat_template is not accepted: the server's chat template "
+                          "(or its --chat-template) writes every conversation")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -280,7 +283,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.continue_final_message and self.add_generation_prompt:
             raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
                           "be true")
-        refuse_request_chat_template(self.chat_template)
+        refuse_request_chat_template(self.chat_template, self.chat_template_kwargs)
         if self.functions and self.function_call != "none":
             raise invalid("functions", "functions and function_call are deprecated and not supported: use tools")
         self._check_tool_choice()
@@ -508,11 +511,13 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # (refused, as on the chat endpoints)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        refuse_request_chat_template(self.chat_template)
         return self
 
 

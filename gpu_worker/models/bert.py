@@ -33,7 +33,9 @@ from gpu_worker.layers.weight_utils import WeightLike
 
 
 def _replicated_linear(in_features: int, out_features: int) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features)
+    """A head's linear layer: whole on every TP rank, in fp32 whatever the model's dtype (as vLLM
+    runs pooling heads)."""
+    layer = nn.Linear(in_features, out_features, dtype=torch.float32)
     layer.requires_grad_(False)
     return layer
 
@@ -209,24 +211,25 @@ class BertModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         raise RuntimeError("an encoder model is served for embeddings or classes only: it has no LM head")
 
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+    def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:
         """Class logits of pooled ([CLS]) final hidden states [n, hidden] -> [n, classes] (a token
-        classifier's: of each token's final state)."""
+        classifier's: of each token's final state). ``per_token`` (vLLM's token_classify on a
+        sequence classifier): the classifier alone on each token, without BERT's pooler."""
         if self.classifier is None:
             raise RuntimeError("this model has no classification head")
         pooled = pooled.to(self.classifier.weight.dtype)
-        return self.classifier.forward(pooled if self.model.pooler is None else self.model.pooler.forward(pooled))
+        pooler = None if per_token else self.model.pooler
+        return self.classifier.forward(pooled if pooler is None else pooler.forward(pooled))
 
     def token_head(self, task: str, rows: torch.Tensor) -> torch.Tensor:
         """BGE-M3's rows for vLLM's ``task`` from final hidden states [n, hidden]: token_classify,
-        each token's lexical weight relu(sparse_linear(h)) [n, 1]; token_embed, each token's ColBERT
-        vector colbert_linear(h) [n, hidden] (normalised afterwards, as the request asks)."""
+        each token's sparse_linear(h) [n, 1] (its lexical weight once the router's relu applies);
+        token_embed, each token's ColBERT vector colbert_linear(h) [n, hidden] (normalised
+        afterwards, as the request asks)."""
         if self.sparse_linear is None or self.colbert_linear is None:
             raise RuntimeError("this model has no per-token heads")
         rows = rows.float()
-        if task == "token_classify":
-            return torch.relu(self.sparse_linear.forward(rows))
-        return self.colbert_linear.forward(rows)
+        return (self.sparse_linear if task == "token_classify" else self.colbert_linear).forward(rows)
 
     def extra_checkpoint_tensors(self, model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors kept beside the checkpoint: BGE-M3's sparse and ColBERT heads, saved by
@@ -271,7 +274,7 @@ class RobertaModel(BertModel):
         # (A token classifier's is one linear layer, as BERT's.)
         return super()._classifier_head(config) if config.token_classifier else RobertaClassificationHead(config)
 
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+    def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:
         if self.config.token_classifier:
             return super().classify(pooled)
         if self.classifier is None:

@@ -132,7 +132,7 @@ class RopeBertModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         raise RuntimeError("an encoder model is served for embeddings only: it has no LM head")
 
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+    def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:
         raise RuntimeError("this model has no classification head")
 
     def attention_layers(self) -> list[nn.Module]:

@@ -205,8 +205,9 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("this model is served for embeddings only: it has no LM head")
         return self.lm_head(hidden)
 
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        """A sequence classifier's class logits for pooled hidden states [n, hidden] -> [n, classes]."""
+    def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:
+        """A classifier's class logits for pooled hidden states [n, hidden] -> [n, classes] (the same
+        head on each token's, ``per_token``)."""
         if self.score is None:
             raise RuntimeError("this model has no classification head")
         return self.score.forward(pooled.to(next(self.score.parameters()).dtype))

@@ -126,6 +126,7 @@ class ModernBertPredictionHead(nn.Module):
         self.approximate = ENCODER_ACTIVATIONS[config.raw.get("classifier_activation") or "gelu"]
         self.norm = _norm(config)
         self.requires_grad_(False)
+        self.float()  # (heads run in fp32, as vLLM runs them)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.norm.forward(F.gelu(self.dense.forward(pooled), approximate=self.approximate))
@@ -146,7 +147,7 @@ class ModernBertModel(nn.Module):
         self.head = ModernBertPredictionHead(config) if config.labels else None
         self.classifier = None
         if config.labels:
-            self.classifier = nn.Linear(config.hidden_size, len(config.labels))
+            self.classifier = nn.Linear(config.hidden_size, len(config.labels), dtype=torch.float32)
             self.classifier.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
@@ -155,8 +156,9 @@ class ModernBertModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         raise RuntimeError("an encoder model is served for embeddings or classes only: it has no LM head")
 
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Class logits of pooled final hidden states [n, hidden] -> [n, classes]."""
+    def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:
+        """Class logits of pooled final hidden states [n, hidden] -> [n, classes] (the same head on
+        each token's, ``per_token``)."""
         if self.classifier is None or self.head is None:
             raise RuntimeError("this model has no classification head")
         return self.classifier.forward(self.head.forward(pooled.to(self.classifier.weight.dtype)))

@@ -388,6 +388,7 @@ def test_bge_m3_serves_lexical_weights_and_colbert_vectors(tmp_path):
     rng = random.Random(12)
     prompts = {f"p{i}": [0, *(rng.randrange(5, 250) for _ in range(rng.randrange(1, 30))), 2] for i in range(4)}
     prompts["bare"] = [7, 8, 9]  # (no BOS / EOS: every token's row is kept)
+    prompts |= {"bos": [0], "bos-eos": [0, 2], "one": [9]}
     outputs = {}
     for task in (None, "token_classify", "token_embed"):
         scheduler = encoder_scheduler()
@@ -401,10 +402,14 @@ def test_bge_m3_serves_lexical_weights_and_colbert_vectors(tmp_path):
     for rid, prompt in prompts.items():
         dense, lexical, colbert = reference(prompt)
         torch.testing.assert_close(torch.tensor(outputs[None][rid]), dense, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(torch.tensor(outputs["token_classify"][rid]), lexical, atol=1e-5, rtol=1e-5)
+        # (The engine sends sparse_linear's output; the router's relu makes them lexical weights.)
+        torch.testing.assert_close(torch.relu(torch.tensor(outputs["token_classify"][rid])), lexical, atol=1e-5,
+                                   rtol=1e-5)
         torch.testing.assert_close(torch.tensor(outputs["token_embed"][rid]).view(-1, 64), colbert, atol=1e-5,
                                    rtol=1e-5)
     assert len(outputs["token_classify"]["p0"]) == len(prompts["p0"]) - 2
+    assert outputs["token_classify"]["bos-eos"] == outputs["token_classify"]["bos"] == []
+    assert len(outputs["token_embed"]["bos-eos"]) == 64 and len(outputs["token_classify"]["one"]) == 1
     (path / "colbert_linear.pt").unlink()
     with pytest.raises(ValueError, match=r"colbert_linear\.pt, which is missing"):
         make_runner(path, num_blocks=64, block_size=4)
@@ -485,3 +490,21 @@ def test_nomic_and_gte_checkpoints_of_their_own_code_load(tmp_path, kind):
     for bad in refused if kind == "nomic" else refused[2:] + ({"logn_attention_scale": True},):
         with pytest.raises(ValueError, match="not served"):
             ModelConfig.from_dict({**raw, **bad})
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_token_classify_on_a_sequence_classifier_runs_its_classifier_on_every_token(tmp_path, kind):
+    """vLLM's token_classify on a sequence classifier (ALL pooling): BERT's classifier alone on each
+    token's final state (its pooler reads [CLS] only), RoBERTa's classification head on each."""
+    path, hf = save_tiny_encoder(tmp_path, kind, num_labels=3)
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    prompts = random_prompts(3, seed=14)
+    outputs = pooled_outputs(runner, prompts, "ALL")
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            if kind == "bert":
+                expected = hf.classifier(hf.bert(torch.tensor([prompt])).last_hidden_state[0])
+            else:  # (dense, tanh, out_proj on every token's state)
+                states = hf.roberta(torch.tensor([prompt])).last_hidden_state[0]
+                expected = hf.classifier.out_proj(torch.tanh(hf.classifier.dense(states)))
+        torch.testing.assert_close(torch.tensor(outputs[rid]).view(len(prompt), 3), expected, atol=1e-4, rtol=1e-4)

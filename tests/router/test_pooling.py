@@ -95,7 +95,8 @@ def test_embeddings_and_classify_read_conversations_too():
 @pytest.mark.parametrize(("payload", "param"), [
     ({"input": "hi", "messages": CONVERSATION}, "input"), ({}, "input"), ({"messages": []}, "messages"),
     ({"messages": CONVERSATION, "add_generation_prompt": True, "continue_final_message": True},
-     "continue_final_message"), ({"messages": CONVERSATION, "chat_template": "{{ messages }}"}, "chat_template")])
+     "continue_final_message"), ({"messages": CONVERSATION, "chat_template": "{{ messages }}"}, "chat_template"),
+    ({"messages": CONVERSATION, "chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "chat_template_kwargs")])
 def test_conversation_refusals(payload, param):
     http, _ = _app(tokenizer=CHAT_TOKENIZER, num_pooled=6, pooling=REWARD_MODEL)
     r = http.post("/pooling", json={"model": "tiny", **payload})
@@ -179,14 +180,27 @@ def test_messages_take_add_special_tokens_when_asked():
 
 def test_bge_m3_answers_its_per_token_tasks_with_its_own_heads():
     """An embedding model with per-token heads (BGE-M3): token_classify asks the engine for its
-    lexical weights (one unnormalised value a token), token_embed for its ColBERT vectors
-    (normalised rows); /v1/embeddings keeps its dense embedding."""
-    http, engine = _app(num_pooled=8, hidden_size=4, pooling={"pooling_type": "CLS", "row_size": 4,
+    sparse head's value a token and answers the relu of each, one flat list (as vLLM squeezes it;
+    the raw values with use_activation false; normalize and dimensions refused); token_embed asks
+    for its ColBERT vectors (normalised rows); /v1/embeddings keeps its dense embedding."""
+    http, engine = _app(num_pooled=2, hidden_size=4, pooling={"pooling_type": "CLS", "row_size": 4,
                                                               "token_heads": ("token_embed", "token_classify")})
     body = http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "token_classify"}).json()
     params = engine.requests[-1].sampling_params
     assert (params.embed_pooling, params.pooling_task, params.embed_normalize) == ("ALL", "token_classify", False)
-    assert body["data"][0]["data"] == [[v] for v in scripted_embedding([5, 6], params)]
+    raw = scripted_embedding([5, 6], params)[:2]  # (2.0, then sum % 97: positive)
+    assert body["data"][0]["data"] == [max(v, 0.0) for v in raw]
+    body = http.post("/pooling", json={"model": "tiny", "input": [5, 40], "task": "token_classify"}).json()
+    assert body["data"][0]["data"] == [2.0, 45.0]
+    engine.num_pooled = 8  # (-2.0 at index 3: the relu shows)
+    relu = http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "token_classify"}).json()
+    plain = http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "token_classify",
+                                        "use_activation": False}).json()
+    raw = scripted_embedding([5, 6], engine.requests[-1].sampling_params)
+    assert plain["data"][0]["data"] == raw and relu["data"][0]["data"] == [max(v, 0.0) for v in raw]
+    for name, value in (("normalize", True), ("dimensions", 2)):
+        r = http.post("/pooling", json={"model": "tiny", "input": [5], "task": "token_classify", name: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name
     body = http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "token_embed"}).json()
     params = engine.requests[-1].sampling_params
     assert (params.embed_pooling, params.pooling_task, params.embed_normalize) == ("ALL", "token_embed", True)

@@ -409,8 +409,12 @@ def test_continue_final_message_leaves_the_last_message_open():
                                                       "add_generation_prompt": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
     # A request's own template is refused, as vLLM refuses it from an untrusting server.
-    refused = http.post("/v1/chat/completions", json={**body, "chat_template": "{{ messages }}"})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    for param, extra in (("chat_template", {"chat_template": "{{ messages }}"}),
+                         ("chat_template_kwargs", {"chat_template_kwargs": {"chat_template": "{{ messages }}"}})):
+        refused = http.post("/v1/chat/completions", json={**body, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    refused = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES, "chat_template": "x"})
+    assert refused.status_code == 400
 
 
 @pytest.mark.parametrize(("parser", "answer"), [
