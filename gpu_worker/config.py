@@ -68,6 +68,10 @@ ENCODER_ARCHITECTURES = {
     # Rotary-position encoders with gated MLPs: NomicBERT (nomic-embed-text-v1 / v1.5) and GTE
     # (gte-multilingual-base; "NewModel" is the name its own code gives it).
     "NomicBertModel": "NomicBertModel", "GteModel": "GteModel", "NewModel": "GteModel",
+    # Their classifiers (gte-multilingual-reranker-base: a cross-encoder over its first token).
+    "NomicBertForSequenceClassification": "NomicBertModel", "GteForSequenceClassification": "GteModel",
+    "NewForSequenceClassification": "GteModel", "NomicBertForTokenClassification": "NomicBertModel",
+    "GteForTokenClassification": "GteModel", "NewForTokenClassification": "GteModel",
     # BGE-M3 with its sparse and ColBERT heads (vLLM's BgeM3EmbeddingModel, asked for through
     # --hf-overrides '{"architectures": ["BgeM3EmbeddingModel"]}').
     "BgeM3EmbeddingModel": "RobertaModel",
@@ -291,11 +295,11 @@ def _rope_bert_fields(ours: str, arch: str, cfg: dict[str, Any]) -> dict[str, An
     """NomicBERT's and GTE's own ModelConfig fields: RoPE's base, the trained context, the biases
     and the gated MLP's activation, from transformers' config or from their own code's."""
     nomic = ours == "NomicBertModel"
-    own_code = "n_embd" in cfg or arch == "NewModel"
+    own_code = "n_embd" in cfg or arch.startswith("New")
     if own_code and cfg.get("rope_scaling"):
         raise ValueError(f"{arch} with rope_scaling {cfg['rope_scaling']!r} is not served (its NTK scaling is not "
                          "computed here)")
-    if arch == "NewModel" and (cfg.get("logn_attention_scale") or cfg.get("layer_norm_type", "layer_norm")
+    if arch.startswith("New") and (cfg.get("logn_attention_scale") or cfg.get("layer_norm_type", "layer_norm")
                                != "layer_norm"):
         raise ValueError("NewModel with logn_attention_scale or another layer_norm_type is not served")
     theta, scaling = _rope_from_dict("", {"rope_theta": cfg.get("rotary_emb_base", 1000.0 if nomic else 160_000.0),

@@ -182,6 +182,11 @@ class BertModel(nn.Module):
     packed_modules_mapping = {"query": ("qkv_proj", "q"), "key": ("qkv_proj", "k"), "value": ("qkv_proj", "v")}
     # What prefixes the encoder's tensors in a classifier checkpoint (base_model_prefix).
     base_model_prefix = "bert"
+    # The encoder: embeddings, layers, and (for a sequence classifier that reads one) the pooler.
+    encoder_class: type[nn.Module] = BertEncoderModel
+    # Whether its sequence classifier reads the pooler (dense + tanh over [CLS]) before the
+    # classifier: BERT's does; RoBERTa's classification head replaces it.
+    pooled_classifier = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -189,9 +194,9 @@ class BertModel(nn.Module):
         # No LM head: an encoder embeds or classifies.
         self.lm_head = None
         classifier = bool(config.labels)
-        # (A sequence classifier reads BERT's pooler; a token classifier classifies every final state.)
-        self.model = BertEncoderModel(config, with_pooler=classifier and self.base_model_prefix == "bert"
-                                      and not config.token_classifier)
+        # (A token classifier classifies every final state: no pooler.)
+        self.model = self.encoder_class(config, with_pooler=classifier and self.pooled_classifier
+                                        and not config.token_classifier)
         self.classifier = self._classifier_head(config) if classifier else None
         # BGE-M3's per-token heads (fp32, whole on every TP rank): a lexical weight per token, and a
         # ColBERT vector per token.
@@ -269,6 +274,7 @@ class RobertaModel(BertModel):
     (ModelConfig.position_offset), and a classification head of its own."""
 
     base_model_prefix = "roberta"
+    pooled_classifier = False
 
     def _classifier_head(self, config: ModelConfig) -> nn.Module:
         # (A token classifier's is one linear layer, as BERT's.)

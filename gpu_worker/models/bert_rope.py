@@ -1,5 +1,6 @@
 """BERT-style encoders with rotary positions and gated MLPs: transformers' NomicBertModel
-(nomic-embed-text-v1 / v1.5, nomic-bert-2048) and GteModel (gte-multilingual-base, gte-*-v1.5).
+(nomic-embed-text-v1 / v1.5, nomic-bert-2048) and GteModel (gte-multilingual-base, gte-*-v1.5),
+and their sequence classifiers (gte-multilingual-reranker-base) and token classifiers.
 
 Like BERT (bidirectional attention within each prompt, no KV cache: see models.bert), with:
 * no position table: rotary positions (RoPE, rotate-half) on the queries and keys;
@@ -29,7 +30,7 @@ from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.bert import encoder_layer_norm
+from gpu_worker.models.bert import BertModel, BertPooler, encoder_layer_norm
 
 
 class RopeBertAttention(nn.Module):
@@ -97,11 +98,13 @@ class RopeBertEmbeddings(nn.Module):
 
 
 class RopeBertEncoder(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, with_pooler: bool = False) -> None:
         super().__init__()
         self.embeddings = RopeBertEmbeddings(config)
         self.layers = nn.ModuleList(RopeBertLayer(config) for _ in range(config.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_context_len, config.rope_theta)
+        # (A sequence classifier's pooler: dense + tanh over the first token, as BERT's.)
+        self.pooler = BertPooler(config) if with_pooler else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,32 +115,14 @@ class RopeBertEncoder(nn.Module):
         return hidden
 
 
-class RopeBertModel(nn.Module):
-    """NomicBertModel / GteModel served for embeddings."""
+class RopeBertModel(BertModel):
+    """NomicBertModel / GteModel served for embeddings, and their *ForSequenceClassification
+    (pooler and classifier, as BERT's) and *ForTokenClassification."""
 
+    encoder_class = RopeBertEncoder
     # transformers' names for q/k/v and gate/up, fused here: (our parameter, shard).
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.lm_head = None  # (an encoder embeds)
-        self.model = RopeBertEncoder(config)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.forward(input_ids, positions, meta, token_type_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        raise RuntimeError("an encoder model is served for embeddings only: it has no LM head")
-
-    def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:
-        raise RuntimeError("this model has no classification head")
-
-    def attention_layers(self) -> list[nn.Module]:
-        """Layers reading the paged KV cache: none (an encoder attends within the pass)."""
-        return []
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """Checkpoint names as ours: transformers' as they are; NomicBERT's and GTE's own code's
@@ -147,7 +132,8 @@ class RopeBertModel(nn.Module):
         for name, tensor in weights:
             name = name.removeprefix("new.").removeprefix("nomic_bert.").removeprefix("gte.")
             if (name.endswith(("inv_freq", "position_ids", "token_type_ids"))
-                    or name.startswith(("pooler.", "cls.", "lm_head.", "mlm_head."))):
+                    or name.startswith(("cls.", "lm_head.", "mlm_head."))
+                    or (name.startswith("pooler.") and self.model.pooler is None)):
                 continue
             for old, new in _RENAMES:
                 name = name.replace(old, new)

@@ -141,7 +141,7 @@ _MODERNBERT_DEFAULTS = {"norm_bias": False, "attention_bias": False, "mlp_bias":
 @pytest.mark.parametrize(("kind", "num_labels", "overrides"), [
     ("bert", 3, {}), ("bert", 1, {}), ("roberta", 2, {}), ("xlm-roberta", 1, {}),
     ("modernbert", 2, {}), ("modernbert", 1, {"classifier_pooling": "mean"}),
-    ("modernbert", 3, _MODERNBERT_DEFAULTS)])
+    ("modernbert", 3, _MODERNBERT_DEFAULTS), ("nomic", 2, {}), ("gte", 1, {})])
 def test_classifier_logits_match_transformers(tmp_path, kind, num_labels, overrides):
     """BertForSequenceClassification (pooler + classifier over [CLS]), RoBERTa's classification head
     and ModernBERT's (head + classifier over its classifier_pooling); BERT's sentence pairs with
@@ -155,7 +155,7 @@ def test_classifier_logits_match_transformers(tmp_path, kind, num_labels, overri
     prompts = random_prompts(6, seed=4)
     rng = random.Random(5)
     type_starts = ({rid: rng.randrange(len(p) + 1) for rid, p in prompts.items() if len(p) > 2}
-                   if kind == "bert" else {})
+                   if kind in ("bert", "nomic") else {})
     outputs = pooled_outputs(runner, prompts, pooling, type_starts)
     for rid, prompt in prompts.items():
         types = torch.zeros(1, len(prompt), dtype=torch.long)
@@ -172,7 +172,7 @@ def test_classifier_logits_match_transformers(tmp_path, kind, num_labels, overri
 
 
 @pytest.mark.parametrize(("kind", "num_labels"), [("bert", 5), ("roberta", 3), ("xlm-roberta", 2),
-                                                ("modernbert", 4)])
+                                                ("modernbert", 4), ("nomic", 3), ("gte", 2)])
 def test_token_classifier_logits_match_transformers(tmp_path, kind, num_labels):
     """*ForTokenClassification (NER): every prompt token's class logits (ModernBERT's through its
     head), flattened, as transformers computes them."""
