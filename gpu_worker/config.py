@@ -196,6 +196,19 @@ def _token_ids(model_dir: Path, tokens: list[str]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def with_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with ``overrides`` set over it: a nested config (a ``*_config`` key holding an object,
+    such as a vision-language model's ``text_config``) takes the override's keys over its own, as
+    vLLM updates a sub-config; any other key is replaced whole (``rope_scaling`` included)."""
+    merged = dict(cfg)
+    for key, value in overrides.items():
+        if key.endswith("_config") and isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            merged[key] = with_overrides(cfg[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def _token_id_if_any(model_dir: Path, token: str) -> int | None:
     """The id of ``token`` in the model's vocabulary, None where it is not one token of it."""
     from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
@@ -767,9 +780,10 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
         """``hf_overrides`` (vLLM's --hf-overrides): keys set over config.json's, e.g. to serve a
-        causal LM as a classifier (below)."""
+        causal LM as a classifier (below); a sub-config's keys (``text_config``, ...) are set over
+        its own, as vLLM updates a nested config."""
         model_dir = Path(model_dir)
-        cfg = {**json.loads((model_dir / "config.json").read_text()), **(hf_overrides or {})}
+        cfg = with_overrides(json.loads((model_dir / "config.json").read_text()), hf_overrides or {})
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)

@@ -358,6 +358,21 @@ def test_a_gemma3_vision_language_config_is_read_as_its_text_decoder():
         ModelConfig.from_dict({**GEMMA3_4B_IT, "architectures": ["PaliGemmaForConditionalGeneration"]})
 
 
+def test_hf_overrides_update_a_sub_config_key_by_key(tmp_path):
+    """--hf-overrides on a vision-language config: a text_config override sets its keys over the
+    text_config's own (as vLLM updates a nested config); any other key (rope_scaling) is replaced whole."""
+    import json
+
+    from gpu_worker.config import with_overrides
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B_IT))
+    ours = ModelConfig.from_pretrained(tmp_path, {"text_config": {"num_hidden_layers": 4}})
+    assert ours.num_hidden_layers == 4 and ours.hidden_size == 2560  # (its other text_config keys kept)
+    assert with_overrides({"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "a_config": {"x": 1, "y": 2}},
+                          {"rope_scaling": {"rope_type": "default"}, "a_config": {"y": 3}}) == {
+        "rope_scaling": {"rope_type": "default"}, "a_config": {"x": 1, "y": 3}}
+
+
 def test_gemma3_language_model_loads_from_either_checkpoint_layout(tmp_path):
     """transformers 4.50 saved the language model as language_model.model.*, 4.52 on as
     model.language_model.* (and the vision tower under model.): both load, the vision tower skipped."""
