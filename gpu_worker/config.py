@@ -246,16 +246,22 @@ def _classifier_activation(problem_type: str | None, num_labels: int) -> str:
     return "softmax" if problem_type != "multi_label_classification" and num_labels >= 2 else "sigmoid"
 
 
+# sentence-transformers CrossEncoder activations (torch.nn class names) -> ours (router.classification).
+_CROSS_ENCODER_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "none", "Tanh": "tanh", "ReLU": "relu"}
+
+
 def _cross_encoder_activation(cfg: dict[str, Any]) -> str:
     """/score's for a cross-encoder, as vLLM picks it: the sentence-transformers activation the
-    config names (Identity or Sigmoid), a sigmoid otherwise."""
+    config names (Sigmoid, Identity, Tanh or ReLU), a sigmoid otherwise."""
     named = ((cfg.get("sentence_transformers") or {}).get("activation_fn")
              or cfg.get("sbert_ce_default_activation_function"))
-    if named is None or str(named).endswith("Sigmoid"):
+    if named is None:
         return "sigmoid"
-    if str(named).endswith("Identity"):
-        return "none"
-    raise ValueError(f"the cross-encoder activation {named!r} is not served (Sigmoid or Identity are)")
+    ours = _CROSS_ENCODER_ACTIVATIONS.get(str(named).rsplit(".", 1)[-1])
+    if ours is None:
+        raise ValueError(f"the cross-encoder activation {named!r} is not served "
+                         f"({', '.join(_CROSS_ENCODER_ACTIVATIONS)} are)")
+    return ours
 
 
 def _encoder_activation(arch: str, cfg: dict[str, Any], key: str, default: str = "gelu") -> str:

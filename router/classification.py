@@ -48,7 +48,7 @@ class ClassificationRequest(PooledInputRequest, ActivationField):
 
 def class_probabilities(logits: list[float], activation: str = "softmax") -> list[float]:
     """The classes' scores from their logits (in float64): ``activation`` "softmax", "sigmoid" (per
-    class) or "none" (the logits)."""
+    class), "tanh" or "relu" (a cross-encoder's or a head's), or "none" (the logits)."""
     values = np.asarray(logits, dtype=np.float64)
     if not np.isfinite(values).all():
         raise ValueError("the model produced a non-finite class logit")
@@ -56,6 +56,8 @@ def class_probabilities(logits: list[float], activation: str = "softmax") -> lis
         return values.tolist()
     if activation == "relu":
         return np.maximum(values, 0.0).tolist()
+    if activation == "tanh":
+        return np.tanh(values).tolist()
     if activation == "sigmoid":
         return (1.0 / (1.0 + np.exp(-values))).tolist()
     exp = np.exp(values - values.max())

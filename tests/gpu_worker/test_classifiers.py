@@ -83,8 +83,10 @@ def test_classifier_configs():
     assert ModelConfig.from_dict({**one, "sentence_transformers": {
         "activation_fn": "torch.nn.modules.linear.Identity"}}).cross_encoder_activation == "none"
     assert ModelConfig.from_dict({**one, "problem_type": "regression"}).cross_encoder_activation == "sigmoid"
-    with pytest.raises(ValueError, match=r"cross-encoder activation 'torch\.nn\.Tanh' is not served"):
-        ModelConfig.from_dict({**one, "sbert_ce_default_activation_function": "torch.nn.Tanh"})
+    assert ModelConfig.from_dict({**one, "sbert_ce_default_activation_function": "torch.nn.Tanh"}
+                                 ).cross_encoder_activation == "tanh"
+    with pytest.raises(ValueError, match=r"cross-encoder activation 'torch\.nn\.Softplus' is not served"):
+        ModelConfig.from_dict({**one, "sbert_ce_default_activation_function": "torch.nn.Softplus"})
     assert ModelConfig.from_dict({**one, "problem_type": "regression"}).classifier_activation == "none"
     assert ModelConfig.from_dict({**base, "architectures": ["LlamaForSequenceClassification"], "num_labels": 4,
                                   "problem_type": "multi_label_classification"}).classifier_activation == "sigmoid"

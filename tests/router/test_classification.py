@@ -80,6 +80,9 @@ def test_class_probabilities():
     # Multi-label: each class on its own; regression: the logits themselves.
     assert class_probabilities([0.0, 2.0], "sigmoid") == pytest.approx([0.5, 1 / (1 + math.exp(-2.0))])
     assert class_probabilities([-3.5, 2.0], "none") == [-3.5, 2.0]
+    # A cross-encoder's Tanh, a head's ReLU (BGE-M3's lexical weights).
+    assert class_probabilities([0.5, -1.0], "tanh") == pytest.approx([math.tanh(0.5), math.tanh(-1.0)])
+    assert class_probabilities([0.5, -1.0], "relu") == [0.5, 0.0]
     with pytest.raises(ValueError, match="non-finite"):
         class_probabilities([float("nan"), 1.0])
 
