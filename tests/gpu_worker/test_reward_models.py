@@ -165,3 +165,37 @@ def test_per_token_pooler_configs_are_checked(tmp_path):
                 {"embed_pooling": "STEP", "embed_returned_token_ids": []}):
         with pytest.raises(ValueError, match="embed_"):
             SamplingParams(max_tokens=1, embed=True, **bad)
+
+
+def test_pooling_heads_run_in_fp32_beside_a_bf16_model(tmp_path):
+    """A bf16 model (as served on GPUs) pools through fp32 heads: a decoder token classifier's rows,
+    a reward model's MLP, an encoder sequence classifier's pooler and head, per-token embeddings kept
+    in bf16 until the prompt ends; each close to the fp32 model's outputs."""
+    from gpu_worker.model_runner import ModelRunner
+    from tests.gpu_worker.test_encoders import save_tiny_encoder
+
+    def runner(path, dtype):
+        built = ModelRunner(ModelConfig.from_pretrained(path), device="cpu", dtype=dtype)
+        built.load_model(path)
+        built.initialize_kv_cache(128, 4)
+        return built
+
+    prompts = random_prompts(3, seed=15)
+    token_classifier, _ = save_tiny_token_classifier(tmp_path / "tok", "llama")
+    build_tiny_reward_model(tmp_path / "orm", "Qwen2ForRewardModel")
+    bert, _ = save_tiny_encoder(tmp_path / "bert", "bert", num_labels=2)
+    torch.manual_seed(16)
+    AutoModel.from_config(make_config("llama", architectures=["LlamaModel"])).save_pretrained(tmp_path / "embedder")
+    for path, pooling in ((token_classifier, "ALL"), (tmp_path / "orm", "ALL"), (bert, "CLS"),
+                          (tmp_path / "orm", "LAST"), (tmp_path / "embedder", "ALL")):
+        bf16 = runner(path, torch.bfloat16)
+        heads = [m for name, m in bf16.model.named_modules() if name in ("score", "classifier", "model.pooler")]
+        assert all(p.dtype == torch.float32 for head in heads for p in head.parameters())
+        assert heads or path.name == "embedder"
+        budget = 256 if path == bert else 7  # (an encoder's prompts run whole)
+        want = pooled(runner(path, torch.float32), prompts, pooling, budget)
+        got = pooled(bf16, prompts, pooling, budget)
+        for rid in prompts:  # (bf16 keeps about 3 significant digits through the layers)
+            got_rid, want_rid = torch.tensor(got[rid]), torch.tensor(want[rid])
+            assert got_rid.shape == want_rid.shape
+            assert (got_rid - want_rid).norm() <= 0.05 * want_rid.norm(), (path.name, pooling, rid)
