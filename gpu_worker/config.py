@@ -196,14 +196,16 @@ def _token_ids(model_dir: Path, tokens: list[str]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def with_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``cfg`` with ``overrides`` set over it: a nested config (a ``*_config`` key holding an object,
-    such as a vision-language model's ``text_config``) takes the override's keys over its own, as
-    vLLM updates a sub-config; any other key is replaced whole (``rope_scaling`` included)."""
+def with_overrides(cfg: dict[str, Any], overrides: dict[str, Any], nested: bool = False) -> dict[str, Any]:
+    """``cfg`` with ``overrides`` set over it, as vLLM applies --hf-overrides: a sub-config (a
+    ``*_config`` key holding an object, such as a vision-language model's ``text_config``; not
+    ``quantization_config``, a plain dict there) takes the override's keys over its own, and inside
+    it an object value too (``text_config.rope_scaling``); any other key is replaced whole."""
     merged = dict(cfg)
     for key, value in overrides.items():
-        if key.endswith("_config") and isinstance(value, dict) and isinstance(cfg.get(key), dict):
-            merged[key] = with_overrides(cfg[key], value)
+        sub_config = key.endswith("_config") and key != "quantization_config"
+        if (nested or sub_config) and isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            merged[key] = with_overrides(cfg[key], value, nested=True)
         else:
             merged[key] = value
     return merged
@@ -298,49 +300,63 @@ def _rope_bert_config(ours: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """A NomicBERT / GTE config in transformers' names: NomicBERT's own code's keys (n_embd, ...)
     renamed, and the variants that code allows but we do not compute refused."""
     if ours == "NomicBertModel" and "n_embd" in cfg:
+        # (Its rotary_scaling_factor, a dynamic NTK above max_trained_positions, never applies: the
+        # context is capped there, as vLLM caps it.)
         unsupported = {"rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "prenorm": False,
-                       "causal": False, "use_rms_norm": False, "rotary_scaling_factor": None}
+                       "causal": False, "use_rms_norm": False, "rotary_emb_scale_base": None}
         for key, served in unsupported.items():
             if cfg.get(key, served) != served:
                 raise ValueError(f"NomicBertModel with {key}={cfg[key]!r} is not served (only {served!r})")
         if str(cfg.get("activation_function", "swiglu")) not in ("swiglu", "silu"):
             raise ValueError(f"NomicBertModel's activation_function must be swiglu, got {cfg['activation_function']!r}")
-        cfg = {**cfg, **{ours_key: cfg[key] for key, ours_key in _NOMIC_KEYS.items() if key in cfg}}
-        cfg.setdefault("intermediate_size", 4 * int(cfg["hidden_size"]))
+        if cfg.get("n_inner") is None:
+            raise ValueError("NomicBertModel's config must give n_inner (its MLP's width)")
+        # (GPT2Config's layer_norm_epsilon default, which its own config class inherits.)
+        cfg = {"layer_norm_epsilon": 1e-5, **cfg}
+        cfg = {**cfg, **{ours_key: cfg[key] for key, ours_key in _NOMIC_KEYS.items() if key in cfg},
+               "hidden_act": "silu"}
     return cfg
 
 
 def _rope_bert_fields(ours: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """NomicBERT's and GTE's own ModelConfig fields: RoPE's base, the trained context, the biases
-    and the gated MLP's activation, from transformers' config or from their own code's."""
+    """NomicBERT's and GTE's own ModelConfig fields: RoPE's base (and GTE's fixed NTK scaling), the
+    trained context, the biases and the gated MLP's activation, from transformers' config or from
+    their own code's."""
     nomic = ours == "NomicBertModel"
-    own_code = "n_embd" in cfg or arch.startswith("New")
-    if own_code and cfg.get("rope_scaling"):
-        raise ValueError(f"{arch} with rope_scaling {cfg['rope_scaling']!r} is not served (its NTK scaling is not "
-                         "computed here)")
-    if arch.startswith("New") and (cfg.get("logn_attention_scale") or cfg.get("layer_norm_type", "layer_norm")
-                               != "layer_norm"):
+    own_gte = arch.startswith("New")
+    if own_gte and (cfg.get("logn_attention_scale") or cfg.get("layer_norm_type", "layer_norm") != "layer_norm"):
         raise ValueError("NewModel with logn_attention_scale or another layer_norm_type is not served")
-    theta, scaling = _rope_from_dict("", {"rope_theta": cfg.get("rotary_emb_base", 1000.0 if nomic else 160_000.0),
-                                          **cfg})
+    # (GTE's own NewConfig defaults: RoPE base 10000 over 2048 positions.)
+    default_theta = 1000.0 if nomic else 10_000.0 if own_gte else 160_000.0
+    ntk = dict(cfg.get("rope_scaling") or {}) if own_gte else {}
+    if ntk:  # GTE's own fixed NTK scaling (gte-multilingual-base: base 20000, factor 8)
+        if ntk.get("type", ntk.get("rope_type")) != "ntk" or ntk.get("mixed_b") is not None:
+            raise ValueError(f"{arch} with rope_scaling {cfg['rope_scaling']!r} is not served (its fixed NTK "
+                             "scaling is)")
+        cfg = {k: v for k, v in cfg.items() if k != "rope_scaling"}
+    theta, scaling = _rope_from_dict("", {"rope_theta": cfg.get("rotary_emb_base", default_theta), **cfg})
     if scaling is not None:
         raise ValueError(f"{arch}: only default RoPE is served, got {scaling['rope_type']!r}")
     # NomicBERT's own configs give the trained context apart from the (extrapolated) table size.
     positions = int(cfg.get("max_trained_positions") or cfg.get("max_position_embeddings")
-                    or (2048 if nomic else 8192))
+                    or (2048 if nomic or own_gte else 8192))
     if nomic:  # (its own code: biases on q/k/v/out and fc11/fc12 and fc2 as its flags say; transformers': none)
+        own_code = "n_embd" in cfg
         qkv_bias = bool(cfg.get("qkv_proj_bias", True)) if own_code else False
         gate_up_bias = bool(cfg.get("mlp_fc1_bias", True)) if own_code else False
         down_bias = bool(cfg.get("mlp_fc2_bias", True)) if own_code else False
-        act = "silu"
     else:  # GTE: biases on q/k/v/o and on down, none on up/gate
         qkv_bias, gate_up_bias, down_bias = True, False, True
-        act = _encoder_activation(arch, cfg, "hidden_act")
+    act = str(cfg.get("hidden_act") or ("silu" if nomic else "gelu"))
+    act = {"gelu_new": "gelu_pytorch_tanh"}.get(act, act)  # (the same tanh approximation)
+    if act not in ("silu", "gelu", "gelu_pytorch_tanh"):
+        raise ValueError(f"hidden_act must be silu, gelu, gelu_new or gelu_pytorch_tanh for {arch}, got {act!r}")
     return dict(rope_theta=theta, max_position_embeddings=positions, qkv_bias=qkv_bias, o_proj_bias=qkv_bias,
                 mlp_bias=gate_up_bias, down_proj_bias=down_bias, sliding_window=None, hidden_act=act,
                 layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
                 type_vocab_size=int(cfg.get("type_vocab_size", 2 if nomic else 1)), position_offset=0,
-                default_pooling_type="CLS")
+                default_pooling_type="CLS",
+                rope_scaling={"rope_type": "ntk", "factor": float(ntk["factor"])} if ntk else None)
 
 
 def _modernbert_fields(arch: str, cfg: dict[str, Any], classifier: bool) -> dict[str, Any]:
@@ -776,7 +792,8 @@ class ModelConfig:
             architecture=ours, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=num_heads, num_key_value_heads=num_heads, head_dim=hidden // num_heads,
-            rms_norm_eps=0.0, rope_scaling=None, tie_word_embeddings=False, qk_norm=False, eos_token_ids=(),
+            rms_norm_eps=0.0, rope_scaling=family.pop("rope_scaling", None), tie_word_embeddings=False, qk_norm=False,
+            eos_token_ids=(),
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None, raw=dict(cfg),
             embedding_only=True, labels=labels,
             classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),

@@ -49,6 +49,9 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
+    if rope_type == "ntk":  # fixed NTK (GTE's own code; vLLM's NTKScalingRotaryEmbedding without mixed_b)
+        factor = float(scaling["factor"])
+        return _inv_freq(head_dim, theta * factor) / factor ** (2 / head_dim)
     if rope_type != "default":
         raise ValueError(f"unsupported rope_type {rope_type!r}")
     return inv_freq

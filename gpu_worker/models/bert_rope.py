@@ -102,7 +102,8 @@ class RopeBertEncoder(nn.Module):
         super().__init__()
         self.embeddings = RopeBertEmbeddings(config)
         self.layers = nn.ModuleList(RopeBertLayer(config) for _ in range(config.num_hidden_layers))
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_context_len, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_context_len, config.rope_theta,
+                                          config.rope_scaling)
         # (A sequence classifier's pooler: dense + tanh over the first token, as BERT's.)
         self.pooler = BertPooler(config) if with_pooler else None
 
@@ -130,7 +131,8 @@ class RopeBertModel(BertModel):
         heads skipped."""
         hidden, size = self.config.hidden_size, self.config.intermediate_size
         for name, tensor in weights:
-            name = name.removeprefix("new.").removeprefix("nomic_bert.").removeprefix("gte.")
+            # (NomicBERT's own classifiers keep the encoder under "bert.".)
+            name = name.removeprefix("new.").removeprefix("nomic_bert.").removeprefix("gte.").removeprefix("bert.")
             if (name.endswith(("inv_freq", "position_ids", "token_type_ids"))
                     or name.startswith(("cls.", "lm_head.", "mlm_head."))
                     or (name.startswith("pooler.") and self.model.pooler is None)):

@@ -415,11 +415,12 @@ def test_bge_m3_serves_lexical_weights_and_colbert_vectors(tmp_path):
         make_runner(path, num_blocks=64, block_size=4)
 
 
-def _resave_as_own_code(path, kind: str, hf) -> None:
+def _resave_as_own_code(path, kind: str, hf, ntk_factor: float | None = None) -> None:
     """Re-save a transformers NomicBERT / GTE checkpoint as their own remote code saves them:
     NomicBERT's config keys (n_embd, ...) and tensors (emb_ln, encoder.layers.N.attn.Wqkv, mlp.fc11
     / fc12 / fc2, norm1 / norm2); GTE's NewModel (encoder.layer.N.attention.qkv_proj, mlp.up_gate_proj,
-    attn_ln / mlp_ln)."""
+    attn_ln / mlp_ln), its RoPE as ``ntk_factor``'s fixed NTK scaling where given (the model being
+    transformers' linear RoPE at base x factor, positions over factor ** (2 / head_dim))."""
     import json
 
     from safetensors.torch import save_file
@@ -465,29 +466,40 @@ def _resave_as_own_code(path, kind: str, hf) -> None:
         config = {"architectures": ["NewModel"], "model_type": "new", "hidden_size": c.hidden_size,
                   "num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size,
                   "num_hidden_layers": c.num_hidden_layers, "layer_norm_eps": c.layer_norm_eps,
-                  "rope_theta": c.rope_parameters["rope_theta"], "max_position_embeddings": 64,
+                  "rope_theta": c.rope_parameters["rope_theta"] / (ntk_factor or 1.0), "max_position_embeddings": 64,
                   "vocab_size": c.vocab_size, "type_vocab_size": c.type_vocab_size, "hidden_act": "gelu",
                   "position_embedding_type": "rope", "layer_norm_type": "layer_norm", "pad_token_id": 1}
+        if ntk_factor:
+            config["rope_scaling"] = {"type": "ntk", "factor": ntk_factor}
     (path / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("kind", ["nomic", "gte"])
+@pytest.mark.parametrize("kind", ["nomic", "gte", "gte-ntk"])
 def test_nomic_and_gte_checkpoints_of_their_own_code_load(tmp_path, kind):
     """nomic-embed-text's and gte's checkpoints as their remote code saved them (their own config
-    keys and tensor names, fused q/k/v and up/gate) embed as transformers' models do; the variants
-    their code allows and we do not compute are refused."""
+    keys and tensor names, fused q/k/v and up/gate) embed as transformers' models do, GTE's fixed NTK
+    RoPE (gte-multilingual-base's base 20000, factor 8) included; the variants their code allows and
+    we do not compute are refused."""
     import json
 
-    path, hf = save_tiny_encoder(tmp_path, kind)
-    _resave_as_own_code(path, kind, hf)
+    ntk = 8.0 if kind == "gte-ntk" else None
+    kind = kind.removesuffix("-ntk")
+    # (GTE's NTK: base x factor, every frequency over factor ** (2 / head_dim); transformers' linear RoPE.)
+    rope = {"rope_parameters": {"rope_type": "linear", "factor": ntk ** (2 / 16), "rope_theta": 20_000.0 * ntk}
+            } if ntk else {}
+    path, hf = save_tiny_encoder(tmp_path, kind, **rope)
+    _resave_as_own_code(path, kind, hf, ntk)
     config = ModelConfig.from_pretrained(path)
     assert config.architecture == {"nomic": "NomicBertModel", "gte": "GteModel"}[kind]
-    assert config.max_context_len == 64 and config.rope_theta == hf.config.rope_parameters["rope_theta"]
+    assert config.max_context_len == 64
+    assert config.rope_theta == hf.config.rope_parameters["rope_theta"] / (ntk or 1.0)
     runner = make_runner(path, num_blocks=64, block_size=4)
     assert_pooled_as_transformers(runner, hf, {**random_prompts(4, seed=13), "single": [42]}, "MEAN")
     raw = json.loads((path / "config.json").read_text())
-    refused = ({"rotary_emb_fraction": 0.5}, {"prenorm": True}, {"rope_scaling": {"type": "ntk", "factor": 2.0}})
-    for bad in refused if kind == "nomic" else refused[2:] + ({"logn_attention_scale": True},):
+    refused = ([{"rotary_emb_fraction": 0.5}, {"prenorm": True}, {"rotary_emb_scale_base": 512}] if kind == "nomic"
+               else [{"rope_scaling": {"type": "ntk", "factor": 2.0, "mixed_b": 0.5}},
+                     {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, {"logn_attention_scale": True}])
+    for bad in refused:
         with pytest.raises(ValueError, match="not served"):
             ModelConfig.from_dict({**raw, **bad})
 

@@ -368,9 +368,16 @@ def test_hf_overrides_update_a_sub_config_key_by_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B_IT))
     ours = ModelConfig.from_pretrained(tmp_path, {"text_config": {"num_hidden_layers": 4}})
     assert ours.num_hidden_layers == 4 and ours.hidden_size == 2560  # (its other text_config keys kept)
-    assert with_overrides({"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "a_config": {"x": 1, "y": 2}},
-                          {"rope_scaling": {"rope_type": "default"}, "a_config": {"y": 3}}) == {
-        "rope_scaling": {"rope_type": "default"}, "a_config": {"x": 1, "y": 3}}
+    # As vLLM: a top-level object (rope_scaling, quantization_config) is replaced whole; inside a
+    # sub-config, objects take the override's keys too.
+    assert with_overrides({"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "a_config": {"x": 1, "y": 2},
+                           "quantization_config": {"bits": 4, "group_size": 128}},
+                          {"rope_scaling": {"rope_type": "default"}, "a_config": {"y": 3},
+                           "quantization_config": {"bits": 8}}) == {
+        "rope_scaling": {"rope_type": "default"}, "a_config": {"x": 1, "y": 3}, "quantization_config": {"bits": 8}}
+    assert with_overrides({"text_config": {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "n": 1}},
+                          {"text_config": {"rope_scaling": {"factor": 4.0}}}) == {
+        "text_config": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "n": 1}}
 
 
 def test_gemma3_language_model_loads_from_either_checkpoint_layout(tmp_path):

@@ -169,8 +169,9 @@ def test_per_token_pooler_configs_are_checked(tmp_path):
 
 def test_pooling_heads_run_in_fp32_beside_a_bf16_model(tmp_path):
     """A bf16 model (as served on GPUs) pools through fp32 heads: a decoder token classifier's rows,
-    a reward model's MLP, an encoder sequence classifier's pooler and head, per-token embeddings kept
-    in bf16 until the prompt ends; each close to the fp32 model's outputs."""
+    a reward model's MLP, an encoder sequence classifier's pooler and head, and per-token embeddings
+    run without a dtype clash, each close to the fp32 model's outputs (bf16 keeps about 3 digits, so
+    only the heads' dtype assert tells fp32 heads from bf16 ones)."""
     from gpu_worker.model_runner import ModelRunner
     from tests.gpu_worker.test_encoders import save_tiny_encoder
 
