@@ -25,7 +25,7 @@ from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
 from router.detokenizer import IncrementalDetokenizer
-from router.scoring import cosine_scores, pair_params, score_pairs, tokenize_pair
+from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
 
 PromptType = str | list[int]
 
@@ -449,12 +449,20 @@ class LLM:
         for prompt in [*first, *second]:
             unique.setdefault(_prompt_key(prompt), prompt)
         position = {key: i for i, key in enumerate(unique)}
-        embedded = self.embed(list(unique.values()), use_tqdm=use_tqdm, lora_request=lora_request)
         at = [position[_prompt_key(p)] for p in first], [position[_prompt_key(p)] for p in second]
-        scores = cosine_scores([e.outputs.embedding for e in embedded], [(at[0][i], at[1][j]) for i, j in pairs])
-        return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(score),
-                                     embedded[at[0][i]].prompt_token_ids + embedded[at[1][j]].prompt_token_ids)
-                for (i, j), score in zip(pairs, scores, strict=True)]
+        indices = [(at[0][i], at[1][j]) for i, j in pairs]
+        pooling = self._model_info().pooling
+        if pooling.late_interaction:  # (ColBERT: one vector a token, scored by MaxSim)
+            encoded = self.encode(list(unique.values()), use_tqdm=use_tqdm, lora_request=lora_request)
+            ids = [e.prompt_token_ids for e in encoded]
+            scores = maxsim_scores([[v for row in e.outputs.data for v in row] for e in encoded], pooling.row_size,
+                                   indices)
+        else:
+            embedded = self.embed(list(unique.values()), use_tqdm=use_tqdm, lora_request=lora_request)
+            ids = [e.prompt_token_ids for e in embedded]
+            scores = cosine_scores([e.outputs.embedding for e in embedded], indices)
+        return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(score), ids[a] + ids[b])
+                for (a, b), score in zip(indices, scores, strict=True)]
 
     def _cross_encoder_scores(self, first: list[PromptType], second: list[PromptType],
                               pairs: list[tuple[int, int]], use_tqdm: bool, lora_request: LoRARequest | None

@@ -95,6 +95,12 @@ class PoolingInfo:
         return self
 
     @property
+    def late_interaction(self) -> bool:
+        """A ColBERT model: each text embeds as one vector a token (token_embed by its own head), and
+        a pair scores by MaxSim rather than cosine similarity."""
+        return self.task == "token_embed" and self.per_token
+
+    @property
     def classifies(self) -> bool:
         """Whether its pooled values are class logits (or a head's, as BGE-M3's lexical weights),
         turned into scores by classifier_activation, rather than embeddings."""

@@ -72,6 +72,9 @@ ENCODER_ARCHITECTURES = {
     "NomicBertForSequenceClassification": "NomicBertModel", "GteForSequenceClassification": "GteModel",
     "NewForSequenceClassification": "GteModel", "NomicBertForTokenClassification": "NomicBertModel",
     "GteForTokenClassification": "GteModel", "NewForTokenClassification": "GteModel",
+    # ColBERT (colbertv2.0, answerai-colbert-small): BERT and a projection of every token (``linear``)
+    # to its late-interaction vectors, scored by MaxSim (vLLM's HF_ColBERT).
+    "HF_ColBERT": "BertModel",
     # BGE-M3 with its sparse and ColBERT heads (vLLM's BgeM3EmbeddingModel, asked for through
     # --hf-overrides '{"architectures": ["BgeM3EmbeddingModel"]}').
     "BgeM3EmbeddingModel": "RobertaModel",
@@ -592,6 +595,9 @@ class ModelConfig:
     # BGE-M3's heads beside its dense [CLS] embedding (read from sparse_linear.pt and colbert_linear.pt):
     # each token's lexical weight (token_classify) and ColBERT vector (token_embed).
     m3_heads: bool = False
+    # ColBERT's projection of every token's final state (hidden -> colbert_dim, no bias): its
+    # token_embed vectors, the only output it serves; None otherwise.
+    colbert_dim: int | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -785,7 +791,13 @@ class ModelConfig:
         family = (_modernbert_fields(arch, cfg, bool(labels)) if ours == "ModernBertModel"
                   else _rope_bert_fields(ours, arch, cfg) if ours in ("NomicBertModel", "GteModel")
                   else _bert_fields(ours, arch, cfg))
-        if token_classifier:  # (its head classifies every token's final state)
+        colbert_dim = None
+        if arch == "HF_ColBERT":  # (vLLM reads its width from colbert_dim, dim or projection_dim)
+            colbert_dim = cfg.get("colbert_dim") or cfg.get("dim") or cfg.get("projection_dim")
+            if not isinstance(colbert_dim, int) or colbert_dim < 1:
+                raise ValueError("HF_ColBERT's config must give its vectors' width (colbert_dim, dim or "
+                                 "projection_dim)")
+        if token_classifier or colbert_dim:  # (a head on every token's final state)
             family["default_pooling_type"] = "ALL"
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
         return cls(
@@ -798,7 +810,8 @@ class ModelConfig:
             embedding_only=True, labels=labels,
             classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),
             cross_encoder_activation=_cross_encoder_activation(cfg) if labels else "sigmoid",
-            encoder_only=True, token_classifier=token_classifier, m3_heads=arch == "BgeM3EmbeddingModel", **family)
+            encoder_only=True, token_classifier=token_classifier, m3_heads=arch == "BgeM3EmbeddingModel",
+            colbert_dim=colbert_dim, **family)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:

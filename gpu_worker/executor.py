@@ -93,8 +93,10 @@ class _ExecutorBase(Executor):
         # The sentence-transformers projections of an embedding model's pooled states (a classifier's
         # head reads them unprojected); the workers load their weights.
         self.pooler_dense = () if self.model_config.labels else pooler.dense
-        # One pooled row's values: a class logit each, or the embedding's (STEP: the columns kept).
-        row_size = len(self.model_config.labels) or pooler.embedding_size(self.model_config.hidden_size)
+        # One pooled row's values: a class logit each, or the embedding's (STEP: the columns kept;
+        # ColBERT: its vectors').
+        row_size = (len(self.model_config.labels) or self.model_config.colbert_dim
+                    or pooler.embedding_size(self.model_config.hidden_size))
         if pooler.returned_token_ids is not None:
             if max(pooler.returned_token_ids) >= row_size:
                 raise ValueError(f"pooler_config returned_token_ids {list(pooler.returned_token_ids)}: each row "
@@ -128,8 +130,9 @@ class _ExecutorBase(Executor):
                                 cross_encoder_activation=self.model_config.cross_encoder_activation,
                                 token_types=self.model_config.type_vocab_size > 1,
                                 step_tag_id=pooler.step_tag_id, returned_token_ids=pooler.returned_token_ids,
-                                row_size=row_size,
-                                token_heads=("token_embed", "token_classify") if self.model_config.m3_heads else ()))
+                                row_size=row_size, token_heads=self._token_heads(),
+                                # (ColBERT serves its token_embed vectors only, and scores by MaxSim.)
+                                task="token_embed" if self.model_config.colbert_dim else None))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,
@@ -142,6 +145,12 @@ class _ExecutorBase(Executor):
         self._num_blocks: int | None = None
         # Adapters loaded on the workers, in load order: a restarted worker group gets them back.
         self._loras: dict[int, LoRARequest] = {}
+
+    def _token_heads(self) -> tuple[str, ...]:
+        """The pooling tasks the model answers with per-token heads of its own."""
+        if self.model_config.m3_heads:
+            return ("token_embed", "token_classify")
+        return ("token_embed",) if self.model_config.colbert_dim else ()
 
     def _encoder_classifier_pooler(self, pooler: PoolerConfig, asked: dict[str, Any]) -> PoolerConfig:
         """An encoder classifier's head reads what its architecture pools (BERT's and RoBERTa's

@@ -97,6 +97,17 @@ def cosine_scores(vectors: list[list[float]], pairs: list[tuple[int, int]]) -> l
     return [min(1.0, max(-1.0, float(matrix[i] @ matrix[j]))) for i, j in pairs]
 
 
+def maxsim_scores(token_vectors: list[list[float]], row_size: int, pairs: list[tuple[int, int]]) -> list[float]:
+    """Each pair's late-interaction score (ColBERT's MaxSim): for every token vector of the first
+    text, its largest dot product with the second's, summed. Each text's vectors arrive flattened,
+    ``row_size`` values a token (normalised, so a dot product is a cosine)."""
+    matrices = [np.asarray(flat, dtype=np.float64).reshape(-1, row_size) for flat in token_vectors]
+    if not all(np.isfinite(m).all() for m in matrices):
+        raise ValueError("the model produced a non-finite embedding")
+    return [float((matrices[i] @ matrices[j].T).max(axis=1).sum()) if len(matrices[i]) and len(matrices[j])
+            else 0.0 for i, j in pairs]
+
+
 def _texts(value: str | list[str], param: str) -> list[str]:
     texts = [value] if isinstance(value, str) else list(value)
     if not texts or any(t == "" for t in texts):
@@ -196,9 +207,11 @@ class ScoringServing:
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
-        if serving.settings.pooling.labels:
+        pooling = serving.settings.pooling
+        if pooling.labels:
             return await self._cross_encoded(request_id, request, left, right, pairs, session_id, names, lora)
-        check_embeds(serving)
+        # (A ColBERT model embeds each text as one vector a token and scores by MaxSim.)
+        check_embeds(serving, per_token=pooling.late_interaction)
         texts = list(dict.fromkeys(left + right))
         where = {text: i for i, text in enumerate(texts)}
         firsts = set(left)
@@ -206,8 +219,10 @@ class ScoringServing:
                    for text in texts]
         params = embedding_params(serving, normalize=True)
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        indices = [(where[left[i]], where[right[j]]) for i, j in pairs]
         try:
-            scores = cosine_scores(vectors, [(where[left[i]], where[right[j]]) for i, j in pairs])
+            scores = (maxsim_scores(vectors, pooling.row_size, indices) if pooling.late_interaction
+                      else cosine_scores(vectors, indices))
         except ValueError as e:
             raise APIError(500, str(e), "InternalServerError") from None
         return scores, sum(len(p) for p in prompts)

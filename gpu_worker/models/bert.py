@@ -201,10 +201,13 @@ class BertModel(nn.Module):
         # BGE-M3's per-token heads (fp32, whole on every TP rank): a lexical weight per token, and a
         # ColBERT vector per token.
         self.sparse_linear = self.colbert_linear = None
+        width = config.hidden_size
         if config.m3_heads:
-            width = config.hidden_size
             self.sparse_linear = nn.Linear(width, 1, dtype=torch.float32).requires_grad_(False)
             self.colbert_linear = nn.Linear(width, width, dtype=torch.float32).requires_grad_(False)
+        elif config.colbert_dim:  # (ColBERT's projection: no bias)
+            self.colbert_linear = nn.Linear(width, config.colbert_dim, bias=False,
+                                            dtype=torch.float32).requires_grad_(False)
 
     def _classifier_head(self, config: ModelConfig) -> nn.Module:
         return _replicated_linear(config.hidden_size, len(config.labels))
@@ -227,14 +230,14 @@ class BertModel(nn.Module):
         return self.classifier.forward(pooled if pooler is None else pooler.forward(pooled))
 
     def token_head(self, task: str, rows: torch.Tensor) -> torch.Tensor:
-        """BGE-M3's rows for vLLM's ``task`` from final hidden states [n, hidden]: token_classify,
-        each token's sparse_linear(h) [n, 1] (its lexical weight once the router's relu applies);
-        token_embed, each token's ColBERT vector colbert_linear(h) [n, hidden] (normalised
-        afterwards, as the request asks)."""
-        if self.sparse_linear is None or self.colbert_linear is None:
-            raise RuntimeError("this model has no per-token heads")
-        rows = rows.float()
-        return (self.sparse_linear if task == "token_classify" else self.colbert_linear).forward(rows)
+        """The rows of vLLM's ``task`` from final hidden states [n, hidden], by the model's own
+        per-token head: token_classify, BGE-M3's sparse_linear(h) [n, 1] (a lexical weight once the
+        router's relu applies); token_embed, a ColBERT vector colbert_linear(h) [n, dim] (BGE-M3's
+        or ColBERT's; normalised afterwards, as the request asks)."""
+        head = self.sparse_linear if task == "token_classify" else self.colbert_linear
+        if head is None:
+            raise RuntimeError(f"this model has no {task} head")
+        return head.forward(rows.float())
 
     def extra_checkpoint_tensors(self, model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors kept beside the checkpoint: BGE-M3's sparse and ColBERT heads, saved by
@@ -264,6 +267,8 @@ class BertModel(nn.Module):
                 continue
             if name.startswith(("cls.", "lm_head.")) or (name.startswith("pooler.") and self.model.pooler is None):
                 continue
+            if self.config.colbert_dim and name == "linear.weight":  # (ColBERT's projection)
+                name = "colbert_linear.weight"
             if name.endswith(".gamma") or name.endswith(".beta"):
                 name = name.rsplit(".", 1)[0] + (".weight" if name.endswith(".gamma") else ".bias")
             yield name, tensor

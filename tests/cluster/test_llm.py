@@ -873,3 +873,33 @@ def test_bge_m3_gives_dense_sparse_and_colbert_outputs_through_encode(tmp_path):
         torch.testing.assert_close(torch.tensor(d.outputs.embedding), want_dense, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.tensor(s.outputs.data), want_lexical, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.tensor(c.outputs.data), want_colbert, atol=1e-5, rtol=1e-5)
+
+
+def test_a_colbert_model_scores_by_maxsim_through_score(tmp_path):
+    """HF_ColBERT through LLM: LLM.score is each pair's MaxSim over the two texts' normalised token
+    vectors (BERT's states through its projection), as ColBERT scores; LLM.encode gives the vectors."""
+    from tests.gpu_worker.test_encoders import save_tiny_colbert
+    from tests.tiny_model import build_wordpiece_tokenizer
+
+    tok = build_wordpiece_tokenizer()
+    path, hf, weight = save_tiny_colbert(tmp_path, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    tok.save_pretrained(path)
+    query, docs = "what is the capital of france", ["paris is the capital of france", "hello world"]
+    llm = LLM(model=str(path))
+    try:
+        scores = llm.score(query, docs, use_tqdm=False)
+        [vectors] = llm.encode([query], use_tqdm=False)
+        with pytest.raises(ValueError, match="pools every token"):
+            llm.embed([query], use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+    def token_vectors(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            states = hf(torch.tensor([tok(text).input_ids])).last_hidden_state[0]
+        return torch.nn.functional.normalize(states @ weight.T, dim=1)
+
+    torch.testing.assert_close(torch.tensor(vectors.outputs.data), token_vectors(query), atol=1e-5, rtol=1e-5)
+    for out, doc in zip(scores, docs, strict=True):
+        expected = (token_vectors(query) @ token_vectors(doc).T).max(dim=1).values.sum()
+        assert out.outputs.score == pytest.approx(float(expected), abs=1e-4)

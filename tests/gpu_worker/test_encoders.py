@@ -520,3 +520,46 @@ def test_token_classify_on_a_sequence_classifier_runs_its_classifier_on_every_to
                 states = hf.roberta(torch.tensor([prompt])).last_hidden_state[0]
                 expected = hf.classifier.out_proj(torch.tanh(hf.classifier.dense(states)))
         torch.testing.assert_close(torch.tensor(outputs[rid]).view(len(prompt), 3), expected, atol=1e-4, rtol=1e-4)
+
+
+def save_tiny_colbert(path, dim: int = 16, **overrides):
+    """A random BERT saved as ColBERT's own code (HF_ColBERT) saves it: the encoder under ``bert.``
+    and a bias-free ``linear`` projection to ``dim``; returns (path, transformers' BertModel, its
+    projection weight)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path, hf = save_tiny_encoder(path, "bert", **overrides)
+    tensors = {f"bert.{k}": v for k, v in load_file(str(path / "model.safetensors")).items()}
+    torch.manual_seed(17)
+    tensors["linear.weight"] = weight = torch.randn(dim, 64) * 0.3
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["HF_ColBERT"], "dim": dim}))
+    return path, hf, weight
+
+
+def test_colbert_embeds_every_token_through_its_projection(tmp_path):
+    """HF_ColBERT (colbertv2.0, answerai-colbert-small): each token's final state through the
+    bias-free ``linear`` projection, normalised (vLLM's token_embed, the only output it serves)."""
+    path, hf, weight = save_tiny_colbert(tmp_path)
+    config = ModelConfig.from_pretrained(path)
+    assert (config.colbert_dim, config.default_pooling_type, config.architecture) == (16, "ALL", "BertModel")
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    prompts = {**random_prompts(4, seed=18), "single": [42]}
+    scheduler = encoder_scheduler()
+    for rid, prompt in prompts.items():
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, embed_pooling="ALL",
+                                pooling_task="token_embed")
+        scheduler.add_request(Request(rid, prompt, params, eos_token_id=None))
+    outputs = {}
+    run_to_completion(scheduler, runner.execute_model,
+                      on_output=lambda o: outputs.update({o.request_id: o.pooling_output}))
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            states = hf(torch.tensor([prompt])).last_hidden_state[0]
+        expected = torch.nn.functional.normalize(states @ weight.T, dim=1)
+        torch.testing.assert_close(torch.tensor(outputs[rid]).view(len(prompt), 16), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="vectors' width"):
+        ModelConfig.from_dict({**config.raw, "dim": None})

@@ -13,7 +13,7 @@ from router.classification import class_probabilities
 from tests.router.tokenizer_factory import byte_level_tokenizer
 from tests.tiny_model import CHAT_TEMPLATE
 
-from .test_request_fields import _app, scripted_embedding
+from .test_request_fields import TOKENIZER, _app, scripted_embedding
 
 # (Copies: byte_level_tokenizer() is one cached object the other router tests share.)
 CHAT_TOKENIZER = copy.deepcopy(byte_level_tokenizer())
@@ -208,3 +208,30 @@ def test_bge_m3_answers_its_per_token_tasks_with_its_own_heads():
     http.post("/v1/embeddings", json={"model": "tiny", "input": [5, 6]})
     params = engine.requests[-1].sampling_params
     assert (params.embed_pooling, params.pooling_task) == ("CLS", None)
+
+
+def test_a_colbert_model_scores_pairs_by_maxsim():
+    """A late-interaction model (ColBERT): /score and /rerank embed each distinct text as one vector
+    a token (token_embed) and score a pair by MaxSim (each query vector's best dot product with the
+    document's, summed); /pooling answers its vectors; /v1/embeddings refuses it."""
+    from router.scoring import maxsim_scores
+
+    pooling = {"generates": False, "pooling_type": "ALL", "task": "token_embed", "token_heads": ("token_embed",),
+               "row_size": 2}
+    http, engine = _app(num_pooled=8, pooling=pooling)
+    body = http.post("/score", json={"model": "tiny", "text_1": "Hello world", "text_2": ["Paris", "Berlin is"]}).json()
+    by_text = {tuple(r.prompt_token_ids): scripted_embedding(r.prompt_token_ids, r.sampling_params)
+               for r in engine.requests}
+    assert all(r.sampling_params.pooling_task == "token_embed" and r.sampling_params.embed_normalize
+               for r in engine.requests)
+    query = np.asarray(by_text[tuple(TOKENIZER.encode("Hello world"))]).reshape(-1, 2)
+    for item, doc in zip(body["data"], ["Paris", "Berlin is"], strict=True):
+        document = np.asarray(by_text[tuple(TOKENIZER.encode(doc))]).reshape(-1, 2)
+        assert item["score"] == pytest.approx(float((query @ document.T).max(axis=1).sum()))
+    ranked = http.post("/rerank", json={"model": "tiny", "query": "Hello world", "documents": ["Paris", "Berlin is"]})
+    assert [r["relevance_score"] for r in sorted(ranked.json()["results"], key=lambda r: r["index"])] == [
+        item["score"] for item in body["data"]]
+    assert maxsim_scores([[1.0, 0.0, 0.0, 1.0], [0.6, 0.8]], 2, [(0, 1)]) == pytest.approx([0.6 + 0.8])
+    pooled = http.post("/pooling", json={"model": "tiny", "input": [5, 6]}).json()
+    assert len(pooled["data"][0]["data"]) == 4 and len(pooled["data"][0]["data"][0]) == 2
+    assert http.post("/v1/embeddings", json={"model": "tiny", "input": "hi"}).status_code == 400
