@@ -153,7 +153,8 @@ class ScoringOutput:
 
 @dataclass
 class ScoringRequestOutput:
-    """vLLM's ``LLM.score`` result: one pair's score (the cosine similarity of its embeddings)."""
+    """vLLM's ``LLM.score`` result: one pair's score (the cosine similarity of its embeddings, a
+    cross-encoder's score, or ColBERT's MaxSim)."""
 
     request_id: str
     outputs: ScoringOutput
@@ -438,7 +439,8 @@ class LLM:
         i-th with the i-th. With an embedding model, each pair's cosine similarity: each distinct
         prompt is embedded once, and a pair's ``prompt_token_ids`` are its two prompts' ids, joined.
         With a cross-encoder (a one-output sequence classifier), the sigmoid of its logit over the
-        pair, tokenised as the tokenizer joins a text pair (``prompt_token_ids``)."""
+        pair, tokenised as the tokenizer joins a text pair (``prompt_token_ids``). With a ColBERT
+        model, each pair's MaxSim over the two prompts' token vectors."""
         first, second = self._as_prompt_list(data_1), self._as_prompt_list(data_2)
         if not first or not second:
             raise ValueError("LLM.score needs at least one prompt on each side")
