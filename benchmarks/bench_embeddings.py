@@ -11,6 +11,9 @@ normalisation, as all-MiniLM ships:
   ours           LLM.embed: whole prompts per pass, bidirectional attention, no KV cache
   transformers   BertModel in batches, right-padded with an attention mask, the masked mean of the
                  final hidden states (sentence-transformers' MEAN pooling), L2-normalised
+With --nomic, a NomicBERT encoder (rotary positions, SwiGLU; 6 layers, 384 wide, 12 heads; random
+weights, the small WordPiece vocabulary) with MEAN-pooling sentence-transformers files, as
+nomic-embed-text ships, against transformers' NomicBertModel the same way.
 With --reward, a process reward model (Qwen2.5-Math-PRM's architecture, Qwen2ForProcessRewardModel:
 8 layers, 512 wide; random weights, our small tokenizer) scoring texts of reasoning steps, each step
 closed by the step separator "<extra_0>":
@@ -22,7 +25,8 @@ Rounds alternate between the two, each round with texts of its own (the engine's
 otherwise answer a repeated text from its cached blocks); prints each one's median texts/s, the
 ratio, and the largest difference between the two embeddings of any text (they must agree to float
 rounding).
-Usage: python benchmarks/bench_embeddings.py [--num-texts 256] [--rounds 3] [--hf-batch-size 32] [--bert | --reward]
+Usage: python benchmarks/bench_embeddings.py [--num-texts 256] [--rounds 3] [--hf-batch-size 32]
+                                            [--bert | --nomic | --reward]
 """
 
 from __future__ import annotations
@@ -92,16 +96,18 @@ def hf_step_rewards(reference, tokenizer, texts: list[str], batch_size: int, dev
     return torch.cat(out)
 
 
-def save_minilm_shaped_bert(path: Path) -> Path:
-    """A random BERT at all-MiniLM-L6-v2's shapes, with MEAN-pooling sentence-transformers files."""
-    from transformers import BertConfig, BertModel
+def save_minilm_shaped_bert(path: Path, nomic: bool = False) -> Path:
+    """A random BERT at all-MiniLM-L6-v2's shapes (``nomic``: a NomicBERT of the same size), with
+    MEAN-pooling sentence-transformers files."""
+    from transformers import BertConfig, BertModel, NomicBertConfig, NomicBertModel
 
     from tests.tiny_model import _write_sentence_transformers_files, build_wordpiece_tokenizer
 
     tokenizer = build_wordpiece_tokenizer(WORDS)
     torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=30522, hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
-                                 num_attention_heads=12, max_position_embeddings=512))
+    shape = dict(vocab_size=30522, hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
+                 num_attention_heads=12, max_position_embeddings=512)
+    model = NomicBertModel(NomicBertConfig(**shape)) if nomic else BertModel(BertConfig(**shape))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     _write_sentence_transformers_files(path, "pooling_mode_mean_tokens", normalize=True)
@@ -115,6 +121,7 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--bert", action="store_true", help="a BERT encoder at all-MiniLM-L6-v2's shapes")
+    parser.add_argument("--nomic", action="store_true", help="a NomicBERT encoder (rotary, SwiGLU), MEAN pooling")
     parser.add_argument("--reward", action="store_true", help="a process reward model scoring reasoning steps")
     args = parser.parse_args()
 
@@ -140,8 +147,8 @@ def main() -> None:
 
         def reference_embed(texts: list[str]) -> torch.Tensor:
             return hf_step_rewards(reward_reference, tokenizer, texts, args.hf_batch_size, device)
-    elif args.bert:
-        model_dir = str(save_minilm_shaped_bert(Path(tempfile.mkdtemp(prefix="bench-bert-"))))
+    elif args.bert or args.nomic:
+        model_dir = str(save_minilm_shaped_bert(Path(tempfile.mkdtemp(prefix="bench-bert-")), nomic=args.nomic))
         llm = LLM(model=model_dir, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
                   dtype="float32")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -180,6 +187,7 @@ def main() -> None:
     assert ours is not None and reference is not None
     ours_rate, hf_rate = statistics.median(rates["ours"]), statistics.median(rates["transformers"])
     model_name = ("process reward model (8 layers, 512 wide), " if args.reward
+                  else "NomicBERT (6 layers, 384 wide), " if args.nomic
                   else "BERT (all-MiniLM-L6-v2 shapes), " if args.bert else "")
     print(f"\n{model_name}{args.num_texts} texts a round (about {num_tokens:.0f} tokens), {args.rounds} rounds, "
           f"device {device}, "
