@@ -75,6 +75,9 @@ ENCODER_ARCHITECTURES = {
     # ColBERT (colbertv2.0, answerai-colbert-small): BERT and a projection of every token (``linear``)
     # to its late-interaction vectors, scored by MaxSim (vLLM's HF_ColBERT).
     "HF_ColBERT": "BertModel",
+    # ColBERT on ModernBERT (GTE-ModernColBERT, PyLate checkpoints: the projection is their
+    # sentence-transformers Dense module), asked for through --hf-overrides, as vLLM's.
+    "ColBERTModernBertModel": "ModernBertModel",
     # BGE-M3 with its sparse and ColBERT heads (vLLM's BgeM3EmbeddingModel, asked for through
     # --hf-overrides '{"architectures": ["BgeM3EmbeddingModel"]}').
     "BgeM3EmbeddingModel": "RobertaModel",
@@ -598,6 +601,9 @@ class ModelConfig:
     # ColBERT's projection of every token's final state (hidden -> colbert_dim, no bias): its
     # token_embed vectors, the only output it serves; None otherwise.
     colbert_dim: int | None = None
+    # A late-interaction (ColBERT) model: it serves each token's vector (token_embed), and scores a
+    # pair by MaxSim.
+    late_interaction: bool = False
 
     @property
     def attention_scale(self) -> float:
@@ -797,7 +803,8 @@ class ModelConfig:
             if not isinstance(colbert_dim, int) or colbert_dim < 1:
                 raise ValueError("HF_ColBERT's config must give its vectors' width (colbert_dim, dim or "
                                  "projection_dim)")
-        if token_classifier or colbert_dim:  # (a head on every token's final state)
+        late_interaction = bool(colbert_dim) or arch == "ColBERTModernBertModel"
+        if token_classifier or late_interaction:  # (a head on every token's final state)
             family["default_pooling_type"] = "ALL"
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
         return cls(
@@ -811,7 +818,7 @@ class ModelConfig:
             classifier_activation=_classifier_activation(cfg.get("problem_type"), len(labels)),
             cross_encoder_activation=_cross_encoder_activation(cfg) if labels else "sigmoid",
             encoder_only=True, token_classifier=token_classifier, m3_heads=arch == "BgeM3EmbeddingModel",
-            colbert_dim=colbert_dim, **family)
+            colbert_dim=colbert_dim, late_interaction=late_interaction, **family)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:

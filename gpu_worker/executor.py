@@ -90,6 +90,10 @@ class _ExecutorBase(Executor):
             pooler, pooling_unavailable = PoolerConfig(), str(e)
         if self.model_config.encoder_only and self.model_config.labels and not self.model_config.token_classifier:
             pooler = self._encoder_classifier_pooler(pooler, dict(config.pooler_config))
+        if self.model_config.late_interaction and "normalize" not in dict(config.pooler_config):
+            # (ColBERT's vectors are normalised, whatever its sentence-transformers files list: PyLate
+            # normalises in the model, and vLLM's token_embed does.)
+            pooler = dataclasses.replace(pooler, normalize=True)
         # The sentence-transformers projections of an embedding model's pooled states (a classifier's
         # head reads them unprojected); the workers load their weights.
         self.pooler_dense = () if self.model_config.labels else pooler.dense
@@ -132,7 +136,7 @@ class _ExecutorBase(Executor):
                                 step_tag_id=pooler.step_tag_id, returned_token_ids=pooler.returned_token_ids,
                                 row_size=row_size, token_heads=self._token_heads(),
                                 # (ColBERT serves its token_embed vectors only, and scores by MaxSim.)
-                                task="token_embed" if self.model_config.colbert_dim else None))
+                                task="token_embed" if self.model_config.late_interaction else None))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,
@@ -150,7 +154,7 @@ class _ExecutorBase(Executor):
         """The pooling tasks the model answers with per-token heads of its own."""
         if self.model_config.m3_heads:
             return ("token_embed", "token_classify")
-        return ("token_embed",) if self.model_config.colbert_dim else ()
+        return ("token_embed",) if self.model_config.late_interaction else ()
 
     def _encoder_classifier_pooler(self, pooler: PoolerConfig, asked: dict[str, Any]) -> PoolerConfig:
         """An encoder classifier's head reads what its architecture pools (BERT's and RoBERTa's

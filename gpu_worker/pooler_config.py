@@ -127,11 +127,12 @@ def load_dense_weights(model_dir: str | Path, dense: DenseProjection) -> tuple[t
 
 
 def _sentence_transformers_pooler(model_dir: Path, need_type: bool, hidden_size: int,
-                                  overridden: bool = False) -> dict[str, Any]:
+                                  overridden: bool = False, per_token: bool = False) -> dict[str, Any]:
     """The pooling a sentence-transformers checkpoint declares ({} when it is not one): its Dense
     projections and normalisation, and its pooling type when ``need_type`` (else the caller has one).
     ``overridden``: --pooler-config sets both pooling and normalisation, so modules we do not run are
-    the user's call (only the Dense projections are read)."""
+    the user's call (only the Dense projections are read). ``per_token``: the model pools every
+    token (a PyLate ColBERT), so Dense modules without a Pooling project each token."""
     modules_file = model_dir / "modules.json"
     if not modules_file.exists():
         return {}
@@ -146,7 +147,8 @@ def _sentence_transformers_pooler(model_dir: Path, need_type: bool, hidden_size:
     dense: list[DenseProjection] = []
     for kind, module in zip(kinds, modules, strict=True):
         if kind == "Dense":
-            if "Pooling" not in kinds or kinds.index("Pooling") > kinds.index("Dense"):
+            if ("Pooling" in kinds and kinds.index("Pooling") > kinds.index("Dense")) or (
+                    "Pooling" not in kinds and not per_token):
                 raise ValueError(f"{modules_file}: a Dense module before the Pooling is not served")
             dense.append(_dense_projection(model_dir, module, dense[-1].out_features if dense else hidden_size))
     found: dict[str, Any] = {"normalize": "Normalize" in kinds, "dense": tuple(dense)}
@@ -213,8 +215,10 @@ def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None
         override["pooling_type"] = str(override["pooling_type"]).upper()
     if "normalize" in override and not isinstance(override["normalize"], bool):
         raise ValueError(f"pooler_config normalize must be true or false, got {override['normalize']!r}")
+    per_token = str(override.get("pooling_type", default_type)) in PER_TOKEN_POOLING
     declared = _sentence_transformers_pooler(Path(model_dir), read_files_pooling and "pooling_type" not in override,
-                                             hidden_size, overridden={"pooling_type", "normalize"} <= set(override))
+                                             hidden_size, overridden={"pooling_type", "normalize"} <= set(override),
+                                             per_token=per_token)
     settings = {"pooling_type": default_type, **declared, **override}
     if settings["pooling_type"] == "STEP" and default_step_tag_id is not None:
         settings.setdefault("step_tag_id", default_step_tag_id)

@@ -903,3 +903,47 @@ def test_a_colbert_model_scores_by_maxsim_through_score(tmp_path):
     for out, doc in zip(scores, docs, strict=True):
         expected = (token_vectors(query) @ token_vectors(doc).T).max(dim=1).values.sum()
         assert out.outputs.score == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_a_pylate_modernbert_colbert_projects_each_token_through_its_dense_module(tmp_path):
+    """GTE-ModernColBERT-style (PyLate): a ModernBERT whose sentence-transformers files list a Dense
+    module and no Pooling, served with --hf-overrides naming ColBERTModernBertModel (vLLM's recipe):
+    each token's state through the Dense projection, normalised; MaxSim scores."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tests.gpu_worker.test_encoders import save_tiny_encoder
+    from tests.tiny_model import build_wordpiece_tokenizer
+
+    tok = build_wordpiece_tokenizer()
+    path, hf = save_tiny_encoder(tmp_path, "modernbert", vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                 cls_token_id=tok.cls_token_id, sep_token_id=tok.sep_token_id)
+    tok.save_pretrained(path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Dense").mkdir()
+    (path / "1_Dense" / "config.json").write_text(json.dumps({
+        "in_features": 64, "out_features": 24, "bias": False,
+        "activation_function": "torch.nn.modules.linear.Identity"}))
+    torch.manual_seed(19)
+    weight = torch.randn(24, 64) * 0.3
+    save_file({"linear.weight": weight}, str(path / "1_Dense" / "model.safetensors"))
+    query, docs = "what is the capital of france", ["paris is the capital of france", "hello world"]
+    llm = LLM(model=str(path), hf_overrides={"architectures": ["ColBERTModernBertModel"]})
+    try:
+        [vectors] = llm.encode([query], use_tqdm=False)
+        scores = llm.score(query, docs, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+    def token_vectors(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            states = hf(torch.tensor([tok(text).input_ids])).last_hidden_state[0]
+        return torch.nn.functional.normalize(states @ weight.T, dim=1)
+
+    torch.testing.assert_close(torch.tensor(vectors.outputs.data), token_vectors(query), atol=1e-5, rtol=1e-5)
+    for out, doc in zip(scores, docs, strict=True):
+        expected = (token_vectors(query) @ token_vectors(doc).T).max(dim=1).values.sum()
+        assert out.outputs.score == pytest.approx(float(expected), abs=1e-4)
