@@ -875,24 +875,12 @@ def test_bge_m3_gives_dense_sparse_and_colbert_outputs_through_encode(tmp_path):
         torch.testing.assert_close(torch.tensor(c.outputs.data), want_colbert, atol=1e-5, rtol=1e-5)
 
 
-def test_a_colbert_model_scores_by_maxsim_through_score(tmp_path):
-    """HF_ColBERT through LLM: LLM.score is each pair's MaxSim over the two texts' normalised token
-    vectors (BERT's states through its projection), as ColBERT scores; LLM.encode gives the vectors."""
-    from tests.gpu_worker.test_encoders import save_tiny_colbert
-    from tests.tiny_model import build_wordpiece_tokenizer
+COLBERT_QUERY, COLBERT_DOCS = "what is the capital of france", ["paris is the capital of france", "hello world"]
 
-    tok = build_wordpiece_tokenizer()
-    path, hf, weight = save_tiny_colbert(tmp_path, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
-    tok.save_pretrained(path)
-    query, docs = "what is the capital of france", ["paris is the capital of france", "hello world"]
-    llm = LLM(model=str(path))
-    try:
-        scores = llm.score(query, docs, use_tqdm=False)
-        [vectors] = llm.encode([query], use_tqdm=False)
-        with pytest.raises(ValueError, match="pools every token"):
-            llm.embed([query], use_tqdm=False)
-    finally:
-        llm.shutdown()
+
+def _assert_colbert_outputs(vectors, scores, hf, tok, weight, query, docs) -> None:
+    """The query's vectors from LLM.encode are its tokens' states (transformers') through the
+    projection ``weight``, normalised; each LLM.score is MaxSim over such vectors."""
 
     def token_vectors(text: str) -> torch.Tensor:
         with torch.no_grad():
@@ -903,6 +891,27 @@ def test_a_colbert_model_scores_by_maxsim_through_score(tmp_path):
     for out, doc in zip(scores, docs, strict=True):
         expected = (token_vectors(query) @ token_vectors(doc).T).max(dim=1).values.sum()
         assert out.outputs.score == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_a_colbert_model_scores_by_maxsim_through_score(tmp_path):
+    """HF_ColBERT through LLM: LLM.score is each pair's MaxSim over the two texts' normalised token
+    vectors (BERT's states through its projection), as ColBERT scores; LLM.encode gives the vectors."""
+    from tests.gpu_worker.test_encoders import save_tiny_colbert
+    from tests.tiny_model import build_wordpiece_tokenizer
+
+    tok = build_wordpiece_tokenizer()
+    path, hf, weight = save_tiny_colbert(tmp_path, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    tok.save_pretrained(path)
+    query, docs = COLBERT_QUERY, COLBERT_DOCS
+    llm = LLM(model=str(path))
+    try:
+        scores = llm.score(query, docs, use_tqdm=False)
+        [vectors] = llm.encode([query], use_tqdm=False)
+        with pytest.raises(ValueError, match="pools every token"):
+            llm.embed([query], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    _assert_colbert_outputs(vectors, scores, hf, tok, weight, query, docs)
 
 
 def test_a_pylate_modernbert_colbert_projects_each_token_through_its_dense_module(tmp_path):
@@ -930,20 +939,11 @@ def test_a_pylate_modernbert_colbert_projects_each_token_through_its_dense_modul
     torch.manual_seed(19)
     weight = torch.randn(24, 64) * 0.3
     save_file({"linear.weight": weight}, str(path / "1_Dense" / "model.safetensors"))
-    query, docs = "what is the capital of france", ["paris is the capital of france", "hello world"]
+    query, docs = COLBERT_QUERY, COLBERT_DOCS
     llm = LLM(model=str(path), hf_overrides={"architectures": ["ColBERTModernBertModel"]})
     try:
         [vectors] = llm.encode([query], use_tqdm=False)
         scores = llm.score(query, docs, use_tqdm=False)
     finally:
         llm.shutdown()
-
-    def token_vectors(text: str) -> torch.Tensor:
-        with torch.no_grad():
-            states = hf(torch.tensor([tok(text).input_ids])).last_hidden_state[0]
-        return torch.nn.functional.normalize(states @ weight.T, dim=1)
-
-    torch.testing.assert_close(torch.tensor(vectors.outputs.data), token_vectors(query), atol=1e-5, rtol=1e-5)
-    for out, doc in zip(scores, docs, strict=True):
-        expected = (token_vectors(query) @ token_vectors(doc).T).max(dim=1).values.sum()
-        assert out.outputs.score == pytest.approx(float(expected), abs=1e-4)
+    _assert_colbert_outputs(vectors, scores, hf, tok, weight, query, docs)
