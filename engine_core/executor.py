@@ -62,6 +62,9 @@ class PoolingInfo:
     # request asks for (for_task sets it).
     token_heads: tuple[str, ...] = ()
     task: str | None = None
+    # A late-interaction (ColBERT) model: each text embeds as one vector a token (token_embed), and a
+    # pair scores by MaxSim rather than cosine similarity.
+    late_interaction: bool = False
 
     @property
     def per_token(self) -> bool:
@@ -93,12 +96,6 @@ class PoolingInfo:
             raise ValueError(f"task {task!r}: the model pools every token ({self.pooling_type} pooling): ask for "
                              f"token_{task}")
         return self
-
-    @property
-    def late_interaction(self) -> bool:
-        """A ColBERT model: each text embeds as one vector a token (token_embed by its own head), and
-        a pair scores by MaxSim rather than cosine similarity."""
-        return self.task == "token_embed" and self.per_token
 
     @property
     def classifies(self) -> bool:

@@ -217,6 +217,25 @@ def with_overrides(cfg: dict[str, Any], overrides: dict[str, Any], nested: bool 
     return merged
 
 
+def _colbert_width(cfg: dict[str, Any]) -> Any:
+    """A ColBERT config's vectors' width, where it gives one (colbert_dim, dim or projection_dim)."""
+    return cfg.get("colbert_dim") or cfg.get("dim") or cfg.get("projection_dim")
+
+
+def _checkpoint_rows(model_dir: Path, names: tuple[str, ...]) -> int | None:
+    """The rows of the first of ``names`` in the checkpoint's safetensors (None where none is)."""
+    from safetensors import safe_open
+
+    from gpu_worker.weights import safetensors_files
+
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in names:
+                if name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                    return int(f.get_slice(name).get_shape()[0])
+    return None
+
+
 def _token_id_if_any(model_dir: Path, token: str) -> int | None:
     """The id of ``token`` in the model's vocabulary, None where it is not one token of it."""
     from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
@@ -798,8 +817,8 @@ class ModelConfig:
                   else _rope_bert_fields(ours, arch, cfg) if ours in ("NomicBertModel", "GteModel")
                   else _bert_fields(ours, arch, cfg))
         colbert_dim = None
-        if arch == "HF_ColBERT":  # (vLLM reads its width from colbert_dim, dim or projection_dim)
-            colbert_dim = cfg.get("colbert_dim") or cfg.get("dim") or cfg.get("projection_dim")
+        if arch == "HF_ColBERT":  # (its width: colbert_dim, dim or projection_dim, as vLLM reads it)
+            colbert_dim = _colbert_width(cfg)
             if not isinstance(colbert_dim, int) or colbert_dim < 1:
                 raise ValueError("HF_ColBERT's config must give its vectors' width (colbert_dim, dim or "
                                  "projection_dim)")
@@ -827,6 +846,9 @@ class ModelConfig:
         its own, as vLLM updates a nested config."""
         model_dir = Path(model_dir)
         cfg = with_overrides(json.loads((model_dir / "config.json").read_text()), hf_overrides or {})
+        if (cfg.get("architectures") or [None])[0] == "HF_ColBERT" and not _colbert_width(cfg):
+            # (colbertv2.0 and answerai-colbert keep it in their artifact metadata: vLLM reads the projection.)
+            cfg = {**cfg, "dim": _checkpoint_rows(model_dir, ("linear.weight", "bert.linear.weight"))}
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)

@@ -80,7 +80,8 @@ class _ExecutorBase(Executor):
                                            default_type=self.model_config.default_pooling_type,
                                            hidden_size=self.model_config.hidden_size,
                                            default_step_tag_id=self.model_config.step_tag_id,
-                                           read_files_pooling=not self.model_config.token_classifier)
+                                           read_files_pooling=not (self.model_config.token_classifier
+                                                                   or self.model_config.late_interaction))
         except ValueError as e:
             if embeds_only:
                 raise
@@ -90,10 +91,14 @@ class _ExecutorBase(Executor):
             pooler, pooling_unavailable = PoolerConfig(), str(e)
         if self.model_config.encoder_only and self.model_config.labels and not self.model_config.token_classifier:
             pooler = self._encoder_classifier_pooler(pooler, dict(config.pooler_config))
-        if self.model_config.late_interaction and "normalize" not in dict(config.pooler_config):
-            # (ColBERT's vectors are normalised, whatever its sentence-transformers files list: PyLate
-            # normalises in the model, and vLLM's token_embed does.)
-            pooler = dataclasses.replace(pooler, normalize=True)
+        if self.model_config.late_interaction:
+            if pooler.pooling_type != "ALL":  # (ColBERT serves every token's vector, nothing else, as in vLLM)
+                raise ValueError(f"pooler_config pooling_type {pooler.pooling_type!r}: a ColBERT model pools every "
+                                 "token (ALL); drop pooling_type")
+            if "normalize" not in dict(config.pooler_config):
+                # (Its vectors are normalised, whatever its sentence-transformers files list: PyLate
+                # normalises in the model, and vLLM's token_embed does.)
+                pooler = dataclasses.replace(pooler, normalize=True)
         # The sentence-transformers projections of an embedding model's pooled states (a classifier's
         # head reads them unprojected); the workers load their weights.
         self.pooler_dense = () if self.model_config.labels else pooler.dense
@@ -124,8 +129,11 @@ class _ExecutorBase(Executor):
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
-            hidden_size=pooler.embedding_size(self.model_config.hidden_size) if not self.model_config.labels
-            else self.model_config.hidden_size, sliding_window=self.model_config.uniform_sliding_window,
+            # (The size of its embeddings: a Dense projection's, or ColBERT's vectors'.)
+            hidden_size=self.model_config.colbert_dim or (pooler.embedding_size(self.model_config.hidden_size)
+                                                          if not self.model_config.labels
+                                                          else self.model_config.hidden_size),
+            sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after, encoder_only=self.model_config.encoder_only,
             pooling=PoolingInfo(generates=not embeds_only, pooling_type=pooler.pooling_type,
                                 normalize=pooler.normalize, unavailable=pooling_unavailable,
@@ -136,7 +144,8 @@ class _ExecutorBase(Executor):
                                 step_tag_id=pooler.step_tag_id, returned_token_ids=pooler.returned_token_ids,
                                 row_size=row_size, token_heads=self._token_heads(),
                                 # (ColBERT serves its token_embed vectors only, and scores by MaxSim.)
-                                task="token_embed" if self.model_config.late_interaction else None))
+                                task="token_embed" if self.model_config.late_interaction else None,
+                                late_interaction=self.model_config.late_interaction))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

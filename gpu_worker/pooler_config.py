@@ -149,7 +149,9 @@ def _sentence_transformers_pooler(model_dir: Path, need_type: bool, hidden_size:
         if kind == "Dense":
             if ("Pooling" in kinds and kinds.index("Pooling") > kinds.index("Dense")) or (
                     "Pooling" not in kinds and not per_token):
-                raise ValueError(f"{modules_file}: a Dense module before the Pooling is not served")
+                raise ValueError(f"{modules_file}: a Dense module before the Pooling is not served (a PyLate "
+                                 "ColBERT on ModernBERT: serve it with --hf-overrides '{\"architectures\": "
+                                 "[\"ColBERTModernBertModel\"]}')")
             dense.append(_dense_projection(model_dir, module, dense[-1].out_features if dense else hidden_size))
     found: dict[str, Any] = {"normalize": "Normalize" in kinds, "dense": tuple(dense)}
     pooling = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)

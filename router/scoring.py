@@ -217,7 +217,8 @@ class ScoringServing:
         firsts = set(left)
         prompts = [self.embeddings.prompt_ids(text, request, names[0] if text in firsts else names[1])
                    for text in texts]
-        params = embedding_params(serving, normalize=True)
+        # (Cosine similarity normalises; MaxSim reads the vectors as the model gives them, as LLM.score.)
+        params = embedding_params(serving, normalize=None if pooling.late_interaction else True)
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         indices = [(where[left[i]], where[right[j]]) for i, j in pairs]
         try:

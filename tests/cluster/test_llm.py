@@ -912,6 +912,8 @@ def test_a_colbert_model_scores_by_maxsim_through_score(tmp_path):
     finally:
         llm.shutdown()
     _assert_colbert_outputs(vectors, scores, hf, tok, weight, query, docs)
+    with pytest.raises(ValueError, match="a ColBERT model pools every token"):
+        LLM(model=str(path), pooler_config={"pooling_type": "CLS"})
 
 
 def test_a_pylate_modernbert_colbert_projects_each_token_through_its_dense_module(tmp_path):

@@ -563,3 +563,8 @@ def test_colbert_embeds_every_token_through_its_projection(tmp_path):
         torch.testing.assert_close(torch.tensor(outputs[rid]).view(len(prompt), 16), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="vectors' width"):
         ModelConfig.from_dict({**config.raw, "dim": None})
+    # colbertv2.0 / answerai-colbert keep the width outside config.json: read from the projection.
+    import json
+
+    (path / "config.json").write_text(json.dumps({k: v for k, v in config.raw.items() if k != "dim"}))
+    assert ModelConfig.from_pretrained(path).colbert_dim == 16

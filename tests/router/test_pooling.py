@@ -217,7 +217,7 @@ def test_a_colbert_model_scores_pairs_by_maxsim():
     from router.scoring import maxsim_scores
 
     pooling = {"generates": False, "pooling_type": "ALL", "task": "token_embed", "token_heads": ("token_embed",),
-               "row_size": 2}
+               "row_size": 2, "late_interaction": True}
     http, engine = _app(num_pooled=8, pooling=pooling)
     body = http.post("/score", json={"model": "tiny", "text_1": "Hello world", "text_2": ["Paris", "Berlin is"]}).json()
     by_text = {tuple(r.prompt_token_ids): scripted_embedding(r.prompt_token_ids, r.sampling_params)
