@@ -336,6 +336,9 @@ class LLM:
         last token's final hidden state by default; see /v1/embeddings), first ``dimensions`` values
         when given, L2-normalised unless ``normalize`` or the pooler config says not."""
         info = self._model_info()
+        if info.pooling.labels and info.pooling.per_token:
+            raise ValueError("this model classifies every token (a token classifier or reward model): LLM.encode "
+                             "(or LLM.reward) gives each token's classes, not LLM.embed")
         if info.pooling.labels:
             raise ValueError("this model is a sequence classifier: use LLM.classify (or LLM.score for a "
                              "cross-encoder), not LLM.embed")
@@ -445,7 +448,11 @@ class LLM:
         if not first or not second:
             raise ValueError("LLM.score needs at least one prompt on each side")
         pairs = score_pairs(len(first), len(second))
-        if self._model_info().pooling.labels:
+        pooling = self._model_info().pooling
+        if pooling.labels and pooling.per_token:
+            raise ValueError("this model classifies every token (a token classifier or reward model): LLM.encode "
+                             "gives each token's classes; it scores no pairs")
+        if pooling.labels:
             return self._cross_encoder_scores(first, second, pairs, use_tqdm, lora_request)
         unique: dict[tuple[str, Any], PromptType] = {}
         for prompt in [*first, *second]:
@@ -453,7 +460,6 @@ class LLM:
         position = {key: i for i, key in enumerate(unique)}
         at = [position[_prompt_key(p)] for p in first], [position[_prompt_key(p)] for p in second]
         indices = [(at[0][i], at[1][j]) for i, j in pairs]
-        pooling = self._model_info().pooling
         if pooling.late_interaction:  # (ColBERT: one vector a token, scored by MaxSim)
             encoded = self.encode(list(unique.values()), use_tqdm=use_tqdm, lora_request=lora_request)
             ids = [e.prompt_token_ids for e in encoded]

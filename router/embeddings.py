@@ -87,6 +87,9 @@ def check_embeds(serving: OpenAIServing, per_token: bool = False) -> None:
     """400 unless the model answers embeddings: not a classifier, pooled as its checkpoint
     declares, and one embedding per input unless ``per_token`` (/pooling reads every token's)."""
     settings = serving.settings
+    if settings.pooling.labels and settings.pooling.per_token:
+        raise bad_request(f"{settings.served_model_name} classifies every token (a token classifier or reward "
+                          "model): /pooling answers each token's classes, not embeddings", "model")
     if settings.pooling.labels:
         raise bad_request(f"{settings.served_model_name} is a sequence classifier: it answers /classify (and "
                           "/score for a cross-encoder), not embeddings", "model")

@@ -825,10 +825,11 @@ def test_reward_models_score_each_step_and_token_through_reward(ray_cluster, tmp
         llm = LLM(model=str(path), tensor_parallel_size=tp, max_num_batched_tokens=8, long_prefill_token_threshold=5)
         try:
             rewarded = llm.reward(texts, use_tqdm=False)
+            for refused in (llm.classify, llm.embed):
+                with pytest.raises(ValueError, match="classifies every token"):
+                    refused(texts, use_tqdm=False)
             with pytest.raises(ValueError, match="classifies every token"):
-                llm.classify(texts, use_tqdm=False)
-            with pytest.raises(ValueError, match="sequence classifier"):
-                llm.embed(texts, use_tqdm=False)
+                llm.score(texts[0], texts[1:], use_tqdm=False)
         finally:
             llm.shutdown()
         for out, text in zip(rewarded, texts, strict=True):

@@ -61,9 +61,11 @@ def test_a_process_reward_model_answers_each_steps_class_probabilities():
     for switch in ("use_activation", "activation"):
         raw = http.post("/pooling", json={"model": "tiny", "input": [5, 7, 6, 7], switch: False}).json()
         assert raw["data"][0]["data"] == rows
-    for path, payload in (("/classify", {"input": "hi"}), ("/v1/embeddings", {"input": "hi"})):
+    for path, payload in (("/classify", {"input": "hi"}), ("/v1/embeddings", {"input": "hi"}),
+                          ("/score", {"text_1": "a", "text_2": "b"})):
         r = http.post(path, json={"model": "tiny", **payload})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", path
+        assert "/pooling" in r.json()["error"]["message"], path  # (not sent to /classify, which refuses it too)
 
 
 def test_per_token_embeddings_come_back_row_by_row():
