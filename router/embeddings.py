@@ -27,6 +27,41 @@ TRUNCATION_SIDE_HELP = ('Which end truncate_prompt_tokens cuts: "right" keeps an
                         'sentence-transformers and vLLM\'s pooling endpoints do), "left" its last.')
 
 
+EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+# vLLM's embed_dtype names -> torch dtypes.
+_EMBED_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn",
+                 "fp8_e5m2": "float8_e5m2"}
+
+
+class EncodingFields(BaseModel):
+    """How /v1/embeddings and /pooling send their vectors (OpenAI's encoding_format, and vLLM's
+    embed_dtype and endianness for base64)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    embed_dtype: EmbedDType = Field("float32", description="base64's element type (fp8: one byte each).")
+    endianness: Literal["native", "big", "little"] = Field("native", description="base64's byte order.")
+
+    def encode(self, vector: list[float] | list[list[float]]) -> list[float] | list[list[float]] | str:
+        return encoded(vector, self.encoding_format, self.embed_dtype, self.endianness)
+
+
+def encoded(vector: list[float] | list[list[float]], encoding_format: str, embed_dtype: str = "float32",
+            endianness: str = "native") -> list[float] | list[list[float]] | str:
+    """``vector`` as asked: the values, or their bytes in base64, as ``embed_dtype`` elements in
+    ``endianness`` order (rows one after another, for a 2-D output), as vLLM encodes them."""
+    if encoding_format != "base64":
+        return vector
+    order = {"native": "=", "big": ">", "little": "<"}[endianness]
+    if embed_dtype in ("float32", "float16"):  # (numpy holds them: no torch on the common path)
+        raw = np.asarray(vector, dtype=order + ("f4" if embed_dtype == "float32" else "f2")).reshape(-1)
+        return base64.b64encode(raw.tobytes()).decode()
+    import torch
+
+    values = torch.tensor(vector, dtype=torch.float32).flatten().to(getattr(torch, _EMBED_DTYPES[embed_dtype]))
+    bits = values.view(torch.uint8 if values.element_size() == 1 else torch.int16).numpy()
+    return base64.b64encode(bits.astype(bits.dtype.newbyteorder(order), copy=False).tobytes()).decode()
+
+
 class PooledInputRequest(BaseModel):
     """What /v1/embeddings, /classify and /pooling share: the inputs pooled into one answer each (or
     one conversation, vLLM's chat form of these requests), and how they are tokenised and scheduled."""
@@ -76,8 +111,7 @@ class PooledInputRequest(BaseModel):
         return list(self.input)  # type: ignore[arg-type]
 
 
-class EmbeddingRequest(PooledInputRequest):
-    encoding_format: Literal["float", "base64"] = "float"
+class EmbeddingRequest(PooledInputRequest, EncodingFields):
     dimensions: int | None = Field(None, ge=1, description="Keep the first values only (Matryoshka models).")
     normalize: bool | None = Field(None, description="L2-normalise (default: the model's pooler config, "
                                                      "true unless its sentence-transformers files omit Normalize).")
@@ -136,7 +170,7 @@ class EmbeddingsServing:
         num_tokens = sum(len(ids) for ids in prompts)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": serving.model_name(request.model),
-                "data": [{"object": "embedding", "index": i, "embedding": encoded(v, request.encoding_format)}
+                "data": [{"object": "embedding", "index": i, "embedding": request.encode(v)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
@@ -195,9 +229,3 @@ def tokenize_truncated(tokenizer: Any, text: str, text_pair: str | None, add_spe
     return encoding
 
 
-def encoded(vector: list[float] | list[list[float]], encoding_format: str) -> list[float] | list[list[float]] | str:
-    """``vector`` as asked: the values, or their little-endian float32 bytes in base64 (rows one
-    after another, for a 2-D output)."""
-    if encoding_format == "base64":
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-    return vector

@@ -19,19 +19,18 @@ from pydantic import Field
 from router.classification import ActivationField, classifier_params, pooled_output
 from router.embeddings import (
     EmbeddingsServing,
+    EncodingFields,
     PooledInputRequest,
     check_dimensions,
     check_embeds,
     embedding_params,
-    encoded,
 )
 from router.serving import OpenAIServing, bad_request
 
 POOLING_PATHS = ("/pooling", "/v1/pooling")
 
 
-class PoolingRequest(PooledInputRequest, ActivationField):
-    encoding_format: Literal["float", "base64"] = "float"
+class PoolingRequest(PooledInputRequest, ActivationField, EncodingFields):
     task: Literal["embed", "classify", "token_embed", "token_classify"] | None = Field(
         None, description="vLLM's pooling task: one row per input (embed, classify) or per token (token_embed, "
                           "token_classify); default: as the model pools.")
@@ -75,6 +74,6 @@ class PoolingServing:
         num_tokens = sum(len(ids) for ids in prompts)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": serving.model_name(request.model),
-                "data": [{"index": i, "object": "pooling", "data": encoded(row, request.encoding_format)}
+                "data": [{"index": i, "object": "pooling", "data": request.encode(row)}
                          for i, row in enumerate(outputs)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}}
