@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine_core.outputs import LoRARequest
 from engine_core.sched.scheduler import PAUSE_MODES
 from router.classification import CLASSIFY_PATHS, ClassificationRequest, ClassificationServing
+from router.cohere_embed import COHERE_EMBED_PATH, CohereEmbedRequest, CohereEmbedServing
 from router.embeddings import EmbeddingRequest, EmbeddingsServing
 from router.metrics import RouterMetrics, merge_expositions
 from router.model_servings import ModelServings
@@ -194,6 +195,7 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         return endpoint
 
     app.post("/v1/embeddings")(model_endpoint(EmbeddingsServing, EmbeddingRequest))
+    app.post(COHERE_EMBED_PATH)(model_endpoint(CohereEmbedServing, CohereEmbedRequest))
     for path in SCORING_PATHS:
         app.post(path)(model_endpoint(ScoringServing, RerankRequest, "rerank") if path.endswith("rerank")
                        else model_endpoint(ScoringServing, ScoreRequest, "score"))

@@ -41,9 +41,14 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
         assert b[0].choices[0].text == b[1].choices[0].text != a.choices[0].text  # another model's weights
         chat = client.chat.completions.create(model="tiny-b", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=4)
+        # Cohere's /v2/embed on the same engines as /v1/embeddings: the same vectors.
+        cohere = httpx.post(f"{served.base}/v2/embed", json={"model": "tiny-b", "texts": ["Hello world"]},
+                            timeout=60).json()
+        openai_vector = client.embeddings.create(model="tiny-b", input="Hello world").data[0].embedding
+        assert cohere["embeddings"]["float"][0] == pytest.approx(openai_vector, abs=1e-6)
         assert chat.model == "tiny-b" and chat.usage.completion_tokens >= 1
         # Engine 0 serves "tiny", engine 1 "tiny-b" (numbered after the first model's), engine 2 "bert-ce".
-        assert [s.num_requests_added for s in served.stats()] == [1, 3, 2, 1]
+        assert [s.num_requests_added for s in served.stats()] == [1, 5, 2, 1]
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="tiny-c", prompt="Hello")
         health = httpx.get(f"{served.base}/health", timeout=30).json()

@@ -1,0 +1,121 @@
+"""Cohere's ``POST /v2/embed`` (as vLLM serves it): the same embeddings as /v1/embeddings, in Cohere's
+request and response shapes, so clients written for Cohere's API (``cohere.ClientV2.embed``) work.
+
+* ``texts`` (or ``inputs`` of text content parts), each embedded once;
+* ``truncate``: ``END`` (the default) keeps each text's first tokens, ``START`` its last, ``NONE``
+  refuses a text longer than the model's context; ``max_tokens`` caps each text's tokens;
+* ``output_dimension``: the first values only (Matryoshka models);
+* ``embedding_types``: ``float``, ``base64`` (little-endian float32), ``binary`` / ``ubinary`` (one
+  bit per value, set where it is >= 0, eight to a byte, signed or not) — each asked type in the
+  answer's ``embeddings``.
+``input_type`` is taken and not applied: Cohere's own models add a marker per input type; others,
+here as in vLLM, embed the text as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from router.embeddings import EmbeddingsServing, check_dimensions, check_embeds, embedding_params
+from router.protocol import INT64_MAX, INT64_MIN, invalid
+from router.serving import OpenAIServing, bad_request
+
+COHERE_EMBED_PATH = "/v2/embed"
+EmbeddingType = Literal["float", "base64", "binary", "ubinary"]
+
+
+class CohereContent(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class CohereInput(BaseModel):
+    content: list[CohereContent] = Field(..., min_length=1)
+
+
+class CohereEmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Served model name (default: the first).")
+    texts: list[str] | None = Field(None, min_length=1)
+    inputs: list[CohereInput] | None = Field(None, min_length=1, description="Text content parts, joined by "
+                                                                            "newlines per input.")
+    input_type: str | None = Field(None, description="Taken, not applied (see the module's docstring).")
+    embedding_types: list[EmbeddingType] = Field(["float"], min_length=1)
+    output_dimension: int | None = Field(None, ge=1)
+    truncate: Literal["NONE", "START", "END"] = "END"
+    max_tokens: int | None = Field(None, ge=1, description="Each text's tokens at most.")
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> CohereEmbedRequest:
+        if (self.texts is None) == (self.inputs is None):
+            raise invalid("texts", "give exactly one of texts or inputs")
+        if any(text == "" for text in self.all_texts()):
+            raise invalid("texts", "texts must not hold an empty text")
+        return self
+
+    def all_texts(self) -> list[str]:
+        if self.texts is not None:
+            return list(self.texts)
+        return ["\n".join(part.text for part in item.content) for item in self.inputs or ()]
+
+    # (What EmbeddingsServing.prompt_ids reads to tokenise and truncate each text.)
+    @property
+    def truncate_prompt_tokens(self) -> int | None:
+        return None if self.truncate == "NONE" else self.max_tokens or -1
+
+    @property
+    def truncation_side(self) -> str:
+        return "left" if self.truncate == "START" else "right"
+
+    add_special_tokens: bool = True
+
+
+def packed_bits(vectors: np.ndarray, signed: bool) -> list[list[int]]:
+    """Cohere's binary embeddings: a bit per value (1 where it is >= 0), the first value in the
+    highest bit, eight to a byte; ``signed`` bytes are shifted down by 128 (int8)."""
+    if vectors.shape[1] % 8:
+        raise bad_request(f"binary embeddings need a dimension that is a multiple of 8, got {vectors.shape[1]}",
+                          "embedding_types")
+    packed = np.packbits(vectors >= 0, axis=1).astype(np.int16)
+    return (packed - 128 if signed else packed).tolist()
+
+
+class CohereEmbedServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.embeddings = EmbeddingsServing(serving)
+
+    async def create(self, request: CohereEmbedRequest, session_id: str | None = None) -> dict[str, Any]:
+        serving = self.serving
+        lora = await serving.resolve_model(request.model)
+        serving.check_priority(request.priority)
+        check_embeds(serving)
+        check_dimensions(serving, request.output_dimension)
+        size = request.output_dimension or serving.settings.hidden_size
+        if size and size % 8 and {"binary", "ubinary"} & set(request.embedding_types):
+            raise bad_request(f"binary embeddings need a dimension that is a multiple of 8, got {size}",
+                              "embedding_types")
+        texts = request.all_texts()
+        prompts = [self.embeddings.prompt_ids(text, request, "texts") for text in texts]
+        params = embedding_params(serving, dimensions=request.output_dimension)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        matrix = np.asarray(vectors, dtype=np.float32)
+        by_type: dict[str, Any] = {}
+        for kind in dict.fromkeys(request.embedding_types):
+            if kind == "float":
+                by_type[kind] = vectors
+            elif kind == "base64":
+                by_type[kind] = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in matrix]
+            else:
+                by_type[kind] = packed_bits(matrix, signed=kind == "binary")
+        return {"id": request_id, "embeddings": by_type, "texts": texts, "response_type": "embeddings_by_type",
+                "meta": {"api_version": {"version": "2"},
+                         "billed_units": {"input_tokens": sum(len(p) for p in prompts)}}}
