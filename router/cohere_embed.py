@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.embeddings import EmbeddingsServing, check_dimensions, check_embeds, embedding_params
+from router.embeddings import EmbeddingsServing, embedding_params
 from router.protocol import INT64_MAX, INT64_MIN, invalid
 from router.serving import OpenAIServing, bad_request
 
@@ -94,10 +94,7 @@ class CohereEmbedServing:
 
     async def create(self, request: CohereEmbedRequest, session_id: str | None = None) -> dict[str, Any]:
         serving = self.serving
-        lora = await serving.resolve_model(request.model)
-        serving.check_priority(request.priority)
-        check_embeds(serving)
-        check_dimensions(serving, request.output_dimension)
+        lora = await self.embeddings.admit(request, request.output_dimension)
         size = request.output_dimension or serving.settings.hidden_size
         if size and size % 8 and {"binary", "ubinary"} & set(request.embedding_types):
             raise bad_request(f"binary embeddings need a dimension that is a multiple of 8, got {size}",

@@ -157,12 +157,19 @@ class EmbeddingsServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def create(self, request: EmbeddingRequest, session_id: str | None = None) -> dict[str, Any]:
+    async def admit(self, request: Any, dimensions: int | None) -> Any:
+        """What every embeddings endpoint checks first (400s and 404s): the model or adapter named
+        (returned: its LoRARequest, or None), the priority, that the model embeds, the dimensions."""
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
         check_embeds(serving)
-        check_dimensions(serving, request.dimensions)
+        check_dimensions(serving, dimensions)
+        return lora
+
+    async def create(self, request: EmbeddingRequest, session_id: str | None = None) -> dict[str, Any]:
+        serving = self.serving
+        lora = await self.admit(request, request.dimensions)
         prompts = self.request_prompts(request)
         params = embedding_params(serving, request.normalize, request.dimensions)
         request_id = f"embd-{uuid.uuid4().hex}"
