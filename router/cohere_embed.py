@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -65,15 +66,14 @@ class CohereEmbedRequest(BaseModel):
             return list(self.texts)
         return ["\n".join(part.text for part in item.content) for item in self.inputs or ()]
 
-    # (What EmbeddingsServing.prompt_ids reads to tokenise and truncate each text.)
-    @property
-    def truncate_prompt_tokens(self) -> int | None:
-        return None if self.truncate == "NONE" else self.max_tokens or -1
 
-    @property
-    def truncation_side(self) -> str:
-        return "left" if self.truncate == "START" else "right"
 
+@dataclass(frozen=True)
+class _Tokenising:
+    """What EmbeddingsServing.prompt_ids reads to tokenise and truncate each text."""
+
+    truncate_prompt_tokens: int | None
+    truncation_side: str
     add_special_tokens: bool = True
 
 
@@ -100,7 +100,15 @@ class CohereEmbedServing:
             raise bad_request(f"binary embeddings need a dimension that is a multiple of 8, got {size}",
                               "embedding_types")
         texts = request.all_texts()
-        prompts = [self.embeddings.prompt_ids(text, request, "texts") for text in texts]
+        # END keeps a text's first tokens, START its last, both at most max_tokens (and the context);
+        # NONE refuses a text longer than either.
+        limit = min(request.max_tokens or serving.settings.max_model_len, serving.settings.max_model_len)
+        tokenising = _Tokenising(None if request.truncate == "NONE" else limit,
+                                 "left" if request.truncate == "START" else "right")
+        prompts = [self.embeddings.prompt_ids(text, tokenising, "texts") for text in texts]
+        if request.max_tokens is not None and any(len(ids) > request.max_tokens for ids in prompts):
+            raise bad_request(f"a text is longer than max_tokens ({request.max_tokens}) and truncate is NONE",
+                              "max_tokens")
         params = embedding_params(serving, dimensions=request.output_dimension)
         request_id = f"embd-{uuid.uuid4().hex}"
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)

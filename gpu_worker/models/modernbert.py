@@ -157,11 +157,16 @@ class ModernBertModel(nn.Module):
         raise RuntimeError("an encoder model is served for embeddings or classes only: it has no LM head")
 
     def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:
-        """Class logits of pooled final hidden states [n, hidden] -> [n, classes] (the same head on
-        each token's, ``per_token``)."""
+        """Class logits of pooled final hidden states [n, hidden] -> [n, classes] (``per_token``:
+        of each token's)."""
         if self.classifier is None or self.head is None:
             raise RuntimeError("this model has no classification head")
-        return self.classifier.forward(self.head.forward(pooled.to(self.classifier.weight.dtype)))
+        pooled = pooled.to(self.classifier.weight.dtype)
+        # (vLLM's token_classify on a sequence classifier: the classifier alone on each token, as
+        # for BERT; a token classifier's own head stays, as transformers runs it.)
+        if per_token and not self.config.token_classifier:
+            return self.classifier.forward(pooled)
+        return self.classifier.forward(self.head.forward(pooled))
 
     def attention_layers(self) -> list[nn.Module]:
         """Layers reading the paged KV cache: none (an encoder attends within the pass)."""

@@ -504,18 +504,20 @@ def test_nomic_and_gte_checkpoints_of_their_own_code_load(tmp_path, kind):
             ModelConfig.from_dict({**raw, **bad})
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "modernbert"])
 def test_token_classify_on_a_sequence_classifier_runs_its_classifier_on_every_token(tmp_path, kind):
-    """vLLM's token_classify on a sequence classifier (ALL pooling): BERT's classifier alone on each
-    token's final state (its pooler reads [CLS] only), RoBERTa's classification head on each."""
+    """vLLM's token_classify on a sequence classifier (ALL pooling): BERT's and ModernBERT's
+    classifier alone on each token's final state (BERT's pooler and ModernBERT's head read the
+    pooled state only), RoBERTa's classification head on each."""
     path, hf = save_tiny_encoder(tmp_path, kind, num_labels=3)
     runner = make_runner(path, num_blocks=64, block_size=4)
     prompts = random_prompts(3, seed=14)
     outputs = pooled_outputs(runner, prompts, "ALL")
     for rid, prompt in prompts.items():
         with torch.no_grad():
-            if kind == "bert":
-                expected = hf.classifier(hf.bert(torch.tensor([prompt])).last_hidden_state[0])
+            if kind in ("bert", "modernbert"):
+                base = hf.bert if kind == "bert" else hf.model
+                expected = hf.classifier(base(torch.tensor([prompt])).last_hidden_state[0])
             else:  # (dense, tanh, out_proj on every token's state)
                 states = hf.roberta(torch.tensor([prompt])).last_hidden_state[0]
                 expected = hf.classifier.out_proj(torch.tanh(hf.classifier.dense(states)))

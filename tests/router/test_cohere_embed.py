@@ -47,6 +47,11 @@ def test_v2_embed_truncates_as_cohere_says_and_takes_inputs():
         assert engine.requests[-1].prompt_token_ids == kept, truncate
     r = http.post("/v2/embed", json={"model": "tiny", "texts": ["x" * 300], "truncate": "NONE"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "texts"
+    r = http.post("/v2/embed", json={"model": "tiny", "texts": [text], "truncate": "NONE", "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # (A max_tokens past the context truncates at the context.)
+    http.post("/v2/embed", json={"model": "tiny", "texts": ["x" * 300], "max_tokens": 100_000})
+    assert len(engine.requests[-1].prompt_token_ids) == 256
     body = http.post("/v2/embed", json={"model": "tiny", "inputs": [{"content": [
         {"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}], "output_dimension": 3}).json()
     assert engine.requests[-1].prompt_token_ids == TOKENIZER.encode("Hello\nworld")
