@@ -625,6 +625,14 @@ class ModelConfig:
     late_interaction: bool = False
 
     @property
+    def head_tasks(self) -> tuple[str, ...]:
+        """The pooling tasks its own per-token head modules answer (BertModel.token_head): BGE-M3's
+        sparse and ColBERT heads, HF_ColBERT's projection."""
+        if self.m3_heads:
+            return ("token_embed", "token_classify")
+        return ("token_embed",) if self.colbert_dim else ()
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 

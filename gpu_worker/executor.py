@@ -160,10 +160,10 @@ class _ExecutorBase(Executor):
         self._loras: dict[int, LoRARequest] = {}
 
     def _token_heads(self) -> tuple[str, ...]:
-        """The pooling tasks the model answers with per-token heads of its own."""
-        if self.model_config.m3_heads:
-            return ("token_embed", "token_classify")
-        return ("token_embed",) if self.model_config.late_interaction else ()
+        """The pooling tasks the model answers per token by heads of its own: its head modules', and
+        a ColBERT's token_embed (a PyLate one's through its Dense projection)."""
+        own = self.model_config.head_tasks
+        return own or (("token_embed",) if self.model_config.late_interaction else ())
 
     def _encoder_classifier_pooler(self, pooler: PoolerConfig, asked: dict[str, Any]) -> PoolerConfig:
         """An encoder classifier's head reads what its architecture pools (BERT's and RoBERTa's

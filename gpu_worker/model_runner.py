@@ -331,7 +331,7 @@ class ModelRunner:
         dtype without them, made fp32 when the prompt ends). A copy where ``rows`` is a ``view`` of
         the step's hidden states: they are not held until the prompt ends."""
         columns = params.embed_returned_token_ids
-        if params.pooling_task is not None and (self.config.m3_heads or self.config.colbert_dim):
+        if params.pooling_task in self.config.head_tasks:
             values = self.model.token_head(params.pooling_task, rows)
         elif self.config.labels:
             values = self.model.classify(rows, per_token=True).float()

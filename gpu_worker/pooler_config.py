@@ -83,11 +83,6 @@ class PoolerConfig:
             raise ValueError(f"pooler_config returned_token_ids must be a non-empty list of ints >= 0, got "
                              f"{list(self.returned_token_ids)!r}")
 
-    @property
-    def per_token(self) -> bool:
-        """Whether the output is one row per prompt token (ALL), or per step tag (STEP)."""
-        return self.pooling_type in PER_TOKEN_POOLING
-
     def embedding_size(self, hidden_size: int) -> int:
         """The size of the embeddings: the last projection's output, else the hidden size."""
         return self.dense[-1].out_features if self.dense else hidden_size

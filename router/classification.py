@@ -48,10 +48,14 @@ class ClassificationRequest(PooledInputRequest, ActivationField):
 
 def class_probabilities(logits: list[float], activation: str = "softmax") -> list[float]:
     """The classes' scores from their logits (in float64): ``activation`` "softmax", "sigmoid" (per
-    class), "tanh" or "relu" (a cross-encoder's or a head's), or "none" (the logits)."""
+    class), "tanh" or "relu" (a cross-encoder's or a head's), or "none" (the logits). A softmax over
+    one value would always be 1: one value takes a sigmoid, as vLLM counts the columns (a STEP
+    model's returned_token_ids keeping one)."""
     values = np.asarray(logits, dtype=np.float64)
     if not np.isfinite(values).all():
         raise ValueError("the model produced a non-finite class logit")
+    if activation == "softmax" and values.size == 1:
+        activation = "sigmoid"
     if activation == "none":
         return values.tolist()
     if activation == "relu":
@@ -72,10 +76,7 @@ def token_rows(flat: list[float], row_size: int) -> list[list[float]]:
 
 def token_class_probabilities(flat_logits: list[float], row_size: int, activation: str) -> list[list[float]]:
     """A token classifier's answer: each kept token's class scores (its logits arrive flattened,
-    ``row_size`` values per token). A softmax over one value (a STEP model's returned_token_ids
-    keeping one column) would always be 1: one value takes a sigmoid, as vLLM counts the columns."""
-    if row_size == 1 and activation == "softmax":
-        activation = "sigmoid"
+    ``row_size`` values per token)."""
     return [class_probabilities(row, activation) for row in token_rows(flat_logits, row_size)]
 
 
