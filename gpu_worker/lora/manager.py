@@ -222,13 +222,28 @@ class LoRAManager:
     def _column_parallel(base: ColumnParallelLinear, subs: dict[int | str | None, tuple[torch.Tensor, torch.Tensor]]
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """A: the trained sub-projections' A stacked ([R, in]); B: [out slice, R], each sub's
-        columns holding its B rows for this rank where the fused weight holds that sub."""
+        columns holding its B rows for this rank where the fused weight holds that sub. An adapter
+        trained on the fused projection itself (Phi-3's ``qkv_proj``, shard id None) has one A, and
+        its B's rows are cut into the subs, each placed as the base weight's rows are."""
         if isinstance(base, QKVParallelLinear):
             order: list[int | str | None] = ["q", "k", "v"]
         elif isinstance(base, MergedColumnParallelLinear):
             order = list(range(len(base.output_sizes)))
         else:
             order = [None]
+        if None in subs and order != [None]:
+            if len(subs) > 1:
+                raise ValueError("it trains the fused projection and its parts")
+            a, whole_b = subs[None]
+            if a.shape[1] != base.input_size:
+                raise ValueError(f"lora_A has {a.shape[1]} inputs, the layer {base.input_size}")
+            sizes = [_full_output_size(base, s) for s in order]
+            if whole_b.shape[0] != sum(sizes):
+                raise ValueError(f"lora_B has {whole_b.shape[0]} outputs, the fused layer {sum(sizes)}")
+            b = torch.zeros(base.output_size_per_partition, a.shape[0], dtype=a.dtype)
+            for s, part in zip(order, whole_b.split(sizes), strict=True):
+                base.weight_loader(b, part, s)
+            return a, b
         present = [s for s in order if s in subs]
         if len(present) != len(subs):
             raise ValueError(f"unexpected sub-projections {sorted(map(str, set(subs) - set(present)))}")

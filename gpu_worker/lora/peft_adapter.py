@@ -1,8 +1,9 @@
 """Reading a PEFT LoRA checkpoint (``adapter_config.json`` + ``adapter_model.safetensors``).
 
 What is served: LoRA on the attention and MLP projections of Llama-family models (``q_proj``,
-``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``), with the plain or
-rank-stabilised scaling. Anything else a checkpoint may hold (DoRA, trained biases, embedding or
+``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, and the fused
+``qkv_proj`` / ``gate_up_proj`` of models whose checkpoints store them fused, as Phi-3's do), with
+the plain or rank-stabilised scaling. Anything else a checkpoint may hold (DoRA, trained biases, embedding or
 LM-head adapters, full modules to save, per-module rank or alpha patterns) is refused with a
 message naming it, rather than served wrong.
 """
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "qkv_proj", "gate_up_proj")
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 # adapter_config.json settings that change what the adapter computes, and are not served.

@@ -321,3 +321,53 @@ def test_an_adapter_on_gemma2_gives_pefts_tokens(tmp_path):
     save_adapter(base, tmp_path / "a", seed=4)
     adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=4, prompt_seed=11)
     assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
+
+
+def test_an_adapter_on_phi3s_fused_projections_gives_pefts_tokens(tmp_path):
+    """Phi-3's checkpoint, and so PEFT's adapters for it, hold q/k/v and gate/up fused
+    (``qkv_proj``, ``gate_up_proj``): one A for the whole projection, B's rows in q, k, v order."""
+    targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    base = save_tiny_model(tmp_path / "base", "phi3", num_key_value_heads=2, vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=6, targets=targets)
+    a = load_peft_adapter(tmp_path / "a", max_lora_rank=8)
+    assert a.weights["model.layers.0.self_attn.qkv_proj"][1].shape == (64 + 2 * 32, 8)
+    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
+    rng = random.Random(12)
+    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    adapted = peft_model(base, seed=6, targets=targets)
+    expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
+                for i, p in enumerate(prompts)}
+    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1, budget=7) == expected
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_a_fused_adapter_is_sharded_over_tp_ranks_as_its_parts_are(num_kv_heads):
+    """On each of two TP ranks, a LoRA on the whole fused q/k/v (or gate/up) projection adds what
+    the same A with B cut into q, k and v parts (the form PEFT gives Llama, checked against PEFT
+    at TP 2 above) adds: a KV head replicated on both ranks (one KV head) or split between them."""
+    from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    from gpu_worker.lora.manager import LoRAManager
+
+    torch.manual_seed(0)
+    x, rank = torch.randn(5, 64), 4
+    # (the layer on TP rank r, its parts, their sizes)
+    layers = [(lambda r: QKVParallelLinear(64, 16, 4, num_kv_heads, tp_rank=r, tp_size=2),
+               ["q", "k", "v"], [4 * 16, num_kv_heads * 16, num_kv_heads * 16]),
+              (lambda r: MergedColumnParallelLinear(64, [96, 96], tp_rank=r, tp_size=2), [0, 1], [96, 96])]
+    for make, parts, sizes in layers:
+        lora_a, lora_b = torch.randn(rank, 64), torch.randn(sum(sizes), rank)
+        deltas = []
+        for r in range(2):
+            layer = make(r)
+            fa, fb = LoRAManager._column_parallel(layer, {None: (lora_a, lora_b)})
+            pa, pb = LoRAManager._column_parallel(layer, {s: (lora_a, b) for s, b in
+                                                          zip(parts, lora_b.split(sizes), strict=True)})
+            assert fa.shape == (rank, 64) and fb.shape == (layer.output_size_per_partition, rank)
+            torch.testing.assert_close(x @ fa.T @ fb.T, x @ pa.T @ pb.T)
+            deltas.append(x @ fa.T @ fb.T)
+        assert not torch.equal(deltas[0], deltas[1])
+        with pytest.raises(ValueError, match="fused layer"):
+            LoRAManager._column_parallel(make(0), {None: (lora_a, lora_b[1:])})
+        with pytest.raises(ValueError, match="fused projection and its parts"):
+            LoRAManager._column_parallel(make(0), {None: (lora_a, lora_b), parts[0]: (lora_a, lora_b)})
