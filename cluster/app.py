@@ -107,19 +107,21 @@ def router_deployment(config: ClusterConfig):
         served_model_name=config.served_model_name, chat_template=config.chat_template,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys),
-        enable_lora=config.enable_lora, allow_runtime_lora_updating=config.allow_runtime_lora_updating,
+        enable_lora=config.enable_lora,
+        allow_runtime_lora_updating=config.allow_runtime_lora_updating and config.enable_lora,
         server_dev_mode=config.server_dev_mode,
         enable_responses_store=config.enable_responses_store,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         stream_interval=config.stream_interval,
         responses_store_max_entries=config.responses_store_max_entries)
-    # Further models: the same router settings, their own engines, names, template and parsers (no
-    # adapters: those belong to the first model).
+    # Further models: the same router settings, their own engines, names, template, parsers and
+    # adapters.
     more_models = [dataclasses.replace(
         router_config, engine_actor_names=[engine_actor_name(i) for i in indexes], first_engine_index=indexes[0],
         served_model_name=served.served_model_name, chat_template=served.chat_template,
         tool_call_parser=served.tool_call_parser if served.enable_auto_tool_choice else None,
-        reasoning_parser=served.reasoning_parser, enable_lora=False, allow_runtime_lora_updating=False)
+        reasoning_parser=served.reasoning_parser, enable_lora=served.enable_lora,
+        allow_runtime_lora_updating=config.allow_runtime_lora_updating and served.enable_lora)
         for served, indexes in others]
     deployment = serve.deployment(
         OpenAIRouter, name="OpenAIRouter", num_replicas=config.num_router_replicas,

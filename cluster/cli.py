@@ -248,8 +248,9 @@ def serve_command(args: argparse.Namespace) -> int:
                 check_model_reference(model)
             from gpu_worker.lora.peft_adapter import read_adapter_config
 
-            for module in config.lora_module_list():  # an unreadable adapter fails now, not in every engine
-                read_adapter_config(module.path, config.max_lora_rank)
+            for owner in (config, *config.models):  # an unreadable adapter fails now, not in every engine
+                for module in owner.lora_module_list():
+                    read_adapter_config(module.path, owner.max_lora_rank)
     except (ValueError, TypeError, OSError) as e:  # (pydantic's ValidationError is a ValueError)
         print(f"llm-cluster: {_config_error(e)}", file=sys.stderr)
         return 2

@@ -120,12 +120,47 @@ def _check_output_parsers(tool_call_parser: str | None, reasoning_parser: str | 
         raise ValueError(f"{where}enable_auto_tool_choice needs tool_call_parser (the model's tool-call format)")
 
 
-class ServedModel(BaseModel):
-    """Another model served through the same endpoint (``ClusterConfig.models``), on engines of its
-    own; clients pick it by its name in ``model``. Engine flags: the cluster's ``defaults``, then
-    this model's ``defaults``, then its per-engine entries."""
+class LoRASettings(BaseModel):
+    """The LoRA adapters one served model's engines hold (vLLM's flags), for the first model (top level
+    of ``ClusterConfig``) and for each of ``models``."""
 
     model_config = ConfigDict(extra="forbid")
+
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (named by clients as the model).")
+    lora_modules: list[str | dict[str, str]] = Field(
+        default_factory=list, description='Adapters to load at start: "name=path" or {"name": ..., "path": ...}.')
+    max_loras: int = Field(1, ge=1, description="Most different adapters in one batch.")
+    max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank served.")
+    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept in the workers' memory (>= "
+                                      "max_loras; the least recently used are read again when needed). "
+                                      "None: all loaded ones.")
+
+    @model_validator(mode="after")
+    def _lora_settings(self) -> LoRASettings:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras (--max-cpu-loras, {self.max_cpu_loras}) must be at least max_loras "
+                             f"(--max-loras, {self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules need enable_lora (--enable-lora)")
+        static_lora_requests(self.lora_module_list())  # names must be unique
+        return self
+
+    def lora_module_list(self) -> list[LoRAModule]:
+        return [parse_lora_module(m) if isinstance(m, str) else parse_lora_module(json.dumps(m))
+                for m in self.lora_modules]
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras, lora_modules=tuple(self.lora_module_list()))
+
+
+class ServedModel(LoRASettings):
+    """Another model served through the same endpoint (``ClusterConfig.models``), on engines of its
+    own; clients pick it by its name in ``model``. Engine flags: the cluster's ``defaults``, then
+    this model's ``defaults``, then its per-engine entries. Its LoRA adapters are its own (the
+    ``LoRASettings`` fields), named as a model by clients as the first model's are."""
 
     model: str = Field(..., description="Model name, HF directory or .gguf file.")
     served_model_name: str | None = Field(None, description="Name clients use; defaults to the model's.")
@@ -150,8 +185,10 @@ def default_api_keys() -> list[str]:
     return [key] if key else []
 
 
-class ClusterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ClusterConfig(LoRASettings):
+    """The whole deployment: the first (default) model with its engines, router settings and LoRA
+    adapters (the ``LoRASettings`` fields), and any further ``models``."""
+
 
     model: str = Field("SmolLM2-135M-Instruct", description="Model name, HF directory or .gguf file.")
     served_model_name: str | None = Field(None, description="Name clients use; defaults to the model's.")
@@ -171,16 +208,9 @@ class ClusterConfig(BaseModel):
         None, description=f"Chat answers' thinking to reasoning_content: {', '.join(REASONING_PARSERS)}.")
     enable_access_log: bool = Field(True, description="Router replicas log one line per request (Serve's access "
                                                        "log); about 3-5% of a replica's CPU under load.")
-    enable_lora: bool = Field(False, description="Serve LoRA adapters (named by clients as the model).")
-    lora_modules: list[str | dict[str, str]] = Field(
-        default_factory=list, description='Adapters to load at start: "name=path" or {"name": ..., "path": ...}.')
-    max_loras: int = Field(1, ge=1, description="Most different adapters in one batch.")
-    max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank served.")
-    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept in the workers' memory (>= "
-                                      "max_loras; the least recently used are read again when needed). "
-                                      "None: all loaded ones.")
     allow_runtime_lora_updating: bool = Field(
-        False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")
+        False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (for every model "
+                           "with enable_lora).")
     server_dev_mode: bool = Field(
         default_factory=lambda: env_switch("VLLM_SERVER_DEV_MODE"),
         description="Enable the operators' endpoints POST /pause, /resume, /reset_prefix_cache and GET "
@@ -194,7 +224,7 @@ class ClusterConfig(BaseModel):
                                                                         "used forgotten first).")
     models: list[ServedModel] = Field(
         default_factory=list, description="More models served through the same endpoint, each on engines of "
-                                          "its own (LoRA adapters apply to the first model only).")
+                                          "its own, with LoRA adapters of its own.")
     enable_prompt_tokens_details: bool = Field(
         False, description="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the engines' "
                            "prefix caches (vLLM's --enable-prompt-tokens-details).")
@@ -226,23 +256,17 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _lora(self) -> ClusterConfig:
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras (--max-cpu-loras, {self.max_cpu_loras}) must be at least max_loras "
-                             f"(--max-loras, {self.max_loras})")
-        if (self.lora_modules or self.allow_runtime_lora_updating) and not self.enable_lora:
-            raise ValueError("lora_modules and allow_runtime_lora_updating need enable_lora (--enable-lora)")
-        static_lora_requests(self.lora_module_list())  # names must be unique
+        if self.allow_runtime_lora_updating and not any(m.enable_lora for m in (self, *self.models)):
+            raise ValueError("allow_runtime_lora_updating needs enable_lora (--enable-lora) on a model")
+        # A client names a model or an adapter alike: one name, one thing.
+        names = [self.served_model_name or self.model, *(m.served_model_name or m.model for m in self.models)]
+        for owner in (self, *self.models):
+            for module in owner.lora_module_list():
+                if module.name in names:
+                    raise ValueError(f"the LoRA adapter name {module.name!r} is already a served model's or "
+                                     "another adapter's")
+                names.append(module.name)
         return self
-
-    def lora_module_list(self) -> list[LoRAModule]:
-        return [parse_lora_module(m) if isinstance(m, str) else parse_lora_module(json.dumps(m))
-                for m in self.lora_modules]
-
-    def lora_config(self) -> LoRAConfig | None:
-        if not self.enable_lora:
-            return None
-        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                          max_cpu_loras=self.max_cpu_loras, lora_modules=tuple(self.lora_module_list()))
 
     @model_validator(mode="after")
     def _engine_count(self) -> ClusterConfig:
@@ -277,7 +301,8 @@ class ClusterConfig(BaseModel):
         _check_one_runner(configs)
         for served in self.models:
             flags = self._base_flags() | served.defaults.model_dump(exclude_none=True)
-            group = [engine_config_from_spec(served.model, len(configs) + i, spec, self.seed, served.served_model_name)
+            group = [engine_config_from_spec(served.model, len(configs) + i, spec, self.seed, served.served_model_name,
+                                             served.lora_config())
                      for i, spec in enumerate(_resolve_specs(flags, served.num_engines, served.engines))]
             _check_one_runner(group)
             configs += group

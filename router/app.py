@@ -256,15 +256,15 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     async def version() -> dict[str, str]:
         return {"version": serving.settings.version}
 
-    if serving.settings.allow_runtime_lora_updating:
+    if servings.runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-            await serving.load_lora_adapter(body.lora_name, body.lora_path)
+            await servings.load_lora_adapter(body.lora_name, body.lora_path, body.base_model_name)
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-            await serving.unload_lora_adapter(body.lora_name)
+            await servings.unload_lora_adapter(body.lora_name)
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     if serving.settings.server_dev_mode:

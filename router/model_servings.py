@@ -1,13 +1,15 @@
 """Several models behind one endpoint: one ``OpenAIServing`` per served model (its own engines,
-tokenizer, template and parsers), and the choice of the one a request's ``model`` names.
+tokenizer, template, parsers and LoRA adapters), and the choice of the one a request's ``model``
+names: a model's name, or the name of one of its adapters.
 
 The first serving is the default: a request without ``model`` goes there, as a single-model
-server answers it, and only it serves LoRA adapters and the runtime adapter endpoints.
+server answers it.
 """
 
 from __future__ import annotations
 
-from router.serving import OpenAIServing, unknown_model
+from engine_core.outputs import LoRARequest
+from router.serving import APIError, OpenAIServing, bad_request, unknown_model
 
 
 class ModelServings:
@@ -25,16 +27,52 @@ class ModelServings:
     def __iter__(self):
         return iter(self.all)
 
+    @property
+    def runtime_lora_updating(self) -> bool:
+        return any(s.settings.allow_runtime_lora_updating for s in self.all)
+
     async def for_model(self, model: str | None) -> OpenAIServing:
-        """The serving of the model (or of the first model's adapter) a request names; a 404 for
-        a name no model or adapter has."""
+        """The serving of the model (or of the model whose adapter) a request names; a 404 for a name
+        no model or adapter has."""
         if model is None or len(self.all) == 1:
             return self.default  # (which refuses a name it does not know itself, adapters included)
         serving = self._by_name.get(model)
-        if serving is not None:
-            return serving
-        if model not in self.default.lora_adapters:
-            await self.default.refresh_loras()  # (an adapter loaded through another replica)
-            if model not in self.default.lora_adapters:
-                raise unknown_model(model)
-        return self.default
+        if serving is None:
+            serving = await self._adapter_owner(model)
+        if serving is None:
+            raise unknown_model(model)
+        return serving
+
+    async def _adapter_owner(self, name: str) -> OpenAIServing | None:
+        """The serving holding the adapter ``name``, asking the engines of those that do not know it
+        (an adapter loaded through another replica)."""
+        owner = next((s for s in self.all if name in s.lora_adapters), None)
+        if owner is None:
+            for serving in self.all:
+                if serving.list_loras is not None:
+                    await serving.refresh_loras()
+                    if name in serving.lora_adapters:
+                        return serving
+        return owner
+
+    async def load_lora_adapter(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
+        """Load an adapter on the engines of ``base_model_name`` (by default the first model that
+        takes runtime adapters). Its name must not be a model's or another adapter's of any model."""
+        if base_model_name is None:
+            owner = next((s for s in self.all if s.settings.allow_runtime_lora_updating), self.default)
+        else:
+            owner = self._by_name.get(base_model_name)
+            if owner is None:
+                raise unknown_model(base_model_name)
+        if not owner.settings.allow_runtime_lora_updating:
+            raise bad_request(f"The model '{owner.settings.served_model_name}' is not served with LoRA adapters "
+                              "(enable_lora).", "base_model_name")
+        if name in self._by_name or await self._adapter_owner(name) is not None:
+            raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        return await owner.load_lora_adapter(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        owner = await self._adapter_owner(name)
+        if owner is None or not owner.settings.allow_runtime_lora_updating:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")
+        await owner.unload_lora_adapter(name)

@@ -492,10 +492,13 @@ class ModelList(BaseModel):
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+    """vLLM's ``POST /v1/load_lora_adapter`` body; ``base_model_name`` (the name vLLM's JSON
+    ``--lora-modules`` entries use for an adapter's base) picks the served model it is loaded on
+    when several are served (default: the first that takes adapters)."""
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    base_model_name: str | None = None
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

@@ -54,7 +54,8 @@ def test_the_access_log_is_on_unless_disabled():
      "speculative_config.method must be 'ngram'"),
     (["--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 0}}'], {},
      "speculative_config.num_speculative_tokens must be given, and >= 1"),
-    (["--lora-modules", "a=/x"], {}, "lora_modules and allow_runtime_lora_updating need enable_lora"),
+    (["--lora-modules", "a=/x"], {}, "lora_modules need enable_lora"),
+    (["--allow-runtime-lora-updating"], {}, "allow_runtime_lora_updating needs enable_lora"),
     (["--enable-lora", "--lora-modules", "a"], {}, "--lora-modules: expected name=path, got 'a'"),
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], {}, "the name 'a' is given twice"),
     (["--enable-lora", "--lora-modules", "a={missing}"], {}, "no adapter_config.json"),
@@ -229,6 +230,32 @@ def test_extra_models_get_engines_of_their_own_after_the_first_models(tmp_path):
     assert (b.served_model_name, b.reasoning_parser, b.tool_call_parser) == ("b", "qwen3", None)
     assert (c.served_model_name, c.tool_call_parser, c.chat_template) == ("c", "hermes", "{{ messages }}")
     assert c.engine_actor_names == [engine_actor_name(4)] and not c.enable_lora
+
+
+def test_each_model_has_adapters_of_its_own(tmp_path):
+    """An extra model's LoRA settings reach its engines and router alone; the runtime endpoints serve
+    the models with adapters; a client names a model or an adapter alike, so the names are unique."""
+    models = tmp_path / "models.yaml"
+    models.write_text("- {model: /models/b, served_model_name: b, enable_lora: true, max_loras: 2,\n"
+                      "   lora_modules: [b-sql=/adapters/b-sql]}\n- {model: /models/c, served_model_name: c}\n")
+    config = _config("--served-model-name", "tiny", "--extra-models", str(models), "--allow-runtime-lora-updating")
+    first, b, c = (e.lora_config for e in config.engine_configs())
+    assert first is None and c is None
+    assert (b.max_loras, [(m.name, m.path) for m in b.lora_modules]) == (2, [("b-sql", "/adapters/b-sql")])
+    tiny_router, (b_router, c_router) = router_deployment(config)._bound_deployment.init_args
+    assert [(r.enable_lora, r.allow_runtime_lora_updating) for r in (tiny_router, b_router, c_router)] == [
+        (False, False), (True, True), (False, False)]
+    clash = tmp_path / "clash.yaml"
+    for entry, name in [("{model: /models/b, served_model_name: b, enable_lora: true, lora_modules: [tiny=/x]}",
+                         "tiny"),
+                        ("{model: /models/b, served_model_name: b, enable_lora: true, lora_modules: [sql=/x]}", "sql")]:
+        clash.write_text(f"- {entry}\n")
+        with pytest.raises(ValueError, match=f"adapter name '{name}' is already"):
+            _config("--served-model-name", "tiny", "--enable-lora", "--lora-modules", "sql=/y",
+                    "--extra-models", str(clash))
+    clash.write_text("- {model: /models/b, served_model_name: b, lora_modules: [sql=/x]}\n")
+    with pytest.raises(ValueError, match="lora_modules need enable_lora"):
+        _config("--extra-models", str(clash))
 
 
 def test_expert_parallelism_reaches_the_engines_workers(tmp_path):

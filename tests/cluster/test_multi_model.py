@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from cluster.config import ClusterConfig, EngineSpec, ServedModel
+from tests.lora_adapters import peft_greedy, save_adapter
 from tests.serve_cluster import serve_cluster
 from tests.tiny_model import build_tiny_bert, build_tiny_llama, build_tiny_reward_model
 
@@ -24,14 +25,20 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
     # And a fourth: a process reward model (Qwen2.5-Math-PRM-style), read through /pooling.
     prm = tmp_path_factory.mktemp("prm")
     prm_reference = build_tiny_reward_model(prm)
+    # The second model serves LoRA adapters of its own (the first none).
+    adapters = tmp_path_factory.mktemp("adapters-b")
+    save_adapter(second, adapters / "b-sql", seed=21)
+    save_adapter(second, adapters / "b-late", seed=22, r=4, targets=("q_proj", "v_proj"))
     config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=1,
                            defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
-                           models=[ServedModel(model=str(second), served_model_name="tiny-b"),
+                           allow_runtime_lora_updating=True,
+                           models=[ServedModel(model=str(second), served_model_name="tiny-b", enable_lora=True,
+                                               lora_modules=[f"b-sql={adapters / 'b-sql'}"]),
                                    ServedModel(model=str(reranker), served_model_name="bert-ce"),
                                    ServedModel(model=str(prm), served_model_name="prm")])
     with serve_cluster(config) as served:
         client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list()] == ["tiny", "tiny-b", "bert-ce", "prm"]
+        assert [m.id for m in client.models.list()] == ["tiny", "tiny-b", "b-sql", "bert-ce", "prm"]
         _check_bert_reranker(client, reranker)
         _check_process_reward_model(client, prm, prm_reference)
         greedy = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -56,6 +63,7 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
                                     "tiny-b": {"healthy_engines": 1, "engines": 1},
                                     "bert-ce": {"healthy_engines": 1, "engines": 1},
                                     "prm": {"healthy_engines": 1, "engines": 1}}
+        _check_adapters_of_the_second_model(served, client, second, adapters)
         metrics = httpx.get(f"{served.base}/metrics", timeout=30).text
 
         def series(name: str, **labels: str) -> list[str]:
@@ -66,6 +74,47 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
         assert series("vllm:request_success_total", model_name="tiny", engine="0")
         routed = series("llm_cluster:router_requests_routed_total", model_name="tiny-b")
         assert routed and all('engine="1"' in line for line in routed)
+
+
+def _check_adapters_of_the_second_model(served, client: openai.OpenAI, second, adapters) -> None:
+    """The second model's adapters answer on its engine as PEFT's model does; one loaded at runtime
+    goes to it (the first model that takes adapters); names stay unique across models."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(second)
+
+    def greedy_text(model: str) -> str:
+        out = client.completions.create(model=model, prompt="Hello world", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.model == model
+        return out.choices[0].text
+
+    def peft_text(**adapter) -> str:
+        return tokenizer.decode(peft_greedy(second, ["Hello world"], 8, **adapter)[0], skip_special_tokens=True)
+
+    added = [s.num_requests_added for s in served.stats()]
+    assert greedy_text("b-sql") == peft_text(seed=21) != greedy_text("tiny-b")
+    load = f"{served.base}/v1/load_lora_adapter"
+    r = httpx.post(load, json={"lora_name": "b-late", "lora_path": str(adapters / "b-late")}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert greedy_text("b-late") == peft_text(seed=22, r=4, targets=("q_proj", "v_proj"))
+    assert [s.num_requests_added - a for s, a in zip(served.stats(), added, strict=True)] == [0, 3, 0, 0]
+    cards = {m.id: m.parent for m in client.models.list()}
+    assert (cards["b-sql"], cards["b-late"]) == ("tiny-b", "tiny-b")
+    for body, status, message in [
+            ({"lora_name": "tiny", "lora_path": str(adapters / "b-late")}, 400, "already been loaded"),
+            ({"lora_name": "b-sql", "lora_path": str(adapters / "b-late")}, 400, "already been loaded"),
+            ({"lora_name": "x", "lora_path": str(adapters / "b-late"), "base_model_name": "tiny"}, 400,
+             "not served with LoRA adapters"),
+            ({"lora_name": "x", "lora_path": str(adapters / "b-late"), "base_model_name": "nope"}, 404, "nope")]:
+        r = httpx.post(load, json=body, timeout=60)
+        assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    unload = f"{served.base}/v1/unload_lora_adapter"
+    assert httpx.post(unload, json={"lora_name": "b-late"}, timeout=60).status_code == 200
+    assert httpx.post(unload, json={"lora_name": "b-late"}, timeout=60).status_code == 404
+    assert httpx.post(unload, json={"lora_name": "tiny-b"}, timeout=60).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="b-late", prompt="Hello", max_tokens=2)
 
 
 def _check_bert_reranker(client: openai.OpenAI, path) -> None:

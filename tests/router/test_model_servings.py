@@ -75,13 +75,33 @@ def test_models_tokenizers_and_responses_follow_the_model(two_models):
     assert follow.output_text == ANSWERS["alpha"]
 
 
-def test_adapters_belong_to_the_first_model(two_models):
-    _, client, models = two_models
-    alpha, alpha_engine = models["alpha"]
+def test_each_models_adapters_run_on_its_own_engines(two_models):
+    """Both models hold adapters: a request naming one reaches its base model's engine under it,
+    and the list shows each adapter under its parent. An adapter the serving has not seen yet
+    (loaded through another replica) is found by asking the engines."""
+    http, client, models = two_models
+    (alpha, alpha_engine), (beta, beta_engine) = models["alpha"], models["beta"]
     alpha.lora_adapters["sql"] = LoRARequest("sql", 1, "/adapters/sql")
-    client.completions.create(model="sql", prompt="Hi", max_tokens=3)
-    assert alpha_engine.requests[-1].lora_request == alpha.lora_adapters["sql"]
-    assert [m.id for m in client.models.list()] == ["alpha", "sql", "beta"]
+    on_beta = {"chat": LoRARequest("chat", 1, "/adapters/chat")}
+
+    async def beta_engines_adapters() -> list[LoRARequest]:
+        return list(on_beta.values())
+
+    beta.list_loras = beta_engines_adapters
+    for model, engine, expected in [("sql", alpha_engine, ANSWERS["alpha"]), ("chat", beta_engine, ANSWERS["beta"])]:
+        out = client.completions.create(model=model, prompt="Hi", max_tokens=30)
+        assert out.model == model and out.choices[0].text == expected
+        assert engine.requests[-1].lora_request.lora_name == model
+    cards = {m.id: m for m in client.models.list()}
+    assert list(cards) == ["alpha", "sql", "beta", "chat"]
+    assert (cards["sql"].parent, cards["chat"].parent) == ("alpha", "beta")
+    on_beta["late"] = LoRARequest("late", 7, "/adapters/late")
+    client.chat.completions.create(model="late", messages=[{"role": "user", "content": "Hi"}], max_tokens=30)
+    assert beta_engine.requests[-1].lora_request == on_beta["late"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gone", prompt="Hi")
+    # Without runtime adapter updating, there are no endpoints for it.
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}).status_code == 404
 
 
 def test_two_models_of_one_name_are_refused():
