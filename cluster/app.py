@@ -109,7 +109,7 @@ def router_deployment(config: ClusterConfig):
         reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys),
         enable_lora=config.enable_lora,
         allow_runtime_lora_updating=config.allow_runtime_lora_updating and config.enable_lora,
-        server_dev_mode=config.server_dev_mode,
+        server_dev_mode=config.server_dev_mode, trust_request_chat_template=config.trust_request_chat_template,
         enable_responses_store=config.enable_responses_store,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         stream_interval=config.stream_interval,

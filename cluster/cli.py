@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default=env_switch("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
                        help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
                             "$VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="Run a request's own chat_template (chat, the pooling endpoints' messages, "
+                            "/tokenize); without it such a request is a 400.")
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="Report usage.prompt_tokens_details.cached_tokens: the prompt tokens the engines "
                             "found in their prefix caches.")
@@ -187,6 +190,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         enable_lora=args.enable_lora, lora_modules=args.lora_modules or [], max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating, server_dev_mode=args.server_dev_mode,
+        trust_request_chat_template=args.trust_request_chat_template,
         enable_responses_store=args.enable_responses_store,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details, stream_interval=args.stream_interval,
         responses_store_max_entries=args.responses_store_max_entries,

@@ -200,6 +200,8 @@ class ClusterConfig(LoRASettings):
     num_router_replicas: int = Field(1, ge=1)
     request_timeout_s: float | None = Field(None, gt=0)
     chat_template: str | None = Field(None, description="Jinja chat template replacing the model's own.")
+    trust_request_chat_template: bool = Field(
+        False, description="Run a request's own chat_template (vLLM's --trust-request-chat-template); else a 400.")
     enable_auto_tool_choice: bool = Field(False, description='Allow tool_choice "auto" (needs tool_call_parser).')
     tool_call_parser: str | None = Field(
         None, description=f"The model's tool-call format: {', '.join(TOOL_CALL_PARSERS)}.")

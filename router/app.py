@@ -314,7 +314,9 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         await owner.resolve_model(body.model)  # (adapters share the base model's tokenizer)
         if body.messages is not None:
             chat = ChatCompletionRequest(model=owner.settings.served_model_name, messages=body.messages,
-                                         add_generation_prompt=body.add_generation_prompt)
+                                         add_generation_prompt=body.add_generation_prompt,
+                                         chat_template=body.chat_template,
+                                         chat_template_kwargs=body.chat_template_kwargs)
             tokens = owner.render_chat(chat)
         else:
             tokens = list(owner.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))

@@ -49,6 +49,8 @@ class RouterConfig:
     allow_runtime_lora_updating: bool = False
     # POST /pause, /resume, /reset_prefix_cache, GET /is_paused (vLLM's VLLM_SERVER_DEV_MODE endpoints).
     server_dev_mode: bool = False
+    # A request's own chat_template is run (vLLM's --trust-request-chat-template).
+    trust_request_chat_template: bool = False
     # The Responses API's store (a named actor shared by the replicas); off: responses are not kept.
     enable_responses_store: bool = False
     # usage.prompt_tokens_details.cached_tokens in completions and chat.
@@ -96,6 +98,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         reasoning_parser=config.reasoning_parser,
         api_keys=tuple(config.api_keys),
         allow_runtime_lora_updating=config.allow_runtime_lora_updating, server_dev_mode=config.server_dev_mode,
+        trust_request_chat_template=config.trust_request_chat_template,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         stream_interval=config.stream_interval,
     )

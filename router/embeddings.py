@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
-from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, invalid, refuse_request_chat_template
+from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, invalid
 from router.serving import OpenAIServing, bad_request
 
 TruncationSide = Literal["left", "right"]
@@ -79,7 +79,8 @@ class PooledInputRequest(BaseModel):
     add_generation_prompt: bool = Field(False, description="With messages: end with the assistant's turn opening.")
     continue_final_message: bool = Field(False, description="With messages: leave the last message open.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="With messages: the template's extras.")
-    chat_template: str | None = Field(None, description="Refused: the server's chat template writes messages.")
+    chat_template: str | None = Field(None, description="With messages: the request's own template (needs "
+                                                        "--trust-request-chat-template).")
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Truncate each input to k tokens "
                                                                          "(-1: max_model_len).")
     truncation_side: TruncationSide = Field("right", description=TRUNCATION_SIDE_HELP)
@@ -94,7 +95,6 @@ class PooledInputRequest(BaseModel):
         if self.continue_final_message and self.add_generation_prompt:
             raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
                           "be true")
-        refuse_request_chat_template(self.chat_template, self.chat_template_kwargs)
         if self.input is not None and (self.input == [] or any(
                 item in ("", []) for item in (self.input if isinstance(self.input, list) else [self.input]))):
             raise invalid("input", "input must not be empty, nor hold an empty text or token list")
@@ -188,7 +188,8 @@ class EmbeddingsServing:
             return [self.prompt_ids(item, request) for item in request.inputs()]
         ids = self.serving.render_messages(request.messages, request.add_generation_prompt,
                                            request.continue_final_message, request.chat_template_kwargs,
-                                           add_special_tokens=bool(request.add_special_tokens))
+                                           add_special_tokens=bool(request.add_special_tokens),
+                                           chat_template=request.chat_template)
         return [self.prompt_ids(ids, request, "messages")]
 
     def prompt_ids(self, item: str | list[int], request: Any, param: str = "input") -> list[int]:

@@ -245,16 +245,6 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-def refuse_request_chat_template(chat_template: str | None, chat_template_kwargs: dict[str, Any] | None = None) -> None:
-    """A request's own chat template is not run, given as chat_template or inside
-    chat_template_kwargs (vLLM refuses both unless the server trusts request templates)."""
-    for param, given in (("chat_template", chat_template),
-                         ("chat_template_kwargs", (chat_template_kwargs or {}).get("chat_template"))):
-        if given is not None:
-            raise invalid(param, "a request's own chat_template is not accepted: the server's chat template "
-                          "(or its --chat-template) writes every conversation")
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens.")
@@ -264,8 +254,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = Field(False, description="vLLM extra: the answer continues the last message "
                                                             "(needs add_generation_prompt false).")
     chat_template_kwargs: dict[str, Any] | None = None
-    # vLLM's per-request template: refused, as vLLM refuses it without --trust-request-chat-template
-    # (the server's template, or --chat-template, writes every conversation).
+    # vLLM's per-request template: run only under --trust-request-chat-template (otherwise the
+    # server's template, or --chat-template, writes every conversation).
     chat_template: str | None = None
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
@@ -283,7 +273,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.continue_final_message and self.add_generation_prompt:
             raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
                           "be true")
-        refuse_request_chat_template(self.chat_template, self.chat_template_kwargs)
         if self.functions and self.function_call != "none":
             raise invalid("functions", "functions and function_call are deprecated and not supported: use tools")
         self._check_tool_choice()
@@ -514,13 +503,13 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    chat_template: str | None = None  # (refused, as on the chat endpoints)
+    chat_template: str | None = None  # (as on the chat endpoints)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
-        refuse_request_chat_template(self.chat_template)
         return self
 
 

@@ -111,6 +111,8 @@ class ServingSettings:
     # POST /pause, /resume, /reset_prefix_cache and GET /is_paused exist (vLLM's VLLM_SERVER_DEV_MODE
     # endpoints; --server-dev-mode here). They act on every engine, for every router replica.
     server_dev_mode: bool = False
+    # --trust-request-chat-template (vLLM's): a request's own chat_template is run (else a 400).
+    trust_request_chat_template: bool = False
     # --enable-prompt-tokens-details (vLLM's): usage.prompt_tokens_details.cached_tokens.
     enable_prompt_tokens_details: bool = False
     # --stream-interval (vLLM's): a streamed choice sends its first tokens at once, then waits until
@@ -303,13 +305,23 @@ class OpenAIServing:
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:
         return self.render_messages(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                    request.chat_template_kwargs, request.tool_dicts() if request.tools else None)
+                                    request.chat_template_kwargs, request.tool_dicts() if request.tools else None,
+                                    chat_template=request.chat_template)
 
     def render_messages(self, chat: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
                         chat_template_kwargs: dict[str, Any] | None = None,
-                        tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False) -> list[int]:
-        """A conversation's token ids, written by the tokenizer's chat template (which writes its
+                        tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False,
+                        chat_template: str | None = None) -> list[int]:
+        """A conversation's token ids, written by the tokenizer's chat template, or by the request's
+        own ``chat_template`` when the server trusts request templates (the template writes its
         special tokens itself, unless ``add_special_tokens`` asks the tokenizer to add its own too)."""
+        if not self.settings.trust_request_chat_template:  # (vLLM's --trust-request-chat-template)
+            for param, given in (("chat_template", chat_template),
+                                 ("chat_template_kwargs", (chat_template_kwargs or {}).get("chat_template"))):
+                if given is not None:
+                    raise bad_request("a request's own chat_template is not accepted: the server's chat template "
+                                      "(or its --chat-template) writes every conversation unless the server is "
+                                      "started with --trust-request-chat-template", param)
         # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent, except
         # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
         messages = [_template_message(m.model_extra or {}, m.role, m.text()) for m in chat]
@@ -317,6 +329,8 @@ class OpenAIServing:
         if tools:
             kwargs.setdefault("tools", tools)
         try:
+            if chat_template is not None:
+                kwargs["chat_template"] = chat_template
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                 continue_final_message=continue_final_message, **kwargs)

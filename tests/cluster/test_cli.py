@@ -171,6 +171,18 @@ def test_server_dev_mode_reaches_the_router_from_the_flag_or_vllms_variable(monk
     assert ClusterConfig(model="m").server_dev_mode is True  # (a Serve config's default, too)
 
 
+def test_trusting_request_chat_templates_reaches_every_models_router(tmp_path):
+    models = tmp_path / "models.yaml"
+    models.write_text("- {model: /models/b, served_model_name: b}\n")
+
+    def trusted(*flags):
+        first, more = router_deployment(_config("--extra-models", str(models), *flags))._bound_deployment.init_args
+        return [c.trust_request_chat_template for c in (first, *more)]
+
+    assert trusted() == [False, False]
+    assert trusted("--trust-request-chat-template") == [True, True]
+
+
 def test_the_kv_cache_dtype_reaches_every_engine_and_can_differ_per_engine(tmp_path):
     overrides = tmp_path / "engines.yaml"
     overrides.write_text("- {}\n- {kv_cache_dtype: auto}\n")

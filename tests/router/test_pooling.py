@@ -105,6 +105,15 @@ def test_conversation_refusals(payload, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
 
 
+def test_a_trusting_server_pools_the_conversation_its_own_template_writes():
+    http, engine = _app(tokenizer=CHAT_TOKENIZER, num_pooled=6, pooling=REWARD_MODEL,
+                        trust_request_chat_template=True)
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    r = http.post("/pooling", json={"model": "tiny", "messages": CONVERSATION, "chat_template": own})
+    assert r.status_code == 200
+    assert CHAT_TOKENIZER.decode(engine.requests[0].prompt_token_ids) == "[user] What is 2 + 2?\n[assistant] It is 4.\n"
+
+
 def test_a_pooling_task_picks_one_row_per_input_or_per_token():
     """vLLM's task: token_embed pools every token of an embedding model (each row cut to dimensions),
     token_classify every token of a sequence classifier; embed / classify keep the model's pooling;

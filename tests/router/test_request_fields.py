@@ -119,13 +119,15 @@ def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
          tokenizer=TOKENIZER, prompt_tokens_details: bool = False, stream_interval: int = 1, hidden_size: int = 0,
-         pooling: dict | None = None, **engine) -> tuple[TestClient, ScriptedEngine]:
+         pooling: dict | None = None, trust_request_chat_template: bool = False,
+         **engine) -> tuple[TestClient, ScriptedEngine]:
     client = EngineClient([object()], client_index=1)
     scripted = client._slots[0].channel = ScriptedEngine(client, script, **engine)
     serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256,
                                             enable_prompt_tokens_details=prompt_tokens_details,
                                             stream_interval=stream_interval, hidden_size=hidden_size,
-                                            pooling=PoolingInfo(**(pooling or {}))),
+                                            pooling=PoolingInfo(**(pooling or {})),
+                                            trust_request_chat_template=trust_request_chat_template),
                             client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted
 

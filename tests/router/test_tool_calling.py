@@ -271,7 +271,8 @@ MESSAGES = [{"role": "user", "content": "weather in Rome?"}]
 
 
 def _app(answer: str, parser: str | None = None, reasoning: str | None = None, spaced: bool = True,
-         think_tokens: bool = False, stream_interval: int = 1) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
+         think_tokens: bool = False, stream_interval: int = 1,
+         trust_request_chat_template: bool = False) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
     """``spaced``: the answer streams one token per engine output, as from a real engine.
     ``think_tokens``: <think> and </think> are tokens of the vocabulary, as in reasoning models."""
     tokenizer = byte_level_tokenizer.__wrapped__()  # a copy of its own: the template is set on it
@@ -284,7 +285,8 @@ def _app(answer: str, parser: str | None = None, reasoning: str | None = None, s
         client, lambda _: [*tokenizer.encode(answer), tokenizer.eos_token_id], finish=FinishReason.STOP,
         spaced=spaced)
     serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=512, tool_call_parser=parser,
-                                            reasoning_parser=reasoning, stream_interval=stream_interval),
+                                            reasoning_parser=reasoning, stream_interval=stream_interval,
+                                            trust_request_chat_template=trust_request_chat_template),
                             client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted, serving
 
@@ -414,7 +416,28 @@ def test_continue_final_message_leaves_the_last_message_open():
         refused = http.post("/v1/chat/completions", json={**body, **extra})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     refused = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES, "chat_template": "x"})
-    assert refused.status_code == 400
+    assert refused.status_code == 400 and "--trust-request-chat-template" in refused.json()["error"]["message"]
+
+
+def test_a_trusting_server_runs_the_requests_own_template():
+    """Under --trust-request-chat-template, a request's chat_template (or chat_template_kwargs'
+    chat_template) writes its conversation on chat and /tokenize; requests without one keep the
+    server's; a broken one is a 400 naming messages."""
+    http, engine, serving = _app("x", trust_request_chat_template=True)
+    own = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if flag %}!{% endif %}"
+    body = {"model": "tiny", "messages": MESSAGES}
+    assert http.post("/v1/chat/completions", json={**body, "chat_template": own}).status_code == 200
+    assert http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"chat_template": own,
+                                                                                     "flag": True}}).status_code == 200
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    written = [serving.tokenizer.decode(r.prompt_token_ids) for r in engine.requests]
+    conversation = "".join(f"<{m['role']}>{m['content']}" for m in MESSAGES)
+    assert written[:2] == [conversation, conversation + "!"]
+    assert written[2] == serving.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    tokens = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES, "chat_template": own}).json()
+    assert serving.tokenizer.decode(tokens["tokens"]) == conversation
+    broken = http.post("/v1/chat/completions", json={**body, "chat_template": "{% for m in messages %}"})
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
 
 
 @pytest.mark.parametrize(("parser", "answer"), [
