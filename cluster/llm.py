@@ -350,9 +350,9 @@ class LLM:
         if normalize is None:
             normalize = info.pooling.normalize
         params = _pooled_params(info, normalize, dimensions)
-        if dimensions is not None and dimensions > info.hidden_size:
-            raise ValueError(f"dimensions ({dimensions}) is larger than the model's embeddings "
-                             f"({info.hidden_size} values)")
+        problem = info.pooling.dimensions_problem(dimensions, info.served_model_name, info.hidden_size)
+        if problem:
+            raise ValueError(problem)
         return [EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), ids)
                 for request_id, ids, vector in self._pool(prompts, params, lora_request, use_tqdm, "Embedded prompts")]
 

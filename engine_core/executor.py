@@ -65,6 +65,26 @@ class PoolingInfo:
     # A late-interaction (ColBERT) model: each text embeds as one vector a token (token_embed), and a
     # pair scores by MaxSim rather than cosine similarity.
     late_interaction: bool = False
+    # Whether its embeddings were trained to be cut short (Matryoshka), and the lengths it was
+    # trained at (() : any), as vLLM reads them from the config (is_matryoshka, matryoshka_dimensions).
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+    def dimensions_problem(self, dimensions: int | None, model: str, embedding_size: int) -> str:
+        """Why a request's ``dimensions`` cannot be served ("" when it can), as vLLM refuses it: a
+        model not trained for shorter embeddings would answer poor ones."""
+        if dimensions is None:
+            return ""
+        if not self.matryoshka:
+            return (f"Model {model!r} does not support matryoshka representation: changing output dimensions "
+                    "would give poor embeddings (a model trained for it says so with is_matryoshka or "
+                    "matryoshka_dimensions in its config; --hf-overrides can set them)")
+        if self.matryoshka_dimensions and dimensions not in self.matryoshka_dimensions:
+            return (f"Model {model!r} only supports the matryoshka dimensions {list(self.matryoshka_dimensions)}: "
+                    "other output dimensions would give poor embeddings")
+        if embedding_size and dimensions > embedding_size:
+            return f"dimensions ({dimensions}) is larger than the model's embeddings ({embedding_size} values)"
+        return ""
 
     @property
     def per_token(self) -> bool:

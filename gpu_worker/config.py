@@ -72,6 +72,9 @@ ENCODER_ARCHITECTURES = {
     "NomicBertForSequenceClassification": "NomicBertModel", "GteForSequenceClassification": "GteModel",
     "NewForSequenceClassification": "GteModel", "NomicBertForTokenClassification": "NomicBertModel",
     "GteForTokenClassification": "GteModel", "NewForTokenClassification": "GteModel",
+    # Jina embeddings v3 (transformers' port; its own code's checkpoint is an XLMRobertaModel whose
+    # position_embedding_type is "rotary"): rotary positions, post-norm layers, a plain gelu MLP.
+    "JinaEmbeddingsV3Model": "JinaEmbeddingsV3Model",
     # ColBERT (colbertv2.0, answerai-colbert-small): BERT and a projection of every token (``linear``)
     # to its late-interaction vectors, scored by MaxSim (vLLM's HF_ColBERT).
     "HF_ColBERT": "BertModel",
@@ -384,6 +387,40 @@ def _rope_bert_fields(ours: str, arch: str, cfg: dict[str, Any]) -> dict[str, An
                 rope_scaling={"rope_type": "ntk", "factor": float(ntk["factor"])} if ntk else None)
 
 
+JINA_DEFAULT_TASK = "text-matching"
+
+
+def _jina_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Jina embeddings v3's ModelConfig fields, from transformers' config or its own code's
+    (XLMRobertaFlashConfig): RoPE's base, the context, and the task adaptation merged at load.
+
+    Its own checkpoints hold a LoRA adaptation per task beside the base weights. As vLLM, the
+    text-matching one is merged by default; ``lora_task`` (set with --hf-overrides) chooses another
+    of ``lora_adaptations``, or null for the base weights."""
+    theta, scaling = _rope_from_dict("", {"rope_theta": cfg.get("rotary_emb_base", 20_000.0), **cfg})
+    if scaling is not None:
+        raise ValueError(f"{arch}: only default RoPE is served, got {scaling['rope_type']!r}")
+    if cfg.get("rotary_emb_interleaved") or cfg.get("rotary_emb_fraction", 1.0) != 1.0:
+        raise ValueError(f"{arch} with interleaved or partial rotary embeddings is not served")
+    act = str(cfg.get("hidden_act", "gelu"))
+    if act not in ENCODER_ACTIVATIONS:
+        raise ValueError(f"hidden_act must be one of {', '.join(ENCODER_ACTIVATIONS)} for {arch}, got {act!r}")
+    task_lora = None
+    tasks = cfg.get("lora_adaptations") if arch == "XLMRobertaModel" else None
+    if tasks:
+        task = cfg.get("lora_task", JINA_DEFAULT_TASK if JINA_DEFAULT_TASK in tasks else tasks[-1])
+        if task is not None:
+            if task not in tasks:
+                raise ValueError(f"lora_task must be one of {', '.join(map(repr, tasks))} (or null for the base "
+                                 f"weights), got {task!r}")
+            task_lora = (tasks.index(task), float(cfg.get("lora_alpha", 1)) / int(cfg.get("lora_rank", 4)))
+    return dict(rope_theta=theta, max_position_embeddings=int(cfg.get("max_position_embeddings", 8194)),
+                qkv_bias=True, o_proj_bias=True, mlp_bias=True, sliding_window=None, hidden_act=act,
+                layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
+                type_vocab_size=int(cfg.get("type_vocab_size", 1)), position_offset=0, default_pooling_type="MEAN",
+                gated_mlp=False, task_lora=task_lora)
+
+
 def _modernbert_fields(arch: str, cfg: dict[str, Any], classifier: bool) -> dict[str, Any]:
     """ModernBERT's own ModelConfig fields, as ModernBertConfig reads them (its 4.x keys, or 5.x's
     layer_types and per-kind rope_parameters): global RoPE on the full-attention layers, local RoPE
@@ -614,6 +651,12 @@ class ModelConfig:
     step_tag_id: int | None = None
     # NomicBERT / GTE: whether the MLP's down projection has a bias (None: as mlp_bias says).
     down_proj_bias: bool | None = None
+    # A rotary encoder's MLP: gated (NomicBERT, GTE: act(gate) * up, then down) or plain (Jina v3:
+    # fc1, gelu, fc2).
+    gated_mlp: bool = True
+    # Jina v3's own checkpoints carry one LoRA adaptation per task (lora_adaptations): the one whose
+    # weights are merged into the model's at load, (its index, alpha / rank); None: the base weights.
+    task_lora: tuple[int, float] | None = None
     # BGE-M3's heads beside its dense [CLS] embedding (read from sparse_linear.pt and colbert_linear.pt):
     # each token's lexical weight (token_classify) and ColBERT vector (token_embed).
     m3_heads: bool = False
@@ -631,6 +674,17 @@ class ModelConfig:
         if self.m3_heads:
             return ("token_embed", "token_classify")
         return ("token_embed",) if self.colbert_dim else ()
+
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...]:
+        """The embedding lengths a Matryoshka-trained model was trained at (its config's
+        matryoshka_dimensions, as vLLM reads them; () when it lists none)."""
+        return tuple(int(d) for d in self.raw.get("matryoshka_dimensions") or ())
+
+    @property
+    def matryoshka(self) -> bool:
+        """Whether its embeddings may be cut short (vLLM's is_matryoshka)."""
+        return bool(self.raw.get("is_matryoshka")) or bool(self.matryoshka_dimensions)
 
     @property
     def attention_scale(self) -> float:
@@ -809,6 +863,8 @@ class ModelConfig:
     def _encoder(cls, arch: str, cfg: dict[str, Any]) -> ModelConfig:
         """A BERT-family encoder's config, as transformers' BertConfig / RobertaConfig / ModernBertConfig read it."""
         ours = ENCODER_ARCHITECTURES[arch]
+        if arch == "XLMRobertaModel" and cfg.get("position_embedding_type") == "rotary":
+            ours = "JinaEmbeddingsV3Model"  # (Jina v3's own code's checkpoint)
         if ours in ("NomicBertModel", "GteModel"):
             cfg = _rope_bert_config(ours, cfg)
         if cfg.get("classifier_from_token") is not None:
@@ -823,6 +879,7 @@ class ModelConfig:
         labels = _labels(cfg) if arch.endswith("ForSequenceClassification") or token_classifier else ()
         family = (_modernbert_fields(arch, cfg, bool(labels)) if ours == "ModernBertModel"
                   else _rope_bert_fields(ours, arch, cfg) if ours in ("NomicBertModel", "GteModel")
+                  else _jina_fields(arch, cfg) if ours == "JinaEmbeddingsV3Model"
                   else _bert_fields(ours, arch, cfg))
         colbert_dim = None
         if arch == "HF_ColBERT":  # (its width: colbert_dim, dim or projection_dim, as vLLM reads it)

@@ -145,7 +145,9 @@ class _ExecutorBase(Executor):
                                 row_size=row_size, token_heads=self._token_heads(),
                                 # (ColBERT serves its token_embed vectors only, and scores by MaxSim.)
                                 task="token_embed" if self.model_config.late_interaction else None,
-                                late_interaction=self.model_config.late_interaction))
+                                late_interaction=self.model_config.late_interaction,
+                                matryoshka=self.model_config.matryoshka,
+                                matryoshka_dimensions=self.model_config.matryoshka_dimensions))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

@@ -146,11 +146,11 @@ def embedding_params(serving: OpenAIServing, normalize: bool | None = None, dime
 
 
 def check_dimensions(serving: OpenAIServing, dimensions: int | None) -> None:
-    """400 unless ``dimensions`` (when given) fits in the model's embeddings."""
-    hidden_size = serving.settings.hidden_size
-    if dimensions is not None and hidden_size and dimensions > hidden_size:
-        raise bad_request(f"dimensions ({dimensions}) is larger than the model's embeddings "
-                          f"({hidden_size} values)", "dimensions")
+    """400 unless ``dimensions`` (when given) is a length the model's embeddings may be cut to."""
+    settings = serving.settings
+    problem = settings.pooling.dimensions_problem(dimensions, settings.served_model_name, settings.hidden_size)
+    if problem:
+        raise bad_request(problem, "dimensions")
 
 
 class EmbeddingsServing:

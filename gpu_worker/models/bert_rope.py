@@ -1,18 +1,21 @@
-"""BERT-style encoders with rotary positions and gated MLPs: transformers' NomicBertModel
-(nomic-embed-text-v1 / v1.5, nomic-bert-2048) and GteModel (gte-multilingual-base, gte-*-v1.5),
-and their sequence classifiers (gte-multilingual-reranker-base) and token classifiers.
+"""BERT-style encoders with rotary positions: transformers' NomicBertModel (nomic-embed-text-v1 /
+v1.5, nomic-bert-2048) and GteModel (gte-multilingual-base, gte-*-v1.5), with their sequence
+classifiers (gte-multilingual-reranker-base) and token classifiers, and JinaEmbeddingsV3Model
+(jina-embeddings-v3).
 
 Like BERT (bidirectional attention within each prompt, no KV cache: see models.bert), with:
 * no position table: rotary positions (RoPE, rotate-half) on the queries and keys;
 * post-norm layers: x = norm(x + attn(x)), then x = norm(x + mlp(x));
 * a gated MLP, act(gate(x)) * up(x) then down (NomicBERT: SiLU, no biases; GTE: GELU, a bias on
-  down only);
+  down only), or Jina v3's plain one (fc1, gelu, fc2, with biases);
 * embeddings = LayerNorm(word + token type) (GTE checkpoints with type_vocab_size 0 have no type table).
 Parameter names follow transformers' (``layers.N.self_attn.q_proj``, ``mlp.gate_proj``,
 ``post_attention_layernorm``, ...). The checkpoints their own code saved are read too: NomicBERT's
 (``emb_ln``, ``encoder.layers.N.attn.Wqkv``, ``mlp.fc11`` / ``fc12`` / ``fc2``, ``norm1`` / ``norm2``)
 and GTE's ``NewModel`` (``encoder.layer.N.attention.qkv_proj``, ``mlp.up_gate_proj``, ``attn_ln`` /
-``mlp_ln``), their fused projections split into the shards the loader places per TP rank.
+``mlp_ln``), their fused projections split into the shards the loader places per TP rank; and Jina
+v3's (``roberta.`` prefix, ``mixer.Wqkv``, ``mixer.out_proj``), whose task adaptations are LoRA
+parametrizations of every weight: the chosen task's is merged into the weights at load.
 """
 
 from __future__ import annotations
@@ -20,16 +23,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.config import ModelConfig
+from gpu_worker.config import ENCODER_ACTIVATIONS, ModelConfig
 from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.layers.activation import gated_activation
 from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.encoder_attention import EncoderAttention
-from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from gpu_worker.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from gpu_worker.layers.rotary import RotaryEmbedding
-from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.layers.weight_utils import WeightLike, materialize
 from gpu_worker.models.bert import BertModel, BertPooler, encoder_layer_norm
 
 
@@ -64,12 +73,25 @@ class RopeBertMLP(nn.Module):
         return self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(hidden)))
 
 
+class PlainMLP(nn.Module):
+    """Jina v3's MLP (transformers' CLIPMLP): fc1, gelu, fc2, with biases."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True)
+        self.approximate = ENCODER_ACTIVATIONS[config.hidden_act]
+        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc2.forward(F.gelu(self.fc1.forward(hidden), approximate=self.approximate))
+
+
 class RopeBertLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.self_attn = RopeBertAttention(config)
         self.post_attention_layernorm = encoder_layer_norm(config)
-        self.mlp = RopeBertMLP(config)
+        self.mlp = RopeBertMLP(config) if config.gated_mlp else PlainMLP(config)
         self.post_mlp_layernorm = encoder_layer_norm(config)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
@@ -125,6 +147,10 @@ class RopeBertModel(BertModel):
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
+    @property
+    def checkpoint_renames(self) -> tuple[tuple[str, str], ...]:
+        return _RENAMES
+
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """Checkpoint names as ours: transformers' as they are; NomicBERT's and GTE's own code's
         renamed, their fused q/k/v and up/gate split into shards; buffers, poolers and masked-LM
@@ -137,7 +163,7 @@ class RopeBertModel(BertModel):
                     or name.startswith(("cls.", "lm_head.", "mlm_head."))
                     or (name.startswith("pooler.") and self.model.pooler is None)):
                 continue
-            for old, new in _RENAMES:
+            for old, new in self.checkpoint_renames:
                 name = name.replace(old, new)
             if ".self_attn.Wqkv." in name:
                 for part, start in (("q_proj", 0), ("k_proj", hidden), ("v_proj", 2 * hidden)):
@@ -156,3 +182,45 @@ _RENAMES = (("encoder.layers.", "layers."), ("encoder.layer.", "layers."), ("emb
             (".mlp.fc11.", ".mlp.up_proj."), (".mlp.fc12.", ".mlp.gate_proj."), (".mlp.fc2.", ".mlp.down_proj."),
             (".norm1.", ".post_attention_layernorm."), (".norm2.", ".post_mlp_layernorm."),
             (".attn_ln.", ".post_attention_layernorm."), (".mlp_ln.", ".post_mlp_layernorm."))
+
+
+class JinaEmbeddingsV3Model(RopeBertModel):
+    """jina-embeddings-v3: transformers' JinaEmbeddingsV3Model, and the checkpoint Jina's own code
+    saved, with its task adaptation (ModelConfig.task_lora) merged into the weights."""
+
+    @property
+    def checkpoint_renames(self) -> tuple[tuple[str, str], ...]:
+        return tuple((old, new) for old, new in _RENAMES if ".mlp." not in old)  # (its fc1 / fc2 stay)
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return super().checkpoint_tensors(self._merged_task(
+            (name.removeprefix("roberta.").replace(".mixer.", ".attn."), tensor) for name, tensor in weights))
+
+    def _merged_task(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        """Each LoRA-parametrized weight (``X.parametrizations.weight.original`` with its
+        ``.0.lora_A`` / ``.0.lora_B``, one adaptation per task along their first dimension) as
+        ``X.weight``: the original plus the chosen task's B @ A times alpha / rank (A @ B for an
+        embedding, whose factors Jina's code stores the other way round), or the original alone."""
+        parts: dict[str, dict[str, WeightLike]] = {}
+        for name, tensor in weights:
+            module, marker, part = name.partition(".parametrizations.weight.")
+            if not marker:
+                yield name, tensor
+                continue
+            held = parts.setdefault(module, {})
+            held[part] = tensor
+            if len(held) == 3:
+                yield f"{module}.weight", self._merge(module, parts.pop(module))
+        if parts:
+            raise ValueError(f"incomplete LoRA parametrizations in the checkpoint: {sorted(parts)}")
+
+    def _merge(self, module: str, held: dict[str, WeightLike]) -> torch.Tensor:
+        if set(held) != {"original", "0.lora_A", "0.lora_B"}:
+            raise ValueError(f"{module}: unexpected parametrization tensors {sorted(held)}")
+        original = materialize(held["original"])
+        if self.config.task_lora is None:
+            return original
+        task, scaling = self.config.task_lora
+        a, b = (materialize(held[k])[task].float() for k in ("0.lora_A", "0.lora_B"))
+        delta = a @ b if module.endswith("embeddings") else b @ a
+        return (original.float() + delta.view(original.shape) * scaling).to(original.dtype)

@@ -6,7 +6,7 @@ from torch import nn
 
 from gpu_worker.config import ModelConfig
 from gpu_worker.models.bert import BertModel, RobertaModel
-from gpu_worker.models.bert_rope import RopeBertModel
+from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.llama import (
     LlamaForCausalLM,
@@ -37,6 +37,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "ModernBertModel": ModernBertModel,
     "NomicBertModel": RopeBertModel,
     "GteModel": RopeBertModel,
+    "JinaEmbeddingsV3Model": JinaEmbeddingsV3Model,
 }
 
 

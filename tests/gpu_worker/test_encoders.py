@@ -15,6 +15,7 @@ from transformers import (
     AutoModelForTokenClassification,
     BertConfig,
     GteConfig,
+    JinaEmbeddingsV3Config,
     ModernBertConfig,
     NomicBertConfig,
     RobertaConfig,
@@ -29,7 +30,7 @@ from gpu_worker.config import ModelConfig
 from tests.gpu_worker.utils import make_runner, run_to_completion
 
 _CONFIGS = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig,
-            "modernbert": ModernBertConfig, "nomic": NomicBertConfig, "gte": GteConfig}
+            "modernbert": ModernBertConfig, "nomic": NomicBertConfig, "gte": GteConfig, "jina": JinaEmbeddingsV3Config}
 
 
 def save_tiny_encoder(path, kind: str, num_labels: int = 0, seed: int = 0, per_token: bool = False, **overrides):
@@ -42,7 +43,7 @@ def save_tiny_encoder(path, kind: str, num_labels: int = 0, seed: int = 0, per_t
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=64 + (2 if roberta else 0), type_vocab_size=1 if roberta else 2,
               pad_token_id=1 if roberta else 0, num_labels=max(num_labels, 1))
-    if kind == "gte":  # (gte-multilingual-base's one token type)
+    if kind in ("gte", "jina"):  # (gte-multilingual-base's and jina-embeddings-v3's one token type)
         kw["type_vocab_size"] = 1
     if kind == "modernbert":
         kw.update(num_hidden_layers=3, local_attention=16, global_attn_every_n_layers=3, norm_bias=True,
@@ -115,7 +116,7 @@ def random_prompts(count: int, seed: int, max_len: int = 40) -> dict[str, list[i
     return {f"p{i}": [rng.randrange(5, 250) for _ in range(rng.randrange(1, max_len))] for i in range(count)}
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta", "modernbert", "nomic", "gte"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta", "modernbert", "nomic", "gte", "jina"])
 @pytest.mark.parametrize("pooling", ["CLS", "MEAN", "LAST"])
 def test_embeddings_match_transformers(tmp_path, kind, pooling):
     """Several prompts of different lengths (one of a single token) in one pass, each attending to
@@ -124,7 +125,7 @@ def test_embeddings_match_transformers(tmp_path, kind, pooling):
     config = ModelConfig.from_pretrained(path)
     assert config.encoder_only and config.embedding_only and config.labels == ()
     assert config.architecture == {"bert": "BertModel", "modernbert": "ModernBertModel", "nomic": "NomicBertModel",
-                                   "gte": "GteModel"}.get(kind, "RobertaModel")
+                                   "gte": "GteModel", "jina": "JinaEmbeddingsV3Model"}.get(kind, "RobertaModel")
     assert config.max_context_len == 64  # (RoBERTa's table holds 66 rows; positions start at row 2)
     runner = make_runner(path, num_blocks=64, block_size=4)
     # (The checkpoint's pooler is not what embeddings read.)
@@ -502,6 +503,97 @@ def test_nomic_and_gte_checkpoints_of_their_own_code_load(tmp_path, kind):
     for bad in refused:
         with pytest.raises(ValueError, match="not served"):
             ModelConfig.from_dict({**raw, **bad})
+
+
+JINA_TASKS = ["retrieval.query", "text-matching", "classification"]
+
+
+def _resave_as_jina_own_code(path, hf, rank: int = 2, alpha: float = 3.0) -> dict[str, dict[str, torch.Tensor]]:
+    """Re-save a transformers JinaEmbeddingsV3Model checkpoint as Jina's own code saves
+    jina-embeddings-v3 (an XLMRobertaModel with rotary positions under ``roberta.``: ``emb_ln``,
+    ``encoder.layers.N.mixer.Wqkv`` / ``out_proj``, ``norm1`` / ``norm2``, ``mlp.fc1`` / ``fc2``),
+    every linear and embedding weight LoRA-parametrized with one random adaptation per task
+    (``.parametrizations.weight.original``, ``.0.lora_A``, ``.0.lora_B``: a linear's A [tasks, rank,
+    in] and B [tasks, out, rank], an embedding's A [tasks, rows, rank] and B [tasks, rank, width]).
+    Returns, per task, transformers' state with that task's adaptation added to each weight."""
+    import json
+
+    from safetensors.torch import save_file
+
+    c, state = hf.config, hf.state_dict()
+    # Their name -> the names in transformers' state whose rows it stacks.
+    theirs: dict[str, list[str]] = {}
+    for name in state:
+        if name.startswith(("embeddings.word_embeddings", "embeddings.token_type_embeddings", "pooler.")):
+            theirs[name] = [name]
+        elif name.startswith("embeddings.LayerNorm."):
+            theirs[name.replace("embeddings.LayerNorm.", "emb_ln.")] = [name]
+    for i in range(c.num_hidden_layers):
+        ours, prefix = f"layers.{i}.", f"encoder.layers.{i}."
+        for w in ("weight", "bias"):
+            theirs[prefix + f"mixer.Wqkv.{w}"] = [ours + f"self_attn.{p}_proj.{w}" for p in "qkv"]
+            theirs[prefix + f"mixer.out_proj.{w}"] = [ours + f"self_attn.o_proj.{w}"]
+            theirs |= {prefix + f"mlp.{fc}.{w}": [ours + f"mlp.{fc}.{w}"] for fc in ("fc1", "fc2")}
+            theirs[prefix + f"norm1.{w}"] = [ours + f"post_attention_layernorm.{w}"]
+            theirs[prefix + f"norm2.{w}"] = [ours + f"post_mlp_layernorm.{w}"]
+    own: dict[str, torch.Tensor] = {}
+    per_task = {task: dict(state) for task in JINA_TASKS}
+    gen = torch.Generator().manual_seed(21)
+    for name, keys in theirs.items():
+        tensor = torch.cat([state[k] for k in keys])
+        if not name.endswith(".weight") or tensor.dim() != 2:
+            own[f"roberta.{name}"] = tensor
+            continue
+        module = name.removesuffix(".weight")
+        rows, cols = tensor.shape
+        embedding = module.endswith("embeddings")
+        a_shape, b_shape = ((rows, rank), (rank, cols)) if embedding else ((rank, cols), (rows, rank))
+        a = torch.randn(len(JINA_TASKS), *a_shape, generator=gen) * 0.3
+        b = torch.randn(len(JINA_TASKS), *b_shape, generator=gen) * 0.3
+        own |= {f"roberta.{module}.parametrizations.weight.original": tensor,
+                f"roberta.{module}.parametrizations.weight.0.lora_A": a,
+                f"roberta.{module}.parametrizations.weight.0.lora_B": b}
+        for t, task in enumerate(JINA_TASKS):
+            delta = (a[t] @ b[t] if embedding else b[t] @ a[t]) * alpha / rank
+            for key, part in zip(keys, delta.split([state[k].shape[0] for k in keys]), strict=True):
+                per_task[task][key] = state[key] + part
+    (path / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in own.items()}, str(path / "model.safetensors"))
+    config = {"architectures": ["XLMRobertaModel"], "model_type": "xlm-roberta", "position_embedding_type": "rotary",
+              "rotary_emb_base": c.rope_parameters["rope_theta"], "hidden_size": c.hidden_size,
+              "num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size,
+              "num_hidden_layers": c.num_hidden_layers, "layer_norm_eps": c.layer_norm_eps, "hidden_act": "gelu",
+              "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+              "type_vocab_size": c.type_vocab_size, "pad_token_id": 1, "use_flash_attn": True,
+              "lora_adaptations": JINA_TASKS, "lora_rank": rank, "lora_alpha": alpha, "lora_dropout_p": 0.0,
+              "task_instructions": {task: "" for task in JINA_TASKS}, "load_trained_adapters": True}
+    (path / "config.json").write_text(json.dumps(config))
+    return per_task
+
+
+@pytest.mark.parametrize("task", ["text-matching", "retrieval.query", None])
+def test_jina_v3s_own_checkpoint_embeds_with_its_task_adaptation_merged(tmp_path, task):
+    """jina-embeddings-v3 as its own code saved it: the chosen task's LoRA adaptation (text-matching
+    unless lora_task says otherwise; null: none) merged into every weight, the embedding tables'
+    included, embeds as transformers' port does with those weights."""
+    import json
+
+    path, hf = save_tiny_encoder(tmp_path, "jina")
+    per_task = _resave_as_jina_own_code(path, hf)
+    if task != "text-matching":
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**raw, "lora_task": task}))
+    config = ModelConfig.from_pretrained(path)
+    assert config.architecture == "JinaEmbeddingsV3Model" and config.default_pooling_type == "MEAN"
+    assert config.task_lora == (None if task is None else (JINA_TASKS.index(task), 1.5))
+    if task is not None:
+        assert any(not torch.equal(v, hf.state_dict()[k]) for k, v in per_task[task].items())
+        hf.load_state_dict(per_task[task])
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    assert_pooled_as_transformers(runner, hf, {**random_prompts(4, seed=15), "single": [42]}, "MEAN")
+    raw = json.loads((path / "config.json").read_text())
+    with pytest.raises(ValueError, match="lora_task must be one of"):
+        ModelConfig.from_dict({**raw, "lora_task": "separation"})
 
 
 @pytest.mark.parametrize("kind", ["bert", "roberta", "modernbert"])

@@ -145,7 +145,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                    "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                                    "Gemma3ForCausalLM", "BertModel", "RobertaModel",
-                                   "ModernBertModel", "NomicBertModel", "GteModel"}
+                                   "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
     assert get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM

@@ -39,7 +39,7 @@ def test_v2_embed_answers_each_asked_embedding_type():
 def test_v2_embed_truncates_as_cohere_says_and_takes_inputs():
     """truncate END keeps a text's first tokens, START its last, NONE refuses a text too long;
     max_tokens caps each text; output_dimension cuts the vectors; inputs join their text parts."""
-    http, engine = _app()
+    http, engine = _app(pooling={"matryoshka": True})
     text = "Hello world, the quick brown fox, jumps over the lazy dog."
     ids = TOKENIZER.encode(text)
     for truncate, kept in (("END", ids[:4]), ("START", ids[-4:])):

@@ -27,7 +27,8 @@ def cluster(ray_cluster, tiny_model_dir):
         model=str(tiny_model_dir), served_model_name="tiny", num_engines=2, routing_policy="round_robin",
         enable_responses_store=True,  # shared by every app of the namespace (prefix2 uses it too)
         enable_prompt_tokens_details=True,
-        defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256),
+        # (Marked as trained for shorter embeddings, which /v1/embeddings' dimensions needs, as in vLLM.)
+        defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256, hf_overrides={"is_matryoshka": True}),
         # Engine 1 has a short queue, so flooding it yields 429s.
         engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
     # A second router app over the same engines, with another policy, and tool_choice "auto" read

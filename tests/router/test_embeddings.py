@@ -4,6 +4,8 @@ usage, and the refusals."""
 
 from __future__ import annotations
 
+import re
+
 import openai
 import pytest
 
@@ -35,7 +37,7 @@ def test_texts_and_token_ids_get_one_embedding_each():
 
 
 def test_vllm_extras_reach_the_engine():
-    http, engine = _app()
+    http, engine = _app(pooling={"matryoshka": True})
     client = _client(http)
     out = client.embeddings.create(model="tiny", input="Hello world, the quick brown fox", dimensions=3,
                                    extra_body={"normalize": False, "truncate_prompt_tokens": 4})
@@ -71,6 +73,23 @@ def test_refusals_name_their_parameter(body, status, param):
     assert r.json()["error"]["param"] == param
     assert not engine.requests  # refused before anything ran
 
+
+@pytest.mark.parametrize(("pooling", "dimensions", "message"), [
+    ({}, 4, "does not support matryoshka representation"),  # (vLLM's refusal: not trained for it)
+    ({"matryoshka": True, "matryoshka_dimensions": (2, 6)}, 4, r"only supports the matryoshka dimensions \[2, 6\]"),
+    ({"matryoshka": True}, 9, r"dimensions \(9\) is larger than the model's embeddings \(8 values\)"),
+    ({"matryoshka": True, "matryoshka_dimensions": (2, 6)}, 6, None),
+    ({"matryoshka": True}, 5, None)])
+def test_dimensions_are_served_for_matryoshka_models_only(pooling, dimensions, message):
+    """As vLLM: a model cuts its embeddings short only when its config says it was trained to
+    (is_matryoshka), and then to the lengths it lists (matryoshka_dimensions), if it lists any."""
+    http, engine = _app(hidden_size=8, pooling=pooling)
+    r = http.post("/v1/embeddings", json={"model": "tiny", "input": "hi", "dimensions": dimensions})
+    if message is None:
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == dimensions
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+        assert re.search(message, r.json()["error"]["message"]) and not engine.requests
 
 
 @pytest.mark.parametrize("failing", [0, 1])

@@ -118,7 +118,8 @@ def test_a_pooling_task_picks_one_row_per_input_or_per_token():
     """vLLM's task: token_embed pools every token of an embedding model (each row cut to dimensions),
     token_classify every token of a sequence classifier; embed / classify keep the model's pooling;
     a task of the other kind, or classify on a per-token model, is refused naming task."""
-    http, engine = _app(num_pooled=8, hidden_size=4, pooling={"pooling_type": "MEAN", "row_size": 4})
+    http, engine = _app(num_pooled=8, hidden_size=4, pooling={"pooling_type": "MEAN", "row_size": 4,
+                                                              "matryoshka": True})
     body = http.post("/pooling", json={"model": "tiny", "input": [5, 6], "task": "token_embed"}).json()
     params = engine.requests[-1].sampling_params
     assert params.embed_pooling == "ALL" and params.embed_normalize
