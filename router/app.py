@@ -189,7 +189,8 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
         async def endpoint(body: Any, request: Request) -> Response:
             chosen = serving_of[id(await servings.for_model(body.model))]
-            return JSONResponse(await getattr(chosen, method)(body, request.headers.get(SESSION_HEADER)))
+            result = await getattr(chosen, method)(body, request.headers.get(SESSION_HEADER))
+            return result if isinstance(result, Response) else JSONResponse(result)  # (vLLM's binary answers)
 
         endpoint.__annotations__["body"] = body_type  # (what FastAPI validates the body as)
         return endpoint

@@ -4,18 +4,21 @@ Each input is tokenised (or taken as token ids), sent as an embedding request (S
 and answered with the final hidden state of its last token: "last" pooling, how decoder embedding
 models (Qwen3-Embedding, e5-mistral, gte-Qwen2) are read. Any served model answers; one trained
 for embeddings gives useful ones. ``encoding_format: "base64"`` (what the openai client asks for
-by default) sends little-endian float32 bytes.
+by default) sends float32 bytes in the machine's order (little-endian here); vLLM's ``bytes`` /
+``bytes_only`` send the raw bytes as the body.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.responses import Response
 
 from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
@@ -34,32 +37,59 @@ _EMBED_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat
 
 
 class EncodingFields(BaseModel):
-    """How /v1/embeddings and /pooling send their vectors (OpenAI's encoding_format, and vLLM's
-    embed_dtype and endianness for base64)."""
+    """How /v1/embeddings and /pooling send their vectors: OpenAI's encoding_format (values, or their
+    bytes in base64), vLLM's binary forms (``bytes``: every vector's bytes one after another as the
+    body, with a ``metadata`` header saying where each lies; ``bytes_only``: the body alone), and
+    vLLM's embed_dtype and endianness for the bytes."""
 
-    encoding_format: Literal["float", "base64"] = "float"
-    embed_dtype: EmbedDType = Field("float32", description="base64's element type (fp8: one byte each).")
-    endianness: Literal["native", "big", "little"] = Field("native", description="base64's byte order.")
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
+    embed_dtype: EmbedDType = Field("float32", description="The bytes' element type (fp8: one byte each).")
+    endianness: Literal["native", "big", "little"] = Field("native", description="The bytes' order.")
 
     def encode(self, vector: list[float] | list[list[float]]) -> list[float] | list[list[float]] | str:
         return encoded(vector, self.encoding_format, self.embed_dtype, self.endianness)
 
+    @property
+    def binary(self) -> bool:
+        return self.encoding_format in ("bytes", "bytes_only")
 
-def encoded(vector: list[float] | list[list[float]], encoding_format: str, embed_dtype: str = "float32",
-            endianness: str = "native") -> list[float] | list[list[float]] | str:
-    """``vector`` as asked: the values, or their bytes in base64, as ``embed_dtype`` elements in
-    ``endianness`` order (rows one after another, for a 2-D output), as vLLM encodes them."""
-    if encoding_format != "base64":
-        return vector
+    def binary_response(self, request_id: str, model: str, vectors: list[Any], num_tokens: int) -> Response:
+        """vLLM's binary answer: the vectors' bytes one after another (application/octet-stream) and,
+        for ``bytes``, a ``metadata`` header (JSON: id, created, model, usage, and per vector its
+        index, embed_dtype, endianness, shape and the body's [start, end) bytes)."""
+        parts, items, offset = [], [], 0
+        for index, vector in enumerate(vectors):
+            raw = to_bytes(vector, self.embed_dtype, self.endianness)
+            items.append({"index": index, "embed_dtype": self.embed_dtype, "endianness": self.endianness,
+                          "start": offset, "end": offset + len(raw), "shape": list(np.shape(vector))})
+            parts.append(raw)
+            offset += len(raw)
+        headers = None if self.encoding_format == "bytes_only" else {"metadata": json.dumps({
+            "id": request_id, "created": int(time.time()), "model": model, "data": items,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})}
+        return Response(b"".join(parts), media_type="application/octet-stream", headers=headers)
+
+
+def to_bytes(vector: list[float] | list[list[float]], embed_dtype: str = "float32", endianness: str = "native"
+             ) -> bytes:
+    """``vector``'s values as ``embed_dtype`` elements in ``endianness`` order (rows one after
+    another, for a 2-D output), as vLLM encodes them."""
     order = {"native": "=", "big": ">", "little": "<"}[endianness]
     if embed_dtype in ("float32", "float16"):  # (numpy holds them: no torch on the common path)
-        raw = np.asarray(vector, dtype=order + ("f4" if embed_dtype == "float32" else "f2")).reshape(-1)
-        return base64.b64encode(raw.tobytes()).decode()
+        return np.asarray(vector, dtype=order + ("f4" if embed_dtype == "float32" else "f2")).reshape(-1).tobytes()
     import torch
 
     values = torch.tensor(vector, dtype=torch.float32).flatten().to(getattr(torch, _EMBED_DTYPES[embed_dtype]))
     bits = values.view(torch.uint8 if values.element_size() == 1 else torch.int16).numpy()
-    return base64.b64encode(bits.astype(bits.dtype.newbyteorder(order), copy=False).tobytes()).decode()
+    return bits.astype(bits.dtype.newbyteorder(order), copy=False).tobytes()
+
+
+def encoded(vector: list[float] | list[list[float]], encoding_format: str, embed_dtype: str = "float32",
+            endianness: str = "native") -> list[float] | list[list[float]] | str:
+    """``vector`` as asked: the values, or their bytes (``to_bytes``) in base64."""
+    if encoding_format != "base64":
+        return vector
+    return base64.b64encode(to_bytes(vector, embed_dtype, endianness)).decode()
 
 
 class PooledInputRequest(BaseModel):
@@ -167,7 +197,7 @@ class EmbeddingsServing:
         check_dimensions(serving, dimensions)
         return lora
 
-    async def create(self, request: EmbeddingRequest, session_id: str | None = None) -> dict[str, Any]:
+    async def create(self, request: EmbeddingRequest, session_id: str | None = None) -> dict[str, Any] | Response:
         serving = self.serving
         lora = await self.admit(request, request.dimensions)
         prompts = self.request_prompts(request)
@@ -175,6 +205,8 @@ class EmbeddingsServing:
         request_id = f"embd-{uuid.uuid4().hex}"
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
         num_tokens = sum(len(ids) for ids in prompts)
+        if request.binary:
+            return request.binary_response(request_id, serving.model_name(request.model), vectors, num_tokens)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": serving.model_name(request.model),
                 "data": [{"object": "embedding", "index": i, "embedding": request.encode(v)}

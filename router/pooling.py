@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import Field
+from starlette.responses import Response
 
 from router.classification import ActivationField, classifier_params, pooled_output
 from router.embeddings import (
@@ -43,7 +44,7 @@ class PoolingServing:
         self.serving = serving
         self.embeddings = EmbeddingsServing(serving)
 
-    async def create(self, request: PoolingRequest, session_id: str | None = None) -> dict[str, Any]:
+    async def create(self, request: PoolingRequest, session_id: str | None = None) -> dict[str, Any] | Response:
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
@@ -72,6 +73,8 @@ class PoolingServing:
             pooling = replace(pooling, row_size=min(pooling.row_size, request.dimensions))
         outputs = [pooled_output(row, pooling, activation) for row in outputs]
         num_tokens = sum(len(ids) for ids in prompts)
+        if request.binary:
+            return request.binary_response(request_id, serving.model_name(request.model), outputs, num_tokens)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": serving.model_name(request.model),
                 "data": [{"index": i, "object": "pooling", "data": request.encode(row)}

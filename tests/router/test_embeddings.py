@@ -127,3 +127,75 @@ def test_an_embedding_model_pools_as_configured_and_does_not_generate():
         assert r.status_code == 400, path
         assert r.json()["error"]["param"] == "model" and "is an embedding model" in r.json()["error"]["message"]
     assert len(engine.requests) == sent  # nothing reached the engine
+
+
+_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn",
+                 "fp8_e5m2": "float8_e5m2"}
+
+
+def _decoded(raw: bytes, embed_dtype: str, endianness: str, shape: list[int]):
+    """Bytes of ``embed_dtype`` elements in ``endianness`` order as float32 values, decoded here
+    without the router's code: numpy byte-swaps, torch reinterprets the element type."""
+    import sys
+
+    import numpy as np
+    import torch
+
+    dtype = getattr(torch, _TORCH_DTYPES[embed_dtype])
+    width = torch.empty(0, dtype=dtype).element_size()
+    ints = np.frombuffer(raw, dtype={1: "u1", 2: "u2", 4: "u4"}[width])
+    order = sys.byteorder if endianness == "native" else endianness
+    if order != sys.byteorder:
+        ints = ints.byteswap()
+    view = torch.from_numpy(ints.astype({1: "u1", 2: "i2", 4: "i4"}[width]).copy())
+    return view.view(dtype).float().reshape(shape)
+
+
+@pytest.mark.parametrize("embed_dtype", list(_TORCH_DTYPES))
+@pytest.mark.parametrize("endianness", ["native", "big", "little"])
+def test_vectors_travel_as_bytes_of_the_dtype_and_order_asked(embed_dtype, endianness):
+    """vLLM's embed_dtype and endianness: base64 of the vectors' bytes, or the bytes themselves as
+    the body (``bytes``, with a metadata header locating each vector; ``bytes_only`` without), on
+    /v1/embeddings and on /pooling's per-token rows; each decodes to the scripted values rounded to
+    that dtype."""
+    import base64
+    import json
+
+    import torch
+
+    http, engine = _app(hidden_size=8, pooling={"row_size": 4})
+    texts = ["Hello world", "the quick brown fox"]
+    fields = {"embed_dtype": embed_dtype, "endianness": endianness}
+
+    def expected(params, prompt, shape):
+        values = torch.tensor(scripted_embedding(prompt, params), dtype=torch.float32)
+        return values.to(getattr(torch, _TORCH_DTYPES[embed_dtype])).float().reshape(shape)
+
+    body = http.post("/v1/embeddings", json={"model": "tiny", "input": texts, "encoding_format": "base64",
+                                              **fields}).json()
+    for item, request in zip(body["data"], engine.requests, strict=True):
+        got = _decoded(base64.b64decode(item["embedding"]), embed_dtype, endianness, [8])
+        torch.testing.assert_close(got, expected(request.sampling_params, request.prompt_token_ids, [8]))
+    r = http.post("/v1/embeddings", json={"model": "tiny", "input": texts, "encoding_format": "bytes", **fields})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    meta = json.loads(r.headers["metadata"])
+    assert meta["model"] == "tiny" and meta["usage"]["prompt_tokens"] == sum(len(TOKENIZER.encode(t)) for t in texts)
+    requests = engine.requests[-2:]
+    for i, (item, request) in enumerate(zip(meta["data"], requests, strict=True)):
+        assert (item["index"], item["embed_dtype"], item["endianness"], item["shape"]) == (i, embed_dtype,
+                                                                                            endianness, [8])
+        got = _decoded(r.content[item["start"]:item["end"]], embed_dtype, endianness, [8])
+        torch.testing.assert_close(got, expected(request.sampling_params, request.prompt_token_ids, [8]))
+    assert meta["data"][-1]["end"] == len(r.content)
+    only = http.post("/v1/embeddings", json={"model": "tiny", "input": texts, "encoding_format": "bytes_only",
+                                             **fields})
+    assert "metadata" not in only.headers and len(only.content) == len(r.content)
+    # /pooling with every token's embedding (ALL; the scripted engine's 8 values are two rows of 4):
+    # one [rows, 4] block per input.
+    pooled = http.post("/pooling", json={"model": "tiny", "input": [[5, 6]], "task": "token_embed",
+                                         "encoding_format": "bytes", **fields})
+    item = json.loads(pooled.headers["metadata"])["data"][0]
+    assert item["shape"] == [2, 4]
+    request = engine.requests[-1]
+    torch.testing.assert_close(_decoded(pooled.content, embed_dtype, endianness, [2, 4]),
+                               expected(request.sampling_params, request.prompt_token_ids, [2, 4]))
