@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--extra-models", default=None, metavar="FILE",
                        help="YAML list of further models served through the same endpoint, each on engines of its "
                             "own (model, served_model_name, num_engines, defaults, engines, chat_template, "
-                            "tool_call_parser, reasoning_parser, enable_auto_tool_choice).")
+                            "tool_call_parser, reasoning_parser, enable_auto_tool_choice, and its LoRA adapters: "
+                            "enable_lora, lora_modules, max_loras, max_lora_rank, max_cpu_loras).")
     serve.add_argument("--routing-policy", default="least_loaded",
                        choices=["round_robin", "least_loaded", "prefix_aware", "session"])
     serve.add_argument("--prefix-load-margin", type=int, default=8)
@@ -199,16 +200,25 @@ def cluster_config_from_args(args: argparse.Namespace):
 
 def _extra_models(path: str) -> list:
     """``--extra-models FILE``, each chat template read as ``--chat-template`` reads it (a path
-    relative to the file's folder, or the template itself)."""
+    relative to the file's folder, or the template itself), and each adapter's relative path taken
+    from the file's folder too, where it exists there."""
     from cluster.config import load_extra_models
 
     folder = os.path.dirname(os.path.abspath(path))
+
+    def beside_file(relative: str, exists=os.path.exists) -> str:
+        return os.path.join(folder, relative) if not os.path.isabs(relative) and exists(
+            os.path.join(folder, relative)) else relative
+
     models = []
     for m in load_extra_models(path):
-        template = m.chat_template
-        if template is not None and not os.path.isabs(template) and os.path.isfile(os.path.join(folder, template)):
-            template = os.path.join(folder, template)
-        models.append(m.model_copy(update={"chat_template": read_chat_template(template)}))
+        template = None if m.chat_template is None else beside_file(m.chat_template, os.path.isfile)
+        adapters = []
+        for module in m.lora_module_list():
+            entry = {"name": module.name, "path": beside_file(module.path)}
+            adapters.append(entry if module.base_model_name is None else {**entry,
+                                                                          "base_model_name": module.base_model_name})
+        models.append(m.model_copy(update={"chat_template": read_chat_template(template), "lora_modules": adapters}))
     return models
 
 

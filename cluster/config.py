@@ -141,7 +141,7 @@ class LoRASettings(BaseModel):
             raise ValueError(f"max_cpu_loras (--max-cpu-loras, {self.max_cpu_loras}) must be at least max_loras "
                              f"(--max-loras, {self.max_loras})")
         if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules need enable_lora (--enable-lora)")
+            raise ValueError("lora_modules need enable_lora (--enable-lora, or the model's enable_lora)")
         static_lora_requests(self.lora_module_list())  # names must be unique
         return self
 
@@ -247,10 +247,14 @@ class ClusterConfig(LoRASettings):
             raise ValueError("api_keys must not be empty strings (an empty key would let in an empty Bearer token)")
         return self
 
+    def served_names(self) -> list[str]:
+        """Each served model's name, the first model's first (a name left to the model is only known
+        once loaded: its path stands for it here, and the router checks those again)."""
+        return [self.served_model_name or self.model, *(m.served_model_name or m.model for m in self.models)]
+
     @model_validator(mode="after")
     def _served_names(self) -> ClusterConfig:
-        # (A name left to the model is only known once loaded; the router checks those again.)
-        names = [self.served_model_name or self.model, *(m.served_model_name or m.model for m in self.models)]
+        names = self.served_names()
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"two served models are named {name!r}: give each a served_model_name of its own")
@@ -261,9 +265,13 @@ class ClusterConfig(LoRASettings):
         if self.allow_runtime_lora_updating and not any(m.enable_lora for m in (self, *self.models)):
             raise ValueError("allow_runtime_lora_updating needs enable_lora (--enable-lora) on a model")
         # A client names a model or an adapter alike: one name, one thing.
-        names = [self.served_model_name or self.model, *(m.served_model_name or m.model for m in self.models)]
-        for owner in (self, *self.models):
+        names = self.served_names()
+        for owner, owner_name in zip((self, *self.models), list(names), strict=True):
             for module in owner.lora_module_list():
+                if module.base_model_name not in (None, owner_name):
+                    raise ValueError(f"the LoRA adapter {module.name!r} names base_model_name "
+                                     f"{module.base_model_name!r} but is listed for {owner_name!r}: list it in that "
+                                     "model's own lora_modules")
                 if module.name in names:
                     raise ValueError(f"the LoRA adapter name {module.name!r} is already a served model's or "
                                      "another adapter's")

@@ -18,14 +18,16 @@ class LoRANotLoadedError(LookupError):
 
 
 class LoRAModule(msgspec.Struct, frozen=True, array_like=True):
-    """One ``--lora-modules`` entry: an adapter served under ``name`` from the directory ``path``."""
+    """One ``--lora-modules`` entry: an adapter served under ``name`` from the directory ``path``;
+    ``base_model_name`` (vLLM's JSON key, optional) names the served model it belongs to."""
 
     name: str
     path: str
+    base_model_name: str | None = None
 
 
 def parse_lora_module(text: str) -> LoRAModule:
-    """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...}``."""
+    """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ..., "base_model_name": ...}``."""
     text = text.strip()
     if text.startswith("{"):
         try:
@@ -34,7 +36,8 @@ def parse_lora_module(text: str) -> LoRAModule:
             raise ValueError(f"--lora-modules: not valid JSON: {text!r} ({e})") from None
         if not isinstance(data, dict) or not data.get("name") or not data.get("path"):
             raise ValueError(f"--lora-modules: JSON entries need 'name' and 'path', got {text!r}")
-        return LoRAModule(str(data["name"]), str(data["path"]))
+        base = data.get("base_model_name")
+        return LoRAModule(str(data["name"]), str(data["path"]), None if base is None else str(base))
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path.strip():
         raise ValueError(f"--lora-modules: expected name=path, got {text!r}")

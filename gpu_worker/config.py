@@ -407,6 +407,9 @@ def _jina_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"hidden_act must be one of {', '.join(ENCODER_ACTIVATIONS)} for {arch}, got {act!r}")
     task_lora = None
     tasks = cfg.get("lora_adaptations") if arch == "XLMRobertaModel" else None
+    if "lora_task" in cfg and not tasks:
+        raise ValueError(f"lora_task chooses among the task adaptations (lora_adaptations) of Jina's own "
+                         f"checkpoints; this {arch} checkpoint holds none: its weights are served as they are")
     if tasks:
         task = cfg.get("lora_task", JINA_DEFAULT_TASK if JINA_DEFAULT_TASK in tasks else tasks[-1])
         if task is not None:

@@ -127,7 +127,8 @@ def _route_path(scope: Scope) -> str:
 def create_app(serving: OpenAIServing | list[OpenAIServing],
                render_metrics: Callable[[], Awaitable[bytes]] | None = None, response_store: Any = None) -> FastAPI:
     """``serving``: the served model's, or one per served model (the first is the default, and the
-    one whose settings the app takes: API keys, adapters). ``render_metrics``: an async callable
+    one whose server-wide settings the app takes: API keys, the operators' endpoints; each model
+    keeps its own adapters). ``render_metrics``: an async callable
     producing the whole /metrics exposition (every replica's and every engine's series); without
     it, /metrics shows this process's router series only. ``response_store``
     (router.response_store): the Responses API keeps responses there."""
@@ -314,11 +315,8 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         owner = await servings.for_model(body.model)
         await owner.resolve_model(body.model)  # (adapters share the base model's tokenizer)
         if body.messages is not None:
-            chat = ChatCompletionRequest(model=owner.settings.served_model_name, messages=body.messages,
-                                         add_generation_prompt=body.add_generation_prompt,
-                                         chat_template=body.chat_template,
-                                         chat_template_kwargs=body.chat_template_kwargs)
-            tokens = owner.render_chat(chat)
+            tokens = owner.render_messages(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                           body.chat_template_kwargs, chat_template=body.chat_template)
         else:
             tokens = list(owner.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=owner.settings.max_model_len)

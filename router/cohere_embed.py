@@ -94,7 +94,7 @@ class CohereEmbedServing:
 
     async def create(self, request: CohereEmbedRequest, session_id: str | None = None) -> dict[str, Any]:
         serving = self.serving
-        lora = await self.embeddings.admit(request, request.output_dimension)
+        lora = await self.embeddings.admit(request, request.output_dimension, "output_dimension")
         size = request.output_dimension or serving.settings.hidden_size
         if size and size % 8 and {"binary", "ubinary"} & set(request.embedding_types):
             raise bad_request(f"binary embeddings need a dimension that is a multiple of 8, got {size}",

@@ -175,26 +175,30 @@ def embedding_params(serving: OpenAIServing, normalize: bool | None = None, dime
                           embed_dimensions=dimensions, **pooling.params_fields())
 
 
-def check_dimensions(serving: OpenAIServing, dimensions: int | None) -> None:
-    """400 unless ``dimensions`` (when given) is a length the model's embeddings may be cut to."""
+def check_dimensions(serving: OpenAIServing, dimensions: int | None, param: str = "dimensions",
+                     pooling: PoolingInfo | None = None) -> None:
+    """400 naming ``param`` unless ``dimensions`` (when given) is a length the model's embeddings
+    (``pooling``'s rows, for a /pooling task) may be cut to."""
     settings = serving.settings
-    problem = settings.pooling.dimensions_problem(dimensions, settings.served_model_name, settings.hidden_size)
+    pooling = pooling or settings.pooling
+    size = pooling.row_size if pooling.per_token and pooling.row_size else settings.hidden_size
+    problem = pooling.dimensions_problem(dimensions, settings.served_model_name, size)
     if problem:
-        raise bad_request(problem, "dimensions")
+        raise bad_request(problem, param)
 
 
 class EmbeddingsServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def admit(self, request: Any, dimensions: int | None) -> Any:
+    async def admit(self, request: Any, dimensions: int | None, dimensions_param: str = "dimensions") -> Any:
         """What every embeddings endpoint checks first (400s and 404s): the model or adapter named
         (returned: its LoRARequest, or None), the priority, that the model embeds, the dimensions."""
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
         check_embeds(serving)
-        check_dimensions(serving, dimensions)
+        check_dimensions(serving, dimensions, dimensions_param)
         return lora
 
     async def create(self, request: EmbeddingRequest, session_id: str | None = None) -> dict[str, Any] | Response:

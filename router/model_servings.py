@@ -8,6 +8,8 @@ server answers it.
 
 from __future__ import annotations
 
+import asyncio
+
 from engine_core.outputs import LoRARequest
 from router.serving import APIError, OpenAIServing, bad_request, unknown_model
 
@@ -23,6 +25,8 @@ class ModelServings:
         self.all = servings
         self.default = servings[0]
         self._by_name = dict(zip(names, servings, strict=True))
+        # (One runtime load at a time: two of one name onto two models must not both pass the check.)
+        self._loading = asyncio.Lock()
 
     def __iter__(self):
         return iter(self.all)
@@ -48,11 +52,9 @@ class ModelServings:
         (an adapter loaded through another replica)."""
         owner = next((s for s in self.all if name in s.lora_adapters), None)
         if owner is None:
-            for serving in self.all:
-                if serving.list_loras is not None:
-                    await serving.refresh_loras()
-                    if name in serving.lora_adapters:
-                        return serving
+            asking = [s for s in self.all if s.list_loras is not None]
+            await asyncio.gather(*(s.refresh_loras() for s in asking))  # (each polls its own engines)
+            owner = next((s for s in asking if name in s.lora_adapters), None)
         return owner
 
     async def load_lora_adapter(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
@@ -67,9 +69,10 @@ class ModelServings:
         if not owner.settings.allow_runtime_lora_updating:
             raise bad_request(f"The model '{owner.settings.served_model_name}' is not served with LoRA adapters "
                               "(enable_lora).", "base_model_name")
-        if name in self._by_name or await self._adapter_owner(name) is not None:
-            raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
-        return await owner.load_lora_adapter(name, path)
+        async with self._loading:
+            if name in self._by_name or await self._adapter_owner(name) is not None:
+                raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+            return await owner.load_lora_adapter(name, path)
 
     async def unload_lora_adapter(self, name: str) -> None:
         owner = await self._adapter_owner(name)

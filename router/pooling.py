@@ -61,7 +61,7 @@ class PoolingServing:
                       else embedding_params(serving, False, None, pooling))
         else:
             check_embeds(serving, per_token=True)
-            check_dimensions(serving, request.dimensions)
+            check_dimensions(serving, request.dimensions, pooling=pooling)
             # (An embedding's activation is its normalisation: vLLM reads use_activation so.)
             normalize = request.wants_activation() if request.normalize is None else request.normalize
             params = embedding_params(serving, normalize, request.dimensions, pooling)

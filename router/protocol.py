@@ -500,16 +500,21 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
+    # With messages, as on chat completions.
     add_generation_prompt: bool = True
-    chat_template: str | None = None  # (as on the chat endpoints)
+    continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
+                          "be true")
         return self
 
 

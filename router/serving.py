@@ -315,6 +315,7 @@ class OpenAIServing:
         """A conversation's token ids, written by the tokenizer's chat template, or by the request's
         own ``chat_template`` when the server trusts request templates (the template writes its
         special tokens itself, unless ``add_special_tokens`` asks the tokenizer to add its own too)."""
+        chat_template = chat_template or None  # ("": the server's, as vLLM reads it)
         if not self.settings.trust_request_chat_template:  # (vLLM's --trust-request-chat-template)
             for param, given in (("chat_template", chat_template),
                                  ("chat_template_kwargs", (chat_template_kwargs or {}).get("chat_template"))):
@@ -322,6 +323,10 @@ class OpenAIServing:
                     raise bad_request("a request's own chat_template is not accepted: the server's chat template "
                                       "(or its --chat-template) writes every conversation unless the server is "
                                       "started with --trust-request-chat-template", param)
+        elif (chat_template_kwargs or {}).get("chat_template") is not None:
+            # (vLLM drops it there without a word; the request's template is its chat_template field.)
+            raise bad_request("give the request's own template as chat_template, not inside chat_template_kwargs",
+                              "chat_template_kwargs")
         # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent, except
         # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
         messages = [_template_message(m.model_extra or {}, m.role, m.text()) for m in chat]

@@ -268,6 +268,21 @@ def test_each_model_has_adapters_of_its_own(tmp_path):
     clash.write_text("- {model: /models/b, served_model_name: b, lora_modules: [sql=/x]}\n")
     with pytest.raises(ValueError, match="lora_modules need enable_lora"):
         _config("--extra-models", str(clash))
+    # vLLM's base_model_name in a JSON entry: the model it is listed for, or refused.
+    entry = '{"name": "sql", "path": "/y", "base_model_name": "%s"}'
+    listed = _config("--served-model-name", "tiny", "--enable-lora", "--lora-modules", entry % "tiny",
+                     "--extra-models", str(models)).engine_configs()[0].lora_config.lora_modules
+    assert listed[0].base_model_name == "tiny"
+    with pytest.raises(ValueError, match="names base_model_name 'b' but is listed for 'tiny'"):
+        _config("--served-model-name", "tiny", "--enable-lora", "--lora-modules", entry % "b",
+                "--extra-models", str(models))
+    # A relative adapter path in the file is read from the file's folder (where it exists there).
+    (tmp_path / "adapters" / "near").mkdir(parents=True)
+    models.write_text("- {model: /models/b, served_model_name: b, enable_lora: true,\n"
+                      "   lora_modules: [near=adapters/near, {name: far, path: adapters/far}]}\n")
+    b_adapters = _config("--extra-models", str(models)).engine_configs()[1].lora_config.lora_modules
+    assert [(m.name, m.path) for m in b_adapters] == [("near", str(tmp_path / "adapters" / "near")),
+                                                       ("far", "adapters/far")]
 
 
 def test_expert_parallelism_reaches_the_engines_workers(tmp_path):

@@ -594,6 +594,12 @@ def test_jina_v3s_own_checkpoint_embeds_with_its_task_adaptation_merged(tmp_path
     raw = json.loads((path / "config.json").read_text())
     with pytest.raises(ValueError, match="lora_task must be one of"):
         ModelConfig.from_dict({**raw, "lora_task": "separation"})
+    # (Without text-matching among them, vLLM's choice: the last.)
+    other_tasks = {k: v for k, v in raw.items() if k != "lora_task"} | {"lora_adaptations": ["a", "b"]}
+    assert ModelConfig.from_dict(other_tasks).task_lora == (1, 1.5)
+    with pytest.raises(ValueError, match="holds none"):  # (transformers' port carries no adaptations)
+        ModelConfig.from_dict({**hf.config.to_dict(), "architectures": ["JinaEmbeddingsV3Model"],
+                               "lora_task": "text-matching"})
 
 
 @pytest.mark.parametrize("kind", ["bert", "roberta", "modernbert"])

@@ -366,6 +366,15 @@ def test_a_fused_adapter_is_sharded_over_tp_ranks_as_its_parts_are(num_kv_heads)
             assert fa.shape == (rank, 64) and fb.shape == (layer.output_size_per_partition, rank)
             torch.testing.assert_close(x @ fa.T @ fb.T, x @ pa.T @ pb.T)
             deltas.append(x @ fa.T @ fb.T)
+            # This rank's columns of the whole projection's delta: its share of each part (its query
+            # heads and the KV head they use; its half of gate and of up).
+            whole = (x @ lora_a.T @ lora_b.T).split(sizes, dim=1)
+            if isinstance(layer, QKVParallelLinear):
+                kv_head = r * num_kv_heads // 2
+                mine = [whole[0][:, r * 32:(r + 1) * 32], *(w[:, kv_head * 16:(kv_head + 1) * 16] for w in whole[1:])]
+            else:
+                mine = [w[:, r * 48:(r + 1) * 48] for w in whole]
+            torch.testing.assert_close(deltas[-1], torch.cat(mine, dim=1))
         assert not torch.equal(deltas[0], deltas[1])
         with pytest.raises(ValueError, match="fused layer"):
             LoRAManager._column_parallel(make(0), {None: (lora_a, lora_b[1:])})

@@ -64,3 +64,7 @@ def test_v2_embed_truncates_as_cohere_says_and_takes_inputs():
     http, _ = _app(num_pooled=6, pooling={"normalize": False})  # (six values: not whole bytes)
     r = http.post("/v2/embed", json={"model": "tiny", "texts": ["a"], "embedding_types": ["binary"]})
     assert r.status_code == 400 and "multiple of 8" in r.json()["error"]["message"]
+    # (A model not trained for shorter vectors refuses output_dimension, naming Cohere's field.)
+    r = http.post("/v2/embed", json={"model": "tiny", "texts": ["a"], "output_dimension": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "output_dimension"
+    assert "matryoshka" in r.json()["error"]["message"]

@@ -104,6 +104,41 @@ def test_each_models_adapters_run_on_its_own_engines(two_models):
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}).status_code == 404
 
 
+def test_runtime_adapters_load_onto_the_model_named_or_the_first_that_takes_them():
+    """POST /v1/load_lora_adapter picks the model by base_model_name (default: the first model with
+    runtime adapters); a name already a model's or an adapter's of any model is refused; unloading
+    finds the adapter's model. (The engines' side is tested end to end in test_multi_model.)"""
+    import dataclasses
+
+    (alpha, _), (beta, _) = _serving("alpha"), _serving("beta")
+    beta.settings = dataclasses.replace(beta.settings, allow_runtime_lora_updating=True)
+    alpha.lora_adapters["sql"] = LoRARequest("sql", 1, "/adapters/sql")
+    calls = []
+
+    async def load(name, path):
+        calls.append(("load", name, path))
+        beta.lora_adapters[name] = LoRARequest(name, 9, path)
+
+    async def unload(name):
+        calls.append(("unload", name))
+        beta.lora_adapters.pop(name)
+
+    beta.load_lora_adapter, beta.unload_lora_adapter = load, unload
+    http = TestClient(create_app([alpha, beta], response_store=LocalResponseStore()))
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}).status_code == 200
+    for body, status, param in [({"lora_name": "y", "lora_path": "/y", "base_model_name": "alpha"}, 400,
+                                 "base_model_name"),
+                                ({"lora_name": "y", "lora_path": "/y", "base_model_name": "gamma"}, 404, "model"),
+                                ({"lora_name": "alpha", "lora_path": "/y"}, 400, "lora_name"),
+                                ({"lora_name": "sql", "lora_path": "/y"}, 400, "lora_name"),
+                                ({"lora_name": "x", "lora_path": "/y", "base_model_name": "beta"}, 400, "lora_name")]:
+        r = http.post("/v1/load_lora_adapter", json=body)
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param), body
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404  # (alpha's: fixed)
+    assert calls == [("load", "x", "/x"), ("unload", "x")]
+
+
 def test_two_models_of_one_name_are_refused():
     with pytest.raises(ValueError, match="two served models are named 'alpha'"):
         ModelServings([_serving("alpha")[0], _serving("alpha")[0]])

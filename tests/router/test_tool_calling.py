@@ -417,23 +417,34 @@ def test_continue_final_message_leaves_the_last_message_open():
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     refused = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES, "chat_template": "x"})
     assert refused.status_code == 400 and "--trust-request-chat-template" in refused.json()["error"]["message"]
+    # /tokenize writes a conversation as chat does (continue_final_message too).
+    opened_ids = http.post("/tokenize", json={"model": "tiny", "messages": body["messages"], "add_generation_prompt":
+                                              False, "continue_final_message": True}).json()["tokens"]
+    assert serving.tokenizer.decode(opened_ids) == opened
+    for bad in ({"messages": []}, {"messages": MESSAGES, "continue_final_message": True}):
+        assert http.post("/tokenize", json={"model": "tiny", **bad}).status_code == 400, bad
 
 
 def test_a_trusting_server_runs_the_requests_own_template():
-    """Under --trust-request-chat-template, a request's chat_template (or chat_template_kwargs'
-    chat_template) writes its conversation on chat and /tokenize; requests without one keep the
-    server's; a broken one is a 400 naming messages."""
+    """Under --trust-request-chat-template, a request's chat_template writes its conversation on
+    chat and /tokenize (with the kwargs it is given); requests without one, or with "", keep the
+    server's; one inside chat_template_kwargs is refused (the field is where it goes); a broken one
+    is a 400 naming messages."""
     http, engine, serving = _app("x", trust_request_chat_template=True)
     own = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if flag %}!{% endif %}"
     body = {"model": "tiny", "messages": MESSAGES}
     assert http.post("/v1/chat/completions", json={**body, "chat_template": own}).status_code == 200
-    assert http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"chat_template": own,
-                                                                                     "flag": True}}).status_code == 200
+    assert http.post("/v1/chat/completions", json={**body, "chat_template": own,
+                                                   "chat_template_kwargs": {"flag": True}}).status_code == 200
     assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert http.post("/v1/chat/completions", json={**body, "chat_template": ""}).status_code == 200
     written = [serving.tokenizer.decode(r.prompt_token_ids) for r in engine.requests]
     conversation = "".join(f"<{m['role']}>{m['content']}" for m in MESSAGES)
     assert written[:2] == [conversation, conversation + "!"]
-    assert written[2] == serving.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    server_written = serving.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert written[2] == written[3] == server_written
+    refused = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"chat_template": own}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
     tokens = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES, "chat_template": own}).json()
     assert serving.tokenizer.decode(tokens["tokens"]) == conversation
     broken = http.post("/v1/chat/completions", json={**body, "chat_template": "{% for m in messages %}"})
