@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from gpu_worker.fp8_checkpoint import fp8_weight_block
+
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
@@ -657,6 +659,9 @@ class ModelConfig:
     # A rotary encoder's MLP: gated (NomicBERT, GTE: act(gate) * up, then down) or plain (Jina v3:
     # fc1, gelu, fc2).
     gated_mlp: bool = True
+    # A checkpoint whose linear weights are fp8 (quant_method "fp8"): the block each weight_scale_inv
+    # covers ((0, 0): the whole weight); they are dequantized at load (gpu_worker.fp8_checkpoint).
+    fp8_weight_block: tuple[int, int] | None = None
     # Jina v3's own checkpoints carry one LoRA adaptation per task (lora_adaptations): the one whose
     # weights are merged into the model's at load, (its index, alpha / rank); None: the base weights.
     task_lora: tuple[int, float] | None = None
@@ -920,6 +925,9 @@ class ModelConfig:
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)
+        block = fp8_weight_block(cfg.get("quantization_config"))  # (other quantizations: refused here)
+        if block is not None:
+            config = dataclasses.replace(config, fp8_weight_block=block)
         if config.step_tag_token is not None:
             config = dataclasses.replace(config, step_tag_id=_token_id_if_any(model_dir, config.step_tag_token))
         if config.labels and cfg.get("classifier_from_token"):

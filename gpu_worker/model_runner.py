@@ -27,6 +27,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.distributed import get_tp_rank
 from gpu_worker.encoder_metadata import EncoderMetadata
+from gpu_worker.fp8_checkpoint import dequantized
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache
 from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
@@ -113,6 +114,8 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = build_model(self.config)
         source = iter_safetensors(weights) if isinstance(weights, (str, Path)) else weights
+        if self.config.fp8_weight_block is not None:  # (fp8 weights: the model's dtype from here on)
+            source = dequantized(source, self.config.fp8_weight_block)
         if isinstance(weights, (str, Path)) and hasattr(model, "extra_checkpoint_tensors"):
             source = itertools.chain(source, model.extra_checkpoint_tensors(weights))
         with torch.no_grad():
