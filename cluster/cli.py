@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.')
+    serve.add_argument("--kv-cache-metrics", action="store_true",
+                       help="Follow a sample of KV blocks from allocation to eviction from the prefix cache: "
+                            "the vllm:kv_block_lifetime_seconds, _idle_before_evict_seconds and _reuse_gap_seconds "
+                            "histograms.")
+    serve.add_argument("--kv-cache-metrics-sample", type=float, default=None,
+                       help="The share of blocks --kv-cache-metrics follows (default 0.01).")
     serve.add_argument("--enable-lora", action="store_true",
                        help="Serve LoRA adapters: clients name one as the request's model.")
     serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -174,7 +180,9 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
-                "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config}
+                "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
+                "kv_cache_metrics": args.kv_cache_metrics or None,
+                "kv_cache_metrics_sample": args.kv_cache_metrics_sample}
     for flag, _, _ in SCHEDULER_ARGS:
         name = flag.lstrip("-").replace("-", "_")
         defaults[name] = getattr(args, name)

@@ -73,6 +73,11 @@ class EngineSpec(BaseModel):
     max_waiting_requests: int | None = Field(None, description="Queue limit before requests get HTTP 429.")
     engine_niceness: int | None = Field(None, description="Niceness added to the engine's compute threads "
                                         "(default: 4 on CPU engines, 0 on GPU engines).")
+    kv_cache_metrics: bool | None = Field(
+        None, description="Follow a sample of KV blocks from allocation to eviction: the vllm:kv_block_* "
+                          "residency histograms (--kv-cache-metrics).")
+    kv_cache_metrics_sample: float | None = Field(
+        None, gt=0, le=1, description="The share of blocks followed (--kv-cache-metrics-sample, default 0.01).")
     speculative_config: dict[str, Any] | None = Field(
         None, description='Speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 2}.')
@@ -83,7 +88,8 @@ _DEFAULTS = EngineSpec(
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,
-    runner="auto", placement_strategy="PACK", num_cpus_per_worker=1.0,
+    runner="auto", placement_strategy="PACK", num_cpus_per_worker=1.0, kv_cache_metrics=False,
+    kv_cache_metrics_sample=0.01,
     executor_backend="auto", max_waiting_requests=0)
 
 
@@ -368,7 +374,8 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         resources_per_worker=tuple(sorted((s["resources"] or {}).items())),
         node_labels=tuple(sorted((s["node_labels"] or {}).items())), seed=seed,
         executor_backend=s["executor_backend"], max_waiting_requests=s["max_waiting_requests"],
-        engine_niceness=s["engine_niceness"], speculative_config=speculative, lora_config=lora_config)
+        engine_niceness=s["engine_niceness"], speculative_config=speculative, lora_config=lora_config,
+        kv_cache_metrics_sample=s["kv_cache_metrics_sample"] if s["kv_cache_metrics"] else None)
 
 
 def load_engine_overrides(path: str) -> list[EngineSpec]:

@@ -131,12 +131,16 @@ class CacheConfig:
     sliding_window: int | None = None
     # LongRoPE models (Phi-3 128k): the pretrained length; a longer prompt's blocks are keyed apart.
     long_rope_after: int | None = None
+    # vLLM's --kv-cache-metrics: the share of blocks followed for residency metrics (None: off).
+    kv_cache_metrics_sample: float | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1", self.block_size)
         _require(isinstance(self.num_blocks, int) and self.num_blocks >= 1, "num_blocks", ">= 1", self.num_blocks)
         _require(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
                  "sliding_window", ">= 1", self.sliding_window)
+        _require(self.kv_cache_metrics_sample is None or 0.0 < self.kv_cache_metrics_sample <= 1.0,
+                 "kv_cache_metrics_sample", "in (0, 1]", self.kv_cache_metrics_sample)
 
 
 @dataclass(frozen=True)
@@ -267,6 +271,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # LoRA adapters; None: the base model only (requests naming an adapter are refused).
     lora_config: LoRAConfig | None = None
+    # vLLM's --kv-cache-metrics (--kv-cache-metrics-sample): the share of KV blocks followed for the
+    # residency histograms (vllm:kv_block_*); None: off.
+    kv_cache_metrics_sample: float | None = None
 
     def __post_init__(self) -> None:
         where = f"engine {self.engine_index}: "
@@ -317,7 +324,7 @@ class EngineConfig:
                      long_rope_after: int | None = None) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                            enable_prefix_caching=self.enable_prefix_caching, sliding_window=sliding_window,
-                           long_rope_after=long_rope_after)
+                           long_rope_after=long_rope_after, kv_cache_metrics_sample=self.kv_cache_metrics_sample)
 
     @property
     def engine_name(self) -> str:

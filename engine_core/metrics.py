@@ -39,6 +39,8 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 # vLLM's request_latency_buckets: whole-request and phase times (e2e, queue, prefill, decode, inference).
 _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                             240.0, 480.0, 960.0, 1920.0, 7680.0)
+# How long KV blocks stay in the pool (--kv-cache-metrics): from a millisecond to an hour.
+_RESIDENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0)
 # Tokens per pass, as vLLM buckets vllm:iteration_tokens_total.
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -123,6 +125,17 @@ class EngineMetrics:
                             self.inference_time, self.time_per_output_token, self.request_prompt_tokens,
                             self.request_generation_tokens, self.max_num_generation_tokens, self.iteration_tokens,
                             self.params_max_tokens, self.params_n]
+        # KV block residency (exported only with --kv-cache-metrics, as vLLM does): the sampled blocks
+        # evicted from the prefix cache.
+        self.residency: tuple[_Histogram, _Histogram, _Histogram] | None = None
+        if config.kv_cache_metrics_sample is not None:
+            self.residency = (
+                h("vllm:kv_block_lifetime_seconds", "Sampled KV blocks: allocation to eviction.", _RESIDENCY_BUCKETS),
+                h("vllm:kv_block_idle_before_evict_seconds", "Sampled KV blocks: last use to eviction.",
+                  _RESIDENCY_BUCKETS),
+                h("vllm:kv_block_reuse_gap_seconds", "Sampled KV blocks: time between prefix-cache reuses.",
+                  _RESIDENCY_BUCKETS))
+            self._histograms += list(self.residency)
         # Counters and gauges: plain numbers, read at scrape time.
         self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits",
                                        "preemptions", "budget_used", "budget_total"), 0.0)
@@ -251,6 +264,13 @@ class EngineMetrics:
             self.lora_running = dict.fromkeys(self.lora_running, 0) | stats.running_lora_adapters
             self.lora_waiting = dict.fromkeys(self.lora_waiting, 0) | (stats.waiting_lora_adapters or {})
             self.lora_info_time = time.time()
+        if self.residency is not None and stats.kv_block_residency:
+            lifetime, idle, reuse_gap = self.residency
+            for lived, unused, gaps in stats.kv_block_residency:
+                lifetime.observe(lived)
+                idle.observe(unused)
+                for gap in gaps:
+                    reuse_gap.observe(gap)
         sd = stats.spec_decoding_stats
         if sd is not None and self.spec is not None:
             self.spec["drafts"] += sd.num_drafts

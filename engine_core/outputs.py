@@ -172,6 +172,9 @@ class SchedulerStats(msgspec.Struct):
     # With LoRA on: requests per adapter name, running and waiting (vLLM's lora_requests_info).
     running_lora_adapters: dict[str, int] | None = None
     waiting_lora_adapters: dict[str, int] | None = None
+    # With --kv-cache-metrics: the followed blocks evicted since the last stats, each (lifetime s,
+    # idle before eviction s, gaps between its reuses s).
+    kv_block_residency: list[tuple[float, float, list[float]]] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from engine_core.core.block_residency import BlockResidency
 from engine_core.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
 # KV cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared), in the order they happened:
@@ -16,8 +17,10 @@ class BlockPool:
     """Invariants (``check_integrity``): a block is free xor referenced; free + used == total;
     the hash map and the blocks' own ``block_hash`` agree."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, residency: BlockResidency | None = None) -> None:
         self.num_blocks = num_blocks
+        # --kv-cache-metrics: a sample of the blocks followed from allocation to eviction.
+        self.residency = residency
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
@@ -64,11 +67,16 @@ class BlockPool:
             # Callers check capacity first (allocate_slots returns None): reaching here is a bug.
             raise ValueError(f"cannot get {num_blocks} blocks, {self.get_num_free_blocks()} free")
         popleft = self.free_block_queue.popleft
+        residency = self.residency
         new_blocks = []
         for _ in range(num_blocks):
             block = popleft()
             if block.block_hash is not None:
+                if residency is not None:
+                    residency.evicted(block.block_id)
                 self._evict(block)
+            if residency is not None:
+                residency.allocated(block.block_id)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
@@ -104,10 +112,13 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on shared (prefix-hit) blocks; a free one leaves the free queue."""
+        residency = self.residency
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if residency is not None:
+                residency.reused(block.block_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each; blocks reaching zero join the free queue in this order
@@ -125,6 +136,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.residency is not None:
+            self.residency.clear()
         self._event(ALL_BLOCKS_CLEARED, None)
         return True
 

@@ -10,6 +10,7 @@ The model runner never reads them: its attention starts at each request's window
 from __future__ import annotations
 
 from engine_core.core.block_pool import BlockPool
+from engine_core.core.block_residency import BlockResidency
 from engine_core.core.kv_cache_utils import KVCacheBlock, extend_block_hashes
 from engine_core.outputs import PrefixCacheStats
 from engine_core.request import Request
@@ -41,7 +42,7 @@ RELEASED_BLOCK = KVCacheBlock(0)
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  log_stats: bool = True, sliding_window: int | None = None,
-                 long_rope_after: int | None = None) -> None:
+                 long_rope_after: int | None = None, kv_cache_metrics_sample: float | None = None) -> None:
         self.block_size = block_size
         # LongRoPE models: prompts longer than this use the long rotary factors (their own prefixes).
         self.long_rope_after = long_rope_after
@@ -51,7 +52,8 @@ class KVCacheManager:
         self.num_released_block: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.log_stats = log_stats
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, None if kv_cache_metrics_sample is None
+                                    else BlockResidency(kv_cache_metrics_sample))
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered (or known) in the prefix cache.
         self.num_cached_block: dict[str, int] = {}

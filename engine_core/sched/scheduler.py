@@ -132,7 +132,8 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching, log_stats=log_stats,
-            sliding_window=cache_config.sliding_window, long_rope_after=cache_config.long_rope_after)
+            sliding_window=cache_config.sliding_window, long_rope_after=cache_config.long_rope_after,
+            kv_cache_metrics_sample=cache_config.kv_cache_metrics_sample)
 
         # Stats counters (deltas since make_stats) and last-pass figures.
         self._num_preemptions = 0
@@ -822,6 +823,8 @@ class Scheduler(SchedulerInterface):
             step_token_budget=self._last_step_budget,
             spec_decoding_stats=self._spec_stats,
         )
+        if pool.residency is not None:
+            stats.kv_block_residency = pool.residency.drain()
         if self.max_loras:
             stats.running_lora_adapters = _count_adapters(self.running)
             stats.waiting_lora_adapters = _count_adapters([*self.waiting, *self.skipped_waiting])

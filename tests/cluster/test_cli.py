@@ -339,3 +339,13 @@ def test_hf_overrides_reach_the_engines_as_json(tmp_path):
     assert json.loads(engine.hf_overrides) == overrides
     assert _worker_kwargs(engine, tmp_path, 128, 1)["hf_overrides"] == overrides
     assert _config().engine_configs()[0].hf_overrides == ""
+
+
+def test_kv_cache_metrics_reach_the_engines_only_when_asked(tmp_path):
+    assert {e.kv_cache_metrics_sample for e in _config("--num-engines", "2").engine_configs()} == {None}
+    assert {e.kv_cache_metrics_sample for e in _config("--kv-cache-metrics").engine_configs()} == {0.01}
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {kv_cache_metrics: false}\n")
+    engines = _config("--num-engines", "2", "--kv-cache-metrics", "--kv-cache-metrics-sample", "0.25",
+                      "--engine-config", str(overrides)).engine_configs()
+    assert [e.kv_cache_metrics_sample for e in engines] == [0.25, None]

@@ -69,7 +69,9 @@ def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
     adapter = save_adapter(tiny_model_dir, tmp_path_factory.mktemp("sql"))
     config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=2,
                            num_router_replicas=2, routing_policy="round_robin",
-                           defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
+                           # Every KV block followed (--kv-cache-metrics), so the residency panel has data.
+                           defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256, kv_cache_metrics=True,
+                                               kv_cache_metrics_sample=1.0),
                            # Engine 1 drafts (n-gram speculative decoding), so its panels have data.
                            engines=[EngineSpec(), EngineSpec(speculative_config=SPEC)],
                            # Half the requests run under a LoRA adapter, so its panel has data.
@@ -93,6 +95,15 @@ def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
                         range(16 * wave, 16 * wave + 16)))
                 assert set(codes) == {200}
                 time.sleep(5)
+            # Then more distinct tokens than each engine's 64 blocks hold, so cached blocks (the shared
+            # prefix's, reused many times, among them) are evicted and report their residency.
+            with ThreadPoolExecutor(8) as pool:
+                codes = list(pool.map(lambda i: httpx.post(
+                    f"{served.base}/v1/completions", timeout=60,
+                    json=body | {"prompt": f"Request {i}: " + "lorem ipsum dolor sit amet " * 5}).status_code,
+                    range(32)))
+            assert set(codes) == {200}
+            time.sleep(5)
             yield served, prom
 
 
