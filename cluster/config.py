@@ -272,9 +272,12 @@ class ClusterConfig(LoRASettings):
             raise ValueError("allow_runtime_lora_updating needs enable_lora (--enable-lora) on a model")
         # A client names a model or an adapter alike: one name, one thing.
         names = self.served_names()
-        for owner, owner_name in zip((self, *self.models), list(names), strict=True):
+        served = list(names)
+        for owner, owner_name in zip((self, *self.models), served, strict=True):
             for module in owner.lora_module_list():
-                if module.base_model_name not in (None, owner_name):
+                # (vLLM reads base_model_name as the card's parent only, so any name passes, except
+                # another model served here: the adapter would not run on that model's engines.)
+                if module.base_model_name in served and module.base_model_name != owner_name:
                     raise ValueError(f"the LoRA adapter {module.name!r} names base_model_name "
                                      f"{module.base_model_name!r} but is listed for {owner_name!r}: list it in that "
                                      "model's own lora_modules")

@@ -39,8 +39,9 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 # vLLM's request_latency_buckets: whole-request and phase times (e2e, queue, prefill, decode, inference).
 _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                             240.0, 480.0, 960.0, 1920.0, 7680.0)
-# How long KV blocks stay in the pool (--kv-cache-metrics): from a millisecond to an hour.
-_RESIDENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0)
+# How long KV blocks stay in the pool (--kv-cache-metrics): log-spaced from 1 ms to 30 min, as vLLM's.
+_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0,
+                      120.0, 300.0, 600.0, 1200.0, 1800.0)
 # Tokens per pass, as vLLM buckets vllm:iteration_tokens_total.
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 

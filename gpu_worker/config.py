@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.fp8_checkpoint import fp8_weight_block
+from gpu_worker.quantized_checkpoint import weight_quantization
 
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -409,7 +409,7 @@ def _jina_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"hidden_act must be one of {', '.join(ENCODER_ACTIVATIONS)} for {arch}, got {act!r}")
     task_lora = None
     tasks = cfg.get("lora_adaptations") if arch == "XLMRobertaModel" else None
-    if "lora_task" in cfg and not tasks:
+    if cfg.get("lora_task") is not None and not tasks:
         raise ValueError(f"lora_task chooses among the task adaptations (lora_adaptations) of Jina's own "
                          f"checkpoints; this {arch} checkpoint holds none: its weights are served as they are")
     if tasks:
@@ -659,8 +659,11 @@ class ModelConfig:
     # A rotary encoder's MLP: gated (NomicBERT, GTE: act(gate) * up, then down) or plain (Jina v3:
     # fc1, gelu, fc2).
     gated_mlp: bool = True
-    # A checkpoint whose linear weights are fp8 (quant_method "fp8"): the block each weight_scale_inv
-    # covers ((0, 0): the whole weight); they are dequantized at load (gpu_worker.fp8_checkpoint).
+    # A quantized checkpoint's method ("fp8", "compressed-tensors") and quantization_config,
+    # dequantized at load (gpu_worker.quantized_checkpoint); for "fp8", the block each
+    # weight_scale_inv covers ((0, 0): the whole weight).
+    quantization: str | None = None
+    quantization_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     fp8_weight_block: tuple[int, int] | None = None
     # Jina v3's own checkpoints carry one LoRA adaptation per task (lora_adaptations): the one whose
     # weights are merged into the model's at load, (its index, alpha / rank); None: the base weights.
@@ -925,9 +928,10 @@ class ModelConfig:
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)
-        block = fp8_weight_block(cfg.get("quantization_config"))  # (other quantizations: refused here)
-        if block is not None:
-            config = dataclasses.replace(config, fp8_weight_block=block)
+        method, block = weight_quantization(cfg.get("quantization_config"))  # (others: refused here)
+        if method is not None:
+            config = dataclasses.replace(config, quantization=method, fp8_weight_block=block,
+                                         quantization_config=dict(cfg["quantization_config"]))
         if config.step_tag_token is not None:
             config = dataclasses.replace(config, step_tag_id=_token_id_if_any(model_dir, config.step_tag_token))
         if config.labels and cfg.get("classifier_from_token"):

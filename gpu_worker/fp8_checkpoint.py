@@ -1,13 +1,14 @@
-"""Checkpoints whose linear weights are stored in fp8 (transformers' FineGrainedFP8, quant_method
-"fp8": the Qwen3-*-FP8 releases and others): each such weight is float8_e4m3fn, with a float32
-``weight_scale_inv`` per block of ``weight_block_size`` (rows x columns; the last blocks of a
-dimension that the block does not divide are partial) or one for the whole weight, and
-W = fp8 value x its block's scale.
+"""Checkpoints whose linear weights are stored in fp8 (quant_method "fp8": transformers'
+FineGrainedFP8 and vLLM's fp8 exports, the Qwen3-*-FP8 releases and others): each such weight is
+float8_e4m3fn with a float32 scale, W = fp8 value x scale. The scale is ``weight_scale_inv``, one
+per block of ``weight_block_size`` (rows x columns; the last blocks of a dimension the block does
+not divide are partial), or ``weight_scale``, one for the whole weight (per-tensor exports).
 
 They are served dequantized: every fp8 weight becomes the model's dtype as it is loaded, so the
-checkpoint loads and computes as its unquantized original would, but in that dtype's memory (vLLM
-keeps the weights in fp8 on GPUs that have fp8 matmuls). Activation scales (``input_scale``, a
-static activation scheme's) are not needed then, and are skipped.
+checkpoint computes as its unquantized original would, but in that dtype's memory (vLLM keeps the
+weights in fp8 on GPUs that have fp8 matmuls). A weight is dequantized lazily, slice by slice as
+the loaders read it, so a tensor-parallel rank reads and converts only its own shard. Activation
+and KV-cache scales (``input_scale``, ``k_scale``, ...) are not needed then, and are skipped.
 """
 
 from __future__ import annotations
@@ -19,20 +20,13 @@ import torch
 
 from gpu_worker.layers.weight_utils import WeightLike, materialize
 
-_SCALE = "_scale_inv"
-_FP8_NAMES = ("F8_E4M3", "F8_E5M2")
+_SCALES = ("_scale_inv", "_scale")
+_SKIPPED = ("input_scale", "activation_scale", "k_scale", "v_scale", "kv_scale", "q_scale")
 
 
-def fp8_weight_block(quantization: dict[str, Any] | None) -> tuple[int, int] | None:
-    """The block of a checkpoint's ``quantization_config`` for fp8 weights ((0, 0): one scale per
-    weight), or None for a checkpoint that is not quantized; ValueError, naming what, for one that
-    is quantized in a way not served."""
-    if not quantization:
-        return None
-    method = str(quantization.get("quant_method", "")).lower()
-    if method != "fp8":
-        raise ValueError(f"quantized checkpoints of quant_method {method!r} are not served (fp8 ones are): serve "
-                         "the unquantized checkpoint, or a GGUF file of it")
+def fp8_weight_block(quantization: dict[str, Any]) -> tuple[int, int]:
+    """The block an fp8 checkpoint's ``quantization_config`` scales its weights by ((0, 0): one scale
+    per weight); ValueError, naming what, for a variant not served."""
     for key, served in (("fmt", "e4m3"), ("scale_fmt", "float"), ("expert_dtype", "fp8")):
         if quantization.get(key, served) != served:
             raise ValueError(f"fp8 checkpoints with {key}={quantization[key]!r} are not served (only {served!r})")
@@ -44,59 +38,87 @@ def fp8_weight_block(quantization: dict[str, Any] | None) -> tuple[int, int] | N
     return int(block[0]), int(block[1])
 
 
-def _read(tensor: WeightLike) -> torch.Tensor:
-    """The whole tensor (a scale may be a 0-d one, which ``materialize`` cannot narrow)."""
+def read_whole(tensor: WeightLike) -> torch.Tensor:
+    """The whole tensor (a scale may be 0-d, which ``materialize`` cannot narrow)."""
     if isinstance(tensor, torch.Tensor):
         return tensor
     return tensor._slice[...] if len(tensor.shape) == 0 else materialize(tensor)  # type: ignore[attr-defined]
 
 
-def _is_fp8(tensor: WeightLike) -> bool:
+def stored_dtype(tensor: WeightLike) -> str:
+    """A checkpoint tensor's dtype in safetensors' names ("F8_E4M3", "I8", ...), without reading it."""
     if isinstance(tensor, torch.Tensor):
-        return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    get_dtype = getattr(getattr(tensor, "_slice", None), "get_dtype", None)  # (a LazyTensor: not read yet)
-    return get_dtype is not None and get_dtype() in _FP8_NAMES
+        return {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8"}.get(tensor.dtype, "")
+    get_dtype = getattr(getattr(tensor, "_slice", None), "get_dtype", None)
+    return get_dtype() if get_dtype is not None else ""
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``weight`` (fp8, [rows, cols] or stacked [..., rows, cols]) times its blocks' scales, in
-    float32: each scale covers ``block`` (the last blocks partial), or the whole weight for (0, 0)."""
-    values = weight.to(torch.float32)
-    scale = scale_inv.to(torch.float32)
+def _expanded(scale: torch.Tensor, block: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The scale of each (row, col) of a weight's slice: the scale grid's rows and columns for them."""
     if block == (0, 0) or scale.numel() == 1:
-        return values * scale.reshape(-1)[0] if scale.numel() == 1 else values * scale
-    rows, cols = values.shape[-2:]
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale.shape[-2:]) != grid:
-        raise ValueError(f"a weight of {rows} x {cols} in blocks of {block[0]} x {block[1]} needs a {grid[0]} x "
-                         f"{grid[1]} grid of scales, got {tuple(scale.shape)}")
-    full = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
-    return values * full[..., :rows, :cols]
+        return scale.reshape(-1)[0] if scale.numel() == 1 else scale
+    return scale.index_select(-2, rows // block[0]).index_select(-1, cols // block[1])
+
+
+class DequantizedFP8:
+    """An fp8 weight and its scale, read as float32 values one slice at a time (a ``WeightLike``)."""
+
+    __slots__ = ("_block", "_scale", "_weight", "shape")
+
+    def __init__(self, weight: WeightLike, scale: torch.Tensor, block: tuple[int, int]) -> None:
+        self._weight, self._scale, self._block = weight, scale.to(torch.float32), block
+        self.shape = torch.Size(weight.shape)
+        if block != (0, 0) and scale.numel() > 1:
+            rows, cols = self.shape[-2:]
+            grid = (-(-rows // block[0]), -(-cols // block[1]))
+            if tuple(scale.shape[-2:]) != grid:
+                raise ValueError(f"a weight of {rows} x {cols} in blocks of {block[0]} x {block[1]} needs a "
+                                 f"{grid[0]} x {grid[1]} grid of scales, got {tuple(scale.shape)}")
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        dim = dim % len(self.shape)
+        values = self._weight.narrow(dim, start, length).to(torch.float32)
+        rows = torch.arange(self.shape[-2]) if len(self.shape) >= 2 else torch.arange(1)
+        cols = torch.arange(self.shape[-1])
+        scale = self._scale
+        if dim == len(self.shape) - 1:
+            cols = cols[start:start + length]
+        elif dim == len(self.shape) - 2:
+            rows = rows[start:start + length]
+        elif scale.dim() == len(self.shape):  # (stacked experts: each its own grid)
+            scale = scale.narrow(dim, start, length)
+        return values * _expanded(scale, self._block, rows, cols)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``weight`` (fp8, [rows, cols] or stacked [..., rows, cols]) times its scales, in float32."""
+    return materialize(DequantizedFP8(weight, scale, block))
 
 
 def dequantized(weights: Iterable[tuple[str, WeightLike]], block: tuple[int, int]) -> Iterator[tuple[str, WeightLike]]:
-    """The checkpoint's tensors with every fp8 weight dequantized (by the ``X_scale_inv`` beside it,
-    in whichever order the files hold them) and the scales and activation scales left out; other
-    tensors as they are. ValueError for an fp8 weight without its scale, or a scale without its
-    weight."""
+    """The checkpoint's tensors with every fp8 weight paired with its scale (``X_scale_inv`` or
+    ``X_scale`` beside it, in whichever order or files the checkpoint holds them) as a lazily
+    dequantized weight, and the activation and KV-cache scales left out; other tensors as they
+    are. ValueError for an fp8 weight without its scale, or a scale without its weight."""
     weights_waiting: dict[str, WeightLike] = {}
     scales_waiting: dict[str, WeightLike] = {}
     for name, tensor in weights:
-        if name.endswith(".input_scale"):
+        if name.rpartition(".")[2].endswith(_SKIPPED):
             continue
-        if name.endswith(_SCALE):
-            weight_name = name[: -len(_SCALE)]
+        suffix = next((s for s in _SCALES if name.endswith(s)), None)
+        if suffix is not None:
+            weight_name = name[: -len(suffix)]
             if weight_name in weights_waiting:
-                yield weight_name, dequantize(_read(weights_waiting.pop(weight_name)), _read(tensor), block)
+                yield weight_name, DequantizedFP8(weights_waiting.pop(weight_name), read_whole(tensor), block)
             else:
                 scales_waiting[weight_name] = tensor
-        elif _is_fp8(tensor):
+        elif stored_dtype(tensor) == "F8_E4M3":
             if name in scales_waiting:
-                yield name, dequantize(_read(tensor), _read(scales_waiting.pop(name)), block)
+                yield name, DequantizedFP8(tensor, read_whole(scales_waiting.pop(name)), block)
             else:
                 weights_waiting[name] = tensor
         else:
             yield name, tensor
     if weights_waiting or scales_waiting:
-        raise ValueError(f"fp8 checkpoint: weights without their weight_scale_inv {sorted(weights_waiting)[:3]}, "
+        raise ValueError(f"fp8 checkpoint: weights without their scale {sorted(weights_waiting)[:3]}, "
                          f"scales without their weight {sorted(scales_waiting)[:3]}")

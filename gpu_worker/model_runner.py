@@ -27,13 +27,13 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.distributed import get_tp_rank
 from gpu_worker.encoder_metadata import EncoderMetadata
-from gpu_worker.fp8_checkpoint import dequantized
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache
 from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
 from gpu_worker.pooler_config import DENSE_ACTIVATIONS, PER_TOKEN_POOLING, DenseProjection, load_dense_weights
+from gpu_worker.quantized_checkpoint import dequantized_weights
 from gpu_worker.rejection_sampler import rejection_sample
 from gpu_worker.request_state import RequestState, RequestStates
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
@@ -114,8 +114,9 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = build_model(self.config)
         source = iter_safetensors(weights) if isinstance(weights, (str, Path)) else weights
-        if self.config.fp8_weight_block is not None:  # (fp8 weights: the model's dtype from here on)
-            source = dequantized(source, self.config.fp8_weight_block)
+        if self.config.quantization is not None:  # (quantized weights: the model's dtype from here on)
+            source = dequantized_weights(source, self.config.quantization, self.config.quantization_config,
+                                         self.config.fp8_weight_block)
         if isinstance(weights, (str, Path)) and hasattr(model, "extra_checkpoint_tensors"):
             source = itertools.chain(source, model.extra_checkpoint_tensors(weights))
         with torch.no_grad():

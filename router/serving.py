@@ -316,6 +316,8 @@ class OpenAIServing:
         own ``chat_template`` when the server trusts request templates (the template writes its
         special tokens itself, unless ``add_special_tokens`` asks the tokenizer to add its own too)."""
         chat_template = chat_template or None  # ("": the server's, as vLLM reads it)
+        if chat_template_kwargs and chat_template_kwargs.get("chat_template") == "":
+            chat_template_kwargs = {k: v for k, v in chat_template_kwargs.items() if k != "chat_template"}
         if not self.settings.trust_request_chat_template:  # (vLLM's --trust-request-chat-template)
             for param, given in (("chat_template", chat_template),
                                  ("chat_template_kwargs", (chat_template_kwargs or {}).get("chat_template"))):

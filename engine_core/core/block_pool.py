@@ -71,12 +71,11 @@ class BlockPool:
         new_blocks = []
         for _ in range(num_blocks):
             block = popleft()
-            if block.block_hash is not None:
-                if residency is not None:
-                    residency.evicted(block.block_id)
-                self._evict(block)
-            if residency is not None:
+            if residency is not None:  # (as vLLM: a followed block handed out again ends its residency)
+                residency.evicted(block.block_id)
                 residency.allocated(block.block_id)
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks

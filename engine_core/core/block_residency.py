@@ -1,8 +1,8 @@
 """How long KV blocks live in the pool (vLLM's ``--kv-cache-metrics``): a sample of the blocks is
-followed from allocation to eviction from the prefix cache, and each evicted one reports its
-lifetime (allocation to eviction), how long it sat unused before (idle since its last use), and
-the gaps between its reuses (its last few prefix-cache hits), so an operator can see whether the
-pool is large enough for the prefixes worth keeping.
+followed from allocation until they are handed out again (evicted: from the prefix cache for a
+cached block), and each reports its lifetime (allocation to eviction), how long it sat unused
+before (idle since its last use), and the gaps between its reuses (its last few prefix-cache hits),
+so an operator can see whether the pool is large enough for the prefixes worth keeping.
 
 Only ``sample_rate`` of the allocations are followed (1% by default, as vLLM), so the pass pays one
 random draw per allocated block and a dict lookup per prefix-cache hit."""
@@ -41,12 +41,9 @@ class BlockResidency:
         self._events: list[ResidencyEvent] = []
 
     def allocated(self, block_id: int) -> None:
-        """A block handed out for new tokens: followed from now, if sampled (a block it was still
-        following was not evicted from the prefix cache, so it reports nothing)."""
+        """A block handed out for new tokens: followed from now, if sampled."""
         if self.sample_rate >= 1.0 or self._random() < self.sample_rate:
             self._followed[block_id] = _Followed(self._clock())
-        else:
-            self._followed.pop(block_id, None)
 
     def reused(self, block_id: int) -> None:
         """A prefix-cache hit on the block."""
@@ -56,7 +53,7 @@ class BlockResidency:
             followed.reuses.append(followed.last_used)
 
     def evicted(self, block_id: int) -> None:
-        """The block leaves the prefix cache to hold other tokens."""
+        """The block is handed out again, for other tokens."""
         followed = self._followed.pop(block_id, None)
         if followed is None:
             return

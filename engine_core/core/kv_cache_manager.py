@@ -52,7 +52,8 @@ class KVCacheManager:
         self.num_released_block: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.log_stats = log_stats
-        self.block_pool = BlockPool(num_blocks, enable_caching, None if kv_cache_metrics_sample is None
+        # (Residency events leave with the stats: none are kept without them.)
+        self.block_pool = BlockPool(num_blocks, enable_caching, None if kv_cache_metrics_sample is None or not log_stats
                                     else BlockResidency(kv_cache_metrics_sample))
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered (or known) in the prefix cache.

@@ -270,9 +270,10 @@ def test_each_model_has_adapters_of_its_own(tmp_path):
         _config("--extra-models", str(clash))
     # vLLM's base_model_name in a JSON entry: the model it is listed for, or refused.
     entry = '{"name": "sql", "path": "/y", "base_model_name": "%s"}'
-    listed = _config("--served-model-name", "tiny", "--enable-lora", "--lora-modules", entry % "tiny",
-                     "--extra-models", str(models)).engine_configs()[0].lora_config.lora_modules
-    assert listed[0].base_model_name == "tiny"
+    for base in ("tiny", "meta-llama/Llama-2-7b"):  # (its own, or a name that is no other served model's)
+        listed = _config("--served-model-name", "tiny", "--enable-lora", "--lora-modules", entry % base,
+                         "--extra-models", str(models)).engine_configs()[0].lora_config.lora_modules
+        assert listed[0].base_model_name == base
     with pytest.raises(ValueError, match="names base_model_name 'b' but is listed for 'tiny'"):
         _config("--served-model-name", "tiny", "--enable-lora", "--lora-modules", entry % "b",
                 "--extra-models", str(models))

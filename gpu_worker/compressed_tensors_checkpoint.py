@@ -1,0 +1,106 @@
+"""Checkpoints in the compressed-tensors format (quant_method "compressed-tensors", written by
+llm-compressor: the "-FP8-dynamic", "-quantized.w4a16", "-quantized.w8a8" releases): each
+quantized linear layer is stored compressed (fp8 or int8 values with their ``weight_scale``, or
+int4/int8 values packed into int32 ``weight_packed`` with per-group scales), as its config's
+``config_groups`` say for the modules their ``targets`` match and ``ignore`` does not.
+
+They are served dequantized, as the fp8 checkpoints are (gpu_worker.fp8_checkpoint): each layer's
+tensors are gathered as the files yield them and decompressed by the compressed-tensors library's
+own compressor for the group's scheme, into one dense ``weight``. Activation and KV-cache scales
+(``input_scale``, ``k_scale``, ...) are not needed then, and are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from gpu_worker.fp8_checkpoint import read_whole, stored_dtype
+from gpu_worker.layers.weight_utils import WeightLike
+
+# The weight's stored dtypes in the formats that keep the "weight" name (fp8 and int8 values).
+_QUANTIZED_WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2", "I8")
+_SKIPPED_PREFIXES = ("input_", "output_")
+_SKIPPED_NAMES = ("k_scale", "v_scale", "q_scale", "k_zero_point", "v_zero_point")
+
+
+class _Schemes:
+    """The config's groups: for a module name, the (scheme, compressor, its tensor names) that
+    compressed it, or None."""
+
+    def __init__(self, quantization: dict[str, Any]) -> None:
+        from compressed_tensors.compressors import BaseCompressor
+        from compressed_tensors.compressors.format import infer_module_format
+        from compressed_tensors.config import CompressionFormat
+        from compressed_tensors.quantization import QuantizationConfig
+
+        config = QuantizationConfig.model_validate(quantization)
+        self.ignore = list(config.ignore or [])
+        self.groups = []
+        for name, scheme in config.config_groups.items():
+            scheme.format = CompressionFormat(infer_module_format(torch.nn.Linear, scheme))
+            compressor = BaseCompressor.get_value_from_registry(scheme.format)
+            try:
+                names = tuple(compressor.compression_param_names(scheme))
+            except NotImplementedError:
+                raise ValueError(f"compressed-tensors checkpoints in the {scheme.format.value!r} format (config group "
+                                 f"{name!r}) are not served") from None
+            self.groups.append((scheme, compressor, names))
+        self._cache: dict[str, Any] = {}
+
+    def for_module(self, module: str) -> Any:
+        if module not in self._cache:
+            from compressed_tensors.utils.match import match_name
+
+            found = None
+            if not any(match_name(module, pattern) for pattern in self.ignore):
+                found = next((group for group in self.groups
+                              if "Linear" in group[0].targets or any(match_name(module, t) for t in group[0].targets)),
+                             None)
+            self._cache[module] = found
+        return self._cache[module]
+
+
+def check_compressed_tensors(quantization: dict[str, Any]) -> None:
+    """ValueError, naming what, for a compressed-tensors config this cannot decompress (or an
+    ImportError's advice when the library is missing)."""
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        raise ValueError("compressed-tensors checkpoints need the compressed-tensors package "
+                         "(pip install compressed-tensors)") from None
+    _Schemes(quantization)
+
+
+def decompressed(weights: Iterable[tuple[str, WeightLike]], quantization: dict[str, Any]
+                 ) -> Iterator[tuple[str, WeightLike]]:
+    """The checkpoint's tensors with every compressed layer's tensors replaced by its dense
+    ``weight`` (float32, as the compressor gives it), activation and KV-cache scales left out,
+    the rest as they are. ValueError for a layer whose tensors are incomplete."""
+    schemes = _Schemes(quantization)
+    waiting: dict[str, dict[str, WeightLike]] = {}
+    for name, tensor in weights:
+        module, _, param = name.rpartition(".")
+        if param.startswith(_SKIPPED_PREFIXES) or param in _SKIPPED_NAMES:
+            continue
+        group = schemes.for_module(module)
+        stored_quantized = param == "weight" and stored_dtype(tensor) in _QUANTIZED_WEIGHT_DTYPES
+        if group is None and stored_quantized:
+            raise ValueError(f"compressed-tensors checkpoint: {name} is stored quantized, but no config group "
+                             "targets its layer")
+        if group is None or param not in group[2] or (param == "weight" and not stored_quantized):
+            yield name, tensor
+            continue
+        held = waiting.setdefault(module, {})
+        held[param] = tensor
+        scheme, compressor, names = group
+        if all(n in held for n in names):
+            del waiting[module]
+            state = {n: read_whole(held[n]) for n in names}
+            yield f"{module}.weight", compressor.decompress(state, scheme)["weight"].to(torch.float32)
+    if waiting:
+        first = sorted(waiting)[:3]
+        raise ValueError(f"compressed-tensors checkpoint: incomplete compressed layers {first} "
+                         f"(holding {[sorted(waiting[m]) for m in first]})")
