@@ -122,10 +122,13 @@ class EngineMetrics:
                                   _ITERATION_TOKEN_BUCKETS)
         self.params_max_tokens = h("vllm:request_params_max_tokens", "Requested max_tokens.", token_buckets)
         self.params_n = h("vllm:request_params_n", "Requested n (one per engine request).", (1, 2, 5, 10, 20))
+        self.prefill_kv_computed = h("vllm:request_prefill_kv_computed_tokens",
+                                     "Prompt tokens a request's prefill computed (its prefix-cache hits excluded).",
+                                     token_buckets)
         self._histograms = [self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                             self.inference_time, self.time_per_output_token, self.request_prompt_tokens,
                             self.request_generation_tokens, self.max_num_generation_tokens, self.iteration_tokens,
-                            self.params_max_tokens, self.params_n]
+                            self.params_max_tokens, self.params_n, self.prefill_kv_computed]
         # KV block residency (exported only with --kv-cache-metrics, as vLLM does): the sampled blocks
         # evicted from the prefix cache.
         self.residency: tuple[_Histogram, _Histogram, _Histogram] | None = None
@@ -138,8 +141,8 @@ class EngineMetrics:
                   _RESIDENCY_BUCKETS))
             self._histograms += list(self.residency)
         # Counters and gauges: plain numbers, read at scrape time.
-        self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits",
-                                       "preemptions", "budget_used", "budget_total"), 0.0)
+        self.counters = dict.fromkeys(("prompt_tokens", "prompt_tokens_cached", "generation_tokens", "prefix_queries",
+                                       "prefix_hits", "preemptions", "budget_used", "budget_total"), 0.0)
         self.gauges = dict.fromkeys(("running", "waiting", "skipped_waiting", "kv_usage"), 0.0)
         self.gauges["num_blocks"] = float(num_blocks)
         self.request_success: dict[str, float] = defaultdict(float)
@@ -203,13 +206,13 @@ class EngineMetrics:
                     if t.first_token is None:
                         t.first_token = now
                         self.ttft.observe(now - t.arrival)
-                        self.counters["prompt_tokens"] += t.request.num_prompt_tokens
+                        self._prefilled(t.request)
                     elif t.last_token is not None:
                         itl_from[t.last_token] += 1
                     t.last_token = now
                     t.num_generated += n
                 elif out.pooling_output is not None:  # an embedding request: its prompt was its work
-                    self.counters["prompt_tokens"] += t.request.num_prompt_tokens
+                    self._prefilled(t.request)
                 if out.finish_reason is not None:
                     self._finish(t, str(out.finish_reason), now)
             if eco.finished_requests:
@@ -220,6 +223,14 @@ class EngineMetrics:
             self.itl.observe(now - last, count)
         if stats is not None:
             self._record_stats(stats)
+
+    def _prefilled(self, request: Request) -> None:
+        """A request's prompt is in the KV cache: its tokens, those its prefix-cache hits supplied,
+        and those its prefill computed."""
+        cached = max(0, request.num_cached_tokens)
+        self.counters["prompt_tokens"] += request.num_prompt_tokens
+        self.counters["prompt_tokens_cached"] += cached
+        self.prefill_kv_computed.observe(request.num_prompt_tokens - cached)
 
     def _finish(self, t: _Tracked, reason: str, now: float) -> None:
         self._tracked.pop(t.request.request_id, None)
@@ -300,6 +311,15 @@ class EngineMetrics:
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", g["waiting"])
         yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", g["kv_usage"])
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", c["prompt_tokens"])
+        yield counter("vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache.",
+                      c["prompt_tokens_cached"])
+        # (vLLM's split: computed here, or read from the local prefix cache; no KV arrives from elsewhere.)
+        by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
+                                        labels=[*labels, "source"])
+        for source, count in (("local_compute", c["prompt_tokens"] - c["prompt_tokens_cached"]),
+                              ("local_cache_hit", c["prompt_tokens_cached"]), ("external_kv_transfer", 0.0)):
+            by_source.add_metric([*values, source], count)
+        yield by_source
         yield counter("vllm:generation_tokens", "Generated tokens.", c["generation_tokens"])
         yield counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.", c["prefix_queries"])
         yield counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.", c["prefix_hits"])

@@ -72,3 +72,23 @@ def test_an_embedding_request_counts_its_prompt_and_no_generation():
     assert next(s.value for s in families["vllm:generation_tokens"].samples) == 0
     success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples}
     assert success["stop"] == 1
+
+
+def test_prompt_tokens_split_by_where_their_kv_came_from_as_vllm_reports_it():
+    """vllm:prompt_tokens_by_source: local_compute + local_cache_hit (+ external_kv_transfer, 0
+    here) = vllm:prompt_tokens; vllm:prompt_tokens_cached the hits; and per request the tokens its
+    prefill computed."""
+    metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
+    for rid, prompt_len, cached in (("a", 20, 0), ("b", 20, 16), ("c", 9, 8)):
+        request = Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=1), arrival_time=100.0)
+        request.num_cached_tokens = cached  # (as the scheduler sets it when it first schedules the request)
+        metrics.on_request_added(request)
+        metrics.on_step({0: EngineCoreOutputs(outputs=[EngineCoreOutput(rid, [7], FinishReason.LENGTH)])}, None,
+                        now=101.0)
+    families = _families(metrics)
+    by_source = {s.labels["source"]: s.value for s in families["vllm:prompt_tokens_by_source"].samples}
+    assert by_source == {"local_compute": 25, "local_cache_hit": 24, "external_kv_transfer": 0}
+    assert next(s.value for s in families["vllm:prompt_tokens"].samples) == 49 == sum(by_source.values())
+    assert next(s.value for s in families["vllm:prompt_tokens_cached"].samples) == 24
+    computed = families["vllm:request_prefill_kv_computed_tokens"]
+    assert _sum(computed) == 25 and next(s.value for s in computed.samples if s.name.endswith("_count")) == 3
