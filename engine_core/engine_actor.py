@@ -146,15 +146,15 @@ class EngineCoreService:
 
         self.submit(unsubscribe)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], tell_clients: bool = False) -> None:
         ids = list(request_ids)
-        self.submit(lambda: self._abort_requests(ids))
+        self.submit(lambda: self._abort_requests(ids, tell_clients))
 
-    def _abort_requests(self, request_ids: list[str]) -> None:
+    def _abort_requests(self, request_ids: list[str], tell_clients: bool = False) -> None:
         if self._held_requests:
             gone = set(request_ids)
             self._held_requests = [r for r in self._held_requests if r.request_id not in gone]
-        self.engine.abort_requests(request_ids)
+        self.engine.abort_requests(request_ids, tell_clients)
 
     def _add_request(self, request: EngineCoreRequest) -> None:
         if self._held_requests is not None:
@@ -541,8 +541,10 @@ class EngineCoreActor:
         self._bind()
         self.service.admit(request)
 
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        self.service.abort_requests(request_ids)
+    async def abort_requests(self, request_ids: list[str], tell_clients: bool = False) -> None:
+        """``tell_clients``: the requests' own clients get their final outputs (an abort asked for
+        by another client: a background response cancelled through another router replica)."""
+        self.service.abort_requests(request_ids, tell_clients)
 
     async def channel_address(self) -> ChannelAddress:
         """Where routers open this engine's request channel (engine_core.channel)."""

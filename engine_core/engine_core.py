@@ -251,8 +251,10 @@ class EngineCore:
                                               request.sampling_params.structured_output_after)
         return engine_request if is_new else None
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+    def abort_requests(self, request_ids: list[str], tell_clients: bool = False) -> None:
+        """Abort requests; ``tell_clients``: each one's client gets its final output (an abort
+        another client asked for, such as a background response cancelled through another router)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED, tell_clients)
         if self._structured is not None:
             for request_id in request_ids:
                 self._structured.remove(request_id)

@@ -222,6 +222,17 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     async def delete_response(response_id: str) -> Response:
         return JSONResponse(await responses.delete(response_id))
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        cancelled = await responses.cancel(response_id)
+        try:
+            owners = [responses_of[id(await servings.for_model(cancelled["model"]))]]
+        except APIError:  # (an adapter unloaded since: ask every model's engines)
+            owners = list(responses_of.values())
+        for owner in owners:
+            await owner.drop_background(response_id)
+        return JSONResponse(cancelled)
+
     def model_card(owner: OpenAIServing, lora: LoRARequest | None = None) -> ModelCard:
         base = owner.settings.served_model_name
         if lora is None:

@@ -84,6 +84,27 @@ class ResponseStore:
     def delete(self, response_id: str) -> bool:
         return self._entries.pop(response_id, None) is not None
 
+    def settle(self, response: dict[str, Any], previous_id: str | None, input_items: list[dict[str, Any]]) -> bool:
+        """A background response's progress or end, kept unless it was cancelled meanwhile (False).
+        (One call, so a cancel through another replica cannot slip between the check and the put.)"""
+        entry = self._entries.get(response["id"])
+        if entry is not None and entry.response.get("status") == "cancelled":
+            return False
+        self.put(response, previous_id, input_items)
+        return True
+
+    def cancel(self, response_id: str) -> dict[str, Any] | str | None:
+        """Mark a queued or in-progress background response cancelled, and return it; None when the
+        store does not hold it; its status when it is neither queued nor in progress."""
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        status = entry.response.get("status")
+        if status not in ("queued", "in_progress"):
+            return str(status)
+        entry.response = {**entry.response, "status": "cancelled"}
+        return entry.response
+
     def conversation(self, response_id: str) -> tuple[list[dict[str, Any]] | None, str | None]:
         """Every item of the conversation up to and including ``response_id``'s output, oldest
         first; or (None, the id of the first response of the chain the store does not hold). (A
@@ -135,6 +156,13 @@ class AsyncResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         return await self._call("delete", response_id)
+
+    async def settle(self, response: dict[str, Any], previous_id: str | None,
+                     input_items: list[dict[str, Any]]) -> bool:
+        return await self._call("settle", response, previous_id, input_items)
+
+    async def cancel(self, response_id: str) -> dict[str, Any] | str | None:
+        return await self._call("cancel", response_id)
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]]:
         return self._found(await self._call("conversation", response_id))

@@ -17,6 +17,7 @@ instructions) before the new input.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -96,8 +97,9 @@ class ResponsesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
-        if self.background:
-            raise invalid("background", "background responses are not supported")
+        if self.background and self.stream:
+            raise invalid("background", "a background response is read with GET /v1/responses/{id}: it is not "
+                          "streamed")
         if self.truncation == "auto":
             raise invalid("truncation", 'truncation "auto" is not supported: a prompt beyond the context '
                           "length is refused")
@@ -235,7 +237,7 @@ class ResponsesRequest(BaseModel):
                 "temperature": self.temperature, "text": self.text or {"format": {"type": "text"}},
                 "tool_choice": self.tool_choice or ("auto" if self.tools else "none"),
                 "tools": self.tools or [], "top_p": self.top_p, "truncation": self.truncation, "user": self.user,
-                "background": False}
+                "background": self.background}
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -416,6 +418,8 @@ class ResponsesServing:
     def __init__(self, serving: OpenAIServing, store: AsyncResponseStore | None = None) -> None:
         self.serving = serving
         self.store = store
+        # Background responses this replica is generating (held so they are not collected).
+        self._background: set[asyncio.Task] = set()
 
     async def _ask_store(self, method: str, *args: Any) -> Any:
         try:
@@ -485,6 +489,9 @@ class ResponsesServing:
         history = await self._history(request)
         chat = request.chat_request(history)
         storing = self.store is not None and request.store
+        if request.background and not storing:
+            raise bad_request("a background response is read back from the response store: start the server "
+                              "with --enable-responses-store, and leave store true", "background")
         try:
             run = await self.serving.start_chat(chat, session_id, request_id=f"resp_{uuid.uuid4().hex}")
         except APIError as e:
@@ -509,13 +516,71 @@ class ResponsesServing:
 
         if request.stream:
             return SSEStream(self._stream(base, run, keep), run.streams)
-        await self.serving.finish_chat(run)
-        choice = run.choices[0]
-        items = OutputItems(lambda *_, **__: None)
-        items.add(_parse_whole(choice))
-        final = self._final(base, run, items)
+        if request.background:
+            return await self._start_background(base, run, request, history)
+        final = await self._answer(base, run)
         await keep(final)
         return final
+
+    async def _answer(self, base: dict[str, Any], run: ChatRun) -> dict[str, Any]:
+        """A started (not streamed) response, once its answer is whole."""
+        await self.serving.finish_chat(run)
+        items = OutputItems(lambda *_, **__: None)
+        items.add(_parse_whole(run.choices[0]))
+        return self._final(base, run, items)
+
+    async def _start_background(self, base: dict[str, Any], run: ChatRun, request: ResponsesRequest,
+                                history: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """OpenAI's background mode: the response is stored ``queued`` and returned at once; this
+        replica generates it on its own (``in_progress``, then its end) while the client polls GET
+        /v1/responses/{id} through any replica, or cancels it (POST .../cancel)."""
+        input_items = request.stored_input_items(history)
+        queued = base | {"status": "queued"}
+        try:
+            await self._ask_store("put", queued, request.previous_response_id, input_items)
+        except APIError:
+            for stream in run.streams:
+                await stream.close()  # (nobody could read it back: do not generate it)
+            raise
+
+        async def generate() -> None:
+            settle = self.store.settle  # type: ignore[union-attr]
+            try:
+                if not await settle(base | {"status": "in_progress"}, request.previous_response_id, input_items):
+                    return  # (cancelled before it started: the engines were told to drop it)
+                final = await self._answer(base, run)
+            except Exception as e:  # an engine failure or a timeout ends it as failed, as a sync answer would
+                final = base | {"status": "failed", "error": {"code": "server_error", "message": str(e)}}
+            try:
+                await settle(final, request.previous_response_id, input_items)  # (not over a cancel)
+            except Exception as e:
+                logger.warning("could not store background response %s: %s", base["id"], e)
+
+        task = asyncio.create_task(generate())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return queued
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """``POST /v1/responses/{id}/cancel``, the store's part: a queued or in-progress background
+        response is marked ``cancelled`` (then ``drop_background`` on its model's serving)."""
+        answer = await self._ask_store("cancel", response_id) if self.store is not None else None
+        if answer is None:
+            raise _not_found(response_id, "response_id", self.store is not None)
+        if isinstance(answer, str):
+            raise bad_request(f"Only a background response that is queued or in progress can be cancelled; "
+                              f"{response_id!r} is {answer}", "response_id")
+        return answer
+
+    async def drop_background(self, response_id: str) -> None:
+        """The engines drop a cancelled background response's request and tell the replica generating
+        it (whichever replica that is), whose task then ends without storing over the cancel."""
+        client = self.serving.client
+        for engine in range(client.num_engines):  # (only the engine holding it has it)
+            try:
+                await client.handle(engine).abort_requests.remote([f"{response_id}-0"], True)
+            except Exception as e:
+                logger.warning("cancel of %s on engine %d failed: %s", response_id, engine, e)
 
     def _final(self, base: dict[str, Any], run: ChatRun, items: OutputItems) -> dict[str, Any]:
         choice = run.choices[0]

@@ -742,7 +742,10 @@ class Scheduler(SchedulerInterface):
 
     # ------------------------------------------------------------------ finishing, pausing, stats
 
-    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus,
+                        tell_clients: bool = False) -> None:
+        """Finish requests from outside a pass (a client's abort: it knows, so by default nothing is
+        sent; ``tell_clients``: each gets a final output, for an abort another client asked for)."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
         if isinstance(request_ids, str):
@@ -756,6 +759,9 @@ class Scheduler(SchedulerInterface):
             return
         self._remove_from_collections(to_finish)
         for request in to_finish:
+            if tell_clients:
+                self._finish_outside_pass(request, finished_status)
+                continue
             request.status = finished_status
             # Blocks go back to the pool; the id reaches the workers in the next finished_req_ids.
             self._free_request(request)

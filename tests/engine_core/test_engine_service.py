@@ -363,3 +363,19 @@ def test_a_request_the_engine_refuses_in_its_loop_ends_with_an_error_output(serv
     [out] = eco.outputs
     assert (out.request_id, out.finish_reason) == ("refused", FinishReason.ERROR)
     assert "embedding model" in out.stop_reason
+
+
+def test_an_abort_for_another_client_tells_the_requests_own_client(service):
+    """abort_requests with tell_clients (a background response cancelled through another router
+    replica): the running request ends with finish reason abort in its own client's outputs; a
+    client's own abort (the default) sends nothing, as its client knows."""
+    _start(service, "told", list(range(50, 60)), 240)
+    _until_running(service)
+    service.abort_requests(["told"], tell_clients=True)
+    assert _collect(service, 0.3)["told"][1] == FinishReason.ABORT
+    _start(service, "silent", list(range(70, 80)), 240)
+    _until_running(service)
+    service.abort_requests(["silent"])
+    got = _collect(service, 0.3)
+    assert "silent" not in got or got["silent"][1] is None
+    assert service.call_in_loop(service.engine.num_in_flight_requests) == 0

@@ -585,6 +585,41 @@ def test_pause_aborts_streams_holds_new_requests_and_resume_serves_them(cluster)
     assert httpx.post(f"{base}/reset_prefix_cache").json() == {"status": "reset"}
 
 
+def test_a_background_response_runs_on_its_replica_and_is_cancelled_through_another(cluster, client):
+    """Background responses on real engines: one completes and is read back through another router
+    app; one held in a frozen engine (pause, mode keep) is cancelled through another app, whose
+    engines tell the replica generating it: it stays cancelled, and the engines end up idle."""
+    other = openai.OpenAI(base_url=f"{cluster['base']}/prefix/v1", api_key="unused", max_retries=0, timeout=60)
+    done = client.responses.create(model="tiny", input="Hello", max_output_tokens=6, background=True)
+    assert done.status == "queued"
+    deadline = time.monotonic() + 30
+    while (read := other.responses.retrieve(done.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert read.status in ("completed", "incomplete") and read.usage.output_tokens >= 1
+    base = f"{cluster['base']}/prefix2"
+    try:
+        assert httpx.post(f"{base}/pause?mode=keep").json() == {"status": "paused"}
+        held = client.responses.create(model="tiny", input="Paris is", max_output_tokens=50, background=True)
+        deadline = time.monotonic() + 30
+        while sum(s.num_unfinished_requests for s in _stats(cluster)) == 0:  # it reached an engine
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cancelled = other.responses.cancel(held.id)
+        assert cancelled.status == "cancelled" and cancelled.id == held.id
+        deadline = time.monotonic() + 30
+        while sum(s.num_unfinished_requests for s in _stats(cluster)):  # the engine dropped it
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        httpx.post(f"{base}/resume")
+    _wait_idle(cluster)
+    time.sleep(0.5)  # (the generating replica has heard of the abort, and not stored over the cancel)
+    assert client.responses.retrieve(held.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        other.responses.cancel(done.id)  # (it ended)
+
+
 def test_health_is_503_when_every_engine_is_dead_and_200_after_restart(cluster):
     import ray
 

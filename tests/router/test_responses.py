@@ -486,3 +486,38 @@ def test_input_item_ids_stay_unique_when_a_client_resends_items():
     assert ids[1] == answer.id and ids[4] == "msg_mine"  # the first use keeps its id
     after = client.responses.input_items.list(second.id, order="asc", after=ids[2]).data
     assert [item.id for item in after] == ids[3:]
+
+
+def test_a_background_response_is_queued_generated_and_read_back():
+    """OpenAI's background mode: the answer to the create is the queued response; the replica then
+    generates it, and GET finds it in progress, then completed. A response that has ended cannot be
+    cancelled; one never stored is a 404; a background response is not streamed."""
+    import time
+
+    _, engine, serving, store = _stored_app(["Background answer."])
+    with TestClient(create_app(serving, response_store=store)) as http:
+        client = _client(http)
+        queued = client.responses.create(model="tiny", input="hi", background=True)
+        assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+        deadline = time.monotonic() + 10
+        while (done := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert done.status == "completed" and done.output_text == "Background answer." and done.background
+        r = http.post(f"/v1/responses/{queued.id}/cancel")
+        assert r.status_code == 400 and "completed" in r.json()["error"]["message"]
+        assert http.post("/v1/responses/resp_nope/cancel").status_code == 404
+        r = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "background": True, "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+        assert len(engine.requests) == 1
+
+
+def test_the_store_keeps_a_cancel_over_a_background_responses_later_progress():
+    store = ResponseStore()
+    base = {"id": "resp_1", "object": "response", "output": []}
+    assert store.cancel("resp_1") is None
+    store.put(base | {"status": "queued"}, None, [])
+    assert store.settle(base | {"status": "in_progress"}, None, [])
+    assert store.cancel("resp_1")["status"] == "cancelled"
+    assert not store.settle(base | {"status": "completed"}, None, [])  # (the generating replica, too late)
+    assert store.get("resp_1")["status"] == "cancelled" and store.cancel("resp_1") == "cancelled"
