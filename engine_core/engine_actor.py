@@ -153,7 +153,13 @@ class EngineCoreService:
     def _abort_requests(self, request_ids: list[str], tell_clients: bool = False) -> None:
         if self._held_requests:
             gone = set(request_ids)
+            dropped = [r for r in self._held_requests if r.request_id in gone]
             self._held_requests = [r for r in self._held_requests if r.request_id not in gone]
+            if tell_clients:  # (held during a pause, they never reached the scheduler to be finished there)
+                for request in dropped:
+                    self._publish({request.client_index: EngineCoreOutputs(
+                        [EngineCoreOutput(request.request_id, [], FinishReason.ABORT)],
+                        engine_index=self.config.engine_index, timestamp=time.time())})
         self.engine.abort_requests(request_ids, tell_clients)
 
     def _add_request(self, request: EngineCoreRequest) -> None:

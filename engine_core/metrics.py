@@ -130,7 +130,7 @@ class EngineMetrics:
                             self.request_generation_tokens, self.max_num_generation_tokens, self.iteration_tokens,
                             self.params_max_tokens, self.params_n, self.prefill_kv_computed]
         # KV block residency (exported only with --kv-cache-metrics, as vLLM does): the sampled blocks
-        # evicted from the prefix cache.
+        # handed out again (evicted).
         self.residency: tuple[_Histogram, _Histogram, _Histogram] | None = None
         if config.kv_cache_metrics_sample is not None:
             self.residency = (

@@ -28,7 +28,8 @@ _SKIPPED_NAMES = ("k_scale", "v_scale", "q_scale", "k_zero_point", "v_zero_point
 
 class _Schemes:
     """The config's groups: for a module name, the (scheme, compressor, its tensor names) that
-    compressed it, or None."""
+    compressed it, or None; the group chosen as compressed-tensors chooses one (a target naming the
+    module exactly, then a regex target, then a class target such as "Linear")."""
 
     def __init__(self, quantization: dict[str, Any]) -> None:
         from compressed_tensors.compressors import BaseCompressor
@@ -36,11 +37,22 @@ class _Schemes:
         from compressed_tensors.config import CompressionFormat
         from compressed_tensors.quantization import QuantizationConfig
 
+        for key, what in (("sparsity_config", "sparsity (2:4 and bitmask)"),
+                          ("transform_config", "rotations (QuIP, SpinQuant)")):
+            if quantization.get(key):
+                raise ValueError(f"compressed-tensors checkpoints with {what} ({key}) are not served")
         config = QuantizationConfig.model_validate(quantization)
+        declared = quantization.get("format")
         self.ignore = list(config.ignore or [])
         self.groups = []
         for name, scheme in config.config_groups.items():
-            scheme.format = CompressionFormat(infer_module_format(torch.nn.Linear, scheme))
+            if getattr(scheme.weights, "actorder", None) == "group":
+                raise ValueError(f"compressed-tensors config group {name!r}: weights in activation order (actorder "
+                                 "group, weight_g_idx) are not served")
+            if scheme.format is None:  # (the group's own, else the checkpoint's, else what its scheme implies)
+                formats = {f.value for f in CompressionFormat} - {"mixed-precision"}
+                scheme.format = CompressionFormat(declared if declared in formats
+                                                  else infer_module_format(torch.nn.Linear, scheme))
             compressor = BaseCompressor.get_value_from_registry(scheme.format)
             try:
                 names = tuple(compressor.compression_param_names(scheme))
@@ -56,21 +68,30 @@ class _Schemes:
 
             found = None
             if not any(match_name(module, pattern) for pattern in self.ignore):
-                found = next((group for group in self.groups
-                              if "Linear" in group[0].targets or any(match_name(module, t) for t in group[0].targets)),
-                             None)
+                ranked = []
+                for group in self.groups:
+                    targets = group[0].targets
+                    rank = (0 if module in targets else 1 if any(t.startswith("re:") and match_name(module, t)
+                                                                  for t in targets)
+                            else 2 if "Linear" in targets else None)
+                    if rank is not None:
+                        ranked.append((rank, len(ranked), group))
+                found = min(ranked)[2] if ranked else None
             self._cache[module] = found
         return self._cache[module]
 
 
 def check_compressed_tensors(quantization: dict[str, Any]) -> None:
-    """ValueError, naming what, for a compressed-tensors config this cannot decompress (or an
-    ImportError's advice when the library is missing)."""
+    """ValueError, naming what, for a compressed-tensors config this cannot decompress (or for a
+    missing or too old compressed-tensors package)."""
     try:
-        import compressed_tensors  # noqa: F401
+        from compressed_tensors.compressors import BaseCompressor
     except ImportError:
-        raise ValueError("compressed-tensors checkpoints need the compressed-tensors package "
-                         "(pip install compressed-tensors)") from None
+        raise ValueError("compressed-tensors checkpoints need the compressed-tensors package, 0.20.1 or later "
+                         "(pip install 'llm-cluster[compressed]')") from None
+    if not isinstance(BaseCompressor.__dict__.get("decompress"), classmethod):
+        raise ValueError("compressed-tensors checkpoints need compressed-tensors 0.20.1 or later (its per-layer "
+                         "decompress API)")
     _Schemes(quantization)
 
 
@@ -83,9 +104,10 @@ def decompressed(weights: Iterable[tuple[str, WeightLike]], quantization: dict[s
     waiting: dict[str, dict[str, WeightLike]] = {}
     for name, tensor in weights:
         module, _, param = name.rpartition(".")
-        if param.startswith(_SKIPPED_PREFIXES) or param in _SKIPPED_NAMES:
-            continue
         group = schemes.for_module(module)
+        if (group is None or param not in group[2]) and (param.startswith(_SKIPPED_PREFIXES)
+                                                         or param in _SKIPPED_NAMES):
+            continue  # (an activation or KV-cache scale, unless the layer's decompression reads it)
         stored_quantized = param == "weight" and stored_dtype(tensor) in _QUANTIZED_WEIGHT_DTYPES
         if group is None and stored_quantized:
             raise ValueError(f"compressed-tensors checkpoint: {name} is stored quantized, but no config group "

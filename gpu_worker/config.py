@@ -928,10 +928,12 @@ class ModelConfig:
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)
-        method, block = weight_quantization(cfg.get("quantization_config"))  # (others: refused here)
+        # (Older llm-compressor releases name it compression_config, as vLLM also reads it.)
+        quantization = cfg.get("quantization_config") or cfg.get("compression_config")
+        method, block = weight_quantization(quantization)  # (others: refused here)
         if method is not None:
             config = dataclasses.replace(config, quantization=method, fp8_weight_block=block,
-                                         quantization_config=dict(cfg["quantization_config"]))
+                                         quantization_config=dict(quantization))
         if config.step_tag_token is not None:
             config = dataclasses.replace(config, step_tag_id=_token_id_if_any(model_dir, config.step_tag_token))
         if config.labels and cfg.get("classifier_from_token"):

@@ -68,7 +68,21 @@ class DequantizedFP8:
     def __init__(self, weight: WeightLike, scale: torch.Tensor, block: tuple[int, int]) -> None:
         self._weight, self._scale, self._block = weight, scale.to(torch.float32), block
         self.shape = torch.Size(weight.shape)
-        if block != (0, 0) and scale.numel() > 1:
+        if block == (0, 0) and scale.numel() > 1:
+            # Not block-wise: one scale per weight, per stacked expert ([E]) or per row ([rows, 1]),
+            # broadcast over the values it scales.
+            if scale.dim() == 1 and len(self.shape) == 3 and scale.numel() == self.shape[0]:
+                scale = scale.reshape(-1, 1, 1)
+            scale = scale.reshape((1,) * (len(self.shape) - scale.dim()) + tuple(scale.shape))
+            try:
+                fits = torch.broadcast_shapes(scale.shape, self.shape) == self.shape
+            except RuntimeError:
+                fits = False
+            if not fits:
+                raise ValueError(f"a weight of shape {tuple(self.shape)} cannot take scales of shape "
+                                 f"{tuple(scale.shape)}")
+            self._scale = scale.to(torch.float32)
+        elif block != (0, 0) and scale.numel() > 1:
             rows, cols = self.shape[-2:]
             grid = (-(-rows // block[0]), -(-cols // block[1]))
             if tuple(scale.shape[-2:]) != grid:
@@ -78,6 +92,9 @@ class DequantizedFP8:
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         dim = dim % len(self.shape)
         values = self._weight.narrow(dim, start, length).to(torch.float32)
+        if self._block == (0, 0):  # (one scale, or scales broadcast over the weight: the same slice of them)
+            scale = self._scale
+            return values * (scale.narrow(dim, start, length) if scale.dim() and scale.shape[dim] > 1 else scale)
         rows = torch.arange(self.shape[-2]) if len(self.shape) >= 2 else torch.arange(1)
         cols = torch.arange(self.shape[-1])
         scale = self._scale

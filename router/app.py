@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -134,7 +135,17 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     (router.response_store): the Responses API keeps responses there."""
     servings = ModelServings(serving if isinstance(serving, list) else [serving])
     serving = servings.default
-    app = FastAPI(title="llm-cluster", version=serving.settings.version)
+    # What generates background responses (set below): a replica that stops (a redeploy, a downscale;
+    # Serve runs the app's lifespan shutdown) ends them as failed, rather than leaving them in
+    # progress in the shared store.
+    background_owners: list[ResponsesServing] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.gather(*(owner.shut_down() for owner in background_owners))
+
+    app = FastAPI(title="llm-cluster", version=serving.settings.version, lifespan=lifespan)
     metrics = serving.metrics
 
     @app.exception_handler(APIError)
@@ -175,6 +186,7 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     # One store for every model: a stored response is found whichever model answered it.
     responses_of = {id(s): ResponsesServing(s, response_store) for s in servings}
     responses = responses_of[id(serving)]
+    background_owners.extend(responses_of.values())
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
@@ -218,19 +230,27 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
                                    order: Literal["asc", "desc"] = "desc") -> Response:
         return JSONResponse(await responses.input_items(response_id, after, before, limit, order))
 
+    async def drop_background(stopped: dict[str, Any]) -> None:
+        """The engines of a stopped background response's model drop its request."""
+        try:
+            owners = [responses_of[id(await servings.for_model(stopped["model"]))]]
+        except APIError:  # (an adapter unloaded since: ask every model's engines)
+            owners = list(responses_of.values())
+        for owner in owners:
+            await owner.drop_background(stopped["id"])
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
-        return JSONResponse(await responses.delete(response_id))
+        stored = await responses.retrieve(response_id)
+        deleted = await responses.delete(response_id)
+        if stored.get("status") in ("queued", "in_progress"):  # (a background one: nobody will read it)
+            await drop_background(stored)
+        return JSONResponse(deleted)
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
         cancelled = await responses.cancel(response_id)
-        try:
-            owners = [responses_of[id(await servings.for_model(cancelled["model"]))]]
-        except APIError:  # (an adapter unloaded since: ask every model's engines)
-            owners = list(responses_of.values())
-        for owner in owners:
-            await owner.drop_background(response_id)
+        await drop_background(cancelled)
         return JSONResponse(cancelled)
 
     def model_card(owner: OpenAIServing, lora: LoRARequest | None = None) -> ModelCard:

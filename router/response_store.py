@@ -9,7 +9,9 @@ Each response keeps its own input items and the id of the response it continued 
 are in the response); a conversation is rebuilt by walking that chain. The store holds at most
 ``max_entries`` responses and forgets the least recently used first (continuing a conversation
 uses every response in it); a chain with a forgotten response can no longer be continued. It
-lives in memory: a restarted store process starts empty.
+lives in memory: a restarted store process starts empty. A background response is put queued, then
+settled by the replica generating it (in progress, then its end) unless a cancel (or a delete)
+through any replica came first.
 """
 
 from __future__ import annotations
@@ -84,13 +86,14 @@ class ResponseStore:
     def delete(self, response_id: str) -> bool:
         return self._entries.pop(response_id, None) is not None
 
-    def settle(self, response: dict[str, Any], previous_id: str | None, input_items: list[dict[str, Any]]) -> bool:
-        """A background response's progress or end, kept unless it was cancelled meanwhile (False).
-        (One call, so a cancel through another replica cannot slip between the check and the put.)"""
+    def settle(self, response: dict[str, Any]) -> bool:
+        """A background response's progress or end, over its entry unless the entry was cancelled or
+        deleted (or forgotten) meanwhile: False then. (One call, so a cancel or delete through
+        another replica cannot slip between the check and the update.)"""
         entry = self._entries.get(response["id"])
-        if entry is not None and entry.response.get("status") == "cancelled":
+        if entry is None or entry.response.get("status") == "cancelled":
             return False
-        self.put(response, previous_id, input_items)
+        entry.response = response
         return True
 
     def cancel(self, response_id: str) -> dict[str, Any] | str | None:
@@ -157,9 +160,8 @@ class AsyncResponseStore:
     async def delete(self, response_id: str) -> bool:
         return await self._call("delete", response_id)
 
-    async def settle(self, response: dict[str, Any], previous_id: str | None,
-                     input_items: list[dict[str, Any]]) -> bool:
-        return await self._call("settle", response, previous_id, input_items)
+    async def settle(self, response: dict[str, Any]) -> bool:
+        return await self._call("settle", response)
 
     async def cancel(self, response_id: str) -> dict[str, Any] | str | None:
         return await self._call("cancel", response_id)

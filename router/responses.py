@@ -12,7 +12,9 @@ is set) responses are not kept: ``store`` answers false, ``previous_response_id`
 client carries its conversation in ``input`` (as the openai Agents SDK does by default). With one
 (router.response_store), a response asked to be stored can be retrieved, deleted, and continued:
 ``previous_response_id`` puts the stored conversation (its inputs and outputs, not its
-instructions) before the new input.
+instructions) before the new input; and ``background`` responses are generated after the answer
+(stored queued, then settled by the replica generating them), read back with GET and stopped with
+``POST /v1/responses/{id}/cancel``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from router.parsed_output import ParsedDelta
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, invalid
 from router.response_store import MissingResponseError
-from router.serving import APIError, SSEStream, _StreamError, bad_request
+from router.serving import APIError, SSEStream, _StreamError, bad_request, choice_request_id
 
 if TYPE_CHECKING:
     from router.response_store import AsyncResponseStore
@@ -481,9 +483,14 @@ class ResponsesServing:
                               "(start it with --enable-responses-store): send the conversation in input",
                               "previous_response_id")
         try:
-            return await self._ask_store("conversation", request.previous_response_id)
+            history = await self._ask_store("conversation", request.previous_response_id)
         except MissingResponseError as e:
             raise _not_found(e.response_id, "previous_response_id", True) from None
+        previous = await self._ask_store("get", request.previous_response_id)
+        if previous is not None and previous.get("status") in ("queued", "in_progress"):
+            raise bad_request(f"Response {request.previous_response_id!r} is still {previous['status']}: continue "
+                              "its conversation once it has ended", "previous_response_id")
+        return history
 
     async def create(self, request: ResponsesRequest, session_id: str | None = None) -> dict[str, Any] | SSEStream:
         history = await self._history(request)
@@ -543,18 +550,30 @@ class ResponsesServing:
                 await stream.close()  # (nobody could read it back: do not generate it)
             raise
 
-        async def generate() -> None:
-            settle = self.store.settle  # type: ignore[union-attr]
+        def failed(message: str) -> dict[str, Any]:
+            return base | {"status": "failed", "error": {"code": "server_error", "message": message}}
+
+        async def settle(response: dict[str, Any]) -> bool:
             try:
-                if not await settle(base | {"status": "in_progress"}, request.previous_response_id, input_items):
-                    return  # (cancelled before it started: the engines were told to drop it)
-                final = await self._answer(base, run)
-            except Exception as e:  # an engine failure or a timeout ends it as failed, as a sync answer would
-                final = base | {"status": "failed", "error": {"code": "server_error", "message": str(e)}}
-            try:
-                await settle(final, request.previous_response_id, input_items)  # (not over a cancel)
+                return await self.store.settle(response)  # type: ignore[union-attr]
             except Exception as e:
                 logger.warning("could not store background response %s: %s", base["id"], e)
+                return False
+
+        async def generate() -> None:
+            try:
+                if await settle(base | {"status": "in_progress"}):  # (else cancelled or deleted already)
+                    try:
+                        final = await self._answer(base, run)
+                    except Exception as e:  # an engine failure or a timeout: failed, as a sync answer
+                        final = failed(str(e))
+                    await settle(final)  # (not over a cancel or a delete)
+            except asyncio.CancelledError:  # the replica is shutting down
+                await asyncio.shield(settle(failed("the router replica generating it shut down")))
+                raise
+            finally:
+                for stream in run.streams:  # (a finished stream ignores it; another is aborted)
+                    await stream.close()
 
         task = asyncio.create_task(generate())
         self._background.add(task)
@@ -572,15 +591,26 @@ class ResponsesServing:
                               f"{response_id!r} is {answer}", "response_id")
         return answer
 
-    async def drop_background(self, response_id: str) -> None:
+    async def drop_background(self, response_id: str, timeout_s: float = 5.0) -> None:
         """The engines drop a cancelled background response's request and tell the replica generating
         it (whichever replica that is), whose task then ends without storing over the cancel."""
         client = self.serving.client
-        for engine in range(client.num_engines):  # (only the engine holding it has it)
+        request_ids = [choice_request_id(response_id, 0)]  # (a response is one choice)
+
+        async def drop(engine: int) -> None:
             try:
-                await client.handle(engine).abort_requests.remote([f"{response_id}-0"], True)
+                await asyncio.wait_for(client.handle(engine).abort_requests.remote(request_ids, True), timeout_s)
             except Exception as e:
                 logger.warning("cancel of %s on engine %d failed: %s", response_id, engine, e)
+
+        await asyncio.gather(*(drop(engine) for engine in range(client.num_engines)))  # (one holds it)
+
+    async def shut_down(self) -> None:
+        """The replica is stopping: its background responses end as failed in the store."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _final(self, base: dict[str, Any], run: ChatRun, items: OutputItems) -> dict[str, Any]:
         choice = run.choices[0]

@@ -80,6 +80,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
+def choice_request_id(request_id: str, index: int) -> str:
+    """The engines' id for choice ``index`` of an HTTP request (each choice is one engine request)."""
+    return f"{request_id}-{index}"
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "BadRequestError", param)
 
@@ -636,7 +641,7 @@ class OpenAIServing:
                                                                            request.prompt_logprobs))
                 c.index = p_index * request.n + c.index
                 choices.append(c)
-                jobs.append((engine, f"{request_id}-{c.index}", ids, params))
+                jobs.append((engine, choice_request_id(request_id, c.index), ids, params))
         streams = await self._open_all(jobs, request.priority, lora)
         if request.stream:
             return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts,
@@ -753,7 +758,7 @@ class OpenAIServing:
             c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
         # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
         after = [self._think_end_id] if thinks and self._thinks_before_constraint() else None
-        jobs = [(engine, f"{request_id}-{c.index}", ids,
+        jobs = [(engine, choice_request_id(request_id, c.index), ids,
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                       prompt_logprobs=request.prompt_logprobs, structured_output_after=after))
                 for c in choices]
@@ -894,7 +899,7 @@ class OpenAIServing:
         once in the engines); a timeout or an engine error fails them all."""
         chosen = [0] * self.client.num_engines
         each = params if isinstance(params, list) else [params] * len(prompts)
-        jobs = [(self.choose_engine(ids, session_id, chosen, lora), f"{request_id}-{i}", ids, p)
+        jobs = [(self.choose_engine(ids, session_id, chosen, lora), choice_request_id(request_id, i), ids, p)
                 for i, (ids, p) in enumerate(zip(prompts, each, strict=True))]
         streams = await self._open_all(jobs, priority, lora)
         try:

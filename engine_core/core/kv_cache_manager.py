@@ -52,9 +52,11 @@ class KVCacheManager:
         self.num_released_block: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.log_stats = log_stats
-        # (Residency events leave with the stats: none are kept without them.)
-        self.block_pool = BlockPool(num_blocks, enable_caching, None if kv_cache_metrics_sample is None or not log_stats
-                                    else BlockResidency(kv_cache_metrics_sample))
+        # (Residency events leave with the stats, and are about the prefix cache's blocks, as vLLM's:
+        # none without either.)
+        followed = kv_cache_metrics_sample is not None and log_stats and enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching,
+                                    BlockResidency(kv_cache_metrics_sample) if followed else None)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered (or known) in the prefix cache.
         self.num_cached_block: dict[str, int] = {}

@@ -34,11 +34,13 @@ def copy_into(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"shape mismatch loading {name or 'weight'}: parameter {tuple(param.shape)}, "
                          f"checkpoint {tuple(loaded.shape)}")
-    if loaded.dtype in _FP8 and param.dtype not in _FP8:
-        # (Cast alone, they would load as wrong weights without a word: their scale is what an fp8
-        # checkpoint's quantization_config makes the loader apply.)
-        raise ValueError(f"the checkpoint holds fp8 values without their scale for {name or 'a weight'}: its "
-                         "config.json lacks the quantization_config that says how they are scaled")
+    if (loaded.dtype in _FP8 or not loaded.dtype.is_floating_point) and param.dtype.is_floating_point \
+            and param.dtype not in _FP8:
+        # (Cast alone, quantized values would load as wrong weights without a word: their scale is
+        # what a quantized checkpoint's quantization_config makes the loader apply.)
+        raise ValueError(f"the checkpoint holds quantized ({loaded.dtype}) values without their scale for "
+                         f"{name or 'a weight'}: its config.json lacks the quantization_config that says how they "
+                         "are scaled")
     param.data.copy_(loaded)
 
 

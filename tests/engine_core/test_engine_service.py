@@ -379,3 +379,25 @@ def test_an_abort_for_another_client_tells_the_requests_own_client(service):
     got = _collect(service, 0.3)
     assert "silent" not in got or got["silent"][1] is None
     assert service.call_in_loop(service.engine.num_in_flight_requests) == 0
+
+
+def test_an_abort_for_another_client_tells_a_request_held_during_a_pause(service, resumed_after):
+    """A request held back while a "wait" pause drains (it never reached the scheduler) is told too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _start(service, "draining", list(range(60, 70)), 120)
+    _until_running(service)
+    with ThreadPoolExecutor(1) as pool:
+        pausing = pool.submit(service.pause_generation, "wait", False)
+        deadline = time.monotonic() + 30
+        while not service.call_in_loop(lambda: service._held_requests is not None):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        _start(service, "held", list(range(90, 100)), 4)
+        while "held" not in service.call_in_loop(lambda: [r.request_id for r in service._held_requests or ()]):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        service.abort_requests(["held"], tell_clients=True)
+        assert _collect(service, 0.3)["held"][1] == FinishReason.ABORT
+        pausing.result(timeout=60)
+    assert service.call_in_loop(service.engine.num_in_flight_requests) == 0

@@ -77,7 +77,8 @@ def test_an_embedding_request_counts_its_prompt_and_no_generation():
 def test_prompt_tokens_split_by_where_their_kv_came_from_as_vllm_reports_it():
     """vllm:prompt_tokens_by_source: local_compute + local_cache_hit (+ external_kv_transfer, 0
     here) = vllm:prompt_tokens; vllm:prompt_tokens_cached the hits; and per request the tokens its
-    prefill computed."""
+    prefill computed. (A whole prompt found cached still computes its last token, counted here as
+    computed; vLLM counts that one as a hit too, so its sources can add up to one more.)"""
     metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
     for rid, prompt_len, cached in (("a", 20, 0), ("b", 20, 16), ("c", 9, 8)):
         request = Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=1), arrival_time=100.0)

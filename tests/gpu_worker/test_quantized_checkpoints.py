@@ -182,7 +182,7 @@ def test_an_fp8_tensor_without_a_quantization_config_is_refused(tmp_path):
     config = json.loads((path / "config.json").read_text())
     del config["quantization_config"]
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="fp8 values without their scale"):
+    with pytest.raises(ValueError, match="values without their scale"):
         make_runner(path, num_blocks=64, block_size=4)
 
 
@@ -198,3 +198,62 @@ def test_other_quantizations_are_refused_by_name(tmp_path, quantization, message
     (path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_pretrained(path)
+
+
+def test_compressed_tensors_groups_are_chosen_and_refused_as_the_library_would():
+    """A layer a group names (exactly, or by regex) takes that group over one for every Linear;
+    ignored layers none; variants not served are refused by name; the old compression_config key
+    is read too."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    from gpu_worker.compressed_tensors_checkpoint import _Schemes
+    from gpu_worker.quantized_checkpoint import weight_quantization
+
+    def config(**groups) -> dict:
+        return QuantizationConfig(config_groups=groups, quant_method="compressed-tensors", ignore=["lm_head"],
+                                  quantization_status="compressed").model_dump(mode="json")
+
+    mixed = config(group_0=preset_name_to_scheme("W4A16", ["Linear"]),
+                   group_1=preset_name_to_scheme("FP8_DYNAMIC", ["re:.*down_proj$"]),
+                   group_2=preset_name_to_scheme("W8A8", ["model.layers.0.mlp.up_proj"]))
+    schemes = _Schemes(mixed)
+    kind = {module: schemes.for_module(module)[0].weights.num_bits if schemes.for_module(module) else None
+            for module in ("model.layers.0.self_attn.q_proj", "model.layers.3.mlp.down_proj",
+                           "model.layers.0.mlp.up_proj", "lm_head")}
+    assert kind == {"model.layers.0.self_attn.q_proj": 4, "model.layers.3.mlp.down_proj": 8,
+                    "model.layers.0.mlp.up_proj": 8, "lm_head": None}
+    assert schemes.for_module("model.layers.3.mlp.down_proj")[0].weights.type == "float"
+    assert weight_quantization(mixed)[0] == "compressed-tensors"
+    ordered = preset_name_to_scheme("W4A16", ["Linear"])
+    ordered.weights.actorder = "group"
+    for bad, message in ((config(group_0=ordered), "actorder"),
+                         ({**mixed, "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity"),
+                         ({**mixed, "transform_config": {"config_groups": {}}}, "rotations")):
+        with pytest.raises(ValueError, match=message):
+            weight_quantization(bad)
+
+
+def test_an_old_compression_config_key_is_read(tmp_path):
+    path = save_tiny_model(tmp_path / "old", vocab_size=251)
+    _save_compressed(path, "W8A8")
+    config = json.loads((path / "config.json").read_text())
+    config["compression_config"] = config.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_pretrained(path).quantization == "compressed-tensors"
+    make_runner(path, num_blocks=16, block_size=4)  # (its int8 weights decompressed, not refused)
+
+
+def test_per_expert_and_per_row_scales_broadcast_over_their_slices():
+    torch.manual_seed(1)
+    stacked = torch.randn(4, 8, 4).to(torch.float8_e4m3fn)  # (as many experts as columns, on purpose)
+    per_expert = torch.tensor([0.5, 1.0, 2.0, 4.0])
+    lazy = DequantizedFP8(stacked, per_expert, (0, 0))
+    for e in range(4):
+        torch.testing.assert_close(lazy.narrow(0, e, 1)[0], stacked[e].float() * per_expert[e])
+    rows = torch.randn(8, 6).to(torch.float8_e4m3fn)
+    per_row = torch.rand(8, 1) + 0.5
+    lazy = DequantizedFP8(rows, per_row, (0, 0))
+    torch.testing.assert_close(lazy.narrow(0, 2, 4), rows[2:6].float() * per_row[2:6])
+    torch.testing.assert_close(lazy.narrow(1, 3, 3), rows[:, 3:].float() * per_row)
+    with pytest.raises(ValueError, match="cannot take scales"):
+        DequantizedFP8(rows, torch.ones(3), (0, 0))

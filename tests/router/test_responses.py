@@ -504,6 +504,8 @@ def test_a_background_response_is_queued_generated_and_read_back():
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert done.status == "completed" and done.output_text == "Background answer." and done.background
+        # Its conversation continues once it has ended (not while it is queued or in progress).
+        assert store.store.get(queued.id)["status"] == "completed"
         r = http.post(f"/v1/responses/{queued.id}/cancel")
         assert r.status_code == 400 and "completed" in r.json()["error"]["message"]
         assert http.post("/v1/responses/resp_nope/cancel").status_code == 404
@@ -512,12 +514,34 @@ def test_a_background_response_is_queued_generated_and_read_back():
         assert len(engine.requests) == 1
 
 
-def test_the_store_keeps_a_cancel_over_a_background_responses_later_progress():
+def test_the_store_keeps_a_cancel_or_delete_over_a_background_responses_later_progress():
     store = ResponseStore()
     base = {"id": "resp_1", "object": "response", "output": []}
     assert store.cancel("resp_1") is None
-    store.put(base | {"status": "queued"}, None, [])
-    assert store.settle(base | {"status": "in_progress"}, None, [])
+    store.put(base | {"status": "queued"}, None, [{"id": "msg_1"}])
+    assert store.settle(base | {"status": "in_progress"})
+    assert store.input_items("resp_1") == ([{"id": "msg_1"}], None)  # (its input kept)
     assert store.cancel("resp_1")["status"] == "cancelled"
-    assert not store.settle(base | {"status": "completed"}, None, [])  # (the generating replica, too late)
+    assert not store.settle(base | {"status": "completed"})  # (the generating replica, too late)
     assert store.get("resp_1")["status"] == "cancelled" and store.cancel("resp_1") == "cancelled"
+    store.put(base | {"id": "resp_2", "status": "queued"}, None, [])
+    assert store.delete("resp_2") and not store.settle(base | {"id": "resp_2", "status": "completed"})
+    assert store.get("resp_2") is None  # (a deleted one does not come back)
+
+
+def test_a_replica_stopping_ends_its_background_responses_as_failed():
+    """(Serve runs the app's lifespan shutdown when it stops a replica.) A response still generating
+    is stored failed, and its engine request aborted, rather than left in progress."""
+    import time
+
+    _, engine, serving, store = _stored_app(["never finishes"])
+    engine.finish = None  # (its last output does not end it)
+    with TestClient(create_app(serving, response_store=store)) as http:
+        response_id = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "background": True}).json()["id"]
+        deadline = time.monotonic() + 10
+        while store.store.get(response_id)["status"] != "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    stored = store.store.get(response_id)
+    assert stored["status"] == "failed" and "shut down" in stored["error"]["message"]
+    assert engine.aborted == [f"{response_id}-0"]
