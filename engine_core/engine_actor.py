@@ -157,10 +157,14 @@ class EngineCoreService:
             self._held_requests = [r for r in self._held_requests if r.request_id not in gone]
             if tell_clients:  # (held during a pause, they never reached the scheduler to be finished there)
                 for request in dropped:
-                    self._publish({request.client_index: EngineCoreOutputs(
-                        [EngineCoreOutput(request.request_id, [], FinishReason.ABORT)],
-                        engine_index=self.config.engine_index, timestamp=time.time())})
+                    self._tell_finished(request, FinishReason.ABORT)
         self.engine.abort_requests(request_ids, tell_clients)
+
+    def _tell_finished(self, request: EngineCoreRequest, reason: FinishReason, message: str | None = None) -> None:
+        """A request the scheduler never took ends: its client gets its final output now."""
+        self._publish({request.client_index: EngineCoreOutputs(
+            [EngineCoreOutput(request.request_id, [], reason, message)],
+            engine_index=self.config.engine_index, timestamp=time.time())})
 
     def _add_request(self, request: EngineCoreRequest) -> None:
         if self._held_requests is not None:
@@ -171,9 +175,7 @@ class EngineCoreService:
         except (LoRANotLoadedError, RequestRefusedError) as e:
             # (Its adapter was unloaded after admit() checked it, or what the model cannot serve
             # reached it without admit(): the client learns it from an error output, not by waiting.)
-            self._publish({request.client_index: EngineCoreOutputs(
-                [EngineCoreOutput(request.request_id, [], FinishReason.ERROR, str(e))],
-                engine_index=self.config.engine_index, timestamp=time.time())})
+            self._tell_finished(request, FinishReason.ERROR, str(e))
             return
         if added is not None and self.metrics is not None:
             self.metrics.on_request_added(added)

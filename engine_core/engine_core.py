@@ -86,6 +86,10 @@ class EngineCore:
         if self.model_info.encoder_only and config.enable_prefix_caching:
             # (Cached keys of a prefix depend on the tokens after it: a hit would be wrong.)
             self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
+        if config.kv_cache_metrics_sample is not None and not config.enable_prefix_caching:
+            # (The residency histograms follow the prefix cache's blocks, as vLLM's: none without it.)
+            logger.info("engine %d: --kv-cache-metrics has no effect without prefix caching", config.engine_index)
+            self.config = config = dataclasses.replace(config, kv_cache_metrics_sample=None)
         cache_cfg = config.cache_config(num_blocks, self.model_info.sliding_window, self.model_info.long_rope_after)
         self.scheduler = Scheduler(sched_cfg, cache_cfg,
                                    log_stats=config.log_stats,

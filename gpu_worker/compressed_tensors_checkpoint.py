@@ -17,13 +17,16 @@ from typing import Any
 
 import torch
 
-from gpu_worker.fp8_checkpoint import read_whole, stored_dtype
-from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.layers.weight_utils import (
+    QUANTIZED_DTYPES,
+    WeightLike,
+    is_activation_scale,
+    read_whole,
+    stored_dtype,
+)
 
 # The weight's stored dtypes in the formats that keep the "weight" name (fp8 and int8 values).
-_QUANTIZED_WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2", "I8")
-_SKIPPED_PREFIXES = ("input_", "output_")
-_SKIPPED_NAMES = ("k_scale", "v_scale", "q_scale", "k_zero_point", "v_zero_point")
+_QUANTIZED_WEIGHT_DTYPES = tuple(QUANTIZED_DTYPES.values())
 
 
 class _Schemes:
@@ -105,8 +108,7 @@ def decompressed(weights: Iterable[tuple[str, WeightLike]], quantization: dict[s
     for name, tensor in weights:
         module, _, param = name.rpartition(".")
         group = schemes.for_module(module)
-        if (group is None or param not in group[2]) and (param.startswith(_SKIPPED_PREFIXES)
-                                                         or param in _SKIPPED_NAMES):
+        if (group is None or param not in group[2]) and is_activation_scale(param):
             continue  # (an activation or KV-cache scale, unless the layer's decompression reads it)
         stored_quantized = param == "weight" and stored_dtype(tensor) in _QUANTIZED_WEIGHT_DTYPES
         if group is None and stored_quantized:

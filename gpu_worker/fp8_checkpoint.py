@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from gpu_worker.layers.weight_utils import WeightLike, materialize
+from gpu_worker.layers.weight_utils import WeightLike, is_activation_scale, materialize, read_whole, stored_dtype
 
 _SCALES = ("_scale_inv", "_scale")
-_SKIPPED = ("input_scale", "activation_scale", "k_scale", "v_scale", "kv_scale", "q_scale")
 
 
 def fp8_weight_block(quantization: dict[str, Any]) -> tuple[int, int]:
@@ -36,21 +35,6 @@ def fp8_weight_block(quantization: dict[str, Any]) -> tuple[int, int]:
     if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
         raise ValueError(f"weight_block_size must be two positive integers, got {block!r}")
     return int(block[0]), int(block[1])
-
-
-def read_whole(tensor: WeightLike) -> torch.Tensor:
-    """The whole tensor (a scale may be 0-d, which ``materialize`` cannot narrow)."""
-    if isinstance(tensor, torch.Tensor):
-        return tensor
-    return tensor._slice[...] if len(tensor.shape) == 0 else materialize(tensor)  # type: ignore[attr-defined]
-
-
-def stored_dtype(tensor: WeightLike) -> str:
-    """A checkpoint tensor's dtype in safetensors' names ("F8_E4M3", "I8", ...), without reading it."""
-    if isinstance(tensor, torch.Tensor):
-        return {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8"}.get(tensor.dtype, "")
-    get_dtype = getattr(getattr(tensor, "_slice", None), "get_dtype", None)
-    return get_dtype() if get_dtype is not None else ""
 
 
 def _expanded(scale: torch.Tensor, block: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -120,7 +104,7 @@ def dequantized(weights: Iterable[tuple[str, WeightLike]], block: tuple[int, int
     weights_waiting: dict[str, WeightLike] = {}
     scales_waiting: dict[str, WeightLike] = {}
     for name, tensor in weights:
-        if name.rpartition(".")[2].endswith(_SKIPPED):
+        if is_activation_scale(name.rpartition(".")[2]):
             continue
         suffix = next((s for s in _SCALES if name.endswith(s)), None)
         if suffix is not None:

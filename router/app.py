@@ -35,6 +35,7 @@ from router.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from router.response_store import UNFINISHED
 from router.responses import ResponsesRequest, ResponsesServing
 from router.scoring import SCORING_PATHS, RerankRequest, ScoreRequest, ScoringServing
 from router.serving import APIError, OpenAIServing, bad_request, stream_error_event
@@ -241,11 +242,10 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
-        stored = await responses.retrieve(response_id)
         deleted = await responses.delete(response_id)
-        if stored.get("status") in ("queued", "in_progress"):  # (a background one: nobody will read it)
-            await drop_background(stored)
-        return JSONResponse(deleted)
+        if deleted.get("status") in UNFINISHED:  # (a background one: nobody will read it)
+            await drop_background(deleted)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 RESPONSE_STORE_NAME = "llm-cluster-responses"
+# The statuses of a background response still being generated.
+UNFINISHED = ("queued", "in_progress")
 
 
 class MissingResponseError(KeyError):
@@ -83,8 +85,10 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         return entry.response
 
-    def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+    def delete(self, response_id: str) -> dict[str, Any] | None:
+        """The deleted response (None when not held)."""
+        entry = self._entries.pop(response_id, None)
+        return None if entry is None else entry.response
 
     def settle(self, response: dict[str, Any]) -> bool:
         """A background response's progress or end, over its entry unless the entry was cancelled or
@@ -94,6 +98,7 @@ class ResponseStore:
         if entry is None or entry.response.get("status") == "cancelled":
             return False
         entry.response = response
+        self._entries.move_to_end(response["id"])  # (in use, as a put would count it)
         return True
 
     def cancel(self, response_id: str) -> dict[str, Any] | str | None:
@@ -103,7 +108,7 @@ class ResponseStore:
         if entry is None:
             return None
         status = entry.response.get("status")
-        if status not in ("queued", "in_progress"):
+        if status not in UNFINISHED:
             return str(status)
         entry.response = {**entry.response, "status": "cancelled"}
         return entry.response
@@ -112,18 +117,28 @@ class ResponseStore:
         """Every item of the conversation up to and including ``response_id``'s output, oldest
         first; or (None, the id of the first response of the chain the store does not hold). (A
         value, not an exception: it crosses the actor boundary as it is.)"""
+        turns, _ = self._walk(response_id)
+        return turns
+
+    def continuation(self, response_id: str) -> tuple[tuple[list[dict[str, Any]] | None, str | None], str | None]:
+        """``conversation``, and the status of ``response_id`` (the response a new turn continues)."""
+        return self._walk(response_id)
+
+    def _walk(self, response_id: str) -> tuple[tuple[list[dict[str, Any]] | None, str | None], str | None]:
+        head = self._entries.get(response_id)
+        status = None if head is None else head.response.get("status")
         turns = []
         seen = set()
         next_id: str | None = response_id
         while next_id is not None and next_id not in seen:
             entry = self._entries.get(next_id)
             if entry is None:
-                return None, next_id
+                return (None, next_id), status
             seen.add(next_id)
             self._entries.move_to_end(next_id)
             turns.append([*entry.input_items, *replayable_output(entry.response)])
             next_id = entry.previous_id
-        return [item for turn in reversed(turns) for item in turn], None
+        return ([item for turn in reversed(turns) for item in turn], None), status
 
     def input_items(self, response_id: str) -> tuple[list[dict[str, Any]] | None, str | None]:
         """The items ``response_id`` was generated from, oldest first: the conversation it continued
@@ -157,7 +172,7 @@ class AsyncResponseStore:
     async def get(self, response_id: str) -> dict[str, Any] | None:
         return await self._call("get", response_id)
 
-    async def delete(self, response_id: str) -> bool:
+    async def delete(self, response_id: str) -> dict[str, Any] | None:
         return await self._call("delete", response_id)
 
     async def settle(self, response: dict[str, Any]) -> bool:
@@ -168,6 +183,11 @@ class AsyncResponseStore:
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]]:
         return self._found(await self._call("conversation", response_id))
+
+    async def continuation(self, response_id: str) -> tuple[list[dict[str, Any]], str | None]:
+        """The conversation a new turn continues, and the status of the response it continues."""
+        answer, status = await self._call("continuation", response_id)
+        return self._found(answer), status
 
     async def input_items(self, response_id: str) -> list[dict[str, Any]]:
         return self._found(await self._call("input_items", response_id))

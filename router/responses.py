@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from router.parsed_output import ParsedDelta
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, invalid
-from router.response_store import MissingResponseError
+from router.response_store import UNFINISHED, MissingResponseError
 from router.serving import APIError, SSEStream, _StreamError, bad_request, choice_request_id
 
 if TYPE_CHECKING:
@@ -439,9 +439,12 @@ class ResponsesServing:
         return response
 
     async def delete(self, response_id: str) -> dict[str, Any]:
-        if self.store is None or not await self._ask_store("delete", response_id):
+        """The deleted response (its model and status: a background one still generating is
+        dropped from the engines too)."""
+        deleted = await self._ask_store("delete", response_id) if self.store is not None else None
+        if deleted is None:
             raise _not_found(response_id, "response_id", self.store is not None)
-        return {"id": response_id, "object": "response", "deleted": True}
+        return deleted
 
     async def input_items(self, response_id: str, after: str | None = None, before: str | None = None,
                           limit: int = 20, order: str = "desc") -> dict[str, Any]:
@@ -483,13 +486,12 @@ class ResponsesServing:
                               "(start it with --enable-responses-store): send the conversation in input",
                               "previous_response_id")
         try:
-            history = await self._ask_store("conversation", request.previous_response_id)
+            history, status = await self._ask_store("continuation", request.previous_response_id)
         except MissingResponseError as e:
             raise _not_found(e.response_id, "previous_response_id", True) from None
-        previous = await self._ask_store("get", request.previous_response_id)
-        if previous is not None and previous.get("status") in ("queued", "in_progress"):
-            raise bad_request(f"Response {request.previous_response_id!r} is still {previous['status']}: continue "
-                              "its conversation once it has ended", "previous_response_id")
+        if status in UNFINISHED:
+            raise bad_request(f"Response {request.previous_response_id!r} is still {status}: continue its "
+                              "conversation once it has ended", "previous_response_id")
         return history
 
     async def create(self, request: ResponsesRequest, session_id: str | None = None) -> dict[str, Any] | SSEStream:
@@ -555,10 +557,14 @@ class ResponsesServing:
 
         async def settle(response: dict[str, Any]) -> bool:
             try:
-                return await self.store.settle(response)  # type: ignore[union-attr]
+                kept = await self.store.settle(response)  # type: ignore[union-attr]
             except Exception as e:
                 logger.warning("could not store background response %s: %s", base["id"], e)
                 return False
+            if not kept:
+                logger.info("background response %s was cancelled, deleted or forgotten: its %s answer is "
+                            "dropped", base["id"], response["status"])
+            return kept
 
         async def generate() -> None:
             try:

@@ -4,8 +4,9 @@ cached block), and each reports its lifetime (allocation to eviction), how long 
 before (idle since its last use), and the gaps between its reuses (its last few prefix-cache hits),
 so an operator can see whether the pool is large enough for the prefixes worth keeping.
 
-Only ``sample_rate`` of the allocations are followed (1% by default, as vLLM), so the pass pays one
-random draw per allocated block and a dict lookup per prefix-cache hit."""
+Only ``sample_rate`` of the allocations are followed (``--kv-cache-metrics-sample``, 1% by default,
+as vLLM), so the pass pays a random draw and a dict pop per allocated block and a dict lookup per
+prefix-cache hit."""
 
 from __future__ import annotations
 

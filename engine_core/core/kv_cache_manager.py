@@ -52,9 +52,9 @@ class KVCacheManager:
         self.num_released_block: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.log_stats = log_stats
-        # (Residency events leave with the stats, and are about the prefix cache's blocks, as vLLM's:
-        # none without either.)
-        followed = kv_cache_metrics_sample is not None and log_stats and enable_caching
+        # (Residency events leave with the stats: none are kept without them. An engine without a
+        # prefix cache asks for none.)
+        followed = kv_cache_metrics_sample is not None and log_stats
         self.block_pool = BlockPool(num_blocks, enable_caching,
                                     BlockResidency(kv_cache_metrics_sample) if followed else None)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}

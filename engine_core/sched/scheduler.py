@@ -830,7 +830,7 @@ class Scheduler(SchedulerInterface):
             spec_decoding_stats=self._spec_stats,
         )
         if pool.residency is not None:
-            stats.kv_block_residency = pool.residency.drain()
+            stats.kv_block_residency = pool.residency.drain() or None
         if self.max_loras:
             stats.running_lora_adapters = _count_adapters(self.running)
             stats.waiting_lora_adapters = _count_adapters([*self.waiting, *self.skipped_waiting])

@@ -28,6 +28,34 @@ def materialize(weight: WeightLike) -> torch.Tensor:
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# A quantized checkpoint's stored dtypes (safetensors' names) and its activation and KV-cache scales,
+# which a dequantized model does not need.
+QUANTIZED_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8"}
+_ACTIVATION_SCALE_PREFIXES = ("input_", "output_")
+_ACTIVATION_SCALES = ("activation_scale", "k_scale", "v_scale", "q_scale", "kv_scale", "k_zero_point",
+                      "v_zero_point")
+
+
+def stored_dtype(tensor: WeightLike) -> str:
+    """A quantized checkpoint tensor's dtype in safetensors' names ("F8_E4M3", "I8", ...), without
+    reading it ("" for the others a torch tensor may hold)."""
+    if isinstance(tensor, torch.Tensor):
+        return QUANTIZED_DTYPES.get(tensor.dtype, "")
+    get_dtype = getattr(getattr(tensor, "_slice", None), "get_dtype", None)
+    return get_dtype() if get_dtype is not None else ""
+
+
+def read_whole(tensor: WeightLike) -> torch.Tensor:
+    """The whole tensor (a scale may be 0-d, which ``materialize`` cannot narrow)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    return tensor._slice[...] if len(tensor.shape) == 0 else materialize(tensor)  # type: ignore[attr-defined]
+
+
+def is_activation_scale(param: str) -> bool:
+    """Whether a checkpoint parameter name (the part after the module's) is an activation or
+    KV-cache quantization scale."""
+    return param.startswith(_ACTIVATION_SCALE_PREFIXES) or param.endswith(_ACTIVATION_SCALES)
 
 
 def copy_into(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:

@@ -147,9 +147,8 @@ class RopeBertModel(BertModel):
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    @property
-    def checkpoint_renames(self) -> tuple[tuple[str, str], ...]:
-        return _RENAMES
+    # (Set below, once _RENAMES is defined.)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """Checkpoint names as ours: transformers' as they are; NomicBERT's and GTE's own code's
@@ -188,9 +187,7 @@ class JinaEmbeddingsV3Model(RopeBertModel):
     """jina-embeddings-v3: transformers' JinaEmbeddingsV3Model, and the checkpoint Jina's own code
     saved, with its task adaptation (ModelConfig.task_lora) merged into the weights."""
 
-    @property
-    def checkpoint_renames(self) -> tuple[tuple[str, str], ...]:
-        return tuple((old, new) for old, new in _RENAMES if ".mlp." not in old)  # (its fc1 / fc2 stay)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()  # (set below: its fc1 / fc2 stay)
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         return super().checkpoint_tensors(self._merged_task(
@@ -224,3 +221,7 @@ class JinaEmbeddingsV3Model(RopeBertModel):
         a, b = (materialize(held[k])[task].float() for k in ("0.lora_A", "0.lora_B"))
         delta = a @ b if module.endswith("embeddings") else b @ a
         return (original.float() + delta.view(original.shape) * scaling).to(original.dtype)
+
+
+RopeBertModel.checkpoint_renames = _RENAMES
+JinaEmbeddingsV3Model.checkpoint_renames = tuple((old, new) for old, new in _RENAMES if ".mlp." not in old)
