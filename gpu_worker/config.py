@@ -31,7 +31,11 @@ TEXT_DECODER_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 EMBEDDING_DECODER_OF = {
     "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM", "Phi3Model": "Phi3ForCausalLM", "GemmaModel": "GemmaForCausalLM",
-    "Gemma2Model": "Gemma2ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
+    "Gemma2Model": "Gemma2ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM",
+    # EuroBERT: the Llama block attending both ways (an encoder), for embeddings.
+    "EuroBertModel": "LlamaForCausalLM"}
+# Decoder-block checkpoints that attend both ways whatever their config says (run as encoders).
+BIDIRECTIONAL_DECODERS = ("EuroBertModel",)
 # Sequence classifiers (cross-encoder rerankers, reward models, classifiers): the decoder, and a
 # ``score`` head over the last token's final hidden state. Served without an LM head.
 CLASSIFIER_DECODER_OF = {
@@ -753,6 +757,7 @@ class ModelConfig:
                              f'"architectures" too, e.g. ["Qwen3ForSequenceClassification"]), got {arch!r}')
         headed = {**CLASSIFIER_DECODER_OF, **TOKEN_CLASSIFIER_DECODER_OF, **REWARD_DECODER_OF}
         embedding_only = arch in EMBEDDING_DECODER_OF or arch in headed
+        always_bidirectional = arch in BIDIRECTIONAL_DECODERS
         head = _decoder_head(arch, cfg) if arch in headed else {}
         labels = head.pop("labels", ())
         if arch in TEXT_DECODER_OF:
@@ -769,7 +774,8 @@ class ModelConfig:
         act = _activation(arch, cfg)
         gemma = arch in GEMMA_ARCHITECTURES
         # EmbeddingGemma: Gemma 3 run as an encoder (every token attends to every other), for embeddings only.
-        bidirectional = bool(cfg.get("use_bidirectional_attention")) and arch == "Gemma3ForCausalLM"
+        bidirectional = always_bidirectional or (bool(cfg.get("use_bidirectional_attention"))
+                                                 and arch == "Gemma3ForCausalLM")
         num_heads = int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
@@ -868,6 +874,8 @@ class ModelConfig:
             **head,
             **moe,
             **_gemma_from_dict(arch, cfg),
+            # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
+            **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),
         )
 
     @classmethod

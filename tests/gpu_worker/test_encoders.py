@@ -247,6 +247,31 @@ def test_embeddinggemma_attends_both_ways_as_transformers(tmp_path, pooling):
     assert_pooled_as_transformers(runner, hf, prompts, pooling)
 
 
+@pytest.mark.parametrize("pooling", ["MEAN", "CLS"])
+def test_eurobert_attends_both_ways_as_transformers(tmp_path, pooling):
+    """EuroBERT: the Llama block (RMSNorm, RoPE, gated SiLU MLP, grouped-query attention) attending
+    both ways, run as an encoder; MEAN pooling by default."""
+    from transformers import EuroBertConfig, EuroBertModel
+
+    config = EuroBertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                            initializer_range=0.2, architectures=["EuroBertModel"], pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2, mask_token_id=3)
+    torch.manual_seed(3)
+    hf = EuroBertModel(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.5)
+    hf.save_pretrained(tmp_path)
+    ours = ModelConfig.from_pretrained(tmp_path)
+    assert ours.encoder_only and ours.embedding_only and ours.default_pooling_type == "MEAN"
+    assert ours.rope_theta == config.rope_parameters["rope_theta"]
+    runner = make_runner(tmp_path, num_blocks=64, block_size=4)
+    assert runner.kv_caches == []
+    assert_pooled_as_transformers(runner, hf, {**random_prompts(5, seed=10), "single": [9]}, pooling)
+
+
 def test_a_prompt_scheduled_in_chunks_is_refused(tmp_path):
     """An encoder cannot attend to keys of a chunk it does not see: the runner refuses a prompt the
     scheduler split (the engine never schedules one so; see EngineCore)."""
