@@ -70,9 +70,11 @@ class PoolingInfo:
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
 
-    def dimensions_problem(self, dimensions: int | None, model: str, embedding_size: int) -> str:
+    def dimensions_problem(self, dimensions: int | None, model: str, hidden_size: int) -> str:
         """Why a request's ``dimensions`` cannot be served ("" when it can), as vLLM refuses it: a
-        model not trained for shorter embeddings would answer poor ones."""
+        model not trained for shorter embeddings would answer poor ones. (Bounded by each row's
+        width when pooling every token, else by the model's embedding size, ``hidden_size``.)"""
+        embedding_size = self.row_size if self.per_token and self.row_size else hidden_size
         if dimensions is None:
             return ""
         if not self.matryoshka:

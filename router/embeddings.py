@@ -180,9 +180,8 @@ def check_dimensions(serving: OpenAIServing, dimensions: int | None, param: str 
     """400 naming ``param`` unless ``dimensions`` (when given) is a length the model's embeddings
     (``pooling``'s rows, for a /pooling task) may be cut to."""
     settings = serving.settings
-    pooling = pooling or settings.pooling
-    size = pooling.row_size if pooling.per_token and pooling.row_size else settings.hidden_size
-    problem = pooling.dimensions_problem(dimensions, settings.served_model_name, size)
+    problem = (pooling or settings.pooling).dimensions_problem(dimensions, settings.served_model_name,
+                                                               settings.hidden_size)
     if problem:
         raise bad_request(problem, param)
 
