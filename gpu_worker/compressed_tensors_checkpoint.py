@@ -24,6 +24,7 @@ from gpu_worker.layers.weight_utils import (
     read_whole,
     stored_dtype,
 )
+from gpu_worker.quantized_checkpoint import ScaledWeight
 
 # The weight's stored dtypes in the formats that keep the "weight" name (fp8 and int8 values).
 _QUANTIZED_WEIGHT_DTYPES = tuple(QUANTIZED_DTYPES.values())
@@ -84,6 +85,20 @@ class _Schemes:
         return self._cache[module]
 
 
+def _scaled_block(scheme: Any, names: tuple[str, ...]) -> tuple[int, int] | None:
+    """For a layer stored as plain values and their scales (fp8 or int8, symmetric: per tensor,
+    channel or block), the block its scales cover ((0, 0): one, or one per row); None for the
+    formats only the library's compressor reads (packed values, zero points, groups, ...)."""
+    weights = scheme.weights
+    if names != ("weight", "weight_scale") or not weights.symmetric or weights.num_bits != 8:
+        return None
+    if weights.strategy in ("tensor", "channel"):
+        return (0, 0)
+    if weights.strategy == "block" and weights.block_structure:
+        return int(weights.block_structure[0]), int(weights.block_structure[1])
+    return None
+
+
 def check_compressed_tensors(quantization: dict[str, Any]) -> None:
     """ValueError, naming what, for a compressed-tensors config this cannot decompress (or for a
     missing or too old compressed-tensors package)."""
@@ -122,6 +137,10 @@ def decompressed(weights: Iterable[tuple[str, WeightLike]], quantization: dict[s
         scheme, compressor, names = group
         if all(n in held for n in names):
             del waiting[module]
+            block = _scaled_block(scheme, names)
+            if block is not None:  # (values x scales: read per slice, each TP rank its own shard)
+                yield f"{module}.weight", ScaledWeight(held["weight"], read_whole(held["weight_scale"]), block)
+                continue
             state = {n: read_whole(held[n]) for n in names}
             yield f"{module}.weight", compressor.decompress(state, scheme)["weight"].to(torch.float32)
     if waiting:

@@ -1,9 +1,9 @@
 """What a layer's weight loader accepts: a torch.Tensor, or a lazy checkpoint slice.
 
-A lazy slice (see ``gpu_worker.weights.LazyTensor``, and an fp8 checkpoint's
-``gpu_worker.fp8_checkpoint.DequantizedFP8``) reads only the rows a TP rank asks for, so a rank
-never materialises tensors it does not own (a compressed-tensors layer is the exception: its packed
-values are decompressed whole). Both kinds offer ``shape`` and ``narrow``.
+A lazy slice (see ``gpu_worker.weights.LazyTensor``, and a quantized checkpoint's
+``gpu_worker.quantized_checkpoint.ScaledWeight``) reads only the rows a TP rank asks for, so a rank
+never materialises tensors it does not own (a packed compressed-tensors layer is the exception: it is
+decompressed whole). Each offers ``shape`` and ``narrow``.
 """
 
 from __future__ import annotations

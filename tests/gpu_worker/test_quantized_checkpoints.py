@@ -16,8 +16,9 @@ from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.scheduler import Scheduler
 from gpu_worker.config import ModelConfig
-from gpu_worker.fp8_checkpoint import DequantizedFP8, dequantize, dequantized
+from gpu_worker.fp8_checkpoint import dequantized
 from gpu_worker.layers.weight_utils import materialize
+from gpu_worker.quantized_checkpoint import ScaledWeight, dequantize
 from tests.gpu_worker.utils import hf_greedy, make_runner, run_to_completion, save_tiny_model
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -143,13 +144,13 @@ def test_partial_blocks_and_whole_weight_scales_dequantize_element_by_element():
                 expected[r, c] = values[r, c].float() * scales[r // block[0], c // block[1]]
         torch.testing.assert_close(dequantize(values, scales, block), expected)
         # A tensor-parallel rank reads its rows (or columns) only: the same values.
-        lazy = DequantizedFP8(values, scales, block)
+        lazy = ScaledWeight(values, scales, block)
         torch.testing.assert_close(lazy.narrow(0, 13, 20), expected[13:33])
         torch.testing.assert_close(lazy.narrow(1, 35, 35), expected[:, 35:])
     # Stacked experts, each with its own grid, read an expert (or a slice of every one) at a time.
     stacked = torch.randn(3, 32, 48)
     parts = [_quantized(expert, (16, 16)) for expert in stacked]
-    lazy = DequantizedFP8(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), (16, 16))
+    lazy = ScaledWeight(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), (16, 16))
     for e, (values, scales) in enumerate(parts):
         torch.testing.assert_close(lazy.narrow(0, e, 1)[0], dequantize(values, scales, (16, 16)))
         torch.testing.assert_close(lazy.narrow(1, 8, 16)[e], dequantize(values, scales, (16, 16))[8:24])
@@ -200,6 +201,47 @@ def test_other_quantizations_are_refused_by_name(tmp_path, quantization, message
         ModelConfig.from_pretrained(path)
 
 
+@pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "W8A8", "FP8_BLOCK", "FP8", "W4A16"])
+def test_plain_scaled_layers_are_read_per_slice_as_the_library_decompresses_them(preset):
+    """fp8 / int8 values with per-channel, per-tensor or block scales are read a slice at a time
+    (each TP rank its shard), equal to the library's own decompression; packed int4 goes through
+    the library whole."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    from gpu_worker.compressed_tensors_checkpoint import decompressed
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    args = scheme.weights
+    if args.group_size:
+        args.group_size = 32
+    if args.block_structure:
+        args.block_structure = [16, 32]
+    scheme.format = infer_module_format(torch.nn.Linear, scheme)
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    torch.manual_seed(2)
+    weight = torch.randn(48, 64)
+    largest = FP8_MAX if args.type == "float" else 2 ** (args.num_bits - 1) - 1
+    if args.strategy == "block":
+        scale = weight.reshape(3, 16, 2, 32).abs().amax(dim=(1, 3)) / largest
+    elif args.strategy == "tensor":
+        scale = weight.abs().amax().reshape(1) / largest
+    else:
+        rows = weight.reshape(48, -1, args.group_size) if args.group_size else weight.unsqueeze(1)
+        scale = rows.abs().amax(dim=2) / largest
+    stored = compressor.compress({"weight": weight, "weight_scale": scale}, scheme)
+    reference = compressor.decompress(dict(stored), scheme)["weight"].float()
+    config = QuantizationConfig(config_groups={"group_0": scheme}, quant_method="compressed-tensors",
+                                quantization_status="compressed").model_dump(mode="json")
+    [(name, out)] = list(decompressed([(f"layer.{k}", v) for k, v in stored.items()], config))
+    assert name == "layer.weight" and isinstance(out, ScaledWeight) == (preset != "W4A16")
+    torch.testing.assert_close(materialize(out), reference)
+    if isinstance(out, ScaledWeight):
+        torch.testing.assert_close(out.narrow(0, 16, 16), reference[16:32])
+        torch.testing.assert_close(out.narrow(1, 32, 32), reference[:, 32:])
+
+
 def test_compressed_tensors_groups_are_chosen_and_refused_as_the_library_would():
     """A layer a group names (exactly, or by regex) takes that group over one for every Linear;
     ignored layers none; variants not served are refused by name; the old compression_config key
@@ -247,13 +289,13 @@ def test_per_expert_and_per_row_scales_broadcast_over_their_slices():
     torch.manual_seed(1)
     stacked = torch.randn(4, 8, 4).to(torch.float8_e4m3fn)  # (as many experts as columns, on purpose)
     per_expert = torch.tensor([0.5, 1.0, 2.0, 4.0])
-    lazy = DequantizedFP8(stacked, per_expert, (0, 0))
+    lazy = ScaledWeight(stacked, per_expert, (0, 0))
     for e in range(4):
         torch.testing.assert_close(lazy.narrow(0, e, 1)[0], stacked[e].float() * per_expert[e])
     rows = torch.randn(8, 6).to(torch.float8_e4m3fn)
     per_row = torch.rand(8, 1) + 0.5
-    lazy = DequantizedFP8(rows, per_row, (0, 0))
+    lazy = ScaledWeight(rows, per_row, (0, 0))
     torch.testing.assert_close(lazy.narrow(0, 2, 4), rows[2:6].float() * per_row[2:6])
     torch.testing.assert_close(lazy.narrow(1, 3, 3), rows[:, 3:].float() * per_row)
     with pytest.raises(ValueError, match="cannot take scales"):
-        DequantizedFP8(rows, torch.ones(3), (0, 0))
+        ScaledWeight(rows, torch.ones(3), (0, 0))
