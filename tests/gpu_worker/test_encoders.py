@@ -233,18 +233,28 @@ def test_embeddinggemma_attends_both_ways_as_transformers(tmp_path, pooling):
                               architectures=["Gemma3TextModel"])
     torch.manual_seed(7)
     hf = Gemma3TextModel(config).eval()
+    ours = _saved_with_random_norms(hf, tmp_path, norm_mean=0.0)  # (Gemma's norms scale by 1 + w)
+    assert ours.encoder_only and ours.embedding_only and ours.sliding_window == 6
+    assert ours.sliding_window_layers == (True, True, False)
+    _assert_run_as_an_encoder_as_transformers(tmp_path, hf, pooling, seed=8)
+
+
+def _saved_with_random_norms(hf, path, norm_mean: float) -> ModelConfig:
+    """Save a decoder-block model with random norm weights (else left at their init, a norm applied
+    wrongly could pass), and read its config as ours."""
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.5)
-    hf.save_pretrained(tmp_path)
-    ours = ModelConfig.from_pretrained(tmp_path)
-    assert ours.encoder_only and ours.embedding_only and ours.sliding_window == 6
-    assert ours.sliding_window_layers == (True, True, False)
-    runner = make_runner(tmp_path, num_blocks=64, block_size=4)
+                p.normal_(norm_mean, 0.5)
+    hf.save_pretrained(path)
+    return ModelConfig.from_pretrained(path)
+
+
+def _assert_run_as_an_encoder_as_transformers(path, hf, pooling: str, seed: int) -> None:
+    """The saved model runs with no KV cache, and pools prompts as transformers' model does."""
+    runner = make_runner(path, num_blocks=64, block_size=4)
     assert runner.kv_caches == []
-    prompts = {**random_prompts(5, seed=8), "single": [9]}
-    assert_pooled_as_transformers(runner, hf, prompts, pooling)
+    assert_pooled_as_transformers(runner, hf, {**random_prompts(5, seed=seed), "single": [9]}, pooling)
 
 
 @pytest.mark.parametrize("pooling", ["MEAN", "CLS"])
@@ -259,17 +269,10 @@ def test_eurobert_attends_both_ways_as_transformers(tmp_path, pooling):
                             eos_token_id=2, mask_token_id=3)
     torch.manual_seed(3)
     hf = EuroBertModel(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.5)
-    hf.save_pretrained(tmp_path)
-    ours = ModelConfig.from_pretrained(tmp_path)
+    ours = _saved_with_random_norms(hf, tmp_path, norm_mean=1.0)
     assert ours.encoder_only and ours.embedding_only and ours.default_pooling_type == "MEAN"
     assert ours.rope_theta == config.rope_parameters["rope_theta"]
-    runner = make_runner(tmp_path, num_blocks=64, block_size=4)
-    assert runner.kv_caches == []
-    assert_pooled_as_transformers(runner, hf, {**random_prompts(5, seed=10), "single": [9]}, pooling)
+    _assert_run_as_an_encoder_as_transformers(tmp_path, hf, pooling, seed=10)
 
 
 def test_a_prompt_scheduled_in_chunks_is_refused(tmp_path):
