@@ -300,6 +300,8 @@ def main() -> None:
                         help="Open loop: Poisson arrivals at this many requests/s instead of a fixed concurrency.")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="The router's --stream-interval: chunks per this many tokens after the first.")
+    parser.add_argument("--disable-access-log", action="store_true",
+                        help="The router's --disable-access-log: no log line per request in the replica.")
     parser.add_argument("--engine-cpus", default=None,
                         help="Pin the engines to these CPUs (e.g. 0) and everything else to the others, so the "
                              "router does not take CPU from the engines, as in a deployment with GPU engines.")
@@ -319,7 +321,7 @@ def main() -> None:
     ray.init(include_dashboard=False, namespace="llm-cluster", log_to_driver=False)
     config = ClusterConfig(model=str(model_dir), served_model_name="tiny", num_engines=2,
                            routing_policy=args.routing_policy, num_router_replicas=args.router_replicas,
-                           stream_interval=args.stream_interval,
+                           stream_interval=args.stream_interval, enable_access_log=not args.disable_access_log,
                            defaults=EngineSpec(num_gpu_blocks=256, max_model_len=256))
     with serve_cluster(config) as served:
         handles = [e.actor for e in served.engines]
@@ -368,7 +370,8 @@ def main() -> None:
         f"concurrency {args.concurrency}"
     print(f"\n{args.requests} streamed requests x {args.max_tokens} tokens, {load}, "
           f"2 engines (tiny model), ingress={args.ingress}, router replicas={args.router_replicas}, "
-          f"routing={args.routing_policy}, stream interval={args.stream_interval}\n")
+          f"routing={args.routing_policy}, stream interval={args.stream_interval}, "
+          f"access log={'off' if args.disable_access_log else 'on'}\n")
     print(f"{'path':<10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'E2E p50 ms':>12}{'E2E p99 ms':>12}")
     rows = {}
     for name, (ttft, e2e) in results.items():

@@ -375,6 +375,9 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     return app
 
 
+STREAM_END = b"data: [DONE]\n\n"
+
+
 class EventStreamResponse(Response):
     """SSE from an async iterable with ``aclose()``, which is always called, even when the client
     left before the body started (the engine request behind it must be aborted either way).
@@ -383,7 +386,8 @@ class EventStreamResponse(Response):
     the stream, whatever it is waiting on (an engine queue, a slow send), so the engine request is
     aborted within a step. (Starlette's StreamingResponse runs an anyio task group with two tasks
     per response for the same purpose.) Errors after the response started cannot change the status:
-    they go out as an SSE error event.
+    they go out as an SSE error event. A chunk ending in OpenAI's ``data: [DONE]`` is the last one:
+    it is sent with the end of the chunked body (one socket write fewer per stream).
     """
 
     media_type = "text/event-stream"
@@ -411,13 +415,17 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             try:
                 async for chunk in self._source:
-                    await send({"type": "http.response.body", "body": chunk if isinstance(chunk, bytes)
-                                else chunk.encode(), "more_body": True})
+                    body = chunk if isinstance(chunk, bytes) else chunk.encode()
+                    if body.endswith(STREAM_END):
+                        break  # OpenAI's end of stream goes out with the end of the body: one write
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                else:
+                    body = b""
             except (asyncio.CancelledError, OSError):
                 raise
             except Exception as e:
-                await send({"type": "http.response.body", "body": stream_error_event(e).encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                body = stream_error_event(e).encode()
+            await send({"type": "http.response.body", "body": body, "more_body": False})
         except asyncio.CancelledError:
             # Our own cancel (the client left) ends the response quietly; any other cancel goes on.
             if not gone or streamer.uncancel() > 0:

@@ -1,7 +1,9 @@
 """The ASGI layers around the app: the response counter (statuses by path, streamed bodies passed
-through untouched) and the API-key check."""
+through untouched), the API-key check, and the SSE response's messages."""
 
 from __future__ import annotations
+
+import asyncio
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
@@ -10,7 +12,7 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from router.app import ResponseCounter, create_app
+from router.app import EventStreamResponse, ResponseCounter, create_app
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics
 from router.routing import RoundRobinPolicy
@@ -165,3 +167,56 @@ def test_dev_mode_endpoints_reach_every_engine_and_need_a_key():
     plain = TestClient(create_app(OpenAIServing(off, EngineClient(engines, client_index=0), byte_level_tokenizer(),
                                                 RoundRobinPolicy())))
     assert plain.post("/pause").status_code == 404 and plain.get("/is_paused").status_code == 404
+
+
+class _Source:
+    """An SSE source that records whether it was closed."""
+
+    def __init__(self, chunks: list[str], error: Exception | None = None) -> None:
+        self.chunks, self.error, self.closed = chunks, error, False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for chunk in self.chunks:
+            yield chunk
+        if self.error is not None:
+            raise self.error
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def _sse_messages(source: _Source) -> list[tuple[bytes, bool]]:
+    """(body, more_body) of each body message EventStreamResponse sends for ``source``."""
+    sent = []
+
+    async def run() -> None:
+        pending = asyncio.Event()  # the client never leaves
+
+        async def receive():
+            await pending.wait()
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                sent.append((message["body"], message["more_body"]))
+
+        await EventStreamResponse(source)({"type": "http", "method": "POST"}, receive, send)
+
+    asyncio.run(run())
+    return sent
+
+
+def test_sse_end_of_stream_goes_out_with_the_end_of_the_body():
+    done = "data: [DONE]\n\n"
+    source = _Source(["data: 1\n\n", "data: 2\n\n" + done, "data: never\n\n"])
+    assert _sse_messages(source) == [(b"data: 1\n\n", True), (b"data: 2\n\n" + done.encode(), False)]
+    assert source.closed
+    # A stream without OpenAI's end marker (the Responses API's events) ends with an empty body.
+    assert _sse_messages(_Source(["event: a\n\n"])) == [(b"event: a\n\n", True), (b"", False)]
+    # An error after the start goes out as the last event, with the end of the body.
+    sent = _sse_messages(_Source(["data: 1\n\n"], RuntimeError("engine gone")))
+    assert sent[0] == (b"data: 1\n\n", True) and len(sent) == 2
+    body, more = sent[1]
+    assert not more and b"engine gone" in body and body.endswith(done.encode())
