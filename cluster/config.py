@@ -215,7 +215,7 @@ class ClusterConfig(LoRASettings):
     reasoning_parser: str | None = Field(
         None, description=f"Chat answers' thinking to reasoning_content: {', '.join(REASONING_PARSERS)}.")
     enable_access_log: bool = Field(True, description="Router replicas log one line per request (Serve's access "
-                                                       "log); 10-19% of a replica's CPU per streamed request, measured.")
+                                                       "log); 10-19% of a replica's CPU per streamed request.")
     allow_runtime_lora_updating: bool = Field(
         False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (for every model "
                            "with enable_lora).")

@@ -220,9 +220,10 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         app.post(path)(model_endpoint(PoolingServing, PoolingRequest))
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, request: Request) -> Response:
-        if request.query_params.get("stream", "").lower() in ("1", "true"):
-            raise APIError(400, "streaming a stored response again is not supported", "BadRequestError", "stream")
+    async def retrieve_response(response_id: str, stream: bool = False,
+                                starting_after: int | None = Query(None, ge=0)) -> Response:
+        if stream:  # (a streamed background response's events, again or still coming)
+            return EventStreamResponse(await responses.follow(response_id, starting_after))
         return JSONResponse(await responses.retrieve(response_id))
 
     @app.get("/v1/responses/{response_id}/input_items")

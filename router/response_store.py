@@ -11,14 +11,18 @@ are in the response); a conversation is rebuilt by walking that chain. The store
 uses every response in it); a chain with a forgotten response can no longer be continued. It
 lives in memory: a restarted store process starts empty. A background response is put queued, then
 settled by the replica generating it (in progress, then its end) unless a cancel (or a delete)
-through any replica came first.
+through any replica came first. A streamed background response also keeps its event stream, which
+the generating replica appends to and any replica follows (from any sequence number).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import inspect
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 RESPONSE_STORE_NAME = "llm-cluster-responses"
@@ -39,6 +43,15 @@ class _Entry:
     response: dict[str, Any]
     previous_id: str | None
     input_items: list[dict[str, Any]]  # this turn's input (its output items are the response's)
+    # A streamed background response's SSE events (index = sequence number), None for the others.
+    events: list[str] | None = None
+    events_done: bool = False
+    # Set (and replaced) when events arrive or the entry goes: wakes the followers waiting on it.
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
 
 
 def replayable_output(response: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,14 +82,21 @@ class ResponseStore:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._forget_beyond_limit()
 
-    def put(self, response: dict[str, Any], previous_id: str | None, input_items: list[dict[str, Any]]) -> None:
-        self._entries[response["id"]] = _Entry(response, previous_id, input_items)
+    def put(self, response: dict[str, Any], previous_id: str | None, input_items: list[dict[str, Any]],
+            streamed: bool = False) -> None:
+        """``streamed``: a background response whose events are kept (``append_events``)."""
+        replaced = self._entries.get(response["id"])
+        if replaced is not None:
+            replaced.wake()
+        self._entries[response["id"]] = _Entry(response, previous_id, input_items, [] if streamed else None)
         self._entries.move_to_end(response["id"])
+        self._forget_beyond_limit()
+
+    def _forget_beyond_limit(self) -> None:
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            self._entries.popitem(last=False)[1].wake()
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         entry = self._entries.get(response_id)
@@ -88,7 +108,40 @@ class ResponseStore:
     def delete(self, response_id: str) -> dict[str, Any] | None:
         """The deleted response (None when not held)."""
         entry = self._entries.pop(response_id, None)
-        return None if entry is None else entry.response
+        if entry is None:
+            return None
+        entry.wake()  # (its followers end)
+        return entry.response
+
+    def append_events(self, response_id: str, events: list[str], done: bool) -> bool:
+        """The next events of a streamed background response (``done``: its stream has ended); False
+        when the store no longer holds it, or holds no event stream for it."""
+        entry = self._entries.get(response_id)
+        if entry is None or entry.events is None:
+            return False
+        entry.events.extend(events)
+        entry.events_done = entry.events_done or done
+        entry.wake()
+        return True
+
+    async def events_after(self, response_id: str, after: int,
+                           wait_s: float) -> tuple[list[str] | None, bool] | None:
+        """A streamed background response's events after sequence number ``after`` (-1: all), and
+        whether its stream has ended; when there are none yet, waits up to ``wait_s`` for some.
+        None when the store does not hold the response; (None, False) when it is not a streamed
+        background response."""
+        entry = self._entries.get(response_id)
+        if entry is not None and entry.events is not None and len(entry.events) <= after + 1 \
+                and not entry.events_done and wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry.changed.wait(), wait_s)
+            entry = self._entries.get(response_id)  # (deleted or forgotten meanwhile: gone)
+        if entry is None:
+            return None
+        self._entries.move_to_end(response_id)
+        if entry.events is None:
+            return None, False
+        return entry.events[after + 1:], entry.events_done
 
     def settle(self, response: dict[str, Any]) -> bool:
         """A background response's progress or end, over its entry unless the entry was cancelled or
@@ -166,8 +219,8 @@ class AsyncResponseStore:
         raise NotImplementedError
 
     async def put(self, response: dict[str, Any], previous_id: str | None,
-                  input_items: list[dict[str, Any]]) -> None:
-        await self._call("put", response, previous_id, input_items)
+                  input_items: list[dict[str, Any]], streamed: bool = False) -> None:
+        await self._call("put", response, previous_id, input_items, streamed)
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
         return await self._call("get", response_id)
@@ -180,6 +233,13 @@ class AsyncResponseStore:
 
     async def cancel(self, response_id: str) -> dict[str, Any] | str | None:
         return await self._call("cancel", response_id)
+
+    async def append_events(self, response_id: str, events: list[str], done: bool) -> bool:
+        return await self._call("append_events", response_id, events, done)
+
+    async def events_after(self, response_id: str, after: int,
+                           wait_s: float) -> tuple[list[str] | None, bool] | None:
+        return await self._call("events_after", response_id, after, wait_s)
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]]:
         return self._found(await self._call("conversation", response_id))
@@ -208,7 +268,8 @@ class LocalResponseStore(AsyncResponseStore):
         self.store = ResponseStore(max_entries)
 
     async def _call(self, method: str, *args: Any) -> Any:
-        return getattr(self.store, method)(*args)
+        answer = getattr(self.store, method)(*args)
+        return await answer if inspect.isawaitable(answer) else answer
 
 
 class ActorResponseStore(AsyncResponseStore):

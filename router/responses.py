@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from router.serving import ChatRun, OpenAIServing
 
 logger = logging.getLogger(__name__)
+# How long one wait of a follower of a streamed background response lasts in the store (it then asks again).
+FOLLOW_WAIT_S = 15.0
 
 # Responses fields whose chat counterpart has another name: a chat validation error names the
 # Responses parameter.
@@ -99,9 +101,6 @@ class ResponsesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
-        if self.background and self.stream:
-            raise invalid("background", "a background response is read with GET /v1/responses/{id}: it is not "
-                          "streamed")
         if self.truncation == "auto":
             raise invalid("truncation", 'truncation "auto" is not supported: a prompt beyond the context '
                           "length is refused")
@@ -512,21 +511,22 @@ class ResponsesServing:
                 "model": self.serving.model_name(request.model), "error": None, "incomplete_details": None,
                 "output": [], "usage": None, **request.echo_fields(storing)}
 
-        async def keep(final: dict[str, Any]) -> None:
+        async def keep(final: dict[str, Any]) -> bool:
             # Stored before the client hears of it, so a follow-up through any replica finds it.
             if not storing or final["status"] == "failed":
-                return
+                return True
             try:
                 await self.store.put(final, request.previous_response_id,  # type: ignore[union-attr]
                                      request.stored_input_items(history))
             except Exception as e:  # the answer stands; only its storing failed, and it says so
                 logger.warning("could not store response %s: %s", final["id"], e)
                 final["store"] = False
+            return True
 
-        if request.stream:
-            return SSEStream(self._stream(base, run, keep), run.streams)
         if request.background:
             return await self._start_background(base, run, request, history)
+        if request.stream:
+            return SSEStream(self._stream(base, run, keep), run.streams)
         final = await self._answer(base, run)
         await keep(final)
         return final
@@ -542,11 +542,15 @@ class ResponsesServing:
                                 history: list[dict[str, Any]] | None) -> dict[str, Any]:
         """OpenAI's background mode: the response is stored ``queued`` and returned at once; this
         replica generates it on its own (``in_progress``, then its end) while the client polls GET
-        /v1/responses/{id} through any replica, or cancels it (POST .../cancel)."""
+        /v1/responses/{id} through any replica, or cancels it (POST .../cancel). Streamed (``stream``
+        too), its events go to the store as they come, and the answer follows them there: a client
+        that leaves does not stop it, and any replica streams it again (GET with ``stream``, from
+        ``starting_after``)."""
         input_items = request.stored_input_items(history)
         queued = base | {"status": "queued"}
+        streamed = bool(request.stream)
         try:
-            await self._ask_store("put", queued, request.previous_response_id, input_items)
+            await self._ask_store("put", queued, request.previous_response_id, input_items, streamed)
         except APIError:
             for stream in run.streams:
                 await stream.close()  # (nobody could read it back: do not generate it)
@@ -566,16 +570,39 @@ class ResponsesServing:
                             "dropped", base["id"], response["status"])
             return kept
 
+        recorded = 0  # (events the store was sent: the next one's sequence number)
+
+        async def record(events: list[str], done: bool = False) -> None:
+            nonlocal recorded
+            recorded += len(events)
+            try:
+                await self.store.append_events(base["id"], events, done)  # type: ignore[union-attr]
+            except Exception as e:  # (its followers wait for the rest; GET still has its status)
+                logger.warning("could not store events of background response %s: %s", base["id"], e)
+
         async def generate() -> None:
             try:
-                if await settle(base | {"status": "in_progress"}):  # (else cancelled or deleted already)
+                if not await settle(base | {"status": "in_progress"}):
+                    pass  # cancelled or deleted already
+                elif streamed:
+                    async for events in self._events(base, run, settle, created_status="queued"):
+                        await record(events)
+                else:
                     try:
                         final = await self._answer(base, run)
                     except Exception as e:  # an engine failure or a timeout: failed, as a sync answer
                         final = failed(str(e))
                     await settle(final)  # (not over a cancel or a delete)
+                if streamed:
+                    await record([], done=True)
             except asyncio.CancelledError:  # the replica is shutting down
-                await asyncio.shield(settle(failed("the router replica generating it shut down")))
+                response = failed("the router replica generating it shut down")
+
+                async def end() -> None:
+                    if await settle(response) and streamed:
+                        await record([sse_event("response.failed", recorded, response=response)], done=True)
+
+                await asyncio.shield(end())
                 raise
             finally:
                 for stream in run.streams:  # (a finished stream ignores it; another is aborted)
@@ -584,7 +611,37 @@ class ResponsesServing:
         task = asyncio.create_task(generate())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        if streamed:
+            return SSEStream(self._follow(base["id"], -1, None), [])  # (leaving it leaves the generation)
         return queued
+
+    async def follow(self, response_id: str, starting_after: int | None) -> SSEStream:
+        """``GET /v1/responses/{id}?stream=true``: a streamed background response's events after
+        ``starting_after`` (all of them without it), those stored and then those to come, through
+        whichever replica; a response that was not streamed in the background is a 400."""
+        after = -1 if starting_after is None else starting_after
+        answer = await self._ask_store("events_after", response_id, after, 0.0) if self.store is not None else None
+        if answer is None:
+            raise _not_found(response_id, "response_id", self.store is not None)
+        if answer[0] is None:
+            raise bad_request(f"Response {response_id!r} was not created with background and stream: it has no "
+                              "events to stream (GET it without stream)", "stream")
+        return SSEStream(self._follow(response_id, after, answer), [])
+
+    async def _follow(self, response_id: str, after: int,
+                      answer: tuple[list[str] | None, bool] | None) -> AsyncIterator[str]:
+        while True:
+            if answer is None:
+                answer = await self._ask_store("events_after", response_id, after, FOLLOW_WAIT_S)
+                if answer is None:  # deleted or forgotten meanwhile
+                    return
+            events, done = answer
+            if events:
+                yield "".join(events)
+                after += len(events)
+            if done:
+                return
+            answer = None
 
     async def cancel(self, response_id: str) -> dict[str, Any]:
         """``POST /v1/responses/{id}/cancel``, the store's part: a queued or in-progress background
@@ -644,21 +701,31 @@ class ResponsesServing:
                       "total_tokens": prompt + generated}}
 
     async def _stream(self, base: dict[str, Any], run: ChatRun,
-                      keep: Callable[[dict[str, Any]], Awaitable[None]]) -> AsyncIterator[str]:
+                      keep: Callable[[dict[str, Any]], Awaitable[bool]]) -> AsyncIterator[str]:
+        async for events in self._events(base, run, keep):
+            yield "".join(events)
+
+    async def _events(self, base: dict[str, Any], run: ChatRun, keep: Callable[[dict[str, Any]], Awaitable[bool]],
+                      created_status: str = "in_progress") -> AsyncIterator[list[str]]:
+        """The response's SSE events, a batch at a time (numbered from 0). ``keep`` has the final
+        response before its event goes out, and says whether it goes out (not over a cancel)."""
         sequence = 0
         pending: list[str] = []
 
         def emit(type_: str, **fields: Any) -> None:
             nonlocal sequence
-            data = json.dumps({"type": type_, "sequence_number": sequence, **fields}, ensure_ascii=False)
+            pending.append(sse_event(type_, sequence, **fields))
             sequence += 1
-            pending.append(f"event: {type_}\ndata: {data}\n\n")
+
+        def flush() -> list[str]:
+            batch = pending.copy()
+            pending.clear()
+            return batch
 
         started = base | {"status": "in_progress"}
-        emit("response.created", response=started)
+        emit("response.created", response=base | {"status": created_status})
         emit("response.in_progress", response=started)
-        yield "".join(pending)
-        pending.clear()
+        yield flush()
         items = OutputItems(emit)
         choice = run.choices[0]
         parser = choice.output_parser
@@ -669,22 +736,29 @@ class ResponsesServing:
                     parsed.extend(parser.finish())
                 items.add(parsed)
                 if pending:
-                    yield "".join(pending)
-                    pending.clear()
+                    yield flush()
         except _StreamError as e:
             # A timeout or an engine failure: OpenAI's error event, then the response as failed.
             error = e.error
             output = items.finish("incomplete")  # what was produced so far, closed
             emit("error", code="timeout" if error.status == 408 else "server_error", message=error.message, param=None)
-            emit("response.failed", response=base | {
-                "status": "failed", "output": output, "error": {"code": "server_error", "message": error.message}})
-            yield "".join(pending)
+            failed = base | {"status": "failed", "output": output,
+                             "error": {"code": "server_error", "message": error.message}}
+            if await keep(failed):
+                emit("response.failed", response=failed)
+            yield flush()
             return
         final = self._final(base, run, items)
-        await keep(final)
-        emit({"completed": "response.completed", "incomplete": "response.incomplete"}.get(
-            final["status"], "response.failed"), response=final)
-        yield "".join(pending)
+        if await keep(final):
+            emit({"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+                final["status"], "response.failed"), response=final)
+        yield flush()
+
+
+def sse_event(type_: str, sequence: int, **fields: Any) -> str:
+    """One Responses API stream event, numbered."""
+    data = json.dumps({"type": type_, "sequence_number": sequence, **fields}, ensure_ascii=False)
+    return f"event: {type_}\ndata: {data}\n\n"
 
 
 def _not_found(response_id: str, param: str, storing: bool) -> APIError:

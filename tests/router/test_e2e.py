@@ -620,6 +620,51 @@ def test_a_background_response_runs_on_its_replica_and_is_cancelled_through_anot
         other.responses.cancel(done.id)  # (it ended)
 
 
+def test_a_streamed_background_response_is_followed_through_another_app(cluster, client):
+    """background with stream on real engines: the client reads its first events and leaves; another
+    app streams the rest from the shared store (starting_after). A held one cancelled through another
+    app ends its followers (with no completed event), and stays cancelled."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    other = openai.OpenAI(base_url=f"{cluster['base']}/prefix/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.responses.create(model="tiny", input="Hello", max_output_tokens=12, temperature=0,
+                                     background=True, stream=True)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if event.sequence_number == 2:
+            break
+    stream.close()  # (the client leaves)
+    response_id = seen[0].response.id
+    rest = list(other.responses.retrieve(response_id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in seen + rest] == list(range(len(seen) + len(rest)))
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    stored = other.responses.retrieve(response_id)
+    assert (stored.status, stored.output_text) == (rest[-1].response.status, rest[-1].response.output_text)
+    base = f"{cluster['base']}/prefix2"
+    try:
+        assert httpx.post(f"{base}/pause?mode=keep").json() == {"status": "paused"}
+        held = client.responses.create(model="tiny", input="Paris is", max_output_tokens=50, background=True,
+                                       stream=True)
+        first = next(iter(held))
+        held.close()
+        with ThreadPoolExecutor(1) as pool:
+            follower = pool.submit(lambda: list(other.responses.retrieve(first.response.id, stream=True)))
+            deadline = time.monotonic() + 30
+            while sum(s.num_unfinished_requests for s in _stats(cluster)) == 0:  # it reached an engine
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert not follower.done()
+            assert other.responses.cancel(first.response.id).status == "cancelled"
+            followed = follower.result(timeout=30)
+        assert [e.type for e in followed[:2]] == ["response.created", "response.in_progress"]
+        assert not {"response.completed", "response.incomplete", "response.failed"} & {e.type for e in followed}
+    finally:
+        httpx.post(f"{base}/resume")
+    _wait_idle(cluster)
+    assert client.responses.retrieve(first.response.id).status == "cancelled"
+
+
 def test_health_is_503_when_every_engine_is_dead_and_200_after_restart(cluster):
     import ray
 

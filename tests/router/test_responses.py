@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from engine_core.request import FinishReason
 from router.app import create_app
 from router.response_store import LocalResponseStore, ResponseStore
-from router.responses import ResponsesRequest
+from router.responses import ResponsesRequest, ResponsesServing
 
 from .test_tool_calling import _app
 
@@ -385,7 +385,7 @@ def test_a_store_that_fails_leaves_the_answer_and_says_so():
     assert response.output_text == "Fine." and response.store is False
     r = http.get(f"/v1/responses/{response.id}")
     assert r.status_code == 503 and "store actor gone" in r.json()["error"]["message"]
-    assert http.get(f"/v1/responses/{response.id}?stream=true").status_code == 400
+    assert http.get(f"/v1/responses/{response.id}?stream=true").status_code == 404  # (nor its events)
 
 
 def test_the_latest_limit_applies_to_an_existing_store():
@@ -491,7 +491,7 @@ def test_input_item_ids_stay_unique_when_a_client_resends_items():
 def test_a_background_response_is_queued_generated_and_read_back():
     """OpenAI's background mode: the answer to the create is the queued response; the replica then
     generates it, and GET finds it in progress, then completed. A response that has ended cannot be
-    cancelled; one never stored is a 404; a background response is not streamed."""
+    cancelled; one never stored is a 404."""
     import time
 
     _, engine, serving, store = _stored_app(["Background answer."])
@@ -509,9 +509,10 @@ def test_a_background_response_is_queued_generated_and_read_back():
         r = http.post(f"/v1/responses/{queued.id}/cancel")
         assert r.status_code == 400 and "completed" in r.json()["error"]["message"]
         assert http.post("/v1/responses/resp_nope/cancel").status_code == 404
-        r = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "background": True, "stream": True})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "background"
         assert len(engine.requests) == 1
+        # Not streamed, it has no events to stream again.
+        r = http.get(f"/v1/responses/{queued.id}?stream=true")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
 def test_the_store_keeps_a_cancel_or_delete_over_a_background_responses_later_progress():
@@ -545,3 +546,110 @@ def test_a_replica_stopping_ends_its_background_responses_as_failed():
     stored = store.store.get(response_id)
     assert stored["status"] == "failed" and "shut down" in stored["error"]["message"]
     assert engine.aborted == [f"{response_id}-0"]
+
+
+def _raw_events(http, url: str) -> list[dict]:
+    """A Responses event stream read whole, each event checked strictly against OpenAI's types."""
+    with http.stream("GET", url) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
+    return events
+
+
+def test_a_streamed_background_response_is_streamed_again_from_any_event():
+    """background with stream: the create streams the events as the replica generates them (the
+    first says queued), and GET with stream gives the same events again, from any sequence number."""
+    _, _, serving, store = _stored_app(["Background answer."])
+    with TestClient(create_app(serving, response_store=store)) as http:
+        client = _client(http)
+        events = list(client.responses.create(model="tiny", input="hi", background=True, stream=True))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert (events[0].type, events[0].response.status, events[0].response.background) == \
+            ("response.created", "queued", True)
+        assert events[1].type == "response.in_progress"
+        assert events[-1].type == "response.completed" and events[-1].response.output_text == "Background answer."
+        response_id = events[0].response.id
+        assert client.responses.retrieve(response_id).status == "completed"
+        dumped = [e.model_dump() for e in events]
+        assert [e.model_dump() for e in client.responses.retrieve(response_id, stream=True)] == dumped
+        assert [e.model_dump() for e in client.responses.retrieve(response_id, stream=True, starting_after=3)] \
+            == dumped[4:]
+        assert _raw_events(http, f"/v1/responses/{response_id}?stream=true&starting_after={len(events) + 5}") == []
+        raw = _raw_events(http, f"/v1/responses/{response_id}?stream=true")
+        assert [(e["type"], e["sequence_number"]) for e in raw] == [(e.type, e.sequence_number) for e in events]
+        r = http.get(f"/v1/responses/{response_id}?stream=true&starting_after=-1")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after"
+        assert http.get("/v1/responses/resp_nope?stream=true").status_code == 404
+
+
+def test_a_streamed_background_response_outlives_its_client_and_its_replica_ends_it():
+    """The client that asked for it leaving does not stop it (its engine request runs on); a replica
+    stopping ends it as failed, with a last response.failed event for whoever follows it."""
+    import asyncio
+
+    _, engine, serving, store = _stored_app(["never finishes"])
+    engine.finish = None  # (its last output does not end it)
+    responses = ResponsesServing(serving, store)
+
+    async def run() -> None:
+        request = ResponsesRequest(model="tiny", input="hi", background=True, stream=True)
+        stream = await responses.create(request)
+        first = await anext(aiter(stream))
+        response_id = json.loads(first.split("data: ", 1)[1].split("\n", 1)[0])["response"]["id"]
+        await stream.aclose()  # the client left
+        while not (await store.events_after(response_id, -1, 0.0))[0][-1].startswith(
+                "event: response.output_text.delta"):
+            await asyncio.sleep(0.01)
+        assert engine.aborted == [] and store.store.get(response_id)["status"] == "in_progress"
+        follower = await responses.follow(response_id, 1)
+        seen = [await anext(aiter(follower))]
+        await responses.shut_down()
+        seen += [chunk async for chunk in follower]
+        events = [json.loads(line[6:]) for chunk in seen for line in chunk.splitlines() if line.startswith("data: ")]
+        assert events[0]["sequence_number"] == 2
+        assert [e["sequence_number"] for e in events] == list(range(2, 2 + len(events)))
+        assert events[-1]["type"] == "response.failed" and "shut down" in events[-1]["response"]["error"]["message"]
+        assert store.store.get(response_id)["status"] == "failed"
+        assert engine.aborted == [f"{response_id}-0"]
+
+    asyncio.run(run())
+
+
+def test_followers_of_a_background_stream_wait_for_its_events_and_end_with_it():
+    import asyncio
+
+    async def run() -> None:
+        store = ResponseStore(max_entries=2)
+        store.put({"id": "resp_1", "status": "queued"}, None, [], streamed=True)
+        store.put({"id": "resp_2", "status": "queued"}, None, [])
+        assert await store.events_after("resp_2", -1, 1.0) == (None, False)  # not streamed
+        assert await store.events_after("resp_nope", -1, 1.0) is None
+        waiting = asyncio.create_task(store.events_after("resp_1", -1, 30.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        assert store.append_events("resp_1", ["a", "b"], False)
+        assert await waiting == (["a", "b"], False)
+        assert await store.events_after("resp_1", 0, 30.0) == (["b"], False)
+        assert await store.events_after("resp_1", 1, 0.01) == ([], False)  # (none came in time)
+        waiting = asyncio.create_task(store.events_after("resp_1", 1, 30.0))
+        await asyncio.sleep(0.05)
+        assert store.append_events("resp_1", ["c"], True)
+        assert await waiting == (["c"], True)
+        assert await store.events_after("resp_1", 2, 30.0) == ([], True)  # (ended: no wait)
+        assert not store.append_events("resp_2", ["x"], False)  # (no event stream)
+        # A follower of a deleted or forgotten response ends at once.
+        store.put({"id": "resp_3", "status": "queued"}, None, [], streamed=True)
+        waiting = asyncio.create_task(store.events_after("resp_3", -1, 30.0))
+        await asyncio.sleep(0.05)
+        store.delete("resp_3")
+        assert await asyncio.wait_for(waiting, 5) is None and not store.append_events("resp_3", ["d"], True)
+        store.put({"id": "resp_4", "status": "queued"}, None, [], streamed=True)
+        waiting = asyncio.create_task(store.events_after("resp_4", -1, 30.0))
+        await asyncio.sleep(0.05)
+        store.put({"id": "resp_5", "status": "queued"}, None, [])
+        store.put({"id": "resp_6", "status": "queued"}, None, [])  # (resp_4 is the least recently used)
+        assert await asyncio.wait_for(waiting, 5) is None
+
+    asyncio.run(run())
