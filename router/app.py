@@ -20,6 +20,14 @@ from engine_core.sched.scheduler import PAUSE_MODES
 from router.classification import CLASSIFY_PATHS, ClassificationRequest, ClassificationServing
 from router.cohere_embed import COHERE_EMBED_PATH, CohereEmbedRequest, CohereEmbedServing
 from router.embeddings import EmbeddingRequest, EmbeddingsServing
+from router.messages import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    CountTokensRequest,
+    MessagesRequest,
+    MessagesServing,
+    anthropic_error_body,
+)
 from router.metrics import RouterMetrics, merge_expositions
 from router.model_servings import ModelServings
 from router.pooling import POOLING_PATHS, PoolingRequest, PoolingServing
@@ -43,7 +51,10 @@ from router.serving import APIError, OpenAIServing, bad_request, stream_error_ev
 SESSION_HEADER = "x-session-id"
 
 
-def _error_response(status: int, message: str, type_: str, param: str | None) -> JSONResponse:
+def _error_response(status: int, message: str, type_: str, param: str | None, path: str = "") -> JSONResponse:
+    """OpenAI's error body; on Anthropic's Messages paths, Anthropic's."""
+    if path.startswith(MESSAGES_PATH):
+        return JSONResponse(status_code=status, content=anthropic_error_body(status, message))
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_,
                                                                 "param": param, "code": status}})
 
@@ -100,11 +111,16 @@ class APIKeyAuth:
         self.expected = [_digest(f"Bearer {key}".encode()) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _needs_key(_route_path(scope)):
-            given = _digest(next((v for k, v in scope["headers"] if k == b"authorization"), b""))
+        path = _route_path(scope)
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _needs_key(path):
+            headers = dict(scope["headers"])
+            # (Anthropic's clients send the key as x-api-key; it counts as the Bearer one.)
+            key = headers.get(b"authorization") or (b"Bearer " + headers[b"x-api-key"] if b"x-api-key" in headers
+                                                    else b"")
+            given = _digest(key)
             if not any([hmac.compare_digest(given, expected) for expected in self.expected]):
-                response = _error_response(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
-                                           "AuthenticationError", None)
+                response = _error_response(401, "Incorrect or missing API key (Authorization: Bearer <key>, or "
+                                           "x-api-key: <key>).", "AuthenticationError", None, path)
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
@@ -150,24 +166,25 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     metrics = serving.metrics
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, exc.type, exc.param)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc.status, exc.message, exc.type, exc.param, _route_path(request.scope))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        path = _route_path(request.scope)
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query")]
         if first.get("type") == "json_invalid":
-            return _error_response(400, "The request body is not valid JSON.", "BadRequestError", None)
+            return _error_response(400, "The request body is not valid JSON.", "BadRequestError", None, path)
         if first.get("type") == "invalid_param":  # a cross-field check (protocol.invalid) names its parameter
-            return _error_response(400, first["msg"], "BadRequestError", first["ctx"]["param"])
+            return _error_response(400, first["msg"], "BadRequestError", first["ctx"]["param"], path)
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        return _error_response(400, message, "BadRequestError", loc[0] if loc else None)
+        return _error_response(400, message, "BadRequestError", loc[0] if loc else None, path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404
-                               else "HTTPError", None)
+                               else "HTTPError", None, _route_path(request.scope))
 
     def respond(result: Any) -> Response:
         if hasattr(result, "__aiter__"):
@@ -197,19 +214,23 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
     def model_endpoint(serving_class: type, body_type: type,
                        method: str = "create") -> Callable[..., Awaitable[Response]]:
-        """A JSON endpoint answered by ``method`` of the chosen model's ``serving_class`` (one per
-        served model), its body parsed as ``body_type``."""
+        """An endpoint answered by ``method`` of the chosen model's ``serving_class`` (one per served
+        model), its body parsed as ``body_type``: JSON, or an event stream."""
         serving_of = {id(s): serving_class(s) for s in servings}
 
         async def endpoint(body: Any, request: Request) -> Response:
             chosen = serving_of[id(await servings.for_model(body.model))]
             result = await getattr(chosen, method)(body, request.headers.get(SESSION_HEADER))
+            if hasattr(result, "__aiter__"):
+                return EventStreamResponse(result)
             return result if isinstance(result, Response) else JSONResponse(result)  # (vLLM's binary answers)
 
         endpoint.__annotations__["body"] = body_type  # (what FastAPI validates the body as)
         return endpoint
 
     app.post("/v1/embeddings")(model_endpoint(EmbeddingsServing, EmbeddingRequest))
+    app.post(MESSAGES_PATH)(model_endpoint(MessagesServing, MessagesRequest))
+    app.post(COUNT_TOKENS_PATH)(model_endpoint(MessagesServing, CountTokensRequest, "count_tokens"))
     app.post(COHERE_EMBED_PATH)(model_endpoint(CohereEmbedServing, CohereEmbedRequest))
     for path in SCORING_PATHS:
         app.post(path)(model_endpoint(ScoringServing, RerankRequest, "rerank") if path.endswith("rerank")

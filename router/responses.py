@@ -28,12 +28,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.parsed_output import ParsedDelta
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, invalid
 from router.response_store import UNFINISHED, MissingResponseError
-from router.serving import APIError, SSEStream, _StreamError, bad_request, choice_request_id
+from router.serving import (
+    APIError,
+    SSEStream,
+    _StreamError,
+    bad_request,
+    chat_request_from,
+    choice_request_id,
+    parsed_whole,
+)
 
 if TYPE_CHECKING:
     from router.response_store import AsyncResponseStore
@@ -152,16 +160,7 @@ class ResponsesRequest(BaseModel):
             body["tool_choice"] = self._tool_choice()
         if self.reasoning and self.reasoning.get("effort") is not None:
             body["chat_template_kwargs"] = {"reasoning_effort": self.reasoning["effort"]}
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            first = e.errors()[0]
-            if first.get("type") == "invalid_param":
-                param = first["ctx"]["param"]
-                raise _bad(_CHAT_TO_RESPONSES_PARAM.get(param, param), first["msg"]) from None
-            loc = [str(x) for x in first.get("loc", ())]
-            param = _CHAT_TO_RESPONSES_PARAM.get(loc[0], loc[0]) if loc else "input"
-            raise _bad(param, f"{'.'.join([param, *loc[1:]])}: {first.get('msg', 'invalid value')}") from None
+        return chat_request_from(body, _CHAT_TO_RESPONSES_PARAM, "input")
 
     def _messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -535,7 +534,7 @@ class ResponsesServing:
         """A started (not streamed) response, once its answer is whole."""
         await self.serving.finish_chat(run)
         items = OutputItems(lambda *_, **__: None)
-        items.add(_parse_whole(run.choices[0]))
+        items.add(parsed_whole(run.choices[0]))
         return self._final(base, run, items)
 
     async def _start_background(self, base: dict[str, Any], run: ChatRun, request: ResponsesRequest,
@@ -727,13 +726,8 @@ class ResponsesServing:
         emit("response.in_progress", response=started)
         yield flush()
         items = OutputItems(emit)
-        choice = run.choices[0]
-        parser = choice.output_parser
         try:
-            async for event in self.serving.choice_events(run):
-                parsed = parser.feed(event.text) if parser is not None else ParsedDelta(content=event.text)
-                if event.finish_reason is not None and parser is not None:
-                    parsed.extend(parser.finish())
+            async for parsed in self.serving.parsed_deltas(run):
                 items.add(parsed)
                 if pending:
                     yield flush()
@@ -764,9 +758,3 @@ def sse_event(type_: str, sequence: int, **fields: Any) -> str:
 def _not_found(response_id: str, param: str, storing: bool) -> APIError:
     why = "" if storing else ": this server does not store responses (start it with --enable-responses-store)"
     return APIError(404, f"Response with id {response_id!r} not found{why}", "NotFoundError", param)
-
-
-def _parse_whole(choice: Any) -> ParsedDelta:
-    """A finished choice's text, split as a stream would have been (reasoning, content, calls)."""
-    text = choice.detok.output_text
-    return choice.output_parser.parse(text) if choice.output_parser is not None else ParsedDelta(content=text)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from pydantic import ValidationError
 
 from engine_core.executor import PoolingInfo
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry, LoRARequest
@@ -87,6 +88,22 @@ def choice_request_id(request_id: str, index: int) -> str:
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "BadRequestError", param)
+
+
+def chat_request_from(body: dict[str, Any], param_names: dict[str, str], default_param: str) -> ChatCompletionRequest:
+    """The chat request another API (Responses, Anthropic's Messages) runs as, from the fields it
+    wrote; a field the chat request refuses is a 400 naming the other API's parameter
+    (``param_names``: chat names to its own; ``default_param`` when the error names none)."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        if first.get("type") == "invalid_param":
+            param = first["ctx"]["param"]
+            raise bad_request(first["msg"], param_names.get(param, param)) from None
+        loc = [str(x) for x in first.get("loc", ())]
+        param = param_names.get(loc[0], loc[0]) if loc else default_param
+        raise bad_request(f"{'.'.join([param, *loc[1:]])}: {first.get('msg', 'invalid value')}", param) from None
 
 
 @dataclass
@@ -774,6 +791,16 @@ class OpenAIServing:
         engine error raises _StreamError."""
         return self._choice_events(run.streams, run.choices)
 
+    async def parsed_deltas(self, run: ChatRun) -> AsyncIterator[ParsedDelta]:
+        """A started one-choice chat as it streams (the other APIs' answers), split into reasoning,
+        content and tool-call deltas by its output parser (all content without one)."""
+        parser = run.choices[0].output_parser
+        async for event in self.choice_events(run):
+            parsed = parser.feed(event.text) if parser is not None else ParsedDelta(content=event.text)
+            if event.finish_reason is not None and parser is not None:
+                parsed.extend(parser.finish())
+            yield parsed
+
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, created: int,
                            choices: list[_Choice], num_prompt_tokens: int,
                            streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
@@ -1046,6 +1073,12 @@ def _engine_refusal(error: EngineOverloadedError | EngineUnavailableError) -> AP
     if isinstance(error, EngineOverloadedError):
         return APIError(429, str(error), "RateLimitError")
     return APIError(503, str(error), "ServiceUnavailableError")
+
+
+def parsed_whole(choice: _Choice) -> ParsedDelta:
+    """A finished choice's text, split as its stream would have been (reasoning, content, calls)."""
+    text = choice.detok.output_text
+    return choice.output_parser.parse(text) if choice.output_parser is not None else ParsedDelta(content=text)
 
 
 class _StreamError(Exception):

@@ -665,6 +665,26 @@ def test_a_streamed_background_response_is_followed_through_another_app(cluster,
     assert client.responses.retrieve(first.response.id).status == "cancelled"
 
 
+def test_anthropic_messages_on_real_engines(cluster):
+    """The anthropic client against /v1/messages through Serve: a greedy answer whole and streamed
+    is the same text, its usage counts the prompt /v1/messages/count_tokens counts."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=cluster["base"], api_key="unused", max_retries=0, timeout=60)
+    ask = {"model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": "Hello"}],
+           "system": "Be brief.", "extra_body": {"temperature": 0}}
+    whole = client.messages.create(**ask)
+    assert whole.stop_reason in ("end_turn", "max_tokens") and whole.usage.output_tokens >= 1
+    with client.messages.stream(**ask) as stream:
+        streamed = stream.get_final_message()
+    assert [b.text for b in streamed.content] == [b.text for b in whole.content]
+    counted = client.messages.count_tokens(model="tiny", system="Be brief.",
+                                           messages=[{"role": "user", "content": "Hello"}])
+    assert counted.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(**{**ask, "model": "nope"})
+
+
 def test_health_is_503_when_every_engine_is_dead_and_200_after_restart(cluster):
     import ray
 

@@ -1,0 +1,344 @@
+"""Anthropic's Messages API (``POST /v1/messages`` and ``/v1/messages/count_tokens``), as vLLM
+serves it: a request runs as a chat request (the same template, tool-call and reasoning parsers,
+engines and limits), and its answer comes back as Anthropic's message (content blocks: thinking,
+text, tool_use), whole or as Anthropic's event stream. Errors on these paths have Anthropic's
+shape (``{"type": "error", "error": {"type", "message"}}``, see ``anthropic_error_body``).
+
+Mapping: ``system`` is the system message; a user turn's ``tool_result`` blocks become tool
+messages (before its text); an assistant turn's ``tool_use`` blocks become its tool calls, and its
+``thinking`` is not shown to the model again (as chat templates drop earlier thinking);
+``stop_sequences`` are stop strings; ``tool_choice`` auto / any / tool / none are OpenAI's auto /
+required / named / none (auto by default with tools, which needs ``--enable-auto-tool-choice``);
+``thinking`` enabled or disabled is the chat template's ``enable_thinking``; ``metadata.user_id``
+is ``user``. A stop string ends the answer with ``stop_reason`` ``stop_sequence`` and names it.
+Usage follows Anthropic's accounting: prompt tokens found in an engine's prefix cache are
+``cache_read_input_tokens``, the rest ``input_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from router.parsed_output import ParsedDelta, merge_tool_call_deltas
+from router.protocol import ChatCompletionRequest, _warn_ignored
+from router.serving import (
+    APIError,
+    ChatRun,
+    OpenAIServing,
+    SSEStream,
+    _StreamError,
+    bad_request,
+    chat_request_from,
+    parsed_whole,
+)
+
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
+# OpenAI-shaped error types (the app's) to Anthropic's.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+# Chat parameters named by errors past validation, and the Messages parameters they come from.
+_CHAT_TO_MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens",
+                           "stop": "stop_sequences", "chat_template_kwargs": "thinking", "user": "metadata"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """An error as Anthropic's API answers it (its client raises by status and shows the message)."""
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+class _MessagesInput(BaseModel):
+    """What a Messages request and a token count share: the conversation and its tools."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _note_ignored(self) -> _MessagesInput:
+        _warn_ignored(type(self).__name__, list(self.model_extra or ()))
+        return self
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat request's fields for this conversation."""
+        body: dict[str, Any] = {"model": self.model, "messages": self._chat_messages()}
+        if self.tools:
+            body["tools"] = [_tool(i, tool) for i, tool in enumerate(self.tools)]
+        choice = self.tool_choice
+        if choice is not None:
+            kind = choice.get("type")
+            if kind in ("auto", "any", "none"):
+                body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+            elif kind == "tool" and isinstance(choice.get("name"), str) and choice["name"]:
+                body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+            else:
+                raise bad_request('tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
+                                  '{"type": "tool", "name": ...}', "tool_choice")
+            if choice.get("disable_parallel_tool_use"):
+                body["parallel_tool_calls"] = False
+        if self.thinking is not None:
+            kind = self.thinking.get("type")
+            if kind not in ("enabled", "disabled"):
+                raise bad_request('thinking must be {"type": "enabled", "budget_tokens": ...} or '
+                                  '{"type": "disabled"}', "thinking")
+            body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
+        return body
+
+    def _chat_messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if self.system:
+            out.append({"role": "system", "content": self.system if isinstance(self.system, str)
+                        else _block_text(self.system, "system")})
+        for i, message in enumerate(self.messages):
+            where = f"messages[{i}]"
+            role = message.get("role")
+            if role not in ("user", "assistant"):
+                raise bad_request(f"{where}.role must be user or assistant", "messages")
+            content = message.get("content")
+            if isinstance(content, str):
+                out.append({"role": role, "content": content})
+                continue
+            if not isinstance(content, list) or not content:
+                raise bad_request(f"{where}.content must be a string or a non-empty list of content blocks",
+                                  "messages")
+            texts: list[str] = []
+            calls: list[dict[str, Any]] = []
+            for j, block in enumerate(content):
+                kind = block.get("type") if isinstance(block, dict) else None
+                at = f"{where}.content[{j}]"
+                if kind == "text" and isinstance(block.get("text"), str):
+                    texts.append(block["text"])
+                elif kind == "tool_use" and role == "assistant":
+                    calls.append({"id": _required(block, "id", at), "type": "function",
+                                  "function": {"name": _required(block, "name", at),
+                                               "arguments": json.dumps(block.get("input") or {})}})
+                elif kind == "tool_result" and role == "user":
+                    out.append({"role": "tool", "tool_call_id": _required(block, "tool_use_id", at),
+                                "content": _block_text(block.get("content") or "", f"{at}.content")})
+                elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                    continue  # earlier thinking is not shown to the model again
+                else:
+                    raise bad_request(f"{at}: {role} blocks of type {kind!r} are not supported "
+                                      "(text; tool_use and thinking from the assistant; tool_result from the user)",
+                                      "messages")
+            if role == "assistant":
+                turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls
+                                        else None}
+                if calls:
+                    turn["tool_calls"] = calls
+                out.append(turn)
+            elif texts:
+                out.append({"role": "user", "content": texts[0] if len(texts) == 1
+                            else [{"type": "text", "text": t} for t in texts]})
+        return out
+
+    def chat_request(self, **fields: Any) -> ChatCompletionRequest:
+        return chat_request_from({**self.chat_body(), **fields}, _CHAT_TO_MESSAGES_PARAM, "messages")
+
+
+class MessagesRequest(_MessagesInput):
+    """``POST /v1/messages``."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    metadata: dict[str, Any] | None = None
+
+    def to_chat(self) -> ChatCompletionRequest:
+        user = (self.metadata or {}).get("user_id")
+        fields: dict[str, Any] = {"max_completion_tokens": self.max_tokens, "stop": self.stop_sequences,
+                                  "stream": self.stream, "user": user if isinstance(user, str) else None}
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        return self.chat_request(**fields)
+
+
+class CountTokensRequest(_MessagesInput):
+    """``POST /v1/messages/count_tokens``: the prompt a Messages request would have, counted."""
+
+
+def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    kind = tool.get("type", "custom")
+    if kind != "custom" or not isinstance(tool.get("name"), str):
+        raise bad_request(f"tools[{i}]: only client tools ({{name, description, input_schema}}) are supported, "
+                          f"not {kind!r}", "tools")
+    function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def _required(block: dict[str, Any], key: str, where: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{where}.{key} is required", "messages")
+    return value
+
+
+def _block_text(content: Any, where: str) -> str:
+    """Text content: a string, or text blocks (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                         and isinstance(b.get("text"), str) for b in content):
+        return "".join(b["text"] for b in content)
+    raise bad_request(f"{where} must be a string or a list of text blocks", "messages" if "messages" in where
+                      else "system")
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class _Blocks:
+    """The answer's content blocks as they stream: one open at a time (thinking, text, a tool call);
+    each change of kind closes the open block and starts the next."""
+
+    events: list[str] = field(default_factory=list)
+    count: int = 0
+    open_kind: str | None = None  # "thinking", "text", or a tool call's index as "call:<i>"
+    called: bool = False  # a tool_use block was started
+
+    def _start(self, kind: str, block: dict[str, Any]) -> None:
+        self.close()
+        self.open_kind = kind
+        self.events.append(_sse({"type": "content_block_start", "index": self.count, "content_block": block}))
+
+    def _delta(self, delta: dict[str, Any]) -> None:
+        self.events.append(_sse({"type": "content_block_delta", "index": self.count, "delta": delta}))
+
+    def close(self) -> None:
+        if self.open_kind is not None:
+            self.events.append(_sse({"type": "content_block_stop", "index": self.count}))
+            self.count += 1
+            self.open_kind = None
+
+    def add(self, parsed: ParsedDelta) -> None:
+        if parsed.reasoning:
+            if self.open_kind != "thinking":
+                self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self._delta({"type": "thinking_delta", "thinking": parsed.reasoning})
+        if parsed.content:
+            if self.open_kind != "text":
+                self._start("text", {"type": "text", "text": ""})
+            self._delta({"type": "text_delta", "text": parsed.content})
+        for call in parsed.tool_calls:
+            if "id" in call:
+                self.called = True
+                self._start(f"call:{call['index']}", {"type": "tool_use", "id": call["id"],
+                                                      "name": call["function"]["name"], "input": {}})
+            arguments = call["function"].get("arguments") or ""
+            if arguments:
+                self._delta({"type": "input_json_delta", "partial_json": arguments})
+
+    def take(self) -> list[str]:
+        events, self.events = self.events, []
+        return events
+
+
+class MessagesServing:
+    """Anthropic's Messages API over an OpenAIServing's chat path."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, request: MessagesRequest, session_id: str | None = None) -> dict[str, Any] | SSEStream:
+        chat = request.to_chat()
+        try:
+            run = await self.serving.start_chat(chat, session_id, request_id=f"msg_{uuid.uuid4().hex}")
+        except APIError as e:
+            e.param = _CHAT_TO_MESSAGES_PARAM.get(e.param or "", e.param)
+            e.message = e.message.replace("max_completion_tokens", "max_tokens")
+            raise
+        model = self.serving.model_name(request.model)
+        if request.stream:
+            return SSEStream(self._stream(run, model), run.streams)
+        await self.serving.finish_chat(run)
+        parsed = parsed_whole(run.choices[0])
+        stop_reason, stop_sequence = self._stop(run, bool(parsed.tool_calls))
+        content: list[dict[str, Any]] = []
+        if parsed.reasoning:
+            content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+        if parsed.content:
+            content.append({"type": "text", "text": parsed.content})
+        for call in merge_tool_call_deltas(parsed.tool_calls):
+            try:
+                arguments = json.loads(call["function"]["arguments"] or "{}")
+            except ValueError:
+                continue  # a call cut off by max_tokens: not a whole call
+            content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                            "input": arguments})
+        if not content:
+            content.append({"type": "text", "text": ""})
+        return {"id": run.request_id, "type": "message", "role": "assistant", "model": model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self._usage(run)}
+
+    def _stop(self, run: ChatRun, called: bool) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence) of a finished run (``called``: its answer calls tools, also
+        under a named tool_choice, as Anthropic says ``tool_use`` then); an aborted answer is a
+        server error."""
+        choice = run.choices[0]
+        finish = choice.finish_reason
+        if called and finish == "stop":
+            return "tool_use", None
+        if finish == "stop" and isinstance(choice.stop_reason, str):
+            return "stop_sequence", choice.stop_reason
+        if finish in ("stop", "length"):
+            return ("max_tokens" if finish == "length" else "end_turn"), None
+        raise APIError(500, choice.error or "the engine aborted the request", "InternalServerError")
+
+    @staticmethod
+    def _usage(run: ChatRun, output_tokens: int | None = None) -> dict[str, Any]:
+        choice = run.choices[0]
+        cached = choice.num_cached_tokens
+        return {"input_tokens": len(run.prompt_ids) - cached, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": cached,
+                "output_tokens": len(choice.token_ids) if output_tokens is None else output_tokens}
+
+    async def _stream(self, run: ChatRun, model: str) -> AsyncIterator[str]:
+        start = {"id": run.request_id, "type": "message", "role": "assistant", "model": model, "content": [],
+                 "stop_reason": None, "stop_sequence": None, "usage": self._usage(run, 0)}
+        yield _sse({"type": "message_start", "message": start})
+        blocks = _Blocks()
+        try:
+            async for parsed in self.serving.parsed_deltas(run):
+                blocks.add(parsed)
+                if blocks.events:
+                    yield "".join(blocks.take())
+            stop_reason, stop_sequence = self._stop(run, blocks.called)
+        except (_StreamError, APIError) as e:
+            message = e.error.message if isinstance(e, _StreamError) else e.message
+            blocks.close()
+            yield "".join([*blocks.take(), _sse({"type": "error", "error": {"type": "api_error",
+                                                                              "message": message}})])
+            return
+        blocks.close()
+        usage = self._usage(run)
+        yield "".join([*blocks.take(), _sse({"type": "message_delta", "delta": {
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": {
+            "output_tokens": usage["output_tokens"], "input_tokens": usage["input_tokens"],
+            "cache_read_input_tokens": usage["cache_read_input_tokens"]}}), _sse({"type": "message_stop"})])
+
+    async def count_tokens(self, request: CountTokensRequest, session_id: str | None = None) -> dict[str, Any]:
+        """The prompt's tokens as a Messages request with this conversation would send them."""
+        await self.serving.resolve_model(request.model)
+        chat = request.chat_request()
+        return {"input_tokens": len(self.serving.render_chat(chat))}
+
