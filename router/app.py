@@ -111,8 +111,11 @@ class APIKeyAuth:
         self.expected = [_digest(f"Bearer {key}".encode()) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # (the lifespan scope has no path)
+            await self.app(scope, receive, send)
+            return
         path = _route_path(scope)
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _needs_key(path):
+        if scope["method"] != "OPTIONS" and _needs_key(path):
             headers = dict(scope["headers"])
             # (Anthropic's clients send the key as x-api-key; it counts as the Bearer one.)
             key = headers.get(b"authorization") or (b"Bearer " + headers[b"x-api-key"] if b"x-api-key" in headers

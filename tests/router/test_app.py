@@ -68,8 +68,10 @@ def test_api_keys_guard_the_v1_endpoints_only():
     metrics = RouterMetrics("tiny", "r0")
     client = EngineClient([object()], client_index=1)
     settings = ServingSettings(served_model_name="tiny", max_model_len=64, api_keys=("k-one", "k-two"))
-    http = TestClient(create_app(OpenAIServing(settings, client, byte_level_tokenizer(), RoundRobinPolicy(), metrics)))
-    assert http.get("/v1/models").status_code == 401
+    app = create_app(OpenAIServing(settings, client, byte_level_tokenizer(), RoundRobinPolicy(), metrics))
+    with TestClient(app) as http:  # (with its lifespan, as Serve runs it)
+        assert http.get("/v1/models").status_code == 401
+    http = TestClient(app)
     refused = http.get("/v1/models", headers={"Authorization": "Bearer k-three"})
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "AuthenticationError"
     assert refused.headers["www-authenticate"] == "Bearer"

@@ -228,7 +228,12 @@ def test_an_engine_error_is_an_error_event_streamed_and_a_500_whole():
 def test_the_api_key_may_come_as_x_api_key():
     client = EngineClient([object()], client_index=1)
     settings = ServingSettings(served_model_name="tiny", max_model_len=64, api_keys=("k-one",))
-    http = TestClient(create_app(OpenAIServing(settings, client, byte_level_tokenizer(), RoundRobinPolicy())))
+    app = create_app(OpenAIServing(settings, client, byte_level_tokenizer(), RoundRobinPolicy()))
+    with TestClient(app) as http:  # (with its lifespan, as Serve runs it)
+        _x_api_key_checks(http)
+
+
+def _x_api_key_checks(http) -> None:
     body = {"model": "nope", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     refused = http.post("/v1/messages", json=body, headers={"x-api-key": "k-two"})
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
