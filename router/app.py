@@ -449,7 +449,7 @@ class EventStreamResponse(Response):
             except (asyncio.CancelledError, OSError):
                 raise
             except Exception as e:
-                body = stream_error_event(e).encode()
+                body = getattr(self._source, "error_event", stream_error_event)(e).encode()
             await send({"type": "http.response.body", "body": body, "more_body": False})
         except asyncio.CancelledError:
             # Our own cancel (the client left) ends the response quietly; any other cancel goes on.

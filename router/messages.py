@@ -206,6 +206,13 @@ def _sse(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
+def _error_event(error: Exception) -> str:
+    """Anthropic's error event (an engine failure, a timeout, or anything else mid-answer)."""
+    message = error.error.message if isinstance(error, _StreamError) else \
+        error.message if isinstance(error, APIError) else str(error)
+    return _sse({"type": "error", "error": {"type": "api_error", "message": message}})
+
+
 @dataclass
 class _Blocks:
     """The answer's content blocks as they stream: one open at a time (thinking, text, a tool call);
@@ -240,12 +247,13 @@ class _Blocks:
                 self._start("text", {"type": "text", "text": ""})
             self._delta({"type": "text_delta", "text": parsed.content})
         for call in parsed.tool_calls:
+            kind = f"call:{call['index']}"
             if "id" in call:
                 self.called = True
-                self._start(f"call:{call['index']}", {"type": "tool_use", "id": call["id"],
-                                                      "name": call["function"]["name"], "input": {}})
+                self._start(kind, {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                                   "input": {}})
             arguments = call["function"].get("arguments") or ""
-            if arguments:
+            if arguments and self.open_kind == kind:  # (a closed block takes no more: Anthropic's rule)
                 self._delta({"type": "input_json_delta", "partial_json": arguments})
 
     def take(self) -> list[str]:
@@ -269,10 +277,9 @@ class MessagesServing:
             raise
         model = self.serving.model_name(request.model)
         if request.stream:
-            return SSEStream(self._stream(run, model), run.streams)
+            return SSEStream(self._stream(run, model), run.streams, _error_event)
         await self.serving.finish_chat(run)
         parsed = parsed_whole(run.choices[0])
-        stop_reason, stop_sequence = self._stop(run, bool(parsed.tool_calls))
         content: list[dict[str, Any]] = []
         if parsed.reasoning:
             content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
@@ -285,8 +292,10 @@ class MessagesServing:
                 continue  # a call cut off by max_tokens: not a whole call
             content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                             "input": arguments})
+        called = any(block["type"] == "tool_use" for block in content)
         if not content:
             content.append({"type": "text", "text": ""})
+        stop_reason, stop_sequence = self._stop(run, called)
         return {"id": run.request_id, "type": "message", "role": "assistant", "model": model, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self._usage(run)}
 
@@ -324,10 +333,8 @@ class MessagesServing:
                     yield "".join(blocks.take())
             stop_reason, stop_sequence = self._stop(run, blocks.called)
         except (_StreamError, APIError) as e:
-            message = e.error.message if isinstance(e, _StreamError) else e.message
             blocks.close()
-            yield "".join([*blocks.take(), _sse({"type": "error", "error": {"type": "api_error",
-                                                                              "message": message}})])
+            yield "".join([*blocks.take(), _error_event(e)])
             return
         blocks.close()
         usage = self._usage(run)

@@ -26,6 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RESPONSE_STORE_NAME = "llm-cluster-responses"
+# The most text the store keeps of streamed background responses' events: beyond it, the events of
+# the least recently used ended streams are dropped (their responses stay).
+EVENT_BYTES_BUDGET = 256 * 2**20
+# Calls the store actor runs at once (each waiting follower holds one).
+STORE_MAX_CONCURRENCY = 10_000
 # The statuses of a background response still being generated.
 UNFINISHED = ("queued", "in_progress")
 
@@ -43,9 +48,12 @@ class _Entry:
     response: dict[str, Any]
     previous_id: str | None
     input_items: list[dict[str, Any]]  # this turn's input (its output items are the response's)
-    # A streamed background response's SSE events (index = sequence number), None for the others.
+    # A streamed background response's SSE events (index = sequence number), None for the others
+    # (and once dropped for the budget: ``events_dropped``).
     events: list[str] | None = None
     events_done: bool = False
+    events_dropped: bool = False
+    event_bytes: int = 0
     # Set (and replaced) when events arrive or the entry goes: wakes the followers waiting on it.
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -76,6 +84,7 @@ class ResponseStore:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._event_bytes = 0  # of every entry's events
 
     def set_max_entries(self, max_entries: int) -> None:
         """The latest deployment's limit applies (the actor outlives the replicas that made it)."""
@@ -89,14 +98,20 @@ class ResponseStore:
         """``streamed``: a background response whose events are kept (``append_events``)."""
         replaced = self._entries.get(response["id"])
         if replaced is not None:
-            replaced.wake()
+            self._gone(replaced)
         self._entries[response["id"]] = _Entry(response, previous_id, input_items, [] if streamed else None)
         self._entries.move_to_end(response["id"])
         self._forget_beyond_limit()
 
     def _forget_beyond_limit(self) -> None:
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)[1].wake()
+            self._gone(self._entries.popitem(last=False)[1])
+
+    def _gone(self, entry: _Entry) -> None:
+        """An entry leaves the store: its events' bytes are freed, its followers end."""
+        self._event_bytes -= entry.event_bytes
+        entry.event_bytes = 0
+        entry.wake()
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         entry = self._entries.get(response_id)
@@ -110,26 +125,42 @@ class ResponseStore:
         entry = self._entries.pop(response_id, None)
         if entry is None:
             return None
-        entry.wake()  # (its followers end)
+        self._gone(entry)  # (its followers end)
         return entry.response
 
-    def append_events(self, response_id: str, events: list[str], done: bool) -> bool:
-        """The next events of a streamed background response (``done``: its stream has ended); False
-        when the store no longer holds it, or holds no event stream for it."""
+    def append_events(self, response_id: str, first: int, events: list[str], done: bool) -> bool:
+        """Events of a streamed background response from sequence number ``first`` (those the store
+        has already are skipped: a sender may send again what a failed call may have delivered);
+        ``done``: its stream has ended. False when its stream was ended (a cancel), or the store no
+        longer holds it or its events: the sender stops."""
         entry = self._entries.get(response_id)
-        if entry is None or entry.events is None:
+        if entry is None or entry.events is None or entry.events_done or first > len(entry.events):
             return False
-        entry.events.extend(events)
-        entry.events_done = entry.events_done or done
+        new = events[len(entry.events) - first:]
+        entry.events.extend(new)
+        added = sum(len(event) for event in new)
+        entry.event_bytes += added
+        self._event_bytes += added
+        entry.events_done = done
         entry.wake()
+        self._trim_events()
         return True
+
+    def _trim_events(self) -> None:
+        """Within EVENT_BYTES_BUDGET: drop the events of the least recently used ended streams."""
+        for entry in self._entries.values():
+            if self._event_bytes <= EVENT_BYTES_BUDGET:
+                return
+            if entry.events is not None and entry.events_done:
+                self._event_bytes -= entry.event_bytes
+                entry.events, entry.event_bytes, entry.events_dropped = None, 0, True
 
     async def events_after(self, response_id: str, after: int,
                            wait_s: float) -> tuple[list[str] | None, bool] | None:
         """A streamed background response's events after sequence number ``after`` (-1: all), and
         whether its stream has ended; when there are none yet, waits up to ``wait_s`` for some.
         None when the store does not hold the response; (None, False) when it is not a streamed
-        background response."""
+        background response, (None, True) when its events were dropped (EVENT_BYTES_BUDGET)."""
         entry = self._entries.get(response_id)
         if entry is not None and entry.events is not None and len(entry.events) <= after + 1 \
                 and not entry.events_done and wait_s > 0:
@@ -140,7 +171,7 @@ class ResponseStore:
             return None
         self._entries.move_to_end(response_id)
         if entry.events is None:
-            return None, False
+            return None, entry.events_dropped
         return entry.events[after + 1:], entry.events_done
 
     def settle(self, response: dict[str, Any]) -> bool:
@@ -164,6 +195,9 @@ class ResponseStore:
         if status not in UNFINISHED:
             return str(status)
         entry.response = {**entry.response, "status": "cancelled"}
+        if entry.events is not None:  # its stream ends here: followers stop, the generating replica too
+            entry.events_done = True
+            entry.wake()
         return entry.response
 
     def conversation(self, response_id: str) -> tuple[list[dict[str, Any]] | None, str | None]:
@@ -220,7 +254,8 @@ class AsyncResponseStore:
 
     async def put(self, response: dict[str, Any], previous_id: str | None,
                   input_items: list[dict[str, Any]], streamed: bool = False) -> None:
-        await self._call("put", response, previous_id, input_items, streamed)
+        # (``streamed`` only when set: a store actor started by an earlier build takes three arguments.)
+        await self._call("put", response, previous_id, input_items, *([True] if streamed else []))
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
         return await self._call("get", response_id)
@@ -234,8 +269,8 @@ class AsyncResponseStore:
     async def cancel(self, response_id: str) -> dict[str, Any] | str | None:
         return await self._call("cancel", response_id)
 
-    async def append_events(self, response_id: str, events: list[str], done: bool) -> bool:
-        return await self._call("append_events", response_id, events, done)
+    async def append_events(self, response_id: str, first: int, events: list[str], done: bool) -> bool:
+        return await self._call("append_events", response_id, first, events, done)
 
     async def events_after(self, response_id: str, after: int,
                            wait_s: float) -> tuple[list[str] | None, bool] | None:
@@ -285,9 +320,11 @@ class ActorResponseStore(AsyncResponseStore):
     def _connect(self) -> Any:
         import ray
 
+        # (An async actor: followers of streamed background responses each hold a call while they wait.)
         actor = ray.remote(ResponseStore).options(
             name=RESPONSE_STORE_NAME, namespace=self.namespace, get_if_exists=True, lifetime="detached",
-            num_cpus=0, max_restarts=-1, max_task_retries=-1).remote(self.max_entries)
+            num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=STORE_MAX_CONCURRENCY,
+        ).remote(self.max_entries)
         actor.set_max_entries.remote(self.max_entries)  # an existing store takes this deployment's limit
         return actor
 
@@ -295,7 +332,17 @@ class ActorResponseStore(AsyncResponseStore):
         from ray.exceptions import RayActorError
 
         try:
-            return await getattr(self.actor, method).remote(*args)
+            return await self._await(getattr(self.actor, method).remote(*args))
         except RayActorError:  # killed (llm-cluster stop) or lost with its node: find or start it again
             self.actor = self._connect()
-            return await getattr(self.actor, method).remote(*args)
+            return await self._await(getattr(self.actor, method).remote(*args))
+
+    @staticmethod
+    async def _await(ref: Any) -> Any:
+        import ray
+
+        try:
+            return await ref
+        except asyncio.CancelledError:  # (a follower that left: its wait in the store ends too)
+            ray.cancel(ref)
+            raise

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.parsed_output import ParsedDelta
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, invalid
-from router.response_store import UNFINISHED, MissingResponseError
+from router.response_store import UNFINISHED, AsyncResponseStore, MissingResponseError
 from router.serving import (
     APIError,
     SSEStream,
@@ -48,8 +48,10 @@ if TYPE_CHECKING:
     from router.serving import ChatRun, OpenAIServing
 
 logger = logging.getLogger(__name__)
-# How long one wait of a follower of a streamed background response lasts in the store (it then asks again).
+# How long one wait of a follower of a streamed background response lasts in the store (it then asks
+# again), and how long a follower waits for a next event before it gives up.
 FOLLOW_WAIT_S = 15.0
+FOLLOW_IDLE_S = 600.0
 
 # Responses fields whose chat counterpart has another name: a chat validation error names the
 # Responses parameter.
@@ -569,37 +571,40 @@ class ResponsesServing:
                             "dropped", base["id"], response["status"])
             return kept
 
-        recorded = 0  # (events the store was sent: the next one's sequence number)
+        recorder = _EventRecorder(self.store, base["id"]) if streamed else None
 
-        async def record(events: list[str], done: bool = False) -> None:
-            nonlocal recorded
-            recorded += len(events)
-            try:
-                await self.store.append_events(base["id"], events, done)  # type: ignore[union-attr]
-            except Exception as e:  # (its followers wait for the rest; GET still has its status)
-                logger.warning("could not store events of background response %s: %s", base["id"], e)
+        async def end_failed(message: str) -> None:
+            response = failed(message)
+            if await settle(response) and recorder is not None:
+                recorder.add([sse_event("response.failed", recorder.next_sequence, response=response)])
 
         async def generate() -> None:
             try:
                 if not await settle(base | {"status": "in_progress"}):
                     pass  # cancelled or deleted already
-                elif streamed:
-                    async for events in self._events(base, run, settle, created_status="queued"):
-                        await record(events)
+                elif recorder is not None:
+                    try:
+                        async for events in self._events(base, run, settle, created_status="queued"):
+                            recorder.add(events)
+                            if recorder.stopped:
+                                break  # cancelled or deleted: the engine request is dropped below
+                    except Exception as e:  # (not an engine error, which _events ends as failed itself)
+                        logger.exception("background response %s failed", base["id"])
+                        await end_failed(str(e))
                 else:
                     try:
                         final = await self._answer(base, run)
                     except Exception as e:  # an engine failure or a timeout: failed, as a sync answer
                         final = failed(str(e))
                     await settle(final)  # (not over a cancel or a delete)
-                if streamed:
-                    await record([], done=True)
+                if recorder is not None:
+                    await recorder.finish()
             except asyncio.CancelledError:  # the replica is shutting down
-                response = failed("the router replica generating it shut down")
 
                 async def end() -> None:
-                    if await settle(response) and streamed:
-                        await record([sse_event("response.failed", recorded, response=response)], done=True)
+                    await end_failed("the router replica generating it shut down")
+                    if recorder is not None:
+                        await recorder.finish()
 
                 await asyncio.shield(end())
                 raise
@@ -623,21 +628,30 @@ class ResponsesServing:
         if answer is None:
             raise _not_found(response_id, "response_id", self.store is not None)
         if answer[0] is None:
-            raise bad_request(f"Response {response_id!r} was not created with background and stream: it has no "
-                              "events to stream (GET it without stream)", "stream")
+            why = ("its events are no longer kept (the store keeps a bounded amount)" if answer[1] else
+                   "it was not created with background and stream")
+            raise bad_request(f"Response {response_id!r} has no events to stream: {why}; GET it without stream",
+                              "stream")
         return SSEStream(self._follow(response_id, after, answer), [])
 
     async def _follow(self, response_id: str, after: int,
                       answer: tuple[list[str] | None, bool] | None) -> AsyncIterator[str]:
+        last_event = time.monotonic()
         while True:
             if answer is None:
-                answer = await self._ask_store("events_after", response_id, after, FOLLOW_WAIT_S)
-                if answer is None:  # deleted or forgotten meanwhile
+                if time.monotonic() - last_event > FOLLOW_IDLE_S:  # (its replica died without ending it)
+                    yield sse_event("error", after + 1, code="server_error", param=None,
+                                    message=f"no events for {FOLLOW_IDLE_S:g} s: the replica generating "
+                                            "this response may have stopped")
                     return
+                answer = await self._ask_store("events_after", response_id, after, FOLLOW_WAIT_S)
+            if answer is None or answer[0] is None:  # deleted, forgotten, or its events dropped meanwhile
+                return
             events, done = answer
             if events:
                 yield "".join(events)
                 after += len(events)
+                last_event = time.monotonic()
             if done:
                 return
             answer = None
@@ -723,6 +737,8 @@ class ResponsesServing:
 
         started = base | {"status": "in_progress"}
         emit("response.created", response=base | {"status": created_status})
+        if created_status == "queued":
+            emit("response.queued", response=base | {"status": "queued"})
         emit("response.in_progress", response=started)
         yield flush()
         items = OutputItems(emit)
@@ -747,6 +763,56 @@ class ResponsesServing:
             emit({"completed": "response.completed", "incomplete": "response.incomplete"}.get(
                 final["status"], "response.failed"), response=final)
         yield flush()
+
+
+class _EventRecorder:
+    """Sends a streamed background response's events to the store in order, without holding up the
+    generation: events that come while a send is in flight go together in the next. A send that
+    fails is sent again with the next (the store skips what it has). ``stopped``: the store has the
+    end of the stream, or ended it itself (a cancel, a delete), and the generation should stop."""
+
+    def __init__(self, store: AsyncResponseStore, response_id: str) -> None:
+        self.store, self.response_id = store, response_id
+        self.sent = 0  # events the store has
+        self.pending: list[str] = []
+        self.done = False  # the last events are in pending (or sent)
+        self.stopped = False
+        self._sending: asyncio.Task | None = None
+
+    @property
+    def next_sequence(self) -> int:
+        return self.sent + len(self.pending)
+
+    def add(self, events: list[str]) -> None:
+        self.pending += events
+        if not self.stopped and (self._sending is None or self._sending.done()):
+            self._sending = asyncio.create_task(self._send())
+
+    async def finish(self) -> None:
+        """Send what is left, marked as the end of the stream."""
+        self.done = True
+        if self._sending is not None:
+            await self._sending
+        await self._send()
+
+    async def _send(self) -> None:
+        while not self.stopped:
+            batch, done = list(self.pending), self.done
+            if not batch and not done:
+                return
+            try:
+                kept = await self.store.append_events(self.response_id, self.sent, batch, done)
+            except Exception as e:  # (sent again with the next events, or at the end)
+                logger.warning("could not store events of background response %s: %s", self.response_id, e)
+                return
+            if not kept:
+                self.stopped = True
+                return
+            self.sent += len(batch)
+            del self.pending[:len(batch)]
+            if done:
+                self.stopped = True  # (nothing may follow the end)
+                return
 
 
 def sse_event(type_: str, sequence: int, **fields: Any) -> str:

@@ -1006,9 +1006,12 @@ class SSEStream:
     """A streamed response body plus the engine requests opened for it. ``aclose()`` releases them
     all, also when the body was never started (the client left before the response began)."""
 
-    def __init__(self, chunks: AsyncIterator[str | bytes], streams: list[RequestStream]) -> None:
+    def __init__(self, chunks: AsyncIterator[str | bytes], streams: list[RequestStream],
+                 error_event: Callable[[Exception], str] | None = None) -> None:
         self._chunks = chunks
         self._streams = streams
+        # An error after the response started, as the API's last event (OpenAI's by default).
+        self.error_event = error_event or stream_error_event
 
     def __aiter__(self) -> AsyncIterator[str | bytes]:
         return self._chunks

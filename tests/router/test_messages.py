@@ -243,3 +243,26 @@ def _x_api_key_checks(http) -> None:
         _client(http, api_key="k-one").messages.create(**body)
     assert http.post("/v1/messages", json=body, headers={"Authorization": "Bearer k-one"}).status_code == 404
     assert http.get("/v1/models", headers={"x-api-key": "k-one"}).status_code == 200
+
+
+def test_an_unexpected_failure_mid_stream_is_anthropics_error_event(monkeypatch):
+    from router.messages import MessagesServing
+
+    def broken(*_):
+        raise RuntimeError("could not finish the message")
+
+    monkeypatch.setattr(MessagesServing, "_stop", broken)
+    http, _, _ = _app("Paris.")
+    ask = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    events = _events(http, ask)
+    assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": "could not finish the message"}}
+    with pytest.raises(anthropic.APIStatusError) as raised, _client(http).messages.stream(**ask) as stream:
+        stream.get_final_message()
+    assert "could not finish the message" in str(raised.value)
+
+
+def test_a_call_that_is_not_whole_json_is_not_a_tool_use():
+    http, _, _ = _app('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro', parser="hermes")
+    message = _client(http).messages.create(model="tiny", max_tokens=200, tools=[WEATHER],
+                                            messages=[{"role": "user", "content": "weather in Rome?"}])
+    assert message.stop_reason != "tool_use" and "tool_use" not in [b.type for b in message.content]

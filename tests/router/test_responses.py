@@ -568,7 +568,7 @@ def test_a_streamed_background_response_is_streamed_again_from_any_event():
         assert [e.sequence_number for e in events] == list(range(len(events)))
         assert (events[0].type, events[0].response.status, events[0].response.background) == \
             ("response.created", "queued", True)
-        assert events[1].type == "response.in_progress"
+        assert [e.type for e in events[1:3]] == ["response.queued", "response.in_progress"]
         assert events[-1].type == "response.completed" and events[-1].response.output_text == "Background answer."
         response_id = events[0].response.id
         assert client.responses.retrieve(response_id).status == "completed"
@@ -629,27 +629,126 @@ def test_followers_of_a_background_stream_wait_for_its_events_and_end_with_it():
         waiting = asyncio.create_task(store.events_after("resp_1", -1, 30.0))
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        assert store.append_events("resp_1", ["a", "b"], False)
+        assert store.append_events("resp_1", 0, ["a", "b"], False)
         assert await waiting == (["a", "b"], False)
         assert await store.events_after("resp_1", 0, 30.0) == (["b"], False)
         assert await store.events_after("resp_1", 1, 0.01) == ([], False)  # (none came in time)
+        assert not store.append_events("resp_1", 3, ["d"], False)  # (a gap: event 2 is missing)
         waiting = asyncio.create_task(store.events_after("resp_1", 1, 30.0))
         await asyncio.sleep(0.05)
-        assert store.append_events("resp_1", ["c"], True)
+        assert store.append_events("resp_1", 1, ["b", "c"], True)  # (b again: a resend after a failed call)
         assert await waiting == (["c"], True)
         assert await store.events_after("resp_1", 2, 30.0) == ([], True)  # (ended: no wait)
-        assert not store.append_events("resp_2", ["x"], False)  # (no event stream)
+        assert await store.events_after("resp_1", -1, 0) == (["a", "b", "c"], True)
+        assert not store.append_events("resp_1", 3, ["late"], False)  # (nothing after the end)
+        assert not store.append_events("resp_2", 0, ["x"], False)  # (no event stream)
         # A follower of a deleted or forgotten response ends at once.
         store.put({"id": "resp_3", "status": "queued"}, None, [], streamed=True)
         waiting = asyncio.create_task(store.events_after("resp_3", -1, 30.0))
         await asyncio.sleep(0.05)
         store.delete("resp_3")
-        assert await asyncio.wait_for(waiting, 5) is None and not store.append_events("resp_3", ["d"], True)
+        assert await asyncio.wait_for(waiting, 5) is None and not store.append_events("resp_3", 0, ["d"], True)
         store.put({"id": "resp_4", "status": "queued"}, None, [], streamed=True)
         waiting = asyncio.create_task(store.events_after("resp_4", -1, 30.0))
         await asyncio.sleep(0.05)
         store.put({"id": "resp_5", "status": "queued"}, None, [])
         store.put({"id": "resp_6", "status": "queued"}, None, [])  # (resp_4 is the least recently used)
         assert await asyncio.wait_for(waiting, 5) is None
+
+    asyncio.run(run())
+
+
+def test_a_cancel_ends_a_background_stream_and_old_ended_streams_give_way_to_the_budget(monkeypatch):
+    import asyncio
+
+    from router import response_store
+
+    async def run() -> None:
+        store = ResponseStore()
+        store.put({"id": "resp_1", "status": "queued"}, None, [], streamed=True)
+        assert store.append_events("resp_1", 0, ["a"], False)
+        waiting = asyncio.create_task(store.events_after("resp_1", 0, 30.0))
+        await asyncio.sleep(0.05)
+        store.cancel("resp_1")  # its followers end, and the generating replica's next send is refused
+        assert await asyncio.wait_for(waiting, 5) == ([], True)
+        assert not store.append_events("resp_1", 1, ["b"], False)
+        # Beyond the budget, the least recently used ended streams lose their events (not their responses).
+        monkeypatch.setattr(response_store, "EVENT_BYTES_BUDGET", 10)
+        for i in (2, 3, 4):
+            store.put({"id": f"resp_{i}", "status": "queued"}, None, [], streamed=True)
+        assert store.append_events("resp_2", 0, ["0123"], True)
+        assert store.append_events("resp_3", 0, ["4567"], True)
+        assert store.append_events("resp_4", 0, ["89ab"], False)  # (12 bytes: resp_1's one, then resp_2's go)
+        assert await store.events_after("resp_1", -1, 0) == (None, True)
+        assert await store.events_after("resp_2", -1, 0) == (None, True)
+        assert await store.events_after("resp_3", -1, 0) == (["4567"], True)
+        assert store.get("resp_2") is not None
+        store.delete("resp_3")
+        assert store._event_bytes == 4
+
+    asyncio.run(run())
+
+
+def test_a_background_stream_whose_events_were_dropped_is_a_400():
+    _, _, serving, store = _stored_app(["Background answer."])
+    with TestClient(create_app(serving, response_store=store)) as http:
+        events = list(_client(http).responses.create(model="tiny", input="hi", background=True, stream=True))
+        response_id = events[0].response.id
+        entry = store.store._entries[response_id]
+        entry.events, entry.events_dropped = None, True
+        r = http.get(f"/v1/responses/{response_id}?stream=true")
+        assert r.status_code == 400 and "no longer kept" in r.json()["error"]["message"]
+
+
+def test_a_cancel_stops_a_streamed_background_generation_even_when_the_engines_were_not_told():
+    """(This scripted engine cannot be reached by the cancel's abort.) The store refuses the
+    generating replica's next events, so it stops and drops the engine request itself; followers
+    end with no terminal event."""
+    import asyncio
+
+    _, engine, serving, store = _stored_app(["never finishes"])
+    engine.finish = None
+    responses = ResponsesServing(serving, store)
+
+    async def run() -> None:
+        stream = await responses.create(ResponsesRequest(model="tiny", input="hi", background=True, stream=True))
+        first = await anext(aiter(stream))
+        response_id = json.loads(first.split("data: ", 1)[1].split("\n", 1)[0])["response"]["id"]
+        follower = await responses.follow(response_id, None)
+        await responses.cancel(response_id)
+        followed = [chunk async for chunk in follower]
+        types = [json.loads(line[6:])["type"] for chunk in followed for line in chunk.splitlines()
+                 if line.startswith("data: ")]
+        assert types[0] == "response.created"
+        assert not {"response.completed", "response.incomplete", "response.failed"} & set(types)
+        deadline = asyncio.get_running_loop().time() + 10
+        while engine.aborted != [f"{response_id}-0"]:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        await stream.aclose()
+        assert store.store.get(response_id)["status"] == "cancelled"
+
+    asyncio.run(run())
+
+
+def test_an_unexpected_failure_ends_a_streamed_background_response_as_failed(monkeypatch):
+    import asyncio
+
+    _, _, serving, store = _stored_app(["Background answer."])
+    responses = ResponsesServing(serving, store)
+
+    def broken(*_):
+        raise RuntimeError("the final response could not be built")
+
+    monkeypatch.setattr(responses, "_final", broken)
+
+    async def run() -> None:
+        stream = await responses.create(ResponsesRequest(model="tiny", input="hi", background=True, stream=True))
+        chunks = [chunk async for chunk in stream]
+        events = [json.loads(line[6:]) for chunk in chunks for line in chunk.splitlines() if line.startswith("data: ")]
+        assert events[-1]["type"] == "response.failed" and "could not be built" in \
+            events[-1]["response"]["error"]["message"]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert store.store.get(events[0]["response"]["id"])["status"] == "failed"
 
     asyncio.run(run())
