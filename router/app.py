@@ -116,10 +116,9 @@ class APIKeyAuth:
             return
         path = _route_path(scope)
         if scope["method"] != "OPTIONS" and _needs_key(path):
-            headers = dict(scope["headers"])
-            # (Anthropic's clients send the key as x-api-key; it counts as the Bearer one.)
-            key = headers.get(b"authorization") or (b"Bearer " + headers[b"x-api-key"] if b"x-api-key" in headers
-                                                    else b"")
+            key = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if key is None:  # (Anthropic's clients send the key as x-api-key; it counts as the Bearer one)
+                key = next((b"Bearer " + v for k, v in scope["headers"] if k == b"x-api-key"), b"")
             given = _digest(key)
             if not any([hmac.compare_digest(given, expected) for expected in self.expected]):
                 response = _error_response(401, "Incorrect or missing API key (Authorization: Bearer <key>, or "

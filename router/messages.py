@@ -33,9 +33,13 @@ from router.serving import (
     OpenAIServing,
     SSEStream,
     _StreamError,
+    api_error_of,
     bad_request,
     chat_request_from,
     parsed_whole,
+)
+from router.serving import (
+    named_sse_event as _sse,
 )
 
 MESSAGES_PATH = "/v1/messages"
@@ -202,15 +206,9 @@ def _block_text(content: Any, where: str) -> str:
                       else "system")
 
 
-def _sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
-
-
 def _error_event(error: Exception) -> str:
     """Anthropic's error event (an engine failure, a timeout, or anything else mid-answer)."""
-    message = error.error.message if isinstance(error, _StreamError) else \
-        error.message if isinstance(error, APIError) else str(error)
-    return _sse({"type": "error", "error": {"type": "api_error", "message": message}})
+    return _sse({"type": "error", "error": {"type": "api_error", "message": api_error_of(error).message}})
 
 
 @dataclass
@@ -269,12 +267,7 @@ class MessagesServing:
 
     async def create(self, request: MessagesRequest, session_id: str | None = None) -> dict[str, Any] | SSEStream:
         chat = request.to_chat()
-        try:
-            run = await self.serving.start_chat(chat, session_id, request_id=f"msg_{uuid.uuid4().hex}")
-        except APIError as e:
-            e.param = _CHAT_TO_MESSAGES_PARAM.get(e.param or "", e.param)
-            e.message = e.message.replace("max_completion_tokens", "max_tokens")
-            raise
+        run = await self.serving.start_chat_as(chat, session_id, f"msg_{uuid.uuid4().hex}", _CHAT_TO_MESSAGES_PARAM)
         model = self.serving.model_name(request.model)
         if request.stream:
             return SSEStream(self._stream(run, model), run.streams, _error_event)

@@ -26,13 +26,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RESPONSE_STORE_NAME = "llm-cluster-responses"
-# The most text the store keeps of streamed background responses' events: beyond it, the events of
-# the least recently used ended streams are dropped (their responses stay).
+# The text of streamed background responses' events the store keeps: beyond it, the events of the
+# least recently used ended streams are dropped (their responses stay). Streams still running are
+# never dropped, so they alone may go beyond it.
 EVENT_BYTES_BUDGET = 256 * 2**20
 # Calls the store actor runs at once (each waiting follower holds one).
 STORE_MAX_CONCURRENCY = 10_000
 # The statuses of a background response still being generated.
 UNFINISHED = ("queued", "in_progress")
+
+
+@dataclass
+class EventsPage:
+    """What ``events_after`` found: ``state`` ok (``events`` after the asked sequence number, and
+    whether the stream has ended), not_streamed (not a streamed background response) or dropped
+    (its events were dropped for EVENT_BYTES_BUDGET)."""
+
+    events: list[str]
+    done: bool
+    state: str = "ok"
 
 
 class MissingResponseError(KeyError):
@@ -155,12 +167,10 @@ class ResponseStore:
                 self._event_bytes -= entry.event_bytes
                 entry.events, entry.event_bytes, entry.events_dropped = None, 0, True
 
-    async def events_after(self, response_id: str, after: int,
-                           wait_s: float) -> tuple[list[str] | None, bool] | None:
+    async def events_after(self, response_id: str, after: int, wait_s: float) -> EventsPage | None:
         """A streamed background response's events after sequence number ``after`` (-1: all), and
         whether its stream has ended; when there are none yet, waits up to ``wait_s`` for some.
-        None when the store does not hold the response; (None, False) when it is not a streamed
-        background response, (None, True) when its events were dropped (EVENT_BYTES_BUDGET)."""
+        None when the store does not hold the response."""
         entry = self._entries.get(response_id)
         if entry is not None and entry.events is not None and len(entry.events) <= after + 1 \
                 and not entry.events_done and wait_s > 0:
@@ -171,15 +181,15 @@ class ResponseStore:
             return None
         self._entries.move_to_end(response_id)
         if entry.events is None:
-            return None, entry.events_dropped
-        return entry.events[after + 1:], entry.events_done
+            return EventsPage([], True, "dropped" if entry.events_dropped else "not_streamed")
+        return EventsPage(entry.events[after + 1:], entry.events_done)
 
     def settle(self, response: dict[str, Any]) -> bool:
-        """A background response's progress or end, over its entry unless the entry was cancelled or
-        deleted (or forgotten) meanwhile: False then. (One call, so a cancel or delete through
+        """A background response's progress or end, over its entry while it is unfinished: False when
+        it was cancelled, deleted (or forgotten), or has ended already. (One call, so a cancel or delete through
         another replica cannot slip between the check and the update.)"""
         entry = self._entries.get(response["id"])
-        if entry is None or entry.response.get("status") == "cancelled":
+        if entry is None or entry.response.get("status") not in UNFINISHED:
             return False
         entry.response = response
         self._entries.move_to_end(response["id"])  # (in use, as a put would count it)
@@ -254,7 +264,8 @@ class AsyncResponseStore:
 
     async def put(self, response: dict[str, Any], previous_id: str | None,
                   input_items: list[dict[str, Any]], streamed: bool = False) -> None:
-        # (``streamed`` only when set: a store actor started by an earlier build takes three arguments.)
+        # (``streamed`` only when set: a store actor started by an earlier build takes three arguments,
+        # and serves everything but streamed background responses, which need the store restarted.)
         await self._call("put", response, previous_id, input_items, *([True] if streamed else []))
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
@@ -272,8 +283,7 @@ class AsyncResponseStore:
     async def append_events(self, response_id: str, first: int, events: list[str], done: bool) -> bool:
         return await self._call("append_events", response_id, first, events, done)
 
-    async def events_after(self, response_id: str, after: int,
-                           wait_s: float) -> tuple[list[str] | None, bool] | None:
+    async def events_after(self, response_id: str, after: int, wait_s: float) -> EventsPage | None:
         return await self._call("events_after", response_id, after, wait_s)
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]]:

@@ -14,13 +14,14 @@ client carries its conversation in ``input`` (as the openai Agents SDK does by d
 ``previous_response_id`` puts the stored conversation (its inputs and outputs, not its
 instructions) before the new input; and ``background`` responses are generated after the answer
 (stored queued, then settled by the replica generating them), read back with GET and stopped with
-``POST /v1/responses/{id}/cancel``.
+``POST /v1/responses/{id}/cancel``. Streamed too, a background response's events go to the store as
+they come, and any replica streams them again (``GET ?stream=true&starting_after=N``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import time
 import uuid
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.parsed_output import ParsedDelta
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, invalid
-from router.response_store import UNFINISHED, AsyncResponseStore, MissingResponseError
+from router.response_store import UNFINISHED, EventsPage, MissingResponseError
 from router.serving import (
     APIError,
     SSEStream,
@@ -40,6 +41,7 @@ from router.serving import (
     bad_request,
     chat_request_from,
     choice_request_id,
+    named_sse_event,
     parsed_whole,
 )
 
@@ -501,13 +503,7 @@ class ResponsesServing:
         if request.background and not storing:
             raise bad_request("a background response is read back from the response store: start the server "
                               "with --enable-responses-store, and leave store true", "background")
-        try:
-            run = await self.serving.start_chat(chat, session_id, request_id=f"resp_{uuid.uuid4().hex}")
-        except APIError as e:
-            if e.param in _CHAT_ERROR_PARAM:
-                e.param = _CHAT_ERROR_PARAM[e.param]
-                e.message = e.message.replace("max_tokens", "max_output_tokens")
-            raise
+        run = await self.serving.start_chat_as(chat, session_id, f"resp_{uuid.uuid4().hex}", _CHAT_ERROR_PARAM)
         base = {"id": run.request_id, "object": "response", "created_at": run.created,
                 "model": self.serving.model_name(request.model), "error": None, "incomplete_details": None,
                 "output": [], "usage": None, **request.echo_fields(storing)}
@@ -561,6 +557,8 @@ class ResponsesServing:
             return base | {"status": "failed", "error": {"code": "server_error", "message": message}}
 
         async def settle(response: dict[str, Any]) -> bool:
+            # False: cancelled, deleted or forgotten meanwhile, or the store could not be reached (then
+            # a streamed response's followers get no final event, and GET keeps the last status).
             try:
                 kept = await self.store.settle(response)  # type: ignore[union-attr]
             except Exception as e:
@@ -584,10 +582,12 @@ class ResponsesServing:
                     pass  # cancelled or deleted already
                 elif recorder is not None:
                     try:
-                        async for events in self._events(base, run, settle, created_status="queued"):
-                            recorder.add(events)
-                            if recorder.stopped:
-                                break  # cancelled or deleted: the engine request is dropped below
+                        async with contextlib.aclosing(self._events(base, run, settle, created_status="queued")) \
+                                as events_of:
+                            async for events in events_of:
+                                recorder.add(events)
+                                if recorder.stopped:
+                                    break  # cancelled or deleted: the engine request is dropped below
                     except Exception as e:  # (not an engine error, which _events ends as failed itself)
                         logger.exception("background response %s failed", base["id"])
                         await end_failed(str(e))
@@ -624,37 +624,35 @@ class ResponsesServing:
         ``starting_after`` (all of them without it), those stored and then those to come, through
         whichever replica; a response that was not streamed in the background is a 400."""
         after = -1 if starting_after is None else starting_after
-        answer = await self._ask_store("events_after", response_id, after, 0.0) if self.store is not None else None
-        if answer is None:
+        page = await self._ask_store("events_after", response_id, after, 0.0) if self.store is not None else None
+        if page is None:
             raise _not_found(response_id, "response_id", self.store is not None)
-        if answer[0] is None:
-            why = ("its events are no longer kept (the store keeps a bounded amount)" if answer[1] else
-                   "it was not created with background and stream")
+        if page.state != "ok":
+            why = ("its events are no longer kept (the store keeps a bounded amount)" if page.state == "dropped"
+                   else "it was not created with background and stream")
             raise bad_request(f"Response {response_id!r} has no events to stream: {why}; GET it without stream",
                               "stream")
-        return SSEStream(self._follow(response_id, after, answer), [])
+        return SSEStream(self._follow(response_id, after, page), [])
 
-    async def _follow(self, response_id: str, after: int,
-                      answer: tuple[list[str] | None, bool] | None) -> AsyncIterator[str]:
+    async def _follow(self, response_id: str, after: int, page: EventsPage | None) -> AsyncIterator[str]:
         last_event = time.monotonic()
         while True:
-            if answer is None:
+            if page is None:
                 if time.monotonic() - last_event > FOLLOW_IDLE_S:  # (its replica died without ending it)
                     yield sse_event("error", after + 1, code="server_error", param=None,
                                     message=f"no events for {FOLLOW_IDLE_S:g} s: the replica generating "
                                             "this response may have stopped")
                     return
-                answer = await self._ask_store("events_after", response_id, after, FOLLOW_WAIT_S)
-            if answer is None or answer[0] is None:  # deleted, forgotten, or its events dropped meanwhile
+                page = await self._ask_store("events_after", response_id, after, FOLLOW_WAIT_S)
+            if page is None or page.state != "ok":  # deleted, forgotten, or its events dropped meanwhile
                 return
-            events, done = answer
-            if events:
-                yield "".join(events)
-                after += len(events)
+            if page.events:
+                yield "".join(page.events)
+                after += len(page.events)
                 last_event = time.monotonic()
-            if done:
+            if page.done:
                 return
-            answer = None
+            page = None
 
     async def cancel(self, response_id: str) -> dict[str, Any]:
         """``POST /v1/responses/{id}/cancel``, the store's part: a queued or in-progress background
@@ -817,8 +815,7 @@ class _EventRecorder:
 
 def sse_event(type_: str, sequence: int, **fields: Any) -> str:
     """One Responses API stream event, numbered."""
-    data = json.dumps({"type": type_, "sequence_number": sequence, **fields}, ensure_ascii=False)
-    return f"event: {type_}\ndata: {data}\n\n"
+    return named_sse_event({"type": type_, "sequence_number": sequence, **fields})
 
 
 def _not_found(response_id: str, param: str, storing: bool) -> APIError:

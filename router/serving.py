@@ -782,6 +782,18 @@ class OpenAIServing:
         streams = await self._open_all(jobs, request.priority, lora)
         return ChatRun(request_id, created, ids, choices, streams)
 
+    async def start_chat_as(self, request: ChatCompletionRequest, session_id: str | None, request_id: str,
+                            param_names: dict[str, str]) -> ChatRun:
+        """``start_chat`` for another API (Responses, Anthropic's Messages): its refusals name that
+        API's parameters (``param_names``: chat names to its own; ``max_tokens`` in messages too)."""
+        try:
+            return await self.start_chat(request, session_id, request_id=request_id)
+        except APIError as e:
+            if e.param in param_names:
+                e.param = param_names[e.param]
+                e.message = e.message.replace("max_tokens", param_names.get("max_tokens", "max_tokens"))
+            raise
+
     async def finish_chat(self, run: ChatRun) -> None:
         """Every choice of a started chat, to its end."""
         await self._generate(run.streams, run.choices, None)
@@ -1090,9 +1102,20 @@ class _StreamError(Exception):
         self.error = error
 
 
+def api_error_of(error: Exception) -> APIError:
+    """What went wrong mid-stream, as an API error (anything unexpected is a 500)."""
+    if isinstance(error, _StreamError):
+        return error.error
+    return error if isinstance(error, APIError) else APIError(500, str(error), "InternalServerError")
+
+
 def stream_error_event(error: Exception) -> str:
-    api_error = error.error if isinstance(error, _StreamError) else APIError(500, str(error), "InternalServerError")
-    return f"data: {json.dumps(api_error.body())}\n\ndata: [DONE]\n\n"
+    return f"data: {json.dumps(api_error_of(error).body())}\n\ndata: [DONE]\n\n"
+
+
+def named_sse_event(payload: dict[str, Any]) -> str:
+    """An SSE event named by its payload's type (the Responses and Messages APIs' events)."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def _logprob_rows(token_ids: list[int], entry: LogprobsEntry) -> list[tuple[int, float, list[tuple[int, float]]]]:

@@ -19,20 +19,16 @@ from router.engine_client import EngineClient
 from router.routing import RoundRobinPolicy
 from router.serving import OpenAIServing, ServingSettings
 
+from .test_responses import HERMES_ANSWER, _prompt
 from .test_tool_calling import _app
 from .tokenizer_factory import byte_level_tokenizer
 
 WEATHER = {"name": "get_weather", "description": "Current weather",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-HERMES_ANSWER = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
 
 
 def _client(http, api_key: str = "unused") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url="http://testserver", api_key=api_key, http_client=http, max_retries=0)
-
-
-def _prompt(serving, engine, i: int = 0) -> str:
-    return serving.tokenizer.decode(engine.requests[i].prompt_token_ids)
 
 
 def _events(http, body: dict) -> list[dict]:
@@ -229,20 +225,16 @@ def test_the_api_key_may_come_as_x_api_key():
     client = EngineClient([object()], client_index=1)
     settings = ServingSettings(served_model_name="tiny", max_model_len=64, api_keys=("k-one",))
     app = create_app(OpenAIServing(settings, client, byte_level_tokenizer(), RoundRobinPolicy()))
-    with TestClient(app) as http:  # (with its lifespan, as Serve runs it)
-        _x_api_key_checks(http)
-
-
-def _x_api_key_checks(http) -> None:
     body = {"model": "nope", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    refused = http.post("/v1/messages", json=body, headers={"x-api-key": "k-two"})
-    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
-    assert http.post("/v1/messages", json=body).status_code == 401
-    # The right key (as the anthropic client sends it) gets through, to the unknown model's 404.
-    with pytest.raises(anthropic.NotFoundError):
-        _client(http, api_key="k-one").messages.create(**body)
-    assert http.post("/v1/messages", json=body, headers={"Authorization": "Bearer k-one"}).status_code == 404
-    assert http.get("/v1/models", headers={"x-api-key": "k-one"}).status_code == 200
+    with TestClient(app) as http:  # (with its lifespan, as Serve runs it)
+        refused = http.post("/v1/messages", json=body, headers={"x-api-key": "k-two"})
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        assert http.post("/v1/messages", json=body).status_code == 401
+        # The right key (as the anthropic client sends it) gets through, to the unknown model's 404.
+        with pytest.raises(anthropic.NotFoundError):
+            _client(http, api_key="k-one").messages.create(**body)
+        assert http.post("/v1/messages", json=body, headers={"Authorization": "Bearer k-one"}).status_code == 404
+        assert http.get("/v1/models", headers={"x-api-key": "k-one"}).status_code == 200
 
 
 def test_an_unexpected_failure_mid_stream_is_anthropics_error_event(monkeypatch):

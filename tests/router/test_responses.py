@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from engine_core.request import FinishReason
 from router.app import create_app
-from router.response_store import LocalResponseStore, ResponseStore
+from router.response_store import EventsPage, LocalResponseStore, ResponseStore
 from router.responses import ResponsesRequest, ResponsesServing
 
 from .test_tool_calling import _app
@@ -528,6 +528,11 @@ def test_the_store_keeps_a_cancel_or_delete_over_a_background_responses_later_pr
     store.put(base | {"id": "resp_2", "status": "queued"}, None, [])
     assert store.delete("resp_2") and not store.settle(base | {"id": "resp_2", "status": "completed"})
     assert store.get("resp_2") is None  # (a deleted one does not come back)
+    # Nor does a stopping replica's failure replace an answer that had ended.
+    store.put(base | {"id": "resp_3", "status": "queued"}, None, [])
+    assert store.settle(base | {"id": "resp_3", "status": "completed"})
+    assert not store.settle(base | {"id": "resp_3", "status": "failed"})
+    assert store.get("resp_3")["status"] == "completed"
 
 
 def test_a_replica_stopping_ends_its_background_responses_as_failed():
@@ -599,7 +604,7 @@ def test_a_streamed_background_response_outlives_its_client_and_its_replica_ends
         first = await anext(aiter(stream))
         response_id = json.loads(first.split("data: ", 1)[1].split("\n", 1)[0])["response"]["id"]
         await stream.aclose()  # the client left
-        while not (await store.events_after(response_id, -1, 0.0))[0][-1].startswith(
+        while not (await store.events_after(response_id, -1, 0.0)).events[-1].startswith(
                 "event: response.output_text.delta"):
             await asyncio.sleep(0.01)
         assert engine.aborted == [] and store.store.get(response_id)["status"] == "in_progress"
@@ -624,22 +629,22 @@ def test_followers_of_a_background_stream_wait_for_its_events_and_end_with_it():
         store = ResponseStore(max_entries=2)
         store.put({"id": "resp_1", "status": "queued"}, None, [], streamed=True)
         store.put({"id": "resp_2", "status": "queued"}, None, [])
-        assert await store.events_after("resp_2", -1, 1.0) == (None, False)  # not streamed
+        assert await store.events_after("resp_2", -1, 1.0) == EventsPage([], True, "not_streamed")
         assert await store.events_after("resp_nope", -1, 1.0) is None
         waiting = asyncio.create_task(store.events_after("resp_1", -1, 30.0))
         await asyncio.sleep(0.05)
         assert not waiting.done()
         assert store.append_events("resp_1", 0, ["a", "b"], False)
-        assert await waiting == (["a", "b"], False)
-        assert await store.events_after("resp_1", 0, 30.0) == (["b"], False)
-        assert await store.events_after("resp_1", 1, 0.01) == ([], False)  # (none came in time)
+        assert await waiting == EventsPage(["a", "b"], False)
+        assert await store.events_after("resp_1", 0, 30.0) == EventsPage(["b"], False)
+        assert await store.events_after("resp_1", 1, 0.01) == EventsPage([], False)  # (none came in time)
         assert not store.append_events("resp_1", 3, ["d"], False)  # (a gap: event 2 is missing)
         waiting = asyncio.create_task(store.events_after("resp_1", 1, 30.0))
         await asyncio.sleep(0.05)
         assert store.append_events("resp_1", 1, ["b", "c"], True)  # (b again: a resend after a failed call)
-        assert await waiting == (["c"], True)
-        assert await store.events_after("resp_1", 2, 30.0) == ([], True)  # (ended: no wait)
-        assert await store.events_after("resp_1", -1, 0) == (["a", "b", "c"], True)
+        assert await waiting == EventsPage(["c"], True)
+        assert await store.events_after("resp_1", 2, 30.0) == EventsPage([], True)  # (ended: no wait)
+        assert await store.events_after("resp_1", -1, 0) == EventsPage(["a", "b", "c"], True)
         assert not store.append_events("resp_1", 3, ["late"], False)  # (nothing after the end)
         assert not store.append_events("resp_2", 0, ["x"], False)  # (no event stream)
         # A follower of a deleted or forgotten response ends at once.
@@ -670,7 +675,7 @@ def test_a_cancel_ends_a_background_stream_and_old_ended_streams_give_way_to_the
         waiting = asyncio.create_task(store.events_after("resp_1", 0, 30.0))
         await asyncio.sleep(0.05)
         store.cancel("resp_1")  # its followers end, and the generating replica's next send is refused
-        assert await asyncio.wait_for(waiting, 5) == ([], True)
+        assert await asyncio.wait_for(waiting, 5) == EventsPage([], True)
         assert not store.append_events("resp_1", 1, ["b"], False)
         # Beyond the budget, the least recently used ended streams lose their events (not their responses).
         monkeypatch.setattr(response_store, "EVENT_BYTES_BUDGET", 10)
@@ -679,9 +684,9 @@ def test_a_cancel_ends_a_background_stream_and_old_ended_streams_give_way_to_the
         assert store.append_events("resp_2", 0, ["0123"], True)
         assert store.append_events("resp_3", 0, ["4567"], True)
         assert store.append_events("resp_4", 0, ["89ab"], False)  # (12 bytes: resp_1's one, then resp_2's go)
-        assert await store.events_after("resp_1", -1, 0) == (None, True)
-        assert await store.events_after("resp_2", -1, 0) == (None, True)
-        assert await store.events_after("resp_3", -1, 0) == (["4567"], True)
+        assert await store.events_after("resp_1", -1, 0) == EventsPage([], True, "dropped")
+        assert await store.events_after("resp_2", -1, 0) == EventsPage([], True, "dropped")
+        assert await store.events_after("resp_3", -1, 0) == EventsPage(["4567"], True)
         assert store.get("resp_2") is not None
         store.delete("resp_3")
         assert store._event_bytes == 4
