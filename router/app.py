@@ -189,9 +189,13 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
                                else "HTTPError", None, _route_path(request.scope))
 
     def respond(result: Any) -> Response:
+        """An answer as its response: an event stream, a response as it is (vLLM's binary
+        embeddings), or JSON (of a model or of plain data)."""
         if hasattr(result, "__aiter__"):
             return EventStreamResponse(result)
-        return JSONResponse(result.model_dump(mode="json"))
+        if isinstance(result, Response):
+            return result
+        return JSONResponse(result.model_dump(mode="json") if hasattr(result, "model_dump") else result)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -211,8 +215,7 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         chosen = responses_of[id(await servings.for_model(body.model))]
-        result = await chosen.create(body, request.headers.get(SESSION_HEADER))
-        return EventStreamResponse(result) if hasattr(result, "__aiter__") else JSONResponse(result)
+        return respond(await chosen.create(body, request.headers.get(SESSION_HEADER)))
 
     def model_endpoint(serving_class: type, body_type: type,
                        method: str = "create") -> Callable[..., Awaitable[Response]]:
@@ -222,10 +225,7 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
         async def endpoint(body: Any, request: Request) -> Response:
             chosen = serving_of[id(await servings.for_model(body.model))]
-            result = await getattr(chosen, method)(body, request.headers.get(SESSION_HEADER))
-            if hasattr(result, "__aiter__"):
-                return EventStreamResponse(result)
-            return result if isinstance(result, Response) else JSONResponse(result)  # (vLLM's binary answers)
+            return respond(await getattr(chosen, method)(body, request.headers.get(SESSION_HEADER)))
 
         endpoint.__annotations__["body"] = body_type  # (what FastAPI validates the body as)
         return endpoint

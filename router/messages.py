@@ -37,6 +37,7 @@ from router.serving import (
     bad_request,
     chat_request_from,
     parsed_whole,
+    required_text,
 )
 from router.serving import (
     named_sse_event as _sse,
@@ -189,10 +190,7 @@ def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _required(block: dict[str, Any], key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str) or not value:
-        raise bad_request(f"{where}.{key} is required", "messages")
-    return value
+    return required_text(block, key, where, "messages")
 
 
 def _block_text(content: Any, where: str) -> str:

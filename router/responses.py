@@ -43,6 +43,7 @@ from router.serving import (
     choice_request_id,
     named_sse_event,
     parsed_whole,
+    required_text,
 )
 
 if TYPE_CHECKING:
@@ -249,10 +250,7 @@ def _bad(param: str, message: str) -> APIError:
 
 
 def _required(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str) or not value:
-        raise _bad("input", f"{where}.{key} is required")
-    return value
+    return required_text(item, key, where, "input")
 
 
 def _text(content: Any, where: str) -> str:

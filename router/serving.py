@@ -90,6 +90,14 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "BadRequestError", param)
 
 
+def required_text(obj: dict[str, Any], key: str, where: str, param: str) -> str:
+    """``obj[key]``, a non-empty string, or a 400 naming ``param`` (another API's input item)."""
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{where}.{key} is required", param)
+    return value
+
+
 def chat_request_from(body: dict[str, Any], param_names: dict[str, str], default_param: str) -> ChatCompletionRequest:
     """The chat request another API (Responses, Anthropic's Messages) runs as, from the fields it
     wrote; a field the chat request refuses is a 400 naming the other API's parameter
