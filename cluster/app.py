@@ -113,7 +113,9 @@ def router_deployment(config: ClusterConfig):
         enable_responses_store=config.enable_responses_store,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         stream_interval=config.stream_interval,
-        responses_store_max_entries=config.responses_store_max_entries)
+        responses_store_max_entries=config.responses_store_max_entries,
+        enable_server_load_tracking=config.enable_server_load_tracking,
+        enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint)
     # Further models: the same router settings, their own engines, names, template, parsers and
     # adapters.
     more_models = [dataclasses.replace(

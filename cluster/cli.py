@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
                        default=env_switch("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
                        help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
                             "$VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
+    serve.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="GET /load answers {\"server_load\": N}, the requests the answering router replica "
+                            "is serving (generation and pooling paths; else N is 0).")
+    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="Enable GET /tokenizer_info (?model=): the tokenizer's class, configuration and "
+                            "chat template. It may expose a chat template you keep private.")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="Run a request's own chat_template (chat, the pooling endpoints' messages, "
                             "/tokenize); without it such a request is a 400.")
@@ -203,6 +209,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         enable_responses_store=args.enable_responses_store,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details, stream_interval=args.stream_interval,
         responses_store_max_entries=args.responses_store_max_entries,
+        enable_server_load_tracking=args.enable_server_load_tracking,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         models=_extra_models(args.extra_models) if args.extra_models else [])
 
 

@@ -228,6 +228,11 @@ class ClusterConfig(LoRASettings):
         default_factory=lambda: env_switch("VLLM_ENABLE_RESPONSES_API_STORE"),
         description="Keep Responses API responses (store: true) for GET/DELETE /v1/responses/{id} and "
                     "previous_response_id (default: $VLLM_ENABLE_RESPONSES_API_STORE, as vLLM).")
+    enable_server_load_tracking: bool = Field(
+        False, description="GET /load answers the requests each router replica is answering (vLLM's; "
+                           "else 0).")
+    enable_tokenizer_info_endpoint: bool = Field(
+        False, description="Enable GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's).")
     responses_store_max_entries: int = Field(10_000, ge=1, description="Most responses kept (least recently "
                                                                         "used forgotten first).")
     models: list[ServedModel] = Field(

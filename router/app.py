@@ -17,9 +17,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_core.outputs import LoRARequest
 from engine_core.sched.scheduler import PAUSE_MODES
-from router.classification import CLASSIFY_PATHS, ClassificationRequest, ClassificationServing
+from router.classification import CLASSIFY_PATHS, ClassificationRequest, ClassificationServing, classifier_params
 from router.cohere_embed import COHERE_EMBED_PATH, CohereEmbedRequest, CohereEmbedServing
-from router.embeddings import EmbeddingRequest, EmbeddingsServing
+from router.embeddings import EmbeddingRequest, EmbeddingsServing, check_embeds
+from router.invocations import INVOCATIONS_PATH, InvocationType, invoke
 from router.messages import (
     COUNT_TOKENS_PATH,
     MESSAGES_PATH,
@@ -45,8 +46,9 @@ from router.protocol import (
 )
 from router.response_store import UNFINISHED
 from router.responses import ResponsesRequest, ResponsesServing
-from router.scoring import SCORING_PATHS, RerankRequest, ScoreRequest, ScoringServing
-from router.serving import APIError, OpenAIServing, bad_request, stream_error_event
+from router.scoring import SCORING_PATHS, RerankRequest, ScoreRequest, ScoringServing, check_scores
+from router.serving import APIError, OpenAIServing, bad_request, stream_error_event, validation_problem
+from router.tokenizer_info import describe_tokenizer
 
 SESSION_HEADER = "x-session-id"
 
@@ -94,14 +96,48 @@ class ResponseCounter:
             raise
 
 
+class ServerLoad:
+    """The requests a replica is answering on the paths that make the engines work (vLLM's
+    server_load_metrics, read by GET /load)."""
+
+    count: int = 0
+
+
+class ServerLoadTracker:
+    """``--enable-server-load-tracking``: counts each request on ``paths`` from its start to the end
+    of its (streamed) body, as plain ASGI."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad, paths: Collection[str]) -> None:
+        self.app = app
+        self.load = load
+        self.paths = frozenset(paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _route_path(scope) not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        self.load.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.count -= 1
+
+
+# The paths whose requests run on the engines (generation and pooling).
+GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH,
+                              "/v1/embeddings", COHERE_EMBED_PATH, *SCORING_PATHS, *CLASSIFY_PATHS,
+                              *POOLING_PATHS})
+
+
 # The operators' endpoints (--server-dev-mode): with --api-key they need a key too, unlike vLLM's.
 DEV_MODE_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/reset_prefix_cache"})
 
 
 class APIKeyAuth:
     """``--api-key``: requests to ``/v1/...`` (and the dev-mode endpoints) need ``Authorization:
-    Bearer <key>`` (one of the keys), else 401 with an OpenAI error body; the other endpoints (health,
-    metrics, version, tokenize) stay open, and CORS preflights pass, as in vLLM. Plain ASGI: nothing
+    Bearer <key>`` (one of the keys), else 401 with an OpenAI error body; so do the pooling paths and
+    /invocations, which vLLM leaves open. The other endpoints (health, ping, load, metrics, version,
+    tokenize, tokenizer_info) stay open, and CORS preflights pass, as in vLLM. Plain ASGI: nothing
     per streamed chunk."""
 
     def __init__(self, app: ASGIApp, api_keys: Collection[str]) -> None:
@@ -131,7 +167,7 @@ class APIKeyAuth:
 
 def _needs_key(path: str) -> bool:
     return (path.startswith(("/v1", "/v2")) or path in DEV_MODE_PATHS or path in SCORING_PATHS
-            or path in CLASSIFY_PATHS or path in POOLING_PATHS)
+            or path in CLASSIFY_PATHS or path in POOLING_PATHS or path == INVOCATIONS_PATH)
 
 
 def _digest(value: bytes) -> bytes:
@@ -158,6 +194,7 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     # Serve runs the app's lifespan shutdown) ends them as failed, rather than leaving them in
     # progress in the shared store.
     background_owners: list[ResponsesServing] = []
+    server_load = ServerLoad()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -173,15 +210,8 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        path = _route_path(request.scope)
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query")]
-        if first.get("type") == "json_invalid":
-            return _error_response(400, "The request body is not valid JSON.", "BadRequestError", None, path)
-        if first.get("type") == "invalid_param":  # a cross-field check (protocol.invalid) names its parameter
-            return _error_response(400, first["msg"], "BadRequestError", first["ctx"]["param"], path)
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        return _error_response(400, message, "BadRequestError", loc[0] if loc else None, path)
+        message, param = validation_problem(exc.errors())
+        return _error_response(400, message, "BadRequestError", param, _route_path(request.scope))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -230,17 +260,36 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         endpoint.__annotations__["body"] = body_type  # (what FastAPI validates the body as)
         return endpoint
 
-    app.post("/v1/embeddings")(model_endpoint(EmbeddingsServing, EmbeddingRequest))
+    embeddings = model_endpoint(EmbeddingsServing, EmbeddingRequest)
+    score, rerank = (model_endpoint(ScoringServing, ScoreRequest, "score"),
+                     model_endpoint(ScoringServing, RerankRequest, "rerank"))
+    classify, pool = (model_endpoint(ClassificationServing, ClassificationRequest),
+                      model_endpoint(PoolingServing, PoolingRequest))
+    app.post("/v1/embeddings")(embeddings)
     app.post(MESSAGES_PATH)(model_endpoint(MessagesServing, MessagesRequest))
     app.post(COUNT_TOKENS_PATH)(model_endpoint(MessagesServing, CountTokensRequest, "count_tokens"))
     app.post(COHERE_EMBED_PATH)(model_endpoint(CohereEmbedServing, CohereEmbedRequest))
     for path in SCORING_PATHS:
-        app.post(path)(model_endpoint(ScoringServing, RerankRequest, "rerank") if path.endswith("rerank")
-                       else model_endpoint(ScoringServing, ScoreRequest, "score"))
+        app.post(path)(rerank if path.endswith("rerank") else score)
     for path in CLASSIFY_PATHS:
-        app.post(path)(model_endpoint(ClassificationServing, ClassificationRequest))
+        app.post(path)(classify)
     for path in POOLING_PATHS:
-        app.post(path)(model_endpoint(PoolingServing, PoolingRequest))
+        app.post(path)(pool)
+
+    # SageMaker's one path for all of them, tried in vLLM's order.
+    invocation_types = (
+        InvocationType(ChatCompletionRequest, OpenAIServing.check_generates, chat_completions),
+        InvocationType(CompletionRequest, OpenAIServing.check_generates, completions),
+        InvocationType(EmbeddingRequest, check_embeds, embeddings),
+        InvocationType(ClassificationRequest, classifier_params, classify),
+        InvocationType(ScoreRequest, check_scores, score),
+        InvocationType(RerankRequest, check_scores, rerank),
+        InvocationType(PoolingRequest, lambda _: None, pool),  # (every model pools, as its own kind)
+    )
+
+    @app.post(INVOCATIONS_PATH)
+    async def invocations(request: Request) -> Response:
+        return await invoke(invocation_types, servings, request)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False,
@@ -309,9 +358,24 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
                                  for name, flags in counts.items()}
         return JSONResponse(status_code=200 if any(healthy) else 503, content=content)
 
+    app.get("/ping")(health)  # (SageMaker's health check, as vLLM answers it)
+    app.post("/ping")(health)
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": serving.settings.version}
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's: the requests this replica is answering (0 without --enable-server-load-tracking)."""
+        return {"server_load": server_load.count}
+
+    if serving.settings.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info(model: str | None = None) -> dict[str, Any]:
+            owner = await servings.for_model(model)
+            await owner.resolve_model(model)
+            return describe_tokenizer(owner.tokenizer)
 
     if servings.runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")
@@ -391,6 +455,8 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
             text = merge_expositions(s.metrics.render() for s in servings if s.metrics is not None)
         return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if serving.settings.enable_server_load_tracking:
+        app.add_middleware(ServerLoadTracker, load=server_load, paths=GENERATING_PATHS | {INVOCATIONS_PATH})
     if serving.settings.api_keys:  # (inside the response counter, which counts its 401s)
         app.add_middleware(APIKeyAuth, api_keys=serving.settings.api_keys)
     if metrics is not None:

@@ -58,6 +58,9 @@ class RouterConfig:
     # Tokens a streamed choice gathers between chunks after its first (vLLM's --stream-interval).
     stream_interval: int = 1
     responses_store_max_entries: int = 10_000
+    # GET /load counts this replica's requests in progress; GET /tokenizer_info exists (vLLM's flags).
+    enable_server_load_tracking: bool = False
+    enable_tokenizer_info_endpoint: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,6 +104,8 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         trust_request_chat_template=config.trust_request_chat_template,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         stream_interval=config.stream_interval,
+        enable_server_load_tracking=config.enable_server_load_tracking,
+        enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
     )
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin,

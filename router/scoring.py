@@ -168,6 +168,20 @@ class RerankRequest(_ScoringFields):
         return [doc if isinstance(doc, str) else doc["text"] for doc in self.documents]
 
 
+def check_scores(serving: OpenAIServing) -> None:
+    """400 unless the model scores text pairs: a cross-encoder with one output (a pair's score is its
+    logit's), or an embedding model (the cosine similarity of the two embeddings; a ColBERT model's
+    MaxSim of its per-token vectors)."""
+    pooling = serving.settings.pooling
+    if pooling.labels:
+        classifier_params(serving)  # (refuses a token classifier)
+        if len(pooling.labels) != 1:
+            raise bad_request(f"scoring needs a cross-encoder with one output; {serving.settings.served_model_name} "
+                              f"has {len(pooling.labels)} classes (use /classify)", "model")
+    else:
+        check_embeds(serving, per_token=pooling.late_interaction)
+
+
 class ScoringServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -207,11 +221,10 @@ class ScoringServing:
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
+        check_scores(serving)
         pooling = serving.settings.pooling
         if pooling.labels:
             return await self._cross_encoded(request_id, request, left, right, pairs, session_id, names, lora)
-        # (A ColBERT model embeds each text as one vector a token and scores by MaxSim.)
-        check_embeds(serving, per_token=pooling.late_interaction)
         texts = list(dict.fromkeys(left + right))
         where = {text: i for i, text in enumerate(texts)}
         firsts = set(left)
@@ -236,9 +249,6 @@ class ScoringServing:
         joins a text pair (truncate_prompt_tokens truncates the longer text on truncation_side)."""
         serving = self.serving
         params = classifier_params(serving)
-        if len(serving.settings.pooling.labels) != 1:
-            raise bad_request(f"scoring needs a cross-encoder with one output; {serving.settings.served_model_name} "
-                              f"has {len(serving.settings.pooling.labels)} classes (use /classify)", "model")
         prompts, each = [], []
         for i, j in pairs:
             ids, type_start = tokenize_pair(serving.tokenizer, left[i], right[j], request.add_special_tokens,

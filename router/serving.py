@@ -13,7 +13,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,17 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "BadRequestError", param)
 
 
+def validation_problem(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """A pydantic error list as one message and the parameter it names (None: the body)."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return "The request body is not valid JSON.", None
+    if first.get("type") == "invalid_param":  # a cross-field check (protocol.invalid) names its parameter
+        return first["msg"], first["ctx"]["param"]
+    loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query")]
+    return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}", loc[0] if loc else None
+
+
 def required_text(obj: dict[str, Any], key: str, where: str, param: str) -> str:
     """``obj[key]``, a non-empty string, or a 400 naming ``param`` (another API's input item)."""
     value = obj.get(key)
@@ -149,6 +160,10 @@ class ServingSettings:
     # it has this many new tokens (or has finished) before its next chunk. Fewer, larger chunks cost
     # the router, the ingress and the client less CPU per request; 1 sends every engine output.
     stream_interval: int = 1
+    # --enable-server-load-tracking (vLLM's): GET /load counts the requests in progress.
+    enable_server_load_tracking: bool = False
+    # --enable-tokenizer-info-endpoint (vLLM's): GET /tokenizer_info exists.
+    enable_tokenizer_info_endpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -630,14 +645,14 @@ class OpenAIServing:
 
     # -- /v1/completions ----------------------------------------------------------------------------
 
-    def _check_generates(self) -> None:
+    def check_generates(self) -> None:
         if not self.settings.pooling.generates:
             raise bad_request(f"{self.settings.served_model_name} is an embedding model: it does not generate "
                               "(use /v1/embeddings, /score or /rerank)", "model")
 
     async def completions(self, request: CompletionRequest, session_id: str | None = None):
         lora = await self.resolve_model(request.model)
-        self._check_generates()
+        self.check_generates()
         _no_stream_prompt_logprobs(request)
         prompts = request.prompts()
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -764,7 +779,7 @@ class OpenAIServing:
         """Render, route and send a chat request's choices to their engine; what comes back is read
         with ``finish_chat`` (whole) or ``choice_events`` (streamed). Also the Responses API's way in."""
         lora = await self.resolve_model(request.model)
-        self._check_generates()
+        self.check_generates()
         _no_stream_prompt_logprobs(request)
         tool_choice = request.tool_choice_form()
         if tool_choice == "auto" and self.settings.tool_call_parser is None:

@@ -171,6 +171,16 @@ def test_server_dev_mode_reaches_the_router_from_the_flag_or_vllms_variable(monk
     assert ClusterConfig(model="m").server_dev_mode is True  # (a Serve config's default, too)
 
 
+def test_vllms_server_route_flags_reach_the_router():
+    def routes(*flags):
+        config = router_deployment(_config(*flags))._bound_deployment.init_args[0]
+        return config.enable_server_load_tracking, config.enable_tokenizer_info_endpoint
+
+    assert routes() == (False, False)
+    assert routes("--enable-server-load-tracking") == (True, False)
+    assert routes("--enable-tokenizer-info-endpoint") == (False, True)
+
+
 def test_trusting_request_chat_templates_reaches_every_models_router(tmp_path):
     models = tmp_path / "models.yaml"
     models.write_text("- {model: /models/b, served_model_name: b}\n")

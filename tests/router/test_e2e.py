@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -40,9 +41,11 @@ def cluster(ray_cluster, tiny_model_dir):
     timeout_config = config.model_copy(update={"request_timeout_s": 0.05})
     # And a second prefix-aware replica set, which learns what the engines cache from their KV events,
     # and streams in chunks of 5 tokens after the first (--stream-interval).
-    # It also serves the operators' endpoints (--server-dev-mode).
+    # It also serves the operators' endpoints (--server-dev-mode), tracks its load (GET /load) and
+    # describes its tokenizer (GET /tokenizer_info).
     prefix2_config = config.model_copy(update={"routing_policy": "prefix_aware", "stream_interval": 5,
-                                               "server_dev_mode": True})
+                                               "server_dev_mode": True, "enable_server_load_tracking": True,
+                                               "enable_tokenizer_info_endpoint": True})
     with serve_cluster(config, {"prefix": prefix_config, "timeout": timeout_config,
                                 "prefix2": prefix2_config}) as served:
         yield {"base": served.base, "engines": served.engines, "config": config}
@@ -494,6 +497,42 @@ def test_tokenize_detokenize_version_models(cluster):
     assert httpx.get(f"{base}/version").json()["version"]
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
     assert "llm_cluster:router_requests_routed_total" in httpx.get(f"{base}/metrics").text
+
+
+def test_vllms_serving_routes_through_serve(cluster, tiny_model_dir):
+    """SageMaker's /ping and /invocations, and the flags' /load and /tokenizer_info, on real engines
+    through Serve: the flags reach each app's replicas (the base app has neither)."""
+    from transformers import AutoTokenizer
+
+    base, tracked = cluster["base"], f"{cluster['base']}/prefix2"
+    assert httpx.get(f"{base}/ping").status_code == 200 and httpx.post(f"{base}/ping").status_code == 200
+    chat = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0}
+    invoked = httpx.post(f"{base}/invocations", json=chat, timeout=60).json()
+    direct = httpx.post(f"{base}/v1/chat/completions", json={"model": "tiny", **chat}, timeout=60).json()
+    assert invoked["object"] == "chat.completion"
+    assert invoked["choices"][0]["message"] == direct["choices"][0]["message"]
+    assert httpx.post(f"{base}/invocations", json={"input": "Hello"}, timeout=60).json()["data"][0]["embedding"]
+    assert httpx.get(f"{base}/tokenizer_info").status_code == 404
+    info = httpx.get(f"{tracked}/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(AutoTokenizer.from_pretrained(tiny_model_dir)).__name__
+    assert httpx.get(f"{base}/load").json() == {"server_load": 0}
+    assert httpx.get(f"{tracked}/load").json() == {"server_load": 0}
+    # A request held by paused engines is in progress (counted by the app's one replica) until it ends.
+    assert httpx.post(f"{tracked}/pause?mode=keep").json() == {"status": "paused"}
+    held = ThreadPoolExecutor(1).submit(httpx.post, f"{tracked}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "Hello", "max_tokens": 8, "stream": True})
+    try:
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{tracked}/load").json()["server_load"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{tracked}/load").json() == {"server_load": 1} and not held.done()
+    finally:
+        httpx.post(f"{tracked}/resume")
+    assert held.result().text.endswith("data: [DONE]\n\n")
+    deadline = time.monotonic() + 10  # (the count drops once the body's end has been sent)
+    while httpx.get(f"{tracked}/load").json()["server_load"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{tracked}/load").json() == {"server_load": 0}
 
 
 def test_prefix_aware_routing_sends_shared_prefix_to_the_engine_holding_it(cluster):

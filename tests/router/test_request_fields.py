@@ -119,15 +119,18 @@ def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
 
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
          tokenizer=TOKENIZER, prompt_tokens_details: bool = False, stream_interval: int = 1, hidden_size: int = 0,
-         pooling: dict | None = None, trust_request_chat_template: bool = False,
-         **engine) -> tuple[TestClient, ScriptedEngine]:
-    client = EngineClient([object()], client_index=1)
+         pooling: dict | None = None, trust_request_chat_template: bool = False, handle: object = None,
+         settings: dict | None = None, **engine) -> tuple[TestClient, ScriptedEngine]:
+    """An app on one scripted engine; ``handle`` stands for the engine actor (health probes);
+    ``settings``: more ServingSettings fields."""
+    client = EngineClient([handle or object()], client_index=1)
     scripted = client._slots[0].channel = ScriptedEngine(client, script, **engine)
     serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256,
                                             enable_prompt_tokens_details=prompt_tokens_details,
                                             stream_interval=stream_interval, hidden_size=hidden_size,
                                             pooling=PoolingInfo(**(pooling or {})),
-                                            trust_request_chat_template=trust_request_chat_template),
+                                            trust_request_chat_template=trust_request_chat_template,
+                                            **(settings or {})),
                             client, tokenizer, RoundRobinPolicy())
     return TestClient(create_app(serving)), scripted
 
