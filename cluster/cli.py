@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-lora-rank", type=int, default=16, help="Largest adapter rank served.")
     serve.add_argument("--max-cpu-loras", type=int, default=None,
                        help="Adapters kept in the workers' memory (>= --max-loras); the least recently used "
-                            "beyond it are read from their checkpoints again when next needed (default: all).")
+                            "beyond it are read from their checkpoints again when next needed (default: "
+                            "--max-loras, as vLLM).")
     serve.add_argument("--server-dev-mode", action="store_true", default=env_switch("VLLM_SERVER_DEV_MODE"),
                        help="Enable POST /pause (?mode=abort|wait|keep&clear_cache=), /resume, "
                             "/reset_prefix_cache and GET /is_paused on every engine (default: "

@@ -139,7 +139,7 @@ class LoRASettings(BaseModel):
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank served.")
     max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept in the workers' memory (>= "
                                       "max_loras; the least recently used are read again when needed). "
-                                      "None: all loaded ones.")
+                                      "None: max_loras, as vLLM.")
 
     @model_validator(mode="after")
     def _lora_settings(self) -> LoRASettings:

@@ -192,14 +192,14 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's ``--enable-lora`` family). Registered adapters are held in the
-    workers' memory (at most ``max_cpu_loras`` of them when set); a batch mixes at most
-    ``max_loras`` different adapters."""
+    workers' memory (at most ``max_cpu_loras`` of them); a batch mixes at most ``max_loras``
+    different adapters."""
 
     max_loras: int = 1
     # Largest rank an adapter may have (vLLM's default: 16).
     max_lora_rank: int = 16
     # Adapters kept in the workers' (host) memory; the least recently used beyond it are read from
-    # their checkpoints again when next needed. None: every registered adapter stays loaded.
+    # their checkpoints again when next needed. None: max_loras, as vLLM.
     max_cpu_loras: int | None = None
     # Adapters registered at start-up (``--lora-modules``), with ids 1, 2, ... in this order.
     lora_modules: tuple[LoRAModule, ...] = ()
@@ -208,9 +208,10 @@ class LoRAConfig:
         _require(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
         _require(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "max_lora_rank", ">= 1",
                  self.max_lora_rank)
-        _require(self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int)
-                                                 and self.max_cpu_loras >= self.max_loras),
-                 "max_cpu_loras", f"at least max_loras ({self.max_loras}) when set", self.max_cpu_loras)
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _require(isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras,
+                 "max_cpu_loras", f"at least max_loras ({self.max_loras})", self.max_cpu_loras)
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
 
 

@@ -181,6 +181,11 @@ def test_vllms_server_route_flags_reach_the_router():
     assert routes("--enable-tokenizer-info-endpoint") == (False, True)
 
 
+def test_max_cpu_loras_defaults_to_max_loras_as_in_vllm():
+    assert _config("--enable-lora", "--max-loras", "3").engine_configs()[0].lora_config.max_cpu_loras == 3
+    assert _config("--enable-lora").engine_configs()[0].lora_config.max_cpu_loras == 1
+
+
 def test_trusting_request_chat_templates_reaches_every_models_router(tmp_path):
     models = tmp_path / "models.yaml"
     models.write_text("- {model: /models/b, served_model_name: b}\n")
