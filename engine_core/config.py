@@ -199,7 +199,7 @@ class LoRAConfig:
     # Largest rank an adapter may have (vLLM's default: 16).
     max_lora_rank: int = 16
     # Adapters kept in the workers' (host) memory; the least recently used beyond it are read from
-    # their checkpoints again when next needed. None: max_loras, as vLLM.
+    # their checkpoints again when next needed. None (given): max_loras, as vLLM; always set after init.
     max_cpu_loras: int | None = None
     # Adapters registered at start-up (``--lora-modules``), with ids 1, 2, ... in this order.
     lora_modules: tuple[LoRAModule, ...] = ()

@@ -99,6 +99,11 @@ class EngineCore:
         # LoRA adapters loaded on the workers, by id; the static ones (--lora-modules) load now.
         self.loras: dict[int, LoRARequest] = {}
         if config.lora_config is not None:
+            if len(config.lora_config.lora_modules) > config.lora_config.max_cpu_loras:
+                logger.warning("engine %d: %d adapters and --max-cpu-loras %d: the least recently used are read "
+                               "from their checkpoints again inside the steps that need them (raise "
+                               "--max-cpu-loras to keep them in memory)", config.engine_index,
+                               len(config.lora_config.lora_modules), config.lora_config.max_cpu_loras)
             try:
                 for lora in static_lora_requests(config.lora_config.lora_modules):
                     self.add_lora(lora)

@@ -31,7 +31,8 @@ from router.messages import (
 )
 from router.metrics import RouterMetrics, merge_expositions
 from router.model_servings import ModelServings
-from router.pooling import POOLING_PATHS, PoolingRequest, PoolingServing
+from router.paths import ENGINE_PATHS, route_path
+from router.pooling import POOLING_PATHS, PoolingRequest, PoolingServing, check_pools
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,6 +48,7 @@ from router.protocol import (
 from router.response_store import UNFINISHED
 from router.responses import ResponsesRequest, ResponsesServing
 from router.scoring import SCORING_PATHS, RerankRequest, ScoreRequest, ScoringServing, check_scores
+from router.server_load import ServerLoad, ServerLoadTracker
 from router.serving import APIError, OpenAIServing, bad_request, stream_error_event, validation_problem
 from router.tokenizer_info import describe_tokenizer
 
@@ -76,7 +78,7 @@ class ResponseCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = _route_path(scope)
+        path = route_path(scope)
         if path not in self.endpoints:
             path = "other"
         started = False
@@ -94,39 +96,6 @@ class ResponseCounter:
             if not started:  # the outer error middleware answers 500
                 self.metrics.record_response(path, 500)
             raise
-
-
-class ServerLoad:
-    """The requests a replica is answering on the paths that make the engines work (vLLM's
-    server_load_metrics, read by GET /load)."""
-
-    count: int = 0
-
-
-class ServerLoadTracker:
-    """``--enable-server-load-tracking``: counts each request on ``paths`` from its start to the end
-    of its (streamed) body, as plain ASGI."""
-
-    def __init__(self, app: ASGIApp, load: ServerLoad, paths: Collection[str]) -> None:
-        self.app = app
-        self.load = load
-        self.paths = frozenset(paths)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _route_path(scope) not in self.paths:
-            await self.app(scope, receive, send)
-            return
-        self.load.count += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.load.count -= 1
-
-
-# The paths whose requests run on the engines (generation and pooling).
-GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH,
-                              "/v1/embeddings", COHERE_EMBED_PATH, *SCORING_PATHS, *CLASSIFY_PATHS,
-                              *POOLING_PATHS})
 
 
 # The operators' endpoints (--server-dev-mode): with --api-key they need a key too, unlike vLLM's.
@@ -150,7 +119,7 @@ class APIKeyAuth:
         if scope["type"] != "http":  # (the lifespan scope has no path)
             await self.app(scope, receive, send)
             return
-        path = _route_path(scope)
+        path = route_path(scope)
         if scope["method"] != "OPTIONS" and _needs_key(path):
             key = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if key is None:  # (Anthropic's clients send the key as x-api-key; it counts as the Bearer one)
@@ -166,18 +135,11 @@ class APIKeyAuth:
 
 
 def _needs_key(path: str) -> bool:
-    return (path.startswith(("/v1", "/v2")) or path in DEV_MODE_PATHS or path in SCORING_PATHS
-            or path in CLASSIFY_PATHS or path in POOLING_PATHS or path == INVOCATIONS_PATH)
+    return path.startswith(("/v1", "/v2")) or path in DEV_MODE_PATHS or path in ENGINE_PATHS
 
 
 def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
-
-
-def _route_path(scope: Scope) -> str:
-    """The request's path below the application's root path (Serve mounts apps under a prefix)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
 
 
 def create_app(serving: OpenAIServing | list[OpenAIServing],
@@ -206,17 +168,17 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, exc.type, exc.param, _route_path(request.scope))
+        return _error_response(exc.status, exc.message, exc.type, exc.param, route_path(request.scope))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_problem(exc.errors())
-        return _error_response(400, message, "BadRequestError", param, _route_path(request.scope))
+        return _error_response(400, message, "BadRequestError", param, route_path(request.scope))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404
-                               else "HTTPError", None, _route_path(request.scope))
+                               else "HTTPError", None, route_path(request.scope))
 
     def respond(result: Any) -> Response:
         """An answer as its response: an event stream, a response as it is (vLLM's binary
@@ -284,7 +246,7 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         InvocationType(ClassificationRequest, classifier_params, classify),
         InvocationType(ScoreRequest, check_scores, score),
         InvocationType(RerankRequest, check_scores, rerank),
-        InvocationType(PoolingRequest, lambda _: None, pool),  # (every model pools, as its own kind)
+        InvocationType(PoolingRequest, check_pools, pool),
     )
 
     @app.post(INVOCATIONS_PATH)
@@ -456,7 +418,7 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     if serving.settings.enable_server_load_tracking:
-        app.add_middleware(ServerLoadTracker, load=server_load, paths=GENERATING_PATHS | {INVOCATIONS_PATH})
+        app.add_middleware(ServerLoadTracker, load=server_load, paths=ENGINE_PATHS)
     if serving.settings.api_keys:  # (inside the response counter, which counts its 401s)
         app.add_middleware(APIKeyAuth, api_keys=serving.settings.api_keys)
     if metrics is not None:

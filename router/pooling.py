@@ -39,6 +39,13 @@ class PoolingRequest(PooledInputRequest, ActivationField, EncodingFields):
     normalize: bool | None = Field(None, description="L2-normalise embeddings (each row); default: the model's.")
 
 
+def check_pools(serving: OpenAIServing) -> None:
+    """400 unless the model answers /pooling as it pools: a classifier's classes, or embeddings the
+    model can serve (one a token allowed)."""
+    if not serving.settings.pooling.labels:
+        check_embeds(serving, per_token=True)
+
+
 class PoolingServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving

@@ -519,16 +519,17 @@ def test_vllms_serving_routes_through_serve(cluster, tiny_model_dir):
     assert httpx.get(f"{tracked}/load").json() == {"server_load": 0}
     # A request held by paused engines is in progress (counted by the app's one replica) until it ends.
     assert httpx.post(f"{tracked}/pause?mode=keep").json() == {"status": "paused"}
-    held = ThreadPoolExecutor(1).submit(httpx.post, f"{tracked}/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": "Hello", "max_tokens": 8, "stream": True})
-    try:
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{tracked}/load").json()["server_load"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert httpx.get(f"{tracked}/load").json() == {"server_load": 1} and not held.done()
-    finally:
-        httpx.post(f"{tracked}/resume")
-    assert held.result().text.endswith("data: [DONE]\n\n")
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, f"{tracked}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "Hello", "max_tokens": 8, "stream": True})
+        try:
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{tracked}/load").json()["server_load"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert httpx.get(f"{tracked}/load").json() == {"server_load": 1} and not held.done()
+        finally:
+            httpx.post(f"{tracked}/resume")
+        assert held.result().text.endswith("data: [DONE]\n\n")
     deadline = time.monotonic() + 10  # (the count drops once the body's end has been sent)
     while httpx.get(f"{tracked}/load").json()["server_load"] and time.monotonic() < deadline:
         time.sleep(0.05)

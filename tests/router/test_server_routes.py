@@ -14,6 +14,7 @@ from router.app import create_app
 from router.engine_client import EngineClient
 from router.routing import RoundRobinPolicy
 from router.serving import OpenAIServing, ServingSettings
+from router.tokenizer_info import describe_tokenizer
 from tests.tiny_model import CHAT_TEMPLATE
 
 from .test_app import _EngineHandle
@@ -106,6 +107,17 @@ def test_invocations_refusals(content, status, needle):
         assert "ClassificationRequest" not in r.json()["error"]["message"]  # (not a classifier)
 
 
+def test_invocations_does_not_try_embeddings_a_model_cannot_serve():
+    """A generating model whose checkpoint asks for embeddings that are not served: an input body is
+    neither an embedding nor a pooling request there, and the 400 names only what it serves."""
+    http, engine = _app(pooling={"unavailable": "its Dense layer is not served"})
+    r = http.post("/invocations", json={"input": "hi"})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and not engine.requests
+    assert "ChatCompletionRequest" in message and "CompletionRequest" in message
+    assert "EmbeddingRequest" not in message and "PoolingRequest" not in message
+
+
 def test_invocations_needs_the_api_key():
     http, _ = _app(settings={"api_keys": ("k",)})
     assert http.post("/invocations", json={"prompt": "hi"}).status_code == 401
@@ -171,20 +183,41 @@ def test_load_counts_requests_until_their_streams_end(tracking):
     assert seen == [0, 0]
 
 
-def test_tokenizer_info_is_off_unless_enabled():
+def test_tokenizer_info_is_off_unless_enabled(tiny_model_dir):
+    """A tokenizer loaded as a replica loads it: its init arguments as JSON (special tokens as their
+    text, the added tokens' table by id), no path into the replica's copy, the template in force."""
+    from transformers import AutoTokenizer
+
     http, _ = _app()
     assert http.get("/tokenizer_info").status_code == 404
-    http, _ = _app(tokenizer=CHAT_TOKENIZER, settings={"enable_tokenizer_info_endpoint": True})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE  # (as --chat-template sets it)
+    http, _ = _app(tokenizer=tokenizer, settings={"enable_tokenizer_info_endpoint": True})
     info = http.get("/tokenizer_info")
     assert info.status_code == 200, info.text
     body = info.json()
-    assert body["tokenizer_class"] == type(CHAT_TOKENIZER).__name__
-    assert body["chat_template"] == CHAT_TEMPLATE
-    assert not {"vocab_file", "merges_file", "tokenizer_file", "name_or_path"} & set(body)
-    for key, value in CHAT_TOKENIZER.init_kwargs.items():  # special tokens as their text
-        if isinstance(value, str) and key not in ("name_or_path", "tokenizer_file"):
-            assert body[key] == value
+    assert body["tokenizer_class"] == type(tokenizer).__name__ and body["chat_template"] == CHAT_TEMPLATE
+    assert "name_or_path" in tokenizer.init_kwargs and "vocab_file" in tokenizer.init_kwargs
+    assert not [key for key in body if key.endswith("_file") or key == "name_or_path"]
+    assert body["eos_token"] == str(tokenizer.eos_token) and body["bos_token"] == str(tokenizer.bos_token)
+    assert body["model_max_length"] == tokenizer.model_max_length
+    decoder = tokenizer.init_kwargs["added_tokens_decoder"]
+    assert body["added_tokens_decoder"] == {str(i): token.content for i, token in decoder.items()}
     assert http.get("/tokenizer_info", params={"model": "nope"}).status_code == 404
+
+
+def test_tokenizer_info_keeps_only_data():
+    """Values that are not data (a tokenizer object, say) are left out, a non-finite number is null,
+    and a tokenizer without init arguments still answers its class."""
+    class Odd:
+        init_kwargs = {"tokenizer_object": object(), "limit": float("inf"), "nested": {"x": [object(), 1.5]}}
+        chat_template = None
+
+    class Bare:
+        init_kwargs = None
+
+    assert describe_tokenizer(Odd()) == {"limit": None, "nested": {"x": [1.5]}, "tokenizer_class": "Odd"}
+    assert describe_tokenizer(Bare()) == {"tokenizer_class": "Bare"}
 
 
 def test_load_sums_only_this_apps_requests():
@@ -193,14 +226,15 @@ def test_load_sums_only_this_apps_requests():
     settings = ServingSettings(served_model_name="tiny", max_model_len=64, enable_server_load_tracking=True)
     first = create_app(OpenAIServing(settings, client, TOKENIZER, RoundRobinPolicy()))
     second = create_app(OpenAIServing(settings, client, TOKENIZER, RoundRobinPolicy()))
-    loads: list[int] = []
+    loads: list[tuple[int, int]] = []
 
-    async def read_second():
-        loads.append(json.loads((await _asgi(second, "GET", "/load"))[1])["server_load"])
+    async def read_both():
+        loads.append(tuple([json.loads((await _asgi(app, "GET", "/load"))[1])["server_load"]
+                            for app in (first, second)]))
 
     async def scenario():
         # (No engine is reachable: the request ends in an error, counted until its answer is sent.)
-        await _asgi(first, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi"}, on_body=read_second)
+        await _asgi(first, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi"}, on_body=read_both)
 
     asyncio.run(scenario())
-    assert loads and set(loads) == {0}
+    assert loads and set(loads) == {(1, 0)}
