@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -286,6 +287,28 @@ async def direct_round(client, n: int, concurrency: int, max_tokens: int, ids, t
     return ttft, e2e
 
 
+TIMELINE = {"arrival -> engine request": "llm_cluster:router_time_to_engine_seconds",
+            "engine's first output -> first chunk": "llm_cluster:router_first_chunk_delay_seconds"}
+
+
+def replica_timeline(base: str) -> dict[str, tuple[float, float]]:
+    """The router replicas' own time per request (router.request_timeline): each histogram's
+    (count, sum) from the cluster's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+    totals = {label: [0.0, 0.0] for label in TIMELINE}
+    for family in text_string_to_metric_families(text):
+        for label, name in TIMELINE.items():
+            if family.name == name:
+                for sample in family.samples:
+                    if sample.name == f"{name}_count":
+                        totals[label][0] += sample.value
+                    elif sample.name == f"{name}_sum":
+                        totals[label][1] += sample.value
+    return {label: (count, total) for label, (count, total) in totals.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
@@ -342,6 +365,7 @@ def main() -> None:
             wall = dict.fromkeys(results, 0.0)
             await http_round(served.base, 8, 4, args.max_tokens)  # warm-up
             await direct_round(client, 8, 4, args.max_tokens, ids, tokens)
+            timeline_before = await asyncio.to_thread(replica_timeline, served.base)
             for _ in range(args.rounds):
                 for name in ("direct", "http"):
                     before, t0 = role_cpu_seconds(), time.perf_counter()
@@ -359,9 +383,12 @@ def main() -> None:
                     results[name][0].extend(t)
                     results[name][1].extend(e)
             await client.close()
-            return results, cpu, wall
+            timeline_after = await asyncio.to_thread(replica_timeline, served.base)
+            timeline = {label: (timeline_after[label][0] - timeline_before[label][0],
+                                timeline_after[label][1] - timeline_before[label][1]) for label in TIMELINE}
+            return results, cpu, wall, timeline
 
-        results, cpu, wall = asyncio.run(run())
+        results, cpu, wall, timeline = asyncio.run(run())
         for tid in os.listdir(f"/proc/{os.getpid()}/task"):
             os.sched_setaffinity(int(tid), own_cpus)
     serve.shutdown()
@@ -383,6 +410,9 @@ def main() -> None:
     mean_http = statistics.fmean(results["http"][1]) * 1000
     print(f"\nadded TTFT at p50: {added[0] * 1000:.2f} ms (target < 3 ms); "
           f"mean e2e direct {mean_direct:.1f} ms, http {mean_http:.1f} ms")
+    # What of it is the router replica's own work (the rest: the engines, and HAProxy and the client).
+    print("inside the router replica, mean per http request: " + ", ".join(
+        f"{label} {total / count * 1000:.2f} ms" for label, (count, total) in timeline.items() if count))
     # The closed loop keeps `concurrency` requests in flight, so when the cores are saturated every
     # CPU-millisecond per request the HTTP path adds shows up as latency for all requests in flight.
     cores = os.cpu_count() or 1

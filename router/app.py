@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any, Literal
 
@@ -45,6 +46,7 @@ from router.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from router.request_timeline import RequestTimeline, current_timeline
 from router.response_store import UNFINISHED
 from router.responses import ResponsesRequest, ResponsesServing
 from router.scoring import SCORING_PATHS, RerankRequest, ScoreRequest, ScoringServing, check_scores
@@ -82,6 +84,8 @@ class ResponseCounter:
         if path not in self.endpoints:
             path = "other"
         started = False
+        timeline = RequestTimeline(time.perf_counter())
+        current_timeline.set(timeline)
 
         async def send_counted(message: Message) -> None:
             nonlocal started
@@ -96,6 +100,8 @@ class ResponseCounter:
             if not started:  # the outer error middleware answers 500
                 self.metrics.record_response(path, 500)
             raise
+        finally:
+            self.metrics.record_timeline(timeline)
 
 
 # The operators' endpoints (--server-dev-mode): with --api-key they need a key too, unlike vLLM's.
@@ -463,6 +469,7 @@ class EventStreamResponse(Response):
             streamer.cancel()
 
         watcher = asyncio.create_task(watch_disconnect())
+        timeline = current_timeline.get()
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             try:
@@ -471,6 +478,8 @@ class EventStreamResponse(Response):
                     if body.endswith(STREAM_END):
                         break  # OpenAI's end of stream goes out with the end of the body: one write
                     await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if timeline is not None and not timeline.first_chunk:
+                        timeline.first_chunk = time.perf_counter()
                 else:
                     body = b""
             except (asyncio.CancelledError, OSError):

@@ -15,6 +15,7 @@ import collections
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from engine_core.channel import AbortRequests, Accepted, AddRequest, ChannelConnection, Outputs
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
+from router.request_timeline import RequestTimeline, current_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +55,21 @@ class OutputQueue:
     arrived at once. (Lighter than asyncio.Queue: a deque plus one waiter future, set only when
     the reader is actually waiting.)"""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "timeline")
 
     def __init__(self) -> None:
         self._items: collections.deque[EngineCoreOutput] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
+        # The HTTP request's timeline, marked at this request's first output.
+        self.timeline: RequestTimeline | None = None
 
     def put_nowait(self, output: EngineCoreOutput) -> None:
         self._items.append(output)
+        timeline = self.timeline
+        if timeline is not None:
+            self.timeline = None
+            if not timeline.first_output:
+                timeline.first_output = time.perf_counter()
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -199,6 +208,9 @@ class EngineClient:
             raise EngineUnavailableError(f"engine {engine} is unavailable: {slot.last_error or 'not connected'}")
         rid = request.request_id
         queue = OutputQueue()
+        timeline = queue.timeline = current_timeline.get()
+        if timeline is not None and not timeline.sent:
+            timeline.sent = time.perf_counter()
         self._queues[rid] = queue
         slot.in_flight += 1
         slot.requests.add(rid)

@@ -13,6 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.request_timeline import RequestTimeline
+
+TIMELINE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+
 # vLLM exports no *_created series either; they double the scrape size for nothing.
 disable_created_metrics()
 
@@ -34,6 +38,25 @@ class RouterMetrics:
             "llm_cluster:router_routing_decision_seconds", "Time to pick an engine for a request.",
             ["model_name", "replica", "policy"], registry=self.registry,
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2))
+
+        # Where a request's time goes inside the replica (router.request_timeline).
+        self.time_to_engine = Histogram(
+            "llm_cluster:router_time_to_engine_seconds",
+            "From a request's arrival at the router replica to its first engine request sent (parsing, "
+            "validation, tokenization, routing).",
+            ["model_name", "replica"], registry=self.registry, buckets=TIMELINE_BUCKETS)
+        self.first_chunk_delay = Histogram(
+            "llm_cluster:router_first_chunk_delay_seconds",
+            "Streamed requests: from the engine's first output reaching the router replica to the first "
+            "bytes handed to the HTTP server (the event loop's wait, detokenization, the chunk).",
+            ["model_name", "replica"], registry=self.registry, buckets=TIMELINE_BUCKETS)
+
+    def record_timeline(self, timeline: RequestTimeline) -> None:
+        if timeline.sent:
+            self.time_to_engine.labels(self.model_name, self.replica).observe(timeline.sent - timeline.arrived)
+        if timeline.first_chunk and timeline.first_output:
+            self.first_chunk_delay.labels(self.model_name, self.replica).observe(
+                timeline.first_chunk - timeline.first_output)
 
     def record_routing(self, engine: int, policy: str, seconds: float) -> None:
         self.requests_routed.labels(self.model_name, self.replica, str(self.first_engine_index + engine), policy).inc()

@@ -86,12 +86,14 @@ def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
                 time.sleep(0.5)
             shared = "The quick brown fox jumps over the lazy dog. " * 3
             body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-            # Two waves with scrapes in between, so every rate() window sees counters move.
+            # Two waves with scrapes in between, so every rate() window sees counters move; a quarter
+            # of the requests streamed (the router's first-chunk delay).
             for wave in range(2):
                 with ThreadPoolExecutor(8) as pool:
                     codes = list(pool.map(lambda i: httpx.post(
                         f"{served.base}/v1/completions", timeout=60,
-                        json=body | {"prompt": shared + str(i), "model": ("tiny", "sql")[i % 2]}).status_code,
+                        json=body | {"prompt": shared + str(i), "model": ("tiny", "sql")[i % 2],
+                                     "stream": i % 4 == 0}).status_code,
                         range(16 * wave, 16 * wave + 16)))
                 assert set(codes) == {200}
                 time.sleep(5)

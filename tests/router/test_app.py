@@ -4,6 +4,7 @@ through untouched), the API-key check, and the SSE response's messages."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
@@ -222,3 +223,36 @@ def test_sse_end_of_stream_goes_out_with_the_end_of_the_body():
     assert sent[0] == (b"data: 1\n\n", True) and len(sent) == 2
     body, more = sent[1]
     assert not more and b"engine gone" in body and body.endswith(done.encode())
+
+
+def _histogram(metrics: RouterMetrics, name: str) -> tuple[float, float]:
+    """A histogram's (count, sum) over its series."""
+    count = total = 0.0
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == f"{name}_count":
+                count += sample.value
+            elif sample.name == f"{name}_sum":
+                total += sample.value
+    return count, total
+
+
+def test_the_replicas_own_time_is_recorded_per_request():
+    """Inside the replica: arrival to the first engine request (every request that reaches an
+    engine), the engine's first output to the first streamed bytes (streams only); a request
+    refused before any engine records neither. Each is within the request's own wall time."""
+    from .test_request_fields import _app
+
+    metrics = RouterMetrics("tiny", "r0")
+    http, engine = _app(metrics=metrics)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
+    started = time.perf_counter()
+    http.post("/v1/completions", json=body)
+    assert http.post("/v1/completions", json={**body, "stream": True}).text.endswith("data: [DONE]\n\n")
+    wall = time.perf_counter() - started
+    assert http.post("/v1/completions", json={"model": "tiny"}).status_code == 400
+    assert len(engine.requests) == 2
+    to_engine = _histogram(metrics, "llm_cluster:router_time_to_engine_seconds")
+    first_chunk = _histogram(metrics, "llm_cluster:router_first_chunk_delay_seconds")
+    assert to_engine[0] == 2 and 0 < to_engine[1] < wall
+    assert first_chunk[0] == 1 and 0 < first_chunk[1] < wall

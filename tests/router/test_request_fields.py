@@ -18,6 +18,7 @@ from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
 from router.app import create_app
 from router.engine_client import EngineClient
+from router.metrics import RouterMetrics
 from router.protocol import ChatMessage
 from router.routing import RoundRobinPolicy
 from router.serving import OpenAIServing, ServingSettings
@@ -120,7 +121,8 @@ def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
          tokenizer=TOKENIZER, prompt_tokens_details: bool = False, stream_interval: int = 1, hidden_size: int = 0,
          pooling: dict | None = None, trust_request_chat_template: bool = False, handle: object = None,
-         settings: dict | None = None, **engine) -> tuple[TestClient, ScriptedEngine]:
+         settings: dict | None = None, metrics: RouterMetrics | None = None,
+         **engine) -> tuple[TestClient, ScriptedEngine]:
     """An app on one scripted engine; ``handle`` stands for the engine actor (health probes);
     ``settings``: more ServingSettings fields."""
     client = EngineClient([handle or object()], client_index=1)
@@ -131,7 +133,7 @@ def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.
                                             pooling=PoolingInfo(**(pooling or {})),
                                             trust_request_chat_template=trust_request_chat_template,
                                             **(settings or {})),
-                            client, tokenizer, RoundRobinPolicy())
+                            client, tokenizer, RoundRobinPolicy(), metrics)
     return TestClient(create_app(serving)), scripted
 
 
