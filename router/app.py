@@ -69,7 +69,8 @@ class ResponseCounter:
     """Counts responses by path and status as plain ASGI: it only looks at ``http.response.start``.
     (Starlette's ``@app.middleware("http")`` would copy every SSE chunk through an extra stream and
     task, which costs latency on every streamed token.) Paths outside ``endpoints`` count as
-    ``other``: a scanner probing random URLs must not create a series per URL."""
+    ``other``: a scanner probing random URLs must not create a series per URL. It also starts each
+    request's timeline (router.request_timeline) and records it once the answer is done."""
 
     def __init__(self, app: ASGIApp, metrics: RouterMetrics, endpoints: Collection[str]) -> None:
         self.app = app
@@ -487,6 +488,8 @@ class EventStreamResponse(Response):
             except Exception as e:
                 body = getattr(self._source, "error_event", stream_error_event)(e).encode()
             await send({"type": "http.response.body", "body": body, "more_body": False})
+            if body and timeline is not None and not timeline.first_chunk:  # (a stream of one chunk)
+                timeline.first_chunk = time.perf_counter()
         except asyncio.CancelledError:
             # Our own cancel (the client left) ends the response quietly; any other cancel goes on.
             if not gone or streamer.uncancel() > 0:

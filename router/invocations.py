@@ -24,8 +24,8 @@ INVOCATIONS_PATH = "/invocations"
 @dataclass(frozen=True)
 class InvocationType:
     body_type: type[BaseModel]
-    # Raises an APIError when the model does not serve this kind of request.
-    check_serves: Callable[[OpenAIServing], None]
+    # Raises an APIError when the model does not serve this kind of request (what it returns is unused).
+    check_serves: Callable[[OpenAIServing], object]
     # The endpoint that answers it (the one its own path runs), given the validated body.
     endpoint: Callable[[Any, Request], Awaitable[Response]]
 
