@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.')
+    serve.add_argument("--enable-sleep-mode", action="store_true",
+                       help="Let the engines sleep (POST /sleep?level=1|2: release the KV cache, and move the "
+                            "weights to host memory or discard them) and wake up (POST /wake_up); the endpoints "
+                            "need --server-dev-mode.")
     serve.add_argument("--kv-cache-metrics", action="store_true",
                        help="Follow a sample of KV blocks from allocation to eviction from the prefix cache: "
                             "the vllm:kv_block_lifetime_seconds, _idle_before_evict_seconds and _reuse_gap_seconds "
@@ -115,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "--max-loras, as vLLM).")
     serve.add_argument("--server-dev-mode", action="store_true", default=env_switch("VLLM_SERVER_DEV_MODE"),
                        help="Enable POST /pause (?mode=abort|wait|keep&clear_cache=), /resume, "
-                            "/reset_prefix_cache and GET /is_paused on every engine (default: "
-                            "$VLLM_SERVER_DEV_MODE).")
+                            "/reset_prefix_cache, /sleep, /wake_up and GET /is_paused, /is_sleeping on every "
+                            "engine (default: $VLLM_SERVER_DEV_MODE).")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        default=env_switch("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
                        help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
@@ -189,6 +193,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
                 "kv_cache_metrics": args.kv_cache_metrics or None,
+                "enable_sleep_mode": args.enable_sleep_mode or None,
                 "kv_cache_metrics_sample": args.kv_cache_metrics_sample}
     for flag, _, _ in SCHEDULER_ARGS:
         name = flag.lstrip("-").replace("-", "_")

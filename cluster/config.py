@@ -78,6 +78,9 @@ class EngineSpec(BaseModel):
                           "residency histograms (--kv-cache-metrics).")
     kv_cache_metrics_sample: float | None = Field(
         None, gt=0, le=1, description="The share of blocks followed (--kv-cache-metrics-sample, default 0.01).")
+    enable_sleep_mode: bool | None = Field(
+        None, description="Allow sleep (release the KV cache, and offload or discard the weights) and wake_up "
+                          "(--enable-sleep-mode; the operators' endpoints need server_dev_mode).")
     speculative_config: dict[str, Any] | None = Field(
         None, description='Speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 2}.')
@@ -89,7 +92,7 @@ _DEFAULTS = EngineSpec(
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,
     runner="auto", placement_strategy="PACK", num_cpus_per_worker=1.0, kv_cache_metrics=False,
-    kv_cache_metrics_sample=0.01,
+    kv_cache_metrics_sample=0.01, enable_sleep_mode=False,
     executor_backend="auto", max_waiting_requests=0)
 
 
@@ -383,7 +386,8 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         node_labels=tuple(sorted((s["node_labels"] or {}).items())), seed=seed,
         executor_backend=s["executor_backend"], max_waiting_requests=s["max_waiting_requests"],
         engine_niceness=s["engine_niceness"], speculative_config=speculative, lora_config=lora_config,
-        kv_cache_metrics_sample=s["kv_cache_metrics_sample"] if s["kv_cache_metrics"] else None)
+        kv_cache_metrics_sample=s["kv_cache_metrics_sample"] if s["kv_cache_metrics"] else None,
+        enable_sleep_mode=s["enable_sleep_mode"])
 
 
 def load_engine_overrides(path: str) -> list[EngineSpec]:

@@ -245,7 +245,7 @@ class LLM:
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  kv_cache_dtype: KVCacheDType = "auto", enable_expert_parallel: bool = False,
                  runner: str = "auto", pooler_config: dict[str, Any] | None = None,
-                 hf_overrides: dict[str, Any] | None = None,
+                 hf_overrides: dict[str, Any] | None = None, enable_sleep_mode: bool = False,
                  **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
@@ -258,7 +258,8 @@ class LLM:
             "dtype": dtype, "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
             "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend,
             "kv_cache_dtype": kv_cache_dtype, "enable_expert_parallel": enable_expert_parallel,
-            "runner": runner, "pooler_config": pooler_config, "hf_overrides": hf_overrides})
+            "runner": runner, "pooler_config": pooler_config, "hf_overrides": hf_overrides,
+            "enable_sleep_mode": enable_sleep_mode})
         # engine_overrides: per-engine flag mappings (engine i gets the i-th), e.g. a latency engine
         # beside a throughput one.
         self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,
@@ -557,6 +558,38 @@ class LLM:
             raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts")
         return loras
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (``enable_sleep_mode=True``): every engine empties its prefix cache and
+        releases its KV cache, and its weights are moved to host memory (level 1; on the CPU they
+        stay) or discarded (level 2: read from the checkpoint again on wake-up). generate() and the
+        other calls are refused until wake_up()."""
+        if self._engine is not None:
+            if not self._engine.reset_prefix_cache():
+                raise RuntimeError("the engine still holds requests: it cannot sleep")
+            self._engine.sleep(level)
+        else:
+            import ray
+
+            ray.get([h.actor.sleep.remote(level) for h in self._handles])
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``tags`` name ("weights", "kv_cache"; None: both), e.g. the weights first to
+        update them, then the KV cache."""
+        if self._engine is not None:
+            self._engine.wake_up(tags)
+        else:
+            import ray
+
+            ray.get([h.actor.wake_up.remote(tags) for h in self._handles])
+
+    def is_sleeping(self) -> bool:
+        """Whether any engine has something released."""
+        if self._engine is not None:
+            return self._engine.is_sleeping()
+        import ray
+
+        return any(ray.get([h.actor.is_sleeping.remote() for h in self._handles]))
+
     def get_stats(self) -> list[Any]:
         import ray
 
@@ -595,6 +628,8 @@ class LLM:
 
     def _run(self, requests: list[EngineCoreRequest], pending: dict[str, _Pending], desc: str,
              use_tqdm: bool) -> None:
+        if self.is_sleeping():
+            raise RuntimeError("the LLM is sleeping: call wake_up() first")
         with tqdm(total=len(requests), desc=desc, disable=not use_tqdm) as bar:
             if self._engine is not None:
                 self._run_in_process(requests, pending, bar)

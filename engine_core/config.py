@@ -275,6 +275,9 @@ class EngineConfig:
     # vLLM's --kv-cache-metrics (--kv-cache-metrics-sample): the share of KV blocks followed for the
     # residency histograms (vllm:kv_block_*); None: off.
     kv_cache_metrics_sample: float | None = None
+    # vLLM's --enable-sleep-mode: the engine may release its KV cache and weights (sleep) and
+    # restore them (wake_up), e.g. while an RL trainer uses the memory.
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         where = f"engine {self.engine_index}: "

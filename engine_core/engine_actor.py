@@ -44,6 +44,7 @@ class EngineDescription:
     block_size: int
     num_blocks: int
     engine_index: int
+    enable_sleep_mode: bool = False
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -233,13 +234,45 @@ class EngineCoreService:
         for request in held:
             self._add_request(request)
 
-    def resume_generation(self) -> None:
-        def resume() -> None:
+    def resume_generation(self) -> bool:
+        """Resume; False (still paused) while the engine sleeps: wake_up resumes it."""
+        def resume() -> bool:
+            if self.engine.is_sleeping():
+                return False
             self._pause_epoch += 1
             self.engine.resume()
             self._release_held_requests()
+            return True
 
-        self.call_in_loop(resume)
+        return self.call_in_loop(resume)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep mode: pause (``mode`` "abort" or "wait", as pause_generation: no request may
+        keep KV blocks through it), empty the prefix cache, then release the workers' KV cache and
+        weights (level 1: moved to host memory; 2: discarded). Requests arriving meanwhile wait."""
+        if mode not in ("abort", "wait"):
+            raise ValueError(f"sleep mode must be abort or wait, got {mode!r} (a kept request would lose its KV "
+                             "cache)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if not self.config.enable_sleep_mode:
+            raise ValueError(f"engine {self.config.engine_index} was not started with --enable-sleep-mode")
+        if not self.pause_generation(mode, clear_cache=True):
+            raise RuntimeError(f"engine {self.config.engine_index} could not be emptied to sleep (a resume came "
+                               "first, or its prefix cache could not be reset)")
+        self.call_in_loop(lambda: self.engine.sleep(level), timeout=600.0)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Restore what ``tags`` name (None: everything); once nothing sleeps, generation resumes.
+        Returns whether the engine still sleeps."""
+        def wake() -> bool:
+            self.engine.wake_up(tags)
+            return self.engine.is_sleeping()
+
+        if self.call_in_loop(wake, timeout=600.0):
+            return True
+        self.resume_generation()
+        return False
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Load an adapter between passes (ValueError for one the model cannot serve)."""
@@ -535,7 +568,8 @@ class EngineCoreActor:
         engine = self.service.engine
         return EngineDescription(model_info=engine.model_info, scheduler_config=engine.scheduler_config.as_dict(),
                                  block_size=self.service.config.block_size, num_blocks=engine.num_blocks,
-                                 engine_index=self.service.config.engine_index)
+                                 engine_index=self.service.config.engine_index,
+                                 enable_sleep_mode=self.service.config.enable_sleep_mode)
 
     async def engine_config(self) -> EngineConfig:
         """The configuration this engine was started with (a redeploy compares it with the wanted one)."""
@@ -578,10 +612,32 @@ class EngineCoreActor:
     async def is_paused(self) -> bool:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.is_paused)
 
-    async def resume(self) -> None:
+    async def resume(self) -> bool:
+        """False while the engine sleeps (it stays paused until wake_up)."""
         async with self._pause_lock:
-            await asyncio.to_thread(self.service.resume_generation)
+            if not await asyncio.to_thread(self.service.resume_generation):
+                return False
             await self._record_pause(None)
+            return True
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        async with self._pause_lock:
+            try:
+                await asyncio.to_thread(self.service.sleep, level, mode)
+            finally:
+                if await self.is_paused():  # (a restarted engine comes back paused, awake)
+                    await self._record_pause(mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Whether it still sleeps (some of what it released was not named)."""
+        async with self._pause_lock:
+            asleep = await asyncio.to_thread(self.service.wake_up, tags)
+            if not asleep:
+                await self._record_pause(None)
+            return asleep
+
+    async def is_sleeping(self) -> bool:
+        return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.is_sleeping)
 
     async def _record_pause(self, mode: str | None) -> None:
         """Record (or, with None, clear) the pause in Ray's key-value store, off the event loop. A

@@ -31,6 +31,9 @@ from engine_core.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+# What a sleeping engine's wake_up restores, in the order it does (vLLM's tags).
+WAKE_UP_TAGS = ("weights", "kv_cache")
+
 _EMPTY_MODEL_OUTPUT = ModelRunnerOutput([], {}, [])
 
 
@@ -116,6 +119,8 @@ class EngineCore:
         self.num_steps = 0
         # The last pass scheduled and produced nothing (paused, or nothing admissible yet).
         self.last_step_idle = False
+        # Sleep mode: what the workers have released ("weights", "kv_cache").
+        self.asleep: set[str] = set()
         # Totals since start (the scheduler's counters are per-pass deltas).
         self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
                         "max_step_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
@@ -291,6 +296,35 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    # -- sleep mode ------------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Release the workers' KV cache and weights (level 1: to host memory; 2: discarded). The
+        caller has emptied the engine (paused, nothing in flight, prefix cache reset)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if not self.config.enable_sleep_mode:
+            raise ValueError(f"engine {self.config.engine_index} was not started with --enable-sleep-mode")
+        if self.scheduler.kv_cache_manager.block_pool.get_usage() > 0:  # (queued requests hold none: they wait)
+            raise RuntimeError(f"engine {self.config.engine_index} still holds KV blocks of requests: it cannot "
+                               "sleep")
+        self.executor.sleep(level)
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``tags`` name ("weights", "kv_cache"; None: both)."""
+        tags = list(tags) if tags else list(WAKE_UP_TAGS)
+        unknown = set(tags) - set(WAKE_UP_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up tags must be among {list(WAKE_UP_TAGS)}, got {sorted(unknown)}")
+        waking = [tag for tag in WAKE_UP_TAGS if tag in tags and tag in self.asleep]
+        if waking:
+            self.executor.wake_up(waking)
+            self.asleep.difference_update(waking)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()

@@ -191,6 +191,15 @@ class Executor(ABC):
     def remove_lora(self, lora_int_id: int) -> bool:
         raise RuntimeError(f"{type(self).__name__} does not serve LoRA adapters")
 
+    def sleep(self, level: int) -> None:
+        """Sleep mode, on every worker: release the KV cache, and move the weights to host memory
+        (level 1) or discard them (level 2). The engine holds no request and no cached prefix."""
+        raise RuntimeError(f"{type(self).__name__} has no sleep mode")
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Restore what ``tags`` name ("weights", "kv_cache") on every worker."""
+        raise RuntimeError(f"{type(self).__name__} has no sleep mode")
+
     def restart(self) -> None:
         """Bring a failed worker group back (same config, fresh KV cache). Default: not supported."""
         raise RuntimeError(f"{type(self).__name__} cannot restart its workers")

@@ -237,6 +237,12 @@ class UniProcExecutor(_ExecutorBase):
     def _unload_lora(self, lora_int_id: int) -> list[bool]:
         return [self.worker.remove_lora(lora_int_id)]
 
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.worker.wake_up(tags)
+
     def restart(self) -> None:
         """A failed step may have left the runner's state half-updated: start from a fresh worker."""
         self.worker.shutdown()
@@ -365,6 +371,12 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         import ray
 
         ray.get([w.__ray_call__.remote(lambda _w: True) for w in self.workers], timeout=10)
+
+    def sleep(self, level: int) -> None:
+        self._run_all("sleep", level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._run_all("wake_up", tags, timeout=600)  # (level 2: each rank reads the checkpoint again)
 
     def restart(self) -> None:
         """Replace every rank (a survivor may be stuck in a collective with the dead one)."""

@@ -11,7 +11,7 @@ drafts the model agrees with, plus one token of its own. All per-token arrays ar
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache
 from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.lora.layers import LORA_BASE
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
 from gpu_worker.pooler_config import DENSE_ACTIVATIONS, PER_TOKEN_POOLING, DenseProjection, load_dense_weights
@@ -56,6 +57,9 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return torch.from_numpy(out).to(device)
+
+# An HF model directory, or (hf_name, tensor) pairs (e.g. from a converter).
+WeightSource = str | Path | Iterable[tuple[str, WeightLike]]
 
 
 class ModelRunner:
@@ -98,6 +102,10 @@ class ModelRunner:
         self.encoder_batches_padded: bool | None = None
         # sentence-transformers Dense projections of pooled embeddings: (weight, bias, activation), fp32.
         self.dense: list[tuple[torch.Tensor, torch.Tensor | None, str]] = []
+        # Sleep mode: what is released now ("weights", "kv_cache"), and how the weights were (1: moved
+        # to host memory, 2: discarded).
+        self.asleep: set[str] = set()
+        self.sleep_level = 0
 
     # ------------------------------------------------------------------ setup
 
@@ -109,19 +117,9 @@ class ModelRunner:
             self.dense.append((weight.to(self.device, torch.float32),
                                None if bias is None else bias.to(self.device, torch.float32), projection.activation))
 
-    def load_model(self, weights: str | Path | Iterable[tuple[str, WeightLike]]) -> None:
+    def load_model(self, weights: WeightSource) -> None:
         """``weights``: an HF model directory, or (hf_name, tensor) pairs (e.g. from a converter)."""
-        with torch.device(self.device), _default_dtype(self.dtype):
-            model = build_model(self.config)
-        source = iter_safetensors(weights) if isinstance(weights, (str, Path)) else weights
-        if self.config.quantization is not None:  # (quantized weights: the model's dtype from here on)
-            source = dequantized_weights(source, self.config.quantization, self.config.quantization_config,
-                                         self.config.fp8_weight_block)
-        if isinstance(weights, (str, Path)) and hasattr(model, "extra_checkpoint_tensors"):
-            source = itertools.chain(source, model.extra_checkpoint_tensors(weights))
-        with torch.no_grad():
-            load_weights(model, source)
-        self.model = model.eval()
+        self.model = model = self._loaded_model(weights)
         # The sliding windows the layers attend with (None: full attention): one metadata each per step.
         self.attention_windows = frozenset(layer.sliding_window for layer in model.attention_layers())
         # LongRoPE: where the short factors' rotary rows start, and the length above which they stop.
@@ -134,6 +132,75 @@ class ModelRunner:
         if self.max_lora_rank is not None:
             self.lora = LoRAManager(model, self.max_lora_rank, self.device, self.dtype, self.max_resident_loras,
                                     self.max_cpu_loras)
+
+    def _loaded_model(self, weights: WeightSource) -> nn.Module:
+        """A new model with the checkpoint's weights, in eval mode."""
+        with torch.device(self.device), _default_dtype(self.dtype):
+            model = build_model(self.config)
+        source = iter_safetensors(weights) if isinstance(weights, (str, Path)) else weights
+        if self.config.quantization is not None:  # (quantized weights: the model's dtype from here on)
+            source = dequantized_weights(source, self.config.quantization, self.config.quantization_config,
+                                         self.config.fp8_weight_block)
+        if isinstance(weights, (str, Path)) and hasattr(model, "extra_checkpoint_tensors"):
+            source = itertools.chain(source, model.extra_checkpoint_tensors(weights))
+        with torch.no_grad():
+            load_weights(model, source)
+        return model.eval()
+
+    # ------------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep: the KV cache is released (its contents are lost: the engine holds no request
+        and has emptied its prefix cache), and the weights are moved to host memory (level 1; on the
+        CPU they stay where they are) or discarded (level 2: read from the checkpoint again on wake-up)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.model is None:
+            raise RuntimeError("load_model() has not been called")
+        if self.lora is not None:
+            self.lora.release_device_copies()
+        if "kv_cache" not in self.asleep:
+            for layer in self.model.attention_layers():
+                layer.kv_cache = None
+            self.kv_caches = []
+            self.asleep.add("kv_cache")
+        if "weights" not in self.asleep:
+            for param in self.model.parameters():
+                if level == 2:
+                    param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+                elif self.device.type != "cpu":
+                    param.data = param.data.to("cpu").pin_memory()
+            self.asleep.add("weights")
+            self.sleep_level = level
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Iterable[str], weights: Callable[[], WeightSource]) -> None:
+        """Restore what ``tags`` name ("weights", "kv_cache"): weights moved back to the device, or
+        read again from ``weights()`` (level 2); an empty KV cache of the size it had."""
+        tags = set(tags)
+        unknown = tags - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake-up tags are weights and kv_cache, got {sorted(unknown)}")
+        model = self.model
+        assert model is not None
+        if "weights" in tags & self.asleep:
+            if self.sleep_level == 2:
+                self._take_weights_of(self._loaded_model(weights()))
+            elif self.device.type != "cpu":
+                for param in model.parameters():
+                    param.data = param.data.to(self.device)
+            self.asleep.discard("weights")
+        if "kv_cache" in tags & self.asleep:
+            self.initialize_kv_cache(self.num_blocks, self.block_size)
+            self.asleep.discard("kv_cache")
+
+    def _take_weights_of(self, fresh: nn.Module) -> None:
+        """Give the sleeping model's parameters the storage of ``fresh``'s (the same model, loaded
+        again; adapter-wrapped projections hold theirs one level down)."""
+        loaded = dict(fresh.named_parameters(remove_duplicate=False))
+        for name, param in self.model.named_parameters(remove_duplicate=False):  # type: ignore[union-attr]
+            param.data = loaded[name.replace(f".{LORA_BASE}.", ".")].data
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         if self.model is None:

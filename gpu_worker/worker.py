@@ -170,6 +170,13 @@ class Worker:
         self._runner().initialize_kv_cache(num_blocks, block_size)
         self.block_size = block_size
 
+    def sleep(self, level: int) -> None:
+        self._runner().sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        weights = self.weights
+        self._runner().wake_up(tags, weights if callable(weights) else lambda: weights)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         out = self._runner().execute_model(scheduler_output)
         return out if self.rank == 0 else None

@@ -8,7 +8,7 @@ import hashlib
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine_core.engine_core import WAKE_UP_TAGS
 from engine_core.outputs import LoRARequest
 from engine_core.sched.scheduler import PAUSE_MODES
 from router.classification import CLASSIFY_PATHS, ClassificationRequest, ClassificationServing, classifier_params
@@ -106,7 +107,8 @@ class ResponseCounter:
 
 
 # The operators' endpoints (--server-dev-mode): with --api-key they need a key too, unlike vLLM's.
-DEV_MODE_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/reset_prefix_cache"})
+DEV_MODE_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/sleep", "/wake_up",
+                            "/is_sleeping"})
 
 
 class APIKeyAuth:
@@ -376,8 +378,45 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
         @app.post("/resume")
         async def resume() -> dict[str, str]:
-            await asyncio.gather(*(owner.resume_generation() for owner in servings))
+            resumed = await asyncio.gather(*(owner.resume_generation() for owner in servings))
+            if not all(flag for flags in resumed for flag in flags):
+                raise APIError(409, "sleeping engines stay paused until POST /wake_up", "ConflictError")
             return {"status": "resumed"}
+
+        def sleeping_servings() -> list[OpenAIServing]:
+            """The models whose engines sleep: every model's engines need --enable-sleep-mode."""
+            refused = [owner.settings.served_model_name for owner in servings if not owner.settings.enable_sleep_mode]
+            if refused:
+                raise bad_request(f"the engines of {refused} were not started with --enable-sleep-mode", None)
+            return list(servings)
+
+        @app.post("/sleep")
+        async def sleep(level: int = Query(1), mode: str = Query("abort")) -> dict[str, Any]:
+            """vLLM's sleep mode, on every engine of every model: requests in flight are aborted (or,
+            mode=wait, finished first), the prefix caches emptied, the KV caches released, and the
+            weights moved to host memory (level 1) or discarded (level 2). Requests sent meanwhile
+            wait for /wake_up."""
+            if level not in (1, 2):
+                raise bad_request(f"level must be 1 or 2, got {level}", "level")
+            if mode not in ("abort", "wait"):
+                raise bad_request(f"mode must be abort or wait, got {mode!r}", "mode")
+            await asyncio.gather(*(owner.sleep(level, mode) for owner in sleeping_servings()))
+            return {"status": "sleeping", "level": level}
+
+        @app.post("/wake_up")
+        async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
+            """Restore what ``tags`` name (weights, kv_cache; none: both); generation resumes once
+            nothing sleeps."""
+            unknown = set(tags or ()) - set(WAKE_UP_TAGS)
+            if unknown:
+                raise bad_request(f"tags must be among {list(WAKE_UP_TAGS)}, got {sorted(unknown)}", "tags")
+            asleep = await asyncio.gather(*(owner.wake_up(tags) for owner in sleeping_servings()))
+            return {"is_sleeping": any(flag for flags in asleep for flag in flags)}
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> dict[str, Any]:
+            flags = [flag for owner in servings for flag in await owner.sleeping_engines()]
+            return {"is_sleeping": any(flags), "sleeping_engines": sum(flags), "engines": len(flags)}
 
         @app.get("/is_paused")
         async def is_paused() -> dict[str, Any]:

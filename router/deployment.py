@@ -104,6 +104,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         trust_request_chat_template=config.trust_request_chat_template,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         stream_interval=config.stream_interval,
+        enable_sleep_mode=all(d.enable_sleep_mode for d in descriptions),
         enable_server_load_tracking=config.enable_server_load_tracking,
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
     )

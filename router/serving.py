@@ -160,6 +160,8 @@ class ServingSettings:
     # it has this many new tokens (or has finished) before its next chunk. Fewer, larger chunks cost
     # the router, the ingress and the client less CPU per request; 1 sends every engine output.
     stream_interval: int = 1
+    # Every engine was started with --enable-sleep-mode: the operators' /sleep and /wake_up act on them.
+    enable_sleep_mode: bool = False
     # --enable-server-load-tracking (vLLM's): GET /load counts the requests in progress.
     enable_server_load_tracking: bool = False
     # --enable-tokenizer-info-endpoint (vLLM's): GET /tokenizer_info exists.
@@ -317,8 +319,19 @@ class OpenAIServing:
         """Per engine, whether its prefix cache was emptied."""
         return await self._each_engine("pause_generation", mode, clear_cache)
 
-    async def resume_generation(self) -> None:
-        await self._each_engine("resume")
+    async def resume_generation(self) -> list[bool]:
+        """Per engine, whether it resumed (a sleeping engine stays paused until wake_up)."""
+        return await self._each_engine("resume")
+
+    async def sleep(self, level: int, mode: str) -> None:
+        await self._each_engine("sleep", level, mode)
+
+    async def wake_up(self, tags: list[str] | None) -> list[bool]:
+        """Per engine, whether it still sleeps."""
+        return await self._each_engine("wake_up", tags)
+
+    async def sleeping_engines(self) -> list[bool]:
+        return await self._each_engine("is_sleeping")
 
     async def paused_engines(self) -> list[bool]:
         return await self._each_engine("is_paused")

@@ -42,6 +42,10 @@ class LoRABatch:
     groups: list[tuple[AdapterShard, Rows]] = field(default_factory=list)
 
 
+# The attribute holding the wrapped projection: its parameters are named "<path>.base.<name>".
+LORA_BASE = "base"
+
+
 class LoRALinear(nn.Module):
     def __init__(self, base: ColumnParallelLinear | RowParallelLinear, path: str, batch: LoRABatch) -> None:
         super().__init__()

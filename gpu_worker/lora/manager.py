@@ -140,6 +140,15 @@ class LoRAManager:
         self._resident[lora_id] = None
         self.num_copies_in += 1
 
+    def release_device_copies(self) -> None:
+        """Drop the adapters' device copies (sleep mode): the host copies stay, and a step copies in
+        what it needs again. (Nothing to drop where adapters are computed with where they are loaded.)"""
+        if self.max_resident is None:
+            return
+        for lora_id in self._resident:
+            self.adapters[lora_id].layers = {}
+        self._resident.clear()
+
     def list_adapters(self) -> list[int]:
         return sorted(self.registered)
 

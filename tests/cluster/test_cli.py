@@ -171,6 +171,12 @@ def test_server_dev_mode_reaches_the_router_from_the_flag_or_vllms_variable(monk
     assert ClusterConfig(model="m").server_dev_mode is True  # (a Serve config's default, too)
 
 
+def test_enable_sleep_mode_reaches_every_engine():
+    configs = _config("--enable-sleep-mode", "--num-engines", "2").engine_configs()
+    assert [c.enable_sleep_mode for c in configs] == [True, True]
+    assert _config().engine_configs()[0].enable_sleep_mode is False
+
+
 def test_vllms_server_route_flags_reach_the_router():
     def routes(*flags):
         config = router_deployment(_config(*flags))._bound_deployment.init_args[0]

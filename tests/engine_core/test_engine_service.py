@@ -401,3 +401,41 @@ def test_an_abort_for_another_client_tells_a_request_held_during_a_pause(service
         assert _collect(service, 0.3)["held"][1] == FinishReason.ABORT
         pausing.result(timeout=60)
     assert service.call_in_loop(service.engine.num_in_flight_requests) == 0
+
+
+def test_sleep_ends_what_runs_holds_what_comes_and_wake_up_resumes(tmp_path_factory):
+    """vLLM's sleep on the busy loop: a running request is aborted (its client told), the workers
+    release their KV cache; a request sent while asleep waits, a resume cannot start it, and once
+    wake_up has restored everything it runs to the same answer as before."""
+    import dataclasses
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("sleepy"))
+    config = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=64, max_num_seqs=4,
+                                                                 max_model_len=256)).engine_configs()[0]
+    plain = EngineCoreService(config, create_executor)
+    try:
+        with pytest.raises(ValueError, match="enable-sleep-mode"):
+            plain.sleep(1)
+        assert not plain.call_in_loop(plain.engine.is_paused)  # (a refused sleep does not pause)
+    finally:
+        plain.shutdown()
+    service = EngineCoreService(dataclasses.replace(config, enable_sleep_mode=True), create_executor)
+    try:
+        prompt = list(range(3, 40))
+        before, _, _ = _run(service, "before", prompt)
+        _start(service, "running", list(range(50, 60)), 240)
+        _until_running(service)
+        service.sleep(level=1)
+        assert _collect(service, 0.3)["running"][1] == FinishReason.ABORT
+        assert service.call_in_loop(service.engine.is_sleeping)
+        assert service.engine.executor.worker.runner.kv_caches == []
+        _start(service, "during", prompt, 8)
+        assert service.resume_generation() is False  # (asleep: it stays paused)
+        assert "during" not in _collect(service, 0.3)
+        assert service.wake_up(["weights"]) is True and "during" not in _collect(service, 0.2)
+        assert service.wake_up(["kv_cache"]) is False
+        tokens, finish = _until_finished(service, "during")
+        assert tokens == before and finish == FinishReason.LENGTH
+        assert not service.call_in_loop(service.engine.is_paused)
+    finally:
+        service.shutdown()

@@ -114,6 +114,7 @@ class _EngineHandle:
         self.calls: list[tuple] = []
         self.paused = False
         self.resets = resets
+        self.asleep: set[str] = set()
 
     def __getattr__(self, method: str):
         handle = self
@@ -128,7 +129,16 @@ class _EngineHandle:
                         handle.paused = True
                         return args[1] and args[0] != "keep"
                     elif method == "resume":
-                        handle.paused = False
+                        handle.paused = bool(handle.asleep)
+                        return not handle.asleep
+                    elif method == "sleep":
+                        handle.paused, handle.asleep = True, {"weights", "kv_cache"}
+                    elif method == "wake_up":
+                        handle.asleep -= set(args[0] or ("weights", "kv_cache"))
+                        handle.paused = bool(handle.asleep)
+                        return bool(handle.asleep)
+                    elif method == "is_sleeping":
+                        return bool(handle.asleep)
                     elif method == "is_paused":
                         return handle.paused
                     elif method == "reset_prefix_cache":
@@ -170,6 +180,39 @@ def test_dev_mode_endpoints_reach_every_engine_and_need_a_key():
     plain = TestClient(create_app(OpenAIServing(off, EngineClient(engines, client_index=0), byte_level_tokenizer(),
                                                 RoundRobinPolicy())))
     assert plain.post("/pause").status_code == 404 and plain.get("/is_paused").status_code == 404
+
+
+def test_sleep_endpoints_reach_every_engine_with_vllms_parameters():
+    """--server-dev-mode with engines started with --enable-sleep-mode: /sleep (level, mode),
+    /wake_up (tags, repeated), /is_sleeping on every engine; /resume cannot wake a sleeping engine
+    (409); refused with a 400 unless every engine has sleep mode, or for a bad level, mode or tag."""
+    engines = [_EngineHandle(), _EngineHandle()]
+
+    def app(sleep_mode: bool) -> TestClient:
+        settings = ServingSettings(served_model_name="tiny", max_model_len=64, server_dev_mode=True,
+                                   enable_sleep_mode=sleep_mode)
+        return TestClient(create_app(OpenAIServing(settings, EngineClient(engines, client_index=0),
+                                                   byte_level_tokenizer(), RoundRobinPolicy())))
+
+    http = app(True)
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False, "sleeping_engines": 0, "engines": 2}
+    assert http.post("/sleep?level=2&mode=wait").json() == {"status": "sleeping", "level": 2}
+    assert [c for c in engines[0].calls if c[0] == "sleep"] == [("sleep", 2, "wait")]
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True, "sleeping_engines": 2, "engines": 2}
+    refused = http.post("/resume")
+    assert refused.status_code == 409 and "/wake_up" in refused.json()["error"]["message"]
+    assert http.post("/wake_up?tags=weights").json() == {"is_sleeping": True}
+    assert engines[1].calls[-1] == ("wake_up", ["weights"])
+    assert http.post("/wake_up").json() == {"is_sleeping": False}
+    assert engines[1].calls[-1] == ("wake_up", None) and not any(e.paused for e in engines)
+    http.post("/sleep")
+    assert engines[0].calls[-1] == ("sleep", 1, "abort")  # (vLLM's default level)
+    assert http.post("/wake_up?tags=weights&tags=kv_cache").json() == {"is_sleeping": False}
+    for path, param in (("/sleep?level=3", "level"), ("/sleep?mode=keep", "mode"), ("/wake_up?tags=all", "tags")):
+        bad = http.post(path)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, path
+    calls = len(engines[0].calls)
+    assert app(False).post("/sleep").status_code == 400 and len(engines[0].calls) == calls
 
 
 class _Source:

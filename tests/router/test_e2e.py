@@ -29,7 +29,9 @@ def cluster(ray_cluster, tiny_model_dir):
         enable_responses_store=True,  # shared by every app of the namespace (prefix2 uses it too)
         enable_prompt_tokens_details=True,
         # (Marked as trained for shorter embeddings, which /v1/embeddings' dimensions needs, as in vLLM.)
-        defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256, hf_overrides={"is_matryoshka": True}),
+        # Sleep mode on, for the operators' /sleep and /wake_up.
+        defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256, hf_overrides={"is_matryoshka": True},
+                            enable_sleep_mode=True),
         # Engine 1 has a short queue, so flooding it yields 429s.
         engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
     # A second router app over the same engines, with another policy, and tool_choice "auto" read
@@ -534,6 +536,29 @@ def test_vllms_serving_routes_through_serve(cluster, tiny_model_dir):
     while httpx.get(f"{tracked}/load").json()["server_load"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert httpx.get(f"{tracked}/load").json() == {"server_load": 0}
+
+
+def test_sleeping_engines_hold_requests_until_they_wake_up(cluster):
+    """--enable-sleep-mode engines through the dev-mode app: /sleep (level 2: the weights are read
+    again), a request sent while asleep waits, /resume leaves them asleep (409), and after /wake_up
+    it gets the same answer as before."""
+    base = f"{cluster['base']}/prefix2"
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    before = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert httpx.post(f"{base}/sleep?level=2", timeout=120).json() == {"status": "sleeping", "level": 2}
+    try:
+        assert httpx.get(f"{base}/is_sleeping").json() == {"is_sleeping": True, "sleeping_engines": 2, "engines": 2}
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=120)
+            time.sleep(0.5)
+            assert not held.done()
+            assert httpx.post(f"{base}/resume").status_code == 409 and not held.done()
+            assert httpx.post(f"{base}/wake_up?tags=weights", timeout=300).json() == {"is_sleeping": True}
+            assert httpx.post(f"{base}/wake_up", timeout=300).json() == {"is_sleeping": False}
+            assert held.result().json()["choices"][0]["text"] == before
+    finally:
+        httpx.post(f"{base}/wake_up", timeout=300)
+    assert httpx.get(f"{base}/is_sleeping").json()["is_sleeping"] is False
 
 
 def test_prefix_aware_routing_sends_shared_prefix_to_the_engine_holding_it(cluster):

@@ -1,0 +1,85 @@
+"""vLLM's sleep mode offline (LLM.sleep / wake_up): what the worker releases at each level, what
+wake-up restores, and answers unchanged through it (adapters included)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import LLM, LoRARequest, SamplingParams
+from tests.lora_adapters import save_adapter
+
+PROMPTS = ["Hello world", "Paris is the capital of"]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _answers(llm: LLM, lora: LoRARequest | None = None) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False, lora_request=lora)]
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir, tmp_path_factory):
+    return LoRARequest("a", 1, str(save_adapter(tiny_model_dir, tmp_path_factory.mktemp("a"), seed=40)))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_model_len=256, enable_sleep_mode=True,
+              enable_lora=True)
+    yield llm
+    llm.shutdown()
+
+
+def test_level_1_releases_the_kv_cache_and_wakes_up_in_two_steps(llm, adapter):
+    before, with_adapter = _answers(llm), _answers(llm, adapter)
+    runner = llm._engine.executor.worker.runner
+    layers = runner.model.attention_layers()
+    llm.sleep(level=1)
+    assert llm.is_sleeping() and runner.kv_caches == [] and all(layer.kv_cache is None for layer in layers)
+    assert all(p.numel() > 0 for p in runner.model.parameters())  # (on the CPU the weights stay in place)
+    with pytest.raises(RuntimeError, match="sleeping"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm.wake_up(["weights"])
+    assert llm.is_sleeping() and runner.kv_caches == []  # (the KV cache is still released)
+    llm.wake_up(["kv_cache"])
+    assert not llm.is_sleeping()
+    assert len(runner.kv_caches) == len(layers) and all(layer.kv_cache is not None for layer in layers)
+    assert _answers(llm) == before and _answers(llm, adapter) == with_adapter
+
+
+def test_level_2_discards_the_weights_and_reads_them_again(llm, adapter):
+    before, with_adapter = _answers(llm), _answers(llm, adapter)
+    runner = llm._engine.executor.worker.runner
+    llm.sleep(level=2)
+    assert all(p.numel() == 0 for p in runner.model.parameters())
+    llm.wake_up()
+    assert not llm.is_sleeping() and all(p.numel() > 0 for p in runner.model.parameters())
+    # The adapter-wrapped projections got their weights back too.
+    assert _answers(llm) == before and _answers(llm, adapter) == with_adapter
+
+
+def test_the_prefix_cache_is_emptied_by_sleep(llm):
+    pool = llm._engine.scheduler.kv_cache_manager.block_pool
+    long_prompt = ["The quick brown fox jumps over the lazy dog. " * 4]
+    before = llm.generate(long_prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(pool.cached_block_hash_to_block) > 0
+    llm.sleep(level=1)
+    assert len(pool.cached_block_hash_to_block) == 0
+    llm.wake_up()
+    # (A hit on a block of the released cache would attend to zeros: the answer would change.)
+    assert llm.generate(long_prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == before
+    assert len(pool.cached_block_hash_to_block) > 0
+
+
+def test_sleep_needs_the_flag_and_a_valid_level(tiny_model_dir, llm):
+    plain = LLM(model=str(tiny_model_dir), num_gpu_blocks=16, max_model_len=64)
+    try:
+        with pytest.raises(ValueError, match="enable-sleep-mode"):
+            plain.sleep()
+        assert not plain.is_sleeping()
+    finally:
+        plain.shutdown()
+    with pytest.raises(ValueError, match="level"):
+        llm.sleep(level=3)
+    with pytest.raises(ValueError, match="tags"):
+        llm.wake_up(["everything"])
+    assert not llm.is_sleeping()
