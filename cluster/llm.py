@@ -564,7 +564,8 @@ class LLM:
         stay) or discarded (level 2: read from the checkpoint again on wake-up). generate() and the
         other calls are refused until wake_up()."""
         if self._engine is not None:
-            if not self._engine.reset_prefix_cache():
+            self._engine.check_sleep(level)
+            if not self._engine.is_sleeping() and not self._engine.reset_prefix_cache():
                 raise RuntimeError("the engine still holds requests: it cannot sleep")
             self._engine.sleep(level)
         else:
@@ -628,7 +629,7 @@ class LLM:
 
     def _run(self, requests: list[EngineCoreRequest], pending: dict[str, _Pending], desc: str,
              use_tqdm: bool) -> None:
-        if self.is_sleeping():
+        if any(c.enable_sleep_mode for c in self.engine_configs) and self.is_sleeping():
             raise RuntimeError("the LLM is sleeping: call wake_up() first")
         with tqdm(total=len(requests), desc=desc, disable=not use_tqdm) as bar:
             if self._engine is not None:

@@ -29,6 +29,7 @@ from engine_core.metrics import EngineMetrics
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStats, LoRARequest
 from engine_core.request import FinishReason
 from engine_core.sched.scheduler import PAUSE_MODES, PauseState
+from engine_core.sleep_mode import check_sleep, wake_up_tags
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ class EngineCoreService:
             return self._pause_epoch
 
         epoch = self.call_in_loop(hold)
-        while self.call_in_loop(lambda: self._pause_epoch == epoch and engine.num_in_flight_requests() > 0):
+        while self.call_in_loop(lambda: self._pause_epoch == epoch and engine.num_drainable_requests() > 0):
             time.sleep(0.02)
 
         def pause_and_release() -> bool:
@@ -249,30 +250,33 @@ class EngineCoreService:
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's sleep mode: pause (``mode`` "abort" or "wait", as pause_generation: no request may
         keep KV blocks through it), empty the prefix cache, then release the workers' KV cache and
-        weights (level 1: moved to host memory; 2: discarded). Requests arriving meanwhile wait."""
-        if mode not in ("abort", "wait"):
-            raise ValueError(f"sleep mode must be abort or wait, got {mode!r} (a kept request would lose its KV "
-                             "cache)")
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if not self.config.enable_sleep_mode:
-            raise ValueError(f"engine {self.config.engine_index} was not started with --enable-sleep-mode")
-        if not self.pause_generation(mode, clear_cache=True):
-            raise RuntimeError(f"engine {self.config.engine_index} could not be emptied to sleep (a resume came "
-                               "first, or its prefix cache could not be reset)")
-        self.call_in_loop(lambda: self.engine.sleep(level), timeout=600.0)
+        weights (level 1: moved to host memory; 2: discarded). Requests arriving meanwhile wait.
+        Asleep already: nothing is paused again (a deeper level releases more)."""
+        check_sleep(level, mode)
+        engine = self.engine
+        self.call_in_loop(lambda: engine.check_sleep(level))  # (refused before anything is paused)
+        if not self.call_in_loop(engine.is_sleeping) and not self.pause_generation(mode, clear_cache=True):
+            raise RuntimeError(f"engine {self.config.engine_index} could not be emptied to sleep: a resume came "
+                               "first, or a request still holds KV blocks (a streaming session waiting for input "
+                               "holds its own: sleep with mode=abort)")
+        self.call_in_loop(lambda: engine.sleep(level), timeout=None)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Restore what ``tags`` name (None: everything); once nothing sleeps, generation resumes.
-        Returns whether the engine still sleeps."""
-        def wake() -> bool:
-            self.engine.wake_up(tags)
-            return self.engine.is_sleeping()
+        """Restore what ``tags`` name (None: everything). The wake-up that leaves nothing asleep
+        resumes generation (a pause of the operator's own, with nothing asleep, stays). Returns
+        whether the engine still sleeps."""
+        tags = wake_up_tags(tags)
+        engine = self.engine
 
-        if self.call_in_loop(wake, timeout=600.0):
-            return True
-        self.resume_generation()
-        return False
+        def wake() -> tuple[bool, bool]:
+            was = engine.is_sleeping()
+            engine.wake_up(tags)
+            return was, engine.is_sleeping()
+
+        was, still = self.call_in_loop(wake, timeout=None)
+        if was and not still:
+            self.resume_generation()
+        return still
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Load an adapter between passes (ValueError for one the model cannot serve)."""
@@ -435,6 +439,7 @@ class EngineCoreService:
             self.engine.executor.initialize_cache(self.engine.num_blocks)
             if not self.engine.reset_prefix_cache():
                 raise RuntimeError("the prefix cache could not be reset after the restart")
+            self.engine.sleep_again()  # (asleep: the new workers release what the old ones had)
             self._error = None
             logger.info("engine %d: workers restarted", self.config.engine_index)
         except Exception as e:
@@ -457,8 +462,9 @@ class EngineCoreService:
             return False
         return True
 
-    def call_in_loop(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
-        """Run ``fn`` on the busy-loop thread between passes and wait for its result."""
+    def call_in_loop(self, fn: Callable[[], Any], timeout: float | None = 30.0) -> Any:
+        """Run ``fn`` on the busy-loop thread between passes and wait for its result (``timeout``
+        None: as long as it takes, e.g. reading a checkpoint again)."""
         done = threading.Event()
         box: dict[str, Any] = {}
 
@@ -527,6 +533,10 @@ def pause_record_key(namespace: str, name: str) -> str:
     return f"llm-cluster/paused/{namespace}/{name}"
 
 
+# The pause record of an engine that sleeps: this, then its level.
+SLEEP_RECORD = "sleep:"
+
+
 def _own_pause_record_key() -> str | None:
     import ray
 
@@ -550,11 +560,17 @@ class EngineCoreActor:
         # Pause and resume, with their record, one at a time: a resume racing a pause cannot leave
         # a record saying paused on a running engine.
         self._pause_lock = asyncio.Lock()
-        if self._pause_key is not None and internal_kv._internal_kv_get(self._pause_key):
+        record = internal_kv._internal_kv_get(self._pause_key) if self._pause_key is not None else None
+        if record:
             # Paused (/pause) when this actor died: it comes back paused. It holds no request, so
-            # "keep" (nothing scheduled) is what every mode leaves.
-            logger.info("engine %d: restarted while paused; staying paused until /resume", config.engine_index)
-            self.service.pause_generation("keep", clear_cache=False)
+            # "keep" (nothing scheduled) is what every mode leaves. Asleep (/sleep): it sleeps again.
+            level = record.decode().removeprefix(SLEEP_RECORD) if record.startswith(SLEEP_RECORD.encode()) else ""
+            if level:
+                logger.info("engine %d: restarted while asleep; sleeping again until /wake_up", config.engine_index)
+                self.service.sleep(int(level))
+            else:
+                logger.info("engine %d: restarted while paused; staying paused until /resume", config.engine_index)
+                self.service.pause_generation("keep", clear_cache=False)
 
     def _bind(self) -> None:
         if self.service._loop is None:
@@ -625,19 +641,22 @@ class EngineCoreActor:
             try:
                 await asyncio.to_thread(self.service.sleep, level, mode)
             finally:
-                if await self.is_paused():  # (a restarted engine comes back paused, awake)
+                if self.service.engine.is_sleeping():  # (a restarted actor sleeps again)
+                    await self._record_pause(f"{SLEEP_RECORD}{self.service.engine.sleep_level}")
+                elif await self.is_paused():
                     await self._record_pause(mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Whether it still sleeps (some of what it released was not named)."""
         async with self._pause_lock:
             asleep = await asyncio.to_thread(self.service.wake_up, tags)
-            if not asleep:
+            if not asleep and not await self.is_paused():
                 await self._record_pause(None)
             return asleep
 
     async def is_sleeping(self) -> bool:
-        return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.is_sleeping)
+        # (Read as it stands: a long sleep or wake-up on the busy loop must not hold this answer.)
+        return self.service.engine.is_sleeping()
 
     async def _record_pause(self, mode: str | None) -> None:
         """Record (or, with None, clear) the pause in Ray's key-value store, off the event loop. A

@@ -26,13 +26,11 @@ from engine_core.outputs import (
 from engine_core.request import FinishReason, Request, RequestStatus
 from engine_core.sched.output import SchedulerOutput
 from engine_core.sched.scheduler import PauseState, Scheduler
+from engine_core.sleep_mode import WAKE_UP_TAGS, check_sleep, wake_up_tags
 from engine_core.spec_decode import NgramProposer
 from engine_core.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-# What a sleeping engine's wake_up restores, in the order it does (vLLM's tags).
-WAKE_UP_TAGS = ("weights", "kv_cache")
 
 _EMPTY_MODEL_OUTPUT = ModelRunnerOutput([], {}, [])
 
@@ -119,8 +117,9 @@ class EngineCore:
         self.num_steps = 0
         # The last pass scheduled and produced nothing (paused, or nothing admissible yet).
         self.last_step_idle = False
-        # Sleep mode: what the workers have released ("weights", "kv_cache").
+        # Sleep mode: what the workers have released ("weights", "kv_cache"), and at which level.
         self.asleep: set[str] = set()
+        self.sleep_level = 0
         # Totals since start (the scheduler's counters are per-pass deltas).
         self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
                         "max_step_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
@@ -299,32 +298,56 @@ class EngineCore:
 
     # -- sleep mode ------------------------------------------------------------------------------
 
-    def sleep(self, level: int) -> None:
-        """Release the workers' KV cache and weights (level 1: to host memory; 2: discarded). The
-        caller has emptied the engine (paused, nothing in flight, prefix cache reset)."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+    def check_sleep(self, level: int) -> None:
+        """ValueError unless this engine may sleep at ``level``."""
+        check_sleep(level)
         if not self.config.enable_sleep_mode:
             raise ValueError(f"engine {self.config.engine_index} was not started with --enable-sleep-mode")
+
+    def sleep(self, level: int) -> None:
+        """Release the workers' KV cache and weights (level 1: to host memory; 2: discarded). The
+        caller has emptied the engine (paused, no KV block in use, prefix cache reset). Asleep
+        already: only a deeper level does more (level 2 drops the host copy of level 1)."""
+        self.check_sleep(level)
+        if self.asleep and level <= self.sleep_level:
+            return
         if self.scheduler.kv_cache_manager.block_pool.get_usage() > 0:  # (queued requests hold none: they wait)
-            raise RuntimeError(f"engine {self.config.engine_index} still holds KV blocks of requests: it cannot "
-                               "sleep")
+            raise RuntimeError(f"engine {self.config.engine_index} still holds KV blocks of requests (a "
+                               "streaming session waiting for input holds its own): it cannot sleep")
+        # Marked first: a rank that fails half-way is repaired by the next wake_up (each tag is
+        # restored only where it was released).
+        self.asleep, self.sleep_level = set(WAKE_UP_TAGS), level
         self.executor.sleep(level)
-        self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what ``tags`` name ("weights", "kv_cache"; None: both)."""
-        tags = list(tags) if tags else list(WAKE_UP_TAGS)
-        unknown = set(tags) - set(WAKE_UP_TAGS)
-        if unknown:
-            raise ValueError(f"wake_up tags must be among {list(WAKE_UP_TAGS)}, got {sorted(unknown)}")
-        waking = [tag for tag in WAKE_UP_TAGS if tag in tags and tag in self.asleep]
+        waking = [tag for tag in wake_up_tags(tags) if tag in self.asleep]
         if waking:
             self.executor.wake_up(waking)
             self.asleep.difference_update(waking)
+        if not self.asleep:
+            self.sleep_level = 0
+
+    def sleep_again(self) -> None:
+        """After the workers were replaced (a failed step) while asleep: release what the new ones hold."""
+        if self.asleep:
+            self.executor.sleep(self.sleep_level)
+            awake = [tag for tag in WAKE_UP_TAGS if tag not in self.asleep]
+            if awake:  # (woken in part before the restart)
+                self.executor.wake_up(awake)
 
     def is_sleeping(self) -> bool:
         return bool(self.asleep)
+
+    def num_drainable_requests(self) -> int:
+        """The requests a "wait" pause waits for: those that can still run to their end (under a
+        pause of new requests only the running ones; under a full pause none)."""
+        state = self.scheduler.pause_state
+        if state == PauseState.PAUSED_ALL:
+            return 0
+        if state == PauseState.PAUSED_NEW:
+            return len(self.scheduler.running)
+        return self.num_in_flight_requests()
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()

@@ -22,6 +22,7 @@ from torch import nn
 from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.output import GrammarBitmask, SchedulerOutput
+from engine_core.sleep_mode import check_sleep, wake_up_tags
 from gpu_worker.attn_metadata import AttentionMetadata, build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
@@ -152,9 +153,9 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """vLLM's sleep: the KV cache is released (its contents are lost: the engine holds no request
         and has emptied its prefix cache), and the weights are moved to host memory (level 1; on the
-        CPU they stay where they are) or discarded (level 2: read from the checkpoint again on wake-up)."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        CPU they stay where they are) or discarded (level 2: read from the checkpoint again on
+        wake-up). Asleep at level 1, level 2 discards the host copy."""
+        check_sleep(level)
         if self.model is None:
             raise RuntimeError("load_model() has not been called")
         if self.lora is not None:
@@ -164,12 +165,12 @@ class ModelRunner:
                 layer.kv_cache = None
             self.kv_caches = []
             self.asleep.add("kv_cache")
-        if "weights" not in self.asleep:
+        if "weights" not in self.asleep or level > self.sleep_level:
             for param in self.model.parameters():
                 if level == 2:
                     param.data = torch.empty(0, dtype=param.dtype, device=self.device)
                 elif self.device.type != "cpu":
-                    param.data = param.data.to("cpu").pin_memory()
+                    param.data = torch.empty_like(param.data, device="cpu", pin_memory=True).copy_(param.data)
             self.asleep.add("weights")
             self.sleep_level = level
         if self.device.type == "cuda":
@@ -178,29 +179,31 @@ class ModelRunner:
     def wake_up(self, tags: Iterable[str], weights: Callable[[], WeightSource]) -> None:
         """Restore what ``tags`` name ("weights", "kv_cache"): weights moved back to the device, or
         read again from ``weights()`` (level 2); an empty KV cache of the size it had."""
-        tags = set(tags)
-        unknown = tags - {"weights", "kv_cache"}
-        if unknown:
-            raise ValueError(f"wake-up tags are weights and kv_cache, got {sorted(unknown)}")
+        tags = wake_up_tags(tags)
         model = self.model
         assert model is not None
-        if "weights" in tags & self.asleep:
+        if "weights" in tags and "weights" in self.asleep:
             if self.sleep_level == 2:
                 self._take_weights_of(self._loaded_model(weights()))
             elif self.device.type != "cpu":
                 for param in model.parameters():
-                    param.data = param.data.to(self.device)
+                    param.data = param.data.to(self.device, non_blocking=True)
+                torch.cuda.synchronize(self.device)
             self.asleep.discard("weights")
-        if "kv_cache" in tags & self.asleep:
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
             self.initialize_kv_cache(self.num_blocks, self.block_size)
             self.asleep.discard("kv_cache")
+        if not self.asleep:
+            self.sleep_level = 0
 
     def _take_weights_of(self, fresh: nn.Module) -> None:
         """Give the sleeping model's parameters the storage of ``fresh``'s (the same model, loaded
-        again; adapter-wrapped projections hold theirs one level down)."""
+        again; an adapter-wrapped projection holds its own one level down, under LORA_BASE)."""
         loaded = dict(fresh.named_parameters(remove_duplicate=False))
+        wrapped = self.lora.layers if self.lora is not None else {}
         for name, param in self.model.named_parameters(remove_duplicate=False):  # type: ignore[union-attr]
-            param.data = loaded[name.replace(f".{LORA_BASE}.", ".")].data
+            path, base, rest = name.partition(f".{LORA_BASE}.")
+            param.data = loaded[f"{path}.{rest}" if base and path in wrapped else name].data
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         if self.model is None:

@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_core.engine_core import WAKE_UP_TAGS
 from engine_core.outputs import LoRARequest
 from engine_core.sched.scheduler import PAUSE_MODES
+from engine_core.sleep_mode import SLEEP_LEVELS, check_sleep, wake_up_tags
 from router.classification import CLASSIFY_PATHS, ClassificationRequest, ClassificationServing, classifier_params
 from router.cohere_embed import COHERE_EMBED_PATH, CohereEmbedRequest, CohereEmbedServing
 from router.embeddings import EmbeddingRequest, EmbeddingsServing, check_embeds
@@ -378,13 +378,16 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
         @app.post("/resume")
         async def resume() -> dict[str, str]:
-            resumed = await asyncio.gather(*(owner.resume_generation() for owner in servings))
-            if not all(flag for flags in resumed for flag in flags):
+            # (Checked first, so that a refused resume changes no engine; an engine put to sleep
+            # in between stays paused, and says so.)
+            if any([flag for owner in servings for flag in await owner.sleeping_engines()]) or not all(
+                    flag for flags in await asyncio.gather(*(owner.resume_generation() for owner in servings))
+                    for flag in flags):
                 raise APIError(409, "sleeping engines stay paused until POST /wake_up", "ConflictError")
             return {"status": "resumed"}
 
-        def sleeping_servings() -> list[OpenAIServing]:
-            """The models whose engines sleep: every model's engines need --enable-sleep-mode."""
+        def sleep_capable_servings() -> list[OpenAIServing]:
+            """Every model, once each one's engines were all started with --enable-sleep-mode."""
             refused = [owner.settings.served_model_name for owner in servings if not owner.settings.enable_sleep_mode]
             if refused:
                 raise bad_request(f"the engines of {refused} were not started with --enable-sleep-mode", None)
@@ -396,21 +399,22 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
             mode=wait, finished first), the prefix caches emptied, the KV caches released, and the
             weights moved to host memory (level 1) or discarded (level 2). Requests sent meanwhile
             wait for /wake_up."""
-            if level not in (1, 2):
-                raise bad_request(f"level must be 1 or 2, got {level}", "level")
-            if mode not in ("abort", "wait"):
-                raise bad_request(f"mode must be abort or wait, got {mode!r}", "mode")
-            await asyncio.gather(*(owner.sleep(level, mode) for owner in sleeping_servings()))
+            try:
+                check_sleep(level, mode)
+            except ValueError as e:
+                raise bad_request(str(e), "level" if level not in SLEEP_LEVELS else "mode") from None
+            await asyncio.gather(*(owner.sleep(level, mode) for owner in sleep_capable_servings()))
             return {"status": "sleeping", "level": level}
 
         @app.post("/wake_up")
         async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
             """Restore what ``tags`` name (weights, kv_cache; none: both); generation resumes once
             nothing sleeps."""
-            unknown = set(tags or ()) - set(WAKE_UP_TAGS)
-            if unknown:
-                raise bad_request(f"tags must be among {list(WAKE_UP_TAGS)}, got {sorted(unknown)}", "tags")
-            asleep = await asyncio.gather(*(owner.wake_up(tags) for owner in sleeping_servings()))
+            try:
+                wake_up_tags(tags)
+            except ValueError as e:
+                raise bad_request(str(e), "tags") from None
+            asleep = await asyncio.gather(*(owner.wake_up(tags) for owner in sleep_capable_servings()))
             return {"is_sleeping": any(flag for flags in asleep for flag in flags)}
 
         @app.get("/is_sleeping")

@@ -437,5 +437,29 @@ def test_sleep_ends_what_runs_holds_what_comes_and_wake_up_resumes(tmp_path_fact
         tokens, finish = _until_finished(service, "during")
         assert tokens == before and finish == FinishReason.LENGTH
         assert not service.call_in_loop(service.engine.is_paused)
+
+        # Asleep with a request waiting: a "wait" pause and a second sleep return at once (nothing
+        # can drain), a deeper level discards the weights, and a worker restart releases what the
+        # new worker holds.
+        from concurrent.futures import ThreadPoolExecutor
+
+        service.sleep(level=1)
+        _start(service, "waiting", prompt, 8)
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(service.pause_generation, "wait", True).result(timeout=30) is True
+            pool.submit(service.sleep, 2, "wait").result(timeout=30)
+        runner = service.engine.executor.worker.runner
+        assert all(p.numel() == 0 for p in runner.model.parameters())
+        service.call_in_loop(service._restart_executor, timeout=None)
+        runner = service.engine.executor.worker.runner
+        assert runner.kv_caches == [] and all(p.numel() == 0 for p in runner.model.parameters())
+        assert service.wake_up() is False
+        tokens, finish = _until_finished(service, "waiting")
+        assert tokens == before and finish == FinishReason.LENGTH
+
+        # A wake-up with nothing asleep leaves an operator's pause alone.
+        service.pause_generation("abort")
+        assert service.wake_up() is False and service.call_in_loop(service.engine.is_paused)
+        assert service.resume_generation() is True
     finally:
         service.shutdown()

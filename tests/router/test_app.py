@@ -201,6 +201,7 @@ def test_sleep_endpoints_reach_every_engine_with_vllms_parameters():
     assert http.get("/is_sleeping").json() == {"is_sleeping": True, "sleeping_engines": 2, "engines": 2}
     refused = http.post("/resume")
     assert refused.status_code == 409 and "/wake_up" in refused.json()["error"]["message"]
+    assert not [c for e in engines for c in e.calls if c[0] == "resume"]  # (checked before any engine resumed)
     assert http.post("/wake_up?tags=weights").json() == {"is_sleeping": True}
     assert engines[1].calls[-1] == ("wake_up", ["weights"])
     assert http.post("/wake_up").json() == {"is_sleeping": False}
