@@ -259,7 +259,10 @@ class EngineCoreService:
             raise RuntimeError(f"engine {self.config.engine_index} could not be emptied to sleep: a resume came "
                                "first, or a request still holds KV blocks (a streaming session waiting for input "
                                "holds its own: sleep with mode=abort)")
-        self.call_in_loop(lambda: engine.sleep(level), timeout=None)
+        try:
+            self.call_in_loop(lambda: engine.sleep(level), timeout=None)
+        finally:
+            self._report_sleep_state()
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Restore what ``tags`` name (None: everything). The wake-up that leaves nothing asleep
@@ -273,10 +276,18 @@ class EngineCoreService:
             engine.wake_up(tags)
             return was, engine.is_sleeping()
 
-        was, still = self.call_in_loop(wake, timeout=None)
+        try:
+            was, still = self.call_in_loop(wake, timeout=None)
+        finally:
+            self._report_sleep_state()
         if was and not still:
             self.resume_generation()
         return still
+
+    def _report_sleep_state(self) -> None:
+        engine = self.engine
+        if self.metrics is not None and self.metrics.sleep_level is not None:
+            self.metrics.sleep_level = engine.sleep_level if engine.is_sleeping() else 0
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Load an adapter between passes (ValueError for one the model cannot serve)."""

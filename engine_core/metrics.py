@@ -175,6 +175,9 @@ class EngineMetrics:
         self.lora_running: dict[str, int] = {}
         self.lora_waiting: dict[str, int] = {}
         self.lora_info_time = 0.0
+        # vLLM's engine_sleep_state (exported only with --enable-sleep-mode, as vLLM does): the sleep
+        # level (0: awake).
+        self.sleep_level: int | None = 0 if config.enable_sleep_mode else None
         self._tracked: dict[str, _Tracked] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
@@ -361,6 +364,14 @@ class EngineMetrics:
             yield per_pos
         if self.max_loras:
             yield from self._lora_families(labels, values)
+        if self.sleep_level is not None:
+            sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state: awake = 1 while awake; "
+                                      "weights_offloaded = 1 asleep at level 1; discard_all = 1 at level 2.",
+                                      labels=[*labels, "sleep_state"])
+            level = self.sleep_level
+            for state, value in (("awake", level == 0), ("weights_offloaded", level == 1), ("discard_all", level == 2)):
+                sleep.add_metric([*values, state], float(value))
+            yield sleep
 
     def _lora_families(self, labels: list[str], values: list[str]) -> Iterator[Metric]:
         def names(counts: dict[str, int]) -> str:

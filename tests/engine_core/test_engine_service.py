@@ -426,6 +426,7 @@ def test_sleep_ends_what_runs_holds_what_comes_and_wake_up_resumes(tmp_path_fact
         _start(service, "running", list(range(50, 60)), 240)
         _until_running(service)
         service.sleep(level=1)
+        assert service.metrics.sleep_level == 1  # (vllm:engine_sleep_state)
         assert _collect(service, 0.3)["running"][1] == FinishReason.ABORT
         assert service.call_in_loop(service.engine.is_sleeping)
         assert service.engine.executor.worker.runner.kv_caches == []
@@ -433,7 +434,7 @@ def test_sleep_ends_what_runs_holds_what_comes_and_wake_up_resumes(tmp_path_fact
         assert service.resume_generation() is False  # (asleep: it stays paused)
         assert "during" not in _collect(service, 0.3)
         assert service.wake_up(["weights"]) is True and "during" not in _collect(service, 0.2)
-        assert service.wake_up(["kv_cache"]) is False
+        assert service.wake_up(["kv_cache"]) is False and service.metrics.sleep_level == 0
         tokens, finish = _until_finished(service, "during")
         assert tokens == before and finish == FinishReason.LENGTH
         assert not service.call_in_loop(service.engine.is_paused)

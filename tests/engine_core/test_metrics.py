@@ -61,6 +61,18 @@ def test_cache_config_info_carries_the_kv_cache_settings_as_vllm_does():
                              "gpu_memory_utilization": "0.9"}
 
 
+def test_engine_sleep_state_only_with_sleep_mode_as_vllm_exports_it():
+    plain = _families(EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=8))
+    assert "vllm:engine_sleep_state" not in plain
+    metrics = EngineMetrics(EngineConfig(served_model_name="m", enable_sleep_mode=True), SchedulerConfig(), "m",
+                            num_blocks=8)
+    for level, state in ((0, "awake"), (1, "weights_offloaded"), (2, "discard_all")):
+        metrics.sleep_level = level
+        samples = _families(metrics)["vllm:engine_sleep_state"].samples
+        assert {s.labels["sleep_state"]: s.value for s in samples} == {
+            name: float(name == state) for name in ("awake", "weights_offloaded", "discard_all")}
+
+
 def test_an_embedding_request_counts_its_prompt_and_no_generation():
     metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
     request = Request("e", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1, embed=True), arrival_time=100.0)
