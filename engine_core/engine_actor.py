@@ -254,7 +254,7 @@ class EngineCoreService:
         Asleep already: nothing is paused again (a deeper level releases more)."""
         check_sleep(level, mode)
         engine = self.engine
-        self.call_in_loop(lambda: engine.check_sleep(level))  # (refused before anything is paused)
+        engine.check_sleep(level)  # (refused before anything is paused)
         if not self.call_in_loop(engine.is_sleeping) and not self.pause_generation(mode, clear_cache=True):
             raise RuntimeError(f"engine {self.config.engine_index} could not be emptied to sleep: a resume came "
                                "first, or a request still holds KV blocks (a streaming session waiting for input "
@@ -285,9 +285,8 @@ class EngineCoreService:
         return still
 
     def _report_sleep_state(self) -> None:
-        engine = self.engine
         if self.metrics is not None and self.metrics.sleep_level is not None:
-            self.metrics.sleep_level = engine.sleep_level if engine.is_sleeping() else 0
+            self.metrics.sleep_level = self.engine.sleep_level  # (0 once nothing sleeps)
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Load an adapter between passes (ValueError for one the model cannot serve)."""

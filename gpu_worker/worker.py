@@ -21,7 +21,7 @@ from gpu_worker.config import ModelConfig, parse_dtype
 from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.lora.manager import LoRAManager
-from gpu_worker.model_runner import ModelRunner
+from gpu_worker.model_runner import ModelRunner, WeightSource
 from gpu_worker.pooler_config import DenseProjection
 
 # A picklable source of (hf_name, tensor) pairs, e.g. functools.partial(gguf_to_hf_tensors, path).
@@ -113,8 +113,7 @@ class Worker:
                                   # On an accelerator only a step's worth of adapters stays on the device.
                                   self.max_loras if self.device.type != "cpu" else None,
                                   kv_cache_dtype=self.kv_cache_dtype, max_cpu_loras=self.max_cpu_loras)
-        weights = self.weights
-        self.runner.load_model(weights() if callable(weights) else weights)
+        self.runner.load_model(self._weight_source())
         if self.pooler_dense:
             if self.model_dir is None:
                 raise ValueError("Dense projections are read from a model directory; this worker has none")
@@ -174,8 +173,12 @@ class Worker:
         self._runner().sleep(level)
 
     def wake_up(self, tags: list[str]) -> None:
+        self._runner().wake_up(tags, self._weight_source)
+
+    def _weight_source(self) -> WeightSource:
+        """The weights to load: the model directory, or a fresh iterator from the factory."""
         weights = self.weights
-        self._runner().wake_up(tags, weights if callable(weights) else lambda: weights)
+        return weights() if callable(weights) else weights
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         out = self._runner().execute_model(scheduler_output)
