@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help='Keys set over the model\'s config.json (JSON), e.g. to serve Qwen3-Reranker as a '
                             'cross-encoder: \'{"architectures": ["Qwen3ForSequenceClassification"], '
                             '"classifier_from_token": ["no", "yes"]}\'.')
+    serve.add_argument("--generation-config", default=None,
+                       help="The sampling parameters a request gets for those it leaves unset (temperature, top_p, "
+                            "top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens): auto (default, as "
+                            "vLLM) takes them from the model's generation_config.json; vllm uses neutral defaults; "
+                            "or a folder holding a generation_config.json.")
+    serve.add_argument("--override-generation-config", type=_json_object, default=None,
+                       help='Default sampling parameters set over the generation config\'s (JSON), e.g. '
+                            '\'{"temperature": 0.5, "max_new_tokens": 512}\'.')
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="Queue limit per engine (429 beyond).")
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
@@ -191,6 +199,8 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
+                "generation_config": args.generation_config,
+                "override_generation_config": args.override_generation_config,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
                 "kv_cache_metrics": args.kv_cache_metrics or None,
                 "enable_sleep_mode": args.enable_sleep_mode or None,

@@ -65,6 +65,13 @@ class EngineSpec(BaseModel):
         None, description="Keys set over the model's config.json (--hf-overrides), e.g. "
                           '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
                           '["no", "yes"]} to serve Qwen3-Reranker as a cross-encoder.')
+    generation_config: str | None = Field(
+        None, description="Where requests' default sampling parameters come from (--generation-config): auto (the "
+                          "model's generation_config.json, as vLLM), vllm (none: neutral defaults), or a folder "
+                          "holding a generation_config.json.")
+    override_generation_config: dict[str, Any] | None = Field(
+        None, description='Default sampling parameters set over the generation config\'s '
+                          '(--override-generation-config), e.g. {"temperature": 0.5, "max_new_tokens": 512}.')
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = None
     num_cpus_per_worker: float | None = None
     resources: dict[str, float] | None = Field(None, description="Extra Ray resources per worker (pinning).")
@@ -91,7 +98,7 @@ _DEFAULTS = EngineSpec(
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,
-    runner="auto", placement_strategy="PACK", num_cpus_per_worker=1.0, kv_cache_metrics=False,
+    runner="auto", generation_config="auto", placement_strategy="PACK", num_cpus_per_worker=1.0, kv_cache_metrics=False,
     kv_cache_metrics_sample=0.01, enable_sleep_mode=False,
     executor_backend="auto", max_waiting_requests=0)
 
@@ -354,6 +361,13 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
                              f"same on every engine of a model (engine {first.engine_index} has runner "
                              f"{first.runner!r}, pooler_config {dict(first.pooler_config)}, hf_overrides "
                              f"{first.hf_overrides or '{}'}); set them for the model, not per engine")
+        # (The router fills a request's unset sampling parameters once, whichever engine it reaches.)
+        if (config.generation_config, config.override_generation_config) != (first.generation_config,
+                                                                              first.override_generation_config):
+            raise ValueError(f"engine {config.engine_index}: generation_config and override_generation_config must "
+                             f"be the same on every engine of a model (engine {first.engine_index} has "
+                             f"{first.generation_config!r} and {first.override_generation_config or '{}'}); set "
+                             "them for the model, not per engine")
 
 
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
@@ -378,6 +392,9 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                           for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
+        generation_config=s["generation_config"],
+        override_generation_config=json.dumps(s["override_generation_config"], sort_keys=True)
+        if s["override_generation_config"] else "",
         scheduler=scheduler, block_size=s["block_size"],
         enable_prefix_caching=s["enable_prefix_caching"], num_gpu_blocks=s["num_gpu_blocks"],
         kv_cache_memory_bytes=s["kv_cache_memory_bytes"], gpu_memory_utilization=s["gpu_memory_utilization"],

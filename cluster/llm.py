@@ -246,6 +246,7 @@ class LLM:
                  kv_cache_dtype: KVCacheDType = "auto", enable_expert_parallel: bool = False,
                  runner: str = "auto", pooler_config: dict[str, Any] | None = None,
                  hf_overrides: dict[str, Any] | None = None, enable_sleep_mode: bool = False,
+                 generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
                  **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
@@ -259,7 +260,8 @@ class LLM:
             "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend,
             "kv_cache_dtype": kv_cache_dtype, "enable_expert_parallel": enable_expert_parallel,
             "runner": runner, "pooler_config": pooler_config, "hf_overrides": hf_overrides,
-            "enable_sleep_mode": enable_sleep_mode})
+            "enable_sleep_mode": enable_sleep_mode, "generation_config": generation_config,
+            "override_generation_config": override_generation_config})
         # engine_overrides: per-engine flag mappings (engine i gets the i-th), e.g. a latency engine
         # beside a throughput one.
         self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,
@@ -295,7 +297,8 @@ class LLM:
             raise ValueError("this model is an embedding model (runner pooling): it does not generate; use "
                              "LLM.embed" + (", LLM.classify or LLM.score" if self._model_info().pooling.labels else ""))
         prompt_list = self._as_prompt_list(prompts)
-        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        params_list = self._as_params_list(
+            self.get_default_sampling_params() if sampling_params is None else sampling_params, len(prompt_list))
         loras = self._as_lora_list(lora_request, len(prompt_list))
         pending: dict[str, _Pending] = {}
         requests = []
@@ -402,6 +405,12 @@ class LLM:
             raise ValueError("LLM.reward reads a model that pools every token (ALL or STEP pooling: a reward model "
                              "or token classifier); use LLM.classify or LLM.embed for this one")
         return self.encode(prompts, use_tqdm, lora_request)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what ``generate`` and ``chat`` use when given no sampling parameters: the model's
+        defaults from its generation config (``generation_config``, ``override_generation_config``;
+        its max_new_tokens as max_tokens) over the neutral ones."""
+        return SamplingParams(**self._model_info().default_sampling_params)
 
     def _model_info(self) -> ModelInfo:
         if self._engine is None and not self._handles:

@@ -245,6 +245,11 @@ class EngineConfig:
     # e.g. {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
     # to serve Qwen3-Reranker as a cross-encoder.
     hf_overrides: str = ""
+    # vLLM's --generation-config ("auto": the model's generation_config.json; "vllm": none; or a folder
+    # holding one) and --override-generation-config (JSON text): the sampling parameters a request gets
+    # for those it leaves unset (engine_core/generation_defaults.py).
+    generation_config: str = "auto"
+    override_generation_config: str = ""
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -311,6 +316,11 @@ class EngineConfig:
                      self.runner)
             _require(not self.hf_overrides or isinstance(json.loads(self.hf_overrides), dict), "hf_overrides",
                      "a JSON object", self.hf_overrides)
+            _require(isinstance(self.generation_config, str) and self.generation_config != "", "generation_config",
+                     "'auto', 'vllm' or a folder", self.generation_config)
+            _require(not self.override_generation_config
+                     or isinstance(json.loads(self.override_generation_config), dict), "override_generation_config",
+                     "a JSON object", self.override_generation_config)
             pooler = dict(self.pooler_config)
             step_tag, returned = pooler.get("step_tag_id"), pooler.get("returned_token_ids")
             _require(set(pooler) <= {"pooling_type", "normalize", "step_tag_id", "returned_token_ids"}

@@ -155,6 +155,9 @@ class ModelInfo:
     pooling: PoolingInfo = field(default_factory=PoolingInfo)
     dtype: str = "float32"
     device: str = "cpu"
+    # The sampling parameters a request gets for those it leaves unset (--generation-config):
+    # temperature, top_p, top_k, min_p, repetition_penalty, max_tokens (a cap); empty for none.
+    default_sampling_params: dict[str, float | int] = field(default_factory=dict)
     extra: dict[str, str] = field(default_factory=dict)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.executor import Executor, ModelInfo, PoolingInfo, engine_uses_gpu
+from engine_core.generation_defaults import model_sampling_defaults
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
@@ -125,8 +126,19 @@ class _ExecutorBase(Executor):
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
         self.config = config = dataclasses.replace(config, scheduler=scheduler)
+        try:
+            sampling_defaults = model_sampling_defaults(
+                self.model_dir, config.generation_config,
+                json.loads(config.override_generation_config) if config.override_generation_config else None)
+        except ValueError as e:
+            raise ValueError(f"engine {config.engine_index}: {e}") from None
+        if sampling_defaults and not embeds_only:
+            logger.info("engine %d: requests that leave them unset get the model's sampling parameters %s (from "
+                        "its generation config; --generation-config vllm turns this off)", config.engine_index,
+                        sampling_defaults)
         self._info = ModelInfo(
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
+            default_sampling_params=sampling_defaults,
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
             # (The size of its embeddings: a Dense projection's, or ColBERT's vectors'.)

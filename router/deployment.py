@@ -95,6 +95,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         if all(d.scheduler_config["policy"] == first.scheduler_config["policy"] for d in descriptions) else "fcfs",
         request_timeout_s=config.request_timeout_s,
         eos_token_ids=first.model_info.eos_token_ids,
+        default_sampling_params=first.model_info.default_sampling_params,
         hidden_size=first.model_info.hidden_size,
         pooling=first.model_info.pooling,
         tool_call_parser=config.tool_call_parser,

@@ -35,6 +35,7 @@ from router.parsed_output import ParsedDelta
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, invalid
 from router.response_store import UNFINISHED, EventsPage, MissingResponseError
 from router.serving import (
+    DEFAULTED_SAMPLING_FIELDS,
     APIError,
     SSEStream,
     _StreamError,
@@ -153,9 +154,10 @@ class ResponsesRequest(BaseModel):
         body: dict[str, Any] = {
             "model": self.model, "messages": self._messages(history or []),
             "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "seed": self.seed, "stop": self.stop, "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            # (Only those the client set: the others take the model's defaults, as in chat.)
+            **{name: getattr(self, name) for name in DEFAULTED_SAMPLING_FIELDS if name in self.model_fields_set},
             "priority": self.priority, "user": self.user, "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": self._response_format(), "stream": self.stream,
         }
@@ -234,14 +236,15 @@ class ResponsesRequest(BaseModel):
         raise _bad("text", f"text.format type {fmt.get('type')!r} is not supported (text, json_object, "
                       "json_schema)")
 
-    def echo_fields(self, stored: bool) -> dict[str, Any]:
-        """The request's settings as a response repeats them."""
+    def echo_fields(self, stored: bool, sampling: dict[str, Any]) -> dict[str, Any]:
+        """The request's settings as a response repeats them; ``sampling``: the temperature and top_p it
+        runs with (the model's defaults where the request left them unset)."""
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
                 "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls,
                 "previous_response_id": self.previous_response_id, "reasoning": self.reasoning, "store": stored,
-                "temperature": self.temperature, "text": self.text or {"format": {"type": "text"}},
+                "temperature": sampling["temperature"], "text": self.text or {"format": {"type": "text"}},
                 "tool_choice": self.tool_choice or ("auto" if self.tools else "none"),
-                "tools": self.tools or [], "top_p": self.top_p, "truncation": self.truncation, "user": self.user,
+                "tools": self.tools or [], "top_p": sampling["top_p"], "truncation": self.truncation, "user": self.user,
                 "background": self.background}
 
 
@@ -504,7 +507,8 @@ class ResponsesServing:
         run = await self.serving.start_chat_as(chat, session_id, f"resp_{uuid.uuid4().hex}", _CHAT_ERROR_PARAM)
         base = {"id": run.request_id, "object": "response", "created_at": run.created,
                 "model": self.serving.model_name(request.model), "error": None, "incomplete_details": None,
-                "output": [], "usage": None, **request.echo_fields(storing)}
+                "output": [], "usage": None,
+                **request.echo_fields(storing, self.serving.defaulted_sampling(chat))}
 
         async def keep(final: dict[str, Any]) -> bool:
             # Stored before the client hears of it, so a follow-up through any replica finds it.

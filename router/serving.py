@@ -125,6 +125,10 @@ def chat_request_from(body: dict[str, Any], param_names: dict[str, str], default
         raise bad_request(f"{'.'.join([param, *loc[1:]])}: {first.get('msg', 'invalid value')}", param) from None
 
 
+# The sampling parameters a model's generation config may give defaults to (besides max_tokens).
+DEFAULTED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass
 class ServingSettings:
     served_model_name: str
@@ -133,6 +137,9 @@ class ServingSettings:
     scheduling_policy: str = "fcfs"
     request_timeout_s: float | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # The model's sampling defaults (its generation config, --generation-config): what a request gets for
+    # the parameters it leaves unset, and max_tokens, a cap on every request's.
+    default_sampling_params: dict[str, float | int] = field(default_factory=dict)
     # The model's hidden size: an embedding's values (0: unknown, not checked).
     hidden_size: int = 0
     # The engines' PoolingInfo: whether the model generates (else generation endpoints answer 400),
@@ -480,6 +487,7 @@ class OpenAIServing:
             raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens; "
                               f"the prompt has {prompt_len}.", "messages" if isinstance(
                                   request, ChatCompletionRequest) else "prompt")
+        defaults = self.settings.default_sampling_params
         if max_tokens is None:
             max_tokens = room
         elif request.min_tokens > max_tokens:
@@ -489,6 +497,8 @@ class OpenAIServing:
             raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens. "
                               f"You requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                               f"{max_tokens} for the completion).", "max_tokens")
+        if "max_tokens" in defaults:  # (the generation config's max_new_tokens: a cap, as in vLLM)
+            max_tokens = min(max_tokens, defaults["max_tokens"])
         self.check_priority(request.priority)
         min_tokens = request.min_tokens
         stop_ids = list(request.stop_token_ids or [])
@@ -500,16 +510,23 @@ class OpenAIServing:
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=min_tokens,
-                ignore_eos=request.ignore_eos, stop_token_ids=stop_ids, temperature=request.temperature,
-                top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+                ignore_eos=request.ignore_eos, stop_token_ids=stop_ids,
+                **self.defaulted_sampling(request),
                 seed=None if request.seed is None else _wrap_int64(request.seed + seed_offset),
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-                repetition_penalty=request.repetition_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 logit_bias=logit_bias, allowed_token_ids=allowed_ids, bad_words_token_ids=bad_words,
                 structured_output=request.structured_output,
                 structured_output_after=structured_output_after if request.structured_output else None)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+
+    def defaulted_sampling(self, request: SamplingFields) -> dict[str, float | int]:
+        """temperature, top_p, top_k, min_p and repetition_penalty: the request's where it set them
+        (null counts as unset), else the model's default (its generation config), else the neutral one."""
+        defaults = self.settings.default_sampling_params
+        return {name: getattr(request, name) if name in request.model_fields_set or name not in defaults
+                else defaults[name] for name in DEFAULTED_SAMPLING_FIELDS}
 
     def check_priority(self, priority: int) -> None:
         if priority != 0 and self.settings.scheduling_policy != "priority":

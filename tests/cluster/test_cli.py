@@ -371,3 +371,24 @@ def test_kv_cache_metrics_reach_the_engines_only_when_asked(tmp_path):
     engines = _config("--num-engines", "2", "--kv-cache-metrics", "--kv-cache-metrics-sample", "0.25",
                       "--engine-config", str(overrides)).engine_configs()
     assert [e.kv_cache_metrics_sample for e in engines] == [0.25, None]
+
+
+def test_the_generation_config_flags_reach_every_engine_of_the_model(tmp_path):
+    """--generation-config and --override-generation-config (vLLM's), the same on every engine of a model."""
+    import json
+
+    engines = _config("--num-engines", "2", "--generation-config", "vllm", "--override-generation-config",
+                      '{"temperature": 0.5, "max_new_tokens": 64}').engine_configs()
+    assert [e.generation_config for e in engines] == ["vllm", "vllm"]
+    override = {"temperature": 0.5, "max_new_tokens": 64}
+    assert [json.loads(e.override_generation_config) for e in engines] == [override, override]
+    [default] = _config().engine_configs()
+    assert (default.generation_config, default.override_generation_config) == ("auto", "")
+    overrides = tmp_path / "engines.yaml"
+    for override in ("{generation_config: vllm}", "{override_generation_config: {top_p: 0.5}}"):
+        overrides.write_text(f"- {{}}\n- {override}\n")
+        with pytest.raises(ValueError, match="engine 1: generation_config and override_generation_config must be "
+                                             "the same on every engine"):
+            _config("--num-engines", "2", "--engine-config", str(overrides)).engine_configs()
+    with pytest.raises(SystemExit):
+        _config("--override-generation-config", "[0.5]")

@@ -953,3 +953,36 @@ def test_a_pylate_modernbert_colbert_projects_each_token_through_its_dense_modul
     finally:
         llm.shutdown()
     _assert_colbert_outputs(vectors, scores, hf, tok, weight, query, docs)
+
+
+def test_generate_without_parameters_uses_the_models_generation_config(tmp_path, tiny_model_dir):
+    """vLLM's get_default_sampling_params: the model's generation_config.json sampling (greedy and
+    5 tokens here), its max_new_tokens as max_tokens; generation_config="vllm" leaves it out."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "greedy-model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0,
+                                                                  "max_new_tokens": 5, "top_k": 20}))
+    prompt = [5, 6, 7, 8]
+    llm = LLM(model=str(model_dir), num_gpu_blocks=64)
+    try:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.max_tokens, defaults.top_k, defaults.top_p) == (0.0, 5, 20, 1.0)
+        [plain] = llm.generate(prompt, use_tqdm=False)
+        [greedy] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+        assert plain.outputs[0].token_ids == greedy.outputs[0].token_ids
+        assert len(plain.outputs[0].token_ids) <= 5
+    finally:
+        llm.shutdown()
+    neutral = LLM(model=str(model_dir), num_gpu_blocks=64, generation_config="vllm",
+                  override_generation_config={"max_new_tokens": 3})
+    try:
+        defaults = neutral.get_default_sampling_params()
+        assert (defaults.temperature, defaults.max_tokens, defaults.top_k) == (1.0, 3, 0)
+    finally:
+        neutral.shutdown()
+    with pytest.raises(ValueError, match=r"engine 0: .*with override_generation_config: top_p must be in"):
+        LLM(model=str(model_dir), num_gpu_blocks=64, override_generation_config={"top_p": 0})

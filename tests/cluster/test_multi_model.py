@@ -4,6 +4,7 @@ show both."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -20,6 +21,9 @@ pytestmark = pytest.mark.slow
 
 def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_model_dir, tmp_path_factory):
     second = build_tiny_llama(tmp_path_factory.mktemp("second-model"), seed=7, num_layers=1)
+    # The second model recommends its own sampling in its generation_config.json (the first none).
+    generation = json.loads((second / "generation_config.json").read_text())
+    (second / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.5, "top_p": 0.75}))
     # And a third: a BERT cross-encoder (ms-marco-style), on an engine of its own.
     reranker = build_tiny_bert(tmp_path_factory.mktemp("bert-reranker"), num_labels=1)
     # And a fourth: a process reward model (Qwen2.5-Math-PRM-style), read through /pooling.
@@ -56,6 +60,12 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
         assert chat.model == "tiny-b" and chat.usage.completion_tokens >= 1
         # Engine 0 serves "tiny", engine 1 "tiny-b" (numbered after the first model's), engine 2 "bert-ce".
         assert [s.num_requests_added for s in served.stats()] == [1, 5, 2, 1]
+        # Each model's requests that leave them unset get its own defaults (a response repeats them).
+        for model, expected in (("tiny", (1.0, 1.0)), ("tiny-b", (0.5, 0.75)), ("b-sql", (0.5, 0.75))):
+            response = client.responses.create(model=model, input="Hi", max_output_tokens=2)
+            assert (response.temperature, response.top_p) == expected
+        own = client.responses.create(model="tiny-b", input="Hi", max_output_tokens=2, temperature=0.2)
+        assert (own.temperature, own.top_p) == (0.2, 0.75)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="tiny-c", prompt="Hello")
         health = httpx.get(f"{served.base}/health", timeout=30).json()

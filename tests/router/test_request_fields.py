@@ -527,3 +527,71 @@ def test_prompt_tokens_details_report_the_prefix_cache_hits_when_enabled():
     assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
     off, _ = _app(num_cached_tokens=8)
     assert off.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"] is None
+
+
+# A model whose generation_config.json recommends its own sampling (as Qwen's and Llama 3's do).
+MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
+
+
+def _chat_app(defaults: dict | None = None) -> tuple[TestClient, ScriptedEngine]:
+    tokenizer = byte_level_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    return _app(tokenizer=tokenizer, settings={"default_sampling_params": defaults or {}})
+
+
+def _sampled(params: SamplingParams) -> dict[str, float]:
+    return {name: getattr(params, name) for name in MODEL_DEFAULTS}
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 3}),
+    ("/v1/messages", {"messages": MESSAGES, "max_tokens": 3}),
+])
+def test_unset_sampling_parameters_take_the_models_defaults(path, body):
+    """vLLM's --generation-config auto: a parameter the request leaves unset (or null) gets the model's
+    value; one it sets keeps its own, on every generation API."""
+    http, engine = _chat_app(MODEL_DEFAULTS)
+    r = http.post(path, json={"model": "tiny", **body})
+    assert r.status_code == 200, r.text
+    assert _sampled(engine.requests[-1].sampling_params) == MODEL_DEFAULTS
+    if path == "/v1/responses":  # the response repeats what it ran with
+        assert (r.json()["temperature"], r.json()["top_p"]) == (0.6, 0.9)
+    own = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    r = http.post(path, json={"model": "tiny", **body, **own, "min_p": None})
+    assert r.status_code == 200, r.text
+    assert _sampled(engine.requests[-1].sampling_params) == {**MODEL_DEFAULTS, **own}
+    if path == "/v1/responses":
+        assert (r.json()["temperature"], r.json()["top_p"]) == (0.0, 1.0)
+
+
+def test_without_model_defaults_unset_parameters_are_neutral():
+    http, engine = _chat_app()
+    assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES}).status_code == 200
+    assert _sampled(engine.requests[0].sampling_params) == {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                                                            "min_p": 0.0, "repetition_penalty": 1.0}
+    # With no max_tokens, a chat answer may fill the context.
+    assert engine.requests[0].sampling_params.max_tokens == 256 - len(engine.requests[0].prompt_token_ids)
+
+
+def test_the_generation_configs_max_new_tokens_caps_max_tokens():
+    """Its max_new_tokens is vLLM's default max_tokens and caps a larger one (the least of the
+    request's, the model's and the room left in the context)."""
+    http, engine = _chat_app({"max_tokens": 5})
+
+    def max_tokens(path: str, **fields) -> int:
+        body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": MESSAGES}
+        r = http.post(path, json={"model": "tiny", **body, **fields})
+        assert r.status_code == 200, r.text
+        return engine.requests[-1].sampling_params.max_tokens
+
+    assert max_tokens("/v1/chat/completions") == 5
+    assert max_tokens("/v1/chat/completions", max_completion_tokens=100) == 5
+    assert max_tokens("/v1/chat/completions", max_tokens=3) == 3
+    assert max_tokens("/v1/completions") == 5  # (its own default is 16)
+    # A request beyond the context is still refused; min_tokens above the cap names itself.
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 10, "min_tokens": 8})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
