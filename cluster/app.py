@@ -98,13 +98,19 @@ def stop_router_helpers(namespace: str) -> list[str]:
     return stopped
 
 
+def _router_names(served_model_name: str | list[str] | None) -> dict[str, Any]:
+    """RouterConfig's served_model_name (the first name; None: the model's own) and its aliases."""
+    names = [served_model_name] if isinstance(served_model_name, str) else served_model_name or [None]
+    return {"served_model_name": names[0], "served_model_aliases": tuple(names[1:])}
+
+
 def router_deployment(config: ClusterConfig):
     (_, first_engines), *others = config.model_engines()
     router_config = RouterConfig(
         engine_actor_names=[engine_actor_name(i) for i in first_engines],
         namespace=config.namespace, routing_policy=config.routing_policy,
         prefix_load_margin=config.prefix_load_margin, request_timeout_s=config.request_timeout_s,
-        served_model_name=config.served_model_name, chat_template=config.chat_template,
+        **_router_names(config.served_model_name), chat_template=config.chat_template,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys),
         enable_lora=config.enable_lora,
@@ -120,7 +126,7 @@ def router_deployment(config: ClusterConfig):
     # adapters.
     more_models = [dataclasses.replace(
         router_config, engine_actor_names=[engine_actor_name(i) for i in indexes], first_engine_index=indexes[0],
-        served_model_name=served.served_model_name, chat_template=served.chat_template,
+        **_router_names(served.served_model_name), chat_template=served.chat_template,
         tool_call_parser=served.tool_call_parser if served.enable_auto_tool_choice else None,
         reasoning_parser=served.reasoning_parser, enable_lora=served.enable_lora,
         allow_runtime_lora_updating=config.allow_runtime_lora_updating and served.enable_lora)

@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="Start engines and the OpenAI-compatible router.")
     serve.add_argument("--model", default="SmolLM2-135M-Instruct", help="Model name, HF directory or .gguf file.")
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="The name clients use for the model, or several (aliases: a request may name any; "
+                            "responses and metrics carry the first). Default: the model's own.")
     serve.add_argument("--num-engines", type=int, default=1)
     serve.add_argument("--tensor-parallel-size", type=int, default=None)
     for flag, kind, help_text in SCHEDULER_ARGS:

@@ -13,7 +13,7 @@ import os
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine_core.config import EngineConfig, KVCacheDType, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from engine_core.lora import LoRAModule, parse_lora_module, static_lora_requests
@@ -172,6 +172,29 @@ class LoRASettings(BaseModel):
                           max_cpu_loras=self.max_cpu_loras, lora_modules=tuple(self.lora_module_list()))
 
 
+def served_model_names(served_model_name: str | list[str] | None, model: str) -> list[str]:
+    """The names clients may use for a model (vLLM's --served-model-name takes several): the first is
+    the one responses, /v1/models' first card and the metrics carry; none given: the model's own."""
+    if served_model_name is None:
+        return [model]
+    return [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+
+
+def _check_served_model_name(value: str | list[str] | None) -> str | list[str] | None:
+    if value is None or value == "":  # (an empty name: the model's own, as before lists were taken)
+        return None
+    names = [value] if isinstance(value, str) else value
+    if not names or any(not name.strip() for name in names):
+        raise ValueError("served_model_name must be a name or a non-empty list of names, none of them empty")
+    if len(set(names)) < len(names):
+        raise ValueError(f"served_model_name lists a name twice: {names}")
+    return names[0] if len(names) == 1 else list(names)
+
+
+SERVED_MODEL_NAME_HELP = ("Name clients use, or several (aliases: a request may name any; responses and metrics "
+                          "carry the first); defaults to the model's.")
+
+
 class ServedModel(LoRASettings):
     """Another model served through the same endpoint (``ClusterConfig.models``), on engines of its
     own; clients pick it by its name in ``model``. Engine flags: the cluster's ``defaults``, then
@@ -179,7 +202,7 @@ class ServedModel(LoRASettings):
     ``LoRASettings`` fields), named as a model by clients as the first model's are."""
 
     model: str = Field(..., description="Model name, HF directory or .gguf file.")
-    served_model_name: str | None = Field(None, description="Name clients use; defaults to the model's.")
+    served_model_name: str | list[str] | None = Field(None, description=SERVED_MODEL_NAME_HELP)
     num_engines: int = Field(1, ge=1)
     defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags of this model's engines.")
     engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
@@ -188,9 +211,15 @@ class ServedModel(LoRASettings):
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
 
+    _served_model_name = field_validator("served_model_name")(_check_served_model_name)
+
+    @property
+    def served_names(self) -> list[str]:
+        return served_model_names(self.served_model_name, self.model)
+
     @model_validator(mode="after")
     def _checks(self) -> ServedModel:
-        where = f"models[{self.served_model_name or self.model}]."
+        where = f"models[{self.served_names[0]}]."
         _check_output_parsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice, where)
         _check_engine_count(self.model_fields_set, self.num_engines, self.engines, where)
         return self
@@ -207,7 +236,7 @@ class ClusterConfig(LoRASettings):
 
 
     model: str = Field("SmolLM2-135M-Instruct", description="Model name, HF directory or .gguf file.")
-    served_model_name: str | None = Field(None, description="Name clients use; defaults to the model's.")
+    served_model_name: str | list[str] | None = Field(None, description=SERVED_MODEL_NAME_HELP)
     num_engines: int = Field(1, ge=1, description="Engines (each: one scheduler + one TP worker group).")
     defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags every engine starts from.")
     engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
@@ -268,14 +297,17 @@ class ClusterConfig(LoRASettings):
             raise ValueError("api_keys must not be empty strings (an empty key would let in an empty Bearer token)")
         return self
 
-    def served_names(self) -> list[str]:
-        """Each served model's name, the first model's first (a name left to the model is only known
-        once loaded: its path stands for it here, and the router checks those again)."""
-        return [self.served_model_name or self.model, *(m.served_model_name or m.model for m in self.models)]
+    _served_model_name = field_validator("served_model_name")(_check_served_model_name)
+
+    def served_names(self) -> list[list[str]]:
+        """Each served model's names (its first: the one responses carry), the first model's first (a
+        name left to the model is only known once loaded: its path stands for it here, and the router
+        checks those again)."""
+        return [served_model_names(self.served_model_name, self.model), *(m.served_names for m in self.models)]
 
     @model_validator(mode="after")
     def _served_names(self) -> ClusterConfig:
-        names = self.served_names()
+        names = [name for model_names in self.served_names() for name in model_names]
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"two served models are named {name!r}: give each a served_model_name of its own")
@@ -286,16 +318,17 @@ class ClusterConfig(LoRASettings):
         if self.allow_runtime_lora_updating and not any(m.enable_lora for m in (self, *self.models)):
             raise ValueError("allow_runtime_lora_updating needs enable_lora (--enable-lora) on a model")
         # A client names a model or an adapter alike: one name, one thing.
-        names = self.served_names()
+        per_model = self.served_names()
+        names = [name for model_names in per_model for name in model_names]
         served = list(names)
-        for owner, owner_name in zip((self, *self.models), served, strict=True):
+        for owner, owner_names in zip((self, *self.models), per_model, strict=True):
             for module in owner.lora_module_list():
                 # (vLLM reads base_model_name as the card's parent only, so any name passes, except
                 # another model served here: the adapter would not run on that model's engines.)
-                if module.base_model_name in served and module.base_model_name != owner_name:
+                if module.base_model_name in served and module.base_model_name not in owner_names:
                     raise ValueError(f"the LoRA adapter {module.name!r} names base_model_name "
-                                     f"{module.base_model_name!r} but is listed for {owner_name!r}: list it in that "
-                                     "model's own lora_modules")
+                                     f"{module.base_model_name!r} but is listed for {owner_names[0]!r}: list it in "
+                                     "that model's own lora_modules")
                 if module.name in names:
                     raise ValueError(f"the LoRA adapter name {module.name!r} is already a served model's or "
                                      "another adapter's")
@@ -330,12 +363,14 @@ class ClusterConfig(LoRASettings):
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.routing_policy!r}")
         lora = self.lora_config()
-        configs = [engine_config_from_spec(self.model, i, spec, self.seed, self.served_model_name, lora)
+        first_name = served_model_names(self.served_model_name, self.model)[0] if self.served_model_name else None
+        configs = [engine_config_from_spec(self.model, i, spec, self.seed, first_name, lora)
                    for i, spec in enumerate(self.resolved_specs())]
         _check_one_runner(configs)
         for served in self.models:
             flags = self._base_flags() | served.defaults.model_dump(exclude_none=True)
-            group = [engine_config_from_spec(served.model, len(configs) + i, spec, self.seed, served.served_model_name,
+            name = served.served_names[0] if served.served_model_name else None
+            group = [engine_config_from_spec(served.model, len(configs) + i, spec, self.seed, name,
                                              served.lora_config())
                      for i, spec in enumerate(_resolve_specs(flags, served.num_engines, served.engines))]
             _check_one_runner(group)

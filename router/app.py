@@ -297,10 +297,11 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         await drop_background(cancelled)
         return JSONResponse(cancelled)
 
-    def model_card(owner: OpenAIServing, lora: LoRARequest | None = None) -> ModelCard:
+    def model_card(owner: OpenAIServing, lora: LoRARequest | None = None, name: str | None = None) -> ModelCard:
+        """A model's card (``name``: one of its aliases), or an adapter's."""
         base = owner.settings.served_model_name
         if lora is None:
-            return ModelCard(id=base, root=base, max_model_len=owner.settings.max_model_len)
+            return ModelCard(id=name or base, root=base, max_model_len=owner.settings.max_model_len)
         # As vLLM lists an adapter: its root is where it was loaded from, its parent the base model.
         return ModelCard(id=lora.lora_name, root=lora.lora_path, parent=base,
                          max_model_len=owner.settings.max_model_len)
@@ -310,13 +311,14 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         cards = []
         for owner in servings:
             await owner.refresh_loras()
-            cards += [model_card(owner), *(model_card(owner, lora) for lora in owner.lora_adapters.values())]
+            cards += [*(model_card(owner, name=name) for name in owner.settings.served_names),
+                      *(model_card(owner, lora) for lora in owner.lora_adapters.values())]
         return ModelList(data=cards)
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:  # the openai client's models.retrieve()
         owner = await servings.for_model(model)
-        return model_card(owner, await owner.resolve_model(model))
+        return model_card(owner, await owner.resolve_model(model), model)
 
     @app.get("/health")
     async def health() -> Response:

@@ -41,6 +41,8 @@ class RouterConfig:
     prefix_load_margin: int = 8
     request_timeout_s: float | None = None
     served_model_name: str | None = None
+    # Further names clients may use for the model (vLLM's --served-model-name with several names).
+    served_model_aliases: tuple[str, ...] = ()
     chat_template: str | None = None  # replaces the model's own
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, read with this parser
     reasoning_parser: str | None = None
@@ -89,6 +91,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
                           resolve_handle=lambda i: ray.get_actor(names[i], namespace=namespace))
     settings = ServingSettings(
         served_model_name=config.served_model_name or first.model_info.served_model_name,
+        served_model_aliases=config.served_model_aliases,
         max_model_len=min(d.scheduler_config["max_model_len"] for d in descriptions),
         block_size=first.block_size,
         scheduling_policy=first.scheduler_config["policy"]

@@ -18,13 +18,15 @@ class ModelServings:
     def __init__(self, servings: list[OpenAIServing]) -> None:
         if not servings:
             raise ValueError("at least one served model is needed")
-        names = [s.settings.served_model_name for s in servings]
-        for name in names:
-            if names.count(name) > 1:
-                raise ValueError(f"two served models are named {name!r}: give each a served_model_name of its own")
+        self._by_name: dict[str, OpenAIServing] = {}
+        for serving in servings:
+            for name in serving.settings.served_names:  # (aliases too)
+                if name in self._by_name:
+                    raise ValueError(f"two served models are named {name!r}: give each a served_model_name of its "
+                                     "own")
+                self._by_name[name] = serving
         self.all = servings
         self.default = servings[0]
-        self._by_name = dict(zip(names, servings, strict=True))
         # (One runtime load at a time: two of one name onto two models must not both pass the check.)
         self._loading = asyncio.Lock()
 

@@ -133,6 +133,9 @@ DEFAULTED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetiti
 class ServingSettings:
     served_model_name: str
     max_model_len: int
+    # Further names a request may use for the model (vLLM's --served-model-name a b ...); responses,
+    # /v1/models' first card and the metrics carry served_model_name.
+    served_model_aliases: tuple[str, ...] = ()
     block_size: int = 16
     scheduling_policy: str = "fcfs"
     request_timeout_s: float | None = None
@@ -177,6 +180,13 @@ class ServingSettings:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.served_model_name in self.served_model_aliases:
+            raise ValueError(f"served_model_aliases repeats the served model name {self.served_model_name!r}")
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name of the model, its first the one responses carry."""
+        return (self.served_model_name, *self.served_model_aliases)
 
 
 @dataclass
@@ -249,7 +259,7 @@ class OpenAIServing:
 
     async def resolve_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names; None for the base model; 404 for anything else."""
-        if model is None or model == self.settings.served_model_name:
+        if model is None or model in self.settings.served_names:
             return None
         lora = self.lora_adapters.get(model)
         if lora is None and self.list_loras is not None:
@@ -268,7 +278,7 @@ class OpenAIServing:
         model cannot serve) undoes the loads before it. Each load gets a new id, so KV cached under an
         earlier load of the same name (whose files may have changed since) is never reused."""
         await self.refresh_loras()
-        if name == self.settings.served_model_name or name in self.lora_adapters:
+        if name in self.settings.served_names or name in self.lora_adapters:
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         lora = LoRARequest(name, new_dynamic_lora_id(), path)
         loaded: list[int] = []
@@ -365,7 +375,8 @@ class OpenAIServing:
         return current
 
     def model_name(self, model: str | None) -> str:
-        """The name responses carry: the adapter's when the request named one."""
+        """The name responses carry: the adapter's when the request named one, else the model's first
+        (whichever alias the request used, as in vLLM)."""
         return model if model is not None and model in self.lora_adapters else self.settings.served_model_name
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:

@@ -392,3 +392,27 @@ def test_the_generation_config_flags_reach_every_engine_of_the_model(tmp_path):
             _config("--num-engines", "2", "--engine-config", str(overrides)).engine_configs()
     with pytest.raises(SystemExit):
         _config("--override-generation-config", "[0.5]")
+
+
+def test_several_served_model_names_reach_the_engines_and_the_router(tmp_path):
+    """vLLM's --served-model-name a b: the engines (and their metrics) carry the first; the router
+    takes the others as aliases. Names stay unique across models, aliases and adapters."""
+    models = tmp_path / "models.yaml"
+    models.write_text("- {model: /models/b, served_model_name: [b, b-latest]}\n")
+    config = _config("--served-model-name", "tiny", "tiny-v1", "--extra-models", str(models))
+    assert config.served_model_name == ["tiny", "tiny-v1"] and config.served_names() == [["tiny", "tiny-v1"],
+                                                                                          ["b", "b-latest"]]
+    assert [e.served_model_name for e in config.engine_configs()] == ["tiny", "b"]
+    first, [b] = router_deployment(config)._bound_deployment.init_args
+    assert (first.served_model_name, first.served_model_aliases) == ("tiny", ("tiny-v1",))
+    assert (b.served_model_name, b.served_model_aliases) == ("b", ("b-latest",))
+    one = router_deployment(_config("--served-model-name", "tiny"))._bound_deployment.init_args[0]
+    assert (one.served_model_name, one.served_model_aliases) == ("tiny", ())
+    default = router_deployment(_config())._bound_deployment.init_args[0]
+    assert (default.served_model_name, default.served_model_aliases) == (None, ())
+    for names, message in ((["tiny", "b-latest"], "two served models are named 'b-latest'"),
+                           (["tiny", "tiny"], "served_model_name lists a name twice")):
+        with pytest.raises(ValueError, match=message):
+            _config("--served-model-name", *names, "--extra-models", str(models))
+    with pytest.raises(ValueError, match="the LoRA adapter name 'tiny-v1' is already a served model's"):
+        _config("--served-model-name", "tiny", "tiny-v1", "--enable-lora", "--lora-modules", "tiny-v1=/a")

@@ -36,13 +36,14 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
     config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=1,
                            defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
                            allow_runtime_lora_updating=True,
-                           models=[ServedModel(model=str(second), served_model_name="tiny-b", enable_lora=True,
+                           models=[ServedModel(model=str(second), served_model_name=["tiny-b", "b-alias"],
+                                               enable_lora=True,
                                                lora_modules=[f"b-sql={adapters / 'b-sql'}"]),
                                    ServedModel(model=str(reranker), served_model_name="bert-ce"),
                                    ServedModel(model=str(prm), served_model_name="prm")])
     with serve_cluster(config) as served:
         client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list()] == ["tiny", "tiny-b", "b-sql", "bert-ce", "prm"]
+        assert [m.id for m in client.models.list()] == ["tiny", "tiny-b", "b-alias", "b-sql", "bert-ce", "prm"]
         _check_bert_reranker(client, reranker)
         _check_process_reward_model(client, prm, prm_reference)
         greedy = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -66,6 +67,9 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
             assert (response.temperature, response.top_p) == expected
         own = client.responses.create(model="tiny-b", input="Hi", max_output_tokens=2, temperature=0.2)
         assert (own.temperature, own.top_p) == (0.2, 0.75)
+        # The second model's alias (--served-model-name tiny-b b-alias) reaches it; answers carry its first name.
+        aliased = client.completions.create(model="b-alias", prompt="Hello world", **greedy)
+        assert aliased.model == "tiny-b" and aliased.choices[0].text == b[0].choices[0].text
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="tiny-c", prompt="Hello")
         health = httpx.get(f"{served.base}/health", timeout=30).json()

@@ -21,13 +21,13 @@ from .tokenizer_factory import byte_level_tokenizer
 ANSWERS = {"alpha": "Hello world", "beta": "Paris is the capital"}
 
 
-def _serving(name: str) -> tuple[OpenAIServing, ScriptedEngine]:
+def _serving(name: str, *aliases: str) -> tuple[OpenAIServing, ScriptedEngine]:
     tokenizer = byte_level_tokenizer.__wrapped__()  # each model its own tokenizer and template
     tokenizer.chat_template = f"[{name}]{{% for m in messages %}}{{{{ m['content'] }}}}{{% endfor %}}"
     client = EngineClient([object()], client_index=1)
     scripted = client._slots[0].channel = ScriptedEngine(client, lambda _: tokenizer.encode(ANSWERS[name]))
-    return OpenAIServing(ServingSettings(served_model_name=name, max_model_len=256), client, tokenizer,
-                         RoundRobinPolicy()), scripted
+    return OpenAIServing(ServingSettings(served_model_name=name, max_model_len=256, served_model_aliases=aliases),
+                         client, tokenizer, RoundRobinPolicy()), scripted
 
 
 @pytest.fixture
@@ -142,3 +142,44 @@ def test_runtime_adapters_load_onto_the_model_named_or_the_first_that_takes_them
 def test_two_models_of_one_name_are_refused():
     with pytest.raises(ValueError, match="two served models are named 'alpha'"):
         ModelServings([_serving("alpha")[0], _serving("alpha")[0]])
+
+
+@pytest.mark.parametrize("num_models", [1, 2])
+def test_a_models_aliases_reach_it_and_responses_carry_its_first_name(num_models):
+    """vLLM's --served-model-name a b: a request may name the model by any of its names (and the list
+    shows each); responses carry the first name, as vLLM's do."""
+    import dataclasses
+
+    alpha, alpha_engine = _serving("alpha", "alpha-latest", "a")
+    alpha.settings = dataclasses.replace(alpha.settings, allow_runtime_lora_updating=True)
+
+    async def load(name, path):
+        alpha.lora_adapters[name] = LoRARequest(name, 9, path)
+
+    alpha.load_lora_adapter = load
+    servings = [alpha, _serving("beta")[0]][:num_models]
+    http = TestClient(create_app(servings, response_store=LocalResponseStore()))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    for name in ("alpha-latest", "a", "alpha"):
+        out = client.completions.create(model=name, prompt="Hi", max_tokens=30)
+        assert out.model == "alpha" and out.choices[0].text == ANSWERS["alpha"]
+    chat = client.chat.completions.create(model="a", messages=[{"role": "user", "content": "Hi"}], max_tokens=30)
+    assert chat.model == "alpha" and alpha_engine.requests[-1].lora_request is None
+    assert client.responses.create(model="alpha-latest", input="Hi").model == "alpha"
+    assert [m.id for m in client.models.list()] == ["alpha", "alpha-latest", "a", "beta"][:num_models + 2]
+    card = client.models.retrieve("alpha-latest")
+    assert (card.id, card.root) == ("alpha-latest", "alpha")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="alpha-old", prompt="Hi")
+    # An adapter may not take an alias; one loaded naming an alias as its base runs on the model.
+    refused = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "lora_name")
+    loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/x", "base_model_name": "a"})
+    assert loaded.status_code == 200 and "sql" in alpha.lora_adapters
+
+
+def test_an_alias_that_is_another_models_name_is_refused():
+    with pytest.raises(ValueError, match="two served models are named 'beta'"):
+        ModelServings([_serving("alpha", "beta")[0], _serving("beta")[0]])
+    with pytest.raises(ValueError, match="repeats the served model name"):
+        _serving("alpha", "alpha")
