@@ -10,10 +10,12 @@ the neutral one (temperature 1, top_p 1, no top_k, ...), and the file's ``max_ne
 * ``"vllm"``: none, every parameter keeps its neutral default;
 * a folder: the ``generation_config.json`` in it.
 
-``override_generation_config`` sets values over the source's (with ``"vllm"`` too). Only the six
+``override_generation_config`` sets values over the source's (with ``"vllm"`` too); a null there
+removes the source's value (``{"max_new_tokens": null}`` drops its cap), as in vLLM. Only the six
 parameters below are taken, as in vLLM; a file without them gives no defaults. Values are checked
-here, when the engine starts, so a bad file is refused once, naming itself, instead of failing
-every request that would have used it.
+here, when the engine starts: one no request could send is dropped with a warning when it comes from
+the model's own file (vLLM would start, and fail the requests that used it), and refused, naming
+its source, when the user chose it (a folder or an override).
 """
 
 from __future__ import annotations
@@ -36,39 +38,59 @@ def model_sampling_defaults(model_dir: str | Path, generation_config: str = "aut
                             override: dict[str, Any] | None = None) -> dict[str, float | int]:
     """The sampling parameters a request gets for those it leaves unset: a dict of (some of)
     temperature, top_p, top_k, min_p, repetition_penalty and max_tokens; empty for none."""
-    if generation_config == "vllm":
-        source, values = "--generation-config vllm", {}
-    else:
-        folder = Path(model_dir) if generation_config == "auto" else Path(generation_config)
+    values: dict[str, Any] = {}
+    if generation_config != "vllm":
+        folder = Path(model_dir) if generation_config == "auto" else Path(generation_config).expanduser()
         if generation_config != "auto" and not folder.is_dir():
             raise ValueError(f"generation_config {generation_config!r} must be 'auto', 'vllm' or a folder holding "
                              f"{GENERATION_CONFIG_FILE}, and it is not a folder")
         path = folder / GENERATION_CONFIG_FILE
-        source = str(path)
-        values = _read_json_object(path) if path.is_file() else {}
-    found = {key: values[key] for key in GENERATION_DEFAULT_KEYS if values.get(key) is not None}
+        if path.is_file():
+            values = _read_json_object(path)
+        elif generation_config != "auto":
+            logger.warning("generation_config %r holds no %s: no default sampling parameters", generation_config,
+                           GENERATION_CONFIG_FILE)
+        found = _usable(values, str(path), strict=generation_config != "auto")
+    else:
+        found = {}
     if override:
         ignored = sorted(set(override) - set(GENERATION_DEFAULT_KEYS))
         if ignored:
             logger.warning("override_generation_config: %s ignored (only %s are request defaults)",
                            ", ".join(ignored), ", ".join(GENERATION_DEFAULT_KEYS))
-        found |= {key: value for key, value in override.items() if key in GENERATION_DEFAULT_KEYS and value is not None}
-        source += " with override_generation_config"
-    defaults = {("max_tokens" if key == "max_new_tokens" else key): value for key, value in found.items()}
-    check_sampling_defaults(defaults, source)
-    return defaults
+        found = {**found, **_usable(override, "override_generation_config", strict=True)}
+        found = {key: value for key, value in found.items() if override.get(key, value) is not None}
+    return {("max_tokens" if key == "max_new_tokens" else key): value for key, value in found.items()}
 
 
-def check_sampling_defaults(defaults: dict[str, Any], source: str) -> None:
-    """Each default must be a value a request could send (the engine's own checks, and types)."""
-    for key, value in defaults.items():
-        integral = key in ("top_k", "max_tokens")
-        if isinstance(value, bool) or not isinstance(value, int | float) or (integral and not isinstance(value, int)):
-            raise ValueError(f"{source}: {key} must be {'an integer' if integral else 'a number'}, got {value!r}")
+def _usable(values: dict[str, Any], source: str, strict: bool) -> dict[str, Any]:
+    """The sampling defaults among ``values`` (nulls are unset), each one a request could send: a bad
+    one is refused naming ``source`` when ``strict``, else dropped with a warning."""
+    usable = {}
+    for key in GENERATION_DEFAULT_KEYS:
+        value = values.get(key)
+        if value is None:
+            continue
+        problem = sampling_default_problem(key, value)
+        if problem is None:
+            usable[key] = value
+        elif strict:
+            raise ValueError(f"{source}: {problem}")
+        else:
+            logger.warning("%s: %s; left out of the default sampling parameters", source, problem)
+    return usable
+
+
+def sampling_default_problem(key: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the default of ``key`` (generation_config.json's name), or None."""
+    integral = key in ("top_k", "max_new_tokens")
+    if isinstance(value, bool) or not isinstance(value, int | float) or (integral and not isinstance(value, int)):
+        return f"{key} must be {'an integer' if integral else 'a number'}, got {value!r}"
     try:
-        SamplingParams(**defaults)
+        SamplingParams(**{"max_tokens" if key == "max_new_tokens" else key: value})
     except ValueError as e:
-        raise ValueError(f"{source}: {e}") from None
+        return str(e).replace("max_tokens", key, 1) if key == "max_new_tokens" else str(e)
+    return None
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:

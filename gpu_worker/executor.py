@@ -126,13 +126,15 @@ class _ExecutorBase(Executor):
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
         self.config = config = dataclasses.replace(config, scheduler=scheduler)
-        try:
-            sampling_defaults = model_sampling_defaults(
-                self.model_dir, config.generation_config,
-                json.loads(config.override_generation_config) if config.override_generation_config else None)
-        except ValueError as e:
-            raise ValueError(f"engine {config.engine_index}: {e}") from None
-        if sampling_defaults and not embeds_only:
+        sampling_defaults: dict[str, float | int] = {}
+        if not embeds_only:  # (an embedding model samples nothing: its generation config is not read)
+            try:
+                sampling_defaults = model_sampling_defaults(
+                    self.model_dir, config.generation_config,
+                    json.loads(config.override_generation_config) if config.override_generation_config else None)
+            except ValueError as e:
+                raise ValueError(f"engine {config.engine_index}: {e}") from None
+        if sampling_defaults:
             logger.info("engine %d: requests that leave them unset get the model's sampling parameters %s (from "
                         "its generation config; --generation-config vllm turns this off)", config.engine_index,
                         sampling_defaults)

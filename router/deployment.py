@@ -11,7 +11,7 @@ import random
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
@@ -24,6 +24,9 @@ from router.metrics import RouterMetrics, merge_expositions
 from router.response_store import ActorResponseStore
 from router.routing import create_routing_policy
 from router.serving import OpenAIServing, ServingSettings
+
+if TYPE_CHECKING:
+    from engine_core.engine_actor import EngineDescription
 
 logger = logging.getLogger(__name__)
 
@@ -76,20 +79,11 @@ async def load_tokenizer_from_engine(handle: Any) -> Any:
     return AutoTokenizer.from_pretrained(directory)
 
 
-async def build_serving(config: RouterConfig, client_index: int | None = None) -> tuple[OpenAIServing, EngineClient]:
-    """Connect to the engines by name and build the serving core (used by Serve and by plain uvicorn)."""
-    names, namespace = config.engine_actor_names, config.namespace
-    handles = [ray.get_actor(name, namespace=namespace) for name in names]
-    descriptions = [await h.describe.remote() for h in handles]
+def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]) -> ServingSettings:
+    """What the serving core needs to know: the router's flags, and the model as its engines describe
+    it (the first engine's model facts; the engines' smallest context; a policy all of them share)."""
     first = descriptions[0]
-    tokenizer = await load_tokenizer_from_engine(handles[0])
-    if config.chat_template is not None:
-        tokenizer.chat_template = config.chat_template
-    # Each replica is a distinct client of every engine.
-    client_index = random.getrandbits(31) if client_index is None else client_index
-    client = EngineClient(handles, client_index,
-                          resolve_handle=lambda i: ray.get_actor(names[i], namespace=namespace))
-    settings = ServingSettings(
+    return ServingSettings(
         served_model_name=config.served_model_name or first.model_info.served_model_name,
         served_model_aliases=config.served_model_aliases,
         max_model_len=min(d.scheduler_config["max_model_len"] for d in descriptions),
@@ -112,6 +106,22 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         enable_server_load_tracking=config.enable_server_load_tracking,
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
     )
+
+
+async def build_serving(config: RouterConfig, client_index: int | None = None) -> tuple[OpenAIServing, EngineClient]:
+    """Connect to the engines by name and build the serving core (used by Serve and by plain uvicorn)."""
+    names, namespace = config.engine_actor_names, config.namespace
+    handles = [ray.get_actor(name, namespace=namespace) for name in names]
+    descriptions = [await h.describe.remote() for h in handles]
+    first = descriptions[0]
+    tokenizer = await load_tokenizer_from_engine(handles[0])
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    # Each replica is a distinct client of every engine.
+    client_index = random.getrandbits(31) if client_index is None else client_index
+    client = EngineClient(handles, client_index,
+                          resolve_handle=lambda i: ray.get_actor(names[i], namespace=namespace))
+    settings = serving_settings(config, descriptions)
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin,
                                    long_rope_after=first.model_info.long_rope_after)

@@ -508,8 +508,12 @@ class OpenAIServing:
             raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens. "
                               f"You requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                               f"{max_tokens} for the completion).", "max_tokens")
-        if "max_tokens" in defaults:  # (the generation config's max_new_tokens: a cap, as in vLLM)
-            max_tokens = min(max_tokens, defaults["max_tokens"])
+        if defaults.get("max_tokens", max_tokens) < max_tokens:  # (its max_new_tokens: a cap, as in vLLM)
+            max_tokens = defaults["max_tokens"]
+            if request.min_tokens > max_tokens:
+                raise bad_request(f"min_tokens ({request.min_tokens}) must be less than or equal to the model's "
+                                  f"largest max_tokens, {max_tokens} (its generation config's max_new_tokens)",
+                                  "min_tokens")
         self.check_priority(request.priority)
         min_tokens = request.min_tokens
         stop_ids = list(request.stop_token_ids or [])

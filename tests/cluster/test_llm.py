@@ -984,5 +984,29 @@ def test_generate_without_parameters_uses_the_models_generation_config(tmp_path,
         assert (defaults.temperature, defaults.max_tokens, defaults.top_k) == (1.0, 3, 0)
     finally:
         neutral.shutdown()
-    with pytest.raises(ValueError, match=r"engine 0: .*with override_generation_config: top_p must be in"):
+    with pytest.raises(ValueError, match="engine 0: override_generation_config: top_p must be in"):
         LLM(model=str(model_dir), num_gpu_blocks=64, override_generation_config={"top_p": 0})
+
+
+def test_a_generation_config_value_no_request_could_send_is_left_out_and_embedders_never_read_it(
+        tmp_path, tiny_model_dir):
+    import json
+    import shutil
+
+    model_dir = tmp_path / "odd-config"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**config, "top_p": 0, "top_k": 20.0,
+                                                                  "temperature": 0.3}))
+    llm = LLM(model=str(model_dir), num_gpu_blocks=64)  # (vLLM starts too)
+    try:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.3, 1.0, 0)
+    finally:
+        llm.shutdown()
+    embedder = LLM(model=str(model_dir), num_gpu_blocks=64, runner="pooling",
+                   override_generation_config={"temperature": 0.5})
+    try:
+        assert embedder._model_info().default_sampling_params == {}
+    finally:
+        embedder.shutdown()

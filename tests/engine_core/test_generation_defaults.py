@@ -62,17 +62,35 @@ def test_overrides_set_over_the_source_even_with_vllm(tmp_path, caplog):
     ({"temperature": -1}, "temperature must be finite and >= 0"),
     ({"top_p": 0}, "top_p must be in"),
     ({"top_k": 2.5}, "top_k must be an integer"),
-    ({"max_new_tokens": 0}, "max_tokens must be >= 1"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
     ({"repetition_penalty": "high"}, "repetition_penalty must be a number"),
     ({"temperature": True}, "temperature must be a number"),
 ])
-def test_values_no_request_could_send_are_refused_naming_the_file(tmp_path, values, message):
-    model = _model(tmp_path, values)
+def test_values_no_request_could_send(tmp_path, caplog, values, message):
+    """From the model's own file (auto) such a value is left out with a warning, as vLLM would start;
+    from a folder or an override the user chose, it is refused, naming its source."""
+    model = _model(tmp_path, {**values, "min_p": 0.1})
+    with caplog.at_level(logging.WARNING, logger="engine_core.generation_defaults"):
+        assert model_sampling_defaults(model) == {"min_p": 0.1}
+    assert message in caplog.text and str(model / "generation_config.json") in caplog.text
     with pytest.raises(ValueError, match=message) as refused:
-        model_sampling_defaults(model)
+        model_sampling_defaults(_model(tmp_path, None, "clean"), str(model))
     assert str(model / "generation_config.json") in str(refused.value)
-    with pytest.raises(ValueError, match="with override_generation_config: .*" + message):
-        model_sampling_defaults(_model(tmp_path, None, "clean"), "auto", values)
+    with pytest.raises(ValueError, match="override_generation_config: " + message):
+        model_sampling_defaults(model, "auto", values)
+
+
+def test_a_null_override_removes_the_sources_value(tmp_path):
+    model = _model(tmp_path, {"temperature": 0.6, "max_new_tokens": 100})
+    assert model_sampling_defaults(model, "auto", {"max_new_tokens": None}) == {"temperature": 0.6}
+
+
+def test_a_folder_without_the_file_gives_no_defaults_and_says_so(tmp_path, caplog):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with caplog.at_level(logging.WARNING, logger="engine_core.generation_defaults"):
+        assert model_sampling_defaults(_model(tmp_path, QWEN_STYLE), str(empty)) == {}
+    assert "holds no generation_config.json" in caplog.text
 
 
 def test_a_file_that_is_not_a_json_object_is_refused(tmp_path):

@@ -559,7 +559,9 @@ def test_unset_sampling_parameters_take_the_models_defaults(path, body):
     if path == "/v1/responses":  # the response repeats what it ran with
         assert (r.json()["temperature"], r.json()["top_p"]) == (0.6, 0.9)
     own = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
-    r = http.post(path, json={"model": "tiny", **body, **own, "min_p": None})
+    # (null is unset: min_p where the API has it, Anthropic's top_p where it has no min_p)
+    null = {"min_p": None} if path != "/v1/messages" else {}
+    r = http.post(path, json={"model": "tiny", **body, **own, **null})
     assert r.status_code == 200, r.text
     assert _sampled(engine.requests[-1].sampling_params) == {**MODEL_DEFAULTS, **own}
     if path == "/v1/responses":
@@ -595,3 +597,4 @@ def test_the_generation_configs_max_new_tokens_caps_max_tokens():
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 10, "min_tokens": 8})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert "largest max_tokens, 5 (its generation config's max_new_tokens)" in r.json()["error"]["message"]

@@ -1,0 +1,35 @@
+"""What a router replica takes from its flags and from the engines' descriptions (serving_settings)."""
+
+from __future__ import annotations
+
+from engine_core.engine_actor import EngineDescription
+from engine_core.executor import ModelInfo
+from router.deployment import RouterConfig, serving_settings
+
+
+def _description(index: int, max_model_len: int = 256, policy: str = "fcfs", sleep: bool = True,
+                 defaults: dict | None = None) -> EngineDescription:
+    info = ModelInfo(served_model_name="/models/qwen", model_dir="/models/qwen", max_model_len=max_model_len,
+                     vocab_size=100, eos_token_ids=(2, 7), hidden_size=64, default_sampling_params=defaults or {})
+    return EngineDescription(model_info=info, scheduler_config={"max_model_len": max_model_len, "policy": policy},
+                             block_size=32, num_blocks=10, engine_index=index, enable_sleep_mode=sleep)
+
+
+def test_the_models_facts_come_from_the_engines_and_the_names_from_the_flags():
+    defaults = {"temperature": 0.7, "top_k": 20, "max_tokens": 512}
+    engines = [_description(0, 256, defaults=defaults), _description(1, 128, defaults=defaults)]
+    config = RouterConfig(engine_actor_names=["e0", "e1"], namespace="ns", served_model_name="qwen",
+                          served_model_aliases=("qwen-latest",), stream_interval=3)
+    settings = serving_settings(config, engines)
+    assert (settings.served_model_name, settings.served_names) == ("qwen", ("qwen", "qwen-latest"))
+    assert settings.default_sampling_params == defaults  # (the generation config the engines read)
+    assert (settings.max_model_len, settings.block_size, settings.eos_token_ids, settings.hidden_size) == (
+        128, 32, (2, 7), 64)
+    assert (settings.scheduling_policy, settings.enable_sleep_mode, settings.stream_interval) == ("fcfs", True, 3)
+    # No name given: the model's own; engines that disagree on the policy (or on sleep) get the common ground.
+    mixed = [_description(0, policy="priority"), _description(1, sleep=False)]
+    plain = serving_settings(RouterConfig(engine_actor_names=["e0", "e1"], namespace="ns"), mixed)
+    assert (plain.served_names, plain.default_sampling_params) == (("/models/qwen",), {})
+    assert (plain.scheduling_policy, plain.enable_sleep_mode) == ("fcfs", False)
+    assert serving_settings(RouterConfig(engine_actor_names=["e0"], namespace="ns"),
+                            [_description(0, policy="priority")]).scheduling_policy == "priority"
