@@ -110,7 +110,7 @@ def router_deployment(config: ClusterConfig):
         engine_actor_names=[engine_actor_name(i) for i in first_engines],
         namespace=config.namespace, routing_policy=config.routing_policy,
         prefix_load_margin=config.prefix_load_margin, request_timeout_s=config.request_timeout_s,
-        **_router_names(config.served_model_name), chat_template=config.chat_template,
+        **_router_names(config.served_model_name), model=config.model, chat_template=config.chat_template,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys),
         enable_lora=config.enable_lora,
@@ -126,7 +126,7 @@ def router_deployment(config: ClusterConfig):
     # adapters.
     more_models = [dataclasses.replace(
         router_config, engine_actor_names=[engine_actor_name(i) for i in indexes], first_engine_index=indexes[0],
-        **_router_names(served.served_model_name), chat_template=served.chat_template,
+        **_router_names(served.served_model_name), model=served.model, chat_template=served.chat_template,
         tool_call_parser=served.tool_call_parser if served.enable_auto_tool_choice else None,
         reasoning_parser=served.reasoning_parser, enable_lora=served.enable_lora,
         allow_runtime_lora_updating=config.allow_runtime_lora_updating and served.enable_lora)

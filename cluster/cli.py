@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--override-generation-config", type=_json_object, default=None,
                        help='Default sampling parameters set over the generation config\'s (JSON), e.g. '
                             '\'{"temperature": 0.5, "max_new_tokens": 512}\'.')
+    serve.add_argument("--max-logprobs", type=int, default=None,
+                       help="The most logprobs (and prompt logprobs) a request may ask for per token (default 20, "
+                            "as vLLM; -1: the whole vocabulary). A request may ask for all with -1 when this allows.")
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="Queue limit per engine (429 beyond).")
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
@@ -193,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def served_models_line(config, engine_names: list[str]) -> str:
+    """Each served model's name as its engines serve it (in engine order), and its aliases."""
+    out = []
+    for (_, indexes), names in zip(config.model_engines(), config.names_per_model(), strict=True):
+        out.append(engine_names[indexes[0]] + (f" (also {', '.join(names[1:])})" if names[1:] else ""))
+    return ", ".join(out)
+
+
 def cluster_config_from_args(args: argparse.Namespace):
     from cluster.config import ClusterConfig, EngineSpec, load_engine_overrides
 
@@ -202,7 +213,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
                 "generation_config": args.generation_config,
-                "override_generation_config": args.override_generation_config,
+                "override_generation_config": args.override_generation_config, "max_logprobs": args.max_logprobs,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
                 "kv_cache_metrics": args.kv_cache_metrics or None,
                 "enable_sleep_mode": args.enable_sleep_mode or None,
@@ -325,8 +336,8 @@ def serve_command(args: argparse.Namespace) -> int:
         # Installed after Ray and Serve started, so theirs do not replace ours.
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        names = dict.fromkeys(e.description.model_info.served_model_name for e in engines)
-        print(f"llm-cluster: serving {', '.join(names)} with {len(engines)} engine(s) on "
+        served = served_models_line(config, [e.description.model_info.served_model_name for e in engines])
+        print(f"llm-cluster: serving {served} with {len(engines)} engine(s) on "
               f"http://{config.host}:{config.port}/v1  (Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):
             pass

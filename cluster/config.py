@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -72,6 +73,9 @@ class EngineSpec(BaseModel):
     override_generation_config: dict[str, Any] | None = Field(
         None, description='Default sampling parameters set over the generation config\'s '
                           '(--override-generation-config), e.g. {"temperature": 0.5, "max_new_tokens": 512}.')
+    max_logprobs: int | None = Field(
+        None, ge=-1, description="The most logprobs (and prompt logprobs) a request may ask for per token "
+                                 "(--max-logprobs, default 20; -1: the whole vocabulary).")
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = None
     num_cpus_per_worker: float | None = None
     resources: dict[str, float] | None = Field(None, description="Extra Ray resources per worker (pinning).")
@@ -98,7 +102,8 @@ _DEFAULTS = EngineSpec(
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,
-    runner="auto", generation_config="auto", placement_strategy="PACK", num_cpus_per_worker=1.0, kv_cache_metrics=False,
+    runner="auto", generation_config="auto", max_logprobs=20, placement_strategy="PACK", num_cpus_per_worker=1.0,
+    kv_cache_metrics=False,
     kv_cache_metrics_sample=0.01, enable_sleep_mode=False,
     executor_backend="auto", max_waiting_requests=0)
 
@@ -176,8 +181,21 @@ def served_model_names(served_model_name: str | list[str] | None, model: str) ->
     """The names clients may use for a model (vLLM's --served-model-name takes several): the first is
     the one responses, /v1/models' first card and the metrics carry; none given: the model's own."""
     if served_model_name is None:
-        return [model]
+        return [default_served_name(model)]
     return [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+
+
+def default_served_name(model: str) -> str:
+    """The name the engines serve a model under when none is given (gpu_worker.model_resolver): a
+    GGUF file's stem, a directory's name, a known model's name as given. Read from ``model`` alone
+    where it is an absolute path (the engines' disk need not be this machine's)."""
+    model = model.strip()
+    path = Path(model.rstrip("/")).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return path.stem
+    if path.is_absolute() or path.exists():
+        return path.resolve().name
+    return model
 
 
 def _check_served_model_name(value: str | list[str] | None) -> str | list[str] | None:
@@ -299,7 +317,7 @@ class ClusterConfig(LoRASettings):
 
     _served_model_name = field_validator("served_model_name")(_check_served_model_name)
 
-    def served_names(self) -> list[list[str]]:
+    def names_per_model(self) -> list[list[str]]:
         """Each served model's names (its first: the one responses carry), the first model's first (a
         name left to the model is only known once loaded: its path stands for it here, and the router
         checks those again)."""
@@ -307,7 +325,7 @@ class ClusterConfig(LoRASettings):
 
     @model_validator(mode="after")
     def _served_names(self) -> ClusterConfig:
-        names = [name for model_names in self.served_names() for name in model_names]
+        names = [name for model_names in self.names_per_model() for name in model_names]
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"two served models are named {name!r}: give each a served_model_name of its own")
@@ -318,7 +336,7 @@ class ClusterConfig(LoRASettings):
         if self.allow_runtime_lora_updating and not any(m.enable_lora for m in (self, *self.models)):
             raise ValueError("allow_runtime_lora_updating needs enable_lora (--enable-lora) on a model")
         # A client names a model or an adapter alike: one name, one thing.
-        per_model = self.served_names()
+        per_model = self.names_per_model()
         names = [name for model_names in per_model for name in model_names]
         served = list(names)
         for owner, owner_names in zip((self, *self.models), per_model, strict=True):
@@ -396,13 +414,14 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
                              f"same on every engine of a model (engine {first.engine_index} has runner "
                              f"{first.runner!r}, pooler_config {dict(first.pooler_config)}, hf_overrides "
                              f"{first.hf_overrides or '{}'}); set them for the model, not per engine")
-        # (The router fills a request's unset sampling parameters once, whichever engine it reaches.)
-        if (config.generation_config, config.override_generation_config) != (first.generation_config,
-                                                                              first.override_generation_config):
-            raise ValueError(f"engine {config.engine_index}: generation_config and override_generation_config must "
-                             f"be the same on every engine of a model (engine {first.engine_index} has "
-                             f"{first.generation_config!r} and {first.override_generation_config or '{}'}); set "
-                             "them for the model, not per engine")
+        # (The router fills a request's unset sampling parameters and checks its logprobs once, whichever
+        # engine it reaches.)
+        if ((config.generation_config, config.override_generation_config, config.max_logprobs)
+                != (first.generation_config, first.override_generation_config, first.max_logprobs)):
+            raise ValueError(f"engine {config.engine_index}: generation_config, override_generation_config and "
+                             f"max_logprobs must be the same on every engine of a model (engine {first.engine_index} "
+                             f"has {first.generation_config!r}, {first.override_generation_config or '{}'} and "
+                             f"{first.max_logprobs}); set them for the model, not per engine")
 
 
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
@@ -427,7 +446,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                           for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
-        generation_config=s["generation_config"],
+        generation_config=s["generation_config"], max_logprobs=s["max_logprobs"],
         override_generation_config=json.dumps(s["override_generation_config"], sort_keys=True)
         if s["override_generation_config"] else "",
         scheduler=scheduler, block_size=s["block_size"],

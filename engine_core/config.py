@@ -250,6 +250,9 @@ class EngineConfig:
     # for those it leaves unset (engine_core/generation_defaults.py).
     generation_config: str = "auto"
     override_generation_config: str = ""
+    # vLLM's --max-logprobs: the most logprobs (and prompt logprobs) a request may ask for per token;
+    # -1: the whole vocabulary.
+    max_logprobs: int = 20
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -316,6 +319,8 @@ class EngineConfig:
                      self.runner)
             _require(not self.hf_overrides or isinstance(json.loads(self.hf_overrides), dict), "hf_overrides",
                      "a JSON object", self.hf_overrides)
+            _require(type(self.max_logprobs) is int and self.max_logprobs >= -1, "max_logprobs",
+                     "an integer >= -1 (-1: the whole vocabulary)", self.max_logprobs)
             _require(isinstance(self.generation_config, str) and self.generation_config != "", "generation_config",
                      "'auto', 'vllm' or a folder", self.generation_config)
             _require(not self.override_generation_config

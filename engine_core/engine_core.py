@@ -233,6 +233,11 @@ class EngineCore:
         if request.resumable and self.model_info.encoder_only:
             raise RequestRefusedError(f"{name} is an encoder: its prompts run whole in one pass, so it serves no "
                                       "streaming session (resumable request)")
+        allowed = self.model_info.max_logprobs
+        for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if asked is not None and (self.model_info.vocab_size if asked == -1 else asked) > allowed:
+                raise RequestRefusedError(f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
+                                          f"{allowed} (--max-logprobs)")
 
     def add_request(self, request: EngineCoreRequest) -> Request | None:
         """Returns the new Request, or None when the id continued a live streaming session."""
@@ -242,6 +247,11 @@ class EngineCore:
         if eos is None and self.model_info.eos_token_ids:
             eos = self.model_info.eos_token_ids[0]
         params = request.sampling_params
+        if params.logprobs == -1 or params.prompt_logprobs == -1:  # (-1: every token of the vocabulary)
+            vocab = self.model_info.vocab_size
+            request.sampling_params = params = dataclasses.replace(
+                params, logprobs=vocab if params.logprobs == -1 else params.logprobs,
+                prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs)
         if not params.ignore_eos and len(self.model_info.eos_token_ids) > 1:
             # The model's further EOS ids (generation config; e.g. Llama 3's end of turn) stop it too,
             # as vLLM adds them to the stop ids, whichever client sent the request.

@@ -158,6 +158,8 @@ class ModelInfo:
     # The sampling parameters a request gets for those it leaves unset (--generation-config):
     # temperature, top_p, top_k, min_p, repetition_penalty, max_tokens (a cap); empty for none.
     default_sampling_params: dict[str, float | int] = field(default_factory=dict)
+    # The most logprobs a request may ask for per token (--max-logprobs; -1 there: the vocabulary).
+    max_logprobs: int = 20
     extra: dict[str, str] = field(default_factory=dict)
 
 

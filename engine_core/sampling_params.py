@@ -87,11 +87,11 @@ class SamplingParams:
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]", self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         _check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0", self.repetition_penalty)
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-               "logprobs", "None or in [0, 20]", self.logprobs)
-        _check(self.prompt_logprobs is None
-               or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
-               "prompt_logprobs", "None or in [0, 20]", self.prompt_logprobs)
+        # (-1: every token of the vocabulary, as vLLM; the engine's max_logprobs bounds both.)
+        _check(self.logprobs is None or (type(self.logprobs) is int and self.logprobs >= -1),
+               "logprobs", "None, -1 (all) or >= 0", self.logprobs)
+        _check(self.prompt_logprobs is None or (type(self.prompt_logprobs) is int and self.prompt_logprobs >= -1),
+               "prompt_logprobs", "None, -1 (all) or >= 0", self.prompt_logprobs)
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
         if self.top_k == -1:

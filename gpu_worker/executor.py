@@ -57,6 +57,7 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "enable_expert_parallel": config.enable_expert_parallel,
         "embedding_only": config.runner == "pooling",
         "hf_overrides": json.loads(config.hf_overrides) if config.hf_overrides else None,
+        "max_logprobs": config.max_logprobs,
     }
 
 
@@ -141,6 +142,7 @@ class _ExecutorBase(Executor):
         self._info = ModelInfo(
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
             default_sampling_params=sampling_defaults,
+            max_logprobs=config.max_logprobs if config.max_logprobs >= 0 else self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
             # (The size of its embeddings: a Dense projection's, or ColBERT's vectors'.)

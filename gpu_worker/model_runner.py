@@ -68,7 +68,8 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_spec_tokens: int = 0,
                  max_lora_rank: int | None = None, max_resident_loras: int | None = None,
-                 kv_cache_dtype: torch.dtype | None = None, max_cpu_loras: int | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, max_cpu_loras: int | None = None,
+                 max_logprobs: int = 20) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -80,6 +81,8 @@ class ModelRunner:
                              f"({model_config.max_context_len})")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The most logprobs a row may ask for (-1: the vocabulary): the memory profile ranks that many.
+        self.max_logprobs = max_logprobs
         # Speculative decoding: a request may have this many draft tokens, each with its own logits row.
         self.num_spec_tokens = num_spec_tokens
         self.model: nn.Module | None = None
@@ -265,7 +268,7 @@ class ModelRunner:
                 md = SamplingMetadata(
                     temperature=torch.ones(n, device=self.device), all_greedy=False, all_random=True,
                     top_k=torch.full((n,), 50, device=self.device), top_p=torch.full((n,), 0.9, device=self.device),
-                    max_num_logprobs=20)
+                    max_num_logprobs=self.max_logprobs if self.max_logprobs >= 0 else logits.shape[-1])
                 self.sampler(logits, md)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -489,7 +492,7 @@ class ModelRunner:
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             target_lp = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1)
             ranks = ((logprobs > target_lp.unsqueeze(1)).sum(dim=1) + 1).tolist()
-            k = max(s.sampling_params.prompt_logprobs or 0 for s, _ in spans)
+            k = min(max(s.sampling_params.prompt_logprobs or 0 for s, _ in spans), logprobs.shape[-1])
             top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
             values = target_lp.tolist()
             top_values = top_lp.tolist() if top_lp is not None else None

@@ -140,6 +140,7 @@ def token_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
     """Row i's token ``token_ids[i]``: its logprob, its rank (only in ``rank_rows`` when given:
     ranks cost a pass over the vocabulary; other rows keep 0) and the row's ``k`` best tokens."""
     lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    k = min(k, raw_logprobs.shape[-1])  # (a request may ask for the whole vocabulary)
     top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
     if rank_rows is None:
         ranks = (raw_logprobs > lp.unsqueeze(1)).sum(dim=1) + 1

@@ -57,7 +57,7 @@ class Worker:
                  max_loras: int | None = None, kv_cache_dtype: str | torch.dtype | None = "auto",
                  max_cpu_loras: int | None = None, enable_expert_parallel: bool = False,
                  embedding_only: bool = False, hf_overrides: dict[str, Any] | None = None,
-                 pooler_dense: tuple[DenseProjection, ...] = ()) -> None:
+                 pooler_dense: tuple[DenseProjection, ...] = (), max_logprobs: int = 20) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -91,6 +91,7 @@ class Worker:
         self.max_cpu_loras = max_cpu_loras
         # The sentence-transformers projections of its embeddings (read from model_dir at load).
         self.pooler_dense = tuple(pooler_dense)
+        self.max_logprobs = max_logprobs
         self.runner: ModelRunner | None = None
         self.block_size: int | None = None
         if num_cpus is not None:
@@ -112,7 +113,8 @@ class Worker:
                                   self.max_lora_rank,
                                   # On an accelerator only a step's worth of adapters stays on the device.
                                   self.max_loras if self.device.type != "cpu" else None,
-                                  kv_cache_dtype=self.kv_cache_dtype, max_cpu_loras=self.max_cpu_loras)
+                                  kv_cache_dtype=self.kv_cache_dtype, max_cpu_loras=self.max_cpu_loras,
+                                  max_logprobs=self.max_logprobs)
         self.runner.load_model(self._weight_source())
         if self.pooler_dense:
             if self.model_dir is None:

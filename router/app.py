@@ -301,7 +301,8 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         """A model's card (``name``: one of its aliases), or an adapter's."""
         base = owner.settings.served_model_name
         if lora is None:
-            return ModelCard(id=name or base, root=base, max_model_len=owner.settings.max_model_len)
+            return ModelCard(id=name or base, root=owner.settings.model_root or base,
+                             max_model_len=owner.settings.max_model_len)
         # As vLLM lists an adapter: its root is where it was loaded from, its parent the base model.
         return ModelCard(id=lora.lora_name, root=lora.lora_path, parent=base,
                          max_model_len=owner.settings.max_model_len)

@@ -46,6 +46,8 @@ class RouterConfig:
     served_model_name: str | None = None
     # Further names clients may use for the model (vLLM's --served-model-name with several names).
     served_model_aliases: tuple[str, ...] = ()
+    # The model as the user gave it (--model): /v1/models' cards show it as their root, as vLLM's do.
+    model: str | None = None
     chat_template: str | None = None  # replaces the model's own
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, read with this parser
     reasoning_parser: str | None = None
@@ -86,6 +88,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
     return ServingSettings(
         served_model_name=config.served_model_name or first.model_info.served_model_name,
         served_model_aliases=config.served_model_aliases,
+        model_root=config.model or first.model_info.model_dir,
         max_model_len=min(d.scheduler_config["max_model_len"] for d in descriptions),
         block_size=first.block_size,
         scheduling_policy=first.scheduler_config["policy"]
@@ -93,6 +96,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         request_timeout_s=config.request_timeout_s,
         eos_token_ids=first.model_info.eos_token_ids,
         default_sampling_params=first.model_info.default_sampling_params,
+        max_logprobs=first.model_info.max_logprobs, vocab_size=first.model_info.vocab_size,
         hidden_size=first.model_info.hidden_size,
         pooling=first.model_info.pooling,
         tool_call_parser=config.tool_call_parser,

@@ -159,7 +159,8 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="vLLM extra: keep only the prompt's last k tokens (-1: max_model_len).")
     prompt_logprobs: int | None = Field(
-        None, ge=0, le=20, description="vLLM extra: each prompt token's logprob and the k best alternatives.")
+        None, ge=-1, description="vLLM extra: each prompt token's logprob and the k best alternatives (-1: all; "
+                                 "at most --max-logprobs).")
     return_tokens_as_token_ids: bool = Field(
         False, description="vLLM extra: logprobs name tokens 'token_id:N' (for tokens whose text is not valid UTF-8 "
                            "alone, and for callers that work in token ids).")
@@ -177,7 +178,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="Text or token ids.")
     echo: bool = Field(False, description="Prepend the prompt to the completion.")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Top logprobs per token.")
+    logprobs: int | None = Field(None, ge=-1, description="Top logprobs per token (-1: all; at most --max-logprobs).")
     max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt (and its logprobs) alone.")
     suffix: str | None = None
 
@@ -249,7 +250,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens.")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=-1, description="-1: all; at most --max-logprobs.")
     add_generation_prompt: bool = Field(True, description="vLLM extra.")
     continue_final_message: bool = Field(False, description="vLLM extra: the answer continues the last message "
                                                             "(needs add_generation_prompt false).")
@@ -469,7 +470,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "llm-cluster"
-    # vLLM's fields: the base model's name (or an adapter's path), and an adapter's base model.
+    # vLLM's fields: the model as the server was given it (--model; an adapter's path), and an
+    # adapter's base model.
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -65,6 +66,8 @@ from router.reasoning_parsers import START as REASONING_START
 from router.reasoning_parsers import create_reasoning_parser
 from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
 from router.tool_parsers import create_tool_call_parser
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -136,6 +139,8 @@ class ServingSettings:
     # Further names a request may use for the model (vLLM's --served-model-name a b ...); responses,
     # /v1/models' first card and the metrics carry served_model_name.
     served_model_aliases: tuple[str, ...] = ()
+    # The model as the user gave it (--model): the root of its /v1/models cards ("": the served name).
+    model_root: str = ""
     block_size: int = 16
     scheduling_policy: str = "fcfs"
     request_timeout_s: float | None = None
@@ -143,6 +148,10 @@ class ServingSettings:
     # The model's sampling defaults (its generation config, --generation-config): what a request gets for
     # the parameters it leaves unset, and max_tokens, a cap on every request's.
     default_sampling_params: dict[str, float | int] = field(default_factory=dict)
+    # The most logprobs a request may ask for per token (--max-logprobs), and the model's vocabulary
+    # (what -1, "all", means; 0: the tokenizer's).
+    max_logprobs: int = 20
+    vocab_size: int = 0
     # The model's hidden size: an embedding's values (0: unknown, not checked).
     hidden_size: int = 0
     # The engines' PoolingInfo: whether the model generates (else generation endpoints answer 400),
@@ -180,8 +189,8 @@ class ServingSettings:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
-        if self.served_model_name in self.served_model_aliases:
-            raise ValueError(f"served_model_aliases repeats the served model name {self.served_model_name!r}")
+        if len(set(self.served_names)) < len(self.served_names):
+            raise ValueError(f"served_model_name and served_model_aliases repeat a name: {list(self.served_names)}")
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -254,6 +263,7 @@ class OpenAIServing:
         # through another replica are found.
         self.lora_adapters: dict[str, LoRARequest] = {}
         self.list_loras: Callable[[], Awaitable[list[LoRARequest]]] | None = None
+        self._shadowed_loras: set[str] = set()  # (warned about once)
 
     # -- request preparation ------------------------------------------------------------------------
 
@@ -271,7 +281,14 @@ class OpenAIServing:
 
     async def refresh_loras(self) -> None:
         if self.list_loras is not None:
-            self.lora_adapters = {lora.lora_name: lora for lora in await self.list_loras()}
+            loras = {lora.lora_name: lora for lora in await self.list_loras()}
+            for name in self.settings.served_names:
+                # (An adapter loaded at runtime before a redeploy gave the model this name: the name
+                # now means the model, and the adapter cannot be reached by it.)
+                if loras.pop(name, None) is not None and name not in self._shadowed_loras:
+                    self._shadowed_loras.add(name)
+                    logger.warning("the LoRA adapter %r is not served: %r is now a name of the model", name, name)
+            self.lora_adapters = loras
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
         """Load an adapter on every engine, or on none: an engine that refuses it (a checkpoint the
@@ -536,6 +553,22 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
 
+    def resolve_logprobs(self, request: SamplingFields) -> None:
+        """vLLM's --max-logprobs: the logprobs a request asks for per token (completions' logprobs,
+        chat's top_logprobs, prompt_logprobs) at most that many, a 400 naming the field otherwise; -1
+        (all) becomes the vocabulary's size here, once, so every count below is a count."""
+        vocab = self.settings.vocab_size or len(self.tokenizer)
+        top = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
+        for name, kind in ((top, "sample"), ("prompt_logprobs", "prompt")):
+            asked = getattr(request, name)
+            if asked is None:
+                continue
+            wanted = vocab if asked == -1 else asked
+            if wanted > self.settings.max_logprobs:
+                raise bad_request(f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
+                                  f"{self.settings.max_logprobs} (the server's --max-logprobs)", name)
+            setattr(request, name, wanted)
+
     def defaulted_sampling(self, request: SamplingFields) -> dict[str, float | int]:
         """temperature, top_p, top_k, min_p and repetition_penalty: the request's where it set them
         (null counts as unset), else the model's default (its generation config), else the neutral one."""
@@ -699,6 +732,7 @@ class OpenAIServing:
         lora = await self.resolve_model(request.model)
         self.check_generates()
         _no_stream_prompt_logprobs(request)
+        self.resolve_logprobs(request)
         prompts = request.prompts()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -826,6 +860,7 @@ class OpenAIServing:
         lora = await self.resolve_model(request.model)
         self.check_generates()
         _no_stream_prompt_logprobs(request)
+        self.resolve_logprobs(request)
         tool_choice = request.tool_choice_form()
         if tool_choice == "auto" and self.settings.tool_call_parser is None:
             raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '

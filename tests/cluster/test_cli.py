@@ -7,7 +7,7 @@ from typing import get_args
 import pytest
 
 from cluster.app import router_deployment
-from cluster.cli import build_parser, cluster_config_from_args, main
+from cluster.cli import build_parser, cluster_config_from_args, main, served_models_line
 from cluster.config import ClusterConfig, EngineSpec
 from cluster.launcher import engine_actor_name
 from engine_core.config import KV_CACHE_DTYPE_NAMES, EngineConfig
@@ -387,8 +387,8 @@ def test_the_generation_config_flags_reach_every_engine_of_the_model(tmp_path):
     overrides = tmp_path / "engines.yaml"
     for override in ("{generation_config: vllm}", "{override_generation_config: {top_p: 0.5}}"):
         overrides.write_text(f"- {{}}\n- {override}\n")
-        with pytest.raises(ValueError, match="engine 1: generation_config and override_generation_config must be "
-                                             "the same on every engine"):
+        with pytest.raises(ValueError, match="engine 1: generation_config, override_generation_config and "
+                                             "max_logprobs must be the same on every engine"):
             _config("--num-engines", "2", "--engine-config", str(overrides)).engine_configs()
     with pytest.raises(SystemExit):
         _config("--override-generation-config", "[0.5]")
@@ -400,7 +400,7 @@ def test_several_served_model_names_reach_the_engines_and_the_router(tmp_path):
     models = tmp_path / "models.yaml"
     models.write_text("- {model: /models/b, served_model_name: [b, b-latest]}\n")
     config = _config("--served-model-name", "tiny", "tiny-v1", "--extra-models", str(models))
-    assert config.served_model_name == ["tiny", "tiny-v1"] and config.served_names() == [["tiny", "tiny-v1"],
+    assert config.served_model_name == ["tiny", "tiny-v1"] and config.names_per_model() == [["tiny", "tiny-v1"],
                                                                                           ["b", "b-latest"]]
     assert [e.served_model_name for e in config.engine_configs()] == ["tiny", "b"]
     first, [b] = router_deployment(config)._bound_deployment.init_args
@@ -416,3 +416,22 @@ def test_several_served_model_names_reach_the_engines_and_the_router(tmp_path):
             _config("--served-model-name", *names, "--extra-models", str(models))
     with pytest.raises(ValueError, match="the LoRA adapter name 'tiny-v1' is already a served model's"):
         _config("--served-model-name", "tiny", "tiny-v1", "--enable-lora", "--lora-modules", "tiny-v1=/a")
+    # An adapter may name its model by an alias, not another model's.
+    _config("--served-model-name", "tiny", "tiny-v1", "--enable-lora", "--lora-modules",
+            '{"name": "sql", "path": "/a", "base_model_name": "tiny-v1"}')
+    with pytest.raises(ValueError, match="names base_model_name 'b-latest' but is listed for 'tiny'"):
+        _config("--served-model-name", "tiny", "tiny-v1", "--extra-models", str(models), "--enable-lora",
+                "--lora-modules", '{"name": "sql", "path": "/a", "base_model_name": "b-latest"}')
+    assert served_models_line(config, ["tiny", "b"]) == "tiny (also tiny-v1), b (also b-latest)"
+    assert served_models_line(_config("--num-engines", "2"), ["SmolLM2-135M-Instruct"] * 2) == "SmolLM2-135M-Instruct"
+    # A model left unnamed is served under its directory's name: an alias may not take it.
+    models.write_text("- {model: /models/c, served_model_name: [c, b]}\n")
+    with pytest.raises(ValueError, match="two served models are named 'b'"):
+        _config("--model", "/models/b", "--extra-models", str(models))
+
+
+def test_max_logprobs_reaches_every_engine():
+    assert [e.max_logprobs for e in _config("--num-engines", "2", "--max-logprobs", "-1").engine_configs()] == [-1, -1]
+    assert _config().engine_configs()[0].max_logprobs == 20
+    with pytest.raises(ValueError, match="max_logprobs"):
+        _config("--max-logprobs", "-2").engine_configs()

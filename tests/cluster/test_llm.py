@@ -1010,3 +1010,31 @@ def test_a_generation_config_value_no_request_could_send_is_left_out_and_embedde
         assert embedder._model_info().default_sampling_params == {}
     finally:
         embedder.shutdown()
+
+
+def test_max_logprobs_bounds_a_requests_logprobs_and_minus_one_asks_for_the_vocabulary(tiny_model_dir):
+    """vLLM's max_logprobs (default 20): more is refused before anything runs; with -1 a request may
+    ask for every token's logprob (logprobs=-1), which agree with the top-20 ones."""
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64)
+    try:
+        for params in (SamplingParams(max_tokens=2, logprobs=21), SamplingParams(max_tokens=2, prompt_logprobs=-1)):
+            with pytest.raises(ValueError, match="which is greater than max allowed: 20"):
+                llm.generate([5, 6, 7], params, use_tqdm=False)
+        assert llm.get_stats()[0].num_free_blocks == llm.get_stats()[0].num_blocks
+    finally:
+        llm.shutdown()
+    wide = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_logprobs=-1)
+    try:
+        vocab = wide._model_info().vocab_size
+        greedy = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        [every] = wide.generate([5, 6, 7], SamplingParams(**greedy, logprobs=-1, prompt_logprobs=-1), use_tqdm=False)
+        [top] = wide.generate([5, 6, 7], SamplingParams(**greedy, logprobs=20), use_tqdm=False)
+    finally:
+        wide.shutdown()
+    assert every.outputs[0].token_ids == top.outputs[0].token_ids
+    for all_rows, top_rows in zip(every.outputs[0].logprobs, top.outputs[0].logprobs, strict=True):
+        assert len(all_rows) == vocab  # (the sampled token is one of them)
+        assert sorted(r.rank for r in all_rows.values()) == list(range(1, vocab + 1))
+        for token, logprob in top_rows.items():
+            assert all_rows[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
+    assert all(len(row) == vocab for row in every.prompt_logprobs[1:])

@@ -51,7 +51,8 @@ def test_streaming_update_from_non_resumable_request_is_none():
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
     ({"min_p": 2}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"logprobs": 100}, "logprobs"), ({"stop_token_ids": [-1]}, "stop_token_ids")])
+    ({"logprobs": -2}, "logprobs"), ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids")])
 def test_bad_sampling_params_raise_naming_the_field(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)

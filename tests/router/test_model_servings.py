@@ -3,6 +3,8 @@ tokenizer of the model it names; the list, the tokenizer endpoints and the Respo
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 from starlette.testclient import TestClient
@@ -13,7 +15,7 @@ from router.engine_client import EngineClient
 from router.model_servings import ModelServings
 from router.response_store import LocalResponseStore
 from router.routing import RoundRobinPolicy
-from router.serving import OpenAIServing, ServingSettings
+from router.serving import APIError, OpenAIServing, ServingSettings
 
 from .test_request_fields import ScriptedEngine
 from .tokenizer_factory import byte_level_tokenizer
@@ -151,7 +153,7 @@ def test_a_models_aliases_reach_it_and_responses_carry_its_first_name(num_models
     import dataclasses
 
     alpha, alpha_engine = _serving("alpha", "alpha-latest", "a")
-    alpha.settings = dataclasses.replace(alpha.settings, allow_runtime_lora_updating=True)
+    alpha.settings = dataclasses.replace(alpha.settings, allow_runtime_lora_updating=True, model_root="/models/alpha")
 
     async def load(name, path):
         alpha.lora_adapters[name] = LoRARequest(name, 9, path)
@@ -168,7 +170,7 @@ def test_a_models_aliases_reach_it_and_responses_carry_its_first_name(num_models
     assert client.responses.create(model="alpha-latest", input="Hi").model == "alpha"
     assert [m.id for m in client.models.list()] == ["alpha", "alpha-latest", "a", "beta"][:num_models + 2]
     card = client.models.retrieve("alpha-latest")
-    assert (card.id, card.root) == ("alpha-latest", "alpha")
+    assert (card.id, card.root) == ("alpha-latest", "/models/alpha")  # (the model as the server was given it)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="alpha-old", prompt="Hi")
     # An adapter may not take an alias; one loaded naming an alias as its base runs on the model.
@@ -181,5 +183,26 @@ def test_a_models_aliases_reach_it_and_responses_carry_its_first_name(num_models
 def test_an_alias_that_is_another_models_name_is_refused():
     with pytest.raises(ValueError, match="two served models are named 'beta'"):
         ModelServings([_serving("alpha", "beta")[0], _serving("beta")[0]])
-    with pytest.raises(ValueError, match="repeats the served model name"):
-        _serving("alpha", "alpha")
+    for aliases in (("alpha",), ("a", "a")):
+        with pytest.raises(ValueError, match="repeat a name"):
+            _serving("alpha", *aliases)
+
+
+def test_an_adapter_never_takes_a_models_alias_and_one_an_alias_shadows_is_not_served(caplog):
+    """The serving's own check (each replica's, whatever the app's): a runtime load may not take an
+    alias; an adapter loaded before a redeploy gave the model its name is no longer reachable by it."""
+    alpha, _ = _serving("alpha", "alpha-latest")
+    on_engines = [LoRARequest("alpha-latest", 3, "/adapters/old"), LoRARequest("sql", 4, "/adapters/sql")]
+
+    async def engines_adapters() -> list[LoRARequest]:
+        return list(on_engines)
+
+    alpha.list_loras = engines_adapters
+
+    async def run() -> None:
+        with pytest.raises(APIError, match="has already been loaded"):
+            await alpha.load_lora_adapter("alpha-latest", "/adapters/new")
+        assert list(alpha.lora_adapters) == ["sql"] and "is not served" in caplog.text
+        assert await alpha.resolve_model("alpha-latest") is None  # the model itself
+
+    asyncio.run(run())

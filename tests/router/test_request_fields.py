@@ -533,10 +533,10 @@ def test_prompt_tokens_details_report_the_prefix_cache_hits_when_enabled():
 MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
 
 
-def _chat_app(defaults: dict | None = None) -> tuple[TestClient, ScriptedEngine]:
+def _chat_app(defaults: dict | None = None, **settings) -> tuple[TestClient, ScriptedEngine]:
     tokenizer = byte_level_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    return _app(tokenizer=tokenizer, settings={"default_sampling_params": defaults or {}})
+    return _app(tokenizer=tokenizer, settings={"default_sampling_params": defaults or {}, **settings})
 
 
 def _sampled(params: SamplingParams) -> dict[str, float]:
@@ -598,3 +598,34 @@ def test_the_generation_configs_max_new_tokens_caps_max_tokens():
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 10, "min_tokens": 8})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     assert "largest max_tokens, 5 (its generation config's max_new_tokens)" in r.json()["error"]["message"]
+
+
+def test_logprobs_are_bounded_by_the_servers_max_logprobs():
+    """vLLM's --max-logprobs (default 20): more is a 400 naming the field; -1 asks for the whole
+    vocabulary, which the engine then receives as a count."""
+    vocab = len(TOKENIZER)
+
+    def sent(http, engine, path: str, **fields):
+        body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": MESSAGES}
+        r = http.post(path, json={"model": "tiny", **body, "max_tokens": 2, **fields})
+        return r, (engine.requests[-1].sampling_params if r.status_code == 200 else None)
+
+    http, engine = _chat_app()
+    r, params = sent(http, engine, "/v1/completions", logprobs=20, prompt_logprobs=20)
+    assert r.status_code == 200 and (params.logprobs, params.prompt_logprobs) == (20, 20)
+    for path, fields, param in (("/v1/completions", {"logprobs": 21}, "logprobs"),
+                                ("/v1/completions", {"logprobs": -1}, "logprobs"),
+                                ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+                                ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                                ("/v1/chat/completions", {"prompt_logprobs": -1}, "prompt_logprobs")):
+        r, _ = sent(http, engine, path, **fields)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+        assert "which is greater than max allowed: 20" in r.json()["error"]["message"]
+    assert sent(http, engine, "/v1/completions", logprobs=-2)[0].status_code == 400
+    # A server that allows the whole vocabulary (--max-logprobs -1 arrives as the vocabulary's size).
+    http, engine = _chat_app(max_logprobs=vocab, vocab_size=vocab)
+    r, params = sent(http, engine, "/v1/completions", logprobs=-1, echo=True)
+    assert r.status_code == 200 and params.logprobs == vocab
+    r, params = sent(http, engine, "/v1/chat/completions", logprobs=True, top_logprobs=-1, prompt_logprobs=30)
+    assert r.status_code == 200 and (params.logprobs, params.prompt_logprobs) == (vocab, 30)
+    assert sent(http, engine, "/v1/completions", logprobs=vocab + 1)[0].status_code == 400

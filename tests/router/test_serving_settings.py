@@ -19,9 +19,10 @@ def test_the_models_facts_come_from_the_engines_and_the_names_from_the_flags():
     defaults = {"temperature": 0.7, "top_k": 20, "max_tokens": 512}
     engines = [_description(0, 256, defaults=defaults), _description(1, 128, defaults=defaults)]
     config = RouterConfig(engine_actor_names=["e0", "e1"], namespace="ns", served_model_name="qwen",
-                          served_model_aliases=("qwen-latest",), stream_interval=3)
+                          served_model_aliases=("qwen-latest",), model="/models/Qwen3", stream_interval=3)
     settings = serving_settings(config, engines)
     assert (settings.served_model_name, settings.served_names) == ("qwen", ("qwen", "qwen-latest"))
+    assert settings.model_root == "/models/Qwen3"  # (the model as given: /v1/models' root)
     assert settings.default_sampling_params == defaults  # (the generation config the engines read)
     assert (settings.max_model_len, settings.block_size, settings.eos_token_ids, settings.hidden_size) == (
         128, 32, (2, 7), 64)
@@ -30,6 +31,7 @@ def test_the_models_facts_come_from_the_engines_and_the_names_from_the_flags():
     mixed = [_description(0, policy="priority"), _description(1, sleep=False)]
     plain = serving_settings(RouterConfig(engine_actor_names=["e0", "e1"], namespace="ns"), mixed)
     assert (plain.served_names, plain.default_sampling_params) == (("/models/qwen",), {})
+    assert plain.model_root == "/models/qwen"  # (the engines' model directory)
     assert (plain.scheduling_policy, plain.enable_sleep_mode) == ("fcfs", False)
     assert serving_settings(RouterConfig(engine_actor_names=["e0"], namespace="ns"),
                             [_description(0, policy="priority")]).scheduling_policy == "priority"
