@@ -25,6 +25,7 @@ from cluster.launcher import (
 )
 from router.deployment import METRICS_HUB_NAME, OpenAIRouter, RouterConfig
 from router.response_store import RESPONSE_STORE_NAME
+from router.serving import CORSSettings
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,10 @@ def router_deployment(config: ClusterConfig):
         stream_interval=config.stream_interval,
         responses_store_max_entries=config.responses_store_max_entries,
         enable_server_load_tracking=config.enable_server_load_tracking,
-        enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint)
+        enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
+        cors=CORSSettings(tuple(config.allowed_origins), tuple(config.allowed_methods),
+                          tuple(config.allowed_headers), config.allow_credentials),
+        enable_request_id_headers=config.enable_request_id_headers)
     # Further models: the same router settings, their own engines, names, template, parsers and
     # adapters.
     more_models = [dataclasses.replace(

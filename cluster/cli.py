@@ -58,6 +58,16 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _json_string_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError('expected a JSON list of strings, e.g. \'["https://app.example.com"]\'')
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="Enable GET /tokenizer_info (?model=): the tokenizer's class, configuration and "
                             "chat template. It may expose a chat template you keep private.")
+    serve.add_argument("--allowed-origins", type=_json_string_list, default=["*"],
+                       help='Origins browsers may call the API from (JSON list, as vLLM; default ["*"]).')
+    serve.add_argument("--allowed-methods", type=_json_string_list, default=["*"],
+                       help='HTTP methods allowed across origins (JSON list; default ["*"]).')
+    serve.add_argument("--allowed-headers", type=_json_string_list, default=["*"],
+                       help='Request headers allowed across origins (JSON list; default ["*"]).')
+    serve.add_argument("--allow-credentials", action="store_true", help="Allow credentials across origins.")
+    serve.add_argument("--enable-request-id-headers", action="store_true",
+                       help="Answer every request with an X-Request-Id header: the one it came with, or a new one.")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="Run a request's own chat_template (chat, the pooling endpoints' messages, "
                             "/tokenize); without it such a request is a 400.")
@@ -240,6 +259,9 @@ def cluster_config_from_args(args: argparse.Namespace):
         responses_store_max_entries=args.responses_store_max_entries,
         enable_server_load_tracking=args.enable_server_load_tracking,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+        enable_request_id_headers=args.enable_request_id_headers,
         models=_extra_models(args.extra_models) if args.extra_models else [])
 
 

@@ -290,6 +290,15 @@ class ClusterConfig(LoRASettings):
                            "else 0).")
     enable_tokenizer_info_endpoint: bool = Field(
         False, description="Enable GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's).")
+    # CORS, as vLLM's flags (open by default, as vLLM's): what browsers on other origins may call.
+    allowed_origins: list[str] = Field(["*"], description="Origins browsers may call from (--allowed-origins).")
+    allowed_methods: list[str] = Field(["*"], description="Methods allowed across origins (--allowed-methods).")
+    allowed_headers: list[str] = Field(["*"], description="Request headers allowed across origins "
+                                                          "(--allowed-headers).")
+    allow_credentials: bool = Field(False, description="Allow credentials across origins (--allow-credentials).")
+    enable_request_id_headers: bool = Field(
+        False, description="Answer every request with an X-Request-Id header: the request's own, or a new one "
+                           "(vLLM's --enable-request-id-headers).")
     responses_store_max_entries: int = Field(10_000, ge=1, description="Most responses kept (least recently "
                                                                         "used forgotten first).")
     models: list[ServedModel] = Field(

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_core.outputs import LoRARequest
@@ -47,6 +48,7 @@ from router.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from router.request_id_header import RequestIdHeader
 from router.request_timeline import RequestTimeline, current_timeline
 from router.response_store import UNFINISHED
 from router.responses import ResponsesRequest, ResponsesServing
@@ -477,6 +479,13 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     if metrics is not None:
         app.add_middleware(ResponseCounter, metrics=metrics,
                            endpoints={route.path for route in app.routes if hasattr(route, "path")})
+    if serving.settings.enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
+    # Outermost, as vLLM's: preflights are answered here, and every answer (a 401 too) carries the
+    # CORS headers a browser on another origin needs.
+    cors = serving.settings.cors
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allow_origins), allow_methods=list(cors.allow_methods),
+                       allow_headers=list(cors.allow_headers), allow_credentials=cors.allow_credentials)
     return app
 
 

@@ -23,7 +23,7 @@ from router.engine_client import EngineClient
 from router.metrics import RouterMetrics, merge_expositions
 from router.response_store import ActorResponseStore
 from router.routing import create_routing_policy
-from router.serving import OpenAIServing, ServingSettings
+from router.serving import CORSSettings, OpenAIServing, ServingSettings
 
 if TYPE_CHECKING:
     from engine_core.engine_actor import EngineDescription
@@ -68,6 +68,9 @@ class RouterConfig:
     # GET /load counts this replica's requests in progress; GET /tokenizer_info exists (vLLM's flags).
     enable_server_load_tracking: bool = False
     enable_tokenizer_info_endpoint: bool = False
+    # CORS (--allowed-origins, ...) and --enable-request-id-headers: the app's, taken from the first model.
+    cors: CORSSettings = field(default_factory=CORSSettings)
+    enable_request_id_headers: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -109,6 +112,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         enable_sleep_mode=all(d.enable_sleep_mode for d in descriptions),
         enable_server_load_tracking=config.enable_server_load_tracking,
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
+        cors=config.cors, enable_request_id_headers=config.enable_request_id_headers,
     )
 
 

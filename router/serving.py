@@ -132,6 +132,17 @@ def chat_request_from(body: dict[str, Any], param_names: dict[str, str], default
 DEFAULTED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+@dataclass(frozen=True)
+class CORSSettings:
+    """Which browsers on other origins may call the API (vLLM's --allowed-origins, --allowed-methods,
+    --allowed-headers, --allow-credentials; open by default, as vLLM's)."""
+
+    allow_origins: tuple[str, ...] = ("*",)
+    allow_methods: tuple[str, ...] = ("*",)
+    allow_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 @dataclass
 class ServingSettings:
     served_model_name: str
@@ -185,6 +196,9 @@ class ServingSettings:
     enable_server_load_tracking: bool = False
     # --enable-tokenizer-info-endpoint (vLLM's): GET /tokenizer_info exists.
     enable_tokenizer_info_endpoint: bool = False
+    # CORS, and --enable-request-id-headers (vLLM's): every answer carries X-Request-Id.
+    cors: CORSSettings = field(default_factory=CORSSettings)
+    enable_request_id_headers: bool = False
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:

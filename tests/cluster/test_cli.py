@@ -435,3 +435,19 @@ def test_max_logprobs_reaches_every_engine():
     assert _config().engine_configs()[0].max_logprobs == 20
     with pytest.raises(ValueError, match="max_logprobs"):
         _config("--max-logprobs", "-2").engine_configs()
+
+
+def test_cors_and_request_id_flags_reach_the_router():
+    from router.serving import CORSSettings
+
+    def router(*flags):
+        return router_deployment(_config(*flags))._bound_deployment.init_args[0]
+
+    default = router()
+    assert default.cors == CORSSettings() and default.enable_request_id_headers is False
+    chosen = router("--allowed-origins", '["https://ui.example.com"]', "--allowed-methods", '["GET", "POST"]',
+                    "--allowed-headers", '["content-type"]', "--allow-credentials", "--enable-request-id-headers")
+    assert chosen.cors == CORSSettings(("https://ui.example.com",), ("GET", "POST"), ("content-type",), True)
+    assert chosen.enable_request_id_headers is True
+    with pytest.raises(SystemExit):
+        _config("--allowed-origins", "https://ui.example.com")  # (a JSON list, as vLLM takes it)
