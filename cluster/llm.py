@@ -6,6 +6,7 @@ several engines or TP > 1 run as Ray engine actors, and prompts are spread acros
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -547,6 +548,12 @@ class LLM:
         outside = sorted({t for t in params.token_ids_in_use() if t >= vocab})
         if outside:
             raise ValueError(f"sampling parameters name token ids outside the vocabulary [0, {vocab}): {outside[:8]}")
+        info = self._model_info()
+        for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            wanted = info.vocab_size if asked == -1 else asked
+            if wanted is not None and wanted > info.max_logprobs:  # (the engines refuse it too, mid-batch)
+                raise ValueError(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: "
+                                 f"{info.max_logprobs} (max_logprobs)")
         return params
 
     def _load_lora(self, lora: LoRARequest) -> None:
@@ -673,14 +680,25 @@ class LLM:
         # Spread prompts across engines, in order (results keep the prompts' order regardless).
         for i, request in enumerate(requests):
             pending[request.request_id].engine = i % len(handles)
-        ray.get([handles[pending[r.request_id].engine].add_request.remote(r) for r in requests])
-        remaining = len(requests)
-        while remaining:
-            outs = ray.get([h.get_output.remote(0, 0.5) for h in handles])
-            finished, stopped = self._apply(outs, pending, bar)
-            remaining -= finished
-            for rid in stopped:  # a stop string ended them: the engines stop too
-                handles[pending[rid].engine].abort_requests.remote([rid])
+        try:
+            # (Each admission is awaited, so a refused request raises here: the others are aborted below.)
+            ray.get([handles[pending[r.request_id].engine].add_request.remote(r) for r in requests])
+            remaining = len(requests)
+            while remaining:
+                outs = ray.get([h.get_output.remote(0, 0.5) for h in handles])
+                finished, stopped = self._apply(outs, pending, bar)
+                remaining -= finished
+                for rid in stopped:  # a stop string ended them: the engines stop too
+                    handles[pending[rid].engine].abort_requests.remote([rid])
+        except BaseException:
+            # Ctrl-C or an error: nothing of this call stays in the engines (nor its KV blocks).
+            unfinished = [rid for rid, p in pending.items() if not p.done]
+            for i, handle in enumerate(handles):
+                ids = [rid for rid in unfinished if pending[rid].engine == i]
+                if ids:
+                    with contextlib.suppress(Exception):
+                        ray.get(handle.abort_requests.remote(ids), timeout=30)
+            raise
 
     @staticmethod
     def _apply(outputs: Any, pending: dict[str, _Pending], bar: tqdm) -> tuple[int, list[str]]:

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from engine_core.engine_core import RequestRefusedError
 from engine_core.lora import LoRANotLoadedError
-from engine_core.outputs import EngineCoreOutputs, EngineCoreRequest
+from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from engine_core.request import FinishReason
 
 if TYPE_CHECKING:
     from engine_core.engine_actor import EngineCoreService
@@ -65,6 +67,9 @@ class Accepted(msgspec.Struct, tag="accepted"):
     overloaded: bool = False
     # True when refused because the request names a LoRA adapter the engine does not hold (HTTP 404).
     unknown_model: bool = False
+    # True when refused for what it asks, which this engine's model or flags cannot serve (HTTP 400):
+    # the engine itself is fine.
+    refused: bool = False
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
@@ -89,6 +94,29 @@ _engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
 def encode_frame(message: ClientMessage | EngineMessage) -> bytes:
     payload = _encoder.encode(message)
     return _LENGTH.pack(len(payload)) + payload
+
+
+def output_frames(outputs: EngineCoreOutputs) -> list[bytes]:
+    """The frames carrying ``outputs``: one, unless it would be larger than a frame may be (requests
+    asking for thousands of logprobs per token, from many steps merged while the socket drained).
+    Then its outputs are split, in order, over several frames, the finished ids and cache events with
+    the last. A single output too large for any frame (which admission should have prevented) is
+    replaced by an error finishing its request, so the channel and the other requests live on."""
+    payload = _encoder.encode(Outputs(outputs))
+    if len(payload) <= MAX_FRAME_BYTES:
+        return [_LENGTH.pack(len(payload)) + payload]
+    if len(outputs.outputs) <= 1:
+        failed = [EngineCoreOutput(o.request_id, [], FinishReason.ERROR,
+                                   f"its output ({len(payload)} bytes, its logprobs mostly) is larger than one answer "
+                                   f"may be ({MAX_FRAME_BYTES} bytes): ask for fewer logprobs")
+                  for o in outputs.outputs]
+        logger.warning("an output of %d bytes exceeds the frame limit: its request fails", len(payload))
+        return output_frames(msgspec.structs.replace(outputs, outputs=failed))
+    half = len(outputs.outputs) // 2
+    first = EngineCoreOutputs(outputs=outputs.outputs[:half], engine_index=outputs.engine_index,
+                              timestamp=outputs.timestamp)
+    rest = msgspec.structs.replace(outputs, outputs=outputs.outputs[half:])
+    return output_frames(first) + output_frames(rest)
 
 
 async def read_payload(reader: asyncio.StreamReader) -> bytes:
@@ -174,6 +202,8 @@ class ChannelServer:
             return Accepted(request.request_id, str(e), overloaded=True)
         except LoRANotLoadedError as e:
             return Accepted(request.request_id, str(e), unknown_model=True)
+        except RequestRefusedError as e:
+            return Accepted(request.request_id, str(e), refused=True)
         except Exception as e:
             return Accepted(request.request_id, f"{type(e).__name__}: {e}")
         return Accepted(request.request_id)
@@ -186,7 +216,8 @@ class ChannelServer:
                 for output in outputs.outputs:
                     if output.finish_reason is not None:
                         unfinished.discard(output.request_id)
-                writer.write(encode_frame(Outputs(outputs)))
+                for frame in output_frames(outputs):
+                    writer.write(frame)
                 # While the socket drains, the next steps' outputs pile up and leave as one frame.
                 await writer.drain()
         except ConnectionError:

@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 _EMPTY_MODEL_OUTPUT = ModelRunnerOutput([], {}, [])
 
 
+# The most prompt logprobs (alternatives and scored tokens) one request may ask for: they travel as one
+# output, which must fit a request-channel frame (256 MiB; about 14 bytes a value).
+MAX_PROMPT_LOGPROB_VALUES = 8 * 1024 * 1024
+
+
 class RequestRefusedError(ValueError):
     """A request this engine's model cannot serve as asked: generation of an embedding-only model
     (runner pooling), token types for a model without them, a streaming session on an encoder."""
@@ -233,10 +238,20 @@ class EngineCore:
         if request.resumable and self.model_info.encoder_only:
             raise RequestRefusedError(f"{name} is an encoder: its prompts run whole in one pass, so it serves no "
                                       "streaming session (resumable request)")
+        # (A request's prompt logprobs go out as one answer: a vocabulary of alternatives per prompt token
+        # would not fit one frame of the request channel.)
+        if params.prompt_logprobs is not None:
+            per_token = self.model_info.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+            values = (per_token + 1) * (len(request.prompt_token_ids) - 1)
+            if values > MAX_PROMPT_LOGPROB_VALUES:
+                raise RequestRefusedError(f"prompt_logprobs of {per_token} over a prompt of "
+                                          f"{len(request.prompt_token_ids)} tokens is {values} values, more than one "
+                                          f"answer may carry ({MAX_PROMPT_LOGPROB_VALUES}): ask for fewer")
         allowed = self.model_info.max_logprobs
         for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
-            if asked is not None and (self.model_info.vocab_size if asked == -1 else asked) > allowed:
-                raise RequestRefusedError(f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
+            wanted = self.model_info.vocab_size if asked == -1 else asked
+            if wanted is not None and wanted > allowed:  # (as vLLM words it: -1 counted as the vocabulary)
+                raise RequestRefusedError(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: "
                                           f"{allowed} (--max-logprobs)")
 
     def add_request(self, request: EngineCoreRequest) -> Request | None:

@@ -486,17 +486,30 @@ class ModelRunner:
             targets.extend(state.token_ids[start + 1:end + 1])
             spans.append((state, count))
         values = top_values = top_tokens = ranks = None
-        logits = (self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
-                  if rows else None)
-        if logits is not None:  # (None on TP ranks other than 0, which only keep their states in step)
+        wanted = [state.sampling_params.prompt_logprobs or 0 for state, count in spans for _ in range(count)]
+        # In slices of as many rows as a pass samples (what the memory profile measured): a long
+        # prompt's rows at once, each with a vocabulary of logits (and of alternatives, for -1), could
+        # need more memory than the KV cache left free.
+        step = max(1, self.max_num_seqs * (1 + self.num_spec_tokens))
+        for at in range(0, len(rows), step):
+            index = torch.tensor(rows[at:at + step], device=hidden.device)
+            # (Every TP rank runs each slice's head, a collective; only rank 0 gets the logits, the
+            # others keep their request states in step.)
+            logits = self.model.compute_logits(hidden.index_select(0, index))
+            if logits is None:
+                continue
             logprobs = torch.log_softmax(logits.float(), dim=-1)
-            target_lp = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1)
-            ranks = ((logprobs > target_lp.unsqueeze(1)).sum(dim=1) + 1).tolist()
-            k = min(max(s.sampling_params.prompt_logprobs or 0 for s, _ in spans), logprobs.shape[-1])
+            target_lp = logprobs.gather(1, torch.tensor(targets[at:at + step], device=logprobs.device).unsqueeze(1)
+                                        ).squeeze(1)
+            k = min(max(wanted[at:at + step]), logprobs.shape[-1])
             top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-            values = target_lp.tolist()
-            top_values = top_lp.tolist() if top_lp is not None else None
-            top_tokens = top_ids.tolist() if top_ids is not None else None
+            part_ids, part_lp = _top_rows(top_ids, top_lp, wanted[at:at + step])
+            if values is None:
+                values, ranks, top_tokens, top_values = [], [], [], []
+            values += target_lp.tolist()
+            ranks += ((logprobs > target_lp.unsqueeze(1)).sum(dim=1) + 1).tolist()
+            top_tokens += part_ids if part_ids is not None else [[] for _ in range(len(index))]
+            top_values += part_lp if part_lp is not None else [[] for _ in range(len(index))]
         done: dict[str, LogprobsEntry] = {}
         row = 0
         for state, count in spans:
@@ -552,8 +565,8 @@ class ModelRunner:
                              torch.tensor([t for j in wanted for t in tokens[j]], device=device),
                              md.max_num_logprobs)
         values, ranks = out.sampled_logprobs.tolist(), out.sampled_ranks.tolist()
-        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        top_ids, top_lp = _top_rows(out.top_token_ids, out.top_logprobs,
+                                    [sample_states[j].sampling_params.logprobs for j in wanted for _ in tokens[j]])
         entries: list[LogprobsEntry | None] = [None] * len(states)
         at = 0
         for j in wanted:
@@ -764,8 +777,7 @@ class ModelRunner:
             return None
         entries: list[LogprobsEntry | None] = [None] * num_reqs
         sampled_lp = out.sampled_logprobs.tolist()
-        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        top_ids, top_lp = _top_rows(out.top_token_ids, out.top_logprobs, [s.sampling_params.logprobs for s in states])
         ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None
         for j, (row, state) in enumerate(zip(sample_rows, states, strict=True)):
             n = state.sampling_params.logprobs
@@ -775,6 +787,28 @@ class ModelRunner:
             entries[row] = LogprobsEntry(sampled_logprobs=[sampled_lp[j]], top_logprobs=[top],
                                          ranks=[ranks[j]] if ranks is not None else None)
         return entries
+
+
+# Up to this many alternatives per row, a pass's best-token tensors become Python lists whole (one
+# call); beyond it (a request asked for the vocabulary) each row is cut to what its request asked for
+# first, so the others' rows are not turned into Python objects.
+_WHOLE_TOLIST_MAX_K = 64
+
+
+def _top_rows(top_ids: torch.Tensor | None, top_lp: torch.Tensor | None, wanted: list[int | None]
+              ) -> tuple[list[list[int]] | None, list[list[float]] | None]:
+    """Each row's best tokens and their logprobs as lists, at least ``wanted[j]`` of them (rows that
+    want none: empty)."""
+    if top_ids is None or top_lp is None:
+        return None, None
+    if top_ids.shape[-1] <= _WHOLE_TOLIST_MAX_K:
+        return top_ids.tolist(), top_lp.tolist()
+    ids: list[list[int]] = []
+    lps: list[list[float]] = []
+    for j, n in enumerate(wanted):
+        ids.append(top_ids[j, :n].tolist() if n else [])
+        lps.append(top_lp[j, :n].tolist() if n else [])
+    return ids, lps
 
 
 def bad_word_completions(bad_words: list[list[int]], token_ids: list[int], num_output_tokens: int) -> list[int]:

@@ -38,6 +38,11 @@ class UnknownModelError(LookupError):
     """The engine does not hold the LoRA adapter the request names."""
 
 
+class RequestRefusedByEngineError(ValueError):
+    """The engine cannot serve what the request asks (its model or flags do not allow it); the
+    engine stays healthy."""
+
+
 class EngineOverloadedError(RuntimeError):
     pass
 
@@ -241,6 +246,8 @@ class EngineClient:
                 raise EngineOverloadedError(accepted.error)
             if accepted.unknown_model:  # the request's fault, not the engine's: it stays healthy
                 raise UnknownModelError(accepted.error)
+            if accepted.refused:
+                raise RequestRefusedByEngineError(accepted.error)
             # It refuses everything for now (e.g. its workers are restarting): route elsewhere until
             # its health check passes again.
             error = EngineUnavailableError(f"engine {engine} refused the request: {accepted.error}")

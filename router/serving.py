@@ -32,6 +32,7 @@ from router.engine_client import (
     EngineClient,
     EngineOverloadedError,
     EngineUnavailableError,
+    RequestRefusedByEngineError,
     RequestStream,
     RequestTimeoutError,
     UnknownModelError,
@@ -278,6 +279,7 @@ class OpenAIServing:
         self.lora_adapters: dict[str, LoRARequest] = {}
         self.list_loras: Callable[[], Awaitable[list[LoRARequest]]] | None = None
         self._shadowed_loras: set[str] = set()  # (warned about once)
+        self._token_texts: dict[int, str] = {}  # (at most one entry per token of the vocabulary)
 
     # -- request preparation ------------------------------------------------------------------------
 
@@ -579,7 +581,7 @@ class OpenAIServing:
                 continue
             wanted = vocab if asked == -1 else asked
             if wanted > self.settings.max_logprobs:
-                raise bad_request(f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
+                raise bad_request(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: "
                                   f"{self.settings.max_logprobs} (the server's --max-logprobs)", name)
             setattr(request, name, wanted)
 
@@ -664,6 +666,8 @@ class OpenAIServing:
                     await stream.close()
                 if isinstance(e, EngineOverloadedError | EngineUnavailableError):
                     raise _engine_refusal(e) from e
+                if isinstance(e, RequestRefusedByEngineError):  # (checked here first, where it can be)
+                    raise bad_request(str(e)) from e
                 if isinstance(e, UnknownModelError) and lora is not None:
                     if attempt:
                         raise unknown_model(lora.lora_name) from e
@@ -1096,7 +1100,12 @@ class OpenAIServing:
         return APIError(408, f"request timed out after {self.settings.request_timeout_s} s", "TimeoutError")
 
     def _token_text(self, token_id: int) -> str:
-        return self._decode([token_id], False)
+        """One token's text (logprobs name their tokens by it), decoded once per token id: a request
+        may ask for every token of the vocabulary at each position."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._decode([token_id], False)
+        return text
 
     def _token_label(self, as_ids: bool):
         """How logprobs name tokens: their text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""

@@ -1038,3 +1038,30 @@ def test_max_logprobs_bounds_a_requests_logprobs_and_minus_one_asks_for_the_voca
         for token, logprob in top_rows.items():
             assert all_rows[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
     assert all(len(row) == vocab for row in every.prompt_logprobs[1:])
+
+
+def test_prompt_logprobs_are_the_same_scored_a_few_rows_at_a_time(tiny_model_dir, monkeypatch):
+    """A long prompt's logprobs are scored in slices of max_num_seqs rows (what the memory profile
+    covers): the same values as in one go. Prompt logprobs beyond what one answer may carry are
+    refused before anything runs."""
+    import engine_core.engine_core as engine_core
+
+    prompt = list(range(5, 45))
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=5)
+    answers = []
+    for max_num_seqs in (256, 3):
+        llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_num_seqs=max_num_seqs)
+        try:
+            answers.append(llm.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs)
+            if max_num_seqs == 3:
+                monkeypatch.setattr(engine_core, "MAX_PROMPT_LOGPROB_VALUES", 6 * 38)
+                with pytest.raises(ValueError, match="prompt_logprobs of 5 over a prompt of 40 tokens is 234 values"):
+                    llm.generate(prompt, params, use_tqdm=False)
+                assert llm.get_stats()[0].num_free_blocks == llm.get_stats()[0].num_blocks
+        finally:
+            llm.shutdown()
+    whole, sliced = answers
+    assert len(whole) == len(prompt) and whole[0] is None
+    for a, b in zip(whole[1:], sliced[1:], strict=True):
+        assert a.keys() == b.keys() and len(a) >= 5
+        assert all(a[t].rank == b[t].rank and a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) for t in a)

@@ -89,6 +89,33 @@ def test_frames_round_trip():
     assert isinstance(decoded, Outputs) and decoded.outputs.outputs == outputs.outputs
 
 
+def test_outputs_too_large_for_one_frame_are_split_in_order(monkeypatch):
+    """Requests asking for thousands of logprobs per token, merged over steps: the outputs go out over
+    several frames, in order, the finished ids and cache events with the last; an output too large
+    for any frame fails its own request only."""
+    import engine_core.channel as channel
+
+    def output(rid: str, width: int) -> EngineCoreOutput:
+        return EngineCoreOutput(rid, [5], None, None, LogprobsEntry([-0.5], [[(t, -1.0) for t in range(width)]]))
+
+    outputs = EngineCoreOutputs(outputs=[output(f"r{i}", 100) for i in range(6)], finished_requests={"r0"},
+                                engine_index=3, kv_events=[(1, [b"h"])])
+    whole = channel.output_frames(outputs)
+    assert len(whole) == 1 and decode_engine_message(whole[0][4:]).outputs == outputs
+    monkeypatch.setattr(channel, "MAX_FRAME_BYTES", len(whole[0]) // 3)
+    parts = [decode_engine_message(frame[4:]).outputs for frame in channel.output_frames(outputs)]
+    assert len(parts) > 1 and all(len(f) - 4 <= len(whole[0]) // 3 for f in channel.output_frames(outputs))
+    assert [o for part in parts for o in part.outputs] == outputs.outputs
+    assert [p.finished_requests for p in parts] == [None] * (len(parts) - 1) + [{"r0"}]
+    assert [p.kv_events for p in parts][-1] == [(1, [b"h"])] and {p.engine_index for p in parts} == {3}
+    # One output alone beyond the limit: its request fails, the others go out.
+    huge = EngineCoreOutputs(outputs=[output("a", 10), output("big", 2000), output("b", 10)], engine_index=3)
+    sent = [o for frame in channel.output_frames(huge) for o in decode_engine_message(frame[4:]).outputs.outputs]
+    assert [o.request_id for o in sent] == ["a", "big", "b"]
+    assert sent[0] == huge.outputs[0] and sent[2] == huge.outputs[2]
+    assert sent[1].finish_reason == FinishReason.ERROR and "ask for fewer logprobs" in sent[1].stop_reason
+
+
 def test_requests_in_outputs_pushed_out(engine):
     address = _address(engine)
     assert address.host == "127.0.0.1" and address.port > 0 and len(address.token) == 32
@@ -105,6 +132,35 @@ def test_requests_in_outputs_pushed_out(engine):
     tokens, accepted = asyncio.run(run())
     assert accepted == {"a": Accepted("a"), "b": Accepted("b")}
     assert len(tokens["a"]) == len(tokens["b"]) == 12 and tokens["a"] == tokens["b"]  # greedy, same prompt
+    _idle_stats(engine)
+
+
+def test_a_request_the_engine_cannot_serve_is_refused_as_such(engine):
+    """More logprobs than the engine's max_logprobs (20 by default): refused, flagged as the request's
+    fault (the router's 400), with the resolved count for -1 as vLLM reports it."""
+    address = _address(engine)
+
+    async def run():
+        conn = await ChannelConnection.open(address, CLIENT)
+        try:
+            for rid, params in (("many", SamplingParams(max_tokens=2, logprobs=21)),
+                                ("all", SamplingParams(max_tokens=2, prompt_logprobs=-1))):
+                conn.send(AddRequest(EngineCoreRequest(request_id=rid, prompt_token_ids=[3, 4], client_index=CLIENT,
+                                                       sampling_params=params)))
+            answers = {}
+            async with asyncio.timeout(30):
+                while len(answers) < 2:
+                    message = await conn.receive()
+                    if isinstance(message, Accepted):
+                        answers[message.request_id] = message
+            return answers
+        finally:
+            conn.close()
+
+    answers = asyncio.run(run())
+    assert all(a.refused and not a.overloaded for a in answers.values())
+    assert "sample logprobs of 21, which is greater than max allowed: 20" in answers["many"].error
+    assert "prompt logprobs of 384, which is greater than max allowed: 20" in answers["all"].error  # (the vocab)
     _idle_stats(engine)
 
 

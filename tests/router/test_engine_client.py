@@ -14,6 +14,7 @@ from router.engine_client import (
     EngineClient,
     EngineUnavailableError,
     OutputQueue,
+    RequestRefusedByEngineError,
     RequestStream,
     RequestTimeoutError,
 )
@@ -177,6 +178,25 @@ def test_an_engine_that_refuses_requests_is_taken_out_of_routing():
             await opening
         assert client.healthy() == [False] and client.loads() == [0]
         slot.prober.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_request_the_engine_cannot_serve_is_refused_and_the_engine_stays_in_routing():
+    """Refused for what it asks (e.g. more logprobs than the engine's --max-logprobs), not because the
+    engine is down: the caller learns why (a 400 in the router), and the engine keeps its traffic."""
+    async def run():
+        client = EngineClient([object()], client_index=1)
+        slot = client._slots[0]
+        slot.channel = _Channel()
+        opening = asyncio.create_task(client.add_request(0, EngineCoreRequest(
+            request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(logprobs=30), client_index=1)))
+        await asyncio.sleep(0)
+        client._on_message(slot, Accepted("r", "Requested sample logprobs of 30, which is greater than max "
+                                               "allowed: 20", refused=True))
+        with pytest.raises(RequestRefusedByEngineError, match="greater than max allowed"):
+            await opening
+        assert client.healthy() == [True] and client.loads() == [0] and not slot.pending
 
     asyncio.run(run())
 

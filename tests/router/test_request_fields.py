@@ -629,3 +629,22 @@ def test_logprobs_are_bounded_by_the_servers_max_logprobs():
     r, params = sent(http, engine, "/v1/chat/completions", logprobs=True, top_logprobs=-1, prompt_logprobs=30)
     assert r.status_code == 200 and (params.logprobs, params.prompt_logprobs) == (vocab, 30)
     assert sent(http, engine, "/v1/completions", logprobs=vocab + 1)[0].status_code == 400
+
+
+def test_a_request_the_engine_refuses_is_a_400_and_the_engine_keeps_serving():
+    """When the engine refuses what a request asks (its flags differ from what the router knew, say),
+    the client gets the engine's reason as a 400, and the engine stays in routing."""
+    from engine_core.channel import Accepted
+
+    http, engine = _chat_app()
+
+    def refuse(request: EngineCoreRequest) -> None:
+        engine.client._on_message(engine.client._slots[0], Accepted(
+            request.request_id, "Requested sample logprobs of 5, which is greater than max allowed: 4", refused=True))
+
+    answer, engine._answer = engine._answer, refuse
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 5})
+    assert r.status_code == 400 and "greater than max allowed: 4" in r.json()["error"]["message"]
+    assert engine.client.healthy() == [True]
+    engine._answer = answer
+    assert http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200

@@ -10,7 +10,8 @@ from router.deployment import RouterConfig, serving_settings
 def _description(index: int, max_model_len: int = 256, policy: str = "fcfs", sleep: bool = True,
                  defaults: dict | None = None) -> EngineDescription:
     info = ModelInfo(served_model_name="/models/qwen", model_dir="/models/qwen", max_model_len=max_model_len,
-                     vocab_size=100, eos_token_ids=(2, 7), hidden_size=64, default_sampling_params=defaults or {})
+                     vocab_size=100, eos_token_ids=(2, 7), hidden_size=64, default_sampling_params=defaults or {},
+                     max_logprobs=50)
     return EngineDescription(model_info=info, scheduler_config={"max_model_len": max_model_len, "policy": policy},
                              block_size=32, num_blocks=10, engine_index=index, enable_sleep_mode=sleep)
 
@@ -23,6 +24,7 @@ def test_the_models_facts_come_from_the_engines_and_the_names_from_the_flags():
     settings = serving_settings(config, engines)
     assert (settings.served_model_name, settings.served_names) == ("qwen", ("qwen", "qwen-latest"))
     assert settings.model_root == "/models/Qwen3"  # (the model as given: /v1/models' root)
+    assert (settings.max_logprobs, settings.vocab_size) == (50, 100)  # (--max-logprobs, as the engines resolved it)
     assert settings.default_sampling_params == defaults  # (the generation config the engines read)
     assert (settings.max_model_len, settings.block_size, settings.eos_token_ids, settings.hidden_size) == (
         128, 32, (2, 7), 64)
