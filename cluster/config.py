@@ -73,6 +73,9 @@ class EngineSpec(BaseModel):
     override_generation_config: dict[str, Any] | None = Field(
         None, description='Default sampling parameters set over the generation config\'s '
                           '(--override-generation-config), e.g. {"temperature": 0.5, "max_new_tokens": 512}.')
+    disable_log_stats: bool | None = Field(
+        None, description="No engine metrics (vllm:*) and no periodic stats line in the engine's log "
+                          "(--disable-log-stats, as vLLM's).")
     max_logprobs: int | None = Field(
         None, ge=-1, description="The most logprobs (and prompt logprobs) a request may ask for per token "
                                  "(--max-logprobs, default 20; -1: the whole vocabulary).")
@@ -102,8 +105,8 @@ _DEFAULTS = EngineSpec(
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,
-    runner="auto", generation_config="auto", max_logprobs=20, placement_strategy="PACK", num_cpus_per_worker=1.0,
-    kv_cache_metrics=False,
+    runner="auto", generation_config="auto", max_logprobs=20, disable_log_stats=False, placement_strategy="PACK",
+    num_cpus_per_worker=1.0, kv_cache_metrics=False,
     kv_cache_metrics_sample=0.01, enable_sleep_mode=False,
     executor_backend="auto", max_waiting_requests=0)
 
@@ -456,6 +459,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
                                                           for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
         generation_config=s["generation_config"], max_logprobs=s["max_logprobs"],
+        log_stats=not s["disable_log_stats"],
         override_generation_config=json.dumps(s["override_generation_config"], sort_keys=True)
         if s["override_generation_config"] else "",
         scheduler=scheduler, block_size=s["block_size"],

@@ -24,12 +24,14 @@ from engine_core.config import EngineConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.engine_core import EngineCore, RequestRefusedError
 from engine_core.executor import ExecutorFactory, ModelInfo, engine_uses_gpu
+from engine_core.log_setup import configure_actor_logging
 from engine_core.lora import LoRANotLoadedError
 from engine_core.metrics import EngineMetrics
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStats, LoRARequest
 from engine_core.request import FinishReason
 from engine_core.sched.scheduler import PAUSE_MODES, PauseState
 from engine_core.sleep_mode import check_sleep, wake_up_tags
+from engine_core.stats_logger import EngineStatsLogger, stats_interval
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,12 @@ class EngineCoreService:
         self._thread = threading.Thread(target=self._run_busy_loop, name=f"engine-{config.engine_index}-busy-loop",
                                         daemon=True)
         self._thread.start()
+        # vLLM's periodic stats line (off with the metrics: --disable-log-stats).
+        self._stats_stopped = threading.Event()
+        if self.metrics is not None:
+            stats = EngineStatsLogger(self.metrics, config.engine_index, time.monotonic())
+            threading.Thread(target=stats.run, args=(self._stats_stopped, stats_interval(), time.monotonic),
+                             name=f"engine-{config.engine_index}-stats-log", daemon=True).start()
 
     # -- called from the actor's event loop -------------------------------------------------------
 
@@ -501,6 +509,7 @@ class EngineCoreService:
         return self.engine.stats(healthy=self.is_healthy())
 
     def shutdown(self) -> None:
+        self._stats_stopped.set()
         self._inputs.put(None)
         self._thread.join(timeout=10)
         self.engine.shutdown()
@@ -561,6 +570,7 @@ class EngineCoreActor:
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
         from ray.experimental import internal_kv
 
+        configure_actor_logging()
         self.service = EngineCoreService(config, executor_factory,
                                          compute_niceness=engine_niceness(config.engine_niceness,
                                                                           engine_uses_gpu(config)))

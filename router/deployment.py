@@ -17,6 +17,7 @@ import ray
 from ray import serve
 from transformers import AutoTokenizer
 
+from engine_core.log_setup import configure_actor_logging
 from engine_core.outputs import LoRARequest
 from router.app import create_app
 from router.engine_client import EngineClient
@@ -215,6 +216,7 @@ class OpenAIRouter:
     on its own engines (one EngineClient and serving per model in every replica)."""
 
     async def __init__(self, config: RouterConfig, more_models: list[RouterConfig] | None = None) -> None:
+        configure_actor_logging()
         self.config = config
         client_index = random.getrandbits(31)  # one client of every engine, whichever model it serves
         built = [await build_serving(c, client_index) for c in [config, *(more_models or [])]]

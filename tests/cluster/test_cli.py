@@ -451,3 +451,8 @@ def test_cors_and_request_id_flags_reach_the_router():
     assert chosen.enable_request_id_headers is True
     with pytest.raises(SystemExit):
         _config("--allowed-origins", "https://ui.example.com")  # (a JSON list, as vLLM takes it)
+
+
+def test_disable_log_stats_reaches_every_engine():
+    assert [e.log_stats for e in _config("--num-engines", "2", "--disable-log-stats").engine_configs()] == [False] * 2
+    assert _config().engine_configs()[0].log_stats is True

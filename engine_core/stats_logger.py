@@ -1,0 +1,83 @@
+"""The engine's periodic stats line in its log, as vLLM's LoggingStatLogger writes it:
+
+    Engine 000: Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 96.1 tokens/s,
+    Running: 6 reqs, Waiting: 0 reqs, GPU KV cache usage: 3.1%, Prefix cache hit rate: 41.7%
+
+every ``VLLM_LOG_STATS_INTERVAL`` seconds (10 by default), from the counters the engine's Prometheus
+metrics already keep (so it costs nothing per step). A line goes out at INFO while the engine works,
+and once more after it went idle; idle intervals after that go to DEBUG, so a quiet server's log
+stays quiet. With speculative decoding a second line gives the drafts' acceptance. ``--disable-log-
+stats`` turns the line off with the metrics, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from engine_core.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 10.0
+
+
+def stats_interval() -> float:
+    """vLLM's VLLM_LOG_STATS_INTERVAL (seconds; default 10)."""
+    try:
+        value = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", DEFAULT_INTERVAL_S))
+    except ValueError:
+        return DEFAULT_INTERVAL_S
+    return value if value > 0 else DEFAULT_INTERVAL_S
+
+
+class EngineStatsLogger:
+    def __init__(self, metrics: EngineMetrics, engine_index: int, now: float) -> None:
+        self.metrics = metrics
+        self.engine_index = engine_index
+        self._last_time = now
+        self._last = self._read()
+        self._was_active = False
+
+    def _read(self) -> dict[str, float]:
+        counters = self.metrics.counters
+        read = {name: counters[name] for name in ("prompt_tokens", "generation_tokens", "prefix_queries",
+                                                  "prefix_hits")}
+        if self.metrics.spec is not None:
+            read |= {f"spec_{name}": value for name, value in self.metrics.spec.items()}
+        return read
+
+    def lines(self, now: float) -> tuple[int, list[str]]:
+        """The log level and lines for the interval that ends ``now``."""
+        current, elapsed = self._read(), max(now - self._last_time, 1e-9)
+        delta = {name: current[name] - self._last[name] for name in current}
+        self._last, self._last_time = current, now
+        gauges = self.metrics.gauges
+        prompt_rate = delta["prompt_tokens"] / elapsed
+        generation_rate = delta["generation_tokens"] / elapsed
+        queries = delta["prefix_queries"]
+        hit_rate = 100.0 * delta["prefix_hits"] / queries if queries else 0.0
+        lines = [f"Engine {self.engine_index:03d}: Avg prompt throughput: {prompt_rate:.1f} tokens/s, "
+                 f"Avg generation throughput: {generation_rate:.1f} tokens/s, Running: {int(gauges['running'])} reqs, "
+                 f"Waiting: {int(gauges['waiting'])} reqs, GPU KV cache usage: {100.0 * gauges['kv_usage']:.1f}%, "
+                 f"Prefix cache hit rate: {hit_rate:.1f}%"]
+        drafted = delta.get("spec_draft_tokens", 0.0)
+        if drafted:
+            accepted, drafts = delta["spec_accepted_tokens"], delta["spec_drafts"]
+            lines.append(f"Engine {self.engine_index:03d}: SpecDecoding metrics: Mean acceptance length: "
+                         f"{1 + accepted / drafts:.2f}, Accepted throughput: {accepted / elapsed:.2f} tokens/s, "
+                         f"Drafted throughput: {drafted / elapsed:.2f} tokens/s, Accepted: {int(accepted)} tokens, "
+                         f"Drafted: {int(drafted)} tokens, "
+                         f"Avg Draft acceptance rate: {100.0 * accepted / drafted:.1f}%")
+        active = bool(delta["prompt_tokens"] or delta["generation_tokens"] or gauges["running"] or gauges["waiting"])
+        level = logging.INFO if active or self._was_active else logging.DEBUG
+        self._was_active = active
+        return level, lines
+
+    def run(self, stopped: threading.Event, interval: float, clock) -> None:
+        """Log every ``interval`` seconds until ``stopped`` is set (a daemon thread's body)."""
+        while not stopped.wait(interval):
+            level, lines = self.lines(clock())
+            for line in lines:
+                logger.log(level, line)
