@@ -112,6 +112,8 @@ def router_deployment(config: ClusterConfig):
         namespace=config.namespace, routing_policy=config.routing_policy,
         prefix_load_margin=config.prefix_load_margin, request_timeout_s=config.request_timeout_s,
         **_router_names(config.served_model_name), model=config.model, chat_template=config.chat_template,
+        default_chat_template_kwargs=config.default_chat_template_kwargs or {},
+        enable_log_requests=config.enable_log_requests, max_log_len=config.max_log_len,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys),
         enable_lora=config.enable_lora,
@@ -131,6 +133,7 @@ def router_deployment(config: ClusterConfig):
     more_models = [dataclasses.replace(
         router_config, engine_actor_names=[engine_actor_name(i) for i in indexes], first_engine_index=indexes[0],
         **_router_names(served.served_model_name), model=served.model, chat_template=served.chat_template,
+        default_chat_template_kwargs=served.default_chat_template_kwargs or {},
         tool_call_parser=served.tool_call_parser if served.enable_auto_tool_choice else None,
         reasoning_parser=served.reasoning_parser, enable_lora=served.enable_lora,
         allow_runtime_lora_updating=config.allow_runtime_lora_updating and served.enable_lora)

@@ -157,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="Enable GET /tokenizer_info (?model=): the tokenizer's class, configuration and "
                             "chat template. It may expose a chat template you keep private.")
+    serve.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                       help='Keyword arguments every chat template render gets unless the request sets them (JSON), '
+                            'e.g. \'{"enable_thinking": false}\' to serve Qwen3 without thinking by default.')
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="Log each request's prompt, token ids and sampling parameters as it goes to an engine.")
+    serve.add_argument("--max-log-len", type=int, default=None,
+                       help="With --enable-log-requests: characters of the prompt (and token ids) logged.")
     serve.add_argument("--allowed-origins", type=_json_string_list, default=["*"],
                        help='Origins browsers may call the API from (JSON list, as vLLM; default ["*"]).')
     serve.add_argument("--allowed-methods", type=_json_string_list, default=["*"],
@@ -263,6 +270,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         responses_store_max_entries=args.responses_store_max_entries,
         enable_server_load_tracking=args.enable_server_load_tracking,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         enable_request_id_headers=args.enable_request_id_headers,

@@ -228,6 +228,9 @@ class ServedModel(LoRASettings):
     defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags of this model's engines.")
     engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
     chat_template: str | None = Field(None, description="Jinja chat template replacing the model's own.")
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='Keyword arguments every chat template render gets unless the request sets them '
+                          '(--default-chat-template-kwargs), e.g. {"enable_thinking": false} for Qwen3.')
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
@@ -266,8 +269,15 @@ class ClusterConfig(LoRASettings):
     num_router_replicas: int = Field(1, ge=1)
     request_timeout_s: float | None = Field(None, gt=0)
     chat_template: str | None = Field(None, description="Jinja chat template replacing the model's own.")
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='Keyword arguments every chat template render gets unless the request sets them '
+                          '(--default-chat-template-kwargs), e.g. {"enable_thinking": false} for Qwen3.')
     trust_request_chat_template: bool = Field(
         False, description="Run a request's own chat_template (vLLM's --trust-request-chat-template); else a 400.")
+    enable_log_requests: bool = Field(False, description="Log each request's prompt and parameters as it goes to an "
+                                                         "engine (--enable-log-requests).")
+    max_log_len: int | None = Field(None, ge=0, description="Characters of a logged prompt (and token ids) kept "
+                                                           "(--max-log-len; default: all).")
     enable_auto_tool_choice: bool = Field(False, description='Allow tool_choice "auto" (needs tool_call_parser).')
     tool_call_parser: str | None = Field(
         None, description=f"The model's tool-call format: {', '.join(TOOL_CALL_PARSERS)}.")

@@ -50,6 +50,11 @@ class RouterConfig:
     # The model as the user gave it (--model): /v1/models' cards show it as their root, as vLLM's do.
     model: str | None = None
     chat_template: str | None = None  # replaces the model's own
+    # --default-chat-template-kwargs: under each request's own chat_template_kwargs.
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # --enable-log-requests and --max-log-len: each request's prompt and parameters in the log.
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, read with this parser
     reasoning_parser: str | None = None
     api_keys: tuple[str, ...] = ()
@@ -114,6 +119,8 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         enable_server_load_tracking=config.enable_server_load_tracking,
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
         cors=config.cors, enable_request_id_headers=config.enable_request_id_headers,
+        default_chat_template_kwargs=dict(config.default_chat_template_kwargs),
+        enable_log_requests=config.enable_log_requests, max_log_len=config.max_log_len,
     )
 
 

@@ -197,6 +197,13 @@ class ServingSettings:
     enable_server_load_tracking: bool = False
     # --enable-tokenizer-info-endpoint (vLLM's): GET /tokenizer_info exists.
     enable_tokenizer_info_endpoint: bool = False
+    # --default-chat-template-kwargs (vLLM's): every chat template render gets these, under the
+    # request's own chat_template_kwargs (e.g. {"enable_thinking": false} for Qwen3).
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # --enable-log-requests and --max-log-len (vLLM's): each engine request's prompt and parameters
+    # go to the log, the prompt cut to max_log_len characters (and token ids).
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
     # CORS, and --enable-request-id-headers (vLLM's): every answer carries X-Request-Id.
     cors: CORSSettings = field(default_factory=CORSSettings)
     enable_request_id_headers: bool = False
@@ -441,7 +448,7 @@ class OpenAIServing:
         # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent, except
         # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
         messages = [_template_message(m.model_extra or {}, m.role, m.text()) for m in chat]
-        kwargs = dict(chat_template_kwargs or {})
+        kwargs = {**self.settings.default_chat_template_kwargs, **(chat_template_kwargs or {})}
         if tools:
             kwargs.setdefault("tools", tools)
         try:
@@ -659,6 +666,8 @@ class OpenAIServing:
             try:
                 for engine, request_id, prompt_ids, params in jobs:
                     request = self._engine_request(request_id, prompt_ids, params, priority, lora)
+                    if self.settings.enable_log_requests and not attempt:
+                        self._log_request(request)
                     streams.append(await self.client.open(engine, request, self.settings.request_timeout_s))
                 return streams
             except BaseException as e:
@@ -678,6 +687,16 @@ class OpenAIServing:
                     raise self._timed_out() from e
                 raise
         raise AssertionError("unreachable")
+
+    def _log_request(self, request: EngineCoreRequest) -> None:
+        """vLLM's --enable-log-requests line: the request's prompt (text and token ids, each cut to
+        --max-log-len), its parameters and adapter."""
+        limit = self.settings.max_log_len
+        ids = request.prompt_token_ids if limit is None else request.prompt_token_ids[:limit]
+        text = self.tokenizer.decode(ids)
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, lora_request: %s",
+                    request.request_id, text if limit is None else text[:limit], request.sampling_params, ids,
+                    request.lora_request)
 
     async def _run_choice(self, stream: RequestStream, choice: _Choice, sink: asyncio.Queue | None) -> None:
         """Drive one choice to its end; with a sink, push its deltas as they come."""

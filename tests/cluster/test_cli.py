@@ -456,3 +456,17 @@ def test_cors_and_request_id_flags_reach_the_router():
 def test_disable_log_stats_reaches_every_engine():
     assert [e.log_stats for e in _config("--num-engines", "2", "--disable-log-stats").engine_configs()] == [False] * 2
     assert _config().engine_configs()[0].log_stats is True
+
+
+def test_chat_template_defaults_and_request_logging_reach_each_models_router(tmp_path):
+    models = tmp_path / "models.yaml"
+    models.write_text("- {model: /models/b, served_model_name: b,\n"
+                      "   default_chat_template_kwargs: {reasoning_effort: low}}\n")
+    first, [b] = router_deployment(_config(
+        "--default-chat-template-kwargs", '{"enable_thinking": false}', "--enable-log-requests", "--max-log-len", "64",
+        "--extra-models", str(models)))._bound_deployment.init_args
+    assert (first.default_chat_template_kwargs, first.enable_log_requests, first.max_log_len) == (
+        {"enable_thinking": False}, True, 64)
+    assert (b.default_chat_template_kwargs, b.enable_log_requests) == ({"reasoning_effort": "low"}, True)
+    plain = router_deployment(_config())._bound_deployment.init_args[0]
+    assert (plain.default_chat_template_kwargs, plain.enable_log_requests, plain.max_log_len) == ({}, False, None)

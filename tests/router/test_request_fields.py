@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -648,3 +649,43 @@ def test_a_request_the_engine_refuses_is_a_400_and_the_engine_keeps_serving():
     assert engine.client.healthy() == [True]
     engine._answer = answer
     assert http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_server_default_chat_template_kwargs_sit_under_the_requests_own():
+    """--default-chat-template-kwargs (vLLM's): every render gets them (chat, /tokenize, Anthropic's
+    Messages), and a request's own chat_template_kwargs win."""
+    tokenizer = byte_level_tokenizer()
+    tokenizer.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}[nothink]{% endif %}"
+                               "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    http, engine = _app(tokenizer=tokenizer, settings={"default_chat_template_kwargs": {"enable_thinking": False}})
+
+    def prompt() -> str:
+        return tokenizer.decode(engine.requests[-1].prompt_token_ids)
+
+    assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2}).is_success
+    assert prompt() == "[nothink]hi"
+    assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                                   "chat_template_kwargs": {"enable_thinking": True}}).is_success
+    assert prompt() == "hi"
+    tokens = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES}).json()["tokens"]
+    assert tokenizer.decode(tokens) == "[nothink]hi"
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    assert http.post("/v1/messages", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                           "thinking": thinking}).is_success
+    assert prompt() == "hi"  # (Anthropic's thinking sets enable_thinking)
+
+
+def test_enable_log_requests_logs_each_engine_requests_prompt_and_parameters(caplog):
+    http, _ = _chat_app(enable_log_requests=True, max_log_len=4)
+    with caplog.at_level(logging.INFO, logger="router.serving"):
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello there", "max_tokens": 2,
+                                                  "n": 2}).is_success
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request cmpl-")]
+    assert len(lines) == 2  # (one per engine request: each choice)
+    assert "prompt: 'Hell', params: SamplingParams(max_tokens=2" in lines[0]
+    assert f"prompt_token_ids: {TOKENIZER.encode('Hello there')[:4]}" in lines[0]
+    caplog.clear()
+    quiet, _ = _chat_app()
+    with caplog.at_level(logging.INFO, logger="router.serving"):
+        assert quiet.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2}).is_success
+    assert "Received request" not in caplog.text
