@@ -127,7 +127,11 @@ def router_deployment(config: ClusterConfig):
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
         cors=CORSSettings(tuple(config.allowed_origins), tuple(config.allowed_methods),
                           tuple(config.allowed_headers), config.allow_credentials),
-        enable_request_id_headers=config.enable_request_id_headers)
+        enable_request_id_headers=config.enable_request_id_headers,
+        enable_force_include_usage=config.enable_force_include_usage,
+        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+        exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
+        disable_fastapi_docs=config.disable_fastapi_docs)
     # Further models: the same router settings, their own engines, names, template, parsers and
     # adapters.
     more_models = [dataclasses.replace(

@@ -164,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Log each request's prompt, token ids and sampling parameters as it goes to an engine.")
     serve.add_argument("--max-log-len", type=int, default=None,
                        help="With --enable-log-requests: characters of the prompt (and token ids) logged.")
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="Every streamed answer ends with a usage chunk, whether or not the request asked for "
+                            "it (stream_options.include_usage), for platforms that bill by token.")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="Logprobs name tokens token_id:N for every request (tokens whose text is not valid "
+                            "UTF-8 alone stay exact).")
+    serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help='With tool_choice "none", the chat template is not shown the tools.')
+    serve.add_argument("--disable-fastapi-docs", action="store_true", help="No /docs, /redoc or /openapi.json.")
     serve.add_argument("--allowed-origins", type=_json_string_list, default=["*"],
                        help='Origins browsers may call the API from (JSON list, as vLLM; default ["*"]).')
     serve.add_argument("--allowed-methods", type=_json_string_list, default=["*"],
@@ -275,6 +284,10 @@ def cluster_config_from_args(args: argparse.Namespace):
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         enable_request_id_headers=args.enable_request_id_headers,
+        enable_force_include_usage=args.enable_force_include_usage,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        disable_fastapi_docs=args.disable_fastapi_docs,
         models=_extra_models(args.extra_models) if args.extra_models else [])
 
 

@@ -309,6 +309,15 @@ class ClusterConfig(LoRASettings):
     allowed_headers: list[str] = Field(["*"], description="Request headers allowed across origins "
                                                           "(--allowed-headers).")
     allow_credentials: bool = Field(False, description="Allow credentials across origins (--allow-credentials).")
+    enable_force_include_usage: bool = Field(
+        False, description="Every streamed answer ends with a usage chunk, asked for or not "
+                           "(--enable-force-include-usage).")
+    return_tokens_as_token_ids: bool = Field(
+        False, description="Logprobs name tokens token_id:N for every request (--return-tokens-as-token-ids).")
+    exclude_tools_when_tool_choice_none: bool = Field(
+        False, description="tool_choice none: the chat template is not shown the tools "
+                           "(--exclude-tools-when-tool-choice-none).")
+    disable_fastapi_docs: bool = Field(False, description="No /docs, /redoc or /openapi.json (--disable-fastapi-docs).")
     enable_request_id_headers: bool = Field(
         False, description="Answer every request with an X-Request-Id header: the request's own, or a new one "
                            "(vLLM's --enable-request-id-headers).")

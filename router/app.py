@@ -174,7 +174,9 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         yield
         await asyncio.gather(*(owner.shut_down() for owner in background_owners))
 
-    app = FastAPI(title="llm-cluster", version=serving.settings.version, lifespan=lifespan)
+    docs = {} if not serving.settings.disable_fastapi_docs else {"docs_url": None, "redoc_url": None,
+                                                                  "openapi_url": None}
+    app = FastAPI(title="llm-cluster", version=serving.settings.version, lifespan=lifespan, **docs)
     metrics = serving.metrics
 
     @app.exception_handler(APIError)

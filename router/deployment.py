@@ -77,6 +77,10 @@ class RouterConfig:
     # CORS (--allowed-origins, ...) and --enable-request-id-headers: the app's, taken from the first model.
     cors: CORSSettings = field(default_factory=CORSSettings)
     enable_request_id_headers: bool = False
+    enable_force_include_usage: bool = False
+    return_tokens_as_token_ids: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
+    disable_fastapi_docs: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -119,6 +123,10 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         enable_server_load_tracking=config.enable_server_load_tracking,
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
         cors=config.cors, enable_request_id_headers=config.enable_request_id_headers,
+        enable_force_include_usage=config.enable_force_include_usage,
+        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+        exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
+        disable_fastapi_docs=config.disable_fastapi_docs,
         default_chat_template_kwargs=dict(config.default_chat_template_kwargs),
         enable_log_requests=config.enable_log_requests, max_log_len=config.max_log_len,
     )

@@ -204,6 +204,14 @@ class ServingSettings:
     # go to the log, the prompt cut to max_log_len characters (and token ids).
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    # vLLM's --enable-force-include-usage (every stream ends with a usage chunk, as platforms that
+    # bill by token need), --return-tokens-as-token-ids (logprobs name tokens token_id:N for every
+    # request), --exclude-tools-when-tool-choice-none and --disable-fastapi-docs (no /docs, /redoc,
+    # /openapi.json).
+    enable_force_include_usage: bool = False
+    return_tokens_as_token_ids: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
+    disable_fastapi_docs: bool = False
     # CORS, and --enable-request-id-headers (vLLM's): every answer carries X-Request-Id.
     cors: CORSSettings = field(default_factory=CORSSettings)
     enable_request_id_headers: bool = False
@@ -420,8 +428,12 @@ class OpenAIServing:
         return model if model is not None and model in self.lora_adapters else self.settings.served_model_name
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:
+        # (--exclude-tools-when-tool-choice-none, vLLM's: a request that may call no tool shows the
+        # template none.)
+        tools = request.tools and not (self.settings.exclude_tools_when_tool_choice_none
+                                       and request.tool_choice_form() == "none")
         return self.render_messages(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                    request.chat_template_kwargs, request.tool_dicts() if request.tools else None,
+                                    request.chat_template_kwargs, request.tool_dicts() if tools else None,
                                     chat_template=request.chat_template)
 
     def render_messages(self, chat: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
@@ -814,7 +826,7 @@ class OpenAIServing:
                 if request.echo:
                     rows, offset = _prompt_logprob_rows(prompt_ids[c.index // request.n], c.prompt_logprobs), 0
                 logprobs = CompletionLogprobs(**self._completion_logprobs(rows + c.logprobs, offset,
-                                                                          request.return_tokens_as_token_ids)[0])
+                                                                          self._as_token_ids(request))[0])
             out.append(CompletionChoice(index=c.index, text=prefix + c.detok.output_text, logprobs=logprobs,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                         prompt_logprobs=self._prompt_logprobs(request, prompt_ids[c.index // request.n],
@@ -830,7 +842,7 @@ class OpenAIServing:
         n = request.n
         # Logprobs' text offsets count from the start of the choice's text (the echoed prompt included).
         text_offsets = {c.index: len(prompt_texts[c.index // n]) if request.echo else 0 for c in choices}
-        running_usage = _continuous_usage(request)
+        final_usage, running_usage = _stream_usage(request, self.settings.enable_force_include_usage)
         # With logprobs the echoed prompt waits for its logprobs, which come with the first output.
         echo_pending = {c.index for c in choices} if request.echo and request.logprobs is not None else set()
         if request.echo and not echo_pending:
@@ -843,7 +855,7 @@ class OpenAIServing:
                 echo_pending.discard(index)
                 prompt_lp, text_offsets[index] = self._completion_logprobs(
                     _prompt_logprob_rows(prompt_ids[index // n], event.choice.prompt_logprobs), 0,
-                    request.return_tokens_as_token_ids)
+                    self._as_token_ids(request))
                 yield completion_token_chunk(request_id, created, model, index, prompt_texts[index // n], prompt_lp,
                                              None, None)
             if request.max_tokens == 0:  # echo only: the one generated token is dropped
@@ -853,14 +865,14 @@ class OpenAIServing:
                 continue
             if request.logprobs is not None and event.logprobs:
                 logprobs, text_offsets[index] = self._completion_logprobs(event.logprobs, text_offsets[index],
-                                                                          request.return_tokens_as_token_ids)
+                                                                          self._as_token_ids(request))
             yield completion_token_chunk(request_id, created, model, index, event.text, logprobs,
                                          event.finish_reason, event.stop_reason,
                                          _running_usage(len(prompt_ids[index // n]), event) if running_usage else None)
         if request.max_tokens == 0:
             for c in choices:
                 _drop_output(c)
-        if request.stream_options and request.stream_options.include_usage:
+        if final_usage:
             yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[],
                                              usage=self._usage(num_prompt_tokens, choices, request.n)))
         yield "data: [DONE]\n\n"
@@ -882,7 +894,7 @@ class OpenAIServing:
                 message = ChatMessageOut(content=answer.content, reasoning_content=answer.reasoning,
                                          tool_calls=[ToolCall(**call) for call in answer.tool_calls] or None)
                 finish_reason = c.output_parser.finish_reason(finish_reason)
-            logprobs = (ChatLogprobs(**self._chat_logprobs(c.logprobs, request.return_tokens_as_token_ids))
+            logprobs = (ChatLogprobs(**self._chat_logprobs(c.logprobs, self._as_token_ids(request)))
                         if request.logprobs else None)
             out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                                   stop_reason=c.stop_reason))
@@ -957,14 +969,14 @@ class OpenAIServing:
                            choices: list[_Choice], num_prompt_tokens: int,
                            streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
         model = self.model_name(request.model)
-        running_usage = _continuous_usage(request)
+        final_usage, running_usage = _stream_usage(request, self.settings.enable_force_include_usage)
         opening_usage = UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens) \
             if running_usage else None
         for c in choices:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, usage=opening_usage, choices=[
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
         async for event in self._choice_events(streams, choices):
-            logprobs = (self._chat_logprobs(event.logprobs, request.return_tokens_as_token_ids)
+            logprobs = (self._chat_logprobs(event.logprobs, self._as_token_ids(request))
                         if request.logprobs and event.logprobs else None)
             usage = _running_usage(num_prompt_tokens, event) if running_usage else None
             parser = event.choice.output_parser
@@ -974,7 +986,7 @@ class OpenAIServing:
                 continue
             for chunk in self._parsed_chat_chunks(parser, event, logprobs, usage, request_id, created, model):
                 yield chunk
-        if request.stream_options and request.stream_options.include_usage:
+        if final_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                            usage=self._usage(num_prompt_tokens, choices, request.n)))
         yield "data: [DONE]\n\n"
@@ -1125,6 +1137,11 @@ class OpenAIServing:
         if text is None:
             text = self._token_texts[token_id] = self._decode([token_id], False)
         return text
+
+    def _as_token_ids(self, request: SamplingFields) -> bool:
+        """Logprobs name tokens ``token_id:N``: the request asks, or the server's
+        --return-tokens-as-token-ids does for every request (vLLM's)."""
+        return request.return_tokens_as_token_ids or self.settings.return_tokens_as_token_ids
 
     def _token_label(self, as_ids: bool):
         """How logprobs name tokens: their text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
@@ -1293,10 +1310,15 @@ def _drop_output(choice: _Choice) -> None:
     choice.detok.output_text = ""
 
 
-def _continuous_usage(request: SamplingFields) -> bool:
-    """vLLM's continuous_usage_stats: every token chunk carries its choice's usage so far."""
+def _stream_usage(request: SamplingFields, forced: bool) -> tuple[bool, bool]:
+    """A stream's usage (vLLM's should_include_usage): a last chunk with the request's usage (its
+    stream_options.include_usage, or always with --enable-force-include-usage), and with vLLM's
+    continuous_usage_stats each token chunk too (only when the request asks for it)."""
     options = request.stream_options
-    return options is not None and options.include_usage and options.continuous_usage_stats
+    if options is None:
+        return forced, False
+    include = options.include_usage or forced
+    return include, include and options.continuous_usage_stats
 
 
 def _running_usage(num_prompt_tokens: int, event: _Delta) -> dict[str, int]:

@@ -470,3 +470,15 @@ def test_chat_template_defaults_and_request_logging_reach_each_models_router(tmp
     assert (b.default_chat_template_kwargs, b.enable_log_requests) == ({"reasoning_effort": "low"}, True)
     plain = router_deployment(_config())._bound_deployment.init_args[0]
     assert (plain.default_chat_template_kwargs, plain.enable_log_requests, plain.max_log_len) == ({}, False, None)
+
+
+def test_vllms_server_wide_request_flags_reach_the_router():
+    names = ("enable_force_include_usage", "return_tokens_as_token_ids", "exclude_tools_when_tool_choice_none",
+             "disable_fastapi_docs")
+
+    def flags(*args):
+        config = router_deployment(_config(*args))._bound_deployment.init_args[0]
+        return [getattr(config, name) for name in names]
+
+    assert flags() == [False] * 4
+    assert flags(*(f"--{name.replace('_', '-')}" for name in names)) == [True] * 4

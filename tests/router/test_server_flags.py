@@ -1,0 +1,60 @@
+"""vLLM's server-wide flags for every request: --enable-force-include-usage,
+--return-tokens-as-token-ids, --exclude-tools-when-tool-choice-none, --disable-fastapi-docs."""
+
+from __future__ import annotations
+
+import json
+
+from .test_request_fields import MESSAGES, _app, _chat_app
+from .tokenizer_factory import byte_level_tokenizer
+
+
+def _chunks(http, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json={"model": "tiny", **body, "stream": True}) as r:
+        text = "".join(r.iter_text())
+    return [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+
+
+def test_forced_usage_ends_every_stream_with_a_usage_chunk():
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
+                       ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})):
+        plain, _ = _chat_app()
+        assert all(c.get("usage") is None for c in _chunks(plain, path, body))
+        forced, _ = _chat_app(enable_force_include_usage=True)
+        chunks = _chunks(forced, path, body)
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+        assert all(c.get("usage") is None for c in chunks[:-1])  # (continuous usage only when asked for)
+        asked = _chunks(forced, path, {**body, "stream_options": {"include_usage": False,
+                                                                  "continuous_usage_stats": True}})
+        assert all(c.get("usage") for c in asked)  # (forced on: the request's continuous usage applies)
+
+
+def test_the_server_may_name_every_requests_logprob_tokens_by_id():
+    http, _ = _chat_app(return_tokens_as_token_ids=True)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 0}).json()
+    assert all(token.startswith("token_id:") for token in r["choices"][0]["logprobs"]["tokens"])
+    plain, _ = _chat_app()
+    r = plain.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 0}).json()
+    assert not any(token.startswith("token_id:") for token in r["choices"][0]["logprobs"]["tokens"])
+
+
+def test_tool_choice_none_may_hide_the_tools_from_the_template():
+    tokenizer = byte_level_tokenizer()
+    tokenizer.chat_template = ("{% if tools %}[tools]{% endif %}{% for m in messages %}{{ m['content'] }}"
+                               "{% endfor %}")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for exclude, expected in ((False, "[tools]hi"), (True, "hi")):
+        http, engine = _app(tokenizer=tokenizer, settings={"exclude_tools_when_tool_choice_none": exclude})
+        assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                                       "tools": [tool], "tool_choice": "none"}).is_success
+        assert tokenizer.decode(engine.requests[-1].prompt_token_ids) == expected
+        assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                                       "tools": [tool], "tool_choice": "required"}).is_success
+        assert tokenizer.decode(engine.requests[-1].prompt_token_ids) == "[tools]hi"
+
+
+def test_the_api_docs_can_be_turned_off():
+    http, _ = _app()
+    assert all(http.get(path).status_code == 200 for path in ("/docs", "/redoc", "/openapi.json"))
+    hidden, _ = _app(settings={"disable_fastapi_docs": True})
+    assert all(hidden.get(path).status_code == 404 for path in ("/docs", "/redoc", "/openapi.json"))
