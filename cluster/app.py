@@ -23,6 +23,7 @@ from cluster.launcher import (
     start_engines,
     stop_named_engine,
 )
+from engine_core.log_setup import logging_runtime_env
 from router.deployment import METRICS_HUB_NAME, OpenAIRouter, RouterConfig
 from router.response_store import RESPONSE_STORE_NAME
 from router.serving import CORSSettings
@@ -127,7 +128,6 @@ def router_deployment(config: ClusterConfig):
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
         cors=CORSSettings(tuple(config.allowed_origins), tuple(config.allowed_methods),
                           tuple(config.allowed_headers), config.allow_credentials),
-        enable_request_id_headers=config.enable_request_id_headers,
         enable_force_include_usage=config.enable_force_include_usage,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
@@ -144,7 +144,7 @@ def router_deployment(config: ClusterConfig):
         for served, indexes in others]
     deployment = serve.deployment(
         OpenAIRouter, name="OpenAIRouter", num_replicas=config.num_router_replicas,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **({"runtime_env": env} if (env := logging_runtime_env()) else {})},
         # Streaming requests stay open for a long time: let each replica hold many.
         max_ongoing_requests=1024,
         logging_config={"enable_access_log": config.enable_access_log})

@@ -181,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='Request headers allowed across origins (JSON list; default ["*"]).')
     serve.add_argument("--allow-credentials", action="store_true", help="Allow credentials across origins.")
     serve.add_argument("--enable-request-id-headers", action="store_true",
-                       help="Answer every request with an X-Request-Id header: the one it came with, or a new one.")
+                       help="Accepted for vLLM's command lines: Ray Serve answers every request with X-Request-ID "
+                            "(the one it came with, or a new one) whatever this says, and completions and chat "
+                            "answers take it as their id (cmpl-<X-Request-Id>).")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="Run a request's own chat_template (chat, the pooling endpoints' messages, "
                             "/tokenize); without it such a request is a 400.")
@@ -283,7 +285,6 @@ def cluster_config_from_args(args: argparse.Namespace):
         enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-        enable_request_id_headers=args.enable_request_id_headers,
         enable_force_include_usage=args.enable_force_include_usage,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,

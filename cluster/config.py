@@ -212,6 +212,20 @@ def _check_served_model_name(value: str | list[str] | None) -> str | list[str] |
     return names[0] if len(names) == 1 else list(names)
 
 
+# Arguments the server passes to every chat template render itself (or that a request's own fields
+# set): a default of one of them would clash with it on every request.
+RENDER_ARGUMENTS = ("add_generation_prompt", "continue_final_message", "tokenize", "conversation", "chat_template",
+                    "tools")
+
+
+def _check_default_chat_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    clashing = sorted(set(value or ()) & set(RENDER_ARGUMENTS))
+    if clashing:
+        raise ValueError(f"default_chat_template_kwargs may not set {', '.join(clashing)}: the server passes "
+                         "it to every render (from the request's own fields)")
+    return value
+
+
 SERVED_MODEL_NAME_HELP = ("Name clients use, or several (aliases: a request may name any; responses and metrics "
                           "carry the first); defaults to the model's.")
 
@@ -236,6 +250,7 @@ class ServedModel(LoRASettings):
     reasoning_parser: str | None = None
 
     _served_model_name = field_validator("served_model_name")(_check_served_model_name)
+    _chat_template_kwargs = field_validator("default_chat_template_kwargs")(_check_default_chat_template_kwargs)
 
     @property
     def served_names(self) -> list[str]:
@@ -318,9 +333,6 @@ class ClusterConfig(LoRASettings):
         False, description="tool_choice none: the chat template is not shown the tools "
                            "(--exclude-tools-when-tool-choice-none).")
     disable_fastapi_docs: bool = Field(False, description="No /docs, /redoc or /openapi.json (--disable-fastapi-docs).")
-    enable_request_id_headers: bool = Field(
-        False, description="Answer every request with an X-Request-Id header: the request's own, or a new one "
-                           "(vLLM's --enable-request-id-headers).")
     responses_store_max_entries: int = Field(10_000, ge=1, description="Most responses kept (least recently "
                                                                         "used forgotten first).")
     models: list[ServedModel] = Field(
@@ -347,6 +359,7 @@ class ClusterConfig(LoRASettings):
         return self
 
     _served_model_name = field_validator("served_model_name")(_check_served_model_name)
+    _chat_template_kwargs = field_validator("default_chat_template_kwargs")(_check_default_chat_template_kwargs)
 
     def names_per_model(self) -> list[list[str]]:
         """Each served model's names (its first: the one responses carry), the first model's first (a

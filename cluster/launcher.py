@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine_core.config import EngineConfig
 from engine_core.engine_actor import EngineCoreActor, EngineDescription, pause_record_key
+from engine_core.log_setup import logging_runtime_env
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +181,8 @@ def start_engine(config: EngineConfig, namespace: str, detached: bool = False,
     }
     if detached:
         options["lifetime"] = "detached"
+    if runtime_env := logging_runtime_env():  # (its TP workers inherit it)
+        options["runtime_env"] = runtime_env
     # A new engine starts unpaused, whatever a stopped one of the same name recorded.
     internal_kv._internal_kv_del(pause_record_key(namespace, name))
     actor = ray.remote(EngineCoreActor).options(**options).remote(config, create_executor)

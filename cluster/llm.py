@@ -248,7 +248,7 @@ class LLM:
                  runner: str = "auto", pooler_config: dict[str, Any] | None = None,
                  hf_overrides: dict[str, Any] | None = None, enable_sleep_mode: bool = False,
                  generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
-                 **scheduler_flags: Any) -> None:
+                 disable_log_stats: bool = True, **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -270,7 +270,10 @@ class LLM:
                                             address=address, seed=seed, enable_lora=enable_lora,
                                             max_loras=max_loras, max_lora_rank=max_lora_rank,
                                             max_cpu_loras=max_cpu_loras)
-        self.engine_configs: list[EngineConfig] = self.cluster_config.engine_configs()
+        # (vLLM's disable_log_stats, on by default offline: no periodic stats line from Ray engines;
+        # the engines still keep their stats, which get_stats reports.)
+        self.engine_configs: list[EngineConfig] = [dataclasses.replace(c, log_stats_line=not disable_log_stats)
+                                                   for c in self.cluster_config.engine_configs()]
         self.use_ray = use_ray if use_ray is not None else (len(self.engine_configs) > 1 or tensor_parallel_size > 1
                                                             or executor_backend == "ray")
         self._ids = itertools.count()

@@ -267,6 +267,9 @@ class EngineConfig:
     node_labels: tuple[tuple[str, str], ...] = ()
     seed: int = 0
     log_stats: bool = True
+    # The periodic stats line in the engine's log (with log_stats; engine_core/stats_logger.py): off in
+    # the offline LLM unless asked, as in vLLM's.
+    log_stats_line: bool = True
     # Largest number of queued (waiting) requests before add_request is refused (0: unlimited).
     max_waiting_requests: int = 0
     # "uni": the model runs inside the engine process (TP=1 only); "ray": a Ray worker actor per

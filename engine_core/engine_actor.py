@@ -106,7 +106,7 @@ class EngineCoreService:
         self._thread.start()
         # vLLM's periodic stats line (off with the metrics: --disable-log-stats).
         self._stats_stopped = threading.Event()
-        if self.metrics is not None:
+        if self.metrics is not None and config.log_stats_line:
             stats = EngineStatsLogger(self.metrics, config.engine_index, time.monotonic())
             threading.Thread(target=stats.run, args=(self._stats_stopped, stats_interval(), time.monotonic),
                              name=f"engine-{config.engine_index}-stats-log", daemon=True).start()

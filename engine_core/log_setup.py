@@ -4,7 +4,8 @@ Ray leaves a worker process's root logger at WARNING with no handler, so an engi
 periodic stats line, the sampling defaults it found, "restarted while paused", ...) were dropped.
 Each of our packages' loggers gets a stderr handler there, which Ray forwards to the driver's
 console and to its log files, at ``VLLM_LOGGING_LEVEL`` (vLLM's variable; default INFO). Called only
-by the Ray actor classes, never in a process that configures its own logging (the CLI, tests).
+by the Ray actor classes (engine actors, their TP worker actors, router replicas, the metrics hub),
+never in a process that configures its own logging (the CLI, tests).
 """
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ import logging
 import os
 
 PACKAGES = ("engine_core", "gpu_worker", "router", "cluster")
+# The logging variables an actor reads, passed on from the process that starts it (a Ray cluster
+# joined with --address was started without them).
+LOGGING_ENV = ("VLLM_LOGGING_LEVEL", "VLLM_LOG_STATS_INTERVAL")
+
+
+def logging_runtime_env() -> dict[str, dict[str, str]]:
+    """A Ray ``runtime_env`` carrying this process's logging variables to an actor ({} when none is set)."""
+    env = {name: os.environ[name] for name in LOGGING_ENV if name in os.environ}
+    return {"env_vars": env} if env else {}
 FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 
 

@@ -4,10 +4,12 @@
     Running: 6 reqs, Waiting: 0 reqs, GPU KV cache usage: 3.1%, Prefix cache hit rate: 41.7%
 
 every ``VLLM_LOG_STATS_INTERVAL`` seconds (10 by default), from the counters the engine's Prometheus
-metrics already keep (so it costs nothing per step). A line goes out at INFO while the engine works,
-and once more after it went idle; idle intervals after that go to DEBUG, so a quiet server's log
-stays quiet. With speculative decoding a second line gives the drafts' acceptance. ``--disable-log-
-stats`` turns the line off with the metrics, as in vLLM.
+metrics already keep (so it costs nothing per step). As vLLM's, a line goes out at INFO when this or
+the last interval had throughput, else at DEBUG, so an idle (or paused) server's log stays quiet.
+The prefix cache hit rate is the interval's (vLLM's is over its recent requests). With speculative
+decoding a second line gives the drafts' acceptance, per position too. ``--disable-log-stats`` turns
+the line off with the metrics, as in vLLM; the offline ``LLM`` does not write it unless asked, as
+vLLM's does not.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class EngineStatsLogger:
                                                   "prefix_hits")}
         if self.metrics.spec is not None:
             read |= {f"spec_{name}": value for name, value in self.metrics.spec.items()}
+            read |= {f"spec_pos_{i}": value for i, value in enumerate(self.metrics.spec_accepted_per_pos)}
         return read
 
     def lines(self, now: float) -> tuple[int, list[str]]:
@@ -56,28 +59,35 @@ class EngineStatsLogger:
         gauges = self.metrics.gauges
         prompt_rate = delta["prompt_tokens"] / elapsed
         generation_rate = delta["generation_tokens"] / elapsed
+        # (The busy loop may count between two reads here: rates are kept within their bounds.)
         queries = delta["prefix_queries"]
-        hit_rate = 100.0 * delta["prefix_hits"] / queries if queries else 0.0
+        hit_rate = min(100.0, 100.0 * delta["prefix_hits"] / queries) if queries > 0 else 0.0
         lines = [f"Engine {self.engine_index:03d}: Avg prompt throughput: {prompt_rate:.1f} tokens/s, "
                  f"Avg generation throughput: {generation_rate:.1f} tokens/s, Running: {int(gauges['running'])} reqs, "
                  f"Waiting: {int(gauges['waiting'])} reqs, GPU KV cache usage: {100.0 * gauges['kv_usage']:.1f}%, "
                  f"Prefix cache hit rate: {hit_rate:.1f}%"]
-        drafted = delta.get("spec_draft_tokens", 0.0)
-        if drafted:
-            accepted, drafts = delta["spec_accepted_tokens"], delta["spec_drafts"]
+        drafted, drafts = delta.get("spec_draft_tokens", 0.0), delta.get("spec_drafts", 0.0)
+        if drafted > 0 and drafts > 0:
+            accepted = delta["spec_accepted_tokens"]
+            per_position = ", ".join(f"{min(1.0, delta[f'spec_pos_{i}'] / drafts):.3f}"
+                                     for i in range(len(self.metrics.spec_accepted_per_pos)))
             lines.append(f"Engine {self.engine_index:03d}: SpecDecoding metrics: Mean acceptance length: "
                          f"{1 + accepted / drafts:.2f}, Accepted throughput: {accepted / elapsed:.2f} tokens/s, "
                          f"Drafted throughput: {drafted / elapsed:.2f} tokens/s, Accepted: {int(accepted)} tokens, "
-                         f"Drafted: {int(drafted)} tokens, "
-                         f"Avg Draft acceptance rate: {100.0 * accepted / drafted:.1f}%")
-        active = bool(delta["prompt_tokens"] or delta["generation_tokens"] or gauges["running"] or gauges["waiting"])
+                         f"Drafted: {int(drafted)} tokens, Per-position acceptance rate: {per_position}, "
+                         f"Avg Draft acceptance rate: {min(100.0, 100.0 * accepted / drafted):.1f}%")
+        active = bool(delta["prompt_tokens"] or delta["generation_tokens"])
         level = logging.INFO if active or self._was_active else logging.DEBUG
         self._was_active = active
         return level, lines
 
     def run(self, stopped: threading.Event, interval: float, clock) -> None:
-        """Log every ``interval`` seconds until ``stopped`` is set (a daemon thread's body)."""
+        """Log every ``interval`` seconds until ``stopped`` is set (a daemon thread's body); a failed
+        line is logged as such and the next interval tried, so one bad read does not end them."""
         while not stopped.wait(interval):
-            level, lines = self.lines(clock())
-            for line in lines:
-                logger.log(level, line)
+            try:
+                level, lines = self.lines(clock())
+                for line in lines:
+                    logger.log(level, line)
+            except Exception:
+                logger.exception("engine %d: the stats line failed", self.engine_index)

@@ -310,13 +310,14 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from gpu_worker.worker import Worker
 
         pg = ray.util.get_current_placement_group()
         tp = self.config.tensor_parallel_size
         num_cpus = self.config.num_cpus_per_worker
         use_gpu = engine_uses_gpu(self.config)
-        actor_cls = ray.remote(Worker)
+        from gpu_worker.worker import RayWorker
+
+        actor_cls = ray.remote(RayWorker)
         workers = []
         for rank in range(tp):
             options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": 1 if use_gpu else 0,

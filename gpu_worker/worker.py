@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine_core.log_setup import configure_actor_logging
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker import distributed
@@ -204,3 +205,12 @@ class Worker:
 
     def shutdown(self) -> None:
         distributed.destroy_distributed()
+
+
+class RayWorker(Worker):
+    """A Worker as a Ray actor (one per TP rank, ``RayWorkerGroupExecutor``): its log lines reach
+    Ray's console too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        configure_actor_logging()
+        super().__init__(*args, **kwargs)

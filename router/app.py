@@ -48,7 +48,6 @@ from router.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
-from router.request_id_header import RequestIdHeader
 from router.request_timeline import RequestTimeline, current_timeline
 from router.response_store import UNFINISHED
 from router.responses import ResponsesRequest, ResponsesServing
@@ -58,6 +57,9 @@ from router.serving import APIError, OpenAIServing, bad_request, stream_error_ev
 from router.tokenizer_info import describe_tokenizer
 
 SESSION_HEADER = "x-session-id"
+# A request's own id (a gateway's trace id; Ray Serve sets one on every request that lacks it): the
+# id completions and chat answers carry, as vLLM takes it.
+REQUEST_ID_HEADER = "x-request-id"
 
 
 def _error_response(status: int, message: str, type_: str, param: str | None, path: str = "") -> JSONResponse:
@@ -205,12 +207,14 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         chosen = await servings.for_model(body.model)
-        return respond(await chosen.completions(body, request.headers.get(SESSION_HEADER)))
+        return respond(await chosen.completions(body, request.headers.get(SESSION_HEADER),
+                                                request.headers.get(REQUEST_ID_HEADER)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         chosen = await servings.for_model(body.model)
-        return respond(await chosen.chat(body, request.headers.get(SESSION_HEADER)))
+        return respond(await chosen.chat(body, request.headers.get(SESSION_HEADER),
+                                         request.headers.get(REQUEST_ID_HEADER)))
 
     # One store for every model: a stored response is found whichever model answered it.
     responses_of = {id(s): ResponsesServing(s, response_store) for s in servings}
@@ -481,10 +485,8 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     if metrics is not None:
         app.add_middleware(ResponseCounter, metrics=metrics,
                            endpoints={route.path for route in app.routes if hasattr(route, "path")})
-    if serving.settings.enable_request_id_headers:
-        app.add_middleware(RequestIdHeader)
-    # Outermost, as vLLM's: preflights are answered here, and every answer (a 401 too) carries the
-    # CORS headers a browser on another origin needs.
+    # Outermost (vLLM's is inside its key check): preflights are answered here, and the app's answers,
+    # its 401s too, carry the CORS headers a browser on another origin needs to read them.
     cors = serving.settings.cors
     app.add_middleware(CORSMiddleware, allow_origins=list(cors.allow_origins), allow_methods=list(cors.allow_methods),
                        allow_headers=list(cors.allow_headers), allow_credentials=cors.allow_credentials)

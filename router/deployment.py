@@ -74,9 +74,8 @@ class RouterConfig:
     # GET /load counts this replica's requests in progress; GET /tokenizer_info exists (vLLM's flags).
     enable_server_load_tracking: bool = False
     enable_tokenizer_info_endpoint: bool = False
-    # CORS (--allowed-origins, ...) and --enable-request-id-headers: the app's, taken from the first model.
+    # CORS (--allowed-origins, ...): the app's, taken from the first model.
     cors: CORSSettings = field(default_factory=CORSSettings)
-    enable_request_id_headers: bool = False
     enable_force_include_usage: bool = False
     return_tokens_as_token_ids: bool = False
     exclude_tools_when_tool_choice_none: bool = False
@@ -122,7 +121,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         enable_sleep_mode=all(d.enable_sleep_mode for d in descriptions),
         enable_server_load_tracking=config.enable_server_load_tracking,
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
-        cors=config.cors, enable_request_id_headers=config.enable_request_id_headers,
+        cors=config.cors,
         enable_force_include_usage=config.enable_force_include_usage,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
@@ -188,6 +187,7 @@ class RouterMetricsHub:
     """A named actor holding each router replica's latest exposition, so any replica can serve all."""
 
     def __init__(self) -> None:
+        configure_actor_logging()
         self._texts: dict[str, tuple[bytes, float]] = {}
 
     def push(self, replica: str, text: bytes) -> None:

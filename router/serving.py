@@ -85,6 +85,23 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
+# The longest X-Request-Id taken into an answer's id (a longer one is cut).
+MAX_EXTERNAL_ID_LEN = 128
+
+
+def answer_ids(prefix: str, external_id: str | None) -> tuple[str, str]:
+    """(the answer's id, the base of its engine request ids). With the request's X-Request-Id the
+    answer is ``<prefix>-<that id>``, as vLLM names it, so the id a gateway or Ray Serve's access log
+    knows names it in our logs and the engines'; its engine requests add a random part, since two
+    requests may come with one id. Without, a new random id serves as both."""
+    external_id = (external_id or "").strip()[:MAX_EXTERNAL_ID_LEN]
+    if not external_id:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        return request_id, request_id
+    request_id = f"{prefix}-{external_id}"
+    return request_id, f"{request_id}-{secrets.token_hex(4)}"
+
+
 def choice_request_id(request_id: str, index: int) -> str:
     """The engines' id for choice ``index`` of an HTTP request (each choice is one engine request)."""
     return f"{request_id}-{index}"
@@ -212,9 +229,8 @@ class ServingSettings:
     return_tokens_as_token_ids: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     disable_fastapi_docs: bool = False
-    # CORS, and --enable-request-id-headers (vLLM's): every answer carries X-Request-Id.
+    # CORS (vLLM's --allowed-origins, ...).
     cors: CORSSettings = field(default_factory=CORSSettings)
-    enable_request_id_headers: bool = False
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -672,13 +688,15 @@ class OpenAIServing:
         """Send every job's request (engine, request id, prompt, parameters) to its engine now,
         before any response starts, so a refusal is an HTTP status (429 or 503) for streams too;
         what was opened is released on failure."""
+        logged: set[str] = set()  # (a retry logs only what it had not logged yet)
         for attempt in range(2):
             streams: list[RequestStream] = []
             engine = -1
             try:
                 for engine, request_id, prompt_ids, params in jobs:
                     request = self._engine_request(request_id, prompt_ids, params, priority, lora)
-                    if self.settings.enable_log_requests and not attempt:
+                    if self.settings.enable_log_requests and request_id not in logged:
+                        logged.add(request_id)
                         self._log_request(request)
                     streams.append(await self.client.open(engine, request, self.settings.request_timeout_s))
                 return streams
@@ -701,14 +719,17 @@ class OpenAIServing:
         raise AssertionError("unreachable")
 
     def _log_request(self, request: EngineCoreRequest) -> None:
-        """vLLM's --enable-log-requests line: the request's prompt (text and token ids, each cut to
-        --max-log-len), its parameters and adapter."""
-        limit = self.settings.max_log_len
-        ids = request.prompt_token_ids if limit is None else request.prompt_token_ids[:limit]
-        text = self.tokenizer.decode(ids)
-        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, lora_request: %s",
-                    request.request_id, text if limit is None else text[:limit], request.sampling_params, ids,
-                    request.lora_request)
+        """vLLM's --enable-log-requests lines: the engine request's parameters and adapter at INFO;
+        its prompt (text and token ids, each cut to --max-log-len) only at DEBUG
+        (VLLM_LOGGING_LEVEL=DEBUG), as vLLM keeps prompts out of the INFO log."""
+        logger.info("Received request %s: params: %s, lora_request: %s.", request.request_id,
+                    request.sampling_params, request.lora_request)
+        if logger.isEnabledFor(logging.DEBUG):
+            limit = self.settings.max_log_len
+            ids = request.prompt_token_ids if limit is None else request.prompt_token_ids[:limit]
+            text = self.tokenizer.decode(ids)
+            logger.debug("Request %s details: prompt: %r, prompt_token_ids: %s.", request.request_id,
+                         text if limit is None else text[:limit], ids)
 
     async def _run_choice(self, stream: RequestStream, choice: _Choice, sink: asyncio.Queue | None) -> None:
         """Drive one choice to its end; with a sink, push its deltas as they come."""
@@ -777,13 +798,15 @@ class OpenAIServing:
             raise bad_request(f"{self.settings.served_model_name} is an embedding model: it does not generate "
                               "(use /v1/embeddings, /score or /rerank)", "model")
 
-    async def completions(self, request: CompletionRequest, session_id: str | None = None):
+    async def completions(self, request: CompletionRequest, session_id: str | None = None,
+                          external_id: str | None = None):
+        """``external_id``: the request's X-Request-Id, the answer's id (``cmpl-<id>``) as in vLLM."""
         lora = await self.resolve_model(request.model)
         self.check_generates()
         _no_stream_prompt_logprobs(request)
         self.resolve_logprobs(request)
         prompts = request.prompts()
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id, engine_base = answer_ids("cmpl", external_id)
         created = int(time.time())
         jobs = []
         choices: list[_Choice] = []
@@ -809,7 +832,7 @@ class OpenAIServing:
                                                                            request.prompt_logprobs))
                 c.index = p_index * request.n + c.index
                 choices.append(c)
-                jobs.append((engine, choice_request_id(request_id, c.index), ids, params))
+                jobs.append((engine, choice_request_id(engine_base, c.index), ids, params))
         streams = await self._open_all(jobs, request.priority, lora)
         if request.stream:
             return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts,
@@ -879,8 +902,10 @@ class OpenAIServing:
 
     # -- /v1/chat/completions -----------------------------------------------------------------------
 
-    async def chat(self, request: ChatCompletionRequest, session_id: str | None = None):
-        run = await self.start_chat(request, session_id)
+    async def chat(self, request: ChatCompletionRequest, session_id: str | None = None,
+                   external_id: str | None = None):
+        """``external_id``: the request's X-Request-Id, the answer's id (``chatcmpl-<id>``) as in vLLM."""
+        run = await self.start_chat(request, session_id, external_id=external_id)
         request_id, created, ids, choices = run.request_id, run.created, run.prompt_ids, run.choices
         if request.stream:
             return SSEStream(self._stream_chat(request, request_id, created, choices, len(ids), run.streams),
@@ -903,7 +928,7 @@ class OpenAIServing:
                                       prompt_logprobs=self._prompt_logprobs(request, ids, choices[0].prompt_logprobs))
 
     async def start_chat(self, request: ChatCompletionRequest, session_id: str | None = None,
-                         request_id: str | None = None) -> ChatRun:
+                         request_id: str | None = None, external_id: str | None = None) -> ChatRun:
         """Render, route and send a chat request's choices to their engine; what comes back is read
         with ``finish_chat`` (whole) or ``choice_events`` (streamed). Also the Responses API's way in."""
         lora = await self.resolve_model(request.model)
@@ -917,7 +942,10 @@ class OpenAIServing:
                               '"required" or "none"', "tool_choice")
         ids = self.truncate_prompt(self.render_chat(request), request)
         engine = self.choose_engine(ids, session_id, lora=lora)
-        request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        if request_id is None:
+            request_id, engine_base = answer_ids("chatcmpl", external_id)
+        else:
+            engine_base = request_id
         created = int(time.time())
         top = (request.top_logprobs or 0) if request.logprobs else None
         # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
@@ -927,7 +955,7 @@ class OpenAIServing:
             c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
         # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
         after = [self._think_end_id] if thinks and self._thinks_before_constraint() else None
-        jobs = [(engine, choice_request_id(request_id, c.index), ids,
+        jobs = [(engine, choice_request_id(engine_base, c.index), ids,
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                       prompt_logprobs=request.prompt_logprobs, structured_output_after=after))
                 for c in choices]

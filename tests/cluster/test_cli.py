@@ -444,11 +444,11 @@ def test_cors_and_request_id_flags_reach_the_router():
         return router_deployment(_config(*flags))._bound_deployment.init_args[0]
 
     default = router()
-    assert default.cors == CORSSettings() and default.enable_request_id_headers is False
+    assert default.cors == CORSSettings()
     chosen = router("--allowed-origins", '["https://ui.example.com"]', "--allowed-methods", '["GET", "POST"]',
-                    "--allowed-headers", '["content-type"]', "--allow-credentials", "--enable-request-id-headers")
+                    "--allowed-headers", '["content-type"]', "--allow-credentials",
+                    "--enable-request-id-headers")  # (accepted for vLLM's command lines; Serve always sets it)
     assert chosen.cors == CORSSettings(("https://ui.example.com",), ("GET", "POST"), ("content-type",), True)
-    assert chosen.enable_request_id_headers is True
     with pytest.raises(SystemExit):
         _config("--allowed-origins", "https://ui.example.com")  # (a JSON list, as vLLM takes it)
 
@@ -470,6 +470,8 @@ def test_chat_template_defaults_and_request_logging_reach_each_models_router(tmp
     assert (b.default_chat_template_kwargs, b.enable_log_requests) == ({"reasoning_effort": "low"}, True)
     plain = router_deployment(_config())._bound_deployment.init_args[0]
     assert (plain.default_chat_template_kwargs, plain.enable_log_requests, plain.max_log_len) == ({}, False, None)
+    with pytest.raises(ValueError, match="default_chat_template_kwargs may not set add_generation_prompt"):
+        _config("--default-chat-template-kwargs", '{"add_generation_prompt": false}')
 
 
 def test_vllms_server_wide_request_flags_reach_the_router():

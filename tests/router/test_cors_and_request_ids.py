@@ -1,11 +1,11 @@
 """CORS (vLLM's --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials; open by
-default) and --enable-request-id-headers, through the real app on a scripted engine."""
+default) and answers named by the request's X-Request-Id, through the real app on a scripted engine."""
 
 from __future__ import annotations
 
 from router.serving import CORSSettings
 
-from .test_request_fields import _app
+from .test_request_fields import MESSAGES, _app, _chat_app
 
 PREFLIGHT = {"Origin": "https://ui.example.com", "Access-Control-Request-Method": "POST",
              "Access-Control-Request-Headers": "authorization, content-type"}
@@ -44,18 +44,21 @@ def test_the_allowed_origins_methods_and_credentials_are_the_flags():
     assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
 
 
-def test_request_id_headers_echo_the_requests_or_name_a_new_one():
-    http, _ = _app(settings={"enable_request_id_headers": True})
-    given = http.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "trace-42"})
-    assert given.status_code == 200 and given.headers["x-request-id"] == "trace-42"
-    with http.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True},
-                     headers={"X-Request-Id": "trace-43"}) as streamed:
-        assert streamed.headers["x-request-id"] == "trace-43"
-        assert "".join(streamed.iter_text()).endswith("data: [DONE]\n\n")
-    fresh = [http.get("/health").headers["x-request-id"] for _ in range(2)]
-    assert len(set(fresh)) == 2 and all(len(value) == 32 for value in fresh)
-    assert http.post("/v1/completions", json={"model": "nope", "prompt": "hi"},
-                     headers={"X-Request-Id": "trace-44"}).headers["x-request-id"] == "trace-44"
-    # Off by default, as in vLLM.
-    plain, _ = _app()
-    assert "x-request-id" not in plain.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "t"}).headers
+def test_an_answer_takes_the_requests_x_request_id_as_its_id():
+    """As vLLM: a completion or chat answer's id is cmpl-/chatcmpl- and the request's X-Request-Id
+    (Ray Serve sets one on every request that lacks it, and answers with it), so a gateway's or Serve's
+    id names the request in our logs; two requests with one id stay two requests in the engine."""
+    http, engine = _chat_app()
+    first = http.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "trace-42"}).json()
+    second = http.post("/v1/completions", json={**COMPLETION, "n": 2}, headers={"X-Request-Id": "trace-42"}).json()
+    assert first["id"] == second["id"] == "cmpl-trace-42"
+    engine_ids = [r.request_id for r in engine.requests]
+    assert all(rid.startswith("cmpl-trace-42-") for rid in engine_ids) and len(set(engine_ids)) == 3
+    with http.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "t-7"},
+                     json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "stream": True}) as streamed:
+        chunks = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert chunks and all('"id":"chatcmpl-t-7"' in chunk for chunk in chunks)
+    unnamed = http.post("/v1/completions", json=COMPLETION).json()["id"]
+    assert unnamed.startswith("cmpl-") and len(unnamed) == len("cmpl-") + 32
+    assert http.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "x" * 500}).json()["id"] == (
+        "cmpl-" + "x" * 128)

@@ -491,6 +491,20 @@ def test_streaming_sse_format_ends_with_done(cluster):
     assert all(json.loads(d)["object"] == "chat.completion.chunk" for d in data[:-1])
 
 
+def test_answers_are_named_by_serves_request_id_and_browsers_may_call(cluster):
+    """Through Serve: the answer's id is cmpl-<X-Request-Id>, the id Serve answers with (the client's,
+    or one Serve gives it), and a CORS preflight passes, as vLLM's defaults allow."""
+    base = cluster["base"]
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+    named = httpx.post(f"{base}/v1/completions", json=body, headers={"X-Request-Id": "e2e-trace-1"}, timeout=60)
+    assert named.json()["id"] == "cmpl-e2e-trace-1" and named.headers["x-request-id"] == "e2e-trace-1"
+    unnamed = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert unnamed.json()["id"] == f"cmpl-{unnamed.headers['x-request-id']}"
+    preflight = httpx.options(f"{base}/v1/chat/completions", timeout=60, headers={
+        "Origin": "https://ui.example.com", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+
+
 def test_tokenize_detokenize_version_models(cluster):
     base = cluster["base"]
     toks = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world"}).json()

@@ -675,17 +675,25 @@ def test_server_default_chat_template_kwargs_sit_under_the_requests_own():
     assert prompt() == "hi"  # (Anthropic's thinking sets enable_thinking)
 
 
-def test_enable_log_requests_logs_each_engine_requests_prompt_and_parameters(caplog):
+def test_enable_log_requests_logs_each_engine_requests_parameters_and_its_prompt_at_debug(caplog):
+    """As vLLM's RequestLogger: the parameters and adapter at INFO (each engine request: a choice
+    each), the prompt and its token ids (cut to --max-log-len) only at DEBUG."""
     http, _ = _chat_app(enable_log_requests=True, max_log_len=4)
     with caplog.at_level(logging.INFO, logger="router.serving"):
         assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello there", "max_tokens": 2,
                                                   "n": 2}).is_success
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request cmpl-")]
-    assert len(lines) == 2  # (one per engine request: each choice)
-    assert "prompt: 'Hell', params: SamplingParams(max_tokens=2" in lines[0]
-    assert f"prompt_token_ids: {TOKENIZER.encode('Hello there')[:4]}" in lines[0]
+    lines = [r.getMessage() for r in caplog.records]
+    received = [line for line in lines if line.startswith("Received request cmpl-")]
+    assert len(received) == 2 and "params: SamplingParams(max_tokens=2" in received[0]
+    assert "lora_request: None." in received[0] and not any("Hell" in line for line in lines)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="router.serving"):
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello there", "max_tokens": 2}).is_success
+    details = [r.getMessage() for r in caplog.records if " details: " in r.getMessage()]
+    assert len(details) == 1 and "prompt: 'Hell'" in details[0]
+    assert f"prompt_token_ids: {TOKENIZER.encode('Hello there')[:4]}" in details[0]
     caplog.clear()
     quiet, _ = _chat_app()
-    with caplog.at_level(logging.INFO, logger="router.serving"):
+    with caplog.at_level(logging.DEBUG, logger="router.serving"):
         assert quiet.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2}).is_success
     assert "Received request" not in caplog.text
