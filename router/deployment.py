@@ -52,7 +52,7 @@ class RouterConfig:
     chat_template: str | None = None  # replaces the model's own
     # --default-chat-template-kwargs: under each request's own chat_template_kwargs.
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # --enable-log-requests and --max-log-len: each request's prompt and parameters in the log.
+    # --enable-log-requests and --max-log-len: each engine request logged (its prompt only at DEBUG).
     enable_log_requests: bool = False
     max_log_len: int | None = None
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, read with this parser

@@ -217,8 +217,8 @@ class ServingSettings:
     # --default-chat-template-kwargs (vLLM's): every chat template render gets these, under the
     # request's own chat_template_kwargs (e.g. {"enable_thinking": false} for Qwen3).
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # --enable-log-requests and --max-log-len (vLLM's): each engine request's prompt and parameters
-    # go to the log, the prompt cut to max_log_len characters (and token ids).
+    # --enable-log-requests and --max-log-len (vLLM's): each engine request's parameters go to the
+    # log at INFO, its prompt at DEBUG, cut to max_log_len characters (and token ids).
     enable_log_requests: bool = False
     max_log_len: int | None = None
     # vLLM's --enable-force-include-usage (every stream ends with a usage chunk, as platforms that

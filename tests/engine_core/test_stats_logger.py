@@ -148,4 +148,5 @@ def test_the_logging_variables_travel_to_the_actors(monkeypatch):
     assert "runtime_env" not in router_deployment(ClusterConfig(model="m"))._bound_deployment.ray_actor_options
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "30")
     assert logging_runtime_env() == {"env_vars": {"VLLM_LOG_STATS_INTERVAL": "30"}}
-    assert router_deployment(ClusterConfig(model="m"))._bound_deployment.ray_actor_options["runtime_env"] == logging_runtime_env()
+    options = router_deployment(ClusterConfig(model="m"))._bound_deployment.ray_actor_options
+    assert options["runtime_env"] == logging_runtime_env()
