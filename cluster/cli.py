@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--override-generation-config", type=_json_object, default=None,
                        help='Default sampling parameters set over the generation config\'s (JSON), e.g. '
                             '\'{"temperature": 0.5, "max_new_tokens": 512}\'.')
+    serve.add_argument("--tokenizer", default=None,
+                       help="A Hugging Face tokenizer directory to use instead of the model's own, e.g. a GGUF "
+                            "model's original tokenizer (and its chat template). Hub names are not downloaded.")
     serve.add_argument("--disable-log-stats", action="store_true", default=None,
                        help="No engine metrics (vllm:* on /metrics) and no periodic stats line in the engines' log "
                             "(every VLLM_LOG_STATS_INTERVAL seconds, 10 by default), as vLLM's flag.")
@@ -254,7 +257,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
                 "generation_config": args.generation_config,
                 "override_generation_config": args.override_generation_config, "max_logprobs": args.max_logprobs,
-                "disable_log_stats": args.disable_log_stats,
+                "disable_log_stats": args.disable_log_stats, "tokenizer": args.tokenizer,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
                 "kv_cache_metrics": args.kv_cache_metrics or None,
                 "enable_sleep_mode": args.enable_sleep_mode or None,

@@ -73,6 +73,9 @@ class EngineSpec(BaseModel):
     override_generation_config: dict[str, Any] | None = Field(
         None, description='Default sampling parameters set over the generation config\'s '
                           '(--override-generation-config), e.g. {"temperature": 0.5, "max_new_tokens": 512}.')
+    tokenizer: str | None = Field(
+        None, description="A Hugging Face tokenizer directory used instead of the model's own (--tokenizer), e.g. "
+                          "a GGUF model's original tokenizer and chat template.")
     disable_log_stats: bool | None = Field(
         None, description="No engine metrics (vllm:*) and no periodic stats line in the engine's log "
                           "(--disable-log-stats, as vLLM's).")
@@ -460,12 +463,13 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
                              f"{first.hf_overrides or '{}'}); set them for the model, not per engine")
         # (The router fills a request's unset sampling parameters and checks its logprobs once, whichever
         # engine it reaches.)
-        if ((config.generation_config, config.override_generation_config, config.max_logprobs)
-                != (first.generation_config, first.override_generation_config, first.max_logprobs)):
-            raise ValueError(f"engine {config.engine_index}: generation_config, override_generation_config and "
-                             f"max_logprobs must be the same on every engine of a model (engine {first.engine_index} "
-                             f"has {first.generation_config!r}, {first.override_generation_config or '{}'} and "
-                             f"{first.max_logprobs}); set them for the model, not per engine")
+        if ((config.generation_config, config.override_generation_config, config.max_logprobs, config.tokenizer)
+                != (first.generation_config, first.override_generation_config, first.max_logprobs, first.tokenizer)):
+            raise ValueError(f"engine {config.engine_index}: generation_config, override_generation_config, "
+                             f"max_logprobs and tokenizer must be the same on every engine of a model (engine "
+                             f"{first.engine_index} has {first.generation_config!r}, "
+                             f"{first.override_generation_config or '{}'}, {first.max_logprobs} and "
+                             f"{first.tokenizer!r}); set them for the model, not per engine")
 
 
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
@@ -490,7 +494,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                           for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
-        generation_config=s["generation_config"], max_logprobs=s["max_logprobs"],
+        generation_config=s["generation_config"], max_logprobs=s["max_logprobs"], tokenizer=s["tokenizer"],
         log_stats=not s["disable_log_stats"],
         override_generation_config=json.dumps(s["override_generation_config"], sort_keys=True)
         if s["override_generation_config"] else "",

@@ -248,12 +248,13 @@ class LLM:
                  runner: str = "auto", pooler_config: dict[str, Any] | None = None,
                  hf_overrides: dict[str, Any] | None = None, enable_sleep_mode: bool = False,
                  generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
-                 disable_log_stats: bool = True, **scheduler_flags: Any) -> None:
+                 disable_log_stats: bool = True, tokenizer: str | None = None, **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
         self.model_dir = str(resolved.model_dir)
-        self.tokenizer = load_tokenizer(resolved.model_dir)
+        # (--tokenizer: the engines check it against the model and use it too.)
+        self.tokenizer = load_tokenizer(resolved.model_dir if tokenizer is None else tokenizer)
         self._token_texts: dict[int, str] = {}
         spec = scheduler_flags_to_spec(scheduler_flags).model_copy(update={
             "tensor_parallel_size": tensor_parallel_size, "num_gpu_blocks": num_gpu_blocks, "device": device,
@@ -261,7 +262,7 @@ class LLM:
             "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend,
             "kv_cache_dtype": kv_cache_dtype, "enable_expert_parallel": enable_expert_parallel,
             "runner": runner, "pooler_config": pooler_config, "hf_overrides": hf_overrides,
-            "enable_sleep_mode": enable_sleep_mode, "generation_config": generation_config,
+            "enable_sleep_mode": enable_sleep_mode, "generation_config": generation_config, "tokenizer": tokenizer,
             "override_generation_config": override_generation_config})
         # engine_overrides: per-engine flag mappings (engine i gets the i-th), e.g. a latency engine
         # beside a throughput one.

@@ -250,6 +250,9 @@ class EngineConfig:
     # for those it leaves unset (engine_core/generation_defaults.py).
     generation_config: str = "auto"
     override_generation_config: str = ""
+    # vLLM's --tokenizer: a Hugging Face tokenizer directory used instead of the model's own (a GGUF's
+    # model with its original tokenizer and chat template, say); None: the model's.
+    tokenizer: str | None = None
     # vLLM's --max-logprobs: the most logprobs (and prompt logprobs) a request may ask for per token;
     # -1: the whole vocabulary.
     max_logprobs: int = 20
@@ -322,6 +325,8 @@ class EngineConfig:
                      self.runner)
             _require(not self.hf_overrides or isinstance(json.loads(self.hf_overrides), dict), "hf_overrides",
                      "a JSON object", self.hf_overrides)
+            _require(self.tokenizer is None or (isinstance(self.tokenizer, str) and self.tokenizer.strip() != ""),
+                     "tokenizer", "None or a tokenizer directory", self.tokenizer)
             _require(type(self.max_logprobs) is int and self.max_logprobs >= -1, "max_logprobs",
                      "an integer >= -1 (-1: the whole vocabulary)", self.max_logprobs)
             _require(isinstance(self.generation_config, str) and self.generation_config != "", "generation_config",

@@ -50,17 +50,22 @@ class EngineDescription:
     enable_sleep_mode: bool = False
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja", "config.json", "tokenizer.model", "vocab.json", "merges.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+# The model's files a tokenizer may read too (its class, the EOS ids): always the model's own.
+MODEL_FILES = ("config.json", "generation_config.json")
 
 
-def read_tokenizer_files(model_dir: str) -> dict[str, bytes]:
+def read_tokenizer_files(model_dir: str, tokenizer_dir: str = "") -> dict[str, bytes]:
+    """The files a router needs to load the model's tokenizer: the tokenizer's from ``tokenizer_dir``
+    (--tokenizer) when given, never mixed with the model's own, and the model's config files."""
     files = {}
-    for name in TOKENIZER_FILES:
-        path = os.path.join(model_dir, name)
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                files[name] = f.read()
+    for directory, names in ((tokenizer_dir or model_dir, TOKENIZER_FILES), (model_dir, MODEL_FILES)):
+        for name in names:
+            path = os.path.join(directory, name)
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    files[name] = f.read()
     return files
 
 
@@ -613,7 +618,8 @@ class EngineCoreActor:
 
     async def get_tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer files of the engine's model dir, so a router on another node can load them."""
-        return read_tokenizer_files(self.service.engine.model_info.model_dir)
+        info = self.service.engine.model_info
+        return read_tokenizer_files(info.model_dir, info.tokenizer_dir)
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._bind()

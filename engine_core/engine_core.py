@@ -134,12 +134,13 @@ class EngineCore:
     @property
     def structured_output(self) -> StructuredOutputManager:
         if self._structured is None:
-            model_dir, info = self.model_info.model_dir, self.model_info
+            info = self.model_info
+            tokenizer_dir = info.tokenizer_dir or info.model_dir
 
             def load_tokenizer():
                 from transformers import AutoTokenizer
 
-                return AutoTokenizer.from_pretrained(model_dir)
+                return AutoTokenizer.from_pretrained(tokenizer_dir)
 
             self._structured = StructuredOutputManager(load_tokenizer, info.vocab_size, info.eos_token_ids)
         return self._structured

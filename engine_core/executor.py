@@ -160,6 +160,8 @@ class ModelInfo:
     default_sampling_params: dict[str, float | int] = field(default_factory=dict)
     # The most logprobs a request may ask for per token (--max-logprobs; -1 there: the vocabulary).
     max_logprobs: int = 20
+    # Where the tokenizer's files are (--tokenizer); "": the model's directory.
+    tokenizer_dir: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
 

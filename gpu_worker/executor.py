@@ -22,7 +22,7 @@ from engine_core.generation_defaults import model_sampling_defaults
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
-from gpu_worker.model_resolver import resolve_model
+from gpu_worker.model_resolver import resolve_model, resolve_tokenizer
 from gpu_worker.pooler_config import (
     DenseProjection,
     PoolerConfig,
@@ -127,6 +127,11 @@ class _ExecutorBase(Executor):
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
         self.config = config = dataclasses.replace(config, scheduler=scheduler)
+        try:
+            tokenizer_dir = ("" if config.tokenizer is None
+                             else str(resolve_tokenizer(config.tokenizer, self.model_config.vocab_size)))
+        except ValueError as e:
+            raise ValueError(f"engine {config.engine_index}: {e}") from None
         sampling_defaults: dict[str, float | int] = {}
         if not embeds_only:  # (an embedding model samples nothing: its generation config is not read)
             try:
@@ -141,7 +146,7 @@ class _ExecutorBase(Executor):
                         sampling_defaults)
         self._info = ModelInfo(
             served_model_name=config.served_model_name or resolved.served_name, model_dir=str(self.model_dir),
-            default_sampling_params=sampling_defaults,
+            default_sampling_params=sampling_defaults, tokenizer_dir=tokenizer_dir,
             max_logprobs=config.max_logprobs if config.max_logprobs >= 0 else self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),

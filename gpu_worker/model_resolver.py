@@ -125,6 +125,26 @@ def _missing_hf_files(path: Path) -> list[str]:
     return missing
 
 
+# Files of which a Hugging Face tokenizer directory has at least one.
+_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_tokenizer(tokenizer: str, vocab_size: int) -> Path:
+    """vLLM's --tokenizer: the directory of a Hugging Face tokenizer to use instead of the model's own
+    (loaded once here, so a tokenizer the model cannot serve stops the engine at start, naming it)."""
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"tokenizer {tokenizer!r}: not a directory (give a Hugging Face tokenizer's files; hub "
+                         "names are not downloaded)")
+    if not any((path / name).is_file() for name in _TOKENIZER_MARKERS):
+        raise ValueError(f"tokenizer {tokenizer!r}: no tokenizer files in it ({', '.join(_TOKENIZER_MARKERS)})")
+    size = len(load_tokenizer(path))
+    if size > vocab_size:
+        raise ValueError(f"tokenizer {tokenizer!r}: its {size} tokens are more than the model's vocabulary of "
+                         f"{vocab_size}: it is not this model's tokenizer")
+    return path.resolve()
+
+
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
     """The HF tokenizer of a resolved model directory (with its chat template, when it has one)."""
     from transformers import AutoTokenizer  # deferred: importing transformers costs seconds

@@ -1065,3 +1065,32 @@ def test_prompt_logprobs_are_the_same_scored_a_few_rows_at_a_time(tiny_model_dir
     for a, b in zip(whole[1:], sliced[1:], strict=True):
         assert a.keys() == b.keys() and len(a) >= 5
         assert all(a[t].rank == b[t].rank and a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) for t in a)
+
+
+def test_another_tokenizer_directory_writes_the_prompts(tmp_path, tiny_model_dir):
+    """vLLM's --tokenizer (a GGUF model's original tokenizer, say): its chat template writes the
+    prompts, the engine knows where it is, and one the model cannot serve stops the start."""
+    from tests.tiny_model import build_tokenizer
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    tokenizer.save_pretrained(tokenizer_dir)
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, tokenizer=str(tokenizer_dir))
+    try:
+        out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2, temperature=0),
+                       use_tqdm=False)[0]
+        assert out.prompt == "<<Hi>>" and llm._model_info().tokenizer_dir == str(tokenizer_dir.resolve())
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match=r"engine 0: tokenizer .*: not a directory"):
+        _engine_only(tiny_model_dir, str(tmp_path / "missing"))
+
+
+def _engine_only(model_dir, tokenizer: str) -> None:
+    """Start an in-process engine for ``model_dir`` with ``tokenizer`` (the engine's own check)."""
+    from cluster.config import ClusterConfig, EngineSpec
+    from gpu_worker.executor import create_executor
+
+    config = ClusterConfig(model=str(model_dir), defaults=EngineSpec(num_gpu_blocks=64, tokenizer=tokenizer))
+    create_executor(config.engine_configs()[0])

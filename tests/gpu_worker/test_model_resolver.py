@@ -143,3 +143,42 @@ def test_incomplete_hf_directory_names_missing_files(hf_dir: Path, remove: str, 
     (hf_dir / remove).unlink()
     with pytest.raises(FileNotFoundError, match=message):
         resolve_model(str(hf_dir))
+
+
+def test_a_tokenizer_directory_is_checked_against_the_model(tmp_path, tiny_model_dir):
+    """vLLM's --tokenizer: a directory of a Hugging Face tokenizer whose tokens the model has."""
+    from gpu_worker.model_resolver import resolve_tokenizer
+    from tests.tiny_model import build_tokenizer
+
+    own = tmp_path / "own"
+    build_tokenizer().save_pretrained(own)
+    assert resolve_tokenizer(str(own), vocab_size=384) == own.resolve()
+    with pytest.raises(ValueError, match="not a directory"):
+        resolve_tokenizer(str(tmp_path / "missing"), 384)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no tokenizer files in it"):
+        resolve_tokenizer(str(tmp_path / "empty"), 384)
+    larger = tmp_path / "larger"
+    build_tokenizer(vocab_size=500).save_pretrained(larger)
+    with pytest.raises(ValueError, match=r"its \d+ tokens are more than the model's vocabulary of 384"):
+        resolve_tokenizer(str(larger), 384)
+
+
+def test_the_routers_tokenizer_files_come_whole_from_the_tokenizer_directory(tmp_path, tiny_model_dir):
+    """What an engine sends a router: the tokenizer's files from --tokenizer's directory (none of the
+    model's own mixed in), and the model's config files from the model."""
+    from engine_core.engine_actor import MODEL_FILES, read_tokenizer_files
+    from tests.tiny_model import build_tokenizer
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    tokenizer.save_pretrained(tokenizer_dir)
+    own = read_tokenizer_files(str(tiny_model_dir))
+    chosen = read_tokenizer_files(str(tiny_model_dir), str(tokenizer_dir))
+    for name, data in chosen.items():
+        source = tiny_model_dir if name in MODEL_FILES else tokenizer_dir
+        assert data == (source / name).read_bytes(), name
+    assert set(MODEL_FILES) <= set(chosen) and chosen["chat_template.jinja"] != own["chat_template.jinja"]
+    (tokenizer_dir / "chat_template.jinja").unlink()  # (a file only the model has is not taken from it)
+    assert "chat_template.jinja" not in read_tokenizer_files(str(tiny_model_dir), str(tokenizer_dir))
