@@ -115,6 +115,7 @@ def router_deployment(config: ClusterConfig):
         **_router_names(config.served_model_name), model=config.model, chat_template=config.chat_template,
         default_chat_template_kwargs=config.default_chat_template_kwargs or {},
         enable_log_requests=config.enable_log_requests, max_log_len=config.max_log_len,
+        enable_log_outputs=config.enable_log_outputs,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser, api_keys=tuple(config.api_keys),
         enable_lora=config.enable_lora,

@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-log-requests", action="store_true",
                        help="Log each request's prompt, token ids and sampling parameters as it goes to an engine.")
     serve.add_argument("--max-log-len", type=int, default=None,
-                       help="With --enable-log-requests: characters of the prompt (and token ids) logged.")
+                       help="Characters of a logged prompt or output (and token ids) kept.")
+    serve.add_argument("--enable-log-outputs", action="store_true",
+                       help="Log each finished answer's text, token ids and finish reason (one line per choice).")
     serve.add_argument("--enable-force-include-usage", action="store_true",
                        help="Every streamed answer ends with a usage chunk, whether or not the request asked for "
                             "it (stream_options.include_usage), for platforms that bill by token.")
@@ -286,6 +288,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+        enable_log_outputs=args.enable_log_outputs,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         enable_force_include_usage=args.enable_force_include_usage,

@@ -294,8 +294,10 @@ class ClusterConfig(LoRASettings):
         False, description="Run a request's own chat_template (vLLM's --trust-request-chat-template); else a 400.")
     enable_log_requests: bool = Field(False, description="Log each request's prompt and parameters as it goes to an "
                                                          "engine (--enable-log-requests).")
-    max_log_len: int | None = Field(None, ge=0, description="Characters of a logged prompt (and token ids) kept "
-                                                           "(--max-log-len; default: all).")
+    max_log_len: int | None = Field(None, ge=0, description="Characters of a logged prompt or output (and token "
+                                                           "ids) kept (--max-log-len; default: all).")
+    enable_log_outputs: bool = Field(False, description="Log each finished answer's text, token ids and finish "
+                                                        "reason (--enable-log-outputs).")
     enable_auto_tool_choice: bool = Field(False, description='Allow tool_choice "auto" (needs tool_call_parser).')
     tool_call_parser: str | None = Field(
         None, description=f"The model's tool-call format: {', '.join(TOOL_CALL_PARSERS)}.")

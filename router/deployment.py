@@ -55,6 +55,7 @@ class RouterConfig:
     # --enable-log-requests and --max-log-len: each engine request logged (its prompt only at DEBUG).
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    enable_log_outputs: bool = False
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, read with this parser
     reasoning_parser: str | None = None
     api_keys: tuple[str, ...] = ()
@@ -128,6 +129,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         disable_fastapi_docs=config.disable_fastapi_docs,
         default_chat_template_kwargs=dict(config.default_chat_template_kwargs),
         enable_log_requests=config.enable_log_requests, max_log_len=config.max_log_len,
+        enable_log_outputs=config.enable_log_outputs,
     )
 
 

@@ -221,6 +221,8 @@ class ServingSettings:
     # log at INFO, its prompt at DEBUG, cut to max_log_len characters (and token ids).
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    # --enable-log-outputs (vLLM's): each finished choice's text, token ids and finish reason (INFO).
+    enable_log_outputs: bool = False
     # vLLM's --enable-force-include-usage (every stream ends with a usage chunk, as platforms that
     # bill by token need), --return-tokens-as-token-ids (logprobs name tokens token_id:N for every
     # request), --exclude-tools-when-tool-choice-none and --disable-fastapi-docs (no /docs, /redoc,
@@ -731,6 +733,15 @@ class OpenAIServing:
             logger.debug("Request %s details: prompt: %r, prompt_token_ids: %s.", request.request_id,
                          text if limit is None else text[:limit], ids)
 
+    def _log_output(self, request_id: str, choice: _Choice) -> None:
+        """vLLM's --enable-log-outputs line, once a choice has finished: its text and token ids (each
+        cut to --max-log-len) and why it ended."""
+        limit = self.settings.max_log_len
+        text, ids = choice.detok.output_text, choice.token_ids
+        logger.info("Generated response %s: output: %r, output_token_ids: %s, finish_reason: %s", request_id,
+                    text if limit is None else text[:limit], ids if limit is None else ids[:limit],
+                    choice.finish_reason)
+
     async def _run_choice(self, stream: RequestStream, choice: _Choice, sink: asyncio.Queue | None) -> None:
         """Drive one choice to its end; with a sink, push its deltas as they come."""
         async for event in self._deltas(stream, choice):
@@ -1074,6 +1085,8 @@ class OpenAIServing:
         finally:
             # Finished, a stop string, or the client went away: close() aborts what did not finish.
             await stream.close()
+            if self.settings.enable_log_outputs and choice.finish_reason is not None:
+                self._log_output(stream.request_id, choice)
 
     def _choice_events(self, streams: list[RequestStream], choices: list[_Choice]
                        ) -> AsyncIterator[_Delta]:

@@ -464,12 +464,14 @@ def test_chat_template_defaults_and_request_logging_reach_each_models_router(tmp
                       "   default_chat_template_kwargs: {reasoning_effort: low}}\n")
     first, [b] = router_deployment(_config(
         "--default-chat-template-kwargs", '{"enable_thinking": false}', "--enable-log-requests", "--max-log-len", "64",
-        "--extra-models", str(models)))._bound_deployment.init_args
+        "--enable-log-outputs", "--extra-models", str(models)))._bound_deployment.init_args
     assert (first.default_chat_template_kwargs, first.enable_log_requests, first.max_log_len) == (
         {"enable_thinking": False}, True, 64)
+    assert first.enable_log_outputs and b.enable_log_outputs
     assert (b.default_chat_template_kwargs, b.enable_log_requests) == ({"reasoning_effort": "low"}, True)
     plain = router_deployment(_config())._bound_deployment.init_args[0]
     assert (plain.default_chat_template_kwargs, plain.enable_log_requests, plain.max_log_len) == ({}, False, None)
+    assert not plain.enable_log_outputs
     with pytest.raises(ValueError, match="default_chat_template_kwargs may not set add_generation_prompt"):
         _config("--default-chat-template-kwargs", '{"add_generation_prompt": false}')
 

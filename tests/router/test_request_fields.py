@@ -697,3 +697,24 @@ def test_enable_log_requests_logs_each_engine_requests_parameters_and_its_prompt
     with caplog.at_level(logging.DEBUG, logger="router.serving"):
         assert quiet.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2}).is_success
     assert "Received request" not in caplog.text
+
+
+def test_enable_log_outputs_logs_each_finished_choice(caplog):
+    """vLLM's --enable-log-outputs: once a choice has finished, its text, token ids (cut to
+    --max-log-len) and finish reason, whole or streamed."""
+    http, _ = _chat_app(enable_log_outputs=True, max_log_len=5)
+    for stream in (False, True):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="router.serving"):
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 8, "n": 2,
+                                                   "stream": stream})
+            assert r.status_code == 200
+        lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("Generated response")]
+        assert len(lines) == 2, lines
+        expected = f"output: {TEXT[:5]!r}, output_token_ids: {TOKENIZER.encode(TEXT)[:5]}, finish_reason: length"
+        assert expected in lines[0]
+    quiet, _ = _chat_app()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="router.serving"):
+        assert quiet.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}).is_success
+    assert "Generated response" not in caplog.text
