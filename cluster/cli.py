@@ -259,7 +259,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
                 "generation_config": args.generation_config,
                 "override_generation_config": args.override_generation_config, "max_logprobs": args.max_logprobs,
-                "disable_log_stats": args.disable_log_stats, "tokenizer": args.tokenizer,
+                "disable_log_stats": args.disable_log_stats,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
                 "kv_cache_metrics": args.kv_cache_metrics or None,
                 "enable_sleep_mode": args.enable_sleep_mode or None,
@@ -270,6 +270,9 @@ def cluster_config_from_args(args: argparse.Namespace):
     overrides = load_engine_overrides(args.engine_config) if args.engine_config else []
     return ClusterConfig(
         model=args.model, served_model_name=args.served_model_name, num_engines=args.num_engines,
+        # (A directory here is given to the engines by its full path: they need not share this one's.)
+        tokenizer=(os.path.abspath(args.tokenizer) if args.tokenizer and os.path.isdir(args.tokenizer)
+                   else args.tokenizer),
         defaults=EngineSpec(**{k: v for k, v in defaults.items() if v is not None}), engines=overrides,
         routing_policy=args.routing_policy, prefix_load_margin=args.prefix_load_margin,
         num_router_replicas=args.num_router_replicas, request_timeout_s=args.request_timeout,
@@ -300,8 +303,8 @@ def cluster_config_from_args(args: argparse.Namespace):
 
 def _extra_models(path: str) -> list:
     """``--extra-models FILE``, each chat template read as ``--chat-template`` reads it (a path
-    relative to the file's folder, or the template itself), and each adapter's relative path taken
-    from the file's folder too, where it exists there."""
+    relative to the file's folder, or the template itself), and each adapter's and tokenizer's
+    relative path taken from the file's folder too, where it exists there."""
     from cluster.config import load_extra_models
 
     folder = os.path.dirname(os.path.abspath(path))
@@ -318,7 +321,9 @@ def _extra_models(path: str) -> list:
             entry = {"name": module.name, "path": beside_file(module.path)}
             adapters.append(entry if module.base_model_name is None else {**entry,
                                                                           "base_model_name": module.base_model_name})
-        models.append(m.model_copy(update={"chat_template": read_chat_template(template), "lora_modules": adapters}))
+        tokenizer = None if m.tokenizer is None else beside_file(m.tokenizer, os.path.isdir)
+        models.append(m.model_copy(update={"chat_template": read_chat_template(template), "lora_modules": adapters,
+                                           "tokenizer": tokenizer}))
     return models
 
 
@@ -358,8 +363,8 @@ def serve_command(args: argparse.Namespace) -> int:
         if config.address is None:  # a local model must exist here (on a cluster, on the engines' nodes)
             from gpu_worker.model_resolver import check_model_reference
 
-            for model in [config.model, *(m.model for m in config.models)]:
-                check_model_reference(model)
+            for owner in (config, *config.models):
+                check_model_reference(owner.model, owner.tokenizer)
             from gpu_worker.lora.peft_adapter import read_adapter_config
 
             for owner in (config, *config.models):  # an unreadable adapter fails now, not in every engine

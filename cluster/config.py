@@ -73,9 +73,6 @@ class EngineSpec(BaseModel):
     override_generation_config: dict[str, Any] | None = Field(
         None, description='Default sampling parameters set over the generation config\'s '
                           '(--override-generation-config), e.g. {"temperature": 0.5, "max_new_tokens": 512}.')
-    tokenizer: str | None = Field(
-        None, description="A Hugging Face tokenizer directory used instead of the model's own (--tokenizer), e.g. "
-                          "a GGUF model's original tokenizer and chat template.")
     disable_log_stats: bool | None = Field(
         None, description="No engine metrics (vllm:*) and no periodic stats line in the engine's log "
                           "(--disable-log-stats, as vLLM's).")
@@ -245,6 +242,9 @@ class ServedModel(LoRASettings):
     defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags of this model's engines.")
     engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
     chat_template: str | None = Field(None, description="Jinja chat template replacing the model's own.")
+    tokenizer: str | None = Field(
+        None, description="A Hugging Face tokenizer directory used instead of the model's own (--tokenizer), e.g. "
+                          "a GGUF model's original tokenizer and chat template; this model's alone.")
     default_chat_template_kwargs: dict[str, Any] | None = Field(
         None, description='Keyword arguments every chat template render gets unless the request sets them '
                           '(--default-chat-template-kwargs), e.g. {"enable_thinking": false} for Qwen3.')
@@ -287,6 +287,9 @@ class ClusterConfig(LoRASettings):
     num_router_replicas: int = Field(1, ge=1)
     request_timeout_s: float | None = Field(None, gt=0)
     chat_template: str | None = Field(None, description="Jinja chat template replacing the model's own.")
+    tokenizer: str | None = Field(
+        None, description="A Hugging Face tokenizer directory used instead of the model's own (--tokenizer), e.g. "
+                          "a GGUF model's original tokenizer and chat template; this model's alone.")
     default_chat_template_kwargs: dict[str, Any] | None = Field(
         None, description='Keyword arguments every chat template render gets unless the request sets them '
                           '(--default-chat-template-kwargs), e.g. {"enable_thinking": false} for Qwen3.')
@@ -431,14 +434,14 @@ class ClusterConfig(LoRASettings):
                              f"got {self.routing_policy!r}")
         lora = self.lora_config()
         first_name = served_model_names(self.served_model_name, self.model)[0] if self.served_model_name else None
-        configs = [engine_config_from_spec(self.model, i, spec, self.seed, first_name, lora)
+        configs = [engine_config_from_spec(self.model, i, spec, self.seed, first_name, lora, self.tokenizer)
                    for i, spec in enumerate(self.resolved_specs())]
         _check_one_runner(configs)
         for served in self.models:
             flags = self._base_flags() | served.defaults.model_dump(exclude_none=True)
             name = served.served_names[0] if served.served_model_name else None
             group = [engine_config_from_spec(served.model, len(configs) + i, spec, self.seed, name,
-                                             served.lora_config())
+                                             served.lora_config(), served.tokenizer)
                      for i, spec in enumerate(_resolve_specs(flags, served.num_engines, served.engines))]
             _check_one_runner(group)
             configs += group
@@ -465,18 +468,17 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
                              f"{first.hf_overrides or '{}'}); set them for the model, not per engine")
         # (The router fills a request's unset sampling parameters and checks its logprobs once, whichever
         # engine it reaches.)
-        if ((config.generation_config, config.override_generation_config, config.max_logprobs, config.tokenizer)
-                != (first.generation_config, first.override_generation_config, first.max_logprobs, first.tokenizer)):
-            raise ValueError(f"engine {config.engine_index}: generation_config, override_generation_config, "
-                             f"max_logprobs and tokenizer must be the same on every engine of a model (engine "
-                             f"{first.engine_index} has {first.generation_config!r}, "
-                             f"{first.override_generation_config or '{}'}, {first.max_logprobs} and "
-                             f"{first.tokenizer!r}); set them for the model, not per engine")
+        if ((config.generation_config, config.override_generation_config, config.max_logprobs)
+                != (first.generation_config, first.override_generation_config, first.max_logprobs)):
+            raise ValueError(f"engine {config.engine_index}: generation_config, override_generation_config and "
+                             f"max_logprobs must be the same on every engine of a model (engine {first.engine_index} "
+                             f"has {first.generation_config!r}, {first.override_generation_config or '{}'} and "
+                             f"{first.max_logprobs}); set them for the model, not per engine")
 
 
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
                             served_model_name: str | None = None,
-                            lora_config: LoRAConfig | None = None) -> EngineConfig:
+                            lora_config: LoRAConfig | None = None, tokenizer: str | None = None) -> EngineConfig:
     s = spec.model_dump()
     try:
         scheduler = SchedulerConfig(
@@ -496,7 +498,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                           for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
-        generation_config=s["generation_config"], max_logprobs=s["max_logprobs"], tokenizer=s["tokenizer"],
+        generation_config=s["generation_config"], max_logprobs=s["max_logprobs"], tokenizer=tokenizer,
         log_stats=not s["disable_log_stats"],
         override_generation_config=json.dumps(s["override_generation_config"], sort_keys=True)
         if s["override_generation_config"] else "",

@@ -249,11 +249,13 @@ class LLM:
                  hf_overrides: dict[str, Any] | None = None, enable_sleep_mode: bool = False,
                  generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
                  disable_log_stats: bool = True, tokenizer: str | None = None, **scheduler_flags: Any) -> None:
-        from gpu_worker.model_resolver import load_tokenizer, resolve_model
+        from gpu_worker.model_resolver import check_tokenizer_dir, load_tokenizer, resolve_model
 
-        resolved = resolve_model(model)
+        # (--tokenizer: a directory, checked here before anything loads; the engines check it against
+        # the model and use it too.)
+        tokenizer = None if tokenizer is None else str(check_tokenizer_dir(tokenizer))
+        resolved = resolve_model(model, has_tokenizer=tokenizer is not None)
         self.model_dir = str(resolved.model_dir)
-        # (--tokenizer: the engines check it against the model and use it too.)
         self.tokenizer = load_tokenizer(resolved.model_dir if tokenizer is None else tokenizer)
         self._token_texts: dict[int, str] = {}
         spec = scheduler_flags_to_spec(scheduler_flags).model_copy(update={
@@ -262,7 +264,7 @@ class LLM:
             "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend,
             "kv_cache_dtype": kv_cache_dtype, "enable_expert_parallel": enable_expert_parallel,
             "runner": runner, "pooler_config": pooler_config, "hf_overrides": hf_overrides,
-            "enable_sleep_mode": enable_sleep_mode, "generation_config": generation_config, "tokenizer": tokenizer,
+            "enable_sleep_mode": enable_sleep_mode, "generation_config": generation_config,
             "override_generation_config": override_generation_config})
         # engine_overrides: per-engine flag mappings (engine i gets the i-th), e.g. a latency engine
         # beside a throughput one.
@@ -270,7 +272,7 @@ class LLM:
                                             engines=[EngineSpec(**o) for o in engine_overrides or []],
                                             address=address, seed=seed, enable_lora=enable_lora,
                                             max_loras=max_loras, max_lora_rank=max_lora_rank,
-                                            max_cpu_loras=max_cpu_loras)
+                                            max_cpu_loras=max_cpu_loras, tokenizer=tokenizer)
         # (vLLM's disable_log_stats, on by default offline: no periodic stats line from Ray engines;
         # the engines still keep their stats, which get_stats reports.)
         self.engine_configs: list[EngineConfig] = [dataclasses.replace(c, log_stats_line=not disable_log_stats)

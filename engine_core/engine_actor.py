@@ -32,6 +32,7 @@ from engine_core.request import FinishReason
 from engine_core.sched.scheduler import PAUSE_MODES, PauseState
 from engine_core.sleep_mode import check_sleep, wake_up_tags
 from engine_core.stats_logger import EngineStatsLogger, stats_interval
+from engine_core.tokenizer_files import read_tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -48,25 +49,6 @@ class EngineDescription:
     num_blocks: int
     engine_index: int
     enable_sleep_mode: bool = False
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt")
-# The model's files a tokenizer may read too (its class, the EOS ids): always the model's own.
-MODEL_FILES = ("config.json", "generation_config.json")
-
-
-def read_tokenizer_files(model_dir: str, tokenizer_dir: str = "") -> dict[str, bytes]:
-    """The files a router needs to load the model's tokenizer: the tokenizer's from ``tokenizer_dir``
-    (--tokenizer) when given, never mixed with the model's own, and the model's config files."""
-    files = {}
-    for directory, names in ((tokenizer_dir or model_dir, TOKENIZER_FILES), (model_dir, MODEL_FILES)):
-        for name in names:
-            path = os.path.join(directory, name)
-            if os.path.isfile(path):
-                with open(path, "rb") as f:
-                    files[name] = f.read()
-    return files
 
 
 class _ClientBuffer:

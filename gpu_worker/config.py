@@ -924,11 +924,14 @@ class ModelConfig:
             colbert_dim=colbert_dim, late_interaction=late_interaction, **family)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+    def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None,
+                        tokenizer_dir: str | Path | None = None) -> ModelConfig:
         """``hf_overrides`` (vLLM's --hf-overrides): keys set over config.json's, e.g. to serve a
         causal LM as a classifier (below); a sub-config's keys (``text_config``, ...) are set over
-        its own, as vLLM updates a nested config."""
+        its own, as vLLM updates a nested config. ``tokenizer_dir`` (--tokenizer): where the tokens
+        a config names by text (a step tag, a classifier's tokens) are looked up; else the model's."""
         model_dir = Path(model_dir)
+        vocabulary = Path(tokenizer_dir) if tokenizer_dir else model_dir
         cfg = with_overrides(json.loads((model_dir / "config.json").read_text()), hf_overrides or {})
         if (cfg.get("architectures") or [None])[0] == "HF_ColBERT" and not _colbert_width(cfg):
             # (colbertv2.0 and answerai-colbert keep it in their artifact metadata: vLLM reads the projection.)
@@ -943,8 +946,8 @@ class ModelConfig:
             config = dataclasses.replace(config, quantization=method, fp8_weight_block=block,
                                          quantization_config=dict(quantization))
         if config.step_tag_token is not None:
-            config = dataclasses.replace(config, step_tag_id=_token_id_if_any(model_dir, config.step_tag_token))
+            config = dataclasses.replace(config, step_tag_id=_token_id_if_any(vocabulary, config.step_tag_token))
         if config.labels and cfg.get("classifier_from_token"):
-            config = dataclasses.replace(config, classifier_token_ids=_token_ids(model_dir,
+            config = dataclasses.replace(config, classifier_token_ids=_token_ids(vocabulary,
                                                                                  cfg["classifier_from_token"]))
         return config

@@ -58,16 +58,17 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "embedding_only": config.runner == "pooling",
         "hf_overrides": json.loads(config.hf_overrides) if config.hf_overrides else None,
         "max_logprobs": config.max_logprobs,
+        "tokenizer": config.tokenizer,
     }
 
 
 class _ExecutorBase(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        resolved = resolve_model(config.model)
+        resolved = resolve_model(config.model, has_tokenizer=config.tokenizer is not None)
         self.model_dir = Path(resolved.model_dir)
         self.model_config = ModelConfig.from_pretrained(
-            self.model_dir, json.loads(config.hf_overrides) if config.hf_overrides else None)
+            self.model_dir, json.loads(config.hf_overrides) if config.hf_overrides else None, config.tokenizer)
         if config.runner == "generate" and self.model_config.embedding_only:
             kind = ("an encoder (bidirectional attention)" if self.model_config.encoder_only
                     else "an embedding model without an LM head")
@@ -127,11 +128,17 @@ class _ExecutorBase(Executor):
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
         self.config = config = dataclasses.replace(config, scheduler=scheduler)
-        try:
-            tokenizer_dir = ("" if config.tokenizer is None
-                             else str(resolve_tokenizer(config.tokenizer, self.model_config.vocab_size)))
-        except ValueError as e:
-            raise ValueError(f"engine {config.engine_index}: {e}") from None
+        tokenizer_dir, eos_token_ids = "", tuple(self.model_config.eos_token_ids)
+        if config.tokenizer is not None:
+            try:
+                path, tokenizer = resolve_tokenizer(config.tokenizer, self.model_config.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"engine {config.engine_index}: {e}") from None
+            tokenizer_dir = str(path)
+            # (Its end of sequence ends a request too, as vLLM's tokenizer EOS does, whatever the
+            # model's files list.)
+            if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_token_ids:
+                eos_token_ids += (int(tokenizer.eos_token_id),)
         sampling_defaults: dict[str, float | int] = {}
         if not embeds_only:  # (an embedding model samples nothing: its generation config is not read)
             try:
@@ -149,7 +156,7 @@ class _ExecutorBase(Executor):
             default_sampling_params=sampling_defaults, tokenizer_dir=tokenizer_dir,
             max_logprobs=config.max_logprobs if config.max_logprobs >= 0 else self.model_config.vocab_size,
             max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.model_config.eos_token_ids),
+            vocab_size=self.model_config.vocab_size, eos_token_ids=eos_token_ids,
             # (The size of its embeddings: a Dense projection's, or ColBERT's vectors'.)
             hidden_size=self.model_config.colbert_dim or (pooler.embedding_size(self.model_config.hidden_size)
                                                           if not self.model_config.labels

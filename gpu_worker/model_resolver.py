@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine_core.tokenizer_files import read_tokenizer_files, write_tokenizer_files
 from gpu_worker.gguf_loader import ensure_converted
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -37,25 +39,30 @@ class ResolvedModel:
     gguf_path: Path | None = None
 
 
-def check_model_reference(model: str) -> None:
+def check_model_reference(model: str, tokenizer: str | None = None) -> None:
     """What ``resolve_model`` would refuse, found without loading or converting anything (the CLI
-    checks a local model before starting Ray, so a typo is one line, not a dead engine actor)."""
-    _locate(model)
+    checks a local model before starting Ray, so a typo is one line, not a dead engine actor); with
+    ``tokenizer`` (--tokenizer), that directory's too."""
+    _locate(model, has_tokenizer=tokenizer is not None)
+    if tokenizer is not None:
+        check_tokenizer_dir(tokenizer)
 
 
 def resolve_model(
     model: str,
     cache_dir: str | os.PathLike[str] | None = None,
     dtype: torch.dtype = torch.float32,
+    has_tokenizer: bool = False,
 ) -> ResolvedModel:
-    """Find or build the HF directory for ``model``; raise with a fix-it message when impossible."""
-    path, served_name, is_gguf = _locate(model)
+    """Find or build the HF directory for ``model``; raise with a fix-it message when impossible.
+    ``has_tokenizer``: a tokenizer comes from elsewhere (--tokenizer), so the directory needs none."""
+    path, served_name, is_gguf = _locate(model, has_tokenizer)
     if is_gguf:
         return _from_gguf(path, served_name, cache_dir, dtype)
     return ResolvedModel(model_dir=path, served_name=served_name)
 
 
-def _locate(model: str) -> tuple[Path, str, bool]:
+def _locate(model: str, has_tokenizer: bool = False) -> tuple[Path, str, bool]:
     """(the GGUF file or complete HF directory ``model`` names, its served name, whether it is a GGUF)."""
     if not model or not model.strip():
         raise ValueError(f"no model given; pass a model directory, a .gguf file or {DEFAULT_MODEL_NAME!r}")
@@ -75,7 +82,7 @@ def _locate(model: str) -> tuple[Path, str, bool]:
                 return ggufs[0], name, True
             found = f"{len(ggufs)} .gguf files (pass one of them directly)" if ggufs else "no .gguf file"
             raise FileNotFoundError(f"model directory {path} has no config.json and {found}")
-        missing = _missing_hf_files(path)
+        missing = _missing_hf_files(path, need_tokenizer=not has_tokenizer)
         if missing:
             raise FileNotFoundError(f"model directory {path} is incomplete: missing {', '.join(missing)}")
         return path, name, False
@@ -116,11 +123,11 @@ def _from_gguf(
     return ResolvedModel(model_dir=model_dir, served_name=served_name, gguf_path=gguf_path)
 
 
-def _missing_hf_files(path: Path) -> list[str]:
+def _missing_hf_files(path: Path, need_tokenizer: bool = True) -> list[str]:
     missing = []
     if not any(path.glob("*.safetensors")):
         missing.append("*.safetensors weights")
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+    if need_tokenizer and not any((path / name).is_file() for name in _TOKENIZER_FILES):
         missing.append(f"tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
     return missing
 
@@ -129,20 +136,34 @@ def _missing_hf_files(path: Path) -> list[str]:
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def resolve_tokenizer(tokenizer: str, vocab_size: int) -> Path:
-    """vLLM's --tokenizer: the directory of a Hugging Face tokenizer to use instead of the model's own
-    (loaded once here, so a tokenizer the model cannot serve stops the engine at start, naming it)."""
+def check_tokenizer_dir(tokenizer: str) -> Path:
+    """vLLM's --tokenizer names a directory holding a Hugging Face tokenizer (hub names are not
+    downloaded): that directory, resolved."""
     path = Path(tokenizer).expanduser()
     if not path.is_dir():
         raise ValueError(f"tokenizer {tokenizer!r}: not a directory (give a Hugging Face tokenizer's files; hub "
                          "names are not downloaded)")
     if not any((path / name).is_file() for name in _TOKENIZER_MARKERS):
         raise ValueError(f"tokenizer {tokenizer!r}: no tokenizer files in it ({', '.join(_TOKENIZER_MARKERS)})")
-    size = len(load_tokenizer(path))
-    if size > vocab_size:
-        raise ValueError(f"tokenizer {tokenizer!r}: its {size} tokens are more than the model's vocabulary of "
-                         f"{vocab_size}: it is not this model's tokenizer")
     return path.resolve()
+
+
+def resolve_tokenizer(tokenizer: str, vocab_size: int) -> tuple[Path, Any]:
+    """The --tokenizer directory and the tokenizer as a router replica will load it: from the files an
+    engine sends (engine_core.tokenizer_files), so a tokenizer that cannot load that
+    way, or whose tokens the model lacks, stops the engine at start, naming it."""
+    path = check_tokenizer_dir(tokenizer)
+    with tempfile.TemporaryDirectory(prefix="llm-cluster-tokenizer-check-") as copy:
+        write_tokenizer_files(copy, read_tokenizer_files("", str(path)))
+        try:
+            loaded = load_tokenizer(copy)
+        except Exception as e:
+            raise ValueError(f"tokenizer {tokenizer!r}: its files do not load as a tokenizer ({e})") from None
+    if len(loaded) > vocab_size:
+        raise ValueError(f"tokenizer {tokenizer!r}: its {len(loaded)} tokens are more than the model's vocabulary "
+                         f"of {vocab_size}: it is not this model's tokenizer")
+    return path, loaded
+
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:

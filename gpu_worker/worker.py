@@ -58,7 +58,8 @@ class Worker:
                  max_loras: int | None = None, kv_cache_dtype: str | torch.dtype | None = "auto",
                  max_cpu_loras: int | None = None, enable_expert_parallel: bool = False,
                  embedding_only: bool = False, hf_overrides: dict[str, Any] | None = None,
-                 pooler_dense: tuple[DenseProjection, ...] = (), max_logprobs: int = 20) -> None:
+                 pooler_dense: tuple[DenseProjection, ...] = (), max_logprobs: int = 20,
+                 tokenizer: str | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -69,7 +70,7 @@ class Worker:
             self.model_dir = None
         else:
             self.model_dir = Path(model_path_or_config)
-            self.model_config = ModelConfig.from_pretrained(self.model_dir, hf_overrides)
+            self.model_config = ModelConfig.from_pretrained(self.model_dir, hf_overrides, tokenizer)
         if enable_expert_parallel:
             # A MoE model's ranks hold whole experts, a share of them each (no effect on a dense model).
             self.model_config = dataclasses.replace(self.model_config, expert_parallel=True)

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import importlib
 import logging
-import os
 import random
 import tempfile
 import time
@@ -19,6 +18,7 @@ from transformers import AutoTokenizer
 
 from engine_core.log_setup import configure_actor_logging
 from engine_core.outputs import LoRARequest
+from engine_core.tokenizer_files import write_tokenizer_files
 from router.app import create_app
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics, merge_expositions
@@ -88,9 +88,7 @@ async def load_tokenizer_from_engine(handle: Any) -> Any:
     """Fetch the tokenizer files from an engine, so this replica needs no copy of the model."""
     files: dict[str, bytes] = await handle.get_tokenizer_files.remote()
     directory = tempfile.mkdtemp(prefix="llm-cluster-tokenizer-")
-    for name, data in files.items():
-        with open(os.path.join(directory, name), "wb") as f:
-            f.write(data)
+    write_tokenizer_files(directory, files)
     return AutoTokenizer.from_pretrained(directory)
 
 

@@ -387,8 +387,8 @@ def test_the_generation_config_flags_reach_every_engine_of_the_model(tmp_path):
     overrides = tmp_path / "engines.yaml"
     for override in ("{generation_config: vllm}", "{override_generation_config: {top_p: 0.5}}"):
         overrides.write_text(f"- {{}}\n- {override}\n")
-        with pytest.raises(ValueError, match="engine 1: generation_config, override_generation_config, "
-                                             "max_logprobs and tokenizer must be the same on every engine"):
+        with pytest.raises(ValueError, match="engine 1: generation_config, override_generation_config and "
+                                             "max_logprobs must be the same on every engine"):
             _config("--num-engines", "2", "--engine-config", str(overrides)).engine_configs()
     with pytest.raises(SystemExit):
         _config("--override-generation-config", "[0.5]")
@@ -488,7 +488,14 @@ def test_vllms_server_wide_request_flags_reach_the_router():
     assert flags(*(f"--{name.replace('_', '-')}" for name in names)) == [True] * 4
 
 
-def test_the_tokenizer_flag_reaches_every_engine_of_the_model():
-    engines = _config("--num-engines", "2", "--tokenizer", "/tokenizers/llama-3").engine_configs()
-    assert [e.tokenizer for e in engines] == ["/tokenizers/llama-3"] * 2
+def test_the_tokenizer_flag_reaches_the_first_models_engines_only(tmp_path, monkeypatch):
+    """--tokenizer is the first model's; a further model names its own (a path beside its file)."""
+    (tmp_path / "tok-b").mkdir()
+    models = tmp_path / "models.yaml"
+    models.write_text("- {model: /models/b, served_model_name: b, tokenizer: tok-b}\n- {model: /models/c}\n")
+    engines = _config("--num-engines", "2", "--tokenizer", "/tokenizers/llama-3", "--extra-models",
+                      str(models)).engine_configs()
+    assert [e.tokenizer for e in engines] == ["/tokenizers/llama-3"] * 2 + [str(tmp_path / "tok-b"), None]
     assert _config().engine_configs()[0].tokenizer is None
+    monkeypatch.chdir(tmp_path)  # (a local directory goes to the engines by its full path)
+    assert _config("--tokenizer", "tok-b").engine_configs()[0].tokenizer == str(tmp_path / "tok-b")

@@ -1083,14 +1083,9 @@ def test_another_tokenizer_directory_writes_the_prompts(tmp_path, tiny_model_dir
         assert out.prompt == "<<Hi>>" and llm._model_info().tokenizer_dir == str(tokenizer_dir.resolve())
     finally:
         llm.shutdown()
-    with pytest.raises(ValueError, match=r"engine 0: tokenizer .*: not a directory"):
-        _engine_only(tiny_model_dir, str(tmp_path / "missing"))
-
-
-def _engine_only(model_dir, tokenizer: str) -> None:
-    """Start an in-process engine for ``model_dir`` with ``tokenizer`` (the engine's own check)."""
-    from cluster.config import ClusterConfig, EngineSpec
-    from gpu_worker.executor import create_executor
-
-    config = ClusterConfig(model=str(model_dir), defaults=EngineSpec(num_gpu_blocks=64, tokenizer=tokenizer))
-    create_executor(config.engine_configs()[0])
+    with pytest.raises(ValueError, match=r"tokenizer .*: not a directory"):  # (before anything loads)
+        LLM(model=str(tiny_model_dir), num_gpu_blocks=64, tokenizer=str(tmp_path / "missing"))
+    larger = tmp_path / "larger"
+    build_tokenizer(vocab_size=500).save_pretrained(larger)
+    with pytest.raises(ValueError, match=r"engine 0: tokenizer .*: its \d+ tokens are more than the model's"):
+        LLM(model=str(tiny_model_dir), num_gpu_blocks=64, tokenizer=str(larger))

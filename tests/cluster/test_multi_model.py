@@ -14,13 +14,18 @@ import pytest
 from cluster.config import ClusterConfig, EngineSpec, ServedModel
 from tests.lora_adapters import peft_greedy, save_adapter
 from tests.serve_cluster import serve_cluster
-from tests.tiny_model import build_tiny_bert, build_tiny_llama, build_tiny_reward_model
+from tests.tiny_model import build_tiny_bert, build_tiny_llama, build_tiny_reward_model, build_tokenizer
 
 pytestmark = pytest.mark.slow
 
 
 def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_model_dir, tmp_path_factory):
     second = build_tiny_llama(tmp_path_factory.mktemp("second-model"), seed=7, num_layers=1)
+    # The second model is served with another tokenizer directory (--tokenizer): its chat template.
+    tokenizer_b = tmp_path_factory.mktemp("tokenizer-b")
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    tokenizer.save_pretrained(tokenizer_b)
     # The second model recommends its own sampling in its generation_config.json (the first none).
     generation = json.loads((second / "generation_config.json").read_text())
     (second / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.5, "top_p": 0.75}))
@@ -37,7 +42,7 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
                            defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
                            allow_runtime_lora_updating=True,
                            models=[ServedModel(model=str(second), served_model_name=["tiny-b", "b-alias"],
-                                               enable_lora=True,
+                                               enable_lora=True, tokenizer=str(tokenizer_b),
                                                lora_modules=[f"b-sql={adapters / 'b-sql'}"]),
                                    ServedModel(model=str(reranker), served_model_name="bert-ce"),
                                    ServedModel(model=str(prm), served_model_name="prm")])
@@ -70,6 +75,12 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
         # The second model's alias (--served-model-name tiny-b b-alias) reaches it; answers carry its first name.
         aliased = client.completions.create(model="b-alias", prompt="Hello world", **greedy)
         assert aliased.model == "tiny-b" and aliased.choices[0].text == b[0].choices[0].text
+        # The router replica writes tiny-b's prompts with the tokenizer its engine sent (--tokenizer's).
+        for model, prompt in (("tiny-b", "<<Hi>>"), ("tiny", None)):
+            ids = httpx.post(f"{served.base}/tokenize", timeout=30, json={
+                "model": model, "messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
+            text = build_tokenizer().decode(ids)
+            assert text == prompt if prompt else "<<" not in text
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="tiny-c", prompt="Hello")
         health = httpx.get(f"{served.base}/health", timeout=30).json()

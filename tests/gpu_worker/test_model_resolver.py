@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -145,14 +146,16 @@ def test_incomplete_hf_directory_names_missing_files(hf_dir: Path, remove: str, 
         resolve_model(str(hf_dir))
 
 
-def test_a_tokenizer_directory_is_checked_against_the_model(tmp_path, tiny_model_dir):
-    """vLLM's --tokenizer: a directory of a Hugging Face tokenizer whose tokens the model has."""
+def test_a_tokenizer_directory_is_checked_as_a_router_will_load_it(tmp_path, tiny_model_dir):
+    """vLLM's --tokenizer: a directory of a Hugging Face tokenizer whose tokens the model has, that
+    loads from the files an engine sends its router replicas."""
     from gpu_worker.model_resolver import resolve_tokenizer
     from tests.tiny_model import build_tokenizer
 
     own = tmp_path / "own"
     build_tokenizer().save_pretrained(own)
-    assert resolve_tokenizer(str(own), vocab_size=384) == own.resolve()
+    path, tokenizer = resolve_tokenizer(str(own), vocab_size=384)
+    assert path == own.resolve() and len(tokenizer) == len(build_tokenizer())
     with pytest.raises(ValueError, match="not a directory"):
         resolve_tokenizer(str(tmp_path / "missing"), 384)
     (tmp_path / "empty").mkdir()
@@ -162,23 +165,55 @@ def test_a_tokenizer_directory_is_checked_against_the_model(tmp_path, tiny_model
     build_tokenizer(vocab_size=500).save_pretrained(larger)
     with pytest.raises(ValueError, match=r"its \d+ tokens are more than the model's vocabulary of 384"):
         resolve_tokenizer(str(larger), 384)
+    # A tokenizer directory whose tokenizer_config.json names no class: its own config.json names the
+    # model type, as a model's directory does; the router gets that file, not the model's.
+    classless = tmp_path / "classless"
+    build_tokenizer().save_pretrained(classless)
+    settings = json.loads((classless / "tokenizer_config.json").read_text())
+    settings.pop("tokenizer_class", None)
+    (classless / "tokenizer_config.json").write_text(json.dumps(settings))
+    (classless / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    path, tokenizer = resolve_tokenizer(str(classless), 384)
+    assert tokenizer.encode("Hello world") == build_tokenizer().encode("Hello world")
 
 
 def test_the_routers_tokenizer_files_come_whole_from_the_tokenizer_directory(tmp_path, tiny_model_dir):
-    """What an engine sends a router: the tokenizer's files from --tokenizer's directory (none of the
-    model's own mixed in), and the model's config files from the model."""
-    from engine_core.engine_actor import MODEL_FILES, read_tokenizer_files
+    """What an engine sends a router: with --tokenizer every file of that directory (its extra chat
+    templates too, no weights) and none of the model's; without, the model's tokenizer and config files."""
+    from engine_core.tokenizer_files import MODEL_FILES, read_tokenizer_files, write_tokenizer_files
+    from gpu_worker.model_resolver import load_tokenizer
     from tests.tiny_model import build_tokenizer
 
+    own = read_tokenizer_files(str(tiny_model_dir))
+    assert set(MODEL_FILES) <= set(own) and "tokenizer.json" in own
     tokenizer_dir = tmp_path / "tokenizer"
     tokenizer = build_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     tokenizer.save_pretrained(tokenizer_dir)
-    own = read_tokenizer_files(str(tiny_model_dir))
+    (tokenizer_dir / "additional_chat_templates").mkdir()
+    (tokenizer_dir / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    (tokenizer_dir / "model.safetensors").write_bytes(b"weights")
     chosen = read_tokenizer_files(str(tiny_model_dir), str(tokenizer_dir))
-    for name, data in chosen.items():
-        source = tiny_model_dir if name in MODEL_FILES else tokenizer_dir
-        assert data == (source / name).read_bytes(), name
-    assert set(MODEL_FILES) <= set(chosen) and chosen["chat_template.jinja"] != own["chat_template.jinja"]
-    (tokenizer_dir / "chat_template.jinja").unlink()  # (a file only the model has is not taken from it)
-    assert "chat_template.jinja" not in read_tokenizer_files(str(tiny_model_dir), str(tokenizer_dir))
+    assert "model.safetensors" not in chosen and "config.json" not in chosen  # (the tokenizer dir has none)
+    assert chosen["additional_chat_templates/tool_use.jinja"] == b"{{ tools }}"
+    assert all(data == (tokenizer_dir / name).read_bytes() for name, data in chosen.items())
+    loaded = tmp_path / "router-copy"
+    write_tokenizer_files(loaded, chosen)
+    assert load_tokenizer(loaded).apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False) == "[Hi]"
+
+
+def test_a_model_directory_without_a_tokenizer_serves_with_another(tmp_path, tiny_model_dir):
+    import shutil
+
+    from gpu_worker.model_resolver import check_model_reference, resolve_model
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (bare / name).unlink(missing_ok=True)
+    with pytest.raises(FileNotFoundError, match="missing tokenizer files"):
+        resolve_model(str(bare))
+    assert resolve_model(str(bare), has_tokenizer=True).model_dir == bare
+    check_model_reference(str(bare), str(tiny_model_dir))
+    with pytest.raises(ValueError, match="not a directory"):
+        check_model_reference(str(bare), str(tmp_path / "missing"))

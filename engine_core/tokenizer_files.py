@@ -1,0 +1,54 @@
+"""The files a router replica loads the model's tokenizer from, as its engines send them (a replica
+on another node has no copy of the model). Plain file reading: no tokenizer library here.
+
+* The model's own tokenizer: the tokenizer files of its directory, and its ``config.json`` and
+  ``generation_config.json`` (transformers reads the tokenizer's class from the first when
+  ``tokenizer_config.json`` names none).
+* ``--tokenizer DIR``: every file of that directory (and its ``additional_chat_templates/``), not one
+  of the model's mixed in, so the replica loads what the engine loaded; weights and files over
+  ``MAX_FILE_BYTES`` (a tokenizer's are far smaller) are left out.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+                   "added_tokens.json", "spiece.model", "sentencepiece.bpe.model")
+MODEL_FILES = ("config.json", "generation_config.json")
+TEMPLATES_DIR = "additional_chat_templates"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
+MAX_FILE_BYTES = 64 * 1024 * 1024
+
+
+def read_tokenizer_files(model_dir: str, tokenizer_dir: str = "") -> dict[str, bytes]:
+    """Name (relative to the directory) → contents, of the files that make the tokenizer."""
+    if not tokenizer_dir:
+        return _read(model_dir, [*TOKENIZER_FILES, *MODEL_FILES])
+    root = Path(tokenizer_dir)
+    names = [p.name for p in root.iterdir() if p.is_file()]
+    templates = root / TEMPLATES_DIR
+    if templates.is_dir():
+        names += [f"{TEMPLATES_DIR}/{p.name}" for p in templates.iterdir() if p.is_file()]
+    return _read(tokenizer_dir, [name for name in sorted(names) if not name.endswith(WEIGHT_SUFFIXES)
+                                 and (root / name).stat().st_size <= MAX_FILE_BYTES])
+
+
+def write_tokenizer_files(directory: str | os.PathLike[str], files: dict[str, bytes]) -> None:
+    """Put the files an engine sent into ``directory`` (to load the tokenizer from)."""
+    for name, data in files.items():
+        target = Path(directory) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+def _read(directory: str, names: list[str]) -> dict[str, bytes]:
+    files = {}
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                files[name] = f.read()
+    return files
