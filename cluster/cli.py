@@ -58,6 +58,12 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _local_dir_path(value: str | None) -> str | None:
+    """A directory that exists here goes to the engines by its full path (they need not share this
+    process's working directory); anything else as given."""
+    return os.path.abspath(value) if value and os.path.isdir(value) else value
+
+
 def _json_string_list(text: str) -> list[str]:
     try:
         value = json.loads(text)
@@ -208,9 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-config", default=None, help="YAML list of per-engine flag overrides.")
     serve.add_argument("--extra-models", default=None, metavar="FILE",
                        help="YAML list of further models served through the same endpoint, each on engines of its "
-                            "own (model, served_model_name, num_engines, defaults, engines, chat_template, "
-                            "tool_call_parser, reasoning_parser, enable_auto_tool_choice, and its LoRA adapters: "
-                            "enable_lora, lora_modules, max_loras, max_lora_rank, max_cpu_loras).")
+                            "own (model, served_model_name (a name or a list), num_engines, defaults, engines, "
+                            "chat_template, default_chat_template_kwargs, tokenizer, tool_call_parser, "
+                            "reasoning_parser, enable_auto_tool_choice, and its LoRA adapters: enable_lora, "
+                            "lora_modules, max_loras, max_lora_rank, max_cpu_loras). A model inherits the cluster's "
+                            "engine flags, but not the first model's generation config folder or override.")
     serve.add_argument("--routing-policy", default="least_loaded",
                        choices=["round_robin", "least_loaded", "prefix_aware", "session"])
     serve.add_argument("--prefix-load-margin", type=int, default=8)
@@ -257,7 +265,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
-                "generation_config": args.generation_config,
+                "generation_config": _local_dir_path(args.generation_config),
                 "override_generation_config": args.override_generation_config, "max_logprobs": args.max_logprobs,
                 "disable_log_stats": args.disable_log_stats,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
@@ -270,9 +278,7 @@ def cluster_config_from_args(args: argparse.Namespace):
     overrides = load_engine_overrides(args.engine_config) if args.engine_config else []
     return ClusterConfig(
         model=args.model, served_model_name=args.served_model_name, num_engines=args.num_engines,
-        # (A directory here is given to the engines by its full path: they need not share this one's.)
-        tokenizer=(os.path.abspath(args.tokenizer) if args.tokenizer and os.path.isdir(args.tokenizer)
-                   else args.tokenizer),
+        tokenizer=_local_dir_path(args.tokenizer),
         defaults=EngineSpec(**{k: v for k, v in defaults.items() if v is not None}), engines=overrides,
         routing_policy=args.routing_policy, prefix_load_margin=args.prefix_load_margin,
         num_router_replicas=args.num_router_replicas, request_timeout_s=args.request_timeout,
@@ -303,8 +309,8 @@ def cluster_config_from_args(args: argparse.Namespace):
 
 def _extra_models(path: str) -> list:
     """``--extra-models FILE``, each chat template read as ``--chat-template`` reads it (a path
-    relative to the file's folder, or the template itself), and each adapter's and tokenizer's
-    relative path taken from the file's folder too, where it exists there."""
+    relative to the file's folder, or the template itself), and each adapter's, tokenizer's and
+    generation config folder's relative path taken from the file's folder too, where it exists there."""
     from cluster.config import load_extra_models
 
     folder = os.path.dirname(os.path.abspath(path))
@@ -322,8 +328,11 @@ def _extra_models(path: str) -> list:
             adapters.append(entry if module.base_model_name is None else {**entry,
                                                                           "base_model_name": module.base_model_name})
         tokenizer = None if m.tokenizer is None else beside_file(m.tokenizer, os.path.isdir)
+        source = m.defaults.generation_config  # (a folder of its own, beside the file as its tokenizer)
+        defaults = m.defaults if source in (None, "auto", "vllm") else m.defaults.model_copy(
+            update={"generation_config": beside_file(source, os.path.isdir)})
         models.append(m.model_copy(update={"chat_template": read_chat_template(template), "lora_modules": adapters,
-                                           "tokenizer": tokenizer}))
+                                           "tokenizer": tokenizer, "defaults": defaults}))
     return models
 
 
@@ -365,6 +374,10 @@ def serve_command(args: argparse.Namespace) -> int:
 
             for owner in (config, *config.models):
                 check_model_reference(owner.model, owner.tokenizer)
+            from engine_core.generation_defaults import check_generation_flags
+
+            for engine in config.engine_configs():  # (a typo in a folder or a bad override: one line now)
+                check_generation_flags(engine.generation_config, json.loads(engine.override_generation_config or "{}"))
             from gpu_worker.lora.peft_adapter import read_adapter_config
 
             for owner in (config, *config.models):  # an unreadable adapter fails now, not in every engine

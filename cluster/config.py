@@ -413,6 +413,15 @@ class ClusterConfig(LoRASettings):
     def _base_flags(self) -> dict[str, Any]:
         return _DEFAULTS.model_dump() | self.defaults.model_dump(exclude_none=True)
 
+    def _inherited_flags(self) -> dict[str, Any]:
+        """What a further model's engines start from: the cluster's flags, except the first model's
+        own generation config (a folder, an override), whose sampling advice is that model's."""
+        flags = self._base_flags()
+        if flags["generation_config"] not in ("auto", "vllm"):
+            flags["generation_config"] = "auto"
+        flags.pop("override_generation_config", None)
+        return flags
+
     def resolved_specs(self) -> list[EngineSpec]:
         """The first model's engines' flags."""
         return _resolve_specs(self._base_flags(), self.num_engines, self.engines)
@@ -438,7 +447,7 @@ class ClusterConfig(LoRASettings):
                    for i, spec in enumerate(self.resolved_specs())]
         _check_one_runner(configs)
         for served in self.models:
-            flags = self._base_flags() | served.defaults.model_dump(exclude_none=True)
+            flags = self._inherited_flags() | served.defaults.model_dump(exclude_none=True)
             name = served.served_names[0] if served.served_model_name else None
             group = [engine_config_from_spec(served.model, len(configs) + i, spec, self.seed, name,
                                              served.lora_config(), served.tokenizer)

@@ -273,8 +273,8 @@ class LLM:
                                             address=address, seed=seed, enable_lora=enable_lora,
                                             max_loras=max_loras, max_lora_rank=max_lora_rank,
                                             max_cpu_loras=max_cpu_loras, tokenizer=tokenizer)
-        # (vLLM's disable_log_stats, on by default offline: no periodic stats line from Ray engines;
-        # the engines still keep their stats, which get_stats reports.)
+        # (vLLM's disable_log_stats, on by default offline: no periodic stats line from Ray engines
+        # (an in-process engine writes none); the engines still keep their stats, which get_stats reports.)
         self.engine_configs: list[EngineConfig] = [dataclasses.replace(c, log_stats_line=not disable_log_stats)
                                                    for c in self.cluster_config.engine_configs()]
         self.use_ray = use_ray if use_ray is not None else (len(self.engine_configs) > 1 or tensor_parallel_size > 1

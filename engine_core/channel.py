@@ -96,14 +96,16 @@ def encode_frame(message: ClientMessage | EngineMessage) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-def output_frames(outputs: EngineCoreOutputs) -> list[bytes]:
+def output_frames(outputs: EngineCoreOutputs, on_failed: Callable[[list[str]], None] | None = None,
+                  split: bool = True) -> list[bytes]:
     """The frames carrying ``outputs``: one, unless it would be larger than a frame may be (requests
     asking for thousands of logprobs per token, from many steps merged while the socket drained).
     Then its outputs are split, in order, over several frames, the finished ids and cache events with
     the last. A single output too large for any frame (which admission should have prevented) is
-    replaced by an error finishing its request, so the channel and the other requests live on."""
+    replaced by an error finishing its request, which ``on_failed`` is told of (to abort it in the
+    engine), so the channel and the other requests live on."""
     payload = _encoder.encode(Outputs(outputs))
-    if len(payload) <= MAX_FRAME_BYTES:
+    if len(payload) <= MAX_FRAME_BYTES or not split:
         return [_LENGTH.pack(len(payload)) + payload]
     if len(outputs.outputs) <= 1:
         failed = [EngineCoreOutput(o.request_id, [], FinishReason.ERROR,
@@ -111,12 +113,15 @@ def output_frames(outputs: EngineCoreOutputs) -> list[bytes]:
                                    f"may be ({MAX_FRAME_BYTES} bytes): ask for fewer logprobs")
                   for o in outputs.outputs]
         logger.warning("an output of %d bytes exceeds the frame limit: its request fails", len(payload))
-        return output_frames(msgspec.structs.replace(outputs, outputs=failed))
+        if failed and on_failed is not None:
+            on_failed([o.request_id for o in failed])
+        # (Once, without splitting again: what is left is small, unless nothing here could be cut.)
+        return output_frames(msgspec.structs.replace(outputs, outputs=failed), split=False)
     half = len(outputs.outputs) // 2
     first = EngineCoreOutputs(outputs=outputs.outputs[:half], engine_index=outputs.engine_index,
                               timestamp=outputs.timestamp)
     rest = msgspec.structs.replace(outputs, outputs=outputs.outputs[half:])
-    return output_frames(first) + output_frames(rest)
+    return output_frames(first, on_failed) + output_frames(rest, on_failed)
 
 
 async def read_payload(reader: asyncio.StreamReader) -> bytes:
@@ -210,13 +215,18 @@ class ChannelServer:
 
     async def _push(self, client_index: int, writer: asyncio.StreamWriter, unfinished: set[str]) -> None:
         service = self._service
+
+        def failed(request_ids: list[str]) -> None:  # (their client was told they failed)
+            unfinished.difference_update(request_ids)
+            service.abort_requests(request_ids)
+
         try:
             while True:
                 outputs = await service.next_outputs(client_index)
                 for output in outputs.outputs:
                     if output.finish_reason is not None:
                         unfinished.discard(output.request_id)
-                for frame in output_frames(outputs):
+                for frame in output_frames(outputs, on_failed=failed):
                     writer.write(frame)
                 # While the socket drains, the next steps' outputs pile up and leave as one frame.
                 await writer.drain()

@@ -23,6 +23,8 @@ def logging_runtime_env() -> dict[str, dict[str, str]]:
     """A Ray ``runtime_env`` carrying this process's logging variables to an actor ({} when none is set)."""
     env = {name: os.environ[name] for name in LOGGING_ENV if name in os.environ}
     return {"env_vars": env} if env else {}
+
+
 FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 
 

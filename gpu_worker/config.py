@@ -931,7 +931,7 @@ class ModelConfig:
         its own, as vLLM updates a nested config. ``tokenizer_dir`` (--tokenizer): where the tokens
         a config names by text (a step tag, a classifier's tokens) are looked up; else the model's."""
         model_dir = Path(model_dir)
-        vocabulary = Path(tokenizer_dir) if tokenizer_dir else model_dir
+        vocabulary = Path(tokenizer_dir).expanduser() if tokenizer_dir else model_dir
         cfg = with_overrides(json.loads((model_dir / "config.json").read_text()), hf_overrides or {})
         if (cfg.get("architectures") or [None])[0] == "HF_ColBERT" and not _colbert_width(cfg):
             # (colbertv2.0 and answerai-colbert keep it in their artifact metadata: vLLM reads the projection.)

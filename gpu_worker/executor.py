@@ -322,13 +322,12 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from gpu_worker.worker import RayWorker
 
         pg = ray.util.get_current_placement_group()
         tp = self.config.tensor_parallel_size
         num_cpus = self.config.num_cpus_per_worker
         use_gpu = engine_uses_gpu(self.config)
-        from gpu_worker.worker import RayWorker
-
         actor_cls = ray.remote(RayWorker)
         workers = []
         for rank in range(tp):

@@ -165,7 +165,6 @@ def resolve_tokenizer(tokenizer: str, vocab_size: int) -> tuple[Path, Any]:
     return path, loaded
 
 
-
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
     """The HF tokenizer of a resolved model directory (with its chat template, when it has one)."""
     from transformers import AutoTokenizer  # deferred: importing transformers costs seconds

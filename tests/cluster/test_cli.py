@@ -75,6 +75,9 @@ def test_the_access_log_is_on_unless_disabled():
     (["--extra-models", "{file}"], {"file": "- {model: x, num_engines: 1, engines: [{}, {}]}\n"},
      "models[x].engines has 2 per-engine entries but num_engines is 1"),
     (["--extra-models", "{file}"], {"file": "- {model: x}\n"}, "model 'x' not found"),
+    (["--generation-config", "{missing}"], {}, "is not a folder"),
+    (["--override-generation-config", '{{"temperature": -1}}'], {},
+     "override_generation_config: temperature must be finite and >= 0"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -392,6 +395,17 @@ def test_the_generation_config_flags_reach_every_engine_of_the_model(tmp_path):
             _config("--num-engines", "2", "--engine-config", str(overrides)).engine_configs()
     with pytest.raises(SystemExit):
         _config("--override-generation-config", "[0.5]")
+    # A further model reads its own generation config: not the first model's folder or override
+    # (the limit on logprobs is the cluster's); a folder of its own sits beside its file.
+    (tmp_path / "gc-a").mkdir()
+    (tmp_path / "gc-b").mkdir()
+    models = tmp_path / "models.yaml"
+    models.write_text("- {model: /models/b}\n- {model: /models/c, defaults: {generation_config: gc-b}}\n")
+    a, b, c = _config("--generation-config", str(tmp_path / "gc-a"), "--override-generation-config",
+                      '{"temperature": 0.3}', "--max-logprobs", "50", "--extra-models", str(models)).engine_configs()
+    assert (a.generation_config, a.override_generation_config) == (str(tmp_path / "gc-a"), '{"temperature": 0.3}')
+    assert (b.generation_config, b.override_generation_config, b.max_logprobs) == ("auto", "", 50)
+    assert c.generation_config == str(tmp_path / "gc-b")
 
 
 def test_several_served_model_names_reach_the_engines_and_the_router(tmp_path):

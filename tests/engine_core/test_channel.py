@@ -110,7 +110,10 @@ def test_outputs_too_large_for_one_frame_are_split_in_order(monkeypatch):
     assert [p.kv_events for p in parts][-1] == [(1, [b"h"])] and {p.engine_index for p in parts} == {3}
     # One output alone beyond the limit: its request fails, the others go out.
     huge = EngineCoreOutputs(outputs=[output("a", 10), output("big", 2000), output("b", 10)], engine_index=3)
-    sent = [o for frame in channel.output_frames(huge) for o in decode_engine_message(frame[4:]).outputs.outputs]
+    failed: list[str] = []
+    sent = [o for frame in channel.output_frames(huge, on_failed=failed.extend)
+            for o in decode_engine_message(frame[4:]).outputs.outputs]
+    assert failed == ["big"]  # (the engine is told to abort it)
     assert [o.request_id for o in sent] == ["a", "big", "b"]
     assert sent[0] == huge.outputs[0] and sent[2] == huge.outputs[2]
     assert sent[1].finish_reason == FinishReason.ERROR and "ask for fewer logprobs" in sent[1].stop_reason
