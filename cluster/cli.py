@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 from cluster.config import API_KEY_ENV, default_api_keys, env_switch
 from engine_core.config import KV_CACHE_DTYPE_NAMES
@@ -48,11 +49,15 @@ SCHEDULER_ARGS = [
 FLAG_ALIASES = {"--num-gpu-blocks": ("--num-gpu-blocks-override",)}
 
 
-def _json_object(text: str) -> dict:
+def _json(text: str) -> Any:
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+
+
+def _json_object(text: str) -> dict:
+    value = _json(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return value
@@ -65,10 +70,7 @@ def _local_dir_path(value: str | None) -> str | None:
 
 
 def _json_string_list(text: str) -> list[str]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    value = _json(text)
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise argparse.ArgumentTypeError('expected a JSON list of strings, e.g. \'["https://app.example.com"]\'')
     return value

@@ -230,34 +230,43 @@ SERVED_MODEL_NAME_HELP = ("Name clients use, or several (aliases: a request may 
                           "carry the first); defaults to the model's.")
 
 
-class ServedModel(LoRASettings):
-    """Another model served through the same endpoint (``ClusterConfig.models``), on engines of its
-    own; clients pick it by its name in ``model``. Engine flags: the cluster's ``defaults``, then
-    this model's ``defaults``, then its per-engine entries. Its LoRA adapters are its own (the
-    ``LoRASettings`` fields), named as a model by clients as the first model's are."""
+class ModelSettings(LoRASettings):
+    """What each served model has of its own, the first (the top level of ``ClusterConfig``) and each
+    of ``models``: its names, chat template and its defaults, tokenizer, and LoRA adapters (the
+    ``LoRASettings`` fields). ``model`` is each subclass's."""
 
-    model: str = Field(..., description="Model name, HF directory or .gguf file.")
+    model: str
     served_model_name: str | list[str] | None = Field(None, description=SERVED_MODEL_NAME_HELP)
-    num_engines: int = Field(1, ge=1)
-    defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags of this model's engines.")
-    engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
     chat_template: str | None = Field(None, description="Jinja chat template replacing the model's own.")
-    tokenizer: str | None = Field(
-        None, description="A Hugging Face tokenizer directory used instead of the model's own (--tokenizer), e.g. "
-                          "a GGUF model's original tokenizer and chat template; this model's alone.")
     default_chat_template_kwargs: dict[str, Any] | None = Field(
         None, description='Keyword arguments every chat template render gets unless the request sets them '
                           '(--default-chat-template-kwargs), e.g. {"enable_thinking": false} for Qwen3.')
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
+    tokenizer: str | None = Field(
+        None, description="A Hugging Face tokenizer directory used instead of the model's own (--tokenizer), e.g. "
+                          "a GGUF model's original tokenizer and chat template; this model's alone.")
 
     _served_model_name = field_validator("served_model_name")(_check_served_model_name)
     _chat_template_kwargs = field_validator("default_chat_template_kwargs")(_check_default_chat_template_kwargs)
 
     @property
     def served_names(self) -> list[str]:
+        """This model's names, the first the one answers carry."""
         return served_model_names(self.served_model_name, self.model)
+
+
+class ServedModel(ModelSettings):
+    """Another model served through the same endpoint (``ClusterConfig.models``), on engines of its
+    own; clients pick it by its name in ``model``. Engine flags: the cluster's ``defaults``, then
+    this model's ``defaults``, then its per-engine entries. Its LoRA adapters are its own, named as a
+    model by clients as the first model's are."""
+
+    model: str = Field(..., description="Model name, HF directory or .gguf file.")
+    num_engines: int = Field(1, ge=1)
+    defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags of this model's engines.")
+    engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @model_validator(mode="after")
     def _checks(self) -> ServedModel:
@@ -272,13 +281,11 @@ def default_api_keys() -> list[str]:
     return [key] if key else []
 
 
-class ClusterConfig(LoRASettings):
+class ClusterConfig(ModelSettings):
     """The whole deployment: the first (default) model with its engines, router settings and LoRA
-    adapters (the ``LoRASettings`` fields), and any further ``models``."""
-
+    adapters (the ``ModelSettings`` fields), and any further ``models``."""
 
     model: str = Field("SmolLM2-135M-Instruct", description="Model name, HF directory or .gguf file.")
-    served_model_name: str | list[str] | None = Field(None, description=SERVED_MODEL_NAME_HELP)
     num_engines: int = Field(1, ge=1, description="Engines (each: one scheduler + one TP worker group).")
     defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags every engine starts from.")
     engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
@@ -286,13 +293,6 @@ class ClusterConfig(LoRASettings):
     prefix_load_margin: int = Field(8, ge=0, description="prefix_aware: load gap that overrides a cache match.")
     num_router_replicas: int = Field(1, ge=1)
     request_timeout_s: float | None = Field(None, gt=0)
-    chat_template: str | None = Field(None, description="Jinja chat template replacing the model's own.")
-    tokenizer: str | None = Field(
-        None, description="A Hugging Face tokenizer directory used instead of the model's own (--tokenizer), e.g. "
-                          "a GGUF model's original tokenizer and chat template; this model's alone.")
-    default_chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description='Keyword arguments every chat template render gets unless the request sets them '
-                          '(--default-chat-template-kwargs), e.g. {"enable_thinking": false} for Qwen3.')
     trust_request_chat_template: bool = Field(
         False, description="Run a request's own chat_template (vLLM's --trust-request-chat-template); else a 400.")
     enable_log_requests: bool = Field(False, description="Log each request's prompt and parameters as it goes to an "
@@ -366,14 +366,11 @@ class ClusterConfig(LoRASettings):
             raise ValueError("api_keys must not be empty strings (an empty key would let in an empty Bearer token)")
         return self
 
-    _served_model_name = field_validator("served_model_name")(_check_served_model_name)
-    _chat_template_kwargs = field_validator("default_chat_template_kwargs")(_check_default_chat_template_kwargs)
-
     def names_per_model(self) -> list[list[str]]:
         """Each served model's names (its first: the one responses carry), the first model's first (a
         name left to the model is only known once loaded: its path stands for it here, and the router
         checks those again)."""
-        return [served_model_names(self.served_model_name, self.model), *(m.served_names for m in self.models)]
+        return [self.served_names, *(m.served_names for m in self.models)]
 
     @model_validator(mode="after")
     def _served_names(self) -> ClusterConfig:
@@ -442,7 +439,7 @@ class ClusterConfig(LoRASettings):
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.routing_policy!r}")
         lora = self.lora_config()
-        first_name = served_model_names(self.served_model_name, self.model)[0] if self.served_model_name else None
+        first_name = self.served_names[0] if self.served_model_name else None
         configs = [engine_config_from_spec(self.model, i, spec, self.seed, first_name, lora, self.tokenizer)
                    for i, spec in enumerate(self.resolved_specs())]
         _check_one_runner(configs)

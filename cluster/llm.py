@@ -22,6 +22,7 @@ from engine_core.engine_core import EngineCore
 from engine_core.executor import ModelInfo, PoolingInfo
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
+from engine_core.sampling_params import logprobs_count
 from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
@@ -554,12 +555,9 @@ class LLM:
         outside = sorted({t for t in params.token_ids_in_use() if t >= vocab})
         if outside:
             raise ValueError(f"sampling parameters name token ids outside the vocabulary [0, {vocab}): {outside[:8]}")
-        info = self._model_info()
+        info = self._model_info()  # (the engines refuse it too, but mid-batch)
         for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
-            wanted = info.vocab_size if asked == -1 else asked
-            if wanted is not None and wanted > info.max_logprobs:  # (the engines refuse it too, mid-batch)
-                raise ValueError(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: "
-                                 f"{info.max_logprobs} (max_logprobs)")
+            logprobs_count(kind, asked, info.vocab_size, info.max_logprobs)
         return params
 
     def _load_lora(self, lora: LoRARequest) -> None:

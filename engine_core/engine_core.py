@@ -24,6 +24,7 @@ from engine_core.outputs import (
     SchedulerStats,
 )
 from engine_core.request import FinishReason, Request, RequestStatus
+from engine_core.sampling_params import logprobs_count
 from engine_core.sched.output import SchedulerOutput
 from engine_core.sched.scheduler import PauseState, Scheduler
 from engine_core.sleep_mode import WAKE_UP_TAGS, check_sleep, wake_up_tags
@@ -239,21 +240,20 @@ class EngineCore:
         if request.resumable and self.model_info.encoder_only:
             raise RequestRefusedError(f"{name} is an encoder: its prompts run whole in one pass, so it serves no "
                                       "streaming session (resumable request)")
+        info = self.model_info
+        try:
+            per_token = logprobs_count("prompt", params.prompt_logprobs, info.vocab_size, info.max_logprobs)
+            logprobs_count("sample", params.logprobs, info.vocab_size, info.max_logprobs)
+        except ValueError as e:
+            raise RequestRefusedError(str(e)) from None
         # (A request's prompt logprobs go out as one answer: a vocabulary of alternatives per prompt token
         # would not fit one frame of the request channel.)
-        if params.prompt_logprobs is not None:
-            per_token = self.model_info.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+        if per_token is not None:
             values = (per_token + 1) * (len(request.prompt_token_ids) - 1)
             if values > MAX_PROMPT_LOGPROB_VALUES:
                 raise RequestRefusedError(f"prompt_logprobs of {per_token} over a prompt of "
                                           f"{len(request.prompt_token_ids)} tokens is {values} values, more than one "
                                           f"answer may carry ({MAX_PROMPT_LOGPROB_VALUES}): ask for fewer")
-        allowed = self.model_info.max_logprobs
-        for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
-            wanted = self.model_info.vocab_size if asked == -1 else asked
-            if wanted is not None and wanted > allowed:  # (as vLLM words it: -1 counted as the vocabulary)
-                raise RequestRefusedError(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: "
-                                          f"{allowed} (--max-logprobs)")
 
     def add_request(self, request: EngineCoreRequest) -> Request | None:
         """Returns the new Request, or None when the id continued a live streaming session."""
@@ -264,10 +264,10 @@ class EngineCore:
             eos = self.model_info.eos_token_ids[0]
         params = request.sampling_params
         if params.logprobs == -1 or params.prompt_logprobs == -1:  # (-1: every token of the vocabulary)
-            vocab = self.model_info.vocab_size
+            vocab, allowed = self.model_info.vocab_size, self.model_info.max_logprobs
             request.sampling_params = params = dataclasses.replace(
-                params, logprobs=vocab if params.logprobs == -1 else params.logprobs,
-                prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs)
+                params, logprobs=logprobs_count("sample", params.logprobs, vocab, allowed),
+                prompt_logprobs=logprobs_count("prompt", params.prompt_logprobs, vocab, allowed))
         if not params.ignore_eos and len(self.model_info.eos_token_ids) > 1:
             # The model's further EOS ids (generation config; e.g. Llama 3's end of turn) stop it too,
             # as vLLM adds them to the stop ids, whichever client sent the request.

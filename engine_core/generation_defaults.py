@@ -37,17 +37,8 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 def check_generation_flags(generation_config: str, override: dict[str, Any] | None) -> None:
     """What ``model_sampling_defaults`` would refuse of the flags themselves (a folder that is not
     one, a chosen file or override value no request could send), without the model: the CLI checks
-    them before it starts anything."""
-    if generation_config not in ("auto", "vllm"):
-        folder = Path(generation_config).expanduser()
-        if not folder.is_dir():
-            raise ValueError(f"generation_config {generation_config!r} must be 'auto', 'vllm' or a folder holding "
-                             f"{GENERATION_CONFIG_FILE}, and it is not a folder")
-        path = folder / GENERATION_CONFIG_FILE
-        if path.is_file():
-            _usable(_read_json_object(path), str(path), strict=True)
-    if override:
-        _usable(override, "override_generation_config", strict=True)
+    them before it starts anything. (The model's own file, "auto", is the engines' to read.)"""
+    model_sampling_defaults("", "vllm" if generation_config == "auto" else generation_config, override)
 
 
 def model_sampling_defaults(model_dir: str | Path, generation_config: str = "auto",

@@ -15,6 +15,17 @@ def _check(condition: bool, name: str, allowed: str, value: object) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+def logprobs_count(kind: str, asked: int | None, vocab_size: int, max_logprobs: int) -> int | None:
+    """How many logprobs a request's ``logprobs`` or ``prompt_logprobs`` (``kind``: "sample" or
+    "prompt") means: -1 is the whole vocabulary, as vLLM reads it. ValueError, in vLLM's words, when
+    that is more than --max-logprobs allows (the router, the engines and the offline LLM ask this)."""
+    wanted = vocab_size if asked == -1 else asked
+    if wanted is not None and wanted > max_logprobs:
+        raise ValueError(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {max_logprobs} "
+                         "(--max-logprobs)")
+    return wanted
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16

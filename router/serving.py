@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from engine_core.executor import PoolingInfo
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.request import FinishReason
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import SamplingParams, logprobs_count
 from router.bad_words import bad_words_token_ids
 from router.chat_parsing import ChatOutputParser
 from router.detokenizer import IncrementalDetokenizer, fast_decoder
@@ -616,11 +616,10 @@ class OpenAIServing:
             asked = getattr(request, name)
             if asked is None:
                 continue
-            wanted = vocab if asked == -1 else asked
-            if wanted > self.settings.max_logprobs:
-                raise bad_request(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: "
-                                  f"{self.settings.max_logprobs} (the server's --max-logprobs)", name)
-            setattr(request, name, wanted)
+            try:
+                setattr(request, name, logprobs_count(kind, asked, vocab, self.settings.max_logprobs))
+            except ValueError as e:
+                raise bad_request(str(e), name) from None
 
     def defaulted_sampling(self, request: SamplingFields) -> dict[str, float | int]:
         """temperature, top_p, top_k, min_p and repetition_penalty: the request's where it set them
