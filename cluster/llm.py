@@ -175,13 +175,16 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing precedes it), then
     # each prompt token's {token id: Logprob}, its top ``prompt_logprobs`` alternatives included.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Prompt tokens the engine found in its prefix cache (vLLM's num_cached_tokens).
+    num_cached_tokens: int = 0
 
 
 class _Pending:
     """One sample (engine request) of a prompt: ``group`` is the prompt's output, ``index`` the sample."""
 
     __slots__ = ("detok", "done", "embedding", "engine", "finish_reason", "group", "index", "logprob_entries",
-                 "metrics", "prompt", "prompt_ids", "prompt_logprobs", "stop_reason", "token_ids")
+                 "metrics", "num_cached_tokens", "prompt", "prompt_ids", "prompt_logprobs", "stop_reason",
+                 "token_ids")
 
     def __init__(self, prompt: str | None, prompt_ids: list[int], want_logprobs: bool, group: str = "",
                  index: int = 0, detok: IncrementalDetokenizer | None = None) -> None:
@@ -198,6 +201,7 @@ class _Pending:
         self.metrics = RequestMetrics(time.time())
         self.done = False
         self.embedding: list[float] | None = None
+        self.num_cached_tokens = 0
 
     def apply(self, out: EngineCoreOutput, now: float) -> bool:
         """True when a stop string ended the sample here (the engine must then abort it)."""
@@ -205,6 +209,7 @@ class _Pending:
             self.embedding = out.pooling_output
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = out.new_prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.new_token_ids:
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now
@@ -304,7 +309,8 @@ class LLM:
         if not self._model_info().pooling.generates:
             raise ValueError("this model is an embedding model (runner pooling): it does not generate; use "
                              "LLM.embed" + (", LLM.classify or LLM.score" if self._model_info().pooling.labels else ""))
-        prompt_list = self._as_prompt_list(prompts)
+        salts: list[str | None] = []
+        prompt_list = self._as_prompt_list(prompts, salts)
         params_list = self._as_params_list(
             self.get_default_sampling_params() if sampling_params is None else sampling_params, len(prompt_list))
         loras = self._as_lora_list(lora_request, len(prompt_list))
@@ -317,7 +323,8 @@ class LLM:
                 resolved[id(params)] = self._resolve_params(params, vocab)
         params_list = [resolved[id(params)] for params in params_list]
         self._load_loras(loras)
-        for index, (prompt, params, lora) in enumerate(zip(prompt_list, params_list, loras, strict=True)):
+        for index, (prompt, params, lora, salt) in enumerate(zip(prompt_list, params_list, loras, salts,
+                                                                 strict=True)):
             ids = self._prompt_ids(index, prompt, vocab, max_model_len - 1)
             group = str(next(self._ids))
             text = prompt if isinstance(prompt, str) else None
@@ -334,7 +341,7 @@ class LLM:
                 pending[request_id] = _Pending(text, ids, params.logprobs is not None, group, sample, detok)
                 requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                                   sampling_params=sample_params, arrival_time=time.time(),
-                                                  lora_request=lora))
+                                                  lora_request=lora, cache_salt=salt))
         self._run(requests, pending, "Processed prompts", use_tqdm)
         groups: dict[str, list[_Pending]] = {}
         for p in pending.values():
@@ -754,20 +761,26 @@ class LLM:
         return RequestOutput(request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_ids,
                              outputs=[self._sample_output(p) for p in samples],
                              finished=all(p.done for p in samples), metrics=first.metrics,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=first.num_cached_tokens)
 
     @staticmethod
-    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType],
+                        salts: list[str | None] | None = None) -> list[PromptType]:
         """Text, token ids, or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids}),
-        one or a list of them."""
+        one or a list of them. ``salts``: filled with each prompt's ``cache_salt`` (a prompt dict's key,
+        as vLLM's: prompts with different salts share no prefix-cache blocks)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) for t in prompts):
-            return [prompts]  # one prompt given as token ids
+            prompts = [prompts]  # one prompt given as token ids
         out: list[PromptType] = []
         for prompt in prompts:
+            salt = None
             if isinstance(prompt, dict):
+                salt = prompt.get("cache_salt")
+                if salt is not None and (not isinstance(salt, str) or not salt):
+                    raise ValueError("a prompt's cache_salt must be a non-empty string")
                 if "prompt_token_ids" in prompt:
                     prompt = list(prompt["prompt_token_ids"])
                 elif isinstance(prompt.get("prompt"), str):
@@ -777,6 +790,8 @@ class LLM:
             elif not isinstance(prompt, str | list):
                 raise TypeError(f"a prompt is text, a list of token ids or a prompt dict, got {type(prompt).__name__}")
             out.append(prompt)
+            if salts is not None:
+                salts.append(salt)
         return out
 
     @staticmethod

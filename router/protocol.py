@@ -74,6 +74,8 @@ class SamplingFields(BaseModel):
     def _consistent(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "stream_options can only be set when stream is true")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise invalid("cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided.")
         self._structured_output = self._structured_output_spec()
         return self
 
@@ -164,6 +166,12 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = Field(
         False, description="vLLM extra: logprobs name tokens 'token_id:N' (for tokens whose text is not valid UTF-8 "
                            "alone, and for callers that work in token ids).")
+    cache_salt: str | None = Field(
+        None, description="vLLM extra: prompts with different salts never share prefix-cache blocks (to keep one "
+                          "tenant from timing another's cached prompts); the same salt shares as usual.")
+    return_token_ids: bool = Field(
+        False, description="vLLM extra: the answer carries the prompt's token ids and each choice's generated ids "
+                           "(streamed: the prompt's in a choice's first chunk, each chunk's own ids).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -382,6 +390,9 @@ class CompletionStreamChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonLiteral = None
     stop_reason: int | str | None = None
+    # With return_token_ids (vLLM): the prompt's ids (streamed: in the choice's first chunk) and the generated ids.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionChoice(CompletionStreamChoice):
@@ -423,6 +434,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonLiteral = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -433,6 +445,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (vLLM)
 
 
 class DeltaMessage(BaseModel):
@@ -445,6 +458,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonLiteral = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM): this chunk's ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -454,6 +468,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (vLLM): in a choice's first chunk
 
 
 class CompletionStreamChunk(BaseModel):

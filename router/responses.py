@@ -112,6 +112,7 @@ class ResponsesRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    cache_salt: str | None = Field(None, description="vLLM extra: a prefix-cache salt, as in chat.")
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
@@ -159,7 +160,7 @@ class ResponsesRequest(BaseModel):
             # (Only those the client set: the others take the model's defaults, as in chat.)
             **{name: getattr(self, name) for name in DEFAULTED_SAMPLING_FIELDS if name in self.model_fields_set},
             "priority": self.priority, "user": self.user, "parallel_tool_calls": self.parallel_tool_calls,
-            "response_format": self._response_format(), "stream": self.stream,
+            "response_format": self._response_format(), "stream": self.stream, "cache_salt": self.cache_salt,
         }
         if self.tools:
             body["tools"] = [self._tool(i, tool) for i, tool in enumerate(self.tools)]

@@ -34,6 +34,8 @@ class RoutingContext:
     session_id: str | None = None
     # (id, name) of the LoRA adapter the request runs under: its KV, and so its prefixes, are its own.
     lora_key: tuple[int, str] | None = None
+    # The request's cache_salt: its blocks' hashes are salted in the engine, so here too.
+    cache_salt: str | None = None
 
     def healthy_indices(self) -> list[int]:
         indices = [i for i, ok in enumerate(self.healthy) if ok]
@@ -91,6 +93,8 @@ class PrefixAwarePolicy(RoutingPolicy):
     hash, block size and LoRA key). Prompts this replica has just sent count too until their blocks
     are reported (``pending_ttl_s``), so a burst sharing a prefix goes to one engine before the first
     prefill ends; from an engine that reports no events, they are all the policy knows (a bounded LRU).
+    A request's ``cache_salt`` keys its first block as the engines key it, so salted prompts match
+    only blocks cached under the same salt.
 
     Ties go to the less loaded of the matching engines and misses to the least-loaded policy (power
     of two choices); a match on an engine loaded more than ``load_margin`` requests above the least
@@ -160,7 +164,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         block_hashes: list[bytes] = []
         num_tokens = len(ctx.prompt_token_ids)
         extend_block_hashes(block_hashes, ctx.prompt_token_ids, num_tokens // self.block_size, self.block_size,
-                            lora_key=ctx.lora_key,
+                            cache_salt=ctx.cache_salt, lora_key=ctx.lora_key,
                             long_rope=self.long_rope_after is not None and num_tokens > self.long_rope_after)
         lengths = self.match_lengths(block_hashes)
         least = min(healthy, key=lambda i: ctx.loads[i])

@@ -656,7 +656,8 @@ class OpenAIServing:
         return logit_bias, allowed, bad
 
     def choose_engine(self, prompt_token_ids: list[int], session_id: str | None,
-                      chosen: list[int] | None = None, lora: LoRARequest | None = None, count: int = 1) -> int:
+                      chosen: list[int] | None = None, lora: LoRARequest | None = None, count: int = 1,
+                      cache_salt: str | None = None) -> int:
         """``chosen``: requests this call already placed but has not opened yet, per engine (several
         prompts of one request must see each other's load, or they all go to one engine); the
         ``count`` requests of this prompt are added to the chosen engine's."""
@@ -666,7 +667,7 @@ class OpenAIServing:
             loads = [load + extra for load, extra in zip(loads, chosen, strict=True)]
         try:
             engine = self.policy.choose(RoutingContext(prompt_token_ids, loads, self.client.healthy(), session_id,
-                                                       None if lora is None else lora.cache_key))
+                                                       None if lora is None else lora.cache_key, cache_salt))
         except NoHealthyEngineError as e:
             raise APIError(503, "no healthy engine is available", "ServiceUnavailableError") from e
         if self.metrics is not None:
@@ -678,14 +679,14 @@ class OpenAIServing:
     # -- generation ---------------------------------------------------------------------------------
 
     def _engine_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        priority: int, lora: LoRARequest | None) -> EngineCoreRequest:
+                        priority: int, lora: LoRARequest | None, cache_salt: str | None) -> EngineCoreRequest:
         eos = self.settings.eos_token_ids[0] if self.settings.eos_token_ids else None
         return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                  eos_token_id=eos, arrival_time=time.time(), priority=priority,
-                                 client_index=self.client.client_index, lora_request=lora)
+                                 client_index=self.client.client_index, lora_request=lora, cache_salt=cache_salt)
 
     async def _open_all(self, jobs: list[tuple[int, str, list[int], SamplingParams]], priority: int,
-                        lora: LoRARequest | None = None) -> list[RequestStream]:
+                        lora: LoRARequest | None = None, cache_salt: str | None = None) -> list[RequestStream]:
         """Send every job's request (engine, request id, prompt, parameters) to its engine now,
         before any response starts, so a refusal is an HTTP status (429 or 503) for streams too;
         what was opened is released on failure."""
@@ -695,7 +696,7 @@ class OpenAIServing:
             engine = -1
             try:
                 for engine, request_id, prompt_ids, params in jobs:
-                    request = self._engine_request(request_id, prompt_ids, params, priority, lora)
+                    request = self._engine_request(request_id, prompt_ids, params, priority, lora, cache_salt)
                     if self.settings.enable_log_requests and request_id not in logged:
                         logged.add(request_id)
                         self._log_request(request)
@@ -833,7 +834,7 @@ class OpenAIServing:
                 ids, prompt = truncated, truncated
             num_prompt_tokens += len(ids)
             prompt_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
-            engine = self.choose_engine(ids, session_id, chosen, lora, request.n)
+            engine = self.choose_engine(ids, session_id, chosen, lora, request.n, request.cache_salt)
             prompt_ids.append(ids)
             for c in self._new_choices(request.n, ids, request):
                 # max_tokens=0 (echo only): one token is generated and dropped, as vLLM does.
@@ -843,7 +844,7 @@ class OpenAIServing:
                 c.index = p_index * request.n + c.index
                 choices.append(c)
                 jobs.append((engine, choice_request_id(engine_base, c.index), ids, params))
-        streams = await self._open_all(jobs, request.priority, lora)
+        streams = await self._open_all(jobs, request.priority, lora, request.cache_salt)
         if request.stream:
             return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts,
                                                      prompt_ids, num_prompt_tokens, streams), streams)
@@ -860,10 +861,12 @@ class OpenAIServing:
                     rows, offset = _prompt_logprob_rows(prompt_ids[c.index // request.n], c.prompt_logprobs), 0
                 logprobs = CompletionLogprobs(**self._completion_logprobs(rows + c.logprobs, offset,
                                                                           self._as_token_ids(request))[0])
+            ids = prompt_ids[c.index // request.n]
             out.append(CompletionChoice(index=c.index, text=prefix + c.detok.output_text, logprobs=logprobs,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                        prompt_logprobs=self._prompt_logprobs(request, prompt_ids[c.index // request.n],
-                                                                              c.prompt_logprobs)))
+                                        prompt_logprobs=self._prompt_logprobs(request, ids, c.prompt_logprobs),
+                                        prompt_token_ids=ids if request.return_token_ids else None,
+                                        token_ids=c.token_ids if request.return_token_ids else None))
         return CompletionResponse(id=request_id, created=created, model=self.model_name(request.model), choices=out,
                                   usage=self._usage(num_prompt_tokens, choices, request.n))
 
@@ -878,10 +881,13 @@ class OpenAIServing:
         final_usage, running_usage = _stream_usage(request, self.settings.enable_force_include_usage)
         # With logprobs the echoed prompt waits for its logprobs, which come with the first output.
         echo_pending = {c.index for c in choices} if request.echo and request.logprobs is not None else set()
+        # return_token_ids: each choice's first chunk carries its prompt's ids, each chunk its own new ids.
+        token_ids = _StreamedTokenIds(prompt_ids, n) if request.return_token_ids else None
         if request.echo and not echo_pending:
             for c in choices:
                 yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
-                    CompletionStreamChoice(index=c.index, text=prompt_texts[c.index // n])]))
+                    CompletionStreamChoice(index=c.index, text=prompt_texts[c.index // n],
+                                           **(token_ids.opening(c.index) if token_ids else {}))]))
         async for event in self._choice_events(streams, choices):
             index, logprobs = event.choice.index, None
             if index in echo_pending:
@@ -890,18 +896,19 @@ class OpenAIServing:
                     _prompt_logprob_rows(prompt_ids[index // n], event.choice.prompt_logprobs), 0,
                     self._as_token_ids(request))
                 yield completion_token_chunk(request_id, created, model, index, prompt_texts[index // n], prompt_lp,
-                                             None, None)
+                                             None, None, ids=token_ids.opening(index) if token_ids else None)
             if request.max_tokens == 0:  # echo only: the one generated token is dropped
                 if event.finish_reason:
                     yield completion_token_chunk(request_id, created, model, index, "", None, event.finish_reason,
-                                                 event.stop_reason)
+                                                 event.stop_reason, ids=token_ids.opening(index) if token_ids else None)
                 continue
             if request.logprobs is not None and event.logprobs:
                 logprobs, text_offsets[index] = self._completion_logprobs(event.logprobs, text_offsets[index],
                                                                           self._as_token_ids(request))
             yield completion_token_chunk(request_id, created, model, index, event.text, logprobs,
                                          event.finish_reason, event.stop_reason,
-                                         _running_usage(len(prompt_ids[index // n]), event) if running_usage else None)
+                                         _running_usage(len(prompt_ids[index // n]), event) if running_usage else None,
+                                         token_ids.of(event) if token_ids else None)
         if request.max_tokens == 0:
             for c in choices:
                 _drop_output(c)
@@ -918,8 +925,7 @@ class OpenAIServing:
         run = await self.start_chat(request, session_id, external_id=external_id)
         request_id, created, ids, choices = run.request_id, run.created, run.prompt_ids, run.choices
         if request.stream:
-            return SSEStream(self._stream_chat(request, request_id, created, choices, len(ids), run.streams),
-                             run.streams)
+            return SSEStream(self._stream_chat(request, request_id, created, choices, ids, run.streams), run.streams)
         await self.finish_chat(run)
         out = []
         for c in choices:
@@ -932,10 +938,12 @@ class OpenAIServing:
             logprobs = (ChatLogprobs(**self._chat_logprobs(c.logprobs, self._as_token_ids(request)))
                         if request.logprobs else None)
             out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
-                                  stop_reason=c.stop_reason))
+                                  stop_reason=c.stop_reason,
+                                  token_ids=c.token_ids if request.return_token_ids else None))
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name(request.model),
                                       choices=out, usage=self._usage(len(ids), choices, request.n),
-                                      prompt_logprobs=self._prompt_logprobs(request, ids, choices[0].prompt_logprobs))
+                                      prompt_logprobs=self._prompt_logprobs(request, ids, choices[0].prompt_logprobs),
+                                      prompt_token_ids=ids if request.return_token_ids else None)
 
     async def start_chat(self, request: ChatCompletionRequest, session_id: str | None = None,
                          request_id: str | None = None, external_id: str | None = None) -> ChatRun:
@@ -951,7 +959,7 @@ class OpenAIServing:
                               "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
                               '"required" or "none"', "tool_choice")
         ids = self.truncate_prompt(self.render_chat(request), request)
-        engine = self.choose_engine(ids, session_id, lora=lora)
+        engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt)
         if request_id is None:
             request_id, engine_base = answer_ids("chatcmpl", external_id)
         else:
@@ -969,7 +977,7 @@ class OpenAIServing:
                  self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                       prompt_logprobs=request.prompt_logprobs, structured_output_after=after))
                 for c in choices]
-        streams = await self._open_all(jobs, request.priority, lora)
+        streams = await self._open_all(jobs, request.priority, lora, request.cache_salt)
         return ChatRun(request_id, created, ids, choices, streams)
 
     async def start_chat_as(self, request: ChatCompletionRequest, session_id: str | None, request_id: str,
@@ -1004,15 +1012,20 @@ class OpenAIServing:
             yield parsed
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, created: int,
-                           choices: list[_Choice], num_prompt_tokens: int,
+                           choices: list[_Choice], prompt_ids: list[int],
                            streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
         model = self.model_name(request.model)
+        num_prompt_tokens = len(prompt_ids)
         final_usage, running_usage = _stream_usage(request, self.settings.enable_force_include_usage)
         opening_usage = UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens) \
             if running_usage else None
+        # return_token_ids: the role chunk carries the prompt's ids, each later chunk its choice's new ids.
+        token_ids = _StreamedTokenIds([prompt_ids], request.n) if request.return_token_ids else None
         for c in choices:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, usage=opening_usage, choices=[
-                ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
+                ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""),
+                                 token_ids=[] if token_ids else None)],
+                prompt_token_ids=token_ids.prompt(c.index) if token_ids else None))
         async for event in self._choice_events(streams, choices):
             logprobs = (self._chat_logprobs(event.logprobs, self._as_token_ids(request))
                         if request.logprobs and event.logprobs else None)
@@ -1020,9 +1033,10 @@ class OpenAIServing:
             parser = event.choice.output_parser
             if parser is None:
                 yield chat_token_chunk(request_id, created, model, event.choice.index, event.text, logprobs,
-                                       event.finish_reason, None, usage)
+                                       event.finish_reason, None, usage, token_ids.of(event) if token_ids else None)
                 continue
-            for chunk in self._parsed_chat_chunks(parser, event, logprobs, usage, request_id, created, model):
+            for chunk in self._parsed_chat_chunks(parser, event, logprobs, usage, request_id, created, model,
+                                                  token_ids):
                 yield chunk
         if final_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
@@ -1030,10 +1044,12 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     def _parsed_chat_chunks(self, parser: ChatOutputParser, event: _Delta, logprobs: dict[str, Any] | None,
-                            usage: dict[str, int] | None, request_id: str, created: int, model: str) -> list[bytes]:
+                            usage: dict[str, int] | None, request_id: str, created: int, model: str,
+                            token_ids: _StreamedTokenIds | None = None) -> list[bytes]:
         """The chunks of one event of a choice whose text is parsed (reasoning, tool calls): none
-        while a tag may be starting; after tool calls, the finish in a chunk of its own, as OpenAI
-        ends a stream (the openai client's stream helper closes the last call only on a later chunk)."""
+        while a tag may be starting (its token ids then go with the next chunk); after tool calls,
+        the finish in a chunk of its own, as OpenAI ends a stream (the openai client's stream helper
+        closes the last call only on a later chunk)."""
         index = event.choice.index
         parsed = parser.feed(event.text)
         finish_reason = event.finish_reason
@@ -1042,11 +1058,14 @@ class OpenAIServing:
             finish_reason = parser.finish_reason(finish_reason)
         if not (parsed or logprobs or finish_reason):
             return []
+        ids = token_ids.of(event) if token_ids else None
         if finish_reason is not None and parsed.tool_calls:
-            return [chat_token_chunk(request_id, created, model, index, parsed.content, logprobs, None, parsed, usage),
-                    chat_token_chunk(request_id, created, model, index, "", None, finish_reason, None, usage)]
+            return [chat_token_chunk(request_id, created, model, index, parsed.content, logprobs, None, parsed, usage,
+                                     ids),
+                    chat_token_chunk(request_id, created, model, index, "", None, finish_reason, None, usage,
+                                     {"token_ids": []} if ids else None)]
         return [chat_token_chunk(request_id, created, model, index, parsed.content, logprobs, finish_reason, parsed,
-                                 usage)]
+                                 usage, ids)]
 
     async def _deltas(self, stream: RequestStream, choice: _Choice) -> AsyncIterator[_Delta]:
         """One choice read straight from its engine queue. Outputs that queued up while the previous
@@ -1350,6 +1369,38 @@ def _drop_output(choice: _Choice) -> None:
     choice.detok.output_text = ""
 
 
+class _StreamedTokenIds:
+    """vLLM's return_token_ids in a stream: a choice's first chunk carries its prompt's ids (chat
+    puts them in the role chunk, at the chunk's top level), and each chunk the ids generated since
+    the choice's previous chunk, so a choice's chunks add up to its ``token_ids``."""
+
+    def __init__(self, prompt_ids: list[list[int]], n: int) -> None:
+        self._prompt_ids, self._n = prompt_ids, n
+        self._sent: dict[int, int] = {}  # choice index -> its tokens already sent
+
+    def prompt(self, index: int) -> list[int] | None:
+        """The choice's prompt ids the first time it is asked for (its first chunk), else None."""
+        if index in self._sent:
+            return None
+        self._sent[index] = 0
+        return self._prompt_ids[index // self._n]
+
+    def opening(self, index: int) -> dict[str, list[int]]:
+        """A chunk that carries no generated token (an echoed prompt, an echo-only finish)."""
+        prompt = self.prompt(index)
+        return {"token_ids": []} if prompt is None else {"prompt_token_ids": prompt, "token_ids": []}
+
+    def of(self, event: _Delta) -> dict[str, list[int]]:
+        """The ids of the chunk that sends ``event`` (and those of any event of its choice not sent)."""
+        index = event.choice.index
+        prompt = self.prompt(index)
+        start, self._sent[index] = self._sent[index], event.num_tokens
+        ids = {"token_ids": event.choice.token_ids[start:event.num_tokens]}
+        if prompt is not None:
+            ids["prompt_token_ids"] = prompt
+        return ids
+
+
 def _stream_usage(request: SamplingFields, forced: bool) -> tuple[bool, bool]:
     """A stream's usage (vLLM's should_include_usage): a last chunk with the request's usage (its
     stream_options.include_usage, or always with --enable-force-include-usage), and with vLLM's
@@ -1377,18 +1428,24 @@ _json_encoder = msgspec.json.Encoder()
 
 def completion_token_chunk(request_id: str, created: int, model: str, index: int, text: str,
                            logprobs: dict[str, Any] | None, finish_reason: str | None,
-                           stop_reason: int | str | None, usage: dict[str, int] | None = None) -> bytes:
+                           stop_reason: int | str | None, usage: dict[str, int] | None = None,
+                           ids: dict[str, list[int]] | None = None) -> bytes:
+    """``ids``: with return_token_ids, the chunk's ``token_ids`` (and its choice's ``prompt_token_ids``)."""
     choice = {"index": index, "text": text, "logprobs": logprobs,
               "finish_reason": finish_reason, "stop_reason": stop_reason}
+    if ids:
+        choice.update(ids)
     return b"data: " + _json_encoder.encode({"id": request_id, "object": "text_completion", "created": created,
                                              "model": model, "choices": [choice], "usage": usage}) + b"\n\n"
 
 
 def chat_token_chunk(request_id: str, created: int, model: str, index: int, delta: str,
                      logprobs: dict[str, Any] | None, finish_reason: str | None,
-                     parsed: ParsedDelta | None = None, usage: dict[str, int] | None = None) -> bytes:
+                     parsed: ParsedDelta | None = None, usage: dict[str, int] | None = None,
+                     ids: dict[str, list[int]] | None = None) -> bytes:
     """``parsed``: what a reasoning or tool-call parser made of the text (its reasoning and tool
-    calls go in the delta; ``delta`` is then its content)."""
+    calls go in the delta; ``delta`` is then its content). ``ids``: with return_token_ids, the
+    chunk's ``token_ids``."""
     message: dict[str, Any] = {"role": None, "content": delta or None}
     if parsed is not None:
         if parsed.reasoning:
@@ -1396,5 +1453,7 @@ def chat_token_chunk(request_id: str, created: int, model: str, index: int, delt
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
     choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    if ids:
+        choice.update(ids)
     return b"data: " + _json_encoder.encode({"id": request_id, "object": "chat.completion.chunk", "created": created,
                                              "model": model, "choices": [choice], "usage": usage}) + b"\n\n"

@@ -1089,3 +1089,27 @@ def test_another_tokenizer_directory_writes_the_prompts(tmp_path, tiny_model_dir
     build_tokenizer(vocab_size=500).save_pretrained(larger)
     with pytest.raises(ValueError, match=r"engine 0: tokenizer .*: its \d+ tokens are more than the model's"):
         LLM(model=str(tiny_model_dir), num_gpu_blocks=64, tokenizer=str(larger))
+
+
+def test_a_prompts_cache_salt_keeps_its_prefix_cache_blocks_its_own(tiny_model_dir):
+    """vLLM's cache_salt in a prompt dict: the same prompt under another salt (or none) finds no
+    cached block, under the same salt it does; the answers are the same."""
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, block_size=4, max_model_len=128)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prompt = list(range(5, 30))
+    try:
+        def run(salt: str | None):
+            out = llm.generate({"prompt_token_ids": prompt, **({"cache_salt": salt} if salt else {})}, params,
+                               use_tqdm=False)[0]
+            return out.num_cached_tokens, out.outputs[0].token_ids
+
+        first = run("tenant-a")
+        assert first[0] == 0
+        assert run("tenant-b")[0] == 0 and run(None)[0] == 0
+        again = run("tenant-a")
+        assert again[0] == 24 and again[1] == first[1]  # every full block of the prompt, the answer unchanged
+        assert run(None)[0] == 24
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate({"prompt": "Hello", "cache_salt": ""}, params, use_tqdm=False)
+    finally:
+        llm.shutdown()

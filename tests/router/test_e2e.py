@@ -186,6 +186,24 @@ def test_a_stored_conversation_continues_through_another_router(client, cluster)
         other.responses.create(model="tiny", input="And now?", previous_response_id=second.id, max_output_tokens=2)
 
 
+def test_cache_salt_and_return_token_ids_through_the_openai_client(client):
+    """vLLM's request extras on real engines: a prompt under a new salt finds nothing cached (not
+    even blocks other requests cached unsalted), and the answer carries its token ids."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    salted = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                             extra_body={"cache_salt": "e2e-tenant", "return_token_ids": True})
+              for _ in range(3)]
+    assert salted[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert max(c.usage.prompt_tokens_details.cached_tokens for c in salted[1:]) >= 16  # two met on one engine
+    first = salted[0]
+    assert len(first.prompt_token_ids) == first.usage.prompt_tokens
+    assert len(first.choices[0].token_ids) == first.usage.completion_tokens
+    assert all(c.choices[0].token_ids == first.choices[0].token_ids for c in salted)  # greedy: the same answer
+    completion = client.completions.create(model="tiny", prompt=first.prompt_token_ids, max_tokens=3, temperature=0,
+                                           extra_body={"return_token_ids": True})
+    assert completion.choices[0].prompt_token_ids == first.prompt_token_ids
+
+
 def test_completions_n2_and_echo(client):
     out = client.completions.create(model="tiny", prompt="Paris is", max_tokens=6, n=2, temperature=1.0, seed=3,
                                     extra_body={"ignore_eos": True})

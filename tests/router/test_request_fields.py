@@ -718,3 +718,101 @@ def test_enable_log_outputs_logs_each_finished_choice(caplog):
     with caplog.at_level(logging.INFO, logger="router.serving"):
         assert quiet.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}).is_success
     assert "Generated response" not in caplog.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_each_prompts_ids_and_each_choices_generated_ids(stream):
+    """vLLM's return_token_ids on completions: each choice carries its prompt's ids (streamed: in
+    its first chunk only) and the ids it generated (streamed: each chunk its own, adding up)."""
+    http, engine = _app(spaced=True)
+    prompts = ["Paris is", "Rome is the capital"]
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 6,
+                                           "return_token_ids": True, "stream": stream})
+    assert r.status_code == 200, r.text
+    generated = TOKENIZER.encode(TEXT)[:6]
+    if stream:
+        chunks = [e["choices"][0] for e in _events(r.text) if e["choices"]]
+        by_choice = {i: [c for c in chunks if c["index"] == i] for i in range(4)}
+        for index, own in by_choice.items():
+            assert [c.get("prompt_token_ids") for c in own if c.get("prompt_token_ids")] == \
+                [TOKENIZER.encode(prompts[index // 2])]
+            assert own[0].get("prompt_token_ids")  # in the choice's first chunk
+            assert [t for c in own for t in c["token_ids"]] == generated
+            assert sum(1 for c in own if c["token_ids"]) > 1  # the ids came in pieces, as the text
+    else:
+        choices = r.json()["choices"]
+        assert [c["prompt_token_ids"] for c in choices] == [TOKENIZER.encode(p) for p in prompts for _ in range(2)]
+        assert all(c["token_ids"] == generated for c in choices)
+    assert sorted(map(tuple, (q.prompt_token_ids for q in engine.requests))) == sorted(
+        tuple(TOKENIZER.encode(p)) for p in prompts for _ in range(2))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_in_chat_puts_the_prompt_ids_at_the_top(stream):
+    http, engine = _app(spaced=True)
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "n": 2, "max_tokens": 5,
+                                                "return_token_ids": True, "stream": stream})
+    assert r.status_code == 200, r.text
+    prompt, generated = engine.requests[0].prompt_token_ids, TOKENIZER.encode(TEXT)[:5]
+    if stream:
+        events = _events(r.text)
+        openings = [e for e in events if e["choices"][0]["delta"].get("role")]
+        assert [e["prompt_token_ids"] for e in openings] == [prompt, prompt]
+        assert all(e.get("prompt_token_ids") is None for e in events if e not in openings)
+        for index in range(2):
+            assert [t for e in events if e["choices"][0]["index"] == index
+                    for t in e["choices"][0]["token_ids"]] == generated
+    else:
+        body = r.json()
+        assert body["prompt_token_ids"] == prompt
+        assert [c["token_ids"] for c in body["choices"]] == [generated, generated]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_without_return_token_ids_no_ids_are_returned(path):
+    http, _ = _app()
+    body = {"model": "tiny", "max_tokens": 3, **({"prompt": "hi"} if "chat" not in path else {"messages": MESSAGES})}
+    whole = http.post(path, json=body).json()
+    assert whole.get("prompt_token_ids") is None
+    assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None for c in whole["choices"])
+    events = _events(http.post(path, json={**body, "stream": True}).text)
+    assert all(e.get("prompt_token_ids") is None and e["choices"][0].get("token_ids") is None for e in events)
+
+
+def test_streamed_token_ids_end_where_a_stop_string_ends_the_text():
+    """Tokens after a stop string in the same output are not part of the answer: nor of its ids."""
+    http, _ = _app(tokens_per_output=5, spaced=True)
+    through_comma = TOKENIZER.encode("Hello world,")
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 40, "stop": [","],
+                                               "return_token_ids": True, "stream": stream})
+        if stream:
+            ids = [t for e in _events(r.text) for t in e["choices"][0]["token_ids"]]
+        else:
+            ids = r.json()["choices"][0]["token_ids"]
+        assert ids == through_comma
+
+
+def test_streamed_echo_only_sends_the_prompt_ids_with_the_echo_and_no_generated_ids():
+    http, _ = _app()
+    prompt = "Paris is the capital"
+    for logprobs in (None, 0):
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True,
+                                               "logprobs": logprobs, "return_token_ids": True, "stream": True})
+        chunks = [e["choices"][0] for e in _events(r.text)]
+        assert chunks[0]["text"] == prompt and chunks[0]["prompt_token_ids"] == TOKENIZER.encode(prompt)
+        assert all("prompt_token_ids" not in c or c["prompt_token_ids"] is None for c in chunks[1:])
+        assert all(c["token_ids"] == [] for c in chunks)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_cache_salt_reaches_the_engine_and_an_empty_one_is_refused(path):
+    http, engine = _app()
+    body = {"model": "tiny", **({"prompt": "hi"} if path == "/v1/completions" else
+                                {"messages": MESSAGES} if "chat" in path else {"input": "hi"})}
+    for salt in ("tenant-a", None):
+        assert http.post(path, json={**body, "cache_salt": salt}).status_code == 200
+        assert engine.requests[-1].cache_salt == salt
+    r = http.post(path, json={**body, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    assert "cache_salt" in r.json()["error"]["message"]

@@ -13,8 +13,9 @@ from router.routing import (
 )
 
 
-def ctx(loads, healthy=None, tokens=(), session=None):
-    return RoutingContext(list(tokens), list(loads), list(healthy or [True] * len(loads)), session)
+def ctx(loads, healthy=None, tokens=(), session=None, cache_salt=None):
+    return RoutingContext(list(tokens), list(loads), list(healthy or [True] * len(loads)), session,
+                          cache_salt=cache_salt)
 
 
 def test_round_robin_cycles_and_skips_unhealthy_engines():
@@ -150,3 +151,34 @@ def test_prefix_aware_hashes_a_longrope_models_prompts_as_its_engines_do():
     plain = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0)
     plain.apply_kv_events(1, [(BLOCKS_STORED, request.block_hashes)])
     assert plain.match_lengths(p_hashes(plain, long_prompt))[1] == 0
+
+
+def test_prefix_aware_matches_a_salted_prompt_only_to_blocks_cached_under_its_salt():
+    """vLLM's cache_salt keys a prompt's first block in the engine; the policy hashes it the same way,
+    so a salted prompt follows the engine holding it under that salt, and not one holding it unsalted."""
+    from engine_core.core.block_pool import BLOCKS_STORED
+    from engine_core.core.kv_cache_manager import KVCacheManager
+    from engine_core.request import Request
+    from engine_core.sampling_params import SamplingParams
+
+    prompt = list(range(300, 316))
+    hashes = {}
+    for salt in ("tenant-a", None):
+        engine_side = KVCacheManager(num_blocks=16, block_size=4)
+        request = Request("r", prompt, SamplingParams(), cache_salt=salt)
+        engine_side.allocate_slots(request, len(prompt))
+        hashes[salt] = request.block_hashes
+    p = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0)
+    p.apply_kv_events(0, [(BLOCKS_STORED, hashes[None])])
+    p.apply_kv_events(1, [(BLOCKS_STORED, hashes["tenant-a"])])
+    assert all(p.choose(ctx([1, 0], tokens=prompt + [t], cache_salt="tenant-a")) == 1 for t in range(3))
+    assert all(p.choose(ctx([0, 1], tokens=prompt + [t])) == 0 for t in range(3))
+    # Another tenant's salt matches neither: its blocks are its own.
+    assert p.match_lengths(_salted(p, prompt, "tenant-b")) == [0, 0]
+
+
+def _salted(p, tokens, salt):
+    from engine_core.core.kv_cache_utils import extend_block_hashes
+    out: list[bytes] = []
+    extend_block_hashes(out, tokens, len(tokens) // p.block_size, p.block_size, cache_salt=salt)
+    return out

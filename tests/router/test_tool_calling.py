@@ -523,3 +523,17 @@ def test_the_template_sees_the_tools_and_earlier_calls_with_parsed_arguments():
     # The arguments reached the template as an object (its .city), the tool's answer as content.
     # (Chat templates render with trim_blocks: no newline after a block tag.)
     assert text.endswith("user: weather in Rome?assistant:  CALLS Rometool: sunnyassistant:")
+
+
+def test_streamed_token_ids_of_text_a_parser_held_back_go_with_the_next_chunk():
+    """A tool-call parser sends nothing while a tag may be starting: with return_token_ids those
+    tokens' ids are not lost, they go with the next chunk, so a choice's ids add up to all it generated."""
+    answer = 'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    http, engine, serving = _app(answer, parser="hermes")
+    with http.stream("POST", "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "tools": [WEATHER],
+                                                           "stream": True, "return_token_ids": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    ids = [t for e in events for t in e["choices"][0]["token_ids"]]
+    assert ids == [*serving.tokenizer.encode(answer), serving.tokenizer.eos_token_id]
+    assert len(events) - 1 < len(ids)  # some chunks carry the ids of held-back tokens
+    assert events[0]["prompt_token_ids"] == engine.requests[0].prompt_token_ids
