@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                             'e.g. \'{"enable_thinking": false}\' to serve Qwen3 without thinking by default.')
     serve.add_argument("--enable-log-requests", action="store_true",
                        help="Log each request's prompt, token ids and sampling parameters as it goes to an engine.")
+    serve.add_argument("--seed", type=int, default=0,
+                       help="Seeds the engines' random state (vLLM's): unseeded sampling repeats across restarts for "
+                            "the same requests in the same order; a request's own seed still rules its sampling.")
     serve.add_argument("--max-log-len", type=int, default=None,
                        help="Characters of a logged prompt or output (and token ids) kept.")
     serve.add_argument("--enable-log-outputs", action="store_true",
@@ -283,7 +286,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         tokenizer=_local_dir_path(args.tokenizer),
         defaults=EngineSpec(**{k: v for k, v in defaults.items() if v is not None}), engines=overrides,
         routing_policy=args.routing_policy, prefix_load_margin=args.prefix_load_margin,
-        num_router_replicas=args.num_router_replicas, request_timeout_s=args.request_timeout,
+        num_router_replicas=args.num_router_replicas, request_timeout_s=args.request_timeout, seed=args.seed,
         chat_template=read_chat_template(args.chat_template), enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         api_keys=args.api_key or default_api_keys(),

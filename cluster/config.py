@@ -357,7 +357,7 @@ class ClusterConfig(ModelSettings):
     port: int = Field(8000, ge=1, le=65535)
     address: str | None = Field(None, description="Existing Ray cluster address; local Ray when unset.")
     namespace: str = "llm-cluster"
-    seed: int = 0
+    seed: int = Field(0, description="Every engine's random state starts from it (vLLM's --seed).")
 
     @model_validator(mode="after")
     def _output_parsers(self) -> ClusterConfig:

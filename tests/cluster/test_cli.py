@@ -444,6 +444,11 @@ def test_several_served_model_names_reach_the_engines_and_the_router(tmp_path):
         _config("--model", "/models/b", "--extra-models", str(models))
 
 
+def test_seed_reaches_every_engine():
+    assert [e.seed for e in _config("--num-engines", "2", "--seed", "7").engine_configs()] == [7, 7]
+    assert _config().engine_configs()[0].seed == 0
+
+
 def test_max_logprobs_reaches_every_engine():
     assert [e.max_logprobs for e in _config("--num-engines", "2", "--max-logprobs", "-1").engine_configs()] == [-1, -1]
     assert _config().engine_configs()[0].max_logprobs == 20
