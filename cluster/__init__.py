@@ -2,6 +2,9 @@
 
 from cluster.llm import (
     LLM,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
     ClassificationOutput,
     ClassificationRequestOutput,
     CompletionOutput,
@@ -17,6 +20,7 @@ from cluster.llm import (
 )
 from engine_core.outputs import LoRARequest
 
-__all__ = ["LLM", "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "LoRARequest", "Logprob", "PoolingOutput", "PoolingRequestOutput", "RequestOutput",
-           "SamplingParams", "ScoringOutput", "ScoringRequestOutput"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "ClassificationOutput",
+           "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+           "LoRARequest", "Logprob", "PoolingOutput", "PoolingRequestOutput", "RequestOutput", "SamplingParams",
+           "ScoringOutput", "ScoringRequestOutput"]

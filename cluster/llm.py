@@ -17,6 +17,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from cluster.config import ClusterConfig, EngineSpec, scheduler_flags_to_spec
+from engine_core.beam_search import BeamSearch
 from engine_core.config import EngineConfig, KVCacheDType
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ModelInfo, PoolingInfo
@@ -87,6 +88,38 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # The sum of the sampled tokens' logprobs (when logprobs were asked for), as vLLM reports it.
     cumulative_logprob: float | None = None
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's: ``LLM.beam_search``'s width, length (rounds) and options."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # (picks only the one sampled candidate of each round; the rest are the best)
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
+class BeamSearchSequence:
+    """vLLM's: one beam. ``tokens`` and ``text`` include the prompt, as vLLM's do; ``logprobs``: per
+    generated token, {token id: Logprob} of it and the alternatives the engine ranked."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """vLLM's: a prompt's best beams, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 @dataclass
@@ -438,20 +471,22 @@ class LLM:
               ) -> list[tuple[str, list[int], list[float]]]:
         """(request id, prompt ids, pooled output) of each prompt, run as embedding requests
         (``params``: for all, or each prompt's own)."""
-        prompt_list = self._as_prompt_list(prompts)
+        salts: list[str | None] = []
+        prompt_list = self._as_prompt_list(prompts, salts)
         loras = self._as_lora_list(lora_request, len(prompt_list))
         each = params if isinstance(params, list) else [params] * len(prompt_list)
         self._load_loras(loras)
         vocab, max_model_len = len(self.tokenizer), self._max_model_len()
         pending: dict[str, _Pending] = {}
         requests = []
-        for index, (prompt, lora, prompt_params) in enumerate(zip(prompt_list, loras, each, strict=True)):
+        for index, (prompt, lora, prompt_params, salt) in enumerate(zip(prompt_list, loras, each, salts,
+                                                                        strict=True)):
             ids = self._prompt_ids(index, prompt, vocab, max_model_len)
             request_id = str(next(self._ids))
             pending[request_id] = _Pending(prompt if isinstance(prompt, str) else None, ids, False, request_id)
             requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                               sampling_params=prompt_params, arrival_time=time.time(),
-                                              lora_request=lora))
+                                              lora_request=lora, cache_salt=salt))
         self._run(requests, pending, label, use_tqdm)
         out = []
         for request_id, p in pending.items():
@@ -526,6 +561,63 @@ class LLM:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len is {self._max_model_len()}"
                              + (", which leaves no room to generate" if max_tokens < self._max_model_len() else ""))
         return ids
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search`` (engine_core.beam_search): each round, every prompt's live beams
+        are generated together, one token each with their best 2 x width alternatives (at most
+        --max-logprobs); a beam ends at an end-of-sequence token (unless ``ignore_eos``), the others
+        run ``max_tokens`` rounds or to the context's end."""
+        if params.beam_width < 1 or params.max_tokens < 1:
+            raise ValueError("beam_width and max_tokens must be at least 1")
+        if not self._model_info().pooling.generates:
+            raise ValueError("this model is an embedding model (runner pooling): it does not generate")
+        info, vocab, max_model_len = self._model_info(), len(self.tokenizer), self._max_model_len()
+        stop_ids = set() if params.ignore_eos else set(info.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        searches, rounds, salts = [], [], []
+        for index, prompt in enumerate(self._as_prompt_list(prompts, salts)):
+            ids = self._prompt_ids(index, prompt, vocab, max_model_len - 1)
+            searches.append(BeamSearch(ids, params.beam_width, stop_ids, params.length_penalty))
+            rounds.append(min(params.max_tokens, max_model_len - len(ids)))
+        limit = vocab if info.max_logprobs < 0 else info.max_logprobs
+        if 2 * params.beam_width > limit:
+            raise ValueError(f"beam_width {params.beam_width} asks for {2 * params.beam_width} alternatives per token, "
+                             f"more than max_logprobs ({limit})")
+        step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature)
+        rows: dict[int, dict[int, Logprob]] = {}  # id of a step's alternatives -> the engine's Logprob row
+        for round_index in tqdm(range(max(rounds)), desc="Beam search", disable=not use_tqdm):
+            live = [(search, beam, salt) for search, left, salt in zip(searches, rounds, salts, strict=True)
+                    if round_index < left for beam in search.live]
+            if not live:
+                break
+            outputs = self.generate([{"prompt_token_ids": beam.tokens, "cache_salt": salt} if salt else beam.tokens
+                                     for _, beam, salt in live], step, use_tqdm=False, lora_request=lora_request)
+            steps: dict[int, list] = {}
+            for (search, _, _), out in zip(live, outputs, strict=True):
+                sample = out.outputs[0]
+                row = sample.logprobs[0]  # (the sampled token first, then the best alternatives)
+                alternatives = [(token, logprob.logprob) for token, logprob in row.items()][1:]
+                rows[id(alternatives)] = row
+                steps.setdefault(id(search), []).append((sample.token_ids[0], row[sample.token_ids[0]].logprob,
+                                                         alternatives))
+            for search in searches:
+                if id(search) in steps:
+                    search.advance(steps[id(search)])
+        results = []
+        for search in searches:
+            sequences = []
+            for beam in search.best():
+                tokens = beam.tokens
+                if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+                    tokens = tokens[:-1]
+                sequences.append(BeamSearchSequence(
+                    tokens=tokens, cum_logprob=beam.cum_logprob, text=self.tokenizer.decode(tokens),
+                    finish_reason=beam.finish_reason, stop_reason=beam.stop_reason,
+                    logprobs=[{token: rows[id(top)][token], **{t: lp for t, lp in rows[id(top)].items() if t != token}}
+                              for token, _, top in beam.steps]))
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

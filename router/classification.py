@@ -122,7 +122,8 @@ class ClassificationServing:
         params = classifier_params(serving)
         prompts = self.embeddings.request_prompts(request)
         request_id = f"classify-{uuid.uuid4().hex}"
-        logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id,
+                                     request.cache_salt)
         labels = serving.settings.pooling.labels
         activation = request.class_activation(serving.settings.pooling.classifier_activation)
         data = []

@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
-from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, invalid
+from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, cache_salt_field, invalid
 from router.serving import OpenAIServing, bad_request
 
 TruncationSide = Literal["left", "right"]
@@ -117,6 +117,7 @@ class PooledInputRequest(BaseModel):
     add_special_tokens: bool | None = Field(None, description="Let the tokenizer add its special tokens to text "
                                                               "(default: true for input, false for messages).")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    cache_salt: str | None = cache_salt_field()
 
     @model_validator(mode="after")
     def _not_empty(self) -> PooledInputRequest:
@@ -206,7 +207,8 @@ class EmbeddingsServing:
         prompts = self.request_prompts(request)
         params = embedding_params(serving, request.normalize, request.dimensions)
         request_id = f"embd-{uuid.uuid4().hex}"
-        vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id,
+                                      request.cache_salt)
         num_tokens = sum(len(ids) for ids in prompts)
         if request.binary:
             return request.binary_response(request_id, serving.model_name(request.model), vectors, num_tokens)

@@ -74,7 +74,8 @@ class PoolingServing:
             params = embedding_params(serving, normalize, request.dimensions, pooling)
         prompts = self.embeddings.request_prompts(request)
         request_id = f"pool-{uuid.uuid4().hex}"
-        outputs: list[Any] = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        outputs: list[Any] = await serving.embed(request_id, prompts, params, request.priority, lora, session_id,
+                                                 request.cache_salt)
         activation = request.class_activation(pooling.classifier_activation)
         if request.dimensions is not None:  # (each embedding row cut to it)
             pooling = replace(pooling, row_size=min(pooling.row_size, request.dimensions))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
@@ -43,6 +43,17 @@ def invalid(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_param", message, {"param": param})
 
 
+def cache_salt_field() -> Any:
+    """vLLM's cache_salt request field (every endpoint whose prompts the engines prefix-cache)."""
+    return Field(None, min_length=1, description="vLLM extra: prompts with different salts never share prefix-cache "
+                                                 "blocks (so one tenant cannot time whether another's prompt is "
+                                                 "cached); the same salt shares as usual.")
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -74,10 +85,26 @@ class SamplingFields(BaseModel):
     def _consistent(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "stream_options can only be set when stream is true")
-        if self.cache_salt is not None and not self.cache_salt:
-            raise invalid("cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided.")
         self._structured_output = self._structured_output_spec()
+        if self.use_beam_search:
+            self._check_beam_search()
         return self
+
+    # What beam search cannot honour: it extends each beam a token at a time in fresh engine requests,
+    # so nothing that depends on what a request generated before (stop strings, min_tokens, penalties,
+    # grammars) or that reshapes the candidates' logprobs (the engines rank raw logprobs) holds.
+    # (Each with the values that ask for nothing; a model's default penalty, not sent, does not count.)
+    _NOT_WITH_BEAM_SEARCH: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "stop": (None, [], ""), "min_tokens": (0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+        "repetition_penalty": (1.0,), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+        "prompt_logprobs": (None,), "echo": (False,)}
+
+    def _check_beam_search(self) -> None:
+        for name, neutral in self._NOT_WITH_BEAM_SEARCH.items():
+            if name in self.model_fields_set and getattr(self, name) not in neutral:
+                raise invalid(name, f"{name} is not supported with use_beam_search")
+        if self._structured_output is not None:
+            raise invalid("use_beam_search", "structured output is not supported with use_beam_search")
 
     def _structured_output_spec(self) -> dict[str, Any] | None:
         """The one output constraint asked for, in the engine's form: OpenAI's response_format, or
@@ -166,9 +193,13 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = Field(
         False, description="vLLM extra: logprobs name tokens 'token_id:N' (for tokens whose text is not valid UTF-8 "
                            "alone, and for callers that work in token ids).")
-    cache_salt: str | None = Field(
-        None, description="vLLM extra: prompts with different salts never share prefix-cache blocks (to keep one "
-                          "tenant from timing another's cached prompts); the same salt shares as usual.")
+    use_beam_search: bool = Field(
+        False, description="vLLM extra: beam search, n beams wide (n is the beam width); the n best beams are the "
+                           "choices.")
+    length_penalty: float = Field(1.0, allow_inf_nan=False,
+                                  description="vLLM extra: beam scores divide the cumulative logprob by the "
+                                              "sequence's length to this power.")
+    cache_salt: str | None = cache_salt_field()
     return_token_ids: bool = Field(
         False, description="vLLM extra: the answer carries the prompt's token ids and each choice's generated ids "
                            "(streamed: the prompt's in a choice's first chunk, each chunk's own ids).")
@@ -391,8 +422,9 @@ class CompletionStreamChoice(BaseModel):
     finish_reason: FinishReasonLiteral = None
     stop_reason: int | str | None = None
     # With return_token_ids (vLLM): the prompt's ids (streamed: in the choice's first chunk) and the generated ids.
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
+    # (Left out of the JSON when not asked for, so plain answers and chunks stay as they were.)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_is_none)
+    token_ids: list[int] | None = Field(None, exclude_if=_is_none)
 
 
 class CompletionChoice(CompletionStreamChoice):
@@ -434,7 +466,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonLiteral = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # with return_token_ids (vLLM)
+    token_ids: list[int] | None = Field(None, exclude_if=_is_none)  # with return_token_ids (vLLM)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -445,7 +477,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None  # with return_token_ids (vLLM)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_is_none)  # with return_token_ids (vLLM)
 
 
 class DeltaMessage(BaseModel):
@@ -458,7 +490,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonLiteral = None
-    token_ids: list[int] | None = None  # with return_token_ids (vLLM): this chunk's ids
+    token_ids: list[int] | None = Field(None, exclude_if=_is_none)  # with return_token_ids (vLLM): this chunk's ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -468,7 +500,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None  # with return_token_ids (vLLM): in a choice's first chunk
+    # With return_token_ids (vLLM): in a choice's first (role) chunk.
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_is_none)
 
 
 class CompletionStreamChunk(BaseModel):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.parsed_output import ParsedDelta
-from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, invalid
+from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, cache_salt_field, invalid
 from router.response_store import UNFINISHED, EventsPage, MissingResponseError
 from router.serving import (
     DEFAULTED_SAMPLING_FIELDS,
@@ -112,7 +112,7 @@ class ResponsesRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
-    cache_salt: str | None = Field(None, description="vLLM extra: a prefix-cache salt, as in chat.")
+    cache_salt: str | None = cache_salt_field()
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:

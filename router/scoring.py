@@ -33,7 +33,7 @@ from router.embeddings import (
     embedding_params,
     tokenize_truncated,
 )
-from router.protocol import INT64_MAX, INT64_MIN, invalid
+from router.protocol import INT64_MAX, INT64_MIN, cache_salt_field, invalid
 from router.serving import APIError, OpenAIServing, bad_request
 
 # The paths these endpoints answer on (every one needs the API key when one is set, as /classify's do).
@@ -50,6 +50,7 @@ class _ScoringFields(BaseModel):
     add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens to text.")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
+    cache_salt: str | None = cache_salt_field()
 
 
 def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
@@ -232,7 +233,8 @@ class ScoringServing:
                    for text in texts]
         # (Cosine similarity normalises; MaxSim reads the vectors as the model gives them, as LLM.score.)
         params = embedding_params(serving, normalize=None if pooling.late_interaction else True)
-        vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id)
+        vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id,
+                                      request.cache_salt)
         indices = [(where[left[i]], where[right[j]]) for i, j in pairs]
         try:
             scores = (maxsim_scores(vectors, pooling.row_size, indices) if pooling.late_interaction
@@ -255,7 +257,8 @@ class ScoringServing:
                                             serving.truncation_length(request), request.truncation_side)
             prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
             each.append(pair_params(params, type_start, serving.settings.pooling.token_types))
-        logits = await serving.embed(request_id, prompts, each, request.priority, lora, session_id)
+        logits = await serving.embed(request_id, prompts, each, request.priority, lora, session_id,
+                                     request.cache_salt)
         try:
             scores = [class_probabilities(row, serving.settings.pooling.cross_encoder_activation)[0] for row in logits]
         except ValueError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -21,6 +22,7 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
+from engine_core.beam_search import BeamSearch
 from engine_core.executor import PoolingInfo
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.request import FinishReason
@@ -274,6 +276,16 @@ class _Delta:
     finish_reason: str | None
     stop_reason: int | str | None
     num_tokens: int  # the choice's tokens so far
+
+
+@dataclass
+class _BeamPlan:
+    """One prompt's beam search, checked: its one-token round request, its rounds, the logprobs shown."""
+
+    prompt_ids: list[int]
+    step: SamplingParams
+    rounds: int
+    logprobs: int | None
 
 
 @dataclass
@@ -686,7 +698,8 @@ class OpenAIServing:
                                  client_index=self.client.client_index, lora_request=lora, cache_salt=cache_salt)
 
     async def _open_all(self, jobs: list[tuple[int, str, list[int], SamplingParams]], priority: int,
-                        lora: LoRARequest | None = None, cache_salt: str | None = None) -> list[RequestStream]:
+                        lora: LoRARequest | None = None, cache_salt: str | None = None,
+                        deadline: float | None = None) -> list[RequestStream]:
         """Send every job's request (engine, request id, prompt, parameters) to its engine now,
         before any response starts, so a refusal is an HTTP status (429 or 503) for streams too;
         what was opened is released on failure."""
@@ -700,7 +713,12 @@ class OpenAIServing:
                     if self.settings.enable_log_requests and request_id not in logged:
                         logged.add(request_id)
                         self._log_request(request)
-                    streams.append(await self.client.open(engine, request, self.settings.request_timeout_s))
+                    timeout = self.settings.request_timeout_s
+                    if deadline is not None:  # (a request of several rounds: what is left of its time)
+                        timeout = deadline - time.monotonic()
+                        if timeout <= 0:
+                            raise RequestTimeoutError(request_id)
+                    streams.append(await self.client.open(engine, request, timeout))
                 return streams
             except BaseException as e:
                 for stream in streams:
@@ -789,6 +807,8 @@ class OpenAIServing:
                         [], []) for i in range(n)]
 
     async def _generate(self, streams: list[RequestStream], choices: list[_Choice], sink: asyncio.Queue | None) -> None:
+        if not streams:  # choices that came complete (beam search)
+            return
         tasks = [asyncio.create_task(self._run_choice(stream, choice, sink))
                  for stream, choice in zip(streams, choices, strict=True)]
         try:
@@ -825,6 +845,7 @@ class OpenAIServing:
         prompt_ids: list[list[int]] = []
         num_prompt_tokens = 0
         chosen = [0] * self.client.num_engines
+        searches = []
         for p_index, prompt in enumerate(prompts):
             ids = self.tokenize_prompt(prompt)
             if not ids:
@@ -834,8 +855,11 @@ class OpenAIServing:
                 ids, prompt = truncated, truncated
             num_prompt_tokens += len(ids)
             prompt_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
-            engine = self.choose_engine(ids, session_id, chosen, lora, request.n, request.cache_salt)
             prompt_ids.append(ids)
+            if request.use_beam_search:  # (every prompt checked before any search starts)
+                searches.append(self._beam_plan(request, ids, request.max_tokens, request.logprobs))
+                continue
+            engine = self.choose_engine(ids, session_id, chosen, lora, request.n, request.cache_salt)
             for c in self._new_choices(request.n, ids, request):
                 # max_tokens=0 (echo only): one token is generated and dropped, as vLLM does.
                 params = self.sampling_params(request, len(ids), request.max_tokens or 1, request.logprobs, c.index,
@@ -844,6 +868,8 @@ class OpenAIServing:
                 c.index = p_index * request.n + c.index
                 choices.append(c)
                 jobs.append((engine, choice_request_id(engine_base, c.index), ids, params))
+        if searches:  # (beam search: the choices come complete, before any response starts)
+            choices = await self._beam_searches(request, searches, engine_base, session_id, lora)
         streams = await self._open_all(jobs, request.priority, lora, request.cache_salt)
         if request.stream:
             return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts,
@@ -959,16 +985,27 @@ class OpenAIServing:
                               "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
                               '"required" or "none"', "tool_choice")
         ids = self.truncate_prompt(self.render_chat(request), request)
-        engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt)
         if request_id is None:
             request_id, engine_base = answer_ids("chatcmpl", external_id)
         else:
             engine_base = request_id
         created = int(time.time())
+        thinks = self.settings.reasoning_parser is not None and not self._prompt_closed_thinking(ids)
+        if request.use_beam_search:
+            if tool_choice not in ("none", "auto"):
+                raise bad_request("a named or required tool_choice is not supported with use_beam_search",
+                                  "tool_choice")
+            plan = self._beam_plan(request, ids, request.requested_max_tokens,
+                                   (request.top_logprobs or 0) if request.logprobs else None)
+            choices = await self._beam_searches(request, [plan], engine_base, session_id, lora,
+                                                False if tool_choice == "auto" else None)
+            for c in choices:
+                c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
+            return ChatRun(request_id, created, ids, choices, [])
+        engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt)
         top = (request.top_logprobs or 0) if request.logprobs else None
         # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
         choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
-        thinks = self.settings.reasoning_parser is not None and not self._prompt_closed_thinking(ids)
         for c in choices:
             c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
         # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
@@ -1023,8 +1060,7 @@ class OpenAIServing:
         token_ids = _StreamedTokenIds([prompt_ids], request.n) if request.return_token_ids else None
         for c in choices:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, usage=opening_usage, choices=[
-                ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""),
-                                 token_ids=[] if token_ids else None)],
+                ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))],
                 prompt_token_ids=token_ids.prompt(c.index) if token_ids else None))
         async for event in self._choice_events(streams, choices):
             logprobs = (self._chat_logprobs(event.logprobs, self._as_token_ids(request))
@@ -1108,6 +1144,8 @@ class OpenAIServing:
 
     def _choice_events(self, streams: list[RequestStream], choices: list[_Choice]
                        ) -> AsyncIterator[_Delta]:
+        if not streams:  # choices that came complete (beam search): one event each
+            return _complete_events(choices)
         if len(streams) == 1:
             return self._deltas(streams[0], choices[0])
         return self._merged_events(streams, choices)
@@ -1140,18 +1178,119 @@ class OpenAIServing:
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)
 
+    # -- beam search (vLLM's use_beam_search) ------------------------------------------------------------
+
+    def _beam_plan(self, request: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+                   logprobs: int | None) -> _BeamPlan:
+        """A prompt's beam search, checked before anything is sent: each round asks the engines for
+        one token and the best 2n alternatives (more when the request's own logprobs ask for more:
+        those are shown, they do not compete)."""
+        width = request.n
+        limit = self.settings.max_logprobs if self.settings.max_logprobs >= 0 else len(self.tokenizer)
+        if 2 * width > limit:
+            raise bad_request(f"use_beam_search with n={width} asks the engines for {2 * width} alternatives per "
+                              f"token, more than --max-logprobs ({limit})", "n")
+        base = self.sampling_params(request, len(prompt_ids), max_tokens, max(2 * width, logprobs or 0), 0)
+        return _BeamPlan(prompt_ids, dataclasses.replace(base, max_tokens=1, min_tokens=0), base.max_tokens, logprobs)
+
+    async def _beam_searches(self, request: SamplingFields, plans: list[_BeamPlan], engine_base: str,
+                             session_id: str | None, lora: LoRARequest | None,
+                             skip_special_tokens: bool | None = None) -> list[_Choice]:
+        """Every prompt's search at once, under one deadline (--request-timeout counts the whole
+        request); one that fails cancels the others (their round's requests are aborted)."""
+        timeout = self.settings.request_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tasks = [asyncio.create_task(self._beam_search(request, plan, i * request.n, engine_base, session_id, lora,
+                                                       deadline, skip_special_tokens))
+                 for i, plan in enumerate(plans)]
+        try:
+            return [c for found in await asyncio.gather(*tasks) for c in found]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _beam_search(self, request: SamplingFields, plan: _BeamPlan, first_index: int, engine_base: str,
+                           session_id: str | None, lora: LoRARequest | None, deadline: float | None,
+                           skip_special_tokens: bool | None) -> list[_Choice]:
+        """One prompt's ``n`` best beams (engine_core.beam_search), as complete choices numbered
+        from ``first_index``. The routing policy places each beam of a round, so under prefix_aware
+        a prompt's beams follow their cached context."""
+        stop_ids = set(request.stop_token_ids or ())
+        if not request.ignore_eos:
+            stop_ids.update(self.settings.eos_token_ids)
+        search = BeamSearch(plan.prompt_ids, request.n, stop_ids, request.length_penalty)
+        num_cached = 0
+        for round_index in range(plan.rounds):
+            if search.finished:
+                break
+            chosen = [0] * self.client.num_engines
+            jobs = [(self.choose_engine(beam.tokens, session_id, chosen, lora, cache_salt=request.cache_salt),
+                     f"{engine_base}-{first_index}-beam{round_index}-{i}", beam.tokens, plan.step)
+                    for i, beam in enumerate(search.live)]
+            streams = await self._open_all(jobs, request.priority, lora, request.cache_salt, deadline)
+            reads = [asyncio.ensure_future(self._beam_token(stream)) for stream in streams]
+            try:
+                outputs = await asyncio.gather(*reads)  # (the first failure ends the round)
+            finally:
+                for read in reads:
+                    read.cancel()
+                await asyncio.gather(*reads, return_exceptions=True)
+                for stream in streams:  # (aborts the others when one failed, or the client left)
+                    await stream.close()
+            if round_index == 0:
+                num_cached = max(output.num_cached_tokens for output in outputs)
+            search.advance([(output.new_token_ids[0], output.new_logprobs.sampled_logprobs[0],
+                             [tuple(alt) for alt in output.new_logprobs.top_logprobs[0]])  # type: ignore[union-attr]
+                            for output in outputs])
+        choices = []
+        for i, beam in enumerate(search.best()):
+            choice = self._new_choices(1, plan.prompt_ids, request, skip_special_tokens)[0]
+            choice.index = first_index + i
+            choice.token_ids = search.generated(beam)
+            ended_by_stop_token = beam.finish_reason == "stop" and not request.include_stop_str_in_output
+            choice.detok.add_tokens(choice.token_ids[:-1] if ended_by_stop_token else choice.token_ids)
+            choice.detok.finish()
+            if plan.logprobs is not None:
+                choice.logprobs = [(token, logprob, top[:plan.logprobs]) for token, logprob, top in beam.steps]
+            # The stop token that ended a beam is its stop_reason, an EOS too (as vLLM's beam search).
+            choice.finish_reason, choice.stop_reason = beam.finish_reason, beam.stop_reason
+            choice.num_cached_tokens = num_cached
+            if self.settings.enable_log_outputs:
+                self._log_output(f"{engine_base}-{choice.index}", choice)
+            choices.append(choice)
+        return choices
+
+    async def _beam_token(self, stream: RequestStream) -> EngineCoreOutput:
+        """The output that brings a beam-search request's one token (with its logprobs)."""
+        while not stream.finished:
+            try:
+                batch = await stream.next_batch()
+            except RequestTimeoutError as e:
+                raise self._timed_out() from e
+            for output in batch:
+                if output.new_token_ids and output.new_logprobs is not None:
+                    return output
+                if output.finish_reason is not None:
+                    raise APIError(500, str(output.stop_reason or f"the engine ended the request "
+                                                               f"({output.finish_reason.name.lower()})"),
+                                   "InternalServerError")
+        raise APIError(500, "the engine ended a beam search request without its token", "InternalServerError")
+
     # -- /v1/embeddings -------------------------------------------------------------------------------
 
     async def embed(self, request_id: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                    priority: int, lora: LoRARequest | None, session_id: str | None = None) -> list[list[float]]:
+                    priority: int, lora: LoRARequest | None, session_id: str | None = None,
+                    cache_salt: str | None = None) -> list[list[float]]:
         """Each prompt's embedding (``params.embed``; a list: each prompt's own), their requests sent
         together to the engines the routing policy picks (and read one after another: they run at
         once in the engines); a timeout or an engine error fails them all."""
         chosen = [0] * self.client.num_engines
         each = params if isinstance(params, list) else [params] * len(prompts)
-        jobs = [(self.choose_engine(ids, session_id, chosen, lora), choice_request_id(request_id, i), ids, p)
+        jobs = [(self.choose_engine(ids, session_id, chosen, lora, cache_salt=cache_salt),
+                 choice_request_id(request_id, i), ids, p)
                 for i, (ids, p) in enumerate(zip(prompts, each, strict=True))]
-        streams = await self._open_all(jobs, priority, lora)
+        streams = await self._open_all(jobs, priority, lora, cache_salt)
         try:
             return [await self._embedding(stream) for stream in streams]
         finally:
@@ -1367,6 +1506,11 @@ def _drop_output(choice: _Choice) -> None:
     choice.token_ids.clear()
     choice.logprobs.clear()
     choice.detok.output_text = ""
+
+
+async def _complete_events(choices: list[_Choice]) -> AsyncIterator[_Delta]:
+    for c in choices:
+        yield _Delta(c, c.detok.output_text, c.logprobs, c.finish_reason, c.stop_reason, len(c.token_ids))
 
 
 class _StreamedTokenIds:

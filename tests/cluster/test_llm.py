@@ -1113,3 +1113,35 @@ def test_a_prompts_cache_salt_keeps_its_prefix_cache_blocks_its_own(tiny_model_d
             llm.generate({"prompt": "Hello", "cache_salt": ""}, params, use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_beam_search_returns_the_best_beams_with_their_true_likelihoods(tiny_model_dir):
+    """vLLM's LLM.beam_search on a real engine: each beam's cumulative logprob is its continuation's
+    log-likelihood as the engine scores the whole sequence (prompt logprobs), the beams are distinct
+    and best first, and a search one beam wide is greedy decoding."""
+    from cluster import BeamSearchParams
+
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=128, block_size=4, max_model_len=128)
+    prompt = [5, 6, 7, 8, 9]
+    try:
+        found = {width: llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "beams"}],
+                                        BeamSearchParams(beam_width=width, max_tokens=4, ignore_eos=True))[0]
+                 for width in (1, 3)}
+        beams = found[3].sequences
+        assert len(beams) == 3 and len({tuple(b.tokens) for b in beams}) == 3
+        assert all(b.tokens[:5] == prompt and len(b.tokens) == 9 and b.finish_reason == "length" for b in beams)
+        cums = [b.cum_logprob for b in beams]
+        assert cums == sorted(cums, reverse=True)  # (one length: the score orders by cumulative logprob)
+        greedy = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert found[1].sequences[0].tokens[5:] == greedy[0].outputs[0].token_ids
+        scored = llm.generate([b.tokens for b in beams], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                              use_tqdm=False)
+        for beam, out in zip(beams, scored, strict=True):
+            likelihood = sum(out.prompt_logprobs[i][beam.tokens[i]].logprob for i in range(5, 9))
+            assert beam.cum_logprob == pytest.approx(likelihood, abs=1e-3)
+            assert [next(iter(step)) for step in beam.logprobs] == beam.tokens[5:]
+            assert beam.text == llm.tokenizer.decode(beam.tokens)
+        with pytest.raises(ValueError, match="at least 1"):
+            llm.beam_search([prompt], BeamSearchParams(beam_width=0, max_tokens=4))
+    finally:
+        llm.shutdown()

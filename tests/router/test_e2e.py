@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -189,10 +190,14 @@ def test_a_stored_conversation_continues_through_another_router(client, cluster)
 def test_cache_salt_and_return_token_ids_through_the_openai_client(client):
     """vLLM's request extras on real engines: a prompt under a new salt finds nothing cached (not
     even blocks other requests cached unsalted), and the answer carries its token ids."""
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    messages = [{"role": "system", "content": "Write a haiku."}, {"role": "user", "content": "About salt"}]
+    for _ in range(2):  # the prompt unsalted, on both engines (round robin)
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    salt = f"tenant-{uuid.uuid4().hex}"
     salted = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
-                                             extra_body={"cache_salt": "e2e-tenant", "return_token_ids": True})
+                                             extra_body={"cache_salt": salt, "return_token_ids": True})
               for _ in range(3)]
+    assert salted[0].usage.prompt_tokens > 16  # (a full block to cache)
     assert salted[0].usage.prompt_tokens_details.cached_tokens == 0
     assert max(c.usage.prompt_tokens_details.cached_tokens for c in salted[1:]) >= 16  # two met on one engine
     first = salted[0]
@@ -202,6 +207,28 @@ def test_cache_salt_and_return_token_ids_through_the_openai_client(client):
     completion = client.completions.create(model="tiny", prompt=first.prompt_token_ids, max_tokens=3, temperature=0,
                                            extra_body={"return_token_ids": True})
     assert completion.choices[0].prompt_token_ids == first.prompt_token_ids
+
+
+def test_beam_search_through_the_openai_client(client):
+    """use_beam_search on real engines: n distinct beams, best first, each beam's logprobs the
+    engines' own (its cumulative logprob is its continuation's likelihood as prompt logprobs score it)."""
+    prompt = "The capital of France is"
+    out = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=4, logprobs=0,
+                                    extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True})
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 12
+    assert len({tuple(c.token_ids) for c in out.choices}) == 3
+    cums = [sum(c.logprobs.token_logprobs) for c in out.choices]
+    assert cums == sorted(cums, reverse=True)
+    prompt_ids = out.choices[0].prompt_token_ids
+    for choice, cum in zip(out.choices, cums, strict=True):
+        scored = client.completions.create(model="tiny", prompt=prompt_ids + choice.token_ids, max_tokens=1,
+                                           extra_body={"prompt_logprobs": 0})
+        rows = scored.choices[0].prompt_logprobs[len(prompt_ids):]
+        assert sum(row[str(t)]["logprob"] for row, t in zip(rows, choice.token_ids, strict=True)) == \
+            pytest.approx(cum, abs=1e-3)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=3, extra_body={"use_beam_search": True}, stream=True)
+    assert {c.choices[0].index for c in chat if c.choices} == {0, 1}
 
 
 def test_completions_n2_and_echo(client):

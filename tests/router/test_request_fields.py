@@ -21,12 +21,15 @@ from router.app import create_app
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics
 from router.protocol import ChatMessage
-from router.routing import RoundRobinPolicy
+from router.routing import RoundRobinPolicy, RoutingContext, RoutingPolicy
 from router.serving import OpenAIServing, ServingSettings
 
 from .tokenizer_factory import byte_level_tokenizer
 
 TOKENIZER = byte_level_tokenizer()
+# A copy with a chat template (byte_level_tokenizer() is one cached object the router tests share).
+CHAT_TOKENIZER = byte_level_tokenizer.__wrapped__()
+CHAT_TOKENIZER.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 TEXT = "Hello world, the quick brown fox, jumps over the lazy dog."
 
 
@@ -122,7 +125,7 @@ def _joined(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
 def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.encode(TEXT),
          tokenizer=TOKENIZER, prompt_tokens_details: bool = False, stream_interval: int = 1, hidden_size: int = 0,
          pooling: dict | None = None, trust_request_chat_template: bool = False, handle: object = None,
-         settings: dict | None = None, metrics: RouterMetrics | None = None,
+         settings: dict | None = None, metrics: RouterMetrics | None = None, policy: RoutingPolicy | None = None,
          **engine) -> tuple[TestClient, ScriptedEngine]:
     """An app on one scripted engine; ``handle`` stands for the engine actor (health probes);
     ``settings``: more ServingSettings fields."""
@@ -134,7 +137,7 @@ def _app(script: Callable[[EngineCoreRequest], list[int]] = lambda _: TOKENIZER.
                                             pooling=PoolingInfo(**(pooling or {})),
                                             trust_request_chat_template=trust_request_chat_template,
                                             **(settings or {})),
-                            client, tokenizer, RoundRobinPolicy(), metrics)
+                            client, tokenizer, policy or RoundRobinPolicy(), metrics)
     return TestClient(create_app(serving)), scripted
 
 
@@ -535,9 +538,7 @@ MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, 
 
 
 def _chat_app(defaults: dict | None = None, **settings) -> tuple[TestClient, ScriptedEngine]:
-    tokenizer = byte_level_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    return _app(tokenizer=tokenizer, settings={"default_sampling_params": defaults or {}, **settings})
+    return _app(tokenizer=CHAT_TOKENIZER, settings={"default_sampling_params": defaults or {}, **settings})
 
 
 def _sampled(params: SamplingParams) -> dict[str, float]:
@@ -654,7 +655,7 @@ def test_a_request_the_engine_refuses_is_a_400_and_the_engine_keeps_serving():
 def test_server_default_chat_template_kwargs_sit_under_the_requests_own():
     """--default-chat-template-kwargs (vLLM's): every render gets them (chat, /tokenize, Anthropic's
     Messages), and a request's own chat_template_kwargs win."""
-    tokenizer = byte_level_tokenizer()
+    tokenizer = byte_level_tokenizer.__wrapped__()  # its own copy: the template is set on it
     tokenizer.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}[nothink]{% endif %}"
                                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     http, engine = _app(tokenizer=tokenizer, settings={"default_chat_template_kwargs": {"enable_thinking": False}})
@@ -749,7 +750,7 @@ def test_return_token_ids_gives_each_prompts_ids_and_each_choices_generated_ids(
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_return_token_ids_in_chat_puts_the_prompt_ids_at_the_top(stream):
-    http, engine = _app(spaced=True)
+    http, engine = _app(tokenizer=CHAT_TOKENIZER, spaced=True)
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "n": 2, "max_tokens": 5,
                                                 "return_token_ids": True, "stream": stream})
     assert r.status_code == 200, r.text
@@ -770,7 +771,7 @@ def test_return_token_ids_in_chat_puts_the_prompt_ids_at_the_top(stream):
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_without_return_token_ids_no_ids_are_returned(path):
-    http, _ = _app()
+    http, _ = _app(tokenizer=CHAT_TOKENIZER)
     body = {"model": "tiny", "max_tokens": 3, **({"prompt": "hi"} if "chat" not in path else {"messages": MESSAGES})}
     whole = http.post(path, json=body).json()
     assert whole.get("prompt_token_ids") is None
@@ -805,14 +806,45 @@ def test_streamed_echo_only_sends_the_prompt_ids_with_the_echo_and_no_generated_
         assert all(c["token_ids"] == [] for c in chunks)
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
-def test_cache_salt_reaches_the_engine_and_an_empty_one_is_refused(path):
-    http, engine = _app()
-    body = {"model": "tiny", **({"prompt": "hi"} if path == "/v1/completions" else
-                                {"messages": MESSAGES} if "chat" in path else {"input": "hi"})}
+class SaltRecordingPolicy(RoundRobinPolicy):
+    """Round robin that keeps the cache_salt each routing decision saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.salts: list[str | None] = []
+
+    def choose(self, ctx: RoutingContext) -> int:
+        self.salts.append(ctx.cache_salt)
+        return super().choose(ctx)
+
+
+SALTED_BODIES = {
+    "/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": {"messages": MESSAGES},
+    "/v1/responses": {"input": "hi"}, "/v1/embeddings": {"input": ["hi", "Paris"]}, "/pooling": {"input": "hi"},
+    "/score": {"text_1": "hi", "text_2": ["Paris", "Rome"]}, "/rerank": {"query": "hi", "documents": ["Paris"]}}
+
+
+@pytest.mark.parametrize("path", SALTED_BODIES)
+def test_cache_salt_reaches_the_routing_policy_and_the_engine_and_an_empty_one_is_refused(path):
+    policy = SaltRecordingPolicy()
+    http, engine = _app(tokenizer=CHAT_TOKENIZER, policy=policy)
+    body = {"model": "tiny", **SALTED_BODIES[path]}
     for salt in ("tenant-a", None):
-        assert http.post(path, json={**body, "cache_salt": salt}).status_code == 200
-        assert engine.requests[-1].cache_salt == salt
+        before = len(engine.requests)
+        r = http.post(path, json={**body, "cache_salt": salt})
+        assert r.status_code == 200, r.text
+        assert len(engine.requests) > before
+        assert {q.cache_salt for q in engine.requests[before:]} == {salt}
+        assert set(policy.salts[before:]) == {salt}
     r = http.post(path, json={**body, "cache_salt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
     assert "cache_salt" in r.json()["error"]["message"]
+
+
+def test_streamed_token_ids_held_by_a_stream_interval_go_with_the_chunk_that_sends_their_text():
+    http, _ = _app(spaced=True, stream_interval=3)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 10, "stream": True,
+                                           "return_token_ids": True})
+    chunks = [e["choices"][0] for e in _events(r.text)]
+    assert [t for c in chunks for t in c["token_ids"]] == TOKENIZER.encode(TEXT)[:10]
+    assert len(chunks) < 10 and all(len(TOKENIZER.decode(c["token_ids"])) == len(c["text"]) for c in chunks)

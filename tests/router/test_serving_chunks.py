@@ -59,3 +59,18 @@ def test_chat_chunk_matches_the_model(delta, logprobs, finish):
         finish_reason=finish)])
     assert _data(fast) == _data(_sse(model))
     assert ChatCompletionChunk.model_validate(_data(fast)) == model
+
+
+@pytest.mark.parametrize("ids", [None, {"token_ids": [5, 6]}, {"token_ids": [], "prompt_token_ids": [1, 2, 3]}])
+def test_chunks_with_return_token_ids_match_the_models(ids):
+    fast = completion_token_chunk("cmpl-1", 1700000000, "tiny", 1, "ab", None, None, None, ids=ids)
+    model = CompletionStreamChunk(id="cmpl-1", created=1700000000, model="tiny", choices=[CompletionStreamChoice(
+        index=1, text="ab", **(ids or {}))])
+    assert _data(fast) == _data(_sse(model))
+    if ids is None:  # not asked for: not in the JSON at all, as before the field existed
+        assert "token_ids" not in _data(fast)["choices"][0] and "prompt_token_ids" not in _data(fast)["choices"][0]
+    chat_ids = ids and {"token_ids": ids["token_ids"]}
+    fast = chat_token_chunk("chatcmpl-1", 1700000000, "tiny", 0, "ab", None, None, ids=chat_ids)
+    model = ChatCompletionChunk(id="chatcmpl-1", created=1700000000, model="tiny", choices=[ChatStreamChoice(
+        index=0, delta=DeltaMessage(content="ab"), **(chat_ids or {}))])
+    assert _data(fast) == _data(_sse(model))

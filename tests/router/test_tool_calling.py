@@ -526,14 +526,20 @@ def test_the_template_sees_the_tools_and_earlier_calls_with_parsed_arguments():
 
 
 def test_streamed_token_ids_of_text_a_parser_held_back_go_with_the_next_chunk():
-    """A tool-call parser sends nothing while a tag may be starting: with return_token_ids those
-    tokens' ids are not lost, they go with the next chunk, so a choice's ids add up to all it generated."""
-    answer = 'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
-    http, engine, serving = _app(answer, parser="hermes")
+    """Reasoning and tool-call parsers send nothing while a tag may be starting: with
+    return_token_ids those tokens' ids are not lost, they go with the next chunk, so each choice's
+    ids add up to all it generated."""
+    answer = ('<think>hm</think>Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}'
+              '</tool_call>')
+    http, engine, serving = _app(answer, parser="hermes", reasoning="qwen3")
     with http.stream("POST", "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "tools": [WEATHER],
-                                                           "stream": True, "return_token_ids": True}) as s:
+                                                           "n": 2, "stream": True, "return_token_ids": True}) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-    ids = [t for e in events for t in e["choices"][0]["token_ids"]]
-    assert ids == [*serving.tokenizer.encode(answer), serving.tokenizer.eos_token_id]
-    assert len(events) - 1 < len(ids)  # some chunks carry the ids of held-back tokens
-    assert events[0]["prompt_token_ids"] == engine.requests[0].prompt_token_ids
+    generated = [*serving.tokenizer.encode(answer), serving.tokenizer.eos_token_id]
+    for index in (0, 1):
+        mine = [e for e in events if e["choices"][0]["index"] == index]
+        ids = [t for e in mine for t in e["choices"][0].get("token_ids") or ()]
+        assert ids == generated
+        assert len(mine) - 1 < len(ids)  # some chunks carry the ids of held-back tokens
+        assert mine[0]["prompt_token_ids"] == engine.requests[0].prompt_token_ids
+        assert "token_ids" not in mine[0]["choices"][0]  # (the role chunk, as vLLM's)
