@@ -318,7 +318,7 @@ class MessagesServing:
         yield _sse({"type": "message_start", "message": start})
         blocks = _Blocks()
         try:
-            async for parsed in self.serving.parsed_deltas(run):
+            async for parsed, _ in self.serving.parsed_deltas(run):
                 blocks.add(parsed)
                 if blocks.events:
                     yield "".join(blocks.take())

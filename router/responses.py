@@ -49,7 +49,7 @@ from router.serving import (
 
 if TYPE_CHECKING:
     from router.response_store import AsyncResponseStore
-    from router.serving import ChatRun, OpenAIServing
+    from router.serving import ChatRun, OpenAIServing, _Delta
 
 logger = logging.getLogger(__name__)
 # How long one wait of a follower of a streamed background response lasts in the store (it then asks
@@ -113,6 +113,16 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     cache_salt: str | None = cache_salt_field()
+    include: list[str] | None = Field(None, description='Extra output: "message.output_text.logprobs" (the other '
+                                                        "values OpenAI names are accepted; this server has nothing "
+                                                        "for them).")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="With message.output_text.logprobs included: "
+                                                                     "the best alternatives of each token.")
+
+    @property
+    def output_logprobs(self) -> bool:
+        """The message's text comes with its tokens' logprobs (OpenAI's include value)."""
+        return bool(self.include) and "message.output_text.logprobs" in self.include  # type: ignore[operator]
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
@@ -168,6 +178,8 @@ class ResponsesRequest(BaseModel):
             body["tool_choice"] = self._tool_choice()
         if self.reasoning and self.reasoning.get("effort") is not None:
             body["chat_template_kwargs"] = {"reasoning_effort": self.reasoning["effort"]}
+        if self.output_logprobs:
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         return chat_request_from(body, _CHAT_TO_RESPONSES_PARAM, "input")
 
     def _messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -246,7 +258,7 @@ class ResponsesRequest(BaseModel):
                 "temperature": sampling["temperature"], "text": self.text or {"format": {"type": "text"}},
                 "tool_choice": self.tool_choice or ("auto" if self.tools else "none"),
                 "tools": self.tools or [], "top_p": sampling["top_p"], "truncation": self.truncation, "user": self.user,
-                "background": self.background}
+                "background": self.background, "top_logprobs": self.top_logprobs}
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -317,6 +329,7 @@ class _OpenItem:
     item: dict[str, Any]
     text: str = ""
     closed: bool = False
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # a message's, when asked for
 
 
 @dataclass
@@ -350,7 +363,8 @@ class OutputItems:
     def open_empty_message(self) -> None:
         self.message = self._open_message()
 
-    def add(self, parsed: ParsedDelta) -> None:
+    def add(self, parsed: ParsedDelta, logprobs: list[dict[str, Any]] | None = None) -> None:
+        """``logprobs``: those of the tokens of ``parsed.content`` (OpenAI's output_text logprobs)."""
         if parsed.reasoning:
             if self.reasoning is None or self.reasoning.closed:
                 self.reasoning = self._open({"type": "reasoning", "id": _item_id("rs"), "summary": [],
@@ -365,8 +379,9 @@ class OutputItems:
             if self.message is None or self.message.closed:
                 self.message = self._open_message()
             self.message.text += parsed.content
+            self.message.logprobs += logprobs or []
             self.emit("response.output_text.delta", item_id=self.message.item["id"], output_index=self.message.index,
-                      content_index=0, delta=parsed.content, logprobs=[])
+                      content_index=0, delta=parsed.content, logprobs=logprobs or [])
         for delta in parsed.tool_calls:
             call = self.calls.get(delta["index"])
             if call is None:
@@ -393,10 +408,10 @@ class OutputItems:
             self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                       part=part)
         elif item["type"] == "message":
-            part = {"type": "output_text", "text": opened.text, "annotations": [], "logprobs": []}
+            part = {"type": "output_text", "text": opened.text, "annotations": [], "logprobs": opened.logprobs}
             item["content"] = [part]
             self.emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                      text=opened.text, logprobs=[])
+                      text=opened.text, logprobs=opened.logprobs)
             self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                       part=part)
         else:
@@ -415,6 +430,32 @@ class OutputItems:
 # Chat parameters named by errors raised past the request's validation (context length, template,
 # tool-call arguments), and the Responses parameters they come from.
 _CHAT_ERROR_PARAM = {**_CHAT_TO_RESPONSES_PARAM, "max_tokens": "max_output_tokens", "tool_choice": "tool_choice"}
+
+
+class _ContentLogprobs:
+    """Which tokens' logprobs go with the message's text. Without an output parser, every token's
+    (an output whose bytes do not yet make a character brings no text: its tokens go with the next
+    text). With one, as vLLM's streamed Responses choose them: those of an engine output that
+    brings content; not those of reasoning, tool calls, tags, or text held back while a tag might
+    be starting. Never the stop token that ended the answer (it is not in the text). Whole answers
+    are read the same way."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.pending: list = []
+
+    def take(self, parsed: ParsedDelta, event: _Delta) -> list[dict[str, Any]]:
+        rows = event.logprobs
+        if (event.finish_reason == "stop" and rows and not isinstance(event.stop_reason, str)
+                and not event.choice.detok.include_stop_str_in_output):
+            rows = rows[:-1]
+        if event.choice.output_parser is None:
+            self.pending += rows
+            rows = self.pending
+        if not parsed.content:
+            return []
+        self.pending = []
+        return self.serving.chat_logprobs(rows)["content"]
 
 
 class ResponsesServing:
@@ -526,16 +567,25 @@ class ResponsesServing:
         if request.background:
             return await self._start_background(base, run, request, history)
         if request.stream:
-            return SSEStream(self._stream(base, run, keep), run.streams)
-        final = await self._answer(base, run)
+            return SSEStream(self._stream(base, run, keep, request.output_logprobs), run.streams)
+        final = await self._answer(base, run, request.output_logprobs)
         await keep(final)
         return final
 
-    async def _answer(self, base: dict[str, Any], run: ChatRun) -> dict[str, Any]:
-        """A started (not streamed) response, once its answer is whole."""
-        await self.serving.finish_chat(run)
+    async def _answer(self, base: dict[str, Any], run: ChatRun, logprobs: bool = False) -> dict[str, Any]:
+        """A started (not streamed) response, once its answer is whole; with ``logprobs`` read as it
+        streams, to tell the tokens of its text from those of its reasoning and calls."""
         items = OutputItems(lambda *_, **__: None)
-        items.add(parsed_whole(run.choices[0]))
+        if logprobs:
+            content_logprobs = _ContentLogprobs(self.serving)
+            try:
+                async for parsed, event in self.serving.parsed_deltas(run):
+                    items.add(parsed, content_logprobs.take(parsed, event))
+            except _StreamError as e:
+                raise e.error from e
+        else:
+            await self.serving.finish_chat(run)
+            items.add(parsed_whole(run.choices[0]))
         return self._final(base, run, items)
 
     async def _start_background(self, base: dict[str, Any], run: ChatRun, request: ResponsesRequest,
@@ -585,8 +635,8 @@ class ResponsesServing:
                     pass  # cancelled or deleted already
                 elif recorder is not None:
                     try:
-                        async with contextlib.aclosing(self._events(base, run, settle, created_status="queued")) \
-                                as events_of:
+                        async with contextlib.aclosing(self._events(base, run, settle, "queued",
+                                                                    request.output_logprobs)) as events_of:
                             async for events in events_of:
                                 recorder.add(events)
                                 if recorder.stopped:
@@ -596,7 +646,7 @@ class ResponsesServing:
                         await end_failed(str(e))
                 else:
                     try:
-                        final = await self._answer(base, run)
+                        final = await self._answer(base, run, request.output_logprobs)
                     except Exception as e:  # an engine failure or a timeout: failed, as a sync answer
                         final = failed(str(e))
                     await settle(final)  # (not over a cancel or a delete)
@@ -714,13 +764,13 @@ class ResponsesServing:
                       "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning},
                       "total_tokens": prompt + generated}}
 
-    async def _stream(self, base: dict[str, Any], run: ChatRun,
-                      keep: Callable[[dict[str, Any]], Awaitable[bool]]) -> AsyncIterator[str]:
-        async for events in self._events(base, run, keep):
+    async def _stream(self, base: dict[str, Any], run: ChatRun, keep: Callable[[dict[str, Any]], Awaitable[bool]],
+                      logprobs: bool = False) -> AsyncIterator[str]:
+        async for events in self._events(base, run, keep, logprobs=logprobs):
             yield "".join(events)
 
     async def _events(self, base: dict[str, Any], run: ChatRun, keep: Callable[[dict[str, Any]], Awaitable[bool]],
-                      created_status: str = "in_progress") -> AsyncIterator[list[str]]:
+                      created_status: str = "in_progress", logprobs: bool = False) -> AsyncIterator[list[str]]:
         """The response's SSE events, a batch at a time (numbered from 0). ``keep`` has the final
         response before its event goes out, and says whether it goes out (not over a cancel)."""
         sequence = 0
@@ -743,9 +793,10 @@ class ResponsesServing:
         emit("response.in_progress", response=started)
         yield flush()
         items = OutputItems(emit)
+        content_logprobs = _ContentLogprobs(self.serving) if logprobs else None
         try:
-            async for parsed in self.serving.parsed_deltas(run):
-                items.add(parsed)
+            async for parsed, event in self.serving.parsed_deltas(run):
+                items.add(parsed, content_logprobs.take(parsed, event) if content_logprobs else None)
                 if pending:
                     yield flush()
         except _StreamError as e:

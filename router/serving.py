@@ -961,7 +961,7 @@ class OpenAIServing:
                 message = ChatMessageOut(content=answer.content, reasoning_content=answer.reasoning,
                                          tool_calls=[ToolCall(**call) for call in answer.tool_calls] or None)
                 finish_reason = c.output_parser.finish_reason(finish_reason)
-            logprobs = (ChatLogprobs(**self._chat_logprobs(c.logprobs, self._as_token_ids(request)))
+            logprobs = (ChatLogprobs(**self.chat_logprobs(c.logprobs, self._as_token_ids(request)))
                         if request.logprobs else None)
             out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                                   stop_reason=c.stop_reason,
@@ -1038,15 +1038,16 @@ class OpenAIServing:
         engine error raises _StreamError."""
         return self._choice_events(run.streams, run.choices)
 
-    async def parsed_deltas(self, run: ChatRun) -> AsyncIterator[ParsedDelta]:
+    async def parsed_deltas(self, run: ChatRun) -> AsyncIterator[tuple[ParsedDelta, _Delta]]:
         """A started one-choice chat as it streams (the other APIs' answers), split into reasoning,
-        content and tool-call deltas by its output parser (all content without one)."""
+        content and tool-call deltas by its output parser (all content without one), each with the
+        event it came from (its tokens' logprobs, its finish)."""
         parser = run.choices[0].output_parser
         async for event in self.choice_events(run):
             parsed = parser.feed(event.text) if parser is not None else ParsedDelta(content=event.text)
             if event.finish_reason is not None and parser is not None:
                 parsed.extend(parser.finish())
-            yield parsed
+            yield parsed, event
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, created: int,
                            choices: list[_Choice], prompt_ids: list[int],
@@ -1063,7 +1064,7 @@ class OpenAIServing:
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))],
                 prompt_token_ids=token_ids.prompt(c.index) if token_ids else None))
         async for event in self._choice_events(streams, choices):
-            logprobs = (self._chat_logprobs(event.logprobs, self._as_token_ids(request))
+            logprobs = (self.chat_logprobs(event.logprobs, self._as_token_ids(request))
                         if request.logprobs and event.logprobs else None)
             usage = _running_usage(num_prompt_tokens, event) if running_usage else None
             parser = event.choice.output_parser
@@ -1345,7 +1346,7 @@ class OpenAIServing:
         """How logprobs name tokens: their text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
         return (lambda token_id: f"token_id:{token_id}") if as_ids else self._token_text
 
-    def _chat_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]],
+    def chat_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]],
                        as_ids: bool = False) -> dict[str, Any]:
         """The ``ChatLogprobs`` JSON of some tokens, as plain data (streamed chunks encode it directly)."""
         label = self._token_label(as_ids)

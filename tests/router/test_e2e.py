@@ -153,6 +153,17 @@ def test_responses_api_plain_and_streamed_equal_chat(client):
                                  temperature=0) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
     assert "".join(deltas) == response.output_text
+    # Its tokens' logprobs, when included, are chat's (the model's, as the engines rank them).
+    chat_lp = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."},
+                                                                     {"role": "user", "content": "Hello"}],
+                                             max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    with_lp = client.responses.create(model="tiny", instructions="Be brief.", input="Hello", max_output_tokens=8,
+                                      temperature=0, include=["message.output_text.logprobs"], top_logprobs=2)
+    ended_by_eos = chat_lp.choices[0].finish_reason == "stop"
+    expected = chat_lp.choices[0].logprobs.content[:-1 if ended_by_eos else None]
+    got = with_lp.output[-1].content[0].logprobs
+    assert [(lp.token, len(lp.top_logprobs)) for lp in got] == [(lp.token, 2) for lp in expected]
+    assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in expected], abs=1e-4)
     # The same prompt three more times over two engines: at least one finds its first block cached.
     assert response.usage.input_tokens > 16
     again = [client.responses.create(model="tiny", instructions="Be brief.", input="Hello", max_output_tokens=1)

@@ -757,3 +757,33 @@ def test_an_unexpected_failure_ends_a_streamed_background_response_as_failed(mon
         assert store.store.get(events[0]["response"]["id"])["status"] == "failed"
 
     asyncio.run(run())
+
+
+def test_output_text_logprobs_when_included_whole_and_streamed():
+    """OpenAI's include ["message.output_text.logprobs"] with top_logprobs: the message's text parts
+    carry a logprob per token of their text (not of the reasoning before it, nor of the EOS that
+    ended it), whole, in each streamed delta and in the done events; without the include, none."""
+    http, engine, serving = _app("<think>Short question.</think>Paris.", reasoning="deepseek_r1", think_tokens=True)
+    body = {"model": "tiny", "input": "Capital of France?", "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2}
+    whole = Response.model_validate(http.post("/v1/responses", json=body).json())
+    assert (engine.requests[-1].sampling_params.logprobs, whole.top_logprobs) == (2, 2)
+    message = whole.output[-1]
+    logprobs = message.content[0].logprobs
+    content_tokens = serving.tokenizer.encode("Paris.", add_special_tokens=False)
+    assert [lp.token for lp in logprobs] == [serving.tokenizer.decode([t]) for t in content_tokens]
+    assert all(lp.logprob == -0.5 for lp in logprobs)
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        events = [TypeAdapter(ResponseStreamEvent).validate_python(json.loads(line[6:]))
+                  for line in r.iter_lines() if line.startswith("data: ")]
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in logprobs]
+    assert [lp.token for lp in events[-1].response.output[-1].content[0].logprobs] == [lp.token for lp in logprobs]
+    # Not included: no logprobs asked of the engine, none in the answer.
+    plain = http.post("/v1/responses", json={**body, "include": None}).json()
+    assert engine.requests[-1].sampling_params.logprobs is None
+    assert plain["output"][-1]["content"][0]["logprobs"] == []
+    # Include values this server has nothing for are accepted (clients send them by default).
+    assert http.post("/v1/responses", json={**body, "include": ["reasoning.encrypted_content"]}).status_code == 200
