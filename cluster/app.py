@@ -132,7 +132,8 @@ def router_deployment(config: ClusterConfig):
         enable_force_include_usage=config.enable_force_include_usage,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
-        disable_fastapi_docs=config.disable_fastapi_docs)
+        disable_fastapi_docs=config.disable_fastapi_docs, response_role=config.response_role,
+        chat_template_content_format=config.chat_template_content_format)
     # Further models: the same router settings, their own engines, names, template, parsers and
     # adapters.
     more_models = [dataclasses.replace(

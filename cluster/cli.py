@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='With tool_choice "none", the chat template is not shown the tools.')
     serve.add_argument("--disable-fastapi-docs", action="store_true", help="No /docs, /redoc or /openapi.json.")
+    serve.add_argument("--response-role", default="assistant",
+                       help="The role of chat answers to a prompt that opens the assistant's turn.")
+    serve.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
+                       help="Message content for the chat template: its text, or OpenAI's list of parts (auto: "
+                            "the parts when the template loops over a message's content).")
     serve.add_argument("--allowed-origins", type=_json_string_list, default=["*"],
                        help='Origins browsers may call the API from (JSON list, as vLLM; default ["*"]).')
     serve.add_argument("--allowed-methods", type=_json_string_list, default=["*"],
@@ -308,6 +313,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         enable_force_include_usage=args.enable_force_include_usage,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        response_role=args.response_role, chat_template_content_format=args.chat_template_content_format,
         disable_fastapi_docs=args.disable_fastapi_docs,
         models=_extra_models(args.extra_models) if args.extra_models else [])
 

@@ -341,6 +341,11 @@ class ClusterConfig(ModelSettings):
         False, description="tool_choice none: the chat template is not shown the tools "
                            "(--exclude-tools-when-tool-choice-none).")
     disable_fastapi_docs: bool = Field(False, description="No /docs, /redoc or /openapi.json (--disable-fastapi-docs).")
+    response_role: str = Field("assistant", min_length=1, description="The role of chat answers to a prompt that "
+                                                                      "opens the assistant's turn (--response-role).")
+    chat_template_content_format: Literal["auto", "string", "openai"] = Field(
+        "auto", description="Message content as the chat template wants it: text, or OpenAI's list of parts; auto "
+                            "reads the template (--chat-template-content-format).")
     responses_store_max_entries: int = Field(10_000, ge=1, description="Most responses kept (least recently "
                                                                         "used forgotten first).")
     models: list[ServedModel] = Field(

@@ -27,6 +27,7 @@ from engine_core.sampling_params import logprobs_count
 from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
+from router.content_format import CONTENT_FORMATS, effective_template, template_content, template_content_format
 from router.detokenizer import IncrementalDetokenizer
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
 
@@ -624,15 +625,25 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: each conversation rendered with the chat template (or ``chat_template``),
         the ``tools`` passed to it; ``continue_final_message`` leaves the last message open for the
-        answer to continue (instead of starting a new assistant turn)."""
+        answer to continue (instead of starting a new assistant turn). Messages' content reaches the
+        template as text, or as OpenAI's list of parts (``chat_template_content_format``: auto reads
+        the template, as the server's flag)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         batch = [messages] if messages and isinstance(messages[0], dict) else messages
+        content_format = chat_template_content_format
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}")
+        if content_format == "auto":
+            template = effective_template(chat_template or self.tokenizer.chat_template, bool(tools))
+            content_format = template_content_format(template) if template else "string"
         prompts: list[PromptType] = []
         for conversation in batch:
+            conversation = [{**m, "content": template_content(m.get("content"), content_format)} for m in conversation]
             text = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
                 continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,

@@ -81,6 +81,8 @@ class RouterConfig:
     return_tokens_as_token_ids: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     disable_fastapi_docs: bool = False
+    response_role: str = "assistant"
+    chat_template_content_format: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -124,7 +126,8 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         enable_force_include_usage=config.enable_force_include_usage,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
-        disable_fastapi_docs=config.disable_fastapi_docs,
+        disable_fastapi_docs=config.disable_fastapi_docs, response_role=config.response_role,
+        chat_template_content_format=config.chat_template_content_format,
         default_chat_template_kwargs=dict(config.default_chat_template_kwargs),
         enable_log_requests=config.enable_log_requests, max_log_len=config.max_log_len,
         enable_log_outputs=config.enable_log_outputs,

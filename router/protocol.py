@@ -10,6 +10,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
+from router.content_format import template_content
+
 logger = logging.getLogger(__name__)
 
 # Integers cross to the engine as 64-bit values: larger ones are the client's error (400), not a
@@ -246,12 +248,8 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        # Text parts are joined by newlines, as vLLM renders them.
-        return "\n".join(part.get("text", "") for part in self.content)
+        """The content as text (text parts joined by newlines, as vLLM renders them)."""
+        return template_content(self.content, "string")
 
     @model_validator(mode="after")
     def _text_only(self) -> ChatMessage:
@@ -302,6 +300,14 @@ class ChatCompletionRequest(SamplingFields):
         None, description="Default: auto with tools, none without.")
     parallel_tool_calls: bool = Field(True, description="More than one call per answer (required, or auto).")
     include_reasoning: bool = Field(True, description="vLLM extra: with --reasoning-parser, return the thinking.")
+    echo: bool = Field(False, description="vLLM extra: an answer in the role of the last message starts with that "
+                                          "message's text (the answer continues it).")
+    documents: list[dict[str, Any]] | None = Field(
+        None, description="vLLM extra: documents for a RAG chat template (each with title and text); a template "
+                          "without RAG ignores them.")
+    # (Chat's echo repeats the last message: beam search honours it.)
+    _NOT_WITH_BEAM_SEARCH: ClassVar[dict[str, tuple[Any, ...]]] = {
+        k: v for k, v in SamplingFields._NOT_WITH_BEAM_SEARCH.items() if k != "echo"}
     # OpenAI's older form of tools: refused.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -453,7 +459,7 @@ class ToolCall(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # (--response-role)
     content: str | None = None
     # vLLM extra, with --reasoning-parser: the answer's thinking.
     reasoning_content: str | None = None
@@ -481,7 +487,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
 

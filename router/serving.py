@@ -29,6 +29,7 @@ from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams, logprobs_count
 from router.bad_words import bad_words_token_ids
 from router.chat_parsing import ChatOutputParser
+from router.content_format import effective_template, template_content, template_content_format
 from router.detokenizer import IncrementalDetokenizer, fast_decoder
 from router.engine_client import (
     EngineClient,
@@ -233,6 +234,10 @@ class ServingSettings:
     return_tokens_as_token_ids: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     disable_fastapi_docs: bool = False
+    # vLLM's --response-role (chat answers' role when the prompt opens the assistant's turn) and
+    # --chat-template-content-format (router.content_format).
+    response_role: str = "assistant"
+    chat_template_content_format: str = "auto"
     # CORS (vLLM's --allowed-origins, ...).
     cors: CORSSettings = field(default_factory=CORSSettings)
 
@@ -464,15 +469,17 @@ class OpenAIServing:
                                        and request.tool_choice_form() == "none")
         return self.render_messages(request.messages, request.add_generation_prompt, request.continue_final_message,
                                     request.chat_template_kwargs, request.tool_dicts() if tools else None,
-                                    chat_template=request.chat_template)
+                                    chat_template=request.chat_template, documents=request.documents)
 
     def render_messages(self, chat: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
                         chat_template_kwargs: dict[str, Any] | None = None,
                         tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False,
-                        chat_template: str | None = None) -> list[int]:
+                        chat_template: str | None = None, documents: list[dict[str, Any]] | None = None) -> list[int]:
         """A conversation's token ids, written by the tokenizer's chat template, or by the request's
         own ``chat_template`` when the server trusts request templates (the template writes its
-        special tokens itself, unless ``add_special_tokens`` asks the tokenizer to add its own too)."""
+        special tokens itself, unless ``add_special_tokens`` asks the tokenizer to add its own too).
+        Messages' content is the text, or OpenAI's list of parts for a template that loops over it
+        (--chat-template-content-format); ``documents`` go to a RAG template."""
         chat_template = chat_template or None  # ("": the server's, as vLLM reads it)
         if chat_template_kwargs and chat_template_kwargs.get("chat_template") == "":
             chat_template_kwargs = {k: v for k, v in chat_template_kwargs.items() if k != "chat_template"}
@@ -489,10 +496,17 @@ class OpenAIServing:
                               "chat_template_kwargs")
         # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent, except
         # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
-        messages = [_template_message(m.model_extra or {}, m.role, m.text()) for m in chat]
+        content_format = self.settings.chat_template_content_format
+        if content_format == "auto":
+            template = effective_template(chat_template or self.tokenizer.chat_template, bool(tools))
+            content_format = template_content_format(template) if template else "string"
+        messages = [_template_message(m.model_extra or {}, m.role, template_content(m.content, content_format))
+                    for m in chat]
         kwargs = {**self.settings.default_chat_template_kwargs, **(chat_template_kwargs or {})}
         if tools:
             kwargs.setdefault("tools", tools)
+        if documents is not None:
+            kwargs["documents"] = documents
         try:
             if chat_template is not None:
                 kwargs["chat_template"] = chat_template
@@ -953,14 +967,17 @@ class OpenAIServing:
         if request.stream:
             return SSEStream(self._stream_chat(request, request_id, created, choices, ids, run.streams), run.streams)
         await self.finish_chat(run)
+        role, echoed = self._answer_role(request)
         out = []
         for c in choices:
-            message, finish_reason = ChatMessageOut(content=c.detok.output_text), c.finish_reason
+            message, finish_reason = ChatMessageOut(role=role, content=c.detok.output_text), c.finish_reason
             if c.output_parser is not None:
                 answer = c.output_parser.whole(c.detok.output_text)
-                message = ChatMessageOut(content=answer.content, reasoning_content=answer.reasoning,
+                message = ChatMessageOut(role=role, content=answer.content, reasoning_content=answer.reasoning,
                                          tool_calls=[ToolCall(**call) for call in answer.tool_calls] or None)
                 finish_reason = c.output_parser.finish_reason(finish_reason)
+            if echoed:
+                message.content = echoed + (message.content or "")
             logprobs = (ChatLogprobs(**self.chat_logprobs(c.logprobs, self._as_token_ids(request)))
                         if request.logprobs else None)
             out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
@@ -1059,10 +1076,14 @@ class OpenAIServing:
             if running_usage else None
         # return_token_ids: the role chunk carries the prompt's ids, each later chunk its choice's new ids.
         token_ids = _StreamedTokenIds([prompt_ids], request.n) if request.return_token_ids else None
+        role, echoed = self._answer_role(request)
         for c in choices:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, usage=opening_usage, choices=[
-                ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))],
+                ChatStreamChoice(index=c.index, delta=DeltaMessage(role=role, content=""))],
                 prompt_token_ids=token_ids.prompt(c.index) if token_ids else None))
+        if echoed:
+            for c in choices:
+                yield chat_token_chunk(request_id, created, model, c.index, echoed, None, None)
         async for event in self._choice_events(streams, choices):
             logprobs = (self.chat_logprobs(event.logprobs, self._as_token_ids(request))
                         if request.logprobs and event.logprobs else None)
@@ -1079,6 +1100,14 @@ class OpenAIServing:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                            usage=self._usage(num_prompt_tokens, choices, request.n)))
         yield "data: [DONE]\n\n"
+
+    def _answer_role(self, request: ChatCompletionRequest) -> tuple[str, str]:
+        """The answer's role (vLLM's: --response-role when the prompt opens the assistant's turn, else
+        the last message's, which the answer continues) and, with echo, the text it starts with (the
+        last message's, when it is in that role)."""
+        last = request.messages[-1]
+        role = self.settings.response_role if request.add_generation_prompt else last.role
+        return role, last.text() if request.echo and last.role == role else ""
 
     def _parsed_chat_chunks(self, parser: ChatOutputParser, event: _Delta, logprobs: dict[str, Any] | None,
                             usage: dict[str, int] | None, request_id: str, created: int, model: str,
@@ -1401,7 +1430,7 @@ def _single_token_id(tokenizer: Any, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def _template_message(extra: dict[str, Any], role: str, content: str) -> dict[str, Any]:
+def _template_message(extra: dict[str, Any], role: str, content: Any) -> dict[str, Any]:
     message = {**extra, "role": role, "content": content}
     calls = extra.get("tool_calls")
     if isinstance(calls, list):

@@ -505,6 +505,11 @@ def test_vllms_server_wide_request_flags_reach_the_router():
 
     assert flags() == [False] * 4
     assert flags(*(f"--{name.replace('_', '-')}" for name in names)) == [True] * 4
+    config = router_deployment(_config())._bound_deployment.init_args[0]
+    assert (config.response_role, config.chat_template_content_format) == ("assistant", "auto")
+    config = router_deployment(_config("--response-role", "bot", "--chat-template-content-format", "openai")
+                               )._bound_deployment.init_args[0]
+    assert (config.response_role, config.chat_template_content_format) == ("bot", "openai")
 
 
 def test_the_tokenizer_flag_reaches_the_first_models_engines_only(tmp_path, monkeypatch):

@@ -378,10 +378,18 @@ def test_chat_takes_vllms_template_options(tiny_model_dir):
         closed = llm.chat(conversation, params, use_tqdm=False, add_generation_prompt=False)[0]
         with pytest.raises(ValueError, match="cannot both be true"):
             llm.chat(conversation, params, continue_final_message=True)
+        # A template that loops over a message's parts gets them (auto), text or parts alike.
+        parts_template = "{% for m in messages %}{% for p in m['content'] %}({{ p['text'] }}){% endfor %}{% endfor %}"
+        mixed = [{"role": "user", "content": "Hi"}, {"role": "user", "content": [{"type": "text", "text": "there"}]}]
+        parts = llm.chat(mixed, params, use_tqdm=False, chat_template=parts_template)[0]
+        as_text = llm.chat(mixed, params, use_tqdm=False, chat_template=template,
+                           chat_template_content_format="string")[0]
     finally:
         llm.shutdown()
     assert opened.prompt == "[get_weather|calm]<user>Hi</><assistant>Hello, I am"
     assert closed.prompt.endswith("<|im_start|>assistant\nHello, I am<|im_end|>\n")
+    assert parts.prompt == "(Hi)(there)"
+    assert as_text.prompt == "<user>Hi</><user>there</>"
 
 
 def test_an_fp8_kv_cache_holds_four_times_the_blocks_of_fp32_and_serves(tiny_model_dir):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .test_request_fields import MESSAGES, _app, _chat_app
+from .test_request_fields import CHAT_TOKENIZER, MESSAGES, _app, _chat_app
 from .tokenizer_factory import byte_level_tokenizer
 
 
@@ -58,3 +58,62 @@ def test_the_api_docs_can_be_turned_off():
     assert all(http.get(path).status_code == 200 for path in ("/docs", "/redoc", "/openapi.json"))
     hidden, _ = _app(settings={"disable_fastapi_docs": True})
     assert all(hidden.get(path).status_code == 404 for path in ("/docs", "/redoc", "/openapi.json"))
+
+
+PARTS_TEMPLATE = "{% for m in messages %}{% for p in m['content'] %}({{ p['text'] }}){% endfor %}{% endfor %}"
+TEXT_TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+MIXED = [{"role": "user", "content": "Hi"}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                        {"type": "text", "text": "b"}]}]
+
+
+def _rendered(http, engine, template: str, **body) -> str:
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MIXED, "max_tokens": 1,
+                                                "chat_template": template, **body})
+    assert r.status_code == 200, r.text
+    return CHAT_TOKENIZER.decode(engine.requests[-1].prompt_token_ids)
+
+
+def test_message_content_reaches_each_template_as_it_reads_it():
+    """--chat-template-content-format (vLLM's): auto gives OpenAI's parts to a template that loops
+    over a message's content and the text to others; string and openai force one."""
+    http, engine = _app(tokenizer=CHAT_TOKENIZER, trust_request_chat_template=True)
+    assert _rendered(http, engine, PARTS_TEMPLATE) == "(Hi)(a)(b)"
+    assert _rendered(http, engine, TEXT_TEMPLATE) == "[Hi][a\nb]"
+    http, engine = _app(tokenizer=CHAT_TOKENIZER, trust_request_chat_template=True,
+                        settings={"chat_template_content_format": "openai"})
+    assert _rendered(http, engine, TEXT_TEMPLATE) == "[[{'type': 'text', 'text': 'Hi'}]][[{'type': 'text', 'text': " \
+                                                     "'a'}, {'type': 'text', 'text': 'b'}]]"
+    http, engine = _app(tokenizer=CHAT_TOKENIZER, trust_request_chat_template=True,
+                        settings={"chat_template_content_format": "string"})
+    assert _rendered(http, engine, PARTS_TEMPLATE) == "()" * 5  # (it loops over the text's characters)
+
+
+def test_documents_reach_a_rag_template():
+    http, engine = _app(tokenizer=CHAT_TOKENIZER, trust_request_chat_template=True)
+    template = "{% for d in documents or [] %}<{{ d.title }}: {{ d.text }}>{% endfor %}" + TEXT_TEMPLATE
+    docs = [{"title": "Paris", "text": "capital of France"}, {"title": "Rome", "text": "capital of Italy"}]
+    assert _rendered(http, engine, template, documents=docs) == \
+        "<Paris: capital of France><Rome: capital of Italy>[Hi][a\nb]"
+    assert _rendered(http, engine, template) == "[Hi][a\nb]"
+
+
+def test_the_answers_role_and_chats_echo():
+    """--response-role names answers to a prompt that opens the assistant's turn; one that continues
+    the last message is in its role, and with echo starts with its text (vLLM's)."""
+    http, _ = _app(tokenizer=CHAT_TOKENIZER, settings={"response_role": "bot"})
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
+    chunks = _chunks(http, "/v1/chat/completions", {k: v for k, v in body.items() if k != "model"})
+    assert chunks[0]["choices"][0]["delta"]["role"] == "bot"
+    continuing = {"model": "tiny", "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True,
+                  "messages": [*MESSAGES, {"role": "assistant", "content": "The answer is"}]}
+    whole = http.post("/v1/chat/completions", json={**continuing, "echo": True}).json()["choices"][0]["message"]
+    plain = http.post("/v1/chat/completions", json=continuing).json()["choices"][0]["message"]
+    assert whole["role"] == plain["role"] == "assistant"
+    assert whole["content"] == "The answer is" + plain["content"]
+    chunks = _chunks(http, "/v1/chat/completions", {**{k: v for k, v in continuing.items() if k != "model"},
+                                                    "echo": True})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole["content"]
+    # Echo repeats only a message in the answer's role: after a user message, nothing.
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]
+    assert echoed["content"] == http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]

@@ -20,8 +20,10 @@ def test_the_models_facts_come_from_the_engines_and_the_names_from_the_flags():
     defaults = {"temperature": 0.7, "top_k": 20, "max_tokens": 512}
     engines = [_description(0, 256, defaults=defaults), _description(1, 128, defaults=defaults)]
     config = RouterConfig(engine_actor_names=["e0", "e1"], namespace="ns", served_model_name="qwen",
-                          served_model_aliases=("qwen-latest",), model="/models/Qwen3", stream_interval=3)
+                          served_model_aliases=("qwen-latest",), model="/models/Qwen3", stream_interval=3,
+                          response_role="bot", chat_template_content_format="openai")
     settings = serving_settings(config, engines)
+    assert (settings.response_role, settings.chat_template_content_format) == ("bot", "openai")
     assert (settings.served_model_name, settings.served_names) == ("qwen", ("qwen", "qwen-latest"))
     assert settings.model_root == "/models/Qwen3"  # (the model as given: /v1/models' root)
     assert (settings.max_logprobs, settings.vocab_size) == (50, 100)  # (--max-logprobs, as the engines resolved it)
