@@ -27,7 +27,13 @@ from engine_core.sampling_params import logprobs_count
 from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
-from router.content_format import CONTENT_FORMATS, effective_template, template_content, template_content_format
+from router.content_format import (
+    CONTENT_FORMATS,
+    TEXT_PART_TYPES,
+    effective_template,
+    template_content,
+    template_content_format,
+)
 from router.detokenizer import IncrementalDetokenizer
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
 
@@ -639,10 +645,15 @@ class LLM:
         if content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}")
         if content_format == "auto":
-            template = effective_template(chat_template or self.tokenizer.chat_template, bool(tools))
+            template = effective_template(chat_template, self.tokenizer.chat_template, bool(tools))
             content_format = template_content_format(template) if template else "string"
         prompts: list[PromptType] = []
         for conversation in batch:
+            for m in conversation:  # (text only: a part the model cannot be shown is refused, not dropped)
+                for part in m.get("content") if isinstance(m.get("content"), list) else ():
+                    if not isinstance(part, str) and part.get("type") not in TEXT_PART_TYPES:
+                        raise ValueError(f"message content of type {part.get('type')!r} is not supported "
+                                         "(text only)")
             conversation = [{**m, "content": template_content(m.get("content"), content_format)} for m in conversation]
             text = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=False,

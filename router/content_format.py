@@ -2,66 +2,103 @@
 
 "string": the text (a message's text parts joined by newlines). "openai": the list of parts
 (``[{"type": "text", "text": ...}]``), for templates that loop over a message's content. "auto"
-(the default) reads the template: one that loops over a message's ``content`` (directly, or
-through a variable set from it) gets the parts, any other the text.
+(the default) reads the template as vLLM does: it is "openai" when it loops over the ``content``
+of a message, that is of a loop variable over ``messages`` (or over a variable set from it, such
+as ``loop_messages = messages[1:]``), and "string" otherwise.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Iterator
 from typing import Any
 
-import jinja2
 from jinja2 import nodes
 
+logger = logging.getLogger(__name__)
+
 CONTENT_FORMATS = ("auto", "string", "openai")
+# The kinds of content part whose text a message's content is made of (OpenAI's chat and Responses).
+TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
 
 
 @functools.lru_cache(maxsize=64)
 def template_content_format(template: str) -> str:
     """"openai" when the template loops over a message's content, else "string"."""
     try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(template)
-    except jinja2.TemplateSyntaxError:
-        return "string"  # (a template jinja2 cannot read here will fail, or not, on the text)
-    content_names = {assign.target.name for assign in tree.find_all(nodes.Assign)
-                     if isinstance(assign.target, nodes.Name) and _reads_content(assign.node)}
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        # (transformers' own environment: its extensions, such as {% generation %}, parse.)
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except Exception as e:  # (a template that cannot be read gets the text)
+        logger.warning("cannot read the chat template to tell how it wants message content (%s): giving it text", e)
+        return "string"
+    message_names = set(_loop_targets(tree, _derived_names(tree, "messages")))
+    return "openai" if any(True for _ in _loop_targets(tree, message_names, "content")) else "string"
+
+
+def _derived_names(tree: nodes.Template, name: str) -> set[str]:
+    """``name`` and every variable set from it, or from its items or a slice of it, transitively."""
+    names, frontier = {name}, [name]
+    while frontier:
+        source = frontier.pop()
+        for assign in tree.find_all(nodes.Assign):
+            if isinstance(assign.target, nodes.Name) and _reads(assign.node, source) \
+                    and assign.target.name not in names:
+                names.add(assign.target.name)
+                frontier.append(assign.target.name)
+    return names
+
+
+def _loop_targets(tree: nodes.Template, names: set[str], key: str | None = None) -> Iterator[str]:
+    """The variables of loops over one of ``names`` (or over its ``key``, when given)."""
     for loop in tree.find_all(nodes.For):
-        iterated = _unfiltered(loop.iter)
-        if _reads_content(iterated) or (isinstance(iterated, nodes.Name) and iterated.name in content_names):
-            return "openai"
-    return "string"
+        if isinstance(loop.target, nodes.Name) and any(_reads(loop.iter, name, key) for name in names):
+            yield loop.target.name
 
 
-def _unfiltered(node: nodes.Node) -> nodes.Node:
-    while isinstance(node, nodes.Filter) and node.node is not None:  # content | selectattr(...), ...
+def _reads(node: nodes.Node, name: str, key: str | None = None) -> bool:
+    """``node`` is ``name`` (or its ``key``: ``name['key']``, ``name.key``), maybe filtered,
+    tested or sliced."""
+    while (isinstance(node, nodes.Filter | nodes.Test) and node.node is not None) or (
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
         node = node.node
-    return node
-
-
-def _reads_content(node: nodes.Node) -> bool:
-    node = _unfiltered(node)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.name == name
     if isinstance(node, nodes.Getitem):
-        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
-    return isinstance(node, nodes.Getattr) and node.attr == "content"
+        return isinstance(node.arg, nodes.Const) and node.arg.value == key and _reads(node.node, name)
+    return isinstance(node, nodes.Getattr) and node.attr == key and _reads(node.node, name)
 
 
-def effective_template(template: str | dict[str, str] | None, tools: bool) -> str | None:
-    """The template text a render uses: a tokenizer's named templates pick "tool_use" when tools are
-    given (as transformers does), else "default"."""
-    if isinstance(template, dict):
-        return template.get("tool_use") if tools and "tool_use" in template else template.get("default")
-    return template
+def effective_template(template: str | None, tokenizer_template: str | dict[str, str] | None,
+                       tools: bool) -> str | None:
+    """The template text a render uses: the given one (or, by name, one of the tokenizer's named
+    templates), else the tokenizer's; of a tokenizer's named templates, "tool_use" when tools are
+    given (as transformers picks), else "default"."""
+    named = tokenizer_template if isinstance(tokenizer_template, dict) else {}
+    if template is not None:
+        return named.get(template, template)
+    if isinstance(tokenizer_template, dict):
+        return named.get("tool_use") if tools and "tool_use" in named else named.get("default")
+    return tokenizer_template
 
 
-def template_content(content: str | list[dict[str, Any]] | None, content_format: str) -> Any:
-    """A message's content in the template's format (text parts only: others are refused earlier)."""
+def part_text(part: Any) -> str:
+    """A content part's text (a bare string counts as a text part, as vLLM reads it)."""
+    if isinstance(part, str):
+        return part
+    return part.get("text") or part.get("refusal") or ""
+
+
+def template_content(content: str | list[Any] | None, content_format: str) -> Any:
+    """A message's content in the template's format (its text parts: others are refused earlier)."""
     if content_format == "openai":
         if content is None:
             return []
         if isinstance(content, str):
             return [{"type": "text", "text": content}]
-        return [{"type": "text", "text": part.get("text", "")} for part in content]
+        return [{"type": "text", "text": part_text(part)} for part in content]
     if content is None or isinstance(content, str):
         return content or ""
-    return "\n".join(part.get("text", "") for part in content)  # (as vLLM joins text parts)
+    return "\n".join(text for text in map(part_text, content) if text)  # (as vLLM joins them, empty ones left out)

@@ -498,7 +498,7 @@ class OpenAIServing:
         # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
         content_format = self.settings.chat_template_content_format
         if content_format == "auto":
-            template = effective_template(chat_template or self.tokenizer.chat_template, bool(tools))
+            template = effective_template(chat_template, self.tokenizer.chat_template, bool(tools))
             content_format = template_content_format(template) if template else "string"
         messages = [_template_message(m.model_extra or {}, m.role, template_content(m.content, content_format))
                     for m in chat]
@@ -506,7 +506,7 @@ class OpenAIServing:
         if tools:
             kwargs.setdefault("tools", tools)
         if documents is not None:
-            kwargs["documents"] = documents
+            kwargs.setdefault("documents", documents)  # (a request's chat_template_kwargs win, as in vLLM)
         try:
             if chat_template is not None:
                 kwargs["chat_template"] = chat_template
@@ -1082,8 +1082,10 @@ class OpenAIServing:
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role=role, content=""))],
                 prompt_token_ids=token_ids.prompt(c.index) if token_ids else None))
         if echoed:
+            echo_usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": 0,
+                          "total_tokens": num_prompt_tokens} if running_usage else None
             for c in choices:
-                yield chat_token_chunk(request_id, created, model, c.index, echoed, None, None)
+                yield chat_token_chunk(request_id, created, model, c.index, echoed, None, None, None, echo_usage)
         async for event in self._choice_events(streams, choices):
             logprobs = (self.chat_logprobs(event.logprobs, self._as_token_ids(request))
                         if request.logprobs and event.logprobs else None)

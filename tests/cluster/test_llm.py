@@ -384,12 +384,19 @@ def test_chat_takes_vllms_template_options(tiny_model_dir):
         parts = llm.chat(mixed, params, use_tqdm=False, chat_template=parts_template)[0]
         as_text = llm.chat(mixed, params, use_tqdm=False, chat_template=template,
                            chat_template_content_format="string")[0]
+        as_parts = llm.chat(mixed[:1], params, use_tqdm=False, chat_template=template,
+                            chat_template_content_format="openai")[0]
+        with pytest.raises(ValueError, match="chat_template_content_format"):
+            llm.chat(mixed, params, chat_template_content_format="parts")
+        with pytest.raises(ValueError, match="'image_url' is not supported"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
     finally:
         llm.shutdown()
     assert opened.prompt == "[get_weather|calm]<user>Hi</><assistant>Hello, I am"
     assert closed.prompt.endswith("<|im_start|>assistant\nHello, I am<|im_end|>\n")
     assert parts.prompt == "(Hi)(there)"
     assert as_text.prompt == "<user>Hi</><user>there</>"
+    assert as_parts.prompt == "<user>[{'type': 'text', 'text': 'Hi'}]</>"
 
 
 def test_an_fp8_kv_cache_holds_four_times_the_blocks_of_fp32_and_serves(tiny_model_dir):

@@ -88,6 +88,19 @@ def test_message_content_reaches_each_template_as_it_reads_it():
     assert _rendered(http, engine, PARTS_TEMPLATE) == "()" * 5  # (it loops over the text's characters)
 
 
+def test_the_servers_own_template_is_read_too_on_every_path_that_renders():
+    tokenizer = byte_level_tokenizer.__wrapped__()  # its own copy: the template is set on it
+    tokenizer.chat_template = PARTS_TEMPLATE
+    http, engine = _app(tokenizer=tokenizer)
+    assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": MIXED, "max_tokens": 1}
+                     ).status_code == 200
+    assert tokenizer.decode(engine.requests[-1].prompt_token_ids) == "(Hi)(a)(b)"
+    r = http.post("/tokenize", json={"model": "tiny", "messages": MIXED})
+    assert tokenizer.decode(r.json()["tokens"]) == "(Hi)(a)(b)"
+    assert http.post("/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 1}).status_code == 200
+    assert tokenizer.decode(engine.requests[-1].prompt_token_ids) == "(Hi)"
+
+
 def test_documents_reach_a_rag_template():
     http, engine = _app(tokenizer=CHAT_TOKENIZER, trust_request_chat_template=True)
     template = "{% for d in documents or [] %}<{{ d.title }}: {{ d.text }}>{% endfor %}" + TEXT_TEMPLATE
@@ -114,6 +127,15 @@ def test_the_answers_role_and_chats_echo():
     chunks = _chunks(http, "/v1/chat/completions", {**{k: v for k, v in continuing.items() if k != "model"},
                                                     "echo": True})
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole["content"]
+    # A prompt that does not open the assistant's turn is answered in the last message's role.
+    user_last = {**body, "add_generation_prompt": False}
+    assert http.post("/v1/chat/completions", json=user_last).json()["choices"][0]["message"]["role"] == "user"
+    # With continuous usage, the echo chunk counts the prompt and nothing generated yet.
+    chunks = _chunks(http, "/v1/chat/completions", {**{k: v for k, v in continuing.items() if k != "model"},
+                                                    "echo": True, "stream_options": {
+                                                        "include_usage": True, "continuous_usage_stats": True}})
+    echo_chunk = next(c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") == "The answer is")
+    assert echo_chunk["usage"]["completion_tokens"] == 0 and echo_chunk["usage"]["prompt_tokens"] > 0
     # Echo repeats only a message in the answer's role: after a user message, nothing.
     echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]
     assert echoed["content"] == http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
