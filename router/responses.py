@@ -57,6 +57,13 @@ logger = logging.getLogger(__name__)
 FOLLOW_WAIT_S = 15.0
 FOLLOW_IDLE_S = 600.0
 
+# What a response may be asked to include (OpenAI's values): only the message text's logprobs are
+# produced here; the others name outputs this server has none of.
+ResponseIncludable = Literal[
+    "message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+    "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+    "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
+
 # Responses fields whose chat counterpart has another name: a chat validation error names the
 # Responses parameter.
 _CHAT_TO_RESPONSES_PARAM = {"messages": "input", "max_completion_tokens": "max_output_tokens",
@@ -113,9 +120,9 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     cache_salt: str | None = cache_salt_field()
-    include: list[str] | None = Field(None, description='Extra output: "message.output_text.logprobs" (the other '
-                                                        "values OpenAI names are accepted; this server has nothing "
-                                                        "for them).")
+    include: list[ResponseIncludable] | None = Field(
+        None, description='Extra output: "message.output_text.logprobs" (the other values OpenAI names are accepted; '
+                          "this server has nothing for them).")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With message.output_text.logprobs included: "
                                                                      "the best alternatives of each token.")
 
@@ -258,7 +265,7 @@ class ResponsesRequest(BaseModel):
                 "temperature": sampling["temperature"], "text": self.text or {"format": {"type": "text"}},
                 "tool_choice": self.tool_choice or ("auto" if self.tools else "none"),
                 "tools": self.tools or [], "top_p": sampling["top_p"], "truncation": self.truncation, "user": self.user,
-                "background": self.background, "top_logprobs": self.top_logprobs}
+                "background": self.background, "top_logprobs": self.top_logprobs or 0}
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -437,8 +444,10 @@ class _ContentLogprobs:
     (an output whose bytes do not yet make a character brings no text: its tokens go with the next
     text). With one, as vLLM's streamed Responses choose them: those of an engine output that
     brings content; not those of reasoning, tool calls, tags, or text held back while a tag might
-    be starting. Never the stop token that ended the answer (it is not in the text). Whole answers
-    are read the same way."""
+    be starting. When outputs merge (a busy router, --stream-interval, speculative decoding), an
+    event that brings content and reasoning gives the content its last tokens, and one that brings
+    content and calls its first tokens, as many as the content's text takes. Never the stop token
+    that ended the answer (it is not in the text). Whole answers are read the same way."""
 
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -455,7 +464,20 @@ class _ContentLogprobs:
         if not parsed.content:
             return []
         self.pending = []
+        if parsed.reasoning or parsed.tool_calls:
+            rows = self._covering(rows, len(parsed.content), from_end=bool(parsed.reasoning))
         return self.serving.chat_logprobs(rows)["content"]
+
+    def _covering(self, rows: list, length: int, from_end: bool) -> list:
+        """The fewest rows, from the end (content after thinking) or the start (content before
+        calls), whose tokens' text is as long as the content."""
+        taken, covered = [], 0
+        for row in reversed(rows) if from_end else rows:
+            if covered >= length:
+                break
+            taken.append(row)
+            covered += len(self.serving.token_text(row[0]))
+        return taken[::-1] if from_end else taken
 
 
 class ResponsesServing:
@@ -579,8 +601,9 @@ class ResponsesServing:
         if logprobs:
             content_logprobs = _ContentLogprobs(self.serving)
             try:
-                async for parsed, event in self.serving.parsed_deltas(run):
-                    items.add(parsed, content_logprobs.take(parsed, event))
+                async with contextlib.aclosing(self.serving.parsed_deltas(run)) as deltas:
+                    async for parsed, event in deltas:
+                        items.add(parsed, content_logprobs.take(parsed, event))
             except _StreamError as e:
                 raise e.error from e
         else:
@@ -795,10 +818,11 @@ class ResponsesServing:
         items = OutputItems(emit)
         content_logprobs = _ContentLogprobs(self.serving) if logprobs else None
         try:
-            async for parsed, event in self.serving.parsed_deltas(run):
-                items.add(parsed, content_logprobs.take(parsed, event) if content_logprobs else None)
-                if pending:
-                    yield flush()
+            async with contextlib.aclosing(self.serving.parsed_deltas(run)) as deltas:
+                async for parsed, event in deltas:
+                    items.add(parsed, content_logprobs.take(parsed, event) if content_logprobs else None)
+                    if pending:
+                        yield flush()
         except _StreamError as e:
             # A timeout or an engine failure: OpenAI's error event, then the response as failed.
             error = e.error

@@ -574,7 +574,7 @@ class OpenAIServing:
             return None
         out: list[dict[int, PromptLogprob] | None] = [None]
         if entry is not None:
-            out += [{t: PromptLogprob(logprob=lp, rank=rank, decoded_token=self._token_text(t)) for t, lp, rank in row}
+            out += [{t: PromptLogprob(logprob=lp, rank=rank, decoded_token=self.token_text(t)) for t, lp, rank in row}
                     for row in entry.ranked(prompt_ids[1:], k)]
         return out
 
@@ -1360,7 +1360,7 @@ class OpenAIServing:
     def _timed_out(self) -> APIError:
         return APIError(408, f"request timed out after {self.settings.request_timeout_s} s", "TimeoutError")
 
-    def _token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
         """One token's text (logprobs name their tokens by it), decoded once per token id: a request
         may ask for every token of the vocabulary at each position."""
         text = self._token_texts.get(token_id)
@@ -1375,7 +1375,7 @@ class OpenAIServing:
 
     def _token_label(self, as_ids: bool):
         """How logprobs name tokens: their text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
-        return (lambda token_id: f"token_id:{token_id}") if as_ids else self._token_text
+        return (lambda token_id: f"token_id:{token_id}") if as_ids else self.token_text
 
     def chat_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]],
                        as_ids: bool = False) -> dict[str, Any]:
@@ -1396,7 +1396,7 @@ class OpenAIServing:
         label = self._token_label(as_ids)
         text_offset, token_logprobs, tokens, top_logprobs = [], [], [], []
         for token_id, logprob, top in rows:
-            text = self._token_text(token_id)
+            text = self.token_text(token_id)
             tokens.append(label(token_id) if as_ids else text)
             token_logprobs.append(logprob)
             text_offset.append(offset)

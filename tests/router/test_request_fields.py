@@ -51,6 +51,8 @@ class ScriptedEngine:
         self.failing_prompt: list[int] | None = None  # an embedding request of this prompt fails
         self.aborted: list[str] = []
         self.num_pooled = num_pooled  # the values of a pooled output (a classifier's: one per class)
+        # Each token's logprob (and its best alternative's, one less); None: -0.5 each, no alternatives.
+        self.logprob_of: Callable[[int], float] | None = None
 
     def send(self, message: object) -> None:
         encode_frame(message)  # what the real channel would put on the wire must encode
@@ -76,7 +78,7 @@ class ScriptedEngine:
         outputs = []
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
-            logprobs = LogprobsEntry([-0.5], [[]]) if params.logprobs is not None else None
+            logprobs = self._logprobs(token, params.logprobs) if params.logprobs is not None else None
             # Prompt logprobs: position p scores token p + 1 with -p/10, so tests can tell them apart.
             num_prompt = len(request.prompt_token_ids)
             prompt_logprobs = (LogprobsEntry([-p / 10 for p in range(1, num_prompt)], [[]] * (num_prompt - 1))
@@ -100,6 +102,12 @@ class ScriptedEngine:
                 loop.call_later(0.001, deliver)
 
         deliver()
+
+    def _logprobs(self, token: int, k: int) -> LogprobsEntry:
+        if self.logprob_of is None:
+            return LogprobsEntry([-0.5], [[]])
+        lp = self.logprob_of(token)
+        return LogprobsEntry([lp], [[(token, lp), (token + 1, lp - 1.0)][:k]])
 
 
 def scripted_embedding(prompt: list[int], params: SamplingParams) -> list[float]:

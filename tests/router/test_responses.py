@@ -759,31 +759,81 @@ def test_an_unexpected_failure_ends_a_streamed_background_response_as_failed(mon
     asyncio.run(run())
 
 
-def test_output_text_logprobs_when_included_whole_and_streamed():
+def _token_logprob(token: int) -> float:
+    return -token / 1000  # (distinct per token: a row given to the wrong token shows)
+
+
+def _logprob_tokens(serving, logprobs) -> list[int]:
+    """The token each logprob entry belongs to, told by its value."""
+    return [round(-lp["logprob"] * 1000) for lp in logprobs]
+
+
+def _included(http, body: dict) -> tuple[dict, list[dict]]:
+    whole = Response.model_validate(http.post("/v1/responses", json=body).json()).model_dump()
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        events = [TypeAdapter(ResponseStreamEvent).validate_python(json.loads(line[6:])).model_dump()
+                  for line in r.iter_lines() if line.startswith("data: ")]
+    return whole, events
+
+
+LOGPROBS_BODY = {"model": "tiny", "input": "Capital of France?", "include": ["message.output_text.logprobs"],
+                 "top_logprobs": 2}
+
+
+@pytest.mark.parametrize("spaced", [True, False])
+def test_output_text_logprobs_when_included_whole_and_streamed(spaced):
     """OpenAI's include ["message.output_text.logprobs"] with top_logprobs: the message's text parts
     carry a logprob per token of their text (not of the reasoning before it, nor of the EOS that
-    ended it), whole, in each streamed delta and in the done events; without the include, none."""
-    http, engine, serving = _app("<think>Short question.</think>Paris.", reasoning="deepseek_r1", think_tokens=True)
-    body = {"model": "tiny", "input": "Capital of France?", "include": ["message.output_text.logprobs"],
-            "top_logprobs": 2}
-    whole = Response.model_validate(http.post("/v1/responses", json=body).json())
-    assert (engine.requests[-1].sampling_params.logprobs, whole.top_logprobs) == (2, 2)
-    message = whole.output[-1]
-    logprobs = message.content[0].logprobs
+    ended it), whole, in each streamed delta and in the done events, also when the engine's outputs
+    come merged (spaced False: one event brings the thinking and the text)."""
+    http, engine, serving = _app("<think>Short question.</think>Paris.", reasoning="deepseek_r1", think_tokens=True,
+                                 spaced=spaced)
+    engine.logprob_of = _token_logprob
+    whole, events = _included(http, LOGPROBS_BODY)
+    assert (engine.requests[-1].sampling_params.logprobs, whole["top_logprobs"]) == (2, 2)
+    logprobs = whole["output"][-1]["content"][0]["logprobs"]
     content_tokens = serving.tokenizer.encode("Paris.", add_special_tokens=False)
-    assert [lp.token for lp in logprobs] == [serving.tokenizer.decode([t]) for t in content_tokens]
-    assert all(lp.logprob == -0.5 for lp in logprobs)
-    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
-        events = [TypeAdapter(ResponseStreamEvent).validate_python(json.loads(line[6:]))
-                  for line in r.iter_lines() if line.startswith("data: ")]
-    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
-    assert [lp.token for lp in streamed] == [lp.token for lp in logprobs]
-    [done] = [e for e in events if e.type == "response.output_text.done"]
-    assert [lp.token for lp in done.logprobs] == [lp.token for lp in logprobs]
-    assert [lp.token for lp in events[-1].response.output[-1].content[0].logprobs] == [lp.token for lp in logprobs]
-    # Not included: no logprobs asked of the engine, none in the answer.
-    plain = http.post("/v1/responses", json={**body, "include": None}).json()
+    assert _logprob_tokens(serving, logprobs) == content_tokens
+    assert [lp["token"] for lp in logprobs] == [serving.tokenizer.decode([t]) for t in content_tokens]
+    assert all(len(lp["top_logprobs"]) == 2 for lp in logprobs)
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert streamed == logprobs
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    [part_done] = [e for e in events if e["type"] == "response.content_part.done" and e["part"]["type"] ==
+                   "output_text"]
+    assert done["logprobs"] == part_done["part"]["logprobs"] == logprobs
+    assert events[-1]["response"]["output"][-1]["content"][0]["logprobs"] == logprobs
+
+
+@pytest.mark.parametrize("spaced", [True, False])
+def test_output_text_logprobs_without_a_parser_are_every_text_token_and_before_calls_the_first(spaced):
+    http, engine, serving = _app("Paris is the capital.", spaced=spaced)
+    engine.logprob_of = _token_logprob
+    whole, _ = _included(http, LOGPROBS_BODY)
+    text_tokens = serving.tokenizer.encode("Paris is the capital.", add_special_tokens=False)
+    assert _logprob_tokens(serving, whole["output"][-1]["content"][0]["logprobs"]) == text_tokens  # (no EOS)
+    http, engine, serving = _app(HERMES_ANSWER, parser="hermes", spaced=spaced)
+    engine.logprob_of = _token_logprob
+    whole, _ = _included(http, {**LOGPROBS_BODY, "tools": [WEATHER_TOOL]})
+    message = next(item for item in whole["output"] if item["type"] == "message")
+    tokens = _logprob_tokens(serving, message["content"][0]["logprobs"])
+    text_tokens = serving.tokenizer.encode("Let me look.", add_special_tokens=False)
+    if spaced:  # (a blank held back while a tag might follow brings no text of its own: its logprob is dropped)
+        remaining = iter(text_tokens)
+        assert all(t in remaining for t in tokens) and len(tokens) == len(text_tokens) - 1
+    else:  # (one event brings the text and the call: the text's tokens are the first ones)
+        assert tokens == text_tokens
+
+
+def test_logprobs_only_when_included_and_include_values_are_openais():
+    http, engine, _ = _app("Paris.")
+    plain = http.post("/v1/responses", json={**LOGPROBS_BODY, "include": None}).json()
     assert engine.requests[-1].sampling_params.logprobs is None
-    assert plain["output"][-1]["content"][0]["logprobs"] == []
-    # Include values this server has nothing for are accepted (clients send them by default).
-    assert http.post("/v1/responses", json={**body, "include": ["reasoning.encrypted_content"]}).status_code == 200
+    assert plain["output"][-1]["content"][0]["logprobs"] == [] and plain["top_logprobs"] == 2
+    assert http.post("/v1/responses", json={"model": "tiny", "input": "x"}).json()["top_logprobs"] == 0
+    # OpenAI's other values are accepted (clients send them by default); an unknown one is a 400.
+    assert http.post("/v1/responses", json={**LOGPROBS_BODY, "include": ["reasoning.encrypted_content"]}
+                     ).status_code == 200
+    for bad in ({"include": ["message.output_text.logprob"]}, {"top_logprobs": 21}):
+        r = http.post("/v1/responses", json={**LOGPROBS_BODY, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
