@@ -13,6 +13,7 @@ from typing import Any
 
 from cluster.config import API_KEY_ENV, default_api_keys, env_switch
 from engine_core.config import KV_CACHE_DTYPE_NAMES
+from router.content_format import CONTENT_FORMATS
 from router.reasoning_parsers import REASONING_PARSERS
 from router.tool_parsers import TOOL_CALL_PARSERS
 
@@ -191,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-fastapi-docs", action="store_true", help="No /docs, /redoc or /openapi.json.")
     serve.add_argument("--response-role", default="assistant",
                        help="The role of chat answers to a prompt that opens the assistant's turn.")
-    serve.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
+    serve.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
                        help="Message content for the chat template: its text, or OpenAI's list of parts (auto: "
                             "the parts when the template loops over a message's content).")
     serve.add_argument("--allowed-origins", type=_json_string_list, default=["*"],

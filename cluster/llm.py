@@ -27,13 +27,7 @@ from engine_core.sampling_params import logprobs_count
 from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
-from router.content_format import (
-    CONTENT_FORMATS,
-    TEXT_PART_TYPES,
-    effective_template,
-    template_content,
-    template_content_format,
-)
+from router.content_format import CONTENT_FORMATS, TEXT_PART_TYPES, resolve_content_format, template_content
 from router.detokenizer import IncrementalDetokenizer
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
 
@@ -641,12 +635,10 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         batch = [messages] if messages and isinstance(messages[0], dict) else messages
-        content_format = chat_template_content_format
-        if content_format not in CONTENT_FORMATS:
+        if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}")
-        if content_format == "auto":
-            template = effective_template(chat_template, self.tokenizer.chat_template, bool(tools))
-            content_format = template_content_format(template) if template else "string"
+        content_format = resolve_content_format(chat_template_content_format, chat_template,
+                                                self.tokenizer.chat_template, bool(tools))
         prompts: list[PromptType] = []
         for conversation in batch:
             for m in conversation:  # (text only: a part the model cannot be shown is refused, not dropped)

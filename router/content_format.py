@@ -84,6 +84,16 @@ def effective_template(template: str | None, tokenizer_template: str | dict[str,
     return tokenizer_template
 
 
+def resolve_content_format(setting: str, template: str | None, tokenizer_template: str | dict[str, str] | None,
+                           tools: bool) -> str:
+    """The format a render gives content in: the setting's, or with "auto" the one the template
+    reads (the given template, by name among the tokenizer's or as text, else the tokenizer's)."""
+    if setting != "auto":
+        return setting
+    text = effective_template(template, tokenizer_template, tools)
+    return template_content_format(text) if text else "string"
+
+
 def part_text(part: Any) -> str:
     """A content part's text (a bare string counts as a text part, as vLLM reads it)."""
     if isinstance(part, str):

@@ -17,6 +17,7 @@ Usage follows Anthropic's accounting: prompt tokens found in an engine's prefix 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -318,10 +319,11 @@ class MessagesServing:
         yield _sse({"type": "message_start", "message": start})
         blocks = _Blocks()
         try:
-            async for parsed, _ in self.serving.parsed_deltas(run):
-                blocks.add(parsed)
-                if blocks.events:
-                    yield "".join(blocks.take())
+            async with contextlib.aclosing(self.serving.parsed_deltas(run)) as deltas:
+                async for parsed, _ in deltas:
+                    blocks.add(parsed)
+                    if blocks.events:
+                        yield "".join(blocks.take())
             stop_reason, stop_sequence = self._stop(run, blocks.called)
         except (_StreamError, APIError) as e:
             blocks.close()

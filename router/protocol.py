@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
-from router.content_format import template_content
+from router.content_format import TEXT_PART_TYPES, template_content
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any] | str] | None = None
 
     def text(self) -> str:
         """The content as text (text parts joined by newlines, as vLLM renders them)."""
@@ -256,7 +256,7 @@ class ChatMessage(BaseModel):
         # Other kinds of part (images, audio) cannot be shown to a text-only model: refused rather
         # than silently dropped.
         for part in self.content if isinstance(self.content, list) else ():
-            if part.get("type") != "text":
+            if not isinstance(part, str) and part.get("type") not in TEXT_PART_TYPES:  # (bare strings: text)
                 raise invalid("messages", f"message content of type {part.get('type')!r} is not supported "
                               "(text only)")
         return self

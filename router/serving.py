@@ -29,7 +29,7 @@ from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams, logprobs_count
 from router.bad_words import bad_words_token_ids
 from router.chat_parsing import ChatOutputParser
-from router.content_format import effective_template, template_content, template_content_format
+from router.content_format import resolve_content_format, template_content
 from router.detokenizer import IncrementalDetokenizer, fast_decoder
 from router.engine_client import (
     EngineClient,
@@ -295,7 +295,8 @@ class _BeamPlan:
 
 @dataclass
 class ChatRun:
-    """A chat request sent to its engine: its choices fill in as the outputs are read."""
+    """A chat request sent to its engine: its choices fill in as the outputs are read (beam
+    search's come complete, with no streams)."""
 
     request_id: str
     created: int
@@ -496,10 +497,8 @@ class OpenAIServing:
                               "chat_template_kwargs")
         # Extra message fields (name, tool_calls, tool_call_id) reach the template as sent, except
         # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
-        content_format = self.settings.chat_template_content_format
-        if content_format == "auto":
-            template = effective_template(chat_template, self.tokenizer.chat_template, bool(tools))
-            content_format = template_content_format(template) if template else "string"
+        content_format = resolve_content_format(self.settings.chat_template_content_format, chat_template,
+                                                self.tokenizer.chat_template, bool(tools))
         messages = [_template_message(m.model_extra or {}, m.role, template_content(m.content, content_format))
                     for m in chat]
         kwargs = {**self.settings.default_chat_template_kwargs, **(chat_template_kwargs or {})}
@@ -686,7 +685,8 @@ class OpenAIServing:
                       cache_salt: str | None = None) -> int:
         """``chosen``: requests this call already placed but has not opened yet, per engine (several
         prompts of one request must see each other's load, or they all go to one engine); the
-        ``count`` requests of this prompt are added to the chosen engine's."""
+        ``count`` requests of this prompt are added to the chosen engine's; ``cache_salt`` keys the
+        prompt's blocks as the engines key them (prefix-aware routing)."""
         t0 = time.perf_counter()
         loads = self.client.loads()
         if chosen is not None:
@@ -976,7 +976,7 @@ class OpenAIServing:
                 message = ChatMessageOut(role=role, content=answer.content, reasoning_content=answer.reasoning,
                                          tool_calls=[ToolCall(**call) for call in answer.tool_calls] or None)
                 finish_reason = c.output_parser.finish_reason(finish_reason)
-            if echoed:
+            if echoed:  # (beam search's choices too: vLLM echoes the last message for them as well)
                 message.content = echoed + (message.content or "")
             logprobs = (ChatLogprobs(**self.chat_logprobs(c.logprobs, self._as_token_ids(request)))
                         if request.logprobs else None)
@@ -991,7 +991,8 @@ class OpenAIServing:
     async def start_chat(self, request: ChatCompletionRequest, session_id: str | None = None,
                          request_id: str | None = None, external_id: str | None = None) -> ChatRun:
         """Render, route and send a chat request's choices to their engine; what comes back is read
-        with ``finish_chat`` (whole) or ``choice_events`` (streamed). Also the Responses API's way in."""
+        with ``finish_chat`` (whole) or ``choice_events`` (streamed). Also the Responses API's way in.
+        With beam search, the whole search runs here, and the choices come back complete."""
         lora = await self.resolve_model(request.model)
         self.check_generates()
         _no_stream_prompt_logprobs(request)
@@ -1008,19 +1009,18 @@ class OpenAIServing:
             engine_base = request_id
         created = int(time.time())
         thinks = self.settings.reasoning_parser is not None and not self._prompt_closed_thinking(ids)
+        top = (request.top_logprobs or 0) if request.logprobs else None
         if request.use_beam_search:
             if tool_choice not in ("none", "auto"):
                 raise bad_request("a named or required tool_choice is not supported with use_beam_search",
                                   "tool_choice")
-            plan = self._beam_plan(request, ids, request.requested_max_tokens,
-                                   (request.top_logprobs or 0) if request.logprobs else None)
+            plan = self._beam_plan(request, ids, request.requested_max_tokens, top)
             choices = await self._beam_searches(request, [plan], engine_base, session_id, lora,
                                                 False if tool_choice == "auto" else None)
             for c in choices:
                 c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
             return ChatRun(request_id, created, ids, choices, [])
         engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt)
-        top = (request.top_logprobs or 0) if request.logprobs else None
         # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
         choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
         for c in choices:
@@ -1223,7 +1223,7 @@ class OpenAIServing:
             raise bad_request(f"use_beam_search with n={width} asks the engines for {2 * width} alternatives per "
                               f"token, more than --max-logprobs ({limit})", "n")
         base = self.sampling_params(request, len(prompt_ids), max_tokens, max(2 * width, logprobs or 0), 0)
-        return _BeamPlan(prompt_ids, dataclasses.replace(base, max_tokens=1, min_tokens=0), base.max_tokens, logprobs)
+        return _BeamPlan(prompt_ids, dataclasses.replace(base, max_tokens=1), base.max_tokens, logprobs)
 
     async def _beam_searches(self, request: SamplingFields, plans: list[_BeamPlan], engine_base: str,
                              session_id: str | None, lora: LoRARequest | None,
@@ -1256,6 +1256,8 @@ class OpenAIServing:
         for round_index in range(plan.rounds):
             if search.finished:
                 break
+            # (An adapter a round's engine had lost is loaded again under a new id: later rounds use it.)
+            lora = lora if lora is None else self.lora_adapters.get(lora.lora_name, lora)
             chosen = [0] * self.client.num_engines
             jobs = [(self.choose_engine(beam.tokens, session_id, chosen, lora, cache_salt=request.cache_salt),
                      f"{engine_base}-{first_index}-beam{round_index}-{i}", beam.tokens, plan.step)
@@ -1378,7 +1380,7 @@ class OpenAIServing:
         return (lambda token_id: f"token_id:{token_id}") if as_ids else self.token_text
 
     def chat_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]],
-                       as_ids: bool = False) -> dict[str, Any]:
+                      as_ids: bool = False) -> dict[str, Any]:
         """The ``ChatLogprobs`` JSON of some tokens, as plain data (streamed chunks encode it directly)."""
         label = self._token_label(as_ids)
         content = []

@@ -117,6 +117,21 @@ def test_a_streamed_beam_search_sends_the_same_choices_once_found(path):
     assert whole["choices"][0]["token_ids"] == [B, E] and len(whole["choices"]) == 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chats_echo_starts_each_beam_with_the_message_it_continues(stream):
+    http, _ = _beam_app()
+    body = {"model": "tiny", "n": 2, "max_tokens": 2, "use_beam_search": True, "echo": True, "stream": stream,
+            "add_generation_prompt": False, "continue_final_message": True,
+            "messages": [*MESSAGES, {"role": "assistant", "content": "So:"}]}
+    r = http.post("/v1/chat/completions", json=body)
+    if stream:
+        texts = ["".join(e["choices"][0]["delta"].get("content") or "" for e in _events(r.text)
+                         if e["choices"][0]["index"] == i) for i in range(2)]
+    else:
+        texts = [c["message"]["content"] for c in r.json()["choices"]]
+    assert texts[0] == "So:" + _text(B, E) and texts[1].startswith("So:" + _text(A))  # (runner-up: A, then EOS)
+
+
 def test_beams_of_several_prompts_are_numbered_per_prompt():
     http, _ = _beam_app()
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": ["hi", "Paris"], "n": 2, "max_tokens": 1,

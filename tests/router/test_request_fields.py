@@ -240,6 +240,16 @@ def test_output_constraints_reach_the_engine_in_one_form(fields, spec):
     assert engine.requests[0].sampling_params.structured_output == spec
 
 
+def test_bare_strings_and_openais_other_text_parts_are_message_text():
+    http, engine = _chat_app()
+    content = ["Hi", {"type": "input_text", "text": "there"}, {"type": "refusal", "refusal": "no"},
+               {"type": "text", "text": ""}]
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": content}],
+                                                "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert CHAT_TOKENIZER.decode(engine.requests[-1].prompt_token_ids) == "user: Hi\nthere\nno\n"
+
+
 def test_text_parts_of_a_message_are_joined_by_newlines():
     message = ChatMessage(role="user", content=[{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}])
     assert message.text() == "Hello\nworld"
@@ -767,7 +777,7 @@ def test_return_token_ids_in_chat_puts_the_prompt_ids_at_the_top(stream):
         events = _events(r.text)
         openings = [e for e in events if e["choices"][0]["delta"].get("role")]
         assert [e["prompt_token_ids"] for e in openings] == [prompt, prompt]
-        assert all(e.get("prompt_token_ids") is None for e in events if e not in openings)
+        assert all("prompt_token_ids" not in e for e in events if e not in openings)
         for index in range(2):
             assert [t for e in events if e["choices"][0]["index"] == index
                     for t in e["choices"][0].get("token_ids") or ()] == generated
@@ -781,11 +791,13 @@ def test_return_token_ids_in_chat_puts_the_prompt_ids_at_the_top(stream):
 def test_without_return_token_ids_no_ids_are_returned(path):
     http, _ = _app(tokenizer=CHAT_TOKENIZER)
     body = {"model": "tiny", "max_tokens": 3, **({"prompt": "hi"} if "chat" not in path else {"messages": MESSAGES})}
-    whole = http.post(path, json=body).json()
-    assert whole.get("prompt_token_ids") is None
-    assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None for c in whole["choices"])
-    events = _events(http.post(path, json={**body, "stream": True}).text)
-    assert all(e.get("prompt_token_ids") is None and e["choices"][0].get("token_ids") is None for e in events)
+    # Not even as nulls: plain answers and chunks are as they were before these fields existed.
+    for echo in ([{"echo": True, "max_tokens": 0}] if "chat" not in path else []) + [{}]:
+        whole = http.post(path, json={**body, **echo}).json()
+        assert "prompt_token_ids" not in whole
+        assert all("token_ids" not in c and "prompt_token_ids" not in c for c in whole["choices"])
+        events = _events(http.post(path, json={**body, **echo, "stream": True}).text)
+        assert events and all("prompt_token_ids" not in e and "token_ids" not in e["choices"][0] for e in events)
 
 
 def test_streamed_token_ids_end_where_a_stop_string_ends_the_text():
