@@ -17,7 +17,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from cluster.config import ClusterConfig, EngineSpec, scheduler_flags_to_spec
-from engine_core.beam_search import BeamSearch
+from engine_core.beam_search import BeamSearch, candidates_per_beam
 from engine_core.config import EngineConfig, KVCacheDType
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ModelInfo, PoolingInfo
@@ -582,10 +582,8 @@ class LLM:
             searches.append(BeamSearch(ids, params.beam_width, stop_ids, params.length_penalty))
             rounds.append(min(params.max_tokens, max_model_len - len(ids)))
         limit = vocab if info.max_logprobs < 0 else info.max_logprobs
-        if 2 * params.beam_width > limit:
-            raise ValueError(f"beam_width {params.beam_width} asks for {2 * params.beam_width} alternatives per token, "
-                             f"more than max_logprobs ({limit})")
-        step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature)
+        step = SamplingParams(max_tokens=1, logprobs=candidates_per_beam(params.beam_width, limit),
+                              temperature=params.temperature)
         rows: dict[int, dict[int, Logprob]] = {}  # id of a step's alternatives -> the engine's Logprob row
         for round_index in tqdm(range(max(rounds)), desc="Beam search", disable=not use_tqdm):
             live = [(search, beam, salt) for search, left, salt in zip(searches, rounds, salts, strict=True)

@@ -28,6 +28,15 @@ class Beam:
     stop_reason: int | None = None  # the stop token that ended it
 
 
+def candidates_per_beam(width: int, max_logprobs: int) -> int:
+    """The alternatives each round asks of the engines per beam (vLLM's 2 x width); ValueError when
+    the engines' ``max_logprobs`` (-1: the vocabulary, resolved by the caller) allows fewer."""
+    if 2 * width > max_logprobs:
+        raise ValueError(f"beam width {width} asks the engines for {2 * width} alternatives per token, more than "
+                         f"max_logprobs ({max_logprobs})")
+    return 2 * width
+
+
 def beam_score(beam: Beam, length_penalty: float) -> float:
     """vLLM's beam score: the cumulative logprob over the sequence's length (prompt included, the
     stop token that ended it not) to the power ``length_penalty``."""

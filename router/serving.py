@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
-from engine_core.beam_search import BeamSearch
+from engine_core.beam_search import BeamSearch, candidates_per_beam
 from engine_core.executor import PoolingInfo
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.request import FinishReason
@@ -1217,12 +1217,12 @@ class OpenAIServing:
         """A prompt's beam search, checked before anything is sent: each round asks the engines for
         one token and the best 2n alternatives (more when the request's own logprobs ask for more:
         those are shown, they do not compete)."""
-        width = request.n
         limit = self.settings.max_logprobs if self.settings.max_logprobs >= 0 else len(self.tokenizer)
-        if 2 * width > limit:
-            raise bad_request(f"use_beam_search with n={width} asks the engines for {2 * width} alternatives per "
-                              f"token, more than --max-logprobs ({limit})", "n")
-        base = self.sampling_params(request, len(prompt_ids), max_tokens, max(2 * width, logprobs or 0), 0)
+        try:
+            candidates = candidates_per_beam(request.n, limit)
+        except ValueError as e:
+            raise bad_request(f"use_beam_search: {e} (--max-logprobs)", "n") from e
+        base = self.sampling_params(request, len(prompt_ids), max_tokens, max(candidates, logprobs or 0), 0)
         return _BeamPlan(prompt_ids, dataclasses.replace(base, max_tokens=1), base.max_tokens, logprobs)
 
     async def _beam_searches(self, request: SamplingFields, plans: list[_BeamPlan], engine_base: str,
@@ -1263,7 +1263,7 @@ class OpenAIServing:
                      f"{engine_base}-{first_index}-beam{round_index}-{i}", beam.tokens, plan.step)
                     for i, beam in enumerate(search.live)]
             streams = await self._open_all(jobs, request.priority, lora, request.cache_salt, deadline)
-            reads = [asyncio.ensure_future(self._beam_token(stream)) for stream in streams]
+            reads = [asyncio.ensure_future(self._ending_output(stream, _brings_a_token)) for stream in streams]
             try:
                 outputs = await asyncio.gather(*reads)  # (the first failure ends the round)
             finally:
@@ -1295,22 +1295,6 @@ class OpenAIServing:
             choices.append(choice)
         return choices
 
-    async def _beam_token(self, stream: RequestStream) -> EngineCoreOutput:
-        """The output that brings a beam-search request's one token (with its logprobs)."""
-        while not stream.finished:
-            try:
-                batch = await stream.next_batch()
-            except RequestTimeoutError as e:
-                raise self._timed_out() from e
-            for output in batch:
-                if output.new_token_ids and output.new_logprobs is not None:
-                    return output
-                if output.finish_reason is not None:
-                    raise APIError(500, str(output.stop_reason or f"the engine ended the request "
-                                                               f"({output.finish_reason.name.lower()})"),
-                                   "InternalServerError")
-        raise APIError(500, "the engine ended a beam search request without its token", "InternalServerError")
-
     # -- /v1/embeddings -------------------------------------------------------------------------------
 
     async def embed(self, request_id: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -1326,25 +1310,29 @@ class OpenAIServing:
                 for i, (ids, p) in enumerate(zip(prompts, each, strict=True))]
         streams = await self._open_all(jobs, priority, lora, cache_salt)
         try:
-            return [await self._embedding(stream) for stream in streams]
+            return [(await self._ending_output(stream, _brings_a_pooled_output)).pooling_output  # type: ignore[misc]
+                    for stream in streams]
         finally:
             for stream in streams:  # (aborts the others when one failed, or the client left)
                 await stream.close()
 
-    async def _embedding(self, stream: RequestStream) -> list[float]:
+    async def _ending_output(self, stream: RequestStream,
+                             wanted: Callable[[EngineCoreOutput], bool]) -> EngineCoreOutput:
+        """The output a one-answer request (an embedding, a beam-search round's token) is read for;
+        a timeout is a 408, and a request that ends without it (an engine error) a 500."""
         while not stream.finished:
             try:
                 batch = await stream.next_batch()
             except RequestTimeoutError as e:
                 raise self._timed_out() from e
             for output in batch:
-                if output.pooling_output is not None:
-                    return output.pooling_output
+                if wanted(output):
+                    return output
                 if output.finish_reason is not None:
                     raise APIError(500, str(output.stop_reason or f"the engine ended the request "
                                                                f"({output.finish_reason.name.lower()})"),
                                    "InternalServerError")
-        raise APIError(500, "the engine ended the request without its embedding", "InternalServerError")
+        raise APIError(500, "the engine ended the request without its answer", "InternalServerError")
 
     # -- helpers --------------------------------------------------------------------------------------
 
@@ -1540,6 +1528,14 @@ def _drop_output(choice: _Choice) -> None:
     choice.token_ids.clear()
     choice.logprobs.clear()
     choice.detok.output_text = ""
+
+
+def _brings_a_token(output: EngineCoreOutput) -> bool:
+    return bool(output.new_token_ids) and output.new_logprobs is not None
+
+
+def _brings_a_pooled_output(output: EngineCoreOutput) -> bool:
+    return output.pooling_output is not None
 
 
 async def _complete_events(choices: list[_Choice]) -> AsyncIterator[_Delta]:
