@@ -18,9 +18,17 @@ from cluster.llm import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from engine_core.logits_processor import (
+    AdapterLogitsProcessor,
+    BatchUpdate,
+    LogitsProcessor,
+    LogitsProcessorContext,
+    MoveDirectionality,
+)
 from engine_core.outputs import LoRARequest
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "ClassificationOutput",
-           "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
-           "LoRARequest", "Logprob", "PoolingOutput", "PoolingRequestOutput", "RequestOutput", "SamplingParams",
-           "ScoringOutput", "ScoringRequestOutput"]
+__all__ = ["LLM", "AdapterLogitsProcessor", "BatchUpdate", "BeamSearchOutput", "BeamSearchParams",
+           "BeamSearchSequence", "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput",
+           "EmbeddingOutput", "EmbeddingRequestOutput", "LoRARequest", "LogitsProcessor", "LogitsProcessorContext",
+           "Logprob", "MoveDirectionality", "PoolingOutput", "PoolingRequestOutput", "RequestOutput",
+           "SamplingParams", "ScoringOutput", "ScoringRequestOutput"]

@@ -21,6 +21,7 @@ from engine_core.beam_search import BeamSearch, candidates_per_beam
 from engine_core.config import EngineConfig, KVCacheDType
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ModelInfo, PoolingInfo
+from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
 from engine_core.sampling_params import logprobs_count
@@ -288,7 +289,9 @@ class LLM:
                  runner: str = "auto", pooler_config: dict[str, Any] | None = None,
                  hf_overrides: dict[str, Any] | None = None, enable_sleep_mode: bool = False,
                  generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
-                 disable_log_stats: bool = True, tokenizer: str | None = None, **scheduler_flags: Any) -> None:
+                 disable_log_stats: bool = True, tokenizer: str | None = None,
+                 logits_processors: list[str | type[LogitsProcessor]] | None = None,
+                 **scheduler_flags: Any) -> None:
         from gpu_worker.model_resolver import check_tokenizer_dir, load_tokenizer, resolve_model
 
         # (--tokenizer: a directory, checked here before anything loads; the engines check it against
@@ -315,11 +318,17 @@ class LLM:
                                             max_cpu_loras=max_cpu_loras, tokenizer=tokenizer)
         # (vLLM's disable_log_stats, on by default offline: no periodic stats line from Ray engines
         # (an in-process engine writes none); the engines still keep their stats, which get_stats reports.)
-        self.engine_configs: list[EngineConfig] = [dataclasses.replace(c, log_stats_line=not disable_log_stats)
-                                                   for c in self.cluster_config.engine_configs()]
+        # (logits_processors: classes, which the engines unpickle by reference, or qualified names.)
+        processors = {} if logits_processors is None else {"logits_processors": tuple(logits_processors)}
+        self.engine_configs: list[EngineConfig] = [
+            dataclasses.replace(c, log_stats_line=not disable_log_stats, **processors)
+            for c in self.cluster_config.engine_configs()]
         self.use_ray = use_ray if use_ray is not None else (len(self.engine_configs) > 1 or tensor_parallel_size > 1
                                                             or executor_backend == "ray")
         self._ids = itertools.count()
+        # The custom logits processors' classes, whose validate_params a request meets before it is
+        # queued (loaded at the first request).
+        self._logits_processor_classes: tuple[type[LogitsProcessor], ...] | None = None
         self._engine: EngineCore | None = None
         self._handles: list[Any] = []
         if self.use_ray:
@@ -669,6 +678,12 @@ class LLM:
         info = self._model_info()  # (the engines refuse it too, but mid-batch)
         for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
             logprobs_count(kind, asked, info.vocab_size, info.max_logprobs)
+        if self._logits_processor_classes is None:
+            config = self.engine_configs[0]
+            self._logits_processor_classes = (load_logits_processors(config.logits_processors)
+                                              if info.pooling.generates and config.speculative_config is None
+                                              else ())
+        validate_request_params(self._logits_processor_classes, params)
         return params
 
     def _load_lora(self, lora: LoRARequest) -> None:

@@ -292,6 +292,10 @@ class EngineConfig:
     # vLLM's --enable-sleep-mode: the engine may release its KV cache and weights (sleep) and
     # restore them (wake_up), e.g. while an RL trainer uses the memory.
     enable_sleep_mode: bool = False
+    # vLLM's --logits-processors: custom logits processor classes, or their qualified names
+    # ("package.module:Class"), run at every step (engine_core.logits_processor); those that
+    # installed packages offer under the llm_cluster.logits_processors entry points run too.
+    logits_processors: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"engine {self.engine_index}: "
@@ -327,6 +331,11 @@ class EngineConfig:
                      "a JSON object", self.hf_overrides)
             _require(self.tokenizer is None or (isinstance(self.tokenizer, str) and self.tokenizer.strip() != ""),
                      "tokenizer", "None or a tokenizer directory", self.tokenizer)
+            _require(all(isinstance(p, str | type) for p in self.logits_processors), "logits_processors",
+                     "classes or qualified class names", self.logits_processors)
+            _require(not (self.logits_processors and self.speculative_config is not None), "logits_processors",
+                     "unset with speculative decoding (custom logits processors see one row per request)",
+                     self.logits_processors)
             _require(type(self.max_logprobs) is int and self.max_logprobs >= -1, "max_logprobs",
                      "an integer >= -1 (-1: the whole vocabulary)", self.max_logprobs)
             _require(isinstance(self.generation_config, str) and self.generation_config != "", "generation_config",

@@ -13,6 +13,7 @@ import time
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_STORED
 from engine_core.executor import Executor, ModelInfo
+from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
 from engine_core.lora import LoRANotLoadedError, static_lora_requests
 from engine_core.outputs import (
     EngineCoreOutput,
@@ -90,6 +91,11 @@ class EngineCore:
                 "--gpu-memory-utilization)")
         self.scheduler_config = sched_cfg
         spec = config.speculative_config
+        # The custom logits processors' classes, whose validate_params each request meets (the
+        # workers load and run them; a pooling model or speculative decoding runs none).
+        self.logits_processor_classes: tuple[type[LogitsProcessor], ...] = (
+            load_logits_processors(config.logits_processors)
+            if self.model_info.pooling.generates and spec is None else ())
         if self.model_info.encoder_only and config.enable_prefix_caching:
             # (Cached keys of a prefix depend on the tokens after it: a hit would be wrong.)
             self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
@@ -240,6 +246,11 @@ class EngineCore:
         if request.resumable and self.model_info.encoder_only:
             raise RequestRefusedError(f"{name} is an encoder: its prompts run whole in one pass, so it serves no "
                                       "streaming session (resumable request)")
+        if self.logits_processor_classes and not params.embed:
+            try:
+                validate_request_params(self.logits_processor_classes, params)
+            except ValueError as e:
+                raise RequestRefusedError(str(e)) from None
         info = self.model_info
         try:
             per_token = logprobs_count("prompt", params.prompt_logprobs, info.vocab_size, info.max_logprobs)

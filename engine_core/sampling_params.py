@@ -78,6 +78,9 @@ class SamplingParams:
     # second text of a pair, for cross-encoders whose tokenizer returns token_type_ids); None: every
     # token is of type 0.
     compressed_token_type_ids: int | None = None
+    # vLLM's extra_args (the HTTP API's vllm_xargs): arguments for the engine's custom logits
+    # processors (engine_core.logits_processor), which read them; the engine itself does not.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -152,6 +155,9 @@ class SamplingParams:
                self.compressed_token_type_ids)
         _check(self.embed_dimensions is None or (isinstance(self.embed_dimensions, int) and self.embed_dimensions >= 1),
                "embed_dimensions", "None or >= 1", self.embed_dimensions)
+        _check(self.extra_args is None
+               or (isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args)),
+               "extra_args", "None or a mapping with string keys", self.extra_args)
         if self.structured_output_after is not None:
             _check(self.structured_output is not None and isinstance(self.structured_output_after, list)
                    and len(self.structured_output_after) > 0

@@ -59,6 +59,7 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "hf_overrides": json.loads(config.hf_overrides) if config.hf_overrides else None,
         "max_logprobs": config.max_logprobs,
         "tokenizer": config.tokenizer,
+        "logits_processors": config.logits_processors,
     }
 
 
@@ -76,6 +77,9 @@ class _ExecutorBase(Executor):
                              f"({self.model_config.raw['architectures'][0]}: embeddings or classes only); serve it "
                              "with --runner pooling or auto")
         embeds_only = self.model_config.embedding_only or config.runner == "pooling"
+        if embeds_only and config.logits_processors:
+            raise ValueError(f"engine {config.engine_index}: a pooling model samples nothing, so it takes no custom "
+                             "logits processors (--logits-processors)")
         pooling_unavailable = ""
         try:
             # (An encoder pools its [CLS] token unless its files say otherwise, as vLLM's BERT models do.)

@@ -31,6 +31,7 @@ from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache
 from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 from gpu_worker.lora.layers import LORA_BASE
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
@@ -69,7 +70,7 @@ class ModelRunner:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_spec_tokens: int = 0,
                  max_lora_rank: int | None = None, max_resident_loras: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, max_cpu_loras: int | None = None,
-                 max_logprobs: int = 20) -> None:
+                 max_logprobs: int = 20, logits_processors: LogitsProcessorBatch | None = None) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -95,6 +96,8 @@ class ModelRunner:
         self.decode_in_place = False
         self.requests = RequestStates(model_config.eos_token_ids, self.device)
         self.sampler = Sampler()
+        # Custom logits processors (--logits-processors); None: the engine runs none.
+        self.logits_processors = logits_processors
         # LoRA (None: off): the projections are wrapped once the weights are loaded.
         self.max_lora_rank = max_lora_rank
         # Adapters on the device at once (None: all that are loaded); the rest wait in host memory.
@@ -328,12 +331,22 @@ class ModelRunner:
             logprobs = self._verify_drafts(so, hidden.index_select(0, logits_idx), states, sample_rows,
                                            num_drafts, sampled)
         elif sample_rows:
+            in_order = True
+            if self.logits_processors is not None:
+                # Rows in the processors' index order (the same on every rank: the logits are gathered).
+                batch_order = self.logits_processors.arrange([states[i] for i in sample_rows])
+                in_order = batch_order == list(range(len(batch_order)))
+                if not in_order:
+                    sample_rows = [sample_rows[j] for j in batch_order]
+                    logits_idx = logits_idx[torch.tensor(batch_order, device=logits_idx.device)]
             # A decode-only step samples every token: no row selection needed.
-            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden.index_select(0, logits_idx)
+            rows = (hidden if in_order and len(sample_rows) == hidden.shape[0]
+                    else hidden.index_select(0, logits_idx))
             logits = self.model.compute_logits(rows)
             if logits is not None:  # TP rank 0 only
                 sample_states = [states[i] for i in sample_rows]
                 md = self._sampling_metadata(sample_states, logits.shape[1])
+                md.logits_processors = self.logits_processors
                 if so.grammar_bitmask is not None:
                     md.grammar_bitmask = self._grammar_rows(so.grammar_bitmask, sample_states)
                 out = self.sampler(logits, md)

@@ -1,8 +1,9 @@
 """Batched token sampling: one set of tensor ops over all requests of a step.
 
 Order, per row, as vLLM's sampler: the grammar's mask (structured output), allowed_token_ids,
-banned tokens (bad words, and stop ids under min_tokens), logit_bias, penalties (these shape greedy
-picks too), then, for random rows only, temperature, min-p, top-k and top-p, and a draw. Logprobs
+banned tokens (bad words, and stop ids under min_tokens), logit_bias, the custom logits processors
+that may change the argmax, penalties (these shape greedy picks too), then, for random rows only,
+temperature, min-p, the argmax-invariant custom processors, top-k and top-p, and a draw. Logprobs
 are those of the model's raw distribution (log_softmax of the unprocessed logits), as vLLM reports
 them by default.
 """
@@ -10,8 +11,12 @@ them by default.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 
 _NEG_INF = float("-inf")
 
@@ -50,6 +55,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     # The rows that want logprobs, when not all do (their sampled tokens' ranks are computed).
     logprob_rows: torch.Tensor | None = None
+    # The custom logits processors (--logits-processors), when the engine runs any: the rows are
+    # then in their batch's index order.
+    logits_processors: LogitsProcessorBatch | None = None
 
 
 @dataclass
@@ -176,6 +184,8 @@ class Sampler:
         if md.logit_bias is not None:
             rows, cols, biases = md.logit_bias
             logits = logits.index_put((rows, cols), biases, accumulate=True)
+        if md.logits_processors is not None:
+            logits = md.logits_processors.apply_non_argmax_invariant(logits)
         if md.output_token_ids is not None:
             logits = apply_penalties(logits, md)
         return logits
@@ -202,6 +212,8 @@ class Sampler:
         logits = logits / temperature.unsqueeze(1)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
+        if md.logits_processors is not None:
+            logits = md.logits_processors.apply_argmax_invariant(logits)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         return logits.softmax(dim=-1)

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 
 from engine_core.log_setup import configure_actor_logging
+from engine_core.logits_processor import LogitsProcessorContext, LogitsProcessorSpec, load_logits_processors
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker import distributed
 from gpu_worker.config import ModelConfig, parse_dtype
 from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
 from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.model_runner import ModelRunner, WeightSource
 from gpu_worker.pooler_config import DenseProjection
@@ -59,7 +61,7 @@ class Worker:
                  max_cpu_loras: int | None = None, enable_expert_parallel: bool = False,
                  embedding_only: bool = False, hf_overrides: dict[str, Any] | None = None,
                  pooler_dense: tuple[DenseProjection, ...] = (), max_logprobs: int = 20,
-                 tokenizer: str | None = None) -> None:
+                 tokenizer: str | None = None, logits_processors: tuple[LogitsProcessorSpec, ...] = ()) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -94,6 +96,8 @@ class Worker:
         # The sentence-transformers projections of its embeddings (read from model_dir at load).
         self.pooler_dense = tuple(pooler_dense)
         self.max_logprobs = max_logprobs
+        # Custom logits processors (classes or qualified names), beside those of installed entry points.
+        self.logits_processors = tuple(logits_processors)
         self.runner: ModelRunner | None = None
         self.block_size: int | None = None
         if num_cpus is not None:
@@ -116,12 +120,28 @@ class Worker:
                                   # On an accelerator only a step's worth of adapters stays on the device.
                                   self.max_loras if self.device.type != "cpu" else None,
                                   kv_cache_dtype=self.kv_cache_dtype, max_cpu_loras=self.max_cpu_loras,
-                                  max_logprobs=self.max_logprobs)
+                                  max_logprobs=self.max_logprobs,
+                                  logits_processors=self._logits_processor_batch())
         self.runner.load_model(self._weight_source())
         if self.pooler_dense:
             if self.model_dir is None:
                 raise ValueError("Dense projections are read from a model directory; this worker has none")
             self.runner.load_dense(self.model_dir, self.pooler_dense)
+
+    def _logits_processor_batch(self) -> LogitsProcessorBatch | None:
+        """The batch of the custom logits processors, None when there are none. Not on a model that
+        only pools, nor with speculative decoding (the engine refuses named ones there, as vLLM).
+        Every rank keeps the batch's order; only rank 0, which samples, holds processors."""
+        if self.model_config.embedding_only or self.num_spec_tokens:
+            return None
+        classes = load_logits_processors(self.logits_processors)
+        if not classes:
+            return None
+        context = LogitsProcessorContext(
+            model=str(self.model_dir) if self.model_dir is not None else "", vocab_size=self.model_config.vocab_size,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len or self.model_config.max_context_len)
+        return LogitsProcessorBatch(classes, context, self.device, holds_processors=self.rank == 0)
 
     def _runner(self) -> ModelRunner:
         if self.runner is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,11 +68,16 @@ def test_a_moe_model_on_two_expert_parallel_ranks_generates_as_transformers(ray_
     from tests.tiny_model import build_tiny_moe
 
     path = build_tiny_moe(tmp_path / "moe")
+    # (With a custom logits processor: both ranks must order the batch's logits rows alike.)
     llm = LLM(model=str(path), tensor_parallel_size=2, enable_expert_parallel=True, num_gpu_blocks=64,
-              max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
+              max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128,
+              logits_processors=["tests.logits_processors:TargetTokenProcessor"])
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        targeted = llm.generate(PROMPTS, [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                         extra_args={"target_token": 7 + i} if i % 3 == 0 else None)
+                                          for i in range(len(PROMPTS))], use_tqdm=False)
         workers = ray.get(llm._handles[0].actor.__ray_call__.remote(lambda self: self.service.engine.executor.workers))
 
         def held_experts(worker):
@@ -80,7 +87,10 @@ def test_a_moe_model_on_two_expert_parallel_ranks_generates_as_transformers(ray_
         assert ray.get([w.__ray_call__.remote(held_experts) for w in workers]) == [(0, 4), (4, 4)]
     finally:
         llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, PROMPTS, 12)
+    expected = hf_greedy(path, PROMPTS, 12)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert [o.outputs[0].token_ids for o in targeted] == [[7 + i] * 12 if i % 3 == 0 else expected[i]
+                                                          for i in range(len(PROMPTS))]
 
 
 def test_a_gemma2_engine_generates_as_transformers(tmp_path):
@@ -1160,3 +1170,46 @@ def test_beam_search_returns_the_best_beams_with_their_true_likelihoods(tiny_mod
             llm.beam_search([prompt], BeamSearchParams(beam_width=0, max_tokens=4))
     finally:
         llm.shutdown()
+
+
+def test_custom_logits_processors_steer_only_the_requests_that_ask_through_preemption(tiny_model_dir):
+    from tests.logits_processors import NoEchoAdapter, OnlyTheBestProcessor
+
+    max_tokens = 24
+    # The preemption test's pressure (chunked prefill, preemption) keeps the batch changing under the processors.
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=12, max_num_batched_tokens=16, max_num_seqs=8,
+              max_model_len=128, logits_processors=["tests.logits_processors:TargetTokenProcessor", NoEchoAdapter,
+                                                    OnlyTheBestProcessor])
+    try:
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                 extra_args={"target_token": 100 + i} if i % 2 == 0 else None)
+                  for i in range(len(PROMPTS))]
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert llm.get_stats()[0].num_preemptions > 0, "the KV pool was meant to force preemption"
+        # Random sampling that keeps only the best logit (argmax-invariant: after the temperature) is greedy.
+        greedy = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        best = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=8, temperature=1.0,
+                                                        extra_args={"only_the_best": True}), use_tqdm=False)
+        no_echo = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                       extra_args={"no_echo": True}), use_tqdm=False)
+        with pytest.raises(ValueError, match="target_token must be a non-negative integer"):
+            llm.generate(PROMPTS[:1], SamplingParams(extra_args={"target_token": -1}), use_tqdm=False)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    expected = hf_greedy(tiny_model_dir, PROMPTS, max_tokens)
+    for i, out in enumerate(outputs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == ([100 + i] * max_tokens if i % 2 == 0 else expected[i]), i
+    assert [o.outputs[0].token_ids for o in best] == [o.outputs[0].token_ids for o in greedy]
+    for out in no_echo:
+        tokens = out.outputs[0].token_ids
+        assert not set(tokens) & set(out.prompt_token_ids)
+        assert all(a != b for a, b in itertools.pairwise(tokens))
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_pooling_model_takes_no_custom_logits_processors(tiny_model_dir):
+    with pytest.raises(ValueError, match="a pooling model samples nothing"):
+        LLM(model=str(tiny_model_dir), num_gpu_blocks=16, runner="pooling",
+            logits_processors=["tests.logits_processors:TargetTokenProcessor"])
