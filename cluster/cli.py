@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-log-stats", action="store_true", default=None,
                        help="No engine metrics (vllm:* on /metrics) and no periodic stats line in the engines' log "
                             "(every VLLM_LOG_STATS_INTERVAL seconds, 10 by default), as vLLM's flag.")
+    serve.add_argument("--logits-processors", nargs="+", default=None, metavar="CLASS",
+                       help="Custom logits processors, as vLLM's: qualified names of LogitsProcessor subclasses "
+                            "(package.module:Class), importable wherever the engines run; requests pass them "
+                            "arguments in vllm_xargs.")
     serve.add_argument("--max-logprobs", type=int, default=None,
                        help="The most logprobs (and prompt logprobs) a request may ask for per token (default 20, "
                             "as vLLM; -1: the whole vocabulary). A request may ask for all with -1 when this allows.")
@@ -278,7 +282,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
                 "generation_config": _local_dir_path(args.generation_config),
                 "override_generation_config": args.override_generation_config, "max_logprobs": args.max_logprobs,
-                "disable_log_stats": args.disable_log_stats,
+                "logits_processors": args.logits_processors, "disable_log_stats": args.disable_log_stats,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
                 "kv_cache_metrics": args.kv_cache_metrics or None,
                 "enable_sleep_mode": args.enable_sleep_mode or None,

@@ -79,6 +79,10 @@ class EngineSpec(BaseModel):
     max_logprobs: int | None = Field(
         None, ge=-1, description="The most logprobs (and prompt logprobs) a request may ask for per token "
                                  "(--max-logprobs, default 20; -1: the whole vocabulary).")
+    logits_processors: list[str] | None = Field(
+        None, description="Custom logits processors (--logits-processors): qualified names of "
+                          "engine_core.logits_processor.LogitsProcessor subclasses (package.module:Class), run at "
+                          "every step; requests pass them arguments in vllm_xargs.")
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = None
     num_cpus_per_worker: float | None = None
     resources: dict[str, float] | None = Field(None, description="Extra Ray resources per worker (pinning).")
@@ -485,6 +489,11 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
                              f"max_logprobs must be the same on every engine of a model (engine {first.engine_index} "
                              f"has {first.generation_config!r}, {first.override_generation_config or '{}'} and "
                              f"{first.max_logprobs}); set them for the model, not per engine")
+        # (A request's vllm_xargs must mean the same whichever engine it reaches.)
+        if config.logits_processors != first.logits_processors:
+            raise ValueError(f"engine {config.engine_index}: logits_processors must be the same on every engine of a "
+                             f"model (engine {first.engine_index} has {list(first.logits_processors)}); set them for "
+                             "the model, not per engine")
 
 
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
@@ -522,7 +531,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         executor_backend=s["executor_backend"], max_waiting_requests=s["max_waiting_requests"],
         engine_niceness=s["engine_niceness"], speculative_config=speculative, lora_config=lora_config,
         kv_cache_metrics_sample=s["kv_cache_metrics_sample"] if s["kv_cache_metrics"] else None,
-        enable_sleep_mode=s["enable_sleep_mode"])
+        enable_sleep_mode=s["enable_sleep_mode"], logits_processors=tuple(s["logits_processors"] or ()))
 
 
 def load_engine_overrides(path: str) -> list[EngineSpec]:

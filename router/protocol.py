@@ -99,7 +99,7 @@ class SamplingFields(BaseModel):
     _NOT_WITH_BEAM_SEARCH: ClassVar[dict[str, tuple[Any, ...]]] = {
         "stop": (None, [], ""), "min_tokens": (0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
         "repetition_penalty": (1.0,), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
-        "prompt_logprobs": (None,), "echo": (False,)}
+        "prompt_logprobs": (None,), "echo": (False,), "vllm_xargs": (None, {})}
 
     def _check_beam_search(self) -> None:
         for name, neutral in self._NOT_WITH_BEAM_SEARCH.items():
@@ -201,6 +201,9 @@ class SamplingFields(BaseModel):
     length_penalty: float = Field(1.0, allow_inf_nan=False,
                                   description="vLLM extra: beam scores divide the cumulative logprob by the "
                                               "sequence's length to this power.")
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = Field(
+        None, description="vLLM extra: arguments for the engines' custom logits processors (--logits-processors), "
+                          "which read them (SamplingParams.extra_args).")
     cache_salt: str | None = cache_salt_field()
     return_token_ids: bool = Field(
         False, description="vLLM extra: the answer carries the prompt's token ids and each choice's generated ids "

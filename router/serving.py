@@ -627,7 +627,8 @@ class OpenAIServing:
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 logit_bias=logit_bias, allowed_token_ids=allowed_ids, bad_words_token_ids=bad_words,
                 structured_output=request.structured_output,
-                structured_output_after=structured_output_after if request.structured_output else None)
+                structured_output_after=structured_output_after if request.structured_output else None,
+                extra_args=request.vllm_xargs or None)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
 

@@ -456,6 +456,17 @@ def test_max_logprobs_reaches_every_engine():
         _config("--max-logprobs", "-2").engine_configs()
 
 
+def test_logits_processors_reach_every_engine_of_the_model(tmp_path):
+    names = ["tests.logits_processors:TargetTokenProcessor", "tests.logits_processors.NoEchoAdapter"]
+    configs = _config("--num-engines", "2", "--logits-processors", *names).engine_configs()
+    assert [e.logits_processors for e in configs] == [tuple(names)] * 2
+    assert _config().engine_configs()[0].logits_processors == ()
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {logits_processors: [a.b:C]}\n")
+    with pytest.raises(ValueError, match="engine 1: logits_processors must be the same on every engine"):
+        _config("--num-engines", "2", "--engine-config", str(overrides)).engine_configs()
+
+
 def test_cors_and_request_id_flags_reach_the_router():
     from router.serving import CORSSettings
 

@@ -147,6 +147,7 @@ def test_beams_of_several_prompts_are_numbered_per_prompt():
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"logit_bias": {"5": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"vllm_xargs": {"target_token": 3}}, "vllm_xargs"),
     ("/v1/completions", {"guided_choice": ["a", "b"]}, "use_beam_search"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "use_beam_search"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],

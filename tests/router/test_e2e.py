@@ -31,8 +31,9 @@ def cluster(ray_cluster, tiny_model_dir):
         enable_prompt_tokens_details=True,
         # (Marked as trained for shorter embeddings, which /v1/embeddings' dimensions needs, as in vLLM.)
         # Sleep mode on, for the operators' /sleep and /wake_up.
+        # A custom logits processor, which only requests that name a target_token meet.
         defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256, hf_overrides={"is_matryoshka": True},
-                            enable_sleep_mode=True),
+                            enable_sleep_mode=True, logits_processors=["tests.logits_processors:TargetTokenProcessor"]),
         # Engine 1 has a short queue, so flooding it yields 429s.
         engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
     # A second router app over the same engines, with another policy, and tool_choice "auto" read
@@ -218,6 +219,31 @@ def test_cache_salt_and_return_token_ids_through_the_openai_client(client):
     completion = client.completions.create(model="tiny", prompt=first.prompt_token_ids, max_tokens=3, temperature=0,
                                            extra_body={"return_token_ids": True})
     assert completion.choices[0].prompt_token_ids == first.prompt_token_ids
+
+
+def test_a_custom_logits_processor_through_the_openai_client(client):
+    """--logits-processors on real engines: vllm_xargs turn the processor on for one request (even a
+    random one, streamed or not), its validate_params refuses bad arguments with a 400, and other
+    requests in the same batches are left alone."""
+    target = 42
+    plain = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    steered = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0.8, n=2,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                    "vllm_xargs": {"target_token": target}})
+    assert [c.token_ids for c in steered.choices] == [[target] * 6] * 2
+    assert plain.choices[0].token_ids != [target] * 6
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            stream=True, extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                                     "vllm_xargs": {"target_token": target}})
+    ids = [t for chunk in stream for choice in chunk.choices for t in (getattr(choice, "token_ids", None) or [])]
+    assert ids == [target] * 4
+    again = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert again.choices[0].token_ids == plain.choices[0].token_ids
+    with pytest.raises(openai.BadRequestError, match="target_token must be a non-negative integer"):
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=2,
+                                  extra_body={"vllm_xargs": {"target_token": "x"}})
 
 
 def test_beam_search_through_the_openai_client(client):

@@ -455,6 +455,22 @@ def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_engine_as_token_id
     assert len(expected) == 3  # (" quick brown" tokenises differently, " fox" into fewer tokens)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_xargs_reach_the_engine_as_extra_args_for_its_logits_processors(path):
+    http, engine = _app(tokenizer=CHAT_TOKENIZER)
+    body = {"model": "tiny", "max_tokens": 2, "n": 2,
+            **({"prompt": "hi"} if "chat" not in path else {"messages": MESSAGES})}
+    xargs = {"target_token": 7, "scale": 0.5, "name": "x", "ids": [1, "two", 3.0]}
+    r = http.post(path, json={**body, "vllm_xargs": xargs})
+    assert r.status_code == 200, r.text
+    assert [q.sampling_params.extra_args for q in engine.requests] == [xargs, xargs]
+    assert type(engine.requests[0].sampling_params.extra_args["target_token"]) is int
+    http.post(path, json=body)
+    assert engine.requests[-1].sampling_params.extra_args is None
+    r = http.post(path, json={**body, "vllm_xargs": {"nested": {"a": 1}}})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("vllm_xargs"), r.text
+
+
 def test_unknown_fields_are_ignored_with_one_warning_each(caplog, monkeypatch):
     from router import protocol
 
