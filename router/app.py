@@ -147,6 +147,13 @@ class APIKeyAuth:
         await self.app(scope, receive, send)
 
 
+def external_id(body: Any, request: Request) -> str | None:
+    """The id the caller gave its request: the body's request_id, else the X-Request-Id header. (vLLM
+    prefers the header, but behind Ray Serve every request has one, which Serve makes up when the
+    client sent none: the body's would never count.)"""
+    return getattr(body, "request_id", None) or request.headers.get(REQUEST_ID_HEADER)
+
+
 def _needs_key(path: str) -> bool:
     return path.startswith(("/v1", "/v2")) or path in DEV_MODE_PATHS or path in ENGINE_PATHS
 
@@ -207,14 +214,12 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         chosen = await servings.for_model(body.model)
-        return respond(await chosen.completions(body, request.headers.get(SESSION_HEADER),
-                                                request.headers.get(REQUEST_ID_HEADER)))
+        return respond(await chosen.completions(body, request.headers.get(SESSION_HEADER), external_id(body, request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         chosen = await servings.for_model(body.model)
-        return respond(await chosen.chat(body, request.headers.get(SESSION_HEADER),
-                                         request.headers.get(REQUEST_ID_HEADER)))
+        return respond(await chosen.chat(body, request.headers.get(SESSION_HEADER), external_id(body, request)))
 
     # One store for every model: a stored response is found whichever model answered it.
     responses_of = {id(s): ResponsesServing(s, response_store) for s in servings}
@@ -231,10 +236,12 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         """An endpoint answered by ``method`` of the chosen model's ``serving_class`` (one per served
         model), its body parsed as ``body_type``: JSON, or an event stream."""
         serving_of = {id(s): serving_class(s) for s in servings}
+        named = "request_id" in body_type.model_fields  # (the answer takes the request's id)
 
         async def endpoint(body: Any, request: Request) -> Response:
             chosen = serving_of[id(await servings.for_model(body.model))]
-            return respond(await getattr(chosen, method)(body, request.headers.get(SESSION_HEADER)))
+            ids = {"external_id": external_id(body, request)} if named else {}
+            return respond(await getattr(chosen, method)(body, request.headers.get(SESSION_HEADER), **ids))
 
         endpoint.__annotations__["body"] = body_type  # (what FastAPI validates the body as)
         return endpoint

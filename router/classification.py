@@ -11,7 +11,6 @@ or the logits as they are (regression).
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ from pydantic import BaseModel, Field
 from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
 from router.embeddings import EmbeddingsServing, PooledInputRequest, embedding_params
-from router.serving import OpenAIServing, bad_request
+from router.serving import OpenAIServing, answer_ids, bad_request
 
 CLASSIFY_PATHS = ("/classify", "/v1/classify")
 
@@ -115,14 +114,15 @@ class ClassificationServing:
         self.serving = serving
         self.embeddings = EmbeddingsServing(serving)
 
-    async def create(self, request: ClassificationRequest, session_id: str | None = None) -> dict[str, Any]:
+    async def create(self, request: ClassificationRequest, session_id: str | None = None,
+                     external_id: str | None = None) -> dict[str, Any]:
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
         params = classifier_params(serving)
         prompts = self.embeddings.request_prompts(request)
-        request_id = f"classify-{uuid.uuid4().hex}"
-        logits = await serving.embed(request_id, prompts, params, request.priority, lora, session_id,
+        request_id, engine_base = answer_ids("classify", external_id)
+        logits = await serving.embed(engine_base, prompts, params, request.priority, lora, session_id,
                                      request.cache_salt)
         labels = serving.settings.pooling.labels
         activation = request.class_activation(serving.settings.pooling.classifier_activation)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import time
-import uuid
 from typing import Any, Literal
 
 import numpy as np
@@ -22,8 +21,8 @@ from starlette.responses import Response
 
 from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
-from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, cache_salt_field, invalid
-from router.serving import OpenAIServing, bad_request
+from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, cache_salt_field, invalid, request_id_field
+from router.serving import OpenAIServing, answer_ids, bad_request
 
 TruncationSide = Literal["left", "right"]
 TRUNCATION_SIDE_HELP = ('Which end truncate_prompt_tokens cuts: "right" keeps an input\'s first tokens (as '
@@ -118,6 +117,7 @@ class PooledInputRequest(BaseModel):
                                                               "(default: true for input, false for messages).")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     cache_salt: str | None = cache_salt_field()
+    request_id: str | None = request_id_field()
 
     @model_validator(mode="after")
     def _not_empty(self) -> PooledInputRequest:
@@ -201,13 +201,14 @@ class EmbeddingsServing:
         check_dimensions(serving, dimensions, dimensions_param)
         return lora
 
-    async def create(self, request: EmbeddingRequest, session_id: str | None = None) -> dict[str, Any] | Response:
+    async def create(self, request: EmbeddingRequest, session_id: str | None = None,
+                     external_id: str | None = None) -> dict[str, Any] | Response:
         serving = self.serving
         lora = await self.admit(request, request.dimensions)
         prompts = self.request_prompts(request)
         params = embedding_params(serving, request.normalize, request.dimensions)
-        request_id = f"embd-{uuid.uuid4().hex}"
-        vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id,
+        request_id, engine_base = answer_ids("embd", external_id)
+        vectors = await serving.embed(engine_base, prompts, params, request.priority, lora, session_id,
                                       request.cache_salt)
         num_tokens = sum(len(ids) for ids in prompts)
         if request.binary:

@@ -10,7 +10,6 @@ conversations: ``messages`` instead of ``input``."""
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -26,7 +25,7 @@ from router.embeddings import (
     check_embeds,
     embedding_params,
 )
-from router.serving import OpenAIServing, bad_request
+from router.serving import OpenAIServing, answer_ids, bad_request
 
 POOLING_PATHS = ("/pooling", "/v1/pooling")
 
@@ -51,7 +50,8 @@ class PoolingServing:
         self.serving = serving
         self.embeddings = EmbeddingsServing(serving)
 
-    async def create(self, request: PoolingRequest, session_id: str | None = None) -> dict[str, Any] | Response:
+    async def create(self, request: PoolingRequest, session_id: str | None = None,
+                     external_id: str | None = None) -> dict[str, Any] | Response:
         serving = self.serving
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
@@ -73,8 +73,8 @@ class PoolingServing:
             normalize = request.wants_activation() if request.normalize is None else request.normalize
             params = embedding_params(serving, normalize, request.dimensions, pooling)
         prompts = self.embeddings.request_prompts(request)
-        request_id = f"pool-{uuid.uuid4().hex}"
-        outputs: list[Any] = await serving.embed(request_id, prompts, params, request.priority, lora, session_id,
+        request_id, engine_base = answer_ids("pool", external_id)
+        outputs: list[Any] = await serving.embed(engine_base, prompts, params, request.priority, lora, session_id,
                                                  request.cache_salt)
         activation = request.class_activation(pooling.classifier_activation)
         if request.dimensions is not None:  # (each embedding row cut to it)

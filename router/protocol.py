@@ -52,6 +52,13 @@ def cache_salt_field() -> Any:
                                                  "cached); the same salt shares as usual.")
 
 
+def request_id_field() -> Any:
+    """vLLM's request_id request field: the answer's id is ``<prefix>-<request_id>``, before the
+    X-Request-Id header's (router.app.external_id)."""
+    return Field(None, description="vLLM extra: names the answer (its id is <prefix>-<request_id>) and its engine "
+                                   "requests in the logs, instead of the X-Request-Id header's id.")
+
+
 def _is_none(value: Any) -> bool:
     return value is None
 
@@ -205,6 +212,7 @@ class SamplingFields(BaseModel):
         None, description="vLLM extra: arguments for the engines' custom logits processors (--logits-processors), "
                           "which read them (SamplingParams.extra_args).")
     cache_salt: str | None = cache_salt_field()
+    request_id: str | None = request_id_field()
     return_token_ids: bool = Field(
         False, description="vLLM extra: the answer carries the prompt's token ids and each choice's generated ids "
                            "(streamed: the prompt's in a choice's first chunk, each chunk's own ids).")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -33,8 +32,8 @@ from router.embeddings import (
     embedding_params,
     tokenize_truncated,
 )
-from router.protocol import INT64_MAX, INT64_MIN, cache_salt_field, invalid
-from router.serving import APIError, OpenAIServing, bad_request
+from router.protocol import INT64_MAX, INT64_MIN, cache_salt_field, invalid, request_id_field
+from router.serving import APIError, OpenAIServing, answer_ids, bad_request
 
 # The paths these endpoints answer on (every one needs the API key when one is set, as /classify's do).
 SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
@@ -51,6 +50,7 @@ class _ScoringFields(BaseModel):
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
     cache_salt: str | None = cache_salt_field()
+    request_id: str | None = request_id_field()
 
 
 def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
@@ -188,21 +188,23 @@ class ScoringServing:
         self.serving = serving
         self.embeddings = EmbeddingsServing(serving)
 
-    async def score(self, request: ScoreRequest, session_id: str | None = None) -> dict[str, Any]:
+    async def score(self, request: ScoreRequest, session_id: str | None = None,
+                    external_id: str | None = None) -> dict[str, Any]:
         left, right = request.sides()
         pairs = score_pairs(len(left), len(right))
-        request_id = f"score-{uuid.uuid4().hex}"
+        request_id, engine_base = answer_ids("score", external_id)
         names = ("text_1", "text_2") if request.text_1 is not None else ("queries", "documents")
-        scores, num_tokens = await self._scores(request_id, request, left, right, pairs, session_id, names)
+        scores, num_tokens = await self._scores(engine_base, request, left, right, pairs, session_id, names)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": self.serving.model_name(request.model),
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
-    async def rerank(self, request: RerankRequest, session_id: str | None = None) -> dict[str, Any]:
+    async def rerank(self, request: RerankRequest, session_id: str | None = None,
+                     external_id: str | None = None) -> dict[str, Any]:
         documents = request.document_texts()
-        request_id = f"rerank-{uuid.uuid4().hex}"
-        scores, num_tokens = await self._scores(request_id, request, [request.query], documents,
+        request_id, engine_base = answer_ids("rerank", external_id)
+        scores, num_tokens = await self._scores(engine_base, request, [request.query], documents,
                                                 [(0, i) for i in range(len(documents))], session_id,
                                                 ("query", "documents"))
         ranked = sorted(range(len(documents)), key=lambda i: -scores[i])  # (stable: ties keep their order)

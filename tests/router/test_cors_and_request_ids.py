@@ -62,3 +62,33 @@ def test_an_answer_takes_the_requests_x_request_id_as_its_id():
     assert unnamed.startswith("cmpl-") and len(unnamed) == len("cmpl-") + 32
     assert http.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "x" * 500}).json()["id"] == (
         "cmpl-" + "x" * 128)
+
+
+def test_the_bodys_request_id_names_the_answer_unless_a_header_does():
+    """vLLM's request_id field: the answer is <prefix>-<request_id> on the generation and pooling
+    endpoints, before an X-Request-Id header's (which Serve gives every request); the engines' ids
+    stay distinct."""
+    http, engine = _chat_app()
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    assert http.post("/v1/completions", json={**COMPLETION, "request_id": "job-1"}).json()["id"] == "cmpl-job-1"
+    assert http.post("/v1/chat/completions", json={**chat, "request_id": "job-2"}).json()["id"] == "chatcmpl-job-2"
+    assert http.post("/v1/chat/completions", json={**chat, "request_id": "job-2"},
+                     headers={"X-Request-Id": "hdr"}).json()["id"] == "chatcmpl-job-2"
+    engine_ids = [r.request_id for r in engine.requests]
+    assert engine_ids[0].startswith("cmpl-job-1-") and engine_ids[1].startswith("chatcmpl-job-2-")
+    assert len(set(engine_ids)) == 3  # (two requests with one id stay two requests)
+    http, engine = _app()
+    pooled = {"model": "tiny", "input": "Hello world", "request_id": "emb-9"}
+    for path, prefix in (("/v1/embeddings", "embd"), ("/pooling", "pool")):
+        assert http.post(path, json=pooled).json()["id"] == f"{prefix}-emb-9"
+        assert http.post(path, json={**pooled, "request_id": None}, headers={"X-Request-Id": "h"}
+                         ).json()["id"] == f"{prefix}-h"
+    assert http.post("/score", json={"model": "tiny", "text_1": "a", "text_2": "b", "request_id": "s"}
+                     ).json()["id"] == "score-s"
+    assert http.post("/rerank", json={"model": "tiny", "query": "a", "documents": ["b"]},
+                     headers={"X-Request-Id": "r"}).json()["id"] == "rerank-r"
+    assert all(r.request_id.startswith(("embd-emb-9-", "embd-h-", "pool-emb-9-", "pool-h-", "score-s-", "rerank-r-"))
+               for r in engine.requests)
+    assert len({r.request_id for r in engine.requests}) == len(engine.requests)
+    unnamed = http.post("/v1/embeddings", json={"model": "tiny", "input": "Hi"}).json()["id"]
+    assert unnamed.startswith("embd-") and len(unnamed) == len("embd-") + 32

@@ -582,6 +582,9 @@ def test_answers_are_named_by_serves_request_id_and_browsers_may_call(cluster):
     assert named.json()["id"] == "cmpl-e2e-trace-1" and named.headers["x-request-id"] == "e2e-trace-1"
     unnamed = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
     assert unnamed.json()["id"] == f"cmpl-{unnamed.headers['x-request-id']}"
+    # vLLM's request_id field counts behind Serve too (whose made-up header id it comes before).
+    in_body = httpx.post(f"{base}/v1/completions", json={**body, "request_id": "job-42"}, timeout=60)
+    assert in_body.json()["id"] == "cmpl-job-42"
     preflight = httpx.options(f"{base}/v1/chat/completions", timeout=60, headers={
         "Origin": "https://ui.example.com", "Access-Control-Request-Method": "POST"})
     assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
