@@ -24,6 +24,9 @@ def _require(condition: bool, flag: str, allowed: str, value: object) -> None:
         raise ValueError(f"{flag} must be {allowed}, got {value!r}")
 
 
+# The drafters speculative decoding has (SpeculativeConfig.method).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
 # The per-pass token budget when --max-num-batched-tokens is not given (vLLM's default for online serving).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -145,25 +148,45 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's ``--speculative-config``). Only ``ngram`` (prompt lookup) is
-    built: the draft is the tokens that followed the latest earlier occurrence of the context's last
-    n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
+    """Speculative decoding (vLLM's ``--speculative-config``), two drafters:
+    - ``ngram`` (prompt lookup): the draft is the tokens that followed the latest earlier occurrence
+      of the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``;
+    - ``draft_model``: a smaller model of the same vocabulary (``model``) proposes each draft token
+      greedily, one pass per token (gpu_worker.draft_model); it runs on the same workers and KV
+      block table as the target, with a cache of its own."""
 
     method: str = "ngram"
     # Required, as in vLLM: drafts per request per pass.
     num_speculative_tokens: int | None = None
-    # None: the other bound, or 5 when both are None (vLLM's defaults).
+    # None: the other bound, or 5 when both are None (vLLM's defaults). ngram only.
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # draft_model: the draft model (a name the engines know, a Hugging Face directory or a .gguf),
+    # and its tensor parallelism (None, or the target's: the draft shards over the same workers).
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method == "[ngram]":  # (vLLM's older spelling)
             object.__setattr__(self, "method", "ngram")
-        _require(self.method == "ngram", "speculative_config.method", "'ngram' (the only drafter built)",
-                 self.method)
+        _require(self.method in SPECULATIVE_METHODS, "speculative_config.method",
+                 f"one of {', '.join(SPECULATIVE_METHODS)} (the drafters built)", self.method)
         _require(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
                  and self.num_speculative_tokens >= 1,
                  "speculative_config.num_speculative_tokens", "given, and >= 1", self.num_speculative_tokens)
+        if self.method == "draft_model":
+            _require(isinstance(self.model, str) and self.model.strip() != "", "speculative_config.model",
+                     "the draft model (a model name, directory or .gguf) with method draft_model", self.model)
+            _require(self.prompt_lookup_min is None and self.prompt_lookup_max is None,
+                     "speculative_config.prompt_lookup_min", "unset with method draft_model (ngram's)",
+                     self.prompt_lookup_min if self.prompt_lookup_min is not None else self.prompt_lookup_max)
+            _require(self.draft_tensor_parallel_size is None
+                     or (type(self.draft_tensor_parallel_size) is int and self.draft_tensor_parallel_size >= 1),
+                     "speculative_config.draft_tensor_parallel_size", "None or >= 1",
+                     self.draft_tensor_parallel_size)
+            return
+        _require(self.model is None and self.draft_tensor_parallel_size is None, "speculative_config.model",
+                 "unset with method ngram (a draft model needs method draft_model)", self.model)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -177,15 +200,22 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
 
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SpeculativeConfig | None:
         """None or an empty mapping: no speculative decoding (``{}`` turns a cluster-wide default off
-        for one engine in an override list)."""
+        for one engine in an override list). A ``model`` without a ``method`` is a draft model, as in vLLM."""
         if not data:
             return None
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+                 "draft_tensor_parallel_size"}
         unknown = sorted(set(data) - known)
         _require(not unknown, "speculative_config", f"a mapping of {', '.join(sorted(known))}", unknown)
+        if data.get("model") is not None and "method" not in data:
+            data = {**data, "method": "draft_model"}
         return cls(**data)
 
 
@@ -333,6 +363,14 @@ class EngineConfig:
                      "tokenizer", "None or a tokenizer directory", self.tokenizer)
             _require(all(isinstance(p, str | type) for p in self.logits_processors), "logits_processors",
                      "classes or qualified class names", self.logits_processors)
+            spec = self.speculative_config
+            if spec is not None and spec.uses_draft_model:
+                _require(spec.draft_tensor_parallel_size in (None, self.tensor_parallel_size),
+                         "speculative_config.draft_tensor_parallel_size",
+                         f"unset or the target's tensor_parallel_size ({self.tensor_parallel_size}): the draft "
+                         "model shards over the same workers", spec.draft_tensor_parallel_size)
+                _require(not self.enable_sleep_mode, "enable_sleep_mode",
+                         "off with a draft model (its cache and weights are not released)", self.enable_sleep_mode)
             _require(not (self.logits_processors and self.speculative_config is not None), "logits_processors",
                      "unset with speculative decoding (custom logits processors see one row per request)",
                      self.logits_processors)

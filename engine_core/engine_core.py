@@ -29,7 +29,7 @@ from engine_core.sampling_params import logprobs_count
 from engine_core.sched.output import SchedulerOutput
 from engine_core.sched.scheduler import PauseState, Scheduler
 from engine_core.sleep_mode import WAKE_UP_TAGS, check_sleep, wake_up_tags
-from engine_core.spec_decode import NgramProposer
+from engine_core.spec_decode import NgramProposer, model_drafts
 from engine_core.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,12 @@ class EngineCore:
                 executor.shutdown()
                 raise
         # Speculative decoding: drafts are proposed here, from token ids, after every pass.
-        self.drafter = NgramProposer(spec, sched_cfg.max_model_len) if spec is not None else None
+        self.drafter = NgramProposer(spec, sched_cfg.max_model_len) if spec is not None and not spec.uses_draft_model \
+            else None
+        # A draft model proposes in the workers, after the pass: the drafts' cache slots come with it.
+        self.model_drafts_k = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
+        if self.model_drafts_k:
+            self.scheduler.num_lookahead_tokens = self.model_drafts_k
         self.last_stats = SchedulerStats()
         self.num_steps = 0
         # The last pass scheduled and produced nothing (paused, or nothing admissible yet).
@@ -404,6 +409,10 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if self.drafter is not None and self.scheduler.running:
             self.scheduler.update_draft_token_ids(self.drafter.propose(self.scheduler.running))
+        elif self.model_drafts_k and model_output.draft_token_ids:
+            self.scheduler.update_draft_token_ids(model_drafts(
+                self.scheduler.running, model_output.draft_token_ids, self.model_drafts_k,
+                self.scheduler_config.max_model_len))
         failed += self._advance_grammars(outputs)
         for request_id, message in failed:
             self._fail_request(outputs, request_id, message)

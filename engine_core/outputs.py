@@ -85,6 +85,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: dict[str, LogprobsEntry] | None = None
     # The embeddings of embedding requests (SamplingParams.embed) whose prefill finished this step.
     pooler_output: dict[str, list[float]] | None = None
+    # A draft model's proposals (speculative decoding, method draft_model) for the requests that
+    # sampled this step, to verify next step.
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -1,4 +1,6 @@
-"""Draft tokens for speculative decoding: the n-gram (prompt lookup) drafter, on token ids only.
+"""Draft tokens for speculative decoding: the n-gram (prompt lookup) drafter, on token ids only,
+and the rules every drafter follows (a draft model's drafts come from the workers: see
+gpu_worker/draft_model.py).
 
 After each pass the engine asks the drafter for every running request that is decoding: if the
 context's last n tokens (the longest n up to ``prompt_lookup_max``, at least ``prompt_lookup_min``)
@@ -29,6 +31,32 @@ def drafts_allowed(params: SamplingParams) -> bool:
     return (params.structured_output is None and not params.bad_words_token_ids
             and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
             and params.repetition_penalty == 1.0 and (params.seed is None or params.temperature == 0.0))
+
+
+def draft_room(params: SamplingParams, num_output_tokens: int, num_tokens: int, k: int, max_model_len: int) -> int:
+    """How many draft tokens a decoding request may get now (0: none): none while it is short of
+    min_tokens or cannot be drafted for (``drafts_allowed``), and none past its end: max_tokens
+    (the next pass's own token counts), or the context length."""
+    if num_output_tokens < params.min_tokens or not drafts_allowed(params):
+        return 0
+    return max(0, min(k, params.max_tokens - num_output_tokens - 1, max_model_len - num_tokens))
+
+
+def model_drafts(requests: Iterable[Request], proposed: dict[str, list[int]] | None, k: int, max_model_len: int
+                 ) -> dict[str, list[int]]:
+    """A draft model's proposals (from the workers) for the requests still decoding, each cut to its room."""
+    drafts: dict[str, list[int]] = {}
+    if not proposed:
+        return drafts
+    for request in requests:
+        draft = proposed.get(request.request_id)
+        decoding = request.status == RequestStatus.RUNNING and request.num_computed_tokens == request.num_tokens - 1
+        if not draft or not decoding:
+            continue
+        room = draft_room(request.sampling_params, request.num_output_tokens, request.num_tokens, k, max_model_len)
+        if room > 0:
+            drafts[request.request_id] = draft[:room]
+    return drafts
 
 
 def ngram_draft(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -87,12 +115,8 @@ class NgramProposer:
         for request in requests:
             if request.status != RequestStatus.RUNNING or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # mid-prefill, or preempted
-            params = request.sampling_params
-            if request.num_output_tokens < params.min_tokens or not drafts_allowed(params):
-                continue
-            # No point drafting past the request's end: max_tokens, or the context length.
-            room = min(self.k, params.max_tokens - request.num_output_tokens - 1,
-                       self.max_model_len - request.num_tokens)
+            room = draft_room(request.sampling_params, request.num_output_tokens, request.num_tokens, self.k,
+                              self.max_model_len)
             if room <= 0:
                 continue
             draft = ngram_draft(self._tokens(request, arrays), self.min_n, self.max_n, room)

@@ -60,7 +60,16 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "max_logprobs": config.max_logprobs,
         "tokenizer": config.tokenizer,
         "logits_processors": config.logits_processors,
+        "draft_model": draft_model_dir(config),
     }
+
+
+def draft_model_dir(config: EngineConfig) -> str | None:
+    """Speculative decoding's draft model directory (method draft_model; a GGUF converted once), or None."""
+    spec = config.speculative_config
+    if spec is None or not spec.uses_draft_model:
+        return None
+    return str(resolve_model(spec.model).model_dir)
 
 
 class _ExecutorBase(Executor):
@@ -77,6 +86,9 @@ class _ExecutorBase(Executor):
                              f"({self.model_config.raw['architectures'][0]}: embeddings or classes only); serve it "
                              "with --runner pooling or auto")
         embeds_only = self.model_config.embedding_only or config.runner == "pooling"
+        if embeds_only and draft_model_dir(config) is not None:
+            raise ValueError(f"engine {config.engine_index}: a pooling model generates nothing, so it takes no "
+                             "draft model (--speculative-config)")
         if embeds_only and config.logits_processors:
             raise ValueError(f"engine {config.engine_index}: a pooling model samples nothing, so it takes no custom "
                              "logits processors (--logits-processors)")

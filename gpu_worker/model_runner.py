@@ -27,6 +27,7 @@ from gpu_worker.attn_metadata import AttentionMetadata, build_attention_metadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.distributed import get_tp_rank
+from gpu_worker.draft_model import DraftModel, PassInputs
 from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache
 from gpu_worker.layers.rotary import longrope_rows
@@ -98,6 +99,10 @@ class ModelRunner:
         self.sampler = Sampler()
         # Custom logits processors (--logits-processors); None: the engine runs none.
         self.logits_processors = logits_processors
+        # Speculative decoding's draft model (method draft_model; set by load_draft_model), and the
+        # last pass's inputs, which it repeats.
+        self.drafter: DraftModel | None = None
+        self._pass_inputs: PassInputs | None = None
         # LoRA (None: off): the projections are wrapped once the weights are loaded.
         self.max_lora_rank = max_lora_rank
         # Adapters on the device at once (None: all that are loaded); the rest wait in host memory.
@@ -139,6 +144,22 @@ class ModelRunner:
         if self.max_lora_rank is not None:
             self.lora = LoRAManager(model, self.max_lora_rank, self.device, self.dtype, self.max_resident_loras,
                                     self.max_cpu_loras)
+
+    def load_draft_model(self, config: ModelConfig, weights: WeightSource, num_speculative_tokens: int) -> None:
+        """Speculative decoding's draft model (gpu_worker/draft_model.py), on this runner's device,
+        dtype and KV cache dtype; ValueError when it cannot propose for this model."""
+        if self.model is None:
+            raise RuntimeError("load_model() must come before load_draft_model()")
+        if config.max_context_len < self.max_model_len:
+            raise ValueError(f"the draft model's context ({config.max_context_len} tokens) is shorter than "
+                             f"max_model_len ({self.max_model_len}): lower --max-model-len or choose another draft")
+        runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.max_num_seqs,
+                             self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype)
+        drafter = DraftModel(runner, num_speculative_tokens, self.max_model_len)
+        drafter.check_pairs_with(self, loaded=False)
+        runner.load_model(weights)
+        drafter.check_pairs_with(self, loaded=True)
+        self.drafter = drafter
 
     def _loaded_model(self, weights: WeightSource) -> nn.Module:
         """A new model with the checkpoint's weights, in eval mode."""
@@ -223,6 +244,8 @@ class ModelRunner:
             layer.kv_cache = cache
         self.block_size = block_size
         self.num_blocks = num_blocks
+        if self.drafter is not None:  # (on the same block ids)
+            self.drafter.initialize_kv_cache(num_blocks, block_size)
         # Decodes read the paged cache in place where the CPU kernel applies (an fp32 model on the CPU,
         # with an fp32 or fp8 cache); elsewhere (CUDA, bf16) they gather their blocks and use SDPA.
         self.decode_in_place = (self.device.type == "cpu" and self.dtype == torch.float32
@@ -356,9 +379,16 @@ class ModelRunner:
                     # Remembered so penalties see it before the scheduler resends it.
                     state.token_ids.append(tok)
                 logprobs = self._logprobs_entries(out, sample_rows, sample_states, len(order))
+        draft_token_ids = None
+        if self.drafter is not None and self._pass_inputs is not None:
+            self.drafter.mirror(self._pass_inputs)
+            self._pass_inputs = None
+            if sample_rows:
+                draft_token_ids = self.drafter.proposals([states[i] for i in sample_rows],
+                                                         self.requests.block_table) or None
         return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
                                  sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                 pooler_output=pooler_output)
+                                 pooler_output=pooler_output, draft_token_ids=draft_token_ids)
 
     def _logits_rows(self, last_rows: np.ndarray, sample_rows: list[int], num_drafts: np.ndarray | None
                      ) -> torch.Tensor:
@@ -634,12 +664,15 @@ class ModelRunner:
         for s, end in zip(states, ends.tolist(), strict=True):
             s.num_computed_tokens = end
 
+        input_ids_t = torch.from_numpy(input_ids).to(self.device)
+        if self.drafter is not None:  # (the draft model repeats this pass)
+            self._pass_inputs = PassInputs(input_ids_t, torch.from_numpy(positions).to(self.device), block_table,
+                                           num_blocks, query_start_loc, starts, num_decodes, slot_mapping)
         if self.rope_short_offset is not None:  # LongRoPE: short or long rotary rows, per token
             prompt_lens = np.fromiter((s.num_prompt_tokens for s in states), dtype=np.int64, count=num_reqs)
             positions = longrope_rows(positions, prompt_lens[req_index], self.rope_short_offset,
                                       self.rope_original_len)
-        hidden = self.model(torch.from_numpy(input_ids).to(self.device),
-                            torch.from_numpy(positions).to(self.device), meta)
+        hidden = self.model(input_ids_t, torch.from_numpy(positions).to(self.device), meta)
         return hidden, sample_rows, query_start_loc[1:] - 1
 
     def _forward_encoder(self, states: list[RequestState], num_sched: np.ndarray

@@ -61,7 +61,8 @@ class Worker:
                  max_cpu_loras: int | None = None, enable_expert_parallel: bool = False,
                  embedding_only: bool = False, hf_overrides: dict[str, Any] | None = None,
                  pooler_dense: tuple[DenseProjection, ...] = (), max_logprobs: int = 20,
-                 tokenizer: str | None = None, logits_processors: tuple[LogitsProcessorSpec, ...] = ()) -> None:
+                 tokenizer: str | None = None, logits_processors: tuple[LogitsProcessorSpec, ...] = (),
+                 draft_model: str | Path | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -98,6 +99,13 @@ class Worker:
         self.max_logprobs = max_logprobs
         # Custom logits processors (classes or qualified names), beside those of installed entry points.
         self.logits_processors = tuple(logits_processors)
+        # Speculative decoding's draft model (method draft_model): its directory and config; it
+        # proposes num_spec_tokens tokens a pass.
+        self.draft_model_dir = None if draft_model is None else Path(draft_model)
+        self.draft_config = (None if self.draft_model_dir is None
+                             else ModelConfig.from_pretrained(self.draft_model_dir, None, tokenizer))
+        if self.draft_config is not None and not num_spec_tokens:
+            raise ValueError("a draft model needs num_spec_tokens >= 1")
         self.runner: ModelRunner | None = None
         self.block_size: int | None = None
         if num_cpus is not None:
@@ -123,6 +131,8 @@ class Worker:
                                   max_logprobs=self.max_logprobs,
                                   logits_processors=self._logits_processor_batch())
         self.runner.load_model(self._weight_source())
+        if self.draft_config is not None:
+            self.runner.load_draft_model(self.draft_config, self.draft_model_dir, self.num_spec_tokens)
         if self.pooler_dense:
             if self.model_dir is None:
                 raise ValueError("Dense projections are read from a model directory; this worker has none")
@@ -149,7 +159,11 @@ class Worker:
         return self.runner
 
     def bytes_per_block(self, block_size: int) -> int:
-        return model_bytes_per_block(self.model_config, block_size, self.world_size, self.kv_cache_dtype)
+        """A block's bytes on this rank: the model's KV cache, and the draft model's beside it."""
+        per_block = model_bytes_per_block(self.model_config, block_size, self.world_size, self.kv_cache_dtype)
+        if self.draft_config is not None:
+            per_block += model_bytes_per_block(self.draft_config, block_size, self.world_size, self.kv_cache_dtype)
+        return per_block
 
     def determine_num_blocks(self, block_size: int, num_blocks: int | None = None,
                              kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9) -> int:

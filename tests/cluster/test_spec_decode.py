@@ -117,3 +117,117 @@ def test_a_sample_ends_at_a_stop_string_that_completes_inside_a_multi_token_outp
     assert pending.apply(EngineCoreOutput("r", ids[:comma + 3], None, None, lp), 0.0)
     assert pending.token_ids == ids[:comma] and pending.stop_reason == ","
     assert pending.logprob_entries[0][0] == ids[:comma]
+
+
+# A draft model (vLLM's draft_model method): the target itself, or another tiny model of the same vocabulary.
+def _draft(model_dir, k=3):
+    return {"model": str(model_dir), "num_speculative_tokens": k}
+
+
+def test_a_draft_model_that_is_the_target_has_every_draft_accepted_through_preemption_and_the_prefix_cache(
+        tiny_model_dir):
+    """The draft's cache mirrors the target's, whatever the scheduler does: with the target as its own
+    draft, every proposed token is accepted, through chunked prefill, preemption (recomputed prompts)
+    and prefix-cache hits (blocks another request computed), and the answers are transformers'."""
+    max_tokens = 24
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=10, max_num_batched_tokens=16, max_num_seqs=8,
+              max_model_len=128, speculative_config=_draft(tiny_model_dir))
+    try:
+        first = llm.generate(PROMPTS, params, use_tqdm=False)
+        stats = llm.get_stats()[0]
+        llm.generate(PROMPTS[3:4], params, use_tqdm=False)
+        again = llm.generate(PROMPTS[3:4], params, use_tqdm=False)  # (its prompt's full blocks are cached)
+        stats_again = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    expected = hf_greedy(tiny_model_dir, PROMPTS, max_tokens)
+    assert [o.outputs[0].token_ids for o in first] == expected
+    assert [o.outputs[0].token_ids for o in again] == expected[3:4]
+    assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert sum(o.num_cached_tokens for o in again) > 0
+    assert stats_again.spec_decode_num_accepted_tokens == stats_again.spec_decode_num_draft_tokens
+    assert stats_again.num_free_blocks == stats_again.num_blocks
+
+
+def test_another_draft_model_changes_no_answer(tiny_model_dir, tmp_path):
+    """A draft that often guesses wrong (another random model): the answers are still the target's
+    own, greedy and with the other sampling features, and some drafts are accepted."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    # The target with its last MLP weakened: it agrees with the target on some tokens only.
+    draft = shutil.copytree(tiny_model_dir, tmp_path / "draft")
+    tensors = load_file(draft / "model.safetensors")
+    for name in tensors:
+        if name.startswith("model.layers.1.mlp."):
+            tensors[name] *= 0.5
+    save_file(tensors, draft / "model.safetensors", metadata={"format": "pt"})
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[40, 41, 42, 43]),
+              SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.0, min_tokens=10, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.0, allowed_token_ids=list(range(30, 60)), ignore_eos=True)]
+    plain, _ = run(tiny_model_dir, PROMPTS[:6], params, num_gpu_blocks=64)
+    drafted, stats = run(tiny_model_dir, PROMPTS[:6], params, num_gpu_blocks=64,
+                         speculative_config=_draft(draft, k=4))
+    for a, b in zip(plain, drafted, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.token_ids, y.finish_reason) == (x.token_ids, x.finish_reason)
+        if x.logprobs is not None:
+            assert [list(p) for p in y.logprobs] == [list(p) for p in x.logprobs]
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    random_answers, _ = run(tiny_model_dir, PROMPTS, SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True),
+                            num_gpu_blocks=64, speculative_config=_draft(draft))
+    assert all(len(o.outputs[0].token_ids) == 12 for o in random_answers)
+
+
+def test_a_draft_model_on_two_tensor_parallel_ranks(ray_cluster, tiny_model_dir):
+    """The draft shards over the target's two workers; the sampling rank shares each new token with
+    the other, so both run the same draft passes."""
+    max_tokens = 16
+    llm = LLM(model=str(tiny_model_dir), tensor_parallel_size=2, num_gpu_blocks=64, max_num_batched_tokens=16,
+              max_model_len=128, speculative_config=_draft(tiny_model_dir))
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(tiny_model_dir, PROMPTS, max_tokens)
+    assert 0 < stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
+def test_a_draft_model_must_suit_the_target(tiny_model_dir, tmp_path):
+    from engine_core.config import EngineConfig, SpeculativeConfig
+    from tests.tiny_model import build_tiny_llama
+
+    assert SpeculativeConfig.from_dict({"model": "d", "num_speculative_tokens": 2}).method == "draft_model"
+    with pytest.raises(ValueError, match=r"speculative_config\.model"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative_config\.model"):
+        SpeculativeConfig.from_dict({"method": "ngram", "model": "d", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative_config\.method"):
+        SpeculativeConfig.from_dict({"method": "eagle", "model": "d", "num_speculative_tokens": 2})
+    spec = SpeculativeConfig.from_dict({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
+        EngineConfig(model="m", tensor_parallel_size=2, speculative_config=spec)
+    with pytest.raises(ValueError, match="enable_sleep_mode"):
+        EngineConfig(model="m", enable_sleep_mode=True, speculative_config=spec)
+    short = build_tiny_llama(tmp_path / "short", max_positions=64)
+    with pytest.raises(ValueError, match="the draft model's context"):
+        LLM(model=str(tiny_model_dir), num_gpu_blocks=16, max_model_len=128, speculative_config=_draft(short))
+    import json
+    import shutil
+
+    wider = shutil.copytree(tiny_model_dir, tmp_path / "wider")
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+    with pytest.raises(ValueError, match="the draft model's vocabulary"):
+        LLM(model=str(tiny_model_dir), num_gpu_blocks=16, max_model_len=128, speculative_config=_draft(wider))
+    with pytest.raises(ValueError, match="takes no draft model"):
+        LLM(model=str(tiny_model_dir), num_gpu_blocks=16, runner="pooling", speculative_config=_draft(tiny_model_dir))
