@@ -327,8 +327,9 @@ class LLM:
                                                             or executor_backend == "ray")
         self._ids = itertools.count()
         # The custom logits processors' classes, whose validate_params a request meets before it is
-        # queued (loaded at the first request).
-        self._logits_processor_classes: tuple[type[LogitsProcessor], ...] | None = None
+        # queued (loaded here, so a name that does not load fails before any engine starts).
+        self._logits_processor_classes: tuple[type[LogitsProcessor], ...] = load_logits_processors(
+            self.engine_configs[0].logits_processors)
         self._engine: EngineCore | None = None
         self._handles: list[Any] = []
         if self.use_ray:
@@ -678,12 +679,8 @@ class LLM:
         info = self._model_info()  # (the engines refuse it too, but mid-batch)
         for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
             logprobs_count(kind, asked, info.vocab_size, info.max_logprobs)
-        if self._logits_processor_classes is None:
-            config = self.engine_configs[0]
-            self._logits_processor_classes = (load_logits_processors(config.logits_processors)
-                                              if info.pooling.generates and config.speculative_config is None
-                                              else ())
-        validate_request_params(self._logits_processor_classes, params)
+        if info.pooling.generates and self.engine_configs[0].speculative_config is None:
+            validate_request_params(self._logits_processor_classes, params)
         return params
 
     def _load_lora(self, lora: LoRARequest) -> None:

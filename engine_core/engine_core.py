@@ -93,9 +93,13 @@ class EngineCore:
         spec = config.speculative_config
         # The custom logits processors' classes, whose validate_params each request meets (the
         # workers load and run them; a pooling model or speculative decoding runs none).
-        self.logits_processor_classes: tuple[type[LogitsProcessor], ...] = (
-            load_logits_processors(config.logits_processors)
-            if self.model_info.pooling.generates and spec is None else ())
+        try:
+            self.logits_processor_classes: tuple[type[LogitsProcessor], ...] = (
+                load_logits_processors(config.logits_processors)
+                if self.model_info.pooling.generates and spec is None else ())
+        except Exception:
+            executor.shutdown()
+            raise
         if self.model_info.encoder_only and config.enable_prefix_caching:
             # (Cached keys of a prefix depend on the tokens after it: a hit would be wrong.)
             self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
@@ -254,7 +258,7 @@ class EngineCore:
         if self.logits_processor_classes and not params.embed:
             try:
                 validate_request_params(self.logits_processor_classes, params)
-            except ValueError as e:
+            except ValueError as e:  # (whatever the processor raised)
                 raise RequestRefusedError(str(e)) from None
         info = self.model_info
         try:

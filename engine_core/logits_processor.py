@@ -16,7 +16,8 @@ settings a processor may size itself by) instead of vLLM's ``VllmConfig``.
 The batch (gpu_worker.logits_processor_batch) holds the requests that sample in a step: one that
 is not sampled in a step (not scheduled, preempted, finished) leaves it, and joins again as added.
 Processors run on TP rank 0, which samples. They do not run for embedding requests, nor on
-engines that pool only or decode speculatively (refused at start, as in vLLM).
+engines that pool only or decode speculatively: processors named for those are refused at start,
+and those of entry points are left out, as in vLLM.
 
 This module holds the interface only (no torch: tensors are the worker's business).
 """
@@ -54,9 +55,10 @@ class MoveDirectionality(Enum):
 
 # A removed request's index.
 RemovedRequest = int
-# (index, params, prompt token ids, output token ids): the output ids are a live view that grows as
-# the request generates, so a processor may keep it and read the newest tokens at each step.
-AddedRequest = tuple[int, "SamplingParams", Sequence[int] | None, Sequence[int]]
+# (index, params, prompt token ids, output token ids): the output ids are a list the engine keeps up
+# to date (before each step's update_state it holds every token generated so far), so a processor
+# may keep it and read the newest tokens at each step, as vLLM's.
+AddedRequest = tuple[int, "SamplingParams", list[int] | None, list[int]]
 # (from index, to index, directionality).
 MovedRequest = tuple[int, int, MoveDirectionality]
 
@@ -195,8 +197,8 @@ def _import_class(name: str) -> Any:
         obj: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"logits processor {name!r} cannot be loaded: {e}") from e
+    except Exception as e:  # (a module may fail to import in any way)
+        raise ValueError(f"logits processor {name!r} cannot be loaded: {type(e).__name__}: {e}") from e
     return obj
 
 
@@ -231,6 +233,12 @@ def load_logits_processors(specs: Iterable[LogitsProcessorSpec], with_entry_poin
 
 
 def validate_request_params(classes: Sequence[type[LogitsProcessor]], params: SamplingParams) -> None:
-    """Each processor's ``validate_params`` on a request's parameters (its ValueError goes to the caller)."""
+    """Each processor's ``validate_params`` on a request's parameters: ValueError when one refuses
+    them (any exception it raises counts as a refusal, named by its type when it is not a ValueError)."""
     for cls in classes:
-        cls.validate_params(params)
+        try:
+            cls.validate_params(params)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"{cls.__qualname__}.validate_params: {type(e).__name__}: {e}") from e

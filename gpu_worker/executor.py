@@ -19,6 +19,7 @@ from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.executor import Executor, ModelInfo, PoolingInfo, engine_uses_gpu
 from engine_core.generation_defaults import model_sampling_defaults
+from engine_core.logits_processor import load_logits_processors
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
@@ -59,7 +60,9 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "hf_overrides": json.loads(config.hf_overrides) if config.hf_overrides else None,
         "max_logprobs": config.max_logprobs,
         "tokenizer": config.tokenizer,
-        "logits_processors": config.logits_processors,
+        # (Resolved once, here: every rank runs the same classes, whatever each node has installed.)
+        "logits_processors": load_logits_processors(config.logits_processors)
+        if config.speculative_config is None else (),
         "draft_model": draft_model_dir(config),
     }
 

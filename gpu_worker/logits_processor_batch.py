@@ -13,8 +13,7 @@ order); only the rank that samples holds processors.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import overload
+from collections.abc import Sequence
 
 import torch
 
@@ -27,44 +26,16 @@ from engine_core.logits_processor import (
 from gpu_worker.request_state import RequestState
 
 
-class OutputTokenIds(Sequence[int]):
-    """A live view of a request's generated token ids: it grows as the request samples."""
-
-    __slots__ = ("_state",)
-
-    def __init__(self, state: RequestState) -> None:
-        self._state = state
-
-    def __len__(self) -> int:
-        return len(self._state.token_ids) - self._state.num_prompt_tokens
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        start = self._state.num_prompt_tokens
-        if isinstance(index, slice):
-            return self._state.token_ids[start:][index]
-        n = len(self)
-        if index < 0:
-            index += n
-        if not 0 <= index < n:
-            raise IndexError("output token index out of range")
-        return self._state.token_ids[start + index]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._state.token_ids[self._state.num_prompt_tokens:])
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Sequence):
-            return list(self) == list(other)
-        return NotImplemented
-
-    def __repr__(self) -> str:
-        return f"OutputTokenIds({list(self)})"
+def sync_output_ids(state: RequestState, output_ids: list[int]) -> None:
+    """Bring a request's output id list (the one its processors hold) up to its tokens: the new
+    ones appended (a step samples one), rewritten whole when they differ otherwise."""
+    start = state.num_prompt_tokens
+    tokens = state.token_ids
+    known = len(output_ids)
+    if start + known <= len(tokens) and (not known or output_ids[-1] == tokens[start + known - 1]):
+        output_ids.extend(tokens[start + known:])
+    else:
+        output_ids[:] = tokens[start:]
 
 
 class LogitsProcessorBatch:
@@ -82,6 +53,8 @@ class LogitsProcessorBatch:
         self.non_argmax_invariant = [p for p in processors if not p.is_argmax_invariant()]
         # Index -> the request there (None: a gap, only within arrange()).
         self._slots: list[RequestState | None] = []
+        # Each request's output ids, as the processors were given them (a list kept up to date).
+        self._output_ids: dict[int, list[int]] = {}
 
     @property
     def batch_size(self) -> int:
@@ -96,9 +69,10 @@ class LogitsProcessorBatch:
         removed: list[int] = []
         for index, state in enumerate(slots):
             # (A request resumed after preemption, or a continued session, is a new state: it rejoins.)
-            if state is None or id(state) not in position:
+            if id(state) not in position:
                 slots[index] = None
                 removed.append(index)
+                del self._output_ids[id(state)]
         placed = {id(s) for s in slots if s is not None}
         added = []
         free = iter(removed)
@@ -113,8 +87,8 @@ class LogitsProcessorBatch:
             else:
                 slots[index] = state
                 refilled += 1
-            added.append((index, state.sampling_params, state.token_ids[:state.num_prompt_tokens],
-                          OutputTokenIds(state)))
+            output_ids = self._output_ids[id(state)] = []
+            added.append((index, state.sampling_params, state.token_ids[:state.num_prompt_tokens], output_ids))
         # (An index an added request took is not reported as removed: adding replaces what was there.)
         removed = removed[refilled:]
         moved = []
@@ -130,6 +104,8 @@ class LogitsProcessorBatch:
             moved.append((last, gap, MoveDirectionality.UNIDIRECTIONAL))
             while slots and slots[-1] is None:
                 slots.pop()
+        for state in slots:  # (the tokens sampled since: what the processors read this step)
+            sync_output_ids(state, self._output_ids[id(state)])  # type: ignore[arg-type]
         update = (BatchUpdate(batch_size=len(slots), removed=sorted(removed, reverse=True), added=added,
                               moved=moved) if removed or added or moved else None)
         for processor in self.processors:

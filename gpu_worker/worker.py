@@ -144,7 +144,8 @@ class Worker:
         Every rank keeps the batch's order; only rank 0, which samples, holds processors."""
         if self.model_config.embedding_only or self.num_spec_tokens:
             return None
-        classes = load_logits_processors(self.logits_processors)
+        # (Entry points were read by the engine, whose list every rank gets whole.)
+        classes = load_logits_processors(self.logits_processors, with_entry_points=False)
         if not classes:
             return None
         context = LogitsProcessorContext(

@@ -1213,3 +1213,43 @@ def test_a_pooling_model_takes_no_custom_logits_processors(tiny_model_dir):
     with pytest.raises(ValueError, match="a pooling model samples nothing"):
         LLM(model=str(tiny_model_dir), num_gpu_blocks=16, runner="pooling",
             logits_processors=["tests.logits_processors:TargetTokenProcessor"])
+
+
+def test_loaded_processors_change_no_other_request_while_the_batch_is_reordered(tiny_model_dir):
+    """With processors loaded, every step's rows are in the batch's index order, not the runner's:
+    requests that do not turn a processor on (logprobs, a grammar, penalties, stop ids, sampling with
+    a seed, different lengths, so the batch changes as they end) get exactly what they get without."""
+    from gpu_worker.logits_processor_batch import LogitsProcessorBatch
+
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(3)] + [
+        SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, structured_output={"regex": "[a-z ]{5,15}"}),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=5, logprobs=1, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[40, 41, 42, 43], logprobs=0),
+    ]
+    reorders = []
+    arrange = LogitsProcessorBatch.arrange
+
+    def counting(self, states):
+        order = arrange(self, states)
+        reorders.append(order != list(range(len(order))))
+        return order
+
+    answers = []
+    for processors in ([], ["tests.logits_processors:TargetTokenProcessor"]):
+        llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_num_seqs=8, logits_processors=processors)
+        try:
+            LogitsProcessorBatch.arrange = counting
+            answers.append(llm.generate(PROMPTS, params, use_tqdm=False))
+        finally:
+            LogitsProcessorBatch.arrange = arrange
+            llm.shutdown()
+    assert any(reorders), "the batch was meant to be reordered"
+    for a, b in zip(*answers, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.token_ids, y.finish_reason, y.text) == (x.token_ids, x.finish_reason, x.text)
+        assert (y.logprobs is None) == (x.logprobs is None)
+        for px, py in zip(x.logprobs or [], y.logprobs or [], strict=True):
+            assert list(px) == list(py)
+            assert [p.logprob for p in py.values()] == pytest.approx([p.logprob for p in px.values()], abs=1e-5)

@@ -15,7 +15,7 @@ from engine_core.logits_processor import (
     process_dict_updates,
 )
 from engine_core.sampling_params import SamplingParams
-from gpu_worker.logits_processor_batch import LogitsProcessorBatch, OutputTokenIds
+from gpu_worker.logits_processor_batch import LogitsProcessorBatch, sync_output_ids
 from gpu_worker.request_state import RequestState
 from gpu_worker.sampler import Sampler, SamplingMetadata
 from tests.logits_processors import OnlyTheBestProcessor, TargetTokenProcessor
@@ -115,10 +115,11 @@ def test_random_comings_and_goings_keep_every_processors_view_of_the_batch_true(
             assert recorder.tags == truth
             update = recorder.updates[-1]
             assert update is None or update.batch_size == len(live)
-        # The output views follow their requests: a token sampled now shows at the request's index.
+        # The output lists follow their requests: at each step they hold every token sampled so far.
         for i, s in enumerate(at_index):
+            outputs = batch.processors[0].outputs[i]
+            assert type(outputs) is list and outputs == s.token_ids[s.num_prompt_tokens:]
             s.token_ids.append(step)
-            assert batch.processors[0].outputs[i][-1] == step
 
 
 def test_a_request_keeps_its_index_and_newcomers_fill_the_gaps_lowest_first():
@@ -150,16 +151,23 @@ def test_only_the_sampling_rank_holds_processors_but_every_rank_orders_alike():
         assert rank0.arrange(states) == rank1.arrange(states)
 
 
-def test_the_output_view_reads_the_requests_tokens_as_they_grow():
+def test_the_output_list_follows_the_requests_tokens():
     state = _state("x", [7, 8, 9])
-    view = OutputTokenIds(state)
-    assert len(view) == 0 and list(view) == [] and view == []
-    with pytest.raises(IndexError):
-        view[-1]
-    state.token_ids += [4, 5, 6]
-    assert len(view) == 3 and view[0] == 4 and view[-1] == 6 and view[1:] == [5, 6] and view == [4, 5, 6]
-    with pytest.raises(IndexError):
-        view[3]
+    outputs: list[int] = []
+    sync_output_ids(state, outputs)
+    assert outputs == []
+    state.token_ids += [4, 5]
+    sync_output_ids(state, outputs)
+    state.token_ids.append(6)
+    sync_output_ids(state, outputs)
+    assert outputs == [4, 5, 6]
+    # The scheduler's tokens are authoritative: a rewritten tail is copied again.
+    state.token_ids[-1] = 1
+    sync_output_ids(state, outputs)
+    assert outputs == [4, 5, 1]
+    del state.token_ids[-2:]
+    sync_output_ids(state, outputs)
+    assert outputs == [4]
 
 
 def _metadata(temperatures: list[float], batch: LogitsProcessorBatch) -> SamplingMetadata:

@@ -225,14 +225,27 @@ def test_a_custom_logits_processor_through_the_openai_client(client):
     """--logits-processors on real engines: vllm_xargs turn the processor on for one request (even a
     random one, streamed or not), its validate_params refuses bad arguments with a 400, and other
     requests in the same batches are left alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
     target = 42
-    plain = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0,
-                                      extra_body={"return_token_ids": True, "ignore_eos": True})
-    steered = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0.8, n=2,
-                                        extra_body={"return_token_ids": True, "ignore_eos": True,
-                                                    "vllm_xargs": {"target_token": target}})
-    assert [c.token_ids for c in steered.choices] == [[target] * 6] * 2
+
+    def plain_answer(_=None):
+        return client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+
+    def steered_answer(n=1):
+        return client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0.8, n=n,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                     "vllm_xargs": {"target_token": target}})
+
+    plain = plain_answer()
     assert plain.choices[0].token_ids != [target] * 6
+    assert [c.token_ids for c in steered_answer(2).choices] == [[target] * 6] * 2
+    # Steered and plain requests at once, so they share the engines' batches (four: engine 1's queue is short).
+    with ThreadPoolExecutor(4) as pool:
+        mixed = list(pool.map(lambda i: (plain_answer if i % 2 else steered_answer)(), range(4)))
+    for i, answer in enumerate(mixed):
+        assert answer.choices[0].token_ids == (plain.choices[0].token_ids if i % 2 else [target] * 6)
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                             stream=True, extra_body={"return_token_ids": True, "ignore_eos": True,
                                                                      "vllm_xargs": {"target_token": target}})
