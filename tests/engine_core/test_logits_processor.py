@@ -120,3 +120,18 @@ def test_an_engine_refuses_processors_it_could_not_honour():
                      speculative_config=SpeculativeConfig(num_speculative_tokens=2))
     with pytest.raises(ValueError, match="logits_processors must be classes or qualified class names"):
         EngineConfig(model="m", logits_processors=(3,))
+
+
+def test_any_failure_to_import_or_to_validate_is_reported_as_a_refusal(tmp_path, monkeypatch):
+    (tmp_path / "broken_processors.py").write_text("raise RuntimeError('no GPU library here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="cannot be loaded: RuntimeError: no GPU library here"):
+        load_logits_processors(["broken_processors:Anything"], with_entry_points=False)
+
+    class Sloppy(TargetTokenProcessor):
+        @classmethod
+        def validate_params(cls, sampling_params):
+            return sampling_params.extra_args["needed"]  # (a KeyError when it is missing)
+
+    with pytest.raises(ValueError, match=r"Sloppy\.validate_params: KeyError"):
+        validate_request_params((Sloppy,), SamplingParams(extra_args={}))
