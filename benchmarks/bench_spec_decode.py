@@ -1,19 +1,26 @@
-"""Speculative decoding (n-gram drafts) vs plain decoding on SmolLM2-135M-Instruct, in one run.
+"""Speculative decoding (n-gram drafts, a draft model) vs plain decoding on SmolLM2-135M-Instruct, in one run.
 
-The same greedy requests go through LLM.generate three ways: plain, ngram with 3 draft tokens and
-ngram with 5. Two workloads, since n-gram drafting only pays when the answer repeats its context:
+The same greedy requests go through LLM.generate several ways: plain, ngram with 3 draft tokens and
+ngram with 5, and with ``--draft-layers N`` a draft model: SmolLM2's own first N layers with its
+final norm and head (a layer-skip draft; SmolLM2-135M is the smallest model shipped here, so no
+smaller relative exists). Two workloads, since n-gram drafting only pays when the answer repeats its context:
   edit    "rewrite this passage with one change": the answer copies long spans of the prompt
   essay   open-ended essays: little to copy
 For each: output tokens/s, the ratio to plain, engine passes, the draft acceptance rate and mean
 tokens per verified draft; the greedy answers must be identical in all three (checked).
 Usage: python benchmarks/bench_spec_decode.py [--num-prompts 8] [--max-tokens 96] [--max-num-seqs 8]
+       [--draft-layers 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 from cluster import LLM, SamplingParams
 
@@ -47,6 +54,24 @@ def make_prompts(tokenizer, kind: str, n: int) -> list[list[int]]:
     return prompts
 
 
+def layer_skip_draft(model_dir: Path, num_layers: int, out_dir: Path) -> Path:
+    """A draft model made of ``model_dir``'s first ``num_layers`` layers, its final norm and its head."""
+    from safetensors.torch import load_file, save_file
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, out_dir / name)
+    config = json.loads((model_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}))
+    kept = {}
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
+            continue
+        kept[name] = tensor
+    save_file(kept, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
 def measure(prompts, max_tokens: int, max_num_seqs: int, spec: dict | None):
     llm = LLM(max_num_seqs=max_num_seqs, speculative_config=spec)
     try:
@@ -73,17 +98,24 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-num-seqs", type=int, default=8, help="Batch size cap (1: one request at a time).")
+    parser.add_argument("--draft-layers", type=int, default=0,
+                        help="Also a draft model of SmolLM2's first N of its 30 layers (0: none).")
     args = parser.parse_args()
     from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
-    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct").model_dir)
+    model_dir = Path(resolve_model("SmolLM2-135M-Instruct").model_dir)
+    tokenizer = load_tokenizer(model_dir)
     configs = [("plain", None),
                ("ngram k=3", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
                               "prompt_lookup_max": 4}),
                ("ngram k=5", {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
                               "prompt_lookup_max": 4})]
+    scratch = tempfile.TemporaryDirectory()
+    if args.draft_layers:
+        draft = layer_skip_draft(model_dir, args.draft_layers, Path(scratch.name))
+        configs.append((f"draft L{args.draft_layers} k=3", {"model": str(draft), "num_speculative_tokens": 3}))
     print(f"{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, max_num_seqs={args.max_num_seqs}")
-    print(f"{'workload':8} {'mode':10} {'tok/s':>8} {'vs plain':>9} {'passes':>7} {'accepted':>9} {'tok/draft':>10}")
+    print(f"{'workload':8} {'mode':14} {'tok/s':>8} {'vs plain':>9} {'passes':>7} {'accepted':>9} {'tok/draft':>10}")
     for kind in ("edit", "essay"):
         prompts = make_prompts(tokenizer, kind, args.num_prompts)
         base = None
@@ -92,7 +124,7 @@ def main() -> None:
             if base is None:
                 base = r
             same = r["answers"] == base["answers"]
-            print(f"{kind:8} {name:10} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x {r['steps']:7d} "
+            print(f"{kind:8} {name:14} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x {r['steps']:7d} "
                   f"{r['acceptance']:8.0%} {r['mean_len']:10.2f}" + ("" if same else "  ANSWERS DIFFER"))
 
 
