@@ -52,26 +52,44 @@ class PassInputs:
 
 
 class DraftModel:
-    def __init__(self, runner: ModelRunner, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         # The draft's own runner: its model, its KV cache and its attention metadata (never its requests).
         self.runner = runner
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
+        # A request whose new token ends it gets no draft (the engine would drop it).
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # A draft vocabulary smaller than the target's (the target's padded for its shards, say):
+        # target tokens beyond it reach the draft as token 0, and its drafts are then rejected.
+        self.vocab_size = self.target_vocab_size = runner.config.vocab_size
 
     def check_pairs_with(self, target: ModelRunner, loaded: bool) -> None:
-        """ValueError unless the draft can propose for ``target``: a decoder with the same vocabulary
-        (checked before its weights load) and plain rotary positions (after)."""
+        """ValueError unless the draft can propose for ``target``: a decoder whose vocabulary is the
+        target's or its beginning (checked before its weights load), with plain rotary positions,
+        attending no further back than a windowed target keeps blocks (after)."""
         draft, config = self.runner, self.runner.config
         if not loaded:
             name = config.architecture
             if config.encoder_only or config.embedding_only:
                 raise ValueError(f"the draft model ({name}) must be a decoder with an LM head")
-            if config.vocab_size != target.config.vocab_size:
-                raise ValueError(f"the draft model's vocabulary ({config.vocab_size} tokens) must be the target's "
-                                 f"({target.config.vocab_size}): its token ids are the target's")
-        elif draft.rope_short_offset is not None or target.rope_short_offset is not None:
+            self.target_vocab_size = target.config.vocab_size
+            if config.vocab_size > target.config.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({config.vocab_size} tokens) is larger than the "
+                                 f"target's ({target.config.vocab_size}): its token ids must be the target's")
+            return
+        if draft.rope_short_offset is not None or target.rope_short_offset is not None:
             raise ValueError("a draft model is not paired with LongRoPE models (their positions are remapped "
                              "per request)")
+        # A target whose every layer is windowed releases the blocks behind the window (the engine's
+        # cache config): the draft must not read them.
+        window = target.config.uniform_sliding_window
+        draft_windows = {layer.sliding_window for layer in draft.model.attention_layers()}
+        if window is not None and any(w is None or w > window for w in draft_windows):
+            widths = ", ".join(sorted(map(str, draft_windows)))
+            raise ValueError(f"the target attends through a sliding window of {window} tokens and frees the blocks "
+                             f"behind it; the draft model attends further back (windows {widths}): choose a draft "
+                             "whose layers are windowed no wider")
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner.initialize_kv_cache(num_blocks, block_size)
@@ -82,7 +100,12 @@ class DraftModel:
         meta = runner.attention_metadata(inputs.block_table, inputs.num_blocks, inputs.query_start_loc,
                                          inputs.starts, inputs.num_decodes, inputs.slot_mapping, runner.block_size,
                                          runner.decode_in_place)
-        runner.model(inputs.input_ids, inputs.positions, meta)
+        runner.model(self._in_vocab(inputs.input_ids), inputs.positions, meta)
+
+    def _in_vocab(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_size >= self.target_vocab_size:
+            return token_ids
+        return torch.where(token_ids < self.vocab_size, token_ids, 0)
 
     def proposals(self, states: list[RequestState], block_table: BlockTable) -> dict[str, list[int]]:
         """The drafts of the requests that sampled this step (``states``, whose token lists end with
@@ -93,11 +116,15 @@ class DraftModel:
         info = torch.zeros((n, 3), dtype=torch.int64, device=device)
         if distributed.get_tp_rank() == 0:
             info = torch.tensor([[s.token_ids[-1], s.num_tokens - 1,
-                                  draft_room(s.sampling_params, s.num_output_tokens, s.num_tokens, self.k,
-                                             self.max_model_len)] for s in states], dtype=torch.int64, device=device)
+                                  0 if self._ends(s) else draft_room(s.sampling_params, s.num_output_tokens,
+                                                                     s.num_tokens, self.k, self.max_model_len)]
+                                 for s in states], dtype=torch.int64, device=device)
         if distributed.get_tp_world_size() > 1:
             info = distributed.all_reduce(info)
         tokens, positions, rooms = (info[:, 0], info[:, 1].cpu().numpy(), info[:, 2].cpu().numpy())
+        # No further than the slots the request holds (the scheduler's lookahead: the same on every rank).
+        slots = np.fromiter((s.num_blocks for s in states), dtype=np.int64, count=n) * self.runner.block_size
+        rooms = np.minimum(rooms, slots - positions)
         drafts: dict[str, list[int]] = {}
         active = np.flatnonzero(rooms > 0)
         for j in range(int(rooms.max()) if n else 0):
@@ -113,23 +140,24 @@ class DraftModel:
                 drafts.setdefault(state.req_id, []).append(token)
         return drafts
 
+    def _ends(self, state: RequestState) -> bool:
+        """Whether the request's newest token ends it (a stop id or, unless ignored, an EOS)."""
+        token, params = state.token_ids[-1], state.sampling_params
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+
     def _next_tokens(self, states: list[RequestState], tokens: torch.Tensor, positions: np.ndarray,
                      block_table: BlockTable) -> torch.Tensor:
         """One decode pass of the draft: each request's token at its position in, its greedy next token out."""
         runner = self.runner
         n = len(states)
         num_blocks = np.fromiter((s.num_blocks for s in states), dtype=np.int64, count=n)
-        if (positions >= num_blocks * runner.block_size).any():
-            i = int(np.argmax(positions >= num_blocks * runner.block_size))
-            raise ValueError(f"request {states[i].req_id!r} has {int(num_blocks[i])} blocks, none for its draft at "
-                             f"position {int(positions[i])} (the scheduler's lookahead slots are missing)")
         rows = np.fromiter((s.table_row for s in states), dtype=np.int64, count=n)
         table = block_table.gather(rows, int(num_blocks.max()))
         query_start_loc = np.arange(n + 1, dtype=np.int64)
         slots = compute_slot_mapping(table, np.arange(n), positions, runner.block_size)
         meta = runner.attention_metadata(table, num_blocks, query_start_loc, positions, n, slots, runner.block_size,
                                          runner.decode_in_place)
-        hidden = runner.model(tokens, torch.from_numpy(positions).to(runner.device), meta)
+        hidden = runner.model(self._in_vocab(tokens), torch.from_numpy(positions).to(runner.device), meta)
         logits = runner.model.compute_logits(hidden)  # (a collective: on TP rank 0 only)
         picked = (logits.argmax(dim=-1) if logits is not None
                   else torch.zeros(n, dtype=torch.int64, device=runner.device))

@@ -155,7 +155,7 @@ class ModelRunner:
                              f"max_model_len ({self.max_model_len}): lower --max-model-len or choose another draft")
         runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.max_num_seqs,
                              self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype)
-        drafter = DraftModel(runner, num_speculative_tokens, self.max_model_len)
+        drafter = DraftModel(runner, num_speculative_tokens, self.max_model_len, self.config.eos_token_ids)
         drafter.check_pairs_with(self, loaded=False)
         runner.load_model(weights)
         drafter.check_pairs_with(self, loaded=True)
@@ -302,6 +302,8 @@ class ModelRunner:
             for layer, cache in zip(layers, saved, strict=True):
                 layer.kv_cache = cache
             del caches
+        if self.drafter is not None:  # (the draft's passes come after the target's, on a cache of their own)
+            self.drafter.runner.profile_run(block_size)
 
     # ------------------------------------------------------------------ one step
 
@@ -381,6 +383,7 @@ class ModelRunner:
                 logprobs = self._logprobs_entries(out, sample_rows, sample_states, len(order))
         draft_token_ids = None
         if self.drafter is not None and self._pass_inputs is not None:
+            hidden = logits = rows = None  # (freed before the draft's passes: their peak adds to nothing)
             self.drafter.mirror(self._pass_inputs)
             self._pass_inputs = None
             if sample_rows:

@@ -42,8 +42,11 @@ RELEASED_BLOCK = KVCacheBlock(0)
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  log_stats: bool = True, sliding_window: int | None = None,
-                 long_rope_after: int | None = None, kv_cache_metrics_sample: float | None = None) -> None:
+                 long_rope_after: int | None = None, kv_cache_metrics_sample: float | None = None,
+                 max_model_len: int | None = None) -> None:
         self.block_size = block_size
+        # Lookahead slots (a draft model's) never reach past the longest context a request may have.
+        self.max_model_len = max_model_len
         # LongRoPE models: prompts longer than this use the long rotary factors (their own prefixes).
         self.long_rope_after = long_rope_after
         # The window every layer attends through (None: full attention, every block kept).
@@ -94,6 +97,12 @@ class KVCacheManager:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
         return (KVCacheBlocks(hits) if hits else self._empty), num_hit_tokens
 
+    def _with_lookahead(self, num_tokens: int, num_lookahead_tokens: int) -> int:
+        if not num_lookahead_tokens:
+            return num_tokens
+        total = num_tokens + num_lookahead_tokens
+        return total if self.max_model_len is None else max(num_tokens, min(total, self.max_model_len))
+
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlocks | None = None,
                        num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
@@ -109,7 +118,7 @@ class KVCacheManager:
         if new_computed_blocks is None and req_blocks is not None:
             # Fast path for a running request (every decode, every pass): usually no new block.
             num_tokens = request.num_computed_tokens + num_new_tokens
-            if -(-(num_tokens + num_lookahead_tokens) // self.block_size) <= len(req_blocks):
+            if -(-self._with_lookahead(num_tokens, num_lookahead_tokens) // self.block_size) <= len(req_blocks):
                 # Draft tokens (speculative decoding) get slots but never enter the cache: they may be rejected.
                 num_tokens = min(num_tokens, request.num_tokens)
                 if self.enable_caching and num_tokens // self.block_size > self.num_cached_block[req_id]:
@@ -118,7 +127,7 @@ class KVCacheManager:
         num_req_blocks = 0 if req_blocks is None else len(req_blocks)
         computed = new_computed_blocks.blocks if new_computed_blocks is not None else ()
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_with_slots = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        num_tokens_with_slots = self._with_lookahead(num_computed_tokens + num_new_tokens, num_lookahead_tokens)
         num_new_blocks = -(-num_tokens_with_slots // self.block_size) - num_req_blocks - len(computed)
         # Prefix-hit blocks already behind the window of the first token to compute are not taken.
         num_behind = 0

@@ -133,7 +133,7 @@ class Scheduler(SchedulerInterface):
             num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching, log_stats=log_stats,
             sliding_window=cache_config.sliding_window, long_rope_after=cache_config.long_rope_after,
-            kv_cache_metrics_sample=cache_config.kv_cache_metrics_sample)
+            kv_cache_metrics_sample=cache_config.kv_cache_metrics_sample, max_model_len=self.max_model_len)
 
         # Stats counters (deltas since make_stats) and last-pass figures.
         self._num_preemptions = 0
