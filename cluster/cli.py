@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-log-stats", action="store_true", default=None,
                        help="No engine metrics (vllm:* on /metrics) and no periodic stats line in the engines' log "
                             "(every VLLM_LOG_STATS_INTERVAL seconds, 10 by default), as vLLM's flag.")
+    serve.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                       help="KV offloading, as vLLM's flag: GiB of host memory (all TP ranks together) that keep "
+                            "prefix-cache blocks evicted from the KV cache; a prompt that needs them again has "
+                            "them copied back instead of recomputed. Needs the prefix cache.")
+    serve.add_argument("--kv-offloading-backend", choices=["native"], default=None,
+                       help="Where offloaded blocks go: native (host memory, the only backend built; vLLM also "
+                            "has lmcache).")
     serve.add_argument("--logits-processors", nargs="+", default=None, metavar="CLASS",
                        help="Custom logits processors, as vLLM's: qualified names of LogitsProcessor subclasses "
                             "(package.module:Class), importable wherever the engines run; requests pass them "
@@ -283,6 +290,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "generation_config": _local_dir_path(args.generation_config),
                 "override_generation_config": args.override_generation_config, "max_logprobs": args.max_logprobs,
                 "logits_processors": args.logits_processors, "disable_log_stats": args.disable_log_stats,
+                "kv_offloading_size": args.kv_offloading_size, "kv_offloading_backend": args.kv_offloading_backend,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
                 "kv_cache_metrics": args.kv_cache_metrics or None,
                 "enable_sleep_mode": args.enable_sleep_mode or None,

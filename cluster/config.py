@@ -79,6 +79,12 @@ class EngineSpec(BaseModel):
     max_logprobs: int | None = Field(
         None, ge=-1, description="The most logprobs (and prompt logprobs) a request may ask for per token "
                                  "(--max-logprobs, default 20; -1: the whole vocabulary).")
+    kv_offloading_size: float | None = Field(
+        None, gt=0, description="KV offloading (--kv-offloading-size, GiB for all TP ranks together): prefix-cache "
+                                "blocks evicted from the KV cache are kept in host memory and copied back when a "
+                                "prompt needs them (vLLM's native CPU backend).")
+    kv_offloading_backend: Literal["native"] | None = Field(
+        None, description="The offloading backend (--kv-offloading-backend): native (host memory), the only one built.")
     logits_processors: list[str] | None = Field(
         None, description="Custom logits processors (--logits-processors): qualified names of "
                           "engine_core.logits_processor.LogitsProcessor subclasses (package.module:Class), run at "
@@ -531,7 +537,8 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         executor_backend=s["executor_backend"], max_waiting_requests=s["max_waiting_requests"],
         engine_niceness=s["engine_niceness"], speculative_config=speculative, lora_config=lora_config,
         kv_cache_metrics_sample=s["kv_cache_metrics_sample"] if s["kv_cache_metrics"] else None,
-        enable_sleep_mode=s["enable_sleep_mode"], logits_processors=tuple(s["logits_processors"] or ()))
+        enable_sleep_mode=s["enable_sleep_mode"], logits_processors=tuple(s["logits_processors"] or ()),
+        kv_offloading_size=s["kv_offloading_size"])
 
 
 def load_engine_overrides(path: str) -> list[EngineSpec]:

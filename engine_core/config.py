@@ -136,9 +136,13 @@ class CacheConfig:
     long_rope_after: int | None = None
     # vLLM's --kv-cache-metrics: the share of blocks followed for residency metrics (None: off).
     kv_cache_metrics_sample: float | None = None
+    # KV offloading: the host-memory tier's size in blocks (0: off; engine_core/core/kv_offload.py).
+    num_offload_blocks: int = 0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1", self.block_size)
+        _require(isinstance(self.num_offload_blocks, int) and self.num_offload_blocks >= 0, "num_offload_blocks",
+                 ">= 0", self.num_offload_blocks)
         _require(isinstance(self.num_blocks, int) and self.num_blocks >= 1, "num_blocks", ">= 1", self.num_blocks)
         _require(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
                  "sliding_window", ">= 1", self.sliding_window)
@@ -322,6 +326,10 @@ class EngineConfig:
     # vLLM's --enable-sleep-mode: the engine may release its KV cache and weights (sleep) and
     # restore them (wake_up), e.g. while an RL trainer uses the memory.
     enable_sleep_mode: bool = False
+    # vLLM's --kv-offloading-size (GiB, all TP ranks together) with its native CPU backend: evicted
+    # prefix-cache blocks are kept in host memory and copied back on a prefix hit
+    # (engine_core/core/kv_offload.py); None: off. Needs the prefix cache.
+    kv_offloading_size: float | None = None
     # vLLM's --logits-processors: custom logits processor classes, or their qualified names
     # ("package.module:Class"), run at every step (engine_core.logits_processor); those that
     # installed packages offer under the llm_cluster.logits_processors entry points run too.
@@ -363,6 +371,12 @@ class EngineConfig:
                      "tokenizer", "None or a tokenizer directory", self.tokenizer)
             _require(all(isinstance(p, str | type) for p in self.logits_processors), "logits_processors",
                      "classes or qualified class names", self.logits_processors)
+            _require(self.kv_offloading_size is None
+                     or (isinstance(self.kv_offloading_size, int | float) and self.kv_offloading_size > 0),
+                     "kv_offloading_size", "None or > 0 (GiB)", self.kv_offloading_size)
+            _require(self.kv_offloading_size is None or self.enable_prefix_caching, "kv_offloading_size",
+                     "unset without the prefix cache (the host tier keeps prefix-cache blocks)",
+                     self.kv_offloading_size)
             spec = self.speculative_config
             if spec is not None and spec.uses_draft_model:
                 _require(spec.draft_tensor_parallel_size in (None, self.tensor_parallel_size),
@@ -395,10 +409,11 @@ class EngineConfig:
             raise ValueError(where + str(e)) from None
 
     def cache_config(self, num_blocks: int, sliding_window: int | None = None,
-                     long_rope_after: int | None = None) -> CacheConfig:
+                     long_rope_after: int | None = None, num_offload_blocks: int = 0) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                            enable_prefix_caching=self.enable_prefix_caching, sliding_window=sliding_window,
-                           long_rope_after=long_rope_after, kv_cache_metrics_sample=self.kv_cache_metrics_sample)
+                           long_rope_after=long_rope_after, kv_cache_metrics_sample=self.kv_cache_metrics_sample,
+                           num_offload_blocks=num_offload_blocks)
 
     @property
     def engine_name(self) -> str:

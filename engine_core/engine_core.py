@@ -52,8 +52,15 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.model_info: ModelInfo = executor.model_info()
+        if config.kv_offloading_size is not None and (self.model_info.sliding_window is not None
+                                                      or self.model_info.encoder_only):
+            executor.shutdown()
+            kind = "an encoder has none of" if self.model_info.encoder_only else "a sliding-window model releases"
+            raise ValueError(f"engine {config.engine_index}: --kv-offloading-size keeps prefix-cache blocks, which "
+                             f"{kind}: drop it for this model")
         num_blocks = executor.determine_num_blocks()
-        executor.initialize_cache(num_blocks)
+        # (The host-memory tier of KV offloading, in blocks: 0 when off.)
+        self.num_offload_blocks = executor.initialize_cache(num_blocks) or 0
         self.num_blocks = num_blocks
         # (The executor may have derived it already, to size its workers' passes alike.)
         sched_cfg = executor.scheduler_config() or config.scheduler
@@ -107,7 +114,8 @@ class EngineCore:
             # (The residency histograms follow the prefix cache's blocks, as vLLM's: none without it.)
             logger.info("engine %d: --kv-cache-metrics has no effect without prefix caching", config.engine_index)
             self.config = config = dataclasses.replace(config, kv_cache_metrics_sample=None)
-        cache_cfg = config.cache_config(num_blocks, self.model_info.sliding_window, self.model_info.long_rope_after)
+        cache_cfg = config.cache_config(num_blocks, self.model_info.sliding_window, self.model_info.long_rope_after,
+                                        self.num_offload_blocks)
         self.scheduler = Scheduler(sched_cfg, cache_cfg,
                                    log_stats=config.log_stats,
                                    include_finished_set=True,
@@ -143,7 +151,8 @@ class EngineCore:
         self.sleep_level = 0
         # Totals since start (the scheduler's counters are per-pass deltas).
         self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
-                        "max_step_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+                        "max_step_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                        "offload_stored": 0, "offload_loaded": 0}
         # Made at the first structured-output request (xgrammar and the tokenizer load then).
         self._structured: StructuredOutputManager | None = None
 
@@ -435,6 +444,8 @@ class EngineCore:
                 totals["prefix_hits"] += stats.prefix_cache_stats.hits
                 totals["preemptions"] += stats.num_preemptions
                 totals["max_step_tokens"] = max(totals["max_step_tokens"], stats.step_num_scheduled_tokens)
+                totals["offload_stored"] += stats.kv_offload_stored_blocks
+                totals["offload_loaded"] += stats.kv_offload_loaded_blocks
                 if stats.spec_decoding_stats is not None:
                     totals["drafts"] += stats.spec_decoding_stats.num_drafts
                     totals["draft_tokens"] += stats.spec_decoding_stats.num_draft_tokens
@@ -506,7 +517,9 @@ class EngineCore:
             prefix_cache_queries=t["prefix_queries"], prefix_cache_hits=t["prefix_hits"],
             num_preemptions=t["preemptions"], num_requests_added=t["added"], num_requests_finished=t["finished"],
             max_step_num_scheduled_tokens=t["max_step_tokens"], spec_decode_num_drafts=t["drafts"],
-            spec_decode_num_draft_tokens=t["draft_tokens"], spec_decode_num_accepted_tokens=t["accepted_tokens"])
+            spec_decode_num_draft_tokens=t["draft_tokens"], spec_decode_num_accepted_tokens=t["accepted_tokens"],
+            kv_offload_stored_blocks=t["offload_stored"], kv_offload_loaded_blocks=t["offload_loaded"],
+            num_offload_blocks=self.num_offload_blocks)
 
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""

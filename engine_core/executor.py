@@ -181,7 +181,9 @@ class Executor(ABC):
         """KV blocks that fit: an explicit setting, or what the memory budget allows."""
 
     @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None: ...
+    def initialize_cache(self, num_blocks: int) -> int:
+        """Allocate ``num_blocks`` KV blocks on every worker, and the host-memory tier of KV
+        offloading when the config asks for it: its size in blocks (0 when off)."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

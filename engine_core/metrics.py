@@ -141,8 +141,9 @@ class EngineMetrics:
                   _RESIDENCY_BUCKETS))
             self._histograms += list(self.residency)
         # Counters and gauges: plain numbers, read at scrape time.
-        self.counters = dict.fromkeys(("prompt_tokens", "prompt_tokens_cached", "generation_tokens", "prefix_queries",
-                                       "prefix_hits", "preemptions", "budget_used", "budget_total"), 0.0)
+        self.counters = dict.fromkeys(("prompt_tokens", "prompt_tokens_cached", "prompt_tokens_external",
+                                       "generation_tokens", "prefix_queries", "prefix_hits", "preemptions",
+                                       "budget_used", "budget_total"), 0.0)
         self.gauges = dict.fromkeys(("running", "waiting", "skipped_waiting", "kv_usage"), 0.0)
         self.gauges["num_blocks"] = float(num_blocks)
         self.request_success: dict[str, float] = defaultdict(float)
@@ -233,6 +234,7 @@ class EngineMetrics:
         cached = max(0, request.num_cached_tokens)
         self.counters["prompt_tokens"] += request.num_prompt_tokens
         self.counters["prompt_tokens_cached"] += cached
+        self.counters["prompt_tokens_external"] += request.num_external_computed_tokens
         self.prefill_kv_computed.observe(request.num_prompt_tokens - cached)
 
     def _finish(self, t: _Tracked, reason: str, now: float) -> None:
@@ -316,11 +318,14 @@ class EngineMetrics:
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", c["prompt_tokens"])
         yield counter("vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache.",
                       c["prompt_tokens_cached"])
-        # (vLLM's split: computed here, or read from the local prefix cache; no KV arrives from elsewhere.)
+        # (vLLM's split: computed here, read from the local prefix cache, or copied in from KV
+        # offloading's host tier, which vLLM's offloading connector counts as a transfer.)
         by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
                                         labels=[*labels, "source"])
+        external = c["prompt_tokens_external"]
         for source, count in (("local_compute", c["prompt_tokens"] - c["prompt_tokens_cached"]),
-                              ("local_cache_hit", c["prompt_tokens_cached"]), ("external_kv_transfer", 0.0)):
+                              ("local_cache_hit", c["prompt_tokens_cached"] - external),
+                              ("external_kv_transfer", external)):
             by_source.add_metric([*values, source], count)
         yield by_source
         yield counter("vllm:generation_tokens", "Generated tokens.", c["generation_tokens"])

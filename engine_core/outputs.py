@@ -178,6 +178,11 @@ class SchedulerStats(msgspec.Struct):
     # With --kv-cache-metrics: the followed blocks evicted since the last stats, each (lifetime s,
     # idle before eviction s, gaps between its reuses s).
     kv_block_residency: list[tuple[float, float, list[float]]] | None = None
+    # With KV offloading (--kv-offloading-size): blocks saved to the host-memory tier and loaded
+    # back from it since the previous stats, and the blocks it holds now.
+    kv_offload_stored_blocks: int = 0
+    kv_offload_loaded_blocks: int = 0
+    kv_offload_num_blocks: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -214,3 +219,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # KV offloading since start: blocks saved to the host-memory tier, blocks loaded back (prompt
+    # blocks that skipped their compute), and the tier's size in blocks.
+    kv_offload_stored_blocks: int = 0
+    kv_offload_loaded_blocks: int = 0
+    num_offload_blocks: int = 0

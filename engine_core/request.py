@@ -93,6 +93,7 @@ class Request:
         "lora_request",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_external_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
@@ -138,8 +139,10 @@ class Request:
         self.num_computed_tokens = 0
         # Draft tokens (speculative decoding) the next pass verifies after the last known token.
         self.spec_token_ids: list[int] = []
-        # Prompt tokens found in the prefix cache at first admission (-1: not admitted yet).
+        # Prompt tokens found in the prefix cache at first admission (-1: not admitted yet), and how
+        # many of them KV offloading's host tier supplied (vLLM's external tokens).
         self.num_cached_tokens = -1
+        self.num_external_computed_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.streaming_queue: deque[StreamingUpdate | None] | None = None

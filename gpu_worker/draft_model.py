@@ -91,8 +91,8 @@ class DraftModel:
                              f"behind it; the draft model attends further back (windows {widths}): choose a draft "
                              "whose layers are windowed no wider")
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks, block_size)
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, num_offload_blocks: int | None = None) -> None:
+        self.runner.initialize_kv_cache(num_blocks, block_size, num_offload_blocks)
 
     def mirror(self, inputs: PassInputs) -> None:
         """Compute the target's pass in the draft's cache (every rank)."""

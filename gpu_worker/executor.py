@@ -64,6 +64,9 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         "logits_processors": load_logits_processors(config.logits_processors)
         if config.speculative_config is None else (),
         "draft_model": draft_model_dir(config),
+        # (vLLM's --kv-offloading-size is the tier of all TP ranks together.)
+        "kv_offloading_bytes": int(config.kv_offloading_size * 2**30 / config.tensor_parallel_size)
+        if config.kv_offloading_size else 0,
     }
 
 
@@ -303,8 +306,8 @@ class UniProcExecutor(_ExecutorBase):
             args["kv_cache_memory_bytes"] = default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
         return self.worker.determine_num_blocks(**args)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks, self.config.block_size)
+    def initialize_cache(self, num_blocks: int) -> int:
+        return self.worker.initialize_cache(num_blocks, self.config.block_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         out = self.worker.execute_model(scheduler_output)
@@ -403,8 +406,8 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         results = self._run_all("determine_num_blocks", *args.values())
         return min(results)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._run_all("initialize_cache", num_blocks, self.config.block_size)
+    def initialize_cache(self, num_blocks: int) -> int:
+        return min(self._run_all("initialize_cache", num_blocks, self.config.block_size))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         import ray

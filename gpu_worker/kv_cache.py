@@ -75,6 +75,19 @@ def read_kv(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return blocks if blocks.dtype == dtype else blocks.to(dtype)
 
 
+def copy_kv_blocks(src: list[tuple[torch.Tensor, torch.Tensor]], dst: list[tuple[torch.Tensor, torch.Tensor]],
+                   src_blocks: list[int], dst_blocks: list[int]) -> None:
+    """Copy blocks ``src_blocks`` of every layer's (K, V) in ``src`` to blocks ``dst_blocks`` of ``dst``
+    (KV offloading: the device cache and the host-memory tier, either way)."""
+    if not src_blocks:
+        return
+    for (src_k, src_v), (dst_k, dst_v) in zip(src, dst, strict=True):
+        src_index = torch.tensor(src_blocks, device=src_k.device)
+        dst_index = torch.tensor(dst_blocks, device=dst_k.device)
+        dst_k[dst_index] = src_k[src_index].to(dst_k.device, non_blocking=True)
+        dst_v[dst_index] = src_v[src_index].to(dst_v.device, non_blocking=True)
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, num_kv_heads, head_dim)

@@ -29,7 +29,7 @@ from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.distributed import get_tp_rank
 from gpu_worker.draft_model import DraftModel, PassInputs
 from gpu_worker.encoder_metadata import EncoderMetadata
-from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache
+from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache, copy_kv_blocks
 from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.logits_processor_batch import LogitsProcessorBatch
@@ -103,6 +103,9 @@ class ModelRunner:
         # last pass's inputs, which it repeats.
         self.drafter: DraftModel | None = None
         self._pass_inputs: PassInputs | None = None
+        # KV offloading: the host-memory tier's blocks (each layer's K and V, as the cache's).
+        self.num_offload_blocks = 0
+        self.offload_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # LoRA (None: off): the projections are wrapped once the weights are loaded.
         self.max_lora_rank = max_lora_rank
         # Adapters on the device at once (None: all that are loaded); the rest wait in host memory.
@@ -232,10 +235,19 @@ class ModelRunner:
             path, base, rest = name.partition(f".{LORA_BASE}.")
             param.data = loaded[f"{path}.{rest}" if base and path in wrapped else name].data
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, num_offload_blocks: int | None = None) -> None:
+        """The paged KV cache of ``num_blocks`` blocks, and KV offloading's host-memory tier of
+        ``num_offload_blocks`` (None: as before, e.g. on waking up)."""
         if self.model is None:
             raise RuntimeError("load_model() must come before initialize_kv_cache()")
         layers = self.model.attention_layers()
+        if num_offload_blocks is not None and num_offload_blocks != self.num_offload_blocks:
+            self.num_offload_blocks = num_offload_blocks
+            self.offload_caches = allocate_kv_cache(
+                len(layers), num_offload_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim,
+                self.kv_cache_dtype, torch.device("cpu")) if layers and num_offload_blocks else []
+            if self.offload_caches and self.device.type == "cuda":  # (pinned: copies overlap the host)
+                self.offload_caches = [(k.pin_memory(), v.pin_memory()) for k, v in self.offload_caches]
         # (An encoder attends within the pass: it has no layer to give a cache to, and the blocks
         # only count its tokens for the scheduler.)
         self.kv_caches = allocate_kv_cache(len(layers), num_blocks, block_size, layers[0].num_kv_heads,
@@ -244,8 +256,8 @@ class ModelRunner:
             layer.kv_cache = cache
         self.block_size = block_size
         self.num_blocks = num_blocks
-        if self.drafter is not None:  # (on the same block ids)
-            self.drafter.initialize_kv_cache(num_blocks, block_size)
+        if self.drafter is not None:  # (on the same block ids, and the same host slots)
+            self.drafter.initialize_kv_cache(num_blocks, block_size, num_offload_blocks)
         # Decodes read the paged cache in place where the CPU kernel applies (an fp32 model on the CPU,
         # with an fp32 or fp8 cache); elsewhere (CUDA, bf16) they gather their blocks and use SDPA.
         self.decode_in_place = (self.device.type == "cpu" and self.dtype == torch.float32
@@ -307,9 +319,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
+    def copy_offloaded_blocks(self, so: SchedulerOutput) -> None:
+        """KV offloading's copies for this pass, before its forward: evicted blocks saved to the host
+        tier, then saved blocks loaded into the blocks the scheduler gave them (the draft's too)."""
+        stores, loads = so.kv_offload_stores, so.kv_offload_loads
+        runners = [self] if self.drafter is None else [self, self.drafter.runner]
+        for runner in runners:
+            if stores:
+                copy_kv_blocks(runner.kv_caches, runner.offload_caches, [b for b, _ in stores], [s for _, s in stores])
+            if loads:
+                copy_kv_blocks(runner.offload_caches, runner.kv_caches, [s for s, _ in loads], [b for _, b in loads])
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.requests.update(so)
+        if so.kv_offload_stores or so.kv_offload_loads:
+            self.copy_offloaded_blocks(so)
         spec = so.scheduled_spec_decode_tokens
         for req_id, draft in spec.items():
             # Computed after the request's last token; the ones the target model rejects are dropped.

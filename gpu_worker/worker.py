@@ -62,7 +62,7 @@ class Worker:
                  embedding_only: bool = False, hf_overrides: dict[str, Any] | None = None,
                  pooler_dense: tuple[DenseProjection, ...] = (), max_logprobs: int = 20,
                  tokenizer: str | None = None, logits_processors: tuple[LogitsProcessorSpec, ...] = (),
-                 draft_model: str | Path | None = None) -> None:
+                 draft_model: str | Path | None = None, kv_offloading_bytes: int = 0) -> None:
         self.rank = rank
         self.world_size = world_size
         if isinstance(model_path_or_config, ModelConfig):
@@ -106,6 +106,8 @@ class Worker:
                              else ModelConfig.from_pretrained(self.draft_model_dir, None, tokenizer))
         if self.draft_config is not None and not num_spec_tokens:
             raise ValueError("a draft model needs num_spec_tokens >= 1")
+        # KV offloading: this rank's share of the host-memory tier, in bytes (0: off).
+        self.kv_offloading_bytes = kv_offloading_bytes
         self.runner: ModelRunner | None = None
         self.block_size: int | None = None
         if num_cpus is not None:
@@ -204,9 +206,15 @@ class Worker:
         torch.cuda.empty_cache()
         return int(total * gpu_memory_utilization - peak - outside_torch)
 
-    def initialize_cache(self, num_blocks: int, block_size: int) -> None:
-        self._runner().initialize_kv_cache(num_blocks, block_size)
+    def initialize_cache(self, num_blocks: int, block_size: int) -> int:
+        """The KV cache, and KV offloading's host tier: how many blocks this rank's share holds (0: off)."""
+        num_offload_blocks = self.kv_offloading_bytes // self.bytes_per_block(block_size)
+        if self.kv_offloading_bytes and not num_offload_blocks:
+            raise ValueError(f"--kv-offloading-size gives this rank {self.kv_offloading_bytes} bytes, less than one "
+                             f"KV block ({self.bytes_per_block(block_size)} bytes)")
+        self._runner().initialize_kv_cache(num_blocks, block_size, num_offload_blocks)
         self.block_size = block_size
+        return num_offload_blocks
 
     def sleep(self, level: int) -> None:
         self._runner().sleep(level)

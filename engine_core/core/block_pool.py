@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from engine_core.core.block_residency import BlockResidency
 from engine_core.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
@@ -27,6 +27,8 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         # Recorded while someone listens (a prefix-aware router): None when nobody does.
         self.kv_events: list[KVEvent] | None = None
+        # Told of each cached block handed out again, with its hash (KV offloading's tier saves it).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     def record_kv_events(self) -> None:
         if self.kv_events is None:
@@ -75,6 +77,8 @@ class BlockPool:
                 residency.evicted(block.block_id)
                 residency.allocated(block.block_id)
             if block.block_hash is not None:
+                if self.on_evict is not None:  # (KV offloading saves the evicted prefix block)
+                    self.on_evict(block.block_id, block.block_hash)
                 self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)

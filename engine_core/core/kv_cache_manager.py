@@ -12,6 +12,7 @@ from __future__ import annotations
 from engine_core.core.block_pool import BlockPool
 from engine_core.core.block_residency import BlockResidency
 from engine_core.core.kv_cache_utils import KVCacheBlock, extend_block_hashes
+from engine_core.core.kv_offload import OffloadTier
 from engine_core.outputs import PrefixCacheStats
 from engine_core.request import Request
 
@@ -43,7 +44,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  log_stats: bool = True, sliding_window: int | None = None,
                  long_rope_after: int | None = None, kv_cache_metrics_sample: float | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, num_offload_blocks: int = 0) -> None:
         self.block_size = block_size
         # Lookahead slots (a draft model's) never reach past the longest context a request may have.
         self.max_model_len = max_model_len
@@ -60,6 +61,10 @@ class KVCacheManager:
         followed = kv_cache_metrics_sample is not None and log_stats
         self.block_pool = BlockPool(num_blocks, enable_caching,
                                     BlockResidency(kv_cache_metrics_sample) if followed else None)
+        # KV offloading (--kv-offloading-size): the host-memory tier behind the pool's prefix cache.
+        self.offload = OffloadTier(num_offload_blocks) if num_offload_blocks and enable_caching else None
+        if self.offload is not None:
+            self.block_pool.on_evict = self.offload.note_evicted
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered (or known) in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
@@ -96,6 +101,27 @@ class KVCacheManager:
         if self.log_stats:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
         return (KVCacheBlocks(hits) if hits else self._empty), num_hit_tokens
+
+    def get_offloaded_blocks(self, request: Request, num_local_blocks: int) -> list[int]:
+        """The offloading tier's slots holding the request's next full prompt blocks after the
+        ``num_local_blocks`` the device cache holds (after get_computed_blocks; [] without a tier)."""
+        if self.offload is None or request.sampling_params.skip_reading_prefix_cache:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size  # (the last token is computed)
+        return self.offload.lookup(request.block_hashes[num_local_blocks:max_hit_blocks])
+
+    def load_offloaded_blocks(self, request: Request, slots: list[int], first_block: int) -> None:
+        """After allocate_slots gave the request device blocks for them: ``slots`` are copied into its
+        blocks from ``first_block`` on before the pass."""
+        blocks = self.req_to_blocks[request.request_id][first_block:first_block + len(slots)]
+        assert self.offload is not None and len(blocks) == len(slots)
+        self.offload.plan_loads(slots, [b.block_id for b in blocks])
+
+    def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This pass's copies for the workers: (device block -> slot stores, slot -> device block loads)."""
+        if self.offload is None:
+            return [], []
+        return self.offload.take_copies()
 
     def _with_lookahead(self, num_tokens: int, num_lookahead_tokens: int) -> int:
         if not num_lookahead_tokens:
@@ -218,7 +244,11 @@ class KVCacheManager:
         return self.get_num_blocks(request_id) - self.num_released_block.get(request_id, 0)
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.offload is not None:
+            self.offload.reset()
+        return True
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Counters since the previous call (the delta), then start counting afresh."""

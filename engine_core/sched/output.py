@@ -71,6 +71,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # req_id -> the draft tokens (speculative decoding) scheduled after its last known token; the
     # pass computes them with it and keeps those the target model agrees with.
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # KV offloading (engine_core/core/kv_offload.py): copies the workers make before the pass's
+    # forward, stores first: (device block, host slot) saved, then (host slot, device block) loaded.
+    kv_offload_stores: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    kv_offload_loads: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -133,7 +133,8 @@ class Scheduler(SchedulerInterface):
             num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching, log_stats=log_stats,
             sliding_window=cache_config.sliding_window, long_rope_after=cache_config.long_rope_after,
-            kv_cache_metrics_sample=cache_config.kv_cache_metrics_sample, max_model_len=self.max_model_len)
+            kv_cache_metrics_sample=cache_config.kv_cache_metrics_sample, max_model_len=self.max_model_len,
+            num_offload_blocks=cache_config.num_offload_blocks)
 
         # Stats counters (deltas since make_stats) and last-pass figures.
         self._num_preemptions = 0
@@ -325,6 +326,9 @@ class Scheduler(SchedulerInterface):
             preempted_req_ids={r.request_id for r in preempted_reqs},
             scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
         )
+        if kv_cache_manager.offload is not None:
+            scheduler_output.kv_offload_stores, scheduler_output.kv_offload_loads = \
+                kv_cache_manager.take_offload_copies()
         self.finished_req_ids = set()
         self._last_step_budget = initial_budget
         self._update_after_schedule(scheduler_output, scheduled_running_reqs, scheduled_new_reqs,
@@ -414,16 +418,21 @@ class Scheduler(SchedulerInterface):
                     step_skipped_waiting.prepend_request(request)
                     continue
 
+            offloaded: list[int] = []
             if request.num_computed_tokens == 0:
                 # A prefix hit reaches the scheduler as one smaller local num_computed_tokens.
                 new_computed_blocks, num_new_local_computed_tokens = \
                     kv_cache_manager.get_computed_blocks(request)
-                num_computed_tokens = num_new_local_computed_tokens
+                # And the blocks after it that the offloading tier holds (vLLM's external tokens):
+                # computed once copied into new blocks, before the pass.
+                offloaded = kv_cache_manager.get_offloaded_blocks(request, len(new_computed_blocks))
+                num_computed_tokens = num_new_local_computed_tokens + len(offloaded) * kv_cache_manager.block_size
             else:
                 # A continued streaming session keeps its blocks and its computed tokens.
                 new_computed_blocks = kv_cache_manager.empty_kv_cache_blocks()
                 num_new_local_computed_tokens = 0
                 num_computed_tokens = request.num_computed_tokens
+            num_external_tokens = num_computed_tokens - num_new_local_computed_tokens if offloaded else 0
 
             num_new_tokens = request.num_tokens - num_computed_tokens
             if 0 < threshold < num_new_tokens:
@@ -442,11 +451,13 @@ class Scheduler(SchedulerInterface):
                     continue
 
             new_blocks = kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
+                request, num_new_tokens + num_external_tokens, num_new_local_computed_tokens, new_computed_blocks,
                 num_lookahead_tokens=self.num_lookahead_tokens)
             if new_blocks is None:
                 # The pool cannot take it: admission stops here (the request keeps its place).
                 break
+            if offloaded:
+                kv_cache_manager.load_offloaded_blocks(request, offloaded, len(new_computed_blocks))
 
             request = request_queue.pop_request()
             # The only append to self.running anywhere: max_num_seqs guards the door, not the room.
@@ -466,6 +477,7 @@ class Scheduler(SchedulerInterface):
                 scheduled_loras.add(lora.lora_int_id)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed_tokens
+                request.num_external_computed_tokens = num_external_tokens
             if self.log_stats:
                 request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
 
@@ -831,6 +843,11 @@ class Scheduler(SchedulerInterface):
         )
         if pool.residency is not None:
             stats.kv_block_residency = pool.residency.drain() or None
+        offload = self.kv_cache_manager.offload
+        if offload is not None:
+            moved = offload.take_stats()
+            stats.kv_offload_stored_blocks, stats.kv_offload_loaded_blocks = moved.stored_blocks, moved.loaded_blocks
+            stats.kv_offload_num_blocks = len(offload)
         if self.max_loras:
             stats.running_lora_adapters = _count_adapters(self.running)
             stats.waiting_lora_adapters = _count_adapters([*self.waiting, *self.skipped_waiting])

@@ -456,6 +456,15 @@ def test_max_logprobs_reaches_every_engine():
         _config("--max-logprobs", "-2").engine_configs()
 
 
+def test_kv_offloading_flags_reach_every_engine():
+    configs = _config("--num-engines", "2", "--kv-offloading-size", "4", "--kv-offloading-backend", "native"
+                      ).engine_configs()
+    assert [e.kv_offloading_size for e in configs] == [4.0, 4.0]
+    assert _config().engine_configs()[0].kv_offloading_size is None
+    with pytest.raises(SystemExit):
+        _config("--kv-offloading-backend", "lmcache")
+
+
 def test_logits_processors_reach_every_engine_of_the_model(tmp_path):
     names = ["tests.logits_processors:TargetTokenProcessor", "tests.logits_processors.NoEchoAdapter"]
     configs = _config("--num-engines", "2", "--logits-processors", *names).engine_configs()

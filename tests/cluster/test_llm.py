@@ -1253,3 +1253,51 @@ def test_loaded_processors_change_no_other_request_while_the_batch_is_reordered(
         for px, py in zip(x.logprobs or [], y.logprobs or [], strict=True):
             assert list(px) == list(py)
             assert [p.logprob for p in py.values()] == pytest.approx([p.logprob for p in px.values()], abs=1e-5)
+
+
+def test_kv_offloading_brings_evicted_prefixes_back_from_host_memory(tiny_model_dir):
+    """--kv-offloading-size: a prompt whose blocks the KV cache evicted finds them in the host tier
+    (cached tokens, no recompute) and answers as transformers does; without the tier it recomputes.
+    Under preemption and chunked prefill the answers stay transformers' too."""
+    first = "The quick brown fox jumps over the lazy dog. " * 6
+    others = [f"Story number {i}: once upon a time there was a kingdom far away, with hills. " for i in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    found = {}
+    for size in (None, 0.001):
+        llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=12, max_model_len=128, kv_offloading_size=size)
+        try:
+            before = llm.generate([first], params, use_tqdm=False)
+            llm.generate(others, params, use_tqdm=False)  # (their blocks push the first prompt's out)
+            again = llm.generate([first], params, use_tqdm=False)
+            stats = llm.get_stats()[0]
+        finally:
+            llm.shutdown()
+        assert again[0].outputs[0].token_ids == before[0].outputs[0].token_ids == hf_greedy(tiny_model_dir, [first],
+                                                                                            8)[0]
+        found[size] = (again[0].num_cached_tokens, stats)
+    assert found[None][0] == 0 and found[None][1].num_offload_blocks == 0
+    cached, stats = found[0.001]
+    assert cached >= 48 and stats.kv_offload_loaded_blocks >= 3 and stats.kv_offload_stored_blocks > 0
+    assert stats.num_offload_blocks > 0 and stats.num_free_blocks == stats.num_blocks
+    # A small tier under preemption: blocks come and go between the two tiers while answers hold.
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=12, max_num_batched_tokens=16, max_num_seqs=8,
+              max_model_len=128, kv_offloading_size=0.0002)
+    try:
+        greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(PROMPTS + PROMPTS[::-1], greedy, use_tqdm=False)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    expected = hf_greedy(tiny_model_dir, PROMPTS, 24)
+    assert [o.outputs[0].token_ids for o in outputs] == expected + expected[::-1]
+    assert stats.num_preemptions > 0 and stats.kv_offload_loaded_blocks > 0
+
+
+def test_a_pooling_or_windowed_model_takes_no_kv_offloading(tiny_model_dir, tmp_path):
+    from tests.cluster.test_spec_decode import _windowed_copy
+
+    windowed = _windowed_copy(tiny_model_dir, tmp_path / "windowed", 16)
+    with pytest.raises(ValueError, match="a sliding-window model releases"):
+        LLM(model=str(windowed), num_gpu_blocks=16, kv_offloading_size=0.001)
+    with pytest.raises(ValueError, match="kv_offloading_size must be unset without the prefix cache"):
+        LLM(model=str(tiny_model_dir), num_gpu_blocks=16, kv_offloading_size=0.001, enable_prefix_caching=False)

@@ -191,19 +191,28 @@ def test_another_draft_model_changes_no_answer(tiny_model_dir, tmp_path):
     assert all(len(o.outputs[0].token_ids) == 12 for o in random_answers)
 
 
-def test_a_draft_model_on_two_tensor_parallel_ranks(ray_cluster, tiny_model_dir):
+def test_a_draft_model_and_kv_offloading_on_two_tensor_parallel_ranks(ray_cluster, tiny_model_dir):
     """The draft shards over the target's two workers; the sampling rank shares each new token with
-    the other, so both run the same draft passes."""
+    the other, so both run the same draft passes. With KV offloading each rank keeps its share of
+    the evicted blocks (the target's and the draft's) and loads them back: a prompt whose blocks
+    were pushed out is found in the host tier and its drafts are still all accepted."""
     max_tokens = 16
-    llm = LLM(model=str(tiny_model_dir), tensor_parallel_size=2, num_gpu_blocks=64, max_num_batched_tokens=16,
-              max_model_len=128, speculative_config=_draft(tiny_model_dir))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(tiny_model_dir), tensor_parallel_size=2, num_gpu_blocks=16, max_num_batched_tokens=16,
+              max_model_len=128, speculative_config=_draft(tiny_model_dir), kv_offloading_size=0.001)
     try:
-        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                               use_tqdm=False)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        llm.generate([f"Story number {i}: once upon a time, far away. " * 2 for i in range(8)], params,
+                     use_tqdm=False)
+        before = llm.get_stats()[0]
+        again = llm.generate(PROMPTS[3:4], params, use_tqdm=False)
         stats = llm.get_stats()[0]
     finally:
         llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(tiny_model_dir, PROMPTS, max_tokens)
+    expected = hf_greedy(tiny_model_dir, PROMPTS, max_tokens)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert again[0].outputs[0].token_ids == expected[3]
+    assert again[0].num_cached_tokens > 0 and stats.kv_offload_loaded_blocks > before.kv_offload_loaded_blocks
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_draft_tokens - stats.spec_decode_num_accepted_tokens <= 1
 

@@ -105,3 +105,11 @@ def test_prompt_tokens_split_by_where_their_kv_came_from_as_vllm_reports_it():
     assert next(s.value for s in families["vllm:prompt_tokens_cached"].samples) == 24
     computed = families["vllm:request_prefill_kv_computed_tokens"]
     assert _sum(computed) == 25 and next(s.value for s in computed.samples if s.name.endswith("_count")) == 3
+    # A prompt whose blocks KV offloading's host tier supplied: those count as transferred.
+    request = Request("d", list(range(40)), SamplingParams(max_tokens=1), arrival_time=100.0)
+    request.num_cached_tokens, request.num_external_computed_tokens = 32, 16
+    metrics.on_request_added(request)
+    metrics.on_step({0: EngineCoreOutputs(outputs=[EngineCoreOutput("d", [7], FinishReason.LENGTH)])}, None,
+                    now=101.0)
+    by_source = {s.labels["source"]: s.value for s in _families(metrics)["vllm:prompt_tokens_by_source"].samples}
+    assert by_source == {"local_compute": 33, "local_cache_hit": 40, "external_kv_transfer": 16}

@@ -1,0 +1,87 @@
+"""KV offloading's host-memory tier: what it keeps, and the copies the scheduler asks the workers for."""
+
+from __future__ import annotations
+
+from engine_core.core.kv_offload import OffloadTier
+
+from .utils import create_requests, create_scheduler, fake_model_output, step
+
+
+def test_the_tier_finds_the_longest_run_from_the_start_and_touches_it():
+    tier = OffloadTier(4)
+    for block_id, block_hash in enumerate([b"a", b"b", b"c"]):
+        tier.note_evicted(block_id, block_hash)
+    stores, loads = tier.take_copies()
+    assert stores == [(0, 0), (1, 1), (2, 2)] and loads == [] and len(tier) == 3
+    assert tier.lookup([b"a", b"b", b"x", b"c"]) == [0, 1]
+    assert tier.lookup([b"x", b"a"]) == []
+    # A hash the tier holds is not saved again.
+    tier.note_evicted(9, b"a")
+    assert tier.take_copies() == ([], [])
+
+
+def test_the_least_recently_used_slot_goes_first_but_never_one_this_pass_loads_from():
+    tier = OffloadTier(2)
+    tier.note_evicted(0, b"a")
+    tier.note_evicted(1, b"b")
+    tier.take_copies()
+    tier.lookup([b"a"])  # (b is now the least recently used)
+    tier.note_evicted(2, b"c")
+    assert tier.take_copies() == ([(2, 1)], [])
+    assert tier.lookup([b"b"]) == [] and tier.lookup([b"c"]) == [1]
+    # Slot 0 (a) and 1 (c) are both being loaded from: a block evicted this pass finds no slot.
+    tier.plan_loads([0, 1], [5, 6])
+    tier.note_evicted(3, b"d")
+    assert tier.take_copies() == ([], [(0, 5), (1, 6)])
+    assert tier.lookup([b"d"]) == []
+    assert tier.take_stats().loaded_blocks == 2 and tier.take_stats().loaded_blocks == 0
+    tier.reset()
+    assert len(tier) == 0 and tier.lookup([b"a"]) == []
+
+
+def _finish(sched, request):
+    sched.add_request(request)
+    outputs = []
+    while not request.is_finished():
+        outputs.append(step(sched)[0])
+    return outputs
+
+
+def test_evicted_prefix_blocks_are_saved_and_a_later_prompt_loads_them_instead_of_computing():
+    sched = create_scheduler(num_blocks=8, block_size=16, num_offload_blocks=8)
+    manager = sched.kv_cache_manager
+    first, again = create_requests(2, num_tokens=64, max_tokens=1, same_prompt=True)
+    _finish(sched, first)  # 4 blocks, the first 3 of them full prompt blocks to keep
+    hashes = list(first.block_hashes[:3])
+    (other,) = create_requests(1, num_tokens=120, max_tokens=1)
+    sched.add_request(other)
+    out = sched.schedule()  # 8 blocks: every block first's prompt left cached is handed out again
+    assert len(out.kv_offload_stores) == 4 and out.kv_offload_loads == []
+    assert [manager.block_pool.get_cached_block(h) for h in hashes] == [None] * 3
+    sched.update_from_output(out, fake_model_output(sched, out))
+    while not other.is_finished():
+        step(sched)
+    sched.add_request(again)
+    out = sched.schedule()
+    # Three blocks come from the tier (counted as cached and computed): only the last 16 tokens run.
+    assert again.num_computed_tokens == 64 and again.num_cached_tokens == 48 == again.num_external_computed_tokens
+    assert out.num_scheduled_tokens == {again.request_id: 16}
+    slots = manager.offload.lookup(hashes)
+    assert [slot for slot, _ in out.kv_offload_loads] == slots
+    assert [block for _, block in out.kv_offload_loads] == manager.get_block_ids(again.request_id)[:3]
+    # Once loaded they are in the device cache again, for the next prompt that shares them.
+    assert [manager.block_pool.get_cached_block(h).block_id for h in hashes] == \
+        manager.get_block_ids(again.request_id)[:3]
+    assert sched.make_stats().kv_offload_loaded_blocks == 3
+
+
+def test_without_a_tier_nothing_is_saved():
+    sched = create_scheduler(num_blocks=8, block_size=16)
+    first, again = create_requests(2, num_tokens=64, max_tokens=1, same_prompt=True)
+    _finish(sched, first)
+    (other,) = create_requests(1, num_tokens=120, max_tokens=1)
+    outs = _finish(sched, other)
+    assert all(o.kv_offload_stores == [] for o in outs)
+    sched.add_request(again)
+    sched.schedule()
+    assert again.num_computed_tokens == 64 and again.num_cached_tokens == 0
