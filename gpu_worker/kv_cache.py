@@ -81,16 +81,33 @@ def copy_kv_blocks(src: list[tuple[torch.Tensor, torch.Tensor]], dst: list[tuple
     (KV offloading: the device cache and the host-memory tier, either way)."""
     if not src_blocks:
         return
-    for (src_k, src_v), (dst_k, dst_v) in zip(src, dst, strict=True):
-        src_index = torch.tensor(src_blocks, device=src_k.device)
-        dst_index = torch.tensor(dst_blocks, device=dst_k.device)
-        dst_k[dst_index] = src_k[src_index].to(dst_k.device, non_blocking=True)
-        dst_v[dst_index] = src_v[src_index].to(dst_v.device, non_blocking=True)
+    src_device, dst_device = src[0][0].device, dst[0][0].device
+    src_index = torch.tensor(src_blocks, device=src_device)
+    dst_index = torch.tensor(dst_blocks, device=dst_device)
+    to_pinned_host = src_device.type == "cuda" and dst_device.type == "cpu"
+    rows: list[torch.Tensor] = []
+    for cache in src:
+        for tensor in cache:
+            gathered = tensor.index_select(0, src_index)
+            if to_pinned_host:  # (queued into page-locked memory; waited for once, below)
+                staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                rows.append(staged.copy_(gathered, non_blocking=True))
+            else:  # (host to device reads pageable rows: the copy is done before the pass's kernels)
+                rows.append(gathered.to(dst_device))
+    if to_pinned_host:
+        # A device-to-host copy is only in the host's memory once the stream has run it.
+        torch.cuda.current_stream(src_device).synchronize()
+    for i, cache in enumerate(dst):
+        for j, tensor in enumerate(cache):
+            tensor[dst_index] = rows[2 * i + j]  # (index_put: index_copy_ has no fp8 kernel on the CPU)
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      dtype: torch.dtype, device: torch.device,
+                      pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``pin_memory``: page-locked host memory (KV offloading's tier beside a CUDA cache)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     # Zeroed, not empty: padded key slots are masked, but NaN garbage times a zero weight is still NaN.
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    return [(torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory),
+             torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory))
             for _ in range(num_layers)]

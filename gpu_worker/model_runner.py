@@ -243,11 +243,11 @@ class ModelRunner:
         layers = self.model.attention_layers()
         if num_offload_blocks is not None and num_offload_blocks != self.num_offload_blocks:
             self.num_offload_blocks = num_offload_blocks
+            # (Page-locked beside a CUDA cache: the device reads and writes it directly.)
             self.offload_caches = allocate_kv_cache(
                 len(layers), num_offload_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim,
-                self.kv_cache_dtype, torch.device("cpu")) if layers and num_offload_blocks else []
-            if self.offload_caches and self.device.type == "cuda":  # (pinned: copies overlap the host)
-                self.offload_caches = [(k.pin_memory(), v.pin_memory()) for k, v in self.offload_caches]
+                self.kv_cache_dtype, torch.device("cpu"),
+                pin_memory=self.device.type == "cuda") if layers and num_offload_blocks else []
         # (An encoder attends within the pass: it has no layer to give a cache to, and the blocks
         # only count its tokens for the scheduler.)
         self.kv_caches = allocate_kv_cache(len(layers), num_blocks, block_size, layers[0].num_kv_heads,

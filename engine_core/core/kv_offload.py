@@ -73,7 +73,9 @@ class OffloadTier:
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This pass's (stores, loads): each evicted block saved in a free or least recently used
-        slot not pinned by a load (a hash the tier holds already is not saved again)."""
+        slot that no load and no other store of the pass uses (a hash the tier holds already is not
+        saved again). A pass evicting more blocks than that saves the first ones only: two stores
+        into one slot would leave it a mix of both blocks."""
         stores: list[tuple[int, int]] = []
         slot_of = self._slot_of
         for block_id, block_hash in self._evicted:
@@ -82,7 +84,8 @@ class OffloadTier:
                 continue
             slot = self._take_slot()
             if slot is None:
-                break  # (every slot is being loaded from this pass: the rest are not saved)
+                break  # (every slot is loaded from or stored to this pass: the rest are not saved)
+            self._pinned.add(slot)
             slot_of[block_hash] = slot
             stores.append((block_id, slot))
         self.stats.stored_blocks += len(stores)

@@ -39,6 +39,20 @@ def test_the_least_recently_used_slot_goes_first_but_never_one_this_pass_loads_f
     assert len(tier) == 0 and tier.lookup([b"a"]) == []
 
 
+def test_one_pass_never_stores_two_blocks_into_one_slot():
+    tier = OffloadTier(3)
+    tier.plan_loads([], [])
+    for block_id in range(5):  # (more evictions in one pass than the tier has slots)
+        tier.note_evicted(block_id, bytes([block_id]))
+    stores, _ = tier.take_copies()
+    assert stores == [(0, 0), (1, 1), (2, 2)]
+    assert [tier.lookup([bytes([b])]) for b in range(5)] == [[0], [1], [2], [], []]
+    # The next pass may reuse them again, least recently used first (after the lookups: 0, 1, 2).
+    for block_id in (5, 6):
+        tier.note_evicted(block_id, bytes([block_id]))
+    assert tier.take_copies()[0] == [(5, 0), (6, 1)]
+
+
 def _finish(sched, request):
     sched.add_request(request)
     outputs = []
