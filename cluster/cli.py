@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-offloading-backend", choices=["native"], default=None,
                        help="Where offloaded blocks go: native (host memory, the only backend built; vLLM also "
                             "has lmcache).")
+    serve.add_argument("--enable-prompt-embeds", action="store_true", default=None,
+                       help="Let completions give their prompts as embeddings (prompt_embeds: base64 of a "
+                            "torch.save-d [tokens, hidden_size] tensor), as vLLM's flag. Only for clients you trust "
+                            "with the model's inputs.")
     serve.add_argument("--logits-processors", nargs="+", default=None, metavar="CLASS",
                        help="Custom logits processors, as vLLM's: qualified names of LogitsProcessor subclasses "
                             "(package.module:Class), importable wherever the engines run; requests pass them "
@@ -294,6 +298,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
                 "kv_cache_metrics": args.kv_cache_metrics or None,
                 "enable_sleep_mode": args.enable_sleep_mode or None,
+                "enable_prompt_embeds": args.enable_prompt_embeds,
                 "kv_cache_metrics_sample": args.kv_cache_metrics_sample}
     for flag, _, _ in SCHEDULER_ARGS:
         name = flag.lstrip("-").replace("-", "_")

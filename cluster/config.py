@@ -105,6 +105,9 @@ class EngineSpec(BaseModel):
     enable_sleep_mode: bool | None = Field(
         None, description="Allow sleep (release the KV cache, and offload or discard the weights) and wake_up "
                           "(--enable-sleep-mode; the operators' endpoints need server_dev_mode).")
+    enable_prompt_embeds: bool | None = Field(
+        None, description="Completions may give their prompts as embeddings (prompt_embeds: base64 of a torch.save-d "
+                          "[tokens, hidden_size] tensor) instead of text or token ids (--enable-prompt-embeds).")
     speculative_config: dict[str, Any] | None = Field(
         None, description='Speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 2}.')
@@ -117,7 +120,7 @@ _DEFAULTS = EngineSpec(
     tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,
     runner="auto", generation_config="auto", max_logprobs=20, disable_log_stats=False, placement_strategy="PACK",
     num_cpus_per_worker=1.0, kv_cache_metrics=False,
-    kv_cache_metrics_sample=0.01, enable_sleep_mode=False,
+    kv_cache_metrics_sample=0.01, enable_sleep_mode=False, enable_prompt_embeds=False,
     executor_backend="auto", max_waiting_requests=0)
 
 
@@ -500,6 +503,11 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
             raise ValueError(f"engine {config.engine_index}: logits_processors must be the same on every engine of a "
                              f"model (engine {first.engine_index} has {list(first.logits_processors)}); set them for "
                              "the model, not per engine")
+        # (The router accepts prompt embeddings for a model only if whichever engine a request reaches does.)
+        if config.enable_prompt_embeds != first.enable_prompt_embeds:
+            raise ValueError(f"engine {config.engine_index}: enable_prompt_embeds must be the same on every engine "
+                             f"of a model (engine {first.engine_index} has {first.enable_prompt_embeds}); set it for "
+                             "the model, not per engine")
 
 
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
@@ -538,7 +546,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         engine_niceness=s["engine_niceness"], speculative_config=speculative, lora_config=lora_config,
         kv_cache_metrics_sample=s["kv_cache_metrics_sample"] if s["kv_cache_metrics"] else None,
         enable_sleep_mode=s["enable_sleep_mode"], logits_processors=tuple(s["logits_processors"] or ()),
-        kv_offloading_size=s["kv_offloading_size"])
+        kv_offloading_size=s["kv_offloading_size"], enable_prompt_embeds=s["enable_prompt_embeds"])
 
 
 def load_engine_overrides(path: str) -> list[EngineSpec]:

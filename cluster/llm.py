@@ -23,6 +23,7 @@ from engine_core.engine_core import EngineCore
 from engine_core.executor import ModelInfo, PoolingInfo
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry, LoRARequest
+from engine_core.prompt_embeds import PromptEmbeds
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
 from engine_core.sampling_params import logprobs_count
 from engine_core.structured_output import check_structured_output
@@ -203,7 +204,8 @@ class ScoringRequestOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    # None for a prompt given as embeddings (it has no token ids), as vLLM's.
+    prompt_token_ids: list[int] | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
@@ -221,7 +223,7 @@ class _Pending:
                  "metrics", "num_cached_tokens", "prompt", "prompt_ids", "prompt_logprobs", "stop_reason",
                  "token_ids")
 
-    def __init__(self, prompt: str | None, prompt_ids: list[int], want_logprobs: bool, group: str = "",
+    def __init__(self, prompt: str | None, prompt_ids: list[int] | None, want_logprobs: bool, group: str = "",
                  index: int = 0, detok: IncrementalDetokenizer | None = None) -> None:
         self.prompt = prompt
         self.prompt_ids = prompt_ids
@@ -369,7 +371,9 @@ class LLM:
         self._load_loras(loras)
         for index, (prompt, params, lora, salt) in enumerate(zip(prompt_list, params_list, loras, salts,
                                                                  strict=True)):
-            ids = self._prompt_ids(index, prompt, vocab, max_model_len - 1)
+            embeds = prompt if isinstance(prompt, PromptEmbeds) else None
+            ids = (self._placeholder_ids(index, embeds, max_model_len - 1) if embeds is not None
+                   else self._prompt_ids(index, prompt, vocab, max_model_len - 1))
             group = str(next(self._ids))
             text = prompt if isinstance(prompt, str) else None
             n = getattr(params, "n", 1)
@@ -379,13 +383,14 @@ class LLM:
                 sample_params = params
                 if sample and params.seed is not None:  # sample i draws with seed + i, as vLLM and the router do
                     sample_params = dataclasses.replace(params, seed=params.seed + sample)
-                detok = (IncrementalDetokenizer(self.tokenizer, ids, stop=stops,
+                detok = (IncrementalDetokenizer(self.tokenizer, [] if embeds is not None else ids, stop=stops,
                                                 include_stop_str_in_output=params.include_stop_str_in_output,
                                                 min_tokens=params.min_tokens) if stops else None)
-                pending[request_id] = _Pending(text, ids, params.logprobs is not None, group, sample, detok)
+                pending[request_id] = _Pending(text, None if embeds is not None else ids, params.logprobs is not None,
+                                               group, sample, detok)
                 requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                                   sampling_params=sample_params, arrival_time=time.time(),
-                                                  lora_request=lora, cache_salt=salt))
+                                                  lora_request=lora, cache_salt=salt, prompt_embeds=embeds))
         self._run(requests, pending, "Processed prompts", use_tqdm)
         groups: dict[str, list[_Pending]] = {}
         for p in pending.values():
@@ -560,9 +565,24 @@ class LLM:
                 for request_id, ids, logits in self._pool([ids for ids, _ in joined], each, lora_request, use_tqdm,
                                                           "Scored pairs")]
 
-    def _prompt_ids(self, index: int, prompt: PromptType, vocab: int, max_tokens: int) -> list[int]:
+    def _placeholder_ids(self, index: int, embeds: PromptEmbeds, max_tokens: int) -> list[int]:
+        """The placeholder token ids of a prompt given as embeddings, checked as ``_prompt_ids`` checks."""
+        if not self.engine_configs[0].enable_prompt_embeds:
+            raise ValueError(f"prompt {index} is given as embeddings: start the LLM with enable_prompt_embeds=True")
+        width = self._model_info().input_embedding_size
+        if embeds.hidden_size != width:
+            raise ValueError(f"prompt {index}: embeddings must have rows of the model's hidden size {width}, not "
+                             f"{embeds.hidden_size}")
+        if embeds.num_tokens > max_tokens:
+            raise ValueError(f"prompt {index} has {embeds.num_tokens} embeddings; max_model_len is "
+                             f"{self._max_model_len()}")
+        return [0] * embeds.num_tokens
+
+    def _prompt_ids(self, index: int, prompt: PromptType | PromptEmbeds, vocab: int, max_tokens: int) -> list[int]:
         """A prompt's token ids, checked before anything is queued, as vLLM does: a bad prompt fails
         the call, not a pass."""
+        if isinstance(prompt, PromptEmbeds):
+            raise ValueError(f"prompt {index} is given as embeddings: only LLM.generate takes them")
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError(f"prompt {index} is empty")
@@ -881,28 +901,32 @@ class LLM:
 
     @staticmethod
     def _as_prompt_list(prompts: PromptType | Sequence[PromptType],
-                        salts: list[str | None] | None = None) -> list[PromptType]:
-        """Text, token ids, or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids}),
-        one or a list of them. ``salts``: filled with each prompt's ``cache_salt`` (a prompt dict's key,
-        as vLLM's: prompts with different salts share no prefix-cache blocks)."""
+                        salts: list[str | None] | None = None) -> list[PromptType | PromptEmbeds]:
+        """Text, token ids, or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids} /
+        {"prompt_embeds": a [tokens, hidden_size] tensor}), one or a list of them. ``salts``: filled
+        with each prompt's ``cache_salt`` (a prompt dict's key, as vLLM's: prompts with different salts
+        share no prefix-cache blocks)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) for t in prompts):
             prompts = [prompts]  # one prompt given as token ids
-        out: list[PromptType] = []
+        out: list[PromptType | PromptEmbeds] = []
         for prompt in prompts:
             salt = None
             if isinstance(prompt, dict):
                 salt = prompt.get("cache_salt")
                 if salt is not None and (not isinstance(salt, str) or not salt):
                     raise ValueError("a prompt's cache_salt must be a non-empty string")
-                if "prompt_token_ids" in prompt:
+                if "prompt_embeds" in prompt:
+                    prompt = PromptEmbeds.from_tensor(prompt["prompt_embeds"])
+                elif "prompt_token_ids" in prompt:
                     prompt = list(prompt["prompt_token_ids"])
                 elif isinstance(prompt.get("prompt"), str):
                     prompt = prompt["prompt"]
                 else:
-                    raise TypeError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got {sorted(prompt)}")
+                    raise TypeError(f"a prompt dict needs 'prompt' (text), 'prompt_token_ids' or 'prompt_embeds', got "
+                                    f"{sorted(prompt)}")
             elif not isinstance(prompt, str | list):
                 raise TypeError(f"a prompt is text, a list of token ids or a prompt dict, got {type(prompt).__name__}")
             out.append(prompt)

@@ -334,6 +334,9 @@ class EngineConfig:
     # ("package.module:Class"), run at every step (engine_core.logits_processor); those that
     # installed packages offer under the llm_cluster.logits_processors entry points run too.
     logits_processors: tuple[Any, ...] = ()
+    # vLLM's --enable-prompt-embeds: requests may give their prompt as embeddings
+    # (engine_core.prompt_embeds) instead of token ids.
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         where = f"engine {self.engine_index}: "
@@ -385,6 +388,9 @@ class EngineConfig:
                          "model shards over the same workers", spec.draft_tensor_parallel_size)
                 _require(not self.enable_sleep_mode, "enable_sleep_mode",
                          "off with a draft model (its cache and weights are not released)", self.enable_sleep_mode)
+                _require(not self.enable_prompt_embeds, "enable_prompt_embeds",
+                         "off with a draft model (the draft cannot read the target's embeddings)",
+                         self.enable_prompt_embeds)
             _require(not (self.logits_processors and self.speculative_config is not None), "logits_processors",
                      "unset with speculative decoding (custom logits processors see one row per request)",
                      self.logits_processors)

@@ -49,6 +49,7 @@ class EngineDescription:
     num_blocks: int
     engine_index: int
     enable_sleep_mode: bool = False
+    enable_prompt_embeds: bool = False
 
 
 class _ClientBuffer:
@@ -592,7 +593,8 @@ class EngineCoreActor:
         return EngineDescription(model_info=engine.model_info, scheduler_config=engine.scheduler_config.as_dict(),
                                  block_size=self.service.config.block_size, num_blocks=engine.num_blocks,
                                  engine_index=self.service.config.engine_index,
-                                 enable_sleep_mode=self.service.config.enable_sleep_mode)
+                                 enable_sleep_mode=self.service.config.enable_sleep_mode,
+                                 enable_prompt_embeds=self.service.config.enable_prompt_embeds)
 
     async def engine_config(self) -> EngineConfig:
         """The configuration this engine was started with (a redeploy compares it with the wanted one)."""

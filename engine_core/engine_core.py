@@ -58,6 +58,11 @@ class EngineCore:
             kind = "an encoder has none of" if self.model_info.encoder_only else "a sliding-window model releases"
             raise ValueError(f"engine {config.engine_index}: --kv-offloading-size keeps prefix-cache blocks, which "
                              f"{kind}: drop it for this model")
+        if config.enable_prompt_embeds and (self.model_info.encoder_only or not self.model_info.pooling.generates):
+            executor.shutdown()
+            raise ValueError(f"engine {config.engine_index}: --enable-prompt-embeds is for generating decoder models: "
+                             f"{self.model_info.served_model_name} is an "
+                             f"{'encoder' if self.model_info.encoder_only else 'embedding model'}")
         num_blocks = executor.determine_num_blocks()
         # (The host-memory tier of KV offloading, in blocks: 0 when off.)
         self.num_offload_blocks = executor.initialize_cache(num_blocks) or 0
@@ -264,6 +269,8 @@ class EngineCore:
         if request.resumable and self.model_info.encoder_only:
             raise RequestRefusedError(f"{name} is an encoder: its prompts run whole in one pass, so it serves no "
                                       "streaming session (resumable request)")
+        if request.prompt_embeds is not None:
+            self._check_prompt_embeds(request)
         if self.logits_processor_classes and not params.embed:
             try:
                 validate_request_params(self.logits_processor_classes, params)
@@ -283,6 +290,26 @@ class EngineCore:
                 raise RequestRefusedError(f"prompt_logprobs of {per_token} over a prompt of "
                                           f"{len(request.prompt_token_ids)} tokens is {values} values, more than one "
                                           f"answer may carry ({MAX_PROMPT_LOGPROB_VALUES}): ask for fewer")
+
+    def _check_prompt_embeds(self, request: EngineCoreRequest) -> None:
+        embeds, name = request.prompt_embeds, self.model_info.served_model_name
+        assert embeds is not None
+        if not self.config.enable_prompt_embeds:
+            raise RequestRefusedError(f"{name} takes no prompt embeddings: start its engines with "
+                                      "--enable-prompt-embeds")
+        width = self.model_info.input_embedding_size
+        if embeds.hidden_size != width:
+            raise RequestRefusedError(f"prompt embeddings of {name} must have rows of its hidden size {width}, not "
+                                      f"{embeds.hidden_size}")
+        if embeds.num_tokens != len(request.prompt_token_ids):
+            raise RequestRefusedError(f"a prompt of {embeds.num_tokens} embeddings needs as many placeholder token "
+                                      f"ids, not {len(request.prompt_token_ids)}")
+        params = request.sampling_params
+        for refused, what in ((params.embed, "embeddings (pooling)"), (params.prompt_logprobs is not None,
+                                                                        "prompt logprobs"),
+                              (request.resumable, "a streaming session (resumable request)")):
+            if refused:
+                raise RequestRefusedError(f"a prompt given as embeddings has no token ids: it cannot ask for {what}")
 
     def add_request(self, request: EngineCoreRequest) -> Request | None:
         """Returns the new Request, or None when the id continued a live streaming session."""
@@ -309,7 +336,7 @@ class EngineCore:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, eos_token_id=eos, arrival_time=request.arrival_time,
             priority=request.priority, client_index=request.client_index, resumable=request.resumable,
-            cache_salt=request.cache_salt, lora_request=request.lora_request)
+            cache_salt=request.cache_salt, lora_request=request.lora_request, prompt_embeds=request.prompt_embeds)
         self.scheduler.add_request(engine_request)
         if is_new:
             self._totals["added"] += 1

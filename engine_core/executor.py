@@ -143,6 +143,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     # The size of the model's hidden states (an embedding's values); 0 where unknown.
     hidden_size: int = 0
+    # The width of the model's input embeddings (a prompt given as embeddings has rows this wide).
+    input_embedding_size: int = 0
     # The sliding window when every layer attends through it (the KV cache releases blocks behind
     # it); None when any layer attends fully.
     sliding_window: int | None = None

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from engine_core.prompt_embeds import PromptEmbeds
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
 
@@ -50,6 +51,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     # The LoRA adapter to run under; None: the base model.
     lora_request: LoRARequest | None = None
+    # A prompt given as embeddings (--enable-prompt-embeds): prompt_token_ids are as many placeholders.
+    prompt_embeds: PromptEmbeds | None = None
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True, gc=False):

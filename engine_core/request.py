@@ -12,6 +12,7 @@ from engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_core.outputs import LoRARequest
+    from engine_core.prompt_embeds import PromptEmbeds
 
 
 class RequestStatus(enum.IntEnum):
@@ -98,6 +99,7 @@ class Request:
         "num_prompt_tokens",
         "output_token_ids",
         "priority",
+        "prompt_embeds",
         "prompt_token_ids",
         "request_id",
         "resumable",
@@ -120,6 +122,7 @@ class Request:
         resumable: bool = False,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -132,6 +135,8 @@ class Request:
         self.cache_salt = cache_salt
         # The LoRA adapter this request runs under (None: the base model).
         self.lora_request = lora_request
+        # A prompt given as embeddings (its token ids are placeholders); they key its KV blocks.
+        self.prompt_embeds = prompt_embeds
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # Plain attributes (hot path): callers must not mutate them; use append_output_token_ids.
         self.output_token_ids: list[int] = []

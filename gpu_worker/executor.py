@@ -183,6 +183,7 @@ class _ExecutorBase(Executor):
             hidden_size=self.model_config.colbert_dim or (pooler.embedding_size(self.model_config.hidden_size)
                                                           if not self.model_config.labels
                                                           else self.model_config.hidden_size),
+            input_embedding_size=self.model_config.hidden_size,
             sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after, encoder_only=self.model_config.encoder_only,
             pooling=PoolingInfo(generates=not embeds_only, pooling_type=pooler.pooling_type,

@@ -88,7 +88,9 @@ class LogitsProcessorBatch:
                 slots[index] = state
                 refilled += 1
             output_ids = self._output_ids[id(state)] = []
-            added.append((index, state.sampling_params, state.token_ids[:state.num_prompt_tokens], output_ids))
+            # (A prompt given as embeddings has no token ids: None, as vLLM gives processors.)
+            prompt_ids = None if state.prompt_embeds is not None else state.token_ids[:state.num_prompt_tokens]
+            added.append((index, state.sampling_params, prompt_ids, output_ids))
         # (An index an added request took is not reported as removed: adding replaces what was there.)
         removed = removed[refilled:]
         moved = []

@@ -95,7 +95,7 @@ class ModelRunner:
         self.block_size = 0
         self.num_blocks = 0
         self.decode_in_place = False
-        self.requests = RequestStates(model_config.eos_token_ids, self.device)
+        self.requests = RequestStates(model_config.eos_token_ids, self.device, self.dtype)
         self.sampler = Sampler()
         # Custom logits processors (--logits-processors); None: the engine runs none.
         self.logits_processors = logits_processors
@@ -700,8 +700,28 @@ class ModelRunner:
             prompt_lens = np.fromiter((s.num_prompt_tokens for s in states), dtype=np.int64, count=num_reqs)
             positions = longrope_rows(positions, prompt_lens[req_index], self.rope_short_offset,
                                       self.rope_original_len)
-        hidden = self.model(input_ids_t, torch.from_numpy(positions).to(self.device), meta)
+        inputs_embeds = self._inputs_embeds(input_ids_t, states, starts, ends, query_start_loc)
+        hidden = self.model(input_ids_t, torch.from_numpy(positions).to(self.device), meta,
+                            **({} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}))
         return hidden, sample_rows, query_start_loc[1:] - 1
+
+    def _inputs_embeds(self, input_ids: torch.Tensor, states: list[RequestState], starts: np.ndarray,
+                       ends: np.ndarray, query_start_loc: np.ndarray) -> torch.Tensor | None:
+        """The pass's input rows when a request's chunk covers prompt embeddings: the embedding table's
+        rows of every token, with the requests' own rows written over their placeholders' (None when
+        no chunk does: the model looks its tokens up itself)."""
+        spans = []
+        for i, s in enumerate(states):
+            if s.prompt_embeds is not None and starts[i] < len(s.prompt_embeds):
+                end = min(int(ends[i]), len(s.prompt_embeds))
+                spans.append((int(query_start_loc[i]), s.prompt_embeds[int(starts[i]):end]))
+        if not spans:
+            return None
+        assert self.model is not None
+        embeds = self.model.embed_input_ids(input_ids)
+        for row, rows in spans:
+            embeds[row:row + len(rows)] = rows
+        return embeds
 
     def _forward_encoder(self, states: list[RequestState], num_sched: np.ndarray
                          ) -> tuple[torch.Tensor, list[int], np.ndarray]:
@@ -781,7 +801,9 @@ class ModelRunner:
             md.output_token_ids = _padded([s.output_token_ids for s in states], vocab_size, device)
             if use_rep:
                 md.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], device=device)
-                md.prompt_token_ids = _padded([s.token_ids[: s.num_prompt_tokens] for s in states], vocab_size, device)
+                # (A prompt given as embeddings has no tokens to penalise: its ids are placeholders.)
+                md.prompt_token_ids = _padded([s.token_ids[: s.num_prompt_tokens] if s.prompt_embeds is None else []
+                                               for s in states], vocab_size, device)
             if use_freq:
                 md.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], device=device)
             if use_pres:

@@ -44,6 +44,9 @@ class RequestState:
     # chunk (fp32 [tokens kept, row values] each, on TP rank 0 only).
     pooled: torch.Tensor | None = None
     pooled_rows: list[torch.Tensor] = field(default_factory=list)
+    # A prompt given as embeddings ([num_prompt_tokens, hidden] in the model's dtype, on its device):
+    # the model reads these rows where token_ids holds placeholders.
+    prompt_embeds: torch.Tensor | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -73,12 +76,15 @@ class _Parked:
     min_tokens_stop_ids: tuple[int, ...]
     prompt_logprobs_sent: bool
     lora_int_id: int
+    prompt_embeds: torch.Tensor | None
 
 
 class RequestStates:
-    def __init__(self, eos_token_ids: tuple[int, ...], device: torch.device) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...], device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.dtype = dtype  # (the model's: prompt embeddings are kept in it)
         self.states: dict[str, RequestState] = {}
         self._parked: dict[str, _Parked] = {}
         # Embedding requests held (SamplingParams.embed): a pass looks for them only while there are some.
@@ -127,7 +133,7 @@ class RequestStates:
             state = self._drop(req_id)
             if state is not None:
                 self._parked[req_id] = _Parked(state.sampling_params, state.generator, state.min_tokens_stop_ids,
-                                               state.prompt_logprobs_sent, state.lora_int_id)
+                                               state.prompt_logprobs_sent, state.lora_int_id, state.prompt_embeds)
         for new in so.scheduled_new_reqs:
             self._add_new(new)
         self._apply_cached(so.scheduled_cached_reqs)
@@ -145,7 +151,9 @@ class RequestStates:
             num_prompt_tokens=len(new.prompt_token_ids) - num_outputs, sampling_params=params,
             num_blocks=len(new.block_ids), table_row=-1, num_computed_tokens=new.num_computed_tokens,
             generator=self._make_generator(params), min_tokens_stop_ids=self._stop_ids(params, new.eos_token_id),
-            lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0), list(new.block_ids))
+            lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
+            prompt_embeds=None if new.prompt_embeds is None
+            else new.prompt_embeds.to_tensor().to(self.device, self.dtype)), list(new.block_ids))
 
     def _apply_cached(self, cached: CachedRequestData) -> None:
         for i, req_id in enumerate(cached.req_ids):
@@ -166,7 +174,8 @@ class RequestStates:
                     num_blocks=len(block_ids), table_row=-1, num_computed_tokens=start, generator=parked.generator,
                     min_tokens_stop_ids=parked.min_tokens_stop_ids,
                     # Resumed after its prompt logprobs went out: recomputing the prompt sends nothing.
-                    prompt_logprobs_sent=parked.prompt_logprobs_sent, lora_int_id=parked.lora_int_id), block_ids)
+                    prompt_logprobs_sent=parked.prompt_logprobs_sent, lora_int_id=parked.lora_int_id,
+                    prompt_embeds=parked.prompt_embeds), block_ids)
                 continue
             state = self.states.get(req_id)
             if state is None:

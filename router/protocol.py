@@ -228,7 +228,12 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="Text or token ids.")
+    prompt: str | list[str] | list[int] | list[list[int]] | None = Field(
+        None, description="Text or token ids (may be left out, or empty text, when prompt_embeds is given).")
+    prompt_embeds: str | list[str] | None = Field(
+        None, description="vLLM extra (--enable-prompt-embeds): prompts given as embeddings, each the base64 of a "
+                          "torch.save-d [tokens, hidden_size] float tensor; they come before the prompts of "
+                          "``prompt``.")
     echo: bool = Field(False, description="Prepend the prompt to the completion.")
     logprobs: int | None = Field(None, ge=-1, description="Top logprobs per token (-1: all; at most --max-logprobs).")
     max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt (and its logprobs) alone.")
@@ -236,16 +241,27 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _prompt_not_empty(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and len(self.prompt) == 0:
-            raise invalid("prompt", "prompt must not be empty")
+        if not self.prompt_embeds_list():
+            if self.prompt is None:
+                raise invalid("prompt", "prompt is required (or prompt_embeds, where the server takes them)")
+            if isinstance(self.prompt, list) and len(self.prompt) == 0:
+                raise invalid("prompt", "prompt must not be empty")
         if self.suffix:
             raise invalid("suffix", "suffix is not supported")
         if self.max_tokens == 0 and not self.echo:
             raise invalid("max_tokens", "max_tokens must be at least 1 unless echo is true")
         return self
 
+    def prompt_embeds_list(self) -> list[str]:
+        p = self.prompt_embeds
+        return [] if p is None else [p] if isinstance(p, str) else list(p)
+
     def prompts(self) -> list[str | list[int]]:
+        """The prompts of ``prompt``; with prompt_embeds, none for a missing or empty one (the
+        ``openai`` client's way to send embeddings alone is ``prompt=""``)."""
         p = self.prompt
+        if p is None or (self.prompt_embeds_list() and p in ("", [], [""])):
+            return []
         if isinstance(p, str):
             return [p]
         if all(isinstance(x, int) for x in p):

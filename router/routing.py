@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_REMOVED, BLOCKS_STORED
 from engine_core.core.kv_cache_utils import extend_block_hashes
+from engine_core.prompt_embeds import PromptEmbeds
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session")
 
@@ -36,6 +37,8 @@ class RoutingContext:
     lora_key: tuple[int, str] | None = None
     # The request's cache_salt: its blocks' hashes are salted in the engine, so here too.
     cache_salt: str | None = None
+    # A prompt given as embeddings: their digests key its blocks, as in the engine.
+    prompt_embeds: PromptEmbeds | None = None
 
     def healthy_indices(self) -> list[int]:
         indices = [i for i, ok in enumerate(self.healthy) if ok]
@@ -165,7 +168,8 @@ class PrefixAwarePolicy(RoutingPolicy):
         num_tokens = len(ctx.prompt_token_ids)
         extend_block_hashes(block_hashes, ctx.prompt_token_ids, num_tokens // self.block_size, self.block_size,
                             cache_salt=ctx.cache_salt, lora_key=ctx.lora_key,
-                            long_rope=self.long_rope_after is not None and num_tokens > self.long_rope_after)
+                            long_rope=self.long_rope_after is not None and num_tokens > self.long_rope_after,
+                            prompt_embeds=ctx.prompt_embeds)
         lengths = self.match_lengths(block_hashes)
         least = min(healthy, key=lambda i: ctx.loads[i])
         best = max(healthy, key=lambda i: (lengths[i], -ctx.loads[i]))

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from pydantic import ValidationError
@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from engine_core.beam_search import BeamSearch, candidates_per_beam
 from engine_core.executor import PoolingInfo
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry, LoRARequest
+from engine_core.prompt_embeds import PromptEmbeds, decode_prompt_embeds
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams, logprobs_count
 from router.bad_words import bad_words_token_ids
@@ -186,6 +187,8 @@ class ServingSettings:
     vocab_size: int = 0
     # The model's hidden size: an embedding's values (0: unknown, not checked).
     hidden_size: int = 0
+    # The width of the model's input embeddings (prompt_embeds rows); 0: not checked here.
+    input_embedding_size: int = 0
     # The engines' PoolingInfo: whether the model generates (else generation endpoints answer 400),
     # how it pools embeddings, and a classifier's classes.
     pooling: PoolingInfo = field(default_factory=PoolingInfo)
@@ -213,6 +216,8 @@ class ServingSettings:
     stream_interval: int = 1
     # Every engine was started with --enable-sleep-mode: the operators' /sleep and /wake_up act on them.
     enable_sleep_mode: bool = False
+    # --enable-prompt-embeds on every engine: completions may give prompts as embeddings.
+    enable_prompt_embeds: bool = False
     # --enable-server-load-tracking (vLLM's): GET /load counts the requests in progress.
     enable_server_load_tracking: bool = False
     # --enable-tokenizer-info-endpoint (vLLM's): GET /tokenizer_info exists.
@@ -281,6 +286,17 @@ class _Delta:
     finish_reason: str | None
     stop_reason: int | str | None
     num_tokens: int  # the choice's tokens so far
+
+
+class _Job(NamedTuple):
+    """One engine request to open: its engine, id, prompt (placeholder ids for a prompt given as
+    embeddings, which come in ``prompt_embeds``) and parameters."""
+
+    engine: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_embeds: PromptEmbeds | None = None
 
 
 @dataclass
@@ -577,6 +593,33 @@ class OpenAIServing:
                     for row in entry.ranked(prompt_ids[1:], k)]
         return out
 
+    def prompt_embeds(self, request: CompletionRequest) -> list[PromptEmbeds]:
+        """The request's prompt_embeds, decoded and checked (400 naming prompt_embeds, or what they
+        cannot be combined with); truncate_prompt_tokens keeps each one's last rows."""
+        encoded = request.prompt_embeds_list()
+        if not encoded:
+            return []
+        if not self.settings.enable_prompt_embeds:
+            raise bad_request("You must set `--enable-prompt-embeds` to input `prompt_embeds`.", "prompt_embeds")
+        for refused, what, param in ((request.echo, "Echo is", "echo"),
+                                     (request.prompt_logprobs is not None, "prompt_logprobs is", "prompt_logprobs"),
+                                     (request.use_beam_search, "Beam search is", "use_beam_search")):
+            if refused:
+                raise bad_request(f"{what} unsupported with prompt embeds.", param)
+        width, out = self.settings.input_embedding_size, []
+        keep = self.truncation_length(request)
+        for i, text in enumerate(encoded):
+            param = "prompt_embeds" if isinstance(request.prompt_embeds, str) else f"prompt_embeds.{i}"
+            try:
+                embeds = decode_prompt_embeds(text)
+            except ValueError as e:
+                raise bad_request(str(e), param) from None
+            if width and embeds.hidden_size != width:
+                raise bad_request(f"prompt embeddings must have rows of the model's hidden size {width}, not "
+                                  f"{embeds.hidden_size}", param)
+            out.append(embeds if keep is None else embeds.last(keep))
+        return out
+
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
@@ -683,7 +726,7 @@ class OpenAIServing:
 
     def choose_engine(self, prompt_token_ids: list[int], session_id: str | None,
                       chosen: list[int] | None = None, lora: LoRARequest | None = None, count: int = 1,
-                      cache_salt: str | None = None) -> int:
+                      cache_salt: str | None = None, prompt_embeds: PromptEmbeds | None = None) -> int:
         """``chosen``: requests this call already placed but has not opened yet, per engine (several
         prompts of one request must see each other's load, or they all go to one engine); the
         ``count`` requests of this prompt are added to the chosen engine's; ``cache_salt`` keys the
@@ -694,7 +737,8 @@ class OpenAIServing:
             loads = [load + extra for load, extra in zip(loads, chosen, strict=True)]
         try:
             engine = self.policy.choose(RoutingContext(prompt_token_ids, loads, self.client.healthy(), session_id,
-                                                       None if lora is None else lora.cache_key, cache_salt))
+                                                       None if lora is None else lora.cache_key, cache_salt,
+                                                       prompt_embeds))
         except NoHealthyEngineError as e:
             raise APIError(503, "no healthy engine is available", "ServiceUnavailableError") from e
         if self.metrics is not None:
@@ -705,14 +749,15 @@ class OpenAIServing:
 
     # -- generation ---------------------------------------------------------------------------------
 
-    def _engine_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        priority: int, lora: LoRARequest | None, cache_salt: str | None) -> EngineCoreRequest:
+    def _engine_request(self, job: _Job, priority: int, lora: LoRARequest | None,
+                        cache_salt: str | None) -> EngineCoreRequest:
         eos = self.settings.eos_token_ids[0] if self.settings.eos_token_ids else None
-        return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
+        return EngineCoreRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids, sampling_params=job.params,
                                  eos_token_id=eos, arrival_time=time.time(), priority=priority,
-                                 client_index=self.client.client_index, lora_request=lora, cache_salt=cache_salt)
+                                 client_index=self.client.client_index, lora_request=lora, cache_salt=cache_salt,
+                                 prompt_embeds=job.prompt_embeds)
 
-    async def _open_all(self, jobs: list[tuple[int, str, list[int], SamplingParams]], priority: int,
+    async def _open_all(self, jobs: list[_Job], priority: int,
                         lora: LoRARequest | None = None, cache_salt: str | None = None,
                         deadline: float | None = None) -> list[RequestStream]:
         """Send every job's request (engine, request id, prompt, parameters) to its engine now,
@@ -723,8 +768,9 @@ class OpenAIServing:
             streams: list[RequestStream] = []
             engine = -1
             try:
-                for engine, request_id, prompt_ids, params in jobs:
-                    request = self._engine_request(request_id, prompt_ids, params, priority, lora, cache_salt)
+                for job in jobs:
+                    engine, request_id = job.engine, job.request_id
+                    request = self._engine_request(job, priority, lora, cache_salt)
                     if self.settings.enable_log_requests and request_id not in logged:
                         logged.add(request_id)
                         self._log_request(request)
@@ -759,7 +805,11 @@ class OpenAIServing:
         (VLLM_LOGGING_LEVEL=DEBUG), as vLLM keeps prompts out of the INFO log."""
         logger.info("Received request %s: params: %s, lora_request: %s.", request.request_id,
                     request.sampling_params, request.lora_request)
-        if logger.isEnabledFor(logging.DEBUG):
+        if logger.isEnabledFor(logging.DEBUG) and request.prompt_embeds is not None:
+            embeds = request.prompt_embeds
+            logger.debug("Request %s details: prompt_embeds: [%d, %d] %s.", request.request_id, embeds.num_tokens,
+                         embeds.hidden_size, embeds.dtype)
+        elif logger.isEnabledFor(logging.DEBUG):
             limit = self.settings.max_log_len
             ids = request.prompt_token_ids if limit is None else request.prompt_token_ids[:limit]
             text = self.tokenizer.decode(ids)
@@ -851,10 +901,11 @@ class OpenAIServing:
         self.check_generates()
         _no_stream_prompt_logprobs(request)
         self.resolve_logprobs(request)
-        prompts = request.prompts()
+        # Prompts given as embeddings first, then those of ``prompt`` (vLLM's order).
+        prompts: list[str | list[int] | PromptEmbeds] = [*self.prompt_embeds(request), *request.prompts()]
         request_id, engine_base = answer_ids("cmpl", external_id)
         created = int(time.time())
-        jobs = []
+        jobs: list[_Job] = []
         choices: list[_Choice] = []
         prompt_texts: list[str] = []
         prompt_ids: list[list[int]] = []
@@ -862,33 +913,40 @@ class OpenAIServing:
         chosen = [0] * self.client.num_engines
         searches = []
         for p_index, prompt in enumerate(prompts):
-            ids = self.tokenize_prompt(prompt)
-            if not ids:
-                raise bad_request("prompt must not be empty", "prompt")
-            truncated = self.truncate_prompt(ids, request)
-            if len(truncated) < len(ids):  # (echo returns the prompt the model saw)
-                ids, prompt = truncated, truncated
+            embeds = prompt if isinstance(prompt, PromptEmbeds) else None
+            if embeds is not None:  # (placeholder ids: the engine reads the rows instead)
+                ids = [0] * embeds.num_tokens
+                prompt_texts.append("")
+            else:
+                ids = self.tokenize_prompt(prompt)  # type: ignore[arg-type]
+                if not ids:
+                    raise bad_request("prompt must not be empty", "prompt")
+                truncated = self.truncate_prompt(ids, request)
+                if len(truncated) < len(ids):  # (echo returns the prompt the model saw)
+                    ids, prompt = truncated, truncated
+                prompt_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
             num_prompt_tokens += len(ids)
-            prompt_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
             prompt_ids.append(ids)
             if request.use_beam_search:  # (every prompt checked before any search starts)
                 searches.append(self._beam_plan(request, ids, request.max_tokens, request.logprobs))
                 continue
-            engine = self.choose_engine(ids, session_id, chosen, lora, request.n, request.cache_salt)
-            for c in self._new_choices(request.n, ids, request):
+            engine = self.choose_engine(ids, session_id, chosen, lora, request.n, request.cache_salt, embeds)
+            for c in self._new_choices(request.n, [] if embeds is not None else ids, request):
                 # max_tokens=0 (echo only): one token is generated and dropped, as vLLM does.
                 params = self.sampling_params(request, len(ids), request.max_tokens or 1, request.logprobs, c.index,
                                               prompt_logprobs=_max_or_none(request.logprobs if request.echo else None,
                                                                            request.prompt_logprobs))
                 c.index = p_index * request.n + c.index
                 choices.append(c)
-                jobs.append((engine, choice_request_id(engine_base, c.index), ids, params))
+                jobs.append(_Job(engine, choice_request_id(engine_base, c.index), ids, params, embeds))
+        # return_token_ids: a prompt given as embeddings has none (null, as vLLM's).
+        shown_ids = [None if isinstance(p, PromptEmbeds) else ids for p, ids in zip(prompts, prompt_ids, strict=True)]
         if searches:  # (beam search: the choices come complete, before any response starts)
             choices = await self._beam_searches(request, searches, engine_base, session_id, lora)
         streams = await self._open_all(jobs, request.priority, lora, request.cache_salt)
         if request.stream:
             return SSEStream(self._stream_completion(request, request_id, created, choices, prompt_texts,
-                                                     prompt_ids, num_prompt_tokens, streams), streams)
+                                                     prompt_ids, num_prompt_tokens, streams, shown_ids), streams)
         await self._generate(streams, choices, None)
         out = []
         for c in choices:
@@ -906,15 +964,18 @@ class OpenAIServing:
             out.append(CompletionChoice(index=c.index, text=prefix + c.detok.output_text, logprobs=logprobs,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                         prompt_logprobs=self._prompt_logprobs(request, ids, c.prompt_logprobs),
-                                        prompt_token_ids=ids if request.return_token_ids else None,
+                                        prompt_token_ids=shown_ids[c.index // request.n]
+                                        if request.return_token_ids else None,
                                         token_ids=c.token_ids if request.return_token_ids else None))
         return CompletionResponse(id=request_id, created=created, model=self.model_name(request.model), choices=out,
                                   usage=self._usage(num_prompt_tokens, choices, request.n))
 
     async def _stream_completion(self, request: CompletionRequest, request_id: str, created: int,
                                  choices: list[_Choice], prompt_texts: list[str], prompt_ids: list[list[int]],
-                                 num_prompt_tokens: int, streams: list[RequestStream]) -> AsyncIterator[str | bytes]:
-        """Choice i answers prompt i // n (several prompts stream their choices interleaved)."""
+                                 num_prompt_tokens: int, streams: list[RequestStream],
+                                 shown_ids: list[list[int] | None]) -> AsyncIterator[str | bytes]:
+        """Choice i answers prompt i // n (several prompts stream their choices interleaved);
+        ``shown_ids``: each prompt's ids as return_token_ids shows them."""
         model = self.model_name(request.model)
         n = request.n
         # Logprobs' text offsets count from the start of the choice's text (the echoed prompt included).
@@ -923,7 +984,7 @@ class OpenAIServing:
         # With logprobs the echoed prompt waits for its logprobs, which come with the first output.
         echo_pending = {c.index for c in choices} if request.echo and request.logprobs is not None else set()
         # return_token_ids: each choice's first chunk carries its prompt's ids, each chunk its own new ids.
-        token_ids = _StreamedTokenIds(prompt_ids, n) if request.return_token_ids else None
+        token_ids = _StreamedTokenIds(shown_ids, n) if request.return_token_ids else None
         if request.echo and not echo_pending:
             for c in choices:
                 yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
@@ -1028,9 +1089,9 @@ class OpenAIServing:
             c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
         # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
         after = [self._think_end_id] if thinks and self._thinks_before_constraint() else None
-        jobs = [(engine, choice_request_id(engine_base, c.index), ids,
-                 self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
-                                      prompt_logprobs=request.prompt_logprobs, structured_output_after=after))
+        jobs = [_Job(engine, choice_request_id(engine_base, c.index), ids,
+                     self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
+                                          prompt_logprobs=request.prompt_logprobs, structured_output_after=after))
                 for c in choices]
         streams = await self._open_all(jobs, request.priority, lora, request.cache_salt)
         return ChatRun(request_id, created, ids, choices, streams)
@@ -1260,8 +1321,8 @@ class OpenAIServing:
             # (An adapter a round's engine had lost is loaded again under a new id: later rounds use it.)
             lora = lora if lora is None else self.lora_adapters.get(lora.lora_name, lora)
             chosen = [0] * self.client.num_engines
-            jobs = [(self.choose_engine(beam.tokens, session_id, chosen, lora, cache_salt=request.cache_salt),
-                     f"{engine_base}-{first_index}-beam{round_index}-{i}", beam.tokens, plan.step)
+            jobs = [_Job(self.choose_engine(beam.tokens, session_id, chosen, lora, cache_salt=request.cache_salt),
+                         f"{engine_base}-{first_index}-beam{round_index}-{i}", beam.tokens, plan.step)
                     for i, beam in enumerate(search.live)]
             streams = await self._open_all(jobs, request.priority, lora, request.cache_salt, deadline)
             reads = [asyncio.ensure_future(self._ending_output(stream, _brings_a_token)) for stream in streams]
@@ -1306,8 +1367,8 @@ class OpenAIServing:
         once in the engines); a timeout or an engine error fails them all."""
         chosen = [0] * self.client.num_engines
         each = params if isinstance(params, list) else [params] * len(prompts)
-        jobs = [(self.choose_engine(ids, session_id, chosen, lora, cache_salt=cache_salt),
-                 choice_request_id(request_id, i), ids, p)
+        jobs = [_Job(self.choose_engine(ids, session_id, chosen, lora, cache_salt=cache_salt),
+                     choice_request_id(request_id, i), ids, p)
                 for i, (ids, p) in enumerate(zip(prompts, each, strict=True))]
         streams = await self._open_all(jobs, priority, lora, cache_salt)
         try:
@@ -1549,30 +1610,34 @@ class _StreamedTokenIds:
     puts them in the role chunk, at the chunk's top level), and each chunk the ids generated since
     the choice's previous chunk, so a choice's chunks add up to its ``token_ids``."""
 
-    def __init__(self, prompt_ids: list[list[int]], n: int) -> None:
+    def __init__(self, prompt_ids: list[list[int] | None], n: int) -> None:
+        """``prompt_ids``: None for a prompt given as embeddings (its first chunk says null)."""
         self._prompt_ids, self._n = prompt_ids, n
         self._sent: dict[int, int] = {}  # choice index -> its tokens already sent
 
+    def _first(self, index: int) -> bool:
+        first = index not in self._sent
+        self._sent.setdefault(index, 0)
+        return first
+
     def prompt(self, index: int) -> list[int] | None:
         """The choice's prompt ids the first time it is asked for (its first chunk), else None."""
-        if index in self._sent:
-            return None
-        self._sent[index] = 0
-        return self._prompt_ids[index // self._n]
+        return self._prompt_ids[index // self._n] if self._first(index) else None
 
-    def opening(self, index: int) -> dict[str, list[int]]:
+    def opening(self, index: int) -> dict[str, list[int] | None]:
         """A chunk that carries no generated token (an echoed prompt, an echo-only finish)."""
-        prompt = self.prompt(index)
-        return {"token_ids": []} if prompt is None else {"prompt_token_ids": prompt, "token_ids": []}
+        if not self._first(index):
+            return {"token_ids": []}
+        return {"prompt_token_ids": self._prompt_ids[index // self._n], "token_ids": []}
 
-    def of(self, event: _Delta) -> dict[str, list[int]]:
+    def of(self, event: _Delta) -> dict[str, list[int] | None]:
         """The ids of the chunk that sends ``event`` (and those of any event of its choice not sent)."""
         index = event.choice.index
-        prompt = self.prompt(index)
+        first = self._first(index)
         start, self._sent[index] = self._sent[index], event.num_tokens
-        ids = {"token_ids": event.choice.token_ids[start:event.num_tokens]}
-        if prompt is not None:
-            ids["prompt_token_ids"] = prompt
+        ids: dict[str, list[int] | None] = {"token_ids": event.choice.token_ids[start:event.num_tokens]}
+        if first:
+            ids["prompt_token_ids"] = self._prompt_ids[index // self._n]
         return ids
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine_core.prompt_embeds import PromptEmbeds
 
 BlockHash = bytes
 
@@ -41,13 +45,20 @@ def first_block_keys(cache_salt: str | None = None, lora_key: tuple[int, str] | 
 
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int,
                         block_size: int, cache_salt: str | None = None,
-                        lora_key: tuple[int, str] | None = None, long_rope: bool = False) -> None:
-    """Grow ``block_hashes`` in place to cover the first ``num_blocks`` full blocks of ``token_ids``."""
+                        lora_key: tuple[int, str] | None = None, long_rope: bool = False,
+                        prompt_embeds: PromptEmbeds | None = None) -> None:
+    """Grow ``block_hashes`` in place to cover the first ``num_blocks`` full blocks of ``token_ids``.
+    ``prompt_embeds``: the prompt's embedding rows, whose digest keys each block they reach into
+    (their token ids are placeholders)."""
     start = len(block_hashes)
     parent = block_hashes[-1] if block_hashes else NONE_HASH
     for i in range(start, num_blocks):
         # The salt and the adapter key the first block only: later blocks inherit them through the chain.
         extra = first_block_keys(cache_salt, lora_key, long_rope) if i == 0 else None
+        if prompt_embeds is not None:
+            digest = prompt_embeds.block_digest(i, block_size)
+            if digest is not None:
+                extra = (*(extra or ()), ("embeds", digest))
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         block_hashes.append(parent)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from engine_core.outputs import LoRARequest
+from engine_core.prompt_embeds import PromptEmbeds
 from engine_core.sampling_params import SamplingParams
 
 
@@ -24,6 +25,8 @@ class NewRequestData(msgspec.Struct, array_like=True):
     eos_token_id: int | None = None
     # The LoRA adapter the workers apply to this request's tokens (None: the base model).
     lora_request: LoRARequest | None = None
+    # A prompt given as embeddings: the rows the model takes in place of its placeholder tokens.
+    prompt_embeds: PromptEmbeds | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

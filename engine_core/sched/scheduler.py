@@ -542,6 +542,7 @@ class Scheduler(SchedulerInterface):
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
             lora_request=request.lora_request,
+            prompt_embeds=request.prompt_embeds,
         )
 
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],

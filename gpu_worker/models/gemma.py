@@ -68,8 +68,10 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens.forward(input_ids) * self.embed_scale
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # (Prompt embeddings are the table's rows: scaled here, as transformers scales inputs_embeds.)
+        hidden = (self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds) * self.embed_scale
         rope = self.rotary_emb.cos_sin(positions)
         local = rope if self.local_rotary_emb is None else self.local_rotary_emb.cos_sin(positions)
         residual = None

@@ -159,10 +159,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """``positions``: each token's row of the rotary table (its position, except for LongRoPE's
-        short-factor rows: see layers.rotary)."""
-        hidden = self.embed_tokens.forward(input_ids)
+        short-factor rows: see layers.rotary). ``inputs_embeds``: the rows to run instead of the
+        tokens' (prompt embeddings)."""
+        hidden = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.cos_sin(positions)
         residual = None
         for layer in self.layers:
@@ -196,8 +198,14 @@ class LlamaForCausalLM(nn.Module):
         # from each token's; whole on every TP rank.
         self.score = _score_head(config) if config.labels else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model.forward(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.forward(input_ids, positions, meta, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding table's rows of ``input_ids`` (before any scaling the model applies): what a
+        prompt given as embeddings replaces, as transformers' ``inputs_embeds``."""
+        return self.model.embed_tokens.forward(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on TP rank 0, None on the other ranks."""

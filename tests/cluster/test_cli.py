@@ -465,6 +465,16 @@ def test_kv_offloading_flags_reach_every_engine():
         _config("--kv-offloading-backend", "lmcache")
 
 
+def test_enable_prompt_embeds_reaches_every_engine_of_the_model(tmp_path):
+    assert [e.enable_prompt_embeds for e in _config("--num-engines", "2", "--enable-prompt-embeds").engine_configs()
+            ] == [True, True]
+    assert _config().engine_configs()[0].enable_prompt_embeds is False
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {enable_prompt_embeds: false}\n")
+    with pytest.raises(ValueError, match="engine 1: enable_prompt_embeds must be the same on every engine"):
+        _config("--num-engines", "2", "--enable-prompt-embeds", "--engine-config", str(overrides)).engine_configs()
+
+
 def test_logits_processors_reach_every_engine_of_the_model(tmp_path):
     names = ["tests.logits_processors:TargetTokenProcessor", "tests.logits_processors.NoEchoAdapter"]
     configs = _config("--num-engines", "2", "--logits-processors", *names).engine_configs()

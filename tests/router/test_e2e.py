@@ -32,8 +32,10 @@ def cluster(ray_cluster, tiny_model_dir):
         # (Marked as trained for shorter embeddings, which /v1/embeddings' dimensions needs, as in vLLM.)
         # Sleep mode on, for the operators' /sleep and /wake_up.
         # A custom logits processor, which only requests that name a target_token meet.
+        # Prompts may come as embeddings.
         defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256, hf_overrides={"is_matryoshka": True},
-                            enable_sleep_mode=True, logits_processors=["tests.logits_processors:TargetTokenProcessor"]),
+                            enable_sleep_mode=True, logits_processors=["tests.logits_processors:TargetTokenProcessor"],
+                            enable_prompt_embeds=True),
         # Engine 1 has a short queue, so flooding it yields 429s.
         engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
     # A second router app over the same engines, with another policy, and tool_choice "auto" read
@@ -257,6 +259,33 @@ def test_a_custom_logits_processor_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError, match="target_token must be a non-negative integer"):
         client.completions.create(model="tiny", prompt="Hello", max_tokens=2,
                                   extra_body={"vllm_xargs": {"target_token": "x"}})
+
+
+def test_prompt_embeddings_through_the_openai_client(client, tiny_model_dir):
+    """--enable-prompt-embeds on real engines: the embedding table's rows of a prompt's tokens,
+    sent as vLLM's clients send them (base64 of torch.save, the prompt left empty), answer as the
+    tokens do, plain and streamed; rows of the wrong width are a 400."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engine_core.prompt_embeds import encode_prompt_embeds
+
+    table = load_file(str(tiny_model_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    ids = client.completions.create(model="tiny", prompt="Hello there, how are", max_tokens=1,
+                                    extra_body={"return_token_ids": True}).choices[0].prompt_token_ids
+    by_tokens = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    encoded = encode_prompt_embeds(table[torch.tensor(ids)])
+    by_rows = client.completions.create(model="tiny", prompt="", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True, "prompt_embeds": encoded})
+    assert by_rows.choices[0].text == by_tokens.choices[0].text
+    assert by_rows.usage.prompt_tokens == len(ids)
+    stream = client.completions.create(model="tiny", prompt="", max_tokens=8, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True, "prompt_embeds": encoded})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == by_tokens.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="hidden size 64"):
+        client.completions.create(model="tiny", prompt="", max_tokens=2,
+                                  extra_body={"prompt_embeds": encode_prompt_embeds(torch.zeros(3, 8))})
 
 
 def test_beam_search_through_the_openai_client(client):
