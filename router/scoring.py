@@ -89,13 +89,15 @@ def pair_params(params: SamplingParams, type_start: int | None, takes_token_type
 
 
 def cosine_scores(vectors: list[list[float]], pairs: list[tuple[int, int]]) -> list[float]:
-    """Each pair's cosine similarity, computed in float64 and held to [-1, 1] (so a text scores
-    exactly 1 against itself, not 1 + a rounding error)."""
+    """Each pair's cosine similarity, computed in float64 and held to [-1, 1]; equal embeddings (a
+    text against itself) score exactly 1, not 1 give or take a rounding error."""
     matrix = np.asarray(vectors, dtype=np.float64)
     if not np.isfinite(matrix).all():
         raise ValueError("the model produced a non-finite embedding")
+    equal = [i == j or np.array_equal(matrix[i], matrix[j]) for i, j in pairs]
     matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
-    return [min(1.0, max(-1.0, float(matrix[i] @ matrix[j]))) for i, j in pairs]
+    return [1.0 if same else min(1.0, max(-1.0, float(matrix[i] @ matrix[j])))
+            for (i, j), same in zip(pairs, equal, strict=True)]
 
 
 def maxsim_scores(token_vectors: list[list[float]], row_size: int, pairs: list[tuple[int, int]]) -> list[float]:
