@@ -91,8 +91,15 @@ _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
 
 
+class FrameTooLargeError(ValueError):
+    """A message larger than one frame may be: the other end would drop the whole channel for it."""
+
+
 def encode_frame(message: ClientMessage | EngineMessage) -> bytes:
     payload = _encoder.encode(message)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise FrameTooLargeError(f"the request is {len(payload)} bytes encoded, more than one request may be "
+                                 f"({MAX_FRAME_BYTES} bytes)")
     return _LENGTH.pack(len(payload)) + payload
 
 

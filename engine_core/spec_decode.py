@@ -119,7 +119,10 @@ class NgramProposer:
                               self.max_model_len)
             if room <= 0:
                 continue
-            draft = ngram_draft(self._tokens(request, arrays), self.min_n, self.max_n, room)
+            tokens = self._tokens(request, arrays)
+            if request.prompt_embeds is not None:  # (its prompt ids are placeholders: nothing to match)
+                tokens = tokens[request.num_prompt_tokens:]
+            draft = ngram_draft(tokens, self.min_n, self.max_n, room)
             if draft:
                 drafts[request.request_id] = draft
         self._arrays = arrays  # (requests that did not draft this pass are forgotten)

@@ -720,7 +720,7 @@ class ModelRunner:
         assert self.model is not None
         embeds = self.model.embed_input_ids(input_ids)
         for row, rows in spans:
-            embeds[row:row + len(rows)] = rows
+            embeds[row:row + len(rows)] = rows.to(self.device, non_blocking=True)
         return embeds
 
     def _forward_encoder(self, states: list[RequestState], num_sched: np.ndarray

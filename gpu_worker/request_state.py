@@ -44,8 +44,8 @@ class RequestState:
     # chunk (fp32 [tokens kept, row values] each, on TP rank 0 only).
     pooled: torch.Tensor | None = None
     pooled_rows: list[torch.Tensor] = field(default_factory=list)
-    # A prompt given as embeddings ([num_prompt_tokens, hidden] in the model's dtype, on its device):
-    # the model reads these rows where token_ids holds placeholders.
+    # A prompt given as embeddings ([num_prompt_tokens, hidden] in the model's dtype, in host memory,
+    # page-locked beside a GPU): each pass copies the rows it runs where token_ids holds placeholders.
     prompt_embeds: torch.Tensor | None = None
 
     @property
@@ -152,8 +152,14 @@ class RequestStates:
             num_blocks=len(new.block_ids), table_row=-1, num_computed_tokens=new.num_computed_tokens,
             generator=self._make_generator(params), min_tokens_stop_ids=self._stop_ids(params, new.eos_token_id),
             lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
-            prompt_embeds=None if new.prompt_embeds is None
-            else new.prompt_embeds.to_tensor().to(self.device, self.dtype)), list(new.block_ids))
+            prompt_embeds=None if new.prompt_embeds is None else self._host_rows(new.prompt_embeds.to_tensor())),
+            list(new.block_ids))
+
+    def _host_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Prompt embeddings kept off the device (they are not in its memory budget): in the model's
+        dtype, page-locked beside a GPU so a pass's slice copies without staging."""
+        rows = rows.to(self.dtype)
+        return rows.pin_memory() if self.device.type == "cuda" else rows
 
     def _apply_cached(self, cached: CachedRequestData) -> None:
         for i, req_id in enumerate(cached.req_ids):

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_core.channel import AbortRequests, Accepted, AddRequest, ChannelConnection, Outputs
+from engine_core.channel import AbortRequests, Accepted, AddRequest, ChannelConnection, FrameTooLargeError, Outputs
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
 from router.request_timeline import RequestTimeline, current_timeline
@@ -239,6 +239,8 @@ class EngineClient:
                 raise RequestTimeoutError(f"request {rid}: engine {engine} did not admit it in {timeout_s} s") from e
             if isinstance(e, EngineUnavailableError | asyncio.CancelledError):
                 raise
+            if isinstance(e, FrameTooLargeError):  # (nothing was sent: the channel lives on)
+                raise RequestRefusedByEngineError(str(e)) from e
             raise EngineUnavailableError(f"engine {engine} is unavailable: {e}") from e
         if accepted.error is not None:
             self._forget(slot, rid)

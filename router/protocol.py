@@ -260,7 +260,7 @@ class CompletionRequest(SamplingFields):
         """The prompts of ``prompt``; with prompt_embeds, none for a missing or empty one (the
         ``openai`` client's way to send embeddings alone is ``prompt=""``)."""
         p = self.prompt
-        if p is None or (self.prompt_embeds_list() and p in ("", [], [""])):
+        if p is None or (self.prompt_embeds_list() and (p == "" or (isinstance(p, list) and all(x == "" for x in p)))):
             return []
         if isinstance(p, str):
             return [p]

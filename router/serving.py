@@ -617,7 +617,11 @@ class OpenAIServing:
             if width and embeds.hidden_size != width:
                 raise bad_request(f"prompt embeddings must have rows of the model's hidden size {width}, not "
                                   f"{embeds.hidden_size}", param)
-            out.append(embeds if keep is None else embeds.last(keep))
+            embeds = embeds if keep is None else embeds.last(keep)
+            if embeds.num_tokens >= self.settings.max_model_len:
+                raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens; "
+                                  f"the prompt has {embeds.num_tokens} embeddings.", param)
+            out.append(embeds)
         return out
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -901,8 +905,10 @@ class OpenAIServing:
         self.check_generates()
         _no_stream_prompt_logprobs(request)
         self.resolve_logprobs(request)
-        # Prompts given as embeddings first, then those of ``prompt`` (vLLM's order).
-        prompts: list[str | list[int] | PromptEmbeds] = [*self.prompt_embeds(request), *request.prompts()]
+        # Prompts given as embeddings first, then those of ``prompt`` (vLLM's order); embeddings are
+        # decoded off the event loop (up to hundreds of MB: the other streams must not wait).
+        embedded = await asyncio.to_thread(self.prompt_embeds, request) if request.prompt_embeds else []
+        prompts: list[str | list[int] | PromptEmbeds] = [*embedded, *request.prompts()]
         request_id, engine_base = answer_ids("cmpl", external_id)
         created = int(time.time())
         jobs: list[_Job] = []

@@ -70,8 +70,8 @@ class GemmaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        # (Prompt embeddings are the table's rows: scaled here, as transformers scales inputs_embeds.)
-        hidden = (self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds) * self.embed_scale
+        # (Prompt embeddings come scaled, as transformers' embedding module gives them: see embed_input_ids.)
+        hidden = self.embed_tokens.forward(input_ids) * self.embed_scale if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.cos_sin(positions)
         local = rope if self.local_rotary_emb is None else self.local_rotary_emb.cos_sin(positions)
         residual = None
@@ -89,6 +89,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.final_logit_softcapping = config.final_logit_softcapping
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The table's rows times sqrt(hidden_size): what transformers' Gemma embedding module gives
+        (``get_input_embeddings()(ids)``), so the prompt embeddings a client makes with it are the
+        rows the model runs."""
+        return self.model.embed_tokens.forward(input_ids) * self.model.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

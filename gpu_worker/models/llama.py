@@ -203,8 +203,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.forward(input_ids, positions, meta, inputs_embeds)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embedding table's rows of ``input_ids`` (before any scaling the model applies): what a
-        prompt given as embeddings replaces, as transformers' ``inputs_embeds``."""
+        """The rows the first layer takes for ``input_ids`` (what transformers' ``get_input_embeddings()``
+        gives): what a prompt given as embeddings replaces."""
         return self.model.embed_tokens.forward(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -55,33 +55,63 @@ def test_generating_from_embeddings_equals_transformers_through_chunks_and_preem
                                  SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                                 repetition_penalty=1.5), use_tqdm=False)
         stats = llm.get_stats()[0]
+        # Prompts given as embeddings only: whichever request is preempted, it resumes from its rows.
+        again = llm.generate([{"prompt_embeds": e} for e in embeddings], params, use_tqdm=False)
+        preempted_again = llm.get_stats()[0].num_preemptions > stats.num_preemptions
     finally:
         llm.shutdown()
     from_embeddings = [o.outputs[0].token_ids for i, o in enumerate(outputs) if i != 2]
     assert from_embeddings == hf_greedy_from_embeddings(tiny_model_dir, embeddings, max_tokens)
     assert outputs[0].prompt_token_ids is None and outputs[0].prompt is None
     assert outputs[2].prompt == text and outputs[2].prompt_token_ids  # (a text prompt beside them is as ever)
-    assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
+    assert stats.num_preemptions > 0 and preempted_again, "the KV pool was meant to force preemption"
+    assert [o.outputs[0].token_ids for o in again] == from_embeddings
     # Penalties count no placeholder as a prompt token: only the generated ones (as transformers' inputs_embeds).
     assert penalised[0].outputs[0].token_ids == hf_greedy_from_embeddings(tiny_model_dir, embeddings[1:2], max_tokens,
                                                                           repetition_penalty=1.5)[0]
 
 
-def test_the_embedding_tables_rows_answer_as_the_tokens_do_on_a_model_that_scales_them(tmp_path):
+def test_transformers_input_embeddings_answer_as_the_tokens_do_on_a_model_that_scales_them(tmp_path):
+    """vLLM's recipe: the rows are ``model.get_input_embeddings()(ids)``, which on Gemma are the
+    table's rows times sqrt(hidden_size); the engine runs them as they are (n=2 samples too)."""
     from tests.tiny_model import build_tiny_gemma2
 
-    path = build_tiny_gemma2(tmp_path / "gemma2")  # (Gemma scales its input rows by sqrt(hidden_size))
+    path = build_tiny_gemma2(tmp_path / "gemma2")
     ids = [[5, 17, 33, 90, 4, 8, 100, 200, 12, 13], list(range(40, 75))]
-    table = _table(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        rows = [hf.get_input_embeddings()(torch.tensor(p)) for p in ids]
+    assert not torch.allclose(rows[0], _table(path)[ids[0]])  # (scaled: not the table's own rows)
     llm = LLM(model=str(path), num_gpu_blocks=32, max_num_batched_tokens=16, max_model_len=128,
               enable_prompt_embeds=True)
     try:
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2)
         from_ids = llm.generate(ids, params, use_tqdm=False)
-        from_rows = llm.generate([{"prompt_embeds": table[p]} for p in ids], params, use_tqdm=False)
+        from_rows = llm.generate([{"prompt_embeds": r} for r in rows], params, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert [o.outputs[0].token_ids for o in from_rows] == [o.outputs[0].token_ids for o in from_ids]
+    answers = [[c.token_ids for c in o.outputs] for o in from_rows]
+    assert answers == [[c.token_ids for c in o.outputs] for o in from_ids]
+    assert all(len(a) == 2 and a[0] == a[1] for a in answers)
+    assert [a[0] for a in answers] == hf_greedy_from_embeddings(path, rows, 10)
+
+
+def test_ngram_drafts_come_from_the_generated_tokens_not_the_placeholders(tiny_model_dir):
+    embeddings = _embeddings(tiny_model_dir, [24, 7], seed=3)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    assert (_greedy(tiny_model_dir, embeddings, 24, speculative_config=spec)
+            == hf_greedy_from_embeddings(tiny_model_dir, embeddings, 24))
+
+
+def _greedy(model_dir, embeddings: list[torch.Tensor], max_tokens: int, **engine) -> list[list[int]]:
+    """Greedy answers to prompts given as embeddings, from an LLM started with ``engine``'s flags."""
+    llm = LLM(model=str(model_dir), num_gpu_blocks=32, max_model_len=128, enable_prompt_embeds=True, **engine)
+    try:
+        outputs = llm.generate([{"prompt_embeds": e} for e in embeddings],
+                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def test_equal_embeddings_share_prefix_blocks_and_placeholders_share_none(tiny_model_dir):
@@ -105,14 +135,8 @@ def test_equal_embeddings_share_prefix_blocks_and_placeholders_share_none(tiny_m
 
 def test_embeddings_on_two_tensor_parallel_ranks(ray_cluster, tiny_model_dir):
     embeddings = _embeddings(tiny_model_dir, [9, 30], seed=1)
-    llm = LLM(model=str(tiny_model_dir), tensor_parallel_size=2, num_gpu_blocks=32, max_num_batched_tokens=16,
-              max_model_len=128, enable_prompt_embeds=True)
-    try:
-        outputs = llm.generate([{"prompt_embeds": e} for e in embeddings],
-                               SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_from_embeddings(tiny_model_dir, embeddings, 12)
+    assert (_greedy(tiny_model_dir, embeddings, 12, tensor_parallel_size=2, max_num_batched_tokens=16)
+            == hf_greedy_from_embeddings(tiny_model_dir, embeddings, 12))
 
 
 def test_what_a_prompt_given_as_embeddings_cannot_do_is_refused(tiny_model_dir, tmp_path):

@@ -94,6 +94,26 @@ def test_proposer_drafts_only_for_decoding_requests_it_can_verify():
     assert proposer.propose([prefilling]) == {}
 
 
+def test_a_prompt_given_as_embeddings_drafts_from_its_outputs_only():
+    import torch
+
+    from engine_core.prompt_embeds import PromptEmbeds
+
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                               prompt_lookup_max=2), max_model_len=256)
+    scheduler = create_scheduler(num_spec_tokens=3)
+    (request,) = create_requests(1, num_tokens=12, max_tokens=32)
+    request.prompt_token_ids[:] = request.all_token_ids[:] = [0] * 12  # (placeholders)
+    request.prompt_embeds = PromptEmbeds.from_tensor(torch.randn(12, 4))
+    scheduler.add_request(request)
+    step(scheduler, tokens={request.request_id: 0})  # (its first token is the placeholders' id)
+    # The placeholders would have matched its last token and drafted 0, 0, 0.
+    assert proposer.propose([request]) == {}
+    step(scheduler, tokens={request.request_id: 7})
+    step(scheduler, tokens={request.request_id: 0})
+    assert proposer.propose([request]) == {request.request_id: [7, 0]}  # (what followed 0 in its outputs)
+
+
 def _verify(scheduler, so, tokens_by_req: dict[str, list[int]]):
     req_ids = list(so.num_scheduled_tokens)
     out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},

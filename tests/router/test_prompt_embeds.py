@@ -55,7 +55,7 @@ def test_embeddings_reach_the_engine_with_placeholders_first_and_are_counted_as_
     assert usage["prompt_tokens"] == 5 + 3 + len(sent[2].prompt_token_ids) and usage["completion_tokens"] == 12
 
 
-@pytest.mark.parametrize("prompt", [None, "", [""]])
+@pytest.mark.parametrize("prompt", [None, "", [""], ["", ""]])
 def test_an_empty_or_missing_prompt_beside_embeddings_adds_no_prompt(prompt):
     http, engine = _app(settings=ENABLED)
     body = {"model": "tiny", "prompt_embeds": encode_prompt_embeds(_rows(4)), "max_tokens": 2}
@@ -110,7 +110,9 @@ def test_prefix_aware_routing_keys_blocks_by_the_embeddings_not_the_placeholders
      "unsupported with prompt embeds"),
     ({"prompt_embeds": encode_prompt_embeds(torch.zeros(3, 8)), "use_beam_search": True, "n": 2},
      "use_beam_search", "unsupported with prompt embeds"),
-    ({"prompt_embeds": encode_prompt_embeds(torch.zeros(300, 8))}, "prompt", "maximum context length"),
+    ({"prompt_embeds": encode_prompt_embeds(torch.zeros(300, 8))}, "prompt_embeds", "maximum context length"),
+    ({"prompt_embeds": [encode_prompt_embeds(torch.zeros(3, 8)), encode_prompt_embeds(torch.zeros(256, 8))]},
+     "prompt_embeds.1", "maximum context length"),
     ({}, "prompt", "prompt is required"),
 ])
 def test_refusals_name_their_parameter(body, param, message):
@@ -120,6 +122,20 @@ def test_refusals_name_their_parameter(body, param, message):
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"], error
     assert engine.requests == []
+
+
+def test_a_request_too_large_for_a_channel_frame_is_a_400_and_the_channel_lives_on(monkeypatch):
+    from engine_core import channel
+
+    http, engine = _app(settings=ENABLED)
+    monkeypatch.setattr(channel, "MAX_FRAME_BYTES", 2000)
+    r = http.post("/v1/completions", json={"model": "tiny", "max_tokens": 2,
+                                           "prompt_embeds": encode_prompt_embeds(_rows(100))})
+    assert r.status_code == 400 and "more than one request may be" in r.json()["error"]["message"], r.text
+    r = http.post("/v1/completions", json={"model": "tiny", "max_tokens": 2,
+                                           "prompt_embeds": encode_prompt_embeds(_rows(4))})
+    assert r.status_code == 200, r.text
+    assert len(engine.requests) == 1
 
 
 def test_without_enable_prompt_embeds_they_are_refused_as_vllm_refuses_them():
