@@ -72,8 +72,8 @@ class EngineCoreService:
         self.engine = EngineCore(config, executor_factory(config))
         # (The engine's own config: an encoder's turns prefix caching off.)
         self.metrics = EngineMetrics(self.engine.config, self.engine.scheduler_config,
-                                     self.engine.model_info.served_model_name,
-                                     self.engine.num_blocks) if config.log_stats else None
+                                     self.engine.model_info.served_model_name, self.engine.num_blocks,
+                                     self.engine.num_offload_blocks) if config.log_stats else None
         self._on_adapters_changed()
         self._inputs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._buffers: dict[int, _ClientBuffer] = {}

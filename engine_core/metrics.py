@@ -95,7 +95,7 @@ class _Tracked:
 
 class EngineMetrics:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig, model_name: str,
-                 num_blocks: int) -> None:
+                 num_blocks: int, num_offload_blocks: int = 0) -> None:
         self._labels = ["model_name", "engine"]
         self._values = [model_name, str(config.engine_index)]
         token_buckets = _token_buckets(scheduler_config.max_model_len)
@@ -179,6 +179,11 @@ class EngineMetrics:
         # vLLM's engine_sleep_state (exported only with --enable-sleep-mode, as vLLM does): the sleep
         # level (0: awake).
         self.sleep_level: int | None = 0 if config.enable_sleep_mode else None
+        # KV offloading (exported only with --kv-offloading-size): the host tier's size in blocks,
+        # the blocks it holds, and blocks stored to it and loaded from it.
+        self.offload: dict[str, float] | None = (
+            {"capacity": float(num_offload_blocks), "held": 0.0, "stored": 0.0, "loaded": 0.0}
+            if num_offload_blocks else None)
         self._tracked: dict[str, _Tracked] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
@@ -288,6 +293,10 @@ class EngineMetrics:
                 idle.observe(unused)
                 for gap in gaps:
                     reuse_gap.observe(gap)
+        if self.offload is not None:
+            self.offload["held"] = stats.kv_offload_num_blocks
+            self.offload["stored"] += stats.kv_offload_stored_blocks
+            self.offload["loaded"] += stats.kv_offload_loaded_blocks
         sd = stats.spec_decoding_stats
         if sd is not None and self.spec is not None:
             self.spec["drafts"] += sd.num_drafts
@@ -367,6 +376,16 @@ class EngineMetrics:
             for pos, n in enumerate(self.spec_accepted_per_pos):
                 per_pos.add_metric([*values, str(pos)], n)
             yield per_pos
+        if self.offload is not None:
+            off = self.offload
+            yield gauge("llm_cluster:kv_offload_num_blocks", "Blocks KV offloading's host-memory tier has room for.",
+                        off["capacity"])
+            yield gauge("llm_cluster:kv_offload_blocks_held", "Prefix-cache blocks the host-memory tier holds now.",
+                        off["held"])
+            yield counter("llm_cluster:kv_offload_stored_blocks",
+                          "Evicted prefix-cache blocks saved to the host-memory tier.", off["stored"])
+            yield counter("llm_cluster:kv_offload_loaded_blocks",
+                          "Blocks copied back from the host-memory tier instead of computed.", off["loaded"])
         if self.max_loras:
             yield from self._lora_families(labels, values)
         if self.sleep_level is not None:

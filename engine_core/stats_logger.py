@@ -6,7 +6,9 @@
 every ``VLLM_LOG_STATS_INTERVAL`` seconds (10 by default), from the counters the engine's Prometheus
 metrics already keep (so it costs nothing per step). As vLLM's, a line goes out at INFO when this or
 the last interval had throughput, else at DEBUG, so an idle (or paused) server's log stays quiet.
-The prefix cache hit rate is the interval's (vLLM's is over its recent requests). With speculative
+The prefix cache hit rate is the interval's (vLLM's is over its recent requests). With KV offloading
+the line adds vLLM's "External prefix cache hit rate": of the prompt tokens the KV cache did not
+hold, the share the host tier supplied. With speculative
 decoding a second line gives the drafts' acceptance, per position too. ``--disable-log-stats`` turns
 the line off with the metrics, as in vLLM; the offline ``LLM`` does not write it unless asked, as
 vLLM's does not.
@@ -45,7 +47,7 @@ class EngineStatsLogger:
     def _read(self) -> dict[str, float]:
         counters = self.metrics.counters
         read = {name: counters[name] for name in ("prompt_tokens", "generation_tokens", "prefix_queries",
-                                                  "prefix_hits")}
+                                                  "prefix_hits", "prompt_tokens_cached", "prompt_tokens_external")}
         if self.metrics.spec is not None:
             read |= {f"spec_{name}": value for name, value in self.metrics.spec.items()}
             read |= {f"spec_pos_{i}": value for i, value in enumerate(self.metrics.spec_accepted_per_pos)}
@@ -66,6 +68,12 @@ class EngineStatsLogger:
                  f"Avg generation throughput: {generation_rate:.1f} tokens/s, Running: {int(gauges['running'])} reqs, "
                  f"Waiting: {int(gauges['waiting'])} reqs, GPU KV cache usage: {100.0 * gauges['kv_usage']:.1f}%, "
                  f"Prefix cache hit rate: {hit_rate:.1f}%"]
+        if self.metrics.offload is not None:
+            external = delta["prompt_tokens_external"]
+            # (Prompt tokens looked for in the tier: all but those the KV cache itself held.)
+            missed = delta["prompt_tokens"] - (delta["prompt_tokens_cached"] - external)
+            external_rate = min(100.0, 100.0 * external / missed) if missed > 0 else 0.0
+            lines[0] += f", External prefix cache hit rate: {external_rate:.1f}%"
         drafted, drafts = delta.get("spec_draft_tokens", 0.0), delta.get("spec_drafts", 0.0)
         if drafted > 0 and drafts > 0:
             accepted = delta["spec_accepted_tokens"]

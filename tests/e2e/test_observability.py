@@ -69,9 +69,10 @@ def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
     adapter = save_adapter(tiny_model_dir, tmp_path_factory.mktemp("sql"))
     config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=2,
                            num_router_replicas=2, routing_policy="round_robin",
-                           # Every KV block followed (--kv-cache-metrics), so the residency panel has data.
+                           # Every KV block followed (--kv-cache-metrics), so the residency panel has data;
+                           # evicted blocks kept in host memory (KV offloading), so its panel has data too.
                            defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256, kv_cache_metrics=True,
-                                               kv_cache_metrics_sample=1.0),
+                                               kv_cache_metrics_sample=1.0, kv_offloading_size=0.01),
                            # Engine 1 drafts (n-gram speculative decoding), so its panels have data.
                            engines=[EngineSpec(), EngineSpec(speculative_config=SPEC)],
                            # Half the requests run under a LoRA adapter, so its panel has data.
@@ -105,6 +106,21 @@ def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
                     json=body | {"prompt": f"Request {i}: " + "lorem ipsum dolor sit amet " * 5}).status_code,
                     range(32)))
             assert set(codes) == {200}
+            # Documents of several blocks, then more than the engines' caches hold, then the documents
+            # again (twice each: some come back to the engine that computed them), so evicted blocks
+            # are loaded back from KV offloading's host tier.
+            documents = [f"Document {d}: " + " ".join(f"w{d}x{j}" for j in range(16)) for d in range(40)]
+
+            def send(prompts: list[str]) -> None:
+                with ThreadPoolExecutor(8) as pool:
+                    sent = list(pool.map(lambda p: httpx.post(f"{served.base}/v1/completions", timeout=60,
+                                                              json=body | {"prompt": p, "max_tokens": 2}).status_code,
+                                         prompts))
+                assert set(sent) == {200}
+
+            send(documents[:8])
+            send(documents[8:])
+            send(documents[:8] * 2)
             time.sleep(5)
             yield served, prom
 

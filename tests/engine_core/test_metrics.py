@@ -73,6 +73,25 @@ def test_engine_sleep_state_only_with_sleep_mode_as_vllm_exports_it():
             name: float(name == state) for name in ("awake", "weights_offloaded", "discard_all")}
 
 
+def test_kv_offloading_series_only_with_a_host_tier():
+    from engine_core.outputs import SchedulerStats
+
+    plain = _families(EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=8))
+    assert not any(name.startswith("llm_cluster:kv_offload") for name in plain)
+    metrics = EngineMetrics(EngineConfig(served_model_name="m", kv_offloading_size=1.0), SchedulerConfig(), "m",
+                            num_blocks=8, num_offload_blocks=100)
+    for stored, loaded, held in ((5, 0, 5), (3, 2, 8)):
+        metrics.on_step({}, SchedulerStats(kv_offload_stored_blocks=stored, kv_offload_loaded_blocks=loaded,
+                                           kv_offload_num_blocks=held))
+    families = _families(metrics)
+
+    def value(name: str) -> float:
+        return families[name].samples[0].value
+
+    assert value("llm_cluster:kv_offload_num_blocks") == 100 and value("llm_cluster:kv_offload_blocks_held") == 8
+    assert value("llm_cluster:kv_offload_stored_blocks") == 8 and value("llm_cluster:kv_offload_loaded_blocks") == 2
+
+
 def test_an_embedding_request_counts_its_prompt_and_no_generation():
     metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
     request = Request("e", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1, embed=True), arrival_time=100.0)

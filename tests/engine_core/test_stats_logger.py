@@ -40,6 +40,24 @@ def test_the_line_gives_the_intervals_throughput_and_the_engines_state():
     assert stats.lines(150.0)[0] == logging.DEBUG
 
 
+def test_kv_offloading_adds_the_external_hit_rate():
+    engine = EngineConfig(kv_offloading_size=1.0)
+    metrics = EngineMetrics(engine, engine.scheduler, "tiny", num_blocks=100, num_offload_blocks=50)
+    stats = EngineStatsLogger(metrics, 0, now=0.0)
+    # 1000 prompt tokens: 400 from the KV cache, 150 from the host tier, 450 computed.
+    metrics.counters.update(prompt_tokens=1000, prompt_tokens_cached=550, prompt_tokens_external=150)
+    _, [line] = stats.lines(10.0)
+    assert line.endswith(", External prefix cache hit rate: 25.0%")  # 150 of the 600 the KV cache lacked
+    assert "External" not in _line_without_offloading()
+
+
+def _line_without_offloading() -> str:
+    metrics = _metrics()
+    stats = EngineStatsLogger(metrics, 0, now=0.0)
+    metrics.counters.update(prompt_tokens=10)
+    return stats.lines(10.0)[1][0]
+
+
 def test_speculative_decoding_adds_the_acceptance_line():
     metrics = _metrics(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3,
                                                             prompt_lookup_max=4, prompt_lookup_min=2))
