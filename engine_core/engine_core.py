@@ -11,7 +11,7 @@ import logging
 import time
 
 from engine_core.config import EngineConfig, SchedulerConfig
-from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_STORED
+from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_STORED, TIER_STORED
 from engine_core.executor import Executor, ModelInfo
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
 from engine_core.lora import LoRANotLoadedError, static_lora_requests
@@ -228,9 +228,13 @@ class EngineCore:
         return self.kv_snapshot()
 
     def kv_snapshot(self) -> list[tuple[int, list[bytes]]]:
-        """The prefix cache's contents as events: cleared, then every cached hash stored."""
-        return [(ALL_BLOCKS_CLEARED, []),
-                (BLOCKS_STORED, list(self.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block))]
+        """The prefix cache's contents as events: cleared, then every cached hash stored (and every
+        hash KV offloading's host tier holds)."""
+        manager = self.scheduler.kv_cache_manager
+        events = [(ALL_BLOCKS_CLEARED, []), (BLOCKS_STORED, list(manager.block_pool.cached_block_hash_to_block))]
+        if manager.offload is not None:
+            events.append((TIER_STORED, manager.offload.hashes()))
+        return events
 
     def take_kv_events(self) -> list[tuple[int, list[bytes]]]:
         return self.scheduler.kv_cache_manager.block_pool.take_kv_events()

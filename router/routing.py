@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_REMOVED, BLOCKS_STORED
+from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_REMOVED, BLOCKS_STORED, TIER_REMOVED, TIER_STORED
 from engine_core.core.kv_cache_utils import extend_block_hashes
 from engine_core.prompt_embeds import PromptEmbeds
 
@@ -121,12 +121,16 @@ class PrefixAwarePolicy(RoutingPolicy):
         self._known: list[OrderedDict[bytes, float]] = [OrderedDict() for _ in range(num_engines)]
         # What each engine reports its prefix cache holds; None until it reports (no events from it).
         self._cached: list[set[bytes] | None] = [None] * num_engines
+        # What each engine's KV offloading tier holds (host memory: copied back instead of computed).
+        self._tiered: list[set[bytes]] = [set() for _ in range(num_engines)]
         self._fallback = LeastLoadedPolicy(seed)
 
     def match_lengths(self, block_hashes: list[bytes]) -> list[int]:
+        """Per engine, the leading blocks it holds: those in its KV cache (or just sent there), then
+        those its host tier holds after them, as the engine looks them up."""
         lengths = []
         oldest_pending = self._clock() - self.pending_ttl_s
-        for known, cached in zip(self._known, self._cached, strict=True):
+        for known, cached, tiered in zip(self._known, self._cached, self._tiered, strict=True):
             n = 0
             for h in block_hashes:
                 if cached is not None and h in cached:
@@ -136,6 +140,11 @@ class PrefixAwarePolicy(RoutingPolicy):
                 if sent is None or (cached is not None and sent < oldest_pending):
                     break
                 n += 1
+            if tiered:
+                for h in block_hashes[n:]:
+                    if h not in tiered:
+                        break
+                    n += 1
             lengths.append(n)
         return lengths
 
@@ -157,6 +166,11 @@ class PrefixAwarePolicy(RoutingPolicy):
             elif kind == ALL_BLOCKS_CLEARED:
                 cached.clear()
                 known.clear()
+                self._tiered[engine].clear()
+            elif kind == TIER_STORED:
+                self._tiered[engine].update(hashes)
+            elif kind == TIER_REMOVED:
+                self._tiered[engine].difference_update(hashes)
 
     def num_cached_blocks(self) -> list[int | None]:
         """Blocks each engine reports cached (None: it reports nothing)."""

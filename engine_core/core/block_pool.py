@@ -9,7 +9,9 @@ from engine_core.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KV
 
 # KV cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared), in the order they happened:
 # (kind, block hashes). Applied in order to a set, they give the set of hashes the pool caches.
-BLOCKS_STORED, BLOCKS_REMOVED, ALL_BLOCKS_CLEARED = 0, 1, 2
+# TIER_STORED / TIER_REMOVED are the same for KV offloading's host tier (vLLM's events with medium
+# "CPU"); ALL_BLOCKS_CLEARED empties both.
+BLOCKS_STORED, BLOCKS_REMOVED, ALL_BLOCKS_CLEARED, TIER_STORED, TIER_REMOVED = 0, 1, 2, 3, 4
 KVEvent = tuple[int, list[BlockHash]]
 
 
@@ -43,6 +45,10 @@ class BlockPool:
             return []
         events, self.kv_events = self.kv_events, []
         return events
+
+    def record_event(self, kind: int, block_hash: BlockHash | None) -> None:
+        """Add an event to the pool's (for KV offloading's tier, whose events interleave with ours)."""
+        self._event(kind, block_hash)
 
     def _event(self, kind: int, block_hash: BlockHash | None) -> None:
         events = self.kv_events

@@ -65,6 +65,7 @@ class KVCacheManager:
         self.offload = OffloadTier(num_offload_blocks) if num_offload_blocks and enable_caching else None
         if self.offload is not None:
             self.block_pool.on_evict = self.offload.note_evicted
+            self.offload.on_event = self.block_pool.record_event
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered (or known) in the prefix cache.
         self.num_cached_block: dict[str, int] = {}

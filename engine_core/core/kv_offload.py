@@ -17,9 +17,10 @@ reused by the same pass's stores (its loads pin it).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine_core.core.block_pool import TIER_REMOVED, TIER_STORED
 from engine_core.core.kv_cache_utils import BlockHash
 
 
@@ -45,6 +46,8 @@ class OffloadTier:
         self._loads: list[tuple[int, int]] = []
         self._pinned: set[int] = set()
         self.stats = OffloadStats()
+        # Told of each hash the tier starts or stops holding (KV cache events, for prefix-aware routers).
+        self.on_event: Callable[[int, BlockHash], None] | None = None
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -88,6 +91,8 @@ class OffloadTier:
             self._pinned.add(slot)
             slot_of[block_hash] = slot
             stores.append((block_id, slot))
+            if self.on_event is not None:
+                self.on_event(TIER_STORED, block_hash)
         self.stats.stored_blocks += len(stores)
         loads = self._loads
         self._evicted, self._loads, self._pinned = [], [], set()
@@ -99,8 +104,14 @@ class OffloadTier:
         for block_hash, slot in self._slot_of.items():
             if slot not in self._pinned:
                 del self._slot_of[block_hash]
+                if self.on_event is not None:
+                    self.on_event(TIER_REMOVED, block_hash)
                 return slot
         return None
+
+    def hashes(self) -> list[BlockHash]:
+        """Every hash the tier holds (least recently used first)."""
+        return list(self._slot_of)
 
     def reset(self) -> None:
         """Forget every saved block (the prefix cache was reset: what they hold may be stale)."""

@@ -1259,6 +1259,8 @@ def test_kv_offloading_brings_evicted_prefixes_back_from_host_memory(tiny_model_
     """--kv-offloading-size: a prompt whose blocks the KV cache evicted finds them in the host tier
     (cached tokens, no recompute) and answers as transformers does; without the tier it recomputes.
     Under preemption and chunked prefill the answers stay transformers' too."""
+    from engine_core.core.block_pool import BLOCKS_STORED, TIER_STORED
+
     first = "The quick brown fox jumps over the lazy dog. " * 6
     others = [f"Story number {i}: once upon a time there was a kingdom far away, with hills. " for i in range(6)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -1268,6 +1270,13 @@ def test_kv_offloading_brings_evicted_prefixes_back_from_host_memory(tiny_model_
         try:
             before = llm.generate([first], params, use_tqdm=False)
             llm.generate(others, params, use_tqdm=False)  # (their blocks push the first prompt's out)
+            # What prefix-aware routers are told the engine holds: its host tier's blocks too.
+            snapshot = dict(llm._engine.kv_snapshot())
+            if size is not None:
+                assert snapshot[TIER_STORED] == llm._engine.scheduler.kv_cache_manager.offload.hashes()
+                assert len(snapshot[TIER_STORED]) >= 3 and not set(snapshot[TIER_STORED]) & set(snapshot[BLOCKS_STORED])
+            else:
+                assert TIER_STORED not in snapshot
             again = llm.generate([first], params, use_tqdm=False)
             stats = llm.get_stats()[0]
         finally:

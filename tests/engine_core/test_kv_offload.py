@@ -53,6 +53,37 @@ def test_one_pass_never_stores_two_blocks_into_one_slot():
     assert tier.take_copies()[0] == [(5, 0), (6, 1)]
 
 
+def test_the_tiers_changes_are_kv_cache_events_after_the_evictions_that_caused_them():
+    from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_REMOVED, BLOCKS_STORED, TIER_REMOVED, TIER_STORED
+
+    sched = create_scheduler(num_blocks=8, block_size=16, num_offload_blocks=2)
+    pool = sched.kv_cache_manager.block_pool
+    pool.record_kv_events()
+    (first,) = create_requests(1, num_tokens=64, max_tokens=1)
+    _finish(sched, first)
+    hashes = list(first.block_hashes)  # (its four full blocks)
+    assert pool.take_kv_events() == [(BLOCKS_STORED, hashes)] and len(hashes) == 4
+    (other,) = create_requests(1, num_tokens=120, max_tokens=1)
+    _finish(sched, other)
+    events = pool.take_kv_events()
+    # Evicted from the KV cache first, then two of them saved (the tier has two slots).
+    kinds = [kind for kind, _ in events]
+    assert kinds.index(BLOCKS_REMOVED) < kinds.index(TIER_STORED)
+    stored = [h for kind, hs in events if kind == TIER_STORED for h in hs]
+    assert len(stored) == 2 and set(stored) <= set(hashes) and TIER_REMOVED not in kinds
+    # Applied in order, the events give what the tier holds; the engine's snapshot says the same.
+    assert sorted(sched.kv_cache_manager.offload.hashes()) == sorted(stored)
+    # A full tier makes room: what it drops is reported removed, before what replaces it is stored.
+    (third,) = create_requests(1, num_tokens=120, max_tokens=1)
+    _finish(sched, third)
+    events = [(kind, h) for kind, hs in pool.take_kv_events() if kind in (TIER_STORED, TIER_REMOVED) for h in hs]
+    assert sorted(h for kind, h in events if kind == TIER_REMOVED) == sorted(stored)
+    assert events[0] == (TIER_REMOVED, events[0][1]) and events[1][0] == TIER_STORED
+    assert sorted(sched.kv_cache_manager.offload.hashes()) == sorted(h for kind, h in events if kind == TIER_STORED)
+    sched.kv_cache_manager.reset_prefix_cache()
+    assert pool.take_kv_events()[-1] == (ALL_BLOCKS_CLEARED, [])
+
+
 def _finish(sched, request):
     sched.add_request(request)
     outputs = []

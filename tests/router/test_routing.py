@@ -129,6 +129,38 @@ def test_prefix_aware_follows_what_the_engines_report_they_cache():
     assert p.match_lengths(p_hashes(p, other))[first] == 0 and p.num_cached_blocks()[first] == 0
 
 
+def test_prefix_aware_counts_blocks_an_engines_host_tier_holds_after_its_kv_cache():
+    """KV offloading's events: blocks an engine moved to host memory still attract their prefix (the
+    engine copies them back rather than computing them), counted after its KV cache's run as the
+    engine looks them up; a cleared cache forgets the tier too."""
+    from engine_core.core.block_pool import (
+        ALL_BLOCKS_CLEARED,
+        BLOCKS_REMOVED,
+        BLOCKS_STORED,
+        TIER_REMOVED,
+        TIER_STORED,
+    )
+
+    p = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0)
+    prefix = list(range(400, 420))
+    hashes = p_hashes(p, prefix)  # five blocks
+    for engine in (0, 1):
+        p.apply_kv_events(engine, [(ALL_BLOCKS_CLEARED, [])])
+    p.apply_kv_events(0, [(BLOCKS_STORED, hashes[:2])])
+    # Engine 1 cached all five, then evicted the last three to its tier (removed, then stored there).
+    p.apply_kv_events(1, [(BLOCKS_STORED, hashes), (BLOCKS_REMOVED, hashes[2:]), (TIER_STORED, hashes[2:])])
+    assert p.match_lengths(hashes) == [2, 5]
+    # Only a run from the KV cache's end counts: a tier block after a gap does not.
+    p.apply_kv_events(1, [(TIER_REMOVED, hashes[2:3])])
+    assert p.match_lengths(hashes) == [2, 2]
+    # Loaded back into the KV cache: a device block again.
+    p.apply_kv_events(1, [(BLOCKS_STORED, hashes[2:3])])
+    assert p.match_lengths(hashes) == [2, 5]
+    assert p.choose(ctx([0, 3], tokens=prefix + [1])) == 1
+    p.apply_kv_events(1, [(ALL_BLOCKS_CLEARED, [])])
+    assert p.match_lengths(hashes) == [2, 0]
+
+
 def test_prefix_aware_hashes_a_longrope_models_prompts_as_its_engines_do():
     """A LongRoPE model's engines key prompts past the pretrained length (12 here) apart: the policy
     hashes them the same way, so a long prompt follows the blocks an engine reports for long ones,
