@@ -803,12 +803,15 @@ class LLM:
     def _run_in_process(self, requests: list[EngineCoreRequest], pending: dict[str, _Pending], bar: tqdm) -> None:
         engine = self._engine
         assert engine is not None
+        stepping = False
         try:
             for request in requests:
                 engine.add_request(request)
             remaining = len(requests)
             while remaining:
+                stepping = True
                 outputs = engine.step()
+                stepping = False
                 finished, stopped = self._apply(outputs.values(), pending, bar)
                 remaining -= finished
                 if stopped:  # a stop string ended them: the engine stops too
@@ -818,6 +821,10 @@ class LLM:
         except BaseException:
             # Ctrl-C or an error: nothing of this call stays in the engine (nor its KV blocks).
             engine.abort_requests([rid for rid, p in pending.items() if not p.done])
+            if stepping:
+                # A pass cut short registered blocks in the prefix cache (and KV offloading's tier) whose
+                # KV it never computed (or copied): forget them all rather than serve them later.
+                engine.reset_prefix_cache()
             raise
 
     def _run_on_ray(self, requests: list[EngineCoreRequest], pending: dict[str, _Pending], bar: tqdm) -> None:

@@ -117,6 +117,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks[request.request_id][first_block:first_block + len(slots)]
         assert self.offload is not None and len(blocks) == len(slots)
         self.offload.plan_loads(slots, [b.block_id for b in blocks])
+        self.offload.touch(request.block_hashes[first_block:first_block + len(slots)])
 
     def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This pass's copies for the workers: (device block -> slot stores, slot -> device block loads)."""

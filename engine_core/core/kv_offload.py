@@ -57,16 +57,24 @@ class OffloadTier:
         self._evicted.append((block_id, block_hash))
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """The slots holding the longest run of ``block_hashes`` from its start (each touched)."""
+        """The slots holding the longest run of ``block_hashes`` from its start. Not touched: a
+        request the scheduler then turns away (no room, a partial-prefill cap) must not keep them
+        warm; ``touch`` marks those a pass loads."""
         slots = []
         slot_of = self._slot_of
         for block_hash in block_hashes:
             slot = slot_of.get(block_hash)
             if slot is None:
                 break
-            slot_of.move_to_end(block_hash)
             slots.append(slot)
         return slots
+
+    def touch(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Mark these held hashes most recently used."""
+        slot_of = self._slot_of
+        for block_hash in block_hashes:
+            if block_hash in slot_of:
+                slot_of.move_to_end(block_hash)
 
     def plan_loads(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy these slots into these device blocks before the pass (the blocks' hashes are the slots')."""

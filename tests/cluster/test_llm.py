@@ -1302,6 +1302,34 @@ def test_kv_offloading_brings_evicted_prefixes_back_from_host_memory(tiny_model_
     assert stats.num_preemptions > 0 and stats.kv_offload_loaded_blocks > 0
 
 
+def test_a_pass_cut_short_leaves_no_uncomputed_block_in_the_prefix_cache_or_the_host_tier(tiny_model_dir):
+    """Ctrl-C (or an error) inside a pass: the blocks it had registered were never computed (nor its
+    host-tier copies made), so the offline LLM forgets the prefix cache rather than serve them."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=12, max_model_len=128, kv_offloading_size=0.001)
+    try:
+        executor = llm._engine.executor
+        real = executor.execute_model
+
+        def interrupted(scheduler_output):
+            executor.execute_model = real
+            raise KeyboardInterrupt
+
+        executor.execute_model = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([prompt], params, use_tqdm=False)
+        manager = llm._engine.scheduler.kv_cache_manager
+        assert not manager.block_pool.cached_block_hash_to_block and manager.offload.hashes() == []
+        again = llm.generate([prompt], params, use_tqdm=False)[0]
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == hf_greedy(tiny_model_dir, [prompt], 6)[0]
+    assert stats.num_free_blocks == stats.num_blocks
+
+
 def test_a_pooling_or_windowed_model_takes_no_kv_offloading(tiny_model_dir, tmp_path):
     from tests.cluster.test_spec_decode import _windowed_copy
 

@@ -25,11 +25,15 @@ def test_the_least_recently_used_slot_goes_first_but_never_one_this_pass_loads_f
     tier.note_evicted(0, b"a")
     tier.note_evicted(1, b"b")
     tier.take_copies()
-    tier.lookup([b"a"])  # (b is now the least recently used)
+    tier.lookup([b"a"])  # (a lookup alone keeps nothing warm: its request may be turned away)
     tier.note_evicted(2, b"c")
-    assert tier.take_copies() == ([(2, 1)], [])
-    assert tier.lookup([b"b"]) == [] and tier.lookup([b"c"]) == [1]
-    # Slot 0 (a) and 1 (c) are both being loaded from: a block evicted this pass finds no slot.
+    assert tier.take_copies() == ([(2, 0)], [])  # (a was still the least recently used)
+    assert tier.lookup([b"a"]) == [] and tier.lookup([b"c"]) == [0]
+    tier.touch([b"b"])  # (b is loaded: c is now the least recently used)
+    tier.note_evicted(4, b"a")
+    assert tier.take_copies() == ([(4, 0)], [])
+    assert tier.lookup([b"c"]) == [] and tier.lookup([b"b"]) == [1] and tier.lookup([b"a"]) == [0]
+    # Slot 0 (a) and 1 (b) are both being loaded from: a block evicted this pass finds no slot.
     tier.plan_loads([0, 1], [5, 6])
     tier.note_evicted(3, b"d")
     assert tier.take_copies() == ([], [(0, 5), (1, 6)])
@@ -47,7 +51,7 @@ def test_one_pass_never_stores_two_blocks_into_one_slot():
     stores, _ = tier.take_copies()
     assert stores == [(0, 0), (1, 1), (2, 2)]
     assert [tier.lookup([bytes([b])]) for b in range(5)] == [[0], [1], [2], [], []]
-    # The next pass may reuse them again, least recently used first (after the lookups: 0, 1, 2).
+    # The next pass may reuse them again, least recently used first (0, 1, 2: lookups touch none).
     for block_id in (5, 6):
         tier.note_evicted(block_id, bytes([block_id]))
     assert tier.take_copies()[0] == [(5, 0), (6, 1)]
