@@ -14,12 +14,14 @@ from typing import Any
 import ray
 from ray import serve
 
+from cluster.autoscaler import start_autoscaler, stop_autoscaler
 from cluster.config import ClusterConfig, default_api_keys
 from cluster.launcher import (
     EngineHandle,
     engine_actor_name,
     ensure_ray,
     named_actor,
+    running_engine_indexes,
     start_engines,
     stop_named_engine,
 )
@@ -38,8 +40,18 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
     """Make the running (detached) engines match ``config``: an engine whose flags or model are
     unchanged is kept, one that differs (or died) is replaced, one beyond the wanted count is
     stopped. Returns the indexes started now. (A redeploy with new ``args`` must not keep serving
-    the old flags, and a dead engine's placement group must not stay reserved.)"""
+    the old flags, and a dead engine's placement group must not stay reserved.) With engine
+    autoscaling the first num_engines slots are made to run; an engine the autoscaler started in a
+    further slot is kept if its flags are unchanged, and the autoscaler (restarted with the new
+    config) goes on from there."""
+    stop_autoscaler(config.namespace)  # (it must not start engines of the old config meanwhile)
     wanted = config.engine_configs()
+    slots = config.engine_slot_configs()
+    for engine in slots[len(wanted):]:  # (autoscaled slots: kept as they are, or stopped)
+        name = engine_actor_name(engine.engine_index)
+        actor = named_actor(name, config.namespace)
+        if actor is not None and not _runs(actor, engine):
+            stop_named_engine(name, config.namespace)
     to_start = []
     for engine in wanted:
         name = engine_actor_name(engine.engine_index)
@@ -61,15 +73,24 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
                 logger.warning("engine %d does not answer (%s); replacing it", engine.engine_index, e)
         stop_named_engine(name, config.namespace)  # also a dead engine's leftover placement group
         to_start.append(engine)
-    extra = len(wanted)
-    while named_actor(engine_actor_name(extra), config.namespace) is not None:
-        logger.info("engine %d is beyond num_engines; stopping it", extra)
-        stop_named_engine(engine_actor_name(extra), config.namespace)
-        extra += 1
+    for extra in running_engine_indexes(config.namespace):
+        if extra >= len(slots):
+            logger.info("engine %d is beyond num_engines; stopping it", extra)
+            stop_named_engine(engine_actor_name(extra), config.namespace)
     if to_start:
         # Detached: the engines belong to the Serve application, not to the process that built it.
         start_engines(to_start, config.namespace, detached=True)
+    if config.engine_autoscaling is not None:
+        start_autoscaler(slots, config.namespace, config.engine_autoscaling, detached=True)
     return [engine.engine_index for engine in to_start]
+
+
+def _runs(actor, engine) -> bool:
+    """Whether a running engine actor serves exactly ``engine``'s configuration."""
+    try:
+        return ray.get(actor.engine_config.remote(), timeout=60) == engine
+    except Exception:
+        return False
 
 
 def stop_app(namespace: str = "llm-cluster", app_name: str = APP_NAME) -> list[str]:
@@ -78,12 +99,11 @@ def stop_app(namespace: str = "llm-cluster", app_name: str = APP_NAME) -> list[s
     know about them)."""
     with contextlib.suppress(Exception):
         serve.delete(app_name)
+    stop_autoscaler(namespace)
     stopped = []
-    index = 0
-    while named_actor(engine_actor_name(index), namespace) is not None:
+    for index in running_engine_indexes(namespace):
         stop_named_engine(engine_actor_name(index), namespace)
         stopped.append(engine_actor_name(index))
-        index += 1
     return stopped + stop_router_helpers(namespace)
 
 
@@ -163,9 +183,13 @@ def build_app(args: dict[str, Any]):
 
 
 def start_cluster(config: ClusterConfig) -> list[EngineHandle]:
-    """Start engines owned by this process (CLI, tests); they stop when it stops."""
+    """Start engines owned by this process (CLI, tests); they stop when it stops (with engine
+    autoscaling, so does the autoscaler, and the engines it started with it)."""
     ensure_ray(config.address, namespace=config.namespace)
-    return start_engines(config.engine_configs(), config.namespace)
+    engines = start_engines(config.engine_configs(), config.namespace)
+    if config.engine_autoscaling is not None:
+        start_autoscaler(config.engine_slot_configs(), config.namespace, config.engine_autoscaling)
+    return engines
 
 
 def run_router(config: ClusterConfig, blocking: bool = False) -> None:

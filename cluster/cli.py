@@ -85,7 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="The name clients use for the model, or several (aliases: a request may name any; "
                             "responses and metrics carry the first). Default: the model's own.")
-    serve.add_argument("--num-engines", type=int, default=1)
+    serve.add_argument("--num-engines", type=int, default=None,
+                       help="Engines to start (default 1; with --engine-autoscaling, its min_engines).")
+    serve.add_argument("--engine-autoscaling", type=_json_object, default=None,
+                       help='Scale the engines with the load (JSON), e.g. \'{"min_engines": 1, "max_engines": 4, '
+                            '"target_ongoing_requests": 8, "upscale_delay_s": 5, "downscale_delay_s": 60}\': as '
+                            "many engines as keep each at about target_ongoing_requests running and waiting "
+                            "requests; an engine scaled away is drained first.")
     serve.add_argument("--tensor-parallel-size", type=int, default=None)
     for flag, kind, help_text in SCHEDULER_ARGS:
         serve.add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=kind, default=None, help=help_text)
@@ -305,7 +311,11 @@ def cluster_config_from_args(args: argparse.Namespace):
         defaults[name] = getattr(args, name)
     overrides = load_engine_overrides(args.engine_config) if args.engine_config else []
     return ClusterConfig(
-        model=args.model, served_model_name=args.served_model_name, num_engines=args.num_engines,
+        model=args.model, served_model_name=args.served_model_name,
+        # (Left out with autoscaling and no --num-engines: it starts min_engines.)
+        **({} if args.num_engines is None and args.engine_autoscaling else
+           {"num_engines": 1 if args.num_engines is None else args.num_engines}),
+        engine_autoscaling=args.engine_autoscaling,
         tokenizer=_local_dir_path(args.tokenizer),
         defaults=EngineSpec(**{k: v for k, v in defaults.items() if v is not None}), engines=overrides,
         routing_policy=args.routing_policy, prefix_load_margin=args.prefix_load_margin,
@@ -420,12 +430,18 @@ def serve_command(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app import APP_NAME, run_router, start_cluster, stop_router_helpers
-    from cluster.launcher import InsufficientResourcesError, check_local_capacity, ensure_ray, stop_engines
+    from cluster.autoscaler import stop_autoscaler
+    from cluster.launcher import (
+        InsufficientResourcesError,
+        check_local_capacity,
+        ensure_ray,
+        stop_engines,
+    )
 
     started_local = ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
     if started_local:  # our own one-node Ray: nothing will ever add resources to it
         try:
-            check_local_capacity(config.engine_configs())
+            check_local_capacity(config.engine_slot_configs())  # (autoscaled: all max_engines)
         except InsufficientResourcesError as e:
             print(f"llm-cluster: {e}", file=sys.stderr)
             ray.shutdown()
@@ -439,7 +455,10 @@ def serve_command(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         served = served_models_line(config, [e.description.model_info.served_model_name for e in engines])
-        print(f"llm-cluster: serving {served} with {len(engines)} engine(s) on "
+        scaling = config.engine_autoscaling
+        count = (f"{len(engines)} engine(s)" if scaling is None else
+                 f"{len(engines)} engine(s), autoscaled between {scaling.min_engines} and {scaling.max_engines},")
+        print(f"llm-cluster: serving {served} with {count} on "
               f"http://{config.host}:{config.port}/v1  (Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):
             pass
@@ -449,6 +468,8 @@ def serve_command(args: argparse.Namespace) -> int:
             # Only our application: on a shared cluster (--address) other Serve apps keep running.
             serve.delete(APP_NAME)
         finally:
+            # (The autoscaler first, with the engines it started: none may start while they stop.)
+            stop_autoscaler(config.namespace, stop_engines=True)
             stop_engines(engines)
             stop_router_helpers(config.namespace)
             ray.shutdown()

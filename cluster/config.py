@@ -289,6 +289,33 @@ class ServedModel(ModelSettings):
         return self
 
 
+class EngineAutoscaling(BaseModel):
+    """Engine autoscaling (cluster.autoscaler): between ``min_engines`` and ``max_engines`` engines,
+    as many as keep each at about ``target_ongoing_requests`` requests (running and waiting), as
+    Ray Serve sizes a deployment by its replicas' ongoing requests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_engines: int = Field(1, ge=1, description="Engines kept however idle the cluster is.")
+    max_engines: int = Field(..., ge=1, description="Engines at most (the slots routers watch for).")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="Requests (running and waiting) per engine the autoscaler aims at.")
+    upscale_delay_s: float = Field(5.0, ge=0, description="How long more engines must be wanted before one starts.")
+    downscale_delay_s: float = Field(60.0, ge=0,
+                                     description="How long fewer engines must be wanted before one is drained.")
+    drain_grace_s: float = Field(
+        2.0, ge=0, description="A drained engine stops once it has held no request for this long (routers told "
+                               "to send it nothing may still have sent one on its way).")
+    interval_s: float = Field(1.0, gt=0, description="How often the engines' load is read.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> EngineAutoscaling:
+        if self.max_engines < self.min_engines:
+            raise ValueError(f"engine_autoscaling: max_engines ({self.max_engines}) is below min_engines "
+                             f"({self.min_engines})")
+        return self
+
+
 def default_api_keys() -> list[str]:
     key = os.environ.get(API_KEY_ENV)
     return [key] if key else []
@@ -305,6 +332,9 @@ class ClusterConfig(ModelSettings):
     routing_policy: str = Field("least_loaded", description=f"One of {', '.join(ROUTING_POLICIES)}.")
     prefix_load_margin: int = Field(8, ge=0, description="prefix_aware: load gap that overrides a cache match.")
     num_router_replicas: int = Field(1, ge=1)
+    engine_autoscaling: EngineAutoscaling | None = Field(
+        None, description="Scale the (first model's) engines with the load: num_engines is how many start "
+                          "(default min_engines); engines holds flags for up to max_engines slots.")
     request_timeout_s: float | None = Field(None, gt=0)
     trust_request_chat_template: bool = Field(
         False, description="Run a request's own chat_template (vLLM's --trust-request-chat-template); else a 400.")
@@ -422,7 +452,20 @@ class ClusterConfig(ModelSettings):
 
     @model_validator(mode="after")
     def _engine_count(self) -> ClusterConfig:
-        _check_engine_count(self.model_fields_set, self.num_engines, self.engines, "")
+        scaling = self.engine_autoscaling
+        if scaling is None:
+            _check_engine_count(self.model_fields_set, self.num_engines, self.engines, "")
+            return self
+        if self.models:
+            raise ValueError("engine_autoscaling scales a single model's engines: it cannot be combined with models")
+        if "num_engines" not in self.model_fields_set:
+            object.__setattr__(self, "num_engines", scaling.min_engines)
+        if not scaling.min_engines <= self.num_engines <= scaling.max_engines:
+            raise ValueError(f"num_engines ({self.num_engines}) must be between engine_autoscaling's min_engines "
+                             f"({scaling.min_engines}) and max_engines ({scaling.max_engines})")
+        if len(self.engines) > scaling.max_engines:
+            raise ValueError(f"engines has {len(self.engines)} per-engine entries but engine_autoscaling's "
+                             f"max_engines is {scaling.max_engines}")
         return self
 
     def _base_flags(self) -> dict[str, Any]:
@@ -438,7 +481,9 @@ class ClusterConfig(ModelSettings):
         return flags
 
     def resolved_specs(self) -> list[EngineSpec]:
-        """The first model's engines' flags."""
+        """The first model's engines' flags (with engine autoscaling: every slot's, up to max_engines)."""
+        if self.engine_autoscaling is not None:
+            return _resolve_specs(self._base_flags(), self.engine_autoscaling.max_engines, self.engines)
         return _resolve_specs(self._base_flags(), self.num_engines, self.engines)
 
     def model_engines(self) -> list[tuple[ServedModel | None, list[int]]]:
@@ -453,6 +498,13 @@ class ClusterConfig(ModelSettings):
         return out
 
     def engine_configs(self) -> list[EngineConfig]:
+        """The engines to start (with engine autoscaling: the first num_engines slots)."""
+        configs = self.engine_slot_configs()
+        return configs[:self.num_engines] if self.engine_autoscaling is not None else configs
+
+    def engine_slot_configs(self) -> list[EngineConfig]:
+        """Every engine's configuration; with engine autoscaling, every slot's (max_engines), the
+        autoscaler starting and stopping engines among them."""
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.routing_policy!r}")

@@ -59,8 +59,24 @@ def _no_cluster_to_join() -> bool:
         return False
 
 
+_ENGINE_NAME_PREFIX = "llm-cluster-engine-"
+
+
 def engine_actor_name(engine_index: int) -> str:
-    return f"llm-cluster-engine-{engine_index}"
+    return f"{_ENGINE_NAME_PREFIX}{engine_index}"
+
+
+def running_engine_indexes(namespace: str) -> list[int]:
+    """The indexes of the engines running in ``namespace`` (with autoscaling, slots may be empty
+    between them)."""
+    indexes = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] == namespace and name.startswith(_ENGINE_NAME_PREFIX):
+            suffix = name.removeprefix(_ENGINE_NAME_PREFIX)
+            if suffix.isdigit():
+                indexes.append(int(suffix))
+    return sorted(indexes)
 
 
 def engine_placement_group_name(name: str, namespace: str) -> str:
@@ -109,8 +125,8 @@ def check_local_capacity(configs: list[EngineConfig]) -> None:
         parts = ", ".join(f"{amount:g} {r} (this Ray has {have:g})" for r, (amount, have) in short.items())
         raise InsufficientResourcesError(
             f"the {len(configs)} engine(s) need {parts}: each engine reserves one bundle per tensor-parallel "
-            f"rank; lower --num-engines, --tensor-parallel-size or --num-cpus-per-worker, or give Ray more "
-            f"(--num-cpus)")
+            f"rank; lower --num-engines (or engine autoscaling's max_engines), --tensor-parallel-size or "
+            f"--num-cpus-per-worker, or give Ray more (--num-cpus)")
 
 
 def wait_until_placed(pg: PlacementGroup, what: str, timeout_s: float, first_warning_s: float = 10.0) -> None:

@@ -76,8 +76,13 @@ class Outputs(msgspec.Struct, tag="outputs"):
     outputs: EngineCoreOutputs
 
 
+class Draining(msgspec.Struct, tag="draining"):
+    """The engine is being scaled away: send it no new request (it still serves those it has, and
+    any that were on their way)."""
+
+
 ClientMessage = Hello | AddRequest | AbortRequests
-EngineMessage = Accepted | Outputs
+EngineMessage = Accepted | Outputs | Draining
 
 
 class ChannelAddress(msgspec.Struct, frozen=True):
@@ -151,6 +156,16 @@ class ChannelServer:
         self._server: asyncio.Server | None = None
         self._address: ChannelAddress | None = None
         self._pushers: dict[int, asyncio.Task[None]] = {}
+        # Each connected client's socket (announcements such as Draining go to all of them).
+        self._writers: dict[int, asyncio.StreamWriter] = {}
+        self.draining = False
+
+    def announce_draining(self) -> None:
+        """Tell every client, now and any that connects later, to send no new request."""
+        self.draining = True
+        for writer in list(self._writers.values()):
+            with contextlib.suppress(Exception):
+                writer.write(encode_frame(Draining()))
 
     async def start(self, host: str) -> ChannelAddress:
         if self._address is None:
@@ -180,6 +195,9 @@ class ChannelServer:
             if previous is not None:  # the same client reconnected: the old stream is dead
                 previous.cancel()
             pusher = self._pushers[client_index] = asyncio.create_task(self._push(client_index, writer, unfinished))
+            self._writers[client_index] = writer
+            if self.draining:
+                writer.write(encode_frame(Draining()))
             if hello.kv_events:
                 self._service.subscribe_kv_events(client_index)
             while True:
@@ -199,6 +217,7 @@ class ChannelServer:
                 pusher.cancel()
                 if self._pushers.get(client_index) is pusher:
                     del self._pushers[client_index]
+                    self._writers.pop(client_index, None)
                     self._service.unsubscribe_kv_events(client_index)
             if unfinished:
                 # Nobody reads these any more (the router fails them on its side): free their blocks.

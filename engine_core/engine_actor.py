@@ -66,6 +66,8 @@ class EngineCoreService:
     """The busy loop and its plumbing, independent of Ray (the actor below is a thin shell)."""
 
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory, compute_niceness: int = 0) -> None:
+        # When admit() last took a request (an engine being drained stops once none came for a while).
+        self.last_admitted = time.monotonic()
         self.config = config
         self._executor_factory = executor_factory
         self._compute_niceness = compute_niceness
@@ -122,6 +124,7 @@ class EngineCoreService:
         if waiting_cap and self.num_waiting() >= waiting_cap:
             raise OverflowError(f"engine {self.config.engine_index}: queue is full ({waiting_cap} waiting requests)")
         self.add_request(request)
+        self.last_admitted = time.monotonic()
 
     def subscribe_kv_events(self, client_index: int) -> None:
         """Send this client the prefix cache's contents, then every change (a prefix-aware router)."""
@@ -427,7 +430,7 @@ class EngineCoreService:
         snapshot = self.engine.kv_snapshot()
         buffer.items.append(EngineCoreOutputs(engine_index=self.config.engine_index, timestamp=time.time(),
                                               kv_events=snapshot))
-        buffer.num_event_hashes = len(snapshot[-1][1])
+        buffer.num_event_hashes = sum(len(hashes) for _, hashes in snapshot)
 
     def _on_step_failure(self, error: Exception) -> None:
         message = f"engine {self.config.engine_index} failed: {type(error).__name__}: {error}"
@@ -624,6 +627,20 @@ class EngineCoreActor:
     async def get_output(self, client_index: int, timeout: float = 1.0) -> EngineCoreOutputs:
         self._bind()
         return await self.service.get_output(client_index, timeout)
+
+    async def drain(self) -> None:
+        """Being scaled away (cluster.autoscaler): every router client, and any that connects later,
+        is told to send no new request; requests already sent, or on their way, still run."""
+        self._bind()
+        if self._channel is None:
+            self._channel = ChannelServer(self.service)
+        self._channel.announce_draining()
+
+    async def drain_status(self) -> tuple[int, float]:
+        """(unfinished requests, seconds since a request was last admitted): a drained engine
+        stops once both say it is idle."""
+        stats = await self.get_stats()
+        return stats.num_unfinished_requests, time.monotonic() - self.service.last_admitted
 
     async def pause(self, mode: int = PauseState.PAUSED_NEW) -> None:
         await asyncio.to_thread(self.service.call_in_loop, lambda: self.service.engine.pause(PauseState(mode)))

@@ -138,16 +138,21 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
 async def build_serving(config: RouterConfig, client_index: int | None = None) -> tuple[OpenAIServing, EngineClient]:
     """Connect to the engines by name and build the serving core (used by Serve and by plain uvicorn)."""
     names, namespace = config.engine_actor_names, config.namespace
-    handles = [ray.get_actor(name, namespace=namespace) for name in names]
-    descriptions = [await h.describe.remote() for h in handles]
+    # (With engine autoscaling, slots beyond the engines running now are empty: None, found by name
+    # once the autoscaler starts an engine there.)
+    handles = [await asyncio.to_thread(_named_actor, name, namespace) for name in names]
+    running = [h for h in handles if h is not None]
+    if not running:
+        raise RuntimeError(f"none of the engines {names} runs in namespace {namespace!r}")
+    descriptions = [await h.describe.remote() for h in running]
     first = descriptions[0]
-    tokenizer = await load_tokenizer_from_engine(handles[0])
+    tokenizer = await load_tokenizer_from_engine(running[0])
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
     # Each replica is a distinct client of every engine.
     client_index = random.getrandbits(31) if client_index is None else client_index
     client = EngineClient(handles, client_index,
-                          resolve_handle=lambda i: ray.get_actor(names[i], namespace=namespace))
+                          resolve_handle=lambda i: _named_actor(names[i], namespace))
     settings = serving_settings(config, descriptions)
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin,
@@ -168,6 +173,13 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         serving.list_loras = lambda: engine_loras(client)
         await serving.refresh_loras()
     return serving, client
+
+
+def _named_actor(name: str, namespace: str) -> Any | None:
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
 
 
 async def engine_loras(client: EngineClient, timeout_s: float = 5.0) -> list[LoRARequest]:
@@ -219,9 +231,7 @@ def metrics_hub(namespace: str) -> Any:
 async def engine_metrics_texts(client: EngineClient) -> list[bytes]:
     """Every engine's exposition text, fetched from the engines themselves (same on every replica)."""
     parts = []
-    for engine in range(client.num_engines):
-        if not client.healthy()[engine]:
-            continue
+    for engine in client.answering():
         try:
             parts.append(await client.handle(engine).get_metrics_text.remote())
         except Exception as e:  # an engine dying mid-scrape must not fail the whole scrape

@@ -20,13 +20,22 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_core.channel import AbortRequests, Accepted, AddRequest, ChannelConnection, FrameTooLargeError, Outputs
+from engine_core.channel import (
+    AbortRequests,
+    Accepted,
+    AddRequest,
+    ChannelConnection,
+    Draining,
+    FrameTooLargeError,
+    Outputs,
+)
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
 from router.request_timeline import RequestTimeline, current_timeline
 
 logger = logging.getLogger(__name__)
 
+# Finds the engine actor of a slot by name (None: no engine runs there now).
 HandleResolver = Callable[[int], Any]
 
 
@@ -142,8 +151,11 @@ class RequestStream:
 @dataclass
 class _EngineSlot:
     index: int
+    # None: no engine runs in this slot yet (an autoscaled one): the pump looks for it by name.
     handle: Any
     healthy: bool = True
+    # The engine is being scaled away (it said so): no new request goes there.
+    draining: bool = False
     in_flight: int = 0
     requests: set[str] = field(default_factory=set)
     last_error: str | None = None
@@ -156,8 +168,10 @@ class _EngineSlot:
 
 class EngineClient:
     def __init__(self, handles: list[Any], client_index: int, resolve_handle: HandleResolver | None = None) -> None:
+        """``handles``: one per engine slot, None for a slot no engine runs in yet (it is found by
+        name, through ``resolve_handle``, once one does)."""
         self.client_index = client_index
-        self._slots = [_EngineSlot(i, h) for i, h in enumerate(handles)]
+        self._slots = [_EngineSlot(i, h, healthy=h is not None) for i, h in enumerate(handles)]
         self._resolve_handle = resolve_handle
         self._queues: dict[str, OutputQueue] = {}
         self._pumps: list[asyncio.Task[None]] = []
@@ -174,10 +188,20 @@ class EngineClient:
         return [s.in_flight for s in self._slots]
 
     def healthy(self) -> list[bool]:
-        return [s.healthy for s in self._slots]
+        """Per slot: whether requests may go there (a running engine that answers and is not draining)."""
+        return [s.healthy and not s.draining for s in self._slots]
 
     def handle(self, engine: int) -> Any:
+        """The engine actor of a slot (None while no engine runs there)."""
         return self._slots[engine].handle
+
+    def answering(self) -> list[int]:
+        """The slots whose engine answers (draining ones included: they still serve what they have)."""
+        return [s.index for s in self._slots if s.handle is not None and s.healthy]
+
+    def present(self) -> list[int]:
+        """The slots an engine runs in (healthy or not)."""
+        return [s.index for s in self._slots if s.handle is not None]
 
     def start(self) -> None:
         if not self._pumps:
@@ -189,7 +213,8 @@ class EngineClient:
         self.start()
         async with asyncio.timeout(timeout_s):
             for slot in self._slots:
-                await slot.connected.wait()
+                if slot.handle is not None:  # (an empty slot connects when its engine starts)
+                    await slot.connected.wait()
 
     async def close(self) -> None:
         self._closed = True
@@ -209,8 +234,9 @@ class EngineClient:
         """Send the request and wait for the engine to admit it (within ``timeout_s``, the request's
         own timeout: an engine that never answers must not hold the caller forever)."""
         slot = self._slots[engine]
-        if not slot.healthy or slot.channel is None:
-            raise EngineUnavailableError(f"engine {engine} is unavailable: {slot.last_error or 'not connected'}")
+        if not slot.healthy or slot.channel is None or slot.draining:
+            reason = "draining (scaled away)" if slot.draining else slot.last_error or "not connected"
+            raise EngineUnavailableError(f"engine {engine} is unavailable: {reason}")
         rid = request.request_id
         queue = OutputQueue()
         timeline = queue.timeline = current_timeline.get()
@@ -296,6 +322,8 @@ class EngineClient:
         while not self._closed:
             try:
                 if slot.channel is None:
+                    if slot.handle is None:
+                        raise EngineUnavailableError(f"engine {slot.index}: no engine runs in this slot")
                     await self._connect(slot)
                 await slot.channel.wait_closed()  # type: ignore[union-attr]
                 raise ConnectionError("the request channel closed")
@@ -317,6 +345,10 @@ class EngineClient:
                     queue.put_nowait(output)
             if message.outputs.kv_events and self.on_kv_events is not None:
                 self.on_kv_events(slot.index, message.outputs.kv_events)
+        elif isinstance(message, Draining):
+            if not slot.draining:
+                logger.info("engine %d is draining (scaled away): no new requests go there", slot.index)
+            slot.draining = True
         else:
             answer = slot.pending.pop(message.request_id, None)
             if answer is not None and not answer.done():
@@ -324,6 +356,7 @@ class EngineClient:
 
     async def _connect(self, slot: _EngineSlot) -> None:
         address = await slot.handle.channel_address.remote()
+        slot.draining = False  # (a draining engine says so again on the new channel)
         slot.channel = await ChannelConnection.open(address, self.client_index,
                                                     on_message=functools.partial(self._on_message, slot),
                                                     kv_events=self.on_kv_events is not None)
@@ -344,7 +377,9 @@ class EngineClient:
         """No new requests go to this engine until it answers again. Requests in flight there are
         failed only when the channel is gone (they can never finish); over a live channel the engine
         reports its own failures, and a slow health probe must not fail requests that are running."""
-        if slot.healthy:
+        if slot.healthy and slot.draining:
+            logger.info("engine %d is gone (scaled away)", slot.index)
+        elif slot.healthy:
             logger.error("engine %d unhealthy: %s", slot.index, error)
         slot.healthy = False
         slot.last_error = f"{type(error).__name__}: {error}"
@@ -379,6 +414,12 @@ class EngineClient:
                     handle = await asyncio.to_thread(self._resolve_handle, slot.index)
                 except Exception:
                     continue
+                if handle is None:  # no engine by that name (stopped, or scaled away): the slot is empty
+                    slot.handle = None
+                    slot.draining = False
+                    continue
+            if handle is None:
+                continue
             try:
                 await handle.check_health.remote()
                 slot.handle = handle
@@ -400,6 +441,8 @@ class EngineClient:
         """Ask every engine; a failure marks it unhealthy (the pump brings it back)."""
 
         async def probe(slot: _EngineSlot) -> None:
+            if slot.handle is None:  # (no engine in this slot: nothing to ask)
+                return
             try:
                 await asyncio.wait_for(slot.handle.check_health.remote(), timeout_s)
                 if not slot.healthy and slot.channel is not None:  # no channel: requests there would fail

@@ -753,7 +753,7 @@ class ResponsesServing:
             except Exception as e:
                 logger.warning("cancel of %s on engine %d failed: %s", response_id, engine, e)
 
-        await asyncio.gather(*(drop(engine) for engine in range(client.num_engines)))  # (one holds it)
+        await asyncio.gather(*(drop(engine) for engine in client.present()))  # (one holds it)
 
     async def shut_down(self) -> None:
         """The replica is stopping: its background responses end as failed in the store."""

@@ -383,7 +383,8 @@ class OpenAIServing:
         lora = LoRARequest(name, new_dynamic_lora_id(), path)
         loaded: list[int] = []
         try:
-            for engine in range(self.client.num_engines):
+            # (An engine started later, by the autoscaler, is given it when a request needs it there.)
+            for engine in self.client.present():
                 await self.client.handle(engine).add_lora.remote(lora)
                 loaded.append(engine)
         except Exception as e:
@@ -401,7 +402,7 @@ class OpenAIServing:
         lora = self.lora_adapters.get(name)
         if lora is None:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")
-        handles = [self.client.handle(engine) for engine in range(self.client.num_engines)]
+        handles = [self.client.handle(engine) for engine in self.client.present()]
         users = sum([await h.lora_users.remote(lora.lora_int_id) for h in handles])
         if users:
             raise bad_request(f"The lora adapter '{name}' is in use by {users} requests; unload it once they "
@@ -423,9 +424,10 @@ class OpenAIServing:
 
     async def _each_engine(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every engine concurrently; a 503 naming the engines that failed."""
-        handles = [self.client.handle(engine) for engine in range(self.client.num_engines)]
+        engines = self.client.present()
+        handles = [self.client.handle(engine) for engine in engines]
         results = await asyncio.gather(*(getattr(h, method).remote(*args) for h in handles), return_exceptions=True)
-        failed = {engine: r for engine, r in enumerate(results) if isinstance(r, BaseException)}
+        failed = {engine: r for engine, r in zip(engines, results, strict=True) if isinstance(r, BaseException)}
         if failed:
             detail = "; ".join(f"engine {e}: {_remote_message(r)}" for e, r in failed.items())  # type: ignore[arg-type]
             raise APIError(503, f"{method} failed on {len(failed)} of {len(handles)} engines: {detail}",

@@ -56,16 +56,17 @@ def test_a_placement_that_fits_returns_without_warning(ray_cluster, caplog):
 
 
 @pytest.mark.slow
-def test_the_cli_refuses_more_engines_than_its_local_ray_can_hold(tiny_model_dir):
+@pytest.mark.parametrize("engines", [["--num-engines", "3"], ["--engine-autoscaling", '{"max_engines": 3}']],
+                         ids=["num-engines", "autoscaled"])
+def test_the_cli_refuses_more_engines_than_its_local_ray_can_hold(tiny_model_dir, engines):
     """`llm-cluster serve` on its own local Ray exits at once with status 2 and one line (it used to
-    wait 15 minutes for the placement)."""
+    wait 15 minutes for the placement); with engine autoscaling, every engine it may start counts."""
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), "--num-engines", "3",
-         "--num-cpus", "2"],
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), *engines, "--num-cpus", "2"],
         capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parents[2],
         env={**os.environ, "RAY_ADDRESS": ""})
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("llm-cluster: ")]
     assert lines == ["llm-cluster: the 3 engine(s) need 3 CPU (this Ray has 2): each engine reserves one bundle "
-                     "per tensor-parallel rank; lower --num-engines, --tensor-parallel-size or "
-                     "--num-cpus-per-worker, or give Ray more (--num-cpus)"]
+                     "per tensor-parallel rank; lower --num-engines (or engine autoscaling's max_engines), "
+                     "--tensor-parallel-size or --num-cpus-per-worker, or give Ray more (--num-cpus)"]

@@ -74,3 +74,43 @@ def test_two_applications_in_their_own_namespaces_keep_each_others_engines(ray_c
         stop_app(a, app_name="redeploy-test-app-a")
         stop_app(b, app_name="redeploy-test-app-b")
     assert not _placement_group_exists(engine_actor_name(0), a)
+
+
+def test_a_redeploy_with_engine_autoscaling_keeps_the_engines_it_started(ray_cluster, tiny_model_dir):
+    """A Serve deploy with engine_autoscaling starts min_engines and a detached autoscaler; a redeploy
+    keeps an engine the autoscaler started in a further slot while its flags are unchanged, stops it
+    when they change, and restarts the autoscaler on the new config; ``llm-cluster stop`` stops it all."""
+    import ray
+
+    from cluster.autoscaler import AUTOSCALER_NAME
+    from cluster.launcher import start_engine
+
+    namespace = "redeploy-test-autoscaled"
+
+    def validated(max_num_seqs: int) -> ClusterConfig:
+        return ClusterConfig(model=str(tiny_model_dir), namespace=namespace,
+                             defaults=EngineSpec(num_gpu_blocks=32, max_model_len=128, max_num_seqs=max_num_seqs,
+                                                 num_cpus_per_worker=0.5),
+                             engine_autoscaling={"min_engines": 1, "max_engines": 2, "downscale_delay_s": 3600})
+
+    try:
+        assert reconcile_engines(validated(8)) == [0]
+        first_autoscaler = named_actor(AUTOSCALER_NAME, namespace)
+        assert first_autoscaler is not None
+        # As the autoscaler would under load: an engine in slot 1, with that slot's flags.
+        slot = validated(8).engine_slot_configs()[1]
+        ray.get(start_engine(slot, namespace, detached=True).actor.describe.remote(), timeout=120)
+        scaled = named_actor(engine_actor_name(1), namespace)
+        assert reconcile_engines(validated(8)) == []
+        assert named_actor(engine_actor_name(1), namespace)._actor_id == scaled._actor_id
+        autoscaler = named_actor(AUTOSCALER_NAME, namespace)
+        assert autoscaler._actor_id != first_autoscaler._actor_id
+        assert ray.get(autoscaler.status.remote(), timeout=30).running in ([], [0, 1])  # (its first round may be due)
+        # New flags: engine 0 is replaced and the autoscaled engine, which ran the old ones, is stopped.
+        assert reconcile_engines(validated(4)) == [0]
+        assert named_actor(engine_actor_name(1), namespace) is None
+        assert not _placement_group_exists(engine_actor_name(1), namespace)
+    finally:
+        stopped = stop_app(namespace, app_name="redeploy-test-app-autoscaled")
+    assert stopped == [engine_actor_name(0)]
+    assert named_actor(AUTOSCALER_NAME, namespace) is None

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine_core.channel import AbortRequests, Accepted
+from engine_core.channel import AbortRequests, Accepted, Draining
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
@@ -210,5 +210,47 @@ def test_the_request_timeout_covers_the_wait_for_admission():
                                                    sampling_params=SamplingParams(), client_index=1), timeout_s=0.05)
         assert [type(m).__name__ for m in channel.sent] == ["AddRequest", "AbortRequests"]
         assert client.loads() == [0] and not client._slots[0].pending
+
+    asyncio.run(run())
+
+
+def test_a_draining_engine_gets_no_new_request_and_an_empty_slot_none():
+    """Engine autoscaling: a slot no engine runs in is out of routing, and so is an engine that said
+    it is being scaled away (it still answers, and still serves what it has)."""
+    async def run():
+        client = EngineClient([object(), None], client_index=1)
+        assert client.healthy() == [True, False] and client.present() == [0] and client.answering() == [0]
+        slot = client._slots[0]
+        slot.channel = _Channel()
+        client._on_message(slot, Draining())
+        assert client.healthy() == [False, False] and client.answering() == [0]
+        with pytest.raises(EngineUnavailableError, match="draining"):
+            await client.add_request(0, EngineCoreRequest(
+                request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(), client_index=1))
+        assert not slot.pending and client.loads() == [0, 0]
+
+    asyncio.run(run())
+
+
+def test_an_engine_whose_name_is_gone_leaves_its_slot_empty():
+    """Once a drained engine is stopped, the router forgets its handle (calls to every engine skip the
+    slot) and keeps looking by name for the next engine started there."""
+    async def run():
+        looked_up = []
+
+        def resolve(index: int):
+            looked_up.append(index)
+            return None
+
+        client = EngineClient([object()], client_index=1, resolve_handle=resolve)
+        slot = client._slots[0]
+        slot.draining = True
+        waiting = asyncio.create_task(client._wait_for_engine(slot))
+        async with asyncio.timeout(10):
+            while slot.handle is not None:
+                await asyncio.sleep(0.05)
+        assert looked_up[0] == 0 and slot.handle is None and not slot.draining and client.present() == []
+        client._closed = True
+        waiting.cancel()
 
     asyncio.run(run())

@@ -1,0 +1,243 @@
+"""Engine autoscaling: more engines while requests pile up, fewer once they are idle.
+
+The first model's engines live in ``max_engines`` *slots* (engine indexes 0..max-1); router replicas
+watch every slot by name and route to the engines that run in them (cluster/config.py
+``EngineAutoscaling``; router/engine_client.py finds an engine that appears in an empty slot).
+
+``EngineScaler`` decides, as Ray Serve sizes a deployment: the engines wanted are the ongoing
+requests (running and waiting, summed over the engines) over ``target_ongoing_requests``, rounded
+up and held to [min_engines, max_engines]; a change waits until it has been wanted for
+``upscale_delay_s`` (``downscale_delay_s``) without a break, so a burst does not start an engine
+and a lull does not stop one. Up, every engine wanted starts at once; down, one engine at a time.
+
+``EngineAutoscaler`` (a Ray actor, one per application) acts: it starts an engine in the lowest
+empty slot, and scales down by *draining* the highest one: the engine tells every router to send
+it nothing new, serves what it holds, and is stopped once it has held no request for
+``drain_grace_s`` (a request a router sent before hearing of the drain still runs). Nothing
+scales while an engine is paused or asleep (an operator is at work: /pause, /sleep), and an
+engine that died is left to Ray's restart, not replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.config import EngineAutoscaling
+from cluster.launcher import engine_actor_name, named_actor, start_engine, stop_named_engine
+from engine_core.config import EngineConfig
+from engine_core.log_setup import configure_actor_logging
+
+logger = logging.getLogger(__name__)
+
+AUTOSCALER_NAME = "llm-cluster-engine-autoscaler"
+
+# The handles of the autoscalers this process owns (not detached), by namespace: Ray destroys an
+# actor that is not detached once no handle to it is left, so the process that starts one holds it.
+_owned: dict[str, Any] = {}
+
+
+class EngineScaler:
+    """The engine count to move to, from the ongoing requests, with Serve's delays (time is
+    ``now`` as given: tests pass their own)."""
+
+    def __init__(self, policy: EngineAutoscaling) -> None:
+        self.policy = policy
+        self._up_since: float | None = None
+        self._down_since: float | None = None
+
+    def wanted(self, ongoing: float) -> int:
+        p = self.policy
+        return min(p.max_engines, max(p.min_engines, math.ceil(ongoing / p.target_ongoing_requests)))
+
+    def decide(self, running: int, ongoing: float, now: float) -> int:
+        """``running`` engines (not draining) hold ``ongoing`` requests: the count to have now."""
+        wanted = self.wanted(ongoing)
+        if wanted > running:
+            self._down_since = None
+            self._up_since = now if self._up_since is None else self._up_since
+            if now - self._up_since >= self.policy.upscale_delay_s:
+                self._up_since = None
+                return wanted
+        elif wanted < running:
+            self._up_since = None
+            self._down_since = now if self._down_since is None else self._down_since
+            if now - self._down_since >= self.policy.downscale_delay_s:
+                self._down_since = None
+                return running - 1
+        else:
+            self._up_since = self._down_since = None
+        return running
+
+
+@dataclass
+class ScalingStatus:
+    """What the autoscaler sees and does (``EngineAutoscaler.status``)."""
+
+    running: list[int]
+    starting: list[int]
+    draining: list[int]
+    ongoing_requests: int
+    wanted: int
+
+
+class EngineAutoscaler:
+    """Ray actor (``ray.remote(EngineAutoscaler)``): scales the engines of ``slots`` (every slot's
+    configuration, by engine index) in ``namespace``. ``detached``: engines it starts outlive the
+    process that started the application (a Serve config's); otherwise they belong to this actor,
+    which belongs to that process (the CLI's)."""
+
+    def __init__(self, slots: list[EngineConfig], namespace: str, policy: EngineAutoscaling,
+                 detached: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+        configure_actor_logging()
+        self.slots = slots
+        self.namespace = namespace
+        self.policy = policy
+        self.detached = detached
+        self.scaler = EngineScaler(policy)
+        self._clock = clock
+        self._starting: dict[int, asyncio.Task[None]] = {}
+        self._draining: set[int] = set()
+        self._status = ScalingStatus([], [], [], 0, policy.min_engines)
+        self._loop_task: asyncio.Task[None] | None = None
+        # Engine handles this actor started (kept so non-detached engines stay owned and alive).
+        self._started: dict[int, Any] = {}
+
+    async def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run())
+
+    async def status(self) -> ScalingStatus:
+        return self._status
+
+    async def shutdown(self, stop_started: bool = False) -> None:
+        """Stop scaling; with ``stop_started``, also stop (cleanly) the engines this autoscaler
+        started. Otherwise they stay: whoever stops the application stops them, or a redeploy keeps
+        them."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for task in self._starting.values():
+            task.cancel()
+        if stop_started:
+            for index in sorted(self._started):
+                await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
+            self._started.clear()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("engine autoscaler: a round failed")
+            await asyncio.sleep(self.policy.interval_s)
+
+    def _actor(self, index: int) -> Any | None:
+        return named_actor(engine_actor_name(index), self.namespace)
+
+    async def _tick(self) -> None:
+        actors = {i: await asyncio.to_thread(self._actor, i) for i in range(len(self.slots))}
+        for index in await self._finish_drains(actors):
+            actors[index] = None
+        busy = self._draining | set(self._starting)
+        serving = [i for i, a in actors.items() if a is not None and i not in busy]
+        try:
+            stats = await asyncio.gather(*(actors[i].get_stats.remote() for i in serving))
+            held = await asyncio.gather(*(actors[i].is_paused.remote() for i in serving))
+        except Exception as e:  # (an engine restarting, or stopped under us: next round)
+            logger.info("engine autoscaler: engines did not all answer (%s); trying again", e)
+            return
+        ongoing = sum(s.num_unfinished_requests for s in stats)
+        running = len(serving) + len(self._starting)
+        if any(held):  # paused or asleep: an operator is at work, nothing changes under them
+            target = running
+        else:
+            target = self.scaler.decide(running, ongoing, self._clock())
+        if target > running:
+            empty = [i for i, a in actors.items() if a is None and i not in self._starting]
+            for index in empty[:target - running]:
+                logger.info("engine autoscaler: %d requests ongoing on %d engines; starting engine %d", ongoing,
+                            running, index)
+                self._starting[index] = asyncio.create_task(self._start(index))
+        elif target < running and serving:
+            index = max(serving)
+            logger.info("engine autoscaler: %d requests ongoing on %d engines; draining engine %d", ongoing,
+                        running, index)
+            await actors[index].drain.remote()
+            self._draining.add(index)
+        # (As this round leaves things.)
+        self._status = ScalingStatus([i for i in serving if i not in self._draining], sorted(self._starting),
+                                     sorted(self._draining), ongoing, self.scaler.wanted(ongoing))
+
+    async def _start(self, index: int) -> None:
+        try:
+            handle = await asyncio.to_thread(start_engine, self.slots[index], self.namespace, self.detached)
+            self._started[index] = handle
+            await handle.actor.describe.remote()  # (ready: its model loaded and its KV pool sized)
+            logger.info("engine autoscaler: engine %d is serving", index)
+        except Exception:
+            logger.exception("engine autoscaler: engine %d did not start", index)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
+        finally:
+            self._starting.pop(index, None)
+
+    async def _finish_drains(self, actors: dict[int, Any]) -> list[int]:
+        """Stop the draining engines that are idle; returns their indexes."""
+        stopped = []
+        for index in sorted(self._draining):
+            actor = actors.get(index)
+            if actor is None:
+                self._draining.discard(index)
+                continue
+            try:
+                unfinished, quiet_s = await actor.drain_status.remote()
+            except Exception as e:
+                logger.info("engine autoscaler: draining engine %d does not answer (%s)", index, e)
+                continue
+            if unfinished == 0 and quiet_s >= self.policy.drain_grace_s:
+                logger.info("engine autoscaler: engine %d is drained; stopping it", index)
+                await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
+                self._started.pop(index, None)
+                self._draining.discard(index)
+                stopped.append(index)
+        return stopped
+
+
+def start_autoscaler(slots: list[EngineConfig], namespace: str, policy: EngineAutoscaling,
+                     detached: bool = False) -> Any:
+    """Start (replacing any earlier one) the application's autoscaler actor."""
+    import ray
+
+    stop_autoscaler(namespace)
+    options: dict[str, Any] = {"name": AUTOSCALER_NAME, "namespace": namespace, "num_cpus": 0}
+    if detached:
+        options["lifetime"] = "detached"
+    actor = ray.remote(EngineAutoscaler).options(**options).remote(slots, namespace, policy, detached)
+    ray.get(actor.start.remote())
+    if not detached:
+        _owned[namespace] = actor
+    return actor
+
+
+def stop_autoscaler(namespace: str, stop_engines: bool = False) -> bool:
+    """Stop the application's autoscaler, if one runs; with ``stop_engines`` it first stops the
+    engines it started (the process that owns them is going away), else they stay."""
+    import ray
+
+    _owned.pop(namespace, None)
+    actor = named_actor(AUTOSCALER_NAME, namespace)
+    if actor is None:
+        return False
+    with contextlib.suppress(Exception):
+        ray.get(actor.shutdown.remote(stop_engines), timeout=120 if stop_engines else 10)
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)
+    return True

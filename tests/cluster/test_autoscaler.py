@@ -1,0 +1,210 @@
+"""Engine autoscaling: the scaling rule, the configuration, and a cluster that grows under load and
+drains back when idle, through the real router and Ray Serve."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from cluster.autoscaler import EngineScaler
+from cluster.config import ClusterConfig, EngineAutoscaling, EngineSpec
+
+
+def _policy(**fields) -> EngineAutoscaling:
+    return EngineAutoscaling(**({"min_engines": 1, "max_engines": 4, "target_ongoing_requests": 4,
+                                 "upscale_delay_s": 2, "downscale_delay_s": 10} | fields))
+
+
+def test_the_engines_wanted_follow_the_ongoing_requests_within_bounds():
+    scaler = EngineScaler(_policy())
+    assert [scaler.wanted(n) for n in (0, 1, 4, 5, 8, 9, 100)] == [1, 1, 1, 2, 2, 3, 4]
+    assert EngineScaler(_policy(min_engines=2)).wanted(0) == 2
+
+
+def test_a_change_waits_for_its_delay_and_scales_down_one_engine_at_a_time():
+    scaler = EngineScaler(_policy())
+    assert scaler.decide(1, 12, now=0.0) == 1  # (3 wanted, but only just)
+    assert scaler.decide(1, 12, now=1.0) == 1
+    assert scaler.decide(1, 12, now=2.0) == 3  # wanted for upscale_delay_s: all at once
+    # A burst that ends before the delay changes nothing.
+    assert scaler.decide(3, 30, now=3.0) == 3
+    assert scaler.decide(3, 12, now=4.0) == 3
+    assert scaler.decide(3, 0, now=5.0) == 3
+    assert scaler.decide(3, 0, now=14.0) == 3
+    assert scaler.decide(3, 0, now=15.0) == 2  # fewer wanted for downscale_delay_s: one engine less
+    assert scaler.decide(2, 0, now=16.0) == 2  # (and the delay starts again)
+    assert scaler.decide(2, 0, now=25.0) == 2
+    assert scaler.decide(2, 0, now=26.0) == 1
+    # An interruption restarts the wait.
+    assert scaler.decide(1, 9, now=27.0) == 1
+    assert scaler.decide(1, 0, now=28.0) == 1
+    assert scaler.decide(1, 9, now=29.0) == 1
+    assert scaler.decide(1, 9, now=30.0) == 1
+    assert scaler.decide(1, 9, now=31.0) == 3
+
+
+def test_the_configuration_starts_min_engines_in_max_engines_slots():
+    config = ClusterConfig(model="m", engine_autoscaling={"min_engines": 2, "max_engines": 3},
+                           engines=[EngineSpec(), EngineSpec(), EngineSpec(max_num_seqs=4)])
+    assert config.num_engines == 2
+    assert [e.engine_index for e in config.engine_configs()] == [0, 1]
+    slots = config.engine_slot_configs()
+    assert [e.engine_index for e in slots] == [0, 1, 2] and slots[2].scheduler.max_num_seqs == 4
+    assert config.model_engines() == [(None, [0, 1, 2])]  # (the routers watch every slot)
+    with pytest.raises(ValueError, match="between engine_autoscaling's min_engines"):
+        ClusterConfig(model="m", num_engines=4, engine_autoscaling={"min_engines": 1, "max_engines": 3})
+    with pytest.raises(ValueError, match=r"max_engines .* is below min_engines"):
+        EngineAutoscaling(min_engines=3, max_engines=2)
+    with pytest.raises(ValueError, match="cannot be combined with models"):
+        ClusterConfig(model="m", engine_autoscaling={"max_engines": 2}, models=[{"model": "n"}])
+    with pytest.raises(ValueError, match="max_engines is 2"):
+        ClusterConfig(model="m", engine_autoscaling={"max_engines": 2}, engines=[EngineSpec()] * 3)
+
+
+def test_the_cli_flag_makes_the_same_configuration():
+    from cluster.cli import build_parser, cluster_config_from_args
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--engine-autoscaling",
+                                      '{"min_engines": 2, "max_engines": 5, "target_ongoing_requests": 3}'])
+    config = cluster_config_from_args(args)
+    assert config.num_engines == 2 and config.engine_autoscaling == EngineAutoscaling(
+        min_engines=2, max_engines=5, target_ongoing_requests=3)
+    assert cluster_config_from_args(build_parser().parse_args(["serve", "--model", "m"])).engine_autoscaling is None
+
+
+class _Call:
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def remote(self, *args):
+        return self.fn(*args)
+
+
+class _FakeEngine:
+    """An engine actor as the autoscaler calls it."""
+
+    def __init__(self, ongoing: int = 0, paused: bool = False):
+        self.ongoing, self.paused, self.drained = ongoing, paused, False
+        self.get_stats = _Call(lambda: SimpleNamespace(num_unfinished_requests=self.ongoing))
+        self.is_paused = _Call(lambda: self.paused)
+        self.drain = _Call(lambda: setattr(self, "drained", True))
+        self.drain_status = _Call(lambda: (self.ongoing, 10.0))
+
+
+def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_highest(monkeypatch):
+    """EngineAutoscaler's rounds against fake engines (no Ray): what it starts, drains and stops."""
+    import cluster.autoscaler as autoscaler_module
+    from cluster.autoscaler import EngineAutoscaler
+
+    engines: dict[int, _FakeEngine] = {0: _FakeEngine(ongoing=9, paused=True)}
+    started: list[int] = []
+    stopped: list[str] = []
+
+    async def fake_start(self, index):
+        started.append(index)
+        engines[index] = _FakeEngine()
+        self._starting.pop(index, None)
+
+    monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
+    monkeypatch.setattr(EngineAutoscaler, "_start", fake_start)
+    monkeypatch.setattr(autoscaler_module, "stop_named_engine",
+                        lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]))))
+
+    async def run():
+        clock = [0.0]
+        scaler = EngineAutoscaler([None] * 3, "ns", _policy(max_engines=3, upscale_delay_s=0, downscale_delay_s=0),
+                                  clock=lambda: clock[0])
+        await scaler._tick()  # 9 ongoing wants 3, but engine 0 is paused: nothing changes under the operator
+        assert started == [] and (await scaler.status()).wanted == 3
+        engines[0].paused = False
+        await scaler._tick()
+        await asyncio.sleep(0)
+        assert started == [1, 2]
+        engines[0].ongoing = 0
+        await scaler._tick()  # 1 wanted: one engine at a time, the highest slot first, drained before it stops
+        assert engines[2].drained and not engines[1].drained and stopped == []
+        status = await scaler.status()
+        assert (status.running, status.draining) == ([0, 1], [2])
+        await scaler._tick()  # engine 2 holds nothing: stopped; engine 1 is next
+        assert stopped == ["llm-cluster-engine-2"] and engines[1].drained
+        await scaler._tick()
+        await scaler._tick()
+        assert stopped == ["llm-cluster-engine-2", "llm-cluster-engine-1"] and sorted(engines) == [0]
+        status = await scaler.status()
+        assert (status.running, status.draining, status.starting) == ([0], [], [])
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_engine_starts_under_load_serves_and_is_drained_away_when_idle(ray_cluster, tiny_model_dir):
+    from cluster.autoscaler import AUTOSCALER_NAME
+    from cluster.launcher import engine_actor_name, named_actor
+    from tests.serve_cluster import serve_cluster
+
+    config = ClusterConfig(
+        model=str(tiny_model_dir), served_model_name="tiny", routing_policy="least_loaded",
+        defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256, max_num_seqs=2),
+        engine_autoscaling={"min_engines": 1, "max_engines": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0,
+                            "downscale_delay_s": 2, "drain_grace_s": 1, "interval_s": 0.2})
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    with serve_cluster(config) as served:
+        autoscaler = named_actor(AUTOSCALER_NAME, config.namespace)
+        assert named_actor(engine_actor_name(1), config.namespace) is None
+        codes: list[int] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            with httpx.Client(timeout=60) as http:
+                while not stop.is_set():
+                    codes.append(http.post(f"{served.base}/v1/completions", json=body).status_code)
+
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            # Four streams against a target of one each: a second engine starts, and the router sends it work.
+            deadline = time.monotonic() + 180
+            second = None
+            while time.monotonic() < deadline:
+                second = named_actor(engine_actor_name(1), config.namespace)
+                if second is not None:
+                    try:
+                        if ray_cluster.get(second.get_stats.remote(), timeout=10).num_requests_added > 0:
+                            break
+                    except Exception:  # (still loading its model)
+                        pass
+                time.sleep(0.5)
+            else:
+                raise AssertionError(f"no second engine served: {ray_cluster.get(autoscaler.status.remote())}")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert codes and set(codes) == {200}, codes
+        # Idle: after downscale_delay_s the second engine is drained and stopped; the first one stays and
+        # every request meanwhile succeeds.
+        deadline = time.monotonic() + 60
+        with httpx.Client(timeout=60) as http:
+            while named_actor(engine_actor_name(1), config.namespace) is not None:
+                assert time.monotonic() < deadline, ray_cluster.get(autoscaler.status.remote())
+                assert http.post(f"{served.base}/v1/completions", json=body | {"max_tokens": 2}).status_code == 200
+                time.sleep(0.5)
+            assert http.get(f"{served.base}/health").status_code == 200
+            answer = http.post(f"{served.base}/v1/completions", json=body | {"max_tokens": 4})
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        # (Its status is as of its last round: the one that stopped engine 1 may still be finishing.)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = ray_cluster.get(autoscaler.status.remote())
+            if (status.running, status.draining, status.starting) == ([0], [], []):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the autoscaler does not settle on engine 0 alone: {status}")
