@@ -50,7 +50,7 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
     for engine in slots[len(wanted):]:  # (autoscaled slots: kept as they are, or stopped)
         name = engine_actor_name(engine.engine_index)
         actor = named_actor(name, config.namespace)
-        if actor is not None and not _runs(actor, engine):
+        if actor is None or not _runs(actor, engine):  # (None: frees a dead engine's leftover bundles)
             stop_named_engine(name, config.namespace)
     to_start = []
     for engine in wanted:
@@ -59,9 +59,12 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
         if actor is not None:
             try:
                 running = ray.get(actor.engine_config.remote(), timeout=60)
-                if running == engine:
+                draining = ray.get(actor.drain_status.remote(), timeout=60)[0]
+                if running == engine and not draining:
                     continue
-                if running.model != engine.model:
+                if running == engine:  # (its routers send it nothing: a new one serves in its place)
+                    logger.info("engine %d was being scaled away; replacing it", engine.engine_index)
+                elif running.model != engine.model:
                     # Either a redeploy with a new model, or a second application deployed into this
                     # one's namespace, which would take its engines over.
                     logger.warning("engine %d in namespace %r serves %s; replacing it with one serving %s. "

@@ -32,11 +32,15 @@ from typing import Any
 from cluster.config import EngineAutoscaling
 from cluster.launcher import engine_actor_name, named_actor, start_engine, stop_named_engine
 from engine_core.config import EngineConfig
-from engine_core.log_setup import configure_actor_logging
+from engine_core.log_setup import configure_actor_logging, logging_runtime_env
 
 logger = logging.getLogger(__name__)
 
 AUTOSCALER_NAME = "llm-cluster-engine-autoscaler"
+
+# How long an engine may take to answer one of the autoscaler's calls: one that does not (say, being
+# restarted by Ray) must not stall the rounds, which also finish drains and start engines.
+CALL_TIMEOUT_S = 10.0
 
 # The handles of the autoscalers this process owns (not detached), by namespace: Ray destroys an
 # actor that is not detached once no handle to it is left, so the process that starts one holds it.
@@ -106,6 +110,8 @@ class EngineAutoscaler:
         self._draining: set[int] = set()
         self._status = ScalingStatus([], [], [], 0, policy.min_engines)
         self._loop_task: asyncio.Task[None] | None = None
+        # Whether the first round has taken over engines an earlier autoscaler left draining.
+        self._adopted = False
         # Engine handles this actor started (kept so non-detached engines stay owned and alive).
         self._started: dict[int, Any] = {}
 
@@ -144,15 +150,20 @@ class EngineAutoscaler:
 
     async def _tick(self) -> None:
         actors = {i: await asyncio.to_thread(self._actor, i) for i in range(len(self.slots))}
+        if not self._adopted:  # (a redeploy's new autoscaler finishes the drains the old one began)
+            found = [i for i, a in actors.items() if a is not None]
+            states = await _ask(actors[i].drain_status.remote() for i in found)
+            self._draining |= {i for i, (draining, _, _) in zip(found, states, strict=True) if draining}
+            self._adopted = True
         for index in await self._finish_drains(actors):
             actors[index] = None
         busy = self._draining | set(self._starting)
         serving = [i for i, a in actors.items() if a is not None and i not in busy]
         try:
-            stats = await asyncio.gather(*(actors[i].get_stats.remote() for i in serving))
-            held = await asyncio.gather(*(actors[i].is_paused.remote() for i in serving))
+            stats = await _ask(actors[i].get_stats.remote() for i in serving)
+            held = await _ask(actors[i].is_paused.remote() for i in serving)
         except Exception as e:  # (an engine restarting, or stopped under us: next round)
-            logger.info("engine autoscaler: engines did not all answer (%s); trying again", e)
+            logger.info("engine autoscaler: engines did not all answer (%r); trying again", e)
             return
         ongoing = sum(s.num_unfinished_requests for s in stats)
         running = len(serving) + len(self._starting)
@@ -166,11 +177,13 @@ class EngineAutoscaler:
                 logger.info("engine autoscaler: %d requests ongoing on %d engines; starting engine %d", ongoing,
                             running, index)
                 self._starting[index] = asyncio.create_task(self._start(index))
-        elif target < running and serving:
+        elif target < running and serving and not self._starting:
+            # (Not while an engine is starting: the engine to drain would be one that serves, maybe
+            # the only one; once the starts end, the count is what serves.)
             index = max(serving)
             logger.info("engine autoscaler: %d requests ongoing on %d engines; draining engine %d", ongoing,
                         running, index)
-            await actors[index].drain.remote()
+            await _ask([actors[index].drain.remote()])
             self._draining.add(index)
         # (As this round leaves things.)
         self._status = ScalingStatus([i for i in serving if i not in self._draining], sorted(self._starting),
@@ -178,6 +191,8 @@ class EngineAutoscaler:
 
     async def _start(self, index: int) -> None:
         try:
+            # (A leftover placement group of an engine that died in this slot is freed first.)
+            await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
             handle = await asyncio.to_thread(start_engine, self.slots[index], self.namespace, self.detached)
             self._started[index] = handle
             await handle.actor.describe.remote()  # (ready: its model loaded and its KV pool sized)
@@ -198,9 +213,11 @@ class EngineAutoscaler:
                 self._draining.discard(index)
                 continue
             try:
-                unfinished, quiet_s = await actor.drain_status.remote()
+                # (Said again each round: an engine Ray restarted meanwhile forgot it.)
+                await _ask([actor.drain.remote()])
+                [(_, unfinished, quiet_s)] = await _ask([actor.drain_status.remote()])
             except Exception as e:
-                logger.info("engine autoscaler: draining engine %d does not answer (%s)", index, e)
+                logger.info("engine autoscaler: draining engine %d does not answer (%r)", index, e)
                 continue
             if unfinished == 0 and quiet_s >= self.policy.drain_grace_s:
                 logger.info("engine autoscaler: engine %d is drained; stopping it", index)
@@ -209,6 +226,11 @@ class EngineAutoscaler:
                 self._draining.discard(index)
                 stopped.append(index)
         return stopped
+
+
+async def _ask(calls: Any) -> list[Any]:
+    """Await Ray calls together, each within CALL_TIMEOUT_S."""
+    return await asyncio.gather(*(asyncio.wait_for(call, CALL_TIMEOUT_S) for call in calls))
 
 
 def start_autoscaler(slots: list[EngineConfig], namespace: str, policy: EngineAutoscaling,
@@ -220,6 +242,8 @@ def start_autoscaler(slots: list[EngineConfig], namespace: str, policy: EngineAu
     options: dict[str, Any] = {"name": AUTOSCALER_NAME, "namespace": namespace, "num_cpus": 0}
     if detached:
         options["lifetime"] = "detached"
+    if runtime_env := logging_runtime_env():  # (the engines it starts read the log settings here)
+        options["runtime_env"] = runtime_env
     actor = ray.remote(EngineAutoscaler).options(**options).remote(slots, namespace, policy, detached)
     ray.get(actor.start.remote())
     if not detached:
@@ -232,12 +256,13 @@ def stop_autoscaler(namespace: str, stop_engines: bool = False) -> bool:
     engines it started (the process that owns them is going away), else they stay."""
     import ray
 
-    _owned.pop(namespace, None)
     actor = named_actor(AUTOSCALER_NAME, namespace)
     if actor is None:
+        _owned.pop(namespace, None)
         return False
     with contextlib.suppress(Exception):
         ray.get(actor.shutdown.remote(stop_engines), timeout=120 if stop_engines else 10)
+    _owned.pop(namespace, None)  # (held until it has shut down: the last handle would end it at once)
     with contextlib.suppress(Exception):
         ray.kill(actor, no_restart=True)
     return True

@@ -415,7 +415,7 @@ def serve_command(args: argparse.Namespace) -> int:
                 check_model_reference(owner.model, owner.tokenizer)
             from engine_core.generation_defaults import check_generation_flags
 
-            for engine in config.engine_configs():  # (a typo in a folder or a bad override: one line now)
+            for engine in config.engine_slot_configs():  # (a typo in a folder or a bad override: one line now)
                 check_generation_flags(engine.generation_config, json.loads(engine.override_generation_config or "{}"))
             from gpu_worker.lora.peft_adapter import read_adapter_config
 

@@ -161,7 +161,9 @@ class ChannelServer:
         self.draining = False
 
     def announce_draining(self) -> None:
-        """Tell every client, now and any that connects later, to send no new request."""
+        """Tell every client, now and any that connects later, to send no new request (once)."""
+        if self.draining:
+            return
         self.draining = True
         for writer in list(self._writers.values()):
             with contextlib.suppress(Exception):

@@ -566,6 +566,8 @@ class EngineCoreActor:
                                          compute_niceness=engine_niceness(config.engine_niceness,
                                                                           engine_uses_gpu(config)))
         self._channel: ChannelServer | None = None
+        # When cluster.autoscaler began draining this engine (None: it is not being drained).
+        self._drain_started: float | None = None
         self._kv = internal_kv
         self._pause_key = _own_pause_record_key()
         # Pause and resume, with their record, one at a time: a resume racing a pause cannot leave
@@ -630,17 +632,22 @@ class EngineCoreActor:
 
     async def drain(self) -> None:
         """Being scaled away (cluster.autoscaler): every router client, and any that connects later,
-        is told to send no new request; requests already sent, or on their way, still run."""
+        is told to send no new request; requests already sent, or on their way, still run. (Asked
+        again, it changes nothing: the autoscaler repeats it each round, for an engine Ray restarted.)"""
         self._bind()
         if self._channel is None:
             self._channel = ChannelServer(self.service)
+        if self._drain_started is None:
+            self._drain_started = time.monotonic()
         self._channel.announce_draining()
 
-    async def drain_status(self) -> tuple[int, float]:
-        """(unfinished requests, seconds since a request was last admitted): a drained engine
-        stops once both say it is idle."""
+    async def drain_status(self) -> tuple[bool, int, float]:
+        """(draining, unfinished requests, seconds since the drain began or a request was last
+        admitted, whichever is later): a drained engine stops once it is idle and routers have had
+        time to hear of the drain."""
         stats = await self.get_stats()
-        return stats.num_unfinished_requests, time.monotonic() - self.service.last_admitted
+        since = max(self.service.last_admitted, self._drain_started or 0.0)
+        return self._drain_started is not None, stats.num_unfinished_requests, time.monotonic() - since
 
     async def pause(self, mode: int = PauseState.PAUSED_NEW) -> None:
         await asyncio.to_thread(self.service.call_in_loop, lambda: self.service.engine.pause(PauseState(mode)))

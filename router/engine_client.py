@@ -234,9 +234,10 @@ class EngineClient:
         """Send the request and wait for the engine to admit it (within ``timeout_s``, the request's
         own timeout: an engine that never answers must not hold the caller forever)."""
         slot = self._slots[engine]
-        if not slot.healthy or slot.channel is None or slot.draining:
-            reason = "draining (scaled away)" if slot.draining else slot.last_error or "not connected"
-            raise EngineUnavailableError(f"engine {engine} is unavailable: {reason}")
+        # (A draining engine still takes a request routed to it before the router heard of the drain,
+        # e.g. a later choice of an n > 1 request: routing leaves it out, see healthy().)
+        if not slot.healthy or slot.channel is None:
+            raise EngineUnavailableError(f"engine {engine} is unavailable: {slot.last_error or 'not connected'}")
         rid = request.request_id
         queue = OutputQueue()
         timeline = queue.timeline = current_timeline.get()

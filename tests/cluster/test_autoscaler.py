@@ -88,12 +88,12 @@ class _Call:
 class _FakeEngine:
     """An engine actor as the autoscaler calls it."""
 
-    def __init__(self, ongoing: int = 0, paused: bool = False):
-        self.ongoing, self.paused, self.drained = ongoing, paused, False
+    def __init__(self, ongoing: int = 0, paused: bool = False, drained: bool = False):
+        self.ongoing, self.paused, self.drained = ongoing, paused, drained
         self.get_stats = _Call(lambda: SimpleNamespace(num_unfinished_requests=self.ongoing))
         self.is_paused = _Call(lambda: self.paused)
         self.drain = _Call(lambda: setattr(self, "drained", True))
-        self.drain_status = _Call(lambda: (self.ongoing, 10.0))
+        self.drain_status = _Call(lambda: (self.drained, self.ongoing, 10.0))
 
 
 def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_highest(monkeypatch):
@@ -103,10 +103,12 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
 
     engines: dict[int, _FakeEngine] = {0: _FakeEngine(ongoing=9, paused=True)}
     started: list[int] = []
+    loaded: asyncio.Event | None = None
     stopped: list[str] = []
 
     async def fake_start(self, index):
         started.append(index)
+        await loaded.wait()
         engines[index] = _FakeEngine()
         self._starting.pop(index, None)
 
@@ -116,6 +118,8 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
                         lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]))))
 
     async def run():
+        nonlocal loaded
+        loaded = asyncio.Event()
         clock = [0.0]
         scaler = EngineAutoscaler([None] * 3, "ns", _policy(max_engines=3, upscale_delay_s=0, downscale_delay_s=0),
                                   clock=lambda: clock[0])
@@ -124,8 +128,12 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
         engines[0].paused = False
         await scaler._tick()
         await asyncio.sleep(0)
-        assert started == [1, 2]
+        assert started == [1, 2] and (await scaler.status()).starting == [1, 2]
         engines[0].ongoing = 0
+        await scaler._tick()  # fewer wanted, but engines are starting: engine 0, the only one serving, stays
+        assert not engines[0].drained
+        loaded.set()
+        await asyncio.sleep(0)
         await scaler._tick()  # 1 wanted: one engine at a time, the highest slot first, drained before it stops
         assert engines[2].drained and not engines[1].drained and stopped == []
         status = await scaler.status()
@@ -137,6 +145,27 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
         assert stopped == ["llm-cluster-engine-2", "llm-cluster-engine-1"] and sorted(engines) == [0]
         status = await scaler.status()
         assert (status.running, status.draining, status.starting) == ([0], [], [])
+
+    asyncio.run(run())
+
+
+def test_a_new_autoscaler_finishes_the_drain_an_earlier_one_began(monkeypatch):
+    """After a redeploy (or a restart), an engine left draining is not counted as serving: the new
+    autoscaler stops it once idle."""
+    import cluster.autoscaler as autoscaler_module
+    from cluster.autoscaler import EngineAutoscaler
+
+    engines = {0: _FakeEngine(ongoing=0), 1: _FakeEngine(ongoing=0, drained=True)}
+    stopped: list[str] = []
+    monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
+    monkeypatch.setattr(autoscaler_module, "stop_named_engine",
+                        lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]))))
+
+    async def run():
+        scaler = EngineAutoscaler([None] * 2, "ns", _policy(max_engines=2, min_engines=1, downscale_delay_s=0))
+        await scaler._tick()
+        assert stopped == ["llm-cluster-engine-1"] and sorted(engines) == [0]
+        assert (await scaler.status()).running == [0]
 
     asyncio.run(run())
 
