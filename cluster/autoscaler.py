@@ -98,7 +98,10 @@ class EngineAutoscaler:
     which belongs to that process (the CLI's)."""
 
     def __init__(self, slots: list[EngineConfig], namespace: str, policy: EngineAutoscaling,
-                 detached: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 detached: bool = False, clock: Callable[[], float] = time.monotonic,
+                 run_rounds: bool = False) -> None:
+        """``run_rounds``: start the rounds now (as an actor, whose constructor runs in its event loop;
+        so a copy Ray restarts after a failure goes on scaling by itself). Tests call ``_tick``."""
         configure_actor_logging()
         self.slots = slots
         self.namespace = namespace
@@ -114,8 +117,11 @@ class EngineAutoscaler:
         self._adopted = False
         # Engine handles this actor started (kept so non-detached engines stay owned and alive).
         self._started: dict[int, Any] = {}
+        if run_rounds:
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def start(self) -> None:
+        """Run the rounds (if the constructor did not)."""
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._run())
 
@@ -196,6 +202,7 @@ class EngineAutoscaler:
             handle = await asyncio.to_thread(start_engine, self.slots[index], self.namespace, self.detached)
             self._started[index] = handle
             await handle.actor.describe.remote()  # (ready: its model loaded and its KV pool sized)
+            await self._join_operator_hold(index, handle.actor)
             logger.info("engine autoscaler: engine %d is serving", index)
         except Exception:
             logger.exception("engine autoscaler: engine %d did not start", index)
@@ -203,6 +210,28 @@ class EngineAutoscaler:
                 await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
         finally:
             self._starting.pop(index, None)
+
+    async def _join_operator_hold(self, index: int, actor: Any) -> None:
+        """An operator's /pause or /sleep may have come while this engine loaded (routers reach only
+        the engines they know of): it joins the state of the first other engine that answers. (A
+        sleep is level 1, weights kept in host memory: the level asked for is not known here.)"""
+        for other_index in range(len(self.slots)):
+            if other_index == index or other_index in self._draining:
+                continue
+            other = await asyncio.to_thread(self._actor, other_index)
+            if other is None:
+                continue
+            try:
+                [sleeping, paused] = await _ask([other.is_sleeping.remote(), other.is_paused.remote()])
+            except Exception:
+                continue
+            if sleeping:
+                logger.info("engine autoscaler: engine %d sleeps; engine %d goes to sleep too", other_index, index)
+                await actor.sleep.remote(1, "abort")
+            elif paused:
+                logger.info("engine autoscaler: engine %d is paused; engine %d is paused too", other_index, index)
+                await actor.pause_generation.remote("abort", False)
+            return
 
     async def _finish_drains(self, actors: dict[int, Any]) -> list[int]:
         """Stop the draining engines that are idle; returns their indexes."""
@@ -239,12 +268,16 @@ def start_autoscaler(slots: list[EngineConfig], namespace: str, policy: EngineAu
     import ray
 
     stop_autoscaler(namespace)
-    options: dict[str, Any] = {"name": AUTOSCALER_NAME, "namespace": namespace, "num_cpus": 0}
+    # (Restarted by Ray after a failure: it takes over engines left draining, and frees a leftover
+    # placement group before starting an engine in its slot. Non-detached engines it started die
+    # with it, as Ray fate-shares them with their owner, and are started again as the load wants.)
+    options: dict[str, Any] = {"name": AUTOSCALER_NAME, "namespace": namespace, "num_cpus": 0, "max_restarts": -1}
     if detached:
         options["lifetime"] = "detached"
     if runtime_env := logging_runtime_env():  # (the engines it starts read the log settings here)
         options["runtime_env"] = runtime_env
-    actor = ray.remote(EngineAutoscaler).options(**options).remote(slots, namespace, policy, detached)
+    actor = ray.remote(EngineAutoscaler).options(**options).remote(slots, namespace, policy, detached,
+                                                                   run_rounds=True)
     ray.get(actor.start.remote())
     if not detached:
         _owned[namespace] = actor

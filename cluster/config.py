@@ -466,6 +466,14 @@ class ClusterConfig(ModelSettings):
         if len(self.engines) > scaling.max_engines:
             raise ValueError(f"engines has {len(self.engines)} per-engine entries but engine_autoscaling's "
                              f"max_engines is {scaling.max_engines}")
+        # (A router replica takes these from the engines running when it starts: an engine started later
+        # in another slot must not differ, or the router would accept what that engine refuses.)
+        specs = self.resolved_specs()
+        for field in ("max_model_len", "scheduling_policy", "enable_sleep_mode"):
+            values = {getattr(spec, field) for spec in specs}
+            if len(values) > 1:
+                raise ValueError(f"with engine_autoscaling, {field} must be the same on every engine (the engines "
+                                 f"have {sorted(map(str, values))}); set it for all of them, not per engine")
         return self
 
     def _base_flags(self) -> dict[str, Any]:

@@ -62,6 +62,9 @@ def test_the_configuration_starts_min_engines_in_max_engines_slots():
         EngineAutoscaling(min_engines=3, max_engines=2)
     with pytest.raises(ValueError, match="cannot be combined with models"):
         ClusterConfig(model="m", engine_autoscaling={"max_engines": 2}, models=[{"model": "n"}])
+    with pytest.raises(ValueError, match="max_model_len must be the same on every engine"):
+        ClusterConfig(model="m", engine_autoscaling={"max_engines": 2},
+                      engines=[EngineSpec(), EngineSpec(max_model_len=64)])
     with pytest.raises(ValueError, match="max_engines is 2"):
         ClusterConfig(model="m", engine_autoscaling={"max_engines": 2}, engines=[EngineSpec()] * 3)
 
@@ -94,6 +97,10 @@ class _FakeEngine:
         self.is_paused = _Call(lambda: self.paused)
         self.drain = _Call(lambda: setattr(self, "drained", True))
         self.drain_status = _Call(lambda: (self.drained, self.ongoing, 10.0))
+        self.sleeping = False
+        self.is_sleeping = _Call(lambda: self.sleeping)
+        self.sleep = _Call(lambda level, mode: setattr(self, "sleeping", True))
+        self.pause_generation = _Call(lambda mode, clear_cache: setattr(self, "paused", True))
 
 
 def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_highest(monkeypatch):
@@ -145,6 +152,29 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
         assert stopped == ["llm-cluster-engine-2", "llm-cluster-engine-1"] and sorted(engines) == [0]
         status = await scaler.status()
         assert (status.running, status.draining, status.starting) == ([0], [], [])
+
+    asyncio.run(run())
+
+
+def test_an_engine_started_while_an_operator_paused_or_slept_the_others_joins_them(monkeypatch):
+    from cluster.autoscaler import EngineAutoscaler
+
+    engines = {1: _FakeEngine(paused=True), 2: _FakeEngine()}  # (engine 0 is gone, engine 1 answers first)
+    monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
+
+    async def run():
+        scaler = EngineAutoscaler([None] * 4, "ns", _policy(max_engines=4))
+        new = _FakeEngine()
+        await scaler._join_operator_hold(2, new)
+        assert new.paused and not new.sleeping
+        engines[1].sleeping = True
+        new = _FakeEngine()
+        await scaler._join_operator_hold(3, new)
+        assert new.sleeping
+        engines[1].sleeping = engines[1].paused = False
+        new = _FakeEngine()
+        await scaler._join_operator_hold(3, new)
+        assert not new.paused and not new.sleeping
 
     asyncio.run(run())
 
@@ -237,3 +267,41 @@ def test_an_engine_starts_under_load_serves_and_is_drained_away_when_idle(ray_cl
             time.sleep(0.2)
         else:
             raise AssertionError(f"the autoscaler does not settle on engine 0 alone: {status}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_autoscaler_goes_on_after_ray_restarts_it(ray_cluster, tiny_model_dir):
+    """A failed autoscaler is restarted by Ray and scales by itself again (nothing calls it): here
+    it keeps min_engines running, starting engine 0 again after its own restart took it down."""
+    from cluster.autoscaler import AUTOSCALER_NAME, start_autoscaler, stop_autoscaler
+    from cluster.launcher import engine_actor_name, named_actor
+
+    config = ClusterConfig(model=str(tiny_model_dir), namespace="autoscaler-restart-test",
+                           defaults=EngineSpec(num_gpu_blocks=16, max_model_len=64, num_cpus_per_worker=0.5),
+                           engine_autoscaling={"min_engines": 1, "max_engines": 2, "interval_s": 0.2})
+
+    def engine_serves(deadline_s: float, other_than=None) -> bool:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            engine = named_actor(engine_actor_name(0), config.namespace)
+            try:
+                status = ray_cluster.get(named_actor(AUTOSCALER_NAME, config.namespace).status.remote(), timeout=30)
+            except ray_cluster.exceptions.RayError:  # (being restarted)
+                status = None
+            if (engine is not None and status is not None and status.running == [0]
+                    and (other_than is None or engine._actor_id != other_than._actor_id)):
+                return True
+            time.sleep(0.3)
+        return False
+
+    autoscaler = start_autoscaler(config.engine_slot_configs(), config.namespace, config.engine_autoscaling)
+    try:
+        assert engine_serves(120)  # (no engine was started beside it: min_engines brings one)
+        first = named_actor(engine_actor_name(0), config.namespace)
+        ray_cluster.kill(autoscaler, no_restart=False)  # (as a crash: Ray restarts it)
+        # (The engine it had started died with it, fate-shared: a new one serves.)
+        assert engine_serves(120, other_than=first)
+    finally:
+        stop_autoscaler(config.namespace, stop_engines=True)
+    assert named_actor(AUTOSCALER_NAME, config.namespace) is None
