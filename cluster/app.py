@@ -167,8 +167,12 @@ def router_deployment(config: ClusterConfig):
         reasoning_parser=served.reasoning_parser, enable_lora=served.enable_lora,
         allow_runtime_lora_updating=config.allow_runtime_lora_updating and served.enable_lora)
         for served, indexes in others]
+    if config.router_autoscaling is None:
+        replicas: dict[str, Any] = {"num_replicas": config.num_router_replicas}
+    else:  # (Serve scales the replicas; each is a client of every engine under a client index of its own)
+        replicas = {"autoscaling_config": config.router_autoscaling.serve_config(config.router_initial_replicas())}
     deployment = serve.deployment(
-        OpenAIRouter, name="OpenAIRouter", num_replicas=config.num_router_replicas,
+        OpenAIRouter, name="OpenAIRouter", **replicas,
         ray_actor_options={"num_cpus": 0, **({"runtime_env": env} if (env := logging_runtime_env()) else {})},
         # Streaming requests stay open for a long time: let each replica hold many.
         max_ongoing_requests=1024,

@@ -254,7 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--routing-policy", default="least_loaded",
                        choices=["round_robin", "least_loaded", "prefix_aware", "session"])
     serve.add_argument("--prefix-load-margin", type=int, default=8)
-    serve.add_argument("--num-router-replicas", type=int, default=1)
+    serve.add_argument("--num-router-replicas", type=int, default=None,
+                       help="Router replicas (default 1; with --router-autoscaling, how many start).")
+    serve.add_argument("--router-autoscaling", type=_json_object, default=None,
+                       help='Let Ray Serve scale the router replicas (JSON), e.g. \'{"min_replicas": 1, '
+                            '"max_replicas": 4, "target_ongoing_requests": 128}\': as many as keep each at about '
+                            "target_ongoing_requests open requests (also upscale_delay_s, downscale_delay_s).")
     serve.add_argument("--request-timeout", type=float, default=None, help="Seconds before a request is aborted.")
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file, or the template itself) replacing the model's own.")
@@ -319,7 +324,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         tokenizer=_local_dir_path(args.tokenizer),
         defaults=EngineSpec(**{k: v for k, v in defaults.items() if v is not None}), engines=overrides,
         routing_policy=args.routing_policy, prefix_load_margin=args.prefix_load_margin,
-        num_router_replicas=args.num_router_replicas, request_timeout_s=args.request_timeout, seed=args.seed,
+        **({} if args.num_router_replicas is None else {"num_router_replicas": args.num_router_replicas}),
+        router_autoscaling=args.router_autoscaling, request_timeout_s=args.request_timeout, seed=args.seed,
         chat_template=read_chat_template(args.chat_template), enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         api_keys=args.api_key or default_api_keys(),

@@ -310,10 +310,37 @@ class EngineAutoscaling(BaseModel):
 
     @model_validator(mode="after")
     def _bounds(self) -> EngineAutoscaling:
-        if self.max_engines < self.min_engines:
-            raise ValueError(f"engine_autoscaling: max_engines ({self.max_engines}) is below min_engines "
-                             f"({self.min_engines})")
+        _check_min_max("engine_autoscaling", "engines", self.min_engines, self.max_engines)
         return self
+
+
+def _check_min_max(section: str, kind: str, low: int, high: int) -> None:
+    if high < low:
+        raise ValueError(f"{section}: max_{kind} ({high}) is below min_{kind} ({low})")
+
+
+class RouterAutoscaling(BaseModel):
+    """Router replica autoscaling, done by Ray Serve itself (its deployment ``autoscaling_config``):
+    replicas between ``min_replicas`` and ``max_replicas``, as many as keep each at about
+    ``target_ongoing_requests`` open requests (a streamed answer is open until its last chunk)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=1, description="Replicas kept however idle (at least one: it is the ingress).")
+    max_replicas: int = Field(..., ge=1, description="Replicas at most.")
+    target_ongoing_requests: float = Field(
+        128.0, gt=0, description="Open requests per replica Serve aims at (each replica takes up to 1024).")
+    upscale_delay_s: float = Field(30.0, ge=0, description="How long more replicas must be wanted (Serve's).")
+    downscale_delay_s: float = Field(600.0, ge=0, description="How long fewer replicas must be wanted (Serve's).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RouterAutoscaling:
+        _check_min_max("router_autoscaling", "replicas", self.min_replicas, self.max_replicas)
+        return self
+
+    def serve_config(self, initial_replicas: int | None) -> dict[str, Any]:
+        """Ray Serve's ``autoscaling_config`` for the router deployment."""
+        return self.model_dump() | ({} if initial_replicas is None else {"initial_replicas": initial_replicas})
 
 
 def default_api_keys() -> list[str]:
@@ -331,7 +358,9 @@ class ClusterConfig(ModelSettings):
     engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
     routing_policy: str = Field("least_loaded", description=f"One of {', '.join(ROUTING_POLICIES)}.")
     prefix_load_margin: int = Field(8, ge=0, description="prefix_aware: load gap that overrides a cache match.")
-    num_router_replicas: int = Field(1, ge=1)
+    num_router_replicas: int = Field(1, ge=1, description="Router replicas (with router_autoscaling: how many start).")
+    router_autoscaling: RouterAutoscaling | None = Field(
+        None, description="Let Ray Serve scale the router replicas with the open requests.")
     engine_autoscaling: EngineAutoscaling | None = Field(
         None, description="Scale the (first model's) engines with the load: num_engines is how many start "
                           "(default min_engines); engines holds flags for up to max_engines slots.")
@@ -449,6 +478,19 @@ class ClusterConfig(ModelSettings):
                                      "another adapter's")
                 names.append(module.name)
         return self
+
+    @model_validator(mode="after")
+    def _router_count(self) -> ClusterConfig:
+        scaling = self.router_autoscaling
+        if (scaling is not None and "num_router_replicas" in self.model_fields_set
+                and not scaling.min_replicas <= self.num_router_replicas <= scaling.max_replicas):
+            raise ValueError(f"num_router_replicas ({self.num_router_replicas}) must be between router_autoscaling's "
+                             f"min_replicas ({scaling.min_replicas}) and max_replicas ({scaling.max_replicas})")
+        return self
+
+    def router_initial_replicas(self) -> int | None:
+        """With router autoscaling, how many replicas start (None: Serve's choice, min_replicas)."""
+        return self.num_router_replicas if "num_router_replicas" in self.model_fields_set else None
 
     @model_validator(mode="after")
     def _engine_count(self) -> ClusterConfig:

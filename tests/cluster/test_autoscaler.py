@@ -4,8 +4,11 @@ drains back when idle, through the real router and Ray Serve."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
@@ -200,6 +203,29 @@ def test_a_new_autoscaler_finishes_the_drain_an_earlier_one_began(monkeypatch):
     asyncio.run(run())
 
 
+@contextlib.contextmanager
+def _requests_in_a_loop(url: str, body: dict, streams: int) -> Iterator[list[int]]:
+    """``streams`` threads posting ``body`` one request after another until the block ends; yields
+    the status codes, all of them in once it has."""
+    codes: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                codes.append(http.post(url, json=body).status_code)
+
+    threads = [threading.Thread(target=load) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    try:
+        yield codes
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_engine_starts_under_load_serves_and_is_drained_away_when_idle(ray_cluster, tiny_model_dir):
@@ -216,18 +242,7 @@ def test_an_engine_starts_under_load_serves_and_is_drained_away_when_idle(ray_cl
     with serve_cluster(config) as served:
         autoscaler = named_actor(AUTOSCALER_NAME, config.namespace)
         assert named_actor(engine_actor_name(1), config.namespace) is None
-        codes: list[int] = []
-        stop = threading.Event()
-
-        def load() -> None:
-            with httpx.Client(timeout=60) as http:
-                while not stop.is_set():
-                    codes.append(http.post(f"{served.base}/v1/completions", json=body).status_code)
-
-        threads = [threading.Thread(target=load) for _ in range(4)]
-        for t in threads:
-            t.start()
-        try:
+        with _requests_in_a_loop(f"{served.base}/v1/completions", body, streams=4) as codes:
             # Four streams against a target of one each: a second engine starts, and the router sends it work.
             deadline = time.monotonic() + 180
             second = None
@@ -242,10 +257,6 @@ def test_an_engine_starts_under_load_serves_and_is_drained_away_when_idle(ray_cl
                 time.sleep(0.5)
             else:
                 raise AssertionError(f"no second engine served: {ray_cluster.get(autoscaler.status.remote())}")
-        finally:
-            stop.set()
-            for t in threads:
-                t.join()
         assert codes and set(codes) == {200}, codes
         # Idle: after downscale_delay_s the second engine is drained and stopped; the first one stays and
         # every request meanwhile succeeds.
@@ -305,3 +316,63 @@ def test_the_autoscaler_goes_on_after_ray_restarts_it(ray_cluster, tiny_model_di
     finally:
         stop_autoscaler(config.namespace, stop_engines=True)
     assert named_actor(AUTOSCALER_NAME, config.namespace) is None
+
+
+def test_router_autoscaling_becomes_serves_autoscaling_config():
+    from cluster.app import router_deployment
+    from cluster.cli import build_parser, cluster_config_from_args
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--router-autoscaling",
+                                      '{"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 64}'])
+    config = cluster_config_from_args(args)
+    deployment = router_deployment(config)._bound_deployment._deployment_config
+    scaling = deployment.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 64)
+    assert scaling.initial_replicas is None  # (Serve starts min_replicas)
+    started_with_two = ClusterConfig(model="m", num_router_replicas=2, router_autoscaling={"max_replicas": 3})
+    started = router_deployment(started_with_two)._bound_deployment._deployment_config
+    assert started.autoscaling_config.initial_replicas == 2
+    fixed = router_deployment(ClusterConfig(model="m", num_router_replicas=2))._bound_deployment._deployment_config
+    assert fixed.autoscaling_config is None and fixed.num_replicas == 2
+    with pytest.raises(ValueError, match="between router_autoscaling's min_replicas"):
+        ClusterConfig(model="m", num_router_replicas=5, router_autoscaling={"max_replicas": 3})
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        ClusterConfig(model="m", router_autoscaling={"min_replicas": 0, "max_replicas": 3})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_serve_adds_a_router_replica_under_load(ray_cluster, tiny_model_dir):
+    """Through the real Serve autoscaler: streams above the target add a second router replica, which
+    connects to the engines and answers (every request meanwhile answers 200)."""
+    from ray import serve
+
+    from tests.serve_cluster import serve_cluster
+
+    config = ClusterConfig(
+        model=str(tiny_model_dir), served_model_name="tiny",
+        defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256, max_num_seqs=8),
+        router_autoscaling={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                            "upscale_delay_s": 0, "downscale_delay_s": 600})
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+
+    def running_replicas() -> int:
+        app = serve.status().applications["llm-cluster"]
+        return app.deployments["OpenAIRouter"].replica_states.get("RUNNING", 0)
+
+    with serve_cluster(config) as served:
+        assert running_replicas() == 1
+        with _requests_in_a_loop(f"{served.base}/v1/completions", body, streams=4) as codes:
+            deadline = time.monotonic() + 180
+            while running_replicas() < 2:
+                assert time.monotonic() < deadline, serve.status()
+                time.sleep(0.5)
+            time.sleep(3)  # (the new replica takes requests too)
+        assert codes and set(codes) == {200}, codes
+        # Both replicas routed requests to the engines (one scrape shows every replica's series).
+        with httpx.Client(timeout=60) as http:
+            text = http.get(f"{served.base}/metrics").text
+        routed = {match.group(1) for match in re.finditer(
+            r'^llm_cluster:router_requests_routed_total\{[^}]*replica="([^"]+)"[^}]*\} ([0-9.e+]+)$', text, re.M)
+            if float(match.group(2)) > 0}
+        assert len(routed) == 2, text
