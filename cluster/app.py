@@ -170,7 +170,8 @@ def router_deployment(config: ClusterConfig):
     if config.router_autoscaling is None:
         replicas: dict[str, Any] = {"num_replicas": config.num_router_replicas}
     else:  # (Serve scales the replicas; each is a client of every engine under a client index of its own)
-        replicas = {"autoscaling_config": config.router_autoscaling.serve_config(config.router_initial_replicas())}
+        replicas = {"autoscaling_config": config.router_autoscaling.serve_config(config.router_initial_replicas()),
+                    "graceful_shutdown_timeout_s": config.router_autoscaling.graceful_shutdown_timeout_s}
     deployment = serve.deployment(
         OpenAIRouter, name="OpenAIRouter", **replicas,
         ray_actor_options={"num_cpus": 0, **({"runtime_env": env} if (env := logging_runtime_env()) else {})},

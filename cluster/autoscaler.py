@@ -14,8 +14,9 @@ and a lull does not stop one. Up, every engine wanted starts at once; down, one 
 empty slot, and scales down by *draining* the highest one: the engine tells every router to send
 it nothing new, serves what it holds, and is stopped once it has held no request for
 ``drain_grace_s`` (a request a router sent before hearing of the drain still runs). Nothing
-scales while an engine is paused or asleep (an operator is at work: /pause, /sleep), and an
-engine that died is left to Ray's restart, not replaced.
+scales while an engine is paused or asleep (an operator is at work: /pause, /sleep); an engine
+that finishes loading meanwhile joins them. While Ray restarts a failed engine nothing scales; an
+engine gone for good leaves its slot empty, to be filled again as the load wants.
 """
 
 from __future__ import annotations
@@ -202,7 +203,10 @@ class EngineAutoscaler:
             handle = await asyncio.to_thread(start_engine, self.slots[index], self.namespace, self.detached)
             self._started[index] = handle
             await handle.actor.describe.remote()  # (ready: its model loaded and its KV pool sized)
-            await self._join_operator_hold(index, handle.actor)
+            try:
+                await self._join_operator_hold(index, handle.actor)
+            except Exception:  # (a loaded engine is kept: the operator's next /pause or /sleep reaches it)
+                logger.exception("engine autoscaler: engine %d could not join the others' pause or sleep", index)
             logger.info("engine autoscaler: engine %d is serving", index)
         except Exception:
             logger.exception("engine autoscaler: engine %d did not start", index)
@@ -213,24 +217,27 @@ class EngineAutoscaler:
 
     async def _join_operator_hold(self, index: int, actor: Any) -> None:
         """An operator's /pause or /sleep may have come while this engine loaded (routers reach only
-        the engines they know of): it joins the state of the first other engine that answers. (A
-        sleep is level 1, weights kept in host memory: the level asked for is not known here.)"""
+        the engines they know of): it joins the state of the first other engine that answers (a sleep
+        at that engine's level)."""
         for other_index in range(len(self.slots)):
-            if other_index == index or other_index in self._draining:
+            if other_index == index or other_index in self._draining or other_index in self._starting:
                 continue
             other = await asyncio.to_thread(self._actor, other_index)
             if other is None:
                 continue
             try:
-                [sleeping, paused] = await _ask([other.is_sleeping.remote(), other.is_paused.remote()])
+                [level, paused] = await _ask([other.sleep_level.remote(), other.is_paused.remote()])
             except Exception:
                 continue
-            if sleeping:
-                logger.info("engine autoscaler: engine %d sleeps; engine %d goes to sleep too", other_index, index)
-                await actor.sleep.remote(1, "abort")
+            # (Requests routers sent it meanwhile are kept, as /pause's mode "keep", or finished before
+            # it sleeps: routers may have found it before it joined.)
+            if level:
+                logger.info("engine autoscaler: engine %d sleeps (level %d); engine %d goes to sleep too",
+                            other_index, level, index)
+                await actor.sleep.remote(level, "wait")
             elif paused:
                 logger.info("engine autoscaler: engine %d is paused; engine %d is paused too", other_index, index)
-                await actor.pause_generation.remote("abort", False)
+                await actor.pause_generation.remote("keep", False)
             return
 
     async def _finish_drains(self, actors: dict[int, Any]) -> list[int]:

@@ -255,11 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["round_robin", "least_loaded", "prefix_aware", "session"])
     serve.add_argument("--prefix-load-margin", type=int, default=8)
     serve.add_argument("--num-router-replicas", type=int, default=None,
-                       help="Router replicas (default 1; with --router-autoscaling, how many start).")
+                       help="Router replicas (default 1; with --router-autoscaling, how many start: default its "
+                            "min_replicas).")
     serve.add_argument("--router-autoscaling", type=_json_object, default=None,
                        help='Let Ray Serve scale the router replicas (JSON), e.g. \'{"min_replicas": 1, '
                             '"max_replicas": 4, "target_ongoing_requests": 128}\': as many as keep each at about '
-                            "target_ongoing_requests open requests (also upscale_delay_s, downscale_delay_s).")
+                            "target_ongoing_requests open requests (also upscale_delay_s, downscale_delay_s, "
+                            "graceful_shutdown_timeout_s).")
     serve.add_argument("--request-timeout", type=float, default=None, help="Seconds before a request is aborted.")
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file, or the template itself) replacing the model's own.")

@@ -332,6 +332,9 @@ class RouterAutoscaling(BaseModel):
         128.0, gt=0, description="Open requests per replica Serve aims at (each replica takes up to 1024).")
     upscale_delay_s: float = Field(30.0, ge=0, description="How long more replicas must be wanted (Serve's).")
     downscale_delay_s: float = Field(600.0, ge=0, description="How long fewer replicas must be wanted (Serve's).")
+    graceful_shutdown_timeout_s: float = Field(
+        600.0, ge=0, description="How long a replica Serve scales away may finish its open requests (streams "
+                                 "included) before it is stopped (Serve's default, 20 s, would cut long answers).")
 
     @model_validator(mode="after")
     def _bounds(self) -> RouterAutoscaling:
@@ -340,7 +343,8 @@ class RouterAutoscaling(BaseModel):
 
     def serve_config(self, initial_replicas: int | None) -> dict[str, Any]:
         """Ray Serve's ``autoscaling_config`` for the router deployment."""
-        return self.model_dump() | ({} if initial_replicas is None else {"initial_replicas": initial_replicas})
+        return (self.model_dump(exclude={"graceful_shutdown_timeout_s"})
+                | ({} if initial_replicas is None else {"initial_replicas": initial_replicas}))
 
 
 def default_api_keys() -> list[str]:

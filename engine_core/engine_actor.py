@@ -692,6 +692,11 @@ class EngineCoreActor:
         # (Read as it stands: a long sleep or wake-up on the busy loop must not hold this answer.)
         return self.service.engine.is_sleeping()
 
+    async def sleep_level(self) -> int:
+        """The level this engine sleeps at (0: awake), read as is_sleeping is."""
+        engine = self.service.engine
+        return engine.sleep_level if engine.is_sleeping() else 0
+
     async def _record_pause(self, mode: str | None) -> None:
         """Record (or, with None, clear) the pause in Ray's key-value store, off the event loop. A
         store that fails only costs the record: the pause itself stands, and is logged."""

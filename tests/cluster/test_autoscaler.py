@@ -101,9 +101,9 @@ class _FakeEngine:
         self.drain = _Call(lambda: setattr(self, "drained", True))
         self.drain_status = _Call(lambda: (self.drained, self.ongoing, 10.0))
         self.sleeping = False
-        self.is_sleeping = _Call(lambda: self.sleeping)
-        self.sleep = _Call(lambda level, mode: setattr(self, "sleeping", True))
-        self.pause_generation = _Call(lambda mode, clear_cache: setattr(self, "paused", True))
+        self.sleep_level = _Call(lambda: self.sleeping[0] if self.sleeping else 0)
+        self.sleep = _Call(lambda level, mode: setattr(self, "sleeping", (level, mode)))
+        self.pause_generation = _Call(lambda mode, clear_cache: setattr(self, "paused", mode))
 
 
 def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_highest(monkeypatch):
@@ -162,19 +162,22 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
 def test_an_engine_started_while_an_operator_paused_or_slept_the_others_joins_them(monkeypatch):
     from cluster.autoscaler import EngineAutoscaler
 
-    engines = {1: _FakeEngine(paused=True), 2: _FakeEngine()}  # (engine 0 is gone, engine 1 answers first)
+    # (Engine 0 is gone, engine 1 is starting too and not held yet, engine 2 answers first.)
+    engines = {1: _FakeEngine(), 2: _FakeEngine(paused=True)}
     monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
 
     async def run():
         scaler = EngineAutoscaler([None] * 4, "ns", _policy(max_engines=4))
-        new = _FakeEngine()
-        await scaler._join_operator_hold(2, new)
-        assert new.paused and not new.sleeping
-        engines[1].sleeping = True
+        scaler._starting[1] = asyncio.create_task(asyncio.sleep(0))
         new = _FakeEngine()
         await scaler._join_operator_hold(3, new)
-        assert new.sleeping
-        engines[1].sleeping = engines[1].paused = False
+        # (Paused keeping what routers sent it meanwhile: they run on /resume.)
+        assert new.paused == "keep" and not new.sleeping
+        engines[2].sleeping = (2, "abort")
+        new = _FakeEngine()
+        await scaler._join_operator_hold(3, new)
+        assert new.sleeping == (2, "wait")  # (the others' level; requests it was sent finish first)
+        engines[2].sleeping = engines[2].paused = False
         new = _FakeEngine()
         await scaler._join_operator_hold(3, new)
         assert not new.paused and not new.sleeping
@@ -329,6 +332,7 @@ def test_router_autoscaling_becomes_serves_autoscaling_config():
     scaling = deployment.autoscaling_config
     assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 64)
     assert scaling.initial_replicas is None  # (Serve starts min_replicas)
+    assert deployment.graceful_shutdown_timeout_s == 600  # (a replica scaled away finishes its streams)
     started_with_two = ClusterConfig(model="m", num_router_replicas=2, router_autoscaling={"max_replicas": 3})
     started = router_deployment(started_with_two)._bound_deployment._deployment_config
     assert started.autoscaling_config.initial_replicas == 2
@@ -362,17 +366,20 @@ def test_serve_adds_a_router_replica_under_load(ray_cluster, tiny_model_dir):
 
     with serve_cluster(config) as served:
         assert running_replicas() == 1
+        def replicas_that_routed() -> set[str]:  # (one scrape shows every replica's series)
+            with httpx.Client(timeout=60) as http:
+                text = http.get(f"{served.base}/metrics").text
+            return {match.group(1) for match in re.finditer(
+                r'^llm_cluster:router_requests_routed_total\{[^}]*replica="([^"]+)"[^}]*\} ([0-9.e+]+)$', text, re.M)
+                if float(match.group(2)) > 0}
+
         with _requests_in_a_loop(f"{served.base}/v1/completions", body, streams=4) as codes:
             deadline = time.monotonic() + 180
             while running_replicas() < 2:
                 assert time.monotonic() < deadline, serve.status()
                 time.sleep(0.5)
-            time.sleep(3)  # (the new replica takes requests too)
+            # The new replica connects to the engines and routes requests too.
+            while len(replicas_that_routed()) < 2:
+                assert time.monotonic() < deadline, replicas_that_routed()
+                time.sleep(0.5)
         assert codes and set(codes) == {200}, codes
-        # Both replicas routed requests to the engines (one scrape shows every replica's series).
-        with httpx.Client(timeout=60) as http:
-            text = http.get(f"{served.base}/metrics").text
-        routed = {match.group(1) for match in re.finditer(
-            r'^llm_cluster:router_requests_routed_total\{[^}]*replica="([^"]+)"[^}]*\} ([0-9.e+]+)$', text, re.M)
-            if float(match.group(2)) > 0}
-        assert len(routed) == 2, text

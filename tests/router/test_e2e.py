@@ -683,12 +683,16 @@ def test_sleeping_engines_hold_requests_until_they_wake_up(cluster):
     """--enable-sleep-mode engines through the dev-mode app: /sleep (level 2: the weights are read
     again), a request sent while asleep waits, /resume leaves them asleep (409), and after /wake_up
     it gets the same answer as before."""
+    import ray
+
     base = f"{cluster['base']}/prefix2"
     body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     before = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     assert httpx.post(f"{base}/sleep?level=2", timeout=120).json() == {"status": "sleeping", "level": 2}
     try:
         assert httpx.get(f"{base}/is_sleeping").json() == {"is_sleeping": True, "sleeping_engines": 2, "engines": 2}
+        # (The level, as an engine the autoscaler starts meanwhile reads it to join them.)
+        assert [ray.get(e.actor.sleep_level.remote()) for e in cluster["engines"]] == [2, 2]
         with ThreadPoolExecutor(1) as pool:
             held = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=120)
             time.sleep(0.5)
@@ -700,6 +704,7 @@ def test_sleeping_engines_hold_requests_until_they_wake_up(cluster):
     finally:
         httpx.post(f"{base}/wake_up", timeout=300)
     assert httpx.get(f"{base}/is_sleeping").json()["is_sleeping"] is False
+    assert [ray.get(e.actor.sleep_level.remote()) for e in cluster["engines"]] == [0, 0]
 
 
 def test_prefix_aware_routing_sends_shared_prefix_to_the_engine_holding_it(cluster):
