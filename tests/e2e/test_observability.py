@@ -168,6 +168,14 @@ def test_every_dashboard_query_returns_data(observed, expr):
     assert any(not math.isnan(float(r["value"][1])) for r in result), f"only NaN for {expr}"
 
 
+def test_the_engines_panel_counts_the_engines_serving(observed):
+    """The panel engine autoscaling is watched on: one series per model, the engines that answer."""
+    _, prom = observed
+    [expr] = [e for e in dashboard_queries() if e.startswith("count by (model_name)")]
+    [series] = query_with_data(prom, expr)
+    assert series["metric"] == {"model_name": "tiny"} and float(series["value"][1]) == 2
+
+
 @pytest.mark.parametrize("expr", VLLM_DASHBOARD_QUERIES)
 def test_vllm_example_dashboard_queries_return_data(observed, expr):
     _, prom = observed
