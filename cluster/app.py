@@ -23,6 +23,7 @@ from cluster.launcher import (
     named_actor,
     running_engine_indexes,
     start_engines,
+    stop_engines,
     stop_named_engine,
 )
 from engine_core.log_setup import logging_runtime_env
@@ -192,12 +193,21 @@ def build_app(args: dict[str, Any]):
 
 def start_cluster(config: ClusterConfig) -> list[EngineHandle]:
     """Start engines owned by this process (CLI, tests); they stop when it stops (with engine
-    autoscaling, so does the autoscaler, and the engines it started with it)."""
+    autoscaling, so does the autoscaler, and the engines it started with it). ``stop_cluster``
+    stops them cleanly."""
     ensure_ray(config.address, namespace=config.namespace)
     engines = start_engines(config.engine_configs(), config.namespace)
     if config.engine_autoscaling is not None:
         start_autoscaler(config.engine_slot_configs(), config.namespace, config.engine_autoscaling)
     return engines
+
+
+def stop_cluster(config: ClusterConfig, engines: list[EngineHandle]) -> None:
+    """Stop what ``start_cluster`` started: the autoscaler first, with the engines it started (none
+    may start while they stop), then ``engines``."""
+    if config.engine_autoscaling is not None:
+        stop_autoscaler(config.namespace, stop_engines=True)
+    stop_engines(engines)
 
 
 def run_router(config: ClusterConfig, blocking: bool = False) -> None:

@@ -121,11 +121,6 @@ class EngineAutoscaler:
         if run_rounds:
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
-    async def start(self) -> None:
-        """Run the rounds (if the constructor did not)."""
-        if self._loop_task is None:
-            self._loop_task = asyncio.create_task(self._run())
-
     async def status(self) -> ScalingStatus:
         return self._status
 
@@ -250,8 +245,7 @@ class EngineAutoscaler:
                 continue
             try:
                 # (Said again each round: an engine Ray restarted meanwhile forgot it.)
-                await _ask([actor.drain.remote()])
-                [(_, unfinished, quiet_s)] = await _ask([actor.drain_status.remote()])
+                [(_, unfinished, quiet_s)] = await _ask([actor.drain.remote()])
             except Exception as e:
                 logger.info("engine autoscaler: draining engine %d does not answer (%r)", index, e)
                 continue
@@ -285,7 +279,7 @@ def start_autoscaler(slots: list[EngineConfig], namespace: str, policy: EngineAu
         options["runtime_env"] = runtime_env
     actor = ray.remote(EngineAutoscaler).options(**options).remote(slots, namespace, policy, detached,
                                                                    run_rounds=True)
-    ray.get(actor.start.remote())
+    ray.get(actor.status.remote())  # (constructed: its rounds run)
     if not detached:
         _owned[namespace] = actor
     return actor

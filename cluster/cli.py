@@ -437,14 +437,8 @@ def serve_command(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import APP_NAME, run_router, start_cluster, stop_router_helpers
-    from cluster.autoscaler import stop_autoscaler
-    from cluster.launcher import (
-        InsufficientResourcesError,
-        check_local_capacity,
-        ensure_ray,
-        stop_engines,
-    )
+    from cluster.app import APP_NAME, run_router, start_cluster, stop_cluster, stop_router_helpers
+    from cluster.launcher import InsufficientResourcesError, check_local_capacity, ensure_ray
 
     started_local = ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
     if started_local:  # our own one-node Ray: nothing will ever add resources to it
@@ -476,9 +470,7 @@ def serve_command(args: argparse.Namespace) -> int:
             # Only our application: on a shared cluster (--address) other Serve apps keep running.
             serve.delete(APP_NAME)
         finally:
-            # (The autoscaler first, with the engines it started: none may start while they stop.)
-            stop_autoscaler(config.namespace, stop_engines=True)
-            stop_engines(engines)
+            stop_cluster(config, engines)
             stop_router_helpers(config.namespace)
             ray.shutdown()
     return 0

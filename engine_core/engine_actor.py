@@ -630,16 +630,18 @@ class EngineCoreActor:
         self._bind()
         return await self.service.get_output(client_index, timeout)
 
-    async def drain(self) -> None:
+    async def drain(self) -> tuple[bool, int, float]:
         """Being scaled away (cluster.autoscaler): every router client, and any that connects later,
         is told to send no new request; requests already sent, or on their way, still run. (Asked
-        again, it changes nothing: the autoscaler repeats it each round, for an engine Ray restarted.)"""
+        again, it changes nothing: the autoscaler repeats it each round, for an engine Ray restarted.)
+        Returns ``drain_status()``."""
         self._bind()
         if self._channel is None:
             self._channel = ChannelServer(self.service)
         if self._drain_started is None:
             self._drain_started = time.monotonic()
         self._channel.announce_draining()
+        return await self.drain_status()
 
     async def drain_status(self) -> tuple[bool, int, float]:
         """(draining, unfinished requests, seconds since the drain began or a request was last

@@ -11,10 +11,9 @@ from typing import Any
 
 import httpx
 
-from cluster.app import router_deployment, stop_router_helpers
-from cluster.autoscaler import start_autoscaler, stop_autoscaler
+from cluster.app import router_deployment, start_cluster, stop_cluster, stop_router_helpers
 from cluster.config import ClusterConfig
-from cluster.launcher import EngineHandle, start_engines, stop_engines
+from cluster.launcher import EngineHandle
 
 
 def free_port() -> int:
@@ -66,9 +65,7 @@ def serve_cluster(config: ClusterConfig, extra_apps: dict[str, ClusterConfig] | 
     """Engines from ``config`` plus its router at /, and each extra router config at /<name>."""
     from ray import serve
 
-    engines = start_engines(config.engine_configs(), config.namespace)
-    if config.engine_autoscaling is not None:
-        start_autoscaler(config.engine_slot_configs(), config.namespace, config.engine_autoscaling)
+    engines = start_cluster(config)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -82,7 +79,5 @@ def serve_cluster(config: ClusterConfig, extra_apps: dict[str, ClusterConfig] | 
         yield ServedCluster(base, config, engines)
     finally:
         serve.shutdown()
-        if config.engine_autoscaling is not None:
-            stop_autoscaler(config.namespace, stop_engines=True)
-        stop_engines(engines)
+        stop_cluster(config, engines)
         stop_router_helpers(config.namespace)  # the replicas' shared actors outlive them by design

@@ -98,8 +98,8 @@ class _FakeEngine:
         self.ongoing, self.paused, self.drained = ongoing, paused, drained
         self.get_stats = _Call(lambda: SimpleNamespace(num_unfinished_requests=self.ongoing))
         self.is_paused = _Call(lambda: self.paused)
-        self.drain = _Call(lambda: setattr(self, "drained", True))
         self.drain_status = _Call(lambda: (self.drained, self.ongoing, 10.0))
+        self.drain = _Call(lambda: (setattr(self, "drained", True), self.drain_status.fn())[1])
         self.sleeping = False
         self.sleep_level = _Call(lambda: self.sleeping[0] if self.sleeping else 0)
         self.sleep = _Call(lambda level, mode: setattr(self, "sleeping", (level, mode)))
