@@ -705,11 +705,11 @@ class LLM:
 
     def _load_lora(self, lora: LoRARequest) -> None:
         """Load an adapter on every engine unless it is loaded already (vLLM loads on first use too)."""
-        import ray
-
         if self._engine is not None:
             self._engine.add_lora(lora)
         else:
+            import ray
+
             ray.get([h.actor.add_lora.remote(lora) for h in self._handles])
 
     @staticmethod
@@ -755,10 +755,10 @@ class LLM:
         return any(ray.get([h.actor.is_sleeping.remote() for h in self._handles]))
 
     def get_stats(self) -> list[Any]:
-        import ray
-
         if self._engine is not None:
             return [self._engine.stats()]
+        import ray
+
         return ray.get([h.actor.get_stats.remote() for h in self._handles])
 
     def shutdown(self) -> None:

@@ -99,11 +99,13 @@ class PagedAttention(nn.Module):
                                                                 scale=self.scale)
                 else:  # (the one query token's heads are the rows of their KV head)
                     decode_out = softcapped_attention(qd, kd, vd, meta.decode_mask, self.scale, self.softcap)
+            # (reshape: CUDA's SDPA kernels write [nd, groups, kv_heads, head_dim] in memory and hand
+            # it back transposed, which no view can flatten.)
             if not meta.prefills:
-                return decode_out.view(nd, self.num_heads * head_dim)
+                return decode_out.reshape(nd, self.num_heads * head_dim)
         out = torch.empty_like(q)
         if decode_out is not None:
-            out[:nd] = decode_out.view(nd, self.num_heads, head_dim)
+            out[:nd] = decode_out.reshape(nd, self.num_heads, head_dim)
         gqa = self.num_groups > 1
         for span in meta.prefills:
             s, e = span.token_start, span.token_end
@@ -138,6 +140,6 @@ class PagedAttention(nn.Module):
                 tile_mask = mask[i: i + rows]
             out = softcapped_attention(grouped[:, :, i: i + rows].reshape(1, kv_heads, groups * rows, head_dim),
                                        k, v, tile_mask.repeat(groups, 1), self.scale, self.softcap)
-            outs.append(out.view(kv_heads, groups, rows, head_dim))
+            outs.append(out.reshape(kv_heads, groups, rows, head_dim))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.permute(2, 0, 1, 3).reshape(num_queries, self.num_heads, head_dim)

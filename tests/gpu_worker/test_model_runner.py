@@ -70,6 +70,28 @@ def test_greedy_matches_hf_with_chunked_prefill(model_dir, hf_model, budget, thr
         assert got[rid] == hf_greedy(hf_model, p, 8), rid
 
 
+def test_the_gather_path_takes_attention_outputs_laid_out_as_cuda_kernels_give_them(model_dir, hf_model,
+                                                                                   monkeypatch):
+    """CUDA's fused SDPA kernels write their output as [batch, rows, heads, head_dim] and hand it back
+    transposed to [batch, heads, rows, head_dim]: the same values, not contiguous. Decodes (alone and
+    beside prefill chunks) must flatten it by value, as here where the CPU's SDPA is made to answer
+    so."""
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):
+        return real(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cuda_layout)
+    runner = runner_for(model_dir, False, num_blocks=64, block_size=4)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=13)
+    ps = prompts(5, 4)
+    for rid, p in ps.items():
+        sched.add_request(greedy_request(rid, p, 8))
+    got = run_to_completion(sched, runner.execute_model)
+    for rid, p in ps.items():
+        assert got[rid] == hf_greedy(hf_model, p, 8), rid
+
+
 @pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
 @pytest.mark.parametrize(("kind", "overrides"), [
     ("qwen3", {"head_dim": 32}),

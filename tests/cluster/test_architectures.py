@@ -1,0 +1,102 @@
+"""Every decoder family the engines load, end to end through the offline LLM on this machine's
+device (CUDA when it has one, else the CPU), against transformers on the CPU.
+
+fp32: greedy tokens equal to transformers' through chunked prefill, preemption and the prefix cache.
+bf16: each prompt token's log-probability within bf16's precision of transformers' fp32 one (the
+kernels differ by device, so tokens may not).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from tests.gpu_worker.utils import hf_greedy, load_hf, save_tiny_model
+from tests.tiny_model import build_tokenizer
+
+KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma3"]
+# (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
+OVERRIDES = {"mistral": {"sliding_window": 8}}
+# Token-id prompts (the tiny models' vocabulary is 256): two share a 12-token prefix (three blocks).
+_PREFIX = [(7 * i + 3) % 256 for i in range(12)]
+PROMPTS = [_PREFIX + [5, 9], _PREFIX + [40, 41, 42], [(11 * i + 5) % 256 for i in range(45)], [17, 18],
+           [(3 * i + 1) % 256 for i in range(23)], [200] * 9]
+
+
+def _model(tmp_path, kind: str):
+    path = save_tiny_model(tmp_path / kind, kind, **OVERRIDES.get(kind, {}))
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_tokens_equal_transformers_through_chunks_preemption_and_the_prefix_cache(tmp_path, kind):
+    path = _model(tmp_path, kind)
+    # 40 blocks of 4 tokens hold about four of the eight requests: the others wait or are preempted
+    # (Mistral's requests keep only their window's blocks: 12 blocks).
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks=12 if kind == "mistral" else 40,
+              max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(PROMPTS + PROMPTS[:2], params, use_tqdm=False)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    hf = load_hf(path)
+    with torch.no_grad():
+        expected = [hf_greedy(hf, prompt, 12) for prompt in PROMPTS + PROMPTS[:2]]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
+    assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_prompt_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path, kind):
+    path = _model(tmp_path, kind)
+    llm = LLM(model=str(path), dtype="bfloat16", num_gpu_blocks=32, max_num_batched_tokens=16, max_model_len=128)
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                               use_tqdm=False)
+    finally:
+        llm.shutdown()
+    hf = load_hf(path)
+    worst = 0.0
+    total, count = 0.0, 0
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        with torch.no_grad():
+            reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for p in range(1, len(prompt)):  # position p - 1 predicts prompt token p
+            row = out.prompt_logprobs[p]
+            err = abs(row[prompt[p]].logprob - reference[p - 1, prompt[p]].item())
+            worst, total, count = max(worst, err), total + err, count + 1
+    # bf16 keeps 8 bits of mantissa: a few parts in a thousand per value, summed over the layers.
+    # bf16 keeps 8 bits of mantissa: a few parts in a thousand per value, summed over the layers
+    # (a wrong rotation, norm or mask costs whole nats). An MoE router's top-k can flip on a rounding,
+    # so only its mean is bounded.
+    assert total / count < 0.06, f"mean prompt-logprob error {total / count:.3f}"
+    assert worst < 0.25 or "moe" in kind or kind == "mixtral", f"worst prompt-logprob error {worst:.3f}"
+
+
+def test_without_a_block_count_the_kv_cache_fills_the_memory_share_it_is_given(tiny_model_dir):
+    """CUDA: what a profiled full-size pass leaves of --gpu-memory-utilization; the CPU: the byte budget."""
+    # The tiny Llama: K and V, 2 layers, 2 KV heads of 16 values, 16 tokens, fp32.
+    per_block = 2 * 2 * 2 * 16 * 16 * 4
+    if torch.cuda.is_available():
+        budget = 0.05 * torch.cuda.mem_get_info()[1]
+        flags = {"gpu_memory_utilization": 0.05}
+    else:
+        budget = 8 << 20
+        flags = {"kv_cache_memory_bytes": budget}
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=128, **flags)
+    try:
+        [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    assert len(out.outputs[0].token_ids) == 4
+    # (On CUDA the weights, a pass's activations and the CUDA context come out of the share first:
+    # well under a GiB for this model.)
+    assert 0.8 * budget <= stats.num_blocks * per_block <= budget
