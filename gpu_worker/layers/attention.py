@@ -118,7 +118,7 @@ class PagedAttention(nn.Module):
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None,
                                                 scale=self.scale, enable_gqa=gqa)
             out[s:e] = op[0].transpose(0, 1)
-        return out.view(num_tokens, self.num_heads * head_dim)
+        return out.reshape(num_tokens, self.num_heads * head_dim)
 
     def _softcapped_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
                             ) -> torch.Tensor:

@@ -37,7 +37,7 @@ class EncoderAttention(nn.Module):
             out = torch.empty_like(q)
             for start, end in meta.spans:
                 out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], meta)
-            return out.view(num_tokens, width)
+            return out.reshape(num_tokens, width)
         out = torch.empty_like(q)
         for batch in meta.batches:
             qb, kb, vb = (x.index_select(0, batch.gather_rows).view(batch.batch, batch.length, x.shape[1],
@@ -47,7 +47,7 @@ class EncoderAttention(nn.Module):
                                                       enable_gqa=self.gqa)
             flat = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
             out.index_copy_(0, batch.real_rows, flat.index_select(0, batch.real_slots))
-        return out.view(num_tokens, width)
+        return out.reshape(num_tokens, width)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         """One prompt's q [L, num_heads, head_dim], k, v [L, num_kv_heads, head_dim] -> [L, num_heads, head_dim],

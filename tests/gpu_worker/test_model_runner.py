@@ -87,7 +87,15 @@ def test_the_gather_path_takes_attention_outputs_laid_out_as_cuda_kernels_give_t
     ps = prompts(5, 4)
     for rid, p in ps.items():
         sched.add_request(greedy_request(rid, p, 8))
-    got = run_to_completion(sched, runner.execute_model)
+    mixed_steps = []
+
+    def on_step(step, so):
+        n = so.num_scheduled_tokens
+        if any(v == 1 for v in n.values()) and any(v > 1 for v in n.values()):
+            mixed_steps.append(step)
+
+    got = run_to_completion(sched, runner.execute_model, on_step=on_step)
+    assert mixed_steps, "expected steps mixing decodes with prefill chunks"
     for rid, p in ps.items():
         assert got[rid] == hf_greedy(hf_model, p, 8), rid
 
