@@ -82,22 +82,8 @@ def test_the_gather_path_takes_attention_outputs_laid_out_as_cuda_kernels_give_t
         return real(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cuda_layout)
-    runner = runner_for(model_dir, False, num_blocks=64, block_size=4)
-    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=13)
-    ps = prompts(5, 4)
-    for rid, p in ps.items():
-        sched.add_request(greedy_request(rid, p, 8))
-    mixed_steps = []
-
-    def on_step(step, so):
-        n = so.num_scheduled_tokens
-        if any(v == 1 for v in n.values()) and any(v > 1 for v in n.values()):
-            mixed_steps.append(step)
-
-    got = run_to_completion(sched, runner.execute_model, on_step=on_step)
-    assert mixed_steps, "expected steps mixing decodes with prefill chunks"
-    for rid, p in ps.items():
-        assert got[rid] == hf_greedy(hf_model, p, 8), rid
+    # (A 13-token budget: steps of decodes alone, and of decodes beside prefill chunks.)
+    test_greedy_matches_hf_with_chunked_prefill(model_dir, hf_model, 13, 0, decode_in_place=False)
 
 
 @pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
