@@ -41,14 +41,15 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
     """Make the running (detached) engines match ``config``: an engine whose flags or model are
     unchanged is kept, one that differs (or died) is replaced, one beyond the wanted count is
     stopped. Returns the indexes started now. (A redeploy with new ``args`` must not keep serving
-    the old flags, and a dead engine's placement group must not stay reserved.) With engine
-    autoscaling the first num_engines slots are made to run; an engine the autoscaler started in a
-    further slot is kept if its flags are unchanged, and the autoscaler (restarted with the new
-    config) goes on from there."""
+    the old flags, and a dead engine's placement group must not stay reserved.) An autoscaled
+    model's first num_engines slots are made to run; an engine the autoscaler started in a further
+    slot is kept if its flags are unchanged, and the autoscaler (restarted with the new config) goes
+    on from there."""
     stop_autoscaler(config.namespace)  # (it must not start engines of the old config meanwhile)
     wanted = config.engine_configs()
     slots = config.engine_slot_configs()
-    for engine in slots[len(wanted):]:  # (autoscaled slots: kept as they are, or stopped)
+    wanted_indexes = {engine.engine_index for engine in wanted}
+    for engine in (e for e in slots if e.engine_index not in wanted_indexes):  # (autoscaled slots: kept, or stopped)
         name = engine_actor_name(engine.engine_index)
         actor = named_actor(name, config.namespace)
         if actor is None or not _runs(actor, engine):  # (None: frees a dead engine's leftover bundles)
@@ -84,8 +85,8 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
     if to_start:
         # Detached: the engines belong to the Serve application, not to the process that built it.
         start_engines(to_start, config.namespace, detached=True)
-    if config.engine_autoscaling is not None:
-        start_autoscaler(slots, config.namespace, config.engine_autoscaling, detached=True)
+    if scaled := config.scaled_models():
+        start_autoscaler(slots, config.namespace, scaled, detached=True)
     return [engine.engine_index for engine in to_start]
 
 
@@ -197,15 +198,15 @@ def start_cluster(config: ClusterConfig) -> list[EngineHandle]:
     stops them cleanly."""
     ensure_ray(config.address, namespace=config.namespace)
     engines = start_engines(config.engine_configs(), config.namespace)
-    if config.engine_autoscaling is not None:
-        start_autoscaler(config.engine_slot_configs(), config.namespace, config.engine_autoscaling)
+    if scaled := config.scaled_models():
+        start_autoscaler(config.engine_slot_configs(), config.namespace, scaled)
     return engines
 
 
 def stop_cluster(config: ClusterConfig, engines: list[EngineHandle]) -> None:
     """Stop what ``start_cluster`` started: the autoscaler first, with the engines it started (none
     may start while they stop), then ``engines``."""
-    if config.engine_autoscaling is not None:
+    if config.scaled_models():
         stop_autoscaler(config.namespace, stop_engines=True)
     stop_engines(engines)
 

@@ -1,22 +1,25 @@
-"""Engine autoscaling: more engines while requests pile up, fewer once they are idle.
+"""Engine autoscaling: more engines while requests pile up, fewer once they are idle, each
+autoscaled model apart from the others.
 
-The first model's engines live in ``max_engines`` *slots* (engine indexes 0..max-1); router replicas
-watch every slot by name and route to the engines that run in them (cluster/config.py
-``EngineAutoscaling``; router/engine_client.py finds an engine that appears in an empty slot).
+An autoscaled model's engines live in ``max_engines`` *slots* (engine indexes reserved for it);
+router replicas watch every slot of their model by name and route to the engines that run in them
+(cluster/config.py ``EngineAutoscaling``, ``ScaledModel``; router/engine_client.py finds an engine
+that appears in an empty slot).
 
-``EngineScaler`` decides, as Ray Serve sizes a deployment: the engines wanted are the ongoing
-requests (running and waiting, summed over the engines) over ``target_ongoing_requests``, rounded
+``EngineScaler`` decides, as Ray Serve sizes a deployment: the engines wanted are the model's ongoing
+requests (running and waiting, summed over its engines) over ``target_ongoing_requests``, rounded
 up and held to [min_engines, max_engines]; a change waits until it has been wanted for
 ``upscale_delay_s`` (``downscale_delay_s``) without a break, so a burst does not start an engine
 and a lull does not stop one. Up, every engine wanted starts at once; down, one engine at a time.
 
-``EngineAutoscaler`` (a Ray actor, one per application) acts: it starts an engine in the lowest
-empty slot, and scales down by *draining* the highest one: the engine tells every router to send
-it nothing new, serves what it holds, and is stopped once it has held no request for
-``drain_grace_s`` (a request a router sent before hearing of the drain still runs). Nothing
-scales while an engine is paused or asleep (an operator is at work: /pause, /sleep); an engine
-that finishes loading meanwhile joins them. While Ray restarts a failed engine nothing scales; an
-engine gone for good leaves its slot empty, to be filled again as the load wants.
+``EngineAutoscaler`` (a Ray actor, one per application, for every autoscaled model) acts: it starts
+an engine in the model's lowest empty slot, and scales down by *draining* its highest one: the
+engine tells every router to send it nothing new, serves what it holds, and is stopped once it has
+held no request for ``drain_grace_s`` (a request a router sent before hearing of the drain still
+runs). Nothing scales while an engine is paused or asleep (an operator is at work: /pause,
+/sleep); an engine that finishes loading meanwhile joins them. While Ray restarts a failed engine
+its model does not scale; an engine gone for good leaves its slot empty, to be filled again as the
+load wants.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.config import EngineAutoscaling
+from cluster.config import EngineAutoscaling, ScaledModel
 from cluster.launcher import engine_actor_name, named_actor, start_engine, stop_named_engine
 from engine_core.config import EngineConfig
 from engine_core.log_setup import configure_actor_logging, logging_runtime_env
@@ -83,8 +86,9 @@ class EngineScaler:
 
 @dataclass
 class ScalingStatus:
-    """What the autoscaler sees and does (``EngineAutoscaler.status``)."""
+    """What the autoscaler sees and does for one model (``EngineAutoscaler.status``)."""
 
+    model: str
     running: list[int]
     starting: list[int]
     draining: list[int]
@@ -93,12 +97,12 @@ class ScalingStatus:
 
 
 class EngineAutoscaler:
-    """Ray actor (``ray.remote(EngineAutoscaler)``): scales the engines of ``slots`` (every slot's
-    configuration, by engine index) in ``namespace``. ``detached``: engines it starts outlive the
-    process that started the application (a Serve config's); otherwise they belong to this actor,
-    which belongs to that process (the CLI's)."""
+    """Ray actor (``ray.remote(EngineAutoscaler)``): scales the engines of each of ``models`` in
+    ``namespace``, ``slots`` giving every slot's configuration by engine index. ``detached``:
+    engines it starts outlive the process that started the application (a Serve config's);
+    otherwise they belong to this actor, which belongs to that process (the CLI's)."""
 
-    def __init__(self, slots: list[EngineConfig], namespace: str, policy: EngineAutoscaling,
+    def __init__(self, slots: dict[int, EngineConfig], namespace: str, models: list[ScaledModel],
                  detached: bool = False, clock: Callable[[], float] = time.monotonic,
                  run_rounds: bool = False) -> None:
         """``run_rounds``: start the rounds now (as an actor, whose constructor runs in its event loop;
@@ -106,13 +110,16 @@ class EngineAutoscaler:
         configure_actor_logging()
         self.slots = slots
         self.namespace = namespace
-        self.policy = policy
+        self.models = models
         self.detached = detached
-        self.scaler = EngineScaler(policy)
+        self.scalers = [EngineScaler(m.policy) for m in models]
+        # Each slot's model's policy (its drain grace).
+        self._policy_of = {i: m.policy for m in models for i in m.indexes}
+        self._interval_s = min(m.policy.interval_s for m in models)
         self._clock = clock
         self._starting: dict[int, asyncio.Task[None]] = {}
         self._draining: set[int] = set()
-        self._status = ScalingStatus([], [], [], 0, policy.min_engines)
+        self._status = [ScalingStatus(m.name, [], [], [], 0, m.policy.min_engines) for m in models]
         self._loop_task: asyncio.Task[None] | None = None
         # Whether the first round has taken over engines an earlier autoscaler left draining.
         self._adopted = False
@@ -121,7 +128,8 @@ class EngineAutoscaler:
         if run_rounds:
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
-    async def status(self) -> ScalingStatus:
+    async def status(self) -> list[ScalingStatus]:
+        """Per autoscaled model, in ``models``' order, as the last round left things."""
         return self._status
 
     async def shutdown(self, stop_started: bool = False) -> None:
@@ -145,13 +153,13 @@ class EngineAutoscaler:
                 raise
             except Exception:
                 logger.exception("engine autoscaler: a round failed")
-            await asyncio.sleep(self.policy.interval_s)
+            await asyncio.sleep(self._interval_s)
 
     def _actor(self, index: int) -> Any | None:
         return named_actor(engine_actor_name(index), self.namespace)
 
     async def _tick(self) -> None:
-        actors = {i: await asyncio.to_thread(self._actor, i) for i in range(len(self.slots))}
+        actors = {i: await asyncio.to_thread(self._actor, i) for m in self.models for i in m.indexes}
         if not self._adopted:  # (a redeploy's new autoscaler finishes the drains the old one began)
             found = [i for i, a in actors.items() if a is not None]
             states = await _ask(actors[i].drain_status.remote() for i in found)
@@ -159,37 +167,45 @@ class EngineAutoscaler:
             self._adopted = True
         for index in await self._finish_drains(actors):
             actors[index] = None
+        for k, model in enumerate(self.models):
+            try:
+                await self._scale(k, model, {i: actors[i] for i in model.indexes})
+            except Exception as e:  # (an engine restarting, or stopped under us: next round)
+                logger.info("engine autoscaler: %s's engines did not all answer (%r); trying again", model.name, e)
+
+    async def _scale(self, k: int, model: ScaledModel, actors: dict[int, Any]) -> None:
+        """One model's round: its engines' load read, an engine started or drained as its scaler says."""
         busy = self._draining | set(self._starting)
         serving = [i for i, a in actors.items() if a is not None and i not in busy]
-        try:
-            stats = await _ask(actors[i].get_stats.remote() for i in serving)
-            held = await _ask(actors[i].is_paused.remote() for i in serving)
-        except Exception as e:  # (an engine restarting, or stopped under us: next round)
-            logger.info("engine autoscaler: engines did not all answer (%r); trying again", e)
-            return
+        stats = await _ask(actors[i].get_stats.remote() for i in serving)
+        held = await _ask(actors[i].is_paused.remote() for i in serving)
         ongoing = sum(s.num_unfinished_requests for s in stats)
-        running = len(serving) + len(self._starting)
+        starting = [i for i in self._starting if i in actors]
+        running = len(serving) + len(starting)
+        scaler = self.scalers[k]
         if any(held):  # paused or asleep: an operator is at work, nothing changes under them
             target = running
         else:
-            target = self.scaler.decide(running, ongoing, self._clock())
+            target = scaler.decide(running, ongoing, self._clock())
         if target > running:
             empty = [i for i, a in actors.items() if a is None and i not in self._starting]
             for index in empty[:target - running]:
-                logger.info("engine autoscaler: %d requests ongoing on %d engines; starting engine %d", ongoing,
-                            running, index)
+                logger.info("engine autoscaler: %s: %d requests ongoing on %d engines; starting engine %d",
+                            model.name, ongoing, running, index)
                 self._starting[index] = asyncio.create_task(self._start(index))
-        elif target < running and serving and not self._starting:
+        elif target < running and serving and not starting:
             # (Not while an engine is starting: the engine to drain would be one that serves, maybe
             # the only one; once the starts end, the count is what serves.)
             index = max(serving)
-            logger.info("engine autoscaler: %d requests ongoing on %d engines; draining engine %d", ongoing,
-                        running, index)
+            logger.info("engine autoscaler: %s: %d requests ongoing on %d engines; draining engine %d", model.name,
+                        ongoing, running, index)
             await _ask([actors[index].drain.remote()])
             self._draining.add(index)
         # (As this round leaves things.)
-        self._status = ScalingStatus([i for i in serving if i not in self._draining], sorted(self._starting),
-                                     sorted(self._draining), ongoing, self.scaler.wanted(ongoing))
+        self._status[k] = ScalingStatus(model.name, [i for i in serving if i not in self._draining],
+                                        sorted(i for i in self._starting if i in actors),
+                                        sorted(i for i in self._draining if i in actors), ongoing,
+                                        scaler.wanted(ongoing))
 
     async def _start(self, index: int) -> None:
         try:
@@ -214,7 +230,7 @@ class EngineAutoscaler:
         """An operator's /pause or /sleep may have come while this engine loaded (routers reach only
         the engines they know of): it joins the state of the first other engine that answers (a sleep
         at that engine's level)."""
-        for other_index in range(len(self.slots)):
+        for other_index in self.slots:
             if other_index == index or other_index in self._draining or other_index in self._starting:
                 continue
             other = await asyncio.to_thread(self._actor, other_index)
@@ -249,7 +265,7 @@ class EngineAutoscaler:
             except Exception as e:
                 logger.info("engine autoscaler: draining engine %d does not answer (%r)", index, e)
                 continue
-            if unfinished == 0 and quiet_s >= self.policy.drain_grace_s:
+            if unfinished == 0 and quiet_s >= self._policy_of[index].drain_grace_s:
                 logger.info("engine autoscaler: engine %d is drained; stopping it", index)
                 await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
                 self._started.pop(index, None)
@@ -263,9 +279,10 @@ async def _ask(calls: Any) -> list[Any]:
     return await asyncio.gather(*(asyncio.wait_for(call, CALL_TIMEOUT_S) for call in calls))
 
 
-def start_autoscaler(slots: list[EngineConfig], namespace: str, policy: EngineAutoscaling,
+def start_autoscaler(slots: list[EngineConfig], namespace: str, models: list[ScaledModel],
                      detached: bool = False) -> Any:
-    """Start (replacing any earlier one) the application's autoscaler actor."""
+    """Start (replacing any earlier one) the application's autoscaler actor, for ``models`` (each
+    autoscaled model with its slots); ``slots``: every engine's configuration."""
     import ray
 
     stop_autoscaler(namespace)
@@ -277,7 +294,8 @@ def start_autoscaler(slots: list[EngineConfig], namespace: str, policy: EngineAu
         options["lifetime"] = "detached"
     if runtime_env := logging_runtime_env():  # (the engines it starts read the log settings here)
         options["runtime_env"] = runtime_env
-    actor = ray.remote(EngineAutoscaler).options(**options).remote(slots, namespace, policy, detached,
+    by_index = {config.engine_index: config for config in slots}
+    actor = ray.remote(EngineAutoscaler).options(**options).remote(by_index, namespace, models, detached,
                                                                    run_rounds=True)
     ray.get(actor.status.remote())  # (constructed: its rounds run)
     if not detached:

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help='Scale the engines with the load (JSON), e.g. \'{"min_engines": 1, "max_engines": 4, '
                             '"target_ongoing_requests": 8, "upscale_delay_s": 5, "downscale_delay_s": 60}\': as '
                             "many engines as keep each at about target_ongoing_requests running and waiting "
-                            "requests; an engine scaled away is drained first.")
+                            "requests; an engine scaled away is drained first. (A model of --extra-models "
+                            "autoscales with an engine_autoscaling entry of its own.)")
     serve.add_argument("--tensor-parallel-size", type=int, default=None)
     for flag, kind, help_text in SCHEDULER_ARGS:
         serve.add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=kind, default=None, help=help_text)
@@ -457,9 +458,9 @@ def serve_command(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         served = served_models_line(config, [e.description.model_info.served_model_name for e in engines])
-        scaling = config.engine_autoscaling
-        count = (f"{len(engines)} engine(s)" if scaling is None else
-                 f"{len(engines)} engine(s), autoscaled between {scaling.min_engines} and {scaling.max_engines},")
+        scaled = config.scaled_models()
+        count = f"{len(engines)} engine(s)" + "".join(
+            f", {m.name}'s autoscaled between {m.policy.min_engines} and {m.policy.max_engines}" for m in scaled)
         print(f"llm-cluster: serving {served} with {count} on "
               f"http://{config.host}:{config.port}/v1  (Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -140,11 +141,46 @@ def _resolve_specs(defaults: dict[str, Any], num_engines: int, engines: list[Eng
             for i in range(max(num_engines, len(engines)))]
 
 
-def _check_engine_count(fields_set: set[str], num_engines: int, engines: list[EngineSpec], where: str) -> None:
-    # Without num_engines the override list sets the count; with it, extra entries are an error
-    # (they would start engines nobody asked for).
-    if "num_engines" in fields_set and len(engines) > num_engines:
-        raise ValueError(f"{where}engines has {len(engines)} per-engine entries but num_engines is {num_engines}")
+def _check_engines(settings: ClusterConfig | ServedModel, where: str) -> None:
+    """A model's engine count against its per-engine entries and, with engine autoscaling, its bounds
+    (num_engines, how many start, defaults to min_engines)."""
+    scaling, engines = settings.engine_autoscaling, settings.engines
+    if scaling is None:
+        # Without num_engines the override list sets the count; with it, extra entries are an error
+        # (they would start engines nobody asked for).
+        if "num_engines" in settings.model_fields_set and len(engines) > settings.num_engines:
+            raise ValueError(f"{where}engines has {len(engines)} per-engine entries but num_engines is "
+                             f"{settings.num_engines}")
+        return
+    if "num_engines" not in settings.model_fields_set:
+        object.__setattr__(settings, "num_engines", scaling.min_engines)
+    if not scaling.min_engines <= settings.num_engines <= scaling.max_engines:
+        raise ValueError(f"{where}num_engines ({settings.num_engines}) must be between engine_autoscaling's "
+                         f"min_engines ({scaling.min_engines}) and max_engines ({scaling.max_engines})")
+    if len(engines) > scaling.max_engines:
+        raise ValueError(f"{where}engines has {len(engines)} per-engine entries but engine_autoscaling's "
+                         f"max_engines is {scaling.max_engines}")
+
+
+def _check_uniform_slots(specs: list[EngineSpec], where: str) -> None:
+    """An autoscaled model's slots must agree on what its routers read from the engines running when
+    they start: an engine started later in another slot must not differ, or the router would accept
+    what that engine refuses."""
+    for field in ("max_model_len", "scheduling_policy", "enable_sleep_mode"):
+        values = {getattr(spec, field) for spec in specs}
+        if len(values) > 1:
+            raise ValueError(f"{where}with engine_autoscaling, {field} must be the same on every engine (the "
+                             f"engines have {sorted(map(str, values))}); set it for all of them, not per engine")
+
+
+@dataclass(frozen=True)
+class ScaledModel:
+    """One model's autoscaled engines, as the autoscaler (cluster.autoscaler) scales them."""
+
+    name: str
+    # Its engine slots (engine indexes), the lowest first.
+    indexes: tuple[int, ...]
+    policy: EngineAutoscaling
 
 
 def _check_output_parsers(tool_call_parser: str | None, reasoning_parser: str | None,
@@ -267,28 +303,6 @@ class ModelSettings(LoRASettings):
         return served_model_names(self.served_model_name, self.model)
 
 
-class ServedModel(ModelSettings):
-    """Another model served through the same endpoint (``ClusterConfig.models``), on engines of its
-    own; clients pick it by its name in ``model``. Engine flags: the cluster's ``defaults``, then
-    this model's ``defaults``, then its per-engine entries. Its LoRA adapters are its own, named as a
-    model by clients as the first model's are."""
-
-    model: str = Field(..., description="Model name, HF directory or .gguf file.")
-    num_engines: int = Field(1, ge=1)
-    defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags of this model's engines.")
-    engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-
-    @model_validator(mode="after")
-    def _checks(self) -> ServedModel:
-        where = f"models[{self.served_names[0]}]."
-        _check_output_parsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice, where)
-        _check_engine_count(self.model_fields_set, self.num_engines, self.engines, where)
-        return self
-
-
 class EngineAutoscaling(BaseModel):
     """Engine autoscaling (cluster.autoscaler): between ``min_engines`` and ``max_engines`` engines,
     as many as keep each at about ``target_ongoing_requests`` requests (running and waiting), as
@@ -311,6 +325,30 @@ class EngineAutoscaling(BaseModel):
     @model_validator(mode="after")
     def _bounds(self) -> EngineAutoscaling:
         _check_min_max("engine_autoscaling", "engines", self.min_engines, self.max_engines)
+        return self
+
+
+class ServedModel(ModelSettings):
+    """Another model served through the same endpoint (``ClusterConfig.models``), on engines of its
+    own; clients pick it by its name in ``model``. Engine flags: the cluster's ``defaults``, then
+    this model's ``defaults``, then its per-engine entries. Its LoRA adapters are its own, named as a
+    model by clients as the first model's are."""
+
+    model: str = Field(..., description="Model name, HF directory or .gguf file.")
+    num_engines: int = Field(1, ge=1, description="Engines (with engine_autoscaling: how many start).")
+    defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags of this model's engines.")
+    engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
+    engine_autoscaling: EngineAutoscaling | None = Field(
+        None, description="Scale this model's engines with its load, apart from the other models' engines.")
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> ServedModel:
+        where = f"models[{self.served_names[0]}]."
+        _check_output_parsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice, where)
+        _check_engines(self, where)
         return self
 
 
@@ -366,8 +404,9 @@ class ClusterConfig(ModelSettings):
     router_autoscaling: RouterAutoscaling | None = Field(
         None, description="Let Ray Serve scale the router replicas with the open requests.")
     engine_autoscaling: EngineAutoscaling | None = Field(
-        None, description="Scale the (first model's) engines with the load: num_engines is how many start "
-                          "(default min_engines); engines holds flags for up to max_engines slots.")
+        None, description="Scale the first model's engines with its load: num_engines is how many start "
+                          "(default min_engines); engines holds flags for up to max_engines slots. (Each of "
+                          "models may have its own.)")
     request_timeout_s: float | None = Field(None, gt=0)
     trust_request_chat_template: bool = Field(
         False, description="Run a request's own chat_template (vLLM's --trust-request-chat-template); else a 400.")
@@ -498,28 +537,12 @@ class ClusterConfig(ModelSettings):
 
     @model_validator(mode="after")
     def _engine_count(self) -> ClusterConfig:
-        scaling = self.engine_autoscaling
-        if scaling is None:
-            _check_engine_count(self.model_fields_set, self.num_engines, self.engines, "")
-            return self
-        if self.models:
-            raise ValueError("engine_autoscaling scales a single model's engines: it cannot be combined with models")
-        if "num_engines" not in self.model_fields_set:
-            object.__setattr__(self, "num_engines", scaling.min_engines)
-        if not scaling.min_engines <= self.num_engines <= scaling.max_engines:
-            raise ValueError(f"num_engines ({self.num_engines}) must be between engine_autoscaling's min_engines "
-                             f"({scaling.min_engines}) and max_engines ({scaling.max_engines})")
-        if len(self.engines) > scaling.max_engines:
-            raise ValueError(f"engines has {len(self.engines)} per-engine entries but engine_autoscaling's "
-                             f"max_engines is {scaling.max_engines}")
-        # (A router replica takes these from the engines running when it starts: an engine started later
-        # in another slot must not differ, or the router would accept what that engine refuses.)
-        specs = self.resolved_specs()
-        for field in ("max_model_len", "scheduling_policy", "enable_sleep_mode"):
-            values = {getattr(spec, field) for spec in specs}
-            if len(values) > 1:
-                raise ValueError(f"with engine_autoscaling, {field} must be the same on every engine (the engines "
-                                 f"have {sorted(map(str, values))}); set it for all of them, not per engine")
+        _check_engines(self, "")
+        if self.engine_autoscaling is not None:
+            _check_uniform_slots(self.resolved_specs(), "")
+        for served in self.models:
+            if served.engine_autoscaling is not None:
+                _check_uniform_slots(self._served_specs(served), f"models[{served.served_names[0]}].")
         return self
 
     def _base_flags(self) -> dict[str, Any]:
@@ -540,24 +563,44 @@ class ClusterConfig(ModelSettings):
             return _resolve_specs(self._base_flags(), self.engine_autoscaling.max_engines, self.engines)
         return _resolve_specs(self._base_flags(), self.num_engines, self.engines)
 
+    def _served_specs(self, served: ServedModel) -> list[EngineSpec]:
+        """A further model's engines' flags (with engine autoscaling: every slot's, up to max_engines)."""
+        flags = self._inherited_flags() | served.defaults.model_dump(exclude_none=True)
+        scaling = served.engine_autoscaling
+        return _resolve_specs(flags, served.num_engines if scaling is None else scaling.max_engines, served.engines)
+
     def model_engines(self) -> list[tuple[ServedModel | None, list[int]]]:
         """Each served model (None: the first, described by the top-level fields) with the indexes
-        of its engines: the first model's from 0, each further model's after the previous ones."""
+        of its engines (with engine autoscaling: of its slots, running or not): the first model's
+        from 0, each further model's after the previous ones."""
         out: list[tuple[ServedModel | None, list[int]]] = [(None, list(range(len(self.resolved_specs()))))]
         start = len(out[0][1])
         for served in self.models:
-            count = max(served.num_engines, len(served.engines))
+            count = len(self._served_specs(served))
             out.append((served, list(range(start, start + count))))
             start += count
         return out
 
+    def scaled_models(self) -> list[ScaledModel]:
+        """The models whose engines are autoscaled, each with its slots."""
+        out = []
+        for served, indexes in self.model_engines():
+            settings = self if served is None else served
+            if settings.engine_autoscaling is not None:
+                out.append(ScaledModel(settings.served_names[0], tuple(indexes), settings.engine_autoscaling))
+        return out
+
     def engine_configs(self) -> list[EngineConfig]:
-        """The engines to start (with engine autoscaling: the first num_engines slots)."""
+        """The engines to start (an autoscaled model's: its first num_engines slots)."""
         configs = self.engine_slot_configs()
-        return configs[:self.num_engines] if self.engine_autoscaling is not None else configs
+        wanted = []
+        for served, indexes in self.model_engines():
+            settings = self if served is None else served
+            wanted += indexes if settings.engine_autoscaling is None else indexes[:settings.num_engines]
+        return [configs[i] for i in wanted]
 
     def engine_slot_configs(self) -> list[EngineConfig]:
-        """Every engine's configuration; with engine autoscaling, every slot's (max_engines), the
+        """Every engine's configuration; an autoscaled model's, every slot's (max_engines), the
         autoscaler starting and stopping engines among them."""
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
@@ -568,11 +611,10 @@ class ClusterConfig(ModelSettings):
                    for i, spec in enumerate(self.resolved_specs())]
         _check_one_runner(configs)
         for served in self.models:
-            flags = self._inherited_flags() | served.defaults.model_dump(exclude_none=True)
             name = served.served_names[0] if served.served_model_name else None
             group = [engine_config_from_spec(served.model, len(configs) + i, spec, self.seed, name,
                                              served.lora_config(), served.tokenizer)
-                     for i, spec in enumerate(_resolve_specs(flags, served.num_engines, served.engines))]
+                     for i, spec in enumerate(self._served_specs(served))]
             _check_one_runner(group)
             configs += group
         return configs

@@ -15,12 +15,20 @@ import httpx
 import pytest
 
 from cluster.autoscaler import EngineScaler
-from cluster.config import ClusterConfig, EngineAutoscaling, EngineSpec
+from cluster.config import ClusterConfig, EngineAutoscaling, EngineSpec, ScaledModel
 
 
 def _policy(**fields) -> EngineAutoscaling:
     return EngineAutoscaling(**({"min_engines": 1, "max_engines": 4, "target_ongoing_requests": 4,
                                  "upscale_delay_s": 2, "downscale_delay_s": 10} | fields))
+
+
+def _one_model(policy: EngineAutoscaling, **kwargs):
+    """An autoscaler (no Ray: tests call its rounds) of one model in slots 0..max_engines - 1."""
+    from cluster.autoscaler import EngineAutoscaler
+
+    slots = range(policy.max_engines)
+    return EngineAutoscaler(dict.fromkeys(slots), "ns", [ScaledModel("m", tuple(slots), policy)], **kwargs)
 
 
 def test_the_engines_wanted_follow_the_ongoing_requests_within_bounds():
@@ -63,13 +71,37 @@ def test_the_configuration_starts_min_engines_in_max_engines_slots():
         ClusterConfig(model="m", num_engines=4, engine_autoscaling={"min_engines": 1, "max_engines": 3})
     with pytest.raises(ValueError, match=r"max_engines .* is below min_engines"):
         EngineAutoscaling(min_engines=3, max_engines=2)
-    with pytest.raises(ValueError, match="cannot be combined with models"):
-        ClusterConfig(model="m", engine_autoscaling={"max_engines": 2}, models=[{"model": "n"}])
     with pytest.raises(ValueError, match="max_model_len must be the same on every engine"):
         ClusterConfig(model="m", engine_autoscaling={"max_engines": 2},
                       engines=[EngineSpec(), EngineSpec(max_model_len=64)])
     with pytest.raises(ValueError, match="max_engines is 2"):
         ClusterConfig(model="m", engine_autoscaling={"max_engines": 2}, engines=[EngineSpec()] * 3)
+
+
+def test_each_model_autoscales_in_slots_of_its_own():
+    """The first model on two fixed engines; the second autoscaled (slots 2..4, one starting; the
+    third slot with flags of its own); the third fixed after them; then the first autoscaled too."""
+    config = ClusterConfig(model="m", num_engines=2, models=[
+        {"model": "n", "served_model_name": "nn", "defaults": {"max_num_seqs": 8},
+         "engine_autoscaling": {"max_engines": 3, "target_ongoing_requests": 2},
+         "engines": [{}, {}, {"max_num_batched_tokens": 256}]},
+        {"model": "o", "num_engines": 2}])
+    assert [indexes for _, indexes in config.model_engines()] == [[0, 1], [2, 3, 4], [5, 6]]
+    assert [e.engine_index for e in config.engine_configs()] == [0, 1, 2, 5, 6]
+    slots = config.engine_slot_configs()
+    assert [(e.model, e.scheduler.max_num_seqs) for e in slots[2:5]] == [("n", 8)] * 3
+    assert slots[4].scheduler.max_num_batched_tokens == 256
+    [scaled] = config.scaled_models()
+    assert (scaled.name, scaled.indexes, scaled.policy.target_ongoing_requests) == ("nn", (2, 3, 4), 2)
+    both = ClusterConfig(model="m", engine_autoscaling={"max_engines": 2}, models=[
+        {"model": "n", "num_engines": 2, "engine_autoscaling": {"min_engines": 1, "max_engines": 3}}])
+    assert [(m.name, m.indexes) for m in both.scaled_models()] == [("m", (0, 1)), ("n", (2, 3, 4))]
+    assert [e.engine_index for e in both.engine_configs()] == [0, 2, 3]
+    with pytest.raises(ValueError, match=r"models\[n\]\.num_engines \(4\) must be between"):
+        ClusterConfig(model="m", models=[{"model": "n", "num_engines": 4, "engine_autoscaling": {"max_engines": 3}}])
+    with pytest.raises(ValueError, match=r"models\[n\]\.with engine_autoscaling, max_model_len must be the same"):
+        ClusterConfig(model="m", models=[{"model": "n", "engine_autoscaling": {"max_engines": 2},
+                                          "engines": [{}, {"max_model_len": 64}]}])
 
 
 def test_the_cli_flag_makes_the_same_configuration():
@@ -81,6 +113,19 @@ def test_the_cli_flag_makes_the_same_configuration():
     assert config.num_engines == 2 and config.engine_autoscaling == EngineAutoscaling(
         min_engines=2, max_engines=5, target_ongoing_requests=3)
     assert cluster_config_from_args(build_parser().parse_args(["serve", "--model", "m"])).engine_autoscaling is None
+
+
+def test_an_extra_models_file_autoscales_its_model(tmp_path):
+    from cluster.cli import build_parser, cluster_config_from_args
+
+    extra = tmp_path / "extra-models.yaml"
+    extra.write_text("- model: n\n  served_model_name: nn\n"
+                     "  engine_autoscaling: {min_engines: 1, max_engines: 3, target_ongoing_requests: 32}\n")
+    config = cluster_config_from_args(build_parser().parse_args(
+        ["serve", "--model", "m", "--num-engines", "2", "--extra-models", str(extra)]))
+    [scaled] = config.scaled_models()
+    assert (scaled.name, scaled.indexes, scaled.policy.target_ongoing_requests) == ("nn", (2, 3, 4), 32)
+    assert [e.engine_index for e in config.engine_configs()] == [0, 1, 2]
 
 
 class _Call:
@@ -131,14 +176,13 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
         nonlocal loaded
         loaded = asyncio.Event()
         clock = [0.0]
-        scaler = EngineAutoscaler([None] * 3, "ns", _policy(max_engines=3, upscale_delay_s=0, downscale_delay_s=0),
-                                  clock=lambda: clock[0])
+        scaler = _one_model(_policy(max_engines=3, upscale_delay_s=0, downscale_delay_s=0), clock=lambda: clock[0])
         await scaler._tick()  # 9 ongoing wants 3, but engine 0 is paused: nothing changes under the operator
-        assert started == [] and (await scaler.status()).wanted == 3
+        assert started == [] and (await scaler.status())[0].wanted == 3
         engines[0].paused = False
         await scaler._tick()
         await asyncio.sleep(0)
-        assert started == [1, 2] and (await scaler.status()).starting == [1, 2]
+        assert started == [1, 2] and (await scaler.status())[0].starting == [1, 2]
         engines[0].ongoing = 0
         await scaler._tick()  # fewer wanted, but engines are starting: engine 0, the only one serving, stays
         assert not engines[0].drained
@@ -146,15 +190,57 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
         await asyncio.sleep(0)
         await scaler._tick()  # 1 wanted: one engine at a time, the highest slot first, drained before it stops
         assert engines[2].drained and not engines[1].drained and stopped == []
-        status = await scaler.status()
+        [status] = await scaler.status()
         assert (status.running, status.draining) == ([0, 1], [2])
         await scaler._tick()  # engine 2 holds nothing: stopped; engine 1 is next
         assert stopped == ["llm-cluster-engine-2"] and engines[1].drained
         await scaler._tick()
         await scaler._tick()
         assert stopped == ["llm-cluster-engine-2", "llm-cluster-engine-1"] and sorted(engines) == [0]
-        status = await scaler.status()
+        [status] = await scaler.status()
         assert (status.running, status.draining, status.starting) == ([0], [], [])
+
+    asyncio.run(run())
+
+
+def test_each_models_engines_scale_with_that_models_load_alone(monkeypatch):
+    """Model a in slots 0-1, model b in slots 2-4: a's load starts an engine of a's; b's idle engine
+    stays alone; then b's load starts b's while a, idle, drains its own highest engine."""
+    import cluster.autoscaler as autoscaler_module
+    from cluster.autoscaler import EngineAutoscaler
+
+    engines: dict[int, _FakeEngine] = {0: _FakeEngine(ongoing=6), 2: _FakeEngine(ongoing=1)}
+    started: list[int] = []
+
+    async def fake_start(self, index):
+        started.append(index)
+        engines[index] = _FakeEngine()
+        self._starting.pop(index, None)
+
+    monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
+    monkeypatch.setattr(EngineAutoscaler, "_start", fake_start)
+    monkeypatch.setattr(autoscaler_module, "stop_named_engine",
+                        lambda name, namespace: engines.pop(int(name.rsplit("-", 1)[1])))
+
+    async def run():
+        policy = _policy(upscale_delay_s=0, downscale_delay_s=0, drain_grace_s=0)
+        models = [ScaledModel("a", (0, 1), policy.model_copy(update={"max_engines": 2})),
+                  ScaledModel("b", (2, 3, 4), policy.model_copy(update={"max_engines": 3}))]
+        scaler = EngineAutoscaler(dict.fromkeys(range(5)), "ns", models)
+        await scaler._tick()
+        await asyncio.sleep(0)
+        assert started == [1]  # a: 6 ongoing wants 2 engines; b: 1 ongoing wants its 1
+        engines[0].ongoing, engines[2].ongoing = 0, 9
+        await scaler._tick()
+        await asyncio.sleep(0)
+        assert started == [1, 3, 4] and engines[1].drained and not engines[0].drained
+        a, b = await scaler.status()
+        assert (a.model, a.running, a.draining, a.ongoing_requests) == ("a", [0], [1], 0)
+        assert (b.model, b.wanted, b.ongoing_requests) == ("b", 3, 9)
+        await scaler._tick()  # a's drained engine held nothing: stopped; b's three serve
+        a, b = await scaler.status()
+        assert sorted(engines) == [0, 2, 3, 4] and (a.running, a.draining) == ([0], [])
+        assert b.running == [2, 3, 4]
 
     asyncio.run(run())
 
@@ -167,7 +253,7 @@ def test_an_engine_started_while_an_operator_paused_or_slept_the_others_joins_th
     monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
 
     async def run():
-        scaler = EngineAutoscaler([None] * 4, "ns", _policy(max_engines=4))
+        scaler = _one_model(_policy(max_engines=4))
         scaler._starting[1] = asyncio.create_task(asyncio.sleep(0))
         new = _FakeEngine()
         await scaler._join_operator_hold(3, new)
@@ -198,10 +284,10 @@ def test_a_new_autoscaler_finishes_the_drain_an_earlier_one_began(monkeypatch):
                         lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]))))
 
     async def run():
-        scaler = EngineAutoscaler([None] * 2, "ns", _policy(max_engines=2, min_engines=1, downscale_delay_s=0))
+        scaler = _one_model(_policy(max_engines=2, min_engines=1, downscale_delay_s=0))
         await scaler._tick()
         assert stopped == ["llm-cluster-engine-1"] and sorted(engines) == [0]
-        assert (await scaler.status()).running == [0]
+        assert (await scaler.status())[0].running == [0]
 
     asyncio.run(run())
 
@@ -231,26 +317,35 @@ def _requests_in_a_loop(url: str, body: dict, streams: int) -> Iterator[list[int
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_engine_starts_under_load_serves_and_is_drained_away_when_idle(ray_cluster, tiny_model_dir):
+@pytest.mark.parametrize("scaled", ["first", "second"])
+def test_an_engine_starts_under_load_serves_and_is_drained_away_when_idle(ray_cluster, tiny_model_dir, scaled):
+    """The first model autoscaled (slots 0-1), or a second model (slots 1-2) beside a first on one
+    fixed engine."""
     from cluster.autoscaler import AUTOSCALER_NAME
     from cluster.launcher import engine_actor_name, named_actor
     from tests.serve_cluster import serve_cluster
 
-    config = ClusterConfig(
-        model=str(tiny_model_dir), served_model_name="tiny", routing_policy="least_loaded",
-        defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256, max_num_seqs=2),
-        engine_autoscaling={"min_engines": 1, "max_engines": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0,
-                            "downscale_delay_s": 2, "drain_grace_s": 1, "interval_s": 0.2})
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    defaults = EngineSpec(num_gpu_blocks=64, max_model_len=256, max_num_seqs=2)
+    scaling = {"min_engines": 1, "max_engines": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0,
+               "downscale_delay_s": 2, "drain_grace_s": 1, "interval_s": 0.2}
+    if scaled == "first":
+        config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", defaults=defaults,
+                               engine_autoscaling=scaling)
+        name, first, extra = "tiny", 0, 1
+    else:
+        config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", defaults=defaults, models=[
+            {"model": str(tiny_model_dir), "served_model_name": "tiny-b", "engine_autoscaling": scaling}])
+        name, first, extra = "tiny-b", 1, 2
+    body = {"model": name, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
     with serve_cluster(config) as served:
         autoscaler = named_actor(AUTOSCALER_NAME, config.namespace)
-        assert named_actor(engine_actor_name(1), config.namespace) is None
+        assert named_actor(engine_actor_name(extra), config.namespace) is None
         with _requests_in_a_loop(f"{served.base}/v1/completions", body, streams=4) as codes:
-            # Four streams against a target of one each: a second engine starts, and the router sends it work.
+            # Four streams against a target of one each: an extra engine starts, and the router sends it work.
             deadline = time.monotonic() + 180
             second = None
             while time.monotonic() < deadline:
-                second = named_actor(engine_actor_name(1), config.namespace)
+                second = named_actor(engine_actor_name(extra), config.namespace)
                 if second is not None:
                     try:
                         if ray_cluster.get(second.get_stats.remote(), timeout=10).num_requests_added > 0:
@@ -259,28 +354,28 @@ def test_an_engine_starts_under_load_serves_and_is_drained_away_when_idle(ray_cl
                         pass
                 time.sleep(0.5)
             else:
-                raise AssertionError(f"no second engine served: {ray_cluster.get(autoscaler.status.remote())}")
+                raise AssertionError(f"no extra engine served: {ray_cluster.get(autoscaler.status.remote())}")
         assert codes and set(codes) == {200}, codes
-        # Idle: after downscale_delay_s the second engine is drained and stopped; the first one stays and
+        # Idle: after downscale_delay_s the extra engine is drained and stopped; the first one stays and
         # every request meanwhile succeeds.
         deadline = time.monotonic() + 60
         with httpx.Client(timeout=60) as http:
-            while named_actor(engine_actor_name(1), config.namespace) is not None:
+            while named_actor(engine_actor_name(extra), config.namespace) is not None:
                 assert time.monotonic() < deadline, ray_cluster.get(autoscaler.status.remote())
                 assert http.post(f"{served.base}/v1/completions", json=body | {"max_tokens": 2}).status_code == 200
                 time.sleep(0.5)
             assert http.get(f"{served.base}/health").status_code == 200
             answer = http.post(f"{served.base}/v1/completions", json=body | {"max_tokens": 4})
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
-        # (Its status is as of its last round: the one that stopped engine 1 may still be finishing.)
+        # (Its status is as of its last round: the one that stopped the extra engine may still be finishing.)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            status = ray_cluster.get(autoscaler.status.remote())
-            if (status.running, status.draining, status.starting) == ([0], [], []):
+            [status] = ray_cluster.get(autoscaler.status.remote())
+            if (status.running, status.draining, status.starting) == ([first], [], []):
                 break
             time.sleep(0.2)
         else:
-            raise AssertionError(f"the autoscaler does not settle on engine 0 alone: {status}")
+            raise AssertionError(f"the autoscaler does not settle on engine {first} alone: {status}")
 
 
 @pytest.mark.slow
@@ -300,7 +395,8 @@ def test_the_autoscaler_goes_on_after_ray_restarts_it(ray_cluster, tiny_model_di
         while time.monotonic() < deadline:
             engine = named_actor(engine_actor_name(0), config.namespace)
             try:
-                status = ray_cluster.get(named_actor(AUTOSCALER_NAME, config.namespace).status.remote(), timeout=30)
+                [status] = ray_cluster.get(named_actor(AUTOSCALER_NAME, config.namespace).status.remote(),
+                                           timeout=30)
             except ray_cluster.exceptions.RayError:  # (being restarted)
                 status = None
             if (engine is not None and status is not None and status.running == [0]
@@ -309,7 +405,7 @@ def test_the_autoscaler_goes_on_after_ray_restarts_it(ray_cluster, tiny_model_di
             time.sleep(0.3)
         return False
 
-    autoscaler = start_autoscaler(config.engine_slot_configs(), config.namespace, config.engine_autoscaling)
+    autoscaler = start_autoscaler(config.engine_slot_configs(), config.namespace, config.scaled_models())
     try:
         assert engine_serves(120)  # (no engine was started beside it: min_engines brings one)
         first = named_actor(engine_actor_name(0), config.namespace)
