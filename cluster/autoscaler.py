@@ -162,9 +162,12 @@ class EngineAutoscaler:
         actors = {i: await asyncio.to_thread(self._actor, i) for m in self.models for i in m.indexes}
         if not self._adopted:  # (a redeploy's new autoscaler finishes the drains the old one began)
             found = [i for i, a in actors.items() if a is not None]
-            states = await _ask(actors[i].drain_status.remote() for i in found)
-            self._draining |= {i for i, (draining, _, _) in zip(found, states, strict=True) if draining}
-            self._adopted = True
+            states = await asyncio.gather(*(asyncio.wait_for(actors[i].drain_status.remote(), CALL_TIMEOUT_S)
+                                            for i in found), return_exceptions=True)
+            answered = [(i, state) for i, state in zip(found, states, strict=True) if not isinstance(state, Exception)]
+            self._draining |= {i for i, (draining, _, _) in answered if draining}
+            # (An engine that does not answer yet is asked again next round; the other models scale meanwhile.)
+            self._adopted = len(answered) == len(found)
         for index in await self._finish_drains(actors):
             actors[index] = None
         for k, model in enumerate(self.models):

@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "own (model, served_model_name (a name or a list), num_engines, defaults, engines, "
                             "chat_template, default_chat_template_kwargs, tokenizer, tool_call_parser, "
                             "reasoning_parser, enable_auto_tool_choice, and its LoRA adapters: enable_lora, "
-                            "lora_modules, max_loras, max_lora_rank, max_cpu_loras). A model inherits the cluster's "
+                            "lora_modules, max_loras, max_lora_rank, max_cpu_loras; engine_autoscaling). A model "
+                            "inherits the cluster's "
                             "engine flags, but not the first model's generation config folder or override.")
     serve.add_argument("--routing-policy", default="least_loaded",
                        choices=["round_robin", "least_loaded", "prefix_aware", "session"])
@@ -289,11 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def served_models_line(config, engine_names: list[str]) -> str:
-    """Each served model's name as its engines serve it (in engine order), and its aliases."""
+def served_models_line(config, engine_names: dict[int, str]) -> str:
+    """Each served model's name as its first running engine serves it, and its aliases.
+    ``engine_names``: the running engines' served names by engine index (an autoscaled model's
+    further slots are empty)."""
     out = []
     for (_, indexes), names in zip(config.model_engines(), config.names_per_model(), strict=True):
-        out.append(engine_names[indexes[0]] + (f" (also {', '.join(names[1:])})" if names[1:] else ""))
+        served = next(engine_names[i] for i in indexes if i in engine_names)
+        out.append(served + (f" (also {', '.join(names[1:])})" if names[1:] else ""))
     return ", ".join(out)
 
 
@@ -457,7 +461,7 @@ def serve_command(args: argparse.Namespace) -> int:
         # Installed after Ray and Serve started, so theirs do not replace ours.
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        served = served_models_line(config, [e.description.model_info.served_model_name for e in engines])
+        served = served_models_line(config, {e.index: e.description.model_info.served_model_name for e in engines})
         scaled = config.scaled_models()
         count = f"{len(engines)} engine(s)" + "".join(
             f", {m.name}'s autoscaled between {m.policy.min_engines} and {m.policy.max_engines}" for m in scaled)

@@ -320,7 +320,8 @@ class EngineAutoscaling(BaseModel):
     drain_grace_s: float = Field(
         2.0, ge=0, description="A drained engine stops once it has held no request for this long (routers told "
                                "to send it nothing may still have sent one on its way).")
-    interval_s: float = Field(1.0, gt=0, description="How often the engines' load is read.")
+    interval_s: float = Field(1.0, gt=0, description="How often the engines' load is read (with several autoscaled "
+                                                     "models: the shortest of theirs, for all).")
 
     @model_validator(mode="after")
     def _bounds(self) -> EngineAutoscaling:

@@ -292,6 +292,39 @@ def test_a_new_autoscaler_finishes_the_drain_an_earlier_one_began(monkeypatch):
     asyncio.run(run())
 
 
+def test_an_engine_that_does_not_answer_holds_up_only_its_own_model(monkeypatch):
+    """Model a's engine 0 was left draining by an earlier autoscaler; model b's engine 2 is being
+    restarted by Ray (its calls fail): a's drain is finished and b is asked again next round."""
+    import cluster.autoscaler as autoscaler_module
+    from cluster.autoscaler import EngineAutoscaler
+
+    def restarting():
+        raise RuntimeError("the actor is restarting")
+
+    broken = _FakeEngine()
+    broken.drain_status = broken.get_stats = _Call(restarting)
+    engines = {0: _FakeEngine(ongoing=0, drained=True), 1: _FakeEngine(), 2: broken}
+    stopped: list[str] = []
+    monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
+    monkeypatch.setattr(autoscaler_module, "stop_named_engine",
+                        lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]))))
+
+    async def run():
+        policy = _policy(max_engines=2, downscale_delay_s=0, drain_grace_s=0)
+        scaler = EngineAutoscaler(dict.fromkeys(range(4)), "ns", [ScaledModel("a", (0, 1), policy),
+                                                                 ScaledModel("b", (2, 3), policy)])
+        await scaler._tick()
+        assert stopped == ["llm-cluster-engine-0"] and not scaler._adopted
+        a, b = await scaler.status()
+        assert a.running == [1] and b.running == []  # (b's round did not happen)
+        engines[2] = _FakeEngine(ongoing=1)  # restarted: it answers
+        await scaler._tick()
+        a, b = await scaler.status()
+        assert scaler._adopted and b.running == [2] and b.ongoing_requests == 1
+
+    asyncio.run(run())
+
+
 @contextlib.contextmanager
 def _requests_in_a_loop(url: str, body: dict, streams: int) -> Iterator[list[int]]:
     """``streams`` threads posting ``body`` one request after another until the block ends; yields

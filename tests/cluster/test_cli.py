@@ -436,8 +436,13 @@ def test_several_served_model_names_reach_the_engines_and_the_router(tmp_path):
     with pytest.raises(ValueError, match="names base_model_name 'b-latest' but is listed for 'tiny'"):
         _config("--served-model-name", "tiny", "tiny-v1", "--extra-models", str(models), "--enable-lora",
                 "--lora-modules", '{"name": "sql", "path": "/a", "base_model_name": "b-latest"}')
-    assert served_models_line(config, ["tiny", "b"]) == "tiny (also tiny-v1), b (also b-latest)"
-    assert served_models_line(_config("--num-engines", "2"), ["SmolLM2-135M-Instruct"] * 2) == "SmolLM2-135M-Instruct"
+    assert served_models_line(config, {0: "tiny", 1: "b"}) == "tiny (also tiny-v1), b (also b-latest)"
+    assert served_models_line(_config("--num-engines", "2"), dict.fromkeys([0, 1], "SmolLM2-135M-Instruct")
+                              ) == "SmolLM2-135M-Instruct"
+    # An autoscaled first model's further slots hold no engine yet: the next model's engine is engine 3.
+    scaled = _config("--served-model-name", "tiny", "tiny-v1", "--extra-models", str(models),
+                     "--engine-autoscaling", '{"max_engines": 3}')
+    assert served_models_line(scaled, {0: "tiny", 3: "b"}) == "tiny (also tiny-v1), b (also b-latest)"
     # A model left unnamed is served under its directory's name: an alias may not take it.
     models.write_text("- {model: /models/c, served_model_name: [c, b]}\n")
     with pytest.raises(ValueError, match="two served models are named 'b'"):
