@@ -386,8 +386,6 @@ class EngineConfig:
                          "speculative_config.draft_tensor_parallel_size",
                          f"unset or the target's tensor_parallel_size ({self.tensor_parallel_size}): the draft "
                          "model shards over the same workers", spec.draft_tensor_parallel_size)
-                _require(not self.enable_sleep_mode, "enable_sleep_mode",
-                         "off with a draft model (its cache and weights are not released)", self.enable_sleep_mode)
                 _require(not self.enable_prompt_embeds, "enable_prompt_embeds",
                          "off with a draft model (the draft cannot read the target's embeddings)",
                          self.enable_prompt_embeds)

@@ -32,7 +32,7 @@ from gpu_worker.attn_metadata import compute_slot_mapping
 
 if TYPE_CHECKING:
     from gpu_worker.block_table import BlockTable
-    from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.model_runner import ModelRunner, WeightSource
     from gpu_worker.request_state import RequestState
 
 
@@ -63,6 +63,8 @@ class DraftModel:
         # A draft vocabulary smaller than the target's (the target's padded for its shards, say):
         # target tokens beyond it reach the draft as token 0, and its drafts are then rejected.
         self.vocab_size = self.target_vocab_size = runner.config.vocab_size
+        # Its checkpoint (a directory), read again when it wakes from sleep level 2.
+        self.weights: WeightSource | None = None
 
     def check_pairs_with(self, target: ModelRunner, loaded: bool) -> None:
         """ValueError unless the draft can propose for ``target``: a decoder whose vocabulary is the

@@ -162,6 +162,7 @@ class ModelRunner:
         drafter.check_pairs_with(self, loaded=False)
         runner.load_model(weights)
         drafter.check_pairs_with(self, loaded=True)
+        drafter.weights = weights  # (read again on waking from sleep level 2)
         self.drafter = drafter
 
     def _loaded_model(self, weights: WeightSource) -> nn.Module:
@@ -203,6 +204,8 @@ class ModelRunner:
                     param.data = torch.empty_like(param.data, device="cpu", pin_memory=True).copy_(param.data)
             self.asleep.add("weights")
             self.sleep_level = level
+        if self.drafter is not None:  # (speculative decoding's draft model: its weights and cache too)
+            self.drafter.runner.sleep(level)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -221,10 +224,13 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             self.asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.asleep:
-            self.initialize_kv_cache(self.num_blocks, self.block_size)
+            self._allocate_kv_cache(self.num_blocks, self.block_size)
             self.asleep.discard("kv_cache")
         if not self.asleep:
             self.sleep_level = 0
+        if self.drafter is not None:
+            drafter = self.drafter
+            drafter.runner.wake_up(tags, lambda: drafter.weights)
 
     def _take_weights_of(self, fresh: nn.Module) -> None:
         """Give the sleeping model's parameters the storage of ``fresh``'s (the same model, loaded
@@ -237,7 +243,13 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int, num_offload_blocks: int | None = None) -> None:
         """The paged KV cache of ``num_blocks`` blocks, and KV offloading's host-memory tier of
-        ``num_offload_blocks`` (None: as before, e.g. on waking up)."""
+        ``num_offload_blocks`` (None: as before), the draft model's beside them."""
+        self._allocate_kv_cache(num_blocks, block_size, num_offload_blocks)
+        if self.drafter is not None:  # (on the same block ids, and the same host slots)
+            self.drafter.initialize_kv_cache(num_blocks, block_size, num_offload_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int, block_size: int, num_offload_blocks: int | None = None) -> None:
+        """This model's own cache and host tier (``initialize_kv_cache``; on waking up, as before)."""
         if self.model is None:
             raise RuntimeError("load_model() must come before initialize_kv_cache()")
         layers = self.model.attention_layers()
@@ -256,8 +268,6 @@ class ModelRunner:
             layer.kv_cache = cache
         self.block_size = block_size
         self.num_blocks = num_blocks
-        if self.drafter is not None:  # (on the same block ids, and the same host slots)
-            self.drafter.initialize_kv_cache(num_blocks, block_size, num_offload_blocks)
         # Decodes read the paged cache in place where the CPU kernel applies (an fp32 model on the CPU,
         # with an fp32 or fp8 cache); elsewhere (CUDA, bf16) they gather their blocks and use SDPA.
         self.decode_in_place = (self.device.type == "cpu" and self.dtype == torch.float32

@@ -83,3 +83,31 @@ def test_sleep_needs_the_flag_and_a_valid_level(tiny_model_dir, llm):
     with pytest.raises(ValueError, match="tags"):
         llm.wake_up(["everything"])
     assert not llm.is_sleeping()
+
+
+def test_a_draft_model_sleeps_and_wakes_with_its_target(tiny_model_dir):
+    """Speculative decoding's draft model: its KV cache released with the target's (level 1), its
+    weights discarded with them (level 2) and read again from its own checkpoint on waking, in two
+    steps as the target's; the drafts it then proposes are accepted as before."""
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_model_len=256, enable_sleep_mode=True,
+              speculative_config={"method": "draft_model", "model": str(tiny_model_dir),
+                                  "num_speculative_tokens": 3})
+    try:
+        before = _answers(llm)
+        draft = llm._engine.executor.worker.runner.drafter.runner
+        layers = draft.model.attention_layers()
+        llm.sleep(level=1)
+        assert draft.kv_caches == [] and all(layer.kv_cache is None for layer in layers)
+        llm.sleep(level=2)
+        assert all(p.numel() == 0 for p in draft.model.parameters())
+        llm.wake_up(["weights"])
+        assert all(p.numel() > 0 for p in draft.model.parameters()) and draft.kv_caches == []
+        llm.wake_up(["kv_cache"])
+        assert len(draft.kv_caches) == len(layers) and all(layer.kv_cache is not None for layer in layers)
+        accepted = llm.get_stats()[0].spec_decode_num_accepted_tokens
+        assert _answers(llm) == before
+        # (The draft is the target itself: with its weights back, every draft is accepted again.)
+        stats = llm.get_stats()[0]
+        assert stats.spec_decode_num_accepted_tokens - accepted > 0
+    finally:
+        llm.shutdown()
