@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -434,6 +435,8 @@ class EngineCoreService:
 
     def _on_step_failure(self, error: Exception) -> None:
         message = f"engine {self.config.engine_index} failed: {type(error).__name__}: {error}"
+        # (The failed pass's frames hold its tensors and the old workers: let the restart free them.)
+        traceback.clear_frames(error.__traceback__)
         self._error = message
         self._publish(self.engine.fail_all_requests(message))
         self._restart_executor()

@@ -9,6 +9,7 @@ rank 0's ``ModelRunnerOutput``; a rank that dies surfaces as an exception within
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import socket
@@ -295,8 +296,15 @@ class UniProcExecutor(_ExecutorBase):
         self.worker.wake_up(tags)
 
     def restart(self) -> None:
-        """A failed step may have left the runner's state half-updated: start from a fresh worker."""
+        """A failed step may have left the runner's state half-updated: start from a fresh worker,
+        once the old one's weights and KV cache are freed (a GPU holds one worker's, not two)."""
+        import torch
+
         self.worker.shutdown()
+        self.worker = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         self.worker = self._new_worker()
 
     def determine_num_blocks(self) -> int:

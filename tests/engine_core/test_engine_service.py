@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import pytest
 
@@ -46,18 +48,31 @@ def test_a_worker_restart_forgets_the_prefix_cache(service):
     prompt = list(range(3, 70))  # four full blocks of 16 go into the prefix cache
     before, _, _ = _run(service, "warm", prompt)
     assert _run(service, "hit", prompt)[1] == 64
-    real = service.engine.executor.execute_model
+    executor = service.engine.executor
+    old_runner = weakref.ref(executor.worker.runner)
+    freed_before_the_new_load = []
+    new_worker = executor._new_worker
 
-    def fail_once(scheduler_output):
-        service.engine.executor.execute_model = real
+    def watched_new_worker():
+        gc.collect()
+        freed_before_the_new_load.append(old_runner() is None)
+        return new_worker()
+
+    def fail(*args):  # (raised inside the runner's pass: its frames hold the runner)
         raise RuntimeError("injected worker failure")
 
-    service.engine.executor.execute_model = fail_once
-    assert _run(service, "fails", list(range(100, 120)))[2] == FinishReason.ERROR
-    deadline = time.monotonic() + 60
-    while service._error is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    executor.worker.runner._forward = fail
+    executor._new_worker = watched_new_worker
+    try:
+        assert _run(service, "fails", list(range(100, 120)))[2] == FinishReason.ERROR
+        deadline = time.monotonic() + 60
+        while service._error is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        del executor._new_worker
     assert service.is_healthy()
+    # The old worker's weights and KV cache were freed before the new worker loaded (a GPU holds one).
+    assert freed_before_the_new_load == [True]
     # The new workers' caches are empty: nothing may be served from the blocks remembered before.
     after, cached, _ = _run(service, "after-restart", prompt)
     assert cached == 0 and after == before
