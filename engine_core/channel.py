@@ -159,6 +159,9 @@ class ChannelServer:
         # Each connected client's socket (announcements such as Draining go to all of them).
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self.draining = False
+        # A client whose connection closed and has not reconnected within this many seconds is gone
+        # for good (a router replica scaled away, say): its output buffer is dropped.
+        self.forget_client_after_s = 30.0
 
     def announce_draining(self) -> None:
         """Tell every client, now and any that connects later, to send no new request (once)."""
@@ -221,12 +224,18 @@ class ChannelServer:
                     del self._pushers[client_index]
                     self._writers.pop(client_index, None)
                     self._service.unsubscribe_kv_events(client_index)
+                    asyncio.get_running_loop().call_later(self.forget_client_after_s, self._forget_if_gone,
+                                                          client_index)
             if unfinished:
                 # Nobody reads these any more (the router fails them on its side): free their blocks.
                 self._service.abort_requests(list(unfinished))
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    def _forget_if_gone(self, client_index: int) -> None:
+        if client_index not in self._pushers:  # (not reconnected meanwhile)
+            self._service.forget_client(client_index)
 
     def _accept(self, request: EngineCoreRequest) -> Accepted:
         try:

@@ -332,6 +332,12 @@ class EngineCoreService:
             buffer.event.clear()
         return items
 
+    def forget_client(self, client_index: int) -> None:
+        """Drop a client's output buffer: it is gone for good (the request channel's call, once its
+        connection closed and no new one came). Its requests were aborted when it closed."""
+        with self._buffers_lock:
+            self._buffers.pop(client_index, None)
+
     def _buffer(self, client_index: int) -> _ClientBuffer:
         with self._buffers_lock:
             buffer = self._buffers.get(client_index)

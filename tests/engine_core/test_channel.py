@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow
 CLIENT = 7
 
 
-def _request(rid: str, max_tokens: int) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(range(3, 30)), client_index=CLIENT,
+def _request(rid: str, max_tokens: int, client: int = CLIENT) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(range(3, 30)), client_index=client,
                              sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
 
 
@@ -241,3 +241,40 @@ def test_a_dropped_connection_aborts_its_unfinished_requests(engine):
     assert stats.num_free_blocks == stats.num_blocks
     # Left alone, "orphan" would have decoded until max_model_len: one step per token.
     assert stats.num_steps - steps_at_close < max_model_len // 2
+
+
+def test_a_client_gone_for_good_leaves_no_output_buffer_behind(engine):
+    """A router replica scaled away: once its connection has been closed for forget_client_after_s
+    (no reconnect), the engine drops its output buffer; a client that reconnects in time keeps it."""
+    import ray
+
+    def buffered_clients(actor) -> set[int]:
+        return set(actor.service._buffers)
+
+    address = _address(engine)  # (the channel opens on the first ask)
+    ray.get(engine.actor.__ray_call__.remote(lambda actor: setattr(actor._channel, "forget_client_after_s", 0.5)))
+
+    async def serve_and_close(client: int, rid: str) -> None:
+        conn = await ChannelConnection.open(address, client)
+        conn.send(AddRequest(_request(rid, 2, client)))
+        await _collect(conn, {rid})
+        conn.close()
+
+    try:
+        asyncio.run(serve_and_close(61, "gone"))
+        assert 61 in ray.get(engine.actor.__ray_call__.remote(buffered_clients))  # (within the grace)
+        deadline = time.monotonic() + 10
+        while 61 in ray.get(engine.actor.__ray_call__.remote(buffered_clients)):
+            assert time.monotonic() < deadline, "the closed client's buffer is still there"
+            time.sleep(0.1)
+
+        async def reconnect_in_time() -> None:
+            await serve_and_close(62, "back-1")
+            conn = await ChannelConnection.open(address, 62)  # back before the grace ends
+            await asyncio.sleep(1.0)
+            assert 62 in ray.get(engine.actor.__ray_call__.remote(buffered_clients))
+            conn.close()
+
+        asyncio.run(reconnect_in_time())
+    finally:
+        ray.get(engine.actor.__ray_call__.remote(lambda actor: setattr(actor._channel, "forget_client_after_s", 30.0)))
