@@ -73,6 +73,9 @@ class EngineCoreService:
         self._executor_factory = executor_factory
         self._compute_niceness = compute_niceness
         self.engine = EngineCore(config, executor_factory(config))
+        # Called when the workers could not be brought back after a failed step (a GPU whose CUDA
+        # context an illegal access poisoned, say: no restart in this process can serve again).
+        self.on_unrecoverable: Callable[[], None] | None = None
         # (The engine's own config: an encoder's turns prefix caching off.)
         self.metrics = EngineMetrics(self.engine.config, self.engine.scheduler_config,
                                      self.engine.model_info.served_model_name, self.engine.num_blocks,
@@ -463,6 +466,8 @@ class EngineCoreService:
         except Exception as e:
             logger.error("engine %d: restart failed: %s", self.config.engine_index, e)
             self._error = f"{self._error}; restart failed: {e}"
+            if self.on_unrecoverable is not None:
+                self.on_unrecoverable()
 
     # -- control ----------------------------------------------------------------------------------
 
@@ -564,6 +569,12 @@ def _own_pause_record_key() -> str | None:
     return pause_record_key(context.namespace, name) if name else None
 
 
+def _exit_for_a_restart() -> None:
+    logger.error("the workers cannot be restarted in this process: exiting so that Ray restarts the engine")
+    logging.shutdown()
+    os._exit(1)
+
+
 class EngineCoreActor:
     """Ray actor shell around EngineCoreService (create with ``ray.remote(EngineCoreActor)``)."""
 
@@ -574,6 +585,9 @@ class EngineCoreActor:
         self.service = EngineCoreService(config, executor_factory,
                                          compute_niceness=engine_niceness(config.engine_niceness,
                                                                           engine_uses_gpu(config)))
+        # Workers that cannot be restarted in this process: the process ends, and Ray restarts the
+        # actor (a new process: a fresh CUDA context, the model loaded again) while restarts remain.
+        self.service.on_unrecoverable = _exit_for_a_restart
         self._channel: ChannelServer | None = None
         # When cluster.autoscaler began draining this engine (None: it is not being drained).
         self._drain_started: float | None = None

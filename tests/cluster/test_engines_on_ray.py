@@ -106,6 +106,50 @@ def test_killing_a_worker_errors_in_flight_requests_then_the_engine_recovers(ray
         stop_engines([engine])
 
 
+def test_an_engine_whose_workers_cannot_restart_is_restarted_by_ray(ray_cluster, tiny_model_dir):
+    """A failed step whose in-process restart fails too (as on a GPU whose CUDA context an illegal
+    access poisoned): the actor's process exits, Ray starts a new one, and it serves again."""
+    import os
+
+    import ray
+
+    config = ClusterConfig(model=str(tiny_model_dir), defaults=EngineSpec(num_gpu_blocks=64))
+    [engine] = start_engines(config.engine_configs(), config.namespace)
+    actor = engine.actor
+
+    def poison(actor_self) -> int:
+        executor = actor_self.service.engine.executor
+
+        def fail(*args):
+            raise RuntimeError("injected: an illegal memory access")
+
+        def cannot_restart():
+            raise RuntimeError("injected: the CUDA context is unusable")
+
+        executor.worker.runner._forward = fail
+        executor.restart = cannot_restart
+        return os.getpid()
+
+    try:
+        before = ray.get(actor.__ray_call__.remote(poison))
+        ray.get(actor.add_request.remote(_request("doomed", 5)))
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=10) != before:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                    ray.exceptions.GetTimeoutError):
+                pass
+            assert time.monotonic() < deadline, "the engine actor was not restarted"
+            time.sleep(0.5)
+        wait_until_healthy(actor)
+        ray.get(actor.add_request.remote(_request("after", 5)))
+        assert _collect(actor, ["after"])["after"].finish_reason.name == "LENGTH"
+    finally:
+        stop_engines([engine])
+
+
 def test_engine_compute_threads_run_at_lower_priority_than_its_io(ray_cluster, tiny_model_dir):
     import ray
 
