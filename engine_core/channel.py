@@ -162,6 +162,7 @@ class ChannelServer:
         # A client whose connection closed and has not reconnected within this many seconds is gone
         # for good (a router replica scaled away, say): its output buffer is dropped.
         self.forget_client_after_s = 30.0
+        self._forget_timers: dict[int, asyncio.TimerHandle] = {}
 
     def announce_draining(self) -> None:
         """Tell every client, now and any that connects later, to send no new request (once)."""
@@ -180,6 +181,8 @@ class ChannelServer:
         return self._address
 
     async def close(self) -> None:
+        for timer in self._forget_timers.values():
+            timer.cancel()
         for task in self._pushers.values():
             task.cancel()
         if self._server is not None:
@@ -196,6 +199,9 @@ class ChannelServer:
                 logger.warning("engine channel: refused a connection without the right token")
                 return
             client_index = hello.client_index
+            if (timer := self._forget_timers.pop(client_index, None)) is not None:
+                timer.cancel()  # (back in time: it is not forgotten)
+            self._service.client_connected(client_index)
             previous = self._pushers.pop(client_index, None)
             if previous is not None:  # the same client reconnected: the old stream is dead
                 previous.cancel()
@@ -224,8 +230,8 @@ class ChannelServer:
                     del self._pushers[client_index]
                     self._writers.pop(client_index, None)
                     self._service.unsubscribe_kv_events(client_index)
-                    asyncio.get_running_loop().call_later(self.forget_client_after_s, self._forget_if_gone,
-                                                          client_index)
+                    self._forget_timers[client_index] = asyncio.get_running_loop().call_later(
+                        self.forget_client_after_s, self._forget_if_gone, client_index)
             if unfinished:
                 # Nobody reads these any more (the router fails them on its side): free their blocks.
                 self._service.abort_requests(list(unfinished))
@@ -234,6 +240,7 @@ class ChannelServer:
                 await writer.wait_closed()
 
     def _forget_if_gone(self, client_index: int) -> None:
+        self._forget_timers.pop(client_index, None)
         if client_index not in self._pushers:  # (not reconnected meanwhile)
             self._service.forget_client(client_index)
 

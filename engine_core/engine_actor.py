@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -83,6 +84,8 @@ class EngineCoreService:
         self._on_adapters_changed()
         self._inputs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._buffers: dict[int, _ClientBuffer] = {}
+        # Clients gone for good (forget_client): nothing is buffered for them.
+        self._gone: set[int] = set()
         # Clients that receive the KV cache events (busy-loop thread only), and how many unread hashes
         # one may have before its unread changes are replaced by a snapshot.
         self._kv_subscribers: set[int] = set()
@@ -337,9 +340,16 @@ class EngineCoreService:
 
     def forget_client(self, client_index: int) -> None:
         """Drop a client's output buffer: it is gone for good (the request channel's call, once its
-        connection closed and no new one came). Its requests were aborted when it closed."""
+        connection closed and no new one came). Its requests were aborted when it closed; outputs
+        for it from now on (a late event, say) are dropped too, until it connects again."""
         with self._buffers_lock:
             self._buffers.pop(client_index, None)
+            self._gone.add(client_index)
+
+    def client_connected(self, client_index: int) -> None:
+        """A client's request channel opened (again): outputs for it are kept."""
+        with self._buffers_lock:
+            self._gone.discard(client_index)
 
     def _buffer(self, client_index: int) -> _ClientBuffer:
         with self._buffers_lock:
@@ -421,8 +431,12 @@ class EngineCoreService:
         for client_index, eco in outputs.items():
             if not eco.outputs and not eco.finished_requests and not eco.kv_events:
                 continue
-            buffer = self._buffer(client_index)
             with self._buffers_lock:
+                if client_index in self._gone:
+                    continue
+                buffer = self._buffers.get(client_index)
+                if buffer is None:
+                    buffer = self._buffers[client_index] = _ClientBuffer()
                 buffer.items.append(eco)
                 if eco.kv_events:
                     buffer.num_event_hashes += sum(len(hashes) for _, hashes in eco.kv_events)
@@ -445,7 +459,7 @@ class EngineCoreService:
     def _on_step_failure(self, error: Exception) -> None:
         message = f"engine {self.config.engine_index} failed: {type(error).__name__}: {error}"
         # (The failed pass's frames hold its tensors and the old workers: let the restart free them.)
-        traceback.clear_frames(error.__traceback__)
+        _clear_frames(error)
         self._error = message
         self._publish(self.engine.fail_all_requests(message))
         self._restart_executor()
@@ -569,9 +583,27 @@ def _own_pause_record_key() -> str | None:
     return pause_record_key(context.namespace, name) if name else None
 
 
+def _clear_frames(error: BaseException) -> None:
+    """Drop the locals of the frames ``error`` (and the exceptions it chains) passed through."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        pending += [e.__cause__, e.__context__]
+
+
 def _exit_for_a_restart() -> None:
+    """The busy loop's call: the error outputs it just published go out first (the event loop's
+    pushers send them meanwhile), then the process ends."""
     logger.error("the workers cannot be restarted in this process: exiting so that Ray restarts the engine")
+    time.sleep(1.0)
     logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(1)
 
 

@@ -284,24 +284,25 @@ class UniProcExecutor(_ExecutorBase):
         return worker
 
     def _load_lora(self, lora: LoRARequest) -> list[bool]:
-        return [self.worker.add_lora(lora)]
+        return [self._live().add_lora(lora)]
 
     def _unload_lora(self, lora_int_id: int) -> list[bool]:
-        return [self.worker.remove_lora(lora_int_id)]
+        return [self._live().remove_lora(lora_int_id)]
 
     def sleep(self, level: int) -> None:
-        self.worker.sleep(level)
+        self._live().sleep(level)
 
     def wake_up(self, tags: list[str]) -> None:
-        self.worker.wake_up(tags)
+        self._live().wake_up(tags)
 
     def restart(self) -> None:
         """A failed step may have left the runner's state half-updated: start from a fresh worker,
         once the old one's weights and KV cache are freed (a GPU holds one worker's, not two)."""
         import torch
 
-        self.worker.shutdown()
-        self.worker = None
+        if self.worker is not None:  # (None: an earlier restart failed; this one tries again)
+            self.worker.shutdown()
+        self.worker = None  # (None until the new one serves: a failed load leaves no half-made worker)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -309,25 +310,31 @@ class UniProcExecutor(_ExecutorBase):
 
     def determine_num_blocks(self) -> int:
         args = self._block_args()
-        if args["num_blocks"] is None and args["kv_cache_memory_bytes"] is None and self.worker.device.type == "cpu":
+        if args["num_blocks"] is None and args["kv_cache_memory_bytes"] is None and self._live().device.type == "cpu":
             # CPU default: enough blocks for max_num_seqs full-length sequences, capped at 1 GiB.
-            per_block = self.worker.bytes_per_block(self.config.block_size)
+            per_block = self._live().bytes_per_block(self.config.block_size)
             args["kv_cache_memory_bytes"] = default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
-        return self.worker.determine_num_blocks(**args)
+        return self._live().determine_num_blocks(**args)
 
     def initialize_cache(self, num_blocks: int) -> int:
-        return self.worker.initialize_cache(num_blocks, self.config.block_size)
+        return self._live().initialize_cache(num_blocks, self.config.block_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.worker.execute_model(scheduler_output)
+        out = self._live().execute_model(scheduler_output)
         assert out is not None
         return out
 
     def check_health(self) -> None:
-        return None
+        self._live()
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    def _live(self):
+        if self.worker is None:
+            raise RuntimeError("the engine's worker is not running: its restart after a failed step failed")
+        return self.worker
 
 
 def default_cpu_kv_bytes(config: EngineConfig, max_model_len: int, bytes_per_block: int) -> int:

@@ -268,6 +268,12 @@ def test_a_client_gone_for_good_leaves_no_output_buffer_behind(engine):
             assert time.monotonic() < deadline, "the closed client's buffer is still there"
             time.sleep(0.1)
 
+        def publish_late_output(actor) -> None:  # (an event for it after it was forgotten, say)
+            actor.service._publish({61: EngineCoreOutputs(outputs=[EngineCoreOutput("late", [1])])}, take_events=False)
+
+        ray.get(engine.actor.__ray_call__.remote(publish_late_output))
+        assert 61 not in ray.get(engine.actor.__ray_call__.remote(buffered_clients))  # (not made again)
+
         async def reconnect_in_time() -> None:
             await serve_and_close(62, "back-1")
             conn = await ChannelConnection.open(address, 62)  # back before the grace ends

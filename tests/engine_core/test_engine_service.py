@@ -78,6 +78,38 @@ def test_a_worker_restart_forgets_the_prefix_cache(service):
     assert cached == 0 and after == before
 
 
+def test_a_failed_restart_leaves_no_half_made_worker_and_calls_on_unrecoverable(service):
+    """A restart whose new worker fails to load: the engine is unhealthy, holds no worker, refuses
+    requests with the reason, and calls on_unrecoverable (an actor exits there, for Ray to restart
+    it). A restart that works afterwards brings it back."""
+    executor = service.engine.executor
+
+    def cannot_load():
+        raise RuntimeError("injected: the checkpoint could not be read")
+
+    def fail(*args):
+        raise RuntimeError("injected worker failure")
+
+    called = []
+    executor.worker.runner._forward = fail
+    executor._new_worker = cannot_load
+    service.on_unrecoverable = lambda: called.append(True)
+    try:
+        assert _run(service, "fails", list(range(100, 120)))[2] == FinishReason.ERROR
+        deadline = time.monotonic() + 30
+        while not called and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert called == [True] and executor.worker is None and not service.is_healthy()
+        with pytest.raises(RuntimeError, match="restart failed: injected: the checkpoint could not be read"):
+            _start(service, "refused", [5, 6, 7], 2)
+    finally:
+        del executor._new_worker
+        service.on_unrecoverable = None
+    service.call_in_loop(service._restart_executor)
+    assert service.is_healthy()
+    assert _run(service, "after", list(range(150, 160)))[2] == FinishReason.LENGTH
+
+
 def test_a_paused_engine_with_waiting_work_waits_instead_of_spinning(service):
     service.call_in_loop(lambda: service.engine.pause(PauseState.PAUSED_NEW))
     try:
