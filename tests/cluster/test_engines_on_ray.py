@@ -106,6 +106,31 @@ def test_killing_a_worker_errors_in_flight_requests_then_the_engine_recovers(ray
         stop_engines([engine])
 
 
+def _pid(actor) -> int:
+    import os
+
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=10)
+
+
+def _wait_for_a_new_process(actor, before: int) -> None:
+    """Until Ray has restarted ``actor`` (another process than ``before`` answers) and it is ready
+    (a kill or an exit is asynchronous: the old process may still answer for a moment)."""
+    import ray
+
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if _pid(actor) != before:
+                ray.get(actor.ready.remote(), timeout=30)
+                return
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "the engine actor did not come back"
+        time.sleep(0.5)
+
+
 def test_an_engine_whose_workers_cannot_restart_is_restarted_by_ray(ray_cluster, tiny_model_dir):
     """A failed step whose in-process restart fails too (as on a GPU whose CUDA context an illegal
     access poisoned): the actor's process exits, Ray starts a new one, and it serves again."""
@@ -133,16 +158,7 @@ def test_an_engine_whose_workers_cannot_restart_is_restarted_by_ray(ray_cluster,
     try:
         before = ray.get(actor.__ray_call__.remote(poison))
         ray.get(actor.add_request.remote(_request("doomed", 5)))
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=10) != before:
-                    break
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
-                    ray.exceptions.GetTimeoutError):
-                pass
-            assert time.monotonic() < deadline, "the engine actor was not restarted"
-            time.sleep(0.5)
+        _wait_for_a_new_process(actor, before)
         wait_until_healthy(actor)
         ray.get(actor.add_request.remote(_request("after", 5)))
         assert _collect(actor, ["after"])["after"].finish_reason.name == "LENGTH"
@@ -190,27 +206,11 @@ def test_an_engine_restarted_while_paused_comes_back_paused(ray_cluster, tiny_mo
 
     config = ClusterConfig(model=str(tiny_model_dir), defaults=EngineSpec(num_gpu_blocks=64))
 
-    def pid(actor) -> int:
-        import os
-
-        return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=10)
-
     def restart(actor) -> None:
-        """Kill the actor for Ray to restart it; return once the new process answers (the kill is
-        asynchronous: the old one may still answer for a moment)."""
-        before = pid(actor)
+        """Kill the actor for Ray to restart it; return once the new process answers."""
+        before = _pid(actor)
         ray.kill(actor, no_restart=False)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if pid(actor) != before:
-                    ray.get(actor.ready.remote(), timeout=30)
-                    return
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
-                    ray.exceptions.GetTimeoutError):
-                pass
-            assert time.monotonic() < deadline, "the engine actor did not come back"
-            time.sleep(0.5)
+        _wait_for_a_new_process(actor, before)
 
     [engine] = start_engines(config.engine_configs(), config.namespace)
     try:
