@@ -162,8 +162,7 @@ class EngineAutoscaler:
         actors = {i: await asyncio.to_thread(self._actor, i) for m in self.models for i in m.indexes}
         if not self._adopted:  # (a redeploy's new autoscaler finishes the drains the old one began)
             found = [i for i, a in actors.items() if a is not None]
-            states = await asyncio.gather(*(asyncio.wait_for(actors[i].drain_status.remote(), CALL_TIMEOUT_S)
-                                            for i in found), return_exceptions=True)
+            states = await _ask((actors[i].drain_status.remote() for i in found), return_exceptions=True)
             answered = [(i, state) for i, state in zip(found, states, strict=True) if not isinstance(state, Exception)]
             self._draining |= {i for i, (draining, _, _) in answered if draining}
             # (An engine that does not answer yet is asked again next round; the other models scale meanwhile.)
@@ -277,9 +276,11 @@ class EngineAutoscaler:
         return stopped
 
 
-async def _ask(calls: Any) -> list[Any]:
-    """Await Ray calls together, each within CALL_TIMEOUT_S."""
-    return await asyncio.gather(*(asyncio.wait_for(call, CALL_TIMEOUT_S) for call in calls))
+async def _ask(calls: Any, return_exceptions: bool = False) -> list[Any]:
+    """Await Ray calls together, each within CALL_TIMEOUT_S (``return_exceptions``: a call that fails
+    answers its exception instead of raising)."""
+    return await asyncio.gather(*(asyncio.wait_for(call, CALL_TIMEOUT_S) for call in calls),
+                                return_exceptions=return_exceptions)
 
 
 def start_autoscaler(slots: list[EngineConfig], namespace: str, models: list[ScaledModel],

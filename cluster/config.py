@@ -162,6 +162,13 @@ def _check_engines(settings: ClusterConfig | ServedModel, where: str) -> None:
                          f"max_engines is {scaling.max_engines}")
 
 
+def _slot_count(settings: ClusterConfig | ServedModel) -> int:
+    """A model's engine slots: its engines (num_engines, or more per-engine entries: _resolve_specs
+    takes the larger), or with engine autoscaling, max_engines."""
+    scaling = settings.engine_autoscaling
+    return settings.num_engines if scaling is None else scaling.max_engines
+
+
 def _check_uniform_slots(specs: list[EngineSpec], where: str) -> None:
     """An autoscaled model's slots must agree on what its routers read from the engines running when
     they start: an engine started later in another slot must not differ, or the router would accept
@@ -560,15 +567,12 @@ class ClusterConfig(ModelSettings):
 
     def resolved_specs(self) -> list[EngineSpec]:
         """The first model's engines' flags (with engine autoscaling: every slot's, up to max_engines)."""
-        if self.engine_autoscaling is not None:
-            return _resolve_specs(self._base_flags(), self.engine_autoscaling.max_engines, self.engines)
-        return _resolve_specs(self._base_flags(), self.num_engines, self.engines)
+        return _resolve_specs(self._base_flags(), _slot_count(self), self.engines)
 
     def _served_specs(self, served: ServedModel) -> list[EngineSpec]:
         """A further model's engines' flags (with engine autoscaling: every slot's, up to max_engines)."""
         flags = self._inherited_flags() | served.defaults.model_dump(exclude_none=True)
-        scaling = served.engine_autoscaling
-        return _resolve_specs(flags, served.num_engines if scaling is None else scaling.max_engines, served.engines)
+        return _resolve_specs(flags, _slot_count(served), served.engines)
 
     def model_engines(self) -> list[tuple[ServedModel | None, list[int]]]:
         """Each served model (None: the first, described by the top-level fields) with the indexes
@@ -582,23 +586,20 @@ class ClusterConfig(ModelSettings):
             start += count
         return out
 
+    def _settings_engines(self) -> list[tuple[ClusterConfig | ServedModel, list[int]]]:
+        """``model_engines`` with the first model's settings (these top-level fields) in place of None."""
+        return [(self if served is None else served, indexes) for served, indexes in self.model_engines()]
+
     def scaled_models(self) -> list[ScaledModel]:
         """The models whose engines are autoscaled, each with its slots."""
-        out = []
-        for served, indexes in self.model_engines():
-            settings = self if served is None else served
-            if settings.engine_autoscaling is not None:
-                out.append(ScaledModel(settings.served_names[0], tuple(indexes), settings.engine_autoscaling))
-        return out
+        return [ScaledModel(settings.served_names[0], tuple(indexes), settings.engine_autoscaling)
+                for settings, indexes in self._settings_engines() if settings.engine_autoscaling is not None]
 
     def engine_configs(self) -> list[EngineConfig]:
         """The engines to start (an autoscaled model's: its first num_engines slots)."""
         configs = self.engine_slot_configs()
-        wanted = []
-        for served, indexes in self.model_engines():
-            settings = self if served is None else served
-            wanted += indexes if settings.engine_autoscaling is None else indexes[:settings.num_engines]
-        return [configs[i] for i in wanted]
+        return [configs[i] for settings, indexes in self._settings_engines()
+                for i in (indexes if settings.engine_autoscaling is None else indexes[:settings.num_engines])]
 
     def engine_slot_configs(self) -> list[EngineConfig]:
         """Every engine's configuration; an autoscaled model's, every slot's (max_engines), the

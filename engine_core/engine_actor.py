@@ -353,10 +353,14 @@ class EngineCoreService:
 
     def _buffer(self, client_index: int) -> _ClientBuffer:
         with self._buffers_lock:
-            buffer = self._buffers.get(client_index)
-            if buffer is None:
-                buffer = self._buffers[client_index] = _ClientBuffer()
-            return buffer
+            return self._buffer_locked(client_index)
+
+    def _buffer_locked(self, client_index: int) -> _ClientBuffer:
+        """A client's buffer, made on first use; the caller holds the buffers lock."""
+        buffer = self._buffers.get(client_index)
+        if buffer is None:
+            buffer = self._buffers[client_index] = _ClientBuffer()
+        return buffer
 
     # -- the busy loop (its own thread) -----------------------------------------------------------
 
@@ -434,9 +438,7 @@ class EngineCoreService:
             with self._buffers_lock:
                 if client_index in self._gone:
                     continue
-                buffer = self._buffers.get(client_index)
-                if buffer is None:
-                    buffer = self._buffers[client_index] = _ClientBuffer()
+                buffer = self._buffer_locked(client_index)
                 buffer.items.append(eco)
                 if eco.kv_events:
                     buffer.num_event_hashes += sum(len(hashes) for _, hashes in eco.kv_events)

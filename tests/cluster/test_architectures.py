@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster import LLM, SamplingParams
+from cluster import SamplingParams
+from tests.cluster.test_spec_decode import run
 from tests.gpu_worker.utils import hf_greedy, load_hf, save_tiny_model
 from tests.tiny_model import build_tokenizer
 
@@ -35,14 +36,9 @@ def test_greedy_tokens_equal_transformers_through_chunks_preemption_and_the_pref
     path = _model(tmp_path, kind)
     # 40 blocks of 4 tokens hold about four of the eight requests: the others wait or are preempted
     # (Mistral's requests keep only their window's blocks: 12 blocks).
-    llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks=12 if kind == "mistral" else 40,
-              max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
-    try:
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        outputs = llm.generate(PROMPTS + PROMPTS[:2], params, use_tqdm=False)
-        stats = llm.get_stats()[0]
-    finally:
-        llm.shutdown()
+    outputs, stats = run(path, PROMPTS + PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                         dtype="float32", block_size=4, num_gpu_blocks=12 if kind == "mistral" else 40,
+                         max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
     hf = load_hf(path)
     with torch.no_grad():
         expected = [hf_greedy(hf, prompt, 12) for prompt in PROMPTS + PROMPTS[:2]]
@@ -55,12 +51,9 @@ def test_greedy_tokens_equal_transformers_through_chunks_preemption_and_the_pref
 def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path, kind):
     """Each prompt token's log-probability (prefill) and each greedy token's (decode)."""
     path = _model(tmp_path, kind)
-    llm = LLM(model=str(path), dtype="bfloat16", num_gpu_blocks=32, max_num_batched_tokens=16, max_model_len=128)
-    try:
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    finally:
-        llm.shutdown()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    outputs, _ = run(path, PROMPTS, params, dtype="bfloat16", num_gpu_blocks=32, max_num_batched_tokens=16,
+                     max_model_len=128)
     hf = load_hf(path)
     errors = []
     for prompt, out in zip(PROMPTS, outputs, strict=True):
@@ -94,12 +87,7 @@ def test_without_a_block_count_the_kv_cache_fills_the_memory_share_it_is_given(t
     else:
         budget = least = 8 << 20
         flags = {"kv_cache_memory_bytes": budget}
-    llm = LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=128, **flags)
-    try:
-        [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                             use_tqdm=False)
-        stats = llm.get_stats()[0]
-    finally:
-        llm.shutdown()
+    [out], stats = run(tiny_model_dir, [[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                       dtype="float32", max_model_len=128, **flags)
     assert len(out.outputs[0].token_ids) == 4
     assert least <= stats.num_blocks * per_block <= budget
