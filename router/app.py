@@ -22,6 +22,7 @@ from engine_core.sched.scheduler import PAUSE_MODES
 from engine_core.sleep_mode import SLEEP_LEVELS, check_sleep, wake_up_tags
 from router.classification import CLASSIFY_PATHS, ClassificationRequest, ClassificationServing, classifier_params
 from router.cohere_embed import COHERE_EMBED_PATH, CohereEmbedRequest, CohereEmbedServing
+from router.detached import run_to_completion
 from router.embeddings import EmbeddingRequest, EmbeddingsServing, check_embeds
 from router.invocations import INVOCATIONS_PATH, InvocationType, invoke
 from router.messages import (
@@ -303,13 +304,13 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     async def delete_response(response_id: str) -> Response:
         deleted = await responses.delete(response_id)
         if deleted.get("status") in UNFINISHED:  # (a background one: nobody will read it)
-            await drop_background(deleted)
+            await run_to_completion(drop_background(deleted))  # (even if this client leaves)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
         cancelled = await responses.cancel(response_id)
-        await drop_background(cancelled)
+        await run_to_completion(drop_background(cancelled))  # (even if this client leaves)
         return JSONResponse(cancelled)
 
     def model_card(owner: OpenAIServing, lora: LoRARequest | None = None, name: str | None = None) -> ModelCard:

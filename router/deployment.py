@@ -20,6 +20,7 @@ from engine_core.log_setup import configure_actor_logging
 from engine_core.outputs import LoRARequest
 from engine_core.tokenizer_files import write_tokenizer_files
 from router.app import create_app
+from router.detached import detached_task
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics, merge_expositions
 from router.response_store import ActorResponseStore
@@ -259,7 +260,7 @@ class OpenAIRouter:
         # Wait for the hub actor (started by the first replica) before reporting ready: its start
         # costs seconds of CPU, better spent before traffic than under it.
         await self.hub.push.remote(self.metrics.replica, self._render_own())
-        self._push_task = asyncio.create_task(self._push_metrics())
+        self._push_task = detached_task(self._push_metrics())
 
     def _render_own(self) -> bytes:
         if len(self.servings) == 1:

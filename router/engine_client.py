@@ -31,6 +31,7 @@ from engine_core.channel import (
 )
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
+from router.detached import detached_task
 from router.request_timeline import RequestTimeline, current_timeline
 
 logger = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ class EngineClient:
 
     def start(self) -> None:
         if not self._pumps:
-            self._pumps = [asyncio.create_task(self._pump(slot), name=f"engine-{slot.index}-pump")
+            self._pumps = [detached_task(self._pump(slot), name=f"engine-{slot.index}-pump")
                            for slot in self._slots]
 
     async def wait_connected(self, timeout_s: float = 30.0) -> None:
@@ -391,7 +392,7 @@ class EngineClient:
                     queue.put_nowait(EngineCoreOutput(rid, [], FinishReason.ERROR, slot.last_error))
         if slot.channel is not None and (slot.prober is None or slot.prober.done()):
             # Reachable but reported unhealthy (e.g. its workers died): back once it says so.
-            slot.prober = asyncio.create_task(self._probe_until_healthy(slot))
+            slot.prober = detached_task(self._probe_until_healthy(slot))  # (may start from a request)
 
     async def _probe_until_healthy(self, slot: _EngineSlot) -> None:
         while not self._closed and not slot.healthy and slot.channel is not None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from router.detached import detached_task
 from router.parsed_output import ParsedDelta
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, cache_salt_field, invalid
 from router.response_store import UNFINISHED, EventsPage, MissingResponseError
@@ -688,7 +689,8 @@ class ResponsesServing:
                 for stream in run.streams:  # (a finished stream ignores it; another is aborted)
                     await stream.close()
 
-        task = asyncio.create_task(generate())
+        # (Detached: a streamed one's client leaving cancels its request, which must not reach this.)
+        task = detached_task(generate(), name=f"background-{base['id']}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         if streamed:

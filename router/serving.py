@@ -31,6 +31,7 @@ from engine_core.sampling_params import SamplingParams, logprobs_count
 from router.bad_words import bad_words_token_ids
 from router.chat_parsing import ChatOutputParser
 from router.content_format import resolve_content_format, template_content
+from router.detached import run_to_completion
 from router.detokenizer import IncrementalDetokenizer, fast_decoder
 from router.engine_client import (
     EngineClient,
@@ -426,7 +427,11 @@ class OpenAIServing:
         """Call ``method`` on every engine concurrently; a 503 naming the engines that failed."""
         engines = self.client.present()
         handles = [self.client.handle(engine) for engine in engines]
-        results = await asyncio.gather(*(getattr(h, method).remote(*args) for h in handles), return_exceptions=True)
+        async def call_all() -> list[Any]:
+            return await asyncio.gather(*(getattr(h, method).remote(*args) for h in handles), return_exceptions=True)
+
+        # (On every engine even if the operator's client leaves: not on some of them.)
+        results = await run_to_completion(call_all())
         failed = {engine: r for engine, r in zip(engines, results, strict=True) if isinstance(r, BaseException)}
         if failed:
             detail = "; ".join(f"engine {e}: {_remote_message(r)}" for e, r in failed.items())  # type: ignore[arg-type]

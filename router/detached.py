@@ -1,0 +1,52 @@
+"""Work a router replica starts that must not end with the HTTP request that started it.
+
+Ray Serve runs each request as a task of the replica actor, and when the request's client leaves
+it cancels that task recursively: every Ray call the request's asyncio tasks have in flight is
+cancelled too (Ray finds them through a context variable, which ``asyncio.create_task`` copies
+into the tasks a request starts). So a task started from a request that outlives it (a background
+response's generation, a prober), or a change that must be made on every engine or on none (loading
+a LoRA adapter, pausing the engines), would lose its calls in flight when that client leaves. These
+helpers run such work in a context of its own, as Ray Serve does for its own long polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Detached tasks still running (the event loop keeps only weak references to tasks).
+_running: set[asyncio.Task] = set()
+
+
+def detached_task(coro: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
+    """Start ``coro`` as a task outside the current request's context: the request's cancellation
+    does not reach its Ray calls."""
+    task = asyncio.get_running_loop().create_task(coro, name=name, context=contextvars.Context())
+    _running.add(task)
+    task.add_done_callback(_running.discard)
+    return task
+
+
+async def run_to_completion(coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` run as a detached task. If the awaiting request is cancelled (its client
+    left), the cancellation reaches the request but not the work, which finishes on its own; its
+    failure then is logged, as nobody is left to hear of it."""
+    task = detached_task(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            task.add_done_callback(_log_unheard_failure)
+        raise
+
+
+def _log_unheard_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("work whose request was cancelled failed afterwards: %s", task.exception())

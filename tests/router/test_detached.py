@@ -1,0 +1,119 @@
+"""router.detached: work that outlives the request that started it keeps its Ray calls when that
+request is cancelled (as Ray Serve cancels a request whose client left), and work run to completion
+finishes though its caller is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from router.detached import detached_task, run_to_completion
+
+
+def test_a_cancelled_ray_task_cancels_the_calls_of_its_tasks_but_not_of_detached_ones(ray_cluster):
+    """An actor task that starts two asyncio tasks, each awaiting a slow call on another actor, is
+    cancelled as Serve cancels a request: the call of the task started plainly is cancelled with it
+    (Ray cancels recursively), the detached task's call completes."""
+    ray = ray_cluster
+
+    class Slow:
+        async def wait(self, seconds: float) -> str:
+            await asyncio.sleep(seconds)
+            return "done"
+
+    class Starter:
+        def __init__(self, slow) -> None:
+            self.slow = slow
+            self.results: dict[str, str] = {}
+            self.tasks: list[asyncio.Task] = []
+
+        async def call(self, key: str) -> None:
+            self.results[key] = "started"
+            try:
+                self.results[key] = await self.slow.wait.remote(1.0)
+            except Exception as e:
+                self.results[key] = type(e).__name__
+
+        async def request(self) -> None:
+            self.tasks.append(asyncio.create_task(self.call("plain")))
+            detached_task(self.call("detached"))
+            await asyncio.sleep(60)
+
+        def seen(self) -> dict[str, str]:
+            return dict(self.results)
+
+    slow = ray.remote(num_cpus=0)(Slow).remote()
+    starter = ray.remote(num_cpus=0)(Starter).remote(slow)
+    try:
+        request = starter.request.remote()
+        deadline = time.monotonic() + 30
+        while ray.get(starter.seen.remote()) != {"plain": "started", "detached": "started"}:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        ray.cancel(request)  # (recursive, by default: as Serve cancels a request whose client left)
+        with pytest.raises(ray.exceptions.TaskCancelledError):
+            ray.get(request, timeout=30)
+        while "started" in (seen := ray.get(starter.seen.remote())).values():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert seen["detached"] == "done"
+        assert seen["plain"] != "done"  # (what the detached task is spared)
+    finally:
+        ray.kill(starter)
+        ray.kill(slow)
+
+
+def test_work_run_to_completion_finishes_though_its_caller_is_cancelled():
+    async def main() -> tuple[list[str], bool]:
+        steps: list[str] = []
+
+        async def change_every_engine() -> str:
+            for engine in range(3):
+                await asyncio.sleep(0.02)
+                steps.append(f"engine {engine}")
+            return "all"
+
+        caller = asyncio.create_task(run_to_completion(change_every_engine()))
+        await asyncio.sleep(0.03)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.1)
+        return steps, caller.cancelled()
+
+    steps, cancelled = asyncio.run(main())
+    assert steps == ["engine 0", "engine 1", "engine 2"] and cancelled
+
+
+def test_run_to_completion_returns_the_answer_and_raises_the_failure():
+    async def answer() -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    async def fail() -> None:
+        raise ValueError("refused")
+
+    assert asyncio.run(run_to_completion(answer())) == 7
+    with pytest.raises(ValueError, match="refused"):
+        asyncio.run(run_to_completion(fail()))
+
+
+def test_a_failure_after_its_caller_was_cancelled_is_logged(caplog):
+    async def main() -> None:
+        async def fail_later() -> None:
+            await asyncio.sleep(0.05)
+            raise RuntimeError("engine 2 refused")
+
+        caller = asyncio.create_task(run_to_completion(fail_later()))
+        await asyncio.sleep(0.01)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.1)
+
+    with caplog.at_level(logging.WARNING, logger="router.detached"):
+        asyncio.run(main())
+    assert "engine 2 refused" in caplog.text
