@@ -157,7 +157,7 @@ class EngineCore:
         # Totals since start (the scheduler's counters are per-pass deltas).
         self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
                         "max_step_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                        "offload_stored": 0, "offload_loaded": 0}
+                        "offload_stored": 0, "offload_loaded": 0, "external_queries": 0, "external_hits": 0}
         # Made at the first structured-output request (xgrammar and the tokenizer load then).
         self._structured: StructuredOutputManager | None = None
 
@@ -477,6 +477,9 @@ class EngineCore:
                 totals["max_step_tokens"] = max(totals["max_step_tokens"], stats.step_num_scheduled_tokens)
                 totals["offload_stored"] += stats.kv_offload_stored_blocks
                 totals["offload_loaded"] += stats.kv_offload_loaded_blocks
+                if stats.connector_prefix_cache_stats is not None:
+                    totals["external_queries"] += stats.connector_prefix_cache_stats.queries
+                    totals["external_hits"] += stats.connector_prefix_cache_stats.hits
                 if stats.spec_decoding_stats is not None:
                     totals["drafts"] += stats.spec_decoding_stats.num_drafts
                     totals["draft_tokens"] += stats.spec_decoding_stats.num_draft_tokens
@@ -550,7 +553,8 @@ class EngineCore:
             max_step_num_scheduled_tokens=t["max_step_tokens"], spec_decode_num_drafts=t["drafts"],
             spec_decode_num_draft_tokens=t["draft_tokens"], spec_decode_num_accepted_tokens=t["accepted_tokens"],
             kv_offload_stored_blocks=t["offload_stored"], kv_offload_loaded_blocks=t["offload_loaded"],
-            num_offload_blocks=self.num_offload_blocks)
+            num_offload_blocks=self.num_offload_blocks, external_prefix_cache_queries=t["external_queries"],
+            external_prefix_cache_hits=t["external_hits"])
 
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""

@@ -182,7 +182,8 @@ class EngineMetrics:
         # KV offloading (exported only with --kv-offloading-size): the host tier's size in blocks,
         # the blocks it holds, and blocks stored to it and loaded from it.
         self.offload: dict[str, float] | None = (
-            {"capacity": float(num_offload_blocks), "held": 0.0, "stored": 0.0, "loaded": 0.0}
+            {"capacity": float(num_offload_blocks), "held": 0.0, "stored": 0.0, "loaded": 0.0,
+             "external_queries": 0.0, "external_hits": 0.0}
             if num_offload_blocks else None)
         self._tracked: dict[str, _Tracked] = {}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -297,6 +298,9 @@ class EngineMetrics:
             self.offload["held"] = stats.kv_offload_num_blocks
             self.offload["stored"] += stats.kv_offload_stored_blocks
             self.offload["loaded"] += stats.kv_offload_loaded_blocks
+            if stats.connector_prefix_cache_stats is not None:
+                self.offload["external_queries"] += stats.connector_prefix_cache_stats.queries
+                self.offload["external_hits"] += stats.connector_prefix_cache_stats.hits
         sd = stats.spec_decoding_stats
         if sd is not None and self.spec is not None:
             self.spec["drafts"] += sd.num_drafts
@@ -386,6 +390,11 @@ class EngineMetrics:
                           "Evicted prefix-cache blocks saved to the host-memory tier.", off["stored"])
             yield counter("llm_cluster:kv_offload_loaded_blocks",
                           "Blocks copied back from the host-memory tier instead of computed.", off["loaded"])
+            # (vLLM's names: its offloading is a KV connector's, whose cache it calls external.)
+            yield counter("vllm:external_prefix_cache_queries",
+                          "Tokens looked up in KV offloading's host-memory tier.", off["external_queries"])
+            yield counter("vllm:external_prefix_cache_hits",
+                          "Tokens found in KV offloading's host-memory tier.", off["external_hits"])
         if self.max_loras:
             yield from self._lora_families(labels, values)
         if self.sleep_level is not None:

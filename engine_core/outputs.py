@@ -186,6 +186,9 @@ class SchedulerStats(msgspec.Struct):
     kv_offload_stored_blocks: int = 0
     kv_offload_loaded_blocks: int = 0
     kv_offload_num_blocks: int = 0
+    # With KV offloading: its tier's lookups since the previous stats (vLLM's name: its offloading is
+    # a KV connector's), counted as prefix_cache_stats is.
+    connector_prefix_cache_stats: PrefixCacheStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -227,3 +230,6 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_offload_stored_blocks: int = 0
     kv_offload_loaded_blocks: int = 0
     num_offload_blocks: int = 0
+    # KV offloading's tier since start: tokens looked up there, tokens found (vLLM's external prefix cache).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0

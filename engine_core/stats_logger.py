@@ -7,8 +7,8 @@ every ``VLLM_LOG_STATS_INTERVAL`` seconds (10 by default), from the counters the
 metrics already keep (so it costs nothing per step). As vLLM's, a line goes out at INFO when this or
 the last interval had throughput, else at DEBUG, so an idle (or paused) server's log stays quiet.
 The prefix cache hit rate is the interval's (vLLM's is over its recent requests). With KV offloading
-the line adds vLLM's "External prefix cache hit rate": of the prompt tokens the KV cache did not
-hold, the share the host tier supplied. With speculative
+the line adds vLLM's "External prefix cache hit rate": of the tokens looked up in the host tier
+(``vllm:external_prefix_cache_queries``), the share it held (``..._hits``). With speculative
 decoding a second line gives the drafts' acceptance, per position too. ``--disable-log-stats`` turns
 the line off with the metrics, as in vLLM; the offline ``LLM`` does not write it unless asked, as
 vLLM's does not.
@@ -47,7 +47,9 @@ class EngineStatsLogger:
     def _read(self) -> dict[str, float]:
         counters = self.metrics.counters
         read = {name: counters[name] for name in ("prompt_tokens", "generation_tokens", "prefix_queries",
-                                                  "prefix_hits", "prompt_tokens_cached", "prompt_tokens_external")}
+                                                  "prefix_hits")}
+        if self.metrics.offload is not None:
+            read |= {name: self.metrics.offload[name] for name in ("external_queries", "external_hits")}
         if self.metrics.spec is not None:
             read |= {f"spec_{name}": value for name, value in self.metrics.spec.items()}
             read |= {f"spec_pos_{i}": value for i, value in enumerate(self.metrics.spec_accepted_per_pos)}
@@ -69,10 +71,8 @@ class EngineStatsLogger:
                  f"Waiting: {int(gauges['waiting'])} reqs, GPU KV cache usage: {100.0 * gauges['kv_usage']:.1f}%, "
                  f"Prefix cache hit rate: {hit_rate:.1f}%"]
         if self.metrics.offload is not None:
-            external = delta["prompt_tokens_external"]
-            # (Prompt tokens looked for in the tier: all but those the KV cache itself held.)
-            missed = delta["prompt_tokens"] - (delta["prompt_tokens_cached"] - external)
-            external_rate = min(100.0, 100.0 * external / missed) if missed > 0 else 0.0
+            looked_up = delta["external_queries"]
+            external_rate = min(100.0, 100.0 * delta["external_hits"] / looked_up) if looked_up > 0 else 0.0
             lines[0] += f", External prefix cache hit rate: {external_rate:.1f}%"
         drafted, drafts = delta.get("spec_draft_tokens", 0.0), delta.get("spec_drafts", 0.0)
         if drafted > 0 and drafts > 0:

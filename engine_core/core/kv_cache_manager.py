@@ -70,6 +70,9 @@ class KVCacheManager:
         # How many of a request's leading blocks are registered (or known) in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # The offloading tier's lookups (vLLM's connector_prefix_cache_stats: vLLM offloads through a
+        # KV connector): the request's tokens queried, the tokens its blocks after the device hit hold.
+        self.connector_prefix_cache_stats = PrefixCacheStats() if self.offload is not None and log_stats else None
         self._empty = KVCacheBlocks([])
 
     @property
@@ -109,7 +112,11 @@ class KVCacheManager:
         if self.offload is None or request.sampling_params.skip_reading_prefix_cache:
             return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size  # (the last token is computed)
-        return self.offload.lookup(request.block_hashes[num_local_blocks:max_hit_blocks])
+        slots = self.offload.lookup(request.block_hashes[num_local_blocks:max_hit_blocks])
+        if self.connector_prefix_cache_stats is not None:
+            self.connector_prefix_cache_stats.record(request.num_tokens, len(slots) * self.block_size,
+                                                     request.num_preemptions > 0)
+        return slots
 
     def load_offloaded_blocks(self, request: Request, slots: list[int], first_block: int) -> None:
         """After allocate_slots gave the request device blocks for them: ``slots`` are copied into its
@@ -255,4 +262,11 @@ class KVCacheManager:
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Counters since the previous call (the delta), then start counting afresh."""
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def make_connector_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The offloading tier's lookups since the previous call (None without a tier)."""
+        stats = self.connector_prefix_cache_stats
+        if stats is not None:
+            self.connector_prefix_cache_stats = PrefixCacheStats()
         return stats

@@ -849,6 +849,7 @@ class Scheduler(SchedulerInterface):
             moved = offload.take_stats()
             stats.kv_offload_stored_blocks, stats.kv_offload_loaded_blocks = moved.stored_blocks, moved.loaded_blocks
             stats.kv_offload_num_blocks = len(offload)
+            stats.connector_prefix_cache_stats = self.kv_cache_manager.make_connector_prefix_cache_stats()
         if self.max_loras:
             stats.running_lora_adapters = _count_adapters(self.running)
             stats.waiting_lora_adapters = _count_adapters([*self.waiting, *self.skipped_waiting])

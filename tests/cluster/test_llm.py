@@ -1287,6 +1287,8 @@ def test_kv_offloading_brings_evicted_prefixes_back_from_host_memory(tiny_model_
     assert found[None][0] == 0 and found[None][1].num_offload_blocks == 0
     cached, stats = found[0.001]
     assert cached >= 48 and stats.kv_offload_loaded_blocks >= 3 and stats.kv_offload_stored_blocks > 0
+    assert stats.external_prefix_cache_queries > stats.external_prefix_cache_hits >= 48
+    assert found[None][1].external_prefix_cache_queries == 0
     assert stats.num_offload_blocks > 0 and stats.num_free_blocks == stats.num_blocks
     # A small tier under preemption: blocks come and go between the two tiers while answers hold.
     llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=12, max_num_batched_tokens=16, max_num_seqs=8,

@@ -124,6 +124,22 @@ def test_evicted_prefix_blocks_are_saved_and_a_later_prompt_loads_them_instead_o
     assert sched.make_stats().kv_offload_loaded_blocks == 3
 
 
+def test_the_tiers_lookups_are_counted_as_vllms_external_prefix_cache():
+    """Each lookup in the tier counts the request's tokens as queried and the tokens its blocks
+    found there hold as hits (vLLM's connector_prefix_cache_stats), as deltas."""
+    sched = create_scheduler(num_blocks=8, block_size=16, num_offload_blocks=8)
+    first, again = create_requests(2, num_tokens=64, max_tokens=1, same_prompt=True)
+    _finish(sched, first)
+    (other,) = create_requests(1, num_tokens=120, max_tokens=1)
+    _finish(sched, other)  # (evicts first's blocks into the tier)
+    sched.make_stats()
+    sched.add_request(again)
+    sched.schedule()
+    looked_up = sched.make_stats().connector_prefix_cache_stats
+    assert (looked_up.requests, looked_up.queries, looked_up.hits) == (1, 64, 48)
+    assert sched.make_stats().connector_prefix_cache_stats.queries == 0
+
+
 def test_without_a_tier_nothing_is_saved():
     sched = create_scheduler(num_blocks=8, block_size=16)
     first, again = create_requests(2, num_tokens=64, max_tokens=1, same_prompt=True)
@@ -131,6 +147,7 @@ def test_without_a_tier_nothing_is_saved():
     (other,) = create_requests(1, num_tokens=120, max_tokens=1)
     outs = _finish(sched, other)
     assert all(o.kv_offload_stores == [] for o in outs)
+    assert sched.make_stats().connector_prefix_cache_stats is None
     sched.add_request(again)
     sched.schedule()
     assert again.num_computed_tokens == 64 and again.num_cached_tokens == 0

@@ -74,15 +74,16 @@ def test_engine_sleep_state_only_with_sleep_mode_as_vllm_exports_it():
 
 
 def test_kv_offloading_series_only_with_a_host_tier():
-    from engine_core.outputs import SchedulerStats
+    from engine_core.outputs import PrefixCacheStats, SchedulerStats
 
     plain = _families(EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=8))
-    assert not any(name.startswith("llm_cluster:kv_offload") for name in plain)
+    assert not any(name.startswith(("llm_cluster:kv_offload", "vllm:external_prefix")) for name in plain)
     metrics = EngineMetrics(EngineConfig(served_model_name="m", kv_offloading_size=1.0), SchedulerConfig(), "m",
                             num_blocks=8, num_offload_blocks=100)
-    for stored, loaded, held in ((5, 0, 5), (3, 2, 8)):
+    for stored, loaded, held, queries, hits in ((5, 0, 5, 64, 0), (3, 2, 8, 48, 32)):
         metrics.on_step({}, SchedulerStats(kv_offload_stored_blocks=stored, kv_offload_loaded_blocks=loaded,
-                                           kv_offload_num_blocks=held))
+                                           kv_offload_num_blocks=held, connector_prefix_cache_stats=PrefixCacheStats(
+                                               requests=1, queries=queries, hits=hits)))
     families = _families(metrics)
 
     def value(name: str) -> float:
@@ -90,6 +91,8 @@ def test_kv_offloading_series_only_with_a_host_tier():
 
     assert value("llm_cluster:kv_offload_num_blocks") == 100 and value("llm_cluster:kv_offload_blocks_held") == 8
     assert value("llm_cluster:kv_offload_stored_blocks") == 8 and value("llm_cluster:kv_offload_loaded_blocks") == 2
+    # (vLLM's names for its connector's cache, its offloading's.)
+    assert value("vllm:external_prefix_cache_queries") == 112 and value("vllm:external_prefix_cache_hits") == 32
 
 
 def test_an_embedding_request_counts_its_prompt_and_no_generation():

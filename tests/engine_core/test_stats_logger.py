@@ -44,10 +44,13 @@ def test_kv_offloading_adds_the_external_hit_rate():
     engine = EngineConfig(kv_offloading_size=1.0)
     metrics = EngineMetrics(engine, engine.scheduler, "tiny", num_blocks=100, num_offload_blocks=50)
     stats = EngineStatsLogger(metrics, 0, now=0.0)
-    # 1000 prompt tokens: 400 from the KV cache, 150 from the host tier, 450 computed.
-    metrics.counters.update(prompt_tokens=1000, prompt_tokens_cached=550, prompt_tokens_external=150)
+    # 600 tokens looked up in the host tier, 150 found there.
+    metrics.counters.update(prompt_tokens=1000)
+    metrics.offload.update(external_queries=600, external_hits=150)
     _, [line] = stats.lines(10.0)
-    assert line.endswith(", External prefix cache hit rate: 25.0%")  # 150 of the 600 the KV cache lacked
+    assert line.endswith(", External prefix cache hit rate: 25.0%")
+    metrics.offload.update(external_queries=1000, external_hits=150)
+    assert stats.lines(20.0)[1][0].endswith(", External prefix cache hit rate: 0.0%")  # (the interval's)
     assert "External" not in _line_without_offloading()
 
 
