@@ -302,16 +302,22 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
-        deleted = await responses.delete(response_id)
-        if deleted.get("status") in UNFINISHED:  # (a background one: nobody will read it)
-            await run_to_completion(drop_background(deleted))  # (even if this client leaves)
+        async def delete_and_drop() -> None:
+            deleted = await responses.delete(response_id)
+            if deleted.get("status") in UNFINISHED:  # (a background one: nobody will read it)
+                await drop_background(deleted)
+
+        await run_to_completion(delete_and_drop())  # (both, even if this client leaves)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
-        cancelled = await responses.cancel(response_id)
-        await run_to_completion(drop_background(cancelled))  # (even if this client leaves)
-        return JSONResponse(cancelled)
+        async def cancel_and_drop() -> dict[str, Any]:
+            cancelled = await responses.cancel(response_id)
+            await drop_background(cancelled)
+            return cancelled
+
+        return JSONResponse(await run_to_completion(cancel_and_drop()))  # (both, even if this client leaves)
 
     def model_card(owner: OpenAIServing, lora: LoRARequest | None = None, name: str | None = None) -> ModelCard:
         """A model's card (``name``: one of its aliases), or an adapter's."""

@@ -37,16 +37,16 @@ def detached_task(coro: Coroutine[Any, Any, T], name: str | None = None) -> asyn
 async def run_to_completion(coro: Coroutine[Any, Any, T]) -> T:
     """Await ``coro`` run as a detached task. If the awaiting request is cancelled (its client
     left), the cancellation reaches the request but not the work, which finishes on its own; its
-    failure then is logged, as nobody is left to hear of it."""
+    failure then is logged, as nobody is left to hear of it. (A coroutine, not a future: Ray takes
+    a call's parent when the call is made, so the calls must be made inside the detached task.)"""
     task = detached_task(coro)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        if not task.done():
-            task.add_done_callback(_log_unheard_failure)
+        task.add_done_callback(_log_unheard_failure)  # (also when it ended meanwhile)
         raise
 
 
 def _log_unheard_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.warning("work whose request was cancelled failed afterwards: %s", task.exception())
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.warning("work whose request was cancelled failed afterwards: %s", error, exc_info=error)

@@ -31,7 +31,7 @@ from engine_core.channel import (
 )
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
-from router.detached import detached_task
+from router.detached import detached_task, run_to_completion
 from router.request_timeline import RequestTimeline, current_timeline
 
 logger = logging.getLogger(__name__)
@@ -452,5 +452,10 @@ class EngineClient:
             except Exception as e:
                 self._mark_unhealthy(slot, e)
 
-        await asyncio.gather(*(probe(s) for s in self._slots))
+        async def probe_all() -> None:
+            await asyncio.gather(*(probe(s) for s in self._slots))
+
+        # (To its end even if the /health client leaves: a probe cancelled with it would mark its
+        # engine unhealthy.)
+        await run_to_completion(probe_all())
         return self.healthy()

@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -92,6 +92,9 @@ class APIError(Exception):
 
 # The longest X-Request-Id taken into an answer's id (a longer one is cut).
 MAX_EXTERNAL_ID_LEN = 128
+# A LoRA adapter load or unload on one engine: beyond it the engine is taken as not answering (the
+# change is undone on the engines asked), so the router's one-at-a-time adapter lock is never held for good.
+LORA_CALL_TIMEOUT_S = 120.0
 
 
 def answer_ids(prefix: str, external_id: str | None) -> tuple[str, str]:
@@ -345,7 +348,7 @@ class OpenAIServing:
         # unknown name is looked up there (``list_loras``) before it is refused, so adapters loaded
         # through another replica are found.
         self.lora_adapters: dict[str, LoRARequest] = {}
-        self.list_loras: Callable[[], Awaitable[list[LoRARequest]]] | None = None
+        self.list_loras: Callable[[], Coroutine[Any, Any, list[LoRARequest]]] | None = None
         self._shadowed_loras: set[str] = set()  # (warned about once)
         self._token_texts: dict[int, str] = {}  # (at most one entry per token of the vocabulary)
 
@@ -365,7 +368,9 @@ class OpenAIServing:
 
     async def refresh_loras(self) -> None:
         if self.list_loras is not None:
-            loras = {lora.lora_name: lora for lora in await self.list_loras()}
+            # (To its end even if the client leaves: an engine's answer cancelled with it would
+            # leave its adapters out of those every request sees.)
+            loras = {lora.lora_name: lora for lora in await run_to_completion(self.list_loras())}
             for name in self.settings.served_names:
                 # (An adapter loaded at runtime before a redeploy gave the model this name: the name
                 # now means the model, and the adapter cannot be reached by it.)
@@ -382,17 +387,19 @@ class OpenAIServing:
         if name in self.settings.served_names or name in self.lora_adapters:
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         lora = LoRARequest(name, new_dynamic_lora_id(), path)
-        loaded: list[int] = []
+        asked: list[int] = []  # (one that timed out may load it still: undone too)
         try:
             # (An engine started later, by the autoscaler, is given it when a request needs it there.)
             for engine in self.client.present():
-                await self.client.handle(engine).add_lora.remote(lora)
-                loaded.append(engine)
+                asked.append(engine)
+                await asyncio.wait_for(self.client.handle(engine).add_lora.remote(lora), LORA_CALL_TIMEOUT_S)
         except Exception as e:
-            for engine in loaded:
+            for engine in asked:
                 with contextlib.suppress(Exception):
-                    await self.client.handle(engine).remove_lora.remote(lora.lora_int_id)
-            raise bad_request(f"Failed to load the lora adapter '{name}': {_remote_message(e)}", "lora_path") from e
+                    await asyncio.wait_for(self.client.handle(engine).remove_lora.remote(lora.lora_int_id),
+                                           LORA_CALL_TIMEOUT_S)
+            why = _lora_call_failure(e, asked[-1])
+            raise bad_request(f"Failed to load the lora adapter '{name}': {why}", "lora_path") from e
         self.lora_adapters[name] = lora
         return lora
 
@@ -403,22 +410,23 @@ class OpenAIServing:
         lora = self.lora_adapters.get(name)
         if lora is None:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")
-        handles = [self.client.handle(engine) for engine in self.client.present()]
+        engines = self.client.present()
+        handles = [self.client.handle(engine) for engine in engines]
         users = sum([await h.lora_users.remote(lora.lora_int_id) for h in handles])
         if users:
             raise bad_request(f"The lora adapter '{name}' is in use by {users} requests; unload it once they "
                               "finish.", "lora_name")
-        removed = []
+        asked = []
         try:
             for handle in handles:
-                await handle.remove_lora.remote(lora.lora_int_id)
-                removed.append(handle)
-        except Exception as e:  # (a request arrived since the check)
-            for handle in removed:
+                asked.append(handle)
+                await asyncio.wait_for(handle.remove_lora.remote(lora.lora_int_id), LORA_CALL_TIMEOUT_S)
+        except Exception as e:  # (a request arrived since the check, or an engine did not answer)
+            for handle in asked:
                 with contextlib.suppress(Exception):
-                    await handle.add_lora.remote(lora)
-            raise bad_request(f"Failed to unload the lora adapter '{name}': {_remote_message(e)}",
-                              "lora_name") from e
+                    await asyncio.wait_for(handle.add_lora.remote(lora), LORA_CALL_TIMEOUT_S)
+            why = _lora_call_failure(e, engines[len(asked) - 1])
+            raise bad_request(f"Failed to unload the lora adapter '{name}': {why}", "lora_name") from e
         self.lora_adapters.pop(name, None)
 
     # -- operators' endpoints (--server-dev-mode): every engine of this model at once ------------------
@@ -1530,10 +1538,17 @@ def new_dynamic_lora_id() -> int:
     return (1 << 32) + secrets.randbits(56)
 
 
+def _lora_call_failure(error: BaseException, engine: int) -> str:
+    if isinstance(error, TimeoutError):
+        return f"engine {engine} did not answer within {LORA_CALL_TIMEOUT_S:g} s"
+    return _remote_message(error)
+
+
 def _remote_message(error: BaseException) -> str:
     """The message of an error raised inside an engine actor, without Ray's traceback wrapper."""
     cause = getattr(error, "cause", None)
-    return str(cause if cause is not None else error).strip().splitlines()[-1]
+    text = str(cause if cause is not None else error).strip()
+    return text.splitlines()[-1] if text else type(cause or error).__name__
 
 
 def unknown_model(model: str) -> APIError:
