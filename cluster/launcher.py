@@ -20,7 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine_core.config import EngineConfig
-from engine_core.engine_actor import EngineCoreActor, EngineDescription, pause_record_key
+from engine_core.engine_actor import EngineCoreActor, EngineDescription, named_actor, pause_record_key
 from engine_core.log_setup import logging_runtime_env
 
 logger = logging.getLogger(__name__)
@@ -221,13 +221,6 @@ def start_engines(configs: list[EngineConfig], namespace: str, detached: bool = 
         stop_engines(handles)
         raise
     return handles
-
-
-def named_actor(name: str, namespace: str) -> Any | None:
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
 
 
 def stop_named_engine(name: str, namespace: str) -> None:

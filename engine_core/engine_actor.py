@@ -567,6 +567,16 @@ def engine_host() -> str:
     return ray.util.get_node_ip_address()
 
 
+def named_actor(name: str, namespace: str) -> Any | None:
+    """The actor of that name in that namespace (an engine, the autoscaler); None when there is none."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
 def pause_record_key(namespace: str, name: str) -> str:
     """Where the engine actor ``name`` records that it is paused, in Ray's key-value store (which
     outlives the actor): a restarted actor reads it and comes back paused; a new one starts clear."""

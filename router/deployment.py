@@ -16,6 +16,7 @@ import ray
 from ray import serve
 from transformers import AutoTokenizer
 
+from engine_core.engine_actor import named_actor
 from engine_core.log_setup import configure_actor_logging
 from engine_core.outputs import LoRARequest
 from engine_core.tokenizer_files import write_tokenizer_files
@@ -141,7 +142,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     names, namespace = config.engine_actor_names, config.namespace
     # (With engine autoscaling, slots beyond the engines running now are empty: None, found by name
     # once the autoscaler starts an engine there.)
-    handles = [await asyncio.to_thread(_named_actor, name, namespace) for name in names]
+    handles = [await asyncio.to_thread(named_actor, name, namespace) for name in names]
     running = [h for h in handles if h is not None]
     if not running:
         raise RuntimeError(f"none of the engines {names} runs in namespace {namespace!r}")
@@ -153,7 +154,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     # Each replica is a distinct client of every engine.
     client_index = random.getrandbits(31) if client_index is None else client_index
     client = EngineClient(handles, client_index,
-                          resolve_handle=lambda i: _named_actor(names[i], namespace))
+                          resolve_handle=lambda i: named_actor(names[i], namespace))
     settings = serving_settings(config, descriptions)
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin,
@@ -174,13 +175,6 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         serving.list_loras = lambda: engine_loras(client)
         await serving.refresh_loras()
     return serving, client
-
-
-def _named_actor(name: str, namespace: str) -> Any | None:
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
 
 
 async def engine_loras(client: EngineClient, timeout_s: float = 5.0) -> list[LoRARequest]:
