@@ -445,18 +445,24 @@ def serve_command(args: argparse.Namespace) -> int:
     from cluster.app import APP_NAME, run_router, start_cluster, stop_cluster, stop_router_helpers
     from cluster.launcher import InsufficientResourcesError, check_local_capacity, ensure_ray
 
-    started_local = ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
-    if started_local:  # our own one-node Ray: nothing will ever add resources to it
-        try:
+    try:
+        started_local = ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
+        if started_local:  # our own one-node Ray: nothing will ever add resources to it
             check_local_capacity(config.engine_slot_configs())  # (autoscaled: all max_engines)
-        except InsufficientResourcesError as e:
-            print(f"llm-cluster: {e}", file=sys.stderr)
-            ray.shutdown()
-            return 2
+    except InsufficientResourcesError as e:
+        print(f"llm-cluster: {e}", file=sys.stderr)
+        ray.shutdown()
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C while Ray starts
+        print("llm-cluster: interrupted while starting; shutting down", flush=True)
+        ray.shutdown()
+        return 130
     stop = threading.Event()
     engines = []
+    interrupted = router_started = False
     try:
         engines = start_cluster(config)
+        router_started = True
         run_router(config)
         # Installed after Ray and Serve started, so theirs do not replace ours.
         signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -469,16 +475,26 @@ def serve_command(args: argparse.Namespace) -> int:
               f"http://{config.host}:{config.port}/v1  (Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):
             pass
+    except KeyboardInterrupt:  # Ctrl-C while starting: what started is stopped below, without a traceback
+        interrupted = True
     finally:
-        print("llm-cluster: shutting down", flush=True)
+        # Ctrl-C again while stopping: leave at once (this process's engines and local Ray die with it).
+        signal.signal(signal.SIGINT, _exit_now)
+        print("llm-cluster: interrupted while starting; shutting down" if interrupted
+              else "llm-cluster: shutting down", flush=True)
         try:
-            # Only our application: on a shared cluster (--address) other Serve apps keep running.
-            serve.delete(APP_NAME)
+            if router_started:  # Only our application: on a shared cluster (--address) other Serve apps keep running.
+                serve.delete(APP_NAME)
         finally:
             stop_cluster(config, engines)
             stop_router_helpers(config.namespace)
             ray.shutdown()
-    return 0
+    return 130 if interrupted else 0  # (the shell's status for a command stopped by Ctrl-C)
+
+
+def _exit_now(*_: object) -> None:
+    print("llm-cluster: interrupted again: exiting without finishing the shutdown", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def main(argv: list[str] | None = None) -> int:
