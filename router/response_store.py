@@ -60,6 +60,11 @@ class _Entry:
     response: dict[str, Any]
     previous_id: str | None
     input_items: list[dict[str, Any]]  # this turn's input (its output items are the response's)
+    # The store's number for this entry, and the number of the previous response's when it was put:
+    # a chain whose response was deleted and whose id was then given to a new response (a client's
+    # request_id) ends there, rather than going on through the new one.
+    serial: int = 0
+    previous_serial: int | None = None
     # A streamed background response's SSE events (index = sequence number), None for the others
     # (and once dropped for the budget: ``events_dropped``).
     events: list[str] | None = None
@@ -97,6 +102,7 @@ class ResponseStore:
         self.max_entries = max_entries
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._event_bytes = 0  # of every entry's events
+        self._serials = 0
 
     def set_max_entries(self, max_entries: int) -> None:
         """The latest deployment's limit applies (the actor outlives the replicas that made it)."""
@@ -106,14 +112,19 @@ class ResponseStore:
         self._forget_beyond_limit()
 
     def put(self, response: dict[str, Any], previous_id: str | None, input_items: list[dict[str, Any]],
-            streamed: bool = False) -> None:
-        """``streamed``: a background response whose events are kept (``append_events``)."""
-        replaced = self._entries.get(response["id"])
-        if replaced is not None:
-            self._gone(replaced)
-        self._entries[response["id"]] = _Entry(response, previous_id, input_items, [] if streamed else None)
-        self._entries.move_to_end(response["id"])
+            streamed: bool = False) -> bool:
+        """Keep a new response; False (and nothing kept) when the store holds one of that id already
+        (two requests named by one request_id). ``streamed``: a background response whose events are
+        kept (``append_events``)."""
+        if response["id"] in self._entries:
+            return False
+        previous = self._entries.get(previous_id) if previous_id is not None else None
+        self._serials += 1
+        self._entries[response["id"]] = _Entry(response, previous_id, input_items, events=[] if streamed else None,
+                                               serial=self._serials,
+                                               previous_serial=previous.serial if previous is not None else None)
         self._forget_beyond_limit()
+        return True
 
     def _forget_beyond_limit(self) -> None:
         while len(self._entries) > self.max_entries:
@@ -221,20 +232,24 @@ class ResponseStore:
         """``conversation``, and the status of ``response_id`` (the response a new turn continues)."""
         return self._walk(response_id)
 
-    def _walk(self, response_id: str) -> tuple[tuple[list[dict[str, Any]] | None, str | None], str | None]:
+    def _walk(self, response_id: str, serial: int | None = None
+              ) -> tuple[tuple[list[dict[str, Any]] | None, str | None], str | None]:
+        """The conversation up to ``response_id`` (which, given ``serial``, must be that entry: a
+        link of a chain), and its status."""
         head = self._entries.get(response_id)
         status = None if head is None else head.response.get("status")
         turns = []
-        seen = set()
         next_id: str | None = response_id
-        while next_id is not None and next_id not in seen:
+        while next_id is not None:
             entry = self._entries.get(next_id)
-            if entry is None:
-                return (None, next_id), status
-            seen.add(next_id)
+            if entry is None or (serial is not None and entry.serial != serial):
+                return (None, next_id), status  # (forgotten, deleted, or its id since given to another)
             self._entries.move_to_end(next_id)
             turns.append([*entry.input_items, *replayable_output(entry.response)])
-            next_id = entry.previous_id
+            # (Serials only decrease along a chain, so it cannot loop.)
+            next_id, serial = entry.previous_id, entry.previous_serial
+            if next_id is not None and serial is None:
+                return (None, next_id), status  # (not held when this one was put)
         return ([item for turn in reversed(turns) for item in turn], None), status
 
     def input_items(self, response_id: str) -> tuple[list[dict[str, Any]] | None, str | None]:
@@ -246,7 +261,7 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         earlier: list[dict[str, Any]] | None = []
         if entry.previous_id is not None:
-            earlier, missing_id = self.conversation(entry.previous_id)
+            (earlier, missing_id), _ = self._walk(entry.previous_id, entry.previous_serial)
             if earlier is None:
                 return None, missing_id
         return [*earlier, *entry.input_items], None
@@ -263,10 +278,13 @@ class AsyncResponseStore:
         raise NotImplementedError
 
     async def put(self, response: dict[str, Any], previous_id: str | None,
-                  input_items: list[dict[str, Any]], streamed: bool = False) -> None:
+                  input_items: list[dict[str, Any]], streamed: bool = False) -> bool:
+        """False when the store holds a response of that id already (nothing is kept)."""
         # (``streamed`` only when set: a store actor started by an earlier build takes three arguments,
-        # and serves everything but streamed background responses, which need the store restarted.)
-        await self._call("put", response, previous_id, input_items, *([True] if streamed else []))
+        # and serves everything but streamed background responses, which need the store restarted;
+        # it answers None, and replaces a response of the same id.)
+        kept = await self._call("put", response, previous_id, input_items, *([True] if streamed else []))
+        return kept is not False
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
         return await self._call("get", response_id)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +38,7 @@ from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_i
 from router.response_store import UNFINISHED, EventsPage, MissingResponseError
 from router.serving import (
     DEFAULTED_SAMPLING_FIELDS,
+    MAX_EXTERNAL_ID_LEN,
     APIError,
     SSEStream,
     _StreamError,
@@ -126,6 +128,10 @@ class ResponsesRequest(BaseModel):
                           "this server has nothing for them).")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With message.output_text.logprobs included: "
                                                                      "the best alternatives of each token.")
+    request_id: str | None = Field(
+        None, min_length=1, max_length=MAX_EXTERNAL_ID_LEN, pattern=r"^[A-Za-z0-9._:-]+$",
+        description="vLLM extra: the response's id (as GET /v1/responses/{id} names it; a new resp_ id by "
+                    "default). A stored response's id is its own: a second stored with it is refused.")
 
     @property
     def output_logprobs(self) -> bool:
@@ -569,26 +575,36 @@ class ResponsesServing:
         if request.background and not storing:
             raise bad_request("a background response is read back from the response store: start the server "
                               "with --enable-responses-store, and leave store true", "background")
-        run = await self.serving.start_chat_as(chat, session_id, f"resp_{uuid.uuid4().hex}", _CHAT_ERROR_PARAM)
-        base = {"id": run.request_id, "object": "response", "created_at": run.created,
+        response_id = request.request_id or f"resp_{uuid.uuid4().hex}"
+        if request.request_id is not None and storing and not request.background \
+                and await self._ask_store("get", response_id) is not None:
+            raise _id_taken(response_id)  # (a background one is refused by its put, before it starts)
+        await self.serving.resolve_model(request.model)  # (an unknown model is a 404 first)
+        base = {"id": response_id, "object": "response", "created_at": int(time.time()),
                 "model": self.serving.model_name(request.model), "error": None, "incomplete_details": None,
                 "output": [], "usage": None,
                 **request.echo_fields(storing, self.serving.defaulted_sampling(chat))}
+        if request.background:
+            return await self._start_background(base, chat, session_id, request, history)
+        # (A client's id may name two requests at once: their engine requests' ids add a random part.)
+        engine_base = response_id if request.request_id is None else f"{response_id}-{secrets.token_hex(4)}"
+        run = await self.serving.start_chat_as(chat, session_id, response_id, _CHAT_ERROR_PARAM, engine_base)
 
         async def keep(final: dict[str, Any]) -> bool:
             # Stored before the client hears of it, so a follow-up through any replica finds it.
             if not storing or final["status"] == "failed":
                 return True
             try:
-                await self.store.put(final, request.previous_response_id,  # type: ignore[union-attr]
-                                     request.stored_input_items(history))
+                kept = await self.store.put(final, request.previous_response_id,  # type: ignore[union-attr]
+                                            request.stored_input_items(history))
+                if not kept:  # (another request named by the same request_id was stored meanwhile)
+                    logger.warning("response %s was not stored: the store holds another of that id", final["id"])
+                    final["store"] = False
             except Exception as e:  # the answer stands; only its storing failed, and it says so
                 logger.warning("could not store response %s: %s", final["id"], e)
                 final["store"] = False
             return True
 
-        if request.background:
-            return await self._start_background(base, run, request, history)
         if request.stream:
             return SSEStream(self._stream(base, run, keep, request.output_logprobs), run.streams)
         final = await self._answer(base, run, request.output_logprobs)
@@ -612,8 +628,9 @@ class ResponsesServing:
             items.add(parsed_whole(run.choices[0]))
         return self._final(base, run, items)
 
-    async def _start_background(self, base: dict[str, Any], run: ChatRun, request: ResponsesRequest,
-                                history: list[dict[str, Any]] | None) -> dict[str, Any]:
+    async def _start_background(self, base: dict[str, Any], chat: ChatCompletionRequest, session_id: str | None,
+                                request: ResponsesRequest, history: list[dict[str, Any]] | None
+                                ) -> dict[str, Any] | SSEStream:
         """OpenAI's background mode: the response is stored ``queued`` and returned at once; this
         replica generates it on its own (``in_progress``, then its end) while the client polls GET
         /v1/responses/{id} through any replica, or cancels it (POST .../cancel). Streamed (``stream``
@@ -623,11 +640,16 @@ class ResponsesServing:
         input_items = request.stored_input_items(history)
         queued = base | {"status": "queued"}
         streamed = bool(request.stream)
+        # Stored before it starts (nobody could read back one the store refused), which also
+        # reserves its id: its engine requests are named by it, as a cancel through any replica
+        # names them.
+        if not await self._ask_store("put", queued, request.previous_response_id, input_items, streamed):
+            raise _id_taken(base["id"])
         try:
-            await self._ask_store("put", queued, request.previous_response_id, input_items, streamed)
-        except APIError:
-            for stream in run.streams:
-                await stream.close()  # (nobody could read it back: do not generate it)
+            run = await self.serving.start_chat_as(chat, session_id, base["id"], _CHAT_ERROR_PARAM)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.store.delete(base["id"])  # type: ignore[union-attr]
             raise
 
         def failed(message: str) -> dict[str, Any]:
@@ -896,6 +918,11 @@ class _EventRecorder:
 def sse_event(type_: str, sequence: int, **fields: Any) -> str:
     """One Responses API stream event, numbered."""
     return named_sse_event({"type": type_, "sequence_number": sequence, **fields})
+
+
+def _id_taken(response_id: str) -> APIError:
+    return bad_request(f"request_id {response_id!r} is the id of a stored response already: give each "
+                       "response an id of its own", "request_id")
 
 
 def _not_found(response_id: str, param: str, storing: bool) -> APIError:

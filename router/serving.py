@@ -1072,7 +1072,8 @@ class OpenAIServing:
                                       prompt_token_ids=ids if request.return_token_ids else None)
 
     async def start_chat(self, request: ChatCompletionRequest, session_id: str | None = None,
-                         request_id: str | None = None, external_id: str | None = None) -> ChatRun:
+                         request_id: str | None = None, external_id: str | None = None,
+                         engine_base: str | None = None) -> ChatRun:
         """Render, route and send a chat request's choices to their engine; what comes back is read
         with ``finish_chat`` (whole) or ``choice_events`` (streamed). Also the Responses API's way in.
         With beam search, the whole search runs here, and the choices come back complete."""
@@ -1088,7 +1089,7 @@ class OpenAIServing:
         ids = self.truncate_prompt(self.render_chat(request), request)
         if request_id is None:
             request_id, engine_base = answer_ids("chatcmpl", external_id)
-        else:
+        elif engine_base is None:
             engine_base = request_id
         created = int(time.time())
         thinks = self.settings.reasoning_parser is not None and not self._prompt_closed_thinking(ids)
@@ -1118,11 +1119,12 @@ class OpenAIServing:
         return ChatRun(request_id, created, ids, choices, streams)
 
     async def start_chat_as(self, request: ChatCompletionRequest, session_id: str | None, request_id: str,
-                            param_names: dict[str, str]) -> ChatRun:
+                            param_names: dict[str, str], engine_base: str | None = None) -> ChatRun:
         """``start_chat`` for another API (Responses, Anthropic's Messages): its refusals name that
-        API's parameters (``param_names``: chat names to its own; ``max_tokens`` in messages too)."""
+        API's parameters (``param_names``: chat names to its own; ``max_tokens`` in messages too).
+        ``engine_base``: its engine requests' ids start with it (by default ``request_id``)."""
         try:
-            return await self.start_chat(request, session_id, request_id=request_id)
+            return await self.start_chat(request, session_id, request_id=request_id, engine_base=engine_base)
         except APIError as e:
             if e.param in param_names:
                 e.param = param_names[e.param]

@@ -798,8 +798,9 @@ def test_pause_aborts_streams_holds_new_requests_and_resume_serves_them(cluster)
 
 def test_a_background_response_runs_on_its_replica_and_is_cancelled_through_another(cluster, client):
     """Background responses on real engines: one completes and is read back through another router
-    app; one held in a frozen engine (pause, mode keep) is cancelled through another app, whose
-    engines tell the replica generating it: it stays cancelled, and the engines end up idle."""
+    app; one held in a frozen engine (pause, mode keep), named by a client's request_id, is cancelled
+    through another app, whose engines tell the replica generating it: it stays cancelled, and the
+    engines end up idle."""
     other = openai.OpenAI(base_url=f"{cluster['base']}/prefix/v1", api_key="unused", max_retries=0, timeout=60)
     done = client.responses.create(model="tiny", input="Hello", max_output_tokens=6, background=True)
     assert done.status == "queued"
@@ -811,7 +812,10 @@ def test_a_background_response_runs_on_its_replica_and_is_cancelled_through_anot
     base = f"{cluster['base']}/prefix2"
     try:
         assert httpx.post(f"{base}/pause?mode=keep").json() == {"status": "paused"}
-        held = client.responses.create(model="tiny", input="Paris is", max_output_tokens=50, background=True)
+        # (Named by a client's request_id: the cancel through another app finds its engine request.)
+        held = client.responses.create(model="tiny", input="Paris is", max_output_tokens=50, background=True,
+                                       extra_body={"request_id": f"held-{time.monotonic_ns()}"})
+        assert held.id.startswith("held-")
         deadline = time.monotonic() + 30
         while sum(s.num_unfinished_requests for s in _stats(cluster)) == 0:  # it reached an engine
             assert time.monotonic() < deadline

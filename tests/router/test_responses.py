@@ -321,6 +321,60 @@ def test_stored_responses_are_retrieved_deleted_and_continued():
     assert len(engine.requests) == 4
 
 
+def test_a_request_id_names_the_response_and_a_stored_one_is_its_own():
+    """vLLM's request_id: the response's id. Its engine request adds a random part (a client's id
+    may name two requests at once); once a response of that id is stored, another is refused
+    before it runs; not stored, one id may name many."""
+    http, engine, _, store = _stored_app(["Hello.", "Again.", "Third.", "Fourth."])
+    client = _client(http)
+    named = client.responses.create(model="tiny", input="hi", extra_body={"request_id": "order-42"})
+    assert named.id == "order-42" and client.responses.retrieve("order-42").output_text == "Hello."
+    assert engine.requests[0].request_id.startswith("order-42-") and engine.requests[0].request_id != "order-42-0"
+    r = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "request_id": "order-42"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id" and len(engine.requests) == 1
+    unstored = [client.responses.create(model="tiny", input="hi", store=False, extra_body={"request_id": "x"})
+                for _ in range(2)]
+    assert [u.id for u in unstored] == ["x", "x"] and engine.requests[1].request_id != engine.requests[2].request_id
+    assert store.store.get("x") is None
+
+
+@pytest.mark.parametrize("request_id", ["", "has space", "a/b", "x" * 129])
+def test_a_request_id_that_cannot_name_a_response_is_refused(request_id):
+    http, engine, _, _ = _stored_app(["Hello."])
+    r = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "request_id": request_id})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id" and engine.requests == []
+
+
+def test_a_conversation_through_a_deleted_response_does_not_go_on_through_a_new_one_of_its_id():
+    """A chain whose response was deleted ends there, even once a client's request_id gives its id
+    to a new response: the chain is not spliced into another conversation."""
+    http, engine, _, _ = _stored_app(["Hello Ada.", "Your name is Ada.", "Hello Bob."])
+    client = _client(http)
+    client.responses.create(model="tiny", input="My name is Ada.", extra_body={"request_id": "turn-1"})
+    second = client.responses.create(model="tiny", input="Name?", previous_response_id="turn-1")
+    http.delete("/v1/responses/turn-1")
+    client.responses.create(model="tiny", input="My name is Bob.", extra_body={"request_id": "turn-1"})
+    r = http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": second.id})
+    assert r.status_code == 404 and "turn-1" in r.json()["error"]["message"] and len(engine.requests) == 3
+    assert http.get(f"/v1/responses/{second.id}/input_items").status_code == 404
+
+
+def test_the_store_keeps_the_first_response_of_an_id_and_chains_by_entry_not_by_id():
+    store = ResponseStore()
+    assert store.put({"id": "a", "n": 1}, None, [{"id": "1"}])
+    assert not store.put({"id": "a", "n": 2}, None, [])
+    assert store.get("a") == {"id": "a", "n": 1}
+    assert store.put({"id": "b"}, "a", [{"id": "2"}])
+    assert store.conversation("b") == ([{"id": "1"}, {"id": "2"}], None)
+    store.delete("a")
+    assert store.put({"id": "a", "n": 3}, None, [{"id": "3"}])
+    assert store.conversation("b") == (None, "a") and store.input_items("b") == (None, "a")
+    assert store.conversation("a") == ([{"id": "3"}], None)
+    # A response put while the one it continued was not held cannot be continued either.
+    assert store.put({"id": "c"}, "gone", [])
+    assert store.conversation("c") == (None, "gone")
+
+
 def test_a_response_asked_not_to_be_stored_is_not_kept():
     http, engine, _, store = _stored_app(["Fine."])
     unstored = _client(http).responses.create(model="tiny", input="hi", store=False)
@@ -513,6 +567,31 @@ def test_a_background_response_is_queued_generated_and_read_back():
         # Not streamed, it has no events to stream again.
         r = http.get(f"/v1/responses/{queued.id}?stream=true")
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+def test_a_background_response_named_by_a_request_id_reserves_it_before_it_runs():
+    """Background with request_id: stored queued under it before its engine request starts, which
+    is named by it (as a cancel through any replica names it); a second with that id is refused
+    without an engine request; one whose start fails leaves no entry behind."""
+    import time
+
+    _, engine, serving, store = _stored_app(["Background answer."])
+    with TestClient(create_app(serving, response_store=store)) as http:
+        client = _client(http)
+        queued = client.responses.create(model="tiny", input="hi", background=True, extra_body={"request_id": "bg-7"})
+        assert queued.id == "bg-7"
+        deadline = time.monotonic() + 10
+        while client.responses.retrieve("bg-7").status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert [r.request_id for r in engine.requests] == ["bg-7-0"]  # (choice_request_id("bg-7", 0))
+        again = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "background": True,
+                                                 "request_id": "bg-7"})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "request_id"
+        too_long = http.post("/v1/responses", json={"model": "tiny", "input": "hi " * 400, "background": True,
+                                                    "request_id": "bg-8"})
+        assert too_long.status_code == 400 and store.store.get("bg-8") is None
+        assert len(engine.requests) == 1
 
 
 def test_the_store_keeps_a_cancel_or_delete_over_a_background_responses_later_progress():
