@@ -40,6 +40,8 @@ _EMPTY_MODEL_OUTPUT = ModelRunnerOutput([], {}, [])
 # The most prompt logprobs (alternatives and scored tokens) one request may ask for: they travel as one
 # output, which must fit a request-channel frame (256 MiB; about 14 bytes a value).
 MAX_PROMPT_LOGPROB_VALUES = 8 * 1024 * 1024
+# float16's largest finite value (torch.finfo(torch.float16).max).
+FLOAT16_MAX = 65504.0
 
 
 class RequestRefusedError(ValueError):
@@ -308,6 +310,12 @@ class EngineCore:
         if embeds.num_tokens != len(request.prompt_token_ids):
             raise RequestRefusedError(f"a prompt of {embeds.num_tokens} embeddings needs as many placeholder token "
                                       f"ids, not {len(request.prompt_token_ids)}")
+        if self.model_info.dtype == "float16" and embeds.dtype != "float16":
+            # (Cast to the model's dtype, a value beyond float16's range would run as infinity.)
+            largest = float(embeds.to_tensor().abs().max())
+            if largest > FLOAT16_MAX:
+                raise RequestRefusedError(f"{name} runs in float16, whose largest value is {FLOAT16_MAX:g}: its "
+                                          f"prompt embeddings cannot hold {largest:g}")
         params = request.sampling_params
         for refused, what in ((params.embed, "embeddings (pooling)"), (params.prompt_logprobs is not None,
                                                                         "prompt logprobs"),

@@ -155,6 +155,8 @@ class ModelInfo:
     encoder_only: bool = False
     # Whether it generates, and how it pools embeddings and classes.
     pooling: PoolingInfo = field(default_factory=PoolingInfo)
+    # What the workers run: the model's dtype (float32, bfloat16, ...) and the device type (once
+    # they are loaded: "auto" resolves on the workers' own machine).
     dtype: str = "float32"
     device: str = "cpu"
     # The sampling parameters a request gets for those it leaves unset (--generation-config):

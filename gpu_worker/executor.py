@@ -254,6 +254,10 @@ class _ExecutorBase(Executor):
     def model_info(self) -> ModelInfo:
         return self._info
 
+    def _note_workers(self, dtype: Any, device: str) -> None:
+        """What the loaded workers run on: the model's dtype and the device type (``auto`` resolved)."""
+        self._info = dataclasses.replace(self._info, dtype=str(dtype).removeprefix("torch."), device=device)
+
     def scheduler_config(self) -> SchedulerConfig:
         return self.config.scheduler
 
@@ -273,6 +277,7 @@ class UniProcExecutor(_ExecutorBase):
         self._num_cpus = max(1, int(config.num_cpus_per_worker)) if _in_ray_actor() else None
         self._worker_cls = Worker
         self.worker = self._new_worker()
+        self._note_workers(self.worker.dtype, self.worker.device.type)
 
     def _new_worker(self):
         worker = self._worker_cls(rank=0, world_size=1, **_worker_kwargs(self.config, self.model_dir,
@@ -387,6 +392,7 @@ class RayWorkerGroupExecutor(_ExecutorBase):
             master_port = ray.get(workers[0].__ray_call__.remote(lambda _self: _free_port()))
             ray.get([w.init_distributed.remote(master_addr, master_port) for w in workers])
         ray.get([w.load_model.remote() for w in workers])
+        self._note_workers(*ray.get(workers[0].__ray_call__.remote(lambda w: (str(w.dtype), w.device.type))))
         for lora in self._loras.values():
             ray.get([w.add_lora.remote(lora) for w in workers])
 

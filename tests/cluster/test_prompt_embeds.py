@@ -171,6 +171,24 @@ def test_what_a_prompt_given_as_embeddings_cannot_do_is_refused(tiny_model_dir, 
         LLM(model=str(build_tiny_bert(tmp_path / "bert")), enable_prompt_embeds=True)
 
 
+def test_prompt_embeddings_beyond_float16_are_refused_by_a_float16_model(tiny_model_dir):
+    """A float16 model would run rows beyond float16's range as infinities: such a prompt is refused
+    (float16 rows, and float32 rows within the range, run)."""
+    rows = _embeddings(tiny_model_dir, [6])[0]
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=16, max_model_len=64, enable_prompt_embeds=True,
+              dtype="float16")
+    try:
+        big = rows.clone()
+        big[2, 5] = 1e5
+        with pytest.raises(RequestRefusedError, match="runs in float16, whose largest value is 65504"):
+            llm.generate({"prompt_embeds": big}, params, use_tqdm=False)
+        for fine in (rows, rows.to(torch.float16)):
+            assert len(llm.generate({"prompt_embeds": fine}, params, use_tqdm=False)[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
+
+
 def _beam_params():
     from cluster import BeamSearchParams
 
