@@ -28,7 +28,7 @@ from cluster.launcher import (
 )
 from engine_core.log_setup import logging_runtime_env
 from router.deployment import METRICS_HUB_NAME, OpenAIRouter, RouterConfig
-from router.response_store import RESPONSE_STORE_NAME
+from router.response_store import EARLIER_RESPONSE_STORE_NAMES, RESPONSE_STORE_NAME
 from router.serving import CORSSettings
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def stop_router_helpers(namespace: str) -> list[str]:
     """Stop the detached actors the router replicas share (the metrics hub, the responses store):
     they outlive the replicas, on purpose, until the application stops."""
     stopped = []
-    for name in (METRICS_HUB_NAME, RESPONSE_STORE_NAME):
+    for name in (METRICS_HUB_NAME, RESPONSE_STORE_NAME, *EARLIER_RESPONSE_STORE_NAMES):
         actor = named_actor(name, namespace)
         if actor is not None:
             with contextlib.suppress(Exception):

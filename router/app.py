@@ -50,7 +50,7 @@ from router.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from router.request_timeline import RequestTimeline, current_timeline
-from router.response_store import UNFINISHED
+from router.response_store import UNFINISHED, Stopped
 from router.responses import ResponsesRequest, ResponsesServing
 from router.scoring import SCORING_PATHS, RerankRequest, ScoreRequest, ScoringServing, check_scores
 from router.server_load import ServerLoad, ServerLoadTracker
@@ -291,20 +291,20 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
                                    order: Literal["asc", "desc"] = "desc") -> Response:
         return JSONResponse(await responses.input_items(response_id, after, before, limit, order))
 
-    async def drop_background(stopped: dict[str, Any]) -> None:
+    async def drop_background(stopped: Stopped) -> None:
         """The engines of a stopped background response's model drop its request."""
         try:
-            owners = [responses_of[id(await servings.for_model(stopped["model"]))]]
+            owners = [responses_of[id(await servings.for_model(stopped.response["model"]))]]
         except APIError:  # (an adapter unloaded since: ask every model's engines)
             owners = list(responses_of.values())
         for owner in owners:
-            await owner.drop_background(stopped["id"])
+            await owner.drop_background(stopped)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
         async def delete_and_drop() -> None:
             deleted = await responses.delete(response_id)
-            if deleted.get("status") in UNFINISHED:  # (a background one: nobody will read it)
+            if deleted.response.get("status") in UNFINISHED:  # (a background one: nobody will read it)
                 await drop_background(deleted)
 
         await run_to_completion(delete_and_drop())  # (both, even if this client leaves)
@@ -315,7 +315,7 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         async def cancel_and_drop() -> dict[str, Any]:
             cancelled = await responses.cancel(response_id)
             await drop_background(cancelled)
-            return cancelled
+            return cancelled.response
 
         return JSONResponse(await run_to_completion(cancel_and_drop()))  # (both, even if this client leaves)
 

@@ -25,7 +25,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-RESPONSE_STORE_NAME = "llm-cluster-responses"
+# (Versioned: the store outlives deployments, and a build whose calls differ gets a store of its own.)
+RESPONSE_STORE_NAME = "llm-cluster-responses-2"
+# The names earlier builds gave it (``llm-cluster stop`` removes those too).
+EARLIER_RESPONSE_STORE_NAMES = ("llm-cluster-responses",)
 # The text of streamed background responses' events the store keeps: beyond it, the events of the
 # least recently used ended streams are dropped (their responses stay). Streams still running are
 # never dropped, so they alone may go beyond it.
@@ -47,6 +50,15 @@ class EventsPage:
     state: str = "ok"
 
 
+@dataclass
+class Stopped:
+    """A background response a cancel or delete stopped (or any deleted response), and the base id
+    of its engine requests (None for a response that had none of its own)."""
+
+    response: dict[str, Any]
+    engine_base: str | None = None
+
+
 class MissingResponseError(KeyError):
     """A response id the store does not hold (never stored, deleted, or forgotten)."""
 
@@ -65,6 +77,9 @@ class _Entry:
     # request_id) ends there, rather than going on through the new one.
     serial: int = 0
     previous_serial: int | None = None
+    # A background response's engine requests' base id (their ids are it plus "-<choice>"), which a
+    # cancel or delete through any replica aborts.
+    engine_base: str | None = None
     # A streamed background response's SSE events (index = sequence number), None for the others
     # (and once dropped for the budget: ``events_dropped``).
     events: list[str] | None = None
@@ -112,19 +127,28 @@ class ResponseStore:
         self._forget_beyond_limit()
 
     def put(self, response: dict[str, Any], previous_id: str | None, input_items: list[dict[str, Any]],
-            streamed: bool = False) -> bool:
-        """Keep a new response; False (and nothing kept) when the store holds one of that id already
-        (two requests named by one request_id). ``streamed``: a background response whose events are
-        kept (``append_events``)."""
+            streamed: bool = False, previous_serial: int | None = None, engine_base: str | None = None) -> int:
+        """Keep a new response, and return its serial (the store's number for it, which later calls
+        name it by); 0 (and nothing kept) when the store holds one of that id already (two requests
+        named by one request_id). It continues ``previous_id`` as the store held it at
+        ``previous_serial`` (the serial ``continuation`` gave); without, as it is held now.
+        ``streamed``: a background response whose events are kept (``append_events``)."""
         if response["id"] in self._entries:
-            return False
-        previous = self._entries.get(previous_id) if previous_id is not None else None
+            return 0
+        if previous_id is not None and previous_serial is None:
+            previous = self._entries.get(previous_id)
+            previous_serial = previous.serial if previous is not None else None
         self._serials += 1
         self._entries[response["id"]] = _Entry(response, previous_id, input_items, events=[] if streamed else None,
-                                               serial=self._serials,
-                                               previous_serial=previous.serial if previous is not None else None)
+                                               serial=self._serials, previous_serial=previous_serial,
+                                               engine_base=engine_base)
         self._forget_beyond_limit()
-        return True
+        return self._serials
+
+    def _held(self, response_id: str, serial: int | None) -> _Entry | None:
+        """The entry of ``response_id`` if it is the one put with ``serial`` (None: any)."""
+        entry = self._entries.get(response_id)
+        return entry if entry is not None and (serial is None or entry.serial == serial) else None
 
     def _forget_beyond_limit(self) -> None:
         while len(self._entries) > self.max_entries:
@@ -143,20 +167,22 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         return entry.response
 
-    def delete(self, response_id: str) -> dict[str, Any] | None:
-        """The deleted response (None when not held)."""
-        entry = self._entries.pop(response_id, None)
+    def delete(self, response_id: str, serial: int | None = None) -> Stopped | None:
+        """The deleted response, with its engine requests' base id (None when not held, or, given
+        ``serial``, when the entry held is another's)."""
+        entry = self._held(response_id, serial)
         if entry is None:
             return None
+        del self._entries[response_id]
         self._gone(entry)  # (its followers end)
-        return entry.response
+        return Stopped(entry.response, entry.engine_base)
 
-    def append_events(self, response_id: str, first: int, events: list[str], done: bool) -> bool:
-        """Events of a streamed background response from sequence number ``first`` (those the store
-        has already are skipped: a sender may send again what a failed call may have delivered);
-        ``done``: its stream has ended. False when its stream was ended (a cancel), or the store no
-        longer holds it or its events: the sender stops."""
-        entry = self._entries.get(response_id)
+    def append_events(self, response_id: str, serial: int, first: int, events: list[str], done: bool) -> bool:
+        """Events of the streamed background response put with ``serial``, from sequence number
+        ``first`` (those the store has already are skipped: a sender may send again what a failed
+        call may have delivered); ``done``: its stream has ended. False when its stream was ended (a
+        cancel), or the store no longer holds it or its events: the sender stops."""
+        entry = self._held(response_id, serial)
         if entry is None or entry.events is None or entry.events_done or first > len(entry.events):
             return False
         new = events[len(entry.events) - first:]
@@ -195,20 +221,22 @@ class ResponseStore:
             return EventsPage([], True, "dropped" if entry.events_dropped else "not_streamed")
         return EventsPage(entry.events[after + 1:], entry.events_done)
 
-    def settle(self, response: dict[str, Any]) -> bool:
-        """A background response's progress or end, over its entry while it is unfinished: False when
-        it was cancelled, deleted (or forgotten), or has ended already. (One call, so a cancel or delete through
-        another replica cannot slip between the check and the update.)"""
-        entry = self._entries.get(response["id"])
+    def settle(self, response: dict[str, Any], serial: int) -> bool:
+        """A background response's progress or end, over its entry (the one put with ``serial``) while
+        it is unfinished: False when it was cancelled, deleted (or forgotten: its id may be another's
+        since), or has ended already. (One call, so a cancel or delete through another replica cannot
+        slip between the check and the update.)"""
+        entry = self._held(response["id"], serial)
         if entry is None or entry.response.get("status") not in UNFINISHED:
             return False
         entry.response = response
         self._entries.move_to_end(response["id"])  # (in use, as a put would count it)
         return True
 
-    def cancel(self, response_id: str) -> dict[str, Any] | str | None:
-        """Mark a queued or in-progress background response cancelled, and return it; None when the
-        store does not hold it; its status when it is neither queued nor in progress."""
+    def cancel(self, response_id: str) -> Stopped | str | None:
+        """Mark a queued or in-progress background response cancelled, and return it (with its engine
+        requests' base id); None when the store does not hold it; its status when it is neither
+        queued nor in progress."""
         entry = self._entries.get(response_id)
         if entry is None:
             return None
@@ -219,7 +247,7 @@ class ResponseStore:
         if entry.events is not None:  # its stream ends here: followers stop, the generating replica too
             entry.events_done = True
             entry.wake()
-        return entry.response
+        return Stopped(entry.response, entry.engine_base)
 
     def conversation(self, response_id: str) -> tuple[list[dict[str, Any]] | None, str | None]:
         """Every item of the conversation up to and including ``response_id``'s output, oldest
@@ -228,9 +256,13 @@ class ResponseStore:
         turns, _ = self._walk(response_id)
         return turns
 
-    def continuation(self, response_id: str) -> tuple[tuple[list[dict[str, Any]] | None, str | None], str | None]:
-        """``conversation``, and the status of ``response_id`` (the response a new turn continues)."""
-        return self._walk(response_id)
+    def continuation(self, response_id: str
+                     ) -> tuple[tuple[list[dict[str, Any]] | None, str | None], str | None, int | None]:
+        """``conversation``, and the status and serial of ``response_id`` (the response a new turn
+        continues: the new turn's put links to that entry, not to whichever holds the id then)."""
+        head = self._entries.get(response_id)
+        turns, status = self._walk(response_id)
+        return turns, status, None if head is None else head.serial
 
     def _walk(self, response_id: str, serial: int | None = None
               ) -> tuple[tuple[list[dict[str, Any]] | None, str | None], str | None]:
@@ -261,6 +293,8 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         earlier: list[dict[str, Any]] | None = []
         if entry.previous_id is not None:
+            if entry.previous_serial is None:  # (not held when this one was put)
+                return None, entry.previous_id
             (earlier, missing_id), _ = self._walk(entry.previous_id, entry.previous_serial)
             if earlier is None:
                 return None, missing_id
@@ -277,29 +311,25 @@ class AsyncResponseStore:
     async def _call(self, method: str, *args: Any) -> Any:
         raise NotImplementedError
 
-    async def put(self, response: dict[str, Any], previous_id: str | None,
-                  input_items: list[dict[str, Any]], streamed: bool = False) -> bool:
-        """False when the store holds a response of that id already (nothing is kept)."""
-        # (``streamed`` only when set: a store actor started by an earlier build takes three arguments,
-        # and serves everything but streamed background responses, which need the store restarted;
-        # it answers None, and replaces a response of the same id.)
-        kept = await self._call("put", response, previous_id, input_items, *([True] if streamed else []))
-        return kept is not False
+    async def put(self, response: dict[str, Any], previous_id: str | None, input_items: list[dict[str, Any]],
+                  streamed: bool = False, previous_serial: int | None = None, engine_base: str | None = None) -> int:
+        """The new entry's serial; 0 when the store holds a response of that id already (nothing is kept)."""
+        return await self._call("put", response, previous_id, input_items, streamed, previous_serial, engine_base)
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
         return await self._call("get", response_id)
 
-    async def delete(self, response_id: str) -> dict[str, Any] | None:
-        return await self._call("delete", response_id)
+    async def delete(self, response_id: str, serial: int | None = None) -> Stopped | None:
+        return await self._call("delete", response_id, serial)
 
-    async def settle(self, response: dict[str, Any]) -> bool:
-        return await self._call("settle", response)
+    async def settle(self, response: dict[str, Any], serial: int) -> bool:
+        return await self._call("settle", response, serial)
 
-    async def cancel(self, response_id: str) -> dict[str, Any] | str | None:
+    async def cancel(self, response_id: str) -> Stopped | str | None:
         return await self._call("cancel", response_id)
 
-    async def append_events(self, response_id: str, first: int, events: list[str], done: bool) -> bool:
-        return await self._call("append_events", response_id, first, events, done)
+    async def append_events(self, response_id: str, serial: int, first: int, events: list[str], done: bool) -> bool:
+        return await self._call("append_events", response_id, serial, first, events, done)
 
     async def events_after(self, response_id: str, after: int, wait_s: float) -> EventsPage | None:
         return await self._call("events_after", response_id, after, wait_s)
@@ -307,10 +337,10 @@ class AsyncResponseStore:
     async def conversation(self, response_id: str) -> list[dict[str, Any]]:
         return self._found(await self._call("conversation", response_id))
 
-    async def continuation(self, response_id: str) -> tuple[list[dict[str, Any]], str | None]:
-        """The conversation a new turn continues, and the status of the response it continues."""
-        answer, status = await self._call("continuation", response_id)
-        return self._found(answer), status
+    async def continuation(self, response_id: str) -> tuple[list[dict[str, Any]], str | None, int | None]:
+        """The conversation a new turn continues, and the status and serial of the response it continues."""
+        answer, status, serial = await self._call("continuation", response_id)
+        return self._found(answer), status, serial
 
     async def input_items(self, response_id: str) -> list[dict[str, Any]]:
         return self._found(await self._call("input_items", response_id))

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.detached import detached_task
+from router.detached import detached_task, run_to_completion
 from router.parsed_output import ParsedDelta
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, cache_salt_field, invalid
-from router.response_store import UNFINISHED, EventsPage, MissingResponseError
+from router.response_store import UNFINISHED, EventsPage, MissingResponseError, Stopped
 from router.serving import (
     DEFAULTED_SAMPLING_FIELDS,
     MAX_EXTERNAL_ID_LEN,
@@ -512,9 +512,9 @@ class ResponsesServing:
             raise _not_found(response_id, "response_id", self.store is not None)
         return response
 
-    async def delete(self, response_id: str) -> dict[str, Any]:
+    async def delete(self, response_id: str) -> Stopped:
         """The deleted response (its model and status: a background one still generating is
-        dropped from the engines too)."""
+        dropped from the engines too, by its engine base id)."""
         deleted = await self._ask_store("delete", response_id) if self.store is not None else None
         if deleted is None:
             raise _not_found(response_id, "response_id", self.store is not None)
@@ -552,24 +552,25 @@ class ResponsesServing:
         return {"object": "list", "data": page, "first_id": page[0].get("id") if page else None,
                 "last_id": page[-1].get("id") if page else None, "has_more": len(window) > limit}
 
-    async def _history(self, request: ResponsesRequest) -> list[dict[str, Any]] | None:
+    async def _history(self, request: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, int | None]:
+        """The conversation ``previous_response_id`` names, and its entry's serial in the store."""
         if request.previous_response_id is None:
-            return None
+            return None, None
         if self.store is None:
             raise bad_request("previous_response_id needs stored responses, and this server does not store them "
                               "(start it with --enable-responses-store): send the conversation in input",
                               "previous_response_id")
         try:
-            history, status = await self._ask_store("continuation", request.previous_response_id)
+            history, status, serial = await self._ask_store("continuation", request.previous_response_id)
         except MissingResponseError as e:
             raise _not_found(e.response_id, "previous_response_id", True) from None
         if status in UNFINISHED:
             raise bad_request(f"Response {request.previous_response_id!r} is still {status}: continue its "
                               "conversation once it has ended", "previous_response_id")
-        return history
+        return history, serial
 
     async def create(self, request: ResponsesRequest, session_id: str | None = None) -> dict[str, Any] | SSEStream:
-        history = await self._history(request)
+        history, previous_serial = await self._history(request)
         chat = request.chat_request(history)
         storing = self.store is not None and request.store
         if request.background and not storing:
@@ -585,7 +586,10 @@ class ResponsesServing:
                 "output": [], "usage": None,
                 **request.echo_fields(storing, self.serving.defaulted_sampling(chat))}
         if request.background:
-            return await self._start_background(base, chat, session_id, request, history)
+            # (Stored and started to the end even if the client leaves meanwhile: no queued entry
+            # is left behind that nobody generates.)
+            return await run_to_completion(self._start_background(base, chat, session_id, request, history,
+                                                                  previous_serial))
         # (A client's id may name two requests at once: their engine requests' ids add a random part.)
         engine_base = response_id if request.request_id is None else f"{response_id}-{secrets.token_hex(4)}"
         run = await self.serving.start_chat_as(chat, session_id, response_id, _CHAT_ERROR_PARAM, engine_base)
@@ -596,7 +600,7 @@ class ResponsesServing:
                 return True
             try:
                 kept = await self.store.put(final, request.previous_response_id,  # type: ignore[union-attr]
-                                            request.stored_input_items(history))
+                                            request.stored_input_items(history), previous_serial=previous_serial)
                 if not kept:  # (another request named by the same request_id was stored meanwhile)
                     logger.warning("response %s was not stored: the store holds another of that id", final["id"])
                     final["store"] = False
@@ -629,8 +633,8 @@ class ResponsesServing:
         return self._final(base, run, items)
 
     async def _start_background(self, base: dict[str, Any], chat: ChatCompletionRequest, session_id: str | None,
-                                request: ResponsesRequest, history: list[dict[str, Any]] | None
-                                ) -> dict[str, Any] | SSEStream:
+                                request: ResponsesRequest, history: list[dict[str, Any]] | None,
+                                previous_serial: int | None) -> dict[str, Any] | SSEStream:
         """OpenAI's background mode: the response is stored ``queued`` and returned at once; this
         replica generates it on its own (``in_progress``, then its end) while the client polls GET
         /v1/responses/{id} through any replica, or cancels it (POST .../cancel). Streamed (``stream``
@@ -640,16 +644,20 @@ class ResponsesServing:
         input_items = request.stored_input_items(history)
         queued = base | {"status": "queued"}
         streamed = bool(request.stream)
-        # Stored before it starts (nobody could read back one the store refused), which also
-        # reserves its id: its engine requests are named by it, as a cancel through any replica
-        # names them.
-        if not await self._ask_store("put", queued, request.previous_response_id, input_items, streamed):
+        # Stored before it starts (nobody could read back one the store refused), which reserves its
+        # id, with the base id of its engine requests, new for each (an id a delete freed may name
+        # another response while this one's requests still run): a cancel through any replica
+        # finds them there. Its later calls name its entry by serial, so they never touch another's.
+        engine_base = f"{base['id']}-{secrets.token_hex(4)}"
+        serial = await self._ask_store("put", queued, request.previous_response_id, input_items, streamed,
+                                       previous_serial, engine_base)
+        if not serial:
             raise _id_taken(base["id"])
         try:
-            run = await self.serving.start_chat_as(chat, session_id, base["id"], _CHAT_ERROR_PARAM)
+            run = await self.serving.start_chat_as(chat, session_id, base["id"], _CHAT_ERROR_PARAM, engine_base)
         except BaseException:
             with contextlib.suppress(Exception):
-                await self.store.delete(base["id"])  # type: ignore[union-attr]
+                await self.store.delete(base["id"], serial)  # type: ignore[union-attr]
             raise
 
         def failed(message: str) -> dict[str, Any]:
@@ -659,7 +667,7 @@ class ResponsesServing:
             # False: cancelled, deleted or forgotten meanwhile, or the store could not be reached (then
             # a streamed response's followers get no final event, and GET keeps the last status).
             try:
-                kept = await self.store.settle(response)  # type: ignore[union-attr]
+                kept = await self.store.settle(response, serial)  # type: ignore[union-attr]
             except Exception as e:
                 logger.warning("could not store background response %s: %s", base["id"], e)
                 return False
@@ -668,7 +676,7 @@ class ResponsesServing:
                             "dropped", base["id"], response["status"])
             return kept
 
-        recorder = _EventRecorder(self.store, base["id"]) if streamed else None
+        recorder = _EventRecorder(self.store, base["id"], serial) if streamed else None
 
         async def end_failed(message: str) -> None:
             response = failed(message)
@@ -754,7 +762,7 @@ class ResponsesServing:
                 return
             page = None
 
-    async def cancel(self, response_id: str) -> dict[str, Any]:
+    async def cancel(self, response_id: str) -> Stopped:
         """``POST /v1/responses/{id}/cancel``, the store's part: a queued or in-progress background
         response is marked ``cancelled`` (then ``drop_background`` on its model's serving)."""
         answer = await self._ask_store("cancel", response_id) if self.store is not None else None
@@ -765,17 +773,20 @@ class ResponsesServing:
                               f"{response_id!r} is {answer}", "response_id")
         return answer
 
-    async def drop_background(self, response_id: str, timeout_s: float = 5.0) -> None:
-        """The engines drop a cancelled background response's request and tell the replica generating
-        it (whichever replica that is), whose task then ends without storing over the cancel."""
+    async def drop_background(self, stopped: Stopped, timeout_s: float = 5.0) -> None:
+        """The engines drop a cancelled (or deleted) background response's request and tell the
+        replica generating it (whichever replica that is), whose task then ends without storing over
+        the cancel."""
+        if stopped.engine_base is None:  # (not a background response)
+            return
         client = self.serving.client
-        request_ids = [choice_request_id(response_id, 0)]  # (a response is one choice)
+        request_ids = [choice_request_id(stopped.engine_base, 0)]  # (a response is one choice)
 
         async def drop(engine: int) -> None:
             try:
                 await asyncio.wait_for(client.handle(engine).abort_requests.remote(request_ids, True), timeout_s)
             except Exception as e:
-                logger.warning("cancel of %s on engine %d failed: %s", response_id, engine, e)
+                logger.warning("cancel of %s on engine %d failed: %s", stopped.response["id"], engine, e)
 
         await asyncio.gather(*(drop(engine) for engine in client.present()))  # (one holds it)
 
@@ -871,8 +882,8 @@ class _EventRecorder:
     fails is sent again with the next (the store skips what it has). ``stopped``: the store has the
     end of the stream, or ended it itself (a cancel, a delete), and the generation should stop."""
 
-    def __init__(self, store: AsyncResponseStore, response_id: str) -> None:
-        self.store, self.response_id = store, response_id
+    def __init__(self, store: AsyncResponseStore, response_id: str, serial: int) -> None:
+        self.store, self.response_id, self.serial = store, response_id, serial
         self.sent = 0  # events the store has
         self.pending: list[str] = []
         self.done = False  # the last events are in pending (or sent)
@@ -901,7 +912,7 @@ class _EventRecorder:
             if not batch and not done:
                 return
             try:
-                kept = await self.store.append_events(self.response_id, self.sent, batch, done)
+                kept = await self.store.append_events(self.response_id, self.serial, self.sent, batch, done)
             except Exception as e:  # (sent again with the next events, or at the end)
                 logger.warning("could not store events of background response %s: %s", self.response_id, e)
                 return

@@ -372,7 +372,16 @@ def test_the_store_keeps_the_first_response_of_an_id_and_chains_by_entry_not_by_
     assert store.conversation("a") == ([{"id": "3"}], None)
     # A response put while the one it continued was not held cannot be continued either.
     assert store.put({"id": "c"}, "gone", [])
-    assert store.conversation("c") == (None, "gone")
+    assert store.conversation("c") == (None, "gone") and store.input_items("c") == (None, "gone")
+    # A turn is put once it is generated, linked to the entry it was started from (the serial
+    # continuation gave): if that id was freed and taken meanwhile, its conversation ends there.
+    store.put({"id": "p"}, None, [{"id": "4"}])
+    (history, _), status, started_from = store.continuation("p")
+    assert history == [{"id": "4"}] and status is None
+    store.delete("p")
+    store.put({"id": "p"}, None, [{"id": "5"}])
+    assert store.put({"id": "r"}, "p", [{"id": "6"}], previous_serial=started_from)
+    assert store.conversation("r") == (None, "p") and store.input_items("r") == (None, "p")
 
 
 def test_a_response_asked_not_to_be_stored_is_not_kept():
@@ -584,7 +593,11 @@ def test_a_background_response_named_by_a_request_id_reserves_it_before_it_runs(
         while client.responses.retrieve("bg-7").status in ("queued", "in_progress"):
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert [r.request_id for r in engine.requests] == ["bg-7-0"]  # (choice_request_id("bg-7", 0))
+        # Its engine request's id is new to it (an id freed by a delete may name another response while
+        # this one's request still runs), and the store keeps it for a cancel through any replica.
+        [started] = engine.requests
+        assert started.request_id.startswith("bg-7-") and started.request_id != "bg-7-0"
+        assert f"{store.store._entries['bg-7'].engine_base}-0" == started.request_id
         again = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "background": True,
                                                  "request_id": "bg-7"})
         assert again.status_code == 400 and again.json()["error"]["param"] == "request_id"
@@ -598,20 +611,37 @@ def test_the_store_keeps_a_cancel_or_delete_over_a_background_responses_later_pr
     store = ResponseStore()
     base = {"id": "resp_1", "object": "response", "output": []}
     assert store.cancel("resp_1") is None
-    store.put(base | {"status": "queued"}, None, [{"id": "msg_1"}])
-    assert store.settle(base | {"status": "in_progress"})
+    first = store.put(base | {"status": "queued"}, None, [{"id": "msg_1"}], engine_base="resp_1-ab")
+    assert store.settle(base | {"status": "in_progress"}, first)
     assert store.input_items("resp_1") == ([{"id": "msg_1"}], None)  # (its input kept)
-    assert store.cancel("resp_1")["status"] == "cancelled"
-    assert not store.settle(base | {"status": "completed"})  # (the generating replica, too late)
+    cancelled = store.cancel("resp_1")
+    assert cancelled.response["status"] == "cancelled" and cancelled.engine_base == "resp_1-ab"
+    assert not store.settle(base | {"status": "completed"}, first)  # (the generating replica, too late)
     assert store.get("resp_1")["status"] == "cancelled" and store.cancel("resp_1") == "cancelled"
-    store.put(base | {"id": "resp_2", "status": "queued"}, None, [])
-    assert store.delete("resp_2") and not store.settle(base | {"id": "resp_2", "status": "completed"})
+    second = store.put(base | {"id": "resp_2", "status": "queued"}, None, [])
+    assert store.delete("resp_2") and not store.settle(base | {"id": "resp_2", "status": "completed"}, second)
     assert store.get("resp_2") is None  # (a deleted one does not come back)
     # Nor does a stopping replica's failure replace an answer that had ended.
-    store.put(base | {"id": "resp_3", "status": "queued"}, None, [])
-    assert store.settle(base | {"id": "resp_3", "status": "completed"})
-    assert not store.settle(base | {"id": "resp_3", "status": "failed"})
+    third = store.put(base | {"id": "resp_3", "status": "queued"}, None, [])
+    assert store.settle(base | {"id": "resp_3", "status": "completed"}, third)
+    assert not store.settle(base | {"id": "resp_3", "status": "failed"}, third)
     assert store.get("resp_3")["status"] == "completed"
+
+
+def test_a_background_response_whose_id_was_freed_never_touches_the_next_response_of_that_id():
+    """A client's request_id freed by a delete names a new response while the old one's replica
+    still runs: the old one's progress, events and failed-start cleanup name their entry by serial,
+    so they change nothing of the new one's."""
+    store = ResponseStore()
+    old = store.put({"id": "x", "status": "queued"}, None, [], streamed=True)
+    store.delete("x")
+    new = store.put({"id": "x", "status": "queued"}, None, [], streamed=True)
+    assert new != old
+    assert not store.settle({"id": "x", "status": "failed"}, old)
+    assert not store.append_events("x", old, 0, ["stale"], True)
+    assert store.delete("x", old) is None
+    assert store.get("x") == {"id": "x", "status": "queued"}
+    assert store.settle({"id": "x", "status": "in_progress"}, new) and store.append_events("x", new, 0, ["e"], False)
 
 
 def test_a_replica_stopping_ends_its_background_responses_as_failed():
@@ -629,7 +659,7 @@ def test_a_replica_stopping_ends_its_background_responses_as_failed():
             time.sleep(0.01)
     stored = store.store.get(response_id)
     assert stored["status"] == "failed" and "shut down" in stored["error"]["message"]
-    assert engine.aborted == [f"{response_id}-0"]
+    assert engine.aborted == [engine.requests[0].request_id]
 
 
 def _raw_events(http, url: str) -> list[dict]:
@@ -696,7 +726,7 @@ def test_a_streamed_background_response_outlives_its_client_and_its_replica_ends
         assert [e["sequence_number"] for e in events] == list(range(2, 2 + len(events)))
         assert events[-1]["type"] == "response.failed" and "shut down" in events[-1]["response"]["error"]["message"]
         assert store.store.get(response_id)["status"] == "failed"
-        assert engine.aborted == [f"{response_id}-0"]
+        assert engine.aborted == [engine.requests[0].request_id]
 
     asyncio.run(run())
 
@@ -713,25 +743,25 @@ def test_followers_of_a_background_stream_wait_for_its_events_and_end_with_it():
         waiting = asyncio.create_task(store.events_after("resp_1", -1, 30.0))
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        assert store.append_events("resp_1", 0, ["a", "b"], False)
+        assert store.append_events("resp_1", None, 0, ["a", "b"], False)
         assert await waiting == EventsPage(["a", "b"], False)
         assert await store.events_after("resp_1", 0, 30.0) == EventsPage(["b"], False)
         assert await store.events_after("resp_1", 1, 0.01) == EventsPage([], False)  # (none came in time)
-        assert not store.append_events("resp_1", 3, ["d"], False)  # (a gap: event 2 is missing)
+        assert not store.append_events("resp_1", None, 3, ["d"], False)  # (a gap: event 2 is missing)
         waiting = asyncio.create_task(store.events_after("resp_1", 1, 30.0))
         await asyncio.sleep(0.05)
-        assert store.append_events("resp_1", 1, ["b", "c"], True)  # (b again: a resend after a failed call)
+        assert store.append_events("resp_1", None, 1, ["b", "c"], True)  # (b again: a resend after a failed call)
         assert await waiting == EventsPage(["c"], True)
         assert await store.events_after("resp_1", 2, 30.0) == EventsPage([], True)  # (ended: no wait)
         assert await store.events_after("resp_1", -1, 0) == EventsPage(["a", "b", "c"], True)
-        assert not store.append_events("resp_1", 3, ["late"], False)  # (nothing after the end)
-        assert not store.append_events("resp_2", 0, ["x"], False)  # (no event stream)
+        assert not store.append_events("resp_1", None, 3, ["late"], False)  # (nothing after the end)
+        assert not store.append_events("resp_2", None, 0, ["x"], False)  # (no event stream)
         # A follower of a deleted or forgotten response ends at once.
         store.put({"id": "resp_3", "status": "queued"}, None, [], streamed=True)
         waiting = asyncio.create_task(store.events_after("resp_3", -1, 30.0))
         await asyncio.sleep(0.05)
         store.delete("resp_3")
-        assert await asyncio.wait_for(waiting, 5) is None and not store.append_events("resp_3", 0, ["d"], True)
+        assert await asyncio.wait_for(waiting, 5) is None and not store.append_events("resp_3", None, 0, ["d"], True)
         store.put({"id": "resp_4", "status": "queued"}, None, [], streamed=True)
         waiting = asyncio.create_task(store.events_after("resp_4", -1, 30.0))
         await asyncio.sleep(0.05)
@@ -750,19 +780,19 @@ def test_a_cancel_ends_a_background_stream_and_old_ended_streams_give_way_to_the
     async def run() -> None:
         store = ResponseStore()
         store.put({"id": "resp_1", "status": "queued"}, None, [], streamed=True)
-        assert store.append_events("resp_1", 0, ["a"], False)
+        assert store.append_events("resp_1", None, 0, ["a"], False)
         waiting = asyncio.create_task(store.events_after("resp_1", 0, 30.0))
         await asyncio.sleep(0.05)
         store.cancel("resp_1")  # its followers end, and the generating replica's next send is refused
         assert await asyncio.wait_for(waiting, 5) == EventsPage([], True)
-        assert not store.append_events("resp_1", 1, ["b"], False)
+        assert not store.append_events("resp_1", None, 1, ["b"], False)
         # Beyond the budget, the least recently used ended streams lose their events (not their responses).
         monkeypatch.setattr(response_store, "EVENT_BYTES_BUDGET", 10)
         for i in (2, 3, 4):
             store.put({"id": f"resp_{i}", "status": "queued"}, None, [], streamed=True)
-        assert store.append_events("resp_2", 0, ["0123"], True)
-        assert store.append_events("resp_3", 0, ["4567"], True)
-        assert store.append_events("resp_4", 0, ["89ab"], False)  # (12 bytes: resp_1's one, then resp_2's go)
+        assert store.append_events("resp_2", None, 0, ["0123"], True)
+        assert store.append_events("resp_3", None, 0, ["4567"], True)
+        assert store.append_events("resp_4", None, 0, ["89ab"], False)  # (12 bytes: resp_1's one, then resp_2's go)
         assert await store.events_after("resp_1", -1, 0) == EventsPage([], True, "dropped")
         assert await store.events_after("resp_2", -1, 0) == EventsPage([], True, "dropped")
         assert await store.events_after("resp_3", -1, 0) == EventsPage(["4567"], True)
@@ -806,7 +836,7 @@ def test_a_cancel_stops_a_streamed_background_generation_even_when_the_engines_w
         assert types[0] == "response.created"
         assert not {"response.completed", "response.incomplete", "response.failed"} & set(types)
         deadline = asyncio.get_running_loop().time() + 10
-        while engine.aborted != [f"{response_id}-0"]:
+        while engine.aborted != [engine.requests[0].request_id]:
             assert asyncio.get_running_loop().time() < deadline
             await asyncio.sleep(0.01)
         await stream.aclose()
