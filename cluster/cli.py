@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from cluster.config import API_KEY_ENV, default_api_keys, env_switch
@@ -440,20 +442,22 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
 
     import ray
-    from ray import serve
 
     from cluster.app import APP_NAME, run_router, start_cluster, stop_cluster, stop_router_helpers
     from cluster.launcher import InsufficientResourcesError, check_local_capacity, ensure_ray
 
+    global _own_node_id
     try:
         started_local = ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
         if started_local:  # our own one-node Ray: nothing will ever add resources to it
+            _own_node_id = ray.get_runtime_context().get_node_id()
             check_local_capacity(config.engine_slot_configs())  # (autoscaled: all max_engines)
     except InsufficientResourcesError as e:
         print(f"llm-cluster: {e}", file=sys.stderr)
         ray.shutdown()
         return 2
     except KeyboardInterrupt:  # Ctrl-C while Ray starts
+        signal.signal(signal.SIGINT, _exit_now)
         print("llm-cluster: interrupted while starting; shutting down", flush=True)
         ray.shutdown()
         return 130
@@ -482,19 +486,59 @@ def serve_command(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, _exit_now)
         print("llm-cluster: interrupted while starting; shutting down" if interrupted
               else "llm-cluster: shutting down", flush=True)
-        try:
-            if router_started:  # Only our application: on a shared cluster (--address) other Serve apps keep running.
-                serve.delete(APP_NAME)
-        finally:
-            stop_cluster(config, engines)
-            stop_router_helpers(config.namespace)
-            ray.shutdown()
+        steps: list[tuple[str, Callable[[], object]]] = []
+        if router_started:
+            # Only our application: on a shared cluster (--address) other Serve apps keep running,
+            # and so do the helper actors of another application of the namespace if ours never began.
+            steps.append(("the router", lambda: _delete_serve_app(APP_NAME)))
+        steps.append(("the engines", lambda: stop_cluster(config, engines)))
+        if router_started:
+            steps.append(("the router's shared actors", lambda: stop_router_helpers(config.namespace)))
+        steps.append(("Ray", ray.shutdown))
+        for what, step in steps:  # (each whatever the one before did)
+            try:
+                step()
+            except Exception as e:
+                print(f"llm-cluster: stopping {what} failed: {e}", file=sys.stderr, flush=True)
     return 130 if interrupted else 0  # (the shell's status for a command stopped by Ctrl-C)
+
+
+# The node of the local Ray this command started (None: it joined a cluster, or has not started one).
+_own_node_id: str | None = None
+
+
+def _delete_serve_app(name: str) -> None:
+    """Delete our Serve application, if Serve came up at all (Ctrl-C may come before it did)."""
+    import ray
+    from ray import serve
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return
+    serve.delete(name)
 
 
 def _exit_now(*_: object) -> None:
     print("llm-cluster: interrupted again: exiting without finishing the shutdown", file=sys.stderr, flush=True)
+    if _own_node_id is not None:
+        _kill_serve_haproxy(_own_node_id)
     os._exit(130)
+
+
+def _kill_serve_haproxy(node_id: str) -> None:
+    """Ray's processes die with this one, but Ray Serve's HAProxy ingress, a child of one of its
+    workers, would go on holding the port: kill those of our own local Ray's node (their files lie
+    under a directory named by the node). Linux (/proc); elsewhere nothing is done."""
+    marker = f"haproxy-serve/{node_id}/".encode()
+    with contextlib.suppress(OSError):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read()
+                if b"haproxy" in command.split(b"\0", 1)[0] and marker in command:
+                    os.kill(int(pid), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -217,7 +217,7 @@ def start_engines(configs: list[EngineConfig], namespace: str, detached: bool = 
             h.description = ray.get(h.actor.describe.remote(), timeout=max(1.0, deadline - time.monotonic()))
             logger.info("engine %d ready: %d KV blocks of %d tokens", h.index, h.description.num_blocks,
                         h.description.block_size)
-    except Exception:
+    except BaseException:  # (Ctrl-C too: the engines started so far stop with the rest)
         stop_engines(handles)
         raise
     return handles
