@@ -112,11 +112,13 @@ class KVCacheManager:
         if self.offload is None or request.sampling_params.skip_reading_prefix_cache:
             return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size  # (the last token is computed)
-        slots = self.offload.lookup(request.block_hashes[num_local_blocks:max_hit_blocks])
+        return self.offload.lookup(request.block_hashes[num_local_blocks:max_hit_blocks])
+
+    def record_offload_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """A request admitted after looking its prompt up in the tier (once per admission, as vLLM
+        counts its connector's lookups; one that waits for room is counted when it gets in)."""
         if self.connector_prefix_cache_stats is not None:
-            self.connector_prefix_cache_stats.record(request.num_tokens, len(slots) * self.block_size,
-                                                     request.num_preemptions > 0)
-        return slots
+            self.connector_prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
 
     def load_offloaded_blocks(self, request: Request, slots: list[int], first_block: int) -> None:
         """After allocate_slots gave the request device blocks for them: ``slots`` are copied into its

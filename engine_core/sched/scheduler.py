@@ -419,7 +419,8 @@ class Scheduler(SchedulerInterface):
                     continue
 
             offloaded: list[int] = []
-            if request.num_computed_tokens == 0:
+            looked_up = request.num_computed_tokens == 0
+            if looked_up:
                 # A prefix hit reaches the scheduler as one smaller local num_computed_tokens.
                 new_computed_blocks, num_new_local_computed_tokens = \
                     kv_cache_manager.get_computed_blocks(request)
@@ -478,6 +479,8 @@ class Scheduler(SchedulerInterface):
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed_tokens
                 request.num_external_computed_tokens = num_external_tokens
+            if looked_up:
+                kv_cache_manager.record_offload_lookup(request, num_external_tokens)
             if self.log_stats:
                 request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
 

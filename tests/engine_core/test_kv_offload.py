@@ -140,6 +140,26 @@ def test_the_tiers_lookups_are_counted_as_vllms_external_prefix_cache():
     assert sched.make_stats().connector_prefix_cache_stats.queries == 0
 
 
+def test_a_prompt_that_waits_for_room_is_counted_once_as_an_external_lookup():
+    """vLLM counts a connector lookup when the request gets in: a prompt looked up again on every
+    pass while the pool has no room for it is one query."""
+    sched = create_scheduler(num_blocks=8, block_size=16, num_offload_blocks=8)
+    first, again = create_requests(2, num_tokens=64, max_tokens=1, same_prompt=True)
+    _finish(sched, first)
+    (other,) = create_requests(1, num_tokens=120, max_tokens=4)
+    sched.add_request(other)  # (its 8 blocks evict first's into the tier, and it holds them 4 passes)
+    step(sched)
+    sched.add_request(again)
+    counted = []
+    while not again.is_finished():
+        for outputs in step(sched)[1].values():
+            if outputs.scheduler_stats is not None:
+                counted.append(outputs.scheduler_stats.connector_prefix_cache_stats)
+    assert len(counted) > 2  # (it waited)
+    assert (sum(c.requests for c in counted), sum(c.queries for c in counted), sum(c.hits for c in counted)) == \
+        (1, 64, 48)
+
+
 def test_without_a_tier_nothing_is_saved():
     sched = create_scheduler(num_blocks=8, block_size=16)
     first, again = create_requests(2, num_tokens=64, max_tokens=1, same_prompt=True)
