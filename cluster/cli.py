@@ -495,6 +495,8 @@ def serve_command(args: argparse.Namespace) -> int:
         if router_started:
             steps.append(("the router's shared actors", lambda: stop_router_helpers(config.namespace)))
         steps.append(("Ray", ray.shutdown))
+        if _own_node_id is not None:  # (and the HAProxy of our own Ray, should any outlive it)
+            steps.append(("Serve's HAProxy", lambda: _kill_serve_haproxy(_own_node_id)))
         for what, step in steps:  # (each whatever the one before did)
             try:
                 step()

@@ -48,6 +48,8 @@ class EventsPage:
     events: list[str]
     done: bool
     state: str = "ok"
+    # The entry's serial (a follower's later pages name it: never a later response of that id).
+    serial: int | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -204,22 +206,23 @@ class ResponseStore:
                 self._event_bytes -= entry.event_bytes
                 entry.events, entry.event_bytes, entry.events_dropped = None, 0, True
 
-    async def events_after(self, response_id: str, after: int, wait_s: float) -> EventsPage | None:
+    async def events_after(self, response_id: str, after: int, wait_s: float,
+                           serial: int | None = None) -> EventsPage | None:
         """A streamed background response's events after sequence number ``after`` (-1: all), and
         whether its stream has ended; when there are none yet, waits up to ``wait_s`` for some.
-        None when the store does not hold the response."""
-        entry = self._entries.get(response_id)
+        None when the store does not hold the response (given ``serial``: that entry)."""
+        entry = self._held(response_id, serial)
         if entry is not None and entry.events is not None and len(entry.events) <= after + 1 \
                 and not entry.events_done and wait_s > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(entry.changed.wait(), wait_s)
-            entry = self._entries.get(response_id)  # (deleted or forgotten meanwhile: gone)
+            entry = self._held(response_id, entry.serial)  # (deleted or forgotten meanwhile: gone)
         if entry is None:
             return None
         self._entries.move_to_end(response_id)
         if entry.events is None:
-            return EventsPage([], True, "dropped" if entry.events_dropped else "not_streamed")
-        return EventsPage(entry.events[after + 1:], entry.events_done)
+            return EventsPage([], True, "dropped" if entry.events_dropped else "not_streamed", entry.serial)
+        return EventsPage(entry.events[after + 1:], entry.events_done, serial=entry.serial)
 
     def settle(self, response: dict[str, Any], serial: int) -> bool:
         """A background response's progress or end, over its entry (the one put with ``serial``) while
@@ -331,8 +334,9 @@ class AsyncResponseStore:
     async def append_events(self, response_id: str, serial: int, first: int, events: list[str], done: bool) -> bool:
         return await self._call("append_events", response_id, serial, first, events, done)
 
-    async def events_after(self, response_id: str, after: int, wait_s: float) -> EventsPage | None:
-        return await self._call("events_after", response_id, after, wait_s)
+    async def events_after(self, response_id: str, after: int, wait_s: float,
+                           serial: int | None = None) -> EventsPage | None:
+        return await self._call("events_after", response_id, after, wait_s, serial)
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]]:
         return self._found(await self._call("conversation", response_id))

@@ -496,6 +496,7 @@ class ResponsesServing:
         self.store = store
         # Background responses this replica is generating (held so they are not collected).
         self._background: set[asyncio.Task] = set()
+        self._closing = False  # (shut_down began)
 
     async def _ask_store(self, method: str, *args: Any) -> Any:
         try:
@@ -641,6 +642,9 @@ class ResponsesServing:
         too), its events go to the store as they come, and the answer follows them there: a client
         that leaves does not stop it, and any replica streams it again (GET with ``stream``, from
         ``starting_after``)."""
+        if self._closing:
+            raise APIError(503, "this router replica is shutting down: send the request again",
+                           "ServiceUnavailableError")
         input_items = request.stored_input_items(history)
         queued = base | {"status": "queued"}
         streamed = bool(request.stream)
@@ -724,7 +728,7 @@ class ResponsesServing:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         if streamed:
-            return SSEStream(self._follow(base["id"], -1, None), [])  # (leaving it leaves the generation)
+            return SSEStream(self._follow(base["id"], -1, None, serial), [])  # (leaving it leaves the generation)
         return queued
 
     async def follow(self, response_id: str, starting_after: int | None) -> SSEStream:
@@ -740,9 +744,12 @@ class ResponsesServing:
                    else "it was not created with background and stream")
             raise bad_request(f"Response {response_id!r} has no events to stream: {why}; GET it without stream",
                               "stream")
-        return SSEStream(self._follow(response_id, after, page), [])
+        return SSEStream(self._follow(response_id, after, page, page.serial), [])
 
-    async def _follow(self, response_id: str, after: int, page: EventsPage | None) -> AsyncIterator[str]:
+    async def _follow(self, response_id: str, after: int, page: EventsPage | None,
+                      serial: int | None) -> AsyncIterator[str]:
+        """The events of the entry put with ``serial`` (a response that later takes its id, once a
+        delete freed it, is not followed)."""
         last_event = time.monotonic()
         while True:
             if page is None:
@@ -751,7 +758,7 @@ class ResponsesServing:
                                     message=f"no events for {FOLLOW_IDLE_S:g} s: the replica generating "
                                             "this response may have stopped")
                     return
-                page = await self._ask_store("events_after", response_id, after, FOLLOW_WAIT_S)
+                page = await self._ask_store("events_after", response_id, after, FOLLOW_WAIT_S, serial)
             if page is None or page.state != "ok":  # deleted, forgotten, or its events dropped meanwhile
                 return
             if page.events:
@@ -791,7 +798,9 @@ class ResponsesServing:
         await asyncio.gather(*(drop(engine) for engine in client.present()))  # (one holds it)
 
     async def shut_down(self) -> None:
-        """The replica is stopping: its background responses end as failed in the store."""
+        """The replica is stopping: its background responses end as failed in the store (and no
+        new one starts here)."""
+        self._closing = True
         tasks = list(self._background)
         for task in tasks:
             task.cancel()

@@ -4,6 +4,7 @@ reasoning, the output items, the event stream, and the refusals. (test_e2e runs 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -434,7 +435,7 @@ def test_a_call_cut_off_by_max_output_tokens_is_not_replayed():
 
 
 class _BrokenStore(LocalResponseStore):
-    async def put(self, *args):
+    async def put(self, *args, **kwargs):
         raise ConnectionError("store actor gone")
 
     async def get(self, response_id):
@@ -642,6 +643,10 @@ def test_a_background_response_whose_id_was_freed_never_touches_the_next_respons
     assert store.delete("x", old) is None
     assert store.get("x") == {"id": "x", "status": "queued"}
     assert store.settle({"id": "x", "status": "in_progress"}, new) and store.append_events("x", new, 0, ["e"], False)
+    # Nor does a follower of the old one go on with the new one's events.
+    assert asyncio.run(store.events_after("x", -1, 0, old)) is None
+    page = asyncio.run(store.events_after("x", -1, 0))
+    assert page.events == ["e"] and page.serial == new
 
 
 def test_a_replica_stopping_ends_its_background_responses_as_failed():
@@ -651,7 +656,8 @@ def test_a_replica_stopping_ends_its_background_responses_as_failed():
 
     _, engine, serving, store = _stored_app(["never finishes"])
     engine.finish = None  # (its last output does not end it)
-    with TestClient(create_app(serving, response_store=store)) as http:
+    app = create_app(serving, response_store=store)
+    with TestClient(app) as http:
         response_id = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "background": True}).json()["id"]
         deadline = time.monotonic() + 10
         while store.store.get(response_id)["status"] != "in_progress":
@@ -660,6 +666,9 @@ def test_a_replica_stopping_ends_its_background_responses_as_failed():
     stored = store.store.get(response_id)
     assert stored["status"] == "failed" and "shut down" in stored["error"]["message"]
     assert engine.aborted == [engine.requests[0].request_id]
+    # One arriving as it stops is refused (none would generate it), and nothing of it is kept.
+    late = TestClient(app).post("/v1/responses", json={"model": "tiny", "input": "hi", "background": True})
+    assert late.status_code == 503 and len(engine.requests) == 1 and len(store.store) == 1
 
 
 def _raw_events(http, url: str) -> list[dict]:
