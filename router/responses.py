@@ -723,10 +723,17 @@ class ResponsesServing:
                 for stream in run.streams:  # (a finished stream ignores it; another is aborted)
                     await stream.close()
 
-        # (Detached: a streamed one's client leaving cancels its request, which must not reach this.)
-        task = detached_task(generate(), name=f"background-{base['id']}")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        if self._closing:  # (shut_down began while it started: it ends as those shut_down stopped)
+            await end_failed("the router replica generating it shut down")
+            if recorder is not None:
+                await recorder.finish()
+            for stream in run.streams:
+                await stream.close()
+        else:
+            # (Detached: a streamed one's client leaving cancels its request, which must not reach this.)
+            task = detached_task(generate(), name=f"background-{base['id']}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         if streamed:
             return SSEStream(self._follow(base["id"], -1, None, serial), [])  # (leaving it leaves the generation)
         return queued

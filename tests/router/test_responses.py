@@ -671,6 +671,36 @@ def test_a_replica_stopping_ends_its_background_responses_as_failed():
     assert late.status_code == 503 and len(engine.requests) == 1 and len(store.store) == 1
 
 
+def test_a_background_response_whose_start_a_shutdown_overtakes_ends_failed(monkeypatch):
+    """shut_down begins while a background response is being stored and started (after the check
+    that refuses new ones): it ends failed, its engine request dropped, as those shut_down stops."""
+    made: list[ResponsesServing] = []
+    init = ResponsesServing.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(ResponsesServing, "__init__", keep)
+    _, engine, serving, store = _stored_app(["never finishes"])
+    engine.finish = None
+    app = create_app(serving, response_store=store)
+    responses = made[-1]  # (this app's)
+    started = serving.start_chat_as
+
+    async def start_then_shut_down(*args, **kwargs):
+        run = await started(*args, **kwargs)
+        responses._closing = True  # (as shut_down sets it, before this start is done)
+        return run
+
+    serving.start_chat_as = start_then_shut_down
+    with TestClient(app) as http:  # (its loop runs on: only this start can end it)
+        queued = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "background": True}).json()
+        stored = store.store.get(queued["id"])
+        assert stored["status"] == "failed" and "shut down" in stored["error"]["message"]
+        assert engine.aborted == [engine.requests[0].request_id]
+
+
 def _raw_events(http, url: str) -> list[dict]:
     """A Responses event stream read whole, each event checked strictly against OpenAI's types."""
     with http.stream("GET", url) as r:
