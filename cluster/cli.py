@@ -511,15 +511,13 @@ _own_node_id: str | None = None
 
 def _delete_serve_app(name: str) -> None:
     """Delete our Serve application, if Serve came up at all (Ctrl-C may come before it did)."""
-    import ray
     from ray import serve
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-    try:
-        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    except ValueError:
-        return
-    serve.delete(name)
+    from engine_core.engine_actor import named_actor
+
+    if named_actor(SERVE_CONTROLLER_NAME, SERVE_NAMESPACE) is not None:
+        serve.delete(name)
 
 
 def _exit_now(*_: object) -> None:

@@ -163,10 +163,10 @@ def _check_engines(settings: ClusterConfig | ServedModel, where: str) -> None:
 
 
 def _slot_count(settings: ClusterConfig | ServedModel) -> int:
-    """A model's engine slots: its engines (num_engines, or more per-engine entries: _resolve_specs
-    takes the larger), or with engine autoscaling, max_engines."""
+    """A model's engine slots: its engines (num_engines, or more per-engine entries), or with engine
+    autoscaling, max_engines (per-engine entries never exceed it)."""
     scaling = settings.engine_autoscaling
-    return settings.num_engines if scaling is None else scaling.max_engines
+    return max(settings.num_engines if scaling is None else scaling.max_engines, len(settings.engines))
 
 
 def _check_uniform_slots(specs: list[EngineSpec], where: str) -> None:
@@ -578,10 +578,10 @@ class ClusterConfig(ModelSettings):
         """Each served model (None: the first, described by the top-level fields) with the indexes
         of its engines (with engine autoscaling: of its slots, running or not): the first model's
         from 0, each further model's after the previous ones."""
-        out: list[tuple[ServedModel | None, list[int]]] = [(None, list(range(len(self.resolved_specs()))))]
+        out: list[tuple[ServedModel | None, list[int]]] = [(None, list(range(_slot_count(self))))]
         start = len(out[0][1])
         for served in self.models:
-            count = len(self._served_specs(served))
+            count = _slot_count(served)
             out.append((served, list(range(start, start + count))))
             start += count
         return out

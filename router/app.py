@@ -22,7 +22,7 @@ from engine_core.sched.scheduler import PAUSE_MODES
 from engine_core.sleep_mode import SLEEP_LEVELS, check_sleep, wake_up_tags
 from router.classification import CLASSIFY_PATHS, ClassificationRequest, ClassificationServing, classifier_params
 from router.cohere_embed import COHERE_EMBED_PATH, CohereEmbedRequest, CohereEmbedServing
-from router.detached import run_to_completion
+from router.detached import runs_to_completion
 from router.embeddings import EmbeddingRequest, EmbeddingsServing, check_embeds
 from router.invocations import INVOCATIONS_PATH, InvocationType, invoke
 from router.messages import (
@@ -302,22 +302,24 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
+        @runs_to_completion  # (both, even if this client leaves)
         async def delete_and_drop() -> None:
             deleted = await responses.delete(response_id)
             if deleted.response.get("status") in UNFINISHED:  # (a background one: nobody will read it)
                 await drop_background(deleted)
 
-        await run_to_completion(delete_and_drop())  # (both, even if this client leaves)
+        await delete_and_drop()
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
+        @runs_to_completion  # (both, even if this client leaves)
         async def cancel_and_drop() -> dict[str, Any]:
             cancelled = await responses.cancel(response_id)
             await drop_background(cancelled)
             return cancelled.response
 
-        return JSONResponse(await run_to_completion(cancel_and_drop()))  # (both, even if this client leaves)
+        return JSONResponse(await cancel_and_drop())
 
     def model_card(owner: OpenAIServing, lora: LoRARequest | None = None, name: str | None = None) -> ModelCard:
         """A model's card (``name``: one of its aliases), or an adapter's."""

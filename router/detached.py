@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # Detached tasks still running (the event loop keeps only weak references to tasks).
 _running: set[asyncio.Task] = set()
@@ -45,6 +47,16 @@ async def run_to_completion(coro: Coroutine[Any, Any, T]) -> T:
     except asyncio.CancelledError:
         task.add_done_callback(_log_unheard_failure)  # (also when it ended meanwhile)
         raise
+
+
+def runs_to_completion(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """A coroutine function each call of which runs to completion (``run_to_completion``)."""
+
+    @functools.wraps(fn)
+    async def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        return await run_to_completion(fn(*args, **kwargs))
+
+    return run
 
 
 def _log_unheard_failure(task: asyncio.Task) -> None:

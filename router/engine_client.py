@@ -31,7 +31,7 @@ from engine_core.channel import (
 )
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
-from router.detached import detached_task, run_to_completion
+from router.detached import detached_task, runs_to_completion
 from router.request_timeline import RequestTimeline, current_timeline
 
 logger = logging.getLogger(__name__)
@@ -439,8 +439,10 @@ class EngineClient:
             self.on_engine_restart(slot.index)
         logger.info("engine %d is back", slot.index)
 
+    @runs_to_completion
     async def refresh_health(self, timeout_s: float = 2.0) -> list[bool]:
-        """Ask every engine; a failure marks it unhealthy (the pump brings it back)."""
+        """Ask every engine; a failure marks it unhealthy (the pump brings it back). To its end even
+        if the /health client leaves: a probe cancelled with it would mark its engine unhealthy."""
 
         async def probe(slot: _EngineSlot) -> None:
             if slot.handle is None:  # (no engine in this slot: nothing to ask)
@@ -452,10 +454,5 @@ class EngineClient:
             except Exception as e:
                 self._mark_unhealthy(slot, e)
 
-        async def probe_all() -> None:
-            await asyncio.gather(*(probe(s) for s in self._slots))
-
-        # (To its end even if the /health client leaves: a probe cancelled with it would mark its
-        # engine unhealthy.)
-        await run_to_completion(probe_all())
+        await asyncio.gather(*(probe(s) for s in self._slots))
         return self.healthy()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from engine_core.outputs import LoRARequest
-from router.detached import run_to_completion
+from router.detached import runs_to_completion
 from router.serving import APIError, OpenAIServing, bad_request, unknown_model
 
 
@@ -60,13 +60,11 @@ class ModelServings:
             owner = next((s for s in asking if name in s.lora_adapters), None)
         return owner
 
+    @runs_to_completion
     async def load_lora_adapter(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
         """Load an adapter on the engines of ``base_model_name`` (by default the first model that
         takes runtime adapters). Its name must not be a model's or another adapter's of any model.
         Once begun it finishes (on every engine or on none) even if the client leaves."""
-        return await run_to_completion(self._load_lora_adapter(name, path, base_model_name))
-
-    async def _load_lora_adapter(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
         if base_model_name is None:
             owner = next((s for s in self.all if s.settings.allow_runtime_lora_updating), self.default)
         else:
@@ -81,11 +79,9 @@ class ModelServings:
                 raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
             return await owner.load_lora_adapter(name, path)
 
+    @runs_to_completion
     async def unload_lora_adapter(self, name: str) -> None:
         """Unload an adapter from its engines; once begun it finishes even if the client leaves."""
-        await run_to_completion(self._unload_lora_adapter(name))
-
-    async def _unload_lora_adapter(self, name: str) -> None:
         owner = await self._adapter_owner(name)
         if owner is None or not owner.settings.allow_runtime_lora_updating:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")

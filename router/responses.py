@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.detached import detached_task, run_to_completion
+from router.detached import detached_task, runs_to_completion
 from router.parsed_output import ParsedDelta
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, cache_salt_field, invalid
 from router.response_store import UNFINISHED, EventsPage, MissingResponseError, Stopped
@@ -587,10 +587,7 @@ class ResponsesServing:
                 "output": [], "usage": None,
                 **request.echo_fields(storing, self.serving.defaulted_sampling(chat))}
         if request.background:
-            # (Stored and started to the end even if the client leaves meanwhile: no queued entry
-            # is left behind that nobody generates.)
-            return await run_to_completion(self._start_background(base, chat, session_id, request, history,
-                                                                  previous_serial))
+            return await self._start_background(base, chat, session_id, request, history, previous_serial)
         # (A client's id may name two requests at once: their engine requests' ids add a random part.)
         engine_base = response_id if request.request_id is None else f"{response_id}-{secrets.token_hex(4)}"
         run = await self.serving.start_chat_as(chat, session_id, response_id, _CHAT_ERROR_PARAM, engine_base)
@@ -633,6 +630,7 @@ class ResponsesServing:
             items.add(parsed_whole(run.choices[0]))
         return self._final(base, run, items)
 
+    @runs_to_completion  # (stored and started even if the client leaves: no queued entry nobody generates)
     async def _start_background(self, base: dict[str, Any], chat: ChatCompletionRequest, session_id: str | None,
                                 request: ResponsesRequest, history: list[dict[str, Any]] | None,
                                 previous_serial: int | None) -> dict[str, Any] | SSEStream:
@@ -687,6 +685,11 @@ class ResponsesServing:
             if await settle(response) and recorder is not None:
                 recorder.add([sse_event("response.failed", recorder.next_sequence, response=response)])
 
+        async def end_for_shutdown() -> None:
+            await end_failed("the router replica generating it shut down")
+            if recorder is not None:
+                await recorder.finish()
+
         async def generate() -> None:
             try:
                 if not await settle(base | {"status": "in_progress"}):
@@ -711,22 +714,14 @@ class ResponsesServing:
                 if recorder is not None:
                     await recorder.finish()
             except asyncio.CancelledError:  # the replica is shutting down
-
-                async def end() -> None:
-                    await end_failed("the router replica generating it shut down")
-                    if recorder is not None:
-                        await recorder.finish()
-
-                await asyncio.shield(end())
+                await asyncio.shield(end_for_shutdown())
                 raise
             finally:
                 for stream in run.streams:  # (a finished stream ignores it; another is aborted)
                     await stream.close()
 
         if self._closing:  # (shut_down began while it started: it ends as those shut_down stopped)
-            await end_failed("the router replica generating it shut down")
-            if recorder is not None:
-                await recorder.finish()
+            await end_for_shutdown()
             for stream in run.streams:
                 await stream.close()
         else:

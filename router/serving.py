@@ -31,7 +31,7 @@ from engine_core.sampling_params import SamplingParams, logprobs_count
 from router.bad_words import bad_words_token_ids
 from router.chat_parsing import ChatOutputParser
 from router.content_format import resolve_content_format, template_content
-from router.detached import run_to_completion
+from router.detached import run_to_completion, runs_to_completion
 from router.detokenizer import IncrementalDetokenizer, fast_decoder
 from router.engine_client import (
     EngineClient,
@@ -431,15 +431,13 @@ class OpenAIServing:
 
     # -- operators' endpoints (--server-dev-mode): every engine of this model at once ------------------
 
+    @runs_to_completion
     async def _each_engine(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every engine concurrently; a 503 naming the engines that failed."""
+        """Call ``method`` on every engine concurrently; a 503 naming the engines that failed. (On
+        every engine even if the operator's client leaves: not on some of them.)"""
         engines = self.client.present()
         handles = [self.client.handle(engine) for engine in engines]
-        async def call_all() -> list[Any]:
-            return await asyncio.gather(*(getattr(h, method).remote(*args) for h in handles), return_exceptions=True)
-
-        # (On every engine even if the operator's client leaves: not on some of them.)
-        results = await run_to_completion(call_all())
+        results = await asyncio.gather(*(getattr(h, method).remote(*args) for h in handles), return_exceptions=True)
         failed = {engine: r for engine, r in zip(engines, results, strict=True) if isinstance(r, BaseException)}
         if failed:
             detail = "; ".join(f"engine {e}: {_remote_message(r)}" for e, r in failed.items())  # type: ignore[arg-type]

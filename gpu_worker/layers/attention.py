@@ -105,7 +105,8 @@ class PagedAttention(nn.Module):
                 return decode_out.reshape(nd, self.num_heads * head_dim)
         out = torch.empty_like(q)
         if decode_out is not None:
-            out[:nd] = decode_out.reshape(nd, self.num_heads, head_dim)
+            # (One strided copy, whatever its layout: [nd, heads, hd], or SDPA's [nd, kv_heads, groups, hd].)
+            out[:nd].unflatten(1, decode_out.shape[1:-1]).copy_(decode_out)
         gqa = self.num_groups > 1
         for span in meta.prefills:
             s, e = span.token_start, span.token_end
