@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,12 +13,7 @@ import httpx
 from cluster.app import router_deployment, start_cluster, stop_cluster, stop_router_helpers
 from cluster.config import ClusterConfig
 from cluster.launcher import EngineHandle
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def wait_ready(base: str, timeout: float = 120.0) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 
-from tests.serve_cluster import free_port
+from tests.ports import free_port
 
 
 def prometheus_binary() -> str | None:

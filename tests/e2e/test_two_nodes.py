@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve_cluster import free_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

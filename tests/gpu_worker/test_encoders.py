@@ -343,7 +343,7 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind):
     included, as on one; no rank keeps a KV cache."""
     ray = pytest.importorskip("ray")
     from gpu_worker.worker import Worker
-    from tests.gpu_worker.utils import free_port
+    from tests.ports import free_port
 
     path, _ = save_tiny_encoder(tmp_path, kind, num_labels=3, vocab_size=251)
     prompts = random_prompts(5, seed=6)

@@ -16,8 +16,9 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.sched.scheduler import Scheduler
 from gpu_worker.lora.peft_adapter import load_peft_adapter
 from gpu_worker.worker import Worker
-from tests.gpu_worker.utils import free_port, hf_greedy, load_hf, run_to_completion, save_tiny_model
+from tests.gpu_worker.utils import hf_greedy, load_hf, run_to_completion, save_tiny_model
 from tests.lora_adapters import peft_model, save_adapter
+from tests.ports import free_port
 
 MAX_TOKENS = 8
 

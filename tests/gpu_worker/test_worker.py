@@ -15,12 +15,12 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.kv_cache import kv_cache_bytes_per_block, model_bytes_per_block
 from gpu_worker.worker import Worker
 from tests.gpu_worker.utils import (
-    free_port,
     greedy_request,
     make_scheduler,
     run_to_completion,
     save_tiny_model,
 )
+from tests.ports import free_port
 
 
 def test_bytes_per_block_formula(tmp_path):

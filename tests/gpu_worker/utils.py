@@ -183,11 +183,3 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
                                 do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                 eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
