@@ -3,7 +3,9 @@
 Text is released only when it is stable: a token window whose decode ends in U+FFFD (a multi-byte
 character split across tokens) is held back until the next token completes it, and text that could
 still turn out to be the start of a stop string is held back until it cannot. At the end, the text
-released over the whole stream equals the full decode of the tokens (minus a matched stop string).
+released over the whole stream equals the decode of the tokens as they read after the prompt (minus
+a matched stop string): for byte-level vocabularies, the full decode of the generated tokens; for
+SentencePiece ones, that with the leading space a decode from the start would strip.
 """
 
 from __future__ import annotations
@@ -99,15 +101,21 @@ class IncrementalDetokenizer:
         return self._release(final=self.stop_reason is not None)
 
     def finish(self) -> str:
-        """The sequence ended: release everything left, fixing up the tail against a full decode."""
-        if self.stop_reason is None:
-            full = self._decode(self.token_ids, self.skip_special_tokens)
-            if full.startswith(self.output_text):
-                self.output_text = full
-            else:
-                # The windowed decode disagreed only within unreleased text: take the full decode
-                # from where the released text ends.
-                self.output_text = self.output_text[:self._released] + full[self._released:]
+        """The sequence ended: release everything left, with the text of any tokens still held back
+        (an incomplete character at the very end reads as U+FFFD, as in a full decode)."""
+        if self.stop_reason is None and self._read_offset < len(self._tokens):
+            # Decoded in a window after the settled text, as every other token was: a decode of the
+            # generated tokens alone would differ at its start (SentencePiece strips a leading space).
+            decode, skip = self._decode, self.skip_special_tokens
+            start = self._prefix_offset if self._stream is None else max(0, self._read_offset - _CONTEXT_TOKENS)
+            settled = decode(self._tokens[start:self._read_offset], skip)
+            text = decode(self._tokens[start:], skip)
+            if not text.startswith(settled):
+                # Byte-fallback tokens decode as one run: complete characters before the broken one
+                # would turn to U+FFFD with it. The held-back tokens alone are the broken character.
+                settled, text = "", decode(self._tokens[self._read_offset:], skip)
+            self._read_offset = len(self._tokens)
+            self.output_text += text[len(settled):]  # (not searched for stop strings: the request has ended)
         return self._release(final=True)
 
     def _stream_step(self, token_id: int) -> None:

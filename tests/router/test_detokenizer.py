@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from router.detokenizer import IncrementalDetokenizer, fast_decoder
 
-from .tokenizer_factory import CORPUS, byte_level_tokenizer
+from .tokenizer_factory import CORPUS, byte_level_tokenizer, sentencepiece_style_tokenizer
 
 TEXTS = ["Hello 😀 world", "東京は日本の首都です。", "naïve café 🚀🚀", "新しい文字 🎉 ß",
          "def main():\n    return 42\n"]
@@ -37,6 +37,65 @@ def test_random_token_streams_concatenate_to_the_full_decode(ids, chunk, use_str
     prompt = tok.encode("Paris is")
     pieces = stream(IncrementalDetokenizer(tok, prompt_token_ids=prompt, use_decode_stream=use_stream), ids, chunk)
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+
+
+def _text_after(tok, prompt: list[int], ids: list[int]) -> str:
+    """The generated tokens' text as it reads after the prompt."""
+    prompt_text, full = tok.decode(prompt), tok.decode(prompt + ids, skip_special_tokens=True)
+    assert full.startswith(prompt_text)
+    return full[len(prompt_text):]
+
+
+def _byte_tokens(tok, char: str) -> list[int]:
+    return tok.convert_tokens_to_ids([f"<0x{b:02X}>" for b in char.encode()])
+
+
+# Pieces of SentencePiece-style generations: vocabulary tokens (specials too), or characters outside
+# the vocabulary, which arrive as <0xNN> byte tokens.
+_SP_PIECES = st.one_of(st.integers(0, 299), st.sampled_from(["ü", "ñ", "ß", "中", "🎉"]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_SP_PIECES, min_size=1, max_size=30), st.integers(1, 4), st.booleans(),
+       st.sampled_from([[], ["zzzz"], ["\n\n", "###"]]))
+def test_sentencepiece_streams_read_as_after_the_prompt_whatever_the_stop_strings(pieces, chunk, use_stream, stop):
+    """A decode from the start strips the first token's space; the stream keeps it, as it reads after
+    the prompt. With stop strings that never match, the held-back tail is released unchanged."""
+    tok = sentencepiece_style_tokenizer()
+    ids = [i for p in pieces for i in ([p] if isinstance(p, int) else _byte_tokens(tok, p))]
+    prompt = tok.encode("Paris is", add_special_tokens=False)
+    text = _text_after(tok, prompt, ids)
+    if any(s in text for s in stop):
+        return
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt, stop=stop, use_decode_stream=use_stream)
+    assert "".join(stream(detok, ids, chunk)) == text
+
+
+@pytest.mark.parametrize("use_stream", [True, False], ids=["decode_stream", "windowed"])
+@pytest.mark.parametrize("stop", [[], ["zzzz"]])
+def test_a_generation_cut_inside_a_character_ends_with_one_replacement_per_byte_left(use_stream, stop):
+    """Cut by max_tokens inside a character: the characters before it stay, whether or not their
+    bytes came as byte tokens too (a decode of the whole byte run would turn them to U+FFFD)."""
+    tok = sentencepiece_style_tokenizer()
+    prompt = tok.encode("Paris is", add_special_tokens=False)
+    for words in ["ü🎉", "café 🎉", "go 🎉"]:
+        ids = tok.encode(words, add_special_tokens=False)
+        for cut in (1, 2, 3):
+            detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt, stop=stop, use_decode_stream=use_stream)
+            assert "".join(stream(detok, ids[:-cut])) == " " + words[:-1] + "\ufffd" * (4 - cut), (words, cut)
+
+
+@pytest.mark.parametrize("use_stream", [True, False], ids=["decode_stream", "windowed"])
+def test_sentencepiece_text_keeps_its_first_space_and_its_last_characters(use_stream):
+    tok = sentencepiece_style_tokenizer()
+    prompt = tok.encode("Paris is", add_special_tokens=False)
+    for words in ["the capital of France", "naïve café 😀", "ü"]:
+        ids = tok.encode(words, add_special_tokens=False)
+        for stop in ([], ["!!"], ["zzzz"]):
+            detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt, stop=stop, use_decode_stream=use_stream)
+            pieces = stream(detok, ids)
+            assert "".join(pieces) == " " + words, (words, stop)
+            assert all("\ufffd" not in p for p in pieces)
 
 
 @pytest.mark.parametrize("use_stream", [True, False], ids=["decode_stream", "windowed"])
