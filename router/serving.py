@@ -977,7 +977,7 @@ class OpenAIServing:
                 rows, offset = [], len(prefix)
                 if request.echo:
                     rows, offset = _prompt_logprob_rows(prompt_ids[c.index // request.n], c.prompt_logprobs), 0
-                logprobs = CompletionLogprobs(**self._completion_logprobs(rows + c.logprobs, offset,
+                logprobs = CompletionLogprobs(**self._completion_logprobs(rows + c.logprobs, offset, request.logprobs,
                                                                           self._as_token_ids(request))[0])
             ids = prompt_ids[c.index // request.n]
             out.append(CompletionChoice(index=c.index, text=prefix + c.detok.output_text, logprobs=logprobs,
@@ -1014,7 +1014,7 @@ class OpenAIServing:
             if index in echo_pending:
                 echo_pending.discard(index)
                 prompt_lp, text_offsets[index] = self._completion_logprobs(
-                    _prompt_logprob_rows(prompt_ids[index // n], event.choice.prompt_logprobs), 0,
+                    _prompt_logprob_rows(prompt_ids[index // n], event.choice.prompt_logprobs), 0, request.logprobs,
                     self._as_token_ids(request))
                 yield completion_token_chunk(request_id, created, model, index, prompt_texts[index // n], prompt_lp,
                                              None, None, ids=token_ids.opening(index) if token_ids else None)
@@ -1025,7 +1025,7 @@ class OpenAIServing:
                 continue
             if request.logprobs is not None and event.logprobs:
                 logprobs, text_offsets[index] = self._completion_logprobs(event.logprobs, text_offsets[index],
-                                                                          self._as_token_ids(request))
+                                                                          request.logprobs, self._as_token_ids(request))
             yield completion_token_chunk(request_id, created, model, index, event.text, logprobs,
                                          event.finish_reason, event.stop_reason,
                                          _running_usage(len(prompt_ids[index // n]), event) if running_usage else None,
@@ -1461,20 +1461,28 @@ class OpenAIServing:
                 {"token": (t := label(tid)), "logprob": lp, "bytes": list(t.encode())} for tid, lp in top]})
         return {"content": content}
 
-    def _completion_logprobs(self, rows: list[tuple[int, float, list[tuple[int, float]]]],
-                             offset: int, as_ids: bool = False) -> tuple[dict[str, Any], int]:
+    def _completion_logprobs(self, rows: list[tuple[int, float | None, list[tuple[int, float]]]], offset: int,
+                             num_top: int, as_ids: bool = False) -> tuple[dict[str, Any], int]:
         """The ``CompletionLogprobs`` JSON of some tokens whose text starts at ``offset`` in the
         choice's text, and the offset after them (offsets follow the text even when tokens are
-        named by id)."""
+        named by id). Each token's ``top_logprobs`` holds the token itself and the ``num_top`` most
+        likely (OpenAI's "up to logprobs+1", as vLLM's): {token: logprob} alone for logprobs=0."""
         label = self._token_label(as_ids)
         text_offset, token_logprobs, tokens, top_logprobs = [], [], [], []
         for token_id, logprob, top in rows:
             text = self.token_text(token_id)
-            tokens.append(label(token_id) if as_ids else text)
+            name = label(token_id) if as_ids else text
+            tokens.append(name)
             token_logprobs.append(logprob)
             text_offset.append(offset)
             offset += len(text)
-            top_logprobs.append({label(tid): lp for tid, lp in top} if top else None)
+            if logprob is None:  # (the prompt's first token: nothing precedes it)
+                top_logprobs.append(None)
+                continue
+            alternatives = {name: logprob}
+            for tid, lp in top[:num_top]:
+                alternatives.setdefault(label(tid), lp)
+            top_logprobs.append(alternatives)
         return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens,
                 "top_logprobs": top_logprobs}, offset
 

@@ -71,7 +71,11 @@ def test_beam_search_finds_the_beams_greedy_misses_and_each_round_is_one_token()
     assert [c["finish_reason"] for c in choices] == ["length", "length"]
     sums = [sum(c["logprobs"]["token_logprobs"]) for c in choices]
     assert sums == pytest.approx([math.log(0.35) + math.log(0.98), math.log(0.6) + math.log(0.32)])
-    assert all(len(top) == 1 for c in choices for top in c["logprobs"]["top_logprobs"])  # logprobs=1
+    # logprobs=1: each token's row names it and the most likely token (one entry where they are one).
+    for c in choices:
+        for token, logprob, top in zip(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"],
+                                       c["logprobs"]["top_logprobs"], strict=True):
+            assert top[token] == logprob and len(top) <= 2 and max(top.values()) >= logprob
     assert r.json()["usage"]["completion_tokens"] == 4
     prompt = TOKENIZER.encode("hi")
     # Round 1 sends the prompt, round 2 each live beam; every request is for one token and 2n alternatives.

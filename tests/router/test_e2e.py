@@ -461,6 +461,8 @@ def test_logprobs(client):
         assert item.logprob == pytest.approx(max(t.logprob for t in item.top_logprobs), abs=1e-5)
     comp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
     assert len(comp.choices[0].logprobs.tokens) == 3 and len(comp.choices[0].logprobs.top_logprobs[0]) == 2
+    rows = comp.choices[0].logprobs
+    assert all(top[token] == lp for token, lp, top in zip(rows.tokens, rows.token_logprobs, rows.top_logprobs))
     # Echo with logprobs scores the prompt too (its first token has none), as evaluation harnesses need.
     prompt = "Paris is the capital of"
     echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=1,

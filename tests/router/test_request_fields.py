@@ -53,6 +53,8 @@ class ScriptedEngine:
         self.num_pooled = num_pooled  # the values of a pooled output (a classifier's: one per class)
         # Each token's logprob (and its best alternative's, one less); None: -0.5 each, no alternatives.
         self.logprob_of: Callable[[int], float] | None = None
+        # How many alternatives each prompt position's logprobs name (tokens 0, 1, ... at -5, -6, ...).
+        self.prompt_alternatives = 0
 
     def send(self, message: object) -> None:
         encode_frame(message)  # what the real channel would put on the wire must encode
@@ -81,7 +83,8 @@ class ScriptedEngine:
             logprobs = self._logprobs(token, params.logprobs) if params.logprobs is not None else None
             # Prompt logprobs: position p scores token p + 1 with -p/10, so tests can tell them apart.
             num_prompt = len(request.prompt_token_ids)
-            prompt_logprobs = (LogprobsEntry([-p / 10 for p in range(1, num_prompt)], [[]] * (num_prompt - 1))
+            alternatives = [(j, -5.0 - j) for j in range(min(self.prompt_alternatives, params.prompt_logprobs or 0))]
+            prompt_logprobs = (LogprobsEntry([-p / 10 for p in range(1, num_prompt)], [alternatives] * (num_prompt - 1))
                                if i == 0 and params.prompt_logprobs is not None else None)
             outputs.append(EngineCoreOutput(request.request_id, [token], self.finish if last else None,
                                             self.stop_reason if last else None, logprobs, self.num_cached_tokens,
@@ -350,6 +353,36 @@ def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs_only(stream)
     assert logprobs["tokens"] == [TOKENIZER.decode([t]) for t in ids]
     assert logprobs["token_logprobs"] == [None] + [-p / 10 for p in range(1, len(ids))]
     assert logprobs["text_offset"][0] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_top_logprobs_hold_the_sampled_token_and_the_asked_alternatives(stream):
+    """OpenAI's "up to logprobs+1" (vLLM's too): the sampled token is named even when it is not among
+    the most likely; logprobs=0 names it alone; echoed prompt rows are cut to logprobs even when
+    prompt_logprobs asked the engine for more."""
+    http, engine = _app()
+    engine._logprobs = lambda token, k: LogprobsEntry([-2.0], [[(token + 1, -0.25), (token + 2, -0.5)][:k]])
+    engine.prompt_alternatives = 3
+    prompt, text = "Paris is", TOKENIZER.decode
+
+    def logprobs_of(body: dict) -> dict:
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3, "stream": stream,
+                                               **body})
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()["choices"][0]["logprobs"]
+        parts = [e["choices"][0]["logprobs"] for e in _events(r.text) if e["choices"][0]["logprobs"]]
+        return {key: [v for part in parts for v in part[key]] for key in ("tokens", "top_logprobs")}
+
+    answer = TOKENIZER.encode(TEXT)[:3]
+    assert logprobs_of({"logprobs": 1})["top_logprobs"] == [{text([t]): -2.0, text([t + 1]): -0.25} for t in answer]
+    assert logprobs_of({"logprobs": 0})["top_logprobs"] == [{text([t]): -2.0} for t in answer]
+    if not stream:  # (prompt_logprobs are not streamed)
+        echoed = logprobs_of({"logprobs": 1, "echo": True, "prompt_logprobs": 3})
+        prompt_ids = TOKENIZER.encode(prompt)
+        assert echoed["top_logprobs"][0] is None
+        assert echoed["top_logprobs"][1:len(prompt_ids)] == [{text([t]): -p / 10, text([0]): -5.0}
+                                                             for p, t in enumerate(prompt_ids[1:], 1)]
 
 
 def test_streamed_echo_with_logprobs_sends_the_prompt_then_continues_the_offsets():
