@@ -473,17 +473,22 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         owner = await servings.for_model(body.model)
         await owner.resolve_model(body.model)  # (adapters share the base model's tokenizer)
         if body.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] or None
             tokens = owner.render_messages(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                           body.chat_template_kwargs, chat_template=body.chat_template)
+                                           body.chat_template_kwargs, tools, add_special_tokens=bool(
+                                               body.add_special_tokens), chat_template=body.chat_template)
         else:
-            tokens = list(owner.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=owner.settings.max_model_len)
+            add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = list(owner.tokenizer.encode(body.prompt, add_special_tokens=add_special_tokens))
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=owner.settings.max_model_len,
+                                token_strs=owner.tokenizer.convert_ids_to_tokens(tokens)
+                                if body.return_token_strs else None)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         owner = await servings.for_model(body.model)
         await owner.resolve_model(body.model)
-        owner.tokenize_prompt(body.tokens)  # validates the id range
+        owner.tokenize_prompt(body.tokens, param="tokens")  # validates the id range
         return DetokenizeResponse(prompt=owner.tokenizer.decode(body.tokens))
 
     @app.get("/metrics")

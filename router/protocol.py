@@ -77,6 +77,8 @@ class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="ignore")
+    # Fields whose null means something other than their default.
+    _NULL_KEPT: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
@@ -87,7 +89,7 @@ class SamplingFields(BaseModel):
             fields = cls.model_fields
             _warn_ignored(cls.__name__, [k for k in data if k not in fields])
             return {k: v for k, v in data.items()
-                    if v is not None or k not in fields or fields[k].is_required()}
+                    if v is not None or k not in fields or fields[k].is_required() or k in cls._NULL_KEPT}
         return data
 
     @model_validator(mode="after")
@@ -125,7 +127,8 @@ class SamplingFields(BaseModel):
             if fmt.get("type") == "json_object":
                 asked.append(("response_format", {"json_object": True}))
             elif fmt.get("type") == "json_schema":
-                schema = (fmt.get("json_schema") or {}).get("schema")
+                json_schema = fmt.get("json_schema")
+                schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
                 if not isinstance(schema, dict):
                     raise invalid("response_format", "response_format json_schema needs json_schema.schema (an object)")
                 asked.append(("response_format", {"json": schema}))
@@ -236,8 +239,10 @@ class CompletionRequest(SamplingFields):
                           "``prompt``.")
     echo: bool = Field(False, description="Prepend the prompt to the completion.")
     logprobs: int | None = Field(None, ge=-1, description="Top logprobs per token (-1: all; at most --max-logprobs).")
-    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt (and its logprobs) alone.")
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt (and its logprobs) alone; "
+                                                         "null: up to the context's end (as vLLM's).")
     suffix: str | None = None
+    _NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
 
     @model_validator(mode="after")
     def _prompt_not_empty(self) -> CompletionRequest:
@@ -581,20 +586,28 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
+    """vLLM's two tokenize requests in one: ``prompt``, or ``messages`` written as chat writes them."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True
+    # Whether the tokenizer adds its own special tokens (BOS): by default for a prompt, not for
+    # messages, whose chat template writes them (as vLLM's defaults, and as chat sends them).
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = Field(False, description="Also each token as the vocabulary spells it.")
     # With messages, as on chat completions.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = Field(None, description="With messages: the tools the template shows.")
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.tools and self.messages is None:
+            raise invalid("tools", "tools go with messages")
         if self.continue_final_message and self.add_generation_prompt:
             raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
                           "be true")
@@ -605,6 +618,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(BaseModel):

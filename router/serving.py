@@ -637,12 +637,13 @@ class OpenAIServing:
             out.append(embeds)
         return out
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+    def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """Text's token ids, or token ids checked against the vocabulary (``param``: the field that gave them)."""
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
         vocab = len(self.tokenizer)
         if any(t < 0 or t >= vocab for t in prompt):
-            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+            raise bad_request(f"{param} token ids must be in [0, {vocab})", param)
         return list(prompt)
 
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
@@ -654,15 +655,18 @@ class OpenAIServing:
                               f"the prompt has {prompt_len}.", "messages" if isinstance(
                                   request, ChatCompletionRequest) else "prompt")
         defaults = self.settings.default_sampling_params
+        # (The field the request set: chat prefers max_completion_tokens.)
+        limit = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None \
+            else "max_tokens"
         if max_tokens is None:
             max_tokens = room
         elif request.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens ({request.min_tokens}) must be less than or equal to max_tokens "
+            raise bad_request(f"min_tokens ({request.min_tokens}) must be less than or equal to {limit} "
                               f"({max_tokens})", "min_tokens")
         elif max_tokens > room:
             raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens. "
                               f"You requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                              f"{max_tokens} for the completion).", "max_tokens")
+                              f"{max_tokens} for the completion: {limit}).", limit)
         if defaults.get("max_tokens", max_tokens) < max_tokens:  # (its max_new_tokens: a cap, as in vLLM)
             max_tokens = defaults["max_tokens"]
             if request.min_tokens > max_tokens:
@@ -952,7 +956,8 @@ class OpenAIServing:
             engine = self.choose_engine(ids, session_id, chosen, lora, request.n, request.cache_salt, embeds)
             for c in self._new_choices(request.n, [] if embeds is not None else ids, request):
                 # max_tokens=0 (echo only): one token is generated and dropped, as vLLM does.
-                params = self.sampling_params(request, len(ids), request.max_tokens or 1, request.logprobs, c.index,
+                params = self.sampling_params(request, len(ids), 1 if request.max_tokens == 0 else request.max_tokens,
+                                              request.logprobs, c.index,
                                               prompt_logprobs=_max_or_none(request.logprobs if request.echo else None,
                                                                            request.prompt_logprobs))
                 c.index = p_index * request.n + c.index
@@ -1126,7 +1131,8 @@ class OpenAIServing:
         except APIError as e:
             if e.param in param_names:
                 e.param = param_names[e.param]
-                e.message = e.message.replace("max_tokens", param_names.get("max_tokens", "max_tokens"))
+                for chat_name in ("max_completion_tokens", "max_tokens"):
+                    e.message = e.message.replace(chat_name, param_names.get(chat_name, chat_name))
             raise
 
     async def finish_chat(self, run: ChatRun) -> None:

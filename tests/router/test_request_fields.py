@@ -176,6 +176,15 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": "s"}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": [1]}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 10**6}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ("/detokenize", {"tokens": [len(TOKENIZER)]}, "tokens"),
+    ("/tokenize", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "objekt"}}}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "(a"}, "guided_regex"),
@@ -189,11 +198,12 @@ MESSAGES = [{"role": "user", "content": "hi"}]
      "messages"),
 ])
 def test_refused_fields_name_their_parameter(path, body, param):
-    http, engine = _app()
+    http, engine = _app(tokenizer=CHAT_TOKENIZER)
     r = http.post(path, json={"model": "tiny", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert param != "messages" or "'image_url' is not supported" in r.json()["error"]["message"]
+    assert "max_completion_tokens" not in body or "max_completion_tokens" in r.json()["error"]["message"]
     assert not engine.requests  # nothing reached the engine
 
 
@@ -209,6 +219,12 @@ def test_null_optional_fields_take_their_defaults():
     assert (params.temperature, params.top_p, params.presence_penalty, params.seed) == (1.0, 1.0, 0.0, None)
     # Required fields stay required.
     assert http.post("/v1/completions", json={"model": "tiny", "prompt": None}).status_code == 400
+    # Completions' max_tokens: left out, OpenAI's 16; null (the openai client's max_tokens=None), up to
+    # the context's end, as vLLM reads it.
+    prompt_len = len(TOKENIZER.encode("hi"))
+    for body, max_tokens in (({}, 16), ({"max_tokens": None}, 256 - prompt_len)):
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", **body}).status_code == 200
+        assert engine.requests[-1].sampling_params.max_tokens == max_tokens
 
 
 def test_accepted_forms_of_response_format_and_tools():

@@ -425,6 +425,23 @@ def test_continue_final_message_leaves_the_last_message_open():
         assert http.post("/tokenize", json={"model": "tiny", **bad}).status_code == 400, bad
 
 
+def test_tokenize_counts_a_conversation_with_its_tools_as_chat_sends_it():
+    """/tokenize with messages and tools gives the prompt chat completions sends for them (clients
+    budget max_tokens from it); return_token_strs spells each token as the vocabulary does."""
+    http, engine, serving = _app("It is sunny.")
+    chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "tools": [WEATHER],
+                                                   "tool_choice": "none", "max_tokens": 2})
+    assert chat.status_code == 200, chat.text
+    sent = engine.requests[-1].prompt_token_ids
+    assert "get_weather" in serving.tokenizer.decode(sent)
+    counted = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES, "tools": [WEATHER],
+                                           "return_token_strs": True}).json()
+    assert counted["tokens"] == sent and counted["count"] == len(sent)
+    assert counted["token_strs"] == serving.tokenizer.convert_ids_to_tokens(sent)
+    bare = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES}).json()
+    assert bare["count"] < len(sent) and bare["token_strs"] is None
+
+
 def test_a_trusting_server_runs_the_requests_own_template():
     """Under --trust-request-chat-template, a request's chat_template writes its conversation on
     chat and /tokenize (with the kwargs it is given); requests without one, or with "", keep the
