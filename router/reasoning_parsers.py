@@ -5,7 +5,8 @@
   the ``<think>`` in the prompt, so the answer may not repeat it); an answer cut off before
   ``</think>`` is all reasoning.
 - ``qwen3``: only an answer that opens with ``<think>`` reasons (Qwen3 with thinking switched off
-  writes none, and then everything is content).
+  writes none, and then everything is content), or one whose prompt ended with ``<think>`` (the
+  thinking-only templates of Qwen3-2507 open it there).
 
 Incremental like the tool-call parsers: ``feed(text)`` returns the (reasoning, content) that can be
 released now, holding back what may be the start of a tag; ``finish()`` the rest. A whole answer
@@ -58,9 +59,11 @@ class ReasoningParser:
         return (pending, "") if self._state == "reasoning" else ("", pending)
 
 
-def create_reasoning_parser(name: str) -> ReasoningParser:
+def create_reasoning_parser(name: str, starts_thinking: bool = False) -> ReasoningParser:
+    """``starts_thinking``: the prompt ended with ``<think>`` (Qwen3's thinking-only templates write
+    it there), so the answer reasons up to ``</think>`` without an opening tag of its own."""
     if name == "deepseek_r1":
         return ReasoningParser(needs_start_tag=False)
     if name == "qwen3":
-        return ReasoningParser(needs_start_tag=True)
+        return ReasoningParser(needs_start_tag=not starts_thinking)
     raise ValueError(f"unknown reasoning parser {name!r} (one of {', '.join(REASONING_PARSERS)})")

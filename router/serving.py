@@ -545,32 +545,41 @@ class OpenAIServing:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _thinks_before_constraint(self) -> bool:
-        """Whether an output constraint starts after the model's thinking: with deepseek_r1, whose
-        answers think first (up to ``</think>``), when ``</think>`` is one token of the vocabulary,
-        as the engine watches for it. (A qwen3 answer may not think at all, so its constraint
-        applies from the first token.)"""
-        return self.settings.reasoning_parser == "deepseek_r1" and self._think_end_id is not None
+    def _thinks_before_constraint(self, prompt_thinking: str) -> bool:
+        """Whether an output constraint starts after the model's thinking (up to ``</think>``, when
+        that is one token of the vocabulary, as the engine watches for it): with deepseek_r1, whose
+        answers think first, and after a prompt that opened the thinking. (A qwen3 answer may not
+        think at all, so its constraint otherwise applies from the first token.)"""
+        return self._think_end_id is not None and (
+            self.settings.reasoning_parser == "deepseek_r1" or prompt_thinking == "open")
 
-    def _prompt_closed_thinking(self, prompt_ids: list[int]) -> bool:
-        """The chat template already closed the thinking (a template with thinking switched off
-        writes ``<think></think>`` into the prompt): the answer has none to parse or wait for."""
-        end = self._think_end_id
-        if end is None:
-            return False
-        start = self._think_start_id
-        last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1) if start is not None else -1
-        return end in prompt_ids[last_start + 1:]
+    def _prompt_thinking(self, prompt_ids: list[int]) -> str:
+        """How the chat template left the thinking where the answer begins: "closed" (a template
+        with thinking switched off ends the prompt with ``<think></think>``: the answer has none to
+        parse or wait for), "open" (one that ends it with ``<think>``: the answer starts thinking,
+        and writes no opening tag), or "" (neither). Only the prompt's end counts: earlier assistant
+        turns a template writes back with their reasoning close nothing for this answer."""
+        last = -1
+        for tag in (self._think_start_id, self._think_end_id):
+            if tag is not None and tag in prompt_ids:
+                last = max(last, len(prompt_ids) - 1 - prompt_ids[::-1].index(tag))
+        # (At most blank lines follow a template's tag: a longer tail is an earlier turn's text.)
+        if last < 0 or len(prompt_ids) - last > 8 or \
+                self.tokenizer.decode(prompt_ids[last + 1:], skip_special_tokens=False).strip():
+            return ""
+        return "closed" if prompt_ids[last] == self._think_end_id else "open"
 
     def _chat_output_parser(self, request: ChatCompletionRequest, tool_choice: str | dict[str, Any],
-                            thinks: bool) -> ChatOutputParser | None:
+                            prompt_thinking: str) -> ChatOutputParser | None:
         """What splits a choice's text, if anything: the server's reasoning parser (when the answer
         may think: not after a prompt that closed the thinking, and under an output constraint only
         when the constraint starts after the thinking) and the tool-call parser the tool choice needs."""
         tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser)
         reasoning = None
-        if thinks and (request.structured_output is None or self._thinks_before_constraint()):
-            reasoning = create_reasoning_parser(self.settings.reasoning_parser)
+        if self.settings.reasoning_parser is not None and prompt_thinking != "closed" and (
+                request.structured_output is None or self._thinks_before_constraint(prompt_thinking)):
+            reasoning = create_reasoning_parser(self.settings.reasoning_parser,
+                                                starts_thinking=prompt_thinking == "open")
         if tools is None and reasoning is None:
             return None
         # (Under "required" the grammar itself allows one call only; under "auto" the parser keeps one.)
@@ -1095,7 +1104,8 @@ class OpenAIServing:
         elif engine_base is None:
             engine_base = request_id
         created = int(time.time())
-        thinks = self.settings.reasoning_parser is not None and not self._prompt_closed_thinking(ids)
+        prompt_thinking = self._prompt_thinking(ids) if self.settings.reasoning_parser is not None else ""
+        thinks = self.settings.reasoning_parser is not None and prompt_thinking != "closed"
         top = (request.top_logprobs or 0) if request.logprobs else None
         if request.use_beam_search:
             if tool_choice not in ("none", "auto"):
@@ -1105,15 +1115,15 @@ class OpenAIServing:
             choices = await self._beam_searches(request, [plan], engine_base, session_id, lora,
                                                 False if tool_choice == "auto" else None)
             for c in choices:
-                c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
+                c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
             return ChatRun(request_id, created, ids, choices, [])
         engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt)
         # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
         choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
         for c in choices:
-            c.output_parser = self._chat_output_parser(request, tool_choice, thinks)
+            c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
         # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
-        after = [self._think_end_id] if thinks and self._thinks_before_constraint() else None
+        after = [self._think_end_id] if thinks and self._thinks_before_constraint(prompt_thinking) else None
         jobs = [_Job(engine, choice_request_id(engine_base, c.index), ids,
                      self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                           prompt_logprobs=request.prompt_logprobs, structured_output_after=after))

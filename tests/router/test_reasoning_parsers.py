@@ -103,8 +103,10 @@ def test_an_output_constraint_starts_after_deepseek_r1s_thinking_and_rules_out_q
     params = engine.requests[0].sampling_params
     assert params.structured_output_after == [serving.tokenizer.convert_tokens_to_ids("</think>")]
     assert params.structured_output == {"json_object": True}
-    # A template that closed the thinking in the prompt (thinking switched off): no wait, no split.
-    closed = {**body, "messages": [{"role": "user", "content": "Answer now. <think></think>"}]}
+    # A prompt that closed the thinking where the answer begins (as a template with thinking switched
+    # off writes it; here an assistant turn the answer continues): no wait, no split.
+    closed = {**body, "messages": [*MESSAGES, {"role": "assistant", "content": "<think></think>"}],
+              "add_generation_prompt": False, "continue_final_message": True}
     http, engine, _ = _app('{"a": "x</think>"}', reasoning="deepseek_r1", think_tokens=True)
     message = http.post("/v1/chat/completions", json=closed).json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (None, '{"a": "x</think>"}')
@@ -122,3 +124,31 @@ def test_an_output_constraint_starts_after_deepseek_r1s_thinking_and_rules_out_q
     message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (None, '{"a": "<think>x</think>"}')
     assert engine.requests[0].sampling_params.structured_output_after is None
+
+
+def test_only_the_prompts_end_closes_or_opens_the_thinking():
+    """An earlier turn's thinking, written back by the template (Qwen3's does after a tool result),
+    closes nothing for the next answer; a prompt that ends by opening <think> (Qwen3-2507's
+    thinking-only templates) makes the answer's text up to </think> reasoning."""
+    earlier = [*MESSAGES, {"role": "assistant", "content": "<think>Look it up.</think>Rome is sunny."},
+               {"role": "user", "content": "and Paris?"}]
+    http, engine, serving = _app("<think>Again.</think>Paris is cloudy.", reasoning="qwen3", think_tokens=True)
+    message = http.post("/v1/chat/completions", json={"model": "tiny", "messages": earlier}).json()["choices"][0][
+        "message"]
+    assert "</think>" in serving.tokenizer.decode(engine.requests[0].prompt_token_ids)
+    assert (message["reasoning_content"], message["content"]) == ("Again.", "Paris is cloudy.")
+    opened = {"model": "tiny", "messages": [*MESSAGES, {"role": "assistant", "content": "<think>"}],
+              "add_generation_prompt": False, "continue_final_message": True}
+    for reasoning in ("qwen3", "deepseek_r1"):
+        http, engine, _ = _app("Let me think.</think>\n\nIt is 4.", reasoning=reasoning, think_tokens=True)
+        message = http.post("/v1/chat/completions", json=opened).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("Let me think.", "\n\nIt is 4."), reasoning
+        deltas = _deltas(http, opened)
+        assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "Let me think."
+        # Under an output constraint the grammar waits for the thinking to end, qwen3's too.
+        http, engine, serving = _app('Braces.</think>{"a": 1}', reasoning=reasoning, think_tokens=True)
+        message = http.post("/v1/chat/completions", json={**opened, "response_format": {"type": "json_object"}}
+                            ).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("Braces.", '{"a": 1}')
+        assert engine.requests[0].sampling_params.structured_output_after == [
+            serving.tokenizer.convert_tokens_to_ids("</think>")]
