@@ -369,7 +369,10 @@ class ChatCompletionRequest(SamplingFields):
             return
         from router.tool_choice import tool_choice_constraint
 
-        constraint = tool_choice_constraint(self.tool_dicts(), self.tool_choice_form(), self.parallel_tool_calls)
+        try:
+            constraint = tool_choice_constraint(self.tool_dicts(), self.tool_choice_form(), self.parallel_tool_calls)
+        except ValueError as e:
+            raise invalid("tools", str(e)) from e
         assert constraint is not None
         if self._structured_output is not None:
             raise invalid("tool_choice", "a named or required tool_choice cannot be combined with response_format "

@@ -23,11 +23,26 @@ def tool_choice_constraint(tools: list[dict[str, Any]], tool_choice: str | dict[
         return {"json": tool_parameters(tool)}
     if tool_choice != "required":
         return None
-    one_call = [{"type": "object",
-                 "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                "parameters": tool_parameters(t)},
-                 "required": ["name", "parameters"]} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
+    # A tool's "$ref": "#/$defs/X" points at its own schema's root; nested in the array below, the
+    # root is the array's, so every tool's definitions move there (as vLLM moves them).
+    definitions: dict[str, dict[str, Any]] = {}
+    one_call = []
+    for t in tools:
+        params = dict(tool_parameters(t))
+        for key in _DEFINITION_KEYS:
+            for name, schema in (params.pop(key, None) or {}).items():
+                if definitions.setdefault(key, {}).setdefault(name, schema) != schema:
+                    raise ValueError(f"tools define {key} {name!r} differently; under tool_choice \"required\" "
+                                     "every tool's definitions share one namespace")
+        one_call.append({"type": "object",
+                         "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                        "parameters": params},
+                         "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}, **definitions}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return {"json": schema}
+
+
+# Where JSON Schema keeps the definitions "$ref" points at (2019-09 on, and draft 7 before it).
+_DEFINITION_KEYS = ("$defs", "definitions")

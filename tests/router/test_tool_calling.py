@@ -4,6 +4,7 @@ engine's side played by a script (what is refused, what the response and the str
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -259,6 +260,37 @@ def test_constraints_for_named_and_required_choices_compile():
         check_structured_output(spec)
     assert tool_choice_constraint([WEATHER], "auto", True) is None
     assert tool_choice_constraint([WEATHER], "none", True) is None
+
+
+def test_required_choice_keeps_each_tools_definitions_reachable():
+    """Tools whose parameters "$ref" their own "$defs" (openai.pydantic_function_tool of nested models
+    writes them so) are usable under "required": the definitions move to the array's root, where
+    the references lead; two tools defining one name differently are refused."""
+    import xgrammar as xgr
+
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    trip = {"type": "function", "function": {"name": "book_trip", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}}, "required": ["to"],
+        "$defs": {"Place": place}}}}
+    visit = {"type": "function", "function": {"name": "visit", "parameters": {
+        "type": "object", "properties": {"where": {"$ref": "#/definitions/Place"}}, "required": ["where"],
+        "definitions": {"Place": place}}}}
+    spec = tool_choice_constraint([trip, visit, WEATHER], "required", True)
+    check_structured_output(spec)
+    grammar = xgr.Grammar.from_json_schema(json.dumps(spec["json"]))
+    accepts = functools.partial(xgr.testing._is_grammar_accept_string, grammar)
+    assert accepts('[{"name": "book_trip", "parameters": {"to": {"city": "Rome"}}}]')
+    assert accepts('[{"name": "visit", "parameters": {"where": {"city": "Oslo"}}}]')
+    assert not accepts('[{"name": "book_trip", "parameters": {"to": {"town": "Rome"}}}]')
+    assert trip["function"]["parameters"]["$defs"] == {"Place": place}  # (the request's tools are left as sent)
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": {"type": "integer"}}}}}
+    with pytest.raises(ValueError, match="Place"):
+        tool_choice_constraint([trip, other], "required", True)
+    http, _, _ = _app("[]")
+    refused = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "tools": [trip, other],
+                                                      "tool_choice": "required"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
 
 
 # -- through the app ------------------------------------------------------------------------------------
