@@ -98,17 +98,17 @@ class ResponseCounter:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                self.metrics.record_response(path, message["status"])
+                (timeline.metrics or self.metrics).record_response(path, message["status"])
             await send(message)
 
         try:
             await self.app(scope, receive, send_counted)
         except Exception:
             if not started:  # the outer error middleware answers 500
-                self.metrics.record_response(path, 500)
+                (timeline.metrics or self.metrics).record_response(path, 500)
             raise
         finally:
-            self.metrics.record_timeline(timeline)
+            (timeline.metrics or self.metrics).record_timeline(timeline)
 
 
 # The operators' endpoints (--server-dev-mode): with --api-key they need a key too, unlike vLLM's.

@@ -12,6 +12,7 @@ import asyncio
 
 from engine_core.outputs import LoRARequest
 from router.detached import runs_to_completion
+from router.request_timeline import current_timeline
 from router.serving import APIError, OpenAIServing, bad_request, unknown_model
 
 
@@ -48,6 +49,9 @@ class ModelServings:
             serving = await self._adapter_owner(model)
         if serving is None:
             raise unknown_model(model)
+        timeline = current_timeline.get()
+        if timeline is not None:  # (the request's HTTP metrics count under its model's name)
+            timeline.metrics = serving.metrics
         return serving
 
     async def _adapter_owner(self, name: str) -> OpenAIServing | None:

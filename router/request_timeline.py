@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -22,6 +23,9 @@ class RequestTimeline:
     sent: float = 0.0  # its first engine request went out
     first_output: float = 0.0  # its first engine output reached the replica
     first_chunk: float = 0.0  # the first streamed bytes were handed to the server
+    # The RouterMetrics of the model the request turned out to be for (None: not known; the default
+    # model's): its response and timeline are counted under that model's name.
+    metrics: Any = None
 
 
 current_timeline: ContextVar[RequestTimeline | None] = ContextVar("request_timeline", default=None)

@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 from engine_core.outputs import LoRARequest
 from router.app import create_app
 from router.engine_client import EngineClient
+from router.metrics import RouterMetrics
 from router.model_servings import ModelServings
 from router.response_store import LocalResponseStore
 from router.routing import RoundRobinPolicy
@@ -23,13 +24,13 @@ from .tokenizer_factory import byte_level_tokenizer
 ANSWERS = {"alpha": "Hello world", "beta": "Paris is the capital"}
 
 
-def _serving(name: str, *aliases: str) -> tuple[OpenAIServing, ScriptedEngine]:
+def _serving(name: str, *aliases: str, metrics: RouterMetrics | None = None) -> tuple[OpenAIServing, ScriptedEngine]:
     tokenizer = byte_level_tokenizer.__wrapped__()  # each model its own tokenizer and template
     tokenizer.chat_template = f"[{name}]{{% for m in messages %}}{{{{ m['content'] }}}}{{% endfor %}}"
     client = EngineClient([object()], client_index=1)
     scripted = client._slots[0].channel = ScriptedEngine(client, lambda _: tokenizer.encode(ANSWERS[name]))
     return OpenAIServing(ServingSettings(served_model_name=name, max_model_len=256, served_model_aliases=aliases),
-                         client, tokenizer, RoundRobinPolicy()), scripted
+                         client, tokenizer, RoundRobinPolicy(), metrics), scripted
 
 
 @pytest.fixture
@@ -58,6 +59,27 @@ def test_each_request_reaches_the_engines_of_the_model_it_names(two_models):
     embedded = client.embeddings.create(model="beta", input="Hi")
     assert embedded.model == "beta" and beta_engine.requests[-1].sampling_params.embed
     assert [len(engine.requests) for _, engine in models.values()] == [2, 4]
+
+
+def test_each_models_http_metrics_count_its_own_requests():
+    """The router's response counts and timelines carry the name of the model each request named
+    (a request naming none, or an unknown one, counts under the first model's)."""
+    metrics = {name: RouterMetrics(name, "r0") for name in ANSWERS}
+    servings = [_serving(name, metrics=metrics[name])[0] for name in ANSWERS]
+    http = TestClient(create_app(servings))
+    for model in ("beta", "beta", "alpha", "gamma"):
+        http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 3, "stream": model == "beta"})
+
+    def responses(name: str, status: str) -> float | None:
+        return metrics[name].registry.get_sample_value("llm_cluster:router_http_responses_total", {
+            "model_name": name, "replica": "r0", "endpoint": "/v1/completions", "status": status})
+
+    assert (responses("beta", "200"), responses("alpha", "200"), responses("alpha", "404")) == (2, 1, 1)
+    assert responses("beta", "404") is None
+    assert metrics["beta"].registry.get_sample_value("llm_cluster:router_first_chunk_delay_seconds_count", {
+        "model_name": "beta", "replica": "r0"}) == 2
+    assert metrics["alpha"].registry.get_sample_value("llm_cluster:router_first_chunk_delay_seconds_count", {
+        "model_name": "alpha", "replica": "r0"}) in (None, 0)
 
 
 def test_models_tokenizers_and_responses_follow_the_model(two_models):
