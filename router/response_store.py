@@ -238,14 +238,17 @@ class ResponseStore:
 
     def cancel(self, response_id: str) -> Stopped | str | None:
         """Mark a queued or in-progress background response cancelled, and return it (with its engine
-        requests' base id); None when the store does not hold it; its status when it is neither
-        queued nor in progress."""
+        requests' base id); a background response that has ended already, as it ended (no engine
+        requests to stop: cancelling again, or after the end, is harmless, as OpenAI's is); None when
+        the store does not hold it; the status of a response that is not a background one."""
         entry = self._entries.get(response_id)
         if entry is None:
             return None
         status = entry.response.get("status")
-        if status not in UNFINISHED:
+        if not entry.response.get("background"):
             return str(status)
+        if status not in UNFINISHED:
+            return Stopped(entry.response)
         entry.response = {**entry.response, "status": "cancelled"}
         if entry.events is not None:  # its stream ends here: followers stop, the generating replica too
             entry.events_done = True

@@ -389,6 +389,13 @@ class OutputItems:
             self.reasoning.text += parsed.reasoning
             self.emit("response.reasoning_text.delta", item_id=self.reasoning.item["id"],
                       output_index=self.reasoning.index, content_index=0, delta=parsed.reasoning)
+        # One delta may end the call being written and go on with text (outputs merged by
+        # --stream-interval or speculative decoding): the call's last arguments come first, before
+        # the text opens a message and so closes the call. Text before a new call comes first.
+        started = [d for d in parsed.tool_calls if d["index"] in self.calls]
+        new = [d for d in parsed.tool_calls if d["index"] not in self.calls]
+        for delta in started:
+            self._add_call_fragment(delta)
         if parsed.content:
             if self.message is None or self.message.closed:
                 self.message = self._open_message()
@@ -396,17 +403,20 @@ class OutputItems:
             self.message.logprobs += logprobs or []
             self.emit("response.output_text.delta", item_id=self.message.item["id"], output_index=self.message.index,
                       content_index=0, delta=parsed.content, logprobs=logprobs or [])
-        for delta in parsed.tool_calls:
-            call = self.calls.get(delta["index"])
-            if call is None:
-                call = self.calls[delta["index"]] = self._open({
-                    "type": "function_call", "id": _item_id("fc"), "call_id": delta["id"],
-                    "name": delta["function"]["name"], "arguments": "", "status": "in_progress"})
-            arguments = delta["function"].get("arguments") or ""
-            if arguments:
-                call.text += arguments
-                self.emit("response.function_call_arguments.delta", item_id=call.item["id"],
-                          output_index=call.index, delta=arguments)
+        for delta in new:
+            self._add_call_fragment(delta)
+
+    def _add_call_fragment(self, delta: dict[str, Any]) -> None:
+        call = self.calls.get(delta["index"])
+        if call is None:
+            call = self.calls[delta["index"]] = self._open({
+                "type": "function_call", "id": _item_id("fc"), "call_id": delta["id"],
+                "name": delta["function"]["name"], "arguments": "", "status": "in_progress"})
+        arguments = delta["function"].get("arguments") or ""
+        if arguments:
+            call.text += arguments
+            self.emit("response.function_call_arguments.delta", item_id=call.item["id"],
+                      output_index=call.index, delta=arguments)
 
     def _close(self, opened: _OpenItem, status: str) -> None:
         if opened.closed:
@@ -773,13 +783,14 @@ class ResponsesServing:
 
     async def cancel(self, response_id: str) -> Stopped:
         """``POST /v1/responses/{id}/cancel``, the store's part: a queued or in-progress background
-        response is marked ``cancelled`` (then ``drop_background`` on its model's serving)."""
+        response is marked ``cancelled`` (then ``drop_background`` on its model's serving); one that
+        has ended is answered as it is."""
         answer = await self._ask_store("cancel", response_id) if self.store is not None else None
         if answer is None:
             raise _not_found(response_id, "response_id", self.store is not None)
         if isinstance(answer, str):
-            raise bad_request(f"Only a background response that is queued or in progress can be cancelled; "
-                              f"{response_id!r} is {answer}", "response_id")
+            raise bad_request(f"Only a background response can be cancelled; {response_id!r} was not created "
+                              f"with background (it is {answer})", "response_id")
         return answer
 
     async def drop_background(self, stopped: Stopped, timeout_s: float = 5.0) -> None:

@@ -833,8 +833,12 @@ def test_a_background_response_runs_on_its_replica_and_is_cancelled_through_anot
     _wait_idle(cluster)
     time.sleep(0.5)  # (the generating replica has heard of the abort, and not stored over the cancel)
     assert client.responses.retrieve(held.id).status == "cancelled"
+    # Cancelling what has ended answers it as it ended (OpenAI's cancel is idempotent).
+    assert other.responses.cancel(done.id).status == read.status
+    assert other.responses.cancel(held.id).status == "cancelled"
+    plain = client.responses.create(model="tiny", input="Hello", max_output_tokens=2, store=True)
     with pytest.raises(openai.BadRequestError):
-        other.responses.cancel(done.id)  # (it ended)
+        other.responses.cancel(plain.id)  # (not a background response)
 
 
 def test_a_streamed_background_response_is_followed_through_another_app(cluster, client):

@@ -15,8 +15,10 @@ from starlette.testclient import TestClient
 
 from engine_core.request import FinishReason
 from router.app import create_app
+from router.chat_parsing import ChatOutputParser
 from router.response_store import EventsPage, LocalResponseStore, ResponseStore
-from router.responses import ResponsesRequest, ResponsesServing
+from router.responses import OutputItems, ResponsesRequest, ResponsesServing
+from router.tool_parsers import HermesToolCallParser
 
 from .test_tool_calling import _app
 
@@ -80,6 +82,48 @@ def test_responses_and_events_validate_strictly_against_the_openai_types():
     assert lifecycle == [("response.output_item.added", 0), ("response.output_item.done", 0),
                          ("response.output_item.added", 1), ("response.output_item.done", 1),
                          ("response.output_item.added", 2), ("response.output_item.done", 2)]
+
+
+@pytest.mark.parametrize("tokens_per_output", range(1, 25))
+def test_a_call_and_the_text_after_it_arriving_together_keep_the_calls_arguments_whole(tokens_per_output):
+    """An engine output of several tokens (speculative decoding, merged outputs) can bring a call's
+    last arguments and the text after it at once: the call gets all its arguments before the text's
+    message closes it, and no arguments delta follows its done event."""
+    answer = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>Done.'
+    http, engine, _ = _app(answer, parser="hermes")
+    engine.tokens_per_output = tokens_per_output
+    body = {"model": "tiny", "input": "weather in Rome?", "tools": [WEATHER_TOOL], "stream": True}
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    call_id = next(e["item"]["id"] for e in events if e["type"] == "response.output_item.added"
+                   and e["item"]["type"] == "function_call")
+    done_at = next(i for i, e in enumerate(events) if e["type"] == "response.function_call_arguments.done")
+    deltas = [i for i, e in enumerate(events) if e["type"] == "response.function_call_arguments.delta"]
+    assert deltas and max(deltas) < done_at
+    assert "".join(events[i]["delta"] for i in deltas) == events[done_at]["arguments"] == '{"city": "Rome"}'
+    final = events[-1]["response"]
+    [call] = [item for item in final["output"] if item["id"] == call_id]
+    assert json.loads(call["arguments"]) == {"city": "Rome"}
+    assert [item["type"] for item in final["output"]] == ["function_call", "message"]
+    assert final["output"][1]["content"][0]["text"].strip() == "Done."
+
+
+def test_output_items_take_a_calls_last_arguments_before_the_text_that_follows_it():
+    """The parser's delta for "…me\"}}</tool_call>Done." carries the call's last arguments and the text
+    after it; a delta with text then a new call (text written first) keeps that order."""
+    events: list[tuple[str, dict]] = []
+    items = OutputItems(lambda kind, **fields: events.append((kind, fields)))
+    parser = ChatOutputParser(None, HermesToolCallParser())
+    for chunk in ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro', 'me"}}\n</tool_call>Done.',
+                  ' More <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'):
+        items.add(parser.feed(chunk))
+    items.add(parser.finish())
+    items.finish("completed")
+    done = [fields["item"] for kind, fields in events if kind == "response.output_item.done"]
+    assert [(item["type"], item.get("arguments"), item.get("content", [{}])[0].get("text") if item["type"] ==
+             "message" else None) for item in done] == [
+        ("function_call", '{"city": "Rome"}', None), ("message", None, "Done. More"),
+        ("function_call", '{"city": "Oslo"}', None)]
 
 
 def test_a_stream_cut_by_max_output_tokens_ends_incomplete():
@@ -554,8 +598,8 @@ def test_input_item_ids_stay_unique_when_a_client_resends_items():
 
 def test_a_background_response_is_queued_generated_and_read_back():
     """OpenAI's background mode: the answer to the create is the queued response; the replica then
-    generates it, and GET finds it in progress, then completed. A response that has ended cannot be
-    cancelled; one never stored is a 404."""
+    generates it, and GET finds it in progress, then completed. Cancelling it once it has ended
+    answers it as it is (OpenAI's cancel is idempotent); one never stored is a 404."""
     import time
 
     _, engine, serving, store = _stored_app(["Background answer."])
@@ -570,8 +614,9 @@ def test_a_background_response_is_queued_generated_and_read_back():
         assert done.status == "completed" and done.output_text == "Background answer." and done.background
         # Its conversation continues once it has ended (not while it is queued or in progress).
         assert store.store.get(queued.id)["status"] == "completed"
-        r = http.post(f"/v1/responses/{queued.id}/cancel")
-        assert r.status_code == 400 and "completed" in r.json()["error"]["message"]
+        for _ in range(2):
+            again = client.responses.cancel(queued.id)
+            assert again.status == "completed" and again.output_text == "Background answer."
         assert http.post("/v1/responses/resp_nope/cancel").status_code == 404
         assert len(engine.requests) == 1
         # Not streamed, it has no events to stream again.
@@ -610,7 +655,7 @@ def test_a_background_response_named_by_a_request_id_reserves_it_before_it_runs(
 
 def test_the_store_keeps_a_cancel_or_delete_over_a_background_responses_later_progress():
     store = ResponseStore()
-    base = {"id": "resp_1", "object": "response", "output": []}
+    base = {"id": "resp_1", "object": "response", "output": [], "background": True}
     assert store.cancel("resp_1") is None
     first = store.put(base | {"status": "queued"}, None, [{"id": "msg_1"}], engine_base="resp_1-ab")
     assert store.settle(base | {"status": "in_progress"}, first)
@@ -618,7 +663,9 @@ def test_the_store_keeps_a_cancel_or_delete_over_a_background_responses_later_pr
     cancelled = store.cancel("resp_1")
     assert cancelled.response["status"] == "cancelled" and cancelled.engine_base == "resp_1-ab"
     assert not store.settle(base | {"status": "completed"}, first)  # (the generating replica, too late)
-    assert store.get("resp_1")["status"] == "cancelled" and store.cancel("resp_1") == "cancelled"
+    assert store.get("resp_1")["status"] == "cancelled"
+    again = store.cancel("resp_1")  # (idempotent: the cancelled response, with no engine requests to stop)
+    assert again.response["status"] == "cancelled" and again.engine_base is None
     second = store.put(base | {"id": "resp_2", "status": "queued"}, None, [])
     assert store.delete("resp_2") and not store.settle(base | {"id": "resp_2", "status": "completed"}, second)
     assert store.get("resp_2") is None  # (a deleted one does not come back)
@@ -775,7 +822,7 @@ def test_followers_of_a_background_stream_wait_for_its_events_and_end_with_it():
 
     async def run() -> None:
         store = ResponseStore(max_entries=2)
-        store.put({"id": "resp_1", "status": "queued"}, None, [], streamed=True)
+        store.put({"id": "resp_1", "status": "queued", "background": True}, None, [], streamed=True)
         store.put({"id": "resp_2", "status": "queued"}, None, [])
         assert await store.events_after("resp_2", -1, 1.0) == EventsPage([], True, "not_streamed")
         assert await store.events_after("resp_nope", -1, 1.0) is None
@@ -818,7 +865,7 @@ def test_a_cancel_ends_a_background_stream_and_old_ended_streams_give_way_to_the
 
     async def run() -> None:
         store = ResponseStore()
-        store.put({"id": "resp_1", "status": "queued"}, None, [], streamed=True)
+        store.put({"id": "resp_1", "status": "queued", "background": True}, None, [], streamed=True)
         assert store.append_events("resp_1", None, 0, ["a"], False)
         waiting = asyncio.create_task(store.events_after("resp_1", 0, 30.0))
         await asyncio.sleep(0.05)
