@@ -63,12 +63,13 @@ SESSION_HEADER = "x-session-id"
 REQUEST_ID_HEADER = "x-request-id"
 
 
-def _error_response(status: int, message: str, type_: str, param: str | None, path: str = "") -> JSONResponse:
-    """OpenAI's error body; on Anthropic's Messages paths, Anthropic's."""
+def _error_response(status: int, message: str, type_: str, param: str | None, path: str = "",
+                    code: int | str | None = None) -> JSONResponse:
+    """OpenAI's error body (``code``: by default the status); on Anthropic's Messages paths, Anthropic's."""
     if path.startswith(MESSAGES_PATH):
         return JSONResponse(status_code=status, content=anthropic_error_body(status, message))
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_,
-                                                                "param": param, "code": status}})
+                                                                "param": param, "code": code or status}})
 
 
 class ResponseCounter:
@@ -191,7 +192,7 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, exc.type, exc.param, route_path(request.scope))
+        return _error_response(exc.status, exc.message, exc.type, exc.param, route_path(request.scope), exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -574,7 +574,10 @@ class ResponsesServing:
         try:
             history, status, serial = await self._ask_store("continuation", request.previous_response_id)
         except MissingResponseError as e:
-            raise _not_found(e.response_id, "previous_response_id", True) from None
+            # (OpenAI's answer, a 400 clients recover from by sending the whole conversation; vLLM's is a 404.)
+            raise APIError(400, f"Previous response with id {e.response_id!r} not found: it was deleted or is no "
+                                "longer kept; send the conversation in input", "BadRequestError",
+                           "previous_response_id", code="previous_response_not_found") from None
         if status in UNFINISHED:
             raise bad_request(f"Response {request.previous_response_id!r} is still {status}: continue its "
                               "conversation once it has ended", "previous_response_id")

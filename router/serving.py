@@ -79,15 +79,18 @@ logger = logging.getLogger(__name__)
 class APIError(Exception):
     """An error with an OpenAI-style body and an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
+        # The body's code: the status (vLLM's), or OpenAI's name for the error where clients act on it.
+        self.code: int | str = code or status
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # The longest X-Request-Id taken into an answer's id (a longer one is cut).

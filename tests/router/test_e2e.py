@@ -197,8 +197,9 @@ def test_a_stored_conversation_continues_through_another_router(client, cluster)
     assert [item.type for item in items] == ["message"] * 3
     assert [item.content[0].text for item in items] == ["My name is Ada.", first.output_text, "What is my name?"]
     client.responses.delete(first.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as refused:
         other.responses.create(model="tiny", input="And now?", previous_response_id=second.id, max_output_tokens=2)
+    assert refused.value.code == "previous_response_not_found"
 
 
 def test_cache_salt_and_return_token_ids_through_the_openai_client(client):

@@ -359,10 +359,14 @@ def test_stored_responses_are_retrieved_deleted_and_continued():
                                                                "deleted": True}
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)
-    # A conversation through a deleted response cannot be continued: the 404 names the missing one.
+    # A conversation through a deleted response cannot be continued: OpenAI's 400, whose code clients
+    # recover on (by sending the whole conversation), names the missing one.
     r = http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": fourth.id})
-    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
-    assert second.id in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    assert r.json()["error"]["code"] == "previous_response_not_found" and second.id in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_never")
+    assert refused.value.code == "previous_response_not_found"
     assert len(engine.requests) == 4
 
 
@@ -400,7 +404,7 @@ def test_a_conversation_through_a_deleted_response_does_not_go_on_through_a_new_
     http.delete("/v1/responses/turn-1")
     client.responses.create(model="tiny", input="My name is Bob.", extra_body={"request_id": "turn-1"})
     r = http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": second.id})
-    assert r.status_code == 404 and "turn-1" in r.json()["error"]["message"] and len(engine.requests) == 3
+    assert r.status_code == 400 and "turn-1" in r.json()["error"]["message"] and len(engine.requests) == 3
     assert http.get(f"/v1/responses/{second.id}/input_items").status_code == 404
 
 
@@ -434,7 +438,8 @@ def test_a_response_asked_not_to_be_stored_is_not_kept():
     unstored = _client(http).responses.create(model="tiny", input="hi", store=False)
     assert unstored.store is False and len(store.store) == 0
     r = http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": unstored.id})
-    assert r.status_code == 404 and len(engine.requests) == 1
+    assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found"
+    assert len(engine.requests) == 1
 
 
 def test_a_stored_function_call_is_continued_with_its_output():
