@@ -215,7 +215,9 @@ class EngineMetrics:
                     generated += n
                     if t.first_token is None:
                         t.first_token = now
-                        self.ttft.observe(now - t.arrival)
+                        # (From the router's arrival, as vLLM's from its front end's; a router host
+                        # whose clock runs ahead of this one's must not make it negative.)
+                        self.ttft.observe(max(0.0, now - t.arrival))
                         self._prefilled(t.request)
                     elif t.last_token is not None:
                         itl_from[t.last_token] += 1
@@ -246,13 +248,17 @@ class EngineMetrics:
     def _finish(self, t: _Tracked, reason: str, now: float) -> None:
         self._tracked.pop(t.request.request_id, None)
         self.request_success[reason] += 1
-        self.e2e.observe(now - t.arrival)
+        self.e2e.observe(max(0.0, now - t.arrival))
         self.request_prompt_tokens.observe(t.request.num_prompt_tokens)
         self.request_generation_tokens.observe(t.num_generated)
         self.max_num_generation_tokens.observe(t.num_generated)
-        scheduled = next((ts for ev, ts in t.request.events if ev == EngineCoreEventType.SCHEDULED), None)
+        events = t.request.events
+        scheduled = next((ts for ev, ts in events if ev == EngineCoreEventType.SCHEDULED), None)
         if scheduled is not None:
-            self.queue_time.observe(max(0.0, scheduled - t.arrival))
+            # As vLLM's: from its queueing in this engine's scheduler, on this engine's clock (not
+            # the router's arrival: the way here and the pass it waited out are not queueing).
+            queued = next((ts for ev, ts in events if ev == EngineCoreEventType.QUEUED), t.arrival)
+            self.queue_time.observe(max(0.0, scheduled - queued))
             self.inference_time.observe(max(0.0, now - scheduled))
             if t.first_token is not None:
                 self.prefill_time.observe(max(0.0, t.first_token - scheduled))

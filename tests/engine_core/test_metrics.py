@@ -31,6 +31,7 @@ def _sum(family) -> float:
 def test_one_request_through_the_metrics_as_vllm_reports_it():
     metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
     request = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=100.0)
+    request.record_event(EngineCoreEventType.QUEUED, 100.2)  # (the way from the router took 0.2 s)
     request.record_event(EngineCoreEventType.SCHEDULED, 100.5)
     metrics.on_request_added(request)
     times = [101.0, 101.2, 101.4, 101.6]  # first token at 101.0, then one every 0.2 s
@@ -43,7 +44,8 @@ def test_one_request_through_the_metrics_as_vllm_reports_it():
         assert _bounds(families[f"vllm:{name}"]) == VLLM_REQUEST_LATENCY, name
     assert _bounds(families["vllm:iteration_tokens_total"]) == VLLM_ITERATION_TOKENS
     assert abs(_sum(families["vllm:e2e_request_latency_seconds"]) - 1.6) < 1e-9
-    assert abs(_sum(families["vllm:request_queue_time_seconds"]) - 0.5) < 1e-9
+    assert abs(_sum(families["vllm:request_queue_time_seconds"]) - 0.3) < 1e-9  # queued to scheduled
+    assert abs(_sum(families["vllm:time_to_first_token_seconds"]) - 1.0) < 1e-9  # from the router's arrival
     # Mean time per output token after the first: 0.6 s of decode over 3 tokens.
     assert abs(_sum(families["vllm:request_time_per_output_token_seconds"]) - 0.2) < 1e-9
     assert _sum(families["vllm:request_max_num_generation_tokens"]) == 4
@@ -135,3 +137,17 @@ def test_prompt_tokens_split_by_where_their_kv_came_from_as_vllm_reports_it():
                     now=101.0)
     by_source = {s.labels["source"]: s.value for s in _families(metrics)["vllm:prompt_tokens_by_source"].samples}
     assert by_source == {"local_compute": 33, "local_cache_hit": 40, "external_kv_transfer": 16}
+
+
+def test_a_router_clock_ahead_of_the_engines_gives_no_negative_latency():
+    metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=1), arrival_time=105.0)  # (the router's clock)
+    request.record_event(EngineCoreEventType.QUEUED, 100.0)
+    request.record_event(EngineCoreEventType.SCHEDULED, 100.1)
+    metrics.on_request_added(request)
+    metrics.on_step({0: EngineCoreOutputs(outputs=[EngineCoreOutput("r", [7], FinishReason.LENGTH)])}, None,
+                    now=100.3)
+    families = _families(metrics)
+    assert _sum(families["vllm:time_to_first_token_seconds"]) == 0.0
+    assert _sum(families["vllm:e2e_request_latency_seconds"]) == 0.0
+    assert abs(_sum(families["vllm:request_queue_time_seconds"]) - 0.1) < 1e-9
