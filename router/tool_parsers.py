@@ -388,12 +388,13 @@ class Llama3JsonToolCallParser(ToolCallParser):
 
 
 class MistralToolCallParser(ToolCallParser):
-    """``auto`` with ``--tool-call-parser mistral``: Mistral's instruct models of the v0.3 format
-    (Mistral-7B-Instruct-v0.3, Mistral-Nemo, Mistral-Large-2407) write ``[TOOL_CALLS]`` then a JSON
-    array of ``{"name", "arguments"}`` calls; the text before the tag is content. Calls stream as
-    their names and arguments arrive; when no call follows the tag (later models' ``name[ARGS]{...}``
-    format, or text), the text after it is content. Call ids are 9 letters and digits, as Mistral's
-    chat templates require of the ids sent back to them."""
+    """``auto`` with ``--tool-call-parser mistral``. Mistral's models write ``[TOOL_CALLS]`` and then
+    either a JSON array of ``{"name", "arguments"}`` calls (the v0.3 format: Mistral-7B-Instruct-v0.3,
+    Mistral-Nemo, Mistral-Large-2407) or, from tokenizer v11 on (Mistral-Small-3.x, Magistral,
+    Devstral), ``name[ARGS]{...}``, a tag before each call. The text before the first tag is content.
+    Calls stream as their names and arguments arrive; when no call follows the tag (text), the text
+    after it is content. Call ids are 9 letters and digits, as Mistral's chat templates require of
+    the ids sent back to them."""
 
     TAG = "[TOOL_CALLS]"
 
@@ -401,12 +402,13 @@ class MistralToolCallParser(ToolCallParser):
         super().__init__()
         self._pending = ""
         self._content = ContentWithHeldBlanks()
-        self._scanner: CallScanner | None = None  # set once the tag has been read
+        self._tagged = False  # the first tag has been read
+        self._reader: CallScanner | _NamedCalls | None = None  # chosen by the first character after it
         self._after_tag = ""  # the text after the tag, until a call is read (else it was content)
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
-        if self._scanner is not None:
+        if self._tagged:
             self._scan(text, out)
             return out
         self._pending += text
@@ -418,32 +420,154 @@ class MistralToolCallParser(ToolCallParser):
             return out
         self._content.add(self._pending[:start], out)
         self._content.drop()
-        self._scanner = CallScanner(self, depth=2, args_key="arguments")
+        self._tagged = True
         rest, self._pending = self._pending[start + len(self.TAG):], ""
         self._scan(rest, out)
         return out
 
     def _scan(self, text: str, out: ParsedDelta, final: bool = False) -> None:
-        assert self._scanner is not None
         if not self.calls:
             self._after_tag += text
-        self._scanner.feed(text, out)
-        if final:
-            self._scanner.finish(out)
+        if self._reader is None:
+            if not self._after_tag.strip():  # (blanks so far: which format is not known yet)
+                if not final:
+                    return
+            else:
+                text = self._after_tag  # (what came before is blanks, or the held text)
+                first = text.lstrip()[0]
+                self._reader = CallScanner(self, depth=2, args_key="arguments") if first in "[{" \
+                    else _NamedCalls(self)
+        if self._reader is not None:
+            self._reader.feed(text, out)
+            if final:
+                self._reader.finish(out)
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
-        if self._scanner is None:  # no tag: the whole answer is content
+        if not self._tagged:  # no tag: the whole answer is content
             out.content, self._pending = self._content.blank + self._pending, ""
             self._content.drop()
             return out
         self._scan("", out, final=True)
-        if not self.calls:  # no call after the tag (another format, or text): it was content
+        if not self.calls:  # no call after the tag (text): it was content
             out.content = self.TAG + self._after_tag
+        elif isinstance(self._reader, _NamedCalls):
+            out.content += self._reader.trailing_content()
         return out
 
     def _call_id(self) -> str:
         return uuid.uuid4().hex[:9]
+
+
+class _NamedCalls:
+    """Mistral's v11 format after the first ``[TOOL_CALLS]``: ``name[ARGS]{...}`` (the name may be
+    followed by ``[CALL_ID]`` and an id, which is not kept), then for each further call
+    ``[TOOL_CALLS]`` again. A name that is not one (blanks or punctuation in it) means the tag was
+    followed by text, which the parser keeps as content. Arguments are released as they arrive
+    (their trailing blanks wait for what follows); a call's arguments end where their JSON value
+    closes. Text after the calls is content, released at the end."""
+
+    ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"
+
+    def __init__(self, owner: MistralToolCallParser) -> None:
+        self.owner = owner
+        self._state = "name"  # name, args, after; text: not a call (everything after is held)
+        self._buffer = ""
+        self._index = -1
+        self._held_blanks = ""
+        self._args_sent = False
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._after = ""  # text after the calls that is not a tag
+
+    def feed(self, text: str, out: ParsedDelta) -> None:
+        self._buffer += text
+        while self._buffer:
+            if self._state == "name":
+                if not self._read_name(out):
+                    return
+            elif self._state == "args":
+                if not self._read_args(out):
+                    return
+            elif self._state == "after":
+                if not self._read_after():
+                    return
+            else:
+                return
+
+    def finish(self, out: ParsedDelta) -> None:
+        if self._state == "args" and not self._args_sent:  # cut off before its arguments
+            out.tool_calls.append({"index": self._index, "function": {"arguments": "{}"}})
+        elif self._state in ("name", "text") and self.owner.calls:  # a last tag with no call after it
+            self._after += self.owner.TAG + self._buffer
+        elif self._state == "after":
+            self._after += self._buffer
+        self._buffer = ""
+
+    def trailing_content(self) -> str:
+        return self._after.strip() and self._after.lstrip()  # (the blanks next to the calls are not content)
+
+    def _read_name(self, out: ParsedDelta) -> bool:
+        at = self._buffer.find(self.ARGS)
+        head = self._buffer if at < 0 else self._buffer[:at]
+        if at < 0:  # (a marker may be arriving)
+            head = head[:len(head) - max(partial_suffix(head, self.ARGS), partial_suffix(head, self.CALL_ID))]
+        name = head.split(self.CALL_ID)[0].strip()
+        if any(not (ch.isalnum() or ch in "_-.") for ch in name) or (at >= 0 and not name):
+            self._state = "text"
+            return False
+        if at < 0:
+            return False  # (the name goes on, or [ARGS] is arriving)
+        out.tool_calls.append(self.owner._start_call(name, ""))
+        self._index = self.owner.calls - 1
+        self._buffer = self._buffer[at + len(self.ARGS):]
+        self._state, self._depth, self._in_string, self._escaped = "args", 0, False, False
+        self._held_blanks, self._args_sent = "", False
+        return True
+
+    def _read_args(self, out: ParsedDelta) -> bool:
+        end = None
+        for i, ch in enumerate(self._buffer):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                self._depth += 1
+            elif ch in "]}":
+                self._depth -= 1
+                if self._depth <= 0:
+                    end = i + 1
+                    break
+        chunk = self._buffer if end is None else self._buffer[:end]
+        text = self._held_blanks + (chunk if self._args_sent else chunk.lstrip())
+        released = text if end is not None else text.rstrip()
+        self._held_blanks = text[len(released):]
+        if released:
+            out.tool_calls.append({"index": self._index, "function": {"arguments": released}})
+            self._args_sent = True
+        if end is None:
+            self._buffer = ""
+            return False
+        self._buffer, self._state = self._buffer[end:], "after"
+        return True
+
+    def _read_after(self) -> bool:
+        tag = self.owner.TAG
+        at = self._buffer.find(tag)
+        if at < 0:
+            keep = partial_suffix(self._buffer, tag)
+            self._after += self._buffer[:len(self._buffer) - keep]
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            return False
+        self._after += self._buffer[:at]
+        self._buffer, self._state = self._buffer[at + len(tag):], "name"
+        return True
 
 
 class PythonicToolCallParser(ToolCallParser):

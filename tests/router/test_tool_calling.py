@@ -209,9 +209,17 @@ def test_llama3_json_parser_keeps_one_call_without_parallel_calls():
     ("No tools needed. [TOOL_", "No tools needed. [TOOL_", {}),
     ("  ", "  ", {}),
     ('[TOOL_CALLS][{"name": "f"}]', "", {0: {"name": "f", "arguments": "{}"}}),  # no arguments: {}
-    # No call after the tag (text, or later models' name[ARGS]{...} format): the text is content.
+    # No call after the tag (text): the text is content.
     ("Hm. [TOOL_CALLS] sorry, I cannot", "Hm.[TOOL_CALLS] sorry, I cannot", {}),
-    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', {}),
+    ("[TOOL_CALLS]", "[TOOL_CALLS]", {}),
+    # Tokenizer v11 on (Mistral-Small-3.x, Magistral, Devstral): name[ARGS]{...}, a tag before each call.
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', "",
+     {0: {"name": "get_weather", "arguments": '{"city": "Rome"}'}}),
+    ('Sure. [TOOL_CALLS]f[ARGS]{"a": "}[x", "b": [1, {"c": "\\"}"}]} [TOOL_CALLS]g_2[ARGS] {}', "Sure.",
+     {0: {"name": "f", "arguments": '{"a": "}[x", "b": [1, {"c": "\\"}"}]}'}, 1: {"name": "g_2", "arguments": "{}"}}),
+    ('[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"a": 1}\nDone.', "Done.", {0: {"name": "f", "arguments": '{"a": 1}'}}),
+    ("[TOOL_CALLS]f[ARGS]", "", {0: {"name": "f", "arguments": "{}"}}),  # cut off: {}
+    ("[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS] no", "[TOOL_CALLS] no", {0: {"name": "f", "arguments": "{}"}}),
 ])
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_mistral_parser(text, content, calls, step):
@@ -221,9 +229,10 @@ def test_mistral_parser(text, content, calls, step):
 
 
 def test_mistral_parser_keeps_one_call_without_parallel_calls():
-    text = '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"b": 2}}]'
-    assert _streamed(MistralToolCallParser(), text, 3, parallel_tool_calls=False) == (
-        "", {0: {"name": "f", "arguments": "{}"}})
+    for text in ('[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"b": 2}}]',
+                 '[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]g[ARGS]{"b": 2}'):
+        assert _streamed(MistralToolCallParser(), text, 3, parallel_tool_calls=False) == (
+            "", {0: {"name": "f", "arguments": "{}"}})
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), [
@@ -503,6 +512,7 @@ def test_a_trusting_server_runs_the_requests_own_template():
 @pytest.mark.parametrize(("parser", "answer"), [
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}'),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'),
     ("pythonic", '[get_weather(city="Rome")]'),
 ])
 def test_auto_tool_choice_with_the_other_parsers(parser, answer):
