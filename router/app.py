@@ -34,7 +34,7 @@ from router.messages import (
     anthropic_error_body,
 )
 from router.metrics import RouterMetrics, merge_expositions
-from router.model_servings import ModelServings
+from router.model_servings import ModelServings, count_under
 from router.paths import ENGINE_PATHS, route_path
 from router.pooling import POOLING_PATHS, PoolingRequest, PoolingServing, check_pools
 from router.protocol import (
@@ -196,6 +196,9 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        named = servings.named(exc.body.get("model")) if isinstance(exc.body, dict) else None
+        if named is not None:  # (refused before its handler ran: counted under the model it named)
+            count_under(named)
         message, param = validation_problem(exc.errors())
         return _error_response(400, message, "BadRequestError", param, route_path(request.scope))
 

@@ -5,7 +5,9 @@ character split across tokens) is held back until the next token completes it, a
 still turn out to be the start of a stop string is held back until it cannot. At the end, the text
 released over the whole stream equals the decode of the tokens as they read after the prompt (minus
 a matched stop string): for byte-level vocabularies, the full decode of the generated tokens; for
-SentencePiece ones, that with the leading space a decode from the start would strip.
+SentencePiece ones, that with the leading space a decode from the start would strip. (A tokenizer
+whose decode cleans up spaces, decoded here window by window, may differ from its full decode
+where a window's edge falls next to such a space.)
 """
 
 from __future__ import annotations

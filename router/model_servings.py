@@ -9,11 +9,19 @@ server answers it.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from engine_core.outputs import LoRARequest
 from router.detached import runs_to_completion
 from router.request_timeline import current_timeline
 from router.serving import APIError, OpenAIServing, bad_request, unknown_model
+
+
+def count_under(serving: OpenAIServing) -> None:
+    """The request being answered counts in the HTTP metrics under this serving's model."""
+    timeline = current_timeline.get()
+    if timeline is not None:
+        timeline.metrics = serving.metrics
 
 
 class ModelServings:
@@ -49,10 +57,12 @@ class ModelServings:
             serving = await self._adapter_owner(model)
         if serving is None:
             raise unknown_model(model)
-        timeline = current_timeline.get()
-        if timeline is not None:  # (the request's HTTP metrics count under its model's name)
-            timeline.metrics = serving.metrics
+        count_under(serving)
         return serving
+
+    def named(self, model: Any) -> OpenAIServing | None:
+        """The serving a model name (not an adapter's) is, without asking any engine; None if none."""
+        return self._by_name.get(model) if isinstance(model, str) else None
 
     async def _adapter_owner(self, name: str) -> OpenAIServing | None:
         """The serving holding the adapter ``name``, asking the engines of those that do not know it

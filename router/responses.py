@@ -349,9 +349,11 @@ class _OpenItem:
 @dataclass
 class OutputItems:
     """Builds the response's output items from the parsed answer, and the stream events that
-    announce them (``emit`` receives each event's type and fields). Items come in the order they
-    start, and each is closed (its done events) when the next begins, as OpenAI streams them:
-    reasoning, then the message, then the function calls; text after a call opens a new message."""
+    announce them (``emit`` receives each event's type and fields). Streamed, items come in the order
+    they start, and each is closed (its done events) when the next begins, as OpenAI streams them;
+    text after a call opens a new message. Within one delta the order is the parser's: reasoning,
+    the end of a call being written, text, new calls; so a whole answer, one delta, gives the
+    reasoning, the message, then the calls (as vLLM's whole responses list them)."""
 
     emit: Callable[..., None]
     items: list[_OpenItem] = field(default_factory=list)
@@ -575,9 +577,11 @@ class ResponsesServing:
             history, status, serial = await self._ask_store("continuation", request.previous_response_id)
         except MissingResponseError as e:
             # (OpenAI's answer, a 400 clients recover from by sending the whole conversation; vLLM's is a 404.)
-            raise APIError(400, f"Previous response with id {e.response_id!r} not found: it was deleted or is no "
-                                "longer kept; send the conversation in input", "BadRequestError",
-                           "previous_response_id", code="previous_response_not_found") from None
+            missing = "" if e.response_id == request.previous_response_id else \
+                f" (its conversation goes through {e.response_id!r}, which is not)"
+            raise APIError(400, f"Previous response with id {request.previous_response_id!r} not found{missing}: "
+                                "it was deleted or is no longer kept; send the conversation in input",
+                           "BadRequestError", "previous_response_id", code="previous_response_not_found") from None
         if status in UNFINISHED:
             raise bad_request(f"Response {request.previous_response_id!r} is still {status}: continue its "
                               "conversation once it has ended", "previous_response_id")

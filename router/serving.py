@@ -655,7 +655,7 @@ class OpenAIServing:
             return list(self.tokenizer.encode(prompt))
         vocab = len(self.tokenizer)
         if any(t < 0 or t >= vocab for t in prompt):
-            raise bad_request(f"{param} token ids must be in [0, {vocab})", param)
+            raise bad_request(f"{'prompt token ids' if param == 'prompt' else param} must be in [0, {vocab})", param)
         return list(prompt)
 
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,

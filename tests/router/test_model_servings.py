@@ -62,20 +62,22 @@ def test_each_request_reaches_the_engines_of_the_model_it_names(two_models):
 
 
 def test_each_models_http_metrics_count_its_own_requests():
-    """The router's response counts and timelines carry the name of the model each request named
-    (a request naming none, or an unknown one, counts under the first model's)."""
+    """The router's response counts and timelines carry the name of the model each request named,
+    refused or not (a request naming none, or an unknown one, counts under the first model's)."""
     metrics = {name: RouterMetrics(name, "r0") for name in ANSWERS}
     servings = [_serving(name, metrics=metrics[name])[0] for name in ANSWERS]
     http = TestClient(create_app(servings))
     for model in ("beta", "beta", "alpha", "gamma"):
         http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 3, "stream": model == "beta"})
+    # Refused by validation, before any handler runs: still the model it named.
+    assert http.post("/v1/completions", json={"model": "beta", "prompt": "Hi", "temperature": -1}).status_code == 400
 
     def responses(name: str, status: str) -> float | None:
         return metrics[name].registry.get_sample_value("llm_cluster:router_http_responses_total", {
             "model_name": name, "replica": "r0", "endpoint": "/v1/completions", "status": status})
 
     assert (responses("beta", "200"), responses("alpha", "200"), responses("alpha", "404")) == (2, 1, 1)
-    assert responses("beta", "404") is None
+    assert responses("beta", "404") is None and responses("beta", "400") == 1 and responses("alpha", "400") is None
     assert metrics["beta"].registry.get_sample_value("llm_cluster:router_first_chunk_delay_seconds_count", {
         "model_name": "beta", "replica": "r0"}) == 2
     assert metrics["alpha"].registry.get_sample_value("llm_cluster:router_first_chunk_delay_seconds_count", {

@@ -363,7 +363,8 @@ def test_stored_responses_are_retrieved_deleted_and_continued():
     # recover on (by sending the whole conversation), names the missing one.
     r = http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": fourth.id})
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
-    assert r.json()["error"]["code"] == "previous_response_not_found" and second.id in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "previous_response_not_found"
+    assert fourth.id in r.json()["error"]["message"] and second.id in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model="tiny", input="x", previous_response_id="resp_never")
     assert refused.value.code == "previous_response_not_found"
@@ -861,6 +862,16 @@ def test_followers_of_a_background_stream_wait_for_its_events_and_end_with_it():
         assert await asyncio.wait_for(waiting, 5) is None
 
     asyncio.run(run())
+
+
+def test_only_a_background_response_can_be_cancelled():
+    _, _, serving, store = _stored_app(["Fine."])
+    with TestClient(create_app(serving, response_store=store)) as http:
+        plain = _client(http).responses.create(model="tiny", input="hi")
+        assert plain.store and not plain.background
+        with pytest.raises(openai.BadRequestError, match="not created with background"):
+            _client(http).responses.cancel(plain.id)
+        assert store.store.get(plain.id)["status"] == "completed"
 
 
 def test_a_cancel_ends_a_background_stream_and_old_ended_streams_give_way_to_the_budget(monkeypatch):
