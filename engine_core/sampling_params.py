@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-_GREEDY_BELOW = 1e-5
 _MIN_TEMPERATURE = 1e-2
 
 
@@ -89,11 +88,9 @@ class SamplingParams:
                "min_tokens", f"between 0 and max_tokens ({self.max_tokens})", self.min_tokens)
         _check(math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature", "finite and >= 0",
                self.temperature)
-        # As vLLM: a temperature this close to 0 is greedy, and one below 0.01 is raised to it
-        # (dividing logits by less overflows them to inf, and the sample turns into token 0).
-        if self.temperature < _GREEDY_BELOW:
-            self.temperature = 0.0
-        elif self.temperature < _MIN_TEMPERATURE:
+        # As vLLM: any temperature above 0 and below 0.01 is raised to 0.01 (dividing logits by less
+        # overflows them to inf, and the sample turns into token 0); only 0 itself is greedy.
+        if 0.0 < self.temperature < _MIN_TEMPERATURE:
             self.temperature = _MIN_TEMPERATURE
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", ">= -1 (0 or -1 disables)", self.top_k)

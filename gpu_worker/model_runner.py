@@ -40,7 +40,7 @@ from gpu_worker.pooler_config import DENSE_ACTIVATIONS, PER_TOKEN_POOLING, Dense
 from gpu_worker.quantized_checkpoint import dequantized_weights
 from gpu_worker.rejection_sampler import rejection_sample
 from gpu_worker.request_state import RequestState, RequestStates
-from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
+from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata, grammar_masked, token_logprobs
 from gpu_worker.weights import iter_safetensors, load_weights
 
 
@@ -588,7 +588,7 @@ class ModelRunner:
             if values is None:
                 values, ranks, top_tokens, top_values = [], [], [], []
             values += target_lp.tolist()
-            ranks += ((logprobs > target_lp.unsqueeze(1)).sum(dim=1) + 1).tolist()
+            ranks += (logprobs >= target_lp.unsqueeze(1)).sum(dim=1).tolist()  # (ties as vLLM ranks them)
             top_tokens += part_ids if part_ids is not None else [[] for _ in range(len(index))]
             top_values += part_lp if part_lp is not None else [[] for _ in range(len(index))]
         done: dict[str, LogprobsEntry] = {}
@@ -642,7 +642,8 @@ class ModelRunner:
         wanted = [j for j, s in enumerate(sample_states) if s.sampling_params.logprobs is not None]
         rows_idx = [first_rows[j] + t for j in wanted for t in range(len(tokens[j]))]
         device = logits.device
-        out = token_logprobs(logits[torch.tensor(rows_idx, device=device)].float().log_softmax(dim=-1),
+        rows = grammar_masked(logits.float(), md)[torch.tensor(rows_idx, device=device)]  # (the grammar's, as sampled)
+        out = token_logprobs(rows.log_softmax(dim=-1),
                              torch.tensor([t for j in wanted for t in tokens[j]], device=device),
                              md.max_num_logprobs)
         values, ranks = out.sampled_logprobs.tolist(), out.sampled_ranks.tolist()

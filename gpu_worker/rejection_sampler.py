@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.sampler import Sampler, SamplingMetadata, random_sample
+from gpu_worker.sampler import Sampler, SamplingMetadata, grammar_masked, random_sample
 
 
 def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, drafts: list[list[int]]) -> list[list[int]]:
     """``logits`` [sum(len(d) + 1), vocab]: each request's rows in order, ``md`` row-aligned with
     them (a request's settings repeated on each of its rows). Returns each request's tokens:
     its accepted drafts, then one token drawn by the target model."""
-    logits = Sampler.constrain(logits.float(), md)
+    logits = Sampler.constrain(grammar_masked(logits.float(), md), md)
     if md.all_greedy:
         return _greedy(logits.argmax(dim=-1).tolist(), drafts)
     probs = Sampler.target_probs(logits, md)

@@ -106,9 +106,11 @@ class RequestStates:
         return gen
 
     def _stop_ids(self, params: SamplingParams, request_eos: int | None = None) -> tuple[int, ...]:
+        """What min_tokens keeps out of a request's first tokens: its stop ids and the EOS ids, the
+        latter under ignore_eos too (as vLLM's min-tokens processor masks all of its stop ids)."""
         if params.min_tokens <= 0:
             return ()
-        eos = () if params.ignore_eos else (*self.eos_token_ids, *(() if request_eos is None else (request_eos,)))
+        eos = (*self.eos_token_ids, *(() if request_eos is None else (request_eos,)))
         return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
 
     def _drop(self, req_id: str) -> RequestState | None:

@@ -5,7 +5,8 @@ banned tokens (bad words, and stop ids under min_tokens), logit_bias, the custom
 that may change the argmax, penalties (these shape greedy picks too), then, for random rows only,
 temperature, min-p, the argmax-invariant custom processors, top-k and top-p, and a draw. Logprobs
 are those of the model's raw distribution (log_softmax of the unprocessed logits), as vLLM reports
-them by default.
+them by default; a structured-output row's are over the tokens its grammar allows, as vLLM's model
+runner masks the logits with the grammar before its sampler sees them.
 """
 
 from __future__ import annotations
@@ -150,17 +151,28 @@ def token_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
     lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     k = min(k, raw_logprobs.shape[-1])  # (a request may ask for the whole vocabulary)
     top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+    # (As vLLM counts a rank: the tokens at least as likely, the token itself included, so tied
+    # tokens share the lowest of their ranks.)
     if rank_rows is None:
-        ranks = (raw_logprobs > lp.unsqueeze(1)).sum(dim=1) + 1
+        ranks = (raw_logprobs >= lp.unsqueeze(1)).sum(dim=1)
     else:
         ranks = torch.zeros_like(token_ids)
-        ranks[rank_rows] = (raw_logprobs[rank_rows] > lp[rank_rows].unsqueeze(1)).sum(dim=1) + 1
+        ranks[rank_rows] = (raw_logprobs[rank_rows] >= lp[rank_rows].unsqueeze(1)).sum(dim=1)
     return SamplerOutput(token_ids, lp, top_ids, top_lp, ranks)
+
+
+def grammar_masked(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits with each structured-output row's grammar applied (the tokens it forbids at -inf)."""
+    if md.grammar_bitmask is None:
+        return logits
+    rows, bitmask = md.grammar_bitmask
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
+        logits = grammar_masked(logits.float(), md)
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         logits = self.constrain(logits, md)
         sampled = self._sample(logits, md)
@@ -170,11 +182,8 @@ class Sampler:
 
     @staticmethod
     def constrain(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """The masks, biases and penalties: what shapes greedy and random rows alike."""
-        if md.grammar_bitmask is not None:
-            rows, bitmask = md.grammar_bitmask
-            allowed = unpack_bitmask(bitmask, logits.shape[1])
-            logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
+        """The masks, biases and penalties after the grammar's (``grammar_masked``, applied first):
+        what shapes greedy and random rows alike."""
         if md.allowed_token_ids is not None:
             rows, allowed = md.allowed_token_ids
             logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))

@@ -117,9 +117,10 @@ def test_logprobs_are_log_softmax_of_raw_logits(logits):
 def test_tiny_temperatures_are_greedy_or_clamped_as_in_vllm():
     from engine_core.sampling_params import SamplingParams
 
-    assert SamplingParams(temperature=1e-40).temperature == 0.0  # greedy
-    assert SamplingParams(temperature=1e-6).temperature == 0.0
-    assert SamplingParams(temperature=1e-3).temperature == 0.01  # raised to vLLM's floor
+    assert SamplingParams(temperature=0.0).greedy  # only 0 itself
+    for tiny in (1e-40, 1e-6, 1e-3):  # raised to vLLM's floor, and still sampled
+        params = SamplingParams(temperature=tiny)
+        assert params.temperature == 0.01 and not params.greedy
     assert SamplingParams(temperature=0.7).temperature == 0.7
     for bad in (float("inf"), float("nan"), -0.1):
         with pytest.raises(ValueError, match="temperature"):
@@ -174,7 +175,7 @@ def test_the_grammar_bitmask_masks_as_xgrammar_does():
     assert picks[1] == expected[1].argmax() and picks[0] == logits[0].argmax() and picks[2] == logits[2].argmax()
 
 
-def test_ranks_count_the_tokens_more_likely_than_the_sampled_one_on_the_rows_asked():
+def test_ranks_count_the_tokens_at_least_as_likely_as_the_sampled_one_on_the_rows_asked():
     torch.manual_seed(1)
     logits = torch.randn(4, V)
     m = md(4, temperature=1.0, max_num_logprobs=0, logprob_rows=torch.tensor([1, 3]))
@@ -184,3 +185,39 @@ def test_ranks_count_the_tokens_more_likely_than_the_sampled_one_on_the_rows_ask
         sampled = out.sampled_token_ids[row]
         assert out.sampled_ranks[row] == int((raw[row] > raw[row, sampled]).sum()) + 1
     assert out.sampled_ranks[0] == out.sampled_ranks[2] == 0  # (not asked: not computed)
+    # Tied with another token, the greedy pick ranks 2, as vLLM counts (tokens >= it).
+    tied = torch.zeros(1, V)
+    tied[0, [3, 5]] = 2.0
+    out = Sampler()(tied, md(1, temperature=0.0, max_num_logprobs=1))
+    assert out.sampled_token_ids.tolist() == [3] and out.sampled_ranks.tolist() == [2]
+
+
+def test_a_grammars_row_reports_logprobs_over_the_tokens_it_allows():
+    """As vLLM's model runner masks the logits with the grammar before its sampler: the sampled
+    token's logprob, rank and the best tokens are those of the allowed tokens alone."""
+    from gpu_worker.sampler import unpack_bitmask
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0] + [-5.0] * (V - 4)] * 2)
+    bitmask = torch.tensor([[0b0110]], dtype=torch.int32)  # tokens 1 and 2
+    assert unpack_bitmask(bitmask, V)[0].nonzero().flatten().tolist() == [1, 2]
+    m = md(2, temperature=0.0, max_num_logprobs=2, grammar_bitmask=(torch.tensor([0]), bitmask))
+    out = Sampler()(logits.clone(), m)
+    assert out.sampled_token_ids.tolist() == [1, 0]
+    allowed = logits[0, [1, 2]].log_softmax(dim=-1)
+    torch.testing.assert_close(out.sampled_logprobs[0], allowed[0])
+    assert out.top_token_ids[0].tolist() == [1, 2] and out.sampled_ranks[0] == 1
+    torch.testing.assert_close(out.top_logprobs[0], allowed)
+    torch.testing.assert_close(out.sampled_logprobs[1], logits[1].log_softmax(dim=-1)[0])  # (no grammar: raw)
+
+
+def test_min_tokens_keeps_eos_out_under_ignore_eos_too():
+    """As vLLM's min-tokens processor, whose stop ids always hold the EOS ids: ignore_eos lets an
+    answer run past EOS, but its first min_tokens tokens are still not EOS."""
+    from engine_core.sampling_params import SamplingParams
+    from gpu_worker.request_state import RequestStates
+
+    states = RequestStates((2,), torch.device("cpu"))
+    for ignore_eos in (False, True):
+        params = SamplingParams(max_tokens=10, min_tokens=5, ignore_eos=ignore_eos, stop_token_ids=[7])
+        assert states._stop_ids(params, request_eos=9) == (2, 9, 7)
+    assert states._stop_ids(SamplingParams(max_tokens=10, ignore_eos=True)) == ()
