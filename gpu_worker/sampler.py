@@ -151,8 +151,8 @@ def token_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
     lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     k = min(k, raw_logprobs.shape[-1])  # (a request may ask for the whole vocabulary)
     top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
-    # (As vLLM counts a rank: the tokens at least as likely, the token itself included, so tied
-    # tokens share the lowest of their ranks.)
+    # (As vLLM counts a rank: the tokens at least as likely, the token itself included, so a token
+    # tied with another ranks after both.)
     if rank_rows is None:
         ranks = (raw_logprobs >= lp.unsqueeze(1)).sum(dim=1)
     else:
