@@ -14,31 +14,13 @@ import time
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, Field
 
 from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
-from router.embeddings import EmbeddingsServing, PooledInputRequest, embedding_params
+from router.embeddings import ActivationField, EmbeddingsServing, PooledInputRequest, embedding_params
 from router.serving import OpenAIServing, answer_ids, bad_request
 
 CLASSIFY_PATHS = ("/classify", "/v1/classify")
-
-
-class ActivationField(BaseModel):
-    """vLLM's switch for a classifier's activation (``activation`` is its older name)."""
-
-    use_activation: bool | None = Field(None, description="Turn class logits into probabilities by the model's "
-                                                          "activation (default); false: the logits as they are.")
-    activation: bool | None = Field(None, description="The older name of use_activation.")
-    softmax: bool | None = Field(None, description="The oldest name of use_activation.")
-
-    def wants_activation(self) -> bool | None:
-        """What the request asks, by whichever name it uses (None: the model's default)."""
-        return next((v for v in (self.use_activation, self.activation, self.softmax) if v is not None), None)
-
-    def class_activation(self, model_activation: str) -> str:
-        """The activation applied: the model's, or "none" when the request switches it off."""
-        return "none" if self.wants_activation() is False else model_activation
 
 
 class ClassificationRequest(PooledInputRequest, ActivationField):

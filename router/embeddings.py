@@ -91,13 +91,31 @@ def encoded(vector: list[float] | list[list[float]], encoding_format: str, embed
     return base64.b64encode(to_bytes(vector, embed_dtype, endianness)).decode()
 
 
+class ActivationField(BaseModel):
+    """vLLM's switch for a pooled answer's activation (``activation`` is its older name): a
+    classifier's (or a cross-encoder's) function from logits to scores, an embedding's normalisation."""
+
+    use_activation: bool | None = Field(None, description="Turn class logits into probabilities by the model's "
+                                                          "activation (default); false: the logits as they are.")
+    activation: bool | None = Field(None, description="The older name of use_activation.")
+    softmax: bool | None = Field(None, description="The oldest name of use_activation.")
+
+    def wants_activation(self) -> bool | None:
+        """What the request asks, by whichever name it uses (None: the model's default)."""
+        return next((v for v in (self.use_activation, self.activation, self.softmax) if v is not None), None)
+
+    def class_activation(self, model_activation: str) -> str:
+        """The activation applied: the model's, or "none" when the request switches it off."""
+        return "none" if self.wants_activation() is False else model_activation
+
+
 class PooledInputRequest(BaseModel):
     """What /v1/embeddings, /classify and /pooling share: the inputs pooled into one answer each (or
     one conversation, vLLM's chat form of these requests), and how they are tokenised and scheduled."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(..., description="Served model name (see GET /v1/models).")
+    model: str | None = Field(None, description="Served model name (see GET /v1/models; by default the first).")
     input: str | list[str] | list[int] | list[list[int]] | None = Field(
         None, description="Text, texts, token ids, or lists of token ids: one answer each (or give messages).")
     user: str | None = None
@@ -142,10 +160,15 @@ class PooledInputRequest(BaseModel):
         return list(self.input)  # type: ignore[arg-type]
 
 
-class EmbeddingRequest(PooledInputRequest, EncodingFields):
+class EmbeddingRequest(PooledInputRequest, EncodingFields, ActivationField):
     dimensions: int | None = Field(None, ge=1, description="Keep the first values only (Matryoshka models).")
     normalize: bool | None = Field(None, description="L2-normalise (default: the model's pooler config, "
-                                                     "true unless its sentence-transformers files omit Normalize).")
+                                                     "true unless its sentence-transformers files omit Normalize); "
+                                                     "vLLM's use_activation says the same.")
+
+    def wants_normalized(self) -> bool | None:
+        """normalize, or vLLM's use_activation (an embedding's activation is its normalisation)."""
+        return self.wants_activation() if self.normalize is None else self.normalize
 
 
 def check_embeds(serving: OpenAIServing, per_token: bool = False) -> None:
@@ -206,7 +229,7 @@ class EmbeddingsServing:
         serving = self.serving
         lora = await self.admit(request, request.dimensions)
         prompts = self.request_prompts(request)
-        params = embedding_params(serving, request.normalize, request.dimensions)
+        params = embedding_params(serving, request.wants_normalized(), request.dimensions)
         request_id, engine_base = answer_ids("embd", external_id)
         vectors = await serving.embed(engine_base, prompts, params, request.priority, lora, session_id,
                                       request.cache_salt)

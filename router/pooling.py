@@ -16,8 +16,9 @@ from typing import Any, Literal
 from pydantic import Field
 from starlette.responses import Response
 
-from router.classification import ActivationField, classifier_params, pooled_output
+from router.classification import classifier_params, pooled_output
 from router.embeddings import (
+    ActivationField,
     EmbeddingsServing,
     EncodingFields,
     PooledInputRequest,

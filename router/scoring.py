@@ -19,13 +19,14 @@ import time
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from engine_core.outputs import LoRARequest
 from engine_core.sampling_params import SamplingParams
 from router.classification import class_probabilities, classifier_params
 from router.embeddings import (
     TRUNCATION_SIDE_HELP,
+    ActivationField,
     EmbeddingsServing,
     TruncationSide,
     check_embeds,
@@ -39,10 +40,10 @@ from router.serving import APIError, OpenAIServing, answer_ids, bad_request
 SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 
 
-class _ScoringFields(BaseModel):
+class _ScoringFields(ActivationField):
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(..., description="Served model name (see GET /v1/models).")
+    model: str | None = Field(None, description="Served model name (see GET /v1/models; by default the first).")
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Truncate each text (a cross-encoder's "
                                                                          "pair) to k tokens (-1: max_model_len).")
     truncation_side: TruncationSide = Field("right", description=TRUNCATION_SIDE_HELP)
@@ -264,7 +265,9 @@ class ScoringServing:
         logits = await serving.embed(request_id, prompts, each, request.priority, lora, session_id,
                                      request.cache_salt)
         try:
-            scores = [class_probabilities(row, serving.settings.pooling.cross_encoder_activation)[0] for row in logits]
+            # (use_activation false: a cross-encoder's raw logits, as vLLM gives them.)
+            activation = request.class_activation(serving.settings.pooling.cross_encoder_activation)
+            scores = [class_probabilities(row, activation)[0] for row in logits]
         except ValueError as e:
             raise APIError(500, str(e), "InternalServerError") from None
         return scores, sum(len(p) for p in prompts)

@@ -105,6 +105,13 @@ def test_scores_use_the_cross_encoder_activation_not_the_problem_type():
     body = http.post("/score", json={"model": "tiny", "text_1": "q", "text_2": "d"}).json()
     logit = scripted_embedding(TOKENIZER("q", text_pair="d")["input_ids"], engine.requests[0].sampling_params)[0]
     assert body["data"][0]["score"] == pytest.approx(1 / (1 + math.exp(-logit)))
+    # vLLM's use_activation (or its older names) false: the raw logit, on /score and /rerank alike; and
+    # with no model named, the first model answers.
+    for path, fields in (("/score", {"text_1": "q", "text_2": "d"}), ("/rerank", {"query": "q", "documents": ["d"]})):
+        for switch in ("use_activation", "activation", "softmax"):
+            raw = http.post(path, json={**fields, switch: False}).json()
+            score = raw["data"][0]["score"] if path == "/score" else raw["results"][0]["relevance_score"]
+            assert score == pytest.approx(logit), (path, switch)
 
 
 def test_embeddings_the_checkpoint_declares_unservable_are_refused():

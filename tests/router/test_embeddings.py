@@ -116,6 +116,12 @@ def test_an_embedding_model_pools_as_configured_and_does_not_generate():
     assert params.embed_pooling == "MEAN" and not params.embed_normalize
     client.embeddings.create(model="tiny", input="Hello world", extra_body={"normalize": True})
     assert engine.requests[-1].sampling_params.embed_normalize
+    # vLLM's use_activation is an embedding's normalisation; normalize, when given, decides. A request
+    # naming no model gets the first one's.
+    for body, normalized in (({"use_activation": True}, True), ({"use_activation": False, "normalize": True}, True),
+                             ({}, False)):
+        assert http.post("/v1/embeddings", json={"input": "Hello", **body}).status_code == 200
+        assert engine.requests[-1].sampling_params.embed_normalize == normalized, body
     assert http.post("/v1/score", json={"model": "tiny", "text_1": "a", "text_2": "b"}).status_code == 200
     assert engine.requests[-1].sampling_params.embed_pooling == "MEAN"
     sent = len(engine.requests)
