@@ -120,20 +120,32 @@ def _texts(value: str | list[str], param: str) -> list[str]:
 
 
 class ScoreRequest(_ScoringFields):
-    """``text_1``/``text_2`` (vLLM's names), or ``queries``/``documents`` (its newer ones)."""
+    """The two sides to score, by any of vLLM's names for them: ``text_1``/``text_2``, ``data_1``/
+    ``data_2``, or ``queries`` with ``documents`` (or ``items``)."""
 
     text_1: str | list[str] | None = None
     text_2: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
     queries: str | list[str] | None = None
     documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+
+    def side_names(self) -> tuple[str, str]:
+        """The names of the two sides the request gave (the first family of names it used)."""
+        for first, second in (("text_1", "text_2"), ("data_1", "data_2")):
+            if getattr(self, first) is not None or getattr(self, second) is not None:
+                return first, second
+        return "queries", "items" if self.items is not None else "documents"
 
     @model_validator(mode="after")
     def _one_pair_of_sides(self) -> ScoreRequest:
-        legacy, named = (self.text_1, self.text_2), (self.queries, self.documents)
-        if any(v is not None for v in legacy) and any(v is not None for v in named):
-            raise invalid("text_1", "give text_1 and text_2, or queries and documents, not both")
-        first, second = legacy if any(v is not None for v in legacy) else named
-        names = ("text_1", "text_2") if any(v is not None for v in legacy) else ("queries", "documents")
+        names = self.side_names()
+        given = [n for n in ("text_1", "text_2", "data_1", "data_2", "queries", "documents", "items")
+                 if getattr(self, n) is not None]
+        if other := [n for n in given if n not in names]:
+            raise invalid(names[0], f"give one pair of sides: {names[0]} and {names[1]}, without {', '.join(other)}")
+        first, second = getattr(self, names[0]), getattr(self, names[1])
         if first is None or second is None:
             raise invalid(names[0] if first is None else names[1], f"{names[0]} and {names[1]} are both required")
         left, right = _texts(first, names[0]), _texts(second, names[1])
@@ -145,9 +157,8 @@ class ScoreRequest(_ScoringFields):
         return self
 
     def sides(self) -> tuple[list[str], list[str]]:
-        if self.text_1 is not None:
-            return _texts(self.text_1, "text_1"), _texts(self.text_2, "text_2")  # type: ignore[arg-type]
-        return _texts(self.queries, "queries"), _texts(self.documents, "documents")  # type: ignore[arg-type]
+        first, second = self.side_names()
+        return _texts(getattr(self, first), first), _texts(getattr(self, second), second)
 
 
 class RerankRequest(_ScoringFields):
@@ -196,7 +207,7 @@ class ScoringServing:
         left, right = request.sides()
         pairs = score_pairs(len(left), len(right))
         request_id, engine_base = answer_ids("score", external_id)
-        names = ("text_1", "text_2") if request.text_1 is not None else ("queries", "documents")
+        names = request.side_names()
         scores, num_tokens = await self._scores(engine_base, request, left, right, pairs, session_id, names)
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": self.serving.model_name(request.model),

@@ -45,7 +45,8 @@ def test_pairs_side_by_side_under_every_path_and_name():
     firsts = ["Hello world", "Paris is the capital of France.", "Hello world"]
     seconds = ["Hello world", "the quick brown fox", "def main():"]
     expected = [1.0, _expected(firsts[1], seconds[1]), _expected(firsts[2], seconds[2])]
-    for path, names in (("/v1/score", ("text_1", "text_2")), ("/score", ("queries", "documents"))):
+    for path, names in (("/v1/score", ("text_1", "text_2")), ("/score", ("queries", "documents")),
+                        ("/score", ("data_1", "data_2")), ("/v1/score", ("queries", "items"))):
         http, engine = _app()
         body = http.post(path, json={"model": "tiny", names[0]: firsts, names[1]: seconds}).json()
         assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-12)
@@ -81,6 +82,9 @@ def test_rerank_orders_documents_by_relevance():
     ("/score", {"text_1": "a", "text_2": ["b", ""]}, 400, "text_2"),
     ("/score", {"text_1": "a"}, 400, "text_2"),
     ("/score", {"queries": "a", "documents": ["b"], "text_1": "a"}, 400, "text_1"),
+    ("/score", {"queries": "a", "documents": ["b"], "items": ["c"]}, 400, "queries"),
+    ("/score", {"data_1": "a"}, 400, "data_2"),
+    ("/score", {"queries": "a"}, 400, "documents"),
     ("/score", {"text_1": "a", "text_2": "x" * 300}, 400, "text_2"),  # beyond max_model_len (256)
     ("/score", {"queries": "x" * 300, "documents": "b"}, 400, "queries"),
     ("/score", {"text_1": "a", "text_2": "b", "priority": 3}, 400, "priority"),
