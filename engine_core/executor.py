@@ -69,6 +69,10 @@ class PoolingInfo:
     # trained at (() : any), as vLLM reads them from the config (is_matryoshka, matryoshka_dimensions).
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    # A sentence-transformers checkpoint's named prompts ((name, prefix) pairs: Cohere's input_type
+    # picks one), and whether it lowercases its texts (do_lower_case), as vLLM reads them.
+    prompts: tuple[tuple[str, str], ...] = ()
+    do_lower_case: bool = False
 
     def dimensions_problem(self, dimensions: int | None, model: str, hidden_size: int) -> str:
         """Why a request's ``dimensions`` cannot be served ("" when it can), as vLLM refuses it: a

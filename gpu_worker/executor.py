@@ -30,6 +30,7 @@ from gpu_worker.pooler_config import (
     PoolerConfig,
     resolve_pooler_config,
     sentence_transformers_max_seq_length,
+    sentence_transformers_text_settings,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class _ExecutorBase(Executor):
                 raise ValueError(f"pooler_config returned_token_ids {list(pooler.returned_token_ids)}: each row "
                                  f"pooled from this model has {row_size} values (columns 0..{row_size - 1})")
             row_size = len(pooler.returned_token_ids)
+        prompts, do_lower_case = sentence_transformers_text_settings(self.model_dir)
         wanted = config.scheduler.max_model_len  # None: the model's context length
         if wanted is None and embeds_only:
             # (A sentence-transformers checkpoint's max_seq_length bounds it by default, as in vLLM.)
@@ -199,7 +201,8 @@ class _ExecutorBase(Executor):
                                 task="token_embed" if self.model_config.late_interaction else None,
                                 late_interaction=self.model_config.late_interaction,
                                 matryoshka=self.model_config.matryoshka,
-                                matryoshka_dimensions=self.model_config.matryoshka_dimensions))
+                                matryoshka_dimensions=self.model_config.matryoshka_dimensions,
+                                prompts=prompts, do_lower_case=do_lower_case))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

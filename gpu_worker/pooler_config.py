@@ -189,6 +189,25 @@ def sentence_transformers_max_seq_length(model_dir: str | Path) -> int | None:
     return None
 
 
+def sentence_transformers_text_settings(model_dir: str | Path) -> tuple[tuple[tuple[str, str], ...], bool]:
+    """How a sentence-transformers checkpoint wants its texts: its named ``prompts`` (prefixes by
+    input kind, from config_sentence_transformers.json: nomic-embed's "search_query: ", e5's
+    "query: "), and whether its Transformer module lowercases them (``do_lower_case``)."""
+    prompts: tuple[tuple[str, str], ...] = ()
+    path = Path(model_dir) / "config_sentence_transformers.json"
+    if path.exists():
+        found = json.loads(path.read_text()).get("prompts")
+        if isinstance(found, dict):
+            prompts = tuple((str(k), v) for k, v in found.items() if isinstance(v, str))
+    lower = False
+    for name in _SENTENCE_TRANSFORMERS_CONFIGS:
+        config = Path(model_dir) / name
+        if config.exists():
+            lower = json.loads(config.read_text()).get("do_lower_case") is True
+            break
+    return prompts, lower
+
+
 def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None = None,
                           default_type: str = "LAST", hidden_size: int = 0,
                           default_step_tag_id: int | None = None, read_files_pooling: bool = True) -> PoolerConfig:

@@ -8,8 +8,11 @@ request and response shapes, so clients written for Cohere's API (``cohere.Clien
 * ``embedding_types``: ``float``, ``base64`` (little-endian float32), ``binary`` / ``ubinary`` (one
   bit per value, set where it is >= 0, eight to a byte, signed or not) — each asked type in the
   answer's ``embeddings``.
-``input_type`` is taken and not applied: Cohere's own models add a marker per input type; others,
-here as in vLLM, embed the text as it is.
+* ``input_type``: where the model's sentence-transformers config names prompts (prefixes by input
+  kind), the one for the type goes before each text: ``search_query`` takes a prompt named
+  ``search_query`` or ``query``, ``search_document`` one named ``search_document``, ``document`` or
+  ``passage``, ``classification`` and ``clustering`` their own names. A model without prompts, or
+  without one for the type, embeds the text as it is.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class CohereEmbedRequest(BaseModel):
     texts: list[str] | None = Field(None, min_length=1)
     inputs: list[CohereInput] | None = Field(None, min_length=1, description="Text content parts, joined by "
                                                                             "newlines per input.")
-    input_type: str | None = Field(None, description="Taken, not applied (see the module's docstring).")
+    input_type: str | None = Field(None, description="Picks the model's prompt for the kind of input (see the "
+                                                     "module's docstring).")
     embedding_types: list[EmbeddingType] = Field(["float"], min_length=1)
     output_dimension: int | None = Field(None, ge=1)
     truncate: Literal["NONE", "START", "END"] = "END"
@@ -66,6 +70,21 @@ class CohereEmbedRequest(BaseModel):
             return list(self.texts)
         return ["\n".join(part.text for part in item.content) for item in self.inputs or ()]
 
+
+
+# The sentence-transformers prompt names each Cohere input type may go by, first found first.
+_PROMPT_NAMES = {"search_query": ("search_query", "query"),
+                 "search_document": ("search_document", "document", "passage"),
+                 "classification": ("classification",), "clustering": ("clustering",)}
+
+
+def input_type_prompt(prompts: tuple[tuple[str, str], ...], input_type: str | None) -> str:
+    """The prefix a model's prompts give texts of this Cohere input type ("" for none)."""
+    named = dict(prompts)
+    for name in _PROMPT_NAMES.get(input_type or "", (input_type,) if input_type else ()):
+        if name in named:
+            return named[name]
+    return ""
 
 
 @dataclass(frozen=True)
@@ -99,7 +118,8 @@ class CohereEmbedServing:
         if size and size % 8 and {"binary", "ubinary"} & set(request.embedding_types):
             raise bad_request(f"binary embeddings need a dimension that is a multiple of 8, got {size}",
                               "embedding_types")
-        texts = request.all_texts()
+        prefix = input_type_prompt(serving.settings.pooling.prompts, request.input_type)
+        texts = [prefix + text for text in request.all_texts()]
         # END keeps a text's first tokens, START its last, both at most max_tokens (and the context);
         # NONE refuses a text longer than either.
         limit = min(request.max_tokens or serving.settings.max_model_len, serving.settings.max_model_len)

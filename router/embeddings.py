@@ -261,6 +261,7 @@ class EmbeddingsServing:
         serving = self.serving
         max_length = serving.truncation_length(request)
         if isinstance(item, str):
+            item = serving.pooled_text(item)
             ids = list(tokenize_truncated(serving.tokenizer, item, None, request.add_special_tokens is not False,
                                           max_length, request.truncation_side)["input_ids"])
         else:

@@ -269,7 +269,8 @@ class ScoringServing:
         params = classifier_params(serving)
         prompts, each = [], []
         for i, j in pairs:
-            ids, type_start = tokenize_pair(serving.tokenizer, left[i], right[j], request.add_special_tokens,
+            ids, type_start = tokenize_pair(serving.tokenizer, serving.pooled_text(left[i]),
+                                            serving.pooled_text(right[j]), request.add_special_tokens,
                                             serving.truncation_length(request), request.truncation_side)
             prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
             each.append(pair_params(params, type_start, serving.settings.pooling.token_types))

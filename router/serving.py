@@ -490,6 +490,11 @@ class OpenAIServing:
                                     f"{_remote_message(e)}", "ServiceUnavailableError") from e
         return current
 
+    def pooled_text(self, text: str) -> str:
+        """A text as a pooling model reads it: lowercased where its sentence-transformers
+        Transformer module says do_lower_case (as vLLM and sentence-transformers do)."""
+        return text.lower() if self.settings.pooling.do_lower_case else text
+
     def model_name(self, model: str | None) -> str:
         """The name responses carry: the adapter's when the request named one, else the model's first
         (whichever alias the request used, as in vLLM)."""

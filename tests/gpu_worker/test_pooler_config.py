@@ -137,3 +137,13 @@ def test_pipelines_we_cannot_reproduce_are_refused(tmp_path):
                                                            "pooling_mode_cls_token": True}, False)
     with pytest.raises(ValueError, match="pooling_mode_mean_tokens and pooling_mode_cls_token together"):
         resolve_pooler_config(both)
+
+
+def test_sentence_transformers_prompts_and_lowercasing_are_read(tmp_path):
+    from gpu_worker.pooler_config import sentence_transformers_text_settings
+
+    assert sentence_transformers_text_settings(tmp_path) == ((), False)
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: ", "passage": "passage: ", "bad": 3}, "default_prompt_name": None}))
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": True}))
+    assert sentence_transformers_text_settings(tmp_path) == ((("query", "query: "), ("passage", "passage: ")), True)

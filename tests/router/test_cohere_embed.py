@@ -68,3 +68,20 @@ def test_v2_embed_truncates_as_cohere_says_and_takes_inputs():
     r = http.post("/v2/embed", json={"model": "tiny", "texts": ["a"], "output_dimension": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "output_dimension"
     assert "matryoshka" in r.json()["error"]["message"]
+
+
+def test_input_type_picks_the_models_prompt_and_lowercasing_follows_its_config():
+    """A sentence-transformers model's prompts prefix each text by Cohere's input_type (e5's
+    "query"/"passage" names too); a type it has no prompt for embeds the text as it is; a model
+    whose Transformer module lowercases gets lowercased texts on every pooling path."""
+    http, engine = _app(pooling={"prompts": (("query", "query: "), ("passage", "passage: "))})
+    for input_type, prefix in (("search_query", "query: "), ("search_document", "passage: "), ("clustering", ""),
+                               (None, "")):
+        body = {"model": "tiny", "texts": ["Hello world"], **({"input_type": input_type} if input_type else {})}
+        assert http.post("/v2/embed", json=body).status_code == 200
+        assert engine.requests[-1].prompt_token_ids == TOKENIZER.encode(prefix + "Hello world"), input_type
+    http, engine = _app(pooling={"do_lower_case": True})
+    for path, body in (("/v2/embed", {"texts": ["Hello World"]}), ("/v1/embeddings", {"input": "Hello World"}),
+                       ("/score", {"text_1": "Hello World", "text_2": "hello world"})):
+        assert http.post(path, json={"model": "tiny", **body}).status_code == 200, path
+        assert engine.requests[-1].prompt_token_ids == TOKENIZER.encode("hello world"), path
