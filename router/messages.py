@@ -52,12 +52,17 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 # Chat parameters named by errors past validation, and the Messages parameters they come from.
 _CHAT_TO_MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens",
-                           "stop": "stop_sequences", "chat_template_kwargs": "thinking", "user": "metadata"}
+                           "stop": "stop_sequences", "chat_template_kwargs": "thinking", "user": "metadata",
+                           "response_format": "output_config"}
 
 
 def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     """An error as Anthropic's API answers it (its client raises by status and shows the message)."""
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+# Anthropic's thinking settings (its client's ThinkingConfigParam kinds).
+_THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")
 
 
 class _MessagesInput(BaseModel):
@@ -71,6 +76,7 @@ class _MessagesInput(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _note_ignored(self) -> _MessagesInput:
@@ -78,8 +84,13 @@ class _MessagesInput(BaseModel):
         return self
 
     def chat_body(self) -> dict[str, Any]:
-        """The chat request's fields for this conversation."""
-        body: dict[str, Any] = {"model": self.model, "messages": self._chat_messages()}
+        """The chat request's fields for this conversation. One that ends with the assistant's text
+        (a prefill) is continued from it, as Anthropic answers it: the answer is what follows."""
+        messages = self._chat_messages()
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        last = messages[-1]
+        if last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
+            body.update(add_generation_prompt=False, continue_final_message=True)
         if self.tools:
             body["tools"] = [_tool(i, tool) for i, tool in enumerate(self.tools)]
         choice = self.tool_choice
@@ -96,22 +107,35 @@ class _MessagesInput(BaseModel):
                 body["parallel_tool_calls"] = False
         if self.thinking is not None:
             kind = self.thinking.get("type")
-            if kind not in ("enabled", "disabled"):
-                raise bad_request('thinking must be {"type": "enabled", "budget_tokens": ...} or '
-                                  '{"type": "disabled"}', "thinking")
-            body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
+            if kind not in _THINKING_TYPES:
+                raise bad_request(f"thinking type must be one of {', '.join(_THINKING_TYPES)}", "thinking")
+            # (Every kind but "disabled" lets the model think: the model decides when, as a template can.)
+            body["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+        if self.output_config is not None:
+            fields = _output_config(self.output_config)
+            kwargs = {**body.get("chat_template_kwargs", {}), **fields.pop("chat_template_kwargs", {})}
+            body.update(fields, **({"chat_template_kwargs": kwargs} if kwargs else {}))
         return body
 
     def _chat_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        if self.system:
-            out.append({"role": "system", "content": self.system if isinstance(self.system, str)
-                        else _block_text(self.system, "system")})
+        # The top-level system, then any system messages among the turns (the SDK types them), as one.
+        system = [self.system if isinstance(self.system, str) else _block_text(self.system, "system")] \
+            if self.system else []
+        for i, message in enumerate(self.messages):
+            if message.get("role") == "system":
+                system.append(_block_text(message.get("content") or "", f"messages[{i}].content"))
+        if system:
+            out.append({"role": "system", "content": "\n\n".join(system)})
+        if all(message.get("role") == "system" for message in self.messages):
+            raise bad_request("messages must hold a user turn, not system messages alone", "messages")
         for i, message in enumerate(self.messages):
             where = f"messages[{i}]"
             role = message.get("role")
+            if role == "system":
+                continue
             if role not in ("user", "assistant"):
-                raise bad_request(f"{where}.role must be user or assistant", "messages")
+                raise bad_request(f"{where}.role must be user, assistant or system", "messages")
             content = message.get("content")
             if isinstance(content, str):
                 out.append({"role": role, "content": content})
@@ -132,7 +156,7 @@ class _MessagesInput(BaseModel):
                                                "arguments": json.dumps(block.get("input") or {})}})
                 elif kind == "tool_result" and role == "user":
                     out.append({"role": "tool", "tool_call_id": _required(block, "tool_use_id", at),
-                                "content": _block_text(block.get("content") or "", f"{at}.content")})
+                                "content": _block_text(block.get("content") or "", f"{at}.content", "\n")})
                 elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                     continue  # earlier thinking is not shown to the model again
                 else:
@@ -179,6 +203,23 @@ class CountTokensRequest(_MessagesInput):
     """``POST /v1/messages/count_tokens``: the prompt a Messages request would have, counted."""
 
 
+def _output_config(output: Any) -> dict[str, Any]:
+    """The chat fields of Anthropic's ``output_config`` (the SDK's ``messages.parse`` sends it):
+    ``format`` a JSON schema the answer follows (chat's response_format), ``effort`` the reasoning
+    effort the chat template is given."""
+    if not isinstance(output, dict):
+        raise bad_request("output_config must be an object", "output_config")
+    fields: dict[str, Any] = {}
+    form = output.get("format")
+    if form is not None:
+        if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict):
+            raise bad_request('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config")
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"]}}
+    if isinstance(output.get("effort"), str):
+        fields["chat_template_kwargs"] = {"reasoning_effort": output["effort"]}
+    return fields
+
+
 def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     kind = tool.get("type", "custom")
     if kind != "custom" or not isinstance(tool.get("name"), str):
@@ -194,13 +235,14 @@ def _required(block: dict[str, Any], key: str, where: str) -> str:
     return required_text(block, key, where, "messages")
 
 
-def _block_text(content: Any, where: str) -> str:
-    """Text content: a string, or text blocks (joined)."""
+def _block_text(content: Any, where: str, separator: str = "") -> str:
+    """Text content: a string, or text blocks (joined by ``separator``: a tool result's blocks by
+    lines, as vLLM joins them)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
                                          and isinstance(b.get("text"), str) for b in content):
-        return "".join(b["text"] for b in content)
+        return separator.join(b["text"] for b in content)
     raise bad_request(f"{where} must be a string or a list of text blocks", "messages" if "messages" in where
                       else "system")
 
@@ -239,19 +281,27 @@ class _Blocks:
             if self.open_kind != "thinking":
                 self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             self._delta({"type": "thinking_delta", "thinking": parsed.reasoning})
+        # One delta may end the call being written and go on with text (outputs merged): the call's
+        # last arguments come before the text's block closes it. Text before a new call comes first.
+        started = [call for call in parsed.tool_calls if "id" not in call]
+        for call in started:
+            self._call(call)
         if parsed.content:
             if self.open_kind != "text":
                 self._start("text", {"type": "text", "text": ""})
             self._delta({"type": "text_delta", "text": parsed.content})
         for call in parsed.tool_calls:
-            kind = f"call:{call['index']}"
             if "id" in call:
-                self.called = True
-                self._start(kind, {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                                   "input": {}})
-            arguments = call["function"].get("arguments") or ""
-            if arguments and self.open_kind == kind:  # (a closed block takes no more: Anthropic's rule)
-                self._delta({"type": "input_json_delta", "partial_json": arguments})
+                self._call(call)
+
+    def _call(self, call: dict[str, Any]) -> None:
+        kind = f"call:{call['index']}"
+        if "id" in call:
+            self.called = True
+            self._start(kind, {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}})
+        arguments = call["function"].get("arguments") or ""
+        if arguments and self.open_kind == kind:  # (a closed block takes no more: Anthropic's rule)
+            self._delta({"type": "input_json_delta", "partial_json": arguments})
 
     def take(self) -> list[str]:
         events, self.events = self.events, []
@@ -285,8 +335,6 @@ class MessagesServing:
             content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                             "input": arguments})
         called = any(block["type"] == "tool_use" for block in content)
-        if not content:
-            content.append({"type": "text", "text": ""})
         stop_reason, stop_sequence = self._stop(run, called)
         return {"id": run.request_id, "type": "message", "role": "assistant", "model": model, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self._usage(run)}

@@ -172,7 +172,8 @@ def test_count_tokens_is_the_prompt_a_create_sends():
     ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),  # required, as in Anthropic's API
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     ({"max_tokens": 8, "messages": []}, "messages"),
-    ({"max_tokens": 8, "messages": [{"role": "system", "content": "hi"}]}, "role"),
+    ({"max_tokens": 8, "messages": [{"role": "system", "content": "hi"}]}, "user turn"),
+    ({"max_tokens": 8, "messages": [{"role": "tool", "content": "hi"}]}, "role"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": []}]}, "content"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "image"),
@@ -258,3 +259,52 @@ def test_a_call_that_is_not_whole_json_is_not_a_tool_use():
     message = _client(http).messages.create(model="tiny", max_tokens=200, tools=[WEATHER],
                                             messages=[{"role": "user", "content": "weather in Rome?"}])
     assert message.stop_reason != "tool_use" and "tool_use" not in [b.type for b in message.content]
+
+
+@pytest.mark.parametrize("tokens_per_output", [1, 19])
+def test_a_calls_end_and_the_text_after_it_in_one_output_keep_the_calls_input_whole(tokens_per_output):
+    """Engine outputs of several tokens (merged, or speculative decoding) can bring a call's last
+    arguments and the text after it at once: the tool_use block gets them all before it closes."""
+    answer = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>Done.'
+    http, engine, _ = _app(answer, parser="hermes")
+    engine.tokens_per_output = tokens_per_output
+    ask = {"model": "tiny", "max_tokens": 200, "tools": [WEATHER], "messages": [{"role": "user", "content": "hi"}]}
+    with _client(http).messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "input", None) or getattr(b, "text", None)) for b in final.content] == [
+        ("tool_use", {"city": "Rome"}), ("text", "Done.")]
+    events = _events(http, ask)
+    stops = [i for i, e in enumerate(events) if e["type"] == "content_block_stop" and e["index"] == 0]
+    json_deltas = [i for i, e in enumerate(events) if e["type"] == "content_block_delta"
+                   and e["delta"]["type"] == "input_json_delta"]
+    assert json_deltas and max(json_deltas) < stops[0]
+
+
+def test_the_sdks_other_conversation_shapes():
+    """What the anthropic client sends besides the basics: system messages among the turns (joined
+    after the top-level system), a final assistant turn to continue (a prefill: the answer is what
+    follows it), adaptive thinking, output_config's JSON schema (messages.parse), a tool result's
+    text blocks (one a line); and an empty answer has no content blocks, as Anthropic's."""
+    http, engine, serving = _app('{"a": 1}')
+    client = _client(http)
+    client.messages.create(model="tiny", max_tokens=8, system="Be brief.", messages=[
+        {"role": "system", "content": "Answer in French."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Bonjour"}])
+    assert _prompt(serving, engine, 0) == "system: Be brief.\n\nAnswer in French.user: hiassistant: Bonjour"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    one_turn = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    r = http.post("/v1/messages", json={**one_turn, "thinking": {"type": "adaptive"},
+                                        "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].sampling_params.structured_output == {"json": schema}
+    bad = http.post("/v1/messages", json={**one_turn, "output_config": {"format": {"type": "xml"}}})
+    assert bad.status_code == 400 and "output_config" in bad.json()["error"]["message"]
+    client.messages.create(model="tiny", max_tokens=8, tools=[WEATHER], tool_choice={"type": "none"}, messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [
+            {"type": "text", "text": "sunny"}, {"type": "text", "text": "24 C"}]}]}])
+    assert "tool: sunny\n24 Cassistant:" in _prompt(serving, engine, len(engine.requests) - 1)
+    http, engine, _ = _app("")
+    empty = _client(http).messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    assert empty.content == [] and empty.stop_reason == "end_turn"
