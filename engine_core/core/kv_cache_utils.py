@@ -34,8 +34,8 @@ def first_block_keys(cache_salt: str | None = None, lora_key: tuple[int, str] | 
     ``long_rope``: a LongRoPE model computes a prompt longer than its pretrained length with other
     rotary factors than a shorter one, so the two never share blocks."""
     keys: tuple[object, ...] = ()
-    if cache_salt:
-        keys += (cache_salt,)
+    if cache_salt:  # (tagged: a salt must never equal another key, such as the "longrope" marker)
+        keys += (("salt", cache_salt),)
     if lora_key is not None:
         keys += (("lora", *lora_key),)
     if long_rope:

@@ -203,8 +203,9 @@ def test_a_lora_adapter_keys_its_own_prefixes():
     assert mgr.get_computed_blocks(req("b1", b))[1] == 0
     assert mgr.get_computed_blocks(req("a2", a))[1] == 8
     assert mgr.get_computed_blocks(req("a3", a, salt="tenant"))[1] == 0  # the salt still separates
-    # A cache salt alone hashes as before adapters existed (the router mirrors these hashes).
-    assert first_block_keys("tenant") == ("tenant",) and first_block_keys() is None
+    # A cache salt is a key of its own kind (the router mirrors these hashes).
+    assert first_block_keys("tenant") == (("salt", "tenant"),) and first_block_keys() is None
+    assert first_block_keys("longrope") != first_block_keys(long_rope=True)
 
 
 def test_longrope_prompts_past_the_pretrained_length_key_their_own_prefixes():
@@ -217,6 +218,9 @@ def test_longrope_prompts_past_the_pretrained_length_key_their_own_prefixes():
     mgr.allocate_slots(_req("long", list(range(13))), 13)
     assert mgr.get_computed_blocks(_req("long2", list(range(14))))[1] == 12
     assert mgr.get_computed_blocks(_req("short3", list(range(9))))[1] == 8  # the short blocks, still there
+    # A salt spelled like the long-factors key is still a salt: a short salted prompt does not reach
+    # the long prompt's blocks (nor they its).
+    assert mgr.get_computed_blocks(_req("salted", list(range(11)), cache_salt="longrope"))[1] == 0
     # Without LongRoPE, the same prompts share their prefix.
     plain = KVCacheManager(num_blocks=32, block_size=4)
     plain.allocate_slots(_req("short", list(range(10))), 10)
