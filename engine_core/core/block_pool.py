@@ -26,7 +26,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Each cached hash's blocks, by block id: two requests computing one prefix at once (chunked
+        # prefill) each fill a block of it, and both stay hits until evicted (as vLLM keeps them).
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         # Recorded while someone listens (a prefix-aware router): None when nobody does.
         self.kv_events: list[KVEvent] | None = None
         # Told of each cached block handed out again, with its hash (KV offloading's tier saves it).
@@ -68,7 +70,8 @@ class BlockPool:
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+        blocks = self.cached_block_hash_to_block.get(block_hash)
+        return next(iter(blocks.values())) if blocks else None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.free_block_queue.num_free_blocks:
@@ -83,35 +86,43 @@ class BlockPool:
                 residency.evicted(block.block_id)
                 residency.allocated(block.block_id)
             if block.block_hash is not None:
-                if self.on_evict is not None:  # (KV offloading saves the evicted prefix block)
-                    self.on_evict(block.block_id, block.block_hash)
-                self._evict(block)
+                block_hash = block.block_hash
+                # (KV offloading saves an evicted prefix block, unless another copy stays cached.)
+                if self._evict(block) and self.on_evict is not None:
+                    self.on_evict(block.block_id, block_hash)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        if self.cached_block_hash_to_block.get(block.block_hash) is block:  # type: ignore[arg-type]
-            del self.cached_block_hash_to_block[block.block_hash]  # type: ignore[arg-type]
-            if self.kv_events is not None:
-                self._event(BLOCKS_REMOVED, block.block_hash)
-        block.block_hash = None
+    def _evict(self, block: KVCacheBlock) -> bool:
+        """Take the block out of the prefix cache; whether it was its hash's last cached copy (then
+        the hash leaves the cache, and KV events say so)."""
+        block_hash, block.block_hash = block.block_hash, None
+        copies = self.cached_block_hash_to_block.get(block_hash)  # type: ignore[arg-type]
+        if copies is None or copies.pop(block.block_id, None) is None or copies:
+            return False
+        del self.cached_block_hash_to_block[block_hash]  # type: ignore[arg-type]
+        if self.kv_events is not None:
+            self._event(BLOCKS_REMOVED, block_hash)
+        return True
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
                           start: int, end: int) -> None:
-        """Register blocks[start:end] under their hashes. A hash already cached by another block
-        keeps that block; the duplicate simply stays uncached."""
+        """Register blocks[start:end] under their hashes; a hash another block already holds gets
+        this block as a further copy (KV events report a hash once, when its first copy is cached)."""
         cached = self.cached_block_hash_to_block
         for i in range(start, end):
             block = blocks[i]
             if block.block_hash is not None:
                 continue
             block_hash = block_hashes[i]
-            if block_hash not in cached:
-                block.block_hash = block_hash
-                cached[block_hash] = block
+            copies = cached.get(block_hash)
+            if copies is None:
+                copies = cached[block_hash] = {}
                 if self.kv_events is not None:
                     self._event(BLOCKS_STORED, block_hash)
+            block.block_hash = block_hash
+            copies[block.block_id] = block
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop blocks from the prefix cache whose contents will not be computed after all."""
@@ -142,8 +153,9 @@ class BlockPool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_blocks:
             return False
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
+        for copies in self.cached_block_hash_to_block.values():
+            for block in copies.values():
+                block.block_hash = None
         self.cached_block_hash_to_block.clear()
         if self.residency is not None:
             self.residency.clear()
@@ -164,8 +176,11 @@ class BlockPool:
             assert is_free == (block.ref_cnt == 0), f"{block}: free={is_free} but ref_cnt={block.ref_cnt}"
             used += not is_free
             if block.block_hash is not None:
-                assert self.cached_block_hash_to_block.get(block.block_hash) is block, \
+                assert self.cached_block_hash_to_block.get(block.block_hash, {}).get(block.block_id) is block, \
                     f"{block} has a hash the cache map does not point back to it under"
         assert used + len(free_ids) == self.num_blocks, "free + used != total"
-        for block_hash, block in self.cached_block_hash_to_block.items():
-            assert block.block_hash == block_hash, f"cache map entry for {block} has the wrong hash"
+        for block_hash, copies in self.cached_block_hash_to_block.items():
+            assert copies, "a cached hash with no block"
+            for block_id, block in copies.items():
+                assert block.block_id == block_id and block.block_hash == block_hash, \
+                    f"cache map entry for {block} has the wrong hash or id"

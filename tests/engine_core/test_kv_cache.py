@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from engine_core.core.block_pool import BlockPool
+from engine_core.core.block_pool import BLOCKS_STORED, BlockPool
 from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.core.kv_cache_utils import (
     NONE_HASH,
@@ -134,6 +134,35 @@ def test_eviction_reuses_the_least_recently_freed_cached_block():
     assert len(mgr.block_pool.cached_block_hash_to_block) == 2
     _, n = mgr.get_computed_blocks(_req("c", list(range(8)) + [1]))
     assert n == 4
+    mgr.block_pool.check_integrity()
+
+
+def test_two_requests_filling_one_prefix_at_once_both_keep_it_cached():
+    """Chunked prefill: a second request starts on the first's first chunk, and each then computes
+    the rest of one prompt. Both copies of those blocks are cached (as vLLM keeps them): after one
+    copy is evicted, the other still serves the prefix; KV events name each hash once."""
+    mgr = KVCacheManager(num_blocks=12, block_size=4)
+    mgr.block_pool.record_kv_events()
+    prompt = list(range(17))
+    r1 = _req("r1", prompt)
+    mgr.allocate_slots(r1, 8)  # its first chunk
+    r1.num_computed_tokens = 8
+    r2 = _req("r2", prompt)
+    hits, n = mgr.get_computed_blocks(r2)
+    assert n == 8
+    mgr.allocate_slots(r2, 8, n, hits)  # the rest of the prefix, first
+    r2.num_computed_tokens = 16
+    mgr.allocate_slots(r1, 8)  # the same blocks again: copies
+    r1.num_computed_tokens = 16
+    mgr.block_pool.check_integrity()
+    assert [len(copies) for copies in mgr.block_pool.cached_block_hash_to_block.values()] == [1, 1, 2, 2]
+    mgr.free(r2)
+    filler = _req("filler", [100 + i for i in range(28)])
+    assert mgr.allocate_slots(filler, 28) is not None  # evicts the free copies, r2's
+    _, n = mgr.get_computed_blocks(_req("r3", prompt))
+    assert n == 16  # r1's copies
+    stored = [h for kind, hashes in mgr.block_pool.take_kv_events() if kind == BLOCKS_STORED for h in hashes]
+    assert len(stored) == len(set(stored))  # (each hash once, though two blocks hold two of them)
     mgr.block_pool.check_integrity()
 
 
