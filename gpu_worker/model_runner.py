@@ -642,7 +642,10 @@ class ModelRunner:
         wanted = [j for j, s in enumerate(sample_states) if s.sampling_params.logprobs is not None]
         rows_idx = [first_rows[j] + t for j in wanted for t in range(len(tokens[j]))]
         device = logits.device
-        rows = grammar_masked(logits.float(), md)[torch.tensor(rows_idx, device=device)]  # (the grammar's, as sampled)
+        selected = torch.tensor(rows_idx, device=device)
+        # (A grammar's rows as they were sampled, masked; the whole batch copied only when there is one.)
+        rows = (grammar_masked(logits.float(), md)[selected] if md.grammar_bitmask is not None
+                else logits[selected].float())
         out = token_logprobs(rows.log_softmax(dim=-1),
                              torch.tensor([t for j in wanted for t in tokens[j]], device=device),
                              md.max_num_logprobs)

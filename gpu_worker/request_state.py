@@ -23,7 +23,7 @@ class RequestState:
     table_row: int
     num_computed_tokens: int
     generator: torch.Generator | None
-    # Tokens forbidden while the request is short of min_tokens: EOS (unless ignore_eos) + stop ids.
+    # Tokens forbidden while the request is short of min_tokens: the EOS ids (under ignore_eos too) + stop ids.
     min_tokens_stop_ids: tuple[int, ...]
     # Prompt logprobs gathered chunk by chunk until the prefill ends (then sent once).
     prompt_logprobs: list[float] = field(default_factory=list)

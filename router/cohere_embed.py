@@ -119,13 +119,15 @@ class CohereEmbedServing:
             raise bad_request(f"binary embeddings need a dimension that is a multiple of 8, got {size}",
                               "embedding_types")
         prefix = input_type_prompt(serving.settings.pooling.prompts, request.input_type)
-        texts = [prefix + text for text in request.all_texts()]
+        texts = request.all_texts()
+        # (The prompt counts in the text's tokens: under truncate START a long text may lose it.)
+        prompted = [prefix + text for text in texts]
         # END keeps a text's first tokens, START its last, both at most max_tokens (and the context);
         # NONE refuses a text longer than either.
         limit = min(request.max_tokens or serving.settings.max_model_len, serving.settings.max_model_len)
         tokenising = _Tokenising(None if request.truncate == "NONE" else limit,
                                  "left" if request.truncate == "START" else "right")
-        prompts = [self.embeddings.prompt_ids(text, tokenising, "texts") for text in texts]
+        prompts = [self.embeddings.prompt_ids(text, tokenising, "texts") for text in prompted]
         if request.max_tokens is not None and any(len(ids) > request.max_tokens for ids in prompts):
             raise bad_request(f"a text is longer than max_tokens ({request.max_tokens}) and truncate is NONE",
                               "max_tokens")

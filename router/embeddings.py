@@ -95,8 +95,9 @@ class ActivationField(BaseModel):
     """vLLM's switch for a pooled answer's activation (``activation`` is its older name): a
     classifier's (or a cross-encoder's) function from logits to scores, an embedding's normalisation."""
 
-    use_activation: bool | None = Field(None, description="Turn class logits into probabilities by the model's "
-                                                          "activation (default); false: the logits as they are.")
+    use_activation: bool | None = Field(None, description="Apply the model's activation (default): class logits "
+                                                          "to probabilities, an embedding normalised; false: "
+                                                          "the values as pooled.")
     activation: bool | None = Field(None, description="The older name of use_activation.")
     softmax: bool | None = Field(None, description="The oldest name of use_activation.")
 

@@ -90,6 +90,9 @@ class _MessagesInput(BaseModel):
         body: dict[str, Any] = {"model": self.model, "messages": messages}
         last = messages[-1]
         if last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
+            if (self.output_config or {}).get("format") is not None:  # (the format would follow the prefill)
+                raise bad_request("a final assistant turn (a prefill) cannot be combined with output_config.format",
+                                  "output_config")
             body.update(add_generation_prompt=False, continue_final_message=True)
         if self.tools:
             body["tools"] = [_tool(i, tool) for i, tool in enumerate(self.tools)]
@@ -109,8 +112,9 @@ class _MessagesInput(BaseModel):
             kind = self.thinking.get("type")
             if kind not in _THINKING_TYPES:
                 raise bad_request(f"thinking type must be one of {', '.join(_THINKING_TYPES)}", "thinking")
-            # (Every kind but "disabled" lets the model think: the model decides when, as a template can.)
-            body["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+            # ("between_tools" is thinking switched off but for notes between tool calls, which a
+            # template has no switch for: off.)
+            body["chat_template_kwargs"] = {"enable_thinking": kind in ("enabled", "adaptive")}
         if self.output_config is not None:
             fields = _output_config(self.output_config)
             kwargs = {**body.get("chat_template_kwargs", {}), **fields.pop("chat_template_kwargs", {})}
@@ -283,15 +287,15 @@ class _Blocks:
             self._delta({"type": "thinking_delta", "thinking": parsed.reasoning})
         # One delta may end the call being written and go on with text (outputs merged): the call's
         # last arguments come before the text's block closes it. Text before a new call comes first.
-        started = [call for call in parsed.tool_calls if "id" not in call]
-        for call in started:
+        ending = [call for call in parsed.tool_calls if "id" not in call and f"call:{call['index']}" == self.open_kind]
+        for call in ending:
             self._call(call)
         if parsed.content:
             if self.open_kind != "text":
                 self._start("text", {"type": "text", "text": ""})
             self._delta({"type": "text_delta", "text": parsed.content})
         for call in parsed.tool_calls:
-            if "id" in call:
+            if not any(call is done for done in ending):
                 self._call(call)
 
     def _call(self, call: dict[str, Any]) -> None:

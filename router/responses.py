@@ -394,8 +394,9 @@ class OutputItems:
         # One delta may end the call being written and go on with text (outputs merged by
         # --stream-interval or speculative decoding): the call's last arguments come first, before
         # the text opens a message and so closes the call. Text before a new call comes first.
-        started = [d for d in parsed.tool_calls if d["index"] in self.calls]
-        new = [d for d in parsed.tool_calls if d["index"] not in self.calls]
+        open_calls = {index for index, call in self.calls.items() if not call.closed}
+        started = [d for d in parsed.tool_calls if d["index"] in open_calls]
+        new = [d for d in parsed.tool_calls if d["index"] not in open_calls]
         for delta in started:
             self._add_call_fragment(delta)
         if parsed.content:

@@ -1622,8 +1622,14 @@ def named_sse_event(payload: dict[str, Any]) -> str:
     return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+# The least logprob an answer carries, as vLLM's: JSON has no -inf, which a token a grammar (or
+# allowed_token_ids) forbids has among a structured answer's alternatives.
+LOGPROB_FLOOR = -9999.0
+
+
 def _logprob_rows(token_ids: list[int], entry: LogprobsEntry) -> list[tuple[int, float, list[tuple[int, float]]]]:
-    return [(tid, entry.sampled_logprobs[i], [tuple(x) for x in entry.top_logprobs[i]])  # type: ignore[misc]
+    floor = LOGPROB_FLOOR
+    return [(tid, max(entry.sampled_logprobs[i], floor), [(t, max(lp, floor)) for t, lp in entry.top_logprobs[i]])
             for i, tid in enumerate(token_ids) if i < len(entry.sampled_logprobs)]
 
 

@@ -157,8 +157,9 @@ def test_two_requests_filling_one_prefix_at_once_both_keep_it_cached():
     mgr.block_pool.check_integrity()
     assert [len(copies) for copies in mgr.block_pool.cached_block_hash_to_block.values()] == [1, 1, 2, 2]
     mgr.free(r2)
-    filler = _req("filler", [100 + i for i in range(28)])
-    assert mgr.allocate_slots(filler, 28) is not None  # evicts the free copies, r2's
+    filler = _req("filler", [100 + i for i in range(32)])
+    assert mgr.allocate_slots(filler, 32) is not None  # (it takes every free block: r2's copies too)
+    assert mgr.block_pool.get_num_free_blocks() == 0
     _, n = mgr.get_computed_blocks(_req("r3", prompt))
     assert n == 16  # r1's copies
     stored = [h for kind, hashes in mgr.block_pool.take_kv_events() if kind == BLOCKS_STORED for h in hashes]

@@ -78,10 +78,11 @@ def test_input_type_picks_the_models_prompt_and_lowercasing_follows_its_config()
     for input_type, prefix in (("search_query", "query: "), ("search_document", "passage: "), ("clustering", ""),
                                (None, "")):
         body = {"model": "tiny", "texts": ["Hello world"], **({"input_type": input_type} if input_type else {})}
-        assert http.post("/v2/embed", json=body).status_code == 200
+        r = http.post("/v2/embed", json=body)
+        assert r.status_code == 200 and r.json()["texts"] == ["Hello world"]  # (as sent)
         assert engine.requests[-1].prompt_token_ids == TOKENIZER.encode(prefix + "Hello world"), input_type
     http, engine = _app(pooling={"do_lower_case": True})
     for path, body in (("/v2/embed", {"texts": ["Hello World"]}), ("/v1/embeddings", {"input": "Hello World"}),
-                       ("/score", {"text_1": "Hello World", "text_2": "hello world"})):
+                       ("/score", {"text_1": "Hello", "text_2": "HELLO World"})):
         assert http.post(path, json={"model": "tiny", **body}).status_code == 200, path
         assert engine.requests[-1].prompt_token_ids == TOKENIZER.encode("hello world"), path

@@ -149,7 +149,8 @@ def test_thinking_switches_the_templates_enable_thinking():
     serving.tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                                        "{% if enable_thinking is defined %}[think={{ enable_thinking }}]{% endif %}")
     client = _client(http)
-    for kind, shown in (("enabled", "[think=True]"), ("disabled", "[think=False]")):
+    for kind, shown in (("enabled", "[think=True]"), ("adaptive", "[think=True]"), ("disabled", "[think=False]"),
+                        ("between_tools", "[think=False]")):
         client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
                                thinking={"type": kind, "budget_tokens": 1024} if kind == "enabled" else {"type": kind})
         assert _prompt(serving, engine, len(engine.requests) - 1).endswith(shown)
@@ -299,6 +300,10 @@ def test_the_sdks_other_conversation_shapes():
     assert engine.requests[-1].sampling_params.structured_output == {"json": schema}
     bad = http.post("/v1/messages", json={**one_turn, "output_config": {"format": {"type": "xml"}}})
     assert bad.status_code == 400 and "output_config" in bad.json()["error"]["message"]
+    prefilled = {**one_turn, "messages": [*one_turn["messages"], {"role": "assistant", "content": "{"}],
+                 "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    bad = http.post("/v1/messages", json=prefilled)
+    assert bad.status_code == 400 and "prefill" in bad.json()["error"]["message"]
     client.messages.create(model="tiny", max_tokens=8, tools=[WEATHER], tool_choice={"type": "none"}, messages=[
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "get_weather", "input": {}}]},

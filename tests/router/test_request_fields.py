@@ -401,6 +401,26 @@ def test_completion_top_logprobs_hold_the_sampled_token_and_the_asked_alternativ
                                                              for p, t in enumerate(prompt_ids[1:], 1)]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forbidden_tokens_logprob_is_vllms_floor_not_an_unencodable_minus_infinity(stream):
+    """A grammar (or allowed_token_ids) leaves forbidden tokens at -inf among the alternatives: the
+    answer carries -9999.0 for them, as vLLM's, so it stays JSON."""
+    http, engine = _chat_app()
+    engine._logprobs = lambda token, k: LogprobsEntry([-0.5], [[(token, -0.5), (token + 1, float("-inf"))][:k]])
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                                "logprobs": True, "top_logprobs": 2, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        rows = [t for e in _events(r.text) if e["choices"] and e["choices"][0]["logprobs"]
+                for t in e["choices"][0]["logprobs"]["content"]]
+    else:
+        rows = r.json()["choices"][0]["logprobs"]["content"]
+    assert rows and all([alt["logprob"] for alt in row["top_logprobs"]] == [-0.5, -9999.0] for row in rows)
+    completion = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 2})
+    assert completion.status_code == 200 and sorted(completion.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+                                                    .values()) == [-9999.0, -0.5]
+
+
 def test_streamed_echo_with_logprobs_sends_the_prompt_then_continues_the_offsets():
     http, _ = _app()
     prompt = "Paris is"
