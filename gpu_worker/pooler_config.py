@@ -178,15 +178,20 @@ _SENTENCE_TRANSFORMERS_CONFIGS = ("sentence_bert_config.json", "sentence_roberta
                                   "sentence_xlnet_config.json")
 
 
-def sentence_transformers_max_seq_length(model_dir: str | Path) -> int | None:
-    """The longest input a sentence-transformers checkpoint was trained to embed (its
-    ``max_seq_length``: 256 for all-MiniLM-L6-v2, 512 for bge), None where it does not say."""
+def _transformer_module_settings(model_dir: str | Path) -> dict[str, Any]:
+    """The settings of a sentence-transformers checkpoint's Transformer module ({} where it has none)."""
     for name in _SENTENCE_TRANSFORMERS_CONFIGS:
         path = Path(model_dir) / name
         if path.exists():
-            value = json.loads(path.read_text()).get("max_seq_length")
-            return int(value) if isinstance(value, int) and value > 0 else None
-    return None
+            return json.loads(path.read_text())
+    return {}
+
+
+def sentence_transformers_max_seq_length(model_dir: str | Path) -> int | None:
+    """The longest input a sentence-transformers checkpoint was trained to embed (its
+    ``max_seq_length``: 256 for all-MiniLM-L6-v2, 512 for bge), None where it does not say."""
+    value = _transformer_module_settings(model_dir).get("max_seq_length")
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def sentence_transformers_text_settings(model_dir: str | Path) -> tuple[tuple[tuple[str, str], ...], bool]:
@@ -199,13 +204,7 @@ def sentence_transformers_text_settings(model_dir: str | Path) -> tuple[tuple[tu
         found = json.loads(path.read_text()).get("prompts")
         if isinstance(found, dict):
             prompts = tuple((str(k), v) for k, v in found.items() if isinstance(v, str))
-    lower = False
-    for name in _SENTENCE_TRANSFORMERS_CONFIGS:
-        config = Path(model_dir) / name
-        if config.exists():
-            lower = json.loads(config.read_text()).get("do_lower_case") is True
-            break
-    return prompts, lower
+    return prompts, _transformer_module_settings(model_dir).get("do_lower_case") is True
 
 
 def resolve_pooler_config(model_dir: str | Path, override: dict[str, Any] | None = None,

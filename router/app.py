@@ -48,6 +48,7 @@ from router.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
+    tool_dicts,
 )
 from router.request_timeline import RequestTimeline, current_timeline
 from router.response_store import UNFINISHED, Stopped
@@ -477,10 +478,10 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         owner = await servings.for_model(body.model)
         await owner.resolve_model(body.model)  # (adapters share the base model's tokenizer)
         if body.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] or None
             tokens = owner.render_messages(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                           body.chat_template_kwargs, tools, add_special_tokens=bool(
-                                               body.add_special_tokens), chat_template=body.chat_template)
+                                           body.chat_template_kwargs, tool_dicts(body.tools) or None,
+                                           add_special_tokens=bool(body.add_special_tokens),
+                                           chat_template=body.chat_template)
         else:
             add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = list(owner.tokenizer.encode(body.prompt, add_special_tokens=add_special_tokens))

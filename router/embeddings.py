@@ -161,8 +161,11 @@ class PooledInputRequest(BaseModel):
         return list(self.input)  # type: ignore[arg-type]
 
 
-class EmbeddingRequest(PooledInputRequest, EncodingFields, ActivationField):
-    dimensions: int | None = Field(None, ge=1, description="Keep the first values only (Matryoshka models).")
+class EmbeddingFields(ActivationField):
+    """How a request's embeddings are shaped (/v1/embeddings, and /pooling's embedding rows)."""
+
+    dimensions: int | None = Field(None, ge=1, description="Keep the first values only (Matryoshka models; "
+                                                           "each row's).")
     normalize: bool | None = Field(None, description="L2-normalise (default: the model's pooler config, "
                                                      "true unless its sentence-transformers files omit Normalize); "
                                                      "vLLM's use_activation says the same.")
@@ -170,6 +173,10 @@ class EmbeddingRequest(PooledInputRequest, EncodingFields, ActivationField):
     def wants_normalized(self) -> bool | None:
         """normalize, or vLLM's use_activation (an embedding's activation is its normalisation)."""
         return self.wants_activation() if self.normalize is None else self.normalize
+
+
+class EmbeddingRequest(PooledInputRequest, EncodingFields, EmbeddingFields):
+    pass
 
 
 def check_embeds(serving: OpenAIServing, per_token: bool = False) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.parsed_output import ParsedDelta, merge_tool_call_deltas
+from router.parsed_output import ParsedDelta, calls_around_text, merge_tool_call_deltas
 from router.protocol import ChatCompletionRequest, _warn_ignored
 from router.serving import (
     APIError,
@@ -285,18 +285,16 @@ class _Blocks:
             if self.open_kind != "thinking":
                 self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             self._delta({"type": "thinking_delta", "thinking": parsed.reasoning})
-        # One delta may end the call being written and go on with text (outputs merged): the call's
-        # last arguments come before the text's block closes it. Text before a new call comes first.
-        ending = [call for call in parsed.tool_calls if "id" not in call and f"call:{call['index']}" == self.open_kind]
-        for call in ending:
+        writing = int(self.open_kind[5:]) if self.open_kind and self.open_kind.startswith("call:") else None
+        before, after = calls_around_text(parsed.tool_calls, writing)
+        for call in before:
             self._call(call)
         if parsed.content:
             if self.open_kind != "text":
                 self._start("text", {"type": "text", "text": ""})
             self._delta({"type": "text_delta", "text": parsed.content})
-        for call in parsed.tool_calls:
-            if not any(call is done for done in ending):
-                self._call(call)
+        for call in after:
+            self._call(call)
 
     def _call(self, call: dict[str, Any]) -> None:
         kind = f"call:{call['index']}"

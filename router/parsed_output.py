@@ -38,6 +38,16 @@ def merge_tool_call_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]
     return calls
 
 
+def calls_around_text(tool_calls: list[dict[str, Any]], writing: int | None
+                      ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A delta's call fragments that were written before its text, and those after it. One delta
+    may end the call being written (index ``writing``) and go on with text (outputs merged by
+    --stream-interval or speculative decoding): that call's last arguments come first, so a stream
+    of items finishes the call before the text closes it; new calls come after the text."""
+    ending = [call for call in tool_calls if call["index"] == writing and "id" not in call]
+    return ending, [call for call in tool_calls if not any(call is done for done in ending)]
+
+
 def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``tag`` (text to hold back
     while the tag may still be arriving)."""

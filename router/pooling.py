@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from router.classification import classifier_params, pooled_output
 from router.embeddings import (
-    ActivationField,
+    EmbeddingFields,
     EmbeddingsServing,
     EncodingFields,
     PooledInputRequest,
@@ -31,12 +31,10 @@ from router.serving import OpenAIServing, answer_ids, bad_request
 POOLING_PATHS = ("/pooling", "/v1/pooling")
 
 
-class PoolingRequest(PooledInputRequest, ActivationField, EncodingFields):
+class PoolingRequest(PooledInputRequest, EmbeddingFields, EncodingFields):
     task: Literal["embed", "classify", "token_embed", "token_classify"] | None = Field(
         None, description="vLLM's pooling task: one row per input (embed, classify) or per token (token_embed, "
                           "token_classify); default: as the model pools.")
-    dimensions: int | None = Field(None, ge=1, description="An embedding's first values only (each row's).")
-    normalize: bool | None = Field(None, description="L2-normalise embeddings (each row); default: the model's.")
 
 
 def check_pools(serving: OpenAIServing) -> None:
@@ -70,9 +68,7 @@ class PoolingServing:
         else:
             check_embeds(serving, per_token=True)
             check_dimensions(serving, request.dimensions, pooling=pooling)
-            # (An embedding's activation is its normalisation: vLLM reads use_activation so.)
-            normalize = request.wants_activation() if request.normalize is None else request.normalize
-            params = embedding_params(serving, normalize, request.dimensions, pooling)
+            params = embedding_params(serving, request.wants_normalized(), request.dimensions, pooling)
         prompts = self.embeddings.request_prompts(request)
         request_id, engine_base = answer_ids("pool", external_id)
         outputs: list[Any] = await serving.embed(engine_base, prompts, params, request.priority, lora, session_id,

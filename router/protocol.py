@@ -401,7 +401,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         """The tools as the chat template and the tool-call code take them."""
-        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+        return tool_dicts(self.tools)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -586,6 +586,11 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
+
+
+def tool_dicts(tools: list[ChatCompletionTool] | None) -> list[dict[str, Any]]:
+    """Tools as the chat template and the tool-call code take them."""
+    return [t.model_dump(exclude_none=True) for t in tools or ()]
 
 
 class TokenizeRequest(BaseModel):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.detached import detached_task, runs_to_completion
-from router.parsed_output import ParsedDelta
+from router.parsed_output import ParsedDelta, calls_around_text
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, cache_salt_field, invalid
 from router.response_store import UNFINISHED, EventsPage, MissingResponseError, Stopped
 from router.serving import (
@@ -391,13 +391,9 @@ class OutputItems:
             self.reasoning.text += parsed.reasoning
             self.emit("response.reasoning_text.delta", item_id=self.reasoning.item["id"],
                       output_index=self.reasoning.index, content_index=0, delta=parsed.reasoning)
-        # One delta may end the call being written and go on with text (outputs merged by
-        # --stream-interval or speculative decoding): the call's last arguments come first, before
-        # the text opens a message and so closes the call. Text before a new call comes first.
-        open_calls = {index for index, call in self.calls.items() if not call.closed}
-        started = [d for d in parsed.tool_calls if d["index"] in open_calls]
-        new = [d for d in parsed.tool_calls if d["index"] not in open_calls]
-        for delta in started:
+        writing = next((index for index, call in self.calls.items() if not call.closed), None)
+        before, after = calls_around_text(parsed.tool_calls, writing)
+        for delta in before:
             self._add_call_fragment(delta)
         if parsed.content:
             if self.message is None or self.message.closed:
@@ -406,7 +402,7 @@ class OutputItems:
             self.message.logprobs += logprobs or []
             self.emit("response.output_text.delta", item_id=self.message.item["id"], output_index=self.message.index,
                       content_index=0, delta=parsed.content, logprobs=logprobs or [])
-        for delta in new:
+        for delta in after:
             self._add_call_fragment(delta)
 
     def _add_call_fragment(self, delta: dict[str, Any]) -> None:

@@ -566,7 +566,10 @@ class OpenAIServing:
         with thinking switched off ends the prompt with ``<think></think>``: the answer has none to
         parse or wait for), "open" (one that ends it with ``<think>``: the answer starts thinking,
         and writes no opening tag), or "" (neither). Only the prompt's end counts: earlier assistant
-        turns a template writes back with their reasoning close nothing for this answer."""
+        turns a template writes back with their reasoning close nothing for this answer. ("" too
+        for a server without a reasoning parser.)"""
+        if self.settings.reasoning_parser is None:
+            return ""
         last = -1
         for tag in (self._think_start_id, self._think_end_id):
             if tag is not None and tag in prompt_ids:
@@ -577,6 +580,10 @@ class OpenAIServing:
             return ""
         return "closed" if prompt_ids[last] == self._think_end_id else "open"
 
+    def _answer_may_think(self, prompt_thinking: str) -> bool:
+        """A reasoning parser reads the answer: the server has one, and the prompt did not close the thinking."""
+        return self.settings.reasoning_parser is not None and prompt_thinking != "closed"
+
     def _chat_output_parser(self, request: ChatCompletionRequest, tool_choice: str | dict[str, Any],
                             prompt_thinking: str) -> ChatOutputParser | None:
         """What splits a choice's text, if anything: the server's reasoning parser (when the answer
@@ -584,9 +591,9 @@ class OpenAIServing:
         when the constraint starts after the thinking) and the tool-call parser the tool choice needs."""
         tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser)
         reasoning = None
-        if self.settings.reasoning_parser is not None and prompt_thinking != "closed" and (
+        if self._answer_may_think(prompt_thinking) and (
                 request.structured_output is None or self._thinks_before_constraint(prompt_thinking)):
-            reasoning = create_reasoning_parser(self.settings.reasoning_parser,
+            reasoning = create_reasoning_parser(self.settings.reasoning_parser,  # type: ignore[arg-type]
                                                 starts_thinking=prompt_thinking == "open")
         if tools is None and reasoning is None:
             return None
@@ -1112,8 +1119,7 @@ class OpenAIServing:
         elif engine_base is None:
             engine_base = request_id
         created = int(time.time())
-        prompt_thinking = self._prompt_thinking(ids) if self.settings.reasoning_parser is not None else ""
-        thinks = self.settings.reasoning_parser is not None and prompt_thinking != "closed"
+        prompt_thinking = self._prompt_thinking(ids)
         top = (request.top_logprobs or 0) if request.logprobs else None
         if request.use_beam_search:
             if tool_choice not in ("none", "auto"):
@@ -1131,7 +1137,8 @@ class OpenAIServing:
         for c in choices:
             c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
         # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
-        after = [self._think_end_id] if thinks and self._thinks_before_constraint(prompt_thinking) else None
+        after = [self._think_end_id] if self._answer_may_think(prompt_thinking) and \
+            self._thinks_before_constraint(prompt_thinking) else None
         jobs = [_Job(engine, choice_request_id(engine_base, c.index), ids,
                      self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                           prompt_logprobs=request.prompt_logprobs, structured_output_after=after))
