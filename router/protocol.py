@@ -164,14 +164,15 @@ class SamplingFields(BaseModel):
     def structured_output(self) -> dict[str, Any] | None:
         return self._structured_output
 
-    model: str = Field(..., description="Served model name (see GET /v1/models).")
+    model: str | None = Field(None, description="Served model name (see GET /v1/models); by default the first "
+                                                "served model (vLLM).")
     max_tokens: int | None = Field(None, ge=1, description="Upper bound on generated tokens.")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=INT64_MAX, description="vLLM extra: 0 or -1 disables.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extra.")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="Same seed, same tokens.")
-    n: int = Field(1, ge=1, le=16, description="Choices per prompt.")
+    n: int = Field(1, ge=1, le=128, description="Choices per prompt (up to OpenAI's 128).")
     stop: str | list[str] | None = Field(None, description="Stop strings, matched on the text.")
     stop_token_ids: list[int] | None = Field(None, description="vLLM extra: stop on these token ids.")
     include_stop_str_in_output: bool = Field(False, description="vLLM extra.")
@@ -496,7 +497,9 @@ class ToolCall(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"  # (--response-role)
     content: str | None = None
-    # vLLM extra, with --reasoning-parser: the answer's thinking.
+    # vLLM extra, with --reasoning-parser: the answer's thinking, under vLLM's current name and its
+    # earlier one (clients read either).
+    reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -531,6 +534,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonLiteral = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_is_none)  # with return_token_ids (vLLM): this chunk's ids
 
 

@@ -1083,7 +1083,8 @@ class OpenAIServing:
             message, finish_reason = ChatMessageOut(role=role, content=c.detok.output_text), c.finish_reason
             if c.output_parser is not None:
                 answer = c.output_parser.whole(c.detok.output_text)
-                message = ChatMessageOut(role=role, content=answer.content, reasoning_content=answer.reasoning,
+                message = ChatMessageOut(role=role, content=answer.content, reasoning=answer.reasoning,
+                                         reasoning_content=answer.reasoning,
                                          tool_calls=[ToolCall(**call) for call in answer.tool_calls] or None)
                 finish_reason = c.output_parser.finish_reason(finish_reason)
             if echoed:  # (beam search's choices too: vLLM echoes the last message for them as well)
@@ -1207,7 +1208,8 @@ class OpenAIServing:
             parser = event.choice.output_parser
             if parser is None:
                 yield chat_token_chunk(request_id, created, model, event.choice.index, event.text, logprobs,
-                                       event.finish_reason, None, usage, token_ids.of(event) if token_ids else None)
+                                       event.finish_reason, None, usage, token_ids.of(event) if token_ids else None,
+                                       event.stop_reason)
                 continue
             for chunk in self._parsed_chat_chunks(parser, event, logprobs, usage, request_id, created, model,
                                                   token_ids):
@@ -1245,9 +1247,9 @@ class OpenAIServing:
             return [chat_token_chunk(request_id, created, model, index, parsed.content, logprobs, None, parsed, usage,
                                      ids),
                     chat_token_chunk(request_id, created, model, index, "", None, finish_reason, None, usage,
-                                     {"token_ids": []} if ids else None)]
+                                     {"token_ids": []} if ids else None, event.stop_reason)]
         return [chat_token_chunk(request_id, created, model, index, parsed.content, logprobs, finish_reason, parsed,
-                                 usage, ids)]
+                                 usage, ids, event.stop_reason if finish_reason is not None else None)]
 
     async def _deltas(self, stream: RequestStream, choice: _Choice) -> AsyncIterator[_Delta]:
         """One choice read straight from its engine queue. Outputs that queued up while the previous
@@ -1546,6 +1548,11 @@ def _single_token_id(tokenizer: Any, text: str) -> int | None:
 
 def _template_message(extra: dict[str, Any], role: str, content: Any) -> dict[str, Any]:
     message = {**extra, "role": role, "content": content}
+    # An earlier answer's thinking, sent back under either of vLLM's names (reasoning, or the older
+    # reasoning_content): the templates read one or the other, so both carry it.
+    for name, other in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
+        if message.get(name) is not None and message.get(other) is None:
+            message[other] = message[name]
     calls = extra.get("tool_calls")
     if isinstance(calls, list):
         message["tool_calls"] = [_parsed_arguments(call) for call in calls]
@@ -1755,17 +1762,20 @@ def completion_token_chunk(request_id: str, created: int, model: str, index: int
 def chat_token_chunk(request_id: str, created: int, model: str, index: int, delta: str,
                      logprobs: dict[str, Any] | None, finish_reason: str | None,
                      parsed: ParsedDelta | None = None, usage: dict[str, int] | None = None,
-                     ids: dict[str, list[int]] | None = None) -> bytes:
+                     ids: dict[str, list[int]] | None = None, stop_reason: int | str | None = None) -> bytes:
     """``parsed``: what a reasoning or tool-call parser made of the text (its reasoning and tool
     calls go in the delta; ``delta`` is then its content). ``ids``: with return_token_ids, the
-    chunk's ``token_ids``."""
+    chunk's ``token_ids``. ``stop_reason``: on the finish chunk, the stop string or token id that
+    ended the choice (vLLM's field)."""
     message: dict[str, Any] = {"role": None, "content": delta or None}
     if parsed is not None:
         if parsed.reasoning:
-            message["reasoning_content"] = parsed.reasoning
+            # Under both names: vLLM renamed reasoning_content to reasoning; clients read either.
+            message["reasoning"] = message["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
-    choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": stop_reason}
     if ids:
         choice.update(ids)
     return b"data: " + _json_encoder.encode({"id": request_id, "object": "chat.completion.chunk", "created": created,

@@ -65,8 +65,10 @@ def test_the_chat_endpoint_returns_reasoning_content_whole_and_streamed():
     body = {"model": "tiny", "messages": MESSAGES}
     message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == ("The capital of Italy.", "Rome.")
+    assert message["reasoning"] == "The capital of Italy."  # (vLLM's current name, beside its older one)
     deltas = _deltas(http, body)
     assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "The capital of Italy."
+    assert all(d["delta"].get("reasoning") == d["delta"].get("reasoning_content") for d in deltas)
     assert "".join(d["delta"].get("content") or "" for d in deltas) == "Rome."
     assert deltas[-1]["finish_reason"] == "stop"
     hidden = http.post("/v1/chat/completions", json={**body, "include_reasoning": False}).json()
@@ -89,7 +91,23 @@ def test_reasoning_before_an_auto_tool_call_and_none_under_an_output_constraint(
     deltas = _deltas(http, {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]})
     assert merged_calls(deltas) == [{"name": "get_weather", "arguments": '{"city": "Rome"}'}]
     assert deltas[-1] == {"index": 0, "delta": {"role": None, "content": None}, "logprobs": None,
-                          "finish_reason": "tool_calls"}
+                          "finish_reason": "tool_calls", "stop_reason": None}
+
+
+@pytest.mark.parametrize("name", ["reasoning", "reasoning_content"])
+def test_an_earlier_answers_thinking_reaches_the_template_under_either_name(name):
+    """Clients send an answer's thinking back under the name they read it from; the template reads
+    reasoning_content (Qwen3's) or reasoning."""
+    http, engine, serving = _app("ok")
+    serving.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {% if m.reasoning_content %}[rc {{ m.reasoning_content }}]{% endif %}"
+        "{% if m.reasoning %}[r {{ m.reasoning }}]{% endif %}{{ m.content }}\n{% endfor %}assistant:")
+    messages = [*MESSAGES, {"role": "assistant", "content": "Sunny.", name: "looked it up"},
+                {"role": "user", "content": "thanks"}]
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages})
+    assert r.status_code == 200, r.text
+    prompt = serving.tokenizer.decode(engine.requests[0].prompt_token_ids)
+    assert "assistant: [rc looked it up][r looked it up]Sunny." in prompt
 
 
 

@@ -953,3 +953,18 @@ def test_streamed_token_ids_held_by_a_stream_interval_go_with_the_chunk_that_sen
     chunks = [e["choices"][0] for e in _events(r.text)]
     assert [t for c in chunks for t in c["token_ids"]] == TOKENIZER.encode(TEXT)[:10]
     assert len(chunks) < 10 and all(len(TOKENIZER.decode(c["token_ids"])) == len(c["text"]) for c in chunks)
+
+
+def test_model_may_be_left_out_and_n_goes_past_16():
+    """vLLM serves the first model when a request names none; OpenAI takes up to 128 choices."""
+    http, _ = _app()
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 20})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny" and len(r.json()["choices"]) == 20
+    from .test_tool_calling import _app as _chat_app  # (a tokenizer with a chat template)
+
+    chat = _chat_app("Hi.")[0].post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["model"] == "tiny" and chat.json()["choices"][0]["message"]["content"] == "Hi."
+    too_many = http.post("/v1/completions", json={"prompt": "hi", "n": 129})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"

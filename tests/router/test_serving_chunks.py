@@ -50,13 +50,15 @@ CHAT_LOGPROBS = ChatLogprobs(content=[ChatTokenLogprob(token="Pa", logprob=-0.1,
     TopLogprob(token="Pa", logprob=-0.1, bytes=[80, 97])])])
 
 
-@pytest.mark.parametrize(("delta", "logprobs", "finish"), [
-    ("Hi", None, None), ("", None, "length"), ("ß🚀", CHAT_LOGPROBS, "stop"), ("", CHAT_LOGPROBS, None)])
-def test_chat_chunk_matches_the_model(delta, logprobs, finish):
-    fast = chat_token_chunk("chatcmpl-1", 1700000000, "tiny", 0, delta, logprobs and logprobs.model_dump(), finish)
+@pytest.mark.parametrize(("delta", "logprobs", "finish", "stop"), [
+    ("Hi", None, None, None), ("", None, "length", None), ("ß🚀", CHAT_LOGPROBS, "stop", "###"),
+    ("", CHAT_LOGPROBS, None, None), ("", None, "stop", 7)])
+def test_chat_chunk_matches_the_model(delta, logprobs, finish, stop):
+    fast = chat_token_chunk("chatcmpl-1", 1700000000, "tiny", 0, delta, logprobs and logprobs.model_dump(), finish,
+                            stop_reason=stop)
     model = ChatCompletionChunk(id="chatcmpl-1", created=1700000000, model="tiny", choices=[ChatStreamChoice(
         index=0, delta=DeltaMessage(content=delta or None) if delta else DeltaMessage(), logprobs=logprobs,
-        finish_reason=finish)])
+        finish_reason=finish, stop_reason=stop)])
     assert _data(fast) == _data(_sse(model))
     assert ChatCompletionChunk.model_validate(_data(fast)) == model
 

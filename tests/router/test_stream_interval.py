@@ -79,6 +79,17 @@ def test_a_stop_string_inside_held_tokens_ends_the_text_there():
     assert events[-1]["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in chunks)
 
 
+@pytest.mark.parametrize("interval", [1, 8])
+def test_a_streamed_chat_answer_names_the_stop_string_that_ended_it(interval):
+    http, _, _ = _chat_app("The quick brown fox jumps.", stream_interval=interval)
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                "stream": True, "stop": [" fox"]})
+    chunks = [e["choices"][0] for e in _events(r.text) if e["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == "The quick brown"
+    assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["stop_reason"] == " fox"
+    assert all(c["stop_reason"] is None for c in chunks[:-1])
+
+
 def test_continuous_usage_counts_the_tokens_sent_so_far():
     events = _completion_stream(5, stream_options={"include_usage": True, "continuous_usage_stats": True})
     chunks = [e for e in events if e["choices"]]

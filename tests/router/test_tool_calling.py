@@ -435,7 +435,8 @@ def test_auto_tool_choice_with_the_hermes_parser():
     http, _, _ = _app("It is sunny.", parser="hermes")
     plain = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]})
     assert plain.json()["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny.",
-                                                     "reasoning_content": None, "tool_calls": None}
+                                                     "reasoning": None, "reasoning_content": None,
+                                                     "tool_calls": None}
     assert plain.json()["choices"][0]["finish_reason"] == "stop"
 
 
@@ -558,7 +559,8 @@ def test_several_streamed_choices_are_parsed_apart():
         # Every token's logprob arrives, also those of text held back while a tag might be starting.
         streamed_logprobs = [lp for d in mine for lp in (d["logprobs"] or {}).get("content") or ()]
         assert len(streamed_logprobs) == len(whole[index]["logprobs"]["content"])
-        assert whole[index]["message"] == {"role": "assistant", "content": "Let me see.", "reasoning_content": "hm",
+        assert whole[index]["message"] == {"role": "assistant", "content": "Let me see.", "reasoning": "hm",
+                                           "reasoning_content": "hm",
                                            "tool_calls": whole[index]["message"]["tool_calls"]}
 
 
