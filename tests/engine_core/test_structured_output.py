@@ -51,6 +51,57 @@ def test_structured_output_excludes_ignore_eos_and_min_tokens():
             SamplingParams(max_tokens=4, structured_output={"regex": "a"}, **extra)
 
 
+@pytest.mark.parametrize(("schema", "where"), [
+    ({"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}},
+     "'uniqueItems' (at /properties/ids)"),
+    ({"type": "array", "contains": {"type": "integer"}}, "'contains' (at /)"),
+    ({"type": "integer", "not": {"const": 3}}, "'not' (at /)"),
+    ({"anyOf": [{"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}]}, "'if' (at /anyOf/0)"),
+    ({"$defs": {"P": {"type": "object", "dependentRequired": {"a": ["b"]}}}, "$ref": "#/$defs/P"},
+     "'dependentRequired' (at /$defs/P)"),
+    ({"type": "string", "pattern": "a+", "maxLength": 3}, "length limit beside a pattern (at /)"),
+    ({"type": "string", "format": "email", "maxLength": 30}, "length limit beside a format (at /)"),
+    ({"allOf": [{"required": ["a"]}, {"required": ["b"]}]}, "'allOf' of several schemas"),
+    ({"type": "object", "properties": {"x": {"type": "integer"}}, "allOf": [{"required": ["x"]}]}, "'allOf'"),
+])
+def test_schemas_whose_keywords_generation_cannot_hold_are_refused(schema, where):
+    """xgrammar compiles these keywords but generates as if they were absent: a 200 whose JSON
+    breaks the schema is worse than a 400 that says which keyword to drop."""
+    for spec in ({"json": schema}, {"json": json.dumps(schema)}):
+        with pytest.raises(ValueError, match="cannot be enforced") as refused:
+            check_structured_output(spec)
+        assert where in str(refused.value)
+
+
+def test_schemas_with_enforceable_keywords_pass():
+    """Keyword names used as property names are names, not keywords; a lone $ref in allOf (pydantic
+    v1's wrapping), annotations, oneOf, uniqueItems false and an unknown format (an annotation in
+    JSON Schema) pass."""
+    for schema in (
+            {"type": "object", "properties": {"not": {"type": "integer"}, "contains": {"type": "string"},
+                                              "if": {"type": "boolean"}}},
+            {"title": "Wrapped", "description": "x", "allOf": [{"$ref": "#/definitions/P"}],
+             "definitions": {"P": {"type": "integer", "minimum": 1, "maximum": 10}}},
+            {"oneOf": [{"type": "integer"}, {"type": "string", "minLength": 1, "maxLength": 5}]},
+            {"type": "array", "items": {"type": "string", "format": "path"}, "uniqueItems": False, "maxItems": 3},
+            {"type": "object", "properties": {"d": {"type": "string", "format": "date"}},
+             "additionalProperties": False, "required": ["d"]}):
+        check_structured_output({"json": schema})
+
+
+def test_numeric_bounds_are_held_exactly():
+    """xgrammar before 0.2 let an integer minimum of 3 take 1 and a range 18..120 take 121."""
+    import xgrammar as xgr
+
+    for schema in ({"type": "integer", "minimum": 3}, {"type": "integer", "minimum": 18, "maximum": 120},
+                   {"type": "integer", "exclusiveMinimum": 0}, {"type": "number", "minimum": 1.5}):
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
+        for value in range(-30, 200):
+            fits = (value >= schema.get("minimum", -1e9) and value <= schema.get("maximum", 1e9)
+                    and value > schema.get("exclusiveMinimum", -1e9))
+            assert xgr.testing._is_grammar_accept_string(grammar, str(value)) == fits, (schema, value)
+
+
 def _manager() -> StructuredOutputManager:
     return StructuredOutputManager(lambda: TOKENIZER, len(TOKENIZER), (TOKENIZER.eos_token_id,))
 
@@ -91,6 +142,26 @@ def test_a_grammar_compiles_then_its_matcher_allows_only_what_fits_and_ends_with
     # A request without a matcher has no row; a removed one neither.
     manager.remove("a")
     assert manager.bitmask(["a", "other"]) == (None, []) and not manager.has_matchers()
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("choices", [["", "yes", "no"], ["a", "", "b"],
+                                     ["q\"uote|", "back\\slash (", "nul\x00", "東京"]])
+def test_a_choice_matches_each_string_exactly_whatever_it_holds(choices):
+    """Empty choices and regex or escape syntax inside one (a regex alternation refused an empty
+    first or middle choice, and the request failed in the engine)."""
+    import xgrammar as xgr
+
+    from engine_core.structured_output import choice_grammar
+
+    check_structured_output({"choice": choices})
+    grammar = xgr.Grammar.from_ebnf(choice_grammar(choices))
+    for text in choices:
+        assert xgr.testing._is_grammar_accept_string(grammar, text)
+    assert not xgr.testing._is_grammar_accept_string(grammar, choices[-1] + "x")
+    manager = _manager()
+    manager.submit("c", {"choice": choices})
+    assert _poll_until_done(manager) == (["c"], [])
     manager.shutdown()
 
 
