@@ -627,10 +627,10 @@ class Scheduler(SchedulerInterface):
                     stopped = check_stop(request, max_model_len)
                 else:
                     new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
-            finish_reason = None
+            finish_reason, stop_reason = None, request.stop_reason
             if stopped:
-                # Read the reason first: a continued session's status is reset just below.
-                finish_reason = request.get_finished_reason()
+                # Read the reason first: a continued session's status (and stop reason) is reset just below.
+                finish_reason, stop_reason = request.get_finished_reason(), request.stop_reason
                 # Stopped is not finished: a resumable session goes back to waiting, blocks kept.
                 if self._handle_stopped_request(request):
                     self._free_request(request)
@@ -644,7 +644,7 @@ class Scheduler(SchedulerInterface):
             if new_token_ids or stopped:
                 req_logprobs = logprobs[req_index] if logprobs else None
                 outputs[request.client_index].append(EngineCoreOutput(
-                    req_id, new_token_ids, finish_reason, request.stop_reason, req_logprobs,
+                    req_id, new_token_ids, finish_reason, stop_reason, req_logprobs,
                     request.num_cached_tokens, prompt_logprobs.get(req_id) if prompt_logprobs else None,
                     embedding))
 

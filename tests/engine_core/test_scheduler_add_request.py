@@ -100,6 +100,20 @@ def test_queued_update_is_applied_when_the_turn_stops():
     assert session.all_token_ids[-2:] == [31, 32]
 
 
+def test_a_turn_that_a_stop_token_ended_names_it_when_the_next_turn_is_already_queued():
+    """The queued continuation resets the session's stop reason when the turn stops; the turn's
+    output still carries the stop token that ended it."""
+    sched = create_scheduler()
+    session = create_requests(1, num_tokens=5, max_tokens=8, stop_token_ids=[99], resumable=True)[0]
+    sched.add_request(session)
+    step(sched)
+    sched.add_request(_continuation(session, tokens=(31, 32)))
+    _, outputs = step(sched, token_id=99)
+    [output] = outputs[0].outputs
+    assert output.finish_reason is not None and output.stop_reason == 99
+    assert session.stop_reason is None and session.all_token_ids[-2:] == [31, 32]  # the next turn has begun
+
+
 def test_non_resumable_repeat_of_an_idle_session_aborts_it():
     sched = create_scheduler()
     session = _session(sched)
