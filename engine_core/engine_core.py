@@ -264,7 +264,8 @@ class EngineCore:
     def check_servable(self, request: EngineCoreRequest) -> None:
         """RequestRefusedError for what the model cannot serve: generation of an embedding-only model
         (runner pooling), token types for a model without a second type (not a BERT), a resumable
-        (streaming-session) request on an encoder, whose prompt must run whole in one pass."""
+        (streaming-session) request on an encoder, whose prompt must run whole in one pass, or with
+        structured output."""
         name, params = self.model_info.served_model_name, request.sampling_params
         if not self.model_info.pooling.generates and not params.embed:
             raise RequestRefusedError(f"{name} is an embedding model (runner pooling): it does not generate; "
@@ -275,6 +276,11 @@ class EngineCore:
         if request.resumable and self.model_info.encoder_only:
             raise RequestRefusedError(f"{name} is an encoder: its prompts run whole in one pass, so it serves no "
                                       "streaming session (resumable request)")
+        if request.resumable and params.structured_output is not None:
+            # A session's later turns would run unconstrained: its grammar is compiled for its first
+            # turn only.
+            raise RequestRefusedError("structured output cannot constrain a streaming session (resumable request): "
+                                      "send each constrained turn as a request of its own")
         if request.prompt_embeds is not None:
             self._check_prompt_embeds(request)
         if self.logits_processor_classes and not params.embed:

@@ -227,6 +227,13 @@ def test_the_engine_fails_only_the_request_whose_grammar_does_not_compile(tmp_pa
             params = SamplingParams(max_tokens=16, temperature=1.0, seed=1, structured_output=spec,
                                     allowed_token_ids=allowed)
             engine.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params))
+        # A streaming session's later turns would run without the grammar: refused at admission.
+        from engine_core.engine_core import RequestRefusedError
+
+        with pytest.raises(RequestRefusedError, match="cannot constrain a streaming session"):
+            engine.add_request(EngineCoreRequest(request_id="session", prompt_token_ids=prompt, resumable=True,
+                                                 sampling_params=SamplingParams(max_tokens=4,
+                                                                                structured_output={"regex": "a"})))
         finished: dict[str, tuple] = {}
         tokens: list[int] = []
         deadline = time.monotonic() + 60
