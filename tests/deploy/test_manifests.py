@@ -34,6 +34,9 @@ def test_serve_config_validates_with_ray_and_our_config():
     assert len(engines) == 2
     assert engines[0].scheduler.long_prefill_token_threshold == 256 and engines[0].scheduler.max_num_seqs == 32
     assert engines[1].scheduler.max_num_seqs == 128
+    # The deploy targets are GPU clusters: each engine asks for GPUs whether or not a GPU node has
+    # joined when the app is built (auto would place the engines on the CPU head then).
+    assert all(e.device == "cuda" for e in engines)
 
 
 def test_ray_cluster_launcher_yaml_has_head_and_gpu_workers():
