@@ -183,10 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Enable POST /pause (?mode=abort|wait|keep&clear_cache=), /resume, "
                             "/reset_prefix_cache, /sleep, /wake_up and GET /is_paused, /is_sleeping on every "
                             "engine (default: $VLLM_SERVER_DEV_MODE).")
-    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
-                       default=env_switch("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
                        help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
-                            "$VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
+                            "$VLLM_ALLOW_RUNTIME_LORA_UPDATING, where --enable-lora is given).")
     serve.add_argument("--enable-server-load-tracking", action="store_true",
                        help="GET /load answers {\"server_load\": N}, the requests the answering router replica "
                             "is serving (generation and pooling paths; else N is 0).")
@@ -275,10 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="The model's tool-call format (hermes: <tool_call>{...}</tool_call>; mistral: "
                             "[TOOL_CALLS][...]; llama3_json: Llama 3.x's JSON objects; pythonic: [f(a=1), ...]).")
     serve.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                       help="Return chat answers' <think>...</think> as reasoning_content.")
+                       help="Return chat answers' <think>...</think> as reasoning (and reasoning_content).")
     serve.add_argument("--api-key", action="append", default=None,
                        help="Require this Bearer key on /v1 requests (repeat for several keys; default: "
-                            f"${API_KEY_ENV}, else no authentication).")
+                            f"${API_KEY_ENV}, else vLLM's $VLLM_API_KEY, else no authentication).")
     serve.add_argument("--disable-access-log", action="store_true",
                        help="No per-request access log lines from the router replicas.")
     serve.add_argument("--host", default="127.0.0.1")
@@ -326,9 +325,9 @@ def cluster_config_from_args(args: argparse.Namespace):
     overrides = load_engine_overrides(args.engine_config) if args.engine_config else []
     return ClusterConfig(
         model=args.model, served_model_name=args.served_model_name,
-        # (Left out with autoscaling and no --num-engines: it starts min_engines.)
-        **({} if args.num_engines is None and args.engine_autoscaling else
-           {"num_engines": 1 if args.num_engines is None else args.num_engines}),
+        # (Left out with autoscaling and no --num-engines: it starts min_engines; else the count is 1,
+        # or the --engine-config list's length.)
+        **({} if args.num_engines is None else {"num_engines": args.num_engines}),
         engine_autoscaling=args.engine_autoscaling,
         tokenizer=_local_dir_path(args.tokenizer),
         defaults=EngineSpec(**{k: v for k, v in defaults.items() if v is not None}), engines=overrides,

@@ -9,6 +9,7 @@ numbered after the first model's.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ from router.tool_parsers import TOOL_CALL_PARSERS
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_num_scheduled_tokens", "max_model_len",
                    "enable_chunked_prefill", "long_prefill_token_threshold", "max_num_partial_prefills",
                    "max_long_partial_prefills")
+
+logger = logging.getLogger(__name__)
 
 
 class EngineSpec(BaseModel):
@@ -128,6 +131,8 @@ _DEFAULTS = EngineSpec(
 # Where the API key comes from when the CLI's --api-key or the Serve config's api_keys is not given
 # (a key in the environment stays out of `ps` and of config files).
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
+# vLLM's variable, read when ours is not set: a server moved from vLLM keeps its key.
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 
 
 def env_switch(name: str) -> bool:
@@ -394,7 +399,7 @@ class RouterAutoscaling(BaseModel):
 
 
 def default_api_keys() -> list[str]:
-    key = os.environ.get(API_KEY_ENV)
+    key = os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV)
     return [key] if key else []
 
 
@@ -432,9 +437,10 @@ class ClusterConfig(ModelSettings):
         None, description=f"Chat answers' thinking to reasoning_content: {', '.join(REASONING_PARSERS)}.")
     enable_access_log: bool = Field(True, description="Router replicas log one line per request (Serve's access "
                                                        "log); 10-19% of a replica's CPU per streamed request.")
-    allow_runtime_lora_updating: bool = Field(
-        False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (for every model "
-                           "with enable_lora).")
+    allow_runtime_lora_updating: bool | None = Field(
+        None, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (for every model "
+                          "with enable_lora). Default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM, where a "
+                          "model has enable_lora (without one the variable is ignored, with a warning).")
     server_dev_mode: bool = Field(
         default_factory=lambda: env_switch("VLLM_SERVER_DEV_MODE"),
         description="Enable the operators' endpoints POST /pause, /resume, /reset_prefix_cache and GET "
@@ -510,7 +516,16 @@ class ClusterConfig(ModelSettings):
 
     @model_validator(mode="after")
     def _lora(self) -> ClusterConfig:
-        if self.allow_runtime_lora_updating and not any(m.enable_lora for m in (self, *self.models)):
+        any_lora = any(m.enable_lora for m in (self, *self.models))
+        if self.allow_runtime_lora_updating is None:
+            # vLLM's switch, often exported image-wide: without an adapter-enabled model it has nothing
+            # to act on (a warning, not a refusal to start).
+            from_env = env_switch("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+            if from_env and not any_lora:
+                logger.warning("VLLM_ALLOW_RUNTIME_LORA_UPDATING is set but no model has enable_lora: the "
+                               "adapter load and unload endpoints stay off")
+            object.__setattr__(self, "allow_runtime_lora_updating", from_env and any_lora)
+        elif self.allow_runtime_lora_updating and not any_lora:
             raise ValueError("allow_runtime_lora_updating needs enable_lora (--enable-lora) on a model")
         # A client names a model or an adapter alike: one name, one thing.
         per_model = self.names_per_model()

@@ -114,14 +114,23 @@ def test_api_keys_come_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv("LLM_CLUSTER_API_KEY", "from-env")
     [router] = router_deployment(_config())._bound_deployment.init_args
     assert router.api_keys == ("from-env",)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")  # ours first, then vLLM's variable
+    assert router_deployment(_config())._bound_deployment.init_args[0].api_keys == ("from-env",)
     monkeypatch.delenv("LLM_CLUSTER_API_KEY")
+    assert router_deployment(_config())._bound_deployment.init_args[0].api_keys == ("from-vllm",)
+    monkeypatch.delenv("VLLM_API_KEY")
     assert router_deployment(_config())._bound_deployment.init_args[0].api_keys == ()
 
 
-def test_the_override_list_sets_the_engine_count_when_num_engines_is_not_given():
+def test_the_override_list_sets_the_engine_count_when_num_engines_is_not_given(tmp_path):
     from cluster.config import ClusterConfig
 
     assert len(ClusterConfig(engines=[{}, {"max_num_seqs": 4}]).engine_configs()) == 2
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {max_num_seqs: 4}\n")
+    engines = _config("--engine-config", str(overrides)).engine_configs()  # (the CLI too)
+    assert [e.scheduler.max_num_seqs for e in engines] == [256, 4]
+    assert len(_config().engine_configs()) == 1
 
 
 def test_vllms_spelling_of_the_block_count_flag_is_accepted():
@@ -160,6 +169,12 @@ def test_lora_flags_reach_every_engine_and_the_router(monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # vLLM's switch for the load endpoints
     updating = _config("--enable-lora")
     assert router_deployment(updating)._bound_deployment.init_args[0].allow_runtime_lora_updating is True
+    assert ClusterConfig(model="m", enable_lora=True).allow_runtime_lora_updating is True  # (a Serve config too)
+    # Exported image-wide, the switch does not stop a server without adapters from starting; the flag
+    # given without --enable-lora is still refused.
+    assert _config().allow_runtime_lora_updating is False
+    assert ClusterConfig(model="m").allow_runtime_lora_updating is False
+    assert main(["serve", "--allow-runtime-lora-updating"]) == 2  # (before Ray starts)
 
 
 def test_server_dev_mode_reaches_the_router_from_the_flag_or_vllms_variable(monkeypatch):
