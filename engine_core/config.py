@@ -77,6 +77,14 @@ class SchedulerConfig:
         _require(self.enable_chunked_prefill or self.max_model_len is None or self.token_budget >= self.max_model_len,
                  "max_num_batched_tokens", f">= max_model_len ({self.max_model_len}) when chunked prefill is "
                  "disabled, or prompts longer than the budget could never be scheduled", self.token_budget)
+        # Partial prefills are chunks of prompts: without chunked prefill there are none to cap, and a
+        # threshold past the context could never mark a prompt long (vLLM refuses both).
+        _require(self.max_num_partial_prefills == 1 or self.enable_chunked_prefill, "max_num_partial_prefills",
+                 "1 when chunked prefill is disabled", self.max_num_partial_prefills)
+        _require(self.max_num_partial_prefills == 1 or self.max_model_len is None
+                 or self.long_prefill_token_threshold <= self.max_model_len, "long_prefill_token_threshold",
+                 f"<= max_model_len ({self.max_model_len}) with max_num_partial_prefills > 1",
+                 self.long_prefill_token_threshold)
         # Seed: with max_num_partial_prefills > 1 and no threshold given, the config fills the
         # threshold in as 4% of the model's context length.
         derived = self.max_num_partial_prefills > 1 and self.long_prefill_token_threshold == 0

@@ -17,6 +17,10 @@ from engine_core.config import CacheConfig, SchedulerConfig
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 256}, "max_num_batched_tokens"),
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 4096, "max_num_scheduled_tokens": 64,
       "max_model_len": 256}, "max_num_batched_tokens"),
+    # Partial prefills need chunked prefill, and a long-prefill threshold a prompt can reach (vLLM's checks).
+    ({"max_num_partial_prefills": 4, "enable_chunked_prefill": False}, "max_num_partial_prefills must be 1 when"),
+    ({"max_num_partial_prefills": 2, "long_prefill_token_threshold": 4096, "max_model_len": 2048},
+     "long_prefill_token_threshold must be <= max_model_len"),
 ])
 def test_bad_scheduler_flags_raise_value_error_naming_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
@@ -88,7 +92,10 @@ def test_another_context_length_derives_the_threshold_again():
 
 
 def test_max_model_len_can_be_left_to_the_model():
-    cfg = SchedulerConfig(max_model_len=None, max_num_partial_prefills=2, enable_chunked_prefill=False)
-    assert cfg.max_model_len is None  # checks that need it wait for the model's length
+    cfg = SchedulerConfig(max_model_len=None, max_num_partial_prefills=2)
+    assert cfg.max_model_len is None  # what is derived from it waits for the model's length
     resolved = cfg.with_max_model_len(2048)
     assert (resolved.max_model_len, resolved.long_prefill_token_threshold) == (2048, 81)
+    whole = SchedulerConfig(max_model_len=None, max_num_batched_tokens=64, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):  # (so do the checks that need it)
+        whole.with_max_model_len(2048)
