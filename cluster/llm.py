@@ -30,7 +30,7 @@ from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
 from router.content_format import CONTENT_FORMATS, TEXT_PART_TYPES, resolve_content_format, template_content
-from router.detokenizer import IncrementalDetokenizer
+from router.detokenizer import IncrementalDetokenizer, decode_after
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
 
 PromptType = str | list[int]
@@ -219,15 +219,17 @@ class RequestOutput:
 class _Pending:
     """One sample (engine request) of a prompt: ``group`` is the prompt's output, ``index`` the sample."""
 
-    __slots__ = ("detok", "done", "embedding", "engine", "finish_reason", "group", "index", "logprob_entries",
-                 "metrics", "num_cached_tokens", "prompt", "prompt_ids", "prompt_logprobs", "stop_reason",
-                 "token_ids")
+    __slots__ = ("detok", "done", "embedding", "engine", "finish_reason", "group", "include_stop", "index",
+                 "logprob_entries", "metrics", "num_cached_tokens", "prompt", "prompt_ids", "prompt_logprobs",
+                 "stop_reason", "token_ids")
 
     def __init__(self, prompt: str | None, prompt_ids: list[int] | None, want_logprobs: bool, group: str = "",
-                 index: int = 0, detok: IncrementalDetokenizer | None = None) -> None:
+                 index: int = 0, detok: IncrementalDetokenizer | None = None, include_stop: bool = False) -> None:
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.group, self.index, self.detok = group, index, detok
+        # include_stop_str_in_output: the stop token that ended the sample stays in its text too.
+        self.include_stop = include_stop
         self.engine = 0
         self.token_ids: list[int] = []
         # (token ids, entry) per output with logprobs; turned into Logprob dicts once, at the end.
@@ -387,7 +389,7 @@ class LLM:
                                                 include_stop_str_in_output=params.include_stop_str_in_output,
                                                 min_tokens=params.min_tokens) if stops else None)
                 pending[request_id] = _Pending(text, None if embeds is not None else ids, params.logprobs is not None,
-                                               group, sample, detok)
+                                               group, sample, detok, params.include_stop_str_in_output)
                 requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                                   sampling_params=sample_params, arrival_time=time.time(),
                                                   lora_request=lora, cache_salt=salt, prompt_embeds=embeds))
@@ -876,9 +878,10 @@ class LLM:
     def _text(self, p: _Pending) -> str:
         if p.detok is not None and isinstance(p.stop_reason, str):
             return p.detok.output_text  # cut at the stop string (kept when include_stop_str_in_output)
-        # The EOS or stop token that ended the request is not part of its text (vLLM); token_ids keep it.
-        text_ids = p.token_ids[:-1] if p.finish_reason == "stop" else p.token_ids
-        return self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        # The EOS or stop token that ended the request is not part of its text unless
+        # include_stop_str_in_output (vLLM); token_ids keep it. The text reads as after the prompt.
+        text_ids = p.token_ids[:-1] if p.finish_reason == "stop" and not p.include_stop else p.token_ids
+        return decode_after(self.tokenizer, p.prompt_ids or [], text_ids)
 
     def _decode_token(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

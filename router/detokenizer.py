@@ -49,6 +49,20 @@ def fast_decoder(tokenizer: Any) -> Decode:
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+def decode_after(tokenizer: Tokenizer, context_ids: list[int], token_ids: list[int],
+                 skip_special_tokens: bool = True) -> str:
+    """The text of ``token_ids`` as it reads after ``context_ids`` (the prompt), in one decode: what
+    the incremental detokenizer's stream adds up to. A decode of the ids alone differs at the start
+    where a tokenizer strips the leading space of a text's first token (SentencePiece)."""
+    context = list(context_ids[-_CONTEXT_TOKENS:])
+    if context:
+        before = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+        text = tokenizer.decode(context + list(token_ids), skip_special_tokens=skip_special_tokens)
+        if text.startswith(before):
+            return text[len(before):]
+    return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """With a Rust backend, each token goes through the backend's own ``DecodeStream`` (one call per
     token, the same prefix/read-offset windowing done in Rust); otherwise two windowed decodes per

@@ -1340,3 +1340,25 @@ def test_a_pooling_or_windowed_model_takes_no_kv_offloading(tiny_model_dir, tmp_
         LLM(model=str(windowed), num_gpu_blocks=16, kv_offloading_size=0.001)
     with pytest.raises(ValueError, match="kv_offloading_size must be unset without the prefix cache"):
         LLM(model=str(tiny_model_dir), num_gpu_blocks=16, kv_offloading_size=0.001, enable_prefix_caching=False)
+
+
+def test_an_answers_text_reads_as_after_the_prompt_and_keeps_its_stop_token_when_asked():
+    """The text of a sample no stop string ended: with a SentencePiece vocabulary a decode of the
+    generated ids alone lost the first word's space ("Paris." for " Paris."); a stop token stays in
+    the text under include_stop_str_in_output, as over HTTP (vLLM)."""
+    from cluster.llm import _Pending
+    from tests.router.tokenizer_factory import sentencepiece_style_tokenizer
+
+    tok = sentencepiece_style_tokenizer()
+    llm = object.__new__(LLM)  # (only the tokenizer is needed to build a text)
+    llm.tokenizer = tok
+    prompt = tok.encode("Paris is", add_special_tokens=False)
+    answer = tok.encode("the capital.", add_special_tokens=False)
+    period = answer[-1]
+    for include_stop, expected in ((False, " the capital"), (True, " the capital.")):
+        p = _Pending("Paris is", prompt, False, include_stop=include_stop)
+        p.token_ids, p.finish_reason, p.stop_reason = answer, "stop", period  # (stop_token_ids=[period])
+        assert llm._text(p) == expected
+    p = _Pending("Paris is", prompt, False)
+    p.token_ids, p.finish_reason = answer, "length"
+    assert llm._text(p) == " the capital."

@@ -173,3 +173,15 @@ def test_fast_decoder_defers_to_transformers_when_it_cleans_up_spaces():
         assert fast_decoder(tok)(ids, True) == tok.decode(ids, skip_special_tokens=True)
     finally:
         tok.clean_up_tokenization_spaces = False
+
+
+@pytest.mark.parametrize("make", [sentencepiece_style_tokenizer, byte_level_tokenizer])
+def test_decode_after_the_prompt_equals_what_the_stream_adds_up_to(make):
+    from router.detokenizer import decode_after
+
+    tok = make()
+    for prompt_text, words in (("Paris is", "the capital of France"), ("Hello", " naïve café 😀"), ("", "Hello world")):
+        prompt = tok.encode(prompt_text, add_special_tokens=False)
+        ids = tok.encode(words, add_special_tokens=False)
+        detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
+        assert decode_after(tok, prompt, ids) == "".join(stream(detok, ids)), (prompt_text, words)
