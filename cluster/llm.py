@@ -371,6 +371,9 @@ class LLM:
                 resolved[id(params)] = self._resolve_params(params, vocab)
         params_list = [resolved[id(params)] for params in params_list]
         self._load_loras(loras)
+        # The tokenizer's EOS, as the router's requests (and vLLM's): the engine adds the model's others
+        # as stop ids, which an answer they end names as its stop_reason.
+        eos_token_id = self.tokenizer.eos_token_id if isinstance(self.tokenizer.eos_token_id, int) else None
         for index, (prompt, params, lora, salt) in enumerate(zip(prompt_list, params_list, loras, salts,
                                                                  strict=True)):
             embeds = prompt if isinstance(prompt, PromptEmbeds) else None
@@ -391,7 +394,8 @@ class LLM:
                 pending[request_id] = _Pending(text, None if embeds is not None else ids, params.logprobs is not None,
                                                group, sample, detok, params.include_stop_str_in_output)
                 requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
-                                                  sampling_params=sample_params, arrival_time=time.time(),
+                                                  sampling_params=sample_params, eos_token_id=eos_token_id,
+                                                  arrival_time=time.time(),
                                                   lora_request=lora, cache_salt=salt, prompt_embeds=embeds))
         self._run(requests, pending, "Processed prompts", use_tqdm)
         groups: dict[str, list[_Pending]] = {}

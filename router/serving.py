@@ -347,6 +347,10 @@ class OpenAIServing:
         # answered without any.
         self._think_start_id = _single_token_id(tokenizer, REASONING_START)
         self._think_end_id = _single_token_id(tokenizer, REASONING_END)
+        # A request's EOS is the tokenizer's, as vLLM's is; the engine adds the model's further EOS
+        # ids (its generation config: Llama 3's <|end_of_text|> beside <|eot_id|>) as stop ids, and
+        # an answer they end names them as its stop_reason.
+        self.eos_token_id = _primary_eos(tokenizer, settings.eos_token_ids)
         # LoRA adapters clients may name as ``model``, by name. The engines are the registry: an
         # unknown name is looked up there (``list_loras``) before it is refused, so adapters loaded
         # through another replica are found.
@@ -796,9 +800,8 @@ class OpenAIServing:
 
     def _engine_request(self, job: _Job, priority: int, lora: LoRARequest | None,
                         cache_salt: str | None) -> EngineCoreRequest:
-        eos = self.settings.eos_token_ids[0] if self.settings.eos_token_ids else None
         return EngineCoreRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids, sampling_params=job.params,
-                                 eos_token_id=eos, arrival_time=time.time(), priority=priority,
+                                 eos_token_id=self.eos_token_id, arrival_time=time.time(), priority=priority,
                                  client_index=self.client.client_index, lora_request=lora, cache_salt=cache_salt,
                                  prompt_embeds=job.prompt_embeds)
 
@@ -1367,6 +1370,8 @@ class OpenAIServing:
         stop_ids = set(request.stop_token_ids or ())
         if not request.ignore_eos:
             stop_ids.update(self.settings.eos_token_ids)
+            if self.eos_token_id is not None:
+                stop_ids.add(self.eos_token_id)
         search = BeamSearch(plan.prompt_ids, request.n, stop_ids, request.length_penalty)
         num_cached = 0
         for round_index in range(plan.rounds):
@@ -1538,6 +1543,14 @@ class SSEStream:
         await self._chunks.aclose()  # type: ignore[attr-defined]
         for stream in self._streams:
             await stream.close()
+
+
+def _primary_eos(tokenizer: Any, model_eos_ids: tuple[int, ...]) -> int | None:
+    """The tokenizer's EOS id, else the model's first (a tokenizer that names none)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        return eos
+    return model_eos_ids[0] if model_eos_ids else None
 
 
 def _single_token_id(tokenizer: Any, text: str) -> int | None:

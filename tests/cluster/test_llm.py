@@ -347,7 +347,10 @@ def test_every_eos_id_of_the_generation_config_stops_and_stays_out_of_the_text(t
     config = GenerationConfig.from_pretrained(model_dir)
     stop = next(i for i in range(1, len(free)) if free[i] not in free[:i])
     assert config.eos_token_id not in free[:stop + 1]
-    config.eos_token_id = [config.eos_token_id, free[stop]]
+    # Listed first, as Llama 3.1's generation config lists <|end_of_text|> before the tokenizer's
+    # <|eot_id|>: the tokenizer's stays the request's EOS (vLLM), the other is a stop id it names.
+    tokenizer_eos = config.eos_token_id
+    config.eos_token_id = [free[stop], tokenizer_eos]
     config.save_pretrained(model_dir)
     llm = LLM(model=str(model_dir), num_gpu_blocks=64)
     try:
@@ -358,6 +361,7 @@ def test_every_eos_id_of_the_generation_config_stops_and_stays_out_of_the_text(t
         llm.shutdown()
     completion = out.outputs[0]
     assert completion.token_ids == free[:stop + 1] and completion.finish_reason == "stop"
+    assert llm.tokenizer.eos_token_id == tokenizer_eos and completion.stop_reason == free[stop]
     assert completion.text == llm.tokenizer.decode(free[:stop], skip_special_tokens=True)
 
 

@@ -604,3 +604,18 @@ def test_streamed_token_ids_of_text_a_parser_held_back_go_with_the_next_chunk():
         assert len(mine) - 1 < len(ids)  # some chunks carry the ids of held-back tokens
         assert mine[0]["prompt_token_ids"] == engine.requests[0].prompt_token_ids
         assert "token_ids" not in mine[0]["choices"][0]  # (the role chunk, as vLLM's)
+
+
+def test_a_request_ends_at_the_tokenizers_eos_and_the_models_others_are_stop_ids():
+    """vLLM's primary EOS is the tokenizer's; a model's further EOS ids (Llama 3.1 lists
+    <|end_of_text|> before the tokenizer's <|eot_id|>) stop it as stop ids, named as stop_reason."""
+    from router.serving import OpenAIServing, ServingSettings
+
+    http, engine, serving = _app("Hi.")
+    assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES}).status_code == 200
+    assert engine.requests[0].eos_token_id == serving.tokenizer.eos_token_id
+    other = serving.tokenizer.eos_token_id + 1
+    llama_style = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=512, eos_token_ids=(other, 0)),
+                                serving.client,
+                                serving.tokenizer, RoundRobinPolicy())
+    assert llama_style.eos_token_id == serving.tokenizer.eos_token_id
