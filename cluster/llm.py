@@ -216,6 +216,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+# The keys of vLLM's prompt dicts this API serves.
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"})
+
+
 class _Pending:
     """One sample (engine request) of a prompt: ``group`` is the prompt's output, ``index`` the sample."""
 
@@ -656,16 +660,17 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             chat_template_content_format: str = "auto") -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: each conversation rendered with the chat template (or ``chat_template``),
         the ``tools`` passed to it; ``continue_final_message`` leaves the last message open for the
         answer to continue (instead of starting a new assistant turn). Messages' content reaches the
         template as text, or as OpenAI's list of parts (``chat_template_content_format``: auto reads
-        the template, as the server's flag)."""
+        the template, as the server's flag). The parameters come in vLLM's order, so positional
+        calls written for vLLM bind as they do there."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         batch = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -929,6 +934,11 @@ class LLM:
         for prompt in prompts:
             salt = None
             if isinstance(prompt, dict):
+                unserved = sorted(set(prompt) - _PROMPT_KEYS)
+                if unserved and _PROMPT_KEYS & set(prompt):
+                    # (multi_modal_data and the like: left out, the model would answer without them)
+                    raise ValueError(f"a prompt's {', '.join(unserved)} cannot be served: prompts are text, token "
+                                     "ids or embeddings (text-only models)")
                 salt = prompt.get("cache_salt")
                 if salt is not None and (not isinstance(salt, str) or not salt):
                     raise ValueError("a prompt's cache_salt must be a non-empty string")

@@ -161,7 +161,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``--speculative-config``), two drafters:
-    - ``ngram`` (prompt lookup): the draft is the tokens that followed the latest earlier occurrence
+    - ``ngram`` (prompt lookup): the draft is the tokens that followed the earliest occurrence
       of the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``;
     - ``draft_model``: a smaller model of the same vocabulary (``model``) proposes each draft token
       greedily, one pass per token (gpu_worker.draft_model); it runs on the same workers and KV

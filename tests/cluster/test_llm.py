@@ -317,7 +317,9 @@ def test_prompt_dicts_and_bad_prompts_as_vllm_takes_them(tiny_model_dir):
         assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
         for bad, error in (([[]], "prompt 0 is empty"), ([[5, 10**6]], "token ids must be integers"),
                            ([[-1]], "token ids must be integers"), ([[5] * 1024], "leaves no room"),
-                           ([{"text": "x"}], "prompt dict needs"), ([3.5], "a prompt is text")):
+                           ([{"text": "x"}], "prompt dict needs"), ([3.5], "a prompt is text"),
+                           ([{"prompt": "x", "multi_modal_data": {"image": "a.png"}}],
+                            "multi_modal_data cannot be served")):
             with pytest.raises((ValueError, TypeError), match=error):
                 llm.generate(bad, params, use_tqdm=False)
         # Nothing of the refused calls stayed in the engine: it serves on with every block free.
@@ -1366,3 +1368,14 @@ def test_an_answers_text_reads_as_after_the_prompt_and_keeps_its_stop_token_when
     p = _Pending("Paris is", prompt, False)
     p.token_ids, p.finish_reason = answer, "length"
     assert llm._text(p) == " the capital."
+
+
+def test_chat_takes_its_parameters_in_vllms_order():
+    """Positional calls written for vLLM's LLM.chat bind the same here (lora_request fourth: it
+    used to bind to add_generation_prompt and run the base model)."""
+    import inspect
+
+    names = list(inspect.signature(LLM.chat).parameters)[1:]
+    assert names[:6] == ["messages", "sampling_params", "use_tqdm", "lora_request", "chat_template",
+                         "chat_template_content_format"]
+    assert names[6:] == ["add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs"]
