@@ -45,22 +45,64 @@ class SamplingParams(EngineSamplingParams):
     """vLLM's offline sampling parameters: the engine's, plus what the offline API applies itself
     (``n`` samples per prompt, stop strings matched on the text)."""
 
+    # None: up to the end of the context (vLLM's), resolved per prompt.
+    max_tokens: int | None = 16
     n: int = 1
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     # Words that must not be generated (tokenised by the LLM into ``bad_words_token_ids``).
     bad_words: list[str] | None = None
+    # How the text is made: special tokens left out, and none at all (token ids only) with
+    # detokenize=False. spaces_between_special_tokens is taken as vLLM takes it and, as with vLLM's
+    # fast tokenizers (every tokenizer here is one), the tokenizer's decoder decides the spacing.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    # The prompt's last this many tokens only (-1: the last max_model_len), as vLLM cuts it.
+    truncate_prompt_tokens: int | None = None
+    # vLLM's StructuredOutputsParams (or a dict of its fields: json, regex, choice, grammar,
+    # json_object, disable_any_whitespace), the engine's structured_output under vLLM's name.
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
+        to_context_end = self.max_tokens is None
+        if to_context_end:
+            self.max_tokens = _TO_CONTEXT_END  # (for the engine's checks; resolved per prompt)
+        if self.structured_outputs is not None:
+            spec = _structured_output_spec(self.structured_outputs)
+            if self.structured_output is not None and self.structured_output != spec:
+                raise ValueError("give structured_outputs or structured_output, not both")
+            self.structured_output = spec
         super().__post_init__()
+        if to_context_end:
+            self.max_tokens = None
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n!r}")
+        if not self.detokenize and self.stop_strings:
+            raise ValueError("stop strings are matched on the text: they need detokenize=True")
+        if self.truncate_prompt_tokens is not None and not (
+                isinstance(self.truncate_prompt_tokens, int)
+                and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or >= 1, got {self.truncate_prompt_tokens!r}")
 
     @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+_TO_CONTEXT_END = 2**31 - 1
+
+
+def _structured_output_spec(value: Any) -> dict[str, Any]:
+    """vLLM's StructuredOutputsParams (its set fields) or a dict of them, as the engine's spec."""
+    from engine_core.structured_output import STRUCTURED_OUTPUT_KINDS, STRUCTURED_OUTPUT_OPTIONS
+
+    if isinstance(value, dict):
+        return dict(value)
+    names = STRUCTURED_OUTPUT_KINDS + STRUCTURED_OUTPUT_OPTIONS
+    return {name: getattr(value, name) for name in names if getattr(value, name, None) not in (None, False)}
 
 
 @dataclass
@@ -223,17 +265,20 @@ _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_
 class _Pending:
     """One sample (engine request) of a prompt: ``group`` is the prompt's output, ``index`` the sample."""
 
-    __slots__ = ("detok", "done", "embedding", "engine", "finish_reason", "group", "include_stop", "index",
-                 "logprob_entries", "metrics", "num_cached_tokens", "prompt", "prompt_ids", "prompt_logprobs",
-                 "stop_reason", "token_ids")
+    __slots__ = ("detok", "detokenize", "done", "embedding", "engine", "finish_reason", "group", "include_stop",
+                 "index", "logprob_entries", "metrics", "num_cached_tokens", "prompt", "prompt_ids",
+                 "prompt_logprobs", "skip_special", "stop_reason", "token_ids")
 
     def __init__(self, prompt: str | None, prompt_ids: list[int] | None, want_logprobs: bool, group: str = "",
-                 index: int = 0, detok: IncrementalDetokenizer | None = None, include_stop: bool = False) -> None:
+                 index: int = 0, detok: IncrementalDetokenizer | None = None, include_stop: bool = False,
+                 skip_special: bool = True, detokenize: bool = True) -> None:
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.group, self.index, self.detok = group, index, detok
         # include_stop_str_in_output: the stop token that ended the sample stays in its text too.
         self.include_stop = include_stop
+        # How its text is made (skip_special_tokens; detokenize=False: no text, token ids only).
+        self.skip_special, self.detokenize = skip_special, detokenize
         self.engine = 0
         self.token_ids: list[int] = []
         # (token ids, entry) per output with logprobs; turned into Logprob dicts once, at the end.
@@ -382,7 +427,10 @@ class LLM:
                                                                  strict=True)):
             embeds = prompt if isinstance(prompt, PromptEmbeds) else None
             ids = (self._placeholder_ids(index, embeds, max_model_len - 1) if embeds is not None
-                   else self._prompt_ids(index, prompt, vocab, max_model_len - 1))
+                   else self._prompt_ids(index, prompt, vocab, max_model_len - 1,
+                                         getattr(params, "truncate_prompt_tokens", None)))
+            if params.max_tokens is None:  # (up to the end of the context)
+                params = dataclasses.replace(params, max_tokens=max_model_len - len(ids))
             group = str(next(self._ids))
             text = prompt if isinstance(prompt, str) else None
             n = getattr(params, "n", 1)
@@ -392,11 +440,14 @@ class LLM:
                 sample_params = params
                 if sample and params.seed is not None:  # sample i draws with seed + i, as vLLM and the router do
                     sample_params = dataclasses.replace(params, seed=params.seed + sample)
+                skip_special = getattr(params, "skip_special_tokens", True)
                 detok = (IncrementalDetokenizer(self.tokenizer, [] if embeds is not None else ids, stop=stops,
                                                 include_stop_str_in_output=params.include_stop_str_in_output,
-                                                min_tokens=params.min_tokens) if stops else None)
+                                                min_tokens=params.min_tokens, skip_special_tokens=skip_special)
+                         if stops else None)
                 pending[request_id] = _Pending(text, None if embeds is not None else ids, params.logprobs is not None,
-                                               group, sample, detok, params.include_stop_str_in_output)
+                                               group, sample, detok, params.include_stop_str_in_output,
+                                               skip_special, getattr(params, "detokenize", True))
                 requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                                   sampling_params=sample_params, eos_token_id=eos_token_id,
                                                   arrival_time=time.time(),
@@ -588,12 +639,15 @@ class LLM:
                              f"{self._max_model_len()}")
         return [0] * embeds.num_tokens
 
-    def _prompt_ids(self, index: int, prompt: PromptType | PromptEmbeds, vocab: int, max_tokens: int) -> list[int]:
+    def _prompt_ids(self, index: int, prompt: PromptType | PromptEmbeds, vocab: int, max_tokens: int,
+                    truncate: int | None = None) -> list[int]:
         """A prompt's token ids, checked before anything is queued, as vLLM does: a bad prompt fails
-        the call, not a pass."""
+        the call, not a pass. ``truncate``: only its last this many tokens (-1: max_model_len's worth)."""
         if isinstance(prompt, PromptEmbeds):
             raise ValueError(f"prompt {index} is given as embeddings: only LLM.generate takes them")
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        if truncate is not None:
+            ids = ids[-(self._max_model_len() if truncate == -1 else truncate):]
         if not ids:
             raise ValueError(f"prompt {index} is empty")
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
@@ -731,6 +785,18 @@ class LLM:
         if len(loras) != n:
             raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts")
         return loras
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's accessor)."""
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty every engine's prefix cache (vLLM's); False when an engine still holds requests."""
+        if self._engine is not None:
+            return self._engine.reset_prefix_cache()
+        import ray
+
+        return all(ray.get([h.actor.reset_prefix_cache.remote() for h in self._handles]))
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (``enable_sleep_mode=True``): every engine empties its prefix cache and
@@ -885,12 +951,14 @@ class LLM:
         return finished, stopped
 
     def _text(self, p: _Pending) -> str:
+        if not p.detokenize:
+            return ""
         if p.detok is not None and isinstance(p.stop_reason, str):
             return p.detok.output_text  # cut at the stop string (kept when include_stop_str_in_output)
         # The EOS or stop token that ended the request is not part of its text unless
         # include_stop_str_in_output (vLLM); token_ids keep it. The text reads as after the prompt.
         text_ids = p.token_ids[:-1] if p.finish_reason == "stop" and not p.include_stop else p.token_ids
-        return decode_after(self.tokenizer, p.prompt_ids or [], text_ids)
+        return decode_after(self.tokenizer, p.prompt_ids or [], text_ids, p.skip_special)
 
     def _decode_token(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -1379,3 +1379,40 @@ def test_chat_takes_its_parameters_in_vllms_order():
     assert names[:6] == ["messages", "sampling_params", "use_tqdm", "lora_request", "chat_template",
                          "chat_template_content_format"]
     assert names[6:] == ["add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs"]
+
+
+def test_vllms_text_and_prompt_fields_of_sampling_params(tiny_model_dir):
+    """max_tokens=None runs to the context's end; truncate_prompt_tokens keeps the prompt's last
+    tokens; detokenize=False gives token ids and no text; skip_special_tokens=False keeps the EOS's
+    text under include_stop_str_in_output; structured_outputs is vLLM's name for the constraint."""
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    assert SamplingParams(structured_outputs={"choice": ["a"]}).structured_output == {"choice": ["a"]}
+    vllm_style = SimpleNamespace(json=None, regex="[ab]", choice=None, grammar=None, json_object=None,
+                                 disable_any_whitespace=False)
+    assert SamplingParams(structured_outputs=vllm_style).structured_output == {"regex": "[ab]"}
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_model_len=40)
+    try:
+        prompt = list(range(5, 35))
+        [whole] = llm.generate(prompt, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True),
+                               use_tqdm=False)
+        assert len(whole.outputs[0].token_ids) == 40 - 30 and whole.outputs[0].finish_reason == "length"
+        [cut] = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, truncate_prompt_tokens=8),
+                             use_tqdm=False)
+        assert cut.prompt_token_ids == prompt[-8:]
+        [ids_only] = llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0, detokenize=False),
+                                  use_tqdm=False)
+        assert ids_only.outputs[0].text == "" and len(ids_only.outputs[0].token_ids) == 3
+        eos = llm.get_tokenizer().eos_token_id
+        kept = SamplingParams(max_tokens=3, temperature=0, stop_token_ids=[eos], min_tokens=0,
+                              logit_bias={eos: 100.0}, include_stop_str_in_output=True, skip_special_tokens=False)
+        [with_eos] = llm.generate(prompt, kept, use_tqdm=False)
+        assert with_eos.outputs[0].token_ids == [eos]
+        assert with_eos.outputs[0].text == llm.get_tokenizer().decode([eos])
+        assert llm.reset_prefix_cache() is True
+    finally:
+        llm.shutdown()
