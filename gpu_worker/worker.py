@@ -42,11 +42,19 @@ def resolve_device(device: str | torch.device, rank: int) -> torch.device:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device,
+                  pooling: bool = False) -> torch.dtype:
     if str(dtype) != "auto":
         return parse_dtype(dtype)
     if device.type == "cuda":
-        return config.dtype or torch.bfloat16
+        # The checkpoint's dtype, with float32 brought down (vLLM's rule: half the weight memory, so
+        # about twice the KV blocks): float16 for an embedding model, else bfloat16 where the GPU has it.
+        if config.dtype not in (None, torch.float32):
+            return config.dtype
+        if pooling:
+            return torch.float16
+        bf16 = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float16
     # CPU: fp32 keeps results exact and avoids slow fp16 kernels.
     return torch.float32
 
@@ -84,7 +92,8 @@ class Worker:
         if self.weights is None:
             raise ValueError("a config without a model directory needs `weights` (a directory or a factory)")
         self.device = resolve_device(device, rank)
-        self.dtype = resolve_dtype(dtype, self.model_config, self.device)
+        self.dtype = resolve_dtype(dtype, self.model_config, self.device,
+                                   pooling=embedding_only or self.model_config.encoder_only)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs

@@ -223,3 +223,24 @@ def test_expert_parallelism_over_a_size_that_does_not_divide_the_experts_is_refu
         create_executor(EngineConfig(model=str(path), enable_expert_parallel=True, device="cpu",
                                      num_gpu_blocks=8)).shutdown()
     assert "--enable-expert-parallel has no effect (tensor_parallel_size is 1)" in caplog.text
+
+
+def test_auto_dtype_keeps_the_checkpoints_except_float32_on_a_gpu():
+    """vLLM's rule on CUDA: a float32 checkpoint runs in bfloat16 (float16 for an embedding model),
+    others in their own dtype; on the CPU, float32 (exact, and fast kernels)."""
+    import dataclasses
+
+    from gpu_worker.worker import resolve_dtype
+    from tests.gpu_worker.utils import make_config
+
+    config = ModelConfig.from_dict({**make_config("llama").to_dict(), "architectures": ["LlamaForCausalLM"]})
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for checkpoint, generating, pooling in ((torch.float32, torch.bfloat16, torch.float16),
+                                            (None, torch.bfloat16, torch.float16),
+                                            (torch.float16, torch.float16, torch.float16),
+                                            (torch.bfloat16, torch.bfloat16, torch.bfloat16)):
+        model = dataclasses.replace(config, dtype=checkpoint)
+        assert resolve_dtype("auto", model, cuda) == generating
+        assert resolve_dtype("auto", model, cuda, pooling=True) == pooling
+        assert resolve_dtype("auto", model, cpu) == torch.float32
+    assert resolve_dtype("float16", dataclasses.replace(config, dtype=torch.float32), cuda) == torch.float16
