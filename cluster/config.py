@@ -627,13 +627,18 @@ class ClusterConfig(ModelSettings):
         configs = [engine_config_from_spec(self.model, i, spec, self.seed, first_name, lora, self.tokenizer)
                    for i, spec in enumerate(self.resolved_specs())]
         _check_one_runner(configs)
+        groups = [configs]
         for served in self.models:
             name = served.served_names[0] if served.served_model_name else None
             group = [engine_config_from_spec(served.model, len(configs) + i, spec, self.seed, name,
                                              served.lora_config(), served.tokenizer)
                      for i, spec in enumerate(self._served_specs(served))]
             _check_one_runner(group)
+            groups.append(group)
             configs += group
+        if self.routing_policy == "prefix_aware":
+            for group in groups:
+                _check_one_block_size(group)
         return configs
 
     @classmethod
@@ -641,6 +646,17 @@ class ClusterConfig(ModelSettings):
         with open(path) as f:
             data = yaml.safe_load(f) or {}
         return cls(**data)
+
+
+def _check_one_block_size(group: list[EngineConfig]) -> None:
+    """prefix_aware hashes a prompt's blocks once, at its model's block size, to match them against
+    what each engine caches: an engine of another block size would never match."""
+    first = group[0]
+    for config in group[1:]:
+        if config.block_size != first.block_size:
+            raise ValueError(f"engine {config.engine_index}: block_size {config.block_size} differs from engine "
+                             f"{first.engine_index}'s {first.block_size}; prefix_aware routing needs one "
+                             "block size for every engine of a model")
 
 
 def _check_one_runner(group: list[EngineConfig]) -> None:

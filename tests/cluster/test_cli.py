@@ -133,6 +133,17 @@ def test_the_override_list_sets_the_engine_count_when_num_engines_is_not_given(t
     assert len(_config().engine_configs()) == 1
 
 
+def test_prefix_aware_routing_needs_one_block_size_per_model():
+    """The router hashes a prompt's blocks at its model's block size: an engine of another size would
+    never match what it caches."""
+    mixed = {"engines": [{}, {"block_size": 32}]}
+    assert len(ClusterConfig(routing_policy="least_loaded", **mixed).engine_configs()) == 2
+    with pytest.raises(ValueError, match="engine 1: block_size 32 differs from engine 0's 16"):
+        ClusterConfig(routing_policy="prefix_aware", **mixed).engine_configs()
+    same = ClusterConfig(routing_policy="prefix_aware", defaults={"block_size": 32}, engines=[{}, {}])
+    assert [e.block_size for e in same.engine_configs()] == [32, 32]
+
+
 def test_vllms_spelling_of_the_block_count_flag_is_accepted():
     [engine] = _config("--num-gpu-blocks-override", "96").engine_configs()
     assert engine.num_gpu_blocks == 96
