@@ -406,6 +406,9 @@ class OpenAIServing:
                     await asyncio.wait_for(self.client.handle(engine).remove_lora.remote(lora.lora_int_id),
                                            LORA_CALL_TIMEOUT_S)
             why = _lora_call_failure(e, asked[-1])
+            if isinstance(getattr(e, "cause", None) or e, FileNotFoundError):  # (no such path: vLLM's 404)
+                raise APIError(404, f"Failed to load the lora adapter '{name}': {why}", "NotFoundError",
+                               "lora_path") from e
             raise bad_request(f"Failed to load the lora adapter '{name}': {why}", "lora_path") from e
         self.lora_adapters[name] = lora
         return lora

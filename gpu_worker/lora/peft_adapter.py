@@ -49,6 +49,9 @@ def _refuse(path: Path, why: str) -> ValueError:
 def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
     """The checked ``adapter_config.json`` of the adapter directory ``path``."""
     path = Path(path)
+    if not path.exists():
+        # (vLLM's words: the router answers it as a 404, as vLLM does)
+        raise FileNotFoundError(f"No adapter found at {path}")
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
         raise _refuse(path, "no adapter_config.json (expected a PEFT LoRA checkpoint directory)")

@@ -126,7 +126,7 @@ def test_runtime_loading_unloading_and_refusals(cluster, client, adapters, tiny_
     bad = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(adapters["bad"])})
     assert bad.status_code == 400 and "above --max-lora-rank 16" in bad.json()["error"]["message"]
     missing = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent"})
-    assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
+    assert missing.status_code == 404 and "No adapter found at /nonexistent" in missing.json()["error"]["message"]
     assert "bad" not in [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]]
 
     assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200

@@ -104,3 +104,26 @@ def test_a_load_whose_client_leaves_is_made_on_every_engine():
 
     asyncio.run(main())
     assert [list(e.loras) for e in engines] == [[serving.lora_adapters["sql"].lora_int_id]] * 2
+
+
+def test_a_path_no_engine_finds_is_a_404_and_a_checkpoint_an_engine_refuses_a_400():
+    """vLLM's statuses: "No adapter found" is a NotFoundError; any other refusal a BadRequestError."""
+
+    class Refusing(FakeEngine):
+        def __init__(self, error: Exception) -> None:
+            super().__init__()
+            self.error = error
+
+        async def _add_lora(self, lora: LoRARequest) -> bool:
+            raise self.error
+
+    async def main() -> None:
+        for error, status in ((FileNotFoundError("No adapter found at /nope"), 404),
+                              (ValueError("LoRA adapter /a: rank 64 above --max-lora-rank 16"), 400)):
+            serving = _serving([FakeEngine(), Refusing(error)])
+            with pytest.raises(APIError) as refused:
+                await serving.load_lora_adapter("sql", "/nope")
+            assert refused.value.status == status and str(error) in str(refused.value)
+            assert "sql" not in serving.lora_adapters
+
+    asyncio.run(main())
