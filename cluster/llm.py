@@ -58,7 +58,7 @@ class SamplingParams(EngineSamplingParams):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
-    # The prompt's last this many tokens only (-1: the last max_model_len), as vLLM cuts it.
+    # The prompt's last this many tokens only (-1: as many as leave room to generate), as vLLM cuts it.
     truncate_prompt_tokens: int | None = None
     # vLLM's StructuredOutputsParams (or a dict of its fields: json, regex, choice, grammar,
     # json_object, disable_any_whitespace), the engine's structured_output under vLLM's name.
@@ -99,10 +99,9 @@ def _structured_output_spec(value: Any) -> dict[str, Any]:
     """vLLM's StructuredOutputsParams (its set fields) or a dict of them, as the engine's spec."""
     from engine_core.structured_output import STRUCTURED_OUTPUT_KINDS, STRUCTURED_OUTPUT_OPTIONS
 
-    if isinstance(value, dict):
-        return dict(value)
-    names = STRUCTURED_OUTPUT_KINDS + STRUCTURED_OUTPUT_OPTIONS
-    return {name: getattr(value, name) for name in names if getattr(value, name, None) not in (None, False)}
+    items = value.items() if isinstance(value, dict) else (
+        (name, getattr(value, name, None)) for name in STRUCTURED_OUTPUT_KINDS + STRUCTURED_OUTPUT_OPTIONS)
+    return {name: v for name, v in items if v is not None and v is not False}  # (the fields left unset)
 
 
 @dataclass
@@ -642,12 +641,12 @@ class LLM:
     def _prompt_ids(self, index: int, prompt: PromptType | PromptEmbeds, vocab: int, max_tokens: int,
                     truncate: int | None = None) -> list[int]:
         """A prompt's token ids, checked before anything is queued, as vLLM does: a bad prompt fails
-        the call, not a pass. ``truncate``: only its last this many tokens (-1: max_model_len's worth)."""
+        the call, not a pass. ``truncate``: only its last this many tokens (-1: the most that fit)."""
         if isinstance(prompt, PromptEmbeds):
             raise ValueError(f"prompt {index} is given as embeddings: only LLM.generate takes them")
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
-        if truncate is not None:
-            ids = ids[-(self._max_model_len() if truncate == -1 else truncate):]
+        if truncate is not None:  # (-1: as much as leaves room for one token)
+            ids = ids[-(max_tokens if truncate == -1 else truncate):]
         if not ids:
             raise ValueError(f"prompt {index} is empty")
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
@@ -1002,7 +1001,7 @@ class LLM:
         for prompt in prompts:
             salt = None
             if isinstance(prompt, dict):
-                unserved = sorted(set(prompt) - _PROMPT_KEYS)
+                unserved = sorted(k for k, v in prompt.items() if k not in _PROMPT_KEYS and v is not None)
                 if unserved and _PROMPT_KEYS & set(prompt):
                     # (multi_modal_data and the like: left out, the model would answer without them)
                     raise ValueError(f"a prompt's {', '.join(unserved)} cannot be served: prompts are text, token "

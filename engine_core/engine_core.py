@@ -342,9 +342,10 @@ class EngineCore:
             request.sampling_params = params = dataclasses.replace(
                 params, logprobs=logprobs_count("sample", params.logprobs, vocab, allowed),
                 prompt_logprobs=logprobs_count("prompt", params.prompt_logprobs, vocab, allowed))
-        if not params.ignore_eos and len(self.model_info.eos_token_ids) > 1:
-            # The model's further EOS ids (generation config; e.g. Llama 3's end of turn) stop it too,
-            # as vLLM adds them to the stop ids, whichever client sent the request.
+        if not params.ignore_eos and self.model_info.eos_token_ids:
+            # The model's EOS ids other than the request's (generation config; e.g. Llama 3's end of
+            # text beside the tokenizer's end of turn, or a fine-tune's whose tokenizer ends turns with
+            # another token) stop it too, as vLLM adds them to the stop ids, whichever client sent it.
             extra = [t for t in self.model_info.eos_token_ids if t != eos and t not in params.stop_token_ids]
             if extra:  # (a copy: the caller's parameters may be shared by other requests)
                 request.sampling_params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids,

@@ -92,8 +92,8 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 # Schema keywords the grammar cannot hold the answer to: xgrammar compiles them but generates as if
-# they were absent (or, for a length beside a pattern or format, drops the length), so an answer
-# could break the schema. Such schemas are refused, as vLLM refuses them for its xgrammar backend.
+# they were absent (or, for a length beside a pattern, drops the length), so an answer could break
+# the schema. Such schemas are refused (vLLM refuses a similar list for its xgrammar backend).
 _UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "not", "if", "then", "else",
                         "dependentRequired", "dependentSchemas", "dependencies")
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
@@ -103,6 +103,14 @@ _SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "unevaluatedProp
               "additionalItems", "contains", "not", "if", "then", "else")
 _SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+
+
+def _types(schema: dict[str, Any]) -> set[str]:
+    kind = schema.get("type")
+    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else {"number"}
 
 
 def unenforced_schema_keyword(schema: Any, path: str = "") -> str | None:
@@ -116,8 +124,15 @@ def unenforced_schema_keyword(schema: Any, path: str = "") -> str | None:
             return f"{keyword!r}{where}"
     if schema.get("uniqueItems") is True:
         return f"'uniqueItems'{where}"
-    if ("minLength" in schema or "maxLength" in schema) and ("pattern" in schema or "format" in schema):
-        return f"length limit beside a {'pattern' if 'pattern' in schema else 'format'}{where}"
+    if "multipleOf" in schema and (_types(schema) - {"integer", "null"} or _BOUNDS & set(schema)):
+        # (held only for an integer without bounds)
+        return f"'multipleOf' on a number or beside bounds{where}"
+    if ("minLength" in schema or "maxLength" in schema) and "pattern" in schema:
+        return f"length limit beside a pattern{where}"
+    if "format" in schema and schema.get("minLength", 0) > 1:
+        # (A format's match is never empty, so a minLength of 1 holds; a maxLength beside a format is
+        # not held, as with pydantic's HttpUrl: 2083, which no generated URL comes near.)
+        return f"minLength beside a format{where}"
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and (len(all_of) > 1 or set(schema) - _ANNOTATIONS - {"allOf"}):
         return f"'allOf' of several schemas or beside other keywords{where}"  # (a lone wrapped $ref is fine)
@@ -186,8 +201,12 @@ class StructuredOutputManager:
         if self._compiler is None:  # (first use: on this thread)
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
-                                                      stop_token_ids=list(self.eos_token_ids) or None)
+            tokenizer = self._load_tokenizer()
+            # The model's EOS ids and the tokenizer's (a request's own EOS): a complete grammar allows each.
+            stop_ids = list(dict.fromkeys([*self.eos_token_ids, *(
+                [tokenizer.eos_token_id] if isinstance(getattr(tokenizer, "eos_token_id", None), int) else [])]))
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=stop_ids or None)
             # Our bounded cache (by spec) is the one cache: xgrammar's own would keep every grammar.
             self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
             self._xgr = xgr

@@ -13,6 +13,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LLM_CLUSTER_ENGINE_HOST", "127.0.0.1")
 
 
+@pytest.fixture(autouse=True)
+def _float32_models_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make test-cuda` compares engines with transformers in float32: there, --dtype auto would run
+    the float32 tiny models in bfloat16 (vLLM's rule, which test_worker tests on its own), so auto
+    keeps float32 in the tests."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    import functools
+
+    import gpu_worker.worker as worker
+
+    original = worker.resolve_dtype
+
+    @functools.wraps(original)
+    def keep_float32(dtype, config, device, pooling=False):
+        return original("float32" if str(dtype) == "auto" else dtype, config, device, pooling)
+
+    monkeypatch.setattr(worker, "resolve_dtype", keep_float32)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_model import build_tiny_llama

@@ -58,7 +58,7 @@ def test_the_access_log_is_on_unless_disabled():
     (["--allow-runtime-lora-updating"], {}, "allow_runtime_lora_updating needs enable_lora"),
     (["--enable-lora", "--lora-modules", "a"], {}, "--lora-modules: expected name=path, got 'a'"),
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], {}, "the name 'a' is given twice"),
-    (["--enable-lora", "--lora-modules", "a={missing}"], {}, "no adapter_config.json"),
+    (["--enable-lora", "--lora-modules", "a={missing}"], {}, "No adapter found at"),
     (["--enable-lora", "--max-loras", "0"], {}, "--max-loras: Input should be greater than or equal to 1"),
     (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], {},
      "max_cpu_loras (--max-cpu-loras, 1) must be at least max_loras (--max-loras, 2)"),

@@ -365,6 +365,16 @@ def test_every_eos_id_of_the_generation_config_stops_and_stays_out_of_the_text(t
     assert completion.token_ids == free[:stop + 1] and completion.finish_reason == "stop"
     assert llm.tokenizer.eos_token_id == tokenizer_eos and completion.stop_reason == free[stop]
     assert completion.text == llm.tokenizer.decode(free[:stop], skip_special_tokens=True)
+    # A generation config whose one EOS is not the tokenizer's (a fine-tune whose tokenizer ends turns
+    # with another token): it stops the answer too.
+    config.eos_token_id = free[stop]
+    config.save_pretrained(model_dir)
+    llm = LLM(model=str(model_dir), num_gpu_blocks=64)
+    try:
+        [out] = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert out.outputs[0].token_ids == free[:stop + 1] and out.outputs[0].stop_reason == free[stop]
 
 
 def test_chat_uses_the_chat_template(tiny_model_dir):
@@ -1391,7 +1401,7 @@ def test_vllms_text_and_prompt_fields_of_sampling_params(tiny_model_dir):
         SamplingParams(stop=["x"], detokenize=False)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
-    assert SamplingParams(structured_outputs={"choice": ["a"]}).structured_output == {"choice": ["a"]}
+    assert SamplingParams(structured_outputs={"choice": ["a"], "regex": None}).structured_output == {"choice": ["a"]}
     vllm_style = SimpleNamespace(json=None, regex="[ab]", choice=None, grammar=None, json_object=None,
                                  disable_any_whitespace=False)
     assert SamplingParams(structured_outputs=vllm_style).structured_output == {"regex": "[ab]"}
@@ -1404,6 +1414,12 @@ def test_vllms_text_and_prompt_fields_of_sampling_params(tiny_model_dir):
         [cut] = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, truncate_prompt_tokens=8),
                              use_tqdm=False)
         assert cut.prompt_token_ids == prompt[-8:]
+        [longest] = llm.generate(list(range(5, 60)), SamplingParams(max_tokens=None, truncate_prompt_tokens=-1),
+                                 use_tqdm=False)
+        assert len(longest.prompt_token_ids) == 39 and len(longest.outputs[0].token_ids) <= 1
+        # vLLM code passes unused keys as None: served; a set multi_modal_data is refused.
+        assert llm.generate({"prompt_token_ids": prompt, "multi_modal_data": None}, SamplingParams(max_tokens=1),
+                            use_tqdm=False)[0].prompt_token_ids == prompt
         [ids_only] = llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0, detokenize=False),
                                   use_tqdm=False)
         assert ids_only.outputs[0].text == "" and len(ids_only.outputs[0].token_ids) == 3

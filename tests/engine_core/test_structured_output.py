@@ -60,7 +60,9 @@ def test_structured_output_excludes_ignore_eos_and_min_tokens():
     ({"$defs": {"P": {"type": "object", "dependentRequired": {"a": ["b"]}}}, "$ref": "#/$defs/P"},
      "'dependentRequired' (at /$defs/P)"),
     ({"type": "string", "pattern": "a+", "maxLength": 3}, "length limit beside a pattern (at /)"),
-    ({"type": "string", "format": "email", "maxLength": 30}, "length limit beside a format (at /)"),
+    ({"type": "string", "format": "email", "minLength": 5}, "minLength beside a format (at /)"),
+    ({"type": "number", "multipleOf": 0.5}, "'multipleOf' on a number or beside bounds (at /)"),
+    ({"type": "integer", "multipleOf": 5, "minimum": 0}, "'multipleOf' on a number or beside bounds"),
     ({"allOf": [{"required": ["a"]}, {"required": ["b"]}]}, "'allOf' of several schemas"),
     ({"type": "object", "properties": {"x": {"type": "integer"}}, "allOf": [{"required": ["x"]}]}, "'allOf'"),
 ])
@@ -85,7 +87,11 @@ def test_schemas_with_enforceable_keywords_pass():
             {"oneOf": [{"type": "integer"}, {"type": "string", "minLength": 1, "maxLength": 5}]},
             {"type": "array", "items": {"type": "string", "format": "path"}, "uniqueItems": False, "maxItems": 3},
             {"type": "object", "properties": {"d": {"type": "string", "format": "date"}},
-             "additionalProperties": False, "required": ["d"]}):
+             "additionalProperties": False, "required": ["d"]},
+            # pydantic's HttpUrl (a maxLength beside a format is not held, as the README says), and an
+            # unbounded integer multipleOf (held).
+            {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},
+            {"type": ["integer", "null"], "multipleOf": 5}):
         check_structured_output({"json": schema})
 
 

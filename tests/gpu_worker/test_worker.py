@@ -230,7 +230,9 @@ def test_auto_dtype_keeps_the_checkpoints_except_float32_on_a_gpu():
     others in their own dtype; on the CPU, float32 (exact, and fast kernels)."""
     import dataclasses
 
-    from gpu_worker.worker import resolve_dtype
+    from gpu_worker import worker
+
+    resolve_dtype = getattr(worker.resolve_dtype, "__wrapped__", worker.resolve_dtype)  # (conftest's, on a GPU)
     from tests.gpu_worker.utils import make_config
 
     config = ModelConfig.from_dict({**make_config("llama").to_dict(), "architectures": ["LlamaForCausalLM"]})
