@@ -49,6 +49,11 @@ class SamplingParams:
     # With structured_output: the grammar constrains only the tokens after the output first ends
     # with this sequence (a reasoning model's end of thinking, e.g. "</think>"): it thinks freely.
     structured_output_after: list[int] | None = None
+    # With structured_output_after: the wait is the answer's choice. Its first token may be this one
+    # (a reasoning model opening its thinking: "<think>"), and then the grammar waits for the
+    # sequence; any other first token is held to the grammar from the start (an answer that does
+    # not think is constrained all along).
+    structured_output_may_open: int | None = None
     # OpenAI's logit_bias: added to the token's logit before sampling (clamped to [-100, 100], as vLLM).
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: only these may be sampled.
@@ -161,6 +166,11 @@ class SamplingParams:
                    and all(isinstance(t, int) and t >= 0 for t in self.structured_output_after),
                    "structured_output_after", "a non-empty list of token ids, with structured_output",
                    self.structured_output_after)
+        _check(self.structured_output_may_open is None
+               or (self.structured_output_after is not None and isinstance(self.structured_output_may_open, int)
+                   and self.structured_output_may_open >= 0),
+               "structured_output_may_open", "None, or a token id with structured_output_after",
+               self.structured_output_may_open)
 
     def token_ids_in_use(self) -> list[int]:
         """Every token id these parameters name (to check against a vocabulary)."""
@@ -168,6 +178,7 @@ class SamplingParams:
         ids += self.logit_bias or ()
         ids += self.allowed_token_ids or ()
         ids += self.structured_output_after or ()
+        ids += [] if self.structured_output_may_open is None else [self.structured_output_may_open]
         for word in self.bad_words_token_ids or ():
             ids += word
         return ids

@@ -177,14 +177,21 @@ class StructuredOutputManager:
         self._matchers: dict[str, Any] = {}
         # Requests whose grammar starts after a token sequence: (the sequence, the last tokens seen).
         self._starts_after: dict[str, tuple[list[int], list[int]]] = {}
+        # Requests whose first token may open a wait instead: (that token, the sequence then awaited).
+        self._may_open: dict[str, tuple[int, list[int]]] = {}
 
     # -- requests -------------------------------------------------------------------------------
 
-    def submit(self, request_id: str, spec: dict[str, Any], starts_after: list[int] | None = None) -> None:
+    def submit(self, request_id: str, spec: dict[str, Any], starts_after: list[int] | None = None,
+               may_open: int | None = None) -> None:
         """Start compiling the request's grammar (a cached one is ready at the next ``poll``).
         ``starts_after``: the grammar constrains only what follows the first time the output ends
-        with these tokens (a reasoning model thinks freely first)."""
-        if starts_after:
+        with these tokens (a reasoning model thinks freely first). With ``may_open``, only if the
+        output's first token is that one (it opens the thinking); otherwise the grammar holds from
+        the first token, which may be ``may_open`` or one the grammar allows."""
+        if starts_after and may_open is not None:
+            self._may_open[request_id] = (may_open, list(starts_after))
+        elif starts_after:
             self._starts_after[request_id] = (list(starts_after), [])
         key = json.dumps(spec, sort_keys=True)
         future = self._compiling.get(key)
@@ -238,6 +245,7 @@ class StructuredOutputManager:
                 compiled = future.result()
             except Exception as e:
                 self._starts_after.pop(request_id, None)
+                self._may_open.pop(request_id, None)
                 failed.append((request_id, f"structured output: {_first_line(str(e))}"))
                 continue
             self._compiled[key] = compiled
@@ -257,6 +265,7 @@ class StructuredOutputManager:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
         self._starts_after.pop(request_id, None)
+        self._may_open.pop(request_id, None)
         entry = self._pending.pop(request_id, None)
         if entry is not None and not any(future is entry[1] for _, future in self._pending.values()):
             entry[1].cancel()  # (nobody else waits for it)
@@ -286,6 +295,11 @@ class StructuredOutputManager:
                 failed.append((request_id, f"structured output: {_first_line(str(e))}"))
                 self.remove(request_id)
                 continue
+            opening = self._may_open.get(request_id)
+            if opening is not None:  # (the first token may open the thinking instead)
+                word, bit = divmod(opening[0], 32)
+                value = int(bitmask[len(kept), word]) | (1 << bit)
+                bitmask[len(kept), word] = value - (1 << 32) if value >= 1 << 31 else value  # (as an int32)
             kept.append(request_id)
         if not kept:
             return None, failed
@@ -298,6 +312,11 @@ class StructuredOutputManager:
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return None
+        opening = self._may_open.pop(request_id, None) if token_ids else None
+        if opening is not None and token_ids[0] == opening[0]:
+            # The answer opened its thinking: the grammar waits for its end.
+            self._starts_after[request_id] = (opening[1], [])
+            token_ids = token_ids[1:]
         waiting = self._starts_after.get(request_id)
         for token in token_ids:
             if waiting is not None:  # still before the grammar's start: watch for the sequence

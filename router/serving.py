@@ -560,13 +560,21 @@ class OpenAIServing:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _thinks_before_constraint(self, prompt_thinking: str) -> bool:
-        """Whether an output constraint starts after the model's thinking (up to ``</think>``, when
-        that is one token of the vocabulary, as the engine watches for it): with deepseek_r1, whose
-        answers think first, and after a prompt that opened the thinking. (A qwen3 answer may not
-        think at all, so its constraint otherwise applies from the first token.)"""
-        return self._think_end_id is not None and (
-            self.settings.reasoning_parser == "deepseek_r1" or prompt_thinking == "open")
+    def _constraint_start(self, prompt_thinking: str) -> tuple[list[int] | None, int | None]:
+        """Where an output constraint starts in an answer that may think (``</think>`` must be one
+        token of the vocabulary, as the engine watches for it): (the tokens it waits for, and the
+        first token that opens that wait, None when it waits in any case), or (None, None) for a
+        constraint from the first token. deepseek_r1 answers think first, and so does one after a
+        prompt that opened the thinking: the constraint waits for ``</think>``. A qwen3 answer may
+        think or not: the constraint waits only when its first token is ``<think>`` (as vLLM's
+        waits for the thinking's end), and otherwise holds from the first token."""
+        if not self._answer_may_think(prompt_thinking) or self._think_end_id is None:
+            return None, None
+        if self.settings.reasoning_parser == "deepseek_r1" or prompt_thinking == "open":
+            return [self._think_end_id], None
+        if self._think_start_id is not None:
+            return [self._think_end_id], self._think_start_id
+        return None, None
 
     def _prompt_thinking(self, prompt_ids: list[int]) -> str:
         """How the chat template left the thinking where the answer begins: "closed" (a template
@@ -599,7 +607,7 @@ class OpenAIServing:
         tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser)
         reasoning = None
         if self._answer_may_think(prompt_thinking) and (
-                request.structured_output is None or self._thinks_before_constraint(prompt_thinking)):
+                request.structured_output is None or self._constraint_start(prompt_thinking)[0] is not None):
             reasoning = create_reasoning_parser(self.settings.reasoning_parser,  # type: ignore[arg-type]
                                                 starts_thinking=prompt_thinking == "open")
         if tools is None and reasoning is None:
@@ -679,7 +687,8 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, seed_offset: int, prompt_logprobs: int | None = None,
-                        structured_output_after: list[int] | None = None) -> SamplingParams:
+                        structured_output_after: list[int] | None = None,
+                        structured_output_may_open: int | None = None) -> SamplingParams:
         room = self.settings.max_model_len - prompt_len
         if room <= 0:
             raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens; "
@@ -723,6 +732,7 @@ class OpenAIServing:
                 logit_bias=logit_bias, allowed_token_ids=allowed_ids, bad_words_token_ids=bad_words,
                 structured_output=request.structured_output,
                 structured_output_after=structured_output_after if request.structured_output else None,
+                structured_output_may_open=structured_output_may_open if request.structured_output else None,
                 extra_args=request.vllm_xargs or None)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
@@ -1143,12 +1153,13 @@ class OpenAIServing:
         choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
         for c in choices:
             c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
-        # A model that thinks first (deepseek_r1) meets its output constraint after its thinking.
-        after = [self._think_end_id] if self._answer_may_think(prompt_thinking) and \
-            self._thinks_before_constraint(prompt_thinking) else None
+        # A model that thinks first (deepseek_r1), or chooses to (qwen3), meets its output constraint
+        # after its thinking.
+        after, may_open = self._constraint_start(prompt_thinking)
         jobs = [_Job(engine, choice_request_id(engine_base, c.index), ids,
                      self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
-                                          prompt_logprobs=request.prompt_logprobs, structured_output_after=after))
+                                          prompt_logprobs=request.prompt_logprobs, structured_output_after=after,
+                                          structured_output_may_open=may_open))
                 for c in choices]
         streams = await self._open_all(jobs, request.priority, lora, request.cache_salt)
         return ChatRun(request_id, created, ids, choices, streams)

@@ -320,6 +320,32 @@ def test_a_grammar_that_starts_after_a_token_sequence_constrains_nothing_before_
     manager.shutdown()
 
 
+def test_a_first_token_that_opens_the_thinking_makes_the_grammar_wait_and_any_other_is_held():
+    """qwen3's answers may think or not: <think> first and the grammar waits for </think>; any
+    other first token is one the grammar allows, and it holds from there."""
+    manager = _manager()
+    opening = TOKENIZER.encode("@", add_special_tokens=False)[0]  # (stand-ins for <think> and </think>)
+    end = TOKENIZER.encode("</x>", add_special_tokens=False)
+    yes = set(TOKENIZER.encode("yes", add_special_tokens=False)[:1])
+    for request_id in ("thinks", "answers"):
+        manager.submit(request_id, {"choice": ["yes"]}, starts_after=end, may_open=opening)
+    assert _poll_until_done(manager)[1] == []
+    for request_id in ("thinks", "answers"):  # the first token: the grammar's or the opening one
+        first = _allowed(manager, request_id)
+        assert opening in first and first - {opening} and all(
+            "yes".startswith(TOKENIZER.decode([t])) for t in first - {opening})
+    assert manager.accept("thinks", [opening, *TOKENIZER.encode("zz no", add_special_tokens=False)]) is None
+    assert manager.bitmask(["thinks"]) == (None, [])  # thinking: free
+    assert manager.accept("thinks", end) is None
+    assert opening not in _allowed(manager, "thinks")  # after the thinking: the grammar, from its start
+    assert manager.accept("answers", sorted(yes)) is None
+    assert opening not in _allowed(manager, "answers")  # (only the first token may open it)
+    assert manager.accept("answers", TOKENIZER.encode("zz", add_special_tokens=False)) is not None
+    manager.clear()
+    assert not manager._may_open and not manager._starts_after
+    manager.shutdown()
+
+
 def test_the_engine_starts_a_grammar_after_the_thinking_ends(tmp_path):
     """Greedy on the tiny model: the answer runs free (as without a grammar) up to and including
     the first occurrence of the 'end of thinking' token, and fits the grammar after it."""
@@ -350,9 +376,20 @@ def test_the_engine_starts_a_grammar_after_the_thinking_ends(tmp_path):
         trigger = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i])  # first seen at i
         constrained = run("thinks", SamplingParams(max_tokens=24, temperature=0, structured_output={"regex": "[ab]{3}"},
                                                    structured_output_after=[free[trigger]]))
+        # The wait is the answer's choice (qwen3): the greedy first token opens it, so the same
+        # answer; an answer whose first token is not the opening one (biased away here) is held to
+        # the grammar from the start.
+        opened = run("opens", SamplingParams(max_tokens=24, temperature=0, structured_output={"regex": "[ab]{3}"},
+                                             structured_output_after=[free[trigger]],
+                                             structured_output_may_open=free[0]))
+        unopened = run("held", SamplingParams(max_tokens=24, temperature=0, structured_output={"regex": "[ab]{3}"},
+                                              structured_output_after=[free[trigger]],
+                                              structured_output_may_open=free[0], logit_bias={free[0]: -100}))
     finally:
         engine.shutdown()
     assert constrained[:trigger + 1] == free[:trigger + 1]
     answer = constrained[trigger + 1:]
     assert set(tokenizer.decode(answer[:-1])) <= {"a", "b"} and len(tokenizer.decode(answer[:-1])) == 3
     assert answer[-1] == tokenizer.eos_token_id
+    assert opened == constrained
+    assert len(tokenizer.decode(unopened[:-1])) == 3 and set(tokenizer.decode(unopened[:-1])) <= {"a", "b"}

@@ -137,11 +137,22 @@ def test_an_output_constraint_starts_after_deepseek_r1s_thinking_and_rules_out_q
     message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (None, '{"a": 1}')
     assert engine.requests[0].sampling_params.structured_output_after is None
-    # qwen3 may not think at all: the grammar applies from the first token, and the text is content.
+    # Without the tags as tokens, a qwen3 answer's grammar applies from the first token, and the text
+    # is content.
     http, engine, _ = _app('{"a": "<think>x</think>"}', reasoning="qwen3")
     message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (None, '{"a": "<think>x</think>"}')
     assert engine.requests[0].sampling_params.structured_output_after is None
+    # With them, a qwen3 answer may think first (as vLLM lets it): a first <think> makes the grammar
+    # wait for </think>; an answer that does not open it is held to the grammar from its first token.
+    for answer, split in (('<think>Braces.</think>{"a": 1}', ("Braces.", '{"a": 1}')),
+                          ('{"a": 1}', (None, '{"a": 1}'))):
+        http, engine, serving = _app(answer, reasoning="qwen3", think_tokens=True)
+        message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == split
+        params = engine.requests[0].sampling_params
+        assert params.structured_output_after == [serving.tokenizer.convert_tokens_to_ids("</think>")]
+        assert params.structured_output_may_open == serving.tokenizer.convert_tokens_to_ids("<think>")
 
 
 def test_only_the_prompts_end_closes_or_opens_the_thinking():
@@ -170,3 +181,4 @@ def test_only_the_prompts_end_closes_or_opens_the_thinking():
         assert (message["reasoning_content"], message["content"]) == ("Braces.", '{"a": 1}')
         assert engine.requests[0].sampling_params.structured_output_after == [
             serving.tokenizer.convert_tokens_to_ids("</think>")]
+        assert engine.requests[0].sampling_params.structured_output_may_open is None  # (it waits in any case)
