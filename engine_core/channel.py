@@ -19,6 +19,7 @@ import collections
 import contextlib
 import logging
 import secrets
+import socket
 import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -37,6 +38,28 @@ logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+# A peer whose host went away (powered off, partitioned) sends no FIN or RST: TCP keepalive probes
+# an idle channel after this many seconds, every KEEPALIVE_INTERVAL_S, and gives up after
+# KEEPALIVE_PROBES unanswered ones; data left unacknowledged as long also ends the connection. So
+# both sides learn of it in about 25 s (the router fails the requests there, the engine aborts them).
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_PROBES = 3
+
+
+def enable_keepalive(sock: socket.socket | None) -> None:
+    """Detect a vanished peer on this channel socket (Linux options where the platform has them)."""
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                            ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+                            ("TCP_USER_TIMEOUT", 1000 * (KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES))):
+            option = getattr(socket, name, None)
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 # -- messages, client -> engine ------------------------------------------------------------------
@@ -193,6 +216,7 @@ class ChannelServer:
         client_index = -1
         # Requests admitted over this connection and not yet finished: aborted if it drops.
         unfinished: set[str] = set()
+        enable_keepalive(writer.get_extra_info("socket"))
         try:
             hello = _client_decoder.decode(await read_payload(reader))
             if not isinstance(hello, Hello) or not secrets.compare_digest(hello.token, self._token):
@@ -354,6 +378,7 @@ class ChannelConnection:
         # asyncio and uvloop set TCP_NODELAY on TCP sockets themselves: each frame leaves at once.
         transport, protocol = await asyncio.wait_for(
             loop.create_connection(lambda: _FrameReader(on_message), address.host, address.port), timeout_s)
+        enable_keepalive(transport.get_extra_info("socket"))
         connection = cls(transport, protocol, inbox)  # type: ignore[arg-type]
         connection.send(Hello(client_index, address.token, kv_events))
         return connection
@@ -381,3 +406,8 @@ class ChannelConnection:
 
     def close(self) -> None:
         self._transport.close()
+
+    def abort(self) -> None:
+        """Close at once, dropping unsent frames (the engine is known to be gone: a close would wait
+        to flush them to a peer that never reads)."""
+        self._transport.abort()

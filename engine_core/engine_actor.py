@@ -185,6 +185,12 @@ class EngineCoreService:
             # reached it without admit(): the client learns it from an error output, not by waiting.)
             self._tell_finished(request, FinishReason.ERROR, str(e))
             return
+        except Exception as e:
+            # Anything else (a request id already live here, say): the client was told it was
+            # admitted, so it must hear the end too, or it waits for outputs that never come.
+            logger.exception("engine %d: could not add request %s", self.config.engine_index, request.request_id)
+            self._tell_finished(request, FinishReason.ERROR, f"the engine could not add the request: {e}")
+            return
         if added is not None and self.metrics is not None:
             self.metrics.on_request_added(added)
 

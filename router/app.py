@@ -208,6 +208,12 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         return _error_response(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404
                                else "HTTPError", None, route_path(request.scope))
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        # (vLLM answers these with its JSON error body too; Starlette logs the traceback)
+        return _error_response(500, str(exc) or type(exc).__name__, "InternalServerError", None,
+                               route_path(request.scope))
+
     def respond(result: Any) -> Response:
         """An answer as its response: an event stream, a response as it is (vLLM's binary
         embeddings), or JSON (of a model or of plain data)."""

@@ -44,6 +44,16 @@ class EngineUnavailableError(RuntimeError):
     pass
 
 
+def _actor_died(error: BaseException) -> bool:
+    """Whether Ray says the engine actor is dead (not merely slow or restarting): its channel cannot
+    carry anything more, even when the socket still looks open (a host that vanished sends no FIN)."""
+    try:
+        from ray.exceptions import ActorDiedError
+    except ImportError:
+        return False
+    return isinstance(error, ActorDiedError)
+
+
 class UnknownModelError(LookupError):
     """The engine does not hold the LoRA adapter the request names."""
 
@@ -116,14 +126,17 @@ class RequestStream:
     """
 
     def __init__(self, client: EngineClient, engine: int, request_id: str, queue: OutputQueue,
-                 timeout_s: float | None) -> None:
+                 timeout_s: float | None, started: float | None = None) -> None:
+        """``timeout_s`` counts from ``started`` (the event loop's time the request was sent; now
+        by default): its time in admission is part of it."""
         self.client = client
         self.engine = engine
         self.request_id = request_id
         self.finished = False
         self._queue = queue
-        self._timer = (asyncio.get_running_loop().call_later(timeout_s, queue.put_nowait, _TIMED_OUT)
-                       if timeout_s else None)
+        loop = asyncio.get_running_loop()
+        self._timer = (loop.call_at((loop.time() if started is None else started) + timeout_s,
+                                    queue.put_nowait, _TIMED_OUT) if timeout_s else None)
 
     async def next_batch(self) -> list[EngineCoreOutput]:
         """Wait for at least one output; return all queued ones, ending at the finishing one."""
@@ -287,8 +300,9 @@ class EngineClient:
 
     async def open(self, engine: int, request: EngineCoreRequest, timeout_s: float | None = None) -> RequestStream:
         """Add the request; its outputs are read from the returned stream, which must be closed."""
+        started = asyncio.get_running_loop().time()
         queue = await self.add_request(engine, request, timeout_s)
-        return RequestStream(self, engine, request.request_id, queue, timeout_s)
+        return RequestStream(self, engine, request.request_id, queue, timeout_s, started)
 
     async def stream(self, engine: int, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """Add the request and yield its outputs until it finishes. Leaving early aborts it."""
@@ -397,10 +411,19 @@ class EngineClient:
     async def _probe_until_healthy(self, slot: _EngineSlot) -> None:
         while not self._closed and not slot.healthy and slot.channel is not None:
             await asyncio.sleep(0.5)
-            with contextlib.suppress(Exception):
+            try:
                 await slot.handle.check_health.remote()
-                if slot.channel is not None:
-                    self._set_healthy(slot)
+            except Exception as e:
+                self._drop_if_dead(slot, e)
+                continue
+            if slot.channel is not None:
+                self._set_healthy(slot)
+
+    def _drop_if_dead(self, slot: _EngineSlot, error: BaseException) -> None:
+        """A dead engine's channel is cut now: the pump then fails the requests that were running
+        there (they would otherwise wait for outputs that never come) and looks for a restarted one."""
+        if _actor_died(error) and slot.channel is not None:
+            slot.channel.abort()
 
     async def _wait_for_engine(self, slot: _EngineSlot) -> None:
         """Poll until the engine (possibly a restarted actor found by name) answers again; the pump
@@ -453,6 +476,7 @@ class EngineClient:
                     self._set_healthy(slot)
             except Exception as e:
                 self._mark_unhealthy(slot, e)
+                self._drop_if_dead(slot, e)
 
         await asyncio.gather(*(probe(s) for s in self._slots))
         return self.healthy()

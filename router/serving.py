@@ -788,17 +788,22 @@ class OpenAIServing:
 
     def choose_engine(self, prompt_token_ids: list[int], session_id: str | None,
                       chosen: list[int] | None = None, lora: LoRARequest | None = None, count: int = 1,
-                      cache_salt: str | None = None, prompt_embeds: PromptEmbeds | None = None) -> int:
+                      cache_salt: str | None = None, prompt_embeds: PromptEmbeds | None = None,
+                      exclude: int | None = None) -> int:
         """``chosen``: requests this call already placed but has not opened yet, per engine (several
         prompts of one request must see each other's load, or they all go to one engine); the
         ``count`` requests of this prompt are added to the chosen engine's; ``cache_salt`` keys the
-        prompt's blocks as the engines key them (prefix-aware routing)."""
+        prompt's blocks as the engines key them (prefix-aware routing); ``exclude``: an engine that
+        just refused the request (its queue is full)."""
         t0 = time.perf_counter()
         loads = self.client.loads()
         if chosen is not None:
             loads = [load + extra for load, extra in zip(loads, chosen, strict=True)]
+        healthy = self.client.healthy()
+        if exclude is not None:
+            healthy[exclude] = False
         try:
-            engine = self.policy.choose(RoutingContext(prompt_token_ids, loads, self.client.healthy(), session_id,
+            engine = self.policy.choose(RoutingContext(prompt_token_ids, loads, healthy, session_id,
                                                        None if lora is None else lora.cache_key, cache_salt,
                                                        prompt_embeds))
         except NoHealthyEngineError as e:
@@ -823,42 +828,66 @@ class OpenAIServing:
                         deadline: float | None = None) -> list[RequestStream]:
         """Send every job's request (engine, request id, prompt, parameters) to its engine now,
         before any response starts, so a refusal is an HTTP status (429 or 503) for streams too;
-        what was opened is released on failure."""
+        what was opened is released on failure. An engine that refuses for want of room or health
+        is replaced once, for the jobs it was to take, by the policy's choice among the others; a
+        429 or 503 comes back only when that one refuses too. One deadline (the request timeout, or
+        the caller's) covers every job, from admission to the last output."""
+        if deadline is None and self.settings.request_timeout_s:
+            deadline = time.monotonic() + self.settings.request_timeout_s
         logged: set[str] = set()  # (a retry logs only what it had not logged yet)
-        for attempt in range(2):
-            streams: list[RequestStream] = []
-            engine = -1
-            try:
-                for job in jobs:
-                    engine, request_id = job.engine, job.request_id
-                    request = self._engine_request(job, priority, lora, cache_salt)
-                    if self.settings.enable_log_requests and request_id not in logged:
-                        logged.add(request_id)
-                        self._log_request(request)
-                    timeout = self.settings.request_timeout_s
-                    if deadline is not None:  # (a request of several rounds: what is left of its time)
-                        timeout = deadline - time.monotonic()
-                        if timeout <= 0:
-                            raise RequestTimeoutError(request_id)
-                    streams.append(await self.client.open(engine, request, timeout))
-                return streams
-            except BaseException as e:
-                for stream in streams:
-                    await stream.close()
-                if isinstance(e, EngineOverloadedError | EngineUnavailableError):
-                    raise _engine_refusal(e) from e
-                if isinstance(e, RequestRefusedByEngineError):  # (checked here first, where it can be)
+        streams: list[RequestStream] = []
+        recovered = rerouted = False
+        i = 0
+        try:
+            while i < len(jobs):
+                job = jobs[i]
+                request = self._engine_request(job, priority, lora, cache_salt)
+                if self.settings.enable_log_requests and job.request_id not in logged:
+                    logged.add(job.request_id)
+                    self._log_request(request)
+                timeout = None
+                if deadline is not None:
+                    timeout = deadline - time.monotonic()
+                    if timeout <= 0:
+                        raise self._timed_out()
+                try:
+                    streams.append(await self.client.open(job.engine, request, timeout))
+                except (EngineOverloadedError, EngineUnavailableError) as e:
+                    other = None if rerouted else self._other_engine(job, lora, cache_salt)
+                    if other is None:
+                        raise _engine_refusal(e) from e
+                    rerouted = True
+                    jobs = [j._replace(engine=other) if k >= i and j.engine == job.engine else j
+                            for k, j in enumerate(jobs)]
+                    continue
+                except RequestRefusedByEngineError as e:  # (checked here first, where it can be)
                     raise bad_request(str(e)) from e
-                if isinstance(e, UnknownModelError) and lora is not None:
-                    if attempt:
+                except UnknownModelError as e:
+                    if lora is None:
+                        raise
+                    if recovered:
                         raise unknown_model(lora.lora_name) from e
                     # Unloaded or reloaded through another replica, or lost by a restarted engine.
-                    lora = await self._recover_adapter(engine, lora)
+                    recovered = True
+                    lora = await self._recover_adapter(job.engine, lora)
                     continue
-                if isinstance(e, RequestTimeoutError):  # the engine did not even admit it in time
+                except RequestTimeoutError as e:  # the engine did not even admit it in time
                     raise self._timed_out() from e
-                raise
-        raise AssertionError("unreachable")
+                i += 1
+        except BaseException:
+            for stream in streams:
+                await stream.close()
+            raise
+        return streams
+
+    def _other_engine(self, job: _Job, lora: LoRARequest | None, cache_salt: str | None) -> int | None:
+        """Where a job goes instead of the engine that refused it: the policy's choice among the
+        others (None when none is healthy)."""
+        try:
+            return self.choose_engine(job.prompt_ids, None, lora=lora, cache_salt=cache_salt,
+                                      prompt_embeds=job.prompt_embeds, exclude=job.engine)
+        except APIError:
+            return None
 
     def _log_request(self, request: EngineCoreRequest) -> None:
         """vLLM's --enable-log-requests lines: the engine request's parameters and adapter at INFO;
@@ -1324,8 +1353,8 @@ class OpenAIServing:
         async def run() -> None:
             try:
                 await self._generate(streams, choices, sink)
-            except APIError as e:
-                sink.put_nowait(e)
+            except Exception as e:  # (anything unexpected too: the stream ends with its error event)
+                sink.put_nowait(api_error_of(e))
             finally:
                 sink.put_nowait(done)
 

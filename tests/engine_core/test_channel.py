@@ -89,6 +89,38 @@ def test_frames_round_trip():
     assert isinstance(decoded, Outputs) and decoded.outputs.outputs == outputs.outputs
 
 
+def test_both_ends_of_a_channel_probe_for_a_vanished_peer(monkeypatch):
+    """TCP keepalive and a user timeout on the engine's and the router's socket: a host that goes
+    away without a FIN (powered off, partitioned) ends the channel in about 25 s on both sides."""
+    import socket
+
+    from engine_core import channel as channel_module
+
+    seen: list[tuple[int, int, int, int]] = []
+    real = channel_module.enable_keepalive
+
+    def recording(sock):
+        real(sock)
+        seen.append((sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                     sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                     sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                     sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)))
+
+    monkeypatch.setattr(channel_module, "enable_keepalive", recording)
+
+    async def run():
+        server = channel_module.ChannelServer(None)  # (a wrong token: it never reaches the service)
+        address = await server.start("127.0.0.1")
+        connection = await ChannelConnection.open(ChannelAddress(address.host, address.port, "wrong"), CLIENT)
+        with pytest.raises(ConnectionError):
+            async with asyncio.timeout(5):
+                await connection.wait_closed()
+        await server.close()
+
+    asyncio.run(run())
+    assert seen == [(1, 10, 3, 25_000)] * 2  # the router's end, then the engine's
+
+
 def test_outputs_too_large_for_one_frame_are_split_in_order(monkeypatch):
     """Requests asking for thousands of logprobs per token, merged over steps: the outputs go out over
     several frames, in order, the finished ids and cache events with the last; an output too large

@@ -412,6 +412,21 @@ def test_a_request_the_engine_refuses_in_its_loop_ends_with_an_error_output(serv
     assert "embedding model" in out.stop_reason
 
 
+def test_a_request_the_engine_fails_to_add_unexpectedly_ends_with_an_error_output(service, monkeypatch):
+    """Any failure to add (here the scheduler's refusal of a request id it already runs) answers
+    the request: its client was told it was admitted and would otherwise wait for ever."""
+    def duplicate(request):
+        raise ValueError(f"request {request.request_id} is already running")
+
+    monkeypatch.setattr(service.engine, "add_request", duplicate)
+    service._add_request(EngineCoreRequest(request_id="twice", prompt_token_ids=[5, 6, 7],
+                                           sampling_params=SamplingParams(max_tokens=2)))
+    [eco] = service._take(service._buffer(0))
+    [out] = eco.outputs
+    assert (out.request_id, out.finish_reason) == ("twice", FinishReason.ERROR)
+    assert "already running" in out.stop_reason
+
+
 def test_an_abort_for_another_client_tells_the_requests_own_client(service):
     """abort_requests with tell_clients (a background response cancelled through another router
     replica): the running request ends with finish reason abort in its own client's outputs; a

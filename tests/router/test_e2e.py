@@ -36,8 +36,10 @@ def cluster(ray_cluster, tiny_model_dir):
         defaults=EngineSpec(num_gpu_blocks=96, max_model_len=256, hf_overrides={"is_matryoshka": True},
                             enable_sleep_mode=True, logits_processors=["tests.logits_processors:TargetTokenProcessor"],
                             enable_prompt_embeds=True),
-        # Engine 1 has a short queue, so flooding it yields 429s.
-        engines=[EngineSpec(), EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
+        # Both engines have short queues (engine 1 the shorter), so flooding them yields 429s: a
+        # request one engine refuses for a full queue is tried on the other first.
+        engines=[EngineSpec(max_num_seqs=4, max_waiting_requests=4),
+                 EngineSpec(max_num_seqs=1, max_waiting_requests=2)])
     # A second router app over the same engines, with another policy, and tool_choice "auto" read
     # with the hermes parser under a chat template that shows the tools, and a reasoning parser.
     prefix_config = config.model_copy(update={"routing_policy": "prefix_aware", "enable_auto_tool_choice": True,

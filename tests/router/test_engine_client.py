@@ -254,3 +254,49 @@ def test_an_engine_whose_name_is_gone_leaves_its_slot_empty():
         waiting.cancel()
 
     asyncio.run(run())
+
+
+def test_an_engine_ray_reports_dead_fails_its_requests_although_its_channel_looks_open():
+    """A vanished host sends no FIN: the socket stays open. When Ray says the actor died (a health
+    probe's answer), the channel is cut, so the requests there end with an error, not a hang."""
+    ray_exceptions = pytest.importorskip("ray.exceptions")
+
+    class Handle:
+        class check_health:
+            @staticmethod
+            async def remote():
+                raise ray_exceptions.ActorDiedError()
+
+    class OpenLooking(_Channel):
+        def __init__(self):
+            super().__init__()
+            self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def wait_closed(self):
+            await self.gone
+
+        def abort(self):
+            if not self.gone.done():
+                self.gone.set_exception(ConnectionError("aborted"))
+
+        def close(self):
+            self.abort()
+
+    async def run():
+        client = EngineClient([Handle()], client_index=1)
+        channel = client._slots[0].channel = OpenLooking()
+        client._slots[0].connected.set()
+        client.start()  # (the pump waits on the channel)
+        stream = await _admitted(client, "stuck")
+        await asyncio.sleep(0.01)
+        assert stream._queue.empty()
+        assert await client.refresh_health() == [False]
+        async with asyncio.timeout(5):
+            [out] = await stream.next_batch()
+        assert out.finish_reason == FinishReason.ERROR and channel.gone.done()
+        assert client.loads() == [1]  # (released when its reader closes the stream, as always)
+        await stream.close()
+        assert client.loads() == [0]
+        await client.close()
+
+    asyncio.run(run())

@@ -968,3 +968,15 @@ def test_model_may_be_left_out_and_n_goes_past_16():
     assert chat.json()["model"] == "tiny" and chat.json()["choices"][0]["message"]["content"] == "Hi."
     too_many = http.post("/v1/completions", json={"prompt": "hi", "n": 129})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+
+
+def test_an_unexpected_failure_is_a_json_500_not_plain_text(monkeypatch):
+    def broken(self, choice, output):
+        raise RuntimeError("detokenizer broke")
+
+    monkeypatch.setattr(OpenAIServing, "_apply_output", broken)  # (where outputs turn into text)
+    client = TestClient(_app()[0].app, raise_server_exceptions=False)
+    response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert response.status_code == 500
+    assert response.json()["error"] == {"message": "detokenizer broke", "type": "InternalServerError",
+                                        "param": None, "code": 500}

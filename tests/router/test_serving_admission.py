@@ -4,14 +4,17 @@ refused or the client leaves. The engine's side of the channel is played by the 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
-from engine_core.channel import AbortRequests, Accepted, AddRequest
+from engine_core.channel import AbortRequests, Accepted, AddRequest, Outputs
+from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs
+from engine_core.sampling_params import SamplingParams
 from router.engine_client import EngineClient
 from router.protocol import CompletionRequest
-from router.routing import RoundRobinPolicy
-from router.serving import APIError, OpenAIServing, ServingSettings
+from router.routing import RoundRobinPolicy, RoutingContext, RoutingPolicy
+from router.serving import APIError, OpenAIServing, ServingSettings, _Job, stream_error_event
 
 from .tokenizer_factory import byte_level_tokenizer
 
@@ -100,5 +103,149 @@ def test_a_client_that_leaves_during_admission_leaves_nothing_open():
             await opening
         assert channel.aborted() == sorted(channel.added()) and len(channel.added()) == 2
         assert client.loads() == [0] and not client._queues and not client._slots[0].pending
+
+    asyncio.run(run())
+
+
+class FirstHealthy(RoutingPolicy):
+    """Engine 0 whenever it may be chosen (a test that needs to know where each choice goes)."""
+
+    name = "first_healthy"
+
+    def choose(self, ctx: RoutingContext) -> int:
+        return ctx.healthy_indices()[0]
+
+
+def _two_engines(**settings) -> tuple[OpenAIServing, EngineClient, list[RecordingChannel]]:
+    client = EngineClient([object(), object()], client_index=1)
+    channels = [RecordingChannel(), RecordingChannel()]
+    for slot, channel in zip(client._slots, channels, strict=True):
+        slot.channel = channel
+    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256, **settings), client,
+                            byte_level_tokenizer(), FirstHealthy())
+    return serving, client, channels
+
+
+async def _answer_engines(client: EngineClient, channels: list[RecordingChannel],
+                          answer: Callable[[int, str], Accepted], count: int, delay_s: float = 0.0) -> None:
+    """Play both engines: answer each of the first ``count`` AddRequests as it arrives."""
+    answered: set[tuple[int, str]] = set()
+    for _ in range(2000):
+        for engine, channel in enumerate(channels):
+            for rid in channel.added():
+                if (engine, rid) not in answered:
+                    answered.add((engine, rid))
+                    if delay_s:
+                        await asyncio.sleep(delay_s)
+                    client._on_message(client._slots[engine], answer(engine, rid))
+        if len(answered) >= count:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"only {answered} were sent")
+
+
+def _full(engine: int, overloaded: bool = True) -> Callable[[int, str], Accepted]:
+    """Engine ``engine`` refuses every request (-2: both do), as full (or as not serving for now)."""
+    def answer(at: int, rid: str) -> Accepted:
+        if at == engine or engine == -2:
+            return Accepted(rid, "queue is full" if overloaded else "workers restarting", overloaded=overloaded)
+        return Accepted(rid)
+    return answer
+
+
+@pytest.mark.parametrize("overloaded", [True, False])
+def test_a_request_an_engine_refuses_goes_to_another(overloaded: bool):
+    async def run():
+        serving, client, channels = _two_engines()
+        engine = asyncio.create_task(_answer_engines(client, channels, _full(0, overloaded), count=2))
+        body = await serving.completions(_request(1))
+        await engine
+        assert len(channels[0].added()) == 1 and channels[1].added() == channels[0].added()
+        assert client.loads() == [0, 1] and client.healthy() == [overloaded, True]
+        await body.aclose()
+        assert channels[1].aborted() == channels[1].added() and client.loads() == [0, 0]
+
+    asyncio.run(run())
+
+
+def test_the_choices_left_of_a_refused_request_move_and_the_admitted_ones_stay():
+    async def run():
+        serving, client, channels = _two_engines()
+        full_after_one = {"admitted": 0}
+
+        def answer(engine: int, rid: str) -> Accepted:
+            if engine == 0 and full_after_one["admitted"] >= 1:
+                return Accepted(rid, "queue is full", overloaded=True)
+            full_after_one["admitted"] += engine == 0
+            return Accepted(rid)
+
+        # (engine 0 takes choice 0 and is full at choice 1)
+        engine = asyncio.create_task(_answer_engines(client, channels, answer, count=4))
+        body = await serving.completions(_request(3))
+        await engine
+        first = channels[0].added()[0]
+        assert channels[0].added() == [first, first[:-1] + "1"]
+        assert channels[1].added() == [first[:-1] + "1", first[:-1] + "2"]
+        assert not channels[0].aborted() and client.loads() == [1, 2]
+        await body.aclose()
+        assert client.loads() == [0, 0]
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(("other", "status"), [("full", 429), ("down", 429)])
+def test_a_request_is_moved_once_and_refused_when_no_engine_takes_it(other: str, status: int):
+    async def run():
+        serving, client, channels = _two_engines()
+        if other == "down":  # nowhere else to go: the first refusal is the answer
+            client._slots[1].healthy = False
+        engine = asyncio.create_task(_answer_engines(client, channels, _full(-2), count=1 if other == "down" else 2))
+        with pytest.raises(APIError) as raised:
+            await serving.completions(_request(1))
+        await engine
+        assert raised.value.status == status
+        assert len(channels[0].added()) == 1 and len(channels[1].added()) == (0 if other == "down" else 1)
+        assert client.loads() == [0, 0] and not client._queues
+
+    asyncio.run(run())
+
+
+def test_every_choice_runs_to_one_deadline_however_long_admission_takes():
+    async def run():
+        serving, client, channels = _two_engines(request_timeout_s=30.0)
+        jobs = [_Job(0, f"r-{i}", [1, 2, 3], SamplingParams(max_tokens=4)) for i in range(3)]
+        engine = asyncio.create_task(_answer_engines(client, channels, _full(-1), count=3, delay_s=0.1))
+        start = asyncio.get_running_loop().time()
+        streams = await serving._open_all(jobs, priority=0)
+        await engine
+        ends = [stream._timer.when() for stream in streams]
+        assert asyncio.get_running_loop().time() - start >= 0.25  # (admission took its time)
+        assert max(ends) - min(ends) < 0.05 and all(end < start + 30.1 for end in ends)
+        for stream in streams:
+            await stream.close()
+
+    asyncio.run(run())
+
+
+def test_an_unexpected_error_in_one_of_several_streamed_choices_ends_the_stream_with_an_error_event():
+    async def run():
+        serving, client, channels = _two_engines()
+        engine = asyncio.create_task(_answer_engines(client, channels, _full(-1), count=2))
+        body = await serving.completions(_request(2))
+        await engine
+
+        def broken(choice, output):
+            raise RuntimeError("detokenizer broke")
+
+        serving._apply_output = broken
+        rid = channels[0].added()[0]
+        client._on_message(client._slots[0], Outputs(EngineCoreOutputs([EngineCoreOutput(rid, [65])])))
+        with pytest.raises(Exception) as raised:
+            async for _ in body:
+                pass
+        event = stream_error_event(raised.value)
+        assert '"code": 500' in event and "detokenizer broke" in event and event.endswith("data: [DONE]\n\n")
+        assert client.loads() == [0, 0] and sorted(channels[0].aborted() + channels[1].aborted()) == sorted(
+            channels[0].added() + channels[1].added())
 
     asyncio.run(run())
