@@ -180,15 +180,17 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
 async def engine_loras(client: EngineClient, timeout_s: float = 5.0) -> list[LoRARequest]:
     """The adapters loaded on any healthy engine (an engine restarted since a runtime load lacks it,
     and is given it again when a request needs it there)."""
-    found: dict[str, LoRARequest] = {}
-    for engine in range(client.num_engines):
-        if not client.healthy()[engine]:
-            continue
+    async def ask(engine: int) -> list[LoRARequest]:
         try:
-            loras = await asyncio.wait_for(client.handle(engine).list_loras.remote(), timeout_s)
+            return await asyncio.wait_for(client.handle(engine).list_loras.remote(), timeout_s)
         except Exception as e:  # an engine that does not answer must not fail the lookup
             logger.warning("adapters of engine %d unavailable: %s", engine, e)
-            continue
+            return []
+
+    # (All at once: one engine that does not answer costs the listing its timeout once, not per engine.)
+    answers = await asyncio.gather(*(ask(engine) for engine, ok in enumerate(client.healthy()) if ok))
+    found: dict[str, LoRARequest] = {}
+    for loras in answers:
         for lora in loras:
             found.setdefault(lora.lora_name, lora)
     return list(found.values())

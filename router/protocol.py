@@ -96,6 +96,8 @@ class SamplingFields(BaseModel):
     def _consistent(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "stream_options can only be set when stream is true")
+        if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
+            raise invalid("stop", "stop cannot contain an empty string")  # (vLLM's refusal: it would match anywhere)
         self._structured_output = self._structured_output_spec()
         if self.use_beam_search:
             self._check_beam_search()
@@ -228,7 +230,7 @@ class SamplingFields(BaseModel):
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class CompletionRequest(SamplingFields):
@@ -239,6 +241,8 @@ class CompletionRequest(SamplingFields):
                           "torch.save-d [tokens, hidden_size] float tensor; they come before the prompts of "
                           "``prompt``.")
     echo: bool = Field(False, description="Prepend the prompt to the completion.")
+    add_special_tokens: bool = Field(True, description="vLLM extra: the tokenizer adds its special tokens (a BOS) to "
+                                                       "a text prompt; false for a prompt that already has them.")
     logprobs: int | None = Field(None, ge=-1, description="Top logprobs per token (-1: all; at most --max-logprobs).")
     max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt (and its logprobs) alone; "
                                                          "null: up to the context's end (as vLLM's).")
@@ -322,6 +326,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=-1, description="-1: all; at most --max-logprobs.")
     add_generation_prompt: bool = Field(True, description="vLLM extra.")
+    add_special_tokens: bool = Field(False, description="vLLM extra: the tokenizer adds its special tokens to the "
+                                                        "rendered conversation too (templates write their own).")
     continue_final_message: bool = Field(False, description="vLLM extra: the answer continues the last message "
                                                             "(needs add_generation_prompt false).")
     chat_template_kwargs: dict[str, Any] | None = None
@@ -558,6 +564,23 @@ class CompletionStreamChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (and OpenAI's former) permission entry of a model card: everything allowed."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -568,6 +591,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

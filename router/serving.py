@@ -514,6 +514,7 @@ class OpenAIServing:
                                        and request.tool_choice_form() == "none")
         return self.render_messages(request.messages, request.add_generation_prompt, request.continue_final_message,
                                     request.chat_template_kwargs, request.tool_dicts() if tools else None,
+                                    add_special_tokens=request.add_special_tokens,
                                     chat_template=request.chat_template, documents=request.documents)
 
     def render_messages(self, chat: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
@@ -635,14 +636,18 @@ class OpenAIServing:
     def _prompt_logprobs(self, request: SamplingFields, prompt_ids: list[int],
                          entry: LogprobsEntry | None) -> list[dict[int, PromptLogprob] | None] | None:
         """vLLM's prompt_logprobs: None for the first token, then each token's logprob and rank, with
-        the request's k best alternatives (ranked 1..k)."""
+        the request's k best alternatives (ranked 1..k). Completions' echo with logprobs asks for
+        them too, with that count, unless prompt_logprobs is given (vLLM's). A logprob of -inf (a
+        token the model cannot produce) is vLLM's floor, as JSON has no infinity."""
         k = request.prompt_logprobs
+        if k is None and isinstance(request, CompletionRequest) and request.echo:
+            k = request.logprobs
         if k is None:
             return None
         out: list[dict[int, PromptLogprob] | None] = [None]
         if entry is not None:
-            out += [{t: PromptLogprob(logprob=lp, rank=rank, decoded_token=self.token_text(t)) for t, lp, rank in row}
-                    for row in entry.ranked(prompt_ids[1:], k)]
+            out += [{t: PromptLogprob(logprob=max(lp, LOGPROB_FLOOR), rank=rank, decoded_token=self.token_text(t))
+                     for t, lp, rank in row} for row in entry.ranked(prompt_ids[1:], k)]
         return out
 
     def prompt_embeds(self, request: CompletionRequest) -> list[PromptEmbeds]:
@@ -676,11 +681,20 @@ class OpenAIServing:
             out.append(embeds)
         return out
 
-    def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        """Text's token ids, or token ids checked against the vocabulary (``param``: the field that gave them)."""
+    @property
+    def token_id_limit(self) -> int:
+        """One past the largest token id a request may name: the tokenizer's or the model's vocabulary,
+        whichever is larger (as vLLM: Qwen's models have ids past their tokenizer's, padding)."""
+        return max(len(self.tokenizer), self.settings.vocab_size)
+
+    def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = True
+                        ) -> list[int]:
+        """Text's token ids (with the tokenizer's special tokens, a BOS say, unless
+        ``add_special_tokens`` is false), or token ids checked against the vocabulary (``param``: the
+        field that gave them)."""
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        vocab = len(self.tokenizer)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        vocab = self.token_id_limit if param == "prompt" else len(self.tokenizer)
         if any(t < 0 or t >= vocab for t in prompt):
             raise bad_request(f"{'prompt token ids' if param == 'prompt' else param} must be in [0, {vocab})", param)
         return list(prompt)
@@ -716,7 +730,7 @@ class OpenAIServing:
         self.check_priority(request.priority)
         min_tokens = request.min_tokens
         stop_ids = list(request.stop_token_ids or [])
-        vocab = len(self.tokenizer)
+        vocab = self.token_id_limit
         if any(t < 0 or t >= vocab for t in stop_ids):
             raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         logit_bias, allowed_ids, bad_words = self._token_filters(request, vocab)
@@ -1010,7 +1024,7 @@ class OpenAIServing:
                 ids = [0] * embeds.num_tokens
                 prompt_texts.append("")
             else:
-                ids = self.tokenize_prompt(prompt)  # type: ignore[arg-type]
+                ids = self.tokenize_prompt(prompt, add_special_tokens=request.add_special_tokens)  # type: ignore[arg-type]
                 if not ids:
                     raise bad_request("prompt must not be empty", "prompt")
                 truncated = self.truncate_prompt(ids, request)
@@ -1704,7 +1718,7 @@ def _logprob_rows(token_ids: list[int], entry: LogprobsEntry) -> list[tuple[int,
 
 
 def _no_stream_prompt_logprobs(request: SamplingFields) -> None:
-    if request.prompt_logprobs is not None and request.stream:
+    if request.prompt_logprobs and request.stream:  # (0, the prompt's own tokens only, is allowed: vLLM)
         raise bad_request("prompt_logprobs are not available when stream is true (as in vLLM)", "prompt_logprobs")
 
 

@@ -121,6 +121,10 @@ def test_each_models_adapters_run_on_its_own_engines(two_models):
     cards = {m.id: m for m in client.models.list()}
     assert list(cards) == ["alpha", "sql", "beta", "chat"]
     assert (cards["sql"].parent, cards["chat"].parent) == ("alpha", "beta")
+    for card in http.get("/v1/models").json()["data"]:  # (vLLM's permission entry, on adapters too)
+        [permission] = card["permission"]
+        assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+        assert permission["allow_sampling"] and permission["allow_logprobs"] and permission["organization"] == "*"
     on_beta["late"] = LoRARequest("late", 7, "/adapters/late")
     client.chat.completions.create(model="late", messages=[{"role": "user", "content": "Hi"}], max_tokens=30)
     assert beta_engine.requests[-1].lora_request == on_beta["late"]

@@ -24,7 +24,7 @@ from router.protocol import ChatMessage
 from router.routing import RoundRobinPolicy, RoutingContext, RoutingPolicy
 from router.serving import OpenAIServing, ServingSettings
 
-from .tokenizer_factory import byte_level_tokenizer
+from .tokenizer_factory import bos_adding_tokenizer, byte_level_tokenizer
 
 TOKENIZER = byte_level_tokenizer()
 # A copy with a chat template (byte_level_tokenizer() is one cached object the router tests share).
@@ -980,3 +980,73 @@ def test_an_unexpected_failure_is_a_json_500_not_plain_text(monkeypatch):
     assert response.status_code == 500
     assert response.json()["error"] == {"message": "detokenizer broke", "type": "InternalServerError",
                                         "param": None, "code": 500}
+
+
+@pytest.mark.parametrize(("path", "prompt", "add", "bos_count"), [
+    ("/v1/completions", "Paris", None, 1), ("/v1/completions", "Paris", False, 0),
+    ("/v1/completions", "<s>Paris", False, 1), ("/v1/completions", "<s>Paris", True, 2),
+    # (chat's template writes the BOS itself: the tokenizer adds one more only when asked)
+    ("/v1/chat/completions", None, None, 1), ("/v1/chat/completions", None, True, 2)])
+def test_special_tokens_are_added_as_asked_and_as_tokenize_counts_them(path, prompt, add, bos_count):
+    tokenizer = bos_adding_tokenizer()
+    http, engine = _app(tokenizer=tokenizer)
+    given = {"prompt": prompt} if prompt is not None else {"messages": MESSAGES}
+    fields = {**given, **({} if add is None else {"add_special_tokens": add})}
+    r = http.post(path, json={"model": "tiny", "max_tokens": 1, **fields})
+    assert r.status_code == 200, r.text
+    ids = engine.requests[-1].prompt_token_ids
+    assert ids.count(tokenizer.convert_tokens_to_ids("<s>")) == bos_count
+    assert http.post("/tokenize", json={"model": "tiny", **fields}).json()["tokens"] == ids
+
+
+def test_prompt_and_stop_token_ids_may_reach_past_the_tokenizer_into_the_models_padded_vocabulary():
+    http, engine = _app(settings={"vocab_size": len(TOKENIZER) + 8})
+    padded = len(TOKENIZER) + 7
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": [5, padded], "max_tokens": 1,
+                                           "stop_token_ids": [padded]})
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].prompt_token_ids == [5, padded]
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": [5, padded + 1], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("stop", ["", ["end", ""]])
+def test_an_empty_stop_string_is_refused(stop):
+    http, _ = _app()
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stop": stop})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+
+
+def test_prompt_logprobs_0_may_be_streamed_and_more_may_not():
+    http, _ = _app()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True}
+    assert http.post("/v1/completions", json={**body, "prompt_logprobs": 0}).status_code == 200
+    r = http.post("/v1/completions", json={**body, "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_echo_with_logprobs_also_fills_the_choices_prompt_logprobs_and_minus_infinity_is_the_floor():
+    """vLLM's echo asks for the prompt's logprobs with the request's count (prompt_logprobs unset),
+    and its choice carries them; a prompt token the model rules out (-inf) reads -9999.0, as output
+    logprobs do, so the answer stays JSON."""
+    http, engine = _app()
+    engine.prompt_alternatives = 1
+    real = engine._answer
+
+    def answer_with_an_impossible_prompt_token(request):
+        real(request)
+        first = engine.client._queues[request.request_id]._items[0]
+        first.new_prompt_logprobs.sampled_logprobs[0] = float("-inf")
+
+    engine._answer = answer_with_an_impossible_prompt_token
+    prompt = "Paris is the capital"
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True,
+                                           "logprobs": 1})
+    assert r.status_code == 200, r.text
+    rows = r.json()["choices"][0]["prompt_logprobs"]
+    ids = TOKENIZER.encode(prompt)
+    assert rows[0] is None and len(rows) == len(ids)
+    assert rows[1][str(ids[1])]["logprob"] == -9999.0 and rows[2][str(ids[2])]["logprob"] == -0.2
+    assert all(len(row) == 2 for row in rows[1:])  # the token and its best alternative
+    plain = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "logprobs": 1})
+    assert plain.json()["choices"][0]["prompt_logprobs"] is None  # (no echo: not asked for)

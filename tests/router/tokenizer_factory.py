@@ -49,3 +49,17 @@ def sentencepiece_style_tokenizer():
         vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), unk_token="<unk>",
                                    bos_token="<s>", eos_token="</s>")
+
+
+@lru_cache(maxsize=1)
+def bos_adding_tokenizer():
+    """The Llama-2-style tokenizer whose encode puts "<s>" first (its special tokens), with a chat
+    template that writes "<s>" itself, as Llama's do."""
+    from tokenizers import processors
+
+    tokenizer = sentencepiece_style_tokenizer.__wrapped__()
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    tokenizer.chat_template = "<s>{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    return tokenizer
