@@ -1141,7 +1141,7 @@ class OpenAIServing:
         for c in choices:
             message, finish_reason = ChatMessageOut(role=role, content=c.detok.output_text), c.finish_reason
             if c.output_parser is not None:
-                answer = c.output_parser.whole(c.detok.output_text)
+                answer = c.output_parser.whole(c.detok.output_text, cut=c.finish_reason == "length")
                 message = ChatMessageOut(role=role, content=answer.content, reasoning=answer.reasoning,
                                          reasoning_content=answer.reasoning,
                                          tool_calls=[ToolCall(**call) for call in answer.tool_calls] or None)
@@ -1597,9 +1597,11 @@ class SSEStream:
         return self._chunks
 
     async def aclose(self) -> None:
-        await self._chunks.aclose()  # type: ignore[attr-defined]
-        for stream in self._streams:
-            await stream.close()
+        try:
+            await self._chunks.aclose()  # type: ignore[attr-defined]
+        finally:  # (the engine requests are released whatever closing the body raised)
+            for stream in self._streams:
+                await stream.close()
 
 
 def _primary_eos(tokenizer: Any, model_eos_ids: tuple[int, ...]) -> int | None:
@@ -1681,7 +1683,9 @@ def _engine_refusal(error: EngineOverloadedError | EngineUnavailableError) -> AP
 def parsed_whole(choice: _Choice) -> ParsedDelta:
     """A finished choice's text, split as its stream would have been (reasoning, content, calls)."""
     text = choice.detok.output_text
-    return choice.output_parser.parse(text) if choice.output_parser is not None else ParsedDelta(content=text)
+    if choice.output_parser is None:
+        return ParsedDelta(content=text)
+    return choice.output_parser.parse(text, cut=choice.finish_reason == "length")
 
 
 class _StreamError(Exception):

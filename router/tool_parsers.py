@@ -18,24 +18,37 @@ from __future__ import annotations
 import ast
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+# Where a JSON call object keeps its arguments.
+ARGUMENTS_KEYS = ("arguments", "parameters")
 
 
 def random_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+def mistral_tool_call_id() -> str:
+    """9 letters and digits: Mistral's chat templates refuse any other id sent back to them."""
+    return uuid.uuid4().hex[:9]
+
+
 class ToolCallParser:
-    """Base: passes text through as content. ``calls`` counts the calls released so far."""
+    """Base: passes text through as content. ``calls`` counts the calls released so far;
+    ``call_id`` makes their ids (the server's tool-call format decides their shape)."""
 
     finish_reason_on_call = "tool_calls"
+    # The model chose to call, in its own format (tool_choice "auto"): a call whose arguments are
+    # not JSON was not one (a whole answer is then its text, as vLLM's parsers answer).
+    free_form = False
 
-    def __init__(self) -> None:
+    def __init__(self, call_id: Callable[[], str] = random_tool_call_id) -> None:
         self.calls = 0
+        self._new_call_id = call_id
 
     def feed(self, text: str) -> ParsedDelta:
         return ParsedDelta(content=text)
@@ -50,7 +63,7 @@ class ToolCallParser:
         return call
 
     def _call_id(self) -> str:
-        return random_tool_call_id()
+        return self._new_call_id()
 
 
 class ContentWithHeldBlanks:
@@ -76,8 +89,8 @@ class NamedToolCallParser(ToolCallParser):
 
     finish_reason_on_call = "stop"
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
+    def __init__(self, name: str, call_id: Callable[[], str] = random_tool_call_id) -> None:
+        super().__init__(call_id)
         self.name = name
 
     def feed(self, text: str) -> ParsedDelta:
@@ -96,14 +109,15 @@ _NOTHING, _OPENED, _CLOSED = 0, 1, 2  # what a character did to the element bein
 
 
 class CallScanner:
-    """Reads calls out of JSON text as it arrives: objects ``{"name": ..., <args_key>: ...}`` at
-    nesting ``depth`` (1: the text is one object; 2: an array of them). A character scanner
+    """Reads calls out of JSON text as it arrives: objects ``{"name": ..., <args key>: ...}`` at
+    nesting ``depth`` (1: the text is one object; 2: an array of them), the arguments under any of
+    ``args_keys``. A character scanner
     (strings and nesting only; it needs no complete JSON): a call is released once its name has
     been read, then its arguments' text as it arrives, verbatim (trailing blanks wait for what
     follows; a call whose object ends without arguments gets ``{}``)."""
 
-    def __init__(self, owner: ToolCallParser, depth: int, args_key: str) -> None:
-        self.owner, self.depth, self.args_key = owner, depth, args_key
+    def __init__(self, owner: ToolCallParser, depth: int, args_keys: tuple[str, ...]) -> None:
+        self.owner, self.depth, self.args_keys = owner, depth, args_keys
         self._depth = 0
         self._in_string = False
         self._escaped = False
@@ -199,7 +213,7 @@ class CallScanner:
         elif self._depth == self.depth and not args_in:
             if ch == ":":
                 self._expecting_key = False
-                if self._key == self.args_key and self._args_state == "before":
+                if self._key in self.args_keys and self._args_state == "before":
                     self._args_state = "in"
             elif ch == ",":
                 self._expecting_key = True
@@ -223,9 +237,9 @@ class RequiredToolCallParser(ToolCallParser):
     """tool_choice "required": the text is a JSON array of ``{"name": ..., "parameters": {...}}``;
     each element is a call, streamed as its name and arguments arrive."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._scanner = CallScanner(self, depth=2, args_key="parameters")
+    def __init__(self, call_id: Callable[[], str] = random_tool_call_id) -> None:
+        super().__init__(call_id)
+        self._scanner = CallScanner(self, depth=2, args_keys=("parameters",))
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -248,6 +262,8 @@ class HermesToolCallParser(ToolCallParser):
     - Trailing blanks are held back until other text follows, so the blanks just before or
       between calls are not content and a reply of calls alone has none.
 """
+
+    free_form = True
 
     START, END = "<tool_call>", "</tool_call>"
 
@@ -301,7 +317,8 @@ class HermesToolCallParser(ToolCallParser):
 
     def _start_block(self) -> None:
         self._in_call, self._fed = True, 0
-        self._scanner = CallScanner(self, depth=1, args_key="arguments")
+        # (Models sometimes write "parameters", as Llama's format names them: the same arguments.)
+        self._scanner = CallScanner(self, depth=1, args_keys=ARGUMENTS_KEYS)
 
     def _scan(self, upto: int, out: ParsedDelta) -> None:
         assert self._scanner is not None  # (inside a block)
@@ -327,6 +344,8 @@ class Llama3JsonToolCallParser(ToolCallParser):
     ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), separated by ``;``, optionally after
     ``<|python_tag|>``. An answer that starts otherwise is content. Each call is released when its
     object is complete; an answer whose calls do not parse is content, whole (as vLLM does)."""
+
+    free_form = True
 
     TAG = "<|python_tag|>"
 
@@ -396,10 +415,12 @@ class MistralToolCallParser(ToolCallParser):
     after it is content. Call ids are 9 letters and digits, as Mistral's chat templates require of
     the ids sent back to them."""
 
+    free_form = True
+
     TAG = "[TOOL_CALLS]"
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(mistral_tool_call_id)
         self._pending = ""
         self._content = ContentWithHeldBlanks()
         self._tagged = False  # the first tag has been read
@@ -435,7 +456,7 @@ class MistralToolCallParser(ToolCallParser):
             else:
                 text = self._after_tag  # (what came before is blanks, or the held text)
                 first = text.lstrip()[0]
-                self._reader = CallScanner(self, depth=2, args_key="arguments") if first in "[{" \
+                self._reader = CallScanner(self, depth=2, args_keys=ARGUMENTS_KEYS) if first in "[{" \
                     else _NamedCalls(self)
         if self._reader is not None:
             self._reader.feed(text, out)
@@ -455,8 +476,6 @@ class MistralToolCallParser(ToolCallParser):
             out.content += self._reader.trailing_content()
         return out
 
-    def _call_id(self) -> str:
-        return uuid.uuid4().hex[:9]
 
 
 class _NamedCalls:
@@ -577,6 +596,8 @@ class PythonicToolCallParser(ToolCallParser):
     released once the list parses; an answer that does not start with ``[`` or never parses as such
     a list is content, whole (as vLLM)."""
 
+    free_form = True
+
     TAGS = ("<|python_start|>", "<|python_end|>")
 
     def __init__(self) -> None:
@@ -649,7 +670,7 @@ class PythonicToolCallParser(ToolCallParser):
                 return None
             try:
                 arguments = json.dumps({kw.arg: _literal(kw.value) for kw in call.keywords if kw.arg is not None},
-                                       ensure_ascii=False)
+                                       ensure_ascii=False, allow_nan=False)  # (1e999: no JSON for it)
             except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
                 return None  # not literals (a call, a name...), or keys JSON cannot take
             calls.append((call.func.id, arguments))
@@ -671,11 +692,14 @@ def _literal(node: ast.expr) -> Any:
 
 
 def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None) -> ToolCallParser | None:
-    """The parser a chat request's effective ``tool_choice`` needs (None: plain content)."""
+    """The parser a chat request's effective ``tool_choice`` needs (None: plain content). Calls a
+    named or required tool_choice makes take the server's id shape too (a Mistral template refuses
+    the others when they come back)."""
+    call_id = mistral_tool_call_id if server_parser == "mistral" else random_tool_call_id
     if isinstance(tool_choice, dict):
-        return NamedToolCallParser(tool_choice["function"]["name"])
+        return NamedToolCallParser(tool_choice["function"]["name"], call_id)
     if tool_choice == "required":
-        return RequiredToolCallParser()
+        return RequiredToolCallParser(call_id)
     if tool_choice == "auto":
         if server_parser == "hermes":
             return HermesToolCallParser()

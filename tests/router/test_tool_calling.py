@@ -170,8 +170,12 @@ def test_hermes_calls_alone_have_no_content_and_nothing_is_invented():
     assert _streamed(HermesToolCallParser(), two_calls, 1)[0] == ""
     # A call cut off keeps the arguments it got (as streamed); a block without a name stays content,
     # without a closing tag the model never wrote.
-    cut = collect(HermesToolCallParser(), 'Hi <tool_call>{"name": "f", "arguments": {"a": 1')
-    assert cut[0] == "Hi" and cut[1][0]["function"] == {"name": "f", "arguments": '{"a": 1'}
+    cut = ChatOutputParser(None, HermesToolCallParser()).whole('Hi <tool_call>{"name": "f", "arguments": {"a": 1',
+                                                               cut=True)
+    assert cut.content == "Hi" and cut.tool_calls[0]["function"] == {"name": "f", "arguments": '{"a": 1'}
+    # Not cut off (the model stopped there): a call that is not JSON is no call, the answer its text.
+    assert collect(HermesToolCallParser(), 'Hi <tool_call>{"name": "f", "arguments": {"a": 1') == (
+        'Hi <tool_call>{"name": "f", "arguments": {"a": 1', [])
     nameless = 'Hi <tool_call>{"arguments": {"a": 1}}'
     assert collect(HermesToolCallParser(), nameless) == (nameless, [])
     # parallel_tool_calls false: the first call only.
@@ -619,3 +623,37 @@ def test_a_request_ends_at_the_tokenizers_eos_and_the_models_others_are_stop_ids
                                 serving.client,
                                 serving.tokenizer, RoundRobinPolicy())
     assert llama_style.eos_token_id == serving.tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize(("parser", "answer"), [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome",}}</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome",}}]'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome",}'),
+    ("pythonic", "[get_weather(city=1e999)]"),  # (infinity: no JSON number for it)
+])
+def test_a_whole_answer_whose_call_is_not_json_is_its_text(parser, answer):
+    """vLLM's parsers answer a call they cannot read with the model's text and finish reason stop:
+    a client would fail on json.loads(arguments)."""
+    http, _, _ = _app(answer, parser=parser)
+    choice = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
+                                                     "tools": [WEATHER]}).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"] is None
+    assert choice["message"]["content"] == answer
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_hermes_reads_arguments_written_as_parameters(step):
+    text = '<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>'
+    _streamed_and_whole_agree(HermesToolCallParser, text, step, "", {0: {"name": "f", "arguments": '{"a": 1}'}})
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_calls_a_mistral_server_is_made_to_make_have_its_9_character_ids(tool_choice):
+    answer = '[{"name": "get_weather", "parameters": {"city": "Rome"}}]' if tool_choice == "required" \
+        else '{"city": "Rome"}'
+    http, _, _ = _app(answer, parser="mistral")
+    body = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER], "tool_choice": tool_choice}
+    [call] = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["tool_calls"]
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+    [first] = [d for d in _deltas(http, {**body, "stream": True}) if d["delta"].get("tool_calls")][:1]
+    assert len(first["delta"]["tool_calls"][0]["id"]) == 9
