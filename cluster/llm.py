@@ -78,6 +78,10 @@ class SamplingParams(EngineSamplingParams):
             self.max_tokens = None
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n!r}")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop cannot contain an empty string")
         if not self.detokenize and self.stop_strings:
             raise ValueError("stop strings are matched on the text: they need detokenize=True")
         if self.truncate_prompt_tokens is not None and not (
@@ -89,7 +93,7 @@ class SamplingParams(EngineSamplingParams):
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 _TO_CONTEXT_END = 2**31 - 1

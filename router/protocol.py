@@ -96,6 +96,8 @@ class SamplingFields(BaseModel):
     def _consistent(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "stream_options can only be set when stream is true")
+        if self.seed == -1:  # vLLM's "no seed" (clients offering a random seed send it): every choice unseeded
+            self.seed = None
         if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
             raise invalid("stop", "stop cannot contain an empty string")  # (vLLM's refusal: it would match anywhere)
         self._structured_output = self._structured_output_spec()
@@ -182,7 +184,7 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0, description="vLLM extra: EOS and stop ids are masked until reached.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM extra.")
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="vLLM extra.")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX,
                           description="vLLM extra: lower runs first (needs the priority policy).")
     logit_bias: dict[str, float] | None = Field(

@@ -734,12 +734,17 @@ class OpenAIServing:
         if any(t < 0 or t >= vocab for t in stop_ids):
             raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         logit_bias, allowed_ids, bad_words = self._token_filters(request, vocab)
+        sampling = self.defaulted_sampling(request)
+        if sampling["temperature"] == 0 and request.n > 1 and not request.use_beam_search:
+            # (vLLM's refusal: n copies of one greedy answer, at n times the cost; the model's
+            # default temperature counts as the request's.)
+            raise bad_request(f"n must be 1 when using greedy sampling, got {request.n}", "n")
         # (The model's further EOS ids are added by the engine, for every client.)
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=min_tokens,
                 ignore_eos=request.ignore_eos, stop_token_ids=stop_ids,
-                **self.defaulted_sampling(request),
+                **sampling,
                 seed=None if request.seed is None else _wrap_int64(request.seed + seed_offset),
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,

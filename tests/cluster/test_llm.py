@@ -1391,6 +1391,14 @@ def test_chat_takes_its_parameters_in_vllms_order():
     assert names[6:] == ["add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs"]
 
 
+def test_offline_sampling_params_refuse_what_vllms_refuse_and_read_seed_minus_one_as_none():
+    with pytest.raises(ValueError, match="greedy"):
+        SamplingParams(n=2, temperature=0)
+    with pytest.raises(ValueError, match="empty string"):
+        SamplingParams(stop=["end", ""])
+    assert SamplingParams(n=2, seed=-1).seed is None
+
+
 def test_vllms_text_and_prompt_fields_of_sampling_params(tiny_model_dir):
     """max_tokens=None runs to the context's end; truncate_prompt_tokens keeps the prompt's last
     tokens; detokenize=False gives token ids and no text; skip_special_tokens=False keeps the EOS's

@@ -85,14 +85,14 @@ def test_transformers_input_embeddings_answer_as_the_tokens_do_on_a_model_that_s
     llm = LLM(model=str(path), num_gpu_blocks=32, max_num_batched_tokens=16, max_model_len=128,
               enable_prompt_embeds=True)
     try:
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2)
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         from_ids = llm.generate(ids, params, use_tqdm=False)
         from_rows = llm.generate([{"prompt_embeds": r} for r in rows], params, use_tqdm=False)
     finally:
         llm.shutdown()
     answers = [[c.token_ids for c in o.outputs] for o in from_rows]
     assert answers == [[c.token_ids for c in o.outputs] for o in from_ids]
-    assert all(len(a) == 2 and a[0] == a[1] for a in answers)
+    assert all(len(a) == 1 for a in answers)
     assert [a[0] for a in answers] == hf_greedy_from_embeddings(path, rows, 10)
 
 

@@ -56,3 +56,9 @@ def test_streaming_update_from_non_resumable_request_is_none():
 def test_bad_sampling_params_raise_naming_the_field(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_read_seed_minus_one_as_none_and_refuse_an_infinite_repetition_penalty():
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=float("inf"))

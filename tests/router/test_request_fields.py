@@ -282,6 +282,38 @@ def test_seeds_of_several_choices_stay_in_64_bits():
     assert sorted(req.sampling_params.seed for req in engine.requests) == [-2**63, 2**63 - 1]
 
 
+def test_seed_minus_one_means_no_seed_for_every_choice():
+    """vLLM reads -1 as "no seed" (clients offering a random seed send it): every regenerate and
+    every choice samples afresh; before, all got one fixed stream (and choice 1 the seed 0)."""
+    http, engine = _app()
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 2, "seed": -1})
+    assert r.status_code == 200, r.text
+    assert [req.sampling_params.seed for req in engine.requests] == [None, None]
+
+
+@pytest.mark.parametrize(("fields", "defaults", "status"), [
+    ({"temperature": 0}, {}, 400),
+    ({}, {"temperature": 0.0}, 400),  # (the model's default temperature counts as the request's)
+    ({"temperature": 0, "use_beam_search": True}, {}, 200),  # (n is the beam width)
+    ({"temperature": 0.5}, {"temperature": 0.0}, 200),
+])
+def test_greedy_sampling_takes_one_choice_only(fields, defaults, status):
+    http, _ = _app(settings={"default_sampling_params": defaults})
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 2, **fields})
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == "n" and "greedy" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("penalty", "status"), [(12.0, 200), (0.0, 400), ("inf", 400)])
+def test_repetition_penalty_is_any_finite_positive_value(penalty, status):
+    http, _ = _app()
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).replace(
+        "}", f', "repetition_penalty": {"Infinity" if penalty == "inf" else penalty}}}')
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_count_only_after_min_tokens(stream):
     http, _ = _app()
