@@ -6,7 +6,7 @@ shape (``{"type": "error", "error": {"type", "message"}}``, see ``anthropic_erro
 
 Mapping: ``system`` is the system message; a user turn's ``tool_result`` blocks become tool
 messages (before its text); an assistant turn's ``tool_use`` blocks become its tool calls, and its
-``thinking`` is not shown to the model again (as chat templates drop earlier thinking);
+``thinking`` is its ``reasoning`` (the template shows it or not, as chat's earlier answers);
 ``stop_sequences`` are stop strings; ``tool_choice`` auto / any / tool / none are OpenAI's auto /
 required / named / none (auto by default with tools, which needs ``--enable-auto-tool-choice``);
 ``thinking`` enabled or disabled is the chat template's ``enable_thinking``; ``metadata.user_id``
@@ -148,6 +148,7 @@ class _MessagesInput(BaseModel):
                 raise bad_request(f"{where}.content must be a string or a non-empty list of content blocks",
                                   "messages")
             texts: list[str] = []
+            thinking: list[str] = []
             calls: list[dict[str, Any]] = []
             for j, block in enumerate(content):
                 kind = block.get("type") if isinstance(block, dict) else None
@@ -161,8 +162,13 @@ class _MessagesInput(BaseModel):
                 elif kind == "tool_result" and role == "user":
                     out.append({"role": "tool", "tool_call_id": _required(block, "tool_use_id", at),
                                 "content": _block_text(block.get("content") or "", f"{at}.content", "\n")})
-                elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                    continue  # earlier thinking is not shown to the model again
+                elif kind == "thinking" and role == "assistant":
+                    # An earlier answer's thinking, as the chat endpoint takes it back (vLLM's
+                    # Messages does too): the template decides whether to show it.
+                    if isinstance(block.get("thinking"), str):
+                        thinking.append(block["thinking"])
+                elif kind == "redacted_thinking" and role == "assistant":
+                    continue  # (encrypted: nothing a template could show)
                 else:
                     raise bad_request(f"{at}: {role} blocks of type {kind!r} are not supported "
                                       "(text; tool_use and thinking from the assistant; tool_result from the user)",
@@ -172,6 +178,8 @@ class _MessagesInput(BaseModel):
                                         else None}
                 if calls:
                     turn["tool_calls"] = calls
+                if thinking:
+                    turn["reasoning"] = "".join(thinking)
                 out.append(turn)
             elif texts:
                 out.append({"role": "user", "content": texts[0] if len(texts) == 1

@@ -194,7 +194,19 @@ class ResponsesRequest(BaseModel):
             body["chat_template_kwargs"] = {"reasoning_effort": self.reasoning["effort"]}
         if self.output_logprobs:
             body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
+        if self._continues_final_message():
+            if body["response_format"] is not None:  # (the format would hold from the middle of the text)
+                raise _bad("text", "a final assistant message to continue cannot be combined with text.format")
+            body.update(add_generation_prompt=False, continue_final_message=True)
         return chat_request_from(body, _CHAT_TO_RESPONSES_PARAM, "input")
+
+    def _continues_final_message(self) -> bool:
+        """The input ends with an assistant message left unfinished (status in_progress or
+        incomplete, as a cut-off answer comes back): the answer continues its text, as vLLM's."""
+        items = self.input_items()
+        last = items[-1] if items else None
+        return isinstance(last, dict) and last.get("type", "message") == "message" \
+            and last.get("role") == "assistant" and last.get("status") in ("in_progress", "incomplete")
 
     def _messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -211,7 +223,12 @@ class ResponsesRequest(BaseModel):
                 role = _ROLES.get(role) if isinstance(role, str) else None
                 if role is None:
                     raise _bad("input", f"{where}.role must be one of user, assistant, system, developer")
-                messages.append({"role": role, "content": _text(item.get("content"), where)})
+                text = _text(item.get("content"), where)
+                last = messages[-1] if messages else None
+                if role == "assistant" and last is not None and _thinking_only(last):
+                    last["content"] = text  # (the answer of the thinking just before it: one turn)
+                else:
+                    messages.append({"role": role, "content": text})
             elif kind == "function_call":
                 call = {"id": _required(item, "call_id", where), "type": "function",
                         "function": {"name": _required(item, "name", where),
@@ -225,9 +242,14 @@ class ResponsesRequest(BaseModel):
             elif kind == "function_call_output":
                 output = item.get("output")
                 messages.append({"role": "tool", "tool_call_id": _required(item, "call_id", where),
-                                 "content": output if isinstance(output, str) else _text(output, where)})
+                                 "content": output if isinstance(output, str) else _text(output, where, "output")})
             elif kind == "reasoning":
-                continue  # earlier turns' thinking is not shown to the model again (chat templates drop it too)
+                # An earlier answer's thinking, as the chat endpoint takes it back (vLLM's Responses
+                # does too): the template decides whether to show it (Qwen3's does after the last
+                # user turn, in a tool loop); the message or calls that follow join its turn.
+                thinking = _reasoning_text(item)
+                if thinking:
+                    messages.append({"role": "assistant", "content": None, "reasoning": thinking})
             else:
                 raise _bad("input", f"{where}: input items of type {kind!r} are not supported (message, "
                               "function_call, function_call_output, reasoning)")
@@ -279,16 +301,35 @@ def _bad(param: str, message: str) -> APIError:
     return bad_request(message, param)
 
 
+def _thinking_only(message: dict[str, Any]) -> bool:
+    """An assistant turn that has only thinking so far (a reasoning item's)."""
+    return message["role"] == "assistant" and message.get("reasoning") is not None \
+        and message.get("content") is None and not message.get("tool_calls")
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's thinking: its reasoning_text parts (as this server writes them), else
+    its summary's text (what OpenAI's hosted models return)."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            if texts:
+                return "\n".join(texts)
+    return ""
+
+
 def _required(item: dict[str, Any], key: str, where: str) -> str:
     return required_text(item, key, where, "input")
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content as text: a string, or text parts (input_text, output_text, refusal)."""
+def _text(content: Any, where: str, field: str = "content") -> str:
+    """A message's content (an item's ``field``) as text: a string, or text parts (input_text,
+    output_text, refusal)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad("input", f"{where}.content must be a string or a list of content parts")
+        raise _bad("input", f"{where}.{field} must be a string or a list of content parts")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -841,7 +882,7 @@ class ResponsesServing:
         return base | {
             "status": status, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "completed_at": time.time() if status == "completed" else None, "output": output,
+            "completed_at": int(time.time()) if status == "completed" else None, "output": output,
             # cache_write_tokens: the engines do not report what they add to their prefix caches.
             "usage": {"input_tokens": prompt,
                       "input_tokens_details": {"cached_tokens": choice.num_cached_tokens, "cache_write_tokens": 0},

@@ -313,3 +313,18 @@ def test_the_sdks_other_conversation_shapes():
     http, engine, _ = _app("")
     empty = _client(http).messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "x"}])
     assert empty.content == [] and empty.stop_reason == "end_turn"
+
+
+def test_an_earlier_thinking_block_reaches_the_template_as_its_turns_reasoning():
+    from .test_responses import THINKING_TEMPLATE
+
+    http, engine, serving = _app("ok")
+    serving.tokenizer.chat_template = THINKING_TEMPLATE
+    _client(http).messages.create(model="tiny", max_tokens=5, messages=[
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "I should call it", "signature": ""},
+                                          {"type": "redacted_thinking", "data": "x"},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}])
+    assert _prompt(serving, engine) == "user:qassistant:<think>I should call it</think> CALL get_weathertool:sunny" \
+                                       "assistant:"

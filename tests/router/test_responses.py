@@ -1048,3 +1048,43 @@ def test_logprobs_only_when_included_and_include_values_are_openais():
     for bad in ({"include": ["message.output_text.logprob"]}, {"top_logprobs": 21}):
         r = http.post("/v1/responses", json={**LOGPROBS_BODY, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}:{% if m.reasoning_content %}<think>"
+                     "{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] or '' }}"
+                     "{% if m.tool_calls %} CALL {{ m.tool_calls[0].function.name }}{% endif %}{% endfor %}"
+                     "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_an_earlier_answers_reasoning_item_reaches_the_template_with_its_turn():
+    """As chat takes an earlier answer's reasoning back (and vLLM's Responses), a reasoning item's
+    text is its assistant turn's reasoning, joined by the message or calls that follow it."""
+    http, engine, serving = _app("ok")
+    serving.tokenizer.chat_template = THINKING_TEMPLATE
+    items = [{"role": "user", "content": "q"},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "I should call it"}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+             {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "It is sunny"}]},
+             {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "thanks"}]
+    _client(http).responses.create(model="tiny", input=items)
+    assert _prompt(serving, engine) == ("user:qassistant:<think>I should call it</think> CALL get_weathertool:sunny"
+                                        "assistant:<think>It is sunny</think>Sunny.user:thanksassistant:")
+
+
+def test_an_unfinished_final_assistant_message_is_continued():
+    http, engine, serving = _app(" Rome.")
+    items = [{"role": "user", "content": "Capital of Italy?"},
+             {"type": "message", "role": "assistant", "status": "incomplete",
+              "content": [{"type": "output_text", "text": "It is"}]}]
+    response = http.post("/v1/responses", json={"model": "tiny", "input": items}).json()
+    assert _prompt(serving, engine) == "user: Capital of Italy?assistant: It is"  # (no new turn opened)
+    assert response["output"][0]["content"][0]["text"] == " Rome."
+    assert isinstance(response["completed_at"], int)  # (whole seconds, as created_at and OpenAI's)
+    refused = http.post("/v1/responses", json={"model": "tiny", "input": items,
+                                               "text": {"format": {"type": "json_object"}}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "text"
+    missing = http.post("/v1/responses", json={"model": "tiny", "input": [
+        {"type": "function_call_output", "call_id": "c1", "output": 5}]})
+    assert missing.status_code == 400 and "input[0].output" in missing.json()["error"]["message"]
