@@ -15,6 +15,7 @@ import base64
 import binascii
 import hashlib
 import io
+import math
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -64,7 +65,14 @@ class PromptEmbeds(msgspec.Struct, array_like=True, frozen=True):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"prompt embeddings must be a tensor, not {type(tensor).__name__}")
         if tensor.layout != torch.strided:
-            tensor = tensor.to_dense()
+            # A sparse tensor's shape can promise far more than it carries: its dense size is checked
+            # before it is made (a 2 KB request must not allocate gigabytes).
+            dense_bytes = math.prod(tensor.shape) * tensor.element_size()
+            if dense_bytes > MAX_PROMPT_EMBEDS_BYTES:
+                raise ValueError(f"prompt embeddings of shape {list(tensor.shape)} are {dense_bytes} bytes dense, "
+                                 f"more than the limit ({MAX_PROMPT_EMBEDS_BYTES})")
+            with torch.sparse.check_sparse_tensor_invariants():
+                tensor = tensor.to_dense()
         if tensor.dim() == 3 and tensor.shape[0] == 1:
             tensor = tensor.squeeze(0)
         if tensor.dim() != 2:
@@ -114,10 +122,19 @@ def decode_prompt_embeds(encoded: str | bytes) -> PromptEmbeds:
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"prompt_embeds must be base64 (of a torch.save-d tensor): {e}") from None
     try:
-        tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-    except Exception as e:  # (whatever the unpickler met: a truncated file, a refused type)
+        # Sparse tensors' indices are checked as they load: torch leaves them unchecked by default, and
+        # a crafted one (an index far past its shape) made to_dense() write out of bounds and crash
+        # the process (vLLM's CVE-2025-62164, fixed the same way).
+        with torch.sparse.check_sparse_tensor_invariants():
+            tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except Exception as e:  # (whatever the unpickler met: a truncated file, a refused type, bad indices)
         raise ValueError(f"prompt_embeds is not a torch.save-d tensor: {e}") from None
-    return PromptEmbeds.from_tensor(tensor)
+    try:
+        return PromptEmbeds.from_tensor(tensor)
+    except ValueError:
+        raise
+    except Exception as e:  # (a malformed tensor torch itself refuses: the client's error, not ours)
+        raise ValueError(f"prompt_embeds is not a valid tensor: {e}") from None
 
 
 def encode_prompt_embeds(tensor: torch.Tensor) -> str:

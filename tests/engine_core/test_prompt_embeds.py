@@ -104,3 +104,47 @@ def test_block_hashes_follow_the_embeddings_not_the_placeholders():
     assert _hashes(a, 10, salt="s")[0] != ha[0]
     # A block of outputs after the embeddings (rows 8..9 then two generated tokens) is keyed by the rows it holds.
     assert a.block_digest(2, 4) is not None and a.block_digest(3, 4) is None
+
+
+_CRAFTED = """
+import base64, io, sys, torch
+from engine_core.prompt_embeds import decode_prompt_embeds
+kind = sys.argv[1]
+if kind == "index past its shape":  # (vLLM's CVE-2025-62164: to_dense() wrote out of bounds)
+    t = torch.sparse_coo_tensor(torch.tensor([[0, 50_000_000], [0, 1]]), torch.tensor([1.0, 2.0]), (2, 4),
+                                check_invariants=False, is_coalesced=True)
+elif kind == "a huge dense shape":
+    t = torch.sparse_coo_tensor(torch.tensor([[0], [0]]), torch.tensor([1.0]), (100000, 4096),
+                                check_invariants=False)
+else:
+    t = torch.sparse_csr_tensor(torch.tensor([0, 1, 9]), torch.tensor([0, 7]), torch.tensor([1.0, 2.0]), (2, 4),
+                                check_invariants=False)
+buffer = io.BytesIO()
+torch.save(t, buffer)
+try:
+    decode_prompt_embeds(base64.b64encode(buffer.getvalue()).decode())
+    print("accepted")
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("kind", ["index past its shape", "a huge dense shape", "a bad CSR index"])
+def test_a_crafted_sparse_tensor_is_refused_without_harm(kind):
+    """In a process of its own: the old decode crashed (a segfault) on the first of these, and
+    allocated gigabytes on the second."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CRAFTED, kind], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("refused:"), done.stdout
+
+
+def test_a_small_sparse_tensor_within_its_shape_still_decodes():
+    dense = torch.zeros(3, 4)
+    dense[1, 2] = 0.5
+    buffer = io.BytesIO()
+    torch.save(dense.to_sparse(), buffer)
+    embeds = decode_prompt_embeds(base64.b64encode(buffer.getvalue()).decode())
+    assert torch.equal(embeds.to_tensor(), dense)
