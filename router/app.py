@@ -55,7 +55,14 @@ from router.response_store import UNFINISHED, Stopped
 from router.responses import ResponsesRequest, ResponsesServing
 from router.scoring import SCORING_PATHS, RerankRequest, ScoreRequest, ScoringServing, check_scores
 from router.server_load import ServerLoad, ServerLoadTracker
-from router.serving import APIError, OpenAIServing, bad_request, stream_error_event, validation_problem
+from router.serving import (
+    APIError,
+    OpenAIServing,
+    bad_request,
+    conversation_chars,
+    stream_error_event,
+    validation_problem,
+)
 from router.tokenizer_info import describe_tokenizer
 
 SESSION_HEADER = "x-session-id"
@@ -359,7 +366,9 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     @app.get("/health")
     async def health() -> Response:
         """200 while any engine is healthy (each model's own count in ``models``)."""
-        counts = {owner.settings.served_model_name: await owner.client.refresh_health() for owner in servings}
+        # (A round of probes that ended within the last second answers: see refresh_health.)
+        counts = {owner.settings.served_model_name: await owner.client.refresh_health(max_age_s=1.0)
+                  for owner in servings}
         healthy = [ok for flags in counts.values() for ok in flags]
         content: dict[str, Any] = {"healthy_engines": sum(healthy), "engines": len(healthy)}
         if len(counts) > 1:
@@ -483,14 +492,16 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         owner = await servings.for_model(body.model)
         await owner.resolve_model(body.model)  # (adapters share the base model's tokenizer)
+        # (Long texts off the event loop: this path needs no key, and every stream of the replica waits.)
         if body.messages is not None:
-            tokens = owner.render_messages(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                           body.chat_template_kwargs, tool_dicts(body.tools) or None,
-                                           add_special_tokens=bool(body.add_special_tokens),
-                                           chat_template=body.chat_template)
+            tokens = await owner.tokenizer_work(
+                conversation_chars(body.messages), owner.render_messages, body.messages, body.add_generation_prompt,
+                body.continue_final_message, body.chat_template_kwargs, tool_dicts(body.tools) or None,
+                add_special_tokens=bool(body.add_special_tokens), chat_template=body.chat_template)
         else:
             add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
-            tokens = list(owner.tokenizer.encode(body.prompt, add_special_tokens=add_special_tokens))
+            tokens = await owner.tokenizer_work(len(body.prompt), owner.tokenize_prompt, body.prompt,
+                                                add_special_tokens=add_special_tokens)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=owner.settings.max_model_len,
                                 token_strs=owner.tokenizer.convert_ids_to_tokens(tokens)
                                 if body.return_token_strs else None)

@@ -102,7 +102,7 @@ class ClassificationServing:
         lora = await serving.resolve_model(request.model)
         serving.check_priority(request.priority)
         params = classifier_params(serving)
-        prompts = self.embeddings.request_prompts(request)
+        prompts = await self.embeddings.request_prompts(request)
         request_id, engine_base = answer_ids("classify", external_id)
         logits = await serving.embed(engine_base, prompts, params, request.priority, lora, session_id,
                                      request.cache_salt)

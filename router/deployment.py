@@ -21,7 +21,7 @@ from engine_core.log_setup import configure_actor_logging
 from engine_core.outputs import LoRARequest
 from engine_core.tokenizer_files import write_tokenizer_files
 from router.app import create_app
-from router.detached import detached_task
+from router.detached import SharedRun, detached_task
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics, merge_expositions
 from router.response_store import ActorResponseStore
@@ -257,6 +257,7 @@ class OpenAIRouter:
         # costs seconds of CPU, better spent before traffic than under it.
         await self.hub.push.remote(self.metrics.replica, self._render_own())
         self._push_task = detached_task(self._push_metrics())
+        self._shared_render = SharedRun(self._render_metrics)
 
     def _render_own(self) -> bytes:
         if len(self.servings) == 1:
@@ -270,7 +271,11 @@ class OpenAIRouter:
             await asyncio.sleep(METRICS_PUSH_INTERVAL_S)
 
     async def render_metrics(self) -> bytes:
-        """Every replica's router series (via the hub) and every engine's series, as one exposition."""
+        """Every replica's router series (via the hub) and every engine's series, as one exposition.
+        Scrapes that come while one is being rendered share it (one round of actor calls)."""
+        return await self._shared_render()
+
+    async def _render_metrics(self) -> bytes:
         own = self._render_own()
         try:
             await self.hub.push.remote(self.metrics.replica, own)

@@ -62,3 +62,27 @@ def runs_to_completion(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, C
 def _log_unheard_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and (error := task.exception()) is not None:
         logger.warning("work whose request was cancelled failed afterwards: %s", error, exc_info=error)
+
+
+class SharedRun:
+    """A coroutine function run once for all who ask while it runs: a caller that comes while a run
+    is in flight waits for that run's result instead of starting another (a burst of /health or
+    /metrics requests makes one round of engine calls, not one per request). Each run is detached
+    (``run_to_completion``): a caller that leaves does not cancel it for the others."""
+
+    def __init__(self, fn: Callable[[], Coroutine[Any, Any, T]]) -> None:
+        self._fn = fn
+        self._task: asyncio.Task | None = None
+
+    async def __call__(self) -> Any:
+        task = self._task
+        if task is None or task.done():
+            task = self._task = detached_task(self._fn())
+            task.add_done_callback(_retrieved)
+        return await asyncio.shield(task)
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Mark a shared run's failure as seen (its callers each got it; all of them may have left)."""
+    if not task.cancelled():
+        task.exception()

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
 from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, cache_salt_field, invalid, request_id_field
-from router.serving import OpenAIServing, answer_ids, bad_request
+from router.serving import OpenAIServing, answer_ids, bad_request, conversation_chars
 
 TruncationSide = Literal["left", "right"]
 TRUNCATION_SIDE_HELP = ('Which end truncate_prompt_tokens cuts: "right" keeps an input\'s first tokens (as '
@@ -236,7 +236,7 @@ class EmbeddingsServing:
                      external_id: str | None = None) -> dict[str, Any] | Response:
         serving = self.serving
         lora = await self.admit(request, request.dimensions)
-        prompts = self.request_prompts(request)
+        prompts = await self.request_prompts(request)
         params = embedding_params(serving, request.wants_normalized(), request.dimensions)
         request_id, engine_base = answer_ids("embd", external_id)
         vectors = await serving.embed(engine_base, prompts, params, request.priority, lora, session_id,
@@ -250,9 +250,15 @@ class EmbeddingsServing:
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
-    def request_prompts(self, request: PooledInputRequest) -> list[list[int]]:
+    async def request_prompts(self, request: PooledInputRequest) -> list[list[int]]:
         """The token ids pooled for each of the request's inputs, or for its one conversation (its
-        chat template's text, truncated as the request asks)."""
+        chat template's text, truncated as the request asks); long texts are tokenized off the event
+        loop (``tokenizer_work``)."""
+        chars = (conversation_chars(request.messages) if request.messages is not None
+                 else sum(len(item) for item in request.inputs() if isinstance(item, str)))
+        return await self.serving.tokenizer_work(chars, self._request_prompts, request)
+
+    def _request_prompts(self, request: PooledInputRequest) -> list[list[int]]:
         if request.messages is None:
             return [self.prompt_ids(item, request) for item in request.inputs()]
         ids = self.serving.render_messages(request.messages, request.add_generation_prompt,

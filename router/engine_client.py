@@ -31,7 +31,7 @@ from engine_core.channel import (
 )
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
-from router.detached import detached_task, runs_to_completion
+from router.detached import SharedRun, detached_task
 from router.request_timeline import RequestTimeline, current_timeline
 
 logger = logging.getLogger(__name__)
@@ -193,6 +193,8 @@ class EngineClient:
         self.on_engine_restart: Callable[[int], None] | None = None
         # Set before connecting (a prefix-aware policy): each engine's KV cache events, as they come.
         self.on_kv_events: Callable[[int, list[tuple[int, list[bytes]]]], None] | None = None
+        self._health_round = SharedRun(self._probe_health)
+        self._health_probed_at = 0.0  # (monotonic) when the last round of health probes ended
 
     @property
     def num_engines(self) -> int:
@@ -462,11 +464,18 @@ class EngineClient:
             self.on_engine_restart(slot.index)
         logger.info("engine %d is back", slot.index)
 
-    @runs_to_completion
-    async def refresh_health(self, timeout_s: float = 2.0) -> list[bool]:
-        """Ask every engine; a failure marks it unhealthy (the pump brings it back). To its end even
-        if the /health client leaves: a probe cancelled with it would mark its engine unhealthy."""
+    async def refresh_health(self, max_age_s: float = 0.0) -> list[bool]:
+        """Ask every engine; a failure marks it unhealthy (the pump brings it back). One round at a
+        time: callers that come during a round share it, and with ``max_age_s`` a round that ended
+        that recently answers without another (a burst of /health requests, which need no key, must
+        not become a burst of probes, whose slow answers would take engines out of routing). A round
+        runs to its end even if its callers leave: a probe cancelled with them would mark its
+        engine unhealthy."""
+        if not (max_age_s and time.monotonic() - self._health_probed_at < max_age_s):
+            await self._health_round()
+        return self.healthy()
 
+    async def _probe_health(self, timeout_s: float = 2.0) -> None:
         async def probe(slot: _EngineSlot) -> None:
             if slot.handle is None:  # (no engine in this slot: nothing to ask)
                 return
@@ -479,4 +488,4 @@ class EngineClient:
                 self._drop_if_dead(slot, e)
 
         await asyncio.gather(*(probe(s) for s in self._slots))
-        return self.healthy()
+        self._health_probed_at = time.monotonic()

@@ -37,6 +37,7 @@ from router.serving import (
     api_error_of,
     bad_request,
     chat_request_from,
+    conversation_chars,
     parsed_whole,
     required_text,
 )
@@ -398,5 +399,6 @@ class MessagesServing:
         """The prompt's tokens as a Messages request with this conversation would send them."""
         await self.serving.resolve_model(request.model)
         chat = request.chat_request()
-        return {"input_tokens": len(self.serving.render_chat(chat))}
+        ids = await self.serving.tokenizer_work(conversation_chars(chat.messages), self.serving.render_chat, chat)
+        return {"input_tokens": len(ids)}
 

@@ -69,7 +69,7 @@ class PoolingServing:
             check_embeds(serving, per_token=True)
             check_dimensions(serving, request.dimensions, pooling=pooling)
             params = embedding_params(serving, request.wants_normalized(), request.dimensions, pooling)
-        prompts = self.embeddings.request_prompts(request)
+        prompts = await self.embeddings.request_prompts(request)
         request_id, engine_base = answer_ids("pool", external_id)
         outputs: list[Any] = await serving.embed(engine_base, prompts, params, request.priority, lora, session_id,
                                                  request.cache_salt)

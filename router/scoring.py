@@ -245,8 +245,9 @@ class ScoringServing:
         texts = list(dict.fromkeys(left + right))
         where = {text: i for i, text in enumerate(texts)}
         firsts = set(left)
-        prompts = [self.embeddings.prompt_ids(text, request, names[0] if text in firsts else names[1])
-                   for text in texts]
+        prompts = await serving.tokenizer_work(
+            sum(len(text) for text in texts), lambda: [
+                self.embeddings.prompt_ids(text, request, names[0] if text in firsts else names[1]) for text in texts])
         # (Cosine similarity normalises; MaxSim reads the vectors as the model gives them, as LLM.score.)
         params = embedding_params(serving, normalize=None if pooling.late_interaction else True)
         vectors = await serving.embed(request_id, prompts, params, request.priority, lora, session_id,
@@ -268,12 +269,17 @@ class ScoringServing:
         serving = self.serving
         params = classifier_params(serving)
         prompts, each = [], []
-        for i, j in pairs:
-            ids, type_start = tokenize_pair(serving.tokenizer, serving.pooled_text(left[i]),
-                                            serving.pooled_text(right[j]), request.add_special_tokens,
-                                            serving.truncation_length(request), request.truncation_side)
-            prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
-            each.append(pair_params(params, type_start, serving.settings.pooling.token_types))
+
+        def tokenize_pairs() -> None:
+            for i, j in pairs:
+                ids, type_start = tokenize_pair(serving.tokenizer, serving.pooled_text(left[i]),
+                                                serving.pooled_text(right[j]), request.add_special_tokens,
+                                                serving.truncation_length(request), request.truncation_side)
+                prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
+                each.append(pair_params(params, type_start, serving.settings.pooling.token_types))
+
+        # (Long texts off the event loop, as every tokenization of a request.)
+        await serving.tokenizer_work(sum(len(left[i]) + len(right[j]) for i, j in pairs), tokenize_pairs)
         logits = await serving.embed(request_id, prompts, each, request.priority, lora, session_id,
                                      request.cache_salt)
         try:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 from pydantic import ValidationError
@@ -31,7 +33,7 @@ from engine_core.sampling_params import SamplingParams, logprobs_count
 from router.bad_words import bad_words_token_ids
 from router.chat_parsing import ChatOutputParser
 from router.content_format import resolve_content_format, template_content
-from router.detached import run_to_completion, runs_to_completion
+from router.detached import SharedRun, runs_to_completion
 from router.detokenizer import IncrementalDetokenizer, fast_decoder
 from router.engine_client import (
     EngineClient,
@@ -111,6 +113,18 @@ def answer_ids(prefix: str, external_id: str | None) -> tuple[str, str]:
         return request_id, request_id
     request_id = f"{prefix}-{external_id}"
     return request_id, f"{request_id}-{secrets.token_hex(4)}"
+
+
+T = TypeVar("T")
+
+# Text up to this many characters is tokenized on the event loop (a millisecond or so: less than the
+# hop to a thread would add); longer text in the replica's tokenizer thread.
+TOKENIZE_INLINE_CHARS = 8192
+
+
+def conversation_chars(messages: list[ChatMessage]) -> int:
+    """About how much text a conversation's rendering and tokenization read."""
+    return sum(len(m.content) if isinstance(m.content, str) else len(str(m.content or "")) for m in messages)
 
 
 def choice_request_id(request_id: str, index: int) -> str:
@@ -339,6 +353,9 @@ class OpenAIServing:
         self.client = client
         self.tokenizer = tokenizer
         self._decode = fast_decoder(tokenizer)
+        # Long texts are tokenized here (see tokenizer_work); made at the first one.
+        self._tokenizer_thread: ThreadPoolExecutor | None = None
+        self._tokenizer_jobs = 0  # sent to that thread and not finished
         self.policy = policy
         self.metrics = metrics
         # The tokens that open and close a reasoning model's thinking, when each is one token of the
@@ -356,6 +373,7 @@ class OpenAIServing:
         # through another replica are found.
         self.lora_adapters: dict[str, LoRARequest] = {}
         self.list_loras: Callable[[], Coroutine[Any, Any, list[LoRARequest]]] | None = None
+        self._shared_list_loras = SharedRun(lambda: self.list_loras())  # type: ignore[misc]
         self._shadowed_loras: set[str] = set()  # (warned about once)
         self._token_texts: dict[int, str] = {}  # (at most one entry per token of the vocabulary)
 
@@ -374,10 +392,12 @@ class OpenAIServing:
         return lora
 
     async def refresh_loras(self) -> None:
+        """Ask the engines which adapters they hold. Requests that ask while a round of questions is
+        under way share it (a burst naming unknown models makes one round); it runs to its end even
+        if they leave: an engine's answer cancelled with them would leave its adapters out of those
+        every request sees."""
         if self.list_loras is not None:
-            # (To its end even if the client leaves: an engine's answer cancelled with it would
-            # leave its adapters out of those every request sees.)
-            loras = {lora.lora_name: lora for lora in await run_to_completion(self.list_loras())}
+            loras = {lora.lora_name: lora for lora in await self._shared_list_loras()}
             for name in self.settings.served_names:
                 # (An adapter loaded at runtime before a redeploy gave the model this name: the name
                 # now means the model, and the adapter cannot be reached by it.)
@@ -506,6 +526,28 @@ class OpenAIServing:
         """The name responses carry: the adapter's when the request named one, else the model's first
         (whichever alias the request used, as in vLLM)."""
         return model if model is not None and model in self.lora_adapters else self.settings.served_model_name
+
+    async def tokenizer_work(self, chars: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, tokenizer work on ``chars`` characters of text: on the event loop
+        when short, and in the replica's tokenizer thread when longer than TOKENIZE_INLINE_CHARS (a
+        5 MB prompt took 3.5 s to tokenize, and every stream of the replica waited; vLLM tokenizes in
+        a thread too). While that thread works, short work queues there as well: the tokenizer is
+        used by one thread at a time (its truncation settings are not safe to share)."""
+        if chars <= TOKENIZE_INLINE_CHARS and not self._tokenizer_jobs:
+            return fn(*args, **kwargs)
+        if self._tokenizer_thread is None:
+            self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        future = asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                            functools.partial(fn, *args, **kwargs))
+        self._tokenizer_jobs += 1
+        future.add_done_callback(self._tokenizer_job_done)
+        # (Shielded: a client that leaves does not end the count before the thread is done.)
+        return await asyncio.shield(future)
+
+    def _tokenizer_job_done(self, future: asyncio.Future) -> None:
+        self._tokenizer_jobs -= 1
+        if not future.cancelled():
+            future.exception()  # (seen: its caller may have left)
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:
         # (--exclude-tools-when-tool-choice-none, vLLM's: a request that may call no tool shows the
@@ -1029,7 +1071,8 @@ class OpenAIServing:
                 ids = [0] * embeds.num_tokens
                 prompt_texts.append("")
             else:
-                ids = self.tokenize_prompt(prompt, add_special_tokens=request.add_special_tokens)  # type: ignore[arg-type]
+                ids = await self.tokenizer_work(len(prompt) if isinstance(prompt, str) else 0, self.tokenize_prompt,
+                                                prompt, add_special_tokens=request.add_special_tokens)
                 if not ids:
                     raise bad_request("prompt must not be empty", "prompt")
                 truncated = self.truncate_prompt(ids, request)
@@ -1178,7 +1221,8 @@ class OpenAIServing:
             raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
                               "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
                               '"required" or "none"', "tool_choice")
-        ids = self.truncate_prompt(self.render_chat(request), request)
+        ids = self.truncate_prompt(await self.tokenizer_work(conversation_chars(request.messages), self.render_chat,
+                                                             request), request)
         if request_id is None:
             request_id, engine_base = answer_ids("chatcmpl", external_id)
         elif engine_base is None:

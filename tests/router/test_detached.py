@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from router.detached import detached_task, run_to_completion
+from router.detached import SharedRun, detached_task, run_to_completion
 
 
 def test_a_cancelled_ray_task_cancels_the_calls_of_its_tasks_but_not_of_detached_ones(ray_cluster):
@@ -122,3 +122,24 @@ def test_a_failure_after_its_caller_was_cancelled_is_logged(caplog):
     # (Logged by router.detached, not only by asyncio's "exception was never retrieved".)
     [logged] = [r for r in caplog.records if r.name == "router.detached"]
     assert "engine 2 refused" in logged.getMessage() and logged.exc_info is not None
+
+
+def test_a_shared_run_serves_every_caller_that_comes_while_it_runs_and_survives_their_leaving():
+    runs = []
+
+    async def work():
+        runs.append(1)
+        await asyncio.sleep(0.05)
+        return len(runs)
+
+    async def run():
+        shared = SharedRun(work)
+        assert await asyncio.gather(*(shared() for _ in range(10))) == [1] * 10
+        leaving = asyncio.create_task(shared())
+        staying = asyncio.create_task(shared())
+        await asyncio.sleep(0.01)
+        leaving.cancel()
+        assert await staying == 2  # (the leaver did not cancel the run the other one waits for)
+        assert await shared() == 3  # (a caller after a run ended starts another)
+
+    asyncio.run(run())

@@ -300,3 +300,29 @@ def test_an_engine_ray_reports_dead_fails_its_requests_although_its_channel_look
         await client.close()
 
     asyncio.run(run())
+
+
+def test_a_burst_of_health_requests_makes_one_round_of_probes_and_takes_no_engine_out():
+    """/health needs no key: 100 at once must not become 100 probes per engine (an engine answers
+    them one at a time, and the slow answers marked it unhealthy). Callers during a round share it;
+    with max_age_s a round that just ended answers."""
+    probes = []
+
+    class Handle:
+        class check_health:
+            @staticmethod
+            async def remote():
+                probes.append(1)
+                await asyncio.sleep(0.05)
+                return True
+
+    async def run():
+        client = EngineClient([Handle(), Handle()], client_index=1)
+        for slot in client._slots:
+            slot.channel = _Channel()
+        answers = await asyncio.gather(*(client.refresh_health(max_age_s=1.0) for _ in range(100)))
+        assert answers == [[True, True]] * 100 and len(probes) == 2
+        assert await client.refresh_health(max_age_s=1.0) == [True, True] and len(probes) == 2  # (fresh enough)
+        assert await client.refresh_health() == [True, True] and len(probes) == 4  # (no age allowed: a new round)
+
+    asyncio.run(run())

@@ -1082,3 +1082,16 @@ def test_echo_with_logprobs_also_fills_the_choices_prompt_logprobs_and_minus_inf
     assert all(len(row) == 2 for row in rows[1:])  # the token and its best alternative
     plain = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "logprobs": 1})
     assert plain.json()["choices"][0]["prompt_logprobs"] is None  # (no echo: not asked for)
+
+
+def test_a_long_prompt_is_tokenized_in_the_tokenizer_thread_with_the_same_tokens():
+    http, engine = _app()
+    prompt = TEXT * 160  # (past TOKENIZE_INLINE_CHARS, and more tokens than the model takes)
+    expected = TOKENIZER.encode(prompt)
+    assert http.post("/tokenize", json={"model": "tiny", "prompt": prompt}).json()["tokens"] == expected
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400 and str(len(expected)) in r.json()["error"]["message"]  # (counted right)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                           "truncate_prompt_tokens": 200})
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].prompt_token_ids == expected[-200:]

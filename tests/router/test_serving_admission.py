@@ -249,3 +249,45 @@ def test_an_unexpected_error_in_one_of_several_streamed_choices_ends_the_stream_
             channels[0].added() + channels[1].added())
 
     asyncio.run(run())
+
+
+def test_long_texts_are_tokenized_off_the_event_loop_and_never_beside_short_ones():
+    """tokenizer_work: short text on the loop, long text in the replica's tokenizer thread (the
+    loop keeps serving meanwhile), and short text that comes while that thread works queues there
+    too, so the tokenizer is never used by two threads at once."""
+    import threading
+    import time as clock
+
+    from router.serving import TOKENIZE_INLINE_CHARS
+
+    serving, _, _ = _serving()
+    loop_thread = threading.get_ident()
+    busy: list[int] = []  # threads inside the tokenizer work now
+
+    def work(seconds: float) -> int:
+        busy.append(threading.get_ident())
+        assert len(busy) == 1, "two threads tokenizing at once"
+        clock.sleep(seconds)
+        busy.pop()
+        return threading.get_ident()
+
+    async def run():
+        assert await serving.tokenizer_work(10, work, 0.0) == loop_thread
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticking = asyncio.create_task(ticker())
+        long = asyncio.create_task(serving.tokenizer_work(TOKENIZE_INLINE_CHARS + 1, work, 0.3))
+        await asyncio.sleep(0.05)
+        short_meanwhile = await serving.tokenizer_work(10, work, 0.0)
+        assert await long != loop_thread and short_meanwhile != loop_thread
+        assert ticks >= 10  # (the loop went on while the long text was tokenized)
+        ticking.cancel()
+        assert await serving.tokenizer_work(10, work, 0.0) == loop_thread  # (the thread is idle again)
+
+    asyncio.run(run())
