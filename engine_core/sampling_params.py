@@ -87,7 +87,7 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))  # (each once, in order)
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", f"between 0 and max_tokens ({self.max_tokens})", self.min_tokens)
@@ -174,6 +174,15 @@ class SamplingParams:
                    and self.structured_output_may_open >= 0),
                "structured_output_may_open", "None, or a token id with structured_output_after",
                self.structured_output_may_open)
+
+    @property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set, made once: the engine asks it at every step of the request (a
+        list of thousands would cost that step milliseconds)."""
+        found = self.__dict__.get("_stop_token_set")
+        if found is None or len(found) != len(self.stop_token_ids):
+            found = self.__dict__["_stop_token_set"] = frozenset(self.stop_token_ids)
+        return found
 
     def token_ids_in_use(self) -> list[int]:
         """Every token id these parameters name (to check against a vocabulary)."""

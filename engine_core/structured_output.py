@@ -33,6 +33,24 @@ STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace",)
 
 
+# Objects and arrays nested in a JSON schema, at most (64 levels of nested properties).
+MAX_SCHEMA_DEPTH = 128
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON ``value`` nests objects and arrays more than ``limit`` deep (without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def check_structured_output(spec: Any) -> None:
     """Raise ValueError unless ``spec`` is a well-formed structured-output request (the grammar
     itself is checked too, without a tokenizer, so a bad schema is the client's error up front)."""
@@ -55,8 +73,16 @@ def check_structured_output(spec: Any) -> None:
         if kind == "json":
             if not isinstance(value, dict | str):
                 raise ValueError("a JSON schema must be an object or a string")
+            try:
+                schema = json.loads(value) if isinstance(value, str) else value
+            except RecursionError:
+                schema = None
+            if schema is None or _deeper_than(schema, MAX_SCHEMA_DEPTH):
+                # (Its compile time grows fast with depth: 600 levels took 8 s, holding the router's
+                # event loop and the engine's compile thread; real schemas are a few levels deep.)
+                raise ValueError(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
             xgr.Grammar.from_json_schema(value if isinstance(value, str) else json.dumps(value))
-            unenforced = unenforced_schema_keyword(json.loads(value) if isinstance(value, str) else value)
+            unenforced = unenforced_schema_keyword(schema)
             if unenforced is not None:
                 raise ValueError(f"the JSON schema's {unenforced} cannot be enforced while generating (the "
                                  "answer could break it); leave it out of the schema and check it afterwards")

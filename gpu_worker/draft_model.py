@@ -145,7 +145,7 @@ class DraftModel:
     def _ends(self, state: RequestState) -> bool:
         """Whether the request's newest token ends it (a stop id or, unless ignored, an EOS)."""
         token, params = state.token_ids[-1], state.sampling_params
-        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        return token in params.stop_token_set or (not params.ignore_eos and token in self.eos_token_ids)
 
     def _next_tokens(self, states: list[RequestState], tokens: torch.Tensor, positions: np.ndarray,
                      block_table: BlockTable) -> torch.Tensor:

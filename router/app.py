@@ -136,7 +136,7 @@ class APIKeyAuth:
         self.app = app
         # Digests are compared, in constant time and against every key: the timing says nothing
         # about a key, not even its length.
-        self.expected = [_digest(f"Bearer {key}".encode()) for key in api_keys]
+        self.expected = [_digest(key.encode()) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # (the lifespan scope has no path)
@@ -144,11 +144,10 @@ class APIKeyAuth:
             return
         path = route_path(scope)
         if scope["method"] != "OPTIONS" and _needs_key(path):
-            key = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            if key is None:  # (Anthropic's clients send the key as x-api-key; it counts as the Bearer one)
-                key = next((b"Bearer " + v for k, v in scope["headers"] if k == b"x-api-key"), b"")
-            given = _digest(key)
-            if not any([hmac.compare_digest(given, expected) for expected in self.expected]):
+            # The key comes as "Authorization: Bearer <key>" (the scheme in any case, as HTTP has it
+            # and vLLM reads it) or as Anthropic's clients send it, "x-api-key: <key>"; either counts.
+            given = [_digest(key) for key in _offered_keys(scope["headers"])] or [_digest(b"")]
+            if not any([hmac.compare_digest(offered, expected) for offered in given for expected in self.expected]):
                 response = _error_response(401, "Incorrect or missing API key (Authorization: Bearer <key>, or "
                                            "x-api-key: <key>).", "AuthenticationError", None, path)
                 response.headers["WWW-Authenticate"] = "Bearer"
@@ -162,6 +161,18 @@ def external_id(body: Any, request: Request) -> str | None:
     prefers the header, but behind Ray Serve every request has one, which Serve makes up when the
     client sent none: the body's would never count.)"""
     return getattr(body, "request_id", None) or request.headers.get(REQUEST_ID_HEADER)
+
+
+def _offered_keys(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    keys = []
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer":
+                keys.append(token.strip())
+        elif name == b"x-api-key":
+            keys.append(value)
+    return keys
 
 
 def _needs_key(path: str) -> bool:

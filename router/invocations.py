@@ -33,7 +33,7 @@ class InvocationType:
 async def invoke(types: Sequence[InvocationType], servings: ModelServings, request: Request) -> Response:
     try:
         body = json.loads(await request.body())
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past Python's limit: not a request either)
         raise bad_request("The request body is not valid JSON.", None) from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None)

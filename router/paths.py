@@ -21,4 +21,9 @@ ENGINE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/respon
 def route_path(scope: Scope) -> str:
     """The request's path below the application's root path (Serve mounts apps under a prefix)."""
     path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    # (Only at a segment's end: under a root of "/p", "/pause" is not "ause", as Starlette reads it.)
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root):] if path[len(root)] == "/" else path

@@ -771,7 +771,7 @@ class OpenAIServing:
                                   "min_tokens")
         self.check_priority(request.priority)
         min_tokens = request.min_tokens
-        stop_ids = list(request.stop_token_ids or [])
+        stop_ids = list(dict.fromkeys(request.stop_token_ids or []))  # (each once: the engines check them per step)
         vocab = self.token_id_limit
         if any(t < 0 or t >= vocab for t in stop_ids):
             raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
@@ -1689,7 +1689,7 @@ def _parsed_arguments(call: Any) -> Any:
     try:
         # Empty or null arguments (a call without any) are an empty object, as in vLLM.
         arguments = json.loads(function["arguments"]) if (function["arguments"] or "").strip() else None
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # (nested past Python's limit: the client's error too)
         raise bad_request(f"a tool call's arguments are not JSON: {e}", "messages") from e
     return {**call, "function": {**function, "arguments": {} if arguments is None else arguments}}
 

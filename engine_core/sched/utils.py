@@ -19,7 +19,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         if not sampling_params.ignore_eos and last_token_id == request.eos_token_id:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
-        if sampling_params.stop_token_ids and last_token_id in sampling_params.stop_token_ids:
+        if sampling_params.stop_token_ids and last_token_id in sampling_params.stop_token_set:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last_token_id
             return True

@@ -4,6 +4,7 @@ import pytest
 
 from engine_core.request import FinishReason, Request, RequestStatus, StreamingUpdate
 from engine_core.sampling_params import SamplingParams
+from engine_core.sched.utils import check_stop
 
 
 def test_status_enum_is_in_seed_order():
@@ -62,3 +63,12 @@ def test_sampling_params_read_seed_minus_one_as_none_and_refuse_an_infinite_repe
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=float("inf"))
+
+
+def test_stop_token_ids_are_kept_once_each_and_checked_as_a_set():
+    params = SamplingParams(stop_token_ids=[9, 4, 9, *range(100, 5000)])
+    assert params.stop_token_ids[:3] == [9, 4, 100] and len(params.stop_token_ids) == 2 + 4900
+    assert params.stop_token_set == frozenset(params.stop_token_ids)
+    request = Request("r", [1, 2], SamplingParams(stop_token_ids=[*range(100, 5000), 42], max_tokens=8), eos_token_id=0)
+    request.append_output_token_ids(42)
+    assert check_stop(request, 100) and request.stop_reason == 42

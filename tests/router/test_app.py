@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 from router.app import EventStreamResponse, ResponseCounter, create_app
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics
+from router.paths import route_path
 from router.routing import RoundRobinPolicy
 from router.serving import OpenAIServing, ServingSettings
 
@@ -80,10 +81,15 @@ def test_api_keys_guard_the_v1_endpoints_only():
     assert http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}).status_code == 401
     for key in ("k-one", "k-two"):
         assert http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    # The scheme in any case (vLLM's reading), and either header: an x-api-key beside another
+    # Authorization (a proxy's, say) still counts.
+    assert http.get("/v1/models", headers={"Authorization": "bearer k-one"}).status_code == 200
+    assert http.get("/v1/models", headers={"Authorization": "Basic abc", "x-api-key": "k-two"}).status_code == 200
+    assert http.get("/v1/models", headers={"Authorization": "Token k-one"}).status_code == 401
     assert http.options("/v1/models").status_code != 401  # CORS preflights carry no key
     for open_path in ("/version", "/metrics"):
         assert http.get(open_path).status_code == 200
-    assert _counts(metrics)[("/v1/models", "401")] == 3
+    assert _counts(metrics)[("/v1/models", "401")] == 4
     good = openai.OpenAI(base_url="http://testserver/v1", api_key="k-two", http_client=http, max_retries=0)
     assert [m.id for m in good.models.list()] == ["tiny"]
     assert good.models.retrieve("tiny").id == "tiny"
@@ -300,3 +306,10 @@ def test_the_replicas_own_time_is_recorded_per_request():
     first_chunk = _histogram(metrics, "llm_cluster:router_first_chunk_delay_seconds")
     assert to_engine[0] == 2 and 0 < to_engine[1] < wall
     assert first_chunk[0] == 1 and 0 < first_chunk[1] < wall
+
+
+def test_the_root_path_is_cut_only_at_a_segment_boundary():
+    assert route_path({"path": "/p/v1/models", "root_path": "/p"}) == "/v1/models"
+    assert route_path({"path": "/pause", "root_path": "/p"}) == "/pause"  # (not "ause": a dev path, guarded)
+    assert route_path({"path": "/p", "root_path": "/p"}) == ""
+    assert route_path({"path": "/v1/models", "root_path": ""}) == "/v1/models"

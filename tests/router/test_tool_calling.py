@@ -657,3 +657,15 @@ def test_calls_a_mistral_server_is_made_to_make_have_its_9_character_ids(tool_ch
     assert len(call["id"]) == 9 and call["id"].isalnum()
     [first] = [d for d in _deltas(http, {**body, "stream": True}) if d["delta"].get("tool_calls")][:1]
     assert len(first["delta"]["tool_calls"][0]["id"]) == 9
+
+
+def test_an_earlier_calls_arguments_nested_past_pythons_limit_are_a_400():
+    http, _, _ = _app("ok")
+    deep = "[" * 100_000 + "]" * 100_000
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "tools": [WEATHER],
+                                                "tool_choice": "none"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
