@@ -71,9 +71,16 @@ SESSION_HEADER = "x-session-id"
 REQUEST_ID_HEADER = "x-request-id"
 
 
+# An error message longer than this is cut: many repeat what the request gave (a model's name, a
+# schema's keyword, a template's error), and an answer must not grow with a hostile request.
+MAX_ERROR_MESSAGE_CHARS = 2000
+
+
 def _error_response(status: int, message: str, type_: str, param: str | None, path: str = "",
                     code: int | str | None = None) -> JSONResponse:
     """OpenAI's error body (``code``: by default the status); on Anthropic's Messages paths, Anthropic's."""
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        message = message[:MAX_ERROR_MESSAGE_CHARS] + "… (cut)"
     if path.startswith(MESSAGES_PATH):
         return JSONResponse(status_code=status, content=anthropic_error_body(status, message))
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_,

@@ -1095,3 +1095,10 @@ def test_a_long_prompt_is_tokenized_in_the_tokenizer_thread_with_the_same_tokens
                                            "truncate_prompt_tokens": 200})
     assert r.status_code == 200, r.text
     assert engine.requests[-1].prompt_token_ids == expected[-200:]
+
+
+def test_an_error_that_repeats_the_request_is_cut_to_a_bounded_length():
+    http, _ = _app()
+    r = http.post("/v1/completions", json={"model": "m" * 100_000, "prompt": "hi"})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and message.endswith("… (cut)") and len(message) < 2100
