@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +98,9 @@ class EngineCoreService:
         # and each resume starts a new epoch, so a drain that a resume overtook does not pause after it.
         self._held_requests: list[EngineCoreRequest] | None = None
         self._pause_epoch = 0
+        # Sleeps and wake-ups under way (their calls run on Ray's threads of the actor).
+        self._sleep_calls = 0
+        self._sleep_calls_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run_busy_loop, name=f"engine-{config.engine_index}-busy-loop",
                                         daemon=True)
         self._thread.start()
@@ -247,6 +250,11 @@ class EngineCoreService:
         for request in held:
             self._add_request(request)
 
+    def is_paused(self) -> bool:
+        """Paused, or draining for a "wait" pause (new requests are held already), as vLLM answers
+        from the moment the pause is asked."""
+        return self.call_in_loop(lambda: self.engine.is_paused() or self._held_requests is not None)
+
     def resume_generation(self) -> bool:
         """Resume; False (still paused) while the engine sleeps: wake_up resumes it."""
         def resume() -> bool:
@@ -267,6 +275,11 @@ class EngineCoreService:
         check_sleep(level, mode)
         engine = self.engine
         engine.check_sleep(level)  # (refused before anything is paused)
+        with self._sleep_call():
+            self._sleep(level, mode)
+
+    def _sleep(self, level: int, mode: str) -> None:
+        engine = self.engine
         if not self.call_in_loop(engine.is_sleeping) and not self.pause_generation(mode, clear_cache=True):
             raise RuntimeError(f"engine {self.config.engine_index} could not be emptied to sleep: a resume came "
                                "first, or a request still holds KV blocks (a streaming session waiting for input "
@@ -281,6 +294,21 @@ class EngineCoreService:
         resumes generation (a pause of the operator's own, with nothing asleep, stays). Returns
         whether the engine still sleeps."""
         tags = wake_up_tags(tags)
+        with self._sleep_call():
+            return self._wake_up(tags)
+
+    @contextlib.contextmanager
+    def _sleep_call(self) -> Iterator[None]:
+        """Marks a sleep or wake-up under way (health checks then leave the workers alone)."""
+        with self._sleep_calls_lock:
+            self._sleep_calls += 1
+        try:
+            yield
+        finally:
+            with self._sleep_calls_lock:
+                self._sleep_calls -= 1
+
+    def _wake_up(self, tags: list[str]) -> bool:
         engine = self.engine
 
         def wake() -> tuple[bool, bool]:
@@ -498,6 +526,10 @@ class EngineCoreService:
             raise RuntimeError(self._error)
         if not self._thread.is_alive():
             raise RuntimeError(f"engine {self.config.engine_index}: busy loop is not running")
+        if self._sleep_calls:
+            # Workers busy sleeping or waking (a checkpoint read again can take minutes) answer no
+            # ping until done: the engine is not unhealthy for that (vLLM's /health stays 200).
+            return
         self.engine.executor.check_health()
 
     def is_healthy(self) -> bool:
@@ -728,6 +760,15 @@ class EngineCoreActor:
         await asyncio.to_thread(self.service.call_in_loop, lambda: self.service.engine.pause(PauseState(mode)))
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> bool:
+        if mode == "wait":
+            # The drain can take as long as the longest request: it runs outside the lock, so a
+            # /resume (which overtakes it: see _drain_then_pause), a /pause?mode=abort or a /sleep
+            # is not held up until it ends; only the record of the outcome takes the lock.
+            cleared = await asyncio.to_thread(self.service.pause_generation, mode, clear_cache)
+            async with self._pause_lock:
+                if await self.is_paused():
+                    await self._record_pause(mode)
+            return cleared
         async with self._pause_lock:
             cleared = await asyncio.to_thread(self.service.pause_generation, mode, clear_cache)
             if await self.is_paused():
@@ -735,7 +776,7 @@ class EngineCoreActor:
             return cleared
 
     async def is_paused(self) -> bool:
-        return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.is_paused)
+        return await asyncio.to_thread(self.service.is_paused)
 
     async def resume(self) -> bool:
         """False while the engine sleeps (it stays paused until wake_up)."""

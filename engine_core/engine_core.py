@@ -408,17 +408,20 @@ class EngineCore:
 
     def sleep(self, level: int) -> None:
         """Release the workers' KV cache and weights (level 1: to host memory; 2: discarded). The
-        caller has emptied the engine (paused, no KV block in use, prefix cache reset). Asleep
-        already: only a deeper level does more (level 2 drops the host copy of level 1)."""
+        caller has emptied the engine (paused, no KV block in use, prefix cache reset). Wholly asleep
+        already: only a deeper level does more (level 2 drops the host copy of level 1); woken in
+        part, what was woken is released again (the workers release only what is awake)."""
         self.check_sleep(level)
-        if self.asleep and level <= self.sleep_level:
+        if self.asleep == set(WAKE_UP_TAGS) and level <= self.sleep_level:
             return
         if self.scheduler.kv_cache_manager.block_pool.get_usage() > 0:  # (queued requests hold none: they wait)
             raise RuntimeError(f"engine {self.config.engine_index} still holds KV blocks of requests (a "
                                "streaming session waiting for input holds its own): it cannot sleep")
         # Marked first: a rank that fails half-way is repaired by the next wake_up (each tag is
         # restored only where it was released).
-        self.asleep, self.sleep_level = set(WAKE_UP_TAGS), level
+        if "weights" not in self.asleep or level > self.sleep_level:  # (the level is the weights', as the workers')
+            self.sleep_level = level
+        self.asleep = set(WAKE_UP_TAGS)
         self.executor.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:

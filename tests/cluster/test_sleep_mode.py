@@ -57,6 +57,20 @@ def test_level_2_discards_the_weights_and_reads_them_again(llm, adapter):
     assert _answers(llm) == before and _answers(llm, adapter) == with_adapter
 
 
+def test_sleeping_again_after_waking_in_part_releases_what_woke(llm):
+    """sleep(2), wake_up(["weights"]), sleep(2): the weights go again (they stayed loaded, the
+    engine saying it slept while they held their memory)."""
+    before = _answers(llm)
+    runner = llm._engine.executor.worker.runner
+    llm.sleep(level=2)
+    llm.wake_up(["weights"])
+    assert llm.is_sleeping() and all(p.numel() > 0 for p in runner.model.parameters())
+    llm.sleep(level=2)
+    assert all(p.numel() == 0 for p in runner.model.parameters())
+    llm.wake_up()
+    assert _answers(llm) == before
+
+
 def test_the_prefix_cache_is_emptied_by_sleep(llm):
     pool = llm._engine.scheduler.kv_cache_manager.block_pool
     long_prompt = ["The quick brown fox jumps over the lazy dog. " * 4]

@@ -212,6 +212,7 @@ def test_pause_wait_lets_running_requests_finish_and_keep_freezes_them(service, 
         pausing = pool.submit(service.pause_generation, "wait", True)
         time.sleep(0.01)
         _start(service, "during", list(range(90, 100)), 4)
+        assert service.is_paused() and not pausing.done()  # (paused from the ask: new requests are held)
         assert pausing.result(timeout=60) is True  # drained, paused, cache cleared
     tokens, finish = _until_finished(service, "runs-out")
     assert len(tokens) == 240 and finish == FinishReason.LENGTH  # it ran to its end, not aborted
@@ -425,6 +426,20 @@ def test_a_request_the_engine_fails_to_add_unexpectedly_ends_with_an_error_outpu
     [out] = eco.outputs
     assert (out.request_id, out.finish_reason) == ("twice", FinishReason.ERROR)
     assert "already running" in out.stop_reason
+
+
+def test_a_sleep_or_wake_up_under_way_is_not_a_failed_health_check(service, monkeypatch):
+    """Workers busy sleeping or waking (a checkpoint read again) answer no ping until done; the
+    engine stays healthy meanwhile, as vLLM's /health does."""
+    def busy():
+        raise TimeoutError("the workers are reading the checkpoint")
+
+    monkeypatch.setattr(service.engine.executor, "check_health", busy)
+    with pytest.raises(TimeoutError):
+        service.check_health()
+    with service._sleep_call():
+        service.check_health()
+    assert not service._sleep_calls
 
 
 def test_an_abort_for_another_client_tells_the_requests_own_client(service):
