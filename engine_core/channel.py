@@ -77,6 +77,9 @@ class AddRequest(msgspec.Struct, tag="add"):
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
+    # The client ended them itself, as finished: a stop string it matched on the text (the engine
+    # counts them as finished with reason stop, as vLLM's front end does; a plain abort is not).
+    stopped: bool = False
 
 
 # -- messages, engine -> client ------------------------------------------------------------------
@@ -244,7 +247,7 @@ class ChannelServer:
                     writer.write(encode_frame(accepted))
                 elif isinstance(message, AbortRequests):
                     unfinished.difference_update(message.request_ids)
-                    self._service.abort_requests(message.request_ids)
+                    self._service.abort_requests(message.request_ids, stopped=message.stopped)
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
             pass  # the router went away (or spoke nonsense)
         finally:

@@ -157,11 +157,15 @@ class EngineCoreService:
 
         self.submit(unsubscribe)
 
-    def abort_requests(self, request_ids: list[str], tell_clients: bool = False) -> None:
+    def abort_requests(self, request_ids: list[str], tell_clients: bool = False, stopped: bool = False) -> None:
+        """``stopped``: the client ended them as finished (a stop string matched on its side): the
+        metrics count them so, where an abort is not counted."""
         ids = list(request_ids)
-        self.submit(lambda: self._abort_requests(ids, tell_clients))
+        self.submit(lambda: self._abort_requests(ids, tell_clients, stopped))
 
-    def _abort_requests(self, request_ids: list[str], tell_clients: bool = False) -> None:
+    def _abort_requests(self, request_ids: list[str], tell_clients: bool = False, stopped: bool = False) -> None:
+        if stopped and self.metrics is not None:
+            self.metrics.on_stopped_by_client(request_ids)
         if self._held_requests:
             gone = set(request_ids)
             dropped = [r for r in self._held_requests if r.request_id in gone]

@@ -586,6 +586,13 @@ class EngineCore:
         self.scheduler.finished_req_ids.clear()
         if self._structured is not None:
             self._structured.clear()
+        stats = self.scheduler.make_stats()
+        if stats is not None:
+            # The gauges (running, waiting, KV usage) as they are now, empty: no pass may follow to
+            # report them (nothing is left to run), and they would show the failed load until one did.
+            eco = next(iter(outputs.values()), None) or outputs.setdefault(
+                0, EngineCoreOutputs(engine_index=self.config.engine_index, timestamp=time.time()))
+            eco.scheduler_stats = stats
         return outputs
 
     def shutdown(self) -> None:

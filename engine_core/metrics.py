@@ -236,6 +236,16 @@ class EngineMetrics:
         if stats is not None:
             self._record_stats(stats)
 
+    def on_stopped_by_client(self, request_ids: list[str], now: float | None = None) -> None:
+        """Requests their client ended as finished (a stop string it matched on the text), about to
+        be aborted here: counted as finished with reason stop, at their last token, as vLLM's front
+        end counts the stop strings it finds."""
+        now = time.time() if now is None else now
+        for request_id in request_ids:
+            t = self._tracked.get(request_id)
+            if t is not None:
+                self._finish(t, "stop", t.last_token or now)
+
     def _prefilled(self, request: Request) -> None:
         """A request's prompt is in the KV cache: its tokens, those its prefix-cache hits supplied,
         and those its prefill computed."""

@@ -133,6 +133,9 @@ class RequestStream:
         self.engine = engine
         self.request_id = request_id
         self.finished = False
+        # The reader ended it as finished (a stop string matched on the text): close() tells the
+        # engine so, for its metrics, in the abort.
+        self.stopped = False
         self._queue = queue
         loop = asyncio.get_running_loop()
         self._timer = (loop.call_at((loop.time() if started is None else started) + timeout_s,
@@ -159,7 +162,7 @@ class RequestStream:
         else:
             # Client gone, timeout or stop string: the engine frees the request's blocks (abort forgets it here).
             self.finished = True
-            await self.client.abort(self.engine, [self.request_id])
+            await self.client.abort(self.engine, [self.request_id], stopped=self.stopped)
 
 
 @dataclass
@@ -316,13 +319,14 @@ class EngineClient:
         finally:
             await stream.close()
 
-    async def abort(self, engine: int, request_ids: list[str]) -> None:
+    async def abort(self, engine: int, request_ids: list[str], stopped: bool = False) -> None:
+        """``stopped``: they ended as finished here (a stop string), not abandoned."""
         slot = self._slots[engine]
         for rid in request_ids:
             self._forget(slot, rid)
         if slot.channel is not None:  # (also while marked unhealthy: the engine may still run them)
             try:
-                slot.channel.send(AbortRequests(list(request_ids)))
+                slot.channel.send(AbortRequests(list(request_ids), stopped))
             except Exception as e:
                 logger.warning("abort on engine %d failed: %s", engine, e)
 

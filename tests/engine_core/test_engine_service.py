@@ -7,6 +7,7 @@ import time
 import weakref
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import ClusterConfig, EngineSpec
 from engine_core.engine_actor import EngineCoreService
@@ -440,6 +441,33 @@ def test_a_sleep_or_wake_up_under_way_is_not_a_failed_health_check(service, monk
     with service._sleep_call():
         service.check_health()
     assert not service._sleep_calls
+
+
+def test_a_failed_pass_leaves_the_load_gauges_empty(service):
+    """The requests a failed pass ends are gone: running, waiting and KV usage read 0 at once, not
+    the load before the failure until some later request makes a pass."""
+    def gauges() -> dict[str, float]:
+        wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+        return {f.name: f.samples[0].value for f in text_string_to_metric_families(service.metrics.render().decode())
+                if f.name in wanted}
+
+    for rid in ("a", "b"):
+        _start(service, rid, list(range(20, 40)), 240)
+    _until_running(service)
+    _collect(service, 0.2)
+    assert gauges()["vllm:num_requests_running"] > 0 and gauges()["vllm:kv_cache_usage_perc"] > 0
+
+    def fail(*args):
+        raise RuntimeError("injected worker failure")
+
+    service.engine.executor.worker.runner._forward = fail
+    assert _until_finished(service, "a")[1] == FinishReason.ERROR
+    deadline = time.monotonic() + 60
+    while service._error is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.is_healthy()
+    assert gauges() == {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0,
+                        "vllm:kv_cache_usage_perc": 0.0}
 
 
 def test_an_abort_for_another_client_tells_the_requests_own_client(service):

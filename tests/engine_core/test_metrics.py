@@ -151,3 +151,29 @@ def test_a_router_clock_ahead_of_the_engines_gives_no_negative_latency():
     assert _sum(families["vllm:time_to_first_token_seconds"]) == 0.0
     assert _sum(families["vllm:e2e_request_latency_seconds"]) == 0.0
     assert abs(_sum(families["vllm:request_queue_time_seconds"]) - 0.1) < 1e-9
+
+
+def _success(families: dict, reason: str) -> float:
+    return next(s.value for s in families["vllm:request_success"].samples
+                if s.name.endswith("_total") and s.labels["finished_reason"] == reason)
+
+
+def test_a_request_its_client_stopped_on_a_stop_string_counts_as_finished_and_an_abort_does_not():
+    """The router matches stop strings and aborts the engine request: vLLM's front end counts such
+    a request as finished with reason stop (latency histograms included); a client that left is
+    not counted."""
+    metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
+    for rid in ("stopped", "left"):
+        request = Request(rid, [1, 2, 3], SamplingParams(max_tokens=40), arrival_time=100.0)
+        request.record_event(EngineCoreEventType.QUEUED, 100.0)
+        request.record_event(EngineCoreEventType.SCHEDULED, 100.1)
+        metrics.on_request_added(request)
+    for now in (101.0, 101.5):
+        metrics.on_step({0: EngineCoreOutputs(outputs=[EngineCoreOutput("stopped", [7]),
+                                                       EngineCoreOutput("left", [7])])}, None, now=now)
+    metrics.on_stopped_by_client(["stopped"], now=102.0)
+    metrics.on_step({0: EngineCoreOutputs(finished_requests={"stopped", "left"})}, None, now=102.0)
+    families = _families(metrics)
+    assert _success(families, "stop") == 1 and _success(families, "abort") == 0
+    assert abs(_sum(families["vllm:e2e_request_latency_seconds"]) - 1.5) < 1e-9  # (to its last token)
+    assert _sum(families["vllm:request_generation_tokens"]) == 2

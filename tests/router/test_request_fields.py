@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 
 import pytest
@@ -50,6 +51,7 @@ class ScriptedEngine:
         self.requests: list[EngineCoreRequest] = []
         self.failing_prompt: list[int] | None = None  # an embedding request of this prompt fails
         self.aborted: list[str] = []
+        self.stopped: list[str] = []  # aborted as finished (a stop string the router matched)
         self.num_pooled = num_pooled  # the values of a pooled output (a classifier's: one per class)
         # Each token's logprob (and its best alternative's, one less); None: -0.5 each, no alternatives.
         self.logprob_of: Callable[[int], float] | None = None
@@ -60,6 +62,7 @@ class ScriptedEngine:
         encode_frame(message)  # what the real channel would put on the wire must encode
         if isinstance(message, AbortRequests):
             self.aborted += message.request_ids
+            self.stopped += message.request_ids if message.stopped else []
         if isinstance(message, AddRequest):
             self.requests.append(message.request)
             asyncio.get_running_loop().call_soon(self._answer, message.request)
@@ -1102,3 +1105,25 @@ def test_an_error_that_repeats_the_request_is_cut_to_a_bounded_length():
     r = http.post("/v1/completions", json={"model": "m" * 100_000, "prompt": "hi"})
     message = r.json()["error"]["message"]
     assert r.status_code == 404 and message.endswith("… (cut)") and len(message) < 2100
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_engine_request_as_finished_and_a_client_that_leaves_does_not(stream):
+    """The engine counts a request the router stopped on a stop string as finished (reason stop),
+    as vLLM's front end does; an abandoned one stays an abort."""
+    http, engine = _app(spaced=True)  # (outputs one by one: the stop string comes before the engine's end)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 30, "stop": ["fox"],
+                                           "stream": stream})
+    assert r.status_code == 200
+    [rid] = [req.request_id for req in engine.requests]
+    assert engine.aborted == [rid] and engine.stopped == [rid]
+    if stream:  # a client that leaves mid-stream: a plain abort
+        with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 30,
+                                                          "stream": True}) as leaving:
+            next(leaving.iter_lines())
+        gone = engine.requests[-1].request_id
+        for _ in range(100):
+            if gone in engine.aborted:
+                break
+            time.sleep(0.01)
+        assert gone in engine.aborted and gone not in engine.stopped
