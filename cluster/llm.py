@@ -65,6 +65,8 @@ class SamplingParams(EngineSamplingParams):
     structured_outputs: Any = None
 
     def __post_init__(self) -> None:
+        if self.seed == -1:  # (vLLM's "no seed"; read here, at the API's edge: sample i's seed + i may be -1)
+            self.seed = None
         to_context_end = self.max_tokens is None
         if to_context_end:
             self.max_tokens = _TO_CONTEXT_END  # (for the engine's checks; resolved per prompt)
@@ -442,7 +444,8 @@ class LLM:
                 request_id = group if n == 1 else f"{group}-{sample}"
                 sample_params = params
                 if sample and params.seed is not None:  # sample i draws with seed + i, as vLLM and the router do
-                    sample_params = dataclasses.replace(params, seed=params.seed + sample)
+                    sample_params = dataclasses.replace(params)
+                    sample_params.seed = params.seed + sample  # (set after the checks: -1 here is a seed)
                 skip_special = getattr(params, "skip_special_tokens", True)
                 detok = (IncrementalDetokenizer(self.tokenizer, [] if embeds is not None else ids, stop=stops,
                                                 include_stop_str_in_output=params.include_stop_str_in_output,

@@ -770,7 +770,8 @@ class EngineCoreActor:
             # is not held up until it ends; only the record of the outcome takes the lock.
             cleared = await asyncio.to_thread(self.service.pause_generation, mode, clear_cache)
             async with self._pause_lock:
-                if await self.is_paused():
+                # (A /sleep during the drain recorded the sleep: a restarted actor must sleep again.)
+                if not self.service.engine.is_sleeping() and await self.is_paused():
                     await self._record_pause(mode)
             return cleared
         async with self._pause_lock:

@@ -104,8 +104,6 @@ class SamplingParams:
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0, "repetition_penalty",
                "finite and > 0", self.repetition_penalty)
-        if self.seed == -1:  # (vLLM's "no seed", as clients that offer a random seed send it)
-            self.seed = None
         # (-1: every token of the vocabulary, as vLLM; the engine's max_logprobs bounds both.)
         _check(self.logprobs is None or (type(self.logprobs) is int and self.logprobs >= -1),
                "logprobs", "None, -1 (all) or >= 0", self.logprobs)

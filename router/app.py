@@ -513,7 +513,8 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
         # (Long texts off the event loop: this path needs no key, and every stream of the replica waits.)
         if body.messages is not None:
             tokens = await owner.tokenizer_work(
-                conversation_chars(body.messages), owner.render_messages, body.messages, body.add_generation_prompt,
+                conversation_chars(body.messages, body.tools), owner.render_messages, body.messages,
+                body.add_generation_prompt,
                 body.continue_final_message, body.chat_template_kwargs, tool_dicts(body.tools) or None,
                 add_special_tokens=bool(body.add_special_tokens), chat_template=body.chat_template)
         else:

@@ -87,6 +87,6 @@ class ChatOutputParser:
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past Python's limit: not readable either)
         return False
     return True

@@ -65,21 +65,33 @@ def _log_unheard_failure(task: asyncio.Task) -> None:
 
 
 class SharedRun:
-    """A coroutine function run once for all who ask while it runs: a caller that comes while a run
-    is in flight waits for that run's result instead of starting another (a burst of /health or
-    /metrics requests makes one round of engine calls, not one per request). Each run is detached
-    (``run_to_completion``): a caller that leaves does not cancel it for the others."""
+    """A coroutine function run once for all who ask at about the same time: a caller that comes
+    while a run is in flight waits for the next run, which starts once that one ends and serves
+    every caller that came meanwhile (so each caller's answer is from a run that started after it
+    asked: fresh, yet a burst of /health or /metrics requests makes two rounds of engine calls, not
+    one per request). Runs are detached (``run_to_completion``): a caller that leaves does not
+    cancel a run for the others."""
 
     def __init__(self, fn: Callable[[], Coroutine[Any, Any, T]]) -> None:
         self._fn = fn
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # the run in flight
+        self._next: asyncio.Task | None = None  # the run that follows it, for those who came meanwhile
 
     async def __call__(self) -> Any:
-        task = self._task
-        if task is None or task.done():
+        current = self._task
+        if current is None or current.done():
             task = self._task = detached_task(self._fn())
-            task.add_done_callback(_retrieved)
+        else:
+            if self._next is None or self._next.done():
+                self._next = detached_task(self._after(current))
+            task = self._next
+        task.add_done_callback(_retrieved)
         return await asyncio.shield(task)
+
+    async def _after(self, current: asyncio.Task) -> Any:
+        await asyncio.wait([current])  # (its outcome is its own callers')
+        self._task, self._next = asyncio.current_task(), None  # (now the run in flight)
+        return await self._fn()
 
 
 def _retrieved(task: asyncio.Task) -> None:

@@ -44,6 +44,12 @@ class EngineUnavailableError(RuntimeError):
     pass
 
 
+class EngineRefusedError(EngineUnavailableError):
+    """The engine certainly did not admit the request (it was never sent, or the engine said no):
+    it may go to another engine under the same id. (A channel that broke after the request went
+    out leaves it unknown: the engine may run it and send its outputs on reconnecting.)"""
+
+
 def _actor_died(error: BaseException) -> bool:
     """Whether Ray says the engine actor is dead (not merely slow or restarting): its channel cannot
     carry anything more, even when the socket still looks open (a host that vanished sends no FIN)."""
@@ -256,7 +262,7 @@ class EngineClient:
         # (A draining engine still takes a request routed to it before the router heard of the drain,
         # e.g. a later choice of an n > 1 request: routing leaves it out, see healthy().)
         if not slot.healthy or slot.channel is None:
-            raise EngineUnavailableError(f"engine {engine} is unavailable: {slot.last_error or 'not connected'}")
+            raise EngineRefusedError(f"engine {engine} is unavailable: {slot.last_error or 'not connected'}")
         rid = request.request_id
         queue = OutputQueue()
         timeline = queue.timeline = current_timeline.get()
@@ -298,7 +304,7 @@ class EngineClient:
                 raise RequestRefusedByEngineError(accepted.error)
             # It refuses everything for now (e.g. its workers are restarting): route elsewhere until
             # its health check passes again.
-            error = EngineUnavailableError(f"engine {engine} refused the request: {accepted.error}")
+            error = EngineRefusedError(f"engine {engine} refused the request: {accepted.error}")
             self._mark_unhealthy(slot, error)
             raise error
         return queue

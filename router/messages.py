@@ -399,6 +399,7 @@ class MessagesServing:
         """The prompt's tokens as a Messages request with this conversation would send them."""
         await self.serving.resolve_model(request.model)
         chat = request.chat_request()
-        ids = await self.serving.tokenizer_work(conversation_chars(chat.messages), self.serving.render_chat, chat)
+        ids = await self.serving.tokenizer_work(conversation_chars(chat.messages, chat.tools), self.serving.render_chat,
+                                                chat)
         return {"input_tokens": len(ids)}
 

@@ -38,6 +38,7 @@ from router.detokenizer import IncrementalDetokenizer, fast_decoder
 from router.engine_client import (
     EngineClient,
     EngineOverloadedError,
+    EngineRefusedError,
     EngineUnavailableError,
     RequestRefusedByEngineError,
     RequestStream,
@@ -122,9 +123,12 @@ T = TypeVar("T")
 TOKENIZE_INLINE_CHARS = 8192
 
 
-def conversation_chars(messages: list[ChatMessage]) -> int:
-    """About how much text a conversation's rendering and tokenization read."""
-    return sum(len(m.content) if isinstance(m.content, str) else len(str(m.content or "")) for m in messages)
+def conversation_chars(messages: list[ChatMessage], *more: Any) -> int:
+    """About how much text a conversation's rendering and tokenization read: its messages' content
+    and their other fields (reasoning, tool calls), and ``more`` (tools, documents) the template shows."""
+    return sum((len(m.content) if isinstance(m.content, str) else len(str(m.content or "")))
+               + (len(str(m.model_extra)) if m.model_extra else 0) for m in messages) \
+        + sum(len(str(item)) for item in more if item)
 
 
 def choice_request_id(request_id: str, index: int) -> str:
@@ -914,7 +918,10 @@ class OpenAIServing:
                 try:
                     streams.append(await self.client.open(job.engine, request, timeout))
                 except (EngineOverloadedError, EngineUnavailableError) as e:
-                    other = None if rerouted else self._other_engine(job, lora, cache_salt)
+                    # (Moved only when the engine certainly did not take it: under the same id, outputs
+                    # of a request it did take could reach the new engine's stream.)
+                    movable = isinstance(e, EngineOverloadedError | EngineRefusedError)
+                    other = None if rerouted or not movable else self._other_engine(job, lora, cache_salt)
                     if other is None:
                         raise _engine_refusal(e) from e
                     rerouted = True
@@ -1221,8 +1228,8 @@ class OpenAIServing:
             raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
                               "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
                               '"required" or "none"', "tool_choice")
-        ids = self.truncate_prompt(await self.tokenizer_work(conversation_chars(request.messages), self.render_chat,
-                                                             request), request)
+        chars = conversation_chars(request.messages, request.tools, request.documents)
+        ids = self.truncate_prompt(await self.tokenizer_work(chars, self.render_chat, request), request)
         if request_id is None:
             request_id, engine_base = answer_ids("chatcmpl", external_id)
         elif engine_base is None:

@@ -1440,3 +1440,14 @@ def test_vllms_text_and_prompt_fields_of_sampling_params(tiny_model_dir):
         assert llm.reset_prefix_cache() is True
     finally:
         llm.shutdown()
+
+
+def test_a_sample_whose_seed_comes_to_minus_one_stays_seeded(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_model_len=64)
+    try:
+        params = SamplingParams(n=2, seed=-2, max_tokens=6, temperature=1.0, ignore_eos=True)
+        first = [c.token_ids for c in llm.generate([5, 6, 7], params, use_tqdm=False)[0].outputs]
+        again = [c.token_ids for c in llm.generate([5, 6, 7], params, use_tqdm=False)[0].outputs]
+    finally:
+        llm.shutdown()
+    assert first == again  # (both samples seeded: sample 1's seed is -1, not "no seed")

@@ -59,8 +59,9 @@ def test_bad_sampling_params_raise_naming_the_field(kwargs, name):
         SamplingParams(**kwargs)
 
 
-def test_sampling_params_read_seed_minus_one_as_none_and_refuse_an_infinite_repetition_penalty():
-    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+def test_engine_sampling_params_keep_seed_minus_one_and_refuse_an_infinite_repetition_penalty():
+    # (-1 means "no seed" at the APIs' edge only: here it may be choice 1's seed of a request seeded -2.)
+    assert SamplingParams(seed=-1).seed == -1
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=float("inf"))
 

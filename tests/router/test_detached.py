@@ -134,12 +134,16 @@ def test_a_shared_run_serves_every_caller_that_comes_while_it_runs_and_survives_
 
     async def run():
         shared = SharedRun(work)
-        assert await asyncio.gather(*(shared() for _ in range(10))) == [1] * 10
-        leaving = asyncio.create_task(shared())
+        # The first caller starts run 1; the nine that come while it runs share run 2, which starts
+        # after they asked (their answers are fresh).
+        assert await asyncio.gather(*(shared() for _ in range(10))) == [1] + [2] * 9
+        first = asyncio.create_task(shared())  # (run 3)
+        await asyncio.sleep(0)
+        leaving = asyncio.create_task(shared())  # (these two wait for run 4)
         staying = asyncio.create_task(shared())
         await asyncio.sleep(0.01)
         leaving.cancel()
-        assert await staying == 2  # (the leaver did not cancel the run the other one waits for)
-        assert await shared() == 3  # (a caller after a run ended starts another)
+        assert await first == 3 and await staying == 4  # (the leaver cancelled no run)
+        assert await shared() == 5  # (a caller after a run ended starts another)
 
     asyncio.run(run())

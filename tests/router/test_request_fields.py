@@ -292,6 +292,9 @@ def test_seed_minus_one_means_no_seed_for_every_choice():
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 2, "seed": -1})
     assert r.status_code == 200, r.text
     assert [req.sampling_params.seed for req in engine.requests] == [None, None]
+    engine.requests.clear()
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 2, "seed": -2})
+    assert sorted(req.sampling_params.seed for req in engine.requests) == [-2, -1]  # (choice 1 stays seeded)
 
 
 @pytest.mark.parametrize(("fields", "defaults", "status"), [

@@ -26,6 +26,9 @@ class RecordingChannel:
     def send(self, message: object) -> None:
         self.sent.append(message)
 
+    def close(self) -> None:
+        pass
+
     def added(self) -> list[str]:
         return [m.request.request_id for m in self.sent if isinstance(m, AddRequest)]
 
@@ -289,5 +292,26 @@ def test_long_texts_are_tokenized_off_the_event_loop_and_never_beside_short_ones
         assert ticks >= 10  # (the loop went on while the long text was tokenized)
         ticking.cancel()
         assert await serving.tokenizer_work(10, work, 0.0) == loop_thread  # (the thread is idle again)
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_channel_broke_after_it_was_sent_is_not_moved():
+    """The engine may have taken it (and send its outputs on reconnecting, under the same id): it is
+    a 503, not a second copy on another engine that could receive the first one's tokens."""
+    async def run():
+        serving, client, channels = _two_engines()
+
+        async def break_after_send():
+            await _until_added(channels[0], 1)
+            client._drop_channel(client._slots[0])
+
+        breaking = asyncio.create_task(break_after_send())
+        with pytest.raises(APIError) as raised:
+            async with asyncio.timeout(10):  # (moved, it would wait for engine 1, which answers nothing)
+                await serving.completions(_request(1))
+        await breaking
+        assert raised.value.status == 503 and channels[1].added() == []
+        assert client.loads() == [0, 0] and not client._queues
 
     asyncio.run(run())

@@ -669,3 +669,9 @@ def test_an_earlier_calls_arguments_nested_past_pythons_limit_are_a_400():
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "tools": [WEATHER],
                                                 "tool_choice": "none"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_a_call_whose_arguments_nest_past_pythons_limit_is_text_not_a_500():
+    deep = "[" * 100_000 + "]" * 100_000
+    text = '<tool_call>{"name": "f", "arguments": ' + deep + "}</tool_call>"
+    assert collect(HermesToolCallParser(), text) == (text, [])
