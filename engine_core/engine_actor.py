@@ -770,15 +770,18 @@ class EngineCoreActor:
             # is not held up until it ends; only the record of the outcome takes the lock.
             cleared = await asyncio.to_thread(self.service.pause_generation, mode, clear_cache)
             async with self._pause_lock:
-                # (A /sleep during the drain recorded the sleep: a restarted actor must sleep again.)
-                if not self.service.engine.is_sleeping() and await self.is_paused():
-                    await self._record_pause(mode)
+                await self._record_paused(mode)
             return cleared
         async with self._pause_lock:
             cleared = await asyncio.to_thread(self.service.pause_generation, mode, clear_cache)
-            if await self.is_paused():
-                await self._record_pause(mode)
+            await self._record_paused(mode)
             return cleared
+
+    async def _record_paused(self, mode: str) -> None:
+        """Record a pause that holds (under the pause lock). A sleeping engine keeps its sleep's
+        record: an actor restarted from it must sleep again, not come back paused and awake."""
+        if not self.service.engine.is_sleeping() and await self.is_paused():
+            await self._record_pause(mode)
 
     async def is_paused(self) -> bool:
         return await asyncio.to_thread(self.service.is_paused)
