@@ -451,21 +451,25 @@ def test_a_failed_pass_leaves_the_load_gauges_empty(service):
         return {f.name: f.samples[0].value for f in text_string_to_metric_families(service.metrics.render().decode())
                 if f.name in wanted}
 
-    for rid in ("a", "b"):
-        _start(service, rid, list(range(20, 40)), 240)
-    _until_running(service)
-    _collect(service, 0.2)
-    assert gauges()["vllm:num_requests_running"] > 0 and gauges()["vllm:kv_cache_usage_perc"] > 0
+    runner = service.engine.executor.worker.runner
+    forward, passes, before = runner._forward, [], {}
 
-    def fail(*args):
+    def fail_at_the_fourth_pass(*args, **kwargs):  # (the passes before it published their load)
+        passes.append(1)
+        if len(passes) < 4:
+            return forward(*args, **kwargs)
+        before.update(gauges())
         raise RuntimeError("injected worker failure")
 
-    service.engine.executor.worker.runner._forward = fail
+    runner._forward = fail_at_the_fourth_pass
+    for rid in ("a", "b"):
+        _start(service, rid, list(range(20, 40)), 200)
     assert _until_finished(service, "a")[1] == FinishReason.ERROR
     deadline = time.monotonic() + 60
     while service._error is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert service.is_healthy()
+    assert before["vllm:num_requests_running"] > 0 and before["vllm:kv_cache_usage_perc"] > 0
     assert gauges() == {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0,
                         "vllm:kv_cache_usage_perc": 0.0}
 
