@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -350,15 +352,29 @@ _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReaso
            FinishReason.ERROR: "error"}
 
 
+def _copy_of(tokenizer: Any) -> Any | None:
+    """A copy of a tokenizer for the tokenizer thread, made as the replica starts (before it serves:
+    the copy reads the tokenizer); None for one that does not copy."""
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception as e:
+        logger.warning("the tokenizer does not copy (%s): short text waits while the tokenizer thread "
+                       "works on long text", e)
+        return None
+
+
 class OpenAIServing:
     def __init__(self, settings: ServingSettings, client: EngineClient, tokenizer: Any, policy: RoutingPolicy,
                  metrics: RouterMetrics | None = None) -> None:
         self.settings = settings
         self.client = client
-        self.tokenizer = tokenizer
+        self._loop_tokenizer = tokenizer
         self._decode = fast_decoder(tokenizer)
-        # Long texts are tokenized here (see tokenizer_work); made at the first one.
+        # Long texts are tokenized here (see tokenizer_work); made at the first one, with a copy of
+        # the tokenizer of its own (``tokenizer`` in that thread).
         self._tokenizer_thread: ThreadPoolExecutor | None = None
+        self._thread_tokenizer = threading.local()
+        self._tokenizer_copy = _copy_of(tokenizer)  # (None: one that does not copy; see tokenizer_work)
         self._tokenizer_jobs = 0  # sent to that thread and not finished
         self.policy = policy
         self.metrics = metrics
@@ -531,27 +547,42 @@ class OpenAIServing:
         (whichever alias the request used, as in vLLM)."""
         return model if model is not None and model in self.lora_adapters else self.settings.served_model_name
 
+    @property
+    def tokenizer(self) -> Any:
+        """The replica's tokenizer as the calling thread may use it: the tokenizer thread has a copy
+        of its own. A fast tokenizer is not safe to share between threads: one that truncates sets
+        its truncation on the tokenizer, and one used while another thread holds it raises
+        "Already borrowed"."""
+        return getattr(self._thread_tokenizer, "tokenizer", self._loop_tokenizer)
+
     async def tokenizer_work(self, chars: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, tokenizer work on ``chars`` characters of text: on the event loop
-        when short, and in the replica's tokenizer thread when longer than TOKENIZE_INLINE_CHARS (a
-        5 MB prompt took 3.5 s to tokenize, and every stream of the replica waited; vLLM tokenizes in
-        a thread too). While that thread works, short work queues there as well: the tokenizer is
-        used by one thread at a time (its truncation settings are not safe to share)."""
-        if chars <= TOKENIZE_INLINE_CHARS and not self._tokenizer_jobs:
+        when short, and in the replica's tokenizer thread, with its own copy of the tokenizer, when
+        longer than TOKENIZE_INLINE_CHARS (a 5 MB prompt took 3.5 s to tokenize, and every stream of
+        the replica waited; vLLM tokenizes in a thread too). Short work does not wait for long work;
+        only with a tokenizer that cannot be copied does it queue behind it, so that the one
+        tokenizer is used by one thread at a time."""
+        if chars <= TOKENIZE_INLINE_CHARS and not (self._tokenizer_jobs and self._tokenizer_copy is None):
             return fn(*args, **kwargs)
         if self._tokenizer_thread is None:
-            self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+            self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer",
+                                                        initializer=self._give_thread_its_tokenizer)
         future = asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
                                                             functools.partial(fn, *args, **kwargs))
         self._tokenizer_jobs += 1
         future.add_done_callback(self._tokenizer_job_done)
-        # (Shielded: a client that leaves does not end the count before the thread is done.)
+        # (Shielded: the thread finishes a job whose client left; until then it counts.)
         return await asyncio.shield(future)
 
     def _tokenizer_job_done(self, future: asyncio.Future) -> None:
         self._tokenizer_jobs -= 1
         if not future.cancelled():
             future.exception()  # (seen: its caller may have left)
+
+    def _give_thread_its_tokenizer(self) -> None:
+        """(The tokenizer thread's first step.)"""
+        if self._tokenizer_copy is not None:
+            self._thread_tokenizer.tokenizer = self._tokenizer_copy
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:
         # (--exclude-tools-when-tool-choice-none, vLLM's: a request that may call no tool shows the

@@ -254,28 +254,27 @@ def test_an_unexpected_error_in_one_of_several_streamed_choices_ends_the_stream_
     asyncio.run(run())
 
 
-def test_long_texts_are_tokenized_off_the_event_loop_and_never_beside_short_ones():
+def test_long_texts_are_tokenized_off_the_event_loop_with_a_tokenizer_of_their_own():
     """tokenizer_work: short text on the loop, long text in the replica's tokenizer thread (the
-    loop keeps serving meanwhile), and short text that comes while that thread works queues there
-    too, so the tokenizer is never used by two threads at once."""
+    loop keeps serving meanwhile, short text included), and that thread tokenizes with a copy of
+    the tokenizer: no tokenizer is used by two threads at once."""
     import threading
     import time as clock
 
     from router.serving import TOKENIZE_INLINE_CHARS
 
     serving, _, _ = _serving()
-    loop_thread = threading.get_ident()
-    busy: list[int] = []  # threads inside the tokenizer work now
+    loop_thread, loop_tokenizer = threading.get_ident(), serving.tokenizer
+    users: dict[int, set[int]] = {}  # tokenizer -> the threads that used it
 
-    def work(seconds: float) -> int:
-        busy.append(threading.get_ident())
-        assert len(busy) == 1, "two threads tokenizing at once"
+    def work(seconds: float) -> tuple[int, list[int]]:
+        users.setdefault(id(serving.tokenizer), set()).add(threading.get_ident())
         clock.sleep(seconds)
-        busy.pop()
-        return threading.get_ident()
+        return threading.get_ident(), serving.tokenizer.encode("Paris", add_special_tokens=False)
 
     async def run():
-        assert await serving.tokenizer_work(10, work, 0.0) == loop_thread
+        paris = loop_tokenizer.encode("Paris", add_special_tokens=False)
+        assert await serving.tokenizer_work(10, work, 0.0) == (loop_thread, paris)
         ticks = 0
 
         async def ticker():
@@ -288,9 +287,50 @@ def test_long_texts_are_tokenized_off_the_event_loop_and_never_beside_short_ones
         long = asyncio.create_task(serving.tokenizer_work(TOKENIZE_INLINE_CHARS + 1, work, 0.3))
         await asyncio.sleep(0.05)
         short_meanwhile = await serving.tokenizer_work(10, work, 0.0)
-        assert await long != loop_thread and short_meanwhile != loop_thread
+        assert not long.done()  # (the short text did not wait for it)
+        long_thread, long_ids = await long
+        assert long_thread != loop_thread and short_meanwhile[0] == loop_thread
+        assert long_ids == short_meanwhile[1]  # (the copy tokenizes as the tokenizer does)
         assert ticks >= 10  # (the loop went on while the long text was tokenized)
         ticking.cancel()
+        assert sorted(len(threads) for threads in users.values()) == [1, 1]
+        assert serving.tokenizer is loop_tokenizer
+
+    asyncio.run(run())
+
+
+def test_with_a_tokenizer_that_does_not_copy_short_text_waits_for_the_tokenizer_thread():
+    """The one tokenizer is then shared by both threads, one at a time."""
+    import threading
+    import time as clock
+
+    from router.serving import TOKENIZE_INLINE_CHARS
+
+    class Uncopyable(type(byte_level_tokenizer())):
+        def __deepcopy__(self, memo):
+            raise TypeError("no copies")
+
+    tokenizer = byte_level_tokenizer()
+    tokenizer.__class__ = Uncopyable
+    serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=256),
+                            EngineClient([object()], client_index=1), tokenizer, RoundRobinPolicy())
+    loop_thread = threading.get_ident()
+    busy: list[int] = []  # threads inside the tokenizer work now
+
+    def work(seconds: float) -> int:
+        assert serving.tokenizer is tokenizer
+        busy.append(threading.get_ident())
+        assert len(busy) == 1, "two threads tokenizing at once"
+        clock.sleep(seconds)
+        busy.pop()
+        return threading.get_ident()
+
+    async def run():
+        assert await serving.tokenizer_work(10, work, 0.0) == loop_thread
+        long = asyncio.create_task(serving.tokenizer_work(TOKENIZE_INLINE_CHARS + 1, work, 0.3))
+        await asyncio.sleep(0.05)
+        short_meanwhile = await serving.tokenizer_work(10, work, 0.0)
+        assert await long != loop_thread and short_meanwhile != loop_thread
         assert await serving.tokenizer_work(10, work, 0.0) == loop_thread  # (the thread is idle again)
 
     asyncio.run(run())
