@@ -332,12 +332,15 @@ class EngineCoreService:
         if self.metrics is not None and self.metrics.sleep_level is not None:
             self.metrics.sleep_level = self.engine.sleep_level  # (0 once nothing sleeps)
 
-    def add_lora(self, lora: LoRARequest) -> bool:
+    def add_lora(self, lora: LoRARequest, replacing: int | None = None) -> bool:
         """Load an adapter between passes (ValueError for one the model cannot serve)."""
-        return self._change_adapters(lambda: self.engine.add_lora(lora), timeout=300.0)
+        return self._change_adapters(lambda: self.engine.add_lora(lora, replacing), timeout=300.0)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return self._change_adapters(lambda: self.engine.remove_lora(lora_int_id))
+
+    def retire_lora(self, lora_int_id: int) -> bool:
+        return self._change_adapters(lambda: self.engine.retire_lora(lora_int_id))
 
     def _change_adapters(self, change: Callable[[], bool], timeout: float = 30.0) -> bool:
         def run() -> bool:
@@ -839,12 +842,19 @@ class EngineCoreActor:
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.reset_prefix_cache)
 
-    async def add_lora(self, lora: LoRARequest) -> bool:
-        """Load an adapter on this engine's workers (between passes); ValueError if it cannot be served."""
-        return await asyncio.to_thread(self.service.add_lora, lora)
+    async def add_lora(self, lora: LoRARequest, replacing: int | None = None) -> bool:
+        """Load an adapter on this engine's workers (between passes); ValueError if it cannot be
+        served. ``replacing``: the id of the adapter of that name it reloads in place (then
+        ``retire_lora`` that one)."""
+        return await asyncio.to_thread(self.service.add_lora, lora, replacing)
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         return await asyncio.to_thread(self.service.remove_lora, lora_int_id)
+
+    async def retire_lora(self, lora_int_id: int) -> bool:
+        """Take no new requests under an adapter an in-place reload replaced; unload it once its
+        requests finish."""
+        return await asyncio.to_thread(self.service.retire_lora, lora_int_id)
 
     async def list_loras(self) -> list[LoRARequest]:
         # Read as it stands (a copy taken in one step): no need to wait for the running pass.

@@ -130,6 +130,8 @@ class EngineCore:
                                    lora_config=config.lora_config)
         # LoRA adapters loaded on the workers, by id; the static ones (--lora-modules) load now.
         self.loras: dict[int, LoRARequest] = {}
+        # Of those, the ones an in-place reload replaced: unloaded when no request uses them.
+        self.retired_loras: set[int] = set()
         if config.lora_config is not None:
             if len(config.lora_config.lora_modules) > config.lora_config.max_cpu_loras:
                 logger.warning("engine %d: %d adapters and --max-cpu-loras %d: the least recently used are read "
@@ -191,9 +193,11 @@ class EngineCore:
                     self.config.engine_index, whole.token_budget)
         return whole
 
-    def add_lora(self, lora: LoRARequest) -> bool:
+    def add_lora(self, lora: LoRARequest, replacing: int | None = None) -> bool:
         """Load an adapter on every worker; False when it is loaded already. ValueError for a name
-        or id taken by another adapter, or a checkpoint the model cannot serve."""
+        or id taken by another adapter, or a checkpoint the model cannot serve. ``replacing``: the id
+        of the adapter of that name this one is to replace (an in-place reload, finished by
+        ``retire_lora``)."""
         if self.config.lora_config is None:
             raise ValueError(f"engine {self.config.engine_index}: LoRA is not enabled (--enable-lora)")
         held = self.loras.get(lora.lora_int_id)
@@ -202,7 +206,8 @@ class EngineCore:
         if held is not None:
             raise ValueError(f"LoRA id {lora.lora_int_id} is already the adapter {held.lora_name!r}")
         for other in self.loras.values():
-            if other.lora_name == lora.lora_name and other.lora_int_id != lora.lora_int_id:
+            if (other.lora_name == lora.lora_name and other.lora_int_id != replacing
+                    and other.lora_int_id not in self.retired_loras):
                 raise ValueError(f"a LoRA adapter named {lora.lora_name!r} is already loaded")
         added = self.executor.add_lora(lora)
         self.loras[lora.lora_int_id] = lora
@@ -217,7 +222,25 @@ class EngineCore:
             raise ValueError(f"LoRA adapter {self.loras[lora_int_id].lora_name!r} is in use by {users} requests")
         self.executor.remove_lora(lora_int_id)
         del self.loras[lora_int_id]
+        self.retired_loras.discard(lora_int_id)
         return True
+
+    def retire_lora(self, lora_int_id: int) -> bool:
+        """An adapter replaced in place (a reload under its name, loaded with ``replacing``): it
+        takes no new requests, and is unloaded once the requests that run under it finish (they
+        finish with the weights they started with). False when it was not loaded."""
+        if lora_int_id not in self.loras:
+            return False
+        self.retired_loras.add(lora_int_id)
+        self.unload_retired_loras()
+        return True
+
+    def unload_retired_loras(self) -> None:
+        """(Between passes: the retired adapters no request uses any longer.)"""
+        for lora_int_id in [i for i in self.retired_loras if not self.lora_users(i)]:
+            self.executor.remove_lora(lora_int_id)
+            del self.loras[lora_int_id]
+            self.retired_loras.discard(lora_int_id)
 
     # -- KV cache events ---------------------------------------------------------------------------
 
@@ -245,7 +268,10 @@ class EngineCore:
         self.scheduler.kv_cache_manager.block_pool.stop_kv_events()
 
     def list_loras(self) -> list[LoRARequest]:
-        return list(self.loras.values())
+        """The adapters requests may name (not those retired by an in-place reload). (Safe to read from
+        another thread while the engine's changes them: each is copied whole first.)"""
+        loaded, retired = list(self.loras.items()), frozenset(self.retired_loras)
+        return [lora for i, lora in loaded if i not in retired]
 
     def lora_users(self, lora_int_id: int) -> int:
         """Unfinished requests running under the adapter (an unload waits for them)."""
@@ -255,7 +281,7 @@ class EngineCore:
     def check_lora(self, request: EngineCoreRequest) -> None:
         """LoRANotLoadedError unless the request's adapter (if any) is the one loaded under its id."""
         lora = request.lora_request
-        if lora is not None and self.loras.get(lora.lora_int_id) != lora:
+        if lora is not None and (self.loras.get(lora.lora_int_id) != lora or lora.lora_int_id in self.retired_loras):
             raise LoRANotLoadedError(f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}) is not loaded on engine "
                              f"{self.config.engine_index}")
 
@@ -503,6 +529,8 @@ class EngineCore:
                     totals["drafts"] += stats.spec_decoding_stats.num_drafts
                     totals["draft_tokens"] += stats.spec_decoding_stats.num_draft_tokens
                     totals["accepted_tokens"] += stats.spec_decoding_stats.num_accepted_tokens
+        if self.retired_loras:
+            self.unload_retired_loras()
         return outputs
 
     # -- structured output (the grammars live beside the scheduler, see structured_output.py) --------

@@ -416,7 +416,8 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
     if servings.runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-            await servings.load_lora_adapter(body.lora_name, body.lora_path, body.base_model_name)
+            await servings.load_lora_adapter(body.lora_name, body.lora_path, body.base_model_name,
+                                            body.load_inplace)
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter")

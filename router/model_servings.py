@@ -75,23 +75,33 @@ class ModelServings:
         return owner
 
     @runs_to_completion
-    async def load_lora_adapter(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
+    async def load_lora_adapter(self, name: str, path: str, base_model_name: str | None,
+                                load_inplace: bool = False) -> LoRARequest:
         """Load an adapter on the engines of ``base_model_name`` (by default the first model that
-        takes runtime adapters). Its name must not be a model's or another adapter's of any model.
-        Once begun it finishes (on every engine or on none) even if the client leaves."""
+        takes runtime adapters). Its name must not be a model's or another adapter's of any model,
+        unless ``load_inplace`` reloads that adapter (on its own model). Once begun it finishes (on
+        every engine or on none) even if the client leaves."""
         if base_model_name is None:
             owner = next((s for s in self.all if s.settings.allow_runtime_lora_updating), self.default)
         else:
             owner = self._by_name.get(base_model_name)
             if owner is None:
                 raise unknown_model(base_model_name)
-        if not owner.settings.allow_runtime_lora_updating:
-            raise bad_request(f"The model '{owner.settings.served_model_name}' is not served with LoRA adapters "
-                              "(enable_lora).", "base_model_name")
         async with self._loading:
-            if name in self._by_name or await self._adapter_owner(name) is not None:
-                raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
-            return await owner.load_lora_adapter(name, path)
+            holder = None if name in self._by_name else await self._adapter_owner(name)
+            if name in self._by_name or (holder is not None and not load_inplace):
+                raise bad_request(f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                  "adapter in place, set 'load_inplace' to True.", "lora_name")
+            if holder is not None:
+                if base_model_name is not None and holder is not owner:
+                    raise bad_request(f"The lora adapter '{name}' is loaded on the model "
+                                      f"'{holder.settings.served_model_name}', not '{base_model_name}'.",
+                                      "base_model_name")
+                owner = holder
+            if not owner.settings.allow_runtime_lora_updating:
+                raise bad_request(f"The model '{owner.settings.served_model_name}' is not served with LoRA "
+                                  "adapters (enable_lora).", "base_model_name")
+            return await owner.load_lora_adapter(name, path, load_inplace)
 
     @runs_to_completion
     async def unload_lora_adapter(self, name: str) -> None:

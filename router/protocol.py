@@ -604,11 +604,14 @@ class ModelList(BaseModel):
 class LoadLoRAAdapterRequest(BaseModel):
     """vLLM's ``POST /v1/load_lora_adapter`` body; ``base_model_name`` (the name vLLM's JSON
     ``--lora-modules`` entries use for an adapter's base) picks the served model it is loaded on
-    when several are served (default: the first that takes adapters)."""
+    when several are served (default: the first that takes adapters, or the adapter's own model
+    when ``load_inplace`` reloads one). ``load_inplace``: a name already loaded is reloaded from
+    ``lora_path`` (a trainer's new weights) rather than refused."""
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
     base_model_name: str | None = None
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

@@ -426,20 +426,29 @@ class OpenAIServing:
                     logger.warning("the LoRA adapter %r is not served: %r is now a name of the model", name, name)
             self.lora_adapters = loras
 
-    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+    async def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> LoRARequest:
         """Load an adapter on every engine, or on none: an engine that refuses it (a checkpoint the
         model cannot serve) undoes the loads before it. Each load gets a new id, so KV cached under an
-        earlier load of the same name (whose files may have changed since) is never reused."""
+        earlier load of the same name (whose files may have changed since) is never reused.
+
+        ``load_inplace`` reloads an adapter already loaded under ``name`` (vLLM's, for a trainer
+        publishing new weights): once every engine has the new load, new requests naming it get it,
+        while the requests already running under the earlier load finish with it; each engine then
+        unloads the earlier one (an unload would be refused while they run)."""
         await self.refresh_loras()
-        if name in self.settings.served_names or name in self.lora_adapters:
-            raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        earlier = self.lora_adapters.get(name)
+        if name in self.settings.served_names or (earlier is not None and not load_inplace):
+            raise bad_request(f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                              "adapter in place, set 'load_inplace' to True.", "lora_name")
         lora = LoRARequest(name, new_dynamic_lora_id(), path)
+        replacing = None if earlier is None else earlier.lora_int_id
         asked: list[int] = []  # (one that timed out may load it still: undone too)
         try:
             # (An engine started later, by the autoscaler, is given it when a request needs it there.)
             for engine in self.client.present():
                 asked.append(engine)
-                await asyncio.wait_for(self.client.handle(engine).add_lora.remote(lora), LORA_CALL_TIMEOUT_S)
+                await asyncio.wait_for(self.client.handle(engine).add_lora.remote(lora, replacing),
+                                       LORA_CALL_TIMEOUT_S)
         except Exception as e:
             for engine in asked:
                 with contextlib.suppress(Exception):
@@ -451,7 +460,21 @@ class OpenAIServing:
                                "lora_path") from e
             raise bad_request(f"Failed to load the lora adapter '{name}': {why}", "lora_path") from e
         self.lora_adapters[name] = lora
+        if replacing is not None:
+            await self._retire_lora(replacing, asked)
         return lora
+
+    async def _retire_lora(self, lora_int_id: int, engines: list[int]) -> None:
+        """After an in-place reload: the earlier load takes no new requests on these engines and is
+        unloaded once its requests finish. (An engine that does not answer keeps listing it beside
+        the new load until it restarts: warned, since the new load is in place everywhere.)"""
+        results = await asyncio.gather(*(
+            asyncio.wait_for(self.client.handle(engine).retire_lora.remote(lora_int_id), LORA_CALL_TIMEOUT_S)
+            for engine in engines), return_exceptions=True)
+        for engine, result in zip(engines, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("engine %d could not retire LoRA id %d after its in-place reload: %s", engine,
+                               lora_int_id, _lora_call_failure(result, engine))
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Unload an adapter from every engine, or from none: while requests still run under it on

@@ -200,6 +200,43 @@ def test_a_reload_gets_a_new_id_so_old_kv_is_never_reused(cluster, adapters):
     assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "again"}).status_code == 200
 
 
+def test_an_in_place_reload_serves_new_weights_while_running_requests_finish_with_theirs(cluster, adapters,
+                                                                                         tiny_model_dir):
+    """load_inplace, as a trainer publishing new weights under one name uses it: a request running
+    under the earlier load (held by paused engines) finishes with the earlier weights; the next
+    requests get the new ones, through the replica that reloaded it and through another that still
+    knew the earlier load (the engines refuse it, and that replica looks the name up again)."""
+    import ray
+
+    from engine_core.sched.scheduler import PauseState
+
+    base, other = cluster.base, f"{cluster.base}/other"
+    body = {"model": "hot", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    old_text = _peft_greedy_text(tiny_model_dir, {"seed": 11}, PROMPT, 10)
+    new_text = _peft_greedy_text(tiny_model_dir, {"seed": 12, "r": 4, "targets": ("q_proj", "v_proj")}, PROMPT, 10)
+    assert _load(base, "hot", adapters["a"]).status_code == 200
+    assert httpx.post(f"{other}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == old_text
+    ray.get([e.actor.pause.remote(int(PauseState.PAUSED_ALL)) for e in cluster.engines])
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=60)
+        try:
+            deadline = time.monotonic() + 20
+            while sum(s.num_unfinished_requests for s in cluster.stats()) == 0:
+                assert time.monotonic() < deadline, "the request never reached an engine"
+                time.sleep(0.05)
+            r = httpx.post(f"{base}/v1/load_lora_adapter", timeout=60, json={
+                "lora_name": "hot", "lora_path": str(adapters["b"]), "load_inplace": True})
+            assert r.status_code == 200, r.text
+        finally:
+            ray.get([e.actor.resume.remote() for e in cluster.engines])
+        assert pending.result().json()["choices"][0]["text"] == old_text
+    for url in (other, base):
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == new_text
+    ids = [loras["hot"] for loras in _engine_loras(cluster)]
+    assert len(set(ids)) == 1
+    assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "hot"}).status_code == 200
+
+
 def test_an_engine_that_lost_a_runtime_adapter_gets_it_back(cluster, adapters):
     """A restarted engine actor comes back with the --lora-modules adapters only: the router loads
     a runtime one there again when a request needs it."""

@@ -38,10 +38,17 @@ class FakeEngine:
     def __getattr__(self, name: str) -> _Method:
         return _Method(self, name)
 
-    async def _add_lora(self, lora: LoRARequest) -> bool:
+    async def _add_lora(self, lora: LoRARequest, replacing: int | None = None) -> bool:
         await asyncio.sleep(self.hangs)
+        assert all(held.lora_name != lora.lora_name or i == replacing for i, held in self.loras.items())
         self.loras[lora.lora_int_id] = lora
         return True
+
+    async def _retire_lora(self, lora_int_id: int) -> bool:  # (as if no request ran under it)
+        return self.loras.pop(lora_int_id, None) is not None
+
+    async def _list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
 
     async def _remove_lora(self, lora_int_id: int) -> bool:
         await asyncio.sleep(self.hangs)
@@ -114,7 +121,7 @@ def test_a_path_no_engine_finds_is_a_404_and_a_checkpoint_an_engine_refuses_a_40
             super().__init__()
             self.error = error
 
-        async def _add_lora(self, lora: LoRARequest) -> bool:
+        async def _add_lora(self, lora: LoRARequest, replacing: int | None = None) -> bool:
             raise self.error
 
     async def main() -> None:
@@ -125,5 +132,46 @@ def test_a_path_no_engine_finds_is_a_404_and_a_checkpoint_an_engine_refuses_a_40
                 await serving.load_lora_adapter("sql", "/nope")
             assert refused.value.status == status and str(error) in str(refused.value)
             assert "sql" not in serving.lora_adapters
+
+    asyncio.run(main())
+
+
+def test_a_reload_in_place_replaces_the_adapter_on_every_engine_or_on_none():
+    """load_inplace (vLLM's): the name gets a new load (a new id, so no KV of the earlier weights is
+    reused) and each engine retires the earlier one; without it a loaded name is refused; a reload
+    an engine refuses leaves the earlier load in place everywhere."""
+
+    class RefusingLater(FakeEngine):
+        refuse = False
+
+        async def _add_lora(self, lora: LoRARequest, replacing: int | None = None) -> bool:
+            if self.refuse:
+                raise ValueError("LoRA adapter /bad: rank 64 above --max-lora-rank 16")
+            return await super()._add_lora(lora, replacing)
+
+    engines = [FakeEngine(), RefusingLater()]
+    serving = _serving(engines)
+
+    async def main() -> None:
+        async def engines_adapters() -> list[LoRARequest]:
+            return [lora for e in engines for lora in e.loras.values()]
+
+        serving.list_loras = engines_adapters
+        first = await serving.load_lora_adapter("sql", "/adapters/v1")
+        with pytest.raises(APIError, match="already been loaded. If you want to load the adapter in place") as refused:
+            await serving.load_lora_adapter("sql", "/adapters/v2")
+        assert refused.value.status == 400 and refused.value.param == "lora_name"
+        second = await serving.load_lora_adapter("sql", "/adapters/v2", load_inplace=True)
+        assert second.lora_int_id != first.lora_int_id and second.lora_path == "/adapters/v2"
+        assert [e.loras for e in engines] == [{second.lora_int_id: second}] * 2
+        assert serving.lora_adapters == {"sql": second}
+        engines[1].refuse = True
+        with pytest.raises(APIError, match="Failed to load the lora adapter 'sql'"):
+            await serving.load_lora_adapter("sql", "/bad", load_inplace=True)
+        assert [e.loras for e in engines] == [{second.lora_int_id: second}] * 2
+        assert serving.lora_adapters == {"sql": second}
+        engines[1].refuse = False
+        third = await serving.load_lora_adapter("new", "/adapters/new", load_inplace=True)  # (a new name: a load)
+        assert serving.lora_adapters["new"] == third
 
     asyncio.run(main())

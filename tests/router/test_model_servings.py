@@ -145,8 +145,8 @@ def test_runtime_adapters_load_onto_the_model_named_or_the_first_that_takes_them
     alpha.lora_adapters["sql"] = LoRARequest("sql", 1, "/adapters/sql")
     calls = []
 
-    async def load(name, path):
-        calls.append(("load", name, path))
+    async def load(name, path, load_inplace):
+        calls.append(("load", name, path, load_inplace))
         beta.lora_adapters[name] = LoRARequest(name, 9, path)
 
     async def unload(name):
@@ -161,12 +161,20 @@ def test_runtime_adapters_load_onto_the_model_named_or_the_first_that_takes_them
                                 ({"lora_name": "y", "lora_path": "/y", "base_model_name": "gamma"}, 404, "model"),
                                 ({"lora_name": "alpha", "lora_path": "/y"}, 400, "lora_name"),
                                 ({"lora_name": "sql", "lora_path": "/y"}, 400, "lora_name"),
-                                ({"lora_name": "x", "lora_path": "/y", "base_model_name": "beta"}, 400, "lora_name")]:
+                                ({"lora_name": "x", "lora_path": "/y", "base_model_name": "beta"}, 400, "lora_name"),
+                                # (in place: on the adapter's own model, which must take runtime loads)
+                                ({"lora_name": "x", "lora_path": "/y", "base_model_name": "alpha",
+                                  "load_inplace": True}, 400, "base_model_name"),
+                                ({"lora_name": "sql", "lora_path": "/y", "load_inplace": True}, 400,
+                                 "base_model_name"),
+                                ({"lora_name": "alpha", "lora_path": "/y", "load_inplace": True}, 400, "lora_name")]:
         r = http.post("/v1/load_lora_adapter", json=body)
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), body
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x2",
+                                                    "load_inplace": True}).status_code == 200
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404  # (alpha's: fixed)
-    assert calls == [("load", "x", "/x"), ("unload", "x")]
+    assert calls == [("load", "x", "/x", False), ("load", "x", "/x2", True), ("unload", "x")]
 
 
 def test_two_models_of_one_name_are_refused():
@@ -183,7 +191,7 @@ def test_a_models_aliases_reach_it_and_responses_carry_its_first_name(num_models
     alpha, alpha_engine = _serving("alpha", "alpha-latest", "a")
     alpha.settings = dataclasses.replace(alpha.settings, allow_runtime_lora_updating=True, model_root="/models/alpha")
 
-    async def load(name, path):
+    async def load(name, path, load_inplace=False):
         alpha.lora_adapters[name] = LoRARequest(name, 9, path)
 
     alpha.load_lora_adapter = load
