@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 from cluster.autoscaler import start_autoscaler, stop_autoscaler
-from cluster.config import ClusterConfig, default_api_keys
+from cluster.config import ClusterConfig, default_api_keys, read_chat_template_files
 from cluster.launcher import (
     EngineHandle,
     engine_actor_name,
@@ -185,7 +185,7 @@ def router_deployment(config: ClusterConfig):
 
 def build_app(args: dict[str, Any]):
     """Serve application builder: ``args`` is a ClusterConfig mapping (engines and their flags)."""
-    config = ClusterConfig(**({"api_keys": default_api_keys()} | args))
+    config = ClusterConfig(**({"api_keys": default_api_keys()} | read_chat_template_files(args)))
     config.engine_configs()  # validate every engine's flags before anything starts
     ensure_ray(config.address, namespace=config.namespace)
     reconcile_engines(config)

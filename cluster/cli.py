@@ -391,14 +391,9 @@ def _extra_models(path: str) -> list:
 
 def read_chat_template(value: str | None) -> str | None:
     """``--chat-template``: a file's text, or the template itself when it is not a file (as vLLM)."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template: no such file: {value}")
+    from cluster.config import chat_template_text
+
+    return None if value is None else chat_template_text(value, "--chat-template")
 
 
 def _config_error(error: Exception) -> str:

@@ -496,6 +496,11 @@ class ClusterConfig(ModelSettings):
     @model_validator(mode="after")
     def _output_parsers(self) -> ClusterConfig:
         _check_output_parsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice)
+        for i, m in enumerate((self, *self.models)):
+            # (A path is read before: by the CLI, or by build_app for a Serve config.)
+            if m.chat_template is not None and not _is_jinja(m.chat_template):
+                where = "chat_template" if i == 0 else f"models[{i - 1}].chat_template"
+                raise ValueError(f"{where}: {m.chat_template!r} is no Jinja template (nor a file where it was read)")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not be empty strings (an empty key would let in an empty Bearer token)")
         return self
@@ -744,6 +749,35 @@ def load_engine_overrides(path: str) -> list[EngineSpec]:
             problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
             raise ValueError(f"{path}: engine {i}: {problems}") from None
     return specs
+
+
+def chat_template_text(value: str, name: str = "chat_template") -> str:
+    """A chat template setting as vLLM reads ``--chat-template``: a file's text, or the template itself
+    when it is not a file (``name``: the setting, for the error)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if _is_jinja(value):
+        return value
+    raise ValueError(f"{name}: no such file: {value}")
+
+
+def _is_jinja(text: str) -> bool:
+    return "{{" in text or "{%" in text
+
+
+def read_chat_template_files(args: dict[str, Any]) -> dict[str, Any]:
+    """A Serve config's ClusterConfig mapping with each model's ``chat_template`` read as
+    ``--chat-template`` is (a path on the node building the application, or the template)."""
+    out = dict(args)
+    if isinstance(out.get("chat_template"), str):
+        out["chat_template"] = chat_template_text(out["chat_template"])
+    if isinstance(out.get("models"), list):
+        out["models"] = [
+            {**m, "chat_template": chat_template_text(m["chat_template"], f"models[{i}].chat_template")}
+            if isinstance(m, dict) and isinstance(m.get("chat_template"), str) else m
+            for i, m in enumerate(out["models"])]
+    return out
 
 
 def load_extra_models(path: str) -> list[ServedModel]:

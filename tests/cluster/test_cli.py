@@ -221,6 +221,27 @@ def test_max_cpu_loras_defaults_to_max_loras_as_in_vllm():
     assert _config("--enable-lora").engine_configs()[0].lora_config.max_cpu_loras == 1
 
 
+def test_a_serve_configs_chat_template_path_is_read_as_the_cli_reads_it(tmp_path):
+    """The Serve config's chat_template (and each models[] entry's) is a file or the template, as
+    --chat-template is: a path was taken as the template's text (every prompt was the path)."""
+    from cluster.config import read_chat_template_files
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    args = {"model": "/models/a", "chat_template": str(template),
+            "models": [{"model": "/models/b", "chat_template": "{{ messages }}"},
+                       {"model": "/models/c", "chat_template": str(template)}]}
+    config = ClusterConfig(**read_chat_template_files(args))
+    assert [config.chat_template, *(m.chat_template for m in config.models)] == [
+        template.read_text(), "{{ messages }}", template.read_text()]
+    assert args["chat_template"] == str(template)  # (the mapping given is left as it was)
+    with pytest.raises(ValueError, match=r"models\[0\].chat_template: no such file: /nowhere.jinja"):
+        read_chat_template_files({"model": "/models/a", "models": [{"model": "b", "chat_template": "/nowhere.jinja"}]})
+    for bad in ({"chat_template": "/nowhere.jinja"}, {"models": [{"model": "b", "chat_template": "t.jinja"}]}):
+        with pytest.raises(ValueError, match="is no Jinja template"):  # (a config made without reading paths)
+            ClusterConfig(model="/models/a", **bad)
+
+
 def test_trusting_request_chat_templates_reaches_every_models_router(tmp_path):
     models = tmp_path / "models.yaml"
     models.write_text("- {model: /models/b, served_model_name: b}\n")
