@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,21 @@ def draft_model_dir(config: EngineConfig) -> str | None:
     return str(resolve_model(spec.model).model_dir)
 
 
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def _check_long_max_model_len(engine_index: int, wanted: int, context: int) -> None:
+    """A --max-model-len past the model's context length is refused, as vLLM refuses it, unless
+    vLLM's switch allows it; here it then runs at the model's length (positions past the model's are
+    never computed), with a warning."""
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").lower() not in ("1", "true"):
+        raise ValueError(f"engine {engine_index}: max_model_len ({wanted}) is greater than the model's context "
+                         f"length ({context}, from its config). Set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 in the engines' "
+                         f"environment to start at the model's {context} instead")
+    logger.warning("engine %d: max_model_len %d is greater than the model's context length %d: serving %d "
+                   "(%s is set)", engine_index, wanted, context, context, ALLOW_LONG_MAX_MODEL_LEN_ENV)
+
+
 class _ExecutorBase(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -143,7 +159,10 @@ class _ExecutorBase(Executor):
         if wanted is None and embeds_only:
             # (A sentence-transformers checkpoint's max_seq_length bounds it by default, as in vLLM.)
             wanted = sentence_transformers_max_seq_length(self.model_dir)
-        self.max_model_len = min(wanted or self.model_config.max_context_len, self.model_config.max_context_len)
+        context = self.model_config.max_context_len
+        if config.scheduler.max_model_len is not None and config.scheduler.max_model_len > context:
+            _check_long_max_model_len(config.engine_index, config.scheduler.max_model_len, context)
+        self.max_model_len = min(wanted or context, context)
         # The workers size a pass as the engine's scheduler will (EngineCore): a budget derived from the
         # context length is derived from this one; an encoder's prompts run whole.
         scheduler = config.scheduler.with_max_model_len(self.max_model_len)

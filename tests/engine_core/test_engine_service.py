@@ -261,6 +261,25 @@ def test_max_model_len_defaults_to_the_models_and_must_fit_the_kv_cache(tmp_path
         EngineCore(small, create_executor(small))
 
 
+def test_a_max_model_len_past_the_models_context_is_refused_unless_vllms_switch_allows_it(tmp_path_factory,
+                                                                                       monkeypatch):
+    """vLLM refuses it (it was capped to the model's without a word: long prompts then met 400s);
+    with VLLM_ALLOW_LONG_MAX_MODEL_LEN the engine starts at the model's length."""
+    from engine_core.engine_core import EngineCore
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny"), max_positions=512)
+    [config] = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=64, max_model_len=600)
+                             ).engine_configs()
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ValueError, match=r"engine 0: max_model_len \(600\) is greater than the model's context "
+                                         r"length \(512, from its config\)\. Set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        create_executor(config)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    engine = EngineCore(config, create_executor(config))
+    assert engine.scheduler_config.max_model_len == 512
+    engine.shutdown()
+
+
 def test_a_model_windowed_in_every_layer_serves_past_what_its_cache_holds(tmp_path):
     """Mistral-style sliding window (8 keys): the KV cache releases the blocks behind each request's
     window, so 8 blocks of 16 serve a 512-token context, and a 300-token prompt runs to its end with
