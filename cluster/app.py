@@ -185,6 +185,10 @@ def router_deployment(config: ClusterConfig):
 
 def build_app(args: dict[str, Any]):
     """Serve application builder: ``args`` is a ClusterConfig mapping (engines and their flags)."""
+    if misplaced := sorted({"host", "port"} & set(args)):
+        # (The CLI's: under Serve the proxy listens where the config's http_options say.)
+        raise ValueError(f"{', '.join(misplaced)}: set the address Serve listens on in the Serve config's "
+                         "http_options, not in the application's args")
     config = ClusterConfig(**({"api_keys": default_api_keys()} | read_chat_template_files(args)))
     config.engine_configs()  # validate every engine's flags before anything starts
     ensure_ray(config.address, namespace=config.namespace)

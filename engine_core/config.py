@@ -16,6 +16,9 @@ from engine_core.lora import LoRAModule
 KVCacheDType = Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDType)
 
+# --dtype: the model's weights and activations (vLLM's choices, and their short names).
+MODEL_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
+
 SchedulingPolicyName = Literal["fcfs", "priority"]
 
 
@@ -352,6 +355,8 @@ class EngineConfig:
             _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                      "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
             _require(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
+            _require(not isinstance(self.dtype, str) or self.dtype.removeprefix("torch.") in MODEL_DTYPE_NAMES,
+                     "dtype", f"one of {', '.join(MODEL_DTYPE_NAMES)}", self.dtype)
             _require(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES, "kv_cache_dtype",
                      f"one of {', '.join(KV_CACHE_DTYPE_NAMES)}", self.kv_cache_dtype)
             _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1",

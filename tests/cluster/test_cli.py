@@ -605,3 +605,18 @@ def test_the_tokenizer_flag_reaches_the_first_models_engines_only(tmp_path, monk
     assert _config().engine_configs()[0].tokenizer is None
     monkeypatch.chdir(tmp_path)  # (a local directory goes to the engines by its full path)
     assert _config("--tokenizer", "tok-b").engine_configs()[0].tokenizer == str(tmp_path / "tok-b")
+
+
+def test_a_serve_configs_args_may_not_set_the_clis_host_and_port():
+    """Serve's proxy listens where http_options say: host and port among the args were ignored."""
+    from cluster.app import build_app
+
+    with pytest.raises(ValueError, match=r"host, port: set the address Serve listens on in the Serve config's "
+                                         r"http_options"):
+        build_app({"model": "/models/a", "host": "0.0.0.0", "port": 9000})
+
+
+def test_dtype_is_checked_with_the_other_engine_flags():
+    with pytest.raises(ValueError, match=r"engine 0: dtype must be one of auto, bfloat16, .*got 'bogus'"):
+        ClusterConfig(model="/models/a", defaults=EngineSpec(dtype="bogus")).engine_configs()
+    assert ClusterConfig(model="/models/a", defaults=EngineSpec(dtype="half")).engine_configs()[0].dtype == "half"
