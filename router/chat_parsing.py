@@ -32,6 +32,12 @@ class ChatOutputParser:
         self._tool_text: list[str] = []  # the text the tool-call parser read (for a whole answer's fallback)
         self.calls_dropped = False  # a whole answer's calls were not JSON: it is its text instead
 
+    @property
+    def hides_reasoning(self) -> bool:
+        """The request asked not to see the thinking (include_reasoning false): its tokens' logprobs
+        and ids would show it, so the answer carries neither (vLLM's rule)."""
+        return self.reasoning is not None and not self.include_reasoning
+
     def feed(self, text: str) -> ParsedDelta:
         reasoning, content = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
         return self._read_tools(reasoning, content, final=False)

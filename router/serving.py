@@ -1257,11 +1257,12 @@ class OpenAIServing:
                 finish_reason = c.output_parser.finish_reason(finish_reason)
             if echoed:  # (beam search's choices too: vLLM echoes the last message for them as well)
                 message.content = echoed + (message.content or "")
+            hidden = c.output_parser is not None and c.output_parser.hides_reasoning
             logprobs = (ChatLogprobs(**self.chat_logprobs(c.logprobs, self._as_token_ids(request)))
-                        if request.logprobs else None)
+                        if request.logprobs and not hidden else None)
             out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                                   stop_reason=c.stop_reason,
-                                  token_ids=c.token_ids if request.return_token_ids else None))
+                                  token_ids=c.token_ids if request.return_token_ids and not hidden else None))
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name(request.model),
                                       choices=out, usage=self._usage(len(ids), choices, request.n),
                                       prompt_logprobs=self._prompt_logprobs(request, ids, choices[0].prompt_logprobs),
@@ -1372,17 +1373,18 @@ class OpenAIServing:
             for c in choices:
                 yield chat_token_chunk(request_id, created, model, c.index, echoed, None, None, None, echo_usage)
         async for event in self._choice_events(streams, choices):
-            logprobs = (self.chat_logprobs(event.logprobs, self._as_token_ids(request))
-                        if request.logprobs and event.logprobs else None)
-            usage = _running_usage(num_prompt_tokens, event) if running_usage else None
             parser = event.choice.output_parser
+            hidden = parser is not None and parser.hides_reasoning
+            logprobs = (self.chat_logprobs(event.logprobs, self._as_token_ids(request))
+                        if request.logprobs and event.logprobs and not hidden else None)
+            usage = _running_usage(num_prompt_tokens, event) if running_usage else None
             if parser is None:
                 yield chat_token_chunk(request_id, created, model, event.choice.index, event.text, logprobs,
                                        event.finish_reason, None, usage, token_ids.of(event) if token_ids else None,
                                        event.stop_reason)
                 continue
             for chunk in self._parsed_chat_chunks(parser, event, logprobs, usage, request_id, created, model,
-                                                  token_ids):
+                                                  None if hidden else token_ids):
                 yield chunk
         if final_usage:
             yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],

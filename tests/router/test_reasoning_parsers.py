@@ -80,6 +80,26 @@ def test_the_chat_endpoint_returns_reasoning_content_whole_and_streamed():
     assert len(deltas) > 4  # streamed token by token
 
 
+def test_hidden_reasoning_does_not_show_through_logprobs_or_token_ids():
+    """include_reasoning false: the thinking's tokens would be readable in logprobs and token ids,
+    so the answer has neither, whole or streamed (vLLM's rule); the prompt's ids still come."""
+    http, _, _ = _app("<think>secret plan</think>Rome.", reasoning="qwen3")
+    body = {"model": "tiny", "messages": MESSAGES, "logprobs": True, "top_logprobs": 1, "return_token_ids": True}
+    shown = http.post("/v1/chat/completions", json=body).json()
+    assert shown["choices"][0]["logprobs"]["content"] and shown["choices"][0]["token_ids"]
+    hidden = http.post("/v1/chat/completions", json={**body, "include_reasoning": False}).json()
+    choice = hidden["choices"][0]
+    assert (choice["message"]["content"], choice["logprobs"], choice.get("token_ids")) == ("Rome.", None, None)
+    assert hidden["prompt_token_ids"] == shown["prompt_token_ids"]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "include_reasoning": False, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Rome."
+    assert not any(d.get("logprobs") or d.get("token_ids") for d in deltas)
+    assert not any("secret" in json.dumps(c) for c in chunks)
+    assert chunks[0]["prompt_token_ids"] == shown["prompt_token_ids"]
+
+
 def test_reasoning_before_an_auto_tool_call_and_none_under_an_output_constraint():
     answer = '<think>weather</think><tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
     http, _, _ = _app(answer, parser="hermes", reasoning="qwen3")
