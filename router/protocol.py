@@ -68,9 +68,10 @@ def random_id(prefix: str) -> str:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = Field(False, description="Send a final chunk with token usage.")
-    continuous_usage_stats: bool = Field(False, description="vLLM extra: with include_usage, every chunk "
-                                                            "carries its choice's usage so far.")
+    # (vLLM's defaults: stream_options given at all means usage unless include_usage is false or null.)
+    include_usage: bool | None = Field(True, description="Send a final chunk with token usage.")
+    continuous_usage_stats: bool | None = Field(False, description="vLLM extra: with include_usage, every "
+                                                                   "chunk carries its choice's usage so far.")
 
 
 class SamplingFields(BaseModel):

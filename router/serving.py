@@ -1201,11 +1201,20 @@ class OpenAIServing:
         echo_pending = {c.index for c in choices} if request.echo and request.logprobs is not None else set()
         # return_token_ids: each choice's first chunk carries its prompt's ids, each chunk its own new ids.
         token_ids = _StreamedTokenIds(shown_ids, n) if request.return_token_ids else None
+
+        def echo_usage(index: int) -> dict[str, int] | None:
+            """(continuous_usage_stats: the echo's chunks, before any generated token counts.)"""
+            if not running_usage:
+                return None
+            num_prompt = len(prompt_ids[index // n])
+            return {"prompt_tokens": num_prompt, "completion_tokens": 0, "total_tokens": num_prompt}
+
         if request.echo and not echo_pending:
             for c in choices:
                 yield _sse(CompletionStreamChunk(id=request_id, created=created, model=model, choices=[
                     CompletionStreamChoice(index=c.index, text=prompt_texts[c.index // n],
-                                           **(token_ids.opening(c.index) if token_ids else {}))]))
+                                           **(token_ids.opening(c.index) if token_ids else {}))],
+                    usage=echo_usage(c.index)))
         async for event in self._choice_events(streams, choices):
             index, logprobs = event.choice.index, None
             if index in echo_pending:
@@ -1214,11 +1223,13 @@ class OpenAIServing:
                     _prompt_logprob_rows(prompt_ids[index // n], event.choice.prompt_logprobs), 0, request.logprobs,
                     self._as_token_ids(request))
                 yield completion_token_chunk(request_id, created, model, index, prompt_texts[index // n], prompt_lp,
-                                             None, None, ids=token_ids.opening(index) if token_ids else None)
+                                             None, None, echo_usage(index),
+                                             ids=token_ids.opening(index) if token_ids else None)
             if request.max_tokens == 0:  # echo only: the one generated token is dropped
                 if event.finish_reason:
                     yield completion_token_chunk(request_id, created, model, index, "", None, event.finish_reason,
-                                                 event.stop_reason, ids=token_ids.opening(index) if token_ids else None)
+                                                 event.stop_reason, echo_usage(index),
+                                                 ids=token_ids.opening(index) if token_ids else None)
                 continue
             if request.logprobs is not None and event.logprobs:
                 logprobs, text_offsets[index] = self._completion_logprobs(event.logprobs, text_offsets[index],
@@ -1916,8 +1927,8 @@ def _stream_usage(request: SamplingFields, forced: bool) -> tuple[bool, bool]:
     options = request.stream_options
     if options is None:
         return forced, False
-    include = options.include_usage or forced
-    return include, include and options.continuous_usage_stats
+    include = bool(options.include_usage) or forced
+    return include, include and bool(options.continuous_usage_stats)
 
 
 def _running_usage(num_prompt_tokens: int, event: _Delta) -> dict[str, int]:

@@ -521,6 +521,22 @@ def test_continuous_usage_stats_count_each_choices_tokens_so_far(path):
     # Without it (include_usage alone) only the last chunk has usage.
     body["stream_options"] = {"include_usage": True}
     assert all(e["usage"] is None for e in _events(http.post(path, json=body).text)[:-1])
+    # vLLM's defaults: stream_options given means include_usage unless it is false (or null).
+    body["stream_options"] = {"continuous_usage_stats": True}
+    alone = _events(http.post(path, json=body).text)
+    assert alone[-1]["choices"] == [] and alone[-1]["usage"] == final
+    assert all(e["usage"] is not None for e in alone)
+    for options in ({"include_usage": False, "continuous_usage_stats": True}, {"include_usage": None}):
+        body["stream_options"] = options
+        assert all(e["usage"] is None for e in _events(http.post(path, json=body).text))
+    body["stream_options"] = {}
+    assert [e["usage"] is None for e in _events(http.post(path, json=body).text)][-2:] == [True, False]
+    if path == "/v1/completions":  # (the echoed prompt's chunks count it too, before any token)
+        body["stream_options"] = {"continuous_usage_stats": True}
+        for extra in ({"echo": True}, {"echo": True, "max_tokens": 0}, {"echo": True, "logprobs": 0}):
+            echoed = _events(http.post(path, json={**body, **extra}).text)
+            assert all(e["usage"]["prompt_tokens"] == prompt_tokens for e in echoed), extra
+            assert echoed[0]["usage"]["completion_tokens"] == 0
 
 
 def test_the_prompts_of_one_request_see_each_others_load_when_routed():
