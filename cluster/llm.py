@@ -30,7 +30,7 @@ from engine_core.structured_output import check_structured_output
 from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
 from router.content_format import CONTENT_FORMATS, TEXT_PART_TYPES, resolve_content_format, template_content
-from router.detokenizer import IncrementalDetokenizer, decode_after
+from router.detokenizer import IncrementalDetokenizer, decode_after, token_text
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
 
 PromptType = str | list[int]
@@ -969,7 +969,8 @@ class LLM:
     def _decode_token(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+            text = self._token_texts[token_id] = token_text(
+                self.tokenizer, lambda ids, skip: self.tokenizer.decode(ids, skip_special_tokens=skip), token_id)
         return text
 
     def _sample_output(self, p: _Pending) -> CompletionOutput:

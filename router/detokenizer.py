@@ -63,6 +63,23 @@ def decode_after(tokenizer: Tokenizer, context_ids: list[int], token_ids: list[i
     return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
 
+SENTENCEPIECE_SPACE = "\u2581"
+
+
+def token_text(tokenizer: Any, decode: Decode, token_id: int) -> str:
+    """One token's text as logprobs name it: its decode, with the leading spaces its SentencePiece
+    piece ("\u2581Paris") marks and a lone decode strips (so a choice's tokens join to its text and
+    text offsets stay true, as vLLM restores them)."""
+    text = decode([token_id], False)
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece.startswith(SENTENCEPIECE_SPACE):
+        marked = len(piece) - len(piece.lstrip(SENTENCEPIECE_SPACE))
+        missing = marked - (len(text) - len(text.lstrip(" ")))
+        if missing > 0:
+            return " " * missing + text
+    return text
+
+
 class IncrementalDetokenizer:
     """With a Rust backend, each token goes through the backend's own ``DecodeStream`` (one call per
     token, the same prefix/read-offset windowing done in Rust); otherwise two windowed decodes per

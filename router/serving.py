@@ -36,7 +36,7 @@ from router.bad_words import bad_words_token_ids
 from router.chat_parsing import ChatOutputParser
 from router.content_format import resolve_content_format, template_content
 from router.detached import SharedRun, runs_to_completion
-from router.detokenizer import IncrementalDetokenizer, fast_decoder
+from router.detokenizer import IncrementalDetokenizer, fast_decoder, token_text
 from router.engine_client import (
     EngineClient,
     EngineOverloadedError,
@@ -1658,7 +1658,7 @@ class OpenAIServing:
         may ask for every token of the vocabulary at each position."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self._decode([token_id], False)
+            text = self._token_texts[token_id] = token_text(self.tokenizer, self._decode, token_id)
         return text
 
     def _as_token_ids(self, request: SamplingFields) -> bool:

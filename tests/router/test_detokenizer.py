@@ -185,3 +185,22 @@ def test_decode_after_the_prompt_equals_what_the_stream_adds_up_to(make):
         ids = tok.encode(words, add_special_tokens=False)
         detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
         assert decode_after(tok, prompt, ids) == "".join(stream(detok, ids)), (prompt_text, words)
+
+
+@pytest.mark.parametrize("make", [sentencepiece_style_tokenizer, byte_level_tokenizer])
+def test_token_texts_join_to_the_text_the_stream_gives(make):
+    """Logprobs name tokens by token_text: a SentencePiece token's leading space ("▁Paris"), which a
+    lone decode strips, is kept, so the names join to the choice's text (and text offsets hold)."""
+    from router.detokenizer import decode_after, token_text
+
+    tok = make()
+    decode = fast_decoder(tok)
+    for prompt_text, words in (("Paris is", "the capital of France"), ("The fox", " jumps over the dog"),
+                               ("Hello", "world")):
+        prompt = tok.encode(prompt_text, add_special_tokens=False)
+        ids = tok.encode(words, add_special_tokens=False)
+        names = [token_text(tok, decode, i) for i in ids]
+        assert "".join(names) == decode_after(tok, prompt, ids), (prompt_text, words, names)
+    if make is sentencepiece_style_tokenizer:
+        lone = tok.convert_tokens_to_ids("▁")
+        assert (decode([lone], False), token_text(tok, decode, lone)) == ("", " ")
