@@ -422,12 +422,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     # With --enable-prompt-tokens-details (as vLLM: null otherwise).
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Chat answers read by a reasoning parser: the thinking's share of completion_tokens (OpenAI's and
+    # vLLM's field; null otherwise).
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

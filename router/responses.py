@@ -876,9 +876,11 @@ class ResponsesServing:
             items.open_empty_message()  # an answer with no text at all still has its (empty) message
         output = items.finish("completed" if status == "completed" else "incomplete")
         prompt, generated = len(run.prompt_ids), len(choice.token_ids)
-        # The thinking's share of the output, counted by re-encoding its text (the tags are not in it).
-        reasoning = sum(len(self.serving.tokenizer.encode(part["text"], add_special_tokens=False))
-                        for item in output if item["type"] == "reasoning" for part in item["content"])
+        # The thinking's share of the output: its tokens, or (tags of several tokens) its text re-encoded.
+        reasoning = self.serving.reasoning_tokens(choice)
+        if reasoning is None:
+            reasoning = sum(len(self.serving.tokenizer.encode(part["text"], add_special_tokens=False))
+                            for item in output if item["type"] == "reasoning" for part in item["content"])
         return base | {
             "status": status, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,

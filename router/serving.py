@@ -65,6 +65,7 @@ from router.protocol import (
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamChunk,
+    CompletionTokensDetails,
     DeltaMessage,
     PromptLogprob,
     PromptTokensDetails,
@@ -1647,8 +1648,22 @@ class OpenAIServing:
         if self.settings.enable_prompt_tokens_details:
             cached = sum(max(c.num_cached_tokens for c in choices[i:i + n]) for i in range(0, len(choices), n))
             details = PromptTokensDetails(cached_tokens=cached)
+        reasoning = [self.reasoning_tokens(c) for c in choices]
         return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
-                         total_tokens=num_prompt_tokens + completion, prompt_tokens_details=details)
+                         total_tokens=num_prompt_tokens + completion, prompt_tokens_details=details,
+                         completion_tokens_details=None if None in reasoning else CompletionTokensDetails(
+                             reasoning_tokens=sum(reasoning)))  # type: ignore[arg-type]
+
+    def reasoning_tokens(self, choice: _Choice) -> int | None:
+        """How many of a choice's tokens are its thinking (the tags not counted): those before the
+        token that closes it, or all when it never closed. None when no reasoning parser read the
+        choice, or the tags are not single tokens of the vocabulary."""
+        parser = choice.output_parser
+        if parser is None or parser.reasoning is None or self._think_end_id is None:
+            return None
+        ids = choice.token_ids
+        end = ids.index(self._think_end_id) if self._think_end_id in ids else len(ids)
+        return sum(1 for token in ids[:end] if token != self._think_start_id)
 
     def _timed_out(self) -> APIError:
         return APIError(408, f"request timed out after {self.settings.request_timeout_s} s", "TimeoutError")

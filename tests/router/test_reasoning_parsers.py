@@ -100,6 +100,26 @@ def test_hidden_reasoning_does_not_show_through_logprobs_or_token_ids():
     assert chunks[0]["prompt_token_ids"] == shown["prompt_token_ids"]
 
 
+def test_usage_counts_the_thinkings_tokens_whole_and_streamed():
+    """completion_tokens_details.reasoning_tokens (OpenAI's and vLLM's): the tokens before the one
+    that closes the thinking, the tags not counted; null without a reasoning parser."""
+    http, _, serving = _app("<think>Short question.</think>Paris.", reasoning="qwen3", think_tokens=True)
+    body = {"model": "tiny", "messages": MESSAGES, "n": 2}
+    thought = len(serving.tokenizer.encode("Short question.", add_special_tokens=False))
+    usage = http.post("/v1/chat/completions", json=body).json()["usage"]
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 2 * thought}
+    assert usage["completion_tokens"] > 2 * thought
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as r:
+        last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")][-1]
+    assert last["usage"] == usage
+    plain, _, _ = _app("Paris.", think_tokens=True)
+    assert plain.post("/v1/chat/completions", json=body).json()["usage"]["completion_tokens_details"] is None
+    unclosed, _, _ = _app("<think>Still thinking", reasoning="qwen3", think_tokens=True)
+    usage = unclosed.post("/v1/chat/completions", json=body).json()["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == usage["completion_tokens"] - 2  # (2 tags)
+
+
 def test_reasoning_before_an_auto_tool_call_and_none_under_an_output_constraint():
     answer = '<think>weather</think><tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
     http, _, _ = _app(answer, parser="hermes", reasoning="qwen3")
