@@ -224,6 +224,11 @@ class EngineMetrics:
                     t.last_token = now
                     t.num_generated += n
                 elif out.pooling_output is not None:  # an embedding request: its prompt was its work
+                    # (Its output is its first: TTFT and prefill time as vLLM records them for pooling
+                    # requests; its decode takes no time.)
+                    if t.first_token is None:
+                        t.first_token = t.last_token = now
+                        self.ttft.observe(max(0.0, now - t.arrival))
                     self._prefilled(t.request)
                 if out.finish_reason is not None:
                     self._finish(t, str(out.finish_reason), now)
@@ -343,6 +348,14 @@ class EngineMetrics:
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", g["running"])
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", g["waiting"])
+        # (vLLM's split of it: waiting for room in the batch or the KV cache, and deferred: skipped
+        # this pass for another reason, a LoRA slot or a grammar being compiled, say.)
+        by_reason = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
+                                      "Requests waiting to be scheduled, by why (the sum is "
+                                      "vllm:num_requests_waiting).", labels=[*labels, "reason"])
+        by_reason.add_metric([*values, "capacity"], g["waiting"] - g["skipped_waiting"])
+        by_reason.add_metric([*values, "deferred"], g["skipped_waiting"])
+        yield by_reason
         yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", g["kv_usage"])
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", c["prompt_tokens"])
         yield counter("vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache.",

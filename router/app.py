@@ -110,18 +110,24 @@ class ResponseCounter:
         timeline = RequestTimeline(time.perf_counter())
         current_timeline.set(timeline)
 
+        def endpoint() -> str:
+            # The route's template where one matched ("/v1/responses/{response_id}": one series for
+            # every id), as vLLM's instrumentator labels its handlers.
+            template = getattr(scope.get("route"), "path", None)
+            return template if isinstance(template, str) else path
+
         async def send_counted(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                (timeline.metrics or self.metrics).record_response(path, message["status"])
+                (timeline.metrics or self.metrics).record_response(endpoint(), message["status"])
             await send(message)
 
         try:
             await self.app(scope, receive, send_counted)
         except Exception:
             if not started:  # the outer error middleware answers 500
-                (timeline.metrics or self.metrics).record_response(path, 500)
+                (timeline.metrics or self.metrics).record_response(endpoint(), 500)
             raise
         finally:
             (timeline.metrics or self.metrics).record_timeline(timeline)

@@ -225,14 +225,26 @@ def metrics_hub(namespace: str) -> Any:
         num_cpus=0).remote()
 
 
+# A scrape waits this long at most for one engine's series (or the hub's): Prometheus gives a whole
+# scrape its interval (5 s in deploy/prometheus), and one slow or dying engine must not lose it all.
+METRICS_CALL_TIMEOUT_S = 2.0
+
+
 async def engine_metrics_texts(client: EngineClient) -> list[bytes]:
-    """Every engine's exposition text, fetched from the engines themselves (same on every replica)."""
+    """Every engine's exposition text, fetched from the engines themselves (same on every replica),
+    all at once; an engine that fails or does not answer within METRICS_CALL_TIMEOUT_S is left out
+    of this scrape."""
+    engines = client.answering()
+    results = await asyncio.gather(*(asyncio.wait_for(client.handle(engine).get_metrics_text.remote(),
+                                                      METRICS_CALL_TIMEOUT_S) for engine in engines),
+                                   return_exceptions=True)
     parts = []
-    for engine in client.answering():
-        try:
-            parts.append(await client.handle(engine).get_metrics_text.remote())
-        except Exception as e:  # an engine dying mid-scrape must not fail the whole scrape
-            logger.warning("metrics of engine %d unavailable: %s", engine, e)
+    for engine, result in zip(engines, results, strict=True):
+        if isinstance(result, BaseException):  # an engine dying mid-scrape must not fail the whole scrape
+            logger.warning("metrics of engine %d unavailable: %s", engine,
+                           "no answer in time" if isinstance(result, TimeoutError) else result)
+        else:
+            parts.append(result)
     return parts
 
 
@@ -278,8 +290,8 @@ class OpenAIRouter:
     async def _render_metrics(self) -> bytes:
         own = self._render_own()
         try:
-            await self.hub.push.remote(self.metrics.replica, own)
-            router_texts = await self.hub.get_all.remote()
+            await asyncio.wait_for(self.hub.push.remote(self.metrics.replica, own), METRICS_CALL_TIMEOUT_S)
+            router_texts = await asyncio.wait_for(self.hub.get_all.remote(), METRICS_CALL_TIMEOUT_S)
         except Exception as e:
             logger.warning("router metrics hub unavailable: %s", e)
             router_texts = [own]

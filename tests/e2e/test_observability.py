@@ -31,6 +31,7 @@ VLLM_DASHBOARD_QUERIES = [
     'histogram_quantile(0.9, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket[1m])))',
     'vllm:num_requests_running',
     'vllm:num_requests_waiting',
+    'sum by(reason) (vllm:num_requests_waiting_by_reason)',
     'histogram_quantile(0.99, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket[1m])))',
     'vllm:kv_cache_usage_perc',
     'sum by(le) (increase(vllm:request_prompt_tokens_bucket[1m]))',

@@ -108,6 +108,13 @@ def test_an_embedding_request_counts_its_prompt_and_no_generation():
     assert next(s.value for s in families["vllm:generation_tokens"].samples) == 0
     success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples}
     assert success["stop"] == 1
+    # Its output is its first token's time, as vLLM records a pooling request's (the panels of an
+    # embedding deployment are not empty); decoding took no time.
+    ttft = families["vllm:time_to_first_token_seconds"]
+    assert next(s.value for s in ttft.samples if s.name.endswith("_count")) == 1
+    assert abs(next(s.value for s in ttft.samples if s.name.endswith("_sum")) - 0.3) < 1e-9
+    decode = families["vllm:request_decode_time_seconds"]
+    assert next(s.value for s in decode.samples if s.name.endswith("_sum")) == 0.0
 
 
 def test_prompt_tokens_split_by_where_their_kv_came_from_as_vllm_reports_it():
@@ -177,3 +184,16 @@ def test_a_request_its_client_stopped_on_a_stop_string_counts_as_finished_and_an
     assert _success(families, "stop") == 1 and _success(families, "abort") == 0
     assert abs(_sum(families["vllm:e2e_request_latency_seconds"]) - 1.5) < 1e-9  # (to its last token)
     assert _sum(families["vllm:request_generation_tokens"]) == 2
+
+
+def test_waiting_requests_split_by_vllms_reasons():
+    """vllm:num_requests_waiting_by_reason: capacity (no room in the batch or KV cache) and deferred
+    (skipped this pass), adding up to vllm:num_requests_waiting."""
+    from engine_core.outputs import SchedulerStats
+
+    metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
+    metrics.on_step({}, SchedulerStats(num_waiting_reqs=5, num_skipped_waiting_reqs=2), now=100.0)
+    families = _families(metrics)
+    by_reason = {s.labels["reason"]: s.value for s in families["vllm:num_requests_waiting_by_reason"].samples}
+    assert by_reason == {"capacity": 5, "deferred": 2}
+    assert families["vllm:num_requests_waiting"].samples[0].value == 7

@@ -64,6 +64,26 @@ def test_counts_statuses_and_passes_streams_through():
                                 ("/stream", "200"): 1.0, ("other", "404"): 5.0}
 
 
+def test_a_route_with_path_parameters_counts_under_its_template():
+    """/v1/responses/{response_id} is one series whatever the id (it counted as "other", which the
+    dashboard's status panel leaves out), as vLLM's instrumentator labels handlers."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> dict:
+        return {"id": response_id}
+
+    metrics = RouterMetrics("m", "r0")
+    app.add_middleware(ResponseCounter, metrics=metrics, endpoints={"/v1/models"})
+    with TestClient(app) as client:
+        for i in range(3):
+            assert client.get(f"/v1/responses/resp_{i}").json() == {"id": f"resp_{i}"}
+        assert client.get("/v1/nothing/here").status_code == 404
+    assert _counts(metrics) == {("/v1/responses/{response_id}", "200"): 3.0, ("other", "404"): 1.0}
+
+
 def test_api_keys_guard_the_v1_endpoints_only():
     """--api-key: /v1 needs a Bearer key (any of them); health, metrics and version stay open; the
     openai client's api_key is what it sends; refusals are counted."""

@@ -39,3 +39,45 @@ def test_the_models_facts_come_from_the_engines_and_the_names_from_the_flags():
     assert (plain.scheduling_policy, plain.enable_sleep_mode) == ("fcfs", False)
     assert serving_settings(RouterConfig(engine_actor_names=["e0"], namespace="ns"),
                             [_description(0, policy="priority")]).scheduling_policy == "priority"
+
+
+def test_a_scrape_leaves_out_an_engine_that_fails_or_does_not_answer_in_time(monkeypatch):
+    """/metrics asks every engine at once, and one that hangs (a dying node) or fails is left out of
+    that scrape instead of making it miss Prometheus's timeout with every series."""
+    import asyncio
+
+    import router.deployment as deployment
+    from router.engine_client import EngineClient
+
+    monkeypatch.setattr(deployment, "METRICS_CALL_TIMEOUT_S", 0.2)
+    events: list[str] = []
+    calls: list[asyncio.Future] = []
+
+    class Engine:
+        def __init__(self, name: str, hangs: bool = False, fails: bool = False) -> None:
+            self.name, self.hangs, self.fails = name, hangs, fails
+
+        @property
+        def get_metrics_text(self):
+            engine = self
+
+            class Method:
+                @staticmethod
+                def remote():
+                    async def call():
+                        events.append(f"asked {engine.name}")
+                        await asyncio.sleep(3600 if engine.hangs else 0.01)
+                        events.append(f"answered {engine.name}")
+                        if engine.fails:
+                            raise RuntimeError("engine died")
+                        return f"{engine.name} 1\n".encode()
+                    calls.append(asyncio.ensure_future(call()))
+                    return calls[-1]
+            return Method
+
+    client = EngineClient([Engine("a"), Engine("b", hangs=True), Engine("c", fails=True), Engine("d")],
+                          client_index=0)
+    texts = asyncio.run(deployment.engine_metrics_texts(client))
+    assert texts == [b"a 1\n", b"d 1\n"]
+    assert events[:4] == ["asked a", "asked b", "asked c", "asked d"]  # (all at once, not one after another)
+    assert calls[1].cancelled()  # (given up on, not waited for)
