@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -30,17 +31,40 @@ SERVE_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 }
 
+def human_readable_int(text: str) -> int:
+    """vLLM's sizes: 4096, 32k (32,000), 32K (32,768), 1.5m, 8G (8 GiB); decimals only with the
+    decimal suffixes (k, m, g, t)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number (or one like 32k, 32K, 8G): {text!r}") from None
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"no decimals with the binary suffix {suffix} ({text!r}); did you mean "
+                                         f"{number}{suffix.lower()}?")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
 SCHEDULER_ARGS = [
     ("--max-num-seqs", int, "Admission cap on running requests."),
-    ("--max-num-batched-tokens", int, "Token budget per pass."),
-    ("--max-num-scheduled-tokens", int, "Per-pass budget that outranks --max-num-batched-tokens."),
-    ("--max-model-len", int, "Context length (prompt + output); default: the model's own."),
+    ("--max-num-batched-tokens", human_readable_int, "Token budget per pass."),
+    ("--max-num-scheduled-tokens", human_readable_int, "Per-pass budget that outranks --max-num-batched-tokens."),
+    ("--max-model-len", human_readable_int, "Context length (prompt + output; 32k, 32K also); default: the "
+                                            "model's own."),
     ("--long-prefill-token-threshold", int, "Clamp on one request's tokens per pass (0: off)."),
     ("--max-num-partial-prefills", int, "Requests that may be mid-prefill in one pass (1: no cap)."),
     ("--max-long-partial-prefills", int, "Of those, how many may be long."),
     ("--block-size", int, "KV cache block size in tokens."),
     ("--num-gpu-blocks", int, "KV pool size in blocks (default: from memory)."),
-    ("--kv-cache-memory-bytes", int, "KV pool budget in bytes (CPU)."),
+    ("--kv-cache-memory-bytes", human_readable_int, "KV pool budget in bytes (8G also), instead of "
+                                                    "--gpu-memory-utilization's share on a GPU."),
     ("--gpu-memory-utilization", float, "Share of GPU memory for weights + activations + KV (CUDA)."),
     ("--num-cpus-per-worker", float, "CPUs per TP worker (torch threads)."),
     ("--engine-niceness", int, "Niceness added to engine compute threads, so the router runs first "
@@ -48,8 +72,96 @@ SCHEDULER_ARGS = [
 ]
 
 
+# On/off flags take vLLM's --no- form too (--no-enable-prefix-caching, --no-enable-log-requests).
+SWITCH = argparse.BooleanOptionalAction
+
 # vLLM's own spellings of our flags, accepted too.
 FLAG_ALIASES = {"--num-gpu-blocks": ("--num-gpu-blocks-override",)}
+
+# Flags of `vllm serve` with nothing to do here: (takes a value, why). Accepted with a warning, so
+# vLLM's command lines start as they are.
+VLLM_FLAGS_WITHOUT_EFFECT: dict[str, tuple[bool, str]] = {
+    "--enforce-eager": (False, "the engines capture no CUDA graphs: they always run eagerly"),
+    "--disable-log-requests": (False, "requests are logged only with --enable-log-requests"),
+    "--swap-space": (True, "preempted requests are recomputed, as vLLM v1 does: there is no swap space"),
+    "--trust-remote-code": (False, "only the built-in architectures run: a checkpoint's own code never does"),
+    "--disable-custom-all-reduce": (False, "tensor parallelism reduces through torch.distributed"),
+    "--disable-frontend-multiprocessing": (False, "the router replicas are Ray Serve's processes"),
+    "--uvicorn-log-level": (True, "the HTTP servers are Ray Serve's; their logs follow Ray's settings"),
+    "--max-seq-len-to-capture": (True, "the engines capture no CUDA graphs"),
+    "--cuda-graph-sizes": (True, "the engines capture no CUDA graphs"),
+    "--compilation-config": (True, "the models are not compiled (no torch.compile, no CUDA graphs)"),
+    "-O": (True, "the models are not compiled (no torch.compile, no CUDA graphs)"),
+}
+
+# Flags of `vllm serve` for what is not built here: refused with why (and what to do instead). A
+# value in ``harmless`` (the default) is accepted silently.
+VLLM_FLAGS_NOT_BUILT: dict[str, tuple[str, tuple[str, ...]]] = {
+    "--revision": ("models are local directories, GGUF files or the default model; nothing is downloaded: "
+                   "pass the directory of the revision you want", ()),
+    "--tokenizer-revision": ("nothing is downloaded: pass the tokenizer's directory with --tokenizer", ()),
+    "--download-dir": ("nothing is downloaded: models are local directories or GGUF files", ()),
+    "--quantization": ("a checkpoint's own quantization (FP8, compressed-tensors, GGUF) is read from its files; "
+                       "quantizing a model as it loads is not built", ()),
+    "-q": ("a checkpoint's own quantization (FP8, compressed-tensors, GGUF) is read from its files; quantizing "
+           "a model as it loads is not built", ()),
+    "--pipeline-parallel-size": ("pipeline parallelism is not built: use --tensor-parallel-size, or more "
+                                 "engines (--num-engines)", ("1",)),
+    "-pp": ("pipeline parallelism is not built: use --tensor-parallel-size, or more engines (--num-engines)",
+            ("1",)),
+    "--tokenizer-mode": ("the tokenizer is the checkpoint's Hugging Face (fast) tokenizer", ("auto",)),
+    "--load-format": ("weights load from safetensors, PyTorch or GGUF files as the checkpoint has them",
+                      ("auto",)),
+    "--cpu-offload-gb": ("weights are not offloaded to host memory (KV blocks are: --kv-offloading-size)",
+                         ("0",)),
+    "--ssl-keyfile": ("TLS ends in front of Ray Serve's proxy (a load balancer or an ingress)", ()),
+    "--ssl-certfile": ("TLS ends in front of Ray Serve's proxy (a load balancer or an ingress)", ()),
+    "--config": ("flags come from the command line; per-engine flags from --engine-config FILE", ()),
+}
+
+
+def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``vllm serve``'s spellings made ours: --max_model_len as --max-model-len (vLLM's parser takes
+    both), and its flags with nothing to do here taken out, each with a warning. ValueError names a
+    flag for what is not built here. Returns (argv, warnings)."""
+    out: list[str] = []
+    warnings: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("-") or arg == "--" or _is_number(arg):
+            out.append(arg)
+            continue
+        flag, sep, value = arg.partition("=")
+        if flag.startswith("--"):
+            flag = "--" + flag[2:].replace("_", "-")
+        elif flag.startswith("-O") and len(flag) > 2:  # (-O3: the level attached)
+            flag, sep, value = "-O", "=", flag[2:]
+        if flag in VLLM_FLAGS_WITHOUT_EFFECT:
+            takes_value, why = VLLM_FLAGS_WITHOUT_EFFECT[flag]
+            if takes_value and not sep and i < len(argv):
+                i += 1
+            warnings.append(f"{flag} has no effect here: {why}")
+            continue
+        if flag in VLLM_FLAGS_NOT_BUILT:
+            why, harmless = VLLM_FLAGS_NOT_BUILT[flag]
+            if not sep and i < len(argv):
+                value = argv[i]
+                i += 1
+            if value not in harmless:
+                raise ValueError(f"{flag}: {why}")
+            continue
+        out.append(flag + sep + value)
+    return out, warnings
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _json(text: str) -> Any:
@@ -83,31 +195,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="Start engines and the OpenAI-compatible router.")
-    serve.add_argument("--model", default="SmolLM2-135M-Instruct", help="Model name, HF directory or .gguf file.")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help=f"Model: the default {DEFAULT_MODEL}, a Hugging Face directory or a .gguf file (as "
+                            "vllm serve MODEL; --model says the same).")
+    serve.add_argument("--model", default=None, help="The model, as MODEL above.")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="The name clients use for the model, or several (aliases: a request may name any; "
                             "responses and metrics carry the first). Default: the model's own.")
-    serve.add_argument("--num-engines", type=int, default=None,
-                       help="Engines to start (default 1; with --engine-autoscaling, its min_engines).")
+    serve.add_argument("--num-engines", "--data-parallel-size", "-dp", type=int, default=None,
+                       help="Engines to start (default 1; with --engine-autoscaling, its min_engines). vLLM's data "
+                            "parallel size is this: engines with a replica of the model each.")
     serve.add_argument("--engine-autoscaling", type=_json_object, default=None,
                        help='Scale the engines with the load (JSON), e.g. \'{"min_engines": 1, "max_engines": 4, '
                             '"target_ongoing_requests": 8, "upscale_delay_s": 5, "downscale_delay_s": 60}\': as '
                             "many engines as keep each at about target_ongoing_requests running and waiting "
                             "requests; an engine scaled away is drained first. (A model of --extra-models "
                             "autoscales with an engine_autoscaling entry of its own.)")
-    serve.add_argument("--tensor-parallel-size", type=int, default=None)
+    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     for flag, kind, help_text in SCHEDULER_ARGS:
         serve.add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=kind, default=None, help=help_text)
     serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
-    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    serve.add_argument("--enable-prefix-caching", action=SWITCH, default=None)
+    serve.add_argument("--enable-chunked-prefill", action=SWITCH, default=None)
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     serve.add_argument("--dtype", default=None)
     serve.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPE_NAMES), default=None,
                        help="KV cache storage: auto (the model's dtype), bfloat16 (two bytes per element), or "
                             "fp8 (= fp8_e4m3), fp8_e5m2 (one byte per element: 2x (bf16) or 4x (fp32) the KV "
                             "blocks in the same memory).")
-    serve.add_argument("--enable-expert-parallel", "-ep", action="store_true", default=None,
+    serve.add_argument("--enable-expert-parallel", "-ep", action=SWITCH, default=None,
                        help="Mixture-of-experts models: each of the --tensor-parallel-size ranks holds "
                             "num_experts / tp whole experts, instead of a slice of every expert.")
     serve.add_argument("--runner", choices=["auto", "generate", "pooling"], default=None,
@@ -133,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tokenizer", default=None,
                        help="A Hugging Face tokenizer directory to use instead of the model's own, e.g. a GGUF "
                             "model's original tokenizer (and its chat template). Hub names are not downloaded.")
-    serve.add_argument("--disable-log-stats", action="store_true", default=None,
+    serve.add_argument("--disable-log-stats", action=SWITCH, default=None,
                        help="No engine metrics (vllm:* on /metrics) and no periodic stats line in the engines' log "
                             "(every VLLM_LOG_STATS_INTERVAL seconds, 10 by default), as vLLM's flag.")
     serve.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
@@ -143,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-offloading-backend", choices=["native"], default=None,
                        help="Where offloaded blocks go: native (host memory, the only backend built; vLLM also "
                             "has lmcache).")
-    serve.add_argument("--enable-prompt-embeds", action="store_true", default=None,
+    serve.add_argument("--enable-prompt-embeds", action=SWITCH, default=None,
                        help="Let completions give their prompts as embeddings (prompt_embeds: base64 of a "
                             "torch.save-d [tokens, hidden_size] tensor), as vLLM's flag. Only for clients you trust "
                             "with the model's inputs.")
@@ -158,17 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.')
-    serve.add_argument("--enable-sleep-mode", action="store_true",
+    serve.add_argument("--enable-sleep-mode", action=SWITCH, default=False,
                        help="Let the engines sleep (POST /sleep?level=1|2: release the KV cache, and move the "
                             "weights to host memory or discard them) and wake up (POST /wake_up); the endpoints "
                             "need --server-dev-mode.")
-    serve.add_argument("--kv-cache-metrics", action="store_true",
+    serve.add_argument("--kv-cache-metrics", action=SWITCH, default=False,
                        help="Follow a sample of KV blocks from allocation to eviction from the prefix cache: "
                             "the vllm:kv_block_lifetime_seconds, _idle_before_evict_seconds and _reuse_gap_seconds "
                             "histograms.")
     serve.add_argument("--kv-cache-metrics-sample", type=float, default=None,
                        help="The share of blocks --kv-cache-metrics follows (default 0.01).")
-    serve.add_argument("--enable-lora", action="store_true",
+    serve.add_argument("--enable-lora", action=SWITCH, default=False,
                        help="Serve LoRA adapters: clients name one as the request's model.")
     serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                        help='Adapters (PEFT checkpoint directories) to load at start: name=path, or JSON '
@@ -179,40 +295,41 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Adapters kept in the workers' memory (>= --max-loras); the least recently used "
                             "beyond it are read from their checkpoints again when next needed (default: "
                             "--max-loras, as vLLM).")
-    serve.add_argument("--server-dev-mode", action="store_true", default=env_switch("VLLM_SERVER_DEV_MODE"),
+    serve.add_argument("--server-dev-mode", action=SWITCH, default=env_switch("VLLM_SERVER_DEV_MODE"),
                        help="Enable POST /pause (?mode=abort|wait|keep&clear_cache=), /resume, "
                             "/reset_prefix_cache, /sleep, /wake_up and GET /is_paused, /is_sleeping on every "
                             "engine (default: $VLLM_SERVER_DEV_MODE).")
-    serve.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
+    serve.add_argument("--allow-runtime-lora-updating", action=SWITCH, default=None,
                        help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
                             "$VLLM_ALLOW_RUNTIME_LORA_UPDATING, where --enable-lora is given).")
-    serve.add_argument("--enable-server-load-tracking", action="store_true",
+    serve.add_argument("--enable-server-load-tracking", action=SWITCH, default=False,
                        help="GET /load answers {\"server_load\": N}, the requests the answering router replica "
                             "is serving (generation and pooling paths; else N is 0).")
-    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+    serve.add_argument("--enable-tokenizer-info-endpoint", action=SWITCH, default=False,
                        help="Enable GET /tokenizer_info (?model=): the tokenizer's class, configuration and "
                             "chat template. It may expose a chat template you keep private.")
     serve.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
                        help='Keyword arguments every chat template render gets unless the request sets them (JSON), '
                             'e.g. \'{"enable_thinking": false}\' to serve Qwen3 without thinking by default.')
-    serve.add_argument("--enable-log-requests", action="store_true",
+    serve.add_argument("--enable-log-requests", action=SWITCH, default=False,
                        help="Log each request's prompt, token ids and sampling parameters as it goes to an engine.")
     serve.add_argument("--seed", type=int, default=0,
                        help="Seeds the engines' random state (vLLM's): unseeded sampling repeats across restarts for "
                             "the same requests in the same order; a request's own seed still rules its sampling.")
     serve.add_argument("--max-log-len", type=int, default=None,
                        help="Characters of a logged prompt or output (and token ids) kept.")
-    serve.add_argument("--enable-log-outputs", action="store_true",
+    serve.add_argument("--enable-log-outputs", action=SWITCH, default=False,
                        help="Log each finished answer's text, token ids and finish reason (one line per choice).")
-    serve.add_argument("--enable-force-include-usage", action="store_true",
+    serve.add_argument("--enable-force-include-usage", action=SWITCH, default=False,
                        help="Every streamed answer ends with a usage chunk, whether or not the request asked for "
                             "it (stream_options.include_usage), for platforms that bill by token.")
-    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+    serve.add_argument("--return-tokens-as-token-ids", action=SWITCH, default=False,
                        help="Logprobs name tokens token_id:N for every request (tokens whose text is not valid "
                             "UTF-8 alone stay exact).")
-    serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+    serve.add_argument("--exclude-tools-when-tool-choice-none", action=SWITCH, default=False,
                        help='With tool_choice "none", the chat template is not shown the tools.')
-    serve.add_argument("--disable-fastapi-docs", action="store_true", help="No /docs, /redoc or /openapi.json.")
+    serve.add_argument("--disable-fastapi-docs", action=SWITCH, default=False,
+                       help="No /docs, /redoc or /openapi.json.")
     serve.add_argument("--response-role", default="assistant",
                        help="The role of chat answers to a prompt that opens the assistant's turn.")
     serve.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
@@ -224,22 +341,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help='HTTP methods allowed across origins (JSON list; default ["*"]).')
     serve.add_argument("--allowed-headers", type=_json_string_list, default=["*"],
                        help='Request headers allowed across origins (JSON list; default ["*"]).')
-    serve.add_argument("--allow-credentials", action="store_true", help="Allow credentials across origins.")
-    serve.add_argument("--enable-request-id-headers", action="store_true",
+    serve.add_argument("--allow-credentials", action=SWITCH, default=False, help="Allow credentials across origins.")
+    serve.add_argument("--enable-request-id-headers", action=SWITCH, default=False,
                        help="Accepted for vLLM's command lines: Ray Serve answers every request with X-Request-ID "
                             "(the one it came with, or a new one) whatever this says, and completions and chat "
                             "answers take it as their id (cmpl-<X-Request-Id>).")
-    serve.add_argument("--trust-request-chat-template", action="store_true",
+    serve.add_argument("--trust-request-chat-template", action=SWITCH, default=False,
                        help="Run a request's own chat_template (chat, the pooling endpoints' messages, "
                             "/tokenize); without it such a request is a 400.")
-    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+    serve.add_argument("--enable-prompt-tokens-details", action=SWITCH, default=False,
                        help="Report usage.prompt_tokens_details.cached_tokens: the prompt tokens the engines "
                             "found in their prefix caches.")
     serve.add_argument("--stream-interval", type=int, default=1,
                        help="Streamed answers send their first tokens at once, then a chunk per this many new "
                             "tokens (and the last): fewer chunks, less CPU per request (default 1: every "
                             "engine step's tokens).")
-    serve.add_argument("--enable-responses-store", action="store_true",
+    serve.add_argument("--enable-responses-store", action=SWITCH,
                        default=env_switch("VLLM_ENABLE_RESPONSES_API_STORE"),
                        help="Keep Responses API responses for GET/DELETE /v1/responses/{id} and "
                             "previous_response_id (default: $VLLM_ENABLE_RESPONSES_API_STORE).")
@@ -268,17 +385,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=None, help="Seconds before a request is aborted.")
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file, or the template itself) replacing the model's own.")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+    serve.add_argument("--enable-auto-tool-choice", action=SWITCH, default=False,
                        help='Allow tool_choice "auto": the model decides, read with --tool-call-parser.')
     serve.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                        help="The model's tool-call format (hermes: <tool_call>{...}</tool_call>; mistral: "
                             "[TOOL_CALLS][...]; llama3_json: Llama 3.x's JSON objects; pythonic: [f(a=1), ...]).")
     serve.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="Return chat answers' <think>...</think> as reasoning (and reasoning_content).")
-    serve.add_argument("--api-key", action="append", default=None,
-                       help="Require this Bearer key on /v1 requests (repeat for several keys; default: "
+    serve.add_argument("--api-key", nargs="+", action="extend", default=None,
+                       help="Require this Bearer key on /v1 requests (several keys: several values, or the flag "
+                            "again; default: "
                             f"${API_KEY_ENV}, else vLLM's $VLLM_API_KEY, else no authentication).")
-    serve.add_argument("--disable-access-log", action="store_true",
+    serve.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action=SWITCH, default=False,
                        help="No per-request access log lines from the router replicas.")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -305,6 +423,10 @@ def served_models_line(config, engine_names: dict[int, str]) -> str:
 def cluster_config_from_args(args: argparse.Namespace):
     from cluster.config import ClusterConfig, EngineSpec, load_engine_overrides
 
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two models: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model or DEFAULT_MODEL
+
     defaults = {"tensor_parallel_size": args.tensor_parallel_size, "scheduling_policy": args.scheduling_policy,
                 "enable_prefix_caching": args.enable_prefix_caching,
                 "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
@@ -324,7 +446,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         defaults[name] = getattr(args, name)
     overrides = load_engine_overrides(args.engine_config) if args.engine_config else []
     return ClusterConfig(
-        model=args.model, served_model_name=args.served_model_name,
+        model=model, served_model_name=args.served_model_name,
         # (Left out with autoscaling and no --num-engines: it starts min_engines; else the count is 1,
         # or the --engine-config list's length.)
         **({} if args.num_engines is None else {"num_engines": args.num_engines}),
@@ -537,6 +659,15 @@ def _kill_serve_haproxy(node_id: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        try:
+            argv, warnings = vllm_command_line(argv)
+        except ValueError as e:
+            print(f"llm-cluster: {e}", file=sys.stderr)
+            return 2
+        for warning in warnings:
+            print(f"llm-cluster: warning: {warning}", file=sys.stderr)
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve_command(args)

@@ -78,6 +78,12 @@ def test_the_access_log_is_on_unless_disabled():
     (["--generation-config", "{missing}"], {}, "is not a folder"),
     (["--override-generation-config", '{{"temperature": -1}}'], {},
      "override_generation_config: temperature must be finite and >= 0"),
+    # vLLM's flags for what is not built here: refused with why.
+    (["--revision", "main"], {}, "--revision: models are local directories"),
+    (["-q", "fp8"], {}, "-q: a checkpoint's own quantization"),
+    (["--pipeline-parallel-size=2"], {}, "--pipeline-parallel-size: pipeline parallelism is not built"),
+    (["--ssl-keyfile", "k.pem"], {}, "--ssl-keyfile: TLS ends in front of Ray Serve's proxy"),
+    (["/models/a", "--model", "/models/b"], {}, "two models: '/models/a' and --model '/models/b'"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -620,3 +626,31 @@ def test_dtype_is_checked_with_the_other_engine_flags():
     with pytest.raises(ValueError, match=r"engine 0: dtype must be one of auto, bfloat16, .*got 'bogus'"):
         ClusterConfig(model="/models/a", defaults=EngineSpec(dtype="bogus")).engine_configs()
     assert ClusterConfig(model="/models/a", defaults=EngineSpec(dtype="half")).engine_configs()[0].dtype == "half"
+
+
+def test_vllm_serve_command_lines_are_read_as_vllm_reads_them(capsys):
+    """The model as a positional argument, -tp/-dp, --no- forms, snake_case flags, sizes like 32K,
+    several API keys after one flag; flags with nothing to do here are taken out with a warning."""
+    from cluster.cli import human_readable_int, vllm_command_line
+
+    argv, warnings = vllm_command_line(["serve", "/models/a", "--max_model_len=32K", "--enforce-eager", "--swap-space",
+                                        "4", "-pp", "1", "--tokenizer-mode", "auto", "-O3", "--seed", "-1"])
+    assert argv == ["serve", "/models/a", "--max-model-len=32K", "--seed", "-1"]
+    assert [w.split(":")[0] for w in warnings] == ["--enforce-eager has no effect here", "--swap-space has no effect here",
+                                                   "-O has no effect here"]
+    config = _config("/models/a", "-tp", "2", "-dp", "3", "--no-enable-prefix-caching", "--api-key", "k1", "k2",
+                     "--max-model-len", "32K", "--kv-cache-memory-bytes", "8G", "--max-num-batched-tokens", "8k",
+                     "--no-enable-log-requests", "--enable-lora", "--no-enable-lora")
+    engines = config.engine_configs()
+    assert (config.model, len(engines), config.api_keys, config.enable_log_requests, config.enable_lora) == (
+        "/models/a", 3, ["k1", "k2"], False, False)
+    engine = engines[0]
+    assert (engine.tensor_parallel_size, engine.enable_prefix_caching, engine.scheduler.max_model_len,
+            engine.kv_cache_memory_bytes, engine.scheduler.max_num_batched_tokens) == (2, False, 32768, 8 << 30, 8000)
+    assert _config().model == "SmolLM2-135M-Instruct" and _config("--model", "/models/b").model == "/models/b"
+    assert _config("--api-key", "a", "--api-key", "b").api_keys == ["a", "b"]
+    assert [human_readable_int(t) for t in ("4096", "1.5k", "2m", "1K", "2G")] == [4096, 1500, 2_000_000, 1024,
+                                                                                    2 << 30]
+    for bad in ("1.5K", "big", "4 k"):
+        with pytest.raises(Exception, match="whole number|no decimals"):
+            human_readable_int(bad)
