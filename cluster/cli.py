@@ -184,6 +184,19 @@ def _local_dir_path(value: str | None) -> str | None:
     return os.path.abspath(value) if value and os.path.isdir(value) else value
 
 
+def _local_lora_module(text: str) -> str:
+    """A --lora-modules entry whose path is a directory here goes to the engines by its full path
+    (as --tokenizer's: they need not share this process's working directory)."""
+    from engine_core.lora import parse_lora_module
+
+    module = parse_lora_module(text)
+    path = _local_dir_path(module.path)
+    if path == module.path:
+        return text
+    entry = {"name": module.name, "path": path}
+    return json.dumps(entry if module.base_model_name is None else {**entry, "base_model_name": module.base_model_name})
+
+
 def _json_string_list(text: str) -> list[str]:
     value = _json(text)
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
@@ -460,7 +473,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         api_keys=args.api_key or default_api_keys(),
         enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address,
-        enable_lora=args.enable_lora, lora_modules=args.lora_modules or [], max_loras=args.max_loras,
+        enable_lora=args.enable_lora, lora_modules=[_local_lora_module(m) for m in args.lora_modules or []], max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating, server_dev_mode=args.server_dev_mode,
         trust_request_chat_template=args.trust_request_chat_template,

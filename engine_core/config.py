@@ -412,6 +412,11 @@ class EngineConfig:
             _require(not self.override_generation_config
                      or isinstance(json.loads(self.override_generation_config), dict), "override_generation_config",
                      "a JSON object", self.override_generation_config)
+            if self.override_generation_config:  # (its values, as the engine will read them: a bad one
+                # fails here, wherever the config is made, and not in each engine as it loads)
+                from engine_core.generation_defaults import model_sampling_defaults
+
+                model_sampling_defaults("", "vllm", json.loads(self.override_generation_config))
             pooler = dict(self.pooler_config)
             step_tag, returned = pooler.get("step_tag_id"), pooler.get("returned_token_ids")
             _require(set(pooler) <= {"pooling_type", "normalize", "step_tag_id", "returned_token_ids"}

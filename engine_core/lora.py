@@ -36,6 +36,9 @@ def parse_lora_module(text: str) -> LoRAModule:
             raise ValueError(f"--lora-modules: not valid JSON: {text!r} ({e})") from None
         if not isinstance(data, dict) or not data.get("name") or not data.get("path"):
             raise ValueError(f"--lora-modules: JSON entries need 'name' and 'path', got {text!r}")
+        if unknown := sorted(set(data) - {"name", "path", "base_model_name"}):
+            # (vLLM refuses them too: a misspelt base_model_name would be dropped without a word.)
+            raise ValueError(f"--lora-modules: unknown keys {unknown} in {text!r} (name, path, base_model_name)")
         base = data.get("base_model_name")
         return LoRAModule(str(data["name"]), str(data["path"]), None if base is None else str(base))
     name, sep, path = text.partition("=")

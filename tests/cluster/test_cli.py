@@ -58,6 +58,8 @@ def test_the_access_log_is_on_unless_disabled():
     (["--allow-runtime-lora-updating"], {}, "allow_runtime_lora_updating needs enable_lora"),
     (["--enable-lora", "--lora-modules", "a"], {}, "--lora-modules: expected name=path, got 'a'"),
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], {}, "the name 'a' is given twice"),
+    (["--enable-lora", "--lora-modules", '{{"name": "a", "path": "/x", "base_model": "m"}}'], {},
+     "--lora-modules: unknown keys ['base_model']"),
     (["--enable-lora", "--lora-modules", "a={missing}"], {}, "No adapter found at"),
     (["--enable-lora", "--max-loras", "0"], {}, "--max-loras: Input should be greater than or equal to 1"),
     (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], {},
@@ -653,3 +655,28 @@ def test_vllm_serve_command_lines_are_read_as_vllm_reads_them(capsys):
     for bad in ("1.5K", "big", "4 k"):
         with pytest.raises(Exception, match=r"whole number|no decimals"):
             human_readable_int(bad)
+
+
+def test_a_lora_module_path_relative_to_here_reaches_the_engines_whole(tmp_path, monkeypatch):
+    from engine_core.lora import parse_lora_module
+
+    (tmp_path / "adapters" / "sql").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    config = _config("--enable-lora", "--lora-modules", "sql=adapters/sql",
+                     '{"name": "b", "path": "adapters/sql", "base_model_name": "m"}', "c=/elsewhere/c")
+    assert [(m.name, m.path, m.base_model_name) for m in config.lora_module_list()] == [
+        ("sql", str(tmp_path / "adapters" / "sql"), None), ("b", str(tmp_path / "adapters" / "sql"), "m"),
+        ("c", "/elsewhere/c", None)]
+    assert parse_lora_module("x=y").path == "y"  # (the engines' own parsing leaves paths as given)
+
+
+def test_override_generation_config_values_are_checked_wherever_the_config_is_made():
+    """With --address or from a Serve config (no files checked here) a bad value was found by each
+    engine as it loaded."""
+    for bad, message in (({"temperature": "hot"}, "temperature"), ({"top_p": 2}, "top_p")):
+        with pytest.raises(ValueError, match=f"engine 0: .*{message}"):
+            ClusterConfig(model="/models/a", address="ray://head:10001",
+                          defaults=EngineSpec(override_generation_config=bad)).engine_configs()
+    [engine] = ClusterConfig(model="/models/a", defaults=EngineSpec(
+        override_generation_config={"temperature": 0.5})).engine_configs()
+    assert engine.override_generation_config == '{"temperature": 0.5}'
