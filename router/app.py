@@ -116,21 +116,25 @@ class ResponseCounter:
             template = getattr(scope.get("route"), "path", None)
             return template if isinstance(template, str) else path
 
+        method = scope.get("method", "GET")
+
         async def send_counted(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                (timeline.metrics or self.metrics).record_response(endpoint(), message["status"])
+                (timeline.metrics or self.metrics).record_response(endpoint(), message["status"], method)
             await send(message)
 
         try:
             await self.app(scope, receive, send_counted)
         except Exception:
             if not started:  # the outer error middleware answers 500
-                (timeline.metrics or self.metrics).record_response(endpoint(), 500)
+                (timeline.metrics or self.metrics).record_response(endpoint(), 500, method)
             raise
         finally:
-            (timeline.metrics or self.metrics).record_timeline(timeline)
+            metrics = timeline.metrics or self.metrics
+            metrics.record_timeline(timeline)
+            metrics.record_response_end(endpoint(), method, time.perf_counter() - timeline.arrived)
 
 
 # The operators' endpoints (--server-dev-mode): with --api-key they need a key too, unlike vLLM's.

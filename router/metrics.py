@@ -20,6 +20,12 @@ TIMELINE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 
 # vLLM exports no *_created series either; they double the scrape size for nothing.
 disable_created_metrics()
 
+# vLLM's HTTP metrics (prometheus-fastapi-instrumentator's) leave out these operational paths.
+HTTP_METRICS_EXCLUDED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
+# (The instrumentator's high-resolution latency buckets.)
+HTTP_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5,
+                         5.0, 7.5, 10.0, 30.0, 60.0)
+
 
 class RouterMetrics:
     def __init__(self, model_name: str, replica: str, first_engine_index: int = 0) -> None:
@@ -34,6 +40,13 @@ class RouterMetrics:
         self.http_responses = Counter(
             "llm_cluster:router_http_responses", "HTTP responses by endpoint and status code.",
             ["model_name", "replica", "endpoint", "status"], registry=self.registry)
+        # vLLM's own HTTP series (its dashboards' error ratio reads them): status grouped as 2xx, 4xx, ...
+        self.http_requests = Counter(
+            "http_requests", "Total number of requests by method, status and handler.",
+            ["model_name", "replica", "method", "status", "handler"], registry=self.registry)
+        self.http_request_duration = Histogram(
+            "http_request_duration_seconds", "Time to the end of each response (streams included), by handler.",
+            ["model_name", "replica", "method", "handler"], registry=self.registry, buckets=HTTP_DURATION_BUCKETS)
         self.routing_latency = Histogram(
             "llm_cluster:router_routing_decision_seconds", "Time to pick an engine for a request.",
             ["model_name", "replica", "policy"], registry=self.registry,
@@ -62,8 +75,15 @@ class RouterMetrics:
         self.requests_routed.labels(self.model_name, self.replica, str(self.first_engine_index + engine), policy).inc()
         self.routing_latency.labels(self.model_name, self.replica, policy).observe(seconds)
 
-    def record_response(self, endpoint: str, status: int) -> None:
+    def record_response(self, endpoint: str, status: int, method: str = "GET") -> None:
         self.http_responses.labels(self.model_name, self.replica, endpoint, str(status)).inc()
+        if endpoint not in HTTP_METRICS_EXCLUDED:
+            self.http_requests.labels(self.model_name, self.replica, method, f"{status // 100}xx", endpoint).inc()
+
+    def record_response_end(self, endpoint: str, method: str, seconds: float) -> None:
+        """A response's whole time, from its request's arrival to its last bytes."""
+        if endpoint not in HTTP_METRICS_EXCLUDED:
+            self.http_request_duration.labels(self.model_name, self.replica, method, endpoint).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -84,6 +84,41 @@ def test_a_route_with_path_parameters_counts_under_its_template():
     assert _counts(metrics) == {("/v1/responses/{response_id}", "200"): 3.0, ("other", "404"): 1.0}
 
 
+def test_vllms_http_series_group_statuses_and_time_whole_responses():
+    """http_requests_total{status="2xx"} and http_request_duration_seconds, as vLLM's instrumentator
+    exports them (its dashboards' error ratio reads them), without the operational paths."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def ok(_):
+        return PlainTextResponse("fine")
+
+    async def missing(_):
+        return PlainTextResponse("no", status_code=404)
+
+    async def stream(_):
+        async def chunks():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/ok", ok, methods=["GET", "POST"]), Route("/v1/missing", missing),
+                            Route("/v1/stream", stream), Route("/health", ok)])
+    metrics = RouterMetrics("m", "r0")
+    app.add_middleware(ResponseCounter, metrics=metrics, endpoints={"/v1/ok", "/v1/missing", "/v1/stream", "/health"})
+    with TestClient(app) as client:
+        client.get("/v1/ok"), client.post("/v1/ok"), client.get("/v1/missing"), client.get("/v1/stream")
+        client.get("/health")
+    samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
+    requests = {(s.labels["handler"], s.labels["method"], s.labels["status"]): s.value for s in samples
+                if s.name == "http_requests_total"}
+    assert requests == {("/v1/ok", "GET", "2xx"): 1.0, ("/v1/ok", "POST", "2xx"): 1.0,
+                        ("/v1/missing", "GET", "4xx"): 1.0, ("/v1/stream", "GET", "2xx"): 1.0}
+    timed = {(s.labels["handler"], s.labels["method"]): s.value for s in samples
+             if s.name == "http_request_duration_seconds_count"}
+    assert timed == {("/v1/ok", "GET"): 1.0, ("/v1/ok", "POST"): 1.0, ("/v1/missing", "GET"): 1.0,
+                     ("/v1/stream", "GET"): 1.0}
+
+
 def test_api_keys_guard_the_v1_endpoints_only():
     """--api-key: /v1 needs a Bearer key (any of them); health, metrics and version stay open; the
     openai client's api_key is what it sends; refusals are counted."""
