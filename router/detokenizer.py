@@ -12,6 +12,7 @@ where a window's edge falls next to such a space.)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -78,6 +79,40 @@ def token_text(tokenizer: Any, decode: Decode, token_id: int) -> str:
         if missing > 0:
             return " " * missing + text
     return text
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level vocabulary alphabet: the character standing for each byte, read back."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """A token's own bytes (logprobs' ``bytes``, OpenAI's way to put back a character split across
+    tokens): ``text``'s UTF-8, except for a token that holds part of a character, whose text is
+    U+FFFD: then the bytes its vocabulary piece stands for (a byte-level piece, or a byte-fallback
+    <0xNN>)."""
+    if "\ufffd" not in text:
+        return text.encode()
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if match := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        if piece and all(ch in BYTE_LEVEL_ALPHABET for ch in piece):
+            return bytes(BYTE_LEVEL_ALPHABET[ch] for ch in piece)
+    return text.encode()
 
 
 class IncrementalDetokenizer:

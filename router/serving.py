@@ -36,7 +36,7 @@ from router.bad_words import bad_words_token_ids
 from router.chat_parsing import ChatOutputParser
 from router.content_format import resolve_content_format, template_content
 from router.detached import SharedRun, runs_to_completion
-from router.detokenizer import IncrementalDetokenizer, fast_decoder, token_text
+from router.detokenizer import IncrementalDetokenizer, fast_decoder, token_bytes, token_text
 from router.engine_client import (
     EngineClient,
     EngineOverloadedError,
@@ -397,6 +397,7 @@ class OpenAIServing:
         self._shared_list_loras = SharedRun(lambda: self.list_loras())  # type: ignore[misc]
         self._shadowed_loras: set[str] = set()  # (warned about once)
         self._token_texts: dict[int, str] = {}  # (at most one entry per token of the vocabulary)
+        self._token_bytes: dict[int, list[int]] = {}  # (the same)
 
     # -- request preparation ------------------------------------------------------------------------
 
@@ -1689,12 +1690,20 @@ class OpenAIServing:
                       as_ids: bool = False) -> dict[str, Any]:
         """The ``ChatLogprobs`` JSON of some tokens, as plain data (streamed chunks encode it directly)."""
         label = self._token_label(as_ids)
+        name_bytes = (lambda token_id: list(label(token_id).encode())) if as_ids else self.token_bytes
         content = []
         for token_id, logprob, top in rows:
-            text = label(token_id)
-            content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": [
-                {"token": (t := label(tid)), "logprob": lp, "bytes": list(t.encode())} for tid, lp in top]})
+            content.append({"token": label(token_id), "logprob": logprob, "bytes": name_bytes(token_id),
+                            "top_logprobs": [{"token": label(tid), "logprob": lp, "bytes": name_bytes(tid)}
+                                             for tid, lp in top]})
         return {"content": content}
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """A token's bytes as chat logprobs give them (its own, for one holding part of a character)."""
+        found = self._token_bytes.get(token_id)
+        if found is None:
+            found = self._token_bytes[token_id] = list(token_bytes(self.tokenizer, token_id, self.token_text(token_id)))
+        return found
 
     def _completion_logprobs(self, rows: list[tuple[int, float | None, list[tuple[int, float]]]], offset: int,
                              num_top: int, as_ids: bool = False) -> tuple[dict[str, Any], int]:

@@ -204,3 +204,18 @@ def test_token_texts_join_to_the_text_the_stream_gives(make):
     if make is sentencepiece_style_tokenizer:
         lone = tok.convert_tokens_to_ids("▁")
         assert (decode([lone], False), token_text(tok, decode, lone)) == ("", " ")
+
+
+@pytest.mark.parametrize("make", [sentencepiece_style_tokenizer, byte_level_tokenizer])
+def test_token_bytes_put_back_characters_split_across_tokens(make):
+    """Logprobs' bytes (OpenAI's way to rebuild a character whose bytes several tokens hold): a
+    token that decodes to U+FFFD gives the bytes its piece stands for (byte-level or <0xNN>)."""
+    from router.detokenizer import token_bytes, token_text
+
+    tok = make()
+    decode = fast_decoder(tok)
+    for text in ("東京は日本の首都です。", "naïve café 🚀", "plain words", "Ω ж € ✓"):
+        ids = tok.encode(text, add_special_tokens=False)
+        joined = b"".join(token_bytes(tok, i, token_text(tok, decode, i)) for i in ids)
+        assert joined.decode().strip() == text, (text, joined)
+    assert any("\ufffd" in decode([i], False) for i in tok.encode("東京 € ✓", add_special_tokens=False))
