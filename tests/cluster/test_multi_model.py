@@ -44,7 +44,9 @@ def test_one_endpoint_serves_two_models_on_their_own_engines(ray_cluster, tiny_m
                            models=[ServedModel(model=str(second), served_model_name=["tiny-b", "b-alias"],
                                                enable_lora=True, tokenizer=str(tokenizer_b),
                                                lora_modules=[f"b-sql={adapters / 'b-sql'}"]),
-                                   ServedModel(model=str(reranker), served_model_name="bert-ce"),
+                                   # (its context is 128 tokens: the cluster's 256 would be refused)
+                                   ServedModel(model=str(reranker), served_model_name="bert-ce",
+                                               defaults=EngineSpec(max_model_len=128)),
                                    ServedModel(model=str(prm), served_model_name="prm")])
     with serve_cluster(config) as served:
         client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -210,18 +210,19 @@ def test_expert_parallelism_over_a_size_that_does_not_divide_the_experts_is_refu
         tmp_path, caplog):
     import logging
 
-    from engine_core.config import EngineConfig
+    from engine_core.config import EngineConfig, SchedulerConfig
     from gpu_worker.executor import create_executor
     from tests.tiny_model import build_tiny_moe
 
     path = build_tiny_moe(tmp_path)  # 8 experts
+    model_len = SchedulerConfig(max_model_len=None)  # (the model's own 1024)
     with pytest.raises(ValueError, match=r"8 experts cannot be split evenly over tensor_parallel_size=3"):
         create_executor(EngineConfig(model=str(path), tensor_parallel_size=3, enable_expert_parallel=True,
-                                     device="cpu"))
+                                     device="cpu", scheduler=model_len))
     # On one rank the flag changes nothing, and says so.
     with caplog.at_level(logging.INFO, logger="gpu_worker.executor"):
         create_executor(EngineConfig(model=str(path), enable_expert_parallel=True, device="cpu",
-                                     num_gpu_blocks=8)).shutdown()
+                                     num_gpu_blocks=64, scheduler=model_len)).shutdown()
     assert "--enable-expert-parallel has no effect (tensor_parallel_size is 1)" in caplog.text
 
 
