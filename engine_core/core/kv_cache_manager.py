@@ -85,8 +85,10 @@ class KVCacheManager:
     def _long_rope(self, request: Request) -> bool:
         return self.long_rope_after is not None and request.num_prompt_tokens > self.long_rope_after
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Longest run of the request's full blocks already in the prefix cache, and its token count."""
+    def get_computed_blocks(self, request: Request, record: bool = True) -> tuple[KVCacheBlocks, int]:
+        """Longest run of the request's full blocks already in the prefix cache, and its token count.
+        ``record``: count the lookup in the prefix cache's stats now (else ``record_lookup`` does, if
+        the scheduler goes on with the request)."""
         if not self.enable_caching or request.sampling_params.skip_reading_prefix_cache:
             return self._empty, 0
         block_size = self.block_size
@@ -102,9 +104,13 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_hit_tokens = len(hits) * block_size
-        if self.log_stats:
-            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
+        if record:
+            self.record_lookup(request, num_hit_tokens)
         return (KVCacheBlocks(hits) if hits else self._empty), num_hit_tokens
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        if self.log_stats and self.enable_caching and not request.sampling_params.skip_reading_prefix_cache:
+            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
 
     def get_offloaded_blocks(self, request: Request, num_local_blocks: int) -> list[int]:
         """The offloading tier's slots holding the request's next full prompt blocks after the

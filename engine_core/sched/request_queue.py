@@ -35,7 +35,9 @@ class RequestQueue(ABC):
 
     @abstractmethod
     def prepend_requests(self, requests: RequestQueue) -> None:
-        """Put all of ``requests`` at the front, keeping their order."""
+        """Put all of ``requests`` at the front, one at a time, as vLLM's (a deque's extendleft):
+        the last of them ends up first, so a queue built by prepending goes back in the order its
+        requests were taken in."""
 
     @abstractmethod
     def remove_request(self, request: Request) -> None: ...
@@ -75,7 +77,7 @@ class FCFSRequestQueue(deque, RequestQueue):  # type: ignore[misc]
         self.appendleft(request)
 
     def prepend_requests(self, requests: RequestQueue) -> None:
-        self.extendleft(reversed(list(requests)))
+        self.extendleft(requests)
 
     def remove_request(self, request: Request) -> None:
         self.remove(request)

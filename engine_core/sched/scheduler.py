@@ -418,12 +418,21 @@ class Scheduler(SchedulerInterface):
                     step_skipped_waiting.prepend_request(request)
                     continue
 
+            if (partial is not None and partial.num_partial >= partial.max_partial
+                    and request.num_computed_tokens < request.num_prompt_tokens):
+                # The partial-prefill cap is full: no prompt goes in this pass, whatever it finds
+                # cached (skipped before its lookup, which would count in the prefix-cache stats).
+                request_queue.pop_request()
+                step_skipped_waiting.prepend_request(request)
+                continue
+
             offloaded: list[int] = []
             looked_up = request.num_computed_tokens == 0
             if looked_up:
-                # A prefix hit reaches the scheduler as one smaller local num_computed_tokens.
+                # A prefix hit reaches the scheduler as one smaller local num_computed_tokens. (Under
+                # the partial-prefill caps the lookup counts once the request passes them.)
                 new_computed_blocks, num_new_local_computed_tokens = \
-                    kv_cache_manager.get_computed_blocks(request)
+                    kv_cache_manager.get_computed_blocks(request, record=partial is None)
                 # And the blocks after it that the offloading tier holds (vLLM's external tokens):
                 # computed once copied into new blocks, before the pass.
                 offloaded = kv_cache_manager.get_offloaded_blocks(request, len(new_computed_blocks))
@@ -450,6 +459,8 @@ class Scheduler(SchedulerInterface):
                     request_queue.pop_request()
                     step_skipped_waiting.prepend_request(request)
                     continue
+                if looked_up:
+                    kv_cache_manager.record_lookup(request, num_new_local_computed_tokens)
 
             new_blocks = kv_cache_manager.allocate_slots(
                 request, num_new_tokens + num_external_tokens, num_new_local_computed_tokens, new_computed_blocks,

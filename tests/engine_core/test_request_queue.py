@@ -15,9 +15,11 @@ def test_fcfs_queue_front_and_back_are_literal_positions():
     q.prepend_request(c)
     assert [r.request_id for r in q] == ["c", "a", "b"]
     assert q.peek_request() is c and q.pop_request() is c
-    other = FCFSRequestQueue([d, c])
+    other = FCFSRequestQueue()
+    other.prepend_request(d)
+    other.prepend_request(c)  # (taken d, then c: prepending leaves them c, d)
     q.prepend_requests(other)
-    assert [r.request_id for r in q] == ["d", "c", "a", "b"]
+    assert [r.request_id for r in q] == ["d", "c", "a", "b"]  # (back in the order they were taken)
     q.remove_requests([c, b])
     assert [r.request_id for r in q] == ["d", "a"] and a in q and b not in q and len(q) == 2
     q.remove_request(d)

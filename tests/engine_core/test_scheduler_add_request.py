@@ -159,3 +159,22 @@ def test_a_longrope_session_outgrowing_the_pretrained_length_is_recomputed_whole
     computed = other.num_computed_tokens
     kept.add_request(_continuation(other, tokens=(21, 22, 23)))
     assert other.num_computed_tokens == computed
+
+
+def test_requests_the_admission_loop_sets_aside_keep_their_order_pass_after_pass():
+    """Declined requests are prepended onto the pass's local queue, which is prepended whole onto
+    skipped_waiting: arrival order survives every pass (it flipped at each one, so the last of
+    several blocked requests could be admitted first)."""
+    sched = create_scheduler(max_num_seqs=4)
+    blocked = create_requests(3)
+    for r in blocked:
+        r.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        sched.add_request(r)
+    for _ in range(3):
+        step(sched)
+        assert list(sched.skipped_waiting) == blocked
+    for r in blocked:
+        r.status = RequestStatus.WAITING  # (their grammars are ready)
+    sched.max_num_running_reqs = 1
+    step(sched)
+    assert list(sched.running) == blocked[:1]  # the first to arrive goes first

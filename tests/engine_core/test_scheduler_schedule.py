@@ -268,6 +268,28 @@ def test_running_prefill_chunks_count_against_the_partial_prefill_cap():
     assert c.request_id not in so.num_scheduled_tokens and c in sched.skipped_waiting
 
 
+def test_a_full_partial_prefill_cap_looks_nothing_up_and_keeps_the_waiting_order():
+    """While the cap is full, the prompts waiting behind it are set aside without a prefix-cache
+    lookup (each pass counted one per waiting request in the stats) and keep their order."""
+    sched = create_scheduler(max_num_batched_tokens=100, max_model_len=4000, max_num_partial_prefills=2,
+                             max_long_partial_prefills=2, long_prefill_token_threshold=40)
+    longs = create_requests(2, num_tokens=2000)
+    def lookups(outputs) -> int:
+        return next(eco.scheduler_stats for eco in outputs.values() if eco.scheduler_stats).prefix_cache_stats.requests
+
+    for r in longs:
+        sched.add_request(r)
+    assert lookups(step(sched)[1]) == 2  # (both mid-prefill, looked up once each)
+    shorts = create_requests(5, num_tokens=20)
+    for r in shorts:
+        sched.add_request(r)
+    for _ in range(3):
+        so, outputs = step(sched)
+        assert set(so.num_scheduled_tokens) == {r.request_id for r in longs}
+        assert list(sched.skipped_waiting) == shorts
+        assert lookups(outputs) == 0
+
+
 def test_request_too_long_for_the_model_is_finished_as_ignored():
     sched = create_scheduler(max_model_len=50)
     too_long, ok = create_requests(1, num_tokens=60) + create_requests(1, num_tokens=10)
