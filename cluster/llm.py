@@ -624,7 +624,8 @@ class LLM:
                              f"{len(info.pooling.labels)} classes (use LLM.classify)")
         if not all(isinstance(p, str) for p in (*first, *second)):
             raise ValueError("a cross-encoder scores text pairs: give texts on both sides")
-        joined = [tokenize_pair(self.tokenizer, first[i], second[j]) for i, j in pairs]
+        joined = [tokenize_pair(self.tokenizer, first[i], second[j], joined=info.pooling.joins_pair_text)
+                  for i, j in pairs]
         params = _pooled_params(info)
         each = [pair_params(params, start, info.pooling.token_types) for _, start in joined]
         return [ScoringRequestOutput(request_id, ScoringOutput(

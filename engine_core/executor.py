@@ -73,6 +73,10 @@ class PoolingInfo:
     # picks one), and whether it lowercases its texts (do_lower_case), as vLLM reads them.
     prompts: tuple[tuple[str, str], ...] = ()
     do_lower_case: bool = False
+    # An LLM served as a reranker (classifier_from_token) reads a scored pair as one text, the two
+    # joined, as vLLM tokenizes it (its use_pad_token false); a cross-encoder reads it through the
+    # tokenizer's pair template (BERT's [SEP]s).
+    joins_pair_text: bool = False
 
     def dimensions_problem(self, dimensions: int | None, model: str, hidden_size: int) -> str:
         """Why a request's ``dimensions`` cannot be served ("" when it can), as vLLM refuses it: a

@@ -221,7 +221,9 @@ class _ExecutorBase(Executor):
                                 late_interaction=self.model_config.late_interaction,
                                 matryoshka=self.model_config.matryoshka,
                                 matryoshka_dimensions=self.model_config.matryoshka_dimensions,
-                                prompts=prompts, do_lower_case=do_lower_case))
+                                prompts=prompts, do_lower_case=do_lower_case,
+                                joins_pair_text=not self.model_config.raw.get(
+                                    "use_pad_token", not self.model_config.classifier_token_ids)))
         experts, tp = self.model_config.num_experts, config.tensor_parallel_size
         if config.enable_expert_parallel and (not experts or tp == 1):
             logger.info("engine %d: --enable-expert-parallel has no effect (%s)", config.engine_index,

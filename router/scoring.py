@@ -65,11 +65,16 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
 
 
 def tokenize_pair(tokenizer: Any, first: str, second: str, add_special_tokens: bool = True,
-                  max_length: int | None = None, side: TruncationSide = "right") -> tuple[list[int], int | None]:
+                  max_length: int | None = None, side: TruncationSide = "right",
+                  joined: bool = False) -> tuple[list[int], int | None]:
     """A cross-encoder's input: the pair's ids as the tokenizer joins them (at most ``max_length``,
     the tokenizer truncating the longer text on ``side``), and where its token types turn to 1
     (vLLM's compressed_token_type_ids: a BERT tokenizer marks the second text with type 1; None
-    where the tokenizer gives no types, or all 0, as RoBERTa's and decoders' do)."""
+    where the tokenizer gives no types, or all 0, as RoBERTa's and decoders' do). ``joined``: the two
+    texts as one (an LLM reranker's, PoolingInfo.joins_pair_text)."""
+    if joined:
+        return list(tokenize_truncated(tokenizer, first + second, None, add_special_tokens, max_length,
+                                       side)["input_ids"]), None
     encoding = tokenize_truncated(tokenizer, first, second, add_special_tokens, max_length, side)
     ids = list(encoding["input_ids"])
     types = list(encoding.get("token_type_ids") or ())
@@ -274,7 +279,8 @@ class ScoringServing:
             for i, j in pairs:
                 ids, type_start = tokenize_pair(serving.tokenizer, serving.pooled_text(left[i]),
                                                 serving.pooled_text(right[j]), request.add_special_tokens,
-                                                serving.truncation_length(request), request.truncation_side)
+                                                serving.truncation_length(request), request.truncation_side,
+                                                serving.settings.pooling.joins_pair_text)
                 prompts.append(self.embeddings.prompt_ids(ids, request, names[1]))
                 each.append(pair_params(params, type_start, serving.settings.pooling.token_types))
 

@@ -229,21 +229,29 @@ def test_a_cross_encoder_classifies_and_scores_pairs_as_transformers(tmp_path):
 def test_a_causal_lm_reranks_through_hf_overrides_as_qwen3_reranker_is_served(tiny_model_dir):
     """vLLM's recipe for Qwen3-Reranker: --hf-overrides makes the causal LM a one-output classifier
     from its "no" / "yes" rows, so a pair's score is P(yes) over {no, yes} at its last token. (The
-    tiny vocabulary has "n" and "y".)"""
+    tiny vocabulary has "n" and "y".) As vLLM, such an LLM reads a pair as one text, the two joined
+    (its use_pad_token false: no pair template, whose second BOS a Llama tokenizer adds); with
+    use_pad_token true, through the pair template."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     no, yes = tok.convert_tokens_to_ids("n"), tok.convert_tokens_to_ids("y")
-    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64,
-              hf_overrides={"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["n", "y"]})
-    try:
-        scored = llm.score("Which city is in France?", ["Paris is.", "Berlin is not."], use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for out, doc in zip(scored, ["Paris is.", "Berlin is not."], strict=True):
-        ids = tok("Which city is in France?", text_pair=doc).input_ids
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1]
-        assert out.outputs.score == pytest.approx(float(torch.softmax(logits[[no, yes]], -1)[1]), abs=1e-5)
+    # (Split mid-word, so that the text joined and the pair template give different tokens.)
+    query, docs = "Which city is in France? Par", ["is is.", "lin is not."]
+    overrides = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["n", "y"]}
+    for use_pad_token in (None, True):
+        llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, hf_overrides=overrides if use_pad_token is None
+                  else {**overrides, "use_pad_token": use_pad_token})
+        try:
+            scored = llm.score(query, docs, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        for out, doc in zip(scored, docs, strict=True):
+            ids = tok(query + doc).input_ids if use_pad_token is None else tok(query, text_pair=doc).input_ids
+            assert out.prompt_token_ids == ids
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1]
+            assert out.outputs.score == pytest.approx(float(torch.softmax(logits[[no, yes]], -1)[1]), abs=1e-5)
+    assert tok(query + docs[0]).input_ids != tok(query, text_pair=docs[0]).input_ids  # (the two readings differ)
 
 
 def test_embed_gives_the_last_tokens_final_hidden_state_beside_generation(tiny_model_dir):

@@ -87,6 +87,16 @@ def test_class_probabilities():
         class_probabilities([float("nan"), 1.0])
 
 
+def test_an_llm_reranker_reads_each_pair_as_one_text():
+    """An LLM served as a reranker (classifier_from_token: PoolingInfo.joins_pair_text) gets the
+    two texts joined, as vLLM tokenizes them, not through the tokenizer's pair template."""
+    http, engine = _app(pooling={"generates": False, "labels": ("score",), "cross_encoder_activation": "sigmoid",
+                                 "joins_pair_text": True}, num_pooled=1)
+    http.post("/rerank", json={"model": "tiny", "query": "what is par", "documents": ["is", "a person"]})
+    assert sorted(r.prompt_token_ids for r in engine.requests) == sorted(
+        TOKENIZER.encode("what is par" + doc) for doc in ["is", "a person"])
+
+
 def test_a_cross_encoder_with_an_identity_activation_scores_with_its_raw_logit():
     """/score follows the cross-encoder's sentence-transformers activation (Identity here), /classify
     the problem type (regression here)."""
