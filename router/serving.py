@@ -123,6 +123,9 @@ T = TypeVar("T")
 
 # Text up to this many characters is tokenized on the event loop (a millisecond or so: less than the
 # hop to a thread would add); longer text in the replica's tokenizer thread.
+# How many of a request's engine requests (its choices, prompts, inputs) are sent before their
+# admissions are awaited together.
+OPEN_AT_ONCE = 16
 TOKENIZE_INLINE_CHARS = 8192
 
 
@@ -949,60 +952,90 @@ class OpenAIServing:
                         deadline: float | None = None) -> list[RequestStream]:
         """Send every job's request (engine, request id, prompt, parameters) to its engine now,
         before any response starts, so a refusal is an HTTP status (429 or 503) for streams too;
-        what was opened is released on failure. An engine that refuses for want of room or health
-        is replaced once, for the jobs it was to take, by the policy's choice among the others; a
-        429 or 503 comes back only when that one refuses too. One deadline (the request timeout, or
-        the caller's) covers every job, from admission to the last output."""
+        what was opened is released on failure. Up to OPEN_AT_ONCE jobs are sent at a time, each
+        window's admissions awaited together (a request of 2,000 inputs waited for 2,000 round trips
+        one after another). An engine that refuses for want of room or health is replaced once, for
+        the jobs it was to take, by the policy's choice among the others; a 429 or 503 comes back
+        only when that one refuses too. One deadline (the request timeout, or the caller's) covers
+        every job, from admission to the last output. The streams come back in the jobs' order."""
         if deadline is None and self.settings.request_timeout_s:
             deadline = time.monotonic() + self.settings.request_timeout_s
         logged: set[str] = set()  # (a retry logs only what it had not logged yet)
-        streams: list[RequestStream] = []
+        opened: dict[int, RequestStream] = {}
+        pending = list(range(len(jobs)))  # the jobs still to open, in order
         recovered = rerouted = False
-        i = 0
         try:
-            while i < len(jobs):
-                job = jobs[i]
-                request = self._engine_request(job, priority, lora, cache_salt)
-                if self.settings.enable_log_requests and job.request_id not in logged:
-                    logged.add(job.request_id)
-                    self._log_request(request)
+            while pending:
+                window, pending = pending[:OPEN_AT_ONCE], pending[OPEN_AT_ONCE:]
                 timeout = None
                 if deadline is not None:
                     timeout = deadline - time.monotonic()
                     if timeout <= 0:
                         raise self._timed_out()
-                try:
-                    streams.append(await self.client.open(job.engine, request, timeout))
-                except (EngineOverloadedError, EngineUnavailableError) as e:
+                results = await self._open_window([jobs[k] for k in window], priority, lora, cache_salt, timeout,
+                                                  logged)
+                failed: list[int] = []
+                first: BaseException | None = None
+                for k, result in zip(window, results, strict=True):
+                    if isinstance(result, RequestStream):
+                        opened[k] = result
+                    else:
+                        failed.append(k)
+                        first = result if first is None else first
+                if first is None:
+                    continue
+                job = jobs[failed[0]]
+                pending = failed + pending  # (each failure is tried again once the first is dealt with)
+                if isinstance(first, EngineOverloadedError | EngineUnavailableError):
                     # (Moved only when the engine certainly did not take it: under the same id, outputs
                     # of a request it did take could reach the new engine's stream.)
-                    movable = isinstance(e, EngineOverloadedError | EngineRefusedError)
+                    movable = isinstance(first, EngineOverloadedError | EngineRefusedError)
                     other = None if rerouted or not movable else self._other_engine(job, lora, cache_salt)
                     if other is None:
-                        raise _engine_refusal(e) from e
+                        raise _engine_refusal(first) from first
                     rerouted = True
-                    jobs = [j._replace(engine=other) if k >= i and j.engine == job.engine else j
+                    jobs = [j._replace(engine=other) if k in pending and j.engine == job.engine else j
                             for k, j in enumerate(jobs)]
-                    continue
-                except RequestRefusedByEngineError as e:  # (checked here first, where it can be)
-                    raise bad_request(str(e)) from e
-                except UnknownModelError as e:
-                    if lora is None:
-                        raise
+                elif isinstance(first, RequestRefusedByEngineError):  # (checked here first, where it can be)
+                    raise bad_request(str(first)) from first
+                elif isinstance(first, UnknownModelError) and lora is not None:
                     if recovered:
-                        raise unknown_model(lora.lora_name) from e
+                        raise unknown_model(lora.lora_name) from first
                     # Unloaded or reloaded through another replica, or lost by a restarted engine.
                     recovered = True
                     lora = await self._recover_adapter(job.engine, lora)
-                    continue
-                except RequestTimeoutError as e:  # the engine did not even admit it in time
-                    raise self._timed_out() from e
-                i += 1
+                elif isinstance(first, RequestTimeoutError):  # the engine did not even admit it in time
+                    raise self._timed_out() from first
+                else:
+                    raise first
         except BaseException:
-            for stream in streams:
+            for stream in opened.values():
                 await stream.close()
             raise
-        return streams
+        return [opened[k] for k in range(len(jobs))]
+
+    async def _open_window(self, jobs: list[_Job], priority: int, lora: LoRARequest | None, cache_salt: str | None,
+                           timeout: float | None, logged: set[str]) -> list[RequestStream | BaseException]:
+        """Each job's stream, or why its engine did not take it, all sent at once. A caller that
+        leaves meanwhile leaves nothing open: those already admitted are closed (aborted)."""
+        tasks = []
+        for job in jobs:
+            request = self._engine_request(job, priority, lora, cache_salt)
+            if self.settings.enable_log_requests and job.request_id not in logged:
+                logged.add(job.request_id)
+                self._log_request(request)
+            tasks.append(asyncio.ensure_future(self.client.open(job.engine, request, timeout)))
+        try:
+            await asyncio.wait(tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    stream = await task
+                    await stream.close()
+            raise
+        return [task.exception() or task.result() for task in tasks]  # type: ignore[misc]
 
     def _other_engine(self, job: _Job, lora: LoRARequest | None, cache_salt: str | None) -> int | None:
         """Where a job goes instead of the engine that refused it: the policy's choice among the

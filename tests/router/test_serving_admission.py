@@ -83,13 +83,15 @@ def test_one_refused_choice_fails_the_request_and_aborts_the_admitted_ones(refus
     async def run():
         serving, client, channel = _serving()
         answers = [Accepted("", "queue is full", overloaded=True) if i == refused else Accepted("") for i in range(3)]
-        engine = asyncio.create_task(_answer(client, channel, answers[:refused + 1]))
+        engine = asyncio.create_task(_answer(client, channel, answers))
         with pytest.raises(APIError) as raised:
             await serving.completions(_request(3))
         await engine
         assert raised.value.status == 429
-        assert channel.added() == [f"{channel.added()[0][:-2]}-{i}" for i in range(refused + 1)]
-        assert channel.aborted() == sorted(channel.added()[:refused])
+        # (The choices go out together: the ones admitted besides the refused one are aborted.)
+        ids = [f"{channel.added()[0][:-2]}-{i}" for i in range(3)]
+        assert channel.added() == ids
+        assert channel.aborted() == sorted(ids[:refused] + ids[refused + 1:])
         assert client.loads() == [0] and not client._queues
 
     asyncio.run(run())
@@ -104,7 +106,8 @@ def test_a_client_that_leaves_during_admission_leaves_nothing_open():
         opening.cancel()
         with pytest.raises(asyncio.CancelledError):
             await opening
-        assert channel.aborted() == sorted(channel.added()) and len(channel.added()) == 2
+        # (All three went out together: one admitted, two in admission; each is aborted.)
+        assert channel.aborted() == sorted(channel.added()) and len(channel.added()) == 3
         assert client.loads() == [0] and not client._queues and not client._slots[0].pending
 
     asyncio.run(run())
@@ -182,12 +185,12 @@ def test_the_choices_left_of_a_refused_request_move_and_the_admitted_ones_stay()
             full_after_one["admitted"] += engine == 0
             return Accepted(rid)
 
-        # (engine 0 takes choice 0 and is full at choice 1)
-        engine = asyncio.create_task(_answer_engines(client, channels, answer, count=4))
+        # (the choices go out together: engine 0 takes choice 0 and is full at choices 1 and 2)
+        engine = asyncio.create_task(_answer_engines(client, channels, answer, count=5))
         body = await serving.completions(_request(3))
         await engine
         first = channels[0].added()[0]
-        assert channels[0].added() == [first, first[:-1] + "1"]
+        assert channels[0].added() == [first, first[:-1] + "1", first[:-1] + "2"]
         assert channels[1].added() == [first[:-1] + "1", first[:-1] + "2"]
         assert not channels[0].aborted() and client.loads() == [1, 2]
         await body.aclose()
@@ -353,5 +356,32 @@ def test_a_request_whose_channel_broke_after_it_was_sent_is_not_moved():
         await breaking
         assert raised.value.status == 503 and channels[1].added() == []
         assert client.loads() == [0, 0] and not client._queues
+
+    asyncio.run(run())
+
+
+def test_a_requests_engine_requests_go_out_in_windows_not_one_round_trip_at_a_time():
+    """Up to OPEN_AT_ONCE of a request's engine requests (its choices, prompts, inputs) are sent
+    before any admission is awaited; the streams still come back in the choices' order."""
+    from router.serving import OPEN_AT_ONCE
+
+    async def run():
+        serving, client, channel = _serving()
+        n = OPEN_AT_ONCE + 4
+        opening = asyncio.create_task(serving.completions(CompletionRequest(model="tiny", prompt="Paris", n=n,
+                                                                           max_tokens=4, stream=True)))
+        await _until_added(channel, OPEN_AT_ONCE)
+        await asyncio.sleep(0.01)
+        assert len(channel.added()) == OPEN_AT_ONCE  # (the first window, none answered yet)
+        for rid in reversed(channel.added()):  # (admitted in the reverse order)
+            client._on_message(client._slots[0], Accepted(rid))
+        await _until_added(channel, n)
+        for rid in channel.added()[OPEN_AT_ONCE:]:
+            client._on_message(client._slots[0], Accepted(rid))
+        body = await opening
+        assert [stream.request_id for stream in body._streams] == channel.added()
+        assert client.loads() == [n]
+        await body.aclose()
+        assert client.loads() == [0]
 
     asyncio.run(run())
