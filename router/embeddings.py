@@ -21,7 +21,15 @@ from starlette.responses import Response
 
 from engine_core.executor import PoolingInfo
 from engine_core.sampling_params import SamplingParams
-from router.protocol import INT64_MAX, INT64_MIN, ChatMessage, cache_salt_field, invalid, request_id_field
+from router.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    ChatMessage,
+    _warn_ignored,
+    cache_salt_field,
+    invalid,
+    request_id_field,
+)
 from router.serving import OpenAIServing, answer_ids, bad_request, conversation_chars
 
 TruncationSide = Literal["left", "right"]
@@ -65,7 +73,7 @@ class EncodingFields(BaseModel):
             offset += len(raw)
         headers = None if self.encoding_format == "bytes_only" else {"metadata": json.dumps({
             "id": request_id, "created": int(time.time()), "model": model, "data": items,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})}
+            "usage": {"prompt_tokens": num_tokens, "completion_tokens": 0, "total_tokens": num_tokens}})}
         return Response(b"".join(parts), media_type="application/octet-stream", headers=headers)
 
 
@@ -115,6 +123,13 @@ class PooledInputRequest(BaseModel):
     one conversation, vLLM's chat form of these requests), and how they are tokenised and scheduled."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _say_what_is_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):  # (as the generation requests and vLLM: in the log, once per field)
+            _warn_ignored(cls.__name__, [k for k in data if k not in cls.model_fields])
+        return data
 
     model: str | None = Field(None, description="Served model name (see GET /v1/models; by default the first).")
     input: str | list[str] | list[int] | list[list[int]] | None = Field(
@@ -248,7 +263,7 @@ class EmbeddingsServing:
                 "model": serving.model_name(request.model),
                 "data": [{"object": "embedding", "index": i, "embedding": request.encode(v)}
                          for i, v in enumerate(vectors)],
-                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+                "usage": {"prompt_tokens": num_tokens, "completion_tokens": 0, "total_tokens": num_tokens}}
 
     async def request_prompts(self, request: PooledInputRequest) -> list[list[int]]:
         """The token ids pooled for each of the request's inputs, or for its one conversation (its
@@ -285,6 +300,8 @@ class EmbeddingsServing:
             ids = list(item)
             if max_length is not None:
                 ids = ids[:max_length] if request.truncation_side == "right" else ids[-max_length:]
+        if not ids:  # (an empty text, with nothing the tokenizer adds around it)
+            raise bad_request(f"an input is empty: its text gives no tokens to pool ({param})", param)
         max_model_len = serving.settings.max_model_len
         if len(ids) > max_model_len:
             raise bad_request(f"This model's maximum context length is {max_model_len} tokens; an input has "

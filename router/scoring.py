@@ -33,7 +33,7 @@ from router.embeddings import (
     embedding_params,
     tokenize_truncated,
 )
-from router.protocol import INT64_MAX, INT64_MIN, cache_salt_field, invalid, request_id_field
+from router.protocol import INT64_MAX, INT64_MIN, _warn_ignored, cache_salt_field, invalid, request_id_field
 from router.serving import APIError, OpenAIServing, answer_ids, bad_request
 
 # The paths these endpoints answer on (every one needs the API key when one is set, as /classify's do).
@@ -42,6 +42,13 @@ SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 
 class _ScoringFields(ActivationField):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _say_what_is_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):  # (as the generation requests and vLLM: in the log, once per field)
+            _warn_ignored(cls.__name__, [k for k in data if k not in cls.model_fields])
+        return data
 
     model: str | None = Field(None, description="Served model name (see GET /v1/models; by default the first).")
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Truncate each text (a cross-encoder's "
@@ -118,9 +125,12 @@ def maxsim_scores(token_vectors: list[list[float]], row_size: int, pairs: list[t
 
 
 def _texts(value: str | list[str], param: str) -> list[str]:
+    """A side's texts. An empty text is scored as vLLM scores it (a cross-encoder reads the pair's
+    special tokens; an embedding of nothing is refused when it is tokenized): a RAG chunk list with
+    an empty chunk is not refused whole."""
     texts = [value] if isinstance(value, str) else list(value)
-    if not texts or any(t == "" for t in texts):
-        raise invalid(param, f"{param} must not be empty, nor hold an empty text")
+    if not texts:
+        raise invalid(param, f"{param} must not be empty")
     return texts
 
 
@@ -168,14 +178,16 @@ class ScoreRequest(_ScoringFields):
 
 class RerankRequest(_ScoringFields):
     query: str
-    # Texts, or Cohere's {"text": ...} objects.
-    documents: list[str | dict[str, Any]]
+    # Texts, or Cohere's {"text": ...} objects (one text alone too, as vLLM takes it).
+    documents: str | list[str | dict[str, Any]]
     top_n: int = Field(0, description="Return the n best documents (0 or less: all, as vLLM reads it).")
-    return_documents: bool = Field(True, description="Include each document's text in its result.")
+    return_documents: bool | None = Field(True, description="Include each document's text in its result (null: "
+                                                            "true); false leaves the document out, as Cohere.")
 
     @model_validator(mode="after")
     def _texts_present(self) -> RerankRequest:
-        _texts(self.query, "query")
+        if isinstance(self.documents, str):
+            self.documents = [self.documents]
         if not self.documents:
             raise invalid("documents", "documents must not be empty")
         for doc in self.documents:
@@ -185,7 +197,7 @@ class RerankRequest(_ScoringFields):
         return self
 
     def document_texts(self) -> list[str]:
-        return [doc if isinstance(doc, str) else doc["text"] for doc in self.documents]
+        return [doc if isinstance(doc, str) else doc["text"] for doc in self.documents]  # type: ignore[index]
 
 
 def check_scores(serving: OpenAIServing) -> None:
@@ -217,7 +229,7 @@ class ScoringServing:
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": self.serving.model_name(request.model),
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+                "usage": {"prompt_tokens": num_tokens, "completion_tokens": 0, "total_tokens": num_tokens}}
 
     async def rerank(self, request: RerankRequest, session_id: str | None = None,
                      external_id: str | None = None) -> dict[str, Any]:
@@ -232,7 +244,7 @@ class ScoringServing:
         return {"id": request_id, "model": self.serving.model_name(request.model),
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
                 "results": [{"index": i, "relevance_score": scores[i],
-                             "document": {"text": documents[i]} if request.return_documents else None}
+                             **({"document": {"text": documents[i]}} if request.return_documents is not False else {})}
                             for i in ranked]}
 
     async def _scores(self, request_id: str, request: _ScoringFields, left: list[str], right: list[str],

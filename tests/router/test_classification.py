@@ -67,6 +67,10 @@ def test_a_cross_encoder_scores_each_pair_joined_with_the_sigmoid_of_its_logit()
                                         "documents": ["a city", "a person"]}).json()["results"]
     assert [r["index"] for r in ranked] == sorted(range(2), key=lambda i: -scores[i])
     assert [r["relevance_score"] for r in ranked] == pytest.approx(sorted(scores, reverse=True), abs=1e-12)
+    # An empty document is scored, as vLLM scores it (the pair template's tokens are the input), not
+    # a 400 for the whole list.
+    empty = http.post("/rerank", json={"model": "tiny", "query": "what is paris", "documents": ["a city", ""]})
+    assert empty.status_code == 200 and len(empty.json()["results"]) == 2
     # A classifier with several classes is not a cross-encoder.
     http, _ = _classifier()
     r = http.post("/score", json={"model": "tiny", "text_1": "a", "text_2": "b"})

@@ -38,7 +38,7 @@ def test_one_text_against_many_embeds_each_text_once():
     assert [rq.prompt_token_ids for rq in engine.requests] == [TOKENIZER.encode(t) for t in [QUERY, *DOCS]]
     assert all(rq.sampling_params.embed and rq.sampling_params.embed_normalize for rq in engine.requests)
     tokens = sum(len(TOKENIZER.encode(t)) for t in [QUERY, *DOCS])
-    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert body["usage"] == {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
 
 
 def test_pairs_side_by_side_under_every_path_and_name():
@@ -71,7 +71,11 @@ def test_rerank_orders_documents_by_relevance():
     # Cohere's document objects, the n best only, without the texts.
     top = http.post("/v2/rerank", json={"model": "tiny", "query": QUERY, "top_n": 2, "return_documents": False,
                                         "documents": [{"text": d} for d in DOCS]}).json()
-    assert [r["index"] for r in top["results"]] == order[:2] and top["results"][0]["document"] is None
+    assert [r["index"] for r in top["results"]] == order[:2] and "document" not in top["results"][0]  # (Cohere's)
+    # One document alone (vLLM takes a string), and return_documents null (true).
+    one = http.post("/rerank", json={"model": "tiny", "query": QUERY, "documents": DOCS[0],
+                                     "return_documents": None}).json()
+    assert [(r["index"], r["document"]["text"]) for r in one["results"]] == [(0, DOCS[0])]
     every = http.post("/rerank", json={"model": "tiny", "query": QUERY, "documents": DOCS, "top_n": -1}).json()
     assert [r["index"] for r in every["results"]] == order  # (0 or less: all, as vLLM reads it)
 
