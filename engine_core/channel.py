@@ -80,6 +80,9 @@ class AbortRequests(msgspec.Struct, tag="abort"):
     # The client ended them itself, as finished: a stop string it matched on the text (the engine
     # counts them as finished with reason stop, as vLLM's front end does; a plain abort is not).
     stopped: bool = False
+    # With stopped: each one's output tokens the client kept (up to the stop), where the engine may
+    # have generated a pass or two more before the abort came ([]: not known).
+    num_kept_tokens: list[int] = []
 
 
 # -- messages, engine -> client ------------------------------------------------------------------
@@ -247,7 +250,8 @@ class ChannelServer:
                     writer.write(encode_frame(accepted))
                 elif isinstance(message, AbortRequests):
                     unfinished.difference_update(message.request_ids)
-                    self._service.abort_requests(message.request_ids, stopped=message.stopped)
+                    self._service.abort_requests(message.request_ids, stopped=message.stopped,
+                                                 num_kept_tokens=message.num_kept_tokens)
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
             pass  # the router went away (or spoke nonsense)
         finally:

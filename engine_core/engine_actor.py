@@ -157,15 +157,18 @@ class EngineCoreService:
 
         self.submit(unsubscribe)
 
-    def abort_requests(self, request_ids: list[str], tell_clients: bool = False, stopped: bool = False) -> None:
+    def abort_requests(self, request_ids: list[str], tell_clients: bool = False, stopped: bool = False,
+                       num_kept_tokens: list[int] | None = None) -> None:
         """``stopped``: the client ended them as finished (a stop string matched on its side): the
-        metrics count them so, where an abort is not counted."""
+        metrics count them so, where an abort is not counted, as of the ``num_kept_tokens`` output
+        tokens each kept."""
         ids = list(request_ids)
-        self.submit(lambda: self._abort_requests(ids, tell_clients, stopped))
+        self.submit(lambda: self._abort_requests(ids, tell_clients, stopped, num_kept_tokens))
 
-    def _abort_requests(self, request_ids: list[str], tell_clients: bool = False, stopped: bool = False) -> None:
+    def _abort_requests(self, request_ids: list[str], tell_clients: bool = False, stopped: bool = False,
+                        num_kept_tokens: list[int] | None = None) -> None:
         if stopped and self.metrics is not None:
-            self.metrics.on_stopped_by_client(request_ids)
+            self.metrics.on_stopped_by_client(request_ids, num_kept_tokens)
         if self._held_requests:
             gone = set(request_ids)
             dropped = [r for r in self._held_requests if r.request_id in gone]

@@ -13,9 +13,10 @@ slower: it contends for the GIL with the pass.)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from bisect import bisect_left
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,6 +32,9 @@ from prometheus_client.core import (
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.outputs import EngineCoreOutputs, SchedulerStats
 from engine_core.request import EngineCoreEventType, Request
+
+# Passes a request's recent token times go back (the passes a stop string's abort may lag behind).
+_RECENT_PASSES = 8
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -91,6 +95,9 @@ class _Tracked:
     first_token: float | None = None
     last_token: float | None = None
     num_generated: int = 0
+    # The last few passes that gave it tokens: (its tokens after the pass, the pass's time), to go
+    # back to the one its client stopped at (on_stopped_by_client).
+    recent: deque[tuple[int, float]] = dataclasses.field(default_factory=lambda: deque(maxlen=_RECENT_PASSES))
 
 
 class EngineMetrics:
@@ -223,6 +230,7 @@ class EngineMetrics:
                         itl_from[t.last_token] += 1
                     t.last_token = now
                     t.num_generated += n
+                    t.recent.append((t.num_generated, now))
                 elif out.pooling_output is not None:  # an embedding request: its prompt was its work
                     # (Its output is its first: TTFT and prefill time as vLLM records them for pooling
                     # requests; its decode takes no time.)
@@ -241,15 +249,25 @@ class EngineMetrics:
         if stats is not None:
             self._record_stats(stats)
 
-    def on_stopped_by_client(self, request_ids: list[str], now: float | None = None) -> None:
+    def on_stopped_by_client(self, request_ids: list[str], num_kept_tokens: list[int] | None = None,
+                             now: float | None = None) -> None:
         """Requests their client ended as finished (a stop string it matched on the text), about to
-        be aborted here: counted as finished with reason stop, at their last token, as vLLM's front
-        end counts the stop strings it finds."""
+        be aborted here: counted as finished with reason stop, as vLLM's front end counts the stop
+        strings it finds. With ``num_kept_tokens`` (each one's tokens up to its stop), as of the
+        pass that gave the token it stopped at: the passes run before the abort came are not the
+        request's latency, nor its tokens."""
         now = time.time() if now is None else now
+        kept = dict(zip(request_ids, num_kept_tokens, strict=False)) if num_kept_tokens else {}
         for request_id in request_ids:
             t = self._tracked.get(request_id)
-            if t is not None:
-                self._finish(t, "stop", t.last_token or now)
+            if t is None:
+                continue
+            count = kept.get(request_id)
+            if count is not None and 0 < count < t.num_generated:
+                at = next((ts for total, ts in t.recent if total >= count), None)
+                if at is not None:
+                    t.num_generated, t.last_token = count, at
+            self._finish(t, "stop", t.last_token or now)
 
     def _prefilled(self, request: Request) -> None:
         """A request's prompt is in the KV cache: its tokens, those its prefix-cache hits supplied,

@@ -140,8 +140,9 @@ class RequestStream:
         self.request_id = request_id
         self.finished = False
         # The reader ended it as finished (a stop string matched on the text): close() tells the
-        # engine so, for its metrics, in the abort.
+        # engine so, for its metrics, in the abort, with the output tokens it kept.
         self.stopped = False
+        self.num_kept_tokens = 0
         self._queue = queue
         loop = asyncio.get_running_loop()
         self._timer = (loop.call_at((loop.time() if started is None else started) + timeout_s,
@@ -168,7 +169,8 @@ class RequestStream:
         else:
             # Client gone, timeout or stop string: the engine frees the request's blocks (abort forgets it here).
             self.finished = True
-            await self.client.abort(self.engine, [self.request_id], stopped=self.stopped)
+            await self.client.abort(self.engine, [self.request_id], stopped=self.stopped,
+                                    num_kept_tokens=[self.num_kept_tokens] if self.stopped else None)
 
 
 @dataclass
@@ -325,14 +327,16 @@ class EngineClient:
         finally:
             await stream.close()
 
-    async def abort(self, engine: int, request_ids: list[str], stopped: bool = False) -> None:
-        """``stopped``: they ended as finished here (a stop string), not abandoned."""
+    async def abort(self, engine: int, request_ids: list[str], stopped: bool = False,
+                    num_kept_tokens: list[int] | None = None) -> None:
+        """``stopped``: they ended as finished here (a stop string), not abandoned, each after the
+        ``num_kept_tokens`` output tokens it kept."""
         slot = self._slots[engine]
         for rid in request_ids:
             self._forget(slot, rid)
         if slot.channel is not None:  # (also while marked unhealthy: the engine may still run them)
             try:
-                slot.channel.send(AbortRequests(list(request_ids), stopped))
+                slot.channel.send(AbortRequests(list(request_ids), stopped, list(num_kept_tokens or ())))
             except Exception as e:
                 logger.warning("abort on engine %d failed: %s", engine, e)
 

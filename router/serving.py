@@ -1506,6 +1506,7 @@ class OpenAIServing:
             # Finished, a stop string, or the client went away: close() aborts what did not finish
             # (a stop string's as finished, for the engine's metrics).
             stream.stopped = choice.finish_reason == "stop" and not stream.finished
+            stream.num_kept_tokens = len(choice.token_ids)
             await stream.close()
             if self.settings.enable_log_outputs and choice.finish_reason is not None:
                 self._log_output(stream.request_id, choice)

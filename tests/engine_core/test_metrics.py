@@ -197,3 +197,21 @@ def test_waiting_requests_split_by_vllms_reasons():
     by_reason = {s.labels["reason"]: s.value for s in families["vllm:num_requests_waiting_by_reason"].samples}
     assert by_reason == {"capacity": 5, "deferred": 2}
     assert families["vllm:num_requests_waiting"].samples[0].value == 7
+
+
+def test_a_stop_string_request_counts_as_of_the_token_its_client_stopped_at():
+    """The engine generated two more passes before the router's abort came: the request's latency
+    and tokens are those of the pass that gave the stop's token, as vLLM's front end records them."""
+    metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
+    request = Request("s", [1, 2, 3], SamplingParams(max_tokens=40), arrival_time=100.0)
+    request.record_event(EngineCoreEventType.QUEUED, 100.0)
+    request.record_event(EngineCoreEventType.SCHEDULED, 100.1)
+    metrics.on_request_added(request)
+    for now in (101.0, 101.5, 102.0, 102.5):
+        metrics.on_step({0: EngineCoreOutputs(outputs=[EngineCoreOutput("s", [7])])}, None, now=now)
+    metrics.on_stopped_by_client(["s"], [2], now=103.0)  # (it kept two tokens: the stop was in the second)
+    families = _families(metrics)
+    assert _success(families, "stop") == 1
+    assert abs(_sum(families["vllm:e2e_request_latency_seconds"]) - 1.5) < 1e-9
+    assert abs(_sum(families["vllm:request_decode_time_seconds"]) - 0.5) < 1e-9
+    assert _sum(families["vllm:request_generation_tokens"]) == 2

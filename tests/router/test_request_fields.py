@@ -52,6 +52,7 @@ class ScriptedEngine:
         self.failing_prompt: list[int] | None = None  # an embedding request of this prompt fails
         self.aborted: list[str] = []
         self.stopped: list[str] = []  # aborted as finished (a stop string the router matched)
+        self.kept_tokens: dict[str, int] = {}  # (and the output tokens each kept)
         self.num_pooled = num_pooled  # the values of a pooled output (a classifier's: one per class)
         # Each token's logprob (and its best alternative's, one less); None: -0.5 each, no alternatives.
         self.logprob_of: Callable[[int], float] | None = None
@@ -63,6 +64,7 @@ class ScriptedEngine:
         if isinstance(message, AbortRequests):
             self.aborted += message.request_ids
             self.stopped += message.request_ids if message.stopped else []
+            self.kept_tokens.update(zip(message.request_ids, message.num_kept_tokens, strict=False))
         if isinstance(message, AddRequest):
             self.requests.append(message.request)
             asyncio.get_running_loop().call_soon(self._answer, message.request)
@@ -1136,6 +1138,10 @@ def test_a_stop_string_ends_the_engine_request_as_finished_and_a_client_that_lea
     assert r.status_code == 200
     [rid] = [req.request_id for req in engine.requests]
     assert engine.aborted == [rid] and engine.stopped == [rid]
+    # (with the tokens up to the stop's, for the engine's metrics; the engine had sent more)
+    text = TOKENIZER.decode(TOKENIZER.encode(TEXT))
+    kept = next(k for k in range(1, 31) if "fox" in TOKENIZER.decode(TOKENIZER.encode(TEXT)[:k]))
+    assert "fox" in text and engine.kept_tokens == {rid: kept}
     if stream:  # a client that leaves mid-stream: a plain abort
         with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 30,
                                                           "stream": True}) as leaving:
