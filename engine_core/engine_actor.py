@@ -202,7 +202,7 @@ class EngineCoreService:
             self._tell_finished(request, FinishReason.ERROR, f"the engine could not add the request: {e}")
             return
         if added is not None and self.metrics is not None:
-            self.metrics.on_request_added(added)
+            self.metrics.on_request_added(added, request.num_choices)
 
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> bool:
         """vLLM's pause for weight updates (blocking). No request is admitted until resume; those in flight:

@@ -128,7 +128,8 @@ class EngineMetrics:
         self.iteration_tokens = h("vllm:iteration_tokens_total", "Tokens scheduled per pass.",
                                   _ITERATION_TOKEN_BUCKETS)
         self.params_max_tokens = h("vllm:request_params_max_tokens", "Requested max_tokens.", token_buckets)
-        self.params_n = h("vllm:request_params_n", "Requested n (one per engine request).", (1, 2, 5, 10, 20))
+        self.params_n = h("vllm:request_params_n", "Requested n (once per request, on its first choice's engine).",
+                          (1, 2, 5, 10, 20))
         self.prefill_kv_computed = h("vllm:request_prefill_kv_computed_tokens",
                                      "Prompt tokens a request's prefill computed (its prefix-cache hits excluded).",
                                      token_buckets)
@@ -199,10 +200,14 @@ class EngineMetrics:
     # -- recording (the engine thread, after each pass) --------------------------------------------
 
 
-    def on_request_added(self, request: Request) -> None:
+    def on_request_added(self, request: Request, num_choices: int = 1) -> None:
+        """``num_choices``: its client request's n on its first choice, 0 on the others (a request's
+        parameters are observed once, as vLLM's per parent request; max_tokens not for pooling)."""
         self._tracked[request.request_id] = _Tracked(request, request.arrival_time)
-        self.params_max_tokens.observe(request.sampling_params.max_tokens)
-        self.params_n.observe(1)
+        if num_choices:
+            self.params_n.observe(num_choices)
+            if not request.sampling_params.embed:
+                self.params_max_tokens.observe(request.sampling_params.max_tokens)
 
     def on_step(self, outputs: dict[int, EngineCoreOutputs], stats: SchedulerStats | None,
                 now: float | None = None) -> None:

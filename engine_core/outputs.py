@@ -53,6 +53,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     lora_request: LoRARequest | None = None
     # A prompt given as embeddings (--enable-prompt-embeds): prompt_token_ids are as many placeholders.
     prompt_embeds: PromptEmbeds | None = None
+    # The client request's choices (its n) on its first choice, 0 on the others: the metrics observe
+    # a request's parameters once, as vLLM's do per parent request.
+    num_choices: int = 1
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True, gc=False):

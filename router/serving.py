@@ -328,6 +328,7 @@ class _Job(NamedTuple):
     prompt_ids: list[int]
     params: SamplingParams
     prompt_embeds: PromptEmbeds | None = None
+    num_choices: int = 1  # (its request's n on its first choice, 0 on the others: for the engine's metrics)
 
 
 @dataclass
@@ -945,7 +946,7 @@ class OpenAIServing:
         return EngineCoreRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids, sampling_params=job.params,
                                  eos_token_id=self.eos_token_id, arrival_time=time.time(), priority=priority,
                                  client_index=self.client.client_index, lora_request=lora, cache_salt=cache_salt,
-                                 prompt_embeds=job.prompt_embeds)
+                                 prompt_embeds=job.prompt_embeds, num_choices=job.num_choices)
 
     async def _open_all(self, jobs: list[_Job], priority: int,
                         lora: LoRARequest | None = None, cache_salt: str | None = None,
@@ -1187,9 +1188,11 @@ class OpenAIServing:
                                               request.logprobs, c.index,
                                               prompt_logprobs=_max_or_none(request.logprobs if request.echo else None,
                                                                            request.prompt_logprobs))
+                first = c.index == 0
                 c.index = p_index * request.n + c.index
                 choices.append(c)
-                jobs.append(_Job(engine, choice_request_id(engine_base, c.index), ids, params, embeds))
+                jobs.append(_Job(engine, choice_request_id(engine_base, c.index), ids, params, embeds,
+                                 request.n if first else 0))
         # return_token_ids: a prompt given as embeddings has none (null, as vLLM's).
         shown_ids = [None if isinstance(p, PromptEmbeds) else ids for p, ids in zip(prompts, prompt_ids, strict=True)]
         if searches:  # (beam search: the choices come complete, before any response starts)
@@ -1359,7 +1362,8 @@ class OpenAIServing:
         jobs = [_Job(engine, choice_request_id(engine_base, c.index), ids,
                      self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                           prompt_logprobs=request.prompt_logprobs, structured_output_after=after,
-                                          structured_output_may_open=may_open))
+                                          structured_output_may_open=may_open),
+                     num_choices=request.n if c.index == 0 else 0)
                 for c in choices]
         streams = await self._open_all(jobs, request.priority, lora, request.cache_salt)
         return ChatRun(request_id, created, ids, choices, streams)

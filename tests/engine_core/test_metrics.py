@@ -215,3 +215,23 @@ def test_a_stop_string_request_counts_as_of_the_token_its_client_stopped_at():
     assert abs(_sum(families["vllm:e2e_request_latency_seconds"]) - 1.5) < 1e-9
     assert abs(_sum(families["vllm:request_decode_time_seconds"]) - 0.5) < 1e-9
     assert _sum(families["vllm:request_generation_tokens"]) == 2
+
+
+def test_a_requests_parameters_are_observed_once_for_all_its_choices():
+    """vllm:request_params_n and _max_tokens once per client request (its first choice carries its
+    n, the others 0), as vLLM observes them per parent request; max_tokens not for pooling."""
+    metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
+    for i in range(3):
+        metrics.on_request_added(Request(f"c-{i}", [1, 2], SamplingParams(max_tokens=9), arrival_time=100.0),
+                                 3 if i == 0 else 0)
+    metrics.on_request_added(Request("solo", [1, 2], SamplingParams(max_tokens=4), arrival_time=100.0))
+    metrics.on_request_added(Request("e", [1, 2], SamplingParams(max_tokens=1, embed=True), arrival_time=100.0))
+    families = _families(metrics)
+
+    def observed(name: str) -> tuple[float, float]:
+        samples = families[name].samples
+        return (next(s.value for s in samples if s.name.endswith("_count")),
+                next(s.value for s in samples if s.name.endswith("_sum")))
+
+    assert observed("vllm:request_params_n") == (3, 3 + 1 + 1)
+    assert observed("vllm:request_params_max_tokens") == (2, 9 + 4)

@@ -1152,3 +1152,14 @@ def test_a_stop_string_ends_the_engine_request_as_finished_and_a_client_that_lea
                 break
             time.sleep(0.01)
         assert gone in engine.aborted and gone not in engine.stopped
+
+
+def test_each_requests_first_choice_carries_its_n_for_the_engines_metrics():
+    chat_tokenizer = byte_level_tokenizer.__wrapped__()  # its own copy, with a chat template
+    chat_tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    http, engine = _app(tokenizer=chat_tokenizer)
+    assert http.post("/v1/completions", json={"model": "tiny", "prompt": ["Paris", "Rome"], "n": 2,
+                                              "max_tokens": 2}).status_code == 200
+    assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "n": 3,
+                                                   "max_tokens": 2}).status_code == 200
+    assert [r.num_choices for r in engine.requests] == [2, 0, 2, 0, 3, 0, 0]
