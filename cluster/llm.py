@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,8 @@ from router.detokenizer import IncrementalDetokenizer, decode_after, token_text
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
 
 PromptType = str | list[int]
+
+logger = logging.getLogger(__name__)
 
 
 def _prompt_key(prompt: PromptType) -> tuple[str, Any]:
@@ -63,8 +67,13 @@ class SamplingParams(EngineSamplingParams):
     # vLLM's StructuredOutputsParams (or a dict of its fields: json, regex, choice, grammar,
     # json_object, disable_any_whitespace), the engine's structured_output under vLLM's name.
     structured_outputs: Any = None
+    # vLLM's; the offline LLM returns each request's final output, whatever it says.
+    output_kind: Any = None
 
     def __post_init__(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):  # (vLLM reads True as 1)
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         if self.seed == -1:  # (vLLM's "no seed"; read here, at the API's edge: sample i's seed + i may be -1)
             self.seed = None
         to_context_end = self.max_tokens is None
@@ -138,6 +147,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # The sum of the sampled tokens' logprobs (when logprobs were asked for), as vLLM reports it.
     cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -336,9 +348,44 @@ def _logprob_dicts(token_ids: list[int], entry: LogprobsEntry, decode: Callable[
     return [{t: Logprob(lp, rank, decode(t)) for t, lp, rank in row} for row in entry.ranked(token_ids)]
 
 
+def _stop_ray_engines(handles: list[Any]) -> None:
+    from cluster.launcher import stop_engines
+
+    try:
+        stop_engines(handles)
+    except Exception as e:  # (at exit Ray may be gone already)
+        logger.warning("stopping the LLM's engines failed: %s", e)
+
+
+def _progress(use_tqdm: Any) -> Any:
+    """vLLM's use_tqdm: a bool, or the tqdm class (a partial of it, say) to draw progress with."""
+    return use_tqdm if callable(use_tqdm) else tqdm
+
+
+# vLLM's LLM() arguments with nothing to do here, taken at any value: no CUDA graphs or compilation
+# (the engines always run eagerly), no swap space (preempted requests are recomputed, as vLLM v1
+# does), no code from a checkpoint is ever run, no download (nothing to authenticate).
+VLLM_ARGS_WITHOUT_EFFECT = frozenset({
+    "enforce_eager", "trust_remote_code", "swap_space", "max_seq_len_to_capture", "compilation_config",
+    "cuda_graph_sizes", "disable_custom_all_reduce", "disable_async_output_proc", "hf_token"})
+# vLLM's LLM() arguments for what is not built here: taken at their neutral values only.
+VLLM_ARGS_AT_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "quantization": (None,), "revision": (None,), "tokenizer_revision": (None,), "code_revision": (None,),
+    "download_dir": (None,), "tokenizer_mode": ("auto",), "load_format": ("auto",), "cpu_offload_gb": (0, 0.0),
+    "pipeline_parallel_size": (1,), "data_parallel_size": (1,), "skip_tokenizer_init": (False,)}
+VLLM_ARGS_WHY = {
+    "quantization": "a checkpoint's own quantization is read from its files; quantizing as it loads is not built",
+    "revision": "models are local directories or GGUF files: nothing is downloaded",
+    "tokenizer_revision": "nothing is downloaded", "code_revision": "nothing is downloaded",
+    "download_dir": "nothing is downloaded", "tokenizer_mode": "the checkpoint's Hugging Face tokenizer is used",
+    "load_format": "weights load as the checkpoint has them", "cpu_offload_gb": "weights are not offloaded",
+    "pipeline_parallel_size": "pipeline parallelism is not built (tensor_parallel_size, num_engines)",
+    "data_parallel_size": "engines are num_engines here", "skip_tokenizer_init": "the tokenizer is always loaded"}
+
+
 class LLM:
     def __init__(self, model: str = "SmolLM2-135M-Instruct", num_engines: int = 1, tensor_parallel_size: int = 1,
-                 num_gpu_blocks: int | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
+                 num_gpu_blocks: int | None = None, device: str = "auto", dtype: str = "auto", seed: int | None = 0,
                  block_size: int = 16, enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
                  executor_backend: str = "auto", use_ray: bool | None = None, address: str | None = None,
                  engine_overrides: list[dict[str, Any]] | None = None, enable_lora: bool = False,
@@ -350,7 +397,26 @@ class LLM:
                  disable_log_stats: bool = True, tokenizer: str | None = None,
                  logits_processors: list[str | type[LogitsProcessor]] | None = None,
                  **scheduler_flags: Any) -> None:
+        """``scheduler_flags``: the engine flags by vLLM's names (max_num_seqs, max_model_len, ...);
+        vLLM's arguments with nothing to do here are taken too (VLLM_ARGS_WITHOUT_EFFECT), and those for
+        what is not built only at their neutral value (VLLM_ARGS_AT_DEFAULT), else a ValueError."""
         from gpu_worker.model_resolver import check_tokenizer_dir, load_tokenizer, resolve_model
+
+        if seed is None:  # (vLLM's "no seed": the engines' random state starts from 0 here)
+            seed = 0
+        backend = scheduler_flags.pop("distributed_executor_backend", None)
+        if backend is not None:
+            if backend not in ("ray", "mp", "uni"):
+                raise ValueError(f"distributed_executor_backend {backend!r}: ray, mp or uni")
+            executor_backend = "ray" if backend == "ray" else executor_backend
+        for name in [k for k in scheduler_flags if k in VLLM_ARGS_WITHOUT_EFFECT]:
+            scheduler_flags.pop(name)
+        for name, neutral in VLLM_ARGS_AT_DEFAULT.items():
+            if name in scheduler_flags and scheduler_flags.pop(name) not in neutral:
+                raise ValueError(f"{name}: only {neutral[0]!r} here ({VLLM_ARGS_WHY[name]})")
+        unknown = sorted(set(scheduler_flags) - set(EngineSpec.model_fields) - {"policy"})
+        if unknown:
+            raise TypeError(f"LLM() got arguments it does not take: {', '.join(unknown)}")
 
         # (--tokenizer: a directory, checked here before anything loads; the engines check it against
         # the model and use it too.)
@@ -395,6 +461,9 @@ class LLM:
 
             ensure_ray(address, namespace=self.cluster_config.namespace)
             self._handles = start_engines(self.engine_configs, self.cluster_config.namespace)
+            # (An LLM dropped without shutdown(), `del llm` in a loop over models, stops its engines
+            # when it is collected: their names and GPUs are free for the next.)
+            self._stop_engines = weakref.finalize(self, _stop_ray_engines, list(self._handles))
         else:
             from gpu_worker.executor import create_executor
 
@@ -405,9 +474,11 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """``lora_request``: one adapter for every prompt, or one (or None) per prompt, as vLLM;
-        adapters not loaded yet are loaded first (a checkpoint the model cannot serve raises)."""
+        adapters not loaded yet are loaded first (a checkpoint the model cannot serve raises).
+        ``priority``: one per prompt, with scheduling_policy="priority" (lower first), as vLLM's."""
         if not self._model_info().pooling.generates:
             raise ValueError("this model is an embedding model (runner pooling): it does not generate; use "
                              "LLM.embed" + (", LLM.classify or LLM.score" if self._model_info().pooling.labels else ""))
@@ -416,6 +487,11 @@ class LLM:
         params_list = self._as_params_list(
             self.get_default_sampling_params() if sampling_params is None else sampling_params, len(prompt_list))
         loras = self._as_lora_list(lora_request, len(prompt_list))
+        if priority is not None:
+            if len(priority) != len(prompt_list):
+                raise ValueError(f"priority has {len(priority)} values for {len(prompt_list)} prompts")
+            if any(p != 0 for p in priority) and self.engine_configs[0].scheduler.policy != "priority":
+                raise ValueError('priority needs scheduling_policy="priority"')
         pending: dict[str, _Pending] = {}
         requests = []
         max_model_len, vocab = self._max_model_len(), len(self.tokenizer)
@@ -457,6 +533,7 @@ class LLM:
                 requests.append(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                                   sampling_params=sample_params, eos_token_id=eos_token_id,
                                                   arrival_time=time.time(),
+                                                  priority=0 if priority is None else priority[index],
                                                   lora_request=lora, cache_salt=salt, prompt_embeds=embeds))
         self._run(requests, pending, "Processed prompts", use_tqdm)
         groups: dict[str, list[_Pending]] = {}
@@ -686,7 +763,7 @@ class LLM:
         step = SamplingParams(max_tokens=1, logprobs=candidates_per_beam(params.beam_width, limit),
                               temperature=params.temperature)
         rows: dict[int, dict[int, Logprob]] = {}  # id of a step's alternatives -> the engine's Logprob row
-        for round_index in tqdm(range(max(rounds)), desc="Beam search", disable=not use_tqdm):
+        for round_index in _progress(use_tqdm)(range(max(rounds)), desc="Beam search", disable=not use_tqdm):
             live = [(search, beam, salt) for search, left, salt in zip(searches, rounds, salts, strict=True)
                     if round_index < left for beam in search.live]
             if not live:
@@ -747,10 +824,10 @@ class LLM:
                         raise ValueError(f"message content of type {part.get('type')!r} is not supported "
                                          "(text only)")
             conversation = [{**m, "content": template_content(m.get("content"), content_format)} for m in conversation]
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-                continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
-                **(chat_template_kwargs or {}))
+            # (The explicit arguments win over chat_template_kwargs' keys of the same name, as vLLM merges them.)
+            text = self.tokenizer.apply_chat_template(conversation, **{
+                **(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt, "tokenize": False,
+                "continue_final_message": continue_final_message, "chat_template": chat_template, "tools": tools})
             prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
         outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         for out, prompt in zip(outputs, prompts):
@@ -797,8 +874,10 @@ class LLM:
         """The model's tokenizer (vLLM's accessor)."""
         return self.tokenizer
 
-    def reset_prefix_cache(self) -> bool:
-        """Empty every engine's prefix cache (vLLM's); False when an engine still holds requests."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Empty every engine's prefix cache (vLLM's); False when an engine still holds requests.
+        (vLLM's two arguments are taken: offline, nothing runs between calls, and the KV offloading
+        tier keeps its blocks.)"""
         if self._engine is not None:
             return self._engine.reset_prefix_cache()
         import ray
@@ -850,9 +929,7 @@ class LLM:
             self._engine.shutdown()
             self._engine = None
         if self._handles:
-            from cluster.launcher import stop_engines
-
-            stop_engines(self._handles)
+            self._stop_engines()
             self._handles = []
 
     def __enter__(self) -> LLM:
@@ -878,7 +955,7 @@ class LLM:
              use_tqdm: bool) -> None:
         if any(c.enable_sleep_mode for c in self.engine_configs) and self.is_sleeping():
             raise RuntimeError("the LLM is sleeping: call wake_up() first")
-        with tqdm(total=len(requests), desc=desc, disable=not use_tqdm) as bar:
+        with _progress(use_tqdm)(total=len(requests), desc=desc, disable=not use_tqdm) as bar:
             if self._engine is not None:
                 self._run_in_process(requests, pending, bar)
             else:

@@ -80,7 +80,21 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config_and_scrape_settings():
     # with deploy/Dockerfile, and KubeRay's removed health-threshold fields are gone.
     containers = [c for g in [cluster["headGroupSpec"], *workers] for c in g["template"]["spec"]["containers"]]
     assert all(c["image"].startswith("REGISTRY/llm-cluster:2.60.0-py311") for c in containers)
-    assert not any("pip install" in arg for c in containers for arg in c["args"])
+    assert not any("pip install" in arg for c in containers for arg in c.get("args", []))
+    # KubeRay starts Ray itself (a command of our own wrapped its ulimit in a throwaway shell); the
+    # key comes from a Secret, not from the serve config Serve shows; engine-only GPU nodes are ready
+    # on their raylet; the PodMonitor carries kube-prometheus-stack's release label.
+    assert not any("command" in c for c in containers)
+    for c in containers:
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_SERVE_ENABLE_HA_PROXY"]["value"] == "1"
+        assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"]["value"] == "0"
+        assert env["LLM_CLUSTER_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "llm-cluster-api-key"
+    worker = workers[0]["template"]["spec"]["containers"][0]
+    assert "local_raylet_healthz" in " ".join(worker["readinessProbe"]["exec"]["command"])
+    assert pod_monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= {
+        **head["metadata"]["labels"], "ray.io/node-type": "head"}.items()
     assert not {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"} & set(spec)
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "COPY --chown=ray:users . /home/ray/llm-cluster" in dockerfile
