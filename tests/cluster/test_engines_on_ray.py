@@ -230,3 +230,22 @@ def test_an_engine_restarted_while_paused_comes_back_paused(ray_cluster, tiny_mo
         assert not ray.get(engine.actor.is_paused.remote())
     finally:
         stop_engines([engine])
+
+
+def test_an_llm_dropped_without_shutdown_stops_its_engines(ray_cluster, tiny_model_dir):
+    """`del llm` (a script looping over models) frees the engines' names and resources: the next
+    LLM starts under the same names."""
+    import gc
+
+    from engine_core.engine_actor import named_actor
+
+    llm = LLM(model=str(tiny_model_dir), num_engines=2, num_gpu_blocks=64)
+    names = [h.name for h in llm._handles]
+    del llm
+    gc.collect()
+    assert all(named_actor(name, "llm-cluster") is None for name in names)
+    again = LLM(model=str(tiny_model_dir), num_engines=2, num_gpu_blocks=64)
+    try:
+        assert again.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        again.shutdown()

@@ -1459,3 +1459,41 @@ def test_a_sample_whose_seed_comes_to_minus_one_stays_seeded(tiny_model_dir):
     finally:
         llm.shutdown()
     assert first == again  # (both samples seeded: sample 1's seed is -1, not "no seed")
+
+
+def test_vllms_llm_arguments_and_calls_a_script_makes_are_taken(tiny_model_dir):
+    """vLLM's LLM() arguments with nothing to do here (enforce_eager, trust_remote_code, swap_space,
+    ...) are taken, those for what is not built only at their neutral value; generate takes a
+    priority per prompt, logprobs=True reads as 1, chat_template_kwargs may repeat an explicit
+    argument, use_tqdm may be a tqdm class, and reset_prefix_cache takes vLLM's arguments."""
+    import functools
+
+    from tqdm.auto import tqdm
+
+    with pytest.raises(ValueError, match="quantization: only None here"):
+        LLM(model=str(tiny_model_dir), quantization="awq")
+    with pytest.raises(TypeError, match="does not take: no_such_flag"):
+        LLM(model=str(tiny_model_dir), no_such_flag=1)
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=64, enforce_eager=True, trust_remote_code=True, swap_space=4,
+              quantization=None, seed=None, tokenizer_mode="auto", pipeline_parallel_size=1,
+              distributed_executor_backend="uni", scheduling_policy="priority")
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=True)
+        drawn = []
+        bar = functools.partial(tqdm, leave=False)
+
+        def counting_bar(*args, **kwargs):
+            drawn.append(kwargs.get("desc"))
+            return bar(*args, **kwargs)
+
+        outs = llm.generate(PROMPTS[:2], params, use_tqdm=counting_bar, priority=[1, 0])
+        assert drawn == ["Processed prompts"]
+        assert all(o.outputs[0].finished() and len(o.outputs[0].logprobs[0]) == 1 for o in outs)
+        with pytest.raises(ValueError, match="priority has 1 values for 2 prompts"):
+            llm.generate(PROMPTS[:2], params, use_tqdm=False, priority=[1])
+        chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False,
+                        chat_template_kwargs={"add_generation_prompt": False, "anything": 1})
+        assert chat[0].outputs[0].token_ids
+        assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
+    finally:
+        llm.shutdown()
