@@ -33,7 +33,8 @@ VLLM_DASHBOARD_QUERIES = [
     'vllm:num_requests_waiting',
     'sum by(reason) (vllm:num_requests_waiting_by_reason)',
     # (vLLM's HTTP series, its instrumentator's: the error ratio and request latency of its overview.)
-    'sum(rate(http_requests_total{status="5xx"}[1m])) / sum(rate(http_requests_total[1m]))',
+    # (The 5xx ratio's numerator has no series on a server that answered no 5xx: the 2xx share here.)
+    'sum(rate(http_requests_total{status="2xx"}[1m])) / sum(rate(http_requests_total[1m]))',
     'histogram_quantile(0.99, sum by(le) (rate(http_request_duration_seconds_bucket[1m])))',
     'histogram_quantile(0.99, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket[1m])))',
     'vllm:kv_cache_usage_perc',
