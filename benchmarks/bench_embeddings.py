@@ -176,7 +176,7 @@ def main() -> None:
             for name in (("ours", "transformers") if r % 2 == 0 else ("transformers", "ours")):
                 t0 = time.perf_counter()
                 if name == "ours" and args.reward:
-                    ours = torch.tensor([row for o in llm.reward(texts, use_tqdm=False) for row in o.outputs.data])
+                    ours = torch.cat([o.outputs.data for o in llm.reward(texts, use_tqdm=False)])
                 elif name == "ours":
                     ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
                 else:

@@ -228,9 +228,16 @@ class ClassificationRequestOutput:
 
 @dataclass
 class PoolingOutput:
-    # An embedding, a classifier's class probabilities, or (ALL / STEP pooling) one list per kept
-    # token: a token classifier's class probabilities, a reward model's rewards, an embedding.
-    data: list[float] | list[list[float]]
+    # An embedding, a classifier's class probabilities, or (ALL / STEP pooling) one row per kept
+    # token: a token classifier's class probabilities, a reward model's rewards, an embedding. A
+    # float32 tensor, as vLLM's (its scripts call .tolist(), .shape, .argmax(-1)).
+    data: Any
+
+    def __post_init__(self) -> None:
+        import torch  # (deferred: the CLI imports this module)
+
+        if not isinstance(self.data, torch.Tensor):
+            self.data = torch.tensor(self.data, dtype=torch.float32)
 
 
 @dataclass
@@ -683,7 +690,7 @@ class LLM:
         if pooling.late_interaction:  # (ColBERT: one vector a token, scored by MaxSim)
             encoded = self.encode(list(unique.values()), use_tqdm=use_tqdm, lora_request=lora_request)
             ids = [e.prompt_token_ids for e in encoded]
-            scores = maxsim_scores([[v for row in e.outputs.data for v in row] for e in encoded], pooling.row_size,
+            scores = maxsim_scores([e.outputs.data.flatten().tolist() for e in encoded], pooling.row_size,
                                    indices)
         else:
             embedded = self.embed(list(unique.values()), use_tqdm=use_tqdm, lora_request=lora_request)

@@ -839,13 +839,14 @@ def test_a_bert_token_classifier_tags_every_token_through_encode(tmp_path):
         with torch.no_grad():
             expected = torch.softmax(model(torch.tensor([ids])).logits[0], dim=-1)
         assert out.prompt_token_ids == ids
-        torch.testing.assert_close(torch.tensor(out.outputs.data, dtype=torch.float32), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.outputs.data.to(torch.float32), expected, atol=1e-5, rtol=1e-5)
 
     path = build_tiny_bert(tmp_path / "embedder", pooling_mode="pooling_mode_mean_tokens")
     llm = LLM(model=str(path))
     try:
-        assert llm.encode(texts[:1], use_tqdm=False)[0].outputs.data == llm.embed(texts[:1], use_tqdm=False)[
-            0].outputs.embedding
+        encoded = llm.encode(texts[:1], use_tqdm=False)[0].outputs.data
+        assert isinstance(encoded, torch.Tensor)  # (vLLM's PoolingOutput.data is a tensor)
+        assert encoded.tolist() == pytest.approx(llm.embed(texts[:1], use_tqdm=False)[0].outputs.embedding, abs=1e-6)
         # vLLM's token_embed task: every token's final state, each normalised as the model normalises.
         [per_token] = llm.encode(texts[:1], use_tqdm=False, pooling_task="token_embed")
         with pytest.raises(ValueError, match="the model is an embedding model"):
@@ -856,7 +857,7 @@ def test_a_bert_token_classifier_tags_every_token_through_encode(tmp_path):
 
     with torch.no_grad():
         states = AutoModel.from_pretrained(path, dtype=torch.float32)(torch.tensor([per_token.prompt_token_ids]))
-    torch.testing.assert_close(torch.tensor(per_token.outputs.data, dtype=torch.float32),
+    torch.testing.assert_close(per_token.outputs.data.to(torch.float32),
                                torch.nn.functional.normalize(states.last_hidden_state[0], dim=1), atol=1e-5, rtol=1e-5)
 
 
@@ -890,11 +891,11 @@ def test_reward_models_score_each_step_and_token_through_reward(ray_cluster, tmp
             if architecture == "Qwen2ForProcessRewardModel":
                 steps = [i for i, t in enumerate(ids) if t == tok.convert_tokens_to_ids("<extra_0>")]
                 expected = torch.softmax(reference(ids)[steps], dim=-1)
-                assert bool(steps) == bool(out.outputs.data)  # ("No steps here": no rows)
+                assert bool(steps) == bool(out.outputs.data.numel())  # ("No steps here": no rows)
             else:  # (vLLM's sigmoid over one output)
                 expected = torch.sigmoid(reference(ids))
                 assert len(out.outputs.data) == len(ids)
-            got = torch.tensor(out.outputs.data, dtype=torch.float32).view(-1, expected.shape[1])
+            got = out.outputs.data.to(torch.float32).view(-1, expected.shape[1])
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -924,8 +925,8 @@ def test_bge_m3_gives_dense_sparse_and_colbert_outputs_through_encode(tmp_path):
     for d, s, c, text in zip(dense, lexical, colbert, texts, strict=True):
         want_dense, want_lexical, want_colbert = reference(tok(text).input_ids)
         torch.testing.assert_close(torch.tensor(d.outputs.embedding), want_dense, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(torch.tensor(s.outputs.data), want_lexical, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(torch.tensor(c.outputs.data), want_colbert, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s.outputs.data, want_lexical, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c.outputs.data, want_colbert, atol=1e-5, rtol=1e-5)
 
 
 COLBERT_QUERY, COLBERT_DOCS = "what is the capital of france", ["paris is the capital of france", "hello world"]
@@ -940,7 +941,7 @@ def _assert_colbert_outputs(vectors, scores, hf, tok, weight, query, docs) -> No
             states = hf(torch.tensor([tok(text).input_ids])).last_hidden_state[0]
         return torch.nn.functional.normalize(states @ weight.T, dim=1)
 
-    torch.testing.assert_close(torch.tensor(vectors.outputs.data), token_vectors(query), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vectors.outputs.data, token_vectors(query), atol=1e-5, rtol=1e-5)
     for out, doc in zip(scores, docs, strict=True):
         expected = (token_vectors(query) @ token_vectors(doc).T).max(dim=1).values.sum()
         assert out.outputs.score == pytest.approx(float(expected), abs=1e-4)
