@@ -1019,13 +1019,20 @@ class OpenAIServing:
                            timeout: float | None, logged: set[str]) -> list[RequestStream | BaseException]:
         """Each job's stream, or why its engine did not take it, all sent at once. A caller that
         leaves meanwhile leaves nothing open: those already admitted are closed (aborted)."""
-        tasks = []
+        requests = []
         for job in jobs:
             request = self._engine_request(job, priority, lora, cache_salt)
             if self.settings.enable_log_requests and job.request_id not in logged:
                 logged.add(job.request_id)
                 self._log_request(request)
-            tasks.append(asyncio.ensure_future(self.client.open(job.engine, request, timeout)))
+            requests.append(request)
+        if len(jobs) == 1:  # (the usual request, one choice: no task of its own on the hot path)
+            try:
+                return [await self.client.open(jobs[0].engine, requests[0], timeout)]
+            except Exception as e:
+                return [e]
+        tasks = [asyncio.ensure_future(self.client.open(job.engine, request, timeout))
+                 for job, request in zip(jobs, requests, strict=True)]
         try:
             await asyncio.wait(tasks)
         except BaseException:
