@@ -12,6 +12,7 @@ from cluster.llm import (
     EmbeddingRequestOutput,
     Logprob,
     PoolingOutput,
+    PoolingParams,
     PoolingRequestOutput,
     RequestOutput,
     SamplingParams,
@@ -30,5 +31,5 @@ from engine_core.outputs import LoRARequest
 __all__ = ["LLM", "AdapterLogitsProcessor", "BatchUpdate", "BeamSearchOutput", "BeamSearchParams",
            "BeamSearchSequence", "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput",
            "EmbeddingOutput", "EmbeddingRequestOutput", "LoRARequest", "LogitsProcessor", "LogitsProcessorContext",
-           "Logprob", "MoveDirectionality", "PoolingOutput", "PoolingRequestOutput", "RequestOutput",
+           "Logprob", "MoveDirectionality", "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "RequestOutput",
            "SamplingParams", "ScoringOutput", "ScoringRequestOutput"]

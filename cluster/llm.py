@@ -208,6 +208,32 @@ def _pooled_params(info: ModelInfo, normalize: bool = False, dimensions: int | N
 
 
 @dataclass
+class PoolingParams:
+    """vLLM's pooling parameters for LLM.embed, .classify, .encode and .score: ``dimensions`` (a
+    Matryoshka model's first values), ``normalize`` (None: as the model's pooler config says),
+    ``use_activation`` (False: a classifier's raw logits) and ``truncate_prompt_tokens`` (each
+    prompt's first k tokens, as the pooling endpoints truncate by default; -1: as many as fit)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+def _pooling_args(pooling_params: PoolingParams | None, truncate_prompt_tokens: int | None,
+                  normalize: bool | None = None, dimensions: int | None = None
+                  ) -> tuple[int | None, bool | None, int | None, bool | None]:
+    """(truncate, normalize, dimensions, use_activation) from the keyword arguments and vLLM's
+    PoolingParams (the keywords win when both give one)."""
+    given = pooling_params or PoolingParams()
+    truncate = truncate_prompt_tokens if truncate_prompt_tokens is not None else given.truncate_prompt_tokens
+    if truncate is not None and not (isinstance(truncate, int) and (truncate == -1 or truncate >= 1)):
+        raise ValueError(f"truncate_prompt_tokens must be None, -1 or >= 1, got {truncate!r}")
+    return (truncate, normalize if normalize is not None else given.normalize,
+            dimensions if dimensions is not None else given.dimensions, given.use_activation)
+
+
+@dataclass
 class ClassificationOutput:
     probs: list[float]
 
@@ -550,7 +576,8 @@ class LLM:
 
     def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, normalize: bool | None = None,
-              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+              dimensions: int | None = None, *, pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed``: each prompt's embedding, pooled as the model's pooler config says (its
         last token's final hidden state by default; see /v1/embeddings), first ``dimensions`` values
         when given, L2-normalised unless ``normalize`` or the pooler config says not."""
@@ -566,6 +593,8 @@ class LLM:
                              "each token's embedding")
         if info.pooling.unavailable:
             raise ValueError(f"this model does not serve embeddings: {info.pooling.unavailable}")
+        truncate, normalize, dimensions, _ = _pooling_args(pooling_params, truncate_prompt_tokens, normalize,
+                                                           dimensions)
         if normalize is None:
             normalize = info.pooling.normalize
         params = _pooled_params(info, normalize, dimensions)
@@ -573,10 +602,12 @@ class LLM:
         if problem:
             raise ValueError(problem)
         return [EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), ids)
-                for request_id, ids, vector in self._pool(prompts, params, lora_request, use_tqdm, "Embedded prompts")]
+                for request_id, ids, vector in self._pool(prompts, params, lora_request, use_tqdm, "Embedded prompts",
+                                                          truncate)]
 
     def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+                 pooling_params: PoolingParams | None = None, truncate_prompt_tokens: int | None = None
                  ) -> list[ClassificationRequestOutput]:
         """vLLM's ``LLM.classify`` with a sequence classifier: each prompt's class probabilities
         (``outputs.probs``: by the checkpoint's problem_type, as /classify computes them)."""
@@ -586,30 +617,39 @@ class LLM:
         if info.pooling.per_token:
             raise ValueError("this model classifies every token (a token classifier or reward model): LLM.encode "
                              "gives each token's class probabilities")
-        pooled = self._pool(prompts, _pooled_params(info), lora_request, use_tqdm, "Classified prompts")
-        return [ClassificationRequestOutput(request_id, ClassificationOutput(
-                    class_probabilities(logits, info.pooling.classifier_activation)), ids)
+        truncate, _, _, use_activation = _pooling_args(pooling_params, truncate_prompt_tokens)
+        pooled = self._pool(prompts, _pooled_params(info), lora_request, use_tqdm, "Classified prompts", truncate)
+        activation = "none" if use_activation is False else info.pooling.classifier_activation
+        return [ClassificationRequestOutput(request_id, ClassificationOutput(class_probabilities(logits, activation)),
+                                            ids)
                 for request_id, ids, logits in pooled]
 
-    def encode(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
-               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+               use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+               pooling_task: str | None = None, truncate_prompt_tokens: int | None = None
+               ) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode``: each prompt's pooled output as the model's own endpoint computes it
         (as /pooling answers): an embedding model's embedding, a sequence classifier's class
         probabilities; under ALL / STEP pooling one row per kept token: a token classifier's class
         probabilities (NER), a reward model's rewards, each token's embedding. ``pooling_task``
         (vLLM's: embed, classify, token_embed, token_classify) asks for one of them."""
+        if isinstance(pooling_params, bool):  # (our earlier order: use_tqdm second)
+            raise TypeError("LLM.encode's second argument is pooling_params, as vLLM's; give use_tqdm by name")
         info = self._model_info()
         pooling = info.pooling.for_task(pooling_task)
         if not pooling.labels and not pooling.per_token:
             return [PoolingRequestOutput(out.request_id, PoolingOutput(out.outputs.embedding), out.prompt_token_ids)
-                    for out in self.embed(prompts, use_tqdm, lora_request)]
+                    for out in self.embed(prompts, use_tqdm, lora_request, pooling_params=pooling_params,
+                                          truncate_prompt_tokens=truncate_prompt_tokens)]
         if pooling.unavailable:
             raise ValueError(f"this model does not serve embeddings: {pooling.unavailable}")
-        params = _pooled_params(info, normalize=pooling.normalize and not pooling.classifies, pooling=pooling)
-        return [PoolingRequestOutput(request_id, PoolingOutput(pooled_output(values, pooling,
-                                                                             pooling.classifier_activation)), ids)
-                for request_id, ids, values in self._pool(prompts, params, lora_request, use_tqdm, "Pooled prompts")]
+        truncate, normalize, _, use_activation = _pooling_args(pooling_params, truncate_prompt_tokens)
+        params = _pooled_params(info, normalize=(pooling.normalize if normalize is None else normalize)
+                                and not pooling.classifies, pooling=pooling)
+        activation = "none" if use_activation is False else pooling.classifier_activation
+        return [PoolingRequestOutput(request_id, PoolingOutput(pooled_output(values, pooling, activation)), ids)
+                for request_id, ids, values in self._pool(prompts, params, lora_request, use_tqdm, "Pooled prompts",
+                                                          truncate)]
 
     def reward(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
@@ -619,7 +659,7 @@ class LLM:
         if not self._model_info().pooling.per_token:
             raise ValueError("LLM.reward reads a model that pools every token (ALL or STEP pooling: a reward model "
                              "or token classifier); use LLM.classify or LLM.embed for this one")
-        return self.encode(prompts, use_tqdm, lora_request)
+        return self.encode(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what ``generate`` and ``chat`` use when given no sampling parameters: the model's
@@ -634,10 +674,10 @@ class LLM:
 
     def _pool(self, prompts: PromptType | Sequence[PromptType],
               params: EngineSamplingParams | list[EngineSamplingParams],
-              lora_request: LoRARequest | Sequence[LoRARequest | None] | None, use_tqdm: bool, label: str
-              ) -> list[tuple[str, list[int], list[float]]]:
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None, use_tqdm: bool, label: str,
+              truncate: int | None = None) -> list[tuple[str, list[int], list[float]]]:
         """(request id, prompt ids, pooled output) of each prompt, run as embedding requests
-        (``params``: for all, or each prompt's own)."""
+        (``params``: for all, or each prompt's own; ``truncate``: each prompt's first k tokens)."""
         salts: list[str | None] = []
         prompt_list = self._as_prompt_list(prompts, salts)
         loras = self._as_lora_list(lora_request, len(prompt_list))
@@ -648,6 +688,12 @@ class LLM:
         requests = []
         for index, (prompt, lora, prompt_params, salt) in enumerate(zip(prompt_list, loras, each, salts,
                                                                         strict=True)):
+            if truncate is not None and not isinstance(prompt, PromptEmbeds):
+                # (As the pooling endpoints truncate by default: the first k tokens kept, a text's
+                # special tokens ([CLS] ... [SEP]) kept around them by its tokenizer.)
+                k = max_model_len if truncate == -1 else truncate
+                prompt = (list(self.tokenizer(prompt, truncation=True, max_length=k)["input_ids"])
+                          if isinstance(prompt, str) else list(prompt)[:k])
             ids = self._prompt_ids(index, prompt, vocab, max_model_len)
             request_id = str(next(self._ids))
             pending[request_id] = _Pending(prompt if isinstance(prompt, str) else None, ids, False, request_id)

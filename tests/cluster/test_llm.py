@@ -1498,3 +1498,38 @@ def test_vllms_llm_arguments_and_calls_a_script_makes_are_taken(tiny_model_dir):
         assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
     finally:
         llm.shutdown()
+
+
+def test_vllms_pooling_params_and_truncation_reach_the_pooling_calls(tmp_path):
+    """vLLM's PoolingParams (dimensions, normalize, use_activation, truncate_prompt_tokens) and
+    truncate_prompt_tokens, on embed, classify and encode (whose second argument is the params, as
+    vLLM's): a truncated text keeps its first tokens and its tokenizer's [CLS] ... [SEP]."""
+    from cluster import PoolingParams
+    from tests.tiny_model import build_tiny_bert
+
+    text = "the quick brown fox jumps over the lazy dog and runs far away"
+    tok = AutoTokenizer.from_pretrained(build_tiny_bert(tmp_path / "embedder", pooling_mode="pooling_mode_mean_tokens"))
+    llm = LLM(model=str(tmp_path / "embedder"))
+    try:
+        full = llm.embed([text], use_tqdm=False)[0]
+        cut = llm.embed([text], use_tqdm=False, truncate_prompt_tokens=6)[0]
+        assert cut.prompt_token_ids == tok(text, truncation=True, max_length=6).input_ids != full.prompt_token_ids
+        assert cut.prompt_token_ids[-1] == tok.sep_token_id
+        same = llm.embed([text], use_tqdm=False, pooling_params=PoolingParams(truncate_prompt_tokens=6))[0]
+        assert same.outputs.embedding == cut.outputs.embedding
+        raw = llm.encode([text], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.data
+        assert abs(float(raw.norm()) - 1.0) > 1e-3  # (not normalised)
+        with pytest.raises(TypeError, match="second argument is pooling_params"):
+            llm.encode([text], False)
+    finally:
+        llm.shutdown()
+    build_tiny_bert(tmp_path / "classifier", num_labels=3)
+    llm = LLM(model=str(tmp_path / "classifier"))
+    try:
+        probs = llm.classify([text], use_tqdm=False)[0].outputs.probs
+        raw_params = PoolingParams(use_activation=False)
+        logits = llm.classify([text], use_tqdm=False, pooling_params=raw_params)[0].outputs.probs
+        assert sum(probs) == pytest.approx(1.0) and torch.softmax(torch.tensor(logits), -1).tolist() == pytest.approx(
+            probs, abs=1e-6)
+    finally:
+        llm.shutdown()
