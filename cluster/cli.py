@@ -138,6 +138,8 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
             flag = "--" + flag[2:].replace("_", "-")
         elif flag.startswith("-O") and len(flag) > 2:  # (-O3: the level attached)
             flag, sep, value = "-O", "=", flag[2:]
+        if flag.startswith("--no-") and VLLM_FLAGS_WITHOUT_EFFECT.get("--" + flag[5:], (True,))[0] is False:
+            flag = "--" + flag[5:]  # (--no-enforce-eager: as much without effect)
         if flag in VLLM_FLAGS_WITHOUT_EFFECT:
             takes_value, why = VLLM_FLAGS_WITHOUT_EFFECT[flag]
             if takes_value and not sep and i < len(argv):
@@ -438,6 +440,11 @@ def cluster_config_from_args(args: argparse.Namespace):
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"two models: {args.model_tag!r} and --model {args.model!r}")
+    if args.model_tag is None and args.model is None and any(
+            "/" in key or os.path.exists(key) for key in args.api_key or ()):
+        # (`serve --api-key KEY /models/x`: the flag takes several keys, so the model became a key.)
+        raise ValueError("an --api-key value looks like a model path: give the model first "
+                         "(llm-cluster serve MODEL --api-key KEY), or with --model")
     model = args.model_tag or args.model or DEFAULT_MODEL
 
     defaults = {"tensor_parallel_size": args.tensor_parallel_size, "scheduling_policy": args.scheduling_policy,

@@ -132,6 +132,8 @@ class EngineCore:
         self.loras: dict[int, LoRARequest] = {}
         # Of those, the ones an in-place reload replaced: unloaded when no request uses them.
         self.retired_loras: set[int] = set()
+        # A new load's id -> the id it replaces (not listed from the new one's load on).
+        self._replaced_by: dict[int, int] = {}
         if config.lora_config is not None:
             if len(config.lora_config.lora_modules) > config.lora_config.max_cpu_loras:
                 logger.warning("engine %d: %d adapters and --max-cpu-loras %d: the least recently used are read "
@@ -211,6 +213,10 @@ class EngineCore:
                 raise ValueError(f"a LoRA adapter named {lora.lora_name!r} is already loaded")
         added = self.executor.add_lora(lora)
         self.loras[lora.lora_int_id] = lora
+        if replacing is not None and replacing in self.loras:
+            # (Listed no longer from now on, before retire_lora: a router looking the name up meanwhile
+            # finds the new load.)
+            self._replaced_by[lora.lora_int_id] = replacing
         return added
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -223,6 +229,7 @@ class EngineCore:
         self.executor.remove_lora(lora_int_id)
         del self.loras[lora_int_id]
         self.retired_loras.discard(lora_int_id)
+        self._replaced_by.pop(lora_int_id, None)  # (a reload undone: the earlier load is listed again)
         return True
 
     def retire_lora(self, lora_int_id: int) -> bool:
@@ -236,11 +243,17 @@ class EngineCore:
         return True
 
     def unload_retired_loras(self) -> None:
-        """(Between passes: the retired adapters no request uses any longer.)"""
+        """(Between passes: the retired adapters no request uses any longer. One the workers fail to
+        unload is logged and forgotten here: it must not fail the passes after it.)"""
         for lora_int_id in [i for i in self.retired_loras if not self.lora_users(i)]:
-            self.executor.remove_lora(lora_int_id)
+            try:
+                self.executor.remove_lora(lora_int_id)
+            except Exception:
+                logger.exception("engine %d: unloading the replaced LoRA id %d failed", self.config.engine_index,
+                                 lora_int_id)
             del self.loras[lora_int_id]
             self.retired_loras.discard(lora_int_id)
+            self._replaced_by = {new: old for new, old in self._replaced_by.items() if old != lora_int_id}
 
     # -- KV cache events ---------------------------------------------------------------------------
 
@@ -270,8 +283,9 @@ class EngineCore:
     def list_loras(self) -> list[LoRARequest]:
         """The adapters requests may name (not those retired by an in-place reload). (Safe to read from
         another thread while the engine's changes them: each is copied whole first.)"""
-        loaded, retired = list(self.loras.items()), frozenset(self.retired_loras)
-        return [lora for i, lora in loaded if i not in retired]
+        hidden = frozenset(self.retired_loras) | frozenset(dict(self._replaced_by).values())
+        loaded = list(self.loras.items())  # (read after: one unloaded meanwhile is not listed)
+        return [lora for i, lora in loaded if i not in hidden]
 
     def lora_users(self, lora_int_id: int) -> int:
         """Unfinished requests running under the adapter (an unload waits for them)."""

@@ -95,9 +95,9 @@ class _Tracked:
     first_token: float | None = None
     last_token: float | None = None
     num_generated: int = 0
-    # The last few passes that gave it tokens: (its tokens after the pass, the pass's time), to go
+    # The last few passes that gave it tokens: (its tokens before and after the pass, the pass's time), to go
     # back to the one its client stopped at (on_stopped_by_client).
-    recent: deque[tuple[int, float]] = dataclasses.field(default_factory=lambda: deque(maxlen=_RECENT_PASSES))
+    recent: deque[tuple[int, int, float]] = dataclasses.field(default_factory=lambda: deque(maxlen=_RECENT_PASSES))
 
 
 class EngineMetrics:
@@ -234,8 +234,8 @@ class EngineMetrics:
                     elif t.last_token is not None:
                         itl_from[t.last_token] += 1
                     t.last_token = now
+                    t.recent.append((t.num_generated, t.num_generated + n, now))
                     t.num_generated += n
-                    t.recent.append((t.num_generated, now))
                 elif out.pooling_output is not None:  # an embedding request: its prompt was its work
                     # (Its output is its first: TTFT and prefill time as vLLM records them for pooling
                     # requests; its decode takes no time.)
@@ -269,7 +269,8 @@ class EngineMetrics:
                 continue
             count = kept.get(request_id)
             if count is not None and 0 < count < t.num_generated:
-                at = next((ts for total, ts in t.recent if total >= count), None)
+                # (Only from a pass still remembered: an abort further behind is counted as it came.)
+                at = next((ts for before, after, ts in t.recent if before < count <= after), None)
                 if at is not None:
                     t.num_generated, t.last_token = count, at
             self._finish(t, "stop", t.last_token or now)

@@ -453,7 +453,9 @@ class OpenAIServing:
             # (An engine started later, by the autoscaler, is given it when a request needs it there.)
             for engine in self.client.present():
                 asked.append(engine)
-                await asyncio.wait_for(self.client.handle(engine).add_lora.remote(lora, replacing),
+                # (replacing only when there is one: an engine kept from an earlier release takes one argument)
+                add = self.client.handle(engine).add_lora
+                await asyncio.wait_for(add.remote(lora) if replacing is None else add.remote(lora, replacing),
                                        LORA_CALL_TIMEOUT_S)
         except Exception as e:
             for engine in asked:
@@ -976,24 +978,29 @@ class OpenAIServing:
                 results = await self._open_window([jobs[k] for k in window], priority, lora, cache_salt, timeout,
                                                   logged)
                 failed: list[int] = []
-                first: BaseException | None = None
+                errors: dict[int, BaseException] = {}
                 for k, result in zip(window, results, strict=True):
                     if isinstance(result, RequestStream):
                         opened[k] = result
                     else:
                         failed.append(k)
-                        first = result if first is None else first
-                if first is None:
+                        errors[k] = result
+                if not failed:
                     continue
+                first = errors[failed[0]]
                 job = jobs[failed[0]]
                 pending = failed + pending  # (each failure is tried again once the first is dealt with)
                 if isinstance(first, EngineOverloadedError | EngineUnavailableError):
                     # (Moved only when the engine certainly did not take it: under the same id, outputs
-                    # of a request it did take could reach the new engine's stream.)
-                    movable = isinstance(first, EngineOverloadedError | EngineRefusedError)
-                    other = None if rerouted or not movable else self._other_engine(job, lora, cache_salt)
+                    # of a request it did take could reach the new engine's stream. Every failure on
+                    # that engine in this window must be such a refusal.)
+                    on_engine = [errors[k] for k in failed if jobs[k].engine == job.engine]
+                    unmovable = next((e for e in on_engine
+                                      if not isinstance(e, EngineOverloadedError | EngineRefusedError)), None)
+                    other = None if rerouted or unmovable is not None else self._other_engine(job, lora, cache_salt)
                     if other is None:
-                        raise _engine_refusal(first) from first
+                        refusal = unmovable if isinstance(unmovable, EngineUnavailableError) else first
+                        raise _engine_refusal(refusal) from refusal
                     rerouted = True
                     jobs = [j._replace(engine=other) if k in pending and j.engine == job.engine else j
                             for k, j in enumerate(jobs)]
@@ -1707,6 +1714,8 @@ class OpenAIServing:
         parser = choice.output_parser
         if parser is None or parser.reasoning is None or self._think_end_id is None:
             return None
+        if not parser.reasoned:  # (an answer that did not think: all content, even with no closing tag)
+            return 0
         ids = choice.token_ids
         end = ids.index(self._think_end_id) if self._think_end_id in ids else len(ids)
         return sum(1 for token in ids[:end] if token != self._think_start_id)

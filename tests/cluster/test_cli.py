@@ -86,6 +86,7 @@ def test_the_access_log_is_on_unless_disabled():
     (["--pipeline-parallel-size=2"], {}, "--pipeline-parallel-size: pipeline parallelism is not built"),
     (["--ssl-keyfile", "k.pem"], {}, "--ssl-keyfile: TLS ends in front of Ray Serve's proxy"),
     (["/models/a", "--model", "/models/b"], {}, "two models: '/models/a' and --model '/models/b'"),
+    (["--api-key", "k", "/models/a"], {}, "an --api-key value looks like a model path: give the model first"),
 ])
 def test_bad_configuration_stops_with_one_line_and_status_2(tmp_path, capsys, flags, files, message):
     paths = {"missing": str(tmp_path / "missing.yaml")}
@@ -636,9 +637,11 @@ def test_vllm_serve_command_lines_are_read_as_vllm_reads_them(capsys):
     from cluster.cli import human_readable_int, vllm_command_line
 
     argv, warnings = vllm_command_line(["serve", "/models/a", "--max_model_len=32K", "--enforce-eager", "--swap-space",
-                                        "4", "-pp", "1", "--tokenizer-mode", "auto", "-O3", "--seed", "-1"])
+                                        "4", "-pp", "1", "--tokenizer-mode", "auto", "-O3", "--no-enforce-eager",
+                                        "--seed", "-1"])
     assert argv == ["serve", "/models/a", "--max-model-len=32K", "--seed", "-1"]
-    assert [w.split(" has no effect here:")[0] for w in warnings] == ["--enforce-eager", "--swap-space", "-O"]
+    assert [w.split(" has no effect here:")[0] for w in warnings] == ["--enforce-eager", "--swap-space", "-O",
+                                                                      "--enforce-eager"]
     config = _config("/models/a", "-tp", "2", "-dp", "3", "--no-enable-prefix-caching", "--api-key", "k1", "k2",
                      "--max-model-len", "32K", "--kv-cache-memory-bytes", "8G", "--max-num-batched-tokens", "8k",
                      "--no-enable-log-requests", "--enable-lora", "--no-enable-lora")

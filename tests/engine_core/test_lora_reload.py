@@ -49,6 +49,9 @@ def test_an_in_place_reload_serves_new_requests_the_new_weights_and_lets_running
         with pytest.raises(ValueError, match="named 'x' is already loaded"):
             engine.add_lora(new)  # (a second adapter of one name only as its replacement)
         assert engine.add_lora(new, replacing=old.lora_int_id)
+        assert engine.list_loras() == [new]  # (the new load alone is listed from its load on)
+        assert engine.remove_lora(new.lora_int_id) and engine.list_loras() == [old]  # (a reload undone)
+        assert engine.add_lora(new, replacing=old.lora_int_id)
         assert engine.retire_lora(old.lora_int_id)
         assert engine.list_loras() == [new] and set(engine.loras) == {100, 101}  # (still in use)
         with pytest.raises(LoRANotLoadedError):

@@ -235,3 +235,14 @@ def test_a_requests_parameters_are_observed_once_for_all_its_choices():
 
     assert observed("vllm:request_params_n") == (3, 3 + 1 + 1)
     assert observed("vllm:request_params_max_tokens") == (2, 9 + 4)
+
+
+def test_a_stop_string_abort_further_behind_than_remembered_is_counted_as_it_came():
+    metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
+    metrics.on_request_added(Request("s", [1, 2, 3], SamplingParams(max_tokens=40), arrival_time=100.0))
+    for i in range(12):  # (more passes than the few remembered)
+        metrics.on_step({0: EngineCoreOutputs(outputs=[EngineCoreOutput("s", [7])])}, None, now=101.0 + i)
+    metrics.on_stopped_by_client(["s"], [1], now=120.0)
+    families = _families(metrics)
+    assert abs(_sum(families["vllm:e2e_request_latency_seconds"]) - 12.0) < 1e-9  # (its last token's time)
+    assert _sum(families["vllm:request_generation_tokens"]) == 12

@@ -115,6 +115,10 @@ def test_usage_counts_the_thinkings_tokens_whole_and_streamed():
     assert last["usage"] == usage
     plain, _, _ = _app("Paris.", think_tokens=True)
     assert plain.post("/v1/chat/completions", json=body).json()["usage"]["completion_tokens_details"] is None
+    # (qwen3 may answer without thinking: no reasoning tokens, though no </think> closed anything)
+    direct, _, _ = _app("Paris.", reasoning="qwen3", think_tokens=True)
+    usage = direct.post("/v1/chat/completions", json=body).json()["usage"]
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
     unclosed, _, _ = _app("<think>Still thinking", reasoning="qwen3", think_tokens=True)
     usage = unclosed.post("/v1/chat/completions", json=body).json()["usage"]
     assert usage["completion_tokens_details"]["reasoning_tokens"] == usage["completion_tokens"] - 2  # (2 tags)
