@@ -25,7 +25,7 @@ from router.protocol import (
     INT64_MAX,
     INT64_MIN,
     ChatMessage,
-    _warn_ignored,
+    IgnoredFieldsLogged,
     cache_salt_field,
     invalid,
     request_id_field,
@@ -118,18 +118,11 @@ class ActivationField(BaseModel):
         return "none" if self.wants_activation() is False else model_activation
 
 
-class PooledInputRequest(BaseModel):
+class PooledInputRequest(IgnoredFieldsLogged):
     """What /v1/embeddings, /classify and /pooling share: the inputs pooled into one answer each (or
     one conversation, vLLM's chat form of these requests), and how they are tokenised and scheduled."""
 
     model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _say_what_is_ignored(cls, data: Any) -> Any:
-        if isinstance(data, dict):  # (as the generation requests and vLLM: in the log, once per field)
-            _warn_ignored(cls.__name__, [k for k in data if k not in cls.model_fields])
-        return data
 
     model: str | None = Field(None, description="Served model name (see GET /v1/models; by default the first).")
     input: str | list[str] | list[int] | list[list[int]] | None = Field(

@@ -40,6 +40,18 @@ def _warn_ignored(request_kind: str, names: list[str]) -> None:
                        ", ".join(sorted(repr(str(n)[:64]) for n in new)))
 
 
+class IgnoredFieldsLogged(BaseModel):
+    """A request model whose unknown fields are ignored and said so in the log (once per field), as
+    vLLM does."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _say_what_is_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _warn_ignored(cls.__name__, [k for k in data if k not in cls.model_fields])
+        return data
+
+
 def invalid(param: str, message: str) -> PydanticCustomError:
     """A cross-field validation error that still names its parameter in the OpenAI error body."""
     return PydanticCustomError("invalid_param", message, {"param": param})

@@ -33,22 +33,15 @@ from router.embeddings import (
     embedding_params,
     tokenize_truncated,
 )
-from router.protocol import INT64_MAX, INT64_MIN, _warn_ignored, cache_salt_field, invalid, request_id_field
+from router.protocol import INT64_MAX, INT64_MIN, IgnoredFieldsLogged, cache_salt_field, invalid, request_id_field
 from router.serving import APIError, OpenAIServing, answer_ids, bad_request
 
 # The paths these endpoints answer on (every one needs the API key when one is set, as /classify's do).
 SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 
 
-class _ScoringFields(ActivationField):
+class _ScoringFields(IgnoredFieldsLogged, ActivationField):
     model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _say_what_is_ignored(cls, data: Any) -> Any:
-        if isinstance(data, dict):  # (as the generation requests and vLLM: in the log, once per field)
-            _warn_ignored(cls.__name__, [k for k in data if k not in cls.model_fields])
-        return data
 
     model: str | None = Field(None, description="Served model name (see GET /v1/models; by default the first).")
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Truncate each text (a cross-encoder's "
