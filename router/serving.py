@@ -1255,11 +1255,7 @@ class OpenAIServing:
         token_ids = _StreamedTokenIds(shown_ids, n) if request.return_token_ids else None
 
         def echo_usage(index: int) -> dict[str, int] | None:
-            """(continuous_usage_stats: the echo's chunks, before any generated token counts.)"""
-            if not running_usage:
-                return None
-            num_prompt = len(prompt_ids[index // n])
-            return {"prompt_tokens": num_prompt, "completion_tokens": 0, "total_tokens": num_prompt}
+            return _running_usage(len(prompt_ids[index // n])) if running_usage else None
 
         if request.echo and not echo_pending:
             for c in choices:
@@ -1432,8 +1428,7 @@ class OpenAIServing:
                 ChatStreamChoice(index=c.index, delta=DeltaMessage(role=role, content=""))],
                 prompt_token_ids=token_ids.prompt(c.index) if token_ids else None))
         if echoed:
-            echo_usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": 0,
-                          "total_tokens": num_prompt_tokens} if running_usage else None
+            echo_usage = _running_usage(num_prompt_tokens) if running_usage else None
             for c in choices:
                 yield chat_token_chunk(request_id, created, model, c.index, echoed, None, None, None, echo_usage)
         async for event in self._choice_events(streams, choices):
@@ -2009,9 +2004,12 @@ def _stream_usage(request: SamplingFields, forced: bool) -> tuple[bool, bool]:
     return include, include and bool(options.continuous_usage_stats)
 
 
-def _running_usage(num_prompt_tokens: int, event: _Delta) -> dict[str, int]:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": event.num_tokens,
-            "total_tokens": num_prompt_tokens + event.num_tokens}
+def _running_usage(num_prompt_tokens: int, event: _Delta | None = None) -> dict[str, int]:
+    """continuous_usage_stats: a choice's usage so far (after ``event``; None: before any token, as
+    an echoed prompt's chunks carry it)."""
+    num_tokens = 0 if event is None else event.num_tokens
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
+            "total_tokens": num_prompt_tokens + num_tokens}
 
 
 def _sse(model: Any) -> str:

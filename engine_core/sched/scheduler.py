@@ -71,9 +71,13 @@ class _PartialPrefillCounter:
         if num_prompt_tokens_left > self.long_threshold:
             self.num_long += 1
 
-    def refuses(self, num_prompt_tokens_left: int) -> bool:
-        if self.num_partial >= self.max_partial:
-            return True
+    @property
+    def full(self) -> bool:
+        """No further prompt may be mid-prefill in this pass."""
+        return self.num_partial >= self.max_partial
+
+    def refuses_long(self, num_prompt_tokens_left: int) -> bool:
+        """A prompt this long would be one long prefill too many (only known after its cache lookup)."""
         return num_prompt_tokens_left > self.long_threshold and self.num_long >= self.max_long
 
 
@@ -418,8 +422,7 @@ class Scheduler(SchedulerInterface):
                     step_skipped_waiting.prepend_request(request)
                     continue
 
-            if (partial is not None and partial.num_partial >= partial.max_partial
-                    and request.num_computed_tokens < request.num_prompt_tokens):
+            if partial is not None and partial.full and request.num_computed_tokens < request.num_prompt_tokens:
                 # The partial-prefill cap is full: no prompt goes in this pass, whatever it finds
                 # cached (skipped before its lookup, which would count in the prefix-cache stats).
                 request_queue.pop_request()
@@ -454,8 +457,9 @@ class Scheduler(SchedulerInterface):
 
             if partial is not None:
                 prompt_left = request.num_prompt_tokens - num_computed_tokens
-                if prompt_left > 0 and partial.refuses(prompt_left):
-                    # Refused by the partial-prefill cap: skipped, not a reason to stop admitting.
+                if prompt_left > 0 and partial.refuses_long(prompt_left):
+                    # Refused by the long-prefill cap (the count cap refused before the lookup):
+                    # skipped, not a reason to stop admitting.
                     request_queue.pop_request()
                     step_skipped_waiting.prepend_request(request)
                     continue
