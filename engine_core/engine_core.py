@@ -583,6 +583,8 @@ class EngineCore:
                 error = structured.accept(out.request_id, out.new_token_ids)
                 if out.finish_reason is not None:
                     structured.remove(out.request_id)
+                    if error is not None:  # (its last token broke the grammar: an error, not "length")
+                        out.finish_reason, out.stop_reason = FinishReason.ERROR, error
                 elif error is not None:
                     failed.append((out.request_id, error))
         return failed

@@ -227,10 +227,12 @@ def test_the_engine_fails_only_the_request_whose_grammar_does_not_compile(tmp_pa
         prompt = TOKENIZER.encode("Hello")
         # (The engine does not re-check specs: the router and the offline LLM refuse bad ones first.)
         z = TOKENIZER.convert_tokens_to_ids("z")
-        # "clash": the grammar allows only a and b, allowed_token_ids only z: nothing fits, it fails alone.
-        for rid, spec, allowed in (("bad", {"regex": "(unclosed"}, None), ("good", {"regex": "[ab]{4}"}, None),
-                                   ("clash", {"regex": "[ab]{4}"}, [z])):
-            params = SamplingParams(max_tokens=16, temperature=1.0, seed=1, structured_output=spec,
+        # "clash": the grammar allows only a and b, allowed_token_ids only z: nothing fits, it fails alone;
+        # "clash_last" the same on its last token (max_tokens): an error too, not "length".
+        for rid, spec, allowed, max_tokens in (
+                ("bad", {"regex": "(unclosed"}, None, 16), ("good", {"regex": "[ab]{4}"}, None, 16),
+                ("clash", {"regex": "[ab]{4}"}, [z], 16), ("clash_last", {"regex": "[ab]{4}"}, [z], 1)):
+            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, structured_output=spec,
                                     allowed_token_ids=allowed)
             engine.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params))
         # A streaming session's later turns would run without the grammar: refused at admission.
@@ -243,7 +245,7 @@ def test_the_engine_fails_only_the_request_whose_grammar_does_not_compile(tmp_pa
         finished: dict[str, tuple] = {}
         tokens: list[int] = []
         deadline = time.monotonic() + 60
-        while len(finished) < 3 and time.monotonic() < deadline:
+        while len(finished) < 4 and time.monotonic() < deadline:
             for eco in engine.step().values():
                 for out in eco.outputs:
                     if out.request_id == "good":
@@ -254,7 +256,8 @@ def test_the_engine_fails_only_the_request_whose_grammar_does_not_compile(tmp_pa
     finally:
         engine.shutdown()
     assert finished["bad"][0] == FinishReason.ERROR and "parenthesis" in finished["bad"][1]
-    assert finished["clash"][0] == FinishReason.ERROR and "does not fit the grammar" in finished["clash"][1]
+    for clash in ("clash", "clash_last"):
+        assert finished[clash][0] == FinishReason.ERROR and "does not fit the grammar" in finished[clash][1]
     assert not engine._structured.has_matchers() and not engine._structured.has_pending()  # nothing left behind
     assert finished["good"][0] == FinishReason.STOP
     text = TOKENIZER.decode(tokens[:-1])
