@@ -12,11 +12,17 @@ up and held to [min_engines, max_engines]; a change waits until it has been want
 ``upscale_delay_s`` (``downscale_delay_s``) without a break, so a burst does not start an engine
 and a lull does not stop one. Up, every engine wanted starts at once; down, one engine at a time.
 
+A model whose engines turned requests away since the last round (queues full: 429s) wants one
+engine more than it runs, whatever its requests count.
+
 ``EngineAutoscaler`` (a Ray actor, one per application, for every autoscaled model) acts: it starts
 an engine in the model's lowest empty slot, and scales down by *draining* its highest one: the
 engine tells every router to send it nothing new, serves what it holds, and is stopped once it has
 held no request for ``drain_grace_s`` (a request a router sent before hearing of the drain still
-runs). Nothing scales while an engine is paused or asleep (an operator is at work: /pause,
+runs). Scaling up calls a drain off before it starts an engine (the drained engine is loaded and
+warm); scaling down calls off starts still waiting for resources or loading before it drains an
+engine that serves. An engine that does not answer is left out of the count and its load unknown:
+the others' load decides. Nothing scales while an engine is paused or asleep (an operator is at work: /pause,
 /sleep); an engine that finishes loading meanwhile joins them. While Ray restarts a failed engine
 its model does not scale; an engine gone for good leaves its slot empty, to be filled again as the
 load wants.
@@ -30,7 +36,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import EngineAutoscaling, ScaledModel
@@ -64,9 +70,10 @@ class EngineScaler:
         p = self.policy
         return min(p.max_engines, max(p.min_engines, math.ceil(ongoing / p.target_ongoing_requests)))
 
-    def decide(self, running: int, ongoing: float, now: float) -> int:
-        """``running`` engines (not draining) hold ``ongoing`` requests: the count to have now."""
-        wanted = self.wanted(ongoing)
+    def decide(self, running: int, ongoing: float, now: float, wanted: int | None = None) -> int:
+        """``running`` engines (not draining) hold ``ongoing`` requests: the count to have now
+        (``wanted``: the count the load asks for, when more than the requests tell: see _scale)."""
+        wanted = self.wanted(ongoing) if wanted is None else wanted
         if wanted > running:
             self._down_since = None
             self._up_since = now if self._up_since is None else self._up_since
@@ -94,6 +101,8 @@ class ScalingStatus:
     draining: list[int]
     ongoing_requests: int
     wanted: int
+    # Engines that did not answer this round (being restarted by Ray, or stuck): not counted.
+    not_answering: list[int] = field(default_factory=list)
 
 
 class EngineAutoscaler:
@@ -120,6 +129,12 @@ class EngineAutoscaler:
         self._starting: dict[int, asyncio.Task[None]] = {}
         self._draining: set[int] = set()
         self._status = [ScalingStatus(m.name, [], [], [], 0, m.policy.min_engines) for m in models]
+        # Per model, the engines that did not answer last round (logged when that changes); per engine,
+        # the requests it had refused as of last round (its queue full).
+        self._silent: list[list[int]] = [[] for _ in models]
+        self._refused: dict[int, int] = {}
+        # Starts called off while they wait for resources or load (their slots stay busy until they end).
+        self._called_off: set[int] = set()
         self._loop_task: asyncio.Task[None] | None = None
         # Whether the first round has taken over engines an earlier autoscaler left draining.
         self._adopted = False
@@ -176,28 +191,62 @@ class EngineAutoscaler:
                 logger.info("engine autoscaler: %s's engines did not all answer (%r); trying again", model.name, e)
 
     async def _scale(self, k: int, model: ScaledModel, actors: dict[int, Any]) -> None:
-        """One model's round: its engines' load read, an engine started or drained as its scaler says."""
+        """One model's round: its engines' load read, then as its scaler says: a drain called off or an
+        engine started; or a start called off or an engine drained."""
         busy = self._draining | set(self._starting)
-        serving = [i for i, a in actors.items() if a is not None and i not in busy]
-        stats = await _ask(actors[i].get_stats.remote() for i in serving)
-        held = await _ask(actors[i].is_paused.remote() for i in serving)
-        ongoing = sum(s.num_unfinished_requests for s in stats)
-        starting = [i for i in self._starting if i in actors]
+        present = [i for i, a in actors.items() if a is not None and i not in busy]
+        answers = await _ask((_load_of(actors[i]) for i in present), return_exceptions=True)
+        # An engine that does not answer (being restarted by Ray, or stuck in a long pass) is not
+        # counted as serving: the others' load decides, and more engines start in empty slots if they
+        # are short, which is when capacity just dropped. Its slot is not empty: nothing starts there.
+        serving = [i for i, answer in zip(present, answers, strict=True) if not isinstance(answer, BaseException)]
+        silent = sorted(set(present) - set(serving))
+        if silent != self._silent[k]:
+            if silent:
+                logger.info("engine autoscaler: %s: engine(s) %s do not answer; scaling on the others' load",
+                            model.name, silent)
+            self._silent[k] = silent
+        loads = {i: answer for i, answer in zip(present, answers, strict=True) if i in serving}
+        ongoing = sum(unfinished for unfinished, _, _ in loads.values())
+        # Requests an engine turned away since the last round because its queue was full (429s): load
+        # the engines cannot hold, however few requests they report. (An engine seen the first time,
+        # or restarted, sets its count.)
+        refusing = False
+        for i, (_, refused, _) in loads.items():
+            refusing |= refused > self._refused.get(i, refused)
+            self._refused[i] = refused
+        starting = [i for i in self._starting if i in actors and i not in self._called_off]
+        draining = sorted(i for i in self._draining if actors.get(i) is not None)
         running = len(serving) + len(starting)
         scaler = self.scalers[k]
-        if any(held):  # paused or asleep: an operator is at work, nothing changes under them
+        wanted = scaler.wanted(ongoing)
+        if refusing:
+            wanted = max(wanted, min(model.policy.max_engines, running + 1))
+        if any(held for _, _, held in loads.values()):  # paused or asleep: an operator is at work, nothing changes
             target = running
         else:
-            target = scaler.decide(running, ongoing, self._clock())
+            target = scaler.decide(running, ongoing, self._clock(), wanted)
         if target > running:
+            # A draining engine is loaded and warm: called back before any new one starts.
+            for index in draining[:target - running]:
+                logger.info("engine autoscaler: %s: %d requests ongoing on %d engines; engine %d stops draining",
+                            model.name, ongoing, running, index)
+                await _ask([actors[index].undrain.remote()])
+                self._draining.discard(index)
+                running += 1
             empty = [i for i, a in actors.items() if a is None and i not in self._starting]
             for index in empty[:target - running]:
                 logger.info("engine autoscaler: %s: %d requests ongoing on %d engines; starting engine %d",
                             model.name, ongoing, running, index)
                 self._starting[index] = asyncio.create_task(self._start(index))
-        elif target < running and serving and not starting:
-            # (Not while an engine is starting: the engine to drain would be one that serves, maybe
-            # the only one; once the starts end, the count is what serves.)
+        elif target < running and starting:
+            # Engines still waiting for resources or loading serve nothing: called off (those beyond
+            # what is wanted, the highest slots first) before any engine that serves is drained.
+            for index in sorted(starting)[max(0, wanted - len(serving)):]:
+                logger.info("engine autoscaler: %s: %d requests ongoing; engine %d is no longer wanted: its start "
+                            "is called off", model.name, ongoing, index)
+                await self._call_off_start(index)
+        elif target < running and serving:
             index = max(serving)
             logger.info("engine autoscaler: %s: %d requests ongoing on %d engines; draining engine %d", model.name,
                         ongoing, running, index)
@@ -205,9 +254,15 @@ class EngineAutoscaler:
             self._draining.add(index)
         # (As this round leaves things.)
         self._status[k] = ScalingStatus(model.name, [i for i in serving if i not in self._draining],
-                                        sorted(i for i in self._starting if i in actors),
-                                        sorted(i for i in self._draining if i in actors), ongoing,
-                                        scaler.wanted(ongoing))
+                                        sorted(i for i in self._starting if i in actors and i not in self._called_off),
+                                        sorted(i for i in self._draining if i in actors), ongoing, wanted, silent)
+
+    async def _call_off_start(self, index: int) -> None:
+        """Stop an engine's start: its placement group removed (a wait for resources ends there) and
+        its actor, if created, stopped; ``_start`` stops one created after this too. The slot stays
+        busy until that start has ended."""
+        self._called_off.add(index)
+        await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
 
     async def _start(self, index: int) -> None:
         try:
@@ -215,18 +270,26 @@ class EngineAutoscaler:
             await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
             handle = await asyncio.to_thread(start_engine, self.slots[index], self.namespace, self.detached)
             self._started[index] = handle
-            await handle.actor.describe.remote()  # (ready: its model loaded and its KV pool sized)
+            if index not in self._called_off:
+                await handle.actor.describe.remote()  # (ready: its model loaded and its KV pool sized)
+            if index in self._called_off:  # (while it was placed or loaded: it goes, as its start)
+                raise _StartCalledOff
             try:
                 await self._join_operator_hold(index, handle.actor)
             except Exception:  # (a loaded engine is kept: the operator's next /pause or /sleep reaches it)
                 logger.exception("engine autoscaler: engine %d could not join the others' pause or sleep", index)
             logger.info("engine autoscaler: engine %d is serving", index)
         except Exception:
-            logger.exception("engine autoscaler: engine %d did not start", index)
+            if index in self._called_off:
+                logger.info("engine autoscaler: engine %d's start is called off", index)
+            else:
+                logger.exception("engine autoscaler: engine %d did not start", index)
+            self._started.pop(index, None)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
         finally:
             self._starting.pop(index, None)
+            self._called_off.discard(index)
 
     async def _join_operator_hold(self, index: int, actor: Any) -> None:
         """An operator's /pause or /sleep may have come while this engine loaded (routers reach only
@@ -274,6 +337,17 @@ class EngineAutoscaler:
                 self._draining.discard(index)
                 stopped.append(index)
         return stopped
+
+
+class _StartCalledOff(Exception):
+    """An engine's start was called off (the load went away while it was placed or loaded)."""
+
+
+async def _load_of(actor: Any) -> tuple[int, int, bool]:
+    """An engine's (unfinished requests, requests refused since start as its queue was full, paused
+    or asleep)."""
+    stats, held = await _ask([actor.get_stats.remote(), actor.is_paused.remote()])
+    return stats.num_unfinished_requests, getattr(stats, "num_requests_refused_full", 0), held
 
 
 async def _ask(calls: Any, return_exceptions: bool = False) -> list[Any]:

@@ -117,6 +117,8 @@ VLLM_FLAGS_NOT_BUILT: dict[str, tuple[str, tuple[str, ...]]] = {
     "--ssl-keyfile": ("TLS ends in front of Ray Serve's proxy (a load balancer or an ingress)", ()),
     "--ssl-certfile": ("TLS ends in front of Ray Serve's proxy (a load balancer or an ingress)", ()),
     "--config": ("flags come from the command line; per-engine flags from --engine-config FILE", ()),
+    "--kv-transfer-config": ("KV connectors are not built; for vLLM's OffloadingConnector (KV blocks kept in "
+                             "host memory) pass --kv-offloading-size GIB", ()),
 }
 
 

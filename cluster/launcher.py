@@ -105,6 +105,10 @@ def engine_bundle(config: EngineConfig, use_gpu: bool) -> dict[str, float]:
     bundle: dict[str, float] = {"CPU": config.num_cpus_per_worker, **dict(config.resources_per_worker)}
     if use_gpu:
         bundle["GPU"] = 1
+    if config.kv_offloading_size:
+        # The KV offloading tier pins this much host memory per rank: reserved with Ray, so engines
+        # placed on one node cannot together pin more than it has.
+        bundle["memory"] = config.kv_offloading_bytes_per_rank()
     return bundle
 
 
@@ -122,11 +126,18 @@ def check_local_capacity(configs: list[EngineConfig]) -> None:
             need[resource] = need.get(resource, 0.0) + amount * config.tensor_parallel_size
     short = {r: (amount, total.get(r, 0.0)) for r, amount in need.items() if amount > total.get(r, 0.0) + 1e-9}
     if short:
-        parts = ", ".join(f"{amount:g} {r} (this Ray has {have:g})" for r, (amount, have) in short.items())
+        parts = ", ".join(_amount(r, amount, have) for r, (amount, have) in short.items())
         raise InsufficientResourcesError(
             f"the {len(configs)} engine(s) need {parts}: each engine reserves one bundle per tensor-parallel "
-            f"rank; lower --num-engines (or engine autoscaling's max_engines), --tensor-parallel-size or "
-            f"--num-cpus-per-worker, or give Ray more (--num-cpus)")
+            f"rank; lower --num-engines (or engine autoscaling's max_engines), --tensor-parallel-size"
+            f"{', --kv-offloading-size' if 'memory' in short else ''} or --num-cpus-per-worker, or give Ray "
+            f"more (--num-cpus)")
+
+
+def _amount(resource: str, amount: float, have: float) -> str:
+    if resource == "memory":  # (bytes: the KV offloading tiers)
+        return f"{amount / 2**30:.3g} GiB of host memory (this Ray has {have / 2**30:.3g} GiB)"
+    return f"{amount:g} {resource} (this Ray has {have:g})"
 
 
 def wait_until_placed(pg: PlacementGroup, what: str, timeout_s: float, first_warning_s: float = 10.0) -> None:

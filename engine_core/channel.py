@@ -110,8 +110,12 @@ class Draining(msgspec.Struct, tag="draining"):
     any that were on their way)."""
 
 
+class Serving(msgspec.Struct, tag="serving"):
+    """A drain was called off (the load came back): the engine takes new requests again."""
+
+
 ClientMessage = Hello | AddRequest | AbortRequests
-EngineMessage = Accepted | Outputs | Draining
+EngineMessage = Accepted | Outputs | Draining | Serving
 
 
 class ChannelAddress(msgspec.Struct, frozen=True):
@@ -201,6 +205,15 @@ class ChannelServer:
         for writer in list(self._writers.values()):
             with contextlib.suppress(Exception):
                 writer.write(encode_frame(Draining()))
+
+    def announce_serving(self) -> None:
+        """Call off announce_draining: every client may send requests again (once)."""
+        if not self.draining:
+            return
+        self.draining = False
+        for writer in list(self._writers.values()):
+            with contextlib.suppress(Exception):
+                writer.write(encode_frame(Serving()))
 
     async def start(self, host: str) -> ChannelAddress:
         if self._address is None:

@@ -437,6 +437,13 @@ class EngineConfig:
                            long_rope_after=long_rope_after, kv_cache_metrics_sample=self.kv_cache_metrics_sample,
                            num_offload_blocks=num_offload_blocks)
 
+    def kv_offloading_bytes_per_rank(self) -> int:
+        """Each worker's share of the KV offloading tier (vLLM's --kv-offloading-size is the tier of
+        all tensor-parallel ranks together, in GiB); 0: off."""
+        if not self.kv_offloading_size:
+            return 0
+        return int(self.kv_offloading_size * 2**30 / self.tensor_parallel_size)
+
     @property
     def engine_name(self) -> str:
         return f"engine-{self.engine_index}"

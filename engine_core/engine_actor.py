@@ -70,6 +70,9 @@ class EngineCoreService:
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory, compute_niceness: int = 0) -> None:
         # When admit() last took a request (an engine being drained stops once none came for a while).
         self.last_admitted = time.monotonic()
+        # Requests admit() refused because the waiting queue was full (HTTP 429s), since start: the
+        # autoscaler reads them as load beyond what the engines hold.
+        self.num_refused_full = 0
         self.config = config
         self._executor_factory = executor_factory
         self._compute_niceness = compute_niceness
@@ -132,6 +135,7 @@ class EngineCoreService:
         self.engine.check_servable(request)
         waiting_cap = self.config.max_waiting_requests
         if waiting_cap and self.num_waiting() >= waiting_cap:
+            self.num_refused_full += 1
             raise OverflowError(f"engine {self.config.engine_index}: queue is full ({waiting_cap} waiting requests)")
         self.add_request(request)
         self.last_admitted = time.monotonic()
@@ -575,7 +579,9 @@ class EngineCoreService:
         return len(scheduler.waiting) + len(scheduler.skipped_waiting) + self._inputs.qsize()
 
     def stats(self) -> EngineStats:
-        return self.engine.stats(healthy=self.is_healthy())
+        stats = self.engine.stats(healthy=self.is_healthy())
+        stats.num_requests_refused_full = self.num_refused_full
+        return stats
 
     def shutdown(self) -> None:
         self._stats_stopped.set()
@@ -757,6 +763,14 @@ class EngineCoreActor:
             self._drain_started = time.monotonic()
         self._channel.announce_draining()
         return await self.drain_status()
+
+    async def undrain(self) -> None:
+        """Wanted again (cluster.autoscaler: the load came back while this engine drained): every
+        router client, and any that connects later, may send it requests again."""
+        self._bind()
+        self._drain_started = None
+        if self._channel is not None:
+            self._channel.announce_serving()
 
     async def drain_status(self) -> tuple[bool, int, float]:
         """(draining, unfinished requests, seconds since the drain began or a request was last

@@ -236,3 +236,5 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # KV offloading's tier since start: tokens looked up there, tokens found (vLLM's external prefix cache).
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # Requests refused since start because the waiting queue was full (--max-waiting-requests).
+    num_requests_refused_full: int = 0

@@ -28,6 +28,7 @@ from engine_core.channel import (
     Draining,
     FrameTooLargeError,
     Outputs,
+    Serving,
 )
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
@@ -368,7 +369,7 @@ class EngineClient:
                 self._mark_unhealthy(slot, e)
                 await self._wait_for_engine(slot)
 
-    def _on_message(self, slot: _EngineSlot, message: Accepted | Outputs) -> None:
+    def _on_message(self, slot: _EngineSlot, message: Accepted | Outputs | Draining | Serving) -> None:
         if isinstance(message, Outputs):
             queues = self._queues
             for output in message.outputs.outputs:
@@ -381,6 +382,10 @@ class EngineClient:
             if not slot.draining:
                 logger.info("engine %d is draining (scaled away): no new requests go there", slot.index)
             slot.draining = True
+        elif isinstance(message, Serving):
+            if slot.draining:
+                logger.info("engine %d is serving again (its drain was called off)", slot.index)
+            slot.draining = False
         else:
             answer = slot.pending.pop(message.request_id, None)
             if answer is not None and not answer.done():

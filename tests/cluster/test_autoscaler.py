@@ -141,7 +141,10 @@ class _FakeEngine:
 
     def __init__(self, ongoing: int = 0, paused: bool = False, drained: bool = False):
         self.ongoing, self.paused, self.drained = ongoing, paused, drained
-        self.get_stats = _Call(lambda: SimpleNamespace(num_unfinished_requests=self.ongoing))
+        self.refused = 0  # (requests turned away, its queue full, since start)
+        self.get_stats = _Call(lambda: SimpleNamespace(num_unfinished_requests=self.ongoing,
+                                                       num_requests_refused_full=self.refused))
+        self.undrain = _Call(lambda: setattr(self, "drained", False))
         self.is_paused = _Call(lambda: self.paused)
         self.drain_status = _Call(lambda: (self.drained, self.ongoing, 10.0))
         self.drain = _Call(lambda: (setattr(self, "drained", True), self.drain_status.fn())[1])
@@ -163,14 +166,18 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
 
     async def fake_start(self, index):
         started.append(index)
-        await loaded.wait()
-        engines[index] = _FakeEngine()
-        self._starting.pop(index, None)
+        try:
+            await loaded.wait()
+            if index not in self._called_off:
+                engines[index] = _FakeEngine()
+        finally:
+            self._starting.pop(index, None)
+            self._called_off.discard(index)
 
     monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
     monkeypatch.setattr(EngineAutoscaler, "_start", fake_start)
     monkeypatch.setattr(autoscaler_module, "stop_named_engine",
-                        lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]))))
+                        lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]), None)))
 
     async def run():
         nonlocal loaded
@@ -184,10 +191,23 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
         await asyncio.sleep(0)
         assert started == [1, 2] and (await scaler.status())[0].starting == [1, 2]
         engines[0].ongoing = 0
-        await scaler._tick()  # fewer wanted, but engines are starting: engine 0, the only one serving, stays
-        assert not engines[0].drained
+        # Fewer wanted while engines are still starting (waiting for resources, or loading): their starts
+        # are called off, and engine 0, the only one serving, stays. Their slots are busy until they end.
+        await scaler._tick()
+        assert not engines[0].drained and stopped == ["llm-cluster-engine-1", "llm-cluster-engine-2"]
+        [status] = await scaler.status()
+        assert (status.running, status.starting) == ([0], [])
+        engines[0].ongoing = 9
+        await scaler._tick()
+        assert started == [1, 2]  # (not started again while the called-off starts run)
         loaded.set()
         await asyncio.sleep(0)
+        assert sorted(engines) == [0] and not scaler._starting
+        await scaler._tick()
+        await asyncio.sleep(0)
+        assert started == [1, 2, 1, 2] and sorted(engines) == [0, 1, 2]
+        engines[0].ongoing = 0
+        stopped.clear()
         await scaler._tick()  # 1 wanted: one engine at a time, the highest slot first, drained before it stops
         assert engines[2].drained and not engines[1].drained and stopped == []
         [status] = await scaler.status()
@@ -323,6 +343,122 @@ def test_an_engine_that_does_not_answer_holds_up_only_its_own_model(monkeypatch)
         assert scaler._adopted and b.running == [2] and b.ongoing_requests == 1
 
     asyncio.run(run())
+
+
+def _fake_cluster(monkeypatch, engines: dict[int, _FakeEngine]) -> tuple[list[int], list[str]]:
+    """The autoscaler's engines are ``engines`` (by slot); starts load at once. Returns (started, stopped)."""
+    import cluster.autoscaler as autoscaler_module
+    from cluster.autoscaler import EngineAutoscaler
+
+    started: list[int] = []
+    stopped: list[str] = []
+
+    async def fake_start(self, index):
+        started.append(index)
+        engines[index] = _FakeEngine()
+        self._starting.pop(index, None)
+
+    monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
+    monkeypatch.setattr(EngineAutoscaler, "_start", fake_start)
+    monkeypatch.setattr(autoscaler_module, "stop_named_engine",
+                        lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]), None)))
+    return started, stopped
+
+
+def test_an_engine_that_does_not_answer_is_left_out_and_the_others_load_decides(monkeypatch):
+    """Engine 0 is stuck (a long pass, or Ray restarting it): its model still scales on engine 1's
+    load, into the empty slots (not into 0's)."""
+    def stuck():
+        raise TimeoutError("no answer")
+
+    silent = _FakeEngine()
+    silent.get_stats = _Call(stuck)
+    engines = {0: silent, 1: _FakeEngine(ongoing=20)}
+    started, stopped = _fake_cluster(monkeypatch, engines)
+
+    async def run():
+        scaler = _one_model(_policy(max_engines=4, upscale_delay_s=0))
+        await scaler._tick()
+        await asyncio.sleep(0)
+        assert started == [2, 3] and stopped == []  # (20 ongoing want 4 engines; 1 answers)
+        [status] = await scaler.status()
+        assert status.not_answering == [0] and status.ongoing_requests == 20
+
+    asyncio.run(run())
+
+
+def test_requests_refused_as_queues_fill_want_another_engine(monkeypatch):
+    """Engines at their --max-waiting-requests turn requests away (429s) while they report only the
+    requests they hold, under target: refusals since the last round want one engine more."""
+    engines = {0: _FakeEngine(ongoing=6), 1: _FakeEngine(ongoing=6)}
+    engines[0].refused = 40  # (refused long ago: seen the first time, it sets the count)
+    started, stopped = _fake_cluster(monkeypatch, engines)
+
+    async def run():
+        scaler = _one_model(_policy(max_engines=4, target_ongoing_requests=16, upscale_delay_s=0,
+                                    downscale_delay_s=100))
+        await scaler._tick()
+        assert started == [] and (await scaler.status())[0].wanted == 1
+        engines[1].refused = 3
+        await scaler._tick()
+        await asyncio.sleep(0)
+        assert started == [2] and (await scaler.status())[0].wanted == 3
+        await scaler._tick()  # no refusal since: the requests decide again (no start, and no drain before its delay)
+        assert started == [2] and stopped == [] and (await scaler.status())[0].wanted == 1
+
+    asyncio.run(run())
+
+
+def test_scaling_up_calls_off_a_drain_before_starting_an_engine(monkeypatch):
+    """Engine 1 drains one long request when the load comes back: it serves again (loaded, warm),
+    rather than staying out of routing while a new engine loads, or nothing starting at all when
+    its slot is the last."""
+    engines = {0: _FakeEngine(ongoing=3), 1: _FakeEngine(ongoing=1)}
+    started, stopped = _fake_cluster(monkeypatch, engines)
+
+    async def run():
+        scaler = _one_model(_policy(max_engines=2, upscale_delay_s=0, downscale_delay_s=0))
+        await scaler._tick()
+        assert engines[1].drained and (await scaler.status())[0].draining == [1]
+        engines[0].ongoing = 64
+        await scaler._tick()
+        assert not engines[1].drained and started == [] and stopped == []
+        await scaler._tick()
+        [status] = await scaler.status()
+        assert (status.running, status.draining, status.wanted) == ([0, 1], [], 2)
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_a_start_waiting_for_resources_is_called_off_with_its_placement_group(ray_cluster, tiny_model_dir):
+    """On a real Ray: an engine whose bundles no node can hold waits to be placed (an autoscaling
+    cluster may add a node); the load going away calls the start off: the wait ends, and no
+    placement group is left reserving what arrives later."""
+    from cluster.autoscaler import EngineAutoscaler
+    from cluster.launcher import engine_actor_name, engine_placement_group_name, named_actor, placement_groups_named
+
+    config = ClusterConfig(model=str(tiny_model_dir), namespace="called-off",
+                           defaults=EngineSpec(resources={"accelerator_not_here": 1}),
+                           engine_autoscaling=EngineAutoscaling(max_engines=2))
+    slots = {c.engine_index: c for c in config.engine_slot_configs()}
+    group = engine_placement_group_name(engine_actor_name(1), "called-off")
+
+    async def run():
+        scaler = EngineAutoscaler(slots, "called-off", config.scaled_models())
+        scaler._starting[1] = task = asyncio.create_task(scaler._start(1))
+        async with asyncio.timeout(30):
+            while not await asyncio.to_thread(placement_groups_named, group):
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+        assert not task.done()  # (waiting to be placed)
+        await scaler._call_off_start(1)
+        async with asyncio.timeout(30):
+            await task
+        assert not scaler._starting and not scaler._called_off and not scaler._started
+
+    asyncio.run(run())
+    assert placement_groups_named(group) == [] and named_actor(engine_actor_name(1), "called-off") is None
 
 
 @contextlib.contextmanager

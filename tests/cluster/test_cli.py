@@ -85,6 +85,7 @@ def test_the_access_log_is_on_unless_disabled():
     (["-q", "fp8"], {}, "-q: a checkpoint's own quantization"),
     (["--pipeline-parallel-size=2"], {}, "--pipeline-parallel-size: pipeline parallelism is not built"),
     (["--ssl-keyfile", "k.pem"], {}, "--ssl-keyfile: TLS ends in front of Ray Serve's proxy"),
+    (["--kv-transfer-config", '{{"kv_connector": "OffloadingConnector"}}'], {}, "pass --kv-offloading-size GIB"),
     (["/models/a", "--model", "/models/b"], {}, "two models: '/models/a' and --model '/models/b'"),
     (["--api-key", "k", "/models/a"], {}, "an --api-key value looks like a model path: give the model first"),
 ])

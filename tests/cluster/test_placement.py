@@ -29,6 +29,19 @@ def test_a_demand_beyond_the_local_node_is_refused_with_what_is_short(ray_cluste
     assert "--num-cpus-per-worker" in str(error.value)
 
 
+def test_the_kv_offloading_tier_reserves_its_host_memory_per_rank(ray_cluster):
+    from cluster.launcher import engine_bundle
+
+    [config] = ClusterConfig(defaults=EngineSpec(tensor_parallel_size=2, kv_offloading_size=3, device="cpu",
+                                                  num_cpus_per_worker=0.5)).engine_configs()
+    assert engine_bundle(config, use_gpu=False)["memory"] == 1.5 * 2**30  # (the size is all ranks' together)
+    check_local_capacity([config])
+    [greedy] = ClusterConfig(defaults=EngineSpec(kv_offloading_size=100_000, device="cpu",
+                                                 num_cpus_per_worker=0.5)).engine_configs()
+    with pytest.raises(InsufficientResourcesError, match=r"need 1e\+05 GiB of host memory .* --kv-offloading-size"):
+        check_local_capacity([greedy])
+
+
 def test_a_waiting_placement_warns_with_the_free_resources_then_times_out(ray_cluster, caplog):
     pg = placement_group([{"CPU": 64}], strategy="PACK", name="test-unplaceable")
     try:

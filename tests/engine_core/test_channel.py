@@ -15,7 +15,9 @@ from engine_core.channel import (
     AddRequest,
     ChannelAddress,
     ChannelConnection,
+    Draining,
     Outputs,
+    Serving,
     decode_engine_message,
     encode_frame,
 )
@@ -200,7 +202,10 @@ def test_a_request_the_engine_cannot_serve_is_refused_as_such(engine):
 
 
 def test_a_full_queue_is_refused_as_overloaded_and_abort_frees_blocks(engine):
+    import ray
+
     address = _address(engine)
+    refused_before = ray.get(engine.actor.get_stats.remote()).num_requests_refused_full
 
     async def run():
         conn = await ChannelConnection.open(address, CLIENT)
@@ -217,6 +222,9 @@ def test_a_full_queue_is_refused_as_overloaded_and_abort_frees_blocks(engine):
             # Two run (max_num_seqs=2) and two may wait; the rest find the queue full.
             refused = [a for a in answers.values() if a.error is not None]
             assert refused and all(a.overloaded and "queue is full" in a.error for a in refused)
+            # (Counted: the autoscaler reads them as load beyond what the engines hold.)
+            stats = ray.get(engine.actor.get_stats.remote())
+            assert stats.num_requests_refused_full - refused_before == len(refused)
             conn.send(AbortRequests([rid for rid, a in answers.items() if a.error is None]))
             await asyncio.sleep(0.5)
         finally:
@@ -225,6 +233,44 @@ def test_a_full_queue_is_refused_as_overloaded_and_abort_frees_blocks(engine):
     asyncio.run(run())
     stats = _idle_stats(engine)
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_drain_is_told_to_every_client_and_calling_it_off_too(engine):
+    """cluster.autoscaler drains an engine it scales away, and calls the drain off when the load
+    comes back before it stopped: connected clients hear both, a client connecting meanwhile hears
+    the drain at once, and one connecting after hears nothing."""
+    import ray
+
+    address = _address(engine)
+
+    async def next_message(conn: ChannelConnection):
+        async with asyncio.timeout(10):
+            return await conn.receive()
+
+    async def run():
+        early = await ChannelConnection.open(address, CLIENT)
+        late = None
+        try:
+            draining, unfinished, _ = await engine.actor.drain.remote()
+            assert draining and unfinished == 0
+            assert isinstance(await next_message(early), Draining)
+            late = await ChannelConnection.open(address, CLIENT + 1)
+            assert isinstance(await next_message(late), Draining)
+            await engine.actor.undrain.remote()
+            assert isinstance(await next_message(early), Serving) and isinstance(await next_message(late), Serving)
+            assert not (await engine.actor.drain_status.remote())[0]
+            late.close()
+            late = await ChannelConnection.open(address, CLIENT + 1)
+            late.send(AddRequest(_request("after", 3, client=CLIENT + 1)))
+            tokens, accepted = await _collect(late, {"after"})
+            assert accepted["after"].error is None and len(tokens["after"]) == 3  # (no Draining before it)
+        finally:
+            early.close()
+            if late is not None:
+                late.close()
+
+    asyncio.run(run())
+    assert not ray.get(engine.actor.drain_status.remote())[0]
 
 
 def test_a_wrong_token_is_refused_and_a_reconnect_takes_over_the_client(engine):

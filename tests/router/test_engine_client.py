@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine_core.channel import AbortRequests, Accepted, Draining
+from engine_core.channel import AbortRequests, Accepted, Draining, Serving
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
@@ -228,6 +228,8 @@ def test_a_draining_engine_is_out_of_routing_and_an_empty_slot_too():
         stream = await _admitted(client, "routed-before")
         assert client.loads() == [1, 0]
         await stream.close()
+        client._on_message(slot, Serving())  # (the drain called off: the load came back)
+        assert client.healthy() == [True, False]
 
     asyncio.run(run())
 
