@@ -12,7 +12,9 @@ it does not need, as vLLM's LoRA slots do. On the CPU the host copy is the one c
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -27,6 +29,8 @@ from gpu_worker.layers.linear import (
 )
 from gpu_worker.lora.layers import AdapterShard, LoRABatch, LoRALinear, Rows
 from gpu_worker.lora.peft_adapter import TARGET_MODULES, PeftAdapter, load_peft_adapter
+
+logger = logging.getLogger(__name__)
 
 
 def _full_output_size(base: ColumnParallelLinear, shard_id: int | str | None) -> int:
@@ -54,12 +58,35 @@ def wrap_model(model: nn.Module, batch: LoRABatch) -> dict[str, LoRALinear]:
     return wrapped
 
 
+def adapter_module_names(model: nn.Module) -> Callable[[str], str | None]:
+    """Our name of each module an adapter's checkpoint names, or None for one the model leaves out.
+
+    PEFT names an adapter's modules as the model it was trained on has them: for a vision-language
+    checkpoint served as its language model (Gemma 3 4B+), ``model.language_model.layers.0...``, and
+    with a plain target list (``["q_proj", "v_proj"]``) the vision tower's projections of those names
+    too. They are renamed, or left out, by the model's own tables for its checkpoint's tensors, so an
+    adapter's names always follow the base weights'."""
+    language_prefixes = getattr(model, "_LANGUAGE_MODEL_PREFIXES", ())
+    left_out = getattr(model, "_VISION_PREFIXES", ())
+
+    def ours(module: str) -> str | None:
+        if left_out and module.startswith(left_out):
+            return None
+        for theirs, mine in language_prefixes:
+            if module.startswith(theirs):
+                return mine + module[len(theirs):]
+        return module
+
+    return ours
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, max_lora_rank: int, device: torch.device, dtype: torch.dtype,
                  max_resident: int | None = None, max_cpu: int | None = None) -> None:
         self.batch = LoRABatch()
         self.layers = wrap_model(model, self.batch)
         self.packed: dict[str, tuple[str, int | str]] = dict(getattr(model, "packed_modules_mapping", {}))
+        self.module_names = adapter_module_names(model)
         self.max_lora_rank = max_lora_rank
         self.device = device
         self.dtype = dtype
@@ -92,7 +119,12 @@ class LoRAManager:
     def _load(self, lora: LoRARequest, in_use: set[int]) -> AdapterShard:
         """Read, check and shard the checkpoint, making room under ``max_cpu`` by dropping the least
         recently used adapters that are not ``in_use`` (they are read again when next needed)."""
-        peft = load_peft_adapter(lora.lora_path, self.max_lora_rank)
+        peft = load_peft_adapter(lora.lora_path, self.max_lora_rank, self.module_names)
+        if peft.skipped and lora.lora_int_id not in self.registered:  # (not again when read again)
+            # As vLLM: LoRA on a multimodal model's vision tower and projector is ignored with a warning.
+            logger.warning("LoRA adapter %s (%s): its %d modules in the vision tower or multimodal projector are "
+                           "ignored (only the language model is served): %s", lora.lora_name, lora.lora_path,
+                           len(peft.skipped), ", ".join(peft.skipped))
         adapter = self._shard(lora, peft)
         if self.max_resident is not None:  # on the device only while steps use it
             pin = self.device.type == "cuda"

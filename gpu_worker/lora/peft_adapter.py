@@ -5,14 +5,17 @@ What is served: LoRA on the attention and MLP projections of Llama-family models
 ``qkv_proj`` / ``gate_up_proj`` of models whose checkpoints store them fused, as Phi-3's do), with
 the plain or rank-stabilised scaling. Anything else a checkpoint may hold (DoRA, trained biases, embedding or
 LM-head adapters, full modules to save, per-module rank or alpha patterns) is refused with a
-message naming it, rather than served wrong.
+message naming it, rather than served wrong. An adapter for a vision-language checkpoint served as
+its language model (Gemma 3 4B+) names its modules as that checkpoint does: the caller renames them
+as the base checkpoint's tensors are, and its vision-tower modules are skipped (as vLLM does).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +34,9 @@ _UNSUPPORTED = {
 # init_lora_weights values after which the adapter is only right on a changed base model (PiSSA,
 # OLoRA, CorDA, LoftQ and LoRA-GA move part of W into A and B). PEFT writes True instead once it has
 # converted such an adapter to apply to the original model (path_initial_model_for_weight_conversion).
-_PLAIN_INITS = (True, False, "gaussian", "eva")
+# "orthogonal" and "mica" set A and B only (MiCA from W's singular vectors, then keeps B frozen in
+# training) and leave W as it is: PEFT applies and merges the trained adapter as plain LoRA, W + B A scaling.
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
 
 
 @dataclass
@@ -40,6 +45,8 @@ class PeftAdapter:
     scaling: float
     # HF module name ("model.layers.0.self_attn.q_proj") -> (A [r, in], B [out, r]), scaling not applied.
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # The checkpoint's modules left out: in parts of a vision-language model that are not served.
+    skipped: list[str] = field(default_factory=list)
 
 
 def _refuse(path: Path, why: str) -> ValueError:
@@ -87,7 +94,11 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
     return config
 
 
-def load_peft_adapter(path: str | Path, max_lora_rank: int) -> PeftAdapter:
+def load_peft_adapter(path: str | Path, max_lora_rank: int,
+                      rename: Callable[[str], str | None] | None = None) -> PeftAdapter:
+    """``rename``: the served model's name of each module the checkpoint names (PEFT names them as
+    the model it was trained on has them), or None for one in a part of it that is not served (the
+    vision tower of a vision-language model served as its language model): those are skipped."""
     path = Path(path)
     config = read_adapter_config(path, max_lora_rank)
     rank = config["r"]
@@ -106,7 +117,12 @@ def load_peft_adapter(path: str | Path, max_lora_rank: int) -> PeftAdapter:
     if not pairs:
         raise _refuse(path, "the checkpoint holds no LoRA weights")
     weights = {}
+    skipped = []
     for module, ab in pairs.items():
+        ours = rename(module) if rename is not None else module
+        if ours is None:  # (before the checks below: a vision tower's projections have other names)
+            skipped.append(module)
+            continue
         if module.rsplit(".", 1)[-1] not in TARGET_MODULES:
             raise _refuse(path, f"module {module!r} is not one of {', '.join(TARGET_MODULES)}")
         if set(ab) != {"A", "B"}:
@@ -115,8 +131,11 @@ def load_peft_adapter(path: str | Path, max_lora_rank: int) -> PeftAdapter:
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] > max_lora_rank:
             raise _refuse(path, f"module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
                                 f"a rank <= {max_lora_rank} pair")
-        weights[module] = (a, b)
-    return PeftAdapter(rank=rank, scaling=scaling, weights=weights)
+        weights[ours] = (a, b)
+    if not weights:  # (it would be served as the base model)
+        raise _refuse(path, f"every module it adapts is in the vision tower or multimodal projector, which are not "
+                            f"served (the language model is): {', '.join(sorted(skipped))}")
+    return PeftAdapter(rank=rank, scaling=scaling, weights=weights, skipped=sorted(skipped))
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.sched.scheduler import Scheduler
 from gpu_worker.lora.peft_adapter import load_peft_adapter
 from gpu_worker.worker import Worker
-from tests.gpu_worker.utils import hf_greedy, load_hf, run_to_completion, save_tiny_model
+from tests.gpu_worker.utils import hf_greedy, load_hf, prefill_logits, run_to_completion, save_tiny_model
 from tests.lora_adapters import peft_model, save_adapter
 from tests.ports import free_port
 
@@ -381,3 +381,83 @@ def test_a_fused_adapter_is_sharded_over_tp_ranks_as_its_parts_are(num_kv_heads)
             LoRAManager._column_parallel(make(0), {None: (lora_a, lora_b[1:])})
         with pytest.raises(ValueError, match="fused projection and its parts"):
             LoRAManager._column_parallel(make(0), {None: (lora_a, lora_b), parts[0]: (lora_a, lora_b)})
+
+
+def test_an_adapter_on_a_gemma3_vision_language_model_adapts_its_language_model(tmp_path, caplog):
+    """Gemma 3 4B+ (Gemma3ForConditionalGeneration) is served as its text decoder: PEFT names the
+    adapter's modules as the VLM has them (model.language_model.layers...), and with a plain target
+    list also adapts the vision tower's q/v projections, which a text-only model cannot apply (as
+    vLLM, they are skipped, with a warning naming them). The language model's part gives PEFT's tokens."""
+    import logging
+
+    from safetensors import safe_open
+
+    targets = ("q_proj", "v_proj", "down_proj")
+    base = save_tiny_model(tmp_path / "base", "gemma3_vlm", vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=7, targets=targets)
+    with safe_open(str(tmp_path / "a" / "adapter_model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith("base_model.model.model.language_model.layers.0.") for n in names)
+    assert any(".vision_tower." in n for n in names)
+    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
+    rng = random.Random(28)  # (tokens below 247: not the image, begin- and end-of-image tokens)
+    prompts = [[rng.randrange(247) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    adapted = peft_model(base, seed=7, targets=targets)
+    expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
+                for i, p in enumerate(prompts)}
+    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.lora.manager"):
+        worker = _worker(base, adapters)
+    assert "model.vision_tower.encoder.layers.0.self_attn.q_proj" in caplog.text
+    layers = worker.runner.lora.adapters[1].layers
+    assert sorted(layers) == sorted(f"model.layers.{i}.{m}" for i in range(2)
+                                    for m in ("self_attn.qkv_proj", "mlp.down_proj"))
+    assert _drive(worker.execute_model, adapters, prompts, max_loras=1) == expected
+    # (The tiny model repeats a token a prompt long, so tokens alone are a weak check: its logits too.)
+    import numpy as np
+
+    prompt = prompts[1]
+    worker.runner.lora.set_batch([1], np.array([0, len(prompt)]))
+    ours = prefill_logits(worker.runner, prompt, list(range((len(prompt) + 3) // 4)))
+    with torch.no_grad():
+        theirs = adapted(torch.tensor([prompt])).logits[0]
+        plain = load_hf(base)(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert (theirs - plain).abs().max() > 0.1
+
+
+def test_an_adapter_with_only_vision_tower_modules_is_refused(tmp_path):
+    """Nothing of it would apply to the text decoder: refused rather than served as the base model."""
+    base = save_tiny_model(tmp_path / "base", "gemma3_vlm", vocab_size=251)
+    save_adapter(base, tmp_path / "a", targets=("out_proj", "fc1"))  # SigLIP's names, not the decoder's
+    worker = _worker(base, {})
+    with pytest.raises(ValueError, match=r"vision tower .*out_proj"):
+        worker.add_lora(LoRARequest("a", 1, str(tmp_path / "a")))
+    assert worker.list_loras() == []
+
+
+@pytest.mark.parametrize("init", ["orthogonal", "mica"])
+def test_orthogonal_and_mica_initialised_adapters_give_pefts_tokens(tmp_path, init):
+    """PEFT's orthogonal and MiCA inits set A and B only (the base weights stay as they are; MiCA
+    freezes B in training) and apply as plain LoRA, B A x scaling: they are served as any other.
+    (PiSSA, OLoRA and the like, which move part of W into A and B, stay refused, above.)"""
+    from peft import LoraConfig, get_peft_model
+
+    base = save_tiny_model(tmp_path / "base", num_key_value_heads=2, vocab_size=251)
+    torch.manual_seed(8)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                        init_lora_weights=init)
+    model = get_peft_model(load_hf(base), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # as if trained: both nonzero (MiCA starts A at 0)
+            if "lora_" in name:
+                param.add_(torch.randn_like(param) * 0.15)
+    model.eval().save_pretrained(tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["init_lora_weights"] == init
+    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
+    rng = random.Random(14)
+    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    expected = {f"r{i}": hf_greedy(model if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
+                for i, p in enumerate(prompts)}
+    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
