@@ -23,14 +23,13 @@ from engine_core.sampling_params import SamplingParams
 
 def drafts_allowed(params: SamplingParams) -> bool:
     """Whether the request's next-token distribution can be checked at several positions in one
-    pass. Penalties and bad words depend on the tokens before each position, and a grammar's mask
-    on the grammar's state after each draft, which the pass does not have: such requests decode one
-    token per pass. A seeded random request does too: how many draws it takes from its generator
-    would depend on how many drafts fit each pass, i.e. on the load, and its answer must not.
-    (min_tokens is checked per request in ``propose``.)"""
-    return (params.structured_output is None and not params.bad_words_token_ids
-            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and params.repetition_penalty == 1.0 and (params.seed is None or params.temperature == 0.0))
+    pass. A grammar's mask depends on the grammar's state after each draft, which the pass does not
+    have: such requests decode one token per pass. A seeded random request does too: how many draws
+    it takes from its generator would depend on how many drafts fit each pass, i.e. on the load, and
+    its answer must not. (Penalties and bad words depend on the tokens before each position too: the
+    workers apply them to each row as of its position, gpu_worker/request_state.py
+    ``RequestStateAtDraft``. min_tokens is checked per request in ``draft_room``.)"""
+    return params.structured_output is None and (params.seed is None or params.temperature == 0.0)
 
 
 def draft_room(params: SamplingParams, num_output_tokens: int, num_tokens: int, k: int, max_model_len: int) -> int:

@@ -39,7 +39,7 @@ from gpu_worker.models import build_model
 from gpu_worker.pooler_config import DENSE_ACTIVATIONS, PER_TOKEN_POOLING, DenseProjection, load_dense_weights
 from gpu_worker.quantized_checkpoint import dequantized_weights
 from gpu_worker.rejection_sampler import rejection_sample
-from gpu_worker.request_state import RequestState, RequestStates
+from gpu_worker.request_state import RequestState, RequestStateAtDraft, RequestStates, reads_earlier_tokens
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata, grammar_masked, token_logprobs
 from gpu_worker.weights import iter_safetensors, load_weights
 
@@ -619,8 +619,11 @@ class ModelRunner:
             return None
         sample_states = [states[i] for i in sample_rows]
         counts = [1 + int(num_drafts[i]) for i in sample_rows]
-        # Each request's settings on each of its rows.
-        row_states = [s for s, c in zip(sample_states, counts, strict=True) for _ in range(c)]
+        # Each request's settings on each of its rows; a request with penalties or bad words as of
+        # each row's position (row j, after draft j, sees the drafts up to j only).
+        row_states = [s if j == c - 1 or not reads_earlier_tokens(s.sampling_params)
+                      else RequestStateAtDraft(s, len(s.token_ids) - (c - 1 - j))
+                      for s, c in zip(sample_states, counts, strict=True) for j in range(c)]
         md = self._sampling_metadata(row_states, logits.shape[1])
         if so.grammar_bitmask is not None:  # (a grammar's requests get no drafts: one row each)
             md.grammar_bitmask = self._grammar_rows(so.grammar_bitmask, row_states)

@@ -66,6 +66,48 @@ class RequestState:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+class RequestStateAtDraft:
+    """A request's state as one of its draft rows sees it (speculative decoding): the tokens before
+    that row's position only. Penalties and bad words look at the tokens before the one drawn at a
+    row, and a row after draft j must not see drafts j + 1 on. Everything else is the state's own
+    (what is set goes to the state: the per-request caches such as ``allowed_mask``)."""
+
+    __slots__ = ("_num_tokens", "_state")
+
+    def __init__(self, state: RequestState, num_tokens: int) -> None:
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "_num_tokens", num_tokens)
+
+    def __getattr__(self, name: str):
+        return getattr(self._state, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._state, name, value)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._state.token_ids[:self._num_tokens]
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_tokens - self._state.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._state.token_ids[self._state.num_prompt_tokens:self._num_tokens]
+
+
+def reads_earlier_tokens(params: SamplingParams) -> bool:
+    """Whether a request's next-token distribution depends on the tokens before it (penalties, bad
+    words): its draft rows each see only the tokens before them (``RequestStateAtDraft``)."""
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+            or bool(params.bad_words_token_ids))
+
+
 @dataclass(slots=True)
 class _Parked:
     """What a preempted request keeps: the scheduler resends tokens and blocks on resumption, but

@@ -37,7 +37,7 @@ def test_greedy_with_drafts_equals_transformers_under_chunked_prefill_and_preemp
 def test_logprobs_and_the_other_sampling_features_are_unchanged_by_drafts(tiny_model_dir):
     """Greedy requests with logprobs, penalties, a grammar, min_tokens, stop ids and
     allowed_token_ids, in one batch: the same answers with and without drafting. (Requests with
-    penalties, bad words, grammars, or short of min_tokens are not drafted for; the rest are.)"""
+    grammars, or short of min_tokens, are not drafted for; the rest are.)"""
     prompts = PROMPTS[:6]
     params = [
         SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, ignore_eos=True),
@@ -60,6 +60,31 @@ def test_logprobs_and_the_other_sampling_features_are_unchanged_by_drafts(tiny_m
                 for token in px:
                     assert py[token].logprob == pytest.approx(px[token].logprob, abs=1e-4)
                     assert py[token].rank == px[token].rank
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_penalties_and_bad_words_apply_to_each_draft_as_of_its_position(tiny_model_dir, drafter):
+    """Greedy requests with each penalty and with bad words are drafted for (a model whose
+    generation config sets a repetition penalty, as Qwen2.5's does, sets it on every request) and
+    answer as without drafts: each draft row is penalised as of the tokens before it, not for the
+    drafts after it. (The draft model is the target without the penalties: its drafts are often
+    the tokens a penalty turns away.)"""
+    prompts = PROMPTS[:5]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=1.5, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=2.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.05, frequency_penalty=0.5,
+                             logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, bad_words=["b c", "d"], ignore_eos=True)]
+    plain, _ = run(tiny_model_dir, prompts, params, num_gpu_blocks=64)
+    spec = NGRAM if drafter == "ngram" else _draft(tiny_model_dir, k=4)
+    drafted, stats = run(tiny_model_dir, prompts, params, num_gpu_blocks=64, speculative_config=spec)
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
+    for a, b in zip(plain, drafted, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.token_ids, y.text) == (x.token_ids, x.text)
+        if x.logprobs is not None:
+            assert [list(p) for p in y.logprobs] == [list(p) for p in x.logprobs]
 
 
 def test_seeded_requests_are_not_drafted_for_and_random_ones_are(tiny_model_dir):
