@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -183,18 +185,22 @@ class StructuredOutputManager:
     """The engine's grammars: compiled grammars (cached by spec), one matcher per live request."""
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: tuple[int, ...],
-                 max_threads: int = 2, cache_size: int = 128) -> None:
-        # xgrammar and the tokenizer load on the compile thread, with the first grammar (seconds of
+                 max_threads: int = 2, cache_size: int = 128, compile_workers: int | None = None) -> None:
+        # xgrammar and the tokenizer load on a compile thread, with the first grammar (seconds of
         # imports the busy loop must not wait for).
         self._load_tokenizer = load_tokenizer
         self._xgr: Any = None
         self._compiler: Any = None
+        self._setup_lock = threading.Lock()
         self._max_threads = max_threads
         # The model's logits size (may exceed the tokenizer's); the model's EOS ids end a finished grammar.
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        # One thread: compiles run in order, and the first one sets up xgrammar for all.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        # Several compiles at once (half the cores, as vLLM's pool): a large schema that takes seconds
+        # does not hold up every other request's grammar behind it. (xgrammar's compiler is shared by
+        # the threads; the first compile sets it up, the others wait for that.)
+        workers = compile_workers if compile_workers is not None else max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar-compile")
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._cache_size = cache_size
         self._pending: dict[str, tuple[str, Future]] = {}
@@ -230,8 +236,11 @@ class StructuredOutputManager:
                 future = self._compiling[key] = self._pool.submit(self._compile, spec)
         self._pending[request_id] = (key, future)
 
-    def _compile(self, spec: dict[str, Any]) -> Any:
-        if self._compiler is None:  # (first use: on this thread)
+    def _set_up(self) -> None:
+        """xgrammar and its view of the tokenizer, once (on the first compile's thread)."""
+        with self._setup_lock:
+            if self._compiler is not None:
+                return
             import xgrammar as xgr
 
             tokenizer = self._load_tokenizer()
@@ -241,8 +250,12 @@ class StructuredOutputManager:
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=stop_ids or None)
             # Our bounded cache (by spec) is the one cache: xgrammar's own would keep every grammar.
-            self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
             self._xgr = xgr
+            self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
+
+    def _compile(self, spec: dict[str, Any]) -> Any:
+        if self._compiler is None:
+            self._set_up()
         kind = next(k for k in spec if k in STRUCTURED_OUTPUT_KINDS)
         value = spec[kind]
         any_whitespace = not spec.get("disable_any_whitespace", False)

@@ -181,6 +181,28 @@ def test_requests_with_the_same_spec_share_one_compile():
     manager.shutdown()
 
 
+def test_a_slow_compile_does_not_hold_up_the_grammars_behind_it():
+    """Grammars compile on several threads: a large schema (a tool's, taking seconds) submitted first,
+    a small regex after it: the regex is ready while the schema still compiles."""
+    manager = StructuredOutputManager(lambda: TOKENIZER, len(TOKENIZER), (TOKENIZER.eos_token_id,),
+                                      compile_workers=2)
+    try:
+        manager.submit("warm", {"regex": "a"})  # (xgrammar set up, as by an engine's earlier requests)
+        _poll_until_done(manager)
+        properties = {f"field{i}": {"type": "string", "pattern": "[a-z]{3,9}@[0-9]{2,5}"} for i in range(3000)}
+        manager.submit("large", {"json": {"type": "object", "properties": properties, "required": list(properties)}})
+        manager.submit("small", {"regex": "[0-9]{3}"})
+        ready: list[str] = []
+        deadline = time.monotonic() + 120
+        while not ready and time.monotonic() < deadline:
+            ready += manager.poll()[0]
+            time.sleep(0.005)
+        assert ready == ["small"] and manager.has_pending()  # (the schema is still compiling)
+        assert _poll_until_done(manager)[0] == ["large"]
+    finally:
+        manager.shutdown()
+
+
 def test_json_object_is_an_object_and_whitespace_can_be_disabled():
     manager = _manager()
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
