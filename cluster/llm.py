@@ -433,7 +433,8 @@ class LLM:
         """``scheduler_flags``: the engine flags by vLLM's names (max_num_seqs, max_model_len, ...);
         vLLM's arguments with nothing to do here are taken too (VLLM_ARGS_WITHOUT_EFFECT), and those for
         what is not built only at their neutral value (VLLM_ARGS_AT_DEFAULT), else a ValueError."""
-        from gpu_worker.model_resolver import check_tokenizer_dir, load_tokenizer, resolve_model
+        from gpu_worker.model_resolver import check_tokenizer_dir, load_tokenizer, resolve_model, worker_reference
+        from gpu_worker.worker import gguf_dtype_rule, resolve_device
 
         if seed is None:  # (vLLM's "no seed": the engines' random state starts from 0 here)
             seed = 0
@@ -454,7 +455,11 @@ class LLM:
         # (--tokenizer: a directory, checked here before anything loads; the engines check it against
         # the model and use it too.)
         tokenizer = None if tokenizer is None else str(check_tokenizer_dir(tokenizer))
-        resolved = resolve_model(model, has_tokenizer=tokenizer is not None)
+        # (A GGUF converted at the dtype the engines serve it in here, as an engine converts it: one
+        # conversion, not a float32 one beside theirs.)
+        resolved = resolve_model(model, has_tokenizer=tokenizer is not None,
+                                 dtype=gguf_dtype_rule(dtype, resolve_device(device, 0), runner == "pooling",
+                                                       hf_overrides))
         self.model_dir = str(resolved.model_dir)
         self.tokenizer = load_tokenizer(resolved.model_dir if tokenizer is None else tokenizer)
         self._token_texts: dict[int, str] = {}
@@ -468,7 +473,10 @@ class LLM:
             "override_generation_config": override_generation_config})
         # engine_overrides: per-engine flag mappings (engine i gets the i-th), e.g. a latency engine
         # beside a throughput one.
-        self.cluster_config = ClusterConfig(model=self.model_dir, num_engines=num_engines, defaults=spec,
+        # The engines are given a GGUF itself (each worker converts it on its own node: a rank on
+        # another node has no copy of this node's cache), and a model directory as found.
+        engines_model = worker_reference(model) if resolved.gguf_path is not None else self.model_dir
+        self.cluster_config = ClusterConfig(model=engines_model, num_engines=num_engines, defaults=spec,
                                             engines=[EngineSpec(**o) for o in engine_overrides or []],
                                             address=address, seed=seed, enable_lora=enable_lora,
                                             max_loras=max_loras, max_lora_rank=max_lora_rank,

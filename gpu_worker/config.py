@@ -98,7 +98,7 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
     "rms_norm_eps": 1e-6, "eos_token_id": 1}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # The MLP activations we compute (transformers' ACT2FN names): SwiGLU's silu, GeGLU's tanh-approximated
 # or exact gelu.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
@@ -117,6 +117,19 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
     return _DTYPES[key]
+
+
+# vLLM's _FLOAT16_NOT_SUPPORTED_MODELS (gemma2, gemma3, gemma3_text): their activations overflow
+# float16's range, so "auto" never picks it for them and --dtype float16 is refused.
+FLOAT16_UNSUPPORTED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def check_dtype_supported(dtype: torch.dtype, config: ModelConfig) -> None:
+    """Refuse a dtype the model cannot run in (vLLM's _check_valid_dtype)."""
+    if dtype == torch.float16 and config.architecture in FLOAT16_UNSUPPORTED_ARCHITECTURES:
+        model_type = config.raw.get("model_type") or config.architecture
+        raise ValueError(f"The model type {model_type!r} does not support float16. Reason: Numerical instability. "
+                         "Please use bfloat16 or float32 instead.")
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -162,7 +175,23 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
         for key in ("short_factor", "long_factor"):
             if not isinstance(scaling.get(key), list):
                 raise ValueError(f"a longrope config needs {key} (a list of per-frequency factors)")
+    if rope_type == "yarn":
+        scaling.update(_yarn_lengths(cfg, scaling))
     return theta, (None if rope_type == "default" else scaling)
+
+
+def _yarn_lengths(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's pretrained length (top level first, as transformers reads it) and factor (when unset:
+    max_position_embeddings over that length, transformers' rule). The length is required (YaRN
+    checkpoints state it) rather than guessed from max_position_embeddings."""
+    original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_type 'yarn' needs original_max_position_embeddings (the pretrained length it "
+                         "extends) in its rope scaling")
+    factor = scaling.get("factor") or int(cfg.get("max_position_embeddings", 2048)) / int(original)
+    if float(factor) < 1.0:
+        raise ValueError(f"rope_type 'yarn' needs a factor >= 1, got {factor}")
+    return {"original_max_position_embeddings": int(original), "factor": float(factor)}
 
 
 def _two_way(cfg: dict[str, Any], tokens: list[str]) -> bool:
@@ -731,8 +760,11 @@ class ModelConfig:
     @property
     def max_context_len(self) -> int:
         """The longest sequence the model serves: linear RoPE scaling stretches the trained positions
-        by its factor (as vLLM derives it; llama3 configs already state their extended length). A
-        sliding window does not bound it: those layers attend to the window's keys at any length."""
+        by its factor, YaRN the pretrained length by its factor (as vLLM derives them; llama3
+        configs already state their extended length). A sliding window does not bound it: those
+        layers attend to the window's keys at any length."""
+        if self.rope_scaling and self.rope_scaling.get("rope_type") == "yarn":
+            return int(self.rope_scaling["original_max_position_embeddings"] * float(self.rope_scaling["factor"]))
         length = self.max_position_embeddings
         # (Gemma 3's max_position_embeddings already is its scaled length, as vLLM reads it.)
         if (self.rope_scaling and self.rope_scaling.get("rope_type") == "linear"

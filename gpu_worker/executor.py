@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
@@ -24,8 +24,14 @@ from engine_core.generation_defaults import model_sampling_defaults
 from engine_core.logits_processor import load_logits_processors
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
-from gpu_worker.config import ModelConfig
-from gpu_worker.model_resolver import resolve_model, resolve_tokenizer
+from gpu_worker.config import ModelConfig, check_dtype_supported, parse_dtype
+from gpu_worker.model_resolver import (
+    DtypeRule,
+    check_model_reference,
+    resolve_model,
+    resolve_tokenizer,
+    worker_reference,
+)
 from gpu_worker.pooler_config import (
     DenseProjection,
     PoolerConfig,
@@ -33,6 +39,9 @@ from gpu_worker.pooler_config import (
     sentence_transformers_max_seq_length,
     sentence_transformers_text_settings,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +55,13 @@ def _in_ray_actor() -> bool:
         return False
 
 
-def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, num_cpus: int | None,
+def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, num_cpus: int | None,
                    pooler_dense: tuple[DenseProjection, ...] = ()) -> dict[str, Any]:
+    """A worker's arguments; ``model``: what it loads, which it resolves on its own node (a GGUF is
+    converted there: the engine's cache directory is on the engine's node only)."""
     return {
         "pooler_dense": pooler_dense,
-        "model_path_or_config": str(model_dir), "device": config.device, "dtype": config.dtype,
+        "model_path_or_config": str(model), "device": config.device, "dtype": config.dtype,
         "max_model_len": max_model_len, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.token_budget, "num_cpus": num_cpus, "seed": config.seed,
         "num_spec_tokens": config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
@@ -66,19 +77,18 @@ def _worker_kwargs(config: EngineConfig, model_dir: Path, max_model_len: int, nu
         # (Resolved once, here: every rank runs the same classes, whatever each node has installed.)
         "logits_processors": load_logits_processors(config.logits_processors)
         if config.speculative_config is None else (),
-        "draft_model": draft_model_dir(config),
-        # (vLLM's --kv-offloading-size is the tier of all TP ranks together.)
-        "kv_offloading_bytes": int(config.kv_offloading_size * 2**30 / config.tensor_parallel_size)
-        if config.kv_offloading_size else 0,
+        "draft_model": draft_model_reference(config),
+        "kv_offloading_bytes": config.kv_offloading_bytes_per_rank(),
     }
 
 
-def draft_model_dir(config: EngineConfig) -> str | None:
-    """Speculative decoding's draft model directory (method draft_model; a GGUF converted once), or None."""
+def draft_model_reference(config: EngineConfig) -> str | None:
+    """Speculative decoding's draft model (method draft_model) as the engine was given it, or None;
+    each worker resolves it on its own node (a GGUF converted there)."""
     spec = config.speculative_config
     if spec is None or not spec.uses_draft_model:
         return None
-    return str(resolve_model(spec.model).model_dir)
+    return worker_reference(spec.model)
 
 
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
@@ -99,10 +109,20 @@ def _check_long_max_model_len(engine_index: int, wanted: int, context: int) -> N
 class _ExecutorBase(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        resolved = resolve_model(config.model, has_tokenizer=config.tokenizer is not None)
+        resolved = resolve_model(config.model, has_tokenizer=config.tokenizer is not None,
+                                 dtype=self._gguf_dtype_rule(config))
         self.model_dir = Path(resolved.model_dir)
+        # What the workers load, by the engine's reference, not this node's conversion of a GGUF:
+        # each worker converts it on its own node (a rank elsewhere has no copy of this node's cache).
+        self.worker_model = worker_reference(config.model)
         self.model_config = ModelConfig.from_pretrained(
             self.model_dir, json.loads(config.hf_overrides) if config.hf_overrides else None, config.tokenizer)
+        if str(config.dtype) != "auto":
+            # (Refused here, before any worker starts: --dtype float16 for Gemma 2/3.)
+            try:
+                check_dtype_supported(parse_dtype(config.dtype), self.model_config)
+            except ValueError as e:
+                raise ValueError(f"engine {config.engine_index}: {e}") from None
         if config.runner == "generate" and self.model_config.embedding_only:
             kind = ("an encoder (bidirectional attention)" if self.model_config.encoder_only
                     else "an embedding model without an LM head")
@@ -110,9 +130,12 @@ class _ExecutorBase(Executor):
                              f"({self.model_config.raw['architectures'][0]}: embeddings or classes only); serve it "
                              "with --runner pooling or auto")
         embeds_only = self.model_config.embedding_only or config.runner == "pooling"
-        if embeds_only and draft_model_dir(config) is not None:
+        draft = draft_model_reference(config)
+        if embeds_only and draft is not None:
             raise ValueError(f"engine {config.engine_index}: a pooling model generates nothing, so it takes no "
                              "draft model (--speculative-config)")
+        if draft is not None:
+            check_model_reference(draft)  # (what the workers would refuse, found before they start)
         if embeds_only and config.logits_processors:
             raise ValueError(f"engine {config.engine_index}: a pooling model samples nothing, so it takes no custom "
                              "logits processors (--logits-processors)")
@@ -237,6 +260,20 @@ class _ExecutorBase(Executor):
         # Adapters loaded on the workers, in load order: a restarted worker group gets them back.
         self._loras: dict[int, LoRARequest] = {}
 
+    def _gguf_dtype_rule(self, config: EngineConfig) -> DtypeRule:
+        """The dtype a GGUF is converted at here: the workers', so a worker on this node finds the
+        engine's conversion instead of making a second one at another dtype."""
+        from gpu_worker.worker import gguf_dtype_rule
+
+        return gguf_dtype_rule(config.dtype, self._workers_device(config), config.runner == "pooling",
+                               json.loads(config.hf_overrides) if config.hf_overrides else None)
+
+    def _workers_device(self, config: EngineConfig) -> torch.device:
+        """The device the workers run on (``auto`` resolved as they will): here, in this process."""
+        from gpu_worker.worker import resolve_device
+
+        return resolve_device(config.device, 0)
+
     def _token_heads(self) -> tuple[str, ...]:
         """The pooling tasks the model answers per token by heads of its own: its head modules', and
         a ColBERT's token_embed (a PyLate one's through its Dense projection)."""
@@ -304,7 +341,7 @@ class UniProcExecutor(_ExecutorBase):
         self._note_workers(self.worker.dtype, self.worker.device.type)
 
     def _new_worker(self):
-        worker = self._worker_cls(rank=0, world_size=1, **_worker_kwargs(self.config, self.model_dir,
+        worker = self._worker_cls(rank=0, world_size=1, **_worker_kwargs(self.config, self.worker_model,
                                                                          self.max_model_len, self._num_cpus,
                                                                          self.pooler_dense))
         worker.load_model()
@@ -385,6 +422,12 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         self.workers: list[Any] = []
         self._start_workers()
 
+    def _workers_device(self, config: EngineConfig) -> torch.device:
+        """(Ray places the workers on GPUs when the cluster has them, whatever this actor sees.)"""
+        import torch
+
+        return torch.device("cuda" if engine_uses_gpu(config) else "cpu")
+
     def _start_workers(self) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -404,7 +447,7 @@ class RayWorkerGroupExecutor(_ExecutorBase):
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             workers.append(actor_cls.options(**options).remote(
                 rank=rank, world_size=tp,
-                **_worker_kwargs(self.config, self.model_dir, self.max_model_len, max(1, int(num_cpus)),
+                **_worker_kwargs(self.config, self.worker_model, self.max_model_len, max(1, int(num_cpus)),
                                  self.pooler_dense)))
         self.workers = workers
         # Sync actors run every call on their main thread: lowering it before load_model covers

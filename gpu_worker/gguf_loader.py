@@ -14,7 +14,10 @@ What differs between GGUF and HF Llama checkpoints, and is undone here:
   * Gemma's norm weights, which llama.cpp's converter stores as 1 + w (its kernel scales by the
     weight, Gemma's by 1 + the weight): 1 is taken off again. Gemma 2 and 3's four norms a layer
     are named post_attention_norm / ffn_norm / post_ffw_norm there; their attention scale, local
-    RoPE base and window pattern are what llama.cpp derives when the file does not state them.
+    RoPE base and window pattern are what llama.cpp derives when the file does not state them;
+  * Llama 3.x's llama3 RoPE scaling, which llama.cpp writes as a ``rope_freqs`` tensor of
+    per-frequency divisors: read back into the llama3 parameters that give them.
+A split file (``<prefix>-00001-of-00003.gguf`` and its siblings) is converted from all its shards.
 GGUF lists tensor dims innermost first (``[in, out]``); ``GGUFReader`` already exposes the data in
 numpy (row-major) order, so the dequantised array has torch's ``[out, in]`` shape with no transpose.
 """
@@ -26,6 +29,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -37,9 +41,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType, ReaderField
+from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
+
+from gpu_worker.layers.rotary import compute_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +156,67 @@ def _rope_parameters(meta: dict[str, Any], arch: str, rope_theta: float) -> dict
     raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported by this converter")
 
 
-def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """A ``LlamaConfig``-compatible dict derived from the GGUF metadata and tensor list."""
+# llama.cpp's converter writes Llama 3.x's llama3 RoPE scaling as this tensor of per-frequency divisors.
+_ROPE_FREQS = "rope_freqs.weight"
+# Meta's llama3 parameters (Llama 3.1-3.3; 3.2 differs in its factor only), tried first; then other
+# (low_freq_factor, high_freq_factor, original length) choices, which only count through
+# original / low and original / high (so low_freq_factor 1 covers every ratio).
+_LLAMA3_STANDARD = (1.0, 4.0, 8192)
+_LLAMA3_GRID = tuple((1.0, high, 2**k) for k in range(4, 18) for high in (2.0, 4.0, 8.0, 16.0, 32.0))
+
+
+def _rope_from_freqs(tensor: ReaderTensor, rope_parameters: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The llama3 rope parameters llama.cpp's rope_freqs tensor was computed from
+    (LlamaModel.generate_extra_tensors: a divisor per frequency, ``factor`` for long wavelengths, 1
+    for short ones, smoothly between): those reproducing it to float32 precision, with the
+    project's own llama3 frequencies; refused when none does."""
+    factors = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1))
+    if rope_parameters["rope_type"] != "default":
+        raise ValueError(f"GGUF has a {_ROPE_FREQS} tensor and {rope_parameters['rope_type']} rope scaling; only "
+                         "one of them can be converted")
+    if factors.numel() != head_dim // 2:
+        raise ValueError(f"GGUF {_ROPE_FREQS} has {factors.numel()} values; heads of {head_dim} rotate "
+                         f"{head_dim // 2} frequencies")
+    factor = float(factors.max())
+    if torch.allclose(factors, torch.ones_like(factors)):
+        return rope_parameters  # (divisors of 1: plain RoPE)
+    theta = rope_parameters["rope_theta"]
+    base = compute_inv_freq(head_dim, theta, None)
+    for low, high, original in (_LLAMA3_STANDARD, *_LLAMA3_GRID, _fit_llama3(factors, base, factor)):
+        params = {"rope_type": "llama3", "rope_theta": theta, "factor": _float32(factor), "low_freq_factor": low,
+                  "high_freq_factor": high, "original_max_position_embeddings": original}
+        valid = 0 < low < high and original > 0
+        if valid and torch.allclose(base / compute_inv_freq(head_dim, theta, params), factors, rtol=1e-5, atol=1e-5):
+            return params
+    raise ValueError(f"GGUF {_ROPE_FREQS} (factors {[round(f, 4) for f in factors.tolist()]}) matches no llama3 "
+                     "rope scaling; serve the model's Hugging Face checkpoint directory instead")
+
+
+def _fit_llama3(factors: torch.Tensor, inv_freq: torch.Tensor, factor: float) -> tuple[float, float, int]:
+    """llama3's (low_freq_factor, high_freq_factor, original length) from the smoothly scaled
+    frequencies, low_freq_factor set to 1: there ``1 / f = (1 - s) / factor + s`` with ``s``
+    linear in ``1 / wavelength`` (``s = (original / wavelength - low) / (high - low)``); (0, 0, 0)
+    when fewer than two frequencies are in that band."""
+    smooth = (1 / factors.double() - 1 / factor) / (1 - 1 / factor)
+    medium = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    if int(medium.sum()) < 2:
+        return 0.0, 0.0, 0
+    x = inv_freq.double()[medium] / (2 * math.pi)  # (1 / wavelength)
+    slope, intercept = np.polyfit(x.numpy(), smooth[medium].numpy(), 1)
+    if intercept >= 0:
+        return 0.0, 0.0, 0
+    # s = slope * x + intercept: slope = original / (high - low), intercept = -low / (high - low).
+    high = 1.0 - 1.0 / float(intercept)
+    original = round(float(slope) * (high - 1.0))
+    return 1.0, round(high, 4), original
+
+
+def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
+                    tensors: list[ReaderTensor] | None = None) -> dict[str, Any]:
+    """A ``LlamaConfig``-compatible dict derived from the GGUF metadata and tensor list (``tensors``:
+    every shard's of a split file, whose first shard ``reader`` reads; None: the reader's own)."""
     meta = read_metadata(reader)
+    tensors = reader.tensors if tensors is None else tensors
     arch = _require_key(meta, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; one of {', '.join(_ARCHITECTURES)} "
@@ -162,20 +226,20 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32) -> d
     if experts:
         raise ValueError(f"GGUF mixture-of-experts files ({experts} experts) are not converted; serve the model's "
                          "Hugging Face checkpoint directory instead (Mixtral and Qwen-MoE are served from it)")
-    tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        # Llama-3.1 style frequency factors cannot be mapped back to HF's rope_scaling parameters reliably.
-        raise ValueError("GGUF files with a rope_freqs tensor (Llama 3.1 rope scaling) are not supported")
+    tensor_names = {t.name for t in tensors}
 
     hidden = int(_require_key(meta, f"{arch}.embedding_length"))
     n_heads = int(_require_key(meta, f"{arch}.attention.head_count"))
     n_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
     rope_theta = _float32(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise ValueError("GGUF file has no token_embd.weight tensor")
     rope_parameters = _rope_parameters(meta, arch, rope_theta)
+    rope_freqs = next((t for t in tensors if t.name == _ROPE_FREQS), None)
+    if rope_freqs is not None:
+        rope_parameters = _rope_from_freqs(rope_freqs, rope_parameters, head_dim)
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -298,7 +362,15 @@ def iter_hf_tensors(
     reader: GGUFReader, config: dict[str, Any], dtype: torch.dtype = torch.float32
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` one at a time so peak memory stays near one dequantised tensor."""
-    for tensor in reader.tensors:
+    return _hf_tensors(reader.tensors, config, dtype)
+
+
+def _hf_tensors(
+    tensors: list[ReaderTensor], config: dict[str, Any], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for tensor in tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue  # (read into the config's rope scaling)
         expected_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         weights = dequantize(tensor.data, tensor.tensor_type)
         if weights.shape != expected_shape:
@@ -317,10 +389,73 @@ def iter_hf_tensors(
 def load_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
 ) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
-    """Open a GGUF file and return its HF config dict plus a lazy iterator over HF-named tensors."""
-    reader = GGUFReader(os.fspath(path))
-    config = build_hf_config(reader, dtype)
-    return config, iter_hf_tensors(reader, config, dtype)
+    """Open a GGUF file (every shard of a split one) and return its HF config dict plus a lazy
+    iterator over HF-named tensors."""
+    shards = gguf_shards(Path(path))
+    readers = [GGUFReader(os.fspath(shard)) for shard in shards]
+    _check_split(readers, shards)
+    tensors = [tensor for reader in readers for tensor in reader.tensors]
+    config = build_hf_config(readers[0], dtype, tensors)
+    return config, _hf_tensors(tensors, config, dtype)
+
+
+def gguf_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The HF config a GGUF converts to, read before any weight is dequantised; its torch_dtype is
+    None (the dtype the converter is asked for)."""
+    config, _ = load_gguf(path)
+    return {**config, "torch_dtype": None}
+
+
+# ------------------------------------------------------------------------------------------ split files
+
+# llama.cpp's split GGUFs (llama-gguf-split, or a converter's --split-max-*): <prefix>-00001-of-00003.gguf
+# and its siblings, the first holding the metadata, each a share of the tensors (llama_split_path).
+_SPLIT_NAME_RE = re.compile(r"^(.+)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+_MERGE_HINT = "or merge them into one file with `llama-gguf-split --merge <first shard> <output.gguf>`"
+
+
+def split_prefix(gguf_path: Path) -> str | None:
+    """The ``<prefix>`` of a shard's name (``<prefix>-00001-of-00003.gguf``); None: not a shard of several."""
+    match = _SPLIT_NAME_RE.match(gguf_path.name)
+    return match[1] if match and int(match[3]) > 1 else None
+
+
+def gguf_shards(gguf_path: Path) -> list[Path]:
+    """The files holding ``gguf_path``'s model, first shard first: itself, or every shard of the
+    split file it is one shard of (whichever is named), which must sit beside it."""
+    prefix = split_prefix(gguf_path)
+    if prefix is None:
+        return [gguf_path]
+    count = int(_SPLIT_NAME_RE.match(gguf_path.name)[3])
+    shards = [gguf_path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [shard.name for shard in shards if not shard.is_file()]
+    if missing:
+        raise FileNotFoundError(f"split GGUF {gguf_path}: shard(s) {', '.join(missing)} not found beside it; put "
+                                f"all {count} shards in one folder, {_MERGE_HINT}")
+    return shards
+
+
+def _check_split(readers: list[GGUFReader], shards: list[Path]) -> None:
+    """Refuse a split file whose shards are not the ones its metadata lists: converting a part of
+    a model would cache a directory that can never load."""
+    meta = read_metadata(readers[0])
+    count = int(meta.get("split.count", 1) or 1)
+    if count != len(shards):
+        raise ValueError(f"GGUF {shards[0]} is shard 1 of {count} (split.count), but its name does not say so "
+                         f"(llama.cpp names them <prefix>-00001-of-{count:05d}.gguf): rename the shards as "
+                         f"llama.cpp does, {_MERGE_HINT}")
+    if count == 1:
+        return
+    for index, reader in enumerate(readers):
+        number = reader.fields.get("split.no")
+        if number is None or field_value(number) != index:
+            raise ValueError(f"GGUF shard {shards[index]} is not shard {index + 1} of its split file (split.no); "
+                             f"{_MERGE_HINT}")
+    expected = meta.get("split.tensors.count")
+    found = sum(len(reader.tensors) for reader in readers)
+    if expected is not None and found != int(expected):
+        raise ValueError(f"split GGUF {shards[0]}: its {count} shards hold {found} tensors, split.tensors.count "
+                         f"says {expected}; {_MERGE_HINT}")
 
 
 # -------------------------------------------------------------------------------------------- tokenizer
@@ -450,7 +585,9 @@ def convert_gguf_to_hf(
 
     Not atomic by itself; ``ensure_converted`` wraps it with a temp dir + rename.
     """
-    gguf_path, out = Path(gguf_path), Path(out_dir)
+    shards, out = gguf_shards(Path(gguf_path)), Path(out_dir)
+    # (A split file's metadata and tokenizer are in its first shard; its tensors in all of them.)
+    gguf_path = shards[0]
     config, tensors = load_gguf(gguf_path, dtype)
     _save_weights(tensors, out, max_shard_bytes)
     _write_json(out / "config.json", config)
@@ -461,6 +598,8 @@ def convert_gguf_to_hf(
     stat = gguf_path.stat()
     source = {"gguf_path": os.fspath(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
               "converter_version": CONVERTER_VERSION, "dtype": _DTYPE_NAMES[dtype]}
+    if len(shards) > 1:
+        source["shards"] = [os.fspath(shard.resolve()) for shard in shards]
     _write_json(out / "gguf_source.json", source)
     return out
 
@@ -474,12 +613,13 @@ def default_cache_root() -> Path:
 
 
 def cache_key(gguf_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> str:
-    """``<stem>-<hash>``: the hash covers path, size and mtime so a replaced file is converted again."""
-    path = Path(gguf_path).resolve()
-    stat = path.stat()
-    fingerprint = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{_DTYPE_NAMES[dtype]}|v{CONVERTER_VERSION}"
+    """``<stem>-<hash>``: the hash covers path, size and mtime (of every shard of a split file,
+    whichever is named) so a replaced file is converted again."""
+    shards = [shard.resolve() for shard in gguf_shards(Path(gguf_path))]
+    files = "|".join(f"{shard}|{shard.stat().st_size}|{shard.stat().st_mtime_ns}" for shard in shards)
+    fingerprint = f"{files}|{_DTYPE_NAMES[dtype]}|v{CONVERTER_VERSION}"
     digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", split_prefix(shards[0]) or shards[0].stem)
     return f"{stem}-{digest}"
 
 

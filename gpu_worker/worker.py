@@ -19,11 +19,18 @@ from engine_core.logits_processor import LogitsProcessorContext, LogitsProcessor
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from gpu_worker import distributed
-from gpu_worker.config import ModelConfig, parse_dtype
+from gpu_worker.config import (
+    FLOAT16_UNSUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    check_dtype_supported,
+    parse_dtype,
+    with_overrides,
+)
 from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 from gpu_worker.lora.manager import LoRAManager
+from gpu_worker.model_resolver import DtypeRule, local_model_dir
 from gpu_worker.model_runner import ModelRunner, WeightSource
 from gpu_worker.pooler_config import DenseProjection
 
@@ -45,18 +52,35 @@ def resolve_device(device: str | torch.device, rank: int) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device,
                   pooling: bool = False) -> torch.dtype:
     if str(dtype) != "auto":
-        return parse_dtype(dtype)
-    if device.type == "cuda":
-        # The checkpoint's dtype, with float32 brought down (vLLM's rule: half the weight memory, so
-        # about twice the KV blocks): float16 for an embedding model, else bfloat16 where the GPU has it.
-        if config.dtype not in (None, torch.float32):
-            return config.dtype
-        if pooling:
-            return torch.float16
-        bf16 = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float16
-    # CPU: fp32 keeps results exact and avoids slow fp16 kernels.
-    return torch.float32
+        explicit = parse_dtype(dtype)
+        check_dtype_supported(explicit, config)
+        return explicit
+    if device.type != "cuda":
+        # CPU: fp32 keeps results exact and avoids slow fp16 kernels.
+        return torch.float32
+    # vLLM's rule: the checkpoint's dtype, with float32 brought down (half the weight memory, so
+    # about twice the KV blocks) to the first the GPU and the model both take: float16 for an
+    # embedding model, else bfloat16 where the GPU has it.
+    bf16 = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    candidates = (torch.bfloat16, torch.float16, torch.float32) if bf16 else (torch.float16, torch.float32)
+    runnable = [d for d in candidates if d != torch.float16 or config.architecture not in
+                FLOAT16_UNSUPPORTED_ARCHITECTURES]
+    preferred = torch.float16 if pooling and torch.float16 in runnable else runnable[0]
+    if config.dtype in (None, torch.float32) or config.dtype not in runnable:
+        return preferred
+    return config.dtype
+
+
+def gguf_dtype_rule(dtype: str | torch.dtype, device: torch.device, embedding_only: bool = False,
+                    hf_overrides: dict[str, Any] | None = None) -> DtypeRule:
+    """The dtype a GGUF is converted at: the one a worker on ``device`` will serve its converted
+    config in (resolve_dtype: --dtype when given; under auto, float32 on the CPU, on a GPU what
+    vLLM's rule picks for a checkpoint that states no dtype), so the cache holds the weights as served."""
+    def rule(hf_config: dict[str, Any]) -> torch.dtype:
+        config = ModelConfig.from_dict(with_overrides(hf_config, hf_overrides or {}))
+        return resolve_dtype(dtype, config, device, pooling=embedding_only or config.encoder_only)
+
+    return rule
 
 
 class Worker:
@@ -73,6 +97,7 @@ class Worker:
                  draft_model: str | Path | None = None, kv_offloading_bytes: int = 0) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.device = resolve_device(device, rank)
         if isinstance(model_path_or_config, ModelConfig):
             self.model_config = model_path_or_config
             self.model_dir = None
@@ -80,7 +105,9 @@ class Worker:
             self.model_config = ModelConfig.from_dict(model_path_or_config)
             self.model_dir = None
         else:
-            self.model_dir = Path(model_path_or_config)
+            # (A GGUF is converted on this worker's node if it has no conversion yet, at the dtype it serves.)
+            self.model_dir = local_model_dir(model_path_or_config,
+                                             dtype=gguf_dtype_rule(dtype, self.device, embedding_only, hf_overrides))
             self.model_config = ModelConfig.from_pretrained(self.model_dir, hf_overrides, tokenizer)
         if enable_expert_parallel:
             # A MoE model's ranks hold whole experts, a share of them each (no effect on a dense model).
@@ -91,7 +118,6 @@ class Worker:
         self.weights = weights if weights is not None else self.model_dir
         if self.weights is None:
             raise ValueError("a config without a model directory needs `weights` (a directory or a factory)")
-        self.device = resolve_device(device, rank)
         self.dtype = resolve_dtype(dtype, self.model_config, self.device,
                                    pooling=embedding_only or self.model_config.encoder_only)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
@@ -110,9 +136,11 @@ class Worker:
         self.logits_processors = tuple(logits_processors)
         # Speculative decoding's draft model (method draft_model): its directory and config; it
         # proposes num_spec_tokens tokens a pass.
-        self.draft_model_dir = None if draft_model is None else Path(draft_model)
+        self.draft_model_dir = None if draft_model is None else local_model_dir(draft_model, dtype=self.dtype)
         self.draft_config = (None if self.draft_model_dir is None
                              else ModelConfig.from_pretrained(self.draft_model_dir, None, tokenizer))
+        if self.draft_config is not None:
+            check_dtype_supported(self.dtype, self.draft_config)  # (the draft model runs in the target's dtype)
         if self.draft_config is not None and not num_spec_tokens:
             raise ValueError("a draft model needs num_spec_tokens >= 1")
         # KV offloading: this rank's share of the host-memory tier, in bytes (0: off).

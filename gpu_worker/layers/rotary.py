@@ -1,5 +1,5 @@
-"""Rotary position embedding (HF "rotate_half" layout), with linear, Llama-3 and LongRoPE frequency
-scaling, over whole heads or their first ``rotary_dim`` values (Phi-4-mini's partial rotary).
+"""Rotary position embedding (HF "rotate_half" layout), with linear, Llama-3, YaRN and LongRoPE
+frequency scaling, over whole heads or their first ``rotary_dim`` values (Phi-4-mini's partial rotary).
 
 cos/sin are precomputed for every position once, so a step only indexes them by ``positions``;
 that is what lets one flat batch mix requests at arbitrary offsets.
@@ -42,11 +42,56 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (Qwen2.5 / Qwen3 long context), as transformers' _compute_yarn_parameters: frequencies
+    turning fewer than ``beta_slow`` times over the pretrained length are interpolated (divided by
+    ``factor``), those turning more than ``beta_fast`` times kept, a linear ramp over the
+    dimensions between."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(num_rotations: float) -> float:
+        # The dimension whose frequency turns num_rotations times over the pretrained length.
+        return head_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    return interpolated * ramp + extrapolated * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are scaled by: YaRN's attention factor (its config's, else from its mscale
+    as transformers derives it), 1 otherwise. (LongRoPE's is applied with its tables.)"""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(scaling["factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = _inv_freq(head_dim, theta)
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
     if rope_type == "ntk":  # fixed NTK (GTE's own code; vLLM's NTKScalingRotaryEmbedding without mixed_b)
@@ -104,7 +149,8 @@ class RotaryEmbedding(nn.Module):
         else:
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float32),
                                 compute_inv_freq(rotary_dim, theta, scaling))
-            cos, sin = freqs.cos(), freqs.sin()
+            attention = rope_attention_factor(scaling)
+            cos, sin = freqs.cos() * attention, freqs.sin() * attention
         dtype = dtype or torch.get_default_dtype()
         # [rows, rotary_dim // 2] each; buffers so .to(device) moves them with the model.
         self.register_buffer("cos_cache", cos.to(dtype), persistent=False)

@@ -226,21 +226,10 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
 def test_each_models_engines_scale_with_that_models_load_alone(monkeypatch):
     """Model a in slots 0-1, model b in slots 2-4: a's load starts an engine of a's; b's idle engine
     stays alone; then b's load starts b's while a, idle, drains its own highest engine."""
-    import cluster.autoscaler as autoscaler_module
     from cluster.autoscaler import EngineAutoscaler
 
     engines: dict[int, _FakeEngine] = {0: _FakeEngine(ongoing=6), 2: _FakeEngine(ongoing=1)}
-    started: list[int] = []
-
-    async def fake_start(self, index):
-        started.append(index)
-        engines[index] = _FakeEngine()
-        self._starting.pop(index, None)
-
-    monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
-    monkeypatch.setattr(EngineAutoscaler, "_start", fake_start)
-    monkeypatch.setattr(autoscaler_module, "stop_named_engine",
-                        lambda name, namespace: engines.pop(int(name.rsplit("-", 1)[1])))
+    started, _ = _fake_cluster(monkeypatch, engines)
 
     async def run():
         policy = _policy(upscale_delay_s=0, downscale_delay_s=0, drain_grace_s=0)
