@@ -241,6 +241,10 @@ class EngineCoreService:
         def hold() -> int:
             if self._held_requests is None:
                 self._held_requests = []
+            if engine.scheduler.pause_state == PauseState.PAUSED_ALL and not engine.is_sleeping():
+                # Frozen by a "keep" pause: a wait lets them run to their end (else they would run on
+                # after this pause, holding KV blocks the cache reset and a sleep need).
+                engine.pause(PauseState.PAUSED_NEW)
             return self._pause_epoch
 
         epoch = self.call_in_loop(hold)
@@ -815,6 +819,17 @@ class EngineCoreActor:
             return True
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        if mode == "wait" and not self.service.engine.is_sleeping():
+            # The drain can take as long as the longest request: outside the lock, as a "wait" pause's
+            # (pause_generation), so a /pause?mode=abort cuts it short and a /resume overtakes it
+            # (then the sleep is refused, as a resume that came first refuses it).
+            check_sleep(level, mode)
+            self.service.engine.check_sleep(level)
+            emptied = await asyncio.to_thread(self.service.pause_generation, "wait", True)
+            if not emptied and not await self.is_paused():
+                raise RuntimeError(f"engine {self.service.config.engine_index} could not be emptied to sleep: a "
+                                   "resume came first")
+            # (Not emptied while paused: what holds KV blocks is said by the sleep below.)
         async with self._pause_lock:
             try:
                 await asyncio.to_thread(self.service.sleep, level, mode)

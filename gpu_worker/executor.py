@@ -515,7 +515,9 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         self._run_all("sleep", level)
 
     def wake_up(self, tags: list[str]) -> None:
-        self._run_all("wake_up", tags, timeout=600)  # (level 2: each rank reads the checkpoint again)
+        # (Level 2: each rank reads the checkpoint again, as long as that takes from the storage it
+        # is on, as sleep has no limit either; a rank that dies fails the call.)
+        self._run_all("wake_up", tags)
 
     def restart(self) -> None:
         """Replace every rank (a survivor may be stuck in a collective with the dead one)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 import weakref
@@ -243,6 +244,19 @@ def test_pause_wait_lets_running_requests_finish_and_keep_freezes_them(service, 
     service.resume_generation()
     assert _collect(service, 0.3)["frozen"][0]  # going on where it stopped
     service.abort_requests(["frozen"])
+    _collect(service, 0.1)
+
+    # "wait" after "keep" (freeze, then wait for the frozen ones, as before a sleep): they run to
+    # their end, then the pause holds and the cache empties (they went on after it, holding blocks).
+    _start(service, "kept", list(range(110, 120)), 60)
+    _until_running(service)
+    service.pause_generation("keep")
+    assert service.pause_generation("wait", clear_cache=True) is True
+    tokens, finish = _until_finished(service, "kept")
+    assert len(tokens) == 60 and finish == FinishReason.LENGTH
+    assert service.call_in_loop(service.engine.is_paused)
+    assert service.call_in_loop(service.engine.scheduler.kv_cache_manager.block_pool.get_usage) == 0.0
+    service.resume_generation()
     with pytest.raises(ValueError, match="pause mode must be one of"):
         service.pause_generation("later")
 
@@ -529,6 +543,37 @@ def test_an_abort_for_another_client_tells_a_request_held_during_a_pause(service
         assert _collect(service, 0.3)["held"][1] == FinishReason.ABORT
         pausing.result(timeout=60)
     assert service.call_in_loop(service.engine.num_in_flight_requests) == 0
+
+
+def test_a_sleep_that_waits_for_requests_is_cut_short_by_an_abort_pause(ray_cluster, tmp_path_factory):
+    """The actor's /sleep?mode=wait drains outside its pause lock, as /pause?mode=wait does: a
+    /pause?mode=abort meanwhile aborts what still runs, and the sleep goes ahead. (It held the lock
+    for the whole drain: the abort, a /resume or a /wake_up waited for the longest request.)"""
+    import dataclasses
+
+    from engine_core.engine_actor import EngineCoreActor
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("drowsy"))
+    config = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=64, max_num_seqs=4,
+                                                                 max_model_len=256)).engine_configs()[0]
+
+    async def run():
+        actor = EngineCoreActor(dataclasses.replace(config, enable_sleep_mode=True), create_executor)
+        service = actor.service
+        try:
+            _start(service, "long", list(range(50, 60)), 240)
+            _until_running(service)
+            sleeping = asyncio.create_task(actor.sleep(1, "wait"))
+            await asyncio.sleep(0.05)
+            assert not sleeping.done()  # (draining)
+            await asyncio.wait_for(actor.pause_generation("abort"), 60)
+            await asyncio.wait_for(sleeping, 60)
+            assert await actor.is_sleeping()
+            assert _collect(service, 0.3)["long"][1] == FinishReason.ABORT
+        finally:
+            service.shutdown()
+
+    asyncio.run(run())
 
 
 def test_sleep_ends_what_runs_holds_what_comes_and_wake_up_resumes(tmp_path_factory):
