@@ -133,8 +133,12 @@ class EngineAutoscaler:
         # the requests it had refused as of last round (its queue full).
         self._silent: list[list[int]] = [[] for _ in models]
         self._refused: dict[int, int] = {}
-        # Starts called off while they wait for resources or load (their slots stay busy until they end).
+        # Starts called off while they wait for resources or load (their slots stay busy until they end),
+        # and the background stops doing it.
         self._called_off: set[int] = set()
+        self._calling_off: set[asyncio.Task[None]] = set()
+        # Per model, when its engines last turned a request away (queue full).
+        self._last_refusal: dict[int, float] = {}
         self._loop_task: asyncio.Task[None] | None = None
         # Whether the first round has taken over engines an earlier autoscaler left draining.
         self._adopted = False
@@ -201,20 +205,31 @@ class EngineAutoscaler:
         # are short, which is when capacity just dropped. Its slot is not empty: nothing starts there.
         serving = [i for i, answer in zip(present, answers, strict=True) if not isinstance(answer, BaseException)]
         silent = sorted(set(present) - set(serving))
+        # One whose actor still answers (sleep_level does not wait for its busy loop) is alive and
+        # busy: asleep or waking (an operator at work), loading an adapter, or in a long pass. Nothing
+        # changes under it, as under a pause.
+        alive = await _ask((actors[i].sleep_level.remote() for i in silent), return_exceptions=True)
+        busy_alive = [i for i, answer in zip(silent, alive, strict=True) if not isinstance(answer, BaseException)]
         if silent != self._silent[k]:
             if silent:
-                logger.info("engine autoscaler: %s: engine(s) %s do not answer; scaling on the others' load",
-                            model.name, silent)
+                logger.info("engine autoscaler: %s: engine(s) %s do not answer (busy: %s); %s", model.name, silent,
+                            busy_alive, "holding" if busy_alive else "scaling on the others' load")
             self._silent[k] = silent
         loads = {i: answer for i, answer in zip(present, answers, strict=True) if i in serving}
         ongoing = sum(unfinished for unfinished, _, _ in loads.values())
         # Requests an engine turned away since the last round because its queue was full (429s): load
         # the engines cannot hold, however few requests they report. (An engine seen the first time,
         # or restarted, sets its count.)
-        refusing = False
+        now = self._clock()
         for i, (_, refused, _) in loads.items():
-            refusing |= refused > self._refused.get(i, refused)
+            before = self._refused.get(i)
+            # (Fewer than before: a new engine in the slot, or Ray restarted it: all its refusals are new.)
+            if before is not None and (refused > before or (refused < before and refused > 0)):
+                self._last_refusal[k] = now
             self._refused[i] = refused
+        # (Held for the upscale delay: a burst of 429s wants the engine as long as a load would.)
+        last = self._last_refusal.get(k)
+        refusing = last is not None and now - last <= model.policy.upscale_delay_s + model.policy.interval_s
         starting = [i for i in self._starting if i in actors and i not in self._called_off]
         draining = sorted(i for i in self._draining if actors.get(i) is not None)
         running = len(serving) + len(starting)
@@ -222,16 +237,19 @@ class EngineAutoscaler:
         wanted = scaler.wanted(ongoing)
         if refusing:
             wanted = max(wanted, min(model.policy.max_engines, running + 1))
-        if any(held for _, _, held in loads.values()):  # paused or asleep: an operator is at work, nothing changes
+        if busy_alive or any(held for _, _, held in loads.values()):  # paused or asleep: nothing changes
             target = running
         else:
-            target = scaler.decide(running, ongoing, self._clock(), wanted)
+            target = scaler.decide(running, ongoing, now, wanted)
         if target > running:
             # A draining engine is loaded and warm: called back before any new one starts.
             for index in draining[:target - running]:
                 logger.info("engine autoscaler: %s: %d requests ongoing on %d engines; engine %d stops draining",
                             model.name, ongoing, running, index)
-                await _ask([actors[index].undrain.remote()])
+                [answer] = await _ask([actors[index].undrain.remote()], return_exceptions=True)
+                if isinstance(answer, BaseException):  # (it does not answer: engines start in empty slots)
+                    logger.info("engine autoscaler: draining engine %d does not answer (%r)", index, answer)
+                    continue
                 self._draining.discard(index)
                 running += 1
             empty = [i for i, a in actors.items() if a is None and i not in self._starting]
@@ -245,7 +263,7 @@ class EngineAutoscaler:
             for index in sorted(starting)[max(0, wanted - len(serving)):]:
                 logger.info("engine autoscaler: %s: %d requests ongoing; engine %d is no longer wanted: its start "
                             "is called off", model.name, ongoing, index)
-                await self._call_off_start(index)
+                self._call_off_start(index)
         elif target < running and serving:
             index = max(serving)
             logger.info("engine autoscaler: %s: %d requests ongoing on %d engines; draining engine %d", model.name,
@@ -257,12 +275,18 @@ class EngineAutoscaler:
                                         sorted(i for i in self._starting if i in actors and i not in self._called_off),
                                         sorted(i for i in self._draining if i in actors), ongoing, wanted, silent)
 
-    async def _call_off_start(self, index: int) -> None:
-        """Stop an engine's start: its placement group removed (a wait for resources ends there) and
-        its actor, if created, stopped; ``_start`` stops one created after this too. The slot stays
-        busy until that start has ended."""
+    def _call_off_start(self, index: int) -> None:
+        """Stop an engine's start, in the background (the rounds go on): its placement group removed
+        (a wait for resources ends there) and its actor, if created, killed (it serves nothing yet);
+        ``_start`` stops one created after this too. The slot stays busy until that start has ended.
+        A start that has ended meanwhile (its engine serves) is left alone."""
+        if index not in self._starting or index in self._called_off:
+            return
         self._called_off.add(index)
-        await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace, False))
+        self._calling_off.add(task)
+        task.add_done_callback(self._calling_off.discard)
 
     async def _start(self, index: int) -> None:
         try:
@@ -286,7 +310,8 @@ class EngineAutoscaler:
                 logger.exception("engine autoscaler: engine %d did not start", index)
             self._started.pop(index, None)
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
+                await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace,
+                                        index not in self._called_off)
         finally:
             self._starting.pop(index, None)
             self._called_off.discard(index)
@@ -335,6 +360,7 @@ class EngineAutoscaler:
                 await asyncio.to_thread(stop_named_engine, engine_actor_name(index), self.namespace)
                 self._started.pop(index, None)
                 self._draining.discard(index)
+                self._refused.pop(index, None)
                 stopped.append(index)
         return stopped
 

@@ -234,13 +234,15 @@ def start_engines(configs: list[EngineConfig], namespace: str, detached: bool = 
     return handles
 
 
-def stop_named_engine(name: str, namespace: str) -> None:
+def stop_named_engine(name: str, namespace: str, graceful: bool = True) -> None:
     """Stop a (detached) engine found by name and free its placement group; also frees the group of
-    an engine whose actor is already gone."""
+    an engine whose actor is already gone. Not ``graceful``: killed at once (one still loading its
+    model, which would answer a shutdown only once loaded)."""
     actor = named_actor(name, namespace)
     if actor is not None:
         try:
-            ray.get(actor.shutdown.remote(), timeout=30)
+            if graceful:
+                ray.get(actor.shutdown.remote(), timeout=30)
         except Exception as e:
             logger.warning("%s did not shut down cleanly: %s", name, e)
         with contextlib.suppress(Exception):

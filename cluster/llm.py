@@ -456,10 +456,11 @@ class LLM:
         # the model and use it too.)
         tokenizer = None if tokenizer is None else str(check_tokenizer_dir(tokenizer))
         # (A GGUF converted at the dtype the engines serve it in here, as an engine converts it: one
-        # conversion, not a float32 one beside theirs.)
+        # conversion, not a float32 one beside theirs. bfloat16 taken as there, as a Ray engine takes
+        # it: asking the GPU would open a CUDA context in this process, which engines on Ray do not use.)
         resolved = resolve_model(model, has_tokenizer=tokenizer is not None,
                                  dtype=gguf_dtype_rule(dtype, resolve_device(device, 0), runner == "pooling",
-                                                       hf_overrides))
+                                                       hf_overrides, bf16_supported=True))
         self.model_dir = str(resolved.model_dir)
         self.tokenizer = load_tokenizer(resolved.model_dir if tokenizer is None else tokenizer)
         self._token_texts: dict[int, str] = {}

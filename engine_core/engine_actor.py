@@ -265,6 +265,11 @@ class EngineCoreService:
         for request in held:
             self._add_request(request)
 
+    @property
+    def pause_epoch(self) -> int:
+        """Counts resumes: a drain that began before a resume must not pause after it."""
+        return self._pause_epoch
+
     def is_paused(self) -> bool:
         """Paused, or draining for a "wait" pause (new requests are held already), as vLLM answers
         from the moment the pause is asked."""
@@ -819,7 +824,9 @@ class EngineCoreActor:
             return True
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        epoch = None
         if mode == "wait" and not self.service.engine.is_sleeping():
+            epoch = self.service.pause_epoch
             # The drain can take as long as the longest request: outside the lock, as a "wait" pause's
             # (pause_generation), so a /pause?mode=abort cuts it short and a /resume overtakes it
             # (then the sleep is refused, as a resume that came first refuses it).
@@ -831,6 +838,9 @@ class EngineCoreActor:
                                    "resume came first")
             # (Not emptied while paused: what holds KV blocks is said by the sleep below.)
         async with self._pause_lock:
+            if epoch is not None and self.service.pause_epoch != epoch:  # (a resume between the drain and here)
+                raise RuntimeError(f"engine {self.service.config.engine_index} could not be emptied to sleep: a "
+                                   "resume came first")
             try:
                 await asyncio.to_thread(self.service.sleep, level, mode)
             finally:

@@ -50,7 +50,8 @@ def resolve_device(device: str | torch.device, rank: int) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device,
-                  pooling: bool = False) -> torch.dtype:
+                  pooling: bool = False, bf16_supported: bool | None = None) -> torch.dtype:
+    """``bf16_supported``: whether the GPU has bfloat16 (None: ask it, which opens a CUDA context)."""
     if str(dtype) != "auto":
         explicit = parse_dtype(dtype)
         check_dtype_supported(explicit, config)
@@ -61,7 +62,8 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.d
     # vLLM's rule: the checkpoint's dtype, with float32 brought down (half the weight memory, so
     # about twice the KV blocks) to the first the GPU and the model both take: float16 for an
     # embedding model, else bfloat16 where the GPU has it.
-    bf16 = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    bf16 = bf16_supported if bf16_supported is not None else (
+        not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
     candidates = (torch.bfloat16, torch.float16, torch.float32) if bf16 else (torch.float16, torch.float32)
     runnable = [d for d in candidates if d != torch.float16 or config.architecture not in
                 FLOAT16_UNSUPPORTED_ARCHITECTURES]
@@ -72,13 +74,14 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.d
 
 
 def gguf_dtype_rule(dtype: str | torch.dtype, device: torch.device, embedding_only: bool = False,
-                    hf_overrides: dict[str, Any] | None = None) -> DtypeRule:
+                    hf_overrides: dict[str, Any] | None = None, bf16_supported: bool | None = None) -> DtypeRule:
     """The dtype a GGUF is converted at: the one a worker on ``device`` will serve its converted
     config in (resolve_dtype: --dtype when given; under auto, float32 on the CPU, on a GPU what
     vLLM's rule picks for a checkpoint that states no dtype), so the cache holds the weights as served."""
     def rule(hf_config: dict[str, Any]) -> torch.dtype:
         config = ModelConfig.from_dict(with_overrides(hf_config, hf_overrides or {}))
-        return resolve_dtype(dtype, config, device, pooling=embedding_only or config.encoder_only)
+        return resolve_dtype(dtype, config, device, pooling=embedding_only or config.encoder_only,
+                             bf16_supported=bf16_supported)
 
     return rule
 

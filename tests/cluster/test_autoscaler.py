@@ -128,6 +128,15 @@ def test_an_extra_models_file_autoscales_its_model(tmp_path):
     assert [e.engine_index for e in config.engine_configs()] == [0, 1, 2]
 
 
+def _stopping(engines: dict, stopped: list[str]):
+    """stop_named_engine for fake engines: records the name, and the engine is gone."""
+    def stop(name: str, namespace: str, graceful: bool = True) -> None:
+        stopped.append(name)
+        engines.pop(int(name.rsplit("-", 1)[1]), None)
+
+    return stop
+
+
 class _Call:
     def __init__(self, fn):
         self.fn = fn
@@ -176,8 +185,7 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
 
     monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
     monkeypatch.setattr(EngineAutoscaler, "_start", fake_start)
-    monkeypatch.setattr(autoscaler_module, "stop_named_engine",
-                        lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]), None)))
+    monkeypatch.setattr(autoscaler_module, "stop_named_engine", _stopping(engines, stopped))
 
     async def run():
         nonlocal loaded
@@ -194,6 +202,7 @@ def test_a_round_starts_the_lowest_empty_slot_holds_while_paused_and_drains_the_
         # Fewer wanted while engines are still starting (waiting for resources, or loading): their starts
         # are called off, and engine 0, the only one serving, stays. Their slots are busy until they end.
         await scaler._tick()
+        await asyncio.gather(*scaler._calling_off)  # (in the background: the rounds go on meanwhile)
         assert not engines[0].drained and stopped == ["llm-cluster-engine-1", "llm-cluster-engine-2"]
         [status] = await scaler.status()
         assert (status.running, status.starting) == ([0], [])
@@ -290,7 +299,7 @@ def test_a_new_autoscaler_finishes_the_drain_an_earlier_one_began(monkeypatch):
     stopped: list[str] = []
     monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
     monkeypatch.setattr(autoscaler_module, "stop_named_engine",
-                        lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]))))
+                        lambda name, namespace, *_: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]))))
 
     async def run():
         scaler = _one_model(_policy(max_engines=2, min_engines=1, downscale_delay_s=0))
@@ -316,7 +325,7 @@ def test_an_engine_that_does_not_answer_holds_up_only_its_own_model(monkeypatch)
     stopped: list[str] = []
     monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
     monkeypatch.setattr(autoscaler_module, "stop_named_engine",
-                        lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]))))
+                        lambda name, namespace, *_: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]))))
 
     async def run():
         policy = _policy(max_engines=2, downscale_delay_s=0, drain_grace_s=0)
@@ -349,19 +358,18 @@ def _fake_cluster(monkeypatch, engines: dict[int, _FakeEngine]) -> tuple[list[in
 
     monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: engines.get(i))
     monkeypatch.setattr(EngineAutoscaler, "_start", fake_start)
-    monkeypatch.setattr(autoscaler_module, "stop_named_engine",
-                        lambda name, namespace: (stopped.append(name), engines.pop(int(name.rsplit("-", 1)[1]), None)))
+    monkeypatch.setattr(autoscaler_module, "stop_named_engine", _stopping(engines, stopped))
     return started, stopped
 
 
 def test_an_engine_that_does_not_answer_is_left_out_and_the_others_load_decides(monkeypatch):
     """Engine 0 is stuck (a long pass, or Ray restarting it): its model still scales on engine 1's
     load, into the empty slots (not into 0's)."""
-    def stuck():
-        raise TimeoutError("no answer")
+    def restarting():
+        raise RuntimeError("the actor is restarting")
 
     silent = _FakeEngine()
-    silent.get_stats = _Call(stuck)
+    silent.get_stats = silent.sleep_level = _Call(restarting)
     engines = {0: silent, 1: _FakeEngine(ongoing=20)}
     started, stopped = _fake_cluster(monkeypatch, engines)
 
@@ -376,6 +384,30 @@ def test_an_engine_that_does_not_answer_is_left_out_and_the_others_load_decides(
     asyncio.run(run())
 
 
+def test_an_engine_busy_asleep_or_waking_holds_its_models_scaling(monkeypatch):
+    """An engine whose busy loop is taken by a sleep or a wake-up (or a long pass) does not answer
+    for its load, but its actor does: it is alive, an operator may be at work, and nothing starts
+    in its stead."""
+    def busy():
+        raise TimeoutError("the busy loop is waking the weights up")
+
+    engines = {0: _FakeEngine(), 1: _FakeEngine()}
+    for engine in engines.values():
+        engine.get_stats = _Call(busy)
+        engine.sleeping = (2, "wait")
+    started, stopped = _fake_cluster(monkeypatch, engines)
+
+    async def run():
+        scaler = _one_model(_policy(max_engines=4, min_engines=1, upscale_delay_s=0, downscale_delay_s=0))
+        for _ in range(3):
+            await scaler._tick()
+            await asyncio.sleep(0)
+        assert started == [] and stopped == []
+        assert (await scaler.status())[0].not_answering == [0, 1]
+
+    asyncio.run(run())
+
+
 def test_requests_refused_as_queues_fill_want_another_engine(monkeypatch):
     """Engines at their --max-waiting-requests turn requests away (429s) while they report only the
     requests they hold, under target: refusals since the last round want one engine more."""
@@ -384,16 +416,25 @@ def test_requests_refused_as_queues_fill_want_another_engine(monkeypatch):
     started, stopped = _fake_cluster(monkeypatch, engines)
 
     async def run():
+        clock = [0.0]
         scaler = _one_model(_policy(max_engines=4, target_ongoing_requests=16, upscale_delay_s=0,
-                                    downscale_delay_s=100))
+                                    downscale_delay_s=100), clock=lambda: clock[0])
         await scaler._tick()
         assert started == [] and (await scaler.status())[0].wanted == 1
         engines[1].refused = 3
         await scaler._tick()
         await asyncio.sleep(0)
         assert started == [2] and (await scaler.status())[0].wanted == 3
-        await scaler._tick()  # no refusal since: the requests decide again (no start, and no drain before its delay)
+        clock[0] = 10.0  # no refusal for longer than the upscale delay: the requests decide again
+        await scaler._tick()
         assert started == [2] and stopped == [] and (await scaler.status())[0].wanted == 1
+        engines[1].refused = 0  # (Ray restarted it: its count starts again) ...
+        await scaler._tick()
+        assert (await scaler.status())[0].wanted == 1
+        engines[1].refused = 2  # ... and its refusals after that are new ones
+        await scaler._tick()
+        await asyncio.sleep(0)
+        assert started == [2, 3]
 
     asyncio.run(run())
 
@@ -415,6 +456,71 @@ def test_scaling_up_calls_off_a_drain_before_starting_an_engine(monkeypatch):
         await scaler._tick()
         [status] = await scaler.status()
         assert (status.running, status.draining, status.wanted) == ([0, 1], [], 2)
+
+    asyncio.run(run())
+
+
+def test_a_start_called_off_while_its_engine_loads_is_killed_and_the_slot_starts_again_later(monkeypatch):
+    """The autoscaler's own _start (Ray faked): an engine called off while it loads its model is
+    killed at once (a graceful shutdown would wait for the load), the slot is free afterwards and a
+    later start there serves; calling off a start that has ended leaves its engine alone."""
+    import cluster.autoscaler as autoscaler_module
+    from cluster.autoscaler import EngineAutoscaler
+
+    gates: dict[int, asyncio.Event] = {}
+    created: set[int] = set()
+    killed: set[int] = set()
+    stops: list[tuple[int, bool]] = []
+
+    class Describe:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        async def remote(self):
+            await gates[self.index].wait()
+            if self.index in killed:
+                raise RuntimeError("the actor died")
+
+    def start_engine(config, namespace, detached):
+        created.add(config)
+        return SimpleNamespace(actor=SimpleNamespace(describe=Describe(config)))
+
+    def stop_named_engine(name, namespace, graceful=True):
+        index = int(name.rsplit("-", 1)[1])
+        stops.append((index, graceful))
+        if index in created:
+            created.discard(index)
+            killed.add(index)
+            gates[index].set()
+
+    monkeypatch.setattr(autoscaler_module, "start_engine", start_engine)
+    monkeypatch.setattr(autoscaler_module, "stop_named_engine", stop_named_engine)
+    monkeypatch.setattr(EngineAutoscaler, "_actor", lambda self, i: None)
+
+    async def started(scaler, index: int) -> asyncio.Task:
+        gates[index] = asyncio.Event()
+        scaler._starting[index] = task = asyncio.create_task(scaler._start(index))
+        async with asyncio.timeout(10):
+            while index not in created:
+                await asyncio.sleep(0.01)
+        return task
+
+    async def run():
+        scaler = EngineAutoscaler({0: 0, 1: 1}, "ns", [ScaledModel("m", (0, 1), _policy(max_engines=2))])
+        loading = await started(scaler, 1)
+        scaler._call_off_start(1)
+        await asyncio.gather(*scaler._calling_off)
+        await asyncio.wait_for(loading, 10)
+        assert (1, False) in stops and 1 in killed
+        assert not scaler._starting and not scaler._called_off and not scaler._started
+        killed.clear()
+        stops.clear()
+        serving = await started(scaler, 1)
+        gates[1].set()  # (loaded)
+        await asyncio.wait_for(serving, 10)
+        assert 1 in scaler._started and stops == [(1, True)]  # (only the leftover-group cleanup before it)
+        scaler._call_off_start(1)  # (its start has ended: the engine serves and stays)
+        assert not scaler._calling_off and stops == [(1, True)] and 1 not in killed
 
     asyncio.run(run())
 
@@ -441,8 +547,9 @@ def test_a_start_waiting_for_resources_is_called_off_with_its_placement_group(ra
                 await asyncio.sleep(0.1)
         await asyncio.sleep(0.5)
         assert not task.done()  # (waiting to be placed)
-        await scaler._call_off_start(1)
+        scaler._call_off_start(1)
         async with asyncio.timeout(30):
+            await asyncio.gather(*scaler._calling_off)
             await task
         assert not scaler._starting and not scaler._called_off and not scaler._started
 

@@ -576,6 +576,40 @@ def test_a_sleep_that_waits_for_requests_is_cut_short_by_an_abort_pause(ray_clus
     asyncio.run(run())
 
 
+def test_a_resume_after_a_sleeps_drain_refuses_the_sleep(ray_cluster, tmp_path_factory, monkeypatch):
+    """A /resume that comes between the end of a sleep's drain (outside the lock) and the sleep
+    itself wins, as one during the drain does: the sleep is refused and the engine serves."""
+    import dataclasses
+
+    from engine_core.engine_actor import EngineCoreActor
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("awake"))
+    config = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=64, max_num_seqs=4,
+                                                                 max_model_len=256)).engine_configs()[0]
+
+    async def run():
+        actor = EngineCoreActor(dataclasses.replace(config, enable_sleep_mode=True), create_executor)
+        service = actor.service
+        drain = service.pause_generation
+
+        def drain_then_resumed(mode: str, clear_cache: bool = True) -> bool:
+            emptied = drain(mode, clear_cache)
+            service.resume_generation()  # (another router replica's /resume, just after the drain)
+            return emptied
+
+        try:
+            monkeypatch.setattr(service, "pause_generation", drain_then_resumed)
+            with pytest.raises(RuntimeError, match="a resume came first"):
+                await actor.sleep(1, "wait")
+            monkeypatch.undo()
+            assert not await actor.is_sleeping() and not await actor.is_paused()
+            assert _run(service, "serves", list(range(3, 20)), 4)[2] == FinishReason.LENGTH
+        finally:
+            service.shutdown()
+
+    asyncio.run(run())
+
+
 def test_sleep_ends_what_runs_holds_what_comes_and_wake_up_resumes(tmp_path_factory):
     """vLLM's sleep on the busy loop: a running request is aborted (its client told), the workers
     release their KV cache; a request sent while asleep waits, a resume cannot start it, and once
