@@ -545,20 +545,22 @@ def test_an_abort_for_another_client_tells_a_request_held_during_a_pause(service
     assert service.call_in_loop(service.engine.num_in_flight_requests) == 0
 
 
+def _sleepable_actor(tmp_path_factory):
+    """An engine actor (in this process, Ray started) on a tiny model, with sleep mode."""
+    from engine_core.engine_actor import EngineCoreActor
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("sleepable"))
+    config = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=64, max_num_seqs=4, max_model_len=256,
+                                                                 enable_sleep_mode=True)).engine_configs()[0]
+    return EngineCoreActor(config, create_executor)
+
+
 def test_a_sleep_that_waits_for_requests_is_cut_short_by_an_abort_pause(ray_cluster, tmp_path_factory):
     """The actor's /sleep?mode=wait drains outside its pause lock, as /pause?mode=wait does: a
     /pause?mode=abort meanwhile aborts what still runs, and the sleep goes ahead. (It held the lock
     for the whole drain: the abort, a /resume or a /wake_up waited for the longest request.)"""
-    import dataclasses
-
-    from engine_core.engine_actor import EngineCoreActor
-
-    model = build_tiny_llama(tmp_path_factory.mktemp("drowsy"))
-    config = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=64, max_num_seqs=4,
-                                                                 max_model_len=256)).engine_configs()[0]
-
     async def run():
-        actor = EngineCoreActor(dataclasses.replace(config, enable_sleep_mode=True), create_executor)
+        actor = _sleepable_actor(tmp_path_factory)
         service = actor.service
         try:
             _start(service, "long", list(range(50, 60)), 240)
@@ -579,16 +581,8 @@ def test_a_sleep_that_waits_for_requests_is_cut_short_by_an_abort_pause(ray_clus
 def test_a_resume_after_a_sleeps_drain_refuses_the_sleep(ray_cluster, tmp_path_factory, monkeypatch):
     """A /resume that comes between the end of a sleep's drain (outside the lock) and the sleep
     itself wins, as one during the drain does: the sleep is refused and the engine serves."""
-    import dataclasses
-
-    from engine_core.engine_actor import EngineCoreActor
-
-    model = build_tiny_llama(tmp_path_factory.mktemp("awake"))
-    config = ClusterConfig(model=str(model), defaults=EngineSpec(num_gpu_blocks=64, max_num_seqs=4,
-                                                                 max_model_len=256)).engine_configs()[0]
-
     async def run():
-        actor = EngineCoreActor(dataclasses.replace(config, enable_sleep_mode=True), create_executor)
+        actor = _sleepable_actor(tmp_path_factory)
         service = actor.service
         drain = service.pause_generation
 
