@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 from cluster.autoscaler import start_autoscaler, stop_autoscaler
-from cluster.config import ClusterConfig, default_api_keys, read_chat_template_files
+from cluster.config import ClusterConfig, default_api_keys, read_chat_template_files, served_model_names
 from cluster.launcher import (
     EngineHandle,
     engine_actor_name,
@@ -26,6 +26,7 @@ from cluster.launcher import (
     stop_engines,
     stop_named_engine,
 )
+from engine_core.config import EngineConfig
 from engine_core.log_setup import logging_runtime_env
 from router.deployment import METRICS_HUB_NAME, OpenAIRouter, RouterConfig
 from router.response_store import EARLIER_RESPONSE_STORE_NAMES, RESPONSE_STORE_NAME
@@ -41,46 +42,46 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
     """Make the running (detached) engines match ``config``: an engine whose flags or model are
     unchanged is kept, one that differs (or died) is replaced, one beyond the wanted count is
     stopped. Returns the indexes started now. (A redeploy with new ``args`` must not keep serving
-    the old flags, and a dead engine's placement group must not stay reserved.) An autoscaled
-    model's first num_engines slots are made to run; an engine the autoscaler started in a further
-    slot is kept if its flags are unchanged, and the autoscaler (restarted with the new config) goes
-    on from there."""
+    the old flags, and a dead engine's placement group must not stay reserved.) Each model's engines
+    keep their indexes (``ClusterConfig.place_engines``): a change to one model's engine count does
+    not move another's, which would restart them. An autoscaled model's first num_engines slots are
+    made to run; an engine the autoscaler started in a further slot is kept if its flags are
+    unchanged, and the autoscaler (restarted with the new config) goes on from there."""
     stop_autoscaler(config.namespace)  # (it must not start engines of the old config meanwhile)
+    running = {index: _running_config(index, config.namespace) for index in running_engine_indexes(config.namespace)}
+    config.place_engines({index: served_model_names(engine.served_model_name, engine.model)[0]
+                          for index, (engine, _) in running.items() if engine is not None})
     wanted = config.engine_configs()
     slots = config.engine_slot_configs()
     wanted_indexes = {engine.engine_index for engine in wanted}
     for engine in (e for e in slots if e.engine_index not in wanted_indexes):  # (autoscaled slots: kept, or stopped)
-        name = engine_actor_name(engine.engine_index)
-        actor = named_actor(name, config.namespace)
-        if actor is None or not _runs(actor, engine):  # (None: frees a dead engine's leftover bundles)
-            stop_named_engine(name, config.namespace)
+        if running.get(engine.engine_index, (None, False))[0] != engine:  # (not running: frees leftover bundles)
+            stop_named_engine(engine_actor_name(engine.engine_index), config.namespace)
     to_start = []
     for engine in wanted:
         name = engine_actor_name(engine.engine_index)
-        actor = named_actor(name, config.namespace)
-        if actor is not None:
-            try:
-                running = ray.get(actor.engine_config.remote(), timeout=60)
-                draining = ray.get(actor.drain_status.remote(), timeout=60)[0]
-                if running == engine and not draining:
-                    continue
-                if running == engine:  # (its routers send it nothing: a new one serves in its place)
-                    logger.info("engine %d was being scaled away; replacing it", engine.engine_index)
-                elif running.model != engine.model:
-                    # Either a redeploy with a new model, or a second application deployed into this
-                    # one's namespace, which would take its engines over.
-                    logger.warning("engine %d in namespace %r serves %s; replacing it with one serving %s. "
-                                   "Applications sharing a Ray cluster need their own `namespace` arg.",
-                                   engine.engine_index, config.namespace, running.model, engine.model)
-                else:
-                    logger.info("engine %d: its configuration changed; replacing it", engine.engine_index)
-            except Exception as e:
-                logger.warning("engine %d does not answer (%s); replacing it", engine.engine_index, e)
+        if engine.engine_index in running:
+            current, draining = running[engine.engine_index]
+            if current == engine and not draining:
+                continue
+            if current == engine:  # (its routers send it nothing: a new one serves in its place)
+                logger.info("engine %d was being scaled away; replacing it", engine.engine_index)
+            elif current is None:
+                logger.warning("engine %d does not answer; replacing it", engine.engine_index)
+            elif current.model != engine.model:
+                # Either a redeploy with a new model, or a second application deployed into this
+                # one's namespace, which would take its engines over.
+                logger.warning("engine %d in namespace %r serves %s; replacing it with one serving %s. "
+                               "Applications sharing a Ray cluster need their own `namespace` arg.",
+                               engine.engine_index, config.namespace, current.model, engine.model)
+            else:
+                logger.info("engine %d: its configuration changed; replacing it", engine.engine_index)
         stop_named_engine(name, config.namespace)  # also a dead engine's leftover placement group
         to_start.append(engine)
-    for extra in running_engine_indexes(config.namespace):
-        if extra >= len(slots):
-            logger.info("engine %d is beyond num_engines; stopping it", extra)
+    slot_indexes = {engine.engine_index for engine in slots}
+    for extra in running:
+        if extra not in slot_indexes:
+            logger.info("engine %d is not one of the configured engines; stopping it", extra)
             stop_named_engine(engine_actor_name(extra), config.namespace)
     if to_start:
         # Detached: the engines belong to the Serve application, not to the process that built it.
@@ -90,12 +91,18 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
     return [engine.engine_index for engine in to_start]
 
 
-def _runs(actor, engine) -> bool:
-    """Whether a running engine actor serves exactly ``engine``'s configuration."""
+def _running_config(index: int, namespace: str) -> tuple[EngineConfig | None, bool]:
+    """The configuration the engine at ``index`` runs and whether it drains ((None, False): it
+    does not answer, or is gone)."""
+    actor = named_actor(engine_actor_name(index), namespace)
+    if actor is None:
+        return None, False
     try:
-        return ray.get(actor.engine_config.remote(), timeout=60) == engine
-    except Exception:
-        return False
+        return (ray.get(actor.engine_config.remote(), timeout=60),
+                ray.get(actor.drain_status.remote(), timeout=60)[0])
+    except Exception as e:
+        logger.warning("engine %d does not answer (%s)", index, e)
+        return None, False
 
 
 def stop_app(namespace: str = "llm-cluster", app_name: str = APP_NAME) -> list[str]:
@@ -134,7 +141,7 @@ def _router_names(served_model_name: str | list[str] | None) -> dict[str, Any]:
 def router_deployment(config: ClusterConfig):
     (_, first_engines), *others = config.model_engines()
     router_config = RouterConfig(
-        engine_actor_names=[engine_actor_name(i) for i in first_engines],
+        engine_actor_names=[engine_actor_name(i) for i in first_engines], engine_indexes=tuple(first_engines),
         namespace=config.namespace, routing_policy=config.routing_policy,
         prefix_load_margin=config.prefix_load_margin, request_timeout_s=config.request_timeout_s,
         **_router_names(config.served_model_name), model=config.model, chat_template=config.chat_template,
@@ -162,7 +169,7 @@ def router_deployment(config: ClusterConfig):
     # Further models: the same router settings, their own engines, names, template, parsers and
     # adapters.
     more_models = [dataclasses.replace(
-        router_config, engine_actor_names=[engine_actor_name(i) for i in indexes], first_engine_index=indexes[0],
+        router_config, engine_actor_names=[engine_actor_name(i) for i in indexes], engine_indexes=tuple(indexes),
         **_router_names(served.served_model_name), model=served.model, chat_template=served.chat_template,
         default_chat_template_kwargs=served.default_chat_template_kwargs or {},
         tool_call_parser=served.tool_call_parser if served.enable_auto_tool_choice else None,

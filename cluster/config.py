@@ -8,6 +8,7 @@ numbered after the first model's.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from engine_core.config import EngineConfig, KVCacheDType, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from engine_core.lora import LoRAModule, parse_lora_module, static_lora_requests
@@ -559,6 +560,9 @@ class ClusterConfig(ModelSettings):
                              f"min_replicas ({scaling.min_replicas}) and max_replicas ({scaling.max_replicas})")
         return self
 
+    # Each model's engine indexes when ``place_engines`` set them (None: numbered in order from 0).
+    _engine_layout: list[list[int]] | None = PrivateAttr(default=None)
+
     def router_initial_replicas(self) -> int | None:
         """With router autoscaling, how many replicas start (None: Serve's choice, min_replicas)."""
         return self.num_router_replicas if "num_router_replicas" in self.model_fields_set else None
@@ -597,14 +601,21 @@ class ClusterConfig(ModelSettings):
     def model_engines(self) -> list[tuple[ServedModel | None, list[int]]]:
         """Each served model (None: the first, described by the top-level fields) with the indexes
         of its engines (with engine autoscaling: of its slots, running or not): the first model's
-        from 0, each further model's after the previous ones."""
-        out: list[tuple[ServedModel | None, list[int]]] = [(None, list(range(_slot_count(self))))]
-        start = len(out[0][1])
-        for served in self.models:
-            count = _slot_count(served)
-            out.append((served, list(range(start, start + count))))
-            start += count
-        return out
+        from 0, each further model's after the previous ones, unless ``place_engines`` kept running
+        engines where they are."""
+        owners: list[ServedModel | None] = [None, *self.models]
+        layout = self._engine_layout or engine_layout([_slot_count(owner or self) for owner in owners], [])
+        return list(zip(owners, layout, strict=True))
+
+    def place_engines(self, running: dict[int, str]) -> None:
+        """Number each model's engine slots where its engines run now (``running``: the served name
+        of the engine at each index), so that a redeploy changing one model's engine count (or a
+        model added or removed) neither moves nor restarts another model's engines; its other slots
+        take the lowest indexes left."""
+        owners = [self, *self.models]
+        self._engine_layout = engine_layout(
+            [_slot_count(owner) for owner in owners],
+            [[i for i, name in running.items() if name == owner.served_names[0]] for owner in owners])
 
     def _settings_engines(self) -> list[tuple[ClusterConfig | ServedModel, list[int]]]:
         """``model_engines`` with the first model's settings (these top-level fields) in place of None."""
@@ -617,7 +628,7 @@ class ClusterConfig(ModelSettings):
 
     def engine_configs(self) -> list[EngineConfig]:
         """The engines to start (an autoscaled model's: its first num_engines slots)."""
-        configs = self.engine_slot_configs()
+        configs = {config.engine_index: config for config in self.engine_slot_configs()}
         return [configs[i] for settings, indexes in self._settings_engines()
                 for i in (indexes if settings.engine_autoscaling is None else indexes[:settings.num_engines])]
 
@@ -627,17 +638,19 @@ class ClusterConfig(ModelSettings):
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.routing_policy!r}")
-        lora = self.lora_config()
+        (_, first_indexes), *further = self.model_engines()
         first_name = self.served_names[0] if self.served_model_name else None
-        configs = [engine_config_from_spec(self.model, i, spec, self.seed, first_name, lora, self.tokenizer)
-                   for i, spec in enumerate(self.resolved_specs())]
+        configs = [engine_config_from_spec(self.model, index, spec, self.seed, first_name, self.lora_config(),
+                                           self.tokenizer)
+                   for index, spec in zip(first_indexes, self.resolved_specs(), strict=True)]
         _check_one_runner(configs)
         groups = [configs]
-        for served in self.models:
+        for served, indexes in further:
+            assert served is not None
             name = served.served_names[0] if served.served_model_name else None
-            group = [engine_config_from_spec(served.model, len(configs) + i, spec, self.seed, name,
+            group = [engine_config_from_spec(served.model, index, spec, self.seed, name,
                                              served.lora_config(), served.tokenizer)
-                     for i, spec in enumerate(self._served_specs(served))]
+                     for index, spec in zip(indexes, self._served_specs(served), strict=True)]
             _check_one_runner(group)
             groups.append(group)
             configs += group
@@ -651,6 +664,16 @@ class ClusterConfig(ModelSettings):
         with open(path) as f:
             data = yaml.safe_load(f) or {}
         return cls(**data)
+
+
+def engine_layout(counts: list[int], running: list[list[int]]) -> list[list[int]]:
+    """Each model's engine indexes, ``counts[k]`` for model k: first the indexes its engines run at
+    now (``running[k]``; none given: no engine runs), then the lowest indexes no model keeps."""
+    kept = [sorted(running[k])[:count] if k < len(running) else [] for k, count in enumerate(counts)]
+    taken = {index for indexes in kept for index in indexes}
+    free = (index for index in itertools.count() if index not in taken)
+    return [indexes + [next(free) for _ in range(count - len(indexes))] for indexes, count in zip(kept, counts,
+                                                                                                strict=True)]
 
 
 def _check_one_block_size(group: list[EngineConfig]) -> None:

@@ -40,9 +40,9 @@ class RouterConfig:
 
     engine_actor_names: list[str]
     namespace: str
-    # The cluster-wide index of the first engine (the engines' own ``engine`` metric label): further
-    # models' engines are numbered after the first model's.
-    first_engine_index: int = 0
+    # The engines' cluster-wide indexes, in engine_actor_names' order (their own ``engine`` metric
+    # label; empty: 0, 1, ...): a model's engines need not be numbered from 0, nor one after another.
+    engine_indexes: tuple[int, ...] = ()
     routing_policy: str = "least_loaded"
     prefix_load_margin: int = 8
     request_timeout_s: float | None = None
@@ -164,7 +164,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     if hasattr(policy, "apply_kv_events"):  # each engine reports what its prefix cache holds
         client.on_kv_events = policy.apply_kv_events
     metrics = RouterMetrics(settings.served_model_name, replica=str(client_index),
-                            first_engine_index=config.first_engine_index)
+                            engine_indexes=config.engine_indexes or tuple(range(len(config.engine_actor_names))))
     # Structured-output requests are checked with xgrammar: import it now (seconds), not on the event
     # loop under the first such request.
     with contextlib.suppress(ImportError):

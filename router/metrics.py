@@ -28,12 +28,12 @@ HTTP_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str, replica: str, first_engine_index: int = 0) -> None:
+    def __init__(self, model_name: str, replica: str, engine_indexes: tuple[int, ...] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.replica = replica
         # The router numbers a model's engines from 0; the label is the engines' own (cluster-wide) index.
-        self.first_engine_index = first_engine_index
+        self.engine_labels = [str(index) for index in engine_indexes]
         self.requests_routed = Counter(
             "llm_cluster:router_requests_routed", "Requests sent to each engine, by routing policy.",
             ["model_name", "replica", "engine", "policy"], registry=self.registry)
@@ -71,8 +71,11 @@ class RouterMetrics:
             self.first_chunk_delay.labels(self.model_name, self.replica).observe(
                 timeline.first_chunk - timeline.first_output)
 
+    def _engine_label(self, engine: int) -> str:
+        return self.engine_labels[engine] if engine < len(self.engine_labels) else str(engine)
+
     def record_routing(self, engine: int, policy: str, seconds: float) -> None:
-        self.requests_routed.labels(self.model_name, self.replica, str(self.first_engine_index + engine), policy).inc()
+        self.requests_routed.labels(self.model_name, self.replica, self._engine_label(engine), policy).inc()
         self.routing_latency.labels(self.model_name, self.replica, policy).observe(seconds)
 
     def record_response(self, endpoint: str, status: int, method: str = "GET") -> None:

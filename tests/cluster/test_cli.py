@@ -316,13 +316,38 @@ def test_extra_models_get_engines_of_their_own_after_the_first_models(tmp_path):
     assert [e.scheduler.max_num_seqs for e in engines] == [8, 8, 4, 2, 8]
     assert {e.block_size for e in engines} == {32}
     first, more = router_deployment(config)._bound_deployment.init_args
-    assert first.engine_actor_names == [engine_actor_name(0), engine_actor_name(1)] and first.first_engine_index == 0
+    assert first.engine_actor_names == [engine_actor_name(0), engine_actor_name(1)] and first.engine_indexes == (0, 1)
     assert first.tool_call_parser is None  # the first model's "auto" is not enabled
     b, c = more
-    assert b.engine_actor_names == [engine_actor_name(2), engine_actor_name(3)] and b.first_engine_index == 2
+    assert b.engine_actor_names == [engine_actor_name(2), engine_actor_name(3)] and b.engine_indexes == (2, 3)
     assert (b.served_model_name, b.reasoning_parser, b.tool_call_parser) == ("b", "qwen3", None)
     assert (c.served_model_name, c.tool_call_parser, c.chat_template) == ("c", "hermes", "{{ messages }}")
     assert c.engine_actor_names == [engine_actor_name(4)] and not c.enable_lora
+
+
+def test_engine_layout_keeps_running_engines_where_they_are():
+    from cluster.config import engine_layout
+
+    assert engine_layout([2, 1, 3], []) == [[0, 1], [2], [3, 4, 5]]  # nothing runs: in order from 0
+    # The first model grows from 1 to 2: the others keep their indexes, its new slot takes the first free one.
+    assert engine_layout([2, 1, 1], [[0], [1], [2]]) == [[0, 3], [1], [2]]
+    # It shrinks again: its engine at 3 is kept only if it is among the lowest it runs.
+    assert engine_layout([1, 1, 1], [[0, 3], [1], [2]]) == [[0], [1], [2]]
+    # A model removed: its index is free for the others' new slots.
+    assert engine_layout([1, 2], [[0], [2]]) == [[0], [2, 1]]
+
+
+def test_place_engines_numbers_each_models_slots_by_its_running_engines():
+    """A redeploy raising the first model's engines must not move the second model's (engine names
+    and metric labels follow, and the reconciler would replace engines found at new indexes)."""
+    config = ClusterConfig(model="/models/a", served_model_name="a", num_engines=2, models=[
+        {"model": "/models/b", "served_model_name": "b", "num_engines": 2}])
+    config.place_engines({0: "a", 1: "b", 2: "b"})  # what ran before: one engine of a
+    assert [(e.engine_index, e.served_model_name) for e in config.engine_configs()] == [
+        (0, "a"), (3, "a"), (1, "b"), (2, "b")]
+    first, (b,) = router_deployment(config)._bound_deployment.init_args
+    assert first.engine_indexes == (0, 3) and first.engine_actor_names == [engine_actor_name(0), engine_actor_name(3)]
+    assert b.engine_indexes == (1, 2)
 
 
 def test_each_model_has_adapters_of_its_own(tmp_path):

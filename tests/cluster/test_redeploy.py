@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.app import reconcile_engines, stop_app
+from cluster.app import reconcile_engines, router_deployment, stop_app
 from cluster.config import ClusterConfig, EngineSpec
 from cluster.launcher import engine_actor_name, engine_placement_group_name, named_actor, placement_groups_named
 
@@ -114,3 +114,32 @@ def test_a_redeploy_with_engine_autoscaling_keeps_the_engines_it_started(ray_clu
         stopped = stop_app(namespace, app_name="redeploy-test-app-autoscaled")
     assert stopped == [engine_actor_name(0)]
     assert named_actor(AUTOSCALER_NAME, namespace) is None
+
+
+def test_a_redeploy_changing_one_models_engines_leaves_another_models_engines_alone(ray_cluster, tiny_model_dir):
+    """Two models: the first one's engine count goes from 1 to 2 and back. The second model's engine
+    stays the same actor at its index throughout (it used to be found at a shifted index, and
+    replaced); the first model's new engine takes a free index, and goes again."""
+    namespace = "redeploy-test-two-models"
+
+    def config(first_engines: int) -> ClusterConfig:
+        defaults = {"num_gpu_blocks": 32, "max_model_len": 128, "num_cpus_per_worker": 0.5}
+        return ClusterConfig(model=str(tiny_model_dir), served_model_name="a", num_engines=first_engines,
+                             namespace=namespace, defaults=EngineSpec(**defaults), models=[
+                                 {"model": str(tiny_model_dir), "served_model_name": "b"}])
+
+    try:
+        assert reconcile_engines(config(1)) == [0, 1]
+        b = named_actor(engine_actor_name(1), namespace)
+        grown = config(2)
+        assert reconcile_engines(grown) == [2]
+        assert named_actor(engine_actor_name(1), namespace)._actor_id == b._actor_id
+        first, (second,) = router_deployment(grown)._bound_deployment.init_args
+        assert (first.engine_indexes, second.engine_indexes) == ((0, 2), (1,))
+        assert reconcile_engines(config(1)) == []
+        assert named_actor(engine_actor_name(2), namespace) is None
+        assert not _placement_group_exists(engine_actor_name(2), namespace)
+        assert named_actor(engine_actor_name(1), namespace)._actor_id == b._actor_id
+    finally:
+        stopped = stop_app(namespace, app_name="redeploy-test-app-two-models")
+    assert stopped == [engine_actor_name(0), engine_actor_name(1)]
