@@ -7,7 +7,8 @@ router replicas watch every slot of their model by name and route to the engines
 that appears in an empty slot).
 
 ``EngineScaler`` decides, as Ray Serve sizes a deployment: the engines wanted are the model's ongoing
-requests (running and waiting, summed over its engines) over ``target_ongoing_requests``, rounded
+requests (running and waiting, summed over its engines, averaged over the last ``look_back_period_s``
+or aggregated as ``aggregation_function`` says) over ``target_ongoing_requests``, rounded
 up and held to [min_engines, max_engines]; a change waits until it has been wanted for
 ``upscale_delay_s`` (``downscale_delay_s``) without a break, so a burst does not start an engine
 and a lull does not stop one. Up, every engine wanted starts at once; down, one engine at a time.
@@ -31,6 +32,7 @@ load wants.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -65,6 +67,24 @@ class EngineScaler:
         self.policy = policy
         self._up_since: float | None = None
         self._down_since: float | None = None
+        self._readings: collections.deque[tuple[float, float]] = collections.deque()
+
+    def aggregate(self, ongoing: float, now: float) -> float:
+        """The ongoing requests to decide on: this round's reading with those of the last
+        ``look_back_period_s``, aggregated by ``aggregation_function`` (as Serve aggregates its
+        replicas' reports). A window not yet full aggregates what it holds."""
+        window = self.policy.look_back_period_s
+        while self._readings and (window == 0 or self._readings[0][0] < now - window):
+            self._readings.popleft()
+        self._readings.append((now, ongoing))
+        values = [value for _, value in self._readings]
+        match self.policy.aggregation_function:
+            case "max":
+                return max(values)
+            case "min":
+                return min(values)
+            case _:
+                return sum(values) / len(values)
 
     def wanted(self, ongoing: float) -> int:
         p = self.policy
@@ -234,7 +254,7 @@ class EngineAutoscaler:
         draining = sorted(i for i in self._draining if actors.get(i) is not None)
         running = len(serving) + len(starting)
         scaler = self.scalers[k]
-        wanted = scaler.wanted(ongoing)
+        wanted = scaler.wanted(scaler.aggregate(ongoing, now))
         if refusing:
             wanted = max(wanted, min(model.policy.max_engines, running + 1))
         if busy_alive or any(held for _, _, held in loads.values()):  # paused or asleep: nothing changes

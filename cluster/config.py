@@ -335,6 +335,12 @@ class EngineAutoscaling(BaseModel):
                                "to send it nothing may still have sent one on its way).")
     interval_s: float = Field(1.0, gt=0, description="How often the engines' load is read (with several autoscaled "
                                                      "models: the shortest of theirs, for all).")
+    look_back_period_s: float = Field(
+        10.0, ge=0, description="The load the decision reads is the ongoing requests over this window, aggregated "
+                                "(Serve's look_back_period_s): one round's spike or lull alone does not count. "
+                                "0: each round's reading alone.")
+    aggregation_function: Literal["mean", "max", "min"] = Field(
+        "mean", description="How the window's readings aggregate (Serve's aggregation_function).")
 
     @model_validator(mode="after")
     def _bounds(self) -> EngineAutoscaling:

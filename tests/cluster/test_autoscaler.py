@@ -19,8 +19,27 @@ from cluster.config import ClusterConfig, EngineAutoscaling, EngineSpec, ScaledM
 
 
 def _policy(**fields) -> EngineAutoscaling:
+    """(Each round's reading alone, unless a test sets a look-back window.)"""
     return EngineAutoscaling(**({"min_engines": 1, "max_engines": 4, "target_ongoing_requests": 4,
-                                 "upscale_delay_s": 2, "downscale_delay_s": 10} | fields))
+                                 "upscale_delay_s": 2, "downscale_delay_s": 10, "look_back_period_s": 0} | fields))
+
+
+def test_the_load_decided_on_is_aggregated_over_the_look_back_window():
+    from cluster.autoscaler import EngineScaler
+
+    scaler = EngineScaler(_policy(look_back_period_s=10))
+    assert scaler.aggregate(0, now=0) == 0
+    assert scaler.aggregate(12, now=5) == 6  # (a window not yet full: what it holds)
+    assert scaler.aggregate(12, now=10) == 8
+    assert scaler.aggregate(12, now=10.5) == 12  # the reading at 0 has left the window
+    assert scaler.wanted(scaler.aggregate(0, now=11)) == 3  # one idle round: 9 on average still wants 3 engines
+    for function, expected in (("max", 12), ("min", 0)):
+        scaler = EngineScaler(_policy(look_back_period_s=10, aggregation_function=function))
+        for now, ongoing in ((0, 0), (1, 12), (2, 4)):
+            value = scaler.aggregate(ongoing, now)
+        assert value == expected
+    scaler = EngineScaler(_policy())  # look_back_period_s 0: the round's reading alone
+    assert [scaler.aggregate(ongoing, now=0) for ongoing in (9, 0)] == [9, 0]
 
 
 def _one_model(policy: EngineAutoscaling, **kwargs):
