@@ -510,13 +510,10 @@ class EngineCore:
         else:
             model_output = _EMPTY_MODEL_OUTPUT
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        if self.drafter is not None and self.scheduler.running:
-            self.scheduler.update_draft_token_ids(self.drafter.propose(self.scheduler.running))
-        elif self.model_drafts_k and model_output.draft_token_ids:
-            self.scheduler.update_draft_token_ids(model_drafts(
-                self.scheduler.running, model_output.draft_token_ids, self.model_drafts_k,
-                self.scheduler_config.max_model_len))
+        # (The grammars first: a structured request's drafts are checked against its grammar as of
+        # the tokens this pass produced.)
         failed += self._advance_grammars(outputs)
+        self._update_drafts(model_output)
         for request_id, message in failed:
             self._fail_request(outputs, request_id, message)
         self.last_step_idle = model_output is _EMPTY_MODEL_OUTPUT and not any(eco.outputs for eco in outputs.values())
@@ -547,6 +544,23 @@ class EngineCore:
             self.unload_retired_loras()
         return outputs
 
+    def _update_drafts(self, model_output: ModelRunnerOutput) -> None:
+        """Give the running requests the drafts their next pass verifies (speculative decoding): the
+        n-gram drafter's, or those the draft model proposed in the workers. A structured request's
+        draft ends before the first token its grammar refuses (vLLM's ``update_draft_token_ids``):
+        the scheduler never schedules, nor reserves slots for, the tokens cut."""
+        if self.drafter is not None and self.scheduler.running:
+            drafts = self.drafter.propose(self.scheduler.running)
+        elif self.model_drafts_k and model_output.draft_token_ids:
+            drafts = model_drafts(self.scheduler.running, model_output.draft_token_ids, self.model_drafts_k,
+                                  self.scheduler_config.max_model_len)
+        else:
+            return
+        structured = self._structured
+        if structured is not None and structured.has_matchers():
+            drafts = {r: structured.validate_tokens(r, draft) for r, draft in drafts.items()}
+        self.scheduler.update_draft_token_ids(drafts)
+
     # -- structured output (the grammars live beside the scheduler, see structured_output.py) --------
 
     def _promote_compiled_grammars(self) -> None:
@@ -560,15 +574,17 @@ class EngineCore:
             self.scheduler.on_grammar_failed(request_id, message)
 
     def _attach_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> list[tuple[str, str]]:
-        """Set the pass's grammar bitmask: a row for each structured request that samples this pass
-        (a prefill chunk short of the prompt's end does not). Returns requests whose matcher failed."""
+        """Set the pass's grammar bitmask: rows for each structured request that samples this pass
+        (a prefill chunk short of the prompt's end does not), one per position it samples (after its
+        last token, and after each scheduled draft). Returns requests whose matcher failed."""
         structured = self._structured
         if structured is None or not structured.has_matchers():
             return []
         requests = self.scheduler.requests
         sampling = [r for r in scheduler_output.num_scheduled_tokens
                     if (req := requests.get(r)) is not None and req.num_computed_tokens >= req.num_tokens]
-        scheduler_output.grammar_bitmask, failed = structured.bitmask(sampling)
+        scheduler_output.grammar_bitmask, failed = structured.bitmask(
+            sampling, scheduler_output.scheduled_spec_decode_tokens)
         return failed
 
     def _advance_grammars(self, outputs: dict[int, EngineCoreOutputs]) -> list[tuple[str, str]]:

@@ -23,13 +23,15 @@ from engine_core.sampling_params import SamplingParams
 
 def drafts_allowed(params: SamplingParams) -> bool:
     """Whether the request's next-token distribution can be checked at several positions in one
-    pass. A grammar's mask depends on the grammar's state after each draft, which the pass does not
-    have: such requests decode one token per pass. A seeded random request does too: how many draws
-    it takes from its generator would depend on how many drafts fit each pass, i.e. on the load, and
-    its answer must not. (Penalties and bad words depend on the tokens before each position too: the
-    workers apply them to each row as of its position, gpu_worker/request_state.py
-    ``RequestStateAtDraft``. min_tokens is checked per request in ``draft_room``.)"""
-    return params.structured_output is None and (params.seed is None or params.temperature == 0.0)
+    pass. A seeded random request's cannot: how many draws it takes from its generator would depend
+    on how many drafts fit each pass, i.e. on the load, and its answer must not; it decodes one
+    token per pass. (A grammar's requests are drafted for, as in vLLM: the engine cuts a draft at
+    the first token the grammar refuses, and masks each row with the grammar as of its position,
+    engine_core/structured_output.py. Penalties and bad words depend on the tokens before each
+    position too: the workers apply them to each row as of its position,
+    gpu_worker/request_state.py ``RequestStateAtDraft``. min_tokens is checked per request in
+    ``draft_room``.)"""
+    return params.seed is None or params.temperature == 0.0
 
 
 def draft_room(params: SamplingParams, num_output_tokens: int, num_tokens: int, k: int, max_model_len: int) -> int:

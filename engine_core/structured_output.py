@@ -10,6 +10,12 @@ request's matcher by the tokens it produced; a token its grammar refuses fails t
 complete grammar allows only the model's EOS ids, so the request ends the usual way (once its EOS
 is accepted, the grammar constrains nothing more).
 
+Speculative decoding, as vLLM's: a structured request's draft tokens are cut before the first one
+its grammar refuses (``validate_tokens``, before the scheduler gets them), and its pass then has a
+row per position it samples: after its last known token and after each draft, the matcher advanced
+through the drafts to fill them and rolled back after (xgrammar's matchers roll back without limit
+since 0.2; the engine pins 0.2.9). Only the tokens the pass keeps advance the matcher (``accept``).
+
 The spec is a dict with exactly one constraint: ``json`` (a schema, dict or string),
 ``json_object`` (any JSON object), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF);
 and optionally vLLM's ``disable_any_whitespace`` (JSON without optional whitespace).
@@ -23,7 +29,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -317,33 +323,105 @@ class StructuredOutputManager:
 
     # -- each pass ------------------------------------------------------------------------------
 
-    def bitmask(self, scheduled_request_ids: Any) -> tuple[GrammarBitmask | None, list[tuple[str, str]]]:
+    def bitmask(self, scheduled_request_ids: Any, spec_tokens: Mapping[str, list[int]] | None = None
+                ) -> tuple[GrammarBitmask | None, list[tuple[str, str]]]:
         """The allowed-token rows of the scheduled requests that have a live matcher (None if none),
         and (request, error) pairs for matchers that failed (those requests must be failed). A
-        finished grammar (its EOS accepted) constrains nothing, as in vLLM."""
-        ids = [r for r in scheduled_request_ids if r in self._matchers and not self._matchers[r].is_terminated()
-               and r not in self._starts_after]
+        request with draft tokens (``spec_tokens``, as scheduled) has a row per position its pass
+        samples: after its last known token, then after each draft (vLLM's ``grammar_bitmask``).
+        Where its grammar does not hold, the row allows every token: a finished grammar (its EOS
+        accepted) constrains nothing, as in vLLM, nor does one before its start sequence. A request
+        with no row its grammar holds gets none."""
+        spec_tokens = spec_tokens or {}
+        ids = [r for r in scheduled_request_ids if r in self._matchers]
         if not ids:
             return None, []
-        bitmask = self._xgr.allocate_token_bitmask(len(ids), self.vocab_size)
-        kept, failed = [], []
+        bitmask = self._xgr.allocate_token_bitmask(sum(1 + len(spec_tokens.get(r, ())) for r in ids),
+                                                   self.vocab_size)
+        kept, num_rows, failed = [], [], []
+        at = 0  # (the next request's first row: a request left out is written over)
         for request_id in ids:
             try:
-                self._matchers[request_id].fill_next_token_bitmask(bitmask, len(kept))
+                holds = self._fill_rows(request_id, spec_tokens.get(request_id, []), bitmask, at)
             except Exception as e:
                 failed.append((request_id, f"structured output: {_first_line(str(e))}"))
                 self.remove(request_id)
                 continue
+            if not any(holds):
+                continue
             opening = self._may_open.get(request_id)
-            if opening is not None:  # (the first token may open the thinking instead)
+            if opening is not None and holds[0]:  # (the first token may open the thinking instead)
                 word, bit = divmod(opening[0], 32)
-                value = int(bitmask[len(kept), word]) | (1 << bit)
-                bitmask[len(kept), word] = value - (1 << 32) if value >= 1 << 31 else value  # (as an int32)
+                value = int(bitmask[at, word]) | (1 << bit)
+                bitmask[at, word] = value - (1 << 32) if value >= 1 << 31 else value  # (as an int32)
             kept.append(request_id)
+            num_rows.append(len(holds))
+            at += len(holds)
         if not kept:
             return None, failed
-        rows = bitmask[:len(kept)].numpy()
-        return GrammarBitmask(kept, rows.shape[1], rows.tobytes()), failed
+        rows = bitmask[:at].numpy()
+        return GrammarBitmask(kept, rows.shape[1], rows.tobytes(), num_rows), failed
+
+    def _fill_rows(self, request_id: str, drafts: list[int], bitmask: Any, first_row: int) -> list[bool]:
+        """Fill the request's rows from ``first_row`` on (1 + its drafts); whether its grammar holds
+        at each (a row where it does not allows every token)."""
+        matcher = self._matchers[request_id]
+        holds: list[bool] = []
+
+        def fill(j: int, grammar_holds: bool) -> None:
+            if grammar_holds:
+                matcher.fill_next_token_bitmask(bitmask, first_row + j)
+            else:
+                bitmask[first_row + j] = -1
+            holds.append(grammar_holds)
+
+        if self._walk(request_id, drafts, fill) < len(drafts):  # (validate_tokens cut them: a bug)
+            raise ValueError("a scheduled draft token does not fit the grammar")
+        return holds
+
+    def validate_tokens(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """A structured request's draft tokens up to the first one its grammar refuses (vLLM's
+        ``validate_tokens``); the matcher is left as it was. Before a grammar's start sequence every
+        token passes (the thinking is free); after a finished grammar none does. A request without a
+        matcher keeps its draft."""
+        if request_id not in self._matchers or not token_ids:
+            return token_ids
+        if request_id in self._may_open:
+            return []  # (its first token is still to come: nothing is drafted before it)
+        return token_ids[:self._walk(request_id, token_ids)]
+
+    def _walk(self, request_id: str, token_ids: list[int],
+              visit: Callable[[int, bool], None] | None = None) -> int:
+        """Advance the request's grammar state through ``token_ids`` as ``accept`` would, up to the
+        first token it refuses, then back (the matcher rolled back, the start sequence's progress
+        untouched). Returns how many tokens it took. ``visit(j, holds)`` is called at each position
+        reached, with the matcher as it stands after j tokens: before each token and after the last
+        one taken; ``holds``: the grammar constrains that position (its start sequence seen, and
+        it is not finished)."""
+        matcher = self._matchers[request_id]
+        waiting = self._starts_after.get(request_id)
+        sequence, seen = (waiting[0], list(waiting[1])) if waiting is not None else (None, [])
+        taken = advanced = 0
+        try:
+            for token in token_ids:
+                if visit is not None:
+                    visit(taken, sequence is None and not matcher.is_terminated())
+                if sequence is not None:  # still before the grammar's start
+                    seen.append(token)
+                    del seen[:-len(sequence)]
+                    if seen == sequence:
+                        sequence = None
+                elif matcher.is_terminated() or not matcher.accept_token(token):
+                    return taken
+                else:
+                    advanced += 1
+                taken += 1
+            if visit is not None:
+                visit(taken, sequence is None and not matcher.is_terminated())
+            return taken
+        finally:
+            if advanced:
+                matcher.rollback(advanced)
 
     def accept(self, request_id: str, token_ids: list[int]) -> str | None:
         """Advance the request's matcher; an error message when a token does not fit its grammar

@@ -625,7 +625,7 @@ class ModelRunner:
                       else RequestStateAtDraft(s, len(s.token_ids) - (c - 1 - j))
                       for s, c in zip(sample_states, counts, strict=True) for j in range(c)]
         md = self._sampling_metadata(row_states, logits.shape[1])
-        if so.grammar_bitmask is not None:  # (a grammar's requests get no drafts: one row each)
+        if so.grammar_bitmask is not None:  # (a grammar's row j: its mask after draft j, as vLLM's)
             md.grammar_bitmask = self._grammar_rows(so.grammar_bitmask, row_states)
         drafts = [s.token_ids[len(s.token_ids) - c + 1:] for s, c in zip(sample_states, counts, strict=True)]
         tokens = rejection_sample(logits, md, drafts)
@@ -871,15 +871,32 @@ class ModelRunner:
                                         torch.tensor([b for _, b in items], dtype=torch.float32, device=self.device))
         return state.logit_bias_tensors
 
-    def _grammar_rows(self, grammar: GrammarBitmask, sample_states: list[RequestState]
+    def _grammar_rows(self, grammar: GrammarBitmask, row_states: list[RequestState]
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The bitmask rows of the structured requests sampled this step, with their sample rows."""
-        index = {req_id: i for i, req_id in enumerate(grammar.request_ids)}
-        pairs = [(row, index[s.req_id]) for row, s in enumerate(sample_states) if s.req_id in index]
+        """The bitmask rows of the structured requests sampled this step, with their logits rows.
+        ``row_states``: each logits row's request, a request's rows in order (one, or 1 + its
+        drafts when drafts are verified): its j-th row takes its grammar's row j, the mask as of
+        that position."""
+        first: dict[str, tuple[int, int]] = {}  # req_id -> (its first bitmask row, its number of rows)
+        at = 0
+        for req_id, n in zip(grammar.request_ids, grammar.num_rows, strict=True):
+            first[req_id] = (at, n)
+            at += n
+        seen: dict[str, int] = {}
+        pairs = []
+        for row, s in enumerate(row_states):
+            entry = first.get(s.req_id)
+            if entry is None:
+                continue
+            j = seen.get(s.req_id, 0)
+            seen[s.req_id] = j + 1
+            if j >= entry[1]:
+                raise ValueError(f"request {s.req_id!r} samples more rows than its grammar has masks ({entry[1]})")
+            pairs.append((row, entry[0] + j))
         if not pairs:
             return None
         rows, picks = zip(*pairs, strict=True)
-        words = np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(len(grammar.request_ids), grammar.num_words)
+        words = np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(at, grammar.num_words)
         bitmask = torch.from_numpy(words[list(picks)])
         return torch.tensor(rows, device=self.device), bitmask.to(self.device)
 

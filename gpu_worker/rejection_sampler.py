@@ -8,7 +8,10 @@ max(p_j - q, 0), i.e. p_j without d_{j+1}, renormalised, and the rest of the dra
 when every draft is accepted, a bonus token is drawn from p_k. Each output token is then
 distributed exactly as the target model's own sampling would give it (Leviathan et al., 2023;
 vLLM's rejection sampler). Greedy rows use a one-hot p on the argmax, which makes this "accept
-while the draft equals the argmax, then take the argmax".
+while the draft equals the argmax, then take the argmax". Each p_j is the target's distribution
+after that row's own masks: a structured-output request's row j is masked with its grammar as of
+the position after d_j (the engine sends a bitmask row per position), so drafts are accepted, and
+the recovered or bonus token drawn, among the tokens the grammar allows there.
 """
 
 from __future__ import annotations

@@ -49,13 +49,16 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True):
-    """What the grammars of structured-output requests allow next: row i (``num_words`` int32,
-    native byte order) is request ``request_ids[i]``'s, bit t % 32 of word t // 32 set = token t
-    allowed (xgrammar's layout)."""
+    """What the grammars of structured-output requests allow at each position the pass samples.
+    Request ``request_ids[i]`` has ``num_rows[i]`` consecutive rows (vLLM's layout): 1 + its
+    scheduled draft tokens, row 0 for the token after its last known one, row j for the token after
+    its draft j. A row is ``num_words`` int32 (native byte order), bit t % 32 of word t // 32 set =
+    token t allowed (xgrammar's layout)."""
 
     request_ids: list[str]
     num_words: int
     bitmask: bytes
+    num_rows: list[int]
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):

@@ -36,8 +36,8 @@ def test_greedy_with_drafts_equals_transformers_under_chunked_prefill_and_preemp
 
 def test_logprobs_and_the_other_sampling_features_are_unchanged_by_drafts(tiny_model_dir):
     """Greedy requests with logprobs, penalties, a grammar, min_tokens, stop ids and
-    allowed_token_ids, in one batch: the same answers with and without drafting. (Requests with
-    grammars, or short of min_tokens, are not drafted for; the rest are.)"""
+    allowed_token_ids, in one batch: the same answers with and without drafting. (Requests short of
+    min_tokens are not drafted for; the rest are, the grammar's too.)"""
     prompts = PROMPTS[:6]
     params = [
         SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, ignore_eos=True),

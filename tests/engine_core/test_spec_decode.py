@@ -67,12 +67,13 @@ def test_proposer_drafts_only_for_decoding_requests_it_can_verify():
                                                prompt_lookup_max=3), max_model_len=scheduler.max_model_len)
     plain = _decoding(scheduler)
     assert proposer.propose([plain]) == {plain.request_id: [11, 12, 13]}
-    # A grammar or an unmet min_tokens need per-position state the pass does not have: no drafts.
-    # (Penalties and bad words: the workers apply them to each draft row as of its position.)
+    # An unmet min_tokens: no drafts. Penalties, bad words and grammars are drafted for: the workers
+    # apply them to each draft row as of its position (a grammar's drafts are cut by the engine at
+    # the first token it refuses, tests/engine_core/test_structured_output_spec_decode.py).
     assert drafts_allowed(create_requests(1, presence_penalty=0.5)[0].sampling_params)
     assert drafts_allowed(create_requests(1, repetition_penalty=1.2)[0].sampling_params)
     assert drafts_allowed(create_requests(1, bad_words_token_ids=[[5]])[0].sampling_params)
-    assert not drafts_allowed(create_requests(1, structured_output={"regex": "a+"})[0].sampling_params)
+    assert drafts_allowed(create_requests(1, structured_output={"regex": "a+"})[0].sampling_params)
     # A seeded random request's draws must not depend on how many drafts fit each pass.
     assert not drafts_allowed(create_requests(1, seed=3, temperature=0.7)[0].sampling_params)
     assert drafts_allowed(create_requests(1, seed=3, temperature=0.0)[0].sampling_params)

@@ -72,6 +72,32 @@ def test_temperature_top_k_and_masks_shape_the_target():
         assert 2 not in toks
 
 
+def _grammar(rows: list[int], allowed: list[set[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A grammar bitmask (xgrammar's layout) for the given logits rows, one allowed set each."""
+    words = torch.tensor([[sum(1 << t for t in tokens)] for tokens in allowed], dtype=torch.int32)
+    return torch.tensor(rows), words
+
+
+def test_each_row_of_a_structured_request_takes_its_own_grammar_mask():
+    """A structured request's row j is masked with its grammar as of the position after draft j:
+    the draft is accepted, and the recovered or bonus token drawn, among that row's tokens."""
+    # Greedy. Row 0 allows 1 (the draft); row 1's argmax 3 is refused there, and of 2 and 5 the
+    # grammar allows, 2 (the draft) is best; row 2 allows only 5: the bonus. A plain request beside.
+    logits = torch.tensor([[0.0, 1.0, 0.0, 4.0, 0.0, 0.0],
+                           [0.0, 0.0, 1.0, 5.0, 0.0, 0.5],
+                           [0.0, 0.0, 0.0, 0.0, 5.0, 1.0],
+                           [0.0, 0.0, 0.0, 5.0, 0.0, 0.0]])
+    grammar = _grammar([0, 1, 2], [{1}, {2, 5}, {5}])
+    assert rejection_sample(logits, md([0.0] * 4, grammar_bitmask=grammar), [[1, 2], []]) == [[1, 2, 5], [3]]
+    # Random: row 0 allows 1 (the draft) and 2 evenly, row 1 only 4. An accepted draft is followed
+    # by 4; a rejected one by 2, the only other token row 0's grammar allows.
+    torch.manual_seed(0)
+    logits = torch.zeros(2, V)
+    m = md([1.0, 1.0], grammar_bitmask=_grammar([0, 1], [{1, 2}, {4}]))
+    outs = [rejection_sample(logits, m, [[1]])[0] for _ in range(200)]
+    assert {tuple(o) for o in outs} == {(1, 4), (2,)}
+
+
 def test_seeded_requests_repeat_whatever_else_is_in_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(3, V)
