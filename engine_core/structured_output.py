@@ -17,8 +17,11 @@ through the drafts to fill them and rolled back after (xgrammar's matchers roll 
 since 0.2; the engine pins 0.2.9). Only the tokens the pass keeps advance the matcher (``accept``).
 
 The spec is a dict with exactly one constraint: ``json`` (a schema, dict or string),
-``json_object`` (any JSON object), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF);
-and optionally vLLM's ``disable_any_whitespace`` (JSON without optional whitespace).
+``json_object`` (any JSON object), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF) or
+``structural_tag`` (xgrammar's structural tag, dict or JSON string: free text in which each
+trigger opens a tagged structure, e.g. a tool call's JSON; vLLM's older form, ``structures`` of
+begin/schema/end with ``triggers``, too); and optionally vLLM's ``disable_any_whitespace`` (JSON
+without optional whitespace).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from engine_core.sched.output import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
-STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace",)
 
 
@@ -105,12 +108,79 @@ def check_structured_output(spec: Any) -> None:
             if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
                 raise ValueError("choice must be a non-empty list of strings")
             xgr.Grammar.from_ebnf(choice_grammar(value))
+        elif kind == "structural_tag":
+            tag = structural_tag_value(value)
+            if _deeper_than(tag, MAX_SCHEMA_DEPTH):
+                raise ValueError(f"the structural tag is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+            for where, schema in _structural_tag_schemas(tag):
+                unenforced = unenforced_schema_keyword(schema)
+                if unenforced is not None:
+                    raise ValueError(f"the JSON schema of {where}: its {unenforced} cannot be enforced while "
+                                     "generating (the answer could break it); leave it out and check it afterwards")
+            _structural_tag_grammar(xgr, tag)
         else:
             if not isinstance(value, str):
                 raise ValueError("a grammar must be an EBNF string")
             xgr.Grammar.from_ebnf(value)
-    except RuntimeError as e:  # xgrammar's parse errors
+    except RuntimeError as e:  # xgrammar's parse errors (and its invalid structural tag error)
         raise ValueError(f"invalid {kind}: {_first_line(str(e))}") from e
+
+
+def structural_tag_value(value: Any) -> dict[str, Any]:
+    """A structural tag as given (a dict, or vLLM's JSON string), as a dict; ValueError if neither."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError):
+            raise ValueError("a structural tag must be a JSON object (or a string of one)") from None
+    if not isinstance(value, dict):
+        raise ValueError("a structural tag must be a JSON object (or a string of one)")
+    return value
+
+
+def _is_legacy_structural_tag(tag: dict[str, Any]) -> bool:
+    """vLLM's older form: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}."""
+    return "structures" in tag
+
+
+def _structural_tag_schemas(tag: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The JSON schemas a structural tag holds, each with where it is."""
+    if _is_legacy_structural_tag(tag):
+        structures = tag.get("structures")
+        return [(f"structure {s.get('begin')!r}", s.get("schema")) for s in structures if isinstance(s, dict)
+                ] if isinstance(structures, list) else []
+    found: list[tuple[str, Any]] = []
+    stack: list[Any] = [tag]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if item.get("type") == "json_schema" and "json_schema" in item:
+                found.append(("a json_schema format", item["json_schema"]))
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+def _structural_tag_grammar(xgr: Any, tag: dict[str, Any], compiler: Any = None) -> Any:
+    """The tag's grammar (``compiler``: compiled with it; else only built, to check it)."""
+    if _is_legacy_structural_tag(tag):
+        structures, triggers = tag.get("structures"), tag.get("triggers")
+        if (not isinstance(structures, list) or not all(isinstance(s, dict) for s in structures)
+                or not isinstance(triggers, list) or not all(isinstance(t, str) for t in triggers)):
+            raise ValueError("a structural tag's structures must be a list of objects and its triggers a list of "
+                             "strings")
+        try:
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in structures]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"each structure needs begin, schema and end ({e})") from None
+        args: tuple[Any, ...] = (items, triggers)
+    else:
+        args = (json.dumps(tag),)
+    if compiler is not None:
+        return compiler.compile_structural_tag(*args)
+    return xgr.Grammar.from_structural_tag(*args)
 
 
 def _first_line(message: str) -> str:
@@ -274,6 +344,8 @@ class StructuredOutputManager:
             return self._compiler.compile_regex(value)
         if kind == "choice":
             return self._compiler.compile_grammar(choice_grammar(value))
+        if kind == "structural_tag":
+            return _structural_tag_grammar(self._xgr, structural_tag_value(value), self._compiler)
         return self._compiler.compile_grammar(value)
 
     def poll(self) -> tuple[list[str], list[tuple[str, str]]]:

@@ -149,9 +149,13 @@ class SamplingFields(BaseModel):
                 if not isinstance(schema, dict):
                     raise invalid("response_format", "response_format json_schema needs json_schema.schema (an object)")
                 asked.append(("response_format", {"json": schema}))
+            elif fmt.get("type") == "structural_tag":
+                # vLLM's: xgrammar's structural tag ({"type", "format"}), or its older form
+                # ({"type", "structures", "triggers"}), the whole object.
+                asked.append(("response_format", {"structural_tag": fmt}))
             else:
                 raise invalid("response_format", f"response_format type {fmt.get('type')!r} is not supported "
-                              "(text, json_object or json_schema)")
+                              "(text, json_object, json_schema or structural_tag)")
         if self.structured_outputs is not None:
             # As vLLM's StructuredOutputsParams: unset (null) fields do not count, and the options
             # only other backends use (xgrammar ignores them in vLLM too) are dropped.
@@ -206,9 +210,11 @@ class SamplingFields(BaseModel):
                                                 description="vLLM extra: only these tokens may be sampled.")
     bad_words: list[str] | None = Field(None, description="vLLM extra: words that must not be generated.")
     # Structured output: OpenAI's response_format, or vLLM's extras (at most one of them).
-    response_format: dict[str, Any] | None = Field(None, description="text, json_object or json_schema.")
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object, json_schema or structural_tag (vLLM).")
     structured_outputs: dict[str, Any] | None = Field(
-        None, description="vLLM extra: exactly one of json, json_object, regex, choice, grammar (EBNF).")
+        None, description="vLLM extra: exactly one of json, json_object, regex, choice, grammar (EBNF), "
+                          "structural_tag.")
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extra (older name).")
     guided_regex: str | None = Field(None, description="vLLM extra (older name).")
     guided_choice: list[str] | None = Field(None, description="vLLM extra (older name).")

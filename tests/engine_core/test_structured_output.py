@@ -32,6 +32,12 @@ TOKENIZER = build_tokenizer()
     ({"json_object": False}, "json_object must be true"),
     ({"regex": "a", "whitespace_pattern": " "}, "unsupported structured output option"),
     ({"regex": "a", "disable_any_whitespace": "yes"}, "disable_any_whitespace must be true or false"),
+    ({"structural_tag": "not json"}, "a structural tag must be a JSON object"),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "bogus"}}}, "invalid structural_tag"),
+    ({"structural_tag": {"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a"]}},
+     "each structure needs begin, schema and end"),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>", "content": {
+        "type": "json_schema", "json_schema": {"type": "array", "uniqueItems": True}}}}}, "'uniqueItems' .* cannot be"),
 ])
 def test_malformed_specs_are_refused_with_what_is_wrong(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -41,7 +47,8 @@ def test_malformed_specs_are_refused_with_what_is_wrong(spec, message):
 def test_well_formed_specs_pass():
     for spec in ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, {"json": '{"type": "string"}'},
                  {"json_object": True}, {"regex": "[a-z]+"}, {"choice": ["a b", "c.d"]},
-                 {"grammar": 'root ::= "yes" | "no"'}, {"json": {"type": "object"}, "disable_any_whitespace": True}):
+                 {"grammar": 'root ::= "yes" | "no"'}, {"json": {"type": "object"}, "disable_any_whitespace": True},
+                 *({"structural_tag": tag} for tag in STRUCTURAL_TAGS.values())):
         check_structured_output(spec)
 
 
@@ -148,6 +155,38 @@ def test_a_grammar_compiles_then_its_matcher_allows_only_what_fits_and_ends_with
     # A request without a matcher has no row; a removed one neither.
     manager.remove("a")
     assert manager.bitmask(["a", "other"]) == (None, []) and not manager.has_matchers()
+    manager.shutdown()
+
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                  "additionalProperties": False}
+# A tool call inside free text, in xgrammar's structural tag form and in vLLM's older one (as vLLM's
+# structured_outputs.structural_tag carries it: a JSON string).
+STRUCTURAL_TAGS = {
+    "format": {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<call="], "tags": [
+        {"begin": "<call=weather>", "content": {"type": "json_schema", "json_schema": WEATHER_SCHEMA},
+         "end": "</call>"}]}},
+    "legacy": json.dumps({"type": "structural_tag", "triggers": ["<call="], "structures": [
+        {"begin": "<call=weather>", "schema": WEATHER_SCHEMA, "end": "</call>"}]}),
+}
+
+
+@pytest.mark.parametrize("form", sorted(STRUCTURAL_TAGS))
+def test_a_structural_tag_leaves_text_free_and_holds_each_tagged_structure(form):
+    manager = _manager()
+    check_structured_output({"structural_tag": STRUCTURAL_TAGS[form]})
+    for request_id in ("fits", "breaks"):
+        manager.submit(request_id, {"structural_tag": STRUCTURAL_TAGS[form]})
+    assert sorted(_poll_until_done(manager)[0]) == ["breaks", "fits"]
+
+    def tokens(text: str) -> list[int]:
+        return TOKENIZER.encode(text, add_special_tokens=False)
+
+    # Free text, a call that fits its schema, free text again.
+    assert manager.accept("fits", tokens('Let me look. <call=weather>{"city": "Paris"}</call> Done.')) is None
+    # Free text, then a call whose arguments break the schema: refused inside the call.
+    assert manager.accept("breaks", tokens("Sure.")) is None
+    assert manager.accept("breaks", tokens('<call=weather>{"town": "Paris"}')) is not None
     manager.shutdown()
 
 

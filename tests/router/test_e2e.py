@@ -379,6 +379,14 @@ def test_structured_output_through_the_openai_client(client, cluster):
                                             response_format=response_format, logit_bias=quiet, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == chat.choices[0].message.content
+    # vLLM's structural_tag response format: here one tag the answer must be (begin, JSON, end), whole.
+    tagged_format = {"type": "structural_tag", "format": {"type": "tag", "begin": "<order>", "end": "</order>",
+                                                          "content": {"type": "json_schema", "json_schema": schema}}}
+    tagged = client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, temperature=1.0, seed=5,
+                                            response_format=tagged_format, logit_bias=quiet)
+    text = tagged.choices[0].message.content
+    assert text.startswith("<order>") and text.endswith("</order>"), text
+    assert json.loads(text.removeprefix("<order>").removesuffix("</order>"))["size"] in ("S", "M", "L")
     picked = client.completions.create(model="tiny", prompt="Pick one:", max_tokens=16, temperature=1.0, n=2, seed=2,
                                        extra_body={"guided_choice": ["red", "green", "blue"]})
     assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in picked.choices)
@@ -386,6 +394,10 @@ def test_structured_output_through_the_openai_client(client, cluster):
         "model": "tiny", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "objekt"}}}}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+    bad_tag = httpx.post(f"{cluster['base']}/v1/completions", json={
+        "model": "tiny", "prompt": "x", "structured_outputs": {"structural_tag": '{"type": "structural_tag"}'}},
+        timeout=30)
+    assert bad_tag.status_code == 400 and bad_tag.json()["error"]["param"] == "structured_outputs"
 
 
 def test_tool_calls_through_the_openai_client(client, cluster):
