@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 from cluster.autoscaler import start_autoscaler, stop_autoscaler
-from cluster.config import ClusterConfig, default_api_keys, read_chat_template_files, served_model_names
+from cluster.config import ClusterConfig, default_api_keys, read_chat_template_files
 from cluster.launcher import (
     EngineHandle,
     engine_actor_name,
@@ -48,9 +48,8 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
     made to run; an engine the autoscaler started in a further slot is kept if its flags are
     unchanged, and the autoscaler (restarted with the new config) goes on from there."""
     stop_autoscaler(config.namespace)  # (it must not start engines of the old config meanwhile)
-    running = {index: _running_config(index, config.namespace) for index in running_engine_indexes(config.namespace)}
-    config.place_engines({index: served_model_names(engine.served_model_name, engine.model)[0]
-                          for index, (engine, _) in running.items() if engine is not None})
+    running = _running_configs(running_engine_indexes(config.namespace), config.namespace)
+    config.place_engines({index: engine for index, (engine, _) in running.items() if engine is not None})
     wanted = config.engine_configs()
     slots = config.engine_slot_configs()
     wanted_indexes = {engine.engine_index for engine in wanted}
@@ -91,18 +90,24 @@ def reconcile_engines(config: ClusterConfig) -> list[int]:
     return [engine.engine_index for engine in to_start]
 
 
-def _running_config(index: int, namespace: str) -> tuple[EngineConfig | None, bool]:
-    """The configuration the engine at ``index`` runs and whether it drains ((None, False): it
-    does not answer, or is gone)."""
-    actor = named_actor(engine_actor_name(index), namespace)
-    if actor is None:
-        return None, False
-    try:
-        return (ray.get(actor.engine_config.remote(), timeout=60),
-                ray.get(actor.drain_status.remote(), timeout=60)[0])
-    except Exception as e:
-        logger.warning("engine %d does not answer (%s)", index, e)
-        return None, False
+def _running_configs(indexes: list[int], namespace: str, timeout_s: float = 60.0
+                     ) -> dict[int, tuple[EngineConfig | None, bool]]:
+    """The configuration each engine at ``indexes`` runs and whether it drains ((None, False): it
+    does not answer within ``timeout_s``, all asked at once, or is gone)."""
+    asked = {}
+    for index in indexes:
+        actor = named_actor(engine_actor_name(index), namespace)
+        if actor is not None:
+            asked[index] = (actor.engine_config.remote(), actor.drain_status.remote())
+    refs = [ref for pair in asked.values() for ref in pair]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    out: dict[int, tuple[EngineConfig | None, bool]] = {index: (None, False) for index in indexes}
+    for index, (config_ref, drain_ref) in asked.items():
+        try:
+            out[index] = ray.get(config_ref, timeout=0), ray.get(drain_ref, timeout=0)[0]
+        except Exception as e:
+            logger.warning("engine %d does not answer (%s)", index, e)
+    return out
 
 
 def stop_app(namespace: str = "llm-cluster", app_name: str = APP_NAME) -> list[str]:

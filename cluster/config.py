@@ -8,6 +8,7 @@ numbered after the first model's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -610,18 +611,25 @@ class ClusterConfig(ModelSettings):
         from 0, each further model's after the previous ones, unless ``place_engines`` kept running
         engines where they are."""
         owners: list[ServedModel | None] = [None, *self.models]
-        layout = self._engine_layout or engine_layout([_slot_count(owner or self) for owner in owners], [])
+        layout = self._engine_layout or engine_layout([[None] * _slot_count(owner or self) for owner in owners], [])
         return list(zip(owners, layout, strict=True))
 
-    def place_engines(self, running: dict[int, str]) -> None:
-        """Number each model's engine slots where its engines run now (``running``: the served name
+    def place_engines(self, running: dict[int, EngineConfig]) -> None:
+        """Number each model's engine slots where its engines run now (``running``: the configuration
         of the engine at each index), so that a redeploy changing one model's engine count (or a
-        model added or removed) neither moves nor restarts another model's engines; its other slots
-        take the lowest indexes left."""
-        owners = [self, *self.models]
-        self._engine_layout = engine_layout(
-            [_slot_count(owner) for owner in owners],
-            [[i for i, name in running.items() if name == owner.served_names[0]] for owner in owners])
+        model added or removed, or an engine dead) neither moves nor restarts another engine: each
+        running engine keeps its index in the slot whose flags it runs (per-engine overrides go by
+        slot), one whose flags changed keeps its index in a slot left; other slots take the lowest
+        indexes left."""
+        self._engine_layout = None
+        slot_configs = {config.engine_index: config for config in self.engine_slot_configs()}
+        slots, engines = [], []
+        for settings, indexes in self._settings_engines():
+            slots.append([dataclasses.replace(slot_configs[i], engine_index=0) for i in indexes])
+            engines.append({i: dataclasses.replace(config, engine_index=0) for i, config in running.items()
+                            if served_model_names(config.served_model_name, config.model)[0]
+                            == settings.served_names[0]})
+        self._engine_layout = engine_layout(slots, engines)
 
     def _settings_engines(self) -> list[tuple[ClusterConfig | ServedModel, list[int]]]:
         """``model_engines`` with the first model's settings (these top-level fields) in place of None."""
@@ -672,14 +680,30 @@ class ClusterConfig(ModelSettings):
         return cls(**data)
 
 
-def engine_layout(counts: list[int], running: list[list[int]]) -> list[list[int]]:
-    """Each model's engine indexes, ``counts[k]`` for model k: first the indexes its engines run at
-    now (``running[k]``; none given: no engine runs), then the lowest indexes no model keeps."""
-    kept = [sorted(running[k])[:count] if k < len(running) else [] for k, count in enumerate(counts)]
-    taken = {index for indexes in kept for index in indexes}
+def engine_layout(slots: list[list[Any]], running: list[dict[int, Any]]) -> list[list[int]]:
+    """Each model's engine indexes, one per slot: ``slots[k][j]`` is what model k's slot j runs,
+    ``running[k]`` what runs now at each index for model k. An engine running what a slot runs
+    keeps its index there (the lowest such slot); one running something else keeps its index in the
+    lowest slot left; the other slots take the lowest indexes no model keeps."""
+    layout: list[list[int | None]] = []
+    for k, wanted in enumerate(slots):
+        placed: list[int | None] = [None] * len(wanted)
+        engines = running[k] if k < len(running) else {}
+        changed = []
+        for index in sorted(engines):
+            slot = next((j for j, want in enumerate(wanted) if placed[j] is None and want == engines[index]), None)
+            if slot is None:
+                changed.append(index)
+            else:
+                placed[slot] = index
+        for index in changed:
+            slot = next((j for j in range(len(wanted)) if placed[j] is None), None)
+            if slot is not None:
+                placed[slot] = index
+        layout.append(placed)
+    taken = {index for placed in layout for index in placed if index is not None}
     free = (index for index in itertools.count() if index not in taken)
-    return [indexes + [next(free) for _ in range(count - len(indexes))] for indexes, count in zip(kept, counts,
-                                                                                                strict=True)]
+    return [[index if index is not None else next(free) for index in placed] for placed in layout]
 
 
 def _check_one_block_size(group: list[EngineConfig]) -> None:

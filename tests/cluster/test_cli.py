@@ -328,26 +328,45 @@ def test_extra_models_get_engines_of_their_own_after_the_first_models(tmp_path):
 def test_engine_layout_keeps_running_engines_where_they_are():
     from cluster.config import engine_layout
 
-    assert engine_layout([2, 1, 3], []) == [[0, 1], [2], [3, 4, 5]]  # nothing runs: in order from 0
+    assert engine_layout([["a", "a"], ["b"], ["c"] * 3], []) == [[0, 1], [2], [3, 4, 5]]  # nothing runs: in order
     # The first model grows from 1 to 2: the others keep their indexes, its new slot takes the first free one.
-    assert engine_layout([2, 1, 1], [[0], [1], [2]]) == [[0, 3], [1], [2]]
-    # It shrinks again: its engine at 3 is kept only if it is among the lowest it runs.
-    assert engine_layout([1, 1, 1], [[0, 3], [1], [2]]) == [[0], [1], [2]]
+    assert engine_layout([["a", "a"], ["b"], ["c"]], [{0: "a"}, {1: "b"}, {2: "c"}]) == [[0, 3], [1], [2]]
+    # It shrinks again: the engine kept is the lowest of those running what the slot runs.
+    assert engine_layout([["a"], ["b"], ["c"]], [{0: "a", 3: "a"}, {1: "b"}, {2: "c"}]) == [[0], [1], [2]]
     # A model removed: its index is free for the others' new slots.
-    assert engine_layout([1, 2], [[0], [2]]) == [[0], [2, 1]]
+    assert engine_layout([["a"], ["c", "c"]], [{0: "a"}, {2: "c"}]) == [[0], [2, 1]]
+    # Per-engine flags: each engine keeps the slot whose flags it runs, whichever others died (engine
+    # 0, "x", is gone: its slot takes a free index, and engines 1 and 2 keep theirs).
+    assert engine_layout([["x", "y", "z"], ["b"]], [{1: "y", 2: "z"}, {3: "b"}]) == [[0, 1, 2], [3]]
+    assert engine_layout([["x", "y", "z"]], [{5: "z", 7: "x"}]) == [[7, 0, 5]]
+    # An engine whose flags changed keeps its index in a slot left (it is replaced there).
+    assert engine_layout([["x2", "y"]], [{0: "x", 1: "y"}]) == [[0, 1]]
 
 
 def test_place_engines_numbers_each_models_slots_by_its_running_engines():
     """A redeploy raising the first model's engines must not move the second model's (engine names
     and metric labels follow, and the reconciler would replace engines found at new indexes)."""
-    config = ClusterConfig(model="/models/a", served_model_name="a", num_engines=2, models=[
-        {"model": "/models/b", "served_model_name": "b", "num_engines": 2}])
-    config.place_engines({0: "a", 1: "b", 2: "b"})  # what ran before: one engine of a
-    assert [(e.engine_index, e.served_model_name) for e in config.engine_configs()] == [
+    import dataclasses
+
+    def config(first_engines: int) -> ClusterConfig:
+        return ClusterConfig(model="/models/a", served_model_name="a", num_engines=first_engines, models=[
+            {"model": "/models/b", "served_model_name": "b", "num_engines": 2}])
+
+    before = {e.engine_index: e for e in config(1).engine_configs()}  # a at 0, b at 1 and 2
+    grown = config(2)
+    grown.place_engines(before)
+    assert [(e.engine_index, e.served_model_name) for e in grown.engine_configs()] == [
         (0, "a"), (3, "a"), (1, "b"), (2, "b")]
-    first, (b,) = router_deployment(config)._bound_deployment.init_args
+    first, (b,) = router_deployment(grown)._bound_deployment.init_args
     assert first.engine_indexes == (0, 3) and first.engine_actor_names == [engine_actor_name(0), engine_actor_name(3)]
     assert b.engine_indexes == (1, 2)
+    # Per-engine flags follow their slots: an engine running slot 1's flags at index 4 and one running
+    # slot 0's at 9 each keep their index in their own slot.
+    pinned = ClusterConfig(model="/models/a", served_model_name="a",
+                           engines=[{"max_num_seqs": 8}, {"max_num_seqs": 16}])
+    one, two = pinned.engine_configs()
+    pinned.place_engines({4: dataclasses.replace(two, engine_index=4), 9: dataclasses.replace(one, engine_index=9)})
+    assert [(e.engine_index, e.scheduler.max_num_seqs) for e in pinned.engine_configs()] == [(9, 8), (4, 16)]
 
 
 def test_each_model_has_adapters_of_its_own(tmp_path):

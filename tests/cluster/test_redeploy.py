@@ -143,3 +143,25 @@ def test_a_redeploy_changing_one_models_engines_leaves_another_models_engines_al
     finally:
         stopped = stop_app(namespace, app_name="redeploy-test-app-two-models")
     assert stopped == [engine_actor_name(0), engine_actor_name(1)]
+
+
+def test_a_redeploy_after_an_engine_died_replaces_only_that_one(ray_cluster, tiny_model_dir):
+    """Per-engine flags, and engine 0 gone (killed, its restarts spent): the redeploy starts engine 0
+    again and leaves engine 1 alone (a layout that put running engines first moved engine 1's
+    flags to another index, and replaced it too)."""
+    import ray
+
+    namespace = "redeploy-test-one-died"
+    config = ClusterConfig(model=str(tiny_model_dir), namespace=namespace, defaults=EngineSpec(
+        num_gpu_blocks=32, max_model_len=128, num_cpus_per_worker=0.5), engines=[{"max_num_seqs": 4},
+                                                                                  {"max_num_seqs": 8}])
+    try:
+        assert reconcile_engines(config) == [0, 1]
+        second = named_actor(engine_actor_name(1), namespace)
+        ray.kill(named_actor(engine_actor_name(0), namespace), no_restart=True)
+        assert reconcile_engines(config.model_copy()) == [0]
+        assert named_actor(engine_actor_name(1), namespace)._actor_id == second._actor_id
+        assert ray.get(named_actor(engine_actor_name(0), namespace).engine_config.remote(),
+                       timeout=60).scheduler.max_num_seqs == 4
+    finally:
+        stop_app(namespace, app_name="redeploy-test-app-one-died")
