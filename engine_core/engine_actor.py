@@ -52,6 +52,8 @@ class EngineDescription:
     engine_index: int
     enable_sleep_mode: bool = False
     enable_prompt_embeds: bool = False
+    # Different LoRA adapters one batch mixes at most (0: LoRA is off).
+    max_loras: int = 0
 
 
 class _ClientBuffer:
@@ -729,7 +731,8 @@ class EngineCoreActor:
                                  block_size=self.service.config.block_size, num_blocks=engine.num_blocks,
                                  engine_index=self.service.config.engine_index,
                                  enable_sleep_mode=self.service.config.enable_sleep_mode,
-                                 enable_prompt_embeds=self.service.config.enable_prompt_embeds)
+                                 enable_prompt_embeds=self.service.config.enable_prompt_embeds,
+                                 max_loras=lora.max_loras if (lora := self.service.config.lora_config) else 0)
 
     async def engine_config(self) -> EngineConfig:
         """The configuration this engine was started with (a redeploy compares it with the wanted one)."""

@@ -158,7 +158,8 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     settings = serving_settings(config, descriptions)
     policy = create_routing_policy(config.routing_policy, len(handles), block_size=first.block_size,
                                    load_margin=config.prefix_load_margin,
-                                   long_rope_after=first.model_info.long_rope_after)
+                                   long_rope_after=first.model_info.long_rope_after,
+                                   max_loras=max(d.max_loras for d in descriptions))
     if hasattr(policy, "forget_engine"):
         client.on_engine_restart = policy.forget_engine
     if hasattr(policy, "apply_kv_events"):  # each engine reports what its prefix cache holds

@@ -184,6 +184,10 @@ class _EngineSlot:
     draining: bool = False
     in_flight: int = 0
     requests: set[str] = field(default_factory=set)
+    # This client's requests in flight there under each LoRA adapter (by name), and each such
+    # request's adapter.
+    adapters: dict[str, int] = field(default_factory=dict)
+    adapter_of: dict[str, str] = field(default_factory=dict)
     last_error: str | None = None
     channel: ChannelConnection | None = None
     connected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -214,6 +218,10 @@ class EngineClient:
 
     def loads(self) -> list[int]:
         return [s.in_flight for s in self._slots]
+
+    def active_adapters(self) -> list[dict[str, int]]:
+        """Per engine, this client's requests in flight under each LoRA adapter (by name)."""
+        return [s.adapters for s in self._slots]
 
     def healthy(self) -> list[bool]:
         """Per slot: whether requests may go there (a running engine that answers and is not draining)."""
@@ -274,6 +282,9 @@ class EngineClient:
         self._queues[rid] = queue
         slot.in_flight += 1
         slot.requests.add(rid)
+        if request.lora_request is not None:
+            name = slot.adapter_of[rid] = request.lora_request.lora_name
+            slot.adapters[name] = slot.adapters.get(name, 0) + 1
         answer: asyncio.Future[Accepted] = asyncio.get_running_loop().create_future()
         slot.pending[rid] = answer
         sent = False
@@ -345,6 +356,12 @@ class EngineClient:
         if request_id in slot.requests:
             slot.requests.discard(request_id)
             slot.in_flight -= 1
+            name = slot.adapter_of.pop(request_id, None)
+            if name is not None:
+                if slot.adapters[name] <= 1:
+                    del slot.adapters[name]
+                else:
+                    slot.adapters[name] -= 1
         self._queues.pop(request_id, None)
 
     # -- the channel reader ---------------------------------------------------------------------------

@@ -39,6 +39,10 @@ class RoutingContext:
     cache_salt: str | None = None
     # A prompt given as embeddings: their digests key its blocks, as in the engine.
     prompt_embeds: PromptEmbeds | None = None
+    # The LoRA adapter the request runs under (its name), and per engine the requests in flight
+    # under each adapter (LoRA affinity, see LeastLoadedPolicy; None: not known).
+    lora_name: str | None = None
+    active_adapters: list[dict[str, int]] | None = None
 
     def healthy_indices(self) -> list[int]:
         indices = [i for i, ok in enumerate(self.healthy) if ok]
@@ -71,19 +75,50 @@ class RoundRobinPolicy(RoutingPolicy):
 
 
 class LeastLoadedPolicy(RoutingPolicy):
-    """Power of two choices: sample two healthy engines, take the one with fewer requests in flight."""
+    """Power of two choices: sample two healthy engines, take the one with fewer requests in flight.
+
+    LoRA affinity (with ``max_loras``, the engines' adapter slots per batch): an engine's batch
+    mixes at most ``max_loras`` adapters and holds a request of one more back until one drains, so a
+    request under an adapter goes only to engines already running it or with an adapter slot free;
+    of those, to the least loaded one running it unless that is ``lora_load_margin`` requests above
+    the least loaded of them (then the choice is among them all, by load). Only when no engine can
+    take it without holding it back does load alone decide. (The LoRA affinity scorer of the Gateway
+    API inference extension, llm-d's scheduler, ranks engines the same way.)
+    """
 
     name = "least_loaded"
+    # How many requests more an engine running the adapter may have than one with a free slot and
+    # still be preferred (leaving that slot to another adapter).
+    lora_load_margin = 1
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, max_loras: int = 0) -> None:
         self._rng = random.Random(seed)
+        self.max_loras = max_loras
 
     def choose(self, ctx: RoutingContext) -> int:
         candidates = ctx.healthy_indices()
         if len(candidates) == 1:
             return candidates[0]
+        if self.max_loras and ctx.lora_name is not None and ctx.active_adapters is not None:
+            candidates = self._lora_candidates(ctx, candidates)
+            if len(candidates) == 1:
+                return candidates[0]
         a, b = self._rng.sample(candidates, 2)
         return a if ctx.loads[a] <= ctx.loads[b] else b
+
+    def _lora_candidates(self, ctx: RoutingContext, healthy: list[int]) -> list[int]:
+        """The engines a request under an adapter may go to (see the class's description)."""
+        active, name = ctx.active_adapters, ctx.lora_name
+        assert active is not None and name is not None
+        fits = [i for i in healthy if name in active[i] or len(active[i]) < self.max_loras]
+        if not fits:
+            return healthy
+        running = [i for i in fits if name in active[i]]
+        if running:
+            best = min(running, key=lambda i: ctx.loads[i])
+            if ctx.loads[best] - min(ctx.loads[i] for i in fits) <= self.lora_load_margin:
+                return [best]
+        return fits
 
 
 class PrefixAwarePolicy(RoutingPolicy):
@@ -100,8 +135,9 @@ class PrefixAwarePolicy(RoutingPolicy):
     only blocks cached under the same salt.
 
     Ties go to the less loaded of the matching engines and misses to the least-loaded policy (power
-    of two choices); a match on an engine loaded more than ``load_margin`` requests above the least
-    loaded one goes to that least loaded engine instead (a cache hit is not worth an unbounded queue).
+    of two choices, with its LoRA affinity); a match on an engine loaded more than ``load_margin``
+    requests above the least loaded one goes to that least loaded engine instead (a cache hit is not
+    worth an unbounded queue).
     """
 
     name = "prefix_aware"
@@ -109,7 +145,7 @@ class PrefixAwarePolicy(RoutingPolicy):
     def __init__(self, num_engines: int, block_size: int = 16, load_margin: int = 8,
                  max_blocks_per_engine: int = 200_000, seed: int | None = None,
                  pending_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 long_rope_after: int | None = None) -> None:
+                 long_rope_after: int | None = None, max_loras: int = 0) -> None:
         self.block_size = block_size
         # LongRoPE models: the engines key a prompt longer than this apart; so do we, to match them.
         self.long_rope_after = long_rope_after
@@ -123,7 +159,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         self._cached: list[set[bytes] | None] = [None] * num_engines
         # What each engine's KV offloading tier holds (host memory: copied back instead of computed).
         self._tiered: list[set[bytes]] = [set() for _ in range(num_engines)]
-        self._fallback = LeastLoadedPolicy(seed)
+        self._fallback = LeastLoadedPolicy(seed, max_loras=max_loras)
 
     def match_lengths(self, block_hashes: list[bytes]) -> list[int]:
         """Per engine, the leading blocks it holds: those in its KV cache (or just sent there), then
@@ -249,14 +285,17 @@ class SessionAffinityPolicy(RoutingPolicy):
 
 
 def create_routing_policy(name: str, num_engines: int, block_size: int = 16, load_margin: int = 8,
-                          seed: int | None = None, long_rope_after: int | None = None) -> RoutingPolicy:
+                          seed: int | None = None, long_rope_after: int | None = None,
+                          max_loras: int = 0) -> RoutingPolicy:
+    """``max_loras``: the engines' LoRA adapters per batch (0: LoRA off), for LoRA affinity
+    (least_loaded, and prefix_aware where no engine holds a prompt's prefix)."""
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_loaded":
-        return LeastLoadedPolicy(seed)
+        return LeastLoadedPolicy(seed, max_loras=max_loras)
     if name == "prefix_aware":
         return PrefixAwarePolicy(num_engines, block_size=block_size, load_margin=load_margin, seed=seed,
-                                 long_rope_after=long_rope_after)
+                                 long_rope_after=long_rope_after, max_loras=max_loras)
     if name == "session":
         return SessionAffinityPolicy(num_engines, seed=seed)
     raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, got {name!r}")

@@ -35,6 +35,39 @@ def test_least_loaded_picks_the_lighter_of_two_samples():
     assert p.choose(ctx([0, 0], [False, True])) == 1
 
 
+def lora_ctx(loads, active, lora="sql", healthy=None):
+    return RoutingContext([], list(loads), list(healthy or [True] * len(loads)), lora_name=lora,
+                          active_adapters=[dict(a) for a in active])
+
+
+def test_least_loaded_keeps_an_adapter_on_the_engines_running_it():
+    """LoRA affinity: an adapter's requests go where it runs unless that engine is more than the
+    margin above an engine with a free slot; a new adapter goes where a slot is free; when no engine
+    can take it without holding it back, load decides. Base-model requests and policies without
+    max_loras are plain power of two choices."""
+    p = LeastLoadedPolicy(seed=1, max_loras=1)
+    # "sql" runs on engine 1, one request above the idle engine 0: it goes there, leaving 0's slot free.
+    assert all(p.choose(lora_ctx([0, 1], [{}, {"sql": 1}])) == 1 for _ in range(20))
+    # Two above: the engine with a free slot takes it (one adapter does not pile onto one engine).
+    assert all(p.choose(lora_ctx([0, 2], [{}, {"sql": 2}])) == 0 for _ in range(20))
+    # ... unless that engine's slot is taken by another adapter: then it stays, however loaded.
+    assert all(p.choose(lora_ctx([0, 6], [{"chat": 1}, {"sql": 6}])) == 1 for _ in range(20))
+    # Of two engines running it, the less loaded.
+    assert all(p.choose(lora_ctx([2, 1, 0], [{"sql": 2}, {"sql": 1}, {"web": 1}])) == 1 for _ in range(20))
+    # A new adapter: the engine whose slot is free (engine 0 runs "chat", max_loras 1), though busier.
+    assert all(p.choose(lora_ctx([0, 4], [{"chat": 1}, {}])) == 1 for _ in range(20))
+    # No slot free anywhere: the lighter of two samples.
+    assert all(p.choose(lora_ctx([0, 3], [{"chat": 1}, {"web": 3}])) == 0 for _ in range(20))
+    # An unhealthy engine running it is left out.
+    assert all(p.choose(lora_ctx([3, 0], [{"sql": 3}, {}], healthy=[False, True])) == 1 for _ in range(20))
+    # Base-model requests, and a policy that does not know max_loras, ignore adapters.
+    assert all(p.choose(lora_ctx([0, 1], [{}, {"sql": 1}], lora=None)) == 0 for _ in range(20))
+    assert all(LeastLoadedPolicy(seed=1).choose(lora_ctx([0, 1], [{}, {"sql": 1}])) == 0 for _ in range(20))
+    # prefix_aware's misses follow the same affinity.
+    prefix = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0, max_loras=1)
+    assert all(prefix.choose(lora_ctx([0, 6], [{"chat": 1}, {"sql": 6}])) == 1 for _ in range(5))
+
+
 def test_prefix_aware_sends_a_shared_prefix_to_the_engine_that_holds_it():
     p = PrefixAwarePolicy(num_engines=3, block_size=4, seed=0)
     prefix = list(range(100, 132))
