@@ -406,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help='Allow tool_choice "auto": the model decides, read with --tool-call-parser.')
     serve.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                        help="The model's tool-call format (hermes: <tool_call>{...}</tool_call>; mistral: "
-                            "[TOOL_CALLS][...]; llama3_json: Llama 3.x's JSON objects; pythonic: [f(a=1), ...]).")
+                            "[TOOL_CALLS][...]; llama3_json: Llama 3.x's JSON objects; pythonic: [f(a=1), ...]; "
+                            "qwen3_coder: <tool_call><function=f><parameter=a>1</parameter>...).")
     serve.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="Return chat answers' <think>...</think> as reasoning (and reasoning_content).")
     serve.add_argument("--api-key", nargs="+", action="extend", default=None,

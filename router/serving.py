@@ -713,7 +713,7 @@ class OpenAIServing:
         """What splits a choice's text, if anything: the server's reasoning parser (when the answer
         may think: not after a prompt that closed the thinking, and under an output constraint only
         when the constraint starts after the thinking) and the tool-call parser the tool choice needs."""
-        tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser)
+        tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser, request.tool_dicts())
         reasoning = None
         if self._answer_may_think(prompt_thinking) and (
                 request.structured_output is None or self._constraint_start(prompt_thinking)[0] is not None):

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 # Where a JSON call object keeps its arguments.
 ARGUMENTS_KEYS = ("arguments", "parameters")
 
@@ -691,10 +692,265 @@ def _literal(node: ast.expr) -> Any:
     return ast.literal_eval(node)
 
 
-def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None) -> ToolCallParser | None:
+class Qwen3CoderToolCallParser(ToolCallParser):
+    """``auto`` with ``--tool-call-parser qwen3_coder`` (Qwen3-Coder): each call is XML-like,
+    ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>``, each tag
+    on its own line (a value's first and last newline are layout). The rest is content, as with hermes.
+
+    - A call is released once its name is read (``<function=NAME>``; a name with blanks, quotes,
+      braces or ``<`` in it is no name, and its block stays content), its arguments as a JSON object
+      that grows by one ``"key": value`` as each parameter ends: at ``</parameter>``, or, where the
+      model left that out, at the next ``<parameter=``, ``</function>`` or ``</tool_call>``.
+    - Values are read by the type the request's tool gives the parameter (vLLM's rules, in
+      ``qwen3_coder_value``); a function the request does not have gets its values as strings.
+    - A block cut off keeps what it got: the parameter being written ends where the text does,
+      and the object is closed. Text after ``</function>`` inside the block is not content.
+"""
+
+    free_form = True
+
+    START, END = "<tool_call>", "</tool_call>"
+    FUNCTION, FUNCTION_END = "<function=", "</function>"
+    PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
+    # Characters no function name has: with them, "<function=" was text (a template, a pseudo-tag).
+    NOT_IN_NAMES = frozenset("{}<>\"' \t\r\n")
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__()
+        self._properties = _tool_properties(tools)
+        self._state = "content"  # content, block, name, body, key, value, after
+        self._pending = ""  # text read but not yet consumed
+        self._block = ""  # the block's text until its call is known (it is content if none comes)
+        self._searched = 0  # a value's text searched for its end so far
+        self._content = ContentWithHeldBlanks()
+        self._call_properties: dict[str, Any] = {}  # the current call's function's parameters
+        self._key = ""  # the parameter being read
+        self._keys = 0  # parameters released in the current call
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._pending += text
+        out = ParsedDelta()
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        state, rest = self._state, self._pending
+        if state == "content":
+            self._content.add(rest, out)
+        elif state == "block" or (state == "name" and self._block):  # no call in it: text
+            self._content.add(self._block + rest, out)
+        elif state == "value":  # cut off in a value: it ends where the text does
+            self._release_parameter(rest, out)
+        if state in ("body", "key", "value"):
+            self._close_call(out)
+        if not self.calls:  # a blank answer is still the answer; blanks around calls are not content
+            out.content += self._content.blank
+        self._content.drop()
+        self._pending, self._block, self._state = "", "", "content"
+        return out
+
+    def _step(self, out: ParsedDelta) -> bool:
+        """Consume what the pending text decides in the current state: True when the state changed
+        (there may be more to read), False when the rest must wait for more text."""
+        state, text = self._state, self._pending
+        if state == "content":
+            at = text.find(self.START)
+            if at < 0:
+                keep = partial_suffix(text, self.START)
+                self._content.add(text[:len(text) - keep], out)
+                self._pending = text[len(text) - keep:]
+                return False
+            self._content.add(text[:at], out)
+            self._block, self._pending, self._state = self.START, text[at + len(self.START):], "block"
+            return True
+        if state == "name":
+            return self._read_name(out)
+        if state == "key":
+            end = text.find(">")
+            if end < 0:
+                return False
+            self._key, self._pending = text[:end], text[end + 1:]
+            self._state, self._searched = "value", 0
+            return True
+        if state == "value":
+            tags = (self.PARAMETER_END, self.PARAMETER, self.FUNCTION_END, self.END)
+            at, tag = _first_tag(text, tags, max(0, self._searched - max(map(len, tags)) + 1))
+            if at < 0:
+                self._searched = len(text)
+                return False
+            self._release_parameter(text[:at], out)
+            # (A missing </parameter>: the tag that ended the value is read as the body's.)
+            self._pending = text[at + len(tag):] if tag == self.PARAMETER_END else text[at:]
+            self._state = "body"
+            return True
+        # block, body, after: looking for the next tag (what else is there is dropped, or, in a
+        # block that has no call yet, kept in case it never gets one).
+        tags = {"block": (self.FUNCTION, self.END), "body": (self.PARAMETER, self.FUNCTION_END, self.END),
+                "after": (self.FUNCTION, self.END)}[state]
+        at, tag = _first_tag(text, tags)
+        if at < 0:
+            keep = max(partial_suffix(text, t) for t in tags)
+            if state == "block":
+                self._block += text[:len(text) - keep]
+            self._pending = text[len(text) - keep:]
+            return False
+        self._pending = text[at + len(tag):]
+        if state == "block" and tag == self.END:  # a block without a call is text
+            self._content.add(self._block + text[:at + len(tag)], out)
+            self._block, self._state = "", "content"
+        elif tag == self.FUNCTION:
+            self._block = self._block + text[:at + len(tag)] if state == "block" else ""
+            self._state = "name"
+        elif tag == self.PARAMETER:
+            self._state = "key"
+        elif state == "after":  # </tool_call>
+            self._state = "content"
+        else:  # </function>, or a </tool_call> that ends a call without one
+            self._close_call(out)
+            self._state = "after" if tag == self.FUNCTION_END else "content"
+        return True
+
+    def _read_name(self, out: ParsedDelta) -> bool:
+        text = self._pending
+        end = next((i for i, ch in enumerate(text) if ch in self.NOT_IN_NAMES), -1)
+        if end < 0:
+            return False  # the name goes on
+        if text[end] != ">" or end == 0:  # no name: the block is text (a second one's is dropped)
+            if self._block:
+                self._content.add(self._block, out)
+            self._block, self._state = "", "content" if self._block else "after"
+            return True
+        name, self._pending, self._block = text[:end], text[end + 1:], ""
+        self._content.drop()
+        out.tool_calls.append(self._start_call(name, "{"))
+        self._call_properties = self._properties.get(name, {})
+        self._keys, self._state = 0, "body"
+        return True
+
+    def _release_parameter(self, raw: str, out: ParsedDelta) -> None:
+        raw = raw.removeprefix("\n").removesuffix("\n")
+        if self._key in self._call_properties:
+            value = qwen3_coder_value(raw, self._call_properties[self._key])
+        else:  # a parameter the tool does not declare (or a function the request lacks): a string
+            value = raw
+        pair = f"{json.dumps(self._key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+        out.tool_calls.append({"index": self.calls - 1,
+                               "function": {"arguments": ", " + pair if self._keys else pair}})
+        self._keys += 1
+
+    def _close_call(self, out: ParsedDelta) -> None:
+        out.tool_calls.append({"index": self.calls - 1, "function": {"arguments": "}"}})
+
+
+def _tool_properties(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Each function's parameter schemas (``parameters.properties``), by name."""
+    found: dict[str, dict[str, Any]] = {}
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            parameters = function.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, dict) else None
+            found.setdefault(function["name"], properties if isinstance(properties, dict) else {})
+    return found
+
+
+def _first_tag(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str]:
+    """Where the first of ``tags`` is in ``text`` (from ``start``), and which: (-1, "") if none."""
+    first, which = -1, ""
+    for tag in tags:
+        at = text.find(tag, start)
+        if at >= 0 and (first < 0 or at < first):
+            first, which = at, tag
+    return first, which
+
+
+_STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+_NULLS = ("null", "none")
+
+
+def _declared_type(schema: Any) -> tuple[str, bool]:
+    """A parameter's type as the qwen3_coder parser reads its schema (``type``, else the first typed
+    option of ``anyOf``; neither: a string), and whether the schema admits null."""
+    if not isinstance(schema, dict):
+        return "string", False
+    if "type" in schema and not isinstance(schema["type"], list):
+        kind = str(schema["type"]).strip().lower()
+        return kind, kind == "null"
+    if "type" in schema:  # ["integer", "null"]: read as anyOf
+        options = [str(t).strip().lower() for t in schema["type"]]
+    elif isinstance(schema.get("anyOf"), list):
+        options = [str(o["type"]).strip().lower() for o in schema["anyOf"] if isinstance(o, dict) and "type" in o]
+    else:
+        return "string", False
+    typed = [kind for kind in options if kind != "null"]
+    return (typed[0] if typed else "string"), len(typed) < len(options)
+
+
+def qwen3_coder_value(raw: str, schema: Any) -> Any:
+    """A Qwen3-Coder parameter's text as its declared type reads it (vLLM's rules): strings as
+    written; integers and numbers (a whole number as an integer) else the text; booleans true only
+    for ``true`` (any case); objects and arrays as JSON, else as Python literals, else the text;
+    other types as Python literals, else the text. ``null`` / ``None`` is null but for a string
+    that does not admit null. A value JSON cannot carry (NaN, a set) stays its text."""
+    kind, nullable = _declared_type(schema)
+    if raw.lower() in _NULLS and (nullable or kind not in _STRING_TYPES):
+        return None
+    if kind in _STRING_TYPES:
+        return raw
+    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+        try:
+            return int(raw)
+        except ValueError:
+            return raw
+    if kind.startswith(("num", "float")):
+        try:
+            number = float(raw)
+        except ValueError:
+            return raw
+        if not math.isfinite(number):
+            return raw
+        return int(number) if number.is_integer() else number
+    if kind in ("boolean", "bool", "binary"):
+        return raw.lower() == "true"
+    container = kind in ("object", "array", "arr") or kind.startswith(("dict", "list"))
+    value: Any = _NO_VALUE
+    if container:
+        try:
+            value = json.loads(raw)
+        except (ValueError, RecursionError):
+            pass
+        else:
+            if isinstance(value, str):  # JSON of a Python repr, "{'k': 'v'}" (a known template slip)
+                value = _python_literal(value, value)
+    if value is _NO_VALUE:
+        value = _python_literal(raw, raw)
+        if container and isinstance(value, str):
+            value = _python_literal(value, value)
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return raw
+    return value
+
+
+_NO_VALUE = object()
+
+
+def _python_literal(text: str, otherwise: Any) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return otherwise
+
+
+def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: str | None,
+                            tools: list[dict[str, Any]] | None = None) -> ToolCallParser | None:
     """The parser a chat request's effective ``tool_choice`` needs (None: plain content). Calls a
     named or required tool_choice makes take the server's id shape too (a Mistral template refuses
-    the others when they come back)."""
+    the others when they come back). ``tools``: the request's, as ``tool_dicts`` gives them (the
+    qwen3_coder format reads its values by their parameters' types)."""
     call_id = mistral_tool_call_id if server_parser == "mistral" else random_tool_call_id
     if isinstance(tool_choice, dict):
         return NamedToolCallParser(tool_choice["function"]["name"], call_id)
@@ -709,5 +965,7 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
             return MistralToolCallParser()
         if server_parser == "pythonic":
             return PythonicToolCallParser()
+        if server_parser == "qwen3_coder":
+            return Qwen3CoderToolCallParser(tools)
         raise ValueError(f"unknown tool call parser {server_parser!r}")
     return None
