@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -208,10 +209,8 @@ def _json_string_list(text: str) -> list[str]:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llm-cluster", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="Start engines and the OpenAI-compatible router.")
+def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """The engines', the models' and the router's flags (``serve``, and ``run-batch``)."""
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help=f"Model: the default {DEFAULT_MODEL}, a Hugging Face directory or a .gguf file (as "
                             "vllm serve MODEL; --model says the same).")
@@ -420,6 +419,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--address", default=None, help="Existing Ray cluster (ray://... or host:port).")
     serve.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray (default: all).")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-cluster", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="Start engines and the OpenAI-compatible router.")
+    _add_serve_arguments(serve)
+    batch = sub.add_parser(
+        "run-batch", help="Run a file of OpenAI batch requests (JSONL) through engines started for it, as vLLM's "
+                          "run-batch; every serve flag applies.")
+    batch.add_argument("-i", "--input-file", required=True,
+                       help="The batch file: a local path, or an http(s) URL read with GET. One request per line: "
+                            '{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}.')
+    batch.add_argument("-o", "--output-file", required=True,
+                       help="Where the results go, one line per request in the input's order: a local path, or an "
+                            "http(s) URL written with PUT.")
+    batch.add_argument("--output-tmp-dir", default=None,
+                       help="With an output URL: write the results to a file in this directory before the upload "
+                            "(default: the system's temporary directory).")
+    _add_serve_arguments(batch)
     stop = sub.add_parser("stop", help="Delete a Serve-deployed application and stop its detached engines.")
     stop.add_argument("--address", default="auto", help="The Ray cluster (default: the one running here).")
     stop.add_argument("--namespace", default="llm-cluster", help="The namespace of the application's actors.")
@@ -556,9 +575,9 @@ def _config_error(error: Exception) -> str:
     return "; ".join(lines)
 
 
-def serve_command(args: argparse.Namespace) -> int:
-    for key, value in SERVE_ENV.items():
-        os.environ.setdefault(key, value)
+def _checked_config(args: argparse.Namespace):
+    """The ClusterConfig the flags describe, checked as far as can be before anything starts (None:
+    refused, with the reason printed)."""
     try:
         config = cluster_config_from_args(args)
         config.engine_configs()
@@ -578,6 +597,15 @@ def serve_command(args: argparse.Namespace) -> int:
                     read_adapter_config(module.path, owner.max_lora_rank)
     except (ValueError, TypeError, OSError) as e:  # (pydantic's ValidationError is a ValueError)
         print(f"llm-cluster: {_config_error(e)}", file=sys.stderr)
+        return None
+    return config
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    for key, value in SERVE_ENV.items():
+        os.environ.setdefault(key, value)
+    config = _checked_config(args)
+    if config is None:
         return 2
 
     import ray
@@ -644,6 +672,72 @@ def serve_command(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0  # (the shell's status for a command stopped by Ctrl-C)
 
 
+def run_batch_command(args: argparse.Namespace) -> int:
+    """``llm-cluster run-batch``: engines started for the batch (on a local Ray, or --address's
+    cluster), the batch run through the router's app in this process, then everything stopped."""
+    if not _is_url(args.input_file) and not os.path.isfile(args.input_file):
+        print(f"llm-cluster: {args.input_file}: no such file", file=sys.stderr)
+        return 2
+    config = _checked_config(args)
+    if config is None:
+        return 2
+    if config.engine_autoscaling is not None or any(m.engine_autoscaling for m in config.models):
+        print("llm-cluster: run-batch starts its engines for the batch: give --num-engines, not "
+              "--engine-autoscaling", file=sys.stderr)
+        return 2
+
+    import asyncio
+
+    import ray
+
+    from cluster.app import start_cluster, stop_cluster
+    from cluster.launcher import InsufficientResourcesError, check_local_capacity, ensure_ray
+    from cluster.run_batch import run_batch_on_engines
+
+    started_local = False
+    try:
+        started_local = ensure_ray(config.address, namespace=config.namespace, num_cpus=args.num_cpus)
+        if started_local:
+            check_local_capacity(config.engine_slot_configs())
+    except InsufficientResourcesError as e:
+        print(f"llm-cluster: {e}", file=sys.stderr)
+        ray.shutdown()
+        return 2
+    engines = []
+    started = time.monotonic()
+    last_report = [started]
+
+    def progress(summary) -> None:
+        if time.monotonic() - last_report[0] >= 10:
+            last_report[0] = time.monotonic()
+            print(f"llm-cluster: run-batch: {summary.succeeded + summary.failed} answered "
+                  f"({summary.failed} failed)", flush=True)
+
+    try:
+        engines = start_cluster(config)
+        print(f"llm-cluster: run-batch: {len(engines)} engine(s) ready; reading {args.input_file}", flush=True)
+        summary = asyncio.run(run_batch_on_engines(config, args.input_file, args.output_file, args.output_tmp_dir,
+                                                   progress))
+    except KeyboardInterrupt:
+        print("llm-cluster: run-batch interrupted; shutting down", file=sys.stderr, flush=True)
+        return 130
+    except OSError as e:
+        print(f"llm-cluster: run-batch: {e}", file=sys.stderr)
+        return 1
+    finally:
+        with contextlib.suppress(Exception):
+            stop_cluster(config, engines)
+        if started_local:
+            ray.shutdown()
+    print(f"llm-cluster: run-batch: {summary.requests} requests, {summary.succeeded} answered, {summary.failed} "
+          f"failed, in {time.monotonic() - started:.1f} s; results in {args.output_file}", flush=True)
+    return 0
+
+
+def _is_url(path: str) -> bool:
+    return path.startswith(("http://", "https://"))
+
+
 # The node of the local Ray this command started (None: it joined a cluster, or has not started one).
 _own_node_id: str | None = None
 
@@ -683,7 +777,7 @@ def _kill_serve_haproxy(node_id: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
+    if argv[:1] in (["serve"], ["run-batch"]):
         try:
             argv, warnings = vllm_command_line(argv)
         except ValueError as e:
@@ -696,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_command(args)
     if args.command == "stop":
         return stop_command(args)
+    if args.command == "run-batch":
+        return run_batch_command(args)
     return 1
 
 

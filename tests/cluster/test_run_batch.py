@@ -1,0 +1,110 @@
+"""``llm-cluster run-batch``: an OpenAI batch file through engines started for it, answered as the
+HTTP server answers, results in the input's order; local files and http(s) URLs. Real local Ray,
+tiny model."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import pytest
+
+from cluster.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def _line(custom_id, url, body, method="POST") -> str:
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
+
+
+def _batch(model: str) -> list[str]:
+    greedy = {"model": model, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    return [
+        _line("chat-1", "/v1/chat/completions", {**greedy, "messages": [{"role": "user", "content": "Hello"}]}),
+        _line("completion-n2", "/v1/completions", {**greedy, "prompt": "Once upon", "n": 2, "temperature": 1.0,
+                                                              "seed": 3}),
+        "not json at all",
+        _line("streamed", "/v1/completions", {**greedy, "prompt": "x", "stream": True}),
+        _line("unknown-model", "/v1/completions", {**greedy, "model": "nope", "prompt": "x"}),
+        _line("bad-url", "/v1/models", {}),
+        _line("get", "/v1/completions", {**greedy, "prompt": "x"}, method="GET"),
+        _line("too-long", "/v1/completions", {**greedy, "prompt": "x", "max_tokens": 10_000}),
+        _line("chat-1-again", "/v1/chat/completions", {**greedy, "messages": [{"role": "user", "content": "Hello"}]}),
+    ]
+
+
+def _flags(model_dir) -> list[str]:
+    return ["--model", str(model_dir), "--served-model-name", "tiny", "--num-engines", "2",
+            "--num-gpu-blocks", "64", "--max-model-len", "128"]
+
+
+def _check(results: list[dict]) -> None:
+    assert [r["custom_id"] for r in results] == ["chat-1", "completion-n2", None, "streamed", "unknown-model",
+                                                   "bad-url", "get", "too-long", "chat-1-again"]
+    status = {r["custom_id"]: r["response"]["status_code"] for r in results}
+    assert status == {"chat-1": 200, "completion-n2": 200, None: 400, "streamed": 400, "unknown-model": 404,
+                      "bad-url": 400, "get": 400, "too-long": 400, "chat-1-again": 200}
+    chat, completion, *_, again = results
+    assert chat["error"] is None and chat["response"]["body"]["object"] == "chat.completion"
+    assert chat["response"]["body"]["usage"]["completion_tokens"] == 6
+    # The same greedy request twice: the same answer, whichever engine each went to.
+    assert (again["response"]["body"]["choices"][0]["message"]["content"]
+            == chat["response"]["body"]["choices"][0]["message"]["content"])
+    assert [c["index"] for c in completion["response"]["body"]["choices"]] == [0, 1]
+    by_id = {r["custom_id"]: r for r in results}
+    # Errors carry the OpenAI error body the HTTP server gives (or why the line could not run).
+    unknown = by_id["unknown-model"]
+    assert unknown["error"]["error"]["code"] == 404 and unknown["response"]["body"] is None
+    assert by_id["too-long"]["error"]["error"]["param"] in ("max_tokens", "prompt")
+    assert "stream" in by_id["streamed"]["error"] and "POST" in by_id["get"]["error"]
+    assert "/v1/models" in by_id["bad-url"]["error"] and by_id[None]["error"] == "the line is not JSON"
+    assert len({r["id"] for r in results}) == len(results)
+
+
+def test_a_batch_file_is_answered_line_by_line_in_order(ray_cluster, tiny_model_dir, tmp_path, capsys):
+    source, results = tmp_path / "batch.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(_batch("tiny")) + "\n\n")  # (blank lines are skipped)
+    assert main(["run-batch", "-i", str(source), "-o", str(results), *_flags(tiny_model_dir)]) == 0
+    _check([json.loads(line) for line in results.read_text().splitlines()])
+    assert "9 requests, 3 answered, 6 failed" in capsys.readouterr().out
+
+
+class _Store(http.server.BaseHTTPRequestHandler):
+    """GET serves the batch; PUT keeps what it is sent (as an object store's presigned URLs)."""
+
+    files: dict[str, bytes] = {}
+
+    def do_GET(self) -> None:
+        data = self.files.get(self.path)
+        self.send_response(200 if data is not None else 404)
+        self.end_headers()
+        self.wfile.write(data or b"")
+
+    def do_PUT(self) -> None:
+        self.files[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_batch_is_read_from_and_written_to_urls(ray_cluster, tiny_model_dir, tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Store)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    _Store.files["/in.jsonl"] = "\n".join(_batch("tiny")).encode()
+    try:
+        assert main(["run-batch", "-i", f"{base}/in.jsonl", "-o", f"{base}/out.jsonl", "--output-tmp-dir",
+                     str(tmp_path), *_flags(tiny_model_dir)]) == 0
+    finally:
+        server.shutdown()
+    _check([json.loads(line) for line in _Store.files["/out.jsonl"].decode().splitlines()])
+    assert list(tmp_path.iterdir()) == []  # (the temporary output was removed after the upload)
+
+
+def test_a_missing_input_file_is_refused_before_anything_starts(tmp_path, capsys):
+    assert main(["run-batch", "-i", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "out.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
