@@ -681,6 +681,13 @@ def run_batch_command(args: argparse.Namespace) -> int:
     config = _checked_config(args)
     if config is None:
         return 2
+    from cluster.run_batch import check_output
+
+    try:
+        check_output(args.output_file, args.output_tmp_dir)
+    except OSError as e:
+        print(f"llm-cluster: run-batch: {e}", file=sys.stderr)
+        return 2
     if config.engine_autoscaling is not None or any(m.engine_autoscaling for m in config.models):
         print("llm-cluster: run-batch starts its engines for the batch: give --num-engines, not "
               "--engine-autoscaling", file=sys.stderr)
@@ -703,6 +710,9 @@ def run_batch_command(args: argparse.Namespace) -> int:
         print(f"llm-cluster: {e}", file=sys.stderr)
         ray.shutdown()
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while Ray starts
+        ray.shutdown()
+        return 130
     engines = []
     started = time.monotonic()
     last_report = [started]

@@ -9,19 +9,22 @@ engines (no HTTP server: httpx's ASGI transport), so a batch line is answered ex
 request over HTTP would be, errors included (``error`` then holds the OpenAI error body, as
 vLLM's does). Lines are read and answered as a stream: up to ``max_in_flight`` requests at a time,
 each result written as soon as those before it are (memory follows how far ahead answers come,
-not the file's length). A line that is not a request (not JSON, a method other than POST, an
-endpoint a batch cannot use, ``stream: true``) gets an error line of its own; the others run.
+not the file's length: one slow line holds the results after it). A line that is not a request
+(not JSON, a method other than POST, an endpoint a batch cannot use, ``stream: true``) gets an
+error line of its own; the others run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import logging
 import os
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -37,6 +40,8 @@ BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", 
 
 UPLOAD_ATTEMPTS = 5
 UPLOAD_RETRY_DELAY_S = 5.0
+# An input URL that sends nothing for this long has failed.
+READ_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -53,7 +58,7 @@ def _is_url(path_or_url: str) -> bool:
 def read_lines(path_or_url: str) -> Iterator[str]:
     """The input's non-blank lines, read as they are needed (a URL is read with GET)."""
     if _is_url(path_or_url):
-        with urllib.request.urlopen(path_or_url) as response:
+        with urllib.request.urlopen(path_or_url, timeout=READ_TIMEOUT_S) as response:
             for raw in response:
                 if line := raw.decode("utf-8").strip():
                     yield line
@@ -65,7 +70,8 @@ def read_lines(path_or_url: str) -> Iterator[str]:
 
 
 def upload(url: str, path: str, attempts: int = UPLOAD_ATTEMPTS, delay_s: float = UPLOAD_RETRY_DELAY_S) -> None:
-    """PUT the file at ``path`` to ``url`` (a presigned object-store URL, say), tried again on failure."""
+    """PUT the file at ``path`` to ``url`` (a presigned object-store URL, say), tried again on a
+    failure that may pass (not on a 4xx: an expired or wrong URL stays so). OSError if it fails."""
     for attempt in range(1, attempts + 1):
         try:
             with open(path, "rb") as f:
@@ -76,7 +82,9 @@ def upload(url: str, path: str, attempts: int = UPLOAD_ATTEMPTS, delay_s: float 
                     if response.status not in (200, 201, 204):
                         raise OSError(f"status {response.status}")
             return
-        except OSError as e:
+        except (OSError, http.client.HTTPException) as e:
+            if isinstance(e, urllib.error.HTTPError) and 400 <= e.code < 500:
+                raise OSError(f"uploading the results to {url} was refused: {e}") from e
             if attempt == attempts:
                 raise OSError(f"uploading the results to {url} failed {attempts} times: {e}") from e
             logger.warning("uploading the results failed (attempt %d of %d): %s; again in %.0f s", attempt,
@@ -175,42 +183,80 @@ async def run_batch(app: Any, input_file: str, out: IO[str], max_in_flight: int,
             if progress is not None:
                 progress(summary)
 
+        failures: list[BaseException] = []
+
+        def done(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:  # (writing a result failed)
+                failures.append(task.exception())  # type: ignore[arg-type]
+
         index = 0
-        async for line in _lines(input_file):
-            refusal = _refusal(line)
-            summary.requests += 1
-            if refusal is not None:
-                custom_id, message = refusal
-                summary.failed += 1
-                writer.add(index, _output(custom_id, 400, error=message))
-            else:
-                await slots.acquire()
-                task = asyncio.create_task(answer(index, json.loads(line)))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            index += 1
-        if tasks:
-            await asyncio.gather(*tasks)
+        try:
+            async for line in _lines(input_file):
+                if failures:
+                    raise failures[0]
+                refusal = _refusal(line)
+                summary.requests += 1
+                if refusal is not None:
+                    custom_id, message = refusal
+                    summary.failed += 1
+                    writer.add(index, _output(custom_id, 400, error=message))
+                else:
+                    await slots.acquire()
+                    task = asyncio.create_task(answer(index, json.loads(line)))
+                    tasks.add(task)
+                    task.add_done_callback(done)
+                index += 1
+            while tasks:
+                await asyncio.gather(*list(tasks))
+            if failures:
+                raise failures[0]
+        finally:  # (the input failed, or a result could not be written: nothing goes on behind it)
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*list(tasks), return_exceptions=True)
     return summary
+
+
+def check_output(path_or_url: str, tmp_dir: str | None = None) -> None:
+    """OSError now (before any engine starts) if the results could not be written there."""
+    directory = (tmp_dir or tempfile.gettempdir()) if _is_url(path_or_url) else (
+        os.path.dirname(os.path.abspath(path_or_url)))
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise OSError(f"{directory}: not a directory this process can write to")
 
 
 @contextlib.contextmanager
 def output_file(path_or_url: str, tmp_dir: str | None = None) -> Iterator[IO[str]]:
-    """Where the results are written: the file itself, or for a URL a temporary file uploaded once
-    the batch is done (and removed)."""
-    if not _is_url(path_or_url):
-        with open(path_or_url, "w", encoding="utf-8") as f:
-            yield f
-        return
-    fd, path = tempfile.mkstemp(prefix="batch-output-", suffix=".jsonl", dir=tmp_dir)
+    """Where the results are written: a temporary file, which becomes the output file once the batch
+    is done (the input may be the same file, and a failed run leaves no partial output there), or
+    for a URL is uploaded then (and removed; kept, and its path said, if the upload fails)."""
+    url = _is_url(path_or_url)
+    directory = (tmp_dir if url else os.path.dirname(os.path.abspath(path_or_url)))
+    fd, path = tempfile.mkstemp(prefix="batch-output-", suffix=".jsonl", dir=directory)
+    done = False
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             yield f
-        logger.info("uploading the results to %s", path_or_url)
-        upload(path_or_url, path)
-    finally:
-        with contextlib.suppress(OSError):
+        if url:
+            logger.info("uploading the results to %s", path_or_url)
+            try:
+                upload(path_or_url, path)
+            except OSError as e:
+                done = True  # (the results stay where they are)
+                raise OSError(f"{e}; the results are kept in {path}") from e
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(path, 0o666 & ~umask)  # (as a file opened for writing would be, not mkstemp's 0600)
+            os.replace(path, path_or_url)
+        done = True
+        if url:
             os.unlink(path)
+    finally:
+        if not done:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 async def run_batch_on_engines(config: Any, input_file: str, output: str, tmp_dir: str | None = None,
@@ -222,10 +268,11 @@ async def run_batch_on_engines(config: Any, input_file: str, output: str, tmp_di
     from router.deployment import build_serving
 
     first, *more = router_deployment(config)._bound_deployment.init_args
-    router_configs = [first, *(more[0] if more else [])]
-    built = [await build_serving(c) for c in router_configs]
-    servings = [serving for serving, _ in built]
+    built = []
     try:
+        for router_config in [first, *(more[0] if more else [])]:
+            built.append(await build_serving(router_config))
+        servings = [serving for serving, _ in built]
         for _, client in built:
             await client.wait_connected()
         app = create_app(servings)

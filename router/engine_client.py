@@ -184,10 +184,10 @@ class _EngineSlot:
     draining: bool = False
     in_flight: int = 0
     requests: set[str] = field(default_factory=set)
-    # This client's requests in flight there under each LoRA adapter (by name), and each such
-    # request's adapter.
-    adapters: dict[str, int] = field(default_factory=dict)
-    adapter_of: dict[str, str] = field(default_factory=dict)
+    # This client's requests in flight there under each LoRA adapter (by its cache key: id and
+    # name, as the engines tell adapters apart), and each such request's adapter.
+    adapters: dict[tuple[int, str], int] = field(default_factory=dict)
+    adapter_of: dict[str, tuple[int, str]] = field(default_factory=dict)
     last_error: str | None = None
     channel: ChannelConnection | None = None
     connected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -219,8 +219,8 @@ class EngineClient:
     def loads(self) -> list[int]:
         return [s.in_flight for s in self._slots]
 
-    def active_adapters(self) -> list[dict[str, int]]:
-        """Per engine, this client's requests in flight under each LoRA adapter (by name)."""
+    def active_adapters(self) -> list[dict[tuple[int, str], int]]:
+        """Per engine, this client's requests in flight under each LoRA adapter (by id and name)."""
         return [s.adapters for s in self._slots]
 
     def healthy(self) -> list[bool]:
@@ -283,8 +283,8 @@ class EngineClient:
         slot.in_flight += 1
         slot.requests.add(rid)
         if request.lora_request is not None:
-            name = slot.adapter_of[rid] = request.lora_request.lora_name
-            slot.adapters[name] = slot.adapters.get(name, 0) + 1
+            key = slot.adapter_of[rid] = request.lora_request.cache_key
+            slot.adapters[key] = slot.adapters.get(key, 0) + 1
         answer: asyncio.Future[Accepted] = asyncio.get_running_loop().create_future()
         slot.pending[rid] = answer
         sent = False
@@ -356,12 +356,12 @@ class EngineClient:
         if request_id in slot.requests:
             slot.requests.discard(request_id)
             slot.in_flight -= 1
-            name = slot.adapter_of.pop(request_id, None)
-            if name is not None:
-                if slot.adapters[name] <= 1:
-                    del slot.adapters[name]
+            key = slot.adapter_of.pop(request_id, None)
+            if key is not None:
+                if slot.adapters[key] <= 1:
+                    del slot.adapters[key]
                 else:
-                    slot.adapters[name] -= 1
+                    slot.adapters[key] -= 1
         self._queues.pop(request_id, None)
 
     # -- the channel reader ---------------------------------------------------------------------------

@@ -39,10 +39,9 @@ class RoutingContext:
     cache_salt: str | None = None
     # A prompt given as embeddings: their digests key its blocks, as in the engine.
     prompt_embeds: PromptEmbeds | None = None
-    # The LoRA adapter the request runs under (its name), and per engine the requests in flight
-    # under each adapter (LoRA affinity, see LeastLoadedPolicy; None: not known).
-    lora_name: str | None = None
-    active_adapters: list[dict[str, int]] | None = None
+    # Per engine, the requests in flight under each LoRA adapter, by its lora_key (LoRA affinity,
+    # see LeastLoadedPolicy; None: not known).
+    active_adapters: list[dict[tuple[int, str], int]] | None = None
 
     def healthy_indices(self) -> list[int]:
         indices = [i for i, ok in enumerate(self.healthy) if ok]
@@ -81,9 +80,12 @@ class LeastLoadedPolicy(RoutingPolicy):
     mixes at most ``max_loras`` adapters and holds a request of one more back until one drains, so a
     request under an adapter goes only to engines already running it or with an adapter slot free;
     of those, to the least loaded one running it unless that is ``lora_load_margin`` requests above
-    the least loaded of them (then the choice is among them all, by load). Only when no engine can
-    take it without holding it back does load alone decide. (The LoRA affinity scorer of the Gateway
-    API inference extension, llm-d's scheduler, ranks engines the same way.)
+    the least loaded of them (then the choice is among them all, by load). Load alone decides when
+    no engine can take it without holding it back, or when those that can are ``load_margin``
+    requests above the least loaded engine (a free adapter slot is not worth an unbounded queue).
+    (The LoRA affinity scorer of the Gateway API inference extension, llm-d's scheduler, ranks
+    engines the same way.) An adapter is known by its id and name: requests under an earlier load of
+    a reloaded adapter are another adapter to the engines.
     """
 
     name = "least_loaded"
@@ -91,15 +93,16 @@ class LeastLoadedPolicy(RoutingPolicy):
     # still be preferred (leaving that slot to another adapter).
     lora_load_margin = 1
 
-    def __init__(self, seed: int | None = None, max_loras: int = 0) -> None:
+    def __init__(self, seed: int | None = None, max_loras: int = 0, load_margin: int = 8) -> None:
         self._rng = random.Random(seed)
         self.max_loras = max_loras
+        self.load_margin = load_margin
 
     def choose(self, ctx: RoutingContext) -> int:
         candidates = ctx.healthy_indices()
         if len(candidates) == 1:
             return candidates[0]
-        if self.max_loras and ctx.lora_name is not None and ctx.active_adapters is not None:
+        if self.max_loras and ctx.lora_key is not None and ctx.active_adapters is not None:
             candidates = self._lora_candidates(ctx, candidates)
             if len(candidates) == 1:
                 return candidates[0]
@@ -108,12 +111,13 @@ class LeastLoadedPolicy(RoutingPolicy):
 
     def _lora_candidates(self, ctx: RoutingContext, healthy: list[int]) -> list[int]:
         """The engines a request under an adapter may go to (see the class's description)."""
-        active, name = ctx.active_adapters, ctx.lora_name
-        assert active is not None and name is not None
-        fits = [i for i in healthy if name in active[i] or len(active[i]) < self.max_loras]
-        if not fits:
+        active, key = ctx.active_adapters, ctx.lora_key
+        assert active is not None and key is not None
+        fits = [i for i in healthy if key in active[i] or len(active[i]) < self.max_loras]
+        least = min(ctx.loads[i] for i in healthy)
+        if not fits or min(ctx.loads[i] for i in fits) - least > self.load_margin:
             return healthy
-        running = [i for i in fits if name in active[i]]
+        running = [i for i in fits if key in active[i]]
         if running:
             best = min(running, key=lambda i: ctx.loads[i])
             if ctx.loads[best] - min(ctx.loads[i] for i in fits) <= self.lora_load_margin:
@@ -159,7 +163,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         self._cached: list[set[bytes] | None] = [None] * num_engines
         # What each engine's KV offloading tier holds (host memory: copied back instead of computed).
         self._tiered: list[set[bytes]] = [set() for _ in range(num_engines)]
-        self._fallback = LeastLoadedPolicy(seed, max_loras=max_loras)
+        self._fallback = LeastLoadedPolicy(seed, max_loras=max_loras, load_margin=load_margin)
 
     def match_lengths(self, block_hashes: list[bytes]) -> list[int]:
         """Per engine, the leading blocks it holds: those in its KV cache (or just sent there), then
@@ -292,7 +296,7 @@ def create_routing_policy(name: str, num_engines: int, block_size: int = 16, loa
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_loaded":
-        return LeastLoadedPolicy(seed, max_loras=max_loras)
+        return LeastLoadedPolicy(seed, max_loras=max_loras, load_margin=load_margin)
     if name == "prefix_aware":
         return PrefixAwarePolicy(num_engines, block_size=block_size, load_margin=load_margin, seed=seed,
                                  long_rope_after=long_rope_after, max_loras=max_loras)

@@ -933,13 +933,12 @@ class OpenAIServing:
         if lora is not None:
             active = self.client.active_adapters()
             if chosen is not None and any(chosen):  # (this request's other prompts, placed already: its adapter)
-                active = [a | {lora.lora_name: a.get(lora.lora_name, 0) + n} if n else a
+                active = [a | {lora.cache_key: a.get(lora.cache_key, 0) + n} if n else a
                           for a, n in zip(active, chosen, strict=True)]
         try:
             engine = self.policy.choose(RoutingContext(prompt_token_ids, loads, healthy, session_id,
                                                        None if lora is None else lora.cache_key, cache_salt,
-                                                       prompt_embeds, None if lora is None else lora.lora_name,
-                                                       active))
+                                                       prompt_embeds, active))
         except NoHealthyEngineError as e:
             raise APIError(503, "no healthy engine is available", "ServiceUnavailableError") from e
         if self.metrics is not None:

@@ -741,8 +741,9 @@ class Qwen3CoderToolCallParser(ToolCallParser):
             self._content.add(rest, out)
         elif state == "block" or (state == "name" and self._block):  # no call in it: text
             self._content.add(self._block + rest, out)
-        elif state == "value":  # cut off in a value: it ends where the text does
-            self._release_parameter(rest, out)
+        elif state == "value":  # cut off in a value: it ends where the text does (less a tag begun)
+            tags = (self.PARAMETER_END, self.PARAMETER, self.FUNCTION_END, self.END)
+            self._release_parameter(rest[:len(rest) - max(partial_suffix(rest, tag) for tag in tags)], out)
         if state in ("body", "key", "value"):
             self._close_call(out)
         if not self.calls:  # a blank answer is still the answer; blanks around calls are not content

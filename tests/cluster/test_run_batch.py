@@ -75,6 +75,7 @@ class _Store(http.server.BaseHTTPRequestHandler):
     """GET serves the batch; PUT keeps what it is sent (as an object store's presigned URLs)."""
 
     files: dict[str, bytes] = {}
+    puts: list[str] = []
 
     def do_GET(self) -> None:
         data = self.files.get(self.path)
@@ -83,8 +84,13 @@ class _Store(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data or b"")
 
     def do_PUT(self) -> None:
-        self.files[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
-        self.send_response(200)
+        data = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/expired":  # (a presigned URL past its time: not tried again)
+            self.puts.append(self.path)
+            self.send_response(403)
+        else:
+            self.files[self.path] = data
+            self.send_response(200)
         self.end_headers()
 
     def log_message(self, *args) -> None:
@@ -105,6 +111,31 @@ def test_a_batch_is_read_from_and_written_to_urls(ray_cluster, tiny_model_dir, t
     assert list(tmp_path.iterdir()) == []  # (the temporary output was removed after the upload)
 
 
+def test_the_results_may_replace_the_input_and_a_refused_upload_keeps_them(ray_cluster, tiny_model_dir, tmp_path,
+                                                                            capsys):
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("\n".join(_batch("tiny")))
+    assert main(["run-batch", "-i", str(batch), "-o", str(batch), *_flags(tiny_model_dir)]) == 0
+    _check([json.loads(line) for line in batch.read_text().splitlines()])  # (read whole before it was replaced)
+    assert [p.name for p in tmp_path.iterdir()] == ["batch.jsonl"]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Store)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    batch.write_text("\n".join(_batch("tiny")))
+    try:
+        assert main(["run-batch", "-i", str(batch), "-o", f"http://127.0.0.1:{server.server_address[1]}/expired",
+                     "--output-tmp-dir", str(kept), *_flags(tiny_model_dir)]) == 1
+    finally:
+        server.shutdown()
+    assert _Store.puts == ["/expired"]  # (a 403 is not tried again)
+    [results] = kept.iterdir()
+    assert str(results) in capsys.readouterr().err
+    _check([json.loads(line) for line in results.read_text().splitlines()])
+
+
 def test_a_missing_input_file_is_refused_before_anything_starts(tmp_path, capsys):
     assert main(["run-batch", "-i", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "out.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
+    assert main(["run-batch", "-i", str(__file__), "-o", str(tmp_path / "no-such-dir" / "out.jsonl")]) == 2
+    assert "not a directory this process can write to" in capsys.readouterr().err

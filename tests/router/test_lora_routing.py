@@ -43,7 +43,8 @@ def test_each_adapter_keeps_to_the_engine_running_it(ray_cluster, tiny_model_dir
                         request_id=f"affinity-{i}", prompt_token_ids=tokens, sampling_params=params,
                         client_index=client.client_index, lora_request=lora)))
                     placed.append((lora.lora_name, engine))
-                assert client.active_adapters() in ([{"a": 4}, {"b": 4}], [{"b": 4}, {"a": 4}])
+                a, b = loras[0].cache_key, loras[1].cache_key
+                assert client.active_adapters() in ([{a: 4}, {b: 4}], [{b: 4}, {a: 4}])
             finally:
                 for stream in streams:
                     await stream.close()

@@ -36,8 +36,11 @@ def test_least_loaded_picks_the_lighter_of_two_samples():
 
 
 def lora_ctx(loads, active, lora="sql", healthy=None):
-    return RoutingContext([], list(loads), list(healthy or [True] * len(loads)), lora_name=lora,
-                          active_adapters=[dict(a) for a in active])
+    """Adapters by name here; the context keys them by (id, name), as the engines tell them apart."""
+    ids = {"sql": 1, "chat": 2, "web": 3}
+    return RoutingContext([], list(loads), list(healthy or [True] * len(loads)),
+                          lora_key=None if lora is None else (ids[lora], lora),
+                          active_adapters=[{(ids[name], name): n for name, n in a.items()} for a in active])
 
 
 def test_least_loaded_keeps_an_adapter_on_the_engines_running_it():
@@ -50,8 +53,14 @@ def test_least_loaded_keeps_an_adapter_on_the_engines_running_it():
     assert all(p.choose(lora_ctx([0, 1], [{}, {"sql": 1}])) == 1 for _ in range(20))
     # Two above: the engine with a free slot takes it (one adapter does not pile onto one engine).
     assert all(p.choose(lora_ctx([0, 2], [{}, {"sql": 2}])) == 0 for _ in range(20))
-    # ... unless that engine's slot is taken by another adapter: then it stays, however loaded.
+    # ... unless that engine's slot is taken by another adapter: then it stays, up to the load margin.
     assert all(p.choose(lora_ctx([0, 6], [{"chat": 1}, {"sql": 6}])) == 1 for _ in range(20))
+    assert all(p.choose(lora_ctx([0, 9], [{"chat": 1}, {"sql": 9}])) == 0 for _ in range(20))
+    # A reloaded adapter (a new id under the same name) is another adapter to the engines.
+    # Engine 1 still runs requests under the earlier load: its one slot is taken; engine 0's is free.
+    reloaded = RoutingContext([], [0, 1], [True, True], lora_key=(7, "sql"), active_adapters=[{}, {(1, "sql"): 1}])
+    assert all(p.choose(reloaded) == 0 for _ in range(20))
+
     # Of two engines running it, the less loaded.
     assert all(p.choose(lora_ctx([2, 1, 0], [{"sql": 2}, {"sql": 1}, {"web": 1}])) == 1 for _ in range(20))
     # A new adapter: the engine whose slot is free (engine 0 runs "chat", max_loras 1), though busier.

@@ -158,6 +158,9 @@ def test_content_is_released_at_once_but_what_may_be_a_tag_and_a_call_as_its_par
     # Cut off in a value: the value ends where the text does, and the object is closed.
     ("Hi " + "<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\nx = ",
      "Hi", [("write_file", {"path": "a.py", "content": "x = "})]),
+    # Cut off in the value's closing tag: the tag begun is not part of the value.
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</param",
+     "", [("get_weather", {"city": "Rome"})]),
     # Cut off in a parameter's name: that parameter is dropped.
     ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=da",
      "", [("get_weather", {"city": "Rome"})]),
