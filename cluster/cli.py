@@ -93,6 +93,23 @@ VLLM_FLAGS_WITHOUT_EFFECT: dict[str, tuple[bool, str]] = {
     "--cuda-graph-sizes": (True, "the engines capture no CUDA graphs"),
     "--compilation-config": (True, "the models are not compiled (no torch.compile, no CUDA graphs)"),
     "-O": (True, "the models are not compiled (no torch.compile, no CUDA graphs)"),
+    "--async-scheduling": (False, "each pass is scheduled once the one before it ends (no overlap with the "
+                                  "model's run); the answers are the same"),
+    "--hf-token": (True, "nothing is downloaded"),
+    "--disable-cascade-attn": (False, "there is no cascade attention to turn off"),
+    "--max-parallel-loading-workers": (True, "each tensor-parallel worker loads its own weights"),
+    "--distributed-executor-backend": (True, "an engine's tensor-parallel workers are Ray actors (at size 1, the "
+                                             "engine's own process)"),
+    "--prefix-caching-hash-algo": (True, "prefix-cache blocks are keyed by the engine's own hash (BLAKE2b of the "
+                                         "parent block's hash and the tokens)"),
+    "--limit-mm-per-prompt": (True, "the models served take text (and prompt embeddings), no images or audio"),
+    "--root-path": (True, "the API is served at the Serve application's route prefix; a proxy in front of it "
+                          "handles its own path"),
+}
+
+# Flags of `vllm serve` that are another flag here (same meaning, our name).
+VLLM_FLAGS_RENAMED: dict[str, str] = {
+    "--api-server-count": "--num-router-replicas",  # (vLLM's API server processes: our router replicas)
 }
 
 # Flags of `vllm serve` for what is not built here: refused with why (and what to do instead). A
@@ -120,6 +137,12 @@ VLLM_FLAGS_NOT_BUILT: dict[str, tuple[str, tuple[str, ...]]] = {
     "--config": ("flags come from the command line; per-engine flags from --engine-config FILE", ()),
     "--kv-transfer-config": ("KV connectors are not built; for vLLM's OffloadingConnector (KV blocks kept in "
                              "host memory) pass --kv-offloading-size GIB", ()),
+    "--model-impl": ("the built-in model implementations run (not transformers' modeling code)", ("auto", "vllm")),
+    "--logprobs-mode": ("logprobs are the model's own, before penalties, temperature and top-k/top-p (vLLM's "
+                        "raw_logprobs)", ("raw_logprobs",)),
+    "--guided-decoding-backend": ("structured output is built with xgrammar", ("auto", "xgrammar")),
+    "--structured-outputs-config": ("structured output is built with xgrammar (backend auto or xgrammar, nothing "
+                                    "else set)", ('{"backend": "auto"}', '{"backend": "xgrammar"}', "{}")),
 }
 
 
@@ -149,16 +172,27 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
                 i += 1
             warnings.append(f"{flag} has no effect here: {why}")
             continue
+        if flag in VLLM_FLAGS_RENAMED:
+            out.append(VLLM_FLAGS_RENAMED[flag] + sep + value)
+            continue
         if flag in VLLM_FLAGS_NOT_BUILT:
             why, harmless = VLLM_FLAGS_NOT_BUILT[flag]
             if not sep and i < len(argv):
                 value = argv[i]
                 i += 1
-            if value not in harmless:
+            if _normalised_json(value) not in {_normalised_json(h) for h in harmless}:
                 raise ValueError(f"{flag}: {why}")
             continue
         out.append(flag + sep + value)
     return out, warnings
+
+
+def _normalised_json(text: str) -> str:
+    """A flag's value with its JSON spacing and key order left out (a value that is not JSON as given)."""
+    try:
+        return json.dumps(json.loads(text), sort_keys=True)
+    except ValueError:
+        return text
 
 
 def _is_number(text: str) -> bool:

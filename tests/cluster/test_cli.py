@@ -705,6 +705,25 @@ def test_vllm_serve_command_lines_are_read_as_vllm_reads_them(capsys):
             human_readable_int(bad)
 
 
+def test_more_of_vllms_flags_are_taken_renamed_or_refused_with_why():
+    """Flags vLLM users pass that change nothing here are taken with a warning; --api-server-count
+    is our router replicas; what is not built is refused unless given its neutral value."""
+    from cluster.cli import vllm_command_line
+
+    argv, warnings = vllm_command_line([
+        "serve", "m", "--async-scheduling", "--hf-token", "t", "--distributed-executor-backend", "ray",
+        "--api-server-count=2", "--logprobs-mode", "raw_logprobs", "--structured-outputs-config",
+        '{ "backend" : "xgrammar" }', "--guided-decoding-backend", "auto", "--model-impl", "vllm"])
+    assert argv == ["serve", "m", "--num-router-replicas=2"]
+    assert [w.split(" has no effect here:")[0] for w in warnings] == [
+        "--async-scheduling", "--hf-token", "--distributed-executor-backend"]
+    assert build_parser().parse_args(argv).num_router_replicas == 2
+    for refused in (["--logprobs-mode", "processed_logprobs"], ["--model-impl", "transformers"],
+                    ["--structured-outputs-config", '{"backend": "guidance"}']):
+        with pytest.raises(ValueError, match=refused[0]):
+            vllm_command_line(["serve", "m", *refused])
+
+
 def test_a_lora_module_path_relative_to_here_reaches_the_engines_whole(tmp_path, monkeypatch):
     from engine_core.lora import parse_lora_module
 
