@@ -94,6 +94,8 @@ class EngineCoreService:
         # Clients that receive the KV cache events (busy-loop thread only), and how many unread hashes
         # one may have before its unread changes are replaced by a snapshot.
         self._kv_subscribers: set[int] = set()
+        # The LoRA adapters last sent to the clients (EngineCoreOutputs.lora_adapters).
+        self._lora_adapters_sent: frozenset[tuple[int, str]] = frozenset()
         self._max_buffered_event_hashes = max(4 * self.engine.num_blocks, 65536)
         self._buffers_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -406,9 +408,14 @@ class EngineCoreService:
             self._gone.add(client_index)
 
     def client_connected(self, client_index: int) -> None:
-        """A client's request channel opened (again): outputs for it are kept."""
+        """A client's request channel opened (again): outputs for it are kept, and with LoRA on it is
+        told the adapters in use now (then of each change)."""
         with self._buffers_lock:
             self._gone.discard(client_index)
+        if self.config.lora_config is not None:
+            self.submit(lambda: self._publish({client_index: EngineCoreOutputs(
+                engine_index=self.config.engine_index, timestamp=time.time(),
+                lora_adapters=sorted(self._lora_adapters_sent))}, take_events=False))
 
     def _buffer(self, client_index: int) -> _ClientBuffer:
         with self._buffers_lock:
@@ -480,6 +487,15 @@ class EngineCoreService:
                 for client_index in self._kv_subscribers:
                     outputs.setdefault(client_index, EngineCoreOutputs(
                         engine_index=self.config.engine_index, timestamp=time.time())).kv_events = events
+        if self.config.lora_config is not None and take_events:
+            adapters = self.engine.active_lora_adapters()
+            if adapters != self._lora_adapters_sent:  # every client hears of it
+                self._lora_adapters_sent = adapters
+                with self._buffers_lock:
+                    clients = [c for c in self._buffers if c not in self._gone]
+                for client_index in clients:
+                    outputs.setdefault(client_index, EngineCoreOutputs(
+                        engine_index=self.config.engine_index, timestamp=time.time())).lora_adapters = sorted(adapters)
         if not outputs:
             return  # (a drain after commands that changed nothing)
         stats = None
@@ -492,7 +508,7 @@ class EngineCoreService:
             self.metrics.on_step(outputs, stats)
         loop = self._loop
         for client_index, eco in outputs.items():
-            if not eco.outputs and not eco.finished_requests and not eco.kv_events:
+            if not eco.outputs and not eco.finished_requests and not eco.kv_events and eco.lora_adapters is None:
                 continue
             with self._buffers_lock:
                 if client_index in self._gone:

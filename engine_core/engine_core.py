@@ -274,6 +274,15 @@ class EngineCore:
             events.append((TIER_STORED, manager.offload.hashes()))
         return events
 
+    def active_lora_adapters(self) -> frozenset[tuple[int, str]]:
+        """The adapters (id, name) of the requests running or waiting (none with LoRA off)."""
+        if self.config.lora_config is None:
+            return frozenset()
+        scheduler = self.scheduler
+        return frozenset(request.lora_request.cache_key
+                         for queue in (scheduler.running, scheduler.waiting, scheduler.skipped_waiting)
+                         for request in queue if request.lora_request is not None)
+
     def take_kv_events(self) -> list[tuple[int, list[bytes]]]:
         return self.scheduler.kv_cache_manager.block_pool.take_kv_events()
 

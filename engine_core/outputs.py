@@ -204,6 +204,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     # KV cache events since the last frame, for clients that asked for them (prefix-aware routers):
     # (kind, block hashes) in order, kinds as in engine_core.core.block_pool (stored, removed, cleared).
     kv_events: list[tuple[int, list[bytes]]] | None = None
+    # The LoRA adapters (id, name) the engine's requests, running or waiting, are under, sent to
+    # every client when they change (and to a client when it connects): routers keep an adapter on
+    # the engines running it, whichever router sent its requests. None: unchanged.
+    lora_adapters: list[tuple[int, str]] | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -188,6 +188,8 @@ class _EngineSlot:
     # name, as the engines tell adapters apart), and each such request's adapter.
     adapters: dict[tuple[int, str], int] = field(default_factory=dict)
     adapter_of: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # The adapters the engine says its requests (any client's) are under.
+    engine_adapters: frozenset[tuple[int, str]] = frozenset()
     last_error: str | None = None
     channel: ChannelConnection | None = None
     connected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -220,8 +222,11 @@ class EngineClient:
         return [s.in_flight for s in self._slots]
 
     def active_adapters(self) -> list[dict[tuple[int, str], int]]:
-        """Per engine, this client's requests in flight under each LoRA adapter (by id and name)."""
-        return [s.adapters for s in self._slots]
+        """Per engine, the LoRA adapters (by id and name) in use there: those the engine last said its
+        requests are under (whichever client sent them; 0 here) and those of this client's requests in
+        flight (with their count; the engine may not have said so yet)."""
+        return [dict.fromkeys(s.engine_adapters, 0) | s.adapters if s.engine_adapters else s.adapters
+                for s in self._slots]
 
     def healthy(self) -> list[bool]:
         """Per slot: whether requests may go there (a running engine that answers and is not draining)."""
@@ -395,6 +400,8 @@ class EngineClient:
                     queue.put_nowait(output)
             if message.outputs.kv_events and self.on_kv_events is not None:
                 self.on_kv_events(slot.index, message.outputs.kv_events)
+            if message.outputs.lora_adapters is not None:
+                slot.engine_adapters = frozenset(tuple(key) for key in message.outputs.lora_adapters)
         elif isinstance(message, Draining):
             if not slot.draining:
                 logger.info("engine %d is draining (scaled away): no new requests go there", slot.index)
@@ -411,6 +418,7 @@ class EngineClient:
     async def _connect(self, slot: _EngineSlot) -> None:
         address = await slot.handle.channel_address.remote()
         slot.draining = False  # (a draining engine says so again on the new channel)
+        slot.engine_adapters = frozenset()  # (and says which adapters it runs)
         slot.channel = await ChannelConnection.open(address, self.client_index,
                                                     on_message=functools.partial(self._on_message, slot),
                                                     kv_events=self.on_kv_events is not None)

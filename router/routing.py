@@ -39,8 +39,8 @@ class RoutingContext:
     cache_salt: str | None = None
     # A prompt given as embeddings: their digests key its blocks, as in the engine.
     prompt_embeds: PromptEmbeds | None = None
-    # Per engine, the requests in flight under each LoRA adapter, by its lora_key (LoRA affinity,
-    # see LeastLoadedPolicy; None: not known).
+    # Per engine, the LoRA adapters in use there, by lora_key (what the engine reports, and this
+    # router's own requests in flight; LoRA affinity, see LeastLoadedPolicy; None: not known).
     active_adapters: list[dict[tuple[int, str], int]] | None = None
 
     def healthy_indices(self) -> list[int]:
