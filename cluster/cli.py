@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.config import API_KEY_ENV, default_api_keys, env_switch
-from engine_core.config import KV_CACHE_DTYPE_NAMES
+from engine_core.config import KV_CACHE_DTYPE_NAMES, LOGPROBS_MODES
 from router.content_format import CONTENT_FORMATS
 from router.reasoning_parsers import REASONING_PARSERS
 from router.tool_parsers import TOOL_CALL_PARSERS
@@ -138,8 +138,6 @@ VLLM_FLAGS_NOT_BUILT: dict[str, tuple[str, tuple[str, ...]]] = {
     "--kv-transfer-config": ("KV connectors are not built; for vLLM's OffloadingConnector (KV blocks kept in "
                              "host memory) pass --kv-offloading-size GIB", ()),
     "--model-impl": ("the built-in model implementations run (not transformers' modeling code)", ("auto", "vllm")),
-    "--logprobs-mode": ("logprobs are the model's own, before penalties, temperature and top-k/top-p (vLLM's "
-                        "raw_logprobs)", ("raw_logprobs",)),
     "--guided-decoding-backend": ("structured output is built with xgrammar", ("auto", "xgrammar")),
     "--structured-outputs-config": ("structured output is built with xgrammar (backend auto or xgrammar, nothing "
                                     "else set)", ('{"backend": "auto"}', '{"backend": "xgrammar"}', "{}")),
@@ -320,6 +318,12 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-logprobs", type=int, default=None,
                        help="The most logprobs (and prompt logprobs) a request may ask for per token (default 20, "
                             "as vLLM; -1: the whole vocabulary). A request may ask for all with -1 when this allows.")
+    serve.add_argument("--logprobs-mode", choices=list(LOGPROBS_MODES), default=None,
+                       help="What the sampled tokens' logprobs are, as vLLM's flag: raw_logprobs (default: the "
+                            "model's own distribution), raw_logits (its logits, not normalised), processed_logprobs "
+                            "or processed_logits (the distribution the token is drawn from: after penalties, "
+                            "logit_bias, allowed/bad words, temperature, min_p, top_k and top_p; tokens these drop "
+                            "at -inf, shown as -9999.0). Prompt logprobs are always raw.")
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="Queue limit per engine (429 beyond).")
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
@@ -510,6 +514,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
                 "generation_config": _local_dir_path(args.generation_config),
                 "override_generation_config": args.override_generation_config, "max_logprobs": args.max_logprobs,
+                "logprobs_mode": args.logprobs_mode,
                 "logits_processors": args.logits_processors, "disable_log_stats": args.disable_log_stats,
                 "kv_offloading_size": args.kv_offloading_size, "kv_offloading_backend": args.kv_offloading_backend,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,

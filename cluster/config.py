@@ -20,7 +20,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from engine_core.config import EngineConfig, KVCacheDType, LoRAConfig, SchedulerConfig, SpeculativeConfig
+from engine_core.config import (
+    EngineConfig,
+    KVCacheDType,
+    LogprobsMode,
+    LoRAConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine_core.lora import LoRAModule, parse_lora_module, static_lora_requests
 from router.reasoning_parsers import REASONING_PARSERS
 from router.routing import ROUTING_POLICIES
@@ -85,6 +92,11 @@ class EngineSpec(BaseModel):
     max_logprobs: int | None = Field(
         None, ge=-1, description="The most logprobs (and prompt logprobs) a request may ask for per token "
                                  "(--max-logprobs, default 20; -1: the whole vocabulary).")
+    logprobs_mode: LogprobsMode | None = Field(
+        None, description="What the sampled tokens' logprobs are (--logprobs-mode, as vLLM's): raw_logprobs (the "
+                          "default: the model's own distribution), raw_logits (its logits), processed_logprobs or "
+                          "processed_logits (those the token is drawn from: after penalties, logit_bias, "
+                          "temperature, min_p, top_k and top_p). Prompt logprobs are always raw.")
     kv_offloading_size: float | None = Field(
         None, gt=0, description="KV offloading (--kv-offloading-size, GiB for all TP ranks together): prefix-cache "
                                 "blocks evicted from the KV cache are kept in host memory and copied back when a "
@@ -124,8 +136,8 @@ _DEFAULTS = EngineSpec(
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
     tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,
-    runner="auto", generation_config="auto", max_logprobs=20, disable_log_stats=False, placement_strategy="PACK",
-    num_cpus_per_worker=1.0, kv_cache_metrics=False,
+    runner="auto", generation_config="auto", max_logprobs=20, logprobs_mode="raw_logprobs", disable_log_stats=False,
+    placement_strategy="PACK", num_cpus_per_worker=1.0, kv_cache_metrics=False,
     kv_cache_metrics_sample=0.01, enable_sleep_mode=False, enable_prompt_embeds=False,
     executor_backend="auto", max_waiting_requests=0)
 
@@ -737,6 +749,11 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
                              f"max_logprobs must be the same on every engine of a model (engine {first.engine_index} "
                              f"has {first.generation_config!r}, {first.override_generation_config or '{}'} and "
                              f"{first.max_logprobs}); set them for the model, not per engine")
+        # (A request's logprobs must mean the same whichever engine it reaches.)
+        if config.logprobs_mode != first.logprobs_mode:
+            raise ValueError(f"engine {config.engine_index}: logprobs_mode must be the same on every engine of a "
+                             f"model (engine {first.engine_index} has {first.logprobs_mode!r}, this one "
+                             f"{config.logprobs_mode!r}); set it for the model, not per engine")
         # (A request's vllm_xargs must mean the same whichever engine it reaches.)
         if config.logits_processors != first.logits_processors:
             raise ValueError(f"engine {config.engine_index}: logits_processors must be the same on every engine of a "
@@ -771,7 +788,8 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                           for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
-        generation_config=s["generation_config"], max_logprobs=s["max_logprobs"], tokenizer=tokenizer,
+        generation_config=s["generation_config"], max_logprobs=s["max_logprobs"],
+        logprobs_mode=s["logprobs_mode"], tokenizer=tokenizer,
         log_stats=not s["disable_log_stats"],
         override_generation_config=json.dumps(s["override_generation_config"], sort_keys=True)
         if s["override_generation_config"] else "",

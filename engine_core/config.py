@@ -16,6 +16,13 @@ from engine_core.lora import LoRAModule
 KVCacheDType = Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDType)
 
+# vLLM's --logprobs-mode: what the sampled tokens' logprobs (and top logprobs) are. raw_*: the model's
+# logits (after a grammar's mask only), log-softmaxed or not; processed_*: the logits the token is
+# drawn from (after penalties, biases, masks, temperature, min-p and top-k/top-p). Prompt logprobs
+# are always raw.
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
+
 # --dtype: the model's weights and activations (vLLM's choices, and their short names).
 MODEL_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
 
@@ -301,6 +308,9 @@ class EngineConfig:
     # vLLM's --max-logprobs: the most logprobs (and prompt logprobs) a request may ask for per token;
     # -1: the whole vocabulary.
     max_logprobs: int = 20
+    # vLLM's --logprobs-mode (LOGPROBS_MODES): raw_logprobs (the default), raw_logits,
+    # processed_logprobs or processed_logits.
+    logprobs_mode: LogprobsMode = "raw_logprobs"
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -407,6 +417,8 @@ class EngineConfig:
                      self.logits_processors)
             _require(type(self.max_logprobs) is int and self.max_logprobs >= -1, "max_logprobs",
                      "an integer >= -1 (-1: the whole vocabulary)", self.max_logprobs)
+            _require(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", "one of " + ", ".join(LOGPROBS_MODES),
+                     self.logprobs_mode)
             _require(isinstance(self.generation_config, str) and self.generation_config != "", "generation_config",
                      "'auto', 'vllm' or a folder", self.generation_config)
             _require(not self.override_generation_config

@@ -73,6 +73,7 @@ def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, 
         "embedding_only": config.runner == "pooling",
         "hf_overrides": json.loads(config.hf_overrides) if config.hf_overrides else None,
         "max_logprobs": config.max_logprobs,
+        "logprobs_mode": config.logprobs_mode,
         "tokenizer": config.tokenizer,
         # (Resolved once, here: every rank runs the same classes, whatever each node has installed.)
         "logits_processors": load_logits_processors(config.logits_processors)

@@ -38,7 +38,7 @@ from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
 from gpu_worker.pooler_config import DENSE_ACTIVATIONS, PER_TOKEN_POOLING, DenseProjection, load_dense_weights
 from gpu_worker.quantized_checkpoint import dequantized_weights
-from gpu_worker.rejection_sampler import rejection_sample
+from gpu_worker.rejection_sampler import rejection_sample, rejection_sample_with_logits
 from gpu_worker.request_state import RequestState, RequestStateAtDraft, RequestStates, reads_earlier_tokens
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata, grammar_masked, token_logprobs
 from gpu_worker.weights import iter_safetensors, load_weights
@@ -71,7 +71,8 @@ class ModelRunner:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_spec_tokens: int = 0,
                  max_lora_rank: int | None = None, max_resident_loras: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, max_cpu_loras: int | None = None,
-                 max_logprobs: int = 20, logits_processors: LogitsProcessorBatch | None = None) -> None:
+                 max_logprobs: int = 20, logits_processors: LogitsProcessorBatch | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -96,7 +97,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_in_place = False
         self.requests = RequestStates(model_config.eos_token_ids, self.device, self.dtype)
-        self.sampler = Sampler()
+        # (--logprobs-mode: what the sampled tokens' logprobs are; prompt logprobs are always raw.)
+        self.sampler = Sampler(logprobs_mode)
         # Custom logits processors (--logits-processors); None: the engine runs none.
         self.logits_processors = logits_processors
         # Speculative decoding's draft model (method draft_model; set by load_draft_model), and the
@@ -628,7 +630,11 @@ class ModelRunner:
         if so.grammar_bitmask is not None:  # (a grammar's row j: its mask after draft j, as vLLM's)
             md.grammar_bitmask = self._grammar_rows(so.grammar_bitmask, row_states)
         drafts = [s.token_ids[len(s.token_ids) - c + 1:] for s, c in zip(sample_states, counts, strict=True)]
-        tokens = rejection_sample(logits, md, drafts)
+        wants_processed = md.max_num_logprobs is not None and self.sampler.processed_mode
+        if wants_processed:
+            tokens, processed = rejection_sample_with_logits(logits, md, drafts)
+        else:
+            tokens = rejection_sample(logits, md, drafts)
         first_rows = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
         for i, state, draft, toks in zip(sample_rows, sample_states, drafts, tokens, strict=True):
             sampled[i] = toks
@@ -640,16 +646,20 @@ class ModelRunner:
             state.num_draft_tokens = 0
         if md.max_num_logprobs is None:
             return None
-        # Logprobs of the model's raw distribution at the row each output token was drawn from, for
-        # the requests that want them, in one pass over all their tokens.
+        # Logprobs at the row each output token was drawn from, for the requests that want them, in
+        # one pass over all their tokens: of the model's raw distribution, or (processed modes) of the
+        # processed logits the target distribution came from, as the sampler reports them.
         wanted = [j for j, s in enumerate(sample_states) if s.sampling_params.logprobs is not None]
         rows_idx = [first_rows[j] + t for j in wanted for t in range(len(tokens[j]))]
         device = logits.device
         selected = torch.tensor(rows_idx, device=device)
-        # (A grammar's rows as they were sampled, masked; the whole batch copied only when there is one.)
-        rows = (grammar_masked(logits.float(), md)[selected] if md.grammar_bitmask is not None
-                else logits[selected].float())
-        out = token_logprobs(rows.log_softmax(dim=-1),
+        if wants_processed:
+            rows = processed[selected]
+        else:  # (a grammar's rows as they were sampled, masked; the whole batch copied only when there is one)
+            rows = (grammar_masked(logits.float(), md)[selected] if md.grammar_bitmask is not None
+                    else logits[selected].float())
+        mode = self.sampler.logprobs_mode
+        out = token_logprobs(rows if mode.endswith("logits") else rows.log_softmax(dim=-1),
                              torch.tensor([t for j in wanted for t in tokens[j]], device=device),
                              md.max_num_logprobs)
         values, ranks = out.sampled_logprobs.tolist(), out.sampled_ranks.tolist()
@@ -803,12 +813,17 @@ class ModelRunner:
         md = SamplingMetadata(temperature=torch.tensor(temps, dtype=torch.float32, device=device),
                               all_greedy=all_greedy, all_random=all(t > 0.0 for t in temps))
         if not all_greedy:
-            if any(p.top_k > 0 for p in params):
-                md.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
-            if any(p.top_p < 1.0 for p in params):
-                md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-            if any(p.min_p > 0.0 for p in params):
-                md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            # (A greedy row's top-k, top-p and min-p are off, as vLLM's SamplingParams sets them: they
+            # change nothing it samples, only its processed logprobs, which are then vLLM's.)
+            top_k = [p.top_k if t > 0.0 else 0 for p, t in zip(params, temps, strict=True)]
+            top_p = [p.top_p if t > 0.0 else 1.0 for p, t in zip(params, temps, strict=True)]
+            min_p = [p.min_p if t > 0.0 else 0.0 for p, t in zip(params, temps, strict=True)]
+            if any(k > 0 for k in top_k):
+                md.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
+            if any(p < 1.0 for p in top_p):
+                md.top_p = torch.tensor(top_p, dtype=torch.float32, device=device)
+            if any(p > 0.0 for p in min_p):
+                md.min_p = torch.tensor(min_p, dtype=torch.float32, device=device)
             gens = {i: s.generator for i, s in enumerate(states) if s.generator is not None and temps[i] > 0}
             md.generators = gens or None
         use_rep = any(p.repetition_penalty != 1.0 for p in params)

@@ -12,6 +12,11 @@ while the draft equals the argmax, then take the argmax". Each p_j is the target
 after that row's own masks: a structured-output request's row j is masked with its grammar as of
 the position after d_j (the engine sends a bitmask row per position), so drafts are accepted, and
 the recovered or bonus token drawn, among the tokens the grammar allows there.
+
+``rejection_sample_with_logits`` also returns each row's processed logits (the constrained logits,
+then temperature, min-p, top-k and top-p unless every row is greedy: what p_j is the softmax of), so
+that --logprobs-mode processed_* reports the distribution each output token came from, as vLLM's
+rejection sampler does.
 """
 
 from __future__ import annotations
@@ -25,10 +30,33 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, drafts: list[li
     """``logits`` [sum(len(d) + 1), vocab]: each request's rows in order, ``md`` row-aligned with
     them (a request's settings repeated on each of its rows). Returns each request's tokens:
     its accepted drafts, then one token drawn by the target model."""
+    return _rejection_sample(logits, md, drafts, keep_processed=False)[0]
+
+
+def rejection_sample_with_logits(logits: torch.Tensor, md: SamplingMetadata, drafts: list[list[int]]
+                                 ) -> tuple[list[list[int]], torch.Tensor]:
+    """``rejection_sample``'s tokens, and the processed logits of every row (row-aligned with
+    ``logits``): those its target distribution is the softmax of."""
+    tokens, processed = _rejection_sample(logits, md, drafts, keep_processed=True)
+    assert processed is not None
+    return tokens, processed
+
+
+def _rejection_sample(logits: torch.Tensor, md: SamplingMetadata, drafts: list[list[int]], keep_processed: bool
+                      ) -> tuple[list[list[int]], torch.Tensor | None]:
     logits = Sampler.constrain(grammar_masked(logits.float(), md), md)
     if md.all_greedy:
-        return _greedy(logits.argmax(dim=-1).tolist(), drafts)
-    probs = Sampler.target_probs(logits, md)
+        return _greedy(logits.argmax(dim=-1).tolist(), drafts), logits if keep_processed else None
+    processed = Sampler.processed_logits(logits, md)
+    probs = Sampler.target_probs(logits, processed, md)
+    del logits
+    if not keep_processed:
+        processed = None  # (freed before the drafts are checked)
+    return _sample_drafts(probs, md, drafts), processed
+
+
+def _sample_drafts(probs: torch.Tensor, md: SamplingMetadata, drafts: list[list[int]]) -> list[list[int]]:
+    """Accept or reject each draft against its row of the target distribution ``probs``."""
     device = probs.device
     # Rows followed by a draft token, and that token.
     draft_rows: list[int] = []

@@ -3,10 +3,15 @@
 Order, per row, as vLLM's sampler: the grammar's mask (structured output), allowed_token_ids,
 banned tokens (bad words, and stop ids under min_tokens), logit_bias, the custom logits processors
 that may change the argmax, penalties (these shape greedy picks too), then, for random rows only,
-temperature, min-p, the argmax-invariant custom processors, top-k and top-p, and a draw. Logprobs
-are those of the model's raw distribution (log_softmax of the unprocessed logits), as vLLM reports
-them by default; a structured-output row's are over the tokens its grammar allows, as vLLM's model
-runner masks the logits with the grammar before its sampler sees them.
+temperature, min-p, the argmax-invariant custom processors, top-k and top-p, and a draw.
+
+The logprobs returned follow the engine's --logprobs-mode, as vLLM's: ``raw_logprobs`` (the default)
+are log_softmax of the model's logits, ``raw_logits`` those logits themselves, both taken before
+anything above but the grammar; ``processed_logprobs`` / ``processed_logits`` are taken from the
+logits the token is drawn from: after the masks, biases and penalties and, unless every row is
+greedy, temperature (1 on greedy rows), min-p, the argmax-invariant processors and top-k/top-p (the
+tokens they drop at -inf). A structured-output row's are over the tokens its grammar allows, as
+vLLM's model runner masks the logits with the grammar before its sampler sees them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from engine_core.config import LOGPROBS_MODES
 
 if TYPE_CHECKING:
     from gpu_worker.logits_processor_batch import LogitsProcessorBatch
@@ -144,20 +151,21 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | 
     return probs.div_(noise).argmax(dim=-1)
 
 
-def token_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
+def token_logprobs(values: torch.Tensor, token_ids: torch.Tensor, k: int,
                    rank_rows: torch.Tensor | None = None) -> SamplerOutput:
-    """Row i's token ``token_ids[i]``: its logprob, its rank (only in ``rank_rows`` when given:
-    ranks cost a pass over the vocabulary; other rows keep 0) and the row's ``k`` best tokens."""
-    lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    k = min(k, raw_logprobs.shape[-1])  # (a request may ask for the whole vocabulary)
-    top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+    """Row i's token ``token_ids[i]``: its value in ``values`` (logprobs, or logits in a logits
+    mode), its rank (only in ``rank_rows`` when given: ranks cost a pass over the vocabulary; other
+    rows keep 0) and the row's ``k`` best tokens."""
+    lp = values.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    k = min(k, values.shape[-1])  # (a request may ask for the whole vocabulary)
+    top_lp, top_ids = values.topk(k, dim=-1) if k else (None, None)
     # (As vLLM counts a rank: the tokens at least as likely, the token itself included, so a token
     # tied with another ranks after both.)
     if rank_rows is None:
-        ranks = (raw_logprobs >= lp.unsqueeze(1)).sum(dim=1)
+        ranks = (values >= lp.unsqueeze(1)).sum(dim=1)
     else:
         ranks = torch.zeros_like(token_ids)
-        ranks[rank_rows] = (raw_logprobs[rank_rows] >= lp[rank_rows].unsqueeze(1)).sum(dim=1)
+        ranks[rank_rows] = (values[rank_rows] >= lp[rank_rows].unsqueeze(1)).sum(dim=1)
     return SamplerOutput(token_ids, lp, top_ids, top_lp, ranks)
 
 
@@ -171,14 +179,33 @@ def grammar_masked(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 class Sampler:
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+
+    @property
+    def processed_mode(self) -> bool:
+        """Whether the logprobs come from the processed logits (those the tokens are drawn from)."""
+        return self.logprobs_mode.startswith("processed")
+
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        mode = self.logprobs_mode
+        wants_logprobs = md.max_num_logprobs is not None
         logits = grammar_masked(logits.float(), md)
-        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        values = None
+        if wants_logprobs and mode == "raw_logprobs":
+            values = logits.log_softmax(dim=-1)
+        elif wants_logprobs and mode == "raw_logits":
+            # (A custom processor may change the logits in place: then they are copied first.)
+            values = logits.clone() if md.logits_processors is not None else logits
         logits = self.constrain(logits, md)
-        sampled = self._sample(logits, md)
-        if raw_logprobs is None:
+        sampled, processed = self.sample(logits, md, keep_processed=wants_logprobs and self.processed_mode)
+        if not wants_logprobs:
             return SamplerOutput(sampled)
-        return token_logprobs(raw_logprobs, sampled, md.max_num_logprobs, md.logprob_rows)
+        if values is None:  # (the processed modes)
+            values = processed if mode == "processed_logits" else processed.log_softmax(dim=-1)
+        return token_logprobs(values, sampled, md.max_num_logprobs, md.logprob_rows)
 
     @staticmethod
     def constrain(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -200,20 +227,12 @@ class Sampler:
         return logits
 
     @staticmethod
-    def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """The distribution each row draws from, given constrained logits: one-hot on the argmax
-        for greedy rows; temperature, min-p, top-k and top-p, then softmax, for random rows."""
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+    def processed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Constrained logits as random rows draw from them: temperature (greedy rows divided by 1),
+        min-p, the argmax-invariant custom processors, then top-k and top-p (dropped tokens at -inf).
+        An all-greedy batch draws nothing: its processed logits are the constrained ones (vLLM's)."""
         if md.all_greedy:
-            return torch.zeros_like(logits).scatter_(1, greedy.unsqueeze(1), 1.0)
-        probs = Sampler._random_probs(logits, md)
-        if greedy is not None:
-            one_hot = torch.zeros_like(probs).scatter_(1, greedy.unsqueeze(1), 1.0)
-            probs = torch.where((md.temperature > 0).unsqueeze(1), probs, one_hot)
-        return probs
-
-    @staticmethod
-    def _random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+            return logits
         temperature = md.temperature
         if not md.all_random:
             # Greedy rows take argmax elsewhere; any positive value keeps the division finite.
@@ -225,14 +244,34 @@ class Sampler:
             logits = md.logits_processors.apply_argmax_invariant(logits)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        return logits.softmax(dim=-1)
+        return logits
 
     @staticmethod
-    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        if md.all_greedy:
-            return logits.argmax(dim=-1)
+    def target_probs(logits: torch.Tensor, processed: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row draws from, given its constrained and processed logits: one-hot
+        on the (constrained) argmax for greedy rows, the softmax of the processed ones for random rows."""
         greedy = None if md.all_random else logits.argmax(dim=-1)
-        sampled = random_sample(Sampler._random_probs(logits, md), md.generators)
-        if greedy is None:
-            return sampled
-        return torch.where(md.temperature > 0, sampled, greedy)
+        if md.all_greedy:
+            return torch.zeros_like(logits).scatter_(1, greedy.unsqueeze(1), 1.0)
+        probs = processed.softmax(dim=-1)
+        if greedy is not None:
+            one_hot = torch.zeros_like(probs).scatter_(1, greedy.unsqueeze(1), 1.0)
+            probs = torch.where((md.temperature > 0).unsqueeze(1), probs, one_hot)
+        return probs
+
+    @staticmethod
+    def sample(logits: torch.Tensor, md: SamplingMetadata, keep_processed: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's token from constrained ``logits``, and (with ``keep_processed``) the processed
+        logits it was drawn from (``processed_logits``), computed once for both."""
+        if md.all_greedy:
+            return logits.argmax(dim=-1), logits if keep_processed else None
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        processed = Sampler.processed_logits(logits, md)
+        probs = processed.softmax(dim=-1)
+        if not keep_processed:
+            processed = None  # (freed before the draw)
+        sampled = random_sample(probs, md.generators)
+        if greedy is not None:
+            sampled = torch.where(md.temperature > 0, sampled, greedy)
+        return sampled, processed

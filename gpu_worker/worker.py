@@ -97,7 +97,8 @@ class Worker:
                  embedding_only: bool = False, hf_overrides: dict[str, Any] | None = None,
                  pooler_dense: tuple[DenseProjection, ...] = (), max_logprobs: int = 20,
                  tokenizer: str | None = None, logits_processors: tuple[LogitsProcessorSpec, ...] = (),
-                 draft_model: str | Path | None = None, kv_offloading_bytes: int = 0) -> None:
+                 draft_model: str | Path | None = None, kv_offloading_bytes: int = 0,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = resolve_device(device, rank)
@@ -135,6 +136,8 @@ class Worker:
         # The sentence-transformers projections of its embeddings (read from model_dir at load).
         self.pooler_dense = tuple(pooler_dense)
         self.max_logprobs = max_logprobs
+        # --logprobs-mode: what the sampled tokens' logprobs are (raw_logprobs, raw_logits, processed_*).
+        self.logprobs_mode = logprobs_mode
         # Custom logits processors (classes or qualified names), beside those of installed entry points.
         self.logits_processors = tuple(logits_processors)
         # Speculative decoding's draft model (method draft_model): its directory and config; it
@@ -170,7 +173,7 @@ class Worker:
                                   # On an accelerator only a step's worth of adapters stays on the device.
                                   self.max_loras if self.device.type != "cpu" else None,
                                   kv_cache_dtype=self.kv_cache_dtype, max_cpu_loras=self.max_cpu_loras,
-                                  max_logprobs=self.max_logprobs,
+                                  max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
                                   logits_processors=self._logits_processor_batch())
         self.runner.load_model(self._weight_source())
         if self.draft_config is not None:

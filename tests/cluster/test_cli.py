@@ -555,6 +555,35 @@ def test_seed_reaches_every_engine():
     assert _config().engine_configs()[0].seed == 0
 
 
+def test_logprobs_mode_is_vllms_flag_and_the_same_on_every_engine_of_a_model(tmp_path):
+    """--logprobs-mode (vLLM's four modes) reaches every engine, a further model's too; a vLLM
+    command line keeps it; a per-engine value that differs is refused."""
+    from cluster.cli import vllm_command_line
+
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+        argv, _ = vllm_command_line(["serve", "m", "--logprobs-mode", mode])
+        assert argv == ["serve", "m", "--logprobs-mode", mode]
+        models = tmp_path / "models.yaml"
+        models.write_text("- {model: /models/b}\n")
+        engines = _config("--num-engines", "2", "--logprobs-mode", mode, "--extra-models", str(models)).engine_configs()
+        assert [e.logprobs_mode for e in engines] == [mode] * 3
+    assert _config().engine_configs()[0].logprobs_mode == "raw_logprobs"
+    from gpu_worker.executor import _worker_kwargs  # (what each worker is started with)
+
+    assert _worker_kwargs(engines[0], tmp_path, 128, 1)["logprobs_mode"] == "processed_logits"
+    with pytest.raises(SystemExit):
+        _config("--logprobs-mode", "processed")
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {logprobs_mode: processed_logits}\n")
+    with pytest.raises(ValueError, match="engine 1: logprobs_mode must be the same on every engine of a model "
+                                         "\\(engine 0 has 'raw_logprobs', this one 'processed_logits'\\)"):
+        _config("--num-engines", "2", "--engine-config", str(overrides)).engine_configs()
+    # The same mode set per engine is taken.
+    overrides.write_text("- {logprobs_mode: raw_logits}\n- {logprobs_mode: raw_logits}\n")
+    assert {e.logprobs_mode for e in _config("--num-engines", "2", "--engine-config",
+                                             str(overrides)).engine_configs()} == {"raw_logits"}
+
+
 def test_max_logprobs_reaches_every_engine():
     assert [e.max_logprobs for e in _config("--num-engines", "2", "--max-logprobs", "-1").engine_configs()] == [-1, -1]
     assert _config().engine_configs()[0].max_logprobs == 20
@@ -712,14 +741,13 @@ def test_more_of_vllms_flags_are_taken_renamed_or_refused_with_why():
 
     argv, warnings = vllm_command_line([
         "serve", "m", "--async-scheduling", "--hf-token", "t", "--distributed-executor-backend", "ray",
-        "--api-server-count=2", "--logprobs-mode", "raw_logprobs", "--structured-outputs-config",
+        "--api-server-count=2", "--structured-outputs-config",
         '{ "backend" : "xgrammar" }', "--guided-decoding-backend", "auto", "--model-impl", "vllm"])
     assert argv == ["serve", "m", "--num-router-replicas=2"]
     assert [w.split(" has no effect here:")[0] for w in warnings] == [
         "--async-scheduling", "--hf-token", "--distributed-executor-backend"]
     assert build_parser().parse_args(argv).num_router_replicas == 2
-    for refused in (["--logprobs-mode", "processed_logprobs"], ["--model-impl", "transformers"],
-                    ["--structured-outputs-config", '{"backend": "guidance"}']):
+    for refused in (["--model-impl", "transformers"], ["--structured-outputs-config", '{"backend": "guidance"}']):
         with pytest.raises(ValueError, match=refused[0]):
             vllm_command_line(["serve", "m", *refused])
 

@@ -99,3 +99,14 @@ def test_max_model_len_can_be_left_to_the_model():
     whole = SchedulerConfig(max_model_len=None, max_num_batched_tokens=64, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):  # (so do the checks that need it)
         whole.with_max_model_len(2048)
+
+
+def test_logprobs_mode_takes_vllms_four_modes():
+    from engine_core.config import LOGPROBS_MODES, EngineConfig
+
+    assert EngineConfig(model="m").logprobs_mode == "raw_logprobs"
+    for mode in LOGPROBS_MODES:
+        assert EngineConfig(model="m", logprobs_mode=mode).logprobs_mode == mode
+    with pytest.raises(ValueError, match="engine 0: logprobs_mode must be one of raw_logprobs, raw_logits, "
+                                         "processed_logprobs, processed_logits, got 'processed'"):
+        EngineConfig(model="m", logprobs_mode="processed")
