@@ -477,6 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="With an output URL: write the results to a file in this directory before the upload "
                             "(default: the system's temporary directory).")
     _add_serve_arguments(batch)
+    bench = sub.add_parser("bench", help="Benchmarks against a running server (vLLM's `vllm bench`).")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from cluster.bench_serve import add_bench_serve_arguments
+
+    add_bench_serve_arguments(bench_sub.add_parser(
+        "serve", help="Load an OpenAI-compatible server with random prompts and report TTFT, TPOT, ITL, end-to-end "
+                      "latency and throughput, as `vllm bench serve` does."))
     stop = sub.add_parser("stop", help="Delete a Serve-deployed application and stop its detached engines.")
     stop.add_argument("--address", default="auto", help="The Ray cluster (default: the one running here).")
     stop.add_argument("--namespace", default="llm-cluster", help="The namespace of the application's actors.")
@@ -841,6 +848,10 @@ def main(argv: list[str] | None = None) -> int:
         return stop_command(args)
     if args.command == "run-batch":
         return run_batch_command(args)
+    if args.command == "bench":
+        from cluster.bench_serve import bench_serve_command
+
+        return bench_serve_command(args)
     return 1
 
 

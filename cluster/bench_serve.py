@@ -1,0 +1,289 @@
+"""``llm-cluster bench serve``: load an OpenAI-compatible server and report its latencies, as vLLM's
+``vllm bench serve`` does (same flags and same report), against this service or any other (vLLM's
+own included, for a comparison on the same machines).
+
+Prompts are random: ``--random-input-len`` tokens each (within ``--random-range-ratio``), an optional
+shared prefix of ``--random-prefix-len`` tokens, drawn from token ids the server's own ``/tokenize``
+gives for a neutral text (so they are real tokens of its tokenizer, whatever the model), sent as token
+ids to ``/v1/completions`` (exact lengths) or as their text (``/detokenize``) to
+``/v1/chat/completions``. Requests stream; arrivals are Poisson at ``--request-rate`` (gamma with
+``--burstiness``; ``inf``: all at once), at most ``--max-concurrency`` in flight. Each request's
+time to first token, time per output token after it, inter-token latencies and end-to-end latency
+are measured here; token counts come from the server's usage (``stream_options.include_usage``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# A neutral text whose tokens the prompts are drawn from (any tokenizer splits it into many tokens).
+_SOURCE_TEXT = (
+    "The quick brown fox jumps over the lazy dog while the river flows past old stone bridges, green "
+    "fields, quiet villages and busy markets where people trade bread, cheese, apples, copper pots and "
+    "woollen cloth. Scientists measure temperature, pressure and humidity; engineers design engines, "
+    "bridges, circuits and software; musicians play violins, pianos, drums and flutes in concert halls. ")
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds to the first generated text
+    latency: float = 0.0  # seconds to the last byte
+    itl: list[float] = field(default_factory=list)  # seconds between generated chunks after the first
+
+
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server (scheme, host, port).")
+    parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    parser.add_argument("--model", default=None, help="The model to ask for (default: the server's first).")
+    parser.add_argument("--dataset-name", default="random", choices=["random"],
+                        help="Prompts: random token ids (vLLM's random dataset).")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="Lengths drawn uniformly within [len * (1 - r), len * (1 + r)].")
+    parser.add_argument("--random-prefix-len", type=int, default=0, help="A prefix every prompt shares.")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="Requests per second (inf: all sent at once, up to --max-concurrency).")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="Gamma shape of the arrival gaps (1: Poisson; lower: burstier).")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="Requests in flight at most.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action="store_true", help="Every answer runs to its output length.")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                        help="Which metrics get percentiles: ttft, tpot, itl, e2el.")
+    parser.add_argument("--metric-percentiles", default="99", help="Which percentiles, e.g. 50,90,99.")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (default: "
+                                                                                    "$OPENAI_API_KEY).")
+    parser.add_argument("--save-result", action="store_true", help="Write the results as JSON.")
+    parser.add_argument("--result-dir", default=".")
+    parser.add_argument("--result-filename", default=None)
+    parser.add_argument("--disable-tqdm", action="store_true", help="(vLLM's; no progress bar is drawn here)")
+
+
+def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
+    low, high = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+async def _post_json(session: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {(await response.text())[:300]}")
+        return await response.json()
+
+
+async def _server_model(session: Any, base: str) -> str:
+    async with session.get(f"{base}/v1/models") as response:
+        if response.status != 200:
+            raise RuntimeError(f"{base}/v1/models: HTTP {response.status}")
+        return (await response.json())["data"][0]["id"]
+
+
+async def make_prompts(session: Any, base: str, model: str, args: argparse.Namespace
+                       ) -> list[tuple[list[int] | str, int, int]]:
+    """(prompt, its token count, output tokens asked) per request."""
+    rng = random.Random(args.seed)
+    pool = (await _post_json(session, f"{base}/tokenize", {"model": model, "prompt": _SOURCE_TEXT * 4,
+                                                           "add_special_tokens": False}))["tokens"]
+    if not pool:
+        raise RuntimeError("the server's /tokenize gave no tokens")
+
+    def draw(n: int) -> list[int]:
+        return [pool[rng.randrange(len(pool))] for _ in range(n)]
+
+    prefix = draw(args.random_prefix_len)
+    inputs = _lengths(args.random_input_len, args.random_range_ratio, args.num_prompts, rng)
+    outputs = _lengths(args.random_output_len, args.random_range_ratio, args.num_prompts, rng)
+    prompts: list[tuple[list[int] | str, int, int]] = []
+    for input_len, output_len in zip(inputs, outputs, strict=True):
+        ids = prefix + draw(input_len)
+        if args.endpoint == "/v1/chat/completions":
+            text = (await _post_json(session, f"{base}/detokenize", {"model": model, "tokens": ids}))["prompt"]
+            prompts.append((text, len(ids), output_len))
+        else:
+            prompts.append((ids, len(ids), output_len))
+    return prompts
+
+
+async def one_request(session: Any, url: str, body: dict[str, Any], chat: bool) -> RequestResult:
+    result = RequestResult()
+    start = time.perf_counter()
+    last = start
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:300]}"
+                return result
+            buffer = b""
+            async for chunk in response.content.iter_any():
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    data = event.removeprefix(b"data: ").strip()
+                    if not data or data == b"[DONE]":
+                        continue
+                    message = json.loads(data)
+                    now = time.perf_counter()
+                    if message.get("usage"):
+                        result.prompt_tokens = message["usage"]["prompt_tokens"]
+                        result.output_tokens = message["usage"]["completion_tokens"]
+                    choices = message.get("choices") or []
+                    text = (choices[0].get("delta", {}).get("content") if chat else choices[0].get("text")) \
+                        if choices else None
+                    if text:
+                        if result.ttft == 0.0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+            result.latency = time.perf_counter() - start
+            result.success = result.ttft > 0.0 or result.output_tokens == 0
+    except Exception as e:  # (a refused connection, a reset: counted as failed, the run goes on)
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import aiohttp
+
+    base = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
+        model = args.model or await _server_model(session, base)
+        prompts = await make_prompts(session, base, model, args)
+        chat = args.endpoint == "/v1/chat/completions"
+        url = f"{base}{args.endpoint}"
+        rng = random.Random(args.seed + 1)
+        limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def send(prompt: list[int] | str, output_len: int) -> RequestResult:
+            body: dict[str, Any] = {"model": model, "max_tokens": output_len, "temperature": args.temperature,
+                                    "stream": True, "stream_options": {"include_usage": True}}
+            if args.ignore_eos:
+                body["ignore_eos"] = True
+            if chat:
+                body["messages"] = [{"role": "user", "content": prompt}]
+            else:
+                body["prompt"] = prompt
+            if limit is None:
+                return await one_request(session, url, body, chat)
+            async with limit:
+                return await one_request(session, url, body, chat)
+
+        tasks = []
+        started = time.perf_counter()
+        for prompt, _, output_len in prompts:
+            tasks.append(asyncio.create_task(send(prompt, output_len)))
+            if math.isfinite(args.request_rate) and args.request_rate > 0:
+                # (Gamma gaps with mean 1 / rate: shape 1 is a Poisson process, lower is burstier.)
+                await asyncio.sleep(rng.gammavariate(args.burstiness, 1.0 / (args.request_rate * args.burstiness)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+    return summarise(args, model, results, duration)
+
+
+def _percentile(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * p / 100
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def summarise(args: argparse.Namespace, model: str, results: list[RequestResult], duration: float
+              ) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    ms = 1000.0
+    metrics = {"ttft": [r.ttft * ms for r in ok],
+               "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) * ms for r in ok if r.output_tokens > 1],
+               "itl": [t * ms for r in ok for t in r.itl],
+               "e2el": [r.latency * ms for r in ok]}
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    out: dict[str, Any] = {
+        "model": model, "endpoint": args.endpoint, "num_prompts": len(results), "completed": len(ok),
+        "failed": len(results) - len(ok), "duration": duration, "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens, "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+        "errors": [r.error for r in results if not r.success][:10]}
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    for name in [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]:
+        values = metrics[name]
+        out[f"mean_{name}_ms"] = statistics.fmean(values) if values else 0.0
+        out[f"median_{name}_ms"] = statistics.median(values) if values else 0.0
+        out[f"std_{name}_ms"] = statistics.pstdev(values) if values else 0.0
+        for p in percentiles:
+            out[f"p{p:g}_{name}_ms"] = _percentile(values, p)
+    out["_percentile_metrics"] = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    out["_percentiles"] = percentiles
+    return out
+
+
+_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+
+
+def report(out: dict[str, Any]) -> str:
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+             f"{'Successful requests:':<40}{out['completed']:<10}",
+             f"{'Failed requests:':<40}{out['failed']:<10}"]
+    if out["max_concurrency"]:
+        lines.append(f"{'Maximum request concurrency:':<40}{out['max_concurrency']:<10}")
+    lines += [f"{'Benchmark duration (s):':<40}{out['duration']:<10.2f}",
+              f"{'Total input tokens:':<40}{out['total_input_tokens']:<10}",
+              f"{'Total generated tokens:':<40}{out['total_output_tokens']:<10}",
+              f"{'Request throughput (req/s):':<40}{out['request_throughput']:<10.2f}",
+              f"{'Output token throughput (tok/s):':<40}{out['output_throughput']:<10.2f}",
+              f"{'Total token throughput (tok/s):':<40}{out['total_token_throughput']:<10.2f}"]
+    for name in out["_percentile_metrics"]:
+        lines.append("{s:{c}^50}".format(s=f" {_TITLES[name]} ", c="-"))
+        short = name.upper()
+        lines.append(f"{f'Mean {short} (ms):':<40}{out[f'mean_{name}_ms']:<10.2f}")
+        lines.append(f"{f'Median {short} (ms):':<40}{out[f'median_{name}_ms']:<10.2f}")
+        for p in out["_percentiles"]:
+            lines.append(f"{f'P{p:g} {short} (ms):':<40}{out[f'p{p:g}_{name}_ms']:<10.2f}")
+    lines.append("=" * 50)
+    if out["errors"]:
+        lines.append("first errors: " + "; ".join(out["errors"][:3]))
+    return "\n".join(lines)
+
+
+def bench_serve_command(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
+        print("llm-cluster bench serve: --num-prompts and the random lengths must be at least 1")
+        return 2
+    try:
+        out = asyncio.run(run(args))
+    except (RuntimeError, OSError) as e:
+        print(f"llm-cluster bench serve: {e}")
+        return 1
+    print(report(out), flush=True)
+    if args.save_result:
+        name = args.result_filename or f"bench-{out['model'].replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path = os.path.join(args.result_dir, name)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({k: v for k, v in out.items() if not k.startswith("_")}, f, indent=2)
+        print(f"results written to {path}")
+    return 0 if out["completed"] else 1

@@ -1,0 +1,57 @@
+"""``llm-cluster bench serve`` (vLLM's ``vllm bench serve``) against a real server: the report and
+the saved results count what the server answered. Real local Ray, Serve, tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.cli import main
+from cluster.config import ClusterConfig, EngineSpec
+from tests.serve_cluster import serve_cluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tiny_model_dir):
+    config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=2,
+                           defaults=EngineSpec(num_gpu_blocks=128, max_model_len=128))
+    with serve_cluster(config) as cluster:
+        yield cluster
+
+
+def _bench(served, tmp_path, *flags: str) -> dict:
+    assert main(["bench", "serve", "--base-url", served.base, "--save-result", "--result-dir", str(tmp_path),
+                 "--result-filename", "result.json", *flags]) == 0
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def test_completions_at_a_fixed_concurrency(served, tmp_path, capsys):
+    result = _bench(served, tmp_path, "--num-prompts", "12", "--random-input-len", "16", "--random-output-len", "8",
+                    "--max-concurrency", "4", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
+                    "--metric-percentiles", "50,99")
+    # Prompts are token ids of exactly the asked length; with ignore_eos every answer has its length.
+    assert (result["model"], result["completed"], result["failed"]) == ("tiny", 12, 0)
+    assert (result["total_input_tokens"], result["total_output_tokens"]) == (12 * 16, 12 * 8)
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < result[f"median_{name}_ms"] <= result[f"p99_{name}_ms"]
+    assert result["median_ttft_ms"] < result["median_e2el_ms"]
+    report = capsys.readouterr().out
+    assert "Serving Benchmark Result" in report and "Successful requests:                    12 " in report
+
+
+def test_chat_at_a_request_rate_with_a_shared_prefix_and_ranged_lengths(served, tmp_path):
+    result = _bench(served, tmp_path, "--endpoint", "/v1/chat/completions", "--num-prompts", "8",
+                    "--random-input-len", "12", "--random-output-len", "6", "--random-range-ratio", "0.5",
+                    "--random-prefix-len", "8", "--request-rate", "40", "--ignore-eos")
+    assert (result["completed"], result["failed"], result["endpoint"]) == (8, 0, "/v1/chat/completions")
+    # (Chat prompts are text, rendered in the chat template: more tokens than the ids they came from.)
+    assert result["total_input_tokens"] > 8 * (8 + 6) and 8 * 3 <= result["total_output_tokens"] <= 8 * 9
+    assert result["request_rate"] == 40
+
+
+def test_a_server_that_is_not_there_is_an_error(tmp_path, capsys):
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 1
+    assert "llm-cluster bench serve:" in capsys.readouterr().out
