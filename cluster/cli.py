@@ -166,7 +166,8 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
             flag = "--" + flag[5:]  # (--no-enforce-eager: as much without effect)
         if flag in VLLM_FLAGS_WITHOUT_EFFECT:
             takes_value, why = VLLM_FLAGS_WITHOUT_EFFECT[flag]
-            if takes_value and not sep and i < len(argv):
+            # (A flag whose value is optional, --hf-token's, may come bare: the next flag is no value.)
+            if takes_value and not sep and i < len(argv) and not argv[i].startswith("--"):
                 i += 1
             warnings.append(f"{flag} has no effect here: {why}")
             continue

@@ -94,8 +94,10 @@ class EngineCoreService:
         # Clients that receive the KV cache events (busy-loop thread only), and how many unread hashes
         # one may have before its unread changes are replaced by a snapshot.
         self._kv_subscribers: set[int] = set()
-        # The LoRA adapters last sent to the clients (EngineCoreOutputs.lora_adapters).
+        # The LoRA adapters last sent to the clients (EngineCoreOutputs.lora_adapters), and the
+        # scheduler's version of them then.
         self._lora_adapters_sent: frozenset[tuple[int, str]] = frozenset()
+        self._lora_adapters_version = 0
         self._max_buffered_event_hashes = max(4 * self.engine.num_blocks, 65536)
         self._buffers_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -487,8 +489,9 @@ class EngineCoreService:
                 for client_index in self._kv_subscribers:
                     outputs.setdefault(client_index, EngineCoreOutputs(
                         engine_index=self.config.engine_index, timestamp=time.time())).kv_events = events
-        if self.config.lora_config is not None and take_events:
-            adapters = self.engine.active_lora_adapters()
+        if (self.config.lora_config is not None and take_events
+                and self.engine.lora_adapters_version() != self._lora_adapters_version):
+            self._lora_adapters_version, adapters = self.engine.active_lora_adapters()
             if adapters != self._lora_adapters_sent:  # every client hears of it
                 self._lora_adapters_sent = adapters
                 with self._buffers_lock:
@@ -629,6 +632,8 @@ def _merge(items: list[EngineCoreOutputs], engine_index: int) -> EngineCoreOutpu
             finished |= eco.finished_requests
         if eco.kv_events:
             events.extend(eco.kv_events)
+        if eco.lora_adapters is not None:  # (the latest says it all)
+            merged.lora_adapters = eco.lora_adapters
         merged.timestamp = eco.timestamp or merged.timestamp
     merged.finished_requests = finished or None
     merged.kv_events = events or None

@@ -274,14 +274,13 @@ class EngineCore:
             events.append((TIER_STORED, manager.offload.hashes()))
         return events
 
-    def active_lora_adapters(self) -> frozenset[tuple[int, str]]:
-        """The adapters (id, name) of the requests running or waiting (none with LoRA off)."""
-        if self.config.lora_config is None:
-            return frozenset()
-        scheduler = self.scheduler
-        return frozenset(request.lora_request.cache_key
-                         for queue in (scheduler.running, scheduler.waiting, scheduler.skipped_waiting)
-                         for request in queue if request.lora_request is not None)
+    def active_lora_adapters(self) -> tuple[int, frozenset[tuple[int, str]]]:
+        """The adapters (id, name) of the live requests (running or waiting), with a version that
+        moves whenever that set changes (compare it to skip building the set)."""
+        return self.scheduler.lora_adapters_version, frozenset(self.scheduler.lora_request_counts)
+
+    def lora_adapters_version(self) -> int:
+        return self.scheduler.lora_adapters_version
 
     def take_kv_events(self) -> list[tuple[int, list[bytes]]]:
         return self.scheduler.kv_cache_manager.block_pool.take_kv_events()

@@ -115,6 +115,10 @@ class Scheduler(SchedulerInterface):
 
         # Every live request, whichever collection holds it.
         self.requests: dict[str, Request] = {}
+        # The live requests under each LoRA adapter (by its cache key), and a count of the changes to
+        # which adapters have any (the engine tells routers when it moves: LoRA affinity).
+        self.lora_request_counts: dict[tuple[int, str], int] = {}
+        self.lora_adapters_version = 0
         self.waiting: RequestQueue = create_request_queue(self.policy)
         # Requests that cannot be looked at yet (or were declined this pass); drained first under FCFS.
         self.skipped_waiting: RequestQueue = create_request_queue(self.policy)
@@ -173,6 +177,12 @@ class Scheduler(SchedulerInterface):
         # No allocation, no budget, no limit here: add_request cannot fail for capacity.
         self._enqueue_waiting_request(request)
         self.requests[request.request_id] = request
+        if request.lora_request is not None:
+            key = request.lora_request.cache_key
+            count = self.lora_request_counts.get(key, 0)
+            self.lora_request_counts[key] = count + 1
+            if not count:
+                self.lora_adapters_version += 1
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
 
@@ -750,6 +760,13 @@ class Scheduler(SchedulerInterface):
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        if request.lora_request is not None:
+            key = request.lora_request.cache_key
+            count = self.lora_request_counts.pop(key, 0)
+            if count > 1:
+                self.lora_request_counts[key] = count - 1
+            else:
+                self.lora_adapters_version += 1
         self.finished_req_ids.add(request.request_id)
         if self.finished_req_ids_dict is not None:
             self.finished_req_ids_dict[request.client_index].add(request.request_id)

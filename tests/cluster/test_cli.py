@@ -747,6 +747,9 @@ def test_more_of_vllms_flags_are_taken_renamed_or_refused_with_why():
     assert [w.split(" has no effect here:")[0] for w in warnings] == [
         "--async-scheduling", "--hf-token", "--distributed-executor-backend"]
     assert build_parser().parse_args(argv).num_router_replicas == 2
+    # --hf-token may come without its value (vLLM's: the token saved by huggingface-cli login).
+    assert vllm_command_line(["serve", "m", "--hf-token", "--max-model-len", "4096"])[0] == [
+        "serve", "m", "--max-model-len", "4096"]
     for refused in (["--model-impl", "transformers"], ["--structured-outputs-config", '{"backend": "guidance"}']):
         with pytest.raises(ValueError, match=refused[0]):
             vllm_command_line(["serve", "m", *refused])

@@ -99,3 +99,34 @@ def test_an_adapter_held_back_by_the_cap_is_not_starved_by_another_adapters_traf
     assert admitted_at == 4  # a0's prefill and its 3 decodes, then b0
     # and a's requests get their turn again once b0 is done.
     assert sum(1 for r in sched.requests.values() if r.lora_request == A) < 40
+
+
+def test_the_scheduler_counts_live_requests_per_adapter_and_versions_the_set():
+    """What the engine reports to routers (LoRA affinity): the adapters of the live requests, with
+    a version that moves only when that set changes."""
+    from engine_core.request import RequestStatus
+
+    sched = create_scheduler(max_loras=2, block_size=4)
+    version = sched.lora_adapters_version
+    for rid, lora in (("a1", A), ("a2", A), ("base", None)):
+        sched.add_request(_request(rid, lora))
+    assert sched.lora_request_counts == {A.cache_key: 2} and sched.lora_adapters_version == version + 1
+    sched.add_request(_request("b1", B))
+    assert set(sched.lora_request_counts) == {A.cache_key, B.cache_key} and sched.lora_adapters_version == version + 2
+    sched.finish_requests("a1", RequestStatus.FINISHED_ABORTED)
+    assert sched.lora_request_counts[A.cache_key] == 1 and sched.lora_adapters_version == version + 2
+    sched.finish_requests(["a2", "b1", "base"], RequestStatus.FINISHED_ABORTED)
+    assert sched.lora_request_counts == {} and sched.lora_adapters_version == version + 4
+
+
+def test_merged_outputs_keep_the_latest_adapter_report():
+    """Outputs a client had not read yet are sent as one: the adapters the engine last reported
+    survive the merge (it reports only changes)."""
+    from engine_core.engine_actor import _merge
+    from engine_core.outputs import EngineCoreOutputs
+
+    merged = _merge([EngineCoreOutputs(lora_adapters=[A.cache_key]), EngineCoreOutputs(),
+                     EngineCoreOutputs(lora_adapters=[]), EngineCoreOutputs()], engine_index=0)
+    assert merged.lora_adapters == []
+    assert _merge([EngineCoreOutputs(lora_adapters=[B.cache_key]), EngineCoreOutputs()], 0).lora_adapters == [
+        B.cache_key]
