@@ -46,7 +46,11 @@ class RequestResult:
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server (scheme, host, port).")
-    parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    parser.add_argument("--backend", default="openai", choices=["openai", "vllm", "openai-chat"],
+                        help="vLLM's names: openai and vllm load /v1/completions, openai-chat /v1/chat/completions "
+                             "(unless --endpoint says otherwise).")
+    parser.add_argument("--endpoint", default=None, choices=["/v1/completions", "/v1/chat/completions"],
+                        help="The endpoint loaded (default: the backend's).")
     parser.add_argument("--model", default=None, help="The model to ask for (default: the server's first).")
     parser.add_argument("--dataset-name", default="random", choices=["random"],
                         help="Prompts: random token ids (vLLM's random dataset).")
@@ -271,6 +275,8 @@ def report(out: dict[str, Any]) -> str:
 
 
 def bench_serve_command(args: argparse.Namespace) -> int:
+    if args.endpoint is None:
+        args.endpoint = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         print("llm-cluster bench serve: --num-prompts and the random lengths must be at least 1")
         return 2

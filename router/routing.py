@@ -230,7 +230,8 @@ class PrefixAwarePolicy(RoutingPolicy):
         if lengths[best] == 0:
             best = self._fallback.choose(ctx)
         elif ctx.loads[best] - ctx.loads[least] > self.load_margin:
-            best = least
+            # (Under an adapter, where its slots allow: the fallback's LoRA affinity knows.)
+            best = least if ctx.lora_key is None or not self._fallback.max_loras else self._fallback.choose(ctx)
         self._remember(best, block_hashes)
         return best
 

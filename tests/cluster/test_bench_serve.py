@@ -43,7 +43,7 @@ def test_completions_at_a_fixed_concurrency(served, tmp_path, capsys):
 
 
 def test_chat_at_a_request_rate_with_a_shared_prefix_and_ranged_lengths(served, tmp_path):
-    result = _bench(served, tmp_path, "--endpoint", "/v1/chat/completions", "--num-prompts", "8",
+    result = _bench(served, tmp_path, "--backend", "openai-chat", "--num-prompts", "8",
                     "--random-input-len", "12", "--random-output-len", "6", "--random-range-ratio", "0.5",
                     "--random-prefix-len", "8", "--request-rate", "40", "--ignore-eos")
     assert (result["completed"], result["failed"], result["endpoint"]) == (8, 0, "/v1/chat/completions")

@@ -72,7 +72,17 @@ def test_least_loaded_keeps_an_adapter_on_the_engines_running_it():
     # Base-model requests, and a policy that does not know max_loras, ignore adapters.
     assert all(p.choose(lora_ctx([0, 1], [{}, {"sql": 1}], lora=None)) == 0 for _ in range(20))
     assert all(LeastLoadedPolicy(seed=1).choose(lora_ctx([0, 1], [{}, {"sql": 1}])) == 0 for _ in range(20))
-    # prefix_aware's misses follow the same affinity.
+    # prefix_aware's misses follow the same affinity, and so does a match on an engine beyond the load margin.
+    from engine_core.core.block_pool import BLOCKS_STORED
+    from engine_core.core.kv_cache_utils import extend_block_hashes
+
+    held = PrefixAwarePolicy(num_engines=3, block_size=4, seed=0, max_loras=1, load_margin=2)
+    prompt, hashes = list(range(100, 108)), []
+    extend_block_hashes(hashes, prompt, 2, 4, lora_key=(1, "sql"))
+    held.apply_kv_events(2, [(BLOCKS_STORED, hashes)])
+    ctx_held = RoutingContext(prompt, [0, 1, 9], [True] * 3, lora_key=(1, "sql"),
+                              active_adapters=[{(2, "chat"): 1}, {}, {(1, "sql"): 9}])
+    assert all(held.choose(ctx_held) == 1 for _ in range(10))  # (engine 0, the least loaded, holds chat's slot)
     prefix = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0, max_loras=1)
     assert all(prefix.choose(lora_ctx([0, 6], [{"chat": 1}, {"sql": 6}])) == 1 for _ in range(5))
 
