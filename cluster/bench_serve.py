@@ -2,12 +2,14 @@
 ``vllm bench serve`` does (same flags and same report), against this service or any other (vLLM's
 own included, for a comparison on the same machines).
 
-Prompts are random: ``--random-input-len`` tokens each (within ``--random-range-ratio``), an optional
-shared prefix of ``--random-prefix-len`` tokens, drawn from token ids the server's own ``/tokenize``
-gives for a neutral text (so they are real tokens of its tokenizer, whatever the model), sent as token
-ids to ``/v1/completions`` (exact lengths) or as their text (``/detokenize``) to
-``/v1/chat/completions``. Requests stream; arrivals are Poisson at ``--request-rate`` (gamma with
-``--burstiness``; ``inf``: all at once), at most ``--max-concurrency`` in flight. Each request's
+Random prompts (vLLM's random dataset) are ``--random-input-len`` tokens each (within
+``--random-range-ratio``), after an optional shared prefix of ``--random-prefix-len`` tokens, drawn
+from token ids the server's own ``/tokenize`` gives for a neutral text (so they are real tokens of
+its tokenizer, whatever the model), sent as token ids to ``/v1/completions`` (exact lengths) or as
+their text (``/detokenize``) to ``/v1/chat/completions``. With ``--dataset-name sharegpt``, they are
+the first turns of a ShareGPT file's conversations, sampled as vLLM samples them. Requests
+stream; arrivals are Poisson at ``--request-rate`` (gamma with ``--burstiness``; ``inf``: all at
+once), at most ``--max-concurrency`` in flight. Each request's
 time to first token, time per output token after it, inter-token latencies and end-to-end latency
 are measured here; token counts come from the server's usage (``stream_options.include_usage``).
 """
@@ -52,8 +54,14 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", default=None, choices=["/v1/completions", "/v1/chat/completions"],
                         help="The endpoint loaded (default: the backend's).")
     parser.add_argument("--model", default=None, help="The model to ask for (default: the server's first).")
-    parser.add_argument("--dataset-name", default="random", choices=["random"],
-                        help="Prompts: random token ids (vLLM's random dataset).")
+    parser.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"],
+                        help="Prompts: random token ids (vLLM's random dataset), or conversations from a "
+                             "ShareGPT JSON file (--dataset-path): each first turn, asking for as many tokens as "
+                             "its reply has.")
+    parser.add_argument("--dataset-path", default=None, help="The ShareGPT file (a JSON list of "
+                                                              '{"conversations": [{"from", "value"}, ...]}).')
+    parser.add_argument("--sharegpt-output-len", type=int, default=None,
+                        help="Ask every ShareGPT prompt for this many tokens instead of its reply's length.")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=128)
@@ -98,9 +106,43 @@ async def _server_model(session: Any, base: str) -> str:
         return (await response.json())["data"][0]["id"]
 
 
+async def _token_count(session: Any, base: str, model: str, text: str) -> int:
+    return (await _post_json(session, f"{base}/tokenize", {"model": model, "prompt": text,
+                                                           "add_special_tokens": False}))["count"]
+
+
+async def sharegpt_prompts(session: Any, base: str, model: str, args: argparse.Namespace
+                           ) -> list[tuple[list[int] | str, int, int]]:
+    """vLLM's ShareGPT sampling: conversations with a first turn and a reply, shuffled by the seed;
+    each first turn asks for as many tokens as its reply has (counted by the server's tokenizer),
+    pairs too short (under 4 tokens either side) or too long (a prompt over 1,024 tokens, both over
+    2,048) left out, until ``num_prompts`` are found."""
+    with open(args.dataset_path, encoding="utf-8") as f:
+        data = json.load(f)
+    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in data
+             if isinstance(c, dict) and len(c.get("conversations") or []) >= 2]
+    random.Random(args.seed).shuffle(pairs)
+    prompts: list[tuple[list[int] | str, int, int]] = []
+    for prompt, reply in pairs:
+        if len(prompts) == args.num_prompts:
+            break
+        prompt_len = await _token_count(session, base, model, prompt)
+        output_len = args.sharegpt_output_len or await _token_count(session, base, model, reply)
+        if prompt_len < 4 or (output_len < 4 and args.sharegpt_output_len is None):
+            continue
+        if prompt_len > 1024 or prompt_len + output_len > 2048:
+            continue
+        prompts.append((prompt, prompt_len, output_len))
+    if len(prompts) < args.num_prompts:
+        raise RuntimeError(f"{args.dataset_path}: {len(prompts)} usable conversations, {args.num_prompts} asked")
+    return prompts
+
+
 async def make_prompts(session: Any, base: str, model: str, args: argparse.Namespace
                        ) -> list[tuple[list[int] | str, int, int]]:
     """(prompt, its token count, output tokens asked) per request."""
+    if args.dataset_name == "sharegpt":
+        return await sharegpt_prompts(session, base, model, args)
     rng = random.Random(args.seed)
     pool = (await _post_json(session, f"{base}/tokenize", {"model": model, "prompt": _SOURCE_TEXT * 4,
                                                            "add_special_tokens": False}))["tokens"]
@@ -279,6 +321,9 @@ def bench_serve_command(args: argparse.Namespace) -> int:
         args.endpoint = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         print("llm-cluster bench serve: --num-prompts and the random lengths must be at least 1")
+        return 2
+    if args.dataset_name == "sharegpt" and not (args.dataset_path and os.path.isfile(args.dataset_path)):
+        print("llm-cluster bench serve: --dataset-name sharegpt needs --dataset-path FILE (nothing is downloaded)")
         return 2
     try:
         out = asyncio.run(run(args))

@@ -52,6 +52,21 @@ def test_chat_at_a_request_rate_with_a_shared_prefix_and_ranged_lengths(served, 
     assert result["request_rate"] == 40
 
 
+def test_sharegpt_conversations_ask_for_their_replys_length(served, tmp_path):
+    replies = ["A short reply of a few words.", "Another reply, a little longer than the first one was."]
+    data = [{"conversations": [{"from": "human", "value": f"Question number {i}: tell me about rivers."},
+                               {"from": "gpt", "value": replies[i % 2]}]} for i in range(6)]
+    data.append({"conversations": [{"from": "human", "value": "no reply"}]})  # (left out)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    result = _bench(served, tmp_path, "--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts",
+                    "4", "--ignore-eos")
+    assert (result["completed"], result["failed"]) == (4, 0)
+    assert result["total_output_tokens"] >= 4 * 4
+    assert main(["bench", "serve", "--base-url", served.base, "--dataset-name", "sharegpt", "--dataset-path",
+                 str(path), "--num-prompts", "50"]) == 1  # (only 6 usable conversations)
+
+
 def test_a_server_that_is_not_there_is_an_error(tmp_path, capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 1
     assert "llm-cluster bench serve:" in capsys.readouterr().out
