@@ -79,6 +79,9 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl",
                         help="Which metrics get percentiles: ttft, tpot, itl, e2el.")
     parser.add_argument("--metric-percentiles", default="99", help="Which percentiles, e.g. 50,90,99.")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                        help="Service-level objectives, e.g. ttft:500 tpot:50 e2el:8000: the report adds the "
+                             "requests per second that met all of them (vLLM's goodput).")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (default: "
                                                                                     "$OPENAI_API_KEY).")
     parser.add_argument("--save-result", action="store_true", help="Write the results as JSON.")
@@ -255,6 +258,27 @@ def _percentile(values: list[float], p: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """``--goodput ttft:500 tpot:50``: each objective's bound in milliseconds (ValueError if malformed)."""
+    objectives: dict[str, float] = {}
+    for item in items or ():
+        name, sep, bound = item.partition(":")
+        if not sep or name not in ("ttft", "tpot", "e2el"):
+            raise ValueError(f"--goodput {item!r}: expected ttft:MS, tpot:MS or e2el:MS")
+        try:
+            objectives[name] = float(bound)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {bound!r} is not a number of milliseconds") from None
+    return objectives
+
+
+def _meets(result: RequestResult, objectives: dict[str, float]) -> bool:
+    values = {"ttft": result.ttft * 1000, "e2el": result.latency * 1000,
+              "tpot": (result.latency - result.ttft) / (result.output_tokens - 1) * 1000
+              if result.output_tokens > 1 else 0.0}
+    return all(values[name] <= bound for name, bound in objectives.items())
+
+
 def summarise(args: argparse.Namespace, model: str, results: list[RequestResult], duration: float
               ) -> dict[str, Any]:
     ok = [r for r in results if r.success]
@@ -273,6 +297,8 @@ def summarise(args: argparse.Namespace, model: str, results: list[RequestResult]
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+        "request_goodput": (sum(_meets(r, objectives) for r in ok) / duration
+                            if (objectives := parse_goodput(getattr(args, "goodput", None))) else None),
         "errors": [r.error for r in results if not r.success][:10]}
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     for name in [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]:
@@ -301,6 +327,8 @@ def report(out: dict[str, Any]) -> str:
               f"{'Total input tokens:':<40}{out['total_input_tokens']:<10}",
               f"{'Total generated tokens:':<40}{out['total_output_tokens']:<10}",
               f"{'Request throughput (req/s):':<40}{out['request_throughput']:<10.2f}",
+              *([f"{'Request goodput (req/s):':<40}{out['request_goodput']:<10.2f}"]
+                if out["request_goodput"] is not None else []),
               f"{'Output token throughput (tok/s):':<40}{out['output_throughput']:<10.2f}",
               f"{'Total token throughput (tok/s):':<40}{out['total_token_throughput']:<10.2f}"]
     for name in out["_percentile_metrics"]:
@@ -321,6 +349,11 @@ def bench_serve_command(args: argparse.Namespace) -> int:
         args.endpoint = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         print("llm-cluster bench serve: --num-prompts and the random lengths must be at least 1")
+        return 2
+    try:
+        parse_goodput(args.goodput)
+    except ValueError as e:
+        print(f"llm-cluster bench serve: {e}")
         return 2
     if args.dataset_name == "sharegpt" and not (args.dataset_path and os.path.isfile(args.dataset_path)):
         print("llm-cluster bench serve: --dataset-name sharegpt needs --dataset-path FILE (nothing is downloaded)")

@@ -67,6 +67,23 @@ def test_sharegpt_conversations_ask_for_their_replys_length(served, tmp_path):
                  str(path), "--num-prompts", "50"]) == 1  # (only 6 usable conversations)
 
 
+def test_goodput_counts_the_requests_that_meet_every_objective():
+    import argparse
+
+    from cluster.bench_serve import RequestResult, parse_goodput, report, summarise
+
+    args = argparse.Namespace(request_rate=float("inf"), burstiness=1.0, max_concurrency=None,
+                              endpoint="/v1/completions", metric_percentiles="50", percentile_metrics="ttft,tpot",
+                              goodput=["ttft:100", "tpot:20"])
+    results = [RequestResult(success=True, prompt_tokens=4, output_tokens=11, ttft=ttft, latency=latency)
+               for ttft, latency in ((0.05, 0.15), (0.05, 0.35), (0.2, 0.3))]  # meets both; tpot 30 ms; ttft 200 ms
+    out = summarise(args, "m", [*results, RequestResult(error="HTTP 500")], duration=2.0)
+    assert (out["completed"], out["failed"], out["request_goodput"]) == (3, 1, 0.5)
+    assert "Request goodput (req/s):                0.50" in report(out)
+    with pytest.raises(ValueError, match="ttft:MS"):
+        parse_goodput(["latency:5"])
+
+
 def test_a_server_that_is_not_there_is_an_error(tmp_path, capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 1
     assert "llm-cluster bench serve:" in capsys.readouterr().out
