@@ -54,10 +54,12 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", default=None, choices=["/v1/completions", "/v1/chat/completions"],
                         help="The endpoint loaded (default: the backend's).")
     parser.add_argument("--model", default=None, help="The model to ask for (default: the server's first).")
-    parser.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"],
-                        help="Prompts: random token ids (vLLM's random dataset), or conversations from a "
-                             "ShareGPT JSON file (--dataset-path): each first turn, asking for as many tokens as "
-                             "its reply has.")
+    parser.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "custom"],
+                        help="Prompts: random token ids (vLLM's random dataset); conversations from a ShareGPT "
+                             "JSON file (--dataset-path): each first turn, asking for as many tokens as its reply "
+                             'has; or a JSONL file of {"prompt": ...} lines (vLLM\'s custom dataset).')
+    parser.add_argument("--custom-output-len", type=int, default=256,
+                        help="Output tokens each prompt of a custom dataset asks for.")
     parser.add_argument("--dataset-path", default=None, help="The ShareGPT file (a JSON list of "
                                                               '{"conversations": [{"from", "value"}, ...]}).')
     parser.add_argument("--sharegpt-output-len", type=int, default=None,
@@ -141,11 +143,31 @@ async def sharegpt_prompts(session: Any, base: str, model: str, args: argparse.N
     return prompts
 
 
+async def custom_prompts(session: Any, base: str, model: str, args: argparse.Namespace
+                         ) -> list[tuple[list[int] | str, int, int]]:
+    """vLLM's custom dataset: a JSONL file's ``prompt`` fields, in order (repeated to ``num_prompts``
+    when the file has fewer), each asking for ``--custom-output-len`` tokens."""
+    texts = []
+    with open(args.dataset_path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                entry = json.loads(line)
+                if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+                    raise RuntimeError(f"{args.dataset_path}:{number}: expected a JSON object with a \"prompt\" string")
+                texts.append(entry["prompt"])
+    if not texts:
+        raise RuntimeError(f"{args.dataset_path}: no prompts")
+    chosen = [texts[i % len(texts)] for i in range(args.num_prompts)]
+    return [(text, await _token_count(session, base, model, text), args.custom_output_len) for text in chosen]
+
+
 async def make_prompts(session: Any, base: str, model: str, args: argparse.Namespace
                        ) -> list[tuple[list[int] | str, int, int]]:
     """(prompt, its token count, output tokens asked) per request."""
     if args.dataset_name == "sharegpt":
         return await sharegpt_prompts(session, base, model, args)
+    if args.dataset_name == "custom":
+        return await custom_prompts(session, base, model, args)
     rng = random.Random(args.seed)
     pool = (await _post_json(session, f"{base}/tokenize", {"model": model, "prompt": _SOURCE_TEXT * 4,
                                                            "add_special_tokens": False}))["tokens"]
@@ -355,12 +377,13 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"llm-cluster bench serve: {e}")
         return 2
-    if args.dataset_name == "sharegpt" and not (args.dataset_path and os.path.isfile(args.dataset_path)):
-        print("llm-cluster bench serve: --dataset-name sharegpt needs --dataset-path FILE (nothing is downloaded)")
+    if args.dataset_name != "random" and not (args.dataset_path and os.path.isfile(args.dataset_path)):
+        print(f"llm-cluster bench serve: --dataset-name {args.dataset_name} needs --dataset-path FILE (nothing is "
+              "downloaded)")
         return 2
     try:
         out = asyncio.run(run(args))
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:  # (ValueError: a dataset file that is not JSON)
         print(f"llm-cluster bench serve: {e}")
         return 1
     print(report(out), flush=True)

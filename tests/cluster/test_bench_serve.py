@@ -67,6 +67,17 @@ def test_sharegpt_conversations_ask_for_their_replys_length(served, tmp_path):
                  str(path), "--num-prompts", "50"]) == 1  # (only 6 usable conversations)
 
 
+def test_a_custom_dataset_of_prompts(served, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Tell me about rivers."}\n\n{"prompt": "And about mountains?"}\n')
+    result = _bench(served, tmp_path, "--dataset-name", "custom", "--dataset-path", str(path), "--num-prompts", "3",
+                    "--custom-output-len", "5", "--ignore-eos", "--endpoint", "/v1/chat/completions")
+    assert (result["completed"], result["total_output_tokens"]) == (3, 15)
+    path.write_text('{"text": "no prompt field"}\n')
+    assert main(["bench", "serve", "--base-url", served.base, "--dataset-name", "custom", "--dataset-path",
+                 str(path), "--num-prompts", "1"]) == 1
+
+
 def test_goodput_counts_the_requests_that_meet_every_objective():
     import argparse
 
