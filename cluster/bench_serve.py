@@ -124,20 +124,30 @@ async def sharegpt_prompts(session: Any, base: str, model: str, args: argparse.N
     2,048) left out, until ``num_prompts`` are found."""
     with open(args.dataset_path, encoding="utf-8") as f:
         data = json.load(f)
-    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in data
-             if isinstance(c, dict) and len(c.get("conversations") or []) >= 2]
+    def turns(entry: Any) -> tuple[str, str] | None:
+        conversation = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(conversation, list) or len(conversation) < 2:
+            return None
+        values = [turn.get("value") if isinstance(turn, dict) else None for turn in conversation[:2]]
+        return (values[0], values[1]) if all(isinstance(v, str) and v for v in values) else None
+
+    pairs = [pair for entry in (data if isinstance(data, list) else []) if (pair := turns(entry)) is not None]
     random.Random(args.seed).shuffle(pairs)
     prompts: list[tuple[list[int] | str, int, int]] = []
-    for prompt, reply in pairs:
+    batch = 32  # (conversations tokenized at once)
+    for at in range(0, len(pairs), batch):
         if len(prompts) == args.num_prompts:
             break
-        prompt_len = await _token_count(session, base, model, prompt)
-        output_len = args.sharegpt_output_len or await _token_count(session, base, model, reply)
-        if prompt_len < 4 or (output_len < 4 and args.sharegpt_output_len is None):
-            continue
-        if prompt_len > 1024 or prompt_len + output_len > 2048:
-            continue
-        prompts.append((prompt, prompt_len, output_len))
+        chunk = pairs[at:at + batch]
+        prompt_lens = await asyncio.gather(*(_token_count(session, base, model, p) for p, _ in chunk))
+        reply_lens = ([args.sharegpt_output_len] * len(chunk) if args.sharegpt_output_len else
+                      await asyncio.gather(*(_token_count(session, base, model, r) for _, r in chunk)))
+        for (prompt, _), prompt_len, output_len in zip(chunk, prompt_lens, reply_lens, strict=True):
+            if len(prompts) == args.num_prompts or prompt_len < 4 or (output_len < 4 and not args.sharegpt_output_len):
+                continue
+            if prompt_len > 1024 or prompt_len + output_len > 2048:
+                continue
+            prompts.append((prompt, prompt_len, output_len))
     if len(prompts) < args.num_prompts:
         raise RuntimeError(f"{args.dataset_path}: {len(prompts)} usable conversations, {args.num_prompts} asked")
     return prompts
@@ -191,10 +201,59 @@ async def make_prompts(session: Any, base: str, model: str, args: argparse.Names
     return prompts
 
 
+def sse_data(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The ``data`` of each complete server-sent event in ``buffer`` (events end at a blank line,
+    with LF or CRLF line ends; comments and other fields are left out), and what is left of it."""
+    buffer = buffer.replace(b"\r\n", b"\n")
+    events = []
+    while b"\n\n" in buffer:
+        event, buffer = buffer.split(b"\n\n", 1)
+        data = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+        if data:
+            events.append(b"\n".join(data))
+    return events, buffer
+
+
 async def one_request(session: Any, url: str, body: dict[str, Any], chat: bool) -> RequestResult:
+    """One streamed request: its timings, and its token counts from the server's usage (without
+    usage, a chunk of text counts as a token). A stream that ends with no text, or that carries an
+    error, failed."""
     result = RequestResult()
     start = time.perf_counter()
     last = start
+    chunks = 0
+    usage_seen = False
+
+    def take(data: bytes) -> None:
+        nonlocal last, chunks, usage_seen
+        if data.strip() == b"[DONE]":
+            return
+        message = json.loads(data)
+        now = time.perf_counter()
+        if message.get("error"):
+            error = message["error"]
+            result.error = str(error.get("message", error) if isinstance(error, dict) else error)
+            return
+        if message.get("usage"):
+            usage_seen = True
+            result.prompt_tokens = message["usage"].get("prompt_tokens") or 0
+            result.output_tokens = message["usage"].get("completion_tokens") or 0
+        choices = message.get("choices") or []
+        if not choices:
+            return
+        if chat:  # (a reasoning model's thinking is generated text too)
+            delta = choices[0].get("delta") or {}
+            text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+        else:
+            text = choices[0].get("text")
+        if text:
+            chunks += 1
+            if result.ttft == 0.0:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+
     try:
         async with session.post(url, json=body) as response:
             if response.status != 200:
@@ -202,29 +261,19 @@ async def one_request(session: Any, url: str, body: dict[str, Any], chat: bool) 
                 return result
             buffer = b""
             async for chunk in response.content.iter_any():
-                buffer += chunk
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    data = event.removeprefix(b"data: ").strip()
-                    if not data or data == b"[DONE]":
-                        continue
-                    message = json.loads(data)
-                    now = time.perf_counter()
-                    if message.get("usage"):
-                        result.prompt_tokens = message["usage"]["prompt_tokens"]
-                        result.output_tokens = message["usage"]["completion_tokens"]
-                    choices = message.get("choices") or []
-                    text = (choices[0].get("delta", {}).get("content") if chat else choices[0].get("text")) \
-                        if choices else None
-                    if text:
-                        if result.ttft == 0.0:
-                            result.ttft = now - start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
+                events, buffer = sse_data(buffer + chunk)
+                for data in events:
+                    take(data)
+            events, _ = sse_data(buffer + b"\n\n")  # (a last event without its blank line)
+            for data in events:
+                take(data)
             result.latency = time.perf_counter() - start
-            result.success = result.ttft > 0.0 or result.output_tokens == 0
-    except Exception as e:  # (a refused connection, a reset: counted as failed, the run goes on)
+            if not usage_seen:
+                result.output_tokens = chunks
+            result.success = not result.error and (result.ttft > 0.0 or (usage_seen and result.output_tokens == 0))
+            if not result.success and not result.error:
+                result.error = "the stream ended with no generated text"
+    except Exception as e:  # (a refused connection, a reset, a malformed event: failed, the run goes on)
         result.error = f"{type(e).__name__}: {e}"
     return result
 
@@ -290,7 +339,9 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         try:
             objectives[name] = float(bound)
         except ValueError:
-            raise ValueError(f"--goodput {item!r}: {bound!r} is not a number of milliseconds") from None
+            objectives[name] = math.nan
+        if not (math.isfinite(objectives[name]) and objectives[name] >= 0):
+            raise ValueError(f"--goodput {item!r}: {bound!r} is not a number of milliseconds")
     return objectives
 
 
@@ -376,6 +427,16 @@ def bench_serve_command(args: argparse.Namespace) -> int:
         parse_goodput(args.goodput)
     except ValueError as e:
         print(f"llm-cluster bench serve: {e}")
+        return 2
+    problems = [what for what, bad in (
+        ("--request-rate must be above 0 (inf: all at once)", not args.request_rate > 0),
+        ("--burstiness must be above 0", not args.burstiness > 0),
+        ("--sharegpt-output-len must be at least 1",
+         args.sharegpt_output_len is not None and args.sharegpt_output_len < 1),
+        ("--custom-output-len must be at least 1", args.custom_output_len < 1),
+        ("--max-concurrency must be at least 1", args.max_concurrency is not None and args.max_concurrency < 1)) if bad]
+    if problems:
+        print(f"llm-cluster bench serve: {problems[0]}")
         return 2
     if args.dataset_name != "random" and not (args.dataset_path and os.path.isfile(args.dataset_path)):
         print(f"llm-cluster bench serve: --dataset-name {args.dataset_name} needs --dataset-path FILE (nothing is "

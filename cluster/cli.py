@@ -167,7 +167,7 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
         if flag in VLLM_FLAGS_WITHOUT_EFFECT:
             takes_value, why = VLLM_FLAGS_WITHOUT_EFFECT[flag]
             # (A flag whose value is optional, --hf-token's, may come bare: the next flag is no value.)
-            if takes_value and not sep and i < len(argv) and not argv[i].startswith("--"):
+            if takes_value and not sep and i < len(argv) and (not argv[i].startswith("-") or _is_number(argv[i])):
                 i += 1
             warnings.append(f"{flag} has no effect here: {why}")
             continue

@@ -230,8 +230,10 @@ class PrefixAwarePolicy(RoutingPolicy):
         if lengths[best] == 0:
             best = self._fallback.choose(ctx)
         elif ctx.loads[best] - ctx.loads[least] > self.load_margin:
-            # (Under an adapter, where its slots allow: the fallback's LoRA affinity knows.)
-            best = least if ctx.lora_key is None or not self._fallback.max_loras else self._fallback.choose(ctx)
+            # (Under an adapter: the least loaded of the engines its slots allow, as LoRA affinity sees them.)
+            if ctx.lora_key is not None and self._fallback.max_loras and ctx.active_adapters is not None:
+                least = min(self._fallback._lora_candidates(ctx, healthy), key=lambda i: ctx.loads[i])
+            best = least
         self._remember(best, block_hashes)
         return best
 

@@ -98,3 +98,58 @@ def test_goodput_counts_the_requests_that_meet_every_objective():
 def test_a_server_that_is_not_there_is_an_error(tmp_path, capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 1
     assert "llm-cluster bench serve:" in capsys.readouterr().out
+
+
+def test_server_sent_events_are_read_as_the_standard_writes_them():
+    """CRLF line ends, comments (keep-alive pings), ``data:`` without its space, an event split
+    across reads and one whose blank line never came."""
+    from cluster.bench_serve import sse_data
+
+    events, rest = sse_data(b': ping\r\n\r\ndata:{"a": 1}\r\n\r\ndata: {"b"')
+    assert (events, rest) == ([b'{"a": 1}'], b'data: {"b"')
+    events, rest = sse_data(rest + b': 2}\n\ndata: [DONE]')
+    assert (events, rest) == ([b'{"b": 2}'], b"data: [DONE]")
+    assert sse_data(rest + b"\n\n") == ([b"[DONE]"], b"")
+
+
+def test_a_stream_with_an_error_or_no_text_failed(tmp_path):
+    """A server that streams an error event, or ends without any text, does not count as answered."""
+    import asyncio
+    import http.server
+    import threading
+
+    import aiohttp
+
+    from cluster.bench_serve import one_request
+
+    bodies = {"/error": b'data: {"error": {"message": "engine died"}}\n\ndata: [DONE]\n\n',
+              "/empty": b"data: [DONE]\n\n",
+              "/ok": b'data: {"choices": [{"text": "hi"}]}\r\n\r\n: ping\r\n\r\n'
+                     b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}'}
+
+    class Stream(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(bodies[self.path])
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def ask(path: str):
+        async with aiohttp.ClientSession() as session:
+            return await one_request(session, base + path, {}, chat=False)
+
+    try:
+        error, empty, ok = (asyncio.run(ask(path)) for path in ("/error", "/empty", "/ok"))
+    finally:
+        server.shutdown()
+    assert (error.success, error.error) == (False, "engine died")
+    assert not empty.success and "no generated text" in empty.error
+    assert ok.success and (ok.prompt_tokens, ok.output_tokens) == (3, 1) and ok.ttft > 0

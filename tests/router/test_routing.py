@@ -83,6 +83,13 @@ def test_least_loaded_keeps_an_adapter_on_the_engines_running_it():
     ctx_held = RoutingContext(prompt, [0, 1, 9], [True] * 3, lora_key=(1, "sql"),
                               active_adapters=[{(2, "chat"): 1}, {}, {(1, "sql"): 9}])
     assert all(held.choose(ctx_held) == 1 for _ in range(10))  # (engine 0, the least loaded, holds chat's slot)
+    # No engine has a slot for it: the least loaded takes it (not a draw that may land on the overloaded one).
+    full = RoutingContext(prompt, [20, 20, 0], [True] * 3, lora_key=(1, "sql"),
+                          active_adapters=[{(2, "chat"): 1}, {(3, "web"): 1}, {(2, "chat"): 1}])
+    for seed in range(20):
+        only_first = PrefixAwarePolicy(num_engines=3, block_size=4, seed=seed, max_loras=1, load_margin=2)
+        only_first.apply_kv_events(0, [(BLOCKS_STORED, hashes)])
+        assert only_first.choose(full) == 2
     prefix = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0, max_loras=1)
     assert all(prefix.choose(lora_ctx([0, 6], [{"chat": 1}, {"sql": 6}])) == 1 for _ in range(5))
 
