@@ -107,6 +107,9 @@ VLLM_FLAGS_WITHOUT_EFFECT: dict[str, tuple[bool, str]] = {
                           "handles its own path"),
 }
 
+# Flags of those that take several values (`--cuda-graph-sizes 1 2 4`).
+VLLM_FLAGS_WITH_SEVERAL_VALUES = frozenset({"--cuda-graph-sizes"})
+
 # Flags of `vllm serve` that are another flag here (same meaning, our name).
 VLLM_FLAGS_RENAMED: dict[str, str] = {
     "--api-server-count": "--num-router-replicas",  # (vLLM's API server processes: our router replicas)
@@ -166,9 +169,12 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
             flag = "--" + flag[5:]  # (--no-enforce-eager: as much without effect)
         if flag in VLLM_FLAGS_WITHOUT_EFFECT:
             takes_value, why = VLLM_FLAGS_WITHOUT_EFFECT[flag]
-            # (A flag whose value is optional, --hf-token's, may come bare: the next flag is no value.)
-            if takes_value and not sep and i < len(argv) and (not argv[i].startswith("-") or _is_number(argv[i])):
+            # (A flag whose value is optional, --hf-token's, may come bare: the next flag is no value;
+            # --cuda-graph-sizes takes several.)
+            while takes_value and not sep and i < len(argv) and (not argv[i].startswith("-") or _is_number(argv[i])):
                 i += 1
+                if flag not in VLLM_FLAGS_WITH_SEVERAL_VALUES:
+                    break
             warnings.append(f"{flag} has no effect here: {why}")
             continue
         if flag in VLLM_FLAGS_RENAMED:

@@ -751,6 +751,8 @@ def test_more_of_vllms_flags_are_taken_renamed_or_refused_with_why():
     assert vllm_command_line(["serve", "m", "--hf-token", "--max-model-len", "4096"])[0] == [
         "serve", "m", "--max-model-len", "4096"]
     assert vllm_command_line(["serve", "m", "--hf-token", "-tp", "2"])[0] == ["serve", "m", "-tp", "2"]
+    assert vllm_command_line(["serve", "m", "--cuda-graph-sizes", "1", "2", "4", "-tp", "2"])[0] == [
+        "serve", "m", "-tp", "2"]
     for refused in (["--model-impl", "transformers"], ["--structured-outputs-config", '{"backend": "guidance"}']):
         with pytest.raises(ValueError, match=refused[0]):
             vllm_command_line(["serve", "m", *refused])
