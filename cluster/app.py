@@ -167,6 +167,7 @@ def router_deployment(config: ClusterConfig):
         cors=CORSSettings(tuple(config.allowed_origins), tuple(config.allowed_methods),
                           tuple(config.allowed_headers), config.allow_credentials),
         enable_force_include_usage=config.enable_force_include_usage,
+        structured_outputs_disable_any_whitespace=config.structured_outputs_disable_any_whitespace,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
         disable_fastapi_docs=config.disable_fastapi_docs, response_role=config.response_role,

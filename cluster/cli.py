@@ -142,8 +142,6 @@ VLLM_FLAGS_NOT_BUILT: dict[str, tuple[str, tuple[str, ...]]] = {
                              "host memory) pass --kv-offloading-size GIB", ()),
     "--model-impl": ("the built-in model implementations run (not transformers' modeling code)", ("auto", "vllm")),
     "--guided-decoding-backend": ("structured output is built with xgrammar", ("auto", "xgrammar")),
-    "--structured-outputs-config": ("structured output is built with xgrammar (backend auto or xgrammar, nothing "
-                                    "else set)", ('{"backend": "auto"}', '{"backend": "xgrammar"}', "{}")),
 }
 
 
@@ -239,6 +237,35 @@ def _local_lora_module(text: str) -> str:
         return text
     entry = {"name": module.name, "path": path}
     return json.dumps(entry if module.base_model_name is None else {**entry, "base_model_name": module.base_model_name})
+
+
+# vLLM's --structured-outputs-config keys, and the values of those only other backends use that are
+# their defaults here (anything else is refused with why).
+_STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_any_whitespace", "reasoning_parser", "disable_fallback",
+                            "disable_additional_properties", "enable_in_reasoning")
+
+
+def _structured_outputs_config(text: str) -> dict[str, Any]:
+    """vLLM's --structured-outputs-config, checked: xgrammar is the backend; what only other
+    backends or modes do is refused unless at its default."""
+    value = _json_object(text)
+    unknown = sorted(set(value) - set(_STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown key(s) {', '.join(unknown)} (vLLM's are "
+                                         f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)})")
+    if value.get("backend", "auto") not in ("auto", "xgrammar"):
+        raise argparse.ArgumentTypeError(f"backend {value['backend']!r}: structured output is built with xgrammar")
+    for key, what in (("disable_additional_properties", "a guidance backend option"),
+                      ("enable_in_reasoning", "grammars start after the reasoning here")):
+        if value.get(key):
+            raise argparse.ArgumentTypeError(f"{key}: not built ({what})")
+    for key in ("disable_any_whitespace", "disable_fallback"):
+        if not isinstance(value.get(key, False), bool):
+            raise argparse.ArgumentTypeError(f"{key} must be true or false")
+    parser = value.get("reasoning_parser")
+    if parser is not None and parser not in REASONING_PARSERS:
+        raise argparse.ArgumentTypeError(f"reasoning_parser {parser!r}: one of {', '.join(REASONING_PARSERS)}")
+    return value
 
 
 def _json_string_list(text: str) -> list[str]:
@@ -454,6 +481,10 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "qwen3_coder: <tool_call><function=f><parameter=a>1</parameter>...).")
     serve.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="Return chat answers' <think>...</think> as reasoning (and reasoning_content).")
+    serve.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
+                       help='vLLM\'s (JSON): {"backend": "auto" or "xgrammar", "disable_any_whitespace": true (JSON '
+                            'constraints leave out optional whitespace unless a request says otherwise), '
+                            '"reasoning_parser": ... (as --reasoning-parser), "disable_fallback": ...}.')
     serve.add_argument("--api-key", nargs="+", action="extend", default=None,
                        help="Require this Bearer key on /v1 requests (several keys: several values, or the flag "
                             "again; default: "
@@ -509,6 +540,15 @@ def served_models_line(config, engine_names: dict[int, str]) -> str:
     return ", ".join(out)
 
 
+def _reasoning_parser(args: argparse.Namespace) -> str | None:
+    """--reasoning-parser, or --structured-outputs-config's reasoning_parser (vLLM's newer place)."""
+    from_config = (args.structured_outputs_config or {}).get("reasoning_parser")
+    if args.reasoning_parser and from_config and args.reasoning_parser != from_config:
+        raise ValueError(f"--reasoning-parser {args.reasoning_parser} and --structured-outputs-config's "
+                         f"reasoning_parser {from_config} differ")
+    return args.reasoning_parser or from_config
+
+
 def cluster_config_from_args(args: argparse.Namespace):
     from cluster.config import ClusterConfig, EngineSpec, load_engine_overrides
 
@@ -552,7 +592,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         **({} if args.num_router_replicas is None else {"num_router_replicas": args.num_router_replicas}),
         router_autoscaling=args.router_autoscaling, request_timeout_s=args.request_timeout, seed=args.seed,
         chat_template=read_chat_template(args.chat_template), enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=_reasoning_parser(args),
         api_keys=args.api_key or default_api_keys(),
         enable_access_log=not args.disable_access_log, host=args.host, port=args.port, address=args.address,
         enable_lora=args.enable_lora, lora_modules=[_local_lora_module(m) for m in args.lora_modules or []],
@@ -570,6 +610,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         enable_force_include_usage=args.enable_force_include_usage,
+        structured_outputs_disable_any_whitespace=bool(
+            (args.structured_outputs_config or {}).get("disable_any_whitespace", False)),
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         response_role=args.response_role, chat_template_content_format=args.chat_template_content_format,

@@ -80,6 +80,7 @@ class RouterConfig:
     # CORS (--allowed-origins, ...): the app's, taken from the first model.
     cors: CORSSettings = field(default_factory=CORSSettings)
     enable_force_include_usage: bool = False
+    structured_outputs_disable_any_whitespace: bool = False
     return_tokens_as_token_ids: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     disable_fastapi_docs: bool = False
@@ -127,6 +128,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
         cors=config.cors,
         enable_force_include_usage=config.enable_force_include_usage,
+        structured_outputs_disable_any_whitespace=config.structured_outputs_disable_any_whitespace,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
         disable_fastapi_docs=config.disable_fastapi_docs, response_role=config.response_role,

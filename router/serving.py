@@ -267,6 +267,9 @@ class ServingSettings:
     # request), --exclude-tools-when-tool-choice-none and --disable-fastapi-docs (no /docs, /redoc,
     # /openapi.json).
     enable_force_include_usage: bool = False
+    # JSON constraints leave out optional whitespace unless the request says (vLLM's
+    # --structured-outputs-config disable_any_whitespace).
+    structured_outputs_disable_any_whitespace: bool = False
     return_tokens_as_token_ids: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     disable_fastapi_docs: bool = False
@@ -807,6 +810,13 @@ class OpenAIServing:
             raise bad_request(f"{'prompt token ids' if param == 'prompt' else param} must be in [0, {vocab})", param)
         return list(prompt)
 
+    def _with_server_defaults(self, spec: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A request's output constraint with the server's defaults for what it leaves unset."""
+        if (spec is not None and self.settings.structured_outputs_disable_any_whitespace
+                and "disable_any_whitespace" not in spec):
+            return {**spec, "disable_any_whitespace": True}
+        return spec
+
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, seed_offset: int, prompt_logprobs: int | None = None,
                         structured_output_after: list[int] | None = None,
@@ -857,7 +867,7 @@ class OpenAIServing:
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 logit_bias=logit_bias, allowed_token_ids=allowed_ids, bad_words_token_ids=bad_words,
-                structured_output=request.structured_output,
+                structured_output=self._with_server_defaults(request.structured_output),
                 structured_output_after=structured_output_after if request.structured_output else None,
                 structured_output_may_open=structured_output_may_open if request.structured_output else None,
                 extra_args=request.vllm_xargs or None)

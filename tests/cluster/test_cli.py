@@ -741,8 +741,7 @@ def test_more_of_vllms_flags_are_taken_renamed_or_refused_with_why():
 
     argv, warnings = vllm_command_line([
         "serve", "m", "--async-scheduling", "--hf-token", "t", "--distributed-executor-backend", "ray",
-        "--api-server-count=2", "--structured-outputs-config",
-        '{ "backend" : "xgrammar" }', "--guided-decoding-backend", "auto", "--model-impl", "vllm"])
+        "--api-server-count=2", "--guided-decoding-backend", "auto", "--model-impl", "vllm"])
     assert argv == ["serve", "m", "--num-router-replicas=2"]
     assert [w.split(" has no effect here:")[0] for w in warnings] == [
         "--async-scheduling", "--hf-token", "--distributed-executor-backend"]
@@ -753,9 +752,26 @@ def test_more_of_vllms_flags_are_taken_renamed_or_refused_with_why():
     assert vllm_command_line(["serve", "m", "--hf-token", "-tp", "2"])[0] == ["serve", "m", "-tp", "2"]
     assert vllm_command_line(["serve", "m", "--cuda-graph-sizes", "1", "2", "4", "-tp", "2"])[0] == [
         "serve", "m", "-tp", "2"]
-    for refused in (["--model-impl", "transformers"], ["--structured-outputs-config", '{"backend": "guidance"}']):
-        with pytest.raises(ValueError, match=refused[0]):
-            vllm_command_line(["serve", "m", *refused])
+    with pytest.raises(ValueError, match="--model-impl"):
+        vllm_command_line(["serve", "m", "--model-impl", "transformers"])
+
+
+def test_vllms_structured_outputs_config(capsys):
+    """xgrammar as the backend, disable_any_whitespace as the server's default for JSON constraints,
+    reasoning_parser as --reasoning-parser; what only other backends do is refused with why."""
+    config = _config("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true, '
+                                                    '"reasoning_parser": "qwen3", "disable_fallback": true}')
+    assert (config.structured_outputs_disable_any_whitespace, config.reasoning_parser) == (True, "qwen3")
+    first = router_deployment(config)._bound_deployment.init_args[0]
+    assert first.structured_outputs_disable_any_whitespace and first.reasoning_parser == "qwen3"
+    assert not _config().structured_outputs_disable_any_whitespace
+    for bad, why in (('{"backend": "guidance"}', "built with xgrammar"), ('{"enable_in_reasoning": true}', "not built"),
+                     ('{"whitespace": 1}', "unknown key"), ('{"reasoning_parser": "nope"}', "one of")):
+        with pytest.raises(SystemExit):
+            _config("--structured-outputs-config", bad)
+        assert why in capsys.readouterr().err
+    with pytest.raises(ValueError, match="differ"):
+        _config("--reasoning-parser", "deepseek_r1", "--structured-outputs-config", '{"reasoning_parser": "qwen3"}')
 
 
 def test_a_lora_module_path_relative_to_here_reaches_the_engines_whole(tmp_path, monkeypatch):
