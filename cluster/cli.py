@@ -515,6 +515,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="With an output URL: write the results to a file in this directory before the upload "
                             "(default: the system's temporary directory).")
     _add_serve_arguments(batch)
+    from cluster.chat_cli import add_client_arguments
+
+    add_client_arguments(sub.add_parser("chat", help="Chat with a running server from the terminal (vLLM's "
+                                                     "`vllm chat`)."), chat=True)
+    add_client_arguments(sub.add_parser("complete", help="Complete prompts with a running server from the terminal "
+                                                         "(vLLM's `vllm complete`)."), chat=False)
     bench = sub.add_parser("bench", help="Benchmarks against a running server (vLLM's `vllm bench`).")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from cluster.bench_serve import add_bench_serve_arguments
@@ -897,6 +903,10 @@ def main(argv: list[str] | None = None) -> int:
         return stop_command(args)
     if args.command == "run-batch":
         return run_batch_command(args)
+    if args.command in ("chat", "complete"):
+        from cluster.chat_cli import chat_command, complete_command
+
+        return chat_command(args) if args.command == "chat" else complete_command(args)
     if args.command == "bench":
         from cluster.bench_serve import bench_serve_command
 

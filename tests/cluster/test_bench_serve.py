@@ -153,3 +153,21 @@ def test_a_stream_with_an_error_or_no_text_failed(tmp_path):
     assert (error.success, error.error) == (False, "engine died")
     assert not empty.success and "no generated text" in empty.error
     assert ok.success and (ok.prompt_tokens, ok.output_tokens) == (3, 1) and ok.ttft > 0
+
+
+def test_chat_and_complete_from_the_terminal(served, capsys, monkeypatch):
+    """``llm-cluster chat`` / ``complete`` (vLLM's): one quick message, then a conversation read line
+    by line, the answers streamed; an unknown model is the server's 404, said on stderr."""
+    import io
+
+    url = f"{served.base}/v1"
+    assert main(["complete", "--url", url, "--max-tokens", "5", "-q", "Once upon a time"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Using model: tiny\n") and len(out.splitlines()) == 2
+    # (One turn: the random model's answers run to the context's end, so a second would not fit.)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n"))
+    assert main(["chat", "--url", url, "--system-prompt", "Be brief."]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["Using model: tiny", "Please enter a message for the chat model:"] and len(lines) >= 3
+    assert main(["chat", "--url", url, "--model-name", "nope", "-q", "hi"]) == 1
+    assert "404" in capsys.readouterr().err
