@@ -515,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="With an output URL: write the results to a file in this directory before the upload "
                             "(default: the system's temporary directory).")
     _add_serve_arguments(batch)
+    sub.add_parser("collect-env", help="Print the versions and hardware a bug report needs (vLLM's "
+                                       "`vllm collect-env`).")
     from cluster.chat_cli import add_client_arguments
 
     add_client_arguments(sub.add_parser("chat", help="Chat with a running server from the terminal (vLLM's "
@@ -903,6 +905,11 @@ def main(argv: list[str] | None = None) -> int:
         return stop_command(args)
     if args.command == "run-batch":
         return run_batch_command(args)
+    if args.command == "collect-env":
+        from cluster.collect_env import environment_report
+
+        print(environment_report())
+        return 0
     if args.command in ("chat", "complete"):
         from cluster.chat_cli import chat_command, complete_command
 

