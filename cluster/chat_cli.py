@@ -51,7 +51,10 @@ class Client:
 
     def first_model(self) -> str:
         with self._open("/models") as response:
-            return json.load(response)["data"][0]["id"]
+            models = json.load(response).get("data") or []
+        if not models:
+            raise ServerError("/models: the server lists no model")
+        return models[0]["id"]
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Each streamed chunk (server-sent events' data) of ``body`` posted to ``path``."""
@@ -64,8 +67,9 @@ class Client:
                 if data == "[DONE]":
                     return
                 chunk = json.loads(data)
-                if chunk.get("error"):
-                    raise ServerError(str(chunk["error"].get("message", chunk["error"])))
+                error = chunk.get("error") if isinstance(chunk, dict) else None
+                if error:
+                    raise ServerError(str(error.get("message", error) if isinstance(error, dict) else error))
                 yield chunk
 
 
@@ -121,8 +125,8 @@ def _run(args: argparse.Namespace, chat: bool, out: TextIO) -> int:
                 if args.max_tokens is not None:
                     body["max_tokens"] = args.max_tokens
                 _print_stream(client.stream("/completions", body), False, out)
-    except (ServerError, OSError, ValueError) as e:
-        print(f"llm-cluster: {e}", file=sys.stderr)
+    except (ServerError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # (a server's odd answer)
+        print(f"llm-cluster: {type(e).__name__ + ': ' if not isinstance(e, ServerError) else ''}{e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

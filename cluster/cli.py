@@ -169,9 +169,11 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
             takes_value, why = VLLM_FLAGS_WITHOUT_EFFECT[flag]
             # (A flag whose value is optional, --hf-token's, may come bare: the next flag is no value;
             # --cuda-graph-sizes takes several.)
-            while takes_value and not sep and i < len(argv) and (not argv[i].startswith("-") or _is_number(argv[i])):
-                i += 1
-                if flag not in VLLM_FLAGS_WITH_SEVERAL_VALUES:
+            several = flag in VLLM_FLAGS_WITH_SEVERAL_VALUES
+            while takes_value and not sep and i < len(argv) and (
+                    _is_number(argv[i]) if several else not argv[i].startswith("-") or _is_number(argv[i])):
+                i += 1  # (several values are numbers: a model named after them is not one)
+                if not several:
                     break
             warnings.append(f"{flag} has no effect here: {why}")
             continue
@@ -248,7 +250,8 @@ _STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_any_whitespace", "reasoning_pars
 def _structured_outputs_config(text: str) -> dict[str, Any]:
     """vLLM's --structured-outputs-config, checked: xgrammar is the backend; what only other
     backends or modes do is refused unless at its default."""
-    value = _json_object(text)
+    # (null, and vLLM's "" for an unset reasoning_parser, mean unset: a dumped vLLM config is taken)
+    value = {k: v for k, v in _json_object(text).items() if v is not None and v != ""}
     unknown = sorted(set(value) - set(_STRUCTURED_OUTPUTS_KEYS))
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown key(s) {', '.join(unknown)} (vLLM's are "

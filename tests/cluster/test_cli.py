@@ -752,6 +752,8 @@ def test_more_of_vllms_flags_are_taken_renamed_or_refused_with_why():
     assert vllm_command_line(["serve", "m", "--hf-token", "-tp", "2"])[0] == ["serve", "m", "-tp", "2"]
     assert vllm_command_line(["serve", "m", "--cuda-graph-sizes", "1", "2", "4", "-tp", "2"])[0] == [
         "serve", "m", "-tp", "2"]
+    assert vllm_command_line(["serve", "--cuda-graph-sizes", "8", "16", "Qwen/Qwen3-0.6B"])[0] == [
+        "serve", "Qwen/Qwen3-0.6B"]  # (the model after the sizes is not one of them)
     with pytest.raises(ValueError, match="--model-impl"):
         vllm_command_line(["serve", "m", "--model-impl", "transformers"])
 
@@ -761,6 +763,8 @@ def test_vllms_structured_outputs_config(capsys):
     reasoning_parser as --reasoning-parser; what only other backends do is refused with why."""
     config = _config("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true, '
                                                     '"reasoning_parser": "qwen3", "disable_fallback": true}')
+    # (A vLLM config dumped as it is: its unset reasoning_parser is "", others null.)
+    assert _config("--structured-outputs-config", '{"backend": null, "reasoning_parser": ""}').reasoning_parser is None
     assert (config.structured_outputs_disable_any_whitespace, config.reasoning_parser) == (True, "qwen3")
     first = router_deployment(config)._bound_deployment.init_args[0]
     assert first.structured_outputs_disable_any_whitespace and first.reasoning_parser == "qwen3"
@@ -803,8 +807,10 @@ def test_collect_env_reports_versions_and_leaves_secrets_out(capsys, monkeypatch
     import importlib.metadata
 
     monkeypatch.setenv("RAY_AUTH_TOKEN", "secret-value")
+    monkeypatch.setenv("RAY_JOB_HEADERS", '{"Authorization": "Bearer secret-value"}')
+    monkeypatch.setenv("RAY_ADDRESS", "ray://user:secret-value@head:10001")
     monkeypatch.setenv("LLM_CLUSTER_ENGINE_HOST", "127.0.0.1")
     assert main(["collect-env"]) == 0
     out = capsys.readouterr().out
     assert f"torch: {importlib.metadata.version('torch')}" in out and "LLM_CLUSTER_ENGINE_HOST=127.0.0.1" in out
-    assert "secret-value" not in out and "CPUs:" in out
+    assert "secret-value" not in out and "CPUs:" in out and "RAY_ADDRESS=ray://***@head:10001" in out
