@@ -486,7 +486,7 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="Return chat answers' <think>...</think> as reasoning (and reasoning_content).")
     serve.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
                        help='vLLM\'s (JSON): {"backend": "auto" or "xgrammar", "disable_any_whitespace": true (JSON '
-                            'constraints leave out optional whitespace unless a request says otherwise), '
+                            'constraints leave out optional whitespace, in every request), '
                             '"reasoning_parser": ... (as --reasoning-parser), "disable_fallback": ...}.')
     serve.add_argument("--api-key", nargs="+", action="extend", default=None,
                        help="Require this Bearer key on /v1 requests (several keys: several values, or the flag "

@@ -485,8 +485,8 @@ class ClusterConfig(ModelSettings):
         False, description="Every streamed answer ends with a usage chunk, asked for or not "
                            "(--enable-force-include-usage).")
     structured_outputs_disable_any_whitespace: bool = Field(
-        False, description="JSON constraints leave out optional whitespace unless a request says otherwise "
-                           "(vLLM's --structured-outputs-config disable_any_whitespace).")
+        False, description="JSON constraints leave out optional whitespace, in every request (vLLM's "
+                           "--structured-outputs-config disable_any_whitespace).")
     return_tokens_as_token_ids: bool = Field(
         False, description="Logprobs name tokens token_id:N for every request (--return-tokens-as-token-ids).")
     exclude_tools_when_tool_choice_none: bool = Field(

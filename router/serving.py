@@ -267,7 +267,7 @@ class ServingSettings:
     # request), --exclude-tools-when-tool-choice-none and --disable-fastapi-docs (no /docs, /redoc,
     # /openapi.json).
     enable_force_include_usage: bool = False
-    # JSON constraints leave out optional whitespace unless the request says (vLLM's
+    # JSON constraints leave out optional whitespace, whatever a request says (vLLM's
     # --structured-outputs-config disable_any_whitespace).
     structured_outputs_disable_any_whitespace: bool = False
     return_tokens_as_token_ids: bool = False
@@ -811,9 +811,9 @@ class OpenAIServing:
         return list(prompt)
 
     def _with_server_defaults(self, spec: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A request's output constraint with the server's defaults for what it leaves unset."""
-        if (spec is not None and self.settings.structured_outputs_disable_any_whitespace
-                and "disable_any_whitespace" not in spec):
+        """A request's output constraint with the server's settings: its disable_any_whitespace holds
+        for every request, as vLLM's (a request may ask for it on a server that does not)."""
+        if spec is not None and self.settings.structured_outputs_disable_any_whitespace:
             return {**spec, "disable_any_whitespace": True}
         return spec
 

@@ -677,9 +677,10 @@ def test_a_call_whose_arguments_nest_past_pythons_limit_is_text_not_a_500():
     assert collect(HermesToolCallParser(), text) == (text, [])
 
 
-def test_the_servers_disable_any_whitespace_applies_where_a_request_does_not_say():
-    """vLLM's --structured-outputs-config disable_any_whitespace: the server's default for output
-    constraints (a named tool's arguments here, and response_format), a request's own setting first."""
+def test_the_servers_disable_any_whitespace_applies_to_every_constraint():
+    """vLLM's --structured-outputs-config disable_any_whitespace: every output constraint (a named
+    tool's arguments here, and response_format) leaves optional whitespace out, as vLLM's xgrammar
+    backend reads only the server's setting; requests without a constraint are left alone."""
     http, engine, serving = _app('{"city": "Rome"}')
     serving.settings.structured_outputs_disable_any_whitespace = True
     for body in ({"tools": [WEATHER], "tool_choice": NAMED}, {"response_format": {"type": "json_object"}},
@@ -687,4 +688,4 @@ def test_the_servers_disable_any_whitespace_applies_where_a_request_does_not_say
         response = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, **body})
         assert response.status_code == 200, response.text
     assert [(r.sampling_params.structured_output or {}).get("disable_any_whitespace") for r in engine.requests] == [
-        True, True, False, None]
+        True, True, True, None]
