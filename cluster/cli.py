@@ -781,7 +781,9 @@ def serve_command(args: argparse.Namespace) -> int:
 def run_batch_command(args: argparse.Namespace) -> int:
     """``llm-cluster run-batch``: engines started for the batch (on a local Ray, or --address's
     cluster), the batch run through the router's app in this process, then everything stopped."""
-    if not _is_url(args.input_file) and not os.path.isfile(args.input_file):
+    from cluster.run_batch import is_url
+
+    if not is_url(args.input_file) and not os.path.isfile(args.input_file):
         print(f"llm-cluster: {args.input_file}: no such file", file=sys.stderr)
         return 2
     config = _checked_config(args)
@@ -848,10 +850,6 @@ def run_batch_command(args: argparse.Namespace) -> int:
     print(f"llm-cluster: run-batch: {summary.requests} requests, {summary.succeeded} answered, {summary.failed} "
           f"failed, in {time.monotonic() - started:.1f} s; results in {args.output_file}", flush=True)
     return 0
-
-
-def _is_url(path: str) -> bool:
-    return path.startswith(("http://", "https://"))
 
 
 # The node of the local Ray this command started (None: it joined a cluster, or has not started one).

@@ -51,13 +51,13 @@ class BatchSummary:
     failed: int = 0
 
 
-def _is_url(path_or_url: str) -> bool:
+def is_url(path_or_url: str) -> bool:
     return path_or_url.startswith(("http://", "https://"))
 
 
 def read_lines(path_or_url: str) -> Iterator[str]:
     """The input's non-blank lines, read as they are needed (a URL is read with GET)."""
-    if _is_url(path_or_url):
+    if is_url(path_or_url):
         with urllib.request.urlopen(path_or_url, timeout=READ_TIMEOUT_S) as response:
             for raw in response:
                 if line := raw.decode("utf-8").strip():
@@ -220,7 +220,7 @@ async def run_batch(app: Any, input_file: str, out: IO[str], max_in_flight: int,
 
 def check_output(path_or_url: str, tmp_dir: str | None = None) -> None:
     """OSError now (before any engine starts) if the results could not be written there."""
-    directory = (tmp_dir or tempfile.gettempdir()) if _is_url(path_or_url) else (
+    directory = (tmp_dir or tempfile.gettempdir()) if is_url(path_or_url) else (
         os.path.dirname(os.path.abspath(path_or_url)))
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
         raise OSError(f"{directory}: not a directory this process can write to")
@@ -231,7 +231,7 @@ def output_file(path_or_url: str, tmp_dir: str | None = None) -> Iterator[IO[str
     """Where the results are written: a temporary file, which becomes the output file once the batch
     is done (the input may be the same file, and a failed run leaves no partial output there), or
     for a URL is uploaded then (and removed; kept, and its path said, if the upload fails)."""
-    url = _is_url(path_or_url)
+    url = is_url(path_or_url)
     directory = (tmp_dir if url else os.path.dirname(os.path.abspath(path_or_url)))
     fd, path = tempfile.mkstemp(prefix="batch-output-", suffix=".jsonl", dir=directory)
     done = False
