@@ -557,7 +557,9 @@ def test_queue_limit_gives_429_and_leaks_nothing(cluster):
 
     async def flood():
         async with httpx.AsyncClient(timeout=120) as c:
-            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True}
+            # (Long enough that the first are still running when the last arrive on a loaded machine:
+            # with 40 tokens, a slow arrival of the 16 let the first finish and free their places.)
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
             return await asyncio.gather(*(c.post(f"{base}/v1/completions", json=body) for _ in range(16)))
 
     codes = [r.status_code for r in asyncio.run(flood())]
