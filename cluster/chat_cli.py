@@ -58,19 +58,20 @@ class Client:
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Each streamed chunk (server-sent events' data) of ``body`` posted to ``path``."""
+        from cluster.bench_serve import sse_data
+
         with self._open(path, {**body, "stream": True}) as response:
+            buffer = b""
             for raw in response:
-                line = raw.decode("utf-8").rstrip("\r\n")
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                chunk = json.loads(data)
-                error = chunk.get("error") if isinstance(chunk, dict) else None
-                if error:
-                    raise ServerError(str(error.get("message", error) if isinstance(error, dict) else error))
-                yield chunk
+                events, buffer = sse_data(buffer + raw)
+                for data in events:
+                    if data.strip() == b"[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    error = chunk.get("error") if isinstance(chunk, dict) else None
+                    if error:
+                        raise ServerError(str(error.get("message", error) if isinstance(error, dict) else error))
+                    yield chunk
 
 
 def _print_stream(chunks: Iterator[dict[str, Any]], chat: bool, out: TextIO) -> str:

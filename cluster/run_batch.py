@@ -218,10 +218,17 @@ async def run_batch(app: Any, input_file: str, out: IO[str], max_in_flight: int,
     return summary
 
 
+def _output_dir(path_or_url: str, tmp_dir: str | None) -> str:
+    """Where the results are written until the batch is done: beside the output file, or for a URL
+    in ``tmp_dir`` (the system's temporary directory by default)."""
+    if is_url(path_or_url):
+        return tmp_dir or tempfile.gettempdir()
+    return os.path.dirname(os.path.abspath(path_or_url))
+
+
 def check_output(path_or_url: str, tmp_dir: str | None = None) -> None:
     """OSError now (before any engine starts) if the results could not be written there."""
-    directory = (tmp_dir or tempfile.gettempdir()) if is_url(path_or_url) else (
-        os.path.dirname(os.path.abspath(path_or_url)))
+    directory = _output_dir(path_or_url, tmp_dir)
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
         raise OSError(f"{directory}: not a directory this process can write to")
 
@@ -232,8 +239,7 @@ def output_file(path_or_url: str, tmp_dir: str | None = None) -> Iterator[IO[str
     is done (the input may be the same file, and a failed run leaves no partial output there), or
     for a URL is uploaded then (and removed; kept, and its path said, if the upload fails)."""
     url = is_url(path_or_url)
-    directory = (tmp_dir if url else os.path.dirname(os.path.abspath(path_or_url)))
-    fd, path = tempfile.mkstemp(prefix="batch-output-", suffix=".jsonl", dir=directory)
+    fd, path = tempfile.mkstemp(prefix="batch-output-", suffix=".jsonl", dir=_output_dir(path_or_url, tmp_dir))
     done = False
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -491,7 +491,8 @@ class EngineCoreService:
                         engine_index=self.config.engine_index, timestamp=time.time())).kv_events = events
         if (self.config.lora_config is not None and take_events
                 and self.engine.lora_adapters_version() != self._lora_adapters_version):
-            self._lora_adapters_version, adapters = self.engine.active_lora_adapters()
+            self._lora_adapters_version = self.engine.lora_adapters_version()
+            adapters = self.engine.active_lora_adapters()
             if adapters != self._lora_adapters_sent:  # every client hears of it
                 self._lora_adapters_sent = adapters
                 with self._buffers_lock:

@@ -274,12 +274,12 @@ class EngineCore:
             events.append((TIER_STORED, manager.offload.hashes()))
         return events
 
-    def active_lora_adapters(self) -> tuple[int, frozenset[tuple[int, str]]]:
-        """The adapters (id, name) of the live requests (running or waiting), with a version that
-        moves whenever that set changes (compare it to skip building the set)."""
-        return self.scheduler.lora_adapters_version, frozenset(self.scheduler.lora_request_counts)
+    def active_lora_adapters(self) -> frozenset[tuple[int, str]]:
+        """The adapters (id, name) of the live requests (running or waiting)."""
+        return frozenset(self.scheduler.lora_request_counts)
 
     def lora_adapters_version(self) -> int:
+        """Moves whenever ``active_lora_adapters`` does (compare it to skip building the set)."""
         return self.scheduler.lora_adapters_version
 
     def take_kv_events(self) -> list[tuple[int, list[bytes]]]:

@@ -405,7 +405,10 @@ class StructuredOutputManager:
         accepted) constrains nothing, as in vLLM, nor does one before its start sequence. A request
         with no row its grammar holds gets none."""
         spec_tokens = spec_tokens or {}
-        ids = [r for r in scheduled_request_ids if r in self._matchers]
+        # (Without drafts, a request before its grammar's start or after its end has no row: left out
+        # before any is filled.)
+        ids = [r for r in scheduled_request_ids if r in self._matchers and (
+            r in spec_tokens or (r not in self._starts_after and not self._matchers[r].is_terminated()))]
         if not ids:
             return None, []
         bitmask = self._xgr.allocate_token_bitmask(sum(1 + len(spec_tokens.get(r, ())) for r in ids),

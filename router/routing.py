@@ -103,13 +103,13 @@ class LeastLoadedPolicy(RoutingPolicy):
         if len(candidates) == 1:
             return candidates[0]
         if self.max_loras and ctx.lora_key is not None and ctx.active_adapters is not None:
-            candidates = self._lora_candidates(ctx, candidates)
+            candidates = self.lora_candidates(ctx, candidates)
             if len(candidates) == 1:
                 return candidates[0]
         a, b = self._rng.sample(candidates, 2)
         return a if ctx.loads[a] <= ctx.loads[b] else b
 
-    def _lora_candidates(self, ctx: RoutingContext, healthy: list[int]) -> list[int]:
+    def lora_candidates(self, ctx: RoutingContext, healthy: list[int]) -> list[int]:
         """The engines a request under an adapter may go to (see the class's description)."""
         active, key = ctx.active_adapters, ctx.lora_key
         assert active is not None and key is not None
@@ -232,7 +232,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         elif ctx.loads[best] - ctx.loads[least] > self.load_margin:
             # (Under an adapter: the least loaded of the engines its slots allow, as LoRA affinity sees them.)
             if ctx.lora_key is not None and self._fallback.max_loras and ctx.active_adapters is not None:
-                least = min(self._fallback._lora_candidates(ctx, healthy), key=lambda i: ctx.loads[i])
+                least = min(self._fallback.lora_candidates(ctx, healthy), key=lambda i: ctx.loads[i])
             best = least
         self._remember(best, block_hashes)
         return best
