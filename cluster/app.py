@@ -145,9 +145,12 @@ def _router_names(served_model_name: str | list[str] | None) -> dict[str, Any]:
 
 def router_deployment(config: ClusterConfig):
     (_, first_engines), *others = config.model_engines()
+    kv_roles = {engine.engine_index: engine.kv_transfer_config.kv_role if engine.kv_transfer_config else None
+                for engine in config.engine_slot_configs()}
     router_config = RouterConfig(
         engine_actor_names=[engine_actor_name(i) for i in first_engines], engine_indexes=tuple(first_engines),
-        namespace=config.namespace, routing_policy=config.routing_policy,
+        engine_kv_roles=tuple(kv_roles[i] for i in first_engines), namespace=config.namespace,
+        routing_policy=config.routing_policy,
         prefix_load_margin=config.prefix_load_margin, request_timeout_s=config.request_timeout_s,
         **_router_names(config.served_model_name), model=config.model, chat_template=config.chat_template,
         default_chat_template_kwargs=config.default_chat_template_kwargs or {},
@@ -176,7 +179,8 @@ def router_deployment(config: ClusterConfig):
     # adapters.
     more_models = [dataclasses.replace(
         router_config, engine_actor_names=[engine_actor_name(i) for i in indexes], engine_indexes=tuple(indexes),
-        **_router_names(served.served_model_name), model=served.model, chat_template=served.chat_template,
+        engine_kv_roles=tuple(kv_roles[i] for i in indexes), **_router_names(served.served_model_name),
+        model=served.model, chat_template=served.chat_template,
         default_chat_template_kwargs=served.default_chat_template_kwargs or {},
         tool_call_parser=served.tool_call_parser if served.enable_auto_tool_choice else None,
         reasoning_parser=served.reasoning_parser, enable_lora=served.enable_lora,

@@ -138,8 +138,6 @@ VLLM_FLAGS_NOT_BUILT: dict[str, tuple[str, tuple[str, ...]]] = {
     "--ssl-keyfile": ("TLS ends in front of Ray Serve's proxy (a load balancer or an ingress)", ()),
     "--ssl-certfile": ("TLS ends in front of Ray Serve's proxy (a load balancer or an ingress)", ()),
     "--config": ("flags come from the command line; per-engine flags from --engine-config FILE", ()),
-    "--kv-transfer-config": ("KV connectors are not built; for vLLM's OffloadingConnector (KV blocks kept in "
-                             "host memory) pass --kv-offloading-size GIB", ()),
     "--model-impl": ("the built-in model implementations run (not transformers' modeling code)", ("auto", "vllm")),
     "--guided-decoding-backend": ("structured output is built with xgrammar", ("auto", "xgrammar")),
 }
@@ -362,6 +360,14 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "logit_bias, allowed/bad words, temperature, min_p, top_k and top_p; tokens these drop "
                             "at -inf, shown as -9999.0). Prompt logprobs are always raw.")
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="Queue limit per engine (429 beyond).")
+    serve.add_argument("--kv-transfer-config", type=_json_object, default=None,
+                       help='Prefill/decode disaggregation (JSON, vLLM\'s): {"kv_connector": "RayKVConnector", '
+                            '"kv_role": "kv_producer" | "kv_consumer" | "kv_both"}, for every engine (per engine: '
+                            'kv_transfer_config in --engine-config, or --num-prefill-engines). The router computes '
+                            'each prompt on a producer and decodes it on a consumer, which reads its KV blocks.')
+    serve.add_argument("--num-prefill-engines", type=int, default=None, metavar="N",
+                       help="Prefill/decode disaggregation: the first N engines compute prompts (kv_producer), the "
+                            "others decode them (kv_consumer), with --kv-transfer-config's other settings.")
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.')
@@ -561,7 +567,7 @@ def _reasoning_parser(args: argparse.Namespace) -> str | None:
 
 
 def cluster_config_from_args(args: argparse.Namespace):
-    from cluster.config import ClusterConfig, EngineSpec, load_engine_overrides
+    from cluster.config import ClusterConfig, EngineSpec, load_engine_overrides, prefill_decode_overrides
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"two models: {args.model_tag!r} and --model {args.model!r}")
@@ -583,6 +589,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "logits_processors": args.logits_processors, "disable_log_stats": args.disable_log_stats,
                 "kv_offloading_size": args.kv_offloading_size, "kv_offloading_backend": args.kv_offloading_backend,
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
+                "kv_transfer_config": args.kv_transfer_config,
                 "kv_cache_metrics": args.kv_cache_metrics or None,
                 "enable_sleep_mode": args.enable_sleep_mode or None,
                 "enable_prompt_embeds": args.enable_prompt_embeds,
@@ -591,6 +598,9 @@ def cluster_config_from_args(args: argparse.Namespace):
         name = flag.lstrip("-").replace("-", "_")
         defaults[name] = getattr(args, name)
     overrides = load_engine_overrides(args.engine_config) if args.engine_config else []
+    if args.num_prefill_engines is not None:
+        overrides = prefill_decode_overrides(args.num_prefill_engines, args.num_engines, args.kv_transfer_config,
+                                             overrides)
     return ClusterConfig(
         model=model, served_model_name=args.served_model_name,
         # (Left out with autoscaling and no --num-engines: it starts min_engines; else the count is 1,

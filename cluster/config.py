@@ -28,6 +28,7 @@ from engine_core.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine_core.kv_transfer import KVTransferConfig
 from engine_core.lora import LoRAModule, parse_lora_module, static_lora_requests
 from router.reasoning_parsers import REASONING_PARSERS
 from router.routing import ROUTING_POLICIES
@@ -101,6 +102,12 @@ class EngineSpec(BaseModel):
         None, gt=0, description="KV offloading (--kv-offloading-size, GiB for all TP ranks together): prefix-cache "
                                 "blocks evicted from the KV cache are kept in host memory and copied back when a "
                                 "prompt needs them (vLLM's native CPU backend).")
+    kv_transfer_config: dict[str, Any] | None = Field(
+        None, description='Prefill/decode disaggregation (--kv-transfer-config, vLLM\'s JSON): {"kv_connector": '
+                          '"RayKVConnector" (NixlConnector is taken as it), "kv_role": "kv_producer" | "kv_consumer" | '
+                          '"kv_both", "kv_load_failure_policy": "recompute" | "fail", "kv_connector_extra_config": '
+                          '{"abort_request_timeout": seconds}}. With producers and consumers among a model\'s engines, '
+                          'the router computes each prompt on a producer and decodes it on a consumer.')
     kv_offloading_backend: Literal["native"] | None = Field(
         None, description="The offloading backend (--kv-offloading-backend): native (host memory), the only one built.")
     logits_processors: list[str] | None = Field(
@@ -683,9 +690,10 @@ class ClusterConfig(ModelSettings):
             _check_one_runner(group)
             groups.append(group)
             configs += group
-        if self.routing_policy == "prefix_aware":
-            for group in groups:
+        for group in groups:
+            if self.routing_policy == "prefix_aware":
                 _check_one_block_size(group)
+            _check_kv_transfer_group(group)
         return configs
 
     @classmethod
@@ -730,6 +738,23 @@ def _check_one_block_size(group: list[EngineConfig]) -> None:
             raise ValueError(f"engine {config.engine_index}: block_size {config.block_size} differs from engine "
                              f"{first.engine_index}'s {first.block_size}; prefix_aware routing needs one "
                              "block size for every engine of a model")
+
+
+def _check_kv_transfer_group(group: list[EngineConfig]) -> None:
+    """Prefill/decode disaggregation moves KV blocks as they lie in memory: the engines of a model
+    that hand them on must lay them out alike."""
+    transferring = [config for config in group if config.kv_transfer_config is not None]
+    if not transferring:
+        return
+    first = transferring[0]
+    for config in transferring[1:]:
+        ours = (config.block_size, config.tensor_parallel_size, config.dtype, config.kv_cache_dtype, config.device)
+        theirs = (first.block_size, first.tensor_parallel_size, first.dtype, first.kv_cache_dtype, first.device)
+        if ours != theirs:
+            raise ValueError(f"engine {config.engine_index}: block_size, tensor_parallel_size, dtype, kv_cache_dtype "
+                             f"and device must be the same on every engine of a model with kv_transfer_config "
+                             f"(engine {first.engine_index} has {theirs}, this one {ours}): KV blocks move between "
+                             "them as they lie in memory")
 
 
 def _check_one_runner(group: list[EngineConfig]) -> None:
@@ -782,6 +807,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
             max_num_partial_prefills=s["max_num_partial_prefills"],
             max_long_partial_prefills=s["max_long_partial_prefills"], policy=s["scheduling_policy"])
         speculative = SpeculativeConfig.from_dict(s["speculative_config"])
+        transfer = KVTransferConfig.from_dict(s["kv_transfer_config"])
     except (ValueError, TypeError) as e:
         raise ValueError(f"engine {index}: {e}") from None
     return EngineConfig(
@@ -806,7 +832,28 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         engine_niceness=s["engine_niceness"], speculative_config=speculative, lora_config=lora_config,
         kv_cache_metrics_sample=s["kv_cache_metrics_sample"] if s["kv_cache_metrics"] else None,
         enable_sleep_mode=s["enable_sleep_mode"], logits_processors=tuple(s["logits_processors"] or ()),
-        kv_offloading_size=s["kv_offloading_size"], enable_prompt_embeds=s["enable_prompt_embeds"])
+        kv_offloading_size=s["kv_offloading_size"], enable_prompt_embeds=s["enable_prompt_embeds"],
+        kv_transfer_config=transfer)
+
+
+def prefill_decode_overrides(num_prefill: int, num_engines: int | None, transfer: dict[str, Any] | None,
+                             overrides: list[EngineSpec]) -> list[EngineSpec]:
+    """``--num-prefill-engines N``: the first N engines kv_producer, the others kv_consumer (with the
+    rest of ``transfer``, --kv-transfer-config), over the per-engine overrides; an engine whose own
+    override sets kv_transfer_config keeps it."""
+    total = num_engines if num_engines is not None else len(overrides)
+    if not 1 <= num_prefill < total:
+        raise ValueError(f"--num-prefill-engines {num_prefill}: needs at least one engine of each kind, so between 1 "
+                         f"and the engine count less one (--num-engines is {total or 'not given'})")
+    base = {k: v for k, v in (transfer or {}).items() if k != "kv_role"}
+    specs = []
+    for i in range(total):
+        spec = overrides[i] if i < len(overrides) else EngineSpec()
+        if spec.kv_transfer_config is None:
+            role = "kv_producer" if i < num_prefill else "kv_consumer"
+            spec = spec.model_copy(update={"kv_transfer_config": base | {"kv_role": role}})
+        specs.append(spec)
+    return specs
 
 
 def load_engine_overrides(path: str) -> list[EngineSpec]:

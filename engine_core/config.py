@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, get_args
 
+from engine_core.kv_transfer import KVTransferConfig
 from engine_core.lora import LoRAModule
 
 # vLLM's --kv-cache-dtype choices that this engine stores (the workers map them to torch dtypes).
@@ -351,6 +352,10 @@ class EngineConfig:
     # prefix-cache blocks are kept in host memory and copied back on a prefix hit
     # (engine_core/core/kv_offload.py); None: off. Needs the prefix cache.
     kv_offloading_size: float | None = None
+    # vLLM's --kv-transfer-config: prefill/decode disaggregation (engine_core.kv_transfer): this engine
+    # computes prompts for others (kv_producer), decodes prompts others computed (kv_consumer), or
+    # both; None: off.
+    kv_transfer_config: KVTransferConfig | None = None
     # vLLM's --logits-processors: custom logits processor classes, or their qualified names
     # ("package.module:Class"), run at every step (engine_core.logits_processor); those that
     # installed packages offer under the llm_cluster.logits_processors entry points run too.

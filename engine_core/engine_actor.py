@@ -9,6 +9,7 @@ pushed over the request channel (engine_core.channel) and other callers long-pol
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -26,6 +27,7 @@ from engine_core.config import EngineConfig
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.engine_core import EngineCore, RequestRefusedError
 from engine_core.executor import ExecutorFactory, ModelInfo, engine_uses_gpu
+from engine_core.kv_transfer import PendingLoad
 from engine_core.log_setup import configure_actor_logging
 from engine_core.lora import LoRANotLoadedError
 from engine_core.metrics import EngineMetrics
@@ -54,6 +56,8 @@ class EngineDescription:
     enable_prompt_embeds: bool = False
     # Different LoRA adapters one batch mixes at most (0: LoRA is off).
     max_loras: int = 0
+    # Prefill/decode disaggregation: kv_producer, kv_consumer or kv_both (None: off).
+    kv_role: str | None = None
 
 
 class _ClientBuffer:
@@ -451,6 +455,7 @@ class EngineCoreService:
                 self._drain_inputs(block=False)
             if self._stopped:
                 break
+            engine.release_expired_kv()
             if not engine.has_work():
                 continue
             try:
@@ -654,6 +659,10 @@ def engine_host() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _nothing() -> None:
+    """A command that only wakes the busy loop."""
+
+
 def named_actor(name: str, namespace: str) -> Any | None:
     """The actor of that name in that namespace (an engine, the autoscaler); None when there is none."""
     import ray
@@ -722,6 +731,8 @@ class EngineCoreActor:
         self._channel: ChannelServer | None = None
         # When cluster.autoscaler began draining this engine (None: it is not being drained).
         self._drain_started: float | None = None
+        if self.service.engine.kv_connector is not None:
+            self._connect_kv_transfer()
         self._kv = internal_kv
         self._pause_key = _own_pause_record_key()
         # Pause and resume, with their record, one at a time: a resume racing a pause cannot leave
@@ -754,7 +765,9 @@ class EngineCoreActor:
                                  engine_index=self.service.config.engine_index,
                                  enable_sleep_mode=self.service.config.enable_sleep_mode,
                                  enable_prompt_embeds=self.service.config.enable_prompt_embeds,
-                                 max_loras=lora.max_loras if (lora := self.service.config.lora_config) else 0)
+                                 max_loras=lora.max_loras if (lora := self.service.config.lora_config) else 0,
+                                 kv_role=transfer.kv_role if (transfer := self.service.config.kv_transfer_config)
+                                 else None)
 
     async def engine_config(self) -> EngineConfig:
         """The configuration this engine was started with (a redeploy compares it with the wanted one)."""
@@ -908,6 +921,39 @@ class EngineCoreActor:
 
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.to_thread(self.service.call_in_loop, self.service.engine.reset_prefix_cache)
+
+    # -- prefill/decode disaggregation (engine_core.kv_transfer) ---------------------------------------
+
+    def _connect_kv_transfer(self) -> None:
+        """Name this engine in the parameters its prefills hand out (consumers find it by them), and
+        read other engines' blocks through their actors."""
+        import ray
+
+        context = ray.get_runtime_context()
+        engine = self.service.engine
+        assert engine.kv_connector is not None
+        engine.kv_connector.engine_id.update(remote_engine_id=context.get_actor_name() or "",
+                                             remote_namespace=context.namespace, remote_host=engine_host())
+        handles: dict[tuple[str, str], Any] = {}
+
+        def fetch(load: PendingLoad) -> concurrent.futures.Future[Any]:
+            key = (str(load.params.get("remote_engine_id") or ""),
+                   str(load.params.get("remote_namespace") or context.namespace))
+            handle = handles.get(key)
+            if handle is None:
+                handle = handles[key] = ray.get_actor(key[0], namespace=key[1])
+            return handle.read_kv_blocks.remote(load.params.get("remote_request_id"), load.remote_block_ids).future()
+
+        engine.kv_fetcher = fetch
+        # (A read done wakes the busy loop, which may be waiting for input with nothing else to do.)
+        engine.on_kv_load_done = lambda: self.service.submit(_nothing)
+
+    async def read_kv_blocks(self, request_id: str, block_ids: list[int]) -> list[Any]:
+        """A decode engine reads the KV blocks a prefill finished here holds for it (between passes);
+        they are let go after."""
+        service = self.service
+        return await asyncio.to_thread(service.call_in_loop,
+                                       lambda: service.engine.read_held_kv(request_id, block_ids), 120.0)
 
     async def add_lora(self, lora: LoRARequest, replacing: int | None = None) -> bool:
         """Load an adapter on this engine's workers (between passes); ValueError if it cannot be

@@ -6,13 +6,18 @@ A pass is exactly the seed's order: ``schedule()`` -> ``executor.execute_model()
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import queue
 import time
+from collections.abc import Callable
+from typing import Any
 
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_STORED, TIER_STORED
 from engine_core.executor import Executor, ModelInfo
+from engine_core.kv_transfer import KVConnector, PendingLoad
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
 from engine_core.lora import LoRANotLoadedError, static_lora_requests
 from engine_core.outputs import (
@@ -163,9 +168,127 @@ class EngineCore:
         # Totals since start (the scheduler's counters are per-pass deltas).
         self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
                         "max_step_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                        "offload_stored": 0, "offload_loaded": 0, "external_queries": 0, "external_hits": 0}
+                        "offload_stored": 0, "offload_loaded": 0, "external_queries": 0, "external_hits": 0,
+                        "kv_sent_blocks": 0, "kv_received_blocks": 0, "kv_load_failures": 0}
         # Made at the first structured-output request (xgrammar and the tokenizer load then).
         self._structured: StructuredOutputManager | None = None
+        self._init_kv_transfer()
+
+    # -- prefill/decode disaggregation (engine_core.kv_transfer) --------------------------------------
+
+    def _init_kv_transfer(self) -> None:
+        config = self.config
+        transfer = config.kv_transfer_config
+        self.kv_connector: KVConnector | None = None
+        # How a decode engine reads a producer's blocks: a PendingLoad in, a future of the producer's
+        # read_held_kv answer out (the Ray actor shell sets it); and how it is woken when one is done.
+        self.kv_fetcher: Callable[[PendingLoad], concurrent.futures.Future[Any]] | None = None
+        self.on_kv_load_done: Callable[[], None] | None = None
+        self._kv_loads_done: queue.SimpleQueue[tuple[PendingLoad, Any]] = queue.SimpleQueue()
+        self._kv_load_failures: list[tuple[str, str]] = []
+        if transfer is None:
+            return
+        info = self.model_info
+        problem = ("an encoder computes no KV cache to hand on" if info.encoder_only
+                   else "an embedding model decodes nothing" if not info.pooling.generates
+                   else "a sliding-window model releases the blocks behind its window"
+                   if info.sliding_window is not None
+                   else "a draft model's KV cache is not transferred"
+                   if config.speculative_config is not None and config.speculative_config.uses_draft_model
+                   else None)
+        if problem is not None:
+            self.executor.shutdown()
+            raise ValueError(f"engine {config.engine_index}: --kv-transfer-config: {problem}")
+        self.kv_connector = KVConnector(transfer, config.block_size,
+                                        {"remote_engine_id": config.engine_name, "remote_host": "", "remote_port": 0,
+                                         "tp_size": config.tensor_parallel_size})
+        self.scheduler.connector = self.kv_connector
+
+    def read_held_kv(self, request_id: str, block_ids: list[int]) -> list[Any]:
+        """A decode engine reads the KV of a prefill finished here (``block_ids``: those of its held
+        blocks it needs); the blocks are let go after. Busy-loop thread."""
+        connector = self.kv_connector
+        held = connector.held_blocks(request_id) if connector is not None else None
+        if held is None:
+            raise KeyError(f"request {request_id!r} holds no KV blocks here (never a prefill for a remote decode, "
+                           "already read, or held past abort_request_timeout)")
+        if not set(block_ids) <= set(held):
+            raise ValueError(f"blocks {sorted(set(block_ids) - set(held))} are not request {request_id!r}'s")
+        try:
+            payload = self.executor.read_kv_blocks(block_ids)
+        finally:
+            assert connector is not None
+            request = connector.release(request_id)
+            if request is not None:
+                self.scheduler.kv_cache_manager.free(request)
+        self._totals["kv_sent_blocks"] += len(block_ids)
+        return payload
+
+    def release_expired_kv(self) -> None:
+        """Free the held blocks of prefills nobody read in time. Busy-loop thread."""
+        if self.kv_connector is not None:
+            for request in self.kv_connector.expired():
+                self.scheduler.kv_cache_manager.free(request)
+
+    def _release_all_held_kv(self) -> None:
+        if self.kv_connector is not None:
+            for request in self.kv_connector.release_all():
+                self.scheduler.kv_cache_manager.free(request)
+
+    def _start_kv_loads(self) -> None:
+        """Start reading the blocks of the requests this pass parked for remote KV."""
+        assert self.kv_connector is not None
+        for load in self.kv_connector.take_pending_loads():
+            if self.kv_fetcher is None:
+                self._kv_loads_done.put((load, RuntimeError("this engine cannot reach other engines")))
+                continue
+            try:
+                future = self.kv_fetcher(load)
+            except Exception as e:
+                self._kv_loads_done.put((load, e))
+                continue
+            future.add_done_callback(lambda f, load=load: self._kv_load_finished(load, f))
+
+    def _kv_load_finished(self, load: PendingLoad, future: concurrent.futures.Future[Any]) -> None:
+        try:
+            result = future.result()
+        except Exception as e:
+            result = e
+        self._kv_loads_done.put((load, result))
+        if self.on_kv_load_done is not None:
+            self.on_kv_load_done()
+
+    def _apply_kv_loads(self) -> None:
+        """Write the remote KV read since the last pass into its blocks; those requests can run now
+        (or, where the read failed, compute their prompts here or fail, as the config says)."""
+        scheduler = self.scheduler
+        while True:
+            try:
+                load, result = self._kv_loads_done.get_nowait()
+            except queue.Empty:
+                return
+            request = scheduler.requests.get(load.request_id)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue  # (aborted meanwhile: its blocks went back to the pool)
+            if not isinstance(result, BaseException):
+                try:
+                    self.executor.write_kv_blocks(load.block_ids, result)
+                except Exception as e:
+                    result = e
+            if not isinstance(result, BaseException):
+                scheduler.on_remote_kvs_ready(load.request_id)
+                self._totals["kv_received_blocks"] += len(load.block_ids)
+                continue
+            self._totals["kv_load_failures"] += 1
+            message = (f"could not read the prompt's KV from {load.params.get('remote_engine_id')!r}: "
+                       f"{type(result).__name__}: {result}")
+            assert self.kv_connector is not None
+            if self.kv_connector.config.kv_load_failure_policy == "fail":
+                self._kv_load_failures.append((load.request_id, message))
+            else:
+                logger.warning("engine %d: request %s %s; computing its prompt here", self.config.engine_index,
+                               load.request_id, message)
+                scheduler.on_remote_kvs_failed(load.request_id)
 
     @property
     def structured_output(self) -> StructuredOutputManager:
@@ -403,7 +526,8 @@ class EngineCore:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, eos_token_id=eos, arrival_time=request.arrival_time,
             priority=request.priority, client_index=request.client_index, resumable=request.resumable,
-            cache_salt=request.cache_salt, lora_request=request.lora_request, prompt_embeds=request.prompt_embeds)
+            cache_salt=request.cache_salt, lora_request=request.lora_request, prompt_embeds=request.prompt_embeds,
+            kv_transfer_params=request.kv_transfer_params if self.kv_connector is not None else None)
         self.scheduler.add_request(engine_request)
         if is_new:
             self._totals["added"] += 1
@@ -462,6 +586,7 @@ class EngineCore:
         self.check_sleep(level)
         if self.asleep == set(WAKE_UP_TAGS) and level <= self.sleep_level:
             return
+        self._release_all_held_kv()  # (prefills nobody read yet: their readers compute the prompts themselves)
         if self.scheduler.kv_cache_manager.block_pool.get_usage() > 0:  # (queued requests hold none: they wait)
             raise RuntimeError(f"engine {self.config.engine_index} still holds KV blocks of requests (a "
                                "streaming session waiting for input holds its own): it cannot sleep")
@@ -510,7 +635,11 @@ class EngineCore:
     def step(self) -> dict[int, EngineCoreOutputs]:
         """One pass. Raises whatever the executor raises (the caller fails the requests)."""
         self._promote_compiled_grammars()
+        if self.kv_connector is not None:
+            self._apply_kv_loads()
         scheduler_output = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            self._start_kv_loads()
         failed = self._attach_grammar_bitmask(scheduler_output)
         if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
                 or scheduler_output.preempted_req_ids):
@@ -521,6 +650,9 @@ class EngineCore:
         # (The grammars first: a structured request's drafts are checked against its grammar as of
         # the tokens this pass produced.)
         failed += self._advance_grammars(outputs)
+        if self._kv_load_failures:
+            failed += self._kv_load_failures
+            self._kv_load_failures = []
         self._update_drafts(model_output)
         for request_id, message in failed:
             self._fail_request(outputs, request_id, message)
@@ -641,7 +773,9 @@ class EngineCore:
             spec_decode_num_draft_tokens=t["draft_tokens"], spec_decode_num_accepted_tokens=t["accepted_tokens"],
             kv_offload_stored_blocks=t["offload_stored"], kv_offload_loaded_blocks=t["offload_loaded"],
             num_offload_blocks=self.num_offload_blocks, external_prefix_cache_queries=t["external_queries"],
-            external_prefix_cache_hits=t["external_hits"])
+            external_prefix_cache_hits=t["external_hits"], kv_transfer_sent_blocks=t["kv_sent_blocks"],
+            kv_transfer_received_blocks=t["kv_received_blocks"], kv_transfer_failures=t["kv_load_failures"],
+            kv_transfer_held_requests=self.kv_connector.num_held_requests if self.kv_connector is not None else 0)
 
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""
@@ -652,6 +786,7 @@ class EngineCore:
             self._add_error_output(outputs, request, message)
         # The workers are gone or reset: forget what the scheduler would tell them next pass.
         self.scheduler.finished_req_ids.clear()
+        self._release_all_held_kv()  # (their KV is lost with the workers)
         if self._structured is not None:
             self._structured.clear()
         stats = self.scheduler.make_stats()

@@ -221,6 +221,15 @@ class Executor(ABC):
         """Restore what ``tags`` name ("weights", "kv_cache") on every worker."""
         raise RuntimeError(f"{type(self).__name__} has no sleep mode")
 
+    def read_kv_blocks(self, block_ids: list[int]) -> list[Any]:
+        """Each rank's KV in ``block_ids`` (its worker's ``read_kv_blocks``), rank 0 first: what
+        another engine reads of a prompt computed here (prefill/decode disaggregation)."""
+        raise RuntimeError(f"{type(self).__name__} cannot read KV blocks")
+
+    def write_kv_blocks(self, block_ids: list[int], payload: list[Any]) -> None:
+        """Write ``read_kv_blocks``' answer from another engine into ``block_ids``, rank by rank."""
+        raise RuntimeError(f"{type(self).__name__} cannot write KV blocks")
+
     def restart(self) -> None:
         """Bring a failed worker group back (same config, fresh KV cache). Default: not supported."""
         raise RuntimeError(f"{type(self).__name__} cannot restart its workers")

@@ -56,6 +56,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     # The client request's choices (its n) on its first choice, 0 on the others: the metrics observe
     # a request's parameters once, as vLLM's do per parent request.
     num_choices: int = 1
+    # Prefill/decode disaggregation, vLLM's parameters (engine_core.kv_transfer).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True, gc=False):
@@ -108,6 +110,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_prompt_logprobs: LogprobsEntry | None = None
     # An embedding request's embedding, with its (only, finishing) output.
     pooling_output: list[float] | None = None
+    # A finished prefill for another engine: the parameters that name its held KV blocks.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -240,5 +244,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # KV offloading's tier since start: tokens looked up there, tokens found (vLLM's external prefix cache).
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # Prefill/decode disaggregation since start: KV blocks other engines read from here, blocks read
+    # from other engines, reads that failed; and the prefills holding blocks for a reader now.
+    kv_transfer_sent_blocks: int = 0
+    kv_transfer_received_blocks: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_held_requests: int = 0
     # Requests refused since start because the waiting queue was full (--max-waiting-requests).
     num_requests_refused_full: int = 0

@@ -6,7 +6,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine_core.sampling_params import SamplingParams
 
@@ -91,6 +91,8 @@ class Request:
         "client_index",
         "eos_token_id",
         "events",
+        "kv_transfer_params",
+        "kv_transfer_params_out",
         "lora_request",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -123,6 +125,7 @@ class Request:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         prompt_embeds: PromptEmbeds | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -137,6 +140,11 @@ class Request:
         self.lora_request = lora_request
         # A prompt given as embeddings (its token ids are placeholders); they key its KV blocks.
         self.prompt_embeds = prompt_embeds
+        # Prefill/decode disaggregation (engine_core.kv_transfer): do_remote_decode on a prefill for
+        # another engine; do_remote_prefill and the producer's blocks on the decode engine's request
+        # (cleared once its load is planned). And what a finished prefill answers with.
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params_out: dict[str, Any] | None = None
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # Plain attributes (hot path): callers must not mutate them; use append_output_token_ids.
         self.output_token_ids: list[int] = []

@@ -362,6 +362,13 @@ class UniProcExecutor(_ExecutorBase):
     def wake_up(self, tags: list[str]) -> None:
         self._live().wake_up(tags)
 
+    def read_kv_blocks(self, block_ids: list[int]) -> list[Any]:
+        return [self._live().read_kv_blocks(block_ids)]
+
+    def write_kv_blocks(self, block_ids: list[int], payload: list[Any]) -> None:
+        _check_ranks(payload, 1)
+        self._live().write_kv_blocks(block_ids, payload[0])
+
     def restart(self) -> None:
         """A failed step may have left the runner's state half-updated: start from a fresh worker,
         once the old one's weights and KV cache are freed (a GPU holds one worker's, not two)."""
@@ -407,6 +414,13 @@ class UniProcExecutor(_ExecutorBase):
 def default_cpu_kv_bytes(config: EngineConfig, max_model_len: int, bytes_per_block: int) -> int:
     blocks_wanted = config.scheduler.max_num_seqs * -(-max_model_len // config.block_size)
     return min(blocks_wanted * bytes_per_block, 1 << 30)
+
+
+def _check_ranks(payload: list[Any], world_size: int) -> None:
+    """KV read from another engine comes as one part per rank of its tensor-parallel group."""
+    if len(payload) != world_size:
+        raise ValueError(f"the producer's KV comes from {len(payload)} tensor-parallel ranks, this engine has "
+                         f"{world_size}: the same --tensor-parallel-size is needed on both")
 
 
 def _free_port() -> int:
@@ -483,6 +497,15 @@ class RayWorkerGroupExecutor(_ExecutorBase):
                 raise TimeoutError(f"workers did not finish {method} within {timeout} s")
             results[ready[0]] = ray.get(ready[0])
         return [results[r] for r in refs]
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[Any]:
+        return self._run_all("read_kv_blocks", block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], payload: list[Any]) -> None:
+        import ray
+
+        _check_ranks(payload, len(self.workers))
+        ray.get([worker.write_kv_blocks.remote(block_ids, part) for worker, part in zip(self.workers, payload)])
 
     def determine_num_blocks(self) -> int:
         import ray

@@ -259,6 +259,39 @@ class Worker:
         self.block_size = block_size
         return num_offload_blocks
 
+    def read_kv_blocks(self, block_ids: list[int]) -> tuple[str, torch.Tensor]:
+        """This rank's KV in ``block_ids``, for another engine to read (prefill/decode disaggregation):
+        the cache's dtype, and every layer's K and V as one host tensor of the cache's bytes,
+        [layers, 2, blocks, block_size, heads, head_dim * element size]."""
+        caches = self._runner().kv_caches
+        if not caches:
+            raise RuntimeError("this worker holds no KV cache (asleep, or not initialized)")
+        index = torch.tensor(block_ids, dtype=torch.long, device=caches[0][0].device)
+        # (As bytes: index_select has no kernel for every cache dtype, fp8 on the CPU among them.)
+        rows = [torch.stack((k.view(torch.uint8).index_select(0, index), v.view(torch.uint8).index_select(0, index)))
+                for k, v in caches]
+        return str(caches[0][0].dtype).removeprefix("torch."), torch.stack(rows).cpu()
+
+    def write_kv_blocks(self, block_ids: list[int], payload: tuple[str, torch.Tensor]) -> None:
+        """Put another engine's KV (``read_kv_blocks``' answer) into this rank's ``block_ids``."""
+        dtype, data = payload
+        caches = self._runner().kv_caches
+        if not caches:
+            raise RuntimeError("this worker holds no KV cache (asleep, or not initialized)")
+        own_dtype = str(caches[0][0].dtype).removeprefix("torch.")
+        if dtype != own_dtype:
+            raise ValueError(f"the producer's KV cache holds {dtype}, this engine's {own_dtype}: set the same "
+                             "--dtype and --kv-cache-dtype on both")
+        shape = (len(caches), 2, len(block_ids), *caches[0][0].view(torch.uint8).shape[1:])
+        if tuple(data.shape) != shape:
+            raise ValueError(f"the producer's KV blocks are shaped {tuple(data.shape)}, this engine's {shape}: the "
+                             "same model, block size and tensor-parallel size are needed on both")
+        index = torch.tensor(block_ids, dtype=torch.long, device=caches[0][0].device)
+        data = data.to(caches[0][0].device)
+        for layer, (k, v) in enumerate(caches):
+            k.view(torch.uint8)[index] = data[layer, 0]
+            v.view(torch.uint8)[index] = data[layer, 1]
+
     def sleep(self, level: int) -> None:
         self._runner().sleep(level)
 

@@ -22,6 +22,7 @@ from engine_core.outputs import LoRARequest
 from engine_core.tokenizer_files import write_tokenizer_files
 from router.app import create_app
 from router.detached import SharedRun, detached_task
+from router.disaggregation import EngineRoles
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics, merge_expositions
 from router.response_store import ActorResponseStore
@@ -43,6 +44,9 @@ class RouterConfig:
     # The engines' cluster-wide indexes, in engine_actor_names' order (their own ``engine`` metric
     # label; empty: 0, 1, ...): a model's engines need not be numbered from 0, nor one after another.
     engine_indexes: tuple[int, ...] = ()
+    # Prefill/decode disaggregation: each engine's kv_role, in engine_actor_names' order (None: no KV
+    # transfer; empty: read from the running engines).
+    engine_kv_roles: tuple[str | None, ...] = ()
     routing_policy: str = "least_loaded"
     prefix_load_margin: int = 8
     request_timeout_s: float | None = None
@@ -174,6 +178,9 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         await asyncio.to_thread(importlib.import_module, "xgrammar")
     await client.wait_connected()
     serving = OpenAIServing(settings, client, tokenizer, policy, metrics)
+    by_slot = iter(descriptions)
+    roles = config.engine_kv_roles or tuple(None if h is None else next(by_slot).kv_role for h in handles)
+    serving.engine_roles = EngineRoles.from_kv_roles(roles)
     if config.enable_lora:
         serving.list_loras = lambda: engine_loras(client)
         await serving.refresh_loras()

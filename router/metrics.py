@@ -64,6 +64,27 @@ class RouterMetrics:
             "bytes handed to the HTTP server (the event loop's wait, detokenization, the chunk).",
             ["model_name", "replica"], registry=self.registry, buckets=TIMELINE_BUCKETS)
 
+        # Prefill/decode disaggregation (router.disaggregation).
+        self.remote_prefills = Counter(
+            "llm_cluster:router_remote_prefills",
+            "Prompts sent to a prefill engine, by outcome: handed_on (the decode engine reads their KV) or "
+            "decoded_whole (the prefill was refused or failed: the decode engine computes the prompt).",
+            ["model_name", "replica", "outcome"], registry=self.registry)
+        self.remote_prefill_time = Histogram(
+            "llm_cluster:router_remote_prefill_seconds",
+            "Time of the prefill leg, from sending the prompt to a prefill engine to its KV parameters back.",
+            ["model_name", "replica"], registry=self.registry,
+            buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+
+    def record_remote_prefills(self, handed_on: int, total: int, seconds: float) -> None:
+        """``total`` prefill legs run together in ``seconds``, ``handed_on`` of them with KV to read."""
+        if handed_on:
+            self.remote_prefills.labels(self.model_name, self.replica, "handed_on").inc(handed_on)
+        if total > handed_on:
+            self.remote_prefills.labels(self.model_name, self.replica, "decoded_whole").inc(total - handed_on)
+        for _ in range(total):
+            self.remote_prefill_time.labels(self.model_name, self.replica).observe(seconds)
+
     def record_timeline(self, timeline: RequestTimeline) -> None:
         if timeline.sent:
             self.time_to_engine.labels(self.model_name, self.replica).observe(timeline.sent - timeline.arrived)

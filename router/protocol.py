@@ -240,6 +240,10 @@ class SamplingFields(BaseModel):
                           "which read them (SamplingParams.extra_args).")
     cache_salt: str | None = cache_salt_field()
     request_id: str | None = request_id_field()
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="vLLM extra, prefill/decode disaggregation driven by the caller (as vLLM's disaggregated "
+                          "proxy does): {\"do_remote_decode\": true} on a prefill (max_tokens 1), whose answer's "
+                          "kv_transfer_params go with the same request to a decode engine.")
     return_token_ids: bool = Field(
         False, description="vLLM extra: the answer carries the prompt's token ids and each choice's generated ids "
                            "(streamed: the prompt's in a choice's first chunk, each chunk's own ids).")
@@ -515,6 +519,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # vLLM extra: a prefill for a remote decode (kv_transfer_params.do_remote_decode): what names its KV.
+    kv_transfer_params: dict[str, Any] | None = Field(None, exclude_if=_is_none)
 
 
 class FunctionCall(BaseModel):
@@ -556,6 +562,8 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_is_none)  # with return_token_ids (vLLM)
+    # vLLM extra: a prefill for a remote decode (kv_transfer_params.do_remote_decode): what names its KV.
+    kv_transfer_params: dict[str, Any] | None = Field(None, exclude_if=_is_none)
 
 
 class DeltaMessage(BaseModel):

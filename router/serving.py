@@ -37,6 +37,7 @@ from router.chat_parsing import ChatOutputParser
 from router.content_format import resolve_content_format, template_content
 from router.detached import SharedRun, runs_to_completion
 from router.detokenizer import IncrementalDetokenizer, fast_decoder, token_bytes, token_text
+from router.disaggregation import EngineRoles, needs_remote_prefill, run_prefill
 from router.engine_client import (
     EngineClient,
     EngineOverloadedError,
@@ -307,6 +308,8 @@ class _Choice:
     output_parser: ChatOutputParser | None = None
     # Prompt tokens the engine found in its prefix cache (usage's cached tokens).
     num_cached_tokens: int = 0
+    # A prefill for a remote decode: the parameters naming its KV blocks (vLLM's kv_transfer_params).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -332,6 +335,8 @@ class _Job(NamedTuple):
     params: SamplingParams
     prompt_embeds: PromptEmbeds | None = None
     num_choices: int = 1  # (its request's n on its first choice, 0 on the others: for the engine's metrics)
+    # A client's own prefill/decode disaggregation parameters (vLLM's kv_transfer_params), passed on.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -386,6 +391,9 @@ class OpenAIServing:
         self._tokenizer_jobs = 0  # sent to that thread and not finished
         self.policy = policy
         self.metrics = metrics
+        # Prefill/decode disaggregation: which engines compute prompts and which decode them (None:
+        # every engine serves its requests whole; router.disaggregation).
+        self.engine_roles: EngineRoles | None = None
         # The tokens that open and close a reasoning model's thinking, when each is one token of the
         # vocabulary (as in reasoning models): the engine starts an output constraint after the
         # closing one, and a prompt that already closed the thinking (thinking switched off) is
@@ -939,6 +947,8 @@ class OpenAIServing:
         healthy = self.client.healthy()
         if exclude is not None:
             healthy[exclude] = False
+        if self.engine_roles is not None:  # (prefill engines take only prompts: _prefill_elsewhere)
+            healthy = self.engine_roles.decode_candidates(healthy)
         active = None
         if lora is not None:
             active = self.client.active_adapters()
@@ -964,7 +974,8 @@ class OpenAIServing:
         return EngineCoreRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids, sampling_params=job.params,
                                  eos_token_id=self.eos_token_id, arrival_time=time.time(), priority=priority,
                                  client_index=self.client.client_index, lora_request=lora, cache_salt=cache_salt,
-                                 prompt_embeds=job.prompt_embeds, num_choices=job.num_choices)
+                                 prompt_embeds=job.prompt_embeds, num_choices=job.num_choices,
+                                 kv_transfer_params=job.kv_transfer_params)
 
     async def _open_all(self, jobs: list[_Job], priority: int,
                         lora: LoRARequest | None = None, cache_salt: str | None = None,
@@ -1049,6 +1060,8 @@ class OpenAIServing:
                 logged.add(job.request_id)
                 self._log_request(request)
             requests.append(request)
+        if self.engine_roles is not None:
+            requests = await self._prefill_elsewhere(jobs, requests, lora, cache_salt, timeout)
         if len(jobs) == 1:  # (the usual request, one choice: no task of its own on the hot path)
             try:
                 return [await self.client.open(jobs[0].engine, requests[0], timeout)]
@@ -1067,6 +1080,39 @@ class OpenAIServing:
                     await stream.close()
             raise
         return [task.exception() or task.result() for task in tasks]  # type: ignore[misc]
+
+    async def _prefill_elsewhere(self, jobs: list[_Job], requests: list[EngineCoreRequest], lora: LoRARequest | None,
+                                 cache_salt: str | None, timeout: float | None) -> list[EngineCoreRequest]:
+        """Prefill/decode disaggregation: each request worth it has its prompt computed on a prefill
+        engine (the policy's choice among them) first, all at once; it goes to its decode engine with
+        the parameters naming the prompt's KV (or, where a prefill did not hand any on, as it is)."""
+        assert self.engine_roles is not None
+        healthy = self.engine_roles.prefill_candidates(self.client.healthy())
+        if not any(healthy):
+            return requests
+        loads = list(self.client.loads())
+        legs: list[tuple[int, int]] = []
+        for k, (job, request) in enumerate(zip(jobs, requests, strict=True)):
+            if not needs_remote_prefill(request):
+                continue
+            engine = self.policy.choose(RoutingContext(job.prompt_ids, loads, healthy, None,
+                                                       None if lora is None else lora.cache_key, cache_salt,
+                                                       job.prompt_embeds))
+            if engine != job.engine:  # (a kv_both engine picked for both legs computes its prompt itself)
+                loads[engine] += 1
+                legs.append((k, engine))
+        if not legs:
+            return requests
+        started = time.perf_counter()
+        handed = await asyncio.gather(*(run_prefill(self.client, engine, requests[k], timeout) for k, engine in legs))
+        if self.metrics is not None:
+            self.metrics.record_remote_prefills(sum(p is not None for p in handed), len(handed),
+                                                time.perf_counter() - started)
+        requests = list(requests)
+        for (k, _), params in zip(legs, handed, strict=True):
+            if params is not None:
+                requests[k] = msgspec.structs.replace(requests[k], kv_transfer_params=params)
+        return requests
 
     def _other_engine(self, job: _Job, lora: LoRARequest | None, cache_salt: str | None) -> int | None:
         """Where a job goes instead of the engine that refused it: the policy's choice among the
@@ -1114,6 +1160,8 @@ class OpenAIServing:
             choice.prompt_logprobs = output.new_prompt_logprobs  # (a preempted request never sends them twice)
         if output.num_cached_tokens > choice.num_cached_tokens:
             choice.num_cached_tokens = output.num_cached_tokens
+        if output.kv_transfer_params is not None:
+            choice.kv_transfer_params = output.kv_transfer_params
         new_lp = []
         if output.new_logprobs is not None:
             new_lp = _logprob_rows(output.new_token_ids, output.new_logprobs)
@@ -1222,7 +1270,7 @@ class OpenAIServing:
                 c.index = p_index * request.n + c.index
                 choices.append(c)
                 jobs.append(_Job(engine, choice_request_id(engine_base, c.index), ids, params, embeds,
-                                 request.n if first else 0))
+                                 request.n if first else 0, request.kv_transfer_params))
         # return_token_ids: a prompt given as embeddings has none (null, as vLLM's).
         shown_ids = [None if isinstance(p, PromptEmbeds) else ids for p, ids in zip(prompts, prompt_ids, strict=True)]
         if searches:  # (beam search: the choices come complete, before any response starts)
@@ -1252,7 +1300,8 @@ class OpenAIServing:
                                         if request.return_token_ids else None,
                                         token_ids=c.token_ids if request.return_token_ids else None))
         return CompletionResponse(id=request_id, created=created, model=self.model_name(request.model), choices=out,
-                                  usage=self._usage(num_prompt_tokens, choices, request.n))
+                                  usage=self._usage(num_prompt_tokens, choices, request.n),
+                                  kv_transfer_params=choices[0].kv_transfer_params if choices else None)
 
     async def _stream_completion(self, request: CompletionRequest, request_id: str, created: int,
                                  choices: list[_Choice], prompt_texts: list[str], prompt_ids: list[list[int]],
@@ -1341,7 +1390,8 @@ class OpenAIServing:
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name(request.model),
                                       choices=out, usage=self._usage(len(ids), choices, request.n),
                                       prompt_logprobs=self._prompt_logprobs(request, ids, choices[0].prompt_logprobs),
-                                      prompt_token_ids=ids if request.return_token_ids else None)
+                                      prompt_token_ids=ids if request.return_token_ids else None,
+                                      kv_transfer_params=choices[0].kv_transfer_params)
 
     async def start_chat(self, request: ChatCompletionRequest, session_id: str | None = None,
                          request_id: str | None = None, external_id: str | None = None,
@@ -1389,7 +1439,7 @@ class OpenAIServing:
                      self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                           prompt_logprobs=request.prompt_logprobs, structured_output_after=after,
                                           structured_output_may_open=may_open),
-                     num_choices=request.n if c.index == 0 else 0)
+                     num_choices=request.n if c.index == 0 else 0, kv_transfer_params=request.kv_transfer_params)
                 for c in choices]
         streams = await self._open_all(jobs, request.priority, lora, request.cache_salt)
         return ChatRun(request_id, created, ids, choices, streams)

@@ -148,11 +148,13 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlocks | None = None,
-                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+                       num_lookahead_tokens: int = 0, delay_cache_blocks: bool = False) -> KVCacheBlocks | None:
         """Give the request slots for ``num_new_tokens`` more tokens; None if the pool cannot.
 
         Never raises for capacity: the None sentinel is what triggers preemption in schedule().
-        Full blocks covered by computed + new tokens enter the prefix cache here.
+        Full blocks covered by computed + new tokens enter the prefix cache here, unless
+        ``delay_cache_blocks`` (blocks another engine's KV is still being read into: they enter it
+        when the request is next given slots, once the data is there).
         """
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
@@ -198,7 +200,7 @@ class KVCacheManager:
             req_blocks.extend(new_blocks)
         else:
             new_blocks = []
-        if self.enable_caching and req_blocks is not None:
+        if self.enable_caching and req_blocks is not None and not delay_cache_blocks:
             self._cache_full_blocks(request, req_blocks, min(num_computed_tokens + num_new_tokens, request.num_tokens))
         return KVCacheBlocks(new_blocks) if new_blocks else self._empty
 

@@ -12,6 +12,7 @@ import enum
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine_core.config import CacheConfig, LoRAConfig, SchedulerConfig
 from engine_core.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -33,6 +34,9 @@ from engine_core.sched.interface import SchedulerInterface
 from engine_core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from engine_core.sched.utils import check_stop, remove_all
+
+if TYPE_CHECKING:
+    from engine_core.kv_transfer import KVConnector
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
@@ -111,7 +115,8 @@ class Scheduler(SchedulerInterface):
         self.max_loras = lora_config.max_loras if lora_config is not None else 0
         # Adapters whose requests the cap held back, carried to the next pass (fairness, see _schedule_waiting).
         self._held_back_loras: set[int] = set()
-        self.connector = None
+        # Prefill/decode disaggregation (engine_core.kv_transfer; set by the engine when configured).
+        self.connector: KVConnector | None = None
 
         # Every live request, whichever collection holds it.
         self.requests: dict[str, Request] = {}
@@ -457,6 +462,17 @@ class Scheduler(SchedulerInterface):
                 num_computed_tokens = request.num_computed_tokens
             num_external_tokens = num_computed_tokens - num_new_local_computed_tokens if offloaded else 0
 
+            if looked_up and not offloaded and self.connector is not None:
+                # Prefill/decode disaggregation: the rest of the prompt is read from the engine that
+                # computed it. Blocks now, no pass: the request waits for the data (WAITING_FOR_REMOTE_KVS).
+                num_remote_tokens = self.connector.get_num_new_matched_tokens(request, num_new_local_computed_tokens)
+                if num_remote_tokens:
+                    if not self._admit_for_remote_kvs(request, request_queue, num_new_local_computed_tokens,
+                                                      num_remote_tokens, new_computed_blocks, partial is not None):
+                        break  # (the pool cannot take it: admission stops here, as below)
+                    step_skipped_waiting.prepend_request(request)
+                    continue
+
             num_new_tokens = request.num_tokens - num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
@@ -513,6 +529,39 @@ class Scheduler(SchedulerInterface):
         if step_skipped_waiting:
             self.skipped_waiting.prepend_requests(step_skipped_waiting)
         return token_budget
+
+    def _admit_for_remote_kvs(self, request: Request, request_queue: RequestQueue, num_local_computed_tokens: int,
+                              num_remote_tokens: int, new_computed_blocks: KVCacheBlocks, record_lookup: bool) -> bool:
+        """Give a request whose prompt another engine computed the blocks its KV is read into (they
+        enter the prefix cache once the data is there), and park it until then; False when the pool
+        cannot take it (it keeps its place)."""
+        kv_cache_manager = self.kv_cache_manager
+        if kv_cache_manager.allocate_slots(request, num_remote_tokens, num_local_computed_tokens, new_computed_blocks,
+                                           delay_cache_blocks=True) is None:
+            return False
+        request_queue.pop_request()
+        if record_lookup:
+            kv_cache_manager.record_lookup(request, num_local_computed_tokens)
+        assert self.connector is not None
+        self.connector.update_state_after_alloc(request, kv_cache_manager.get_block_ids(request.request_id),
+                                                num_local_computed_tokens, num_remote_tokens)
+        request.num_computed_tokens = num_local_computed_tokens + num_remote_tokens
+        request.num_cached_tokens = request.num_computed_tokens
+        request.num_external_computed_tokens = num_remote_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        return True
+
+    def on_remote_kvs_failed(self, request_id: str) -> None:
+        """The remote KV could not be read: the request computes its prompt here (its blocks go back;
+        it is admitted again as a new request, with no remote parameters left)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = -1
+        request.num_external_computed_tokens = 0
+        request.status = _WAITING
 
     def _waiting_held_back_loras(self) -> set[int]:
         """The held-back adapters that still have a request waiting (an aborted one holds nothing)."""
@@ -671,7 +720,7 @@ class Scheduler(SchedulerInterface):
                 outputs[request.client_index].append(EngineCoreOutput(
                     req_id, new_token_ids, finish_reason, stop_reason, req_logprobs,
                     request.num_cached_tokens, prompt_logprobs.get(req_id) if prompt_logprobs else None,
-                    embedding))
+                    embedding, request.kv_transfer_params_out if stopped else None))
 
         # Removal is batched after the loop: running is rebuilt once instead of scanned per request.
         if stopped_running_reqs:
@@ -758,7 +807,14 @@ class Scheduler(SchedulerInterface):
             request.num_computed_tokens = 0
 
     def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        held = None
+        if self.connector is not None and request.kv_transfer_params is not None:
+            # A prefill for another engine keeps its blocks until that engine has read them.
+            held = self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request.request_id))
+        if held is None:
+            self.kv_cache_manager.free(request)
+        else:
+            request.kv_transfer_params_out = held
         del self.requests[request.request_id]
         if request.lora_request is not None:
             key = request.lora_request.cache_key

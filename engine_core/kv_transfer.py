@@ -1,0 +1,256 @@
+"""Prefill/decode disaggregation: a prompt's KV cache computed on one engine, decoded on another.
+
+The protocol is vLLM's KV connector protocol (as its NixlConnector speaks it), so a proxy written
+for vLLM's disaggregated serving (llm-d's sidecar, vLLM's toy proxy) drives these engines as they are:
+
+1. The prefill engine (``kv_role`` kv_producer or kv_both) gets the request with ``max_tokens`` 1 and
+   ``kv_transfer_params: {"do_remote_decode": true}``. It computes the prompt and, when the request
+   ends at its length limit, keeps the prompt's KV blocks and answers with the parameters that name
+   them: ``{"do_remote_prefill": true, "remote_engine_id", "remote_request_id", "remote_block_ids",
+   ...}``.
+2. The decode engine (kv_consumer or kv_both) gets the request with those parameters. At admission
+   its scheduler looks up its own prefix cache, allocates blocks for the rest of the prompt but its
+   last token, and parks the request as WAITING_FOR_REMOTE_KVS while the engine reads the producer's
+   blocks into them. Then the request runs as if those tokens had been computed here: its next pass
+   computes the last prompt token and samples the first output token from it.
+3. The producer frees the blocks once they were read, or when nobody read them in
+   ``abort_request_timeout`` seconds (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s by default).
+
+The KV data moves through Ray: the decode engine calls the producer engine actor, whose workers
+gather the blocks into host tensors that Ray carries between the nodes (``RayKVConnector``). A read
+that fails (the producer gone, its blocks expired) makes the decode engine compute the prompt itself
+(vLLM's ``kv_load_failure_policy`` "recompute"), or fail the request ("fail").
+
+This module holds the configuration and the scheduler's half (what to load, what to hold); the
+engine core moves the data (engine_core.engine_core) and the workers read and write the blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from engine_core.request import Request
+
+logger = logging.getLogger(__name__)
+
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KV_ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
+# The connector built here, and vLLM's names taken for it: a config written for vLLM's disaggregated
+# serving starts these engines unchanged (the protocol is the same; the data moves through Ray).
+CONNECTOR = "RayKVConnector"
+CONNECTOR_ALIASES = ("NixlConnector", "P2pNcclConnector")
+# vLLM's connectors that keep KV in host memory or storage: KV offloading here (--kv-offloading-size).
+HOST_MEMORY_CONNECTORS = ("OffloadingConnector", "LMCacheConnectorV1", "SharedStorageConnector")
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+DEFAULT_ABORT_REQUEST_TIMEOUT_S = 480.0
+# vLLM's kv-transfer-config keys that change nothing here (they tune vLLM's own transports).
+_NEUTRAL_KEYS = frozenset({"engine_id", "kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size",
+                           "kv_ip", "kv_port", "kv_connector_module_path"})
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's --kv-transfer-config, as far as it applies here."""
+
+    kv_role: KVRole = "kv_both"
+    kv_connector: str = CONNECTOR
+    # What a decode engine does when it cannot read the producer's blocks: compute the prompt itself
+    # ("recompute") or fail the request ("fail").
+    kv_load_failure_policy: str = "recompute"
+    # How long a producer keeps a finished prefill's blocks for its decode engine to read.
+    abort_request_timeout_s: float = DEFAULT_ABORT_REQUEST_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, "
+                             f"got {self.kv_role!r}")
+        if self.kv_connector != CONNECTOR and self.kv_connector not in CONNECTOR_ALIASES:
+            raise ValueError(f"kv_transfer_config: kv_connector {self.kv_connector!r} is not built here; "
+                             f"{CONNECTOR} moves KV blocks between engines through Ray "
+                             f"({', '.join(CONNECTOR_ALIASES)} are taken as it)")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_transfer_config: kv_load_failure_policy must be one of "
+                             f"{', '.join(LOAD_FAILURE_POLICIES)}, got {self.kv_load_failure_policy!r}")
+        if not (isinstance(self.abort_request_timeout_s, int | float) and self.abort_request_timeout_s > 0):
+            raise ValueError("kv_transfer_config: kv_connector_extra_config.abort_request_timeout must be a "
+                             f"number of seconds > 0, got {self.abort_request_timeout_s!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | str | None) -> KVTransferConfig | None:
+        """vLLM's JSON form: {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"abort_request_timeout": 480}}."""
+        if data is None:
+            return None
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config: not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"kv_transfer_config: expected an object, got {data!r}")
+        data = dict(data)
+        connector = data.get("kv_connector") or CONNECTOR
+        if connector in HOST_MEMORY_CONNECTORS:
+            raise ValueError(f"kv_transfer_config: {connector} is not built here; for KV blocks kept in host memory "
+                             "pass --kv-offloading-size GIB")
+        if "kv_role" not in data:
+            raise ValueError("kv_transfer_config: kv_role is required (kv_producer, kv_consumer or kv_both)")
+        extra = data.pop("kv_connector_extra_config", None) or {}
+        if not isinstance(extra, dict):
+            raise ValueError(f"kv_transfer_config: kv_connector_extra_config must be an object, got {extra!r}")
+        unknown = set(extra) - {"abort_request_timeout"}
+        if unknown:
+            raise ValueError(f"kv_transfer_config: kv_connector_extra_config {sorted(unknown)} is not taken here "
+                             "(only abort_request_timeout)")
+        for key in _NEUTRAL_KEYS & set(data):
+            logger.info("kv_transfer_config: %s changes nothing here (KV blocks move through Ray)", key)
+            data.pop(key)
+        unknown = set(data) - {"kv_role", "kv_connector", "kv_load_failure_policy"}
+        if unknown:
+            raise ValueError(f"kv_transfer_config: {sorted(unknown)} not taken (kv_connector, kv_role, "
+                             "kv_load_failure_policy, kv_connector_extra_config)")
+        return cls(kv_role=data["kv_role"], kv_connector=connector,
+                   kv_load_failure_policy=data.get("kv_load_failure_policy") or "recompute",
+                   abort_request_timeout_s=extra.get("abort_request_timeout", DEFAULT_ABORT_REQUEST_TIMEOUT_S))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kv_connector": self.kv_connector, "kv_role": self.kv_role,
+                "kv_load_failure_policy": self.kv_load_failure_policy,
+                "kv_connector_extra_config": {"abort_request_timeout": self.abort_request_timeout_s}}
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    return bool(params) and bool(params.get("do_remote_decode"))
+
+
+def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
+    return bool(params) and bool(params.get("do_remote_prefill"))
+
+
+@dataclass
+class PendingLoad:
+    """Blocks a decode engine reads from a producer before the request can run."""
+
+    request_id: str
+    # This engine's blocks to fill, and the producer's that hold the same tokens (as many).
+    block_ids: list[int]
+    remote_block_ids: list[int]
+    # The producer's parameters (remote_engine_id, remote_request_id, ...).
+    params: dict[str, Any]
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Held:
+    request: Request
+    block_ids: list[int]
+    deadline: float
+
+
+class KVConnector:
+    """The scheduler's half of the connector: which blocks a consumer loads, which a producer holds."""
+
+    def __init__(self, config: KVTransferConfig, block_size: int, engine_id: dict[str, Any],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_size = block_size
+        # What a consumer needs to find this engine (its actor name and namespace, tp_size, ...).
+        self.engine_id = dict(engine_id)
+        self._clock = clock
+        self._pending: list[PendingLoad] = []
+        self._held: dict[str, _Held] = {}
+
+    # -- consumer ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_local_computed_tokens: int) -> int:
+        """Prompt tokens after the local prefix hit that the request's producer computed and this
+        engine reads instead (0: none; the request computes its prompt here). The last prompt token
+        is always computed here: its logits give the first output token."""
+        params = request.kv_transfer_params
+        if not self.config.is_consumer or not wants_remote_prefill(params):
+            return 0
+        assert params is not None
+        count = request.num_prompt_tokens - 1 - num_local_computed_tokens
+        remote = params.get("remote_block_ids")
+        if count <= 0 or not isinstance(remote, list):
+            return 0
+        if len(remote) < -(-(request.num_prompt_tokens - 1) // self.block_size):
+            logger.warning("request %s: the producer's parameters name %d blocks, fewer than its prompt's; "
+                           "computing the prompt here", request.request_id, len(remote))
+            request.kv_transfer_params = None
+            return 0
+        return count
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_computed_tokens: int,
+                                 num_external_tokens: int) -> None:
+        """The request got its blocks: the ones after its local hit are read from the producer."""
+        params = request.kv_transfer_params
+        assert params is not None
+        first = num_local_computed_tokens // self.block_size
+        end = -(-(num_local_computed_tokens + num_external_tokens) // self.block_size)
+        self._pending.append(PendingLoad(request.request_id, block_ids[first:end],
+                                         [int(b) for b in params["remote_block_ids"][first:end]], dict(params)))
+        # Read once: a preemption later computes the prompt here (the producer has let the blocks go).
+        request.kv_transfer_params = None
+
+    def take_pending_loads(self) -> list[PendingLoad]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    # -- producer ---------------------------------------------------------------------------------
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> dict[str, Any] | None:
+        """A request ends. A prefill for a remote decode that ran to its length limit keeps its blocks
+        (returns the parameters that name them: the caller must not free them); None otherwise."""
+        from engine_core.request import RequestStatus
+
+        if (not self.config.is_producer or not wants_remote_decode(request.kv_transfer_params)
+                or request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids):
+            return None
+        self._held[request.request_id] = _Held(request, list(block_ids),
+                                               self._clock() + self.config.abort_request_timeout_s)
+        return {**self.engine_id, "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_request_id": request.request_id, "remote_block_ids": list(block_ids)}
+
+    def held_blocks(self, request_id: str) -> list[int] | None:
+        held = self._held.get(request_id)
+        return None if held is None else held.block_ids
+
+    def release(self, request_id: str) -> Request | None:
+        """The held request whose blocks its reader is done with (None: not held, or expired)."""
+        held = self._held.pop(request_id, None)
+        return None if held is None else held.request
+
+    def expired(self) -> list[Request]:
+        """Held requests nobody read in time: their blocks go back to the pool."""
+        if not self._held:
+            return []
+        now = self._clock()
+        gone = [request_id for request_id, held in self._held.items() if held.deadline <= now]
+        for request_id in gone:
+            logger.warning("request %s: no decode engine read its KV blocks within %.0f s; freeing them",
+                           request_id, self.config.abort_request_timeout_s)
+        return [self._held.pop(request_id).request for request_id in gone]
+
+    @property
+    def num_held_requests(self) -> int:
+        return len(self._held)
+
+    def release_all(self) -> list[Request]:
+        held = [h.request for h in self._held.values()]
+        self._held.clear()
+        return held

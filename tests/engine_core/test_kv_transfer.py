@@ -1,0 +1,278 @@
+"""Prefill/decode disaggregation: the connector's config, the scheduler's two halves (holding a
+prefill's blocks, parking a decode until its KV is read) and two real engines handing a prompt on."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any
+
+import pytest
+
+from engine_core.kv_transfer import KVConnector, KVTransferConfig
+from engine_core.outputs import EngineCoreRequest
+from engine_core.request import RequestStatus
+from engine_core.sampling_params import SamplingParams
+
+from .utils import create_requests, create_scheduler, step
+
+
+def test_config_takes_vllms_json_and_refuses_what_is_not_built():
+    config = KVTransferConfig.from_dict('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+                                        '"kv_buffer_device": "cuda", '
+                                        '"kv_connector_extra_config": {"abort_request_timeout": 30}}')
+    assert config is not None and config.is_producer and config.is_consumer and config.abort_request_timeout_s == 30
+    producer = KVTransferConfig.from_dict({"kv_role": "kv_producer"})
+    assert producer is not None and producer.is_producer and not producer.is_consumer
+    assert producer.kv_connector == "RayKVConnector" and producer.kv_load_failure_policy == "recompute"
+    assert KVTransferConfig.from_dict(None) is None
+    for bad, message in (({"kv_role": "kv_sender"}, "kv_role must be one of"),
+                         ({"kv_role": "kv_both", "kv_connector": "LMCacheConnectorV1"}, "is not built here"),
+                         ({"kv_connector": "NixlConnector"}, "kv_role is required"),
+                         ({"kv_role": "kv_both", "kv_load_failure_policy": "retry"}, "kv_load_failure_policy"),
+                         ({"kv_role": "kv_both", "kv_connector_extra_config": {"backends": ["UCX"]}},
+                          "not taken here"),
+                         ({"kv_role": "kv_both", "kv_connector_extra_config": {"abort_request_timeout": 0}},
+                          "abort_request_timeout"),
+                         ({"kv_role": "kv_both", "kv_rule": 1}, "not taken"),
+                         ("{nope", "not JSON")):
+        with pytest.raises(ValueError, match=message):
+            KVTransferConfig.from_dict(bad)
+
+
+def _connector(scheduler, role: str, clock=time.monotonic, timeout: float = 480.0) -> KVConnector:
+    connector = KVConnector(KVTransferConfig(kv_role=role, abort_request_timeout_s=timeout),  # type: ignore[arg-type]
+                            scheduler.block_size, {"remote_engine_id": "engine-0", "tp_size": 1}, clock)
+    scheduler.connector = connector
+    return connector
+
+
+def test_a_prefill_for_a_remote_decode_keeps_its_blocks_until_read_or_expired():
+    now = [100.0]
+    sched = create_scheduler(num_blocks=20, block_size=16)
+    connector = _connector(sched, "kv_producer", clock=lambda: now[0], timeout=30.0)
+    pool = sched.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    (prefill,) = create_requests(1, num_tokens=40, max_tokens=1)
+    prefill.kv_transfer_params = {"do_remote_decode": True}
+    (plain,) = create_requests(1, num_tokens=40, max_tokens=1)
+    sched.add_request(prefill)
+    sched.add_request(plain)
+    _, outputs = step(sched)
+    by_id = {o.request_id: o for eco in outputs.values() for o in eco.outputs}
+    params = by_id[prefill.request_id].kv_transfer_params
+    block_ids = params["remote_block_ids"]
+    assert params["do_remote_prefill"] and not params["do_remote_decode"] and len(block_ids) == 3
+    assert params["remote_request_id"] == prefill.request_id and params["remote_engine_id"] == "engine-0"
+    assert by_id[plain.request_id].kv_transfer_params is None  # (nobody asked it to hand its KV on)
+    # The prefill's three blocks stay held (the plain request's went back); the request itself is done.
+    assert pool.get_num_free_blocks() == free_before - 3 and prefill.request_id not in sched.requests
+    assert connector.held_blocks(prefill.request_id) == block_ids
+    # Read: released.
+    released = connector.release(prefill.request_id)
+    sched.kv_cache_manager.free(released)
+    assert pool.get_num_free_blocks() == free_before and connector.release(prefill.request_id) is None
+    # Never read: freed at the deadline, not before.
+    (other,) = create_requests(1, num_tokens=20, max_tokens=1)
+    other.kv_transfer_params = {"do_remote_decode": True}
+    sched.add_request(other)
+    step(sched)
+    now[0] += 29.0
+    assert connector.expired() == []
+    now[0] += 2.0
+    (gone,) = connector.expired()
+    assert gone.request_id == other.request_id and connector.num_held_requests == 0
+
+
+def test_an_aborted_or_stopped_prefill_holds_nothing():
+    sched = create_scheduler(num_blocks=20, block_size=16)
+    connector = _connector(sched, "kv_both")
+    pool = sched.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    aborted, stopped = create_requests(2, num_tokens=40, max_tokens=4)
+    for request in (aborted, stopped):
+        request.kv_transfer_params = {"do_remote_decode": True}
+        sched.add_request(request)
+    sched.schedule()
+    sched.finish_requests(aborted.request_id, RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(stopped.request_id, RequestStatus.FINISHED_STOPPED)
+    assert connector.num_held_requests == 0 and pool.get_num_free_blocks() == free_before
+
+
+def test_a_decode_waits_for_its_kv_then_computes_only_the_last_prompt_token():
+    sched = create_scheduler(num_blocks=20, block_size=16)
+    connector = _connector(sched, "kv_consumer")
+    # A local prefix hit of one block: only the blocks after it are read.
+    (warm,) = create_requests(1, num_tokens=40, max_tokens=1, same_prompt=True)
+    sched.add_request(warm)
+    step(sched)
+    (decode,) = create_requests(1, num_tokens=40, max_tokens=3, same_prompt=True)
+    decode.kv_transfer_params = {"do_remote_prefill": True, "remote_engine_id": "engine-9",
+                                 "remote_request_id": "p-1", "remote_block_ids": [11, 12, 13]}
+    sched.add_request(decode)
+    out, _ = step(sched)
+    assert out.total_num_scheduled_tokens == 0 and decode.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    # The prompt's first two blocks are in the local cache (warm's): only the third is read.
+    (load,) = connector.take_pending_loads()
+    own_blocks = sched.kv_cache_manager.get_block_ids(decode.request_id)
+    assert load.remote_block_ids == [13] and load.block_ids == own_blocks[2:3] and len(own_blocks) == 3
+    assert decode.num_computed_tokens == 39 and decode.kv_transfer_params is None
+    # Still waiting: nothing runs, the blocks stay.
+    out, _ = step(sched)
+    assert out.total_num_scheduled_tokens == 0
+    sched.on_remote_kvs_ready(decode.request_id)
+    out, outputs = step(sched)
+    assert out.num_scheduled_tokens == {decode.request_id: 1}
+    (first,) = [o for eco in outputs.values() for o in eco.outputs]
+    assert first.new_token_ids == [7] and first.num_cached_tokens == 39
+    assert decode.num_external_computed_tokens == 7
+
+
+def test_a_failed_read_makes_the_decode_engine_compute_the_prompt_itself():
+    sched = create_scheduler(num_blocks=20, block_size=16)
+    connector = _connector(sched, "kv_consumer")
+    pool = sched.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    (decode,) = create_requests(1, num_tokens=40, max_tokens=2)
+    decode.kv_transfer_params = {"do_remote_prefill": True, "remote_request_id": "p-1",
+                                 "remote_block_ids": [1, 2, 3]}
+    sched.add_request(decode)
+    step(sched)
+    assert len(connector.take_pending_loads()) == 1 and pool.get_num_free_blocks() == free_before - 3
+    # The blocks waiting for data are not in the prefix cache: another prompt cannot hit them.
+    (twin,) = create_requests(1, num_tokens=40, max_tokens=1)
+    twin.prompt_token_ids[:] = decode.prompt_token_ids
+    twin.all_token_ids[:] = decode.all_token_ids
+    assert sched.kv_cache_manager.get_computed_blocks(twin, record=False)[1] == 0
+    sched.on_remote_kvs_failed(decode.request_id)
+    assert decode.status == RequestStatus.WAITING and pool.get_num_free_blocks() == free_before
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {decode.request_id: 40}  # (the whole prompt, here)
+    assert connector.take_pending_loads() == []
+
+
+def test_a_remote_prefill_of_a_one_token_prompt_or_short_block_list_is_computed_here():
+    sched = create_scheduler(num_blocks=20, block_size=16)
+    connector = _connector(sched, "kv_consumer")
+    (one,) = create_requests(1, num_tokens=1, max_tokens=1)
+    (short,) = create_requests(1, num_tokens=40, max_tokens=1)
+    one.kv_transfer_params = {"do_remote_prefill": True, "remote_block_ids": [1]}
+    short.kv_transfer_params = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}  # (three needed)
+    sched.add_request(one)
+    sched.add_request(short)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {one.request_id: 1, short.request_id: 40}
+    assert connector.take_pending_loads() == []
+
+
+# -- two real engines ----------------------------------------------------------------------------
+
+
+def _engine(model_dir, transfer: dict[str, Any] | None, **spec: Any):
+    from cluster.config import ClusterConfig, EngineSpec
+    from engine_core.engine_core import EngineCore
+    from gpu_worker.executor import create_executor
+
+    config = ClusterConfig(model=str(model_dir), defaults=EngineSpec(
+        num_gpu_blocks=32, max_model_len=128, kv_transfer_config=transfer, **spec)).engine_configs()[0]
+    return EngineCore(config, create_executor(config))
+
+
+def _run(engine, requests: list[EngineCoreRequest], timeout: float = 60.0) -> dict[str, dict[str, Any]]:
+    for request in requests:
+        engine.add_request(request)
+    results: dict[str, dict[str, Any]] = {r.request_id: {"tokens": []} for r in requests}
+    deadline = time.monotonic() + timeout
+    while any("finish" not in r for r in results.values()) and time.monotonic() < deadline:
+        for eco in engine.step().values():
+            for out in eco.outputs:
+                result = results[out.request_id]
+                result["tokens"] += out.new_token_ids
+                result["cached"] = out.num_cached_tokens
+                if out.finish_reason is not None:
+                    result["finish"] = out.finish_reason
+                    result["params"] = out.kv_transfer_params
+    return results
+
+
+def _greedy(max_tokens: int, **params: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
+
+
+def test_two_engines_hand_a_prompt_on_and_decode_what_one_engine_would(tiny_model_dir):
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(45)]
+    reference = _engine(tiny_model_dir, None)
+    producer = _engine(tiny_model_dir, {"kv_role": "kv_producer"})
+    consumer = _engine(tiny_model_dir, {"kv_role": "kv_consumer"})
+    reads: list[tuple[str, list[int]]] = []
+
+    def fetch(load):
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        reads.append((load.params["remote_request_id"], load.remote_block_ids))
+        try:
+            future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.remote_block_ids))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    consumer.kv_fetcher = fetch
+    try:
+        expected = _run(reference, [EngineCoreRequest(request_id="r", prompt_token_ids=prompt,
+                                                      sampling_params=_greedy(10))])["r"]["tokens"]
+        prefill = _run(producer, [EngineCoreRequest(request_id="p", prompt_token_ids=prompt,
+                                                    sampling_params=_greedy(1),
+                                                    kv_transfer_params={"do_remote_decode": True})])["p"]
+        params = prefill["params"]
+        assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 3
+        free_held = producer.stats().num_free_blocks
+        decoded = _run(consumer, [EngineCoreRequest(request_id="d", prompt_token_ids=prompt,
+                                                    sampling_params=_greedy(10), kv_transfer_params=params)])["d"]
+        assert decoded["tokens"] == expected and decoded["cached"] == 44
+        assert reads == [("p", params["remote_block_ids"])]
+        # Read once, the producer's blocks are let go; a second read is refused.
+        assert producer.stats().num_free_blocks == free_held + 3
+        with pytest.raises(KeyError, match="holds no KV blocks"):
+            producer.read_held_kv("p", params["remote_block_ids"])
+        # The consumer's scheduled tokens: the last prompt token, then one per output token.
+        assert consumer.stats().kv_transfer_received_blocks == 3 and producer.stats().kv_transfer_sent_blocks == 3
+        assert producer.stats().kv_transfer_held_requests == 0
+        # The same prompt again: the blocks read entered the consumer's prefix cache.
+        again = _run(consumer, [EngineCoreRequest(request_id="d2", prompt_token_ids=prompt,
+                                                  sampling_params=_greedy(10))])["d2"]
+        assert again["tokens"] == expected and again["cached"] == 32
+        # Parameters naming a read already done: the consumer computes the prompt itself, same answer.
+        retry = _run(consumer, [EngineCoreRequest(request_id="d3", prompt_token_ids=prompt[:40] + [9] * 5,
+                                                  sampling_params=_greedy(10), kv_transfer_params=params)])["d3"]
+        local = _run(reference, [EngineCoreRequest(request_id="r3", prompt_token_ids=prompt[:40] + [9] * 5,
+                                                   sampling_params=_greedy(10))])["r3"]
+        assert retry["tokens"] == local["tokens"] and consumer.stats().kv_transfer_failures == 1
+    finally:
+        for engine in (reference, producer, consumer):
+            engine.shutdown()
+
+
+def test_a_fail_policy_fails_the_request_whose_kv_cannot_be_read(tiny_model_dir):
+    from engine_core.request import FinishReason
+
+    consumer = _engine(tiny_model_dir, {"kv_role": "kv_consumer", "kv_load_failure_policy": "fail"})
+    try:
+        params = {"do_remote_prefill": True, "remote_engine_id": "engine-7", "remote_request_id": "p",
+                  "remote_block_ids": [0, 1, 2]}
+        result = _run(consumer, [EngineCoreRequest(request_id="d", prompt_token_ids=list(range(5, 50)),
+                                                   sampling_params=_greedy(4), kv_transfer_params=params)])["d"]
+        assert result["finish"] == FinishReason.ERROR and result["tokens"] == []
+        assert consumer.stats().num_free_blocks == 32
+    finally:
+        consumer.shutdown()
+
+
+def test_engines_refuse_a_transfer_config_their_model_cannot_use(tmp_path):
+    from cluster.config import ClusterConfig, EngineSpec
+    from engine_core.engine_core import EngineCore
+    from gpu_worker.executor import create_executor
+    from tests.tiny_model import build_tiny_embedder
+
+    config = ClusterConfig(model=str(build_tiny_embedder(tmp_path)), defaults=EngineSpec(
+        num_gpu_blocks=32, max_model_len=128, kv_transfer_config={"kv_role": "kv_both"})).engine_configs()[0]
+    with pytest.raises(ValueError, match="kv-transfer-config: an embedding model decodes nothing"):
+        EngineCore(config, create_executor(config))
