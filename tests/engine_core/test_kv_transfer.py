@@ -276,3 +276,44 @@ def test_engines_refuse_a_transfer_config_their_model_cannot_use(tmp_path):
         num_gpu_blocks=32, max_model_len=128, kv_transfer_config={"kv_role": "kv_both"})).engine_configs()[0]
     with pytest.raises(ValueError, match="kv-transfer-config: an embedding model decodes nothing"):
         EngineCore(config, create_executor(config))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engines_hand_each_ranks_shard_on(ray_cluster, tiny_model_dir):
+    """Two engines of two Ray worker ranks each: every rank's KV shard goes to the same rank."""
+    prompt = [(5 * i + 1) % 200 + 5 for i in range(37)]
+    producer = _engine(tiny_model_dir, {"kv_role": "kv_producer"}, tensor_parallel_size=2)
+    consumer = _engine(tiny_model_dir, {"kv_role": "kv_consumer"}, tensor_parallel_size=2)
+
+    def fetch(load):
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.remote_block_ids))
+        return future
+
+    consumer.kv_fetcher = fetch
+    try:
+        expected = _run(consumer, [EngineCoreRequest(request_id="whole", prompt_token_ids=prompt,
+                                                     sampling_params=_greedy(8))])["whole"]["tokens"]
+        consumer.reset_prefix_cache()
+        params = _run(producer, [EngineCoreRequest(request_id="p", prompt_token_ids=prompt,
+                                                   sampling_params=_greedy(1),
+                                                   kv_transfer_params={"do_remote_decode": True})])["p"]["params"]
+        decoded = _run(consumer, [EngineCoreRequest(request_id="d", prompt_token_ids=prompt,
+                                                    sampling_params=_greedy(8), kv_transfer_params=params)])["d"]
+        assert decoded["tokens"] == expected and decoded["cached"] == 36
+        assert consumer.stats().kv_transfer_received_blocks == 3
+        # A consumer of one rank cannot take two ranks' shards: it computes the prompt itself.
+        single = _engine(tiny_model_dir, {"kv_role": "kv_consumer"})
+        single.kv_fetcher = fetch
+        try:
+            params = _run(producer, [EngineCoreRequest(request_id="p2", prompt_token_ids=prompt,
+                                                       sampling_params=_greedy(1),
+                                                       kv_transfer_params={"do_remote_decode": True})])["p2"]["params"]
+            alone = _run(single, [EngineCoreRequest(request_id="d2", prompt_token_ids=prompt,
+                                                    sampling_params=_greedy(8), kv_transfer_params=params)])["d2"]
+            assert alone["tokens"] == expected and single.stats().kv_transfer_failures == 1
+        finally:
+            single.shutdown()
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
