@@ -41,6 +41,9 @@ from engine_core.tokenizer_files import read_tokenizer_files
 logger = logging.getLogger(__name__)
 
 
+# How long a decode engine waits for a prefill engine's KV blocks before computing the prompt itself.
+_KV_READ_TIMEOUT_S = 180.0
+
 # How long a pass that could do nothing waits for input before trying again.
 _IDLE_PASS_WAIT_S = 0.005
 
@@ -455,7 +458,7 @@ class EngineCoreService:
                 self._drain_inputs(block=False)
             if self._stopped:
                 break
-            engine.release_expired_kv()
+            engine.kv_housekeeping()
             if not engine.has_work():
                 continue
             try:
@@ -659,6 +662,12 @@ def engine_host() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _log_release_failure(future: concurrent.futures.Future[Any]) -> None:
+    error = future.exception()
+    if error is not None:  # (the producer frees the blocks at its abort_request_timeout)
+        logger.info("could not tell a prefill engine to free blocks: %s", error)
+
+
 def _nothing() -> None:
     """A command that only wakes the busy loop."""
 
@@ -825,7 +834,9 @@ class EngineCoreActor:
         time to hear of the drain."""
         stats = await self.get_stats()
         since = max(self.service.last_admitted, self._drain_started or 0.0)
-        return self._drain_started is not None, stats.num_unfinished_requests, time.monotonic() - since
+        # (Prefills holding KV for a decode engine to read count: stopping would fail those reads.)
+        return (self._drain_started is not None, stats.num_unfinished_requests + stats.kv_transfer_held_requests,
+                time.monotonic() - since)
 
     async def pause(self, mode: int = PauseState.PAUSED_NEW) -> None:
         await asyncio.to_thread(self.service.call_in_loop, lambda: self.service.engine.pause(PauseState(mode)))
@@ -926,7 +937,8 @@ class EngineCoreActor:
 
     def _connect_kv_transfer(self) -> None:
         """Name this engine in the parameters its prefills hand out (consumers find it by them), and
-        read other engines' blocks through their actors."""
+        read other engines' blocks through their actors. Lookups and calls run on a few threads of
+        their own (a name lookup waits for Ray's control store: not on the busy loop)."""
         import ray
 
         context = ray.get_runtime_context()
@@ -935,25 +947,48 @@ class EngineCoreActor:
         engine.kv_connector.engine_id.update(remote_engine_id=context.get_actor_name() or "",
                                              remote_namespace=context.namespace, remote_host=engine_host())
         handles: dict[tuple[str, str], Any] = {}
+        pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-transfer")
 
-        def fetch(load: PendingLoad) -> concurrent.futures.Future[Any]:
-            key = (str(load.params.get("remote_engine_id") or ""),
-                   str(load.params.get("remote_namespace") or context.namespace))
+        def producer(params: dict[str, Any]) -> tuple[tuple[str, str], Any]:
+            key = (str(params.get("remote_engine_id") or ""), str(params.get("remote_namespace") or context.namespace))
             handle = handles.get(key)
             if handle is None:
                 handle = handles[key] = ray.get_actor(key[0], namespace=key[1])
-            return handle.read_kv_blocks.remote(load.params.get("remote_request_id"), load.remote_block_ids).future()
+            return key, handle
 
-        engine.kv_fetcher = fetch
+        def read(load: PendingLoad) -> Any:
+            key, handle = producer(load.params)
+            try:
+                # (The producer answers within its own 120 s between passes; a producer that does not
+                # answer at all fails the read, and the prompt is computed here.)
+                return ray.get(handle.read_kv_blocks.remote(load.params.get("remote_request_id"),
+                                                            load.remote_block_ids, load.digest, load.num_tokens),
+                               timeout=_KV_READ_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                handles.pop(key, None)  # (restarted under its name, or gone: looked up again next time)
+                raise
+
+        def release(params: dict[str, Any]) -> None:
+            _, handle = producer(params)
+            handle.release_kv_blocks.remote(params.get("remote_request_id"))
+
+        engine.kv_fetcher = lambda load: pool.submit(read, load)
+        engine.kv_releaser = lambda params: pool.submit(release, params).add_done_callback(_log_release_failure)
         # (A read done wakes the busy loop, which may be waiting for input with nothing else to do.)
         engine.on_kv_load_done = lambda: self.service.submit(_nothing)
 
-    async def read_kv_blocks(self, request_id: str, block_ids: list[int]) -> list[Any]:
-        """A decode engine reads the KV blocks a prefill finished here holds for it (between passes);
-        they are let go after."""
+    async def read_kv_blocks(self, request_id: str, block_ids: list[int], digest: str, num_tokens: int) -> list[Any]:
+        """A decode engine reads the KV blocks a prefill finished here holds for it (between passes;
+        ``digest`` of its prompt's first ``num_tokens`` tokens, which must be the prefill's)."""
         service = self.service
         return await asyncio.to_thread(service.call_in_loop,
-                                       lambda: service.engine.read_held_kv(request_id, block_ids), 120.0)
+                                       lambda: service.engine.read_held_kv(request_id, block_ids, digest, num_tokens),
+                                       120.0)
+
+    async def release_kv_blocks(self, request_id: str) -> None:
+        """A reader of a prefill held here will not read it (its request computed the prompt itself,
+        or ended first): the blocks go back once no reader is left."""
+        self.service.submit(lambda: self.service.engine.release_held_kv(request_id))
 
     async def add_lora(self, lora: LoRARequest, replacing: int | None = None) -> bool:
         """Load an adapter on this engine's workers (between passes); ValueError if it cannot be

@@ -184,6 +184,8 @@ class EngineCore:
         # read_held_kv answer out (the Ray actor shell sets it); and how it is woken when one is done.
         self.kv_fetcher: Callable[[PendingLoad], concurrent.futures.Future[Any]] | None = None
         self.on_kv_load_done: Callable[[], None] | None = None
+        # How a decode engine tells a producer it will not read the blocks it holds (fire and forget).
+        self.kv_releaser: Callable[[dict[str, Any]], None] | None = None
         self._kv_loads_done: queue.SimpleQueue[tuple[PendingLoad, Any]] = queue.SimpleQueue()
         self._kv_load_failures: list[tuple[str, str]] = []
         if transfer is None:
@@ -204,11 +206,12 @@ class EngineCore:
                                          "tp_size": config.tensor_parallel_size})
         self.scheduler.connector = self.kv_connector
 
-    def read_held_kv(self, request_id: str, block_ids: list[int]) -> list[Any]:
+    def read_held_kv(self, request_id: str, block_ids: list[int], digest: str, num_tokens: int) -> list[Any]:
         """A decode engine reads the KV of a prefill finished here (``block_ids``: those of its held
-        blocks it needs); the blocks are let go after. Busy-loop thread."""
+        blocks it needs; ``digest``: kv_digest of its prompt's first ``num_tokens`` tokens, which must
+        be this prefill's); the blocks are let go after their last reader. Busy-loop thread."""
         connector = self.kv_connector
-        held = connector.held_blocks(request_id) if connector is not None else None
+        held = connector.held_blocks(request_id, digest, num_tokens) if connector is not None else None
         if held is None:
             raise KeyError(f"request {request_id!r} holds no KV blocks here (never a prefill for a remote decode, "
                            "already read, or held past abort_request_timeout)")
@@ -217,18 +220,33 @@ class EngineCore:
         try:
             payload = self.executor.read_kv_blocks(block_ids)
         finally:
-            assert connector is not None
-            request = connector.release(request_id)
-            if request is not None:
-                self.scheduler.kv_cache_manager.free(request)
+            self.release_held_kv(request_id)
         self._totals["kv_sent_blocks"] += len(block_ids)
         return payload
 
-    def release_expired_kv(self) -> None:
-        """Free the held blocks of prefills nobody read in time. Busy-loop thread."""
-        if self.kv_connector is not None:
-            for request in self.kv_connector.expired():
-                self.scheduler.kv_cache_manager.free(request)
+    def release_held_kv(self, request_id: str) -> None:
+        """One reader of a prefill held here is done with it (read it, or will not); the blocks go
+        back after the last. Busy-loop thread."""
+        request = self.kv_connector.release(request_id) if self.kv_connector is not None else None
+        if request is not None:
+            self.scheduler.kv_cache_manager.free(request)
+
+    def kv_housekeeping(self) -> None:
+        """Free the held blocks of prefills nobody read in time, and tell producers of the blocks
+        this engine will not read. Busy-loop thread, every turn."""
+        connector = self.kv_connector
+        if connector is None:
+            return
+        for request in connector.expired():
+            self.scheduler.kv_cache_manager.free(request)
+        for params in connector.take_declined():
+            if self.kv_releaser is None:
+                continue
+            try:
+                self.kv_releaser(params)
+            except Exception as e:  # (the producer frees them at its timeout)
+                logger.info("engine %d: could not tell %r to free request %r's blocks: %s", self.config.engine_index,
+                            params.get("remote_engine_id"), params.get("remote_request_id"), e)
 
     def _release_all_held_kv(self) -> None:
         if self.kv_connector is not None:
@@ -522,6 +540,8 @@ class EngineCore:
                 request.sampling_params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids,
                                                                                          *extra])
         is_new = request.request_id not in self.scheduler.requests
+        if self.kv_connector is not None and self.kv_connector.is_held(request.request_id):
+            raise ValueError(f"request id {request.request_id!r} is in use (a prefill holding its KV for a reader)")
         engine_request = Request(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, eos_token_id=eos, arrival_time=request.arrival_time,
@@ -549,6 +569,9 @@ class EngineCore:
     def abort_all_requests(self) -> int:
         """Abort every request this engine holds, telling each client (a pause's "abort" mode)."""
         aborted = self.scheduler.abort_all_requests()
+        # (And prefills held for their readers: a pause clears the cache, and new weights would make
+        # their KV stale; the readers compute those prompts themselves.)
+        self._release_all_held_kv()
         if self._structured is not None:
             for request_id in aborted:
                 self._structured.remove(request_id)
@@ -641,12 +664,17 @@ class EngineCore:
         if self.kv_connector is not None:
             self._start_kv_loads()
         failed = self._attach_grammar_bitmask(scheduler_output)
+        # (A pass may schedule nothing yet copy blocks: an admission for remote KV can evict cached
+        # blocks, which KV offloading saves to its host tier now, before they are overwritten.)
         if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
-                or scheduler_output.preempted_req_ids):
+                or scheduler_output.preempted_req_ids or scheduler_output.kv_offload_stores
+                or scheduler_output.kv_offload_loads):
             model_output = self.executor.execute_model(scheduler_output)
         else:
             model_output = _EMPTY_MODEL_OUTPUT
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.kv_connector is not None:
+            self.kv_housekeeping()
         # (The grammars first: a structured request's drafts are checked against its grammar as of
         # the tokens this pass produced.)
         failed += self._advance_grammars(outputs)

@@ -27,11 +27,12 @@ engine core moves the data (engine_core.engine_core) and the workers read and wr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -141,6 +142,15 @@ def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
     return bool(params) and bool(params.get("do_remote_prefill"))
 
 
+def kv_digest(token_ids: list[int], lora_name: str | None) -> str:
+    """What a KV read is checked against on both sides: the tokens whose KV it carries, under the
+    adapter they were computed with (the decode engine must not take another prompt's KV into its
+    prefix cache under its own prompt's hashes, whatever parameters a client sends)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr((lora_name, list(token_ids))).encode())
+    return digest.hexdigest()
+
+
 @dataclass
 class PendingLoad:
     """Blocks a decode engine reads from a producer before the request can run."""
@@ -151,7 +161,9 @@ class PendingLoad:
     remote_block_ids: list[int]
     # The producer's parameters (remote_engine_id, remote_request_id, ...).
     params: dict[str, Any]
-    started: float = field(default_factory=time.monotonic)
+    # kv_digest of the prompt's tokens the blocks hold, up to the last full or partial block read.
+    digest: str = ""
+    num_tokens: int = 0
 
 
 @dataclass
@@ -159,6 +171,9 @@ class _Held:
     request: Request
     block_ids: list[int]
     deadline: float
+    # Readers still to come (one per choice of the request the prefill was for): each reads or
+    # gives up once; the blocks go back when none is left.
+    readers: int = 1
 
 
 class KVConnector:
@@ -173,6 +188,9 @@ class KVConnector:
         self._clock = clock
         self._pending: list[PendingLoad] = []
         self._held: dict[str, _Held] = {}
+        # Producers' parameters this engine will not read (the prompt computed here after all, the
+        # request gone first): each producer is told, so it frees the blocks at once.
+        self._declined: list[dict[str, Any]] = []
 
     # -- consumer ---------------------------------------------------------------------------------
 
@@ -181,19 +199,33 @@ class KVConnector:
         engine reads instead (0: none; the request computes its prompt here). The last prompt token
         is always computed here: its logits give the first output token."""
         params = request.kv_transfer_params
-        if not self.config.is_consumer or not wants_remote_prefill(params):
+        if not wants_remote_prefill(params):
             return 0
         assert params is not None
         count = request.num_prompt_tokens - 1 - num_local_computed_tokens
         remote = params.get("remote_block_ids")
-        if count <= 0 or not isinstance(remote, list):
+        if not self.config.is_consumer or count <= 0 or request.prompt_embeds is not None:
+            self.decline(request)  # (not a consumer; its own cache holds the prompt; embeddings: computed here)
             return 0
-        if len(remote) < -(-(request.num_prompt_tokens - 1) // self.block_size):
-            logger.warning("request %s: the producer's parameters name %d blocks, fewer than its prompt's; "
-                           "computing the prompt here", request.request_id, len(remote))
-            request.kv_transfer_params = None
+        if not isinstance(remote, list) or len(remote) < -(-(request.num_prompt_tokens - 1) // self.block_size):
+            logger.warning("request %s: the producer's parameters name fewer blocks than its prompt has; "
+                           "computing the prompt here", request.request_id)
+            self.decline(request)
             return 0
         return count
+
+    def decline(self, request: Request) -> None:
+        """The request will not read the blocks its parameters name (computed here, or gone): its
+        producer is told to free them."""
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params):  # (a prefill's own do_remote_decode stays)
+            assert params is not None
+            self._declined.append(params)
+            request.kv_transfer_params = None
+
+    def take_declined(self) -> list[dict[str, Any]]:
+        declined, self._declined = self._declined, []
+        return declined
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_computed_tokens: int,
                                  num_external_tokens: int) -> None:
@@ -201,9 +233,13 @@ class KVConnector:
         params = request.kv_transfer_params
         assert params is not None
         first = num_local_computed_tokens // self.block_size
-        end = -(-(num_local_computed_tokens + num_external_tokens) // self.block_size)
-        self._pending.append(PendingLoad(request.request_id, block_ids[first:end],
-                                         [int(b) for b in params["remote_block_ids"][first:end]], dict(params)))
+        num_tokens = num_local_computed_tokens + num_external_tokens
+        end = -(-num_tokens // self.block_size)
+        lora = request.lora_request
+        self._pending.append(PendingLoad(
+            request.request_id, block_ids[first:end], [int(b) for b in params["remote_block_ids"][first:end]],
+            dict(params), kv_digest(request.all_token_ids[:num_tokens], lora.lora_name if lora else None),
+            num_tokens))
         # Read once: a preemption later computes the prompt here (the producer has let the blocks go).
         request.kv_transfer_params = None
 
@@ -215,25 +251,52 @@ class KVConnector:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> dict[str, Any] | None:
         """A request ends. A prefill for a remote decode that ran to its length limit keeps its blocks
-        (returns the parameters that name them: the caller must not free them); None otherwise."""
+        (returns the parameters that name them: the caller must not free them); None otherwise. A
+        decode request that never read its producer's blocks tells the producer to free them."""
         from engine_core.request import RequestStatus
 
-        if (not self.config.is_producer or not wants_remote_decode(request.kv_transfer_params)
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params):  # (a decode request that ends before it read: gone first)
+            self.decline(request)
+            return None
+        if (not self.config.is_producer or not wants_remote_decode(params)
                 or request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids):
             return None
+        assert params is not None
+        readers = params.get("num_readers", 1)
         self._held[request.request_id] = _Held(request, list(block_ids),
-                                               self._clock() + self.config.abort_request_timeout_s)
+                                               self._clock() + self.config.abort_request_timeout_s,
+                                               readers if isinstance(readers, int) and readers >= 1 else 1)
         return {**self.engine_id, "do_remote_prefill": True, "do_remote_decode": False,
                 "remote_request_id": request.request_id, "remote_block_ids": list(block_ids)}
 
-    def held_blocks(self, request_id: str) -> list[int] | None:
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def held_blocks(self, request_id: str, digest: str, num_tokens: int) -> list[int] | None:
+        """The blocks a request holds for a reader whose prompt's first ``num_tokens`` tokens have
+        this ``digest`` (None: not held here); ValueError when the reader's prompt is another."""
         held = self._held.get(request_id)
-        return None if held is None else held.block_ids
+        if held is None:
+            return None
+        lora = held.request.lora_request
+        if (num_tokens > held.request.num_prompt_tokens
+                or kv_digest(held.request.all_token_ids[:num_tokens], lora.lora_name if lora else None) != digest):
+            raise ValueError(f"request {request_id!r} computed another prompt (or under another adapter) than "
+                             "the reader's")
+        return held.block_ids
 
     def release(self, request_id: str) -> Request | None:
-        """The held request whose blocks its reader is done with (None: not held, or expired)."""
-        held = self._held.pop(request_id, None)
-        return None if held is None else held.request
+        """One reader is done with a held request's blocks (read them, or gave up): the request,
+        when it was the last, whose blocks go back now; None otherwise (or not held)."""
+        held = self._held.get(request_id)
+        if held is None:
+            return None
+        held.readers -= 1
+        if held.readers > 0:
+            return None
+        del self._held[request_id]
+        return held.request
 
     def expired(self) -> list[Request]:
         """Held requests nobody read in time: their blocks go back to the pool."""

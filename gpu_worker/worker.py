@@ -266,11 +266,20 @@ class Worker:
         caches = self._runner().kv_caches
         if not caches:
             raise RuntimeError("this worker holds no KV cache (asleep, or not initialized)")
-        index = torch.tensor(block_ids, dtype=torch.long, device=caches[0][0].device)
+        device = caches[0][0].device
+        index = torch.tensor(block_ids, dtype=torch.long, device=device)
+        # Layer by layer into one host tensor (page-locked beside a GPU, the copies queued and waited
+        # for once), so the device needs room for one layer's rows at a time, not the whole prompt's.
         # (As bytes: index_select has no kernel for every cache dtype, fp8 on the CPU among them.)
-        rows = [torch.stack((k.view(torch.uint8).index_select(0, index), v.view(torch.uint8).index_select(0, index)))
-                for k, v in caches]
-        return str(caches[0][0].dtype).removeprefix("torch."), torch.stack(rows).cpu()
+        row_shape = caches[0][0].view(torch.uint8).shape[1:]
+        out = torch.empty((len(caches), 2, len(block_ids), *row_shape), dtype=torch.uint8,
+                          pin_memory=device.type == "cuda")
+        for layer, (k, v) in enumerate(caches):
+            out[layer, 0].copy_(k.view(torch.uint8).index_select(0, index), non_blocking=True)
+            out[layer, 1].copy_(v.view(torch.uint8).index_select(0, index), non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return str(caches[0][0].dtype).removeprefix("torch."), out
 
     def write_kv_blocks(self, block_ids: list[int], payload: tuple[str, torch.Tensor]) -> None:
         """Put another engine's KV (``read_kv_blocks``' answer) into this rank's ``block_ids``."""
@@ -286,11 +295,11 @@ class Worker:
         if tuple(data.shape) != shape:
             raise ValueError(f"the producer's KV blocks are shaped {tuple(data.shape)}, this engine's {shape}: the "
                              "same model, block size and tensor-parallel size are needed on both")
-        index = torch.tensor(block_ids, dtype=torch.long, device=caches[0][0].device)
-        data = data.to(caches[0][0].device)
-        for layer, (k, v) in enumerate(caches):
-            k.view(torch.uint8)[index] = data[layer, 0]
-            v.view(torch.uint8)[index] = data[layer, 1]
+        device = caches[0][0].device
+        index = torch.tensor(block_ids, dtype=torch.long, device=device)
+        for layer, (k, v) in enumerate(caches):  # (a layer at a time on the device, as read)
+            k.view(torch.uint8)[index] = data[layer, 0].to(device)
+            v.view(torch.uint8)[index] = data[layer, 1].to(device)
 
     def sleep(self, level: int) -> None:
         self._runner().sleep(level)

@@ -12,7 +12,8 @@ A model whose engines include prefill engines (``kv_role`` kv_producer) and deco
 Long prompts no longer stall the decode engines' batches (each engine's passes are all prefill or
 all decode work), and each pool can be sized and tuned for its phase. A prefill that fails or is
 refused leaves the decode engine to compute the prompt itself; so does a request that would gain
-nothing (one token wanted, prompt logprobs asked for, a client's own transfer parameters).
+nothing (one token wanted, prompt logprobs asked for, prompt embeddings, a client's own transfer
+parameters). The choices of one prompt (n > 1) share one prefill, each reading its blocks.
 """
 
 from __future__ import annotations
@@ -63,30 +64,38 @@ class EngineRoles:
     def prefill_candidates(self, healthy: list[bool]) -> list[bool]:
         return [ok and role for ok, role in zip(healthy, self.prefill, strict=True)]
 
+    def prefill_or_any(self, healthy: list[bool]) -> list[bool]:
+        """Where a client's own prefill leg (do_remote_decode) goes: a healthy prefill engine, or any."""
+        prefill = self.prefill_candidates(healthy)
+        return prefill if any(prefill) else healthy
+
 
 def needs_remote_prefill(request: EngineCoreRequest) -> bool:
     """Whether a request is worth computing elsewhere: a generation of more than one token whose
     prompt (more than one token) the decode engine need not see computed (no prompt logprobs)."""
     params = request.sampling_params
     return (request.kv_transfer_params is None and not params.embed and params.max_tokens > 1
-            and params.prompt_logprobs is None and len(request.prompt_token_ids) > 1 and not request.resumable)
+            and params.prompt_logprobs is None and len(request.prompt_token_ids) > 1 and not request.resumable
+            and request.prompt_embeds is None)
 
 
-def prefill_request(request: EngineCoreRequest) -> EngineCoreRequest:
+def prefill_request(request: EngineCoreRequest, num_readers: int = 1) -> EngineCoreRequest:
     """The prefill leg: the prompt, one token (always ending at its length limit, so the engine
-    holds the blocks), under its own id; the decode engine samples the answer's first token."""
+    holds the blocks), under its own id; the decode engine samples the answer's first token. The
+    blocks stay until ``num_readers`` decode requests (the choices of one prompt) read or decline them."""
     params: SamplingParams = dataclasses.replace(
         request.sampling_params, max_tokens=1, min_tokens=0, ignore_eos=True, stop_token_ids=[], logprobs=None,
         prompt_logprobs=None, structured_output=None, structured_output_after=None, structured_output_may_open=None)
     return msgspec.structs.replace(request, request_id=f"{request.request_id}-prefill", sampling_params=params,
-                                   num_choices=0, kv_transfer_params={"do_remote_decode": True})
+                                   num_choices=0,
+                                   kv_transfer_params={"do_remote_decode": True, "num_readers": num_readers})
 
 
-async def run_prefill(client: EngineClient, engine: int, request: EngineCoreRequest,
-                      timeout_s: float | None) -> dict[str, Any] | None:
+async def run_prefill(client: EngineClient, engine: int, request: EngineCoreRequest, timeout_s: float | None,
+                      num_readers: int = 1) -> dict[str, Any] | None:
     """Run ``request``'s prefill leg on ``engine``: the parameters naming its KV blocks, or None when
     it did not come to that (refused, failed, timed out: the decode engine computes the prompt)."""
-    leg = prefill_request(request)
+    leg = prefill_request(request, num_readers)
     try:
         stream = await client.open(engine, leg, timeout_s)
     except Exception as e:

@@ -76,14 +76,10 @@ class RouterMetrics:
             ["model_name", "replica"], registry=self.registry,
             buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
 
-    def record_remote_prefills(self, handed_on: int, total: int, seconds: float) -> None:
-        """``total`` prefill legs run together in ``seconds``, ``handed_on`` of them with KV to read."""
-        if handed_on:
-            self.remote_prefills.labels(self.model_name, self.replica, "handed_on").inc(handed_on)
-        if total > handed_on:
-            self.remote_prefills.labels(self.model_name, self.replica, "decoded_whole").inc(total - handed_on)
-        for _ in range(total):
-            self.remote_prefill_time.labels(self.model_name, self.replica).observe(seconds)
+    def record_remote_prefill(self, handed_on: bool, seconds: float) -> None:
+        """One prefill leg, ``seconds`` long: whether it handed KV on to read."""
+        self.remote_prefills.labels(self.model_name, self.replica, "handed_on" if handed_on else "decoded_whole").inc()
+        self.remote_prefill_time.labels(self.model_name, self.replica).observe(seconds)
 
     def record_timeline(self, timeline: RequestTimeline) -> None:
         if timeline.sent:

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from engine_core.beam_search import BeamSearch, candidates_per_beam
 from engine_core.executor import PoolingInfo
+from engine_core.kv_transfer import wants_remote_decode
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.prompt_embeds import PromptEmbeds, decode_prompt_embeds
 from engine_core.request import FinishReason
@@ -934,12 +935,13 @@ class OpenAIServing:
     def choose_engine(self, prompt_token_ids: list[int], session_id: str | None,
                       chosen: list[int] | None = None, lora: LoRARequest | None = None, count: int = 1,
                       cache_salt: str | None = None, prompt_embeds: PromptEmbeds | None = None,
-                      exclude: int | None = None) -> int:
+                      exclude: int | None = None, prefill: bool = False) -> int:
         """``chosen``: requests this call already placed but has not opened yet, per engine (several
         prompts of one request must see each other's load, or they all go to one engine); the
         ``count`` requests of this prompt are added to the chosen engine's; ``cache_salt`` keys the
         prompt's blocks as the engines key them (prefix-aware routing); ``exclude``: an engine that
-        just refused the request (its queue is full)."""
+        just refused the request (its queue is full); ``prefill``: a client's own prefill leg (its
+        kv_transfer_params ask for a remote decode), for a prefill engine where roles are split."""
         t0 = time.perf_counter()
         loads = self.client.loads()
         if chosen is not None:
@@ -948,7 +950,8 @@ class OpenAIServing:
         if exclude is not None:
             healthy[exclude] = False
         if self.engine_roles is not None:  # (prefill engines take only prompts: _prefill_elsewhere)
-            healthy = self.engine_roles.decode_candidates(healthy)
+            healthy = (self.engine_roles.prefill_or_any(healthy) if prefill
+                       else self.engine_roles.decode_candidates(healthy))
         active = None
         if lora is not None:
             active = self.client.active_adapters()
@@ -994,7 +997,12 @@ class OpenAIServing:
         opened: dict[int, RequestStream] = {}
         pending = list(range(len(jobs)))  # the jobs still to open, in order
         recovered = rerouted = False
+        # Prefill/decode disaggregation: prompts computed on prefill engines first (once, whatever
+        # retries follow: a job rerouted below takes its KV parameters along).
+        producers: dict[int, int] = {}
         try:
+            if self.engine_roles is not None:
+                jobs, producers = await self._prefill_elsewhere(jobs, priority, lora, cache_salt, deadline)
             while pending:
                 window, pending = pending[:OPEN_AT_ONCE], pending[OPEN_AT_ONCE:]
                 timeout = None
@@ -1046,6 +1054,9 @@ class OpenAIServing:
         except BaseException:
             for stream in opened.values():
                 await stream.close()
+            for k, engine in producers.items():
+                if k not in opened:  # (never reached a decode engine: the prefill engine frees its share)
+                    self._release_prefill(engine, jobs[k])
             raise
         return [opened[k] for k in range(len(jobs))]
 
@@ -1060,8 +1071,6 @@ class OpenAIServing:
                 logged.add(job.request_id)
                 self._log_request(request)
             requests.append(request)
-        if self.engine_roles is not None:
-            requests = await self._prefill_elsewhere(jobs, requests, lora, cache_salt, timeout)
         if len(jobs) == 1:  # (the usual request, one choice: no task of its own on the hot path)
             try:
                 return [await self.client.open(jobs[0].engine, requests[0], timeout)]
@@ -1081,38 +1090,59 @@ class OpenAIServing:
             raise
         return [task.exception() or task.result() for task in tasks]  # type: ignore[misc]
 
-    async def _prefill_elsewhere(self, jobs: list[_Job], requests: list[EngineCoreRequest], lora: LoRARequest | None,
-                                 cache_salt: str | None, timeout: float | None) -> list[EngineCoreRequest]:
-        """Prefill/decode disaggregation: each request worth it has its prompt computed on a prefill
-        engine (the policy's choice among them) first, all at once; it goes to its decode engine with
-        the parameters naming the prompt's KV (or, where a prefill did not hand any on, as it is)."""
+    async def _prefill_elsewhere(self, jobs: list[_Job], priority: int, lora: LoRARequest | None,
+                                 cache_salt: str | None, deadline: float | None) -> tuple[list[_Job], dict[int, int]]:
+        """Prefill/decode disaggregation: each prompt worth it is computed on a prefill engine (the
+        policy's choice among them) first, all at once, one leg for all the choices of one prompt;
+        its jobs go on with the parameters naming the prompt's KV (where a leg handed none on, as
+        they were). Also returns which prefill engine holds each job's KV."""
         assert self.engine_roles is not None
         healthy = self.engine_roles.prefill_candidates(self.client.healthy())
         if not any(healthy):
-            return requests
+            return jobs, {}
         loads = list(self.client.loads())
-        legs: list[tuple[int, int]] = []
-        for k, (job, request) in enumerate(zip(jobs, requests, strict=True)):
-            if not needs_remote_prefill(request):
+        legs: dict[tuple[int, ...], tuple[int, list[int]]] = {}  # prompt -> (prefill engine, its jobs)
+        for k, job in enumerate(jobs):
+            if not needs_remote_prefill(self._engine_request(job, priority, lora, cache_salt)):
+                continue
+            key = tuple(job.prompt_ids)
+            if key in legs:
+                legs[key][1].append(k)
                 continue
             engine = self.policy.choose(RoutingContext(job.prompt_ids, loads, healthy, None,
-                                                       None if lora is None else lora.cache_key, cache_salt,
-                                                       job.prompt_embeds))
+                                                       None if lora is None else lora.cache_key, cache_salt))
             if engine != job.engine:  # (a kv_both engine picked for both legs computes its prompt itself)
                 loads[engine] += 1
-                legs.append((k, engine))
+                legs[key] = (engine, [k])
         if not legs:
-            return requests
-        started = time.perf_counter()
-        handed = await asyncio.gather(*(run_prefill(self.client, engine, requests[k], timeout) for k, engine in legs))
-        if self.metrics is not None:
-            self.metrics.record_remote_prefills(sum(p is not None for p in handed), len(handed),
-                                                time.perf_counter() - started)
-        requests = list(requests)
-        for (k, _), params in zip(legs, handed, strict=True):
-            if params is not None:
-                requests[k] = msgspec.structs.replace(requests[k], kv_transfer_params=params)
-        return requests
+            return jobs, {}
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+        async def leg(engine: int, members: list[int]) -> tuple[dict[str, Any] | None, float]:
+            started = time.perf_counter()
+            request = self._engine_request(jobs[members[0]], priority, lora, cache_salt)
+            params = await run_prefill(self.client, engine, request, timeout, len(members))
+            return params, time.perf_counter() - started
+
+        handed = await asyncio.gather(*(leg(engine, members) for engine, members in legs.values()))
+        jobs = list(jobs)
+        producers: dict[int, int] = {}
+        for (engine, members), (params, seconds) in zip(legs.values(), handed, strict=True):
+            if self.metrics is not None:
+                self.metrics.record_remote_prefill(params is not None, seconds)
+            if params is None:
+                continue
+            for k in members:
+                jobs[k] = jobs[k]._replace(kv_transfer_params=params)
+                producers[k] = engine
+        return jobs, producers
+
+    def _release_prefill(self, engine: int, job: _Job) -> None:
+        """Tell a prefill engine that this job will not read the KV it holds for it (fire and forget:
+        it frees the blocks at its timeout otherwise)."""
+        params = job.kv_transfer_params or {}
+        with contextlib.suppress(Exception):
+            self.client.handle(engine).release_kv_blocks.remote(params.get("remote_request_id"))
 
     def _other_engine(self, job: _Job, lora: LoRARequest | None, cache_salt: str | None) -> int | None:
         """Where a job goes instead of the engine that refused it: the policy's choice among the
@@ -1259,7 +1289,8 @@ class OpenAIServing:
             if request.use_beam_search:  # (every prompt checked before any search starts)
                 searches.append(self._beam_plan(request, ids, request.max_tokens, request.logprobs))
                 continue
-            engine = self.choose_engine(ids, session_id, chosen, lora, request.n, request.cache_salt, embeds)
+            engine = self.choose_engine(ids, session_id, chosen, lora, request.n, request.cache_salt, embeds,
+                                        prefill=wants_remote_decode(request.kv_transfer_params))
             for c in self._new_choices(request.n, [] if embeds is not None else ids, request):
                 # max_tokens=0 (echo only): one token is generated and dropped, as vLLM does.
                 params = self.sampling_params(request, len(ids), 1 if request.max_tokens == 0 else request.max_tokens,
@@ -1427,7 +1458,8 @@ class OpenAIServing:
             for c in choices:
                 c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
             return ChatRun(request_id, created, ids, choices, [])
-        engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt)
+        engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt,
+                                    prefill=wants_remote_decode(request.kv_transfer_params))
         # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
         choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
         for c in choices:

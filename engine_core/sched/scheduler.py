@@ -462,10 +462,14 @@ class Scheduler(SchedulerInterface):
                 num_computed_tokens = request.num_computed_tokens
             num_external_tokens = num_computed_tokens - num_new_local_computed_tokens if offloaded else 0
 
-            if looked_up and not offloaded and self.connector is not None:
+            if looked_up and self.connector is not None and request.kv_transfer_params is not None:
                 # Prefill/decode disaggregation: the rest of the prompt is read from the engine that
                 # computed it. Blocks now, no pass: the request waits for the data (WAITING_FOR_REMOTE_KVS).
-                num_remote_tokens = self.connector.get_num_new_matched_tokens(request, num_new_local_computed_tokens)
+                # (The host tier holding the prompt's next blocks: read from there, not remotely.)
+                num_remote_tokens = 0 if offloaded else \
+                    self.connector.get_num_new_matched_tokens(request, num_new_local_computed_tokens)
+                if offloaded:
+                    self.connector.decline(request)
                 if num_remote_tokens:
                     if not self._admit_for_remote_kvs(request, request_queue, num_new_local_computed_tokens,
                                                       num_remote_tokens, new_computed_blocks, partial is not None):

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine_core.kv_transfer import KVConnector, KVTransferConfig
+from engine_core.kv_transfer import KVConnector, KVTransferConfig, kv_digest
 from engine_core.outputs import EngineCoreRequest
 from engine_core.request import RequestStatus
 from engine_core.sampling_params import SamplingParams
@@ -67,7 +67,10 @@ def test_a_prefill_for_a_remote_decode_keeps_its_blocks_until_read_or_expired():
     assert by_id[plain.request_id].kv_transfer_params is None  # (nobody asked it to hand its KV on)
     # The prefill's three blocks stay held (the plain request's went back); the request itself is done.
     assert pool.get_num_free_blocks() == free_before - 3 and prefill.request_id not in sched.requests
-    assert connector.held_blocks(prefill.request_id) == block_ids
+    assert connector.held_blocks(prefill.request_id, kv_digest(prefill.prompt_token_ids[:39], None), 39) == block_ids
+    # Another prompt's reader is refused (a client's parameters cannot take another prompt's KV).
+    with pytest.raises(ValueError, match="computed another prompt"):
+        connector.held_blocks(prefill.request_id, kv_digest([1] * 39, None), 39)
     # Read: released.
     released = connector.release(prefill.request_id)
     sched.kv_cache_manager.free(released)
@@ -117,6 +120,7 @@ def test_a_decode_waits_for_its_kv_then_computes_only_the_last_prompt_token():
     own_blocks = sched.kv_cache_manager.get_block_ids(decode.request_id)
     assert load.remote_block_ids == [13] and load.block_ids == own_blocks[2:3] and len(own_blocks) == 3
     assert decode.num_computed_tokens == 39 and decode.kv_transfer_params is None
+    assert load.num_tokens == 39 and load.digest == kv_digest(decode.prompt_token_ids[:39], None)
     # Still waiting: nothing runs, the blocks stay.
     out, _ = step(sched)
     assert out.total_num_scheduled_tokens == 0
@@ -156,13 +160,78 @@ def test_a_remote_prefill_of_a_one_token_prompt_or_short_block_list_is_computed_
     connector = _connector(sched, "kv_consumer")
     (one,) = create_requests(1, num_tokens=1, max_tokens=1)
     (short,) = create_requests(1, num_tokens=40, max_tokens=1)
-    one.kv_transfer_params = {"do_remote_prefill": True, "remote_block_ids": [1]}
-    short.kv_transfer_params = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}  # (three needed)
+    one.kv_transfer_params = {"do_remote_prefill": True, "remote_request_id": "p1", "remote_block_ids": [1]}
+    short.kv_transfer_params = {"do_remote_prefill": True, "remote_request_id": "p2",
+                                "remote_block_ids": [1, 2]}  # (three needed)
     sched.add_request(one)
     sched.add_request(short)
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {one.request_id: 1, short.request_id: 40}
     assert connector.take_pending_loads() == []
+    # Their producers are told to free what they hold for them.
+    assert [p["remote_request_id"] for p in connector.take_declined()] == ["p1", "p2"]
+
+
+def test_producers_hear_of_every_read_that_will_not_happen():
+    sched = create_scheduler(num_blocks=20, block_size=16, max_num_seqs=1)
+    connector = _connector(sched, "kv_consumer")
+    # The whole prompt but its last token cached here already: nothing to read.
+    (warm,) = create_requests(1, num_tokens=33, max_tokens=1, same_prompt=True)
+    sched.add_request(warm)
+    step(sched)
+    (cached,) = create_requests(1, num_tokens=33, max_tokens=2, same_prompt=True)
+    cached.kv_transfer_params = {"do_remote_prefill": True, "remote_request_id": "p1", "remote_block_ids": [1, 2, 3]}
+    sched.add_request(cached)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {cached.request_id: 1} and connector.take_pending_loads() == []
+    assert [p["remote_request_id"] for p in connector.take_declined()] == ["p1"]
+    # Aborted while still queued (max_num_seqs is full): never admitted, never read.
+    (queued,) = create_requests(1, num_tokens=40, max_tokens=3)
+    queued.kv_transfer_params = {"do_remote_prefill": True, "remote_request_id": "p2", "remote_block_ids": [1, 2, 3]}
+    sched.add_request(queued)
+    step(sched)
+    assert queued.status == RequestStatus.WAITING
+    sched.finish_requests(queued.request_id, RequestStatus.FINISHED_ABORTED)
+    assert [p["remote_request_id"] for p in connector.take_declined()] == ["p2"]
+
+
+def test_a_prefill_for_several_readers_is_freed_after_the_last():
+    sched = create_scheduler(num_blocks=20, block_size=16)
+    connector = _connector(sched, "kv_producer")
+    (prefill,) = create_requests(1, num_tokens=40, max_tokens=1)
+    prefill.kv_transfer_params = {"do_remote_decode": True, "num_readers": 3}
+    sched.add_request(prefill)
+    step(sched)
+    assert connector.release(prefill.request_id) is None and connector.release(prefill.request_id) is None
+    assert connector.is_held(prefill.request_id)
+    assert connector.release(prefill.request_id) is prefill and not connector.is_held(prefill.request_id)
+
+
+def test_an_admission_for_remote_kv_saves_what_it_evicts_to_the_host_tier(tiny_model_dir):
+    """A pass that schedules no token still runs the workers when KV offloading has blocks to save:
+    parking a request for remote KV can evict cached blocks, whose host copies must exist before the
+    tier answers for them."""
+    engine = _engine(tiny_model_dir, {"kv_role": "kv_consumer"}, num_gpu_blocks=8, kv_offloading_size=0.001)
+    try:
+        prompt = [(3 * i + 2) % 200 + 5 for i in range(97)]
+        first = _run(engine, [EngineCoreRequest(request_id="warm", prompt_token_ids=prompt,
+                                                sampling_params=_greedy(6))])["warm"]["tokens"]
+        engine.step()  # (the pass telling the workers that "warm" finished: the next runs nothing else)
+        engine.kv_fetcher = lambda load: concurrent.futures.Future()  # (a read that never ends)
+        engine.add_request(EngineCoreRequest(
+            request_id="d", prompt_token_ids=[(5 * i + 1) % 200 + 5 for i in range(97)],
+            sampling_params=_greedy(2), kv_transfer_params={"do_remote_prefill": True, "remote_request_id": "p",
+                                                            "remote_block_ids": list(range(7))}))
+        outputs = engine.step()
+        assert not any(eco.outputs for eco in outputs.values())
+        assert engine.stats().kv_offload_stored_blocks > 0
+        engine.abort_requests(["d"])
+        # The evicted prompt comes back from the host tier with the same answer.
+        again = _run(engine, [EngineCoreRequest(request_id="again", prompt_token_ids=prompt,
+                                                sampling_params=_greedy(6))])["again"]
+        assert again["tokens"] == first and again["cached"] > 0 and engine.stats().kv_offload_loaded_blocks > 0
+    finally:
+        engine.shutdown()
 
 
 # -- two real engines ----------------------------------------------------------------------------
@@ -174,7 +243,7 @@ def _engine(model_dir, transfer: dict[str, Any] | None, **spec: Any):
     from gpu_worker.executor import create_executor
 
     config = ClusterConfig(model=str(model_dir), defaults=EngineSpec(
-        num_gpu_blocks=32, max_model_len=128, kv_transfer_config=transfer, **spec)).engine_configs()[0]
+        **({"num_gpu_blocks": 32, "max_model_len": 128} | spec), kv_transfer_config=transfer)).engine_configs()[0]
     return EngineCore(config, create_executor(config))
 
 
@@ -210,7 +279,8 @@ def test_two_engines_hand_a_prompt_on_and_decode_what_one_engine_would(tiny_mode
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         reads.append((load.params["remote_request_id"], load.remote_block_ids))
         try:
-            future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.remote_block_ids))
+            future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.remote_block_ids,
+                                                    load.digest, load.num_tokens))
         except Exception as e:
             future.set_exception(e)
         return future
@@ -232,7 +302,7 @@ def test_two_engines_hand_a_prompt_on_and_decode_what_one_engine_would(tiny_mode
         # Read once, the producer's blocks are let go; a second read is refused.
         assert producer.stats().num_free_blocks == free_held + 3
         with pytest.raises(KeyError, match="holds no KV blocks"):
-            producer.read_held_kv("p", params["remote_block_ids"])
+            producer.read_held_kv("p", params["remote_block_ids"], "", 0)
         # The consumer's scheduled tokens: the last prompt token, then one per output token.
         assert consumer.stats().kv_transfer_received_blocks == 3 and producer.stats().kv_transfer_sent_blocks == 3
         assert producer.stats().kv_transfer_held_requests == 0
@@ -287,7 +357,8 @@ def test_tensor_parallel_engines_hand_each_ranks_shard_on(ray_cluster, tiny_mode
 
     def fetch(load):
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.remote_block_ids))
+        future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.remote_block_ids,
+                                                load.digest, load.num_tokens))
         return future
 
     consumer.kv_fetcher = fetch

@@ -111,3 +111,36 @@ def test_a_client_can_drive_both_legs_itself_with_kv_transfer_params(cluster, ti
     # (The blocks holding every prompt token but the last, which the decode engine computes itself.)
     read = after[1][1] - before[1][1]
     assert after[0][0] - before[0][0] == read and len(params["remote_block_ids"]) - 1 <= read > 0
+
+
+def test_the_choices_of_one_prompt_share_one_prefill(cluster, client):
+    prompt = "One prompt, several choices: " + PROMPT
+    before = _counters(cluster)
+    answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, n=3, seed=7,
+                                       extra_body={"ignore_eos": True})
+    assert len(answer.choices) == 3 and answer.usage.completion_tokens == 18
+    assert all(c.finish_reason == "length" for c in answer.choices)
+    after = _counters(cluster)
+    # One prefill on engine 0 for the three choices; each choice's request read the blocks (all on
+    # one decode engine, as a request's choices go).
+    assert after[0][2] - before[0][2] == 1
+    sent = after[0][0] - before[0][0]
+    assert sent > 0 and sum(after[i][1] - before[i][1] for i in (1, 2)) == sent
+    assert all(s.kv_transfer_held_requests == 0 for s in cluster.stats())
+
+
+def test_a_clients_prefill_leg_goes_to_a_prefill_engine_where_roles_are_split(cluster, tiny_model_dir):
+    prompt = "A client's own legs, through the router that knows the roles: " + OTHER_PROMPT
+    before = _counters(cluster)
+    prefill = httpx.post(f"{cluster.base}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    params = prefill["kv_transfer_params"]
+    assert params["do_remote_prefill"]
+    decode = httpx.post(f"{cluster.base}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True,
+        "kv_transfer_params": params}).json()
+    assert decode["choices"][0]["text"] == _greedy_text(tiny_model_dir, prompt, 5)
+    after = _counters(cluster)
+    assert after[0][2] - before[0][2] == 1  # (only the client's prefill leg: its decode leg ran no other)
+    assert after[0][0] - before[0][0] == sum(after[i][1] - before[i][1] for i in (1, 2)) > 0
