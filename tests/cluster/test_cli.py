@@ -591,6 +591,38 @@ def test_max_logprobs_reaches_every_engine():
         _config("--max-logprobs", "-2").engine_configs()
 
 
+def test_prefill_decode_flags_give_each_engine_its_role_and_the_router_the_roles(tmp_path):
+    config = _config("--num-engines", "3", "--num-prefill-engines", "1", "--kv-transfer-config",
+                     '{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}')
+    engines = config.engine_configs()
+    assert [e.kv_transfer_config.kv_role for e in engines] == ["kv_producer", "kv_consumer", "kv_consumer"]
+    assert {e.kv_transfer_config.kv_load_failure_policy for e in engines} == {"fail"}
+    [router] = router_deployment(config)._bound_deployment.init_args
+    assert router.engine_kv_roles == ("kv_producer", "kv_consumer", "kv_consumer")
+    # One flag for all, roles per engine from --engine-config (an engine without one takes the flag's).
+    overrides = tmp_path / "pd.yaml"
+    overrides.write_text("- {kv_transfer_config: {kv_role: kv_producer}}\n- {}\n")
+    engines = _config("--num-engines", "2", "--engine-config", str(overrides), "--kv-transfer-config",
+                      '{"kv_role": "kv_consumer"}').engine_configs()
+    assert [e.kv_transfer_config.kv_role for e in engines] == ["kv_producer", "kv_consumer"]
+    assert _config().engine_configs()[0].kv_transfer_config is None
+    for flags, message in ((["--num-engines", "2", "--num-prefill-engines", "2"], "needs at least one engine of each"),
+                           (["--kv-transfer-config", '{"kv_role": "kv_sender"}'], "kv_role must be one of"),
+                           (["--num-engines", "2", "--num-prefill-engines", "1", "--engine-config", str(overrides)],
+                            None)):
+        if message is None:  # (the override's producer kept, the other engine a consumer)
+            assert [e.kv_transfer_config.kv_role for e in _config(*flags).engine_configs()] == \
+                ["kv_producer", "kv_consumer"]
+            continue
+        with pytest.raises(ValueError, match=message):
+            _config(*flags).engine_configs()
+    # Engines that hand KV on must lay it out alike.
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text("- {block_size: 32}\n- {}\n")
+    with pytest.raises(ValueError, match="must be the same on every engine of a model with kv_transfer_config"):
+        _config("--num-engines", "2", "--num-prefill-engines", "1", "--engine-config", str(mixed)).engine_configs()
+
+
 def test_kv_offloading_flags_reach_every_engine():
     configs = _config("--num-engines", "2", "--kv-offloading-size", "4", "--kv-offloading-backend", "native"
                       ).engine_configs()
