@@ -393,9 +393,7 @@ async def _load_of(actor: Any) -> tuple[int, int, bool]:
     """An engine's (unfinished requests, requests refused since start as its queue was full, paused
     or asleep)."""
     stats, held = await _ask([actor.get_stats.remote(), actor.is_paused.remote()])
-    # (A prefill holding KV for a decode engine to read is load too: its engine cannot stop yet.)
-    return (stats.num_unfinished_requests + getattr(stats, "kv_transfer_held_requests", 0),
-            getattr(stats, "num_requests_refused_full", 0), held)
+    return stats.num_unfinished_requests, getattr(stats, "num_requests_refused_full", 0), held
 
 
 async def _ask(calls: Any, return_exceptions: bool = False) -> list[Any]:

@@ -41,9 +41,6 @@ from engine_core.tokenizer_files import read_tokenizer_files
 logger = logging.getLogger(__name__)
 
 
-# How long a decode engine waits for a prefill engine's KV blocks before computing the prompt itself.
-_KV_READ_TIMEOUT_S = 180.0
-
 # How long a pass that could do nothing waits for input before trying again.
 _IDLE_PASS_WAIT_S = 0.005
 
@@ -190,6 +187,8 @@ class EngineCoreService:
             gone = set(request_ids)
             dropped = [r for r in self._held_requests if r.request_id in gone]
             self._held_requests = [r for r in self._held_requests if r.request_id not in gone]
+            for request in dropped:  # (never read: the producer frees what it holds for them)
+                self.engine.decline_remote_kv(request.kv_transfer_params)
             if tell_clients:  # (held during a pause, they never reached the scheduler to be finished there)
                 for request in dropped:
                     self._tell_finished(request, FinishReason.ABORT)
@@ -210,9 +209,11 @@ class EngineCoreService:
         except (LoRANotLoadedError, RequestRefusedError) as e:
             # (Its adapter was unloaded after admit() checked it, or what the model cannot serve
             # reached it without admit(): the client learns it from an error output, not by waiting.)
+            self.engine.decline_remote_kv(request.kv_transfer_params)
             self._tell_finished(request, FinishReason.ERROR, str(e))
             return
         except Exception as e:
+            self.engine.decline_remote_kv(request.kv_transfer_params)
             # Anything else (a request id already live here, say): the client was told it was
             # admitted, so it must hear the end too, or it waits for outputs that never come.
             logger.exception("engine %d: could not add request %s", self.config.engine_index, request.request_id)
@@ -947,7 +948,11 @@ class EngineCoreActor:
         engine.kv_connector.engine_id.update(remote_engine_id=context.get_actor_name() or "",
                                              remote_namespace=context.namespace, remote_host=engine_host())
         handles: dict[tuple[str, str], Any] = {}
-        pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-transfer")
+        # (Name lookups wait for Ray's control store; releases each have a lookup and a call: their
+        # own threads, so neither holds up the busy loop nor the other. A read itself runs as an
+        # actor call whose future completes when the data is here, holding no thread.)
+        lookups = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-lookup")
+        releases = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-release")
 
         def producer(params: dict[str, Any]) -> tuple[tuple[str, str], Any]:
             key = (str(params.get("remote_engine_id") or ""), str(params.get("remote_namespace") or context.namespace))
@@ -956,39 +961,54 @@ class EngineCoreActor:
                 handle = handles[key] = ray.get_actor(key[0], namespace=key[1])
             return key, handle
 
-        def read(load: PendingLoad) -> Any:
-            key, handle = producer(load.params)
-            try:
-                # (The producer answers within its own 120 s between passes; a producer that does not
-                # answer at all fails the read, and the prompt is computed here.)
-                return ray.get(handle.read_kv_blocks.remote(load.params.get("remote_request_id"),
-                                                            load.remote_block_ids, load.digest, load.num_tokens),
-                               timeout=_KV_READ_TIMEOUT_S)
-            except ray.exceptions.RayActorError:
-                handles.pop(key, None)  # (restarted under its name, or gone: looked up again next time)
-                raise
+        def fetch(load: PendingLoad) -> concurrent.futures.Future[Any]:
+            result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+            def looked_up(lookup: concurrent.futures.Future[Any]) -> None:
+                try:
+                    key, handle = lookup.result()
+                    read = handle.read_kv_blocks.remote(
+                        load.params.get("remote_request_id"), str(load.params.get("remote_nonce") or ""),
+                        load.remote_block_ids, load.first_block, load.digest, load.num_tokens).future()
+                except Exception as e:
+                    result.set_exception(e)
+                    return
+
+                def done(answer: concurrent.futures.Future[Any]) -> None:
+                    try:
+                        result.set_result(answer.result())
+                    except Exception as e:
+                        if isinstance(e, ray.exceptions.RayActorError):
+                            handles.pop(key, None)  # (restarted under its name, or gone: looked up again)
+                        result.set_exception(e)
+
+                read.add_done_callback(done)
+
+            lookups.submit(producer, load.params).add_done_callback(looked_up)
+            return result
 
         def release(params: dict[str, Any]) -> None:
             _, handle = producer(params)
-            handle.release_kv_blocks.remote(params.get("remote_request_id"))
+            handle.release_kv_blocks.remote(params.get("remote_request_id"), str(params.get("remote_nonce") or ""))
 
-        engine.kv_fetcher = lambda load: pool.submit(read, load)
-        engine.kv_releaser = lambda params: pool.submit(release, params).add_done_callback(_log_release_failure)
+        engine.kv_fetcher = fetch
+        engine.kv_releaser = lambda params: releases.submit(release, params).add_done_callback(_log_release_failure)
         # (A read done wakes the busy loop, which may be waiting for input with nothing else to do.)
         engine.on_kv_load_done = lambda: self.service.submit(_nothing)
 
-    async def read_kv_blocks(self, request_id: str, block_ids: list[int], digest: str, num_tokens: int) -> list[Any]:
-        """A decode engine reads the KV blocks a prefill finished here holds for it (between passes;
-        ``digest`` of its prompt's first ``num_tokens`` tokens, which must be the prefill's)."""
+    async def read_kv_blocks(self, request_id: str, nonce: str, block_ids: list[int], first_block: int, digest: str,
+                             num_tokens: int) -> list[Any]:
+        """A decode engine reads the KV blocks a prefill finished here holds for it, between passes
+        (``EngineCore.read_held_kv``)."""
         service = self.service
-        return await asyncio.to_thread(service.call_in_loop,
-                                       lambda: service.engine.read_held_kv(request_id, block_ids, digest, num_tokens),
-                                       120.0)
+        return await asyncio.to_thread(
+            service.call_in_loop,
+            lambda: service.engine.read_held_kv(request_id, nonce, block_ids, first_block, digest, num_tokens), 120.0)
 
-    async def release_kv_blocks(self, request_id: str) -> None:
+    async def release_kv_blocks(self, request_id: str, nonce: str) -> None:
         """A reader of a prefill held here will not read it (its request computed the prompt itself,
         or ended first): the blocks go back once no reader is left."""
-        self.service.submit(lambda: self.service.engine.release_held_kv(request_id))
+        self.service.submit(lambda: self.service.engine.release_held_kv(request_id, nonce))
 
     async def add_lora(self, lora: LoRARequest, replacing: int | None = None) -> bool:
         """Load an adapter on this engine's workers (between passes); ValueError if it cannot be

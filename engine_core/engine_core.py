@@ -169,7 +169,7 @@ class EngineCore:
         self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
                         "max_step_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                         "offload_stored": 0, "offload_loaded": 0, "external_queries": 0, "external_hits": 0,
-                        "kv_sent_blocks": 0, "kv_received_blocks": 0, "kv_load_failures": 0}
+                        "kv_sent_blocks": 0, "kv_received_blocks": 0, "kv_load_failures": 0, "kv_declined": 0}
         # Made at the first structured-output request (xgrammar and the tokenizer load then).
         self._structured: StructuredOutputManager | None = None
         self._init_kv_transfer()
@@ -206,30 +206,36 @@ class EngineCore:
                                          "tp_size": config.tensor_parallel_size})
         self.scheduler.connector = self.kv_connector
 
-    def read_held_kv(self, request_id: str, block_ids: list[int], digest: str, num_tokens: int) -> list[Any]:
-        """A decode engine reads the KV of a prefill finished here (``block_ids``: those of its held
-        blocks it needs; ``digest``: kv_digest of its prompt's first ``num_tokens`` tokens, which must
-        be this prefill's); the blocks are let go after their last reader. Busy-loop thread."""
+    def read_held_kv(self, request_id: str, nonce: str, block_ids: list[int], first_block: int, digest: str,
+                     num_tokens: int) -> list[Any]:
+        """A decode engine reads the KV of a prefill finished here: ``block_ids``, its held blocks from
+        ``first_block`` on, for a reader with the prefill's nonce whose prompt's first ``num_tokens``
+        tokens have ``digest`` (they must be the prefill's); the blocks are let go after their last
+        reader. A read refused for its prompt or blocks releases nothing. Busy-loop thread."""
         connector = self.kv_connector
-        held = connector.held_blocks(request_id, digest, num_tokens) if connector is not None else None
-        if held is None:
+        if connector is None or not connector.held_blocks(request_id, nonce, block_ids, first_block, digest,
+                                                          num_tokens):
             raise KeyError(f"request {request_id!r} holds no KV blocks here (never a prefill for a remote decode, "
                            "already read, or held past abort_request_timeout)")
-        if not set(block_ids) <= set(held):
-            raise ValueError(f"blocks {sorted(set(block_ids) - set(held))} are not request {request_id!r}'s")
         try:
             payload = self.executor.read_kv_blocks(block_ids)
         finally:
-            self.release_held_kv(request_id)
+            self.release_held_kv(request_id, nonce)
         self._totals["kv_sent_blocks"] += len(block_ids)
         return payload
 
-    def release_held_kv(self, request_id: str) -> None:
+    def release_held_kv(self, request_id: str, nonce: str) -> None:
         """One reader of a prefill held here is done with it (read it, or will not); the blocks go
         back after the last. Busy-loop thread."""
-        request = self.kv_connector.release(request_id) if self.kv_connector is not None else None
+        request = self.kv_connector.release(request_id, nonce) if self.kv_connector is not None else None
         if request is not None:
             self.scheduler.kv_cache_manager.free(request)
+
+    def decline_remote_kv(self, params: dict[str, Any] | None) -> None:
+        """A request dropped before the scheduler saw it (during a pause, or refused) will not read
+        the blocks its parameters name: its producer is told. Busy-loop thread."""
+        if self.kv_connector is not None:
+            self.kv_connector.decline_params(params)
 
     def kv_housekeeping(self) -> None:
         """Free the held blocks of prefills nobody read in time, and tell producers of the blocks
@@ -240,6 +246,7 @@ class EngineCore:
         for request in connector.expired():
             self.scheduler.kv_cache_manager.free(request)
         for params in connector.take_declined():
+            self._totals["kv_declined"] += 1
             if self.kv_releaser is None:
                 continue
             try:
@@ -591,6 +598,8 @@ class EngineCore:
         self.scheduler.resume()
 
     def reset_prefix_cache(self) -> bool:
+        # (Prefills held for their readers go first: their readers compute those prompts themselves.)
+        self._release_all_held_kv()
         return self.scheduler.reset_prefix_cache()
 
     # -- sleep mode ------------------------------------------------------------------------------
@@ -803,6 +812,7 @@ class EngineCore:
             num_offload_blocks=self.num_offload_blocks, external_prefix_cache_queries=t["external_queries"],
             external_prefix_cache_hits=t["external_hits"], kv_transfer_sent_blocks=t["kv_sent_blocks"],
             kv_transfer_received_blocks=t["kv_received_blocks"], kv_transfer_failures=t["kv_load_failures"],
+            kv_transfer_declined=t["kv_declined"],
             kv_transfer_held_requests=self.kv_connector.num_held_requests if self.kv_connector is not None else 0)
 
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,6 +165,8 @@ class PendingLoad:
     # kv_digest of the prompt's tokens the blocks hold, up to the last full or partial block read.
     digest: str = ""
     num_tokens: int = 0
+    # Where block_ids start among the prompt's blocks (the producer hands out that slice of its own).
+    first_block: int = 0
 
 
 @dataclass
@@ -174,6 +177,9 @@ class _Held:
     # Readers still to come (one per choice of the request the prefill was for): each reads or
     # gives up once; the blocks go back when none is left.
     readers: int = 1
+    # A random value the parameters carry: reads and releases must name it (a request id alone, which
+    # a client sees, must not let it read or free another client's prefill).
+    nonce: str = ""
 
 
 class KVConnector:
@@ -217,11 +223,17 @@ class KVConnector:
     def decline(self, request: Request) -> None:
         """The request will not read the blocks its parameters name (computed here, or gone): its
         producer is told to free them."""
-        params = request.kv_transfer_params
-        if wants_remote_prefill(params):  # (a prefill's own do_remote_decode stays)
-            assert params is not None
-            self._declined.append(params)
+        if self.decline_params(request.kv_transfer_params):  # (a prefill's own do_remote_decode stays)
             request.kv_transfer_params = None
+
+    def decline_params(self, params: dict[str, Any] | None) -> bool:
+        """Tell the producer these parameters name that they will not be read (a request dropped
+        before the scheduler saw it); False when they name no remote prefill."""
+        if not wants_remote_prefill(params):
+            return False
+        assert params is not None
+        self._declined.append(params)
+        return True
 
     def take_declined(self) -> list[dict[str, Any]]:
         declined, self._declined = self._declined, []
@@ -239,7 +251,7 @@ class KVConnector:
         self._pending.append(PendingLoad(
             request.request_id, block_ids[first:end], [int(b) for b in params["remote_block_ids"][first:end]],
             dict(params), kv_digest(request.all_token_ids[:num_tokens], lora.lora_name if lora else None),
-            num_tokens))
+            num_tokens, first))
         # Read once: a preemption later computes the prompt here (the producer has let the blocks go).
         request.kv_transfer_params = None
 
@@ -264,33 +276,38 @@ class KVConnector:
             return None
         assert params is not None
         readers = params.get("num_readers", 1)
+        nonce = secrets.token_hex(8)
         self._held[request.request_id] = _Held(request, list(block_ids),
                                                self._clock() + self.config.abort_request_timeout_s,
-                                               readers if isinstance(readers, int) and readers >= 1 else 1)
+                                               readers if isinstance(readers, int) and readers >= 1 else 1, nonce)
         return {**self.engine_id, "do_remote_prefill": True, "do_remote_decode": False,
-                "remote_request_id": request.request_id, "remote_block_ids": list(block_ids)}
+                "remote_request_id": request.request_id, "remote_block_ids": list(block_ids), "remote_nonce": nonce}
 
     def is_held(self, request_id: str) -> bool:
         return request_id in self._held
 
-    def held_blocks(self, request_id: str, digest: str, num_tokens: int) -> list[int] | None:
-        """The blocks a request holds for a reader whose prompt's first ``num_tokens`` tokens have
-        this ``digest`` (None: not held here); ValueError when the reader's prompt is another."""
+    def held_blocks(self, request_id: str, nonce: str, block_ids: list[int], first_block: int, digest: str,
+                    num_tokens: int) -> bool:
+        """Whether ``block_ids`` are the held request's blocks from ``first_block`` on, for a reader
+        holding its nonce whose prompt's first ``num_tokens`` tokens have this ``digest`` (False: not
+        held here, or another nonce); ValueError when the reader's prompt or blocks are others."""
         held = self._held.get(request_id)
-        if held is None:
-            return None
+        if held is None or held.nonce != nonce:
+            return False
         lora = held.request.lora_request
         if (num_tokens > held.request.num_prompt_tokens
                 or kv_digest(held.request.all_token_ids[:num_tokens], lora.lora_name if lora else None) != digest):
             raise ValueError(f"request {request_id!r} computed another prompt (or under another adapter) than "
                              "the reader's")
-        return held.block_ids
+        if first_block < 0 or held.block_ids[first_block:first_block + len(block_ids)] != block_ids:
+            raise ValueError(f"the blocks asked for are not request {request_id!r}'s from its block {first_block} on")
+        return True
 
-    def release(self, request_id: str) -> Request | None:
-        """One reader is done with a held request's blocks (read them, or gave up): the request,
-        when it was the last, whose blocks go back now; None otherwise (or not held)."""
+    def release(self, request_id: str, nonce: str) -> Request | None:
+        """One reader (holding the nonce) is done with a held request's blocks (read them, or gave
+        up): the request, when it was the last, whose blocks go back now; None otherwise."""
         held = self._held.get(request_id)
-        if held is None:
+        if held is None or held.nonce != nonce:
             return None
         held.readers -= 1
         if held.readers > 0:

@@ -250,5 +250,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_transfer_received_blocks: int = 0
     kv_transfer_failures: int = 0
     kv_transfer_held_requests: int = 0
+    # Producers' parameters this engine declined (the prompt computed here after all, or the request
+    # gone before it read them): each producer was told to free the blocks.
+    kv_transfer_declined: int = 0
     # Requests refused since start because the waiting queue was full (--max-waiting-requests).
     num_requests_refused_full: int = 0

@@ -326,6 +326,13 @@ class _Delta:
     num_tokens: int  # the choice's tokens so far
 
 
+def _client_kv_params(params: dict[str, Any] | None, first: bool) -> dict[str, Any] | None:
+    """A client's own kv_transfer_params go with its request's first job only: a prefill leg's
+    answer carries one set of parameters (holding blocks for the other jobs would only wait for their
+    timeout), and a decode leg's name blocks held for one reader (the other jobs compute the prompt)."""
+    return params if first else None
+
+
 class _Job(NamedTuple):
     """One engine request to open: its engine, id, prompt (placeholder ids for a prompt given as
     embeddings, which come in ``prompt_embeds``) and parameters."""
@@ -1124,7 +1131,16 @@ class OpenAIServing:
             params = await run_prefill(self.client, engine, request, timeout, len(members))
             return params, time.perf_counter() - started
 
-        handed = await asyncio.gather(*(leg(engine, members) for engine, members in legs.values()))
+        tasks = [asyncio.ensure_future(leg(engine, members)) for engine, members in legs.values()]
+        try:
+            handed = await asyncio.gather(*tasks)
+        except BaseException:  # (the client left: legs already done hold blocks nobody will read)
+            for task, (engine, members) in zip(tasks, legs.values(), strict=True):
+                task.cancel()
+                if task.done() and not task.cancelled() and task.exception() is None and task.result()[0]:
+                    for k in members:
+                        self._release_prefill(engine, jobs[k]._replace(kv_transfer_params=task.result()[0]))
+            raise
         jobs = list(jobs)
         producers: dict[int, int] = {}
         for (engine, members), (params, seconds) in zip(legs.values(), handed, strict=True):
@@ -1141,15 +1157,20 @@ class OpenAIServing:
         """Tell a prefill engine that this job will not read the KV it holds for it (fire and forget:
         it frees the blocks at its timeout otherwise)."""
         params = job.kv_transfer_params or {}
-        with contextlib.suppress(Exception):
-            self.client.handle(engine).release_kv_blocks.remote(params.get("remote_request_id"))
+        try:
+            self.client.handle(engine).release_kv_blocks.remote(params.get("remote_request_id"),
+                                                                str(params.get("remote_nonce") or ""))
+        except Exception as e:
+            logger.info("could not tell engine %d to free request %s's prefill: %s", engine,
+                        params.get("remote_request_id"), e)
 
     def _other_engine(self, job: _Job, lora: LoRARequest | None, cache_salt: str | None) -> int | None:
         """Where a job goes instead of the engine that refused it: the policy's choice among the
         others (None when none is healthy)."""
         try:
             return self.choose_engine(job.prompt_ids, None, lora=lora, cache_salt=cache_salt,
-                                      prompt_embeds=job.prompt_embeds, exclude=job.engine)
+                                      prompt_embeds=job.prompt_embeds, exclude=job.engine,
+                                      prefill=wants_remote_decode(job.kv_transfer_params))
         except APIError:
             return None
 
@@ -1301,7 +1322,8 @@ class OpenAIServing:
                 c.index = p_index * request.n + c.index
                 choices.append(c)
                 jobs.append(_Job(engine, choice_request_id(engine_base, c.index), ids, params, embeds,
-                                 request.n if first else 0, request.kv_transfer_params))
+                                 request.n if first else 0,
+                                 _client_kv_params(request.kv_transfer_params, p_index == 0 and first)))
         # return_token_ids: a prompt given as embeddings has none (null, as vLLM's).
         shown_ids = [None if isinstance(p, PromptEmbeds) else ids for p, ids in zip(prompts, prompt_ids, strict=True)]
         if searches:  # (beam search: the choices come complete, before any response starts)
@@ -1471,7 +1493,8 @@ class OpenAIServing:
                      self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                           prompt_logprobs=request.prompt_logprobs, structured_output_after=after,
                                           structured_output_may_open=may_open),
-                     num_choices=request.n if c.index == 0 else 0, kv_transfer_params=request.kv_transfer_params)
+                     num_choices=request.n if c.index == 0 else 0,
+                     kv_transfer_params=_client_kv_params(request.kv_transfer_params, c.index == 0))
                 for c in choices]
         streams = await self._open_all(jobs, request.priority, lora, request.cache_salt)
         return ChatRun(request_id, created, ids, choices, streams)

@@ -465,11 +465,13 @@ class Scheduler(SchedulerInterface):
             if looked_up and self.connector is not None and request.kv_transfer_params is not None:
                 # Prefill/decode disaggregation: the rest of the prompt is read from the engine that
                 # computed it. Blocks now, no pass: the request waits for the data (WAITING_FOR_REMOTE_KVS).
-                # (The host tier holding the prompt's next blocks: read from there, not remotely.)
+                if offloaded and request.num_prompt_tokens - 1 - num_computed_tokens >= kv_cache_manager.block_size:
+                    # The host tier holds only part of the rest: the producer's blocks (all of it) are read.
+                    offloaded, num_computed_tokens, num_external_tokens = [], num_new_local_computed_tokens, 0
+                if offloaded:  # (the host tier holds the rest: read from there, not remotely)
+                    self.connector.decline(request)
                 num_remote_tokens = 0 if offloaded else \
                     self.connector.get_num_new_matched_tokens(request, num_new_local_computed_tokens)
-                if offloaded:
-                    self.connector.decline(request)
                 if num_remote_tokens:
                     if not self._admit_for_remote_kvs(request, request_queue, num_new_local_computed_tokens,
                                                       num_remote_tokens, new_computed_blocks, partial is not None):

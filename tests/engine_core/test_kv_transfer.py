@@ -67,14 +67,25 @@ def test_a_prefill_for_a_remote_decode_keeps_its_blocks_until_read_or_expired():
     assert by_id[plain.request_id].kv_transfer_params is None  # (nobody asked it to hand its KV on)
     # The prefill's three blocks stay held (the plain request's went back); the request itself is done.
     assert pool.get_num_free_blocks() == free_before - 3 and prefill.request_id not in sched.requests
-    assert connector.held_blocks(prefill.request_id, kv_digest(prefill.prompt_token_ids[:39], None), 39) == block_ids
-    # Another prompt's reader is refused (a client's parameters cannot take another prompt's KV).
+    nonce = params["remote_nonce"]
+    digest = kv_digest(prefill.prompt_token_ids[:39], None)
+    assert connector.held_blocks(prefill.request_id, nonce, block_ids, 0, digest, 39)
+    assert connector.held_blocks(prefill.request_id, nonce, block_ids[1:], 1, digest, 39)
+    # Without the nonce the parameters carry, nothing is held for the reader (a request id is not enough).
+    assert not connector.held_blocks(prefill.request_id, "guess", block_ids, 0, digest, 39)
+    assert connector.release(prefill.request_id, "guess") is None and connector.is_held(prefill.request_id)
+    # Another prompt's reader, or blocks out of their order, are refused (a client's parameters cannot
+    # bring other KV into a prefix cache).
     with pytest.raises(ValueError, match="computed another prompt"):
-        connector.held_blocks(prefill.request_id, kv_digest([1] * 39, None), 39)
+        connector.held_blocks(prefill.request_id, nonce, block_ids, 0, kv_digest([1] * 39, None), 39)
+    for blocks, first in (([block_ids[1], block_ids[0], block_ids[2]], 0), ([block_ids[0]] * 3, 0),
+                          (block_ids[:2], 1)):
+        with pytest.raises(ValueError, match="not request"):
+            connector.held_blocks(prefill.request_id, nonce, blocks, first, digest, 39)
     # Read: released.
-    released = connector.release(prefill.request_id)
+    released = connector.release(prefill.request_id, nonce)
     sched.kv_cache_manager.free(released)
-    assert pool.get_num_free_blocks() == free_before and connector.release(prefill.request_id) is None
+    assert pool.get_num_free_blocks() == free_before and connector.release(prefill.request_id, nonce) is None
     # Never read: freed at the deadline, not before.
     (other,) = create_requests(1, num_tokens=20, max_tokens=1)
     other.kv_transfer_params = {"do_remote_decode": True}
@@ -201,10 +212,12 @@ def test_a_prefill_for_several_readers_is_freed_after_the_last():
     (prefill,) = create_requests(1, num_tokens=40, max_tokens=1)
     prefill.kv_transfer_params = {"do_remote_decode": True, "num_readers": 3}
     sched.add_request(prefill)
-    step(sched)
-    assert connector.release(prefill.request_id) is None and connector.release(prefill.request_id) is None
+    _, outputs = step(sched)
+    (out,) = [o for eco in outputs.values() for o in eco.outputs]
+    nonce = out.kv_transfer_params["remote_nonce"]
+    assert connector.release(prefill.request_id, nonce) is None and connector.release(prefill.request_id, nonce) is None
     assert connector.is_held(prefill.request_id)
-    assert connector.release(prefill.request_id) is prefill and not connector.is_held(prefill.request_id)
+    assert connector.release(prefill.request_id, nonce) is prefill and not connector.is_held(prefill.request_id)
 
 
 def test_an_admission_for_remote_kv_saves_what_it_evicts_to_the_host_tier(tiny_model_dir):
@@ -279,8 +292,9 @@ def test_two_engines_hand_a_prompt_on_and_decode_what_one_engine_would(tiny_mode
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         reads.append((load.params["remote_request_id"], load.remote_block_ids))
         try:
-            future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.remote_block_ids,
-                                                    load.digest, load.num_tokens))
+            future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.params["remote_nonce"],
+                                                    load.remote_block_ids, load.first_block, load.digest,
+                                                    load.num_tokens))
         except Exception as e:
             future.set_exception(e)
         return future
@@ -302,7 +316,7 @@ def test_two_engines_hand_a_prompt_on_and_decode_what_one_engine_would(tiny_mode
         # Read once, the producer's blocks are let go; a second read is refused.
         assert producer.stats().num_free_blocks == free_held + 3
         with pytest.raises(KeyError, match="holds no KV blocks"):
-            producer.read_held_kv("p", params["remote_block_ids"], "", 0)
+            producer.read_held_kv("p", params["remote_nonce"], params["remote_block_ids"], 0, "", 0)
         # The consumer's scheduled tokens: the last prompt token, then one per output token.
         assert consumer.stats().kv_transfer_received_blocks == 3 and producer.stats().kv_transfer_sent_blocks == 3
         assert producer.stats().kv_transfer_held_requests == 0
@@ -357,8 +371,9 @@ def test_tensor_parallel_engines_hand_each_ranks_shard_on(ray_cluster, tiny_mode
 
     def fetch(load):
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.remote_block_ids,
-                                                load.digest, load.num_tokens))
+        future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.params["remote_nonce"],
+                                                load.remote_block_ids, load.first_block, load.digest,
+                                                load.num_tokens))
         return future
 
     consumer.kv_fetcher = fetch
@@ -388,3 +403,40 @@ def test_tensor_parallel_engines_hand_each_ranks_shard_on(ray_cluster, tiny_mode
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+def test_a_host_tier_holding_part_of_the_prompt_gives_way_to_the_producers_blocks():
+    sched = create_scheduler(num_blocks=6, block_size=16, num_offload_blocks=8)
+    connector = _connector(sched, "kv_consumer")
+    (warm,) = create_requests(1, num_tokens=49, max_tokens=1)
+    sched.add_request(warm)
+    step(sched)
+    (other,) = create_requests(1, num_tokens=81, max_tokens=1)  # (evicts warm's blocks to the host tier)
+    sched.add_request(other)
+    step(sched)
+    step(sched)
+    (decode,) = create_requests(1, num_tokens=65, max_tokens=2, prefix=warm.prompt_token_ids[:16])
+    manager = sched.kv_cache_manager
+    assert manager.get_computed_blocks(decode, record=False)[1] == 0
+    assert len(manager.get_offloaded_blocks(decode, 0)) == 1  # (the host tier holds its first block only)
+    decode.kv_transfer_params = {"do_remote_prefill": True, "remote_request_id": "p", "remote_nonce": "n",
+                                 "remote_block_ids": [10, 11, 12, 13, 14]}
+    sched.add_request(decode)
+    step(sched)
+    (load,) = connector.take_pending_loads()
+    assert load.remote_block_ids == [10, 11, 12, 13] and load.first_block == 0 and connector.take_declined() == []
+
+
+def test_a_cache_reset_lets_held_prefills_go(tiny_model_dir):
+    producer = _engine(tiny_model_dir, {"kv_role": "kv_producer"})
+    try:
+        _run(producer, [EngineCoreRequest(request_id="p", prompt_token_ids=list(range(5, 45)),
+                                          sampling_params=_greedy(1), kv_transfer_params={"do_remote_decode": True})])
+        assert producer.stats().kv_transfer_held_requests == 1
+        with pytest.raises(ValueError, match="is in use"):
+            producer.add_request(EngineCoreRequest(request_id="p", prompt_token_ids=[5, 6],
+                                                   sampling_params=_greedy(1)))
+        assert producer.reset_prefix_cache()  # (a pause, a sleep, /reset_prefix_cache: the readers recompute)
+        assert producer.stats().kv_transfer_held_requests == 0 and producer.stats().num_free_blocks == 32
+    finally:
+        producer.shutdown()
