@@ -149,6 +149,9 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
     flag for what is not built here. Returns (argv, warnings)."""
     out: list[str] = []
     warnings: list[str] = []
+    # vLLM's dotted form of its JSON flags (--kv-transfer-config.kv_role kv_producer): the keys of
+    # each, gathered into one JSON value at the end.
+    dotted: dict[str, dict[str, Any]] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -157,6 +160,18 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
             out.append(arg)
             continue
         flag, sep, value = arg.partition("=")
+        base, dot, path = flag.partition(".")
+        if flag.startswith("--") and dot and "--" + base[2:].replace("_", "-") in VLLM_DOTTED_JSON_FLAGS | set(
+                VLLM_FLAGS_WITHOUT_EFFECT):
+            base = "--" + base[2:].replace("_", "-")
+            if not sep and i < len(argv):
+                value = argv[i]
+                i += 1
+            if base in VLLM_FLAGS_WITHOUT_EFFECT:
+                warnings.append(f"{flag} has no effect here: {VLLM_FLAGS_WITHOUT_EFFECT[base][1]}")
+                continue
+            _set_dotted(dotted.setdefault(base, {}), path.split("."), _json_or_text(value))
+            continue
         if flag.startswith("--"):
             flag = "--" + flag[2:].replace("_", "-")
         elif flag.startswith("-O") and len(flag) > 2:  # (-O3: the level attached)
@@ -187,15 +202,65 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
                 raise ValueError(f"{flag}: {why}")
             continue
         out.append(flag + sep + value)
+    for base, keys in dotted.items():
+        _merge_dotted(out, base, keys)
     return out, warnings
 
 
-def _normalised_json(text: str) -> str:
-    """A flag's value with its JSON spacing and key order left out (a value that is not JSON as given)."""
+# vLLM's JSON flags that also take the dotted form (--structured-outputs-config.backend xgrammar).
+VLLM_DOTTED_JSON_FLAGS = frozenset({"--structured-outputs-config", "--kv-transfer-config", "--speculative-config",
+                                    "--pooler-config", "--hf-overrides", "--override-generation-config",
+                                    "--default-chat-template-kwargs"})
+
+
+def _json_or_text(text: str) -> Any:
     try:
-        return json.dumps(json.loads(text), sort_keys=True)
+        return json.loads(text)
     except ValueError:
         return text
+
+
+def _set_dotted(target: dict[str, Any], path: list[str], value: Any) -> None:
+    for key in path[:-1]:
+        inner = target.get(key)
+        target = target.setdefault(key, {}) if isinstance(inner, dict) or inner is None else {}
+    target[path[-1]] = value
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = (_deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict)
+                       else value)
+    return merged
+
+
+def _merge_dotted(out: list[str], flag: str, keys: dict[str, Any]) -> None:
+    """Put a flag's dotted keys into ``out``: over its JSON value where the flag is given too (the
+    last time), else as the flag with those keys."""
+    for j in range(len(out) - 1, -1, -1):
+        if (out[j] == flag and j + 1 < len(out)) or out[j].startswith(flag + "="):
+            inline = out[j].startswith(flag + "=")
+            given = _json_or_text(out[j][len(flag) + 1:] if inline else out[j + 1])
+            merged = json.dumps(_deep_merge(given, keys) if isinstance(given, dict) else keys)
+            if inline:
+                out[j] = f"{flag}={merged}"
+            else:
+                out[j + 1] = merged
+            return
+    out += [flag, json.dumps(keys)]
+
+
+def _normalised_json(text: str) -> str:
+    """A flag's value with its JSON spacing and key order left out (a value that is not JSON as given;
+    a number as a float: 0 and 0.0 are one value)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(float(value))
+    return json.dumps(value, sort_keys=True)
 
 
 def _is_number(text: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import get_args
 
 import pytest
@@ -788,6 +789,32 @@ def test_more_of_vllms_flags_are_taken_renamed_or_refused_with_why():
         "serve", "Qwen/Qwen3-0.6B"]  # (the model after the sizes is not one of them)
     with pytest.raises(ValueError, match="--model-impl"):
         vllm_command_line(["serve", "m", "--model-impl", "transformers"])
+    # A neutral number however written.
+    assert vllm_command_line(["serve", "m", "--cpu-offload-gb", "0.0"])[0] == ["serve", "m"]
+    with pytest.raises(ValueError, match="--cpu-offload-gb"):
+        vllm_command_line(["serve", "m", "--cpu-offload-gb", "4"])
+
+
+def test_vllms_dotted_json_flags_become_one_json_value():
+    from cluster.cli import vllm_command_line
+
+    argv, warnings = vllm_command_line([
+        "serve", "m", "--structured-outputs-config.backend", "xgrammar",
+        "--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}',
+        "--kv_transfer_config.kv_role=kv_consumer", "--structured-outputs-config.disable_any_whitespace", "true",
+        "--kv-transfer-config.kv_connector_extra_config.abort_request_timeout", "30",
+        "--compilation-config.level", "3"])
+    assert argv[:2] == ["serve", "m"] and [w.split(" has no effect")[0] for w in warnings] == [
+        "--compilation-config.level"]
+    values = dict(zip(argv[2::2], argv[3::2], strict=True))
+    assert json.loads(values["--kv-transfer-config"]) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"abort_request_timeout": 30}}
+    assert json.loads(values["--structured-outputs-config"]) == {"backend": "xgrammar",
+                                                                 "disable_any_whitespace": True}
+    config = cluster_config_from_args(build_parser().parse_args(argv))
+    assert config.structured_outputs_disable_any_whitespace
+    assert config.engine_configs()[0].kv_transfer_config.abort_request_timeout_s == 30
 
 
 def test_vllms_structured_outputs_config(capsys):
