@@ -10,11 +10,13 @@ the router, over HTTP. The work mixes two kinds of streamed completions:
 Configurations, started one after another, rounds alternating:
   whole  both engines serve requests whole, least_loaded routing (the usual deployment);
   p/d    engine 0 computes every prompt (kv_producer), engine 1 decodes (kv_consumer), reading each
-         prompt's KV from engine 0 (--num-prefill-engines 1).
+         prompt's KV from engine 0 (--num-prefill-engines 1);
+  p/d>N  the same, selective: only prompts of more than N tokens (--pd-threshold, llm-d's selective
+         P/D) are computed on engine 0, the chats' short ones where they are decoded.
 Prints per configuration: chat inter-token latency p50/p99 and time per output token, long TTFT
-p50/p99, output tokens/s, and each figure's ratio p/d / whole.
+p50/p99, output tokens/s, and each figure's ratio to whole.
 Usage: python benchmarks/bench_disaggregation.py [--rounds 2] [--long-requests 12] [--long-interval 0.5]
-       [--long-prompt 1024] [--chat-clients 4]
+       [--long-prompt 1024] [--chat-clients 4] [--pd-threshold 256]
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def main() -> None:
     parser.add_argument("--chat-tokens", type=int, default=48)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--pd-threshold", type=int, default=256)
     args = parser.parse_args()
 
     import ray
@@ -124,6 +127,7 @@ def main() -> None:
                              routing_policy="least_loaded", defaults=spec, enable_access_log=False,
                              engines=prefill_decode_overrides(1, 2, None, [])),
     }
+    configs[f"p/d>{args.pd_threshold}"] = configs["p/d"].model_copy(update={"pd_prefill_threshold": args.pd_threshold})
     results: dict[str, dict[str, list[float]]] = {name: {} for name in configs}
     for r in range(args.rounds):
         for name, config in configs.items():
@@ -133,9 +137,9 @@ def main() -> None:
                 got = asyncio.run(run_round(served.base, args, seed=r))
                 for key, values in got.items():
                     results[name].setdefault(key, []).extend(values)
-                if name == "p/d":
+                if name != "whole":
                     stats = served.stats()
-                    print(f"round {r}: p/d engine 0 sent {stats[0].kv_transfer_sent_blocks} KV blocks, engine 1 "
+                    print(f"round {r}: {name} engine 0 sent {stats[0].kv_transfer_sent_blocks} KV blocks, engine 1 "
                           f"read {stats[1].kv_transfer_received_blocks} ({stats[1].kv_transfer_failures} failed)")
     ray.shutdown()
 
@@ -153,8 +157,9 @@ def main() -> None:
     print("".join(f"{h:>18}" for h in header))
     for row in rows:
         print(f"{row[0]:>18}" + "".join(f"{v:>18.2f}" for v in row[1:]))
-    whole, pd = rows[0], rows[1]
-    print(f"{'p/d / whole':>18}" + "".join(f"{b / a:>18.2f}" for a, b in zip(whole[1:], pd[1:], strict=True)))
+    for row in rows[1:]:
+        print(f"{row[0] + ' / whole':>18}" + "".join(f"{b / a:>18.2f}"
+                                                    for a, b in zip(rows[0][1:], row[1:], strict=True)))
 
 
 if __name__ == "__main__":

@@ -536,6 +536,10 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--routing-policy", default="least_loaded",
                        choices=["round_robin", "least_loaded", "prefix_aware", "session"])
     serve.add_argument("--prefix-load-margin", type=int, default=8)
+    serve.add_argument("--pd-prefill-threshold", type=int, default=0, metavar="TOKENS",
+                       help="Prefill/decode disaggregation: only prompts with more than TOKENS tokens (and more than "
+                            "a block) outside their decode engine's prefix cache go to a prefill engine; the others "
+                            "are computed where they are decoded (default 0: every prompt worth a block).")
     serve.add_argument("--num-router-replicas", type=int, default=None,
                        help="Router replicas (default 1; with --router-autoscaling, how many start: default its "
                             "min_replicas).")
@@ -675,6 +679,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         tokenizer=_local_dir_path(args.tokenizer),
         defaults=EngineSpec(**{k: v for k, v in defaults.items() if v is not None}), engines=overrides,
         routing_policy=args.routing_policy, prefix_load_margin=args.prefix_load_margin,
+        pd_prefill_threshold=args.pd_prefill_threshold,
         **({} if args.num_router_replicas is None else {"num_router_replicas": args.num_router_replicas}),
         router_autoscaling=args.router_autoscaling, request_timeout_s=args.request_timeout, seed=args.seed,
         chat_template=read_chat_template(args.chat_template), enable_auto_tool_choice=args.enable_auto_tool_choice,

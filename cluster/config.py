@@ -440,6 +440,11 @@ class ClusterConfig(ModelSettings):
     engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
     routing_policy: str = Field("least_loaded", description=f"One of {', '.join(ROUTING_POLICIES)}.")
     prefix_load_margin: int = Field(8, ge=0, description="prefix_aware: load gap that overrides a cache match.")
+    pd_prefill_threshold: int = Field(
+        0, ge=0, description="Prefill/decode disaggregation: a prompt goes to a prefill engine only when more than "
+                             "this many of its tokens (and more than a block) are not in its decode engine's prefix "
+                             "cache as the router knows it (prefix_aware); others are computed where they are "
+                             "decoded (llm-d's selective P/D).")
     num_router_replicas: int = Field(1, ge=1, description="Router replicas (with router_autoscaling: how many start).")
     router_autoscaling: RouterAutoscaling | None = Field(
         None, description="Let Ray Serve scale the router replicas with the open requests.")

@@ -49,6 +49,9 @@ class RouterConfig:
     engine_kv_roles: tuple[str | None, ...] = ()
     routing_policy: str = "least_loaded"
     prefix_load_margin: int = 8
+    # Prefill/decode disaggregation: prompts with at most this many tokens (or a block) outside their
+    # decode engine's prefix cache are computed where they are decoded.
+    pd_prefill_threshold: int = 0
     request_timeout_s: float | None = None
     served_model_name: str | None = None
     # Further names clients may use for the model (vLLM's --served-model-name with several names).
@@ -181,6 +184,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     by_slot = iter(descriptions)
     roles = config.engine_kv_roles or tuple(None if h is None else next(by_slot).kv_role for h in handles)
     serving.engine_roles = EngineRoles.from_kv_roles(roles)
+    serving.pd_prefill_threshold = max(config.pd_prefill_threshold, first.block_size)
     if config.enable_lora:
         serving.list_loras = lambda: engine_loras(client)
         await serving.refresh_loras()

@@ -165,9 +165,9 @@ class PrefixAwarePolicy(RoutingPolicy):
         self._tiered: list[set[bytes]] = [set() for _ in range(num_engines)]
         self._fallback = LeastLoadedPolicy(seed, max_loras=max_loras, load_margin=load_margin)
 
-    def match_lengths(self, block_hashes: list[bytes]) -> list[int]:
-        """Per engine, the leading blocks it holds: those in its KV cache (or just sent there), then
-        those its host tier holds after them, as the engine looks them up."""
+    def match_lengths(self, block_hashes: list[bytes], include_sent: bool = True) -> list[int]:
+        """Per engine, the leading blocks it holds: those in its KV cache (or just sent there, unless
+        not ``include_sent``), then those its host tier holds after them, as the engine looks them up."""
         lengths = []
         oldest_pending = self._clock() - self.pending_ttl_s
         for known, cached, tiered in zip(self._known, self._cached, self._tiered, strict=True):
@@ -176,6 +176,8 @@ class PrefixAwarePolicy(RoutingPolicy):
                 if cached is not None and h in cached:
                     n += 1
                     continue
+                if not include_sent:
+                    break
                 sent = known.get(h)
                 if sent is None or (cached is not None and sent < oldest_pending):
                     break
@@ -216,14 +218,23 @@ class PrefixAwarePolicy(RoutingPolicy):
         """Blocks each engine reports cached (None: it reports nothing)."""
         return [None if cached is None else len(cached) for cached in self._cached]
 
-    def choose(self, ctx: RoutingContext) -> int:
-        healthy = ctx.healthy_indices()
+    def _block_hashes(self, ctx: RoutingContext) -> list[bytes]:
         block_hashes: list[bytes] = []
         num_tokens = len(ctx.prompt_token_ids)
         extend_block_hashes(block_hashes, ctx.prompt_token_ids, num_tokens // self.block_size, self.block_size,
                             cache_salt=ctx.cache_salt, lora_key=ctx.lora_key,
                             long_rope=self.long_rope_after is not None and num_tokens > self.long_rope_after,
                             prompt_embeds=ctx.prompt_embeds)
+        return block_hashes
+
+    def cached_tokens(self, ctx: RoutingContext, engine: int) -> int:
+        """The prompt's leading tokens that ``engine`` reports it holds (prompts just sent there, and
+        this one among them, not counted: their blocks may never be computed there)."""
+        return self.match_lengths(self._block_hashes(ctx), include_sent=False)[engine] * self.block_size
+
+    def choose(self, ctx: RoutingContext) -> int:
+        healthy = ctx.healthy_indices()
+        block_hashes = self._block_hashes(ctx)
         lengths = self.match_lengths(block_hashes)
         least = min(healthy, key=lambda i: ctx.loads[i])
         best = max(healthy, key=lambda i: (lengths[i], -ctx.loads[i]))

@@ -402,6 +402,9 @@ class OpenAIServing:
         # Prefill/decode disaggregation: which engines compute prompts and which decode them (None:
         # every engine serves its requests whole; router.disaggregation).
         self.engine_roles: EngineRoles | None = None
+        # A prompt goes to a prefill engine only with more than this many tokens outside its decode
+        # engine's prefix cache (as the policy knows it): llm-d's selective P/D.
+        self.pd_prefill_threshold = 0
         # The tokens that open and close a reasoning model's thinking, when each is one token of the
         # vocabulary (as in reasoning models): the engine starts an output constraint after the
         # closing one, and a prompt that already closed the thinking (thinking switched off) is
@@ -1109,6 +1112,8 @@ class OpenAIServing:
             return jobs, {}
         loads = list(self.client.loads())
         legs: dict[tuple[int, ...], tuple[int, list[int]]] = {}  # prompt -> (prefill engine, its jobs)
+        cached_tokens = getattr(self.policy, "cached_tokens", None)
+        lora_key = None if lora is None else lora.cache_key
         for k, job in enumerate(jobs):
             if not needs_remote_prefill(self._engine_request(job, priority, lora, cache_salt)):
                 continue
@@ -1116,8 +1121,11 @@ class OpenAIServing:
             if key in legs:
                 legs[key][1].append(k)
                 continue
-            engine = self.policy.choose(RoutingContext(job.prompt_ids, loads, healthy, None,
-                                                       None if lora is None else lora.cache_key, cache_salt))
+            ctx = RoutingContext(job.prompt_ids, loads, healthy, None, lora_key, cache_salt)
+            uncached = len(job.prompt_ids) - (cached_tokens(ctx, job.engine) if cached_tokens is not None else 0)
+            if uncached <= self.pd_prefill_threshold:
+                continue  # (computed where it is decoded: little left that its decode engine lacks)
+            engine = self.policy.choose(ctx)
             if engine != job.engine:  # (a kv_both engine picked for both legs computes its prompt itself)
                 loads[engine] += 1
                 legs[key] = (engine, [k])

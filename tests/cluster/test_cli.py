@@ -600,6 +600,9 @@ def test_prefill_decode_flags_give_each_engine_its_role_and_the_router_the_roles
     assert {e.kv_transfer_config.kv_load_failure_policy for e in engines} == {"fail"}
     [router] = router_deployment(config)._bound_deployment.init_args
     assert router.engine_kv_roles == ("kv_producer", "kv_consumer", "kv_consumer")
+    assert router.pd_prefill_threshold == 0
+    [router] = router_deployment(_config("--pd-prefill-threshold", "512"))._bound_deployment.init_args
+    assert router.pd_prefill_threshold == 512
     # One flag for all, roles per engine from --engine-config (an engine without one takes the flag's).
     overrides = tmp_path / "pd.yaml"
     overrides.write_text("- {kv_transfer_config: {kv_role: kv_producer}}\n- {}\n")

@@ -29,7 +29,9 @@ def cluster(ray_cluster, tiny_model_dir):
     # A second router over the same engines that knows nothing of their roles, routing round robin:
     # a client drives the two legs itself through it, as vLLM's disaggregation proxy does.
     plain = config.model_copy(update={"routing_policy": "round_robin", "engines": []})
-    with serve_cluster(config, {"plain": plain}) as served:
+    # A third with the roles and a prefill threshold no prompt here reaches (llm-d's selective P/D).
+    selective = config.model_copy(update={"pd_prefill_threshold": 10_000})
+    with serve_cluster(config, {"plain": plain, "selective": selective}) as served:
         yield served
 
 
@@ -68,16 +70,16 @@ def test_prompts_are_computed_on_the_prefill_engine_and_decoded_on_the_others(cl
     after = _counters(cluster)
     sent = after[0][0] - before[0][0]
     received = [after[i][1] - before[i][1] for i in (1, 2)]
-    # Engine 0 computed every prompt and handed its blocks on; the decode engines read them (a decode
-    # engine's own prefix cache spares it the blocks it holds already: the repeats read fewer).
-    assert after[0][2] - before[0][2] == 4 and sent == sum(received) and sent > 0
+    # Engine 0 computed the prompts and handed their blocks on; the decode engines read them. (A repeat
+    # whose decode engine has reported caching the prompt by then is computed there, not on engine 0.)
+    assert 2 <= after[0][2] - before[0][2] <= 4 and sent == sum(received) and sent > 0
     assert after[0][1] == before[0][1] and after[1][0] == after[2][0] == 0
     assert sum(after[i][2] - before[i][2] for i in (1, 2)) == 4
     assert all(s.kv_transfer_held_requests == 0 for s in cluster.stats())
     metrics = httpx.get(f"{cluster.base}/metrics", timeout=10).text
     handed = [line for line in metrics.splitlines()
               if line.startswith("llm_cluster:router_remote_prefills_total") and 'outcome="handed_on"' in line]
-    assert handed and float(handed[0].rsplit(" ", 1)[1]) >= 4
+    assert handed and float(handed[0].rsplit(" ", 1)[1]) >= 2
 
 
 def test_requests_that_gain_nothing_are_served_whole_by_a_decode_engine(cluster, client, tiny_model_dir):
@@ -144,3 +146,13 @@ def test_a_clients_prefill_leg_goes_to_a_prefill_engine_where_roles_are_split(cl
     after = _counters(cluster)
     assert after[0][2] - before[0][2] == 1  # (only the client's prefill leg: its decode leg ran no other)
     assert after[0][0] - before[0][0] == sum(after[i][1] - before[i][1] for i in (1, 2)) > 0
+
+
+def test_prompts_below_the_prefill_threshold_are_computed_where_they_are_decoded(cluster, tiny_model_dir):
+    prompt = "Selective disaggregation: " + PROMPT + " and of Spain"
+    before = _counters(cluster)
+    answer = httpx.post(f"{cluster.base}/selective/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}).json()
+    assert answer["choices"][0]["text"] == _greedy_text(tiny_model_dir, prompt, 6)
+    after = _counters(cluster)
+    assert after[0] == before[0] and sum(after[i][2] - before[i][2] for i in (1, 2)) == 1

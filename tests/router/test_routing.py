@@ -267,3 +267,20 @@ def test_prefix_aware_matches_a_salted_prompt_only_to_blocks_cached_under_its_sa
     # Another tenant's salt matches neither: the less loaded engine gets it, whichever holds the prompt.
     assert all(p.choose(ctx(loads, tokens=prompt, cache_salt=f"tenant-b{i}")) == loads.index(0)
                for i, loads in enumerate(([0, 1], [1, 0], [0, 1], [1, 0])))
+
+
+def test_prefix_aware_cached_tokens_counts_what_an_engine_reports_not_what_was_sent_there():
+    """Selective prefill/decode disaggregation asks how much of a prompt its decode engine holds: a
+    prompt routed there a moment ago (this one included) is not held until the engine says so."""
+    from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_STORED
+
+    p = PrefixAwarePolicy(num_engines=2, block_size=4, seed=0)
+    for engine in (0, 1):
+        p.apply_kv_events(engine, [(ALL_BLOCKS_CLEARED, [])])
+    prompt = list(range(500, 522))  # five full blocks and two tokens
+    engine = p.choose(ctx([0, 0], tokens=prompt))
+    assert p.match_lengths(p_hashes(p, prompt))[engine] == 5  # (sent there: routing counts it)
+    assert p.cached_tokens(ctx([0, 0], tokens=prompt), engine) == 0
+    p.apply_kv_events(engine, [(BLOCKS_STORED, p_hashes(p, prompt)[:3])])
+    assert p.cached_tokens(ctx([0, 0], tokens=prompt), engine) == 12
+    assert p.cached_tokens(ctx([0, 0], tokens=prompt), 1 - engine) == 0
