@@ -90,6 +90,8 @@ class EngineCoreService:
         self.metrics = EngineMetrics(self.engine.config, self.engine.scheduler_config,
                                      self.engine.model_info.served_model_name, self.engine.num_blocks,
                                      self.engine.num_offload_blocks) if config.log_stats else None
+        if self.metrics is not None and self.engine.kv_connector is not None:
+            self.metrics.kv_transfer = self.engine.kv_transfer_totals
         self._on_adapters_changed()
         self._inputs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._buffers: dict[int, _ClientBuffer] = {}

@@ -255,6 +255,13 @@ class EngineCore:
                 logger.info("engine %d: could not tell %r to free request %r's blocks: %s", self.config.engine_index,
                             params.get("remote_engine_id"), params.get("remote_request_id"), e)
 
+    def kv_transfer_totals(self) -> dict[str, int]:
+        """Prefill/decode disaggregation since start (the metrics read it at each scrape)."""
+        t = self._totals
+        return {"sent_blocks": t["kv_sent_blocks"], "received_blocks": t["kv_received_blocks"],
+                "failed_reads": t["kv_load_failures"], "declined": t["kv_declined"],
+                "held": self.kv_connector.num_held_requests if self.kv_connector is not None else 0}
+
     def _release_all_held_kv(self) -> None:
         if self.kv_connector is not None:
             for request in self.kv_connector.release_all():

@@ -17,7 +17,7 @@ import dataclasses
 import time
 from bisect import bisect_left
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -193,6 +193,9 @@ class EngineMetrics:
             {"capacity": float(num_offload_blocks), "held": 0.0, "stored": 0.0, "loaded": 0.0,
              "external_queries": 0.0, "external_hits": 0.0}
             if num_offload_blocks else None)
+        # Prefill/decode disaggregation (exported only with --kv-transfer-config): the engine's totals
+        # since start (EngineCore.kv_transfer_totals), read at each scrape.
+        self.kv_transfer: Callable[[], dict[str, int]] | None = None
         self._tracked: dict[str, _Tracked] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
@@ -448,6 +451,20 @@ class EngineMetrics:
                           "Tokens looked up in KV offloading's host-memory tier.", off["external_queries"])
             yield counter("vllm:external_prefix_cache_hits",
                           "Tokens found in KV offloading's host-memory tier.", off["external_hits"])
+        if self.kv_transfer is not None:
+            kv = self.kv_transfer()
+            yield counter("llm_cluster:kv_transfer_sent_blocks",
+                          "KV blocks of prefills computed here that decode engines read.", kv["sent_blocks"])
+            yield counter("llm_cluster:kv_transfer_received_blocks",
+                          "KV blocks read from prefill engines instead of computed here.", kv["received_blocks"])
+            yield counter("llm_cluster:kv_transfer_failed_reads",
+                          "Reads of a prefill engine's KV blocks that failed (the prompt computed here, or the "
+                          "request failed).", kv["failed_reads"])
+            yield counter("llm_cluster:kv_transfer_declined",
+                          "Prefill engines' KV blocks this engine did not read (the prompt cached here, or the "
+                          "request gone first): their engines were told to free them.", kv["declined"])
+            yield gauge("llm_cluster:kv_transfer_held_requests",
+                        "Prefills computed here holding their KV blocks for decode engines to read.", kv["held"])
         if self.max_loras:
             yield from self._lora_families(labels, values)
         if self.sleep_level is not None:

@@ -76,8 +76,11 @@ def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
                            num_router_replicas=2, routing_policy="round_robin",
                            # Every KV block followed (--kv-cache-metrics), so the residency panel has data;
                            # evicted blocks kept in host memory (KV offloading), so its panel has data too.
+                           # Both engines may hand prompts' KV on (kv_both: the router serves requests whole;
+                           # a client drives the two legs below), so the disaggregation panels have data.
                            defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256, kv_cache_metrics=True,
-                                               kv_cache_metrics_sample=1.0, kv_offloading_size=0.01),
+                                               kv_cache_metrics_sample=1.0, kv_offloading_size=0.01,
+                                               kv_transfer_config={"kv_role": "kv_both"}),
                            # Engine 1 drafts (n-gram speculative decoding), so its panels have data.
                            engines=[EngineSpec(), EngineSpec(speculative_config=SPEC)],
                            # Half the requests run under a LoRA adapter, so its panel has data.
@@ -126,6 +129,16 @@ def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
             send(documents[:8])
             send(documents[8:])
             send(documents[:8] * 2)
+            # Prefill/decode legs driven by the client (vLLM's proxy protocol), round robin: the decode
+            # leg reads the prompt's KV from the engine that computed it.
+            for leg in range(2):
+                prompt = f"Disaggregated {leg}: " + "the prompt's KV moves between engines " * 3
+                prefill = httpx.post(f"{served.base}/v1/completions", timeout=60, json=body | {
+                    "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+                assert prefill["kv_transfer_params"]["do_remote_prefill"]
+                decode = httpx.post(f"{served.base}/v1/completions", timeout=60, json=body | {
+                    "prompt": prompt, "kv_transfer_params": prefill["kv_transfer_params"]})
+                assert decode.status_code == 200
             time.sleep(5)
             yield served, prom
 
@@ -149,6 +162,11 @@ def test_one_scrape_target_has_every_engine_and_router_series(observed):
     per_pos = families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
     assert sorted(s.labels["position"] for s in per_pos) == ["0", "1", "2"]
     assert sum(s.value for s in per_pos) == accepted[0].value
+    # The client-driven prefill/decode legs: blocks sent by the prefill engines, as many read.
+    sent = sum(s.value for s in families["llm_cluster:kv_transfer_sent_blocks"].samples)
+    received = sum(s.value for s in families["llm_cluster:kv_transfer_received_blocks"].samples)
+    assert sent == received > 0
+    assert sum(s.value for s in families["llm_cluster:kv_transfer_held_requests"].samples) == 0
 
 
 def test_engine_series_are_the_same_whichever_replica_answers(observed):
