@@ -143,6 +143,11 @@ def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
     return bool(params) and bool(params.get("do_remote_prefill"))
 
 
+def _prefill_key(params: dict[str, Any]) -> tuple[str, str, str]:
+    return (str(params.get("remote_namespace")), str(params.get("remote_engine_id")),
+            str(params.get("remote_request_id")))
+
+
 def kv_digest(token_ids: list[int], lora_name: str | None) -> str:
     """What a KV read is checked against on both sides: the tokens whose KV it carries, under the
     adapter they were computed with (the decode engine must not take another prompt's KV into its
@@ -197,6 +202,9 @@ class KVConnector:
         # Producers' parameters this engine will not read (the prompt computed here after all, the
         # request gone first): each producer is told, so it frees the blocks at once.
         self._declined: list[dict[str, Any]] = []
+        # The request reading each producer's prefill into this engine (the choices of one prompt share
+        # one prefill: the others wait for its blocks to be cached here, then take them as a prefix hit).
+        self._readers: dict[tuple[str, str, str], Request] = {}
 
     # -- consumer ---------------------------------------------------------------------------------
 
@@ -219,6 +227,32 @@ class KVConnector:
             self.decline(request)
             return 0
         return count
+
+    def waits_for_sibling(self, request: Request) -> bool:
+        """Whether another request is reading the same prefill into this engine (another choice of its
+        prompt), not yet admitted to run: this one waits (no lookup, no blocks) until it runs, and then
+        finds the prompt in the prefix cache instead of reading it again."""
+        from engine_core.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not self.config.is_consumer or not wants_remote_prefill(params):
+            return False
+        assert params is not None
+        first = self._readers.get(_prefill_key(params))
+        if first is None or first is request:
+            return False
+        if first.status in (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING):
+            return True
+        del self._readers[_prefill_key(params)]  # (it runs, or ended: the wait is over)
+        return False
+
+    def _note_reader(self, request: Request, params: dict[str, Any]) -> None:
+        from engine_core.request import RequestStatus
+
+        waiting = (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING)
+        # (Readers that run or ended by now are forgotten: at most the prefills being read here stay.)
+        self._readers = {key: first for key, first in self._readers.items() if first.status in waiting}
+        self._readers.setdefault(_prefill_key(params), request)
 
     def decline(self, request: Request) -> None:
         """The request will not read the blocks its parameters name (computed here, or gone): its
@@ -244,6 +278,8 @@ class KVConnector:
         """The request got its blocks: the ones after its local hit are read from the producer."""
         params = request.kv_transfer_params
         assert params is not None
+        if isinstance(params.get("num_readers"), int) and params["num_readers"] > 1:
+            self._note_reader(request, params)
         first = num_local_computed_tokens // self.block_size
         num_tokens = num_local_computed_tokens + num_external_tokens
         end = -(-num_tokens // self.block_size)
@@ -280,8 +316,10 @@ class KVConnector:
         self._held[request.request_id] = _Held(request, list(block_ids),
                                                self._clock() + self.config.abort_request_timeout_s,
                                                readers if isinstance(readers, int) and readers >= 1 else 1, nonce)
+        held = self._held[request.request_id]
         return {**self.engine_id, "do_remote_prefill": True, "do_remote_decode": False,
-                "remote_request_id": request.request_id, "remote_block_ids": list(block_ids), "remote_nonce": nonce}
+                "remote_request_id": request.request_id, "remote_block_ids": list(block_ids), "remote_nonce": nonce,
+                "num_readers": held.readers}
 
     def is_held(self, request_id: str) -> bool:
         return request_id in self._held

@@ -421,6 +421,13 @@ class Scheduler(SchedulerInterface):
                 request_queue.pop_request()
                 self._finish_outside_pass(request, RequestStatus.FINISHED_IGNORED)
                 continue
+            if (self.connector is not None and request.kv_transfer_params is not None
+                    and request.num_computed_tokens == 0 and self.connector.waits_for_sibling(request)):
+                # Another choice of its prompt reads the same prefill's KV here: this one waits to find
+                # it in the prefix cache (one read, one copy of the blocks).
+                request_queue.pop_request()
+                step_skipped_waiting.prepend_request(request)
+                continue
             lora = request.lora_request
             if lora is not None and self.max_loras:
                 # Admitting it would put one adapter too many in this batch: skipped, not a stop.

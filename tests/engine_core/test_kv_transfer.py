@@ -440,3 +440,27 @@ def test_a_cache_reset_lets_held_prefills_go(tiny_model_dir):
         assert producer.stats().kv_transfer_held_requests == 0 and producer.stats().num_free_blocks == 32
     finally:
         producer.shutdown()
+
+
+def test_choices_sharing_one_prefill_read_it_once_and_find_it_cached():
+    sched = create_scheduler(num_blocks=20, block_size=16)
+    connector = _connector(sched, "kv_consumer")
+    params = {"do_remote_prefill": True, "remote_engine_id": "engine-0", "remote_request_id": "p",
+              "remote_nonce": "n", "remote_block_ids": [1, 2, 3], "num_readers": 2}
+    first, second = create_requests(2, num_tokens=33, max_tokens=2, same_prompt=True)
+    for request in (first, second):
+        request.kv_transfer_params = dict(params)
+        sched.add_request(request)
+    out, _ = step(sched)
+    (load,) = connector.take_pending_loads()  # (one read, by the first)
+    assert load.request_id == first.request_id and out.total_num_scheduled_tokens == 0
+    assert sched.kv_cache_manager.get_num_blocks(second.request_id) == 0  # (the second waits: no blocks)
+    step(sched)
+    assert connector.take_pending_loads() == [] and second.status == RequestStatus.WAITING
+    sched.on_remote_kvs_ready(first.request_id)
+    for _ in range(3):
+        step(sched)
+    # The second found the prompt in the prefix cache (all but its last token): nothing to read, and
+    # its producer is told it will not read.
+    assert second.num_cached_tokens == 32 and connector.take_pending_loads() == []
+    assert [p["remote_request_id"] for p in connector.take_declined()] == ["p"]
