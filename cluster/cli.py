@@ -161,9 +161,9 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
             continue
         flag, sep, value = arg.partition("=")
         base, dot, path = flag.partition(".")
-        if flag.startswith("--") and dot and "--" + base[2:].replace("_", "-") in VLLM_DOTTED_JSON_FLAGS | set(
-                VLLM_FLAGS_WITHOUT_EFFECT):
+        if base.startswith("--"):
             base = "--" + base[2:].replace("_", "-")
+        if dot and base in VLLM_DOTTED_JSON_FLAGS | set(VLLM_FLAGS_WITHOUT_EFFECT):  # (-O.level 3 too)
             if not sep and i < len(argv):
                 value = argv[i]
                 i += 1
@@ -222,8 +222,9 @@ def _json_or_text(text: str) -> Any:
 
 def _set_dotted(target: dict[str, Any], path: list[str], value: Any) -> None:
     for key in path[:-1]:
-        inner = target.get(key)
-        target = target.setdefault(key, {}) if isinstance(inner, dict) or inner is None else {}
+        if not isinstance(target.get(key), dict):
+            target[key] = {}  # (a later nested key wins over an earlier value there, as in vLLM)
+        target = target[key]
     target[path[-1]] = value
 
 
@@ -242,7 +243,9 @@ def _merge_dotted(out: list[str], flag: str, keys: dict[str, Any]) -> None:
         if (out[j] == flag and j + 1 < len(out)) or out[j].startswith(flag + "="):
             inline = out[j].startswith(flag + "=")
             given = _json_or_text(out[j][len(flag) + 1:] if inline else out[j + 1])
-            merged = json.dumps(_deep_merge(given, keys) if isinstance(given, dict) else keys)
+            if not isinstance(given, dict):
+                return  # (not a JSON object: the flag's own check says so)
+            merged = json.dumps(_deep_merge(given, keys))
             if inline:
                 out[j] = f"{flag}={merged}"
             else:

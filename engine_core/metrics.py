@@ -461,8 +461,8 @@ class EngineMetrics:
                           "Reads of a prefill engine's KV blocks that failed (the prompt computed here, or the "
                           "request failed).", kv["failed_reads"])
             yield counter("llm_cluster:kv_transfer_declined",
-                          "Prefill engines' KV blocks this engine did not read (the prompt cached here, or the "
-                          "request gone first): their engines were told to free them.", kv["declined"])
+                          "Prefills on other engines this engine's requests did not read (the prompt cached here, "
+                          "or the request gone first): their engines were told to free the blocks.", kv["declined"])
             yield gauge("llm_cluster:kv_transfer_held_requests",
                         "Prefills computed here holding their KV blocks for decode engines to read.", kv["held"])
         if self.max_loras:

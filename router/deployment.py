@@ -184,7 +184,8 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     by_slot = iter(descriptions)
     roles = config.engine_kv_roles or tuple(None if h is None else next(by_slot).kv_role for h in handles)
     serving.engine_roles = EngineRoles.from_kv_roles(roles)
-    serving.pd_prefill_threshold = max(config.pd_prefill_threshold, first.block_size)
+    serving.pd_prefill_threshold = config.pd_prefill_threshold
+    serving.kv_block_size = first.block_size
     if config.enable_lora:
         serving.list_loras = lambda: engine_loras(client)
         await serving.refresh_loras()

@@ -402,9 +402,10 @@ class OpenAIServing:
         # Prefill/decode disaggregation: which engines compute prompts and which decode them (None:
         # every engine serves its requests whole; router.disaggregation).
         self.engine_roles: EngineRoles | None = None
-        # A prompt goes to a prefill engine only with more than this many tokens outside its decode
-        # engine's prefix cache (as the policy knows it): llm-d's selective P/D.
+        # A prompt goes to a prefill engine only with more than this many tokens, and more than a KV
+        # block, outside its decode engine's prefix cache (as the policy knows it): llm-d's selective P/D.
         self.pd_prefill_threshold = 0
+        self.kv_block_size = 16
         # The tokens that open and close a reasoning model's thinking, when each is one token of the
         # vocabulary (as in reasoning models): the engine starts an output constraint after the
         # closing one, and a prompt that already closed the thinking (thinking switched off) is
@@ -1111,20 +1112,25 @@ class OpenAIServing:
         if not any(healthy):
             return jobs, {}
         loads = list(self.client.loads())
-        legs: dict[tuple[int, ...], tuple[int, list[int]]] = {}  # prompt -> (prefill engine, its jobs)
-        cached_tokens = getattr(self.policy, "cached_tokens", None)
+        legs: dict[tuple[int, tuple[int, ...]], tuple[int, list[int]]] = {}  # -> (prefill engine, its jobs)
+        cached_tokens = getattr(self.policy, "cached_tokens", None)  # (prefix_aware: what engines report)
         lora_key = None if lora is None else lora.cache_key
+        threshold = max(self.pd_prefill_threshold, self.kv_block_size)
+        skipped: set[tuple[int, tuple[int, ...]]] = set()
         for k, job in enumerate(jobs):
             if not needs_remote_prefill(self._engine_request(job, priority, lora, cache_salt)):
                 continue
-            key = tuple(job.prompt_ids)
+            key = (job.engine, tuple(job.prompt_ids))  # (a prompt's choices share their decode engine)
             if key in legs:
                 legs[key][1].append(k)
                 continue
+            if key in skipped:
+                continue
             ctx = RoutingContext(job.prompt_ids, loads, healthy, None, lora_key, cache_salt)
             uncached = len(job.prompt_ids) - (cached_tokens(ctx, job.engine) if cached_tokens is not None else 0)
-            if uncached <= self.pd_prefill_threshold:
-                continue  # (computed where it is decoded: little left that its decode engine lacks)
+            if uncached <= threshold:
+                skipped.add(key)  # (computed where it is decoded: little left that its decode engine lacks)
+                continue
             engine = self.policy.choose(ctx)
             if engine != job.engine:  # (a kv_both engine picked for both legs computes its prompt itself)
                 loads[engine] += 1

@@ -818,6 +818,18 @@ def test_vllms_dotted_json_flags_become_one_json_value():
     config = cluster_config_from_args(build_parser().parse_args(argv))
     assert config.structured_outputs_disable_any_whitespace
     assert config.engine_configs()[0].kv_transfer_config.abort_request_timeout_s == 30
+    # -O's dotted form (vLLM's compilation config) takes its value along: the model stays the model.
+    argv, warnings = vllm_command_line(["serve", "-O.level", "3", "m", "-O.cudagraph_mode", "FULL"])
+    assert argv == ["serve", "m"] and len(warnings) == 2
+    # A later nested key wins over an earlier value at its place.
+    argv, _ = vllm_command_line(["serve", "m", "--hf-overrides.a", "1", "--hf-overrides.a.b", "2"])
+    assert json.loads(argv[3]) == {"a": {"b": 2}}
+    # A flag's own value that is not a JSON object is left for its check to refuse (not replaced).
+    argv, _ = vllm_command_line(["serve", "m", "--kv-transfer-config", "{'kv_role': 'kv_producer'}",
+                                 "--kv-transfer-config.kv_connector", "NixlConnector"])
+    assert argv == ["serve", "m", "--kv-transfer-config", "{'kv_role': 'kv_producer'}"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
 
 
 def test_vllms_structured_outputs_config(capsys):
