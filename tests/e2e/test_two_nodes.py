@@ -52,3 +52,9 @@ def test_engines_pinned_to_two_nodes_both_answer(tiny_model_dir):
     assert report["engine_node_resources"] == [["node_a"], ["node_b"]]
     assert report["engine_nodes"][0] != report["engine_nodes"][1]
     assert all(n >= 1 for n in report["finished"]) and sum(report["finished"]) == 6
+    # Prefill/decode disaggregation across the nodes: engine 0's blocks read by engine 1, the answer
+    # the same as the prompt's whole.
+    (sent_0, received_0), (sent_1, received_1) = report["kv_blocks"]
+    assert sent_0 == received_1 > 0 and received_0 == sent_1 == 0
+    decoded, whole = report["disaggregated"]
+    assert decoded == whole

@@ -18,7 +18,8 @@ def main(address: str, model_dir: str) -> None:
     ray.init(address=address, namespace="llm-cluster", log_to_driver=False)
     config = ClusterConfig(
         model=model_dir, served_model_name="tiny", num_engines=2, routing_policy="round_robin",
-        defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256),
+        # Both engines may hand a prompt's KV on (kv_both): the client-driven legs below cross the nodes.
+        defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256, kv_transfer_config={"kv_role": "kv_both"}),
         # Engine i may only be placed where its node's custom resource is.
         engines=[EngineSpec(resources={"node_a": 0.5}), EngineSpec(resources={"node_b": 0.5})])
     report: dict = {}
@@ -37,6 +38,19 @@ def main(address: str, model_dir: str) -> None:
                                            for n in report["engine_nodes"]]
         report["num_nodes"] = len(nodes)
         report["texts"] = texts
+        # Prefill/decode legs (vLLM's proxy protocol) through the round-robin router: the prefill on
+        # engine 0 (node_a), the decode on engine 1 (node_b), reading the prompt's KV across the nodes;
+        # then the same prompt whole, on engine 0.
+        prompt = {"model": "tiny", "prompt": "Across two nodes, the prompt's KV moves " * 3, "temperature": 0,
+                  "ignore_eos": True}
+        prefill = httpx.post(f"{served.base}/v1/completions", timeout=60,
+                             json=prompt | {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        prefill.raise_for_status()
+        decode = httpx.post(f"{served.base}/v1/completions", timeout=60,
+                            json=prompt | {"max_tokens": 6, "kv_transfer_params": prefill.json()["kv_transfer_params"]})
+        whole = httpx.post(f"{served.base}/v1/completions", timeout=60, json=prompt | {"max_tokens": 6})
+        report["disaggregated"] = [decode.json()["choices"][0]["text"], whole.json()["choices"][0]["text"]]
+        report["kv_blocks"] = [[s.kv_transfer_sent_blocks, s.kv_transfer_received_blocks] for s in served.stats()]
     serve.shutdown()
     print(json.dumps(report))
 
