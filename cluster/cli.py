@@ -595,6 +595,11 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--output-tmp-dir", default=None,
                        help="With an output URL: write the results to a file in this directory before the upload "
                             "(default: the system's temporary directory).")
+    batch.add_argument("--enable-metrics", action="store_true",
+                       help="Serve the router's and the engines' Prometheus metrics at http://URL:PORT/metrics while "
+                            "the batch runs (vLLM's run-batch flag; --url, and --port, default 8000).")
+    batch.add_argument("--url", default="0.0.0.0", help="With --enable-metrics: the address the metrics server "
+                                                        "listens on (vLLM's run-batch flag).")
     _add_serve_arguments(batch)
     sub.add_parser("collect-env", help="Print the versions and hardware a bug report needs (vLLM's "
                                        "`vllm collect-env`).")
@@ -917,8 +922,11 @@ def run_batch_command(args: argparse.Namespace) -> int:
     try:
         engines = start_cluster(config)
         print(f"llm-cluster: run-batch: {len(engines)} engine(s) ready; reading {args.input_file}", flush=True)
+        metrics_at = (args.url, args.port) if args.enable_metrics else None
+        if metrics_at is not None:
+            print(f"llm-cluster: run-batch: metrics at http://{args.url}:{args.port}/metrics", flush=True)
         summary = asyncio.run(run_batch_on_engines(config, args.input_file, args.output_file, args.output_tmp_dir,
-                                                   progress))
+                                                   progress, metrics_at))
     except KeyboardInterrupt:
         print("llm-cluster: run-batch interrupted; shutting down", file=sys.stderr, flush=True)
         return 130

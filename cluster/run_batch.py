@@ -22,12 +22,13 @@ import http.client
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -266,22 +267,34 @@ def output_file(path_or_url: str, tmp_dir: str | None = None) -> Iterator[IO[str
 
 
 async def run_batch_on_engines(config: Any, input_file: str, output: str, tmp_dir: str | None = None,
-                               progress: Callable[[BatchSummary], None] | None = None) -> BatchSummary:
+                               progress: Callable[[BatchSummary], None] | None = None,
+                               metrics_at: tuple[str, int] | None = None) -> BatchSummary:
     """The batch through the router app of ``config`` (a ClusterConfig whose engines are running):
-    built here, over every served model's engines."""
+    built here, over every served model's engines. ``metrics_at`` (host, port): the router's and
+    the engines' Prometheus metrics are served there while the batch runs (vLLM's --enable-metrics)."""
     from cluster.app import router_deployment
     from router.app import create_app
-    from router.deployment import build_serving
+    from router.deployment import build_serving, engine_metrics_texts
+    from router.metrics import merge_expositions
 
     first, *more = router_deployment(config)._bound_deployment.init_args
     built = []
+    metrics_server = None
     try:
         for router_config in [first, *(more[0] if more else [])]:
             built.append(await build_serving(router_config))
         servings = [serving for serving, _ in built]
         for _, client in built:
             await client.wait_connected()
-        app = create_app(servings)
+
+        async def render_metrics() -> bytes:
+            own = [serving.metrics.render() for serving in servings if serving.metrics is not None]
+            engines = [text for _, client in built for text in await engine_metrics_texts(client)]
+            return merge_expositions([*own, *engines])
+
+        app = create_app(servings, render_metrics=render_metrics)
+        if metrics_at is not None:
+            metrics_server = await serve_metrics(render_metrics, *metrics_at)
         # As vLLM's run-batch: twice what the engines run at once, so their queues never run dry.
         max_in_flight = 2 * sum(engine.scheduler.max_num_seqs for engine in config.engine_configs())
         keys = list(config.api_keys)
@@ -289,5 +302,33 @@ async def run_batch_on_engines(config: Any, input_file: str, output: str, tmp_di
         with output_file(output, tmp_dir) as out:
             return await run_batch(app, input_file, out, max_in_flight, headers, progress)
     finally:
+        if metrics_server is not None:
+            server, task = metrics_server
+            server.should_exit = True
+            await task
         for _, client in built:
             await client.close()
+
+
+async def serve_metrics(render: Callable[[], Awaitable[bytes]], host: str, port: int) -> tuple[Any, asyncio.Task]:
+    """A server of GET /metrics only (``render``'s exposition), running on this event loop until
+    its ``should_exit`` is set; OSError when the address cannot be listened on."""
+    import uvicorn
+    from fastapi import FastAPI, Response
+
+    metrics_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @metrics_app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(content=await render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # (Bound here: a port in use is an OSError for the caller, where uvicorn would exit the process.)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.create_server((host, port), family=family)
+    server = uvicorn.Server(uvicorn.Config(metrics_app, log_level="warning", lifespan="off", access_log=False))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()
+    return server, task

@@ -139,3 +139,58 @@ def test_a_missing_input_file_is_refused_before_anything_starts(tmp_path, capsys
     assert "no such file" in capsys.readouterr().err
     assert main(["run-batch", "-i", str(__file__), "-o", str(tmp_path / "no-such-dir" / "out.jsonl")]) == 2
     assert "not a directory this process can write to" in capsys.readouterr().err
+
+
+class _SlowBatch(http.server.BaseHTTPRequestHandler):
+    """Serves a batch's first line, then the rest once ``release`` is set: the batch runs meanwhile."""
+
+    lines: list[str] = []
+    release = threading.Event()
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write((self.lines[0] + "\n").encode())
+        self.wfile.flush()
+        self.release.wait(120)
+        self.wfile.write(("\n".join(self.lines[1:]) + "\n").encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_enable_metrics_serves_the_router_and_engine_series_while_the_batch_runs(ray_cluster, tiny_model_dir,
+                                                                                 tmp_path):
+    import time
+
+    import httpx
+
+    from tests.ports import free_port
+
+    _SlowBatch.lines = _batch("tiny")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowBatch)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port, results, outcome = free_port(), tmp_path / "results.jsonl", {}
+    batch = threading.Thread(target=lambda: outcome.setdefault("rc", main([
+        "run-batch", "-i", f"http://127.0.0.1:{server.server_address[1]}/batch.jsonl", "-o", str(results),
+        "--enable-metrics", "--url", "127.0.0.1", "--port", str(port), *_flags(tiny_model_dir)])))
+    batch.start()
+    try:
+        deadline, text = time.monotonic() + 120, ""
+        while time.monotonic() < deadline and "vllm:num_requests_running" not in text:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        # The engines' series (both engines) and the router's, in one exposition; nothing else served.
+        assert 'vllm:num_requests_running{engine="0"' in text and 'engine="1"' in text
+        assert "llm_cluster:router_requests_routed" in text
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={}, timeout=5).status_code in (404, 405)
+    finally:
+        _SlowBatch.release.set()
+        batch.join(300)
+        server.shutdown()
+    assert outcome["rc"] == 0
+    _check([json.loads(line) for line in results.read_text().splitlines()])
+    with pytest.raises(httpx.HTTPError):  # (stopped with the batch)
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2)
