@@ -743,8 +743,7 @@ class EngineCoreActor:
         self._channel: ChannelServer | None = None
         # When cluster.autoscaler began draining this engine (None: it is not being drained).
         self._drain_started: float | None = None
-        if self.service.engine.kv_connector is not None:
-            self._connect_kv_transfer()
+        self._connect_kv_transfer()
         self._kv = internal_kv
         self._pause_key = _own_pause_record_key()
         # Pause and resume, with their record, one at a time: a resume racing a pause cannot leave
@@ -939,16 +938,15 @@ class EngineCoreActor:
     # -- prefill/decode disaggregation (engine_core.kv_transfer) ---------------------------------------
 
     def _connect_kv_transfer(self) -> None:
-        """Name this engine in the parameters its prefills hand out (consumers find it by them), and
-        read other engines' blocks through their actors. Lookups and calls run on a few threads of
-        their own (a name lookup waits for Ray's control store: not on the busy loop)."""
+        """With --kv-transfer-config: name this engine in the parameters its prefills hand out
+        (consumers find it by them), and read other engines' blocks through their actors. Every
+        engine can tell a producer it will not read blocks held for it (one without the config that
+        got a producer's parameters too). Lookups and calls run on a few threads of their own (a name
+        lookup waits for Ray's control store: not on the busy loop); none start until needed."""
         import ray
 
         context = ray.get_runtime_context()
         engine = self.service.engine
-        assert engine.kv_connector is not None
-        engine.kv_connector.engine_id.update(remote_engine_id=context.get_actor_name() or "",
-                                             remote_namespace=context.namespace, remote_host=engine_host())
         handles: dict[tuple[str, str], Any] = {}
         # (Name lookups wait for Ray's control store; releases each have a lookup and a call: their
         # own threads, so neither holds up the busy loop nor the other. A read itself runs as an
@@ -993,8 +991,12 @@ class EngineCoreActor:
             _, handle = producer(params)
             handle.release_kv_blocks.remote(params.get("remote_request_id"), str(params.get("remote_nonce") or ""))
 
-        engine.kv_fetcher = fetch
         engine.kv_releaser = lambda params: releases.submit(release, params).add_done_callback(_log_release_failure)
+        if engine.kv_connector is None:
+            return
+        engine.kv_connector.engine_id.update(remote_engine_id=context.get_actor_name() or "",
+                                             remote_namespace=context.namespace, remote_host=engine_host())
+        engine.kv_fetcher = fetch
         # (A read done wakes the busy loop, which may be waiting for input with nothing else to do.)
         engine.on_kv_load_done = lambda: self.service.submit(_nothing)
 

@@ -17,7 +17,7 @@ from typing import Any
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_STORED, TIER_STORED
 from engine_core.executor import Executor, ModelInfo
-from engine_core.kv_transfer import KVConnector, PendingLoad
+from engine_core.kv_transfer import KVConnector, PendingLoad, wants_remote_prefill
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
 from engine_core.lora import LoRANotLoadedError, static_lora_requests
 from engine_core.outputs import (
@@ -188,6 +188,9 @@ class EngineCore:
         self.kv_releaser: Callable[[dict[str, Any]], None] | None = None
         self._kv_loads_done: queue.SimpleQueue[tuple[PendingLoad, Any]] = queue.SimpleQueue()
         self._kv_load_failures: list[tuple[str, str]] = []
+        # Producers' parameters that reached this engine without --kv-transfer-config (it computes
+        # those prompts itself): their producers are told, as a consumer's declines are.
+        self._unread_kv: list[dict[str, Any]] = []
         if transfer is None:
             return
         info = self.model_info
@@ -236,16 +239,22 @@ class EngineCore:
         the blocks its parameters name: its producer is told. Busy-loop thread."""
         if self.kv_connector is not None:
             self.kv_connector.decline_params(params)
+        elif wants_remote_prefill(params):
+            assert params is not None
+            self._unread_kv.append(params)
 
     def kv_housekeeping(self) -> None:
         """Free the held blocks of prefills nobody read in time, and tell producers of the blocks
         this engine will not read. Busy-loop thread, every turn."""
         connector = self.kv_connector
-        if connector is None:
+        if connector is None and not self._unread_kv:
             return
-        for request in connector.expired():
-            self.scheduler.kv_cache_manager.free(request)
-        for params in connector.take_declined():
+        declined, self._unread_kv = self._unread_kv, []
+        if connector is not None:
+            for request in connector.expired():
+                self.scheduler.kv_cache_manager.free(request)
+            declined += connector.take_declined()
+        for params in declined:
             self._totals["kv_declined"] += 1
             if self.kv_releaser is None:
                 continue
@@ -562,6 +571,8 @@ class EngineCore:
             priority=request.priority, client_index=request.client_index, resumable=request.resumable,
             cache_salt=request.cache_salt, lora_request=request.lora_request, prompt_embeds=request.prompt_embeds,
             kv_transfer_params=request.kv_transfer_params if self.kv_connector is not None else None)
+        if self.kv_connector is None and wants_remote_prefill(request.kv_transfer_params):
+            self.decline_remote_kv(request.kv_transfer_params)  # (computed here: its producer is told)
         self.scheduler.add_request(engine_request)
         if is_new:
             self._totals["added"] += 1

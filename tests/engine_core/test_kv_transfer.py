@@ -464,3 +464,22 @@ def test_choices_sharing_one_prefill_read_it_once_and_find_it_cached():
     # its producer is told it will not read.
     assert second.num_cached_tokens == 32 and connector.take_pending_loads() == []
     assert [p["remote_request_id"] for p in connector.take_declined()] == ["p"]
+
+
+def test_an_engine_without_the_config_computes_such_a_prompt_and_tells_its_producer(tiny_model_dir):
+    engine = _engine(tiny_model_dir, None)
+    released: list[dict[str, Any]] = []
+    engine.kv_releaser = released.append
+    try:
+        params = {"do_remote_prefill": True, "remote_engine_id": "engine-0", "remote_request_id": "p",
+                  "remote_nonce": "n", "remote_block_ids": [0, 1, 2]}
+        prompt = list(range(5, 45))
+        result = _run(engine, [EngineCoreRequest(request_id="d", prompt_token_ids=prompt, sampling_params=_greedy(4),
+                                                 kv_transfer_params=params)])["d"]
+        whole = _run(engine, [EngineCoreRequest(request_id="w", prompt_token_ids=prompt,
+                                                sampling_params=_greedy(4))])["w"]
+        engine.kv_housekeeping()
+        assert result["tokens"] == whole["tokens"] and released == [params]
+        assert engine.stats().kv_transfer_declined == 1
+    finally:
+        engine.shutdown()
