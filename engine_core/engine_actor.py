@@ -461,8 +461,10 @@ class EngineCoreService:
                 self._drain_inputs(block=False)
             if self._stopped:
                 break
-            engine.kv_housekeeping()
             if not engine.has_work():
+                # (An idle engine's held prefills still expire and its declines still go out; a
+                # working one's are seen to in each pass.)
+                engine.kv_housekeeping()
                 continue
             try:
                 outputs = engine.step()

@@ -571,8 +571,8 @@ class EngineCore:
             priority=request.priority, client_index=request.client_index, resumable=request.resumable,
             cache_salt=request.cache_salt, lora_request=request.lora_request, prompt_embeds=request.prompt_embeds,
             kv_transfer_params=request.kv_transfer_params if self.kv_connector is not None else None)
-        if self.kv_connector is None and wants_remote_prefill(request.kv_transfer_params):
-            self.decline_remote_kv(request.kv_transfer_params)  # (computed here: its producer is told)
+        if self.kv_connector is None:
+            self.decline_remote_kv(request.kv_transfer_params)  # (computed here: a producer is told)
         self.scheduler.add_request(engine_request)
         if is_new:
             self._totals["added"] += 1
@@ -636,7 +636,6 @@ class EngineCore:
         self.check_sleep(level)
         if self.asleep == set(WAKE_UP_TAGS) and level <= self.sleep_level:
             return
-        self._release_all_held_kv()  # (prefills nobody read yet: their readers compute the prompts themselves)
         if self.scheduler.kv_cache_manager.block_pool.get_usage() > 0:  # (queued requests hold none: they wait)
             raise RuntimeError(f"engine {self.config.engine_index} still holds KV blocks of requests (a "
                                "streaming session waiting for input holds its own): it cannot sleep")
@@ -700,8 +699,7 @@ class EngineCore:
         else:
             model_output = _EMPTY_MODEL_OUTPUT
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        if self.kv_connector is not None:
-            self.kv_housekeeping()
+        self.kv_housekeeping()
         # (The grammars first: a structured request's drafts are checked against its grammar as of
         # the tokens this pass produced.)
         failed += self._advance_grammars(outputs)
@@ -816,6 +814,7 @@ class EngineCore:
     def stats(self, healthy: bool = True) -> EngineStats:
         scheduler = self.scheduler
         t = self._totals
+        kv = self.kv_transfer_totals()
         return EngineStats(
             engine_index=self.config.engine_index, healthy=healthy,
             scheduler_config=self.scheduler_config.as_dict(), num_blocks=self.num_blocks,
@@ -828,10 +827,9 @@ class EngineCore:
             spec_decode_num_draft_tokens=t["draft_tokens"], spec_decode_num_accepted_tokens=t["accepted_tokens"],
             kv_offload_stored_blocks=t["offload_stored"], kv_offload_loaded_blocks=t["offload_loaded"],
             num_offload_blocks=self.num_offload_blocks, external_prefix_cache_queries=t["external_queries"],
-            external_prefix_cache_hits=t["external_hits"], kv_transfer_sent_blocks=t["kv_sent_blocks"],
-            kv_transfer_received_blocks=t["kv_received_blocks"], kv_transfer_failures=t["kv_load_failures"],
-            kv_transfer_declined=t["kv_declined"],
-            kv_transfer_held_requests=self.kv_connector.num_held_requests if self.kv_connector is not None else 0)
+            external_prefix_cache_hits=t["external_hits"], kv_transfer_sent_blocks=kv["sent_blocks"],
+            kv_transfer_received_blocks=kv["received_blocks"], kv_transfer_failures=kv["failed_reads"],
+            kv_transfer_declined=kv["declined"], kv_transfer_held_requests=kv["held"])
 
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from engine_core.request import RequestStatus
+
 if TYPE_CHECKING:
     from engine_core.request import Request
 
@@ -232,8 +234,6 @@ class KVConnector:
         """Whether another request is reading the same prefill into this engine (another choice of its
         prompt), not yet admitted to run: this one waits (no lookup, no blocks) until it runs, and then
         finds the prompt in the prefix cache instead of reading it again."""
-        from engine_core.request import RequestStatus
-
         params = request.kv_transfer_params
         if not self.config.is_consumer or not wants_remote_prefill(params):
             return False
@@ -247,8 +247,6 @@ class KVConnector:
         return False
 
     def _note_reader(self, request: Request, params: dict[str, Any]) -> None:
-        from engine_core.request import RequestStatus
-
         waiting = (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING)
         # (Readers that run or ended by now are forgotten: at most the prefills being read here stay.)
         self._readers = {key: first for key, first in self._readers.items() if first.status in waiting}
@@ -301,8 +299,6 @@ class KVConnector:
         """A request ends. A prefill for a remote decode that ran to its length limit keeps its blocks
         (returns the parameters that name them: the caller must not free them); None otherwise. A
         decode request that never read its producer's blocks tells the producer to free them."""
-        from engine_core.request import RequestStatus
-
         params = request.kv_transfer_params
         if wants_remote_prefill(params):  # (a decode request that ends before it read: gone first)
             self.decline(request)

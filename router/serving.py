@@ -1067,7 +1067,7 @@ class OpenAIServing:
                 await stream.close()
             for k, engine in producers.items():
                 if k not in opened:  # (never reached a decode engine: the prefill engine frees its share)
-                    self._release_prefill(engine, jobs[k])
+                    self._release_prefill(engine, jobs[k].kv_transfer_params or {})
             raise
         return [opened[k] for k in range(len(jobs))]
 
@@ -1117,12 +1117,14 @@ class OpenAIServing:
         lora_key = None if lora is None else lora.cache_key
         threshold = max(self.pd_prefill_threshold, self.kv_block_size)
         skipped: set[tuple[int, tuple[int, ...]]] = set()
+        first_requests: dict[tuple[int, tuple[int, ...]], EngineCoreRequest] = {}  # (each leg's first job's)
         for k, job in enumerate(jobs):
-            if not needs_remote_prefill(self._engine_request(job, priority, lora, cache_salt)):
-                continue
             key = (job.engine, tuple(job.prompt_ids))  # (a prompt's choices share their decode engine)
             if key in legs:
                 legs[key][1].append(k)
+                continue
+            request = self._engine_request(job, priority, lora, cache_salt)
+            if not needs_remote_prefill(request):
                 continue
             if key in skipped:
                 continue
@@ -1135,25 +1137,26 @@ class OpenAIServing:
             if engine != job.engine:  # (a kv_both engine picked for both legs computes its prompt itself)
                 loads[engine] += 1
                 legs[key] = (engine, [k])
+                first_requests[key] = request
         if not legs:
             return jobs, {}
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
 
-        async def leg(engine: int, members: list[int]) -> tuple[dict[str, Any] | None, float]:
+        async def leg(engine: int, request: EngineCoreRequest, readers: int) -> tuple[dict[str, Any] | None, float]:
             started = time.perf_counter()
-            request = self._engine_request(jobs[members[0]], priority, lora, cache_salt)
-            params = await run_prefill(self.client, engine, request, timeout, len(members))
+            params = await run_prefill(self.client, engine, request, timeout, readers)
             return params, time.perf_counter() - started
 
-        tasks = [asyncio.ensure_future(leg(engine, members)) for engine, members in legs.values()]
+        tasks = [asyncio.ensure_future(leg(engine, first_requests[key], len(members)))
+                 for key, (engine, members) in legs.items()]
         try:
             handed = await asyncio.gather(*tasks)
         except BaseException:  # (the client left: legs already done hold blocks nobody will read)
             for task, (engine, members) in zip(tasks, legs.values(), strict=True):
                 task.cancel()
                 if task.done() and not task.cancelled() and task.exception() is None and task.result()[0]:
-                    for k in members:
-                        self._release_prefill(engine, jobs[k]._replace(kv_transfer_params=task.result()[0]))
+                    for _ in members:
+                        self._release_prefill(engine, task.result()[0])
             raise
         jobs = list(jobs)
         producers: dict[int, int] = {}
@@ -1167,10 +1170,9 @@ class OpenAIServing:
                 producers[k] = engine
         return jobs, producers
 
-    def _release_prefill(self, engine: int, job: _Job) -> None:
-        """Tell a prefill engine that this job will not read the KV it holds for it (fire and forget:
-        it frees the blocks at its timeout otherwise)."""
-        params = job.kv_transfer_params or {}
+    def _release_prefill(self, engine: int, params: dict[str, Any]) -> None:
+        """Tell a prefill engine that one reader of the KV these parameters name will not read it
+        (fire and forget: it frees the blocks at its timeout otherwise)."""
         try:
             self.client.handle(engine).release_kv_blocks.remote(params.get("remote_request_id"),
                                                                 str(params.get("remote_nonce") or ""))
