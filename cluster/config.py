@@ -106,7 +106,8 @@ class EngineSpec(BaseModel):
         None, description='Prefill/decode disaggregation (--kv-transfer-config, vLLM\'s JSON): {"kv_connector": '
                           '"RayKVConnector" (NixlConnector is taken as it), "kv_role": "kv_producer" | "kv_consumer" | '
                           '"kv_both", "kv_load_failure_policy": "recompute" | "fail", "kv_connector_extra_config": '
-                          '{"abort_request_timeout": seconds}}. With producers and consumers among a model\'s engines, '
+                          '{"abort_request_timeout": seconds, "load_timeout": seconds}}. With producers and consumers '
+                          'among a model\'s engines, '
                           'the router computes each prompt on a producer and decodes it on a consumer.')
     kv_offloading_backend: Literal["native"] | None = Field(
         None, description="The offloading backend (--kv-offloading-backend): native (host memory), the only one built.")

@@ -187,6 +187,9 @@ class EngineCore:
         # How a decode engine tells a producer it will not read the blocks it holds (fire and forget).
         self.kv_releaser: Callable[[dict[str, Any]], None] | None = None
         self._kv_loads_done: queue.SimpleQueue[tuple[PendingLoad, Any]] = queue.SimpleQueue()
+        # Reads started and not answered yet, with when each gives up (the answer and the deadline
+        # race for the entry: whichever pops it first decides; the other is dropped).
+        self._kv_reads_in_flight: dict[int, tuple[PendingLoad, float]] = {}
         self._kv_load_failures: list[tuple[str, str]] = []
         # Producers' parameters that reached this engine without --kv-transfer-config (it computes
         # those prompts itself): their producers are told, as a consumer's declines are.
@@ -254,6 +257,8 @@ class EngineCore:
             for request in connector.expired():
                 self.scheduler.kv_cache_manager.free(request)
             declined += connector.take_declined()
+            if self._kv_reads_in_flight:
+                self._give_up_slow_reads(connector.config.load_timeout_s)
         for params in declined:
             self._totals["kv_declined"] += 1
             if self.kv_releaser is None:
@@ -288,9 +293,21 @@ class EngineCore:
             except Exception as e:
                 self._kv_loads_done.put((load, e))
                 continue
+            self._kv_reads_in_flight[id(load)] = (load, time.monotonic() + self.kv_connector.config.load_timeout_s)
             future.add_done_callback(lambda f, load=load: self._kv_load_finished(load, f))
 
+    def _give_up_slow_reads(self, timeout_s: float) -> None:
+        """Reads unanswered past their deadline fail (a producer alive but stuck would otherwise hold
+        its requests here until their own timeouts). The producer frees its blocks at its own timeout;
+        an answer that comes after is dropped."""
+        now = time.monotonic()
+        for key, (load, deadline) in list(self._kv_reads_in_flight.items()):
+            if now >= deadline and self._kv_reads_in_flight.pop(key, None) is not None:
+                self._kv_loads_done.put((load, TimeoutError(f"no answer in {timeout_s:g} s (load_timeout)")))
+
     def _kv_load_finished(self, load: PendingLoad, future: concurrent.futures.Future[Any]) -> None:
+        if self._kv_reads_in_flight.pop(id(load), None) is None:
+            return  # (given up on already)
         try:
             result = future.result()
         except Exception as e:

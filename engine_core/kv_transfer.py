@@ -15,6 +15,8 @@ for vLLM's disaggregated serving (llm-d's sidecar, vLLM's toy proxy) drives thes
    computes the last prompt token and samples the first output token from it.
 3. The producer frees the blocks once they were read, or when nobody read them in
    ``abort_request_timeout`` seconds (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s by default).
+   A decode engine gives up on a read that has not answered in ``load_timeout`` seconds (a producer
+   alive but stuck: 120 s by default) and treats it as failed.
 
 The KV data moves through Ray: the decode engine calls the producer engine actor, whose workers
 gather the blocks into host tensors that Ray carries between the nodes (``RayKVConnector``). A read
@@ -53,6 +55,8 @@ CONNECTOR_ALIASES = ("NixlConnector", "P2pNcclConnector")
 HOST_MEMORY_CONNECTORS = ("OffloadingConnector", "LMCacheConnectorV1", "SharedStorageConnector")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 DEFAULT_ABORT_REQUEST_TIMEOUT_S = 480.0
+DEFAULT_LOAD_TIMEOUT_S = 120.0
+_EXTRA_KEYS = ("abort_request_timeout", "load_timeout")
 # vLLM's kv-transfer-config keys that change nothing here (they tune vLLM's own transports).
 _NEUTRAL_KEYS = frozenset({"engine_id", "kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size",
                            "kv_ip", "kv_port", "kv_connector_module_path"})
@@ -69,6 +73,8 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "recompute"
     # How long a producer keeps a finished prefill's blocks for its decode engine to read.
     abort_request_timeout_s: float = DEFAULT_ABORT_REQUEST_TIMEOUT_S
+    # How long a decode engine waits for a producer to answer a read before it counts as failed.
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
@@ -81,9 +87,11 @@ class KVTransferConfig:
         if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_transfer_config: kv_load_failure_policy must be one of "
                              f"{', '.join(LOAD_FAILURE_POLICIES)}, got {self.kv_load_failure_policy!r}")
-        if not (isinstance(self.abort_request_timeout_s, int | float) and self.abort_request_timeout_s > 0):
-            raise ValueError("kv_transfer_config: kv_connector_extra_config.abort_request_timeout must be a "
-                             f"number of seconds > 0, got {self.abort_request_timeout_s!r}")
+        for key, value in (("abort_request_timeout", self.abort_request_timeout_s),
+                           ("load_timeout", self.load_timeout_s)):
+            if isinstance(value, bool) or not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"kv_transfer_config: kv_connector_extra_config.{key} must be a number of "
+                                 f"seconds > 0, got {value!r}")
 
     @property
     def is_producer(self) -> bool:
@@ -96,7 +104,8 @@ class KVTransferConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | str | None) -> KVTransferConfig | None:
         """vLLM's JSON form: {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"abort_request_timeout": 480}}."""
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"abort_request_timeout": 480,
+        "load_timeout": 120}}."""
         if data is None:
             return None
         if isinstance(data, str):
@@ -116,10 +125,10 @@ class KVTransferConfig:
         extra = data.pop("kv_connector_extra_config", None) or {}
         if not isinstance(extra, dict):
             raise ValueError(f"kv_transfer_config: kv_connector_extra_config must be an object, got {extra!r}")
-        unknown = set(extra) - {"abort_request_timeout"}
+        unknown = set(extra) - set(_EXTRA_KEYS)
         if unknown:
             raise ValueError(f"kv_transfer_config: kv_connector_extra_config {sorted(unknown)} is not taken here "
-                             "(only abort_request_timeout)")
+                             f"(only {', '.join(_EXTRA_KEYS)})")
         for key in _NEUTRAL_KEYS & set(data):
             logger.info("kv_transfer_config: %s changes nothing here (KV blocks move through Ray)", key)
             data.pop(key)
@@ -129,12 +138,14 @@ class KVTransferConfig:
                              "kv_load_failure_policy, kv_connector_extra_config)")
         return cls(kv_role=data["kv_role"], kv_connector=connector,
                    kv_load_failure_policy=data.get("kv_load_failure_policy") or "recompute",
-                   abort_request_timeout_s=extra.get("abort_request_timeout", DEFAULT_ABORT_REQUEST_TIMEOUT_S))
+                   abort_request_timeout_s=extra.get("abort_request_timeout", DEFAULT_ABORT_REQUEST_TIMEOUT_S),
+                   load_timeout_s=extra.get("load_timeout", DEFAULT_LOAD_TIMEOUT_S))
 
     def as_dict(self) -> dict[str, Any]:
         return {"kv_connector": self.kv_connector, "kv_role": self.kv_role,
                 "kv_load_failure_policy": self.kv_load_failure_policy,
-                "kv_connector_extra_config": {"abort_request_timeout": self.abort_request_timeout_s}}
+                "kv_connector_extra_config": {"abort_request_timeout": self.abort_request_timeout_s,
+                                              "load_timeout": self.load_timeout_s}}
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

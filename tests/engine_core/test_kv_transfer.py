@@ -22,6 +22,7 @@ def test_config_takes_vllms_json_and_refuses_what_is_not_built():
                                         '"kv_buffer_device": "cuda", '
                                         '"kv_connector_extra_config": {"abort_request_timeout": 30}}')
     assert config is not None and config.is_producer and config.is_consumer and config.abort_request_timeout_s == 30
+    assert config.load_timeout_s == 120
     producer = KVTransferConfig.from_dict({"kv_role": "kv_producer"})
     assert producer is not None and producer.is_producer and not producer.is_consumer
     assert producer.kv_connector == "RayKVConnector" and producer.kv_load_failure_policy == "recompute"
@@ -34,6 +35,8 @@ def test_config_takes_vllms_json_and_refuses_what_is_not_built():
                           "not taken here"),
                          ({"kv_role": "kv_both", "kv_connector_extra_config": {"abort_request_timeout": 0}},
                           "abort_request_timeout"),
+                         ({"kv_role": "kv_both", "kv_connector_extra_config": {"load_timeout": "1"}},
+                          "load_timeout"),
                          ({"kv_role": "kv_both", "kv_rule": 1}, "not taken"),
                          ("{nope", "not JSON")):
         with pytest.raises(ValueError, match=message):
@@ -348,6 +351,50 @@ def test_a_fail_policy_fails_the_request_whose_kv_cannot_be_read(tiny_model_dir)
         assert consumer.stats().num_free_blocks == 32
     finally:
         consumer.shutdown()
+
+
+def test_a_read_the_producer_never_answers_gives_up_at_load_timeout(tiny_model_dir):
+    """A producer alive but stuck: the decode engine stops waiting after load_timeout and computes the
+    prompt itself (same answer as one engine); the answer arriving after that is dropped."""
+    prompt = [(11 * i + 4) % 200 + 5 for i in range(45)]
+    reference = _engine(tiny_model_dir, None)
+    consumer = _engine(tiny_model_dir, {"kv_role": "kv_consumer",
+                                        "kv_connector_extra_config": {"load_timeout": 1.0}})
+    reads: list[concurrent.futures.Future[Any]] = []
+
+    def fetch(load):
+        reads.append(concurrent.futures.Future())
+        return reads[-1]
+
+    consumer.kv_fetcher = fetch
+    try:
+        expected = _run(reference, [EngineCoreRequest(request_id="r", prompt_token_ids=prompt,
+                                                      sampling_params=_greedy(6))])["r"]["tokens"]
+        params = {"do_remote_prefill": True, "remote_engine_id": "engine-0", "remote_request_id": "p",
+                  "remote_block_ids": [0, 1, 2], "remote_nonce": "n"}
+        consumer.add_request(EngineCoreRequest(request_id="d", prompt_token_ids=prompt, sampling_params=_greedy(6),
+                                               kv_transfer_params=params))
+        started = time.monotonic()
+        consumer.step()
+        assert len(reads) == 1 and consumer.scheduler.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        for _ in range(3):
+            consumer.step()
+        if time.monotonic() - started < 0.9:  # (before its deadline, however many passes run: parked)
+            assert consumer.scheduler.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        time.sleep(1.0)
+        tokens: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(tokens) < 6 and time.monotonic() < deadline:
+            for eco in consumer.step().values():
+                tokens += [t for out in eco.outputs for t in out.new_token_ids]
+        assert tokens == expected and consumer.stats().kv_transfer_failures == 1
+        # The stuck read answers at last: nothing happens (no second failure, no write).
+        reads[0].set_result([b"late"])
+        consumer.step()
+        assert consumer.stats().kv_transfer_failures == 1 and consumer.stats().kv_transfer_received_blocks == 0
+    finally:
+        for engine in (reference, consumer):
+            engine.shutdown()
 
 
 def test_engines_refuse_a_transfer_config_their_model_cannot_use(tmp_path):
