@@ -76,13 +76,16 @@ def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
                            num_router_replicas=2, routing_policy="round_robin",
                            # Every KV block followed (--kv-cache-metrics), so the residency panel has data;
                            # evicted blocks kept in host memory (KV offloading), so its panel has data too.
-                           # Both engines may hand prompts' KV on (kv_both: the router serves requests whole;
-                           # a client drives the two legs below), so the disaggregation panels have data.
+                           # Prefill/decode disaggregation, so its panels have data: engine 0 computes
+                           # prompts for others and decodes (kv_both), engine 1 only decodes (kv_consumer).
+                           # The router sends the prompts of requests decoded on engine 1 to engine 0 first;
+                           # a client also drives the two legs itself below.
                            defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256, kv_cache_metrics=True,
                                                kv_cache_metrics_sample=1.0, kv_offloading_size=0.01,
                                                kv_transfer_config={"kv_role": "kv_both"}),
                            # Engine 1 drafts (n-gram speculative decoding), so its panels have data.
-                           engines=[EngineSpec(), EngineSpec(speculative_config=SPEC)],
+                           engines=[EngineSpec(), EngineSpec(speculative_config=SPEC,
+                                                             kv_transfer_config={"kv_role": "kv_consumer"})],
                            # Half the requests run under a LoRA adapter, so its panel has data.
                            enable_lora=True, lora_modules=[f"sql={adapter}"])
     with serve_cluster(config) as served:
@@ -129,8 +132,8 @@ def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
             send(documents[:8])
             send(documents[8:])
             send(documents[:8] * 2)
-            # Prefill/decode legs driven by the client (vLLM's proxy protocol), round robin: the decode
-            # leg reads the prompt's KV from the engine that computed it.
+            # Prefill/decode legs driven by the client (vLLM's proxy protocol): the prefill leg goes to the
+            # prefill engine, the decode leg reads the prompt's KV from it.
             for leg in range(2):
                 prompt = f"Disaggregated {leg}: " + "the prompt's KV moves between engines " * 3
                 prefill = httpx.post(f"{served.base}/v1/completions", timeout=60, json=body | {
@@ -162,10 +165,15 @@ def test_one_scrape_target_has_every_engine_and_router_series(observed):
     per_pos = families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
     assert sorted(s.labels["position"] for s in per_pos) == ["0", "1", "2"]
     assert sum(s.value for s in per_pos) == accepted[0].value
-    # The client-driven prefill/decode legs: blocks sent by the prefill engines, as many read.
-    sent = sum(s.value for s in families["llm_cluster:kv_transfer_sent_blocks"].samples)
-    received = sum(s.value for s in families["llm_cluster:kv_transfer_received_blocks"].samples)
-    assert sent == received > 0
+    # Prefill/decode legs, the router's and the client's: blocks sent by the prefill engine only, as
+    # many read; the router handed prompts on (its counter is per replica: summed).
+    sent = {s.labels["engine"]: s.value for s in families["llm_cluster:kv_transfer_sent_blocks"].samples
+            if s.name.endswith("_total")}
+    received = sum(s.value for s in families["llm_cluster:kv_transfer_received_blocks"].samples
+                   if s.name.endswith("_total"))
+    assert sent["1"] == 0 and sum(sent.values()) == received > 0
+    prefills = [s for s in families["llm_cluster:router_remote_prefills"].samples if s.name.endswith("_total")]
+    assert sum(s.value for s in prefills if s.labels["outcome"] == "handed_on") > 0
     assert sum(s.value for s in families["llm_cluster:kv_transfer_held_requests"].samples) == 0
 
 
