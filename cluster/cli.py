@@ -67,7 +67,7 @@ SCHEDULER_ARGS = [
     ("--kv-cache-memory-bytes", human_readable_int, "KV pool budget in bytes (8G also), instead of "
                                                     "--gpu-memory-utilization's share on a GPU."),
     ("--gpu-memory-utilization", float, "Share of GPU memory for weights + activations + KV (CUDA)."),
-    ("--num-cpus-per-worker", float, "CPUs per TP worker (torch threads)."),
+    ("--num-cpus-per-worker", float, "CPUs per worker (torch threads)."),
     ("--engine-niceness", int, "Niceness added to engine compute threads, so the router runs first "
                                "(default: 4 on CPU engines, 0 on GPU engines)."),
 ]
@@ -97,8 +97,8 @@ VLLM_FLAGS_WITHOUT_EFFECT: dict[str, tuple[bool, str]] = {
                                   "model's run); the answers are the same"),
     "--hf-token": (True, "nothing is downloaded"),
     "--disable-cascade-attn": (False, "there is no cascade attention to turn off"),
-    "--max-parallel-loading-workers": (True, "each tensor-parallel worker loads its own weights"),
-    "--distributed-executor-backend": (True, "an engine's tensor-parallel workers are Ray actors (at size 1, the "
+    "--max-parallel-loading-workers": (True, "each worker loads its own weights"),
+    "--distributed-executor-backend": (True, "an engine's workers (TP x PP ranks) are Ray actors (at size 1, the "
                                              "engine's own process)"),
     "--prefix-caching-hash-algo": (True, "prefix-cache blocks are keyed by the engine's own hash (BLAKE2b of the "
                                          "parent block's hash and the tokens)"),
@@ -126,10 +126,6 @@ VLLM_FLAGS_NOT_BUILT: dict[str, tuple[str, tuple[str, ...]]] = {
                        "quantizing a model as it loads is not built", ()),
     "-q": ("a checkpoint's own quantization (FP8, compressed-tensors, GGUF) is read from its files; quantizing "
            "a model as it loads is not built", ()),
-    "--pipeline-parallel-size": ("pipeline parallelism is not built: use --tensor-parallel-size, or more "
-                                 "engines (--num-engines)", ("1",)),
-    "-pp": ("pipeline parallelism is not built: use --tensor-parallel-size, or more engines (--num-engines)",
-            ("1",)),
     "--tokenizer-mode": ("the tokenizer is the checkpoint's Hugging Face (fast) tokenizer", ("auto",)),
     "--load-format": ("weights load from safetensors, PyTorch or GGUF files as the checkpoint has them",
                       ("auto",)),
@@ -363,6 +359,10 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "requests; an engine scaled away is drained first. (A model of --extra-models "
                             "autoscales with an engine_autoscaling entry of its own.)")
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                       help="Pipeline stages per engine (default 1), as vLLM's flag: the model's layers split into "
+                            "stages run one after the other, each stage a --tensor-parallel-size group, so an engine "
+                            "starts TP x PP workers (possibly on several nodes).")
     for flag, kind, help_text in SCHEDULER_ARGS:
         serve.add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=kind, default=None, help=help_text)
     serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
@@ -655,7 +655,8 @@ def cluster_config_from_args(args: argparse.Namespace):
                          "(llm-cluster serve MODEL --api-key KEY), or with --model")
     model = args.model_tag or args.model or DEFAULT_MODEL
 
-    defaults = {"tensor_parallel_size": args.tensor_parallel_size, "scheduling_policy": args.scheduling_policy,
+    defaults = {"tensor_parallel_size": args.tensor_parallel_size,
+                "pipeline_parallel_size": args.pipeline_parallel_size, "scheduling_policy": args.scheduling_policy,
                 "enable_prefix_caching": args.enable_prefix_caching,
                 "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,

@@ -61,6 +61,9 @@ class EngineSpec(BaseModel):
     kv_cache_memory_bytes: int | None = Field(None, description="KV budget in bytes (CPU).")
     gpu_memory_utilization: float | None = None
     tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = Field(
+        None, ge=1, description="vLLM's --pipeline-parallel-size: the model's layers split into this many stages, "
+                                "each stage a tensor-parallel group (workers per engine = TP x PP).")
     device: Literal["auto", "cpu", "cuda"] | None = None
     dtype: str | None = None
     kv_cache_dtype: KVCacheDType | None = Field(
@@ -143,7 +146,8 @@ _DEFAULTS = EngineSpec(
     max_num_seqs=256, max_num_batched_tokens=None, max_model_len=None, enable_chunked_prefill=True,
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
     scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
-    tensor_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto", enable_expert_parallel=False,
+    tensor_parallel_size=1, pipeline_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto",
+    enable_expert_parallel=False,
     runner="auto", generation_config="auto", max_logprobs=20, logprobs_mode="raw_logprobs", disable_log_stats=False,
     placement_strategy="PACK", num_cpus_per_worker=1.0, kv_cache_metrics=False,
     kv_cache_metrics_sample=0.01, enable_sleep_mode=False, enable_prompt_embeds=False,
@@ -436,7 +440,7 @@ class ClusterConfig(ModelSettings):
     adapters (the ``ModelSettings`` fields), and any further ``models``."""
 
     model: str = Field("SmolLM2-135M-Instruct", description="Model name, HF directory or .gguf file.")
-    num_engines: int = Field(1, ge=1, description="Engines (each: one scheduler + one TP worker group).")
+    num_engines: int = Field(1, ge=1, description="Engines (each: one scheduler + one worker group).")
     defaults: EngineSpec = Field(default_factory=EngineSpec, description="Flags every engine starts from.")
     engines: list[EngineSpec] = Field(default_factory=list, description="Per-engine overrides, by position.")
     routing_policy: str = Field("least_loaded", description=f"One of {', '.join(ROUTING_POLICIES)}.")
@@ -754,13 +758,17 @@ def _check_kv_transfer_group(group: list[EngineConfig]) -> None:
         return
     first = transferring[0]
     for config in transferring[1:]:
-        ours = (config.block_size, config.tensor_parallel_size, config.dtype, config.kv_cache_dtype, config.device)
-        theirs = (first.block_size, first.tensor_parallel_size, first.dtype, first.kv_cache_dtype, first.device)
+        # (Each worker rank hands its own layers' KV to the same rank of the other engine: the
+        # pipeline stages must split the layers alike too.)
+        ours = (config.block_size, config.tensor_parallel_size, config.pipeline_parallel_size, config.dtype,
+                config.kv_cache_dtype, config.device)
+        theirs = (first.block_size, first.tensor_parallel_size, first.pipeline_parallel_size, first.dtype,
+                  first.kv_cache_dtype, first.device)
         if ours != theirs:
-            raise ValueError(f"engine {config.engine_index}: block_size, tensor_parallel_size, dtype, kv_cache_dtype "
-                             f"and device must be the same on every engine of a model with kv_transfer_config "
-                             f"(engine {first.engine_index} has {theirs}, this one {ours}): KV blocks move between "
-                             "them as they lie in memory")
+            raise ValueError(f"engine {config.engine_index}: block_size, tensor_parallel_size, pipeline_parallel_size, "
+                             f"dtype, kv_cache_dtype and device must be the same on every engine of a model with "
+                             f"kv_transfer_config (engine {first.engine_index} has {theirs}, this one {ours}): KV "
+                             "blocks move between them as they lie in memory")
 
 
 def _check_one_runner(group: list[EngineConfig]) -> None:
@@ -818,8 +826,9 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         raise ValueError(f"engine {index}: {e}") from None
     return EngineConfig(
         model=model, served_model_name=served_model_name, engine_index=index,
-        tensor_parallel_size=s["tensor_parallel_size"], device=s["device"],
-        dtype=s["dtype"], kv_cache_dtype=s["kv_cache_dtype"], enable_expert_parallel=s["enable_expert_parallel"],
+        tensor_parallel_size=s["tensor_parallel_size"], pipeline_parallel_size=s["pipeline_parallel_size"],
+        device=s["device"], dtype=s["dtype"], kv_cache_dtype=s["kv_cache_dtype"],
+        enable_expert_parallel=s["enable_expert_parallel"],
         runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                           for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",

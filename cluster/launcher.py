@@ -1,8 +1,8 @@
 """Starting (or joining) Ray and placing engines: one placement group and one engine actor per engine.
 
-Each engine's TP workers live in one placement group (one bundle per rank, PACK by default); the
-engine actor sits in bundle 0 beside rank 0. Engines are named actors, so router replicas find them
-by name and a restarted engine is found again.
+Each engine's workers (TP x PP ranks) live in one placement group (one bundle per rank, PACK by
+default); the engine actor sits in bundle 0 beside rank 0. Engines are named actors, so router
+replicas find them by name and a restarted engine is found again.
 """
 
 from __future__ import annotations
@@ -97,11 +97,11 @@ def _use_gpu(config: EngineConfig) -> bool:
 def resolve_backend(config: EngineConfig) -> str:
     if config.executor_backend != "auto":
         return config.executor_backend
-    return "uni" if config.tensor_parallel_size == 1 else "ray"
+    return "uni" if config.world_size == 1 else "ray"
 
 
 def engine_bundle(config: EngineConfig, use_gpu: bool) -> dict[str, float]:
-    """What one TP worker of this engine reserves (one bundle per rank)."""
+    """What one worker of this engine reserves (one bundle per rank: TP x PP of them)."""
     bundle: dict[str, float] = {"CPU": config.num_cpus_per_worker, **dict(config.resources_per_worker)}
     if use_gpu:
         bundle["GPU"] = 1
@@ -123,13 +123,14 @@ def check_local_capacity(configs: list[EngineConfig]) -> None:
     need: dict[str, float] = {}
     for config in configs:
         for resource, amount in engine_bundle(config, _use_gpu(config)).items():
-            need[resource] = need.get(resource, 0.0) + amount * config.tensor_parallel_size
+            need[resource] = need.get(resource, 0.0) + amount * config.world_size
     short = {r: (amount, total.get(r, 0.0)) for r, amount in need.items() if amount > total.get(r, 0.0) + 1e-9}
     if short:
         parts = ", ".join(_amount(r, amount, have) for r, (amount, have) in short.items())
         raise InsufficientResourcesError(
-            f"the {len(configs)} engine(s) need {parts}: each engine reserves one bundle per tensor-parallel "
-            f"rank; lower --num-engines (or engine autoscaling's max_engines), --tensor-parallel-size"
+            f"the {len(configs)} engine(s) need {parts}: each engine reserves one bundle per worker (tensor-parallel "
+            f"rank of each pipeline stage); lower --num-engines (or engine autoscaling's max_engines), "
+            f"--tensor-parallel-size, --pipeline-parallel-size"
             f"{', --kv-offloading-size' if 'memory' in short else ''} or --num-cpus-per-worker, or give Ray "
             f"more (--num-cpus)")
 
@@ -183,19 +184,22 @@ def start_engine(config: EngineConfig, namespace: str, detached: bool = False,
 
     use_gpu = _use_gpu(config)
     bundle = engine_bundle(config, use_gpu)
-    tp = config.tensor_parallel_size
+    # One bundle per worker: each pipeline stage's tensor-parallel ranks (the strategy decides whether
+    # stages may land on different nodes).
+    workers = config.world_size
     name = engine_actor_name(config.engine_index)
-    pg = placement_group([dict(bundle) for _ in range(tp)], strategy=config.placement_strategy,
+    pg = placement_group([dict(bundle) for _ in range(workers)], strategy=config.placement_strategy,
                          name=engine_placement_group_name(name, namespace), lifetime="detached" if detached else None,
-                         bundle_label_selector=[dict(config.node_labels)] * tp if config.node_labels else None)
+                         bundle_label_selector=[dict(config.node_labels)] * workers if config.node_labels else None)
     try:
-        wait_until_placed(pg, f"engine {config.engine_index}: {tp} worker bundle(s) {bundle} "
+        wait_until_placed(pg, f"engine {config.engine_index}: {workers} worker bundle(s) {bundle} "
                               f"({config.placement_strategy})", ready_timeout_s)
     except BaseException as e:
         remove_placement_group(pg)
         if not isinstance(e, Exception):
             raise  # (Ctrl-C while waiting stays a KeyboardInterrupt)
-        raise RuntimeError(f"engine {config.engine_index}: cannot place {tp} worker bundle(s) {bundle}: {e}") from e
+        raise RuntimeError(f"engine {config.engine_index}: cannot place {workers} worker bundle(s) {bundle}: "
+                           f"{e}") from e
     uni = resolve_backend(config) == "uni"
     options: dict[str, Any] = {
         "name": name, "namespace": namespace, "max_restarts": ENGINE_MAX_RESTARTS,
@@ -208,7 +212,7 @@ def start_engine(config: EngineConfig, namespace: str, detached: bool = False,
     }
     if detached:
         options["lifetime"] = "detached"
-    if runtime_env := logging_runtime_env():  # (its TP workers inherit it)
+    if runtime_env := logging_runtime_env():  # (its workers inherit it)
         options["runtime_env"] = runtime_env
     # A new engine starts unpaused, whatever a stopped one of the same name recorded.
     internal_kv._internal_kv_del(pause_record_key(namespace, name))

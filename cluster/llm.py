@@ -405,14 +405,13 @@ VLLM_ARGS_WITHOUT_EFFECT = frozenset({
 VLLM_ARGS_AT_DEFAULT: dict[str, tuple[Any, ...]] = {
     "quantization": (None,), "revision": (None,), "tokenizer_revision": (None,), "code_revision": (None,),
     "download_dir": (None,), "tokenizer_mode": ("auto",), "load_format": ("auto",), "cpu_offload_gb": (0, 0.0),
-    "pipeline_parallel_size": (1,), "data_parallel_size": (1,), "skip_tokenizer_init": (False,)}
+    "data_parallel_size": (1,), "skip_tokenizer_init": (False,)}
 VLLM_ARGS_WHY = {
     "quantization": "a checkpoint's own quantization is read from its files; quantizing as it loads is not built",
     "revision": "models are local directories or GGUF files: nothing is downloaded",
     "tokenizer_revision": "nothing is downloaded", "code_revision": "nothing is downloaded",
     "download_dir": "nothing is downloaded", "tokenizer_mode": "the checkpoint's Hugging Face tokenizer is used",
     "load_format": "weights load as the checkpoint has them", "cpu_offload_gb": "weights are not offloaded",
-    "pipeline_parallel_size": "pipeline parallelism is not built (tensor_parallel_size, num_engines)",
     "data_parallel_size": "engines are num_engines here", "skip_tokenizer_init": "the tokenizer is always loaded"}
 
 
@@ -429,7 +428,7 @@ class LLM:
                  generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
                  disable_log_stats: bool = True, tokenizer: str | None = None,
                  logits_processors: list[str | type[LogitsProcessor]] | None = None,
-                 **scheduler_flags: Any) -> None:
+                 pipeline_parallel_size: int = 1, **scheduler_flags: Any) -> None:
         """``scheduler_flags``: the engine flags by vLLM's names (max_num_seqs, max_model_len, ...);
         vLLM's arguments with nothing to do here are taken too (VLLM_ARGS_WITHOUT_EFFECT), and those for
         what is not built only at their neutral value (VLLM_ARGS_AT_DEFAULT), else a ValueError."""
@@ -465,7 +464,8 @@ class LLM:
         self.tokenizer = load_tokenizer(resolved.model_dir if tokenizer is None else tokenizer)
         self._token_texts: dict[int, str] = {}
         spec = scheduler_flags_to_spec(scheduler_flags).model_copy(update={
-            "tensor_parallel_size": tensor_parallel_size, "num_gpu_blocks": num_gpu_blocks, "device": device,
+            "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+            "num_gpu_blocks": num_gpu_blocks, "device": device,
             "dtype": dtype, "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
             "kv_cache_memory_bytes": kv_cache_memory_bytes, "executor_backend": executor_backend,
             "kv_cache_dtype": kv_cache_dtype, "enable_expert_parallel": enable_expert_parallel,
@@ -489,8 +489,9 @@ class LLM:
         self.engine_configs: list[EngineConfig] = [
             dataclasses.replace(c, log_stats_line=not disable_log_stats, **processors)
             for c in self.cluster_config.engine_configs()]
+        # (An engine's TP and PP ranks beyond the first are Ray actors.)
         self.use_ray = use_ray if use_ray is not None else (len(self.engine_configs) > 1 or tensor_parallel_size > 1
-                                                            or executor_backend == "ray")
+                                                            or pipeline_parallel_size > 1 or executor_backend == "ray")
         self._ids = itertools.count()
         # The custom logits processors' classes, whose validate_params a request meets before it is
         # queued (loaded here, so a name that does not load fails before any engine starts).

@@ -277,6 +277,10 @@ class EngineConfig:
     served_model_name: str | None = None
     engine_index: int = 0
     tensor_parallel_size: int = 1
+    # vLLM's --pipeline-parallel-size: the model's layers split into this many stages, one after the
+    # other, each stage a tensor-parallel group of its own (tensor_parallel_size x
+    # pipeline_parallel_size workers in all, possibly on several nodes).
+    pipeline_parallel_size: int = 1
     # "auto" picks cuda when available, else cpu.
     device: str = "auto"
     dtype: str = "auto"
@@ -369,6 +373,8 @@ class EngineConfig:
         try:
             _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                      "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
+            _require(type(self.pipeline_parallel_size) is int and self.pipeline_parallel_size >= 1,
+                     "pipeline_parallel_size", ">= 1", self.pipeline_parallel_size)
             _require(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
             _require(not isinstance(self.dtype, str) or self.dtype.removeprefix("torch.") in MODEL_DTYPE_NAMES,
                      "dtype", f"one of {', '.join(MODEL_DTYPE_NAMES)}", self.dtype)
@@ -388,8 +394,12 @@ class EngineConfig:
             _require(self.num_cpus_per_worker > 0, "num_cpus_per_worker", "> 0", self.num_cpus_per_worker)
             _require(self.executor_backend in ("auto", "uni", "ray"), "executor_backend", "one of auto, uni, ray",
                      self.executor_backend)
-            _require(not (self.executor_backend == "uni" and self.tensor_parallel_size > 1), "executor_backend",
-                     "'ray' or 'auto' when tensor_parallel_size > 1", self.executor_backend)
+            _require(not (self.executor_backend == "uni" and self.world_size > 1), "executor_backend",
+                     "'ray' or 'auto' when tensor_parallel_size or pipeline_parallel_size > 1", self.executor_backend)
+            if self.pipeline_parallel_size > 1:
+                _require(self.speculative_config is None, "speculative_config",
+                         "unset with pipeline_parallel_size > 1 (speculative decoding under pipeline parallelism "
+                         "is not built)", self.speculative_config)
             _require(self.engine_niceness is None
                      or (isinstance(self.engine_niceness, int) and 0 <= self.engine_niceness <= 19),
                      "engine_niceness", "None or an integer in [0, 19]", self.engine_niceness)
@@ -456,10 +466,15 @@ class EngineConfig:
 
     def kv_offloading_bytes_per_rank(self) -> int:
         """Each worker's share of the KV offloading tier (vLLM's --kv-offloading-size is the tier of
-        all tensor-parallel ranks together, in GiB); 0: off."""
+        all tensor-parallel ranks together, in GiB; a pipeline stage's ranks hold its layers' share); 0: off."""
         if not self.kv_offloading_size:
             return 0
-        return int(self.kv_offloading_size * 2**30 / self.tensor_parallel_size)
+        return int(self.kv_offloading_size * 2**30 / self.world_size)
+
+    @property
+    def world_size(self) -> int:
+        """The engine's workers: one per tensor-parallel rank of each pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def engine_name(self) -> str:

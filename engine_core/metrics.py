@@ -158,7 +158,8 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort", "error"):
             self.request_success[reason] = 0.0
         self.flags = {k: str(v) for k, v in scheduler_config.as_dict().items()} | {
-            "tensor_parallel_size": str(config.tensor_parallel_size), "block_size": str(config.block_size),
+            "tensor_parallel_size": str(config.tensor_parallel_size),
+            "pipeline_parallel_size": str(config.pipeline_parallel_size), "block_size": str(config.block_size),
             "enable_prefix_caching": str(config.enable_prefix_caching), "kv_cache_dtype": config.kv_cache_dtype}
         # vLLM's cache_config_info: the KV cache's settings as labels (value 1).
         self.cache_config = {"block_size": str(config.block_size), "cache_dtype": config.kv_cache_dtype,

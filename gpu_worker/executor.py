@@ -137,6 +137,13 @@ class _ExecutorBase(Executor):
                              "draft model (--speculative-config)")
         if draft is not None:
             check_model_reference(draft)  # (what the workers would refuse, found before they start)
+        pp = config.pipeline_parallel_size
+        if pp > 1 and (embeds_only or self.model_config.encoder_only or self.model_config.labels):
+            raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: pipeline parallelism "
+                             "serves generative decoders, not encoders, pooling-only or classifier models")
+        if pp > 1 and self.model_config.num_hidden_layers < pp:
+            raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: the model has only "
+                             f"{self.model_config.num_hidden_layers} layers to split into stages")
         if embeds_only and config.logits_processors:
             raise ValueError(f"engine {config.engine_index}: a pooling model samples nothing, so it takes no custom "
                              "logits processors (--logits-processors)")
@@ -430,7 +437,10 @@ def _free_port() -> int:
 
 
 class RayWorkerGroupExecutor(_ExecutorBase):
-    """One Worker actor per rank, placed in the placement group the engine runs in (bundle = rank)."""
+    """One Worker actor per rank (each tensor-parallel rank of each pipeline stage), placed in the
+    placement group the engine runs in (bundle = rank). Every pass goes to all of them at once: the
+    stages run one after the other, each handing its hidden states to the next, and the last
+    stage's TP rank 0 answers."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -450,18 +460,18 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         from gpu_worker.worker import RayWorker
 
         pg = ray.util.get_current_placement_group()
-        tp = self.config.tensor_parallel_size
+        tp, world = self.config.tensor_parallel_size, self.config.world_size
         num_cpus = self.config.num_cpus_per_worker
         use_gpu = engine_uses_gpu(self.config)
         actor_cls = ray.remote(RayWorker)
         workers = []
-        for rank in range(tp):
+        for rank in range(world):
             options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": 1 if use_gpu else 0,
                                        "resources": dict(self.config.resources_per_worker)}
             if pg is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             workers.append(actor_cls.options(**options).remote(
-                rank=rank, world_size=tp,
+                rank=rank, world_size=tp, pipeline_parallel_size=self.config.pipeline_parallel_size,
                 **_worker_kwargs(self.config, self.worker_model, self.max_model_len, max(1, int(num_cpus)),
                                  self.pooler_dense)))
         self.workers = workers
@@ -469,7 +479,7 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         # the thread that computes and the torch threads it starts.
         niceness = engine_niceness(self.config.engine_niceness, use_gpu)
         ray.get([w.__ray_call__.remote(lambda _w: lower_cpu_priority(niceness)) for w in workers])
-        if tp > 1:
+        if world > 1:
             master_addr = ray.get(workers[0].__ray_call__.remote(lambda _self: ray.util.get_node_ip_address()))
             master_port = ray.get(workers[0].__ray_call__.remote(lambda _self: _free_port()))
             ray.get([w.init_distributed.remote(master_addr, master_port) for w in workers])
@@ -526,7 +536,7 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         import ray
 
         ref = ray.put(scheduler_output)
-        out = self._run_all("execute_model", ref)[0]
+        out = self._run_all("execute_model", ref)[self.config.world_size - self.config.tensor_parallel_size]
         assert out is not None
         return out
 
@@ -572,7 +582,7 @@ def create_executor(config: EngineConfig) -> Executor:
     """The executor factory handed to the engine (engine_core never imports gpu_worker)."""
     backend = config.executor_backend
     if backend == "auto":
-        backend = "uni" if config.tensor_parallel_size == 1 else "ray"
+        backend = "uni" if config.world_size == 1 else "ray"
     if backend == "uni":
         return UniProcExecutor(config)
     return RayWorkerGroupExecutor(config)

@@ -23,6 +23,7 @@ from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.output import GrammarBitmask, SchedulerOutput
 from engine_core.sleep_mode import check_sleep, wake_up_tags
+from gpu_worker import distributed
 from gpu_worker.attn_metadata import AttentionMetadata, build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
@@ -74,6 +75,8 @@ class ModelRunner:
                  max_logprobs: int = 20, logits_processors: LogitsProcessorBatch | None = None,
                  logprobs_mode: str = "raw_logprobs") -> None:
         self.config = model_config
+        # Pipeline stages (gpu_worker.distributed): this runner runs its stage's layers.
+        self.pp_size = distributed.get_pp_world_size()
         self.device = torch.device(device)
         self.dtype = dtype
         # The KV cache's storage dtype (None: the model's); fp8 halves (bf16) or quarters (fp32) it.
@@ -309,10 +312,18 @@ class ModelRunner:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             if self.lora is not None:
                 self.lora.set_batch([0] * len(lens), qsl)
-            hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta)
+            intermediate = None
+            if self.pp_size > 1 and not distributed.is_first_stage():  # (what the previous stage would send)
+                intermediate = tuple(torch.zeros(num_tokens, self.config.hidden_size, dtype=self.dtype,
+                                                 device=self.device) for _ in range(2))
+            hidden = (self.model(input_ids, torch.from_numpy(positions).to(self.device), meta) if intermediate is None
+                      else self.model(input_ids, torch.from_numpy(positions).to(self.device), meta, None, intermediate))
+            if isinstance(hidden, tuple):  # (a stage before the last: no head)
+                hidden = None
             rows = min(self.max_num_seqs * (1 + self.num_spec_tokens), num_tokens)
             # (An embedding-only model has no head: the forward is its peak.)
-            logits = None if self.config.embedding_only else self.model.compute_logits(hidden[:rows])
+            logits = (None if self.config.embedding_only or hidden is None
+                      else self.model.compute_logits(hidden[:rows]))
             if logits is not None:
                 n = logits.shape[0]
                 md = SamplingMetadata(
@@ -372,6 +383,8 @@ class ModelRunner:
         num_drafts = (np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
                       if spec else None)
         hidden, sample_rows, last_rows = self._forward(states, num_sched, num_decodes)
+        if hidden is None:  # (a pipeline stage before the last: its hidden states went on to the next)
+            return ModelRunnerOutput([], {}, [], None)
         pooler_output = None
         if self.requests.embedding_ids:
             # (Only TP rank 0's output is read; the others only keep their states in step.)
@@ -676,10 +689,12 @@ class ModelRunner:
         return entries
 
     def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int
-                 ) -> tuple[torch.Tensor, list[int], np.ndarray]:
+                 ) -> tuple[torch.Tensor | None, list[int], np.ndarray]:
         """Run the model over this pass's tokens: every row's final hidden state, the indexes of the
         requests whose chunk reaches the end of what they know (they sample, or are embedded), and
-        each request's last row."""
+        each request's last row. Under pipeline parallelism this stage's layers run on what the
+        previous stage sent, and a stage before the last sends its output on and returns no hidden
+        states."""
         if self.config.encoder_only:
             return self._forward_encoder(states, num_sched)
         block_size = self.block_size
@@ -727,10 +742,35 @@ class ModelRunner:
             prompt_lens = np.fromiter((s.num_prompt_tokens for s in states), dtype=np.int64, count=num_reqs)
             positions = longrope_rows(positions, prompt_lens[req_index], self.rope_short_offset,
                                       self.rope_original_len)
+        positions_t = torch.from_numpy(positions).to(self.device)
+        last_rows = query_start_loc[1:] - 1
+        if self.pp_size > 1:
+            return self._forward_stage(input_ids_t, positions_t, meta, states, starts, ends, query_start_loc), \
+                sample_rows, last_rows
         inputs_embeds = self._inputs_embeds(input_ids_t, states, starts, ends, query_start_loc)
-        hidden = self.model(input_ids_t, torch.from_numpy(positions).to(self.device), meta,
+        hidden = self.model(input_ids_t, positions_t, meta,
                             **({} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}))
-        return hidden, sample_rows, query_start_loc[1:] - 1
+        return hidden, sample_rows, last_rows
+
+    def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       states: list[RequestState], starts: np.ndarray, ends: np.ndarray, query_start_loc: np.ndarray
+                       ) -> torch.Tensor | None:
+        """This pipeline stage's part of a pass: the first embeds the tokens, the others start from
+        the (hidden, residual) the previous stage sent; all but the last send theirs on."""
+        assert self.model is not None
+        intermediate = None
+        inputs_embeds = None
+        if distributed.is_first_stage():
+            inputs_embeds = self._inputs_embeds(input_ids, states, starts, ends, query_start_loc)
+        else:
+            shape = (input_ids.shape[0], self.config.hidden_size)
+            hidden, residual = distributed.recv_from_previous_stage(shape, self.dtype, self.device, 2)
+            intermediate = (hidden, residual)
+        out = self.model(input_ids, positions, meta, inputs_embeds, intermediate)
+        if distributed.is_last_stage():
+            return out
+        distributed.send_to_next_stage(list(out))
+        return None
 
     def _inputs_embeds(self, input_ids: torch.Tensor, states: list[RequestState], starts: np.ndarray,
                        ends: np.ndarray, query_start_loc: np.ndarray) -> torch.Tensor | None:

@@ -112,6 +112,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     # An embedding-only model has no head: a head its checkpoint carries is not read.
     headless = getattr(model, "lm_head", True) is None
+    # Under pipeline parallelism: the checkpoint names of the layers (and embedding, norm, head) that
+    # other stages hold.
+    pp_missing: tuple[str, ...] = getattr(model, "pp_missing_prefixes", ())
     # Checkpoints saved from transformers' bare decoder name its tensors without "model." (a head
     # keeps its name, loaded or not).
     top_level = {name.split(".", 1)[0] for name in params} | {"lm_head"}
@@ -147,6 +150,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
                     name, shard_id = hf_name.replace(f".{hf_part}.", f".{ours}."), shard
                     break
         param = params.get(name)
+        if param is None and hf_name.startswith(pp_missing):
+            continue  # (another pipeline stage's)
         if param is None:
             raise KeyError(f"checkpoint tensor {checkpoint_name!r} has no matching parameter in "
                            f"{type(model).__name__}")

@@ -1,4 +1,5 @@
-"""One tensor-parallel rank: owns a device, a model shard, its KV cache and a ModelRunner.
+"""One tensor-parallel rank of one pipeline stage: owns a device, a model shard (its stage's
+layers, split by width over the stage's ranks), their KV cache and a ModelRunner.
 
 A plain class so the engine can run it in-process or as a Ray actor (``ray.remote(Worker)``).
 Call order: ``init_distributed`` (TP > 1) -> ``load_model`` -> ``determine_num_blocks`` ->
@@ -98,9 +99,14 @@ class Worker:
                  pooler_dense: tuple[DenseProjection, ...] = (), max_logprobs: int = 20,
                  tokenizer: str | None = None, logits_processors: tuple[LogitsProcessorSpec, ...] = (),
                  draft_model: str | Path | None = None, kv_offloading_bytes: int = 0,
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs", pipeline_parallel_size: int = 1) -> None:
+        # ``rank``: over every stage's ranks (stage rank // world_size); ``world_size``: the
+        # tensor-parallel ranks of one stage.
         self.rank = rank
         self.world_size = world_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        if not 0 <= rank < world_size * pipeline_parallel_size:
+            raise ValueError(f"rank {rank} is not among the {world_size} x {pipeline_parallel_size} ranks")
         self.device = resolve_device(device, rank)
         if isinstance(model_path_or_config, ModelConfig):
             self.model_config = model_path_or_config
@@ -162,11 +168,24 @@ class Worker:
         torch.set_num_threads(max(1, int(num_cpus)))
 
     def init_distributed(self, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
-        distributed.init_distributed(self.rank, self.world_size, master_addr, master_port, device=self.device)
+        distributed.init_distributed(self.rank, self.world_size * self.pipeline_parallel_size, master_addr,
+                                     master_port, device=self.device, tp_size=self.world_size)
+
+    @property
+    def is_driver(self) -> bool:
+        """The rank whose pass output is the engine's: TP rank 0 of the last stage (it samples)."""
+        return self.rank == self.world_size * (self.pipeline_parallel_size - 1)
 
     def load_model(self) -> None:
-        if self.world_size > 1 and distributed.get_tp_world_size() != self.world_size:
-            raise RuntimeError("init_distributed() must come before load_model() when world_size > 1")
+        if (self.world_size * self.pipeline_parallel_size > 1
+                and (distributed.get_tp_world_size(), distributed.get_pp_world_size())
+                != (self.world_size, self.pipeline_parallel_size)):
+            raise RuntimeError("init_distributed() must come before load_model() with more than one rank")
+        if self.pipeline_parallel_size > 1:
+            config = self.model_config
+            if config.encoder_only or config.embedding_only or config.labels or self.draft_config is not None:
+                raise ValueError("pipeline parallelism serves generative decoders (not encoders, pooling-only or "
+                                 "classifier models, nor with a draft model)")
         self.runner = ModelRunner(self.model_config, self.device, self.dtype, self.max_model_len,
                                   self.max_num_seqs, self.max_num_batched_tokens, self.num_spec_tokens,
                                   self.max_lora_rank,
@@ -197,7 +216,7 @@ class Worker:
             model=str(self.model_dir) if self.model_dir is not None else "", vocab_size=self.model_config.vocab_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len or self.model_config.max_context_len)
-        return LogitsProcessorBatch(classes, context, self.device, holds_processors=self.rank == 0)
+        return LogitsProcessorBatch(classes, context, self.device, holds_processors=self.is_driver)
 
     def _runner(self) -> ModelRunner:
         if self.runner is None:
@@ -205,11 +224,19 @@ class Worker:
         return self.runner
 
     def bytes_per_block(self, block_size: int) -> int:
-        """A block's bytes on this rank: the model's KV cache, and the draft model's beside it."""
-        per_block = model_bytes_per_block(self.model_config, block_size, self.world_size, self.kv_cache_dtype)
+        """A block's bytes on this rank: its stage's layers' KV cache, and the draft model's beside it."""
+        per_block = model_bytes_per_block(self.model_config, block_size, self.world_size, self.kv_cache_dtype,
+                                          self._num_stage_layers())
         if self.draft_config is not None:
             per_block += model_bytes_per_block(self.draft_config, block_size, self.world_size, self.kv_cache_dtype)
         return per_block
+
+    def _num_stage_layers(self) -> int | None:
+        if self.pipeline_parallel_size == 1:
+            return None
+        start, end = distributed.pp_layer_range(self.model_config.num_hidden_layers, self.rank // self.world_size,
+                                                self.pipeline_parallel_size)
+        return end - start
 
     def determine_num_blocks(self, block_size: int, num_blocks: int | None = None,
                              kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9) -> int:
@@ -314,7 +341,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         out = self._runner().execute_model(scheduler_output)
-        return out if self.rank == 0 else None
+        return out if self.is_driver else None
 
     def _lora(self) -> LoRAManager:
         lora = self._runner().lora

@@ -87,6 +87,8 @@ class LoRAManager:
         self.layers = wrap_model(model, self.batch)
         self.packed: dict[str, tuple[str, int | str]] = dict(getattr(model, "packed_modules_mapping", {}))
         self.module_names = adapter_module_names(model)
+        # Under pipeline parallelism, the layers other stages hold (their adapter weights are theirs).
+        self.pp_missing_prefixes: tuple[str, ...] = tuple(getattr(model, "pp_missing_prefixes", ()))
         self.max_lora_rank = max_lora_rank
         self.device = device
         self.dtype = dtype
@@ -226,6 +228,8 @@ class LoRAManager:
             prefix, _, name = module.rpartition(".")
             fused, shard_id = self.packed.get(name, (name, None))
             path = f"{prefix}.{fused}" if prefix else fused
+            if path not in self.layers and f"{path}.".startswith(self.pp_missing_prefixes):
+                continue  # (a layer another pipeline stage holds: its own rank loads this part)
             if path not in self.layers:
                 if ".experts." in module:
                     raise ValueError(f"LoRA adapter {lora.lora_path}: it adapts the routed expert projection "

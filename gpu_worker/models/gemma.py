@@ -26,7 +26,7 @@ from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.layernorm import GemmaRMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, PipelineStage, PPMissingLayer
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
@@ -57,7 +57,9 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 class GemmaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage = PipelineStage(config)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.holds_embedding
+                             else PPMissingLayer())
         # sqrt(hidden_size) in the model's dtype, as transformers multiplies by it (55.4256 is 55.5 in bf16).
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5), persistent=False)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
@@ -65,18 +67,27 @@ class GemmaModel(nn.Module):
         self.local_rotary_emb = (None if config.local_rope_theta is None else
                                  RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
                                                  config.local_rope_theta))
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = stage.layers(config, GemmaDecoderLayer)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        # (Prompt embeddings come scaled, as transformers' embedding module gives them: see embed_input_ids.)
-        hidden = self.embed_tokens.forward(input_ids) * self.embed_scale if inputs_embeds is None else inputs_embeds
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaModel's (a pipeline stage's ``intermediate`` in, or out before the last stage)."""
+        if intermediate is None:
+            # (Prompt embeddings come scaled, as transformers' embedding module gives them: see embed_input_ids.)
+            hidden = (self.embed_tokens.forward(input_ids) * self.embed_scale if inputs_embeds is None
+                      else inputs_embeds)
+            residual = None
+        else:
+            hidden, residual = intermediate
         rope = self.rotary_emb.cos_sin(positions)
         local = rope if self.local_rotary_emb is None else self.local_rotary_emb.cos_sin(positions)
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.stage.start:self.stage.end]:
             hidden, residual = layer.forward(local if layer.local_rope else rope, hidden, residual, meta)
+        if not self.stage.last:
+            return hidden, residual
         hidden, _ = self.norm.forward(hidden, residual)
         return hidden
 

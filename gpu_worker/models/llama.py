@@ -150,25 +150,65 @@ class LlamaDecoderLayer(nn.Module):
         return self.self_attn.forward(rope, hidden, meta), residual
 
 
+class PPMissingLayer(nn.Identity):
+    """A decoder layer (or the embedding, norm or head) another pipeline stage holds: no weights,
+    never run; it keeps the layers' indices, so parameter names match the checkpoint's."""
+
+
+class PipelineStage:
+    """What a pipeline stage of a decoder holds: layers [start, end), the embedding on the first
+    stage, the final norm and LM head on the last (and the embedding there too when the head is
+    tied to it: the head's weights are the embedding's). One stage holds everything."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.start, self.end = distributed.pp_layer_range(config.num_hidden_layers)
+        self.first, self.last = distributed.is_first_stage(), distributed.is_last_stage()
+        self.holds_embedding = self.first or (self.last and config.tie_word_embeddings)
+
+    def layers(self, config: ModelConfig, layer_class: type[nn.Module]) -> nn.ModuleList:
+        return nn.ModuleList(layer_class(config, i) if self.start <= i < self.end else PPMissingLayer()
+                             for i in range(config.num_hidden_layers))
+
+    def missing_prefixes(self, config: ModelConfig) -> tuple[str, ...]:
+        """Checkpoint names this stage does not load (they belong to other stages)."""
+        missing = [f"model.layers.{i}." for i in range(config.num_hidden_layers) if not self.start <= i < self.end]
+        if not self.holds_embedding:
+            missing.append("model.embed_tokens.")
+        if not self.last:
+            missing += ["model.norm.", "lm_head."]
+        return tuple(missing)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage = PipelineStage(config)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.holds_embedding
+                             else PPMissingLayer())
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
                                           config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = stage.layers(config, LlamaDecoderLayer)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``positions``: each token's row of the rotary table (its position, except for LongRoPE's
         short-factor rows: see layers.rotary). ``inputs_embeds``: the rows to run instead of the
-        tokens' (prompt embeddings)."""
-        hidden = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
+        tokens' (prompt embeddings). Under pipeline parallelism a stage after the first starts from
+        the previous stage's ``intermediate`` (hidden, residual), and a stage before the last
+        returns its own instead of the final hidden states."""
+        if intermediate is None:
+            hidden = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
+        else:
+            hidden, residual = intermediate
         rope = self.rotary_emb.cos_sin(positions)
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.stage.start:self.stage.end]:
             hidden, residual = layer.forward(rope, hidden, residual, meta)
+        if not self.stage.last:
+            return hidden, residual
         hidden, _ = self.norm.forward(hidden, residual)
         return hidden
 
@@ -189,8 +229,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_class(config)
-        # An embedding-only model has no head (its checkpoint may carry one: it is not loaded).
-        self.lm_head = None if config.embedding_only else ParallelLMHead(config.vocab_size, config.hidden_size)
+        stage: PipelineStage = self.model.stage
+        # Checkpoint tensors of other pipeline stages' layers: not loaded here (weights.load_weights).
+        self.pp_missing_prefixes = stage.missing_prefixes(config)
+        # An embedding-only model has no head (its checkpoint may carry one: it is not loaded); nor has
+        # a pipeline stage before the last.
+        self.lm_head = (None if config.embedding_only or not stage.last
+                        else ParallelLMHead(config.vocab_size, config.hidden_size))
         if config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
         # A classifier's head (transformers' *ForSequenceClassification / *ForTokenClassification
@@ -199,8 +244,12 @@ class LlamaForCausalLM(nn.Module):
         self.score = _score_head(config) if config.labels else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.forward(input_ids, positions, meta, inputs_embeds)
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if intermediate is None:
+            return self.model.forward(input_ids, positions, meta, inputs_embeds)
+        return self.model.forward(input_ids, positions, meta, inputs_embeds, intermediate)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows the first layer takes for ``input_ids`` (what transformers' ``get_input_embeddings()``
@@ -222,7 +271,10 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         """The layers reading the paged KV cache (none when run as an encoder)."""
-        return [] if self.config.encoder_only else [layer.self_attn.attn for layer in self.model.layers]
+        if self.config.encoder_only:
+            return []
+        stage = self.model.stage
+        return [layer.self_attn.attn for layer in self.model.layers[stage.start:stage.end]]
 
 
 def _score_head(config: ModelConfig) -> nn.Module:

@@ -69,6 +69,7 @@ def test_the_access_log_is_on_unless_disabled():
     (["--enable-responses-store", "--responses-store-max-entries", "0"], {},
      "--responses-store-max-entries: Input should be greater than or equal to 1"),
     (["--stream-interval", "0"], {}, "--stream-interval: Input should be greater than or equal to 1"),
+    (["-pp", "0"], {}, "--pipeline-parallel-size: Input should be greater than or equal to 1"),
     (["--extra-models", "{file}"], {"file": "model: x\n"}, "expected a YAML list of model mappings"),
     (["--extra-models", "{file}"], {"file": "- {model: x, num_engine: 2}\n"}, "model 0: num_engine"),
     (["--served-model-name", "tiny", "--extra-models", "{file}"], {"file": "- {model: x, served_model_name: tiny}\n"},
@@ -84,7 +85,6 @@ def test_the_access_log_is_on_unless_disabled():
     # vLLM's flags for what is not built here: refused with why.
     (["--revision", "main"], {}, "--revision: models are local directories"),
     (["-q", "fp8"], {}, "-q: a checkpoint's own quantization"),
-    (["--pipeline-parallel-size=2"], {}, "--pipeline-parallel-size: pipeline parallelism is not built"),
     (["--ssl-keyfile", "k.pem"], {}, "--ssl-keyfile: TLS ends in front of Ray Serve's proxy"),
     (["--kv-transfer-config", '{{"kv_connector": "OffloadingConnector"}}'], {}, "pass --kv-offloading-size GIB"),
     (["/models/a", "--model", "/models/b"], {}, "two models: '/models/a' and --model '/models/b'"),
@@ -425,6 +425,32 @@ def test_expert_parallelism_reaches_the_engines_workers(tmp_path):
     assert _worker_kwargs(engines[0], tmp_path, 128, 1)["enable_expert_parallel"] is True
 
 
+def test_pipeline_parallel_size_reaches_every_engine_and_multiplies_its_workers(tmp_path):
+    """--pipeline-parallel-size / -pp (vLLM's flags): each engine's layers in that many stages, each
+    a tensor-parallel group, so TP x PP workers per engine; serve and run-batch take it alike."""
+    for flags in (["--pipeline-parallel-size", "2"], ["-pp", "2"], ["--pipeline-parallel-size=2"]):
+        engines = _config("--num-engines", "2", "-tp", "2", *flags).engine_configs()
+        assert [(e.pipeline_parallel_size, e.tensor_parallel_size, e.world_size) for e in engines] == [(2, 2, 4)] * 2
+    assert (_config().engine_configs()[0].pipeline_parallel_size, _config().engine_configs()[0].world_size) == (1, 1)
+    batch = build_parser().parse_args(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "-pp", "3"])
+    assert cluster_config_from_args(batch).engine_configs()[0].pipeline_parallel_size == 3
+    # Per engine, over the flag.
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {pipeline_parallel_size: 1}\n")
+    engines = _config("--num-engines", "2", "-pp", "2", "--engine-config", str(overrides)).engine_configs()
+    assert [e.pipeline_parallel_size for e in engines] == [2, 1]
+    # Speculative decoding is not built under pipeline parallelism.
+    with pytest.raises(ValueError, match="engine 0: speculative_config must be unset with pipeline_parallel_size"):
+        _config("-pp", "2", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'
+                ).engine_configs()
+    # Engines that hand KV to each other split their layers alike: rank i hands its layers to rank i.
+    with pytest.raises(ValueError, match="pipeline_parallel_size, dtype, kv_cache_dtype and device must be the same"):
+        _config("--num-engines", "2", "--num-prefill-engines", "1", "-pp", "2", "--engine-config", str(overrides)
+                ).engine_configs()
+    assert [e.pipeline_parallel_size for e in _config("--num-engines", "2", "--num-prefill-engines", "1", "-pp", "2"
+                                                      ).engine_configs()] == [2, 2]
+
+
 def test_runner_and_pooler_config_reach_the_engines(tmp_path):
     """--runner pooling and --pooler-config (vLLM's flags) reach every engine of the model."""
     from gpu_worker.executor import _worker_kwargs
@@ -749,7 +775,7 @@ def test_vllm_serve_command_lines_are_read_as_vllm_reads_them(capsys):
     argv, warnings = vllm_command_line(["serve", "/models/a", "--max_model_len=32K", "--enforce-eager", "--swap-space",
                                         "4", "-pp", "1", "--tokenizer-mode", "auto", "-O3", "--no-enforce-eager",
                                         "--seed", "-1"])
-    assert argv == ["serve", "/models/a", "--max-model-len=32K", "--seed", "-1"]
+    assert argv == ["serve", "/models/a", "--max-model-len=32K", "-pp", "1", "--seed", "-1"]  # (-pp: a flag here)
     assert [w.split(" has no effect here:")[0] for w in warnings] == ["--enforce-eager", "--swap-space", "-O",
                                                                       "--enforce-eager"]
     config = _config("/models/a", "-tp", "2", "-dp", "3", "--no-enable-prefix-caching", "--api-key", "k1", "k2",

@@ -106,6 +106,43 @@ def test_killing_a_worker_errors_in_flight_requests_then_the_engine_recovers(ray
         stop_engines([engine])
 
 
+def test_an_engine_of_two_pipeline_stages_serves_http_and_comes_back_after_a_stage_dies(ray_cluster,
+                                                                                         tiny_model_dir):
+    """-pp 2 behind the router: the openai client gets transformers' greedy answer; a dead worker of
+    the last stage (the first blocks waiting to hand it a pass) fails what was in flight, and the
+    engine starts both stages again."""
+    import openai
+    import ray
+
+    from tests.cluster.test_llm import hf_greedy
+    from tests.serve_cluster import serve_cluster
+
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 3, "Berlin is the capital of Germany. Paris is"]
+    expected = hf_greedy(tiny_model_dir, prompts, 12)
+    config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=1, defaults=EngineSpec(
+        num_gpu_blocks=64, max_model_len=256, pipeline_parallel_size=2, num_cpus_per_worker=0.5))
+    with serve_cluster(config) as served:
+        client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def answers() -> list[list[int]]:
+            out = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0, logprobs=0,
+                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            return [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens]
+                    for c in sorted(out.choices, key=lambda c: c.index)]
+
+        assert answers() == expected
+        actor = served.engines[0].actor
+        workers = ray.get(actor.__ray_call__.remote(lambda self: self.service.engine.executor.workers))
+        assert len(workers) == 2
+        ray.get(actor.add_request.remote(_request("k", 5000)))
+        time.sleep(1.0)
+        ray.kill(workers[1], no_restart=True)
+        assert {f.finish_reason.name for f in _collect(actor, ["k"], timeout_s=30).values()} == {"ERROR"}
+        wait_until_healthy(actor)
+        assert answers() == expected
+        assert served.stats()[0].num_free_blocks == 64
+
+
 def _pid(actor) -> int:
     import os
 

@@ -482,6 +482,21 @@ def test_bad_scheduler_flag_names_the_flag_and_engine(tiny_model_dir):
         LLM(model=str(tiny_model_dir), num_engines=2, engine_overrides=[{"engine_niceness": 20}, {}])
 
 
+def test_pipeline_parallel_size_reaches_the_engines_which_run_on_ray(tiny_model_dir, monkeypatch):
+    """vLLM's pipeline_parallel_size is an argument like tensor_parallel_size: TP x PP workers per
+    engine, on Ray (the launcher stubbed: no engine starts)."""
+    import cluster.launcher
+
+    started = []
+    monkeypatch.setattr(cluster.launcher, "ensure_ray", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cluster.launcher, "start_engines", lambda configs, namespace: started.extend(configs) or [])
+    llm = LLM(model=str(tiny_model_dir), tensor_parallel_size=2, pipeline_parallel_size=2, num_gpu_blocks=16)
+    llm.shutdown()
+    assert llm.use_ray and [(c.pipeline_parallel_size, c.world_size) for c in started] == [(2, 4)]
+    with pytest.raises(ValueError, match="engine 0: executor_backend must be 'ray' or 'auto' when"):
+        LLM(model=str(tiny_model_dir), pipeline_parallel_size=2, executor_backend="uni")
+
+
 @pytest.mark.slow
 def test_smollm2_answers_paris(smollm2_dir):
     llm = LLM(model="SmolLM2-135M-Instruct", num_gpu_blocks=256, max_model_len=2048)

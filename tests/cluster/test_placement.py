@@ -16,9 +16,10 @@ from cluster.config import ClusterConfig, EngineSpec
 from cluster.launcher import InsufficientResourcesError, check_local_capacity, wait_until_placed
 
 
-def _engines(num_engines: int, tensor_parallel_size: int, cpus: float):
+def _engines(num_engines: int, tensor_parallel_size: int, cpus: float, pipeline_parallel_size: int = 1):
     return ClusterConfig(num_engines=num_engines, defaults=EngineSpec(
-        tensor_parallel_size=tensor_parallel_size, num_cpus_per_worker=cpus, device="cpu")).engine_configs()
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        num_cpus_per_worker=cpus, device="cpu")).engine_configs()
 
 
 def test_a_demand_beyond_the_local_node_is_refused_with_what_is_short(ray_cluster):
@@ -27,6 +28,23 @@ def test_a_demand_beyond_the_local_node_is_refused_with_what_is_short(ray_cluste
         check_local_capacity(_engines(3, 2, 1.0))
     assert "need 6 CPU (this Ray has 4)" in str(error.value)
     assert "--num-cpus-per-worker" in str(error.value)
+
+
+def test_pipeline_stages_multiply_an_engines_bundles(ray_cluster):
+    """One bundle per worker: a tensor-parallel rank of each pipeline stage (TP x PP)."""
+    check_local_capacity(_engines(1, 2, 1.0, pipeline_parallel_size=2))  # 4 of the 4 CPUs: fits
+    with pytest.raises(InsufficientResourcesError) as error:
+        check_local_capacity(_engines(1, 2, 1.0, pipeline_parallel_size=3))
+    assert "need 6 CPU (this Ray has 4)" in str(error.value)
+    assert "--pipeline-parallel-size" in str(error.value)
+
+
+def test_an_engine_with_several_workers_runs_them_as_ray_actors():
+    from cluster.launcher import resolve_backend
+
+    [single] = _engines(1, 1, 1.0)
+    [staged] = _engines(1, 1, 1.0, pipeline_parallel_size=2)
+    assert (resolve_backend(single), resolve_backend(staged)) == ("uni", "ray")
 
 
 def test_the_kv_offloading_tier_reserves_its_host_memory_per_rank(ray_cluster):
@@ -81,5 +99,6 @@ def test_the_cli_refuses_more_engines_than_its_local_ray_can_hold(tiny_model_dir
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("llm-cluster: ")]
     assert lines == ["llm-cluster: the 3 engine(s) need 3 CPU (this Ray has 2): each engine reserves one bundle "
-                     "per tensor-parallel rank; lower --num-engines (or engine autoscaling's max_engines), "
-                     "--tensor-parallel-size or --num-cpus-per-worker, or give Ray more (--num-cpus)"]
+                     "per worker (tensor-parallel rank of each pipeline stage); lower --num-engines (or engine "
+                     "autoscaling's max_engines), --tensor-parallel-size, --pipeline-parallel-size or "
+                     "--num-cpus-per-worker, or give Ray more (--num-cpus)"]

@@ -1,0 +1,166 @@
+"""Pipeline parallelism: layers split into stages, each stage's workers holding only theirs, and
+engines of several stages (of one or two tensor-parallel ranks each, as Ray worker actors) answering
+exactly as one worker does."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from engine_core.config import EngineConfig, SchedulerConfig
+from engine_core.outputs import EngineCoreRequest
+from engine_core.sampling_params import SamplingParams
+from gpu_worker import distributed
+from gpu_worker.config import ModelConfig
+from gpu_worker.models import build_model
+from gpu_worker.weights import iter_safetensors, load_weights
+from tests.tiny_model import build_tiny_llama
+
+
+def test_layers_split_evenly_with_the_rest_before_the_last_stage():
+    assert [distributed.pp_layer_range(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [distributed.pp_layer_range(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [distributed.pp_layer_range(8, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 8)]
+    assert [distributed.pp_layer_range(3, r, 3) for r in range(3)] == [(0, 1), (1, 2), (2, 3)]
+    assert distributed.pp_layer_range(7, 0, 1) == (0, 7)
+    with pytest.raises(ValueError, match="fewer than pipeline_parallel_size"):
+        distributed.pp_layer_range(2, 0, 3)
+
+
+@pytest.fixture
+def stage():
+    """Act as one stage of a pipeline (no process group: construction and loading only)."""
+    def enter(pp_rank: int, pp_size: int) -> None:
+        distributed._group = distributed.TPGroup(pp_rank=pp_rank, pp_size=pp_size)
+
+    yield enter
+    distributed._group = distributed.TPGroup()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_each_stage_builds_and_loads_only_its_layers(tmp_path, stage, tie):
+    model_dir = build_tiny_llama(tmp_path, num_layers=3, tie=tie)
+    config = ModelConfig.from_pretrained(model_dir)
+    names = []
+    for pp_rank in range(2):
+        stage(pp_rank, 2)
+        model = build_model(config)
+        load_weights(model, iter_safetensors(model_dir))  # (raises on a tensor it cannot place or one it lacks)
+        names.append({name for name, _ in model.named_parameters()})
+        assert len(model.attention_layers()) == (2, 1)[pp_rank]
+    first, last = names
+    assert {n.split(".")[2] for n in first if n.startswith("model.layers.")} == {"0", "1"}
+    assert {n.split(".")[2] for n in last if n.startswith("model.layers.")} == {"2"}
+    assert "model.embed_tokens.weight" in first and not any(n.startswith(("model.norm.", "lm_head.")) for n in first)
+    assert "model.norm.weight" in last
+    # The last stage's head: its own weights, or (tied) the embedding's, which it then holds too.
+    assert ("model.embed_tokens.weight" in last) == tie and ("lm_head.weight" in last) != tie
+    # Together the stages hold every parameter of the whole model, once.
+    stage(0, 1)
+    whole = {name for name, _ in build_model(config).named_parameters()}
+    assert first | last == whole and (not (first & last) or tie)
+
+
+# -- engines of several stages on Ray ------------------------------------------------------------
+
+
+def _engine(model_dir, **overrides: Any):
+    from engine_core.engine_core import EngineCore
+    from gpu_worker.executor import create_executor
+
+    config = EngineConfig(model=str(model_dir), num_gpu_blocks=48, num_cpus_per_worker=0.5,
+                          scheduler=SchedulerConfig(max_model_len=256, max_num_batched_tokens=64), **overrides)
+    return EngineCore(config, create_executor(config))
+
+
+def _run(engine, requests: list[EngineCoreRequest], timeout: float = 120.0) -> dict[str, dict[str, Any]]:
+    for request in requests:
+        engine.add_request(request)
+    results: dict[str, dict[str, Any]] = {r.request_id: {"tokens": [], "logprobs": []} for r in requests}
+    deadline = time.monotonic() + timeout
+    while any("finish" not in r for r in results.values()) and time.monotonic() < deadline:
+        for eco in engine.step().values():
+            for out in eco.outputs:
+                result = results[out.request_id]
+                result["tokens"] += out.new_token_ids
+                if out.new_logprobs is not None:
+                    result["logprobs"] += out.new_logprobs.sampled_logprobs
+                if out.finish_reason is not None:
+                    result["finish"] = out.finish_reason
+    return results
+
+
+def _requests() -> list[EngineCoreRequest]:
+    """Greedy and seeded requests together; prompts longer than a pass's token budget (chunked)."""
+    prompts = [[(7 * i + 3 * k) % 200 + 5 for i in range(n)] for k, n in enumerate((90, 23, 5, 150))]
+    return [EngineCoreRequest(request_id=f"r{k}", prompt_token_ids=prompt,
+                              sampling_params=SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0,
+                                                             **({"temperature": 0.0} if k % 2 == 0 else
+                                                                {"temperature": 0.8, "seed": k})))
+            for k, prompt in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("tp,pp,num_layers,tie", [(1, 2, 3, True), (2, 2, 4, False)])
+def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp_path, tp, pp, num_layers, tie):
+    model_dir = build_tiny_llama(tmp_path, num_layers=num_layers, tie=tie)
+    single = _engine(model_dir)
+    try:
+        expected = _run(single, _requests())
+    finally:
+        single.shutdown()
+    staged = _engine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        assert len(staged.executor.workers) == tp * pp
+        got = _run(staged, _requests())
+        for rid, want in expected.items():
+            assert got[rid]["tokens"] == want["tokens"] and len(want["tokens"]) == 12, rid
+            assert got[rid]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4), rid
+        # Every block went back to the pool.
+        assert staged.stats().num_free_blocks == 48
+    finally:
+        staged.shutdown()
+
+
+def test_a_worker_refuses_what_pipeline_stages_do_not_serve(tmp_path):
+    from gpu_worker.worker import Worker
+    from tests.tiny_model import build_tiny_embedder
+
+    with pytest.raises(ValueError, match="not among"):
+        Worker(rank=2, world_size=1, model_path_or_config=build_tiny_llama(tmp_path / "m"), device="cpu",
+               pipeline_parallel_size=2)
+    worker = Worker(rank=0, world_size=1, model_path_or_config=build_tiny_embedder(tmp_path / "e"), device="cpu",
+                    pipeline_parallel_size=2)
+    distributed._group = distributed.TPGroup(pp_rank=0, pp_size=2)
+    try:
+        with pytest.raises(ValueError, match="pipeline parallelism serves generative decoders"):
+            worker.load_model()
+    finally:
+        distributed._group = distributed.TPGroup()
+
+
+def test_an_engine_refuses_stages_its_model_cannot_have(ray_cluster, tmp_path):
+    from gpu_worker.executor import create_executor
+    from tests.tiny_model import build_tiny_embedder
+
+    for model_dir, pp, message in ((build_tiny_llama(tmp_path / "m"), 3, "has only 2 layers"),
+                                   (build_tiny_embedder(tmp_path / "e"), 2, "serves generative decoders")):
+        with pytest.raises(ValueError, match=message):
+            create_executor(EngineConfig(model=str(model_dir), num_gpu_blocks=8, pipeline_parallel_size=pp))
+
+
+def test_an_adapter_on_an_engine_of_two_stages_answers_as_peft_does(ray_cluster, tiny_model_dir, tmp_path):
+    """Each stage loads its own layers' part of a LoRA adapter (the offline LLM, on Ray)."""
+    from cluster import LLM, LoRARequest
+    from cluster import SamplingParams as OfflineSamplingParams
+    from tests.lora_adapters import peft_greedy, save_adapter
+
+    prompts = ["Hello world", "Paris is the capital of"]
+    adapter = save_adapter(tiny_model_dir, tmp_path / "a", seed=5)
+    expected = peft_greedy(tiny_model_dir, prompts, 8, seed=5)
+    with LLM(model=str(tiny_model_dir), pipeline_parallel_size=2, num_gpu_blocks=64, enable_lora=True,
+             max_model_len=256, num_cpus_per_worker=0.5) as llm:
+        outs = llm.generate(prompts, OfflineSamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapter)))
+    assert [o.outputs[0].token_ids for o in outs] == expected
