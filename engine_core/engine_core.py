@@ -6,6 +6,7 @@ A pass is exactly the seed's order: ``schedule()`` -> ``executor.execute_model()
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -160,6 +161,11 @@ class EngineCore:
             self.scheduler.num_lookahead_tokens = self.model_drafts_k
         self.last_stats = SchedulerStats()
         self.num_steps = 0
+        # Passes in flight, oldest first (with their grammar failures), where the executor takes more
+        # than one at a time (pipeline stages): see _step_pipelined.
+        self._max_batches = max(1, int(getattr(executor, "max_concurrent_batches", 1)))
+        self._batch_queue: collections.deque[tuple[SchedulerOutput, list[tuple[str, str]],
+                                                   concurrent.futures.Future[ModelRunnerOutput]]] = collections.deque()
         # The last pass scheduled and produced nothing (paused, or nothing admissible yet).
         self.last_step_idle = False
         # Sleep mode: what the workers have released ("weights", "kv_cache"), and at which level.
@@ -694,27 +700,72 @@ class EngineCore:
         return self.num_in_flight_requests()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+        return (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+                or bool(self._batch_queue))
 
     # -- the pass -------------------------------------------------------------------------------
 
     def step(self) -> dict[int, EngineCoreOutputs]:
-        """One pass. Raises whatever the executor raises (the caller fails the requests)."""
+        """One pass. Raises whatever the executor raises (the caller fails the requests). Where the
+        workers are a pipeline, passes overlap: see _step_pipelined."""
+        if self._max_batches > 1:
+            return self._step_pipelined()
+        scheduler_output, failed = self._schedule_pass()
+        if self._has_worker_work(scheduler_output):
+            model_output = self.executor.execute_model(scheduler_output)
+        else:
+            model_output = _EMPTY_MODEL_OUTPUT
+        return self._finish_pass(scheduler_output, model_output, failed)
+
+    def _step_pipelined(self) -> dict[int, EngineCoreOutputs]:
+        """vLLM's step_with_batch_queue: schedule a pass and start it without waiting while fewer
+        than max_concurrent_batches are in flight (a request in flight has nothing new to schedule
+        until its output is in, so the next pass holds other requests, or a prompt's next chunk);
+        then wait for the oldest and take its output. Outputs are taken in the order passes were
+        scheduled."""
+        queue = self._batch_queue
+        scheduled_tokens = False
+        if len(queue) < self._max_batches:
+            scheduler_output, failed = self._schedule_pass()
+            if scheduler_output.total_num_scheduled_tokens:
+                queue.append((scheduler_output, failed, self.executor.execute_model_async(scheduler_output)))
+                scheduled_tokens = True
+            elif self._has_worker_work(scheduler_output) or failed or not queue:
+                # (Nothing to overlap: the workers' bookkeeping, if any, queues behind the passes in
+                # flight. An empty pass beside passes in flight is dropped, as vLLM drops it: else
+                # every step would queue another and the queue never drain.)
+                future: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
+                future.set_result(self.executor.execute_model(scheduler_output)
+                                  if self._has_worker_work(scheduler_output) else _EMPTY_MODEL_OUTPUT)
+                queue.append((scheduler_output, failed, future))
+            if scheduled_tokens and len(queue) < self._max_batches:
+                self.last_step_idle = False
+                return {}
+        scheduler_output, failed, future = queue.popleft()
+        return self._finish_pass(scheduler_output, future.result(), failed)
+
+    @staticmethod
+    def _has_worker_work(scheduler_output: SchedulerOutput) -> bool:
+        # (A pass may schedule nothing yet copy blocks: an admission for remote KV can evict cached
+        # blocks, which KV offloading saves to its host tier now, before they are overwritten.)
+        return bool(scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
+                    or scheduler_output.preempted_req_ids or scheduler_output.kv_offload_stores
+                    or scheduler_output.kv_offload_loads)
+
+    def _schedule_pass(self) -> tuple[SchedulerOutput, list[tuple[str, str]]]:
+        """The first half of a pass: what runs, with its grammars' bitmask (and the requests whose
+        grammar failed)."""
         self._promote_compiled_grammars()
         if self.kv_connector is not None:
             self._apply_kv_loads()
         scheduler_output = self.scheduler.schedule()
         if self.kv_connector is not None:
             self._start_kv_loads()
-        failed = self._attach_grammar_bitmask(scheduler_output)
-        # (A pass may schedule nothing yet copy blocks: an admission for remote KV can evict cached
-        # blocks, which KV offloading saves to its host tier now, before they are overwritten.)
-        if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
-                or scheduler_output.preempted_req_ids or scheduler_output.kv_offload_stores
-                or scheduler_output.kv_offload_loads):
-            model_output = self.executor.execute_model(scheduler_output)
-        else:
-            model_output = _EMPTY_MODEL_OUTPUT
+        return scheduler_output, self._attach_grammar_bitmask(scheduler_output)
+
+    def _finish_pass(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
+                     failed: list[tuple[str, str]]) -> dict[int, EngineCoreOutputs]:
+        """The second half: the workers' output applied to the requests."""
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.kv_housekeeping()
         # (The grammars first: a structured request's drafts are checked against its grammar as of
@@ -726,7 +777,8 @@ class EngineCore:
         self._update_drafts(model_output)
         for request_id, message in failed:
             self._fail_request(outputs, request_id, message)
-        self.last_step_idle = model_output is _EMPTY_MODEL_OUTPUT and not any(eco.outputs for eco in outputs.values())
+        self.last_step_idle = (model_output is _EMPTY_MODEL_OUTPUT and not self._batch_queue
+                               and not any(eco.outputs for eco in outputs.values()))
         self.num_steps += 1
         now = time.time()
         totals = self._totals
@@ -850,6 +902,7 @@ class EngineCore:
 
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""
+        self._batch_queue.clear()  # (passes in flight went down with the workers)
         requests = list(self.scheduler.requests.values())
         self.scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ERROR)
         outputs: dict[int, EngineCoreOutputs] = {}

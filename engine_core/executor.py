@@ -6,6 +6,7 @@ factory, so engine_core never imports gpu_worker.
 
 from __future__ import annotations
 
+import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -199,6 +200,20 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    # How many passes may be in flight at once (vLLM's max_concurrent_batches): more than one where
+    # the workers are a pipeline, so each stage works on a pass while the next stage runs the one
+    # before it.
+    max_concurrent_batches: int = 1
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> concurrent.futures.Future[ModelRunnerOutput]:
+        """Start a pass; its output once done. (Default: run it now.)"""
+        future: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
+        try:
+            future.set_result(self.execute_model(scheduler_output))
+        except Exception as e:
+            future.set_exception(e)
+        return future
 
     @abstractmethod
     def check_health(self) -> None:

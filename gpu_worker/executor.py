@@ -8,12 +8,14 @@ rank 0's ``ModelRunnerOutput``; a rank that dies surfaces as an exception within
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import json
 import logging
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -536,9 +538,48 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         import ray
 
         ref = ray.put(scheduler_output)
-        out = self._run_all("execute_model", ref)[self.config.world_size - self.config.tensor_parallel_size]
+        out = self._run_all("execute_model", ref)[self._driver_rank]
         assert out is not None
         return out
+
+    @property
+    def _driver_rank(self) -> int:
+        """The worker whose output is the pass's: TP rank 0 of the last pipeline stage."""
+        return self.config.world_size - self.config.tensor_parallel_size
+
+    @property
+    def max_concurrent_batches(self) -> int:  # type: ignore[override]
+        return self.config.pipeline_parallel_size
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> concurrent.futures.Future[ModelRunnerOutput]:
+        """Send a pass to every worker without waiting: each runs its calls in order, so a stage
+        starts the next pass as soon as it handed this one on. The future fails as soon as any rank
+        fails (a stage waiting for a dead one would never answer)."""
+        import ray
+
+        ref = ray.put(scheduler_output)
+        futures = [w.execute_model.remote(ref).future() for w in self.workers]
+        result: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def done(future: concurrent.futures.Future[Any]) -> None:
+            error = future.exception()
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+                if result.done():
+                    return
+                if error is not None:
+                    result.set_exception(error)
+                elif last:
+                    output = futures[self._driver_rank].result()
+                    assert output is not None
+                    result.set_result(output)
+
+        for future in futures:
+            future.add_done_callback(done)
+        return result
 
     def check_health(self) -> None:
         import ray

@@ -66,11 +66,11 @@ def test_each_stage_builds_and_loads_only_its_layers(tmp_path, stage, tie):
 # -- engines of several stages on Ray ------------------------------------------------------------
 
 
-def _engine(model_dir, **overrides: Any):
+def _engine(model_dir, num_gpu_blocks: int = 48, **overrides: Any):
     from engine_core.engine_core import EngineCore
     from gpu_worker.executor import create_executor
 
-    config = EngineConfig(model=str(model_dir), num_gpu_blocks=48, num_cpus_per_worker=0.5,
+    config = EngineConfig(model=str(model_dir), num_gpu_blocks=num_gpu_blocks, num_cpus_per_worker=0.5,
                           scheduler=SchedulerConfig(max_model_len=256, max_num_batched_tokens=64), **overrides)
     return EngineCore(config, create_executor(config))
 
@@ -102,23 +102,41 @@ def _requests() -> list[EngineCoreRequest]:
             for k, prompt in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("tp,pp,num_layers,tie", [(1, 2, 3, True), (2, 2, 4, False)])
-def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp_path, tp, pp, num_layers, tie):
+@pytest.mark.parametrize("tp,pp,num_layers,tie,blocks", [(1, 2, 3, True, 16), (2, 2, 4, False, 48)])
+def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp_path, tp, pp, num_layers, tie,
+                                                                blocks):
+    """Passes overlap (one in each stage at once), through chunked prefills and, with 16 blocks,
+    preemptions of requests whose pass is still in flight."""
     model_dir = build_tiny_llama(tmp_path, num_layers=num_layers, tie=tie)
-    single = _engine(model_dir)
+    single = _engine(model_dir, blocks)
     try:
         expected = _run(single, _requests())
     finally:
         single.shutdown()
-    staged = _engine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    staged = _engine(model_dir, blocks, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    in_flight: list[int] = []
+    start = staged.executor.execute_model_async
+
+    def counted(scheduler_output):
+        future = start(scheduler_output)
+        in_flight.append(len(staged._batch_queue) + 1)
+        return future
+
+    staged.executor.execute_model_async = counted
     try:
         assert len(staged.executor.workers) == tp * pp
         got = _run(staged, _requests())
         for rid, want in expected.items():
             assert got[rid]["tokens"] == want["tokens"] and len(want["tokens"]) == 12, rid
             assert got[rid]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4), rid
-        # Every block went back to the pool.
-        assert staged.stats().num_free_blocks == 48
+        assert max(in_flight) == pp
+        if blocks == 16:
+            assert staged.stats().num_preemptions > 0, "16 blocks were meant to force preemptions"
+        # The engine steps on while passes are in flight (the last tells the workers who finished),
+        # then has nothing left; every block went back to the pool.
+        while staged.has_work():
+            staged.step()
+        assert staged.stats().num_free_blocks == blocks and not staged._batch_queue
     finally:
         staged.shutdown()
 
