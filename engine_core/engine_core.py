@@ -165,7 +165,10 @@ class EngineCore:
         # than one at a time (pipeline stages): see _step_pipelined.
         self._max_batches = max(1, int(getattr(executor, "max_concurrent_batches", 1)))
         self._batch_queue: collections.deque[tuple[SchedulerOutput, list[tuple[str, str]],
-                                                   concurrent.futures.Future[ModelRunnerOutput]]] = collections.deque()
+                                                   concurrent.futures.Future[ModelRunnerOutput],
+                                                   dict[str, Request | None]]] = collections.deque()
+        # Passes to take in before the next is scheduled (after one that preempted requests).
+        self._passes_to_take = 0
         # The last pass scheduled and produced nothing (paused, or nothing admissible yet).
         self.last_step_idle = False
         # Sleep mode: what the workers have released ("weights", "kv_cache"), and at which level.
@@ -724,25 +727,41 @@ class EngineCore:
         then wait for the oldest and take its output. Outputs are taken in the order passes were
         scheduled."""
         queue = self._batch_queue
+        for _, _, future, _ in queue:  # (a failed pass fails the step now, before anything waits behind it)
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
         scheduled_tokens = False
-        if len(queue) < self._max_batches:
+        if len(queue) < self._max_batches and not self._passes_to_take:
             scheduler_output, failed = self._schedule_pass()
-            if scheduler_output.total_num_scheduled_tokens:
-                queue.append((scheduler_output, failed, self.executor.execute_model_async(scheduler_output)))
-                scheduled_tokens = True
-            elif self._has_worker_work(scheduler_output) or failed or not queue:
-                # (Nothing to overlap: the workers' bookkeeping, if any, queues behind the passes in
-                # flight. An empty pass beside passes in flight is dropped, as vLLM drops it: else
-                # every step would queue another and the queue never drain.)
-                future: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
-                future.set_result(self.executor.execute_model(scheduler_output)
-                                  if self._has_worker_work(scheduler_output) else _EMPTY_MODEL_OUTPUT)
-                queue.append((scheduler_output, failed, future))
-            if scheduled_tokens and len(queue) < self._max_batches:
+            future: concurrent.futures.Future[ModelRunnerOutput] | None = None
+            if self._has_worker_work(scheduler_output):
+                # (Bookkeeping alone, finished or preempted requests, queues behind the passes in flight too.)
+                future = self.executor.execute_model_async(scheduler_output)
+            elif failed or not queue:
+                # (An empty pass beside passes in flight is dropped, as vLLM drops it: else every step
+                # would queue another and the queue never drain.)
+                future = concurrent.futures.Future()
+                future.set_result(_EMPTY_MODEL_OUTPUT)
+            if future is not None:
+                # (Which request each scheduled id was: one aborted and added again under its id
+                # while the pass was in flight must not get the old one's tokens.)
+                scheduled = {rid: self.scheduler.requests.get(rid) for rid in scheduler_output.num_scheduled_tokens}
+                queue.append((scheduler_output, failed, future, scheduled))
+                scheduled_tokens = scheduler_output.total_num_scheduled_tokens > 0
+                if scheduler_output.preempted_req_ids:
+                    # A request preempted while an earlier pass holds its next token gets that token
+                    # before it can be admitted again: the passes before this one are taken first.
+                    self._passes_to_take = len(queue) - 1
+            if scheduled_tokens and len(queue) < self._max_batches and not self._passes_to_take:
                 self.last_step_idle = False
                 return {}
-        scheduler_output, failed, future = queue.popleft()
-        return self._finish_pass(scheduler_output, future.result(), failed)
+        scheduler_output, failed, future, scheduled = queue.popleft()
+        self._passes_to_take = max(0, self._passes_to_take - 1)
+        model_output = future.result()
+        for rid, request in scheduled.items():
+            if self.scheduler.requests.get(rid) is not request:
+                del scheduler_output.num_scheduled_tokens[rid]
+        return self._finish_pass(scheduler_output, model_output, failed)
 
     @staticmethod
     def _has_worker_work(scheduler_output: SchedulerOutput) -> bool:
@@ -903,6 +922,7 @@ class EngineCore:
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""
         self._batch_queue.clear()  # (passes in flight went down with the workers)
+        self._passes_to_take = 0
         requests = list(self.scheduler.requests.values())
         self.scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ERROR)
         outputs: dict[int, EngineCoreOutputs] = {}

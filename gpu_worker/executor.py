@@ -526,7 +526,8 @@ class RayWorkerGroupExecutor(_ExecutorBase):
         if args["num_blocks"] is None and args["kv_cache_memory_bytes"] is None:
             device = ray.get(self.workers[0].__ray_call__.remote(lambda w: w.device.type))
             if device == "cpu":
-                per_block = ray.get(self.workers[0].bytes_per_block.remote(self.config.block_size))
+                # (The rank holding the most layers: pipeline stages may hold one more than others.)
+                per_block = max(ray.get([w.bytes_per_block.remote(self.config.block_size) for w in self.workers]))
                 args["kv_cache_memory_bytes"] = default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
         results = self._run_all("determine_num_blocks", *args.values())
         return min(results)

@@ -253,12 +253,6 @@ class Scheduler(SchedulerInterface):
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            if (max_loras and request.lora_request is not None and len(scheduled_loras) >= max_loras
-                    and request.lora_request.lora_int_id not in scheduled_loras):
-                # Another adapter would exceed max_loras in this batch: it waits for a later pass.
-                held_back_loras.add(request.lora_request.lora_int_id)
-                req_index += 1
-                continue
             # The known tokens only: drafts (num_tokens_with_spec - num_tokens) are added by
             # _schedule_drafts once every running request has its own tokens, so that no draft ever
             # costs another request its place (no output placeholders here).
@@ -270,6 +264,13 @@ class Scheduler(SchedulerInterface):
             num_new_tokens = min(num_new_tokens, token_budget)
             if num_new_tokens == 0:
                 # Skip, don't stop: requests behind a stuck one still get scheduled (not strict FCFS).
+                # (Nor does it hold its adapter's place: a request whose pass is still in flight.)
+                req_index += 1
+                continue
+            if (max_loras and request.lora_request is not None and len(scheduled_loras) >= max_loras
+                    and request.lora_request.lora_int_id not in scheduled_loras):
+                # Another adapter would exceed max_loras in this batch: it waits for a later pass.
+                held_back_loras.add(request.lora_request.lora_int_id)
                 req_index += 1
                 continue
 
@@ -679,7 +680,6 @@ class Scheduler(SchedulerInterface):
         pooler_output = model_runner_output.pooler_output
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running_reqs: set[Request] = set()
-        stopped_preempted_reqs: set[Request] = set()
         requests = self.requests
         max_model_len = self.max_model_len
         scheduled_spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -718,15 +718,17 @@ class Scheduler(SchedulerInterface):
             if stopped:
                 # Read the reason first: a continued session's status (and stop reason) is reset just below.
                 finish_reason, stop_reason = request.get_finished_reason(), request.stop_reason
-                # Stopped is not finished: a resumable session goes back to waiting, blocks kept.
-                if self._handle_stopped_request(request):
-                    self._free_request(request)
-                # status_before_stop picks the collection: a request preempted this pass that
-                # still had a token in flight is removed from waiting, not running.
+                # status_before_stop picks the collection: a request preempted since its pass was
+                # scheduled (pipeline stages: a later pass preempted it while this one was in flight)
+                # leaves waiting, not running; at once, before a resumable session's continuation
+                # puts it back there.
                 if status_before_stop == _RUNNING:
                     stopped_running_reqs.add(request)
                 else:
-                    stopped_preempted_reqs.add(request)
+                    self.waiting.remove_requests((request,))
+                # Stopped is not finished: a resumable session goes back to waiting, blocks kept.
+                if self._handle_stopped_request(request):
+                    self._free_request(request)
             # A mid-prefill chunk produced no token: it emits nothing.
             if new_token_ids or stopped:
                 req_logprobs = logprobs[req_index] if logprobs else None
@@ -738,8 +740,6 @@ class Scheduler(SchedulerInterface):
         # Removal is batched after the loop: running is rebuilt once instead of scanned per request.
         if stopped_running_reqs:
             self.running = remove_all(self.running, stopped_running_reqs)
-        if stopped_preempted_reqs:
-            self.waiting.remove_requests(stopped_preempted_reqs)
 
         self._finish_grammar_failures()
         for request in self._finished_outside_pass:

@@ -102,7 +102,8 @@ def _requests() -> list[EngineCoreRequest]:
             for k, prompt in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("tp,pp,num_layers,tie,blocks", [(1, 2, 3, True, 16), (2, 2, 4, False, 48)])
+@pytest.mark.parametrize("tp,pp,num_layers,tie,blocks", [(1, 2, 3, True, 16), (1, 3, 3, False, 16),
+                                                        (2, 2, 4, False, 48)])
 def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp_path, tp, pp, num_layers, tie,
                                                                 blocks):
     """Passes overlap (one in each stage at once), through chunked prefills and, with 16 blocks,
@@ -182,3 +183,96 @@ def test_an_adapter_on_an_engine_of_two_stages_answers_as_peft_does(ray_cluster,
         outs = llm.generate(prompts, OfflineSamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                             use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapter)))
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_three_passes_in_flight_under_preemption_answer_as_one_pass_at_a_time(tiny_model_dir):
+    """The batch queue's scheduling alone (one in-process worker that takes three passes "in
+    flight", computing each as it is sent): a request preempted while an earlier pass holds its next
+    token (and, blocks freed by an abort, admitted again at once) gets that token before it runs
+    again; the others get the same tokens as with one pass at a time."""
+    from engine_core.engine_core import EngineCore
+    from gpu_worker.executor import UniProcExecutor
+
+    aborted: list[str] = []
+    engines: list[Any] = []
+
+    class ThreePasses(UniProcExecutor):
+        max_concurrent_batches = 3
+
+        def execute_model_async(self, scheduler_output):
+            future = super().execute_model_async(scheduler_output)
+            preempted = scheduler_output.preempted_req_ids
+            if preempted and not aborted:  # (a client leaves between passes: its blocks are free at once)
+                others = [r for r in engines[0].scheduler.running if r.request_id not in preempted]
+                victim = max(others, key=lambda r: r.num_computed_tokens)
+                engines[0].abort_requests([victim.request_id])
+                aborted.append(victim.request_id)
+            return future
+
+    def engine(executor_class):
+        config = EngineConfig(model=str(tiny_model_dir), num_gpu_blocks=8, executor_backend="uni",
+                              scheduler=SchedulerConfig(max_model_len=128, max_num_batched_tokens=32))
+        return EngineCore(config, executor_class(config))
+
+    def requests() -> list[EngineCoreRequest]:
+        # (Short prompts, long answers, 8 blocks: decodes preempted while their previous pass is in flight.)
+        return [EngineCoreRequest(request_id=f"q{k}", prompt_token_ids=[(5 * i + 7 * k) % 200 + 5 for i in range(10)],
+                                  sampling_params=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+                for k in range(6)]
+
+    plain = engine(UniProcExecutor)
+    queued = engine(ThreePasses)
+    engines.append(queued)
+    try:
+        assert queued._max_batches == 3
+        expected = _run(plain, requests())
+        for request in requests():
+            queued.add_request(request)
+        got: dict[str, list[int]] = {}
+        deadline = time.monotonic() + 60
+        while queued.has_work() and time.monotonic() < deadline:
+            for eco in queued.step().values():
+                for out in eco.outputs:
+                    got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert aborted and queued.stats().num_preemptions > 0
+        assert {rid: tokens for rid, tokens in got.items() if rid not in aborted} == \
+            {rid: r["tokens"] for rid, r in expected.items() if rid not in aborted}
+        assert queued.stats().num_free_blocks == 8
+    finally:
+        plain.shutdown()
+        queued.shutdown()
+
+
+def test_a_request_id_added_again_while_its_old_pass_is_in_flight_gets_only_its_own_tokens(tiny_model_dir):
+    from engine_core.engine_core import EngineCore
+    from gpu_worker.executor import UniProcExecutor
+
+    class TwoPasses(UniProcExecutor):
+        max_concurrent_batches = 2
+
+    def request(prompt: list[int]) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id="same", prompt_token_ids=prompt,
+                                 sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+
+    old, new = [(3 * i) % 200 + 5 for i in range(12)], [(11 * i) % 200 + 7 for i in range(20)]
+    config = EngineConfig(model=str(tiny_model_dir), num_gpu_blocks=16, executor_backend="uni",
+                          scheduler=SchedulerConfig(max_model_len=128))
+    plain, queued = EngineCore(config, UniProcExecutor(config)), EngineCore(config, TwoPasses(config))
+    try:
+        expected = _run(plain, [request(new)])["same"]["tokens"]
+        queued.add_request(request(old))
+        queued.add_request(EngineCoreRequest(request_id="other", prompt_token_ids=old[:5],
+                                             sampling_params=SamplingParams(max_tokens=30, ignore_eos=True)))
+        queued.step()  # (the old request's prefill, in flight: nothing taken in yet)
+        assert len(queued._batch_queue) == 1
+        queued.abort_requests(["same"])
+        queued.add_request(request(new))
+        tokens: list[int] = []
+        deadline = time.monotonic() + 60
+        while queued.has_work() and time.monotonic() < deadline:
+            for eco in queued.step().values():
+                tokens += [t for out in eco.outputs if out.request_id == "same" for t in out.new_token_ids]
+        assert tokens == expected
+    finally:
+        plain.shutdown()
+        queued.shutdown()
