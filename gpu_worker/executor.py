@@ -426,10 +426,11 @@ def default_cpu_kv_bytes(config: EngineConfig, max_model_len: int, bytes_per_blo
 
 
 def _check_ranks(payload: list[Any], world_size: int) -> None:
-    """KV read from another engine comes as one part per rank of its tensor-parallel group."""
+    """KV read from another engine comes as one part per worker (each tensor-parallel rank of each
+    pipeline stage)."""
     if len(payload) != world_size:
-        raise ValueError(f"the producer's KV comes from {len(payload)} tensor-parallel ranks, this engine has "
-                         f"{world_size}: the same --tensor-parallel-size is needed on both")
+        raise ValueError(f"the producer's KV comes from {len(payload)} workers, this engine has {world_size}: the "
+                         "same --tensor-parallel-size and --pipeline-parallel-size are needed on both")
 
 
 def _free_port() -> int:

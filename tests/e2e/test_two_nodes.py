@@ -1,4 +1,5 @@
-"""Two Ray nodes on this machine (loopback): engine 0 pinned to node_a, engine 1 to node_b."""
+"""Two Ray nodes on this machine (loopback): engine 0 pinned to node_a, engine 1 to node_b; then one
+engine whose two pipeline stages sit one on each node."""
 
 from __future__ import annotations
 
@@ -58,3 +59,7 @@ def test_engines_pinned_to_two_nodes_both_answer(tiny_model_dir):
     assert sent_0 == received_1 > 0 and received_0 == sent_1 == 0
     decoded, whole = report["disaggregated"]
     assert decoded == whole
+    # Pipeline stages on the two nodes: the same answer as one engine's.
+    first, second = report["pipeline_worker_nodes"]
+    assert first != second and {first, second} == set(report["engine_nodes"])
+    assert report["pipeline_text"] == whole

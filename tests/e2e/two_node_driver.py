@@ -51,6 +51,19 @@ def main(address: str, model_dir: str) -> None:
         whole = httpx.post(f"{served.base}/v1/completions", timeout=60, json=prompt | {"max_tokens": 6})
         report["disaggregated"] = [decode.json()["choices"][0]["text"], whole.json()["choices"][0]["text"]]
         report["kv_blocks"] = [[s.kv_transfer_sent_blocks, s.kv_transfer_received_blocks] for s in served.stats()]
+    # Pipeline parallelism across the nodes: one engine of two stages, a stage on each node (STRICT_SPREAD
+    # bundles), hidden states going between the nodes every pass; the same prompt's answer.
+    staged = ClusterConfig(model=model_dir, served_model_name="tiny", num_engines=1, defaults=EngineSpec(
+        num_gpu_blocks=64, max_model_len=256, pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD",
+        num_cpus_per_worker=0.5))
+    with serve_cluster(staged) as served:
+        answer = httpx.post(f"{served.base}/v1/completions", timeout=60, json=prompt | {"max_tokens": 6})
+        answer.raise_for_status()
+        report["pipeline_text"] = answer.json()["choices"][0]["text"]
+        workers = ray.get(served.engines[0].actor.__ray_call__.remote(
+            lambda self: self.service.engine.executor.workers))
+        report["pipeline_worker_nodes"] = [ray.get(w.__ray_call__.remote(
+            lambda _w: ray.get_runtime_context().get_node_id())) for w in workers]
     serve.shutdown()
     print(json.dumps(report))
 
