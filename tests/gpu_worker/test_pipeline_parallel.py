@@ -89,6 +89,7 @@ def _run(engine, requests: list[EngineCoreRequest], timeout: float = 120.0) -> d
                     result["logprobs"] += out.new_logprobs.sampled_logprobs
                 if out.finish_reason is not None:
                     result["finish"] = out.finish_reason
+                    result["params"] = out.kv_transfer_params
     return results
 
 
@@ -276,3 +277,50 @@ def test_a_request_id_added_again_while_its_old_pass_is_in_flight_gets_only_its_
     finally:
         plain.shutdown()
         queued.shutdown()
+
+
+def test_two_stage_engines_sleep_and_hand_a_prompts_kv_on(ray_cluster, tiny_model_dir):
+    """Each stage releases and restores its own weights and cache (sleep level 2 reads its layers
+    again); a prompt computed on one two-stage engine is decoded on another, each worker reading
+    its own layers' blocks from the same worker of the producer."""
+    import concurrent.futures
+
+    prompt = [(13 * i + 2) % 200 + 5 for i in range(37)]
+
+    def request(rid: str, max_tokens: int, params: dict[str, Any] | None = None) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, kv_transfer_params=params,
+                                 sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                ignore_eos=True))
+
+    producer = _engine(tiny_model_dir, pipeline_parallel_size=2, enable_sleep_mode=True,
+                       kv_transfer_config=_transfer("kv_producer"))
+    consumer = _engine(tiny_model_dir, pipeline_parallel_size=2, kv_transfer_config=_transfer("kv_consumer"))
+
+    def fetch(load):
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.params["remote_nonce"],
+                                                load.remote_block_ids, load.first_block, load.digest,
+                                                load.num_tokens))
+        return future
+
+    consumer.kv_fetcher = fetch
+    try:
+        expected = _run(producer, [request("whole", 8)])["whole"]["tokens"]
+        producer.reset_prefix_cache()
+        producer.sleep(2)
+        producer.wake_up()
+        assert _run(producer, [request("again", 8)])["again"]["tokens"] == expected
+        producer.reset_prefix_cache()
+        prefill = _run(producer, [request("p", 1, {"do_remote_decode": True})])["p"]
+        params = prefill["params"]
+        decoded = _run(consumer, [request("d", 8, params)])["d"]
+        assert decoded["tokens"] == expected and consumer.stats().kv_transfer_received_blocks == 3
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def _transfer(role: str):
+    from engine_core.kv_transfer import KVTransferConfig
+
+    return KVTransferConfig(kv_role=role)  # type: ignore[arg-type]
