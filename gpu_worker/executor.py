@@ -34,6 +34,7 @@ from gpu_worker.model_resolver import (
     resolve_tokenizer,
     worker_reference,
 )
+from gpu_worker.models.llama import pipeline_refusal
 from gpu_worker.pooler_config import (
     DenseProjection,
     PoolerConfig,
@@ -140,12 +141,8 @@ class _ExecutorBase(Executor):
         if draft is not None:
             check_model_reference(draft)  # (what the workers would refuse, found before they start)
         pp = config.pipeline_parallel_size
-        if pp > 1 and (embeds_only or self.model_config.encoder_only or self.model_config.labels):
-            raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: pipeline parallelism "
-                             "serves generative decoders, not encoders, pooling-only or classifier models")
-        if pp > 1 and self.model_config.num_hidden_layers < pp:
-            raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: the model has only "
-                             f"{self.model_config.num_hidden_layers} layers to split into stages")
+        if pp > 1 and (refusal := pipeline_refusal(self.model_config, pp, embeds_only)):
+            raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: {refusal}")
         if embeds_only and config.logits_processors:
             raise ValueError(f"engine {config.engine_index}: a pooling model samples nothing, so it takes no custom "
                              "logits processors (--logits-processors)")

@@ -75,8 +75,6 @@ class ModelRunner:
                  max_logprobs: int = 20, logits_processors: LogitsProcessorBatch | None = None,
                  logprobs_mode: str = "raw_logprobs") -> None:
         self.config = model_config
-        # Pipeline stages (gpu_worker.distributed): this runner runs its stage's layers.
-        self.pp_size = distributed.get_pp_world_size()
         self.device = torch.device(device)
         self.dtype = dtype
         # The KV cache's storage dtype (None: the model's); fp8 halves (bf16) or quarters (fp32) it.
@@ -312,13 +310,11 @@ class ModelRunner:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             if self.lora is not None:
                 self.lora.set_batch([0] * len(lens), qsl)
-            intermediate = None
-            if self.pp_size > 1 and not distributed.is_first_stage():  # (what the previous stage would send)
-                intermediate = tuple(torch.zeros(num_tokens, self.config.hidden_size, dtype=self.dtype,
-                                                 device=self.device) for _ in range(2))
-            hidden = (self.model(input_ids, torch.from_numpy(positions).to(self.device), meta) if intermediate is None
-                      else self.model(input_ids, torch.from_numpy(positions).to(self.device), meta, None, intermediate))
-            if isinstance(hidden, tuple):  # (a stage before the last: no head)
+            intermediate = None if distributed.is_first_stage() else tuple(  # (what the previous stage sends)
+                torch.zeros(num_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
+                for _ in range(2))
+            hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta, None, intermediate)
+            if not distributed.is_last_stage():  # (a stage before the last has no head)
                 hidden = None
             rows = min(self.max_num_seqs * (1 + self.num_spec_tokens), num_tokens)
             # (An embedding-only model has no head: the forward is its peak.)
@@ -742,21 +738,16 @@ class ModelRunner:
             prompt_lens = np.fromiter((s.num_prompt_tokens for s in states), dtype=np.int64, count=num_reqs)
             positions = longrope_rows(positions, prompt_lens[req_index], self.rope_short_offset,
                                       self.rope_original_len)
-        positions_t = torch.from_numpy(positions).to(self.device)
-        last_rows = query_start_loc[1:] - 1
-        if self.pp_size > 1:
-            return self._forward_stage(input_ids_t, positions_t, meta, states, starts, ends, query_start_loc), \
-                sample_rows, last_rows
-        inputs_embeds = self._inputs_embeds(input_ids_t, states, starts, ends, query_start_loc)
-        hidden = self.model(input_ids_t, positions_t, meta,
-                            **({} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}))
-        return hidden, sample_rows, last_rows
+        hidden = self._run_model(input_ids_t, torch.from_numpy(positions).to(self.device), meta, states, starts, ends,
+                                 query_start_loc)
+        return hidden, sample_rows, query_start_loc[1:] - 1
 
-    def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       states: list[RequestState], starts: np.ndarray, ends: np.ndarray, query_start_loc: np.ndarray
-                       ) -> torch.Tensor | None:
-        """This pipeline stage's part of a pass: the first embeds the tokens, the others start from
-        the (hidden, residual) the previous stage sent; all but the last send theirs on."""
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   states: list[RequestState], starts: np.ndarray, ends: np.ndarray, query_start_loc: np.ndarray
+                   ) -> torch.Tensor | None:
+        """This worker's part of a pass: the first pipeline stage (the only one, without pipeline
+        parallelism) embeds the tokens, the others start from the (hidden, residual) the previous
+        stage sent; all but the last send theirs on and return None."""
         assert self.model is not None
         intermediate = None
         inputs_embeds = None

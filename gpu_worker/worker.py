@@ -33,6 +33,7 @@ from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.model_resolver import DtypeRule, local_model_dir
 from gpu_worker.model_runner import ModelRunner, WeightSource
+from gpu_worker.models.llama import pipeline_refusal
 from gpu_worker.pooler_config import DenseProjection
 
 # A picklable source of (hf_name, tensor) pairs, e.g. functools.partial(gguf_to_hf_tensors, path).
@@ -182,10 +183,11 @@ class Worker:
                 != (self.world_size, self.pipeline_parallel_size)):
             raise RuntimeError("init_distributed() must come before load_model() with more than one rank")
         if self.pipeline_parallel_size > 1:
-            config = self.model_config
-            if config.encoder_only or config.embedding_only or config.labels or self.draft_config is not None:
-                raise ValueError("pipeline parallelism serves generative decoders (not encoders, pooling-only or "
-                                 "classifier models, nor with a draft model)")
+            refusal = pipeline_refusal(self.model_config, self.pipeline_parallel_size)
+            if refusal is None and self.draft_config is not None:
+                refusal = "pipeline parallelism takes no draft model"
+            if refusal is not None:
+                raise ValueError(refusal)
         self.runner = ModelRunner(self.model_config, self.device, self.dtype, self.max_model_len,
                                   self.max_num_seqs, self.max_num_batched_tokens, self.num_spec_tokens,
                                   self.max_lora_rank,

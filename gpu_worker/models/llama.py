@@ -155,6 +155,15 @@ class PPMissingLayer(nn.Identity):
     never run; it keeps the layers' indices, so parameter names match the checkpoint's."""
 
 
+def pipeline_refusal(config: ModelConfig, pp_size: int, pooling: bool = False) -> str | None:
+    """Why a model cannot be split into ``pp_size`` pipeline stages (None: it can)."""
+    if config.encoder_only or config.embedding_only or pooling or config.labels:
+        return "pipeline parallelism serves generative decoders, not encoders, pooling-only or classifier models"
+    if config.num_hidden_layers < pp_size:
+        return f"the model has only {config.num_hidden_layers} layers to split into {pp_size} stages"
+    return None
+
+
 class PipelineStage:
     """What a pipeline stage of a decoder holds: layers [start, end), the embedding on the first
     stage, the final norm and LM head on the last (and the embedding there too when the head is
@@ -247,8 +256,6 @@ class LlamaForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if intermediate is None:
-            return self.model.forward(input_ids, positions, meta, inputs_embeds)
         return self.model.forward(input_ids, positions, meta, inputs_embeds, intermediate)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

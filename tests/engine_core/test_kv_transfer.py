@@ -280,6 +280,24 @@ def _run(engine, requests: list[EngineCoreRequest], timeout: float = 60.0) -> di
     return results
 
 
+def reading_from(producer, reads: list[tuple[str, list[int]]] | None = None):
+    """A consumer's ``kv_fetcher`` reading ``producer``'s held blocks in this process (each read's
+    request id and block ids noted in ``reads``)."""
+    def fetch(load):
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if reads is not None:
+            reads.append((load.params["remote_request_id"], load.remote_block_ids))
+        try:
+            future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.params["remote_nonce"],
+                                                    load.remote_block_ids, load.first_block, load.digest,
+                                                    load.num_tokens))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    return fetch
+
+
 def _greedy(max_tokens: int, **params: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
 
@@ -290,19 +308,7 @@ def test_two_engines_hand_a_prompt_on_and_decode_what_one_engine_would(tiny_mode
     producer = _engine(tiny_model_dir, {"kv_role": "kv_producer"})
     consumer = _engine(tiny_model_dir, {"kv_role": "kv_consumer"})
     reads: list[tuple[str, list[int]]] = []
-
-    def fetch(load):
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        reads.append((load.params["remote_request_id"], load.remote_block_ids))
-        try:
-            future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.params["remote_nonce"],
-                                                    load.remote_block_ids, load.first_block, load.digest,
-                                                    load.num_tokens))
-        except Exception as e:
-            future.set_exception(e)
-        return future
-
-    consumer.kv_fetcher = fetch
+    consumer.kv_fetcher = reading_from(producer, reads)
     try:
         expected = _run(reference, [EngineCoreRequest(request_id="r", prompt_token_ids=prompt,
                                                       sampling_params=_greedy(10))])["r"]["tokens"]
@@ -416,14 +422,7 @@ def test_tensor_parallel_engines_hand_each_ranks_shard_on(ray_cluster, tiny_mode
     producer = _engine(tiny_model_dir, {"kv_role": "kv_producer"}, tensor_parallel_size=2)
     consumer = _engine(tiny_model_dir, {"kv_role": "kv_consumer"}, tensor_parallel_size=2)
 
-    def fetch(load):
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.params["remote_nonce"],
-                                                load.remote_block_ids, load.first_block, load.digest,
-                                                load.num_tokens))
-        return future
-
-    consumer.kv_fetcher = fetch
+    fetch = consumer.kv_fetcher = reading_from(producer)
     try:
         expected = _run(consumer, [EngineCoreRequest(request_id="whole", prompt_token_ids=prompt,
                                                      sampling_params=_greedy(8))])["whole"]["tokens"]

@@ -283,7 +283,7 @@ def test_two_stage_engines_sleep_and_hand_a_prompts_kv_on(ray_cluster, tiny_mode
     """Each stage releases and restores its own weights and cache (sleep level 2 reads its layers
     again); a prompt computed on one two-stage engine is decoded on another, each worker reading
     its own layers' blocks from the same worker of the producer."""
-    import concurrent.futures
+    from tests.engine_core.test_kv_transfer import reading_from
 
     prompt = [(13 * i + 2) % 200 + 5 for i in range(37)]
 
@@ -296,14 +296,7 @@ def test_two_stage_engines_sleep_and_hand_a_prompts_kv_on(ray_cluster, tiny_mode
                        kv_transfer_config=_transfer("kv_producer"))
     consumer = _engine(tiny_model_dir, pipeline_parallel_size=2, kv_transfer_config=_transfer("kv_consumer"))
 
-    def fetch(load):
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_result(producer.read_held_kv(load.params["remote_request_id"], load.params["remote_nonce"],
-                                                load.remote_block_ids, load.first_block, load.digest,
-                                                load.num_tokens))
-        return future
-
-    consumer.kv_fetcher = fetch
+    consumer.kv_fetcher = reading_from(producer)
     try:
         expected = _run(producer, [request("whole", 8)])["whole"]["tokens"]
         producer.reset_prefix_cache()
