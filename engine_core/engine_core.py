@@ -21,6 +21,7 @@ from engine_core.executor import Executor, ModelInfo
 from engine_core.kv_transfer import KVConnector, PendingLoad, wants_remote_prefill
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
 from engine_core.lora import LoRANotLoadedError, static_lora_requests
+from engine_core.multimodal import check_features
 from engine_core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -133,7 +134,8 @@ class EngineCore:
                                    log_stats=config.log_stats,
                                    include_finished_set=True,
                                    num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
-                                   lora_config=config.lora_config)
+                                   lora_config=config.lora_config,
+                                   max_tokens_per_mm_item=self.model_info.tokens_per_image)
         # LoRA adapters loaded on the workers, by id; the static ones (--lora-modules) load now.
         self.loras: dict[int, LoRARequest] = {}
         # Of those, the ones an in-place reload replaced: unloaded when no request uses them.
@@ -521,6 +523,8 @@ class EngineCore:
                                       "send each constrained turn as a request of its own")
         if request.prompt_embeds is not None:
             self._check_prompt_embeds(request)
+        if request.mm_features:
+            self._check_images(request)
         if self.logits_processor_classes and not params.embed:
             try:
                 validate_request_params(self.logits_processor_classes, params)
@@ -567,6 +571,22 @@ class EngineCore:
             if refused:
                 raise RequestRefusedError(f"a prompt given as embeddings has no token ids: it cannot ask for {what}")
 
+    def _check_images(self, request: EngineCoreRequest) -> None:
+        info, features = self.model_info, request.mm_features
+        assert features
+        if info.image_token_id is None:
+            raise RequestRefusedError(f"{info.served_model_name} takes no images: it is not a vision-language model")
+        for feature in features:
+            if feature.modality != "image" or feature.length != info.tokens_per_image:
+                raise RequestRefusedError(f"{info.served_model_name} takes images of {info.tokens_per_image} tokens, "
+                                          f"not a {feature.modality} of {feature.length}")
+        try:
+            check_features(features, request.prompt_token_ids, info.image_token_id)
+        except ValueError as e:
+            raise RequestRefusedError(str(e)) from None
+        if request.resumable:
+            raise RequestRefusedError("a prompt with images cannot open a streaming session (resumable request)")
+
     def add_request(self, request: EngineCoreRequest) -> Request | None:
         """Returns the new Request, or None when the id continued a live streaming session."""
         self.check_lora(request)
@@ -596,7 +616,8 @@ class EngineCore:
             sampling_params=request.sampling_params, eos_token_id=eos, arrival_time=request.arrival_time,
             priority=request.priority, client_index=request.client_index, resumable=request.resumable,
             cache_salt=request.cache_salt, lora_request=request.lora_request, prompt_embeds=request.prompt_embeds,
-            kv_transfer_params=request.kv_transfer_params if self.kv_connector is not None else None)
+            kv_transfer_params=request.kv_transfer_params if self.kv_connector is not None else None,
+            mm_features=request.mm_features)
         if self.kv_connector is None:
             self.decline_remote_kv(request.kv_transfer_params)  # (computed here: a producer is told)
         self.scheduler.add_request(engine_request)

@@ -159,6 +159,10 @@ class ModelInfo:
     sliding_window: int | None = None
     # LongRoPE models: the pretrained length above which a prompt uses the long rotary factors.
     long_rope_after: int | None = None
+    # A vision-language model: the prompt token its images' rows replace, and how many rows (tokens)
+    # one image is (0: it takes no images).
+    image_token_id: int | None = None
+    tokens_per_image: int = 0
     # An encoder (BERT family): its prompts attend both ways, so each runs whole in one pass and none
     # may start from the prefix cache (the engine turns chunked prefill and prefix caching off).
     encoder_only: bool = False

@@ -231,8 +231,8 @@ class KVConnector:
         assert params is not None
         count = request.num_prompt_tokens - 1 - num_local_computed_tokens
         remote = params.get("remote_block_ids")
-        if not self.config.is_consumer or count <= 0 or request.prompt_embeds is not None:
-            self.decline(request)  # (not a consumer; its own cache holds the prompt; embeddings: computed here)
+        if not self.config.is_consumer or count <= 0 or request.prompt_embeds is not None or request.mm_features:
+            self.decline(request)  # (not a consumer; its own cache holds the prompt; embeddings, images: computed here)
             return 0
         if not isinstance(remote, list) or len(remote) < -(-(request.num_prompt_tokens - 1) // self.block_size):
             logger.warning("request %s: the producer's parameters name fewer blocks than its prompt has; "

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from engine_core.multimodal import MultiModalFeature
 from engine_core.prompt_embeds import PromptEmbeds
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
@@ -53,6 +54,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     lora_request: LoRARequest | None = None
     # A prompt given as embeddings (--enable-prompt-embeds): prompt_token_ids are as many placeholders.
     prompt_embeds: PromptEmbeds | None = None
+    # A prompt's images (vision-language models): placeholders' positions and encoder inputs, in order.
+    mm_features: list[MultiModalFeature] | None = None
     # The client request's choices (its n) on its first choice, 0 on the others: the metrics observe
     # a request's parameters once, as vLLM's do per parent request.
     num_choices: int = 1

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine_core.multimodal import MultiModalFeature
     from engine_core.outputs import LoRARequest
     from engine_core.prompt_embeds import PromptEmbeds
 
@@ -94,6 +95,7 @@ class Request:
         "kv_transfer_params",
         "kv_transfer_params_out",
         "lora_request",
+        "mm_features",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_external_computed_tokens",
@@ -126,6 +128,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         prompt_embeds: PromptEmbeds | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -140,6 +143,9 @@ class Request:
         self.lora_request = lora_request
         # A prompt given as embeddings (its token ids are placeholders); they key its KV blocks.
         self.prompt_embeds = prompt_embeds
+        # A prompt's images (in prompt order; None: none): the scheduler has the workers encode each
+        # when a chunk first reaches its placeholders; their identifiers key the KV blocks they reach.
+        self.mm_features = mm_features or None
         # Prefill/decode disaggregation (engine_core.kv_transfer): do_remote_decode on a prefill for
         # another engine; do_remote_prefill and the producer's blocks on the decode engine's request
         # (cleared once its load is planned). And what a finished prefill answers with.

@@ -7,6 +7,8 @@ on another node has no copy of the model). Plain file reading: no tokenizer libr
 * ``--tokenizer DIR``: every file of that directory (and its ``additional_chat_templates/``), not one
   of the model's mixed in, so the replica loads what the engine loaded; weights and files over
   ``MAX_FILE_BYTES`` (a tokenizer's are far smaller) are left out.
+* Either way, a vision-language model's image processor config (``preprocessor_config.json``) from
+  the model's directory: the router turns images into the encoder's input with it.
 """
 
 from __future__ import annotations
@@ -18,22 +20,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
                    "added_tokens.json", "spiece.model", "sentencepiece.bpe.model")
 MODEL_FILES = ("config.json", "generation_config.json")
+# The model's image processor (vision-language models), whatever the tokenizer's directory.
+PROCESSOR_FILES = ("preprocessor_config.json",)
 TEMPLATES_DIR = "additional_chat_templates"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 MAX_FILE_BYTES = 64 * 1024 * 1024
 
 
 def read_tokenizer_files(model_dir: str, tokenizer_dir: str = "") -> dict[str, bytes]:
-    """Name (relative to the directory) → contents, of the files that make the tokenizer."""
+    """Name (relative to the directory) → contents, of the files that make the tokenizer (and the
+    model's image processor)."""
+    processor = _read(model_dir, list(PROCESSOR_FILES)) if model_dir else {}
     if not tokenizer_dir:
-        return _read(model_dir, [*TOKENIZER_FILES, *MODEL_FILES])
+        return _read(model_dir, [*TOKENIZER_FILES, *MODEL_FILES]) | processor
     root = Path(tokenizer_dir)
     names = [p.name for p in root.iterdir() if p.is_file()]
     templates = root / TEMPLATES_DIR
     if templates.is_dir():
         names += [f"{TEMPLATES_DIR}/{p.name}" for p in templates.iterdir() if p.is_file()]
     return _read(tokenizer_dir, [name for name in sorted(names) if not name.endswith(WEIGHT_SUFFIXES)
-                                 and (root / name).stat().st_size <= MAX_FILE_BYTES])
+                                 and (root / name).stat().st_size <= MAX_FILE_BYTES]) | processor
 
 
 def write_tokenizer_files(directory: str | os.PathLike[str], files: dict[str, bytes]) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from gpu_worker.quantized_checkpoint import weight_quantization
+from gpu_worker.vision_config import LLAVA_ARCHITECTURES, VisionConfig, text_architecture, vision_config_from_dict
 
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -495,15 +496,15 @@ def _modernbert_fields(arch: str, cfg: dict[str, Any], classifier: bool) -> dict
                 type_vocab_size=0, default_pooling_type=pooling if classifier else "CLS")
 
 
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A vision-language config's language model, as a decoder's config: its text_config, with the
+def _text_config(cfg: dict[str, Any], decoder: str) -> dict[str, Any]:
+    """A vision-language config's language model, as a ``decoder`` config: its text_config, with the
     top level's EOS ids, dtype and head tying where it states them (transformers ties the head by
     the top level's tie_word_embeddings)."""
     text = dict(cfg.get("text_config") or {})
     for key in ("eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
         if cfg.get(key) is not None:
             text[key] = cfg[key]
-    text["architectures"] = [TEXT_DECODER_OF[cfg["architectures"][0]]]
+    text["architectures"] = [decoder]
     return text
 
 
@@ -620,6 +621,8 @@ class ModelConfig:
     sliding_window: int | None
     dtype: torch.dtype | None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # A vision-language model's image side (LLaVA: CLIP tower and projector); None for text models.
+    vision: VisionConfig | None = None
     # Per layer, whether it attends through the sliding window (empty: every layer does, when there
     # is one). Qwen2/Qwen3 window only their layers from max_window_layers on.
     sliding_window_layers: tuple[bool, ...] = ()
@@ -792,14 +795,19 @@ class ModelConfig:
         always_bidirectional = arch in BIDIRECTIONAL_DECODERS
         head = _decoder_head(arch, cfg) if arch in headed else {}
         labels = head.pop("labels", ())
+        vision = None
         if arch in TEXT_DECODER_OF:
-            cfg = _text_config(cfg)
+            cfg = _text_config(cfg, TEXT_DECODER_OF[arch])
             arch = TEXT_DECODER_OF[arch]
+        elif arch in LLAVA_ARCHITECTURES and not embedding_only:
+            vision = vision_config_from_dict(cfg)
+            arch = text_architecture(cfg)
+            cfg = _text_config(cfg, arch)
         elif embedding_only:
             arch = {**EMBEDDING_DECODER_OF, **headed}[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:
-            known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + tuple(EMBEDDING_DECODER_OF)
-                     + tuple(headed) + tuple(ENCODER_ARCHITECTURES))
+            known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + LLAVA_ARCHITECTURES
+                     + tuple(EMBEDDING_DECODER_OF) + tuple(headed) + tuple(ENCODER_ARCHITECTURES))
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
@@ -894,6 +902,7 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,
             raw=dict(cfg),
+            vision=vision,
             sliding_window_layers=window_layers,
             rotary_dim=rotary_dim,
             hidden_act=act,

@@ -124,6 +124,9 @@ class ModelRunner:
         # to host memory, 2: discarded).
         self.asleep: set[str] = set()
         self.sleep_level = 0
+        # A vision-language model's encoder outputs by image identifier ([tokens_per_image, hidden]
+        # each): made when the scheduler names an image, dropped when it says (vLLM's encoder cache).
+        self.encoder_cache: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ setup
 
@@ -313,6 +316,11 @@ class ModelRunner:
             intermediate = None if distributed.is_first_stage() else tuple(  # (what the previous stage sends)
                 torch.zeros(num_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
                 for _ in range(2))
+            vision = self.config.vision
+            if vision is not None:  # (a pass's images: as many as the encoder budget, the batch's tokens, allows)
+                images = max(1, num_tokens // vision.tokens_per_image)
+                self.model.embed_images(torch.zeros(images, vision.num_channels, vision.image_size, vision.image_size,
+                                                    dtype=self.dtype, device=self.device))
             hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta, None, intermediate)
             if not distributed.is_last_stage():  # (a stage before the last has no head)
                 hidden = None
@@ -354,6 +362,10 @@ class ModelRunner:
         self.requests.update(so)
         if so.kv_offload_stores or so.kv_offload_loads:
             self.copy_offloaded_blocks(so)
+        for identifier in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(identifier, None)
+        if so.scheduled_encoder_inputs:
+            self._encode_images(so.scheduled_encoder_inputs)
         spec = so.scheduled_spec_decode_tokens
         for req_id, draft in spec.items():
             # Computed after the request's last token; the ones the target model rejects are dropped.
@@ -763,16 +775,45 @@ class ModelRunner:
         distributed.send_to_next_stage(list(out))
         return None
 
+    def _encode_images(self, scheduled: dict[str, list[int]]) -> None:
+        """Run the vision encoder on the images the scheduler named (one batch), caching each one's
+        rows by identifier; an image already cached (the same one in another prompt) is not rerun."""
+        todo: dict[str, torch.Tensor] = {}
+        for req_id, indexes in scheduled.items():
+            features = self.requests[req_id].mm_features or []
+            for index in indexes:
+                feature = features[index]
+                if feature.identifier not in self.encoder_cache:
+                    todo.setdefault(feature.identifier, feature.pixel_values.to_tensor())
+        if not todo:
+            return
+        assert self.model is not None
+        pixels = torch.stack(list(todo.values())).to(self.device, non_blocking=True)
+        rows = self.model.embed_images(pixels)
+        for identifier, image_rows in zip(todo, rows, strict=True):
+            self.encoder_cache[identifier] = image_rows
+
     def _inputs_embeds(self, input_ids: torch.Tensor, states: list[RequestState], starts: np.ndarray,
                        ends: np.ndarray, query_start_loc: np.ndarray) -> torch.Tensor | None:
-        """The pass's input rows when a request's chunk covers prompt embeddings: the embedding table's
-        rows of every token, with the requests' own rows written over their placeholders' (None when
-        no chunk does: the model looks its tokens up itself)."""
+        """The pass's input rows when a request's chunk covers prompt embeddings or image placeholders:
+        the embedding table's rows of every token, with the requests' own rows (or their images'
+        encoder rows) written over their placeholders' (None when no chunk does: the model looks its
+        tokens up itself)."""
         spans = []
         for i, s in enumerate(states):
-            if s.prompt_embeds is not None and starts[i] < len(s.prompt_embeds):
-                end = min(int(ends[i]), len(s.prompt_embeds))
-                spans.append((int(query_start_loc[i]), s.prompt_embeds[int(starts[i]):end]))
+            start, end = int(starts[i]), int(ends[i])
+            if s.prompt_embeds is not None and start < len(s.prompt_embeds):
+                spans.append((int(query_start_loc[i]), s.prompt_embeds[start:min(end, len(s.prompt_embeds))]))
+            for feature in s.mm_features or ():
+                if feature.offset >= end or feature.end <= start:
+                    continue
+                rows = self.encoder_cache.get(feature.identifier)
+                if rows is None:
+                    raise RuntimeError(f"request {s.req_id!r}: the image at {feature.offset} was not encoded "
+                                       f"before its placeholders ran (the scheduler must schedule it)")
+                first, last = max(start, feature.offset), min(end, feature.end)
+                spans.append((int(query_start_loc[i]) + first - start,
+                              rows[first - feature.offset:last - feature.offset]))
         if not spans:
             return None
         assert self.model is not None

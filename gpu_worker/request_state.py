@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_core.multimodal import MultiModalFeature
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from gpu_worker.block_table import BlockTable
@@ -47,6 +48,9 @@ class RequestState:
     # A prompt given as embeddings ([num_prompt_tokens, hidden] in the model's dtype, in host memory,
     # page-locked beside a GPU): each pass copies the rows it runs where token_ids holds placeholders.
     prompt_embeds: torch.Tensor | None = None
+    # A prompt's images (in prompt order): where their placeholders sit, and their encoder inputs
+    # (the runner encodes those the scheduler names, and keeps the rows by identifier).
+    mm_features: list[MultiModalFeature] | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -119,6 +123,7 @@ class _Parked:
     prompt_logprobs_sent: bool
     lora_int_id: int
     prompt_embeds: torch.Tensor | None
+    mm_features: list[MultiModalFeature] | None
 
 
 class RequestStates:
@@ -177,7 +182,8 @@ class RequestStates:
             state = self._drop(req_id)
             if state is not None:
                 self._parked[req_id] = _Parked(state.sampling_params, state.generator, state.min_tokens_stop_ids,
-                                               state.prompt_logprobs_sent, state.lora_int_id, state.prompt_embeds)
+                                               state.prompt_logprobs_sent, state.lora_int_id, state.prompt_embeds,
+                                               state.mm_features)
         for new in so.scheduled_new_reqs:
             self._add_new(new)
         self._apply_cached(so.scheduled_cached_reqs)
@@ -196,8 +202,8 @@ class RequestStates:
             num_blocks=len(new.block_ids), table_row=-1, num_computed_tokens=new.num_computed_tokens,
             generator=self._make_generator(params), min_tokens_stop_ids=self._stop_ids(params, new.eos_token_id),
             lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
-            prompt_embeds=None if new.prompt_embeds is None else self._host_rows(new.prompt_embeds.to_tensor())),
-            list(new.block_ids))
+            prompt_embeds=None if new.prompt_embeds is None else self._host_rows(new.prompt_embeds.to_tensor()),
+            mm_features=new.mm_features), list(new.block_ids))
 
     def _host_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Prompt embeddings kept off the device (they are not in its memory budget): in the model's
@@ -225,7 +231,7 @@ class RequestStates:
                     min_tokens_stop_ids=parked.min_tokens_stop_ids,
                     # Resumed after its prompt logprobs went out: recomputing the prompt sends nothing.
                     prompt_logprobs_sent=parked.prompt_logprobs_sent, lora_int_id=parked.lora_int_id,
-                    prompt_embeds=parked.prompt_embeds), block_ids)
+                    prompt_embeds=parked.prompt_embeds, mm_features=parked.mm_features), block_ids)
                 continue
             state = self.states.get(req_id)
             if state is None:

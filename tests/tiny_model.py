@@ -229,3 +229,57 @@ def build_tiny_reward_model(path: Path, architecture: str = "Qwen2ForProcessRewa
     (path / "config.json").write_text(json.dumps(config))
     tokenizer.save_pretrained(path)
     return reference
+
+
+# A chat template that takes a message's content as text or as OpenAI-style parts (an image part
+# stands where the image goes), as llava-hf's templates do.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_llava(path: Path, seed: int = 0, image_size: int = 32, patch_size: int = 8,
+                     select_strategy: str = "default", feature_layer: int = -2) -> Path:
+    """Save a random tiny LLaVA (a 3-layer CLIP vision tower over 16 patches of a 32x32 image, a
+    two-layer projector, a 2-layer Llama) with our tokenizer plus an ``<image>`` token, a chat template
+    taking image parts, and CLIP's image processor config into ``path``."""
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=image_size, patch_size=patch_size, projection_dim=16)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    num_patches = (image_size // patch_size) ** 2
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id,
+                         vision_feature_select_strategy=select_strategy, vision_feature_layer=feature_layer,
+                         image_seq_length=num_patches + (select_strategy == "full"),
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():  # (larger weights than the init default: greedy decoding without near-ties)
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": image_size},
+                       crop_size={"height": image_size, "width": image_size}).save_pretrained(path)
+    return path

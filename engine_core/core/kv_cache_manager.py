@@ -95,7 +95,8 @@ class KVCacheManager:
         # The last prompt token is always recomputed: its logits are needed to sample.
         max_hit_blocks = (request.num_tokens - 1) // block_size
         extend_block_hashes(request.block_hashes, request.all_token_ids, max_hit_blocks, block_size,
-                            request.cache_salt, request.lora_key, self._long_rope(request), request.prompt_embeds)
+                            request.cache_salt, request.lora_key, self._long_rope(request), request.prompt_embeds,
+                            request.mm_features)
         get_cached = self.block_pool.get_cached_block
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -229,7 +230,8 @@ class KVCacheManager:
         if num_full_blocks <= num_cached:
             return
         extend_block_hashes(request.block_hashes, request.all_token_ids, num_full_blocks, self.block_size,
-                            request.cache_salt, request.lora_key, self._long_rope(request), request.prompt_embeds)
+                            request.cache_salt, request.lora_key, self._long_rope(request), request.prompt_embeds,
+                            request.mm_features)
         self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
         self.num_cached_block[req_id] = num_full_blocks
 

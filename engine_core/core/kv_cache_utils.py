@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from engine_core.multimodal import MultiModalFeature
     from engine_core.prompt_embeds import PromptEmbeds
 
 BlockHash = bytes
@@ -46,10 +47,12 @@ def first_block_keys(cache_salt: str | None = None, lora_key: tuple[int, str] | 
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int,
                         block_size: int, cache_salt: str | None = None,
                         lora_key: tuple[int, str] | None = None, long_rope: bool = False,
-                        prompt_embeds: PromptEmbeds | None = None) -> None:
+                        prompt_embeds: PromptEmbeds | None = None,
+                        mm_features: list[MultiModalFeature] | None = None) -> None:
     """Grow ``block_hashes`` in place to cover the first ``num_blocks`` full blocks of ``token_ids``.
     ``prompt_embeds``: the prompt's embedding rows, whose digest keys each block they reach into
-    (their token ids are placeholders)."""
+    (their token ids are placeholders); ``mm_features``: its images, whose identifiers key each block
+    their placeholders reach into (vLLM's multimodal extra keys)."""
     start = len(block_hashes)
     parent = block_hashes[-1] if block_hashes else NONE_HASH
     for i in range(start, num_blocks):
@@ -59,6 +62,11 @@ def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
             digest = prompt_embeds.block_digest(i, block_size)
             if digest is not None:
                 extra = (*(extra or ()), ("embeds", digest))
+        if mm_features:
+            first, end = i * block_size, (i + 1) * block_size
+            images = tuple(("mm", f.identifier) for f in mm_features if f.offset < end and f.end > first)
+            if images:
+                extra = (*(extra or ()), *images)
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         block_hashes.append(parent)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine_core.multimodal import MultiModalFeature
 from engine_core.outputs import LoRARequest
 from engine_core.prompt_embeds import PromptEmbeds
 from engine_core.sampling_params import SamplingParams
@@ -27,6 +28,8 @@ class NewRequestData(msgspec.Struct, array_like=True):
     lora_request: LoRARequest | None = None
     # A prompt given as embeddings: the rows the model takes in place of its placeholder tokens.
     prompt_embeds: PromptEmbeds | None = None
+    # A prompt's images: their placeholders' positions and encoder inputs.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -81,6 +84,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # forward, stores first: (device block, host slot) saved, then (host slot, device block) loaded.
     kv_offload_stores: list[tuple[int, int]] = msgspec.field(default_factory=list)
     kv_offload_loads: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # req_id -> indexes (into its mm_features) of the images the workers encode in this pass, before
+    # the forward; their rows stay cached by identifier until named in free_encoder_mm_hashes.
+    scheduled_encoder_inputs: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = msgspec.field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

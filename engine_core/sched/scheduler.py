@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from engine_core.config import CacheConfig, LoRAConfig, SchedulerConfig
+from engine_core.core.encoder_cache_manager import EncoderCacheManager
 from engine_core.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine_core.outputs import (
     EngineCoreOutput,
@@ -85,6 +86,15 @@ class _PartialPrefillCounter:
         return num_prompt_tokens_left > self.long_threshold and self.num_long >= self.max_long
 
 
+class _EncoderPass:
+    """A pass's encoder work (images of vision-language prompts): what is left of its budget (in
+    encoder output rows) and the images scheduled per request (indexes into its mm_features)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[str, list[int]] = {}
+
+
 def _count_adapters(requests: list[Request]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for request in requests:
@@ -97,7 +107,7 @@ def _count_adapters(requests: list[Request]) -> dict[str, int]:
 class Scheduler(SchedulerInterface):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  log_stats: bool = True, include_finished_set: bool = False, num_spec_tokens: int = 0,
-                 lora_config: LoRAConfig | None = None) -> None:
+                 lora_config: LoRAConfig | None = None, max_tokens_per_mm_item: int = 0) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.log_stats = log_stats
@@ -106,6 +116,12 @@ class Scheduler(SchedulerInterface):
         # max_num_scheduled_tokens if set, else max_num_batched_tokens: the seed of token_budget.
         self.max_num_scheduled_tokens = scheduler_config.token_budget
         self.max_model_len = scheduler_config.max_model_len
+        # A vision-language model's images (vLLM's compute_mm_encoder_budget): a pass encodes at most
+        # as many rows as it schedules tokens (or one image, if larger), and the encoder cache holds
+        # as many; 0 for a text model.
+        encoder_budget = max(self.max_num_scheduled_tokens, max_tokens_per_mm_item) if max_tokens_per_mm_item else 0
+        self.max_num_encoder_input_tokens = encoder_budget
+        self.encoder_cache_manager = EncoderCacheManager(encoder_budget)
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.block_size = cache_config.block_size
         self.num_lookahead_tokens = 0
@@ -248,6 +264,7 @@ class Scheduler(SchedulerInterface):
         scheduled_loras: set[int] = set()
         max_loras = self.max_loras
         held_back_loras = self._waiting_held_back_loras() if self._held_back_loras else set()
+        encoder_pass = _EncoderPass(self.max_num_encoder_input_tokens)
 
         # Running loop first, indexed by hand: preemption mutates self.running while we walk it.
         req_index = 0
@@ -262,6 +279,11 @@ class Scheduler(SchedulerInterface):
                 num_new_tokens = threshold
             # Running requests are clamped by the budget, never rejected: chunked prefill is this min().
             num_new_tokens = min(num_new_tokens, token_budget)
+            encoder_inputs: list[int] = []
+            if request.mm_features and num_new_tokens:
+                # A chunk reaching an image its encoder budget (or cache) cannot take stops before it.
+                encoder_inputs, num_new_tokens, encoder_budget = self._try_schedule_encoder_inputs(
+                    request, request.num_computed_tokens, num_new_tokens, encoder_pass.budget)
             if num_new_tokens == 0:
                 # Skip, don't stop: requests behind a stuck one still get scheduled (not strict FCFS).
                 # (Nor does it hold its adapter's place: a request whose pass is still in flight.)
@@ -291,6 +313,8 @@ class Scheduler(SchedulerInterface):
                         scheduled_running_reqs.remove(preempted_req)
                         token_budget += num_scheduled_tokens.pop(preempted_req_id)
                         req_to_new_blocks.pop(preempted_req_id)
+                        if preempted_req_id in encoder_pass.scheduled:
+                            self._unschedule_encoder_inputs(preempted_req, encoder_pass)
                         # Blocks cached for tokens that will now not be computed must not be hit.
                         kv_cache_manager.uncache_uncomputed_blocks(preempted_req)
                         req_index -= 1
@@ -313,6 +337,8 @@ class Scheduler(SchedulerInterface):
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if encoder_inputs:
+                self._commit_encoder_inputs(request, encoder_inputs, encoder_budget, encoder_pass)
             if request.lora_request is not None:
                 scheduled_loras.add(request.lora_request.lora_int_id)
             req_index += 1
@@ -326,7 +352,8 @@ class Scheduler(SchedulerInterface):
         if not preempted_reqs and self._pause_state == PauseState.UNPAUSED:
             token_budget = self._schedule_waiting(
                 token_budget, threshold, partial, num_scheduled_tokens, scheduled_new_reqs,
-                scheduled_resumed_reqs, req_to_new_blocks, scheduled_timestamp, scheduled_loras, held_back_loras)
+                scheduled_resumed_reqs, req_to_new_blocks, scheduled_timestamp, scheduled_loras, held_back_loras,
+                encoder_pass)
 
         self._held_back_loras = held_back_loras - scheduled_loras
 
@@ -345,6 +372,8 @@ class Scheduler(SchedulerInterface):
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted_reqs},
             scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            scheduled_encoder_inputs=encoder_pass.scheduled,
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
         if kv_cache_manager.offload is not None:
             scheduler_output.kv_offload_stores, scheduler_output.kv_offload_loads = \
@@ -401,7 +430,8 @@ class Scheduler(SchedulerInterface):
                           partial: _PartialPrefillCounter | None,
                           num_scheduled_tokens: dict[str, int], scheduled_new_reqs: list[Request],
                           scheduled_resumed_reqs: list[Request], req_to_new_blocks: dict[str, KVCacheBlocks],
-                          scheduled_timestamp: float, scheduled_loras: set[int], held_back_loras: set[int]) -> int:
+                          scheduled_timestamp: float, scheduled_loras: set[int], held_back_loras: set[int],
+                          encoder_pass: _EncoderPass) -> int:
         """The admission loop. Returns what is left of the token budget."""
         kv_cache_manager = self.kv_cache_manager
         step_skipped_waiting = create_request_queue(self.policy)
@@ -494,6 +524,12 @@ class Scheduler(SchedulerInterface):
             if not enable_chunked_prefill and num_new_tokens > token_budget:
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
+            encoder_inputs: list[int] = []
+            if request.mm_features:
+                encoder_inputs, num_new_tokens, encoder_budget = self._try_schedule_encoder_inputs(
+                    request, num_computed_tokens, num_new_tokens, encoder_pass.budget)
+                if num_new_tokens == 0:
+                    break  # (the encoder budget or cache cannot take its next image this pass)
 
             if partial is not None:
                 prompt_left = request.num_prompt_tokens - num_computed_tokens
@@ -527,6 +563,8 @@ class Scheduler(SchedulerInterface):
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if encoder_inputs:
+                self._commit_encoder_inputs(request, encoder_inputs, encoder_budget, encoder_pass)
             request.status = _RUNNING
             request.num_computed_tokens = num_computed_tokens
             if lora is not None:
@@ -612,6 +650,8 @@ class Scheduler(SchedulerInterface):
         """The state transition only: the caller has already taken the request out of running."""
         assert request.status == _RUNNING
         self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         # This one assignment is why a preempted request re-prefills when readmitted.
         request.num_computed_tokens = 0
@@ -624,6 +664,68 @@ class Scheduler(SchedulerInterface):
         # Leaving running involuntarily puts you at the front of waiting.
         self.waiting.prepend_request(request)
 
+    # ------------------------------------------------------------------ encoder inputs (images)
+
+    def _try_schedule_encoder_inputs(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
+                                     encoder_budget: int) -> tuple[list[int], int, int]:
+        """The images (indexes) the workers must encode for ``request``'s tokens
+        [num_computed_tokens, + num_new_tokens), with the token count cut to stop before the first
+        image that neither the pass's encoder budget nor the encoder cache can take (0 when the
+        chunk starts inside it), and what is left of the budget. Images already cached (the same
+        one in another prompt, or this one's earlier chunk) are not encoded again; those wholly
+        before the chunk are in the KV cache already."""
+        to_schedule: list[int] = []
+        identifiers: set[str] = set()
+        num_embeds = 0
+        manager = self.encoder_cache_manager
+        for i, feature in enumerate(request.mm_features):
+            if feature.offset >= num_computed_tokens + num_new_tokens:
+                break  # (not reached by this chunk)
+            if feature.end <= num_computed_tokens:
+                continue  # (its rows are in the KV cache)
+            if feature.identifier in identifiers or manager.check_and_update_cache(request, i):
+                continue  # (encoded already, or by this pass for an earlier copy in the prompt)
+            if not manager.can_allocate(request, i, encoder_budget, num_embeds):
+                num_new_tokens = max(0, feature.offset - num_computed_tokens)
+                break
+            num_embeds += feature.length
+            encoder_budget -= feature.length
+            identifiers.add(feature.identifier)
+            to_schedule.append(i)
+        return to_schedule, num_new_tokens, encoder_budget
+
+    def _commit_encoder_inputs(self, request: Request, inputs: list[int], budget_left: int,
+                               encoder_pass: _EncoderPass) -> None:
+        """``request`` is scheduled: its images are encoded this pass (their rows reserved)."""
+        for i in inputs:
+            self.encoder_cache_manager.allocate(request, i)
+        encoder_pass.scheduled[request.request_id] = inputs
+        encoder_pass.budget = budget_left
+
+    def _unschedule_encoder_inputs(self, request: Request, encoder_pass: _EncoderPass) -> None:
+        """``request``, scheduled earlier in this pass, is preempted: its images are not encoded by
+        it. An image another request of the pass found cached meanwhile is encoded for that one
+        instead; the others are forgotten (never encoded) and their budget given back."""
+        manager = self.encoder_cache_manager
+        for i in encoder_pass.scheduled.pop(request.request_id):
+            feature = request.mm_features[i]
+            heirs = manager.cached.get(feature.identifier, set()) - {request.request_id}
+            heir = next((self.requests[h] for h in sorted(heirs) if h in self.requests), None)
+            if heir is None:
+                manager.forget(feature.identifier, feature.length)
+                encoder_pass.budget += feature.length
+                continue
+            index = next(j for j, f in enumerate(heir.mm_features) if f.identifier == feature.identifier)
+            encoder_pass.scheduled.setdefault(heir.request_id, []).append(index)
+
+    def _free_encoder_inputs(self, request: Request) -> None:
+        """The images whose placeholders are all computed (in the KV cache) need no encoder rows:
+        their holds go (the rows stay cached, freeable, for another prompt with the same image)."""
+        manager = self.encoder_cache_manager
+        for i in manager.get_cached_input_ids(request):
+            if request.mm_features[i].end <= request.num_computed_tokens:
+                manager.free_encoder_input(request, i)
+
     def _make_new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
             req_id=request.request_id,
@@ -634,6 +736,7 @@ class Scheduler(SchedulerInterface):
             eos_token_id=request.eos_token_id,
             lora_request=request.lora_request,
             prompt_embeds=request.prompt_embeds,
+            mm_features=request.mm_features,
         )
 
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
@@ -665,6 +768,8 @@ class Scheduler(SchedulerInterface):
         for requests in scheduled:
             for request in requests:
                 request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+                if request.mm_features:
+                    self._free_encoder_inputs(request)
         self._num_steps += 1
         self._num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         self._last_step_tokens = scheduler_output.total_num_scheduled_tokens
@@ -828,6 +933,8 @@ class Scheduler(SchedulerInterface):
             self.kv_cache_manager.free(request)
         else:
             request.kv_transfer_params_out = held
+        if request.mm_features:
+            self.encoder_cache_manager.free(request)
         del self.requests[request.request_id]
         if request.lora_request is not None:
             key = request.lora_request.cache_key

@@ -159,6 +159,8 @@ def pipeline_refusal(config: ModelConfig, pp_size: int, pooling: bool = False) -
     """Why a model cannot be split into ``pp_size`` pipeline stages (None: it can)."""
     if config.encoder_only or config.embedding_only or pooling or config.labels:
         return "pipeline parallelism serves generative decoders, not encoders, pooling-only or classifier models"
+    if config.vision is not None:
+        return "pipeline parallelism serves text decoders; a vision-language model's encoder is not split into stages"
     if config.num_hidden_layers < pp_size:
         return f"the model has only {config.num_hidden_layers} layers to split into {pp_size} stages"
     return None

@@ -18,6 +18,7 @@ from gpu_worker.models.llama import (
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from gpu_worker.models.llava import llava_class
 from gpu_worker.models.modernbert import ModernBertModel
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -50,4 +51,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 def build_model(config: ModelConfig) -> nn.Module:
     """Uninitialised model (parameters are torch.empty) on the current default device and dtype."""
-    return get_model_class(config.architecture)(config)
+    model_class = get_model_class(config.architecture)
+    if config.vision is not None:  # (a vision-language model: its decoder, and the image side)
+        model_class = llava_class(model_class)
+    return model_class(config)

@@ -23,7 +23,8 @@ def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
                      enable_prefix_caching: bool = True, log_stats: bool = True,
                      include_finished_set: bool = False, num_spec_tokens: int = 0,
                      max_loras: int = 0, sliding_window: int | None = None,
-                     long_rope_after: int | None = None, num_offload_blocks: int = 0) -> Scheduler:
+                     long_rope_after: int | None = None, num_offload_blocks: int = 0,
+                     max_tokens_per_mm_item: int = 0) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_num_scheduled_tokens=max_num_scheduled_tokens,
@@ -37,7 +38,8 @@ def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
                                long_rope_after=long_rope_after, num_offload_blocks=num_offload_blocks)
     return Scheduler(scheduler_config, cache_config, log_stats=log_stats,
                      include_finished_set=include_finished_set, num_spec_tokens=num_spec_tokens,
-                     lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None)
+                     lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None,
+                     max_tokens_per_mm_item=max_tokens_per_mm_item)
 
 
 def create_requests(num_requests: int, num_tokens: int = 10, max_tokens: int = 16,

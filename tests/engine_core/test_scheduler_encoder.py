@@ -1,0 +1,197 @@
+"""The scheduler's encoder inputs (images of vision-language prompts): the per-pass encoder budget,
+the encoder cache's holds and evictions, chunks that stop before an image, preemption, and the
+images' identifiers in the prefix cache's block keys. A real Scheduler; the model is faked."""
+
+from __future__ import annotations
+
+from engine_core.multimodal import MultiModalFeature, TensorData
+from engine_core.request import Request
+from engine_core.sampling_params import SamplingParams
+from tests.engine_core.utils import create_scheduler, fake_model_output, step
+
+IMAGE = 999  # the placeholder token id
+PIXELS = TensorData("float32", (1,), b"\0\0\0\0")
+
+
+def image(identifier: str, offset: int, length: int = 16) -> MultiModalFeature:
+    return MultiModalFeature("image", identifier, offset, length, PIXELS)
+
+
+def prompt_with(images: list[tuple[str, int]], num_tokens: int, length: int = 16, text: int = 1) -> tuple[
+        list[int], list[MultiModalFeature]]:
+    """A prompt of ``num_tokens`` tokens (``text``-based ids) with images at the given offsets."""
+    tokens = [text * 100 + i for i in range(num_tokens)]
+    features = []
+    for identifier, offset in images:
+        tokens[offset:offset + length] = [IMAGE] * length
+        features.append(image(identifier, offset, length))
+    return tokens, features
+
+
+def request(req_id: str, tokens: list[int], features: list[MultiModalFeature], max_tokens: int = 4,
+            priority: int = 0) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens), eos_token_id=0, priority=priority,
+                   mm_features=features)
+
+
+def test_an_image_is_encoded_in_the_pass_its_placeholders_are_first_scheduled():
+    scheduler = create_scheduler(max_num_batched_tokens=8, max_tokens_per_mm_item=16, block_size=4)
+    assert scheduler.max_num_encoder_input_tokens == 16  # (an image larger than the budget still fits)
+    tokens, features = prompt_with([("a", 4)], 24)
+    scheduler.add_request(request("r", tokens, features))
+    so, _ = step(scheduler)
+    assert so.num_scheduled_tokens == {"r": 8}  # tokens 0..7 reach the image at 4
+    assert so.scheduled_encoder_inputs == {"r": [0]}
+    so, _ = step(scheduler)  # 8..15: inside the image, encoded already
+    assert so.num_scheduled_tokens == {"r": 8} and so.scheduled_encoder_inputs == {}
+    so, _ = step(scheduler)
+    assert so.num_scheduled_tokens == {"r": 8} and so.scheduled_encoder_inputs == {}
+    # Its placeholders are all computed: the hold is gone, the rows stay cached (freeable).
+    assert scheduler.encoder_cache_manager.cached == {"a": set()}
+    assert list(scheduler.encoder_cache_manager.freeable) == ["a"]
+
+
+def test_a_chunk_stops_before_an_image_the_encoder_budget_cannot_take():
+    # Five images of 16 rows: four fit a pass's encoder budget of 64, the fifth must wait.
+    tokens, features = prompt_with([(f"img{i}", 2 + 20 * i) for i in range(5)], 110)
+    scheduler = create_scheduler(max_num_batched_tokens=200, max_tokens_per_mm_item=16)
+    assert scheduler.max_num_encoder_input_tokens == 200 == scheduler.encoder_cache_manager.cache_size
+    scheduler.max_num_encoder_input_tokens = 64
+    scheduler.add_request(request("r", tokens, features))
+    so, _ = step(scheduler)
+    assert so.scheduled_encoder_inputs == {"r": [0, 1, 2, 3]}
+    assert so.num_scheduled_tokens == {"r": 82}  # up to the fifth image's first placeholder
+    so, _ = step(scheduler)
+    assert so.scheduled_encoder_inputs == {"r": [4]} and so.num_scheduled_tokens == {"r": 110 - 82}
+
+
+def test_a_second_request_waits_when_the_pass_budget_is_spent_and_a_chunk_inside_an_image_gets_none():
+    scheduler = create_scheduler(max_num_batched_tokens=64, max_tokens_per_mm_item=16, block_size=4)
+    scheduler.max_num_encoder_input_tokens = 16  # (one image per pass)
+    a_tokens, a_features = prompt_with([("a", 0)], 20, text=1)
+    b_tokens, b_features = prompt_with([("b", 0)], 20, text=2)
+    scheduler.add_request(request("a", a_tokens, a_features))
+    scheduler.add_request(request("b", b_tokens, b_features))
+    so, _ = step(scheduler)
+    # b's prompt starts with its image: nothing of it can run this pass, and admission stops there.
+    assert so.num_scheduled_tokens == {"a": 20} and so.scheduled_encoder_inputs == {"a": [0]}
+    assert [r.request_id for r in scheduler.waiting] == ["b"]
+    so, _ = step(scheduler)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 20} and so.scheduled_encoder_inputs == {"b": [0]}
+
+
+def test_the_same_image_in_another_prompt_is_not_encoded_again():
+    scheduler = create_scheduler(max_tokens_per_mm_item=16, block_size=4)
+    first, features = prompt_with([("cat", 2)], 24, text=1)
+    scheduler.add_request(request("one", first, features))
+    so, _ = step(scheduler)
+    assert so.scheduled_encoder_inputs == {"one": [0]}
+    # Another prompt (other text first: no prefix hit) with the same image: cached, not re-encoded.
+    second, features = prompt_with([("cat", 6)], 30, text=3)
+    scheduler.add_request(request("two", second, features))
+    so, _ = step(scheduler)
+    assert so.num_scheduled_tokens["two"] == 30 and so.scheduled_encoder_inputs == {}
+    assert scheduler.encoder_cache_manager.cached == {"cat": set()}  # (both chunks done: freeable)
+
+
+def test_a_full_cache_evicts_freeable_images_oldest_first_and_tells_the_workers():
+    scheduler = create_scheduler(max_num_batched_tokens=32, max_tokens_per_mm_item=16, block_size=4)
+    assert scheduler.encoder_cache_manager.cache_size == 32  # (two images)
+    for name, text in (("a", 1), ("b", 2)):
+        tokens, features = prompt_with([(name, 0)], 16, text=text)
+        scheduler.add_request(request(name, tokens, features, max_tokens=1))
+        so, _ = step(scheduler)
+        assert so.scheduled_encoder_inputs == {name: [0]} and so.free_encoder_mm_hashes == []
+    tokens, features = prompt_with([("c", 0)], 16, text=3)
+    scheduler.add_request(request("c", tokens, features, max_tokens=1))
+    so, _ = step(scheduler)
+    assert so.scheduled_encoder_inputs == {"c": [0]} and so.free_encoder_mm_hashes == ["a"]
+    manager = scheduler.encoder_cache_manager
+    assert set(manager.cached) == {"b", "c"} and manager.num_free_slots == 0
+
+
+def test_a_held_image_is_never_evicted_and_a_chunk_needing_room_waits():
+    scheduler = create_scheduler(max_num_batched_tokens=16, max_tokens_per_mm_item=16, block_size=4)
+    assert scheduler.encoder_cache_manager.cache_size == 16  # (one image)
+    # A long prompt's image is held while its placeholders are computed over two passes.
+    a_tokens, a_features = prompt_with([("a", 8)], 40, text=1)
+    b_tokens, b_features = prompt_with([("b", 0)], 16, text=2)
+    scheduler.add_request(request("a", a_tokens, a_features))
+    so, _ = step(scheduler)
+    assert so.num_scheduled_tokens == {"a": 16} and so.scheduled_encoder_inputs == {"a": [0]}
+    scheduler.add_request(request("b", b_tokens, b_features))
+    so, _ = step(scheduler)  # a's image is half computed: still held, so b's image has no room
+    assert so.num_scheduled_tokens == {"a": 16} and so.scheduled_encoder_inputs == {}
+    so, _ = step(scheduler)  # a's image is in its KV now (freeable): b's evicts it
+    assert so.scheduled_encoder_inputs == {"b": [0]} and so.free_encoder_mm_hashes == ["a"]
+
+
+def test_preemption_and_finishing_release_the_holds():
+    scheduler = create_scheduler(max_num_batched_tokens=8, max_tokens_per_mm_item=16, block_size=4)
+    tokens, features = prompt_with([("a", 4)], 24)
+    scheduler.add_request(request("r", tokens, features))
+    so = scheduler.schedule()
+    assert scheduler.encoder_cache_manager.cached == {"a": {"r"}}
+    running = scheduler.running.pop()
+    scheduler._preempt_request(running, 0.0)
+    assert scheduler.encoder_cache_manager.cached == {"a": set()}  # (freeable: it was encoded)
+    scheduler.update_from_output(so, fake_model_output(scheduler, so))
+    # Readmitted from the start: its image is cached still, so the chunk runs without encoding it.
+    so, _ = step(scheduler)
+    assert so.num_scheduled_tokens == {"r": 8} and so.scheduled_encoder_inputs == {}
+    assert scheduler.encoder_cache_manager.cached == {"a": {"r"}}
+    scheduler.finish_requests(["r"], scheduler.requests["r"].status.__class__.FINISHED_ABORTED)
+    assert scheduler.encoder_cache_manager.cached == {"a": set()}
+
+
+def test_a_victim_scheduled_earlier_in_the_pass_gives_its_image_back():
+    """Priority preemption of a request scheduled earlier in the same pass: the image it was to
+    encode is forgotten (nobody may find it cached) and the cache's room comes back."""
+    scheduler = create_scheduler(max_num_batched_tokens=64, max_tokens_per_mm_item=16, block_size=4,
+                                 long_prefill_token_threshold=2, policy="priority")
+    high = Request("high", [5] * 9, SamplingParams(max_tokens=20), eos_token_id=0, priority=0)
+    scheduler.add_request(high)
+    step(scheduler)  # high's prompt: 9 tokens... in 2-token chunks
+    while high.num_computed_tokens < 9:
+        step(scheduler)
+    low_tokens, low_features = prompt_with([("low", 6)], 40, text=1)
+    low = request("low", low_tokens, low_features, priority=5)
+    scheduler.add_request(low)
+    while low.num_computed_tokens < 6:  # low's chunks before its image; high decodes beside them
+        so, _ = step(scheduler)
+        assert so.scheduled_encoder_inputs == {}
+    # Next pass: low (first in running) reaches its image inside the blocks it holds; high's next
+    # token needs a new block, and the pool has none: low, the worse priority, is preempted.
+    assert high.num_computed_tokens % 4 == 0, "high must need a new block in the next pass"
+    scheduler.running.sort(key=lambda r: r is not low)
+    pool = scheduler.kv_cache_manager.block_pool
+    grabbed = pool.get_new_blocks(pool.get_num_free_blocks())
+    so = scheduler.schedule()
+    assert so.preempted_req_ids == {"low"} and so.num_scheduled_tokens == {"high": 1}
+    assert so.scheduled_encoder_inputs == {}
+    manager = scheduler.encoder_cache_manager
+    assert "low" not in manager.cached
+    assert manager.num_free_slots == manager.num_freeable_slots == manager.cache_size
+    pool.free_blocks(grabbed)
+
+
+def test_images_key_the_blocks_they_reach_into():
+    """Equal token ids (placeholders), different images: no prefix-cache hit past the image's
+    first block; the same image: a hit."""
+    scheduler = create_scheduler(max_tokens_per_mm_item=16, block_size=4)
+    tokens, features = prompt_with([("a", 8)], 32)
+    scheduler.add_request(request("first", tokens, features, max_tokens=1))
+    step(scheduler)
+    step(scheduler)
+    tokens_b, features_b = prompt_with([("b", 8)], 32)
+    assert tokens_b == tokens
+    other = request("other-image", tokens_b, features_b, max_tokens=1)
+    scheduler.add_request(other)
+    so, _ = step(scheduler)
+    assert other.num_cached_tokens == 8  # (the two blocks before the image)
+    assert so.scheduled_encoder_inputs == {"other-image": [0]}
+    same = request("same-image", tokens, features, max_tokens=1)
+    scheduler.add_request(same)
+    so, _ = step(scheduler)
+    assert same.num_cached_tokens == 28  # (every full block: the last token is always computed)
+    assert so.scheduled_encoder_inputs == {}  # (its placeholders are all in the cached blocks)

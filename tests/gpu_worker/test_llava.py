@@ -1,0 +1,171 @@
+"""LLaVA (images in prompts): our engine's greedy tokens equal transformers' LlavaForConditionalGeneration
+on tiny random checkpoints, through chunked prefill across an image, two images in a prompt, the
+prefix cache and the encoder cache; the config and refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.config import ClusterConfig, EngineSpec
+from engine_core.engine_core import EngineCore, RequestRefusedError
+from engine_core.multimodal import MultiModalFeature, TensorData, feature_identifier
+from engine_core.outputs import EngineCoreRequest
+from engine_core.sampling_params import SamplingParams
+from gpu_worker.config import ModelConfig
+from gpu_worker.executor import create_executor
+from gpu_worker.vision_config import vision_config_from_dict
+from tests.tiny_model import build_tiny_llama, build_tiny_llava
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory) -> Path:
+    return build_tiny_llava(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def hf(llava_dir):
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    return (LlavaForConditionalGeneration.from_pretrained(llava_dir).eval(),
+            AutoImageProcessor.from_pretrained(llava_dir))
+
+
+def picture(seed: int, size: tuple[int, int] = (40, 50)):
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(*size, 3) * 255).astype("uint8"))
+
+
+def prompt(hf, text_ids: list[list[int]], images: list) -> tuple[list[int], list[MultiModalFeature], torch.Tensor]:
+    """Text pieces with an image between each two: token ids (placeholders expanded), features and
+    the processor's pixel values."""
+    model, processor = hf
+    pixels = processor(images=images, return_tensors="pt")["pixel_values"] if images else None
+    token = model.config.image_token_id
+    n = 16 if model.config.vision_feature_select_strategy == "default" else 17
+    ids: list[int] = []
+    features = []
+    for i, piece in enumerate(text_ids):
+        ids += piece
+        if i < len(images):
+            data = TensorData.from_array(pixels[i])
+            features.append(MultiModalFeature("image", feature_identifier("image", data), len(ids), n, data))
+            ids += [token] * n
+    return ids, features, pixels
+
+
+def reference(hf, ids: list[int], pixels: torch.Tensor | None) -> list[int]:
+    model, _ = hf
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, max_new_tokens=MAX_TOKENS,
+                             do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+def make_engine(model_dir: Path, **spec) -> EngineCore:
+    config = ClusterConfig(model=str(model_dir), defaults=EngineSpec(num_gpu_blocks=256, **spec)).engine_configs()[0]
+    return EngineCore(config, create_executor(config))
+
+
+def run(engine: EngineCore, requests: dict[str, tuple[list[int], list[MultiModalFeature]]],
+        cached: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Greedy tokens per request (and, into ``cached``, the prompt tokens each found in the prefix cache)."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for req_id, (ids, features) in requests.items():
+        engine.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=ids, sampling_params=params,
+                                             mm_features=features))
+    got: dict[str, list[int]] = {r: [] for r in requests}
+    while engine.has_work():
+        for eco in engine.step().values():
+            for out in eco.outputs:
+                got[out.request_id] += out.new_token_ids
+                if cached is not None and out.num_cached_tokens:
+                    cached[out.request_id] = out.num_cached_tokens
+    return got
+
+
+def test_one_image_equals_transformers_whole_and_in_chunks_across_the_image(llava_dir, hf):
+    ids, features, pixels = prompt(hf, [[74, 75, 223], [263, 84, 71]], [picture(0)])
+    want = reference(hf, ids, pixels)
+    assert run(make_engine(llava_dir), {"a": (ids, features)}) == {"a": want}
+    # 5-token passes: the image's 16 placeholders run over four chunks (its rows encoded once).
+    engine = make_engine(llava_dir, max_num_batched_tokens=5)
+    assert engine.scheduler.max_num_encoder_input_tokens == 16
+    assert run(engine, {"a": (ids, features)}) == {"a": want}
+
+
+def test_two_images_in_a_prompt_and_two_prompts_at_once(llava_dir, hf):
+    two, two_features, two_pixels = prompt(hf, [[74], [223, 263], [84, 71]], [picture(1), picture(2, (64, 32))])
+    one, one_features, one_pixels = prompt(hf, [[75, 75], [90]], [picture(3)])
+    want = {"two": reference(hf, two, two_pixels), "one": reference(hf, one, one_pixels)}
+    assert run(make_engine(llava_dir, max_num_batched_tokens=24), {"two": (two, two_features),
+                                                                   "one": (one, one_features)}) == want
+
+
+def test_same_tokens_other_image_misses_the_prefix_cache_and_the_same_image_hits_it(llava_dir, hf):
+    engine = make_engine(llava_dir, block_size=4)
+    ids, features, pixels = prompt(hf, [[74, 75, 223, 263, 84, 71], [90, 91]], [picture(4)])
+    other_ids, other_features, other_pixels = prompt(hf, [[74, 75, 223, 263, 84, 71], [90, 91]], [picture(5)])
+    assert ids == other_ids and features[0].identifier != other_features[0].identifier
+    assert run(engine, {"first": (ids, features)}) == {"first": reference(hf, ids, pixels)}
+    # Equal token ids, another image: it must not run on the first image's KV (only the block
+    # before the image is shared).
+    cached: dict[str, int] = {}
+    want_other = reference(hf, other_ids, other_pixels)
+    assert run(engine, {"other": (other_ids, other_features)}, cached) == {"other": want_other}
+    assert cached == {"other": 4}
+    # The same image again: its blocks are found (and its answer is the first one's).
+    assert run(engine, {"again": (ids, features)}, cached) == {"again": reference(hf, ids, pixels)}
+    assert len(ids) == 24 and cached["again"] == 20  # (the block of its last token is computed)
+
+
+def test_full_strategy_and_the_last_layer(tmp_path):
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    model_dir = build_tiny_llava(tmp_path, seed=3, select_strategy="full", feature_layer=-1)
+    hf = (LlavaForConditionalGeneration.from_pretrained(model_dir).eval(),
+          AutoImageProcessor.from_pretrained(model_dir))
+    config = ModelConfig.from_pretrained(model_dir)
+    assert config.vision.tokens_per_image == 17 and config.vision.num_layers_used == 3
+    ids, features, pixels = prompt(hf, [[74, 75], [263]], [picture(6)])
+    assert run(make_engine(model_dir), {"a": (ids, features)}) == {"a": reference(hf, ids, pixels)}
+
+
+def test_the_engine_refuses_images_it_cannot_take(llava_dir, tmp_path, hf):
+    ids, features, _ = prompt(hf, [[74], [75]], [picture(7)])
+    engine = make_engine(llava_dir)
+    params = SamplingParams(max_tokens=2)
+    wrong_length = [MultiModalFeature("image", "x", 1, 4, features[0].pixel_values)]
+    with pytest.raises(RequestRefusedError, match="images of 16 tokens"):
+        engine.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=ids, sampling_params=params,
+                                             mm_features=wrong_length))
+    shifted = [MultiModalFeature("image", "x", 0, 16, features[0].pixel_values)]
+    with pytest.raises(RequestRefusedError, match="not all the model's placeholder"):
+        engine.add_request(EngineCoreRequest(request_id="b", prompt_token_ids=ids, sampling_params=params,
+                                             mm_features=shifted))
+    text_engine = make_engine(build_tiny_llama(tmp_path / "text"))
+    with pytest.raises(RequestRefusedError, match="takes no images"):
+        text_engine.add_request(EngineCoreRequest(request_id="c", prompt_token_ids=ids, sampling_params=params,
+                                                  mm_features=features))
+
+
+def test_vision_config_reads_transformers_names_and_refuses_what_it_does_not_run(llava_dir):
+    cfg = json.loads((llava_dir / "config.json").read_text())
+    vision = vision_config_from_dict(cfg)
+    assert (vision.image_token_id, vision.num_patches, vision.tokens_per_image) == (cfg["image_token_index"], 16, 16)
+    assert vision.num_layers_used == 2  # (-2 of 3 layers: the hidden states after the second)
+    mistral = ModelConfig.from_dict({**cfg, "text_config": {**cfg["text_config"], "model_type": "mistral"}})
+    assert mistral.architecture == "MistralForCausalLM" and mistral.vision is not None
+    for bad, match in (({"vision_feature_layer": [-2, -1]}, "one layer"),
+                       ({"vision_feature_select_strategy": "pad"}, "'default' or 'full'"),
+                       ({"vision_config": {**cfg["vision_config"], "model_type": "siglip_vision_model"}}, "CLIP"),
+                       ({"text_config": {**cfg["text_config"], "model_type": "phi3"}}, "language model")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_dict({**cfg, **bad})
