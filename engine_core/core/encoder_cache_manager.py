@@ -87,6 +87,14 @@ class EncoderCacheManager:
         for input_id in self.get_cached_input_ids(request):
             self.free_encoder_input(request, input_id)
 
+    def evict_freeable(self) -> None:
+        """Evict every entry no request holds (a prefix-cache reset: new weights may follow)."""
+        while self.freeable:
+            identifier, rows = self.freeable.popitem(last=False)
+            del self.cached[identifier]
+            self.freed.append(identifier)
+            self.num_free_slots += rows
+
     def get_freed_mm_hashes(self) -> list[str]:
         """The entries evicted since the last call: the workers drop their rows."""
         freed, self.freed = self.freed, []

@@ -1011,6 +1011,8 @@ class Scheduler(SchedulerInterface):
         return bool(self.finished_req_ids)
 
     def reset_prefix_cache(self) -> bool:
+        # (Encoded images nobody holds go too: after new weights their rows would be stale.)
+        self.encoder_cache_manager.evict_freeable()
         return self.kv_cache_manager.reset_prefix_cache()
 
     def abort_all_requests(self) -> list[str]:

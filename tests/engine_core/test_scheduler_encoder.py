@@ -108,6 +108,10 @@ def test_a_full_cache_evicts_freeable_images_oldest_first_and_tells_the_workers(
     assert so.scheduled_encoder_inputs == {"c": [0]} and so.free_encoder_mm_hashes == ["a"]
     manager = scheduler.encoder_cache_manager
     assert set(manager.cached) == {"b", "c"} and manager.num_free_slots == 0
+    # A prefix-cache reset (new weights may follow) evicts what nobody holds, and tells the workers.
+    assert scheduler.reset_prefix_cache()
+    assert manager.cached == {} and manager.num_free_slots == 32
+    assert scheduler.schedule().free_encoder_mm_hashes == ["b", "c"]
 
 
 def test_a_held_image_is_never_evicted_and_a_chunk_needing_room_waits():
