@@ -175,7 +175,9 @@ def router_deployment(config: ClusterConfig):
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
         disable_fastapi_docs=config.disable_fastapi_docs, response_role=config.response_role,
-        chat_template_content_format=config.chat_template_content_format)
+        chat_template_content_format=config.chat_template_content_format,
+        limit_mm_per_prompt=dict(config.limit_mm_per_prompt),
+        allowed_local_media_path=config.allowed_local_media_path)
     # Further models: the same router settings, their own engines, names, template, parsers and
     # adapters.
     more_models = [dataclasses.replace(
@@ -183,6 +185,7 @@ def router_deployment(config: ClusterConfig):
         engine_kv_roles=tuple(kv_roles[i] for i in indexes), **_router_names(served.served_model_name),
         model=served.model, chat_template=served.chat_template,
         default_chat_template_kwargs=served.default_chat_template_kwargs or {},
+        limit_mm_per_prompt=dict(served.limit_mm_per_prompt),
         tool_call_parser=served.tool_call_parser if served.enable_auto_tool_choice else None,
         reasoning_parser=served.reasoning_parser, enable_lora=served.enable_lora,
         allow_runtime_lora_updating=config.allow_runtime_lora_updating and served.enable_lora)

@@ -18,6 +18,7 @@ from typing import Any
 from cluster.config import API_KEY_ENV, default_api_keys, env_switch
 from engine_core.config import KV_CACHE_DTYPE_NAMES, LOGPROBS_MODES
 from router.content_format import CONTENT_FORMATS
+from router.multimodal import DEFAULT_LIMIT_PER_PROMPT
 from router.reasoning_parsers import REASONING_PARSERS
 from router.tool_parsers import TOOL_CALL_PARSERS
 
@@ -102,7 +103,6 @@ VLLM_FLAGS_WITHOUT_EFFECT: dict[str, tuple[bool, str]] = {
                                              "engine's own process)"),
     "--prefix-caching-hash-algo": (True, "prefix-cache blocks are keyed by the engine's own hash (BLAKE2b of the "
                                          "parent block's hash and the tokens)"),
-    "--limit-mm-per-prompt": (True, "the models served take text (and prompt embeddings), no images or audio"),
     "--root-path": (True, "the API is served at the Serve application's route prefix; a proxy in front of it "
                           "handles its own path"),
 }
@@ -206,7 +206,7 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
 # vLLM's JSON flags that also take the dotted form (--structured-outputs-config.backend xgrammar).
 VLLM_DOTTED_JSON_FLAGS = frozenset({"--structured-outputs-config", "--kv-transfer-config", "--speculative-config",
                                     "--pooler-config", "--hf-overrides", "--override-generation-config",
-                                    "--default-chat-template-kwargs"})
+                                    "--default-chat-template-kwargs", "--limit-mm-per-prompt"})
 
 
 def _json_or_text(text: str) -> Any:
@@ -500,6 +500,12 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
                        help="Message content for the chat template: its text, or OpenAI's list of parts (auto: "
                             "the parts when the template loops over a message's content).")
+    serve.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
+                       help='A vision-language model\'s most images in one prompt (JSON by modality), e.g. '
+                            f'\'{{"image": 2}}\'; more is a 400 (default: {DEFAULT_LIMIT_PER_PROMPT} each, as vLLM).')
+    serve.add_argument("--allowed-local-media-path", default="",
+                       help="Images given as file:// URLs are read from under this directory (of the router "
+                            "replicas' machines) and no other; without it, file:// URLs are refused.")
     serve.add_argument("--allowed-origins", type=_json_string_list, default=["*"],
                        help='Origins browsers may call the API from (JSON list, as vLLM; default ["*"]).')
     serve.add_argument("--allowed-methods", type=_json_string_list, default=["*"],
@@ -532,7 +538,8 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="YAML list of further models served through the same endpoint, each on engines of its "
                             "own (model, served_model_name (a name or a list), num_engines, defaults, engines, "
                             "chat_template, default_chat_template_kwargs, tokenizer, tool_call_parser, "
-                            "reasoning_parser, enable_auto_tool_choice, and its LoRA adapters: enable_lora, "
+                            "reasoning_parser, enable_auto_tool_choice, limit_mm_per_prompt, and its LoRA "
+                            "adapters: enable_lora, "
                             "lora_modules, max_loras, max_lora_rank, max_cpu_loras; engine_autoscaling). A model "
                             "inherits the cluster's "
                             "engine flags, but not the first model's generation config folder or override.")
@@ -715,7 +722,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         response_role=args.response_role, chat_template_content_format=args.chat_template_content_format,
-        disable_fastapi_docs=args.disable_fastapi_docs,
+        disable_fastapi_docs=args.disable_fastapi_docs, limit_mm_per_prompt=args.limit_mm_per_prompt or {},
+        allowed_local_media_path=_local_dir_path(args.allowed_local_media_path) or "",
         models=_extra_models(args.extra_models) if args.extra_models else [])
 
 

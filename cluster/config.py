@@ -30,6 +30,7 @@ from engine_core.config import (
 )
 from engine_core.kv_transfer import KVTransferConfig
 from engine_core.lora import LoRAModule, parse_lora_module, static_lora_requests
+from router.multimodal import DEFAULT_LIMIT_PER_PROMPT, MODALITIES
 from router.reasoning_parsers import REASONING_PARSERS
 from router.routing import ROUTING_POLICIES
 from router.tool_parsers import TOOL_CALL_PARSERS
@@ -313,6 +314,15 @@ def _check_default_chat_template_kwargs(value: dict[str, Any] | None) -> dict[st
     return value
 
 
+def _check_limit_mm_per_prompt(value: dict[str, int]) -> dict[str, int]:
+    for modality, limit in value.items():
+        if modality not in MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt: {modality!r} is not a modality ({', '.join(MODALITIES)})")
+        if limit < 0:
+            raise ValueError(f"limit_mm_per_prompt: the limit of {modality} must be >= 0, got {limit}")
+    return value
+
+
 SERVED_MODEL_NAME_HELP = ("Name clients use, or several (aliases: a request may name any; responses and metrics "
                           "carry the first); defaults to the model's.")
 
@@ -331,9 +341,14 @@ class ModelSettings(LoRASettings):
     tokenizer: str | None = Field(
         None, description="A Hugging Face tokenizer directory used instead of the model's own (--tokenizer), e.g. "
                           "a GGUF model's original tokenizer and chat template; this model's alone.")
+    limit_mm_per_prompt: dict[str, int] = Field(
+        default_factory=dict, description=f"A vision-language model's most images (by modality) in one prompt "
+                                          f'(--limit-mm-per-prompt), e.g. {{"image": 2}}; a modality not named: '
+                                          f"{DEFAULT_LIMIT_PER_PROMPT}, as vLLM.")
 
     _served_model_name = field_validator("served_model_name")(_check_served_model_name)
     _chat_template_kwargs = field_validator("default_chat_template_kwargs")(_check_default_chat_template_kwargs)
+    _limit_mm_per_prompt = field_validator("limit_mm_per_prompt")(_check_limit_mm_per_prompt)
 
     @property
     def served_names(self) -> list[str]:
@@ -460,6 +475,9 @@ class ClusterConfig(ModelSettings):
     request_timeout_s: float | None = Field(None, gt=0)
     trust_request_chat_template: bool = Field(
         False, description="Run a request's own chat_template (vLLM's --trust-request-chat-template); else a 400.")
+    allowed_local_media_path: str = Field(
+        "", description="Images given as file:// URLs are read from under this directory of the router replicas' "
+                        "machines, and no other (vLLM's --allowed-local-media-path; default: none are).")
     enable_log_requests: bool = Field(False, description="Log each request's prompt and parameters as it goes to an "
                                                          "engine (--enable-log-requests).")
     max_log_len: int | None = Field(None, ge=0, description="Characters of a logged prompt or output (and token "

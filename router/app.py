@@ -527,7 +527,9 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
                 conversation_chars(body.messages, body.tools), owner.render_messages, body.messages,
                 body.add_generation_prompt,
                 body.continue_final_message, body.chat_template_kwargs, tool_dicts(body.tools) or None,
-                add_special_tokens=bool(body.add_special_tokens), chat_template=body.chat_template)
+                add_special_tokens=bool(body.add_special_tokens), chat_template=body.chat_template, with_images=True)
+            # (Images: their placeholders, as chat sends them; the images themselves are not loaded.)
+            tokens, _ = owner.expand_images(tokens, len(owner.chat_images(body.messages)))
         else:
             add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = await owner.tokenizer_work(len(body.prompt), owner.tokenize_prompt, body.prompt,

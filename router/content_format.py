@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 CONTENT_FORMATS = ("auto", "string", "openai")
 # The kinds of content part whose text a message's content is made of (OpenAI's chat and Responses).
 TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
+# OpenAI's image part, ``{"type": "image_url", "image_url": {"url": ...}}`` (vision-language models:
+# router.multimodal); a template sees ``{"type": "image"}`` in its place, as vLLM gives it.
+IMAGE_PART_TYPE = "image_url"
 
 
 @functools.lru_cache(maxsize=64)
@@ -101,14 +104,33 @@ def part_text(part: Any) -> str:
     return part.get("text") or part.get("refusal") or ""
 
 
-def template_content(content: str | list[Any] | None, content_format: str) -> Any:
-    """A message's content in the template's format (its text parts: others are refused earlier)."""
+def is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == IMAGE_PART_TYPE
+
+
+def image_part_url(part: dict[str, Any]) -> str:
+    """An image part's URL (its shape checked by the protocol model)."""
+    return part[IMAGE_PART_TYPE]["url"]
+
+
+def template_content(content: str | list[Any] | None, content_format: str, image_placeholder: str | None = None
+                     ) -> Any:
+    """A message's content in the template's format (its text and image parts: others are refused
+    earlier). Images are ``{"type": "image"}`` parts where they were; as text, one
+    ``image_placeholder`` per image (those the text holds already count) before the text, joined by
+    newlines, as vLLM writes them (no placeholder: the images are left out, for a text model's echo)."""
     if content_format == "openai":
         if content is None:
             return []
         if isinstance(content, str):
             return [{"type": "text", "text": content}]
-        return [{"type": "text", "text": part_text(part)} for part in content]
+        return [{"type": "image"} if is_image_part(part) else {"type": "text", "text": part_text(part)}
+                for part in content]
     if content is None or isinstance(content, str):
         return content or ""
-    return "\n".join(text for text in map(part_text, content) if text)  # (as vLLM joins them, empty ones left out)
+    # (As vLLM joins them, empty ones left out.)
+    text = "\n".join(text for text in (part_text(p) for p in content if not is_image_part(p)) if text)
+    num_images = sum(map(is_image_part, content))
+    if num_images and image_placeholder:
+        return "\n".join([image_placeholder] * max(num_images - text.count(image_placeholder), 0) + [text])
+    return text

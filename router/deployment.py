@@ -25,6 +25,7 @@ from router.detached import SharedRun, detached_task
 from router.disaggregation import EngineRoles
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics, merge_expositions
+from router.multimodal import IMAGE_PROCESSOR_FILE, load_image_processor
 from router.response_store import ActorResponseStore
 from router.routing import create_routing_policy
 from router.serving import CORSSettings, OpenAIServing, ServingSettings
@@ -93,15 +94,19 @@ class RouterConfig:
     disable_fastapi_docs: bool = False
     response_role: str = "assistant"
     chat_template_content_format: str = "auto"
+    # vLLM's --limit-mm-per-prompt (images per prompt, by modality) and --allowed-local-media-path.
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    allowed_local_media_path: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def load_tokenizer_from_engine(handle: Any) -> Any:
-    """Fetch the tokenizer files from an engine, so this replica needs no copy of the model."""
+async def load_tokenizer_from_engine(handle: Any) -> tuple[Any, str]:
+    """Fetch the tokenizer files from an engine, so this replica needs no copy of the model: the
+    tokenizer, and the directory of the files (a vision-language model's image processor's too)."""
     files: dict[str, bytes] = await handle.get_tokenizer_files.remote()
     directory = tempfile.mkdtemp(prefix="llm-cluster-tokenizer-")
     write_tokenizer_files(directory, files)
-    return AutoTokenizer.from_pretrained(directory)
+    return AutoTokenizer.from_pretrained(directory), directory
 
 
 def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]) -> ServingSettings:
@@ -143,6 +148,9 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         default_chat_template_kwargs=dict(config.default_chat_template_kwargs),
         enable_log_requests=config.enable_log_requests, max_log_len=config.max_log_len,
         enable_log_outputs=config.enable_log_outputs,
+        image_token_id=first.model_info.image_token_id, tokens_per_image=first.model_info.tokens_per_image,
+        limit_mm_per_prompt=dict(config.limit_mm_per_prompt),
+        allowed_local_media_path=config.allowed_local_media_path,
     )
 
 
@@ -157,7 +165,7 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
         raise RuntimeError(f"none of the engines {names} runs in namespace {namespace!r}")
     descriptions = [await h.describe.remote() for h in running]
     first = descriptions[0]
-    tokenizer = await load_tokenizer_from_engine(running[0])
+    tokenizer, files_dir = await load_tokenizer_from_engine(running[0])
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
     # Each replica is a distinct client of every engine.
@@ -179,8 +187,14 @@ async def build_serving(config: RouterConfig, client_index: int | None = None) -
     # loop under the first such request.
     with contextlib.suppress(ImportError):
         await asyncio.to_thread(importlib.import_module, "xgrammar")
+    image_processor = None
+    if settings.image_token_id is not None:  # (a vision-language model: its images are processed here)
+        image_processor = await asyncio.to_thread(load_image_processor, files_dir)
+        if image_processor is None:
+            logger.warning("%s takes images, but its directory has no %s: requests with images are refused",
+                           settings.served_model_name, IMAGE_PROCESSOR_FILE)
     await client.wait_connected()
-    serving = OpenAIServing(settings, client, tokenizer, policy, metrics)
+    serving = OpenAIServing(settings, client, tokenizer, policy, metrics, image_processor=image_processor)
     by_slot = iter(descriptions)
     roles = config.engine_kv_roles or tuple(None if h is None else next(by_slot).kv_role for h in handles)
     serving.engine_roles = EngineRoles.from_kv_roles(roles)

@@ -76,7 +76,7 @@ def needs_remote_prefill(request: EngineCoreRequest) -> bool:
     params = request.sampling_params
     return (request.kv_transfer_params is None and not params.embed and params.max_tokens > 1
             and params.prompt_logprobs is None and len(request.prompt_token_ids) > 1 and not request.resumable
-            and request.prompt_embeds is None)
+            and request.prompt_embeds is None and not request.mm_features)
 
 
 def prefill_request(request: EngineCoreRequest, num_readers: int = 1) -> EngineCoreRequest:

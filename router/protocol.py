@@ -10,7 +10,13 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
-from router.content_format import TEXT_PART_TYPES, template_content
+from router.content_format import (
+    IMAGE_PART_TYPE,
+    TEXT_PART_TYPES,
+    image_part_url,
+    is_image_part,
+    template_content,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -314,14 +320,26 @@ class ChatMessage(BaseModel):
         return template_content(self.content, "string")
 
     @model_validator(mode="after")
-    def _text_only(self) -> ChatMessage:
-        # Other kinds of part (images, audio) cannot be shown to a text-only model: refused rather
-        # than silently dropped.
+    def _text_and_images(self) -> ChatMessage:
+        # Other kinds of part (audio, video, image embeddings) cannot be shown to the models served:
+        # refused rather than silently dropped. Images go to vision-language models (a text model's
+        # serving refuses them, naming the model).
         for part in self.content if isinstance(self.content, list) else ():
-            if not isinstance(part, str) and part.get("type") not in TEXT_PART_TYPES:  # (bare strings: text)
+            if isinstance(part, str) or part.get("type") in TEXT_PART_TYPES:  # (bare strings: text)
+                continue
+            if part.get("type") != IMAGE_PART_TYPE:
                 raise invalid("messages", f"message content of type {part.get('type')!r} is not supported "
-                              "(text only)")
+                              f"(text and {IMAGE_PART_TYPE} only)")
+            image = part.get(IMAGE_PART_TYPE)
+            if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+                raise invalid("messages", f'an {IMAGE_PART_TYPE} part must be {{"type": "{IMAGE_PART_TYPE}", '
+                              f'"{IMAGE_PART_TYPE}": {{"url": "..."}}}}')
         return self
+
+    def images(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        return [image_part_url(p) for p in self.content if is_image_part(p)] if isinstance(self.content, list) \
+            else []
 
 
 class FunctionDefinition(BaseModel):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from router.content_format import IMAGE_PART_TYPE
 from router.detached import detached_task, runs_to_completion
 from router.parsed_output import ParsedDelta, calls_around_text
 from router.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, _warn_ignored, cache_salt_field, invalid
@@ -223,7 +224,7 @@ class ResponsesRequest(BaseModel):
                 role = _ROLES.get(role) if isinstance(role, str) else None
                 if role is None:
                     raise _bad("input", f"{where}.role must be one of user, assistant, system, developer")
-                text = _text(item.get("content"), where)
+                text = _content(item.get("content"), where)
                 last = messages[-1] if messages else None
                 if role == "assistant" and last is not None and _thinking_only(last):
                     last["content"] = text  # (the answer of the thinking just before it: one turn)
@@ -321,6 +322,24 @@ def _reasoning_text(item: dict[str, Any]) -> str:
 
 def _required(item: dict[str, Any], key: str, where: str) -> str:
     return required_text(item, key, where, "input")
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat takes it: its text, or, with images (``input_image`` parts, for a
+    vision-language model), chat's text and ``image_url`` parts in their order."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise _bad("input", f"{where}: an input_image part needs its image_url (a URL or a base64 data URL; "
+                                    "file_id is not supported)")
+            parts.append({"type": IMAGE_PART_TYPE, IMAGE_PART_TYPE: {"url": part["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _text([part], where)})
+    return parts
 
 
 def _text(content: Any, where: str, field: str = "content") -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_REMOVED, BLOCKS_STORED, TIER_REMOVED, TIER_STORED
 from engine_core.core.kv_cache_utils import extend_block_hashes
+from engine_core.multimodal import MultiModalFeature
 from engine_core.prompt_embeds import PromptEmbeds
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session")
@@ -39,6 +40,8 @@ class RoutingContext:
     cache_salt: str | None = None
     # A prompt given as embeddings: their digests key its blocks, as in the engine.
     prompt_embeds: PromptEmbeds | None = None
+    # A prompt's images: their identifiers key the blocks they reach into, as in the engine.
+    mm_features: list[MultiModalFeature] | None = None
     # Per engine, the LoRA adapters in use there, by lora_key (what the engine reports, and this
     # router's own requests in flight; LoRA affinity, see LeastLoadedPolicy; None: not known).
     active_adapters: list[dict[tuple[int, str], int]] | None = None
@@ -224,7 +227,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         extend_block_hashes(block_hashes, ctx.prompt_token_ids, num_tokens // self.block_size, self.block_size,
                             cache_salt=ctx.cache_salt, lora_key=ctx.lora_key,
                             long_rope=self.long_rope_after is not None and num_tokens > self.long_rope_after,
-                            prompt_embeds=ctx.prompt_embeds)
+                            prompt_embeds=ctx.prompt_embeds, mm_features=ctx.mm_features)
         return block_hashes
 
     def cached_tokens(self, ctx: RoutingContext, engine: int) -> int:

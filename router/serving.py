@@ -29,13 +29,14 @@ from pydantic import ValidationError
 from engine_core.beam_search import BeamSearch, candidates_per_beam
 from engine_core.executor import PoolingInfo
 from engine_core.kv_transfer import wants_remote_decode
+from engine_core.multimodal import MultiModalFeature
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.prompt_embeds import PromptEmbeds, decode_prompt_embeds
 from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams, logprobs_count
 from router.bad_words import bad_words_token_ids
 from router.chat_parsing import ChatOutputParser
-from router.content_format import resolve_content_format, template_content
+from router.content_format import is_image_part, resolve_content_format, template_content
 from router.detached import SharedRun, runs_to_completion
 from router.detokenizer import IncrementalDetokenizer, fast_decoder, token_bytes, token_text
 from router.disaggregation import EngineRoles, needs_remote_prefill, run_prefill
@@ -50,6 +51,7 @@ from router.engine_client import (
     UnknownModelError,
 )
 from router.metrics import RouterMetrics
+from router.multimodal import DEFAULT_LIMIT_PER_PROMPT, MODALITIES, MediaConnector, MultiModalProcessor
 from router.parsed_output import ParsedDelta
 from router.protocol import (
     INT64_MIN,
@@ -134,7 +136,8 @@ TOKENIZE_INLINE_CHARS = 8192
 def conversation_chars(messages: list[ChatMessage], *more: Any) -> int:
     """About how much text a conversation's rendering and tokenization read: its messages' content
     and their other fields (reasoning, tool calls), and ``more`` (tools, documents) the template shows."""
-    return sum((len(m.content) if isinstance(m.content, str) else len(str(m.content or "")))
+    return sum((len(m.content) if isinstance(m.content, str)
+                else len(str([p for p in m.content or () if not is_image_part(p)])))  # (no image's bytes)
                + (len(str(m.model_extra)) if m.model_extra else 0) for m in messages) \
         + sum(len(str(item)) for item in more if item)
 
@@ -281,10 +284,27 @@ class ServingSettings:
     chat_template_content_format: str = "auto"
     # CORS (vLLM's --allowed-origins, ...).
     cors: CORSSettings = field(default_factory=CORSSettings)
+    # A vision-language model (its engines' ModelInfo): the prompt token an image's placeholders
+    # are, and how many stand for one image; None: the model takes text only.
+    image_token_id: int | None = None
+    tokens_per_image: int = 0
+    # vLLM's --limit-mm-per-prompt: the most items of a modality one prompt may carry (a modality
+    # not named: DEFAULT_LIMIT_PER_PROMPT, vLLM v1's 999).
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    # vLLM's --allowed-local-media-path: file:// image URLs are read from under this directory only
+    # ("": none are).
+    allowed_local_media_path: str = ""
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        for modality, limit in self.limit_mm_per_prompt.items():
+            if modality not in MODALITIES or not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt maps modalities ({', '.join(MODALITIES)}) to counts >= 0, "
+                                 f"got {modality!r}: {limit!r}")
+        if self.image_token_id is not None and self.tokens_per_image < 1:
+            raise ValueError(f"tokens_per_image must be >= 1 for a model that takes images, got "
+                             f"{self.tokens_per_image}")
         if len(set(self.served_names)) < len(self.served_names):
             raise ValueError(f"served_model_name and served_model_aliases repeat a name: {list(self.served_names)}")
 
@@ -345,6 +365,8 @@ class _Job(NamedTuple):
     num_choices: int = 1  # (its request's n on its first choice, 0 on the others: for the engine's metrics)
     # A client's own prefill/decode disaggregation parameters (vLLM's kv_transfer_params), passed on.
     kv_transfer_params: dict[str, Any] | None = None
+    # The prompt's images (their placeholders in ``prompt_ids``), shared by its choices.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass
@@ -386,7 +408,9 @@ def _copy_of(tokenizer: Any) -> Any | None:
 
 class OpenAIServing:
     def __init__(self, settings: ServingSettings, client: EngineClient, tokenizer: Any, policy: RoutingPolicy,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, image_processor: Any | None = None) -> None:
+        """``image_processor``: a vision-language model's (transformers' image processor: its
+        preprocessor_config.json), which turns images into the encoder's input."""
         self.settings = settings
         self.client = client
         self._loop_tokenizer = tokenizer
@@ -425,6 +449,15 @@ class OpenAIServing:
         self._shadowed_loras: set[str] = set()  # (warned about once)
         self._token_texts: dict[int, str] = {}  # (at most one entry per token of the vocabulary)
         self._token_bytes: dict[int, list[int]] = {}  # (the same)
+        # A vision-language model's images (router.multimodal); None: the model takes text only.
+        self.images: MultiModalProcessor | None = None
+        if settings.image_token_id is not None:
+            self.images = MultiModalProcessor(
+                settings.image_token_id, settings.tokens_per_image, image_processor,
+                settings.model_root or settings.served_model_name,
+                placeholder=tokenizer.convert_ids_to_tokens(settings.image_token_id) or "",
+                media=MediaConnector(settings.allowed_local_media_path),
+                max_images=settings.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT))
 
     # -- request preparation ------------------------------------------------------------------------
 
@@ -646,17 +679,21 @@ class OpenAIServing:
         return self.render_messages(request.messages, request.add_generation_prompt, request.continue_final_message,
                                     request.chat_template_kwargs, request.tool_dicts() if tools else None,
                                     add_special_tokens=request.add_special_tokens,
-                                    chat_template=request.chat_template, documents=request.documents)
+                                    chat_template=request.chat_template, documents=request.documents,
+                                    with_images=True)
 
     def render_messages(self, chat: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
                         chat_template_kwargs: dict[str, Any] | None = None,
                         tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False,
-                        chat_template: str | None = None, documents: list[dict[str, Any]] | None = None) -> list[int]:
+                        chat_template: str | None = None, documents: list[dict[str, Any]] | None = None,
+                        with_images: bool = False) -> list[int]:
         """A conversation's token ids, written by the tokenizer's chat template, or by the request's
         own ``chat_template`` when the server trusts request templates (the template writes its
         special tokens itself, unless ``add_special_tokens`` asks the tokenizer to add its own too).
         Messages' content is the text, or OpenAI's list of parts for a template that loops over it
-        (--chat-template-content-format); ``documents`` go to a RAG template."""
+        (--chat-template-content-format); ``documents`` go to a RAG template. Images (a
+        vision-language model's) are one image token each, to expand (``expand_images``), where the
+        caller takes them (``with_images``: chat and /tokenize; pooling requests refuse them)."""
         chat_template = chat_template or None  # ("": the server's, as vLLM reads it)
         if chat_template_kwargs and chat_template_kwargs.get("chat_template") == "":
             chat_template_kwargs = {k: v for k, v in chat_template_kwargs.items() if k != "chat_template"}
@@ -675,8 +712,12 @@ class OpenAIServing:
         # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
         content_format = resolve_content_format(self.settings.chat_template_content_format, chat_template,
                                                 self.tokenizer.chat_template, bool(tools))
-        messages = [_template_message(m.model_extra or {}, m.role, template_content(m.content, content_format))
-                    for m in chat]
+        if self.chat_images(chat) and not with_images:  # (a model that takes none refuses them first)
+            raise bad_request("images are taken by chat completions, the Responses API and /tokenize only",
+                              "messages")
+        placeholder = self.images.placeholder if self.images is not None else None
+        messages = [_template_message(m.model_extra or {}, m.role,
+                                      template_content(m.content, content_format, placeholder)) for m in chat]
         kwargs = {**self.settings.default_chat_template_kwargs, **(chat_template_kwargs or {})}
         if tools:
             kwargs.setdefault("tools", tools)
@@ -691,6 +732,41 @@ class OpenAIServing:
         except Exception as e:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    # -- images (vision-language models: router.multimodal) -----------------------------------------
+
+    def chat_images(self, messages: list[ChatMessage]) -> list[str]:
+        """The URLs of a conversation's images, in order; a 400 for a model that takes none, or for
+        more than --limit-mm-per-prompt allows."""
+        urls = [url for m in messages for url in m.images()]
+        if urls and self.images is None:
+            raise bad_request(f"model {self.settings.served_model_name!r} does not take images (it is not a "
+                              "vision-language model)", "messages")
+        if urls:
+            try:
+                self.images.check_count(len(urls))  # type: ignore[union-attr]
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from None
+        return urls
+
+    def expand_images(self, prompt_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
+        """The rendered prompt with each image token expanded to the image's placeholders, and where
+        each image's placeholders start; a 400 unless it has one image token per image."""
+        if not num_images:
+            return prompt_ids, []
+        try:
+            return self.images.expand(prompt_ids, num_images)  # type: ignore[union-attr]
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+
+    async def image_features(self, urls: list[str], prompt_ids: list[int],
+                             offsets: list[int]) -> list[MultiModalFeature]:
+        """The images loaded and processed (off the event loop), over their placeholders; a 400 for
+        one that cannot be fetched, read or decoded."""
+        try:
+            return await self.images.features(urls, prompt_ids, offsets)  # type: ignore[union-attr]
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
 
     def _constraint_start(self, prompt_thinking: str) -> tuple[list[int] | None, int | None]:
         """Where an output constraint starts in an answer that may think (``</think>`` must be one
@@ -837,15 +913,18 @@ class OpenAIServing:
             return {**spec, "disable_any_whitespace": True}
         return spec
 
+    def check_prompt_fits(self, prompt_len: int, param: str) -> None:
+        """A 400 for a prompt that leaves no room for an answer in the context."""
+        if prompt_len >= self.settings.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens; "
+                              f"the prompt has {prompt_len}.", param)
+
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, seed_offset: int, prompt_logprobs: int | None = None,
                         structured_output_after: list[int] | None = None,
                         structured_output_may_open: int | None = None) -> SamplingParams:
+        self.check_prompt_fits(prompt_len, "messages" if isinstance(request, ChatCompletionRequest) else "prompt")
         room = self.settings.max_model_len - prompt_len
-        if room <= 0:
-            raise bad_request(f"This model's maximum context length is {self.settings.max_model_len} tokens; "
-                              f"the prompt has {prompt_len}.", "messages" if isinstance(
-                                  request, ChatCompletionRequest) else "prompt")
         defaults = self.settings.default_sampling_params
         # (The field the request set: chat prefers max_completion_tokens.)
         limit = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None \
@@ -946,7 +1025,8 @@ class OpenAIServing:
     def choose_engine(self, prompt_token_ids: list[int], session_id: str | None,
                       chosen: list[int] | None = None, lora: LoRARequest | None = None, count: int = 1,
                       cache_salt: str | None = None, prompt_embeds: PromptEmbeds | None = None,
-                      exclude: int | None = None, prefill: bool = False) -> int:
+                      exclude: int | None = None, prefill: bool = False,
+                      mm_features: list[MultiModalFeature] | None = None) -> int:
         """``chosen``: requests this call already placed but has not opened yet, per engine (several
         prompts of one request must see each other's load, or they all go to one engine); the
         ``count`` requests of this prompt are added to the chosen engine's; ``cache_salt`` keys the
@@ -972,7 +1052,8 @@ class OpenAIServing:
         try:
             engine = self.policy.choose(RoutingContext(prompt_token_ids, loads, healthy, session_id,
                                                        None if lora is None else lora.cache_key, cache_salt,
-                                                       prompt_embeds, active))
+                                                       prompt_embeds=prompt_embeds, mm_features=mm_features,
+                                                       active_adapters=active))
         except NoHealthyEngineError as e:
             raise APIError(503, "no healthy engine is available", "ServiceUnavailableError") from e
         if self.metrics is not None:
@@ -989,7 +1070,7 @@ class OpenAIServing:
                                  eos_token_id=self.eos_token_id, arrival_time=time.time(), priority=priority,
                                  client_index=self.client.client_index, lora_request=lora, cache_salt=cache_salt,
                                  prompt_embeds=job.prompt_embeds, num_choices=job.num_choices,
-                                 kv_transfer_params=job.kv_transfer_params)
+                                 kv_transfer_params=job.kv_transfer_params, mm_features=job.mm_features)
 
     async def _open_all(self, jobs: list[_Job], priority: int,
                         lora: LoRARequest | None = None, cache_salt: str | None = None,
@@ -1186,7 +1267,8 @@ class OpenAIServing:
         try:
             return self.choose_engine(job.prompt_ids, None, lora=lora, cache_salt=cache_salt,
                                       prompt_embeds=job.prompt_embeds, exclude=job.engine,
-                                      prefill=wants_remote_decode(job.kv_transfer_params))
+                                      prefill=wants_remote_decode(job.kv_transfer_params),
+                                      mm_features=job.mm_features)
         except APIError:
             return None
 
@@ -1477,8 +1559,16 @@ class OpenAIServing:
             raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
                               "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
                               '"required" or "none"', "tool_choice")
+        urls = self.chat_images(request.messages)
+        if urls:
+            for refused, param in ((request.use_beam_search, "use_beam_search"),
+                                   (request.truncate_prompt_tokens is not None, "truncate_prompt_tokens")):
+                if refused:
+                    raise bad_request(f"{param} is not supported with images", param)
         chars = conversation_chars(request.messages, request.tools, request.documents)
-        ids = self.truncate_prompt(await self.tokenizer_work(chars, self.render_chat, request), request)
+        ids = await self.tokenizer_work(chars, self.render_chat, request)
+        # (With images: each image token expanded to its placeholders, which the context must hold.)
+        ids, image_offsets = self.expand_images(ids, len(urls)) if urls else (self.truncate_prompt(ids, request), [])
         if request_id is None:
             request_id, engine_base = answer_ids("chatcmpl", external_id)
         elif engine_base is None:
@@ -1496,8 +1586,14 @@ class OpenAIServing:
             for c in choices:
                 c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
             return ChatRun(request_id, created, ids, choices, [])
+        # Images are loaded once the prompt is found to fit (the choices share them); their
+        # identifiers key the prompt's blocks, for prefix-aware routing as in the engines.
+        features = None
+        if urls:
+            self.check_prompt_fits(len(ids), "messages")
+            features = await self.image_features(urls, ids, image_offsets)
         engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt,
-                                    prefill=wants_remote_decode(request.kv_transfer_params))
+                                    prefill=wants_remote_decode(request.kv_transfer_params), mm_features=features)
         # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
         choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
         for c in choices:
@@ -1510,7 +1606,8 @@ class OpenAIServing:
                                           prompt_logprobs=request.prompt_logprobs, structured_output_after=after,
                                           structured_output_may_open=may_open),
                      num_choices=request.n if c.index == 0 else 0,
-                     kv_transfer_params=_client_kv_params(request.kv_transfer_params, c.index == 0))
+                     kv_transfer_params=_client_kv_params(request.kv_transfer_params, c.index == 0),
+                     mm_features=features)
                 for c in choices]
         streams = await self._open_all(jobs, request.priority, lora, request.cache_salt)
         return ChatRun(request_id, created, ids, choices, streams)

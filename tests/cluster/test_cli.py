@@ -752,6 +752,27 @@ def test_the_tokenizer_flag_reaches_the_first_models_engines_only(tmp_path, monk
     assert _config("--tokenizer", "tok-b").engine_configs()[0].tokenizer == str(tmp_path / "tok-b")
 
 
+def test_image_flags_reach_the_router_per_model(tmp_path, monkeypatch):
+    """vLLM's --limit-mm-per-prompt (JSON, or its dotted form; each model its own) and
+    --allowed-local-media-path (the server's) reach the router config; an unknown modality stops."""
+    from cluster.cli import vllm_command_line
+
+    models = tmp_path / "models.yaml"
+    models.write_text("- {model: /models/b, limit_mm_per_prompt: {image: 1}}\n- {model: /models/c}\n")
+    (tmp_path / "media").mkdir()
+    monkeypatch.chdir(tmp_path)
+    argv, _ = vllm_command_line(["serve", "/models/a", "--limit-mm-per-prompt.image", "2",
+                                 "--allowed-local-media-path", "media", "--extra-models", str(models)])
+    first, more = router_deployment(_config(*argv[1:]))._bound_deployment.init_args
+    assert (first.limit_mm_per_prompt, first.allowed_local_media_path) == ({"image": 2}, str(tmp_path / "media"))
+    assert [(m.limit_mm_per_prompt, m.allowed_local_media_path) for m in more] == [
+        ({"image": 1}, str(tmp_path / "media")), ({}, str(tmp_path / "media"))]
+    assert _config("--limit-mm-per-prompt", '{"image": 0}').limit_mm_per_prompt == {"image": 0}
+    assert (_config().limit_mm_per_prompt, _config().allowed_local_media_path) == ({}, "")
+    with pytest.raises(ValueError, match="'images' is not a modality"):
+        _config("--limit-mm-per-prompt", '{"images": 2}')
+
+
 def test_a_serve_configs_args_may_not_set_the_clis_host_and_port():
     """Serve's proxy listens where http_options say: host and port among the args were ignored."""
     from cluster.app import build_app

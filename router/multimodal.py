@@ -1,0 +1,236 @@
+"""Images in chat prompts (vLLM's multimodal input), the router's side: a conversation's
+``image_url`` parts loaded (``data:`` URLs, ``http(s)://`` URLs, ``file://`` under
+--allowed-local-media-path), decoded and run through the model's own image processor into the
+vision encoder's input, and each image token of the rendered prompt expanded to the
+``tokens_per_image`` placeholders whose embeddings the engine replaces with the encoder's rows
+(``engine_core.multimodal.MultiModalFeature``).
+
+Decoding and resizing run in threads (``asyncio.to_thread``): the replica's event loop serves every
+other stream meanwhile. Refusals are ``ValueError``s; the serving layer answers them with a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib.util
+import io
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
+
+from engine_core.multimodal import MultiModalFeature, TensorData, check_features, feature_identifier
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+logger = logging.getLogger(__name__)
+
+# vLLM's modalities (--limit-mm-per-prompt's keys), and its default limit of each per prompt (v1's).
+MODALITIES = ("image", "video", "audio")
+DEFAULT_LIMIT_PER_PROMPT = 999
+# vLLM's VLLM_IMAGE_FETCH_TIMEOUT: seconds an http(s) image may take to arrive.
+IMAGE_FETCH_TIMEOUT_S = float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))
+# The most bytes one image may have (encoded), however it comes (OpenAI's limit per image).
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+
+
+def _short(url: str) -> str:
+    return url if len(url) <= 80 else url[:77] + "..."
+
+
+@dataclass(frozen=True)
+class MediaConnector:
+    """Loads an image's bytes from its URL (vLLM's MediaConnector): a base64 ``data:`` URL, an
+    ``http(s)://`` URL (fetched within ``fetch_timeout_s``), or a ``file://`` URL under
+    ``allowed_local_media_path`` (none without it); at most ``max_bytes`` each."""
+
+    allowed_local_media_path: str = ""
+    fetch_timeout_s: float = IMAGE_FETCH_TIMEOUT_S
+    max_bytes: int = MAX_IMAGE_BYTES
+
+    async def fetch_image_bytes(self, url: str) -> bytes:
+        scheme = urlparse(url).scheme.lower() if ":" in url else ""
+        if scheme == "data":
+            return await asyncio.to_thread(self._data_url, url)
+        if scheme in ("http", "https"):
+            return await self._http(url)
+        if scheme == "file":
+            return await asyncio.to_thread(self._local_file, url)
+        raise ValueError(f"image URL {_short(url)!r}: give a data:image/...;base64 URL, an http(s):// URL or a "
+                         "file:// URL")
+
+    def _data_url(self, url: str) -> bytes:
+        header, comma, data = url.partition(",")
+        if not comma or not header.endswith(";base64"):
+            raise ValueError(f"image URL {_short(url)!r}: only base64 data URLs are supported "
+                             "(data:image/png;base64,...)")
+        if len(data) * 3 // 4 > self.max_bytes:
+            raise ValueError(f"an image of {len(data) * 3 // 4} bytes is larger than the {self.max_bytes} allowed")
+        try:
+            return base64.b64decode(data)
+        except ValueError as e:
+            raise ValueError(f"image data URL {_short(url)!r} is not base64: {e}") from None
+
+    async def _http(self, url: str) -> bytes:
+        import aiohttp
+
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.fetch_timeout_s)) as session, \
+                    session.get(url) as response:
+                if response.status >= 400:
+                    raise ValueError(f"cannot fetch image {_short(url)!r}: HTTP {response.status}")
+                if (response.content_length or 0) > self.max_bytes:
+                    raise ValueError(f"image {_short(url)!r} has {response.content_length} bytes, more than the "
+                                     f"{self.max_bytes} allowed")
+                data = bytearray()
+                async for chunk in response.content.iter_chunked(1 << 16):
+                    data += chunk
+                    if len(data) > self.max_bytes:
+                        raise ValueError(f"image {_short(url)!r} has more than the {self.max_bytes} bytes allowed")
+                return bytes(data)
+        except TimeoutError:
+            raise ValueError(f"cannot fetch image {_short(url)!r}: no answer within {self.fetch_timeout_s:g} s "
+                             "(VLLM_IMAGE_FETCH_TIMEOUT)") from None
+        except aiohttp.ClientError as e:
+            raise ValueError(f"cannot fetch image {_short(url)!r}: {e}") from None
+
+    def _local_file(self, url: str) -> bytes:
+        if not self.allowed_local_media_path:
+            raise ValueError("Cannot load local files without `--allowed-local-media-path`.")
+        parsed = urlparse(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"image URL {_short(url)!r}: a file:// URL names a file of this machine "
+                             "(file:///path)")
+        path = Path(unquote(parsed.path)).resolve()
+        allowed = Path(self.allowed_local_media_path).resolve()
+        if not path.is_relative_to(allowed):
+            raise ValueError(f"The file path {unquote(parsed.path)} must be a subpath of "
+                             f"`--allowed-local-media-path` {self.allowed_local_media_path}.")
+        try:
+            if path.stat().st_size > self.max_bytes:
+                raise ValueError(f"image file {unquote(parsed.path)} is larger than the {self.max_bytes} bytes "
+                                 "allowed")
+            return path.read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read image file {unquote(parsed.path)}: {e.strerror or e}") from None
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """An image file's pixels as RGB (a transparent image over white, as vLLM converts it)."""
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        if image.width * image.height > (Image.MAX_IMAGE_PIXELS or float("inf")):
+            raise ValueError(f"an image of {image.width}x{image.height} pixels is larger than the "
+                             f"{Image.MAX_IMAGE_PIXELS} pixels allowed")
+        image.load()
+    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ValueError(f"cannot decode the image: {e}") from None
+    if image.mode == "RGBA":
+        rgb = Image.new("RGB", image.size, (255, 255, 255))
+        rgb.paste(image, mask=image.getchannel("A"))
+        return rgb
+    return image.convert("RGB")
+
+
+def load_image_processor(directory: str | os.PathLike[str]) -> Any | None:
+    """The model's image processor (transformers' AutoImageProcessor) from its
+    ``preprocessor_config.json`` in ``directory``; None where there is none."""
+    if not (Path(directory) / IMAGE_PROCESSOR_FILE).is_file():
+        return None
+    import transformers
+    from transformers import AutoImageProcessor
+
+    kwargs: dict[str, Any] = {}
+    if int(transformers.__version__.split(".")[0]) >= 5 and importlib.util.find_spec("torchvision") is None:
+        kwargs["backend"] = "pil"  # (what transformers falls back to without torchvision, without its warning)
+    return AutoImageProcessor.from_pretrained(str(directory), **kwargs)
+
+
+def expand_image_tokens(prompt_ids: list[int], image_token_id: int, tokens_per_image: int, num_images: int,
+                        placeholder: str = "") -> tuple[list[int], list[int]]:
+    """The prompt with each image token repeated ``tokens_per_image`` times, and where each run
+    starts. ValueError unless the prompt has exactly one image token per image."""
+    positions = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
+    if len(positions) != num_images:
+        token = f" {placeholder!r}" if placeholder else ""
+        raise ValueError(f"the prompt has {len(positions)} image token(s){token} for {num_images} image(s): the "
+                         "chat template must write one per image (a text that holds the token, or a template "
+                         "that leaves out some messages' images, breaks the count)")
+    out: list[int] = []
+    offsets: list[int] = []
+    start = 0
+    for position in positions:
+        out += prompt_ids[start:position]
+        offsets.append(len(out))
+        out += [image_token_id] * tokens_per_image
+        start = position + 1
+    out += prompt_ids[start:]
+    return out, offsets
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image as the vision encoder takes it ([C, H, W]), and its digest."""
+
+    identifier: str
+    pixel_values: TensorData
+
+
+class MultiModalProcessor:
+    """A vision-language model's images, as the router prepares them: the placeholder token (and its
+    text, for templates given text), how many stand for an image, the image processor, and the
+    limit of images per prompt (vLLM's --limit-mm-per-prompt)."""
+
+    def __init__(self, image_token_id: int, tokens_per_image: int, image_processor: Any | None, model_id: str,
+                 placeholder: str, media: MediaConnector | None = None,
+                 max_images: int = DEFAULT_LIMIT_PER_PROMPT) -> None:
+        if tokens_per_image < 1:
+            raise ValueError(f"tokens_per_image must be >= 1, got {tokens_per_image}")
+        self.image_token_id = image_token_id
+        self.tokens_per_image = tokens_per_image
+        self.image_processor = image_processor
+        self.model_id = model_id  # (in each image's digest: equal pixels under another model differ)
+        self.placeholder = placeholder
+        self.media = media or MediaConnector()
+        self.max_images = max_images
+
+    def check_count(self, num_images: int) -> None:
+        if num_images > self.max_images:
+            raise ValueError(f"At most {self.max_images} image(s) may be provided in one prompt "
+                             "(--limit-mm-per-prompt).")
+        if num_images and self.image_processor is None:
+            raise ValueError(f"the model {self.model_id!r} has no image processor ({IMAGE_PROCESSOR_FILE}): "
+                             "it cannot take images")
+
+    def expand(self, prompt_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
+        return expand_image_tokens(prompt_ids, self.image_token_id, self.tokens_per_image, num_images,
+                                   self.placeholder)
+
+    def process(self, data: bytes) -> ProcessedImage:
+        """(CPU work: run in a thread.)"""
+        image = decode_image(data)
+        processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"][0]  # [C, H, W]
+        pixel_values = TensorData.from_array(processed)
+        return ProcessedImage(feature_identifier("image", pixel_values, extra=self.model_id), pixel_values)
+
+    async def load(self, url: str) -> ProcessedImage:
+        return await asyncio.to_thread(self.process, await self.media.fetch_image_bytes(url))
+
+    async def features(self, urls: list[str], prompt_ids: list[int], offsets: list[int]) -> list[MultiModalFeature]:
+        """The images at ``urls`` (all loaded at once), each over the placeholders from its offset
+        in the (expanded) prompt."""
+        loaded = await asyncio.gather(*map(self.load, urls), return_exceptions=True)
+        error = next((e for e in loaded if isinstance(e, BaseException)), None)
+        if error is not None:
+            raise error
+        features = [MultiModalFeature("image", image.identifier, offset, self.tokens_per_image, image.pixel_values)
+                    for image, offset in zip(loaded, offsets, strict=True)]  # type: ignore[union-attr]
+        check_features(features, prompt_ids, self.image_token_id)
+        return features
