@@ -1,0 +1,125 @@
+"""Images in chat through the whole stack: the openai client sends image parts to the router on Ray
+Serve, engines on Ray (one of them two tensor-parallel workers) encode them; the answers equal
+transformers' LlavaForConditionalGeneration, streamed or not, and prefix-aware routing sends a
+repeated image to the engine that holds it."""
+
+from __future__ import annotations
+
+import base64
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from cluster.config import ClusterConfig, EngineSpec
+from tests.serve_cluster import serve_cluster
+from tests.tiny_model import build_tiny_llava
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 8
+
+
+def picture(seed: int, size: tuple[int, int] = (40, 50)):
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(*size, 3) * 255).astype("uint8"))
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def messages(text: str, *images) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return build_tiny_llava(tmp_path_factory.mktemp("llava"))
+
+
+def hf_text(model_dir, text: str, *images) -> str:
+    """transformers' greedy answer to the same chat: the template rendered with image parts, each
+    image token expanded to the model's 16 placeholders (as LlavaProcessor does)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    chat = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids: list[int] = []
+    for token in tokenizer.encode(rendered, add_special_tokens=False):
+        ids += [token] * 16 if token == model.config.image_token_id else [token]
+    pixels = AutoImageProcessor.from_pretrained(model_dir)(images=list(images), return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, max_new_tokens=MAX_TOKENS,
+                             do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, llava_dir):
+    config = ClusterConfig(
+        model=str(llava_dir), served_model_name="llava", num_engines=2, routing_policy="prefix_aware",
+        defaults=EngineSpec(num_gpu_blocks=128, max_model_len=512, block_size=4, max_num_batched_tokens=24),
+        engines=[EngineSpec(), EngineSpec(tensor_parallel_size=2, num_cpus_per_worker=0.5)])
+    with serve_cluster(config) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster.base}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def ask(client, chat: list[dict], stream: bool = False) -> str:
+    kwargs = dict(model="llava", messages=chat, max_tokens=MAX_TOKENS, temperature=0)
+    if not stream:
+        return client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = client.chat.completions.create(stream=True, **kwargs)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_chat_with_images_equals_transformers_on_either_engine(client, cluster, llava_dir):
+    one, two = picture(0), picture(1, (64, 32))
+    want_one = hf_text(llava_dir, "What is this?", one)
+    want_two = hf_text(llava_dir, "Compare them.", one, two)
+    assert want_one != hf_text(llava_dir, "What is this?", two)  # (the image matters to the answer)
+    for stream in (False, True):
+        assert ask(client, messages("What is this?", one), stream) == want_one
+        assert ask(client, messages("Compare them.", one, two), stream) == want_two
+    # Four at once: least loaded (their images share no block) spreads them over both engines, one
+    # of them two TP workers; the same answers.
+    seeds = (5, 6, 7, 8)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda seed: ask(client, messages("What is this?", picture(seed))), seeds))
+    assert answers == [hf_text(llava_dir, "What is this?", picture(seed)) for seed in seeds]
+    assert all(s.num_requests_finished >= 1 for s in cluster.stats())
+
+
+def test_a_repeated_image_goes_where_its_blocks_are_and_hits_them(client, cluster, llava_dir):
+    image = picture(11)
+    first = ask(client, messages("Describe the picture in a few words.", image))
+    hits_before = [s.prefix_cache_hits for s in cluster.stats()]
+    again = ask(client, messages("Describe the picture in a few words.", image))
+    hits_after = [s.prefix_cache_hits for s in cluster.stats()]
+    assert first == again == hf_text(llava_dir, "Describe the picture in a few words.", image)
+    gained = [after - before for before, after in zip(hits_before, hits_after, strict=True)]
+    # One engine found the whole prompt but its last block's tokens (the image's placeholders among them).
+    assert sorted(gained)[0] == 0 and sorted(gained)[1] >= 16
+
+
+def test_errors(client):
+    with pytest.raises(openai.BadRequestError, match="image"):
+        client.chat.completions.create(model="llava", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]}])
+    with pytest.raises(openai.BadRequestError, match=r"file://|allowed-local-media-path"):
+        client.chat.completions.create(model="llava", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}])
