@@ -24,6 +24,7 @@ from engine_core.config import EngineConfig, KVCacheDType
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ModelInfo, PoolingInfo
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
+from engine_core.multimodal import MultiModalFeature, check_features
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.prompt_embeds import PromptEmbeds
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
@@ -33,6 +34,7 @@ from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
 from router.content_format import CONTENT_FORMATS, TEXT_PART_TYPES, resolve_content_format, template_content
 from router.detokenizer import IncrementalDetokenizer, decode_after, token_text
+from router.multimodal import MultiModalProcessor, load_image_processor
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
 
 PromptType = str | list[int]
@@ -309,7 +311,16 @@ class RequestOutput:
 
 
 # The keys of vLLM's prompt dicts this API serves.
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", "multi_modal_data"})
+
+
+@dataclass
+class _ImagePrompt:
+    """A prompt (text or token ids) with one image token per image, and its images (PIL, in order):
+    vLLM's ``{"prompt": ..., "multi_modal_data": {"image": ...}}``."""
+
+    prompt: str | list[int]
+    images: list[Any]
 
 
 class _Pending:
@@ -462,6 +473,7 @@ class LLM:
                                                        hf_overrides, bf16_supported=True))
         self.model_dir = str(resolved.model_dir)
         self.tokenizer = load_tokenizer(resolved.model_dir if tokenizer is None else tokenizer)
+        self._image_processor: MultiModalProcessor | None = None
         self._token_texts: dict[int, str] = {}
         spec = scheduler_flags_to_spec(scheduler_flags).model_copy(update={
             "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
@@ -550,9 +562,15 @@ class LLM:
         for index, (prompt, params, lora, salt) in enumerate(zip(prompt_list, params_list, loras, salts,
                                                                  strict=True)):
             embeds = prompt if isinstance(prompt, PromptEmbeds) else None
-            ids = (self._placeholder_ids(index, embeds, max_model_len - 1) if embeds is not None
-                   else self._prompt_ids(index, prompt, vocab, max_model_len - 1,
-                                         getattr(params, "truncate_prompt_tokens", None)))
+            features = None
+            if isinstance(prompt, _ImagePrompt):
+                ids, features = self._image_prompt(index, prompt, vocab, max_model_len - 1,
+                                                   getattr(params, "truncate_prompt_tokens", None))
+                prompt = prompt.prompt
+            else:
+                ids = (self._placeholder_ids(index, embeds, max_model_len - 1) if embeds is not None
+                       else self._prompt_ids(index, prompt, vocab, max_model_len - 1,
+                                             getattr(params, "truncate_prompt_tokens", None)))
             if params.max_tokens is None:  # (up to the end of the context)
                 params = dataclasses.replace(params, max_tokens=max_model_len - len(ids))
             group = str(next(self._ids))
@@ -577,7 +595,8 @@ class LLM:
                                                   sampling_params=sample_params, eos_token_id=eos_token_id,
                                                   arrival_time=time.time(),
                                                   priority=0 if priority is None else priority[index],
-                                                  lora_request=lora, cache_salt=salt, prompt_embeds=embeds))
+                                                  lora_request=lora, cache_salt=salt, prompt_embeds=embeds,
+                                                  mm_features=features))
         self._run(requests, pending, "Processed prompts", use_tqdm)
         groups: dict[str, list[_Pending]] = {}
         for p in pending.values():
@@ -792,6 +811,8 @@ class LLM:
         the call, not a pass. ``truncate``: only its last this many tokens (-1: the most that fit)."""
         if isinstance(prompt, PromptEmbeds):
             raise ValueError(f"prompt {index} is given as embeddings: only LLM.generate takes them")
+        if isinstance(prompt, _ImagePrompt):
+            raise ValueError(f"prompt {index} has images: only LLM.generate and LLM.chat take them")
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         if truncate is not None:  # (-1: as much as leaves room for one token)
             ids = ids[-(max_tokens if truncate == -1 else truncate):]
@@ -803,6 +824,38 @@ class LLM:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len is {self._max_model_len()}"
                              + (", which leaves no room to generate" if max_tokens < self._max_model_len() else ""))
         return ids
+
+    def _image_prompt(self, index: int, prompt: _ImagePrompt, vocab: int, max_tokens: int,
+                      truncate: int | None) -> tuple[list[int], list[MultiModalFeature]]:
+        """An image prompt's token ids (each image token expanded to the image's placeholders) and its
+        images as the engines take them (processed here, by the model's image processor)."""
+        if truncate is not None:
+            raise ValueError(f"prompt {index} has images: truncate_prompt_tokens would cut into them")
+        images = self._images()
+        try:
+            images.check_count(len(prompt.images))
+            ids, offsets = images.expand(self._prompt_ids(index, prompt.prompt, vocab, max_tokens), len(prompt.images))
+        except ValueError as e:
+            raise ValueError(f"prompt {index}: {e}") from None
+        if len(ids) > max_tokens:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens with its images' placeholders; max_model_len "
+                             f"is {self._max_model_len()}")
+        processed = [images.process_image(image.convert("RGB")) for image in prompt.images]
+        features = [MultiModalFeature("image", p.identifier, offset, images.tokens_per_image, p.pixel_values)
+                    for p, offset in zip(processed, offsets, strict=True)]
+        check_features(features, ids, images.image_token_id)
+        return ids, features
+
+    def _images(self) -> MultiModalProcessor:
+        """The model's image processing (its placeholder token, tokens per image, image processor)."""
+        if self._image_processor is None:
+            info = self._model_info()
+            if info.image_token_id is None:
+                raise ValueError(f"{info.served_model_name} takes no images: it is not a vision-language model")
+            self._image_processor = MultiModalProcessor(
+                info.image_token_id, info.tokens_per_image, load_image_processor(self.model_dir),
+                self.model_dir, self.tokenizer.convert_ids_to_tokens(info.image_token_id) or "")
+        return self._image_processor
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -879,22 +932,29 @@ class LLM:
             raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}")
         content_format = resolve_content_format(chat_template_content_format, chat_template,
                                                 self.tokenizer.chat_template, bool(tools))
-        prompts: list[PromptType] = []
+        prompts: list[PromptType | _ImagePrompt] = []
         for conversation in batch:
-            for m in conversation:  # (text only: a part the model cannot be shown is refused, not dropped)
+            images = []
+            for m in conversation:  # (a part the model cannot be shown is refused, not dropped)
                 for part in m.get("content") if isinstance(m.get("content"), list) else ():
-                    if not isinstance(part, str) and part.get("type") not in TEXT_PART_TYPES:
+                    if isinstance(part, str) or part.get("type") in TEXT_PART_TYPES:
+                        continue
+                    if part.get("type") not in ("image_url", "image_pil"):
                         raise ValueError(f"message content of type {part.get('type')!r} is not supported "
-                                         "(text only)")
-            conversation = [{**m, "content": template_content(m.get("content"), content_format)} for m in conversation]
+                                         "(text and images)")
+                    images.append(_chat_image(part))
+            placeholder = self._images().placeholder if images else None
+            conversation = [{**m, "content": template_content(_image_parts_marked(m.get("content")), content_format,
+                                                              placeholder)} for m in conversation]
             # (The explicit arguments win over chat_template_kwargs' keys of the same name, as vLLM merges them.)
             text = self.tokenizer.apply_chat_template(conversation, **{
                 **(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt, "tokenize": False,
                 "continue_final_message": continue_final_message, "chat_template": chat_template, "tools": tools})
-            prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            prompts.append(_ImagePrompt(ids, images) if images else ids)
         outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         for out, prompt in zip(outputs, prompts):
-            out.prompt = self.tokenizer.decode(prompt)
+            out.prompt = self.tokenizer.decode(prompt.prompt if isinstance(prompt, _ImagePrompt) else prompt)
         return outputs
 
     def _resolve_params(self, params: EngineSamplingParams, vocab: int) -> EngineSamplingParams:
@@ -1152,13 +1212,15 @@ class LLM:
             if isinstance(prompt, dict):
                 unserved = sorted(k for k, v in prompt.items() if k not in _PROMPT_KEYS and v is not None)
                 if unserved and _PROMPT_KEYS & set(prompt):
-                    # (multi_modal_data and the like: left out, the model would answer without them)
+                    # (mm_processor_kwargs and the like: left out, the model would answer otherwise)
                     raise ValueError(f"a prompt's {', '.join(unserved)} cannot be served: prompts are text, token "
-                                     "ids or embeddings (text-only models)")
+                                     "ids, embeddings, or text or token ids with multi_modal_data images")
                 salt = prompt.get("cache_salt")
                 if salt is not None and (not isinstance(salt, str) or not salt):
                     raise ValueError("a prompt's cache_salt must be a non-empty string")
-                if "prompt_embeds" in prompt:
+                if prompt.get("multi_modal_data") is not None:
+                    prompt = _image_prompt(prompt)
+                elif "prompt_embeds" in prompt:
                     prompt = PromptEmbeds.from_tensor(prompt["prompt_embeds"])
                 elif "prompt_token_ids" in prompt:
                     prompt = list(prompt["prompt_token_ids"])
@@ -1167,7 +1229,7 @@ class LLM:
                 else:
                     raise TypeError(f"a prompt dict needs 'prompt' (text), 'prompt_token_ids' or 'prompt_embeds', got "
                                     f"{sorted(prompt)}")
-            elif not isinstance(prompt, str | list):
+            elif not isinstance(prompt, str | list | _ImagePrompt):  # (LLM.chat's image prompts come made)
                 raise TypeError(f"a prompt is text, a list of token ids or a prompt dict, got {type(prompt).__name__}")
             out.append(prompt)
             if salts is not None:
@@ -1184,3 +1246,52 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
         return params
+
+
+def _image_prompt(prompt: dict[str, Any]) -> _ImagePrompt:
+    """vLLM's prompt dict with ``multi_modal_data`` ({"image": a PIL image or a list of them})."""
+    from PIL import Image
+
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data takes images only ({{'image': ...}}), got "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    images = data.get("image")
+    images = [] if images is None else images if isinstance(images, list) else [images]
+    if not all(isinstance(image, Image.Image) for image in images):
+        raise TypeError("multi_modal_data's images must be PIL images")
+    if "prompt_embeds" in prompt:
+        raise ValueError("a prompt given as embeddings cannot have multi_modal_data")
+    text = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    if not isinstance(text, str | list):
+        raise TypeError("a prompt with multi_modal_data needs 'prompt' (text) or 'prompt_token_ids'")
+    return _ImagePrompt(text if isinstance(text, str) else list(text), images)
+
+
+def _chat_image(part: dict[str, Any]) -> Any:
+    """An image part of LLM.chat's messages as a PIL image: vLLM's ``image_pil``, or an ``image_url``
+    (a data: URL; http(s) fetched here; file:// is refused, as the server refuses it without
+    --allowed-local-media-path)."""
+    import asyncio
+
+    from PIL import Image
+
+    from router.multimodal import MediaConnector, decode_image
+
+    if part.get("type") == "image_pil":
+        image = part.get("image_pil")
+        if not isinstance(image, Image.Image):
+            raise TypeError("an image_pil part must hold a PIL image")
+        return image.convert("RGB")
+    url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+    if not isinstance(url, str):
+        raise ValueError('an image_url part needs {"image_url": {"url": ...}}')
+    return decode_image(asyncio.run(MediaConnector().fetch_image_bytes(url)))
+
+
+def _image_parts_marked(content: Any) -> Any:
+    """Message content with ``image_pil`` parts as image parts (the template sees every image alike)."""
+    if not isinstance(content, list):
+        return content
+    marked = {"type": "image_url", "image_url": {"url": ""}}
+    return [marked if isinstance(part, dict) and part.get("type") == "image_pil" else part for part in content]

@@ -215,7 +215,10 @@ class MultiModalProcessor:
 
     def process(self, data: bytes) -> ProcessedImage:
         """(CPU work: run in a thread.)"""
-        image = decode_image(data)
+        return self.process_image(decode_image(data))
+
+    def process_image(self, image: Image.Image) -> ProcessedImage:
+        """A decoded image (RGB) as the vision encoder takes it, and its digest."""
         processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"][0]  # [C, H, W]
         pixel_values = TensorData.from_array(processed)
         return ProcessedImage(feature_identifier("image", pixel_values, extra=self.model_id), pixel_values)

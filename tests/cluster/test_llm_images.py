@@ -1,0 +1,97 @@
+"""The offline LLM with images (vLLM's multi_modal_data prompts and image parts in LLM.chat): equal
+to transformers' LLaVA; refusals."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from tests.tiny_model import build_tiny_llama, build_tiny_llava
+
+MAX_TOKENS = 6
+
+
+def picture(seed: int):
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(36, 44, 3) * 255).astype("uint8"))
+
+
+def hf_tokens(model_dir, ids: list[int], images: list) -> list[int]:
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    expanded: list[int] = []
+    for token in ids:
+        expanded += [token] * 16 if token == model.config.image_token_id else [token]
+    pixels = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([expanded]), pixel_values=pixels, max_new_tokens=MAX_TOKENS,
+                             do_sample=False, attention_mask=torch.ones(1, len(expanded), dtype=torch.long))
+    return out[0, len(expanded):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    model_dir = build_tiny_llava(tmp_path_factory.mktemp("llava"))
+    llm = LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=256)
+    yield model_dir, llm
+    llm.shutdown()
+
+
+def test_generate_with_multi_modal_data_equals_transformers(llava):
+    model_dir, llm = llava
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    one, two = picture(0), picture(1)
+    outputs = llm.generate([{"prompt": "Hello <image> world", "multi_modal_data": {"image": one}},
+                            {"prompt": "<image> and <image>?", "multi_modal_data": {"image": [one, two]}},
+                            "plain text"], params, use_tqdm=False)
+    tokenizer = llm.tokenizer
+    assert outputs[0].outputs[0].token_ids == hf_tokens(model_dir, tokenizer.encode("Hello <image> world"), [one])
+    assert outputs[1].outputs[0].token_ids == hf_tokens(model_dir, tokenizer.encode("<image> and <image>?"),
+                                                        [one, two])
+    assert outputs[0].prompt == "Hello <image> world" and outputs[2].outputs[0].token_ids
+    assert len(outputs[0].prompt_token_ids) == len(tokenizer.encode("Hello <image> world")) + 15
+
+
+def test_chat_with_image_parts_equals_transformers(llava):
+    model_dir, llm = llava
+    image = picture(2)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    by_url, by_pil = llm.chat([
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                      {"type": "text", "text": "What is it?"}]}],
+        [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                      {"type": "text", "text": "What is it?"}]}]], params, use_tqdm=False)
+    rendered = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    want = hf_tokens(model_dir, llm.tokenizer.encode(rendered, add_special_tokens=False), [image])
+    assert by_url.outputs[0].token_ids == by_pil.outputs[0].token_ids == want
+
+
+def test_refusals(llava, tmp_path):
+    _, llm = llava
+    with pytest.raises(ValueError, match=r"0 image token\(s\).*for 1 image"):
+        llm.generate({"prompt": "no token here", "multi_modal_data": {"image": picture(3)}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="images only"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"audio": [1.0]}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": picture(3)}},
+                     SamplingParams(max_tokens=2, truncate_prompt_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"only LLM\.generate and LLM\.chat"):
+        llm.embed({"prompt": "<image>", "multi_modal_data": {"image": picture(3)}}, use_tqdm=False)
+    text = LLM(model=str(build_tiny_llama(tmp_path / "text")), num_gpu_blocks=16, max_model_len=128)
+    try:
+        with pytest.raises(ValueError, match="takes no images"):
+            text.generate({"prompt": "x", "multi_modal_data": {"image": picture(3)}}, use_tqdm=False)
+    finally:
+        text.shutdown()
