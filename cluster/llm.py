@@ -942,6 +942,7 @@ class LLM:
                     if part.get("type") not in ("image_url", "image_pil"):
                         raise ValueError(f"message content of type {part.get('type')!r} is not supported "
                                          "(text and images)")
+                    self._images()  # (a model that takes none refuses them before any is loaded)
                     images.append(_chat_image(part))
             placeholder = self._images().placeholder if images else None
             conversation = [{**m, "content": template_content(_image_parts_marked(m.get("content")), content_format,

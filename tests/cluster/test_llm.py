@@ -327,7 +327,9 @@ def test_prompt_dicts_and_bad_prompts_as_vllm_takes_them(tiny_model_dir):
                            ([[-1]], "token ids must be integers"), ([[5] * 1024], "leaves no room"),
                            ([{"text": "x"}], "prompt dict needs"), ([3.5], "a prompt is text"),
                            ([{"prompt": "x", "multi_modal_data": {"image": "a.png"}}],
-                            "multi_modal_data cannot be served")):
+                            "images must be PIL images"),
+                           ([{"prompt": "x", "mm_processor_kwargs": {"num_crops": 4}}],
+                            "mm_processor_kwargs cannot be served")):
             with pytest.raises((ValueError, TypeError), match=error):
                 llm.generate(bad, params, use_tqdm=False)
         # Nothing of the refused calls stayed in the engine: it serves on with every block free.
@@ -422,7 +424,7 @@ def test_chat_takes_vllms_template_options(tiny_model_dir):
                             chat_template_content_format="openai")[0]
         with pytest.raises(ValueError, match="chat_template_content_format"):
             llm.chat(mixed, params, chat_template_content_format="parts")
-        with pytest.raises(ValueError, match="'image_url' is not supported"):
+        with pytest.raises(ValueError, match="takes no images"):
             llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
     finally:
         llm.shutdown()
