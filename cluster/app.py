@@ -177,7 +177,8 @@ def router_deployment(config: ClusterConfig):
         disable_fastapi_docs=config.disable_fastapi_docs, response_role=config.response_role,
         chat_template_content_format=config.chat_template_content_format,
         limit_mm_per_prompt=dict(config.limit_mm_per_prompt),
-        allowed_local_media_path=config.allowed_local_media_path)
+        allowed_local_media_path=config.allowed_local_media_path,
+        mm_processor_cache_gb=config.mm_processor_cache_gb)
     # Further models: the same router settings, their own engines, names, template, parsers and
     # adapters.
     more_models = [dataclasses.replace(

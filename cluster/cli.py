@@ -18,7 +18,7 @@ from typing import Any
 from cluster.config import API_KEY_ENV, default_api_keys, env_switch
 from engine_core.config import KV_CACHE_DTYPE_NAMES, LOGPROBS_MODES
 from router.content_format import CONTENT_FORMATS
-from router.multimodal import DEFAULT_LIMIT_PER_PROMPT
+from router.multimodal import DEFAULT_LIMIT_PER_PROMPT, DEFAULT_PROCESSOR_CACHE_GB
 from router.reasoning_parsers import REASONING_PARSERS
 from router.tool_parsers import TOOL_CALL_PARSERS
 
@@ -506,6 +506,10 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--allowed-local-media-path", default="",
                        help="Images given as file:// URLs are read from under this directory (of the router "
                             "replicas' machines) and no other; without it, file:// URLs are refused.")
+    serve.add_argument("--mm-processor-cache-gb", type=float, default=DEFAULT_PROCESSOR_CACHE_GB,
+                       help="GiB of processed images each router replica keeps, so an image sent again (each turn of "
+                            "a conversation resends its images) is not decoded and resized again; 0: none "
+                            f"(default {DEFAULT_PROCESSOR_CACHE_GB:g}, as vLLM).")
     serve.add_argument("--allowed-origins", type=_json_string_list, default=["*"],
                        help='Origins browsers may call the API from (JSON list, as vLLM; default ["*"]).')
     serve.add_argument("--allowed-methods", type=_json_string_list, default=["*"],
@@ -724,6 +728,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         response_role=args.response_role, chat_template_content_format=args.chat_template_content_format,
         disable_fastapi_docs=args.disable_fastapi_docs, limit_mm_per_prompt=args.limit_mm_per_prompt or {},
         allowed_local_media_path=_local_dir_path(args.allowed_local_media_path) or "",
+        mm_processor_cache_gb=args.mm_processor_cache_gb,
         models=_extra_models(args.extra_models) if args.extra_models else [])
 
 

@@ -30,7 +30,7 @@ from engine_core.config import (
 )
 from engine_core.kv_transfer import KVTransferConfig
 from engine_core.lora import LoRAModule, parse_lora_module, static_lora_requests
-from router.multimodal import DEFAULT_LIMIT_PER_PROMPT, MODALITIES
+from router.multimodal import DEFAULT_LIMIT_PER_PROMPT, DEFAULT_PROCESSOR_CACHE_GB, MODALITIES
 from router.reasoning_parsers import REASONING_PARSERS
 from router.routing import ROUTING_POLICIES
 from router.tool_parsers import TOOL_CALL_PARSERS
@@ -478,6 +478,10 @@ class ClusterConfig(ModelSettings):
     allowed_local_media_path: str = Field(
         "", description="Images given as file:// URLs are read from under this directory of the router replicas' "
                         "machines, and no other (vLLM's --allowed-local-media-path; default: none are).")
+    mm_processor_cache_gb: float = Field(
+        DEFAULT_PROCESSOR_CACHE_GB, ge=0,
+        description="GiB of processed images each router replica keeps, so an image sent again is not decoded and "
+                    "resized again (vLLM's --mm-processor-cache-gb; 0: none kept).")
     enable_log_requests: bool = Field(False, description="Log each request's prompt and parameters as it goes to an "
                                                          "engine (--enable-log-requests).")
     max_log_len: int | None = Field(None, ge=0, description="Characters of a logged prompt or output (and token "

@@ -97,6 +97,7 @@ class RouterConfig:
     # vLLM's --limit-mm-per-prompt (images per prompt, by modality) and --allowed-local-media-path.
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     allowed_local_media_path: str = ""
+    mm_processor_cache_gb: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -151,6 +152,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         image_token_id=first.model_info.image_token_id, tokens_per_image=first.model_info.tokens_per_image,
         limit_mm_per_prompt=dict(config.limit_mm_per_prompt),
         allowed_local_media_path=config.allowed_local_media_path,
+        mm_processor_cache_gb=config.mm_processor_cache_gb,
     )
 
 

@@ -64,6 +64,14 @@ class RouterMetrics:
             "bytes handed to the HTTP server (the event loop's wait, detokenization, the chunk).",
             ["model_name", "replica"], registry=self.registry, buckets=TIMELINE_BUCKETS)
 
+        # vLLM's multi-modal processor cache series (router.multimodal.ProcessedImageCache).
+        self.mm_cache_queries = Counter(
+            "vllm:mm_cache_queries", "Images looked up in the router replica's processed-image cache.",
+            ["model_name", "replica"], registry=self.registry)
+        self.mm_cache_hits = Counter(
+            "vllm:mm_cache_hits", "Images found in the router replica's processed-image cache (not decoded and "
+            "processed again).", ["model_name", "replica"], registry=self.registry)
+
         # Prefill/decode disaggregation (router.disaggregation).
         self.remote_prefills = Counter(
             "llm_cluster:router_remote_prefills",
@@ -75,6 +83,12 @@ class RouterMetrics:
             "Time of the prefill leg, from sending the prompt to a prefill engine to its KV parameters back.",
             ["model_name", "replica"], registry=self.registry,
             buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+
+    def record_mm_cache_lookup(self, hit: bool) -> None:
+        """An image looked up in the processed-image cache (router.multimodal), found or not."""
+        self.mm_cache_queries.labels(self.model_name, self.replica).inc()
+        if hit:
+            self.mm_cache_hits.labels(self.model_name, self.replica).inc()
 
     def record_remote_prefill(self, handed_on: bool, seconds: float) -> None:
         """One prefill leg, ``seconds`` long: whether it handed KV on to read."""

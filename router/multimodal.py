@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import importlib.util
 import io
 import logging
 import os
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +40,8 @@ IMAGE_FETCH_TIMEOUT_S = float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))
 # The most bytes one image may have (encoded), however it comes (OpenAI's limit per image).
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+# vLLM's --mm-processor-cache-gb default: GiB of processed images a router replica keeps.
+DEFAULT_PROCESSOR_CACHE_GB = 4.0
 
 
 def _short(url: str) -> str:
@@ -183,6 +188,46 @@ class ProcessedImage:
     pixel_values: TensorData
 
 
+class ProcessedImageCache:
+    """vLLM's multi-modal processor cache (--mm-processor-cache-gb): processed images by a digest of
+    their encoded bytes, least recently used evicted past ``capacity_bytes`` (of pixel values), so an
+    image sent again (every turn of a conversation resends its images) is neither decoded nor
+    resized again. Counts lookups and hits (vLLM's mm_cache_queries / mm_cache_hits)."""
+
+    def __init__(self, capacity_bytes: int, on_lookup: Callable[[bool], None] | None = None) -> None:
+        """``on_lookup(hit)``: told of each lookup (the router's metrics)."""
+        self.capacity_bytes = capacity_bytes
+        self.on_lookup = on_lookup
+        self.size_bytes = 0
+        self.entries: OrderedDict[bytes, ProcessedImage] = OrderedDict()
+        self.queries = 0
+        self.hits = 0
+
+    @staticmethod
+    def key(data: bytes) -> bytes:
+        return hashlib.blake2b(data, digest_size=16).digest()
+
+    def get(self, key: bytes) -> ProcessedImage | None:
+        self.queries += 1
+        image = self.entries.get(key)
+        if image is not None:
+            self.hits += 1
+            self.entries.move_to_end(key)
+        if self.on_lookup is not None:
+            self.on_lookup(image is not None)
+        return image
+
+    def put(self, key: bytes, image: ProcessedImage) -> None:
+        size = len(image.pixel_values.data)
+        if size > self.capacity_bytes or key in self.entries:
+            return
+        self.entries[key] = image
+        self.size_bytes += size
+        while self.size_bytes > self.capacity_bytes:
+            _, evicted = self.entries.popitem(last=False)
+            self.size_bytes -= len(evicted.pixel_values.data)
+
+
 class MultiModalProcessor:
     """A vision-language model's images, as the router prepares them: the placeholder token (and its
     text, for templates given text), how many stand for an image, the image processor, and the
@@ -190,7 +235,8 @@ class MultiModalProcessor:
 
     def __init__(self, image_token_id: int, tokens_per_image: int, image_processor: Any | None, model_id: str,
                  placeholder: str, media: MediaConnector | None = None,
-                 max_images: int = DEFAULT_LIMIT_PER_PROMPT) -> None:
+                 max_images: int = DEFAULT_LIMIT_PER_PROMPT, cache_bytes: int = 0,
+                 on_cache_lookup: Callable[[bool], None] | None = None) -> None:
         if tokens_per_image < 1:
             raise ValueError(f"tokens_per_image must be >= 1, got {tokens_per_image}")
         self.image_token_id = image_token_id
@@ -200,6 +246,8 @@ class MultiModalProcessor:
         self.placeholder = placeholder
         self.media = media or MediaConnector()
         self.max_images = max_images
+        # (None: --mm-processor-cache-gb 0, every image processed as it comes.)
+        self.cache = ProcessedImageCache(cache_bytes, on_cache_lookup) if cache_bytes > 0 else None
 
     def check_count(self, num_images: int) -> None:
         if num_images > self.max_images:
@@ -224,7 +272,15 @@ class MultiModalProcessor:
         return ProcessedImage(feature_identifier("image", pixel_values, extra=self.model_id), pixel_values)
 
     async def load(self, url: str) -> ProcessedImage:
-        return await asyncio.to_thread(self.process, await self.media.fetch_image_bytes(url))
+        data = await self.media.fetch_image_bytes(url)
+        if self.cache is None:
+            return await asyncio.to_thread(self.process, data)
+        key = ProcessedImageCache.key(data)
+        image = self.cache.get(key)
+        if image is None:
+            image = await asyncio.to_thread(self.process, data)
+            self.cache.put(key, image)
+        return image
 
     async def features(self, urls: list[str], prompt_ids: list[int], offsets: list[int]) -> list[MultiModalFeature]:
         """The images at ``urls`` (all loaded at once), each over the placeholders from its offset

@@ -22,6 +22,7 @@ from engine_core.multimodal import TensorData, feature_identifier
 from engine_core.outputs import EngineCoreRequest
 from router.app import create_app
 from router.engine_client import EngineClient
+from router.metrics import RouterMetrics
 from router.multimodal import MediaConnector, expand_image_tokens, load_image_processor
 from router.routing import RoundRobinPolicy
 from router.serving import OpenAIServing, ServingSettings
@@ -474,3 +475,53 @@ def test_the_routing_policy_sees_the_images_that_key_the_prompts_blocks(llava):
     assert _chat(http, [_part(_data_url(_image()))]).status_code == 200
     assert _chat(http, "text").status_code == 200
     assert seen == [engine.requests[0].mm_features, None] and seen[0]
+
+
+def test_an_image_sent_again_is_not_processed_again_and_the_cache_is_counted(llava):
+    """vLLM's processor cache (--mm-processor-cache-gb): the second turn of a conversation resends
+    its image; the replica finds it processed, and counts the lookups and hits in its metrics."""
+    _, _, image_processor, _ = llava
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return image_processor(*args, **kwargs)
+
+    metrics = RouterMetrics("llava", "r0")
+    http, engine, serving = _app(llava, mm_processor_cache_gb=1.0)
+    serving.images.image_processor = counting
+    serving.images.cache.on_lookup = metrics.record_mm_cache_lookup
+    a, b = _data_url(_image(1)), _data_url(_image(2))
+    first = [{"role": "user", "content": [_part(a), {"type": "text", "text": "what is it?"}]}]
+    second = [*first, {"role": "assistant", "content": "a cat"},
+              {"role": "user", "content": [_part(b), {"type": "text", "text": "and this?"}]}]
+    for conversation in (first, second):
+        r = http.post("/v1/chat/completions", json={"model": "llava", "messages": conversation, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    assert len(calls) == 2  # (a once, b once)
+    assert engine.requests[0].mm_features[0] == engine.requests[1].mm_features[0]
+    assert (serving.images.cache.queries, serving.images.cache.hits) == (3, 1)
+    text = metrics.render().decode()
+    assert 'vllm:mm_cache_queries_total{model_name="llava",replica="r0"} 3.0' in text
+    assert 'vllm:mm_cache_hits_total{model_name="llava",replica="r0"} 1.0' in text
+    # --mm-processor-cache-gb 0: nothing kept.
+    _, _, uncached = _app(llava, mm_processor_cache_gb=0.0)
+    assert uncached.images.cache is None
+
+
+def test_the_processed_image_cache_evicts_the_least_recently_used_past_its_bytes():
+    from router.multimodal import ProcessedImage, ProcessedImageCache
+
+    def processed(n: int) -> ProcessedImage:
+        return ProcessedImage(str(n), TensorData("float32", (n,), b"\0" * 4 * n))
+
+    cache = ProcessedImageCache(capacity_bytes=40)
+    cache.put(b"a", processed(4))
+    cache.put(b"b", processed(4))
+    assert cache.get(b"a") is not None  # (a is now the most recently used)
+    cache.put(b"c", processed(4))  # 48 bytes > 40: b goes
+    assert cache.get(b"b") is None and cache.get(b"a") is not None and cache.get(b"c") is not None
+    assert cache.size_bytes == 32
+    cache.put(b"huge", processed(11))  # (larger than the whole cache: not kept, nothing evicted)
+    assert cache.get(b"huge") is None and cache.size_bytes == 32
+    assert (cache.queries, cache.hits) == (5, 3)
