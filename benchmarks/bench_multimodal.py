@@ -1,0 +1,180 @@
+"""Images in prompts: our engine vs transformers on the same LLaVA work, and what the encoder cache saves.
+
+A random LLaVA (CLIP tower: ``--image-size`` / ``--patch`` -> (size/patch)^2 tokens per image, a
+``--layers``-layer ``--hidden``-wide Llama), CPU. ``--requests`` prompts, each an image and a line
+of text, ``--max-tokens`` greedy tokens each, all at once:
+  transformers   LlavaForConditionalGeneration.generate on the whole batch (the prompts are the
+                 same length, so no padding), the reference;
+  ours           an in-process engine (vision encoder scheduled with the prompts' chunks);
+  ours, repeated the same requests where every prompt shows the same image after different text
+                 (no prefix-cache hit reaches the image): the encoder runs once, its rows served
+                 from the encoder cache to the others.
+Prints wall time and output tokens/s of each, as a ratio to transformers, checks that ours equals
+transformers token for token, and counts the images encoded.
+Usage: python benchmarks/bench_multimodal.py [--rounds 2] [--requests 16] [--max-tokens 32]
+       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def build_model(path: Path, args: argparse.Namespace) -> Path:
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    from tests.tiny_model import LLAVA_CHAT_TEMPLATE, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    vision = CLIPVisionConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=4,
+                              num_attention_heads=4, image_size=args.image_size, patch_size=args.patch)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+                       max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id)
+    config = LlavaConfig(vision_config=vision, text_config=text,
+                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                         image_seq_length=(args.image_size // args.patch) ** 2)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": args.image_size},
+                       crop_size={"height": args.image_size, "width": args.image_size}).save_pretrained(path)
+    return path
+
+
+def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
+    """(token ids, features, pixel values) per request: '<text> <image>' with distinct texts of one
+    length (no shared prefix past the first block) and distinct images, or one image everywhere."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from engine_core.multimodal import MultiModalFeature, TensorData, feature_identifier
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    n = (args.image_size // args.patch) ** 2
+    words = tokenizer.encode("Hello world the quick brown fox jumps over the lazy dog Paris Berlin capital")
+    out = []
+    for i in range(args.requests):
+        seed = 0 if repeated else i
+        image = Image.fromarray((np.random.RandomState(seed).rand(300, 280, 3) * 255).astype("uint8"))
+        pixels = processor(images=[image], return_tensors="pt")["pixel_values"]
+        text = [words[(i + j) % len(words)] for j in range(8)]
+        data = TensorData.from_array(pixels[0])
+        ids = text + [image_id] * n + words[:4]
+        out.append((ids, [MultiModalFeature("image", feature_identifier("image", data), len(text), n, data)],
+                    pixels))
+    return out
+
+
+def run_transformers(model_dir: Path, work, max_tokens: int) -> tuple[float, list[list[int]]]:
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    ids = torch.tensor([w[0] for w in work])
+    pixels = torch.cat([w[2] for w in work])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+
+
+def run_ours(engine, work, max_tokens: int, tag: str) -> tuple[float, list[list[int]], int]:
+    from engine_core.outputs import EngineCoreRequest
+    from engine_core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    encoded = 0
+    t0 = time.perf_counter()
+    for i, (ids, features, _) in enumerate(work):
+        engine.add_request(EngineCoreRequest(request_id=f"{tag}-{i}", prompt_token_ids=ids, sampling_params=params,
+                                             mm_features=features))
+        got[f"{tag}-{i}"] = []
+    while engine.has_work():
+        so = engine.scheduler.schedule()
+        encoded += sum(len(v) for v in so.scheduled_encoder_inputs.values())
+        outputs = engine.scheduler.update_from_output(so, engine.executor.execute_model(so))
+        for eco in outputs.values():
+            for o in eco.outputs:
+                got[o.request_id] += o.new_token_ids
+    return time.perf_counter() - t0, [got[f"{tag}-{i}"] for i in range(len(work))], encoded
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--patch", type=int, default=14)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    args = parser.parse_args()
+    import torch
+
+    from cluster.config import ClusterConfig, EngineSpec
+    from engine_core.engine_core import EngineCore
+    from gpu_worker.executor import create_executor
+
+    model_dir = build_model(Path(tempfile.mkdtemp(prefix="bench-multimodal-")), args)
+    distinct, repeated = workload(model_dir, args, False), workload(model_dir, args, True)
+    n = (args.image_size // args.patch) ** 2
+    config = ClusterConfig(model=str(model_dir), defaults=EngineSpec(
+        num_gpu_blocks=args.requests * (n + 64) // 16 + 64, max_model_len=n + 64 + args.max_tokens,
+        max_num_batched_tokens=2048)).engine_configs()[0]
+    engine = EngineCore(config, create_executor(config))
+    times: dict[str, list[float]] = {"transformers": [], "ours": [], "ours, repeated": []}
+    encoded = {}
+    for r in range(args.rounds + 1):  # (round 0 warms up)
+        t_ref, ref = run_transformers(model_dir, distinct, args.max_tokens)
+        t_ours, ours, encoded["ours"] = run_ours(engine, distinct, args.max_tokens, f"d{r}")
+        assert engine.reset_prefix_cache()
+        t_rep, rep, encoded["ours, repeated"] = run_ours(engine, repeated, args.max_tokens, f"r{r}")
+        assert engine.reset_prefix_cache()
+        if r == 0:
+            _, ref_rep = run_transformers(model_dir, repeated, args.max_tokens)
+            assert ours == ref, "our tokens differ from transformers'"
+            assert rep == ref_rep, "our tokens differ from transformers' (repeated image)"
+            continue
+        for name, t in (("transformers", t_ref), ("ours", t_ours), ("ours, repeated", t_rep)):
+            times[name].append(t)
+    total = args.requests * args.max_tokens
+    print(f"\n{args.requests} requests x ({n}-token image + 12 text tokens) x {args.max_tokens} tokens, random LLaVA "
+          f"({args.layers} x {args.hidden} Llama, 4-layer CLIP {args.image_size}px/{args.patch}), CPU, "
+          f"{torch.get_num_threads()} torch threads, medians of {args.rounds} rounds; tokens equal transformers'")
+    print(f"{'':16}{'wall s':>9}{'out tok/s':>11}{'vs transformers':>17}{'images encoded':>16}")
+    base = statistics.median(times["transformers"])
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        print(f"{name:16}{t:9.2f}{total / t:11.1f}{base / t:16.2f}x{encoded.get(name, args.requests):16}")
+
+
+if __name__ == "__main__":
+    main()
