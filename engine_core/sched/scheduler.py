@@ -88,11 +88,12 @@ class _PartialPrefillCounter:
 
 class _EncoderPass:
     """A pass's encoder work (images of vision-language prompts): what is left of its budget (in
-    encoder output rows) and the images scheduled per request (indexes into its mm_features)."""
+    encoder output rows), and the images it reserved room for in the encoder cache (identifier ->
+    rows), which a request scheduled in the pass must encode (``Scheduler._encoder_work``)."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.scheduled: dict[str, list[int]] = {}
+        self.allocated: dict[str, int] = {}
 
 
 def _count_adapters(requests: list[Request]) -> dict[str, int]:
@@ -313,8 +314,6 @@ class Scheduler(SchedulerInterface):
                         scheduled_running_reqs.remove(preempted_req)
                         token_budget += num_scheduled_tokens.pop(preempted_req_id)
                         req_to_new_blocks.pop(preempted_req_id)
-                        if preempted_req_id in encoder_pass.scheduled:
-                            self._unschedule_encoder_inputs(preempted_req, encoder_pass)
                         # Blocks cached for tokens that will now not be computed must not be hit.
                         kv_cache_manager.uncache_uncomputed_blocks(preempted_req)
                         req_index -= 1
@@ -372,7 +371,7 @@ class Scheduler(SchedulerInterface):
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted_reqs},
             scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
-            scheduled_encoder_inputs=encoder_pass.scheduled,
+            scheduled_encoder_inputs=self._encoder_work(encoder_pass, num_scheduled_tokens),
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
         if kv_cache_manager.offload is not None:
@@ -696,27 +695,29 @@ class Scheduler(SchedulerInterface):
 
     def _commit_encoder_inputs(self, request: Request, inputs: list[int], budget_left: int,
                                encoder_pass: _EncoderPass) -> None:
-        """``request`` is scheduled: its images are encoded this pass (their rows reserved)."""
+        """``request`` is scheduled: its images' rows are reserved (encoded in this pass)."""
         for i in inputs:
             self.encoder_cache_manager.allocate(request, i)
-        encoder_pass.scheduled[request.request_id] = inputs
+            feature = request.mm_features[i]
+            encoder_pass.allocated[feature.identifier] = feature.length
         encoder_pass.budget = budget_left
 
-    def _unschedule_encoder_inputs(self, request: Request, encoder_pass: _EncoderPass) -> None:
-        """``request``, scheduled earlier in this pass, is preempted: its images are not encoded by
-        it. An image another request of the pass found cached meanwhile is encoded for that one
-        instead; the others are forgotten (never encoded) and their budget given back."""
+    def _encoder_work(self, encoder_pass: _EncoderPass, num_scheduled_tokens: dict[str, int]) -> dict[str, list[int]]:
+        """The images the workers encode in this pass, by the request (of the pass) that does it:
+        each image reserved this pass is encoded by the first scheduled request holding it (the one
+        that reserved it, or another whose chunk found it reserved). An image whose requests were all
+        preempted later in the pass is forgotten: nobody may find it cached unencoded."""
+        scheduled: dict[str, list[int]] = {}
         manager = self.encoder_cache_manager
-        for i in encoder_pass.scheduled.pop(request.request_id):
-            feature = request.mm_features[i]
-            heirs = manager.cached.get(feature.identifier, set()) - {request.request_id}
-            heir = next((self.requests[h] for h in sorted(heirs) if h in self.requests), None)
-            if heir is None:
-                manager.forget(feature.identifier, feature.length)
-                encoder_pass.budget += feature.length
+        for identifier, rows in encoder_pass.allocated.items():
+            holders = manager.cached.get(identifier) or ()
+            owner = next((req_id for req_id in num_scheduled_tokens if req_id in holders), None)
+            if owner is None:
+                manager.forget(identifier, rows)
                 continue
-            index = next(j for j, f in enumerate(heir.mm_features) if f.identifier == feature.identifier)
-            encoder_pass.scheduled.setdefault(heir.request_id, []).append(index)
+            index = next(i for i, f in enumerate(self.requests[owner].mm_features) if f.identifier == identifier)
+            scheduled.setdefault(owner, []).append(index)
+        return scheduled
 
     def _free_encoder_inputs(self, request: Request) -> None:
         """The images whose placeholders are all computed (in the KV cache) need no encoder rows:

@@ -4,6 +4,8 @@ images' identifiers in the prefix cache's block keys. A real Scheduler; the mode
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine_core.multimodal import MultiModalFeature, TensorData
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
@@ -199,3 +201,50 @@ def test_images_key_the_blocks_they_reach_into():
     so, _ = step(scheduler)
     assert same.num_cached_tokens == 28  # (every full block: the last token is always computed)
     assert so.scheduled_encoder_inputs == {}  # (its placeholders are all in the cached blocks)
+
+
+def _fill_pool_but(scheduler, free: int) -> None:
+    pool = scheduler.kv_cache_manager.block_pool
+    pool.get_new_blocks(pool.get_num_free_blocks() - free)
+
+
+def test_an_image_whose_reserver_is_preempted_is_encoded_by_the_request_that_found_it_reserved():
+    """A (worse priority) reserves image X; B, later in the same pass, finds X reserved and also
+    reserves its own Y; B's blocks preempt A. B must encode both (X was A's to encode)."""
+    scheduler = create_scheduler(max_num_batched_tokens=64, max_tokens_per_mm_item=16, block_size=4,
+                                 long_prefill_token_threshold=20, policy="priority", num_blocks=64)
+    a_tokens, a_features = prompt_with([("X", 20)], 40, text=1)
+    b_tokens, b_features = prompt_with([("X", 20), ("Y", 36)], 56, text=2)
+    low, high = request("A", a_tokens, a_features, priority=5), request("B", b_tokens, b_features, priority=0)
+    scheduler.add_request(low)
+    scheduler.add_request(high)
+    step(scheduler)  # both prefill their first 20 tokens (text only)
+    scheduler.running.sort(key=lambda r: r is not low)  # (A first in the running loop)
+    _fill_pool_but(scheduler, 5)
+    so = scheduler.schedule()
+    assert so.preempted_req_ids == {"A"} and so.num_scheduled_tokens == {"B": 20}
+    assert so.scheduled_encoder_inputs == {"B": [0, 1]}
+    manager = scheduler.encoder_cache_manager
+    assert set(manager.cached) == {"X", "Y"}
+    assert manager.num_free_slots == manager.cache_size - 32
+
+
+def test_an_image_whose_requests_are_all_preempted_in_the_pass_is_forgotten():
+    """A reserves X, B finds it reserved, then B's own blocks preempt A and then B itself: nobody
+    encodes X this pass, so nothing may find it cached."""
+    scheduler = create_scheduler(max_num_batched_tokens=64, max_tokens_per_mm_item=16, block_size=4,
+                                 long_prefill_token_threshold=4, policy="priority", num_blocks=64)
+    a_tokens, a_features = prompt_with([("X", 4)], 21, text=1)
+    b_tokens, b_features = prompt_with([("X", 40)], 60, text=2)
+    low, high = request("A", a_tokens, a_features, priority=5), request("B", b_tokens, b_features, priority=0)
+    scheduler.add_request(low)
+    scheduler.add_request(high)
+    step(scheduler)
+    scheduler.scheduler_config = dataclasses.replace(scheduler.scheduler_config, long_prefill_token_threshold=0)
+    scheduler.running.sort(key=lambda r: r is not low)
+    _fill_pool_but(scheduler, 5)
+    so = scheduler.schedule()
+    assert so.preempted_req_ids == {"A", "B"} and so.num_scheduled_tokens == {}
+    assert so.scheduled_encoder_inputs == {}
+    manager = scheduler.encoder_cache_manager
+    assert manager.cached == {} and manager.num_free_slots == manager.num_freeable_slots == manager.cache_size
