@@ -16,7 +16,13 @@ from typing import Any
 import torch
 
 from gpu_worker.quantized_checkpoint import weight_quantization
-from gpu_worker.vision_config import LLAVA_ARCHITECTURES, VisionConfig, text_architecture, vision_config_from_dict
+from gpu_worker.vision_config import (
+    LLAVA_ARCHITECTURES,
+    VisionConfig,
+    text_architecture,
+    vision_config_from_dict,
+    with_full_text_config,
+)
 
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -802,7 +808,7 @@ class ModelConfig:
         elif arch in LLAVA_ARCHITECTURES and not embedding_only:
             vision = vision_config_from_dict(cfg)
             arch = text_architecture(cfg)
-            cfg = _text_config(cfg, arch)
+            cfg = _text_config(with_full_text_config(cfg), arch)
         elif embedding_only:
             arch = {**EMBEDDING_DECODER_OF, **headed}[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:

@@ -55,6 +55,18 @@ def text_architecture(cfg: dict[str, Any]) -> str:
     return TEXT_DECODER_BY_MODEL_TYPE[model_type]
 
 
+def with_full_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with its text_config completed by transformers' defaults for its model type: llava-hf
+    checkpoints list only what differs from them (llava-1.5-7b's names five keys, no width or depth)."""
+    from transformers import AutoConfig
+
+    text = dict(cfg.get("text_config") or {})
+    text_architecture(cfg)  # (refuses a language model we do not serve, before transformers reads it)
+    given = {k: v for k, v in text.items() if k != "model_type"}
+    full = AutoConfig.for_model(text.get("model_type", "llama"), **given).to_dict()
+    return {**cfg, "text_config": {**full, **text}}
+
+
 def vision_config_from_dict(cfg: dict[str, Any]) -> VisionConfig:
     """LLaVA's vision side from its config.json (transformers' LlavaConfig names and defaults)."""
     vision = {**_CLIP_DEFAULTS, **(cfg.get("vision_config") or {})}

@@ -169,3 +169,25 @@ def test_vision_config_reads_transformers_names_and_refuses_what_it_does_not_run
                        ({"text_config": {**cfg["text_config"], "model_type": "phi3"}}, "language model")):
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_dict({**cfg, **bad})
+
+
+def test_a_published_llava_config_that_lists_only_what_differs_is_completed_by_transformers_defaults():
+    """llava-hf/llava-1.5-7b-hf's config.json: its text_config names five keys (the rest are
+    LlamaConfig's defaults), its vision_config the CLIP ViT-L/14-336 tower's."""
+    cfg = {"architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000, "model_type": "llava",
+           "pad_token_id": 32001, "projector_hidden_act": "gelu", "tie_word_embeddings": False,
+           "torch_dtype": "float16", "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+           "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+                           "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16",
+                           "vocab_size": 32064},
+           "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                             "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                             "patch_size": 14, "projection_dim": 768, "vocab_size": 32000}}
+    config = ModelConfig.from_dict(cfg)
+    assert (config.architecture, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.intermediate_size, config.vocab_size, config.max_position_embeddings) \
+        == ("LlamaForCausalLM", 4096, 32, 32, 32, 11008, 32064, 4096)
+    assert config.rms_norm_eps == 1e-5 and config.rope_theta == 10000.0 and config.dtype == torch.float16
+    vision = config.vision
+    assert (vision.tokens_per_image, vision.num_layers_used, vision.image_token_id, vision.hidden_act) == (
+        576, 23, 32000, "quick_gelu")
