@@ -580,6 +580,12 @@ class EngineCore:
             if feature.modality != "image" or feature.length != info.tokens_per_image:
                 raise RequestRefusedError(f"{info.served_model_name} takes images of {info.tokens_per_image} tokens, "
                                           f"not a {feature.modality} of {feature.length}")
+            # (Checked here, not in the pass: a misshapen image would fail every request of its pass.)
+            if tuple(feature.pixel_values.shape) != tuple(info.image_input_shape):
+                raise RequestRefusedError(f"{info.served_model_name}'s vision encoder takes images of shape "
+                                          f"{list(info.image_input_shape)} (channels, height, width), not "
+                                          f"{list(feature.pixel_values.shape)}: its image processor's output size "
+                                          "must be the tower's image_size")
         try:
             check_features(features, request.prompt_token_ids, info.image_token_id)
         except ValueError as e:
@@ -691,6 +697,8 @@ class EngineCore:
         if "weights" not in self.asleep or level > self.sleep_level:  # (the level is the weights', as the workers')
             self.sleep_level = level
         self.asleep = set(WAKE_UP_TAGS)
+        # (The workers drop their encoded images with the KV cache: none may be found cached after.)
+        self.scheduler.encoder_cache_manager.reset()
         self.executor.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -787,10 +795,11 @@ class EngineCore:
     @staticmethod
     def _has_worker_work(scheduler_output: SchedulerOutput) -> bool:
         # (A pass may schedule nothing yet copy blocks: an admission for remote KV can evict cached
-        # blocks, which KV offloading saves to its host tier now, before they are overwritten.)
+        # blocks, which KV offloading saves to its host tier now, before they are overwritten. Or tell
+        # the workers to drop encoded images: the scheduler names each eviction once.)
         return bool(scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
                     or scheduler_output.preempted_req_ids or scheduler_output.kv_offload_stores
-                    or scheduler_output.kv_offload_loads)
+                    or scheduler_output.kv_offload_loads or scheduler_output.free_encoder_mm_hashes)
 
     def _schedule_pass(self) -> tuple[SchedulerOutput, list[tuple[str, str]]]:
         """The first half of a pass: what runs, with its grammars' bitmask (and the requests whose

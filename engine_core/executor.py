@@ -163,6 +163,8 @@ class ModelInfo:
     # one image is (0: it takes no images).
     image_token_id: int | None = None
     tokens_per_image: int = 0
+    # The shape of one image as its vision encoder takes it (channels, height, width).
+    image_input_shape: tuple[int, ...] = ()
     # An encoder (BERT family): its prompts attend both ways, so each runs whole in one pass and none
     # may start from the prefix cache (the engine turns chunked prefill and prefix caching off).
     encoder_only: bool = False

@@ -197,6 +197,7 @@ class ModelRunner:
             raise RuntimeError("load_model() has not been called")
         if self.lora is not None:
             self.lora.release_device_copies()
+        self.encoder_cache.clear()  # (the scheduler forgets them too: EngineCore.sleep)
         if "kv_cache" not in self.asleep:
             for layer in self.model.attention_layers():
                 layer.kv_cache = None
@@ -317,10 +318,13 @@ class ModelRunner:
                 torch.zeros(num_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
                 for _ in range(2))
             vision = self.config.vision
+            encoder_cache = None
             if vision is not None:  # (a pass's images: as many as the encoder budget, the batch's tokens, allows)
                 images = max(1, num_tokens // vision.tokens_per_image)
-                self.model.embed_images(torch.zeros(images, vision.num_channels, vision.image_size, vision.image_size,
-                                                    dtype=self.dtype, device=self.device))
+                self.model.embed_images(torch.zeros(images, *vision.input_shape, dtype=self.dtype, device=self.device))
+                # The encoder cache's rows (the scheduler's cache size), held through the forward.
+                encoder_cache = torch.empty(max(self.max_num_batched_tokens, vision.tokens_per_image),
+                                            self.config.hidden_size, dtype=self.dtype, device=self.device)
             hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta, None, intermediate)
             if not distributed.is_last_stage():  # (a stage before the last has no head)
                 hidden = None
@@ -337,6 +341,7 @@ class ModelRunner:
                 self.sampler(logits, md)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            del encoder_cache
         finally:
             for layer, cache in zip(layers, saved, strict=True):
                 layer.kv_cache = cache

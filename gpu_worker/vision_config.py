@@ -42,6 +42,11 @@ class VisionConfig:
         return (self.image_size // self.patch_size) ** 2
 
     @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """One image's pixel values as the tower takes them: (channels, height, width)."""
+        return (self.num_channels, self.image_size, self.image_size)
+
+    @property
     def tokens_per_image(self) -> int:
         return self.num_patches + (1 if self.select_strategy == "full" else 0)
 

@@ -95,6 +95,14 @@ class EncoderCacheManager:
             self.freed.append(identifier)
             self.num_free_slots += rows
 
+    def reset(self) -> None:
+        """Forget every entry (the workers drop theirs: sleep); holds of waiting requests go too
+        (their images are encoded again when their chunks reach them)."""
+        self.cached.clear()
+        self.freeable.clear()
+        self.freed.clear()
+        self.num_free_slots = self.num_freeable_slots = self.cache_size
+
     def get_freed_mm_hashes(self) -> list[str]:
         """The entries evicted since the last call: the workers drop their rows."""
         freed, self.freed = self.freed, []

@@ -16,6 +16,7 @@ from engine_core.engine_core import EngineCore, RequestRefusedError
 from engine_core.multimodal import MultiModalFeature, TensorData, feature_identifier
 from engine_core.outputs import EngineCoreRequest
 from engine_core.sampling_params import SamplingParams
+from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
 from gpu_worker.executor import create_executor
 from gpu_worker.vision_config import vision_config_from_dict
@@ -150,6 +151,13 @@ def test_the_engine_refuses_images_it_cannot_take(llava_dir, tmp_path, hf):
     with pytest.raises(RequestRefusedError, match="not all the model's placeholder"):
         engine.add_request(EngineCoreRequest(request_id="b", prompt_token_ids=ids, sampling_params=params,
                                              mm_features=shifted))
+    misshapen = [MultiModalFeature("image", "x", 1, 16, TensorData.from_array(torch.zeros(3, 16, 16)))]
+    with pytest.raises(RequestRefusedError, match=r"shape \[3, 32, 32\]"):
+        engine.add_request(EngineCoreRequest(request_id="d", prompt_token_ids=ids, sampling_params=params,
+                                             mm_features=misshapen))
+    empty = SchedulerOutput.make_empty()
+    empty.free_encoder_mm_hashes = ["x"]
+    assert EngineCore._has_worker_work(empty)  # (an eviction alone still reaches the workers)
     text_engine = make_engine(build_tiny_llama(tmp_path / "text"))
     with pytest.raises(RequestRefusedError, match="takes no images"):
         text_engine.add_request(EngineCoreRequest(request_id="c", prompt_token_ids=ids, sampling_params=params,
@@ -191,3 +199,25 @@ def test_a_published_llava_config_that_lists_only_what_differs_is_completed_by_t
     vision = config.vision
     assert (vision.tokens_per_image, vision.num_layers_used, vision.image_token_id, vision.hidden_act) == (
         576, 23, 32000, "quick_gelu")
+
+
+def test_a_reset_and_sleep_drop_the_encoded_images_everywhere(llava_dir, hf):
+    """A prefix-cache reset evicts the images nobody holds and the workers drop their rows with the
+    next pass; sleep forgets them on both sides; an image asked again after either is encoded
+    again, and the answers stay transformers'."""
+    engine = make_engine(llava_dir, enable_sleep_mode=True)
+    runner = engine.executor.worker.runner
+    ids, features, pixels = prompt(hf, [[74, 75], [263]], [picture(8)])
+    other_ids, other_features, other_pixels = prompt(hf, [[90], [91]], [picture(9)])
+    want, want_other = reference(hf, ids, pixels), reference(hf, other_ids, other_pixels)
+    assert run(engine, {"a": (ids, features)}) == {"a": want}
+    assert set(runner.encoder_cache) == {features[0].identifier}
+    assert engine.reset_prefix_cache()
+    assert run(engine, {"b": (other_ids, other_features)}) == {"b": want_other}
+    assert set(runner.encoder_cache) == {other_features[0].identifier}  # (a's rows dropped with b's first pass)
+    assert engine.reset_prefix_cache()
+    engine.sleep(1)
+    assert runner.encoder_cache == {} and engine.scheduler.encoder_cache_manager.cached == {}
+    engine.wake_up()
+    assert run(engine, {"c": (other_ids, other_features)}) == {"c": want_other}
+    assert set(runner.encoder_cache) == {other_features[0].identifier}
