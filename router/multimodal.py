@@ -40,6 +40,8 @@ IMAGE_FETCH_TIMEOUT_S = float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))
 # The most bytes one image may have (encoded), however it comes (OpenAI's limit per image).
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+# The most one side of an image may exceed the other (Qwen2-VL's processor's limit).
+MAX_ASPECT_RATIO = 200
 # vLLM's --mm-processor-cache-gb default: GiB of processed images a router replica keeps.
 DEFAULT_PROCESSOR_CACHE_GB = 4.0
 
@@ -134,6 +136,11 @@ def decode_image(data: bytes) -> Image.Image:
         if image.width * image.height > (Image.MAX_IMAGE_PIXELS or float("inf")):
             raise ValueError(f"an image of {image.width}x{image.height} pixels is larger than the "
                              f"{Image.MAX_IMAGE_PIXELS} pixels allowed")
+        if max(image.size) > MAX_ASPECT_RATIO * max(1, min(image.size)):
+            # (Resized to the processor's shortest edge, a 4000x1 image of 97 bytes would be 1.3
+            # million pixels wide: gigabytes before its centre is cropped.)
+            raise ValueError(f"an image of {image.width}x{image.height} pixels is too narrow: its sides may "
+                             f"differ at most {MAX_ASPECT_RATIO} times")
         image.load()
     except (OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot decode the image: {e}") from None

@@ -263,6 +263,8 @@ def test_file_urls_are_read_only_under_the_allowed_local_media_path(llava, tmp_p
     ("data:image/png;base64,!!!", "cannot decode the image"),
     ("ftp://example.com/cat.png", "give a data:image/...;base64 URL"),
     ("cat.png", "give a data:image/...;base64 URL"),
+    # (97 bytes that a CLIP processor would blow up to gigabytes: refused before it runs)
+    (_data_url(Image.new("RGB", (4000, 1))), "too narrow"),
 ])
 def test_an_image_that_cannot_be_read_is_a_400(llava, url, message):
     http, engine, _ = _app(llava)
