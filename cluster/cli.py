@@ -506,6 +506,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--allowed-local-media-path", default="",
                        help="Images given as file:// URLs are read from under this directory (of the router "
                             "replicas' machines) and no other; without it, file:// URLs are refused.")
+    serve.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="DOMAIN",
+                       help="The only hosts http(s) image URLs may name (exact names, e.g. upload.wikimedia.org); "
+                            "with them, redirects are not followed. Default: any host the router replicas reach.")
     serve.add_argument("--mm-processor-cache-gb", type=float, default=DEFAULT_PROCESSOR_CACHE_GB,
                        help="GiB of processed images each router replica keeps, so an image sent again (each turn of "
                             "a conversation resends its images) is not decoded and resized again; 0: none "
@@ -728,7 +731,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         response_role=args.response_role, chat_template_content_format=args.chat_template_content_format,
         disable_fastapi_docs=args.disable_fastapi_docs, limit_mm_per_prompt=args.limit_mm_per_prompt or {},
         allowed_local_media_path=_local_dir_path(args.allowed_local_media_path) or "",
-        mm_processor_cache_gb=args.mm_processor_cache_gb,
+        mm_processor_cache_gb=args.mm_processor_cache_gb, allowed_media_domains=args.allowed_media_domains,
         models=_extra_models(args.extra_models) if args.extra_models else [])
 
 

@@ -478,6 +478,9 @@ class ClusterConfig(ModelSettings):
     allowed_local_media_path: str = Field(
         "", description="Images given as file:// URLs are read from under this directory of the router replicas' "
                         "machines, and no other (vLLM's --allowed-local-media-path; default: none are).")
+    allowed_media_domains: list[str] = Field(
+        default_factory=list, description="The hosts http(s) image URLs may name (vLLM's --allowed-media-domains; "
+                                          "exact names; default: any). With a list, redirects are not followed.")
     mm_processor_cache_gb: float = Field(
         DEFAULT_PROCESSOR_CACHE_GB, ge=0,
         description="GiB of processed images each router replica keeps, so an image sent again is not decoded and "

@@ -98,6 +98,7 @@ class RouterConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     allowed_local_media_path: str = ""
     mm_processor_cache_gb: float = 0.0
+    allowed_media_domains: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -153,6 +154,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         limit_mm_per_prompt=dict(config.limit_mm_per_prompt),
         allowed_local_media_path=config.allowed_local_media_path,
         mm_processor_cache_gb=config.mm_processor_cache_gb,
+        allowed_media_domains=tuple(config.allowed_media_domains),
     )
 
 

@@ -59,6 +59,9 @@ class MediaConnector:
     allowed_local_media_path: str = ""
     fetch_timeout_s: float = IMAGE_FETCH_TIMEOUT_S
     max_bytes: int = MAX_IMAGE_BYTES
+    # vLLM's --allowed-media-domains: the hosts http(s) images may come from (exact names; empty:
+    # any). With a list, redirects are not followed (one could lead elsewhere).
+    allowed_media_domains: tuple[str, ...] = ()
 
     async def fetch_image_bytes(self, url: str) -> bytes:
         scheme = urlparse(url).scheme.lower() if ":" in url else ""
@@ -86,9 +89,16 @@ class MediaConnector:
     async def _http(self, url: str) -> bytes:
         import aiohttp
 
+        host = (urlparse(url).hostname or "").lower()
+        if self.allowed_media_domains and host not in self.allowed_media_domains:
+            raise ValueError(f"image URL {_short(url)!r}: the domain {host!r} is not one of the "
+                             "--allowed-media-domains")
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.fetch_timeout_s)) as session, \
-                    session.get(url) as response:
+                    session.get(url, allow_redirects=not self.allowed_media_domains) as response:
+                if 300 <= response.status < 400:
+                    raise ValueError(f"cannot fetch image {_short(url)!r}: HTTP {response.status} (a redirect is "
+                                     "not followed with --allowed-media-domains)")
                 if response.status >= 400:
                     raise ValueError(f"cannot fetch image {_short(url)!r}: HTTP {response.status}")
                 if (response.content_length or 0) > self.max_bytes:

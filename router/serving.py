@@ -294,6 +294,8 @@ class ServingSettings:
     # vLLM's --allowed-local-media-path: file:// image URLs are read from under this directory only
     # ("": none are).
     allowed_local_media_path: str = ""
+    # vLLM's --allowed-media-domains: the hosts http(s) images may come from (empty: any).
+    allowed_media_domains: tuple[str, ...] = ()
     # vLLM's --mm-processor-cache-gb: GiB of processed images kept (0: none).
     mm_processor_cache_gb: float = 0.0
 
@@ -458,7 +460,8 @@ class OpenAIServing:
                 settings.image_token_id, settings.tokens_per_image, image_processor,
                 settings.model_root or settings.served_model_name,
                 placeholder=tokenizer.convert_ids_to_tokens(settings.image_token_id) or "",
-                media=MediaConnector(settings.allowed_local_media_path),
+                media=MediaConnector(settings.allowed_local_media_path,
+                                     allowed_media_domains=settings.allowed_media_domains),
                 max_images=settings.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT),
                 cache_bytes=int(settings.mm_processor_cache_gb * 2**30),
                 on_cache_lookup=None if metrics is None else metrics.record_mm_cache_lookup)

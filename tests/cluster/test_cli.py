@@ -763,10 +763,13 @@ def test_image_flags_reach_the_router_per_model(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv, _ = vllm_command_line(["serve", "/models/a", "--limit-mm-per-prompt.image", "2",
                                  "--allowed-local-media-path", "media", "--extra-models", str(models),
-                                 "--mm-processor-cache-gb", "0.5"])
+                                 "--mm-processor-cache-gb", "0.5", "--allowed-media-domains", "Img.example.com",
+                                 "cdn.example.com"])
     first, more = router_deployment(_config(*argv[1:]))._bound_deployment.init_args
     assert (first.limit_mm_per_prompt, first.allowed_local_media_path) == ({"image": 2}, str(tmp_path / "media"))
     assert first.mm_processor_cache_gb == 0.5 and _config().mm_processor_cache_gb == 4.0  # (vLLM's default)
+    assert first.allowed_media_domains == ("img.example.com", "cdn.example.com")
+    assert router_deployment(_config())._bound_deployment.init_args[0].allowed_media_domains == ()
     assert [(m.limit_mm_per_prompt, m.allowed_local_media_path) for m in more] == [
         ({"image": 1}, str(tmp_path / "media")), ({}, str(tmp_path / "media"))]
     assert _config("--limit-mm-per-prompt", '{"image": 0}').limit_mm_per_prompt == {"image": 0}

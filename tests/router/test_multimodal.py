@@ -194,6 +194,12 @@ class _ImageServer:
                 if self.path == "/slow.png":
                     import time
                     time.sleep(2)
+                if self.path == "/moved.png":  # (a redirect to the PNG)
+                    self.send_response(302)
+                    self.send_header("Location", "/cat.png")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 body = served.get(self.path)
                 if body is None:
                     self.send_error(404)
@@ -234,6 +240,17 @@ def test_an_http_image_is_fetched_within_its_timeout_and_size(llava):
         serving.images.media = MediaConnector(max_bytes=len(_png(image)) + 100)
         assert "more than the" in _error(_chat(http, [_part(f"{server.url}/big.png")]))
         assert len(engine.requests) == 1  # (nothing refused reached the engine)
+        # A redirect is followed; with --allowed-media-domains only those hosts are fetched, without redirects.
+        serving.images.media = MediaConnector()
+        assert _chat(http, [_part(f"{server.url}/moved.png")]).status_code == 200
+        serving.images.media = MediaConnector(allowed_media_domains=("images.example.com",))
+        hits = len(server.hits)
+        assert "'127.0.0.1' is not one of the --allowed-media-domains" in _error(
+            _chat(http, [_part(f"{server.url}/cat.png")]))
+        assert len(server.hits) == hits  # (not even asked)
+        serving.images.media = MediaConnector(allowed_media_domains=("127.0.0.1",))
+        assert _chat(http, [_part(f"{server.url}/cat.png")]).status_code == 200
+        assert "HTTP 302 (a redirect is not followed" in _error(_chat(http, [_part(f"{server.url}/moved.png")]))
     finally:
         server.close()
 
