@@ -151,11 +151,16 @@ class _MessagesInput(BaseModel):
             texts: list[str] = []
             thinking: list[str] = []
             calls: list[dict[str, Any]] = []
+            # A user turn's text and images in order, as OpenAI parts (when it has images).
+            parts: list[dict[str, Any]] = []
             for j, block in enumerate(content):
                 kind = block.get("type") if isinstance(block, dict) else None
                 at = f"{where}.content[{j}]"
                 if kind == "text" and isinstance(block.get("text"), str):
                     texts.append(block["text"])
+                    parts.append({"type": "text", "text": block["text"]})
+                elif kind == "image" and role == "user":
+                    parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
                 elif kind == "tool_use" and role == "assistant":
                     calls.append({"id": _required(block, "id", at), "type": "function",
                                   "function": {"name": _required(block, "name", at),
@@ -172,8 +177,8 @@ class _MessagesInput(BaseModel):
                     continue  # (encrypted: nothing a template could show)
                 else:
                     raise bad_request(f"{at}: {role} blocks of type {kind!r} are not supported "
-                                      "(text; tool_use and thinking from the assistant; tool_result from the user)",
-                                      "messages")
+                                      "(text; tool_use and thinking from the assistant; image and tool_result from "
+                                      "the user)", "messages")
             if role == "assistant":
                 turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls
                                         else None}
@@ -182,6 +187,8 @@ class _MessagesInput(BaseModel):
                 if thinking:
                     turn["reasoning"] = "".join(thinking)
                 out.append(turn)
+            elif len(parts) > len(texts):  # (images: the parts in order)
+                out.append({"role": "user", "content": parts})
             elif texts:
                 out.append({"role": "user", "content": texts[0] if len(texts) == 1
                             else [{"type": "text", "text": t} for t in texts]})
@@ -403,3 +410,17 @@ class MessagesServing:
                                                 chat)
         return {"input_tokens": len(ids)}
 
+
+
+def _image_url(source: Any, at: str) -> str:
+    """An image block's source as the URL the chat endpoint takes: ``{"type": "base64", "media_type",
+    "data"}`` as a data: URL, ``{"type": "url", "url"}`` as it is."""
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media_type = source.get("media_type")
+        if not isinstance(media_type, str) or not media_type.startswith("image/"):
+            raise bad_request(f"{at}.source.media_type must be an image type (image/png, ...)", "messages")
+        return f"data:{media_type};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad_request(f'{at}.source must be {{"type": "base64", "media_type", "data"}} or {{"type": "url", "url"}}',
+                      "messages")

@@ -413,6 +413,25 @@ def test_the_responses_api_takes_input_image_parts(llava):
     assert "file_id is not supported" in _error(r)
 
 
+def test_anthropics_messages_take_image_blocks(llava):
+    http, engine, _ = _app(llava)
+    image = _image(7)
+    data = base64.b64encode(_png(image)).decode()
+    r = http.post("/v1/messages", json={"model": "llava", "max_tokens": 3, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": data}}]}]})
+    assert r.status_code == 200, r.text
+    [feature] = engine.requests[0].mm_features
+    np.testing.assert_array_equal(feature.pixel_values.to_tensor().numpy(), _expected_pixels(llava, image))
+    # (the image after the text, as sent: its placeholders come after the text's tokens)
+    assert feature.offset > engine.requests[0].prompt_token_ids.index(llava[1].encode("What")[0])
+    r = http.post("/v1/messages", json={"model": "llava", "max_tokens": 3, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "text/plain",
+                                                                  "data": data}}]}]})
+    assert r.status_code == 400 and "image type" in r.text
+
+
 def test_expand_image_tokens_gives_each_image_its_run_of_placeholders():
     ids, offsets = expand_image_tokens([1, 9, 2, 3, 9, 4], image_token_id=9, tokens_per_image=3, num_images=2)
     assert ids == [1, 9, 9, 9, 2, 3, 9, 9, 9, 4] and offsets == [1, 6]
