@@ -7,6 +7,7 @@ checked with ``assert``.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, get_args
 
@@ -28,6 +29,18 @@ LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 MODEL_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
 
 SchedulingPolicyName = Literal["fcfs", "priority"]
+
+# vLLM's variable: the decoder layers of each pipeline stage, e.g. "10,14" (first stage first).
+PP_LAYER_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+
+
+def parse_layer_partition(text: str, source: str) -> tuple[int, ...]:
+    """"10,14" -> (10, 14); ValueError naming ``source`` otherwise."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"{source} must be comma-separated layer counts, one per pipeline stage (e.g. 10,14), "
+                         f"got {text!r}") from None
 
 
 def _require(condition: bool, flag: str, allowed: str, value: object) -> None:
@@ -281,6 +294,10 @@ class EngineConfig:
     # other, each stage a tensor-parallel group of its own (tensor_parallel_size x
     # pipeline_parallel_size workers in all, possibly on several nodes).
     pipeline_parallel_size: int = 1
+    # How many decoder layers each pipeline stage holds, first stage first (vLLM's
+    # VLLM_PP_LAYER_PARTITION, read from the environment of the process that makes the config when
+    # left None); None: an even split.
+    pp_layer_partition: tuple[int, ...] | None = None
     # "auto" picks cuda when available, else cpu.
     device: str = "auto"
     dtype: str = "auto"
@@ -375,6 +392,16 @@ class EngineConfig:
                      "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
             _require(type(self.pipeline_parallel_size) is int and self.pipeline_parallel_size >= 1,
                      "pipeline_parallel_size", ">= 1", self.pipeline_parallel_size)
+            if self.pp_layer_partition is None and self.pipeline_parallel_size > 1 \
+                    and os.environ.get(PP_LAYER_PARTITION_ENV):
+                object.__setattr__(self, "pp_layer_partition", parse_layer_partition(
+                    os.environ[PP_LAYER_PARTITION_ENV], PP_LAYER_PARTITION_ENV))
+            if self.pp_layer_partition is not None:
+                partition = tuple(self.pp_layer_partition)
+                object.__setattr__(self, "pp_layer_partition", partition)
+                _require(len(partition) == self.pipeline_parallel_size and all(
+                    type(n) is int and n >= 1 for n in partition), "pp_layer_partition",
+                    f"{self.pipeline_parallel_size} layer counts >= 1 (one per pipeline stage)", partition)
             _require(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
             _require(not isinstance(self.dtype, str) or self.dtype.removeprefix("torch.") in MODEL_DTYPE_NAMES,
                      "dtype", f"one of {', '.join(MODEL_DTYPE_NAMES)}", self.dtype)

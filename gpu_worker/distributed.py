@@ -29,6 +29,8 @@ class TPGroup:
     pp_size: int = 1
     # The stage's TP group (None: the whole world is one stage, or TP is 1).
     group: Any = None
+    # The decoder layers of each stage (None: an even split; see pp_layer_range).
+    layer_partition: tuple[int, ...] | None = None
 
     @property
     def global_rank(self) -> int:
@@ -40,7 +42,7 @@ _group = TPGroup()
 
 def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
                      backend: str | None = None, device: torch.device | str = "cpu",
-                     tp_size: int | None = None) -> TPGroup:
+                     tp_size: int | None = None, layer_partition: tuple[int, ...] | None = None) -> TPGroup:
     """Join the world group of ``world_size`` ranks (``rank``: this one's global rank), split into
     pipeline stages of ``tp_size`` ranks (default: one stage). gloo on CPU, nccl on CUDA unless
     ``backend`` says otherwise."""
@@ -67,7 +69,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1",
                 stage_group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
                 if stage == rank // tp_size:
                     group = stage_group
-    _group = TPGroup(rank % tp_size, tp_size, rank // tp_size, pp_size, group)
+    _group = TPGroup(rank % tp_size, tp_size, rank // tp_size, pp_size, group, layer_partition)
     return _group
 
 
@@ -106,17 +108,26 @@ def is_last_stage() -> bool:
     return _group.pp_rank == _group.pp_size - 1
 
 
-def pp_layer_range(num_layers: int, pp_rank: int | None = None, pp_size: int | None = None) -> tuple[int, int]:
-    """The decoder layers [start, end) stage ``pp_rank`` of ``pp_size`` holds: an even split, the
-    layers left over going one each to the stages before the last, from the last but one back (the
-    first holds the embedding, the last the norm and LM head; vLLM splits the same way)."""
-    pp_rank = _group.pp_rank if pp_rank is None else pp_rank
+def pp_layer_range(num_layers: int, pp_rank: int | None = None, pp_size: int | None = None,
+                   partition: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """The decoder layers [start, end) stage ``pp_rank`` of ``pp_size`` holds: ``partition``'s count
+    (vLLM's VLLM_PP_LAYER_PARTITION; by default this rank's group's), or an even split, the layers
+    left over going one each to the stages before the last, from the last but one back (the first
+    holds the embedding, the last the norm and LM head; vLLM splits the same way)."""
+    if pp_rank is None:
+        pp_rank, pp_size, partition = _group.pp_rank, _group.pp_size, partition or _group.layer_partition
     pp_size = _group.pp_size if pp_size is None else pp_size
     if num_layers < pp_size:
         raise ValueError(f"the model has {num_layers} layers, fewer than pipeline_parallel_size {pp_size}")
-    sizes = [num_layers // pp_size] * pp_size
-    for i in range(num_layers % pp_size):
-        sizes[(pp_size - 2 - i) % pp_size] += 1
+    if partition is not None and pp_size > 1:
+        if len(partition) != pp_size or sum(partition) != num_layers or min(partition) < 1:
+            raise ValueError(f"the layer partition {list(partition)} must give each of the {pp_size} pipeline "
+                             f"stages at least one of the model's {num_layers} layers, {num_layers} in all")
+        sizes = list(partition)
+    else:
+        sizes = [num_layers // pp_size] * pp_size
+        for i in range(num_layers % pp_size):
+            sizes[(pp_size - 2 - i) % pp_size] += 1
     start = sum(sizes[:pp_rank])
     return start, start + sizes[pp_rank]
 

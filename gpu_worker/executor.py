@@ -83,6 +83,7 @@ def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, 
         if config.speculative_config is None else (),
         "draft_model": draft_model_reference(config),
         "kv_offloading_bytes": config.kv_offloading_bytes_per_rank(),
+        "pp_layer_partition": config.pp_layer_partition if config.pipeline_parallel_size > 1 else None,
     }
 
 
@@ -143,6 +144,11 @@ class _ExecutorBase(Executor):
         pp = config.pipeline_parallel_size
         if pp > 1 and (refusal := pipeline_refusal(self.model_config, pp, embeds_only)):
             raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: {refusal}")
+        if pp > 1 and config.pp_layer_partition is not None \
+                and sum(config.pp_layer_partition) != self.model_config.num_hidden_layers:
+            raise ValueError(f"engine {config.engine_index}: the layer partition {list(config.pp_layer_partition)} "
+                             f"(VLLM_PP_LAYER_PARTITION) has {sum(config.pp_layer_partition)} layers; the model has "
+                             f"{self.model_config.num_hidden_layers}")
         if embeds_only and config.logits_processors:
             raise ValueError(f"engine {config.engine_index}: a pooling model samples nothing, so it takes no custom "
                              "logits processors (--logits-processors)")

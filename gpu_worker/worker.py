@@ -100,12 +100,15 @@ class Worker:
                  pooler_dense: tuple[DenseProjection, ...] = (), max_logprobs: int = 20,
                  tokenizer: str | None = None, logits_processors: tuple[LogitsProcessorSpec, ...] = (),
                  draft_model: str | Path | None = None, kv_offloading_bytes: int = 0,
-                 logprobs_mode: str = "raw_logprobs", pipeline_parallel_size: int = 1) -> None:
+                 logprobs_mode: str = "raw_logprobs", pipeline_parallel_size: int = 1,
+                 pp_layer_partition: tuple[int, ...] | None = None) -> None:
         # ``rank``: over every stage's ranks (stage rank // world_size); ``world_size``: the
         # tensor-parallel ranks of one stage.
         self.rank = rank
         self.world_size = world_size
         self.pipeline_parallel_size = pipeline_parallel_size
+        # Each stage's decoder layers (None: an even split).
+        self.pp_layer_partition = tuple(pp_layer_partition) if pp_layer_partition else None
         if not 0 <= rank < world_size * pipeline_parallel_size:
             raise ValueError(f"rank {rank} is not among the {world_size} x {pipeline_parallel_size} ranks")
         self.device = resolve_device(device, rank)
@@ -170,7 +173,8 @@ class Worker:
 
     def init_distributed(self, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
         distributed.init_distributed(self.rank, self.world_size * self.pipeline_parallel_size, master_addr,
-                                     master_port, device=self.device, tp_size=self.world_size)
+                                     master_port, device=self.device, tp_size=self.world_size,
+                                     layer_partition=self.pp_layer_partition)
 
     @property
     def is_driver(self) -> bool:
@@ -237,7 +241,7 @@ class Worker:
         if self.pipeline_parallel_size == 1:
             return None
         start, end = distributed.pp_layer_range(self.model_config.num_hidden_layers, self.rank // self.world_size,
-                                                self.pipeline_parallel_size)
+                                                self.pipeline_parallel_size, self.pp_layer_partition)
         return end - start
 
     def determine_num_blocks(self, block_size: int, num_blocks: int | None = None,

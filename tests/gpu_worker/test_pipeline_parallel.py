@@ -29,6 +29,25 @@ def test_layers_split_evenly_with_the_rest_before_the_last_stage():
         distributed.pp_layer_range(2, 0, 3)
 
 
+def test_a_layer_partition_gives_each_stage_its_count(monkeypatch):
+    """vLLM's VLLM_PP_LAYER_PARTITION: each stage's layer count, first stage first."""
+    assert [distributed.pp_layer_range(6, r, 2, (1, 5)) for r in range(2)] == [(0, 1), (1, 6)]
+    assert [distributed.pp_layer_range(6, r, 3, (3, 2, 1)) for r in range(3)] == [(0, 3), (3, 5), (5, 6)]
+    for bad in ((3, 2), (6, 0), (2, 2, 2)):
+        with pytest.raises(ValueError, match="layer partition"):
+            distributed.pp_layer_range(6, 0, 2, bad)
+    # Read by the config from the environment of the process that makes it, when not given.
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,5")
+    assert EngineConfig(model="m", pipeline_parallel_size=2, num_cpus_per_worker=0.5).pp_layer_partition == (1, 5)
+    assert EngineConfig(model="m", pipeline_parallel_size=2, pp_layer_partition=(4, 2)).pp_layer_partition == (4, 2)
+    assert EngineConfig(model="m").pp_layer_partition is None  # (one stage: nothing to split)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,x")
+    with pytest.raises(ValueError, match="comma-separated layer counts"):
+        EngineConfig(model="m", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pp_layer_partition"):
+        EngineConfig(model="m", pipeline_parallel_size=2, pp_layer_partition=(6,))
+
+
 @pytest.fixture
 def stage():
     """Act as one stage of a pipeline (no process group: construction and loading only)."""
@@ -103,10 +122,10 @@ def _requests() -> list[EngineCoreRequest]:
             for k, prompt in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("tp,pp,num_layers,tie,blocks", [(1, 2, 3, True, 16), (1, 3, 3, False, 16),
-                                                        (2, 2, 4, False, 48)])
+@pytest.mark.parametrize("tp,pp,num_layers,tie,blocks,partition", [
+    (1, 2, 3, True, 16, None), (1, 3, 3, False, 16, None), (2, 2, 4, False, 48, None), (1, 2, 4, False, 48, (3, 1))])
 def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp_path, tp, pp, num_layers, tie,
-                                                                blocks):
+                                                                blocks, partition):
     """Passes overlap (one in each stage at once), through chunked prefills and, with 16 blocks,
     preemptions of requests whose pass is still in flight."""
     model_dir = build_tiny_llama(tmp_path, num_layers=num_layers, tie=tie)
@@ -115,7 +134,8 @@ def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp
         expected = _run(single, _requests())
     finally:
         single.shutdown()
-    staged = _engine(model_dir, blocks, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    staged = _engine(model_dir, blocks, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                     pp_layer_partition=partition)
     in_flight: list[int] = []
     start = staged.executor.execute_model_async
 
@@ -127,6 +147,12 @@ def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp
     staged.executor.execute_model_async = counted
     try:
         assert len(staged.executor.workers) == tp * pp
+        if partition is not None:  # (each stage built its count of layers)
+            import ray
+
+            held = ray.get([w.__ray_call__.remote(lambda w: len(w.runner.model.attention_layers()))
+                            for w in staged.executor.workers])
+            assert tuple(held) == partition
         got = _run(staged, _requests())
         for rid, want in expected.items():
             assert got[rid]["tokens"] == want["tokens"] and len(want["tokens"]) == 12, rid
@@ -168,6 +194,9 @@ def test_an_engine_refuses_stages_its_model_cannot_have(ray_cluster, tmp_path):
                                    (build_tiny_embedder(tmp_path / "e"), 2, "serves generative decoders")):
         with pytest.raises(ValueError, match=message):
             create_executor(EngineConfig(model=str(model_dir), num_gpu_blocks=8, pipeline_parallel_size=pp))
+    with pytest.raises(ValueError, match=r"partition \[2, 1\] \(VLLM_PP_LAYER_PARTITION\) has 3 layers"):
+        create_executor(EngineConfig(model=str(tmp_path / "m"), num_gpu_blocks=8, pipeline_parallel_size=2,
+                                     pp_layer_partition=(2, 1)))
 
 
 def test_an_adapter_on_an_engine_of_two_stages_answers_as_peft_does(ray_cluster, tiny_model_dir, tmp_path):
