@@ -27,6 +27,7 @@ from engine_core.config import (
     LoRAConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    layer_partition_from_env,
 )
 from engine_core.kv_transfer import KVTransferConfig
 from engine_core.lora import LoRAModule, parse_lora_module, static_lora_requests
@@ -852,6 +853,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
     return EngineConfig(
         model=model, served_model_name=served_model_name, engine_index=index,
         tensor_parallel_size=s["tensor_parallel_size"], pipeline_parallel_size=s["pipeline_parallel_size"],
+        pp_layer_partition=layer_partition_from_env(s["pipeline_parallel_size"]),
         device=s["device"], dtype=s["dtype"], kv_cache_dtype=s["kv_cache_dtype"],
         enable_expert_parallel=s["enable_expert_parallel"],
         runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)

@@ -34,13 +34,18 @@ SchedulingPolicyName = Literal["fcfs", "priority"]
 PP_LAYER_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
 
 
-def parse_layer_partition(text: str, source: str) -> tuple[int, ...]:
-    """"10,14" -> (10, 14); ValueError naming ``source`` otherwise."""
+def layer_partition_from_env(pipeline_parallel_size: int) -> tuple[int, ...] | None:
+    """VLLM_PP_LAYER_PARTITION ("10,14" -> (10, 14)) for an engine of several pipeline stages, as the
+    process that makes the engines' configs reads it (once: the config carries it to the engine and
+    its workers); None when unset or for one stage."""
+    text = os.environ.get(PP_LAYER_PARTITION_ENV, "")
+    if pipeline_parallel_size == 1 or not text:
+        return None
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"{source} must be comma-separated layer counts, one per pipeline stage (e.g. 10,14), "
-                         f"got {text!r}") from None
+        raise ValueError(f"{PP_LAYER_PARTITION_ENV} must be comma-separated layer counts, one per pipeline stage "
+                         f"(e.g. 10,14), got {text!r}") from None
 
 
 def _require(condition: bool, flag: str, allowed: str, value: object) -> None:
@@ -295,8 +300,7 @@ class EngineConfig:
     # pipeline_parallel_size workers in all, possibly on several nodes).
     pipeline_parallel_size: int = 1
     # How many decoder layers each pipeline stage holds, first stage first (vLLM's
-    # VLLM_PP_LAYER_PARTITION, read from the environment of the process that makes the config when
-    # left None); None: an even split.
+    # VLLM_PP_LAYER_PARTITION: see layer_partition_from_env); None: an even split.
     pp_layer_partition: tuple[int, ...] | None = None
     # "auto" picks cuda when available, else cpu.
     device: str = "auto"
@@ -392,10 +396,6 @@ class EngineConfig:
                      "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
             _require(type(self.pipeline_parallel_size) is int and self.pipeline_parallel_size >= 1,
                      "pipeline_parallel_size", ">= 1", self.pipeline_parallel_size)
-            if self.pp_layer_partition is None and self.pipeline_parallel_size > 1 \
-                    and os.environ.get(PP_LAYER_PARTITION_ENV):
-                object.__setattr__(self, "pp_layer_partition", parse_layer_partition(
-                    os.environ[PP_LAYER_PARTITION_ENV], PP_LAYER_PARTITION_ENV))
             if self.pp_layer_partition is not None:
                 partition = tuple(self.pp_layer_partition)
                 object.__setattr__(self, "pp_layer_partition", partition)

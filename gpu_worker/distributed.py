@@ -114,9 +114,10 @@ def pp_layer_range(num_layers: int, pp_rank: int | None = None, pp_size: int | N
     (vLLM's VLLM_PP_LAYER_PARTITION; by default this rank's group's), or an even split, the layers
     left over going one each to the stages before the last, from the last but one back (the first
     holds the embedding, the last the norm and LM head; vLLM splits the same way)."""
-    if pp_rank is None:
-        pp_rank, pp_size, partition = _group.pp_rank, _group.pp_size, partition or _group.layer_partition
+    pp_rank = _group.pp_rank if pp_rank is None else pp_rank
     pp_size = _group.pp_size if pp_size is None else pp_size
+    if partition is None and pp_size == _group.pp_size:
+        partition = _group.layer_partition
     if num_layers < pp_size:
         raise ValueError(f"the model has {num_layers} layers, fewer than pipeline_parallel_size {pp_size}")
     if partition is not None and pp_size > 1:

@@ -796,7 +796,8 @@ class ModelRunner:
         pixels = torch.stack(list(todo.values())).to(self.device, non_blocking=True)
         rows = self.model.embed_images(pixels)
         for identifier, image_rows in zip(todo, rows, strict=True):
-            self.encoder_cache[identifier] = image_rows
+            # (A copy of its own: a view would keep the whole pass's batch alive after the others go.)
+            self.encoder_cache[identifier] = image_rows.clone()
 
     def _inputs_embeds(self, input_ids: torch.Tensor, states: list[RequestState], starts: np.ndarray,
                        ends: np.ndarray, query_start_loc: np.ndarray) -> torch.Tensor | None:

@@ -408,9 +408,9 @@ class MessagesServing:
         chat = request.chat_request()
         ids = await self.serving.tokenizer_work(conversation_chars(chat.messages, chat.tools), self.serving.render_chat,
                                                 chat)
+        # (Images count as their placeholders, as the request would send them; not loaded.)
+        ids, _ = self.serving.expand_images(ids, len(self.serving.chat_images(chat.messages)))
         return {"input_tokens": len(ids)}
-
-
 
 def _image_url(source: Any, at: str) -> str:
     """An image block's source as the URL the chat endpoint takes: ``{"type": "base64", "media_type",

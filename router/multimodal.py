@@ -96,7 +96,7 @@ class MediaConnector:
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.fetch_timeout_s)) as session, \
                     session.get(url, allow_redirects=not self.allowed_media_domains) as response:
-                if 300 <= response.status < 400:
+                if 300 <= response.status < 400 and self.allowed_media_domains:
                     raise ValueError(f"cannot fetch image {_short(url)!r}: HTTP {response.status} (a redirect is "
                                      "not followed with --allowed-media-domains)")
                 if response.status >= 400:

@@ -4,6 +4,7 @@ exactly as one worker does."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -36,16 +37,28 @@ def test_a_layer_partition_gives_each_stage_its_count(monkeypatch):
     for bad in ((3, 2), (6, 0), (2, 2, 2)):
         with pytest.raises(ValueError, match="layer partition"):
             distributed.pp_layer_range(6, 0, 2, bad)
-    # Read by the config from the environment of the process that makes it, when not given.
+    # Read where the engines' configs are made (once: a config made again elsewhere keeps its own).
+    from cluster.config import ClusterConfig, EngineSpec
+
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,5")
-    assert EngineConfig(model="m", pipeline_parallel_size=2, num_cpus_per_worker=0.5).pp_layer_partition == (1, 5)
-    assert EngineConfig(model="m", pipeline_parallel_size=2, pp_layer_partition=(4, 2)).pp_layer_partition == (4, 2)
-    assert EngineConfig(model="m").pp_layer_partition is None  # (one stage: nothing to split)
+    [config] = ClusterConfig(model="m", defaults=EngineSpec(pipeline_parallel_size=2)).engine_configs()
+    assert config.pp_layer_partition == (1, 5)
+    assert ClusterConfig(model="m").engine_configs()[0].pp_layer_partition is None  # (one stage: nothing to split)
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION")
+    assert dataclasses.replace(config, seed=1).pp_layer_partition == (1, 5)
+    assert dataclasses.replace(config, pp_layer_partition=None).pp_layer_partition is None
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,x")
     with pytest.raises(ValueError, match="comma-separated layer counts"):
-        EngineConfig(model="m", pipeline_parallel_size=2)
+        ClusterConfig(model="m", defaults=EngineSpec(pipeline_parallel_size=2)).engine_configs()
     with pytest.raises(ValueError, match="pp_layer_partition"):
         EngineConfig(model="m", pipeline_parallel_size=2, pp_layer_partition=(6,))
+    # A stage's range with its rank and size given takes its group's partition too.
+    distributed._group = distributed.TPGroup(pp_rank=1, pp_size=2, layer_partition=(1, 5))
+    try:
+        assert distributed.pp_layer_range(6, 1, 2) == distributed.pp_layer_range(6) == (1, 6)
+        assert distributed.pp_layer_range(6, 1, 3) == (2, 4)  # (another size: an even split)
+    finally:
+        distributed._group = distributed.TPGroup()
 
 
 @pytest.fixture

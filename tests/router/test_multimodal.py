@@ -426,6 +426,17 @@ def test_anthropics_messages_take_image_blocks(llava):
     np.testing.assert_array_equal(feature.pixel_values.to_tensor().numpy(), _expected_pixels(llava, image))
     # (the image after the text, as sent: its placeholders come after the text's tokens)
     assert feature.offset > engine.requests[0].prompt_token_ids.index(llava[1].encode("What")[0])
+    # count_tokens counts each image as its placeholders, as the request sends them (and limits them).
+    counted = http.post("/v1/messages/count_tokens", json={"model": "llava", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": data}}]}]})
+    assert counted.json() == {"input_tokens": len(engine.requests[0].prompt_token_ids)}
+    _, _, limited = _app(llava, limit_mm_per_prompt={"image": 0})
+    over = TestClient(create_app(limited)).post("/v1/messages/count_tokens", json={"model": "llava", "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": data}}]}]})
+    assert over.status_code == 400 and "At most 0 image" in over.text
     r = http.post("/v1/messages", json={"model": "llava", "max_tokens": 3, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "text/plain",
                                                                   "data": data}}]}]})
