@@ -116,6 +116,12 @@ class LlavaMixin(nn.Module):
                  ("model.vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
                  ("model.multi_modal_projector.", "multi_modal_projector."))
 
+    # What a LoRA adapter's module names are renamed by (PEFT names them as the checkpoint's model has
+    # them), and the parts whose modules it skips, as vLLM, with a warning (gpu_worker.lora.manager).
+    _LANGUAGE_MODEL_PREFIXES = _PREFIXES[:3]
+    _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         assert config.vision is not None

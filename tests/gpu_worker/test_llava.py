@@ -221,3 +221,42 @@ def test_a_reset_and_sleep_drop_the_encoded_images_everywhere(llava_dir, hf):
     engine.wake_up()
     assert run(engine, {"c": (other_ids, other_features)}) == {"c": want_other}
     assert set(runner.encoder_cache) == {other_features[0].identifier}
+
+
+def test_a_lora_adapter_on_the_language_model_answers_as_peft_does_with_images(llava_dir, hf, tmp_path):
+    """PEFT names a LLaVA adapter's modules as the checkpoint's model has them
+    (model.language_model.layers...); the engine applies them to its decoder, images and all."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlavaForConditionalGeneration
+
+    from engine_core.outputs import LoRARequest
+
+    base = LlavaForConditionalGeneration.from_pretrained(llava_dir).eval()
+    torch.manual_seed(3)
+    adapted = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0,
+                                              target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)"))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.2)
+    adapted.eval().save_pretrained(tmp_path / "adapter")
+    ids, features, pixels = prompt(hf, [[74, 75], [263, 84]], [picture(10)])
+    with torch.no_grad():
+        out = adapted.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, max_new_tokens=MAX_TOKENS,
+                               do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    want = out[0, len(ids):].tolist()
+    assert want != reference(hf, ids, pixels)  # (the adapter changes the answer)
+    config = ClusterConfig(model=str(llava_dir), enable_lora=True, max_lora_rank=8,
+                           defaults=EngineSpec(num_gpu_blocks=256)).engine_configs()[0]
+    engine = EngineCore(config, create_executor(config))
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    engine.add_lora(lora)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=ids, sampling_params=params,
+                                         mm_features=features, lora_request=lora))
+    got: list[int] = []
+    while engine.has_work():
+        for eco in engine.step().values():
+            for o in eco.outputs:
+                got += o.new_token_ids
+    assert got == want
