@@ -24,7 +24,7 @@ from engine_core.config import EngineConfig, KVCacheDType
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ModelInfo, PoolingInfo
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
-from engine_core.multimodal import MultiModalFeature, check_features
+from engine_core.multimodal import MultiModalFeature
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.prompt_embeds import PromptEmbeds
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
@@ -834,17 +834,15 @@ class LLM:
         images = self._images()
         try:
             images.check_count(len(prompt.images))
-            ids, offsets = images.expand(self._prompt_ids(index, prompt.prompt, vocab, max_tokens), len(prompt.images))
+            processed = [images.process_image(image.convert("RGB")) for image in prompt.images]
+            ids, offsets = images.expand(self._prompt_ids(index, prompt.prompt, vocab, max_tokens), len(prompt.images),
+                                         [p.num_tokens for p in processed])
         except ValueError as e:
             raise ValueError(f"prompt {index}: {e}") from None
         if len(ids) > max_tokens:
             raise ValueError(f"prompt {index} has {len(ids)} tokens with its images' placeholders; max_model_len "
                              f"is {self._max_model_len()}")
-        processed = [images.process_image(image.convert("RGB")) for image in prompt.images]
-        features = [MultiModalFeature("image", p.identifier, offset, images.tokens_per_image, p.pixel_values)
-                    for p, offset in zip(processed, offsets, strict=True)]
-        check_features(features, ids, images.image_token_id)
-        return ids, features
+        return ids, images.features(processed, ids, offsets)
 
     def _images(self) -> MultiModalProcessor:
         """The model's image processing (its placeholder token, tokens per image, image processor)."""
@@ -853,7 +851,7 @@ class LLM:
             if info.image_token_id is None:
                 raise ValueError(f"{info.served_model_name} takes no images: it is not a vision-language model")
             self._image_processor = MultiModalProcessor(
-                info.image_token_id, info.tokens_per_image, load_image_processor(self.model_dir),
+                info.image_token_id, info.image_geometry, load_image_processor(self.model_dir),
                 self.model_dir, self.tokenizer.convert_ids_to_tokens(info.image_token_id) or "")
         return self._image_processor
 

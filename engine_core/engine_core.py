@@ -576,14 +576,22 @@ class EngineCore:
         assert features
         if info.image_token_id is None:
             raise RequestRefusedError(f"{info.served_model_name} takes no images: it is not a vision-language model")
+        geometry = info.image_geometry
+        assert geometry is not None
         for feature in features:
-            if feature.modality != "image" or feature.length != info.tokens_per_image:
-                raise RequestRefusedError(f"{info.served_model_name} takes images of {info.tokens_per_image} tokens, "
-                                          f"not a {feature.modality} of {feature.length}")
+            size = feature.image_size
+            if geometry.grid_pinpoints and (size is None or min(size) < 1):
+                raise RequestRefusedError(f"{info.served_model_name} counts an image's tokens by its size: each image "
+                                          "needs its (height, width)")
+            tokens = geometry.num_tokens(*size) if geometry.grid_pinpoints else geometry.base_tokens
+            if feature.modality != "image" or feature.length != tokens:
+                raise RequestRefusedError(f"{info.served_model_name} takes this image as {tokens} tokens, not a "
+                                          f"{feature.modality} of {feature.length}")
             # (Checked here, not in the pass: a misshapen image would fail every request of its pass.)
-            if tuple(feature.pixel_values.shape) != tuple(info.image_input_shape):
-                raise RequestRefusedError(f"{info.served_model_name}'s vision encoder takes images of shape "
-                                          f"{list(info.image_input_shape)} (channels, height, width), not "
+            shape = geometry.input_shape(*size) if geometry.grid_pinpoints else geometry.input_shape(1, 1)
+            if tuple(feature.pixel_values.shape) != shape:
+                raise RequestRefusedError(f"{info.served_model_name}'s vision encoder takes this image's pixel values "
+                                          f"as {list(shape)} ([tiles,] channels, height, width), not "
                                           f"{list(feature.pixel_values.shape)}: its image processor's output size "
                                           "must be the tower's image_size")
         try:

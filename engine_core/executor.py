@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine_core.config import EngineConfig, SchedulerConfig
+from engine_core.multimodal import ImageGeometry
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 
@@ -163,8 +164,8 @@ class ModelInfo:
     # one image is (0: it takes no images).
     image_token_id: int | None = None
     tokens_per_image: int = 0
-    # The shape of one image as its vision encoder takes it (channels, height, width).
-    image_input_shape: tuple[int, ...] = ()
+    # How many tokens (and what pixel values) an image is; tokens_per_image is its most.
+    image_geometry: ImageGeometry | None = None
     # An encoder (BERT family): its prompts attend both ways, so each runs whole in one pass and none
     # may start from the prefix cache (the engine turns chunked prefill and prefix caching off).
     encoder_only: bool = False

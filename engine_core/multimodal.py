@@ -66,6 +66,8 @@ class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True):
     offset: int
     length: int
     pixel_values: TensorData
+    # The image's own (height, width) in pixels, where its token count depends on it (LLaVA-NeXT).
+    image_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 1:
@@ -98,3 +100,79 @@ def check_features(features: list[MultiModalFeature], prompt_token_ids: list[int
             raise ValueError(f"{f.modality} placeholders at {f.offset}..{f.end} are not all the model's "
                              f"placeholder token {placeholder_id}")
         end = f.end
+
+
+class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
+    """How many tokens (and encoder tiles) an image is for a model: LLaVA's fixed count, or
+    LLaVA-NeXT's "anyres" count, which depends on the image's size. The router (placeholders) and
+    the engine (checks, the encoder budget) count with the same rules."""
+
+    # The vision tower's input side (pixels) and patch side; its channels.
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    # The class token's features are kept too ("full" select strategy): one more token.
+    keeps_class_token: bool = False
+    # LLaVA-NeXT: the (height, width) resolutions an image is resized and padded to before it is cut
+    # into image_size tiles (beside a whole-image tile); empty for LLaVA's single tile.
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def tiles_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def base_tokens(self) -> int:
+        return self.tiles_side ** 2 + (1 if self.keeps_class_token else 0)
+
+    def best_resolution(self, height: int, width: int) -> tuple[int, int]:
+        """The pinpoint an image of ``height`` x ``width`` is resized into: the one keeping the most
+        of its pixels, then wasting the fewest (LLaVA-NeXT's select_best_resolution)."""
+        best, best_effective, best_wasted = self.grid_pinpoints[0], -1, float("inf")
+        for pin_height, pin_width in self.grid_pinpoints:
+            scale = min(pin_width / width, pin_height / height)
+            effective = min(int(width * scale) * int(height * scale), width * height)
+            wasted = pin_width * pin_height - effective
+            if effective > best_effective or (effective == best_effective and wasted < best_wasted):
+                best, best_effective, best_wasted = (pin_height, pin_width), effective, wasted
+        return best
+
+    def num_tiles(self, height: int, width: int) -> int:
+        """The encoder's input tiles of one image: 1, or the pinpoint's grid plus the whole image."""
+        if not self.grid_pinpoints:
+            return 1
+        pin_height, pin_width = self.best_resolution(height, width)
+        return -(-pin_height // self.image_size) * -(-pin_width // self.image_size) + 1
+
+    def grid_features(self, height: int, width: int) -> tuple[int, int]:
+        """LLaVA-NeXT: the (rows, columns) of the grid tiles' features left once the padding that
+        fitted the image into its pinpoint is cut off (each row then ends with a newline token)."""
+        pin_height, pin_width = self.best_resolution(height, width)
+        rows = self.tiles_side * (pin_height // self.image_size)
+        columns = self.tiles_side * (pin_width // self.image_size)
+        if width / height > columns / rows:
+            padding = (rows - int(round(height * (columns / width), 7))) // 2
+            rows -= 2 * padding
+        else:
+            padding = (columns - int(round(width * (rows / height), 7))) // 2
+            columns -= 2 * padding
+        return rows, columns
+
+    def num_tokens(self, height: int, width: int) -> int:
+        """The placeholders (and encoder rows) of an image of ``height`` x ``width`` pixels."""
+        if not self.grid_pinpoints:
+            return self.base_tokens
+        rows, columns = self.grid_features(height, width)
+        return self.base_tokens + rows * columns + rows
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens one image may take (an image of a pinpoint's shape loses no padding)."""
+        if not self.grid_pinpoints:
+            return self.base_tokens
+        return max(self.num_tokens(h, w) for h, w in self.grid_pinpoints)
+
+    def input_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """The processed image's pixel values: (channels, side, side), or (tiles, channels, side, side)."""
+        side = (self.num_channels, self.image_size, self.image_size)
+        return side if not self.grid_pinpoints else (self.num_tiles(height, width), *side)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine_core.multimodal import MultiModalFeature
 from engine_core.outputs import LogprobsEntry, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.output import GrammarBitmask, SchedulerOutput
@@ -320,8 +321,12 @@ class ModelRunner:
             vision = self.config.vision
             encoder_cache = None
             if vision is not None:  # (a pass's images: as many as the encoder budget, the batch's tokens, allows)
+                geometry = vision.geometry
+                # (the largest image: a pinpoint's own shape, which keeps every tile's features)
+                size = max(geometry.grid_pinpoints or [(1, 1)], key=lambda hw: geometry.num_tokens(*hw))
                 images = max(1, num_tokens // vision.tokens_per_image)
-                self.model.embed_images(torch.zeros(images, *vision.input_shape, dtype=self.dtype, device=self.device))
+                self.model.embed_images([torch.zeros(geometry.input_shape(*size), dtype=self.dtype, device=self.device)
+                                         ] * images, [size] * images)
                 # The encoder cache's rows (the scheduler's cache size), held through the forward.
                 encoder_cache = torch.empty(max(self.max_num_batched_tokens, vision.tokens_per_image),
                                             self.config.hidden_size, dtype=self.dtype, device=self.device)
@@ -783,18 +788,18 @@ class ModelRunner:
     def _encode_images(self, scheduled: dict[str, list[int]]) -> None:
         """Run the vision encoder on the images the scheduler named (one batch), caching each one's
         rows by identifier; an image already cached (the same one in another prompt) is not rerun."""
-        todo: dict[str, torch.Tensor] = {}
+        todo: dict[str, MultiModalFeature] = {}
         for req_id, indexes in scheduled.items():
             features = self.requests[req_id].mm_features or []
             for index in indexes:
                 feature = features[index]
                 if feature.identifier not in self.encoder_cache:
-                    todo.setdefault(feature.identifier, feature.pixel_values.to_tensor())
+                    todo.setdefault(feature.identifier, feature)
         if not todo:
             return
         assert self.model is not None
-        pixels = torch.stack(list(todo.values())).to(self.device, non_blocking=True)
-        rows = self.model.embed_images(pixels)
+        rows = self.model.embed_images([f.pixel_values.to_tensor().to(self.device, non_blocking=True)
+                                        for f in todo.values()], [f.image_size for f in todo.values()])
         for identifier, image_rows in zip(todo, rows, strict=True):
             # (A copy of its own: a view would keep the whole pass's batch alive after the others go.)
             self.encoder_cache[identifier] = image_rows.clone()

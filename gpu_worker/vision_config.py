@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine_core.multimodal import ImageGeometry
+
 # Vision-language architectures whose images we encode -> how their language model is named by its
 # text_config's model_type (the decoder is ours: the Llama block).
-LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 TEXT_DECODER_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                               "qwen2": "Qwen2ForCausalLM"}
 # transformers' CLIPVisionConfig defaults (a config.json lists only what differs).
@@ -34,8 +36,11 @@ class VisionConfig:
     select_strategy: str
     projector_act: str
     projector_bias: bool
-    # The prompt token an image's rows replace (``tokens_per_image`` of them per image).
+    # The prompt token an image's rows replace (``geometry.num_tokens`` of them per image).
     image_token_id: int
+    # LLaVA-NeXT ("anyres"): the resolutions an image is fitted into and cut into tower-sized tiles,
+    # its features then unpadded, each row ended by the learnt ``image_newline``; () for LLaVA.
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_patches(self) -> int:
@@ -43,12 +48,18 @@ class VisionConfig:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        """One image's pixel values as the tower takes them: (channels, height, width)."""
+        """One tile's pixel values as the tower takes them: (channels, height, width)."""
         return (self.num_channels, self.image_size, self.image_size)
 
     @property
+    def geometry(self) -> ImageGeometry:
+        return ImageGeometry(self.image_size, self.patch_size, self.num_channels, self.select_strategy == "full",
+                             self.grid_pinpoints)
+
+    @property
     def tokens_per_image(self) -> int:
-        return self.num_patches + (1 if self.select_strategy == "full" else 0)
+        """The most tokens one image may take (LLaVA's every image's count)."""
+        return self.geometry.max_tokens
 
 
 def text_architecture(cfg: dict[str, Any]) -> str:
@@ -89,6 +100,16 @@ def vision_config_from_dict(cfg: dict[str, Any]) -> VisionConfig:
     token = cfg.get("image_token_index", cfg.get("image_token_id", 32000))
     if int(vision["image_size"]) % int(vision["patch_size"]):
         raise ValueError(f"image_size {vision['image_size']} is not a multiple of patch_size {vision['patch_size']}")
+    pinpoints: tuple[tuple[int, int], ...] = ()
+    if cfg["architectures"][0] == "LlavaNextForConditionalGeneration":
+        pinpoints = tuple((int(h), int(w)) for h, w in cfg.get("image_grid_pinpoints") or ())
+        side = int(vision["image_size"])
+        if not pinpoints or any(h % side or w % side for h, w in pinpoints):
+            raise ValueError(f"image_grid_pinpoints must list resolutions that are multiples of the tower's image_size "
+                             f"{side}, got {cfg.get('image_grid_pinpoints')!r}")
+        if strategy != "default":
+            raise ValueError("LLaVA-NeXT's vision_feature_select_strategy must be 'default' (its tiles' features "
+                             "have no class token)")
     return VisionConfig(
         hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
         num_attention_heads=int(vision["num_attention_heads"]), num_channels=int(vision["num_channels"]),
@@ -97,4 +118,5 @@ def vision_config_from_dict(cfg: dict[str, Any]) -> VisionConfig:
         # (Hidden states are indexed as transformers returns them: 0 is the embeddings' output.)
         num_layers_used=layer if layer >= 0 else num_layers + 1 + layer,
         select_strategy=strategy, projector_act=str(cfg.get("projector_hidden_act", "gelu")),
-        projector_bias=bool(cfg.get("multimodal_projector_bias", True)), image_token_id=int(token))
+        projector_bias=bool(cfg.get("multimodal_projector_bias", True)), image_token_id=int(token),
+        grid_pinpoints=pinpoints)

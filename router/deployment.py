@@ -150,7 +150,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         default_chat_template_kwargs=dict(config.default_chat_template_kwargs),
         enable_log_requests=config.enable_log_requests, max_log_len=config.max_log_len,
         enable_log_outputs=config.enable_log_outputs,
-        image_token_id=first.model_info.image_token_id, tokens_per_image=first.model_info.tokens_per_image,
+        image_token_id=first.model_info.image_token_id, image_geometry=first.model_info.image_geometry,
         limit_mm_per_prompt=dict(config.limit_mm_per_prompt),
         allowed_local_media_path=config.allowed_local_media_path,
         mm_processor_cache_gb=config.mm_processor_cache_gb,

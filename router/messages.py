@@ -408,8 +408,8 @@ class MessagesServing:
         chat = request.chat_request()
         ids = await self.serving.tokenizer_work(conversation_chars(chat.messages, chat.tools), self.serving.render_chat,
                                                 chat)
-        # (Images count as their placeholders, as the request would send them; not loaded.)
-        ids, _ = self.serving.expand_images(ids, len(self.serving.chat_images(chat.messages)))
+        # (Images count as their placeholders, as the request would send them.)
+        ids, _ = await self.serving.prompt_images(self.serving.chat_images(chat.messages), ids, count_only=True)
         return {"input_tokens": len(ids)}
 
 def _image_url(source: Any, at: str) -> str:

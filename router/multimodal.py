@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
-from engine_core.multimodal import MultiModalFeature, TensorData, check_features, feature_identifier
+from engine_core.multimodal import ImageGeometry, MultiModalFeature, TensorData, check_features, feature_identifier
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -175,10 +175,12 @@ def load_image_processor(directory: str | os.PathLike[str]) -> Any | None:
     return AutoImageProcessor.from_pretrained(str(directory), **kwargs)
 
 
-def expand_image_tokens(prompt_ids: list[int], image_token_id: int, tokens_per_image: int, num_images: int,
-                        placeholder: str = "") -> tuple[list[int], list[int]]:
-    """The prompt with each image token repeated ``tokens_per_image`` times, and where each run
-    starts. ValueError unless the prompt has exactly one image token per image."""
+def expand_image_tokens(prompt_ids: list[int], image_token_id: int, tokens_per_image: int | list[int],
+                        num_images: int, placeholder: str = "") -> tuple[list[int], list[int]]:
+    """The prompt with each image token repeated ``tokens_per_image`` times (or, a list, each image's
+    own count), and where each run starts. ValueError unless the prompt has exactly one image token
+    per image."""
+    counts = tokens_per_image if isinstance(tokens_per_image, list) else [tokens_per_image] * num_images
     positions = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
     if len(positions) != num_images:
         token = f" {placeholder!r}" if placeholder else ""
@@ -188,10 +190,10 @@ def expand_image_tokens(prompt_ids: list[int], image_token_id: int, tokens_per_i
     out: list[int] = []
     offsets: list[int] = []
     start = 0
-    for position in positions:
+    for position, count in zip(positions, counts, strict=True):
         out += prompt_ids[start:position]
         offsets.append(len(out))
-        out += [image_token_id] * tokens_per_image
+        out += [image_token_id] * count
         start = position + 1
     out += prompt_ids[start:]
     return out, offsets
@@ -203,6 +205,9 @@ class ProcessedImage:
 
     identifier: str
     pixel_values: TensorData
+    # The image's own (height, width), and its placeholders' count for the model.
+    image_size: tuple[int, int]
+    num_tokens: int
 
 
 class ProcessedImageCache:
@@ -250,14 +255,13 @@ class MultiModalProcessor:
     text, for templates given text), how many stand for an image, the image processor, and the
     limit of images per prompt (vLLM's --limit-mm-per-prompt)."""
 
-    def __init__(self, image_token_id: int, tokens_per_image: int, image_processor: Any | None, model_id: str,
+    def __init__(self, image_token_id: int, geometry: ImageGeometry, image_processor: Any | None, model_id: str,
                  placeholder: str, media: MediaConnector | None = None,
                  max_images: int = DEFAULT_LIMIT_PER_PROMPT, cache_bytes: int = 0,
                  on_cache_lookup: Callable[[bool], None] | None = None) -> None:
-        if tokens_per_image < 1:
-            raise ValueError(f"tokens_per_image must be >= 1, got {tokens_per_image}")
         self.image_token_id = image_token_id
-        self.tokens_per_image = tokens_per_image
+        # How many placeholders an image is (LLaVA: a fixed count; LLaVA-NeXT: by its size).
+        self.geometry = geometry
         self.image_processor = image_processor
         self.model_id = model_id  # (in each image's digest: equal pixels under another model differ)
         self.placeholder = placeholder
@@ -274,8 +278,17 @@ class MultiModalProcessor:
             raise ValueError(f"the model {self.model_id!r} has no image processor ({IMAGE_PROCESSOR_FILE}): "
                              "it cannot take images")
 
-    def expand(self, prompt_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
-        return expand_image_tokens(prompt_ids, self.image_token_id, self.tokens_per_image, num_images,
+    @property
+    def counts_by_size(self) -> bool:
+        """Whether an image's token count depends on its size (known once it is loaded)."""
+        return bool(self.geometry.grid_pinpoints)
+
+    def expand(self, prompt_ids: list[int], num_images: int,
+               counts: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """``counts``: each image's tokens (the geometry's fixed count when None; for an image
+        counted by its size, at least its whole-image tile's)."""
+        return expand_image_tokens(prompt_ids, self.image_token_id,
+                                   counts if counts is not None else self.geometry.base_tokens, num_images,
                                    self.placeholder)
 
     def process(self, data: bytes) -> ProcessedImage:
@@ -284,9 +297,14 @@ class MultiModalProcessor:
 
     def process_image(self, image: Image.Image) -> ProcessedImage:
         """A decoded image (RGB) as the vision encoder takes it, and its digest."""
-        processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"][0]  # [C, H, W]
+        # ([C, H, W]; LLaVA-NeXT's: [tiles, C, H, W])
+        processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"][0]
+        size = (image.height, image.width)
+        if self.counts_by_size:
+            processed = processed[:self.geometry.num_tiles(*size)]  # (a batch's padding tiles, if any)
         pixel_values = TensorData.from_array(processed)
-        return ProcessedImage(feature_identifier("image", pixel_values, extra=self.model_id), pixel_values)
+        return ProcessedImage(feature_identifier("image", pixel_values, extra=f"{self.model_id}|{size}"), pixel_values,
+                              size, self.geometry.num_tokens(*size))
 
     async def load(self, url: str) -> ProcessedImage:
         data = await self.media.fetch_image_bytes(url)
@@ -299,14 +317,19 @@ class MultiModalProcessor:
             self.cache.put(key, image)
         return image
 
-    async def features(self, urls: list[str], prompt_ids: list[int], offsets: list[int]) -> list[MultiModalFeature]:
-        """The images at ``urls`` (all loaded at once), each over the placeholders from its offset
-        in the (expanded) prompt."""
+    async def load_all(self, urls: list[str]) -> list[ProcessedImage]:
+        """The images at ``urls``, all loaded at once (the first failure raised)."""
         loaded = await asyncio.gather(*map(self.load, urls), return_exceptions=True)
         error = next((e for e in loaded if isinstance(e, BaseException)), None)
         if error is not None:
             raise error
-        features = [MultiModalFeature("image", image.identifier, offset, self.tokens_per_image, image.pixel_values)
-                    for image, offset in zip(loaded, offsets, strict=True)]  # type: ignore[union-attr]
+        return loaded  # type: ignore[return-value]
+
+    def features(self, images: list[ProcessedImage], prompt_ids: list[int],
+                 offsets: list[int]) -> list[MultiModalFeature]:
+        """Each image over its placeholders, from its offset in the (expanded) prompt."""
+        features = [MultiModalFeature("image", image.identifier, offset, image.num_tokens, image.pixel_values,
+                                      image.image_size if self.counts_by_size else None)
+                    for image, offset in zip(images, offsets, strict=True)]
         check_features(features, prompt_ids, self.image_token_id)
         return features

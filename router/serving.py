@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from engine_core.beam_search import BeamSearch, candidates_per_beam
 from engine_core.executor import PoolingInfo
 from engine_core.kv_transfer import wants_remote_decode
-from engine_core.multimodal import MultiModalFeature
+from engine_core.multimodal import ImageGeometry, MultiModalFeature
 from engine_core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.prompt_embeds import PromptEmbeds, decode_prompt_embeds
 from engine_core.request import FinishReason
@@ -287,7 +287,7 @@ class ServingSettings:
     # A vision-language model (its engines' ModelInfo): the prompt token an image's placeholders
     # are, and how many stand for one image; None: the model takes text only.
     image_token_id: int | None = None
-    tokens_per_image: int = 0
+    image_geometry: ImageGeometry | None = None
     # vLLM's --limit-mm-per-prompt: the most items of a modality one prompt may carry (a modality
     # not named: DEFAULT_LIMIT_PER_PROMPT, vLLM v1's 999).
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
@@ -306,9 +306,8 @@ class ServingSettings:
             if modality not in MODALITIES or not isinstance(limit, int) or limit < 0:
                 raise ValueError(f"limit_mm_per_prompt maps modalities ({', '.join(MODALITIES)}) to counts >= 0, "
                                  f"got {modality!r}: {limit!r}")
-        if self.image_token_id is not None and self.tokens_per_image < 1:
-            raise ValueError(f"tokens_per_image must be >= 1 for a model that takes images, got "
-                             f"{self.tokens_per_image}")
+        if (self.image_token_id is None) != (self.image_geometry is None):
+            raise ValueError("a model that takes images needs both its image token and its image geometry")
         if len(set(self.served_names)) < len(self.served_names):
             raise ValueError(f"served_model_name and served_model_aliases repeat a name: {list(self.served_names)}")
 
@@ -457,7 +456,7 @@ class OpenAIServing:
         self.images: MultiModalProcessor | None = None
         if settings.image_token_id is not None:
             self.images = MultiModalProcessor(
-                settings.image_token_id, settings.tokens_per_image, image_processor,
+                settings.image_token_id, settings.image_geometry, image_processor,
                 settings.model_root or settings.served_model_name,
                 placeholder=tokenizer.convert_ids_to_tokens(settings.image_token_id) or "",
                 media=MediaConnector(settings.allowed_local_media_path,
@@ -699,7 +698,7 @@ class OpenAIServing:
         special tokens itself, unless ``add_special_tokens`` asks the tokenizer to add its own too).
         Messages' content is the text, or OpenAI's list of parts for a template that loops over it
         (--chat-template-content-format); ``documents`` go to a RAG template. Images (a
-        vision-language model's) are one image token each, to expand (``expand_images``), where the
+        vision-language model's) are one image token each, to expand (``prompt_images``), where the
         caller takes them (``with_images``: chat and /tokenize; pooling requests refuse them)."""
         chat_template = chat_template or None  # ("": the server's, as vLLM reads it)
         if chat_template_kwargs and chat_template_kwargs.get("chat_template") == "":
@@ -756,22 +755,32 @@ class OpenAIServing:
                 raise bad_request(str(e), "messages") from None
         return urls
 
-    def expand_images(self, prompt_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
-        """The rendered prompt with each image token expanded to the image's placeholders, and where
-        each image's placeholders start; a 400 unless it has one image token per image."""
-        if not num_images:
+    async def prompt_images(self, urls: list[str], prompt_ids: list[int],
+                            count_only: bool = False) -> tuple[list[int], list[MultiModalFeature]]:
+        """The rendered prompt with each image token expanded to its image's placeholders, and the
+        images (loaded and processed off the event loop) over them. A 400 unless the prompt has one
+        image token per image, for an image that cannot be fetched, read or decoded, and for a
+        prompt the context cannot hold (checked before any image is fetched where the counts are
+        known beforehand; where they depend on the images' sizes, the shortest the prompt can be is
+        checked first). ``count_only`` (/tokenize, token counting): the expanded prompt alone, its
+        length unchecked; images are loaded only where their sizes set their counts."""
+        if not urls:
             return prompt_ids, []
+        images = self.images
+        assert images is not None  # (chat_images refused images for a model without them)
         try:
-            return self.images.expand(prompt_ids, num_images)  # type: ignore[union-attr]
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
-
-    async def image_features(self, urls: list[str], prompt_ids: list[int],
-                             offsets: list[int]) -> list[MultiModalFeature]:
-        """The images loaded and processed (off the event loop), over their placeholders; a 400 for
-        one that cannot be fetched, read or decoded."""
-        try:
-            return await self.images.features(urls, prompt_ids, offsets)  # type: ignore[union-attr]
+            ids, offsets = images.expand(prompt_ids, len(urls))  # (each image at its fixed or least count)
+            if count_only and not images.counts_by_size:
+                return ids, []
+            if not count_only:
+                self.check_prompt_fits(len(ids), "messages")
+            loaded = await images.load_all(urls)
+            if images.counts_by_size:
+                ids, offsets = images.expand(prompt_ids, len(urls), [image.num_tokens for image in loaded])
+                if count_only:
+                    return ids, []
+                self.check_prompt_fits(len(ids), "messages")
+            return ids, images.features(loaded, ids, offsets)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
 
@@ -1574,8 +1583,14 @@ class OpenAIServing:
                     raise bad_request(f"{param} is not supported with images", param)
         chars = conversation_chars(request.messages, request.tools, request.documents)
         ids = await self.tokenizer_work(chars, self.render_chat, request)
-        # (With images: each image token expanded to its placeholders, which the context must hold.)
-        ids, image_offsets = self.expand_images(ids, len(urls)) if urls else (self.truncate_prompt(ids, request), [])
+        # With images: each image token expanded to its placeholders, which the context must hold, and
+        # the images loaded (once: the choices share them); their identifiers key the prompt's blocks,
+        # for prefix-aware routing as in the engines.
+        features: list[MultiModalFeature] | None = None
+        if urls:
+            ids, features = await self.prompt_images(urls, ids)
+        else:
+            ids = self.truncate_prompt(ids, request)
         if request_id is None:
             request_id, engine_base = answer_ids("chatcmpl", external_id)
         elif engine_base is None:
@@ -1593,12 +1608,6 @@ class OpenAIServing:
             for c in choices:
                 c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
             return ChatRun(request_id, created, ids, choices, [])
-        # Images are loaded once the prompt is found to fit (the choices share them); their
-        # identifiers key the prompt's blocks, for prefix-aware routing as in the engines.
-        features = None
-        if urls:
-            self.check_prompt_fits(len(ids), "messages")
-            features = await self.image_features(urls, ids, image_offsets)
         engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt,
                                     prefill=wants_remote_decode(request.kv_transfer_params), mm_features=features)
         # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).

@@ -283,3 +283,43 @@ def build_tiny_llava(path: Path, seed: int = 0, image_size: int = 32, patch_size
     CLIPImageProcessor(size={"shortest_edge": image_size},
                        crop_size={"height": image_size, "width": image_size}).save_pretrained(path)
     return path
+
+
+def build_tiny_llava_next(path: Path, seed: int = 0,
+                          pinpoints: tuple[tuple[int, int], ...] = ((32, 64), (64, 32), (64, 64), (32, 96), (96, 32))
+                          ) -> Path:
+    """Save a random tiny LLaVA-NeXT (build_tiny_llava's parts, 32x32 tiles, and "anyres" grid
+    pinpoints: an image is fitted into one, cut into tiles beside a whole-image tile) into ``path``."""
+    import torch
+    from transformers import (
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+    )
+
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=32, patch_size=8, projection_dim=16)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(
+        "<image>"), image_grid_pinpoints=[list(p) for p in pinpoints], eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                            image_grid_pinpoints=[list(p) for p in pinpoints]).save_pretrained(path)
+    return path

@@ -114,7 +114,7 @@ class LlavaMixin(nn.Module):
     _PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                  ("model.language_model.", "model."), ("vision_tower.vision_model.", "vision_tower."),
                  ("model.vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
-                 ("model.multi_modal_projector.", "multi_modal_projector."))
+                 ("model.multi_modal_projector.", "multi_modal_projector."), ("model.image_newline", "image_newline"))
 
     # What a LoRA adapter's module names are renamed by (PEFT names them as the checkpoint's model has
     # them), and the parts whose modules it skips, as vLLM, with a warning (gpu_worker.lora.manager).
@@ -127,15 +127,42 @@ class LlavaMixin(nn.Module):
         assert config.vision is not None
         self.vision_tower = CLIPVisionTower(config.vision)
         self.multi_modal_projector = LlavaProjector(config.vision, config.hidden_size)
+        # LLaVA-NeXT: the row that ends each row of an image's grid features.
+        self.image_newline = (nn.Parameter(torch.empty(config.hidden_size)) if config.vision.grid_pinpoints
+                              else None)
 
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, channels, size, size] -> [images, tokens_per_image, hidden]: the rows that stand
-        for each image's placeholder tokens."""
+    def embed_images(self, pixel_values: list[torch.Tensor],
+                     image_sizes: list[tuple[int, int] | None]) -> list[torch.Tensor]:
+        """Each image's rows ([its tokens, hidden]) that stand for its placeholder tokens, from its
+        pixel values ([channels, size, size], or LLaVA-NeXT's [tiles, channels, size, size]) and its
+        own (height, width). Every tile of the batch goes through the tower at once."""
         vc = self.config.vision
-        features = self.vision_tower(pixel_values)
+        tiles = [p if p.dim() == 4 else p.unsqueeze(0) for p in pixel_values]
+        features = self.vision_tower(torch.cat(tiles))
         if vc.select_strategy == "default":
             features = features[:, 1:]
-        return self.multi_modal_projector(features).to(self.model_dtype())
+        rows = self.multi_modal_projector(features).to(self.model_dtype())
+        per_image = rows.split([t.shape[0] for t in tiles])
+        if self.image_newline is None:
+            return [r[0] for r in per_image]
+        return [self._pack_tiles(r, size) for r, size in zip(per_image, image_sizes, strict=True)]
+
+    def _pack_tiles(self, rows: torch.Tensor, size: tuple[int, int] | None) -> torch.Tensor:
+        """LLaVA-NeXT's order of one image's rows: the whole-image tile's, then the grid tiles'
+        features as one picture (row by row), cut to the image's own aspect, each row ended by
+        image_newline ([tiles, patches, hidden] -> [tokens, hidden])."""
+        assert size is not None
+        geometry = self.config.vision.geometry
+        side = geometry.tiles_side
+        pin_height, pin_width = geometry.best_resolution(*size)
+        grid_rows, grid_columns = pin_height // geometry.image_size, pin_width // geometry.image_size
+        grid = rows[1:].view(grid_rows, grid_columns, side, side, -1)
+        picture = grid.permute(0, 2, 1, 3, 4).reshape(grid_rows * side, grid_columns * side, -1)
+        kept_rows, kept_columns = geometry.grid_features(*size)
+        top, left = (picture.shape[0] - kept_rows) // 2, (picture.shape[1] - kept_columns) // 2
+        picture = picture[top:top + kept_rows, left:left + kept_columns]
+        newline = self.image_newline.to(picture.dtype).expand(kept_rows, 1, -1)
+        return torch.cat([rows[0], torch.cat([picture, newline], dim=1).reshape(-1, picture.shape[-1])])
 
     def model_dtype(self) -> torch.dtype:
         return next(self.model.layers.parameters()).dtype

@@ -95,3 +95,29 @@ def test_refusals(llava, tmp_path):
             text.generate({"prompt": "x", "multi_modal_data": {"image": picture(3)}}, use_tqdm=False)
     finally:
         text.shutdown()
+
+
+def test_llava_next_counts_each_image_by_its_size(tmp_path):
+    """LLaVA-NeXT offline: an image's placeholders follow its size ("anyres" tiles); transformers' tokens."""
+    from transformers import AutoImageProcessor, LlavaNextForConditionalGeneration
+
+    from tests.tiny_model import build_tiny_llava_next
+
+    model_dir = build_tiny_llava_next(tmp_path / "next")
+    images = [picture(4), picture(5).resize((90, 20))]
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512) as llm:
+        [out] = llm.generate({"prompt": "<image> then <image>", "multi_modal_data": {"image": images}},
+                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        model = LlavaNextForConditionalGeneration.from_pretrained(model_dir).eval()
+        processed = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")
+        with torch.no_grad():
+            ids = torch.tensor([out.prompt_token_ids])
+            want = model.generate(input_ids=ids, pixel_values=processed["pixel_values"],
+                                  image_sizes=processed["image_sizes"], max_new_tokens=MAX_TOKENS, do_sample=False,
+                                  attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
+    assert out.outputs[0].token_ids == want
+    from gpu_worker.config import ModelConfig
+
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    counts = (geometry.num_tokens(36, 44), geometry.num_tokens(20, 90))
+    assert out.prompt_token_ids.count(model.config.image_token_id) == sum(counts) and counts[0] != counts[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -20,7 +21,7 @@ from engine_core.sched.output import SchedulerOutput
 from gpu_worker.config import ModelConfig
 from gpu_worker.executor import create_executor
 from gpu_worker.vision_config import vision_config_from_dict
-from tests.tiny_model import build_tiny_llama, build_tiny_llava
+from tests.tiny_model import build_tiny_llama, build_tiny_llava, build_tiny_llava_next
 
 MAX_TOKENS = 8
 
@@ -144,7 +145,7 @@ def test_the_engine_refuses_images_it_cannot_take(llava_dir, tmp_path, hf):
     engine = make_engine(llava_dir)
     params = SamplingParams(max_tokens=2)
     wrong_length = [MultiModalFeature("image", "x", 1, 4, features[0].pixel_values)]
-    with pytest.raises(RequestRefusedError, match="images of 16 tokens"):
+    with pytest.raises(RequestRefusedError, match="this image as 16 tokens"):
         engine.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=ids, sampling_params=params,
                                              mm_features=wrong_length))
     shifted = [MultiModalFeature("image", "x", 0, 16, features[0].pixel_values)]
@@ -152,7 +153,7 @@ def test_the_engine_refuses_images_it_cannot_take(llava_dir, tmp_path, hf):
         engine.add_request(EngineCoreRequest(request_id="b", prompt_token_ids=ids, sampling_params=params,
                                              mm_features=shifted))
     misshapen = [MultiModalFeature("image", "x", 1, 16, TensorData.from_array(torch.zeros(3, 16, 16)))]
-    with pytest.raises(RequestRefusedError, match=r"shape \[3, 32, 32\]"):
+    with pytest.raises(RequestRefusedError, match=r"as \[3, 32, 32\]"):
         engine.add_request(EngineCoreRequest(request_id="d", prompt_token_ids=ids, sampling_params=params,
                                              mm_features=misshapen))
     empty = SchedulerOutput.make_empty()
@@ -260,3 +261,70 @@ def test_a_lora_adapter_on_the_language_model_answers_as_peft_does_with_images(l
             for o in eco.outputs:
                 got += o.new_token_ids
     assert got == want
+
+
+# -- LLaVA-NeXT ("anyres": tiles by the image's size) ---------------------------------------------
+
+SIZES = ((40, 50), (20, 90), (64, 64), (90, 20), (33, 100), (7, 7))
+
+
+@pytest.fixture(scope="module")
+def next_dir(tmp_path_factory) -> Path:
+    return build_tiny_llava_next(tmp_path_factory.mktemp("llava-next"))
+
+
+def test_the_geometry_counts_tiles_and_tokens_as_transformers_does(next_dir):
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    geometry = ModelConfig.from_pretrained(next_dir).vision.geometry
+    pinpoints = [list(p) for p in geometry.grid_pinpoints]
+    processor = LlavaNextProcessorFor(next_dir)
+    for height in range(5, 130, 7):
+        for width in range(5, 130, 11):
+            assert geometry.num_tiles(height, width) == image_size_to_num_patches((height, width), pinpoints, 32)
+            # (LlavaNextProcessor counts an image's placeholders so; with the "default" strategy one less)
+            assert geometry.num_tokens(height, width) == processor._get_number_of_features(height, width, 32, 32) - 1
+    # (the most: a 64x64 image, 2x2 tiles of 4x4 features, 8 rows ended by a newline, the whole image's 16)
+    assert geometry.max_tokens == max(geometry.num_tokens(h, w) for h, w in geometry.grid_pinpoints) == 16 + 8 * 8 + 8
+
+
+def LlavaNextProcessorFor(model_dir: Path):  # (transformers' processor, built from the dir's parts)
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaNextProcessor
+
+    return LlavaNextProcessor(image_processor=AutoImageProcessor.from_pretrained(model_dir),
+                              tokenizer=AutoTokenizer.from_pretrained(model_dir), patch_size=8,
+                              vision_feature_select_strategy="default", num_additional_image_tokens=1)
+
+
+def test_llava_next_equals_transformers_at_every_shape_whole_and_in_chunks(next_dir):
+    from transformers import AutoImageProcessor, LlavaNextForConditionalGeneration
+
+    model = LlavaNextForConditionalGeneration.from_pretrained(next_dir).eval()
+    processor = AutoImageProcessor.from_pretrained(next_dir)
+    geometry = ModelConfig.from_pretrained(next_dir).vision.geometry
+    token = model.config.image_token_id
+    requests, want = {}, {}
+    for k, size in enumerate(SIZES):
+        out = processor(images=[picture(20 + k, size)], return_tensors="pt")
+        n = geometry.num_tokens(*size)
+        ids = [74 + k, 75] + [token] * n + [263, 84]
+        with torch.no_grad():
+            generated = model.generate(input_ids=torch.tensor([ids]), pixel_values=out["pixel_values"],
+                                       image_sizes=out["image_sizes"], max_new_tokens=MAX_TOKENS, do_sample=False,
+                                       attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        want[f"r{k}"] = generated[0, len(ids):].tolist()
+        data = TensorData.from_array(out["pixel_values"][0])
+        assert data.shape == geometry.input_shape(*size)
+        requests[f"r{k}"] = (ids, [MultiModalFeature("image", feature_identifier("image", data, str(size)), 2, n,
+                                                     data, image_size=size)])
+    assert len({tuple(w) for w in want.values()}) > 2  # (the images and their sizes matter to the answers)
+    assert run(make_engine(next_dir), requests) == want
+    engine = make_engine(next_dir, max_num_batched_tokens=8)  # (images split over passes, several per pass)
+    assert engine.scheduler.max_num_encoder_input_tokens == geometry.max_tokens
+    assert run(engine, requests) == want
+    # An image's count and its tiles are checked against its size.
+    ids, [feature] = requests["r0"]
+    wrong = msgspec.structs.replace(feature, image_size=(64, 64))
+    with pytest.raises(RequestRefusedError, match="this image as 88 tokens"):
+        engine.add_request(EngineCoreRequest(request_id="x", prompt_token_ids=ids, sampling_params=SamplingParams(),
+                                             mm_features=[wrong]))

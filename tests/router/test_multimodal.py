@@ -55,7 +55,7 @@ def _app(llava, max_model_len: int = 512, processor=True, policy=None, **setting
     engine = client._slots[0].channel = ScriptedEngine(client, lambda _: answer)
     serving = OpenAIServing(ServingSettings(served_model_name="llava", max_model_len=max_model_len,
                                             image_token_id=vision.image_token_id,
-                                            tokens_per_image=vision.tokens_per_image, **settings),
+                                            image_geometry=vision.geometry, **settings),
                             client, tokenizer, policy or RoundRobinPolicy(),
                             image_processor=image_processor if processor else None)
     return TestClient(create_app(serving)), engine, serving
@@ -120,7 +120,9 @@ def test_an_image_reaches_every_choice_as_its_placeholders_and_the_processors_pi
         assert (feature.modality, feature.offset, feature.length) == ("image", at, TOKENS_PER_IMAGE)
         pixels = feature.pixel_values.to_tensor().numpy()
         np.testing.assert_array_equal(pixels, _expected_pixels(llava, image))
-        assert feature.identifier == feature_identifier("image", TensorData.from_array(pixels), extra="llava")
+        # (the digest of its pixels, the model and its size: LLaVA-NeXT packs an image's rows by its size)
+        assert feature.identifier == feature_identifier("image", TensorData.from_array(pixels),
+                                                        extra=f"llava|{(image.height, image.width)}")
     usage = _events(r.text)[-1]["usage"] if stream else r.json()["usage"]
     assert usage["prompt_tokens"] == len(expected)  # (the placeholders count)
 
@@ -448,6 +450,8 @@ def test_expand_image_tokens_gives_each_image_its_run_of_placeholders():
     assert ids == [1, 9, 9, 9, 2, 3, 9, 9, 9, 4] and offsets == [1, 6]
     with pytest.raises(ValueError, match="1 image token"):
         expand_image_tokens([1, 9, 2], 9, 3, 2)
+    ids, offsets = expand_image_tokens([9, 2, 9], image_token_id=9, tokens_per_image=[2, 3], num_images=2)
+    assert ids == [9, 9, 2, 9, 9, 9] and offsets == [0, 3]
 
 
 def test_the_engines_send_the_image_processor_and_state_the_vision_facts(llava, tmp_path):
@@ -467,13 +471,15 @@ def test_the_engines_send_the_image_processor_and_state_the_vision_facts(llava, 
     assert load_image_processor(tmp_path / "copy").to_dict() == llava[2].to_dict()
     assert load_image_processor(tmp_path) is None
     info = ModelInfo(served_model_name="llava", model_dir=str(directory), max_model_len=64, vocab_size=400,
-                     image_token_id=vision.image_token_id, tokens_per_image=vision.tokens_per_image)
+                     image_token_id=vision.image_token_id, tokens_per_image=vision.tokens_per_image,
+                     image_geometry=vision.geometry)
     description = EngineDescription(model_info=info, scheduler_config={"max_model_len": 64, "policy": "fcfs"},
                                     block_size=16, num_blocks=8, engine_index=0)
     settings = serving_settings(RouterConfig(engine_actor_names=["e0"], namespace="ns",
                                              limit_mm_per_prompt={"image": 3}, allowed_local_media_path="/media"),
                                 [description])
-    assert (settings.image_token_id, settings.tokens_per_image) == (vision.image_token_id, TOKENS_PER_IMAGE)
+    assert (settings.image_token_id, settings.image_geometry) == (vision.image_token_id, vision.geometry)
+    assert settings.image_geometry.num_tokens(100, 7) == TOKENS_PER_IMAGE
     assert (settings.limit_mm_per_prompt, settings.allowed_local_media_path) == ({"image": 3}, "/media")
 
 
@@ -562,7 +568,7 @@ def test_the_processed_image_cache_evicts_the_least_recently_used_past_its_bytes
     from router.multimodal import ProcessedImage, ProcessedImageCache
 
     def processed(n: int) -> ProcessedImage:
-        return ProcessedImage(str(n), TensorData("float32", (n,), b"\0" * 4 * n))
+        return ProcessedImage(str(n), TensorData("float32", (n,), b"\0" * 4 * n), (1, 1), 1)
 
     cache = ProcessedImageCache(capacity_bytes=40)
     cache.put(b"a", processed(4))
@@ -574,3 +580,41 @@ def test_the_processed_image_cache_evicts_the_least_recently_used_past_its_bytes
     cache.put(b"huge", processed(11))  # (larger than the whole cache: not kept, nothing evicted)
     assert cache.get(b"huge") is None and cache.size_bytes == 32
     assert (cache.queries, cache.hits) == (5, 3)
+
+
+@pytest.fixture(scope="module")
+def llava_next(tmp_path_factory):
+    """A tiny LLaVA-NeXT: an image's placeholders (and tiles) depend on its size."""
+    from transformers import AutoTokenizer
+
+    from gpu_worker.config import ModelConfig
+    from tests.tiny_model import build_tiny_llava_next
+
+    directory = build_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava-next"))
+    vision = ModelConfig.from_pretrained(directory).vision
+    return directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision
+
+
+def test_an_image_counted_by_its_size_gets_its_own_placeholders_and_tiles(llava_next):
+    http, engine, _ = _app(llava_next)
+    vision = llava_next[3]
+    geometry = vision.geometry
+    wide, square = _image(8, (90, 20)), _image(9, (64, 64))  # ((width, height): 20 high, 90 wide)
+    r = _chat(http, [_part(_data_url(wide)), {"type": "text", "text": "and"}, _part(_data_url(square))])
+    assert r.status_code == 200, r.text
+    [request] = engine.requests
+    first, second = request.mm_features
+    assert (first.length, second.length) == (geometry.num_tokens(20, 90), geometry.num_tokens(64, 64)) == (42, 88)
+    assert (first.image_size, second.image_size) == ((20, 90), (64, 64))
+    assert first.pixel_values.shape == (4, 3, 32, 32) and second.pixel_values.shape == (5, 3, 32, 32)
+    assert request.prompt_token_ids.count(vision.image_token_id) == 42 + 88
+    assert r.json()["usage"]["prompt_tokens"] == len(request.prompt_token_ids)
+    # /tokenize counts as chat sends (loading the images: their sizes set their counts).
+    tokens = http.post("/tokenize", json={"model": "llava", "messages": [
+        {"role": "user", "content": [_part(_data_url(wide)), {"type": "text", "text": "and"},
+                                     _part(_data_url(square))]}]}).json()["tokens"]
+    assert len(tokens) == len(request.prompt_token_ids)
+    # The context must hold the placeholders the sizes give: known only once the images are loaded.
+    http_short, short_engine, _ = _app(llava_next, max_model_len=60)
+    message = _error(_chat(http_short, [_part(_data_url(square))]))
+    assert "maximum context length is 60" in message and not short_engine.requests
