@@ -14,9 +14,9 @@ import openai
 import pytest
 import torch
 
-from cluster.config import ClusterConfig, EngineSpec
+from cluster.config import ClusterConfig, EngineSpec, ServedModel
 from tests.serve_cluster import serve_cluster
-from tests.tiny_model import build_tiny_llava
+from tests.tiny_model import build_tiny_llava, build_tiny_llava_next
 
 pytestmark = pytest.mark.slow
 
@@ -47,29 +47,40 @@ def llava_dir(tmp_path_factory):
 
 def hf_text(model_dir, text: str, *images) -> str:
     """transformers' greedy answer to the same chat: the template rendered with image parts, each
-    image token expanded to the model's 16 placeholders (as LlavaProcessor does)."""
-    from transformers import AutoImageProcessor, AutoTokenizer, LlavaForConditionalGeneration
+    image token expanded to its image's placeholders (as LlavaProcessor / LlavaNextProcessor do)."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from gpu_worker.config import ModelConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    counts = iter([geometry.num_tokens(image.height, image.width) for image in images])
     chat = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
     rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     ids: list[int] = []
     for token in tokenizer.encode(rendered, add_special_tokens=False):
-        ids += [token] * 16 if token == model.config.image_token_id else [token]
-    pixels = AutoImageProcessor.from_pretrained(model_dir)(images=list(images), return_tensors="pt")["pixel_values"]
+        ids += [token] * next(counts) if token == model.config.image_token_id else [token]
+    processed = AutoImageProcessor.from_pretrained(model_dir)(images=list(images), return_tensors="pt")
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, max_new_tokens=MAX_TOKENS,
-                             do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long), **processed)
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_cluster, llava_dir):
+def next_dir(tmp_path_factory):
+    return build_tiny_llava_next(tmp_path_factory.mktemp("llava-next"))
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, llava_dir, next_dir):
+    # LLaVA on two engines (one of two TP workers), and LLaVA-NeXT beside it behind the same endpoint.
     config = ClusterConfig(
         model=str(llava_dir), served_model_name="llava", num_engines=2, routing_policy="prefix_aware",
         defaults=EngineSpec(num_gpu_blocks=128, max_model_len=512, block_size=4, max_num_batched_tokens=24),
-        engines=[EngineSpec(), EngineSpec(tensor_parallel_size=2, num_cpus_per_worker=0.5)])
+        engines=[EngineSpec(), EngineSpec(tensor_parallel_size=2, num_cpus_per_worker=0.5)],
+        models=[ServedModel(model=str(next_dir), served_model_name="llava-next")])
     with serve_cluster(config) as served:
         yield served
 
@@ -79,8 +90,8 @@ def client(cluster):
     return openai.OpenAI(base_url=f"{cluster.base}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def ask(client, chat: list[dict], stream: bool = False) -> str:
-    kwargs = dict(model="llava", messages=chat, max_tokens=MAX_TOKENS, temperature=0)
+def ask(client, chat: list[dict], stream: bool = False, model: str = "llava") -> str:
+    kwargs = dict(model=model, messages=chat, max_tokens=MAX_TOKENS, temperature=0)
     if not stream:
         return client.chat.completions.create(**kwargs).choices[0].message.content
     chunks = client.chat.completions.create(stream=True, **kwargs)
@@ -101,19 +112,26 @@ def test_chat_with_images_equals_transformers_on_either_engine(client, cluster, 
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda seed: ask(client, messages("What is this?", picture(seed))), seeds))
     assert answers == [hf_text(llava_dir, "What is this?", picture(seed)) for seed in seeds]
-    assert all(s.num_requests_finished >= 1 for s in cluster.stats())
+    assert all(s.num_requests_finished >= 1 for s in cluster.stats()[:2])
 
 
 def test_a_repeated_image_goes_where_its_blocks_are_and_hits_them(client, cluster, llava_dir):
     image = picture(11)
     first = ask(client, messages("Describe the picture in a few words.", image))
-    hits_before = [s.prefix_cache_hits for s in cluster.stats()]
+    hits_before = [s.prefix_cache_hits for s in cluster.stats()[:2]]  # (the LLaVA engines)
     again = ask(client, messages("Describe the picture in a few words.", image))
-    hits_after = [s.prefix_cache_hits for s in cluster.stats()]
+    hits_after = [s.prefix_cache_hits for s in cluster.stats()[:2]]
     assert first == again == hf_text(llava_dir, "Describe the picture in a few words.", image)
     gained = [after - before for before, after in zip(hits_before, hits_after, strict=True)]
     # One engine found the whole prompt but its last block's tokens (the image's placeholders among them).
     assert sorted(gained)[0] == 0 and sorted(gained)[1] >= 16
+
+
+def test_llava_next_beside_it_counts_each_image_by_its_size(client, next_dir):
+    wide, tall = picture(21, (20, 90)), picture(22, (90, 20))
+    for stream in (False, True):
+        assert ask(client, messages("Compare them.", wide, tall), stream, model="llava-next") == hf_text(
+            next_dir, "Compare them.", wide, tall)
 
 
 def test_errors(client):
