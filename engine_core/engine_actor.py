@@ -92,6 +92,8 @@ class EngineCoreService:
                                      self.engine.num_offload_blocks) if config.log_stats else None
         if self.metrics is not None and self.engine.kv_connector is not None:
             self.metrics.kv_transfer = self.engine.kv_transfer_totals
+        if self.metrics is not None and self.engine.model_info.image_token_id is not None:
+            self.metrics.encoder_cache = self.engine.encoder_cache_totals
         self._on_adapters_changed()
         self._inputs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._buffers: dict[int, _ClientBuffer] = {}

@@ -287,6 +287,14 @@ class EngineCore:
                 "failed_reads": t["kv_load_failures"], "declined": t["kv_declined"],
                 "held": self.kv_connector.num_held_requests if self.kv_connector is not None else 0}
 
+    def encoder_cache_totals(self) -> dict[str, float]:
+        """Images since start (a vision-language model's; the metrics read it at each scrape): those
+        the workers encoded, those found encoded already, and the share of the encoder cache in use."""
+        scheduler = self.scheduler
+        manager = scheduler.encoder_cache_manager
+        used = (manager.cache_size - manager.num_free_slots) / manager.cache_size if manager.cache_size else 0.0
+        return {"encoded": scheduler.num_images_encoded, "found": scheduler.num_images_found_encoded, "usage": used}
+
     def _release_all_held_kv(self) -> None:
         if self.kv_connector is not None:
             for request in self.kv_connector.release_all():
@@ -955,7 +963,9 @@ class EngineCore:
             num_offload_blocks=self.num_offload_blocks, external_prefix_cache_queries=t["external_queries"],
             external_prefix_cache_hits=t["external_hits"], kv_transfer_sent_blocks=kv["sent_blocks"],
             kv_transfer_received_blocks=kv["received_blocks"], kv_transfer_failures=kv["failed_reads"],
-            kv_transfer_declined=kv["declined"], kv_transfer_held_requests=kv["held"])
+            kv_transfer_declined=kv["declined"], kv_transfer_held_requests=kv["held"],
+            num_images_encoded=self.scheduler.num_images_encoded,
+            num_images_found_encoded=self.scheduler.num_images_found_encoded)
 
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""

@@ -197,6 +197,8 @@ class EngineMetrics:
         # Prefill/decode disaggregation (exported only with --kv-transfer-config): the engine's totals
         # since start (EngineCore.kv_transfer_totals), read at each scrape.
         self.kv_transfer: Callable[[], dict[str, int]] | None = None
+        # Images (exported only for a vision-language model): EngineCore.encoder_cache_totals.
+        self.encoder_cache: Callable[[], dict[str, float]] | None = None
         self._tracked: dict[str, _Tracked] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
@@ -466,6 +468,14 @@ class EngineMetrics:
                           "or the request gone first): their engines were told to free the blocks.", kv["declined"])
             yield gauge("llm_cluster:kv_transfer_held_requests",
                         "Prefills computed here holding their KV blocks for decode engines to read.", kv["held"])
+        if self.encoder_cache is not None:
+            images = self.encoder_cache()
+            yield counter("llm_cluster:mm_images_encoded", "Images the vision encoder encoded.", images["encoded"])
+            yield counter("llm_cluster:mm_encoder_cache_hits",
+                          "Images a prompt's chunk reached that were encoded already (the encoder cache: the same "
+                          "image in another prompt, or in a conversation's next turn).", images["found"])
+            yield gauge("llm_cluster:mm_encoder_cache_usage_perc",
+                        "Share of the encoder cache's rows holding encoded images (1 = full).", images["usage"])
         if self.max_loras:
             yield from self._lora_families(labels, values)
         if self.sleep_level is not None:

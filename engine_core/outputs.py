@@ -258,3 +258,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_transfer_declined: int = 0
     # Requests refused since start because the waiting queue was full (--max-waiting-requests).
     num_requests_refused_full: int = 0
+    # A vision-language model's images since start: encoded by the workers, and found encoded
+    # already (the encoder cache's hits).
+    num_images_encoded: int = 0
+    num_images_found_encoded: int = 0

@@ -123,6 +123,10 @@ class Scheduler(SchedulerInterface):
         encoder_budget = max(self.max_num_scheduled_tokens, max_tokens_per_mm_item) if max_tokens_per_mm_item else 0
         self.max_num_encoder_input_tokens = encoder_budget
         self.encoder_cache_manager = EncoderCacheManager(encoder_budget)
+        # Since start: images the workers encoded, and images a scheduled chunk started that were
+        # encoded already (the encoder cache's hits; an image its prefix-cache hit covers is neither).
+        self.num_images_encoded = 0
+        self.num_images_found_encoded = 0
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.block_size = cache_config.block_size
         self.num_lookahead_tokens = 0
@@ -281,9 +285,10 @@ class Scheduler(SchedulerInterface):
             # Running requests are clamped by the budget, never rejected: chunked prefill is this min().
             num_new_tokens = min(num_new_tokens, token_budget)
             encoder_inputs: list[int] = []
+            found = 0
             if request.mm_features and num_new_tokens:
                 # A chunk reaching an image its encoder budget (or cache) cannot take stops before it.
-                encoder_inputs, num_new_tokens, encoder_budget = self._try_schedule_encoder_inputs(
+                encoder_inputs, num_new_tokens, encoder_budget, found = self._try_schedule_encoder_inputs(
                     request, request.num_computed_tokens, num_new_tokens, encoder_pass.budget)
             if num_new_tokens == 0:
                 # Skip, don't stop: requests behind a stuck one still get scheduled (not strict FCFS).
@@ -336,8 +341,8 @@ class Scheduler(SchedulerInterface):
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-            if encoder_inputs:
-                self._commit_encoder_inputs(request, encoder_inputs, encoder_budget, encoder_pass)
+            if encoder_inputs or found:
+                self._commit_encoder_inputs(request, encoder_inputs, encoder_budget, encoder_pass, found)
             if request.lora_request is not None:
                 scheduled_loras.add(request.lora_request.lora_int_id)
             req_index += 1
@@ -524,8 +529,9 @@ class Scheduler(SchedulerInterface):
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
             encoder_inputs: list[int] = []
+            found = 0
             if request.mm_features:
-                encoder_inputs, num_new_tokens, encoder_budget = self._try_schedule_encoder_inputs(
+                encoder_inputs, num_new_tokens, encoder_budget, found = self._try_schedule_encoder_inputs(
                     request, num_computed_tokens, num_new_tokens, encoder_pass.budget)
                 if num_new_tokens == 0:
                     break  # (the encoder budget or cache cannot take its next image this pass)
@@ -562,8 +568,8 @@ class Scheduler(SchedulerInterface):
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-            if encoder_inputs:
-                self._commit_encoder_inputs(request, encoder_inputs, encoder_budget, encoder_pass)
+            if encoder_inputs or found:
+                self._commit_encoder_inputs(request, encoder_inputs, encoder_budget, encoder_pass, found)
             request.status = _RUNNING
             request.num_computed_tokens = num_computed_tokens
             if lora is not None:
@@ -666,14 +672,16 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------ encoder inputs (images)
 
     def _try_schedule_encoder_inputs(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
-                                     encoder_budget: int) -> tuple[list[int], int, int]:
+                                     encoder_budget: int) -> tuple[list[int], int, int, int]:
         """The images (indexes) the workers must encode for ``request``'s tokens
         [num_computed_tokens, + num_new_tokens), with the token count cut to stop before the first
         image that neither the pass's encoder budget nor the encoder cache can take (0 when the
         chunk starts inside it), and what is left of the budget. Images already cached (the same
         one in another prompt, or this one's earlier chunk) are not encoded again; those wholly
-        before the chunk are in the KV cache already."""
+        before the chunk are in the KV cache already. Last, how many images the chunk starts that were
+        encoded already (the encoder cache's hits, counted once the request is scheduled)."""
         to_schedule: list[int] = []
+        found = 0
         identifiers: set[str] = set()
         num_embeds = 0
         manager = self.encoder_cache_manager
@@ -683,7 +691,9 @@ class Scheduler(SchedulerInterface):
             if feature.end <= num_computed_tokens:
                 continue  # (its rows are in the KV cache)
             if feature.identifier in identifiers or manager.check_and_update_cache(request, i):
-                continue  # (encoded already, or by this pass for an earlier copy in the prompt)
+                # (encoded already, or by this pass for an earlier copy in the prompt)
+                found += feature.offset >= num_computed_tokens
+                continue
             if not manager.can_allocate(request, i, encoder_budget, num_embeds):
                 num_new_tokens = max(0, feature.offset - num_computed_tokens)
                 break
@@ -691,11 +701,13 @@ class Scheduler(SchedulerInterface):
             encoder_budget -= feature.length
             identifiers.add(feature.identifier)
             to_schedule.append(i)
-        return to_schedule, num_new_tokens, encoder_budget
+        return to_schedule, num_new_tokens, encoder_budget, found
 
     def _commit_encoder_inputs(self, request: Request, inputs: list[int], budget_left: int,
-                               encoder_pass: _EncoderPass) -> None:
-        """``request`` is scheduled: its images' rows are reserved (encoded in this pass)."""
+                               encoder_pass: _EncoderPass, found: int = 0) -> None:
+        """``request`` is scheduled: its images' rows are reserved (encoded in this pass); ``found``
+        images its chunk starts were encoded already."""
+        self.num_images_found_encoded += found
         for i in inputs:
             self.encoder_cache_manager.allocate(request, i)
             feature = request.mm_features[i]
@@ -717,6 +729,7 @@ class Scheduler(SchedulerInterface):
                 continue
             index = next(i for i, f in enumerate(self.requests[owner].mm_features) if f.identifier == identifier)
             scheduled.setdefault(owner, []).append(index)
+            self.num_images_encoded += 1
         return scheduled
 
     def _free_encoder_inputs(self, request: Request) -> None:

@@ -58,9 +58,15 @@ VLLM_DASHBOARD_QUERIES = [
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def dashboard_queries() -> list[str]:
+# The image panels' series (a vision-language model's): answered in test_observability_images.py.
+IMAGE_SERIES = ("llm_cluster:mm_", "vllm:mm_cache_")
+
+
+def dashboard_queries(images: bool = False) -> list[str]:
+    """The dashboard's queries as Grafana sends them: the image panels' (``images``) or the others'."""
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs = [e for e in exprs if any(series in e for series in IMAGE_SERIES) == images]
     # What Grafana substitutes before sending a query.
     return [e.replace("$__rate_interval", "1m").replace("$model_name", ".*") for e in exprs]
 

@@ -50,6 +50,8 @@ def test_an_image_is_encoded_in_the_pass_its_placeholders_are_first_scheduled():
     assert so.num_scheduled_tokens == {"r": 8} and so.scheduled_encoder_inputs == {}
     # Its placeholders are all computed: the hold is gone, the rows stay cached (freeable).
     assert scheduler.encoder_cache_manager.cached == {"a": set()}
+    # (One image encoded; the later chunks inside it are no hit of the encoder cache.)
+    assert (scheduler.num_images_encoded, scheduler.num_images_found_encoded) == (1, 0)
     assert list(scheduler.encoder_cache_manager.freeable) == ["a"]
 
 
@@ -94,6 +96,7 @@ def test_the_same_image_in_another_prompt_is_not_encoded_again():
     so, _ = step(scheduler)
     assert so.num_scheduled_tokens["two"] == 30 and so.scheduled_encoder_inputs == {}
     assert scheduler.encoder_cache_manager.cached == {"cat": set()}  # (both chunks done: freeable)
+    assert (scheduler.num_images_encoded, scheduler.num_images_found_encoded) == (1, 1)
 
 
 def test_a_full_cache_evicts_freeable_images_oldest_first_and_tells_the_workers():
