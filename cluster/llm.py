@@ -34,7 +34,7 @@ from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
 from router.content_format import CONTENT_FORMATS, TEXT_PART_TYPES, resolve_content_format, template_content
 from router.detokenizer import IncrementalDetokenizer, decode_after, token_text
-from router.multimodal import MultiModalProcessor, load_image_processor
+from router.multimodal import MultiModalProcessor, as_rgb, check_image_size, load_image_processor
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
 
 PromptType = str | list[int]
@@ -834,7 +834,10 @@ class LLM:
         images = self._images()
         try:
             images.check_count(len(prompt.images))
-            processed = [images.process_image(image.convert("RGB")) for image in prompt.images]
+            processed = []
+            for image in prompt.images:  # (the router's checks: not too large or too narrow; RGB)
+                check_image_size(image.width, image.height)
+                processed.append(images.process_image(as_rgb(image)))
             ids, offsets = images.expand(self._prompt_ids(index, prompt.prompt, vocab, max_tokens), len(prompt.images),
                                          [p.num_tokens for p in processed])
         except ValueError as e:

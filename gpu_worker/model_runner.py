@@ -322,9 +322,11 @@ class ModelRunner:
             encoder_cache = None
             if vision is not None:  # (a pass's images: as many as the encoder budget, the batch's tokens, allows)
                 geometry = vision.geometry
-                # (the largest image: a pinpoint's own shape, which keeps every tile's features)
-                size = max(geometry.grid_pinpoints or [(1, 1)], key=lambda hw: geometry.num_tokens(*hw))
-                images = max(1, num_tokens // vision.tokens_per_image)
+                # (The most tiles a pass may encode: as many images as the fewest tokens one may be fit
+                # in the encoder budget, each of the most tiles; the budget is in tokens, and a thin
+                # image is many tiles for few tokens.)
+                size = max(geometry.grid_pinpoints or [(1, 1)], key=lambda hw: geometry.num_tiles(*hw))
+                images = max(1, num_tokens // geometry.base_tokens)
                 self.model.embed_images([torch.zeros(geometry.input_shape(*size), dtype=self.dtype, device=self.device)
                                          ] * images, [size] * images)
                 # The encoder cache's rows (the scheduler's cache size), held through the forward.

@@ -13,6 +13,8 @@ from engine_core.multimodal import ImageGeometry
 LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 TEXT_DECODER_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                               "qwen2": "Qwen2ForCausalLM"}
+# transformers' LlavaNextConfig default image_grid_pinpoints.
+_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 # transformers' CLIPVisionConfig defaults (a config.json lists only what differs).
 _CLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
                   "num_channels": 3, "image_size": 224, "patch_size": 32, "hidden_act": "quick_gelu",
@@ -102,7 +104,8 @@ def vision_config_from_dict(cfg: dict[str, Any]) -> VisionConfig:
         raise ValueError(f"image_size {vision['image_size']} is not a multiple of patch_size {vision['patch_size']}")
     pinpoints: tuple[tuple[int, int], ...] = ()
     if cfg["architectures"][0] == "LlavaNextForConditionalGeneration":
-        pinpoints = tuple((int(h), int(w)) for h, w in cfg.get("image_grid_pinpoints") or ())
+        # (transformers' LlavaNextConfig default, where a config lists none)
+        pinpoints = tuple((int(h), int(w)) for h, w in cfg.get("image_grid_pinpoints") or _NEXT_PINPOINTS)
         side = int(vision["image_size"])
         if not pinpoints or any(h % side or w % side for h, w in pinpoints):
             raise ValueError(f"image_grid_pinpoints must list resolutions that are multiples of the tower's image_size "

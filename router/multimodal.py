@@ -143,17 +143,43 @@ def decode_image(data: bytes) -> Image.Image:
 
     try:
         image = Image.open(io.BytesIO(data))
-        if image.width * image.height > (Image.MAX_IMAGE_PIXELS or float("inf")):
-            raise ValueError(f"an image of {image.width}x{image.height} pixels is larger than the "
-                             f"{Image.MAX_IMAGE_PIXELS} pixels allowed")
-        if max(image.size) > MAX_ASPECT_RATIO * max(1, min(image.size)):
-            # (Resized to the processor's shortest edge, a 4000x1 image of 97 bytes would be 1.3
-            # million pixels wide: gigabytes before its centre is cropped.)
-            raise ValueError(f"an image of {image.width}x{image.height} pixels is too narrow: its sides may "
-                             f"differ at most {MAX_ASPECT_RATIO} times")
+        check_image_size(image.width, image.height)
         image.load()
     except (OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot decode the image: {e}") from None
+    return as_rgb(image)
+
+
+def image_size_of(data: bytes) -> tuple[int, int]:
+    """An image file's (height, width), read from its header (the pixels are not decoded)."""
+    from PIL import Image
+
+    try:
+        width, height = Image.open(io.BytesIO(data)).size
+    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ValueError(f"cannot decode the image: {e}") from None
+    check_image_size(width, height)
+    return height, width
+
+
+def check_image_size(width: int, height: int) -> None:
+    """ValueError for an image too large, or too narrow, to process."""
+    from PIL import Image
+
+    if width * height > (Image.MAX_IMAGE_PIXELS or float("inf")):
+        raise ValueError(f"an image of {width}x{height} pixels is larger than the {Image.MAX_IMAGE_PIXELS} pixels "
+                         "allowed")
+    if max(width, height) > MAX_ASPECT_RATIO * max(1, min(width, height)):
+        # (Resized to the processor's shortest edge, a 4000x1 image of 97 bytes would be 1.3 million
+        # pixels wide: gigabytes before its centre is cropped.)
+        raise ValueError(f"an image of {width}x{height} pixels is too narrow: its sides may differ at most "
+                         f"{MAX_ASPECT_RATIO} times")
+
+
+def as_rgb(image: Image.Image) -> Image.Image:
+    """An image's pixels as RGB (a transparent image over white, as vLLM converts it)."""
+    from PIL import Image
+
     if image.mode == "RGBA":
         rgb = Image.new("RGB", image.size, (255, 255, 255))
         rgb.paste(image, mask=image.getchannel("A"))
@@ -267,6 +293,15 @@ class MultiModalProcessor:
         self.placeholder = placeholder
         self.media = media or MediaConnector()
         self.max_images = max_images
+        if image_processor is not None and geometry.grid_pinpoints:
+            # The model's pinpoints (config.json) decide how its rows are unpacked: the processor tiles
+            # by them, whatever its own config lists (a processor config overriding them would tile
+            # other grids than the model reads, without an error).
+            ours = [list(p) for p in geometry.grid_pinpoints]
+            if [list(p) for p in getattr(image_processor, "image_grid_pinpoints", None) or ()] != ours:
+                logger.warning("%s: the image processor's image_grid_pinpoints differ from config.json's; the "
+                               "model's are used", model_id)
+                image_processor.image_grid_pinpoints = ours
         # (None: --mm-processor-cache-gb 0, every image processed as it comes.)
         self.cache = ProcessedImageCache(cache_bytes, on_cache_lookup) if cache_bytes > 0 else None
 
@@ -300,8 +335,11 @@ class MultiModalProcessor:
         # ([C, H, W]; LLaVA-NeXT's: [tiles, C, H, W])
         processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"][0]
         size = (image.height, image.width)
-        if self.counts_by_size:
-            processed = processed[:self.geometry.num_tiles(*size)]  # (a batch's padding tiles, if any)
+        expected = self.geometry.input_shape(*size)
+        if tuple(processed.shape) != expected:  # (a processor config the model's does not match)
+            raise ValueError(f"the image processor made pixel values of shape {list(processed.shape)} for a "
+                             f"{size[1]}x{size[0]} image, the model takes {list(expected)}: its "
+                             f"preprocessor_config.json does not match its config.json")
         pixel_values = TensorData.from_array(processed)
         return ProcessedImage(feature_identifier("image", pixel_values, extra=f"{self.model_id}|{size}"), pixel_values,
                               size, self.geometry.num_tokens(*size))
@@ -316,6 +354,11 @@ class MultiModalProcessor:
             image = await asyncio.to_thread(self.process, data)
             self.cache.put(key, image)
         return image
+
+    async def token_counts(self, urls: list[str]) -> list[int]:
+        """Each image's placeholders, from its size alone (its header: nothing decoded or processed)."""
+        datas = await asyncio.gather(*map(self.media.fetch_image_bytes, urls))
+        return [self.geometry.num_tokens(*image_size_of(data)) for data in datas]
 
     async def load_all(self, urls: list[str]) -> list[ProcessedImage]:
         """The images at ``urls``, all loaded at once (the first failure raised)."""

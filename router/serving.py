@@ -763,22 +763,20 @@ class OpenAIServing:
         prompt the context cannot hold (checked before any image is fetched where the counts are
         known beforehand; where they depend on the images' sizes, the shortest the prompt can be is
         checked first). ``count_only`` (/tokenize, token counting): the expanded prompt alone, its
-        length unchecked; images are loaded only where their sizes set their counts."""
+        length unchecked; where the images' sizes set their counts, only their headers are read."""
         if not urls:
             return prompt_ids, []
         images = self.images
         assert images is not None  # (chat_images refused images for a model without them)
         try:
             ids, offsets = images.expand(prompt_ids, len(urls))  # (each image at its fixed or least count)
-            if count_only and not images.counts_by_size:
-                return ids, []
-            if not count_only:
-                self.check_prompt_fits(len(ids), "messages")
+            if count_only:
+                return (images.expand(prompt_ids, len(urls), await images.token_counts(urls))[0]
+                        if images.counts_by_size else ids), []
+            self.check_prompt_fits(len(ids), "messages")
             loaded = await images.load_all(urls)
             if images.counts_by_size:
                 ids, offsets = images.expand(prompt_ids, len(urls), [image.num_tokens for image in loaded])
-                if count_only:
-                    return ids, []
                 self.check_prompt_fits(len(ids), "messages")
             return ids, images.features(loaded, ids, offsets)
         except ValueError as e:

@@ -84,6 +84,11 @@ def test_refusals(llava, tmp_path):
         llm.generate({"prompt": "no token here", "multi_modal_data": {"image": picture(3)}}, use_tqdm=False)
     with pytest.raises(ValueError, match="images only"):
         llm.generate({"prompt": "<image>", "multi_modal_data": {"audio": [1.0]}}, use_tqdm=False)
+    from PIL import Image
+
+    with pytest.raises(ValueError, match="prompt 0: an image of 1000x2 pixels is too narrow"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": Image.new("RGB", (1000, 2))}},
+                     use_tqdm=False)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         llm.generate({"prompt": "<image>", "multi_modal_data": {"image": picture(3)}},
                      SamplingParams(max_tokens=2, truncate_prompt_tokens=4), use_tqdm=False)

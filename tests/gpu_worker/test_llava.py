@@ -290,6 +290,15 @@ def test_the_geometry_counts_tiles_and_tokens_as_transformers_does(next_dir):
     assert geometry.max_tokens == max(geometry.num_tokens(h, w) for h, w in geometry.grid_pinpoints) == 16 + 8 * 8 + 8
 
 
+def test_a_llava_next_config_without_pinpoints_takes_transformers_default(next_dir):
+    cfg = json.loads((next_dir / "config.json").read_text())
+    del cfg["image_grid_pinpoints"]
+    cfg["vision_config"] = {**cfg["vision_config"], "image_size": 336, "patch_size": 14}
+    geometry = ModelConfig.from_dict(cfg).vision.geometry
+    assert geometry.grid_pinpoints == ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+    assert geometry.max_tokens == 2928  # (llava-v1.6's most: 672x672, 2x2 tiles)
+
+
 def LlavaNextProcessorFor(model_dir: Path):  # (transformers' processor, built from the dir's parts)
     from transformers import AutoImageProcessor, AutoTokenizer, LlavaNextProcessor
 

@@ -618,3 +618,31 @@ def test_an_image_counted_by_its_size_gets_its_own_placeholders_and_tiles(llava_
     http_short, short_engine, _ = _app(llava_next, max_model_len=60)
     message = _error(_chat(http_short, [_part(_data_url(square))]))
     assert "maximum context length is 60" in message and not short_engine.requests
+
+
+def test_the_models_pinpoints_tile_the_image_whatever_the_processor_config_lists(llava_next, tmp_path, caplog):
+    """A processor config listing other pinpoints (or the same in another order) would tile other
+    grids than the model unpacks, without an error: the model's are used, with a warning; a
+    processor whose tiles are not the tower's size makes each image a 400."""
+    import logging
+    import shutil
+
+    directory, _, _, vision = llava_next
+    other = tmp_path / "other"
+    shutil.copytree(directory, other)
+    config_path = other / "preprocessor_config.json"
+    processor_config = json.loads(config_path.read_text())
+    processor_config["image_grid_pinpoints"] = list(reversed(processor_config["image_grid_pinpoints"])) + [[96, 96]]
+    config_path.write_text(json.dumps(processor_config))
+    with caplog.at_level(logging.WARNING, logger="router.multimodal"):
+        http, engine, serving = _app((other, llava_next[1], load_image_processor(other), vision))
+    assert "image_grid_pinpoints differ" in caplog.text
+    assert serving.images.image_processor.image_grid_pinpoints == [list(p) for p in vision.grid_pinpoints]
+    square = _image(10, (90, 90))  # (the extra 96x96 pinpoint would make it 10 tiles)
+    assert _chat(http, [_part(_data_url(square))]).status_code == 200
+    assert engine.requests[0].mm_features[0].pixel_values.shape == vision.geometry.input_shape(90, 90)
+    processor_config["crop_size"] = {"height": 16, "width": 16}
+    config_path.write_text(json.dumps(processor_config))
+    http, engine, _ = _app((other, llava_next[1], load_image_processor(other), vision))
+    assert "does not match its config.json" in _error(_chat(http, [_part(_data_url(square))]))
+    assert not engine.requests
