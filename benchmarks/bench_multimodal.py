@@ -10,9 +10,10 @@ of text, ``--max-tokens`` greedy tokens each, all at once:
                  (no prefix-cache hit reaches the image): the encoder runs once, its rows served
                  from the encoder cache to the others.
 Prints wall time and output tokens/s of each, as a ratio to transformers, checks that ours equals
-transformers token for token, and counts the images encoded.
+transformers token for token, and counts the images encoded. ``--next``: LLaVA-NeXT instead (grid
+pinpoints of 1x2, 2x1 and 2x2 tiles: each 300x280 image is 5 tiles and more tokens).
 Usage: python benchmarks/bench_multimodal.py [--rounds 2] [--requests 16] [--max-tokens 32]
-       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256]
+       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next]
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def build_model(path: Path, args: argparse.Namespace) -> Path:
         LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
     )
 
     from tests.tiny_model import LLAVA_CHAT_TEMPLATE, build_tokenizer
@@ -48,19 +52,24 @@ def build_model(path: Path, args: argparse.Namespace) -> Path:
     text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
                        max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id)
-    config = LlavaConfig(vision_config=vision, text_config=text,
-                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-                         image_seq_length=(args.image_size // args.patch) ** 2)
+    side = args.image_size
+    pinpoints = [[side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
+    token = tokenizer.convert_tokens_to_ids("<image>")
+    config = (LlavaNextConfig(vision_config=vision, text_config=text, image_token_id=token,
+                              image_grid_pinpoints=pinpoints)
+              if args.next else LlavaConfig(vision_config=vision, text_config=text, image_token_id=token,
+                                            image_seq_length=(side // args.patch) ** 2))
     torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config)
+    model = (LlavaNextForConditionalGeneration if args.next else LlavaForConditionalGeneration)(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    CLIPImageProcessor(size={"shortest_edge": args.image_size},
-                       crop_size={"height": args.image_size, "width": args.image_size}).save_pretrained(path)
+    sizes = {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
+    (LlavaNextImageProcessor(image_grid_pinpoints=pinpoints, **sizes) if args.next
+     else CLIPImageProcessor(**sizes)).save_pretrained(path)
     return path
 
 
@@ -72,36 +81,37 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
     from transformers import AutoImageProcessor, AutoTokenizer
 
     from engine_core.multimodal import MultiModalFeature, TensorData, feature_identifier
+    from gpu_worker.config import ModelConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     processor = AutoImageProcessor.from_pretrained(model_dir)
     image_id = tokenizer.convert_tokens_to_ids("<image>")
-    n = (args.image_size // args.patch) ** 2
+    n = ModelConfig.from_pretrained(model_dir).vision.geometry.num_tokens(300, 280)
     words = tokenizer.encode("Hello world the quick brown fox jumps over the lazy dog Paris Berlin capital")
     out = []
     for i in range(args.requests):
         seed = 0 if repeated else i
         image = Image.fromarray((np.random.RandomState(seed).rand(300, 280, 3) * 255).astype("uint8"))
-        pixels = processor(images=[image], return_tensors="pt")["pixel_values"]
+        processed = processor(images=[image], return_tensors="pt")
         text = [words[(i + j) % len(words)] for j in range(8)]
-        data = TensorData.from_array(pixels[0])
+        data = TensorData.from_array(processed["pixel_values"][0])
         ids = text + [image_id] * n + words[:4]
-        out.append((ids, [MultiModalFeature("image", feature_identifier("image", data), len(text), n, data)],
-                    pixels))
+        out.append((ids, [MultiModalFeature("image", feature_identifier("image", data), len(text), n, data,
+                                            (300, 280) if args.next else None)], processed))
     return out
 
 
 def run_transformers(model_dir: Path, work, max_tokens: int) -> tuple[float, list[list[int]]]:
     import torch
-    from transformers import LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     ids = torch.tensor([w[0] for w in work])
-    pixels = torch.cat([w[2] for w in work])
+    inputs = {key: torch.cat([w[2][key] for w in work]) for key in work[0][2]}  # (pixel_values, image_sizes)
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, **inputs)
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
 
 
@@ -136,6 +146,7 @@ def main() -> None:
     parser.add_argument("--patch", type=int, default=14)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--next", action="store_true", help="LLaVA-NeXT (tiles by the image's size)")
     args = parser.parse_args()
     import torch
 
@@ -145,7 +156,9 @@ def main() -> None:
 
     model_dir = build_model(Path(tempfile.mkdtemp(prefix="bench-multimodal-")), args)
     distinct, repeated = workload(model_dir, args, False), workload(model_dir, args, True)
-    n = (args.image_size // args.patch) ** 2
+    from gpu_worker.config import ModelConfig
+
+    n = ModelConfig.from_pretrained(model_dir).vision.geometry.num_tokens(300, 280)
     config = ClusterConfig(model=str(model_dir), defaults=EngineSpec(
         num_gpu_blocks=args.requests * (n + 64) // 16 + 64, max_model_len=n + 64 + args.max_tokens,
         max_num_batched_tokens=2048)).engine_configs()[0]
@@ -166,7 +179,8 @@ def main() -> None:
         for name, t in (("transformers", t_ref), ("ours", t_ours), ("ours, repeated", t_rep)):
             times[name].append(t)
     total = args.requests * args.max_tokens
-    print(f"\n{args.requests} requests x ({n}-token image + 12 text tokens) x {args.max_tokens} tokens, random LLaVA "
+    print(f"\n{args.requests} requests x ({n}-token image + 12 text tokens) x {args.max_tokens} tokens, random "
+          f"{'LLaVA-NeXT' if args.next else 'LLaVA'} "
           f"({args.layers} x {args.hidden} Llama, 4-layer CLIP {args.image_size}px/{args.patch}), CPU, "
           f"{torch.get_num_threads()} torch threads, medians of {args.rounds} rounds; tokens equal transformers'")
     print(f"{'':16}{'wall s':>9}{'out tok/s':>11}{'vs transformers':>17}{'images encoded':>16}")
