@@ -339,3 +339,13 @@ def test_llava_next_equals_transformers_at_every_shape_whole_and_in_chunks(next_
     with pytest.raises(RequestRefusedError, match="this image as 88 tokens"):
         engine.add_request(EngineCoreRequest(request_id="x", prompt_token_ids=ids, sampling_params=SamplingParams(),
                                              mm_features=[wrong]))
+
+
+def test_n_gram_drafts_over_a_prompt_with_an_image_keep_the_answer(llava_dir, hf):
+    """Speculative decoding (n-gram drafts; the placeholders are ids like any other to the drafter):
+    the tokens are the ones without drafts, and drafts were verified."""
+    ids, features, pixels = prompt(hf, [[74, 75, 74, 75], [74, 75]], [picture(12)])
+    engine = make_engine(llava_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    assert run(engine, {"a": (ids, features)}) == {"a": reference(hf, ids, pixels)}
+    assert engine.stats().spec_decode_num_drafts > 0
