@@ -117,7 +117,7 @@ def build_tiny_classifier(path: Path, num_labels: int = 1, seed: int = 0) -> Pat
 def _save_random_model(path: Path, make_config, seed: int, num_layers: int, hidden: int, heads: int,
                        max_positions: int, auto_class=None) -> Path:
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     tokenizer = build_tokenizer()
@@ -125,8 +125,15 @@ def _save_random_model(path: Path, make_config, seed: int, num_layers: int, hidd
                          num_attention_heads=heads, max_position_embeddings=max_positions,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    model = (auto_class or AutoModelForCausalLM).from_config(config)
-    # Larger weights than the init default, so greedy decoding is not dominated by near-ties.
+    return _save_randomized((auto_class or AutoModelForCausalLM).from_config(config), path, tokenizer)
+
+
+def _save_randomized(model, path: Path, tokenizer) -> Path:
+    """Save ``model`` (weights drawn larger than the init default, so greedy decoding is not
+    dominated by near-ties), its generation config and ``tokenizer`` into ``path``."""
+    import torch
+    from transformers import GenerationConfig
+
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -246,43 +253,16 @@ def build_tiny_llava(path: Path, seed: int = 0, image_size: int = 32, patch_size
     """Save a random tiny LLaVA (a 3-layer CLIP vision tower over 16 patches of a 32x32 image, a
     two-layer projector, a 2-layer Llama) with our tokenizer plus an ``<image>`` token, a chat template
     taking image parts, and CLIP's image processor config into ``path``."""
-    import torch
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        GenerationConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-    )
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration
 
-    path = Path(path)
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
-    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                              image_size=image_size, patch_size=patch_size, projection_dim=16)
-    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    num_patches = (image_size // patch_size) ** 2
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id,
-                         vision_feature_select_strategy=select_strategy, vision_feature_layer=feature_layer,
-                         image_seq_length=num_patches + (select_strategy == "full"),
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
-    with torch.no_grad():  # (larger weights than the init default: greedy decoding without near-ties)
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    CLIPImageProcessor(size={"shortest_edge": image_size},
-                       crop_size={"height": image_size, "width": image_size}).save_pretrained(path)
-    return path
+    tokenizer, vision, text = _llava_parts(image_size, patch_size)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(
+        "<image>"), vision_feature_select_strategy=select_strategy, vision_feature_layer=feature_layer,
+        image_seq_length=(image_size // patch_size) ** 2 + (select_strategy == "full"),
+        eos_token_id=tokenizer.eos_token_id)
+    processor = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                   crop_size={"height": image_size, "width": image_size})
+    return _save_llava(Path(path), LlavaForConditionalGeneration, config, seed, tokenizer, processor)
 
 
 def build_tiny_llava_next(path: Path, seed: int = 0,
@@ -290,36 +270,36 @@ def build_tiny_llava_next(path: Path, seed: int = 0,
                           ) -> Path:
     """Save a random tiny LLaVA-NeXT (build_tiny_llava's parts, 32x32 tiles, and "anyres" grid
     pinpoints: an image is fitted into one, cut into tiles beside a whole-image tile) into ``path``."""
-    import torch
-    from transformers import (
-        CLIPVisionConfig,
-        GenerationConfig,
-        LlamaConfig,
-        LlavaNextConfig,
-        LlavaNextForConditionalGeneration,
-        LlavaNextImageProcessor,
-    )
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor
 
-    path = Path(path)
+    tokenizer, vision, text = _llava_parts(32, 8)
+    config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(
+        "<image>"), image_grid_pinpoints=[list(p) for p in pinpoints], eos_token_id=tokenizer.eos_token_id)
+    processor = LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                        image_grid_pinpoints=[list(p) for p in pinpoints])
+    return _save_llava(Path(path), LlavaNextForConditionalGeneration, config, seed, tokenizer, processor)
+
+
+def _llava_parts(image_size: int, patch_size: int):
+    """Our tokenizer with an ``<image>`` token and a chat template taking image parts, a 3-layer CLIP
+    tower's config and a 2-layer Llama's."""
+    from transformers import CLIPVisionConfig, LlamaConfig
+
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                              image_size=32, patch_size=8, projection_dim=16)
+                              image_size=image_size, patch_size=patch_size, projection_dim=16)
     text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(
-        "<image>"), image_grid_pinpoints=[list(p) for p in pinpoints], eos_token_id=tokenizer.eos_token_id)
+    return tokenizer, vision, text
+
+
+def _save_llava(path: Path, model_class, config, seed: int, tokenizer, processor) -> Path:
+    import torch
+
     torch.manual_seed(seed)
-    model = LlavaNextForConditionalGeneration(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-                            image_grid_pinpoints=[list(p) for p in pinpoints]).save_pretrained(path)
+    _save_randomized(model_class(config), path, tokenizer)
+    processor.save_pretrained(path)
     return path
