@@ -368,6 +368,8 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
     serve.add_argument("--enable-prefix-caching", action=SWITCH, default=None)
     serve.add_argument("--enable-chunked-prefill", action=SWITCH, default=None)
+    serve.add_argument("--disable-chunked-mm-input", action=SWITCH, default=None,
+                       help="A prefill chunk never ends inside an image's placeholders: it stops before the image.")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     serve.add_argument("--dtype", default=None)
     serve.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPE_NAMES), default=None,
@@ -672,7 +674,8 @@ def cluster_config_from_args(args: argparse.Namespace):
     defaults = {"tensor_parallel_size": args.tensor_parallel_size,
                 "pipeline_parallel_size": args.pipeline_parallel_size, "scheduling_policy": args.scheduling_policy,
                 "enable_prefix_caching": args.enable_prefix_caching,
-                "enable_chunked_prefill": args.enable_chunked_prefill, "device": args.device, "dtype": args.dtype,
+                "enable_chunked_prefill": args.enable_chunked_prefill,
+                "disable_chunked_mm_input": args.disable_chunked_mm_input, "device": args.device, "dtype": args.dtype,
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
                 "generation_config": _local_dir_path(args.generation_config),

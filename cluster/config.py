@@ -56,6 +56,8 @@ class EngineSpec(BaseModel):
     long_prefill_token_threshold: int | None = Field(None, description="Per-request clamp per pass (0: off).")
     max_num_partial_prefills: int | None = None
     max_long_partial_prefills: int | None = None
+    disable_chunked_mm_input: bool | None = Field(
+        None, description="A prefill chunk never ends inside an image's placeholders (--disable-chunked-mm-input).")
     scheduling_policy: Literal["fcfs", "priority"] | None = None
     block_size: int | None = None
     enable_prefix_caching: bool | None = None
@@ -147,7 +149,8 @@ class EngineSpec(BaseModel):
 _DEFAULTS = EngineSpec(
     max_num_seqs=256, max_num_batched_tokens=None, max_model_len=None, enable_chunked_prefill=True,
     long_prefill_token_threshold=0, max_num_partial_prefills=1, max_long_partial_prefills=1,
-    scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9,
+    disable_chunked_mm_input=False, scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True,
+    gpu_memory_utilization=0.9,
     tensor_parallel_size=1, pipeline_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto",
     enable_expert_parallel=False,
     runner="auto", generation_config="auto", max_logprobs=20, logprobs_mode="raw_logprobs", disable_log_stats=False,
@@ -845,7 +848,8 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
             enable_chunked_prefill=s["enable_chunked_prefill"],
             long_prefill_token_threshold=s["long_prefill_token_threshold"],
             max_num_partial_prefills=s["max_num_partial_prefills"],
-            max_long_partial_prefills=s["max_long_partial_prefills"], policy=s["scheduling_policy"])
+            max_long_partial_prefills=s["max_long_partial_prefills"], policy=s["scheduling_policy"],
+            disable_chunked_mm_input=s["disable_chunked_mm_input"])
         speculative = SpeculativeConfig.from_dict(s["speculative_config"])
         transfer = KVTransferConfig.from_dict(s["kv_transfer_config"])
     except (ValueError, TypeError) as e:

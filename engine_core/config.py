@@ -75,6 +75,9 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     policy: SchedulingPolicyName = "fcfs"
+    # vLLM's --disable-chunked-mm-input: a chunk never ends inside an image's placeholders (it stops
+    # before the image instead), for models whose image tokens must be computed in one pass.
+    disable_chunked_mm_input: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,

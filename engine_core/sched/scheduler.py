@@ -685,11 +685,17 @@ class Scheduler(SchedulerInterface):
         identifiers: set[str] = set()
         num_embeds = 0
         manager = self.encoder_cache_manager
+        whole_images = self.scheduler_config.disable_chunked_mm_input
         for i, feature in enumerate(request.mm_features):
             if feature.offset >= num_computed_tokens + num_new_tokens:
                 break  # (not reached by this chunk)
             if feature.end <= num_computed_tokens:
                 continue  # (its rows are in the KV cache)
+            if whole_images and num_computed_tokens < feature.offset < num_computed_tokens + num_new_tokens \
+                    < feature.end:
+                # (--disable-chunked-mm-input: the chunk would end inside the image; it stops before it)
+                num_new_tokens = feature.offset - num_computed_tokens
+                break
             if feature.identifier in identifiers or manager.check_and_update_cache(request, i):
                 # (encoded already, or by this pass for an earlier copy in the prompt)
                 found += feature.offset >= num_computed_tokens

@@ -940,3 +940,8 @@ def test_collect_env_reports_versions_and_leaves_secrets_out(capsys, monkeypatch
     out = capsys.readouterr().out
     assert f"torch: {importlib.metadata.version('torch')}" in out and "LLM_CLUSTER_ENGINE_HOST=127.0.0.1" in out
     assert "secret-value" not in out and "CPUs:" in out and "RAY_ADDRESS=ray://***@head:10001" in out
+
+
+def test_disable_chunked_mm_input_reaches_the_scheduler():
+    assert _config("--disable-chunked-mm-input").engine_configs()[0].scheduler.disable_chunked_mm_input
+    assert not _config().engine_configs()[0].scheduler.disable_chunked_mm_input

@@ -251,3 +251,22 @@ def test_an_image_whose_requests_are_all_preempted_in_the_pass_is_forgotten():
     assert so.scheduled_encoder_inputs == {}
     manager = scheduler.encoder_cache_manager
     assert manager.cached == {} and manager.num_free_slots == manager.num_freeable_slots == manager.cache_size
+
+
+def test_disable_chunked_mm_input_never_ends_a_chunk_inside_an_image():
+    """vLLM's --disable-chunked-mm-input: a chunk that would end inside an image stops before it;
+    the next chunk starts at the image and takes it whole."""
+    tokens, features = prompt_with([("a", 6)], 30)
+    for whole, first in ((False, 10), (True, 6)):
+        scheduler = create_scheduler(max_num_batched_tokens=64, max_tokens_per_mm_item=16, block_size=4,
+                                     long_prefill_token_threshold=10)
+        if whole:
+            scheduler.scheduler_config = dataclasses.replace(scheduler.scheduler_config,
+                                                             disable_chunked_mm_input=True)
+        scheduler.add_request(request("r", tokens, features))
+        so, _ = step(scheduler)
+        assert so.num_scheduled_tokens == {"r": first}
+        assert so.scheduled_encoder_inputs == ({} if whole else {"r": [0]})
+    # (An image larger than a chunk still splits: it starts a chunk, which takes what it can.)
+    so, _ = step(scheduler)
+    assert so.num_scheduled_tokens == {"r": 10} and so.scheduled_encoder_inputs == {"r": [0]}
