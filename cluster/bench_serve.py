@@ -7,7 +7,10 @@ Random prompts (vLLM's random dataset) are ``--random-input-len`` tokens each (w
 from token ids the server's own ``/tokenize`` gives for a neutral text (so they are real tokens of
 its tokenizer, whatever the model), sent as token ids to ``/v1/completions`` (exact lengths) or as
 their text (``/detokenize``) to ``/v1/chat/completions``. With ``--dataset-name sharegpt``, they are
-the first turns of a ShareGPT file's conversations, sampled as vLLM samples them. Requests
+the first turns of a ShareGPT file's conversations, sampled as vLLM samples them. With
+``--dataset-name random-mm`` (vLLM's random multimodal dataset, for a vision-language model), each
+random chat prompt also shows random-noise images, their count and sizes drawn as
+``--random-mm-*`` say. Requests
 stream; arrivals are Poisson at ``--request-rate`` (gamma with ``--burstiness``; ``inf``: all at
 once), at most ``--max-concurrency`` in flight. Each request's
 time to first token, time per output token after it, inter-token latencies and end-to-end latency
@@ -54,10 +57,20 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", default=None, choices=["/v1/completions", "/v1/chat/completions"],
                         help="The endpoint loaded (default: the backend's).")
     parser.add_argument("--model", default=None, help="The model to ask for (default: the server's first).")
-    parser.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "custom"],
-                        help="Prompts: random token ids (vLLM's random dataset); conversations from a ShareGPT "
-                             "JSON file (--dataset-path): each first turn, asking for as many tokens as its reply "
-                             'has; or a JSONL file of {"prompt": ...} lines (vLLM\'s custom dataset).')
+    parser.add_argument("--dataset-name", default="random", choices=["random", "random-mm", "sharegpt", "custom"],
+                        help="Prompts: random token ids (vLLM's random dataset); the same with random images "
+                             "(random-mm, chat only); conversations from a ShareGPT JSON file (--dataset-path): "
+                             "each first turn, asking for as many tokens as its reply has; or a JSONL file of "
+                             '{"prompt": ...} lines (vLLM\'s custom dataset).')
+    parser.add_argument("--random-mm-base-items-per-request", type=int, default=1,
+                        help="random-mm: images per prompt (before the range ratio).")
+    parser.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0,
+                        help="random-mm: image counts drawn uniformly within [n * (1 - r), n * (1 + r)].")
+    parser.add_argument("--random-mm-limit-mm-per-prompt", type=json.loads, default={"image": 255},
+                        help='random-mm: the most images a prompt shows (JSON, e.g. {"image": 4}).')
+    parser.add_argument("--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}",
+                        help="random-mm: image (height, width, frames) shapes and their probabilities, as vLLM "
+                             "writes them; frames must be 1 (images: no video).")
     parser.add_argument("--custom-output-len", type=int, default=256,
                         help="Output tokens each prompt of a custom dataset asks for.")
     parser.add_argument("--dataset-path", default=None, help="The ShareGPT file (a JSON list of "
@@ -172,13 +185,14 @@ async def custom_prompts(session: Any, base: str, model: str, args: argparse.Nam
 
 
 async def make_prompts(session: Any, base: str, model: str, args: argparse.Namespace
-                       ) -> list[tuple[list[int] | str, int, int]]:
+                       ) -> list[tuple[list[int] | str | list[dict[str, Any]], int, int]]:
     """(prompt, its token count, output tokens asked) per request."""
     if args.dataset_name == "sharegpt":
         return await sharegpt_prompts(session, base, model, args)
     if args.dataset_name == "custom":
         return await custom_prompts(session, base, model, args)
     rng = random.Random(args.seed)
+    images = random_mm_images(args, rng) if args.dataset_name == "random-mm" else None
     pool = (await _post_json(session, f"{base}/tokenize", {"model": model, "prompt": _SOURCE_TEXT * 4,
                                                            "add_special_tokens": False}))["tokens"]
     if not pool:
@@ -190,15 +204,76 @@ async def make_prompts(session: Any, base: str, model: str, args: argparse.Names
     prefix = draw(args.random_prefix_len)
     inputs = _lengths(args.random_input_len, args.random_range_ratio, args.num_prompts, rng)
     outputs = _lengths(args.random_output_len, args.random_range_ratio, args.num_prompts, rng)
-    prompts: list[tuple[list[int] | str, int, int]] = []
-    for input_len, output_len in zip(inputs, outputs, strict=True):
+    prompts: list[tuple[list[int] | str | list[dict[str, Any]], int, int]] = []
+    for index, (input_len, output_len) in enumerate(zip(inputs, outputs, strict=True)):
         ids = prefix + draw(input_len)
         if args.endpoint == "/v1/chat/completions":
             text = (await _post_json(session, f"{base}/detokenize", {"model": model, "tokens": ids}))["prompt"]
-            prompts.append((text, len(ids), output_len))
+            if images is not None:  # (the text, then the images, as OpenAI parts)
+                parts = [{"type": "text", "text": text},
+                         *({"type": "image_url", "image_url": {"url": url}} for url in images[index])]
+                prompts.append((parts, len(ids), output_len))
+            else:
+                prompts.append((text, len(ids), output_len))
         else:
             prompts.append((ids, len(ids), output_len))
     return prompts
+
+
+def parse_bucket_config(text: str) -> list[tuple[tuple[int, int], float]]:
+    """vLLM's --random-mm-bucket-config, '{(height, width, frames): probability, ...}': the image
+    shapes with their weights (frames must be 1; shapes of probability 0 are left out)."""
+    import ast
+
+    try:
+        buckets = ast.literal_eval(text)
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"--random-mm-bucket-config must be a dict of (height, width, frames): probability, "
+                         f"got {text!r} ({e})") from None
+    if not isinstance(buckets, dict) or not buckets:
+        raise ValueError(f"--random-mm-bucket-config must be a non-empty dict, got {text!r}")
+    shapes = []
+    for key, weight in buckets.items():
+        if (not isinstance(key, tuple) or len(key) != 3 or not all(isinstance(n, int) and n >= 1 for n in key)
+                or not isinstance(weight, int | float) or weight < 0):
+            raise ValueError(f"--random-mm-bucket-config: {key!r}: {weight!r} is not (height, width, frames): "
+                             "probability")
+        if weight and key[2] != 1:
+            raise ValueError(f"--random-mm-bucket-config: {key!r} has {key[2]} frames: only images (1 frame) "
+                             "are generated")
+        if weight:
+            shapes.append(((key[0], key[1]), float(weight)))
+    if not shapes:
+        raise ValueError("--random-mm-bucket-config gives every shape probability 0")
+    return shapes
+
+
+def random_mm_images(args: argparse.Namespace, rng: random.Random) -> list[list[str]]:
+    """Per prompt, its random-noise images (JPEG data URLs): as many as the base count within the
+    range ratio (at most the limit), each of a shape drawn by the bucket weights."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    shapes = parse_bucket_config(args.random_mm_bucket_config)
+    limit = int(args.random_mm_limit_mm_per_prompt.get("image", 255))
+    base, ratio = args.random_mm_base_items_per_request, args.random_mm_num_mm_items_range_ratio
+    low, high = max(0, math.floor(base * (1 - ratio))), min(limit, math.ceil(base * (1 + ratio)))
+    if low > high:
+        raise ValueError(f"--random-mm-base-items-per-request {base} is beyond the limit of {limit} images")
+    noise = np.random.default_rng(args.seed)
+    out = []
+    for _ in range(args.num_prompts):
+        urls = []
+        for _ in range(rng.randint(low, high)):
+            (height, width), = rng.choices([shape for shape, _ in shapes], [w for _, w in shapes])
+            buffer = io.BytesIO()
+            Image.fromarray(noise.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="JPEG")
+            urls.append("data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode())
+        out.append(urls)
+    return out
 
 
 def sse_data(buffer: bytes) -> tuple[list[bytes], bytes]:
@@ -293,7 +368,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(args.seed + 1)
         limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
-        async def send(prompt: list[int] | str, output_len: int) -> RequestResult:
+        async def send(prompt: list[int] | str | list[dict[str, Any]], output_len: int) -> RequestResult:
             body: dict[str, Any] = {"model": model, "max_tokens": output_len, "temperature": args.temperature,
                                     "stream": True, "stream_options": {"include_usage": True}}
             if args.ignore_eos:
@@ -438,7 +513,11 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     if problems:
         print(f"llm-cluster bench serve: {problems[0]}")
         return 2
-    if args.dataset_name != "random" and not (args.dataset_path and os.path.isfile(args.dataset_path)):
+    if args.dataset_name == "random-mm" and args.endpoint != "/v1/chat/completions":
+        print("llm-cluster bench serve: --dataset-name random-mm loads /v1/chat/completions (--backend openai-chat)")
+        return 2
+    if args.dataset_name not in ("random", "random-mm") and not (args.dataset_path
+                                                                  and os.path.isfile(args.dataset_path)):
         print(f"llm-cluster bench serve: --dataset-name {args.dataset_name} needs --dataset-path FILE (nothing is "
               "downloaded)")
         return 2

@@ -171,3 +171,15 @@ def test_chat_and_complete_from_the_terminal(served, capsys, monkeypatch):
     assert lines[:2] == ["Using model: tiny", "Please enter a message for the chat model:"] and len(lines) >= 3
     assert main(["chat", "--url", url, "--model-name", "nope", "-q", "hi"]) == 1
     assert "404" in capsys.readouterr().err
+
+
+def test_random_mm_bucket_configs_are_read_as_vllm_writes_them():
+    from cluster.bench_serve import parse_bucket_config
+
+    assert parse_bucket_config("{(256, 256, 1): 0.5, (720, 1280, 1): 0.5, (720, 1280, 16): 0.0}") == [
+        ((256, 256), 0.5), ((720, 1280), 0.5)]
+    for bad, message in (("{(256, 256, 4): 1.0}", "only images"), ("{(256, 256): 1.0}", "not \\(height"),
+                         ("[1, 2]", "non-empty dict"), ("{(2, 2, 1): 0}", "probability 0"),
+                         ("__import__('os')", "must be a dict")):
+        with pytest.raises(ValueError, match=message):
+            parse_bucket_config(bad)

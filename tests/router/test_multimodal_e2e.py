@@ -134,6 +134,26 @@ def test_llava_next_beside_it_counts_each_image_by_its_size(client, next_dir):
             next_dir, "Compare them.", wide, tall)
 
 
+def test_bench_serve_loads_it_with_random_images(cluster, tmp_path, capsys):
+    """vLLM's random-mm dataset: random chat prompts, each with one to three random-noise images of
+    the bucket shapes; every request answered, the placeholders counted in its prompt tokens."""
+    import json
+
+    from cluster.cli import main
+
+    assert main(["bench", "serve", "--base-url", cluster.base, "--backend", "openai-chat", "--model", "llava",
+                 "--dataset-name", "random-mm", "--num-prompts", "4", "--random-input-len", "8",
+                 "--random-output-len", "4", "--ignore-eos", "--random-mm-base-items-per-request", "2",
+                 "--random-mm-num-mm-items-range-ratio", "0.5", "--random-mm-bucket-config",
+                 "{(40, 50, 1): 0.5, (64, 32, 1): 0.5, (64, 64, 16): 0.0}", "--save-result", "--result-dir",
+                 str(tmp_path), "--result-filename", "r.json"]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert (result["completed"], result["failed"], result["total_output_tokens"]) == (4, 0, 16)
+    assert result["total_input_tokens"] >= 4 * (8 + 16)  # (each prompt at least one 16-token image)
+    assert main(["bench", "serve", "--base-url", cluster.base, "--dataset-name", "random-mm"]) == 2
+    assert "random-mm loads /v1/chat/completions" in capsys.readouterr().out
+
+
 def test_errors(client):
     with pytest.raises(openai.BadRequestError, match="image"):
         client.chat.completions.create(model="llava", max_tokens=2, messages=[{"role": "user", "content": [
