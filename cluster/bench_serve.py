@@ -248,6 +248,27 @@ def parse_bucket_config(text: str) -> list[tuple[tuple[int, int], float]]:
     return shapes
 
 
+def random_mm_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the random-mm flags (as vLLM checks them), or None."""
+    if args.endpoint != "/v1/chat/completions":
+        return "--dataset-name random-mm loads /v1/chat/completions (--backend openai-chat)"
+    if args.random_mm_base_items_per_request < 0:
+        return "--random-mm-base-items-per-request must be at least 0"
+    if not 0 <= args.random_mm_num_mm_items_range_ratio <= 1:
+        return "--random-mm-num-mm-items-range-ratio must be in [0, 1]"
+    limits = args.random_mm_limit_mm_per_prompt
+    if not isinstance(limits, dict) or not isinstance(limits.get("image"), int) or limits["image"] < 0:
+        return '--random-mm-limit-mm-per-prompt must give the images\' limit, e.g. {"image": 4}'
+    if limits["image"] < math.floor(args.random_mm_base_items_per_request
+                                    * (1 - args.random_mm_num_mm_items_range_ratio)):
+        return "--random-mm-base-items-per-request (within its range ratio) is beyond --random-mm-limit-mm-per-prompt"
+    try:
+        parse_bucket_config(args.random_mm_bucket_config)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def random_mm_images(args: argparse.Namespace, rng: random.Random) -> list[list[str]]:
     """Per prompt, its random-noise images (JPEG data URLs): as many as the base count within the
     range ratio (at most the limit), each of a shape drawn by the bucket weights."""
@@ -258,7 +279,7 @@ def random_mm_images(args: argparse.Namespace, rng: random.Random) -> list[list[
     from PIL import Image
 
     shapes = parse_bucket_config(args.random_mm_bucket_config)
-    limit = int(args.random_mm_limit_mm_per_prompt.get("image", 255))
+    limit = args.random_mm_limit_mm_per_prompt["image"]
     base, ratio = args.random_mm_base_items_per_request, args.random_mm_num_mm_items_range_ratio
     low, high = max(0, math.floor(base * (1 - ratio))), min(limit, math.ceil(base * (1 + ratio)))
     if low > high:
@@ -513,9 +534,11 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     if problems:
         print(f"llm-cluster bench serve: {problems[0]}")
         return 2
-    if args.dataset_name == "random-mm" and args.endpoint != "/v1/chat/completions":
-        print("llm-cluster bench serve: --dataset-name random-mm loads /v1/chat/completions (--backend openai-chat)")
-        return 2
+    if args.dataset_name == "random-mm":
+        problem = random_mm_problem(args)
+        if problem:
+            print(f"llm-cluster bench serve: {problem}")
+            return 2
     if args.dataset_name not in ("random", "random-mm") and not (args.dataset_path
                                                                   and os.path.isfile(args.dataset_path)):
         print(f"llm-cluster bench serve: --dataset-name {args.dataset_name} needs --dataset-path FILE (nothing is "

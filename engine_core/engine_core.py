@@ -965,7 +965,8 @@ class EngineCore:
             kv_transfer_received_blocks=kv["received_blocks"], kv_transfer_failures=kv["failed_reads"],
             kv_transfer_declined=kv["declined"], kv_transfer_held_requests=kv["held"],
             num_images_encoded=self.scheduler.num_images_encoded,
-            num_images_found_encoded=self.scheduler.num_images_found_encoded)
+            num_images_found_encoded=self.scheduler.num_images_found_encoded,
+            encoder_cache_usage=self.encoder_cache_totals()["usage"])
 
     def fail_all_requests(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every live request with FINISHED_ERROR and build the outputs telling its client."""

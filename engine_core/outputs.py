@@ -262,3 +262,5 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # already (the encoder cache's hits).
     num_images_encoded: int = 0
     num_images_found_encoded: int = 0
+    # The share of the encoder cache's rows holding encoded images (0 for a text model).
+    encoder_cache_usage: float = 0.0

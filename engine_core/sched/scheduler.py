@@ -94,6 +94,9 @@ class _EncoderPass:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.allocated: dict[str, int] = {}
+        # Per request scheduled, the images its chunk found encoded already (counted at the end of
+        # the pass, for the requests still scheduled then).
+        self.found: dict[str, int] = {}
 
 
 def _count_adapters(requests: list[Request]) -> dict[str, int]:
@@ -123,8 +126,8 @@ class Scheduler(SchedulerInterface):
         encoder_budget = max(self.max_num_scheduled_tokens, max_tokens_per_mm_item) if max_tokens_per_mm_item else 0
         self.max_num_encoder_input_tokens = encoder_budget
         self.encoder_cache_manager = EncoderCacheManager(encoder_budget)
-        # Since start: images the workers encoded, and images a scheduled chunk started that were
-        # encoded already (the encoder cache's hits; an image its prefix-cache hit covers is neither).
+        # Since start: images the workers encoded, and images a request met encoded already (the
+        # encoder cache's hits; an image wholly inside a request's prefix-cache hit is neither).
         self.num_images_encoded = 0
         self.num_images_found_encoded = 0
         self.policy = SchedulingPolicy(scheduler_config.policy)
@@ -289,7 +292,7 @@ class Scheduler(SchedulerInterface):
             if request.mm_features and num_new_tokens:
                 # A chunk reaching an image its encoder budget (or cache) cannot take stops before it.
                 encoder_inputs, num_new_tokens, encoder_budget, found = self._try_schedule_encoder_inputs(
-                    request, request.num_computed_tokens, num_new_tokens, encoder_pass.budget)
+                    request, request.num_computed_tokens, num_new_tokens, encoder_pass.budget, first_chunk=False)
             if num_new_tokens == 0:
                 # Skip, don't stop: requests behind a stuck one still get scheduled (not strict FCFS).
                 # (Nor does it hold its adapter's place: a request whose pass is still in flight.)
@@ -532,7 +535,7 @@ class Scheduler(SchedulerInterface):
             found = 0
             if request.mm_features:
                 encoder_inputs, num_new_tokens, encoder_budget, found = self._try_schedule_encoder_inputs(
-                    request, num_computed_tokens, num_new_tokens, encoder_pass.budget)
+                    request, num_computed_tokens, num_new_tokens, encoder_pass.budget, first_chunk=True)
                 if num_new_tokens == 0:
                     break  # (the encoder budget or cache cannot take its next image this pass)
 
@@ -672,14 +675,15 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------ encoder inputs (images)
 
     def _try_schedule_encoder_inputs(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
-                                     encoder_budget: int) -> tuple[list[int], int, int, int]:
+                                     encoder_budget: int, first_chunk: bool = False) -> tuple[list[int], int, int, int]:
         """The images (indexes) the workers must encode for ``request``'s tokens
         [num_computed_tokens, + num_new_tokens), with the token count cut to stop before the first
         image that neither the pass's encoder budget nor the encoder cache can take (0 when the
         chunk starts inside it), and what is left of the budget. Images already cached (the same
         one in another prompt, or this one's earlier chunk) are not encoded again; those wholly
-        before the chunk are in the KV cache already. Last, how many images the chunk starts that were
-        encoded already (the encoder cache's hits, counted once the request is scheduled)."""
+        before the chunk are in the KV cache already. Last, how many images the request meets for the
+        first time in this chunk that were encoded already (the encoder cache's hits): those the chunk
+        starts, and for an admission (``first_chunk``) also one its prefix-cache hit ends inside."""
         to_schedule: list[int] = []
         found = 0
         identifiers: set[str] = set()
@@ -691,15 +695,16 @@ class Scheduler(SchedulerInterface):
                 break  # (not reached by this chunk)
             if feature.end <= num_computed_tokens:
                 continue  # (its rows are in the KV cache)
-            if whole_images and num_computed_tokens < feature.offset < num_computed_tokens + num_new_tokens \
-                    < feature.end:
-                # (--disable-chunked-mm-input: the chunk would end inside the image; it stops before it)
-                num_new_tokens = feature.offset - num_computed_tokens
-                break
             if feature.identifier in identifiers or manager.check_and_update_cache(request, i):
                 # (encoded already, or by this pass for an earlier copy in the prompt)
-                found += feature.offset >= num_computed_tokens
+                found += first_chunk or feature.offset >= num_computed_tokens
                 continue
+            if whole_images and num_computed_tokens < feature.offset < num_computed_tokens + num_new_tokens \
+                    < feature.end:
+                # (--disable-chunked-mm-input, after the cache checks as vLLM's: the chunk would end
+                # inside an image still to encode; it stops before it)
+                num_new_tokens = feature.offset - num_computed_tokens
+                break
             if not manager.can_allocate(request, i, encoder_budget, num_embeds):
                 num_new_tokens = max(0, feature.offset - num_computed_tokens)
                 break
@@ -712,8 +717,9 @@ class Scheduler(SchedulerInterface):
     def _commit_encoder_inputs(self, request: Request, inputs: list[int], budget_left: int,
                                encoder_pass: _EncoderPass, found: int = 0) -> None:
         """``request`` is scheduled: its images' rows are reserved (encoded in this pass); ``found``
-        images its chunk starts were encoded already."""
-        self.num_images_found_encoded += found
+        images it meets were encoded already."""
+        if found:
+            encoder_pass.found[request.request_id] = found
         for i in inputs:
             self.encoder_cache_manager.allocate(request, i)
             feature = request.mm_features[i]
@@ -736,6 +742,9 @@ class Scheduler(SchedulerInterface):
             index = next(i for i, f in enumerate(self.requests[owner].mm_features) if f.identifier == identifier)
             scheduled.setdefault(owner, []).append(index)
             self.num_images_encoded += 1
+        # (A request preempted later in the pass met nothing: its chunk did not run.)
+        self.num_images_found_encoded += sum(n for req_id, n in encoder_pass.found.items()
+                                             if req_id in num_scheduled_tokens)
         return scheduled
 
     def _free_encoder_inputs(self, request: Request) -> None:

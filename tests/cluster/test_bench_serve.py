@@ -4,6 +4,7 @@ the saved results count what the server answered. Real local Ray, Serve, tiny mo
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -183,3 +184,20 @@ def test_random_mm_bucket_configs_are_read_as_vllm_writes_them():
                          ("__import__('os')", "must be a dict")):
         with pytest.raises(ValueError, match=message):
             parse_bucket_config(bad)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ((), "loads /v1/chat/completions"),
+    (("--backend", "openai-chat", "--random-mm-num-mm-items-range-ratio", "1.5"), "must be in \\[0, 1\\]"),
+    (("--backend", "openai-chat", "--random-mm-base-items-per-request", "-1"), "at least 0"),
+    (("--backend", "openai-chat", "--random-mm-limit-mm-per-prompt", '{"video": 1}'), "images' limit"),
+    (("--backend", "openai-chat", "--random-mm-limit-mm-per-prompt", "4"), "images' limit"),
+    (("--backend", "openai-chat", "--random-mm-base-items-per-request", "6", "--random-mm-limit-mm-per-prompt",
+      '{"image": 2}'), "beyond"),
+    (("--backend", "openai-chat", "--random-mm-bucket-config", "{(8, 8, 2): 1.0}"), "only images"),
+])
+def test_random_mm_flags_are_checked_before_anything_is_sent(flags, message, capsys):
+    from cluster.cli import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset-name", "random-mm", *flags]) == 2
+    assert re.search(message, capsys.readouterr().out)

@@ -270,3 +270,27 @@ def test_disable_chunked_mm_input_never_ends_a_chunk_inside_an_image():
     # (An image larger than a chunk still splits: it starts a chunk, which takes what it can.)
     so, _ = step(scheduler)
     assert so.num_scheduled_tokens == {"r": 10} and so.scheduled_encoder_inputs == {"r": [0]}
+
+
+def test_an_image_a_prefix_hit_ends_inside_is_found_encoded():
+    """The same image at the prompt's start, another question after it: the second prompt's prefix
+    hit ends inside the image (its last block is not full), whose rows are found in the encoder
+    cache (counted as found, not encoded again). With --disable-chunked-mm-input a cached image may
+    still be split, as in vLLM (nothing is left to encode)."""
+    first_tokens, features = prompt_with([("cat", 2)], 24, text=1)  # (the image at 2..17)
+    scheduler = create_scheduler(max_tokens_per_mm_item=16, block_size=4)
+    scheduler.add_request(request("one", first_tokens, features, max_tokens=1))
+    step(scheduler)
+    second = request("two", first_tokens[:18] + [777 + i for i in range(10)], features)
+    scheduler.add_request(second)
+    so, _ = step(scheduler)
+    assert second.num_cached_tokens == 16 and so.scheduled_encoder_inputs == {}
+    assert (scheduler.num_images_encoded, scheduler.num_images_found_encoded) == (1, 1)
+    whole = create_scheduler(max_tokens_per_mm_item=16, block_size=4, long_prefill_token_threshold=8)
+    whole.scheduler_config = dataclasses.replace(whole.scheduler_config, disable_chunked_mm_input=True)
+    whole.add_request(request("one", first_tokens, features, max_tokens=1))
+    while whole.requests:
+        step(whole)
+    whole.add_request(request("three", [5] + first_tokens[1:], features, max_tokens=1))  # (no prefix hit)
+    so, _ = step(whole)
+    assert so.num_scheduled_tokens == {"three": 8} and so.scheduled_encoder_inputs == {}  # (split: cached)
