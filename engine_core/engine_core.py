@@ -135,7 +135,8 @@ class EngineCore:
                                    include_finished_set=True,
                                    num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
                                    lora_config=config.lora_config,
-                                   max_tokens_per_mm_item=self.model_info.tokens_per_image)
+                                   max_tokens_per_mm_item=self.model_info.image_geometry.max_tokens
+                                   if self.model_info.image_geometry is not None else 0)
         # LoRA adapters loaded on the workers, by id; the static ones (--lora-modules) load now.
         self.loras: dict[int, LoRARequest] = {}
         # Of those, the ones an in-place reload replaced: unloaded when no request uses them.
@@ -587,16 +588,16 @@ class EngineCore:
         geometry = info.image_geometry
         assert geometry is not None
         for feature in features:
-            size = feature.image_size
-            if geometry.grid_pinpoints and (size is None or min(size) < 1):
+            size = feature.image_size or (1, 1)  # (a fixed count: the geometry reads no size)
+            if geometry.grid_pinpoints and (feature.image_size is None or min(size) < 1):
                 raise RequestRefusedError(f"{info.served_model_name} counts an image's tokens by its size: each image "
                                           "needs its (height, width)")
-            tokens = geometry.num_tokens(*size) if geometry.grid_pinpoints else geometry.base_tokens
+            tokens = geometry.num_tokens(*size)
             if feature.modality != "image" or feature.length != tokens:
                 raise RequestRefusedError(f"{info.served_model_name} takes this image as {tokens} tokens, not a "
                                           f"{feature.modality} of {feature.length}")
             # (Checked here, not in the pass: a misshapen image would fail every request of its pass.)
-            shape = geometry.input_shape(*size) if geometry.grid_pinpoints else geometry.input_shape(1, 1)
+            shape = geometry.input_shape(*size)
             if tuple(feature.pixel_values.shape) != shape:
                 raise RequestRefusedError(f"{info.served_model_name}'s vision encoder takes this image's pixel values "
                                           f"as {list(shape)} ([tiles,] channels, height, width), not "

@@ -163,8 +163,7 @@ class ModelInfo:
     # A vision-language model: the prompt token its images' rows replace, and how many rows (tokens)
     # one image is (0: it takes no images).
     image_token_id: int | None = None
-    tokens_per_image: int = 0
-    # How many tokens (and what pixel values) an image is; tokens_per_image is its most.
+    # How many tokens (at most: max_tokens) and what pixel values an image is.
     image_geometry: ImageGeometry | None = None
     # An encoder (BERT family): its prompts attend both ways, so each runs whole in one pass and none
     # may start from the prefix cache (the engine turns chunked prefill and prefix caching off).

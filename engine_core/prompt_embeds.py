@@ -88,10 +88,9 @@ class PromptEmbeds(msgspec.Struct, array_like=True, frozen=True):
 
     def to_tensor(self) -> torch.Tensor:
         """The rows as a CPU tensor of their own dtype (a copy: the bytes are read-only)."""
-        import torch
+        from engine_core.multimodal import TensorData
 
-        raw = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
-        return raw.view(getattr(torch, self.dtype)).reshape(self.num_tokens, self.hidden_size)
+        return TensorData(self.dtype, (self.num_tokens, self.hidden_size), self.data).to_tensor()
 
     def last(self, num_tokens: int) -> PromptEmbeds:
         """The last ``num_tokens`` rows (a prompt truncated to its end, as truncate_prompt_tokens does)."""

@@ -243,7 +243,6 @@ class _ExecutorBase(Executor):
                                                           else self.model_config.hidden_size),
             input_embedding_size=self.model_config.hidden_size,
             image_token_id=self.model_config.vision.image_token_id if self.model_config.vision else None,
-            tokens_per_image=self.model_config.vision.tokens_per_image if self.model_config.vision else 0,
             image_geometry=self.model_config.vision.geometry if self.model_config.vision else None,
             sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after, encoder_only=self.model_config.encoder_only,

@@ -54,11 +54,15 @@ class EncoderCacheManager:
         if num_embeds > self.num_freeable_slots:
             return False
         while num_embeds > self.num_free_slots:
-            identifier, rows = self.freeable.popitem(last=False)
-            del self.cached[identifier]
-            self.freed.append(identifier)
-            self.num_free_slots += rows
+            self._evict_oldest()
         return True
+
+    def _evict_oldest(self) -> None:
+        """Drop the oldest entry no request holds; the workers are told with the next pass."""
+        identifier, rows = self.freeable.popitem(last=False)
+        del self.cached[identifier]
+        self.freed.append(identifier)
+        self.num_free_slots += rows
 
     def allocate(self, request: Request, input_id: int) -> None:
         """Reserve the image's rows for ``request`` (the workers encode it in this pass)."""
@@ -90,10 +94,7 @@ class EncoderCacheManager:
     def evict_freeable(self) -> None:
         """Evict every entry no request holds (a prefix-cache reset: new weights may follow)."""
         while self.freeable:
-            identifier, rows = self.freeable.popitem(last=False)
-            del self.cached[identifier]
-            self.freed.append(identifier)
-            self.num_free_slots += rows
+            self._evict_oldest()
 
     def reset(self) -> None:
         """Forget every entry (the workers drop theirs: sleep); holds of waiting requests go too

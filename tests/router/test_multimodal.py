@@ -471,8 +471,7 @@ def test_the_engines_send_the_image_processor_and_state_the_vision_facts(llava, 
     assert load_image_processor(tmp_path / "copy").to_dict() == llava[2].to_dict()
     assert load_image_processor(tmp_path) is None
     info = ModelInfo(served_model_name="llava", model_dir=str(directory), max_model_len=64, vocab_size=400,
-                     image_token_id=vision.image_token_id, tokens_per_image=vision.tokens_per_image,
-                     image_geometry=vision.geometry)
+                     image_token_id=vision.image_token_id, image_geometry=vision.geometry)
     description = EngineDescription(model_info=info, scheduler_config={"max_model_len": 64, "policy": "fcfs"},
                                     block_size=16, num_blocks=8, engine_index=0)
     settings = serving_settings(RouterConfig(engine_actor_names=["e0"], namespace="ns",
