@@ -589,10 +589,13 @@ class EngineCore:
         assert geometry is not None
         for feature in features:
             size = feature.image_size or (1, 1)  # (a fixed count: the geometry reads no size)
-            if geometry.grid_pinpoints and (feature.image_size is None or min(size) < 1):
+            if geometry.counts_by_size and (feature.image_size is None or min(size) < 1):
                 raise RequestRefusedError(f"{info.served_model_name} counts an image's tokens by its size: each image "
                                           "needs its (height, width)")
-            tokens = geometry.num_tokens(*size)
+            try:
+                tokens = geometry.num_tokens(*size)
+            except ValueError as e:  # (Qwen2-VL: an image too thin to resize)
+                raise RequestRefusedError(str(e)) from None
             if feature.modality != "image" or feature.length != tokens:
                 raise RequestRefusedError(f"{info.served_model_name} takes this image as {tokens} tokens, not a "
                                           f"{feature.modality} of {feature.length}")
@@ -600,7 +603,8 @@ class EngineCore:
             shape = geometry.input_shape(*size)
             if tuple(feature.pixel_values.shape) != shape:
                 raise RequestRefusedError(f"{info.served_model_name}'s vision encoder takes this image's pixel values "
-                                          f"as {list(shape)} ([tiles,] channels, height, width), not "
+                                          f"as {list(shape)} ([tiles,] channels, height, width, or patches, "
+                                          f"patch values), not "
                                           f"{list(feature.pixel_values.shape)}: its image processor's output size "
                                           "must be the tower's image_size")
         try:

@@ -103,9 +103,10 @@ def check_features(features: list[MultiModalFeature], prompt_token_ids: list[int
 
 
 class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
-    """How many tokens (and encoder tiles) an image is for a model: LLaVA's fixed count, or
-    LLaVA-NeXT's "anyres" count, which depends on the image's size. The router (placeholders) and
-    the engine (checks, the encoder budget) count with the same rules."""
+    """How many tokens (and encoder tiles) an image is for a model: LLaVA's fixed count, LLaVA-NeXT's
+    "anyres" count, or Qwen2-VL's native-resolution count, the last two depending on the image's
+    size. The router (placeholders) and the engine (checks, the encoder budget) count with the same
+    rules."""
 
     # The vision tower's input side (pixels) and patch side; its channels.
     image_size: int
@@ -116,6 +117,49 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     # LLaVA-NeXT: the (height, width) resolutions an image is resized and padded to before it is cut
     # into image_size tiles (beside a whole-image tile); empty for LLaVA's single tile.
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    # Qwen2-VL ("native resolution"): an image is resized to multiples of patch_size * merge_size
+    # pixels within [min_pixels, max_pixels], keeping its aspect, and cut into patch_size patches
+    # (each as temporal_patch_size frames); merge_size x merge_size patches make one token. 0: not so.
+    merge_size: int = 0
+    temporal_patch_size: int = 2
+    min_pixels: int = 0
+    max_pixels: int = 0
+
+    @property
+    def native(self) -> bool:
+        return self.merge_size > 0
+
+    @property
+    def counts_by_size(self) -> bool:
+        """Whether an image's token count depends on its (height, width)."""
+        return self.native or bool(self.grid_pinpoints)
+
+    def resized(self, height: int, width: int) -> tuple[int, int]:
+        """Qwen2-VL: the (height, width) an image is resized to (transformers' smart_resize)."""
+        factor = self.patch_size * self.merge_size
+        if max(height, width) / min(height, width) > 200:
+            raise ValueError(f"an image's sides may differ at most 200x, not {width}x{height}")
+        new_height, new_width = round(height / factor) * factor, round(width / factor) * factor
+        if new_height * new_width > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            new_height = max(factor, math.floor(height / beta / factor) * factor)
+            new_width = max(factor, math.floor(width / beta / factor) * factor)
+        elif new_height * new_width < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            new_height = math.ceil(height * beta / factor) * factor
+            new_width = math.ceil(width * beta / factor) * factor
+        return new_height, new_width
+
+    def patch_grid(self, height: int, width: int) -> tuple[int, int, int]:
+        """Qwen2-VL: an image's (frames, rows, columns) of patches (transformers' image_grid_thw)."""
+        new_height, new_width = self.resized(height, width)
+        return 1, new_height // self.patch_size, new_width // self.patch_size
+
+    @property
+    def min_tokens(self) -> int:
+        """The fewest tokens an image may take."""
+        # (Qwen2-VL: a large thin image may shrink below min_pixels, to one merged patch.)
+        return 1 if self.native else self.base_tokens
 
     @property
     def tiles_side(self) -> int:
@@ -139,7 +183,7 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
 
     def num_tiles(self, height: int, width: int) -> int:
         """The encoder's input tiles of one image: 1, or the pinpoint's grid plus the whole image."""
-        if not self.grid_pinpoints:
+        if not self.grid_pinpoints or self.native:
             return 1
         pin_height, pin_width = self.best_resolution(height, width)
         return -(-pin_height // self.image_size) * -(-pin_width // self.image_size) + 1
@@ -160,6 +204,9 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
 
     def num_tokens(self, height: int, width: int) -> int:
         """The placeholders (and encoder rows) of an image of ``height`` x ``width`` pixels."""
+        if self.native:
+            _, rows, columns = self.patch_grid(height, width)
+            return rows * columns // self.merge_size ** 2
         if not self.grid_pinpoints:
             return self.base_tokens
         rows, columns = self.grid_features(height, width)
@@ -167,12 +214,33 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def max_tokens(self) -> int:
-        """The most tokens one image may take (an image of a pinpoint's shape loses no padding)."""
+        """The most tokens one image may take (an image of a pinpoint's shape loses no padding; for
+        Qwen2-VL, one of max_pixels, or one so thin that its short side is rounded up)."""
+        if self.native:
+            # (At most max_pixels once resized, unless a side is rounded up to one merged patch: then
+            # the thinnest images, 200:1, large or small, take the most.)
+            factor = self.patch_size * self.merge_size
+            thin = ((100 * factor, 20000 * factor), (1, 200))
+            return max(self.max_pixels // factor ** 2,
+                       *(self.num_tokens(*size) for pair in thin for size in (pair, pair[::-1])))
         if not self.grid_pinpoints:
             return self.base_tokens
         return max(self.num_tokens(h, w) for h, w in self.grid_pinpoints)
 
+    @property
+    def largest_image(self) -> tuple[int, int]:
+        """Qwen2-VL: the (height, width) of an image that is the most patches the encoder may take at
+        once (what a memory profile runs)."""
+        factor = self.patch_size * self.merge_size
+        most = max(1, self.max_pixels // factor ** 2)
+        sides = ((rows, max(1, min(200 * rows, most // rows))) for rows in range(1, min(most, 200) + 1))
+        return max(((r * factor, c * factor) for r, c in sides), key=lambda hw: self.num_tokens(*hw))
+
     def input_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """The processed image's pixel values: (channels, side, side), or (tiles, channels, side, side)."""
+        """The processed image's pixel values: (channels, side, side), (tiles, channels, side, side),
+        or Qwen2-VL's (patches, channels x frames x patch_size x patch_size)."""
+        if self.native:
+            _, rows, columns = self.patch_grid(height, width)
+            return rows * columns, self.num_channels * self.temporal_patch_size * self.patch_size ** 2
         side = (self.num_channels, self.image_size, self.image_size)
         return side if not self.grid_pinpoints else (self.num_tiles(height, width), *side)

@@ -18,7 +18,12 @@ import torch
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     LLAVA_ARCHITECTURES,
+    QWEN_VL_ARCHITECTURES,
+    QwenVisionConfig,
     VisionConfig,
+    mrope_section,
+    qwen_vision_config_from_dict,
+    qwen_vl_text_config,
     text_architecture,
     vision_config_from_dict,
     with_full_text_config,
@@ -628,7 +633,7 @@ class ModelConfig:
     dtype: torch.dtype | None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # A vision-language model's image side (LLaVA: CLIP tower and projector); None for text models.
-    vision: VisionConfig | None = None
+    vision: VisionConfig | QwenVisionConfig | None = None
     # Per layer, whether it attends through the sliding window (empty: every layer does, when there
     # is one). Qwen2/Qwen3 window only their layers from max_window_layers on.
     sliding_window_layers: tuple[bool, ...] = ()
@@ -645,6 +650,9 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = ()
     # RoPE's width within each head (head_dim unless partial_rotary_factor < 1: Phi-4-mini); 0: head_dim.
     rotary_dim: int = 0
+    # Qwen2-VL's M-RoPE: how many of the rotary frequencies follow a token's time, height and width
+    # position (an image's patches differ in the last two; text's three are equal). None: plain RoPE.
+    mrope_section: tuple[int, ...] | None = None
     # Not a checkpoint fact: how the workers place the experts (--enable-expert-parallel). True: each
     # TP rank holds num_experts / tp whole experts; False: a slice of every expert's width.
     expert_parallel: bool = False
@@ -809,10 +817,13 @@ class ModelConfig:
             vision = vision_config_from_dict(cfg)
             arch = text_architecture(cfg)
             cfg = _text_config(with_full_text_config(cfg), arch)
+        elif arch in QWEN_VL_ARCHITECTURES and not embedding_only:
+            vision = qwen_vision_config_from_dict(cfg)
+            cfg, arch = qwen_vl_text_config(cfg), "Qwen2ForCausalLM"
         elif embedding_only:
             arch = {**EMBEDDING_DECODER_OF, **headed}[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:
-            known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + LLAVA_ARCHITECTURES
+            known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + LLAVA_ARCHITECTURES + QWEN_VL_ARCHITECTURES
                      + tuple(EMBEDDING_DECODER_OF) + tuple(headed) + tuple(ENCODER_ARCHITECTURES))
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
@@ -830,6 +841,16 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         # (transformers' Gemma configs default head_dim to 256, whatever hidden_size / heads is.)
         head_dim = int(cfg.get("head_dim") or (256 if gemma else hidden // num_heads))
+        # Qwen2-VL's M-RoPE: plain RoPE whose frequencies are split among three position axes.
+        sections = mrope_section(cfg)
+        if sections is not None:
+            if not isinstance(vision, QwenVisionConfig):
+                raise ValueError(f"M-RoPE (mrope_section) is served for Qwen2-VL models, not {arch}")
+            cfg = {**cfg, **{key: {k: v for k, v in cfg[key].items() if k not in ("mrope_section", "type")}
+                             for key in ("rope_parameters", "rope_scaling") if isinstance(cfg.get(key), dict)}}
+            for key in ("rope_parameters", "rope_scaling"):
+                if isinstance(cfg.get(key), dict) and cfg[key].get("rope_type") == "mrope":
+                    cfg[key] = {**cfg[key], "rope_type": "default"}
         theta, scaling = _rope_from_dict(arch, cfg)
         if gemma and scaling and scaling["rope_type"] not in ("linear", "llama3"):
             raise ValueError(f"rope_type must be 'default', 'linear' or 'llama3' for {arch}, "
@@ -911,6 +932,7 @@ class ModelConfig:
             vision=vision,
             sliding_window_layers=window_layers,
             rotary_dim=rotary_dim,
+            mrope_section=sections,
             hidden_act=act,
             embedding_only=embedding_only or bidirectional,
             encoder_only=bidirectional,
@@ -986,6 +1008,11 @@ class ModelConfig:
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)
+        processor_path = model_dir / "preprocessor_config.json"
+        if isinstance(config.vision, QwenVisionConfig) and processor_path.exists():
+            # (Qwen2-VL: the processor's pixel range decides an image's token count.)
+            config = dataclasses.replace(config, vision=qwen_vision_config_from_dict(
+                cfg, json.loads(processor_path.read_text())))
         # (Older llm-compressor releases name it compression_config, as vLLM also reads it.)
         quantization = cfg.get("quantization_config") or cfg.get("compression_config")
         method, block = weight_quantization(quantization)  # (others: refused here)

@@ -38,6 +38,7 @@ from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 from gpu_worker.lora.layers import LORA_BASE
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
+from gpu_worker.mrope import mrope_positions, pass_positions
 from gpu_worker.pooler_config import DENSE_ACTIVATIONS, PER_TOKEN_POOLING, DenseProjection, load_dense_weights
 from gpu_worker.quantized_checkpoint import dequantized_weights
 from gpu_worker.rejection_sampler import rejection_sample, rejection_sample_with_logits
@@ -160,6 +161,9 @@ class ModelRunner:
         dtype and KV cache dtype; ValueError when it cannot propose for this model."""
         if self.model is None:
             raise RuntimeError("load_model() must come before load_draft_model()")
+        if self.config.mrope_section is not None:
+            raise ValueError("a draft model cannot propose for a model with M-RoPE positions (Qwen2-VL): use "
+                             "n-gram speculative decoding")
         if config.max_context_len < self.max_model_len:
             raise ValueError(f"the draft model's context ({config.max_context_len} tokens) is shorter than "
                              f"max_model_len ({self.max_model_len}): lower --max-model-len or choose another draft")
@@ -327,6 +331,9 @@ class ModelRunner:
                 # image is many tiles for few tokens.)
                 size = max(geometry.grid_pinpoints or [(1, 1)], key=lambda hw: geometry.num_tiles(*hw))
                 images = max(1, num_tokens // geometry.base_tokens)
+                if geometry.native:  # (Qwen2-VL: the largest images, whose patches attend to each other)
+                    size = geometry.largest_image
+                    images = max(1, num_tokens // geometry.num_tokens(*size))
                 self.model.embed_images([torch.zeros(geometry.input_shape(*size), dtype=self.dtype, device=self.device)
                                          ] * images, [size] * images)
                 # The encoder cache's rows (the scheduler's cache size), held through the forward.
@@ -762,6 +769,8 @@ class ModelRunner:
             prompt_lens = np.fromiter((s.num_prompt_tokens for s in states), dtype=np.int64, count=num_reqs)
             positions = longrope_rows(positions, prompt_lens[req_index], self.rope_short_offset,
                                       self.rope_original_len)
+        if self.config.mrope_section is not None:  # Qwen2-VL: images' (time, height, width) positions
+            positions = self._mrope_positions(states, positions, starts, ends, query_start_loc)
         hidden = self._run_model(input_ids_t, torch.from_numpy(positions).to(self.device), meta, states, starts, ends,
                                  query_start_loc)
         return hidden, sample_rows, query_start_loc[1:] - 1
@@ -786,6 +795,19 @@ class ModelRunner:
             return out
         distributed.send_to_next_stage(list(out))
         return None
+
+    def _mrope_positions(self, states: list[RequestState], positions: np.ndarray, starts: np.ndarray,
+                         ends: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray:
+        """The pass's M-RoPE positions: the requests with images take their prompt's table (made at
+        their first pass) and shift the positions past it; the others' stay as they are."""
+        tables = []
+        for i, s in enumerate(states):
+            if not s.mm_features:
+                continue
+            if s.mrope is None:
+                s.mrope = mrope_positions(s.num_prompt_tokens, s.mm_features, self.config.vision.geometry)
+            tables.append((int(query_start_loc[i]), int(starts[i]), int(ends[i]), *s.mrope))
+        return pass_positions(positions, tables) if tables else positions
 
     def _encode_images(self, scheduled: dict[str, list[int]]) -> None:
         """Run the vision encoder on the images the scheduler named (one batch), caching each one's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine_core.multimodal import MultiModalFeature
@@ -51,6 +52,8 @@ class RequestState:
     # A prompt's images (in prompt order): where their placeholders sit, and their encoder inputs
     # (the runner encodes those the scheduler names, and keeps the rows by identifier).
     mm_features: list[MultiModalFeature] | None = None
+    # M-RoPE (Qwen2-VL) with images: the prompt's [3, prompt] positions and the shift of those past it.
+    mrope: tuple[np.ndarray, int] | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -123,3 +123,127 @@ def vision_config_from_dict(cfg: dict[str, Any]) -> VisionConfig:
         select_strategy=strategy, projector_act=str(cfg.get("projector_hidden_act", "gelu")),
         projector_bias=bool(cfg.get("multimodal_projector_bias", True)), image_token_id=int(token),
         grid_pinpoints=pinpoints)
+
+
+# Qwen2-VL and Qwen2.5-VL: a native-resolution vision tower (an image keeps its aspect, resized to a
+# multiple of 28 pixels within a pixel range; 14-pixel patches, 2x2 of them merged into one token)
+# in front of a Qwen2 decoder whose rotary positions are three-dimensional (M-RoPE).
+QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# transformers' Qwen2VLImageProcessor defaults: the resized image's pixel range.
+QWEN_VL_MIN_PIXELS = 56 * 56
+QWEN_VL_MAX_PIXELS = 28 * 28 * 1280
+
+
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    """A Qwen2-VL / Qwen2.5-VL vision tower (config.json's vision_config, transformers' names where
+    they have one) and the image side of the model around it."""
+
+    # Qwen2.5-VL's tower: RMSNorms, a gated MLP, attention within windows except in
+    # ``fullatt_block_indexes``; Qwen2-VL's: LayerNorms, a two-layer MLP, every block full attention.
+    windowed: bool
+    depth: int
+    # The tower's width (Qwen2-VL's ``embed_dim``, Qwen2.5-VL's ``hidden_size``) and its MLP's.
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    hidden_act: str
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    # The merger's output width: the language model's (Qwen2-VL's vision ``hidden_size``, Qwen2.5-VL's
+    # ``out_hidden_size``).
+    out_hidden_size: int
+    # Qwen2.5-VL: a window's side in pixels, and the blocks that attend over the whole image.
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    # The prompt token an image's rows replace.
+    image_token_id: int
+    # The resized image's pixel range (preprocessor_config.json's, transformers' defaults otherwise).
+    min_pixels: int = QWEN_VL_MIN_PIXELS
+    max_pixels: int = QWEN_VL_MAX_PIXELS
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_input_size(self) -> int:
+        """One patch's pixel values as the processor flattens them: channels x frames x side x side."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return ImageGeometry(self.patch_size * self.spatial_merge_size, self.patch_size, self.in_channels,
+                             merge_size=self.spatial_merge_size, temporal_patch_size=self.temporal_patch_size,
+                             min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """The most tokens one image may take."""
+        return self.geometry.max_tokens
+
+
+def qwen_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] | None = None) -> QwenVisionConfig:
+    """Qwen2-VL's or Qwen2.5-VL's vision side from its config.json and preprocessor_config.json
+    (the resized images' pixel range; transformers' defaults without one)."""
+    windowed = cfg["architectures"][0] == "Qwen2_5_VLForConditionalGeneration"
+    vision = dict(cfg.get("vision_config") or {})
+    processor = processor or {}
+    size = processor.get("size") if isinstance(processor.get("size"), dict) else {}
+    min_pixels = int(processor.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+                     or QWEN_VL_MIN_PIXELS)
+    max_pixels = int(processor.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+                     or QWEN_VL_MAX_PIXELS)
+    if not 0 < min_pixels <= max_pixels:
+        raise ValueError(f"the image processor's min_pixels ({min_pixels}) must be positive and at most its "
+                         f"max_pixels ({max_pixels})")
+    if windowed:  # (transformers' Qwen2_5_VLVisionConfig defaults)
+        width = int(vision.get("hidden_size", 3584))
+        mlp, out = int(vision.get("intermediate_size", 3420)), int(vision.get("out_hidden_size", 3584))
+        act = str(vision.get("hidden_act", "silu"))
+    else:  # (Qwen2VLVisionConfig's)
+        width = int(vision.get("embed_dim", 1280))
+        mlp, out = width * int(vision.get("mlp_ratio", 4)), int(vision.get("hidden_size", 3584))
+        act = str(vision.get("hidden_act", "quick_gelu"))
+    vc = QwenVisionConfig(
+        windowed=windowed, depth=int(vision.get("depth", 32)), hidden_size=width, intermediate_size=mlp,
+        num_heads=int(vision.get("num_heads", 16)), hidden_act=act,
+        in_channels=int(vision.get("in_channels", vision.get("in_chans", 3))),
+        patch_size=int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
+        temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(vision.get("spatial_merge_size", 2)), out_hidden_size=out,
+        window_size=int(vision.get("window_size", 112)) if windowed else 0,
+        fullatt_block_indexes=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31)))
+        if windowed else (),
+        image_token_id=int(cfg.get("image_token_id", 151655)), min_pixels=min_pixels, max_pixels=max_pixels)
+    for key, ours in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size),
+                      ("temporal_patch_size", vc.temporal_patch_size)):
+        if processor.get(key) is not None and int(processor[key]) != ours:
+            raise ValueError(f"preprocessor_config.json's {key} {processor[key]} is not the vision tower's {ours}")
+    if vc.hidden_size % vc.num_heads or vc.head_dim % 4:
+        raise ValueError(f"the vision tower's width {vc.hidden_size} must split into {vc.num_heads} heads whose "
+                         "width is a multiple of 4 (its 2-D rotary embedding)")
+    return vc
+
+
+def qwen_vl_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2-VL config's language model as a Qwen2 config: its text_config (transformers 5's
+    layout), or the top level's keys (the released checkpoints': everything but vision_config)."""
+    text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
+    for key in ("eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if cfg.get(key) is not None:
+            text.setdefault(key, cfg[key])
+    text["architectures"] = ["Qwen2ForCausalLM"]
+    return text
+
+
+def mrope_section(cfg: dict[str, Any]) -> tuple[int, ...] | None:
+    """M-RoPE's split of the rotary frequencies among (time, height, width) positions, from a
+    config's rope_scaling (or transformers 5's rope_parameters); None where there is none."""
+    for key in ("rope_parameters", "rope_scaling"):
+        value = cfg.get(key)
+        if isinstance(value, dict) and value.get("mrope_section"):
+            return tuple(int(v) for v in value["mrope_section"])
+    return None

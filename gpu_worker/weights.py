@@ -144,7 +144,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
         expert = _expert_parameter(hf_name, params) if ".experts." in hf_name else None
         if expert is not None:
             name, shard_id = expert
-        else:
+        elif hf_name not in params:  # (a parameter of the checkpoint's own name is not a shard: Qwen2.5-VL's tower)
             for hf_part, (ours, shard) in packed.items():
                 if f".{hf_part}." in hf_name:
                     name, shard_id = hf_name.replace(f".{hf_part}.", f".{ours}."), shard

@@ -316,14 +316,14 @@ class MultiModalProcessor:
     @property
     def counts_by_size(self) -> bool:
         """Whether an image's token count depends on its size (known once it is loaded)."""
-        return bool(self.geometry.grid_pinpoints)
+        return self.geometry.counts_by_size
 
     def expand(self, prompt_ids: list[int], num_images: int,
                counts: list[int] | None = None) -> tuple[list[int], list[int]]:
         """``counts``: each image's tokens (the geometry's fixed count when None; for an image
-        counted by its size, at least its whole-image tile's)."""
+        counted by its size, the fewest it may take)."""
         return expand_image_tokens(prompt_ids, self.image_token_id,
-                                   counts if counts is not None else self.geometry.base_tokens, num_images,
+                                   counts if counts is not None else self.geometry.min_tokens, num_images,
                                    self.placeholder)
 
     def process(self, data: bytes) -> ProcessedImage:
@@ -332,8 +332,9 @@ class MultiModalProcessor:
 
     def process_image(self, image: Image.Image) -> ProcessedImage:
         """A decoded image (RGB) as the vision encoder takes it, and its digest."""
-        # ([C, H, W]; LLaVA-NeXT's: [tiles, C, H, W])
-        processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"][0]
+        # ([C, H, W]; LLaVA-NeXT's: [tiles, C, H, W]; Qwen2-VL's, the batch's patches: [patches, C x T x P x P])
+        processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"]
+        processed = processed if self.geometry.native else processed[0]
         size = (image.height, image.width)
         expected = self.geometry.input_shape(*size)
         if tuple(processed.shape) != expected:  # (a processor config the model's does not match)

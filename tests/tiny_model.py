@@ -128,9 +128,10 @@ def _save_random_model(path: Path, make_config, seed: int, num_layers: int, hidd
     return _save_randomized((auto_class or AutoModelForCausalLM).from_config(config), path, tokenizer)
 
 
-def _save_randomized(model, path: Path, tokenizer) -> Path:
+def _save_randomized(model, path: Path, tokenizer, rescale: dict[str, float] | None = None) -> Path:
     """Save ``model`` (weights drawn larger than the init default, so greedy decoding is not
-    dominated by near-ties), its generation config and ``tokenizer`` into ``path``."""
+    dominated by near-ties; those whose names contain a key of ``rescale`` then scaled by its value),
+    its generation config and ``tokenizer`` into ``path``."""
     import torch
     from transformers import GenerationConfig
 
@@ -138,6 +139,10 @@ def _save_randomized(model, path: Path, tokenizer) -> Path:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+        for name, p in model.named_parameters():
+            for part, factor in (rescale or {}).items():
+                if part in name:
+                    p.mul_(factor)
     model.save_pretrained(path, safe_serialization=True)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -303,3 +308,59 @@ def _save_llava(path: Path, model_class, config, seed: int, tokenizer, processor
     _save_randomized(model_class(config), path, tokenizer)
     processor.save_pretrained(path)
     return path
+
+
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_pixels: int = 28 * 28 * 16) -> Path:
+    """Save a random tiny Qwen2-VL (``windowed``: Qwen2.5-VL) into ``path``: a 2-block vision tower
+    (3 blocks, windows of 2x2 merged patches and one full-attention block for 2.5) over 14-pixel
+    patches, a 2-layer Qwen2 decoder with M-RoPE, our tokenizer plus Qwen's vision tokens, a chat
+    template taking image parts, and the image processor's config (at most ``max_pixels`` per image)."""
+    import torch
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
+                                                                "<|vision_end|>"]})
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad", "vision_end")}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    tokens = dict(image_token_id=ids["image_pad"], vision_start_token_id=ids["vision_start"],
+                  vision_end_token_id=ids["vision_end"], video_token_id=ids["image_pad"] + 100,
+                  eos_token_id=tokenizer.eos_token_id)
+    if windowed:
+        vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=56,
+                      fullatt_block_indexes=[1])
+        model_class, config = Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(
+            vision_config=vision, text_config=text, **tokens)
+    else:
+        vision = dict(depth=2, embed_dim=32, num_heads=2, hidden_size=64, mlp_ratio=2)
+        model_class, config = Qwen2VLForConditionalGeneration, Qwen2VLConfig(vision_config=vision, text_config=text,
+                                                                              **tokens)
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():  # (norms off their init too, so the test sees each one)
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and ("norm" in name or "ln_q" in name):
+                p.uniform_(0.5, 1.5)
+    # (The merger's rows scaled to the text embeddings' size: else an image's rows decide every answer.)
+    _save_randomized(model, Path(path), tokenizer, rescale={"merger.mlp.2.": 0.1})
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels).save_pretrained(path)
+    return Path(path)

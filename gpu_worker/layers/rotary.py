@@ -137,9 +137,19 @@ def longrope_rows(positions: np.ndarray, prompt_lens: np.ndarray, short_offset: 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> None:
+                 scaling: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
+                 mrope_section: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
+        # Qwen2-VL's M-RoPE: the frequencies' split among (time, height, width) positions; a token's
+        # cos/sin take each section's values from that axis' position (see cos_sin).
+        self.mrope_bounds: list[tuple[int, int]] | None = None
+        if mrope_section is not None:
+            if len(mrope_section) != 3 or sum(mrope_section) != rotary_dim // 2:
+                raise ValueError(f"mrope_section must split the {rotary_dim // 2} rotary frequencies in three, "
+                                 f"got {list(mrope_section)}")
+            ends = np.cumsum(mrope_section).tolist()
+            self.mrope_bounds = list(zip([0, *ends[:2]], ends, strict=True))
         # LongRoPE: where the short factors' rows start, and the length above which the long ones apply.
         self.short_offset: int | None = None
         self.original_max_position: int | None = None
@@ -158,7 +168,15 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, 1, rotary_dim // 2] each: looked up once per step, shared by every layer.
-        ``positions`` are rows of the table (for LongRoPE, see the module's docstring)."""
+        ``positions`` are rows of the table (for LongRoPE, see the module's docstring); for M-RoPE
+        they may be [3, num_tokens], each token's time, height and width positions."""
+        if positions.dim() == 2:
+            assert self.mrope_bounds is not None, "three position axes need an M-RoPE model"
+            cos = torch.cat([self.cos_cache.index_select(0, axis)[:, a:b]
+                             for axis, (a, b) in zip(positions, self.mrope_bounds, strict=True)], dim=-1)
+            sin = torch.cat([self.sin_cache.index_select(0, axis)[:, a:b]
+                             for axis, (a, b) in zip(positions, self.mrope_bounds, strict=True)], dim=-1)
+            return cos.unsqueeze(1), sin.unsqueeze(1)
         return (self.cos_cache.index_select(0, positions).unsqueeze(1),
                 self.sin_cache.index_select(0, positions).unsqueeze(1))
 

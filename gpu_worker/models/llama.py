@@ -197,7 +197,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.holds_embedding
                              else PPMissingLayer())
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
-                                          config.rope_theta, config.rope_scaling)
+                                          config.rope_theta, config.rope_scaling,
+                                          mrope_section=config.mrope_section)
         self.layers = stage.layers(config, LlamaDecoderLayer)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else PPMissingLayer()
 

@@ -20,6 +20,8 @@ from gpu_worker.models.llama import (
 )
 from gpu_worker.models.llava import llava_class
 from gpu_worker.models.modernbert import ModernBertModel
+from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from gpu_worker.vision_config import QwenVisionConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -52,6 +54,8 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 def build_model(config: ModelConfig) -> nn.Module:
     """Uninitialised model (parameters are torch.empty) on the current default device and dtype."""
     model_class = get_model_class(config.architecture)
-    if config.vision is not None:  # (a vision-language model: its decoder, and the image side)
+    if isinstance(config.vision, QwenVisionConfig):  # (Qwen2-VL / Qwen2.5-VL: a Qwen2 decoder)
+        model_class = Qwen2VLForConditionalGeneration
+    elif config.vision is not None:  # (LLaVA: its decoder, and the image side)
         model_class = llava_class(model_class)
     return model_class(config)

@@ -1,0 +1,216 @@
+"""Qwen2-VL and Qwen2.5-VL (native-resolution images, M-RoPE positions): our engine's prompt
+logprobs and greedy tokens equal transformers' on tiny random checkpoints, whole and in chunks
+across images, beside text-only requests, through the prefix cache; the geometry against
+transformers' processor; the config and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine_core.engine_core import RequestRefusedError
+from engine_core.multimodal import MultiModalFeature, TensorData, feature_identifier
+from engine_core.outputs import EngineCoreRequest
+from engine_core.sampling_params import SamplingParams
+from gpu_worker.config import ModelConfig
+from gpu_worker.mrope import mrope_positions
+from gpu_worker.vision_config import QwenVisionConfig
+from tests.gpu_worker.test_llava import make_engine, picture
+from tests.tiny_model import build_tiny_qwen2_vl
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen(request, tmp_path_factory):
+    """(model dir, transformers' model, its image processor)."""
+    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    windowed = request.param == "qwen2_5_vl"
+    model_dir = build_tiny_qwen2_vl(tmp_path_factory.mktemp(request.param), windowed=windowed)
+    model_class = Qwen2_5_VLForConditionalGeneration if windowed else Qwen2VLForConditionalGeneration
+    return model_dir, model_class.from_pretrained(model_dir).eval(), AutoImageProcessor.from_pretrained(model_dir)
+
+
+def prompt(qwen, text_ids: list[list[int]], images: list):
+    """Text pieces with an image between each two (each within vision start/end tokens): token ids
+    (placeholders expanded), features, and transformers' inputs (pixel values, grids)."""
+    _, model, processor = qwen
+    config = model.config
+    ids: list[int] = []
+    features = []
+    pixels = grids = None
+    if images:
+        out = processor(images=images, return_tensors="pt")
+        pixels, grids = out["pixel_values"], out["image_grid_thw"]
+    first = 0
+    for i, piece in enumerate(text_ids):
+        ids += piece
+        if i < len(images):
+            t, h, w = grids[i].tolist()
+            data = TensorData.from_array(pixels[first:first + t * h * w])
+            first += t * h * w
+            ids.append(config.vision_start_token_id)
+            features.append(MultiModalFeature("image", feature_identifier("image", data), len(ids), t * h * w // 4,
+                                              data, (images[i].height, images[i].width)))
+            ids += [config.image_token_id] * (t * h * w // 4) + [config.vision_end_token_id]
+    return ids, features, (pixels, grids)
+
+
+def reference(qwen, ids: list[int], inputs) -> tuple[list[float], list[int]]:
+    """transformers' logprob of each prompt token after the first, and its greedy tokens."""
+    _, model, _ = qwen
+    pixels, grids = inputs
+    kwargs = {} if pixels is None else {"pixel_values": pixels, "image_grid_thw": grids}
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    with torch.no_grad():
+        # (transformers 5 places the images' M-RoPE positions only where told which tokens are images.)
+        is_image = (torch.tensor([ids]) == model.config.image_token_id).int()
+        types = {} if pixels is None else {"mm_token_type_ids": is_image}
+        logits = model(input_ids=torch.tensor([ids]), attention_mask=mask, **kwargs, **types).logits[0].float()
+        prompt_logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=mask, max_new_tokens=MAX_TOKENS,
+                             do_sample=False, **kwargs, **types)
+    return prompt_logprobs.tolist(), out[0, len(ids):].tolist()
+
+
+def run(engine, requests: dict, cached: dict[str, int] | None = None) -> dict[str, tuple[list[float], list[int]]]:
+    """Each request's prompt logprobs and greedy tokens (only the tokens when ``cached`` is given:
+    a request asking for prompt logprobs does not read the prefix cache)."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                            prompt_logprobs=0 if cached is None else None)
+    for req_id, (ids, features) in requests.items():
+        engine.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=ids, sampling_params=params,
+                                             mm_features=features or None))
+    got: dict[str, tuple[list[float], list[int]]] = {r: ([], []) for r in requests}
+    while engine.has_work():
+        for eco in engine.step().values():
+            for out in eco.outputs:
+                if out.new_prompt_logprobs is not None:
+                    got[out.request_id][0].extend(out.new_prompt_logprobs.sampled_logprobs)
+                got[out.request_id][1].extend(out.new_token_ids)
+                if cached is not None and out.num_cached_tokens:
+                    cached[out.request_id] = out.num_cached_tokens
+    return got
+
+
+def assert_equal(got: tuple[list[float], list[int]], want: tuple[list[float], list[int]]) -> None:
+    np.testing.assert_allclose(got[0], want[0], atol=2e-4)
+    assert got[1] == want[1]
+
+
+def test_two_images_equal_transformers_whole_and_in_chunks_across_the_images(qwen):
+    model_dir = qwen[0]
+    # Images of other shapes: their grids are 4x6 and 6x4 patches (6 tokens each), 8x8 (16).
+    ids, features, inputs = prompt(qwen, [[74, 75], [223, 263, 84], [71]],
+                                   [picture(0), picture(1, (90, 60))])
+    want = reference(qwen, ids, inputs)
+    assert_equal(run(make_engine(model_dir), {"a": (ids, features)})["a"], want)
+    # 5-token passes: each image's placeholders run over several chunks (its rows encoded once).
+    engine = make_engine(model_dir, max_num_batched_tokens=5)
+    assert_equal(run(engine, {"a": (ids, features)})["a"], want)
+    assert engine.stats().num_images_encoded == 2
+
+
+def test_an_image_prompt_beside_text_prompts_in_one_batch(qwen):
+    """Text-only requests keep their plain positions while an image request's take the table (and
+    its decode steps the shift), in the same passes."""
+    model_dir = qwen[0]
+    image_ids, image_features, inputs = prompt(qwen, [[90, 91], [92]], [picture(2, (120, 100))])
+    text_ids = [5, 9, 11, 200, 31]
+    want = {"image": reference(qwen, image_ids, inputs), "text": reference(qwen, text_ids, (None, None))}
+    got = run(make_engine(model_dir, max_num_batched_tokens=16), {"image": (image_ids, image_features),
+                                                                  "text": (text_ids, [])})
+    for req_id in want:
+        assert_equal(got[req_id], want[req_id])
+
+
+def test_the_same_image_again_hits_the_prefix_cache_and_answers_the_same(qwen):
+    model_dir = qwen[0]
+    engine = make_engine(model_dir, block_size=4)
+    ids, features, inputs = prompt(qwen, [[74, 75, 223], [263, 84, 71, 90]], [picture(3)])
+    want = reference(qwen, ids, inputs)
+    cached: dict[str, int] = {}
+    assert run(engine, {"first": (ids, features)}, cached)["first"][1] == want[1] and not cached
+    assert run(engine, {"again": (ids, features)}, cached)["again"][1] == want[1]
+    assert cached["again"] == len(ids) - len(ids) % 4 - (len(ids) % 4 == 0) * 4
+
+
+def test_positions_equal_transformers_rope_index(qwen):
+    model_dir, model, _ = qwen
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    ids, features, (_, grids) = prompt(qwen, [[74], [75, 76], [77, 78, 79]],
+                                       [picture(4, (40, 200)), picture(5, (200, 40))])
+    tensor_ids = torch.tensor([ids])
+    want, want_delta = model.model.get_rope_index(tensor_ids, (tensor_ids == model.config.image_token_id).int(), grids)
+    positions, delta = mrope_positions(len(ids), features, geometry)
+    assert (positions == want[:, 0].numpy()).all() and delta == int(want_delta)
+
+
+def test_the_geometry_counts_and_shapes_images_as_transformers_processor_does(qwen):
+    model_dir, _, processor = qwen
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    rng = np.random.RandomState(0)
+    for height, width in [(1, 1), (28, 28), (40, 50), (13, 900), (900, 13), (300, 301), (14, 2800), (60, 12000),
+                          *rng.randint(1, 400, (20, 2))]:
+        out = processor(images=[picture(0, (int(height), int(width)))], return_tensors="np")
+        assert geometry.patch_grid(height, width) == tuple(out["image_grid_thw"][0])
+        assert geometry.input_shape(height, width) == out["pixel_values"].shape
+        assert geometry.num_tokens(height, width) <= geometry.max_tokens
+    # (At most max_pixels, 16 tokens, but a 200:1 image's short side is rounded up to 28 pixels.)
+    assert geometry.max_tokens == geometry.num_tokens(60, 12000) == 56
+
+
+def test_config_reads_the_processor_pixel_range_and_both_layouts(qwen, tmp_path):
+    model_dir = qwen[0]
+    config = ModelConfig.from_pretrained(model_dir)
+    assert isinstance(config.vision, QwenVisionConfig) and config.mrope_section == (2, 3, 3)
+    assert (config.vision.min_pixels, config.vision.max_pixels) == (56 * 56, 28 * 28 * 16)
+    assert config.architecture == "Qwen2ForCausalLM" and config.vision.tokens_per_image == 56
+    # The released checkpoints' flat layout: the language model's keys at the top level, "mrope" rope_scaling.
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.pop("text_config")
+    flat = {**cfg, **{k: v for k, v in text.items() if k != "rope_parameters"}, "rope_theta": 10000.0,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    flat_config = ModelConfig.from_dict(flat)
+    assert flat_config.mrope_section == (2, 3, 3) and flat_config.rope_scaling in (None, {"rope_type": "default"})
+    assert (flat_config.hidden_size, flat_config.num_hidden_layers) == (64, 2)
+    # A processor of the released checkpoints' kind (min/max_pixels at its top level).
+    processor = json.loads((model_dir / "preprocessor_config.json").read_text())
+    for key in ("size",):
+        processor.pop(key)
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**processor, "min_pixels": 784,
+                                                                   "max_pixels": 28 * 28 * 64}))
+    assert ModelConfig.from_pretrained(tmp_path).vision.max_pixels == 28 * 28 * 64
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**processor, "patch_size": 16}))
+    with pytest.raises(ValueError, match="patch_size 16 is not the vision tower's 14"):
+        ModelConfig.from_pretrained(tmp_path)
+    llama = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "rope_scaling": {"type": "mrope",
+                                                                                "mrope_section": [2, 3, 3]}}
+    with pytest.raises(ValueError, match="M-RoPE"):
+        ModelConfig.from_dict(llama)
+
+
+def test_the_engine_refuses_images_it_cannot_take(qwen):
+    model_dir = qwen[0]
+    ids, features, _ = prompt(qwen, [[74], [75]], [picture(6)])
+    engine = make_engine(model_dir)
+    params = SamplingParams(max_tokens=2)
+    feature = features[0]
+    for bad, match in (
+            (MultiModalFeature("image", "x", feature.offset, feature.length, feature.pixel_values, None), "its size"),
+            (MultiModalFeature("image", "x", feature.offset, feature.length, feature.pixel_values, (10, 4000)),
+             "at most 200x"),
+            (MultiModalFeature("image", "x", feature.offset, feature.length, feature.pixel_values, (200, 200)),
+             "as 16 tokens"),
+            (MultiModalFeature("image", "x", feature.offset, feature.length,
+                               TensorData.from_array(torch.zeros(feature.length * 4, 3)), (40, 50)),
+             r"as \[24, 1176\]")):
+        with pytest.raises(RequestRefusedError, match=match):
+            engine.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=ids, sampling_params=params,
+                                                 mm_features=[bad]))
