@@ -126,3 +126,29 @@ def test_llava_next_counts_each_image_by_its_size(tmp_path):
     geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
     counts = (geometry.num_tokens(36, 44), geometry.num_tokens(20, 90))
     assert out.prompt_token_ids.count(model.config.image_token_id) == sum(counts) and counts[0] != counts[1]
+
+
+def test_qwen2_vl_chat_places_each_image_by_its_grid(tmp_path):
+    """Qwen2-VL offline: image parts in LLM.chat, each image's placeholders by its resized grid and
+    their M-RoPE positions by their place in it; transformers' tokens."""
+    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+
+    from tests.tiny_model import build_tiny_qwen2_vl
+
+    model_dir = build_tiny_qwen2_vl(tmp_path / "qwen2-vl")
+    images = [picture(6), picture(7).resize((20, 90))]
+    content = [{"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "and"},
+               {"type": "image_pil", "image_pil": images[1]}]
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512) as llm:
+        [out] = llm.chat([{"role": "user", "content": content}],
+                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    processed = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")
+    ids = torch.tensor([out.prompt_token_ids])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                              do_sample=False, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                              **processed)[0, ids.shape[1]:].tolist()
+    assert out.outputs[0].token_ids == want
+    grids = processed["image_grid_thw"].tolist()
+    assert out.prompt_token_ids.count(model.config.image_token_id) == sum(t * h * w // 4 for t, h, w in grids)

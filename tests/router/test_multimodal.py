@@ -645,3 +645,48 @@ def test_the_models_pinpoints_tile_the_image_whatever_the_processor_config_lists
     http, engine, _ = _app((other, llava_next[1], load_image_processor(other), vision))
     assert "does not match its config.json" in _error(_chat(http, [_part(_data_url(square))]))
     assert not engine.requests
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    """A tiny Qwen2-VL: an image is resized to its own grid of patches, 4 to a token."""
+    from transformers import AutoTokenizer
+
+    from gpu_worker.config import ModelConfig
+    from tests.tiny_model import build_tiny_qwen2_vl
+
+    directory = build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
+    vision = ModelConfig.from_pretrained(directory).vision
+    return directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision
+
+
+def test_a_native_resolution_image_gets_its_grids_placeholders_and_the_processors_patches(qwen2_vl):
+    http, engine, _ = _app(qwen2_vl)
+    vision = qwen2_vl[3]
+    wide, square = _image(10, (90, 20)), _image(11, (64, 64))  # ((width, height))
+    r = _chat(http, [_part(_data_url(wide)), {"type": "text", "text": "and"}, _part(_data_url(square))])
+    assert r.status_code == 200, r.text
+    [request] = engine.requests
+    first, second = request.mm_features
+    # 20x90 -> 28x140 pixels (2x10 patches, 5 tokens); 64x64 -> 56x56 (4x4 patches, 4 tokens).
+    assert (first.length, second.length) == (5, 4) and (first.image_size, second.image_size) == ((20, 90), (64, 64))
+    want = _expected_qwen_patches(qwen2_vl, wide)
+    assert first.pixel_values.shape == want.shape == (20, 1176)
+    np.testing.assert_array_equal(np.frombuffer(first.pixel_values.data, np.float32).reshape(want.shape), want)
+    ids = request.prompt_token_ids
+    # Each image inside Qwen's vision tokens, as its template writes them.
+    tokenizer = qwen2_vl[1]
+    start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
+    assert ids[first.offset - 1] == start and ids[first.end] == end and ids[second.end] == end
+    assert ids.count(vision.image_token_id) == 9
+    tokens = http.post("/tokenize", json={"model": "llava", "messages": [
+        {"role": "user", "content": [_part(_data_url(wide)), {"type": "text", "text": "and"},
+                                     _part(_data_url(square))]}]}).json()["tokens"]
+    assert tokens == ids
+
+
+def _expected_qwen_patches(qwen2_vl, image: Image.Image) -> np.ndarray:
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(qwen2_vl[0])(images=[image.convert("RGB")],
+                                                           return_tensors="np")["pixel_values"]

@@ -16,7 +16,7 @@ import torch
 
 from cluster.config import ClusterConfig, EngineSpec, ServedModel
 from tests.serve_cluster import serve_cluster
-from tests.tiny_model import build_tiny_llava, build_tiny_llava_next
+from tests.tiny_model import build_tiny_llava, build_tiny_llava_next, build_tiny_qwen2_vl
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +62,8 @@ def hf_text(model_dir, text: str, *images) -> str:
     for token in tokenizer.encode(rendered, add_special_tokens=False):
         ids += [token] * next(counts) if token == model.config.image_token_id else [token]
     processed = AutoImageProcessor.from_pretrained(model_dir)(images=list(images), return_tensors="pt")
+    if "image_grid_thw" in processed:  # (Qwen2-VL: transformers places the M-RoPE positions by token type)
+        processed["mm_token_type_ids"] = (torch.tensor([ids]) == model.config.image_token_id).int()
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long), **processed)
@@ -74,13 +76,20 @@ def next_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_cluster, llava_dir, next_dir):
-    # LLaVA on two engines (one of two TP workers), and LLaVA-NeXT beside it behind the same endpoint.
+def qwen_dir(tmp_path_factory):
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"), windowed=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, llava_dir, next_dir, qwen_dir):
+    # LLaVA on two engines (one of two TP workers), and LLaVA-NeXT and Qwen2.5-VL beside it behind the
+    # same endpoint.
     config = ClusterConfig(
         model=str(llava_dir), served_model_name="llava", num_engines=2, routing_policy="prefix_aware",
         defaults=EngineSpec(num_gpu_blocks=128, max_model_len=512, block_size=4, max_num_batched_tokens=24),
         engines=[EngineSpec(), EngineSpec(tensor_parallel_size=2, num_cpus_per_worker=0.5)],
-        models=[ServedModel(model=str(next_dir), served_model_name="llava-next")])
+        models=[ServedModel(model=str(next_dir), served_model_name="llava-next"),
+                ServedModel(model=str(qwen_dir), served_model_name="qwen2.5-vl")])
     with serve_cluster(config) as served:
         yield served
 
@@ -132,6 +141,16 @@ def test_llava_next_beside_it_counts_each_image_by_its_size(client, next_dir):
     for stream in (False, True):
         assert ask(client, messages("Compare them.", wide, tall), stream, model="llava-next") == hf_text(
             next_dir, "Compare them.", wide, tall)
+
+
+def test_qwen2_5_vl_beside_it_places_each_image_by_its_grid(client, qwen_dir):
+    """Qwen2.5-VL: each image's placeholders by its resized grid, its tokens' M-RoPE positions by
+    their place in it; transformers' answers, streamed or not."""
+    wide, tall = picture(23, (30, 90)), picture(24, (90, 30))
+    want = hf_text(qwen_dir, "Compare them.", wide, tall)
+    assert want != hf_text(qwen_dir, "Compare them.", tall, wide)  # (the images' order matters)
+    for stream in (False, True):
+        assert ask(client, messages("Compare them.", wide, tall), stream, model="qwen2.5-vl") == want
 
 
 def test_bench_serve_loads_it_with_random_images(cluster, tmp_path, capsys):
