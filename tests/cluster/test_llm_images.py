@@ -129,7 +129,7 @@ def test_llava_next_counts_each_image_by_its_size(tmp_path):
 
 
 def test_qwen2_vl_chat_places_each_image_by_its_grid(tmp_path):
-    """Qwen2-VL offline: image parts in LLM.chat, each image's placeholders by its resized grid and
+    """Qwen2-VL offline on two TP workers: image parts in LLM.chat, each image's placeholders by its resized grid and
     their M-RoPE positions by their place in it; transformers' tokens."""
     from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
 
@@ -139,7 +139,8 @@ def test_qwen2_vl_chat_places_each_image_by_its_grid(tmp_path):
     images = [picture(6), picture(7).resize((20, 90))]
     content = [{"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "and"},
                {"type": "image_pil", "image_pil": images[1]}]
-    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512) as llm:
+    # (Two tensor-parallel workers: the tower runs whole on each, the positions are each one's own.)
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512, tensor_parallel_size=2) as llm:
         [out] = llm.chat([{"role": "user", "content": content}],
                          SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
