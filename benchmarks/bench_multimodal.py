@@ -11,9 +11,11 @@ of text, ``--max-tokens`` greedy tokens each, all at once:
                  from the encoder cache to the others.
 Prints wall time and output tokens/s of each, as a ratio to transformers, checks that ours equals
 transformers token for token, and counts the images encoded. ``--next``: LLaVA-NeXT instead (grid
-pinpoints of 1x2, 2x1 and 2x2 tiles: each 300x280 image is 5 tiles and more tokens).
+pinpoints of 1x2, 2x1 and 2x2 tiles: each 300x280 image is 5 tiles and more tokens). ``--qwen``:
+Qwen2-VL instead (a 4-block native-resolution tower: each 300x280 image resized to 308x280 pixels,
+22x20 patches, 110 tokens; M-RoPE positions in a Qwen2 decoder).
 Usage: python benchmarks/bench_multimodal.py [--rounds 2] [--requests 16] [--max-tokens 32]
-       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next]
+       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next | --qwen]
 """
 
 from __future__ import annotations
@@ -29,7 +31,43 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def build_qwen_model(path: Path, args: argparse.Namespace) -> Path:
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tests.tiny_model import QWEN_VL_CHAT_TEMPLATE, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
+                                                                "<|vision_end|>"]})
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad", "vision_end")}
+    quarter = args.hidden // 4 // 8  # (the rotary half of a head split 1:1.5:1.5, as Qwen2-VL's 16:24:24)
+    text = dict(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+                max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                 "mrope_section": [quarter, quarter * 3 // 2, quarter * 3 // 2]})
+    vision = dict(depth=4, embed_dim=args.hidden, num_heads=4, hidden_size=args.hidden, patch_size=args.patch)
+    config = Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=ids["image_pad"],
+                           vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+                           video_token_id=ids["image_pad"] + 100)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(patch_size=args.patch).save_pretrained(path)
+    return path
+
+
 def build_model(path: Path, args: argparse.Namespace) -> Path:
+    if args.qwen:
+        return build_qwen_model(path, args)
     import torch
     from transformers import (
         CLIPImageProcessor,
@@ -77,6 +115,7 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
     """(token ids, features, pixel values) per request: '<text> <image>' with distinct texts of one
     length (no shared prefix past the first block) and distinct images, or one image everywhere."""
     import numpy as np
+    import torch
     from PIL import Image
     from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -85,7 +124,10 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     processor = AutoImageProcessor.from_pretrained(model_dir)
-    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>" if args.qwen else "<image>")
+    # (Qwen2-VL's image within its start and end tokens.)
+    before, after = ([tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>")]
+                     if args.qwen else (None, None))
     n = ModelConfig.from_pretrained(model_dir).vision.geometry.num_tokens(300, 280)
     words = tokenizer.encode("Hello world the quick brown fox jumps over the lazy dog Paris Berlin capital")
     out = []
@@ -94,10 +136,14 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
         image = Image.fromarray((np.random.RandomState(seed).rand(300, 280, 3) * 255).astype("uint8"))
         processed = processor(images=[image], return_tensors="pt")
         text = [words[(i + j) % len(words)] for j in range(8)]
-        data = TensorData.from_array(processed["pixel_values"][0])
-        ids = text + [image_id] * n + words[:4]
+        if args.qwen:
+            text.append(before)
+        data = TensorData.from_array(processed["pixel_values"] if args.qwen else processed["pixel_values"][0])
+        ids = text + [image_id] * n + ([after] if args.qwen else []) + words[:4]
+        if args.qwen:  # (transformers places the M-RoPE positions by the tokens' types)
+            processed["mm_token_type_ids"] = torch.tensor([[int(t == image_id) for t in ids]])
         out.append((ids, [MultiModalFeature("image", feature_identifier("image", data), len(text), n, data,
-                                            (300, 280) if args.next else None)], processed))
+                                            (300, 280) if args.next or args.qwen else None)], processed))
     return out
 
 
@@ -146,7 +192,9 @@ def main() -> None:
     parser.add_argument("--patch", type=int, default=14)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--next", action="store_true", help="LLaVA-NeXT (tiles by the image's size)")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--next", action="store_true", help="LLaVA-NeXT (tiles by the image's size)")
+    kind.add_argument("--qwen", action="store_true", help="Qwen2-VL (native resolution, M-RoPE)")
     args = parser.parse_args()
     import torch
 
@@ -179,9 +227,12 @@ def main() -> None:
         for name, t in (("transformers", t_ref), ("ours", t_ours), ("ours, repeated", t_rep)):
             times[name].append(t)
     total = args.requests * args.max_tokens
-    print(f"\n{args.requests} requests x ({n}-token image + 12 text tokens) x {args.max_tokens} tokens, random "
-          f"{'LLaVA-NeXT' if args.next else 'LLaVA'} "
-          f"({args.layers} x {args.hidden} Llama, 4-layer CLIP {args.image_size}px/{args.patch}), CPU, "
+    model = ("Qwen2-VL" if args.qwen else "LLaVA-NeXT" if args.next else "LLaVA")
+    tower = (f"4-block native-resolution tower, {args.patch}px patches" if args.qwen
+             else f"4-layer CLIP {args.image_size}px/{args.patch}")
+    text_tokens = len(distinct[0][0]) - n
+    print(f"\n{args.requests} requests x ({n}-token image + {text_tokens} text tokens) x {args.max_tokens} tokens, "
+          f"random {model} ({args.layers} x {args.hidden} {'Qwen2' if args.qwen else 'Llama'}, {tower}), CPU, "
           f"{torch.get_num_threads()} torch threads, medians of {args.rounds} rounds; tokens equal transformers'")
     print(f"{'':16}{'wall s':>9}{'out tok/s':>11}{'vs transformers':>17}{'images encoded':>16}")
     base = statistics.median(times["transformers"])
