@@ -34,7 +34,13 @@ from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
 from router.content_format import CONTENT_FORMATS, TEXT_PART_TYPES, resolve_content_format, template_content
 from router.detokenizer import IncrementalDetokenizer, decode_after, token_text
-from router.multimodal import MultiModalProcessor, as_rgb, check_image_size, load_image_processor
+from router.multimodal import (
+    MultiModalProcessor,
+    as_rgb,
+    check_image_size,
+    image_placeholder,
+    load_image_processor,
+)
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
 
 PromptType = str | list[int]
@@ -855,7 +861,7 @@ class LLM:
                 raise ValueError(f"{info.served_model_name} takes no images: it is not a vision-language model")
             self._image_processor = MultiModalProcessor(
                 info.image_token_id, info.image_geometry, load_image_processor(self.model_dir),
-                self.model_dir, self.tokenizer.convert_ids_to_tokens(info.image_token_id) or "")
+                self.model_dir, image_placeholder(self.tokenizer, info.image_token_id, info.image_geometry))
         return self._image_processor
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

@@ -201,6 +201,16 @@ def load_image_processor(directory: str | os.PathLike[str]) -> Any | None:
     return AutoImageProcessor.from_pretrained(str(directory), **kwargs)
 
 
+def image_placeholder(tokenizer: Any, image_token_id: int, geometry: ImageGeometry) -> str:
+    """The text that stands for an image in a message given to a template as text (vLLM's
+    placeholder strings): the image token; Qwen2-VL's within its vision start and end tokens."""
+    token = tokenizer.convert_ids_to_tokens(image_token_id) or ""
+    vocabulary = tokenizer.get_vocab()
+    if geometry.native and "<|vision_start|>" in vocabulary and "<|vision_end|>" in vocabulary:
+        return f"<|vision_start|>{token}<|vision_end|>"
+    return token
+
+
 def expand_image_tokens(prompt_ids: list[int], image_token_id: int, tokens_per_image: int | list[int],
                         num_images: int, placeholder: str = "") -> tuple[list[int], list[int]]:
     """The prompt with each image token repeated ``tokens_per_image`` times (or, a list, each image's

@@ -51,7 +51,13 @@ from router.engine_client import (
     UnknownModelError,
 )
 from router.metrics import RouterMetrics
-from router.multimodal import DEFAULT_LIMIT_PER_PROMPT, MODALITIES, MediaConnector, MultiModalProcessor
+from router.multimodal import (
+    DEFAULT_LIMIT_PER_PROMPT,
+    MODALITIES,
+    MediaConnector,
+    MultiModalProcessor,
+    image_placeholder,
+)
 from router.parsed_output import ParsedDelta
 from router.protocol import (
     INT64_MIN,
@@ -458,7 +464,7 @@ class OpenAIServing:
             self.images = MultiModalProcessor(
                 settings.image_token_id, settings.image_geometry, image_processor,
                 settings.model_root or settings.served_model_name,
-                placeholder=tokenizer.convert_ids_to_tokens(settings.image_token_id) or "",
+                placeholder=image_placeholder(tokenizer, settings.image_token_id, settings.image_geometry),
                 media=MediaConnector(settings.allowed_local_media_path,
                                      allowed_media_domains=settings.allowed_media_domains),
                 max_images=settings.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT),

@@ -690,3 +690,15 @@ def _expected_qwen_patches(qwen2_vl, image: Image.Image) -> np.ndarray:
 
     return AutoImageProcessor.from_pretrained(qwen2_vl[0])(images=[image.convert("RGB")],
                                                            return_tensors="np")["pixel_values"]
+
+
+def test_a_template_given_text_gets_qwens_placeholder_with_its_vision_tokens(qwen2_vl):
+    """vLLM's placeholder string for Qwen2-VL: the image token within the vision start and end tokens."""
+    http, engine, _ = _app(qwen2_vl, chat_template_content_format="string", trust_request_chat_template=True)
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    r = _chat(http, [{"type": "text", "text": "what"}, _part(_data_url(_image()))], chat_template=template)
+    assert r.status_code == 200, r.text
+    tokenizer, vision = qwen2_vl[1], qwen2_vl[3]
+    ids = engine.requests[0].prompt_token_ids
+    text = tokenizer.decode([t for t in ids if t != vision.image_token_id])
+    assert text == "[<|vision_start|><|vision_end|>\nwhat]"
