@@ -599,6 +599,16 @@ class EngineCore:
             if feature.modality != "image" or feature.length != tokens:
                 raise RequestRefusedError(f"{info.served_model_name} takes this image as {tokens} tokens, not a "
                                           f"{feature.modality} of {feature.length}")
+            # (An image no pass can take would wait forever: the budgets are the model's largest image
+            # or more, so this holds only where that bound is wrong, or with whole images per pass.)
+            scheduler = self.scheduler
+            if tokens > scheduler.max_num_encoder_input_tokens:
+                raise RequestRefusedError(f"an image of {tokens} tokens is more than a pass may encode "
+                                          f"({scheduler.max_num_encoder_input_tokens})")
+            if scheduler.scheduler_config.disable_chunked_mm_input and tokens > scheduler.max_num_scheduled_tokens:
+                raise RequestRefusedError(f"an image of {tokens} tokens does not fit a pass of "
+                                          f"{scheduler.max_num_scheduled_tokens} tokens, and "
+                                          "--disable-chunked-mm-input keeps each image in one pass")
             # (Checked here, not in the pass: a misshapen image would fail every request of its pass.)
             shape = geometry.input_shape(*size)
             if tuple(feature.pixel_values.shape) != shape:

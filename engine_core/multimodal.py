@@ -215,14 +215,21 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     @property
     def max_tokens(self) -> int:
         """The most tokens one image may take (an image of a pinpoint's shape loses no padding; for
-        Qwen2-VL, one of max_pixels, or one so thin that its short side is rounded up)."""
+        Qwen2-VL, a bound: see below)."""
         if self.native:
-            # (At most max_pixels once resized, unless a side is rounded up to one merged patch: then
-            # the thinnest images, 200:1, large or small, take the most.)
+            # Shrunk to max_pixels, an image takes at most max_pixels / factor^2 tokens, unless its
+            # short side is rounded up to one merged patch: then the thinnest images, 200:1, take the
+            # most. Scaled up to min_pixels, its sides a x b (in merged patches, a * b = M) are each
+            # rounded up: ceil(a) * ceil(b) is at most (k + 1) * ceil(M / k) for a in (k, k + 1], and
+            # at most ceil(sqrt(200 M)) for a <= 1 (a side is at most 200 times the other).
             factor = self.patch_size * self.merge_size
             thin = ((100 * factor, 20000 * factor), (1, 200))
-            return max(self.max_pixels // factor ** 2,
-                       *(self.num_tokens(*size) for pair in thin for size in (pair, pair[::-1])))
+            shrunk = max(self.max_pixels // factor ** 2,
+                         *(self.num_tokens(*size) for pair in thin for size in (pair, pair[::-1])))
+            m = self.min_pixels / factor ** 2
+            widest = math.ceil(math.sqrt(200 * m))
+            scaled_up = max(widest, *((k + 1) * math.ceil(m / k) for k in range(1, widest + 1)))
+            return max(shrunk, scaled_up)
         if not self.grid_pinpoints:
             return self.base_tokens
         return max(self.num_tokens(h, w) for h, w in self.grid_pinpoints)

@@ -846,11 +846,14 @@ class ModelConfig:
         if sections is not None:
             if not isinstance(vision, QwenVisionConfig):
                 raise ValueError(f"M-RoPE (mrope_section) is served for Qwen2-VL models, not {arch}")
-            cfg = {**cfg, **{key: {k: v for k, v in cfg[key].items() if k not in ("mrope_section", "type")}
-                             for key in ("rope_parameters", "rope_scaling") if isinstance(cfg.get(key), dict)}}
+            # (Its rope_type, or the older "type", says "mrope" or nothing for plain RoPE; any other
+            # is the frequencies' scaling, YaRN's for Qwen2.5-VL's long context.)
             for key in ("rope_parameters", "rope_scaling"):
-                if isinstance(cfg.get(key), dict) and cfg[key].get("rope_type") == "mrope":
-                    cfg[key] = {**cfg[key], "rope_type": "default"}
+                if isinstance(cfg.get(key), dict):
+                    rope = {k: v for k, v in cfg[key].items() if k not in ("mrope_section", "type")}
+                    kind = cfg[key].get("rope_type") or cfg[key].get("type")
+                    rope["rope_type"] = "default" if kind in (None, "mrope") else kind
+                    cfg = {**cfg, key: rope}
         theta, scaling = _rope_from_dict(arch, cfg)
         if gemma and scaling and scaling["rope_type"] not in ("linear", "llama3"):
             raise ValueError(f"rope_type must be 'default', 'linear' or 'llama3' for {arch}, "

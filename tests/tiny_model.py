@@ -319,11 +319,13 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_pixels: int = 28 * 28 * 16) -> Path:
+def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_pixels: int = 28 * 28 * 16,
+                        rope_scaling: dict | None = None) -> Path:
     """Save a random tiny Qwen2-VL (``windowed``: Qwen2.5-VL) into ``path``: a 2-block vision tower
     (3 blocks, windows of 2x2 merged patches and one full-attention block for 2.5) over 14-pixel
     patches, a 2-layer Qwen2 decoder with M-RoPE, our tokenizer plus Qwen's vision tokens, a chat
-    template taking image parts, and the image processor's config (at most ``max_pixels`` per image)."""
+    template taking image parts, and the image processor's config (at most ``max_pixels`` per image).
+    ``rope_scaling``: the decoder's frequency scaling beside M-RoPE (e.g. YaRN's keys)."""
     import torch
     from transformers import (
         Qwen2_5_VLConfig,
@@ -340,7 +342,8 @@ def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_p
     ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad", "vision_end")}
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 **(rope_scaling or {})},
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     tokens = dict(image_token_id=ids["image_pad"], vision_start_token_id=ids["vision_start"],
                   vision_end_token_id=ids["vision_end"], video_token_id=ids["image_pad"] + 100,

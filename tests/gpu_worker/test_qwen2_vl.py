@@ -164,6 +164,23 @@ def test_the_geometry_counts_and_shapes_images_as_transformers_processor_does(qw
     assert geometry.max_tokens == geometry.num_tokens(60, 12000) == 56
 
 
+@pytest.mark.parametrize("min_pixels, max_pixels", [(128 * 784, 128 * 784), (512 * 784, 512 * 784),
+                                                    (3136, 12845056), (3136, 3136)])
+def test_the_largest_image_bound_holds_when_small_images_are_scaled_up(min_pixels, max_pixels):
+    """An image scaled up to min_pixels has each side rounded up: more than max_pixels / 784 tokens
+    (128 x 784 pixels: a 1x127 image takes 256 tokens, not 160). The scheduler's encoder budget and
+    cache are this bound: an image over it would never be scheduled."""
+    from engine_core.multimodal import ImageGeometry
+
+    geometry = ImageGeometry(28, 14, 3, merge_size=2, min_pixels=min_pixels, max_pixels=max_pixels)
+    sizes = [(h, w) for h in range(1, 300) for w in (1, 2, 3, 7, 27, 29, 57, 127, 250)]
+    sizes += [tuple(hw) for hw in np.random.RandomState(1).randint(1, 5000, (3000, 2))]
+    most = max(geometry.num_tokens(h, w) for h, w in sizes if max(h, w) / min(h, w) <= 200)
+    assert most <= geometry.max_tokens
+    if min_pixels == 128 * 784:
+        assert geometry.num_tokens(1, 127) == most == 256
+
+
 def test_config_reads_the_processor_pixel_range_and_both_layouts(qwen, tmp_path):
     model_dir = qwen[0]
     config = ModelConfig.from_pretrained(model_dir)
@@ -196,9 +213,28 @@ def test_config_reads_the_processor_pixel_range_and_both_layouts(qwen, tmp_path)
         ModelConfig.from_dict(llama)
 
 
+def test_yarn_beside_m_rope_equals_transformers(tmp_path):
+    """Qwen2.5-VL's long-context setting: YaRN scales the frequencies M-RoPE splits among the axes."""
+    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    model_dir = build_tiny_qwen2_vl(tmp_path, windowed=True, rope_scaling=yarn)
+    config = ModelConfig.from_pretrained(model_dir)
+    assert config.rope_scaling["rope_type"] == "yarn" and config.mrope_section == (2, 3, 3)
+    qwen = (model_dir, Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).eval(),
+            AutoImageProcessor.from_pretrained(model_dir))
+    ids, features, inputs = prompt(qwen, [[74, 75], [223, 263]], [picture(8, (60, 90))])
+    assert_equal(run(make_engine(model_dir), {"a": (ids, features)})["a"], reference(qwen, ids, inputs))
+
+
 def test_the_engine_refuses_images_it_cannot_take(qwen):
     model_dir = qwen[0]
     ids, features, _ = prompt(qwen, [[74], [75]], [picture(6)])
+    # With whole images per pass, an image over the pass's tokens could never run.
+    whole = make_engine(model_dir, max_num_batched_tokens=4, disable_chunked_mm_input=True)
+    with pytest.raises(RequestRefusedError, match="an image of 6 tokens does not fit a pass of 4 tokens"):
+        whole.add_request(EngineCoreRequest(request_id="w", prompt_token_ids=ids, sampling_params=SamplingParams(),
+                                            mm_features=features))
     engine = make_engine(model_dir)
     params = SamplingParams(max_tokens=2)
     feature = features[0]
