@@ -206,7 +206,8 @@ def vllm_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
 # vLLM's JSON flags that also take the dotted form (--structured-outputs-config.backend xgrammar).
 VLLM_DOTTED_JSON_FLAGS = frozenset({"--structured-outputs-config", "--kv-transfer-config", "--speculative-config",
                                     "--pooler-config", "--hf-overrides", "--override-generation-config",
-                                    "--default-chat-template-kwargs", "--limit-mm-per-prompt"})
+                                    "--default-chat-template-kwargs", "--limit-mm-per-prompt",
+                                    "--mm-processor-kwargs"})
 
 
 def _json_or_text(text: str) -> Any:
@@ -391,6 +392,10 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help='Keys set over the model\'s config.json (JSON), e.g. to serve Qwen3-Reranker as a '
                             'cross-encoder: \'{"architectures": ["Qwen3ForSequenceClassification"], '
                             '"classifier_from_token": ["no", "yes"]}\'.')
+    serve.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
+                       help='Settings over the model\'s image processor config (JSON): Qwen2-VL\'s '
+                            '\'{"min_pixels": 3136, "max_pixels": 1003520}\', the range each image is resized into '
+                            '(its tokens are its pixels / 784).')
     serve.add_argument("--generation-config", default=None,
                        help="The sampling parameters a request gets for those it leaves unset (temperature, top_p, "
                             "top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens): auto (default, as "
@@ -678,6 +683,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "disable_chunked_mm_input": args.disable_chunked_mm_input, "device": args.device, "dtype": args.dtype,
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
+                "mm_processor_kwargs": args.mm_processor_kwargs,
                 "generation_config": _local_dir_path(args.generation_config),
                 "override_generation_config": args.override_generation_config, "max_logprobs": args.max_logprobs,
                 "logprobs_mode": args.logprobs_mode,

@@ -87,6 +87,10 @@ class EngineSpec(BaseModel):
         None, description="Keys set over the model's config.json (--hf-overrides), e.g. "
                           '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
                           '["no", "yes"]} to serve Qwen3-Reranker as a cross-encoder.')
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        None, description="Settings over the model's image processor config (--mm-processor-kwargs): Qwen2-VL's "
+                          '{"min_pixels": int, "max_pixels": int}, the range each image is resized into (its '
+                          "tokens are its pixels / 784).")
     generation_config: str | None = Field(
         None, description="Where requests' default sampling parameters come from (--generation-config): auto (the "
                           "model's generation_config.json, as vLLM), vllm (none: neutral defaults), or a folder "
@@ -812,6 +816,11 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
                              f"same on every engine of a model (engine {first.engine_index} has runner "
                              f"{first.runner!r}, pooler_config {dict(first.pooler_config)}, hf_overrides "
                              f"{first.hf_overrides or '{}'}); set them for the model, not per engine")
+        # (The router counts an image's placeholders once, whichever engine it reaches.)
+        if config.mm_processor_kwargs != first.mm_processor_kwargs:
+            raise ValueError(f"engine {config.engine_index}: mm_processor_kwargs must be the same on every engine of "
+                             f"a model (engine {first.engine_index} has {first.mm_processor_kwargs or '{}'}); set it "
+                             "for the model, not per engine")
         # (The router fills a request's unset sampling parameters and checks its logprobs once, whichever
         # engine it reaches.)
         if ((config.generation_config, config.override_generation_config, config.max_logprobs)
@@ -863,6 +872,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                           for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
+        mm_processor_kwargs=json.dumps(s["mm_processor_kwargs"], sort_keys=True) if s["mm_processor_kwargs"] else "",
         generation_config=s["generation_config"], max_logprobs=s["max_logprobs"],
         logprobs_mode=s["logprobs_mode"], tokenizer=tokenizer,
         log_stats=not s["disable_log_stats"],

@@ -326,6 +326,9 @@ class EngineConfig:
     # e.g. {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
     # to serve Qwen3-Reranker as a cross-encoder.
     hf_overrides: str = ""
+    # vLLM's --mm-processor-kwargs, as JSON text: settings over the image processor's config
+    # (Qwen2-VL's min_pixels / max_pixels: each image's token count follows them).
+    mm_processor_kwargs: str = ""
     # vLLM's --generation-config ("auto": the model's generation_config.json; "vllm": none; or a folder
     # holding one) and --override-generation-config (JSON text): the sampling parameters a request gets
     # for those it leaves unset (engine_core/generation_defaults.py).
@@ -438,6 +441,8 @@ class EngineConfig:
                      self.runner)
             _require(not self.hf_overrides or isinstance(json.loads(self.hf_overrides), dict), "hf_overrides",
                      "a JSON object", self.hf_overrides)
+            _require(not self.mm_processor_kwargs or isinstance(json.loads(self.mm_processor_kwargs), dict),
+                     "mm_processor_kwargs", "a JSON object", self.mm_processor_kwargs)
             _require(self.tokenizer is None or (isinstance(self.tokenizer, str) and self.tokenizer.strip() != ""),
                      "tokenizer", "None or a tokenizer directory", self.tokenizer)
             _require(all(isinstance(p, str | type) for p in self.logits_processors), "logits_processors",

@@ -997,11 +997,14 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None,
-                        tokenizer_dir: str | Path | None = None) -> ModelConfig:
+                        tokenizer_dir: str | Path | None = None,
+                        mm_processor_kwargs: dict[str, Any] | None = None) -> ModelConfig:
         """``hf_overrides`` (vLLM's --hf-overrides): keys set over config.json's, e.g. to serve a
         causal LM as a classifier (below); a sub-config's keys (``text_config``, ...) are set over
         its own, as vLLM updates a nested config. ``tokenizer_dir`` (--tokenizer): where the tokens
-        a config names by text (a step tag, a classifier's tokens) are looked up; else the model's."""
+        a config names by text (a step tag, a classifier's tokens) are looked up; else the model's.
+        ``mm_processor_kwargs`` (--mm-processor-kwargs): settings over preprocessor_config.json's, for
+        what the image processor decides here (Qwen2-VL's pixel range)."""
         model_dir = Path(model_dir)
         vocabulary = Path(tokenizer_dir).expanduser() if tokenizer_dir else model_dir
         cfg = with_overrides(json.loads((model_dir / "config.json").read_text()), hf_overrides or {})
@@ -1012,10 +1015,17 @@ class ModelConfig:
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)
         processor_path = model_dir / "preprocessor_config.json"
-        if isinstance(config.vision, QwenVisionConfig) and processor_path.exists():
+        if mm_processor_kwargs:
+            served = ("min_pixels", "max_pixels") if isinstance(config.vision, QwenVisionConfig) else ()
+            unserved = sorted(set(mm_processor_kwargs) - set(served))
+            if unserved:
+                raise ValueError(f"mm_processor_kwargs {unserved} cannot be served for {config.architecture}: "
+                                 + (f"only {list(served)}" if served else "it sets nothing of this model's"))
+        if isinstance(config.vision, QwenVisionConfig) and (processor_path.exists() or mm_processor_kwargs):
             # (Qwen2-VL: the processor's pixel range decides an image's token count.)
+            processor = json.loads(processor_path.read_text()) if processor_path.exists() else {}
             config = dataclasses.replace(config, vision=qwen_vision_config_from_dict(
-                cfg, json.loads(processor_path.read_text())))
+                cfg, {**processor, **(mm_processor_kwargs or {})}))
         # (Older llm-compressor releases name it compression_config, as vLLM also reads it.)
         quantization = cfg.get("quantization_config") or cfg.get("compression_config")
         method, block = weight_quantization(quantization)  # (others: refused here)

@@ -75,6 +75,7 @@ def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, 
         "enable_expert_parallel": config.enable_expert_parallel,
         "embedding_only": config.runner == "pooling",
         "hf_overrides": json.loads(config.hf_overrides) if config.hf_overrides else None,
+        "mm_processor_kwargs": json.loads(config.mm_processor_kwargs) if config.mm_processor_kwargs else None,
         "max_logprobs": config.max_logprobs,
         "logprobs_mode": config.logprobs_mode,
         "tokenizer": config.tokenizer,
@@ -121,7 +122,8 @@ class _ExecutorBase(Executor):
         # each worker converts it on its own node (a rank elsewhere has no copy of this node's cache).
         self.worker_model = worker_reference(config.model)
         self.model_config = ModelConfig.from_pretrained(
-            self.model_dir, json.loads(config.hf_overrides) if config.hf_overrides else None, config.tokenizer)
+            self.model_dir, json.loads(config.hf_overrides) if config.hf_overrides else None, config.tokenizer,
+            json.loads(config.mm_processor_kwargs) if config.mm_processor_kwargs else None)
         if str(config.dtype) != "auto":
             # (Refused here, before any worker starts: --dtype float16 for Gemma 2/3.)
             try:

@@ -101,7 +101,8 @@ class Worker:
                  tokenizer: str | None = None, logits_processors: tuple[LogitsProcessorSpec, ...] = (),
                  draft_model: str | Path | None = None, kv_offloading_bytes: int = 0,
                  logprobs_mode: str = "raw_logprobs", pipeline_parallel_size: int = 1,
-                 pp_layer_partition: tuple[int, ...] | None = None) -> None:
+                 pp_layer_partition: tuple[int, ...] | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
         # ``rank``: over every stage's ranks (stage rank // world_size); ``world_size``: the
         # tensor-parallel ranks of one stage.
         self.rank = rank
@@ -122,7 +123,8 @@ class Worker:
             # (A GGUF is converted on this worker's node if it has no conversion yet, at the dtype it serves.)
             self.model_dir = local_model_dir(model_path_or_config,
                                              dtype=gguf_dtype_rule(dtype, self.device, embedding_only, hf_overrides))
-            self.model_config = ModelConfig.from_pretrained(self.model_dir, hf_overrides, tokenizer)
+            self.model_config = ModelConfig.from_pretrained(self.model_dir, hf_overrides, tokenizer,
+                                                            mm_processor_kwargs)
         if enable_expert_parallel:
             # A MoE model's ranks hold whole experts, a share of them each (no effect on a dense model).
             self.model_config = dataclasses.replace(self.model_config, expert_parallel=True)

@@ -312,6 +312,12 @@ class MultiModalProcessor:
                 logger.warning("%s: the image processor's image_grid_pinpoints differ from config.json's; the "
                                "model's are used", model_id)
                 image_processor.image_grid_pinpoints = ours
+        if image_processor is not None and geometry.native:
+            # Qwen2-VL: the engines' pixel range (their processor config, or --mm-processor-kwargs)
+            # decides each image's grid: the processor resizes into it.
+            size = {"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels}
+            current = getattr(image_processor, "size", None)
+            image_processor.size = size if current is None or isinstance(current, dict) else type(current)(**size)
         # (None: --mm-processor-cache-gb 0, every image processed as it comes.)
         self.cache = ProcessedImageCache(cache_bytes, on_cache_lookup) if cache_bytes > 0 else None
 

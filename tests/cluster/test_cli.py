@@ -494,6 +494,21 @@ def test_hf_overrides_reach_the_engines_as_json(tmp_path):
     assert _config().engine_configs()[0].hf_overrides == ""
 
 
+def test_mm_processor_kwargs_reach_the_engines_as_json_the_same_on_each(tmp_path):
+    import json
+
+    from gpu_worker.executor import _worker_kwargs
+
+    engines = _config("--num-engines", "2", "--mm-processor-kwargs", '{"max_pixels": 200704}').engine_configs()
+    assert [json.loads(e.mm_processor_kwargs) for e in engines] == [{"max_pixels": 200704}] * 2
+    assert _worker_kwargs(engines[0], tmp_path, 128, 1)["mm_processor_kwargs"] == {"max_pixels": 200704}
+    assert _worker_kwargs(_config().engine_configs()[0], tmp_path, 128, 1)["mm_processor_kwargs"] is None
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {mm_processor_kwargs: {max_pixels: 1000}}\n")
+    with pytest.raises(ValueError, match="engine 1: mm_processor_kwargs must be the same on every engine"):
+        _config("--num-engines", "2", "--engine-config", str(overrides)).engine_configs()
+
+
 def test_kv_cache_metrics_reach_the_engines_only_when_asked(tmp_path):
     assert {e.kv_cache_metrics_sample for e in _config("--num-engines", "2").engine_configs()} == {None}
     assert {e.kv_cache_metrics_sample for e in _config("--kv-cache-metrics").engine_configs()} == {0.01}

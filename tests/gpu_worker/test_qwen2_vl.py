@@ -227,6 +227,44 @@ def test_yarn_beside_m_rope_equals_transformers(tmp_path):
     assert_equal(run(make_engine(model_dir), {"a": (ids, features)})["a"], reference(qwen, ids, inputs))
 
 
+def test_mm_processor_kwargs_set_the_pixel_range_everywhere(qwen, tmp_path):
+    """vLLM's --mm-processor-kwargs: Qwen2-VL's min/max pixels over the processor config's, in the
+    engine's geometry (counts, checks, budgets) and, through it, the router's processor."""
+    from router.multimodal import MultiModalProcessor, load_image_processor
+
+    model_dir = qwen[0]
+    config = ModelConfig.from_pretrained(model_dir, mm_processor_kwargs={"max_pixels": 28 * 28 * 64})
+    geometry = config.vision.geometry
+    assert (geometry.min_pixels, geometry.max_pixels) == (56 * 56, 28 * 28 * 64)
+    assert geometry.num_tokens(300, 200) == 54 > ModelConfig.from_pretrained(model_dir).vision.geometry.num_tokens(
+        300, 200)
+    router = MultiModalProcessor(config.vision.image_token_id, geometry, load_image_processor(model_dir), "q", "")
+    image = router.process_image(picture(9, (300, 200)))
+    assert image.num_tokens == 54 and image.pixel_values.shape == (216, 1176)
+    for kwargs, match in (({"num_crops": 4}, r"\['num_crops'\] cannot be served for Qwen2ForCausalLM: only"),
+                          ({"min_pixels": 10 ** 6}, "min_pixels .* at most its max_pixels")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_pretrained(model_dir, mm_processor_kwargs=kwargs)
+    from tests.tiny_model import build_tiny_llama
+
+    with pytest.raises(ValueError, match="it sets nothing of this model's"):
+        ModelConfig.from_pretrained(build_tiny_llama(tmp_path / "text"), mm_processor_kwargs={"max_pixels": 1})
+    # An engine with them answers as transformers does with the processor so set.
+    engine = make_engine(model_dir, mm_processor_kwargs={"max_pixels": 28 * 28 * 64})
+    ids, features, inputs = prompt((model_dir, qwen[1], _processor_with(qwen[2], 28 * 28 * 64)), [[74], [75]],
+                                   [picture(9, (300, 200))])
+    assert features[0].length == 54
+    assert_equal(run(engine, {"a": (ids, features)})["a"], reference(qwen, ids, inputs))
+
+
+def _processor_with(processor, max_pixels: int):
+    import copy
+
+    processor = copy.deepcopy(processor)
+    processor.size = type(processor.size)(shortest_edge=56 * 56, longest_edge=max_pixels)
+    return processor
+
+
 def test_the_engine_refuses_images_it_cannot_take(qwen):
     model_dir = qwen[0]
     ids, features, _ = prompt(qwen, [[74], [75]], [picture(6)])
