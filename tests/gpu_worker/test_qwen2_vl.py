@@ -265,6 +265,45 @@ def _processor_with(processor, max_pixels: int):
     return processor
 
 
+def test_a_lora_adapter_on_the_language_model_answers_as_peft_does_with_images(qwen, tmp_path):
+    """PEFT names a Qwen2-VL adapter's modules as transformers 5's model has them
+    (model.language_model.layers...); the engine applies them to its decoder, images and all."""
+    from peft import LoraConfig, get_peft_model
+
+    from cluster.config import ClusterConfig, EngineSpec
+    from engine_core.engine_core import EngineCore
+    from engine_core.outputs import LoRARequest
+    from gpu_worker.executor import create_executor
+
+    model_dir, base, _ = qwen
+    torch.manual_seed(3)
+    adapted = get_peft_model(type(base).from_pretrained(model_dir).eval(), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0,
+        target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)"))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.2)
+    adapted.eval().save_pretrained(tmp_path / "adapter")
+    ids, features, inputs = prompt(qwen, [[74, 75], [263, 84]], [picture(10)])
+    want = reference((model_dir, adapted, None), ids, inputs)
+    assert want[1] != reference(qwen, ids, inputs)[1]  # (the adapter changes the answer)
+    config = ClusterConfig(model=str(model_dir), enable_lora=True, max_lora_rank=8,
+                           defaults=EngineSpec(num_gpu_blocks=256)).engine_configs()[0]
+    engine = EngineCore(config, create_executor(config))
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    engine.add_lora(lora)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=ids, sampling_params=params,
+                                         mm_features=features, lora_request=lora))
+    got: list[int] = []
+    while engine.has_work():
+        for eco in engine.step().values():
+            for o in eco.outputs:
+                got += o.new_token_ids
+    assert got == want[1]
+
+
 def test_the_engine_refuses_images_it_cannot_take(qwen):
     model_dir = qwen[0]
     ids, features, _ = prompt(qwen, [[74], [75]], [picture(6)])
