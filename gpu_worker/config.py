@@ -18,10 +18,14 @@ import torch
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     LLAVA_ARCHITECTURES,
+    QWEN3_VL_ARCHITECTURES,
     QWEN_VL_ARCHITECTURES,
+    Qwen3VisionConfig,
     QwenVisionConfig,
     VisionConfig,
     mrope_section,
+    native_vision_config,
+    qwen3_vision_config_from_dict,
     qwen_vision_config_from_dict,
     qwen_vl_text_config,
     text_architecture,
@@ -633,7 +637,7 @@ class ModelConfig:
     dtype: torch.dtype | None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # A vision-language model's image side (LLaVA: CLIP tower and projector); None for text models.
-    vision: VisionConfig | QwenVisionConfig | None = None
+    vision: VisionConfig | QwenVisionConfig | Qwen3VisionConfig | None = None
     # Per layer, whether it attends through the sliding window (empty: every layer does, when there
     # is one). Qwen2/Qwen3 window only their layers from max_window_layers on.
     sliding_window_layers: tuple[bool, ...] = ()
@@ -653,6 +657,8 @@ class ModelConfig:
     # Qwen2-VL's M-RoPE: how many of the rotary frequencies follow a token's time, height and width
     # position (an image's patches differ in the last two; text's three are equal). None: plain RoPE.
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL: the axes take the frequencies in turn (t h w t h w ...), not in sections.
+    mrope_interleaved: bool = False
     # Not a checkpoint fact: how the workers place the experts (--enable-expert-parallel). True: each
     # TP rank holds num_experts / tp whole experts; False: a slice of every expert's width.
     expert_parallel: bool = False
@@ -820,10 +826,17 @@ class ModelConfig:
         elif arch in QWEN_VL_ARCHITECTURES and not embedding_only:
             vision = qwen_vision_config_from_dict(cfg)
             cfg, arch = qwen_vl_text_config(cfg), "Qwen2ForCausalLM"
+        elif arch in QWEN3_VL_ARCHITECTURES and not embedding_only:
+            vision = qwen3_vision_config_from_dict(cfg)
+            cfg, arch = qwen_vl_text_config(cfg, "Qwen3ForCausalLM"), "Qwen3ForCausalLM"
+            if mrope_section(cfg) is None:  # (transformers' default split)
+                cfg = {**cfg, "rope_parameters": {**(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}),
+                                                  "mrope_section": [24, 20, 20]}}
         elif embedding_only:
             arch = {**EMBEDDING_DECODER_OF, **headed}[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:
             known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + LLAVA_ARCHITECTURES + QWEN_VL_ARCHITECTURES
+                     + QWEN3_VL_ARCHITECTURES
                      + tuple(EMBEDDING_DECODER_OF) + tuple(headed) + tuple(ENCODER_ARCHITECTURES))
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
@@ -844,13 +857,14 @@ class ModelConfig:
         # Qwen2-VL's M-RoPE: plain RoPE whose frequencies are split among three position axes.
         sections = mrope_section(cfg)
         if sections is not None:
-            if not isinstance(vision, QwenVisionConfig):
-                raise ValueError(f"M-RoPE (mrope_section) is served for Qwen2-VL models, not {arch}")
+            if not isinstance(vision, QwenVisionConfig | Qwen3VisionConfig):
+                raise ValueError(f"M-RoPE (mrope_section) is served for Qwen2-VL and Qwen3-VL models, not {arch}")
             # (Its rope_type, or the older "type", says "mrope" or nothing for plain RoPE; any other
             # is the frequencies' scaling, YaRN's for Qwen2.5-VL's long context.)
             for key in ("rope_parameters", "rope_scaling"):
                 if isinstance(cfg.get(key), dict):
-                    rope = {k: v for k, v in cfg[key].items() if k not in ("mrope_section", "type")}
+                    rope = {k: v for k, v in cfg[key].items()
+                            if k not in ("mrope_section", "mrope_interleaved", "type")}
                     kind = cfg[key].get("rope_type") or cfg[key].get("type")
                     rope["rope_type"] = "default" if kind in (None, "mrope") else kind
                     cfg = {**cfg, key: rope}
@@ -936,6 +950,7 @@ class ModelConfig:
             sliding_window_layers=window_layers,
             rotary_dim=rotary_dim,
             mrope_section=sections,
+            mrope_interleaved=isinstance(vision, Qwen3VisionConfig),
             hidden_act=act,
             embedding_only=embedding_only or bidirectional,
             encoder_only=bidirectional,
@@ -1016,15 +1031,17 @@ class ModelConfig:
         config = cls.from_dict(cfg, gen)
         processor_path = model_dir / "preprocessor_config.json"
         if mm_processor_kwargs:
-            served = ("min_pixels", "max_pixels") if isinstance(config.vision, QwenVisionConfig) else ()
+            native = isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
+            served = ("min_pixels", "max_pixels") if native else ()
             unserved = sorted(set(mm_processor_kwargs) - set(served))
             if unserved:
                 raise ValueError(f"mm_processor_kwargs {unserved} cannot be served for {config.architecture}: "
                                  + (f"only {list(served)}" if served else "it sets nothing of this model's"))
-        if isinstance(config.vision, QwenVisionConfig) and (processor_path.exists() or mm_processor_kwargs):
-            # (Qwen2-VL: the processor's pixel range decides an image's token count.)
+        if (isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
+                and (processor_path.exists() or mm_processor_kwargs)):
+            # (Qwen2-VL, Qwen3-VL: the processor's pixel range decides an image's token count.)
             processor = json.loads(processor_path.read_text()) if processor_path.exists() else {}
-            config = dataclasses.replace(config, vision=qwen_vision_config_from_dict(
+            config = dataclasses.replace(config, vision=native_vision_config(
                 cfg, {**processor, **(mm_processor_kwargs or {})}))
         # (Older llm-compressor releases name it compression_config, as vLLM also reads it.)
         quantization = cfg.get("quantization_config") or cfg.get("compression_config")

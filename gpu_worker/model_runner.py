@@ -337,8 +337,10 @@ class ModelRunner:
                 self.model.embed_images([torch.zeros(geometry.input_shape(*size), dtype=self.dtype, device=self.device)
                                          ] * images, [size] * images)
                 # The encoder cache's rows (the scheduler's cache size), held through the forward.
+                # (Qwen3-VL's rows carry its DeepStack features too: image_row_width.)
                 encoder_cache = torch.empty(max(self.max_num_batched_tokens, vision.tokens_per_image),
-                                            self.config.hidden_size, dtype=self.dtype, device=self.device)
+                                            getattr(self.model, "image_row_width", self.config.hidden_size),
+                                            dtype=self.dtype, device=self.device)
             hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta, None, intermediate)
             if not distributed.is_last_stage():  # (a stage before the last has no head)
                 hidden = None
@@ -783,14 +785,17 @@ class ModelRunner:
         stage sent; all but the last send theirs on and return None."""
         assert self.model is not None
         intermediate = None
-        inputs_embeds = None
+        inputs_embeds = deepstack = None
         if distributed.is_first_stage():
-            inputs_embeds = self._inputs_embeds(input_ids, states, starts, ends, query_start_loc)
+            inputs_embeds, deepstack = self._inputs_embeds(input_ids, states, starts, ends, query_start_loc)
         else:
             shape = (input_ids.shape[0], self.config.hidden_size)
             hidden, residual = distributed.recv_from_previous_stage(shape, self.dtype, self.device, 2)
             intermediate = (hidden, residual)
-        out = self.model(input_ids, positions, meta, inputs_embeds, intermediate)
+        if deepstack is None:
+            out = self.model(input_ids, positions, meta, inputs_embeds, intermediate)
+        else:
+            out = self.model(input_ids, positions, meta, inputs_embeds, intermediate, deepstack)
         if distributed.is_last_stage():
             return out
         distributed.send_to_next_stage(list(out))
@@ -829,11 +834,13 @@ class ModelRunner:
             self.encoder_cache[identifier] = image_rows.clone()
 
     def _inputs_embeds(self, input_ids: torch.Tensor, states: list[RequestState], starts: np.ndarray,
-                       ends: np.ndarray, query_start_loc: np.ndarray) -> torch.Tensor | None:
+                       ends: np.ndarray, query_start_loc: np.ndarray
+                       ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """The pass's input rows when a request's chunk covers prompt embeddings or image placeholders:
         the embedding table's rows of every token, with the requests' own rows (or their images'
         encoder rows) written over their placeholders' (None when no chunk does: the model looks its
-        tokens up itself)."""
+        tokens up itself). And Qwen3-VL's DeepStack rows for the image tokens: (their rows in the
+        pass, [layers, rows, hidden]); the encoder's rows carry them after the embedding's width."""
         spans = []
         for i, s in enumerate(states):
             start, end = int(starts[i]), int(ends[i])
@@ -850,12 +857,20 @@ class ModelRunner:
                 spans.append((int(query_start_loc[i]) + first - start,
                               rows[first - feature.offset:last - feature.offset]))
         if not spans:
-            return None
+            return None, None
         assert self.model is not None
         embeds = self.model.embed_input_ids(input_ids)
+        width = embeds.shape[1]
+        deep_rows, deep_values = [], []
         for row, rows in spans:
-            embeds[row:row + len(rows)] = rows.to(self.device, non_blocking=True)
-        return embeds
+            rows = rows.to(self.device, non_blocking=True)
+            embeds[row:row + len(rows)] = rows[:, :width]
+            if rows.shape[1] > width:  # (DeepStack: [rows, layers x hidden] after the embedding)
+                deep_rows.append(torch.arange(row, row + len(rows), device=self.device))
+                deep_values.append(rows[:, width:].unflatten(1, (-1, width)))
+        if not deep_rows:
+            return embeds, None
+        return embeds, (torch.cat(deep_rows), torch.cat(deep_values).transpose(0, 1))
 
     def _forward_encoder(self, states: list[RequestState], num_sched: np.ndarray
                          ) -> tuple[torch.Tensor, list[int], np.ndarray]:

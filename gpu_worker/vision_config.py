@@ -3,6 +3,8 @@ tower, a two-layer projector into the language model's width, and an image place
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,14 +193,7 @@ def qwen_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] 
     windowed = cfg["architectures"][0] == "Qwen2_5_VLForConditionalGeneration"
     vision = dict(cfg.get("vision_config") or {})
     processor = processor or {}
-    size = processor.get("size") if isinstance(processor.get("size"), dict) else {}
-    min_pixels = int(processor.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
-                     or QWEN_VL_MIN_PIXELS)
-    max_pixels = int(processor.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
-                     or QWEN_VL_MAX_PIXELS)
-    if not 0 < min_pixels <= max_pixels:
-        raise ValueError(f"the image processor's min_pixels ({min_pixels}) must be positive and at most its "
-                         f"max_pixels ({max_pixels})")
+    min_pixels, max_pixels = _pixel_range(processor, QWEN_VL_MIN_PIXELS, QWEN_VL_MAX_PIXELS)
     if windowed:  # (transformers' Qwen2_5_VLVisionConfig defaults)
         width = int(vision.get("hidden_size", 3584))
         mlp, out = int(vision.get("intermediate_size", 3420)), int(vision.get("out_hidden_size", 3584))
@@ -218,24 +213,60 @@ def qwen_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] 
         fullatt_block_indexes=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31)))
         if windowed else (),
         image_token_id=int(cfg.get("image_token_id", 151655)), min_pixels=min_pixels, max_pixels=max_pixels)
-    for key, ours in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size),
-                      ("temporal_patch_size", vc.temporal_patch_size)):
-        if processor.get(key) is not None and int(processor[key]) != ours:
-            raise ValueError(f"preprocessor_config.json's {key} {processor[key]} is not the vision tower's {ours}")
+    _check_processor(processor, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
     if vc.hidden_size % vc.num_heads or vc.head_dim % 4:
         raise ValueError(f"the vision tower's width {vc.hidden_size} must split into {vc.num_heads} heads whose "
                          "width is a multiple of 4 (its 2-D rotary embedding)")
     return vc
 
 
-def qwen_vl_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen2-VL config's language model as a Qwen2 config: its text_config (transformers 5's
-    layout), or the top level's keys (the released checkpoints': everything but vision_config)."""
+def _pixel_range(processor: dict[str, Any], default_min: int, default_max: int) -> tuple[int, int]:
+    """A Qwen-VL image processor config's (min_pixels, max_pixels): its own keys, or its size's edges."""
+    size = processor.get("size") if isinstance(processor.get("size"), dict) else {}
+    min_pixels = int(processor.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+                     or default_min)
+    max_pixels = int(processor.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+                     or default_max)
+    if not 0 < min_pixels <= max_pixels:
+        raise ValueError(f"the image processor's min_pixels ({min_pixels}) must be positive and at most its "
+                         f"max_pixels ({max_pixels})")
+    return min_pixels, max_pixels
+
+
+def _check_processor(processor: dict[str, Any], patch_size: int, merge_size: int, temporal_patch_size: int) -> None:
+    for key, ours in (("patch_size", patch_size), ("merge_size", merge_size),
+                      ("temporal_patch_size", temporal_patch_size)):
+        if processor.get(key) is not None and int(processor[key]) != ours:
+            raise ValueError(f"preprocessor_config.json's {key} {processor[key]} is not the vision tower's {ours}")
+
+
+def qwen3_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] | None = None
+                                  ) -> Qwen3VisionConfig:
+    """Qwen3-VL's vision side from its config.json and preprocessor_config.json."""
+    processor = processor or {}
+    vc = Qwen3VisionConfig.from_hf(dict(cfg.get("vision_config") or {}))
+    min_pixels, max_pixels = _pixel_range(processor, QWEN3_VL_MIN_PIXELS, QWEN3_VL_MAX_PIXELS)
+    _check_processor(processor, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+    return dataclasses.replace(vc, image_token_id=int(cfg.get("image_token_id", 151655)), min_pixels=min_pixels,
+                               max_pixels=max_pixels)
+
+
+def native_vision_config(cfg: dict[str, Any], processor: dict[str, Any] | None = None
+                         ) -> QwenVisionConfig | Qwen3VisionConfig:
+    """A native-resolution model's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) vision side."""
+    if cfg["architectures"][0] in QWEN3_VL_ARCHITECTURES:
+        return qwen3_vision_config_from_dict(cfg, processor)
+    return qwen_vision_config_from_dict(cfg, processor)
+
+
+def qwen_vl_text_config(cfg: dict[str, Any], decoder: str = "Qwen2ForCausalLM") -> dict[str, Any]:
+    """A Qwen-VL config's language model as a ``decoder`` config: its text_config (transformers 5's
+    layout), or the top level's keys (the released Qwen2-VL checkpoints': everything but vision_config)."""
     text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
     for key in ("eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
         if cfg.get(key) is not None:
             text.setdefault(key, cfg[key])
-    text["architectures"] = ["Qwen2ForCausalLM"]
+    text["architectures"] = [decoder]
     return text
 
 
@@ -247,3 +278,97 @@ def mrope_section(cfg: dict[str, Any]) -> tuple[int, ...] | None:
         if isinstance(value, dict) and value.get("mrope_section"):
             return tuple(int(v) for v in value["mrope_section"])
     return None
+
+
+# Qwen3-VL: Qwen2-VL's native-resolution images (16-pixel patches, 2x2 merged) before a Qwen3 decoder
+# with interleaved M-RoPE, and DeepStack: rows from the tower's inner blocks added to the image
+# tokens' hidden states after the decoder's first layers.
+QWEN3_VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration",)
+# transformers' Qwen3-VL processor defaults (its size's shortest and longest edge, in pixels).
+QWEN3_VL_MIN_PIXELS = 65536
+QWEN3_VL_MAX_PIXELS = 16777216
+# transformers' Qwen3VLVisionConfig defaults (a config.json may list only what differs from them).
+_HF_DEFAULTS: dict[str, Any] = {
+    "depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 4304,
+    "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "out_hidden_size": 3584, "num_position_embeddings": 2304, "deepstack_visual_indexes": (8, 16, 24)}
+# The names transformers' config also accepts for two of them (its attribute_map).
+_HF_ALIASES = {"depth": "num_hidden_layers", "num_heads": "num_attention_heads"}
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class Qwen3VisionConfig:
+    """A Qwen3-VL vision tower (config.json's ``vision_config``, transformers' names)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    hidden_act: str
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    # The mergers' output width: the language model's.
+    out_hidden_size: int
+    # The learned position grid's size (a square: sqrt of it per side).
+    num_position_embeddings: int
+    # The blocks (0-based) after which a DeepStack merger taps the hidden states, in increasing order.
+    deepstack_visual_indexes: tuple[int, ...]
+    # The vision rotary embedding's base (``rope_parameters.rope_theta``).
+    rope_theta: float = _DEFAULT_ROPE_THETA
+    # The model's image side around the tower: the prompt token an image's rows replace, and the
+    # resized image's pixel range (preprocessor_config.json's, --mm-processor-kwargs over it).
+    image_token_id: int = 151655
+    min_pixels: int = QWEN3_VL_MIN_PIXELS
+    max_pixels: int = QWEN3_VL_MAX_PIXELS
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return ImageGeometry(self.patch_size * self.spatial_merge_size, self.patch_size, self.in_channels,
+                             merge_size=self.spatial_merge_size, temporal_patch_size=self.temporal_patch_size,
+                             min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """The most tokens one image may take."""
+        return self.geometry.max_tokens
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_input_size(self) -> int:
+        """One patch's pixel values as the processor flattens them: channels x frames x side x side."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def position_grid_side(self) -> int:
+        return math.isqrt(self.num_position_embeddings)
+
+    @classmethod
+    def from_hf(cls, vision_cfg: dict[str, Any]) -> Qwen3VisionConfig:
+        """From a config.json's ``vision_config``, transformers' defaults filling what it leaves out."""
+        values: dict[str, Any] = {}
+        for name, default in _HF_DEFAULTS.items():
+            alias = _HF_ALIASES.get(name)
+            if vision_cfg.get(name) is not None:
+                values[name] = vision_cfg[name]
+            elif alias is not None and vision_cfg.get(alias) is not None:
+                values[name] = vision_cfg[alias]
+            else:
+                values[name] = default
+        for name in ("patch_size", "temporal_patch_size"):
+            if not isinstance(values[name], int):
+                raise ValueError(f"Qwen3-VL's vision_config.{name} must be one integer, got {values[name]!r}")
+        rope = vision_cfg.get("rope_parameters") or {}
+        theta = rope.get("rope_theta") or vision_cfg.get("rope_theta") or _DEFAULT_ROPE_THETA
+        ints = {name: int(value) for name, value in values.items()
+                if name not in ("hidden_act", "deepstack_visual_indexes")}
+        return cls(**ints, hidden_act=str(values["hidden_act"]),
+                   deepstack_visual_indexes=tuple(int(i) for i in values["deepstack_visual_indexes"]),
+                   rope_theta=float(theta))
+
+

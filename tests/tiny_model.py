@@ -367,3 +367,39 @@ def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_p
     _save_randomized(model, Path(path), tokenizer, rescale={"merger.mlp.2.": 0.1})
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels).save_pretrained(path)
     return Path(path)
+
+
+def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 16) -> Path:
+    """Save a random tiny Qwen3-VL into ``path``: a 3-block vision tower over 16-pixel patches (its
+    learnt position grid 4x4, interpolated to each image's; DeepStack rows from blocks 0 and 1), a
+    2-layer Qwen3 decoder with interleaved M-RoPE, build_tiny_qwen2_vl's tokenizer and template, and
+    the image processor's config (at most ``max_pixels`` per image)."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
+                                                                "<|vision_end|>"]})
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad", "vision_end")}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True},
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    config = Qwen3VLConfig(vision_config=vision, text_config=text, image_token_id=ids["image_pad"],
+                           vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+                           video_token_id=ids["image_pad"] + 100)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    with torch.no_grad():  # (norms off their init too, so the test sees each one)
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.uniform_(0.5, 1.5)
+    # (The mergers' rows scaled to the text embeddings' size: else an image's rows decide every answer.)
+    _save_randomized(model, Path(path), tokenizer, rescale={"merger.linear_fc2.": 0.1, "merger_list": 0.1})
+    Qwen2VLImageProcessorPil(patch_size=16, min_pixels=64 * 64, max_pixels=max_pixels).save_pretrained(path)
+    return Path(path)

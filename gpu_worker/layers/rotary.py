@@ -138,18 +138,25 @@ def longrope_rows(positions: np.ndarray, prompt_lens: np.ndarray, short_offset: 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
-                 mrope_section: tuple[int, ...] | None = None) -> None:
+                 mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        # Qwen2-VL's M-RoPE: the frequencies' split among (time, height, width) positions; a token's
-        # cos/sin take each section's values from that axis' position (see cos_sin).
-        self.mrope_bounds: list[tuple[int, int]] | None = None
+        # M-RoPE (Qwen2-VL, Qwen3-VL): which of the (time, height, width) positions each frequency
+        # turns with ([rotary_dim // 2] axis numbers; see cos_sin). Qwen2-VL gives the axes consecutive
+        # sections of the frequencies; Qwen3-VL interleaves them (t h w t h w ..., the time axis taking
+        # the frequencies past the others' sections).
+        axis = None
         if mrope_section is not None:
-            if len(mrope_section) != 3 or sum(mrope_section) != rotary_dim // 2:
-                raise ValueError(f"mrope_section must split the {rotary_dim // 2} rotary frequencies in three, "
+            half = rotary_dim // 2
+            if len(mrope_section) != 3 or sum(mrope_section) != half:
+                raise ValueError(f"mrope_section must split the {half} rotary frequencies in three, "
                                  f"got {list(mrope_section)}")
-            ends = np.cumsum(mrope_section).tolist()
-            self.mrope_bounds = list(zip([0, *ends[:2]], ends, strict=True))
+            if mrope_interleaved:
+                axis = [next((a for a in (1, 2) if i % 3 == a and i < 3 * mrope_section[a]), 0) for i in range(half)]
+            else:
+                axis = [a for a, count in enumerate(mrope_section) for _ in range(count)]
+        self.mrope_axis: torch.Tensor | None
+        self.register_buffer("mrope_axis", None if axis is None else torch.tensor(axis), persistent=False)
         # LongRoPE: where the short factors' rows start, and the length above which the long ones apply.
         self.short_offset: int | None = None
         self.original_max_position: int | None = None
@@ -171,12 +178,13 @@ class RotaryEmbedding(nn.Module):
         ``positions`` are rows of the table (for LongRoPE, see the module's docstring); for M-RoPE
         they may be [3, num_tokens], each token's time, height and width positions."""
         if positions.dim() == 2:
-            assert self.mrope_bounds is not None, "three position axes need an M-RoPE model"
-            cos = torch.cat([self.cos_cache.index_select(0, axis)[:, a:b]
-                             for axis, (a, b) in zip(positions, self.mrope_bounds, strict=True)], dim=-1)
-            sin = torch.cat([self.sin_cache.index_select(0, axis)[:, a:b]
-                             for axis, (a, b) in zip(positions, self.mrope_bounds, strict=True)], dim=-1)
-            return cos.unsqueeze(1), sin.unsqueeze(1)
+            assert self.mrope_axis is not None, "three position axes need an M-RoPE model"
+            num_tokens, half = positions.shape[1], self.cos_cache.shape[1]
+            # ([3, tokens, half]: every axis' rows; each frequency then takes its own axis' value)
+            axis = self.mrope_axis.view(1, 1, half).expand(1, num_tokens, half)
+            cos = self.cos_cache.index_select(0, positions.reshape(-1)).view(3, num_tokens, half).gather(0, axis)
+            sin = self.sin_cache.index_select(0, positions.reshape(-1)).view(3, num_tokens, half).gather(0, axis)
+            return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
         return (self.cos_cache.index_select(0, positions).unsqueeze(1),
                 self.sin_cache.index_select(0, positions).unsqueeze(1))
 

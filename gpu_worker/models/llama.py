@@ -198,27 +198,39 @@ class LlamaModel(nn.Module):
                              else PPMissingLayer())
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
                                           config.rope_theta, config.rope_scaling,
-                                          mrope_section=config.mrope_section)
+                                          mrope_section=config.mrope_section,
+                                          mrope_interleaved=config.mrope_interleaved)
         self.layers = stage.layers(config, LlamaDecoderLayer)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``positions``: each token's row of the rotary table (its position, except for LongRoPE's
-        short-factor rows: see layers.rotary). ``inputs_embeds``: the rows to run instead of the
-        tokens' (prompt embeddings). Under pipeline parallelism a stage after the first starts from
-        the previous stage's ``intermediate`` (hidden, residual), and a stage before the last
-        returns its own instead of the final hidden states."""
+        short-factor rows: see layers.rotary; [3, tokens] under M-RoPE). ``inputs_embeds``: the rows
+        to run instead of the tokens' (prompt embeddings, images). Under pipeline parallelism a stage
+        after the first starts from the previous stage's ``intermediate`` (hidden, residual), and a
+        stage before the last returns its own instead of the final hidden states. ``deepstack``
+        (Qwen3-VL): (rows [m], values [layers, m, hidden]): after layer i, the rows' hidden states
+        gain values[i] (an image's features from its tower's inner blocks)."""
         if intermediate is None:
             hidden = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
         else:
             hidden, residual = intermediate
         rope = self.rotary_emb.cos_sin(positions)
-        for layer in self.layers[self.stage.start:self.stage.end]:
-            hidden, residual = layer.forward(rope, hidden, residual, meta)
+        layers = self.layers[self.stage.start:self.stage.end]
+        if deepstack is None:
+            for layer in layers:
+                hidden, residual = layer.forward(rope, hidden, residual, meta)
+        else:
+            rows, values = deepstack
+            for i, layer in enumerate(layers):
+                hidden, residual = layer.forward(rope, hidden, residual, meta)
+                if i < len(values):  # (the layer's output is hidden + residual: one of them gains them)
+                    hidden = hidden.index_add(0, rows, values[i].to(hidden.dtype))
         if not self.stage.last:
             return hidden, residual
         hidden, _ = self.norm.forward(hidden, residual)
@@ -258,7 +270,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if deepstack is not None:
+            return self.model.forward(input_ids, positions, meta, inputs_embeds, intermediate, deepstack)
         return self.model.forward(input_ids, positions, meta, inputs_embeds, intermediate)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.weight_utils import WeightLike
@@ -22,32 +23,32 @@ from gpu_worker.models.qwen2_vl_vision import QwenVisionTower
 from gpu_worker.vision_config import QwenVisionConfig
 
 
-class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
-    """Qwen2-VL, and Qwen2.5-VL (the same model around a windowed tower: QwenVisionConfig.windowed)."""
+class NativeImagesMixin(nn.Module):
+    """What Qwen2-VL and Qwen3-VL share around their decoders: images in by their patches and grids,
+    the tower's rows out per image, the checkpoints' names."""
 
-    # Checkpoint prefixes -> ours: the released checkpoints' layout (decoder under ``model.``, tower
-    # under ``visual.``) needs none; transformers 5 saves the decoder under ``model.language_model.``
-    # and the tower under ``model.visual.``.
+    # Checkpoint prefixes -> ours: the released Qwen2-VL checkpoints' layout (decoder under ``model.``,
+    # tower under ``visual.``) needs none; transformers 5 (and Qwen3-VL's checkpoints) keep the
+    # decoder under ``model.language_model.`` and the tower under ``model.visual.``.
     _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."),)
     _PREFIXES = (*_LANGUAGE_MODEL_PREFIXES, ("model.visual.", "visual."))
     # (A LoRA adapter's modules in the tower are skipped, with a warning, as vLLM does.)
     _VISION_PREFIXES = ("visual.", "model.visual.")
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        assert isinstance(config.vision, QwenVisionConfig)
-        self.visual = QwenVisionTower(config.vision)
+    def _tower_rows(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Every image's rows, in order ([merged patches, image_row_width])."""
+        raise NotImplementedError
 
     def embed_images(self, pixel_values: list[torch.Tensor],
                      image_sizes: list[tuple[int, int] | None]) -> list[torch.Tensor]:
-        """Each image's rows ([its tokens, hidden]) from its patches and its own (height, width),
-        which give its grid of patches; every image of the batch goes through the tower at once."""
+        """Each image's rows ([its tokens, image_row_width]) from its patches and its own (height,
+        width), which give its grid of patches; every image of the batch goes through the tower at once."""
         geometry = self.config.vision.geometry
         grids = []
         for size in image_sizes:
-            assert size is not None, "Qwen2-VL reads an image's grid from its size"
+            assert size is not None, "a native-resolution model reads an image's grid from its size"
             grids.append(geometry.patch_grid(*size))
-        rows = self.visual(torch.cat(pixel_values), grids).to(self.model_dtype())
+        rows = self._tower_rows(torch.cat(pixel_values), grids).to(self.model_dtype())
         merged = geometry.merge_size ** 2
         return list(rows.split([t * h * w // merged for t, h, w in grids]))
 
@@ -62,3 +63,14 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                     break
             yield name, tensor
 
+
+class Qwen2VLForConditionalGeneration(NativeImagesMixin, Qwen2ForCausalLM):
+    """Qwen2-VL, and Qwen2.5-VL (the same model around a windowed tower: QwenVisionConfig.windowed)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        assert isinstance(config.vision, QwenVisionConfig)
+        self.visual = QwenVisionTower(config.vision)
+
+    def _tower_rows(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.visual(pixel_values, grids)

@@ -1,11 +1,13 @@
-"""Qwen2-VL and Qwen2.5-VL (native-resolution images, M-RoPE positions): our engine's prompt
-logprobs and greedy tokens equal transformers' on tiny random checkpoints, whole and in chunks
-across images, beside text-only requests, through the prefix cache; the geometry against
-transformers' processor; the config and refusals."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (native-resolution images, M-RoPE positions; Qwen3-VL's
+interleaved and its DeepStack rows): our engine's prompt logprobs and greedy tokens equal
+transformers' on tiny random checkpoints, whole and in chunks across images, beside text-only
+requests, through the prefix cache, with a LoRA adapter; the geometry against transformers'
+processor; the config and refusals."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,20 +21,39 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.mrope import mrope_positions
 from gpu_worker.vision_config import QwenVisionConfig
 from tests.gpu_worker.test_llava import make_engine, picture
-from tests.tiny_model import build_tiny_qwen2_vl
+from tests.tiny_model import build_tiny_qwen2_vl, build_tiny_qwen3_vl
 
 MAX_TOKENS = 6
 
 
+def _built(kind: str, directory: Path):
+    """(model dir, transformers' model, its image processor) of a tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL."""
+    from transformers import (
+        AutoImageProcessor,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+    )
+
+    if kind == "qwen3_vl":
+        model_dir, model_class = build_tiny_qwen3_vl(directory), Qwen3VLForConditionalGeneration
+    else:
+        windowed = kind == "qwen2_5_vl"
+        model_dir = build_tiny_qwen2_vl(directory, windowed=windowed)
+        model_class = Qwen2_5_VLForConditionalGeneration if windowed else Qwen2VLForConditionalGeneration
+    return model_dir, model_class.from_pretrained(model_dir).eval(), AutoImageProcessor.from_pretrained(model_dir)
+
+
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def qwen(request, tmp_path_factory):
-    """(model dir, transformers' model, its image processor)."""
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+    """Qwen2-VL and Qwen2.5-VL (28-pixel merged patches)."""
+    return _built(request.param, tmp_path_factory.mktemp(request.param))
 
-    windowed = request.param == "qwen2_5_vl"
-    model_dir = build_tiny_qwen2_vl(tmp_path_factory.mktemp(request.param), windowed=windowed)
-    model_class = Qwen2_5_VLForConditionalGeneration if windowed else Qwen2VLForConditionalGeneration
-    return model_dir, model_class.from_pretrained(model_dir).eval(), AutoImageProcessor.from_pretrained(model_dir)
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def any_qwen(request, tmp_path_factory):
+    """Each native-resolution family: Qwen3-VL too (interleaved M-RoPE, DeepStack rows)."""
+    return _built(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def prompt(qwen, text_ids: list[list[int]], images: list):
@@ -102,12 +123,12 @@ def assert_equal(got: tuple[list[float], list[int]], want: tuple[list[float], li
     assert got[1] == want[1]
 
 
-def test_two_images_equal_transformers_whole_and_in_chunks_across_the_images(qwen):
-    model_dir = qwen[0]
+def test_two_images_equal_transformers_whole_and_in_chunks_across_the_images(any_qwen):
+    model_dir = any_qwen[0]
     # Images of other shapes: their grids are 4x6 and 6x4 patches (6 tokens each), 8x8 (16).
-    ids, features, inputs = prompt(qwen, [[74, 75], [223, 263, 84], [71]],
+    ids, features, inputs = prompt(any_qwen, [[74, 75], [223, 263, 84], [71]],
                                    [picture(0), picture(1, (90, 60))])
-    want = reference(qwen, ids, inputs)
+    want = reference(any_qwen, ids, inputs)
     assert_equal(run(make_engine(model_dir), {"a": (ids, features)})["a"], want)
     # 5-token passes: each image's placeholders run over several chunks (its rows encoded once).
     engine = make_engine(model_dir, max_num_batched_tokens=5)
@@ -115,34 +136,34 @@ def test_two_images_equal_transformers_whole_and_in_chunks_across_the_images(qwe
     assert engine.stats().num_images_encoded == 2
 
 
-def test_an_image_prompt_beside_text_prompts_in_one_batch(qwen):
+def test_an_image_prompt_beside_text_prompts_in_one_batch(any_qwen):
     """Text-only requests keep their plain positions while an image request's take the table (and
     its decode steps the shift), in the same passes."""
-    model_dir = qwen[0]
-    image_ids, image_features, inputs = prompt(qwen, [[90, 91], [92]], [picture(2, (120, 100))])
+    model_dir = any_qwen[0]
+    image_ids, image_features, inputs = prompt(any_qwen, [[90, 91], [92]], [picture(2, (120, 100))])
     text_ids = [5, 9, 11, 200, 31]
-    want = {"image": reference(qwen, image_ids, inputs), "text": reference(qwen, text_ids, (None, None))}
+    want = {"image": reference(any_qwen, image_ids, inputs), "text": reference(any_qwen, text_ids, (None, None))}
     got = run(make_engine(model_dir, max_num_batched_tokens=16), {"image": (image_ids, image_features),
                                                                   "text": (text_ids, [])})
     for req_id in want:
         assert_equal(got[req_id], want[req_id])
 
 
-def test_the_same_image_again_hits_the_prefix_cache_and_answers_the_same(qwen):
-    model_dir = qwen[0]
+def test_the_same_image_again_hits_the_prefix_cache_and_answers_the_same(any_qwen):
+    model_dir = any_qwen[0]
     engine = make_engine(model_dir, block_size=4)
-    ids, features, inputs = prompt(qwen, [[74, 75, 223], [263, 84, 71, 90]], [picture(3)])
-    want = reference(qwen, ids, inputs)
+    ids, features, inputs = prompt(any_qwen, [[74, 75, 223], [263, 84, 71, 90]], [picture(3)])
+    want = reference(any_qwen, ids, inputs)
     cached: dict[str, int] = {}
     assert run(engine, {"first": (ids, features)}, cached)["first"][1] == want[1] and not cached
     assert run(engine, {"again": (ids, features)}, cached)["again"][1] == want[1]
     assert cached["again"] == len(ids) - len(ids) % 4 - (len(ids) % 4 == 0) * 4
 
 
-def test_positions_equal_transformers_rope_index(qwen):
-    model_dir, model, _ = qwen
+def test_positions_equal_transformers_rope_index(any_qwen):
+    model_dir, model, _ = any_qwen
     geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
-    ids, features, (_, grids) = prompt(qwen, [[74], [75, 76], [77, 78, 79]],
+    ids, features, (_, grids) = prompt(any_qwen, [[74], [75, 76], [77, 78, 79]],
                                        [picture(4, (40, 200)), picture(5, (200, 40))])
     tensor_ids = torch.tensor([ids])
     want, want_delta = model.model.get_rope_index(tensor_ids, (tensor_ids == model.config.image_token_id).int(), grids)
@@ -265,7 +286,7 @@ def _processor_with(processor, max_pixels: int):
     return processor
 
 
-def test_a_lora_adapter_on_the_language_model_answers_as_peft_does_with_images(qwen, tmp_path):
+def test_a_lora_adapter_on_the_language_model_answers_as_peft_does_with_images(any_qwen, tmp_path):
     """PEFT names a Qwen2-VL adapter's modules as transformers 5's model has them
     (model.language_model.layers...); the engine applies them to its decoder, images and all."""
     from peft import LoraConfig, get_peft_model
@@ -275,7 +296,7 @@ def test_a_lora_adapter_on_the_language_model_answers_as_peft_does_with_images(q
     from engine_core.outputs import LoRARequest
     from gpu_worker.executor import create_executor
 
-    model_dir, base, _ = qwen
+    model_dir, base, _ = any_qwen
     torch.manual_seed(3)
     adapted = get_peft_model(type(base).from_pretrained(model_dir).eval(), LoraConfig(
         r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0,
@@ -285,9 +306,9 @@ def test_a_lora_adapter_on_the_language_model_answers_as_peft_does_with_images(q
             if "lora_" in name:
                 param.normal_(0.0, 0.2)
     adapted.eval().save_pretrained(tmp_path / "adapter")
-    ids, features, inputs = prompt(qwen, [[74, 75], [263, 84]], [picture(10)])
+    ids, features, inputs = prompt(any_qwen, [[74, 75], [263, 84]], [picture(10)])
     want = reference((model_dir, adapted, None), ids, inputs)
-    assert want[1] != reference(qwen, ids, inputs)[1]  # (the adapter changes the answer)
+    assert want[1] != reference(any_qwen, ids, inputs)[1]  # (the adapter changes the answer)
     config = ClusterConfig(model=str(model_dir), enable_lora=True, max_lora_rank=8,
                            defaults=EngineSpec(num_gpu_blocks=256)).engine_configs()[0]
     engine = EngineCore(config, create_executor(config))

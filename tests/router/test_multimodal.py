@@ -702,3 +702,22 @@ def test_a_template_given_text_gets_qwens_placeholder_with_its_vision_tokens(qwe
     ids = engine.requests[0].prompt_token_ids
     text = tokenizer.decode([t for t in ids if t != vision.image_token_id])
     assert text == "[<|vision_start|><|vision_end|>\nwhat]"
+
+
+def test_a_qwen3_vl_image_gets_its_16_pixel_patches_and_its_grids_placeholders(tmp_path):
+    from transformers import AutoTokenizer
+
+    from gpu_worker.config import ModelConfig
+    from tests.tiny_model import build_tiny_qwen3_vl
+
+    directory = build_tiny_qwen3_vl(tmp_path / "qwen3-vl")
+    vision = ModelConfig.from_pretrained(directory).vision
+    model = (directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision)
+    http, engine, _ = _app(model)
+    image = _image(12, (90, 40))  # (90 wide, 40 high: 64x96 pixels once resized, 4x6 patches, 6 tokens)
+    r = _chat(http, [_part(_data_url(image)), {"type": "text", "text": "what"}])
+    assert r.status_code == 200, r.text
+    [feature] = engine.requests[0].mm_features
+    want = _expected_qwen_patches(model, image)
+    assert feature.length == vision.geometry.num_tokens(40, 90) == 6 and want.shape == (24, 1536)
+    np.testing.assert_array_equal(np.frombuffer(feature.pixel_values.data, np.float32).reshape(want.shape), want)
