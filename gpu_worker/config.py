@@ -523,6 +523,26 @@ def _text_config(cfg: dict[str, Any], decoder: str) -> dict[str, Any]:
     return text
 
 
+def _pixel_range_kwargs(kwargs: dict[str, Any], native: bool, architecture: str) -> dict[str, int]:
+    """--mm-processor-kwargs as the (min_pixels, max_pixels) they set over the processor config's:
+    given so, or as transformers' ``size`` (shortest_edge, longest_edge; the explicit keys win, as in
+    transformers). Other keys, or any for a model whose processor decides nothing here, are refused."""
+    served = ("min_pixels", "max_pixels", "size") if native else ()
+    unserved = sorted(set(kwargs) - set(served))
+    size = kwargs.get("size", {})
+    if not isinstance(size, dict) or set(size) - {"shortest_edge", "longest_edge"}:
+        unserved.append(f"size {size!r} (only shortest_edge and longest_edge)")
+    if unserved:
+        raise ValueError(f"mm_processor_kwargs {unserved} cannot be served for {architecture}: "
+                         + (f"only {list(served)}" if served else "it sets nothing of this model's"))
+    out = {}
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        value = kwargs.get(key, size.get(edge))
+        if value is not None:
+            out[key] = int(value)
+    return out
+
+
 def _activation(arch: str, cfg: dict[str, Any]) -> str:
     """The MLP's activation, read where transformers reads it for the architecture."""
     if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
@@ -834,6 +854,9 @@ class ModelConfig:
                                                   "mrope_section": [24, 20, 20]}}
         elif embedding_only:
             arch = {**EMBEDDING_DECODER_OF, **headed}[arch]
+        elif arch == "Qwen3VLMoeForConditionalGeneration":
+            raise ValueError("Qwen3-VL's mixture-of-experts checkpoints are not served (their experts are stored "
+                             "fused); the dense ones (Qwen3VLForConditionalGeneration) are")
         elif arch not in SUPPORTED_ARCHITECTURES:
             known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + LLAVA_ARCHITECTURES + QWEN_VL_ARCHITECTURES
                      + QWEN3_VL_ARCHITECTURES
@@ -1030,19 +1053,12 @@ class ModelConfig:
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)
         processor_path = model_dir / "preprocessor_config.json"
-        if mm_processor_kwargs:
-            native = isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
-            served = ("min_pixels", "max_pixels") if native else ()
-            unserved = sorted(set(mm_processor_kwargs) - set(served))
-            if unserved:
-                raise ValueError(f"mm_processor_kwargs {unserved} cannot be served for {config.architecture}: "
-                                 + (f"only {list(served)}" if served else "it sets nothing of this model's"))
-        if (isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
-                and (processor_path.exists() or mm_processor_kwargs)):
+        native = isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
+        pixel_range = _pixel_range_kwargs(mm_processor_kwargs or {}, native, cfg["architectures"][0])
+        if native and (processor_path.exists() or pixel_range):
             # (Qwen2-VL, Qwen3-VL: the processor's pixel range decides an image's token count.)
             processor = json.loads(processor_path.read_text()) if processor_path.exists() else {}
-            config = dataclasses.replace(config, vision=native_vision_config(
-                cfg, {**processor, **(mm_processor_kwargs or {})}))
+            config = dataclasses.replace(config, vision=native_vision_config(cfg, {**processor, **pixel_range}))
         # (Older llm-compressor releases name it compression_config, as vLLM also reads it.)
         quantization = cfg.get("quantization_config") or cfg.get("compression_config")
         method, block = weight_quantization(quantization)  # (others: refused here)

@@ -266,6 +266,8 @@ def qwen_vl_text_config(cfg: dict[str, Any], decoder: str = "Qwen2ForCausalLM") 
     for key in ("eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
         if cfg.get(key) is not None:
             text.setdefault(key, cfg[key])
+    if cfg.get("tie_word_embeddings") is not None:  # (transformers ties the head by the top level's)
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     text["architectures"] = [decoder]
     return text
 

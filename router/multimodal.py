@@ -318,6 +318,9 @@ class MultiModalProcessor:
             size = {"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels}
             current = getattr(image_processor, "size", None)
             image_processor.size = size if current is None or isinstance(current, dict) else type(current)(**size)
+            for key in ("min_pixels", "max_pixels"):  # (transformers 4's processors read these first)
+                if getattr(image_processor, key, None) is not None:
+                    setattr(image_processor, key, getattr(geometry, key))
         # (None: --mm-processor-cache-gb 0, every image processed as it comes.)
         self.cache = ProcessedImageCache(cache_bytes, on_cache_lookup) if cache_bytes > 0 else None
 

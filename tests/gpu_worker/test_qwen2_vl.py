@@ -232,6 +232,8 @@ def test_config_reads_the_processor_pixel_range_and_both_layouts(qwen, tmp_path)
                                                                                 "mrope_section": [2, 3, 3]}}
     with pytest.raises(ValueError, match="M-RoPE"):
         ModelConfig.from_dict(llama)
+    with pytest.raises(ValueError, match="Qwen3-VL's mixture-of-experts checkpoints are not served"):
+        ModelConfig.from_dict({**cfg, "architectures": ["Qwen3VLMoeForConditionalGeneration"]})
 
 
 def test_yarn_beside_m_rope_equals_transformers(tmp_path):
@@ -262,7 +264,13 @@ def test_mm_processor_kwargs_set_the_pixel_range_everywhere(qwen, tmp_path):
     router = MultiModalProcessor(config.vision.image_token_id, geometry, load_image_processor(model_dir), "q", "")
     image = router.process_image(picture(9, (300, 200)))
     assert image.num_tokens == 54 and image.pixel_values.shape == (216, 1176)
-    for kwargs, match in (({"num_crops": 4}, r"\['num_crops'\] cannot be served for Qwen2ForCausalLM: only"),
+    # (transformers' size form, as Qwen3-VL's model card sets it; explicit min/max_pixels win over it)
+    sized = ModelConfig.from_pretrained(model_dir, mm_processor_kwargs={"size": {"longest_edge": 28 * 28 * 64}})
+    assert sized.vision.geometry == geometry
+    both = {"size": {"longest_edge": 1}, "max_pixels": 28 * 28 * 64}
+    assert ModelConfig.from_pretrained(model_dir, mm_processor_kwargs=both).vision.geometry == geometry
+    for kwargs, match in (({"num_crops": 4}, r"\['num_crops'\] cannot be served for Qwen2.*VLForConditionalGeneration"),
+                          ({"size": {"height": 4}}, "only shortest_edge and longest_edge"),
                           ({"min_pixels": 10 ** 6}, "min_pixels .* at most its max_pixels")):
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_pretrained(model_dir, mm_processor_kwargs=kwargs)
