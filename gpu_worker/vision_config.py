@@ -136,8 +136,31 @@ QWEN_VL_MIN_PIXELS = 56 * 56
 QWEN_VL_MAX_PIXELS = 28 * 28 * 1280
 
 
+class NativeImageSide:
+    """What a native-resolution tower's config (Qwen2-VL's, Qwen3-VL's) tells of its images: their
+    geometry, from its patch and merge sizes and the processor's pixel range."""
+
+    patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    temporal_patch_size: int
+    min_pixels: int
+    max_pixels: int
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return ImageGeometry(self.patch_size * self.spatial_merge_size, self.patch_size, self.in_channels,
+                             merge_size=self.spatial_merge_size, temporal_patch_size=self.temporal_patch_size,
+                             min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """The most tokens one image may take."""
+        return self.geometry.max_tokens
+
+
 @dataclass(frozen=True)
-class QwenVisionConfig:
+class QwenVisionConfig(NativeImageSide):
     """A Qwen2-VL / Qwen2.5-VL vision tower (config.json's vision_config, transformers' names where
     they have one) and the image side of the model around it."""
 
@@ -174,17 +197,6 @@ class QwenVisionConfig:
     def patch_input_size(self) -> int:
         """One patch's pixel values as the processor flattens them: channels x frames x side x side."""
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def geometry(self) -> ImageGeometry:
-        return ImageGeometry(self.patch_size * self.spatial_merge_size, self.patch_size, self.in_channels,
-                             merge_size=self.spatial_merge_size, temporal_patch_size=self.temporal_patch_size,
-                             min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-
-    @property
-    def tokens_per_image(self) -> int:
-        """The most tokens one image may take."""
-        return self.geometry.max_tokens
 
 
 def qwen_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] | None = None) -> QwenVisionConfig:
@@ -300,7 +312,7 @@ _DEFAULT_ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(NativeImageSide):
     """A Qwen3-VL vision tower (config.json's ``vision_config``, transformers' names)."""
 
     depth: int
@@ -325,17 +337,6 @@ class Qwen3VisionConfig:
     image_token_id: int = 151655
     min_pixels: int = QWEN3_VL_MIN_PIXELS
     max_pixels: int = QWEN3_VL_MAX_PIXELS
-
-    @property
-    def geometry(self) -> ImageGeometry:
-        return ImageGeometry(self.patch_size * self.spatial_merge_size, self.patch_size, self.in_channels,
-                             merge_size=self.spatial_merge_size, temporal_patch_size=self.temporal_patch_size,
-                             min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-
-    @property
-    def tokens_per_image(self) -> int:
-        """The most tokens one image may take."""
-        return self.geometry.max_tokens
 
     @property
     def head_dim(self) -> int:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.vision_config import QwenVisionConfig
+from gpu_worker.vision_config import Qwen3VisionConfig, QwenVisionConfig
 
 # The vision rotary embedding's base (fixed in both models; their configs do not change it).
 _ROPE_THETA = 10000.0
@@ -98,7 +98,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class QwenVisionAttention(nn.Module):
-    def __init__(self, vc: QwenVisionConfig) -> None:
+    """Attention within each segment (an image's frame, or a window), rotated by the patches' 2-D
+    rotary angles (Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's towers alike)."""
+
+    def __init__(self, vc: QwenVisionConfig | Qwen3VisionConfig) -> None:
         super().__init__()
         self.num_heads = vc.num_heads
         self.head_dim = vc.head_dim

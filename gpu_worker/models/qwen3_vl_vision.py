@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.models.qwen2_vl_vision import (
+    QwenVisionAttention,
     _activation,
     _merge_order_positions,
-    _rotate_half,
     _segment_groups,
     _SegmentGroup,
 )
@@ -54,40 +54,6 @@ class _PatchEmbed(nn.Module):
         return F.linear(pixel_values.to(device=weight.device, dtype=weight.dtype), weight.flatten(1), self.proj.bias)
 
 
-class _Attention(nn.Module):
-    def __init__(self, vc: Qwen3VisionConfig) -> None:
-        super().__init__()
-        self.num_heads = vc.num_heads
-        self.head_dim = vc.head_dim
-        self.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size, bias=True)
-        self.proj = nn.Linear(vc.hidden_size, vc.hidden_size, bias=True)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                groups: list[_SegmentGroup]) -> torch.Tensor:
-        rows = x.shape[0]
-        q, k, v = self.qkv(x).view(rows, 3, self.num_heads, self.head_dim).unbind(1)
-        # Rotate q and k in float32 (cos, sin: [rows, head_dim], the same for every head).
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
-        out = torch.empty_like(v)
-        for g in groups:
-            # Each group: equal-length frames attended as one batch of [count, heads, length, dim].
-            if g.index is None:
-                end = g.start + g.count * g.length
-                q_s, k_s, v_s = (t[g.start:end].view(g.count, g.length, self.num_heads, self.head_dim)
-                                 for t in (q, k, v))
-            else:
-                q_s, k_s, v_s = (t[g.index] for t in (q, k, v))
-            attended = F.scaled_dot_product_attention(q_s.transpose(1, 2), k_s.transpose(1, 2),
-                                                      v_s.transpose(1, 2)).transpose(1, 2)
-            if g.index is None:
-                out[g.start:g.start + g.count * g.length] = attended.reshape(-1, self.num_heads, self.head_dim)
-            else:
-                out[g.index] = attended
-        return self.proj(out.view(rows, -1))
-
-
 class _MLP(nn.Module):
     def __init__(self, vc: Qwen3VisionConfig) -> None:
         super().__init__()
@@ -103,7 +69,7 @@ class Qwen3VisionBlock(nn.Module):
     def __init__(self, vc: Qwen3VisionConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(vc.hidden_size, eps=_NORM_EPS)
-        self.attn = _Attention(vc)
+        self.attn = QwenVisionAttention(vc)
         self.norm2 = nn.LayerNorm(vc.hidden_size, eps=_NORM_EPS)
         self.mlp = _MLP(vc)
 
