@@ -92,6 +92,18 @@ def _segment_groups(lengths: list[int], device: torch.device) -> list[_SegmentGr
     return groups
 
 
+def patch_rotary(positions: torch.Tensor, head_dim: int, theta: float = _ROPE_THETA
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [patches, head_dim] (float32) of patches at (row, column) ``positions`` [patches, 2].
+    Both halves of a head rotate alike; within a half, the first quarter's angles are the row times
+    the frequencies, the second's the column times them."""
+    quarter = head_dim // 4
+    inv_freq = 1.0 / theta ** (torch.arange(quarter, device=positions.device, dtype=torch.float32) / quarter)
+    angles = (positions.float()[:, :, None] * inv_freq).flatten(1)  # [patches, (row, col) x quarter]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -284,16 +296,6 @@ class QwenVisionTower(nn.Module):
         return _Layout(all_positions.to(device), _segment_groups(frame_lengths, device), window_groups,
                        patch_order, merged_order)
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [patches, head_dim] (float32). Each half of a head is rotated alike: its first
-        half's angles are the patch's row times the frequencies, its second half's the column times them."""
-        quarter = self.vc.head_dim // 4
-        inv_freq = 1.0 / _ROPE_THETA ** (torch.arange(quarter, device=positions.device, dtype=torch.float32)
-                                         / quarter)
-        angles = (positions.float()[:, :, None] * inv_freq).flatten(1)  # [patches, (row, col) x quarter]
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()
-
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values [total patches, in_channels * temporal_patch_size * patch_size**2] (the images'
         processor outputs concatenated in order, as Qwen2VLImageProcessor flattens them), grid_thw each
@@ -311,7 +313,7 @@ class QwenVisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         if layout.patch_order is not None:
             x = x[layout.patch_order]
-        cos, sin = self._rotary(layout.positions)
+        cos, sin = patch_rotary(layout.positions, self.vc.head_dim)
         for i, block in enumerate(self.blocks):
             groups = layout.frame_groups if i in self._full_blocks else layout.window_groups
             x = block(x, cos, sin, groups)

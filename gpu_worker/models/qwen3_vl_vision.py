@@ -37,6 +37,7 @@ from gpu_worker.models.qwen2_vl_vision import (
     _merge_order_positions,
     _segment_groups,
     _SegmentGroup,
+    patch_rotary,
 )
 from gpu_worker.vision_config import Qwen3VisionConfig
 
@@ -165,16 +166,6 @@ class Qwen3VisionTower(nn.Module):
         return _Layout(torch.cat(positions).to(device), torch.cat(pos_index).to(device),
                        torch.cat(pos_weight).to(device), _segment_groups(frame_lengths, device))
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [patches, head_dim] (float32). Both halves of a head rotate alike; within a half,
-        the first quarter's angles are the patch's row times the frequencies, the second's its column."""
-        quarter = self.vc.head_dim // 4
-        exponents = torch.arange(quarter, device=positions.device, dtype=torch.float32) / quarter
-        inv_freq = 1.0 / self.vc.rope_theta ** exponents
-        angles = (positions.float()[:, :, None] * inv_freq).flatten(1)  # [patches, (row, col) x quarter]
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()
-
     def _positions(self, layout: _Layout) -> torch.Tensor:
         """The resampled learned positions [patches, hidden_size], blended in float32."""
         table = self.pos_embed.weight.float()
@@ -198,7 +189,7 @@ class Qwen3VisionTower(nn.Module):
         layout = self._layout(grid_thw, weight.device)
         x = self.patch_embed(pixel_values)
         x = x + self._positions(layout).to(x.dtype)
-        cos, sin = self._rotary(layout.positions)
+        cos, sin = patch_rotary(layout.positions, self.vc.head_dim, self.vc.rope_theta)
         deepstack: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, layout.frame_groups)
