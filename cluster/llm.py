@@ -39,6 +39,7 @@ from router.multimodal import (
     as_rgb,
     check_image_size,
     image_placeholder,
+    image_prompt_text,
     load_image_processor,
 )
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
@@ -844,7 +845,8 @@ class LLM:
             for image in prompt.images:  # (the router's checks: not too large or too narrow; RGB)
                 check_image_size(image.width, image.height)
                 processed.append(images.process_image(as_rgb(image)))
-            ids, offsets = images.expand(self._prompt_ids(index, prompt.prompt, vocab, max_tokens), len(prompt.images),
+            text = images.prompt_text(prompt.prompt) if isinstance(prompt.prompt, str) else prompt.prompt
+            ids, offsets = images.expand(self._prompt_ids(index, text, vocab, max_tokens), len(prompt.images),
                                          [p.num_tokens for p in processed])
         except ValueError as e:
             raise ValueError(f"prompt {index}: {e}") from None
@@ -862,6 +864,8 @@ class LLM:
             self._image_processor = MultiModalProcessor(
                 info.image_token_id, info.image_geometry, load_image_processor(self.model_dir),
                 self.model_dir, image_placeholder(self.tokenizer, info.image_token_id, info.image_geometry))
+            self._image_processor.prompt_replacement = image_prompt_text(self.tokenizer, info.image_token_id,
+                                                                         info.image_geometry)
         return self._image_processor
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
@@ -958,6 +962,8 @@ class LLM:
             text = self.tokenizer.apply_chat_template(conversation, **{
                 **(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt, "tokenize": False,
                 "continue_final_message": continue_final_message, "chat_template": chat_template, "tools": tools})
+            if images:  # (Gemma 3: each image's sequence, as its processor writes it)
+                text = self._images().prompt_text(text)
             ids = list(self.tokenizer.encode(text, add_special_tokens=False))
             prompts.append(_ImagePrompt(ids, images) if images else ids)
         outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)

@@ -136,7 +136,9 @@ class EngineCore:
                                    num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
                                    lora_config=config.lora_config,
                                    max_tokens_per_mm_item=self.model_info.image_geometry.max_tokens
-                                   if self.model_info.image_geometry is not None else 0)
+                                   if self.model_info.image_geometry is not None else 0,
+                                   whole_images=self.model_info.image_geometry is not None
+                                   and self.model_info.image_geometry.bidirectional)
         # LoRA adapters loaded on the workers, by id; the static ones (--lora-modules) load now.
         self.loras: dict[int, LoRARequest] = {}
         # Of those, the ones an in-place reload replaced: unloaded when no request uses them.
@@ -605,10 +607,15 @@ class EngineCore:
             if tokens > scheduler.max_num_encoder_input_tokens:
                 raise RequestRefusedError(f"an image of {tokens} tokens is more than a pass may encode "
                                           f"({scheduler.max_num_encoder_input_tokens})")
-            if scheduler.scheduler_config.disable_chunked_mm_input and tokens > scheduler.max_num_scheduled_tokens:
-                raise RequestRefusedError(f"an image of {tokens} tokens does not fit a pass of "
-                                          f"{scheduler.max_num_scheduled_tokens} tokens, and "
-                                          "--disable-chunked-mm-input keeps each image in one pass")
+            whole = scheduler.scheduler_config.disable_chunked_mm_input or scheduler.whole_images
+            pass_tokens = scheduler.max_num_scheduled_tokens
+            if whole and scheduler.scheduler_config.long_prefill_token_threshold > 0:
+                pass_tokens = min(pass_tokens, scheduler.scheduler_config.long_prefill_token_threshold)
+            if whole and tokens > pass_tokens:
+                why = ("--disable-chunked-mm-input keeps each image in one pass" if not scheduler.whole_images else
+                       f"{info.served_model_name}'s image tokens attend to each other, so each image is in one pass")
+                raise RequestRefusedError(f"an image of {tokens} tokens does not fit a pass of {pass_tokens} tokens "
+                                          f"(--max-num-batched-tokens, --long-prefill-token-threshold), and {why}")
             # (Checked here, not in the pass: a misshapen image would fail every request of its pass.)
             shape = geometry.input_shape(*size)
             if tuple(feature.pixel_values.shape) != shape:

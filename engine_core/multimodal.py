@@ -124,6 +124,11 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     temporal_patch_size: int = 2
     min_pixels: int = 0
     max_pixels: int = 0
+    # Gemma 3: the tower's patches average-pooled to this many tokens (0: one token per patch).
+    pooled_tokens: int = 0
+    # Gemma 3: an image's tokens attend to each other both ways, so an image's placeholders are
+    # computed in one pass (what is left of them after a prefix-cache hit, too).
+    bidirectional: bool = False
 
     @property
     def native(self) -> bool:
@@ -167,6 +172,8 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def base_tokens(self) -> int:
+        if self.pooled_tokens:
+            return self.pooled_tokens
         return self.tiles_side ** 2 + (1 if self.keeps_class_token else 0)
 
     def best_resolution(self, height: int, width: int) -> tuple[int, int]:

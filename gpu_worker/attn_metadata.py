@@ -8,6 +8,9 @@ Sliding-window attention (Mistral v0.1, Phi-3, Qwen2's upper layers): the query 
 the keys in (p - window, p], as transformers' sliding-window mask and vLLM's kernels define it. Its
 layers get their own metadata (``AttentionMetadata.for_window``), which reads only the blocks that
 hold a window's keys, so attention costs O(window) per token however long the sequence grows.
+
+Gemma 3's images: the tokens of one image also see each other's later tokens (``bidirectional``
+position ranges per request), within the window where there is one, as transformers' mask for it.
 """
 
 from __future__ import annotations
@@ -72,11 +75,13 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
                              query_start_loc: np.ndarray, num_computed: np.ndarray, num_decodes: int,
                              slot_mapping: np.ndarray | torch.Tensor, block_size: int,
                              device: torch.device, decode_in_place: bool = False,
-                             window: int | None = None) -> AttentionMetadata:
+                             window: int | None = None,
+                             bidirectional: dict[int, list[tuple[int, int]]] | None = None) -> AttentionMetadata:
     """Arguments are per request (decodes first) except ``query_start_loc`` ([num_reqs + 1]) and
     ``slot_mapping`` (per token). ``decode_in_place`` selects the kernel that reads the paged cache
     where it lies (per-request lengths instead of a padding mask). ``window``: the sliding window
-    (None: full causal attention)."""
+    (None: full causal attention). ``bidirectional``: by request index, position ranges [a, b) whose
+    tokens see each other both ways (Gemma 3's images; prefill chunks only)."""
     query_lens = np.diff(query_start_loc)
     seq_lens = num_computed + query_lens
     if isinstance(slot_mapping, torch.Tensor):
@@ -128,12 +133,15 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
         first_block = 0 if key_lo is None else int(key_lo[i]) // block_size
         offset = first_block * block_size
         mask = None
-        if start or (window is not None and qlen > window):
+        blocks = (bidirectional or {}).get(i)
+        if start or (window is not None and qlen > window) or blocks:
             # Query j of a chunk starting at position p sees keys up to p + j (and, under a window,
             # from p + j - window + 1).
             keys = np.arange(offset, seq_len)[None, :]
             pos = (start + np.arange(qlen))[:, None]
             visible = keys <= pos
+            for a, b in blocks or ():  # (an image's tokens: each other's, later ones too)
+                visible |= (keys >= a) & (keys < b) & (pos >= a) & (pos < b)
             if window is not None:
                 visible &= keys > pos - window
             mask = torch.from_numpy(visible).to(device)

@@ -17,12 +17,15 @@ import torch
 
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
+    GEMMA3_VL_ARCHITECTURES,
     LLAVA_ARCHITECTURES,
     QWEN3_VL_ARCHITECTURES,
     QWEN_VL_ARCHITECTURES,
+    Gemma3VisionConfig,
     Qwen3VisionConfig,
     QwenVisionConfig,
     VisionConfig,
+    gemma3_vision_config_from_dict,
     mrope_section,
     native_vision_config,
     qwen3_vision_config_from_dict,
@@ -657,7 +660,7 @@ class ModelConfig:
     dtype: torch.dtype | None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # A vision-language model's image side (LLaVA: CLIP tower and projector); None for text models.
-    vision: VisionConfig | QwenVisionConfig | Qwen3VisionConfig | None = None
+    vision: VisionConfig | QwenVisionConfig | Qwen3VisionConfig | Gemma3VisionConfig | None = None
     # Per layer, whether it attends through the sliding window (empty: every layer does, when there
     # is one). Qwen2/Qwen3 window only their layers from max_window_layers on.
     sliding_window_layers: tuple[bool, ...] = ()
@@ -837,6 +840,9 @@ class ModelConfig:
         labels = head.pop("labels", ())
         vision = None
         if arch in TEXT_DECODER_OF:
+            if arch in GEMMA3_VL_ARCHITECTURES and not embedding_only:  # (its images, too)
+                text_width = int({**GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}["hidden_size"])
+                vision = gemma3_vision_config_from_dict(cfg, text_width)
             cfg = _text_config(cfg, TEXT_DECODER_OF[arch])
             arch = TEXT_DECODER_OF[arch]
         elif arch in LLAVA_ARCHITECTURES and not embedding_only:

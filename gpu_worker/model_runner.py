@@ -753,7 +753,8 @@ class ModelRunner:
                 dtype=np.int64, count=num_tokens)
         slot_mapping = compute_slot_mapping(block_table, req_index, positions, block_size)
         meta = self.attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
-                                        block_size, self.decode_in_place)
+                                        block_size, self.decode_in_place,
+                                        self._bidirectional_images(states, starts, ends))
         if self.lora is not None:
             self.lora.set_batch([s.lora_int_id for s in states], query_start_loc)
 
@@ -912,18 +913,34 @@ class ModelRunner:
 
     def attention_metadata(self, block_table: np.ndarray, num_blocks: np.ndarray, query_start_loc: np.ndarray,
                             starts: np.ndarray, num_decodes: int, slot_mapping: np.ndarray, block_size: int,
-                            decode_in_place: bool) -> AttentionMetadata:
+                            decode_in_place: bool, bidirectional: dict[int, list[tuple[int, int]]] | None = None
+                            ) -> AttentionMetadata:
         """This step's metadata for the model's layers: full attention, a sliding window, or (Qwen2's
-        upper layers) both, the windowed one hung on the full one."""
+        upper layers) both, the windowed one hung on the full one. ``bidirectional``: Gemma 3's
+        images' position ranges, by request index (see build_attention_metadata)."""
         window, windows = self.config.sliding_window, self.attention_windows
         meta = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
                                         block_size, self.device, decode_in_place,
-                                        window=None if None in windows else window)
+                                        window=None if None in windows else window, bidirectional=bidirectional)
         if None in windows and window in windows:
             meta.windowed = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes,
                                                      meta.slot_mapping, block_size, self.device, decode_in_place,
-                                                     window=window)
+                                                     window=window, bidirectional=bidirectional)
         return meta
+
+    def _bidirectional_images(self, states: list[RequestState], starts: np.ndarray, ends: np.ndarray
+                              ) -> dict[int, list[tuple[int, int]]] | None:
+        """Gemma 3: the images each request's chunk reaches, as position ranges whose tokens see each
+        other both ways (None for other models, or when no chunk reaches an image)."""
+        vision = self.config.vision
+        if vision is None or not vision.geometry.bidirectional:
+            return None
+        ranges = {}
+        for i, s in enumerate(states):
+            spans = [(f.offset, f.end) for f in s.mm_features or () if f.offset < ends[i] and f.end > starts[i]]
+            if spans:
+                ranges[i] = spans
+        return ranges or None
 
     # ------------------------------------------------------------------ sampling inputs and outputs
 

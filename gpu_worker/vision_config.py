@@ -375,3 +375,77 @@ class Qwen3VisionConfig(NativeImageSide):
                    rope_theta=float(theta))
 
 
+
+
+# Gemma 3 (4B, 12B, 27B): a SigLIP vision tower whose patches are average-pooled to 256 tokens,
+# normed and projected (Gemma3MultiModalProjector) into the Gemma 3 decoder; an image's tokens attend
+# to each other both ways.
+GEMMA3_VL_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+# transformers' SiglipVisionConfig defaults (a config.json lists what differs; Gemma 3's lists its tower).
+_SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                    "num_channels": 3, "image_size": 224, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
+                    "layer_norm_eps": 1e-6}
+
+
+@dataclass(frozen=True)
+class Gemma3VisionConfig:
+    """Gemma 3's vision side (config.json's vision_config, a SigLIP tower, and the projector's
+    pooling), transformers' names."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_channels: int
+    image_size: int
+    patch_size: int
+    hidden_act: str
+    layer_norm_eps: float
+    # Tokens per image: the tower's (image_size / patch_size)^2 patches average-pooled to this many.
+    mm_tokens_per_image: int
+    # The language model's width (the projector's output).
+    text_hidden_size: int
+    # The prompt token an image's rows replace; the tokens around each image's run of them.
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+
+    @property
+    def patches_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_side(self) -> int:
+        return math.isqrt(self.mm_tokens_per_image)
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return ImageGeometry(self.image_size, self.patch_size, self.num_channels,
+                             pooled_tokens=self.mm_tokens_per_image, bidirectional=True)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.mm_tokens_per_image
+
+
+def gemma3_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int) -> Gemma3VisionConfig:
+    """Gemma 3's vision side from its config.json (transformers' Gemma3Config names and defaults)."""
+    vision = {**_SIGLIP_DEFAULTS, **(cfg.get("vision_config") or {})}
+    if vision.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+        raise ValueError(f"Gemma 3's vision tower must be SigLIP's (vision_config.model_type "
+                         f"'siglip_vision_model'), got {vision['model_type']!r}")
+    vc = Gemma3VisionConfig(
+        hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
+        num_hidden_layers=int(vision["num_hidden_layers"]), num_attention_heads=int(vision["num_attention_heads"]),
+        num_channels=int(vision["num_channels"]), image_size=int(vision["image_size"]),
+        patch_size=int(vision["patch_size"]), hidden_act=str(vision["hidden_act"]),
+        layer_norm_eps=float(vision["layer_norm_eps"]),
+        mm_tokens_per_image=int(cfg.get("mm_tokens_per_image") or 256), text_hidden_size=text_hidden_size,
+        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262144))),
+        boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255999))),
+        eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256000))))
+    if vc.image_size % vc.patch_size or vc.tokens_side ** 2 != vc.mm_tokens_per_image \
+            or vc.patches_side % vc.tokens_side:
+        raise ValueError(f"Gemma 3's {vc.patches_side}x{vc.patches_side} patches must pool evenly into "
+                         f"mm_tokens_per_image {vc.mm_tokens_per_image} (a square whose side divides it)")
+    return vc

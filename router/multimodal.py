@@ -203,12 +203,29 @@ def load_image_processor(directory: str | os.PathLike[str]) -> Any | None:
 
 def image_placeholder(tokenizer: Any, image_token_id: int, geometry: ImageGeometry) -> str:
     """The text that stands for an image in a message given to a template as text (vLLM's
-    placeholder strings): the image token; Qwen2-VL's within its vision start and end tokens."""
+    placeholder strings): the image token; Qwen2-VL's within its vision start and end tokens;
+    Gemma 3's begin-of-image token (image_prompt_text expands it)."""
     token = tokenizer.convert_ids_to_tokens(image_token_id) or ""
+    replacement = image_prompt_text(tokenizer, image_token_id, geometry)
+    if replacement is not None:
+        return replacement[0]
     vocabulary = tokenizer.get_vocab()
     if geometry.native and "<|vision_start|>" in vocabulary and "<|vision_end|>" in vocabulary:
         return f"<|vision_start|>{token}<|vision_end|>"
     return token
+
+
+def image_prompt_text(tokenizer: Any, image_token_id: int, geometry: ImageGeometry) -> tuple[str, str] | None:
+    """Gemma 3 (the model whose image tokens attend both ways): its template writes an image as its
+    begin-of-image token, which its processor replaces, in the text, by the image's whole sequence:
+    two newlines, that token, the image tokens, the end-of-image token, two newlines (here with one
+    image token, expanded to the image's count like any model's). (the text, its replacement);
+    None for other models."""
+    if not geometry.bidirectional:
+        return None
+    begin = getattr(tokenizer, "boi_token", None) or "<start_of_image>"
+    end = getattr(tokenizer, "eoi_token", None) or "<end_of_image>"
+    return begin, f"\n\n{begin}{tokenizer.convert_ids_to_tokens(image_token_id)}{end}\n\n"
 
 
 def expand_image_tokens(prompt_ids: list[int], image_token_id: int, tokens_per_image: int | list[int],
@@ -301,6 +318,8 @@ class MultiModalProcessor:
         self.image_processor = image_processor
         self.model_id = model_id  # (in each image's digest: equal pixels under another model differ)
         self.placeholder = placeholder
+        # (Gemma 3: what its template writes for an image, and the sequence its processor makes of it.)
+        self.prompt_replacement: tuple[str, str] | None = None
         self.media = media or MediaConnector()
         self.max_images = max_images
         if image_processor is not None and geometry.grid_pinpoints:
@@ -323,6 +342,13 @@ class MultiModalProcessor:
                     setattr(image_processor, key, getattr(geometry, key))
         # (None: --mm-processor-cache-gb 0, every image processed as it comes.)
         self.cache = ProcessedImageCache(cache_bytes, on_cache_lookup) if cache_bytes > 0 else None
+
+    def prompt_text(self, text: str) -> str:
+        """A rendered prompt with images, as the model's processor writes it before tokenizing
+        (Gemma 3: each begin-of-image token made the image's whole sequence; others: as it is)."""
+        if self.prompt_replacement is None:
+            return text
+        return text.replace(*self.prompt_replacement)
 
     def check_count(self, num_images: int) -> None:
         if num_images > self.max_images:

@@ -57,6 +57,7 @@ from router.multimodal import (
     MediaConnector,
     MultiModalProcessor,
     image_placeholder,
+    image_prompt_text,
 )
 from router.parsed_output import ParsedDelta
 from router.protocol import (
@@ -470,6 +471,8 @@ class OpenAIServing:
                 max_images=settings.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT),
                 cache_bytes=int(settings.mm_processor_cache_gb * 2**30),
                 on_cache_lookup=None if metrics is None else metrics.record_mm_cache_lookup)
+            self.images.prompt_replacement = image_prompt_text(tokenizer, settings.image_token_id,
+                                                               settings.image_geometry)
 
     # -- request preparation ------------------------------------------------------------------------
 
@@ -743,6 +746,8 @@ class OpenAIServing:
                 continue_final_message=continue_final_message, **kwargs)
         except Exception as e:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
+        if with_images and self.images is not None and self.chat_images(chat):
+            text = self.images.prompt_text(text)  # (Gemma 3: each image's sequence, as its processor writes it)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     # -- images (vision-language models: router.multimodal) -----------------------------------------

@@ -403,3 +403,47 @@ def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 1
     _save_randomized(model, Path(path), tokenizer, rescale={"merger.linear_fc2.": 0.1, "merger_list": 0.1})
     Qwen2VLImageProcessorPil(patch_size=16, min_pixels=64 * 64, max_pixels=max_pixels).save_pretrained(path)
     return Path(path)
+
+
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def build_tiny_gemma3_vl(path: Path, seed: int = 0) -> Path:
+    """Save a random tiny Gemma 3 with images (Gemma3ForConditionalGeneration) into ``path``: a 2-layer
+    SigLIP tower over 64x64 images in 8-pixel patches, pooled to 16 tokens an image; a 2-layer Gemma 3
+    decoder whose first layer attends through an 8-token window (an image's 16 tokens outrun it); our
+    tokenizer plus Gemma's image tokens, a chat template writing <start_of_image> per image, and the
+    image processor's config."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>",
+                                                                "<image_soft_token>"]})
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<start_of_image>", "<end_of_image>", "<image_soft_token>")}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                  patch_size=8, model_type="siglip_vision_model", vision_use_head=False)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                          image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
+                          eoi_token_index=ids["<end_of_image>"], eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # (Gemma's norms scale by 1 + w and start at 0: random ones show each one)
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.normal_(0.0, 0.3)
+    # (The projector's rows scaled to the text embeddings' size: else an image's rows decide every answer.)
+    _save_randomized(model, Path(path), tokenizer, rescale={"mm_input_projection_weight": 0.1})
+    Gemma3ImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(path)
+    return Path(path)

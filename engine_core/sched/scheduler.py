@@ -111,7 +111,8 @@ def _count_adapters(requests: list[Request]) -> dict[str, int]:
 class Scheduler(SchedulerInterface):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  log_stats: bool = True, include_finished_set: bool = False, num_spec_tokens: int = 0,
-                 lora_config: LoRAConfig | None = None, max_tokens_per_mm_item: int = 0) -> None:
+                 lora_config: LoRAConfig | None = None, max_tokens_per_mm_item: int = 0,
+                 whole_images: bool = False) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.log_stats = log_stats
@@ -125,6 +126,9 @@ class Scheduler(SchedulerInterface):
         # as many; 0 for a text model.
         encoder_budget = max(self.max_num_scheduled_tokens, max_tokens_per_mm_item) if max_tokens_per_mm_item else 0
         self.max_num_encoder_input_tokens = encoder_budget
+        # Gemma 3: an image's tokens attend to each other both ways, so no chunk ends inside an image,
+        # cached or not (what is left of one after a prefix-cache hit runs in one chunk too).
+        self.whole_images = whole_images
         self.encoder_cache_manager = EncoderCacheManager(encoder_budget)
         # Since start: images the workers encoded, and images a request met encoded already (the
         # encoder cache's hits; an image wholly inside a request's prefix-cache hit is neither).
@@ -695,6 +699,11 @@ class Scheduler(SchedulerInterface):
                 break  # (not reached by this chunk)
             if feature.end <= num_computed_tokens:
                 continue  # (its rows are in the KV cache)
+            if self.whole_images and num_computed_tokens + num_new_tokens < feature.end:
+                # (the chunk would end inside the image: it stops before it, or waits for a pass that
+                # takes the rest of it whole when it starts inside it)
+                num_new_tokens = max(0, feature.offset - num_computed_tokens)
+                break
             if feature.identifier in identifiers or manager.check_and_update_cache(request, i):
                 # (encoded already, or by this pass for an earlier copy in the prompt)
                 found += first_chunk or feature.offset >= num_computed_tokens

@@ -8,6 +8,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -22,7 +23,7 @@ from gpu_worker.models.llava import llava_class
 from gpu_worker.models.modernbert import ModernBertModel
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from gpu_worker.models.qwen3_vl import Qwen3VLForConditionalGeneration
-from gpu_worker.vision_config import Qwen3VisionConfig, QwenVisionConfig
+from gpu_worker.vision_config import Gemma3VisionConfig, Qwen3VisionConfig, QwenVisionConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -59,6 +60,8 @@ def build_model(config: ModelConfig) -> nn.Module:
         model_class = Qwen2VLForConditionalGeneration
     elif isinstance(config.vision, Qwen3VisionConfig):  # (Qwen3-VL: a Qwen3 decoder)
         model_class = Qwen3VLForConditionalGeneration
+    elif isinstance(config.vision, Gemma3VisionConfig):  # (Gemma 3 4B+: its SigLIP tower and projector)
+        model_class = Gemma3VLForConditionalGeneration
     elif config.vision is not None:  # (LLaVA: its decoder, and the image side)
         model_class = llava_class(model_class)
     return model_class(config)
