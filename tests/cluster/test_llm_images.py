@@ -153,3 +153,36 @@ def test_qwen2_vl_chat_places_each_image_by_its_grid(tmp_path):
     assert out.outputs[0].token_ids == want
     grids = processed["image_grid_thw"].tolist()
     assert out.prompt_token_ids.count(model.config.image_token_id) == sum(t * h * w // 4 for t, h, w in grids)
+
+
+def test_gemma3_chat_writes_each_image_as_its_processor_does(tmp_path):
+    """Gemma 3 offline: LLM.chat's image parts, each image's sequence written as Gemma's processor
+    writes it, its tokens attending to each other both ways; transformers' tokens."""
+    from transformers import AutoImageProcessor, Gemma3ForConditionalGeneration
+
+    from tests.tiny_model import build_tiny_gemma3_vl
+
+    model_dir = build_tiny_gemma3_vl(tmp_path / "gemma3")
+    images = [picture(8), picture(9)]
+    content = [{"type": "text", "text": "Compare"}, {"type": "image_pil", "image_pil": images[0]},
+               {"type": "image_pil", "image_pil": images[1]}]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512) as llm:
+        [out] = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)
+        rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [
+            {"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"}]}], add_generation_prompt=True,
+            tokenize=False)
+        sequence = "\n\n<start_of_image>" + "<image_soft_token>" * 16 + "<end_of_image>\n\n"
+        assert out.prompt_token_ids == llm.tokenizer.encode(rendered.replace("<start_of_image>", sequence),
+                                                            add_special_tokens=False)
+    model = Gemma3ForConditionalGeneration.from_pretrained(model_dir).eval()
+    pixels = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")["pixel_values"]
+    ids = torch.tensor([out.prompt_token_ids])
+    with torch.no_grad():
+        got = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+                             token_type_ids=(ids == model.config.image_token_index).long(), max_new_tokens=MAX_TOKENS,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True)
+    assert out.outputs[0].token_ids == got.sequences[0, ids.shape[1]:].tolist()
+    first = torch.log_softmax(got.scores[0][0].float(), -1)
+    token = out.outputs[0].token_ids[0]
+    assert abs(out.outputs[0].logprobs[0][token].logprob - float(first[token])) < 1e-4
