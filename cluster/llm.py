@@ -845,6 +845,11 @@ class LLM:
             for image in prompt.images:  # (the router's checks: not too large or too narrow; RGB)
                 check_image_size(image.width, image.height)
                 processed.append(images.process_image(as_rgb(image)))
+            if images.prompt_replacement is not None and not isinstance(prompt.prompt, str) \
+                    and images.image_token_id not in prompt.prompt:
+                raise ValueError("a Gemma 3 prompt given as token ids must hold each image's whole sequence (its "
+                                 "image token where the image goes, between its begin and end tokens); or give "
+                                 "the prompt as text, where its <start_of_image> is written out as its processor does")
             text = images.prompt_text(prompt.prompt) if isinstance(prompt.prompt, str) else prompt.prompt
             ids, offsets = images.expand(self._prompt_ids(index, text, vocab, max_tokens), len(prompt.images),
                                          [p.num_tokens for p in processed])

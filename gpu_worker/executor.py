@@ -123,7 +123,12 @@ class _ExecutorBase(Executor):
         self.worker_model = worker_reference(config.model)
         self.model_config = ModelConfig.from_pretrained(
             self.model_dir, json.loads(config.hf_overrides) if config.hf_overrides else None, config.tokenizer,
-            json.loads(config.mm_processor_kwargs) if config.mm_processor_kwargs else None)
+            json.loads(config.mm_processor_kwargs) if config.mm_processor_kwargs else None,
+            language_model_only=config.pipeline_parallel_size > 1)
+        if config.pipeline_parallel_size > 1 and self.model_config.architecture == "Gemma3ForCausalLM" \
+                and (self.model_dir / "preprocessor_config.json").exists():
+            logger.warning("engine %d: under pipeline parallelism Gemma 3 serves its language model alone: "
+                           "requests with images are refused", config.engine_index)
         if str(config.dtype) != "auto":
             # (Refused here, before any worker starts: --dtype float16 for Gemma 2/3.)
             try:

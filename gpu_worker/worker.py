@@ -124,7 +124,8 @@ class Worker:
             self.model_dir = local_model_dir(model_path_or_config,
                                              dtype=gguf_dtype_rule(dtype, self.device, embedding_only, hf_overrides))
             self.model_config = ModelConfig.from_pretrained(self.model_dir, hf_overrides, tokenizer,
-                                                            mm_processor_kwargs)
+                                                            mm_processor_kwargs,
+                                                            language_model_only=pipeline_parallel_size > 1)
         if enable_expert_parallel:
             # A MoE model's ranks hold whole experts, a share of them each (no effect on a dense model).
             self.model_config = dataclasses.replace(self.model_config, expert_parallel=True)

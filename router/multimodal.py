@@ -331,6 +331,11 @@ class MultiModalProcessor:
                 logger.warning("%s: the image processor's image_grid_pinpoints differ from config.json's; the "
                                "model's are used", model_id)
                 image_processor.image_grid_pinpoints = ours
+        if image_processor is not None and getattr(image_processor, "do_pan_and_scan", None):
+            # (Gemma 3's pan-and-scan crops are not served: each image is its one whole picture.)
+            logger.warning("%s: the image processor's do_pan_and_scan is not served; images are taken whole",
+                           model_id)
+            image_processor.do_pan_and_scan = False
         if image_processor is not None and geometry.native:
             # Qwen2-VL: the engines' pixel range (their processor config, or --mm-processor-kwargs)
             # decides each image's grid: the processor resizes into it.

@@ -175,6 +175,11 @@ def test_gemma3_chat_writes_each_image_as_its_processor_does(tmp_path):
         sequence = "\n\n<start_of_image>" + "<image_soft_token>" * 16 + "<end_of_image>\n\n"
         assert out.prompt_token_ids == llm.tokenizer.encode(rendered.replace("<start_of_image>", sequence),
                                                             add_special_tokens=False)
+        # Token ids are taken as they are: they must hold the image's sequence, not only its begin token.
+        begin_only = llm.tokenizer.encode("Look <start_of_image>", add_special_tokens=False)
+        with pytest.raises(ValueError, match="must hold each image's whole sequence"):
+            llm.generate({"prompt_token_ids": begin_only, "multi_modal_data": {"image": images[0]}},
+                         use_tqdm=False)
     model = Gemma3ForConditionalGeneration.from_pretrained(model_dir).eval()
     pixels = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")["pixel_values"]
     ids = torch.tensor([out.prompt_token_ids])

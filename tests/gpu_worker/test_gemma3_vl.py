@@ -158,12 +158,15 @@ def test_the_router_writes_each_image_as_gemmas_processor_does(gemma):
     model_dir = gemma[0]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vision = ModelConfig.from_pretrained(model_dir).vision
+    image_processor = load_image_processor(model_dir)
+    image_processor.do_pan_and_scan = True  # (not served: turned off, each image taken whole)
     client = EngineClient([object()], client_index=1)
     answer = tokenizer.encode(" a", add_special_tokens=False)
     engine = client._slots[0].channel = ScriptedEngine(client, lambda _: answer)
     serving = OpenAIServing(ServingSettings(served_model_name="g", max_model_len=512,
                                             image_token_id=vision.image_token_id, image_geometry=vision.geometry),
-                            client, tokenizer, RoundRobinPolicy(), image_processor=load_image_processor(model_dir))
+                            client, tokenizer, RoundRobinPolicy(), image_processor=image_processor)
+    assert image_processor.do_pan_and_scan is False
     http = TestClient(create_app(serving))
     r = http.post("/v1/chat/completions", json={"model": "g", "max_tokens": 2, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Look:\n"}, _part(_data_url(_image(5)))]}]})

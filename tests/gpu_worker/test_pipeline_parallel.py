@@ -359,3 +359,22 @@ def _transfer(role: str):
     from engine_core.kv_transfer import KVTransferConfig
 
     return KVTransferConfig(kv_role=role)  # type: ignore[arg-type]
+
+
+def test_gemma3s_vision_language_checkpoint_serves_its_language_model_in_stages(tmp_path, stage):
+    """Gemma 3 4B+ under pipeline parallelism: its language model alone (as before its images were
+    served; the tower is not split into stages), each stage loading its layers and skipping the
+    vision side's tensors."""
+    from gpu_worker.models.llama import pipeline_refusal
+    from tests.tiny_model import build_tiny_gemma3_vl
+
+    model_dir = build_tiny_gemma3_vl(tmp_path)
+    assert ModelConfig.from_pretrained(model_dir).vision is not None
+    config = ModelConfig.from_pretrained(model_dir, language_model_only=True)
+    assert config.vision is None and pipeline_refusal(config, 2) is None
+    for pp_rank in range(2):
+        stage(pp_rank, 2)
+        model = build_model(config)
+        load_weights(model, iter_safetensors(model_dir))  # (raises on a tensor it cannot place or one it lacks)
+        assert not any(name.startswith(("vision_tower.", "multi_modal_projector.")) for name, _ in
+                       model.named_parameters())
