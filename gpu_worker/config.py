@@ -20,6 +20,7 @@ from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
     LLAVA_ARCHITECTURES,
     QWEN3_VL_ARCHITECTURES,
+    QWEN3_VL_MOE_TEXT_DEFAULTS,
     QWEN_VL_ARCHITECTURES,
     Gemma3VisionConfig,
     Qwen3VisionConfig,
@@ -854,15 +855,18 @@ class ModelConfig:
             cfg, arch = qwen_vl_text_config(cfg), "Qwen2ForCausalLM"
         elif arch in QWEN3_VL_ARCHITECTURES and not embedding_only:
             vision = qwen3_vision_config_from_dict(cfg)
-            cfg, arch = qwen_vl_text_config(cfg, "Qwen3ForCausalLM"), "Qwen3ForCausalLM"
+            if arch == "Qwen3VLMoeForConditionalGeneration":  # (routed experts in its Qwen3-MoE decoder)
+                cfg, arch = qwen_vl_text_config(cfg, "Qwen3MoeForCausalLM"), "Qwen3MoeForCausalLM"
+                if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
+                    cfg = {**cfg, "num_experts": cfg["num_local_experts"]}  # (transformers 5 saves this name)
+                cfg = {**QWEN3_VL_MOE_TEXT_DEFAULTS, **cfg, "norm_topk_prob": True}
+            else:
+                cfg, arch = qwen_vl_text_config(cfg, "Qwen3ForCausalLM"), "Qwen3ForCausalLM"
             if mrope_section(cfg) is None:  # (transformers' default split)
                 cfg = {**cfg, "rope_parameters": {**(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}),
                                                   "mrope_section": [24, 20, 20]}}
         elif embedding_only:
             arch = {**EMBEDDING_DECODER_OF, **headed}[arch]
-        elif arch == "Qwen3VLMoeForConditionalGeneration":
-            raise ValueError("Qwen3-VL's mixture-of-experts checkpoints are not served (their experts are stored "
-                             "fused); the dense ones (Qwen3VLForConditionalGeneration) are")
         elif arch not in SUPPORTED_ARCHITECTURES:
             known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + LLAVA_ARCHITECTURES + QWEN_VL_ARCHITECTURES
                      + QWEN3_VL_ARCHITECTURES

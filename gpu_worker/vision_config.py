@@ -297,7 +297,10 @@ def mrope_section(cfg: dict[str, Any]) -> tuple[int, ...] | None:
 # Qwen3-VL: Qwen2-VL's native-resolution images (16-pixel patches, 2x2 merged) before a Qwen3 decoder
 # with interleaved M-RoPE, and DeepStack: rows from the tower's inner blocks added to the image
 # tokens' hidden states after the decoder's first layers.
-QWEN3_VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration",)
+QWEN3_VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+# transformers' Qwen3VLMoeTextConfig defaults for the routed experts (its router always renormalises).
+QWEN3_VL_MOE_TEXT_DEFAULTS = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                              "norm_topk_prob": True}
 # transformers' Qwen3-VL processor defaults (its size's shortest and longest edge, in pixels).
 QWEN3_VL_MIN_PIXELS = 65536
 QWEN3_VL_MAX_PIXELS = 16777216

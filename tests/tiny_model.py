@@ -369,13 +369,19 @@ def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_p
     return Path(path)
 
 
-def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 16) -> Path:
+def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 16, moe: bool = False) -> Path:
     """Save a random tiny Qwen3-VL into ``path``: a 3-block vision tower over 16-pixel patches (its
     learnt position grid 4x4, interpolated to each image's; DeepStack rows from blocks 0 and 1), a
-    2-layer Qwen3 decoder with interleaved M-RoPE, build_tiny_qwen2_vl's tokenizer and template, and
-    the image processor's config (at most ``max_pixels`` per image)."""
+    2-layer Qwen3 decoder with interleaved M-RoPE (``moe``: Qwen3-VL-MoE's, 4 routed experts, 2 a
+    token), build_tiny_qwen2_vl's tokenizer and template, and the image processor's config (at most
+    ``max_pixels`` per image)."""
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_tokenizer()
@@ -390,11 +396,15 @@ def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 1
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
                   num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
-    config = Qwen3VLConfig(vision_config=vision, text_config=text, image_token_id=ids["image_pad"],
-                           vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
-                           video_token_id=ids["image_pad"] + 100)
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    config_class, model_class = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
+                                 else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
+    config = config_class(vision_config=vision, text_config=text, image_token_id=ids["image_pad"],
+                          vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+                          video_token_id=ids["image_pad"] + 100)
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config)
+    model = model_class(config)
     with torch.no_grad():  # (norms off their init too, so the test sees each one)
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:

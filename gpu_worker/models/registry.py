@@ -22,7 +22,7 @@ from gpu_worker.models.llama import (
 from gpu_worker.models.llava import llava_class
 from gpu_worker.models.modernbert import ModernBertModel
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
-from gpu_worker.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from gpu_worker.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 from gpu_worker.vision_config import Gemma3VisionConfig, Qwen3VisionConfig, QwenVisionConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -58,8 +58,9 @@ def build_model(config: ModelConfig) -> nn.Module:
     model_class = get_model_class(config.architecture)
     if isinstance(config.vision, QwenVisionConfig):  # (Qwen2-VL / Qwen2.5-VL: a Qwen2 decoder)
         model_class = Qwen2VLForConditionalGeneration
-    elif isinstance(config.vision, Qwen3VisionConfig):  # (Qwen3-VL: a Qwen3 decoder)
-        model_class = Qwen3VLForConditionalGeneration
+    elif isinstance(config.vision, Qwen3VisionConfig):  # (Qwen3-VL: a Qwen3 or Qwen3-MoE decoder)
+        moe = config.architecture == "Qwen3MoeForCausalLM"
+        model_class = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
     elif isinstance(config.vision, Gemma3VisionConfig):  # (Gemma 3 4B+: its SigLIP tower and projector)
         model_class = Gemma3VLForConditionalGeneration
     elif config.vision is not None:  # (LLaVA: its decoder, and the image side)

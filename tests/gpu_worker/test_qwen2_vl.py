@@ -33,10 +33,13 @@ def _built(kind: str, directory: Path):
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
         Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
     )
 
     if kind == "qwen3_vl":
         model_dir, model_class = build_tiny_qwen3_vl(directory), Qwen3VLForConditionalGeneration
+    elif kind == "qwen3_vl_moe":
+        model_dir, model_class = build_tiny_qwen3_vl(directory, moe=True), Qwen3VLMoeForConditionalGeneration
     else:
         windowed = kind == "qwen2_5_vl"
         model_dir = build_tiny_qwen2_vl(directory, windowed=windowed)
@@ -50,9 +53,10 @@ def qwen(request, tmp_path_factory):
     return _built(request.param, tmp_path_factory.mktemp(request.param))
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def any_qwen(request, tmp_path_factory):
-    """Each native-resolution family: Qwen3-VL too (interleaved M-RoPE, DeepStack rows)."""
+    """Each native-resolution family: Qwen3-VL too (interleaved M-RoPE, DeepStack rows), and its MoE
+    checkpoints (routed experts stored stacked)."""
     return _built(request.param, tmp_path_factory.mktemp(request.param))
 
 
@@ -232,8 +236,6 @@ def test_config_reads_the_processor_pixel_range_and_both_layouts(qwen, tmp_path)
                                                                                 "mrope_section": [2, 3, 3]}}
     with pytest.raises(ValueError, match="M-RoPE"):
         ModelConfig.from_dict(llama)
-    with pytest.raises(ValueError, match="Qwen3-VL's mixture-of-experts checkpoints are not served"):
-        ModelConfig.from_dict({**cfg, "architectures": ["Qwen3VLMoeForConditionalGeneration"]})
 
 
 def test_yarn_beside_m_rope_equals_transformers(tmp_path):
@@ -308,7 +310,7 @@ def test_a_lora_adapter_on_the_language_model_answers_as_peft_does_with_images(a
     torch.manual_seed(3)
     adapted = get_peft_model(type(base).from_pretrained(model_dir).eval(), LoraConfig(
         r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0,
-        target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)"))
+        target_modules=r".*language_model.*\.(q_proj|v_proj|o_proj)"))
     with torch.no_grad():
         for name, param in adapted.named_parameters():
             if "lora_" in name:
@@ -356,3 +358,24 @@ def test_the_engine_refuses_images_it_cannot_take(qwen):
         with pytest.raises(RequestRefusedError, match=match):
             engine.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=ids, sampling_params=params,
                                                  mm_features=[bad]))
+
+
+def test_qwen3_vl_moe_reads_the_released_checkpoints_stacked_experts_transposed(tmp_path):
+    """The released Qwen3-VL MoE checkpoints (saved by transformers 4) store each layer's experts
+    [experts, in, out]; transformers 5 saves [experts, out, in]: both load to the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    saved = build_tiny_qwen3_vl(tmp_path / "saved", moe=True)
+    released = tmp_path / "released"
+    shutil.copytree(saved, released)
+    tensors = load_file(saved / "model.safetensors")
+    experts = [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert experts
+    save_file({name: t.transpose(1, 2).contiguous() if name in experts else t for name, t in tensors.items()},
+              released / "model.safetensors", metadata={"format": "pt"})
+    prompt_ids = [2, 5, 9, 11, 200, 31, 7]
+    got = [run(make_engine(directory), {"t": (prompt_ids, [])})["t"] for directory in (saved, released)]
+    assert got[0][1] == got[1][1]
+    np.testing.assert_allclose(got[0][0], got[1][0], atol=1e-6)
