@@ -162,7 +162,7 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("load_model() must come before load_draft_model()")
         if self.config.mrope_section is not None:
-            raise ValueError("a draft model cannot propose for a model with M-RoPE positions (Qwen2-VL): use "
+            raise ValueError("a draft model cannot propose for a model with M-RoPE positions (Qwen2-VL, Qwen3-VL): use "
                              "n-gram speculative decoding")
         if config.max_context_len < self.max_model_len:
             raise ValueError(f"the draft model's context ({config.max_context_len} tokens) is shorter than "
