@@ -31,18 +31,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def build_qwen_model(path: Path, args: argparse.Namespace) -> Path:
+def save_random(model_class, config, tokenizer, path: Path) -> None:
+    """A ``model_class`` of ``config`` with random weights (seeded), and ``tokenizer``, saved to ``path``."""
     import torch
+
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def build_qwen_model(path: Path, args: argparse.Namespace) -> Path:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from tests.tiny_model import QWEN_VL_CHAT_TEMPLATE, build_tokenizer
+    from tests.tiny_model import qwen_vl_tokenizer
 
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
-                                                                "<|vision_end|>"]})
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
-    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad", "vision_end")}
+    tokenizer, ids = qwen_vl_tokenizer()
     quarter = args.hidden // 4 // 8  # (the rotary half of a head split 1:1.5:1.5, as Qwen2-VL's 16:24:24)
     text = dict(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                 num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
@@ -53,14 +62,7 @@ def build_qwen_model(path: Path, args: argparse.Namespace) -> Path:
     config = Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=ids["image_pad"],
                            vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
                            video_token_id=ids["image_pad"] + 100)
-    torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_random(Qwen2VLForConditionalGeneration, config, tokenizer, path)
     Qwen2VLImageProcessorPil(patch_size=args.patch).save_pretrained(path)
     return path
 
@@ -68,7 +70,6 @@ def build_qwen_model(path: Path, args: argparse.Namespace) -> Path:
 def build_model(path: Path, args: argparse.Namespace) -> Path:
     if args.qwen:
         return build_qwen_model(path, args)
-    import torch
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -97,14 +98,8 @@ def build_model(path: Path, args: argparse.Namespace) -> Path:
                               image_grid_pinpoints=pinpoints)
               if args.next else LlavaConfig(vision_config=vision, text_config=text, image_token_id=token,
                                             image_seq_length=(side // args.patch) ** 2))
-    torch.manual_seed(0)
-    model = (LlavaNextForConditionalGeneration if args.next else LlavaForConditionalGeneration)(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_random(LlavaNextForConditionalGeneration if args.next else LlavaForConditionalGeneration, config, tokenizer,
+                path)
     sizes = {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
     (LlavaNextImageProcessor(image_grid_pinpoints=pinpoints, **sizes) if args.next
      else CLIPImageProcessor(**sizes)).save_pretrained(path)

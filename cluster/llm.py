@@ -868,9 +868,8 @@ class LLM:
                 raise ValueError(f"{info.served_model_name} takes no images: it is not a vision-language model")
             self._image_processor = MultiModalProcessor(
                 info.image_token_id, info.image_geometry, load_image_processor(self.model_dir),
-                self.model_dir, image_placeholder(self.tokenizer, info.image_token_id, info.image_geometry))
-            self._image_processor.prompt_replacement = image_prompt_text(self.tokenizer, info.image_token_id,
-                                                                         info.image_geometry)
+                self.model_dir, image_placeholder(self.tokenizer, info.image_token_id, info.image_geometry),
+                prompt_replacement=image_prompt_text(self.tokenizer, info.image_token_id, info.image_geometry))
         return self._image_processor
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

@@ -190,7 +190,7 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
 
     def num_tiles(self, height: int, width: int) -> int:
         """The encoder's input tiles of one image: 1, or the pinpoint's grid plus the whole image."""
-        if not self.grid_pinpoints or self.native:
+        if not self.grid_pinpoints:
             return 1
         pin_height, pin_width = self.best_resolution(height, width)
         return -(-pin_height // self.image_size) * -(-pin_width // self.image_size) + 1

@@ -311,15 +311,17 @@ class MultiModalProcessor:
     def __init__(self, image_token_id: int, geometry: ImageGeometry, image_processor: Any | None, model_id: str,
                  placeholder: str, media: MediaConnector | None = None,
                  max_images: int = DEFAULT_LIMIT_PER_PROMPT, cache_bytes: int = 0,
-                 on_cache_lookup: Callable[[bool], None] | None = None) -> None:
+                 on_cache_lookup: Callable[[bool], None] | None = None,
+                 prompt_replacement: tuple[str, str] | None = None) -> None:
         self.image_token_id = image_token_id
         # How many placeholders an image is (LLaVA: a fixed count; LLaVA-NeXT: by its size).
         self.geometry = geometry
         self.image_processor = image_processor
         self.model_id = model_id  # (in each image's digest: equal pixels under another model differ)
         self.placeholder = placeholder
-        # (Gemma 3: what its template writes for an image, and the sequence its processor makes of it.)
-        self.prompt_replacement: tuple[str, str] | None = None
+        # (Gemma 3: what its template writes for an image, and the sequence its processor makes of it:
+        # image_prompt_text.)
+        self.prompt_replacement = prompt_replacement
         self.media = media or MediaConnector()
         self.max_images = max_images
         if image_processor is not None and geometry.grid_pinpoints:

@@ -470,9 +470,8 @@ class OpenAIServing:
                                      allowed_media_domains=settings.allowed_media_domains),
                 max_images=settings.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT),
                 cache_bytes=int(settings.mm_processor_cache_gb * 2**30),
-                on_cache_lookup=None if metrics is None else metrics.record_mm_cache_lookup)
-            self.images.prompt_replacement = image_prompt_text(tokenizer, settings.image_token_id,
-                                                               settings.image_geometry)
+                on_cache_lookup=None if metrics is None else metrics.record_mm_cache_lookup,
+                prompt_replacement=image_prompt_text(tokenizer, settings.image_token_id, settings.image_geometry))
 
     # -- request preparation ------------------------------------------------------------------------
 

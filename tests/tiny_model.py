@@ -319,6 +319,17 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def qwen_vl_tokenizer():
+    """Our tokenizer plus Qwen-VL's vision tokens and a chat template taking image parts, and those
+    tokens' ids by name (vision_start, image_pad, vision_end)."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
+                                                                "<|vision_end|>"]})
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad", "vision_end")}
+    return tokenizer, ids
+
+
 def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_pixels: int = 28 * 28 * 16,
                         rope_scaling: dict | None = None) -> Path:
     """Save a random tiny Qwen2-VL (``windowed``: Qwen2.5-VL) into ``path``: a 2-block vision tower
@@ -335,11 +346,7 @@ def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_p
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
-                                                                "<|vision_end|>"]})
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
-    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad", "vision_end")}
+    tokenizer, ids = qwen_vl_tokenizer()
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
@@ -384,11 +391,7 @@ def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 1
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
-                                                                "<|vision_end|>"]})
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
-    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad", "vision_end")}
+    tokenizer, ids = qwen_vl_tokenizer()
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
