@@ -13,9 +13,11 @@ Prints wall time and output tokens/s of each, as a ratio to transformers, checks
 transformers token for token, and counts the images encoded. ``--next``: LLaVA-NeXT instead (grid
 pinpoints of 1x2, 2x1 and 2x2 tiles: each 300x280 image is 5 tiles and more tokens). ``--qwen``:
 Qwen2-VL instead (a 4-block native-resolution tower: each 300x280 image resized to 308x280 pixels,
-22x20 patches, 110 tokens; M-RoPE positions in a Qwen2 decoder).
+22x20 patches, 110 tokens; M-RoPE positions in a Qwen2 decoder). ``--mistral3``: Mistral 3 instead
+(a 4-block Pixtral tower, 2x2 patches merged: each 300x280 image 11 rows of 10 tokens, each row
+ended by its break or end token, 121 tokens; a Mistral decoder).
 Usage: python benchmarks/bench_multimodal.py [--rounds 2] [--requests 16] [--max-tokens 32]
-       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next | --qwen]
+       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next | --qwen | --mistral3]
 """
 
 from __future__ import annotations
@@ -67,9 +69,35 @@ def build_qwen_model(path: Path, args: argparse.Namespace) -> Path:
     return path
 
 
+def build_mistral3_model(path: Path, args: argparse.Namespace) -> Path:
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from tests.tiny_model import MISTRAL3_CHAT_TEMPLATE, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    tokenizer.chat_template = MISTRAL3_CHAT_TEMPLATE
+    text = dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=args.hidden,
+                intermediate_size=4 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
+                tie_word_embeddings=False)
+    vision = dict(model_type="pixtral", hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                  num_hidden_layers=4, num_attention_heads=4, image_size=1540, patch_size=args.patch,
+                  hidden_act="silu")
+    config = Mistral3Config(vision_config=vision, text_config=text, spatial_merge_size=2,
+                            image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
+    save_random(Mistral3ForConditionalGeneration, config, tokenizer, path)
+    PixtralImageProcessorPil(size={"longest_edge": 1540}, patch_size={"height": args.patch, "width": args.patch}
+                             ).save_pretrained(path)
+    return path
+
+
 def build_model(path: Path, args: argparse.Namespace) -> Path:
     if args.qwen:
         return build_qwen_model(path, args)
+    if args.mistral3:
+        return build_mistral3_model(path, args)
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -119,11 +147,15 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     processor = AutoImageProcessor.from_pretrained(model_dir)
-    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>" if args.qwen else "<image>")
+    vision = ModelConfig.from_pretrained(model_dir).vision
+    image_id = vision.image_token_id
     # (Qwen2-VL's image within its start and end tokens.)
     before, after = ([tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>")]
                      if args.qwen else (None, None))
-    n = ModelConfig.from_pretrained(model_dir).vision.geometry.num_tokens(300, 280)
+    if args.mistral3:  # (its processor's patches are the merged 2x2 ones)
+        processor.patch_size = {"height": 2 * args.patch, "width": 2 * args.patch}
+    placeholders = vision.geometry.placeholder_ids(image_id, 300, 280)
+    n = len(placeholders)
     words = tokenizer.encode("Hello world the quick brown fox jumps over the lazy dog Paris Berlin capital")
     out = []
     for i in range(args.requests):
@@ -134,11 +166,12 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
         if args.qwen:
             text.append(before)
         data = TensorData.from_array(processed["pixel_values"] if args.qwen else processed["pixel_values"][0])
-        ids = text + [image_id] * n + ([after] if args.qwen else []) + words[:4]
+        ids = text + placeholders + ([after] if args.qwen else []) + words[:4]
         if args.qwen:  # (transformers places the M-RoPE positions by the tokens' types)
             processed["mm_token_type_ids"] = torch.tensor([[int(t == image_id) for t in ids]])
         out.append((ids, [MultiModalFeature("image", feature_identifier("image", data), len(text), n, data,
-                                            (300, 280) if args.next or args.qwen else None)], processed))
+                                            (300, 280) if args.next or args.qwen or args.mistral3 else None)],
+                    processed))
     return out
 
 
@@ -190,6 +223,7 @@ def main() -> None:
     kind = parser.add_mutually_exclusive_group()
     kind.add_argument("--next", action="store_true", help="LLaVA-NeXT (tiles by the image's size)")
     kind.add_argument("--qwen", action="store_true", help="Qwen2-VL (native resolution, M-RoPE)")
+    kind.add_argument("--mistral3", action="store_true", help="Mistral 3 (Pixtral tower, rows of image tokens)")
     args = parser.parse_args()
     import torch
 
@@ -222,12 +256,14 @@ def main() -> None:
         for name, t in (("transformers", t_ref), ("ours", t_ours), ("ours, repeated", t_rep)):
             times[name].append(t)
     total = args.requests * args.max_tokens
-    model = ("Qwen2-VL" if args.qwen else "LLaVA-NeXT" if args.next else "LLaVA")
+    model = ("Qwen2-VL" if args.qwen else "Mistral 3" if args.mistral3 else "LLaVA-NeXT" if args.next else "LLaVA")
     tower = (f"4-block native-resolution tower, {args.patch}px patches" if args.qwen
+             else f"4-block Pixtral tower, {args.patch}px patches merged 2x2" if args.mistral3
              else f"4-layer CLIP {args.image_size}px/{args.patch}")
+    decoder = "Qwen2" if args.qwen else "Mistral" if args.mistral3 else "Llama"
     text_tokens = len(distinct[0][0]) - n
     print(f"\n{args.requests} requests x ({n}-token image + {text_tokens} text tokens) x {args.max_tokens} tokens, "
-          f"random {model} ({args.layers} x {args.hidden} {'Qwen2' if args.qwen else 'Llama'}, {tower}), CPU, "
+          f"random {model} ({args.layers} x {args.hidden} {decoder}, {tower}), CPU, "
           f"{torch.get_num_threads()} torch threads, medians of {args.rounds} rounds; tokens equal transformers'")
     print(f"{'':16}{'wall s':>9}{'out tok/s':>11}{'vs transformers':>17}{'images encoded':>16}")
     base = statistics.median(times["transformers"])

@@ -852,7 +852,7 @@ class LLM:
                                  "the prompt as text, where its <start_of_image> is written out as its processor does")
             text = images.prompt_text(prompt.prompt) if isinstance(prompt.prompt, str) else prompt.prompt
             ids, offsets = images.expand(self._prompt_ids(index, text, vocab, max_tokens), len(prompt.images),
-                                         [p.num_tokens for p in processed])
+                                         [p.image_size for p in processed])
         except ValueError as e:
             raise ValueError(f"prompt {index}: {e}") from None
         if len(ids) > max_tokens:

@@ -625,7 +625,7 @@ class EngineCore:
                                           f"{list(feature.pixel_values.shape)}: its image processor's output size "
                                           "must be the tower's image_size")
         try:
-            check_features(features, request.prompt_token_ids, info.image_token_id)
+            check_features(features, request.prompt_token_ids, info.image_token_id, geometry)
         except ValueError as e:
             raise RequestRefusedError(str(e)) from None
         if request.resumable:

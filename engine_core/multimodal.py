@@ -86,9 +86,10 @@ def feature_identifier(modality: str, pixel_values: TensorData, extra: str = "")
     return h.hexdigest()
 
 
-def check_features(features: list[MultiModalFeature], prompt_token_ids: list[int], placeholder_id: int) -> None:
+def check_features(features: list[MultiModalFeature], prompt_token_ids: list[int], placeholder_id: int,
+                   geometry: ImageGeometry | None = None) -> None:
     """ValueError unless the features are in prompt order, do not overlap, and each covers only
-    placeholder tokens of the prompt."""
+    placeholder tokens of the prompt (Pixtral's: its rows of them, each with its break or end token)."""
     end = 0
     for f in features:
         if f.offset < end:
@@ -96,7 +97,14 @@ def check_features(features: list[MultiModalFeature], prompt_token_ids: list[int
         if f.end > len(prompt_token_ids):
             raise ValueError(f"{f.modality} placeholders reach position {f.end}, past the prompt's "
                              f"{len(prompt_token_ids)} tokens")
-        if any(t != placeholder_id for t in prompt_token_ids[f.offset:f.end]):
+        if geometry is not None and geometry.pixtral:
+            expected = geometry.placeholder_ids(placeholder_id, *(f.image_size or (0, 0)))
+            if prompt_token_ids[f.offset:f.end] != expected:
+                raise ValueError(f"{f.modality} placeholders at {f.offset}..{f.end} are not the model's rows of "
+                                 f"placeholder tokens {placeholder_id}, each ended by its break token "
+                                 f"{geometry.row_break_token_id}, the last by its end token "
+                                 f"{geometry.image_end_token_id}")
+        elif any(t != placeholder_id for t in prompt_token_ids[f.offset:f.end]):
             raise ValueError(f"{f.modality} placeholders at {f.offset}..{f.end} are not all the model's "
                              f"placeholder token {placeholder_id}")
         end = f.end
@@ -104,8 +112,8 @@ def check_features(features: list[MultiModalFeature], prompt_token_ids: list[int
 
 class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     """How many tokens (and encoder tiles) an image is for a model: LLaVA's fixed count, LLaVA-NeXT's
-    "anyres" count, or Qwen2-VL's native-resolution count, the last two depending on the image's
-    size. The router (placeholders) and the engine (checks, the encoder budget) count with the same
+    "anyres" count, Qwen2-VL's native-resolution count or Pixtral's rows, the last three depending on
+    the image's size. The router (placeholders) and the engine (checks, the encoder budget) count with the same
     rules."""
 
     # The vision tower's input side (pixels) and patch side; its channels.
@@ -129,15 +137,49 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     # Gemma 3: an image's tokens attend to each other both ways, so an image's placeholders are
     # computed in one pass (what is left of them after a prefix-cache hit, too).
     bidirectional: bool = False
+    # Pixtral (Pixtral-12B, Mistral 3): an image keeping its aspect is shrunk to fit a longest side of
+    # this many pixels, each side then rounded up to whole tokens of spatial_merge x spatial_merge
+    # patches (0: not so). Its placeholders are rows of image tokens, each row followed by
+    # row_break_token_id, the last by image_end_token_id (those two read the embedding table).
+    longest_edge: int = 0
+    spatial_merge: int = 1
+    row_break_token_id: int = -1
+    image_end_token_id: int = -1
 
     @property
     def native(self) -> bool:
         return self.merge_size > 0
 
     @property
+    def pixtral(self) -> bool:
+        return self.longest_edge > 0
+
+    @property
     def counts_by_size(self) -> bool:
         """Whether an image's token count depends on its (height, width)."""
-        return self.native or bool(self.grid_pinpoints)
+        return self.native or self.pixtral or bool(self.grid_pinpoints)
+
+    def token_grid(self, height: int, width: int) -> tuple[int, int]:
+        """Pixtral: an image's (rows, columns) of tokens, as PixtralImageProcessor resizes it (shrunk,
+        never enlarged, to fit longest_edge; each side rounded up to a whole token)."""
+        ratio = max(height, width) / self.longest_edge
+        if ratio > 1:
+            height, width = math.floor(height / ratio), math.floor(width / ratio)
+        if min(height, width) < 1:
+            raise ValueError(f"an image shrunk to fit {self.longest_edge} pixels must keep a pixel on each side, "
+                             f"not {width}x{height}")
+        side = self.patch_size * self.spatial_merge
+        return -(-height // side), -(-width // side)
+
+    def placeholder_ids(self, image_token_id: int, height: int, width: int) -> list[int]:
+        """The prompt tokens that stand for an image of ``height`` x ``width``: its count of image
+        tokens, or Pixtral's rows of them, each ended by its row-break token, the last by its end token."""
+        if not self.pixtral:
+            return [image_token_id] * self.num_tokens(height, width)
+        rows, columns = self.token_grid(height, width)
+        ids = ([image_token_id] * columns + [self.row_break_token_id]) * rows
+        ids[-1] = self.image_end_token_id
+        return ids
 
     def resized(self, height: int, width: int) -> tuple[int, int]:
         """Qwen2-VL: the (height, width) an image is resized to (transformers' smart_resize)."""
@@ -163,8 +205,9 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     @property
     def min_tokens(self) -> int:
         """The fewest tokens an image may take."""
-        # (Qwen2-VL: a large thin image may shrink below min_pixels, to one merged patch.)
-        return 1 if self.native else self.base_tokens
+        # (Qwen2-VL: a large thin image may shrink below min_pixels, to one merged patch; Pixtral: a
+        # token and the end token.)
+        return 1 if self.native else 2 if self.pixtral else self.base_tokens
 
     @property
     def tiles_side(self) -> int:
@@ -214,6 +257,9 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
         if self.native:
             _, rows, columns = self.patch_grid(height, width)
             return rows * columns // self.merge_size ** 2
+        if self.pixtral:
+            rows, columns = self.token_grid(height, width)
+            return rows * (columns + 1)
         if not self.grid_pinpoints:
             return self.base_tokens
         rows, columns = self.grid_features(height, width)
@@ -237,14 +283,18 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
             widest = math.ceil(math.sqrt(200 * m))
             scaled_up = max(widest, *((k + 1) * math.ceil(m / k) for k in range(1, widest + 1)))
             return max(shrunk, scaled_up)
+        if self.pixtral:  # (a square at longest_edge: the most rows and columns)
+            return self.num_tokens(self.longest_edge, self.longest_edge)
         if not self.grid_pinpoints:
             return self.base_tokens
         return max(self.num_tokens(h, w) for h, w in self.grid_pinpoints)
 
     @property
     def largest_image(self) -> tuple[int, int]:
-        """Qwen2-VL: the (height, width) of an image that is the most patches the encoder may take at
-        once (what a memory profile runs)."""
+        """Qwen2-VL, Pixtral: the (height, width) of an image that is the most patches the encoder may
+        take at once (what a memory profile runs)."""
+        if self.pixtral:
+            return self.longest_edge, self.longest_edge
         factor = self.patch_size * self.merge_size
         most = max(1, self.max_pixels // factor ** 2)
         sides = ((rows, max(1, min(200 * rows, most // rows))) for rows in range(1, min(most, 200) + 1))
@@ -252,7 +302,12 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
 
     def input_shape(self, height: int, width: int) -> tuple[int, ...]:
         """The processed image's pixel values: (channels, side, side), (tiles, channels, side, side),
-        or Qwen2-VL's (patches, channels x frames x patch_size x patch_size)."""
+        or Qwen2-VL's (patches, channels x frames x patch_size x patch_size); Pixtral's (channels,
+        height, width) as resized."""
+        if self.pixtral:
+            rows, columns = self.token_grid(height, width)
+            side = self.patch_size * self.spatial_merge
+            return self.num_channels, rows * side, columns * side
         if self.native:
             _, rows, columns = self.patch_grid(height, width)
             return rows * columns, self.num_channels * self.temporal_patch_size * self.patch_size ** 2

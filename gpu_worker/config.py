@@ -19,16 +19,21 @@ from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
     LLAVA_ARCHITECTURES,
+    PIXTRAL_ARCHITECTURES,
+    PIXTRAL_TOKEN_IDS,
     QWEN3_VL_ARCHITECTURES,
     QWEN3_VL_MOE_TEXT_DEFAULTS,
     QWEN_VL_ARCHITECTURES,
     Gemma3VisionConfig,
+    PixtralVisionConfig,
     Qwen3VisionConfig,
     QwenVisionConfig,
     VisionConfig,
     gemma3_vision_config_from_dict,
+    is_pixtral,
     mrope_section,
     native_vision_config,
+    pixtral_vision_config_from_dict,
     qwen3_vision_config_from_dict,
     qwen_vision_config_from_dict,
     qwen_vl_text_config,
@@ -296,11 +301,16 @@ def _checkpoint_rows(model_dir: Path, names: tuple[str, ...]) -> int | None:
 
 def _token_id_if_any(model_dir: Path, token: str) -> int | None:
     """The id of ``token`` in the model's vocabulary, None where it is not one token of it."""
+    return _token_ids_if_any(model_dir, [token]).get(token)
+
+
+def _token_ids_if_any(model_dir: Path, tokens: list[str]) -> dict[str, int]:
+    """The ids of those of ``tokens`` that are one token of the model's vocabulary."""
     from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    return None if token_id is None or token_id == tokenizer.unk_token_id else int(token_id)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokens}
+    return {token: int(i) for token, i in ids.items() if i is not None and i != tokenizer.unk_token_id}
 
 
 def _decoder_head(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -661,7 +671,8 @@ class ModelConfig:
     dtype: torch.dtype | None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # A vision-language model's image side (LLaVA: CLIP tower and projector); None for text models.
-    vision: VisionConfig | QwenVisionConfig | Qwen3VisionConfig | Gemma3VisionConfig | None = None
+    vision: (VisionConfig | QwenVisionConfig | Qwen3VisionConfig | Gemma3VisionConfig | PixtralVisionConfig
+             | None) = None
     # Per layer, whether it attends through the sliding window (empty: every layer does, when there
     # is one). Qwen2/Qwen3 window only their layers from max_window_layers on.
     sliding_window_layers: tuple[bool, ...] = ()
@@ -846,6 +857,13 @@ class ModelConfig:
                 vision = gemma3_vision_config_from_dict(cfg, text_width)
             cfg = _text_config(cfg, TEXT_DECODER_OF[arch])
             arch = TEXT_DECODER_OF[arch]
+        elif is_pixtral(cfg) and not embedding_only:  # (Pixtral-12B, Mistral 3: before LLaVA's)
+            arch = text_architecture(cfg)
+            cfg = with_full_text_config(cfg)
+            text = cfg["text_config"]
+            vision = pixtral_vision_config_from_dict(cfg, int(text["hidden_size"]),
+                                                     float(text.get("rms_norm_eps") or 1e-5))
+            cfg = _text_config(cfg, arch)
         elif arch in LLAVA_ARCHITECTURES and not embedding_only:
             vision = vision_config_from_dict(cfg)
             arch = text_architecture(cfg)
@@ -869,7 +887,7 @@ class ModelConfig:
             arch = {**EMBEDDING_DECODER_OF, **headed}[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:
             known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + LLAVA_ARCHITECTURES + QWEN_VL_ARCHITECTURES
-                     + QWEN3_VL_ARCHITECTURES
+                     + QWEN3_VL_ARCHITECTURES + PIXTRAL_ARCHITECTURES
                      + tuple(EMBEDDING_DECODER_OF) + tuple(headed) + tuple(ENCODER_ARCHITECTURES))
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
@@ -1070,6 +1088,17 @@ class ModelConfig:
         processor_path = model_dir / "preprocessor_config.json"
         native = isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
         pixel_range = _pixel_range_kwargs(mm_processor_kwargs or {}, native, cfg["architectures"][0])
+        if isinstance(config.vision, PixtralVisionConfig):
+            # (Pixtral: the tokenizer's row-break and end tokens; the processor's longest side.)
+            processor = json.loads(processor_path.read_text()) if processor_path.exists() else {}
+            size = processor.get("size") if isinstance(processor.get("size"), dict) else {}
+            token_ids = _token_ids_if_any(vocabulary, list(PIXTRAL_TOKEN_IDS))
+            missing = [name for name in PIXTRAL_TOKEN_IDS if name not in token_ids]
+            if missing:
+                raise ValueError(f"the tokenizer has no {' or '.join(missing)} token: Pixtral's images need them")
+            config = dataclasses.replace(config, vision=dataclasses.replace(
+                config.vision, longest_edge=int(size.get("longest_edge") or config.vision.longest_edge),
+                image_break_token_id=token_ids["[IMG_BREAK]"], image_end_token_id=token_ids["[IMG_END]"]))
         if native and (processor_path.exists() or pixel_range):
             # (Qwen2-VL, Qwen3-VL: the processor's pixel range decides an image's token count.)
             processor = json.loads(processor_path.read_text()) if processor_path.exists() else {}

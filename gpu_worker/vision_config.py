@@ -452,3 +452,130 @@ def gemma3_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int) -
         raise ValueError(f"Gemma 3's {vc.patches_side}x{vc.patches_side} patches must pool evenly into "
                          f"mm_tokens_per_image {vc.mm_tokens_per_image} (a square whose side divides it)")
     return vc
+
+
+# Pixtral's tower (Pixtral-12B as LlavaForConditionalGeneration; Mistral Small 3.1 / 3.2 as
+# Mistral3ForConditionalGeneration): an image keeps its aspect, shrunk to fit ``longest_edge`` and
+# cut into patches (each side rounded up to a whole token); 2-D rotary attention within each image;
+# Mistral 3 merges 2x2 patches into one token. Each row of an image's tokens ends with [IMG_BREAK],
+# its last with [IMG_END].
+PIXTRAL_ARCHITECTURES = ("Mistral3ForConditionalGeneration",)
+# transformers' PixtralVisionConfig defaults, and the ones Mistral3Config gives its vision_config.
+_PIXTRAL_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+    "num_channels": 3, "image_size": 1024, "patch_size": 16, "hidden_act": "gelu"}
+_MISTRAL3_VISION_DEFAULTS: dict[str, Any] = {**_PIXTRAL_DEFAULTS, "patch_size": 14, "image_size": 1540}
+_PIXTRAL_ROPE_THETA = 10000.0
+# The row-break and end tokens' ids in Mistral's vocabulary (Pixtral-12B's, Mistral Small 3.1's);
+# the model's own tokenizer's, where it has one (ModelConfig.from_pretrained).
+PIXTRAL_TOKEN_IDS = {"[IMG_BREAK]": 12, "[IMG_END]": 13}
+
+
+@dataclass(frozen=True)
+class PixtralVisionConfig:
+    """A Pixtral vision tower (config.json's ``vision_config``, transformers' names) and the image
+    side of the model around it (Pixtral-12B's LLaVA projector, or Mistral 3's: an RMSNorm and a
+    2x2 patch merger before it)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_channels: int
+    patch_size: int
+    hidden_act: str
+    # The tower's blocks run: its features are the hidden states after this many (vision_feature_layer).
+    num_layers_used: int
+    # The 2-D rotary embedding's base.
+    rope_theta: float
+    # Patches per token side: 1 (Pixtral-12B: one token a patch), 2 (Mistral 3: merged 2x2).
+    spatial_merge_size: int
+    # Mistral 3's projector: RMSNorm (of this eps) and the patch merger before the two linears.
+    patch_merger: bool
+    projector_norm_eps: float
+    projector_act: str
+    projector_bias: bool
+    # The language model's width (the projector's output).
+    text_hidden_size: int
+    # An image's longest side once resized (the processor's size["longest_edge"]).
+    longest_edge: int
+    # The prompt tokens of an image: [IMG] for each token, [IMG_BREAK] after each row but the last,
+    # [IMG_END] after the last.
+    image_token_id: int
+    image_break_token_id: int
+    image_end_token_id: int
+
+    def __post_init__(self) -> None:
+        if self.longest_edge < self.patch_size * self.spatial_merge_size:
+            raise ValueError(f"the image processor's longest_edge {self.longest_edge} is less than one token's "
+                             f"{self.patch_size * self.spatial_merge_size} pixels")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return ImageGeometry(self.longest_edge, self.patch_size, self.num_channels, longest_edge=self.longest_edge,
+                             spatial_merge=self.spatial_merge_size,
+                             row_break_token_id=self.image_break_token_id,
+                             image_end_token_id=self.image_end_token_id)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.geometry.max_tokens
+
+
+def is_pixtral(cfg: dict[str, Any]) -> bool:
+    """Whether a config is a Pixtral-tower model: Mistral 3, or a LLaVA whose tower is Pixtral's."""
+    arch = (cfg.get("architectures") or [None])[0]
+    vision_type = (cfg.get("vision_config") or {}).get("model_type")
+    return arch in PIXTRAL_ARCHITECTURES or (arch in LLAVA_ARCHITECTURES and vision_type == "pixtral")
+
+
+def pixtral_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int, text_rms_norm_eps: float,
+                                    token_ids: dict[str, int] | None = None,
+                                    processor: dict[str, Any] | None = None) -> PixtralVisionConfig:
+    """Pixtral-12B's or Mistral 3's vision side from its config.json, the ids of its image tokens
+    (``token_ids``: the tokenizer's [IMG_BREAK] and [IMG_END]; Mistral's vocabulary's when None) and
+    preprocessor_config.json (the resized images' longest side; the tower's image_size without one)."""
+    token_ids = PIXTRAL_TOKEN_IDS if token_ids is None else token_ids
+    mistral3 = cfg["architectures"][0] in PIXTRAL_ARCHITECTURES
+    vision = {**(_MISTRAL3_VISION_DEFAULTS if mistral3 else _PIXTRAL_DEFAULTS), **(cfg.get("vision_config") or {})}
+    if vision.get("model_type", "pixtral") != "pixtral":
+        raise ValueError(f"the vision tower must be Pixtral's (vision_config.model_type 'pixtral'), "
+                         f"got {vision['model_type']!r}")
+    for name in ("patch_size", "image_size"):
+        if not isinstance(vision[name], int):
+            raise ValueError(f"Pixtral's vision_config.{name} must be one integer, got {vision[name]!r}")
+    num_layers = int(vision["num_hidden_layers"])
+    # (Mistral3Config's defaults, or LlavaConfig's where a LLaVA config leaves them out)
+    layer = cfg.get("vision_feature_layer", -1 if mistral3 else -2)
+    if not isinstance(layer, int) or not -num_layers - 1 <= layer <= num_layers:
+        raise ValueError(f"vision_feature_layer must be one layer's index (-{num_layers + 1}..{num_layers}), "
+                         f"got {layer!r}")
+    if not mistral3 and cfg.get("vision_feature_select_strategy", "default") != "full":
+        raise ValueError("Pixtral's vision_feature_select_strategy must be 'full' (its tower has no class token)")
+    rope = vision.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"Pixtral's tower takes axial rotary positions, not rope_type {rope['rope_type']!r}")
+    processor = processor or {}
+    size = processor.get("size") if isinstance(processor.get("size"), dict) else {}
+    missing = [name for name in PIXTRAL_TOKEN_IDS if name not in token_ids]
+    if missing:
+        raise ValueError(f"the tokenizer has no {' or '.join(missing)} token: Pixtral's images need them")
+    vc = PixtralVisionConfig(
+        hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
+        num_attention_heads=int(vision["num_attention_heads"]), num_channels=int(vision["num_channels"]),
+        patch_size=int(vision["patch_size"]), hidden_act=str(vision["hidden_act"]),
+        num_layers_used=layer if layer >= 0 else num_layers + 1 + layer,
+        rope_theta=float(rope.get("rope_theta") or vision.get("rope_theta") or _PIXTRAL_ROPE_THETA),
+        spatial_merge_size=int(cfg.get("spatial_merge_size", 2)) if mistral3 else 1, patch_merger=mistral3,
+        projector_norm_eps=text_rms_norm_eps, projector_act=str(cfg.get("projector_hidden_act", "gelu")),
+        projector_bias=bool(cfg.get("multimodal_projector_bias", not mistral3)), text_hidden_size=text_hidden_size,
+        longest_edge=int(size.get("longest_edge") or vision["image_size"]),
+        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 10 if mistral3 else 32000))),
+        image_break_token_id=token_ids["[IMG_BREAK]"], image_end_token_id=token_ids["[IMG_END]"])
+    if vc.hidden_size % vc.num_attention_heads or vc.head_dim % 4:
+        raise ValueError(f"the vision tower's width {vc.hidden_size} must split into {vc.num_attention_heads} heads "
+                         "whose width is a multiple of 4 (its 2-D rotary embedding)")
+    return vc

@@ -228,12 +228,12 @@ def image_prompt_text(tokenizer: Any, image_token_id: int, geometry: ImageGeomet
     return begin, f"\n\n{begin}{tokenizer.convert_ids_to_tokens(image_token_id)}{end}\n\n"
 
 
-def expand_image_tokens(prompt_ids: list[int], image_token_id: int, tokens_per_image: int | list[int],
-                        num_images: int, placeholder: str = "") -> tuple[list[int], list[int]]:
-    """The prompt with each image token repeated ``tokens_per_image`` times (or, a list, each image's
-    own count), and where each run starts. ValueError unless the prompt has exactly one image token
-    per image."""
-    counts = tokens_per_image if isinstance(tokens_per_image, list) else [tokens_per_image] * num_images
+def expand_image_tokens(prompt_ids: list[int], image_token_id: int, runs: list[list[int]],
+                        placeholder: str = "") -> tuple[list[int], list[int]]:
+    """The prompt with each image token replaced by its image's run of placeholder ids (``runs``, in
+    prompt order), and where each run starts. ValueError unless the prompt has exactly one image
+    token per image."""
+    num_images = len(runs)
     positions = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
     if len(positions) != num_images:
         token = f" {placeholder!r}" if placeholder else ""
@@ -243,10 +243,10 @@ def expand_image_tokens(prompt_ids: list[int], image_token_id: int, tokens_per_i
     out: list[int] = []
     offsets: list[int] = []
     start = 0
-    for position, count in zip(positions, counts, strict=True):
+    for position, run in zip(positions, runs, strict=True):
         out += prompt_ids[start:position]
         offsets.append(len(out))
-        out += [image_token_id] * count
+        out += run
         start = position + 1
     out += prompt_ids[start:]
     return out, offsets
@@ -338,6 +338,15 @@ class MultiModalProcessor:
             logger.warning("%s: the image processor's do_pan_and_scan is not served; images are taken whole",
                            model_id)
             image_processor.do_pan_and_scan = False
+        if image_processor is not None and geometry.pixtral:
+            # Pixtral: the engines' longest side and token side (Mistral 3's two patches: its processor
+            # passes the merged side as the image processor's patch_size at each call).
+            side = geometry.patch_size * geometry.spatial_merge
+            for key, value in (("size", {"longest_edge": geometry.longest_edge}),
+                               ("patch_size", {"height": side, "width": side})):
+                current = getattr(image_processor, key, None)
+                setattr(image_processor, key, value if current is None or isinstance(current, dict)
+                        else type(current)(**value))
         if image_processor is not None and geometry.native:
             # Qwen2-VL: the engines' pixel range (their processor config, or --mm-processor-kwargs)
             # decides each image's grid: the processor resizes into it.
@@ -371,12 +380,16 @@ class MultiModalProcessor:
         return self.geometry.counts_by_size
 
     def expand(self, prompt_ids: list[int], num_images: int,
-               counts: list[int] | None = None) -> tuple[list[int], list[int]]:
-        """``counts``: each image's tokens (the geometry's fixed count when None; for an image
-        counted by its size, the fewest it may take)."""
-        return expand_image_tokens(prompt_ids, self.image_token_id,
-                                   counts if counts is not None else self.geometry.min_tokens, num_images,
-                                   self.placeholder)
+               sizes: list[tuple[int, int]] | None = None) -> tuple[list[int], list[int]]:
+        """``sizes``: each image's (height, width); when None, each image at the geometry's fixed
+        count or, for an image counted by its size, the fewest tokens it may take."""
+        geometry, token = self.geometry, self.image_token_id
+        if sizes is not None:
+            runs = [geometry.placeholder_ids(token, *size) for size in sizes]
+        else:
+            runs = [geometry.placeholder_ids(token, 1, 1) if geometry.pixtral else [token] * geometry.min_tokens
+                    ] * num_images
+        return expand_image_tokens(prompt_ids, token, runs, self.placeholder)
 
     def process(self, data: bytes) -> ProcessedImage:
         """(CPU work: run in a thread.)"""
@@ -384,7 +397,8 @@ class MultiModalProcessor:
 
     def process_image(self, image: Image.Image) -> ProcessedImage:
         """A decoded image (RGB) as the vision encoder takes it, and its digest."""
-        # ([C, H, W]; LLaVA-NeXT's: [tiles, C, H, W]; Qwen2-VL's, the batch's patches: [patches, C x T x P x P])
+        # ([C, H, W]; LLaVA-NeXT's: [tiles, C, H, W]; Qwen2-VL's, the batch's patches: [patches, C x T x P x P];
+        # Pixtral's [C, H, W] of the image's resized size)
         processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"]
         processed = processed if self.geometry.native else processed[0]
         size = (image.height, image.width)
@@ -408,10 +422,10 @@ class MultiModalProcessor:
             self.cache.put(key, image)
         return image
 
-    async def token_counts(self, urls: list[str]) -> list[int]:
-        """Each image's placeholders, from its size alone (its header: nothing decoded or processed)."""
+    async def image_sizes(self, urls: list[str]) -> list[tuple[int, int]]:
+        """Each image's (height, width), from its header alone (nothing decoded or processed)."""
         datas = await asyncio.gather(*map(self.media.fetch_image_bytes, urls))
-        return [self.geometry.num_tokens(*image_size_of(data)) for data in datas]
+        return [image_size_of(data) for data in datas]
 
     async def load_all(self, urls: list[str]) -> list[ProcessedImage]:
         """The images at ``urls``, all loaded at once (the first failure raised)."""
@@ -427,5 +441,5 @@ class MultiModalProcessor:
         features = [MultiModalFeature("image", image.identifier, offset, image.num_tokens, image.pixel_values,
                                       image.image_size if self.counts_by_size else None)
                     for image, offset in zip(images, offsets, strict=True)]
-        check_features(features, prompt_ids, self.image_token_id)
+        check_features(features, prompt_ids, self.image_token_id, self.geometry)
         return features

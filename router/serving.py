@@ -781,12 +781,12 @@ class OpenAIServing:
         try:
             ids, offsets = images.expand(prompt_ids, len(urls))  # (each image at its fixed or least count)
             if count_only:
-                return (images.expand(prompt_ids, len(urls), await images.token_counts(urls))[0]
+                return (images.expand(prompt_ids, len(urls), await images.image_sizes(urls))[0]
                         if images.counts_by_size else ids), []
             self.check_prompt_fits(len(ids), "messages")
             loaded = await images.load_all(urls)
             if images.counts_by_size:
-                ids, offsets = images.expand(prompt_ids, len(urls), [image.num_tokens for image in loaded])
+                ids, offsets = images.expand(prompt_ids, len(urls), [image.image_size for image in loaded])
                 self.check_prompt_fits(len(ids), "messages")
             return ids, images.features(loaded, ids, offsets)
         except ValueError as e:

@@ -460,3 +460,54 @@ def build_tiny_gemma3_vl(path: Path, seed: int = 0) -> Path:
     _save_randomized(model, Path(path), tokenizer, rescale={"mm_input_projection_weight": 0.1})
     Gemma3ImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(path)
     return Path(path)
+
+
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST]{% endif %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}[IMG]{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% if m['role'] == 'user' %}[/INST]{% else %}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def build_tiny_mistral3(path: Path, seed: int = 0, llava: bool = False, longest_edge: int = 64) -> Path:
+    """Save a random tiny Mistral 3 (Mistral3ForConditionalGeneration: a 2-layer Pixtral tower in
+    8-pixel patches merged 2x2, so a token is 16 pixels, with its RMSNorm-and-merger projector) or,
+    ``llava``, a tiny Pixtral-12B (LlavaForConditionalGeneration over a Pixtral tower, a token a
+    patch), each over a 2-layer Mistral decoder; our tokenizer plus [IMG], [IMG_BREAK] and [IMG_END],
+    a chat template writing [IMG] per image, and Pixtral's image processor config (images shrunk to
+    fit ``longest_edge`` pixels)."""
+    import torch
+    from transformers import (
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+    )
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    tokenizer.chat_template = MISTRAL3_CHAT_TEMPLATE
+    text = dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024, rms_norm_eps=1e-5, sliding_window=None,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=longest_edge, patch_size=8, hidden_act="silu",
+                  rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+    image_token = tokenizer.convert_tokens_to_ids("[IMG]")
+    if llava:
+        config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token,
+                             vision_feature_layer=-1, vision_feature_select_strategy="full",
+                             eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+        model_class = LlavaForConditionalGeneration
+    else:
+        config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=image_token,
+                                spatial_merge_size=2, vision_feature_layer=-1,
+                                eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+        model_class = Mistral3ForConditionalGeneration
+    torch.manual_seed(seed)
+    _save_randomized(model_class(config), Path(path), tokenizer)
+    PixtralImageProcessorPil(size={"longest_edge": longest_edge}, patch_size={"height": 8, "width": 8}
+                             ).save_pretrained(path)
+    return Path(path)

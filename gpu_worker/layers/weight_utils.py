@@ -8,6 +8,7 @@ decompressed whole). Each offers ``shape`` and ``narrow``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -76,3 +77,18 @@ def load_sharded(param: torch.Tensor, loaded: WeightLike, dim: int, rank: int) -
     """Copy this rank's equal slice of ``loaded`` along ``dim`` into ``param``."""
     size = param.shape[dim]
     copy_into(param, loaded.narrow(dim, rank * size, size))
+
+
+def renamed_by_prefix(weights: Iterable[tuple[str, WeightLike]], prefixes: tuple[tuple[str, str], ...],
+                      keep: Callable[[str], bool]) -> Iterator[tuple[str, WeightLike]]:
+    """``weights`` with the names that start with one of ``prefixes``' first members (tried in order)
+    given its second instead, and dropped where ``keep(new name)`` is false; the others unchanged."""
+    for name, tensor in weights:
+        for theirs, ours in prefixes:
+            if name.startswith(theirs):
+                name = ours + name[len(theirs):]
+                if keep(name):
+                    yield name, tensor
+                break
+        else:
+            yield name, tensor

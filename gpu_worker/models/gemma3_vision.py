@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.layers.weight_utils import WeightLike, renamed_by_prefix
 from gpu_worker.models.llava import CLIPEncoderLayer
 from gpu_worker.vision_config import Gemma3VisionConfig
 
@@ -41,16 +41,7 @@ def gemma3_vision_tensors(weights: Iterable[tuple[str, WeightLike]]) -> Iterator
     """``weights`` with Gemma 3's vision tensors renamed to ours (``vision_tower.*`` for a
     ``SiglipVisionTower``, ``multi_modal_projector.*`` for a ``Gemma3Projector``) and the unused ones
     dropped; every other tensor (the language model's) passes through unchanged."""
-    for name, tensor in weights:
-        for theirs, ours in VISION_PREFIXES:
-            if name.startswith(theirs):
-                name = ours + name[len(theirs):]
-                if name.startswith(_UNUSED_TOWER_PARTS):
-                    break
-                yield name, tensor
-                break
-        else:
-            yield name, tensor
+    return renamed_by_prefix(weights, VISION_PREFIXES, lambda name: not name.startswith(_UNUSED_TOWER_PARTS))
 
 
 class SiglipVisionTower(nn.Module):

@@ -45,8 +45,9 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return _ACTIVATIONS[name]
 
 
-class _RMSNorm(nn.Module):
-    """Qwen2.5-VL's RMSNorm: normalised in float32, cast back, then scaled by the weight."""
+class VisionRMSNorm(nn.Module):
+    """The vision towers' RMSNorm (Qwen2.5-VL's, Pixtral's): normalised in float32, cast back, then
+    scaled by the weight."""
 
     def __init__(self, width: int, eps: float = _NORM_EPS) -> None:
         super().__init__()
@@ -60,11 +61,11 @@ class _RMSNorm(nn.Module):
 
 
 def _norm(vc: QwenVisionConfig, width: int) -> nn.Module:
-    return _RMSNorm(width) if vc.windowed else nn.LayerNorm(width, eps=_NORM_EPS)
+    return VisionRMSNorm(width) if vc.windowed else nn.LayerNorm(width, eps=_NORM_EPS)
 
 
 @dataclass
-class _SegmentGroup:
+class SegmentGroup:
     """Equal-length attention segments run as one batched SDPA call: ``count`` segments of
     ``length`` rows, either one consecutive run starting at ``start`` or the rows ``index``
     ([count, length])."""
@@ -75,7 +76,7 @@ class _SegmentGroup:
     index: torch.Tensor | None = None
 
 
-def _segment_groups(lengths: list[int], device: torch.device) -> list[_SegmentGroup]:
+def segment_groups(lengths: list[int], device: torch.device) -> list[SegmentGroup]:
     """Consecutive segments of the given lengths (covering the sequence in order), grouped by length."""
     starts_by_length: dict[int, list[int]] = {}
     offset = 0
@@ -85,10 +86,10 @@ def _segment_groups(lengths: list[int], device: torch.device) -> list[_SegmentGr
     groups = []
     for length, starts in starts_by_length.items():
         if starts == list(range(starts[0], starts[0] + len(starts) * length, length)):
-            groups.append(_SegmentGroup(length, len(starts), start=starts[0]))  # back to back: a view
+            groups.append(SegmentGroup(length, len(starts), start=starts[0]))  # back to back: a view
         else:
             index = torch.tensor(starts)[:, None] + torch.arange(length)
-            groups.append(_SegmentGroup(length, len(starts), index=index.to(device)))
+            groups.append(SegmentGroup(length, len(starts), index=index.to(device)))
     return groups
 
 
@@ -121,29 +122,36 @@ class QwenVisionAttention(nn.Module):
         self.proj = nn.Linear(vc.hidden_size, vc.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                groups: list[_SegmentGroup]) -> torch.Tensor:
+                groups: list[SegmentGroup]) -> torch.Tensor:
         rows = x.shape[0]
         q, k, v = self.qkv(x).view(rows, 3, self.num_heads, self.head_dim).unbind(1)
-        # Rotary embedding in float32 (cos, sin: [rows, head_dim], shared by the heads).
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
-        out = torch.empty_like(v)
-        for g in groups:
-            if g.index is None:
-                end = g.start + g.count * g.length
-                q_s, k_s, v_s = (t[g.start:end].view(g.count, g.length, self.num_heads, self.head_dim)
-                                 for t in (q, k, v))
-            else:
-                q_s, k_s, v_s = (t[g.index] for t in (q, k, v))
-            # [segments, length, heads, dim] -> [segments, heads, length, dim] and back.
-            attended = F.scaled_dot_product_attention(q_s.transpose(1, 2), k_s.transpose(1, 2),
-                                                      v_s.transpose(1, 2)).transpose(1, 2)
-            if g.index is None:
-                out[g.start:g.start + g.count * g.length] = attended.reshape(-1, self.num_heads, self.head_dim)
-            else:
-                out[g.index] = attended
-        return self.proj(out.view(rows, -1))
+        return self.proj(rotary_segment_attention(q, k, v, cos, sin, groups).view(rows, -1))
+
+
+def rotary_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             groups: list[SegmentGroup]) -> torch.Tensor:
+    """Attention of q, k, v ([rows, heads, head_dim]) within each segment of ``groups``, q and k
+    rotated by cos and sin ([rows, head_dim], shared by the heads; in float32) -> [rows, heads, head_dim]."""
+    heads, head_dim = q.shape[1:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
+    k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
+    out = torch.empty_like(v)
+    for g in groups:
+        if g.index is None:
+            end = g.start + g.count * g.length
+            q_s, k_s, v_s = (t[g.start:end].view(g.count, g.length, heads, head_dim)
+                             for t in (q, k, v))
+        else:
+            q_s, k_s, v_s = (t[g.index] for t in (q, k, v))
+        # [segments, length, heads, dim] -> [segments, heads, length, dim] and back.
+        attended = F.scaled_dot_product_attention(q_s.transpose(1, 2), k_s.transpose(1, 2),
+                                                  v_s.transpose(1, 2)).transpose(1, 2)
+        if g.index is None:
+            out[g.start:g.start + g.count * g.length] = attended.reshape(-1, heads, head_dim)
+        else:
+            out[g.index] = attended
+    return out
 
 
 class _TwoLayerMLP(nn.Module):
@@ -182,7 +190,7 @@ class QwenVisionBlock(nn.Module):
         self.mlp = _GatedMLP(vc) if vc.windowed else _TwoLayerMLP(vc)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                groups: list[_SegmentGroup]) -> torch.Tensor:
+                groups: list[SegmentGroup]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, groups)
         return x + self.mlp(self.norm2(x))
 
@@ -219,8 +227,8 @@ class _Layout:
     """Where each patch sits and what it attends to, for one call's images."""
 
     positions: torch.Tensor  # [patches, 2] (row, column) of each patch, in the order the blocks see them
-    frame_groups: list[_SegmentGroup]  # full attention: each image's frame
-    window_groups: list[_SegmentGroup]  # Qwen2.5-VL's windows ([] for Qwen2-VL)
+    frame_groups: list[SegmentGroup]  # full attention: each image's frame
+    window_groups: list[SegmentGroup]  # Qwen2.5-VL's windows ([] for Qwen2-VL)
     patch_order: torch.Tensor | None  # the input patches, gathered into window order (None: as given)
     merged_order: torch.Tensor | None  # the merged rows, gathered back into the images' order
 
@@ -283,7 +291,7 @@ class QwenVisionTower(nn.Module):
             units_before += t * (h // merge) * (w // merge)
         all_positions = torch.cat(positions)
         patch_order = merged_order = None
-        window_groups: list[_SegmentGroup] = []
+        window_groups: list[SegmentGroup] = []
         if vc.windowed:
             units = torch.cat(unit_orders)
             # Each unit's patches stay together (and in order) when the units are reordered.
@@ -291,9 +299,9 @@ class QwenVisionTower(nn.Module):
             all_positions = all_positions[patches]
             patch_order = patches.to(device)
             merged_order = torch.argsort(units).to(device)
-            window_groups = _segment_groups(window_lengths, device)
+            window_groups = segment_groups(window_lengths, device)
         # (Windows never straddle a frame, so in window order each frame is still one consecutive run.)
-        return _Layout(all_positions.to(device), _segment_groups(frame_lengths, device), window_groups,
+        return _Layout(all_positions.to(device), segment_groups(frame_lengths, device), window_groups,
                        patch_order, merged_order)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:

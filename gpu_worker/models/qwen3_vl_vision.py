@@ -33,11 +33,11 @@ from torch import nn
 
 from gpu_worker.models.qwen2_vl_vision import (
     QwenVisionAttention,
+    SegmentGroup,
     _activation,
     _merge_order_positions,
-    _segment_groups,
-    _SegmentGroup,
     patch_rotary,
+    segment_groups,
 )
 from gpu_worker.vision_config import Qwen3VisionConfig
 
@@ -75,7 +75,7 @@ class Qwen3VisionBlock(nn.Module):
         self.mlp = _MLP(vc)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                groups: list[_SegmentGroup]) -> torch.Tensor:
+                groups: list[SegmentGroup]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, groups)
         return x + self.mlp(self.norm2(x))
 
@@ -119,7 +119,7 @@ class _Layout:
     positions: torch.Tensor  # [patches, 2] (row, column) within its image
     pos_index: torch.Tensor  # [patches, 4] rows of pos_embed blended into each patch
     pos_weight: torch.Tensor  # [patches, 4] their weights (float32)
-    frame_groups: list[_SegmentGroup]  # each image frame is one attention segment
+    frame_groups: list[SegmentGroup]  # each image frame is one attention segment
 
 
 class Qwen3VisionTower(nn.Module):
@@ -164,7 +164,7 @@ class Qwen3VisionTower(nn.Module):
             positions.append(rc)
             frame_lengths += [h * w] * t
         return _Layout(torch.cat(positions).to(device), torch.cat(pos_index).to(device),
-                       torch.cat(pos_weight).to(device), _segment_groups(frame_lengths, device))
+                       torch.cat(pos_weight).to(device), segment_groups(frame_lengths, device))
 
     def _positions(self, layout: _Layout) -> torch.Tensor:
         """The resampled learned positions [patches, hidden_size], blended in float32."""

@@ -21,9 +21,10 @@ from gpu_worker.models.llama import (
 )
 from gpu_worker.models.llava import llava_class
 from gpu_worker.models.modernbert import ModernBertModel
+from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from gpu_worker.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
-from gpu_worker.vision_config import Gemma3VisionConfig, Qwen3VisionConfig, QwenVisionConfig
+from gpu_worker.vision_config import Gemma3VisionConfig, PixtralVisionConfig, Qwen3VisionConfig, QwenVisionConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -63,6 +64,8 @@ def build_model(config: ModelConfig) -> nn.Module:
         model_class = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
     elif isinstance(config.vision, Gemma3VisionConfig):  # (Gemma 3 4B+: its SigLIP tower and projector)
         model_class = Gemma3VLForConditionalGeneration
+    elif isinstance(config.vision, PixtralVisionConfig):  # (Pixtral-12B, Mistral 3: a Mistral decoder)
+        model_class = pixtral_class(model_class)
     elif config.vision is not None:  # (LLaVA: its decoder, and the image side)
         model_class = llava_class(model_class)
     return model_class(config)

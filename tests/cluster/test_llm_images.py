@@ -191,3 +191,33 @@ def test_gemma3_chat_writes_each_image_as_its_processor_does(tmp_path):
     first = torch.log_softmax(got.scores[0][0].float(), -1)
     token = out.outputs[0].token_ids[0]
     assert abs(out.outputs[0].logprobs[0][token].logprob - float(first[token])) < 1e-4
+
+
+def test_mistral3_chat_writes_each_image_as_rows_with_break_and_end_tokens(tmp_path):
+    """Mistral 3 offline on two TP workers: LLM.chat's image parts, each image's [IMG] expanded as
+    Pixtral's processor does (rows of image tokens, each ended by [IMG_BREAK], the last by [IMG_END],
+    those two embedded as text on every worker); transformers' tokens."""
+    from transformers import AutoImageProcessor, Mistral3ForConditionalGeneration
+
+    from tests.tiny_model import build_tiny_mistral3
+
+    model_dir = build_tiny_mistral3(tmp_path / "mistral3")
+    images = [picture(10), picture(11).resize((90, 20))]  # (36x44 -> 48x48 pixels, 3x3 tokens; 20x90 -> 16x64, 1x4)
+    content = [{"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "and"},
+               {"type": "image_pil", "image_pil": images[1]}]
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512, tensor_parallel_size=2) as llm:
+        [out] = llm.chat([{"role": "user", "content": content}],
+                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        image, row_break, end = llm.tokenizer.convert_tokens_to_ids(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    runs = [([image] * 3 + [row_break]) * 2 + [image] * 3 + [end], [image] * 4 + [end]]
+    ids = out.prompt_token_ids
+    starts = [i for i, t in enumerate(ids) if t == image and (i == 0 or ids[i - 1] not in (image, row_break))]
+    assert [ids[s:s + len(r)] for s, r in zip(starts, runs, strict=True)] == runs
+    model = Mistral3ForConditionalGeneration.from_pretrained(model_dir).eval()
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    processed = processor(images=images, patch_size={"height": 16, "width": 16}, return_tensors="pt")
+    tensor = torch.tensor([ids])
+    with torch.no_grad():
+        want = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS,
+                              do_sample=False, **processed)[0, tensor.shape[1]:].tolist()
+    assert out.outputs[0].token_ids == want

@@ -446,12 +446,12 @@ def test_anthropics_messages_take_image_blocks(llava):
 
 
 def test_expand_image_tokens_gives_each_image_its_run_of_placeholders():
-    ids, offsets = expand_image_tokens([1, 9, 2, 3, 9, 4], image_token_id=9, tokens_per_image=3, num_images=2)
+    ids, offsets = expand_image_tokens([1, 9, 2, 3, 9, 4], image_token_id=9, runs=[[9] * 3] * 2)
     assert ids == [1, 9, 9, 9, 2, 3, 9, 9, 9, 4] and offsets == [1, 6]
     with pytest.raises(ValueError, match="1 image token"):
-        expand_image_tokens([1, 9, 2], 9, 3, 2)
-    ids, offsets = expand_image_tokens([9, 2, 9], image_token_id=9, tokens_per_image=[2, 3], num_images=2)
-    assert ids == [9, 9, 2, 9, 9, 9] and offsets == [0, 3]
+        expand_image_tokens([1, 9, 2], 9, [[9] * 3] * 2)
+    ids, offsets = expand_image_tokens([9, 2, 9], image_token_id=9, runs=[[9, 9], [9, 7, 9, 8]])
+    assert ids == [9, 9, 2, 9, 7, 9, 8] and offsets == [0, 3]
 
 
 def test_the_engines_send_the_image_processor_and_state_the_vision_facts(llava, tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 from cluster.config import ClusterConfig, EngineSpec, ServedModel
 from tests.serve_cluster import serve_cluster
-from tests.tiny_model import build_tiny_llava, build_tiny_llava_next, build_tiny_qwen2_vl
+from tests.tiny_model import build_tiny_llava, build_tiny_llava_next, build_tiny_mistral3, build_tiny_qwen2_vl
 
 pytestmark = pytest.mark.slow
 
@@ -55,13 +55,18 @@ def hf_text(model_dir, text: str, *images) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
-    counts = iter([geometry.num_tokens(image.height, image.width) for image in images])
+    image_token = model.config.image_token_id
+    runs = iter([geometry.placeholder_ids(image_token, image.height, image.width) for image in images])
     chat = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
     rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     ids: list[int] = []
     for token in tokenizer.encode(rendered, add_special_tokens=False):
-        ids += [token] * next(counts) if token == model.config.image_token_id else [token]
-    processed = AutoImageProcessor.from_pretrained(model_dir)(images=list(images), return_tensors="pt")
+        ids += next(runs) if token == image_token else [token]
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    if geometry.pixtral:  # (Mistral 3's processor passes its merged token side as the patch size)
+        side = geometry.patch_size * geometry.spatial_merge
+        processor.patch_size = {"height": side, "width": side}
+    processed = processor(images=list(images), return_tensors="pt")
     if "image_grid_thw" in processed:  # (Qwen2-VL: transformers places the M-RoPE positions by token type)
         processed["mm_token_type_ids"] = (torch.tensor([ids]) == model.config.image_token_id).int()
     with torch.no_grad():
@@ -81,15 +86,24 @@ def qwen_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_cluster, llava_dir, next_dir, qwen_dir):
-    # LLaVA on two engines (one of two TP workers), and LLaVA-NeXT and Qwen2.5-VL beside it behind the
-    # same endpoint.
+def mistral_dir(tmp_path_factory):
+    return build_tiny_mistral3(tmp_path_factory.mktemp("mistral3"))
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, llava_dir, next_dir, qwen_dir, mistral_dir):
+    # LLaVA on two engines (one of two TP workers), and LLaVA-NeXT, Qwen2.5-VL and Mistral 3 beside it
+    # behind the same endpoint.
     config = ClusterConfig(
         model=str(llava_dir), served_model_name="llava", num_engines=2, routing_policy="prefix_aware",
         defaults=EngineSpec(num_gpu_blocks=128, max_model_len=512, block_size=4, max_num_batched_tokens=24),
         engines=[EngineSpec(), EngineSpec(tensor_parallel_size=2, num_cpus_per_worker=0.5)],
         models=[ServedModel(model=str(next_dir), served_model_name="llava-next"),
-                ServedModel(model=str(qwen_dir), served_model_name="qwen2.5-vl")])
+                # (half a CPU each: the test cluster's four CPUs hold all five engines)
+                ServedModel(model=str(qwen_dir), served_model_name="qwen2.5-vl",
+                            defaults=EngineSpec(num_cpus_per_worker=0.5)),
+                ServedModel(model=str(mistral_dir), served_model_name="mistral3",
+                            defaults=EngineSpec(num_cpus_per_worker=0.5))])
     with serve_cluster(config) as served:
         yield served
 
@@ -151,6 +165,22 @@ def test_qwen2_5_vl_beside_it_places_each_image_by_its_grid(client, qwen_dir):
     assert want != hf_text(qwen_dir, "Compare them.", tall, wide)  # (the images' order matters)
     for stream in (False, True):
         assert ask(client, messages("Compare them.", wide, tall), stream, model="qwen2.5-vl") == want
+
+
+def test_mistral3_beside_it_writes_each_image_as_rows(client, mistral_dir):
+    """Mistral 3: each image's [IMG] becomes its rows of image tokens with their break and end tokens
+    (counted in the prompt's usage); transformers' answers, streamed or not."""
+    wide, tall = picture(25, (30, 90)), picture(26, (90, 30))
+    want = hf_text(mistral_dir, "Compare them.", wide, tall)
+    assert want != hf_text(mistral_dir, "Compare them.", tall, wide)  # (the images' order matters)
+    for stream in (False, True):
+        assert ask(client, messages("Compare them.", wide, tall), stream, model="mistral3") == want
+    usage = client.chat.completions.create(model="mistral3", messages=messages("Compare them.", wide, tall),
+                                           max_tokens=1).usage
+    # (30x90 shrunk to fit 64 pixels: 21x64, 2 rows of 4 tokens, each with its break or end token;
+    # 90x30: 4 rows of 2)
+    text_only = client.chat.completions.create(model="mistral3", messages=messages("Compare them."), max_tokens=1)
+    assert usage.prompt_tokens - text_only.usage.prompt_tokens == 2 * 5 + 4 * 3
 
 
 def test_bench_serve_loads_it_with_random_images(cluster, tmp_path, capsys):

@@ -1,0 +1,159 @@
+"""Mistral 3 (Mistral3ForConditionalGeneration) and Pixtral-12B (LlavaForConditionalGeneration over a
+Pixtral tower): our engine's prompt logprobs and greedy tokens equal transformers' on tiny random
+checkpoints, with images of several sizes whose prompt runs are rows of image tokens ended by break
+and end tokens, whole and chunked (inside an image's rows), beside a text request, through the prefix
+cache; the geometry against Pixtral's processor; the released configs; refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine_core.engine_core import RequestRefusedError
+from engine_core.multimodal import MultiModalFeature, TensorData, feature_identifier
+from engine_core.outputs import EngineCoreRequest
+from engine_core.sampling_params import SamplingParams
+from gpu_worker.config import ModelConfig
+from tests.gpu_worker.test_llava import make_engine, picture
+from tests.gpu_worker.test_qwen2_vl import MAX_TOKENS, assert_equal, run
+from tests.tiny_model import build_tiny_mistral3
+
+# Mistral Small 3.1's config.json (mistralai/Mistral-Small-3.1-24B-Instruct-2503), as released.
+MISTRAL_SMALL_3_1 = {
+    "architectures": ["Mistral3ForConditionalGeneration"], "image_token_index": 10, "model_type": "mistral3",
+    "multimodal_projector_bias": False, "projector_hidden_act": "gelu", "spatial_merge_size": 2,
+    "text_config": {"head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 32768,
+                    "max_position_embeddings": 131072, "model_type": "mistral", "num_attention_heads": 32,
+                    "num_hidden_layers": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+                    "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072},
+    "torch_dtype": "bfloat16",
+    "vision_config": {"head_dim": 64, "hidden_act": "silu", "hidden_size": 1024, "image_size": 1540,
+                      "intermediate_size": 4096, "model_type": "pixtral", "num_attention_heads": 16,
+                      "num_channels": 3, "num_hidden_layers": 24, "patch_size": 14, "rope_theta": 10000.0},
+    "vision_feature_layer": -1}
+
+
+@pytest.fixture(scope="module", params=["mistral3", "pixtral"])
+def pixtral(request, tmp_path_factory):
+    """(model dir, transformers' model, its image processor as the model's processor runs it)."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    model_dir = build_tiny_mistral3(tmp_path_factory.mktemp(request.param), llava=request.param == "pixtral")
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    side = 16 if request.param == "mistral3" else 8  # (Mistral 3's processor: the merged 2x2 patches' side)
+    processor.patch_size = {"height": side, "width": side}
+    return model_dir, AutoModelForImageTextToText.from_pretrained(model_dir).eval(), processor
+
+
+def _tokens(model_dir) -> dict[str, int]:
+    vocabulary = json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]
+    return {t["content"]: t["id"] for t in vocabulary}
+
+
+def prompt(pixtral, text_ids: list[list[int]], images: list):
+    """Text pieces with an image between each two (as rows of [IMG], each ended by [IMG_BREAK], the last
+    by [IMG_END], the way transformers' processor writes them): token ids, features, and transformers'
+    inputs (its padded pixel values and each image's resized size)."""
+    model_dir, _, processor = pixtral
+    tokens = _tokens(model_dir)
+    inputs = processor(images=images, return_tensors="pt") if images else None
+    side = processor.patch_size["height"]
+    ids: list[int] = [1]
+    features = []
+    for i, piece in enumerate(text_ids):
+        ids += piece
+        if i < len(images):
+            height, width = (int(v) for v in inputs["image_sizes"][i])
+            data = TensorData.from_array(inputs["pixel_values"][i, :, :height, :width])
+            rows, columns = height // side, width // side
+            run_ids = ([tokens["[IMG]"]] * columns + [tokens["[IMG_BREAK]"]]) * rows
+            run_ids[-1] = tokens["[IMG_END]"]
+            size = (images[i].height, images[i].width)
+            features.append(MultiModalFeature("image", feature_identifier("image", data), len(ids), len(run_ids),
+                                              data, size))
+            ids += run_ids
+    return ids, features, inputs
+
+
+def reference(pixtral, ids: list[int], inputs) -> tuple[list[float], list[int]]:
+    """transformers' logprob of each prompt token after the first, and its greedy tokens."""
+    _, model, _ = pixtral
+    tensor = torch.tensor([ids])
+    kwargs = {} if inputs is None else {"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"]}
+    with torch.no_grad():
+        logits = model(input_ids=tensor, attention_mask=torch.ones_like(tensor), **kwargs).logits[0].float()
+        logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, tensor[0, 1:, None])[:, 0]
+        out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS,
+                             do_sample=False, **kwargs)
+    return logprobs.tolist(), out[0, len(ids):].tolist()
+
+
+def test_images_of_three_shapes_equal_transformers_whole_and_in_chunks(pixtral):
+    model_dir = pixtral[0]
+    # 40x50 -> 48x64 pixels; 90x60 shrunk to 64x42 -> 64x48; 20x100 shrunk to 12x64 -> 16x64.
+    ids, features, inputs = prompt(pixtral, [[74, 75], [223, 263, 84], [71], [90]],
+                                   [picture(0), picture(1, (90, 60)), picture(2, (20, 100))])
+    want = reference(pixtral, ids, inputs)
+    assert_equal(run(make_engine(model_dir), {"a": (ids, features)})["a"], want)
+    # 7-token passes: each image's rows (and their break tokens) run over several chunks.
+    assert_equal(run(make_engine(model_dir, max_num_batched_tokens=7), {"a": (ids, features)})["a"], want)
+
+
+def test_an_image_prompt_beside_a_text_prompt_and_through_the_prefix_cache(pixtral):
+    model_dir = pixtral[0]
+    image_ids, image_features, inputs = prompt(pixtral, [[90, 91, 94, 95, 96], [92, 93, 97, 98, 99, 100, 101, 102]],
+                                              [picture(3, (70, 30))])
+    text_ids = [1, 5, 9, 11, 200, 31]
+    want = {"image": reference(pixtral, image_ids, inputs), "text": reference(pixtral, text_ids, None)}
+    engine = make_engine(model_dir, max_num_batched_tokens=32, block_size=16)
+    got = run(engine, {"image": (image_ids, image_features), "text": (text_ids, [])})
+    for req_id in want:
+        assert_equal(got[req_id], want[req_id])
+    # (A request asking for prompt logprobs reads no cached blocks: these two ask for tokens only.)
+    cached: dict[str, int] = {}
+    assert run(engine, {"first": (image_ids, image_features)}, cached)["first"][1] == want["image"][1]
+    assert run(engine, {"again": (image_ids, image_features)}, cached)["again"][1] == want["image"][1]
+    assert cached["again"] == 16 * ((len(image_ids) - 1) // 16) > image_features[0].offset
+
+
+def test_the_geometry_is_the_processors(pixtral):
+    """Each image's placeholders and pixel-value shape, from its size alone, as Pixtral's processor
+    resizes it (shrunk to fit the longest edge, sides rounded up to whole tokens)."""
+    model_dir, _, processor = pixtral
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    side = processor.patch_size["height"]
+    for height, width in ((1, 1), (15, 17), (64, 64), (65, 64), (200, 7), (7, 200), (33, 95), (1000, 999)):
+        processed = processor(images=[picture(0, (height, width))], return_tensors="np")["pixel_values"][0]
+        assert geometry.input_shape(height, width) == processed.shape
+        rows, columns = processed.shape[1] // side, processed.shape[2] // side
+        assert geometry.num_tokens(height, width) == rows * (columns + 1) <= geometry.max_tokens
+    assert geometry.min_tokens == 2 and geometry.max_tokens == geometry.num_tokens(*geometry.largest_image)
+
+
+def test_the_engine_refuses_a_run_that_is_not_the_images_rows(pixtral):
+    model_dir = pixtral[0]
+    ids, features, _ = prompt(pixtral, [[74], [75]], [picture(4)])
+    tokens = _tokens(model_dir)
+    engine = make_engine(model_dir)
+    flat = [tokens["[IMG]"] if t in (tokens["[IMG_BREAK]"], tokens["[IMG_END]"]) else t for t in ids]
+    with pytest.raises(RequestRefusedError, match="break token"):
+        engine.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=flat, sampling_params=SamplingParams(),
+                                             mm_features=features))
+
+
+def test_the_config_of_mistral_small_3_1_reads_its_vision_side():
+    config = ModelConfig.from_dict(MISTRAL_SMALL_3_1)
+    vision = config.vision
+    assert config.architecture == "MistralForCausalLM" and config.hidden_size == 5120
+    assert (vision.patch_size, vision.spatial_merge_size, vision.longest_edge, vision.num_layers_used) == (14, 2, 1540,
+                                                                                                            24)
+    assert vision.patch_merger and not vision.projector_bias and vision.hidden_act == "silu"
+    assert (vision.image_token_id, vision.image_break_token_id, vision.image_end_token_id) == (10, 12, 13)
+    geometry = vision.geometry
+    # (1540 pixels: 55 tokens of 28 a side, each row one more for its break or end token)
+    assert geometry.max_tokens == 55 * 56 and geometry.num_tokens(28, 56) == 3
+    assert geometry.input_shape(1000, 500) == (3, 1008, 504)
+    with pytest.raises(ValueError, match="Pixtral's"):
+        ModelConfig.from_dict({**MISTRAL_SMALL_3_1, "vision_config": {"model_type": "clip_vision_model"}})
