@@ -352,7 +352,13 @@ class ModelSettings(LoRASettings):
     limit_mm_per_prompt: dict[str, int] = Field(
         default_factory=dict, description=f"A vision-language model's most images (by modality) in one prompt "
                                           f'(--limit-mm-per-prompt), e.g. {{"image": 2}}; a modality not named: '
-                                          f"{DEFAULT_LIMIT_PER_PROMPT}, as vLLM.")
+                                          f'{DEFAULT_LIMIT_PER_PROMPT}, as vLLM. {{"image": 0}}: its language model '
+                                          f"alone (vLLM's text-only mode: the vision tower is not loaded).")
+
+    @property
+    def language_model_only(self) -> bool:
+        """Whether no prompt may hold images: the engines load the language model alone."""
+        return self.limit_mm_per_prompt.get("image") == 0
 
     _served_model_name = field_validator("served_model_name")(_check_served_model_name)
     _chat_template_kwargs = field_validator("default_chat_template_kwargs")(_check_default_chat_template_kwargs)
@@ -720,7 +726,7 @@ class ClusterConfig(ModelSettings):
         (_, first_indexes), *further = self.model_engines()
         first_name = self.served_names[0] if self.served_model_name else None
         configs = [engine_config_from_spec(self.model, index, spec, self.seed, first_name, self.lora_config(),
-                                           self.tokenizer)
+                                           self.tokenizer, self.language_model_only)
                    for index, spec in zip(first_indexes, self.resolved_specs(), strict=True)]
         _check_one_runner(configs)
         groups = [configs]
@@ -728,7 +734,7 @@ class ClusterConfig(ModelSettings):
             assert served is not None
             name = served.served_names[0] if served.served_model_name else None
             group = [engine_config_from_spec(served.model, index, spec, self.seed, name,
-                                             served.lora_config(), served.tokenizer)
+                                             served.lora_config(), served.tokenizer, served.language_model_only)
                      for index, spec in zip(indexes, self._served_specs(served), strict=True)]
             _check_one_runner(group)
             groups.append(group)
@@ -848,7 +854,8 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
 
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
                             served_model_name: str | None = None,
-                            lora_config: LoRAConfig | None = None, tokenizer: str | None = None) -> EngineConfig:
+                            lora_config: LoRAConfig | None = None, tokenizer: str | None = None,
+                            language_model_only: bool = False) -> EngineConfig:
     s = spec.model_dump()
     try:
         scheduler = SchedulerConfig(
@@ -873,6 +880,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
                                                           for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
         mm_processor_kwargs=json.dumps(s["mm_processor_kwargs"], sort_keys=True) if s["mm_processor_kwargs"] else "",
+        language_model_only=language_model_only,
         generation_config=s["generation_config"], max_logprobs=s["max_logprobs"],
         logprobs_mode=s["logprobs_mode"], tokenizer=tokenizer,
         log_stats=not s["disable_log_stats"],

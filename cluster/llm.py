@@ -35,6 +35,7 @@ from router.classification import class_probabilities, pooled_output
 from router.content_format import CONTENT_FORMATS, TEXT_PART_TYPES, resolve_content_format, template_content
 from router.detokenizer import IncrementalDetokenizer, decode_after, token_text
 from router.multimodal import (
+    DEFAULT_LIMIT_PER_PROMPT,
     MultiModalProcessor,
     as_rgb,
     check_image_size,
@@ -446,8 +447,11 @@ class LLM:
                  generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
                  disable_log_stats: bool = True, tokenizer: str | None = None,
                  logits_processors: list[str | type[LogitsProcessor]] | None = None,
-                 pipeline_parallel_size: int = 1, **scheduler_flags: Any) -> None:
-        """``scheduler_flags``: the engine flags by vLLM's names (max_num_seqs, max_model_len, ...);
+                 pipeline_parallel_size: int = 1, limit_mm_per_prompt: dict[str, int] | None = None,
+                 **scheduler_flags: Any) -> None:
+        """``limit_mm_per_prompt``: a vision-language model's most images in one prompt (vLLM's; {"image":
+        0}: its language model alone, the vision tower not loaded).
+        ``scheduler_flags``: the engine flags by vLLM's names (max_num_seqs, max_model_len, ...);
         vLLM's arguments with nothing to do here are taken too (VLLM_ARGS_WITHOUT_EFFECT), and those for
         what is not built only at their neutral value (VLLM_ARGS_AT_DEFAULT), else a ValueError."""
         from gpu_worker.model_resolver import check_tokenizer_dir, load_tokenizer, resolve_model, worker_reference
@@ -500,7 +504,8 @@ class LLM:
                                             engines=[EngineSpec(**o) for o in engine_overrides or []],
                                             address=address, seed=seed, enable_lora=enable_lora,
                                             max_loras=max_loras, max_lora_rank=max_lora_rank,
-                                            max_cpu_loras=max_cpu_loras, tokenizer=tokenizer)
+                                            max_cpu_loras=max_cpu_loras, tokenizer=tokenizer,
+                                            limit_mm_per_prompt=limit_mm_per_prompt or {})
         # (vLLM's disable_log_stats, on by default offline: no periodic stats line from Ray engines
         # (an in-process engine writes none); the engines still keep their stats, which get_stats reports.)
         # (logits_processors: classes, which the engines unpickle by reference, or qualified names.)
@@ -864,11 +869,15 @@ class LLM:
         """The model's image processing (its placeholder token, tokens per image, image processor)."""
         if self._image_processor is None:
             info = self._model_info()
+            if self.cluster_config.language_model_only:
+                raise ValueError(f"At most 0 image(s) may be provided in one prompt (limit_mm_per_prompt): "
+                                 f"{info.served_model_name} serves its language model alone")
             if info.image_token_id is None:
                 raise ValueError(f"{info.served_model_name} takes no images: it is not a vision-language model")
             self._image_processor = MultiModalProcessor(
                 info.image_token_id, info.image_geometry, load_image_processor(self.model_dir),
                 self.model_dir, image_placeholder(self.tokenizer, info.image_token_id, info.image_geometry),
+                max_images=self.cluster_config.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT),
                 prompt_replacement=image_prompt_text(self.tokenizer, info.image_token_id, info.image_geometry))
         return self._image_processor
 

@@ -329,6 +329,9 @@ class EngineConfig:
     # vLLM's --mm-processor-kwargs, as JSON text: settings over the image processor's config
     # (Qwen2-VL's min_pixels / max_pixels: each image's token count follows them).
     mm_processor_kwargs: str = ""
+    # A vision-language model's language model alone (vLLM's text-only mode: --limit-mm-per-prompt
+    # '{"image": 0}'): its vision tower and projector are neither loaded nor profiled; images refused.
+    language_model_only: bool = False
     # vLLM's --generation-config ("auto": the model's generation_config.json; "vllm": none; or a folder
     # holding one) and --override-generation-config (JSON text): the sampling parameters a request gets
     # for those it leaves unset (engine_core/generation_defaults.py).

@@ -673,6 +673,9 @@ class ModelConfig:
     # A vision-language model's image side (LLaVA: CLIP tower and projector); None for text models.
     vision: (VisionConfig | QwenVisionConfig | Qwen3VisionConfig | Gemma3VisionConfig | PixtralVisionConfig
              | None) = None
+    # A vision-language checkpoint's architecture whose language model alone is served (its vision
+    # side's tensors skipped: ModelConfig.from_pretrained's language_model_only); None otherwise.
+    language_model_of: str | None = None
     # Per layer, whether it attends through the sliding window (empty: every layer does, when there
     # is one). Qwen2/Qwen3 window only their layers from max_window_layers on.
     sliding_window_layers: tuple[bool, ...] = ()
@@ -1065,15 +1068,17 @@ class ModelConfig:
     def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None,
                         tokenizer_dir: str | Path | None = None,
                         mm_processor_kwargs: dict[str, Any] | None = None,
-                        language_model_only: bool = False) -> ModelConfig:
+                        language_model_only: bool = False, pipeline_stages: bool = False) -> ModelConfig:
         """``hf_overrides`` (vLLM's --hf-overrides): keys set over config.json's, e.g. to serve a
         causal LM as a classifier (below); a sub-config's keys (``text_config``, ...) are set over
         its own, as vLLM updates a nested config. ``tokenizer_dir`` (--tokenizer): where the tokens
         a config names by text (a step tag, a classifier's tokens) are looked up; else the model's.
         ``mm_processor_kwargs`` (--mm-processor-kwargs): settings over preprocessor_config.json's, for
         what the image processor decides here (Qwen2-VL's pixel range). ``language_model_only``: a
-        Gemma 3 checkpoint's language model alone, without its vision side (how pipeline parallelism
-        serves it: its tower is not split into stages; other vision-language models are refused there)."""
+        vision-language checkpoint's language model alone, without its vision side (vLLM's text-only
+        mode). ``pipeline_stages``: the model is to be split into pipeline stages, where a Gemma 3
+        checkpoint serves its language model alone (its tower is not split into stages; other
+        vision-language models are refused there)."""
         model_dir = Path(model_dir)
         vocabulary = Path(tokenizer_dir).expanduser() if tokenizer_dir else model_dir
         cfg = with_overrides(json.loads((model_dir / "config.json").read_text()), hf_overrides or {})
@@ -1083,11 +1088,13 @@ class ModelConfig:
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)
-        if language_model_only and isinstance(config.vision, Gemma3VisionConfig):
-            config = dataclasses.replace(config, vision=None)
         processor_path = model_dir / "preprocessor_config.json"
         native = isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
         pixel_range = _pixel_range_kwargs(mm_processor_kwargs or {}, native, cfg["architectures"][0])
+        if config.vision is not None and (language_model_only or (
+                pipeline_stages and isinstance(config.vision, Gemma3VisionConfig))):
+            config = dataclasses.replace(config, vision=None, language_model_of=cfg["architectures"][0])
+            native = False
         if isinstance(config.vision, PixtralVisionConfig):
             # (Pixtral: the tokenizer's row-break and end tokens; the processor's longest side.)
             processor = json.loads(processor_path.read_text()) if processor_path.exists() else {}

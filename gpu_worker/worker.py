@@ -102,7 +102,7 @@ class Worker:
                  draft_model: str | Path | None = None, kv_offloading_bytes: int = 0,
                  logprobs_mode: str = "raw_logprobs", pipeline_parallel_size: int = 1,
                  pp_layer_partition: tuple[int, ...] | None = None,
-                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
+                 mm_processor_kwargs: dict[str, Any] | None = None, language_model_only: bool = False) -> None:
         # ``rank``: over every stage's ranks (stage rank // world_size); ``world_size``: the
         # tensor-parallel ranks of one stage.
         self.rank = rank
@@ -125,7 +125,8 @@ class Worker:
                                              dtype=gguf_dtype_rule(dtype, self.device, embedding_only, hf_overrides))
             self.model_config = ModelConfig.from_pretrained(self.model_dir, hf_overrides, tokenizer,
                                                             mm_processor_kwargs,
-                                                            language_model_only=pipeline_parallel_size > 1)
+                                                            language_model_only=language_model_only,
+                                                            pipeline_stages=pipeline_parallel_size > 1)
         if enable_expert_parallel:
             # A MoE model's ranks hold whole experts, a share of them each (no effect on a dense model).
             self.model_config = dataclasses.replace(self.model_config, expert_parallel=True)

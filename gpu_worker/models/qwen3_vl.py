@@ -48,12 +48,18 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLImagesMixin, Qwen3MoeForCausalLM
     a model's hidden size is never twice its experts' width, nor equal to it.)"""
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        config = self.config
-        hidden, width = config.hidden_size, config.moe_intermediate_size
-        released = {"gate_up_proj": (hidden, 2 * width), "down_proj": (width, hidden)}
-        for name, tensor in super().checkpoint_tensors(weights):
-            projection = name.rsplit(".", 1)[-1]
-            if ".mlp.experts." in name and projection in released and released[projection][0] != \
-                    released[projection][1] and tuple(tensor.shape[1:]) == released[projection]:
-                tensor = materialize(tensor).transpose(1, 2)
-            yield name, tensor
+        return stacked_experts_as_ours(super().checkpoint_tensors(weights), self.config)
+
+
+def stacked_experts_as_ours(weights: Iterable[tuple[str, WeightLike]], config: ModelConfig
+                            ) -> Iterator[tuple[str, WeightLike]]:
+    """A Qwen3-VL MoE checkpoint's tensors with its released stacked experts ([experts, in, out])
+    transposed into ours ([experts, out, in]); the others (transformers 5's experts too) as they are."""
+    hidden, width = config.hidden_size, config.moe_intermediate_size
+    released = {"gate_up_proj": (hidden, 2 * width), "down_proj": (width, hidden)}
+    for name, tensor in weights:
+        projection = name.rsplit(".", 1)[-1]
+        if ".mlp.experts." in name and projection in released and released[projection][0] != \
+                released[projection][1] and tuple(tensor.shape[1:]) == released[projection]:
+            tensor = materialize(tensor).transpose(1, 2)
+        yield name, tensor

@@ -9,6 +9,7 @@ from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
+from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -57,7 +58,9 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 def build_model(config: ModelConfig) -> nn.Module:
     """Uninitialised model (parameters are torch.empty) on the current default device and dtype."""
     model_class = get_model_class(config.architecture)
-    if isinstance(config.vision, QwenVisionConfig):  # (Qwen2-VL / Qwen2.5-VL: a Qwen2 decoder)
+    if config.vision is None and config.language_model_of is not None:  # (text-only mode)
+        model_class = language_model_class(model_class)
+    elif isinstance(config.vision, QwenVisionConfig):  # (Qwen2-VL / Qwen2.5-VL: a Qwen2 decoder)
         model_class = Qwen2VLForConditionalGeneration
     elif isinstance(config.vision, Qwen3VisionConfig):  # (Qwen3-VL: a Qwen3 or Qwen3-MoE decoder)
         moe = config.architecture == "Qwen3MoeForCausalLM"

@@ -221,3 +221,20 @@ def test_mistral3_chat_writes_each_image_as_rows_with_break_and_end_tokens(tmp_p
         want = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS,
                               do_sample=False, **processed)[0, tensor.shape[1]:].tolist()
     assert out.outputs[0].token_ids == want
+
+
+def test_no_image_allowed_serves_the_language_model_alone(llava):
+    """limit_mm_per_prompt {"image": 0} (vLLM's text-only mode): the same text answers, images refused;
+    a limit of one refuses two."""
+    model_dir, llm = llava
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = llm.generate("plain text", params, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=256, limit_mm_per_prompt={"image": 0}) as text:
+        assert text.engine_configs[0].language_model_only
+        assert text.generate("plain text", params, use_tqdm=False)[0].outputs[0].token_ids == want
+        with pytest.raises(ValueError, match=r"At most 0 image.*language model alone"):
+            text.generate({"prompt": "<image> hi", "multi_modal_data": {"image": picture(0)}}, use_tqdm=False)
+    two = {"prompt": "<image> and <image>", "multi_modal_data": {"image": [picture(0), picture(1)]}}
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=256, limit_mm_per_prompt={"image": 1}) as one, \
+            pytest.raises(ValueError, match="At most 1 image"):
+        one.generate(two, use_tqdm=False)

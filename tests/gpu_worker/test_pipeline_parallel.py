@@ -370,7 +370,7 @@ def test_gemma3s_vision_language_checkpoint_serves_its_language_model_in_stages(
 
     model_dir = build_tiny_gemma3_vl(tmp_path)
     assert ModelConfig.from_pretrained(model_dir).vision is not None
-    config = ModelConfig.from_pretrained(model_dir, language_model_only=True)
+    config = ModelConfig.from_pretrained(model_dir, pipeline_stages=True)
     assert config.vision is None and pipeline_refusal(config, 2) is None
     for pp_rank in range(2):
         stage(pp_rank, 2)

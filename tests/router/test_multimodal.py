@@ -53,9 +53,8 @@ def _app(llava, max_model_len: int = 512, processor=True, policy=None, **setting
     answer = tokenizer.encode(" a cat", add_special_tokens=False)
     client = EngineClient([object()], client_index=1)
     engine = client._slots[0].channel = ScriptedEngine(client, lambda _: answer)
-    serving = OpenAIServing(ServingSettings(served_model_name="llava", max_model_len=max_model_len,
-                                            image_token_id=vision.image_token_id,
-                                            image_geometry=vision.geometry, **settings),
+    settings = {"image_token_id": vision.image_token_id, "image_geometry": vision.geometry, **settings}
+    serving = OpenAIServing(ServingSettings(served_model_name="llava", max_model_len=max_model_len, **settings),
                             client, tokenizer, policy or RoundRobinPolicy(),
                             image_processor=image_processor if processor else None)
     return TestClient(create_app(serving)), engine, serving
@@ -434,11 +433,12 @@ def test_anthropics_messages_take_image_blocks(llava):
                                      {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                                   "data": data}}]}]})
     assert counted.json() == {"input_tokens": len(engine.requests[0].prompt_token_ids)}
-    _, _, limited = _app(llava, limit_mm_per_prompt={"image": 0})
+    # (With no image allowed, the engines serve the language model alone and state no image token.)
+    _, _, limited = _app(llava, limit_mm_per_prompt={"image": 0}, image_token_id=None, image_geometry=None)
     over = TestClient(create_app(limited)).post("/v1/messages/count_tokens", json={"model": "llava", "messages": [
         {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                                   "data": data}}]}]})
-    assert over.status_code == 400 and "At most 0 image" in over.text
+    assert over.status_code == 400 and "At most 0 image" in over.text and "language model alone" in over.text
     r = http.post("/v1/messages", json={"model": "llava", "max_tokens": 3, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "text/plain",
                                                                   "data": data}}]}]})

@@ -1,0 +1,88 @@
+"""vLLM's text-only mode (--limit-mm-per-prompt '{"image": 0}'): a vision-language checkpoint's
+language model served alone, its vision tower and projector neither built nor loaded; text prompts
+answered as the whole model answers them (prompt logprobs and greedy tokens), for every family of
+checkpoint we serve; images refused saying why."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from cluster.config import ClusterConfig, EngineSpec
+from engine_core.engine_core import EngineCore, RequestRefusedError
+from engine_core.multimodal import MultiModalFeature, TensorData, feature_identifier
+from engine_core.outputs import EngineCoreRequest
+from engine_core.sampling_params import SamplingParams
+from gpu_worker.config import ModelConfig
+from gpu_worker.executor import create_executor
+from tests.gpu_worker.test_llava import make_engine
+from tests.gpu_worker.test_qwen2_vl import run
+from tests.tiny_model import (
+    build_tiny_gemma3_vl,
+    build_tiny_llava,
+    build_tiny_llava_next,
+    build_tiny_mistral3,
+    build_tiny_qwen2_vl,
+    build_tiny_qwen3_vl,
+)
+
+BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next,
+            "qwen2_5_vl": lambda path: build_tiny_qwen2_vl(path, windowed=True),
+            "qwen3_vl_moe": lambda path: build_tiny_qwen3_vl(path, moe=True),
+            "gemma3": build_tiny_gemma3_vl, "mistral3": build_tiny_mistral3,
+            "pixtral": lambda path: build_tiny_mistral3(path, llava=True)}
+PROMPT = [2, 5, 9, 11, 200, 31, 7, 90, 91]
+
+
+def text_only_engine(model_dir, **spec) -> EngineCore:
+    config = ClusterConfig(model=str(model_dir), limit_mm_per_prompt={"image": 0},
+                           defaults=EngineSpec(num_gpu_blocks=256, **spec)).engine_configs()[0]
+    assert config.language_model_only
+    return EngineCore(config, create_executor(config))
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_the_language_model_alone_answers_text_as_the_whole_model(family, tmp_path):
+    model_dir = BUILDERS[family](tmp_path / family)
+    engine = text_only_engine(model_dir)
+    names = [name for name, _ in engine.executor.worker.runner.model.named_parameters()]
+    assert names and not any(name.startswith(("vision_tower.", "multi_modal_projector.", "visual.", "image_newline"))
+                             for name in names)
+    assert engine.model_info.image_token_id is None and engine.model_info.image_geometry is None
+    got = run(engine, {"t": (PROMPT, [])})["t"]
+    want = run(make_engine(model_dir), {"t": (PROMPT, [])})["t"]
+    assert got[1] == want[1]
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+    # An image (as the whole model would take it) is refused, saying why.
+    vision = ModelConfig.from_pretrained(model_dir).vision
+    data = TensorData.from_array(np.zeros(vision.geometry.input_shape(40, 50), np.float32))
+    run_ids = vision.geometry.placeholder_ids(vision.image_token_id, 40, 50)
+    image = MultiModalFeature("image", feature_identifier("image", data), 1, len(run_ids), data, (40, 50))
+    with pytest.raises(RequestRefusedError, match="language model alone"):
+        engine.add_request(EngineCoreRequest(request_id="i", prompt_token_ids=[2, *run_ids, 5],
+                                             sampling_params=SamplingParams(), mm_features=[image]))
+
+
+def test_qwen3_vl_moe_text_only_reads_the_released_stacked_experts_transposed(tmp_path):
+    saved = build_tiny_qwen3_vl(tmp_path / "saved", moe=True)
+    released = tmp_path / "released"
+    shutil.copytree(saved, released)
+    tensors = load_file(saved / "model.safetensors")
+    experts = [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    save_file({name: t.transpose(1, 2).contiguous() if name in experts else t for name, t in tensors.items()},
+              released / "model.safetensors", metadata={"format": "pt"})
+    got = [run(text_only_engine(directory), {"t": (PROMPT, [])})["t"] for directory in (saved, released)]
+    assert got[0][1] == got[1][1]
+    np.testing.assert_allclose(got[0][0], got[1][0], atol=1e-6)
+
+
+def test_the_engines_of_a_model_with_no_images_load_its_language_model_alone(tmp_path):
+    model_dir = str(tmp_path)
+    config = ClusterConfig(model=model_dir, limit_mm_per_prompt={"image": 0}, models=[
+        {"model": model_dir, "served_model_name": "with-images", "limit_mm_per_prompt": {"image": 2}},
+        {"model": model_dir, "served_model_name": "text-only", "limit_mm_per_prompt": {"image": 0}}])
+    assert [c.language_model_only for c in config.engine_configs()] == [True, False, True]
+    assert not ClusterConfig(model=model_dir).engine_configs()[0].language_model_only
