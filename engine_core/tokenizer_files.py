@@ -7,21 +7,27 @@ on another node has no copy of the model). Plain file reading: no tokenizer libr
 * ``--tokenizer DIR``: every file of that directory (and its ``additional_chat_templates/``), not one
   of the model's mixed in, so the replica loads what the engine loaded; weights and files over
   ``MAX_FILE_BYTES`` (a tokenizer's are far smaller) are left out.
-* Either way, a vision-language model's image processor config (``preprocessor_config.json``) from
-  the model's directory: the router turns images into the encoder's input with it.
+* Either way, a vision-language model's image processor config (``preprocessor_config.json``, or
+  nested in ``processor_config.json`` as transformers 5 saves it) from the model's directory: the
+  router turns images into the encoder's input with it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
                    "added_tokens.json", "spiece.model", "sentencepiece.bpe.model")
 MODEL_FILES = ("config.json", "generation_config.json")
 # The model's image processor (vision-language models), whatever the tokenizer's directory.
-PROCESSOR_FILES = ("preprocessor_config.json",)
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+# (transformers 5 saves a processor's parts in one file, the image processor's under "image_processor")
+PROCESSOR_FILE = "processor_config.json"
+PROCESSOR_FILES = (IMAGE_PROCESSOR_FILE, PROCESSOR_FILE)
 TEMPLATES_DIR = "additional_chat_templates"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 MAX_FILE_BYTES = 64 * 1024 * 1024
@@ -58,3 +64,15 @@ def _read(directory: str, names: list[str]) -> dict[str, bytes]:
             with open(path, "rb") as f:
                 files[name] = f.read()
     return files
+
+
+def read_image_processor_config(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A model directory's image processor config, as transformers finds it: nested in
+    processor_config.json, else preprocessor_config.json; None where neither holds one."""
+    nested = Path(directory) / PROCESSOR_FILE
+    if nested.is_file():
+        config = json.loads(nested.read_text()).get("image_processor")
+        if isinstance(config, dict):
+            return config
+    plain = Path(directory) / IMAGE_PROCESSOR_FILE
+    return json.loads(plain.read_text()) if plain.is_file() else None

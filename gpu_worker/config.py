@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engine_core.tokenizer_files import read_image_processor_config
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
@@ -283,6 +284,10 @@ def with_overrides(cfg: dict[str, Any], overrides: dict[str, Any], nested: bool 
 def _colbert_width(cfg: dict[str, Any]) -> Any:
     """A ColBERT config's vectors' width, where it gives one (colbert_dim, dim or projection_dim)."""
     return cfg.get("colbert_dim") or cfg.get("dim") or cfg.get("projection_dim")
+
+
+# Where a vision-language checkpoint keeps its language model's head (transformers 4's and 5's layouts).
+VISION_LANGUAGE_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
 
 
 def _checkpoint_rows(model_dir: Path, names: tuple[str, ...]) -> int | None:
@@ -1088,7 +1093,13 @@ class ModelConfig:
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)
-        processor_path = model_dir / "preprocessor_config.json"
+        if config.vision is not None and config.tie_word_embeddings \
+                and _checkpoint_rows(model_dir, VISION_LANGUAGE_HEADS) is not None:
+            # A vision-language checkpoint that stores its own head is not tied, whatever its config
+            # says (transformers 5 writes Mistral3Config's default, tied, at the top level of a
+            # checkpoint it re-saves, and keeps such a head, as vLLM reads the text config's flag).
+            config = dataclasses.replace(config, tie_word_embeddings=False)
+        image_processor = read_image_processor_config(model_dir)
         native = isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
         pixel_range = _pixel_range_kwargs(mm_processor_kwargs or {}, native, cfg["architectures"][0])
         if config.vision is not None and (language_model_only or (
@@ -1097,7 +1108,7 @@ class ModelConfig:
             native = False
         if isinstance(config.vision, PixtralVisionConfig):
             # (Pixtral: the tokenizer's row-break and end tokens; the processor's longest side.)
-            processor = json.loads(processor_path.read_text()) if processor_path.exists() else {}
+            processor = image_processor or {}
             size = processor.get("size") if isinstance(processor.get("size"), dict) else {}
             token_ids = _token_ids_if_any(vocabulary, list(PIXTRAL_TOKEN_IDS))
             missing = [name for name in PIXTRAL_TOKEN_IDS if name not in token_ids]
@@ -1106,10 +1117,10 @@ class ModelConfig:
             config = dataclasses.replace(config, vision=dataclasses.replace(
                 config.vision, longest_edge=int(size.get("longest_edge") or config.vision.longest_edge),
                 image_break_token_id=token_ids["[IMG_BREAK]"], image_end_token_id=token_ids["[IMG_END]"]))
-        if native and (processor_path.exists() or pixel_range):
+        if native and (image_processor is not None or pixel_range):
             # (Qwen2-VL, Qwen3-VL: the processor's pixel range decides an image's token count.)
-            processor = json.loads(processor_path.read_text()) if processor_path.exists() else {}
-            config = dataclasses.replace(config, vision=native_vision_config(cfg, {**processor, **pixel_range}))
+            config = dataclasses.replace(config, vision=native_vision_config(cfg, {**(image_processor or {}),
+                                                                                  **pixel_range}))
         # (Older llm-compressor releases name it compression_config, as vLLM also reads it.)
         quantization = cfg.get("quantization_config") or cfg.get("compression_config")
         method, block = weight_quantization(quantization)  # (others: refused here)

@@ -26,6 +26,7 @@ from engine_core.generation_defaults import model_sampling_defaults
 from engine_core.logits_processor import load_logits_processors
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
+from engine_core.tokenizer_files import read_image_processor_config
 from gpu_worker.config import ModelConfig, check_dtype_supported, parse_dtype
 from gpu_worker.model_resolver import (
     DtypeRule,
@@ -127,7 +128,7 @@ class _ExecutorBase(Executor):
             json.loads(config.mm_processor_kwargs) if config.mm_processor_kwargs else None,
             language_model_only=config.language_model_only, pipeline_stages=config.pipeline_parallel_size > 1)
         if config.pipeline_parallel_size > 1 and self.model_config.architecture == "Gemma3ForCausalLM" \
-                and not config.language_model_only and (self.model_dir / "preprocessor_config.json").exists():
+                and not config.language_model_only and read_image_processor_config(self.model_dir) is not None:
             logger.warning("engine %d: under pipeline parallelism Gemma 3 serves its language model alone: "
                            "requests with images are refused", config.engine_index)
         if str(config.dtype) != "auto":

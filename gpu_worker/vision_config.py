@@ -540,7 +540,11 @@ def pixtral_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int, 
     preprocessor_config.json (the resized images' longest side; the tower's image_size without one)."""
     token_ids = PIXTRAL_TOKEN_IDS if token_ids is None else token_ids
     mistral3 = cfg["architectures"][0] in PIXTRAL_ARCHITECTURES
-    vision = {**(_MISTRAL3_VISION_DEFAULTS if mistral3 else _PIXTRAL_DEFAULTS), **(cfg.get("vision_config") or {})}
+    # (Mistral3Config's vision defaults stand in for a vision_config it lacks; one it has is completed
+    # by PixtralVisionConfig's, as transformers reads them)
+    given = cfg.get("vision_config")
+    vision = {**_PIXTRAL_DEFAULTS, **given} if given else {**(_MISTRAL3_VISION_DEFAULTS if mistral3
+                                                               else _PIXTRAL_DEFAULTS)}
     if vision.get("model_type", "pixtral") != "pixtral":
         raise ValueError(f"the vision tower must be Pixtral's (vision_config.model_type 'pixtral'), "
                          f"got {vision['model_type']!r}")

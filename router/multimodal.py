@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
 from engine_core.multimodal import ImageGeometry, MultiModalFeature, TensorData, check_features, feature_identifier
+from engine_core.tokenizer_files import IMAGE_PROCESSOR_FILE, read_image_processor_config
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -39,7 +40,6 @@ DEFAULT_LIMIT_PER_PROMPT = 999
 IMAGE_FETCH_TIMEOUT_S = float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))
 # The most bytes one image may have (encoded), however it comes (OpenAI's limit per image).
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
-IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
 # The most one side of an image may exceed the other (Qwen2-VL's processor's limit).
 MAX_ASPECT_RATIO = 200
 # vLLM's --mm-processor-cache-gb default: GiB of processed images a router replica keeps.
@@ -189,8 +189,9 @@ def as_rgb(image: Image.Image) -> Image.Image:
 
 def load_image_processor(directory: str | os.PathLike[str]) -> Any | None:
     """The model's image processor (transformers' AutoImageProcessor) from its
-    ``preprocessor_config.json`` in ``directory``; None where there is none."""
-    if not (Path(directory) / IMAGE_PROCESSOR_FILE).is_file():
+    ``preprocessor_config.json`` (or nested in ``processor_config.json``) in ``directory``; None
+    where there is none."""
+    if read_image_processor_config(directory) is None:
         return None
     import transformers
     from transformers import AutoImageProcessor
@@ -344,8 +345,9 @@ class MultiModalProcessor:
             side = geometry.patch_size * geometry.spatial_merge
             for key, value in (("size", {"longest_edge": geometry.longest_edge}),
                                ("patch_size", {"height": side, "width": side})):
+                # (a dict, or the processor's own size class; a config may give patch_size as a number)
                 current = getattr(image_processor, key, None)
-                setattr(image_processor, key, value if current is None or isinstance(current, dict)
+                setattr(image_processor, key, value if current is None or isinstance(current, dict | int)
                         else type(current)(**value))
         if image_processor is not None and geometry.native:
             # Qwen2-VL: the engines' pixel range (their processor config, or --mm-processor-kwargs)
@@ -399,10 +401,10 @@ class MultiModalProcessor:
         """A decoded image (RGB) as the vision encoder takes it, and its digest."""
         # ([C, H, W]; LLaVA-NeXT's: [tiles, C, H, W]; Qwen2-VL's, the batch's patches: [patches, C x T x P x P];
         # Pixtral's [C, H, W] of the image's resized size)
+        size = (image.height, image.width)
+        expected = self.geometry.input_shape(*size)  # (first: its refusals say what is wrong with the image)
         processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"]
         processed = processed if self.geometry.native else processed[0]
-        size = (image.height, image.width)
-        expected = self.geometry.input_shape(*size)
         if tuple(processed.shape) != expected:  # (a processor config the model's does not match)
             raise ValueError(f"the image processor made pixel values of shape {list(processed.shape)} for a "
                              f"{size[1]}x{size[0]} image, the model takes {list(expected)}: its "

@@ -157,3 +157,42 @@ def test_the_config_of_mistral_small_3_1_reads_its_vision_side():
     assert geometry.input_shape(1000, 500) == (3, 1008, 504)
     with pytest.raises(ValueError, match="Pixtral's"):
         ModelConfig.from_dict({**MISTRAL_SMALL_3_1, "vision_config": {"model_type": "clip_vision_model"}})
+
+
+def test_a_head_stored_beside_a_tied_config_is_not_tied(pixtral, tmp_path):
+    """transformers 5 re-saves a Mistral 3 checkpoint with Mistral3Config's default (tied) at its
+    top level, and keeps the head the checkpoint stores: so do we, with transformers' answers."""
+    import shutil
+
+    model_dir = tmp_path / "retied"
+    shutil.copytree(pixtral[0], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert not ModelConfig.from_pretrained(model_dir).tie_word_embeddings
+    ids = [1, 5, 9, 11, 200, 31]
+    assert_equal(run(make_engine(model_dir), {"t": (ids, [])})["t"], reference(pixtral, ids, None))
+
+
+def test_the_processor_config_in_either_file_and_patch_size_as_a_number(pixtral, tmp_path):
+    """An image processor config nested in processor_config.json (as transformers 5 saves it) is
+    read as preprocessor_config.json is; a patch_size given as one number is served."""
+    import shutil
+
+    from engine_core.tokenizer_files import IMAGE_PROCESSOR_FILE, PROCESSOR_FILE
+    from router.multimodal import MultiModalProcessor, load_image_processor
+
+    model_dir = tmp_path / "nested"
+    shutil.copytree(pixtral[0], model_dir)
+    processor = json.loads((model_dir / IMAGE_PROCESSOR_FILE).read_text())
+    (model_dir / IMAGE_PROCESSOR_FILE).unlink()
+    (model_dir / PROCESSOR_FILE).write_text(json.dumps({"image_processor": {
+        **processor, "patch_size": 8, "size": {"longest_edge": 48}}}))
+    config = ModelConfig.from_pretrained(model_dir)
+    geometry = config.vision.geometry
+    assert config.vision.longest_edge == 48 and geometry.num_tokens(64, 64) == geometry.max_tokens
+    images = MultiModalProcessor(config.vision.image_token_id, geometry, load_image_processor(model_dir),
+                                 str(model_dir), "[IMG]")
+    image = picture(5, (70, 30))
+    processed = images.process_image(image)
+    assert processed.pixel_values.shape == geometry.input_shape(70, 30)
+    assert processed.num_tokens == geometry.num_tokens(70, 30)
