@@ -15,7 +15,7 @@ from engine_core.outputs import EngineCoreRequest
 from engine_core.sampling_params import SamplingParams
 from gpu_worker.config import ModelConfig
 from tests.gpu_worker.test_llava import make_engine, picture
-from tests.gpu_worker.test_qwen2_vl import MAX_TOKENS, assert_equal, run
+from tests.gpu_worker.test_qwen2_vl import MAX_TOKENS, assert_equal, hf_logprobs_and_tokens, run
 from tests.tiny_model import build_tiny_gemma3_vl
 
 TOKENS = 16  # (an image's 8x8 patches pooled to 4x4)
@@ -52,15 +52,9 @@ def reference(gemma, ids: list[int], pixels) -> tuple[list[float], list[int]]:
     """transformers' logprob of each prompt token after the first, and its greedy tokens (its image
     tokens marked as such: they attend to each other both ways)."""
     _, model, _ = gemma
-    tensor = torch.tensor([ids])
-    kwargs = {} if pixels is None else {"pixel_values": pixels,
-                                        "token_type_ids": (tensor == model.config.image_token_index).long()}
-    with torch.no_grad():
-        logits = model(input_ids=tensor, attention_mask=torch.ones_like(tensor), **kwargs).logits[0].float()
-        logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, tensor[0, 1:, None])[:, 0]
-        out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS,
-                             do_sample=False, **kwargs)
-    return logprobs.tolist(), out[0, len(ids):].tolist()
+    kwargs = {} if pixels is None else {
+        "pixel_values": pixels, "token_type_ids": (torch.tensor([ids]) == model.config.image_token_index).long()}
+    return hf_logprobs_and_tokens(model, ids, **kwargs)
 
 
 def test_two_images_equal_transformers_whole_and_with_each_image_in_one_pass(gemma):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from engine_core.engine_core import RequestRefusedError
 from engine_core.multimodal import MultiModalFeature, TensorData, feature_identifier
@@ -17,7 +16,7 @@ from engine_core.outputs import EngineCoreRequest
 from engine_core.sampling_params import SamplingParams
 from gpu_worker.config import ModelConfig
 from tests.gpu_worker.test_llava import make_engine, picture
-from tests.gpu_worker.test_qwen2_vl import MAX_TOKENS, assert_equal, run
+from tests.gpu_worker.test_qwen2_vl import assert_equal, hf_logprobs_and_tokens, run
 from tests.tiny_model import build_tiny_mistral3
 
 # Mistral Small 3.1's config.json (mistralai/Mistral-Small-3.1-24B-Instruct-2503), as released.
@@ -79,15 +78,8 @@ def prompt(pixtral, text_ids: list[list[int]], images: list):
 
 def reference(pixtral, ids: list[int], inputs) -> tuple[list[float], list[int]]:
     """transformers' logprob of each prompt token after the first, and its greedy tokens."""
-    _, model, _ = pixtral
-    tensor = torch.tensor([ids])
     kwargs = {} if inputs is None else {"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"]}
-    with torch.no_grad():
-        logits = model(input_ids=tensor, attention_mask=torch.ones_like(tensor), **kwargs).logits[0].float()
-        logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, tensor[0, 1:, None])[:, 0]
-        out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS,
-                             do_sample=False, **kwargs)
-    return logprobs.tolist(), out[0, len(ids):].tolist()
+    return hf_logprobs_and_tokens(pixtral[1], ids, **kwargs)
 
 
 def test_images_of_three_shapes_equal_transformers_whole_and_in_chunks(pixtral):

@@ -89,16 +89,22 @@ def reference(qwen, ids: list[int], inputs) -> tuple[list[float], list[int]]:
     """transformers' logprob of each prompt token after the first, and its greedy tokens."""
     _, model, _ = qwen
     pixels, grids = inputs
-    kwargs = {} if pixels is None else {"pixel_values": pixels, "image_grid_thw": grids}
-    mask = torch.ones(1, len(ids), dtype=torch.long)
+    # (transformers 5 places the images' M-RoPE positions only where told which tokens are images.)
+    is_image = (torch.tensor([ids]) == model.config.image_token_id).int()
+    kwargs = {} if pixels is None else {"pixel_values": pixels, "image_grid_thw": grids, "mm_token_type_ids": is_image}
+    return hf_logprobs_and_tokens(model, ids, **kwargs)
+
+
+def hf_logprobs_and_tokens(model, ids: list[int], **inputs) -> tuple[list[float], list[int]]:
+    """transformers' ``model``'s logprob of each prompt token after the first, and its MAX_TOKENS
+    greedy tokens, for the prompt ``ids`` with ``inputs`` (its images)."""
+    tensor = torch.tensor([ids])
+    mask = torch.ones_like(tensor)
     with torch.no_grad():
-        # (transformers 5 places the images' M-RoPE positions only where told which tokens are images.)
-        is_image = (torch.tensor([ids]) == model.config.image_token_id).int()
-        types = {} if pixels is None else {"mm_token_type_ids": is_image}
-        logits = model(input_ids=torch.tensor([ids]), attention_mask=mask, **kwargs, **types).logits[0].float()
-        prompt_logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=mask, max_new_tokens=MAX_TOKENS,
-                             do_sample=False, **kwargs, **types)
+        logits = model(input_ids=tensor, attention_mask=mask, **inputs).logits[0].float()
+        prompt_logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, tensor[0, 1:, None])[:, 0]
+        out = model.generate(input_ids=tensor, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False,
+                             **inputs)
     return prompt_logprobs.tolist(), out[0, len(ids):].tolist()
 
 
