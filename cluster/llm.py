@@ -850,7 +850,7 @@ class LLM:
             for image in prompt.images:  # (the router's checks: not too large or too narrow; RGB)
                 check_image_size(image.width, image.height)
                 processed.append(images.process_image(as_rgb(image)))
-            if images.prompt_replacement is not None and not isinstance(prompt.prompt, str) \
+            if images.geometry.bidirectional and not isinstance(prompt.prompt, str) \
                     and images.image_token_id not in prompt.prompt:
                 raise ValueError("a Gemma 3 prompt given as token ids must hold each image's whole sequence (its "
                                  "image token where the image goes, between its begin and end tokens); or give "

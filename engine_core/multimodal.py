@@ -112,9 +112,9 @@ def check_features(features: list[MultiModalFeature], prompt_token_ids: list[int
 
 class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     """How many tokens (and encoder tiles) an image is for a model: LLaVA's fixed count, LLaVA-NeXT's
-    "anyres" count, Qwen2-VL's native-resolution count or Pixtral's rows, the last three depending on
-    the image's size. The router (placeholders) and the engine (checks, the encoder budget) count with the same
-    rules."""
+    "anyres" count, Qwen2-VL's native-resolution count, Pixtral's rows or InternVL's tiles, the last
+    four depending on the image's size. The router (placeholders) and the engine (checks, the encoder
+    budget) count with the same rules."""
 
     # The vision tower's input side (pixels) and patch side; its channels.
     image_size: int
@@ -145,6 +145,11 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     spatial_merge: int = 1
     row_break_token_id: int = -1
     image_end_token_id: int = -1
+    # InternVL: an image resized to the grid of min_tiles..max_tiles image_size tiles whose aspect is
+    # closest to its own, cut into them, and a thumbnail of it beside more than one; each tile
+    # pooled_tokens tokens (0: not so).
+    min_tiles: int = 1
+    max_tiles: int = 0
 
     @property
     def native(self) -> bool:
@@ -155,9 +160,30 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
         return self.longest_edge > 0
 
     @property
+    def tiled(self) -> bool:
+        return self.max_tiles > 0
+
+    @property
     def counts_by_size(self) -> bool:
         """Whether an image's token count depends on its (height, width)."""
-        return self.native or self.pixtral or bool(self.grid_pinpoints)
+        return self.native or self.pixtral or bool(self.grid_pinpoints) or self.max_tiles > 1
+
+    def tile_grid(self, height: int, width: int) -> tuple[int, int]:
+        """InternVL: the (columns, rows) of tiles an image is cut into: of the grids of min_tiles..max_tiles
+        tiles (fewest tiles first), the one whose aspect is closest to the image's; at a tie the one with
+        more tiles while the image's area is over half theirs (transformers' get_optimal_tiled_canvas)."""
+        grids = sorted(((columns, rows) for columns in range(1, self.max_tiles + 1)
+                        for rows in range(1, self.max_tiles + 1)
+                        if self.min_tiles <= columns * rows <= self.max_tiles), key=lambda g: g[0] * g[1])
+        aspect, area = width / height, width * height
+        best, best_diff = (1, 1), float("inf")
+        for columns, rows in grids:
+            diff = abs(aspect - columns / rows)
+            if diff < best_diff:
+                best, best_diff = (columns, rows), diff
+            elif diff == best_diff and area > 0.5 * self.image_size ** 2 * columns * rows:
+                best = (columns, rows)
+        return best
 
     def token_grid(self, height: int, width: int) -> tuple[int, int]:
         """Pixtral: an image's (rows, columns) of tokens, as PixtralImageProcessor resizes it (shrunk,
@@ -206,7 +232,9 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     def min_tokens(self) -> int:
         """The fewest tokens an image may take."""
         # (Qwen2-VL: a large thin image may shrink below min_pixels, to one merged patch; Pixtral: a
-        # token and the end token.)
+        # token and the end token; InternVL: its fewest tiles, with a thumbnail beside more than one.)
+        if self.tiled:
+            return self.base_tokens * (self.min_tiles + (self.min_tiles > 1))
         return 1 if self.native else 2 if self.pixtral else self.base_tokens
 
     @property
@@ -232,7 +260,11 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
         return best
 
     def num_tiles(self, height: int, width: int) -> int:
-        """The encoder's input tiles of one image: 1, or the pinpoint's grid plus the whole image."""
+        """The encoder's input tiles of one image: 1, or the pinpoint's grid plus the whole image
+        (InternVL: its grid's tiles, and the thumbnail beside more than one)."""
+        if self.max_tiles > 1:
+            columns, rows = self.tile_grid(height, width)
+            return columns * rows + (columns * rows > 1)
         if not self.grid_pinpoints:
             return 1
         pin_height, pin_width = self.best_resolution(height, width)
@@ -260,6 +292,8 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
         if self.pixtral:
             rows, columns = self.token_grid(height, width)
             return rows * (columns + 1)
+        if self.tiled:
+            return self.base_tokens * self.num_tiles(height, width)
         if not self.grid_pinpoints:
             return self.base_tokens
         rows, columns = self.grid_features(height, width)
@@ -285,16 +319,20 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
             return max(shrunk, scaled_up)
         if self.pixtral:  # (a square at longest_edge: the most rows and columns)
             return self.num_tokens(self.longest_edge, self.longest_edge)
+        if self.tiled:  # (the grid of max_tiles, and the thumbnail)
+            return self.base_tokens * (self.max_tiles + (self.max_tiles > 1))
         if not self.grid_pinpoints:
             return self.base_tokens
         return max(self.num_tokens(h, w) for h, w in self.grid_pinpoints)
 
     @property
     def largest_image(self) -> tuple[int, int]:
-        """Qwen2-VL, Pixtral: the (height, width) of an image that is the most patches the encoder may
+        """Qwen2-VL, Pixtral, InternVL: the (height, width) of an image that is the most patches the encoder may
         take at once (what a memory profile runs)."""
         if self.pixtral:
             return self.longest_edge, self.longest_edge
+        if self.tiled:  # (an image of max_tiles tiles side by side: cut into as many)
+            return self.image_size, self.image_size * self.max_tiles
         factor = self.patch_size * self.merge_size
         most = max(1, self.max_pixels // factor ** 2)
         sides = ((rows, max(1, min(200 * rows, most // rows))) for rows in range(1, min(most, 200) + 1))
@@ -312,4 +350,4 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
             _, rows, columns = self.patch_grid(height, width)
             return rows * columns, self.num_channels * self.temporal_patch_size * self.patch_size ** 2
         side = (self.num_channels, self.image_size, self.image_size)
-        return side if not self.grid_pinpoints else (self.num_tiles(height, width), *side)
+        return (self.num_tiles(height, width), *side) if self.grid_pinpoints or self.tiled else side

@@ -19,6 +19,8 @@ from engine_core.tokenizer_files import read_image_processor_config
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
+    INTERNVL_ARCHITECTURES,
+    INTERNVL_TEXT_DECODERS,
     LLAVA_ARCHITECTURES,
     PIXTRAL_ARCHITECTURES,
     PIXTRAL_TOKEN_IDS,
@@ -26,11 +28,14 @@ from gpu_worker.vision_config import (
     QWEN3_VL_MOE_TEXT_DEFAULTS,
     QWEN_VL_ARCHITECTURES,
     Gemma3VisionConfig,
+    InternVLVisionConfig,
     PixtralVisionConfig,
     Qwen3VisionConfig,
     QwenVisionConfig,
     VisionConfig,
     gemma3_vision_config_from_dict,
+    internvl_text_architecture,
+    internvl_vision_config_from_dict,
     is_pixtral,
     mrope_section,
     native_vision_config,
@@ -677,7 +682,7 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # A vision-language model's image side (LLaVA: CLIP tower and projector); None for text models.
     vision: (VisionConfig | QwenVisionConfig | Qwen3VisionConfig | Gemma3VisionConfig | PixtralVisionConfig
-             | None) = None
+             | InternVLVisionConfig | None) = None
     # A vision-language checkpoint's architecture whose language model alone is served (its vision
     # side's tensors skipped: ModelConfig.from_pretrained's language_model_only); None otherwise.
     language_model_of: str | None = None
@@ -872,6 +877,12 @@ class ModelConfig:
             vision = pixtral_vision_config_from_dict(cfg, int(text["hidden_size"]),
                                                      float(text.get("rms_norm_eps") or 1e-5))
             cfg = _text_config(cfg, arch)
+        elif arch in INTERNVL_ARCHITECTURES and not embedding_only:
+            arch = internvl_text_architecture(cfg)
+            text = {"model_type": "qwen2", **(cfg.get("text_config") or {})}  # (InternVLConfig's default)
+            cfg = with_full_text_config({**cfg, "text_config": text}, INTERNVL_TEXT_DECODERS)
+            vision = internvl_vision_config_from_dict(cfg, int(cfg["text_config"]["hidden_size"]))
+            cfg = _text_config(cfg, arch)
         elif arch in LLAVA_ARCHITECTURES and not embedding_only:
             vision = vision_config_from_dict(cfg)
             arch = text_architecture(cfg)
@@ -895,7 +906,7 @@ class ModelConfig:
             arch = {**EMBEDDING_DECODER_OF, **headed}[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:
             known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + LLAVA_ARCHITECTURES + QWEN_VL_ARCHITECTURES
-                     + QWEN3_VL_ARCHITECTURES + PIXTRAL_ARCHITECTURES
+                     + QWEN3_VL_ARCHITECTURES + PIXTRAL_ARCHITECTURES + INTERNVL_ARCHITECTURES
                      + tuple(EMBEDDING_DECODER_OF) + tuple(headed) + tuple(ENCODER_ARCHITECTURES))
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
@@ -1117,6 +1128,11 @@ class ModelConfig:
             config = dataclasses.replace(config, vision=dataclasses.replace(
                 config.vision, longest_edge=int(size.get("longest_edge") or config.vision.longest_edge),
                 image_break_token_id=token_ids["[IMG_BREAK]"], image_end_token_id=token_ids["[IMG_END]"]))
+        if isinstance(config.vision, InternVLVisionConfig) and image_processor is not None:
+            # (InternVL: the processor's tiling, min_patches..max_patches tiles an image.)
+            config = dataclasses.replace(config, vision=dataclasses.replace(
+                config.vision, min_tiles=int(image_processor.get("min_patches", config.vision.min_tiles)),
+                max_tiles=int(image_processor.get("max_patches", config.vision.max_tiles))))
         if native and (image_processor is not None or pixel_range):
             # (Qwen2-VL, Qwen3-VL: the processor's pixel range decides an image's token count.)
             config = dataclasses.replace(config, vision=native_vision_config(cfg, {**(image_processor or {}),

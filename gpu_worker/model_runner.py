@@ -331,7 +331,7 @@ class ModelRunner:
                 # image is many tiles for few tokens.)
                 size = max(geometry.grid_pinpoints or [(1, 1)], key=lambda hw: geometry.num_tiles(*hw))
                 images = max(1, num_tokens // geometry.base_tokens)
-                if geometry.native or geometry.pixtral:  # (the largest images, whose patches attend to each other)
+                if geometry.native or geometry.pixtral or geometry.tiled:  # (the largest images)
                     size = geometry.largest_image
                     images = max(1, num_tokens // geometry.num_tokens(*size))
                 self.model.embed_images([torch.zeros(geometry.input_shape(*size), dtype=self.dtype, device=self.device)

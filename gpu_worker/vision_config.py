@@ -75,13 +75,18 @@ def text_architecture(cfg: dict[str, Any]) -> str:
     return TEXT_DECODER_BY_MODEL_TYPE[model_type]
 
 
-def with_full_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+def with_full_text_config(cfg: dict[str, Any], decoders: dict[str, str] | None = None) -> dict[str, Any]:
     """``cfg`` with its text_config completed by transformers' defaults for its model type: llava-hf
-    checkpoints list only what differs from them (llava-1.5-7b's names five keys, no width or depth)."""
+    checkpoints list only what differs from them (llava-1.5-7b's names five keys, no width or depth).
+    ``decoders``: the language models served (a model type's decoder class; LLaVA's when None)."""
     from transformers import AutoConfig
 
     text = dict(cfg.get("text_config") or {})
-    text_architecture(cfg)  # (refuses a language model we do not serve, before transformers reads it)
+    if decoders is None:
+        text_architecture(cfg)  # (refuses a language model we do not serve, before transformers reads it)
+    elif text.get("model_type", "llama") not in decoders:
+        raise ValueError(f"the checkpoint's language model must be one of {tuple(decoders)} "
+                         f"(text_config.model_type), got {text.get('model_type')!r}")
     given = {k: v for k, v in text.items() if k != "model_type"}
     full = AutoConfig.for_model(text.get("model_type", "llama"), **given).to_dict()
     return {**cfg, "text_config": {**full, **text}}
@@ -583,3 +588,128 @@ def pixtral_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int, 
         raise ValueError(f"the vision tower's width {vc.hidden_size} must split into {vc.num_attention_heads} heads "
                          "whose width is a multiple of 4 (its 2-D rotary embedding)")
     return vc
+
+
+# InternVL 3 / 3.5 in transformers' layout (InternVLForConditionalGeneration, the "-hf" checkpoints):
+# an InternViT tower over 448-pixel tiles (an image cut into up to max_patches tiles by its aspect,
+# with a thumbnail beside them), each tile's patches pixel-shuffled 2x2 into 256 tokens and projected
+# into a Qwen2 / Qwen3 / Llama decoder. The processor writes an image as <img>, its tokens, </img>.
+INTERNVL_ARCHITECTURES = ("InternVLForConditionalGeneration",)
+# transformers' InternVLVisionConfig defaults (InternViT-300M's).
+_INTERNVL_VISION_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+    "attention_bias": False, "use_qk_norm": False, "hidden_act": "gelu", "norm_type": "layer_norm",
+    "layer_norm_eps": 1e-6, "image_size": 448, "patch_size": 14, "num_channels": 3,
+    "use_absolute_position_embeddings": True}
+# The decoders an InternVL checkpoint's language model may be (its text_config.model_type).
+INTERNVL_TEXT_DECODERS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+@dataclass(frozen=True)
+class InternVLVisionConfig:
+    """An InternVL model's vision side: its InternViT tower (config.json's vision_config,
+    transformers' names), the pixel shuffle and projector, and the tiling of its images (the image
+    processor's min/max_patches)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    attention_bias: bool
+    use_qk_norm: bool
+    hidden_act: str
+    norm_type: str  # "layer_norm" (InternViT-300M) or "rms_norm" (InternViT-6B)
+    layer_norm_eps: float
+    image_size: int
+    patch_size: int
+    num_channels: int
+    # The tower's layers run: its features are the hidden states after this many (vision_feature_layer).
+    num_layers_used: int
+    # "default": the patches' features (the class token dropped); "full": the class token's too (refused).
+    select_strategy: str
+    # The pixel shuffle's scale: 0.5 makes each 2x2 patches one token of four times the width.
+    downsample_ratio: float
+    projector_act: str
+    text_hidden_size: int
+    # The prompt token an image's rows replace (<IMG_CONTEXT>; the router writes <img> and </img>
+    # around an image's run of them).
+    image_token_id: int
+    # An image is cut into min_tiles..max_tiles tiles (a thumbnail beside more than one); 1: one tile.
+    min_tiles: int = 1
+    max_tiles: int = 12
+
+    def __post_init__(self) -> None:
+        side, scale = self.image_size // self.patch_size, 1 / self.downsample_ratio
+        if self.image_size % self.patch_size or scale != round(scale) or side % round(scale):
+            raise ValueError(f"InternVL's {side}x{side} patches must pixel-shuffle evenly by downsample_ratio "
+                             f"{self.downsample_ratio}")
+        if not 1 <= self.min_tiles <= self.max_tiles:
+            raise ValueError(f"the image processor's min_patches {self.min_tiles} must be at least 1 and at most "
+                             f"its max_patches {self.max_tiles}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return int((self.image_size // self.patch_size * self.downsample_ratio) ** 2)
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return ImageGeometry(self.image_size, self.patch_size, self.num_channels, pooled_tokens=self.tokens_per_tile,
+                             min_tiles=self.min_tiles, max_tiles=self.max_tiles)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.geometry.max_tokens
+
+
+def internvl_text_architecture(cfg: dict[str, Any]) -> str:
+    model_type = (cfg.get("text_config") or {}).get("model_type", "qwen2")
+    if model_type not in INTERNVL_TEXT_DECODERS:
+        raise ValueError(f"an InternVL checkpoint's language model must be one of {tuple(INTERNVL_TEXT_DECODERS)} "
+                         f"(text_config.model_type), got {model_type!r}")
+    return INTERNVL_TEXT_DECODERS[model_type]
+
+
+def internvl_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int,
+                                     processor: dict[str, Any] | None = None) -> InternVLVisionConfig:
+    """InternVL's vision side from its config.json and its image processor's config (the tiling)."""
+    vision = {**_INTERNVL_VISION_DEFAULTS, **(cfg.get("vision_config") or {})}
+    if vision.get("model_type", "internvl_vision") != "internvl_vision":
+        raise ValueError(f"InternVL's vision tower must be InternViT (vision_config.model_type 'internvl_vision'), "
+                         f"got {vision['model_type']!r}")
+    for name in ("image_size", "patch_size"):
+        value = vision[name]
+        if isinstance(value, list | tuple):
+            if len(set(value)) != 1:
+                raise ValueError(f"InternVL's vision_config.{name} must be square, got {value!r}")
+            vision[name] = value[0]
+    if vision["norm_type"] not in ("layer_norm", "rms_norm"):
+        raise ValueError(f"InternVL's vision_config.norm_type must be layer_norm or rms_norm, "
+                         f"got {vision['norm_type']!r}")
+    if not vision["use_absolute_position_embeddings"] or not vision.get("use_mean_pooling", True):
+        raise ValueError("InternVL's tower is served with its absolute position embeddings and without a final "
+                         "norm (use_absolute_position_embeddings true, use_mean_pooling true)")
+    num_layers = int(vision["num_hidden_layers"])
+    layer = cfg.get("vision_feature_layer", -1)
+    if not isinstance(layer, int) or not -num_layers - 1 <= layer <= num_layers:
+        raise ValueError(f"vision_feature_layer must be one layer's index (-{num_layers + 1}..{num_layers}), "
+                         f"got {layer!r}")
+    strategy = cfg.get("vision_feature_select_strategy", "default")
+    if strategy != "default":
+        raise ValueError(f"InternVL's vision_feature_select_strategy must be 'default', got {strategy!r}")
+    # (InternVLProcessor asks its image processor for tiles at every call, whatever its crop_to_patches)
+    processor = processor or {}
+    max_tiles = int(processor.get("max_patches", 12))
+    return InternVLVisionConfig(
+        hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
+        num_attention_heads=int(vision["num_attention_heads"]), attention_bias=bool(vision["attention_bias"]),
+        use_qk_norm=bool(vision["use_qk_norm"]), hidden_act=str(vision["hidden_act"]),
+        norm_type=str(vision["norm_type"]), layer_norm_eps=float(vision["layer_norm_eps"]),
+        image_size=int(vision["image_size"]), patch_size=int(vision["patch_size"]),
+        num_channels=int(vision["num_channels"]), num_layers_used=layer if layer >= 0 else num_layers + 1 + layer,
+        select_strategy=strategy, downsample_ratio=float(cfg.get("downsample_ratio", 0.5)),
+        projector_act=str(cfg.get("projector_hidden_act", "gelu")), text_hidden_size=text_hidden_size,
+        image_token_id=int(cfg.get("image_token_id", cfg.get("image_token_index", 151667))),
+        min_tiles=int(processor.get("min_patches", 1)), max_tiles=max_tiles)

@@ -220,8 +220,14 @@ def image_prompt_text(tokenizer: Any, image_token_id: int, geometry: ImageGeomet
     """Gemma 3 (the model whose image tokens attend both ways): its template writes an image as its
     begin-of-image token, which its processor replaces, in the text, by the image's whole sequence:
     two newlines, that token, the image tokens, the end-of-image token, two newlines (here with one
-    image token, expanded to the image's count like any model's). (the text, its replacement);
-    None for other models."""
+    image token, expanded to the image's count like any model's). InternVL (tiled images): its
+    template writes the image token, which its processor puts between <img> and </img>. (the text,
+    its replacement); None for other models."""
+    if geometry.tiled:
+        token = tokenizer.convert_ids_to_tokens(image_token_id)
+        begin = getattr(tokenizer, "start_image_token", None) or "<img>"
+        end = getattr(tokenizer, "end_image_token", None) or "</img>"
+        return token, f"{begin}{token}{end}"
     if not geometry.bidirectional:
         return None
     begin = getattr(tokenizer, "boi_token", None) or "<start_of_image>"
@@ -349,6 +355,13 @@ class MultiModalProcessor:
                 current = getattr(image_processor, key, None)
                 setattr(image_processor, key, value if current is None or isinstance(current, dict | int)
                         else type(current)(**value))
+        if image_processor is not None and geometry.tiled:
+            # InternVL: tiles by the engines' counts (its processor asks for them at every call).
+            image_processor.crop_to_patches = True
+            image_processor.min_patches, image_processor.max_patches = geometry.min_tiles, geometry.max_tiles
+            size = {"height": geometry.image_size, "width": geometry.image_size}
+            current = getattr(image_processor, "size", None)
+            image_processor.size = size if current is None or isinstance(current, dict) else type(current)(**size)
         if image_processor is not None and geometry.native:
             # Qwen2-VL: the engines' pixel range (their processor config, or --mm-processor-kwargs)
             # decides each image's grid: the processor resizes into it.
@@ -404,7 +417,7 @@ class MultiModalProcessor:
         size = (image.height, image.width)
         expected = self.geometry.input_shape(*size)  # (first: its refusals say what is wrong with the image)
         processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"]
-        processed = processed if self.geometry.native else processed[0]
+        processed = processed if self.geometry.native or self.geometry.tiled else processed[0]
         if tuple(processed.shape) != expected:  # (a processor config the model's does not match)
             raise ValueError(f"the image processor made pixel values of shape {list(processed.shape)} for a "
                              f"{size[1]}x{size[0]} image, the model takes {list(expected)}: its "

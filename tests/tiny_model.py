@@ -511,3 +511,43 @@ def build_tiny_mistral3(path: Path, seed: int = 0, llava: bool = False, longest_
     PixtralImageProcessorPil(size={"longest_edge": longest_edge}, patch_size={"height": 8, "width": 8}
                              ).save_pretrained(path)
     return Path(path)
+
+
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<IMG_CONTEXT>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_internvl(path: Path, seed: int = 0, max_patches: int = 6) -> Path:
+    """Save a random tiny InternVL (InternVLForConditionalGeneration: a 2-layer InternViT over 56-pixel
+    tiles of 14-pixel patches, pixel-shuffled to 4 tokens a tile; a 2-layer Qwen2 decoder) with our
+    tokenizer plus <img>, </img> and <IMG_CONTEXT>, a chat template writing <IMG_CONTEXT> per image,
+    and the image processor's config (1..``max_patches`` tiles an image, a thumbnail beside more)."""
+    import torch
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<img>", "</img>", "<IMG_CONTEXT>"]})
+    tokenizer.chat_template = INTERNVL_CHAT_TEMPLATE
+    text = dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                  patch_size=14, use_qk_norm=True, norm_type="rms_norm")
+    config = InternVLConfig(vision_config=vision, text_config=text,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4,
+                            eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(config)
+    with torch.no_grad():  # (layer scales and norms away from their init, so each one shows)
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and ("lambda" in name or "norm" in name):
+                p.normal_(1.0, 0.3)
+    _save_randomized(model, Path(path), tokenizer)
+    GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=False, min_patches=1,
+                             max_patches=max_patches).save_pretrained(path)
+    return Path(path)

@@ -9,6 +9,7 @@ from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
+from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.llama import (
     LlamaForCausalLM,
@@ -25,7 +26,13 @@ from gpu_worker.models.modernbert import ModernBertModel
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from gpu_worker.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
-from gpu_worker.vision_config import Gemma3VisionConfig, PixtralVisionConfig, Qwen3VisionConfig, QwenVisionConfig
+from gpu_worker.vision_config import (
+    Gemma3VisionConfig,
+    InternVLVisionConfig,
+    PixtralVisionConfig,
+    Qwen3VisionConfig,
+    QwenVisionConfig,
+)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -69,6 +76,8 @@ def build_model(config: ModelConfig) -> nn.Module:
         model_class = Gemma3VLForConditionalGeneration
     elif isinstance(config.vision, PixtralVisionConfig):  # (Pixtral-12B, Mistral 3: a Mistral decoder)
         model_class = pixtral_class(model_class)
+    elif isinstance(config.vision, InternVLVisionConfig):  # (InternVL: a Qwen2, Qwen3 or Llama decoder)
+        model_class = internvl_class(model_class)
     elif config.vision is not None:  # (LLaVA: its decoder, and the image side)
         model_class = llava_class(model_class)
     return model_class(config)

@@ -238,3 +238,32 @@ def test_no_image_allowed_serves_the_language_model_alone(llava):
     with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=256, limit_mm_per_prompt={"image": 1}) as one, \
             pytest.raises(ValueError, match="At most 1 image"):
         one.generate(two, use_tqdm=False)
+
+
+def test_internvl_chat_writes_each_image_between_its_begin_and_end_tokens(tmp_path):
+    """InternVL offline: LLM.chat's image parts, each <IMG_CONTEXT> the template writes put between
+    <img> and </img> and expanded to its tiles' tokens, as InternVLProcessor does; transformers' tokens."""
+    from transformers import AutoImageProcessor, InternVLForConditionalGeneration
+
+    from tests.tiny_model import build_tiny_internvl
+
+    model_dir = build_tiny_internvl(tmp_path / "internvl")
+    images = [picture(12), picture(13).resize((150, 40))]  # (36x44: one tile; 40x150: 4x1 tiles and a thumbnail)
+    content = [{"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "and"},
+               {"type": "image_pil", "image_pil": images[1]}]
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512) as llm:
+        [out] = llm.chat([{"role": "user", "content": content}],
+                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        begin, token, end = llm.tokenizer.convert_tokens_to_ids(["<img>", "<IMG_CONTEXT>", "</img>"])
+    ids = out.prompt_token_ids
+    starts = [i for i, t in enumerate(ids) if t == begin]
+    assert [ids[s:s + 2 + n] for s, n in zip(starts, (4, 20), strict=True)] == [
+        [begin] + [token] * 4 + [end], [begin] + [token] * 20 + [end]]
+    model = InternVLForConditionalGeneration.from_pretrained(model_dir).eval()
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    pixels = processor(images=images, crop_to_patches=True, return_tensors="pt")["pixel_values"]
+    tensor = torch.tensor([ids])
+    with torch.no_grad():
+        want = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), pixel_values=pixels,
+                              max_new_tokens=MAX_TOKENS, do_sample=False)[0, tensor.shape[1]:].tolist()
+    assert out.outputs[0].token_ids == want

@@ -22,6 +22,7 @@ from tests.gpu_worker.test_llava import make_engine
 from tests.gpu_worker.test_qwen2_vl import run
 from tests.tiny_model import (
     build_tiny_gemma3_vl,
+    build_tiny_internvl,
     build_tiny_llava,
     build_tiny_llava_next,
     build_tiny_mistral3,
@@ -33,7 +34,7 @@ BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next,
             "qwen2_5_vl": lambda path: build_tiny_qwen2_vl(path, windowed=True),
             "qwen3_vl_moe": lambda path: build_tiny_qwen3_vl(path, moe=True),
             "gemma3": build_tiny_gemma3_vl, "mistral3": build_tiny_mistral3,
-            "pixtral": lambda path: build_tiny_mistral3(path, llava=True)}
+            "pixtral": lambda path: build_tiny_mistral3(path, llava=True), "internvl": build_tiny_internvl}
 PROMPT = [2, 5, 9, 11, 200, 31, 7, 90, 91]
 
 
