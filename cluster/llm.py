@@ -855,6 +855,8 @@ class LLM:
                 raise ValueError("a Gemma 3 prompt given as token ids must hold each image's whole sequence (its "
                                  "image token where the image goes, between its begin and end tokens); or give "
                                  "the prompt as text, where its <start_of_image> is written out as its processor does")
+            if images.geometry.tiled and not isinstance(prompt.prompt, str):
+                self._check_wrapped_image_tokens(prompt.prompt, images)
             text = images.prompt_text(prompt.prompt) if isinstance(prompt.prompt, str) else prompt.prompt
             ids, offsets = images.expand(self._prompt_ids(index, text, vocab, max_tokens), len(prompt.images),
                                          [p.image_size for p in processed])
@@ -865,13 +867,25 @@ class LLM:
                              f"is {self._max_model_len()}")
         return ids, images.features(processed, ids, offsets)
 
+    def _check_wrapped_image_tokens(self, ids: list[int], images: MultiModalProcessor) -> None:
+        """InternVL: a prompt given as token ids must hold each image token between the begin and end
+        tokens its processor writes around it (a prompt given as text gets them written in)."""
+        assert images.prompt_replacement is not None
+        token_text, replacement = images.prompt_replacement
+        begin, end = (self.tokenizer.convert_tokens_to_ids(t) for t in replacement.split(token_text))
+        for i, t in enumerate(ids):
+            if t == images.image_token_id and not (0 < i < len(ids) - 1 and ids[i - 1] == begin and ids[i + 1] == end):
+                raise ValueError(f"a prompt given as token ids must hold each image as {replacement} (its image "
+                                 "token between its begin and end tokens); or give the prompt as text, where they "
+                                 "are written in as its processor does")
+
     def _images(self) -> MultiModalProcessor:
         """The model's image processing (its placeholder token, tokens per image, image processor)."""
         if self._image_processor is None:
             info = self._model_info()
             if self.cluster_config.language_model_only:
-                raise ValueError(f"At most 0 image(s) may be provided in one prompt (limit_mm_per_prompt): "
-                                 f"{info.served_model_name} serves its language model alone")
+                raise ValueError(f"At most 0 image(s) may be provided in one prompt (limit_mm_per_prompt "
+                                 f"{{'image': 0}} for {info.served_model_name})")
             if info.image_token_id is None:
                 raise ValueError(f"{info.served_model_name} takes no images: it is not a vision-language model")
             self._image_processor = MultiModalProcessor(

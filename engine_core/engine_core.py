@@ -586,8 +586,8 @@ class EngineCore:
         info, features = self.model_info, request.mm_features
         assert features
         if info.image_token_id is None:
-            why = ("serves its language model alone (--limit-mm-per-prompt '{\"image\": 0}')"
-                   if self.config.language_model_only else "it is not a vision-language model")
+            why = ("--limit-mm-per-prompt '{\"image\": 0}' allows none" if self.config.language_model_only
+                   else "it is not a vision-language model")
             raise RequestRefusedError(f"{info.served_model_name} takes no images: {why}")
         geometry = info.image_geometry
         assert geometry is not None

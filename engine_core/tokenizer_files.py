@@ -44,7 +44,9 @@ def read_tokenizer_files(model_dir: str, tokenizer_dir: str = "") -> dict[str, b
     templates = root / TEMPLATES_DIR
     if templates.is_dir():
         names += [f"{TEMPLATES_DIR}/{p.name}" for p in templates.iterdir() if p.is_file()]
+    # (The image processor's files are the model's alone, as the engines read them.)
     return _read(tokenizer_dir, [name for name in sorted(names) if not name.endswith(WEIGHT_SUFFIXES)
+                                 and name not in PROCESSOR_FILES
                                  and (root / name).stat().st_size <= MAX_FILE_BYTES]) | processor
 
 
@@ -71,8 +73,9 @@ def read_image_processor_config(directory: str | os.PathLike[str]) -> dict[str, 
     processor_config.json, else preprocessor_config.json; None where neither holds one."""
     nested = Path(directory) / PROCESSOR_FILE
     if nested.is_file():
-        config = json.loads(nested.read_text()).get("image_processor")
-        if isinstance(config, dict):
-            return config
+        processor = json.loads(nested.read_text())
+        if isinstance(processor, dict) and isinstance(processor.get("image_processor"), dict):
+            return processor["image_processor"]
     plain = Path(directory) / IMAGE_PROCESSOR_FILE
-    return json.loads(plain.read_text()) if plain.is_file() else None
+    config = json.loads(plain.read_text()) if plain.is_file() else None
+    return config if isinstance(config, dict) else None

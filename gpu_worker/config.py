@@ -293,6 +293,31 @@ def _colbert_width(cfg: dict[str, Any]) -> Any:
 
 # Where a vision-language checkpoint keeps its language model's head (transformers 4's and 5's layouts).
 VISION_LANGUAGE_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
+VISION_LANGUAGE_EMBEDDINGS = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
+                              "model.language_model.embed_tokens.weight")
+
+
+def _stores_its_own_head(model_dir: Path) -> bool:
+    """Whether a vision-language checkpoint stores a head that is not its embedding (their first rows
+    compared, as transformers compares them before it ties); False with no weights to read."""
+    from safetensors import safe_open
+
+    from gpu_worker.weights import safetensors_files
+
+    try:
+        files = safetensors_files(model_dir)
+    except FileNotFoundError:
+        return False
+    found: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for kind, names in (("head", VISION_LANGUAGE_HEADS), ("embedding", VISION_LANGUAGE_EMBEDDINGS)):
+                name = next((n for n in names if n in f.keys()), None)  # noqa: SIM118 - not iterable
+                if name is not None and kind not in found:
+                    found[kind] = f.get_slice(name)[:8]
+    if "head" not in found:
+        return False
+    return "embedding" not in found or not torch.equal(found["head"], found["embedding"])
 
 
 def _checkpoint_rows(model_dir: Path, names: tuple[str, ...]) -> int | None:
@@ -547,11 +572,17 @@ def _text_config(cfg: dict[str, Any], decoder: str) -> dict[str, Any]:
     return text
 
 
-def _pixel_range_kwargs(kwargs: dict[str, Any], native: bool, architecture: str) -> dict[str, int]:
-    """--mm-processor-kwargs as the (min_pixels, max_pixels) they set over the processor config's:
-    given so, or as transformers' ``size`` (shortest_edge, longest_edge; the explicit keys win, as in
-    transformers). Other keys, or any for a model whose processor decides nothing here, are refused."""
-    served = ("min_pixels", "max_pixels", "size") if native else ()
+def _processor_kwargs(kwargs: dict[str, Any], vision: Any, architecture: str) -> dict[str, int]:
+    """--mm-processor-kwargs as the settings they make over the processor config's: Qwen2-VL's
+    (min_pixels, max_pixels), given so or as transformers' ``size`` (shortest_edge, longest_edge; the
+    explicit keys win, as in transformers); InternVL's (min_patches, max_patches). Other keys, or any
+    for a model whose processor decides nothing here, are refused."""
+    if isinstance(vision, InternVLVisionConfig):
+        served: tuple[str, ...] = ("min_patches", "max_patches")
+    elif isinstance(vision, QwenVisionConfig | Qwen3VisionConfig):
+        served = ("min_pixels", "max_pixels", "size")
+    else:
+        served = ()
     unserved = sorted(set(kwargs) - set(served))
     size = kwargs.get("size", {})
     if not isinstance(size, dict) or set(size) - {"shortest_edge", "longest_edge"}:
@@ -559,7 +590,7 @@ def _pixel_range_kwargs(kwargs: dict[str, Any], native: bool, architecture: str)
     if unserved:
         raise ValueError(f"mm_processor_kwargs {unserved} cannot be served for {architecture}: "
                          + (f"only {list(served)}" if served else "it sets nothing of this model's"))
-    out = {}
+    out = {key: int(kwargs[key]) for key in ("min_patches", "max_patches") if key in kwargs}
     for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
         value = kwargs.get(key, size.get(edge))
         if value is not None:
@@ -1104,15 +1135,17 @@ class ModelConfig:
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         config = cls.from_dict(cfg, gen)
-        if config.vision is not None and config.tie_word_embeddings \
-                and _checkpoint_rows(model_dir, VISION_LANGUAGE_HEADS) is not None:
-            # A vision-language checkpoint that stores its own head is not tied, whatever its config
-            # says (transformers 5 writes Mistral3Config's default, tied, at the top level of a
+        tie_given = "tie_word_embeddings" in (hf_overrides or {})
+        if config.vision is not None and config.tie_word_embeddings and not tie_given \
+                and _stores_its_own_head(model_dir):
+            # A vision-language checkpoint that stores a head of its own is not tied, whatever its
+            # config says (transformers 5 writes Mistral3Config's default, tied, at the top level of a
             # checkpoint it re-saves, and keeps such a head, as vLLM reads the text config's flag).
             config = dataclasses.replace(config, tie_word_embeddings=False)
-        image_processor = read_image_processor_config(model_dir)
+        image_processor = read_image_processor_config(model_dir) if config.vision is not None else None
         native = isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
-        pixel_range = _pixel_range_kwargs(mm_processor_kwargs or {}, native, cfg["architectures"][0])
+        overrides = _processor_kwargs(mm_processor_kwargs or {}, config.vision, cfg["architectures"][0])
+        pixel_range = {k: v for k, v in overrides.items() if k.endswith("_pixels")}
         if config.vision is not None and (language_model_only or (
                 pipeline_stages and isinstance(config.vision, Gemma3VisionConfig))):
             config = dataclasses.replace(config, vision=None, language_model_of=cfg["architectures"][0])
@@ -1128,11 +1161,12 @@ class ModelConfig:
             config = dataclasses.replace(config, vision=dataclasses.replace(
                 config.vision, longest_edge=int(size.get("longest_edge") or config.vision.longest_edge),
                 image_break_token_id=token_ids["[IMG_BREAK]"], image_end_token_id=token_ids["[IMG_END]"]))
-        if isinstance(config.vision, InternVLVisionConfig) and image_processor is not None:
+        if isinstance(config.vision, InternVLVisionConfig):
             # (InternVL: the processor's tiling, min_patches..max_patches tiles an image.)
+            tiling = {**(image_processor or {}), **overrides}
             config = dataclasses.replace(config, vision=dataclasses.replace(
-                config.vision, min_tiles=int(image_processor.get("min_patches", config.vision.min_tiles)),
-                max_tiles=int(image_processor.get("max_patches", config.vision.max_tiles))))
+                config.vision, min_tiles=int(tiling.get("min_patches", config.vision.min_tiles)),
+                max_tiles=int(tiling.get("max_patches", config.vision.max_tiles))))
         if native and (image_processor is not None or pixel_range):
             # (Qwen2-VL, Qwen3-VL: the processor's pixel range decides an image's token count.)
             config = dataclasses.replace(config, vision=native_vision_config(cfg, {**(image_processor or {}),

@@ -756,8 +756,8 @@ class OpenAIServing:
         more than --limit-mm-per-prompt allows."""
         urls = [url for m in messages for url in m.images()]
         if urls and self.settings.limit_mm_per_prompt.get("image") == 0:
-            raise bad_request(f"At most 0 image(s) may be provided in one prompt (--limit-mm-per-prompt): model "
-                              f"{self.settings.served_model_name!r} serves its language model alone", "messages")
+            raise bad_request("At most 0 image(s) may be provided in one prompt (--limit-mm-per-prompt '{\"image\": "
+                              f"0}}' for model {self.settings.served_model_name!r})", "messages")
         if urls and self.images is None:
             raise bad_request(f"model {self.settings.served_model_name!r} does not take images (it is not a "
                               "vision-language model)", "messages")

@@ -232,7 +232,7 @@ def test_no_image_allowed_serves_the_language_model_alone(llava):
     with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=256, limit_mm_per_prompt={"image": 0}) as text:
         assert text.engine_configs[0].language_model_only
         assert text.generate("plain text", params, use_tqdm=False)[0].outputs[0].token_ids == want
-        with pytest.raises(ValueError, match=r"At most 0 image.*language model alone"):
+        with pytest.raises(ValueError, match=r"At most 0 image.*limit_mm_per_prompt"):
             text.generate({"prompt": "<image> hi", "multi_modal_data": {"image": picture(0)}}, use_tqdm=False)
     two = {"prompt": "<image> and <image>", "multi_modal_data": {"image": [picture(0), picture(1)]}}
     with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=256, limit_mm_per_prompt={"image": 1}) as one, \

@@ -139,3 +139,24 @@ def test_the_config_of_internvl3_2b_reads_its_vision_side():
     with pytest.raises(ValueError, match="language model must be one of"):
         ModelConfig.from_dict({**INTERNVL3_2B, "text_config": {**INTERNVL3_2B["text_config"],
                                                                "model_type": "internlm3"}})
+
+
+def test_mm_processor_kwargs_set_the_tiling(internvl):
+    """--mm-processor-kwargs '{"max_patches": 2}' (vLLM passes it to InternVL's processor): the engines
+    count and the router tiles by it; other keys are refused."""
+    from transformers import AutoImageProcessor
+
+    from router.multimodal import MultiModalProcessor, load_image_processor
+
+    model_dir = internvl[0]
+    vision = ModelConfig.from_pretrained(model_dir, mm_processor_kwargs={"max_patches": 2}).vision
+    assert (vision.min_tiles, vision.max_tiles, vision.geometry.max_tokens) == (1, 2, 3 * TOKENS_PER_TILE)
+    images = MultiModalProcessor(vision.image_token_id, vision.geometry, load_image_processor(model_dir),
+                                 str(model_dir), "<IMG_CONTEXT>")
+    wide = picture(4, (40, 300))
+    reference_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    want = reference_processor(images=[wide], crop_to_patches=True, max_patches=2, return_tensors="np")
+    processed = images.process_image(wide)
+    assert processed.pixel_values.shape == want["pixel_values"].shape == (3, 3, 56, 56)
+    with pytest.raises(ValueError, match="only \\['min_patches', 'max_patches'\\]"):
+        ModelConfig.from_pretrained(model_dir, mm_processor_kwargs={"max_pixels": 100})

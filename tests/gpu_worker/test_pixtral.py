@@ -163,6 +163,15 @@ def test_a_head_stored_beside_a_tied_config_is_not_tied(pixtral, tmp_path):
     assert not ModelConfig.from_pretrained(model_dir).tie_word_embeddings
     ids = [1, 5, 9, 11, 200, 31]
     assert_equal(run(make_engine(model_dir), {"t": (ids, [])})["t"], reference(pixtral, ids, None))
+    # A head equal to the embedding (a tied checkpoint that stores it anyway) stays tied, and so does
+    # one --hf-overrides ties.
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["language_model.lm_head.weight"] = tensors["language_model.model.embed_tokens.weight"].clone()
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    assert ModelConfig.from_pretrained(model_dir).tie_word_embeddings
+    assert ModelConfig.from_pretrained(pixtral[0], hf_overrides={"tie_word_embeddings": True}).tie_word_embeddings
 
 
 def test_the_processor_config_in_either_file_and_patch_size_as_a_number(pixtral, tmp_path):
@@ -188,3 +197,22 @@ def test_the_processor_config_in_either_file_and_patch_size_as_a_number(pixtral,
     processed = images.process_image(image)
     assert processed.pixel_values.shape == geometry.input_shape(70, 30)
     assert processed.num_tokens == geometry.num_tokens(70, 30)
+
+
+def test_the_router_gets_the_models_image_processor_whatever_the_tokenizer_directory_holds(pixtral, tmp_path):
+    """--tokenizer DIR: the tokenizer's files are that directory's, the image processor's the model's
+    (as the engines read it), even where that directory has a processor config of its own."""
+    import shutil
+
+    from engine_core.tokenizer_files import PROCESSOR_FILE, read_image_processor_config, read_tokenizer_files
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    shutil.copytree(pixtral[0], tokenizer_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    (tokenizer_dir / PROCESSOR_FILE).write_text(json.dumps({"image_processor": {"size": {"longest_edge": 32}}}))
+    files = read_tokenizer_files(str(pixtral[0]), str(tokenizer_dir))
+    assert PROCESSOR_FILE not in files and "tokenizer.json" in files
+    replica = tmp_path / "replica"
+    replica.mkdir()
+    for name, data in files.items():
+        (replica / name).write_bytes(data)
+    assert read_image_processor_config(replica) == read_image_processor_config(pixtral[0])
