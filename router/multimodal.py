@@ -310,6 +310,14 @@ class ProcessedImageCache:
             self.size_bytes -= len(evicted.pixel_values.data)
 
 
+def _set_size(image_processor: Any, key: str, value: dict[str, int]) -> None:
+    """Set an image processor's size-like setting (``size``, ``patch_size``) to ``value``: as a dict, or
+    as the processor's own size class where it holds one (a config may give a patch_size as a number)."""
+    current = getattr(image_processor, key, None)
+    setattr(image_processor, key, value if current is None or isinstance(current, dict | int)
+            else type(current)(**value))
+
+
 class MultiModalProcessor:
     """A vision-language model's images, as the router prepares them: the placeholder token (and its
     text, for templates given text), how many stand for an image, the image processor, and the
@@ -349,25 +357,18 @@ class MultiModalProcessor:
             # Pixtral: the engines' longest side and token side (Mistral 3's two patches: its processor
             # passes the merged side as the image processor's patch_size at each call).
             side = geometry.patch_size * geometry.spatial_merge
-            for key, value in (("size", {"longest_edge": geometry.longest_edge}),
-                               ("patch_size", {"height": side, "width": side})):
-                # (a dict, or the processor's own size class; a config may give patch_size as a number)
-                current = getattr(image_processor, key, None)
-                setattr(image_processor, key, value if current is None or isinstance(current, dict | int)
-                        else type(current)(**value))
+            _set_size(image_processor, "size", {"longest_edge": geometry.longest_edge})
+            _set_size(image_processor, "patch_size", {"height": side, "width": side})
         if image_processor is not None and geometry.tiled:
             # InternVL: tiles by the engines' counts (its processor asks for them at every call).
             image_processor.crop_to_patches = True
             image_processor.min_patches, image_processor.max_patches = geometry.min_tiles, geometry.max_tiles
-            size = {"height": geometry.image_size, "width": geometry.image_size}
-            current = getattr(image_processor, "size", None)
-            image_processor.size = size if current is None or isinstance(current, dict) else type(current)(**size)
+            _set_size(image_processor, "size", {"height": geometry.image_size, "width": geometry.image_size})
         if image_processor is not None and geometry.native:
             # Qwen2-VL: the engines' pixel range (their processor config, or --mm-processor-kwargs)
             # decides each image's grid: the processor resizes into it.
-            size = {"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels}
-            current = getattr(image_processor, "size", None)
-            image_processor.size = size if current is None or isinstance(current, dict) else type(current)(**size)
+            _set_size(image_processor, "size", {"shortest_edge": geometry.min_pixels,
+                                                "longest_edge": geometry.max_pixels})
             for key in ("min_pixels", "max_pixels"):  # (transformers 4's processors read these first)
                 if getattr(image_processor, key, None) is not None:
                     setattr(image_processor, key, getattr(geometry, key))
