@@ -92,3 +92,25 @@ def renamed_by_prefix(weights: Iterable[tuple[str, WeightLike]], prefixes: tuple
                 break
         else:
             yield name, tensor
+
+
+# Where LLaVA-style checkpoints keep the vision side (Pixtral's, InternVL's): without a prefix as
+# transformers 4 and 5 save them, under "model." as transformers 5 holds them -> our module names.
+TOWER_AND_PROJECTOR_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("multi_modal_projector.", "multi_modal_projector."))
+
+
+def tower_and_projector_tensors(weights: Iterable[tuple[str, WeightLike]], layers: str, num_layers_used: int,
+                                unused: tuple[str, ...] = ()) -> Iterator[tuple[str, WeightLike]]:
+    """``weights`` with the vision tower's and projector's tensors renamed to ``vision_tower.*`` and
+    ``multi_modal_projector.*``, the tower's layers (named ``layers``N. after renaming) from
+    ``num_layers_used`` on dropped (past the feature layer: never run), and those starting with one
+    of ``unused``; every other tensor (the language model's) unchanged."""
+    def keep(name: str) -> bool:
+        if name.startswith(layers):
+            return int(name[len(layers):].split(".", 1)[0]) < num_layers_used
+        return not name.startswith(unused)
+
+    return renamed_by_prefix(weights, TOWER_AND_PROJECTOR_PREFIXES, keep)

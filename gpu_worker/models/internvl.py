@@ -9,24 +9,19 @@ image's rows its tiles' in order, standing for its run of <IMG_CONTEXT> tokens (
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 from torch import nn
 
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.internvl_vision import InternVisionTower, InternVLProjector, internvl_vision_tensors
-from gpu_worker.models.llava import LlavaMixin
+from gpu_worker.models.llava import TowerProjectorMixin
 from gpu_worker.vision_config import InternVLVisionConfig
 
 
-class InternVLMixin(nn.Module):
+class InternVLMixin(TowerProjectorMixin):
     """Adds InternVL's image side to a decoder class (see ``internvl_class``)."""
 
-    # (A LoRA adapter's names, and the parts it skips, as LLaVA's: the same checkpoint layouts.)
-    _LANGUAGE_MODEL_PREFIXES = LlavaMixin._LANGUAGE_MODEL_PREFIXES
-    _VISION_PREFIXES = LlavaMixin._VISION_PREFIXES
+    tower_tensors = staticmethod(internvl_vision_tensors)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -41,18 +36,6 @@ class InternVLMixin(nn.Module):
         rows = self.multi_modal_projector(self.vision_tower(torch.cat(pixel_values))).to(self.model_dtype())
         return [r.flatten(0, 1) for r in rows.split([p.shape[0] for p in pixel_values])]
 
-    def model_dtype(self) -> torch.dtype:
-        return next(self.model.layers.parameters()).dtype
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        """The checkpoint's tensors under our names: the vision side's renamed first, the language
-        model's as the text decoder reads them."""
-        for name, tensor in internvl_vision_tensors(weights, self.config.vision.num_layers_used):
-            for theirs, ours in self._LANGUAGE_MODEL_PREFIXES:
-                if name.startswith(theirs):
-                    name = ours + name[len(theirs):]
-                    break
-            yield name, tensor
 
 
 def internvl_class(decoder: type[nn.Module]) -> type[nn.Module]:

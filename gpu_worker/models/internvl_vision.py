@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.layers.weight_utils import WeightLike, renamed_by_prefix
+from gpu_worker.layers.weight_utils import WeightLike, tower_and_projector_tensors
 from gpu_worker.models.llava import _activation
-from gpu_worker.models.qwen2_vl_vision import VisionRMSNorm
+from gpu_worker.models.qwen2_vl_vision import TwoLayerMLP, VisionRMSNorm
 from gpu_worker.vision_config import InternVLVisionConfig
 
 # The q and k RMSNorms' epsilon: transformers builds them with its default, not layer_norm_eps.
@@ -44,13 +44,6 @@ _QK_NORM_EPS = 1e-6
 # The projector's LayerNorm: torch's default epsilon, also not layer_norm_eps.
 _PROJECTOR_NORM_EPS = 1e-5
 
-# Where a checkpoint keeps the vision side -> our module names. What transformers 5 saves and the
-# published InternVL3 / 3.5 "-hf" checkpoints have no prefix; transformers 5 holds them under "model."
-# in memory. Longest prefixes first.
-VISION_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("multi_modal_projector.", "multi_modal_projector."))
 _TOWER_LAYERS = "vision_tower.encoder.layer."
 # The masked-image-modelling token (use_mask_token): a training-time input, never used here.
 _UNUSED_TOWER_PARTS = ("vision_tower.embeddings.mask_token",)
@@ -62,12 +55,7 @@ def internvl_vision_tensors(weights: Iterable[tuple[str, WeightLike]], num_layer
     ``InternVisionTower``, ``multi_modal_projector.*`` for an ``InternVLProjector``), the tower's layers
     from ``num_layers_used`` on (past the feature layer: never run) and its mask token dropped; every
     other tensor (the language model's) passes through unchanged."""
-    def keep(name: str) -> bool:
-        if name.startswith(_TOWER_LAYERS):
-            return int(name[len(_TOWER_LAYERS):].split(".", 1)[0]) < num_layers_used
-        return not name.startswith(_UNUSED_TOWER_PARTS)
-
-    return renamed_by_prefix(weights, VISION_PREFIXES, keep)
+    return tower_and_projector_tensors(weights, _TOWER_LAYERS, num_layers_used, _UNUSED_TOWER_PARTS)
 
 
 def _norm(vc: InternVLVisionConfig) -> nn.Module:
@@ -122,17 +110,6 @@ class _Attention(nn.Module):
         return self.projection_layer(out.transpose(1, 2).reshape(tiles, rows, width))
 
 
-class _MLP(nn.Module):
-    def __init__(self, vc: InternVLVisionConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(vc.hidden_size, vc.intermediate_size)
-        self.fc2 = nn.Linear(vc.intermediate_size, vc.hidden_size)
-        self.act = _activation(vc.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class _Layer(nn.Module):
     def __init__(self, vc: InternVLVisionConfig) -> None:
         super().__init__()
@@ -140,7 +117,7 @@ class _Layer(nn.Module):
         self.attention = _Attention(vc)
         self.lambda_1 = nn.Parameter(torch.ones(vc.hidden_size))
         self.layernorm_after = _norm(vc)
-        self.mlp = _MLP(vc)
+        self.mlp = TwoLayerMLP(vc)
         self.lambda_2 = nn.Parameter(torch.ones(vc.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

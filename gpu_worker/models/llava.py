@@ -9,14 +9,14 @@ schedules (``embed_images``); the decoder is the text architecture's, unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
+from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize, renamed_by_prefix
 from gpu_worker.vision_config import VisionConfig
 
 _ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
@@ -180,6 +180,26 @@ class LlavaMixin(nn.Module):
                 if ".encoder.layers." in name and int(name.split(".encoder.layers.")[1].split(".")[0]) >= used:
                     continue  # (past the feature layer: never run)
             yield name, tensor
+
+
+class TowerProjectorMixin(nn.Module):
+    """What the models whose checkpoints are laid out as LLaVA's share (Pixtral's, InternVL's): the
+    language model's tensors read under LLaVA's prefixes, the vision side's renamed by the class's
+    ``tower_tensors`` (weights, layers used), and the decoder's dtype for the image rows."""
+
+    _LANGUAGE_MODEL_PREFIXES = LlavaMixin._LANGUAGE_MODEL_PREFIXES
+    _VISION_PREFIXES = LlavaMixin._VISION_PREFIXES
+    tower_tensors: Callable[[Iterable[tuple[str, WeightLike]], int], Iterator[tuple[str, WeightLike]]]
+
+    def model_dtype(self) -> torch.dtype:
+        return next(self.model.layers.parameters()).dtype
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        """The checkpoint's tensors under our names: the vision side's renamed first, the language
+        model's as the text decoder reads them."""
+        tower = type(self).tower_tensors
+        return renamed_by_prefix(tower(weights, self.config.vision.num_layers_used),
+                                 self._LANGUAGE_MODEL_PREFIXES, lambda name: True)
 
 
 def llava_class(decoder: type[nn.Module]) -> type[nn.Module]:

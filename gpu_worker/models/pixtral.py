@@ -11,24 +11,19 @@ projector are whole on every tensor-parallel rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 from torch import nn
 
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.llava import LlavaMixin
+from gpu_worker.models.llava import TowerProjectorMixin
 from gpu_worker.models.pixtral_vision import PixtralProjector, PixtralVisionTower, pixtral_vision_tensors
 from gpu_worker.vision_config import PixtralVisionConfig
 
 
-class PixtralMixin(nn.Module):
+class PixtralMixin(TowerProjectorMixin):
     """Adds Pixtral's image side to a decoder class (see ``pixtral_class``)."""
 
-    # (A LoRA adapter's names, and the parts it skips, as LLaVA's: the same checkpoint layouts.)
-    _LANGUAGE_MODEL_PREFIXES = LlavaMixin._LANGUAGE_MODEL_PREFIXES
-    _VISION_PREFIXES = LlavaMixin._VISION_PREFIXES
+    tower_tensors = staticmethod(pixtral_vision_tensors)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -55,18 +50,6 @@ class PixtralMixin(nn.Module):
             out.append(torch.cat([rows.to(dtype).view(height, width, -1), ends], dim=1).flatten(0, 1))
         return out
 
-    def model_dtype(self) -> torch.dtype:
-        return next(self.model.layers.parameters()).dtype
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        """The checkpoint's tensors under our names: the vision side's renamed first, the language
-        model's as the text decoder reads them."""
-        for name, tensor in pixtral_vision_tensors(weights, self.config.vision.num_layers_used):
-            for theirs, ours in self._LANGUAGE_MODEL_PREFIXES:
-                if name.startswith(theirs):
-                    name = ours + name[len(theirs):]
-                    break
-            yield name, tensor
 
 
 def pixtral_class(decoder: type[nn.Module]) -> type[nn.Module]:

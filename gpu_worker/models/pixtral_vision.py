@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.layers.weight_utils import WeightLike, renamed_by_prefix
+from gpu_worker.layers.weight_utils import WeightLike, tower_and_projector_tensors
 from gpu_worker.models.llava import _activation
 from gpu_worker.models.qwen2_vl_vision import SegmentGroup, VisionRMSNorm, rotary_segment_attention, segment_groups
 from gpu_worker.vision_config import PixtralVisionConfig
@@ -42,13 +42,6 @@ from gpu_worker.vision_config import PixtralVisionConfig
 # The tower's RMSNorms (ln_pre, attention_norm, ffn_norm): a fixed epsilon, not a config field.
 _TOWER_NORM_EPS = 1e-5
 
-# Where a checkpoint keeps the vision side -> our module names. What transformers 4 saved, the
-# published Pixtral-12B and Mistral Small 3.1 / 3.2 checkpoints, and what transformers 5 saves have
-# no prefix; transformers 5 holds them under "model." in memory. Longest prefixes first.
-VISION_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("multi_modal_projector.", "multi_modal_projector."))
 _TOWER_LAYERS = "vision_tower.transformer.layers."
 # The rotary embedding's frequencies: recomputed, never loaded (transformers does not save them; a
 # checkpoint that has them still may).
@@ -61,12 +54,7 @@ def pixtral_vision_tensors(weights: Iterable[tuple[str, WeightLike]], num_layers
     ``PixtralVisionTower``, ``multi_modal_projector.*`` for a ``PixtralProjector``), the tower's blocks
     from ``num_layers_used`` on (past the feature layer: never run) and its rotary buffers dropped;
     every other tensor (the language model's) passes through unchanged."""
-    def keep(name: str) -> bool:
-        if name.startswith(_TOWER_LAYERS):
-            return int(name[len(_TOWER_LAYERS):].split(".", 1)[0]) < num_layers_used
-        return not name.startswith(_UNUSED_TOWER_PARTS)
-
-    return renamed_by_prefix(weights, VISION_PREFIXES, keep)
+    return tower_and_projector_tensors(weights, _TOWER_LAYERS, num_layers_used, _UNUSED_TOWER_PARTS)
 
 
 def axial_rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,29 +21,18 @@ Parameter names are the checkpoint's below ``visual.``, so a state dict loads by
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.vision_config import Qwen3VisionConfig, QwenVisionConfig
+from gpu_worker.models.llava import _activation
+from gpu_worker.vision_config import InternVLVisionConfig, Qwen3VisionConfig, QwenVisionConfig
 
 # The vision rotary embedding's base (fixed in both models; their configs do not change it).
 _ROPE_THETA = 10000.0
 _NORM_EPS = 1e-6
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
-
-
-def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"the vision tower's hidden_act must be one of {tuple(_ACTIVATIONS)}, got {name!r}")
-    return _ACTIVATIONS[name]
-
 
 class VisionRMSNorm(nn.Module):
     """The vision towers' RMSNorm (Qwen2.5-VL's, Pixtral's): normalised in float32, cast back, then
@@ -154,10 +143,10 @@ def rotary_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out
 
 
-class _TwoLayerMLP(nn.Module):
-    """Qwen2-VL's block MLP: fc1, activation, fc2."""
+class TwoLayerMLP(nn.Module):
+    """Qwen2-VL's (and InternViT's) block MLP: fc1, activation, fc2."""
 
-    def __init__(self, vc: QwenVisionConfig) -> None:
+    def __init__(self, vc: QwenVisionConfig | InternVLVisionConfig) -> None:
         super().__init__()
         self.fc1 = nn.Linear(vc.hidden_size, vc.intermediate_size)
         self.fc2 = nn.Linear(vc.intermediate_size, vc.hidden_size)
@@ -187,7 +176,7 @@ class QwenVisionBlock(nn.Module):
         self.norm1 = _norm(vc, vc.hidden_size)
         self.attn = QwenVisionAttention(vc)
         self.norm2 = _norm(vc, vc.hidden_size)
-        self.mlp = _GatedMLP(vc) if vc.windowed else _TwoLayerMLP(vc)
+        self.mlp = _GatedMLP(vc) if vc.windowed else TwoLayerMLP(vc)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 groups: list[SegmentGroup]) -> torch.Tensor:
