@@ -15,9 +15,11 @@ pinpoints of 1x2, 2x1 and 2x2 tiles: each 300x280 image is 5 tiles and more toke
 Qwen2-VL instead (a 4-block native-resolution tower: each 300x280 image resized to 308x280 pixels,
 22x20 patches, 110 tokens; M-RoPE positions in a Qwen2 decoder). ``--mistral3``: Mistral 3 instead
 (a 4-block Pixtral tower, 2x2 patches merged: each 300x280 image 11 rows of 10 tokens, each row
-ended by its break or end token, 121 tokens; a Mistral decoder).
+ended by its break or end token, 121 tokens; a Mistral decoder). ``--internvl``: InternVL instead (a
+4-layer InternViT over ``--image-size`` tiles, pixel-shuffled 2x2: each 300x280 image 1 tile of
+(size/patch/2)^2 tokens, at most 2 tiles an image and a thumbnail beside them; a Qwen2 decoder).
 Usage: python benchmarks/bench_multimodal.py [--rounds 2] [--requests 16] [--max-tokens 32]
-       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next | --qwen | --mistral3]
+       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next | --qwen | --mistral3 | --internvl]
 """
 
 from __future__ import annotations
@@ -93,11 +95,37 @@ def build_mistral3_model(path: Path, args: argparse.Namespace) -> Path:
     return path
 
 
+def build_internvl_model(path: Path, args: argparse.Namespace) -> Path:
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from tests.tiny_model import INTERNVL_CHAT_TEMPLATE, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<img>", "</img>", "<IMG_CONTEXT>"]})
+    tokenizer.chat_template = INTERNVL_CHAT_TEMPLATE
+    text = dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=args.hidden,
+                intermediate_size=4 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
+                tie_word_embeddings=False)
+    vision = dict(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=4,
+                  num_attention_heads=4, image_size=args.image_size, patch_size=args.patch)
+    tokens = (args.image_size // args.patch // 2) ** 2
+    config = InternVLConfig(vision_config=vision, text_config=text, image_seq_length=tokens,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), tie_word_embeddings=False)
+    save_random(InternVLForConditionalGeneration, config, tokenizer, path)
+    GotOcr2ImageProcessorPil(size={"height": args.image_size, "width": args.image_size}, crop_to_patches=True,
+                             max_patches=2).save_pretrained(path)
+    return path
+
+
 def build_model(path: Path, args: argparse.Namespace) -> Path:
     if args.qwen:
         return build_qwen_model(path, args)
     if args.mistral3:
         return build_mistral3_model(path, args)
+    if args.internvl:
+        return build_internvl_model(path, args)
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -149,9 +177,9 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
     processor = AutoImageProcessor.from_pretrained(model_dir)
     vision = ModelConfig.from_pretrained(model_dir).vision
     image_id = vision.image_token_id
-    # (Qwen2-VL's image within its start and end tokens.)
-    before, after = ([tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>")]
-                     if args.qwen else (None, None))
+    # (Qwen2-VL's and InternVL's image within their start and end tokens.)
+    wrap = (("<|vision_start|>", "<|vision_end|>") if args.qwen else ("<img>", "</img>") if args.internvl else ())
+    before, after = ([tokenizer.convert_tokens_to_ids(t) for t in wrap] if wrap else (None, None))
     if args.mistral3:  # (its processor's patches are the merged 2x2 ones)
         processor.patch_size = {"height": 2 * args.patch, "width": 2 * args.patch}
     placeholders = vision.geometry.placeholder_ids(image_id, 300, 280)
@@ -161,16 +189,18 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
     for i in range(args.requests):
         seed = 0 if repeated else i
         image = Image.fromarray((np.random.RandomState(seed).rand(300, 280, 3) * 255).astype("uint8"))
-        processed = processor(images=[image], return_tensors="pt")
+        # (InternVL's tile counts are its processor's own: its model takes the tiles alone.)
+        processed = {k: v for k, v in processor(images=[image], return_tensors="pt").items() if k != "num_patches"}
         text = [words[(i + j) % len(words)] for j in range(8)]
-        if args.qwen:
+        if wrap:
             text.append(before)
-        data = TensorData.from_array(processed["pixel_values"] if args.qwen else processed["pixel_values"][0])
-        ids = text + placeholders + ([after] if args.qwen else []) + words[:4]
+        whole = args.qwen or args.internvl  # (Qwen2-VL's patches, InternVL's tiles: the image's whole batch)
+        data = TensorData.from_array(processed["pixel_values"] if whole else processed["pixel_values"][0])
+        ids = text + placeholders + ([after] if wrap else []) + words[:4]
         if args.qwen:  # (transformers places the M-RoPE positions by the tokens' types)
             processed["mm_token_type_ids"] = torch.tensor([[int(t == image_id) for t in ids]])
         out.append((ids, [MultiModalFeature("image", feature_identifier("image", data), len(text), n, data,
-                                            (300, 280) if args.next or args.qwen or args.mistral3 else None)],
+                                            None if not vision.geometry.counts_by_size else (300, 280))],
                     processed))
     return out
 
@@ -224,6 +254,7 @@ def main() -> None:
     kind.add_argument("--next", action="store_true", help="LLaVA-NeXT (tiles by the image's size)")
     kind.add_argument("--qwen", action="store_true", help="Qwen2-VL (native resolution, M-RoPE)")
     kind.add_argument("--mistral3", action="store_true", help="Mistral 3 (Pixtral tower, rows of image tokens)")
+    kind.add_argument("--internvl", action="store_true", help="InternVL (InternViT over tiles, pixel shuffle)")
     args = parser.parse_args()
     import torch
 
@@ -256,11 +287,13 @@ def main() -> None:
         for name, t in (("transformers", t_ref), ("ours", t_ours), ("ours, repeated", t_rep)):
             times[name].append(t)
     total = args.requests * args.max_tokens
-    model = ("Qwen2-VL" if args.qwen else "Mistral 3" if args.mistral3 else "LLaVA-NeXT" if args.next else "LLaVA")
+    model = ("Qwen2-VL" if args.qwen else "Mistral 3" if args.mistral3 else "InternVL" if args.internvl
+             else "LLaVA-NeXT" if args.next else "LLaVA")
     tower = (f"4-block native-resolution tower, {args.patch}px patches" if args.qwen
              else f"4-block Pixtral tower, {args.patch}px patches merged 2x2" if args.mistral3
+             else f"4-layer InternViT {args.image_size}px/{args.patch} tiles, pixel-shuffled" if args.internvl
              else f"4-layer CLIP {args.image_size}px/{args.patch}")
-    decoder = "Qwen2" if args.qwen else "Mistral" if args.mistral3 else "Llama"
+    decoder = "Qwen2" if args.qwen or args.internvl else "Mistral" if args.mistral3 else "Llama"
     text_tokens = len(distinct[0][0]) - n
     print(f"\n{args.requests} requests x ({n}-token image + {text_tokens} text tokens) x {args.max_tokens} tokens, "
           f"random {model} ({args.layers} x {args.hidden} {decoder}, {tower}), CPU, "
