@@ -94,6 +94,14 @@ def renamed_by_prefix(weights: Iterable[tuple[str, WeightLike]], prefixes: tuple
             yield name, tensor
 
 
+# Where vision-language checkpoints laid out as LLaVA's (LLaVA, Gemma 3, Pixtral, InternVL) keep the
+# language model -> our decoder's names (transformers 4's layout, then transformers 5's), and the
+# prefixes of their vision side (tower and projector).
+LANGUAGE_MODEL_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."), ("model.language_model.", "model."))
+VISION_SIDE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")
+
 # Where LLaVA-style checkpoints keep the vision side (Pixtral's, InternVL's): without a prefix as
 # transformers 4 and 5 save them, under "model." as transformers 5 holds them -> our module names.
 TOWER_AND_PROJECTOR_PREFIXES: tuple[tuple[str, str], ...] = (

@@ -25,7 +25,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.layernorm import GemmaRMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
-from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.layers.weight_utils import LANGUAGE_MODEL_PREFIXES, VISION_SIDE_PREFIXES, WeightLike
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, PipelineStage, PPMissingLayer
 
 
@@ -128,10 +128,8 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
     skipped (we serve text)."""
 
     # Checkpoint prefix of the language model -> ours (transformers 4.50's layout, then 4.52's).
-    _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                                ("model.language_model.", "model."))
-    _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                        "model.multi_modal_projector.")
+    _LANGUAGE_MODEL_PREFIXES = LANGUAGE_MODEL_PREFIXES
+    _VISION_PREFIXES = VISION_SIDE_PREFIXES
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:

@@ -9,17 +9,18 @@ from collections.abc import Iterable, Iterator
 
 from torch import nn
 
-from gpu_worker.layers.weight_utils import WeightLike, renamed_by_prefix
+from gpu_worker.layers.weight_utils import (
+    LANGUAGE_MODEL_PREFIXES,
+    VISION_SIDE_PREFIXES,
+    WeightLike,
+    renamed_by_prefix,
+)
 from gpu_worker.models.qwen3_vl import stacked_experts_as_ours
 
-# The language model's prefixes in the checkpoints of LLaVA, LLaVA-NeXT, Pixtral and Gemma 3
-# (transformers 4's layout, then transformers 5's) and of Qwen2-VL / Qwen3-VL (transformers 5's; the
-# released Qwen2-VL checkpoints name it as a text model does) -> ours.
-LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                           ("model.language_model.", "model."))
-# Their vision sides: towers, projectors, LLaVA-NeXT's newline row.
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                   "visual.", "model.visual.", "image_newline", "model.image_newline")
+# (LANGUAGE_MODEL_PREFIXES also hold Qwen2-VL's / Qwen3-VL's in transformers 5's layout; the released
+# Qwen2-VL checkpoints name it as a text model does.) The vision sides: LLaVA-style towers and
+# projectors, Qwen-VL's towers, LLaVA-NeXT's newline row.
+VISION_PREFIXES = (*VISION_SIDE_PREFIXES, "visual.", "model.visual.", "image_newline", "model.image_newline")
 
 
 class LanguageModelOnlyMixin(nn.Module):

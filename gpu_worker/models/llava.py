@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize, renamed_by_prefix
+from gpu_worker.layers.weight_utils import (
+    LANGUAGE_MODEL_PREFIXES,
+    VISION_SIDE_PREFIXES,
+    WeightLike,
+    copy_into,
+    materialize,
+    renamed_by_prefix,
+)
 from gpu_worker.vision_config import VisionConfig
 
 _ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
@@ -111,16 +118,14 @@ class LlavaMixin(nn.Module):
 
     # Checkpoint prefixes -> ours: the language model's tensors as the decoder names them (transformers'
     # legacy layout, which llava-hf checkpoints use, then 4.52's), the vision side as it is.
-    _PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                 ("model.language_model.", "model."), ("vision_tower.vision_model.", "vision_tower."),
+    _PREFIXES = (*LANGUAGE_MODEL_PREFIXES, ("vision_tower.vision_model.", "vision_tower."),
                  ("model.vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
                  ("model.multi_modal_projector.", "multi_modal_projector."), ("model.image_newline", "image_newline"))
 
     # What a LoRA adapter's module names are renamed by (PEFT names them as the checkpoint's model has
     # them), and the parts whose modules it skips, as vLLM, with a warning (gpu_worker.lora.manager).
-    _LANGUAGE_MODEL_PREFIXES = _PREFIXES[:3]
-    _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                        "model.multi_modal_projector.")
+    _LANGUAGE_MODEL_PREFIXES = LANGUAGE_MODEL_PREFIXES
+    _VISION_PREFIXES = VISION_SIDE_PREFIXES
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
