@@ -51,7 +51,7 @@ from gpu_worker.vision_config import (
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM")
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Vision-language checkpoints whose language model we serve on text (ModelConfig reads their
 # text_config; the decoder's loader skips the vision tower).
@@ -614,6 +614,23 @@ def _activation(arch: str, cfg: dict[str, Any]) -> str:
     return act
 
 
+def _llama_4_scaling(arch: str, cfg: dict[str, Any]) -> tuple[float, int] | None:
+    """Ministral 3's query scale by position (Llama 4's attention temperature), as transformers'
+    Ministral3Attention reads it from the rope parameters: (llama_4_scaling_beta, the pretrained
+    length original_max_position_embeddings); None where the config gives no beta."""
+    if arch != "Ministral3ForCausalLM":
+        return None
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else cfg.get("rope_scaling")
+    beta = (params or {}).get("llama_4_scaling_beta")
+    if beta is None:
+        return None
+    length = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"llama_4_scaling_beta needs the pretrained length (original_max_position_embeddings) in "
+                         f"the rope parameters, got {length!r}")
+    return float(beta), length
+
+
 def _gemma_from_dict(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's Gemma 2/3 fields (attention scale, soft caps, Gemma 3's local RoPE), with
     transformers' defaults for the keys a config leaves out."""
@@ -751,6 +768,9 @@ class ModelConfig:
     # Gemma 3: the sliding-window layers' RoPE base (plain RoPE; the others use rope_theta and
     # rope_scaling). None: every layer rotates alike.
     local_rope_theta: float | None = None
+    # Ministral 3 (Llama 4's attention temperature): (beta, length): each query is scaled by
+    # 1 + beta * log(1 + floor(position / length)) after RoPE. None: queries are not scaled.
+    llama_4_scaling: tuple[float, int] | None = None
     # No LM head: the model embeds and does not generate (a bare-decoder checkpoint, or --runner pooling).
     embedding_only: bool = False
     # A sequence classifier's class names (its ``score`` head has one output per class); () otherwise.
@@ -997,8 +1017,8 @@ class ModelConfig:
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
-            sliding = (cfg.get("sliding_window")
-                       if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") else None)
+            sliding = (cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Ministral3ForCausalLM",
+                                                             "MixtralForCausalLM", "Phi3ForCausalLM") else None)
         num_layers = int(cfg["num_hidden_layers"])
         window_layers: tuple[bool, ...] = ()
         gemma_kinds = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -1062,6 +1082,7 @@ class ModelConfig:
             **head,
             **moe,
             **_gemma_from_dict(arch, cfg),
+            llama_4_scaling=_llama_4_scaling(arch, cfg),
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),
         )

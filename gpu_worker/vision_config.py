@@ -14,7 +14,7 @@ from engine_core.multimodal import ImageGeometry
 # text_config's model_type (the decoder is ours: the Llama block).
 LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 TEXT_DECODER_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                              "qwen2": "Qwen2ForCausalLM"}
+                              "ministral3": "Ministral3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # transformers' LlavaNextConfig default image_grid_pinpoints.
 _NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 # transformers' CLIPVisionConfig defaults (a config.json lists only what differs).

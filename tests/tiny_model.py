@@ -469,13 +469,15 @@ MISTRAL3_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}{% if m['role'] == 'user' %}[/INST]{% else %}{{ eos_token }}{% endif %}{% endfor %}")
 
 
-def build_tiny_mistral3(path: Path, seed: int = 0, llava: bool = False, longest_edge: int = 64) -> Path:
+def build_tiny_mistral3(path: Path, seed: int = 0, llava: bool = False, longest_edge: int = 64,
+                        ministral3: bool = False) -> Path:
     """Save a random tiny Mistral 3 (Mistral3ForConditionalGeneration: a 2-layer Pixtral tower in
     8-pixel patches merged 2x2, so a token is 16 pixels, with its RMSNorm-and-merger projector) or,
     ``llava``, a tiny Pixtral-12B (LlavaForConditionalGeneration over a Pixtral tower, a token a
     patch), each over a 2-layer Mistral decoder; our tokenizer plus [IMG], [IMG_BREAK] and [IMG_END],
     a chat template writing [IMG] per image, and Pixtral's image processor config (images shrunk to
-    fit ``longest_edge`` pixels)."""
+    fit ``longest_edge`` pixels). ``ministral3``: Ministral 3's language model (YaRN over a pretrained
+    16 positions, queries past them scaled by Llama 4's attention temperature) in place of Mistral's."""
     import torch
     from transformers import (
         LlavaConfig,
@@ -492,6 +494,11 @@ def build_tiny_mistral3(path: Path, seed: int = 0, llava: bool = False, longest_
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 max_position_embeddings=1024, rms_norm_eps=1e-5, sliding_window=None,
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    if ministral3:
+        text.update(model_type="ministral3", rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 64.0, "original_max_position_embeddings": 16,
+            "max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.5})
     vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=longest_edge, patch_size=8, hidden_act="silu",
                   rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})

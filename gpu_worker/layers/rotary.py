@@ -135,6 +135,14 @@ def longrope_rows(positions: np.ndarray, prompt_lens: np.ndarray, short_offset: 
     return positions + np.where(short, short_offset, 0)
 
 
+def llama_4_query_scale(positions: torch.Tensor, beta: float, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[num_tokens, 1, 1]: what each token's query heads are multiplied by after RoPE under Llama 4's
+    attention temperature (Ministral 3): 1 + beta * log(1 + floor(position / length)), 1 within the
+    pretrained ``length``; computed in fp32 and cast to the queries' dtype, as transformers does."""
+    scale = 1 + beta * torch.log(1 + torch.floor(positions.to(torch.float32) / length))
+    return scale.to(dtype)[:, None, None]
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, dtype: torch.dtype | None = None,

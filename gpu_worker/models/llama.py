@@ -28,7 +28,7 @@ from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.rotary import RotaryEmbedding, llama_4_query_scale
 from gpu_worker.layers.weight_utils import WeightLike
 
 
@@ -54,8 +54,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``rope``: (cos, sin) of each token's position, and under Llama 4's attention temperature
+        (Ministral 3) each token's query scale after them (LlamaModel.forward)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)
         if self.q_norm is None:
@@ -67,8 +68,10 @@ class LlamaAttention(nn.Module):
             k = self.k_norm.forward(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(
                 num_tokens, self.num_kv_heads, self.head_dim))
             qk = torch.cat((q, k), dim=1)
-        RotaryEmbedding.rotate_(qk, *rope)
+        RotaryEmbedding.rotate_(qk, rope[0], rope[1])
         q = qk[:, : self.num_heads]
+        if len(rope) > 2:
+            q = q * rope[2]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj.forward(self.attn.forward(q, k, v, meta))
@@ -131,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in and out: the layer's input is their sum (the residual add is fused
         into the next norm)."""
@@ -139,7 +142,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
         return self.mlp.forward(hidden), residual
 
-    def _attention(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+    def _attention(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The input norm (adding the residual) and self-attention: (attention output, residual)."""
         if residual is None:
@@ -202,6 +205,7 @@ class LlamaModel(nn.Module):
                                           mrope_interleaved=config.mrope_interleaved)
         self.layers = stage.layers(config, LlamaDecoderLayer)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else PPMissingLayer()
+        self.llama_4_scaling = config.llama_4_scaling
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None,
@@ -220,7 +224,9 @@ class LlamaModel(nn.Module):
             residual = None
         else:
             hidden, residual = intermediate
-        rope = self.rotary_emb.cos_sin(positions)
+        rope: tuple[torch.Tensor, ...] = self.rotary_emb.cos_sin(positions)
+        if self.llama_4_scaling is not None:  # (Ministral 3: each token's query scale, beside its cos and sin)
+            rope = (*rope, llama_4_query_scale(positions, *self.llama_4_scaling, hidden.dtype))
         layers = self.layers[self.stage.start:self.stage.end]
         if deepstack is None:
             for layer in layers:
@@ -317,6 +323,12 @@ def _score_head(config: ModelConfig) -> nn.Module:
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral is the Llama block; v0.1 attends through a 4096-token sliding window in every layer."""
+
+
+class Ministral3ForCausalLM(MistralForCausalLM):
+    """Ministral 3 (the language model of Ministral 3 3B / 8B / 14B) is Mistral with YaRN and Llama 4's
+    attention temperature: queries past the pretrained length are scaled up by position
+    (ModelConfig.llama_4_scaling)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

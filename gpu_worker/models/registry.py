@@ -13,6 +13,7 @@ from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.llama import (
     LlamaForCausalLM,
+    Ministral3ForCausalLM,
     MistralForCausalLM,
     MixtralForCausalLM,
     Phi3ForCausalLM,
@@ -37,6 +38,7 @@ from gpu_worker.vision_config import (
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Ministral3ForCausalLM": Ministral3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

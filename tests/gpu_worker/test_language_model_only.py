@@ -34,8 +34,10 @@ BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next,
             "qwen2_5_vl": lambda path: build_tiny_qwen2_vl(path, windowed=True),
             "qwen3_vl_moe": lambda path: build_tiny_qwen3_vl(path, moe=True),
             "gemma3": build_tiny_gemma3_vl, "mistral3": build_tiny_mistral3,
-            "pixtral": lambda path: build_tiny_mistral3(path, llava=True), "internvl": build_tiny_internvl}
-PROMPT = [2, 5, 9, 11, 200, 31, 7, 90, 91]
+            "pixtral": lambda path: build_tiny_mistral3(path, llava=True), "internvl": build_tiny_internvl,
+            "ministral3": lambda path: build_tiny_mistral3(path, ministral3=True)}
+# (Past Ministral 3's tiny pretrained length of 16: its queries' scale shows.)
+PROMPT = [2, 5, 9, 11, 200, 31, 7, 90, 91, 23, 44, 57, 61, 88, 102, 150, 17, 19, 33, 120]
 
 
 def text_only_engine(model_dir, **spec) -> EngineCore:

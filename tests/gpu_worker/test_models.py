@@ -27,6 +27,10 @@ CASES = {
     # Sliding windows far shorter than the 45-token prompt: every layer (Mistral v0.1, Phi-3), or
     # only the layers from max_window_layers on (Qwen2), the others attending fully.
     "mistral_window": ("mistral", {"sliding_window": 8}),
+    # Ministral 3: YaRN over a pretrained 16 positions, the 45-token prompt's queries past them scaled
+    # by Llama 4's attention temperature; with a window too.
+    "ministral3": ("ministral3", {}),
+    "ministral3_window_tied": ("ministral3", {"sliding_window": 8, "tie_word_embeddings": True}),
     "phi3_window": ("phi3", {"sliding_window": 7}),
     "qwen2_window_upper_layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
     # LongRoPE (Phi-3/3.5-mini 128k): the 45-token prompt is past the pretrained 16, so the long
@@ -144,7 +148,7 @@ def test_registry_maps_architectures(tmp_path):
     assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                    "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
-                                   "Gemma3ForCausalLM", "BertModel", "RobertaModel",
+                                   "Gemma3ForCausalLM", "Ministral3ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

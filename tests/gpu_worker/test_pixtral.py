@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from engine_core.engine_core import RequestRefusedError
 from engine_core.multimodal import MultiModalFeature, TensorData, feature_identifier
@@ -34,14 +35,15 @@ MISTRAL_SMALL_3_1 = {
     "vision_feature_layer": -1}
 
 
-@pytest.fixture(scope="module", params=["mistral3", "pixtral"])
+@pytest.fixture(scope="module", params=["mistral3", "pixtral", "ministral3"])
 def pixtral(request, tmp_path_factory):
     """(model dir, transformers' model, its image processor as the model's processor runs it)."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    model_dir = build_tiny_mistral3(tmp_path_factory.mktemp(request.param), llava=request.param == "pixtral")
+    model_dir = build_tiny_mistral3(tmp_path_factory.mktemp(request.param), llava=request.param == "pixtral",
+                                    ministral3=request.param == "ministral3")
     processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
-    side = 16 if request.param == "mistral3" else 8  # (Mistral 3's processor: the merged 2x2 patches' side)
+    side = 8 if request.param == "pixtral" else 16  # (Mistral 3's processor: the merged 2x2 patches' side)
     processor.patch_size = {"height": side, "width": side}
     return model_dir, AutoModelForImageTextToText.from_pretrained(model_dir).eval(), processor
 
@@ -216,3 +218,68 @@ def test_the_router_gets_the_models_image_processor_whatever_the_tokenizer_direc
     for name, data in files.items():
         (replica / name).write_bytes(data)
     assert read_image_processor_config(replica) == read_image_processor_config(pixtral[0])
+
+
+def test_ministral3_in_fp8_answers_as_its_dequantized_weights_do(pixtral, tmp_path):
+    """Ministral 3 Instruct's release layout: the language model's projections in fp8 with one scale
+    each and static activation scales, the tower unquantized; served dequantized, it answers as
+    transformers does on the same weights dequantized."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    from tests.gpu_worker.test_quantized_checkpoints import _quantized
+
+    model_dir = pixtral[0]
+    if json.loads((model_dir / "config.json").read_text())["text_config"]["model_type"] != "ministral3":
+        pytest.skip("Ministral 3's release layout")
+    fp8_dir, plain_dir = tmp_path / "fp8", tmp_path / "dequantized"
+    for directory in (fp8_dir, plain_dir):
+        shutil.copytree(model_dir, directory)
+    tensors = load_file(model_dir / "model.safetensors")
+    fp8, plain = {}, {}
+    for name, tensor in tensors.items():
+        if "language_model." in name and name.endswith("_proj.weight"):
+            values, scale = _quantized(tensor, tuple(tensor.shape))
+            fp8 |= {name: values, name + "_scale_inv": scale.reshape(()),
+                    name.removesuffix("weight") + "activation_scale": torch.tensor(0.02)}
+            plain[name] = values.float() * scale.reshape(())
+        else:
+            fp8[name] = plain[name] = tensor
+    save_file(fp8, fp8_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(plain, plain_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None,
+                                     "modules_to_not_convert": ["model.vision_tower", "model.multi_modal_projector",
+                                                                "lm_head"]}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_pretrained(fp8_dir).fp8_weight_block == (0, 0)
+    ids, features, inputs = prompt(pixtral, [[74, 75], [223, 263, 84, 90, 91, 92]], [picture(1, (90, 60))])
+    hf = AutoModelForImageTextToText.from_pretrained(plain_dir).eval()
+    want = hf_logprobs_and_tokens(hf, ids, pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"])
+    assert_equal(run(make_engine(fp8_dir), {"a": (ids, features)})["a"], want)
+
+
+def test_the_config_of_ministral_3_8b_reads_its_language_model():
+    """transformers' Ministral3Config defaults (which are Ministral 3 8B's) under Mistral 3's config: a
+    262,144-position YaRN decoder whose queries are scaled past its pretrained 16,384 positions."""
+    from transformers import Ministral3Config, Mistral3Config
+
+    released = {**Mistral3Config(text_config=Ministral3Config().to_dict()).to_dict(),
+                "architectures": ["Mistral3ForConditionalGeneration"]}
+    config = ModelConfig.from_dict(released)
+    assert config.architecture == "Ministral3ForCausalLM" and config.num_hidden_layers == 34
+    assert config.llama_4_scaling == (0.1, 16384) and config.max_context_len == 262144
+    assert config.rope_scaling["rope_type"] == "yarn" and config.rope_scaling["factor"] == 16.0
+    assert config.vision.spatial_merge_size == 2 and config.vision.longest_edge == 1540
+    # (Other models' configs scale no queries, whatever their rope parameters hold.)
+    mistral = {**released, "text_config": {**released["text_config"], "model_type": "mistral"}}
+    assert ModelConfig.from_dict(mistral).llama_4_scaling is None
+    text_only = {"architectures": ["Ministral3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.1}}
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        ModelConfig.from_dict(text_only)
+    text_only["rope_parameters"]["original_max_position_embeddings"] = 8
+    assert ModelConfig.from_dict(text_only).llama_4_scaling == (0.1, 8)

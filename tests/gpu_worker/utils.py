@@ -16,6 +16,7 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     LlamaConfig,
+    Ministral3Config,
     MistralConfig,
     MixtralConfig,
     Phi3Config,
@@ -42,6 +43,11 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
 # Phi-3's LongRoPE for 16-dim heads: a factor per frequency pair, short ones near 1, long ones larger.
+# Ministral 3's rope parameters for a tiny model: YaRN over a pretrained length of 16, and Llama 4's
+# attention temperature past it, with a beta five times the released one (0.1) so that it shows.
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16,
+                   "max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                   "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.8, 2.0],
             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}
 
@@ -60,6 +66,9 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "mistral":
         kw.setdefault("sliding_window", None)
         return MistralConfig(**kw)
+    if kind == "ministral3":
+        return Ministral3Config(**{"rope_parameters": MINISTRAL3_ROPE, "head_dim": 16, "sliding_window": None,
+                                   "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Mixture of experts: 8 experts, 2 per token, narrower than the dense MLP where the model allows.
     if kind == "mixtral":
         kw.setdefault("sliding_window", None)
