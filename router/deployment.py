@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
-from transformers import AutoTokenizer
 
 from engine_core.engine_actor import named_actor
 from engine_core.log_setup import configure_actor_logging
 from engine_core.outputs import LoRARequest
 from engine_core.tokenizer_files import write_tokenizer_files
+from engine_core.tokenizer_loader import load_tokenizer
 from router.app import create_app
 from router.detached import SharedRun, detached_task
 from router.disaggregation import EngineRoles
@@ -108,7 +108,7 @@ async def load_tokenizer_from_engine(handle: Any) -> tuple[Any, str]:
     files: dict[str, bytes] = await handle.get_tokenizer_files.remote()
     directory = tempfile.mkdtemp(prefix="llm-cluster-tokenizer-")
     write_tokenizer_files(directory, files)
-    return AutoTokenizer.from_pretrained(directory), directory
+    return load_tokenizer(directory), directory
 
 
 def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]) -> ServingSettings:

@@ -469,15 +469,49 @@ MISTRAL3_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}{% if m['role'] == 'user' %}[/INST]{% else %}{{ eos_token }}{% endif %}{% endfor %}")
 
 
+# Mistral's control tokens at their ids (a tekken.json's special tokens, as Mistral's releases list
+# them), and its pre-tokenizer pattern.
+TEKKEN_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                   "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+                   "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]")
+TEKKEN_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+                  r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def tekken_vocabulary(num_special: int = 32) -> dict:
+    """A tekken.json (Mistral's own tokenizer file) over our tiny tokenizer's byte-level merges: the
+    256 bytes, then each merge's token in merge order, as ranks after ``num_special`` control tokens."""
+    import base64
+
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+    merges = json.loads(build_tokenizer().backend_tokenizer.to_str())["model"]["merges"]
+    ranks = [bytes([i]) for i in range(256)]
+    for merge in merges:
+        token = bytes(to_byte[c] for c in "".join(merge.split(" ") if isinstance(merge, str) else merge))
+        if token not in ranks:
+            ranks.append(token)
+    return {"config": {"pattern": TEKKEN_PATTERN, "num_vocab_tokens": len(ranks),
+                       "default_vocab_size": num_special + len(ranks), "default_num_special_tokens": num_special,
+                       "version": "v13"},
+            "vocab": [{"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": None}
+                      for i, t in enumerate(ranks)],
+            "special_tokens": [{"rank": i, "token_str": t, "is_control": True} for i, t in enumerate(TEKKEN_SPECIALS)]}
+
+
 def build_tiny_mistral3(path: Path, seed: int = 0, llava: bool = False, longest_edge: int = 64,
-                        ministral3: bool = False) -> Path:
+                        ministral3: bool = False, tekken: bool = False) -> Path:
     """Save a random tiny Mistral 3 (Mistral3ForConditionalGeneration: a 2-layer Pixtral tower in
     8-pixel patches merged 2x2, so a token is 16 pixels, with its RMSNorm-and-merger projector) or,
     ``llava``, a tiny Pixtral-12B (LlavaForConditionalGeneration over a Pixtral tower, a token a
     patch), each over a 2-layer Mistral decoder; our tokenizer plus [IMG], [IMG_BREAK] and [IMG_END],
     a chat template writing [IMG] per image, and Pixtral's image processor config (images shrunk to
     fit ``longest_edge`` pixels). ``ministral3``: Ministral 3's language model (YaRN over a pretrained
-    16 positions, queries past them scaled by Llama 4's attention temperature) in place of Mistral's."""
+    16 positions, queries past them scaled by Llama 4's attention temperature) in place of Mistral's.
+    ``tekken``: the tokenizer as Mistral's releases ship it, tekken.json alone (Mistral's control
+    tokens at their ids: [IMG] 10, [IMG_BREAK] 12, [IMG_END] 13) and the chat template's file."""
     import torch
     from transformers import (
         LlavaConfig,
@@ -503,6 +537,10 @@ def build_tiny_mistral3(path: Path, seed: int = 0, llava: bool = False, longest_
                   num_attention_heads=2, image_size=longest_edge, patch_size=8, hidden_act="silu",
                   rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
     image_token = tokenizer.convert_tokens_to_ids("[IMG]")
+    vocabulary = tekken_vocabulary() if tekken else None
+    if vocabulary is not None:
+        image_token = TEKKEN_SPECIALS.index("[IMG]")
+        text.update(vocab_size=vocabulary["config"]["default_vocab_size"], bos_token_id=1, eos_token_id=2)
     if llava:
         config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token,
                              vision_feature_layer=-1, vision_feature_select_strategy="full",
@@ -513,8 +551,15 @@ def build_tiny_mistral3(path: Path, seed: int = 0, llava: bool = False, longest_
                                 spatial_merge_size=2, vision_feature_layer=-1,
                                 eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
         model_class = Mistral3ForConditionalGeneration
+    if vocabulary is not None:
+        config.eos_token_id = 2
     torch.manual_seed(seed)
     _save_randomized(model_class(config), Path(path), tokenizer)
+    if vocabulary is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            (Path(path) / name).unlink(missing_ok=True)
+        (Path(path) / "tekken.json").write_text(json.dumps(vocabulary))
+        (Path(path) / "chat_template.jinja").write_text(MISTRAL3_CHAT_TEMPLATE)
     PixtralImageProcessorPil(size={"longest_edge": longest_edge}, patch_size={"height": 8, "width": 8}
                              ).save_pretrained(path)
     return Path(path)

@@ -267,3 +267,31 @@ def test_internvl_chat_writes_each_image_between_its_begin_and_end_tokens(tmp_pa
         want = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), pixel_values=pixels,
                               max_new_tokens=MAX_TOKENS, do_sample=False)[0, tensor.shape[1]:].tolist()
     assert out.outputs[0].token_ids == want
+
+
+def test_ministral3_with_mistrals_own_tokenizer_file_chats_with_an_image(tmp_path):
+    """Ministral 3 as Mistral releases it, its tokenizer tekken.json alone: LLM.chat renders the
+    template's control tokens as Mistral's ids, expands the image into rows with [IMG_BREAK] (12)
+    and [IMG_END] (13), and answers with transformers' tokens, decoded without control tokens."""
+    from transformers import AutoImageProcessor, Mistral3ForConditionalGeneration
+
+    from tests.tiny_model import build_tiny_mistral3
+
+    model_dir = build_tiny_mistral3(tmp_path / "ministral3", ministral3=True, tekken=True)
+    content = [{"type": "text", "text": "Describe"}, {"type": "image_pil", "image_pil": picture(10)}]
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512) as llm:
+        [out] = llm.chat([{"role": "user", "content": content}],
+                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        text = llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    ids = out.prompt_token_ids  # (<s>[INST]Describe, a 36x44 image as 3 rows of 3 tokens, [/INST])
+    image = ids.index(10)
+    assert ids[:2] == [1, 3] and ids[-1] == 4
+    assert ids[image:image + 12] == [10, 10, 10, 12] * 2 + [10, 10, 10, 13]
+    model = Mistral3ForConditionalGeneration.from_pretrained(model_dir).eval()
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    processed = processor(images=[picture(10)], patch_size={"height": 16, "width": 16}, return_tensors="pt")
+    tensor = torch.tensor([ids])
+    with torch.no_grad():
+        want = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS,
+                              do_sample=False, **processed)[0, tensor.shape[1]:].tolist()
+    assert out.outputs[0].token_ids == want and out.outputs[0].text == text
