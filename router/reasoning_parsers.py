@@ -1,5 +1,6 @@
 """Reasoning parsers (``--reasoning-parser``): split a chat answer's thinking, written between
-``<think>`` and ``</think>``, from its content, as vLLM returns it in ``reasoning_content``.
+``<think>`` and ``</think>`` (Mistral's: ``[THINK]`` and ``[/THINK]``), from its content, as vLLM
+returns it in ``reasoning_content``.
 
 - ``deepseek_r1``: the text up to ``</think>`` is reasoning (the chat template of DeepSeek-R1 opens
   the ``<think>`` in the prompt, so the answer may not repeat it); an answer cut off before
@@ -7,6 +8,9 @@
 - ``qwen3``: only an answer that opens with ``<think>`` reasons (Qwen3 with thinking switched off
   writes none, and then everything is content), or one whose prompt ended with ``<think>`` (the
   thinking-only templates of Qwen3-2507 open it there).
+- ``mistral`` (Magistral, Ministral 3 Reasoning): as ``qwen3``, with Mistral's tags ``[THINK]`` and
+  ``[/THINK]``, which are special tokens of its vocabulary (so an answer it reads is decoded with
+  its special tokens, as the tool-call parsers' are).
 
 Incremental like the tool-call parsers: ``feed(text)`` returns the (reasoning, content) that can be
 released now, holding back what may be the start of a tag; ``finish()`` the rest. A whole answer
@@ -17,14 +21,22 @@ from __future__ import annotations
 
 from router.parsed_output import partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")
 
 START, END = "<think>", "</think>"
+# Each parser's (start, end) tags.
+THINK_TAGS = {"deepseek_r1": (START, END), "qwen3": (START, END), "mistral": ("[THINK]", "[/THINK]")}
+
+
+def think_tags(name: str | None) -> tuple[str, str]:
+    """The tags the reasoning parser ``name`` reads (``<think>``'s where there is none)."""
+    return THINK_TAGS.get(name or "", (START, END))
 
 
 class ReasoningParser:
-    def __init__(self, needs_start_tag: bool) -> None:
+    def __init__(self, needs_start_tag: bool, tags: tuple[str, str] = (START, END)) -> None:
         self.needs_start_tag = needs_start_tag
+        self.start, self.end = tags
         self._state = "start"  # start (before anything but blanks), reasoning, content
         self._pending = ""
 
@@ -33,19 +45,19 @@ class ReasoningParser:
         reasoning = content = ""
         if self._state == "start":
             stripped = self._pending.lstrip()
-            if stripped.startswith(START):
-                self._pending, self._state = stripped[len(START):], "reasoning"
-            elif START.startswith(stripped):  # blanks, or a start tag still arriving
+            if stripped.startswith(self.start):
+                self._pending, self._state = stripped[len(self.start):], "reasoning"
+            elif self.start.startswith(stripped):  # blanks, or a start tag still arriving
                 return "", ""
             else:
                 self._state = "content" if self.needs_start_tag else "reasoning"
         if self._state == "reasoning":
-            end = self._pending.find(END)
+            end = self._pending.find(self.end)
             if end >= 0:
-                reasoning, self._pending = self._pending[:end], self._pending[end + len(END):]
+                reasoning, self._pending = self._pending[:end], self._pending[end + len(self.end):]
                 self._state = "content"
             else:
-                keep = partial_suffix(self._pending, END)
+                keep = partial_suffix(self._pending, self.end)
                 reasoning = self._pending[:len(self._pending) - keep]
                 self._pending = self._pending[len(self._pending) - keep:]
                 return reasoning, ""
@@ -60,10 +72,10 @@ class ReasoningParser:
 
 
 def create_reasoning_parser(name: str, starts_thinking: bool = False) -> ReasoningParser:
-    """``starts_thinking``: the prompt ended with ``<think>`` (Qwen3's thinking-only templates write
-    it there), so the answer reasons up to ``</think>`` without an opening tag of its own."""
+    """``starts_thinking``: the prompt ended with the start tag (Qwen3's thinking-only templates write
+    ``<think>`` there), so the answer reasons up to ``</think>`` without an opening tag of its own."""
     if name == "deepseek_r1":
         return ReasoningParser(needs_start_tag=False)
-    if name == "qwen3":
-        return ReasoningParser(needs_start_tag=not starts_thinking)
+    if name in ("qwen3", "mistral"):
+        return ReasoningParser(needs_start_tag=not starts_thinking, tags=THINK_TAGS[name])
     raise ValueError(f"unknown reasoning parser {name!r} (one of {', '.join(REASONING_PARSERS)})")

@@ -84,9 +84,7 @@ from router.protocol import (
     ToolCall,
     UsageInfo,
 )
-from router.reasoning_parsers import END as REASONING_END
-from router.reasoning_parsers import START as REASONING_START
-from router.reasoning_parsers import create_reasoning_parser
+from router.reasoning_parsers import create_reasoning_parser, think_tags
 from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
 from router.tool_parsers import create_tool_call_parser
 
@@ -443,9 +441,13 @@ class OpenAIServing:
         # The tokens that open and close a reasoning model's thinking, when each is one token of the
         # vocabulary (as in reasoning models): the engine starts an output constraint after the
         # closing one, and a prompt that already closed the thinking (thinking switched off) is
-        # answered without any.
-        self._think_start_id = _single_token_id(tokenizer, REASONING_START)
-        self._think_end_id = _single_token_id(tokenizer, REASONING_END)
+        # answered without any. Where they are special tokens (Mistral's [THINK] and [/THINK]), an
+        # answer the reasoning parser reads is decoded with its special tokens, so it sees them.
+        start, end = think_tags(settings.reasoning_parser)
+        self._think_start_id = _single_token_id(tokenizer, start)
+        self._think_end_id = _single_token_id(tokenizer, end)
+        self._think_tags_special = bool({self._think_start_id, self._think_end_id}
+                                        & set(getattr(tokenizer, "all_special_ids", ())))
         # A request's EOS is the tokenizer's, as vLLM's is; the engine adds the model's further EOS
         # ids (its generation config: Llama 3's <|end_of_text|> beside <|eot_id|>) as stop ids, and
         # an answer they end names them as its stop_reason.
@@ -829,6 +831,13 @@ class OpenAIServing:
                 self.tokenizer.decode(prompt_ids[last + 1:], skip_special_tokens=False).strip():
             return ""
         return "closed" if prompt_ids[last] == self._think_end_id else "open"
+
+    def _chat_skip_special_tokens(self, tool_choice: str | dict[str, Any], prompt_thinking: str) -> bool | None:
+        """False where a chat answer's parser must see special tokens (a tool-call parser under "auto",
+        a reasoning parser whose tags are special tokens); None: as the request asks."""
+        if tool_choice == "auto" or (self._think_tags_special and self._answer_may_think(prompt_thinking)):
+            return False
+        return None
 
     def _answer_may_think(self, prompt_thinking: str) -> bool:
         """A reasoning parser reads the answer: the server has one, and the prompt did not close the thinking."""
@@ -1615,14 +1624,16 @@ class OpenAIServing:
                                   "tool_choice")
             plan = self._beam_plan(request, ids, request.requested_max_tokens, top)
             choices = await self._beam_searches(request, [plan], engine_base, session_id, lora,
-                                                False if tool_choice == "auto" else None)
+                                                self._chat_skip_special_tokens(tool_choice, prompt_thinking))
             for c in choices:
                 c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
             return ChatRun(request_id, created, ids, choices, [])
         engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt,
                                     prefill=wants_remote_decode(request.kv_transfer_params), mm_features=features)
-        # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM).
-        choices = self._new_choices(request.n, ids, request, False if tool_choice == "auto" else None)
+        # Some models' tool-call tags are special tokens: under "auto" the parser must see them (vLLM);
+        # so must the reasoning parser its tags, where they are.
+        skip = self._chat_skip_special_tokens(tool_choice, prompt_thinking)
+        choices = self._new_choices(request.n, ids, request, skip)
         for c in choices:
             c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
         # A model that thinks first (deepseek_r1), or chooses to (qwen3), meets its output constraint

@@ -34,6 +34,9 @@ def _streamed(name: str, text: str, step: int) -> tuple[str, str]:
     ("qwen3", "  <think>a < b</thinker></think>", ("a < b</thinker>", "")),
     ("qwen3", "Paris. </think> is a tag", ("", "Paris. </think> is a tag")),  # no opening tag: all content
     ("qwen3", "<thi", ("", "<thi")),
+    ("mistral", "[THINK]Let me see.[/THINK]Paris.", ("Let me see.", "Paris.")),
+    ("mistral", "Paris. [/THINK] is a tag", ("", "Paris. [/THINK] is a tag")),  # no opening tag: all content
+    ("mistral", "[THINK]cut off [/THI", ("cut off [/THI", "")),
 ])
 @pytest.mark.parametrize("step", [1, 2, 5, 1000])
 def test_reasoning_parsers_split_thinking_from_content(name, text, expected, step):
@@ -226,3 +229,25 @@ def test_only_the_prompts_end_closes_or_opens_the_thinking():
         assert engine.requests[0].sampling_params.structured_output_after == [
             serving.tokenizer.convert_tokens_to_ids("</think>")]
         assert engine.requests[0].sampling_params.structured_output_may_open is None  # (it waits in any case)
+
+
+def test_mistrals_thinking_tags_are_special_tokens_the_parser_still_reads():
+    """Magistral / Ministral 3 Reasoning (--reasoning-parser mistral): [THINK] and [/THINK] are special
+    tokens of Mistral's vocabularies, which a decode skipping special tokens drops: answers the parser
+    reads keep them, so the thinking is split off, whole and streamed, and its tokens counted."""
+    answer = "[THINK]The capital of Italy.[/THINK]Rome."
+    http, _, serving = _app(answer, reasoning="mistral", special_tokens=("[THINK]", "[/THINK]"))
+    assert serving.tokenizer.convert_tokens_to_ids("[THINK]") in serving.tokenizer.all_special_ids
+    body = {"model": "tiny", "messages": MESSAGES}
+    response = http.post("/v1/chat/completions", json=body).json()
+    message = response["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("The capital of Italy.", "Rome.")
+    thought = len(serving.tokenizer.encode("The capital of Italy.", add_special_tokens=False))
+    assert response["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+    deltas = _deltas(http, body)
+    assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "The capital of Italy."
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Rome."
+    # A model without the parser: its special tokens are left out of the text, as the request asks.
+    plain, _, _ = _app(answer, special_tokens=("[THINK]", "[/THINK]"))
+    assert plain.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == \
+        "The capital of Italy.Rome."

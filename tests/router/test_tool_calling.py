@@ -317,13 +317,17 @@ MESSAGES = [{"role": "user", "content": "weather in Rome?"}]
 
 def _app(answer: str, parser: str | None = None, reasoning: str | None = None, spaced: bool = True,
          think_tokens: bool = False, stream_interval: int = 1,
-         trust_request_chat_template: bool = False) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
+         trust_request_chat_template: bool = False,
+         special_tokens: tuple[str, ...] = ()) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
     """``spaced``: the answer streams one token per engine output, as from a real engine.
-    ``think_tokens``: <think> and </think> are tokens of the vocabulary, as in reasoning models."""
+    ``think_tokens``: <think> and </think> are tokens of the vocabulary, as in reasoning models.
+    ``special_tokens``: special tokens of the vocabulary (Mistral's control tokens)."""
     tokenizer = byte_level_tokenizer.__wrapped__()  # a copy of its own: the template is set on it
     tokenizer.chat_template = TEMPLATE
     if think_tokens:
         tokenizer.add_tokens(["<think>", "</think>"])
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     client = EngineClient([object()], client_index=1)
     # The answer's tokens, then EOS (finish STOP: the EOS is not part of the text).
     scripted = client._slots[0].channel = ScriptedEngine(
