@@ -590,21 +590,26 @@ class EngineCore:
         assert geometry is not None
         for feature in features:
             size = feature.image_size or (1, 1)  # (a fixed count: the geometry reads no size)
+            if feature.modality == "video" and (info.video_token_id is None or feature.num_frames < 1):
+                raise RequestRefusedError(f"{info.served_model_name} takes no videos" if info.video_token_id is None
+                                          else "a video needs its number of frames")
+            if feature.modality not in ("image", "video"):
+                raise RequestRefusedError(f"{info.served_model_name} takes images and videos, not a {feature.modality}")
             if geometry.counts_by_size and (feature.image_size is None or min(size) < 1):
                 raise RequestRefusedError(f"{info.served_model_name} counts an image's tokens by its size: each image "
                                           "needs its (height, width)")
             try:
-                tokens = geometry.num_tokens(*size)
+                tokens = geometry.tokens_of(feature)
             except ValueError as e:  # (Qwen2-VL: an image too thin to resize)
                 raise RequestRefusedError(str(e)) from None
-            if feature.modality != "image" or feature.length != tokens:
-                raise RequestRefusedError(f"{info.served_model_name} takes this image as {tokens} tokens, not a "
-                                          f"{feature.modality} of {feature.length}")
+            if feature.length != tokens:
+                raise RequestRefusedError(f"{info.served_model_name} takes this {feature.modality} as {tokens} tokens, "
+                                          f"not {feature.length}")
             # (An image no pass can take would wait forever: the budgets are the model's largest image
             # or more, so this holds only where that bound is wrong, or with whole images per pass.)
             scheduler = self.scheduler
             if tokens > scheduler.max_num_encoder_input_tokens:
-                raise RequestRefusedError(f"an image of {tokens} tokens is more than a pass may encode "
+                raise RequestRefusedError(f"{_a(feature.modality)} of {tokens} tokens is more than a pass may encode "
                                           f"({scheduler.max_num_encoder_input_tokens})")
             whole = scheduler.scheduler_config.disable_chunked_mm_input or scheduler.whole_images
             pass_tokens = scheduler.max_num_scheduled_tokens
@@ -613,10 +618,11 @@ class EngineCore:
             if whole and tokens > pass_tokens:
                 why = ("--disable-chunked-mm-input keeps each image in one pass" if not scheduler.whole_images else
                        f"{info.served_model_name}'s image tokens attend to each other, so each image is in one pass")
-                raise RequestRefusedError(f"an image of {tokens} tokens does not fit a pass of {pass_tokens} tokens "
-                                          f"(--max-num-batched-tokens, --long-prefill-token-threshold), and {why}")
+                raise RequestRefusedError(f"{_a(feature.modality)} of {tokens} tokens does not fit a pass of "
+                                          f"{pass_tokens} tokens (--max-num-batched-tokens, "
+                                          f"--long-prefill-token-threshold), and {why}")
             # (Checked here, not in the pass: a misshapen image would fail every request of its pass.)
-            shape = geometry.input_shape(*size)
+            shape = geometry.input_shape_of(feature)
             if tuple(feature.pixel_values.shape) != shape:
                 raise RequestRefusedError(f"{info.served_model_name}'s vision encoder takes this image's pixel values "
                                           f"as {list(shape)} ([tiles,] channels, height, width, or patches, "
@@ -624,7 +630,7 @@ class EngineCore:
                                           f"{list(feature.pixel_values.shape)}: its image processor's output size "
                                           "must be the tower's image_size")
         try:
-            check_features(features, request.prompt_token_ids, info.image_token_id, geometry)
+            check_features(features, request.prompt_token_ids, info.image_token_id, geometry, info.video_token_id)
         except ValueError as e:
             raise RequestRefusedError(str(e)) from None
         if request.resumable:
@@ -1016,3 +1022,8 @@ class EngineCore:
         if self._structured is not None:
             self._structured.shutdown()
         self.executor.shutdown()
+
+
+def _a(modality: str) -> str:
+    """"an image", "a video"."""
+    return f"{'an' if modality[:1] in 'aeiou' else 'a'} {modality}"

@@ -165,6 +165,9 @@ class ModelInfo:
     image_token_id: int | None = None
     # How many tokens (at most: max_tokens) and what pixel values an image is.
     image_geometry: ImageGeometry | None = None
+    # A model that takes videos too (Qwen2-VL, Qwen2.5-VL: image_geometry.takes_videos): the prompt
+    # token a video's rows replace.
+    video_token_id: int | None = None
     # An encoder (BERT family): its prompts attend both ways, so each runs whole in one pass and none
     # may start from the prefix cache (the engine turns chunked prefill and prefix caching off).
     encoder_only: bool = False

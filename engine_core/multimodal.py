@@ -57,7 +57,7 @@ class TensorData(msgspec.Struct, array_like=True, frozen=True):
 
 
 class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True):
-    """One image of a prompt: its encoder input, where its placeholders sit, and its digest."""
+    """One image (or video) of a prompt: its encoder input, where its placeholders sit, and its digest."""
 
     modality: str
     # Digest of the processed input (``feature_identifier``): keys the encoder cache and the KV blocks.
@@ -66,8 +66,13 @@ class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True):
     offset: int
     length: int
     pixel_values: TensorData
-    # The image's own (height, width) in pixels, where its token count depends on it (LLaVA-NeXT).
+    # The image's own (height, width) in pixels, where its token count depends on it (LLaVA-NeXT); a
+    # video's frames'.
     image_size: tuple[int, int] | None = None
+    # A video (modality "video": Qwen2-VL, Qwen2.5-VL): its frames as sampled, and the seconds one
+    # temporal patch of them spans (Qwen2.5-VL's second_per_grid_ts); 0 for an image.
+    num_frames: int = 0
+    second_per_grid: float = 0.0
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 1:
@@ -87,11 +92,22 @@ def feature_identifier(modality: str, pixel_values: TensorData, extra: str = "")
 
 
 def check_features(features: list[MultiModalFeature], prompt_token_ids: list[int], placeholder_id: int,
-                   geometry: ImageGeometry | None = None) -> None:
+                   geometry: ImageGeometry | None = None, video_token_id: int | None = None) -> None:
     """ValueError unless the features are in prompt order, do not overlap, and each covers only
-    placeholder tokens of the prompt (Pixtral's: its rows of them, each with its break or end token)."""
+    placeholder tokens of the prompt (Pixtral's: its rows of them, each with its break or end token;
+    a video's: ``video_token_id``)."""
     end = 0
     for f in features:
+        if f.modality == "video":
+            if video_token_id is None or f.num_frames < 1:
+                raise ValueError("a video needs a model that takes videos, and its frames")
+            if any(t != video_token_id for t in prompt_token_ids[f.offset:f.end]) or f.end > len(prompt_token_ids):
+                raise ValueError(f"video placeholders at {f.offset}..{f.end} are not all the model's video token "
+                                 f"{video_token_id}")
+            if f.offset < end:
+                raise ValueError(f"video placeholders from position {f.offset} overlap the previous ones")
+            end = f.end
+            continue
         if f.offset < end:
             raise ValueError(f"{f.modality} placeholders from position {f.offset} overlap the previous ones")
         if f.end > len(prompt_token_ids):
@@ -150,6 +166,17 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     # pooled_tokens tokens (0: not so).
     min_tiles: int = 1
     max_tiles: int = 0
+    # Videos (Qwen2-VL, Qwen2.5-VL): each frame resized as an image is, within [video_min_pixels,
+    # video_max_pixels] (0: the model takes no videos); temporal_patch_size frames make one temporal
+    # patch (the last frame repeated to fill the last). A temporal patch's M-RoPE time position is
+    # floor(its index * second_per_grid * tokens_per_second) (Qwen2.5-VL; 0: its index, Qwen2-VL's).
+    video_min_pixels: int = 0
+    video_max_pixels: int = 0
+    tokens_per_second: float = 0.0
+
+    @property
+    def takes_videos(self) -> bool:
+        return self.video_max_pixels > 0
 
     @property
     def native(self) -> bool:
@@ -207,18 +234,21 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
         ids[-1] = self.image_end_token_id
         return ids
 
-    def resized(self, height: int, width: int) -> tuple[int, int]:
-        """Qwen2-VL: the (height, width) an image is resized to (transformers' smart_resize)."""
+    def resized(self, height: int, width: int, video: bool = False) -> tuple[int, int]:
+        """Qwen2-VL: the (height, width) an image (a video's frame) is resized to (transformers'
+        smart_resize, in the image's or the video's pixel range)."""
         factor = self.patch_size * self.merge_size
+        min_pixels, max_pixels = ((self.video_min_pixels, self.video_max_pixels) if video
+                                  else (self.min_pixels, self.max_pixels))
         if max(height, width) / min(height, width) > 200:
             raise ValueError(f"an image's sides may differ at most 200x, not {width}x{height}")
         new_height, new_width = round(height / factor) * factor, round(width / factor) * factor
-        if new_height * new_width > self.max_pixels:
-            beta = math.sqrt(height * width / self.max_pixels)
+        if new_height * new_width > max_pixels:
+            beta = math.sqrt(height * width / max_pixels)
             new_height = max(factor, math.floor(height / beta / factor) * factor)
             new_width = max(factor, math.floor(width / beta / factor) * factor)
-        elif new_height * new_width < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
+        elif new_height * new_width < min_pixels:
+            beta = math.sqrt(min_pixels / (height * width))
             new_height = math.ceil(height * beta / factor) * factor
             new_width = math.ceil(width * beta / factor) * factor
         return new_height, new_width
@@ -227,6 +257,43 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
         """Qwen2-VL: an image's (frames, rows, columns) of patches (transformers' image_grid_thw)."""
         new_height, new_width = self.resized(height, width)
         return 1, new_height // self.patch_size, new_width // self.patch_size
+
+    def video_patch_grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """A video's (temporal patches, rows, columns) of patches (transformers' video_grid_thw)."""
+        if not self.takes_videos:
+            raise ValueError("the model takes no videos")
+        if num_frames < 1:
+            raise ValueError(f"a video needs at least one frame, not {num_frames}")
+        new_height, new_width = self.resized(height, width, video=True)
+        return -(-num_frames // self.temporal_patch_size), new_height // self.patch_size, new_width // self.patch_size
+
+    def grid_of(self, feature: MultiModalFeature) -> tuple[int, int, int]:
+        """Qwen2-VL: an image's or a video's (temporal patches, rows, columns) of patches."""
+        size = feature.image_size or (1, 1)
+        if feature.modality == "video":
+            return self.video_patch_grid(feature.num_frames, *size)
+        return self.patch_grid(*size)
+
+    def tokens_of(self, feature: MultiModalFeature) -> int:
+        """An image's or a video's placeholders (and encoder rows)."""
+        if feature.modality != "video":
+            return self.num_tokens(*(feature.image_size or (1, 1)))
+        frames, rows, columns = self.grid_of(feature)
+        return frames * rows * columns // self.merge_size ** 2
+
+    def input_shape_of(self, feature: MultiModalFeature) -> tuple[int, ...]:
+        """An image's or a video's pixel values as the encoder takes them."""
+        if feature.modality != "video":
+            return self.input_shape(*(feature.image_size or (1, 1)))
+        frames, rows, columns = self.grid_of(feature)
+        return frames * rows * columns, self.num_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    def time_positions(self, temporal_patches: int, second_per_grid: float) -> list[int]:
+        """A video's temporal patches' M-RoPE time positions (Qwen2.5-VL: by the seconds they start
+        at; Qwen2-VL, and an image: their indexes)."""
+        if not self.tokens_per_second or not second_per_grid:
+            return list(range(temporal_patches))
+        return [int(t * second_per_grid * self.tokens_per_second) for t in range(temporal_patches)]
 
     @property
     def min_tokens(self) -> int:

@@ -29,6 +29,8 @@ MODEL_FILES = ("config.json", "generation_config.json")
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
 # (transformers 5 saves a processor's parts in one file, the image processor's under "image_processor")
 PROCESSOR_FILE = "processor_config.json"
+# (A video processor's own file, where it is not nested in processor_config.json.)
+VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
 PROCESSOR_FILES = (IMAGE_PROCESSOR_FILE, PROCESSOR_FILE)
 TEMPLATES_DIR = "additional_chat_templates"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
@@ -73,11 +75,21 @@ def _read(directory: str, names: list[str]) -> dict[str, bytes]:
 def read_image_processor_config(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     """A model directory's image processor config, as transformers finds it: nested in
     processor_config.json, else preprocessor_config.json; None where neither holds one."""
+    return _processor_config(directory, "image_processor", IMAGE_PROCESSOR_FILE)
+
+
+def read_video_processor_config(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A model directory's video processor config (Qwen2-VL's frames' pixel range): nested in
+    processor_config.json, else video_preprocessor_config.json; None where neither holds one."""
+    return _processor_config(directory, "video_processor", VIDEO_PROCESSOR_FILE)
+
+
+def _processor_config(directory: str | os.PathLike[str], key: str, file: str) -> dict[str, Any] | None:
     nested = Path(directory) / PROCESSOR_FILE
     if nested.is_file():
         processor = json.loads(nested.read_text())
-        if isinstance(processor, dict) and isinstance(processor.get("image_processor"), dict):
-            return processor["image_processor"]
-    plain = Path(directory) / IMAGE_PROCESSOR_FILE
+        if isinstance(processor, dict) and isinstance(processor.get(key), dict):
+            return processor[key]
+    plain = Path(directory) / file
     config = json.loads(plain.read_text()) if plain.is_file() else None
     return config if isinstance(config, dict) else None

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine_core.tokenizer_files import read_image_processor_config
+from engine_core.tokenizer_files import read_image_processor_config, read_video_processor_config
 from engine_core.tokenizer_loader import load_tokenizer
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
@@ -1185,10 +1185,12 @@ class ModelConfig:
             config = dataclasses.replace(config, vision=dataclasses.replace(
                 config.vision, min_tiles=int(tiling.get("min_patches", config.vision.min_tiles)),
                 max_tiles=int(tiling.get("max_patches", config.vision.max_tiles))))
-        if native and (image_processor is not None or pixel_range):
-            # (Qwen2-VL, Qwen3-VL: the processor's pixel range decides an image's token count.)
-            config = dataclasses.replace(config, vision=native_vision_config(cfg, {**(image_processor or {}),
-                                                                                  **pixel_range}))
+        video_processor = read_video_processor_config(model_dir) if native else None
+        if native and (image_processor is not None or pixel_range or video_processor is not None):
+            # (Qwen2-VL, Qwen3-VL: the processor's pixel range decides an image's token count; the video
+            # processor's, a video frame's.)
+            config = dataclasses.replace(config, vision=native_vision_config(
+                cfg, {**(image_processor or {}), **pixel_range}, video_processor))
         # (Older llm-compressor releases name it compression_config, as vLLM also reads it.)
         quantization = cfg.get("quantization_config") or cfg.get("compression_config")
         method, block = weight_quantization(quantization)  # (others: refused here)

@@ -828,8 +828,11 @@ class ModelRunner:
         if not todo:
             return
         assert self.model is not None
+        # (A video's size is its (frames, height, width): Qwen2-VL's towers take videos.)
         rows = self.model.embed_images([f.pixel_values.to_tensor().to(self.device, non_blocking=True)
-                                        for f in todo.values()], [f.image_size for f in todo.values()])
+                                        for f in todo.values()],
+                                       [(f.num_frames, *f.image_size) if f.modality == "video" and f.image_size
+                                        else f.image_size for f in todo.values()])
         for identifier, image_rows in zip(todo, rows, strict=True):
             # (A copy of its own: a view would keep the whole pass's batch alive after the others go.)
             self.encoder_cache[identifier] = image_rows.clone()

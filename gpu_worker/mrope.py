@@ -2,7 +2,8 @@
 
 Text tokens count on as usual, the three positions equal. An image's placeholders take the start
 position plus their (frame, row, column) in the image's grid of merged patches, and the text after
-it goes on from one past the largest of those. A prompt's positions past its end (outputs, drafts)
+it goes on from one past the largest of those. A video's frames are its temporal patches (Qwen2.5-VL
+times them: ImageGeometry.time_positions). A prompt's positions past its end (outputs, drafts)
 are then the plain position plus ``delta``, the three equal again, so only the tokens of a prompt
 with images need the table (transformers' get_rope_index, for images).
 """
@@ -25,14 +26,18 @@ def mrope_positions(num_prompt_tokens: int, features: list[MultiModalFeature], g
         positions[:, cursor:feature.offset] = next_position + np.arange(text)
         next_position += text
         assert feature.image_size is not None
-        frames, rows, columns = geometry.patch_grid(*feature.image_size)
+        frames, rows, columns = geometry.grid_of(feature)
         rows, columns = rows // merge, columns // merge
         if frames * rows * columns != feature.length:
-            raise ValueError(f"an image of {feature.length} tokens at {feature.offset} is not its grid's "
+            raise ValueError(f"a {feature.modality} of {feature.length} tokens at {feature.offset} is not its grid's "
                              f"{frames}x{rows}x{columns}")
         grid = np.indices((frames, rows, columns)).reshape(3, -1)
+        # (A video's temporal patches by time under Qwen2.5-VL: their time positions.)
+        grid[0] = np.asarray(geometry.time_positions(frames, feature.second_per_grid))[grid[0]]
         positions[:, feature.offset:feature.end] = next_position + grid
-        next_position += max(frames, rows, columns)
+        # (The text after it goes on from one past its largest position, as vLLM's and the original
+        # Qwen2-VL code count: for a video, its last time position may be that.)
+        next_position += max(int(grid[0, -1]) + 1, rows, columns)
         cursor = feature.end
     positions[:, cursor:] = next_position + np.arange(num_prompt_tokens - cursor)
     next_position += num_prompt_tokens - cursor

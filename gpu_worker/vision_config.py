@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from engine_core.multimodal import ImageGeometry
 
 # Vision-language architectures whose images we encode -> how their language model is named by its
@@ -139,6 +141,9 @@ QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForCondit
 # transformers' Qwen2VLImageProcessor defaults: the resized image's pixel range.
 QWEN_VL_MIN_PIXELS = 56 * 56
 QWEN_VL_MAX_PIXELS = 28 * 28 * 1280
+# transformers' Qwen2VLVideoProcessor defaults: each frame's pixel range.
+QWEN_VL_VIDEO_MIN_PIXELS = 128 * 28 * 28
+QWEN_VL_VIDEO_MAX_PIXELS = 768 * 28 * 28
 
 
 class NativeImageSide:
@@ -193,6 +198,20 @@ class QwenVisionConfig(NativeImageSide):
     # The resized image's pixel range (preprocessor_config.json's, transformers' defaults otherwise).
     min_pixels: int = QWEN_VL_MIN_PIXELS
     max_pixels: int = QWEN_VL_MAX_PIXELS
+    # Videos: the prompt token a video's rows replace; each frame's pixel range (the video
+    # processor's config, transformers' Qwen2VLVideoProcessor defaults otherwise); Qwen2.5-VL's
+    # M-RoPE time positions per second (its vision_config's tokens_per_second; 0 for Qwen2-VL, whose
+    # temporal patches count one by one).
+    video_token_id: int = 151656
+    video_min_pixels: int = QWEN_VL_VIDEO_MIN_PIXELS
+    video_max_pixels: int = QWEN_VL_VIDEO_MAX_PIXELS
+    tokens_per_second: float = 0.0
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return msgspec.structs.replace(super().geometry, video_min_pixels=self.video_min_pixels,
+                                       video_max_pixels=self.video_max_pixels,
+                                       tokens_per_second=self.tokens_per_second)
 
     @property
     def head_dim(self) -> int:
@@ -204,9 +223,11 @@ class QwenVisionConfig(NativeImageSide):
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
 
-def qwen_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] | None = None) -> QwenVisionConfig:
-    """Qwen2-VL's or Qwen2.5-VL's vision side from its config.json and preprocessor_config.json
-    (the resized images' pixel range; transformers' defaults without one)."""
+def qwen_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] | None = None,
+                                 video_processor: dict[str, Any] | None = None) -> QwenVisionConfig:
+    """Qwen2-VL's or Qwen2.5-VL's vision side from its config.json, preprocessor_config.json (the
+    resized images' pixel range) and video processor config (the frames'); transformers' defaults
+    without them."""
     windowed = cfg["architectures"][0] == "Qwen2_5_VLForConditionalGeneration"
     vision = dict(cfg.get("vision_config") or {})
     processor = processor or {}
@@ -229,7 +250,12 @@ def qwen_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] 
         window_size=int(vision.get("window_size", 112)) if windowed else 0,
         fullatt_block_indexes=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31)))
         if windowed else (),
-        image_token_id=int(cfg.get("image_token_id", 151655)), min_pixels=min_pixels, max_pixels=max_pixels)
+        image_token_id=int(cfg.get("image_token_id", 151655)), min_pixels=min_pixels, max_pixels=max_pixels,
+        video_token_id=int(cfg.get("video_token_id", 151656)),
+        # (transformers' Qwen2_5_VLVisionConfig default where the config gives none; the releases give 2)
+        tokens_per_second=float(vision.get("tokens_per_second", 4)) if windowed else 0.0)
+    video_min, video_max = _pixel_range(video_processor or {}, QWEN_VL_VIDEO_MIN_PIXELS, QWEN_VL_VIDEO_MAX_PIXELS)
+    vc = dataclasses.replace(vc, video_min_pixels=video_min, video_max_pixels=video_max)
     _check_processor(processor, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
     if vc.hidden_size % vc.num_heads or vc.head_dim % 4:
         raise ValueError(f"the vision tower's width {vc.hidden_size} must split into {vc.num_heads} heads whose "
@@ -268,12 +294,12 @@ def qwen3_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any]
                                max_pixels=max_pixels)
 
 
-def native_vision_config(cfg: dict[str, Any], processor: dict[str, Any] | None = None
-                         ) -> QwenVisionConfig | Qwen3VisionConfig:
+def native_vision_config(cfg: dict[str, Any], processor: dict[str, Any] | None = None,
+                         video_processor: dict[str, Any] | None = None) -> QwenVisionConfig | Qwen3VisionConfig:
     """A native-resolution model's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) vision side."""
     if cfg["architectures"][0] in QWEN3_VL_ARCHITECTURES:
         return qwen3_vision_config_from_dict(cfg, processor)
-    return qwen_vision_config_from_dict(cfg, processor)
+    return qwen_vision_config_from_dict(cfg, processor, video_processor)
 
 
 def qwen_vl_text_config(cfg: dict[str, Any], decoder: str = "Qwen2ForCausalLM") -> dict[str, Any]:

@@ -314,19 +314,21 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def qwen_vl_tokenizer():
-    """Our tokenizer plus Qwen-VL's vision tokens and a chat template taking image parts, and those
-    tokens' ids by name (vision_start, image_pad, vision_end)."""
+    """Our tokenizer plus Qwen-VL's vision tokens and a chat template taking image and video parts,
+    and those tokens' ids by name (vision_start, image_pad, vision_end, video_pad)."""
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
-                                                                "<|vision_end|>"]})
+                                                                "<|vision_end|>", "<|video_pad|>"]})
     tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
-    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad", "vision_end")}
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>")
+           for name in ("vision_start", "image_pad", "vision_end", "video_pad")}
     return tokenizer, ids
 
 
@@ -353,11 +355,11 @@ def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_p
                                  **(rope_scaling or {})},
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     tokens = dict(image_token_id=ids["image_pad"], vision_start_token_id=ids["vision_start"],
-                  vision_end_token_id=ids["vision_end"], video_token_id=ids["image_pad"] + 100,
+                  vision_end_token_id=ids["vision_end"], video_token_id=ids["video_pad"],
                   eos_token_id=tokenizer.eos_token_id)
     if windowed:
         vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=56,
-                      fullatt_block_indexes=[1])
+                      fullatt_block_indexes=[1], tokens_per_second=2)
         model_class, config = Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(
             vision_config=vision, text_config=text, **tokens)
     else:
@@ -373,6 +375,10 @@ def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_p
     # (The merger's rows scaled to the text embeddings' size: else an image's rows decide every answer.)
     _save_randomized(model, Path(path), tokenizer, rescale={"merger.mlp.2.": 0.1})
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels).save_pretrained(path)
+    # (Its video processor's frames: 56x56 to 56x112 pixels, 4 to 8 tokens a temporal patch.)
+    (Path(path) / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": 56 * 56, "longest_edge": 56 * 112},
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}))
     return Path(path)
 
 

@@ -40,14 +40,15 @@ class NativeImagesMixin(nn.Module):
         raise NotImplementedError
 
     def embed_images(self, pixel_values: list[torch.Tensor],
-                     image_sizes: list[tuple[int, int] | None]) -> list[torch.Tensor]:
+                     image_sizes: list[tuple[int, ...] | None]) -> list[torch.Tensor]:
         """Each image's rows ([its tokens, image_row_width]) from its patches and its own (height,
-        width), which give its grid of patches; every image of the batch goes through the tower at once."""
+        width), which give its grid of patches (a video's: its (frames, height, width)); every image
+        of the batch goes through the tower at once."""
         geometry = self.config.vision.geometry
         grids = []
         for size in image_sizes:
             assert size is not None, "a native-resolution model reads an image's grid from its size"
-            grids.append(geometry.patch_grid(*size))
+            grids.append(geometry.video_patch_grid(*size) if len(size) == 3 else geometry.patch_grid(*size))
         rows = self._tower_rows(torch.cat(pixel_values), grids).to(self.model_dtype())
         merged = geometry.merge_size ** 2
         return list(rows.split([t * h * w // merged for t, h, w in grids]))

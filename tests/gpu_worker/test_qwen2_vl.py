@@ -385,3 +385,72 @@ def test_qwen3_vl_moe_reads_the_released_checkpoints_stacked_experts_transposed(
     got = [run(make_engine(directory), {"t": (prompt_ids, [])})["t"] for directory in (saved, released)]
     assert got[0][1] == got[1][1]
     np.testing.assert_allclose(got[0][0], got[1][0], atol=1e-6)
+
+
+def video_prompt(qwen, frames: list, second_per_grid: float):
+    """An image and then a video (each within vision start/end tokens), text around them: token ids,
+    features, and transformers' keyword inputs for them (the video's patches made by the router's
+    video_patches, fed to both)."""
+    from router.video import video_patches
+
+    model_dir, model, processor = qwen
+    config = model.config
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    ids, features, (pixels, grids) = prompt(qwen, [[74, 75], [223, 263]], [picture(0)])
+    patches = video_patches(frames, geometry, processor.image_mean, processor.image_std)
+    grid = geometry.video_patch_grid(len(frames), frames[0].height, frames[0].width)
+    data = TensorData.from_array(patches)
+    ids.append(config.vision_start_token_id)
+    tokens = grid[0] * grid[1] * grid[2] // 4
+    features.append(MultiModalFeature("video", feature_identifier("video", data), len(ids), tokens, data,
+                                      (frames[0].height, frames[0].width), len(frames), second_per_grid))
+    ids += [config.video_token_id] * tokens + [config.vision_end_token_id, 90, 91]
+    kinds = torch.tensor([ids])
+    token_types = (kinds == config.image_token_id).int() + 2 * (kinds == config.video_token_id).int()
+    kwargs = {"pixel_values": pixels, "image_grid_thw": grids, "pixel_values_videos": torch.from_numpy(patches),
+              "video_grid_thw": torch.tensor([grid]), "mm_token_type_ids": token_types}
+    if config.model_type == "qwen2_5_vl":
+        kwargs["second_per_grid_ts"] = torch.tensor([second_per_grid])
+    return ids, features, kwargs
+
+
+def test_a_video_beside_an_image_equals_transformers_whole_and_in_chunks(qwen):
+    """A video's frames in pairs (3 frames: the last repeated), each pair a temporal patch whose rows
+    attend within their frame pair; Qwen2.5-VL's M-RoPE times its temporal patches by
+    second_per_grid (1.25 s: time positions 0 and 2). Whole, in 5-token chunks across the video, and
+    with its rows from the encoder cache."""
+    model_dir, model, _ = qwen
+    frames = [picture(20 + i, (60, 120)) for i in range(3)]  # (resized to 56x112: 4x8 patches, 8 tokens each)
+    ids, features, kwargs = video_prompt(qwen, frames, 1.25)
+    assert features[1].length == 16 and tuple(features[1].pixel_values.shape) == (64, 3 * 2 * 14 * 14)
+    want = hf_logprobs_and_tokens(model, ids, **kwargs)
+    assert_equal(run(make_engine(model_dir), {"a": (ids, features)})["a"], want)
+    engine = make_engine(model_dir, max_num_batched_tokens=5)
+    assert_equal(run(engine, {"a": (ids, features)})["a"], want)
+    assert engine.stats().num_images_encoded == 2
+    cached: dict[str, int] = {}
+    assert run(engine, {"again": (ids, features)}, cached)["again"][1] == want[1]
+    # (The same frames taken at another rate time the video otherwise: another video, under Qwen2.5-VL.)
+    if model.config.model_type == "qwen2_5_vl":
+        slower_ids, slower, slower_kwargs = video_prompt(qwen, frames, 0.5)
+        assert slower[1].identifier == features[1].identifier  # (the pixels are equal: the digest is the router's)
+        assert hf_logprobs_and_tokens(model, slower_ids, **slower_kwargs)[0] != want[0]
+
+
+def test_video_positions_count_on_from_the_last_time_position():
+    """Text after a video whose temporal patches span more positions than its rows and columns goes on
+    from one past its last time position (vLLM's rule, and the original Qwen2-VL code's; transformers
+    5 counts on from its rows and columns alone)."""
+    from msgspec.structs import replace
+
+    geometry = replace(QwenVisionConfig(
+        windowed=True, depth=1, hidden_size=32, intermediate_size=64, num_heads=2, hidden_act="silu", in_channels=3,
+        patch_size=14, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, window_size=56,
+        fullatt_block_indexes=(0,), image_token_id=5).geometry, video_min_pixels=784, video_max_pixels=784,
+                       tokens_per_second=2.0)
+    data = TensorData.from_array(np.zeros((3 * 4, 3 * 2 * 14 * 14), np.float32))
+    video = MultiModalFeature("video", "v", 2, 3, data, (28, 28), num_frames=6, second_per_grid=1.25)
+    positions, delta = mrope_positions(7, [video], geometry)
+    # (time 0, 2.5 -> 2, 5; one merged patch a frame pair; the text after from 5 + 1 on)
+    assert positions.tolist() == [[0, 1, 2, 4, 7, 8, 9], [0, 1, 2, 2, 2, 8, 9], [0, 1, 2, 2, 2, 8, 9]]
+    assert delta == 10 - 7

@@ -1,0 +1,167 @@
+"""Videos in chat prompts (vLLM's ``video_url`` parts), the router's side, for the models whose
+towers take them (Qwen2-VL, Qwen2.5-VL: ``ImageGeometry.takes_videos``).
+
+A video file is decoded (PyAV), its frames sampled as transformers' Qwen2VLVideoProcessor samples
+them (2 a second, at least 4 and at most 768, an even count, evenly spaced), fewer where the video
+would be more tokens than the model's largest image (what a pass's encoder budget holds: the
+engines profile that many patches); each frame resized into the video pixel range (as the image
+processor resizes an image: PIL bicubic), rescaled and normalised with the image processor's mean and
+std, and the frames cut into the tower's patches: pairs of frames (``temporal_patch_size``) make a
+temporal patch, its patches listed in the processor's order (temporal patch by temporal patch, each
+2x2 square of patches consecutive), each patch's values as channels x frames x rows x columns. The
+seconds a temporal patch spans (``second_per_grid``: temporal_patch_size over the sampled frame
+rate) time Qwen2.5-VL's M-RoPE positions.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine_core.multimodal import ImageGeometry, TensorData, feature_identifier
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+# transformers' Qwen2VLVideoProcessor defaults: frames sampled per second, and the fewest and most.
+VIDEO_FPS = 2.0
+MIN_FRAMES = 4
+MAX_FRAMES = 768
+# The most bytes one video may have (encoded), and the most frames it may hold (decoded one by one,
+# only the sampled ones kept).
+MAX_VIDEO_BYTES = 256 * 1024 * 1024
+MAX_SOURCE_FRAMES = 100_000
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    """A video's sampled frames (RGB), its frame count and its frame rate."""
+
+    frames: list[Image.Image]
+    total_frames: int
+    fps: float
+
+    @property
+    def sampled_fps(self) -> float:
+        """The sampled frames' rate (transformers' VideoMetadata.sampled_fps)."""
+        return len(self.frames) / self.total_frames * self.fps
+
+
+@dataclass(frozen=True)
+class ProcessedVideo:
+    """One video as the vision encoder takes it ([patches, channels x frames x patch x patch]), its
+    digest, its frames' (height, width), its sampled frames and the seconds a temporal patch spans."""
+
+    identifier: str
+    pixel_values: TensorData
+    frame_size: tuple[int, int]
+    num_frames: int
+    second_per_grid: float
+    num_tokens: int
+
+
+def sample_frame_indices(total_frames: int, video_fps: float, temporal_patch_size: int = 2,
+                         fps: float = VIDEO_FPS, min_frames: int = MIN_FRAMES, max_frames: int = MAX_FRAMES,
+                         num_frames: int | None = None) -> list[int]:
+    """The frames to keep (transformers' Qwen2VLVideoProcessor.sample_frames): ``fps`` a second,
+    within [min_frames, max_frames] and the video's own count, rounded down to whole temporal patches
+    (all of a video shorter than one); or ``num_frames`` evenly spaced."""
+    if total_frames < 1:
+        raise ValueError("the video has no frames")
+    if num_frames is None:
+        most = math.floor(min(max_frames, total_frames) / temporal_patch_size) * temporal_patch_size
+        wanted = total_frames / video_fps * fps if video_fps > 0 else total_frames
+        num_frames = math.floor(min(max(wanted, min_frames), most, total_frames)
+                                / temporal_patch_size) * temporal_patch_size
+    num_frames = min(num_frames, total_frames)
+    if num_frames < 1:  # (a video shorter than one temporal patch: every frame, the last repeated later)
+        return list(range(total_frames))
+    step = total_frames / num_frames
+    return [int(i * step) for i in range(num_frames)]
+
+
+def decode_video(data: bytes, temporal_patch_size: int = 2, num_frames: int | None = None) -> DecodedVideo:
+    """A video file's sampled frames (see ``sample_frame_indices``), decoded with PyAV; only the kept
+    frames are converted. ValueError for what is not a video PyAV can read."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise ValueError("the file has no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            fps = float(rate) if rate else 0.0
+            total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        if total > MAX_SOURCE_FRAMES:
+            raise ValueError(f"a video of {total} frames has more than the {MAX_SOURCE_FRAMES} allowed")
+        keep = sample_frame_indices(total, fps, temporal_patch_size, num_frames=num_frames)
+        wanted, frames = set(keep), []
+        with av.open(io.BytesIO(data)) as container:
+            for index, frame in enumerate(container.decode(container.streams.video[0])):
+                if index in wanted:
+                    frames.append(frame.to_image().convert("RGB"))
+                if len(frames) == len(keep):
+                    break
+    except av.FFmpegError as e:
+        raise ValueError(f"cannot decode the video: {e}") from None
+    if not frames:
+        raise ValueError("cannot decode the video: no frame could be read")
+    return DecodedVideo(frames, max(total, len(frames)), fps or VIDEO_FPS)
+
+
+def video_frame_limit(geometry: ImageGeometry, height: int, width: int) -> int:
+    """The most frames of this size a video may keep: as many temporal patches as the model's largest
+    image has tokens (the encoder budget every pass holds), at least one."""
+    _, rows, columns = geometry.video_patch_grid(geometry.temporal_patch_size, height, width)
+    per_patch = max(1, rows * columns // geometry.merge_size ** 2)
+    return max(1, geometry.max_tokens // per_patch) * geometry.temporal_patch_size
+
+
+def video_patches(frames: list[Image.Image], geometry: ImageGeometry, mean: Any, std: Any) -> np.ndarray:
+    """The frames (all of one size) as the tower's patches: [temporal patches x rows x columns,
+    channels x temporal_patch_size x patch x patch], float32 (the last frame repeated to fill the
+    last temporal patch)."""
+    from PIL import Image
+
+    height, width = frames[0].height, frames[0].width
+    new_height, new_width = geometry.resized(height, width, video=True)
+    mean = np.asarray(mean, dtype=np.float32).reshape(-1, 1, 1)
+    std = np.asarray(std, dtype=np.float32).reshape(-1, 1, 1)
+    pixels = []
+    for frame in frames:
+        if (frame.height, frame.width) != (height, width):
+            raise ValueError("a video's frames must all be of one size")
+        resized = frame.convert("RGB").resize((new_width, new_height), Image.Resampling.BICUBIC)
+        array = np.asarray(resized, dtype=np.float32).transpose(2, 0, 1) / 255.0
+        pixels.append((array - mean) / std)
+    tp, patch, merge = geometry.temporal_patch_size, geometry.patch_size, geometry.merge_size
+    pixels += [pixels[-1]] * (-len(pixels) % tp)
+    video = np.stack(pixels)  # [frames, C, H, W]
+    grid_t, channels = len(pixels) // tp, video.shape[1]
+    grid_h, grid_w = new_height // patch, new_width // patch
+    patches = video.reshape(grid_t, tp, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
+    # (t, h-blocks, w-blocks, merge rows, merge columns, C, frames, patch rows, patch columns)
+    patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(patches.reshape(grid_t * grid_h * grid_w, channels * tp * patch * patch))
+
+
+def process_video(video: DecodedVideo, geometry: ImageGeometry, mean: Any, std: Any, model_id: str) -> ProcessedVideo:
+    """A decoded video as the vision encoder takes it (fewer frames, evenly spaced, where it would be
+    more tokens than a pass may encode), and its digest."""
+    frames = video.frames
+    height, width = frames[0].height, frames[0].width
+    limit = video_frame_limit(geometry, height, width)
+    if len(frames) > limit:
+        frames = [frames[int(i * len(frames) / limit)] for i in range(limit)]
+    sampled_fps = len(frames) / video.total_frames * video.fps
+    pixel_values = TensorData.from_array(video_patches(frames, geometry, mean, std))
+    grid = geometry.video_patch_grid(len(frames), height, width)
+    second_per_grid = geometry.temporal_patch_size / sampled_fps
+    identifier = feature_identifier("video", pixel_values, extra=f"{model_id}|{height}x{width}|{second_per_grid}")
+    return ProcessedVideo(identifier, pixel_values, (height, width), len(frames), second_per_grid,
+                          grid[0] * grid[1] * grid[2] // geometry.merge_size ** 2)
