@@ -357,8 +357,13 @@ class ModelSettings(LoRASettings):
 
     @property
     def language_model_only(self) -> bool:
-        """Whether no prompt may hold images: the engines load the language model alone."""
+        """Whether no prompt may hold images: the engines load the language model alone (unless the
+        model takes videos and videos are allowed: ``videos_refused``)."""
         return self.limit_mm_per_prompt.get("image") == 0
+
+    @property
+    def videos_refused(self) -> bool:
+        return self.limit_mm_per_prompt.get("video") == 0
 
     _served_model_name = field_validator("served_model_name")(_check_served_model_name)
     _chat_template_kwargs = field_validator("default_chat_template_kwargs")(_check_default_chat_template_kwargs)
@@ -726,7 +731,7 @@ class ClusterConfig(ModelSettings):
         (_, first_indexes), *further = self.model_engines()
         first_name = self.served_names[0] if self.served_model_name else None
         configs = [engine_config_from_spec(self.model, index, spec, self.seed, first_name, self.lora_config(),
-                                           self.tokenizer, self.language_model_only)
+                                           self.tokenizer, self.language_model_only, self.videos_refused)
                    for index, spec in zip(first_indexes, self.resolved_specs(), strict=True)]
         _check_one_runner(configs)
         groups = [configs]
@@ -734,7 +739,8 @@ class ClusterConfig(ModelSettings):
             assert served is not None
             name = served.served_names[0] if served.served_model_name else None
             group = [engine_config_from_spec(served.model, index, spec, self.seed, name,
-                                             served.lora_config(), served.tokenizer, served.language_model_only)
+                                             served.lora_config(), served.tokenizer, served.language_model_only,
+                                             served.videos_refused)
                      for index, spec in zip(indexes, self._served_specs(served), strict=True)]
             _check_one_runner(group)
             groups.append(group)
@@ -855,7 +861,7 @@ def _check_one_runner(group: list[EngineConfig]) -> None:
 def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int = 0,
                             served_model_name: str | None = None,
                             lora_config: LoRAConfig | None = None, tokenizer: str | None = None,
-                            language_model_only: bool = False) -> EngineConfig:
+                            language_model_only: bool = False, videos_refused: bool = False) -> EngineConfig:
     s = spec.model_dump()
     try:
         scheduler = SchedulerConfig(
@@ -880,7 +886,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
                                                           for k, v in (s["pooler_config"] or {}).items())),
         hf_overrides=json.dumps(s["hf_overrides"], sort_keys=True) if s["hf_overrides"] else "",
         mm_processor_kwargs=json.dumps(s["mm_processor_kwargs"], sort_keys=True) if s["mm_processor_kwargs"] else "",
-        language_model_only=language_model_only,
+        language_model_only=language_model_only, videos_refused=videos_refused,
         generation_config=s["generation_config"], max_logprobs=s["max_logprobs"],
         logprobs_mode=s["logprobs_mode"], tokenizer=tokenizer,
         log_stats=not s["disable_log_stats"],

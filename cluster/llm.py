@@ -42,8 +42,10 @@ from router.multimodal import (
     image_placeholder,
     image_prompt_text,
     load_image_processor,
+    video_placeholder,
 )
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
+from router.video import VIDEO_FPS, DecodedVideo, decode_video, process_video
 
 PromptType = str | list[int]
 
@@ -324,11 +326,13 @@ _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_
 
 @dataclass
 class _ImagePrompt:
-    """A prompt (text or token ids) with one image token per image, and its images (PIL, in order):
-    vLLM's ``{"prompt": ..., "multi_modal_data": {"image": ...}}``."""
+    """A prompt (text or token ids) with one image token per image (and video token per video), and
+    its images (PIL, in order) and videos: vLLM's ``{"prompt": ..., "multi_modal_data": {"image":
+    ..., "video": ...}}``."""
 
     prompt: str | list[int]
     images: list[Any]
+    videos: list[DecodedVideo] = field(default_factory=list)
 
 
 class _Pending:
@@ -858,14 +862,18 @@ class LLM:
             if images.geometry.tiled and not isinstance(prompt.prompt, str):
                 self._check_wrapped_image_tokens(prompt.prompt, images)
             text = images.prompt_text(prompt.prompt) if isinstance(prompt.prompt, str) else prompt.prompt
-            ids, offsets = images.expand(self._prompt_ids(index, text, vocab, max_tokens), len(prompt.images),
-                                         [p.image_size for p in processed])
+            images.check_video_count(len(prompt.videos))
+            processor = images.image_processor
+            videos = [process_video(video, images.geometry, processor.image_mean, processor.image_std, self.model_dir)
+                      for video in prompt.videos]
+            ids, offsets, video_offsets = images.expand_media(self._prompt_ids(index, text, vocab, max_tokens),
+                                                              [p.image_size for p in processed], videos)
         except ValueError as e:
             raise ValueError(f"prompt {index}: {e}") from None
         if len(ids) > max_tokens:
             raise ValueError(f"prompt {index} has {len(ids)} tokens with its images' placeholders; max_model_len "
                              f"is {self._max_model_len()}")
-        return ids, images.features(processed, ids, offsets)
+        return ids, images.features(processed, ids, offsets, videos, video_offsets)
 
     def _check_wrapped_image_tokens(self, ids: list[int], images: MultiModalProcessor) -> None:
         """InternVL: a prompt given as token ids must hold each image token between the begin and end
@@ -883,7 +891,7 @@ class LLM:
         """The model's image processing (its placeholder token, tokens per image, image processor)."""
         if self._image_processor is None:
             info = self._model_info()
-            if self.cluster_config.language_model_only:
+            if self.cluster_config.language_model_only and info.image_token_id is None:
                 raise ValueError(f"At most 0 image(s) may be provided in one prompt (limit_mm_per_prompt "
                                  f"{{'image': 0}} for {info.served_model_name})")
             if info.image_token_id is None:
@@ -892,7 +900,10 @@ class LLM:
                 info.image_token_id, info.image_geometry, load_image_processor(self.model_dir),
                 self.model_dir, image_placeholder(self.tokenizer, info.image_token_id, info.image_geometry),
                 max_images=self.cluster_config.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT),
-                prompt_replacement=image_prompt_text(self.tokenizer, info.image_token_id, info.image_geometry))
+                prompt_replacement=image_prompt_text(self.tokenizer, info.image_token_id, info.image_geometry),
+                video_token_id=info.video_token_id, video_placeholder=video_placeholder(self.tokenizer,
+                                                                                        info.video_token_id),
+                max_videos=self.cluster_config.limit_mm_per_prompt.get("video", DEFAULT_LIMIT_PER_PROMPT))
         return self._image_processor
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
@@ -972,19 +983,24 @@ class LLM:
                                                 self.tokenizer.chat_template, bool(tools))
         prompts: list[PromptType | _ImagePrompt] = []
         for conversation in batch:
-            images = []
+            images, videos = [], []
             for m in conversation:  # (a part the model cannot be shown is refused, not dropped)
                 for part in m.get("content") if isinstance(m.get("content"), list) else ():
                     if isinstance(part, str) or part.get("type") in TEXT_PART_TYPES:
                         continue
-                    if part.get("type") not in ("image_url", "image_pil"):
+                    if part.get("type") not in ("image_url", "image_pil", "video_url"):
                         raise ValueError(f"message content of type {part.get('type')!r} is not supported "
-                                         "(text and images)")
-                    self._images()  # (a model that takes none refuses them before any is loaded)
-                    images.append(_chat_image(part))
-            placeholder = self._images().placeholder if images else None
+                                         "(text, images and videos)")
+                    media = self._images()  # (a model that takes none refuses them before any is loaded)
+                    if part.get("type") == "video_url":
+                        media.check_video_count(len(videos) + 1)
+                        videos.append(_chat_video(part, media.geometry.temporal_patch_size))
+                    else:
+                        images.append(_chat_image(part))
+            placeholder = self._images().placeholder if images or videos else None
+            video_text = self._images().video_placeholder if videos else None
             conversation = [{**m, "content": template_content(_image_parts_marked(m.get("content")), content_format,
-                                                              placeholder)} for m in conversation]
+                                                              placeholder, video_text)} for m in conversation]
             # (The explicit arguments win over chat_template_kwargs' keys of the same name, as vLLM merges them.)
             text = self.tokenizer.apply_chat_template(conversation, **{
                 **(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt, "tokenize": False,
@@ -992,7 +1008,7 @@ class LLM:
             if images:  # (Gemma 3: each image's sequence, as its processor writes it)
                 text = self._images().prompt_text(text)
             ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-            prompts.append(_ImagePrompt(ids, images) if images else ids)
+            prompts.append(_ImagePrompt(ids, images, videos) if images or videos else ids)
         outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         for out, prompt in zip(outputs, prompts):
             out.prompt = self.tokenizer.decode(prompt.prompt if isinstance(prompt, _ImagePrompt) else prompt)
@@ -1294,19 +1310,23 @@ def _image_prompt(prompt: dict[str, Any]) -> _ImagePrompt:
     from PIL import Image
 
     data = prompt["multi_modal_data"]
-    if not isinstance(data, dict) or set(data) - {"image"}:
-        raise ValueError(f"multi_modal_data takes images only ({{'image': ...}}), got "
+    if not isinstance(data, dict) or set(data) - {"image", "video"}:
+        raise ValueError(f"multi_modal_data takes images and videos ({{'image': ..., 'video': ...}}), got "
                          f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
     images = data.get("image")
     images = [] if images is None else images if isinstance(images, list) else [images]
     if not all(isinstance(image, Image.Image) for image in images):
         raise TypeError("multi_modal_data's images must be PIL images")
+    # (A video: an array or a list of PIL frames; several: a list of those.)
+    given = data.get("video")
+    several = isinstance(given, list) and bool(given) and not isinstance(given[0], Image.Image)
+    videos = [] if given is None else [_video_of(v) for v in (given if several else [given])]
     if "prompt_embeds" in prompt:
         raise ValueError("a prompt given as embeddings cannot have multi_modal_data")
     text = prompt.get("prompt_token_ids", prompt.get("prompt"))
     if not isinstance(text, str | list):
         raise TypeError("a prompt with multi_modal_data needs 'prompt' (text) or 'prompt_token_ids'")
-    return _ImagePrompt(text if isinstance(text, str) else list(text), images)
+    return _ImagePrompt(text if isinstance(text, str) else list(text), images, videos)
 
 
 def _chat_image(part: dict[str, Any]) -> Any:
@@ -1328,6 +1348,34 @@ def _chat_image(part: dict[str, Any]) -> Any:
     if not isinstance(url, str):
         raise ValueError('an image_url part needs {"image_url": {"url": ...}}')
     return decode_image(asyncio.run(MediaConnector().fetch_image_bytes(url)))
+
+
+def _chat_video(part: dict[str, Any], temporal_patch_size: int) -> DecodedVideo:
+    """A video part of LLM.chat's messages (vLLM's ``video_url``: a data: URL, or http(s) fetched
+    here), decoded and its frames sampled (router.video)."""
+    import asyncio
+
+    from router.multimodal import MediaConnector
+
+    url = (part.get("video_url") or {}).get("url") if isinstance(part.get("video_url"), dict) else None
+    if not isinstance(url, str):
+        raise ValueError('a video_url part needs {"video_url": {"url": ...}}')
+    return decode_video(asyncio.run(MediaConnector().for_videos().fetch_image_bytes(url)), temporal_patch_size)
+
+
+def _video_of(frames: Any) -> DecodedVideo:
+    """vLLM's ``multi_modal_data`` video: its frames (a [frames, height, width, 3] uint8 array, or PIL
+    images), taken as sampled at Qwen's 2 frames a second."""
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(frames, np.ndarray):
+        if frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"a video array must be [frames, height, width, 3], got {list(frames.shape)}")
+        frames = [Image.fromarray(np.asarray(frame, dtype=np.uint8)) for frame in frames]
+    if not frames or not all(isinstance(frame, Image.Image) for frame in frames):
+        raise TypeError("a video must be a [frames, height, width, 3] array or a list of PIL images")
+    return DecodedVideo([frame.convert("RGB") for frame in frames], len(frames), VIDEO_FPS)
 
 
 def _image_parts_marked(content: Any) -> Any:

@@ -331,7 +331,10 @@ class EngineConfig:
     mm_processor_kwargs: str = ""
     # A vision-language model's language model alone (vLLM's text-only mode: --limit-mm-per-prompt
     # '{"image": 0}'): its vision tower and projector are neither loaded nor profiled; images refused.
+    # A model that takes videos (Qwen2-VL) keeps its tower for them unless ``videos_refused`` too
+    # ('{"image": 0, "video": 0}'), as vLLM's text-only mode needs every modality's limit at 0.
     language_model_only: bool = False
+    videos_refused: bool = False
     # vLLM's --generation-config ("auto": the model's generation_config.json; "vllm": none; or a folder
     # holding one) and --override-generation-config (JSON text): the sampling parameters a request gets
     # for those it leaves unset (engine_core/generation_defaults.py).

@@ -595,6 +595,9 @@ class EngineCore:
                                           else "a video needs its number of frames")
             if feature.modality not in ("image", "video"):
                 raise RequestRefusedError(f"{info.served_model_name} takes images and videos, not a {feature.modality}")
+            if feature.modality == "image" and self.config.language_model_only:  # (its tower kept for videos)
+                raise RequestRefusedError(f"{info.served_model_name} takes no images: --limit-mm-per-prompt "
+                                          "'{\"image\": 0}' allows none")
             if geometry.counts_by_size and (feature.image_size is None or min(size) < 1):
                 raise RequestRefusedError(f"{info.served_model_name} counts an image's tokens by its size: each image "
                                           "needs its (height, width)")

@@ -1133,7 +1133,8 @@ class ModelConfig:
     def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None,
                         tokenizer_dir: str | Path | None = None,
                         mm_processor_kwargs: dict[str, Any] | None = None,
-                        language_model_only: bool = False, pipeline_stages: bool = False) -> ModelConfig:
+                        language_model_only: bool = False, pipeline_stages: bool = False,
+                        videos_refused: bool = False) -> ModelConfig:
         """``hf_overrides`` (vLLM's --hf-overrides): keys set over config.json's, e.g. to serve a
         causal LM as a classifier (below); a sub-config's keys (``text_config``, ...) are set over
         its own, as vLLM updates a nested config. ``tokenizer_dir`` (--tokenizer): where the tokens
@@ -1141,7 +1142,8 @@ class ModelConfig:
         ``mm_processor_kwargs`` (--mm-processor-kwargs): settings over preprocessor_config.json's, for
         what the image processor decides here (Qwen2-VL's pixel range). ``language_model_only``: a
         vision-language checkpoint's language model alone, without its vision side (vLLM's text-only
-        mode). ``pipeline_stages``: the model is to be split into pipeline stages, where a Gemma 3
+        mode; a model that takes videos keeps its tower for them unless ``videos_refused``).
+        ``pipeline_stages``: the model is to be split into pipeline stages, where a Gemma 3
         checkpoint serves its language model alone (its tower is not split into stages; other
         vision-language models are refused there)."""
         model_dir = Path(model_dir)
@@ -1164,7 +1166,9 @@ class ModelConfig:
         native = isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
         overrides = _processor_kwargs(mm_processor_kwargs or {}, config.vision, cfg["architectures"][0])
         pixel_range = {k: v for k, v in overrides.items() if k.endswith("_pixels")}
-        if config.vision is not None and (language_model_only or (
+        # (Qwen2-VL takes videos too: its tower stays for them unless they are refused as well.)
+        keeps_tower_for_videos = isinstance(config.vision, QwenVisionConfig) and not videos_refused
+        if config.vision is not None and ((language_model_only and not keeps_tower_for_videos) or (
                 pipeline_stages and isinstance(config.vision, Gemma3VisionConfig))):
             config = dataclasses.replace(config, vision=None, language_model_of=cfg["architectures"][0])
             native = False

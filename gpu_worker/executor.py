@@ -78,6 +78,7 @@ def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, 
         "hf_overrides": json.loads(config.hf_overrides) if config.hf_overrides else None,
         "mm_processor_kwargs": json.loads(config.mm_processor_kwargs) if config.mm_processor_kwargs else None,
         "language_model_only": config.language_model_only,
+        "videos_refused": config.videos_refused,
         "max_logprobs": config.max_logprobs,
         "logprobs_mode": config.logprobs_mode,
         "tokenizer": config.tokenizer,
@@ -126,7 +127,8 @@ class _ExecutorBase(Executor):
         self.model_config = ModelConfig.from_pretrained(
             self.model_dir, json.loads(config.hf_overrides) if config.hf_overrides else None, config.tokenizer,
             json.loads(config.mm_processor_kwargs) if config.mm_processor_kwargs else None,
-            language_model_only=config.language_model_only, pipeline_stages=config.pipeline_parallel_size > 1)
+            language_model_only=config.language_model_only, pipeline_stages=config.pipeline_parallel_size > 1,
+            videos_refused=config.videos_refused)
         if config.pipeline_parallel_size > 1 and self.model_config.architecture == "Gemma3ForCausalLM" \
                 and not config.language_model_only and read_image_processor_config(self.model_dir) is not None:
             logger.warning("engine %d: under pipeline parallelism Gemma 3 serves its language model alone: "

@@ -102,7 +102,8 @@ class Worker:
                  draft_model: str | Path | None = None, kv_offloading_bytes: int = 0,
                  logprobs_mode: str = "raw_logprobs", pipeline_parallel_size: int = 1,
                  pp_layer_partition: tuple[int, ...] | None = None,
-                 mm_processor_kwargs: dict[str, Any] | None = None, language_model_only: bool = False) -> None:
+                 mm_processor_kwargs: dict[str, Any] | None = None, language_model_only: bool = False,
+                 videos_refused: bool = False) -> None:
         # ``rank``: over every stage's ranks (stage rank // world_size); ``world_size``: the
         # tensor-parallel ranks of one stage.
         self.rank = rank
@@ -126,6 +127,7 @@ class Worker:
             self.model_config = ModelConfig.from_pretrained(self.model_dir, hf_overrides, tokenizer,
                                                             mm_processor_kwargs,
                                                             language_model_only=language_model_only,
+                                                            videos_refused=videos_refused,
                                                             pipeline_stages=pipeline_parallel_size > 1)
         if enable_expert_parallel:
             # A MoE model's ranks hold whole experts, a share of them each (no effect on a dense model).

@@ -529,8 +529,9 @@ def create_app(serving: OpenAIServing | list[OpenAIServing],
                 body.continue_final_message, body.chat_template_kwargs, tool_dicts(body.tools) or None,
                 add_special_tokens=bool(body.add_special_tokens), chat_template=body.chat_template, with_images=True)
             # (Images: their placeholders, as chat sends them; the images are loaded only where their
-            # sizes set their counts.)
-            tokens, _ = await owner.prompt_images(owner.chat_images(body.messages), tokens, count_only=True)
+            # sizes set their counts; videos are loaded, their frames setting theirs.)
+            tokens, _ = await owner.prompt_media(owner.chat_images(body.messages), owner.chat_videos(body.messages),
+                                                 tokens, count_only=True)
         else:
             add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = await owner.tokenizer_work(len(body.prompt), owner.tokenize_prompt, body.prompt,

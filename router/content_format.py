@@ -24,6 +24,9 @@ TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
 # OpenAI's image part, ``{"type": "image_url", "image_url": {"url": ...}}`` (vision-language models:
 # router.multimodal); a template sees ``{"type": "image"}`` in its place, as vLLM gives it.
 IMAGE_PART_TYPE = "image_url"
+# vLLM's video part, ``{"type": "video_url", "video_url": {"url": ...}}`` (Qwen2-VL, Qwen2.5-VL); a
+# template sees ``{"type": "video"}``.
+VIDEO_PART_TYPE = "video_url"
 
 
 @functools.lru_cache(maxsize=64)
@@ -108,29 +111,41 @@ def is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == IMAGE_PART_TYPE
 
 
+def is_video_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == VIDEO_PART_TYPE
+
+
+def is_media_part(part: Any) -> bool:
+    """An image's or a video's part (not text)."""
+    return is_image_part(part) or is_video_part(part)
+
+
 def image_part_url(part: dict[str, Any]) -> str:
     """An image part's URL (its shape checked by the protocol model)."""
     return part[IMAGE_PART_TYPE]["url"]
 
 
-def template_content(content: str | list[Any] | None, content_format: str, image_placeholder: str | None = None
-                     ) -> Any:
-    """A message's content in the template's format (its text and image parts: others are refused
-    earlier). Images are ``{"type": "image"}`` parts where they were; as text, one
-    ``image_placeholder`` per image (those the text holds already count) before the text, joined by
-    newlines, as vLLM writes them (no placeholder: the images are left out, for a text model's echo)."""
+def template_content(content: str | list[Any] | None, content_format: str, image_placeholder: str | None = None,
+                     video_placeholder: str | None = None) -> Any:
+    """A message's content in the template's format (its text, image and video parts: others are
+    refused earlier). Images are ``{"type": "image"}`` parts where they were (videos ``{"type":
+    "video"}``); as text, one ``image_placeholder`` per image (those the text holds already count),
+    then one ``video_placeholder`` per video, before the text, joined by newlines, as vLLM writes them
+    (no placeholder: they are left out, for a text model's echo)."""
     if content_format == "openai":
         if content is None:
             return []
         if isinstance(content, str):
             return [{"type": "text", "text": content}]
-        return [{"type": "image"} if is_image_part(part) else {"type": "text", "text": part_text(part)}
-                for part in content]
+        return [{"type": "image"} if is_image_part(part) else {"type": "video"} if is_video_part(part)
+                else {"type": "text", "text": part_text(part)} for part in content]
     if content is None or isinstance(content, str):
         return content or ""
     # (As vLLM joins them, empty ones left out.)
-    text = "\n".join(text for text in (part_text(p) for p in content if not is_image_part(p)) if text)
-    num_images = sum(map(is_image_part, content))
-    if num_images and image_placeholder:
-        return "\n".join([image_placeholder] * max(num_images - text.count(image_placeholder), 0) + [text])
-    return text
+    text = "\n".join(text for text in (part_text(p) for p in content if not is_media_part(p)) if text)
+    placeholders = []
+    for is_kind, placeholder in ((is_image_part, image_placeholder), (is_video_part, video_placeholder)):
+        count = sum(map(is_kind, content))
+        if count and placeholder:
+            placeholders += [placeholder] * max(count - text.count(placeholder), 0)
+    return "\n".join([*placeholders, text]) if placeholders else text

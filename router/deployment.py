@@ -151,6 +151,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         enable_log_requests=config.enable_log_requests, max_log_len=config.max_log_len,
         enable_log_outputs=config.enable_log_outputs,
         image_token_id=first.model_info.image_token_id, image_geometry=first.model_info.image_geometry,
+        video_token_id=first.model_info.video_token_id,
         limit_mm_per_prompt=dict(config.limit_mm_per_prompt),
         allowed_local_media_path=config.allowed_local_media_path,
         mm_processor_cache_gb=config.mm_processor_cache_gb,

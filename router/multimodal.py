@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import importlib.util
 import io
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from urllib.parse import unquote, urlparse
 
 from engine_core.multimodal import ImageGeometry, MultiModalFeature, TensorData, check_features, feature_identifier
 from engine_core.tokenizer_files import IMAGE_PROCESSOR_FILE, read_image_processor_config
+from router.video import ProcessedVideo, decode_video, process_video
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -42,8 +44,15 @@ IMAGE_FETCH_TIMEOUT_S = float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 # The most one side of an image may exceed the other (Qwen2-VL's processor's limit).
 MAX_ASPECT_RATIO = 200
+# vLLM's VLLM_VIDEO_FETCH_TIMEOUT, and the most bytes one video may have.
+VIDEO_FETCH_TIMEOUT_S = float(os.environ.get("VLLM_VIDEO_FETCH_TIMEOUT", "30"))
+MAX_VIDEO_BYTES = 256 * 1024 * 1024
 # vLLM's --mm-processor-cache-gb default: GiB of processed images a router replica keeps.
 DEFAULT_PROCESSOR_CACHE_GB = 4.0
+
+
+def _a(kind: str) -> str:
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
 
 
 def _short(url: str) -> str:
@@ -62,6 +71,13 @@ class MediaConnector:
     # vLLM's --allowed-media-domains: the hosts http(s) images may come from (exact names; empty:
     # any). With a list, redirects are not followed (one could lead elsewhere).
     allowed_media_domains: tuple[str, ...] = ()
+    # What it loads ("image", "video"): its messages name it.
+    kind: str = "image"
+
+    def for_videos(self) -> MediaConnector:
+        """The same sources for videos: larger files, more time to fetch them (vLLM's
+        VLLM_VIDEO_FETCH_TIMEOUT)."""
+        return dataclasses.replace(self, kind="video", max_bytes=MAX_VIDEO_BYTES, fetch_timeout_s=VIDEO_FETCH_TIMEOUT_S)
 
     async def fetch_image_bytes(self, url: str) -> bytes:
         scheme = urlparse(url).scheme.lower() if ":" in url else ""
@@ -71,57 +87,59 @@ class MediaConnector:
             return await self._http(url)
         if scheme == "file":
             return await asyncio.to_thread(self._local_file, url)
-        raise ValueError(f"image URL {_short(url)!r}: give a data:image/...;base64 URL, an http(s):// URL or a "
-                         "file:// URL")
+        raise ValueError(f"{self.kind} URL {_short(url)!r}: give a data:{self.kind}/...;base64 URL, an http(s):// "
+                         "URL or a file:// URL")
 
     def _data_url(self, url: str) -> bytes:
         header, comma, data = url.partition(",")
         if not comma or not header.endswith(";base64"):
-            raise ValueError(f"image URL {_short(url)!r}: only base64 data URLs are supported "
+            raise ValueError(f"{self.kind} URL {_short(url)!r}: only base64 data URLs are supported "
                              "(data:image/png;base64,...)")
         if len(data) * 3 // 4 > self.max_bytes:
-            raise ValueError(f"an image of {len(data) * 3 // 4} bytes is larger than the {self.max_bytes} allowed")
+            raise ValueError(f"{_a(self.kind)} of {len(data) * 3 // 4} bytes is larger than the {self.max_bytes} "
+                             "allowed")
         try:
             return base64.b64decode(data)
         except ValueError as e:
-            raise ValueError(f"image data URL {_short(url)!r} is not base64: {e}") from None
+            raise ValueError(f"{self.kind} data URL {_short(url)!r} is not base64: {e}") from None
 
     async def _http(self, url: str) -> bytes:
         import aiohttp
 
         host = (urlparse(url).hostname or "").lower()
         if self.allowed_media_domains and host not in self.allowed_media_domains:
-            raise ValueError(f"image URL {_short(url)!r}: the domain {host!r} is not one of the "
+            raise ValueError(f"{self.kind} URL {_short(url)!r}: the domain {host!r} is not one of the "
                              "--allowed-media-domains")
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.fetch_timeout_s)) as session, \
                     session.get(url, allow_redirects=not self.allowed_media_domains) as response:
                 if 300 <= response.status < 400 and self.allowed_media_domains:
-                    raise ValueError(f"cannot fetch image {_short(url)!r}: HTTP {response.status} (a redirect is "
+                    raise ValueError(f"cannot fetch {self.kind} {_short(url)!r}: HTTP {response.status} (a redirect is "
                                      "not followed with --allowed-media-domains)")
                 if response.status >= 400:
-                    raise ValueError(f"cannot fetch image {_short(url)!r}: HTTP {response.status}")
+                    raise ValueError(f"cannot fetch {self.kind} {_short(url)!r}: HTTP {response.status}")
                 if (response.content_length or 0) > self.max_bytes:
-                    raise ValueError(f"image {_short(url)!r} has {response.content_length} bytes, more than the "
+                    raise ValueError(f"{self.kind} {_short(url)!r} has {response.content_length} bytes, more than the "
                                      f"{self.max_bytes} allowed")
                 data = bytearray()
                 async for chunk in response.content.iter_chunked(1 << 16):
                     data += chunk
                     if len(data) > self.max_bytes:
-                        raise ValueError(f"image {_short(url)!r} has more than the {self.max_bytes} bytes allowed")
+                        raise ValueError(f"{self.kind} {_short(url)!r} has more than the {self.max_bytes} bytes "
+                                         "allowed")
                 return bytes(data)
         except TimeoutError:
-            raise ValueError(f"cannot fetch image {_short(url)!r}: no answer within {self.fetch_timeout_s:g} s "
-                             "(VLLM_IMAGE_FETCH_TIMEOUT)") from None
+            raise ValueError(f"cannot fetch {self.kind} {_short(url)!r}: no answer within {self.fetch_timeout_s:g} s "
+                             f"(VLLM_{self.kind.upper()}_FETCH_TIMEOUT)") from None
         except aiohttp.ClientError as e:
-            raise ValueError(f"cannot fetch image {_short(url)!r}: {e}") from None
+            raise ValueError(f"cannot fetch {self.kind} {_short(url)!r}: {e}") from None
 
     def _local_file(self, url: str) -> bytes:
         if not self.allowed_local_media_path:
             raise ValueError("Cannot load local files without `--allowed-local-media-path`.")
         parsed = urlparse(url)
         if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"image URL {_short(url)!r}: a file:// URL names a file of this machine "
+            raise ValueError(f"{self.kind} URL {_short(url)!r}: a file:// URL names a file of this machine "
                              "(file:///path)")
         path = Path(unquote(parsed.path)).resolve()
         allowed = Path(self.allowed_local_media_path).resolve()
@@ -130,11 +148,11 @@ class MediaConnector:
                              f"`--allowed-local-media-path` {self.allowed_local_media_path}.")
         try:
             if path.stat().st_size > self.max_bytes:
-                raise ValueError(f"image file {unquote(parsed.path)} is larger than the {self.max_bytes} bytes "
+                raise ValueError(f"{self.kind} file {unquote(parsed.path)} is larger than the {self.max_bytes} bytes "
                                  "allowed")
             return path.read_bytes()
         except OSError as e:
-            raise ValueError(f"cannot read image file {unquote(parsed.path)}: {e.strerror or e}") from None
+            raise ValueError(f"cannot read {self.kind} file {unquote(parsed.path)}: {e.strerror or e}") from None
 
 
 def decode_image(data: bytes) -> Image.Image:
@@ -216,6 +234,18 @@ def image_placeholder(tokenizer: Any, image_token_id: int, geometry: ImageGeomet
     return token
 
 
+def video_placeholder(tokenizer: Any, video_token_id: int | None) -> str:
+    """The text that stands for a video in a message given to a template as text: Qwen2-VL's video
+    token within its vision start and end tokens ("" for a model that takes no videos)."""
+    if video_token_id is None:
+        return ""
+    token = tokenizer.convert_ids_to_tokens(video_token_id) or ""
+    vocabulary = tokenizer.get_vocab()
+    if "<|vision_start|>" in vocabulary and "<|vision_end|>" in vocabulary:
+        return f"<|vision_start|>{token}<|vision_end|>"
+    return token
+
+
 def image_prompt_text(tokenizer: Any, image_token_id: int, geometry: ImageGeometry) -> tuple[str, str] | None:
     """Gemma 3 (the model whose image tokens attend both ways): its template writes an image as its
     begin-of-image token, which its processor replaces, in the text, by the image's whole sequence:
@@ -240,22 +270,32 @@ def expand_image_tokens(prompt_ids: list[int], image_token_id: int, runs: list[l
     """The prompt with each image token replaced by its image's run of placeholder ids (``runs``, in
     prompt order), and where each run starts. ValueError unless the prompt has exactly one image
     token per image."""
-    num_images = len(runs)
-    positions = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
-    if len(positions) != num_images:
-        token = f" {placeholder!r}" if placeholder else ""
-        raise ValueError(f"the prompt has {len(positions)} image token(s){token} for {num_images} image(s): the "
-                         "chat template must write one per image (a text that holds the token, or a template "
-                         "that leaves out some messages' images, breaks the count)")
+    ids, offsets = expand_media_tokens(prompt_ids, {image_token_id: ("image", runs, placeholder)})
+    return ids, offsets[image_token_id]
+
+
+def expand_media_tokens(prompt_ids: list[int], media: dict[int, tuple[str, list[list[int]], str]]
+                        ) -> tuple[list[int], dict[int, list[int]]]:
+    """The prompt with each media token (an image's, a video's) replaced by its item's run of
+    placeholder ids: ``media`` maps each token to (its modality, its items' runs in prompt order, its
+    text); and, per token, where each run starts. ValueError unless the prompt has exactly one token
+    per item."""
+    for token, (modality, runs, placeholder) in media.items():
+        count = sum(1 for t in prompt_ids if t == token)
+        if count != len(runs):
+            text = f" {placeholder!r}" if placeholder else ""
+            raise ValueError(f"the prompt has {count} {modality} token(s){text} for {len(runs)} {modality}(s): the "
+                             f"chat template must write one per {modality} (a text that holds the token, or a "
+                             f"template that leaves out some messages' {modality}s, breaks the count)")
+    pending = {token: iter(runs) for token, (_, runs, _) in media.items()}
     out: list[int] = []
-    offsets: list[int] = []
-    start = 0
-    for position, run in zip(positions, runs, strict=True):
-        out += prompt_ids[start:position]
-        offsets.append(len(out))
-        out += run
-        start = position + 1
-    out += prompt_ids[start:]
+    offsets: dict[int, list[int]] = {token: [] for token in media}
+    for t in prompt_ids:
+        if t in pending:
+            offsets[t].append(len(out))
+            out += next(pending[t])
+        else:
+            out.append(t)
     return out, offsets
 
 
@@ -327,8 +367,13 @@ class MultiModalProcessor:
                  placeholder: str, media: MediaConnector | None = None,
                  max_images: int = DEFAULT_LIMIT_PER_PROMPT, cache_bytes: int = 0,
                  on_cache_lookup: Callable[[bool], None] | None = None,
-                 prompt_replacement: tuple[str, str] | None = None) -> None:
+                 prompt_replacement: tuple[str, str] | None = None, video_token_id: int | None = None,
+                 video_placeholder: str = "", max_videos: int = DEFAULT_LIMIT_PER_PROMPT) -> None:
         self.image_token_id = image_token_id
+        # Videos (Qwen2-VL, Qwen2.5-VL: geometry.takes_videos): their token and its text; None: none.
+        self.video_token_id = video_token_id if geometry.takes_videos else None
+        self.video_placeholder = video_placeholder
+        self.max_videos = max_videos
         # How many placeholders an image is (LLaVA: a fixed count; LLaVA-NeXT: by its size).
         self.geometry = geometry
         self.image_processor = image_processor
@@ -395,6 +440,55 @@ class MultiModalProcessor:
         """Whether an image's token count depends on its size (known once it is loaded)."""
         return self.geometry.counts_by_size
 
+    def check_video_count(self, num_videos: int) -> None:
+        if num_videos and self.video_token_id is None:
+            raise ValueError(f"the model {self.model_id!r} takes no videos")
+        if num_videos > self.max_videos:
+            raise ValueError(f"At most {self.max_videos} video(s) may be provided in one prompt "
+                             "(--limit-mm-per-prompt).")
+        if num_videos and self.image_processor is None:
+            raise ValueError(f"the model {self.model_id!r} has no image processor ({IMAGE_PROCESSOR_FILE}): "
+                             "it cannot take videos")
+
+    def process_video(self, data: bytes) -> ProcessedVideo:
+        """(CPU work: run in a thread.) A video file as the vision encoder takes it (router.video)."""
+        video = decode_video(data, self.geometry.temporal_patch_size)
+        processor = self.image_processor
+        return process_video(video, self.geometry, processor.image_mean, processor.image_std, self.model_id)
+
+    async def load_video(self, url: str) -> ProcessedVideo:
+        data = await self.media.for_videos().fetch_image_bytes(url)
+        if self.cache is None:
+            return await asyncio.to_thread(self.process_video, data)
+        key = b"video" + ProcessedImageCache.key(data)
+        video = self.cache.get(key)
+        if video is None:
+            video = await asyncio.to_thread(self.process_video, data)
+            self.cache.put(key, video)  # type: ignore[arg-type]
+        return video  # type: ignore[return-value]
+
+    async def load_videos(self, urls: list[str]) -> list[ProcessedVideo]:
+        """The videos at ``urls``, all loaded at once (the first failure raised)."""
+        loaded = await asyncio.gather(*map(self.load_video, urls), return_exceptions=True)
+        error = next((e for e in loaded if isinstance(e, BaseException)), None)
+        if error is not None:
+            raise error
+        return loaded  # type: ignore[return-value]
+
+    def expand_media(self, prompt_ids: list[int], image_sizes: list[tuple[int, int]], videos: list[ProcessedVideo]
+                     ) -> tuple[list[int], list[int], list[int]]:
+        """The prompt with each image token expanded to its image's placeholders (by ``image_sizes``)
+        and each video token to its video's: (ids, the images' offsets, the videos' offsets)."""
+        geometry = self.geometry
+        media = {self.image_token_id: ("image", [geometry.placeholder_ids(self.image_token_id, *size)
+                                                 for size in image_sizes], self.placeholder)}
+        if videos:
+            assert self.video_token_id is not None
+            media[self.video_token_id] = ("video", [[self.video_token_id] * v.num_tokens for v in videos],
+                                          self.video_placeholder)
+        ids, offsets = expand_media_tokens(prompt_ids, media)
+        return ids, offsets[self.image_token_id], offsets.get(self.video_token_id, [])  # type: ignore[arg-type]
+
     def expand(self, prompt_ids: list[int], num_images: int,
                sizes: list[tuple[int, int]] | None = None) -> tuple[list[int], list[int]]:
         """``sizes``: each image's (height, width); when None, each image at the geometry's fixed
@@ -452,10 +546,16 @@ class MultiModalProcessor:
         return loaded  # type: ignore[return-value]
 
     def features(self, images: list[ProcessedImage], prompt_ids: list[int],
-                 offsets: list[int]) -> list[MultiModalFeature]:
-        """Each image over its placeholders, from its offset in the (expanded) prompt."""
+                 offsets: list[int], videos: Sequence[ProcessedVideo] = (),
+                 video_offsets: Sequence[int] = ()) -> list[MultiModalFeature]:
+        """Each image (and video) over its placeholders, from its offset in the (expanded) prompt, in
+        prompt order."""
         features = [MultiModalFeature("image", image.identifier, offset, image.num_tokens, image.pixel_values,
                                       image.image_size if self.counts_by_size else None)
                     for image, offset in zip(images, offsets, strict=True)]
-        check_features(features, prompt_ids, self.image_token_id, self.geometry)
+        features += [MultiModalFeature("video", video.identifier, offset, video.num_tokens, video.pixel_values,
+                                       video.frame_size, video.num_frames, video.second_per_grid)
+                     for video, offset in zip(videos, video_offsets, strict=True)]
+        features.sort(key=lambda f: f.offset)
+        check_features(features, prompt_ids, self.image_token_id, self.geometry, self.video_token_id)
         return features

@@ -13,8 +13,10 @@ from pydantic_core import PydanticCustomError
 from router.content_format import (
     IMAGE_PART_TYPE,
     TEXT_PART_TYPES,
+    VIDEO_PART_TYPE,
     image_part_url,
     is_image_part,
+    is_video_part,
     template_content,
 )
 
@@ -321,25 +323,32 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _text_and_images(self) -> ChatMessage:
-        # Other kinds of part (audio, video, image embeddings) cannot be shown to the models served:
-        # refused rather than silently dropped. Images go to vision-language models (a text model's
-        # serving refuses them, naming the model).
+        # Other kinds of part (audio, image embeddings) cannot be shown to the models served: refused
+        # rather than silently dropped. Images go to vision-language models, videos to those that
+        # take them (a model's serving refuses what it does not take, naming the model).
         for part in self.content if isinstance(self.content, list) else ():
             if isinstance(part, str) or part.get("type") in TEXT_PART_TYPES:  # (bare strings: text)
                 continue
-            if part.get("type") != IMAGE_PART_TYPE:
-                raise invalid("messages", f"message content of type {part.get('type')!r} is not supported "
-                              f"(text and {IMAGE_PART_TYPE} only)")
-            image = part.get(IMAGE_PART_TYPE)
-            if not isinstance(image, dict) or not isinstance(image.get("url"), str):
-                raise invalid("messages", f'an {IMAGE_PART_TYPE} part must be {{"type": "{IMAGE_PART_TYPE}", '
-                              f'"{IMAGE_PART_TYPE}": {{"url": "..."}}}}')
+            kind = part.get("type")
+            if kind not in (IMAGE_PART_TYPE, VIDEO_PART_TYPE):
+                raise invalid("messages", f"message content of type {kind!r} is not supported "
+                              f"(text, {IMAGE_PART_TYPE} and {VIDEO_PART_TYPE} only)")
+            media = part.get(kind)
+            if not isinstance(media, dict) or not isinstance(media.get("url"), str):
+                article = "an" if kind == IMAGE_PART_TYPE else "a"
+                raise invalid("messages", f'{article} {kind} part must be {{"type": "{kind}", "{kind}": '
+                              '{"url": "..."}}')
         return self
 
     def images(self) -> list[str]:
         """The URLs of the message's image parts, in order."""
         return [image_part_url(p) for p in self.content if is_image_part(p)] if isinstance(self.content, list) \
             else []
+
+    def videos(self) -> list[str]:
+        """The URLs of the message's video parts, in order."""
+        return [p[VIDEO_PART_TYPE]["url"] for p in self.content if is_video_part(p)] \
+            if isinstance(self.content, list) else []
 
 
 class FunctionDefinition(BaseModel):

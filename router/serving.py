@@ -36,7 +36,7 @@ from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams, logprobs_count
 from router.bad_words import bad_words_token_ids
 from router.chat_parsing import ChatOutputParser
-from router.content_format import is_image_part, resolve_content_format, template_content
+from router.content_format import is_media_part, resolve_content_format, template_content
 from router.detached import SharedRun, runs_to_completion
 from router.detokenizer import IncrementalDetokenizer, fast_decoder, token_bytes, token_text
 from router.disaggregation import EngineRoles, needs_remote_prefill, run_prefill
@@ -58,6 +58,7 @@ from router.multimodal import (
     MultiModalProcessor,
     image_placeholder,
     image_prompt_text,
+    video_placeholder,
 )
 from router.parsed_output import ParsedDelta
 from router.protocol import (
@@ -142,7 +143,7 @@ def conversation_chars(messages: list[ChatMessage], *more: Any) -> int:
     """About how much text a conversation's rendering and tokenization read: its messages' content
     and their other fields (reasoning, tool calls), and ``more`` (tools, documents) the template shows."""
     return sum((len(m.content) if isinstance(m.content, str)
-                else len(str([p for p in m.content or () if not is_image_part(p)])))  # (no image's bytes)
+                else len(str([p for p in m.content or () if not is_media_part(p)])))  # (no image's bytes)
                + (len(str(m.model_extra)) if m.model_extra else 0) for m in messages) \
         + sum(len(str(item)) for item in more if item)
 
@@ -293,6 +294,8 @@ class ServingSettings:
     # are, and how many stand for one image; None: the model takes text only.
     image_token_id: int | None = None
     image_geometry: ImageGeometry | None = None
+    # A model that takes videos too (Qwen2-VL, Qwen2.5-VL): the token a video's rows replace.
+    video_token_id: int | None = None
     # vLLM's --limit-mm-per-prompt: the most items of a modality one prompt may carry (a modality
     # not named: DEFAULT_LIMIT_PER_PROMPT, vLLM v1's 999).
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
@@ -473,7 +476,10 @@ class OpenAIServing:
                 max_images=settings.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT),
                 cache_bytes=int(settings.mm_processor_cache_gb * 2**30),
                 on_cache_lookup=None if metrics is None else metrics.record_mm_cache_lookup,
-                prompt_replacement=image_prompt_text(tokenizer, settings.image_token_id, settings.image_geometry))
+                prompt_replacement=image_prompt_text(tokenizer, settings.image_token_id, settings.image_geometry),
+                video_token_id=settings.video_token_id,
+                video_placeholder=video_placeholder(tokenizer, settings.video_token_id),
+                max_videos=settings.limit_mm_per_prompt.get("video", DEFAULT_LIMIT_PER_PROMPT))
 
     # -- request preparation ------------------------------------------------------------------------
 
@@ -728,12 +734,14 @@ class OpenAIServing:
         # that tool calls' JSON arguments are parsed: templates write them out with ``tojson``.
         content_format = resolve_content_format(self.settings.chat_template_content_format, chat_template,
                                                 self.tokenizer.chat_template, bool(tools))
-        if self.chat_images(chat) and not with_images:  # (a model that takes none refuses them first)
-            raise bad_request("images are taken by chat completions, the Responses API and /tokenize only",
-                              "messages")
+        if (self.chat_images(chat) or self.chat_videos(chat)) and not with_images:  # (refused first if not taken)
+            raise bad_request("images and videos are taken by chat completions, the Responses API and /tokenize "
+                              "only", "messages")
         placeholder = self.images.placeholder if self.images is not None else None
+        video_text = self.images.video_placeholder if self.images is not None else None
         messages = [_template_message(m.model_extra or {}, m.role,
-                                      template_content(m.content, content_format, placeholder)) for m in chat]
+                                      template_content(m.content, content_format, placeholder, video_text))
+                    for m in chat]
         kwargs = {**self.settings.default_chat_template_kwargs, **(chat_template_kwargs or {})}
         if tools:
             kwargs.setdefault("tools", tools)
@@ -769,6 +777,40 @@ class OpenAIServing:
             except ValueError as e:
                 raise bad_request(str(e), "messages") from None
         return urls
+
+    def chat_videos(self, messages: list[ChatMessage]) -> list[str]:
+        """The URLs of a conversation's videos, in order; a 400 for a model that takes none, or for
+        more than --limit-mm-per-prompt allows."""
+        urls = [url for m in messages for url in m.videos()]
+        if urls and self.settings.limit_mm_per_prompt.get("video") == 0:
+            raise bad_request("At most 0 video(s) may be provided in one prompt (--limit-mm-per-prompt '{\"video\": "
+                              f"0}}' for model {self.settings.served_model_name!r})", "messages")
+        if urls and (self.images is None or self.images.video_token_id is None):
+            raise bad_request(f"model {self.settings.served_model_name!r} does not take videos", "messages")
+        if urls:
+            try:
+                self.images.check_video_count(len(urls))  # type: ignore[union-attr]
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from None
+        return urls
+
+    async def prompt_media(self, urls: list[str], video_urls: list[str], prompt_ids: list[int],
+                           count_only: bool = False) -> tuple[list[int], list[MultiModalFeature]]:
+        """``prompt_images`` with the conversation's videos too: every image and video is loaded (a
+        video's frames, and so its token count, are known only once it is decoded)."""
+        if not video_urls:
+            return await self.prompt_images(urls, prompt_ids, count_only)
+        images = self.images
+        assert images is not None  # (chat_videos refused videos for a model without them)
+        try:
+            loaded, videos = await asyncio.gather(images.load_all(urls), images.load_videos(video_urls))
+            ids, offsets, video_offsets = images.expand_media(prompt_ids, [i.image_size for i in loaded], videos)
+            if count_only:
+                return ids, []
+            self.check_prompt_fits(len(ids), "messages")
+            return ids, images.features(loaded, ids, offsets, videos, video_offsets)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
 
     async def prompt_images(self, urls: list[str], prompt_ids: list[int],
                             count_only: bool = False) -> tuple[list[int], list[MultiModalFeature]]:
@@ -1595,20 +1637,20 @@ class OpenAIServing:
             raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
                               "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
                               '"required" or "none"', "tool_choice")
-        urls = self.chat_images(request.messages)
-        if urls:
+        urls, video_urls = self.chat_images(request.messages), self.chat_videos(request.messages)
+        if urls or video_urls:
             for refused, param in ((request.use_beam_search, "use_beam_search"),
                                    (request.truncate_prompt_tokens is not None, "truncate_prompt_tokens")):
                 if refused:
-                    raise bad_request(f"{param} is not supported with images", param)
+                    raise bad_request(f"{param} is not supported with images or videos", param)
         chars = conversation_chars(request.messages, request.tools, request.documents)
         ids = await self.tokenizer_work(chars, self.render_chat, request)
         # With images: each image token expanded to its placeholders, which the context must hold, and
         # the images loaded (once: the choices share them); their identifiers key the prompt's blocks,
         # for prefix-aware routing as in the engines.
         features: list[MultiModalFeature] | None = None
-        if urls:
-            ids, features = await self.prompt_images(urls, ids)
+        if urls or video_urls:
+            ids, features = await self.prompt_media(urls, video_urls, ids)
         else:
             ids = self.truncate_prompt(ids, request)
         if request_id is None:

@@ -31,9 +31,7 @@ if TYPE_CHECKING:
 VIDEO_FPS = 2.0
 MIN_FRAMES = 4
 MAX_FRAMES = 768
-# The most bytes one video may have (encoded), and the most frames it may hold (decoded one by one,
-# only the sampled ones kept).
-MAX_VIDEO_BYTES = 256 * 1024 * 1024
+# The most frames a video may hold (decoded one by one, only the sampled ones kept).
 MAX_SOURCE_FRAMES = 100_000
 
 

@@ -82,8 +82,11 @@ def test_refusals(llava, tmp_path):
     _, llm = llava
     with pytest.raises(ValueError, match=r"0 image token\(s\).*for 1 image"):
         llm.generate({"prompt": "no token here", "multi_modal_data": {"image": picture(3)}}, use_tqdm=False)
-    with pytest.raises(ValueError, match="images only"):
+    with pytest.raises(ValueError, match="takes images and videos"):
         llm.generate({"prompt": "<image>", "multi_modal_data": {"audio": [1.0]}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="takes no videos"):  # (LLaVA's)
+        llm.generate({"prompt": "<video>", "multi_modal_data": {"video": np.zeros((2, 8, 8, 3), np.uint8)}},
+                     use_tqdm=False)
     from PIL import Image
 
     with pytest.raises(ValueError, match="prompt 0: an image of 1000x2 pixels is too narrow"):
@@ -295,3 +298,45 @@ def test_ministral3_with_mistrals_own_tokenizer_file_chats_with_an_image(tmp_pat
         want = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS,
                               do_sample=False, **processed)[0, tensor.shape[1]:].tolist()
     assert out.outputs[0].token_ids == want and out.outputs[0].text == text
+
+
+def test_qwen2_5_vl_takes_videos_in_chat_and_in_multi_modal_data(tmp_path):
+    """Qwen2.5-VL offline: a video_url part in LLM.chat (an mp4 data URL: its frames sampled at 2 a
+    second), and vLLM's multi_modal_data video (an array of frames, taken as sampled at 2 a second);
+    transformers' tokens on the same frames and timing."""
+    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from gpu_worker.config import ModelConfig
+    from router.video import DecodedVideo, decode_video, process_video
+    from tests.router.test_video import mp4, video_part
+    from tests.tiny_model import build_tiny_qwen2_vl
+
+    model_dir = build_tiny_qwen2_vl(tmp_path / "qwen2.5-vl", windowed=True)
+    data = mp4(10, seed=4)
+    frames = np.stack([np.asarray(picture(30 + i).resize((120, 60))) for i in range(4)])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512) as llm:
+        [chat] = llm.chat([{"role": "user", "content": [video_part(data), {"type": "text", "text": "What moves?"}]}],
+                          params, use_tqdm=False)
+        video_token = llm.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        prompt = "<|vision_start|><|video_pad|><|vision_end|>What moves?"
+        [given] = llm.generate({"prompt": prompt, "multi_modal_data": {"video": frames}}, params, use_tqdm=False)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    from PIL import Image
+
+    array_video = DecodedVideo([Image.fromarray(f) for f in frames], 4, 2.0)
+    for out, video in ((chat, decode_video(data)), (given, array_video)):
+        processed = process_video(video, geometry, processor.image_mean, processor.image_std, "m")
+        ids = torch.tensor([out.prompt_token_ids])
+        assert out.prompt_token_ids.count(video_token) == processed.num_tokens == 16
+        with torch.no_grad():
+            want = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                pixel_values_videos=processed.pixel_values.to_tensor(),
+                video_grid_thw=torch.tensor([geometry.video_patch_grid(processed.num_frames, *processed.frame_size)]),
+                second_per_grid_ts=torch.tensor([processed.second_per_grid]),
+                mm_token_type_ids=2 * (ids == video_token).int())[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == want
+    assert given.outputs[0].token_ids != chat.outputs[0].token_ids  # (another video: another answer)

@@ -40,8 +40,9 @@ BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next,
 PROMPT = [2, 5, 9, 11, 200, 31, 7, 90, 91, 23, 44, 57, 61, 88, 102, 150, 17, 19, 33, 120]
 
 
-def text_only_engine(model_dir, **spec) -> EngineCore:
-    config = ClusterConfig(model=str(model_dir), limit_mm_per_prompt={"image": 0},
+def text_only_engine(model_dir, limit: dict | None = None, **spec) -> EngineCore:
+    """(Videos refused too: Qwen2-VL keeps its tower for them otherwise.)"""
+    config = ClusterConfig(model=str(model_dir), limit_mm_per_prompt=limit or {"image": 0, "video": 0},
                            defaults=EngineSpec(num_gpu_blocks=256, **spec)).engine_configs()[0]
     assert config.language_model_only
     return EngineCore(config, create_executor(config))
@@ -89,3 +90,31 @@ def test_the_engines_of_a_model_with_no_images_load_its_language_model_alone(tmp
         {"model": model_dir, "served_model_name": "text-only", "limit_mm_per_prompt": {"image": 0}}])
     assert [c.language_model_only for c in config.engine_configs()] == [True, False, True]
     assert not ClusterConfig(model=model_dir).engine_configs()[0].language_model_only
+
+
+def test_qwen2_5_vl_with_no_images_keeps_its_tower_for_videos(tmp_path):
+    """vLLM's text-only mode needs every modality's limit at 0: with images alone refused, Qwen2.5-VL
+    loads its tower for videos, which answer as the whole model's; images are refused."""
+    import msgspec
+    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from tests.gpu_worker.test_llava import picture
+    from tests.gpu_worker.test_qwen2_vl import video_prompt
+
+    model_dir = build_tiny_qwen2_vl(tmp_path / "qwen2.5-vl", windowed=True)
+    qwen = (model_dir, Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).eval(),
+            AutoImageProcessor.from_pretrained(model_dir))
+    ids, features, _ = video_prompt(qwen, [picture(20 + i, (60, 120)) for i in range(4)], 1.0)
+    image, video = features
+    # (The video alone: the image's run and its vision tokens taken out.)
+    video_ids = ids[:image.offset - 1] + ids[image.end + 1:]
+    video = msgspec.structs.replace(video, offset=video.offset - image.length - 2)
+    engine = text_only_engine(model_dir, {"image": 0})
+    assert any(name.startswith("visual.") for name, _ in engine.executor.worker.runner.model.named_parameters())
+    got = run(engine, {"v": (video_ids, [video])})["v"]
+    want = run(make_engine(model_dir), {"v": (video_ids, [video])})["v"]
+    assert got[1] == want[1]
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+    with pytest.raises(RequestRefusedError, match=r"takes no images: --limit-mm-per-prompt"):
+        engine.add_request(EngineCoreRequest(request_id="i", prompt_token_ids=ids, sampling_params=SamplingParams(),
+                                             mm_features=features))

@@ -167,6 +167,47 @@ def test_qwen2_5_vl_beside_it_places_each_image_by_its_grid(client, qwen_dir):
         assert ask(client, messages("Compare them.", wide, tall), stream, model="qwen2.5-vl") == want
 
 
+def test_qwen2_5_vl_takes_a_video_beside_an_image(client, qwen_dir):
+    """A video_url part (vLLM's): its frames sampled, paired and encoded, its placeholders timed by
+    M-RoPE; transformers' answer on the same frames, streamed or not."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from gpu_worker.config import ModelConfig
+    from router.video import decode_video, process_video
+    from tests.router.test_video import mp4, video_part
+
+    data, image = mp4(10, seed=3), picture(25, (40, 70))
+    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                         {"type": "text", "text": "then"}, video_part(data),
+                                         {"type": "text", "text": "What moves?"}]}]
+    tokenizer = AutoTokenizer.from_pretrained(qwen_dir)
+    model = AutoModelForImageTextToText.from_pretrained(qwen_dir).eval()
+    processor = AutoImageProcessor.from_pretrained(qwen_dir)
+    geometry = ModelConfig.from_pretrained(qwen_dir).vision.geometry
+    video = process_video(decode_video(data), geometry, processor.image_mean, processor.image_std, "qwen")
+    config = model.config
+    parts = [{"type": "image"}, {"type": "text", "text": "then"}, {"type": "video"},
+             {"type": "text", "text": "What moves?"}]
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                             tokenize=False)
+    ids: list[int] = []
+    for token in tokenizer.encode(rendered, add_special_tokens=False):
+        ids += ([token] * geometry.num_tokens(image.height, image.width) if token == config.image_token_id
+                else [token] * video.num_tokens if token == config.video_token_id else [token])
+    kinds = torch.tensor([ids])
+    inputs = {**processor(images=[image], return_tensors="pt"),
+              "pixel_values_videos": video.pixel_values.to_tensor(),
+              "video_grid_thw": torch.tensor([geometry.video_patch_grid(video.num_frames, *video.frame_size)]),
+              "second_per_grid_ts": torch.tensor([video.second_per_grid]),
+              "mm_token_type_ids": (kinds == config.image_token_id).int() + 2 * (kinds == config.video_token_id).int()}
+    with torch.no_grad():
+        out = model.generate(input_ids=kinds, attention_mask=torch.ones_like(kinds), max_new_tokens=MAX_TOKENS,
+                             do_sample=False, **inputs)
+    want = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    for stream in (False, True):
+        assert ask(client, chat, stream, model="qwen2.5-vl") == want
+
+
 def test_mistral3_beside_it_writes_each_image_as_rows(client, mistral_dir):
     """Mistral 3: each image's [IMG] becomes its rows of image tokens with their break and end tokens
     (counted in the prompt's usage); transformers' answers, streamed or not."""
