@@ -18,13 +18,19 @@ Qwen2-VL instead (a 4-block native-resolution tower: each 300x280 image resized 
 ended by its break or end token, 121 tokens; a Mistral decoder). ``--internvl``: InternVL instead (a
 4-layer InternViT over ``--image-size`` tiles, pixel-shuffled 2x2: each 300x280 image 1 tile of
 (size/patch/2)^2 tokens, at most 2 tiles an image and a thumbnail beside them; a Qwen2 decoder).
+``--qwen --video``: each prompt a video of 8 frames of 300x280 pixels in place of the image (frames
+resized within a 28x28 to 196x196 pixels' range: 196x168, 14x12 patches; 4 frame pairs of 42
+tokens, 168 tokens), its patches made by the router's video code (router.video); "repeated" the
+same video in every prompt.
 Usage: python benchmarks/bench_multimodal.py [--rounds 2] [--requests 16] [--max-tokens 32]
-       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next | --qwen | --mistral3 | --internvl]
+       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next | --qwen [--video] | --mistral3 |
+       --internvl]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -33,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# A --video prompt's frames.
+FRAMES = 8
 
 
 def save_random(model_class, config, tokenizer, path: Path) -> None:
@@ -65,9 +73,13 @@ def build_qwen_model(path: Path, args: argparse.Namespace) -> Path:
     vision = dict(depth=4, embed_dim=args.hidden, num_heads=4, hidden_size=args.hidden, patch_size=args.patch)
     config = Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=ids["image_pad"],
                            vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
-                           video_token_id=ids["image_pad"] + 100)
+                           video_token_id=ids["video_pad"])
     save_random(Qwen2VLForConditionalGeneration, config, tokenizer, path)
     Qwen2VLImageProcessorPil(patch_size=args.patch).save_pretrained(path)
+    side = 2 * args.patch  # (the video frames' pixel range: 2x2 to 7x7 merged patches)
+    (path / "video_preprocessor_config.json").write_text(json.dumps({
+        "size": {"shortest_edge": side * side, "longest_edge": 49 * side * side}, "patch_size": args.patch,
+        "temporal_patch_size": 2, "merge_size": 2}))
     return path
 
 
@@ -172,6 +184,7 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
 
     from engine_core.multimodal import MultiModalFeature, TensorData, feature_identifier
     from gpu_worker.config import ModelConfig
+    from router.video import video_patches
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     processor = AutoImageProcessor.from_pretrained(model_dir)
@@ -183,25 +196,39 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
     if args.mistral3:  # (its processor's patches are the merged 2x2 ones)
         processor.patch_size = {"height": 2 * args.patch, "width": 2 * args.patch}
     placeholders = vision.geometry.placeholder_ids(image_id, 300, 280)
+    if args.video:
+        image_id = vision.video_token_id
+        placeholders = [image_id] * vision.geometry.video_num_tokens(FRAMES, 300, 280)
     n = len(placeholders)
     words = tokenizer.encode("Hello world the quick brown fox jumps over the lazy dog Paris Berlin capital")
     out = []
     for i in range(args.requests):
         seed = 0 if repeated else i
         image = Image.fromarray((np.random.RandomState(seed).rand(300, 280, 3) * 255).astype("uint8"))
-        # (InternVL's tile counts are its processor's own: its model takes the tiles alone.)
-        processed = {k: v for k, v in processor(images=[image], return_tensors="pt").items() if k != "num_patches"}
+        if args.video:
+            frames = [Image.fromarray((np.random.RandomState(seed * 100 + f).rand(300, 280, 3) * 255)
+                                      .astype("uint8")) for f in range(FRAMES)]
+            patches = video_patches(frames, vision.geometry, processor.image_mean, processor.image_std)
+            processed = {"pixel_values_videos": torch.from_numpy(patches),
+                         "video_grid_thw": torch.tensor([vision.geometry.video_patch_grid(FRAMES, 300, 280)])}
+        else:
+            # (InternVL's tile counts are its processor's own: its model takes the tiles alone.)
+            processed = {k: v for k, v in processor(images=[image], return_tensors="pt").items()
+                         if k != "num_patches"}
         text = [words[(i + j) % len(words)] for j in range(8)]
         if wrap:
             text.append(before)
         whole = args.qwen or args.internvl  # (Qwen2-VL's patches, InternVL's tiles: the image's whole batch)
-        data = TensorData.from_array(processed["pixel_values"] if whole else processed["pixel_values"][0])
+        pixels = processed["pixel_values_videos"] if args.video else processed["pixel_values"]
+        data = TensorData.from_array(pixels if whole else pixels[0])
         ids = text + placeholders + ([after] if wrap else []) + words[:4]
-        if args.qwen:  # (transformers places the M-RoPE positions by the tokens' types)
-            processed["mm_token_type_ids"] = torch.tensor([[int(t == image_id) for t in ids]])
-        out.append((ids, [MultiModalFeature("image", feature_identifier("image", data), len(text), n, data,
-                                            None if not vision.geometry.counts_by_size else (300, 280))],
-                    processed))
+        kind = "video" if args.video else "image"
+        if args.qwen:  # (transformers places the M-RoPE positions by the tokens' types: video 2, image 1)
+            processed["mm_token_type_ids"] = torch.tensor([[(1 + args.video) * int(t == image_id) for t in ids]])
+        feature = MultiModalFeature(kind, feature_identifier(kind, data), len(text), n, data,
+                                    None if not vision.geometry.counts_by_size else (300, 280),
+                                    FRAMES if args.video else 0, 1.0 if args.video else 0.0)
+        out.append((ids, [feature], processed))
     return out
 
 
@@ -255,7 +282,10 @@ def main() -> None:
     kind.add_argument("--qwen", action="store_true", help="Qwen2-VL (native resolution, M-RoPE)")
     kind.add_argument("--mistral3", action="store_true", help="Mistral 3 (Pixtral tower, rows of image tokens)")
     kind.add_argument("--internvl", action="store_true", help="InternVL (InternViT over tiles, pixel shuffle)")
+    parser.add_argument("--video", action="store_true", help="with --qwen: a video of 8 frames in each prompt")
     args = parser.parse_args()
+    if args.video and not args.qwen:
+        parser.error("--video needs --qwen")
     import torch
 
     from cluster.config import ClusterConfig, EngineSpec
@@ -266,7 +296,8 @@ def main() -> None:
     distinct, repeated = workload(model_dir, args, False), workload(model_dir, args, True)
     from gpu_worker.config import ModelConfig
 
-    n = ModelConfig.from_pretrained(model_dir).vision.geometry.num_tokens(300, 280)
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    n = geometry.video_num_tokens(FRAMES, 300, 280) if args.video else geometry.num_tokens(300, 280)
     config = ClusterConfig(model=str(model_dir), defaults=EngineSpec(
         num_gpu_blocks=args.requests * (n + 64) // 16 + 64, max_model_len=n + 64 + args.max_tokens,
         max_num_batched_tokens=2048)).engine_configs()[0]
@@ -295,7 +326,8 @@ def main() -> None:
              else f"4-layer CLIP {args.image_size}px/{args.patch}")
     decoder = "Qwen2" if args.qwen or args.internvl else "Mistral" if args.mistral3 else "Llama"
     text_tokens = len(distinct[0][0]) - n
-    print(f"\n{args.requests} requests x ({n}-token image + {text_tokens} text tokens) x {args.max_tokens} tokens, "
+    what = f"{FRAMES}-frame video" if args.video else "image"
+    print(f"\n{args.requests} requests x ({n}-token {what} + {text_tokens} text tokens) x {args.max_tokens} tokens, "
           f"random {model} ({args.layers} x {args.hidden} {decoder}, {tower}), CPU, "
           f"{torch.get_num_threads()} torch threads, medians of {args.rounds} rounds; tokens equal transformers'")
     print(f"{'':16}{'wall s':>9}{'out tok/s':>11}{'vs transformers':>17}{'images encoded':>16}")

@@ -274,12 +274,16 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
             return self.video_patch_grid(feature.num_frames, *size)
         return self.patch_grid(*size)
 
+    def video_num_tokens(self, num_frames: int, height: int, width: int) -> int:
+        """A video's placeholders (and encoder rows): its temporal patches' merged patches."""
+        frames, rows, columns = self.video_patch_grid(num_frames, height, width)
+        return frames * rows * columns // self.merge_size ** 2
+
     def tokens_of(self, feature: MultiModalFeature) -> int:
         """An image's or a video's placeholders (and encoder rows)."""
         if feature.modality != "video":
             return self.num_tokens(*(feature.image_size or (1, 1)))
-        frames, rows, columns = self.grid_of(feature)
-        return frames * rows * columns // self.merge_size ** 2
+        return self.video_num_tokens(feature.num_frames, *(feature.image_size or (1, 1)))
 
     def input_shape_of(self, feature: MultiModalFeature) -> tuple[int, ...]:
         """An image's or a video's pixel values as the encoder takes them."""
