@@ -24,7 +24,7 @@ from engine_core.config import EngineConfig, KVCacheDType
 from engine_core.engine_core import EngineCore
 from engine_core.executor import ModelInfo, PoolingInfo
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
-from engine_core.multimodal import MultiModalFeature
+from engine_core.multimodal import ImageGeometry, MultiModalFeature
 from engine_core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry, LoRARequest
 from engine_core.prompt_embeds import PromptEmbeds
 from engine_core.sampling_params import SamplingParams as EngineSamplingParams
@@ -994,7 +994,7 @@ class LLM:
                     media = self._images()  # (a model that takes none refuses them before any is loaded)
                     if part.get("type") == "video_url":
                         media.check_video_count(len(videos) + 1)
-                        videos.append(_chat_video(part, media.geometry.temporal_patch_size))
+                        videos.append(_chat_video(part, media.geometry))
                     else:
                         images.append(_chat_image(part))
             placeholder = self._images().placeholder if images or videos else None
@@ -1350,7 +1350,7 @@ def _chat_image(part: dict[str, Any]) -> Any:
     return decode_image(asyncio.run(MediaConnector().fetch_image_bytes(url)))
 
 
-def _chat_video(part: dict[str, Any], temporal_patch_size: int) -> DecodedVideo:
+def _chat_video(part: dict[str, Any], geometry: ImageGeometry) -> DecodedVideo:
     """A video part of LLM.chat's messages (vLLM's ``video_url``: a data: URL, or http(s) fetched
     here), decoded and its frames sampled (router.video)."""
     import asyncio
@@ -1360,7 +1360,7 @@ def _chat_video(part: dict[str, Any], temporal_patch_size: int) -> DecodedVideo:
     url = (part.get("video_url") or {}).get("url") if isinstance(part.get("video_url"), dict) else None
     if not isinstance(url, str):
         raise ValueError('a video_url part needs {"video_url": {"url": ...}}')
-    return decode_video(asyncio.run(MediaConnector().for_videos().fetch_image_bytes(url)), temporal_patch_size)
+    return decode_video(asyncio.run(MediaConnector().for_videos().fetch_image_bytes(url)), geometry)
 
 
 def _video_of(frames: Any) -> DecodedVideo:
@@ -1375,7 +1375,8 @@ def _video_of(frames: Any) -> DecodedVideo:
         frames = [Image.fromarray(np.asarray(frame, dtype=np.uint8)) for frame in frames]
     if not frames or not all(isinstance(frame, Image.Image) for frame in frames):
         raise TypeError("a video must be a [frames, height, width, 3] array or a list of PIL images")
-    return DecodedVideo([frame.convert("RGB") for frame in frames], len(frames), VIDEO_FPS)
+    return DecodedVideo([frame.convert("RGB") for frame in frames], len(frames), VIDEO_FPS,
+                        (frames[0].height, frames[0].width))
 
 
 def _image_parts_marked(content: Any) -> Any:

@@ -598,6 +598,12 @@ class EngineCore:
             if feature.modality == "image" and self.config.language_model_only:  # (its tower kept for videos)
                 raise RequestRefusedError(f"{info.served_model_name} takes no images: --limit-mm-per-prompt "
                                           "'{\"image\": 0}' allows none")
+            if feature.modality == "video" and self.config.videos_refused:
+                raise RequestRefusedError(f"{info.served_model_name} takes no videos: --limit-mm-per-prompt "
+                                          "'{\"video\": 0}' allows none")
+            if feature.modality == "video" and not 0 <= feature.second_per_grid < float("inf"):
+                raise RequestRefusedError(f"a video's seconds per pair of frames must be a number >= 0, not "
+                                          f"{feature.second_per_grid}")
             if geometry.counts_by_size and (feature.image_size is None or min(size) < 1):
                 raise RequestRefusedError(f"{info.served_model_name} counts an image's tokens by its size: each image "
                                           "needs its (height, width)")
@@ -636,6 +642,14 @@ class EngineCore:
             check_features(features, request.prompt_token_ids, info.image_token_id, geometry, info.video_token_id)
         except ValueError as e:
             raise RequestRefusedError(str(e)) from None
+        if geometry.native and info.max_positions:
+            # (M-RoPE: the text after a video counts on from past its time positions, which may be far
+            # past its tokens; every token's position must stay within the model's rotary table.)
+            delta = sum(geometry.positions_spanned(f) - f.length for f in features)
+            if info.max_model_len + delta > info.max_positions:
+                raise RequestRefusedError(f"the prompt's videos span {delta} more positions than they have "
+                                          f"tokens (their frames' times): with max_model_len {info.max_model_len} "
+                                          f"that is past the model's {info.max_positions} positions")
         if request.resumable:
             raise RequestRefusedError("a prompt with images cannot open a streaming session (resumable request)")
 

@@ -168,6 +168,9 @@ class ModelInfo:
     # A model that takes videos too (Qwen2-VL, Qwen2.5-VL: image_geometry.takes_videos): the prompt
     # token a video's rows replace.
     video_token_id: int | None = None
+    # The rotary positions the model has (its table's rows; 0: unknown): a video's time positions
+    # may place a prompt's tokens past their plain positions (M-RoPE), which must stay within them.
+    max_positions: int = 0
     # An encoder (BERT family): its prompts attend both ways, so each runs whole in one pass and none
     # may start from the prefix cache (the engine turns chunked prefill and prefix caching off).
     encoder_only: bool = False

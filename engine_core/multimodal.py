@@ -294,10 +294,22 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
 
     def time_positions(self, temporal_patches: int, second_per_grid: float) -> list[int]:
         """A video's temporal patches' M-RoPE time positions (Qwen2.5-VL: by the seconds they start
-        at; Qwen2-VL, and an image: their indexes)."""
+        at, index x second_per_grid x tokens_per_second in float32 and truncated, as transformers
+        computes them; Qwen2-VL, and an image: their indexes)."""
         if not self.tokens_per_second or not second_per_grid:
             return list(range(temporal_patches))
-        return [int(t * second_per_grid * self.tokens_per_second) for t in range(temporal_patches)]
+        import numpy as np
+
+        interval = np.float32(np.float32(second_per_grid) * np.float32(self.tokens_per_second))
+        return (np.arange(temporal_patches, dtype=np.float32) * interval).astype(np.int64).tolist()
+
+    def positions_spanned(self, feature: MultiModalFeature) -> int:
+        """Qwen2-VL's M-RoPE: the positions an image or a video spans (the text after it counts on
+        from there, as vLLM counts): one past its last time position, or its merged rows or
+        columns, whichever is most."""
+        frames, rows, columns = self.grid_of(feature)
+        return max(self.time_positions(frames, feature.second_per_grid)[-1] + 1, rows // self.merge_size,
+                   columns // self.merge_size)
 
     @property
     def min_tokens(self) -> int:

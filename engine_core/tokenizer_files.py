@@ -79,9 +79,12 @@ def read_image_processor_config(directory: str | os.PathLike[str]) -> dict[str, 
 
 
 def read_video_processor_config(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """A model directory's video processor config (Qwen2-VL's frames' pixel range): nested in
-    processor_config.json, else video_preprocessor_config.json; None where neither holds one."""
-    return _processor_config(directory, "video_processor", VIDEO_PROCESSOR_FILE)
+    """A model directory's video processor config (Qwen2-VL's frames' pixel range), as transformers
+    finds it: nested in processor_config.json, else video_preprocessor_config.json, else the image
+    processor's preprocessor_config.json (the released Qwen2-VL / Qwen2.5-VL checkpoints' only one);
+    None where none holds one."""
+    return (_processor_config(directory, "video_processor", VIDEO_PROCESSOR_FILE)
+            or _processor_config(directory, "image_processor", IMAGE_PROCESSOR_FILE))
 
 
 def _processor_config(directory: str | os.PathLike[str], key: str, file: str) -> dict[str, Any] | None:

@@ -256,6 +256,7 @@ class _ExecutorBase(Executor):
             image_token_id=self.model_config.vision.image_token_id if self.model_config.vision else None,
             image_geometry=self.model_config.vision.geometry if self.model_config.vision else None,
             video_token_id=getattr(self.model_config.vision, "video_token_id", None),
+            max_positions=self.model_config.max_context_len,
             sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after, encoder_only=self.model_config.encoder_only,
             pooling=PoolingInfo(generates=not embeds_only, pooling_type=pooler.pooling_type,

@@ -37,7 +37,7 @@ def mrope_positions(num_prompt_tokens: int, features: list[MultiModalFeature], g
         positions[:, feature.offset:feature.end] = next_position + grid
         # (The text after it goes on from one past its largest position, as vLLM's and the original
         # Qwen2-VL code count: for a video, its last time position may be that.)
-        next_position += max(int(grid[0, -1]) + 1, rows, columns)
+        next_position += geometry.positions_spanned(feature)
         cursor = feature.end
     positions[:, cursor:] = next_position + np.arange(num_prompt_tokens - cursor)
     next_position += num_prompt_tokens - cursor

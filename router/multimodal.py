@@ -452,7 +452,7 @@ class MultiModalProcessor:
 
     def process_video(self, data: bytes) -> ProcessedVideo:
         """(CPU work: run in a thread.) A video file as the vision encoder takes it (router.video)."""
-        video = decode_video(data, self.geometry.temporal_patch_size)
+        video = decode_video(data, self.geometry)
         processor = self.image_processor
         return process_video(video, self.geometry, processor.image_mean, processor.image_std, self.model_id)
 
@@ -460,7 +460,7 @@ class MultiModalProcessor:
         data = await self.media.for_videos().fetch_image_bytes(url)
         if self.cache is None:
             return await asyncio.to_thread(self.process_video, data)
-        key = b"video" + ProcessedImageCache.key(data)
+        key = b"video" + await asyncio.to_thread(ProcessedImageCache.key, data)  # (up to 256 MiB to digest)
         video = self.cache.get(key)
         if video is None:
             video = await asyncio.to_thread(self.process_video, data)

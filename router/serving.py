@@ -735,8 +735,8 @@ class OpenAIServing:
         content_format = resolve_content_format(self.settings.chat_template_content_format, chat_template,
                                                 self.tokenizer.chat_template, bool(tools))
         if (self.chat_images(chat) or self.chat_videos(chat)) and not with_images:  # (refused first if not taken)
-            raise bad_request("images and videos are taken by chat completions, the Responses API and /tokenize "
-                              "only", "messages")
+            raise bad_request("images are taken by chat completions, the Responses API and /tokenize only "
+                              "(videos by chat completions and /tokenize)", "messages")
         placeholder = self.images.placeholder if self.images is not None else None
         video_text = self.images.video_placeholder if self.images is not None else None
         messages = [_template_message(m.model_extra or {}, m.role,

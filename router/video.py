@@ -31,17 +31,20 @@ if TYPE_CHECKING:
 VIDEO_FPS = 2.0
 MIN_FRAMES = 4
 MAX_FRAMES = 768
-# The most frames a video may hold (decoded one by one, only the sampled ones kept).
-MAX_SOURCE_FRAMES = 100_000
+# The most frames a video may hold (decoded one by one, only the sampled ones kept: about 9 hours at
+# 30 a second).
+MAX_SOURCE_FRAMES = 1_000_000
 
 
 @dataclass(frozen=True)
 class DecodedVideo:
-    """A video's sampled frames (RGB), its frame count and its frame rate."""
+    """A video's sampled frames (RGB; already resized where the decoder knew the model's geometry),
+    its frame count, its frame rate and its frames' own (height, width)."""
 
     frames: list[Image.Image]
     total_frames: int
     fps: float
+    frame_size: tuple[int, int]
 
     @property
     def sampled_fps(self) -> float:
@@ -65,9 +68,11 @@ class ProcessedVideo:
 def sample_frame_indices(total_frames: int, video_fps: float, temporal_patch_size: int = 2,
                          fps: float = VIDEO_FPS, min_frames: int = MIN_FRAMES, max_frames: int = MAX_FRAMES,
                          num_frames: int | None = None) -> list[int]:
-    """The frames to keep (transformers' Qwen2VLVideoProcessor.sample_frames): ``fps`` a second,
-    within [min_frames, max_frames] and the video's own count, rounded down to whole temporal patches
-    (all of a video shorter than one); or ``num_frames`` evenly spaced."""
+    """The frames to keep (transformers' Qwen2VLVideoProcessor.sample_frames, its float32 spacing
+    too): ``fps`` a second, within [min_frames, max_frames] and the video's own count, rounded down to
+    whole temporal patches (all of a video shorter than one); or ``num_frames`` evenly spaced."""
+    import torch
+
     if total_frames < 1:
         raise ValueError("the video has no frames")
     if num_frames is None:
@@ -78,15 +83,28 @@ def sample_frame_indices(total_frames: int, video_fps: float, temporal_patch_siz
     num_frames = min(num_frames, total_frames)
     if num_frames < 1:  # (a video shorter than one temporal patch: every frame, the last repeated later)
         return list(range(total_frames))
-    step = total_frames / num_frames
-    return [int(i * step) for i in range(num_frames)]
+    return torch.arange(0, total_frames, total_frames / num_frames).int().tolist()
 
 
-def decode_video(data: bytes, temporal_patch_size: int = 2, num_frames: int | None = None) -> DecodedVideo:
-    """A video file's sampled frames (see ``sample_frame_indices``), decoded with PyAV; only the kept
-    frames are converted. ValueError for what is not a video PyAV can read."""
+def evenly(items: list, count: int) -> list:
+    """``count`` of ``items``, evenly spaced (all of them where there are no more)."""
+    if len(items) <= count:
+        return list(items)
+    return [items[i * len(items) // count] for i in range(count)]
+
+
+def decode_video(data: bytes, geometry: ImageGeometry | None = None, num_frames: int | None = None) -> DecodedVideo:
+    """A video file's sampled frames (see ``sample_frame_indices``), decoded with PyAV. Given the
+    model's ``geometry``: a frame too large is refused before any is decoded, the frames are
+    capped as ``process_video`` caps them (``video_frame_limit``), and each kept frame is resized at
+    once, so memory holds only what the encoder takes. ValueError for what is not a video PyAV can
+    read."""
     import av
+    from PIL import Image
 
+    from router.multimodal import check_image_size
+
+    temporal_patch_size = geometry.temporal_patch_size if geometry is not None else 2
     try:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.video:
@@ -94,22 +112,34 @@ def decode_video(data: bytes, temporal_patch_size: int = 2, num_frames: int | No
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate
             fps = float(rate) if rate else 0.0
+            height, width = stream.codec_context.height, stream.codec_context.width
+            if height < 1 or width < 1:
+                raise ValueError("the video stream states no frame size")
+            check_image_size(width, height)
             total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
         if total > MAX_SOURCE_FRAMES:
             raise ValueError(f"a video of {total} frames has more than the {MAX_SOURCE_FRAMES} allowed")
         keep = sample_frame_indices(total, fps, temporal_patch_size, num_frames=num_frames)
+        target = None
+        if geometry is not None:
+            keep = evenly(keep, video_frame_limit(geometry, height, width))
+            new_height, new_width = geometry.resized(height, width, video=True)
+            target = (new_width, new_height)
         wanted, frames = set(keep), []
         with av.open(io.BytesIO(data)) as container:
             for index, frame in enumerate(container.decode(container.streams.video[0])):
                 if index in wanted:
-                    frames.append(frame.to_image().convert("RGB"))
+                    image = frame.to_image()
+                    if (image.height, image.width) != (height, width):
+                        raise ValueError("a video's frames must all be of one size")
+                    frames.append(image if target is None else image.resize(target, Image.Resampling.BICUBIC))
                 if len(frames) == len(keep):
                     break
     except av.FFmpegError as e:
         raise ValueError(f"cannot decode the video: {e}") from None
     if not frames:
         raise ValueError("cannot decode the video: no frame could be read")
-    return DecodedVideo(frames, max(total, len(frames)), fps or VIDEO_FPS)
+    return DecodedVideo(frames, max(total, len(frames)), fps or VIDEO_FPS, (height, width))
 
 
 def video_frame_limit(geometry: ImageGeometry, height: int, width: int) -> int:
@@ -120,19 +150,21 @@ def video_frame_limit(geometry: ImageGeometry, height: int, width: int) -> int:
     return max(1, geometry.max_tokens // per_patch) * geometry.temporal_patch_size
 
 
-def video_patches(frames: list[Image.Image], geometry: ImageGeometry, mean: Any, std: Any) -> np.ndarray:
-    """The frames (all of one size) as the tower's patches: [temporal patches x rows x columns,
-    channels x temporal_patch_size x patch x patch], float32 (the last frame repeated to fill the
-    last temporal patch)."""
+def video_patches(frames: list[Image.Image], geometry: ImageGeometry, mean: Any, std: Any,
+                  frame_size: tuple[int, int] | None = None) -> np.ndarray:
+    """The frames (of one size: ``frame_size``, their own where not given; they may be resized to
+    the model's size already) as the tower's patches: [temporal patches x rows x columns, channels x
+    temporal_patch_size x patch x patch], float32 (the last frame repeated to fill the last temporal
+    patch)."""
     from PIL import Image
 
-    height, width = frames[0].height, frames[0].width
+    height, width = frame_size or (frames[0].height, frames[0].width)
     new_height, new_width = geometry.resized(height, width, video=True)
     mean = np.asarray(mean, dtype=np.float32).reshape(-1, 1, 1)
     std = np.asarray(std, dtype=np.float32).reshape(-1, 1, 1)
     pixels = []
     for frame in frames:
-        if (frame.height, frame.width) != (height, width):
+        if (frame.height, frame.width) not in ((height, width), (new_height, new_width)):
             raise ValueError("a video's frames must all be of one size")
         resized = frame.convert("RGB").resize((new_width, new_height), Image.Resampling.BICUBIC)
         array = np.asarray(resized, dtype=np.float32).transpose(2, 0, 1) / 255.0
@@ -151,15 +183,11 @@ def video_patches(frames: list[Image.Image], geometry: ImageGeometry, mean: Any,
 def process_video(video: DecodedVideo, geometry: ImageGeometry, mean: Any, std: Any, model_id: str) -> ProcessedVideo:
     """A decoded video as the vision encoder takes it (fewer frames, evenly spaced, where it would be
     more tokens than a pass may encode), and its digest."""
-    frames = video.frames
-    height, width = frames[0].height, frames[0].width
-    limit = video_frame_limit(geometry, height, width)
-    if len(frames) > limit:
-        frames = [frames[int(i * len(frames) / limit)] for i in range(limit)]
+    height, width = video.frame_size
+    frames = evenly(video.frames, video_frame_limit(geometry, height, width))
     sampled_fps = len(frames) / video.total_frames * video.fps
-    pixel_values = TensorData.from_array(video_patches(frames, geometry, mean, std))
-    grid = geometry.video_patch_grid(len(frames), height, width)
+    pixel_values = TensorData.from_array(video_patches(frames, geometry, mean, std, video.frame_size))
     second_per_grid = geometry.temporal_patch_size / sampled_fps
     identifier = feature_identifier("video", pixel_values, extra=f"{model_id}|{height}x{width}|{second_per_grid}")
     return ProcessedVideo(identifier, pixel_values, (height, width), len(frames), second_per_grid,
-                          grid[0] * grid[1] * grid[2] // geometry.merge_size ** 2)
+                          geometry.video_num_tokens(len(frames), height, width))

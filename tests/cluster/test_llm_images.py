@@ -326,7 +326,7 @@ def test_qwen2_5_vl_takes_videos_in_chat_and_in_multi_modal_data(tmp_path):
     geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
     from PIL import Image
 
-    array_video = DecodedVideo([Image.fromarray(f) for f in frames], 4, 2.0)
+    array_video = DecodedVideo([Image.fromarray(f) for f in frames], 4, 2.0, (60, 120))
     for out, video in ((chat, decode_video(data)), (given, array_video)):
         processed = process_video(video, geometry, processor.image_mean, processor.image_std, "m")
         ids = torch.tensor([out.prompt_token_ids])

@@ -454,3 +454,40 @@ def test_video_positions_count_on_from_the_last_time_position():
     # (time 0, 2.5 -> 2, 5; one merged patch a frame pair; the text after from 5 + 1 on)
     assert positions.tolist() == [[0, 1, 2, 4, 7, 8, 9], [0, 1, 2, 2, 2, 8, 9], [0, 1, 2, 2, 2, 8, 9]]
     assert delta == 10 - 7
+
+
+def test_a_videos_timing_must_keep_every_position_within_the_model(qwen, tmp_path):
+    """A video's seconds per frame pair (its container's frame rate) set its time positions: one whose
+    positions would run past the rotary table, or that is no number, is refused at admission (it
+    would fail the pass it ran in); '{"video": 0}' refuses videos in the engine too. Without a video
+    processor config the frames take the image processor's pixel range, as transformers reads it."""
+    import shutil
+
+    import msgspec
+
+    from cluster.config import ClusterConfig, EngineSpec
+    from engine_core.engine_core import EngineCore
+    from gpu_worker.executor import create_executor
+
+    model_dir, model, _ = qwen
+    frames = [picture(20 + i, (60, 120)) for i in range(4)]
+    ids, features, _ = video_prompt(qwen, frames, 1.0)
+    engine = make_engine(model_dir)
+    for timing, why in ((1e6, "past the model's 1024 positions"), (float("nan"), "must be a number"),
+                        (-1.0, "must be a number")):
+        if model.config.model_type != "qwen2_5_vl" and timing == 1e6:
+            continue  # (Qwen2-VL's time positions are the pairs' indexes, whatever the timing)
+        late = [features[0], msgspec.structs.replace(features[1], second_per_grid=timing)]
+        with pytest.raises(RequestRefusedError, match=why):
+            engine.add_request(EngineCoreRequest(request_id=f"t{timing}", prompt_token_ids=ids,
+                                                 sampling_params=SamplingParams(), mm_features=late))
+    config = ClusterConfig(model=str(model_dir), limit_mm_per_prompt={"video": 0},
+                           defaults=EngineSpec(num_gpu_blocks=64)).engine_configs()[0]
+    no_videos = EngineCore(config, create_executor(config))
+    with pytest.raises(RequestRefusedError, match="takes no videos"):
+        no_videos.add_request(EngineCoreRequest(request_id="v", prompt_token_ids=ids, sampling_params=SamplingParams(),
+                                                mm_features=features))
+    bare = tmp_path / "no-video-config"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("video_preprocessor_config.json"))
+    geometry = ModelConfig.from_pretrained(bare).vision.geometry
+    assert (geometry.video_min_pixels, geometry.video_max_pixels) == (geometry.min_pixels, geometry.max_pixels)

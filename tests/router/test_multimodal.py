@@ -501,7 +501,7 @@ def test_pooling_requests_refuse_images(llava):
     http, engine, _ = _app(llava, pooling=PoolingInfo(generates=False))
     r = http.post("/v1/embeddings", json={"model": "llava", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "hi"}, _part(_data_url(_image()))]}]})
-    assert "images and videos are taken by chat completions, the Responses API and /tokenize only" in _error(r)
+    assert "images are taken by chat completions, the Responses API and /tokenize only" in _error(r)
     assert not engine.requests
 
 

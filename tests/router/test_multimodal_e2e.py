@@ -184,7 +184,7 @@ def test_qwen2_5_vl_takes_a_video_beside_an_image(client, qwen_dir):
     model = AutoModelForImageTextToText.from_pretrained(qwen_dir).eval()
     processor = AutoImageProcessor.from_pretrained(qwen_dir)
     geometry = ModelConfig.from_pretrained(qwen_dir).vision.geometry
-    video = process_video(decode_video(data), geometry, processor.image_mean, processor.image_std, "qwen")
+    video = process_video(decode_video(data, geometry), geometry, processor.image_mean, processor.image_std, "qwen")
     config = model.config
     parts = [{"type": "image"}, {"type": "text", "text": "then"}, {"type": "video"},
              {"type": "text", "text": "What moves?"}]

@@ -46,6 +46,7 @@ def video_part(data: bytes) -> dict:
     (6, 30.0, [0, 1, 3, 4]),  # (0.2 s: at least 4)
     (3, 30.0, [0, 1]),  # (fewer than 4: the video's own count, in whole pairs)
     (1, 30.0, [0]),  # (one frame: taken, and repeated into its pair later)
+    (294, 30.0, [0, 16, 32, 49, 65, 81, 98, 114, 130, 147, 163, 179, 196, 212, 228, 245, 261, 277]),  # (float32 steps)
 ])
 def test_frames_are_sampled_as_transformers_samples_them(total, fps, want):
     assert sample_frame_indices(total, fps) == want
@@ -112,15 +113,22 @@ def test_a_video_reaches_the_engine_beside_an_image_in_prompt_order(qwen2_vl):
 
 
 def test_a_long_video_keeps_as_many_frames_as_the_largest_image_has_tokens(qwen2_vl):
+    """Capped before decoding (the model's geometry known): only the frames the encoder takes are
+    decoded, each resized at once; capped after (frames given): the same frames, the same patches."""
     _, _, processor, vision = qwen2_vl
     geometry = vision.geometry
-    decoded = decode_video(mp4(200, fps=10))  # (20 s: 40 frames sampled)
-    assert len(decoded.frames) == 40
+    data = mp4(200, fps=10)
+    decoded = decode_video(data)  # (20 s: 40 frames sampled)
+    assert len(decoded.frames) == 40 and decoded.frame_size == (60, 120)
     limit = video_frame_limit(geometry, 60, 120)
     video = process_video(decoded, geometry, processor.image_mean, processor.image_std, "m")
     assert video.num_frames == limit < 40 and video.num_tokens <= geometry.max_tokens
     # (Fewer frames, over the same 20 s: each pair spans more time.)
     assert video.second_per_grid == pytest.approx(2 / (limit / 200 * 10))
+    early = decode_video(data, geometry)
+    assert len(early.frames) == limit and {f.size for f in early.frames} == {(112, 56)}
+    again = process_video(early, geometry, processor.image_mean, processor.image_std, "m")
+    assert again.identifier == video.identifier and again.second_per_grid == video.second_per_grid
 
 
 def test_a_template_given_text_gets_qwens_video_placeholder(qwen2_vl):
@@ -147,6 +155,14 @@ def test_videos_refused(qwen2_vl):
     small, _, _ = _app(qwen2_vl, max_model_len=24, video_token_id=video_token)
     assert "maximum context length" in _error(_chat(small, [video_part(mp4(10))]))
     assert not engine.requests
+
+
+def test_a_frame_too_large_is_refused_before_any_is_decoded(qwen2_vl, monkeypatch):
+    import PIL.Image
+
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 120 * 60 - 1)
+    with pytest.raises(ValueError, match="larger than the"):
+        decode_video(mp4(4), qwen2_vl[3].geometry)
 
 
 def test_decode_video_refuses_what_is_not_a_video():
