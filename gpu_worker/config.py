@@ -130,6 +130,10 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
     "rms_norm_eps": 1e-6, "eos_token_id": 1}
+# transformers' Ministral3Config defaults for its rope parameters (a config.json that gives none).
+MINISTRAL3_ROPE_DEFAULTS: dict[str, Any] = {
+    "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0, "original_max_position_embeddings": 16_384,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # The MLP activations we compute (transformers' ACT2FN names): SwiGLU's silu, GeGLU's tanh-approximated
 # or exact gelu.
@@ -959,6 +963,11 @@ class ModelConfig:
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+        if arch == "Ministral3ForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+            # (transformers' Ministral3Config defaults: YaRN over 16,384 positions, Llama 4's scale)
+            positions = int(cfg.get("max_position_embeddings") or 262_144)
+            cfg = {**cfg, "max_position_embeddings": positions,
+                   "rope_parameters": {**MINISTRAL3_ROPE_DEFAULTS, "max_position_embeddings": positions}}
         act = _activation(arch, cfg)
         gemma = arch in GEMMA_ARCHITECTURES
         # EmbeddingGemma: Gemma 3 run as an encoder (every token attends to every other), for embeddings only.

@@ -449,8 +449,10 @@ class OpenAIServing:
         start, end = think_tags(settings.reasoning_parser)
         self._think_start_id = _single_token_id(tokenizer, start)
         self._think_end_id = _single_token_id(tokenizer, end)
-        self._think_tags_special = bool({self._think_start_id, self._think_end_id}
-                                        & set(getattr(tokenizer, "all_special_ids", ())))
+        # (Asked of the decoder itself: a tekken vocabulary's control tokens are special to it without
+        # being named in the tokenizer's special tokens.)
+        self._think_tags_special = any(tag is not None and tokenizer.decode([tag], skip_special_tokens=True) == ""
+                                       for tag in (self._think_start_id, self._think_end_id))
         # A request's EOS is the tokenizer's, as vLLM's is; the engine adds the model's further EOS
         # ids (its generation config: Llama 3's <|end_of_text|> beside <|eot_id|>) as stop ids, and
         # an answer they end names them as its stop_reason.

@@ -283,3 +283,6 @@ def test_the_config_of_ministral_3_8b_reads_its_language_model():
         ModelConfig.from_dict(text_only)
     text_only["rope_parameters"]["original_max_position_embeddings"] = 8
     assert ModelConfig.from_dict(text_only).llama_4_scaling == (0.1, 8)
+    # (A config that gives no rope parameters has transformers' defaults: Ministral 3's YaRN and scale.)
+    bare = ModelConfig.from_dict({k: v for k, v in text_only.items() if k != "rope_parameters"})
+    assert bare.llama_4_scaling == (0.1, 16384) and bare.max_context_len == 262144

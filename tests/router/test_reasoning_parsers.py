@@ -251,3 +251,26 @@ def test_mistrals_thinking_tags_are_special_tokens_the_parser_still_reads():
     plain, _, _ = _app(answer, special_tokens=("[THINK]", "[/THINK]"))
     assert plain.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == \
         "The capital of Italy.Rome."
+
+
+def test_mistrals_thinking_tags_from_its_own_tokenizer_file(tmp_path):
+    """Mistral's tokenizer as its releases ship it (tekken.json): [THINK] and [/THINK] are control
+    tokens, special to its decoder though not named among the tokenizer's special tokens; the
+    parser still gets them, whole and streamed, under an output constraint too."""
+    from engine_core.tokenizer_loader import load_tokenizer
+    from tests.tiny_model import tekken_vocabulary
+
+    (tmp_path / "tekken.json").write_text(json.dumps(tekken_vocabulary()))
+    tokenizer = load_tokenizer(tmp_path)
+    start = tokenizer.convert_tokens_to_ids("[THINK]")
+    assert start not in tokenizer.all_special_ids and tokenizer.decode([start], skip_special_tokens=True) == ""
+    http, _, _ = _app("[THINK]The capital of Italy.[/THINK]Rome.", reasoning="mistral", tokenizer=tokenizer)
+    body = {"model": "tiny", "messages": MESSAGES}
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("The capital of Italy.", "Rome.")
+    deltas = _deltas(http, body)
+    assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "The capital of Italy."
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Rome."
+    constrained, _, _ = _app('[THINK]Think.[/THINK]{"a": 1}', reasoning="mistral", tokenizer=tokenizer)
+    answer = constrained.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
+    assert answer.json()["choices"][0]["message"]["content"] == '{"a": 1}'

@@ -318,11 +318,13 @@ MESSAGES = [{"role": "user", "content": "weather in Rome?"}]
 def _app(answer: str, parser: str | None = None, reasoning: str | None = None, spaced: bool = True,
          think_tokens: bool = False, stream_interval: int = 1,
          trust_request_chat_template: bool = False,
-         special_tokens: tuple[str, ...] = ()) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
+         special_tokens: tuple[str, ...] = (), tokenizer=None) -> tuple[TestClient, ScriptedEngine, OpenAIServing]:
     """``spaced``: the answer streams one token per engine output, as from a real engine.
     ``think_tokens``: <think> and </think> are tokens of the vocabulary, as in reasoning models.
-    ``special_tokens``: special tokens of the vocabulary (Mistral's control tokens)."""
-    tokenizer = byte_level_tokenizer.__wrapped__()  # a copy of its own: the template is set on it
+    ``special_tokens``: special tokens of the vocabulary (Mistral's control tokens). ``tokenizer``:
+    another (its answer encoded without the special tokens it would add)."""
+    given = tokenizer is not None
+    tokenizer = tokenizer if given else byte_level_tokenizer.__wrapped__()  # (a copy: the template is set on it)
     tokenizer.chat_template = TEMPLATE
     if think_tokens:
         tokenizer.add_tokens(["<think>", "</think>"])
@@ -331,7 +333,8 @@ def _app(answer: str, parser: str | None = None, reasoning: str | None = None, s
     client = EngineClient([object()], client_index=1)
     # The answer's tokens, then EOS (finish STOP: the EOS is not part of the text).
     scripted = client._slots[0].channel = ScriptedEngine(
-        client, lambda _: [*tokenizer.encode(answer), tokenizer.eos_token_id], finish=FinishReason.STOP,
+        client, lambda _: [*tokenizer.encode(answer, **({"add_special_tokens": False} if given else {})),
+                           tokenizer.eos_token_id], finish=FinishReason.STOP,
         spaced=spaced)
     serving = OpenAIServing(ServingSettings(served_model_name="tiny", max_model_len=512, tool_call_parser=parser,
                                             reasoning_parser=reasoning, stream_interval=stream_interval,
