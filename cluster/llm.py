@@ -862,7 +862,7 @@ class LLM:
             if images.geometry.tiled and not isinstance(prompt.prompt, str):
                 self._check_wrapped_image_tokens(prompt.prompt, images)
             text = images.prompt_text(prompt.prompt) if isinstance(prompt.prompt, str) else prompt.prompt
-            images.check_video_count(len(prompt.videos))
+            images.check_count(len(prompt.videos), "video")
             processor = images.image_processor
             videos = [process_video(video, images.geometry, processor.image_mean, processor.image_std, self.model_dir)
                       for video in prompt.videos]
@@ -993,7 +993,7 @@ class LLM:
                                          "(text, images and videos)")
                     media = self._images()  # (a model that takes none refuses them before any is loaded)
                     if part.get("type") == "video_url":
-                        media.check_video_count(len(videos) + 1)
+                        media.check_count(len(videos) + 1, "video")
                         videos.append(_chat_video(part, media.geometry))
                     else:
                         images.append(_chat_image(part))

@@ -20,7 +20,7 @@ import io
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -350,6 +350,15 @@ class ProcessedImageCache:
             self.size_bytes -= len(evicted.pixel_values.data)
 
 
+async def _all_loaded(loads: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Every load's result, all awaited at once; the first failure raised once all have ended."""
+    loaded = await asyncio.gather(*loads, return_exceptions=True)
+    error = next((e for e in loaded if isinstance(e, BaseException)), None)
+    if error is not None:
+        raise error
+    return loaded
+
+
 def _set_size(image_processor: Any, key: str, value: dict[str, int]) -> None:
     """Set an image processor's size-like setting (``size``, ``patch_size``) to ``value``: as a dict, or
     as the processor's own size class where it holds one (a config may give a patch_size as a number)."""
@@ -427,28 +436,22 @@ class MultiModalProcessor:
             return text
         return text.replace(*self.prompt_replacement)
 
-    def check_count(self, num_images: int) -> None:
-        if num_images > self.max_images:
-            raise ValueError(f"At most {self.max_images} image(s) may be provided in one prompt "
-                             "(--limit-mm-per-prompt).")
+    def check_count(self, num_images: int, modality: str = "image") -> None:
+        """ValueError for more images (or videos) than a prompt may hold, or any for a model that
+        cannot take them."""
+        if num_images and modality == "video" and self.video_token_id is None:
+            raise ValueError(f"the model {self.model_id!r} takes no videos")
+        most = self.max_videos if modality == "video" else self.max_images
+        if num_images > most:
+            raise ValueError(f"At most {most} {modality}(s) may be provided in one prompt (--limit-mm-per-prompt).")
         if num_images and self.image_processor is None:
             raise ValueError(f"the model {self.model_id!r} has no image processor ({IMAGE_PROCESSOR_FILE}): "
-                             "it cannot take images")
+                             f"it cannot take {modality}s")
 
     @property
     def counts_by_size(self) -> bool:
         """Whether an image's token count depends on its size (known once it is loaded)."""
         return self.geometry.counts_by_size
-
-    def check_video_count(self, num_videos: int) -> None:
-        if num_videos and self.video_token_id is None:
-            raise ValueError(f"the model {self.model_id!r} takes no videos")
-        if num_videos > self.max_videos:
-            raise ValueError(f"At most {self.max_videos} video(s) may be provided in one prompt "
-                             "(--limit-mm-per-prompt).")
-        if num_videos and self.image_processor is None:
-            raise ValueError(f"the model {self.model_id!r} has no image processor ({IMAGE_PROCESSOR_FILE}): "
-                             "it cannot take videos")
 
     def process_video(self, data: bytes) -> ProcessedVideo:
         """(CPU work: run in a thread.) A video file as the vision encoder takes it (router.video)."""
@@ -469,11 +472,7 @@ class MultiModalProcessor:
 
     async def load_videos(self, urls: list[str]) -> list[ProcessedVideo]:
         """The videos at ``urls``, all loaded at once (the first failure raised)."""
-        loaded = await asyncio.gather(*map(self.load_video, urls), return_exceptions=True)
-        error = next((e for e in loaded if isinstance(e, BaseException)), None)
-        if error is not None:
-            raise error
-        return loaded  # type: ignore[return-value]
+        return await _all_loaded(map(self.load_video, urls))
 
     def expand_media(self, prompt_ids: list[int], image_sizes: list[tuple[int, int]], videos: list[ProcessedVideo]
                      ) -> tuple[list[int], list[int], list[int]]:
@@ -539,11 +538,7 @@ class MultiModalProcessor:
 
     async def load_all(self, urls: list[str]) -> list[ProcessedImage]:
         """The images at ``urls``, all loaded at once (the first failure raised)."""
-        loaded = await asyncio.gather(*map(self.load, urls), return_exceptions=True)
-        error = next((e for e in loaded if isinstance(e, BaseException)), None)
-        if error is not None:
-            raise error
-        return loaded  # type: ignore[return-value]
+        return await _all_loaded(map(self.load, urls))
 
     def features(self, images: list[ProcessedImage], prompt_ids: list[int],
                  offsets: list[int], videos: Sequence[ProcessedVideo] = (),

@@ -766,34 +766,27 @@ class OpenAIServing:
     def chat_images(self, messages: list[ChatMessage]) -> list[str]:
         """The URLs of a conversation's images, in order; a 400 for a model that takes none, or for
         more than --limit-mm-per-prompt allows."""
-        urls = [url for m in messages for url in m.images()]
-        if urls and self.settings.limit_mm_per_prompt.get("image") == 0:
-            raise bad_request("At most 0 image(s) may be provided in one prompt (--limit-mm-per-prompt '{\"image\": "
-                              f"0}}' for model {self.settings.served_model_name!r})", "messages")
-        if urls and self.images is None:
-            raise bad_request(f"model {self.settings.served_model_name!r} does not take images (it is not a "
-                              "vision-language model)", "messages")
-        if urls:
-            try:
-                self.images.check_count(len(urls))  # type: ignore[union-attr]
-            except ValueError as e:
-                raise bad_request(str(e), "messages") from None
-        return urls
+        return self._chat_media([url for m in messages for url in m.images()], "image")
 
     def chat_videos(self, messages: list[ChatMessage]) -> list[str]:
         """The URLs of a conversation's videos, in order; a 400 for a model that takes none, or for
         more than --limit-mm-per-prompt allows."""
-        urls = [url for m in messages for url in m.videos()]
-        if urls and self.settings.limit_mm_per_prompt.get("video") == 0:
-            raise bad_request("At most 0 video(s) may be provided in one prompt (--limit-mm-per-prompt '{\"video\": "
-                              f"0}}' for model {self.settings.served_model_name!r})", "messages")
-        if urls and (self.images is None or self.images.video_token_id is None):
-            raise bad_request(f"model {self.settings.served_model_name!r} does not take videos", "messages")
-        if urls:
-            try:
-                self.images.check_video_count(len(urls))  # type: ignore[union-attr]
-            except ValueError as e:
-                raise bad_request(str(e), "messages") from None
+        return self._chat_media([url for m in messages for url in m.videos()], "video")
+
+    def _chat_media(self, urls: list[str], modality: str) -> list[str]:
+        if not urls:
+            return urls
+        name = self.settings.served_model_name
+        if self.settings.limit_mm_per_prompt.get(modality) == 0:
+            raise bad_request(f"At most 0 {modality}(s) may be provided in one prompt (--limit-mm-per-prompt "
+                              f"'{{\"{modality}\": 0}}' for model {name!r})", "messages")
+        if self.images is None or (modality == "video" and self.images.video_token_id is None):
+            why = " (it is not a vision-language model)" if modality == "image" else ""
+            raise bad_request(f"model {name!r} does not take {modality}s{why}", "messages")
+        try:
+            self.images.check_count(len(urls), modality)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
         return urls
 
     async def prompt_media(self, urls: list[str], video_urls: list[str], prompt_ids: list[int],
