@@ -179,7 +179,8 @@ def router_deployment(config: ClusterConfig):
         limit_mm_per_prompt=dict(config.limit_mm_per_prompt),
         allowed_local_media_path=config.allowed_local_media_path,
         mm_processor_cache_gb=config.mm_processor_cache_gb,
-        allowed_media_domains=tuple(d.lower().strip("[]") for d in config.allowed_media_domains))
+        allowed_media_domains=tuple(d.lower().strip("[]") for d in config.allowed_media_domains),
+        media_io_kwargs=dict(config.media_io_kwargs))
     # Further models: the same router settings, their own engines, names, template, parsers and
     # adapters.
     more_models = [dataclasses.replace(

@@ -510,6 +510,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
                        help='A vision-language model\'s most images in one prompt (JSON by modality), e.g. '
                             f'\'{{"image": 2}}\'; more is a 400 (default: {DEFAULT_LIMIT_PER_PROMPT} each, as vLLM).')
+    serve.add_argument("--media-io-kwargs", type=_json_object, default=None,
+                       help='How videos\' frames are sampled: \'{"video": {"num_frames": 32}}\' (evenly spaced) or '
+                            '\'{"video": {"fps": 1}}\' (default: 2 a second, at least 4, at most 768).')
     serve.add_argument("--allowed-local-media-path", default="",
                        help="Images given as file:// URLs are read from under this directory (of the router "
                             "replicas' machines) and no other; without it, file:// URLs are refused.")
@@ -741,6 +744,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         disable_fastapi_docs=args.disable_fastapi_docs, limit_mm_per_prompt=args.limit_mm_per_prompt or {},
         allowed_local_media_path=_local_dir_path(args.allowed_local_media_path) or "",
         mm_processor_cache_gb=args.mm_processor_cache_gb, allowed_media_domains=args.allowed_media_domains,
+        media_io_kwargs=args.media_io_kwargs or {},
         models=_extra_models(args.extra_models) if args.extra_models else [])
 
 

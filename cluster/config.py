@@ -35,6 +35,7 @@ from router.multimodal import DEFAULT_LIMIT_PER_PROMPT, DEFAULT_PROCESSOR_CACHE_
 from router.reasoning_parsers import REASONING_PARSERS
 from router.routing import ROUTING_POLICIES
 from router.tool_parsers import TOOL_CALL_PARSERS
+from router.video import video_sampling_from
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_num_scheduled_tokens", "max_model_len",
                    "enable_chunked_prefill", "long_prefill_token_threshold", "max_num_partial_prefills",
@@ -497,6 +498,10 @@ class ClusterConfig(ModelSettings):
     allowed_local_media_path: str = Field(
         "", description="Images given as file:// URLs are read from under this directory of the router replicas' "
                         "machines, and no other (vLLM's --allowed-local-media-path; default: none are).")
+    media_io_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description='How videos\' frames are sampled (vLLM\'s --media-io-kwargs): '
+                                          '{"video": {"num_frames": N}} (N evenly spaced) or {"video": {"fps": F}} '
+                                          '(F a second; default 2, as Qwen2-VL\'s processor).')
     allowed_media_domains: list[str] = Field(
         default_factory=list, description="The hosts http(s) image URLs may name (vLLM's --allowed-media-domains; "
                                           "exact names; default: any). With a list, redirects are not followed.")
@@ -587,6 +592,7 @@ class ClusterConfig(ModelSettings):
                 raise ValueError(f"{where}: {m.chat_template!r} is no Jinja template (nor a file where it was read)")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not be empty strings (an empty key would let in an empty Bearer token)")
+        video_sampling_from(self.media_io_kwargs)  # (refused here, not at the first video)
         return self
 
     def names_per_model(self) -> list[list[str]]:

@@ -45,7 +45,7 @@ from router.multimodal import (
     video_placeholder,
 )
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
-from router.video import VIDEO_FPS, DecodedVideo, decode_video, process_video
+from router.video import VIDEO_FPS, DecodedVideo, VideoSampling, decode_video, process_video, video_sampling_from
 
 PromptType = str | list[int]
 
@@ -452,9 +452,10 @@ class LLM:
                  disable_log_stats: bool = True, tokenizer: str | None = None,
                  logits_processors: list[str | type[LogitsProcessor]] | None = None,
                  pipeline_parallel_size: int = 1, limit_mm_per_prompt: dict[str, int] | None = None,
-                 **scheduler_flags: Any) -> None:
+                 media_io_kwargs: dict[str, Any] | None = None, **scheduler_flags: Any) -> None:
         """``limit_mm_per_prompt``: a vision-language model's most images in one prompt (vLLM's; {"image":
-        0}: its language model alone, the vision tower not loaded).
+        0}: its language model alone, the vision tower not loaded). ``media_io_kwargs``: how a video
+        URL's frames are sampled (vLLM's: {"video": {"num_frames": N}} or {"video": {"fps": F}}).
         ``scheduler_flags``: the engine flags by vLLM's names (max_num_seqs, max_model_len, ...);
         vLLM's arguments with nothing to do here are taken too (VLLM_ARGS_WITHOUT_EFFECT), and those for
         what is not built only at their neutral value (VLLM_ARGS_AT_DEFAULT), else a ValueError."""
@@ -509,7 +510,8 @@ class LLM:
                                             address=address, seed=seed, enable_lora=enable_lora,
                                             max_loras=max_loras, max_lora_rank=max_lora_rank,
                                             max_cpu_loras=max_cpu_loras, tokenizer=tokenizer,
-                                            limit_mm_per_prompt=limit_mm_per_prompt or {})
+                                            limit_mm_per_prompt=limit_mm_per_prompt or {},
+                                            media_io_kwargs=media_io_kwargs or {})
         # (vLLM's disable_log_stats, on by default offline: no periodic stats line from Ray engines
         # (an in-process engine writes none); the engines still keep their stats, which get_stats reports.)
         # (logits_processors: classes, which the engines unpickle by reference, or qualified names.)
@@ -903,7 +905,8 @@ class LLM:
                 prompt_replacement=image_prompt_text(self.tokenizer, info.image_token_id, info.image_geometry),
                 video_token_id=info.video_token_id, video_placeholder=video_placeholder(self.tokenizer,
                                                                                         info.video_token_id),
-                max_videos=self.cluster_config.limit_mm_per_prompt.get("video", DEFAULT_LIMIT_PER_PROMPT))
+                max_videos=self.cluster_config.limit_mm_per_prompt.get("video", DEFAULT_LIMIT_PER_PROMPT),
+                video_sampling=video_sampling_from(self.cluster_config.media_io_kwargs))
         return self._image_processor
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
@@ -994,7 +997,7 @@ class LLM:
                     media = self._images()  # (a model that takes none refuses them before any is loaded)
                     if part.get("type") == "video_url":
                         media.check_count(len(videos) + 1, "video")
-                        videos.append(_chat_video(part, media.geometry))
+                        videos.append(_chat_video(part, media.geometry, media.video_sampling))
                     else:
                         images.append(_chat_image(part))
             placeholder = self._images().placeholder if images or videos else None
@@ -1350,7 +1353,7 @@ def _chat_image(part: dict[str, Any]) -> Any:
     return decode_image(asyncio.run(MediaConnector().fetch_image_bytes(url)))
 
 
-def _chat_video(part: dict[str, Any], geometry: ImageGeometry) -> DecodedVideo:
+def _chat_video(part: dict[str, Any], geometry: ImageGeometry, sampling: VideoSampling) -> DecodedVideo:
     """A video part of LLM.chat's messages (vLLM's ``video_url``: a data: URL, or http(s) fetched
     here), decoded and its frames sampled (router.video)."""
     import asyncio
@@ -1360,7 +1363,7 @@ def _chat_video(part: dict[str, Any], geometry: ImageGeometry) -> DecodedVideo:
     url = (part.get("video_url") or {}).get("url") if isinstance(part.get("video_url"), dict) else None
     if not isinstance(url, str):
         raise ValueError('a video_url part needs {"video_url": {"url": ...}}')
-    return decode_video(asyncio.run(MediaConnector().for_videos().fetch_image_bytes(url)), geometry)
+    return decode_video(asyncio.run(MediaConnector().for_videos().fetch_image_bytes(url)), geometry, sampling)
 
 
 def _video_of(frames: Any) -> DecodedVideo:

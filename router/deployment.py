@@ -99,6 +99,8 @@ class RouterConfig:
     allowed_local_media_path: str = ""
     mm_processor_cache_gb: float = 0.0
     allowed_media_domains: tuple[str, ...] = ()
+    # vLLM's --media-io-kwargs (videos' frame sampling).
+    media_io_kwargs: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -156,6 +158,7 @@ def serving_settings(config: RouterConfig, descriptions: list[EngineDescription]
         allowed_local_media_path=config.allowed_local_media_path,
         mm_processor_cache_gb=config.mm_processor_cache_gb,
         allowed_media_domains=tuple(config.allowed_media_domains),
+        media_io_kwargs=dict(config.media_io_kwargs),
     )
 
 

@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlparse
 
 from engine_core.multimodal import ImageGeometry, MultiModalFeature, TensorData, check_features, feature_identifier
 from engine_core.tokenizer_files import IMAGE_PROCESSOR_FILE, read_image_processor_config
-from router.video import ProcessedVideo, decode_video, process_video
+from router.video import DEFAULT_SAMPLING, ProcessedVideo, VideoSampling, decode_video, process_video
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -377,12 +377,14 @@ class MultiModalProcessor:
                  max_images: int = DEFAULT_LIMIT_PER_PROMPT, cache_bytes: int = 0,
                  on_cache_lookup: Callable[[bool], None] | None = None,
                  prompt_replacement: tuple[str, str] | None = None, video_token_id: int | None = None,
-                 video_placeholder: str = "", max_videos: int = DEFAULT_LIMIT_PER_PROMPT) -> None:
+                 video_placeholder: str = "", max_videos: int = DEFAULT_LIMIT_PER_PROMPT,
+                 video_sampling: VideoSampling = DEFAULT_SAMPLING) -> None:
         self.image_token_id = image_token_id
         # Videos (Qwen2-VL, Qwen2.5-VL: geometry.takes_videos): their token and its text; None: none.
         self.video_token_id = video_token_id if geometry.takes_videos else None
         self.video_placeholder = video_placeholder
         self.max_videos = max_videos
+        self.video_sampling = video_sampling  # (--media-io-kwargs)
         # How many placeholders an image is (LLaVA: a fixed count; LLaVA-NeXT: by its size).
         self.geometry = geometry
         self.image_processor = image_processor
@@ -455,7 +457,7 @@ class MultiModalProcessor:
 
     def process_video(self, data: bytes) -> ProcessedVideo:
         """(CPU work: run in a thread.) A video file as the vision encoder takes it (router.video)."""
-        video = decode_video(data, self.geometry)
+        video = decode_video(data, self.geometry, self.video_sampling)
         processor = self.image_processor
         return process_video(video, self.geometry, processor.image_mean, processor.image_std, self.model_id)
 
@@ -463,7 +465,8 @@ class MultiModalProcessor:
         data = await self.media.for_videos().fetch_image_bytes(url)
         if self.cache is None:
             return await asyncio.to_thread(self.process_video, data)
-        key = b"video" + await asyncio.to_thread(ProcessedImageCache.key, data)  # (up to 256 MiB to digest)
+        # (up to 256 MiB to digest; the same bytes sampled otherwise are another video)
+        key = b"video" + await asyncio.to_thread(ProcessedImageCache.key, data)
         video = self.cache.get(key)
         if video is None:
             video = await asyncio.to_thread(self.process_video, data)

@@ -88,6 +88,7 @@ from router.protocol import (
 from router.reasoning_parsers import create_reasoning_parser, think_tags
 from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
 from router.tool_parsers import create_tool_call_parser
+from router.video import video_sampling_from
 
 logger = logging.getLogger(__name__)
 
@@ -306,6 +307,8 @@ class ServingSettings:
     allowed_media_domains: tuple[str, ...] = ()
     # vLLM's --mm-processor-cache-gb: GiB of processed images kept (0: none).
     mm_processor_cache_gb: float = 0.0
+    # vLLM's --media-io-kwargs: how videos' frames are sampled ({"video": {"num_frames": N}} or fps).
+    media_io_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -481,7 +484,8 @@ class OpenAIServing:
                 prompt_replacement=image_prompt_text(tokenizer, settings.image_token_id, settings.image_geometry),
                 video_token_id=settings.video_token_id,
                 video_placeholder=video_placeholder(tokenizer, settings.video_token_id),
-                max_videos=settings.limit_mm_per_prompt.get("video", DEFAULT_LIMIT_PER_PROMPT))
+                max_videos=settings.limit_mm_per_prompt.get("video", DEFAULT_LIMIT_PER_PROMPT),
+                video_sampling=video_sampling_from(settings.media_io_kwargs))
 
     # -- request preparation ------------------------------------------------------------------------
 

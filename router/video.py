@@ -37,6 +37,39 @@ MAX_SOURCE_FRAMES = 1_000_000
 
 
 @dataclass(frozen=True)
+class VideoSampling:
+    """How a video's frames are sampled (vLLM's --media-io-kwargs '{"video": {...}}'): ``fps`` a
+    second (within MIN_FRAMES..MAX_FRAMES), or ``num_frames`` evenly spaced."""
+
+    fps: float = VIDEO_FPS
+    num_frames: int | None = None
+
+
+DEFAULT_SAMPLING = VideoSampling()
+
+
+def video_sampling_from(media_io_kwargs: dict[str, Any] | None) -> VideoSampling:
+    """vLLM's --media-io-kwargs as the video sampling it sets; ValueError for what is not served
+    (another modality's settings, other keys, both a count and a rate)."""
+    kwargs = dict(media_io_kwargs or {})
+    others = sorted(set(kwargs) - {"video"})
+    if others:
+        raise ValueError(f"media_io_kwargs: only video's are served ({{'video': {{'num_frames': N}}}} or "
+                         f"{{'video': {{'fps': F}}}}), not {others}")
+    video = kwargs.get("video") or {}
+    if not isinstance(video, dict) or set(video) - {"num_frames", "fps"}:
+        raise ValueError(f"media_io_kwargs['video'] takes num_frames or fps, got {video!r}")
+    if "num_frames" in video and "fps" in video:
+        raise ValueError("media_io_kwargs['video']: num_frames and fps are exclusive (a count, or a rate)")
+    num_frames, fps = video.get("num_frames"), video.get("fps", VIDEO_FPS)
+    if num_frames is not None and (isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1):
+        raise ValueError(f"media_io_kwargs['video']['num_frames'] must be an integer >= 1, got {num_frames!r}")
+    if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < float("inf"):
+        raise ValueError(f"media_io_kwargs['video']['fps'] must be a number > 0, got {fps!r}")
+    return VideoSampling(float(fps), num_frames)
+
+
+@dataclass(frozen=True)
 class DecodedVideo:
     """A video's sampled frames (RGB; already resized where the decoder knew the model's geometry),
     its frame count, its frame rate and its frames' own (height, width)."""
@@ -93,9 +126,10 @@ def evenly(items: list, count: int) -> list:
     return [items[i * len(items) // count] for i in range(count)]
 
 
-def decode_video(data: bytes, geometry: ImageGeometry | None = None, num_frames: int | None = None) -> DecodedVideo:
-    """A video file's sampled frames (see ``sample_frame_indices``), decoded with PyAV. Given the
-    model's ``geometry``: a frame too large is refused before any is decoded, the frames are
+def decode_video(data: bytes, geometry: ImageGeometry | None = None,
+                 sampling: VideoSampling = DEFAULT_SAMPLING) -> DecodedVideo:
+    """A video file's frames as ``sampling`` samples them (see ``sample_frame_indices``), decoded with
+    PyAV. Given the model's ``geometry``: a frame too large is refused before any is decoded, the frames are
     capped as ``process_video`` caps them (``video_frame_limit``), and each kept frame is resized at
     once, so memory holds only what the encoder takes. ValueError for what is not a video PyAV can
     read."""
@@ -119,7 +153,7 @@ def decode_video(data: bytes, geometry: ImageGeometry | None = None, num_frames:
             total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
         if total > MAX_SOURCE_FRAMES:
             raise ValueError(f"a video of {total} frames has more than the {MAX_SOURCE_FRAMES} allowed")
-        keep = sample_frame_indices(total, fps, temporal_patch_size, num_frames=num_frames)
+        keep = sample_frame_indices(total, fps, temporal_patch_size, fps=sampling.fps, num_frames=sampling.num_frames)
         target = None
         if geometry is not None:
             keep = evenly(keep, video_frame_limit(geometry, height, width))

@@ -791,6 +791,14 @@ def test_image_flags_reach_the_router_per_model(tmp_path, monkeypatch):
     assert (_config().limit_mm_per_prompt, _config().allowed_local_media_path) == ({}, "")
     with pytest.raises(ValueError, match="'images' is not a modality"):
         _config("--limit-mm-per-prompt", '{"images": 2}')
+    # vLLM's --media-io-kwargs: how videos' frames are sampled, the server's, for every model.
+    sampled = router_deployment(_config("--media-io-kwargs", '{"video": {"num_frames": 16}}', "--extra-models",
+                                        str(models)))._bound_deployment.init_args
+    assert [c.media_io_kwargs for c in (sampled[0], *sampled[1])] == [{"video": {"num_frames": 16}}] * 3
+    for bad, why in (('{"image": {"size": 2}}', "only video's are served"), ('{"video": {"fps": 0}}', "fps"),
+                     ('{"video": {"num_frames": 4, "fps": 1}}', "exclusive")):
+        with pytest.raises(ValueError, match=why):
+            _config("--media-io-kwargs", bad)
 
 
 def test_a_serve_configs_args_may_not_set_the_clis_host_and_port():

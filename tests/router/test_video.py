@@ -131,6 +131,21 @@ def test_a_long_video_keeps_as_many_frames_as_the_largest_image_has_tokens(qwen2
     assert again.identifier == video.identifier and again.second_per_grid == video.second_per_grid
 
 
+def test_media_io_kwargs_set_how_frames_are_sampled(qwen2_vl):
+    """vLLM's --media-io-kwargs: a count of frames evenly spaced, or a rate; the same bytes sampled
+    otherwise are another video (another digest, another timing)."""
+    video_token = qwen2_vl[3].video_token_id
+    data = mp4(40, fps=10)  # (4 s: 8 frames at the default 2 a second)
+    got = {}
+    for name, kwargs in (("default", {}), ("count", {"video": {"num_frames": 2}}), ("rate", {"video": {"fps": 1}})):
+        http, engine, _ = _app(qwen2_vl, video_token_id=video_token, media_io_kwargs=kwargs)
+        assert _chat(http, [video_part(data)]).status_code == 200
+        got[name] = engine.requests[0].mm_features[0]
+    assert [got[n].num_frames for n in ("default", "count", "rate")] == [8, 2, 4]
+    assert got["count"].second_per_grid == pytest.approx(2 / (2 / 40 * 10))  # (2 s a pair)
+    assert len({f.identifier for f in got.values()}) == 3
+
+
 def test_a_template_given_text_gets_qwens_video_placeholder(qwen2_vl):
     http, engine, _ = _app(qwen2_vl, video_token_id=qwen2_vl[3].video_token_id, chat_template_content_format="string",
                            trust_request_chat_template=True)
