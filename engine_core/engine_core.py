@@ -21,7 +21,7 @@ from engine_core.executor import Executor, ModelInfo
 from engine_core.kv_transfer import KVConnector, PendingLoad, wants_remote_prefill
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
 from engine_core.lora import LoRANotLoadedError, static_lora_requests
-from engine_core.multimodal import check_features
+from engine_core.multimodal import check_features, with_article
 from engine_core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -618,8 +618,8 @@ class EngineCore:
             # or more, so this holds only where that bound is wrong, or with whole images per pass.)
             scheduler = self.scheduler
             if tokens > scheduler.max_num_encoder_input_tokens:
-                raise RequestRefusedError(f"{_a(feature.modality)} of {tokens} tokens is more than a pass may encode "
-                                          f"({scheduler.max_num_encoder_input_tokens})")
+                raise RequestRefusedError(f"{with_article(feature.modality)} of {tokens} tokens is more than a pass "
+                                          f"may encode ({scheduler.max_num_encoder_input_tokens})")
             whole = scheduler.scheduler_config.disable_chunked_mm_input or scheduler.whole_images
             pass_tokens = scheduler.max_num_scheduled_tokens
             if whole and scheduler.scheduler_config.long_prefill_token_threshold > 0:
@@ -627,7 +627,7 @@ class EngineCore:
             if whole and tokens > pass_tokens:
                 why = ("--disable-chunked-mm-input keeps each image in one pass" if not scheduler.whole_images else
                        f"{info.served_model_name}'s image tokens attend to each other, so each image is in one pass")
-                raise RequestRefusedError(f"{_a(feature.modality)} of {tokens} tokens does not fit a pass of "
+                raise RequestRefusedError(f"{with_article(feature.modality)} of {tokens} tokens does not fit a pass of "
                                           f"{pass_tokens} tokens (--max-num-batched-tokens, "
                                           f"--long-prefill-token-threshold), and {why}")
             # (Checked here, not in the pass: a misshapen image would fail every request of its pass.)
@@ -1039,8 +1039,3 @@ class EngineCore:
         if self._structured is not None:
             self._structured.shutdown()
         self.executor.shutdown()
-
-
-def _a(modality: str) -> str:
-    """"an image", "a video"."""
-    return f"{'an' if modality[:1] in 'aeiou' else 'a'} {modality}"

@@ -84,6 +84,11 @@ class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True):
         return self.offset + self.length
 
 
+def with_article(noun: str) -> str:
+    """"an image", "a video"."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
 def feature_identifier(modality: str, pixel_values: TensorData, extra: str = "") -> str:
     """The digest that names an encoder input: equal inputs (and ``extra``, e.g. the model) share it."""
     h = hashlib.blake2b(f"{modality}|{pixel_values.dtype}|{pixel_values.shape}|{extra}".encode(), digest_size=16)
@@ -98,31 +103,26 @@ def check_features(features: list[MultiModalFeature], prompt_token_ids: list[int
     a video's: ``video_token_id``)."""
     end = 0
     for f in features:
-        if f.modality == "video":
-            if video_token_id is None or f.num_frames < 1:
-                raise ValueError("a video needs a model that takes videos, and its frames")
-            if any(t != video_token_id for t in prompt_token_ids[f.offset:f.end]) or f.end > len(prompt_token_ids):
-                raise ValueError(f"video placeholders at {f.offset}..{f.end} are not all the model's video token "
-                                 f"{video_token_id}")
-            if f.offset < end:
-                raise ValueError(f"video placeholders from position {f.offset} overlap the previous ones")
-            end = f.end
-            continue
         if f.offset < end:
             raise ValueError(f"{f.modality} placeholders from position {f.offset} overlap the previous ones")
         if f.end > len(prompt_token_ids):
             raise ValueError(f"{f.modality} placeholders reach position {f.end}, past the prompt's "
                              f"{len(prompt_token_ids)} tokens")
+        token = placeholder_id
+        if f.modality == "video":
+            if video_token_id is None or f.num_frames < 1:
+                raise ValueError("a video needs a model that takes videos, and its frames")
+            token = video_token_id
         if geometry is not None and geometry.pixtral:
-            expected = geometry.placeholder_ids(placeholder_id, *(f.image_size or (0, 0)))
+            expected = geometry.placeholder_ids(token, *(f.image_size or (0, 0)))
             if prompt_token_ids[f.offset:f.end] != expected:
                 raise ValueError(f"{f.modality} placeholders at {f.offset}..{f.end} are not the model's rows of "
-                                 f"placeholder tokens {placeholder_id}, each ended by its break token "
+                                 f"placeholder tokens {token}, each ended by its break token "
                                  f"{geometry.row_break_token_id}, the last by its end token "
                                  f"{geometry.image_end_token_id}")
-        elif any(t != placeholder_id for t in prompt_token_ids[f.offset:f.end]):
+        elif any(t != token for t in prompt_token_ids[f.offset:f.end]):
             raise ValueError(f"{f.modality} placeholders at {f.offset}..{f.end} are not all the model's "
-                             f"placeholder token {placeholder_id}")
+                             f"placeholder token {token}")
         end = f.end
 
 

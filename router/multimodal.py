@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
-from engine_core.multimodal import ImageGeometry, MultiModalFeature, TensorData, check_features, feature_identifier
+from engine_core.multimodal import (
+    ImageGeometry,
+    MultiModalFeature,
+    TensorData,
+    check_features,
+    feature_identifier,
+    with_article,
+)
 from engine_core.tokenizer_files import IMAGE_PROCESSOR_FILE, read_image_processor_config
 from router.video import DEFAULT_SAMPLING, ProcessedVideo, VideoSampling, decode_video, process_video
 
@@ -49,10 +56,6 @@ VIDEO_FETCH_TIMEOUT_S = float(os.environ.get("VLLM_VIDEO_FETCH_TIMEOUT", "30"))
 MAX_VIDEO_BYTES = 256 * 1024 * 1024
 # vLLM's --mm-processor-cache-gb default: GiB of processed images a router replica keeps.
 DEFAULT_PROCESSOR_CACHE_GB = 4.0
-
-
-def _a(kind: str) -> str:
-    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
 
 
 def _short(url: str) -> str:
@@ -96,8 +99,8 @@ class MediaConnector:
             raise ValueError(f"{self.kind} URL {_short(url)!r}: only base64 data URLs are supported "
                              "(data:image/png;base64,...)")
         if len(data) * 3 // 4 > self.max_bytes:
-            raise ValueError(f"{_a(self.kind)} of {len(data) * 3 // 4} bytes is larger than the {self.max_bytes} "
-                             "allowed")
+            raise ValueError(f"{with_article(self.kind)} of {len(data) * 3 // 4} bytes is larger than the "
+                             f"{self.max_bytes} allowed")
         try:
             return base64.b64decode(data)
         except ValueError as e:

@@ -491,3 +491,18 @@ def test_a_videos_timing_must_keep_every_position_within_the_model(qwen, tmp_pat
     shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("video_preprocessor_config.json"))
     geometry = ModelConfig.from_pretrained(bare).vision.geometry
     assert (geometry.video_min_pixels, geometry.video_max_pixels) == (geometry.min_pixels, geometry.max_pixels)
+
+
+def test_images_and_videos_are_checked_against_their_own_placeholder_tokens():
+    from engine_core.multimodal import check_features
+
+    data = TensorData.from_array(np.zeros((1, 1), np.float32))
+    video = MultiModalFeature("video", "v", 1, 2, data, (28, 28), 2, 1.0)
+    image = MultiModalFeature("image", "i", 4, 2, data, (28, 28))
+    check_features([video, image], [0, 7, 7, 0, 5, 5, 0], 5, None, 7)
+    with pytest.raises(ValueError, match=r"image placeholders at 4\.\.6 are not all the model's placeholder token 5"):
+        check_features([video, image], [0, 7, 7, 0, 7, 7, 0], 5, None, 7)
+    with pytest.raises(ValueError, match=r"video placeholders at 1\.\.3 are not all the model's placeholder token 7"):
+        check_features([video, image], [0, 5, 5, 0, 5, 5, 0], 5, None, 7)
+    with pytest.raises(ValueError, match="a model that takes videos"):
+        check_features([video], [0, 7, 7], 5)
