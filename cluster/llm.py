@@ -1350,7 +1350,7 @@ def _chat_image(part: dict[str, Any]) -> Any:
     url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
     if not isinstance(url, str):
         raise ValueError('an image_url part needs {"image_url": {"url": ...}}')
-    return decode_image(asyncio.run(MediaConnector().fetch_image_bytes(url)))
+    return decode_image(asyncio.run(MediaConnector().fetch_bytes(url)))
 
 
 def _chat_video(part: dict[str, Any], geometry: ImageGeometry, sampling: VideoSampling) -> DecodedVideo:
@@ -1363,7 +1363,7 @@ def _chat_video(part: dict[str, Any], geometry: ImageGeometry, sampling: VideoSa
     url = (part.get("video_url") or {}).get("url") if isinstance(part.get("video_url"), dict) else None
     if not isinstance(url, str):
         raise ValueError('a video_url part needs {"video_url": {"url": ...}}')
-    return decode_video(asyncio.run(MediaConnector().for_videos().fetch_image_bytes(url)), geometry, sampling)
+    return decode_video(asyncio.run(MediaConnector().for_videos().fetch_bytes(url)), geometry, sampling)
 
 
 def _video_of(frames: Any) -> DecodedVideo:

@@ -64,9 +64,9 @@ def _short(url: str) -> str:
 
 @dataclass(frozen=True)
 class MediaConnector:
-    """Loads an image's bytes from its URL (vLLM's MediaConnector): a base64 ``data:`` URL, an
-    ``http(s)://`` URL (fetched within ``fetch_timeout_s``), or a ``file://`` URL under
-    ``allowed_local_media_path`` (none without it); at most ``max_bytes`` each."""
+    """Loads an image's (or a video's: ``for_videos``) bytes from its URL (vLLM's MediaConnector): a
+    base64 ``data:`` URL, an ``http(s)://`` URL (fetched within ``fetch_timeout_s``), or a ``file://``
+    URL under ``allowed_local_media_path`` (none without it); at most ``max_bytes`` each."""
 
     allowed_local_media_path: str = ""
     fetch_timeout_s: float = IMAGE_FETCH_TIMEOUT_S
@@ -82,7 +82,7 @@ class MediaConnector:
         VLLM_VIDEO_FETCH_TIMEOUT)."""
         return dataclasses.replace(self, kind="video", max_bytes=MAX_VIDEO_BYTES, fetch_timeout_s=VIDEO_FETCH_TIMEOUT_S)
 
-    async def fetch_image_bytes(self, url: str) -> bytes:
+    async def fetch_bytes(self, url: str) -> bytes:
         scheme = urlparse(url).scheme.lower() if ":" in url else ""
         if scheme == "data":
             return await asyncio.to_thread(self._data_url, url)
@@ -231,10 +231,7 @@ def image_placeholder(tokenizer: Any, image_token_id: int, geometry: ImageGeomet
     replacement = image_prompt_text(tokenizer, image_token_id, geometry)
     if replacement is not None:
         return replacement[0]
-    vocabulary = tokenizer.get_vocab()
-    if geometry.native and "<|vision_start|>" in vocabulary and "<|vision_end|>" in vocabulary:
-        return f"<|vision_start|>{token}<|vision_end|>"
-    return token
+    return _within_vision_tokens(tokenizer, token) if geometry.native else token
 
 
 def video_placeholder(tokenizer: Any, video_token_id: int | None) -> str:
@@ -242,7 +239,12 @@ def video_placeholder(tokenizer: Any, video_token_id: int | None) -> str:
     token within its vision start and end tokens ("" for a model that takes no videos)."""
     if video_token_id is None:
         return ""
-    token = tokenizer.convert_ids_to_tokens(video_token_id) or ""
+    return _within_vision_tokens(tokenizer, tokenizer.convert_ids_to_tokens(video_token_id) or "")
+
+
+def _within_vision_tokens(tokenizer: Any, token: str) -> str:
+    """Qwen2-VL's placeholder text: ``token`` within its vision start and end tokens, where the
+    vocabulary has them."""
     vocabulary = tokenizer.get_vocab()
     if "<|vision_start|>" in vocabulary and "<|vision_end|>" in vocabulary:
         return f"<|vision_start|>{token}<|vision_end|>"
@@ -465,7 +467,7 @@ class MultiModalProcessor:
         return process_video(video, self.geometry, processor.image_mean, processor.image_std, self.model_id)
 
     async def load_video(self, url: str) -> ProcessedVideo:
-        data = await self.media.for_videos().fetch_image_bytes(url)
+        data = await self.media.for_videos().fetch_bytes(url)
         if self.cache is None:
             return await asyncio.to_thread(self.process_video, data)
         # (up to 256 MiB to digest; the same bytes sampled otherwise are another video)
@@ -527,7 +529,7 @@ class MultiModalProcessor:
                               size, self.geometry.num_tokens(*size))
 
     async def load(self, url: str) -> ProcessedImage:
-        data = await self.media.fetch_image_bytes(url)
+        data = await self.media.fetch_bytes(url)
         if self.cache is None:
             return await asyncio.to_thread(self.process, data)
         key = ProcessedImageCache.key(data)
@@ -539,7 +541,7 @@ class MultiModalProcessor:
 
     async def image_sizes(self, urls: list[str]) -> list[tuple[int, int]]:
         """Each image's (height, width), from its header alone (nothing decoded or processed)."""
-        datas = await asyncio.gather(*map(self.media.fetch_image_bytes, urls))
+        datas = await asyncio.gather(*map(self.media.fetch_bytes, urls))
         return [image_size_of(data) for data in datas]
 
     async def load_all(self, urls: list[str]) -> list[ProcessedImage]:

@@ -18,6 +18,7 @@ from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.gemma3_vision import Gemma3Projector, SiglipVisionTower, gemma3_vision_tensors
 from gpu_worker.vision_config import Gemma3VisionConfig, gemma3_vision_config_from_dict
 from gpu_worker.weights import iter_safetensors, load_weights
+from tests.gpu_worker.utils import assert_same_parameters
 
 TEXT = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 300}
@@ -136,9 +137,7 @@ def test_every_checkpoint_layout_loads_the_same_tensors(saved, ours, layout):
     hf, _, vc = saved
     rename = LAYOUTS[layout]
     other = _ours(vc, ((rename(name), tensor) for name, tensor in hf.state_dict().items()))
-    for (name, mine), (other_name, theirs) in zip(ours.named_parameters(), other.named_parameters(), strict=True):
-        assert name == other_name
-        torch.testing.assert_close(theirs, mine, atol=0, rtol=0)
+    assert_same_parameters(ours, other)
 
 
 @pytest.mark.parametrize("use_head", [False, True])

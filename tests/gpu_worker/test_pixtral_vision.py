@@ -18,6 +18,7 @@ from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.pixtral_vision import PixtralProjector, PixtralVisionTower, pixtral_vision_tensors
 from gpu_worker.vision_config import PixtralVisionConfig, pixtral_vision_config_from_dict
 from gpu_worker.weights import iter_safetensors, load_weights
+from tests.gpu_worker.utils import assert_same_parameters
 
 TEXT = {"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 300,
@@ -216,10 +217,7 @@ def test_every_checkpoint_layout_loads_the_same_tensors(saved, layout):
     from_files = _ours(vc, iter_safetensors(path))
     rename = LAYOUTS[layout]
     other = _ours(vc, ((rename(name), tensor) for name, tensor in hf.state_dict().items()))
-    for (name, mine), (other_name, theirs) in zip(from_files.named_parameters(), other.named_parameters(),
-                                                  strict=True):
-        assert name == other_name
-        torch.testing.assert_close(theirs, mine, atol=0, rtol=0)
+    assert_same_parameters(from_files, other)
 
 
 @pytest.mark.parametrize("layer", [-1, -2])

@@ -192,3 +192,11 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
                                 do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                 eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def assert_same_parameters(mine: torch.nn.Module, other: torch.nn.Module) -> None:
+    """The two modules hold the same parameters, name for name, bit for bit (one checkpoint layout
+    loaded against another)."""
+    for (name, ours), (other_name, theirs) in zip(mine.named_parameters(), other.named_parameters(), strict=True):
+        assert name == other_name
+        torch.testing.assert_close(theirs, ours, atol=0, rtol=0)

@@ -176,9 +176,9 @@ class _RecordingMedia(MediaConnector):
         super().__init__()
         object.__setattr__(self, "threads", threads)
 
-    async def fetch_image_bytes(self, url: str) -> bytes:
+    async def fetch_bytes(self, url: str) -> bytes:
         self.threads.append(threading.current_thread())
-        return await super().fetch_image_bytes(url)
+        return await super().fetch_bytes(url)
 
 
 class _ImageServer:
