@@ -42,6 +42,7 @@ from router.multimodal import (
     image_placeholder,
     image_prompt_text,
     load_image_processor,
+    timed_video_tokens,
     video_placeholder,
 )
 from router.scoring import cosine_scores, maxsim_scores, pair_params, score_pairs, tokenize_pair
@@ -906,7 +907,8 @@ class LLM:
                 video_token_id=info.video_token_id, video_placeholder=video_placeholder(self.tokenizer,
                                                                                         info.video_token_id),
                 max_videos=self.cluster_config.limit_mm_per_prompt.get("video", DEFAULT_LIMIT_PER_PROMPT),
-                video_sampling=video_sampling_from(self.cluster_config.media_io_kwargs))
+                video_sampling=video_sampling_from(self.cluster_config.media_io_kwargs),
+                timed_videos=timed_video_tokens(self.tokenizer, info.video_token_id, info.image_geometry))
         return self._image_processor
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

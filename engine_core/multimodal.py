@@ -70,7 +70,8 @@ class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True):
     # video's frames'.
     image_size: tuple[int, int] | None = None
     # A video (modality "video": Qwen2-VL, Qwen2.5-VL): its frames as sampled, and the seconds one
-    # temporal patch of them spans (Qwen2.5-VL's second_per_grid_ts); 0 for an image.
+    # temporal patch of them spans (Qwen2.5-VL's second_per_grid_ts); 0 for an image. (Qwen3-VL: one
+    # feature per temporal patch of a video, its frames' size as resized: ImageGeometry.video_frame_pairs.)
     num_frames: int = 0
     second_per_grid: float = 0.0
 
@@ -173,6 +174,11 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     video_min_pixels: int = 0
     video_max_pixels: int = 0
     tokens_per_second: float = 0.0
+    # Qwen3-VL: the video pixel range bounds all of a video's frames together (its frames are resized
+    # by their count: ``video_frame_size``), and a video reaches the engine as its temporal patches,
+    # each a feature of the resized frames' (height, width) (the prompt writes each patch's time as
+    # text before it, so its placeholders are runs apart, and its M-RoPE positions are an image's).
+    video_frame_pairs: bool = False
 
     @property
     def takes_videos(self) -> bool:
@@ -258,13 +264,52 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
         new_height, new_width = self.resized(height, width)
         return 1, new_height // self.patch_size, new_width // self.patch_size
 
+    def video_frame_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) a video's ``num_frames`` frames of ``height`` x ``width`` are resized to:
+        each as an image in the video pixel range (Qwen2-VL); Qwen3-VL's (``video_frame_pairs``): all
+        its frames' pixels together within that range (transformers' Qwen3VLVideoProcessor smart_resize;
+        a video of one frame as its repeated pair), and no pair of frames more tokens than the largest
+        image (what a pass may encode: fewer pixels a frame where the range allows more)."""
+        if not self.video_frame_pairs:
+            return self.resized(height, width, video=True)
+        factor, pair = self.patch_size * self.merge_size, self.temporal_patch_size
+        num_frames = max(num_frames, pair)
+        if height < factor or width < factor:
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        if max(height, width) / min(height, width) > 200:
+            raise ValueError(f"a video's frames' sides may differ at most 200x, not {width}x{height}")
+        most = min(self.video_max_pixels, num_frames * self.max_tokens * factor ** 2)
+        new_height, new_width = round(height / factor) * factor, round(width / factor) * factor
+        frames = round(num_frames / pair) * pair
+        if frames * new_height * new_width > most:
+            beta = math.sqrt(num_frames * height * width / most)
+            new_height = max(factor, math.floor(height / beta / factor) * factor)
+            new_width = max(factor, math.floor(width / beta / factor) * factor)
+        elif frames * new_height * new_width < self.video_min_pixels:
+            beta = math.sqrt(self.video_min_pixels / (num_frames * height * width))
+            new_height = math.ceil(height * beta / factor) * factor
+            new_width = math.ceil(width * beta / factor) * factor
+        return new_height, new_width
+
     def video_patch_grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        """A video's (temporal patches, rows, columns) of patches (transformers' video_grid_thw)."""
+        """A video's (temporal patches, rows, columns) of patches (transformers' video_grid_thw); for
+        Qwen3-VL's features (``video_frame_pairs``), one temporal patch's, its frames' resized size given."""
         if not self.takes_videos:
             raise ValueError("the model takes no videos")
         if num_frames < 1:
             raise ValueError(f"a video needs at least one frame, not {num_frames}")
-        new_height, new_width = self.resized(height, width, video=True)
+        if self.video_frame_pairs:
+            factor = self.patch_size * self.merge_size
+            if num_frames > self.temporal_patch_size:
+                raise ValueError(f"this model takes a video as its temporal patches, each of at most "
+                                 f"{self.temporal_patch_size} frames, not {num_frames}")
+            if height % factor or width % factor or min(height, width) < factor:
+                raise ValueError(f"a temporal patch's frames are given at their resized size, whole multiples of "
+                                 f"{factor} pixels, not {width}x{height}")
+            new_height, new_width = height, width
+        else:
+            new_height, new_width = self.resized(height, width, video=True)
         return -(-num_frames // self.temporal_patch_size), new_height // self.patch_size, new_width // self.patch_size
 
     def grid_of(self, feature: MultiModalFeature) -> tuple[int, int, int]:

@@ -1175,8 +1175,8 @@ class ModelConfig:
         native = isinstance(config.vision, QwenVisionConfig | Qwen3VisionConfig)
         overrides = _processor_kwargs(mm_processor_kwargs or {}, config.vision, cfg["architectures"][0])
         pixel_range = {k: v for k, v in overrides.items() if k.endswith("_pixels")}
-        # (Qwen2-VL takes videos too: its tower stays for them unless they are refused as well.)
-        keeps_tower_for_videos = isinstance(config.vision, QwenVisionConfig) and not videos_refused
+        # (Qwen2-VL and Qwen3-VL take videos too: the tower stays for them unless they are refused as well.)
+        keeps_tower_for_videos = native and not videos_refused
         if config.vision is not None and ((language_model_only and not keeps_tower_for_videos) or (
                 pipeline_stages and isinstance(config.vision, Gemma3VisionConfig))):
             config = dataclasses.replace(config, vision=None, language_model_of=cfg["architectures"][0])

@@ -283,22 +283,26 @@ def _check_processor(processor: dict[str, Any], patch_size: int, merge_size: int
             raise ValueError(f"preprocessor_config.json's {key} {processor[key]} is not the vision tower's {ours}")
 
 
-def qwen3_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] | None = None
-                                  ) -> Qwen3VisionConfig:
-    """Qwen3-VL's vision side from its config.json and preprocessor_config.json."""
+def qwen3_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] | None = None,
+                                  video_processor: dict[str, Any] | None = None) -> Qwen3VisionConfig:
+    """Qwen3-VL's vision side from its config.json, preprocessor_config.json and video processor
+    config (a whole video's pixel range)."""
     processor = processor or {}
     vc = Qwen3VisionConfig.from_hf(dict(cfg.get("vision_config") or {}))
     min_pixels, max_pixels = _pixel_range(processor, QWEN3_VL_MIN_PIXELS, QWEN3_VL_MAX_PIXELS)
+    video_min, video_max = _pixel_range(video_processor or {}, QWEN3_VL_VIDEO_MIN_PIXELS, QWEN3_VL_VIDEO_MAX_PIXELS)
     _check_processor(processor, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+    _check_processor(video_processor or {}, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
     return dataclasses.replace(vc, image_token_id=int(cfg.get("image_token_id", 151655)), min_pixels=min_pixels,
-                               max_pixels=max_pixels)
+                               max_pixels=max_pixels, video_token_id=int(cfg.get("video_token_id", 151656)),
+                               video_min_pixels=video_min, video_max_pixels=video_max)
 
 
 def native_vision_config(cfg: dict[str, Any], processor: dict[str, Any] | None = None,
                          video_processor: dict[str, Any] | None = None) -> QwenVisionConfig | Qwen3VisionConfig:
     """A native-resolution model's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) vision side."""
     if cfg["architectures"][0] in QWEN3_VL_ARCHITECTURES:
-        return qwen3_vision_config_from_dict(cfg, processor)
+        return qwen3_vision_config_from_dict(cfg, processor, video_processor)
     return qwen_vision_config_from_dict(cfg, processor, video_processor)
 
 
@@ -335,6 +339,9 @@ QWEN3_VL_MOE_TEXT_DEFAULTS = {"num_experts": 60, "num_experts_per_tok": 4, "moe_
 # transformers' Qwen3-VL processor defaults (its size's shortest and longest edge, in pixels).
 QWEN3_VL_MIN_PIXELS = 65536
 QWEN3_VL_MAX_PIXELS = 16777216
+# transformers' Qwen3VLVideoProcessor defaults: the pixel range of all a video's frames together.
+QWEN3_VL_VIDEO_MIN_PIXELS = 128 * 32 * 32
+QWEN3_VL_VIDEO_MAX_PIXELS = 768 * 32 * 32
 # transformers' Qwen3VLVisionConfig defaults (a config.json may list only what differs from them).
 _HF_DEFAULTS: dict[str, Any] = {
     "depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 4304,
@@ -371,6 +378,16 @@ class Qwen3VisionConfig(NativeImageSide):
     image_token_id: int = 151655
     min_pixels: int = QWEN3_VL_MIN_PIXELS
     max_pixels: int = QWEN3_VL_MAX_PIXELS
+    # Videos: the prompt token a video's rows replace, and the pixel range of all its frames together
+    # (the video processor's config; transformers' Qwen3VLVideoProcessor defaults otherwise).
+    video_token_id: int = 151656
+    video_min_pixels: int = QWEN3_VL_VIDEO_MIN_PIXELS
+    video_max_pixels: int = QWEN3_VL_VIDEO_MAX_PIXELS
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return msgspec.structs.replace(super().geometry, video_min_pixels=self.video_min_pixels,
+                                       video_max_pixels=self.video_max_pixels, video_frame_pairs=True)
 
     @property
     def head_dim(self) -> int:

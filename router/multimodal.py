@@ -21,7 +21,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
@@ -242,6 +242,59 @@ def video_placeholder(tokenizer: Any, video_token_id: int | None) -> str:
     return _within_vision_tokens(tokenizer, tokenizer.convert_ids_to_tokens(video_token_id) or "")
 
 
+@dataclass(frozen=True)
+class TimedVideoTokens:
+    """Qwen3-VL's videos in a prompt (its processor's replace_video_token, at the token level as vLLM
+    updates it): the video token (within its vision start and end tokens, where the template wrote
+    them) becomes, for each temporal patch, its time as text ("<1.5 seconds>", tokenized alone), the
+    vision start token, its placeholders, the vision end token."""
+
+    tokenizer: Any
+    video_token_id: int
+    start_id: int
+    end_id: int
+    _times: dict[str, list[int]] = field(default_factory=dict, compare=False)
+
+    def unwrapped(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt with each video token's vision start and end tokens around it dropped (each
+        temporal patch gets its own)."""
+        out: list[int] = []
+        i = 0
+        while i < len(prompt_ids):
+            if prompt_ids[i:i + 3] == [self.start_id, self.video_token_id, self.end_id]:
+                out.append(self.video_token_id)
+                i += 3
+            else:
+                out.append(prompt_ids[i])
+                i += 1
+        return out
+
+    def run(self, video: ProcessedVideo) -> tuple[list[int], list[int]]:
+        """A video's tokens, and where each temporal patch's placeholders start within them."""
+        ids: list[int] = []
+        starts = []
+        for seconds, part in zip(video.timestamps, video.parts(), strict=True):
+            text = f"<{seconds:.1f} seconds>"
+            if text not in self._times:
+                self._times[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
+            ids += self._times[text] + [self.start_id]
+            starts.append(len(ids))
+            ids += [self.video_token_id] * part.num_tokens + [self.end_id]
+        return ids, starts
+
+
+def timed_video_tokens(tokenizer: Any, video_token_id: int | None, geometry: ImageGeometry | None
+                       ) -> TimedVideoTokens | None:
+    """Qwen3-VL's video prompt text (``ImageGeometry.video_frame_pairs``); None for other models."""
+    if video_token_id is None or geometry is None or not geometry.video_frame_pairs:
+        return None
+    vocabulary = tokenizer.get_vocab()
+    missing = [t for t in ("<|vision_start|>", "<|vision_end|>") if t not in vocabulary]
+    if missing:
+        raise ValueError(f"the tokenizer has no {' or '.join(missing)} token: Qwen3-VL's videos need them")
+    return TimedVideoTokens(tokenizer, video_token_id, vocabulary["<|vision_start|>"], vocabulary["<|vision_end|>"])
+
+
 def _within_vision_tokens(tokenizer: Any, token: str) -> str:
     """Qwen2-VL's placeholder text: ``token`` within its vision start and end tokens, where the
     vocabulary has them."""
@@ -383,11 +436,14 @@ class MultiModalProcessor:
                  on_cache_lookup: Callable[[bool], None] | None = None,
                  prompt_replacement: tuple[str, str] | None = None, video_token_id: int | None = None,
                  video_placeholder: str = "", max_videos: int = DEFAULT_LIMIT_PER_PROMPT,
-                 video_sampling: VideoSampling = DEFAULT_SAMPLING) -> None:
+                 video_sampling: VideoSampling = DEFAULT_SAMPLING, timed_videos: TimedVideoTokens | None = None
+                 ) -> None:
         self.image_token_id = image_token_id
-        # Videos (Qwen2-VL, Qwen2.5-VL: geometry.takes_videos): their token and its text; None: none.
+        # Videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: geometry.takes_videos): their token and its text; None: none.
         self.video_token_id = video_token_id if geometry.takes_videos else None
         self.video_placeholder = video_placeholder
+        # (Qwen3-VL: each temporal patch's time written before it: timed_video_tokens.)
+        self.timed_videos = timed_videos
         self.max_videos = max_videos
         self.video_sampling = video_sampling  # (--media-io-kwargs)
         # How many placeholders an image is (LLaVA: a fixed count; LLaVA-NeXT: by its size).
@@ -485,16 +541,23 @@ class MultiModalProcessor:
     def expand_media(self, prompt_ids: list[int], image_sizes: list[tuple[int, int]], videos: list[ProcessedVideo]
                      ) -> tuple[list[int], list[int], list[int]]:
         """The prompt with each image token expanded to its image's placeholders (by ``image_sizes``)
-        and each video token to its video's: (ids, the images' offsets, the videos' offsets)."""
+        and each video token to its video's (Qwen3-VL's: its timed temporal patches): (ids, the images'
+        offsets, the offsets of the videos' parts, ``ProcessedVideo.parts``)."""
         geometry = self.geometry
         media = {self.image_token_id: ("image", [geometry.placeholder_ids(self.image_token_id, *size)
                                                  for size in image_sizes], self.placeholder)}
+        starts: list[list[int]] = [[0] for _ in videos]
         if videos:
             assert self.video_token_id is not None
-            media[self.video_token_id] = ("video", [[self.video_token_id] * v.num_tokens for v in videos],
-                                          self.video_placeholder)
+            runs = [[self.video_token_id] * v.num_tokens for v in videos]
+            if self.timed_videos is not None:
+                prompt_ids = self.timed_videos.unwrapped(prompt_ids)
+                runs, starts = (list(x) for x in zip(*map(self.timed_videos.run, videos), strict=True))
+            media[self.video_token_id] = ("video", runs, self.video_placeholder)
         ids, offsets = expand_media_tokens(prompt_ids, media)
-        return ids, offsets[self.image_token_id], offsets.get(self.video_token_id, [])  # type: ignore[arg-type]
+        video_offsets = [offset + start for offset, parts in zip(offsets.get(self.video_token_id, []), starts,
+                                                                 strict=True) for start in parts]
+        return ids, offsets[self.image_token_id], video_offsets
 
     def expand(self, prompt_ids: list[int], num_images: int,
                sizes: list[tuple[int, int]] | None = None) -> tuple[list[int], list[int]]:
@@ -551,14 +614,15 @@ class MultiModalProcessor:
     def features(self, images: list[ProcessedImage], prompt_ids: list[int],
                  offsets: list[int], videos: Sequence[ProcessedVideo] = (),
                  video_offsets: Sequence[int] = ()) -> list[MultiModalFeature]:
-        """Each image (and video) over its placeholders, from its offset in the (expanded) prompt, in
-        prompt order."""
+        """Each image (and video: each of its parts, ``ProcessedVideo.parts``) over its placeholders,
+        from its offset in the (expanded) prompt, in prompt order."""
         features = [MultiModalFeature("image", image.identifier, offset, image.num_tokens, image.pixel_values,
                                       image.image_size if self.counts_by_size else None)
                     for image, offset in zip(images, offsets, strict=True)]
-        features += [MultiModalFeature("video", video.identifier, offset, video.num_tokens, video.pixel_values,
-                                       video.frame_size, video.num_frames, video.second_per_grid)
-                     for video, offset in zip(videos, video_offsets, strict=True)]
+        parts = [(video, part) for video in videos for part in video.parts()]
+        features += [MultiModalFeature("video", part.identifier, offset, part.num_tokens, part.pixel_values,
+                                       video.frame_size, part.num_frames, part.second_per_grid)
+                     for (video, part), offset in zip(parts, video_offsets, strict=True)]
         features.sort(key=lambda f: f.offset)
         check_features(features, prompt_ids, self.image_token_id, self.geometry, self.video_token_id)
         return features

@@ -58,6 +58,7 @@ from router.multimodal import (
     MultiModalProcessor,
     image_placeholder,
     image_prompt_text,
+    timed_video_tokens,
     video_placeholder,
 )
 from router.parsed_output import ParsedDelta
@@ -485,7 +486,8 @@ class OpenAIServing:
                 video_token_id=settings.video_token_id,
                 video_placeholder=video_placeholder(tokenizer, settings.video_token_id),
                 max_videos=settings.limit_mm_per_prompt.get("video", DEFAULT_LIMIT_PER_PROMPT),
-                video_sampling=video_sampling_from(settings.media_io_kwargs))
+                video_sampling=video_sampling_from(settings.media_io_kwargs),
+                timed_videos=timed_video_tokens(tokenizer, settings.video_token_id, settings.image_geometry))
 
     # -- request preparation ------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Videos in chat prompts (vLLM's ``video_url`` parts), the router's side, for the models whose
-towers take them (Qwen2-VL, Qwen2.5-VL: ``ImageGeometry.takes_videos``).
+towers take them (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: ``ImageGeometry.takes_videos``).
 
 A video file is decoded (PyAV), its frames sampled as transformers' Qwen2VLVideoProcessor samples
 them (2 a second, at least 4 and at most 768, an even count, evenly spaced), fewer where the video
@@ -11,6 +11,12 @@ temporal patch, its patches listed in the processor's order (temporal patch by t
 2x2 square of patches consecutive), each patch's values as channels x frames x rows x columns. The
 seconds a temporal patch spans (``second_per_grid``: temporal_patch_size over the sampled frame
 rate) time Qwen2.5-VL's M-RoPE positions.
+
+Qwen3-VL's (``ImageGeometry.video_frame_pairs``) as its Qwen3VLVideoProcessor makes them: frames
+sampled at 2 a second (4..768, evenly spread over the whole video, ``qwen3_frame_indices``), all of
+them resized together into the video pixel range (``ImageGeometry.video_frame_size``), each temporal
+patch then a feature of its own, its time (the middle of its frames' source times,
+``pair_timestamps``) written as text before it in the prompt (router.multimodal.TimedVideoTokens).
 """
 
 from __future__ import annotations
@@ -72,12 +78,18 @@ def video_sampling_from(media_io_kwargs: dict[str, Any] | None) -> VideoSampling
 @dataclass(frozen=True)
 class DecodedVideo:
     """A video's sampled frames (RGB; already resized where the decoder knew the model's geometry),
-    its frame count, its frame rate and its frames' own (height, width)."""
+    its frame count, its frame rate, its frames' own (height, width), and each kept frame's index in
+    the video (none given: 0, 1, ...)."""
 
     frames: list[Image.Image]
     total_frames: int
     fps: float
     frame_size: tuple[int, int]
+    indices: tuple[int, ...] = ()
+
+    @property
+    def frame_indices(self) -> list[int]:
+        return list(self.indices) if self.indices else list(range(len(self.frames)))
 
     @property
     def sampled_fps(self) -> float:
@@ -86,9 +98,22 @@ class DecodedVideo:
 
 
 @dataclass(frozen=True)
+class VideoPart:
+    """What one video feature of the engine gets: Qwen2-VL's whole video, or one of Qwen3-VL's
+    temporal patches."""
+
+    identifier: str
+    pixel_values: TensorData
+    num_tokens: int
+    num_frames: int
+    second_per_grid: float
+
+
+@dataclass(frozen=True)
 class ProcessedVideo:
     """One video as the vision encoder takes it ([patches, channels x frames x patch x patch]), its
-    digest, its frames' (height, width), its sampled frames and the seconds a temporal patch spans."""
+    digest, its frames' (height, width) (Qwen3-VL's: as resized), its sampled frames and the seconds a
+    temporal patch spans; Qwen3-VL's: each temporal patch's time (seconds into the video) and digest."""
 
     identifier: str
     pixel_values: TensorData
@@ -96,6 +121,22 @@ class ProcessedVideo:
     num_frames: int
     second_per_grid: float
     num_tokens: int
+    timestamps: tuple[float, ...] = ()
+    part_identifiers: tuple[str, ...] = ()
+    temporal_patch_size: int = 2
+
+    def parts(self) -> list[VideoPart]:
+        """The engine's features of this video, in order: itself; Qwen3-VL's, its temporal patches."""
+        if not self.timestamps:
+            return [VideoPart(self.identifier, self.pixel_values, self.num_tokens, self.num_frames,
+                              self.second_per_grid)]
+        count = len(self.timestamps)
+        rows, width = self.pixel_values.shape[0] // count, self.pixel_values.shape[1]
+        size = len(self.pixel_values.data) // count
+        return [VideoPart(identifier, TensorData(self.pixel_values.dtype, (rows, width),
+                                                 self.pixel_values.data[i * size:(i + 1) * size]),
+                          self.num_tokens // count, self.temporal_patch_size, 0.0)
+                for i, identifier in enumerate(self.part_identifiers)]
 
 
 def sample_frame_indices(total_frames: int, video_fps: float, temporal_patch_size: int = 2,
@@ -117,6 +158,29 @@ def sample_frame_indices(total_frames: int, video_fps: float, temporal_patch_siz
     if num_frames < 1:  # (a video shorter than one temporal patch: every frame, the last repeated later)
         return list(range(total_frames))
     return torch.arange(0, total_frames, total_frames / num_frames).int().tolist()
+
+
+def qwen3_frame_indices(total_frames: int, video_fps: float, fps: float = VIDEO_FPS, min_frames: int = MIN_FRAMES,
+                        max_frames: int = MAX_FRAMES, num_frames: int | None = None) -> list[int]:
+    """Qwen3-VL's frames to keep (transformers' Qwen3VLVideoProcessor.sample_frames): ``fps`` a second
+    (a video of unknown rate taken at 24), within [min_frames, max_frames] and the video's own count;
+    or ``num_frames`` (at most the video's count); evenly spread from its first frame to its last."""
+    if total_frames < 1:
+        raise ValueError("the video has no frames")
+    if num_frames is None:
+        num_frames = int(total_frames / (video_fps if video_fps > 0 else 24.0) * fps)
+        num_frames = min(max(num_frames, min_frames), max_frames, total_frames)
+    num_frames = max(1, min(num_frames, total_frames))
+    return np.linspace(0, total_frames - 1, num_frames).round().astype(int).tolist()
+
+
+def pair_timestamps(indices: list[int], video_fps: float, temporal_patch_size: int = 2) -> list[float]:
+    """Qwen3-VL: each temporal patch's time in seconds, the middle of its first and last frames' (the
+    last frame repeated to fill the last patch; transformers' Qwen3VLProcessor._calculate_timestamps)."""
+    indices = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
+    seconds = [index / video_fps for index in indices]
+    return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2
+            for i in range(0, len(seconds), temporal_patch_size)]
 
 
 def evenly(items: list, count: int) -> list:
@@ -153,13 +217,18 @@ def decode_video(data: bytes, geometry: ImageGeometry | None = None,
             total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
         if total > MAX_SOURCE_FRAMES:
             raise ValueError(f"a video of {total} frames has more than the {MAX_SOURCE_FRAMES} allowed")
-        keep = sample_frame_indices(total, fps, temporal_patch_size, fps=sampling.fps, num_frames=sampling.num_frames)
         target = None
+        if geometry is not None and geometry.video_frame_pairs:
+            keep = qwen3_frame_indices(total, fps, fps=sampling.fps, num_frames=sampling.num_frames)
+        else:
+            keep = sample_frame_indices(total, fps, temporal_patch_size, fps=sampling.fps,
+                                        num_frames=sampling.num_frames)
+            if geometry is not None:
+                keep = evenly(keep, video_frame_limit(geometry, height, width))
         if geometry is not None:
-            keep = evenly(keep, video_frame_limit(geometry, height, width))
-            new_height, new_width = geometry.resized(height, width, video=True)
+            new_height, new_width = geometry.video_frame_size(len(keep), height, width)
             target = (new_width, new_height)
-        wanted, frames = set(keep), []
+        wanted, frames, kept = set(keep), [], []
         with av.open(io.BytesIO(data)) as container:
             for index, frame in enumerate(container.decode(container.streams.video[0])):
                 if index in wanted:
@@ -167,13 +236,14 @@ def decode_video(data: bytes, geometry: ImageGeometry | None = None,
                     if (image.height, image.width) != (height, width):
                         raise ValueError("a video's frames must all be of one size")
                     frames.append(image if target is None else image.resize(target, Image.Resampling.BICUBIC))
-                if len(frames) == len(keep):
+                    kept.append(index)
+                if len(frames) == len(wanted):
                     break
     except av.FFmpegError as e:
         raise ValueError(f"cannot decode the video: {e}") from None
     if not frames:
         raise ValueError("cannot decode the video: no frame could be read")
-    return DecodedVideo(frames, max(total, len(frames)), fps or VIDEO_FPS, (height, width))
+    return DecodedVideo(frames, max(total, len(frames)), fps or VIDEO_FPS, (height, width), tuple(kept))
 
 
 def video_frame_limit(geometry: ImageGeometry, height: int, width: int) -> int:
@@ -193,13 +263,15 @@ def video_patches(frames: list[Image.Image], geometry: ImageGeometry, mean: Any,
     from PIL import Image
 
     height, width = frame_size or (frames[0].height, frames[0].width)
-    new_height, new_width = geometry.resized(height, width, video=True)
+    new_height, new_width = geometry.video_frame_size(len(frames), height, width)
+    if len({frame.size for frame in frames}) > 1:
+        raise ValueError("a video's frames must all be of one size")
     mean = np.asarray(mean, dtype=np.float32).reshape(-1, 1, 1)
     std = np.asarray(std, dtype=np.float32).reshape(-1, 1, 1)
     pixels = []
     for frame in frames:
-        if (frame.height, frame.width) not in ((height, width), (new_height, new_width)):
-            raise ValueError("a video's frames must all be of one size")
+        # (a frame the decoder resized already is as it is; one it resized for more frames than
+        # were left to decode, resized again)
         resized = frame.convert("RGB").resize((new_width, new_height), Image.Resampling.BICUBIC)
         array = np.asarray(resized, dtype=np.float32).transpose(2, 0, 1) / 255.0
         pixels.append((array - mean) / std)
@@ -216,7 +288,9 @@ def video_patches(frames: list[Image.Image], geometry: ImageGeometry, mean: Any,
 
 def process_video(video: DecodedVideo, geometry: ImageGeometry, mean: Any, std: Any, model_id: str) -> ProcessedVideo:
     """A decoded video as the vision encoder takes it (fewer frames, evenly spaced, where it would be
-    more tokens than a pass may encode), and its digest."""
+    more tokens than a pass may encode; Qwen3-VL's: in temporal patches, each timed), and its digest."""
+    if geometry.video_frame_pairs:
+        return _process_timed_video(video, geometry, mean, std, model_id)
     height, width = video.frame_size
     frames = evenly(video.frames, video_frame_limit(geometry, height, width))
     sampled_fps = len(frames) / video.total_frames * video.fps
@@ -225,3 +299,26 @@ def process_video(video: DecodedVideo, geometry: ImageGeometry, mean: Any, std: 
     identifier = feature_identifier("video", pixel_values, extra=f"{model_id}|{height}x{width}|{second_per_grid}")
     return ProcessedVideo(identifier, pixel_values, (height, width), len(frames), second_per_grid,
                           geometry.video_num_tokens(len(frames), height, width))
+
+
+def _process_timed_video(video: DecodedVideo, geometry: ImageGeometry, mean: Any, std: Any,
+                         model_id: str) -> ProcessedVideo:
+    """Qwen3-VL's video: every sampled frame, resized together (``ImageGeometry.video_frame_size``),
+    its temporal patches each with its time and digest."""
+    frames, pair = video.frames, geometry.temporal_patch_size
+    new_height, new_width = geometry.video_frame_size(len(frames), *video.frame_size)
+    patches = video_patches(frames, geometry, mean, std, video.frame_size)
+    count = -(-len(frames) // pair)
+    rows = patches.shape[0] // count
+    tokens = rows // geometry.merge_size ** 2
+    if tokens > geometry.max_tokens:  # (a frame pair is one encoder input: a pass's budget holds the largest image)
+        raise ValueError(f"a video's pair of frames of {new_width}x{new_height} pixels is {tokens} tokens, more "
+                         f"than a pass may encode ({geometry.max_tokens})")
+    pixel_values = TensorData.from_array(patches)
+    extra = f"{model_id}|{new_height}x{new_width}"
+    parts = tuple(feature_identifier("video", TensorData.from_array(patches[i * rows:(i + 1) * rows]), extra=extra)
+                  for i in range(count))
+    timestamps = tuple(pair_timestamps(video.frame_indices[:len(frames)], video.fps, pair))
+    identifier = feature_identifier("video", pixel_values, extra=f"{extra}|{timestamps}")
+    return ProcessedVideo(identifier, pixel_values, (new_height, new_width), len(frames), pair / video.sampled_fps,
+                          tokens * count, timestamps, parts, pair)

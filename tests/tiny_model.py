@@ -387,7 +387,7 @@ def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 1
     learnt position grid 4x4, interpolated to each image's; DeepStack rows from blocks 0 and 1), a
     2-layer Qwen3 decoder with interleaved M-RoPE (``moe``: Qwen3-VL-MoE's, 4 routed experts, 2 a
     token), build_tiny_qwen2_vl's tokenizer and template, and the image processor's config (at most
-    ``max_pixels`` per image)."""
+    ``max_pixels`` per image) and the video processor's."""
     import torch
     from transformers import (
         Qwen3VLConfig,
@@ -411,7 +411,7 @@ def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 1
                                  else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
     config = config_class(vision_config=vision, text_config=text, image_token_id=ids["image_pad"],
                           vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
-                          video_token_id=ids["image_pad"] + 100)
+                          video_token_id=ids["video_pad"])
     torch.manual_seed(seed)
     model = model_class(config)
     with torch.no_grad():  # (norms off their init too, so the test sees each one)
@@ -421,6 +421,12 @@ def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 1
     # (The mergers' rows scaled to the text embeddings' size: else an image's rows decide every answer.)
     _save_randomized(model, Path(path), tokenizer, rescale={"merger.linear_fc2.": 0.1, "merger_list": 0.1})
     Qwen2VLImageProcessorPil(patch_size=16, min_pixels=64 * 64, max_pixels=max_pixels).save_pretrained(path)
+    # (Its video processor's range, all of a video's frames together: 4 frames of 60x120 are resized to
+    # 32x96, 3 tokens a pair of frames.)
+    (Path(path) / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen3VLVideoProcessor", "size": {"shortest_edge": 32 * 32 * 4,
+                                                                  "longest_edge": 32 * 32 * 24},
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "fps": 2, "min_frames": 4, "max_frames": 768}))
     return Path(path)
 
 

@@ -506,3 +506,87 @@ def test_images_and_videos_are_checked_against_their_own_placeholder_tokens():
         check_features([video, image], [0, 5, 5, 0, 5, 5, 0], 5, None, 7)
     with pytest.raises(ValueError, match="a model that takes videos"):
         check_features([video], [0, 7, 7], 5)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A tiny Qwen3-VL (its video pixel range: 4096..24576 pixels for all of a video's frames together)."""
+    return _built("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl_videos"))
+
+
+def qwen3_video_prompt(qwen3, frames: list, indices: list[int], fps: float):
+    """An image and then a video, text around them, the video as the router makes it (its temporal
+    patches, each after its time as text, each a feature): token ids, features, and transformers'
+    keyword inputs (the video whole: one grid of all its temporal patches)."""
+    from msgspec.structs import replace
+    from transformers import AutoTokenizer
+
+    from router.multimodal import MultiModalProcessor, timed_video_tokens
+    from router.video import DecodedVideo, process_video
+
+    model_dir, model, processor = qwen3
+    config = model.config
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids, features, (pixels, grids) = prompt(qwen3, [[74, 75], [223, 263]], [picture(0)])
+    size = (frames[0].height, frames[0].width)
+    video = process_video(DecodedVideo(frames, indices[-1] + 1, fps, size, tuple(indices)), geometry,
+                          processor.image_mean, processor.image_std, str(model_dir))
+    media = MultiModalProcessor(config.image_token_id, geometry, processor, str(model_dir), "",
+                                video_token_id=config.video_token_id,
+                                timed_videos=timed_video_tokens(tokenizer, config.video_token_id, geometry))
+    wrapped = [config.vision_start_token_id, config.video_token_id, config.vision_end_token_id, 90, 91]
+    video_ids, _, offsets = media.expand_media(wrapped, [], [video])
+    features += [replace(f, offset=f.offset + len(ids)) for f in media.features([], video_ids, [], [video], offsets)]
+    ids += video_ids
+    kinds = torch.tensor([ids])
+    token_types = (kinds == config.image_token_id).int() + 2 * (kinds == config.video_token_id).int()
+    height, width = video.frame_size
+    grid = [len(video.timestamps), height // 16, width // 16]
+    patches = video.pixel_values.to_tensor()
+    kwargs = {"pixel_values": pixels, "image_grid_thw": grids, "pixel_values_videos": patches,
+              "video_grid_thw": torch.tensor([grid]), "mm_token_type_ids": token_types}
+    return ids, features, kwargs
+
+
+def test_a_qwen3_vl_video_equals_transformers_whole_and_in_chunks(qwen3):
+    """Qwen3-VL's video: 5 frames (the last repeated into the third pair) resized together to 32x96,
+    each temporal patch a feature of 3 tokens after its time ("<0.4 seconds>"...): the engine encodes
+    the pairs one by one where transformers encodes the video at once (attention within each pair
+    there too), and their M-RoPE positions are an image's each. Whole, in 2-token chunks across the
+    pairs and their times, and from the encoder cache."""
+    model_dir, model, _ = qwen3
+    frames = [picture(30 + i, (60, 120)) for i in range(5)]
+    ids, features, kwargs = qwen3_video_prompt(qwen3, frames, [0, 3, 6, 9, 12], 4.0)
+    videos = [f for f in features if f.modality == "video"]
+    assert [(f.length, f.num_frames, f.image_size) for f in videos] == [(3, 2, (32, 96))] * 3
+    assert len({f.identifier for f in videos}) == 3
+    want = hf_logprobs_and_tokens(model, ids, **kwargs)
+    assert_equal(run(make_engine(model_dir), {"a": (ids, features)})["a"], want)
+    engine = make_engine(model_dir, max_num_batched_tokens=2)
+    assert_equal(run(engine, {"a": (ids, features)})["a"], want)
+    assert engine.stats().num_images_encoded == 4
+    cached: dict[str, int] = {}
+    assert run(engine, {"again": (ids, features)}, cached)["again"][1] == want[1]
+    # (The same frames at other times: other text between the pairs, another answer.)
+    later_ids, later, later_kwargs = qwen3_video_prompt(qwen3, frames, [0, 30, 60, 90, 120], 4.0)
+    assert [f.identifier for f in later] == [f.identifier for f in features] and later_ids != ids
+    assert_equal(run(make_engine(model_dir), {"b": (later_ids, later)})["b"],
+                 hf_logprobs_and_tokens(model, later_ids, **later_kwargs))
+
+
+def test_the_engine_takes_qwen3_vl_videos_only_as_their_temporal_patches(qwen3):
+    """A Qwen3-VL video feature is one temporal patch, its frames' resized size given: more frames, or a
+    size no resize makes, is refused at admission."""
+    from msgspec.structs import replace
+
+    model_dir = qwen3[0]
+    frames = [picture(30 + i, (60, 120)) for i in range(4)]
+    ids, features, _ = qwen3_video_prompt(qwen3, frames, [0, 1, 2, 3], 4.0)
+    engine = make_engine(model_dir)
+    video = next(i for i, f in enumerate(features) if f.modality == "video")
+    for bad, why in ((replace(features[video], num_frames=4), "temporal patches, each of at most 2 frames"),
+                     (replace(features[video], image_size=(40, 96)), "whole multiples of 32 pixels")):
+        with pytest.raises(RequestRefusedError, match=why):
+            engine.add_request(EngineCoreRequest(request_id=why, prompt_token_ids=ids, sampling_params=SamplingParams(),
+                                                 mm_features=[*features[:video], bad, *features[video + 1:]]))

@@ -187,3 +187,150 @@ def test_decode_video_refuses_what_is_not_a_video():
         decode_video(b"\x00" * 100)
     frames = decode_video(buffer.getvalue())  # (a still image is a one-frame video to FFmpeg)
     assert len(frames.frames) == 1
+
+
+# -- Qwen3-VL: frames resized together, each temporal patch timed in the prompt -----------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    """A tiny Qwen3-VL taking videos (all of a video's frames together: 4096..24576 pixels)."""
+    from transformers import AutoTokenizer
+
+    from gpu_worker.config import ModelConfig
+    from tests.tiny_model import build_tiny_qwen3_vl
+
+    directory = build_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl"))
+    vision = ModelConfig.from_pretrained(directory).vision
+    return directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision
+
+
+@pytest.mark.parametrize(("total", "fps"), [(10, 4.0), (300, 30.0), (6, 30.0), (3, 30.0), (1, 30.0), (294, 29.97),
+                                            (1000, 25.0), (20000, 24.0), (7, 0.0)])
+def test_qwen3_frames_are_sampled_as_transformers_samples_them(total, fps):
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from router.video import qwen3_frame_indices
+
+    theirs = Qwen3VLVideoProcessor()
+    want = theirs.sample_frames(VideoMetadata(total_num_frames=total, fps=fps or None)).tolist()
+    assert qwen3_frame_indices(total, fps) == want
+    if total >= 6:
+        assert qwen3_frame_indices(total, fps, num_frames=6) == theirs.sample_frames(
+            VideoMetadata(total_num_frames=total, fps=fps or None), num_frames=6).tolist()
+
+
+def test_qwen3_frames_are_resized_together_as_transformers_resizes_them(qwen3_vl):
+    """All a video's frames within the video pixel range together (transformers' smart_resize for
+    Qwen3-VL's videos, with its rounding of the frame count to pairs); where a pair of frames would be
+    more tokens than a pass may encode, fewer pixels a frame."""
+    from msgspec.structs import replace
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    geometry = qwen3_vl[3].geometry
+    wide = replace(geometry, video_max_pixels=32 * 32 * 60)  # (at most 30 tokens a frame: under max_tokens)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        frames, height, width = int(rng.integers(2, 40)), int(rng.integers(8, 900)), int(rng.integers(8, 900))
+        if max(height, width) / min(height, width) > 200:
+            continue
+        for g in (geometry, wide):
+            assert g.video_frame_size(frames, height, width) == smart_resize(
+                frames, height, width, 2, 32, g.video_min_pixels, g.video_max_pixels), (frames, height, width)
+    # (A range allowing 2 frames of 100 tokens each; the encoder's budget, the largest image's, is less.)
+    roomy = replace(geometry, video_max_pixels=2 * 32 * 32 * 100)
+    assert smart_resize(2, 320, 320, 2, 32, roomy.video_min_pixels, roomy.video_max_pixels) == (320, 320)
+    height, width = roomy.video_frame_size(2, 320, 320)
+    assert 0.8 * roomy.max_tokens <= height * width // 32 ** 2 <= roomy.max_tokens < 100
+
+
+def test_qwen3_video_text_and_patches_equal_transformers_processor(qwen3_vl):
+    """The prompt a video makes (each temporal patch's time, the middle of its frames', as
+    transformers' Qwen3VLProcessor writes it, then its placeholders within vision start and end), and
+    its patches in transformers' layout (Qwen3VLVideoProcessor.patchify)."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from router.multimodal import MultiModalProcessor, timed_video_tokens
+    from router.video import DecodedVideo, pair_timestamps, process_video
+
+    _, tokenizer, image_processor, vision = qwen3_vl
+    geometry = vision.geometry
+    video_processor = Qwen3VLVideoProcessor(size={"shortest_edge": geometry.video_min_pixels,
+                                                  "longest_edge": geometry.video_max_pixels})
+    # (Qwen3VLProcessor cannot be built without torchvision: its methods run on what they read.)
+    theirs = SimpleNamespace(video_processor=video_processor, vision_start_token="<|vision_start|>",
+                             vision_end_token="<|vision_end|>", video_token="<|video_pad|>",
+                             _calculate_timestamps=partial(Qwen3VLProcessor._calculate_timestamps, None))
+    frames = [_image(40 + i, (120, 60)) for i in range(5)]
+    indices, fps = [0, 7, 15, 22, 29], 29.97
+    assert pair_timestamps(indices, fps) == theirs._calculate_timestamps(indices, fps, 2)
+    video = process_video(DecodedVideo(frames, 30, fps, (60, 120), tuple(indices)), geometry,
+                          image_processor.image_mean, image_processor.image_std, "m")
+    grid = torch.tensor([[3, video.frame_size[0] // 16, video.frame_size[1] // 16]])
+    metadata = VideoMetadata(total_num_frames=30, fps=fps, frames_indices=indices)
+    text = Qwen3VLProcessor.replace_video_token(theirs, {"video_grid_thw": grid, "video_metadata": [metadata]}, 0)
+    media = MultiModalProcessor(vision.image_token_id, geometry, image_processor, "m", "",
+                                video_token_id=vision.video_token_id,
+                                timed_videos=timed_video_tokens(tokenizer, vision.video_token_id, geometry))
+    prompt = tokenizer.encode("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>what?",
+                              add_special_tokens=False)
+    ids, _, offsets = media.expand_media(prompt, [], [video])
+    assert "<0.1 seconds>" in text and "<1.0 seconds>" in text
+    assert ids == tokenizer.encode(f"<|im_start|>user\n{text}what?", add_special_tokens=False)
+    assert [ids[o - 1] for o in offsets] == [tokenizer.convert_tokens_to_ids("<|vision_start|>")] * 3
+    # (The patches: the frames resized as ours, normalised, then cut by transformers.)
+    height, width = video.frame_size
+    mean, std = (np.asarray(v, np.float32) for v in (image_processor.image_mean, image_processor.image_std))
+    pixels = np.stack([(np.asarray(f.resize((width, height), Image.Resampling.BICUBIC), np.float32) / 255
+                        - mean) / std for f in frames]).transpose(0, 3, 1, 2)
+    patches, *_ = video_processor.patchify(torch.from_numpy(pixels)[None], 16, 2, 2)
+    np.testing.assert_allclose(video.pixel_values.to_tensor().numpy(), patches[0].numpy(), atol=1e-5)
+
+
+def test_a_qwen3_video_reaches_the_engine_as_its_timed_temporal_patches(qwen3_vl):
+    """Through the chat endpoint: each temporal patch a feature (a pair of frames, at the frames'
+    resized size, over its own placeholders), the times between them; /tokenize counts the same;
+    --media-io-kwargs' count of frames sets them."""
+    http, engine, _ = _app(qwen3_vl, video_token_id=qwen3_vl[3].video_token_id)
+    tokenizer, vision = qwen3_vl[1], qwen3_vl[3]
+    data = mp4(10)  # (2.5 s at 4 a second: frames 0, 2, 4, 7, 9 -> 3 pairs; 120x60 resized to 96x32)
+    content = [_part(_data_url(_image(3, (64, 64)))), video_part(data), {"type": "text", "text": "what moves?"}]
+    r = _chat(http, content)
+    assert r.status_code == 200, r.text
+    [request] = engine.requests
+    image, *pairs = request.mm_features
+    assert image.modality == "image" and [p.modality for p in pairs] == ["video"] * 3
+    assert [(p.length, p.num_frames, p.image_size) for p in pairs] == [(3, 2, (32, 96))] * 3
+    ids = request.prompt_token_ids
+    text = tokenizer.decode(ids[image.end:])
+    assert text.startswith("<|vision_end|><0.2 seconds><|vision_start|><|video_pad|>")  # (frames 0 and 2: 0.25 s)
+    assert "<|vision_end|><2.2 seconds><|vision_start|>" in text
+    assert all(ids[p.offset:p.end] == [vision.video_token_id] * 3 for p in pairs)
+    tokens = http.post("/tokenize", json={"model": "llava", "messages": [{"role": "user", "content": content}]})
+    assert tokens.json()["tokens"] == ids
+    counted, counting, _ = _app(qwen3_vl, video_token_id=vision.video_token_id,
+                                media_io_kwargs={"video": {"num_frames": 8}})
+    assert _chat(counted, [video_part(data)]).status_code == 200
+    assert len(counting.requests[0].mm_features) == 4  # (8 frames of the 10: 4 pairs)
+
+
+def test_a_qwen3_video_whose_frame_pairs_outgrow_the_encoder_budget_is_refused(qwen3_vl):
+    from msgspec.structs import replace
+
+    from router.video import DecodedVideo, process_video
+
+    _, _, processor, vision = qwen3_vl
+    # (A video range whose least is twice as many tokens a frame as a pass may encode.)
+    budget = vision.geometry.max_tokens
+    least = 2 * 32 * 32 * 2 * budget
+    tight = replace(vision.geometry, video_min_pixels=least, video_max_pixels=least)
+    frames = [_image(i, (64, 64)) for i in range(2)]
+    with pytest.raises(ValueError, match="more than a pass may encode"):
+        process_video(DecodedVideo(frames, 2, 2.0, (64, 64)), tight, processor.image_mean, processor.image_std, "m")
