@@ -340,3 +340,46 @@ def test_qwen2_5_vl_takes_videos_in_chat_and_in_multi_modal_data(tmp_path):
                 mm_token_type_ids=2 * (ids == video_token).int())[0, ids.shape[1]:].tolist()
         assert out.outputs[0].token_ids == want
     assert given.outputs[0].token_ids != chat.outputs[0].token_ids  # (another video: another answer)
+
+
+def test_qwen3_vl_takes_videos_in_chat_and_in_multi_modal_data(tmp_path):
+    """Qwen3-VL offline: a video_url part in LLM.chat and a multi_modal_data array of frames (taken as
+    sampled at 2 a second: pairs at 0.2 and 1.2 s): each temporal patch after its time as text;
+    transformers' tokens for the same prompt, the video whole in one grid."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, Qwen3VLForConditionalGeneration
+
+    from gpu_worker.config import ModelConfig
+    from router.video import DecodedVideo, decode_video, process_video
+    from tests.router.test_video import mp4, video_part
+    from tests.tiny_model import build_tiny_qwen3_vl
+
+    model_dir = build_tiny_qwen3_vl(tmp_path / "qwen3-vl")
+    data = mp4(10, seed=4)
+    frames = np.stack([np.asarray(picture(30 + i).resize((120, 60))) for i in range(4)])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512) as llm:
+        [chat] = llm.chat([{"role": "user", "content": [video_part(data), {"type": "text", "text": "What moves?"}]}],
+                          params, use_tqdm=False)
+        video_token = llm.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        prompt = "<|vision_start|><|video_pad|><|vision_end|>What moves?"
+        [given] = llm.generate({"prompt": prompt, "multi_modal_data": {"video": frames}}, params, use_tqdm=False)
+        text = llm.tokenizer.decode(given.prompt_token_ids)
+    assert text.startswith("<0.2 seconds><|vision_start|><|video_pad|>") and "<1.2 seconds><|vision_start|>" in text
+    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    array_video = DecodedVideo([Image.fromarray(f) for f in frames], 4, 2.0, (60, 120))
+    for out, video in ((chat, decode_video(data, geometry)), (given, array_video)):
+        processed = process_video(video, geometry, processor.image_mean, processor.image_std, "m")
+        ids = torch.tensor([out.prompt_token_ids])
+        assert out.prompt_token_ids.count(video_token) == processed.num_tokens
+        height, width = processed.frame_size
+        with torch.no_grad():
+            want = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                pixel_values_videos=processed.pixel_values.to_tensor(),
+                video_grid_thw=torch.tensor([[len(processed.timestamps), height // 16, width // 16]]),
+                mm_token_type_ids=2 * (ids == video_token).int())[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == want
+    assert given.outputs[0].token_ids != chat.outputs[0].token_ids  # (another video: another answer)

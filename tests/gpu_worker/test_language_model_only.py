@@ -118,3 +118,28 @@ def test_qwen2_5_vl_with_no_images_keeps_its_tower_for_videos(tmp_path):
     with pytest.raises(RequestRefusedError, match=r"takes no images: --limit-mm-per-prompt"):
         engine.add_request(EngineCoreRequest(request_id="i", prompt_token_ids=ids, sampling_params=SamplingParams(),
                                              mm_features=features))
+
+
+def test_qwen3_vl_with_no_images_keeps_its_tower_for_videos(tmp_path):
+    """The same for Qwen3-VL: its tower kept for videos (each temporal patch a feature), which answer
+    as the whole model's; images refused."""
+    from transformers import AutoImageProcessor, Qwen3VLForConditionalGeneration
+
+    from tests.gpu_worker.test_llava import picture
+    from tests.gpu_worker.test_qwen2_vl import qwen3_video_prompt
+
+    model_dir = build_tiny_qwen3_vl(tmp_path / "qwen3-vl")
+    qwen3 = (model_dir, Qwen3VLForConditionalGeneration.from_pretrained(model_dir).eval(),
+             AutoImageProcessor.from_pretrained(model_dir))
+    frames = [picture(20 + i, (60, 120)) for i in range(4)]
+    ids, features, _ = qwen3_video_prompt(qwen3, frames, [0, 1, 2, 3], 2.0, with_image=False)
+    engine = text_only_engine(model_dir, {"image": 0})
+    assert any(name.startswith("visual.") for name, _ in engine.executor.worker.runner.model.named_parameters())
+    got = run(engine, {"v": (ids, features)})["v"]
+    want = run(make_engine(model_dir), {"v": (ids, features)})["v"]
+    assert got[1] == want[1]
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+    image_ids, image_features, _ = qwen3_video_prompt(qwen3, frames, [0, 1, 2, 3], 2.0)
+    with pytest.raises(RequestRefusedError, match=r"takes no images: --limit-mm-per-prompt"):
+        engine.add_request(EngineCoreRequest(request_id="i", prompt_token_ids=image_ids,
+                                             sampling_params=SamplingParams(), mm_features=image_features))

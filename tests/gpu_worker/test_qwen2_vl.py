@@ -514,10 +514,10 @@ def qwen3(tmp_path_factory):
     return _built("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl_videos"))
 
 
-def qwen3_video_prompt(qwen3, frames: list, indices: list[int], fps: float):
-    """An image and then a video, text around them, the video as the router makes it (its temporal
-    patches, each after its time as text, each a feature): token ids, features, and transformers'
-    keyword inputs (the video whole: one grid of all its temporal patches)."""
+def qwen3_video_prompt(qwen3, frames: list, indices: list[int], fps: float, with_image: bool = True):
+    """An image (unless not ``with_image``) and then a video, text around them, the video as the router
+    makes it (its temporal patches, each after its time as text, each a feature): token ids,
+    features, and transformers' keyword inputs (the video whole: one grid of all its temporal patches)."""
     from msgspec.structs import replace
     from transformers import AutoTokenizer
 
@@ -528,7 +528,7 @@ def qwen3_video_prompt(qwen3, frames: list, indices: list[int], fps: float):
     config = model.config
     geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids, features, (pixels, grids) = prompt(qwen3, [[74, 75], [223, 263]], [picture(0)])
+    ids, features, (pixels, grids) = prompt(qwen3, [[74, 75], [223, 263]], [picture(0)] if with_image else [])
     size = (frames[0].height, frames[0].width)
     video = process_video(DecodedVideo(frames, indices[-1] + 1, fps, size, tuple(indices)), geometry,
                           processor.image_mean, processor.image_std, str(model_dir))
@@ -546,7 +546,7 @@ def qwen3_video_prompt(qwen3, frames: list, indices: list[int], fps: float):
     patches = video.pixel_values.to_tensor()
     kwargs = {"pixel_values": pixels, "image_grid_thw": grids, "pixel_values_videos": patches,
               "video_grid_thw": torch.tensor([grid]), "mm_token_type_ids": token_types}
-    return ids, features, kwargs
+    return ids, features, {k: v for k, v in kwargs.items() if v is not None}
 
 
 def test_a_qwen3_vl_video_equals_transformers_whole_and_in_chunks(qwen3):

@@ -16,7 +16,13 @@ import torch
 
 from cluster.config import ClusterConfig, EngineSpec, ServedModel
 from tests.serve_cluster import serve_cluster
-from tests.tiny_model import build_tiny_llava, build_tiny_llava_next, build_tiny_mistral3, build_tiny_qwen2_vl
+from tests.tiny_model import (
+    build_tiny_llava,
+    build_tiny_llava_next,
+    build_tiny_mistral3,
+    build_tiny_qwen2_vl,
+    build_tiny_qwen3_vl,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -86,21 +92,29 @@ def qwen_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return build_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
+
+
+@pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory):
     return build_tiny_mistral3(tmp_path_factory.mktemp("mistral3"))
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_cluster, llava_dir, next_dir, qwen_dir, mistral_dir):
-    # LLaVA on two engines (one of two TP workers), and LLaVA-NeXT, Qwen2.5-VL and Mistral 3 beside it
-    # behind the same endpoint.
+def cluster(ray_cluster, llava_dir, next_dir, qwen_dir, qwen3_dir, mistral_dir):
+    # LLaVA on two engines (one of two TP workers), and LLaVA-NeXT, Qwen2.5-VL, Qwen3-VL and Mistral 3
+    # beside it behind the same endpoint.
     config = ClusterConfig(
         model=str(llava_dir), served_model_name="llava", num_engines=2, routing_policy="prefix_aware",
         defaults=EngineSpec(num_gpu_blocks=128, max_model_len=512, block_size=4, max_num_batched_tokens=24),
         engines=[EngineSpec(), EngineSpec(tensor_parallel_size=2, num_cpus_per_worker=0.5)],
-        models=[ServedModel(model=str(next_dir), served_model_name="llava-next"),
-                # (half a CPU each: the test cluster's four CPUs hold all five engines)
+        models=[ServedModel(model=str(next_dir), served_model_name="llava-next",
+                            defaults=EngineSpec(num_cpus_per_worker=0.5)),
+                # (half a CPU each: the test cluster's four CPUs hold all six engines)
                 ServedModel(model=str(qwen_dir), served_model_name="qwen2.5-vl",
+                            defaults=EngineSpec(num_cpus_per_worker=0.5)),
+                ServedModel(model=str(qwen3_dir), served_model_name="qwen3-vl",
                             defaults=EngineSpec(num_cpus_per_worker=0.5)),
                 ServedModel(model=str(mistral_dir), served_model_name="mistral3",
                             defaults=EngineSpec(num_cpus_per_worker=0.5))])
@@ -206,6 +220,45 @@ def test_qwen2_5_vl_takes_a_video_beside_an_image(client, qwen_dir):
     want = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
     for stream in (False, True):
         assert ask(client, chat, stream, model="qwen2.5-vl") == want
+
+
+def test_qwen3_vl_takes_a_video_as_its_timed_frame_pairs(client, qwen3_dir):
+    """Qwen3-VL: a video_url part becomes its frame pairs, each after its time as text ("<0.2
+    seconds>"), as its processor writes them; transformers' answer for that prompt, the video whole in
+    one grid, streamed or not."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from gpu_worker.config import ModelConfig
+    from router.multimodal import TimedVideoTokens
+    from router.video import decode_video, process_video
+    from tests.router.test_video import mp4, video_part
+
+    data = mp4(10, seed=5)
+    chat = [{"role": "user", "content": [video_part(data), {"type": "text", "text": "What moves?"}]}]
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    model = AutoModelForImageTextToText.from_pretrained(qwen3_dir).eval()
+    processor = AutoImageProcessor.from_pretrained(qwen3_dir)
+    geometry = ModelConfig.from_pretrained(qwen3_dir).vision.geometry
+    video = process_video(decode_video(data, geometry), geometry, processor.image_mean, processor.image_std, "qwen3")
+    config = model.config
+    timed = TimedVideoTokens(tokenizer, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {
+        "type": "text", "text": "What moves?"}]}], add_generation_prompt=True, tokenize=False)
+    before, after = rendered.split("<|vision_start|><|video_pad|><|vision_end|>")
+    ids = (tokenizer.encode(before, add_special_tokens=False) + timed.run(video)[0]
+           + tokenizer.encode(after, add_special_tokens=False))
+    assert "<0.2 seconds><|vision_start|>" in tokenizer.decode(ids)
+    kinds = torch.tensor([ids])
+    height, width = video.frame_size
+    inputs = {"pixel_values_videos": video.pixel_values.to_tensor(),
+              "video_grid_thw": torch.tensor([[len(video.timestamps), height // 16, width // 16]]),
+              "mm_token_type_ids": 2 * (kinds == config.video_token_id).int()}
+    with torch.no_grad():
+        out = model.generate(input_ids=kinds, attention_mask=torch.ones_like(kinds), max_new_tokens=MAX_TOKENS,
+                             do_sample=False, **inputs)
+    want = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    for stream in (False, True):
+        assert ask(client, chat, stream, model="qwen3-vl") == want
 
 
 def test_mistral3_beside_it_writes_each_image_as_rows(client, mistral_dir):
