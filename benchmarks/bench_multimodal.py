@@ -21,10 +21,13 @@ ended by its break or end token, 121 tokens; a Mistral decoder). ``--internvl``:
 ``--qwen --video``: each prompt a video of 8 frames of 300x280 pixels in place of the image (frames
 resized within a 28x28 to 196x196 pixels' range: 196x168, 14x12 patches; 4 frame pairs of 42
 tokens, 168 tokens), its patches made by the router's video code (router.video); "repeated" the
-same video in every prompt.
+same video in every prompt. ``--qwen3 [--video]``: Qwen3-VL instead (a 4-block tower over 16-pixel
+patches, DeepStack rows from 2 blocks, a Qwen3 decoder with interleaved M-RoPE); its video's 8 frames
+resized together into 224x192 (its video pixel range holds the whole video), 4 frame pairs of 42
+tokens, each after its time as text: transformers encodes the video whole, ours pair by pair.
 Usage: python benchmarks/bench_multimodal.py [--rounds 2] [--requests 16] [--max-tokens 32]
-       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next | --qwen [--video] | --mistral3 |
-       --internvl]
+       [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next | --qwen [--video] |
+       --qwen3 [--video] | --mistral3 | --internvl]
 """
 
 from __future__ import annotations
@@ -83,6 +86,33 @@ def build_qwen_model(path: Path, args: argparse.Namespace) -> Path:
     return path
 
 
+def build_qwen3_model(path: Path, args: argparse.Namespace) -> Path:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tests.tiny_model import qwen_vl_tokenizer
+
+    tokenizer, ids = qwen_vl_tokenizer()
+    quarter = args.hidden // 4 // 8
+    text = dict(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+                head_dim=args.hidden // 4, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
+                                 "mrope_section": [quarter, quarter * 3 // 2, quarter * 3 // 2]})
+    vision = dict(depth=4, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_heads=4,
+                  out_hidden_size=args.hidden, patch_size=16, num_position_embeddings=64,
+                  deepstack_visual_indexes=[1, 2])
+    config = Qwen3VLConfig(vision_config=vision, text_config=text, image_token_id=ids["image_pad"],
+                           vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+                           video_token_id=ids["video_pad"])
+    save_random(Qwen3VLForConditionalGeneration, config, tokenizer, path)
+    Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32, max_pixels=32 * 32 * 256).save_pretrained(path)
+    (path / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16, "temporal_patch_size": 2,
+        "merge_size": 2, "size": {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 49 * FRAMES}}))
+    return path
+
+
 def build_mistral3_model(path: Path, args: argparse.Namespace) -> Path:
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
@@ -134,6 +164,8 @@ def build_internvl_model(path: Path, args: argparse.Namespace) -> Path:
 def build_model(path: Path, args: argparse.Namespace) -> Path:
     if args.qwen:
         return build_qwen_model(path, args)
+    if args.qwen3:
+        return build_qwen3_model(path, args)
     if args.mistral3:
         return build_mistral3_model(path, args)
     if args.internvl:
@@ -191,12 +223,13 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
     vision = ModelConfig.from_pretrained(model_dir).vision
     image_id = vision.image_token_id
     # (Qwen2-VL's and InternVL's image within their start and end tokens.)
-    wrap = (("<|vision_start|>", "<|vision_end|>") if args.qwen else ("<img>", "</img>") if args.internvl else ())
+    qwen = args.qwen or args.qwen3
+    wrap = (("<|vision_start|>", "<|vision_end|>") if qwen else ("<img>", "</img>") if args.internvl else ())
     before, after = ([tokenizer.convert_tokens_to_ids(t) for t in wrap] if wrap else (None, None))
     if args.mistral3:  # (its processor's patches are the merged 2x2 ones)
         processor.patch_size = {"height": 2 * args.patch, "width": 2 * args.patch}
     placeholders = vision.geometry.placeholder_ids(image_id, 300, 280)
-    if args.video:
+    if args.video and args.qwen:
         image_id = vision.video_token_id
         placeholders = [image_id] * vision.geometry.video_num_tokens(FRAMES, 300, 280)
     n = len(placeholders)
@@ -208,6 +241,10 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
         if args.video:
             frames = [Image.fromarray((np.random.RandomState(seed * 100 + f).rand(300, 280, 3) * 255)
                                       .astype("uint8")) for f in range(FRAMES)]
+            if args.qwen3:
+                out.append(timed_video_request(model_dir, tokenizer, processor, vision, frames,
+                                               [words[(i + j) % len(words)] for j in range(8)], words[:4]))
+                continue
             patches = video_patches(frames, vision.geometry, processor.image_mean, processor.image_std)
             processed = {"pixel_values_videos": torch.from_numpy(patches),
                          "video_grid_thw": torch.tensor([vision.geometry.video_patch_grid(FRAMES, 300, 280)])}
@@ -218,18 +255,41 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
         text = [words[(i + j) % len(words)] for j in range(8)]
         if wrap:
             text.append(before)
-        whole = args.qwen or args.internvl  # (Qwen2-VL's patches, InternVL's tiles: the image's whole batch)
+        whole = qwen or args.internvl  # (Qwen2-VL's patches, InternVL's tiles: the image's whole batch)
         pixels = processed["pixel_values_videos"] if args.video else processed["pixel_values"]
         data = TensorData.from_array(pixels if whole else pixels[0])
         ids = text + placeholders + ([after] if wrap else []) + words[:4]
         kind = "video" if args.video else "image"
-        if args.qwen:  # (transformers places the M-RoPE positions by the tokens' types: video 2, image 1)
+        if qwen:  # (transformers places the M-RoPE positions by the tokens' types: video 2, image 1)
             processed["mm_token_type_ids"] = torch.tensor([[(1 + args.video) * int(t == image_id) for t in ids]])
         feature = MultiModalFeature(kind, feature_identifier(kind, data), len(text), n, data,
                                     None if not vision.geometry.counts_by_size else (300, 280),
                                     FRAMES if args.video else 0, 1.0 if args.video else 0.0)
         out.append((ids, [feature], processed))
     return out
+
+
+def timed_video_request(model_dir: Path, tokenizer, processor, vision, frames: list, text: list[int],
+                        after: list[int]):
+    """Qwen3-VL's video request as the router makes it (its frames taken at 2 a second): each frame pair
+    a feature after its time as text; transformers' inputs the video whole."""
+    import torch
+
+    from router.multimodal import MultiModalProcessor, timed_video_tokens
+    from router.video import DecodedVideo, process_video
+
+    geometry, token = vision.geometry, vision.video_token_id
+    media = MultiModalProcessor(vision.image_token_id, geometry, processor, str(model_dir), "", video_token_id=token,
+                                timed_videos=timed_video_tokens(tokenizer, token, geometry))
+    video = process_video(DecodedVideo(frames, len(frames), 2.0, (frames[0].height, frames[0].width)), geometry,
+                          processor.image_mean, processor.image_std, str(model_dir))
+    start, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    ids, _, offsets = media.expand_media([*text, start, token, end, *after], [], [video])
+    height, width = video.frame_size
+    processed = {"pixel_values_videos": video.pixel_values.to_tensor(),
+                 "video_grid_thw": torch.tensor([[len(video.timestamps), height // 16, width // 16]]),
+                 "mm_token_type_ids": torch.tensor([[2 * int(t == token) for t in ids]])}
+    return ids, media.features([], ids, [], [video], offsets), processed
 
 
 def run_transformers(model_dir: Path, work, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -280,12 +340,13 @@ def main() -> None:
     kind = parser.add_mutually_exclusive_group()
     kind.add_argument("--next", action="store_true", help="LLaVA-NeXT (tiles by the image's size)")
     kind.add_argument("--qwen", action="store_true", help="Qwen2-VL (native resolution, M-RoPE)")
+    kind.add_argument("--qwen3", action="store_true", help="Qwen3-VL (DeepStack, timed video frames)")
     kind.add_argument("--mistral3", action="store_true", help="Mistral 3 (Pixtral tower, rows of image tokens)")
     kind.add_argument("--internvl", action="store_true", help="InternVL (InternViT over tiles, pixel shuffle)")
-    parser.add_argument("--video", action="store_true", help="with --qwen: a video of 8 frames in each prompt")
+    parser.add_argument("--video", action="store_true", help="with --qwen / --qwen3: a video of 8 frames a prompt")
     args = parser.parse_args()
-    if args.video and not args.qwen:
-        parser.error("--video needs --qwen")
+    if args.video and not (args.qwen or args.qwen3):
+        parser.error("--video needs --qwen or --qwen3")
     import torch
 
     from cluster.config import ClusterConfig, EngineSpec
@@ -294,13 +355,11 @@ def main() -> None:
 
     model_dir = build_model(Path(tempfile.mkdtemp(prefix="bench-multimodal-")), args)
     distinct, repeated = workload(model_dir, args, False), workload(model_dir, args, True)
-    from gpu_worker.config import ModelConfig
-
-    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
-    n = geometry.video_num_tokens(FRAMES, 300, 280) if args.video else geometry.num_tokens(300, 280)
+    n = sum(f.length for f in distinct[0][1])  # (the image's or video's placeholders)
+    longest = max(len(ids) for ids, _, _ in distinct)
     config = ClusterConfig(model=str(model_dir), defaults=EngineSpec(
-        num_gpu_blocks=args.requests * (n + 64) // 16 + 64, max_model_len=n + 64 + args.max_tokens,
-        max_num_batched_tokens=2048)).engine_configs()[0]
+        num_gpu_blocks=args.requests * (longest + args.max_tokens) // 16 + 64,
+        max_model_len=longest + args.max_tokens + 16, max_num_batched_tokens=2048)).engine_configs()[0]
     engine = EngineCore(config, create_executor(config))
     times: dict[str, list[float]] = {"transformers": [], "ours": [], "ours, repeated": []}
     encoded = {}
@@ -318,13 +377,16 @@ def main() -> None:
         for name, t in (("transformers", t_ref), ("ours", t_ours), ("ours, repeated", t_rep)):
             times[name].append(t)
     total = args.requests * args.max_tokens
-    model = ("Qwen2-VL" if args.qwen else "Mistral 3" if args.mistral3 else "InternVL" if args.internvl
+    model = ("Qwen2-VL" if args.qwen else "Qwen3-VL" if args.qwen3 else "Mistral 3" if args.mistral3
+             else "InternVL" if args.internvl
              else "LLaVA-NeXT" if args.next else "LLaVA")
     tower = (f"4-block native-resolution tower, {args.patch}px patches" if args.qwen
+             else "4-block tower, 16px patches, DeepStack" if args.qwen3
              else f"4-block Pixtral tower, {args.patch}px patches merged 2x2" if args.mistral3
              else f"4-layer InternViT {args.image_size}px/{args.patch} tiles, pixel-shuffled" if args.internvl
              else f"4-layer CLIP {args.image_size}px/{args.patch}")
-    decoder = "Qwen2" if args.qwen or args.internvl else "Mistral" if args.mistral3 else "Llama"
+    decoder = ("Qwen3" if args.qwen3 else "Qwen2" if args.qwen or args.internvl else "Mistral" if args.mistral3
+               else "Llama")
     text_tokens = len(distinct[0][0]) - n
     what = f"{FRAMES}-frame video" if args.video else "image"
     print(f"\n{args.requests} requests x ({n}-token {what} + {text_tokens} text tokens) x {args.max_tokens} tokens, "
@@ -335,6 +397,9 @@ def main() -> None:
     for name, ts in times.items():
         t = statistics.median(ts)
         print(f"{name:16}{t:9.2f}{total / t:11.1f}{base / t:16.2f}x{encoded.get(name, args.requests):16}")
+    if args.qwen3 and args.video:
+        print(f"(ours encodes each video as its {len(distinct[0][1])} frame pairs, each an encoder input of its own; "
+              "transformers each video whole)")
 
 
 if __name__ == "__main__":
