@@ -285,13 +285,13 @@ class TimedVideoTokens:
 
 def timed_video_tokens(tokenizer: Any, video_token_id: int | None, geometry: ImageGeometry | None
                        ) -> TimedVideoTokens | None:
-    """Qwen3-VL's video prompt text (``ImageGeometry.video_frame_pairs``); None for other models."""
+    """Qwen3-VL's video prompt text (``ImageGeometry.video_frame_pairs``); None for other models, and
+    for a tokenizer without Qwen's vision start and end tokens (its videos are then refused)."""
     if video_token_id is None or geometry is None or not geometry.video_frame_pairs:
         return None
     vocabulary = tokenizer.get_vocab()
-    missing = [t for t in ("<|vision_start|>", "<|vision_end|>") if t not in vocabulary]
-    if missing:
-        raise ValueError(f"the tokenizer has no {' or '.join(missing)} token: Qwen3-VL's videos need them")
+    if "<|vision_start|>" not in vocabulary or "<|vision_end|>" not in vocabulary:
+        return None
     return TimedVideoTokens(tokenizer, video_token_id, vocabulary["<|vision_start|>"], vocabulary["<|vision_end|>"])
 
 
@@ -440,7 +440,9 @@ class MultiModalProcessor:
                  ) -> None:
         self.image_token_id = image_token_id
         # Videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: geometry.takes_videos): their token and its text; None: none.
-        self.video_token_id = video_token_id if geometry.takes_videos else None
+        # (Qwen3-VL's videos only with their timed text: timed_video_tokens.)
+        takes_videos = geometry.takes_videos and (timed_videos is not None or not geometry.video_frame_pairs)
+        self.video_token_id = video_token_id if takes_videos else None
         self.video_placeholder = video_placeholder
         # (Qwen3-VL: each temporal patch's time written before it: timed_video_tokens.)
         self.timed_videos = timed_videos

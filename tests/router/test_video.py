@@ -334,3 +334,18 @@ def test_a_qwen3_video_whose_frame_pairs_outgrow_the_encoder_budget_is_refused(q
     frames = [_image(i, (64, 64)) for i in range(2)]
     with pytest.raises(ValueError, match="more than a pass may encode"):
         process_video(DecodedVideo(frames, 2, 2.0, (64, 64)), tight, processor.image_mean, processor.image_std, "m")
+
+
+def test_a_qwen3_tokenizer_without_vision_tokens_refuses_videos(qwen3_vl):
+    """Without Qwen's vision start and end tokens no timed video text can be written: videos are
+    refused (images are still taken)."""
+    from router.multimodal import MultiModalProcessor, timed_video_tokens
+    from tests.tiny_model import build_tokenizer
+
+    _, _, processor, vision = qwen3_vl
+    assert timed_video_tokens(build_tokenizer(), vision.video_token_id, vision.geometry) is None
+    media = MultiModalProcessor(vision.image_token_id, vision.geometry, processor, "m", "",
+                                video_token_id=vision.video_token_id, timed_videos=None)
+    with pytest.raises(ValueError, match="takes no videos"):
+        media.check_count(1, "video")
+    media.check_count(1, "image")
