@@ -195,7 +195,9 @@ def decode_video(data: bytes, geometry: ImageGeometry | None = None,
     """A video file's frames as ``sampling`` samples them (see ``sample_frame_indices``), decoded with
     PyAV. Given the model's ``geometry``: a frame too large is refused before any is decoded, the frames are
     capped as ``process_video`` caps them (``video_frame_limit``), and each kept frame is resized at
-    once, so memory holds only what the encoder takes. ValueError for what is not a video PyAV can
+    once, so memory holds only what the encoder takes. A frame stored turned (its display matrix: a
+    phone's upright video) is turned upright, as vLLM's OpenCV loader turns it (transformers' PyAV
+    loader does not); its size is then the upright one. ValueError for what is not a video PyAV can
     read."""
     import av
     from PIL import Image
@@ -217,7 +219,6 @@ def decode_video(data: bytes, geometry: ImageGeometry | None = None,
             total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
         if total > MAX_SOURCE_FRAMES:
             raise ValueError(f"a video of {total} frames has more than the {MAX_SOURCE_FRAMES} allowed")
-        target = None
         if geometry is not None and geometry.video_frame_pairs:
             keep = qwen3_frame_indices(total, fps, fps=sampling.fps, num_frames=sampling.num_frames)
         else:
@@ -225,16 +226,23 @@ def decode_video(data: bytes, geometry: ImageGeometry | None = None,
                                         num_frames=sampling.num_frames)
             if geometry is not None:
                 keep = evenly(keep, video_frame_limit(geometry, height, width))
-        if geometry is not None:
-            new_height, new_width = geometry.video_frame_size(len(keep), height, width)
-            target = (new_width, new_height)
+        # (the limit and the resize are the same for a frame turned a quarter: its sides swap)
         wanted, frames, kept = set(keep), [], []
+        target, stored = None, (height, width)
         with av.open(io.BytesIO(data)) as container:
             for index, frame in enumerate(container.decode(container.streams.video[0])):
                 if index in wanted:
                     image = frame.to_image()
-                    if (image.height, image.width) != (height, width):
+                    if (image.height, image.width) != stored:
                         raise ValueError("a video's frames must all be of one size")
+                    image = upright(image, frame.rotation)
+                    if not frames:  # (the video's size as shown)
+                        height, width = image.height, image.width
+                        if geometry is not None:
+                            new_height, new_width = geometry.video_frame_size(len(keep), height, width)
+                            target = (new_width, new_height)
+                    if (image.height, image.width) != (height, width):
+                        raise ValueError("a video's frames must all be turned alike")
                     frames.append(image if target is None else image.resize(target, Image.Resampling.BICUBIC))
                     kept.append(index)
                 if len(frames) == len(wanted):
@@ -244,6 +252,16 @@ def decode_video(data: bytes, geometry: ImageGeometry | None = None,
     if not frames:
         raise ValueError("cannot decode the video: no frame could be read")
     return DecodedVideo(frames, max(total, len(frames)), fps or VIDEO_FPS, (height, width), tuple(kept))
+
+
+def upright(image: Image.Image, rotation: int) -> Image.Image:
+    """A decoded frame as its display matrix shows it: turned ``rotation`` degrees counterclockwise
+    (PyAV's VideoFrame.rotation; quarter turns only, a flip or another angle kept as stored)."""
+    from PIL import Image
+
+    turn = {90: Image.Transpose.ROTATE_90, 180: Image.Transpose.ROTATE_180,
+            270: Image.Transpose.ROTATE_270}.get(rotation % 360)
+    return image if turn is None else image.transpose(turn)
 
 
 def video_frame_limit(geometry: ImageGeometry, height: int, width: int) -> int:

@@ -349,3 +349,28 @@ def test_a_qwen3_tokenizer_without_vision_tokens_refuses_videos(qwen3_vl):
     with pytest.raises(ValueError, match="takes no videos"):
         media.check_count(1, "video")
     media.check_count(1, "image")
+
+
+def test_a_video_stored_turned_is_decoded_upright():
+    """A phone's upright video is stored sideways with a display matrix turning it a quarter: its
+    frames are turned upright (as vLLM's OpenCV loader does), and its size is the upright one, before
+    the model's resize too."""
+    import av
+
+    stored = np.zeros((32, 64, 3), np.uint8)
+    stored[:, :8] = 255  # (its left side white: upright, after a quarter turn counterclockwise, its bottom)
+    for degrees, white_rows in ((90, slice(-8, None)), (-90, slice(None, 8))):
+        out = io.BytesIO()
+        with av.open(out, "w", format="mp4") as container:
+            stream = container.add_stream("mpeg4", rate=4)
+            stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
+            stream.set_display_rotation(degrees)
+            for _ in range(4):
+                for packet in stream.encode(av.VideoFrame.from_ndarray(stored, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        video = decode_video(out.getvalue())
+        assert video.frame_size == (64, 32) and video.frames[0].size == (32, 64)
+        pixels = np.asarray(video.frames[0]).mean(axis=(1, 2))
+        assert pixels[white_rows].min() > 200 and np.delete(pixels, np.arange(64)[white_rows]).max() < 60
