@@ -161,9 +161,12 @@ class ModelRunner:
         dtype and KV cache dtype; ValueError when it cannot propose for this model."""
         if self.model is None:
             raise RuntimeError("load_model() must come before load_draft_model()")
-        if self.config.mrope_section is not None:
-            raise ValueError("a draft model cannot propose for a model with M-RoPE positions (Qwen2-VL, Qwen3-VL): use "
-                             "n-gram speculative decoding")
+        if self.config.mrope_section is not None and self.config.vision is not None:
+            # (Without its vision side, in text-only mode, every position's three axes are equal: plain
+            # RoPE, which a draft model's positions follow.)
+            raise ValueError("a draft model cannot propose for a model with M-RoPE positions (Qwen2-VL, Qwen3-VL) "
+                             "taking images or videos: use n-gram speculative decoding, or serve it text-only "
+                             "(--limit-mm-per-prompt '{\"image\": 0, \"video\": 0}')")
         if config.max_context_len < self.max_model_len:
             raise ValueError(f"the draft model's context ({config.max_context_len} tokens) is shorter than "
                              f"max_model_len ({self.max_model_len}): lower --max-model-len or choose another draft")

@@ -143,3 +143,27 @@ def test_qwen3_vl_with_no_images_keeps_its_tower_for_videos(tmp_path):
     with pytest.raises(RequestRefusedError, match=r"takes no images: --limit-mm-per-prompt"):
         engine.add_request(EngineCoreRequest(request_id="i", prompt_token_ids=image_ids,
                                              sampling_params=SamplingParams(), mm_features=image_features))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe"])
+def test_a_text_only_qwen_vl_takes_a_draft_model_its_images_do_not(family, tmp_path):
+    """Text-only, a Qwen-VL model's M-RoPE positions are plain RoPE's: a draft model proposes for it
+    (itself as the draft: every draft accepted, the answers plain decoding's). Taking images or videos,
+    a draft model is refused (its positions would not follow the images')."""
+    from cluster import LLM, SamplingParams
+
+    model_dir = BUILDERS[family](tmp_path / family)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[5:]}]
+    common = dict(model=str(model_dir), num_gpu_blocks=64, limit_mm_per_prompt={"image": 0, "video": 0})
+    draft = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
+    with LLM(**common) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(**common, speculative_config=draft) as llm:
+        drafted = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.get_stats()[0]
+    assert drafted == plain
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    with pytest.raises(ValueError, match=r"M-RoPE positions .* taking images or videos"):
+        LLM(model=str(model_dir), num_gpu_blocks=64, speculative_config=draft)
