@@ -165,7 +165,7 @@ class ModelInfo:
     image_token_id: int | None = None
     # How many tokens (at most: max_tokens) and what pixel values an image is.
     image_geometry: ImageGeometry | None = None
-    # A model that takes videos too (Qwen2-VL, Qwen2.5-VL: image_geometry.takes_videos): the prompt
+    # A model that takes videos too (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: image_geometry.takes_videos): the prompt
     # token a video's rows replace.
     video_token_id: int | None = None
     # The rotary positions the model has (its table's rows; 0: unknown): a video's time positions

@@ -179,6 +179,11 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     # each a feature of the resized frames' (height, width) (the prompt writes each patch's time as
     # text before it, so its placeholders are runs apart, and its M-RoPE positions are an image's).
     video_frame_pairs: bool = False
+    # How a video's frames are sampled (its video processor config's fps, min_frames, max_frames;
+    # transformers' Qwen defaults: 2 a second, 4 to 768).
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
 
     @property
     def takes_videos(self) -> bool:
@@ -279,17 +284,21 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
             height, width = int(height * scale), int(width * scale)
         if max(height, width) / min(height, width) > 200:
             raise ValueError(f"a video's frames' sides may differ at most 200x, not {width}x{height}")
-        most = min(self.video_max_pixels, num_frames * self.max_tokens * factor ** 2)
         new_height, new_width = round(height / factor) * factor, round(width / factor) * factor
         frames = round(num_frames / pair) * pair
-        if frames * new_height * new_width > most:
-            beta = math.sqrt(num_frames * height * width / most)
+        if frames * new_height * new_width > self.video_max_pixels:
+            beta = math.sqrt(num_frames * height * width / self.video_max_pixels)
             new_height = max(factor, math.floor(height / beta / factor) * factor)
             new_width = max(factor, math.floor(width / beta / factor) * factor)
         elif frames * new_height * new_width < self.video_min_pixels:
             beta = math.sqrt(self.video_min_pixels / (num_frames * height * width))
             new_height = math.ceil(height * beta / factor) * factor
             new_width = math.ceil(width * beta / factor) * factor
+        budget = self.max_tokens * factor ** 2  # (a frame's pixels at most the largest image's tokens)
+        if new_height * new_width > budget:
+            beta = math.sqrt(height * width / budget)
+            new_height = max(factor, math.floor(height / beta / factor) * factor)
+            new_width = max(factor, math.floor(width / beta / factor) * factor)
         return new_height, new_width
 
     def video_patch_grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:

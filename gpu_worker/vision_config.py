@@ -146,6 +146,37 @@ QWEN_VL_VIDEO_MIN_PIXELS = 128 * 28 * 28
 QWEN_VL_VIDEO_MAX_PIXELS = 768 * 28 * 28
 
 
+@dataclass(frozen=True)
+class FrameSampling:
+    """How a video processor samples a video's frames: ``fps`` a second, ``min_frames`` to
+    ``max_frames`` (its config's keys; transformers' Qwen2-VL and Qwen3-VL defaults)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+
+
+def frame_sampling_from(video_processor: dict[str, Any] | None) -> FrameSampling:
+    """A video processor config's frame sampling (its fps, min_frames and max_frames)."""
+    config = video_processor or {}
+    default = FrameSampling()
+    sampling = FrameSampling(float(config.get("fps") or default.fps),
+                             int(config.get("min_frames") or default.min_frames),
+                             int(config.get("max_frames") or default.max_frames))
+    if not (0 < sampling.fps < float("inf") and 1 <= sampling.min_frames <= sampling.max_frames):
+        raise ValueError(f"the video processor's fps ({sampling.fps}) must be > 0 and its min_frames "
+                         f"({sampling.min_frames}) at least 1 and at most its max_frames ({sampling.max_frames})")
+    return sampling
+
+
+def with_videos(geometry: ImageGeometry, min_pixels: int, max_pixels: int, frames: FrameSampling,
+                **more: Any) -> ImageGeometry:
+    """``geometry`` taking videos: their pixel range and frame sampling (and ``more`` of its fields)."""
+    return msgspec.structs.replace(geometry, video_min_pixels=min_pixels, video_max_pixels=max_pixels,
+                                   video_fps=frames.fps, video_min_frames=frames.min_frames,
+                                   video_max_frames=frames.max_frames, **more)
+
+
 class NativeImageSide:
     """What a native-resolution tower's config (Qwen2-VL's, Qwen3-VL's) tells of its images: their
     geometry, from its patch and merge sizes and the processor's pixel range."""
@@ -206,12 +237,12 @@ class QwenVisionConfig(NativeImageSide):
     video_min_pixels: int = QWEN_VL_VIDEO_MIN_PIXELS
     video_max_pixels: int = QWEN_VL_VIDEO_MAX_PIXELS
     tokens_per_second: float = 0.0
+    video_frames: FrameSampling = FrameSampling()
 
     @property
     def geometry(self) -> ImageGeometry:
-        return msgspec.structs.replace(super().geometry, video_min_pixels=self.video_min_pixels,
-                                       video_max_pixels=self.video_max_pixels,
-                                       tokens_per_second=self.tokens_per_second)
+        return with_videos(super().geometry, self.video_min_pixels, self.video_max_pixels, self.video_frames,
+                           tokens_per_second=self.tokens_per_second)
 
     @property
     def head_dim(self) -> int:
@@ -255,7 +286,8 @@ def qwen_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any] 
         # (transformers' Qwen2_5_VLVisionConfig default where the config gives none; the releases give 2)
         tokens_per_second=float(vision.get("tokens_per_second", 4)) if windowed else 0.0)
     video_min, video_max = _pixel_range(video_processor or {}, QWEN_VL_VIDEO_MIN_PIXELS, QWEN_VL_VIDEO_MAX_PIXELS)
-    vc = dataclasses.replace(vc, video_min_pixels=video_min, video_max_pixels=video_max)
+    vc = dataclasses.replace(vc, video_min_pixels=video_min, video_max_pixels=video_max,
+                             video_frames=frame_sampling_from(video_processor))
     _check_processor(processor, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
     if vc.hidden_size % vc.num_heads or vc.head_dim % 4:
         raise ValueError(f"the vision tower's width {vc.hidden_size} must split into {vc.num_heads} heads whose "
@@ -295,7 +327,8 @@ def qwen3_vision_config_from_dict(cfg: dict[str, Any], processor: dict[str, Any]
     _check_processor(video_processor or {}, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
     return dataclasses.replace(vc, image_token_id=int(cfg.get("image_token_id", 151655)), min_pixels=min_pixels,
                                max_pixels=max_pixels, video_token_id=int(cfg.get("video_token_id", 151656)),
-                               video_min_pixels=video_min, video_max_pixels=video_max)
+                               video_min_pixels=video_min, video_max_pixels=video_max,
+                               video_frames=frame_sampling_from(video_processor))
 
 
 def native_vision_config(cfg: dict[str, Any], processor: dict[str, Any] | None = None,
@@ -383,11 +416,12 @@ class Qwen3VisionConfig(NativeImageSide):
     video_token_id: int = 151656
     video_min_pixels: int = QWEN3_VL_VIDEO_MIN_PIXELS
     video_max_pixels: int = QWEN3_VL_VIDEO_MAX_PIXELS
+    video_frames: FrameSampling = FrameSampling()
 
     @property
     def geometry(self) -> ImageGeometry:
-        return msgspec.structs.replace(super().geometry, video_min_pixels=self.video_min_pixels,
-                                       video_max_pixels=self.video_max_pixels, video_frame_pairs=True)
+        return with_videos(super().geometry, self.video_min_pixels, self.video_max_pixels, self.video_frames,
+                           video_frame_pairs=True)
 
     @property
     def head_dim(self) -> int:

@@ -273,7 +273,7 @@ class TimedVideoTokens:
         """A video's tokens, and where each temporal patch's placeholders start within them."""
         ids: list[int] = []
         starts = []
-        for seconds, part in zip(video.timestamps, video.parts(), strict=True):
+        for seconds, part in zip(video.timestamps, video.parts, strict=True):
             text = f"<{seconds:.1f} seconds>"
             if text not in self._times:
                 self._times[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -367,6 +367,10 @@ class ProcessedImage:
     image_size: tuple[int, int]
     num_tokens: int
 
+    @property
+    def size_bytes(self) -> int:
+        return len(self.pixel_values.data)
+
 
 class ProcessedImageCache:
     """vLLM's multi-modal processor cache (--mm-processor-cache-gb): processed images by a digest of
@@ -398,14 +402,14 @@ class ProcessedImageCache:
         return image
 
     def put(self, key: bytes, image: ProcessedImage) -> None:
-        size = len(image.pixel_values.data)
+        size = image.size_bytes
         if size > self.capacity_bytes or key in self.entries:
             return
         self.entries[key] = image
         self.size_bytes += size
         while self.size_bytes > self.capacity_bytes:
             _, evicted = self.entries.popitem(last=False)
-            self.size_bytes -= len(evicted.pixel_values.data)
+            self.size_bytes -= evicted.size_bytes
 
 
 async def _all_loaded(loads: Iterable[Awaitable[Any]]) -> list[Any]:
@@ -621,7 +625,7 @@ class MultiModalProcessor:
         features = [MultiModalFeature("image", image.identifier, offset, image.num_tokens, image.pixel_values,
                                       image.image_size if self.counts_by_size else None)
                     for image, offset in zip(images, offsets, strict=True)]
-        parts = [(video, part) for video in videos for part in video.parts()]
+        parts = [(video, part) for video in videos for part in video.parts]
         features += [MultiModalFeature("video", part.identifier, offset, part.num_tokens, part.pixel_values,
                                        video.frame_size, part.num_frames, part.second_per_grid)
                      for (video, part), offset in zip(parts, video_offsets, strict=True)]

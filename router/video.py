@@ -21,6 +21,7 @@ patch then a feature of its own, its time (the middle of its frames' source time
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
 # transformers' Qwen2VLVideoProcessor defaults: frames sampled per second, and the fewest and most.
 VIDEO_FPS = 2.0
+# The frame rate Qwen3-VL's processors take for a video that states none (its samples and its times).
+QWEN3_UNKNOWN_FPS = 24.0
 MIN_FRAMES = 4
 MAX_FRAMES = 768
 # The most frames a video may hold (decoded one by one, only the sampled ones kept: about 9 hours at
@@ -45,9 +48,10 @@ MAX_SOURCE_FRAMES = 1_000_000
 @dataclass(frozen=True)
 class VideoSampling:
     """How a video's frames are sampled (vLLM's --media-io-kwargs '{"video": {...}}'): ``fps`` a
-    second (within MIN_FRAMES..MAX_FRAMES), or ``num_frames`` evenly spaced."""
+    second (None: the model's video processor's rate; within its min and max frames), or
+    ``num_frames`` evenly spaced."""
 
-    fps: float = VIDEO_FPS
+    fps: float | None = None
     num_frames: int | None = None
 
 
@@ -67,12 +71,12 @@ def video_sampling_from(media_io_kwargs: dict[str, Any] | None) -> VideoSampling
         raise ValueError(f"media_io_kwargs['video'] takes num_frames or fps, got {video!r}")
     if "num_frames" in video and "fps" in video:
         raise ValueError("media_io_kwargs['video']: num_frames and fps are exclusive (a count, or a rate)")
-    num_frames, fps = video.get("num_frames"), video.get("fps", VIDEO_FPS)
+    num_frames, fps = video.get("num_frames"), video.get("fps")
     if num_frames is not None and (isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1):
         raise ValueError(f"media_io_kwargs['video']['num_frames'] must be an integer >= 1, got {num_frames!r}")
-    if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < float("inf"):
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < float("inf")):
         raise ValueError(f"media_io_kwargs['video']['fps'] must be a number > 0, got {fps!r}")
-    return VideoSampling(float(fps), num_frames)
+    return VideoSampling(None if fps is None else float(fps), num_frames)
 
 
 @dataclass(frozen=True)
@@ -111,32 +115,34 @@ class VideoPart:
 
 @dataclass(frozen=True)
 class ProcessedVideo:
-    """One video as the vision encoder takes it ([patches, channels x frames x patch x patch]), its
-    digest, its frames' (height, width) (Qwen3-VL's: as resized), its sampled frames and the seconds a
-    temporal patch spans; Qwen3-VL's: each temporal patch's time (seconds into the video) and digest."""
+    """One video as the vision encoder takes it: its digest, its frames' (height, width) (Qwen3-VL's:
+    as resized), its sampled frames, the seconds a temporal patch spans, and its ``parts``, the
+    engine's features of it: the whole video ([patches, channels x frames x patch x patch]); Qwen3-VL's,
+    each temporal patch, whose time (seconds into the video) is in ``timestamps``."""
 
     identifier: str
-    pixel_values: TensorData
     frame_size: tuple[int, int]
     num_frames: int
     second_per_grid: float
-    num_tokens: int
+    parts: tuple[VideoPart, ...]
     timestamps: tuple[float, ...] = ()
-    part_identifiers: tuple[str, ...] = ()
-    temporal_patch_size: int = 2
 
-    def parts(self) -> list[VideoPart]:
-        """The engine's features of this video, in order: itself; Qwen3-VL's, its temporal patches."""
-        if not self.timestamps:
-            return [VideoPart(self.identifier, self.pixel_values, self.num_tokens, self.num_frames,
-                              self.second_per_grid)]
-        count = len(self.timestamps)
-        rows, width = self.pixel_values.shape[0] // count, self.pixel_values.shape[1]
-        size = len(self.pixel_values.data) // count
-        return [VideoPart(identifier, TensorData(self.pixel_values.dtype, (rows, width),
-                                                 self.pixel_values.data[i * size:(i + 1) * size]),
-                          self.num_tokens // count, self.temporal_patch_size, 0.0)
-                for i, identifier in enumerate(self.part_identifiers)]
+    @property
+    def num_tokens(self) -> int:
+        return sum(part.num_tokens for part in self.parts)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(len(part.pixel_values.data) for part in self.parts)
+
+    @property
+    def pixel_values(self) -> TensorData:
+        """All its patches in one tensor (the engine gets them as ``parts``; a copy where there are several)."""
+        if len(self.parts) == 1:
+            return self.parts[0].pixel_values
+        first = self.parts[0].pixel_values
+        return TensorData(first.dtype, (sum(p.pixel_values.shape[0] for p in self.parts), *first.shape[1:]),
+                          b"".join(p.pixel_values.data for p in self.parts))
 
 
 def sample_frame_indices(total_frames: int, video_fps: float, temporal_patch_size: int = 2,
@@ -168,7 +174,7 @@ def qwen3_frame_indices(total_frames: int, video_fps: float, fps: float = VIDEO_
     if total_frames < 1:
         raise ValueError("the video has no frames")
     if num_frames is None:
-        num_frames = int(total_frames / (video_fps if video_fps > 0 else 24.0) * fps)
+        num_frames = int(total_frames / (video_fps if video_fps > 0 else QWEN3_UNKNOWN_FPS) * fps)
         num_frames = min(max(num_frames, min_frames), max_frames, total_frames)
     num_frames = max(1, min(num_frames, total_frames))
     return np.linspace(0, total_frames - 1, num_frames).round().astype(int).tolist()
@@ -192,13 +198,14 @@ def evenly(items: list, count: int) -> list:
 
 def decode_video(data: bytes, geometry: ImageGeometry | None = None,
                  sampling: VideoSampling = DEFAULT_SAMPLING) -> DecodedVideo:
-    """A video file's frames as ``sampling`` samples them (see ``sample_frame_indices``), decoded with
-    PyAV. Given the model's ``geometry``: a frame too large is refused before any is decoded, the frames are
-    capped as ``process_video`` caps them (``video_frame_limit``), and each kept frame is resized at
-    once, so memory holds only what the encoder takes. A frame stored turned (its display matrix: a
-    phone's upright video) is turned upright, as vLLM's OpenCV loader turns it (transformers' PyAV
-    loader does not); its size is then the upright one. ValueError for what is not a video PyAV can
-    read."""
+    """A video file's frames as ``sampling`` samples them (``sample_frame_indices``; Qwen3-VL's:
+    ``qwen3_frame_indices``), decoded with PyAV. Given the model's ``geometry``: a frame too large is
+    refused before any is decoded, the frames are capped as ``process_video`` caps them
+    (``video_frame_limit``; not Qwen3-VL's, whose pairs are encoded one by one), and each kept frame is
+    resized at once (``ImageGeometry.video_frame_size``), so memory holds only what the encoder takes.
+    A frame stored turned (its display matrix: a phone's upright video) is turned upright, as vLLM's
+    OpenCV loader turns it (transformers' PyAV loader does not); its size is then the upright one.
+    ValueError for what is not a video PyAV can read."""
     import av
     from PIL import Image
 
@@ -219,11 +226,15 @@ def decode_video(data: bytes, geometry: ImageGeometry | None = None,
             total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
         if total > MAX_SOURCE_FRAMES:
             raise ValueError(f"a video of {total} frames has more than the {MAX_SOURCE_FRAMES} allowed")
+        # (the model's video processor's rate and bounds; transformers' defaults without a model)
+        frames_from = {"fps": sampling.fps or (geometry.video_fps if geometry is not None else VIDEO_FPS),
+                       "min_frames": geometry.video_min_frames if geometry is not None else MIN_FRAMES,
+                       "max_frames": geometry.video_max_frames if geometry is not None else MAX_FRAMES,
+                       "num_frames": sampling.num_frames}
         if geometry is not None and geometry.video_frame_pairs:
-            keep = qwen3_frame_indices(total, fps, fps=sampling.fps, num_frames=sampling.num_frames)
+            keep = qwen3_frame_indices(total, fps, **frames_from)
         else:
-            keep = sample_frame_indices(total, fps, temporal_patch_size, fps=sampling.fps,
-                                        num_frames=sampling.num_frames)
+            keep = sample_frame_indices(total, fps, temporal_patch_size, **frames_from)
             if geometry is not None:
                 keep = evenly(keep, video_frame_limit(geometry, height, width))
         # (the limit and the resize are the same for a frame turned a quarter: its sides swap)
@@ -251,7 +262,8 @@ def decode_video(data: bytes, geometry: ImageGeometry | None = None,
         raise ValueError(f"cannot decode the video: {e}") from None
     if not frames:
         raise ValueError("cannot decode the video: no frame could be read")
-    return DecodedVideo(frames, max(total, len(frames)), fps or VIDEO_FPS, (height, width), tuple(kept))
+    unknown = QWEN3_UNKNOWN_FPS if geometry is not None and geometry.video_frame_pairs else VIDEO_FPS
+    return DecodedVideo(frames, max(total, len(frames)), fps or unknown, (height, width), tuple(kept))
 
 
 def upright(image: Image.Image, rotation: int) -> Image.Image:
@@ -272,6 +284,17 @@ def video_frame_limit(geometry: ImageGeometry, height: int, width: int) -> int:
     return max(1, geometry.max_tokens // per_patch) * geometry.temporal_patch_size
 
 
+def video_target_size(frames: list[Image.Image], geometry: ImageGeometry,
+                      frame_size: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The (height, width) the frames (their own size ``frame_size``) are resized to: the size the
+    decoder resized them to already (for Qwen3-VL, by the frames it meant to decode), else the
+    model's for them (``ImageGeometry.video_frame_size``)."""
+    height, width = frame_size or (frames[0].height, frames[0].width)
+    if (frames[0].height, frames[0].width) != (height, width):
+        return frames[0].height, frames[0].width
+    return geometry.video_frame_size(len(frames), height, width)
+
+
 def video_patches(frames: list[Image.Image], geometry: ImageGeometry, mean: Any, std: Any,
                   frame_size: tuple[int, int] | None = None) -> np.ndarray:
     """The frames (of one size: ``frame_size``, their own where not given; they may be resized to
@@ -280,16 +303,13 @@ def video_patches(frames: list[Image.Image], geometry: ImageGeometry, mean: Any,
     patch)."""
     from PIL import Image
 
-    height, width = frame_size or (frames[0].height, frames[0].width)
-    new_height, new_width = geometry.video_frame_size(len(frames), height, width)
     if len({frame.size for frame in frames}) > 1:
         raise ValueError("a video's frames must all be of one size")
+    new_height, new_width = video_target_size(frames, geometry, frame_size)
     mean = np.asarray(mean, dtype=np.float32).reshape(-1, 1, 1)
     std = np.asarray(std, dtype=np.float32).reshape(-1, 1, 1)
     pixels = []
     for frame in frames:
-        # (a frame the decoder resized already is as it is; one it resized for more frames than
-        # were left to decode, resized again)
         resized = frame.convert("RGB").resize((new_width, new_height), Image.Resampling.BICUBIC)
         array = np.asarray(resized, dtype=np.float32).transpose(2, 0, 1) / 255.0
         pixels.append((array - mean) / std)
@@ -315,8 +335,9 @@ def process_video(video: DecodedVideo, geometry: ImageGeometry, mean: Any, std: 
     pixel_values = TensorData.from_array(video_patches(frames, geometry, mean, std, video.frame_size))
     second_per_grid = geometry.temporal_patch_size / sampled_fps
     identifier = feature_identifier("video", pixel_values, extra=f"{model_id}|{height}x{width}|{second_per_grid}")
-    return ProcessedVideo(identifier, pixel_values, (height, width), len(frames), second_per_grid,
-                          geometry.video_num_tokens(len(frames), height, width))
+    whole = VideoPart(identifier, pixel_values, geometry.video_num_tokens(len(frames), height, width), len(frames),
+                      second_per_grid)
+    return ProcessedVideo(identifier, (height, width), len(frames), second_per_grid, (whole,))
 
 
 def _process_timed_video(video: DecodedVideo, geometry: ImageGeometry, mean: Any, std: Any,
@@ -324,7 +345,7 @@ def _process_timed_video(video: DecodedVideo, geometry: ImageGeometry, mean: Any
     """Qwen3-VL's video: every sampled frame, resized together (``ImageGeometry.video_frame_size``),
     its temporal patches each with its time and digest."""
     frames, pair = video.frames, geometry.temporal_patch_size
-    new_height, new_width = geometry.video_frame_size(len(frames), *video.frame_size)
+    new_height, new_width = video_target_size(frames, geometry, video.frame_size)
     patches = video_patches(frames, geometry, mean, std, video.frame_size)
     count = -(-len(frames) // pair)
     rows = patches.shape[0] // count
@@ -332,11 +353,12 @@ def _process_timed_video(video: DecodedVideo, geometry: ImageGeometry, mean: Any
     if tokens > geometry.max_tokens:  # (a frame pair is one encoder input: a pass's budget holds the largest image)
         raise ValueError(f"a video's pair of frames of {new_width}x{new_height} pixels is {tokens} tokens, more "
                          f"than a pass may encode ({geometry.max_tokens})")
-    pixel_values = TensorData.from_array(patches)
     extra = f"{model_id}|{new_height}x{new_width}"
-    parts = tuple(feature_identifier("video", TensorData.from_array(patches[i * rows:(i + 1) * rows]), extra=extra)
-                  for i in range(count))
+    values = [TensorData.from_array(patches[i * rows:(i + 1) * rows]) for i in range(count)]
+    del patches
+    parts = tuple(VideoPart(feature_identifier("video", data, extra=extra), data, tokens, pair, 0.0) for data in values)
     timestamps = tuple(pair_timestamps(video.frame_indices[:len(frames)], video.fps, pair))
-    identifier = feature_identifier("video", pixel_values, extra=f"{extra}|{timestamps}")
-    return ProcessedVideo(identifier, pixel_values, (new_height, new_width), len(frames), pair / video.sampled_fps,
-                          tokens * count, timestamps, parts, pair)
+    identifier = hashlib.blake2b(f"{extra}|{timestamps}|{[p.identifier for p in parts]}".encode(),
+                                 digest_size=16).hexdigest()
+    return ProcessedVideo(identifier, (new_height, new_width), len(frames), pair / video.sampled_fps, parts,
+                          timestamps)

@@ -321,19 +321,25 @@ def test_a_qwen3_video_reaches_the_engine_as_its_timed_temporal_patches(qwen3_vl
     assert len(counting.requests[0].mm_features) == 4  # (8 frames of the 10: 4 pairs)
 
 
-def test_a_qwen3_video_whose_frame_pairs_outgrow_the_encoder_budget_is_refused(qwen3_vl):
+def test_a_qwen3_videos_frame_pairs_are_shrunk_to_what_a_pass_may_encode(qwen3_vl):
+    """Where the video range would make a pair of frames more tokens than the largest image (what a
+    pass may encode), its frames are made smaller to fit: whatever the frame count (an odd count of
+    pairs rounds down in transformers' resize) and where the range's least is above it."""
     from msgspec.structs import replace
 
     from router.video import DecodedVideo, process_video
 
     _, _, processor, vision = qwen3_vl
-    # (A video range whose least is twice as many tokens a frame as a pass may encode.)
     budget = vision.geometry.max_tokens
+    roomy = replace(vision.geometry, video_max_pixels=32 * 32 * 40 * budget)
     least = 2 * 32 * 32 * 2 * budget
     tight = replace(vision.geometry, video_min_pixels=least, video_max_pixels=least)
-    frames = [_image(i, (64, 64)) for i in range(2)]
-    with pytest.raises(ValueError, match="more than a pass may encode"):
-        process_video(DecodedVideo(frames, 2, 2.0, (64, 64)), tight, processor.image_mean, processor.image_std, "m")
+    for geometry, count in [(roomy, n) for n in range(2, 10)] + [(tight, 2)]:
+        frames = [_image(i, (640, 384)) for i in range(count)]
+        video = process_video(DecodedVideo(frames, count, 2.0, (384, 640)), geometry, processor.image_mean,
+                              processor.image_std, "m")
+        per_pair = {part.num_tokens for part in video.parts}
+        assert len(per_pair) == 1 and 0.5 * budget < per_pair.pop() <= budget, count
 
 
 def test_a_qwen3_tokenizer_without_vision_tokens_refuses_videos(qwen3_vl):
@@ -374,3 +380,28 @@ def test_a_video_stored_turned_is_decoded_upright():
         assert video.frame_size == (64, 32) and video.frames[0].size == (32, 64)
         pixels = np.asarray(video.frames[0]).mean(axis=(1, 2))
         assert pixels[white_rows].min() > 200 and np.delete(pixels, np.arange(64)[white_rows]).max() < 60
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_the_video_processor_configs_rate_and_frame_bounds_sample_the_frames(family, request, tmp_path):
+    """A video processor config's fps, min_frames and max_frames (transformers reads them as its
+    sampling defaults) sample the frames; --media-io-kwargs' rate is over the config's."""
+    import json
+    import shutil
+
+    from gpu_worker.config import ModelConfig
+    from router.video import VideoSampling
+
+    directory = shutil.copytree(request.getfixturevalue(family)[0], tmp_path / family)
+    config_path = directory / "video_preprocessor_config.json"
+    config = json.loads(config_path.read_text())
+    data = mp4(80, fps=8)  # (10 s)
+    default = len(decode_video(data, ModelConfig.from_pretrained(directory).vision.geometry).frames)
+    config_path.write_text(json.dumps({**config, "fps": 1, "min_frames": 2, "max_frames": 6}))
+    geometry = ModelConfig.from_pretrained(directory).vision.geometry
+    assert (geometry.video_fps, geometry.video_min_frames, geometry.video_max_frames) == (1.0, 2, 6)
+    assert len(decode_video(data, geometry).frames) == 6 < default  # (10 a second at most 6)
+    assert len(decode_video(data, geometry, VideoSampling(fps=0.4)).frames) == 4  # (4 frames, whole pairs)
+    config_path.write_text(json.dumps({**config, "min_frames": 9, "max_frames": 8}))
+    with pytest.raises(ValueError, match="min_frames"):
+        ModelConfig.from_pretrained(directory)
