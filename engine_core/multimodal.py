@@ -179,6 +179,10 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     # each a feature of the resized frames' (height, width) (the prompt writes each patch's time as
     # text before it, so its placeholders are runs apart, and its M-RoPE positions are an image's).
     video_frame_pairs: bool = False
+    # Idefics3 (SmolVLM): each encoder input is one tile of an image (image_size square, pooled_tokens
+    # tokens), the router cutting the image into tiles and writing their rows and columns in the prompt
+    # between them (the engine sees fixed-size images).
+    tile_prompts: bool = False
     # How a video's frames are sampled (its video processor config's fps, min_frames, max_frames;
     # transformers' Qwen defaults: 2 a second, 4 to 768).
     video_fps: float = 2.0

@@ -20,6 +20,7 @@ from engine_core.tokenizer_loader import load_tokenizer
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
+    IDEFICS3_ARCHITECTURES,
     INTERNVL_ARCHITECTURES,
     INTERNVL_TEXT_DECODERS,
     LLAVA_ARCHITECTURES,
@@ -29,12 +30,14 @@ from gpu_worker.vision_config import (
     QWEN3_VL_MOE_TEXT_DEFAULTS,
     QWEN_VL_ARCHITECTURES,
     Gemma3VisionConfig,
+    Idefics3VisionConfig,
     InternVLVisionConfig,
     PixtralVisionConfig,
     Qwen3VisionConfig,
     QwenVisionConfig,
     VisionConfig,
     gemma3_vision_config_from_dict,
+    idefics3_vision_config_from_dict,
     internvl_text_architecture,
     internvl_vision_config_from_dict,
     is_pixtral,
@@ -731,7 +734,7 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # A vision-language model's image side (LLaVA: CLIP tower and projector); None for text models.
     vision: (VisionConfig | QwenVisionConfig | Qwen3VisionConfig | Gemma3VisionConfig | PixtralVisionConfig
-             | InternVLVisionConfig | None) = None
+             | InternVLVisionConfig | Idefics3VisionConfig | None) = None
     # A vision-language checkpoint's architecture whose language model alone is served (its vision
     # side's tensors skipped: ModelConfig.from_pretrained's language_model_only); None otherwise.
     language_model_of: str | None = None
@@ -935,6 +938,11 @@ class ModelConfig:
             cfg = with_full_text_config({**cfg, "text_config": text}, INTERNVL_TEXT_DECODERS)
             vision = internvl_vision_config_from_dict(cfg, int(cfg["text_config"]["hidden_size"]))
             cfg = _text_config(cfg, arch)
+        elif arch in IDEFICS3_ARCHITECTURES and not embedding_only:  # (SmolVLM: a Llama decoder)
+            text = {"model_type": "llama", **(cfg.get("text_config") or {})}  # (Idefics3Config's default)
+            cfg = with_full_text_config({**cfg, "text_config": text}, {"llama": "LlamaForCausalLM"})
+            vision = idefics3_vision_config_from_dict(cfg, int(cfg["text_config"]["hidden_size"]))
+            cfg, arch = _text_config(cfg, "LlamaForCausalLM"), "LlamaForCausalLM"
         elif arch in LLAVA_ARCHITECTURES and not embedding_only:
             vision = vision_config_from_dict(cfg)
             arch = text_architecture(cfg)
@@ -958,7 +966,7 @@ class ModelConfig:
             arch = {**EMBEDDING_DECODER_OF, **headed}[arch]
         elif arch not in SUPPORTED_ARCHITECTURES:
             known = (SUPPORTED_ARCHITECTURES + tuple(TEXT_DECODER_OF) + LLAVA_ARCHITECTURES + QWEN_VL_ARCHITECTURES
-                     + QWEN3_VL_ARCHITECTURES + PIXTRAL_ARCHITECTURES + INTERNVL_ARCHITECTURES
+                     + QWEN3_VL_ARCHITECTURES + PIXTRAL_ARCHITECTURES + INTERNVL_ARCHITECTURES + IDEFICS3_ARCHITECTURES
                      + tuple(EMBEDDING_DECODER_OF) + tuple(headed) + tuple(ENCODER_ARCHITECTURES))
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":

@@ -536,6 +536,73 @@ def gemma3_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int) -
     return vc
 
 
+# Idefics3 (SmolVLM 256M / 500M / 2.2B, Idefics3-8B): a SigLIP-like tower over square tiles whose
+# patch grid is pixel-shuffled (scale_factor x scale_factor patches a token) and projected into a Llama
+# decoder. Its processor cuts an image into tiles beside the whole image shrunk to one tile, and writes
+# each tile in the prompt as <fake_token_around_image><row_R_col_C> (or <global-img>) and its run of
+# <image> tokens: each tile is an encoder input of its own (ImageGeometry.tile_prompts).
+IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
+# transformers' Idefics3VisionConfig defaults.
+_IDEFICS3_VISION_DEFAULTS = {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers": 12,
+                             "num_attention_heads": 16, "num_channels": 3, "image_size": 224, "patch_size": 32,
+                             "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
+
+
+@dataclass(frozen=True)
+class Idefics3VisionConfig:
+    """Idefics3's vision side (config.json's vision_config, its scale_factor), transformers' names."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_channels: int
+    # A tile's side in pixels, and a patch's.
+    image_size: int
+    patch_size: int
+    hidden_act: str
+    layer_norm_eps: float
+    # The pixel shuffle's side: scale_factor x scale_factor patches make one token.
+    scale_factor: int
+    # The language model's width (the connector's output), and the prompt token a tile's rows replace.
+    text_hidden_size: int
+    image_token_id: int
+
+    @property
+    def patches_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return (self.patches_side // self.scale_factor) ** 2
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return ImageGeometry(self.image_size, self.patch_size, self.num_channels, pooled_tokens=self.tokens_per_tile,
+                             tile_prompts=True)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """The most tokens one encoder input (a tile) takes."""
+        return self.tokens_per_tile
+
+
+def idefics3_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int) -> Idefics3VisionConfig:
+    """Idefics3's vision side from its config.json (transformers' Idefics3Config names and defaults)."""
+    vision = {**_IDEFICS3_VISION_DEFAULTS, **(cfg.get("vision_config") or {})}
+    vc = Idefics3VisionConfig(
+        hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
+        num_hidden_layers=int(vision["num_hidden_layers"]), num_attention_heads=int(vision["num_attention_heads"]),
+        num_channels=int(vision["num_channels"]), image_size=int(vision["image_size"]),
+        patch_size=int(vision["patch_size"]), hidden_act=str(vision["hidden_act"]),
+        layer_norm_eps=float(vision["layer_norm_eps"]), scale_factor=int(cfg.get("scale_factor") or 2),
+        text_hidden_size=text_hidden_size, image_token_id=int(cfg.get("image_token_id", 128257)))
+    if vc.image_size % vc.patch_size or vc.patches_side % vc.scale_factor:
+        raise ValueError(f"Idefics3's {vc.image_size}-pixel tiles must be whole {vc.patch_size}-pixel patches in "
+                         f"whole {vc.scale_factor}x{vc.scale_factor} squares (its pixel shuffle)")
+    return vc
+
+
 # Pixtral's tower (Pixtral-12B as LlavaForConditionalGeneration; Mistral Small 3.1 / 3.2 as
 # Mistral3ForConditionalGeneration): an image keeps its aspect, shrunk to fit ``longest_edge`` and
 # cut into patches (each side rounded up to a whole token); 2-D rotary attention within each image;

@@ -430,6 +430,58 @@ def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 1
     return Path(path)
 
 
+# SmolVLM's chat template (Idefics3): "User:<image>What is it?<end_of_utterance>\nAssistant:".
+IDEFICS3_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}{% else %}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+def idefics3_tokenizer():
+    """Our tokenizer plus Idefics3's image tokens (SmolVLM's: <fake_token_around_image>, <image>,
+    <global-img>, <row_R_col_C> for R, C in 1..6, <end_of_utterance>) and SmolVLM's chat template."""
+    tokenizer = build_tokenizer()
+    grid = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                                "<end_of_utterance>", "<global-img>", *grid]})
+    tokenizer.chat_template = IDEFICS3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_idefics3(path: Path, seed: int = 0, longest_edge: int = 128, split: bool = True) -> Path:
+    """Save a random tiny Idefics3 (SmolVLM's architecture) into ``path``: a 2-layer SigLIP-like tower over
+    64-pixel tiles in 16-pixel patches, pixel-shuffled 2x2 (4 tokens a tile) into a 2-layer Llama;
+    idefics3_tokenizer's tokens and template; its image processor (images resized to ``longest_edge``,
+    cut into 64-pixel tiles beside the whole image at 64x64 where ``split``)."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = idefics3_tokenizer()
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                  patch_size=16)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():  # (norms off their init too, so the test sees each one)
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.uniform_(0.5, 1.5)
+    # (The connector's rows scaled to the text embeddings' size: else an image's rows decide every answer.)
+    _save_randomized(model, Path(path), tokenizer, rescale={"connector.": 0.3})
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": longest_edge},
+                                                max_image_size={"longest_edge": 64}, do_image_splitting=split)
+    Idefics3Processor(image_processor, tokenizer, image_seq_len=4).save_pretrained(path)
+    return Path(path)
+
+
 GEMMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"

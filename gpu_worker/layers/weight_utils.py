@@ -98,7 +98,8 @@ def renamed_by_prefix(weights: Iterable[tuple[str, WeightLike]], prefixes: tuple
 # language model -> our decoder's names (transformers 4's layout, then transformers 5's), and the
 # prefixes of their vision side (tower and projector).
 LANGUAGE_MODEL_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."), ("model.language_model.", "model."))
+    ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."), ("model.language_model.", "model."),
+    ("model.text_model.", "model."))  # (the last: Idefics3's)
 VISION_SIDE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                         "model.multi_modal_projector.")
 

@@ -19,8 +19,9 @@ from gpu_worker.models.qwen3_vl import stacked_experts_as_ours
 
 # (LANGUAGE_MODEL_PREFIXES also hold Qwen2-VL's / Qwen3-VL's in transformers 5's layout; the released
 # Qwen2-VL checkpoints name it as a text model does.) The vision sides: LLaVA-style towers and
-# projectors, Qwen-VL's towers, LLaVA-NeXT's newline row.
-VISION_PREFIXES = (*VISION_SIDE_PREFIXES, "visual.", "model.visual.", "image_newline", "model.image_newline")
+# projectors, Qwen-VL's towers, LLaVA-NeXT's newline row, Idefics3's tower and connector.
+VISION_PREFIXES = (*VISION_SIDE_PREFIXES, "visual.", "model.visual.", "image_newline", "model.image_newline",
+                   "model.vision_model.", "model.connector.")
 
 
 class LanguageModelOnlyMixin(nn.Module):

@@ -9,6 +9,7 @@ from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
+from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.llama import (
@@ -29,6 +30,7 @@ from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from gpu_worker.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 from gpu_worker.vision_config import (
     Gemma3VisionConfig,
+    Idefics3VisionConfig,
     InternVLVisionConfig,
     PixtralVisionConfig,
     Qwen3VisionConfig,
@@ -80,6 +82,8 @@ def build_model(config: ModelConfig) -> nn.Module:
         model_class = pixtral_class(model_class)
     elif isinstance(config.vision, InternVLVisionConfig):  # (InternVL: a Qwen2, Qwen3 or Llama decoder)
         model_class = internvl_class(model_class)
+    elif isinstance(config.vision, Idefics3VisionConfig):  # (Idefics3 / SmolVLM: a Llama decoder)
+        model_class = Idefics3ForConditionalGeneration
     elif config.vision is not None:  # (LLaVA: its decoder, and the image side)
         model_class = llava_class(model_class)
     return model_class(config)
