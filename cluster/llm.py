@@ -34,6 +34,7 @@ from router.bad_words import bad_words_token_ids
 from router.classification import class_probabilities, pooled_output
 from router.content_format import CONTENT_FORMATS, TEXT_PART_TYPES, resolve_content_format, template_content
 from router.detokenizer import IncrementalDetokenizer, decode_after, token_text
+from router.image_tiles import tiled_image_tokens
 from router.multimodal import (
     DEFAULT_LIMIT_PER_PROMPT,
     MultiModalProcessor,
@@ -899,8 +900,9 @@ class LLM:
                                  f"{{'image': 0}} for {info.served_model_name})")
             if info.image_token_id is None:
                 raise ValueError(f"{info.served_model_name} takes no images: it is not a vision-language model")
+            processor = load_image_processor(self.model_dir)
             self._image_processor = MultiModalProcessor(
-                info.image_token_id, info.image_geometry, load_image_processor(self.model_dir),
+                info.image_token_id, info.image_geometry, processor,
                 self.model_dir, image_placeholder(self.tokenizer, info.image_token_id, info.image_geometry),
                 max_images=self.cluster_config.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT),
                 prompt_replacement=image_prompt_text(self.tokenizer, info.image_token_id, info.image_geometry),
@@ -908,7 +910,8 @@ class LLM:
                                                                                         info.video_token_id),
                 max_videos=self.cluster_config.limit_mm_per_prompt.get("video", DEFAULT_LIMIT_PER_PROMPT),
                 video_sampling=video_sampling_from(self.cluster_config.media_io_kwargs),
-                timed_videos=timed_video_tokens(self.tokenizer, info.video_token_id, info.image_geometry))
+                timed_videos=timed_video_tokens(self.tokenizer, info.video_token_id, info.image_geometry),
+                tiled_images=tiled_image_tokens(self.tokenizer, processor, info.image_token_id, info.image_geometry))
         return self._image_processor
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

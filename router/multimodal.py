@@ -35,6 +35,7 @@ from engine_core.multimodal import (
     with_article,
 )
 from engine_core.tokenizer_files import IMAGE_PROCESSOR_FILE, read_image_processor_config
+from router.image_tiles import TiledImage, TiledImageTokens
 from router.video import DEFAULT_SAMPLING, ProcessedVideo, VideoSampling, decode_video, process_video
 
 if TYPE_CHECKING:
@@ -440,9 +441,11 @@ class MultiModalProcessor:
                  on_cache_lookup: Callable[[bool], None] | None = None,
                  prompt_replacement: tuple[str, str] | None = None, video_token_id: int | None = None,
                  video_placeholder: str = "", max_videos: int = DEFAULT_LIMIT_PER_PROMPT,
-                 video_sampling: VideoSampling = DEFAULT_SAMPLING, timed_videos: TimedVideoTokens | None = None
-                 ) -> None:
+                 video_sampling: VideoSampling = DEFAULT_SAMPLING, timed_videos: TimedVideoTokens | None = None,
+                 tiled_images: TiledImageTokens | None = None) -> None:
         self.image_token_id = image_token_id
+        # (Idefics3: each image cut into tiles written with their rows and columns: router.image_tiles.)
+        self.tiled_images = tiled_images
         # Videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: geometry.takes_videos): their token and its text; None: none.
         # (Qwen3-VL's videos only with their timed text: timed_video_tokens.)
         takes_videos = geometry.takes_videos and (timed_videos is not None or not geometry.video_frame_pairs)
@@ -520,7 +523,19 @@ class MultiModalProcessor:
     @property
     def counts_by_size(self) -> bool:
         """Whether an image's token count depends on its size (known once it is loaded)."""
-        return self.geometry.counts_by_size
+        return self.geometry.counts_by_size or self.tiled_images is not None
+
+    def image_runs(self, sizes: Sequence[tuple[int, int] | None]) -> tuple[list[list[int]], list[list[int]]]:
+        """Each image's run of tokens by its (height, width) (None: the fewest it may take), and where
+        its encoder inputs' placeholders start within it (Idefics3: each tile's; others: the run's)."""
+        geometry, token, tiled = self.geometry, self.image_token_id, self.tiled_images
+        if tiled is not None:
+            made = [tiled.run(tiled.grid(*size) if size is not None else (0, 0)) for size in sizes]
+            return [ids for ids, _ in made], [starts for _, starts in made]
+        runs = [geometry.placeholder_ids(token, *size) if size is not None
+                else geometry.placeholder_ids(token, 1, 1) if geometry.pixtral else [token] * geometry.min_tokens
+                for size in sizes]
+        return runs, [[0] for _ in sizes]
 
     def process_video(self, data: bytes) -> ProcessedVideo:
         """(CPU work: run in a thread.) A video file as the vision encoder takes it (router.video)."""
@@ -549,9 +564,8 @@ class MultiModalProcessor:
         """The prompt with each image token expanded to its image's placeholders (by ``image_sizes``)
         and each video token to its video's (Qwen3-VL's: its timed temporal patches): (ids, the images'
         offsets, the offsets of the videos' parts, ``ProcessedVideo.parts``)."""
-        geometry = self.geometry
-        media = {self.image_token_id: ("image", [geometry.placeholder_ids(self.image_token_id, *size)
-                                                 for size in image_sizes], self.placeholder)}
+        image_runs, image_starts = self.image_runs(image_sizes)
+        media = {self.image_token_id: ("image", image_runs, self.placeholder)}
         starts: list[list[int]] = [[0] for _ in videos]
         if videos:
             assert self.video_token_id is not None
@@ -563,29 +577,30 @@ class MultiModalProcessor:
         ids, offsets = expand_media_tokens(prompt_ids, media)
         video_offsets = [offset + start for offset, parts in zip(offsets.get(self.video_token_id, []), starts,
                                                                  strict=True) for start in parts]
-        return ids, offsets[self.image_token_id], video_offsets
+        image_offsets = [offset + start for offset, parts in zip(offsets[self.image_token_id], image_starts,
+                                                                 strict=True) for start in parts]
+        return ids, image_offsets, video_offsets
 
     def expand(self, prompt_ids: list[int], num_images: int,
                sizes: list[tuple[int, int]] | None = None) -> tuple[list[int], list[int]]:
         """``sizes``: each image's (height, width); when None, each image at the geometry's fixed
-        count or, for an image counted by its size, the fewest tokens it may take."""
-        geometry, token = self.geometry, self.image_token_id
-        if sizes is not None:
-            runs = [geometry.placeholder_ids(token, *size) for size in sizes]
-        else:
-            runs = [geometry.placeholder_ids(token, 1, 1) if geometry.pixtral else [token] * geometry.min_tokens
-                    ] * num_images
-        return expand_image_tokens(prompt_ids, token, runs, self.placeholder)
+        count or, for an image counted by its size, the fewest tokens it may take. The offsets are
+        each encoder input's (Idefics3: each tile's)."""
+        runs, starts = self.image_runs(sizes if sizes is not None else [None] * num_images)
+        ids, offsets = expand_image_tokens(prompt_ids, self.image_token_id, runs, self.placeholder)
+        return ids, [offset + start for offset, parts in zip(offsets, starts, strict=True) for start in parts]
 
-    def process(self, data: bytes) -> ProcessedImage:
+    def process(self, data: bytes) -> ProcessedImage | TiledImage:
         """(CPU work: run in a thread.)"""
         return self.process_image(decode_image(data))
 
-    def process_image(self, image: Image.Image) -> ProcessedImage:
-        """A decoded image (RGB) as the vision encoder takes it, and its digest."""
+    def process_image(self, image: Image.Image) -> ProcessedImage | TiledImage:
+        """A decoded image (RGB) as the vision encoder takes it, and its digest (Idefics3's: its tiles)."""
         # ([C, H, W]; LLaVA-NeXT's: [tiles, C, H, W]; Qwen2-VL's, the batch's patches: [patches, C x T x P x P];
         # Pixtral's [C, H, W] of the image's resized size)
         size = (image.height, image.width)
+        if self.tiled_images is not None:
+            return self._tiled(image)
         expected = self.geometry.input_shape(*size)  # (first: its refusals say what is wrong with the image)
         processed = self.image_processor(images=[image], return_tensors="np")["pixel_values"]
         processed = processed if self.geometry.native or self.geometry.tiled else processed[0]
@@ -597,7 +612,27 @@ class MultiModalProcessor:
         return ProcessedImage(feature_identifier("image", pixel_values, extra=f"{self.model_id}|{size}"), pixel_values,
                               size, self.geometry.num_tokens(*size))
 
-    async def load(self, url: str) -> ProcessedImage:
+    def _tiled(self, image: Image.Image) -> TiledImage:
+        """Idefics3's image: its tiles (and the whole image as one), each an encoder input."""
+        assert self.tiled_images is not None
+        size = (image.height, image.width)
+        out = self.image_processor(images=[image], return_tensors="np", return_row_col_info=True)
+        grid = (int(out["rows"][0][0]), int(out["cols"][0][0]))
+        tiles = out["pixel_values"][0]
+        expected = self.tiled_images.grid(*size)
+        if grid != expected or len(tiles) != grid[0] * grid[1] + 1 \
+                or tuple(tiles.shape[1:]) != self.geometry.input_shape(*size):
+            raise ValueError(f"the image processor cut a {size[1]}x{size[0]} image into {len(tiles)} tiles of "
+                             f"{list(tiles.shape[1:])} ({grid[0]}x{grid[1]}), the model takes {expected[0]}x"
+                             f"{expected[1]} and the whole image of {list(self.geometry.input_shape(*size))}")
+        processed = []
+        for tile in tiles:
+            data = TensorData.from_array(tile)
+            processed.append(ProcessedImage(feature_identifier("image", data, extra=self.model_id), data, size,
+                                            self.geometry.base_tokens))
+        return TiledImage(tuple(processed), grid, size)
+
+    async def load(self, url: str) -> ProcessedImage | TiledImage:
         data = await self.media.fetch_bytes(url)
         if self.cache is None:
             return await asyncio.to_thread(self.process, data)
@@ -613,18 +648,20 @@ class MultiModalProcessor:
         datas = await asyncio.gather(*map(self.media.fetch_bytes, urls))
         return [image_size_of(data) for data in datas]
 
-    async def load_all(self, urls: list[str]) -> list[ProcessedImage]:
+    async def load_all(self, urls: list[str]) -> list[ProcessedImage | TiledImage]:
         """The images at ``urls``, all loaded at once (the first failure raised)."""
         return await _all_loaded(map(self.load, urls))
 
-    def features(self, images: list[ProcessedImage], prompt_ids: list[int],
+    def features(self, images: Sequence[ProcessedImage | TiledImage], prompt_ids: list[int],
                  offsets: list[int], videos: Sequence[ProcessedVideo] = (),
                  video_offsets: Sequence[int] = ()) -> list[MultiModalFeature]:
         """Each image (and video: each of its parts, ``ProcessedVideo.parts``) over its placeholders,
         from its offset in the (expanded) prompt, in prompt order."""
+        inputs = [tile for image in images for tile in (image.tiles if isinstance(image, TiledImage) else [image])]
+        sized = self.geometry.counts_by_size  # (an Idefics3 tile is a fixed-size image to the engine)
         features = [MultiModalFeature("image", image.identifier, offset, image.num_tokens, image.pixel_values,
-                                      image.image_size if self.counts_by_size else None)
-                    for image, offset in zip(images, offsets, strict=True)]
+                                      image.image_size if sized else None)
+                    for image, offset in zip(inputs, offsets, strict=True)]
         parts = [(video, part) for video in videos for part in video.parts]
         features += [MultiModalFeature("video", part.identifier, offset, part.num_tokens, part.pixel_values,
                                        video.frame_size, part.num_frames, part.second_per_grid)

@@ -50,6 +50,7 @@ from router.engine_client import (
     RequestTimeoutError,
     UnknownModelError,
 )
+from router.image_tiles import tiled_image_tokens
 from router.metrics import RouterMetrics
 from router.multimodal import (
     DEFAULT_LIMIT_PER_PROMPT,
@@ -487,7 +488,9 @@ class OpenAIServing:
                 video_placeholder=video_placeholder(tokenizer, settings.video_token_id),
                 max_videos=settings.limit_mm_per_prompt.get("video", DEFAULT_LIMIT_PER_PROMPT),
                 video_sampling=video_sampling_from(settings.media_io_kwargs),
-                timed_videos=timed_video_tokens(tokenizer, settings.video_token_id, settings.image_geometry))
+                timed_videos=timed_video_tokens(tokenizer, settings.video_token_id, settings.image_geometry),
+                tiled_images=tiled_image_tokens(tokenizer, image_processor, settings.image_token_id,
+                                                settings.image_geometry))
 
     # -- request preparation ------------------------------------------------------------------------
 
