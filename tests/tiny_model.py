@@ -451,13 +451,21 @@ def idefics3_tokenizer():
     return tokenizer
 
 
-def build_tiny_idefics3(path: Path, seed: int = 0, longest_edge: int = 128, split: bool = True) -> Path:
-    """Save a random tiny Idefics3 (SmolVLM's architecture) into ``path``: a 2-layer SigLIP-like tower over
-    64-pixel tiles in 16-pixel patches, pixel-shuffled 2x2 (4 tokens a tile) into a 2-layer Llama;
-    idefics3_tokenizer's tokens and template; its image processor (images resized to ``longest_edge``,
-    cut into 64-pixel tiles beside the whole image at 64x64 where ``split``)."""
+def build_tiny_idefics3(path: Path, seed: int = 0, longest_edge: int = 128, split: bool = True,
+                        smolvlm: bool = False) -> Path:
+    """Save a random tiny Idefics3 (SmolVLM's architecture; ``smolvlm``: SmolVLM2's class of it) into
+    ``path``: a 2-layer SigLIP-like tower over 64-pixel tiles in 16-pixel patches, pixel-shuffled 2x2
+    (4 tokens a tile) into a 2-layer Llama; idefics3_tokenizer's tokens and template; its image
+    processor (images resized to ``longest_edge``, cut into 64-pixel tiles beside the whole image at
+    64x64 where ``split``)."""
     import torch
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+    )
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     tokenizer = idefics3_tokenizer()
@@ -466,10 +474,12 @@ def build_tiny_idefics3(path: Path, seed: int = 0, longest_edge: int = 128, spli
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64,
                   patch_size=16)
-    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
-                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    config_class, model_class = ((SmolVLMConfig, SmolVLMForConditionalGeneration) if smolvlm
+                                 else (Idefics3Config, Idefics3ForConditionalGeneration))
+    config = config_class(vision_config=vision, text_config=text, scale_factor=2,
+                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config)
+    model = model_class(config)
     with torch.no_grad():  # (norms off their init too, so the test sees each one)
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:

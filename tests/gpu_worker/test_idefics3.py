@@ -17,17 +17,18 @@ from tests.tiny_model import build_tiny_idefics3
 PROMPT = "<|im_start|>User:<image>What is in it?<end_of_utterance>\nAssistant:"
 
 
-@pytest.fixture(scope="module")
-def idefics3(tmp_path_factory):
-    """(model dir, transformers' model, its processor) of a tiny Idefics3."""
-    from transformers import AutoTokenizer, Idefics3ForConditionalGeneration, Idefics3Processor
+@pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
+def idefics3(request, tmp_path_factory):
+    """(model dir, transformers' model, its processor) of a tiny Idefics3 (SmolVLM v1's class), and of
+    SmolVLM2's class of the same model."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Idefics3Processor
 
     from router.multimodal import load_image_processor
 
-    model_dir = build_tiny_idefics3(tmp_path_factory.mktemp("idefics3"))
+    model_dir = build_tiny_idefics3(tmp_path_factory.mktemp(request.param), smolvlm=request.param == "smolvlm")
     processor = Idefics3Processor(load_image_processor(model_dir), AutoTokenizer.from_pretrained(model_dir),
                                   image_seq_len=4)
-    return model_dir, Idefics3ForConditionalGeneration.from_pretrained(model_dir).eval(), processor
+    return model_dir, AutoModelForImageTextToText.from_pretrained(model_dir).eval(), processor
 
 
 def tile_prompt(idefics3, images: list, text: str = PROMPT):
