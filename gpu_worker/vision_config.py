@@ -538,9 +538,10 @@ def gemma3_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int) -
 
 # Idefics3 (SmolVLM 256M / 500M / 2.2B, Idefics3-8B; SmolVLM2's images): a SigLIP-like tower over
 # square tiles whose patch grid is pixel-shuffled (scale_factor x scale_factor patches a token) and
-# projected into a Llama decoder. Its processor cuts an image into tiles beside the whole image shrunk to one tile, and writes
-# each tile in the prompt as <fake_token_around_image><row_R_col_C> (or <global-img>) and its run of
-# <image> tokens: each tile is an encoder input of its own (ImageGeometry.tile_prompts).
+# projected into a Llama decoder. Its processor cuts an image into tiles beside the whole image shrunk
+# to one tile, and writes each tile in the prompt as <fake_token_around_image><row_R_col_C> (or
+# <global-img>) and its run of <image> tokens: each tile is an encoder input of its own
+# (ImageGeometry.tile_prompts).
 IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 # transformers' Idefics3VisionConfig defaults.
 _IDEFICS3_VISION_DEFAULTS = {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers": 12,
