@@ -17,6 +17,7 @@ import torch
 from cluster.config import ClusterConfig, EngineSpec, ServedModel
 from tests.serve_cluster import serve_cluster
 from tests.tiny_model import (
+    build_tiny_idefics3,
     build_tiny_llava,
     build_tiny_llava_next,
     build_tiny_mistral3,
@@ -97,24 +98,31 @@ def qwen3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def smolvlm_dir(tmp_path_factory):
+    return build_tiny_idefics3(tmp_path_factory.mktemp("smolvlm"))
+
+
+@pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory):
     return build_tiny_mistral3(tmp_path_factory.mktemp("mistral3"))
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_cluster, llava_dir, next_dir, qwen_dir, qwen3_dir, mistral_dir):
-    # LLaVA on two engines (one of two TP workers), and LLaVA-NeXT, Qwen2.5-VL, Qwen3-VL and Mistral 3
-    # beside it behind the same endpoint.
+def cluster(ray_cluster, llava_dir, next_dir, qwen_dir, qwen3_dir, smolvlm_dir, mistral_dir):
+    # LLaVA on two engines (one of two TP workers), and LLaVA-NeXT, Qwen2.5-VL, Qwen3-VL, SmolVLM
+    # (Idefics3) and Mistral 3 beside it behind the same endpoint.
     config = ClusterConfig(
         model=str(llava_dir), served_model_name="llava", num_engines=2, routing_policy="prefix_aware",
         defaults=EngineSpec(num_gpu_blocks=128, max_model_len=512, block_size=4, max_num_batched_tokens=24),
-        engines=[EngineSpec(), EngineSpec(tensor_parallel_size=2, num_cpus_per_worker=0.5)],
+        engines=[EngineSpec(num_cpus_per_worker=0.5), EngineSpec(tensor_parallel_size=2, num_cpus_per_worker=0.5)],
         models=[ServedModel(model=str(next_dir), served_model_name="llava-next",
                             defaults=EngineSpec(num_cpus_per_worker=0.5)),
-                # (half a CPU each: the test cluster's four CPUs hold all six engines)
+                # (half a CPU each: the test cluster's four CPUs hold all seven engines)
                 ServedModel(model=str(qwen_dir), served_model_name="qwen2.5-vl",
                             defaults=EngineSpec(num_cpus_per_worker=0.5)),
                 ServedModel(model=str(qwen3_dir), served_model_name="qwen3-vl",
+                            defaults=EngineSpec(num_cpus_per_worker=0.5)),
+                ServedModel(model=str(smolvlm_dir), served_model_name="smolvlm",
                             defaults=EngineSpec(num_cpus_per_worker=0.5)),
                 ServedModel(model=str(mistral_dir), served_model_name="mistral3",
                             defaults=EngineSpec(num_cpus_per_worker=0.5))])
@@ -259,6 +267,28 @@ def test_qwen3_vl_takes_a_video_as_its_timed_frame_pairs(client, qwen3_dir):
     want = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
     for stream in (False, True):
         assert ask(client, chat, stream, model="qwen3-vl") == want
+
+
+def test_smolvlm_takes_each_image_as_its_tiles(client, smolvlm_dir):
+    """SmolVLM (Idefics3): each image cut into tiles, each tile's row and column written before it,
+    the whole image last, as its processor writes them; transformers' answer, streamed or not."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Idefics3Processor
+
+    from router.multimodal import load_image_processor
+
+    wide, square = picture(26, (40, 120)), picture(27, (80, 80))
+    tokenizer = AutoTokenizer.from_pretrained(smolvlm_dir)
+    processor = Idefics3Processor(load_image_processor(smolvlm_dir), tokenizer, image_seq_len=4)
+    parts = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare them."}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                         tokenize=False)
+    inputs = processor(text=[text], images=[[wide, square]], return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(smolvlm_dir).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    want = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    for stream in (False, True):
+        assert ask(client, messages("Compare them.", wide, square), stream, model="smolvlm") == want
 
 
 def test_mistral3_beside_it_writes_each_image_as_rows(client, mistral_dir):
