@@ -25,9 +25,12 @@ same video in every prompt. ``--qwen3 [--video]``: Qwen3-VL instead (a 4-block t
 patches, DeepStack rows from 2 blocks, a Qwen3 decoder with interleaved M-RoPE); its video's 8 frames
 resized together into 224x192 (its video pixel range holds the whole video), 4 frame pairs of 42
 tokens, each after its time as text: transformers encodes the video whole, ours pair by pair.
+``--smolvlm``: SmolVLM (Idefics3) instead (a 4-layer SigLIP-like tower over 256-pixel tiles, 16-pixel
+patches pixel-shuffled 2x2: each 300x280 image resized to 512 pixels on its longest side, cut into 2x2
+tiles beside the whole image: 5 tiles of 64 tokens and their rows and columns as text; a Llama decoder).
 Usage: python benchmarks/bench_multimodal.py [--rounds 2] [--requests 16] [--max-tokens 32]
        [--image-size 224] [--patch 14] [--layers 4] [--hidden 256] [--next | --qwen [--video] |
-       --qwen3 [--video] | --mistral3 | --internvl]
+       --qwen3 [--video] | --mistral3 | --internvl | --smolvlm]
 """
 
 from __future__ import annotations
@@ -113,6 +116,26 @@ def build_qwen3_model(path: Path, args: argparse.Namespace) -> Path:
     return path
 
 
+def build_smolvlm_model(path: Path, args: argparse.Namespace) -> Path:
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from tests.tiny_model import idefics3_tokenizer
+
+    tokenizer = idefics3_tokenizer()
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=args.hidden,
+                intermediate_size=4 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id)
+    vision = dict(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=4,
+                  num_attention_heads=4, image_size=256, patch_size=16)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2, tie_word_embeddings=False,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    save_random(Idefics3ForConditionalGeneration, config, tokenizer, path)
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 512}, max_image_size={"longest_edge": 256})
+    Idefics3Processor(image_processor, tokenizer, image_seq_len=64).save_pretrained(path)
+    return path
+
+
 def build_mistral3_model(path: Path, args: argparse.Namespace) -> Path:
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
@@ -166,6 +189,8 @@ def build_model(path: Path, args: argparse.Namespace) -> Path:
         return build_qwen_model(path, args)
     if args.qwen3:
         return build_qwen3_model(path, args)
+    if args.smolvlm:
+        return build_smolvlm_model(path, args)
     if args.mistral3:
         return build_mistral3_model(path, args)
     if args.internvl:
@@ -238,6 +263,10 @@ def workload(model_dir: Path, args: argparse.Namespace, repeated: bool):
     for i in range(args.requests):
         seed = 0 if repeated else i
         image = Image.fromarray((np.random.RandomState(seed).rand(300, 280, 3) * 255).astype("uint8"))
+        if args.smolvlm:
+            out.append(tiled_image_request(model_dir, tokenizer, processor, vision, image,
+                                           [words[(i + j) % len(words)] for j in range(8)], words[:4]))
+            continue
         if args.video:
             frames = [Image.fromarray((np.random.RandomState(seed * 100 + f).rand(300, 280, 3) * 255)
                                       .astype("uint8")) for f in range(FRAMES)]
@@ -292,6 +321,25 @@ def timed_video_request(model_dir: Path, tokenizer, processor, vision, frames: l
     return ids, media.features([], ids, [], [video], offsets), processed
 
 
+def tiled_image_request(model_dir: Path, tokenizer, processor, vision, image, text: list[int], after: list[int]):
+    """SmolVLM's image request as the router makes it: each tile a feature after its row and column;
+    transformers' inputs its processor's tiles."""
+    import torch
+
+    from router.image_tiles import tiled_image_tokens
+    from router.multimodal import MultiModalProcessor
+
+    geometry, token = vision.geometry, vision.image_token_id
+    media = MultiModalProcessor(token, geometry, processor, str(model_dir), "<image>",
+                                tiled_images=tiled_image_tokens(tokenizer, processor, token, geometry))
+    tiled = media.process_image(image)
+    ids, offsets = media.expand([*text, token, *after], 1, [tiled.image_size])
+    pixels = torch.stack([tile.pixel_values.to_tensor() for tile in tiled.tiles])[None]
+    processed = {"pixel_values": pixels, "pixel_attention_mask": torch.ones(pixels.shape[:2] + pixels.shape[3:],
+                                                                            dtype=torch.long)}
+    return ids, media.features([tiled], ids, offsets), processed
+
+
 def run_transformers(model_dir: Path, work, max_tokens: int) -> tuple[float, list[list[int]]]:
     import torch
     from transformers import AutoModelForImageTextToText
@@ -343,6 +391,7 @@ def main() -> None:
     kind.add_argument("--qwen3", action="store_true", help="Qwen3-VL (DeepStack, timed video frames)")
     kind.add_argument("--mistral3", action="store_true", help="Mistral 3 (Pixtral tower, rows of image tokens)")
     kind.add_argument("--internvl", action="store_true", help="InternVL (InternViT over tiles, pixel shuffle)")
+    kind.add_argument("--smolvlm", action="store_true", help="SmolVLM / Idefics3 (tiles, rows and columns as text)")
     parser.add_argument("--video", action="store_true", help="with --qwen / --qwen3: a video of 8 frames a prompt")
     args = parser.parse_args()
     if args.video and not (args.qwen or args.qwen3):
@@ -377,11 +426,13 @@ def main() -> None:
         for name, t in (("transformers", t_ref), ("ours", t_ours), ("ours, repeated", t_rep)):
             times[name].append(t)
     total = args.requests * args.max_tokens
-    model = ("Qwen2-VL" if args.qwen else "Qwen3-VL" if args.qwen3 else "Mistral 3" if args.mistral3
+    model = ("Qwen2-VL" if args.qwen else "Qwen3-VL" if args.qwen3 else "SmolVLM" if args.smolvlm
+             else "Mistral 3" if args.mistral3
              else "InternVL" if args.internvl
              else "LLaVA-NeXT" if args.next else "LLaVA")
     tower = (f"4-block native-resolution tower, {args.patch}px patches" if args.qwen
              else "4-block tower, 16px patches, DeepStack" if args.qwen3
+             else "4-layer SigLIP-like 256px/16 tiles, pixel-shuffled" if args.smolvlm
              else f"4-block Pixtral tower, {args.patch}px patches merged 2x2" if args.mistral3
              else f"4-layer InternViT {args.image_size}px/{args.patch} tiles, pixel-shuffled" if args.internvl
              else f"4-layer CLIP {args.image_size}px/{args.patch}")
@@ -400,6 +451,8 @@ def main() -> None:
     if args.qwen3 and args.video:
         print(f"(ours encodes each video as its {len(distinct[0][1])} frame pairs, each an encoder input of its own; "
               "transformers each video whole)")
+    if args.smolvlm:
+        print(f"(ours encodes each image as its {len(distinct[0][1])} tiles, each an encoder input of its own)")
 
 
 if __name__ == "__main__":
