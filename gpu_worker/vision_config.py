@@ -598,9 +598,10 @@ def idefics3_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int)
         patch_size=int(vision["patch_size"]), hidden_act=str(vision["hidden_act"]),
         layer_norm_eps=float(vision["layer_norm_eps"]), scale_factor=int(cfg.get("scale_factor") or 2),
         text_hidden_size=text_hidden_size, image_token_id=int(cfg.get("image_token_id", 128257)))
-    if vc.image_size % vc.patch_size or vc.patches_side % vc.scale_factor:
-        raise ValueError(f"Idefics3's {vc.image_size}-pixel tiles must be whole {vc.patch_size}-pixel patches in "
-                         f"whole {vc.scale_factor}x{vc.scale_factor} squares (its pixel shuffle)")
+    if vc.patches_side < 1 or vc.patches_side % vc.scale_factor:
+        # (A tile's side need not be whole patches: SmolVLM 2.2B's 384 pixels are 27 14-pixel patches.)
+        raise ValueError(f"Idefics3's {vc.patches_side} patches a tile side must be whole "
+                         f"{vc.scale_factor}x{vc.scale_factor} squares (its pixel shuffle)")
     return vc
 
 

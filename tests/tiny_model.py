@@ -452,12 +452,12 @@ def idefics3_tokenizer():
 
 
 def build_tiny_idefics3(path: Path, seed: int = 0, longest_edge: int = 128, split: bool = True,
-                        smolvlm: bool = False) -> Path:
+                        smolvlm: bool = False, tile: int = 64, patch: int = 16) -> Path:
     """Save a random tiny Idefics3 (SmolVLM's architecture; ``smolvlm``: SmolVLM2's class of it) into
-    ``path``: a 2-layer SigLIP-like tower over 64-pixel tiles in 16-pixel patches, pixel-shuffled 2x2
-    (4 tokens a tile) into a 2-layer Llama; idefics3_tokenizer's tokens and template; its image
-    processor (images resized to ``longest_edge``, cut into 64-pixel tiles beside the whole image at
-    64x64 where ``split``)."""
+    ``path``: a 2-layer SigLIP-like tower over ``tile``-pixel tiles in ``patch``-pixel patches (a tile
+    side of 4 patches, SmolVLM 2.2B's floored when not whole), pixel-shuffled 2x2 (4 tokens a tile)
+    into a 2-layer Llama; idefics3_tokenizer's tokens and template; its image processor (images
+    resized to ``longest_edge``, cut into tiles beside the whole image as one where ``split``)."""
     import torch
     from transformers import (
         Idefics3Config,
@@ -472,8 +472,8 @@ def build_tiny_idefics3(path: Path, seed: int = 0, longest_edge: int = 128, spli
     text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64,
-                  patch_size=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=tile,
+                  patch_size=patch)
     config_class, model_class = ((SmolVLMConfig, SmolVLMForConditionalGeneration) if smolvlm
                                  else (Idefics3Config, Idefics3ForConditionalGeneration))
     config = config_class(vision_config=vision, text_config=text, scale_factor=2,
@@ -487,7 +487,7 @@ def build_tiny_idefics3(path: Path, seed: int = 0, longest_edge: int = 128, spli
     # (The connector's rows scaled to the text embeddings' size: else an image's rows decide every answer.)
     _save_randomized(model, Path(path), tokenizer, rescale={"connector.": 0.3})
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": longest_edge},
-                                                max_image_size={"longest_edge": 64}, do_image_splitting=split)
+                                                max_image_size={"longest_edge": tile}, do_image_splitting=split)
     Idefics3Processor(image_processor, tokenizer, image_seq_len=4).save_pretrained(path)
     return Path(path)
 

@@ -28,11 +28,13 @@ _PREFIXES = (("model.vision_model.", "vision_model."), ("model.connector.", "con
              ("model.text_model.", "model."))
 
 
-def tile_position_ids(patches_side: int) -> torch.Tensor:
+def tile_position_ids(patches_side: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A full tile's patches' position ids, as transformers' Idefics3VisionEmbeddings computes them
-    (each patch's fractional row and column, in float32, bucketed into the learnt grid)."""
-    boundaries = torch.arange(1 / patches_side, 1.0, 1 / patches_side)
-    steps = torch.arange(patches_side, dtype=torch.float32) * (1.0 / torch.tensor([float(patches_side)]))
+    (each patch's fractional row and column, in float32 on ``device``, bucketed into the learnt grid)."""
+    f32 = torch.float32
+    boundaries = torch.arange(1 / patches_side, 1.0, 1 / patches_side, dtype=f32, device=device)
+    steps = (torch.arange(patches_side, dtype=f32, device=device)
+             * (1.0 / torch.tensor([float(patches_side)], dtype=f32, device=device)))
     buckets = torch.bucketize(torch.clamp(steps, max=1.0 - 1e-6), boundaries, right=True)
     return (buckets[:, None] * patches_side + buckets[None, :]).reshape(-1)
 
@@ -48,7 +50,9 @@ class Idefics3VisionTower(nn.Module):
         embeddings.patch_embedding = nn.Conv2d(vc.num_channels, vc.hidden_size, kernel_size=vc.patch_size,
                                                stride=vc.patch_size, bias=True)
         embeddings.position_embedding = nn.Embedding(vc.patches_side ** 2, vc.hidden_size)
-        self.register_buffer("position_ids", tile_position_ids(vc.patches_side), persistent=False)
+        self.patches_side = vc.patches_side
+        # (computed at the first pass, on its device, in float32 whatever the model's dtype)
+        self._position_ids: torch.Tensor | None = None
         self.encoder = nn.Module()
         # (CLIPEncoderLayer reads hidden_size, intermediate_size, num_attention_heads, layer_norm_eps and
         # hidden_act, which Idefics3VisionConfig names alike.)
@@ -63,7 +67,9 @@ class Idefics3VisionTower(nn.Module):
                              f"got pixel values of shape {tuple(pixel_values.shape)}")
         conv = self.embeddings.patch_embedding
         patches = conv(pixel_values.to(device=conv.weight.device, dtype=conv.weight.dtype))
-        x = patches.flatten(2).transpose(1, 2) + self.embeddings.position_embedding(self.position_ids)
+        if self._position_ids is None or self._position_ids.device != conv.weight.device:
+            self._position_ids = tile_position_ids(self.patches_side, conv.weight.device)
+        x = patches.flatten(2).transpose(1, 2) + self.embeddings.position_embedding(self._position_ids)
         for layer in self.encoder.layers:
             x = layer(x)
         return self.post_layernorm(x)

@@ -17,15 +17,18 @@ from tests.tiny_model import build_tiny_idefics3
 PROMPT = "<|im_start|>User:<image>What is in it?<end_of_utterance>\nAssistant:"
 
 
-@pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
+@pytest.fixture(scope="module", params=["idefics3", "smolvlm", "uneven"])
 def idefics3(request, tmp_path_factory):
-    """(model dir, transformers' model, its processor) of a tiny Idefics3 (SmolVLM v1's class), and of
-    SmolVLM2's class of the same model."""
+    """(model dir, transformers' model, its processor) of a tiny Idefics3 (SmolVLM v1's class), of
+    SmolVLM2's class of the same model, and of one whose tile side is not whole patches (SmolVLM
+    2.2B's 384 pixels in 14-pixel patches: here 60 in 14, 4 patches a side)."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer, Idefics3Processor
 
     from router.multimodal import load_image_processor
 
-    model_dir = build_tiny_idefics3(tmp_path_factory.mktemp(request.param), smolvlm=request.param == "smolvlm")
+    shape = {"tile": 60, "patch": 14, "longest_edge": 120} if request.param == "uneven" else {}
+    model_dir = build_tiny_idefics3(tmp_path_factory.mktemp(request.param), smolvlm=request.param == "smolvlm",
+                                    **shape)
     processor = Idefics3Processor(load_image_processor(model_dir), AutoTokenizer.from_pretrained(model_dir),
                                   image_seq_len=4)
     return model_dir, AutoModelForImageTextToText.from_pretrained(model_dir).eval(), processor
@@ -84,10 +87,11 @@ def test_two_images_beside_a_text_prompt_and_from_the_prefix_cache(idefics3):
 @pytest.mark.parametrize("side", [24, 25, 26, 29, 32])
 def test_the_towers_positions_are_transformers_buckets(side):
     """A full tile's patch positions as transformers buckets them (float32 steps put some patches of
-    25 and 29 a side in the bucket before their own)."""
+    25 and 29 a side in the bucket before their own), in float32 whatever the model's dtype."""
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
     from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
 
+    from gpu_worker.model_runner import _default_dtype
     from gpu_worker.models.idefics3 import tile_position_ids
 
     embeddings = Idefics3VisionEmbeddings(Idefics3VisionConfig(image_size=side * 2, patch_size=2, hidden_size=8))
@@ -96,6 +100,9 @@ def test_the_towers_positions_are_transformers_buckets(side):
     embeddings(torch.zeros(1, 3, side * 2, side * 2), torch.ones(1, side, side, dtype=torch.bool))
     assert torch.equal(tile_position_ids(side), seen[0][0])
     assert (side in (25, 29)) == (not torch.equal(tile_position_ids(side), torch.arange(side * side)))
+    for dtype in (torch.float16, torch.bfloat16):  # (as the model is built and run in it)
+        with _default_dtype(dtype):
+            assert torch.equal(tile_position_ids(side), seen[0][0])
 
 
 def test_the_language_model_alone_when_images_are_refused(idefics3):
