@@ -22,7 +22,7 @@ from torch import nn
 
 from gpu_worker.layers.weight_utils import WeightLike, renamed_by_prefix
 from gpu_worker.models.llava import CLIPEncoderLayer
-from gpu_worker.vision_config import Gemma3VisionConfig
+from gpu_worker.vision_config import Gemma3VisionConfig, Idefics3VisionConfig
 
 # Where a checkpoint keeps the vision side -> our module names. Published Gemma 3 checkpoints (and
 # transformers 4) have SigLIP's ``vision_model`` level; transformers 5 drops it, in memory under the
@@ -46,9 +46,10 @@ def gemma3_vision_tensors(weights: Iterable[tuple[str, WeightLike]]) -> Iterator
 
 class SiglipVisionTower(nn.Module):
     """transformers' SigLIP vision model without its pooling head (parameter names as its checkpoint's
-    below ``vision_model.``; q/k/v fused into each layer's ``self_attn.qkv_proj``)."""
+    below ``vision_model.``; q/k/v fused into each layer's ``self_attn.qkv_proj``). ``vc``: Gemma 3's
+    vision config, or one naming the same fields (Idefics3's)."""
 
-    def __init__(self, vc: Gemma3VisionConfig) -> None:
+    def __init__(self, vc: Gemma3VisionConfig | Idefics3VisionConfig) -> None:
         super().__init__()
         self.image_size = vc.image_size
         embeddings = self.embeddings = nn.Module()
@@ -63,6 +64,10 @@ class SiglipVisionTower(nn.Module):
         self.encoder.layers = nn.ModuleList(layers)
         self.post_layernorm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
 
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """The learnt position rows added to an image's patches, in patch order (SigLIP's: one each)."""
+        return self.embeddings.position_embedding.weight
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, channels, size, size] -> the last layer's normed features [images, patches, hidden],
         in the parameters' dtype."""
@@ -71,7 +76,7 @@ class SiglipVisionTower(nn.Module):
                              f"got pixel values of shape {tuple(pixel_values.shape)}")
         conv = self.embeddings.patch_embedding
         patches = conv(pixel_values.to(device=conv.weight.device, dtype=conv.weight.dtype))
-        x = patches.flatten(2).transpose(1, 2) + self.embeddings.position_embedding.weight
+        x = patches.flatten(2).transpose(1, 2) + self.positions(conv.weight.device)
         for layer in self.encoder.layers:
             x = layer(x)
         return self.post_layernorm(x)

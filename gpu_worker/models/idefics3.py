@@ -18,8 +18,8 @@ from torch import nn
 
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.weight_utils import WeightLike, renamed_by_prefix
+from gpu_worker.models.gemma3_vision import SiglipVisionTower
 from gpu_worker.models.llama import LlamaForCausalLM
-from gpu_worker.models.llava import CLIPEncoderLayer
 from gpu_worker.vision_config import Idefics3VisionConfig
 
 # Where a checkpoint keeps each part -> our module names (the released SmolVLM checkpoints and
@@ -39,40 +39,21 @@ def tile_position_ids(patches_side: int, device: torch.device | str = "cpu") -> 
     return (buckets[:, None] * patches_side + buckets[None, :]).reshape(-1)
 
 
-class Idefics3VisionTower(nn.Module):
-    """transformers' Idefics3VisionTransformer on full tiles (parameter names as its checkpoint's below
-    ``model.vision_model.``; q/k/v fused into each layer's ``self_attn.qkv_proj``)."""
+class Idefics3VisionTower(SiglipVisionTower):
+    """transformers' Idefics3VisionTransformer on full tiles: SigLIP's tower (parameter names as its
+    checkpoint's below ``model.vision_model.``) whose learnt positions are looked up by the patches'
+    buckets (``tile_position_ids``)."""
 
     def __init__(self, vc: Idefics3VisionConfig) -> None:
-        super().__init__()
-        self.image_size = vc.image_size
-        embeddings = self.embeddings = nn.Module()
-        embeddings.patch_embedding = nn.Conv2d(vc.num_channels, vc.hidden_size, kernel_size=vc.patch_size,
-                                               stride=vc.patch_size, bias=True)
-        embeddings.position_embedding = nn.Embedding(vc.patches_side ** 2, vc.hidden_size)
+        super().__init__(vc)
         self.patches_side = vc.patches_side
         # (computed at the first pass, on its device, in float32 whatever the model's dtype)
         self._position_ids: torch.Tensor | None = None
-        self.encoder = nn.Module()
-        # (CLIPEncoderLayer reads hidden_size, intermediate_size, num_attention_heads, layer_norm_eps and
-        # hidden_act, which Idefics3VisionConfig names alike.)
-        layers = (CLIPEncoderLayer(vc) for _ in range(vc.num_hidden_layers))  # type: ignore[arg-type]
-        self.encoder.layers = nn.ModuleList(layers)
-        self.post_layernorm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[tiles, channels, size, size] -> the last layer's normed features [tiles, patches, hidden]."""
-        if tuple(pixel_values.shape[-2:]) != (self.image_size, self.image_size):
-            raise ValueError(f"the vision tower takes {self.image_size}x{self.image_size} tiles, "
-                             f"got pixel values of shape {tuple(pixel_values.shape)}")
-        conv = self.embeddings.patch_embedding
-        patches = conv(pixel_values.to(device=conv.weight.device, dtype=conv.weight.dtype))
-        if self._position_ids is None or self._position_ids.device != conv.weight.device:
-            self._position_ids = tile_position_ids(self.patches_side, conv.weight.device)
-        x = patches.flatten(2).transpose(1, 2) + self.embeddings.position_embedding(self._position_ids)
-        for layer in self.encoder.layers:
-            x = layer(x)
-        return self.post_layernorm(x)
+    def positions(self, device: torch.device) -> torch.Tensor:
+        if self._position_ids is None or self._position_ids.device != device:
+            self._position_ids = tile_position_ids(self.patches_side, device)
+        return self.embeddings.position_embedding(self._position_ids)
 
 
 class Idefics3Connector(nn.Module):

@@ -300,61 +300,23 @@ def test_ministral3_with_mistrals_own_tokenizer_file_chats_with_an_image(tmp_pat
     assert out.outputs[0].token_ids == want and out.outputs[0].text == text
 
 
-def test_qwen2_5_vl_takes_videos_in_chat_and_in_multi_modal_data(tmp_path):
-    """Qwen2.5-VL offline: a video_url part in LLM.chat (an mp4 data URL: its frames sampled at 2 a
-    second), and vLLM's multi_modal_data video (an array of frames, taken as sampled at 2 a second);
-    transformers' tokens on the same frames and timing."""
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_qwen_vl_takes_videos_in_chat_and_in_multi_modal_data(family, tmp_path):
+    """Qwen2.5-VL and Qwen3-VL offline: a video_url part in LLM.chat (an mp4 data URL: its frames
+    sampled at 2 a second), and vLLM's multi_modal_data video (an array of frames, taken as sampled at
+    2 a second); transformers' tokens on the same frames and timing (Qwen3-VL's: each frame pair after
+    its time as text, at 0.2 and 1.2 s for the array; the video whole in one grid for transformers)."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     from gpu_worker.config import ModelConfig
     from router.video import DecodedVideo, decode_video, process_video
     from tests.router.test_video import mp4, video_part
-    from tests.tiny_model import build_tiny_qwen2_vl
+    from tests.tiny_model import build_tiny_qwen2_vl, build_tiny_qwen3_vl
 
-    model_dir = build_tiny_qwen2_vl(tmp_path / "qwen2.5-vl", windowed=True)
-    data = mp4(10, seed=4)
-    frames = np.stack([np.asarray(picture(30 + i).resize((120, 60))) for i in range(4)])
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(model=str(model_dir), num_gpu_blocks=64, max_model_len=512) as llm:
-        [chat] = llm.chat([{"role": "user", "content": [video_part(data), {"type": "text", "text": "What moves?"}]}],
-                          params, use_tqdm=False)
-        video_token = llm.tokenizer.convert_tokens_to_ids("<|video_pad|>")
-        prompt = "<|vision_start|><|video_pad|><|vision_end|>What moves?"
-        [given] = llm.generate({"prompt": prompt, "multi_modal_data": {"video": frames}}, params, use_tqdm=False)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).eval()
-    processor = AutoImageProcessor.from_pretrained(model_dir)
-    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
-    from PIL import Image
-
-    array_video = DecodedVideo([Image.fromarray(f) for f in frames], 4, 2.0, (60, 120))
-    for out, video in ((chat, decode_video(data)), (given, array_video)):
-        processed = process_video(video, geometry, processor.image_mean, processor.image_std, "m")
-        ids = torch.tensor([out.prompt_token_ids])
-        assert out.prompt_token_ids.count(video_token) == processed.num_tokens == 16
-        with torch.no_grad():
-            want = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                pixel_values_videos=processed.pixel_values.to_tensor(),
-                video_grid_thw=torch.tensor([geometry.video_patch_grid(processed.num_frames, *processed.frame_size)]),
-                second_per_grid_ts=torch.tensor([processed.second_per_grid]),
-                mm_token_type_ids=2 * (ids == video_token).int())[0, ids.shape[1]:].tolist()
-        assert out.outputs[0].token_ids == want
-    assert given.outputs[0].token_ids != chat.outputs[0].token_ids  # (another video: another answer)
-
-
-def test_qwen3_vl_takes_videos_in_chat_and_in_multi_modal_data(tmp_path):
-    """Qwen3-VL offline: a video_url part in LLM.chat and a multi_modal_data array of frames (taken as
-    sampled at 2 a second: pairs at 0.2 and 1.2 s): each temporal patch after its time as text;
-    transformers' tokens for the same prompt, the video whole in one grid."""
-    from PIL import Image
-    from transformers import AutoImageProcessor, Qwen3VLForConditionalGeneration
-
-    from gpu_worker.config import ModelConfig
-    from router.video import DecodedVideo, decode_video, process_video
-    from tests.router.test_video import mp4, video_part
-    from tests.tiny_model import build_tiny_qwen3_vl
-
-    model_dir = build_tiny_qwen3_vl(tmp_path / "qwen3-vl")
+    qwen3 = family == "qwen3_vl"
+    model_dir = (build_tiny_qwen3_vl(tmp_path / family) if qwen3
+                 else build_tiny_qwen2_vl(tmp_path / family, windowed=True))
     data = mp4(10, seed=4)
     frames = np.stack([np.asarray(picture(30 + i).resize((120, 60))) for i in range(4)])
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -365,21 +327,24 @@ def test_qwen3_vl_takes_videos_in_chat_and_in_multi_modal_data(tmp_path):
         prompt = "<|vision_start|><|video_pad|><|vision_end|>What moves?"
         [given] = llm.generate({"prompt": prompt, "multi_modal_data": {"video": frames}}, params, use_tqdm=False)
         text = llm.tokenizer.decode(given.prompt_token_ids)
-    assert text.startswith("<0.2 seconds><|vision_start|><|video_pad|>") and "<1.2 seconds><|vision_start|>" in text
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    if qwen3:
+        assert text.startswith("<0.2 seconds><|vision_start|><|video_pad|>") and "<1.2 seconds><|vision_start|>" in text
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     processor = AutoImageProcessor.from_pretrained(model_dir)
     geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
     array_video = DecodedVideo([Image.fromarray(f) for f in frames], 4, 2.0, (60, 120))
     for out, video in ((chat, decode_video(data, geometry)), (given, array_video)):
         processed = process_video(video, geometry, processor.image_mean, processor.image_std, "m")
         ids = torch.tensor([out.prompt_token_ids])
-        assert out.prompt_token_ids.count(video_token) == processed.num_tokens
+        assert out.prompt_token_ids.count(video_token) == processed.num_tokens and (qwen3 or processed.num_tokens == 16)
         height, width = processed.frame_size
+        grid = ([len(processed.timestamps), height // 16, width // 16] if qwen3
+                else geometry.video_patch_grid(processed.num_frames, height, width))
+        timing = {} if qwen3 else {"second_per_grid_ts": torch.tensor([processed.second_per_grid])}
         with torch.no_grad():
             want = model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                pixel_values_videos=processed.pixel_values.to_tensor(),
-                video_grid_thw=torch.tensor([[len(processed.timestamps), height // 16, width // 16]]),
-                mm_token_type_ids=2 * (ids == video_token).int())[0, ids.shape[1]:].tolist()
+                pixel_values_videos=processed.pixel_values.to_tensor(), video_grid_thw=torch.tensor([grid]),
+                mm_token_type_ids=2 * (ids == video_token).int(), **timing)[0, ids.shape[1]:].tolist()
         assert out.outputs[0].token_ids == want
     assert given.outputs[0].token_ids != chat.outputs[0].token_ids  # (another video: another answer)
