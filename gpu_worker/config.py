@@ -939,7 +939,9 @@ class ModelConfig:
             vision = internvl_vision_config_from_dict(cfg, int(cfg["text_config"]["hidden_size"]))
             cfg = _text_config(cfg, arch)
         elif arch in IDEFICS3_ARCHITECTURES and not embedding_only:  # (SmolVLM: a Llama decoder)
-            text = {"model_type": "llama", **(cfg.get("text_config") or {})}  # (Idefics3Config's default)
+            # (Idefics3Config's default: its own Llama config where none is given, transformers' otherwise)
+            text = cfg.get("text_config") or {"rms_norm_eps": 1e-5, "pad_token_id": 128002}
+            text = {"model_type": "llama", **text}
             cfg = with_full_text_config({**cfg, "text_config": text}, {"llama": "LlamaForCausalLM"})
             vision = idefics3_vision_config_from_dict(cfg, int(cfg["text_config"]["hidden_size"]))
             cfg, arch = _text_config(cfg, "LlamaForCausalLM"), "LlamaForCausalLM"
