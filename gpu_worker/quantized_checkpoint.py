@@ -1,7 +1,7 @@
 """Which quantized checkpoints load, and the weights they load as: a checkpoint's
 ``quantization_config`` names its method, and the served ones are dequantized into the model's
-dtype as the weights are read (gpu_worker.fp8_checkpoint, gpu_worker.compressed_tensors_checkpoint);
-any other method is refused by name before anything loads."""
+dtype as the weights are read (gpu_worker.fp8_checkpoint, gpu_worker.compressed_tensors_checkpoint,
+gpu_worker.gptq_awq_checkpoint); any other method is refused by name before anything loads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker.layers.weight_utils import WeightLike, materialize
 
-SERVED_METHODS = ("fp8", "compressed-tensors")
+SERVED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 
 
 def _expanded(scale: torch.Tensor, block: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -92,8 +92,13 @@ def weight_quantization(quantization: dict[str, Any] | None) -> tuple[str | None
 
         check_compressed_tensors(quantization)
         return method, None
+    if method in ("gptq", "awq"):
+        from gpu_worker.gptq_awq_checkpoint import check_gptq_awq
+
+        check_gptq_awq(quantization)
+        return method, None
     raise ValueError(f"quantized checkpoints of quant_method {method!r} are not served (those of "
-                     f"{' and '.join(SERVED_METHODS)} are): serve the unquantized checkpoint, or a GGUF file of it")
+                     f"{', '.join(SERVED_METHODS)} are): serve the unquantized checkpoint, or a GGUF file of it")
 
 
 def dequantized_weights(weights: Iterable[tuple[str, WeightLike]], method: str,
@@ -105,6 +110,10 @@ def dequantized_weights(weights: Iterable[tuple[str, WeightLike]], method: str,
         from gpu_worker.fp8_checkpoint import dequantized
 
         return dequantized(weights, fp8_block or (0, 0))
+    if method in ("gptq", "awq"):
+        from gpu_worker.gptq_awq_checkpoint import dequantized as gptq_awq_dequantized
+
+        return gptq_awq_dequantized(weights, quantization)
     from gpu_worker.compressed_tensors_checkpoint import decompressed
 
     return decompressed(weights, quantization)

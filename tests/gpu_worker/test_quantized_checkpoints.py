@@ -188,9 +188,8 @@ def test_an_fp8_tensor_without_a_quantization_config_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(("quantization", "message"), [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' are not served"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' are not served"),
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' are not served"),
+    ({"quant_method": "hqq", "nbits": 4}, "quant_method 'hqq' are not served"),
     ({"quant_method": "fp8", "scale_fmt": "ue8m0"}, "scale_fmt='ue8m0'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "two positive integers")])
 def test_other_quantizations_are_refused_by_name(tmp_path, quantization, message):
