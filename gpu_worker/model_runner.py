@@ -190,7 +190,7 @@ class ModelRunner:
         if isinstance(weights, (str, Path)) and hasattr(model, "extra_checkpoint_tensors"):
             source = itertools.chain(source, model.extra_checkpoint_tensors(weights))
         with torch.no_grad():
-            load_weights(model, source)
+            load_weights(model, source, zero_biases_optional=self.config.quantization in ("gptq", "awq"))
         return model.eval()
 
     # ------------------------------------------------------------------ sleep mode

@@ -100,10 +100,13 @@ def _default_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str
     copy_into(param, materialize(loaded))
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]],
+                 zero_biases_optional: bool = False) -> None:
     """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter.
 
-    Raises if the checkpoint has a tensor we cannot place, or leaves a parameter unloaded.
+    Raises if the checkpoint has a tensor we cannot place, or leaves a parameter unloaded;
+    ``zero_biases_optional`` (GPTQ / AWQ checkpoints, whose old quantizers wrote an all-zero bias
+    for every layer): such a bias without a parameter is skipped.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
@@ -152,6 +155,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) ->
         param = params.get(name)
         if param is None and hf_name.startswith(pp_missing):
             continue  # (another pipeline stage's)
+        if param is None and zero_biases_optional and hf_name.endswith(".bias") \
+                and not bool(torch.count_nonzero(materialize(tensor))):
+            continue
         if param is None:
             raise KeyError(f"checkpoint tensor {checkpoint_name!r} has no matching parameter in "
                            f"{type(model).__name__}")

@@ -2,8 +2,8 @@
 
 A lazy slice (see ``gpu_worker.weights.LazyTensor``, and a quantized checkpoint's
 ``gpu_worker.quantized_checkpoint.ScaledWeight``) reads only the rows a TP rank asks for, so a rank
-never materialises tensors it does not own (a packed compressed-tensors layer is the exception: it is
-decompressed whole). Each offers ``shape`` and ``narrow``.
+never materialises tensors it does not own (packed layers are the exception: a compressed-tensors
+int4 layer, a GPTQ or AWQ layer is dequantized whole on each rank). Each offers ``shape`` and ``narrow``.
 """
 
 from __future__ import annotations
