@@ -183,6 +183,9 @@ class ImageGeometry(msgspec.Struct, array_like=True, frozen=True):
     # tokens), the router cutting the image into tiles and writing their rows and columns in the prompt
     # between them (the engine sees fixed-size images).
     tile_prompts: bool = False
+    # (and the side an image is resized to before its tiles are cut, where --mm-processor-kwargs sets
+    # it over the processor's; 0: the processor's)
+    tile_resize: int = 0
     # How a video's frames are sampled (its video processor config's fps, min_frames, max_frames;
     # transformers' Qwen defaults: 2 a second, 4 to 768).
     video_fps: float = 2.0

@@ -579,10 +579,22 @@ def _text_config(cfg: dict[str, Any], decoder: str) -> dict[str, Any]:
 def _processor_kwargs(kwargs: dict[str, Any], vision: Any, architecture: str) -> dict[str, int]:
     """--mm-processor-kwargs as the settings they make over the processor config's: Qwen2-VL's
     (min_pixels, max_pixels), given so or as transformers' ``size`` (shortest_edge, longest_edge; the
-    explicit keys win, as in transformers); InternVL's (min_patches, max_patches). Other keys, or any
-    for a model whose processor decides nothing here, are refused."""
+    explicit keys win, as in transformers); InternVL's (min_patches, max_patches); Idefics3's
+    (tile_resize: its ``size``'s longest_edge, the side an image is resized to before its tiles are
+    cut). Other keys, or any for a model whose processor decides nothing here, are refused."""
     if isinstance(vision, InternVLVisionConfig):
         served: tuple[str, ...] = ("min_patches", "max_patches")
+    elif isinstance(vision, Idefics3VisionConfig):
+        if not kwargs:
+            return {}
+        size = kwargs.get("size")
+        if set(kwargs) - {"size"} or not isinstance(size, dict) or set(size) != {"longest_edge"} \
+                or isinstance(size["longest_edge"], bool) or not isinstance(size["longest_edge"], int) \
+                or size["longest_edge"] < 1:
+            raise ValueError(f"mm_processor_kwargs {sorted(kwargs)} cannot be served for {architecture}: only "
+                             "size {'longest_edge': N} (N >= 1, the side an image is resized to before its tiles "
+                             "are cut)")
+        return {"tile_resize": size["longest_edge"]}
     elif isinstance(vision, QwenVisionConfig | Qwen3VisionConfig):
         served = ("min_pixels", "max_pixels", "size")
     else:
@@ -1202,6 +1214,10 @@ class ModelConfig:
             config = dataclasses.replace(config, vision=dataclasses.replace(
                 config.vision, longest_edge=int(size.get("longest_edge") or config.vision.longest_edge),
                 image_break_token_id=token_ids["[IMG_BREAK]"], image_end_token_id=token_ids["[IMG_END]"]))
+        if isinstance(config.vision, Idefics3VisionConfig) and overrides:
+            # (Idefics3: the side images are resized to before the router cuts their tiles.)
+            config = dataclasses.replace(config, vision=dataclasses.replace(
+                config.vision, tile_resize=overrides["tile_resize"]))
         if isinstance(config.vision, InternVLVisionConfig):
             # (InternVL: the processor's tiling, min_patches..max_patches tiles an image.)
             tiling = {**(image_processor or {}), **overrides}

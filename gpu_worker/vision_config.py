@@ -568,6 +568,9 @@ class Idefics3VisionConfig:
     # The language model's width (the connector's output), and the prompt token a tile's rows replace.
     text_hidden_size: int
     image_token_id: int
+    # --mm-processor-kwargs '{"size": {"longest_edge": N}}': the side an image is resized to before the
+    # router cuts its tiles, over its processor's (0: the processor's own).
+    tile_resize: int = 0
 
     @property
     def patches_side(self) -> int:
@@ -580,7 +583,7 @@ class Idefics3VisionConfig:
     @property
     def geometry(self) -> ImageGeometry:
         return ImageGeometry(self.image_size, self.patch_size, self.num_channels, pooled_tokens=self.tokens_per_tile,
-                             tile_prompts=True)
+                             tile_prompts=True, tile_resize=self.tile_resize)
 
     @property
     def tokens_per_image(self) -> int:

@@ -112,3 +112,32 @@ def test_the_offline_llm_answers_as_transformers_with_tiled_images(idefics3):
                                   do_sample=False, pixel_values=inputs["pixel_values"],
                                   pixel_attention_mask=inputs["pixel_attention_mask"])[0, ids.shape[1]:].tolist()
         assert result.outputs[0].token_ids == want
+
+
+def test_mm_processor_kwargs_size_sets_the_side_images_are_resized_to(idefics3):
+    """vLLM's --mm-processor-kwargs '{"size": {"longest_edge": N}}' for Idefics3: images resized to N
+    on their longest side before their tiles are cut (here one tile: the whole image alone), as its
+    processor with that size; other keys are refused."""
+    from msgspec.structs import replace
+
+    from gpu_worker.config import ModelConfig
+
+    directory, tokenizer, _, vision = idefics3
+    configured = ModelConfig.from_pretrained(directory, mm_processor_kwargs={"size": {"longest_edge": 64}}).vision
+    assert configured.geometry == replace(vision.geometry, tile_resize=64)
+    image = _image(1, (100, 60))
+    http, engine, _ = _app((directory, tokenizer, load_image_processor(directory), configured))
+    assert _chat(http, [_part(_data_url(image)), {"type": "text", "text": "what?"}]).status_code == 200
+    [request] = engine.requests
+    assert len(request.mm_features) == 1
+    from transformers import Idefics3Processor
+
+    processor = Idefics3Processor(load_image_processor(directory), tokenizer, image_seq_len=4)
+    processor.image_processor.size = {"longest_edge": 64}
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert request.prompt_token_ids == processor(text=[text], images=[[image]])["input_ids"][0]
+    for kwargs in ({"max_image_size": {"longest_edge": 32}}, {"size": {"shortest_edge": 32}},
+                   {"size": {"longest_edge": 0}}):
+        with pytest.raises(ValueError, match=r"only size \{'longest_edge': N\}"):
+            ModelConfig.from_pretrained(directory, mm_processor_kwargs=kwargs)
