@@ -122,10 +122,10 @@ VLLM_FLAGS_NOT_BUILT: dict[str, tuple[str, tuple[str, ...]]] = {
                    "pass the directory of the revision you want", ()),
     "--tokenizer-revision": ("nothing is downloaded: pass the tokenizer's directory with --tokenizer", ()),
     "--download-dir": ("nothing is downloaded: models are local directories or GGUF files", ()),
-    "--quantization": ("a checkpoint's own quantization (FP8, compressed-tensors, GGUF) is read from its files; "
-                       "quantizing a model as it loads is not built", ()),
-    "-q": ("a checkpoint's own quantization (FP8, compressed-tensors, GGUF) is read from its files; quantizing "
-           "a model as it loads is not built", ()),
+    "--quantization": ("a checkpoint's own quantization (FP8, compressed-tensors, GPTQ, AWQ, GGUF) is read from "
+                       "its files: drop the flag; quantizing a model as it loads is not built", ()),
+    "-q": ("a checkpoint's own quantization (FP8, compressed-tensors, GPTQ, AWQ, GGUF) is read from its files: drop "
+           "the flag; quantizing a model as it loads is not built", ()),
     "--tokenizer-mode": ("the tokenizer is the checkpoint's Hugging Face (fast) tokenizer", ("auto",)),
     "--load-format": ("weights load from safetensors, PyTorch or GGUF files as the checkpoint has them",
                       ("auto",)),
