@@ -128,6 +128,17 @@ def _save_random_model(path: Path, make_config, seed: int, num_layers: int, hidd
     return _save_randomized((auto_class or AutoModelForCausalLM).from_config(config), path, tokenizer)
 
 
+def _norms_off_their_init(model, names: tuple[str, ...] = ("norm",)) -> None:
+    """Each norm's (1-d, named with one of ``names``) scales drawn from 0.5..1.5, off their init of
+    ones, so a test sees each norm applied."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and any(part in name for part in names):
+                p.uniform_(0.5, 1.5)
+
+
 def _save_randomized(model, path: Path, tokenizer, rescale: dict[str, float] | None = None) -> Path:
     """Save ``model`` (weights drawn larger than the init default, so greedy decoding is not
     dominated by near-ties; those whose names contain a key of ``rescale`` then scaled by its value),
@@ -368,10 +379,7 @@ def build_tiny_qwen2_vl(path: Path, seed: int = 0, windowed: bool = False, max_p
                                                                               **tokens)
     torch.manual_seed(seed)
     model = model_class(config)
-    with torch.no_grad():  # (norms off their init too, so the test sees each one)
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and ("norm" in name or "ln_q" in name):
-                p.uniform_(0.5, 1.5)
+    _norms_off_their_init(model, ("norm", "ln_q"))
     # (The merger's rows scaled to the text embeddings' size: else an image's rows decide every answer.)
     _save_randomized(model, Path(path), tokenizer, rescale={"merger.mlp.2.": 0.1})
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels).save_pretrained(path)
@@ -414,10 +422,7 @@ def build_tiny_qwen3_vl(path: Path, seed: int = 0, max_pixels: int = 32 * 32 * 1
                           video_token_id=ids["video_pad"])
     torch.manual_seed(seed)
     model = model_class(config)
-    with torch.no_grad():  # (norms off their init too, so the test sees each one)
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.uniform_(0.5, 1.5)
+    _norms_off_their_init(model)
     # (The mergers' rows scaled to the text embeddings' size: else an image's rows decide every answer.)
     _save_randomized(model, Path(path), tokenizer, rescale={"merger.linear_fc2.": 0.1, "merger_list": 0.1})
     Qwen2VLImageProcessorPil(patch_size=16, min_pixels=64 * 64, max_pixels=max_pixels).save_pretrained(path)
@@ -480,10 +485,7 @@ def build_tiny_idefics3(path: Path, seed: int = 0, longest_edge: int = 128, spli
                           image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = model_class(config)
-    with torch.no_grad():  # (norms off their init too, so the test sees each one)
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.uniform_(0.5, 1.5)
+    _norms_off_their_init(model)
     # (The connector's rows scaled to the text embeddings' size: else an image's rows decide every answer.)
     _save_randomized(model, Path(path), tokenizer, rescale={"connector.": 0.3})
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": longest_edge},

@@ -12,20 +12,15 @@ from PIL import Image
 from router.image_tiles import tile_grid
 from router.multimodal import load_image_processor
 
-from .test_multimodal import _app, _chat, _data_url, _image, _part
+from .test_multimodal import _app, _chat, _data_url, _image, _part, served
 
 
 @pytest.fixture(scope="module")
 def idefics3(tmp_path_factory):
     """A tiny Idefics3 (images resized to 128 pixels on their longest side, 64-pixel tiles)."""
-    from transformers import AutoTokenizer
-
-    from gpu_worker.config import ModelConfig
     from tests.tiny_model import build_tiny_idefics3
 
-    directory = build_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"))
-    vision = ModelConfig.from_pretrained(directory).vision
-    return directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision
+    return served(build_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3")))
 
 
 def _processor(idefics3):

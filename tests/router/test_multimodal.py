@@ -33,18 +33,25 @@ from .test_request_fields import _app as _text_app
 TOKENS_PER_IMAGE = 16  # (the tiny LLaVA's 32x32 image in 8x8 patches)
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    """The tiny LLaVA's directory, tokenizer, image processor and vision facts (as its engines state them)."""
+def served(directory):
+    """What the router's tests serve of a model directory: it, its tokenizer, its image processor and
+    its vision facts (as its engines state them)."""
     from transformers import AutoTokenizer
 
     from gpu_worker.config import ModelConfig
+
+    vision = ModelConfig.from_pretrained(directory).vision
+    return directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    """The tiny LLaVA's directory, tokenizer, image processor and vision facts (as its engines state them)."""
     from tests.tiny_model import build_tiny_llava
 
-    directory = build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
-    vision = ModelConfig.from_pretrained(directory).vision
-    assert vision is not None and vision.tokens_per_image == TOKENS_PER_IMAGE
-    return directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision
+    model = served(build_tiny_llava(tmp_path_factory.mktemp("tiny-llava")))
+    assert model[3] is not None and model[3].tokens_per_image == TOKENS_PER_IMAGE
+    return model
 
 
 def _app(llava, max_model_len: int = 512, processor=True, policy=None, **settings) -> tuple[
@@ -585,14 +592,9 @@ def test_the_processed_image_cache_evicts_the_least_recently_used_past_its_bytes
 @pytest.fixture(scope="module")
 def llava_next(tmp_path_factory):
     """A tiny LLaVA-NeXT: an image's placeholders (and tiles) depend on its size."""
-    from transformers import AutoTokenizer
-
-    from gpu_worker.config import ModelConfig
     from tests.tiny_model import build_tiny_llava_next
 
-    directory = build_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava-next"))
-    vision = ModelConfig.from_pretrained(directory).vision
-    return directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision
+    return served(build_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava-next")))
 
 
 def test_an_image_counted_by_its_size_gets_its_own_placeholders_and_tiles(llava_next):
@@ -651,14 +653,9 @@ def test_the_models_pinpoints_tile_the_image_whatever_the_processor_config_lists
 @pytest.fixture(scope="module")
 def qwen2_vl(tmp_path_factory):
     """A tiny Qwen2-VL: an image is resized to its own grid of patches, 4 to a token."""
-    from transformers import AutoTokenizer
-
-    from gpu_worker.config import ModelConfig
     from tests.tiny_model import build_tiny_qwen2_vl
 
-    directory = build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
-    vision = ModelConfig.from_pretrained(directory).vision
-    return directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision
+    return served(build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl")))
 
 
 def test_a_native_resolution_image_gets_its_grids_placeholders_and_the_processors_patches(qwen2_vl):

@@ -143,6 +143,18 @@ def ask(client, chat: list[dict], stream: bool = False, model: str = "llava") ->
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def assert_answers_as_transformers(client, chat: list[dict], name: str, model, tokenizer, ids: torch.Tensor,
+                                   **inputs) -> None:
+    """The served model ``name``'s answer to ``chat``, streamed or not, is transformers' ``model``'s
+    greedy answer to the prompt ``ids`` ([1, tokens]) with ``inputs`` (its images or videos)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                             do_sample=False, **inputs)
+    want = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    for stream in (False, True):
+        assert ask(client, chat, stream, model=name) == want
+
+
 def test_chat_with_images_equals_transformers_on_either_engine(client, cluster, llava_dir):
     one, two = picture(0), picture(1, (64, 32))
     want_one = hf_text(llava_dir, "What is this?", one)
@@ -222,12 +234,7 @@ def test_qwen2_5_vl_takes_a_video_beside_an_image(client, qwen_dir):
               "video_grid_thw": torch.tensor([geometry.video_patch_grid(video.num_frames, *video.frame_size)]),
               "second_per_grid_ts": torch.tensor([video.second_per_grid]),
               "mm_token_type_ids": (kinds == config.image_token_id).int() + 2 * (kinds == config.video_token_id).int()}
-    with torch.no_grad():
-        out = model.generate(input_ids=kinds, attention_mask=torch.ones_like(kinds), max_new_tokens=MAX_TOKENS,
-                             do_sample=False, **inputs)
-    want = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-    for stream in (False, True):
-        assert ask(client, chat, stream, model="qwen2.5-vl") == want
+    assert_answers_as_transformers(client, chat, "qwen2.5-vl", model, tokenizer, kinds, **inputs)
 
 
 def test_qwen3_vl_takes_a_video_as_its_timed_frame_pairs(client, qwen3_dir):
@@ -261,12 +268,7 @@ def test_qwen3_vl_takes_a_video_as_its_timed_frame_pairs(client, qwen3_dir):
     inputs = {"pixel_values_videos": video.pixel_values.to_tensor(),
               "video_grid_thw": torch.tensor([[len(video.timestamps), height // 16, width // 16]]),
               "mm_token_type_ids": 2 * (kinds == config.video_token_id).int()}
-    with torch.no_grad():
-        out = model.generate(input_ids=kinds, attention_mask=torch.ones_like(kinds), max_new_tokens=MAX_TOKENS,
-                             do_sample=False, **inputs)
-    want = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-    for stream in (False, True):
-        assert ask(client, chat, stream, model="qwen3-vl") == want
+    assert_answers_as_transformers(client, chat, "qwen3-vl", model, tokenizer, kinds, **inputs)
 
 
 def test_smolvlm_takes_each_image_as_its_tiles(client, smolvlm_dir):
@@ -282,13 +284,12 @@ def test_smolvlm_takes_each_image_as_its_tiles(client, smolvlm_dir):
     parts = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare them."}]
     text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
                                          tokenize=False)
-    inputs = processor(text=[text], images=[[wide, square]], return_tensors="pt")
+    inputs = dict(processor(text=[text], images=[[wide, square]], return_tensors="pt"))
     model = AutoModelForImageTextToText.from_pretrained(smolvlm_dir).eval()
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    want = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    for stream in (False, True):
-        assert ask(client, messages("Compare them.", wide, square), stream, model="smolvlm") == want
+    ids = inputs.pop("input_ids")
+    del inputs["attention_mask"]
+    assert_answers_as_transformers(client, messages("Compare them.", wide, square), "smolvlm", model, tokenizer, ids,
+                                   **inputs)
 
 
 def test_mistral3_beside_it_writes_each_image_as_rows(client, mistral_dir):

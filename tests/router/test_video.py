@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from router.multimodal import load_image_processor
 from router.video import decode_video, process_video, sample_frame_indices, video_frame_limit, video_patches
 
-from .test_multimodal import _app, _chat, _data_url, _error, _image, _part
+from .test_multimodal import _app, _chat, _data_url, _error, _image, _part, served
 
 
 def mp4(num_frames: int, fps: int = 4, size: tuple[int, int] = (120, 60), seed: int = 0) -> bytes:
@@ -56,14 +55,9 @@ def test_frames_are_sampled_as_transformers_samples_them(total, fps, want):
 @pytest.fixture(scope="module")
 def qwen2_vl(tmp_path_factory):
     """A tiny Qwen2.5-VL taking videos (frames of 56x56 to 56x112 pixels)."""
-    from transformers import AutoTokenizer
-
-    from gpu_worker.config import ModelConfig
     from tests.tiny_model import build_tiny_qwen2_vl
 
-    directory = build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), windowed=True)
-    vision = ModelConfig.from_pretrained(directory).vision
-    return directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision
+    return served(build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), windowed=True))
 
 
 def test_a_videos_patches_are_its_frames_in_the_processors_layout(qwen2_vl):
@@ -195,14 +189,9 @@ def test_decode_video_refuses_what_is_not_a_video():
 @pytest.fixture(scope="module")
 def qwen3_vl(tmp_path_factory):
     """A tiny Qwen3-VL taking videos (all of a video's frames together: 4096..24576 pixels)."""
-    from transformers import AutoTokenizer
-
-    from gpu_worker.config import ModelConfig
     from tests.tiny_model import build_tiny_qwen3_vl
 
-    directory = build_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl"))
-    vision = ModelConfig.from_pretrained(directory).vision
-    return directory, AutoTokenizer.from_pretrained(directory), load_image_processor(directory), vision
+    return served(build_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl")))
 
 
 @pytest.mark.parametrize(("total", "fps"), [(10, 4.0), (300, 30.0), (6, 30.0), (3, 30.0), (1, 30.0), (294, 29.97),
