@@ -473,9 +473,9 @@ _SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_l
 
 
 @dataclass(frozen=True)
-class Gemma3VisionConfig:
-    """Gemma 3's vision side (config.json's vision_config, a SigLIP tower, and the projector's
-    pooling), transformers' names."""
+class SiglipTowerConfig:
+    """A SigLIP-like vision tower (Gemma 3's, Idefics3's): config.json's vision_config, transformers'
+    names (``image_size``: its square input's side, a tile's for Idefics3)."""
 
     hidden_size: int
     intermediate_size: int
@@ -486,6 +486,25 @@ class Gemma3VisionConfig:
     patch_size: int
     hidden_act: str
     layer_norm_eps: float
+
+    @property
+    def patches_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+def siglip_tower_fields(vision: dict[str, Any]) -> dict[str, Any]:
+    """A vision_config's (defaults merged in) SigLIP tower fields, as ``SiglipTowerConfig`` names them."""
+    return {"hidden_size": int(vision["hidden_size"]), "intermediate_size": int(vision["intermediate_size"]),
+            "num_hidden_layers": int(vision["num_hidden_layers"]),
+            "num_attention_heads": int(vision["num_attention_heads"]), "num_channels": int(vision["num_channels"]),
+            "image_size": int(vision["image_size"]), "patch_size": int(vision["patch_size"]),
+            "hidden_act": str(vision["hidden_act"]), "layer_norm_eps": float(vision["layer_norm_eps"])}
+
+
+@dataclass(frozen=True)
+class Gemma3VisionConfig(SiglipTowerConfig):
+    """Gemma 3's vision side (a SigLIP tower, and the projector's pooling), transformers' names."""
+
     # Tokens per image: the tower's (image_size / patch_size)^2 patches average-pooled to this many.
     mm_tokens_per_image: int
     # The language model's width (the projector's output).
@@ -494,10 +513,6 @@ class Gemma3VisionConfig:
     image_token_id: int
     boi_token_id: int
     eoi_token_id: int
-
-    @property
-    def patches_side(self) -> int:
-        return self.image_size // self.patch_size
 
     @property
     def tokens_side(self) -> int:
@@ -520,12 +535,8 @@ def gemma3_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int) -
         raise ValueError(f"Gemma 3's vision tower must be SigLIP's (vision_config.model_type "
                          f"'siglip_vision_model'), got {vision['model_type']!r}")
     vc = Gemma3VisionConfig(
-        hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
-        num_hidden_layers=int(vision["num_hidden_layers"]), num_attention_heads=int(vision["num_attention_heads"]),
-        num_channels=int(vision["num_channels"]), image_size=int(vision["image_size"]),
-        patch_size=int(vision["patch_size"]), hidden_act=str(vision["hidden_act"]),
-        layer_norm_eps=float(vision["layer_norm_eps"]),
-        mm_tokens_per_image=int(cfg.get("mm_tokens_per_image") or 256), text_hidden_size=text_hidden_size,
+        **siglip_tower_fields(vision), mm_tokens_per_image=int(cfg.get("mm_tokens_per_image") or 256),
+        text_hidden_size=text_hidden_size,
         image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262144))),
         boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255999))),
         eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256000))))
@@ -550,19 +561,10 @@ _IDEFICS3_VISION_DEFAULTS = {"hidden_size": 1152, "intermediate_size": 3072, "nu
 
 
 @dataclass(frozen=True)
-class Idefics3VisionConfig:
-    """Idefics3's vision side (config.json's vision_config, its scale_factor), transformers' names."""
+class Idefics3VisionConfig(SiglipTowerConfig):
+    """Idefics3's vision side (its tower over tiles of ``image_size``, its scale_factor), transformers'
+    names."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_channels: int
-    # A tile's side in pixels, and a patch's.
-    image_size: int
-    patch_size: int
-    hidden_act: str
-    layer_norm_eps: float
     # The pixel shuffle's side: scale_factor x scale_factor patches make one token.
     scale_factor: int
     # The language model's width (the connector's output), and the prompt token a tile's rows replace.
@@ -571,10 +573,6 @@ class Idefics3VisionConfig:
     # --mm-processor-kwargs '{"size": {"longest_edge": N}}': the side an image is resized to before the
     # router cuts its tiles, over its processor's (0: the processor's own).
     tile_resize: int = 0
-
-    @property
-    def patches_side(self) -> int:
-        return self.image_size // self.patch_size
 
     @property
     def tokens_per_tile(self) -> int:
@@ -595,11 +593,7 @@ def idefics3_vision_config_from_dict(cfg: dict[str, Any], text_hidden_size: int)
     """Idefics3's vision side from its config.json (transformers' Idefics3Config names and defaults)."""
     vision = {**_IDEFICS3_VISION_DEFAULTS, **(cfg.get("vision_config") or {})}
     vc = Idefics3VisionConfig(
-        hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
-        num_hidden_layers=int(vision["num_hidden_layers"]), num_attention_heads=int(vision["num_attention_heads"]),
-        num_channels=int(vision["num_channels"]), image_size=int(vision["image_size"]),
-        patch_size=int(vision["patch_size"]), hidden_act=str(vision["hidden_act"]),
-        layer_norm_eps=float(vision["layer_norm_eps"]), scale_factor=int(cfg.get("scale_factor") or 2),
+        **siglip_tower_fields(vision), scale_factor=int(cfg.get("scale_factor") or 2),
         text_hidden_size=text_hidden_size, image_token_id=int(cfg.get("image_token_id", 128257)))
     if vc.patches_side < 1 or vc.patches_side % vc.scale_factor:
         # (A tile's side need not be whole patches: SmolVLM 2.2B's 384 pixels are 27 14-pixel patches.)

@@ -135,9 +135,7 @@ def tiled_image_tokens(tokenizer: Any, image_processor: Any, image_token_id: int
         raise ValueError(f"the image processor's max_image_size {side(image_processor.max_image_size)} is not the "
                          f"vision tower's tile side {tile}: its preprocessor_config.json does not match its "
                          "config.json")
-    if geometry.tile_resize:  # (--mm-processor-kwargs' size over the processor config's)
-        current = image_processor.size
-        image_processor.size = ({"longest_edge": geometry.tile_resize} if isinstance(current, dict)
-                                else type(current)(longest_edge=geometry.tile_resize))
-    return TiledImageTokens(tokenizer, image_token_id, tokens_per_tile, side(image_processor.size), tile,
+    # (--mm-processor-kwargs' size over the processor config's: MultiModalProcessor sets it on the processor)
+    longest_edge = geometry.tile_resize or side(image_processor.size)
+    return TiledImageTokens(tokenizer, image_token_id, tokens_per_tile, longest_edge, tile,
                             bool(image_processor.do_resize), bool(image_processor.do_image_splitting))

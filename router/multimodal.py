@@ -490,6 +490,9 @@ class MultiModalProcessor:
             image_processor.crop_to_patches = True
             image_processor.min_patches, image_processor.max_patches = geometry.min_tiles, geometry.max_tiles
             _set_size(image_processor, "size", {"height": geometry.image_size, "width": geometry.image_size})
+        if image_processor is not None and geometry.tile_resize:
+            # Idefics3: the engines' resize before tiling (--mm-processor-kwargs), over the processor's.
+            _set_size(image_processor, "size", {"longest_edge": geometry.tile_resize})
         if image_processor is not None and geometry.native:
             # Qwen2-VL: the engines' pixel range (their processor config, or --mm-processor-kwargs)
             # decides each image's grid: the processor resizes into it.

@@ -22,7 +22,7 @@ from torch import nn
 
 from gpu_worker.layers.weight_utils import WeightLike, renamed_by_prefix
 from gpu_worker.models.llava import CLIPEncoderLayer
-from gpu_worker.vision_config import Gemma3VisionConfig, Idefics3VisionConfig
+from gpu_worker.vision_config import Gemma3VisionConfig, SiglipTowerConfig
 
 # Where a checkpoint keeps the vision side -> our module names. Published Gemma 3 checkpoints (and
 # transformers 4) have SigLIP's ``vision_model`` level; transformers 5 drops it, in memory under the
@@ -46,10 +46,9 @@ def gemma3_vision_tensors(weights: Iterable[tuple[str, WeightLike]]) -> Iterator
 
 class SiglipVisionTower(nn.Module):
     """transformers' SigLIP vision model without its pooling head (parameter names as its checkpoint's
-    below ``vision_model.``; q/k/v fused into each layer's ``self_attn.qkv_proj``). ``vc``: Gemma 3's
-    vision config, or one naming the same fields (Idefics3's)."""
+    below ``vision_model.``; q/k/v fused into each layer's ``self_attn.qkv_proj``)."""
 
-    def __init__(self, vc: Gemma3VisionConfig | Idefics3VisionConfig) -> None:
+    def __init__(self, vc: SiglipTowerConfig) -> None:
         super().__init__()
         self.image_size = vc.image_size
         embeddings = self.embeddings = nn.Module()
@@ -59,7 +58,7 @@ class SiglipVisionTower(nn.Module):
         embeddings.position_embedding = nn.Embedding(vc.patches_side ** 2, vc.hidden_size)
         self.encoder = nn.Module()
         # (CLIPEncoderLayer reads only hidden_size, intermediate_size, num_attention_heads,
-        # layer_norm_eps and hidden_act, which Gemma3VisionConfig names alike.)
+        # layer_norm_eps and hidden_act, which SiglipTowerConfig names alike.)
         layers = (CLIPEncoderLayer(vc) for _ in range(vc.num_hidden_layers))  # type: ignore[arg-type]
         self.encoder.layers = nn.ModuleList(layers)
         self.post_layernorm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)

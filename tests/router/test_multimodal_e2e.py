@@ -201,24 +201,32 @@ def test_qwen2_5_vl_beside_it_places_each_image_by_its_grid(client, qwen_dir):
         assert ask(client, messages("Compare them.", wide, tall), stream, model="qwen2.5-vl") == want
 
 
-def test_qwen2_5_vl_takes_a_video_beside_an_image(client, qwen_dir):
-    """A video_url part (vLLM's): its frames sampled, paired and encoded, its placeholders timed by
-    M-RoPE; transformers' answer on the same frames, streamed or not."""
+def transformers_side_of_a_video(model_dir, data: bytes):
+    """A Qwen-VL model's tokenizer, transformers' model, image processor and image geometry, and the
+    video ``data`` as the router makes it (its frames decoded, sampled and cut into patches)."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     from gpu_worker.config import ModelConfig
     from router.video import decode_video, process_video
+
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    geometry = ModelConfig.from_pretrained(model_dir).vision.geometry
+    video = process_video(decode_video(data, geometry), geometry, processor.image_mean, processor.image_std, "qwen")
+    return (AutoTokenizer.from_pretrained(model_dir), AutoModelForImageTextToText.from_pretrained(model_dir).eval(),
+            processor, geometry, video)
+
+
+def test_qwen2_5_vl_takes_a_video_beside_an_image(client, qwen_dir):
+    """A video_url part (vLLM's): its frames sampled, paired and encoded, its placeholders timed by
+    M-RoPE; transformers' answer on the same frames, streamed or not."""
+
     from tests.router.test_video import mp4, video_part
 
     data, image = mp4(10, seed=3), picture(25, (40, 70))
     chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
                                          {"type": "text", "text": "then"}, video_part(data),
                                          {"type": "text", "text": "What moves?"}]}]
-    tokenizer = AutoTokenizer.from_pretrained(qwen_dir)
-    model = AutoModelForImageTextToText.from_pretrained(qwen_dir).eval()
-    processor = AutoImageProcessor.from_pretrained(qwen_dir)
-    geometry = ModelConfig.from_pretrained(qwen_dir).vision.geometry
-    video = process_video(decode_video(data, geometry), geometry, processor.image_mean, processor.image_std, "qwen")
+    tokenizer, model, processor, geometry, video = transformers_side_of_a_video(qwen_dir, data)
     config = model.config
     parts = [{"type": "image"}, {"type": "text", "text": "then"}, {"type": "video"},
              {"type": "text", "text": "What moves?"}]
@@ -241,20 +249,13 @@ def test_qwen3_vl_takes_a_video_as_its_timed_frame_pairs(client, qwen3_dir):
     """Qwen3-VL: a video_url part becomes its frame pairs, each after its time as text ("<0.2
     seconds>"), as its processor writes them; transformers' answer for that prompt, the video whole in
     one grid, streamed or not."""
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    from gpu_worker.config import ModelConfig
     from router.multimodal import TimedVideoTokens
-    from router.video import decode_video, process_video
     from tests.router.test_video import mp4, video_part
 
     data = mp4(10, seed=5)
     chat = [{"role": "user", "content": [video_part(data), {"type": "text", "text": "What moves?"}]}]
-    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
-    model = AutoModelForImageTextToText.from_pretrained(qwen3_dir).eval()
-    processor = AutoImageProcessor.from_pretrained(qwen3_dir)
-    geometry = ModelConfig.from_pretrained(qwen3_dir).vision.geometry
-    video = process_video(decode_video(data, geometry), geometry, processor.image_mean, processor.image_std, "qwen3")
+    tokenizer, model, _, _, video = transformers_side_of_a_video(qwen3_dir, data)
     config = model.config
     timed = TimedVideoTokens(tokenizer, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id)
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {
