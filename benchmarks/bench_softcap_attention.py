@@ -1,7 +1,7 @@
 """Soft-capped decode attention (Gemma 2) against the same attention without the cap, in one run.
 
 Gemma 2 caps its attention scores (cap * tanh(score / cap)) before the softmax, which SDPA cannot
-do, so its layers take our own paths: ``softcapped_attention`` in torch (bf16 on the CPU, and CUDA)
+do, so its layers take our own paths: ``eager_attention`` in torch (bf16 on the CPU, and CUDA)
 and the CPU decode kernel (fp32). Each is timed beside the uncapped attention it replaces on the
 same queries, keys and values (SDPA for torch, the kernel without a cap), so the ratio is the price
 of the cap; the two answers are also compared with a float64 reference.
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.cpu_kernels import cpu_kernels_available, paged_decode_attention
-from gpu_worker.layers.attention import softcapped_attention
+from gpu_worker.layers.attention import eager_attention
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -65,11 +65,11 @@ def main() -> None:
           f"threads={torch.get_num_threads()}")
     reference = _reference(q, k, v, scale, args.cap)
 
-    capped = softcapped_attention(q, k, v, None, scale, args.cap)
+    capped = eager_attention(q, k, v, None, scale, args.cap)
     plain_ms = _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale), args.repeats)
-    capped_ms = _median_ms(lambda: softcapped_attention(q, k, v, None, scale, args.cap), args.repeats)
+    capped_ms = _median_ms(lambda: eager_attention(q, k, v, None, scale, args.cap), args.repeats)
     error = (capped.double() - reference).abs().max().item()
-    print(f"torch   | SDPA, no cap {plain_ms:8.2f} ms | softcapped_attention {capped_ms:8.2f} ms | "
+    print(f"torch   | SDPA, no cap {plain_ms:8.2f} ms | eager_attention {capped_ms:8.2f} ms | "
           f"ratio {capped_ms / plain_ms:5.2f}x | max error vs float64 {error:.2e}")
 
     if not cpu_kernels_available():

@@ -55,7 +55,15 @@ from gpu_worker.vision_config import (
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM")
+                           "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM",
+                           "GptOssForCausalLM")
+# transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
+# -120b's configs state them, but for swiglu_alpha).
+GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
+                    "max_position_embeddings": 131072, "rope_theta": 150000.0, "num_local_experts": 128,
+                    "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096}
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Vision-language checkpoints whose language model we serve on text (ModelConfig reads their
 # text_config; the decoder's loader skips the vision tower).
@@ -700,6 +708,14 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         return dict(num_experts=read("num_local_experts", 8, "num_experts"),
                     num_experts_per_tok=read("num_experts_per_tok", 2),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    if arch == "GptOssForCausalLM":
+        # Every layer routed, as Mixtral's (the softmax over the top k logits is the renormalised top k
+        # of the softmax); a bias on the router and on each expert's projections, a clamped SwiGLU.
+        return dict(num_experts=read("num_local_experts", 128, "num_experts"),
+                    num_experts_per_tok=read("num_experts_per_tok", 4, "experts_per_token"),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True, moe_bias=True,
+                    moe_activation="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
+                    swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
     if arch == "Qwen2MoeForCausalLM":
         defaults = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408}
         shared = read("shared_expert_intermediate_size", 5632)
@@ -761,6 +777,14 @@ class ModelConfig:
     norm_topk_prob: bool = False
     # Qwen2-MoE's shared expert, gated per token by a sigmoid (0: none).
     shared_expert_intermediate_size: int = 0
+    # GPT-OSS: a bias on the router and on every expert's projections, and the experts' clamped SwiGLU
+    # ("swigluoai", gpu_worker.layers.fused_moe.swiglu_oai) with its gain and clamp.
+    moe_bias: bool = False
+    moe_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # GPT-OSS: a learnt attention sink per query head (one more logit in each head's softmax).
+    attention_sinks: bool = False
     # Per layer, whether its MLP is the routed experts (empty: every layer's is, in an MoE model).
     # Qwen-MoE keeps dense MLPs in mlp_only_layers and off its decoder_sparse_step.
     moe_layers: tuple[bool, ...] = ()
@@ -985,6 +1009,13 @@ class ModelConfig:
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+        if arch == "GptOssForCausalLM":
+            cfg = {**GPT_OSS_DEFAULTS, **cfg}
+            if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+                cfg["rope_scaling"] = dict(GPT_OSS_ROPE_DEFAULTS)
+            if not isinstance(cfg.get("layer_types"), list):  # (transformers' default: the even layers windowed)
+                cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                      for i in range(int(cfg["num_hidden_layers"]))]
         if arch == "Ministral3ForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
             # (transformers' Ministral3Config defaults: YaRN over 16,384 positions, Llama 4's scale)
             positions = int(cfg.get("max_position_embeddings") or 262_144)
@@ -1036,6 +1067,9 @@ class ModelConfig:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             # (transformers reads a missing sliding_window as 4096.)
             sliding = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+        elif arch == "GptOssForCausalLM":
+            qkv_bias = o_bias = bool(cfg["attention_bias"])
+            sliding = cfg.get("sliding_window")
         elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window", 4096)
@@ -1111,6 +1145,7 @@ class ModelConfig:
             **moe,
             **_gemma_from_dict(arch, cfg),
             llama_4_scaling=_llama_4_scaling(arch, cfg),
+            attention_sinks=arch == "GptOssForCausalLM",
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),
         )

@@ -67,9 +67,10 @@ _EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<pro
 _EXPERT_PROJECTIONS = {"gate_proj": ("w13_weight", GATE), "w1": ("w13_weight", GATE),
                        "up_proj": ("w13_weight", UP), "w3": ("w13_weight", UP),
                        "down_proj": ("w2_weight", DOWN), "w2": ("w2_weight", DOWN)}
-# Or every expert of a layer in one tensor, as transformers 5 holds them (no ".weight" suffix).
-_STACKED_EXPERTS = re.compile(r"^(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-_STACKED_PROJECTIONS = {"gate_up_proj": ("w13_weight", GATE), "down_proj": ("w2_weight", DOWN)}
+# Or every expert of a layer in one tensor, as transformers 5 holds them (no ".weight" suffix), and
+# GPT-OSS's experts' biases.
+_STACKED_EXPERTS = re.compile(r"^(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?$")
+_STACKED_PROJECTIONS = {"gate_up_proj": ("w13", GATE), "down_proj": ("w2", DOWN)}
 
 
 def _expert_parameter(hf_name: str, params: dict[str, nn.Parameter]) -> tuple[str, tuple[int, int]] | None:
@@ -80,7 +81,8 @@ def _expert_parameter(hf_name: str, params: dict[str, nn.Parameter]) -> tuple[st
         suffix, projection = _EXPERT_PROJECTIONS[match["proj"]]
         expert = int(match["index"])
     elif (match := _STACKED_EXPERTS.match(hf_name)) is not None:
-        suffix, projection = _STACKED_PROJECTIONS[match["proj"]]
+        stack, projection = _STACKED_PROJECTIONS[match["proj"]]
+        suffix = f"{stack}_bias" if match["bias"] else f"{stack}_weight"
         expert = ALL_EXPERTS
     else:
         return None

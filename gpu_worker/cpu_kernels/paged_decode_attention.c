@@ -18,6 +18,8 @@
  *   seq_lens     [num_reqs] int64: keys key_start..seq_len-1 of each request are attended
  *   key_starts   [num_reqs] int64 first key (a sliding window's start), or NULL for 0; the blocks
  *                before a request's first key are not read
+ *   sinks        [num_heads] float32 attention sinks (GPT-OSS), or NULL: each head's softmax has one
+ *                more logit, its sink, whose value row is zero (it only takes probability away)
  * Returns 0, or a nonzero status for arguments it cannot handle.
  */
 #include <float.h>
@@ -64,7 +66,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     const float *q, const void *k_cache, const void *v_cache, int format, const int64_t *block_table,
     int64_t block_table_stride, const int64_t *seq_lens, const int64_t *key_starts, float *out, int64_t num_reqs,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
-    int num_threads) {
+    const float *sinks, int num_threads) {
     const int fp8 = format != CACHE_F32;
     const int64_t elem_size = fp8 ? 1 : (int64_t)sizeof(float);
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
@@ -106,8 +108,9 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                 const float *qr = q + (r * num_heads + h0) * head_dim;
                 memset(acc, 0, sizeof(float) * (size_t)(nh * head_dim));
                 for (int64_t h = 0; h < nh; ++h) {
-                    run_max[h] = -FLT_MAX;
-                    run_sum[h] = 0.f;
+                    /* a sink is a first score of exp(0) = 1 at its own value, adding nothing to acc */
+                    run_max[h] = sinks != NULL ? sinks[h0 + h] : -FLT_MAX;
+                    run_sum[h] = sinks != NULL ? 1.f : 0.f;
                 }
                 const int64_t key_start = key_starts != NULL ? key_starts[r] : 0;
                 const int64_t first_block = key_start / block_size;
@@ -220,10 +223,11 @@ int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const 
                                     const int64_t *block_table, int64_t block_table_stride,
                                     const int64_t *seq_lens, const int64_t *key_starts, float *out,
                                     int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                    int64_t block_size, float scale, float softcap, int num_threads) {
+                                    int64_t block_size, float scale, float softcap, const float *sinks,
+                                    int num_threads) {
     return paged_decode_attention(q, k_cache, v_cache, CACHE_F32, block_table, block_table_stride, seq_lens,
                                   key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                  softcap, num_threads);
+                                  softcap, sinks, num_threads);
 }
 
 /* e5m2: 0 for e4m3 (torch.float8_e4m3fn), 1 for e5m2 (torch.float8_e5m2). */
@@ -231,14 +235,15 @@ int llmc_paged_decode_attention_fp8(const float *q, const uint8_t *k_cache, cons
                                     const int64_t *block_table, int64_t block_table_stride,
                                     const int64_t *seq_lens, const int64_t *key_starts, float *out,
                                     int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                    int64_t block_size, float scale, float softcap, int num_threads) {
+                                    int64_t block_size, float scale, float softcap, const float *sinks,
+                                    int num_threads) {
     if (e5m2)
         return paged_decode_attention(q, k_cache, v_cache, CACHE_FP8_E5M2, block_table, block_table_stride,
                                       seq_lens, key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim,
-                                      block_size, scale, softcap, num_threads);
+                                      block_size, scale, softcap, sinks, num_threads);
     return paged_decode_attention(q, k_cache, v_cache, CACHE_FP8_E4M3, block_table, block_table_stride, seq_lens,
                                   key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                  softcap, num_threads);
+                                  softcap, sinks, num_threads);
 }
 
 /* For tests: the value of one fp8 byte, as the kernel reads it. */

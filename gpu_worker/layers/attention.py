@@ -5,8 +5,10 @@ model's dtype or the one ``--kv-cache-dtype`` chose (fp8: converted on write, wi
 K/V of the whole batch are written through ``slot_mapping`` before any request attends, because the
 scheduler can hand request B prefix-cache blocks that request A fills in this very step.
 
-Gemma 2 caps attention scores softly (cap * tanh(score / cap)) before the softmax, which SDPA cannot
-do: its layers attend through ``softcapped_attention`` (or the CPU decode kernel, which caps in C).
+Gemma 2 caps attention scores softly (cap * tanh(score / cap)) before the softmax, and GPT-OSS adds
+an attention sink to each head's softmax (one more logit, learnt per head, with no value: it only
+takes probability away from the keys), which SDPA cannot do: those layers attend through
+``eager_attention`` (or the CPU decode kernel, which caps and sinks in C).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch import nn
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.cpu_kernels import paged_decode_attention_unchecked
 from gpu_worker.kv_cache import FP8_DTYPES, read_kv, store_kv
+from gpu_worker.layers.linear import tp_rank_and_size
+from gpu_worker.layers.weight_utils import WeightLike, copy_into
 
 
 def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -33,28 +37,41 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype
     return read_kv(kv, dtype).transpose(-3, -2)
 
 
-# Soft-capped prefill holds its scores in memory (fp32 for the softmax): 2^24 of them (64 MiB) at most at once.
+# Eager prefill holds its scores in memory (fp32 for the softmax): 2^24 of them (64 MiB) at most at once.
 _SCORES_PER_TILE = 1 << 24
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float, softcap: float) -> torch.Tensor:
-    """Attention with soft-capped scores, as transformers' eager Gemma 2 computes it (the softmax in
-    fp32). q: [B, num_kv_heads, R, head_dim], the rows of every query head sharing a KV head stacked
-    (so one matmul per KV head reads its keys once); k, v: [B, num_kv_heads, N, head_dim]; mask:
-    bool (True = attend), broadcastable to [B, num_kv_heads, R, N], or None. Returns [B,
-    num_kv_heads, R, head_dim]."""
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with its scores materialised, as transformers' eager Gemma 2 and GPT-OSS compute it
+    (the softmax in fp32). q: [B, num_kv_heads, R, head_dim], the rows of every query head sharing a KV
+    head stacked (so one matmul per KV head reads its keys once); k, v: [B, num_kv_heads, N,
+    head_dim]; mask: bool (True = attend), broadcastable to [B, num_kv_heads, R, N], or None; softcap:
+    scores become softcap * tanh(score / softcap); sinks: each row's sink logit, fp32 broadcastable to
+    [B, num_kv_heads, R, 1] (one more softmax term, with no value). Returns [B, num_kv_heads, R, head_dim]."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        sink_column = sinks.expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((scores.float(), sink_column), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
+
+
+def _sinks_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+    """This rank's query heads' sinks (the heads are split across ranks as the q projection's)."""
+    rank, _ = tp_rank_and_size(None, None)
+    heads = param.shape[0]
+    copy_into(param.data, loaded.narrow(0, rank * heads, heads), "sinks")
 
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, softcap: float | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -65,6 +82,15 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         # Scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); None: no cap.
         self.softcap = softcap
+        # GPT-OSS: a learnt sink logit per query head of this rank, held in fp32 whatever the model's
+        # dtype (the checkpoint's ``self_attn.sinks``).
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = _sinks_loader
+        else:
+            self.register_parameter("sinks", None)
+        # Scores not through SDPA: soft-capped or sunk.
+        self.eager = softcap is not None or sinks
         # Bound by the model runner once the cache is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -87,18 +113,19 @@ class PagedAttention(nn.Module):
                 # The CPU kernel reads each request's blocks where they lie: no per-layer gather copy.
                 decode_out = paged_decode_attention_unchecked(q[:nd], k_cache, v_cache, meta.decode_block_table,
                                                               meta.decode_seq_lens, self.scale,
-                                                              meta.decode_key_starts, self.softcap)
+                                                              meta.decode_key_starts, self.softcap, self.sinks)
             else:
                 kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
                 vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
                 # One query token per request: the query heads sharing a KV head become that head's
                 # "query rows", so grouped-query attention needs no K/V repetition.
                 qd = q[:nd].view(nd, num_kv_heads, self.num_groups, head_dim)
-                if self.softcap is None:
+                if not self.eager:
                     decode_out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
                                                                 scale=self.scale)
                 else:  # (the one query token's heads are the rows of their KV head)
-                    decode_out = softcapped_attention(qd, kd, vd, meta.decode_mask, self.scale, self.softcap)
+                    sinks = None if self.sinks is None else self.sinks.view(num_kv_heads, self.num_groups, 1)
+                    decode_out = eager_attention(qd, kd, vd, meta.decode_mask, self.scale, self.softcap, sinks)
             # (reshape: CUDA's SDPA kernels write [nd, groups, kv_heads, head_dim] in memory and hand
             # it back transposed, which no view can flatten.)
             if not meta.prefills:
@@ -112,8 +139,8 @@ class PagedAttention(nn.Module):
             s, e = span.token_start, span.token_end
             kp = _gather_kv(k_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
             vp = _gather_kv(v_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
-            if self.softcap is not None:
-                out[s:e] = self._softcapped_prefill(q[s:e], kp, vp, span.mask)
+            if self.eager:
+                out[s:e] = self._eager_prefill(q[s:e], kp, vp, span.mask)
                 continue
             qp = q[s:e].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None,
@@ -121,7 +148,7 @@ class PagedAttention(nn.Module):
             out[s:e] = op[0].transpose(0, 1)
         return out.reshape(num_tokens, self.num_heads * head_dim)
 
-    def _softcapped_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    def _eager_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
                             ) -> torch.Tensor:
         """One prefill chunk's q [L, num_heads, head_dim] against its keys [1, num_kv_heads, N, head_dim];
         ``mask`` [L, N] (None: causal over exactly the chunk). Returns [L, num_heads, head_dim]."""
@@ -131,6 +158,8 @@ class PagedAttention(nn.Module):
         grouped = q.view(num_queries, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
         # The scores are materialised: queries go in tiles of at most _SCORES_PER_TILE scores.
         tile = max(1, _SCORES_PER_TILE // (self.num_heads * num_keys))
+        # [kv_heads, groups, 1]: each query head's sink, for the rows of its tile.
+        sinks = None if self.sinks is None else self.sinks.view(kv_heads, groups, 1)
         outs = []
         for i in range(0, num_queries, tile):
             rows = min(tile, num_queries - i)
@@ -139,8 +168,9 @@ class PagedAttention(nn.Module):
                              <= torch.arange(i, i + rows, device=q.device)[:, None])
             else:
                 tile_mask = mask[i: i + rows]
-            out = softcapped_attention(grouped[:, :, i: i + rows].reshape(1, kv_heads, groups * rows, head_dim),
-                                       k, v, tile_mask.repeat(groups, 1), self.scale, self.softcap)
+            tile_sinks = None if sinks is None else sinks.expand(kv_heads, groups, rows).reshape(kv_heads, -1, 1)
+            out = eager_attention(grouped[:, :, i: i + rows].reshape(1, kv_heads, groups * rows, head_dim),
+                                  k, v, tile_mask.repeat(groups, 1), self.scale, self.softcap, tile_sinks)
             outs.append(out.reshape(kv_heads, groups, rows, head_dim))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.permute(2, 0, 1, 3).reshape(num_queries, self.num_heads, head_dim)

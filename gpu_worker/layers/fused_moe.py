@@ -15,6 +15,11 @@ reads the offsets and loops itself). The results, scaled by each token's routing
 scattered back with ``index_add_``. Where grouped_mm cannot run (no such function in this torch,
 CUDA below sm80 or not bf16, float64, or rows not a multiple of 16 bytes wide) one pair of matmuls
 runs per expert that any token chose, which reads the per-expert counts on the host.
+
+GPT-OSS's experts add a bias to both projections and gate with a clamped SwiGLU (``swigluoai``:
+the gate clamped above, the up projection both ways, gate * sigmoid(alpha * gate) * (up + 1)), as
+vLLM's ``swigluoai`` activation computes it. Under width-split tensor parallelism the down
+projection's bias is held on rank 0 only (zeros elsewhere), so the all-reduce counts it once.
 """
 
 from __future__ import annotations
@@ -44,6 +49,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's gated activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), where g is
+    the gate clamped to at most ``limit``."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1).mul_(gate * torch.sigmoid(gate * alpha))
 
 
 def _new_expert_weight(num_experts: int, out_features: int, in_features: int) -> nn.Parameter:
@@ -78,7 +90,9 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 tp_rank: int | None = None, tp_size: int | None = None, expert_parallel: bool = False) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None, expert_parallel: bool = False,
+                 bias: bool = False, activation: str = "silu", swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
@@ -103,6 +117,19 @@ class FusedMoE(nn.Module):
             # What the checkpoint must provide (every expert, on every rank) for the parameter to count
             # as loaded.
             param.expected_shards = {(e, p) for e in range(num_experts) for p in projections}
+        if activation not in ("silu", "swigluoai"):
+            raise ValueError(f"experts' activation must be 'silu' or 'swigluoai', got {activation!r}")
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
+        if bias:
+            # [local experts, 2 * width] (gate, then up) and [local experts, hidden]; loaded whole per
+            # layer (ALL_EXPERTS), as GPT-OSS stores them.
+            self.w13_bias = nn.Parameter(torch.zeros(self.num_local_experts, 2 * size), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(self.num_local_experts, hidden_size), requires_grad=False)
+            for param, projection in ((self.w13_bias, GATE), (self.w2_bias, DOWN)):
+                param.weight_loader = self.bias_loader
+                param.expected_shards = {(ALL_EXPERTS, projection)}
+        else:
+            self.w13_bias = self.w2_bias = None
 
     def weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
         if not isinstance(shard_id, tuple) or len(shard_id) != 2:
@@ -138,6 +165,25 @@ class FusedMoE(nn.Module):
             self._check_width(loaded, 0, full, name)
             copy_into(param.data[local].narrow(0, projection * size, size), loaded.narrow(0, start, size), name)
 
+    def bias_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+        """Every expert's bias of one projection, shard_id (ALL_EXPERTS, GATE or DOWN): gate_up's
+        [experts, 2 * width] (gate, then up), down's [experts, hidden]."""
+        if shard_id not in ((ALL_EXPERTS, GATE), (ALL_EXPERTS, DOWN)):
+            raise ValueError(f"FusedMoE loads every expert's bias at once, shard_id (ALL_EXPERTS, GATE or DOWN), "
+                             f"got {shard_id!r}")
+        self._check_width(loaded, 0, self.num_experts, "experts")
+        mine = loaded.narrow(0, self.first_expert, self.num_local_experts) if self.expert_parallel else loaded
+        if shard_id[1] == DOWN:
+            if self.expert_parallel or self.tp_rank == 0:  # (width split: rank 0 adds it, once)
+                copy_into(param.data, mine.narrow(1, 0, param.shape[1]), "down_proj_bias")
+            return
+        size = self.intermediate_size_per_partition
+        start = 0 if self.expert_parallel else self.tp_rank * size
+        full = size if self.expert_parallel else size * self.tp_size
+        self._check_width(mine, 1, 2 * full, "gate_up_proj_bias")
+        copy_into(param.data.narrow(1, 0, size), mine.narrow(1, start, size), "gate_up_proj_bias")
+        copy_into(param.data.narrow(1, size, size), mine.narrow(1, full + start, size), "gate_up_proj_bias")
+
     @staticmethod
     def _check_width(loaded: WeightLike, dim: int, expected: int, name: str) -> None:
         """A rank reads only its slice: check the whole width first, so a mismatched config is not
@@ -171,7 +217,8 @@ class FusedMoE(nn.Module):
         if self.use_grouped_mm(hidden):
             # Where each expert's rows end: the number of sorted ids up to it (computed on the device).
             ends = torch.arange(1, num_local + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
-            expert_out = self._grouped(rows, torch.searchsorted(sorted_ids, ends, out_int32=True))
+            expert_out = self._grouped(rows, torch.searchsorted(sorted_ids, ends, out_int32=True),
+                                       sorted_ids.clamp(max=num_local - 1))
         else:
             counts = torch.bincount(flat_ids, minlength=num_local + 1)[:num_local]
             expert_out = self._per_expert(rows, counts.tolist())
@@ -181,11 +228,22 @@ class FusedMoE(nn.Module):
         out = torch.zeros_like(hidden)
         return out.index_add_(0, tokens, expert_out.mul_(weights))
 
-    def _grouped(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation == "swigluoai":
+            return swiglu_oai(gate, up, self.swiglu_alpha, self.swiglu_limit)
+        return F.silu(gate).mul_(up)
+
+    def _grouped(self, rows: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
+        """``row_experts``: each row's local expert (any for the rows another rank computes)."""
         # [experts, in, out] views: on the CPU, the storage itself.
         gate_up = F.grouped_mm(rows, self.w13_weight.transpose(1, 2), offs=offsets)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.grouped_mm(F.silu(gate).mul_(up), self.w2_weight.transpose(1, 2), offs=offsets)
+        if self.w13_bias is not None:
+            gate_up += self.w13_bias.index_select(0, row_experts)
+        out = F.grouped_mm(self._act(gate_up), self.w2_weight.transpose(1, 2), offs=offsets)
+        if self.w2_bias is not None:
+            out += self.w2_bias.index_select(0, row_experts)
+        return out
 
     def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         out = torch.empty_like(rows)
@@ -194,6 +252,10 @@ class FusedMoE(nn.Module):
             if not count:
                 continue
             start, end = end, end + count
-            gate, up = F.linear(rows[start:end], self.w13_weight[expert]).chunk(2, dim=-1)
-            torch.mm(F.silu(gate).mul_(up), self.w2_weight[expert].t(), out=out[start:end])
+            if self.w13_bias is None:
+                gate_up = F.linear(rows[start:end], self.w13_weight[expert])
+                torch.mm(self._act(gate_up), self.w2_weight[expert].t(), out=out[start:end])
+            else:
+                gate_up = F.linear(rows[start:end], self.w13_weight[expert], self.w13_bias[expert])
+                out[start:end] = F.linear(self._act(gate_up), self.w2_weight[expert], self.w2_bias[expert])
         return out

@@ -48,7 +48,8 @@ class LlamaAttention(nn.Module):
         self.attn = (EncoderAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale,
                                       config.layer_sliding_window(layer)) if config.encoder_only else
                      PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale,
-                                    config.layer_sliding_window(layer), config.attn_logit_softcapping))
+                                    config.layer_sliding_window(layer), config.attn_logit_softcapping,
+                                    config.attention_sinks))
         # Qwen3 (and Gemma 3): one norm over each query head and one over each key head (weights of
         # head_dim, the same on every TP rank), before RoPE.
         self.q_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -93,17 +94,19 @@ class LlamaMLP(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Routed experts in place of the MLP (Mixtral's block_sparse_moe, Qwen-MoE's mlp): a router
     (``gate``, replicated on every rank) picks each token's top-k experts; Qwen2-MoE adds a shared
-    expert every token goes through, scaled by sigmoid(``shared_expert_gate``). Each rank computes
+    expert every token goes through, scaled by sigmoid(``shared_expert_gate``); GPT-OSS's router and
+    experts have biases (ModelConfig.moe_bias) and a clamped SwiGLU. Each rank computes
     its partial sums of both (the shared expert split by width even under expert parallelism, as
     vLLM does), and one all-reduce adds them up."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.renormalize = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.gate.weight.requires_grad_(False)
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.moe_bias).requires_grad_(False)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size, expert_parallel=config.expert_parallel)
+                                config.moe_intermediate_size, expert_parallel=config.expert_parallel,
+                                bias=config.moe_bias, activation=config.moe_activation,
+                                swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
         self.tp_size = self.experts.tp_size
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size, reduce_results=False)

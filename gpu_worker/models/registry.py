@@ -9,6 +9,7 @@ from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
+from gpu_worker.models.gpt_oss import GptOssForCausalLM
 from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.language_model_only import language_model_class
@@ -50,6 +51,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -11,9 +11,10 @@ from gpu_worker.cpu_kernels import add_rms_norm, cpu_kernels_available, paged_de
 from gpu_worker.layers.layernorm import RMSNorm
 
 
-def reference(q, k_cache, v_cache, block_table, seq_lens, scale, key_starts=None, softcap=None):
+def reference(q, k_cache, v_cache, block_table, seq_lens, scale, key_starts=None, softcap=None, sinks=None):
     """Per request: gather its keys/values token by token (from its key start), repeat KV heads,
-    softmax(q k^T) v (the scores capped at softcap * tanh(score / softcap) where given)."""
+    softmax(q k^T) v (the scores capped at softcap * tanh(score / softcap) where given; each head's
+    softmax with one more term, exp(sink), where ``sinks`` [H] are given)."""
     num_reqs, num_heads, _ = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -26,7 +27,10 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, scale, key_starts=None
         scores = torch.einsum("hd,nhd->hn", q[r].double(), k.double()) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        w = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            w = torch.softmax(scores, dim=-1)
+        else:
+            w = scores.exp() / (scores.exp().sum(-1, keepdim=True) + sinks.double().exp()[:, None])
         out[r] = torch.einsum("hn,nhd->hd", w, v.double()).float()
     return out
 
@@ -74,6 +78,25 @@ def test_soft_capped_scores_match_reference(cache):
                                atol=2e-5, rtol=1e-4)
     uncapped = reference(q, ref_k, ref_v, table, seq_lens, 0.25, key_starts)
     assert (got - uncapped).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("cache", ["float32", "fp8"])
+def test_attention_sinks_match_reference(cache):
+    """GPT-OSS's sinks, in C: each head's softmax starts from its sink (large and small against the
+    scores), with key starts (a window) and a one-key request."""
+    q, k, v, table, seq_lens = random_case(3, 8, 2, 16, 4, [9, 23, 1], seed=7)
+    key_starts = torch.tensor([0, 15, 0], dtype=torch.int64)
+    sinks = torch.linspace(-3.0, 4.0, 8)
+    if cache == "fp8":
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    ref_k, ref_v = k.float(), v.float()
+    got = paged_decode_attention(q, k, v, table, seq_lens, 0.25, key_starts, sinks=sinks)
+    torch.testing.assert_close(got, reference(q, ref_k, ref_v, table, seq_lens, 0.25, key_starts, sinks=sinks),
+                               atol=2e-5, rtol=1e-4)
+    unsunk = reference(q, ref_k, ref_v, table, seq_lens, 0.25, key_starts)
+    assert (got - unsunk).abs().max() > 0.05
+    with pytest.raises(ValueError, match="sinks"):
+        paged_decode_attention(q, k, v, table, seq_lens, 0.25, key_starts, sinks=sinks[:4])
 
 
 def test_non_contiguous_query_and_thread_counts():

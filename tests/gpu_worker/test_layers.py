@@ -27,10 +27,11 @@ H, KVH, D, BS = 4, 2, 8, 4
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                     window: int | None = None, scale: float | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [n, H, D] for positions start..start+n-1; k, v: [start+n, KVH, D] (all keys so far); a
     sliding window lets position p see keys p - window + 1 .. p; scores are scaled by ``scale``
-    (1 / sqrt(D) by default) and soft-capped where ``softcap`` is given."""
+    (1 / sqrt(D) by default) and soft-capped where ``softcap`` is given; ``sinks`` [H]: each head's
+    softmax has one more term, exp(sink), with no value."""
     n, s = q.shape[0], k.shape[0]
     rep = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(rep, 1).transpose(0, 1)
@@ -42,7 +43,10 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     if window is not None:
         allowed &= torch.arange(s)[None, :] > (start + torch.arange(n))[:, None] - window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return (scores.softmax(-1) @ vv).transpose(0, 1).reshape(n, -1)
+    if sinks is None:
+        return (scores.softmax(-1) @ vv).transpose(0, 1).reshape(n, -1)
+    denominator = scores.exp().sum(-1, keepdim=True) + sinks.exp()[:, None, None]
+    return ((scores.exp() / denominator) @ vv).transpose(0, 1).reshape(n, -1)
 
 
 def run_batch(attn: PagedAttention, reqs: list[dict], decode_in_place: bool = False):
@@ -172,6 +176,31 @@ def test_soft_capped_scores_on_every_path(monkeypatch, decode_in_place, window, 
 
     torch.testing.assert_close(out, expected(2.0), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out, expected(None), atol=1e-2)  # the cap changes the result
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["one-tile", "row-tiles"])
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
+def test_attention_sinks_on_every_path(monkeypatch, decode_in_place, window, tiled):
+    """GPT-OSS's sinks (one more softmax term per head, with no value): decodes (in C, or gathered) and
+    prefill chunks from 0 and from an offset, with and without a window, against dense attention with
+    the sinks. Each head's sink differs, so a sink given to the wrong head shows."""
+    from gpu_worker.layers import attention
+
+    if tiled:
+        monkeypatch.setattr(attention, "_SCORES_PER_TILE", 40)
+    layer = PagedAttention(H, KVH, D, D ** -0.5, sliding_window=window, sinks=True)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 1.0])
+    layer.sinks.copy_(sinks)
+    out, _, seqs, step2 = _two_steps_of_four_requests(layer, decode_in_place, seed=6)
+
+    def expected(sinks):
+        return torch.cat([dense_reference(seqs[n][0][s:e], seqs[n][1][:e], seqs[n][2][:e], s, window, None, None,
+                                          sinks) for n, (s, e) in step2.items()])
+
+    torch.testing.assert_close(out, expected(sinks), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, expected(None), atol=1e-2)  # the sinks change the result
+    assert not torch.allclose(out, expected(sinks.flip(0)), atol=1e-2)  # each head its own
 
 
 def test_gemma_rmsnorm_and_geglu_match_transformers():

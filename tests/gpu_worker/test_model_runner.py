@@ -95,14 +95,15 @@ def test_the_gather_path_takes_attention_outputs_laid_out_as_cuda_kernels_give_t
     ("gemma", {}),
     ("gemma2", {"attn_logit_softcapping": 1.5}),
     ("gemma3", {"num_hidden_layers": 3}),
+    ("gpt_oss", {"num_hidden_layers": 3}),
 ], ids=["qwen3", "mixtral", "qwen2_moe_shared_expert_dense_layer", "qwen3_moe", "gemma", "gemma2_capped",
-        "gemma3"])
+        "gemma3", "gpt_oss"])
 def test_other_architectures_greedy_match_hf(tmp_path, kind, overrides, decode_in_place):
     """Qwen3's per-head q/k norms and own head_dim (32 here; hidden / heads is 16), routed experts,
     and Gemma's (soft caps binding in every attention call, windowed layers beside full ones, Gemma
-    3's two RoPEs), through chunked prefill and decode on both attention paths: every step mixes the
-    tokens of several requests, so each expert's group holds rows of different requests, in varying
-    numbers."""
+    3's two RoPEs), GPT-OSS's (sinks on every attention path, biased experts), through chunked
+    prefill and decode on both attention paths: every step mixes the tokens of several requests, so
+    each expert's group holds rows of different requests, in varying numbers."""
     path = save_tiny_model(tmp_path, kind, **overrides)
     hf = load_hf(path)
     runner = runner_for(path, decode_in_place, num_blocks=64, block_size=4)

@@ -54,6 +54,10 @@ CASES = {
     "qwen3_moe_window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 6}),
     "qwen2_moe_window": ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2,
                                        "num_hidden_layers": 3}),
+    # GPT-OSS: attention sinks, biases everywhere, windowed and full layers alternating, YaRN, routed
+    # experts with biases and a clamped SwiGLU (its clamp at 7, and tight enough to bind), MQA.
+    "gpt_oss": ("gpt_oss", {}),
+    "gpt_oss_tight_clamp_mqa": ("gpt_oss", {"swiglu_limit": 0.3, "num_key_value_heads": 1, "num_hidden_layers": 3}),
     # Gemma: (1 + w) norms, GeGLU, embeddings scaled by sqrt(hidden), a tied head.
     "gemma": ("gemma", {}),
     "gemma_mqa": ("gemma", {"num_key_value_heads": 1}),

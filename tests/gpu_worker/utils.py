@@ -15,6 +15,7 @@ from transformers import (
     Gemma3Config,
     Gemma3TextConfig,
     GemmaConfig,
+    GptOssConfig,
     LlamaConfig,
     Ministral3Config,
     MistralConfig,
@@ -48,6 +49,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16,
                    "max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
                    "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}
+# GPT-OSS's YaRN (transformers' default betas, truncate off) from a pretrained length of 16 to 256.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 16}
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.8, 2.0],
             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}
 
@@ -79,6 +83,11 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "qwen3_moe":
         return Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                  "norm_topk_prob": True, **kw})
+    # GPT-OSS: 8 experts, 2 per token, the even layers windowed (8 tokens), YaRN past 16 positions.
+    if kind == "gpt_oss":
+        return GptOssConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
+                               "intermediate_size": 32, "rope_parameters": {**GPT_OSS_ROPE, "rope_theta": 150000.0},
+                               **kw})
     # Gemma: 16-dim heads (its default is 256), windows short enough for a 45-token prompt to cross.
     if kind == "gemma":
         return GemmaConfig(**{"head_dim": 16, **kw})
@@ -110,6 +119,9 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # Qwen3's per-head norms start at 1, which would hide one applied to the wrong heads.
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.normal_(1.0, 0.5)
+            # GPT-OSS's attention sinks: logits of the order of the scores', so each takes a visible share.
+            if name.endswith("self_attn.sinks"):
+                param.normal_(0.0, 1.0)
             # Gemma's norms store w for a scale of 1 + w, and start at 0: random ones show a norm
             # skipped or scaled by w alone.
             if kind.startswith("gemma") and name.endswith("norm.weight"):
