@@ -36,7 +36,8 @@ class ChatOutputParser:
     def hides_reasoning(self) -> bool:
         """The request asked not to see the thinking (include_reasoning false): its tokens' logprobs
         and ids would show it, so the answer carries neither (vLLM's rule)."""
-        return self.reasoning is not None and not self.include_reasoning
+        reads_reasoning = self.reasoning is not None or (self.tools is not None and self.tools.reads_reasoning)
+        return reads_reasoning and not self.include_reasoning
 
     def feed(self, text: str) -> ParsedDelta:
         reasoning, content = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
@@ -55,6 +56,9 @@ class ChatOutputParser:
             if final:
                 released.extend(self.tools.finish())
             out.content, out.tool_calls = released.content, released.tool_calls
+            if released.reasoning:  # (harmony: the channels carry the reasoning)
+                self.reasoned = True
+                out.reasoning += released.reasoning if self.include_reasoning else ""
             if not self.parallel_tool_calls:
                 out.tool_calls = [d for d in out.tool_calls if d["index"] == 0]
         return out

@@ -391,6 +391,9 @@ class ChatCompletionRequest(SamplingFields):
         None, description="Default: auto with tools, none without.")
     parallel_tool_calls: bool = Field(True, description="More than one call per answer (required, or auto).")
     include_reasoning: bool = Field(True, description="vLLM extra: with --reasoning-parser, return the thinking.")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="How long the model thinks, where its chat template reads reasoning_effort (gpt-oss's "
+                          "system message); chat_template_kwargs' own reasoning_effort is over it.")
     echo: bool = Field(False, description="vLLM extra: an answer in the role of the last message starts with that "
                                           "message's text (the answer continues it).")
     documents: list[dict[str, Any]] | None = Field(

@@ -11,6 +11,8 @@ returns it in ``reasoning_content``.
 - ``mistral`` (Magistral, Ministral 3 Reasoning): as ``qwen3``, with Mistral's tags ``[THINK]`` and
   ``[/THINK]``, which are special tokens of its vocabulary (so an answer it reads is decoded with
   its special tokens, as the tool-call parsers' are).
+- ``openai_gptoss`` (gpt-oss): its answers are harmony messages on channels, not tags; they are read
+  by ``router.harmony.HarmonyParser`` (reasoning, content and tool calls together).
 
 Incremental like the tool-call parsers: ``feed(text)`` returns the (reasoning, content) that can be
 released now, holding back what may be the start of a tag; ``finish()`` the rest. A whole answer
@@ -21,7 +23,10 @@ from __future__ import annotations
 
 from router.parsed_output import partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss")
+# The harmony format's parsers (gpt-oss): the reasoning parser and the tool-call parser of that name
+# both read an answer with router.harmony.HarmonyParser.
+HARMONY_REASONING_PARSER, HARMONY_TOOL_CALL_PARSER = "openai_gptoss", "openai"
 
 START, END = "<think>", "</think>"
 # Each parser's (start, end) tags.
@@ -78,4 +83,6 @@ def create_reasoning_parser(name: str, starts_thinking: bool = False) -> Reasoni
         return ReasoningParser(needs_start_tag=False)
     if name in ("qwen3", "mistral"):
         return ReasoningParser(needs_start_tag=not starts_thinking, tags=THINK_TAGS[name])
+    if name == HARMONY_REASONING_PARSER:
+        raise ValueError("openai_gptoss answers are read by router.harmony.HarmonyParser, not a tag parser")
     raise ValueError(f"unknown reasoning parser {name!r} (one of {', '.join(REASONING_PARSERS)})")

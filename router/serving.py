@@ -50,6 +50,9 @@ from router.engine_client import (
     RequestTimeoutError,
     UnknownModelError,
 )
+from router.harmony import HarmonyParser
+from router.harmony import marker_ids as harmony_marker_ids
+from router.harmony import reasoning_token_count as harmony_reasoning_tokens
 from router.image_tiles import tiled_image_tokens
 from router.metrics import RouterMetrics
 from router.multimodal import (
@@ -87,7 +90,12 @@ from router.protocol import (
     ToolCall,
     UsageInfo,
 )
-from router.reasoning_parsers import create_reasoning_parser, think_tags
+from router.reasoning_parsers import (
+    HARMONY_REASONING_PARSER,
+    HARMONY_TOOL_CALL_PARSER,
+    create_reasoning_parser,
+    think_tags,
+)
 from router.routing import NoHealthyEngineError, RoutingContext, RoutingPolicy
 from router.tool_parsers import create_tool_call_parser
 from router.video import video_sampling_from
@@ -458,6 +466,13 @@ class OpenAIServing:
         # being named in the tokenizer's special tokens.)
         self._think_tags_special = any(tag is not None and tokenizer.decode([tag], skip_special_tokens=True) == ""
                                        for tag in (self._think_start_id, self._think_end_id))
+        # gpt-oss: answers are harmony messages (router.harmony), decoded with their markers; an output
+        # constraint holds from the final channel's start (the tokens of ``<|channel|>final<|message|>``).
+        self._harmony = (settings.reasoning_parser == HARMONY_REASONING_PARSER
+                         or settings.tool_call_parser == HARMONY_TOOL_CALL_PARSER)
+        self._harmony_final = (tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False)
+                               if self._harmony else [])
+        self._harmony_markers = harmony_marker_ids(tokenizer.get_vocab()) if self._harmony else {}
         # A request's EOS is the tokenizer's, as vLLM's is; the engine adds the model's further EOS
         # ids (its generation config: Llama 3's <|end_of_text|> beside <|eot_id|>) as stop ids, and
         # an answer they end names them as its stop_reason.
@@ -709,8 +724,11 @@ class OpenAIServing:
         # template none.)
         tools = request.tools and not (self.settings.exclude_tools_when_tool_choice_none
                                        and request.tool_choice_form() == "none")
+        template_kwargs = request.chat_template_kwargs
+        if request.reasoning_effort is not None:
+            template_kwargs = {"reasoning_effort": request.reasoning_effort, **(template_kwargs or {})}
         return self.render_messages(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                    request.chat_template_kwargs, request.tool_dicts() if tools else None,
+                                    template_kwargs, request.tool_dicts() if tools else None,
                                     add_special_tokens=request.add_special_tokens,
                                     chat_template=request.chat_template, documents=request.documents,
                                     with_images=True)
@@ -851,6 +869,8 @@ class OpenAIServing:
         prompt that opened the thinking: the constraint waits for ``</think>``. A qwen3 answer may
         think or not: the constraint waits only when its first token is ``<think>`` (as vLLM's
         waits for the thinking's end), and otherwise holds from the first token."""
+        if self._harmony:  # (a harmony answer's constraint holds over its final channel)
+            return list(self._harmony_final), None
         if not self._answer_may_think(prompt_thinking) or self._think_end_id is None:
             return None, None
         if self.settings.reasoning_parser == "deepseek_r1" or prompt_thinking == "open":
@@ -880,8 +900,9 @@ class OpenAIServing:
 
     def _chat_skip_special_tokens(self, tool_choice: str | dict[str, Any], prompt_thinking: str) -> bool | None:
         """False where a chat answer's parser must see special tokens (a tool-call parser under "auto",
-        a reasoning parser whose tags are special tokens); None: as the request asks."""
-        if tool_choice == "auto" or (self._think_tags_special and self._answer_may_think(prompt_thinking)):
+        a reasoning parser whose tags are special tokens, harmony's markers); None: as the request asks."""
+        if tool_choice == "auto" or self._harmony or \
+                (self._think_tags_special and self._answer_may_think(prompt_thinking)):
             return False
         return None
 
@@ -894,6 +915,10 @@ class OpenAIServing:
         """What splits a choice's text, if anything: the server's reasoning parser (when the answer
         may think: not after a prompt that closed the thinking, and under an output constraint only
         when the constraint starts after the thinking) and the tool-call parser the tool choice needs."""
+        if self._harmony:  # (one parser reads the channels: reasoning, content and calls)
+            calls = tool_choice == "auto" and self.settings.tool_call_parser == HARMONY_TOOL_CALL_PARSER
+            return ChatOutputParser(None, HarmonyParser(calls), request.include_reasoning,
+                                    parallel_tool_calls=request.parallel_tool_calls or tool_choice != "auto")
         tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser, request.tool_dicts())
         reasoning = None
         if self._answer_may_think(prompt_thinking) and (
@@ -1641,6 +1666,9 @@ class OpenAIServing:
             raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
                               "--enable-auto-tool-choice and --tool-call-parser; or name a function, or use "
                               '"required" or "none"', "tool_choice")
+        if self._harmony and tool_choice not in ("auto", "none"):
+            raise bad_request('harmony answers (gpt-oss) call tools under tool_choice "auto" (or "none"): a named '
+                              'or "required" tool_choice is not served for them', "tool_choice")
         urls, video_urls = self.chat_images(request.messages), self.chat_videos(request.messages)
         if urls or video_urls:
             for refused, param in ((request.use_beam_search, "use_beam_search"),
@@ -2025,6 +2053,10 @@ class OpenAIServing:
         token that closes it, or all when it never closed. None when no reasoning parser read the
         choice, or the tags are not single tokens of the vocabulary."""
         parser = choice.output_parser
+        if parser is not None and isinstance(parser.tools, HarmonyParser):  # (its reasoning messages' bodies)
+            return harmony_reasoning_tokens(choice.token_ids, self._harmony_markers,
+                                            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
+                                            ) if parser.reasoned else 0
         if parser is None or parser.reasoning is None or self._think_end_id is None:
             return None
         if not parser.reasoned:  # (an answer that did not think: all content, even with no closing tag)

@@ -6,7 +6,8 @@
 - ``"required"``: the text is a JSON array of ``{"name", "parameters"}`` objects; each is a call.
 - ``"auto"``: the model decides, in its own format, read by the server's ``--tool-call-parser``
   (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Hermes and Qwen
-  models write it); text outside the tags is the message's content.
+  models write it); text outside the tags is the message's content. ``openai`` (gpt-oss): calls are
+  harmony messages to ``functions.NAME`` (``router.harmony``, which reads the whole answer).
 
 Every parser is incremental: ``feed(text)`` returns what can be released now (content and
 tool-call deltas, in OpenAI's streamed shape), ``finish()`` what is left. A whole response runs the
@@ -24,7 +25,7 @@ from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai")
 # Where a JSON call object keeps its arguments.
 ARGUMENTS_KEYS = ("arguments", "parameters")
 
@@ -46,6 +47,8 @@ class ToolCallParser:
     # The model chose to call, in its own format (tool_choice "auto"): a call whose arguments are
     # not JSON was not one (a whole answer is then its text, as vLLM's parsers answer).
     free_form = False
+    # It releases the answer's reasoning too (harmony's channels), where a reasoning parser would.
+    reads_reasoning = False
 
     def __init__(self, call_id: Callable[[], str] = random_tool_call_id) -> None:
         self.calls = 0
@@ -968,5 +971,9 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
             return PythonicToolCallParser()
         if server_parser == "qwen3_coder":
             return Qwen3CoderToolCallParser(tools)
+        if server_parser == "openai":
+            from router.harmony import HarmonyParser
+
+            return HarmonyParser(calls_allowed=True)
         raise ValueError(f"unknown tool call parser {server_parser!r}")
     return None
