@@ -13,6 +13,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --sliding-window 128 --prompt-len 1024  # Mistral-style
     .venv/bin/python benchmarks/bench_model_runner.py --experts 8 --experts-per-token 2  # Qwen3-MoE-style
     .venv/bin/python benchmarks/bench_model_runner.py --gemma2  # Gemma 2: soft caps, alternating windows
+    .venv/bin/python benchmarks/bench_model_runner.py --gpt-oss  # GPT-OSS: sinks, biased experts, windows
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -20,7 +21,11 @@ scheduler releasing the blocks behind it). With --experts, as a Qwen3-MoE model 
 that many routed experts of half SmolLM2's MLP width each (HF's default experts implementation;
 ours loading the per-expert checkpoint HF writes). With --gemma2, as a Gemma 2 model (soft caps 50 on
 attention scores and 30 on logits, a window of --sliding-window (4096 by default) on the even
-layers): HF runs its eager attention, the one that applies the caps.
+layers): HF runs its eager attention, the one that applies the caps. With --gpt-oss, as a GPT-OSS model
+(64-wide heads, attention sinks, a window of --sliding-window (128 by default) on the even layers,
+--experts (8 by default) routed experts of half SmolLM2's MLP width with biases and the clamped
+SwiGLU, --experts-per-token of them per token): HF runs its eager attention (the one with the sinks)
+and its default experts implementation.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from transformers import (
     DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -150,6 +157,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=0,
                     help="run the random model as Qwen3-MoE with this many routed experts in every layer")
     ap.add_argument("--experts-per-token", type=int, default=2)
+    ap.add_argument("--gpt-oss", action="store_true",
+                    help="run the random model as GPT-OSS (sinks, biased routed experts, windowed even layers)")
     ap.add_argument("--gemma2", action="store_true",
                     help="run the random model as Gemma 2 (soft caps, windowed even layers)")
     args = ap.parse_args()
@@ -173,6 +182,19 @@ def main() -> None:
         weights = Path(tempfile.mkdtemp(prefix="bench-moe-"))
         atexit.register(shutil.rmtree, weights, ignore_errors=True)
         hf.save_pretrained(weights)
+    elif args.model == "random" and args.gpt_oss:
+        shapes = {**SMOLLM2_135M, "architectures": ["GptOssForCausalLM"], "head_dim": 64,
+                  "num_local_experts": args.experts or 8, "num_experts_per_tok": args.experts_per_token,
+                  "intermediate_size": SMOLLM2_135M["intermediate_size"] // 2,
+                  "sliding_window": args.sliding_window or 128, "rope_theta": 150000.0,
+                  "max_position_embeddings": 131072,
+                  "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False, "original_max_position_embeddings": 4096,
+                                      "rope_theta": 150000.0}}
+        hf = GptOssForCausalLM(GptOssConfig(**shapes, attn_implementation="eager")).to(device=device, dtype=dtype)
+        hf = hf.eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.gemma2:
         shapes = {**SMOLLM2_135M, "architectures": ["Gemma2ForCausalLM"], "head_dim": 64,
                   "query_pre_attn_scalar": 64, "sliding_window": args.sliding_window or 4096,
@@ -204,9 +226,9 @@ def main() -> None:
     max_batch = max(args.batch_sizes)
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
-    print(f"model={args.model}{' as gemma2' if args.gemma2 else ''} sliding_window={args.sliding_window} "
-          f"experts={args.experts}/"
-          f"{args.experts_per_token if args.experts else 0} device={device} dtype={args.dtype} "
+    kind = " as gemma2" if args.gemma2 else " as gpt-oss" if args.gpt_oss else ""
+    print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
+          f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "
           f"threads={torch.get_num_threads()} "
           f"prompt={args.prompt_len} warmup={args.warmup} decode_steps={args.decode_steps}")
     print(f"{'batch':>5} | {'prefill tok/s HF':>16} {'ours':>8} {'ratio':>6} | {'decode tok/s HF (med/mean)':>26} "
