@@ -2166,13 +2166,20 @@ def _single_token_id(tokenizer: Any, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
+# The names an earlier assistant turn's thinking reaches chat templates under.
+_THINKING_NAMES = ("reasoning", "reasoning_content", "thinking")
+
+
 def _template_message(extra: dict[str, Any], role: str, content: Any) -> dict[str, Any]:
     message = {**extra, "role": role, "content": content}
     # An earlier answer's thinking, sent back under either of vLLM's names (reasoning, or the older
-    # reasoning_content): the templates read one or the other, so both carry it.
-    for name, other in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
-        if message.get(name) is not None and message.get(other) is None:
-            message[other] = message[name]
+    # reasoning_content): the templates read one or the other (gpt-oss's reads ``thinking``), so all
+    # three carry it.
+    given = next((message[name] for name in _THINKING_NAMES if message.get(name) is not None), None)
+    if given is not None:
+        for name in _THINKING_NAMES:
+            if message.get(name) is None:
+                message[name] = given
     calls = extra.get("tool_calls")
     if isinstance(calls, list):
         message["tool_calls"] = [_parsed_arguments(call) for call in calls]

@@ -141,20 +141,21 @@ def test_reasoning_before_an_auto_tool_call_and_none_under_an_output_constraint(
                           "finish_reason": "tool_calls", "stop_reason": None}
 
 
-@pytest.mark.parametrize("name", ["reasoning", "reasoning_content"])
+@pytest.mark.parametrize("name", ["reasoning", "reasoning_content", "thinking"])
 def test_an_earlier_answers_thinking_reaches_the_template_under_either_name(name):
     """Clients send an answer's thinking back under the name they read it from; the template reads
-    reasoning_content (Qwen3's) or reasoning."""
+    reasoning_content (Qwen3's), reasoning, or thinking (gpt-oss's)."""
     http, engine, serving = _app("ok")
     serving.tokenizer.chat_template = (
         "{% for m in messages %}{{ m.role }}: {% if m.reasoning_content %}[rc {{ m.reasoning_content }}]{% endif %}"
-        "{% if m.reasoning %}[r {{ m.reasoning }}]{% endif %}{{ m.content }}\n{% endfor %}assistant:")
+        "{% if m.reasoning %}[r {{ m.reasoning }}]{% endif %}{% if m.thinking %}[t {{ m.thinking }}]{% endif %}"
+        "{{ m.content }}\n{% endfor %}assistant:")
     messages = [*MESSAGES, {"role": "assistant", "content": "Sunny.", name: "looked it up"},
                 {"role": "user", "content": "thanks"}]
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages})
     assert r.status_code == 200, r.text
     prompt = serving.tokenizer.decode(engine.requests[0].prompt_token_ids)
-    assert "assistant: [rc looked it up][r looked it up]Sunny." in prompt
+    assert "assistant: [rc looked it up][r looked it up][t looked it up]Sunny." in prompt
 
 
 
