@@ -173,3 +173,54 @@ def test_grouped_mm_is_used_only_where_it_runs_and_the_loop_covers_the_rest():
     assert aligned.use_grouped_mm(x) and aligned.use_grouped_mm(torch.zeros(1, 16, dtype=torch.bfloat16))
     assert not aligned.use_grouped_mm(x.bfloat16())  # 12 bf16 values: 24 bytes
     assert not aligned.use_grouped_mm(x.double())
+
+
+def _biased_reference(ckpt, biases, x, weights, ids, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's experts in float64: biases on both projections, the clamped SwiGLU."""
+    x = x.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            w = {p: m.double() for p, m in ckpt[e].items()}
+            gate = (x[t] @ w[GATE].T + biases[e][GATE].double()).clamp(max=limit)
+            up = (x[t] @ w[UP].T + biases[e][UP].double()).clamp(-limit, limit)
+            h = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            out[t] += float(weights[t, k]) * (h @ w[DOWN].T + biases[e][DOWN].double())
+    return out
+
+
+@pytest.mark.parametrize("grouped_mm", [None, False], ids=["grouped_mm", "per_expert"])
+@pytest.mark.parametrize("split", ["whole", "width", "experts"])
+def test_biased_experts_with_the_clamped_swiglu(grouped_mm, split):
+    """GPT-OSS: a bias on every expert's gate/up and down projections, (up + 1) * g * sigmoid(alpha g)
+    with g and up clamped (a clamp of 1.5 binds on these inputs); split over two ranks by width (the
+    down bias on rank 0 only) or by experts, the ranks' sum is the dense reference."""
+    ckpt = _checkpoint()
+    gen = torch.Generator().manual_seed(5)
+    biases = {e: {GATE: torch.randn(INTERMEDIATE, generator=gen), UP: torch.randn(INTERMEDIATE, generator=gen),
+                  DOWN: torch.randn(HIDDEN, generator=gen)} for e in range(EXPERTS)}
+    gate_up = torch.stack([torch.cat([ckpt[e][GATE], ckpt[e][UP]]) for e in range(EXPERTS)])
+    gate_up_bias = torch.stack([torch.cat([biases[e][GATE], biases[e][UP]]) for e in range(EXPERTS)])
+    down = torch.stack([ckpt[e][DOWN] for e in range(EXPERTS)])
+    down_bias = torch.stack([biases[e][DOWN] for e in range(EXPERTS)])
+    x = torch.randn(15, HIDDEN, generator=gen)
+    weights, ids = _routing(15, 2)
+    ranks = [(0, 1)] if split == "whole" else [(0, 2), (1, 2)]
+    out = torch.zeros(15, HIDDEN)
+    for rank, size in ranks:
+        moe = FusedMoE(EXPERTS, 2, HIDDEN, INTERMEDIATE, tp_rank=rank, tp_size=size, expert_parallel=split == "experts",
+                       bias=True, activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=1.5)
+        moe.grouped_mm = grouped_mm
+        moe.weight_loader(moe.w13_weight, gate_up, (ALL_EXPERTS, GATE))
+        moe.weight_loader(moe.w2_weight, down, (ALL_EXPERTS, DOWN))
+        moe.bias_loader(moe.w13_bias, gate_up_bias, (ALL_EXPERTS, GATE))
+        moe.bias_loader(moe.w2_bias, down_bias, (ALL_EXPERTS, DOWN))
+        if split == "width":
+            assert bool(moe.w2_bias.any()) is (rank == 0)
+        out += moe.forward(x, weights, ids)
+    expected = _biased_reference(ckpt, biases, x, weights, ids, 1.702, 1.5)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(expected, _biased_reference(ckpt, biases, x, weights, ids, 1.702, 100.0), atol=1e-2)
+    with pytest.raises(ValueError, match="activation"):
+        FusedMoE(EXPERTS, 2, HIDDEN, INTERMEDIATE, activation="gelu")
