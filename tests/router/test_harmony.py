@@ -151,3 +151,12 @@ def test_reasoning_effort_reaches_the_chat_template():
     assert prompts == ["Reasoning: medium", "Reasoning: high", "Reasoning: low"]
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "reasoning_effort": "max"})
     assert r.status_code == 400 and "reasoning_effort" in json.dumps(r.json())
+
+
+def test_the_responses_api_gives_harmony_reasoning_and_function_call_items():
+    http, _, _ = _harmony_app(THOUGHT_THEN_CALL)
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    output = http.post("/v1/responses", json={"model": "tiny", "input": "weather?", "tools": [tool]}).json()["output"]
+    assert [item["type"] for item in output] == ["reasoning", "function_call"]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "Need the weather tool."}]
+    assert (output[1]["name"], output[1]["arguments"]) == ("get_weather", '{"city": "Rome"}')
