@@ -693,7 +693,8 @@ class EngineCore:
                 # Blocked on its grammar (by the Request constructor) until step() sees it compiled.
                 self.structured_output.submit(request.request_id, request.sampling_params.structured_output,
                                               request.sampling_params.structured_output_after,
-                                              request.sampling_params.structured_output_may_open)
+                                              request.sampling_params.structured_output_may_open,
+                                              request.sampling_params.structured_output_then)
         return engine_request if is_new else None
 
     def abort_requests(self, request_ids: list[str], tell_clients: bool = False) -> None:

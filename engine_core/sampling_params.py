@@ -54,6 +54,10 @@ class SamplingParams:
     # sequence; any other first token is held to the grammar from the start (an answer that does
     # not think is constrained all along).
     structured_output_may_open: int | None = None
+    # With structured_output_after: once that sequence is seen, the grammar waits further for this
+    # token (harmony: after "<|channel|>final" a header may name a format, "<|constrain|>json", before
+    # its "<|message|>").
+    structured_output_then: int | None = None
     # OpenAI's logit_bias: added to the token's logit before sampling (clamped to [-100, 100], as vLLM).
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: only these may be sampled.
@@ -172,6 +176,11 @@ class SamplingParams:
                    and self.structured_output_may_open >= 0),
                "structured_output_may_open", "None, or a token id with structured_output_after",
                self.structured_output_may_open)
+        _check(self.structured_output_then is None
+               or (self.structured_output_after is not None and isinstance(self.structured_output_then, int)
+                   and self.structured_output_then >= 0 and self.structured_output_may_open is None),
+               "structured_output_then", "None, or a token id with structured_output_after (without may_open)",
+               self.structured_output_then)
 
     @property
     def stop_token_set(self) -> frozenset[int]:
@@ -189,6 +198,7 @@ class SamplingParams:
         ids += self.allowed_token_ids or ()
         ids += self.structured_output_after or ()
         ids += [] if self.structured_output_may_open is None else [self.structured_output_may_open]
+        ids += [] if self.structured_output_then is None else [self.structured_output_then]
         for word in self.bad_words_token_ids or ():
             ids += word
         return ids

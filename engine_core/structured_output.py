@@ -287,16 +287,21 @@ class StructuredOutputManager:
         self._starts_after: dict[str, tuple[list[int], list[int]]] = {}
         # Requests whose first token may open a wait instead: (that token, the sequence then awaited).
         self._may_open: dict[str, tuple[int, list[int]]] = {}
+        # Requests whose grammar, once its start sequence is seen, waits further for this token.
+        self._then: dict[str, int] = {}
 
     # -- requests -------------------------------------------------------------------------------
 
     def submit(self, request_id: str, spec: dict[str, Any], starts_after: list[int] | None = None,
-               may_open: int | None = None) -> None:
+               may_open: int | None = None, then: int | None = None) -> None:
         """Start compiling the request's grammar (a cached one is ready at the next ``poll``).
         ``starts_after``: the grammar constrains only what follows the first time the output ends
         with these tokens (a reasoning model thinks freely first). With ``may_open``, only if the
         output's first token is that one (it opens the thinking); otherwise the grammar holds from
-        the first token, which may be ``may_open`` or one the grammar allows."""
+        the first token, which may be ``may_open`` or one the grammar allows. ``then``: after the
+        sequence, the grammar waits further for this token (tokens may come between)."""
+        if starts_after and then is not None:
+            self._then[request_id] = then
         if starts_after and may_open is not None:
             self._may_open[request_id] = (may_open, list(starts_after))
         elif starts_after:
@@ -363,6 +368,7 @@ class StructuredOutputManager:
             except Exception as e:
                 self._starts_after.pop(request_id, None)
                 self._may_open.pop(request_id, None)
+                self._then.pop(request_id, None)
                 failed.append((request_id, f"structured output: {_first_line(str(e))}"))
                 continue
             self._compiled[key] = compiled
@@ -383,6 +389,7 @@ class StructuredOutputManager:
         self._matchers.pop(request_id, None)
         self._starts_after.pop(request_id, None)
         self._may_open.pop(request_id, None)
+        self._then.pop(request_id, None)
         entry = self._pending.pop(request_id, None)
         if entry is not None and not any(future is entry[1] for _, future in self._pending.values()):
             entry[1].cancel()  # (nobody else waits for it)
@@ -476,6 +483,7 @@ class StructuredOutputManager:
         matcher = self._matchers[request_id]
         waiting = self._starts_after.get(request_id)
         sequence, seen = (waiting[0], list(waiting[1])) if waiting is not None else (None, [])
+        then = self._then.get(request_id)
         taken = advanced = 0
         try:
             for token in token_ids:
@@ -485,7 +493,7 @@ class StructuredOutputManager:
                     seen.append(token)
                     del seen[:-len(sequence)]
                     if seen == sequence:
-                        sequence = None
+                        sequence, seen, then = ([then], [], None) if then is not None else (None, [], None)
                 elif matcher.is_terminated() or not matcher.accept_token(token):
                     return taken
                 else:
@@ -516,8 +524,12 @@ class StructuredOutputManager:
                 seen.append(token)
                 del seen[:-len(sequence)]
                 if seen == sequence:
-                    del self._starts_after[request_id]
-                    waiting = None
+                    then = self._then.pop(request_id, None)
+                    if then is None:
+                        del self._starts_after[request_id]
+                        waiting = None
+                    else:  # (the sequence seen: now its token)
+                        waiting = self._starts_after[request_id] = ([then], [])
                 continue
             if matcher.is_terminated():
                 break  # (the EOS that ended the grammar was accepted; nothing follows it)

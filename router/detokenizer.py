@@ -124,8 +124,13 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None,
                  skip_special_tokens: bool = True, stop: list[str] | None = None,
                  include_stop_str_in_output: bool = False, use_decode_stream: bool = True,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, marker_ids: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
+        # Where in output_text each of these tokens' text begins (gpt-oss's harmony markers: a parser
+        # tells them from the same characters written with ordinary tokens).
+        self.marker_ids = marker_ids
+        self.marker_offsets: list[int] = []
+        self._marker_texts: dict[int, str] = {}
         self._decode = fast_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:]) if prompt_token_ids else []
@@ -166,7 +171,17 @@ class IncrementalDetokenizer:
                 self._stream_step(token_id)
             else:
                 self._decode_step()
+            if token_id in self.marker_ids:
+                self._mark(token_id)
         return self._release(final=self.stop_reason is not None)
+
+    def _mark(self, token_id: int) -> None:
+        """A marker token was just decoded: its text ends the output (unless a stop string cut it)."""
+        text = self._marker_texts.get(token_id)
+        if text is None:
+            text = self._marker_texts[token_id] = self._decode([token_id], self.skip_special_tokens)
+        if text and self.output_text.endswith(text):
+            self.marker_offsets.append(len(self.output_text) - len(text))
 
     def finish(self) -> str:
         """The sequence ended: release everything left, with the text of any tokens still held back

@@ -85,7 +85,8 @@ def prefill_request(request: EngineCoreRequest, num_readers: int = 1) -> EngineC
     blocks stay until ``num_readers`` decode requests (the choices of one prompt) read or decline them."""
     params: SamplingParams = dataclasses.replace(
         request.sampling_params, max_tokens=1, min_tokens=0, ignore_eos=True, stop_token_ids=[], logprobs=None,
-        prompt_logprobs=None, structured_output=None, structured_output_after=None, structured_output_may_open=None)
+        prompt_logprobs=None, structured_output=None, structured_output_after=None, structured_output_may_open=None,
+        structured_output_then=None)
     return msgspec.structs.replace(request, request_id=f"{request.request_id}-prefill", sampling_params=params,
                                    num_choices=0,
                                    kv_transfer_params={"do_remote_decode": True, "num_readers": num_readers})

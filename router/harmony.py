@@ -9,7 +9,9 @@ recipient (`` to=functions.get_weather``, before or after the channel) and the a
 (``<|constrain|>json``); ``<|message|>`` ends it. A body ends at ``<|end|>`` (more follows),
 ``<|call|>`` (a tool call: the model waits for its result) or ``<|return|>`` (the answer is done);
 the last two are the model's end-of-sequence tokens, so the engine stops on them and they are not in
-the text. The markers are special tokens: an answer this parser reads is decoded with them.
+the text. The markers are special tokens: an answer this parser reads is decoded with them, and where
+the server knows where its marker tokens' text lies (``marker_offsets``, from the detokenizer) the
+same characters written with ordinary tokens (a final answer explaining the format) are text.
 
 What each message becomes:
 - ``analysis``: reasoning (``reasoning_content``), and so is any message to a built-in tool
@@ -47,10 +49,15 @@ class HarmonyParser(ToolCallParser):
 
     reads_reasoning = True
 
-    def __init__(self, calls_allowed: bool, call_id: Callable[[], str] = random_tool_call_id) -> None:
+    def __init__(self, calls_allowed: bool, call_id: Callable[[], str] = random_tool_call_id,
+                 marker_offsets: Sequence[int] | None = None) -> None:
+        """``marker_offsets``: where in the answer's text its marker tokens' text begins (growing as
+        the answer is decoded; None: every marker spelled in the text is one)."""
         super().__init__(call_id)
         self.calls_allowed = calls_allowed
+        self._marker_offsets = marker_offsets
         self._pending = ""
+        self._offset = 0  # the pending text's place in the answer's text
         self._in_header = True
         self._kind = "content"  # the open message's: reasoning, content or call
 
@@ -66,18 +73,27 @@ class HarmonyParser(ToolCallParser):
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
-        pending, self._pending = self._pending, ""
-        if self._in_header:  # (an answer that ended inside a header: no message began)
-            pass
-        else:
+        pending = self._take(len(self._pending))
+        if not self._in_header:
             self._emit(pending, out)
+        elif "<|" not in pending:  # (text short of a header's start: content; a cut-off header is nothing)
+            out.content += pending
         return out
+
+    def _take(self, length: int) -> str:
+        """The pending text's first ``length`` characters, taken off it."""
+        taken, self._pending = self._pending[:length], self._pending[length:]
+        self._offset += length
+        return taken
+
+    def _is_marker(self, index: int) -> bool:
+        """Whether the marker spelled at ``index`` of the pending text is a marker token's text."""
+        return self._marker_offsets is None or self._offset + index in self._marker_offsets
 
     def _read_header(self, out: ParsedDelta) -> bool:
         """Read a header whole (True), or wait for more of it (False)."""
         stripped = self._pending.lstrip()
-        if stripped and not stripped.startswith(("<|", "assistant")) and not "<|".startswith(stripped) \
-                and not "assistant".startswith(stripped):
+        if stripped and not stripped.startswith("<|") and not "<|".startswith(stripped):
             self._open("", out)  # (no header: text, as a model not writing harmony writes it)
             return True
         end = self._pending.find(MESSAGE)
@@ -86,7 +102,8 @@ class HarmonyParser(ToolCallParser):
                 self._open("", out)
                 return True
             return False
-        header, self._pending = self._pending[:end], self._pending[end + len(MESSAGE):]
+        header = self._take(end)
+        self._take(len(MESSAGE))
         self._open(header, out)
         return True
 
@@ -99,16 +116,20 @@ class HarmonyParser(ToolCallParser):
     def _read_body(self, out: ParsedDelta) -> bool:
         """Release the open body up to its end (True: it ended, a header follows) or up to what may
         be a marker arriving (False)."""
-        ends = [(i, tag) for tag in _BODY_ENDS if (i := self._pending.find(tag)) >= 0]
-        if not ends:
-            keep = max(partial_suffix(self._pending, tag) for tag in _BODY_ENDS)
-            self._emit(self._pending[:len(self._pending) - keep], out)
-            self._pending = self._pending[len(self._pending) - keep:]
-            return False
-        i, tag = min(ends)
-        self._emit(self._pending[:i], out)
-        # (<|start|> opens the next message's header: it stays for the header to read.)
-        self._pending = self._pending[i:] if tag == START else self._pending[i + len(tag):]
+        start = 0  # (markers spelled with ordinary tokens before it are text)
+        while True:
+            ends = [(i, tag) for tag in _BODY_ENDS if (i := self._pending.find(tag, start)) >= 0]
+            if not ends:
+                keep = max(partial_suffix(self._pending, tag) for tag in _BODY_ENDS)
+                self._emit(self._take(len(self._pending) - keep), out)
+                return False
+            i, tag = min(ends)
+            if self._is_marker(i):
+                break
+            start = i + len(tag)
+        self._emit(self._take(i), out)
+        if tag != START:  # (<|start|> opens the next message's header: it stays for the header to read)
+            self._take(len(tag))
         self._in_header = True
         return True
 

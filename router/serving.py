@@ -467,12 +467,13 @@ class OpenAIServing:
         self._think_tags_special = any(tag is not None and tokenizer.decode([tag], skip_special_tokens=True) == ""
                                        for tag in (self._think_start_id, self._think_end_id))
         # gpt-oss: answers are harmony messages (router.harmony), decoded with their markers; an output
-        # constraint holds from the final channel's start (the tokens of ``<|channel|>final<|message|>``).
+        # constraint holds over the final channel's body: after the tokens of ``<|channel|>final`` and
+        # then the next ``<|message|>`` (its header may name a format between: `` <|constrain|>json``).
         self._harmony = (settings.reasoning_parser == HARMONY_REASONING_PARSER
                          or settings.tool_call_parser == HARMONY_TOOL_CALL_PARSER)
-        self._harmony_final = (tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False)
-                               if self._harmony else [])
         self._harmony_markers = harmony_marker_ids(tokenizer.get_vocab()) if self._harmony else {}
+        self._harmony_final = tokenizer.encode("<|channel|>final", add_special_tokens=False) if self._harmony else []
+        self._harmony_message = self._harmony_markers.get("<|message|>")
         # A request's EOS is the tokenizer's, as vLLM's is; the engine adds the model's further EOS
         # ids (its generation config: Llama 3's <|end_of_text|> beside <|eot_id|>) as stop ids, and
         # an answer they end names them as its stop_reason.
@@ -771,6 +772,8 @@ class OpenAIServing:
         messages = [_template_message(m.model_extra or {}, m.role,
                                       template_content(m.content, content_format, placeholder, video_text))
                     for m in chat]
+        if self._harmony:
+            messages = [_harmony_tool_turn(m) for m in messages]
         kwargs = {**self.settings.default_chat_template_kwargs, **(chat_template_kwargs or {})}
         if tools:
             kwargs.setdefault("tools", tools)
@@ -911,13 +914,14 @@ class OpenAIServing:
         return self.settings.reasoning_parser is not None and prompt_thinking != "closed"
 
     def _chat_output_parser(self, request: ChatCompletionRequest, tool_choice: str | dict[str, Any],
-                            prompt_thinking: str) -> ChatOutputParser | None:
+                            prompt_thinking: str, marker_offsets: list[int] | None = None) -> ChatOutputParser | None:
         """What splits a choice's text, if anything: the server's reasoning parser (when the answer
         may think: not after a prompt that closed the thinking, and under an output constraint only
         when the constraint starts after the thinking) and the tool-call parser the tool choice needs."""
         if self._harmony:  # (one parser reads the channels: reasoning, content and calls)
             calls = tool_choice == "auto" and self.settings.tool_call_parser == HARMONY_TOOL_CALL_PARSER
-            return ChatOutputParser(None, HarmonyParser(calls), request.include_reasoning,
+            harmony = HarmonyParser(calls, marker_offsets=marker_offsets)
+            return ChatOutputParser(None, harmony, request.include_reasoning,
                                     parallel_tool_calls=request.parallel_tool_calls or tool_choice != "auto")
         tools = create_tool_call_parser(tool_choice, self.settings.tool_call_parser, request.tool_dicts())
         reasoning = None
@@ -1029,7 +1033,8 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, seed_offset: int, prompt_logprobs: int | None = None,
                         structured_output_after: list[int] | None = None,
-                        structured_output_may_open: int | None = None) -> SamplingParams:
+                        structured_output_may_open: int | None = None,
+                        structured_output_then: int | None = None) -> SamplingParams:
         self.check_prompt_fits(prompt_len, "messages" if isinstance(request, ChatCompletionRequest) else "prompt")
         room = self.settings.max_model_len - prompt_len
         defaults = self.settings.default_sampling_params
@@ -1076,6 +1081,7 @@ class OpenAIServing:
                 structured_output=self._with_server_defaults(request.structured_output),
                 structured_output_after=structured_output_after if request.structured_output else None,
                 structured_output_may_open=structured_output_may_open if request.structured_output else None,
+                structured_output_then=structured_output_then if request.structured_output else None,
                 extra_args=request.vllm_xargs or None)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
@@ -1448,9 +1454,11 @@ class OpenAIServing:
     def _new_choices(self, n: int, prompt_ids: list[int], fields: SamplingFields,
                      skip_special_tokens: bool | None = None) -> list[_Choice]:
         skip = fields.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+        markers = frozenset(self._harmony_markers.values())  # (a harmony parser tells them from spelled ones)
         return [_Choice(i, IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=fields.stop_strings,
                                                   include_stop_str_in_output=fields.include_stop_str_in_output,
-                                                  min_tokens=fields.min_tokens, skip_special_tokens=skip),
+                                                  min_tokens=fields.min_tokens, skip_special_tokens=skip,
+                                                  marker_ids=markers),
                         [], []) for i in range(n)]
 
     async def _generate(self, streams: list[RequestStream], choices: list[_Choice], sink: asyncio.Queue | None) -> None:
@@ -1700,7 +1708,8 @@ class OpenAIServing:
             choices = await self._beam_searches(request, [plan], engine_base, session_id, lora,
                                                 self._chat_skip_special_tokens(tool_choice, prompt_thinking))
             for c in choices:
-                c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
+                c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking,
+                                                           c.detok.marker_offsets)
             return ChatRun(request_id, created, ids, choices, [])
         engine = self.choose_engine(ids, session_id, lora=lora, cache_salt=request.cache_salt,
                                     prefill=wants_remote_decode(request.kv_transfer_params), mm_features=features)
@@ -1709,14 +1718,15 @@ class OpenAIServing:
         skip = self._chat_skip_special_tokens(tool_choice, prompt_thinking)
         choices = self._new_choices(request.n, ids, request, skip)
         for c in choices:
-            c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking)
+            c.output_parser = self._chat_output_parser(request, tool_choice, prompt_thinking, c.detok.marker_offsets)
         # A model that thinks first (deepseek_r1), or chooses to (qwen3), meets its output constraint
         # after its thinking.
         after, may_open = self._constraint_start(prompt_thinking)
         jobs = [_Job(engine, choice_request_id(engine_base, c.index), ids,
                      self.sampling_params(request, len(ids), request.requested_max_tokens, top, c.index,
                                           prompt_logprobs=request.prompt_logprobs, structured_output_after=after,
-                                          structured_output_may_open=may_open),
+                                          structured_output_may_open=may_open,
+                                          structured_output_then=self._harmony_message),
                      num_choices=request.n if c.index == 0 else 0,
                      kv_transfer_params=_client_kv_params(request.kv_transfer_params, c.index == 0),
                      mm_features=features)
@@ -2183,6 +2193,17 @@ def _template_message(extra: dict[str, Any], role: str, content: Any) -> dict[st
     calls = extra.get("tool_calls")
     if isinstance(calls, list):
         message["tool_calls"] = [_parsed_arguments(call) for call in calls]
+    return message
+
+
+def _harmony_tool_turn(message: dict[str, Any]) -> dict[str, Any]:
+    """An earlier gpt-oss turn that called tools, as its chat template takes it: the template writes the
+    turn's analysis from its content or its thinking and refuses both, so where the turn has its
+    thinking, a preamble this server returned as its content is left out (the template has no place
+    for a commentary preamble beside the calls)."""
+    if message.get("role") == "assistant" and message.get("tool_calls") and message.get("content") \
+            and message.get("thinking"):
+        return {**message, "content": None}
     return message
 
 

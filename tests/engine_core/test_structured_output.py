@@ -384,6 +384,30 @@ def test_a_grammar_that_starts_after_a_token_sequence_constrains_nothing_before_
     manager.shutdown()
 
 
+def test_a_grammar_that_waits_for_a_token_after_its_start_sequence():
+    """Harmony (gpt-oss): the grammar holds over the final channel's body, after "<|channel|>final" and
+    then the next "<|message|>", whatever the header names between (" <|constrain|>json"): here "</x>"
+    and then "@" stand for them. Drafts are walked through both waits as outputs are."""
+    manager = _manager()
+    end = TOKENIZER.encode("</x>", add_special_tokens=False)
+    message = TOKENIZER.encode("@", add_special_tokens=False)[0]
+    manager.submit("r", {"choice": ["yes"]}, starts_after=end, then=message)
+    assert _poll_until_done(manager) == (["r"], [])
+    between = TOKENIZER.encode(" json", add_special_tokens=False)
+    drafts = [*end, *between, message, *TOKENIZER.encode("y", add_special_tokens=False)]
+    assert manager.validate_tokens("r", drafts) == drafts
+    assert manager.validate_tokens("r", [*drafts, *TOKENIZER.encode("zz", add_special_tokens=False)]) == drafts
+    assert manager.accept("r", [*TOKENIZER.encode("zz", add_special_tokens=False), *end, *between]) is None
+    assert manager.bitmask(["r"]) == (None, [])  # (the sequence seen: still free until its token)
+    assert manager.accept("r", [message]) is None
+    assert {TOKENIZER.decode([t]) for t in _allowed(manager, "r")} <= {"y", "ye", "yes"}
+    assert manager.accept("r", TOKENIZER.encode("x", add_special_tokens=False)) is not None  # does not fit
+    manager.submit("again", {"choice": ["yes"]}, starts_after=end, then=message)
+    manager.clear()
+    assert not manager._then and not manager._starts_after
+    manager.shutdown()
+
+
 def test_a_first_token_that_opens_the_thinking_makes_the_grammar_wait_and_any_other_is_held():
     """qwen3's answers may think or not: <think> first and the grammar waits for </think>; any
     other first token is one the grammar allows, and it holds from there."""

@@ -9,10 +9,12 @@ import json
 import pytest
 
 from router.chat_parsing import ChatOutputParser
+from router.detokenizer import IncrementalDetokenizer
 from router.harmony import HarmonyParser, message_kind
 
 from .test_reasoning_parsers import _deltas
 from .test_tool_calling import MESSAGES, WEATHER, _app, merged_calls
+from .tokenizer_factory import byte_level_tokenizer
 
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
 # An answer after a prompt ending "<|start|>assistant": its first header has no role.
@@ -63,6 +65,10 @@ def _parse(text: str, step: int, calls_allowed: bool = True, include_reasoning: 
     # An answer cut off in its final message keeps what it wrote; one cut in a header wrote nothing more.
     ("<|channel|>analysis<|message|>Hm<|end|><|start|>assistant<|channel|>fin", True, ("Hm", "", [])),
     ("<|channel|>final<|message|>Partial <|en", True, ("", "Partial <|en", [])),
+    # A final header naming its format; a short answer that only looks like a role.
+    ('<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>final <|constrain|>json<|message|>{"a": 1}',
+     True, ("A.", '{"a": 1}', [])),
+    ("assistant is a word", True, ("", "assistant is a word", [])),
 ])
 def test_channels_split_alike_streamed_and_whole(text, calls_allowed, expected, step):
     assert _parse(text, step, calls_allowed) == expected
@@ -134,8 +140,11 @@ def test_harmony_refuses_forced_tool_choices_and_constrains_the_final_channel():
                                                 "response_format": {"type": "json_object"}})
     assert r.json()["choices"][0]["message"]["content"] == '{"a": 1}'
     [request] = engine.requests
-    final = serving.tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False)
+    # The grammar holds after "<|channel|>final" and the next "<|message|>" (a header may name the
+    # format between them: " <|constrain|>json").
+    final = serving.tokenizer.encode("<|channel|>final", add_special_tokens=False)
     assert request.sampling_params.structured_output_after == final
+    assert request.sampling_params.structured_output_then == serving.tokenizer.convert_tokens_to_ids("<|message|>")
 
 
 def test_reasoning_effort_reaches_the_chat_template():
@@ -160,3 +169,70 @@ def test_the_responses_api_gives_harmony_reasoning_and_function_call_items():
     assert [item["type"] for item in output] == ["reasoning", "function_call"]
     assert output[0]["content"] == [{"type": "reasoning_text", "text": "Need the weather tool."}]
     assert (output[1]["name"], output[1]["arguments"]) == ("get_weather", '{"city": "Rome"}')
+
+
+def test_markers_spelled_with_ordinary_tokens_are_text():
+    """A final answer explaining the format writes "<|end|>" and "<|start|>" with ordinary tokens: the
+    detokenizer records where the marker tokens' text lies, and the parser ends messages there only,
+    streamed token by token and whole."""
+    tokenizer = byte_level_tokenizer.__wrapped__()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKERS)})
+
+    def ordinary(text: str) -> list[int]:  # (one character at a time: no special token matched)
+        return [t for ch in text for t in tokenizer.encode(ch, add_special_tokens=False)]
+
+    def special(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = [*special("<|channel|>analysis<|message|>"), *ordinary("Quote <|end|> here."),
+           *special("<|end|><|start|>assistant<|channel|>final<|message|>"),
+           *ordinary("Messages end with <|end|>, then <|start|>assistant opens one.")]
+    markers = frozenset(tokenizer.convert_tokens_to_ids(list(MARKERS)))
+    expected = ("Quote <|end|> here.", "Messages end with <|end|>, then <|start|>assistant opens one.")
+    for streamed in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False, marker_ids=markers)
+        parser = ChatOutputParser(None, HarmonyParser(True, marker_offsets=detok.marker_offsets))
+        if streamed:
+            reasoning = content = ""
+            for token in ids:
+                out = parser.feed(detok.add_tokens([token]))
+                reasoning, content = reasoning + out.reasoning, content + out.content
+            out = parser.feed(detok.finish())
+            out.extend(parser.finish())
+            got = (reasoning + out.reasoning, content + out.content)
+        else:
+            detok.add_tokens(ids)
+            detok.finish()
+            answer = parser.whole(detok.output_text)
+            got = (answer.reasoning, answer.content)
+        assert got == expected, streamed
+        assert len(detok.marker_offsets) == 6
+    # Through the chat endpoint, whole and streamed (the scripted engine answers with these ids).
+    http, engine, serving = _harmony_app("")
+    engine.script = lambda _: [*(serving.tokenizer.convert_tokens_to_ids(tokenizer.convert_ids_to_tokens(ids))),
+                               serving.tokenizer.eos_token_id]
+    body = {"model": "tiny", "messages": MESSAGES}
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == expected
+    deltas = _deltas(http, body)
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == expected[1]
+    # Without the offsets every spelled marker counts: the quote would end the analysis.
+    plain = ChatOutputParser(None, HarmonyParser(True)).whole(detok.output_text)
+    assert plain.reasoning == "Quote "
+
+
+def test_a_tool_calling_turn_with_a_preamble_goes_back_to_the_template():
+    """gpt-oss's template writes a tool-calling turn's analysis from its content or its thinking and
+    refuses both: the preamble this server returned as content is left out of that turn."""
+    http, engine, serving = _harmony_app("<|channel|>final<|message|>Sunny.")
+    serving.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.tool_calls is defined and m.tool_calls and m.content and m.thinking %}"
+        "{{ raise_exception('both content and thinking') }}{% endif %}"
+        "{{ m.role }}:{{ m.thinking or '' }}|{{ m.content or '' }}\n{% endfor %}")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    messages = [*MESSAGES, {"role": "assistant", "content": "Checking.", "reasoning_content": "Need the tool.",
+                            "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "tools": [WEATHER]})
+    assert r.status_code == 200, r.text
+    assert "assistant:Need the tool.|\n" in serving.tokenizer.decode(engine.requests[0].prompt_token_ids)
