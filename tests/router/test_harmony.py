@@ -12,7 +12,7 @@ from router.chat_parsing import ChatOutputParser
 from router.detokenizer import IncrementalDetokenizer
 from router.harmony import HarmonyParser, message_kind
 
-from .test_reasoning_parsers import _deltas
+from .test_reasoning_parsers import _deltas, assert_thinking_split
 from .test_tool_calling import MESSAGES, WEATHER, _app, merged_calls
 from .tokenizer_factory import byte_level_tokenizer
 
@@ -95,15 +95,8 @@ def _harmony_app(answer: str, parser: str | None = "openai"):
 def test_the_chat_endpoint_reads_harmony_with_its_markers_as_special_tokens():
     http, _, serving = _harmony_app(THOUGHT_THEN_ANSWER)
     assert serving.tokenizer.convert_tokens_to_ids("<|channel|>") in serving.tokenizer.all_special_ids
+    assert_thinking_split(http, serving, "User asks the capital of Italy.", "Rome.")
     body = {"model": "tiny", "messages": MESSAGES}
-    response = http.post("/v1/chat/completions", json=body).json()
-    message = response["choices"][0]["message"]
-    assert (message["reasoning_content"], message["content"]) == ("User asks the capital of Italy.", "Rome.")
-    thought = len(serving.tokenizer.encode("User asks the capital of Italy.", add_special_tokens=False))
-    assert response["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
-    deltas = _deltas(http, body)
-    assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "User asks the capital of Italy."
-    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Rome."
     # The same server without the parser: the special tokens are dropped from the text, as asked.
     plain, _, _ = _app(THOUGHT_THEN_ANSWER, special_tokens=MARKERS)
     assert plain.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == \

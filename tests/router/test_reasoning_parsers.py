@@ -232,6 +232,20 @@ def test_only_the_prompts_end_closes_or_opens_the_thinking():
         assert engine.requests[0].sampling_params.structured_output_may_open is None  # (it waits in any case)
 
 
+def assert_thinking_split(http, serving, thought: str, answer: str) -> None:
+    """The chat endpoint's answer split into its thinking and content, whole (the thinking's tokens
+    counted) and streamed."""
+    body = {"model": "tiny", "messages": MESSAGES}
+    response = http.post("/v1/chat/completions", json=body).json()
+    message = response["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (thought, answer)
+    count = len(serving.tokenizer.encode(thought, add_special_tokens=False))
+    assert response["usage"]["completion_tokens_details"] == {"reasoning_tokens": count}
+    deltas = _deltas(http, body)
+    assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == answer
+
+
 def test_mistrals_thinking_tags_are_special_tokens_the_parser_still_reads():
     """Magistral / Ministral 3 Reasoning (--reasoning-parser mistral): [THINK] and [/THINK] are special
     tokens of Mistral's vocabularies, which a decode skipping special tokens drops: answers the parser
@@ -239,15 +253,8 @@ def test_mistrals_thinking_tags_are_special_tokens_the_parser_still_reads():
     answer = "[THINK]The capital of Italy.[/THINK]Rome."
     http, _, serving = _app(answer, reasoning="mistral", special_tokens=("[THINK]", "[/THINK]"))
     assert serving.tokenizer.convert_tokens_to_ids("[THINK]") in serving.tokenizer.all_special_ids
+    assert_thinking_split(http, serving, "The capital of Italy.", "Rome.")
     body = {"model": "tiny", "messages": MESSAGES}
-    response = http.post("/v1/chat/completions", json=body).json()
-    message = response["choices"][0]["message"]
-    assert (message["reasoning_content"], message["content"]) == ("The capital of Italy.", "Rome.")
-    thought = len(serving.tokenizer.encode("The capital of Italy.", add_special_tokens=False))
-    assert response["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
-    deltas = _deltas(http, body)
-    assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "The capital of Italy."
-    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Rome."
     # A model without the parser: its special tokens are left out of the text, as the request asks.
     plain, _, _ = _app(answer, special_tokens=("[THINK]", "[/THINK]"))
     assert plain.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == \
