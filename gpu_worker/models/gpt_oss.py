@@ -31,8 +31,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """GPT-OSS's names and expert layout -> the stacked experts FusedMoE loads: gate_up
         [experts, 2 x width, hidden] (gate rows, then up), down [experts, hidden, width]."""
+        others = self.pp_missing_prefixes  # (other pipeline stages' layers: not read, so not converted)
         for name, tensor in weights:
-            if name.endswith(".self_attn.sinks"):
+            if others and name.startswith(others):
+                yield name, tensor
+            elif name.endswith(".self_attn.sinks"):
                 yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
             elif ".mlp.router." in name:
                 yield name.replace(".mlp.router.", ".mlp.gate."), tensor

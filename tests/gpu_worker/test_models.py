@@ -411,3 +411,31 @@ def test_gemma3_language_model_loads_from_either_checkpoint_layout(tmp_path):
     newer.initialize_kv_cache(8, 4)
     torch.testing.assert_close(prefill_logits(newer, prompt, blocks), prefill_logits(runner, prompt, blocks),
                                atol=0, rtol=0)
+
+
+def test_gpt_oss_config_as_released():
+    """gpt-oss-20b's config.json (its keys as released, transformers 4.55's names): experts, windows on
+    the even layers, YaRN without truncation, biases; keys left out take GptOssConfig's defaults."""
+    released = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "experts_per_token": 4,
+                "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+                "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+                "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+                "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05,
+                "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                 "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+                "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+                "vocab_size": 201088, "eos_token_id": 200002}
+    config = ModelConfig.from_dict(released, {"eos_token_id": [200002, 199999, 200012]})
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (32, 4, 2880)
+    assert config.moe_bias and config.moe_activation == "swigluoai" and config.swiglu_alpha == 1.702
+    assert config.attention_sinks and config.qkv_bias and config.o_proj_bias and config.norm_topk_prob
+    assert [config.layer_sliding_window(i) for i in range(4)] == [128, None, 128, None]
+    assert config.rope_theta == 150000.0 and config.rope_scaling["truncate"] is False
+    assert config.max_context_len == 131072 and config.eos_token_ids == (200002, 199999, 200012)
+    # The fewest keys: transformers' defaults (128 experts, 4 each, YaRN over 4096, windows of 128).
+    bare = ModelConfig.from_dict({"architectures": ["GptOssForCausalLM"], "hidden_size": 64, "intermediate_size": 32,
+                                  "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 256,
+                                  "experts_per_token": 2})
+    assert (bare.num_experts, bare.num_experts_per_tok, bare.head_dim) == (128, 2, 64)
+    assert bare.rope_scaling["original_max_position_embeddings"] == 4096
+    assert [bare.layer_sliding_window(i) for i in range(3)] == [128, None, 128]
