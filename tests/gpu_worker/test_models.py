@@ -152,7 +152,8 @@ def test_registry_maps_architectures(tmp_path):
     assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                    "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
-                                   "Gemma3ForCausalLM", "Ministral3ForCausalLM", "BertModel", "RobertaModel",
+                                   "Gemma3ForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM", "BertModel",
+                                   "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
