@@ -56,7 +56,7 @@ from gpu_worker.vision_config import (
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM",
-                           "GptOssForCausalLM")
+                           "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM")
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -189,7 +189,7 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict with a ``rope_type`` key, or None for plain RoPE): the RoPE of the
     full-attention layers, where a config gives one per layer type (Gemma 3)."""
-    default_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
+    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0}.get(arch, 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -693,6 +693,30 @@ def _gemma_window_layers(arch: str, cfg: dict[str, Any], num_layers: int) -> tup
     return tuple((i + 1) % pattern != 0 for i in range(num_layers))
 
 
+def _smollm3_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """SmolLM3's NoPE layers: ``no_rope_layers`` (1: the layer rotates), else every
+    ``no_rope_layer_interval``-th layer (4 by default) without RoPE, as transformers reads them."""
+    if arch != "SmolLM3ForCausalLM":
+        return {}
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) < num_layers:
+        raise ValueError(f"no_rope_layers lists {len(flags)} layers, the model has {num_layers}")
+    return {"rope_layers": tuple(bool(flag) for flag in flags[:num_layers])}
+
+
+def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four scalars (transformers' defaults: 1.0 each)."""
+    if arch != "GraniteForCausalLM":
+        return {}
+    return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
+            "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
+
+
 def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields for an MoE architecture (none for a dense one)."""
     # A key a config leaves out takes transformers' default for the architecture, as HF reads it.
@@ -784,6 +808,16 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     # GPT-OSS: a learnt attention sink per query head (one more logit in each head's softmax).
     attention_sinks: bool = False
+    # Per layer, whether it rotates its queries and keys (empty: every layer does). SmolLM3 leaves
+    # every fourth layer without positions (NoPE).
+    rope_layers: tuple[bool, ...] = ()
+    # Granite: the embeddings times embedding_multiplier, each attention and MLP output times
+    # residual_multiplier before its residual add, the scores scaled by attention_multiplier (instead
+    # of head_dim ** -0.5), the logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # Per layer, whether its MLP is the routed experts (empty: every layer's is, in an MoE model).
     # Qwen-MoE keeps dense MLPs in mlp_only_layers and off its decoder_sparse_step.
     moe_layers: tuple[bool, ...] = ()
@@ -893,6 +927,8 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_is_moe(self, layer: int) -> bool:
@@ -1080,7 +1116,13 @@ class ModelConfig:
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
             sliding = (cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Ministral3ForCausalLM",
                                                              "MixtralForCausalLM", "Phi3ForCausalLM") else None)
+            if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
+                sliding = cfg.get("sliding_window")
         num_layers = int(cfg["num_hidden_layers"])
+        if arch == "SmolLM3ForCausalLM" and sliding and not isinstance(cfg.get("layer_types"), list):
+            # (transformers' default: the NoPE layers windowed)
+            rotates = _smollm3_fields(arch, cfg, num_layers)["rope_layers"]
+            cfg = {**cfg, "layer_types": ["full_attention" if r else "sliding_attention" for r in rotates]}
         window_layers: tuple[bool, ...] = ()
         gemma_kinds = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         if (sliding or gemma_kinds) and isinstance(cfg.get("layer_types"), list) and arch != "Qwen3MoeForCausalLM":
@@ -1118,8 +1160,8 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            # (Gemma ties them unless its config says otherwise, as transformers reads it.)
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            # (Gemma and SmolLM3 tie them unless their config says otherwise, as transformers reads it.)
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or arch == "SmolLM3ForCausalLM")),
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -1145,6 +1187,8 @@ class ModelConfig:
             **_gemma_from_dict(arch, cfg),
             llama_4_scaling=_llama_4_scaling(arch, cfg),
             attention_sinks=arch == "GptOssForCausalLM",
+            **_smollm3_fields(arch, cfg, num_layers),
+            **_granite_fields(arch, cfg),
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),
         )

@@ -54,6 +54,8 @@ class LlamaAttention(nn.Module):
         # head_dim, the same on every TP rank), before RoPE.
         self.q_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # SmolLM3's NoPE layers attend without positions.
+        self.rotates = not config.rope_layers or config.rope_layers[layer]
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``rope``: (cos, sin) of each token's position, and under Llama 4's attention temperature
@@ -69,7 +71,8 @@ class LlamaAttention(nn.Module):
             k = self.k_norm.forward(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(
                 num_tokens, self.num_kv_heads, self.head_dim))
             qk = torch.cat((q, k), dim=1)
-        RotaryEmbedding.rotate_(qk, rope[0], rope[1])
+        if self.rotates:
+            RotaryEmbedding.rotate_(qk, rope[0], rope[1])
         q = qk[:, : self.num_heads]
         if len(rope) > 2:
             q = q * rope[2]
@@ -136,14 +139,21 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(config) if config.layer_is_moe(layer) else LlamaMLP(config)
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        # Granite scales each attention and MLP output before its residual add.
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in and out: the layer's input is their sum (the residual add is fused
         into the next norm)."""
         hidden, residual = self._attention(rope, hidden, residual, meta)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
-        return self.mlp.forward(hidden), residual
+        hidden = self.mlp.forward(hidden)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
     def _attention(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +219,8 @@ class LlamaModel(nn.Module):
         self.layers = stage.layers(config, LlamaDecoderLayer)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else PPMissingLayer()
         self.llama_4_scaling = config.llama_4_scaling
+        # Granite: the first layer's input (embeddings, or the prompt embeddings given) times this.
+        self.embedding_multiplier = config.embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None,
@@ -224,6 +236,8 @@ class LlamaModel(nn.Module):
         gain values[i] (an image's features from its tower's inner blocks)."""
         if intermediate is None:
             hidden = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
+            if self.embedding_multiplier != 1.0:
+                hidden = hidden * self.embedding_multiplier
             residual = None
         else:
             hidden, residual = intermediate
@@ -294,7 +308,10 @@ class LlamaForCausalLM(nn.Module):
         """Full-vocab logits on TP rank 0, None on the other ranks."""
         if self.lm_head is None:
             raise RuntimeError("this model is served for embeddings only: it has no LM head")
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0 and logits is not None:  # (Granite)
+            logits = logits / self.config.logits_scaling
+        return logits
 
     def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:
         """A classifier's class logits for pooled hidden states [n, hidden] -> [n, classes] (the same
@@ -361,6 +378,15 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name.replace(".gate_up_proj.", ".up_proj."), tensor.narrow(0, half, half)
             else:
                 yield name, tensor
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3 is the Llama block with every fourth layer (``no_rope_layers``) attending without RoPE."""
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """IBM Granite 3.x is the Llama block with four scalars (ModelConfig's embedding, residual and
+    attention multipliers and logits scaling)."""
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -14,6 +14,7 @@ from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.llama import (
+    GraniteForCausalLM,
     LlamaForCausalLM,
     Ministral3ForCausalLM,
     MistralForCausalLM,
@@ -23,6 +24,7 @@ from gpu_worker.models.llama import (
     Qwen2MoeForCausalLM,
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
+    SmolLM3ForCausalLM,
 )
 from gpu_worker.models.llava import llava_class
 from gpu_worker.models.modernbert import ModernBertModel
@@ -52,6 +54,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

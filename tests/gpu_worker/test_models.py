@@ -58,6 +58,12 @@ CASES = {
     # experts with biases and a clamped SwiGLU (its clamp at 7, and tight enough to bind), MQA.
     "gpt_oss": ("gpt_oss", {}),
     "gpt_oss_tight_clamp_mqa": ("gpt_oss", {"swiglu_limit": 0.3, "num_key_value_heads": 1, "num_hidden_layers": 3}),
+    # SmolLM3's NoPE layers (every second one here); with a window on them.
+    "smollm3": ("smollm3", {"num_hidden_layers": 3}),
+    "smollm3_nope_window": ("smollm3", {"use_sliding_window": True, "sliding_window": 8, "tie_word_embeddings": False}),
+    # Granite's embedding, residual and attention multipliers and logits scaling.
+    "granite": ("granite", {}),
+    "granite_bias_mqa": ("granite", {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1}),
     # Gemma: (1 + w) norms, GeGLU, embeddings scaled by sqrt(hidden), a tied head.
     "gemma": ("gemma", {}),
     "gemma_mqa": ("gemma", {"num_key_value_heads": 1}),
@@ -152,8 +158,8 @@ def test_registry_maps_architectures(tmp_path):
     assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                    "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
-                                   "Gemma3ForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM", "BertModel",
-                                   "RobertaModel",
+                                   "Gemma3ForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM",
+                                   "SmolLM3ForCausalLM", "GraniteForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

@@ -16,6 +16,7 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     Ministral3Config,
     MistralConfig,
@@ -25,6 +26,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 from engine_core.config import CacheConfig, SchedulerConfig
@@ -83,6 +85,14 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "qwen3_moe":
         return Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                  "norm_topk_prob": True, **kw})
+    # SmolLM3: every second layer without RoPE here (its default is every fourth); tied embeddings.
+    if kind == "smollm3":
+        return SmolLM3Config(**{"no_rope_layer_interval": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                **kw})
+    # Granite: its four scalars away from 1 (Granite 3.x's own values are of these orders).
+    if kind == "granite":
+        return GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                "attention_multiplier": 0.0625, "logits_scaling": 8.0, **kw})
     # GPT-OSS: 8 experts, 2 per token, the even layers windowed (8 tokens), YaRN past 16 positions.
     if kind == "gpt_oss":
         return GptOssConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
