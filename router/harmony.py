@@ -76,8 +76,8 @@ class HarmonyParser(ToolCallParser):
         pending = self._take(len(self._pending))
         if not self._in_header:
             self._emit(pending, out)
-        elif "<|" not in pending:  # (text short of a header's start: content; a cut-off header is nothing)
-            out.content += pending
+        elif "<|" not in pending and pending.strip():  # (text short of a header: content; a cut-off header,
+            out.content += pending                    # or blanks between messages, nothing)
         return out
 
     def _take(self, length: int) -> str:

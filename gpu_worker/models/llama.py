@@ -147,12 +147,12 @@ class LlamaDecoderLayer(nn.Module):
         """(hidden, residual) in and out: the layer's input is their sum (the residual add is fused
         into the next norm)."""
         hidden, residual = self._attention(rope, hidden, residual, meta)
-        if self.residual_multiplier != 1.0:
-            hidden = hidden * self.residual_multiplier
+        if self.residual_multiplier != 1.0:  # (both outputs are this layer's own tensors)
+            hidden.mul_(self.residual_multiplier)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
         hidden = self.mlp.forward(hidden)
         if self.residual_multiplier != 1.0:
-            hidden = hidden * self.residual_multiplier
+            hidden.mul_(self.residual_multiplier)
         return hidden, residual
 
     def _attention(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
