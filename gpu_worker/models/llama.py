@@ -130,12 +130,13 @@ class SparseMoeBlock(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    # The norms' kind (Gemma's scale by 1 + w).
+    # The norms' kind (Gemma's scale by 1 + w), and the attention's (OLMo 2's norms its projections).
     norm_class: type[RMSNorm] = RMSNorm
+    attention_class: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer, self.norm_class)
+        self.self_attn = self.attention_class(config, layer, self.norm_class)
         self.mlp = SparseMoeBlock(config) if config.layer_is_moe(layer) else LlamaMLP(config)
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
@@ -207,6 +208,8 @@ class PipelineStage:
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.stage = stage = PipelineStage(config)
@@ -216,7 +219,7 @@ class LlamaModel(nn.Module):
                                           config.rope_theta, config.rope_scaling,
                                           mrope_section=config.mrope_section,
                                           mrope_interleaved=config.mrope_interleaved)
-        self.layers = stage.layers(config, LlamaDecoderLayer)
+        self.layers = stage.layers(config, self.layer_class)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else PPMissingLayer()
         self.llama_4_scaling = config.llama_4_scaling
         # Granite: the first layer's input (embeddings, or the prompt embeddings given) times this.

@@ -28,6 +28,7 @@ from gpu_worker.models.llama import (
 )
 from gpu_worker.models.llava import llava_class
 from gpu_worker.models.modernbert import ModernBertModel
+from gpu_worker.models.olmo2 import Olmo2ForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from gpu_worker.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
@@ -56,6 +57,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -64,6 +64,9 @@ CASES = {
     # Granite's embedding, residual and attention multipliers and logits scaling.
     "granite": ("granite", {}),
     "granite_bias_mqa": ("granite", {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1}),
+    # OLMo 2: post-norms, q/k norms over the whole projections (MQA: one KV head's).
+    "olmo2": ("olmo2", {}),
+    "olmo2_mqa_tied": ("olmo2", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
     # Gemma: (1 + w) norms, GeGLU, embeddings scaled by sqrt(hidden), a tied head.
     "gemma": ("gemma", {}),
     "gemma_mqa": ("gemma", {"num_key_value_heads": 1}),
@@ -159,7 +162,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                    "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                                    "Gemma3ForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM",
-                                   "SmolLM3ForCausalLM", "GraniteForCausalLM", "BertModel", "RobertaModel",
+                                   "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "BertModel",
+                                   "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

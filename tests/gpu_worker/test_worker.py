@@ -91,13 +91,15 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("gemma2", {"attn_logit_softcapping": 1.5}, False),
     ("gpt_oss", {}, False),
     ("gpt_oss", {}, True),
-], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel"])
+    ("olmo2", {}, False),
+], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
     GPT-OSS: each rank its query heads' sinks, its slice (or its experts') of the experts' gate/up
     bias, and the down bias once (rank 0 under a width split, each expert's rank under expert
-    parallelism)."""
+    parallelism). OLMo 2: the q/k norms over the whole projections, from each rank's heads (the one KV
+    head replicated on both)."""
     ray = pytest.importorskip("ray")
     # One KV head for two ranks (replicated), an odd vocab (padded shards) and tied embeddings.
     path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,

@@ -21,6 +21,7 @@ from transformers import (
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -89,6 +90,9 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "smollm3":
         return SmolLM3Config(**{"no_rope_layer_interval": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                                 **kw})
+    # OLMo 2: norms after each sublayer, q/k normed over their whole projections.
+    if kind == "olmo2":
+        return Olmo2Config(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Granite: its four scalars away from 1 (Granite 3.x's own values are of these orders).
     if kind == "granite":
         return GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,

@@ -1,0 +1,93 @@
+"""OLMo 2 (Olmo2ForCausalLM: OLMo-2 1B / 7B / 13B / 32B): the Llama block with two changes.
+
+* The norms come after the attention and the MLP, not before: each sublayer's output is normed, then
+  added to the residual (``post_attention_layernorm``, ``post_feedforward_layernorm``; no input norm).
+* The queries and the keys are normed over their whole projection (every head at once:
+  ``q_norm`` of num_heads x head_dim, ``k_norm`` of num_kv_heads x head_dim), before RoPE. Under tensor
+  parallelism a rank holds some heads: the ranks' sums of squares are all-reduced, so each normalises
+  by the whole projection's mean square (with KV heads replicated across ranks each copy is counted as
+  often as it is held, which leaves the mean the same).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_worker import distributed
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.linear import tp_rank_and_size
+from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.weight_utils import WeightLike, copy_into
+from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole q or k projection of which this rank holds ``width`` values from ``start``
+    (its heads'), as transformers' Olmo2RMSNorm computes it: statistics and weight in fp32, then the
+    cast."""
+
+    def __init__(self, width: int, start: int, eps: float) -> None:
+        super().__init__()
+        self.start, self.eps = start, eps
+        self.tp_size = tp_rank_and_size(None, None)[1]
+        self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+        copy_into(param.data, loaded.narrow(0, self.start, param.shape[0]), "q/k norm")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = x32.pow(2).sum(-1, keepdim=True)
+        if self.tp_size > 1:
+            distributed.all_reduce(squares)
+        mean = squares / (x.shape[-1] * self.tp_size)
+        return (self.weight.float() * (x32 * torch.rsqrt(mean + self.eps))).to(x.dtype)
+
+
+class Olmo2Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
+        super().__init__(config, layer, norm_class)
+        proj = self.qkv_proj
+        self.q_norm = ProjectionRMSNorm(self.q_size, proj.tp_rank * self.q_size, config.rms_norm_eps)
+        self.k_norm = ProjectionRMSNorm(self.kv_size, proj._kv_head_start() * self.head_dim, config.rms_norm_eps)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj.forward(hidden)
+        q = self.q_norm.forward(qkv[:, : self.q_size]).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_norm.forward(qkv[:, self.q_size: self.q_size + self.kv_size]).view(
+            num_tokens, self.num_kv_heads, self.head_dim)
+        qk = torch.cat((q, k), dim=1)
+        if self.rotates:
+            RotaryEmbedding.rotate_(qk, rope[0], rope[1])
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj.forward(self.attn.forward(qk[:, : self.num_heads], qk[:, self.num_heads:], v, meta))
+
+
+class Olmo2DecoderLayer(LlamaDecoderLayer):
+    attention_class = Olmo2Attention
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.input_layernorm = None  # (no norm before the attention)
+        self.post_feedforward_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in and out, as Llama's layer: the input is their sum; out, the normed MLP
+        output and the residual stream it is added to."""
+        x = hidden if residual is None else hidden + residual
+        x = x + self.post_attention_layernorm.forward(self.self_attn.forward(rope, x, meta))
+        return self.post_feedforward_layernorm.forward(self.mlp.forward(x)), x
+
+
+class Olmo2Model(LlamaModel):
+    layer_class = Olmo2DecoderLayer
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    model_class = Olmo2Model
