@@ -56,7 +56,8 @@ from gpu_worker.vision_config import (
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM",
-                           "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM")
+                           "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+                           "Olmo3ForCausalLM")
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -64,6 +65,7 @@ GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": Tru
 GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096}
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # Vision-language checkpoints whose language model we serve on text (ModelConfig reads their
 # text_config; the decoder's loader skips the vision tower).
 TEXT_DECODER_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -189,7 +191,8 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict with a ``rope_type`` key, or None for plain RoPE): the RoPE of the
     full-attention layers, where a config gives one per layer type (Gemma 3)."""
-    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0}.get(arch, 10000.0)
+    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
+                     "Olmo3ForCausalLM": 500_000.0}.get(arch, 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -674,13 +677,7 @@ def _gemma_from_dict(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                   final_logit_softcapping=optional("final_logit_softcapping", 30.0 if gemma2 else None))
     if not gemma2:
         # Gemma 3's sliding-window layers rotate with plain RoPE of their own base.
-        params = cfg.get("rope_parameters")
-        local = params.get("sliding_attention") if isinstance(params, dict) else None
-        local = dict(local or {})
-        local_type = local.get("rope_type") or local.get("type") or "default"
-        if local_type != "default":
-            raise ValueError(f"Gemma 3's sliding-window layers must use plain RoPE, got rope_type {local_type!r}")
-        fields["local_rope_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+        fields["local_rope_theta"] = _local_rope_theta(arch, cfg, float(cfg.get("rope_local_base_freq") or 10000.0))
     return fields
 
 
@@ -705,6 +702,24 @@ def _smollm3_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str
     if len(flags) < num_layers:
         raise ValueError(f"no_rope_layers lists {len(flags)} layers, the model has {num_layers}")
     return {"rope_layers": tuple(bool(flag) for flag in flags[:num_layers])}
+
+
+def _local_rope_theta(arch: str, cfg: dict[str, Any], default: float) -> float:
+    """The sliding-window layers' own RoPE base where a config gives one per layer type (Gemma 3, OLMo
+    3): plain RoPE, its base from ``rope_parameters["sliding_attention"]``, else ``default``."""
+    params = cfg.get("rope_parameters")
+    local = dict((params.get("sliding_attention") if isinstance(params, dict) else None) or {})
+    local_type = local.get("rope_type") or local.get("type") or "default"
+    if local_type != "default":
+        raise ValueError(f"{arch}'s sliding-window layers must use plain RoPE, got rope_type {local_type!r}")
+    return float(local.get("rope_theta") or default)
+
+
+def _olmo3_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3's windowed layers rotate with plain RoPE (its full layers take any scaling: YaRN)."""
+    if arch != "Olmo3ForCausalLM":
+        return {}
+    return {"local_rope_theta": _local_rope_theta(arch, cfg, float(cfg.get("rope_theta") or 500_000.0))}
 
 
 def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1118,6 +1133,11 @@ class ModelConfig:
                                                              "MixtralForCausalLM", "Phi3ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
+            if arch == "Olmo3ForCausalLM":  # (transformers' default window, on three layers of four)
+                sliding = cfg.get("sliding_window", 4096)
+                if sliding and not isinstance(cfg.get("layer_types"), list):
+                    cfg = {**cfg, "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                                  for i in range(int(cfg["num_hidden_layers"]))]}
         num_layers = int(cfg["num_hidden_layers"])
         if arch == "SmolLM3ForCausalLM" and sliding and not isinstance(cfg.get("layer_types"), list):
             # (transformers' default: the NoPE layers windowed)
@@ -1156,7 +1176,7 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5 if arch == "Olmo2ForCausalLM" else 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5 if arch in OLMO_ARCHITECTURES else 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -1188,6 +1208,7 @@ class ModelConfig:
             llama_4_scaling=_llama_4_scaling(arch, cfg),
             attention_sinks=arch == "GptOssForCausalLM",
             **_smollm3_fields(arch, cfg, num_layers),
+            **_olmo3_fields(arch, cfg),
             **_granite_fields(arch, cfg),
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

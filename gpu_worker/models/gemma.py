@@ -40,9 +40,6 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         sandwich = config.architecture != "GemmaForCausalLM"
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
-        # Gemma 3's sliding-window layers rotate with the local RoPE.
-        self.local_rope = (config.local_rope_theta is not None and bool(config.sliding_window_layers)
-                           and config.sliding_window_layers[layer])
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

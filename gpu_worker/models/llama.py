@@ -142,6 +142,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         # Granite scales each attention and MLP output before its residual add.
         self.residual_multiplier = config.residual_multiplier
+        # Gemma 3's and OLMo 3's sliding-window layers rotate with their own plain RoPE.
+        self.local_rope = (config.local_rope_theta is not None and bool(config.sliding_window_layers)
+                           and config.sliding_window_layers[layer])
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,6 +222,10 @@ class LlamaModel(nn.Module):
                                           config.rope_theta, config.rope_scaling,
                                           mrope_section=config.mrope_section,
                                           mrope_interleaved=config.mrope_interleaved)
+        # OLMo 3: its sliding-window layers' plain RoPE (the others': rope_theta and rope_scaling).
+        self.local_rotary_emb = (None if config.local_rope_theta is None else
+                                 RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
+                                                 config.local_rope_theta))
         self.layers = stage.layers(config, self.layer_class)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else PPMissingLayer()
         self.llama_4_scaling = config.llama_4_scaling
@@ -248,7 +255,11 @@ class LlamaModel(nn.Module):
         if self.llama_4_scaling is not None:  # (Ministral 3: each token's query scale, beside its cos and sin)
             rope = (*rope, llama_4_query_scale(positions, *self.llama_4_scaling, hidden.dtype))
         layers = self.layers[self.stage.start:self.stage.end]
-        if deepstack is None:
+        if self.local_rotary_emb is not None:
+            local = self.local_rotary_emb.cos_sin(positions)
+            for layer in layers:
+                hidden, residual = layer.forward(local if layer.local_rope else rope, hidden, residual, meta)
+        elif deepstack is None:
             for layer in layers:
                 hidden, residual = layer.forward(rope, hidden, residual, meta)
         else:

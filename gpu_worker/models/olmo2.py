@@ -1,4 +1,6 @@
-"""OLMo 2 (Olmo2ForCausalLM: OLMo-2 1B / 7B / 13B / 32B): the Llama block with two changes.
+"""OLMo 2 (Olmo2ForCausalLM: OLMo-2 1B / 7B / 13B / 32B) and OLMo 3 (Olmo3ForCausalLM: OLMo 2's layers with
+a sliding window on three layers of four, which rotate with plain RoPE of their own: ModelConfig's
+local_rope_theta): the Llama block with two changes.
 
 * The norms come after the attention and the MLP, not before: each sublayer's output is normed, then
   added to the residual (``post_attention_layernorm``, ``post_feedforward_layernorm``; no input norm).
@@ -91,3 +93,7 @@ class Olmo2Model(LlamaModel):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     model_class = Olmo2Model
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo 3 (7B, 32B): OLMo 2 with windowed layers (ModelConfig)."""

@@ -67,6 +67,13 @@ CASES = {
     # OLMo 2: post-norms, q/k norms over the whole projections (MQA: one KV head's).
     "olmo2": ("olmo2", {}),
     "olmo2_mqa_tied": ("olmo2", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    # OLMo 3: windowed layers with their plain RoPE beside a full layer with YaRN (its long-context
+    # release's scaling) and another base.
+    "olmo3": ("olmo3", {}),
+    "olmo3_yarn_full_layers": ("olmo3", {"rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                           "rope_theta": 500000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
     # Gemma: (1 + w) norms, GeGLU, embeddings scaled by sqrt(hidden), a tied head.
     "gemma": ("gemma", {}),
     "gemma_mqa": ("gemma", {"num_key_value_heads": 1}),
@@ -162,8 +169,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                    "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                                    "Gemma3ForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM",
-                                   "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "BertModel",
-                                   "RobertaModel",
+                                   "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+                                   "Olmo3ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
