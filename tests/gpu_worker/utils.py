@@ -94,10 +94,11 @@ def make_config(kind: str = "llama", **overrides):
     # OLMo 2: norms after each sublayer, q/k normed over their whole projections.
     if kind == "olmo2":
         return Olmo2Config(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
-    # OLMo 3: OLMo 2's layers, windows of 8 on three layers of four (plain RoPE there).
+    # OLMo 3: OLMo 2's layers, windows of 8 on three layers of four (plain RoPE there): four layers give
+    # it a full one.
     if kind == "olmo3":
         return Olmo3Config(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 8,
-                              "num_hidden_layers": 4, **kw})
+                              **kw, "num_hidden_layers": max(4, kw["num_hidden_layers"])})
     # Granite: its four scalars away from 1 (Granite 3.x's own values are of these orders).
     if kind == "granite":
         return GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
