@@ -1099,6 +1099,9 @@ class ModelConfig:
                     rope["rope_type"] = "default" if kind in (None, "mrope") else kind
                     cfg = {**cfg, key: rope}
         theta, scaling = _rope_from_dict(arch, cfg)
+        if arch == "Olmo3ForCausalLM" and scaling and scaling["rope_type"] == "longrope":
+            # (LongRoPE picks rows by a shifted position, which its windowed layers' plain RoPE would not follow)
+            raise ValueError("rope_type 'longrope' is not served for OLMo 3's full-attention layers")
         if gemma and scaling and scaling["rope_type"] not in ("linear", "llama3"):
             raise ValueError(f"rope_type must be 'default', 'linear' or 'llama3' for {arch}, "
                              f"got {scaling['rope_type']!r}")

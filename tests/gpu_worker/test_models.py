@@ -457,3 +457,15 @@ def test_gpt_oss_config_as_released():
     assert (bare.num_experts, bare.num_experts_per_tok, bare.head_dim) == (128, 2, 64)
     assert bare.rope_scaling["original_max_position_embeddings"] == 4096
     assert [bare.layer_sliding_window(i) for i in range(3)] == [128, None, 128]
+
+
+def test_olmo3_with_longrope_is_refused():
+    """LongRoPE picks its rows by a shifted position that OLMo 3's windowed layers' plain RoPE would not
+    follow: refused rather than served wrong."""
+    base = {"architectures": ["Olmo3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 256}
+    assert ModelConfig.from_dict(base).local_rope_theta == 500000.0
+    longrope = {"full_attention": {**LONGROPE, "rope_theta": 500000.0, "original_max_position_embeddings": 16},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+    with pytest.raises(ValueError, match="longrope"):
+        ModelConfig.from_dict({**base, "rope_parameters": longrope})
