@@ -472,6 +472,7 @@ class OpenAIServing:
         self._harmony = (settings.reasoning_parser == HARMONY_REASONING_PARSER
                          or settings.tool_call_parser == HARMONY_TOOL_CALL_PARSER)
         self._harmony_markers = harmony_marker_ids(tokenizer.get_vocab()) if self._harmony else {}
+        self._harmony_marker_ids = frozenset(self._harmony_markers.values())
         self._harmony_final = tokenizer.encode("<|channel|>final", add_special_tokens=False) if self._harmony else []
         self._harmony_message = self._harmony_markers.get("<|message|>")
         # A request's EOS is the tokenizer's, as vLLM's is; the engine adds the model's further EOS
@@ -1454,11 +1455,11 @@ class OpenAIServing:
     def _new_choices(self, n: int, prompt_ids: list[int], fields: SamplingFields,
                      skip_special_tokens: bool | None = None) -> list[_Choice]:
         skip = fields.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
-        markers = frozenset(self._harmony_markers.values())  # (a harmony parser tells them from spelled ones)
+        # (marker_ids: a harmony parser tells the markers' tokens from the same characters spelled)
         return [_Choice(i, IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=fields.stop_strings,
                                                   include_stop_str_in_output=fields.include_stop_str_in_output,
                                                   min_tokens=fields.min_tokens, skip_special_tokens=skip,
-                                                  marker_ids=markers),
+                                                  marker_ids=self._harmony_marker_ids),
                         [], []) for i in range(n)]
 
     async def _generate(self, streams: list[RequestStream], choices: list[_Choice], sink: asyncio.Queue | None) -> None:

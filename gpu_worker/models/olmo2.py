@@ -21,7 +21,6 @@ from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import tp_rank_and_size
-from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike, copy_into
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -42,32 +41,24 @@ class ProjectionRMSNorm(nn.Module):
         copy_into(param.data, loaded.narrow(0, self.start, param.shape[0]), "q/k norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        """x: [tokens, heads, head_dim] (this rank's heads, as LlamaAttention norms them), normed over
+        the whole projection."""
+        x32 = x.float().flatten(1)
         squares = x32.pow(2).sum(-1, keepdim=True)
         if self.tp_size > 1:
             distributed.all_reduce(squares)
-        mean = squares / (x.shape[-1] * self.tp_size)
-        return (self.weight.float() * (x32 * torch.rsqrt(mean + self.eps))).to(x.dtype)
+        mean = squares / (x32.shape[-1] * self.tp_size)
+        return (self.weight.float() * (x32 * torch.rsqrt(mean + self.eps))).to(x.dtype).view_as(x)
 
 
 class Olmo2Attention(LlamaAttention):
+    """Llama's attention (its q/k norm path) with the norms over the whole projections."""
+
     def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
         super().__init__(config, layer, norm_class)
         proj = self.qkv_proj
         self.q_norm = ProjectionRMSNorm(self.q_size, proj.tp_rank * self.q_size, config.rms_norm_eps)
         self.k_norm = ProjectionRMSNorm(self.kv_size, proj._kv_head_start() * self.head_dim, config.rms_norm_eps)
-
-    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj.forward(hidden)
-        q = self.q_norm.forward(qkv[:, : self.q_size]).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_norm.forward(qkv[:, self.q_size: self.q_size + self.kv_size]).view(
-            num_tokens, self.num_kv_heads, self.head_dim)
-        qk = torch.cat((q, k), dim=1)
-        if self.rotates:
-            RotaryEmbedding.rotate_(qk, rope[0], rope[1])
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj.forward(self.attn.forward(qk[:, : self.num_heads], qk[:, self.num_heads:], v, meta))
 
 
 class Olmo2DecoderLayer(LlamaDecoderLayer):
