@@ -57,13 +57,18 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM",
                            "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                           "Olmo3ForCausalLM")
+                           "Olmo3ForCausalLM", "Glm4MoeForCausalLM")
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
                     "max_position_embeddings": 131072, "rope_theta": 150000.0}
+# transformers' Glm4MoeConfig defaults for the keys a GLM-4.5 config may leave out (the released
+# configs state them; the experts' are _moe_from_dict's, the partial rotary's from_dict's).
+GLM4_MOE_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "intermediate_size": 10944}
 GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096}
+# Those whose heads may rotate only their first values (partial_rotary_factor).
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # Vision-language checkpoints whose language model we serve on text (ModelConfig reads their
@@ -754,6 +759,26 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True, moe_bias=True,
                     moe_activation="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
+    if arch == "Glm4MoeForCausalLM":
+        # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below),
+        # beside n_shared_experts shared ones; sigmoid scores chosen through the correction bias.
+        num_experts = read("n_routed_experts", 128, "num_local_experts")
+        width = read("moe_intermediate_size", 1408)
+        groups, kept = read("n_group", 1) or 1, read("topk_group", 1) or 1
+        if num_experts % groups or not 0 < kept <= groups:
+            raise ValueError(f"n_group ({groups}) must divide n_routed_experts ({num_experts}), and topk_group "
+                             f"({kept}) be between 1 and n_group")
+        top_k = read("num_experts_per_tok", 8)
+        if (num_experts // groups < 2 and groups > 1) or top_k > kept * (num_experts // groups):
+            raise ValueError(f"num_experts_per_tok ({top_k}) must fit in topk_group ({kept}) groups of "
+                             f"{num_experts // groups} experts, each of two or more")
+        first_moe = read("first_k_dense_replace", 1)
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                    shared_expert_intermediate_size=width * read("n_shared_experts", 1), shared_expert_gated=False,
+                    moe_scoring="sigmoid", moe_correction_bias=True, moe_num_groups=groups, moe_topk_groups=kept,
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                    moe_layers=tuple(i >= first_moe for i in range(num_layers)))
     if arch == "Qwen2MoeForCausalLM":
         defaults = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408}
         shared = read("shared_expert_intermediate_size", 5632)
@@ -813,8 +838,20 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     # Renormalise the top-k routing weights to sum to one (Mixtral always; Qwen's norm_topk_prob).
     norm_topk_prob: bool = False
-    # Qwen2-MoE's shared expert, gated per token by a sigmoid (0: none).
+    # Qwen2-MoE's shared expert, gated per token by a sigmoid (0: none); GLM-4.5's shared experts,
+    # ungated (shared_expert_gated False).
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True
+    # The router's scoring: "softmax" over all experts (Mixtral, Qwen, GPT-OSS), or "sigmoid" per
+    # expert (GLM-4.5, DeepSeek-V3), chosen through a correction bias (moe_correction_bias: the
+    # router's e_score_correction_bias) within the moe_topk_groups best of moe_num_groups groups, the
+    # weights times routed_scaling_factor (gpu_worker.layers.fused_moe.select_experts_grouped). The
+    # sigmoid router's weights and logits are fp32, as transformers and vLLM keep them.
+    moe_scoring: str = "softmax"
+    moe_correction_bias: bool = False
+    moe_num_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
     # GPT-OSS: a bias on the router and on every expert's projections, and the experts' clamped SwiGLU
     # ("swigluoai", gpu_worker.layers.fused_moe.swiglu_oai) with its gain and clamp.
     moe_bias: bool = False
@@ -1059,6 +1096,8 @@ class ModelConfig:
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+        if arch == "Glm4MoeForCausalLM":
+            cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "GptOssForCausalLM":
             cfg = {**GPT_OSS_DEFAULTS, **cfg}
             if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
@@ -1108,10 +1147,15 @@ class ModelConfig:
         params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
         rotary_dim = int(head_dim * partial)
-        # Phi-4-mini rotates 3/4 of each head; the Llama-family code of the others rotates whole heads.
-        if partial != 1.0 and (arch != "Phi3ForCausalLM" or not 0 < rotary_dim <= head_dim or rotary_dim % 2):
+        if arch == "Glm4MoeForCausalLM" and "partial_rotary_factor" not in params \
+                and cfg.get("partial_rotary_factor") is None:
+            partial, rotary_dim = 0.5, head_dim // 2  # (transformers' default for GLM-4.5: half of each head)
+        # Phi-4-mini rotates 3/4 of each head, GLM-4.5 half (the first values of each, in halves as
+        # Llama's); the Llama-family code of the others rotates whole heads.
+        if partial != 1.0 and (arch not in PARTIAL_ROTARY_ARCHITECTURES or not 0 < rotary_dim <= head_dim
+                               or rotary_dim % 2):
             raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE over whole heads) for {arch}, or give an "
-                             f"even rotary width for Phi-3, got {partial}")
+                             f"even rotary width for {' or '.join(PARTIAL_ROTARY_ARCHITECTURES)}, got {partial}")
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
             # (transformers reads a missing sliding_window as 4096.)
@@ -1123,6 +1167,8 @@ class ModelConfig:
         elif arch == "GptOssForCausalLM":
             qkv_bias = o_bias = bool(cfg["attention_bias"])
             sliding = cfg.get("sliding_window")
+        elif arch == "Glm4MoeForCausalLM":  # (attention_bias: q, k and v's; o_proj has none)
+            qkv_bias, o_bias, sliding = bool(cfg.get("attention_bias", False)), False, None
         elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window", 4096)
@@ -1188,7 +1234,8 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+            or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,

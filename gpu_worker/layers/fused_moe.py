@@ -51,6 +51,34 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+def select_experts_grouped(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                           correction_bias: torch.Tensor | None, num_groups: int = 1, topk_groups: int = 1,
+                           scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing, GLM-4.5's (vLLM's grouped top-k with sigmoid scores): each expert's
+    score is the sigmoid of its logit; the choice reads the scores plus a per-expert correction bias
+    (the load-balancing bias learnt without an auxiliary loss), first keeping the ``topk_groups``
+    best of ``num_groups`` equal groups of experts (a group ranked by the sum of its two best biased
+    scores, by its best without a bias), then the top k within them; the weights are the chosen
+    experts' unbiased scores, renormalised where the model does so, times ``scaling_factor``.
+    ``router_logits`` in fp32; returns (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
+    scores = torch.sigmoid(router_logits.float())
+    choice = scores if correction_bias is None else scores + correction_bias
+    if num_groups > 1 and topk_groups < num_groups:
+        grouped = choice.view(choice.shape[0], num_groups, -1)
+        group_scores = (grouped.topk(2, dim=-1)[0].sum(dim=-1) if correction_bias is not None
+                        else grouped.amax(dim=-1))
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, torch.topk(group_scores, topk_groups, dim=-1, sorted=False)[1], True)
+        choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choice)
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    if scaling_factor != 1.0:
+        weights *= scaling_factor
+    return weights, ids
+
+
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """GPT-OSS's gated activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), where g is
     the gate clamped to at most ``limit``."""

@@ -1,5 +1,5 @@
 """Llama-architecture decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE).
+mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5).
 
 The variants differ only in config flags (QKV bias, o_proj bias, Qwen3's per-head q/k norms, tied
 embeddings, RoPE scaling, a sliding window on all or some layers, routed experts in place of some
@@ -25,7 +25,7 @@ from gpu_worker.layers.activation import gated_activation
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from gpu_worker.layers.encoder_attention import EncoderAttention
-from gpu_worker.layers.fused_moe import FusedMoE, select_experts
+from gpu_worker.layers.fused_moe import FusedMoE, select_experts, select_experts_grouped
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gpu_worker.layers.rotary import RotaryEmbedding, llama_4_query_scale
@@ -98,14 +98,23 @@ class SparseMoeBlock(nn.Module):
     """Routed experts in place of the MLP (Mixtral's block_sparse_moe, Qwen-MoE's mlp): a router
     (``gate``, replicated on every rank) picks each token's top-k experts; Qwen2-MoE adds a shared
     expert every token goes through, scaled by sigmoid(``shared_expert_gate``); GPT-OSS's router and
-    experts have biases (ModelConfig.moe_bias) and a clamped SwiGLU. Each rank computes
+    experts have biases (ModelConfig.moe_bias) and a clamped SwiGLU; GLM-4.5's router scores each
+    expert by a sigmoid and chooses through a correction bias (an fp32 router: ``gate.weight`` and
+    ``gate.e_score_correction_bias``), and its shared experts are ungated. Each rank computes
     its partial sums of both (the shared expert split by width even under expert parallelism, as
     vLLM does), and one all-reduce adds them up."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.renormalize = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.moe_bias).requires_grad_(False)
+        self.sigmoid_scoring = config.moe_scoring == "sigmoid"
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.moe_bias,
+                              dtype=torch.float32 if self.sigmoid_scoring else None).requires_grad_(False)
+        if config.moe_correction_bias:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
+                                                             requires_grad=False)
+        self.num_groups, self.topk_groups = config.moe_num_groups, config.moe_topk_groups
+        self.routed_scaling_factor = config.routed_scaling_factor
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size, expert_parallel=config.expert_parallel,
                                 bias=config.moe_bias, activation=config.moe_activation,
@@ -113,17 +122,26 @@ class SparseMoeBlock(nn.Module):
         self.tp_size = self.experts.tp_size
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size, reduce_results=False)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-            self.shared_expert_gate.weight.requires_grad_(False)
+            self.shared_expert_gate = None
+            if config.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+                self.shared_expert_gate.weight.requires_grad_(False)
         else:
             self.shared_expert = self.shared_expert_gate = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate.forward(x), self.experts.top_k, self.renormalize)
+        if self.sigmoid_scoring:
+            weights, ids = select_experts_grouped(
+                self.gate.forward(x.float()), self.experts.top_k, self.renormalize,
+                getattr(self.gate, "e_score_correction_bias", None), self.num_groups, self.topk_groups,
+                self.routed_scaling_factor)
+        else:
+            weights, ids = select_experts(self.gate.forward(x), self.experts.top_k, self.renormalize)
         out = self.experts.forward(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert.forward(x)
-            out += shared.mul_(torch.sigmoid(self.shared_expert_gate.forward(x)))
+            out += shared if self.shared_expert_gate is None else shared.mul_(
+                torch.sigmoid(self.shared_expert_gate.forward(x)))
         if self.tp_size > 1:
             distributed.all_reduce(out)
         return out
@@ -415,6 +433,23 @@ class MixtralForCausalLM(LlamaForCausalLM):
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention, routed experts plus a gated
     shared expert in the sparse layers, dense MLPs in ``mlp_only_layers``."""
+
+
+class Glm4MoeForCausalLM(LlamaForCausalLM):
+    """GLM-4.5 / 4.6 / 4.7 and GLM-4.5-Air: the Llama block with q/k/v biases, RoPE over half of each
+    head, optional q/k norms, dense MLPs in the first layers and then routed experts beside ungated
+    shared ones, chosen by sigmoid scores through a correction bias (SparseMoeBlock). The checkpoint
+    names its shared experts ``shared_experts``, and holds its multi-token-prediction layers after the
+    last decoder layer (``model.layers.{num_hidden_layers}...``): not served, so not read."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        num_layers = self.config.num_hidden_layers
+        for name, tensor in weights:
+            parts = name.split(".")
+            index = parts.index("layers") + 1 if "layers" in parts else 0
+            if index and index < len(parts) and parts[index].isdigit() and int(parts[index]) >= num_layers:
+                continue  # (a multi-token-prediction layer)
+            yield name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -14,6 +14,7 @@ from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.llama import (
+    Glm4MoeForCausalLM,
     GraniteForCausalLM,
     LlamaForCausalLM,
     Ministral3ForCausalLM,
@@ -59,6 +60,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from gpu_worker.config import ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 from gpu_worker.models import MODEL_REGISTRY, get_model_class
@@ -58,6 +59,13 @@ CASES = {
     # experts with biases and a clamped SwiGLU (its clamp at 7, and tight enough to bind), MQA.
     "gpt_oss": ("gpt_oss", {}),
     "gpt_oss_tight_clamp_mqa": ("gpt_oss", {"swiglu_limit": 0.3, "num_key_value_heads": 1, "num_hidden_layers": 3}),
+    # GLM-4.5: sigmoid routing through the correction bias within the best group, the weights scaled,
+    # an ungated shared expert, a dense first layer, half-head RoPE; with q/k norms (GLM-4.5 itself)
+    # and without (GLM-4.5-Air), one group and no renormalising, MQA.
+    "glm4_moe": ("glm4_moe", {"num_hidden_layers": 3}),
+    "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True}),
+    "glm4_moe_one_group_mqa": ("glm4_moe", {"n_group": 1, "norm_topk_prob": False, "num_key_value_heads": 1,
+                                            "partial_rotary_factor": 0.25}),
     # SmolLM3's NoPE layers (every second one here); with a window on them.
     "smollm3": ("smollm3", {"num_hidden_layers": 3}),
     "smollm3_nope_window": ("smollm3", {"use_sliding_window": True, "sliding_window": 8, "tie_word_embeddings": False}),
@@ -170,7 +178,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                                    "Gemma3ForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM",
                                    "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                                   "Olmo3ForCausalLM", "BertModel", "RobertaModel",
+                                   "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
@@ -457,6 +465,61 @@ def test_gpt_oss_config_as_released():
     assert (bare.num_experts, bare.num_experts_per_tok, bare.head_dim) == (128, 2, 64)
     assert bare.rope_scaling["original_max_position_embeddings"] == 4096
     assert [bare.layer_sliding_window(i) for i in range(3)] == [128, None, 128]
+
+
+def test_glm4_moe_config_as_released():
+    """GLM-4.5-Air's and GLM-4.5's config.json (transformers 4's names): RoPE over half of each head,
+    q/k/v biases without o_proj's, dense MLPs below first_k_dense_replace, sigmoid routing scaled as
+    released; keys left out take Glm4MoeConfig's defaults."""
+    air = {"architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "eos_token_id": [151329, 151336, 151338],
+           "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "partial_rotary_factor": 0.5,
+           "intermediate_size": 10944, "max_position_embeddings": 131072, "model_type": "glm4_moe",
+           "moe_intermediate_size": 1408, "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1,
+           "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+           "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46, "num_key_value_heads": 8,
+           "pad_token_id": 151329, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+           "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "use_qk_norm": False, "vocab_size": 151552}
+    config = ModelConfig.from_dict(air)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 1408)
+    assert config.shared_expert_intermediate_size == 1408 and not config.shared_expert_gated
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.norm_topk_prob
+    assert [config.layer_is_moe(i) for i in range(3)] == [False, True, True]
+    assert config.rotary_dim == 64 and config.head_dim == 128 and config.rope_theta == 1e6
+    assert config.qkv_bias and not config.o_proj_bias and not config.qk_norm
+    assert config.sliding_window is None and config.eos_token_ids == (151329, 151336, 151338)
+    full = ModelConfig.from_dict({**air, "hidden_size": 5120, "num_hidden_layers": 92, "n_routed_experts": 160,
+                                  "first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "use_qk_norm": True,
+                                  "intermediate_size": 12288, "moe_intermediate_size": 1536})
+    assert full.qk_norm and full.routed_scaling_factor == 2.5
+    assert [full.layer_is_moe(i) for i in range(4)] == [False, False, False, True]
+    bare = ModelConfig.from_dict({"architectures": ["Glm4MoeForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "vocab_size": 256})
+    assert (bare.num_experts, bare.num_experts_per_tok, bare.moe_intermediate_size) == (128, 8, 1408)
+    assert (bare.rotary_dim, bare.rms_norm_eps, bare.intermediate_size) == (8, 1e-5, 10944)
+    with pytest.raises(ValueError, match="n_group"):
+        ModelConfig.from_dict({**air, "n_group": 3})
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_dict({**air, "n_group": 8, "topk_group": 1, "num_experts_per_tok": 17})
+
+
+def test_glm4_moe_multi_token_prediction_layers_are_not_read(tmp_path):
+    """GLM-4.5's checkpoints hold their MTP module as one more layer (model.layers.{num_hidden_layers}):
+    not served, so skipped at load; the model's own layers answer as transformers' do."""
+    path = save_tiny_model(tmp_path, "glm4_moe")
+    hf = load_hf(path)
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+        tensors[name.replace("model.layers.1.", "model.layers.2.")] = tensors[name].clone()
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.2.shared_head.norm.weight"] = torch.ones(64)
+    save_file(tensors, file, metadata={"format": "pt"})
+    runner = make_runner(path, num_blocks=16, block_size=4)
+    prompt = [(5 * i + 1) % 256 for i in range(20)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_olmo3_with_longrope_is_refused():

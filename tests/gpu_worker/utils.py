@@ -15,6 +15,7 @@ from transformers import (
     Gemma3Config,
     Gemma3TextConfig,
     GemmaConfig,
+    Glm4MoeConfig,
     GptOssConfig,
     GraniteConfig,
     LlamaConfig,
@@ -108,6 +109,13 @@ def make_config(kind: str = "llama", **overrides):
         return GptOssConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
                                "intermediate_size": 32, "rope_parameters": {**GPT_OSS_ROPE, "rope_theta": 150000.0},
                                **kw})
+    # GLM-4.5: 8 experts in 2 groups (1 kept), 2 per token, a shared expert, the first layer dense,
+    # RoPE over half of each 16-dim head, q/k/v biases, the weights scaled by 2.5 as GLM-4.5's are.
+    if kind == "glm4_moe":
+        return Glm4MoeConfig(**{"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "head_dim": 16,
+                                "attention_bias": True, "routed_scaling_factor": 2.5, "pad_token_id": 0,
+                                "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Gemma: 16-dim heads (its default is 256), windows short enough for a 45-token prompt to cross.
     if kind == "gemma":
         return GemmaConfig(**{"head_dim": 16, **kw})
@@ -142,6 +150,11 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # GPT-OSS's attention sinks: logits of the order of the scores', so each takes a visible share.
             if name.endswith("self_attn.sinks"):
                 param.normal_(0.0, 1.0)
+        # GLM-4.5's router correction bias (a buffer, zero at first): of the scores' order, so that it
+        # moves the choice.
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
             # Gemma's norms store w for a scale of 1 + w, and start at 0: random ones show a norm
             # skipped or scaled by w alone.
             if kind.startswith("gemma") and name.endswith("norm.weight"):
