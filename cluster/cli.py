@@ -583,7 +583,8 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                        help="The model's tool-call format (hermes: <tool_call>{...}</tool_call>; mistral: "
                             "[TOOL_CALLS][...]; llama3_json: Llama 3.x's JSON objects; pythonic: [f(a=1), ...]; "
-                            "qwen3_coder: <tool_call><function=f><parameter=a>1</parameter>...).")
+                            "qwen3_coder: <tool_call><function=f><parameter=a>1</parameter>...; glm45: <tool_call>f "
+                            "<arg_key>a</arg_key><arg_value>1</arg_value>...; openai: gpt-oss's harmony messages).")
     serve.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="Return chat answers' <think>...</think> as reasoning (and reasoning_content).")
     serve.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,

@@ -11,6 +11,8 @@ returns it in ``reasoning_content``.
 - ``mistral`` (Magistral, Ministral 3 Reasoning): as ``qwen3``, with Mistral's tags ``[THINK]`` and
   ``[/THINK]``, which are special tokens of its vocabulary (so an answer it reads is decoded with
   its special tokens, as the tool-call parsers' are).
+- ``glm45`` (GLM-4.5, 4.6, 4.7): as ``qwen3`` (GLM's templates close the thinking in the prompt,
+  ``<think></think>``, when ``enable_thinking`` is false: the answer is then all content).
 - ``openai_gptoss`` (gpt-oss): its answers are harmony messages on channels, not tags; they are read
   by ``router.harmony.HarmonyParser`` (reasoning, content and tool calls together).
 
@@ -23,14 +25,15 @@ from __future__ import annotations
 
 from router.parsed_output import partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss", "glm45")
 # The harmony format's parsers (gpt-oss): the reasoning parser and the tool-call parser of that name
 # both read an answer with router.harmony.HarmonyParser.
 HARMONY_REASONING_PARSER, HARMONY_TOOL_CALL_PARSER = "openai_gptoss", "openai"
 
 START, END = "<think>", "</think>"
 # Each parser's (start, end) tags.
-THINK_TAGS = {"deepseek_r1": (START, END), "qwen3": (START, END), "mistral": ("[THINK]", "[/THINK]")}
+THINK_TAGS = {"deepseek_r1": (START, END), "qwen3": (START, END), "mistral": ("[THINK]", "[/THINK]"),
+              "glm45": (START, END)}
 
 
 def think_tags(name: str | None) -> tuple[str, str]:
@@ -81,7 +84,9 @@ def create_reasoning_parser(name: str, starts_thinking: bool = False) -> Reasoni
     ``<think>`` there), so the answer reasons up to ``</think>`` without an opening tag of its own."""
     if name == "deepseek_r1":
         return ReasoningParser(needs_start_tag=False)
-    if name in ("qwen3", "mistral"):
+    # (GLM-4.5's answers think only after their own <think>, as Qwen3's; its template closes the
+    # thinking in the prompt when enable_thinking is false, and GLM-4.7's may open it there.)
+    if name in ("qwen3", "mistral", "glm45"):
         return ReasoningParser(needs_start_tag=not starts_thinking, tags=THINK_TAGS[name])
     if name == HARMONY_REASONING_PARSER:
         raise ValueError("openai_gptoss answers are read by router.harmony.HarmonyParser, not a tag parser")

@@ -7,7 +7,9 @@
 - ``"auto"``: the model decides, in its own format, read by the server's ``--tool-call-parser``
   (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Hermes and Qwen
   models write it); text outside the tags is the message's content. ``openai`` (gpt-oss): calls are
-  harmony messages to ``functions.NAME`` (``router.harmony``, which reads the whole answer).
+  harmony messages to ``functions.NAME`` (``router.harmony``, which reads the whole answer);
+  ``glm45`` (GLM-4.5 to 4.7): ``<tool_call>NAME`` and ``<arg_key>``/``<arg_value>`` pairs
+  (``router.glm45_tool_parser``).
 
 Every parser is incremental: ``feed(text)`` returns what can be released now (content and
 tool-call deltas, in OpenAI's streamed shape), ``finish()`` what is left. A whole response runs the
@@ -25,7 +27,7 @@ from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai", "glm45")
 # Where a JSON call object keeps its arguments.
 ARGUMENTS_KEYS = ("arguments", "parameters")
 
@@ -720,7 +722,7 @@ class Qwen3CoderToolCallParser(ToolCallParser):
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__()
-        self._properties = _tool_properties(tools)
+        self._properties = tool_properties(tools)
         self._state = "content"  # content, block, name, body, key, value, after
         self._pending = ""  # text read but not yet consumed
         self._block = ""  # the block's text until its call is known (it is content if none comes)
@@ -780,7 +782,7 @@ class Qwen3CoderToolCallParser(ToolCallParser):
             return True
         if state == "value":
             tags = (self.PARAMETER_END, self.PARAMETER, self.FUNCTION_END, self.END)
-            at, tag = _first_tag(text, tags, max(0, self._searched - max(map(len, tags)) + 1))
+            at, tag = first_tag(text, tags, max(0, self._searched - max(map(len, tags)) + 1))
             if at < 0:
                 self._searched = len(text)
                 return False
@@ -793,7 +795,7 @@ class Qwen3CoderToolCallParser(ToolCallParser):
         # block that has no call yet, kept in case it never gets one).
         tags = {"block": (self.FUNCTION, self.END), "body": (self.PARAMETER, self.FUNCTION_END, self.END),
                 "after": (self.FUNCTION, self.END)}[state]
-        at, tag = _first_tag(text, tags)
+        at, tag = first_tag(text, tags)
         if at < 0:
             keep = max(partial_suffix(text, t) for t in tags)
             if state == "block":
@@ -848,7 +850,7 @@ class Qwen3CoderToolCallParser(ToolCallParser):
         out.tool_calls.append({"index": self.calls - 1, "function": {"arguments": "}"}})
 
 
-def _tool_properties(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+def tool_properties(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
     """Each function's parameter schemas (``parameters.properties``), by name."""
     found: dict[str, dict[str, Any]] = {}
     for tool in tools or ():
@@ -860,7 +862,7 @@ def _tool_properties(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, 
     return found
 
 
-def _first_tag(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str]:
+def first_tag(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str]:
     """Where the first of ``tags`` is in ``text`` (from ``start``), and which: (-1, "") if none."""
     first, which = -1, ""
     for tag in tags:
@@ -927,11 +929,11 @@ def qwen3_coder_value(raw: str, schema: Any) -> Any:
             pass
         else:
             if isinstance(value, str):  # JSON of a Python repr, "{'k': 'v'}" (a known template slip)
-                value = _python_literal(value, value)
+                value = python_literal(value, value)
     if value is _NO_VALUE:
-        value = _python_literal(raw, raw)
+        value = python_literal(raw, raw)
         if container and isinstance(value, str):
-            value = _python_literal(value, value)
+            value = python_literal(value, value)
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError, RecursionError):
@@ -942,7 +944,7 @@ def qwen3_coder_value(raw: str, schema: Any) -> Any:
 _NO_VALUE = object()
 
 
-def _python_literal(text: str, otherwise: Any) -> Any:
+def python_literal(text: str, otherwise: Any) -> Any:
     try:
         return ast.literal_eval(text)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -971,6 +973,10 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
             return PythonicToolCallParser()
         if server_parser == "qwen3_coder":
             return Qwen3CoderToolCallParser(tools)
+        if server_parser == "glm45":
+            from router.glm45_tool_parser import Glm45ToolCallParser
+
+            return Glm45ToolCallParser(tools)
         if server_parser == "openai":
             from router.harmony import HarmonyParser
 

@@ -31,14 +31,17 @@ def call(name: str, *params: tuple[str, str]) -> str:
     return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
 
 
-def whole(text: str, tools: list[dict] | None = TOOLS, **kwargs) -> tuple[str | None, list[dict[str, str]]]:
-    answer = ChatOutputParser(None, Qwen3CoderToolCallParser(tools), **kwargs).whole(text)
+def whole(text: str, tools: list[dict] | None = TOOLS, make=Qwen3CoderToolCallParser,
+          **kwargs) -> tuple[str | None, list[dict[str, str]]]:
+    """``make``: the parser's class (each XML-like format's tests share these helpers)."""
+    answer = ChatOutputParser(None, make(tools), **kwargs).whole(text)
     return answer.content, [c["function"] for c in answer.tool_calls]
 
 
-def streamed(text: str, pieces: list[int], tools: list[dict] | None = TOOLS) -> tuple[str, list[dict[str, str]]]:
+def streamed(text: str, pieces: list[int], tools: list[dict] | None = TOOLS,
+             make=Qwen3CoderToolCallParser) -> tuple[str, list[dict[str, str]]]:
     """Feed ``text`` in pieces of the given sizes, merging the deltas as a client does."""
-    choice = ChatOutputParser(None, Qwen3CoderToolCallParser(tools))
+    choice = ChatOutputParser(None, make(tools))
     out, at = ParsedDelta(), 0
     for size in pieces:
         out.extend(choice.feed(text[at:at + size]))
@@ -63,14 +66,15 @@ def random_pieces(text: str, seed: int) -> list[int]:
     return pieces
 
 
-def agree(text: str, content: str, calls: list[tuple[str, dict]], tools: list[dict] | None = TOOLS) -> None:
+def agree(text: str, content: str, calls: list[tuple[str, dict]], tools: list[dict] | None = TOOLS,
+          make=Qwen3CoderToolCallParser) -> None:
     """Whole, one character at a time and in random pieces: the same content and calls, whose
     arguments are ``json.dumps`` of the values (as vLLM writes them)."""
     expected = [{"name": name, "arguments": json.dumps(args, ensure_ascii=False)} for name, args in calls]
-    assert whole(text, tools) == ((content if content or not calls else None), expected)
-    assert streamed(text, [1] * len(text), tools) == (content, expected)
+    assert whole(text, tools, make) == ((content if content or not calls else None), expected)
+    assert streamed(text, [1] * len(text), tools, make) == (content, expected)
     for seed in range(30):
-        assert streamed(text, random_pieces(text, seed), tools) == (content, expected), seed
+        assert streamed(text, random_pieces(text, seed), tools, make) == (content, expected), seed
 
 
 SEVERAL = ("Let me check both.\n\n"

@@ -1,0 +1,164 @@
+"""``--tool-call-parser glm45``: tool calls as GLM-4.5, 4.6 and 4.7 write them (vLLM's ``glm45``)::
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    </tool_call>
+
+The function's name is the first line of the block (GLM-4.7 may write the first ``<arg_key>`` on the
+same line); each argument is a key and a value, the value read by the type the request's tool gives
+the parameter: a ``string`` parameter's value exactly as written, any other (or a parameter the tool
+does not declare) as JSON, else as a Python literal, else as its text without the blanks around it
+(vLLM's rules). Text outside the blocks is content, as with hermes.
+
+Incremental as every parser here: a call is released once its name has ended (a "name" with blanks,
+quotes, braces or angle brackets in it is not one: its block stays content), its arguments as a
+JSON object that grows by one ``"key": value`` as each value ends. A block cut off keeps what it
+got: the value being written ends where the text does, and the object is closed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from router.parsed_output import ParsedDelta, partial_suffix
+from router.tool_parsers import ContentWithHeldBlanks, ToolCallParser, first_tag, python_literal, tool_properties
+
+
+def glm45_value(raw: str, schema: Any) -> Any:
+    """An argument's text as GLM-4.5's parser reads it: a ``string`` parameter's as written; any
+    other's as JSON, else as a Python literal, else its text (stripped). A value JSON cannot carry
+    (NaN, a set) stays its text."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return raw
+    text = raw.strip()
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = python_literal(text, text)
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return text
+    return value
+
+
+class Glm45ToolCallParser(ToolCallParser):
+    free_form = True
+
+    START, END = "<tool_call>", "</tool_call>"
+    KEY, KEY_END = "<arg_key>", "</arg_key>"
+    VALUE, VALUE_END = "<arg_value>", "</arg_value>"
+    # Characters no function name has (after the blanks around it are dropped).
+    NOT_IN_NAMES = frozenset("{}<>\"' \t\r")
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__()
+        self._properties = tool_properties(tools)
+        self._state = "content"  # content, name, text (a block that is no call), body, key, before_value, value
+        self._pending = ""  # text read but not yet consumed
+        self._block = ""  # the block's text until its name is known (content if it is no name)
+        self._searched = 0  # how much of the pending text was searched for the current end tags
+        self._content = ContentWithHeldBlanks()
+        self._call_properties: dict[str, Any] = {}  # the current call's function's parameters
+        self._key = ""  # the argument being read
+        self._keys = 0  # arguments released in the current call
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._pending += text
+        out = ParsedDelta()
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        state, rest = self._state, self._pending
+        if state == "content":
+            self._content.add(rest, out)
+        elif state in ("name", "text"):  # (a name cut off is no call: the block is text)
+            self._content.add(self._block + rest, out)
+        elif state == "value":  # cut off in a value: it ends where the text does (less a tag begun)
+            self._release(rest[:len(rest) - max(partial_suffix(rest, t) for t in (self.VALUE_END, self.END))], out)
+        if state in ("body", "key", "before_value", "value"):
+            self._close(out)
+        if not self.calls:  # a blank answer is still the answer; blanks around calls are not content
+            out.content += self._content.blank
+        self._content.drop()
+        self._pending, self._block, self._state = "", "", "content"
+        return out
+
+    def _until(self, tags: tuple[str, ...]) -> tuple[int, str]:
+        """The first of ``tags`` in the pending text (searching only what may hold a new one since
+        the last search), or (-1, "")."""
+        at, tag = first_tag(self._pending, tags, max(0, self._searched - max(map(len, tags)) + 1))
+        self._searched = len(self._pending) if at < 0 else 0
+        return at, tag
+
+    def _step(self, out: ParsedDelta) -> bool:
+        """Consume what the pending text decides in the current state: True when the state changed
+        (there may be more to read), False when the rest must wait for more text."""
+        state, text = self._state, self._pending
+        if state == "content":
+            at = text.find(self.START)
+            if at < 0:
+                keep = partial_suffix(text, self.START)
+                self._content.add(text[:len(text) - keep], out)
+                self._pending = text[len(text) - keep:]
+                return False
+            self._content.add(text[:at], out)
+            self._block, self._pending, self._state = self.START, text[at + len(self.START):], "name"
+            return True
+        if state == "name" and text[:1].isspace():  # (blanks before the name: layout)
+            kept = text.lstrip()
+            self._block += text[:len(text) - len(kept)]
+            self._pending = text = kept
+            if not kept:
+                return False
+        ends = {"name": ("\n", self.KEY, self.END), "text": (self.END,), "body": (self.KEY, self.END),
+                "key": (self.KEY_END, self.END), "before_value": (self.VALUE, self.KEY, self.END),
+                "value": (self.VALUE_END, self.END)}[state]
+        at, tag = self._until(ends)
+        if at < 0:
+            if state == "text":  # (held as the block: content once it ends, or at the finish)
+                keep = partial_suffix(text, self.END)
+                self._block += text[:len(text) - keep]
+                self._pending, self._searched = text[len(text) - keep:], 0
+            return False
+        if state == "name":  # the first line, up to the first key or the block's end
+            name = text[:at].strip()
+            if not name or any(ch in self.NOT_IN_NAMES for ch in name):
+                self._state = "text"  # not a call: the block is text, up to its end
+                return True
+            self._content.drop()
+            out.tool_calls.append(self._start_call(name, "{"))
+            self._call_properties = self._properties.get(name, {})
+            self._block, self._keys, self._state = "", 0, "body"
+            self._pending = text[at:]  # (the line break is a blank the body skips)
+        elif state == "text":
+            self._content.add(self._block + text[:at + len(tag)], out)
+            self._block, self._pending, self._state = "", text[at + len(tag):], "content"
+        elif state == "value":
+            self._release(text[:at], out)
+            self._pending = text[at + len(tag):] if tag == self.VALUE_END else text[at:]
+            self._state = "body"
+        elif tag == self.END:  # the block ends (a key it named without a value is dropped)
+            self._close(out)
+            self._pending, self._state = text[at + len(tag):], "content"
+        elif state == "key":
+            self._key, self._pending, self._state = text[:at].strip(), text[at + len(tag):], "before_value"
+        else:  # body or before_value: a key (the one before it had no value: dropped), or a value
+            self._pending = text[at + len(tag):]
+            self._state = "value" if tag == self.VALUE else "key"
+        return True
+
+    def _release(self, raw: str, out: ParsedDelta) -> None:
+        value = glm45_value(raw, self._call_properties.get(self._key))
+        pair = f"{json.dumps(self._key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+        out.tool_calls.append({"index": self.calls - 1,
+                               "function": {"arguments": ", " + pair if self._keys else pair}})
+        self._keys += 1
+
+    def _close(self, out: ParsedDelta) -> None:
+        out.tool_calls.append({"index": self.calls - 1, "function": {"arguments": "}"}})
