@@ -14,6 +14,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --experts 8 --experts-per-token 2  # Qwen3-MoE-style
     .venv/bin/python benchmarks/bench_model_runner.py --gemma2  # Gemma 2: soft caps, alternating windows
     .venv/bin/python benchmarks/bench_model_runner.py --gpt-oss  # GPT-OSS: sinks, biased experts, windows
+    .venv/bin/python benchmarks/bench_model_runner.py --glm4-moe  # GLM-4.5: sigmoid routing, shared expert
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -25,7 +26,10 @@ layers): HF runs its eager attention, the one that applies the caps. With --gpt-
 (64-wide heads, attention sinks, a window of --sliding-window (128 by default) on the even layers,
 --experts (8 by default) routed experts of half SmolLM2's MLP width with biases and the clamped
 SwiGLU, --experts-per-token of them per token): HF runs its eager attention (the one with the sinks)
-and its default experts implementation.
+and its default experts implementation. With --glm4-moe, as a GLM-4.5 model (64-wide heads rotating
+half their values, q/k/v biases and q/k norms, a dense first layer, then --experts (8 by default)
+routed experts of half SmolLM2's MLP width in 2 groups, one kept, chosen by sigmoid scores, scaled by
+2.5, beside one shared expert of that width).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from transformers import (
     DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
     LlamaConfig,
@@ -159,6 +165,8 @@ def main() -> None:
     ap.add_argument("--experts-per-token", type=int, default=2)
     ap.add_argument("--gpt-oss", action="store_true",
                     help="run the random model as GPT-OSS (sinks, biased routed experts, windowed even layers)")
+    ap.add_argument("--glm4-moe", action="store_true",
+                    help="run the random model as GLM-4.5 (sigmoid-routed experts in groups, a shared expert)")
     ap.add_argument("--gemma2", action="store_true",
                     help="run the random model as Gemma 2 (soft caps, windowed even layers)")
     args = ap.parse_args()
@@ -195,6 +203,16 @@ def main() -> None:
         hf = hf.eval()
         model_config = ModelConfig.from_dict(shapes)
         weights = iter(hf.state_dict().items())
+    elif args.model == "random" and args.glm4_moe:
+        width = SMOLLM2_135M["intermediate_size"] // 2
+        shapes = {**SMOLLM2_135M, "architectures": ["Glm4MoeForCausalLM"], "head_dim": 64,
+                  "n_routed_experts": args.experts or 8, "num_experts_per_tok": args.experts_per_token,
+                  "moe_intermediate_size": width, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+                  "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "attention_bias": True,
+                  "use_qk_norm": True, "partial_rotary_factor": 0.5}
+        hf = Glm4MoeForCausalLM(Glm4MoeConfig(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.gemma2:
         shapes = {**SMOLLM2_135M, "architectures": ["Gemma2ForCausalLM"], "head_dim": 64,
                   "query_pre_attn_scalar": 64, "sliding_window": args.sliding_window or 4096,
@@ -226,7 +244,7 @@ def main() -> None:
     max_batch = max(args.batch_sizes)
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
-    kind = " as gemma2" if args.gemma2 else " as gpt-oss" if args.gpt_oss else ""
+    kind = " as gemma2" if args.gemma2 else " as gpt-oss" if args.gpt_oss else " as glm4-moe" if args.glm4_moe else ""
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "
           f"threads={torch.get_num_threads()} "
