@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM",
                            "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                           "Olmo3ForCausalLM", "Glm4MoeForCausalLM")
+                           "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture).
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -737,6 +740,27 @@ def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
 
 
+def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """DeepSeek-V2 / V3's multi-head latent attention: its ranks and head widths, and the softmax
+    scale (qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared under YaRN, as
+    transformers' yarn_apply_mscale and vLLM fold it). The attention runs over the latent (see
+    gpu_worker.models.deepseek): one KV "head" of kv_lora_rank + qk_rope_head_dim values."""
+    if arch not in DEEPSEEK_ARCHITECTURES:
+        return {}
+    nope, rope = int(cfg.get("qk_nope_head_dim", 128)), int(cfg.get("qk_rope_head_dim", 64))
+    if rope % 2:
+        raise ValueError(f"qk_rope_head_dim must be even, got {rope}")
+    scale = (nope + rope) ** -0.5
+    if scaling is not None and scaling.get("mscale_all_dim"):
+        factor, m = float(scaling["factor"]), float(scaling["mscale_all_dim"])
+        mscale = 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    q_lora = cfg.get("q_lora_rank")
+    return dict(kv_lora_rank=int(cfg.get("kv_lora_rank", 512)), q_lora_rank=int(q_lora) if q_lora else 0,
+                qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg.get("v_head_dim", 128)),
+                rope_interleave=bool(cfg.get("rope_interleave", True)), attention_multiplier=scale)
+
+
 def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields for an MoE architecture (none for a dense one)."""
     # A key a config leaves out takes transformers' default for the architecture, as HF reads it.
@@ -759,26 +783,36 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True, moe_bias=True,
                     moe_activation="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
-    if arch == "Glm4MoeForCausalLM":
-        # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below),
-        # beside n_shared_experts shared ones; sigmoid scores chosen through the correction bias.
-        num_experts = read("n_routed_experts", 128, "num_local_experts")
-        width = read("moe_intermediate_size", 1408)
+    if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES):
+        # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below;
+        # DeepSeek's every moe_layer_freq-th layer), beside n_shared_experts shared ones. GLM-4.5 and
+        # DeepSeek-V3 (topk_method noaux_tc): sigmoid scores chosen through the correction bias;
+        # DeepSeek-V2: the softmax, within the best groups under group_limited_greedy.
+        v2 = arch == "DeepseekV2ForCausalLM"
+        defaults = {"Glm4MoeForCausalLM": (128, 1408, 8, 1, 1.0), "DeepseekV2ForCausalLM": (64, 1407, 6, 0, 1.0),
+                    "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5)}[arch]
+        num_experts = read("n_routed_experts", defaults[0], "num_local_experts")
+        width = read("moe_intermediate_size", defaults[1])
         groups, kept = read("n_group", 1) or 1, read("topk_group", 1) or 1
+        if v2 and cfg.get("topk_method", "greedy") == "greedy":
+            groups = kept = 1
+        elif not v2 and arch != "Glm4MoeForCausalLM" and cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"topk_method must be 'noaux_tc' for {arch}, got {cfg.get('topk_method')!r}")
         if num_experts % groups or not 0 < kept <= groups:
             raise ValueError(f"n_group ({groups}) must divide n_routed_experts ({num_experts}), and topk_group "
                              f"({kept}) be between 1 and n_group")
-        top_k = read("num_experts_per_tok", 8)
+        top_k = read("num_experts_per_tok", defaults[2])
         if (num_experts // groups < 2 and groups > 1) or top_k > kept * (num_experts // groups):
             raise ValueError(f"num_experts_per_tok ({top_k}) must fit in topk_group ({kept}) groups of "
                              f"{num_experts // groups} experts, each of two or more")
-        first_moe = read("first_k_dense_replace", 1)
+        first_moe, every = read("first_k_dense_replace", defaults[3]), read("moe_layer_freq", 1) or 1
         return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                    shared_expert_intermediate_size=width * read("n_shared_experts", 1), shared_expert_gated=False,
-                    moe_scoring="sigmoid", moe_correction_bias=True, moe_num_groups=groups, moe_topk_groups=kept,
-                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                    moe_layers=tuple(i >= first_moe for i in range(num_layers)))
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", not v2)),
+                    shared_expert_intermediate_size=width * read("n_shared_experts", 2 if v2 else 1),
+                    shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="softmax" if v2 else "sigmoid",
+                    moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", defaults[4])),
+                    moe_layers=tuple(i >= first_moe and i % every == 0 for i in range(num_layers)))
     if arch == "Qwen2MoeForCausalLM":
         defaults = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408}
         shared = read("shared_expert_intermediate_size", 5632)
@@ -842,11 +876,12 @@ class ModelConfig:
     # ungated (shared_expert_gated False).
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True
-    # The router's scoring: "softmax" over all experts (Mixtral, Qwen, GPT-OSS), or "sigmoid" per
-    # expert (GLM-4.5, DeepSeek-V3), chosen through a correction bias (moe_correction_bias: the
+    # DeepSeek's routing (GLM-4.5, DeepSeek-V2 / V3: gpu_worker.layers.fused_moe.select_experts_grouped),
+    # with an fp32 router as transformers keeps it: scores by moe_scoring, "softmax" over all experts
+    # or "sigmoid" per expert, chosen (through a correction bias where moe_correction_bias: the
     # router's e_score_correction_bias) within the moe_topk_groups best of moe_num_groups groups, the
-    # weights times routed_scaling_factor (gpu_worker.layers.fused_moe.select_experts_grouped). The
-    # sigmoid router's weights and logits are fp32, as transformers and vLLM keep them.
+    # weights times routed_scaling_factor. Otherwise the softmax's top k (Mixtral, Qwen, GPT-OSS).
+    moe_grouped_topk: bool = False
     moe_scoring: str = "softmax"
     moe_correction_bias: bool = False
     moe_num_groups: int = 1
@@ -870,6 +905,18 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # DeepSeek-V2 / V3's multi-head latent attention (kv_lora_rank 0: none). The keys and values of
+    # every head come from one latent of kv_lora_rank values (normed) plus qk_rope_head_dim rotated
+    # values shared by all heads; queries from a q_lora_rank bottleneck (0: a plain projection). The
+    # cache holds the latent: head_dim is kv_lora_rank + qk_rope_head_dim, one KV head, rotary_dim
+    # qk_rope_head_dim, attention_multiplier the softmax scale. rope_interleave: the checkpoint's
+    # rotary values are in pairs (reordered into halves at load).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     # Per layer, whether its MLP is the routed experts (empty: every layer's is, in an MoE model).
     # Qwen-MoE keeps dense MLPs in mlp_only_layers and off its decoder_sparse_step.
     moe_layers: tuple[bool, ...] = ()
@@ -1138,6 +1185,10 @@ class ModelConfig:
                     rope["rope_type"] = "default" if kind in (None, "mrope") else kind
                     cfg = {**cfg, key: rope}
         theta, scaling = _rope_from_dict(arch, cfg)
+        mla = _mla_fields(arch, cfg, scaling)
+        if mla:  # (the cache's view: one latent "head" of kv_lora_rank + qk_rope_head_dim values)
+            num_kv_heads, head_dim = 1, mla["kv_lora_rank"] + mla["qk_rope_head_dim"]
+            cfg = {k: v for k, v in cfg.items() if k != "partial_rotary_factor"}
         if arch == "Olmo3ForCausalLM" and scaling and scaling["rope_type"] == "longrope":
             # (LongRoPE picks rows by a shifted position, which its windowed layers' plain RoPE would not follow)
             raise ValueError("rope_type 'longrope' is not served for OLMo 3's full-attention layers")
@@ -1146,7 +1197,7 @@ class ModelConfig:
                              f"got {scaling['rope_type']!r}")
         params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
-        rotary_dim = int(head_dim * partial)
+        rotary_dim = mla["qk_rope_head_dim"] if mla else int(head_dim * partial)
         if arch == "Glm4MoeForCausalLM" and "partial_rotary_factor" not in params \
                 and cfg.get("partial_rotary_factor") is None:
             partial, rotary_dim = 0.5, head_dim // 2  # (transformers' default for GLM-4.5: half of each head)
@@ -1260,6 +1311,7 @@ class ModelConfig:
             **_smollm3_fields(arch, cfg, num_layers),
             **_olmo3_fields(arch, cfg),
             **_granite_fields(arch, cfg),
+            **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),
         )

@@ -53,15 +53,17 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 def select_experts_grouped(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                            correction_bias: torch.Tensor | None, num_groups: int = 1, topk_groups: int = 1,
-                           scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's routing, GLM-4.5's (vLLM's grouped top-k with sigmoid scores): each expert's
-    score is the sigmoid of its logit; the choice reads the scores plus a per-expert correction bias
-    (the load-balancing bias learnt without an auxiliary loss), first keeping the ``topk_groups``
-    best of ``num_groups`` equal groups of experts (a group ranked by the sum of its two best biased
-    scores, by its best without a bias), then the top k within them; the weights are the chosen
-    experts' unbiased scores, renormalised where the model does so, times ``scaling_factor``.
-    ``router_logits`` in fp32; returns (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
-    scores = torch.sigmoid(router_logits.float())
+                           scaling_factor: float = 1.0, scoring: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing (vLLM's grouped top-k). DeepSeek-V3's and GLM-4.5's: each expert's score
+    is the sigmoid of its logit; the choice reads the scores plus a per-expert correction bias (the
+    load-balancing bias learnt without an auxiliary loss), first keeping the ``topk_groups`` best of
+    ``num_groups`` equal groups of experts (a group ranked by the sum of its two best biased scores;
+    by its best without a bias), then the top k within them; the weights are the chosen experts'
+    unbiased scores, renormalised where the model does so, times ``scaling_factor``. DeepSeek-V2's
+    (``scoring`` "softmax"): the scores are the softmax over all experts, without a bias.
+    Returns (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
+    logits = router_logits.float()
+    scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores if correction_bias is None else scores + correction_bias
     if num_groups > 1 and topk_groups < num_groups:
         grouped = choice.view(choice.shape[0], num_groups, -1)

@@ -98,18 +98,19 @@ class SparseMoeBlock(nn.Module):
     """Routed experts in place of the MLP (Mixtral's block_sparse_moe, Qwen-MoE's mlp): a router
     (``gate``, replicated on every rank) picks each token's top-k experts; Qwen2-MoE adds a shared
     expert every token goes through, scaled by sigmoid(``shared_expert_gate``); GPT-OSS's router and
-    experts have biases (ModelConfig.moe_bias) and a clamped SwiGLU; GLM-4.5's router scores each
-    expert by a sigmoid and chooses through a correction bias (an fp32 router: ``gate.weight`` and
-    ``gate.e_score_correction_bias``), and its shared experts are ungated. Each rank computes
+    experts have biases (ModelConfig.moe_bias) and a clamped SwiGLU; GLM-4.5's and DeepSeek's
+    routers choose within groups of experts (DeepSeek-V3's and GLM's by sigmoid scores through a
+    correction bias: an fp32 router, ``gate.weight`` and ``gate.e_score_correction_bias``), and their
+    shared experts are ungated. Each rank computes
     its partial sums of both (the shared expert split by width even under expert parallelism, as
     vLLM does), and one all-reduce adds them up."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.renormalize = config.norm_topk_prob
-        self.sigmoid_scoring = config.moe_scoring == "sigmoid"
+        self.grouped_topk, self.scoring = config.moe_grouped_topk, config.moe_scoring
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.moe_bias,
-                              dtype=torch.float32 if self.sigmoid_scoring else None).requires_grad_(False)
+                              dtype=torch.float32 if self.grouped_topk else None).requires_grad_(False)
         if config.moe_correction_bias:
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
                                                              requires_grad=False)
@@ -120,28 +121,30 @@ class SparseMoeBlock(nn.Module):
                                 bias=config.moe_bias, activation=config.moe_activation,
                                 swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
         self.tp_size = self.experts.tp_size
-        if config.shared_expert_intermediate_size:
+        # Qwen2-MoE's gated shared expert (``shared_expert``), or GLM's and DeepSeek's ungated ones
+        # (``shared_experts``): the checkpoint's names, which LoRA adapters use too.
+        self.shared_expert = self.shared_expert_gate = self.shared_experts = None
+        if config.shared_expert_intermediate_size and config.shared_expert_gated:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size, reduce_results=False)
-            self.shared_expert_gate = None
-            if config.shared_expert_gated:
-                self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-                self.shared_expert_gate.weight.requires_grad_(False)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate.weight.requires_grad_(False)
+        elif config.shared_expert_intermediate_size:
+            self.shared_experts = LlamaMLP(config, config.shared_expert_intermediate_size, reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sigmoid_scoring:
+        if self.grouped_topk:
             weights, ids = select_experts_grouped(
                 self.gate.forward(x.float()), self.experts.top_k, self.renormalize,
                 getattr(self.gate, "e_score_correction_bias", None), self.num_groups, self.topk_groups,
-                self.routed_scaling_factor)
+                self.routed_scaling_factor, self.scoring)
         else:
             weights, ids = select_experts(self.gate.forward(x), self.experts.top_k, self.renormalize)
         out = self.experts.forward(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert.forward(x)
-            out += shared if self.shared_expert_gate is None else shared.mul_(
-                torch.sigmoid(self.shared_expert_gate.forward(x)))
+            out += shared.mul_(torch.sigmoid(self.shared_expert_gate.forward(x)))
+        elif self.shared_experts is not None:
+            out += self.shared_experts.forward(x)
         if self.tp_size > 1:
             distributed.all_reduce(out)
         return out
@@ -439,17 +442,23 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     """GLM-4.5 / 4.6 / 4.7 and GLM-4.5-Air: the Llama block with q/k/v biases, RoPE over half of each
     head, optional q/k norms, dense MLPs in the first layers and then routed experts beside ungated
     shared ones, chosen by sigmoid scores through a correction bias (SparseMoeBlock). The checkpoint
-    names its shared experts ``shared_experts``, and holds its multi-token-prediction layers after the
-    last decoder layer (``model.layers.{num_hidden_layers}...``): not served, so not read."""
+    holds its multi-token-prediction layers after the last decoder layer
+    (``model.layers.{num_hidden_layers}...``): not served, so not read."""
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        num_layers = self.config.num_hidden_layers
-        for name, tensor in weights:
-            parts = name.split(".")
-            index = parts.index("layers") + 1 if "layers" in parts else 0
-            if index and index < len(parts) and parts[index].isdigit() and int(parts[index]) >= num_layers:
-                continue  # (a multi-token-prediction layer)
-            yield name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
+        return without_mtp_layers(weights, self.config.num_hidden_layers)
+
+
+def without_mtp_layers(weights: Iterable[tuple[str, WeightLike]], num_layers: int
+                       ) -> Iterator[tuple[str, WeightLike]]:
+    """GLM-4.5's and DeepSeek-V3's checkpoints without their multi-token-prediction layers (numbered
+    from ``num_layers`` on)."""
+    for name, tensor in weights:
+        parts = name.split(".")
+        index = parts.index("layers") + 1 if "layers" in parts else 0
+        if index and index < len(parts) and parts[index].isdigit() and int(parts[index]) >= num_layers:
+            continue  # (a multi-token-prediction layer)
+        yield name, tensor
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

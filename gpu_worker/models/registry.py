@@ -7,6 +7,7 @@ from torch import nn
 from gpu_worker.config import ModelConfig
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
+from gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
@@ -61,6 +62,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -9,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from gpu_worker.config import ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 from gpu_worker.models import MODEL_REGISTRY, get_model_class
 from gpu_worker.models.llama import MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from gpu_worker.quantized_checkpoint import weight_quantization
 from tests.gpu_worker.utils import LLAMA3_ROPE, LONGROPE, load_hf, make_runner, prefill_logits, save_tiny_model
 
 CASES = {
@@ -66,6 +69,17 @@ CASES = {
     "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True}),
     "glm4_moe_one_group_mqa": ("glm4_moe", {"n_group": 1, "norm_topk_prob": False, "num_key_value_heads": 1,
                                             "partial_rotary_factor": 0.25}),
+    # DeepSeek-V3 / V2: multi-head latent attention (absorbed: the cache holds the latent), rotary values
+    # in pairs; V3's sigmoid routing within groups, V2's softmax (greedy, or within groups); YaRN
+    # with mscale_all_dim (the softmax scale grows with it); MLA with biases.
+    "deepseek_v3": ("deepseek_v3", {"num_hidden_layers": 3}),
+    "deepseek_v3_yarn_not_interleaved": ("deepseek_v3", {"rope_interleave": False, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}}),
+    "deepseek_v2_lite": ("deepseek_v2", {}),
+    "deepseek_v2_groups_bias": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4,
+                                                "topk_group": 1, "routed_scaling_factor": 16.0,
+                                                "attention_bias": True, "q_lora_rank": 24}),
     # SmolLM3's NoPE layers (every second one here); with a window on them.
     "smollm3": ("smollm3", {"num_hidden_layers": 3}),
     "smollm3_nope_window": ("smollm3", {"use_sliding_window": True, "sliding_window": 8, "tie_word_embeddings": False}),
@@ -178,7 +192,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                                    "Gemma3ForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM",
                                    "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                                   "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "BertModel", "RobertaModel",
+                                   "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM",
+                                   "DeepseekV3ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
@@ -501,6 +516,59 @@ def test_glm4_moe_config_as_released():
         ModelConfig.from_dict({**air, "n_group": 3})
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         ModelConfig.from_dict({**air, "n_group": 8, "topk_group": 1, "num_experts_per_tok": 17})
+
+
+def test_deepseek_configs_as_released():
+    """DeepSeek-V3's config.json (its FP8 block quantization, YaRN with mscale_all_dim, noaux_tc
+    routing) and DeepSeek-V2-Lite's (a plain query projection, greedy softmax routing): MLA's cache
+    is one latent row per token, the softmax scale is qk_head_dim ** -0.5 times mscale squared."""
+    v3 = {"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+          "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+          "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+          "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+          "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+          "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+          "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+          "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]},
+          "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                                  "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                  "type": "yarn"},
+          "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+          "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128,
+          "vocab_size": 129280}
+    config = ModelConfig.from_dict(v3)
+    assert (config.num_key_value_heads, config.head_dim, config.rotary_dim) == (1, 576, 64)
+    assert (config.kv_lora_rank, config.q_lora_rank, config.qk_nope_head_dim, config.v_head_dim) == (
+        512, 1536, 128, 128)
+    assert config.rope_interleave
+    # (Read by from_pretrained: its FP8 blocks are dequantized at load.)
+    assert weight_quantization(v3["quantization_config"]) == ("fp8", (128, 128))
+    mscale = 0.1 * math.log(40) + 1.0
+    assert config.attention_scale == pytest.approx(192 ** -0.5 * mscale * mscale)
+    assert config.rope_scaling["rope_type"] == "yarn" and config.max_context_len == 163840
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_num_groups, config.moe_topk_groups) == (
+        256, 8, 8, 4)
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.routed_scaling_factor == 2.5
+    assert [config.layer_is_moe(i) for i in range(2, 5)] == [False, True, True]
+    assert config.shared_expert_intermediate_size == 2048 and not config.shared_expert_gated
+    with pytest.raises(ValueError, match="noaux_tc"):
+        ModelConfig.from_dict({**v3, "topk_method": "greedy"})
+    lite = {"architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "bos_token_id": 100000,
+            "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_size": 2048, "intermediate_size": 10944,
+            "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1408,
+            "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+            "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+            "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                             "original_max_position_embeddings": 4096, "type": "yarn"},
+            "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "topk_group": 1,
+            "topk_method": "greedy", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 102400}
+    config = ModelConfig.from_dict(lite)
+    assert config.q_lora_rank == 0 and config.moe_scoring == "softmax" and not config.moe_correction_bias
+    assert not config.norm_topk_prob and config.shared_expert_intermediate_size == 2 * 1408
+    assert config.attention_scale == pytest.approx(192 ** -0.5 * (0.0707 * math.log(40) + 1.0) ** 2)
+    assert [config.layer_is_moe(i) for i in range(2)] == [False, True]
 
 
 def test_glm4_moe_multi_token_prediction_layers_are_not_read(tmp_path):

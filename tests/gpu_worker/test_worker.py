@@ -94,8 +94,10 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("olmo2", {}, False),
     ("glm4_moe", {"use_qk_norm": True}, False),
     ("glm4_moe", {}, True),
+    ("deepseek_v3", {}, False),
+    ("deepseek_v2", {"q_lora_rank": 24}, True),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
-        "glm4_moe", "glm4_moe_expert_parallel"])
+        "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
@@ -103,7 +105,8 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     bias, and the down bias once (rank 0 under a width split, each expert's rank under expert
     parallelism). OLMo 2: the q/k norms over the whole projections, from each rank's heads (the one KV
     head replicated on both). GLM-4.5: the fp32 router and its correction bias replicated, the
-    ungated shared expert split by width."""
+    ungated shared expert split by width. DeepSeek: each rank its heads' query, latent-to-key/value
+    and output rows, the latent's projection and the cache's one row per token on both."""
     ray = pytest.importorskip("ray")
     # One KV head for two ranks (replicated), an odd vocab (padded shards) and tied embeddings.
     path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,

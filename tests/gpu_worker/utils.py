@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
@@ -116,6 +118,24 @@ def make_config(kind: str = "llama", **overrides):
                                 "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "head_dim": 16,
                                 "attention_bias": True, "routed_scaling_factor": 2.5, "pad_token_id": 0,
                                 "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # DeepSeek-V3: MLA (a 32-value latent, 16 + 8 query/key values a head, 16 value values, queries
+    # through a 32-value bottleneck; rotary values in pairs), then GLM-4.5's experts: 8 in 2 groups
+    # (1 kept), 2 per token, a shared expert, the first layer dense, the weights scaled by 2.5.
+    if kind == "deepseek_v3":
+        return DeepseekV3Config(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                   "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
+                                   "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                                   "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                   "num_key_value_heads": kw["num_attention_heads"]})  # (MLA: as many)
+    # DeepSeek-V2(-Lite): MLA with a plain query projection, softmax routing over 8 experts (2 per
+    # token, not renormalised), two shared experts.
+    if kind == "deepseek_v2":
+        return DeepseekV2Config(**{"q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                   "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 2,
+                                   "first_k_dense_replace": 1, "pad_token_id": 0, "bos_token_id": 1,
+                                   "eos_token_id": 2, **kw, "num_key_value_heads": kw["num_attention_heads"]})
     # Gemma: 16-dim heads (its default is 256), windows short enough for a 45-token prompt to cross.
     if kind == "gemma":
         return GemmaConfig(**{"head_dim": 16, **kw})
@@ -150,15 +170,15 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # GPT-OSS's attention sinks: logits of the order of the scores', so each takes a visible share.
             if name.endswith("self_attn.sinks"):
                 param.normal_(0.0, 1.0)
-        # GLM-4.5's router correction bias (a buffer, zero at first): of the scores' order, so that it
-        # moves the choice.
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.3)
             # Gemma's norms store w for a scale of 1 + w, and start at 0: random ones show a norm
             # skipped or scaled by w alone.
             if kind.startswith("gemma") and name.endswith("norm.weight"):
                 param.normal_(0.0, 0.5)
+        # GLM-4.5's and DeepSeek-V3's router correction bias (a buffer, zero at first): of the scores'
+        # order, so that it moves the choice.
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

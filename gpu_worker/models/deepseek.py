@@ -1,0 +1,134 @@
+"""DeepSeek-V2 / V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM: DeepSeek-V2(-Lite), -V2.5, -V3,
+-V3.1, -R1, Kimi K2): the Llama block with multi-head latent attention (MLA) and DeepSeek's routed
+experts (SparseMoeBlock's grouped top-k: V3's sigmoid scores through a correction bias, V2's softmax;
+ungated shared experts; dense MLPs in the first layers).
+
+MLA, as vLLM runs it (the "absorbed" form), so that the KV cache holds the latent rather than every
+head's keys and values:
+
+* each token's latent ``c`` (kv_lora_rank values, normed) and one rotated key part ``k_pe``
+  (qk_rope_head_dim values) shared by every head: ``kv_a_proj_with_mqa``;
+* head h's key is [W_UK[h] c, k_pe] and its value W_UV[h] c (``kv_b_proj`` holds W_UK and W_UV), so
+  q_h . k_h = [W_UK[h]^T q_nope_h, q_pe_h] . [c, k_pe]: each query is moved into the latent's space
+  and attends, as one of num_heads query heads over one KV "head" of kv_lora_rank + qk_rope_head_dim
+  values (the cache's rows), whose first kv_lora_rank values serve as the value; W_UV[h] then maps
+  the head's output back. The paged attention (every path: the CPU decode kernel, SDPA, the prefix
+  cache) runs unchanged. The cache stores each row twice (as key and as value): one row of
+  kv_lora_rank + qk_rope_head_dim values per token and layer where vLLM stores it once, and either
+  way about a fiftieth of what the heads' keys and values would take.
+* DeepSeek's checkpoints lay each rotary part out in pairs (``rope_interleave``); the rows of the
+  projections that make them are reordered into halves at load, so Llama's rotation applies (the
+  dot products of queries and keys are the same under any reordering applied to both).
+
+Under tensor parallelism each rank holds its heads' query, W_UK / W_UV and output rows; the latent's
+projection is replicated, as is the cache's one row per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.attention import PagedAttention
+from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.weight_utils import WeightLike, materialize
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, without_mtp_layers
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora = config.kv_lora_rank
+        qk = self.nope + self.rope
+        if config.q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=config.qkv_bias).requires_grad_(False)
+            self.q_a_layernorm = norm_class(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * qk)
+            self.q_proj = None
+        else:
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora + self.rope,
+                                            bias=config.qkv_bias).requires_grad_(False)
+        self.kv_a_layernorm = norm_class(self.kv_lora, config.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, heads * (self.nope + self.v_dim))
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=config.o_proj_bias)
+        self.num_heads = self.kv_b_proj.output_size_per_partition // (self.nope + self.v_dim)
+        self.attn = PagedAttention(self.num_heads, 1, self.kv_lora + self.rope, config.attention_scale)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens, heads, nope = hidden.shape[0], self.num_heads, self.nope
+        if self.q_proj is None:
+            q = self.q_b_proj.forward(self.q_a_layernorm.forward(self.q_a_proj.forward(hidden)))
+        else:
+            q = self.q_proj.forward(hidden)
+        q = q.view(num_tokens, heads, nope + self.rope)
+        latent = self.kv_a_proj_with_mqa.forward(hidden)
+        c = self.kv_a_layernorm.forward(latent[:, : self.kv_lora].contiguous())
+        k_pe = latent[:, self.kv_lora:].reshape(num_tokens, 1, self.rope)
+        q_pe = q[..., nope:]
+        RotaryEmbedding.rotate_(q_pe, rope[0], rope[1])
+        RotaryEmbedding.rotate_(k_pe, rope[0], rope[1])
+        w = self.kv_b_proj.weight.view(heads, nope + self.v_dim, self.kv_lora)
+        # Each head's query in the latent's space: [heads, tokens, nope] @ [heads, nope, kv_lora].
+        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)
+        key = torch.cat((c.unsqueeze(1), k_pe), dim=-1)
+        out = self.attn.forward(torch.cat((q_latent, q_pe), dim=-1), key, key, meta)
+        out = out.view(num_tokens, heads, self.kv_lora + self.rope)[..., : self.kv_lora]
+        # Back from the latent, per head: [heads, tokens, kv_lora] @ [heads, kv_lora, v].
+        out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))
+        return self.o_proj.forward(out.transpose(0, 1).reshape(num_tokens, heads * self.v_dim))
+
+
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    attention_class = MLAAttention  # type: ignore[assignment]
+
+
+class DeepseekModel(LlamaModel):
+    layer_class = DeepseekDecoderLayer
+
+
+def _halves_order(width: int) -> torch.Tensor:
+    """Rotary values in pairs (0, 1), (2, 3), ... -> the evens, then the odds (Llama's halves)."""
+    return torch.cat((torch.arange(0, width, 2), torch.arange(1, width, 2)))
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    model_class = DeepseekModel
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        """The MTP layers left out, and (``rope_interleave``) the rotary rows of the query and latent
+        projections reordered from pairs into halves."""
+        config = self.config
+        weights = without_mtp_layers(weights, config.num_hidden_layers)
+        if not config.rope_interleave:
+            yield from weights
+            return
+        order = _halves_order(config.qk_rope_head_dim)
+        others = self.pp_missing_prefixes  # (other pipeline stages' layers: not read, so not reordered)
+        for name, tensor in weights:
+            if others and name.startswith(others):
+                yield name, tensor
+            elif name.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight")):
+                rows = materialize(tensor)
+                per_head = rows.view(-1, config.qk_nope_head_dim + config.qk_rope_head_dim, rows.shape[-1])
+                rotary = per_head[:, config.qk_nope_head_dim:].index_select(1, order)
+                yield name, torch.cat((per_head[:, : config.qk_nope_head_dim], rotary), dim=1).view_as(rows)
+            elif name.endswith((".self_attn.kv_a_proj_with_mqa.weight", ".self_attn.kv_a_proj_with_mqa.bias")):
+                rows = materialize(tensor)
+                rotary = rows[config.kv_lora_rank:].index_select(0, order)
+                yield name, torch.cat((rows[: config.kv_lora_rank], rotary))
+            else:
+                yield name, tensor
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    pass
