@@ -11,10 +11,13 @@ the parameter: a ``string`` parameter's value exactly as written, any other (or 
 does not declare) as JSON, else as a Python literal, else as its text without the blanks around it
 (vLLM's rules). Text outside the blocks is content, as with hermes.
 
-Incremental as every parser here: a call is released once its name has ended (a "name" with blanks,
-quotes, braces or angle brackets in it is not one: its block stays content), its arguments as a
-JSON object that grows by one ``"key": value`` as each value ends. A block cut off keeps what it
-got: the value being written ends where the text does, and the object is closed.
+Incremental as every parser here. A call is released once its name's line has ended and its first
+``<arg_key>`` or ``</tool_call>`` follows (a "name" with blanks, quotes, braces or angle brackets in
+it is not one, nor is a line followed by another ``<tool_call>``: such a block is content, released
+as it comes). Its arguments go out as a JSON object that grows by one ``"key": value`` as each value
+ends; a ``string`` parameter's value streams as it is written (a long file's contents arrive as the
+model writes them, as vLLM streams them). A block cut off keeps what it got: the value being written
+ends where the text does, and the object is closed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def glm45_value(raw: str, schema: Any) -> Any:
     """An argument's text as GLM-4.5's parser reads it: a ``string`` parameter's as written; any
     other's as JSON, else as a Python literal, else its text (stripped). A value JSON cannot carry
     (NaN, a set) stays its text."""
-    if isinstance(schema, dict) and schema.get("type") == "string":
+    if _is_string(schema):
         return raw
     text = raw.strip()
     try:
@@ -56,14 +59,18 @@ class Glm45ToolCallParser(ToolCallParser):
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__()
         self._properties = tool_properties(tools)
-        self._state = "content"  # content, name, text (a block that is no call), body, key, before_value, value
+        # content; name (the block's first line), named (the name read, its first key or the block's
+        # end awaited), text (a block that is no call), body, key, before_value, value
+        self._state = "content"
         self._pending = ""  # text read but not yet consumed
-        self._block = ""  # the block's text until its name is known (content if it is no name)
+        self._block = ""  # the block's text until its call is known (content if it is none)
+        self._name = ""
         self._searched = 0  # how much of the pending text was searched for the current end tags
         self._content = ContentWithHeldBlanks()
         self._call_properties: dict[str, Any] = {}  # the current call's function's parameters
         self._key = ""  # the argument being read
         self._keys = 0  # arguments released in the current call
+        self._string = False  # the value being read is a string parameter's, streamed as it comes
 
     def feed(self, text: str) -> ParsedDelta:
         self._pending += text
@@ -79,9 +86,12 @@ class Glm45ToolCallParser(ToolCallParser):
             self._content.add(rest, out)
         elif state in ("name", "text"):  # (a name cut off is no call: the block is text)
             self._content.add(self._block + rest, out)
+        elif state == "named":  # cut off after the name's line: a call without arguments
+            self._open_call(out)
         elif state == "value":  # cut off in a value: it ends where the text does (less a tag begun)
-            self._release(rest[:len(rest) - max(partial_suffix(rest, t) for t in (self.VALUE_END, self.END))], out)
-        if state in ("body", "key", "before_value", "value"):
+            self._value_text(rest[:len(rest) - max(partial_suffix(rest, t) for t in (self.VALUE_END, self.END))],
+                             True, out)
+        if state in ("named", "body", "key", "before_value", "value"):
             self._close(out)
         if not self.calls:  # a blank answer is still the answer; blanks around calls are not content
             out.content += self._content.blank
@@ -96,6 +106,9 @@ class Glm45ToolCallParser(ToolCallParser):
         self._searched = len(self._pending) if at < 0 else 0
         return at, tag
 
+    _ENDS = {"name": ("\n", KEY, END), "named": (KEY, END, START), "text": (END, START), "body": (KEY, END),
+             "key": (KEY_END, END), "before_value": (VALUE, KEY, END), "value": (VALUE_END, END)}
+
     def _step(self, out: ParsedDelta) -> bool:
         """Consume what the pending text decides in the current state: True when the state changed
         (there may be more to read), False when the rest must wait for more text."""
@@ -108,7 +121,7 @@ class Glm45ToolCallParser(ToolCallParser):
                 self._pending = text[len(text) - keep:]
                 return False
             self._content.add(text[:at], out)
-            self._block, self._pending, self._state = self.START, text[at + len(self.START):], "name"
+            self._block, self._pending, self._state, self._searched = self.START, text[at + len(self.START):], "name", 0
             return True
         if state == "name" and text[:1].isspace():  # (blanks before the name: layout)
             kept = text.lstrip()
@@ -116,31 +129,43 @@ class Glm45ToolCallParser(ToolCallParser):
             self._pending = text = kept
             if not kept:
                 return False
-        ends = {"name": ("\n", self.KEY, self.END), "text": (self.END,), "body": (self.KEY, self.END),
-                "key": (self.KEY_END, self.END), "before_value": (self.VALUE, self.KEY, self.END),
-                "value": (self.VALUE_END, self.END)}[state]
-        at, tag = self._until(ends)
+        tags = self._ENDS[state]
+        at, tag = self._until(tags)
         if at < 0:
-            if state == "text":  # (held as the block: content once it ends, or at the finish)
-                keep = partial_suffix(text, self.END)
-                self._block += text[:len(text) - keep]
+            if state == "name":  # a character no name has: the block is text already
+                keep = max(partial_suffix(text, t) for t in tags)
+                if any(ch in self.NOT_IN_NAMES for ch in text[:len(text) - keep].rstrip()):
+                    self._state, self._searched = "text", 0
+                    return True
+            elif state == "text":  # released as it comes (less what may be a tag beginning)
+                keep = max(partial_suffix(text, t) for t in tags)
+                self._content.add(self._block + text[:len(text) - keep], out)
+                self._block, self._pending, self._searched = "", text[len(text) - keep:], 0
+            elif state == "value" and self._string:
+                keep = max(partial_suffix(text, t) for t in tags)
+                self._value_text(text[:len(text) - keep], False, out)
                 self._pending, self._searched = text[len(text) - keep:], 0
             return False
         if state == "name":  # the first line, up to the first key or the block's end
             name = text[:at].strip()
             if not name or any(ch in self.NOT_IN_NAMES for ch in name):
-                self._state = "text"  # not a call: the block is text, up to its end
+                self._state = "text"  # not a call: the block is text
                 return True
-            self._content.drop()
-            out.tool_calls.append(self._start_call(name, "{"))
-            self._call_properties = self._properties.get(name, {})
-            self._block, self._keys, self._state = "", 0, "body"
-            self._pending = text[at:]  # (the line break is a blank the body skips)
+            self._name, self._block = name, self._block + text[:at]
+            self._pending, self._state = text[at:], "named"
+        elif state == "named":
+            if tag == self.START:  # another block begins: this one was text
+                self._content.add(self._block + text[:at], out)
+                self._block, self._pending, self._state = "", text[at:], "content"
+                return True
+            self._open_call(out)
+            self._pending, self._state = text[at:], "body"
         elif state == "text":
-            self._content.add(self._block + text[:at + len(tag)], out)
-            self._block, self._pending, self._state = "", text[at + len(tag):], "content"
+            end = at + (len(tag) if tag == self.END else 0)  # (a new block's tag starts one)
+            self._content.add(self._block + text[:end], out)
+            self._block, self._pending, self._state = "", text[end:], "content"
         elif state == "value":
-            self._release(text[:at], out)
+            self._value_text(text[:at], True, out)
             self._pending = text[at + len(tag):] if tag == self.VALUE_END else text[at:]
             self._state = "body"
         elif tag == self.END:  # the block ends (a key it named without a value is dropped)
@@ -148,17 +173,43 @@ class Glm45ToolCallParser(ToolCallParser):
             self._pending, self._state = text[at + len(tag):], "content"
         elif state == "key":
             self._key, self._pending, self._state = text[:at].strip(), text[at + len(tag):], "before_value"
-        else:  # body or before_value: a key (the one before it had no value: dropped), or a value
-            self._pending = text[at + len(tag):]
-            self._state = "value" if tag == self.VALUE else "key"
+        elif tag == self.VALUE:
+            self._pending, self._state = text[at + len(tag):], "value"
+            self._string = _is_string(self._call_properties.get(self._key))
+            if self._string:  # (its key goes out now, its text as it comes)
+                self._pair_start(out)
+                out.tool_calls[-1]["function"]["arguments"] += '"'
+        else:  # body or before_value: a key (the one before it had no value: dropped)
+            self._pending, self._state = text[at + len(tag):], "key"
         return True
 
-    def _release(self, raw: str, out: ParsedDelta) -> None:
-        value = glm45_value(raw, self._call_properties.get(self._key))
-        pair = f"{json.dumps(self._key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
-        out.tool_calls.append({"index": self.calls - 1,
-                               "function": {"arguments": ", " + pair if self._keys else pair}})
+    def _open_call(self, out: ParsedDelta) -> None:
+        self._content.drop()
+        out.tool_calls.append(self._start_call(self._name, "{"))
+        self._call_properties = self._properties.get(self._name, {})
+        self._block, self._keys = "", 0
+
+    def _pair_start(self, out: ParsedDelta) -> None:
+        """``"key": `` (after a comma but for the first), as a delta of the current call."""
+        key = f"{json.dumps(self._key, ensure_ascii=False)}: "
+        out.tool_calls.append({"index": self.calls - 1, "function": {"arguments": ", " + key if self._keys else key}})
         self._keys += 1
+
+    def _value_text(self, raw: str, last: bool, out: ParsedDelta) -> None:
+        """The value's text read so far (``last``: all of it). A string parameter's goes out as it
+        comes, escaped for JSON, closed by its quote at the end; any other's whole, read by its type."""
+        if self._string:
+            piece = json.dumps(raw, ensure_ascii=False)[1:-1] + ('"' if last else "")
+            if piece:
+                out.tool_calls.append({"index": self.calls - 1, "function": {"arguments": piece}})
+            return
+        self._pair_start(out)
+        value = glm45_value(raw, self._call_properties.get(self._key))
+        out.tool_calls[-1]["function"]["arguments"] += json.dumps(value, ensure_ascii=False)
 
     def _close(self, out: ParsedDelta) -> None:
         out.tool_calls.append({"index": self.calls - 1, "function": {"arguments": "}"}})
+
+
+def _is_string(schema: Any) -> bool:
+    return isinstance(schema, dict) and schema.get("type") == "string"

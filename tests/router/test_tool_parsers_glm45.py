@@ -81,14 +81,28 @@ def test_content_is_released_at_once_but_what_may_be_a_tag_and_a_call_as_its_par
     assert parser.feed("Sure <tool").content == "Sure"
     assert parser.feed("box> ").content == " <toolbox>"
     assert parser.feed("<tool_call>get_wea").tool_calls == []
-    delta = parser.feed("ther\n<arg_key>city</arg_key>\n<arg_value>Par")
+    assert parser.feed("ther\n").tool_calls == []  # (a name, if a key or the block's end follows)
+    delta = parser.feed("<arg_key>days</arg_key>\n<arg_value>3</arg_va")
     assert delta.content == "" and delta.tool_calls[0]["function"] == {"name": "get_weather", "arguments": "{"}
-    assert parser.feed("is</arg_val").tool_calls == []
-    assert parser.feed("ue>\n<arg_key>days</arg_key><arg_value>2</arg_value>\n").tool_calls == [
-        {"index": 0, "function": {"arguments": '"city": "Paris"'}},
-        {"index": 0, "function": {"arguments": ', "days": 2'}}]
+    assert len(delta.tool_calls) == 1  # (an integer goes out whole, once it has ended)
+    # A string parameter's value streams as it is written, escaped for JSON.
+    assert parser.feed('lue>\n<arg_key>city</arg_key><arg_value>Par').tool_calls == [
+        {"index": 0, "function": {"arguments": '"days": 3'}}, {"index": 0, "function": {"arguments": ', "city": "'}},
+        {"index": 0, "function": {"arguments": "Par"}}]
+    assert parser.feed('is "C"</arg_val').tool_calls == [{"index": 0, "function": {"arguments": 'is \\"C\\"'}}]
+    assert parser.feed("ue>\n").tool_calls == [{"index": 0, "function": {"arguments": '"'}}]
     assert parser.feed("</tool_call>").tool_calls == [{"index": 0, "function": {"arguments": "}"}}]
     assert parser.finish() == ParsedDelta()
+
+
+def test_a_tag_mentioned_in_prose_does_not_hold_the_answer_back_nor_take_the_next_call():
+    parser = Glm45ToolCallParser(TOOLS)
+    assert parser.feed("GLM wraps calls in <tool_call> tags").content == "GLM wraps calls in"
+    assert parser.feed(". It goes on").content == " <tool_call> tags. It goes on"
+    text = "Use <tool_call> tags.\n" + call("get_weather", ("city", "Rome")) + "\nOK"
+    agree(text, "Use <tool_call> tags.\nOK", [("get_weather", {"city": "Rome"})])
+    text = "A <tool_call>line\n" + call("get_weather", ("city", "Rome"))  # (a "name" followed by a new block)
+    agree(text, "A <tool_call>line", [("get_weather", {"city": "Rome"})])
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), [
@@ -125,8 +139,10 @@ def test_text_that_is_not_a_call_is_content(text):
     agree(text, text, [])
 
 
-def test_blanks_before_the_name_are_layout():
+def test_blanks_around_the_name_are_layout():
     agree("<tool_call>\n get_weather\n<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>", "",
+          [("get_weather", {"city": "Rome"})])
+    agree("<tool_call>get_weather <arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>", "",
           [("get_weather", {"city": "Rome"})])
 
 
