@@ -9,7 +9,8 @@
   models write it); text outside the tags is the message's content. ``openai`` (gpt-oss): calls are
   harmony messages to ``functions.NAME`` (``router.harmony``, which reads the whole answer);
   ``glm45`` (GLM-4.5 to 4.7): ``<tool_call>NAME`` and ``<arg_key>``/``<arg_value>`` pairs
-  (``router.glm45_tool_parser``).
+  (``router.glm45_tool_parser``); ``deepseek_v3``, ``deepseek_v31`` and ``kimi_k2``: calls in a
+  marked section after the content (``router.sectioned_tool_parsers``).
 
 Every parser is incremental: ``feed(text)`` returns what can be released now (content and
 tool-call deltas, in OpenAI's streamed shape), ``finish()`` what is left. A whole response runs the
@@ -27,7 +28,8 @@ from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai", "glm45")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai", "glm45", "deepseek_v3",
+                     "deepseek_v31", "kimi_k2")
 # Where a JSON call object keeps its arguments.
 ARGUMENTS_KEYS = ("arguments", "parameters")
 
@@ -977,6 +979,10 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
             from router.glm45_tool_parser import Glm45ToolCallParser
 
             return Glm45ToolCallParser(tools)
+        if server_parser in ("deepseek_v3", "deepseek_v31", "kimi_k2"):
+            from router.sectioned_tool_parsers import SECTIONED_TOOL_CALL_PARSERS
+
+            return SECTIONED_TOOL_CALL_PARSERS[server_parser]()
         if server_parser == "openai":
             from router.harmony import HarmonyParser
 

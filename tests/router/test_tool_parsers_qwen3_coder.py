@@ -39,7 +39,7 @@ def whole(text: str, tools: list[dict] | None = TOOLS, make=Qwen3CoderToolCallPa
 
 
 def streamed(text: str, pieces: list[int], tools: list[dict] | None = TOOLS,
-             make=Qwen3CoderToolCallParser) -> tuple[str, list[dict[str, str]]]:
+             make=Qwen3CoderToolCallParser, id_prefix: str = "chatcmpl-tool-") -> tuple[str, list[dict[str, str]]]:
     """Feed ``text`` in pieces of the given sizes, merging the deltas as a client does."""
     choice = ChatOutputParser(None, make(tools))
     out, at = ParsedDelta(), 0
@@ -51,7 +51,7 @@ def streamed(text: str, pieces: list[int], tools: list[dict] | None = TOOLS,
     calls: list[dict[str, str]] = []
     for delta in out.tool_calls:
         if "id" in delta:
-            assert delta["index"] == len(calls) and delta["id"].startswith("chatcmpl-tool-")
+            assert delta["index"] == len(calls) and delta["id"].startswith(id_prefix)
             calls.append({"name": delta["function"]["name"], "arguments": ""})
         calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
     return out.content, calls
@@ -67,14 +67,14 @@ def random_pieces(text: str, seed: int) -> list[int]:
 
 
 def agree(text: str, content: str, calls: list[tuple[str, dict]], tools: list[dict] | None = TOOLS,
-          make=Qwen3CoderToolCallParser) -> None:
+          make=Qwen3CoderToolCallParser, id_prefix: str = "chatcmpl-tool-") -> None:
     """Whole, one character at a time and in random pieces: the same content and calls, whose
     arguments are ``json.dumps`` of the values (as vLLM writes them)."""
     expected = [{"name": name, "arguments": json.dumps(args, ensure_ascii=False)} for name, args in calls]
     assert whole(text, tools, make) == ((content if content or not calls else None), expected)
-    assert streamed(text, [1] * len(text), tools, make) == (content, expected)
+    assert streamed(text, [1] * len(text), tools, make, id_prefix) == (content, expected)
     for seed in range(30):
-        assert streamed(text, random_pieces(text, seed), tools, make) == (content, expected), seed
+        assert streamed(text, random_pieces(text, seed), tools, make, id_prefix) == (content, expected), seed
 
 
 SEVERAL = ("Let me check both.\n\n"
