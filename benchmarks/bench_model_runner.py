@@ -15,6 +15,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --gemma2  # Gemma 2: soft caps, alternating windows
     .venv/bin/python benchmarks/bench_model_runner.py --gpt-oss  # GPT-OSS: sinks, biased experts, windows
     .venv/bin/python benchmarks/bench_model_runner.py --glm4-moe  # GLM-4.5: sigmoid routing, shared expert
+    .venv/bin/python benchmarks/bench_model_runner.py --deepseek-v3  # DeepSeek-V3: MLA, sigmoid routing
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -29,7 +30,10 @@ SwiGLU, --experts-per-token of them per token): HF runs its eager attention (the
 and its default experts implementation. With --glm4-moe, as a GLM-4.5 model (64-wide heads rotating
 half their values, q/k/v biases and q/k norms, a dense first layer, then --experts (8 by default)
 routed experts of half SmolLM2's MLP width in 2 groups, one kept, chosen by sigmoid scores, scaled by
-2.5, beside one shared expert of that width).
+2.5, beside one shared expert of that width). With --deepseek-v3, as a DeepSeek-V3 model: the same
+experts, and multi-head latent attention (9 heads, a 256-value latent plus 32 rotary values, 64 + 32
+query/key values and 64 value values a head, queries through a 384-value bottleneck): HF expands
+every head's keys and values from its cached latent at each step; ours attends over the latent.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -167,6 +173,8 @@ def main() -> None:
                     help="run the random model as GPT-OSS (sinks, biased routed experts, windowed even layers)")
     ap.add_argument("--glm4-moe", action="store_true",
                     help="run the random model as GLM-4.5 (sigmoid-routed experts in groups, a shared expert)")
+    ap.add_argument("--deepseek-v3", action="store_true",
+                    help="run the random model as DeepSeek-V3 (multi-head latent attention, sigmoid-routed experts)")
     ap.add_argument("--gemma2", action="store_true",
                     help="run the random model as Gemma 2 (soft caps, windowed even layers)")
     args = ap.parse_args()
@@ -213,6 +221,16 @@ def main() -> None:
         hf = Glm4MoeForCausalLM(Glm4MoeConfig(**shapes)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(shapes)
         weights = iter(hf.state_dict().items())
+    elif args.model == "random" and args.deepseek_v3:
+        shapes = {**SMOLLM2_135M, "architectures": ["DeepseekV3ForCausalLM"], "num_key_value_heads": 9,
+                  "q_lora_rank": 384, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+                  "v_head_dim": 64, "n_routed_experts": args.experts or 8,
+                  "num_experts_per_tok": args.experts_per_token,
+                  "moe_intermediate_size": SMOLLM2_135M["intermediate_size"] // 2, "n_shared_experts": 1,
+                  "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}
+        hf = DeepseekV3ForCausalLM(DeepseekV3Config(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.gemma2:
         shapes = {**SMOLLM2_135M, "architectures": ["Gemma2ForCausalLM"], "head_dim": 64,
                   "query_pre_attn_scalar": 64, "sliding_window": args.sliding_window or 4096,
@@ -244,7 +262,8 @@ def main() -> None:
     max_batch = max(args.batch_sizes)
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
-    kind = " as gemma2" if args.gemma2 else " as gpt-oss" if args.gpt_oss else " as glm4-moe" if args.glm4_moe else ""
+    kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3}
+    kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "
           f"threads={torch.get_num_threads()} "
