@@ -755,7 +755,7 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
         factor, m = float(scaling["factor"]), float(scaling["mscale_all_dim"])
         mscale = 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
         scale *= mscale * mscale
-    q_lora = cfg.get("q_lora_rank")
+    q_lora = cfg.get("q_lora_rank", 1536)  # (transformers' default; V2-Lite's config says null)
     return dict(kv_lora_rank=int(cfg.get("kv_lora_rank", 512)), q_lora_rank=int(q_lora) if q_lora else 0,
                 qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg.get("v_head_dim", 128)),
                 rope_interleave=bool(cfg.get("rope_interleave", True)), attention_multiplier=scale)
@@ -793,7 +793,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5)}[arch]
         num_experts = read("n_routed_experts", defaults[0], "num_local_experts")
         width = read("moe_intermediate_size", defaults[1])
-        groups, kept = read("n_group", 1) or 1, read("topk_group", 1) or 1
+        grouped = 8 if arch == "DeepseekV3ForCausalLM" else 1  # (transformers' defaults: V3's 8 groups, 4 kept)
+        groups, kept = read("n_group", grouped) or 1, read("topk_group", grouped // 2 or 1) or 1
         if v2 and cfg.get("topk_method", "greedy") == "greedy":
             groups = kept = 1
         elif not v2 and arch != "Glm4MoeForCausalLM" and cfg.get("topk_method", "noaux_tc") != "noaux_tc":

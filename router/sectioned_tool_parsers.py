@@ -72,7 +72,8 @@ class SectionedToolCallParser(ToolCallParser):
         if self._state == "content":
             self._content.add(self._pending, out)
         elif self._state == "arguments":  # cut off in the arguments: what was written (less a marker begun)
-            self._args += self._pending[:len(self._pending) - partial_suffix(self._pending, self.CALL_END)]
+            keep = max(partial_suffix(self._pending, t) for t in self._tags("arguments"))
+            self._args += self._pending[:len(self._pending) - keep]
             self._end_call(out)
         if not self.calls:  # a blank answer is still the answer; blanks around calls are not content
             out.content += self._content.blank
@@ -82,7 +83,8 @@ class SectionedToolCallParser(ToolCallParser):
 
     def _tags(self, state: str) -> tuple[str, ...]:
         return {"content": (self.SECTION_BEGIN,), "section": (self.CALL_BEGIN, self.SECTION_END),
-                "header": (self.ARGS_BEGIN, self.CALL_END, self.SECTION_END), "arguments": (self.CALL_END,),
+                "header": (self.ARGS_BEGIN, self.CALL_END, self.SECTION_END),
+                "arguments": (self.CALL_END, self.CALL_BEGIN, self.SECTION_END),
                 "skip": (self.CALL_END, self.SECTION_END)}[state]
 
     def _step(self, out: ParsedDelta) -> bool:
@@ -118,10 +120,11 @@ class SectionedToolCallParser(ToolCallParser):
             out.tool_calls.append(self._start_call(name, ""))
             self._call_index, self._args, self._released = self.calls - 1, "", ""
             self._pending, self._state = rest, "arguments"
-        else:  # arguments: the call ends
+        else:  # arguments: the call ends (at its own end marker; without one, where the next call or
+            # the section's end begins)
             self._args += text[:at]
             self._end_call(out)
-            self._pending, self._state = rest, "section"
+            self._pending, self._state = (rest if tag == self.CALL_END else text[at:]), "section"
         return True
 
     def _release(self, args: str, out: ParsedDelta) -> None:

@@ -71,7 +71,8 @@ def _sinks_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str |
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, softcap: float | None = None, sinks: bool = False) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None, sinks: bool = False,
+                 tiled_prefill: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -91,6 +92,10 @@ class PagedAttention(nn.Module):
             self.register_parameter("sinks", None)
         # Scores not through SDPA: soft-capped or sunk.
         self.eager = softcap is not None or sinks
+        # Prefill scores in bounded tiles whatever the device (MLA's 576-value heads over one KV head:
+        # FlashAttention takes heads of 256 at most, and SDPA's fallback would hold every query head's
+        # scores over the whole chunk at once).
+        self.tiled_prefill = self.eager or tiled_prefill
         # Bound by the model runner once the cache is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -139,7 +144,7 @@ class PagedAttention(nn.Module):
             s, e = span.token_start, span.token_end
             kp = _gather_kv(k_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
             vp = _gather_kv(v_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
-            if self.eager:
+            if self.tiled_prefill:
                 out[s:e] = self._eager_prefill(q[s:e], kp, vp, span.mask)
                 continue
             qp = q[s:e].transpose(0, 1).unsqueeze(0)

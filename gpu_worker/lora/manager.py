@@ -86,6 +86,8 @@ class LoRAManager:
         self.batch = LoRABatch()
         self.layers = wrap_model(model, self.batch)
         self.packed: dict[str, tuple[str, int | str]] = dict(getattr(model, "packed_modules_mapping", {}))
+        # A model whose base weights' rows were reordered at load reorders an adapter's B alike (DeepSeek).
+        self._b_rows: Callable[[str, torch.Tensor], torch.Tensor] = getattr(model, "lora_b_rows", lambda _m, b: b)
         self.module_names = adapter_module_names(model)
         # Under pipeline parallelism, the layers other stages hold (their adapter weights are theirs).
         self.pp_missing_prefixes: tuple[str, ...] = tuple(getattr(model, "pp_missing_prefixes", ()))
@@ -236,7 +238,7 @@ class LoRAManager:
                                      f"{module!r}; adapters on routed experts are not served (attention, "
                                      "shared-expert and dense MLP projections are)")
                 raise ValueError(f"LoRA adapter {lora.lora_path}: the model has no projection {module!r}")
-            by_layer.setdefault(path, {})[shard_id] = (a.float(), b.float() * peft.scaling)
+            by_layer.setdefault(path, {})[shard_id] = (a.float(), self._b_rows(module, b.float()) * peft.scaling)
         layers = {}
         for path, subs in by_layer.items():
             base = self.layers[path].base

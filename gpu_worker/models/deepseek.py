@@ -12,8 +12,10 @@ head's keys and values:
   q_h . k_h = [W_UK[h]^T q_nope_h, q_pe_h] . [c, k_pe]: each query is moved into the latent's space
   and attends, as one of num_heads query heads over one KV "head" of kv_lora_rank + qk_rope_head_dim
   values (the cache's rows), whose first kv_lora_rank values serve as the value; W_UV[h] then maps
-  the head's output back. The paged attention (every path: the CPU decode kernel, SDPA, the prefix
-  cache) runs unchanged. The cache stores each row twice (as key and as value): one row of
+  the head's output back. The paged attention (the CPU decode kernel, SDPA for decodes elsewhere,
+  the prefix cache) runs unchanged; prefills attend in bounded tiles of scores (PagedAttention's
+  tiled_prefill: no FlashAttention kernel takes such wide heads, and SDPA's fallback would hold
+  every head's scores over a whole chunk at once). The cache stores each row twice (as key and as value): one row of
   kv_lora_rank + qk_rope_head_dim values per token and layer where vLLM stores it once, and either
   way about a fiftieth of what the heads' keys and values would take.
 * DeepSeek's checkpoints lay each rotary part out in pairs (``rope_interleave``); the rows of the
@@ -62,7 +64,8 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora, heads * (self.nope + self.v_dim))
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=config.o_proj_bias)
         self.num_heads = self.kv_b_proj.output_size_per_partition // (self.nope + self.v_dim)
-        self.attn = PagedAttention(self.num_heads, 1, self.kv_lora + self.rope, config.attention_scale)
+        self.attn = PagedAttention(self.num_heads, 1, self.kv_lora + self.rope, config.attention_scale,
+                                   tiled_prefill=True)
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, heads, nope = hidden.shape[0], self.num_heads, self.nope
@@ -103,6 +106,15 @@ def _halves_order(width: int) -> torch.Tensor:
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     model_class = DeepseekModel
+    # (No fused q/k/v: only the MLPs' gate and up are loaded into one projection.)
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def _query_rows_in_halves(self, rows: torch.Tensor) -> torch.Tensor:
+        """A query projection's rows (or a LoRA B's), each head's rotary rows from pairs into halves."""
+        config = self.config
+        per_head = rows.reshape(-1, config.qk_nope_head_dim + config.qk_rope_head_dim, *rows.shape[1:])
+        rotary = per_head[:, config.qk_nope_head_dim:].index_select(1, _halves_order(config.qk_rope_head_dim))
+        return torch.cat((per_head[:, : config.qk_nope_head_dim], rotary), dim=1).reshape(rows.shape)
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """The MTP layers left out, and (``rope_interleave``) the rotary rows of the query and latent
@@ -118,16 +130,18 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             if others and name.startswith(others):
                 yield name, tensor
             elif name.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight")):
-                rows = materialize(tensor)
-                per_head = rows.view(-1, config.qk_nope_head_dim + config.qk_rope_head_dim, rows.shape[-1])
-                rotary = per_head[:, config.qk_nope_head_dim:].index_select(1, order)
-                yield name, torch.cat((per_head[:, : config.qk_nope_head_dim], rotary), dim=1).view_as(rows)
+                yield name, self._query_rows_in_halves(materialize(tensor))
             elif name.endswith((".self_attn.kv_a_proj_with_mqa.weight", ".self_attn.kv_a_proj_with_mqa.bias")):
                 rows = materialize(tensor)
-                rotary = rows[config.kv_lora_rank:].index_select(0, order)
-                yield name, torch.cat((rows[: config.kv_lora_rank], rotary))
+                yield name, torch.cat((rows[: config.kv_lora_rank], rows[config.kv_lora_rank:].index_select(0, order)))
             else:
                 yield name, tensor
+
+    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""
+        if self.config.rope_interleave and module.endswith(".self_attn.q_proj"):
+            return self._query_rows_in_halves(b)
+        return b
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -324,6 +324,22 @@ def test_an_adapter_on_gemma2_gives_pefts_tokens(tmp_path):
     assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
 
 
+def test_an_adapter_on_deepseek_v2s_query_projection_gives_pefts_tokens(tmp_path):
+    """DeepSeek-V2's query projection is its own (no fused q/k/v), and its rotary rows were reordered
+    at load from pairs into halves: an adapter's B rows are reordered alike."""
+    targets = ("q_proj", "o_proj")
+    base = save_tiny_model(tmp_path / "base", "deepseek_v2", vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=5, targets=targets)
+    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
+    rng = random.Random(13)
+    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    adapted = peft_model(base, seed=5, targets=targets)
+    expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
+                for i, p in enumerate(prompts)}
+    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
+
+
 def test_an_adapter_on_phi3s_fused_projections_gives_pefts_tokens(tmp_path):
     """Phi-3's checkpoint, and so PEFT's adapters for it, hold q/k/v and gate/up fused
     (``qkv_proj``, ``gate_up_proj``): one A for the whole projection, B's rows in q, k, v order."""

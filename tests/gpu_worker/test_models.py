@@ -569,6 +569,11 @@ def test_deepseek_configs_as_released():
     assert not config.norm_topk_prob and config.shared_expert_intermediate_size == 2 * 1408
     assert config.attention_scale == pytest.approx(192 ** -0.5 * (0.0707 * math.log(40) + 1.0) ** 2)
     assert [config.layer_is_moe(i) for i in range(2)] == [False, True]
+    # Keys left out take transformers' defaults (V3: 8 groups, 4 kept; a 1536-value query bottleneck).
+    bare = ModelConfig.from_dict({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                  "vocab_size": 256})
+    assert (bare.moe_num_groups, bare.moe_topk_groups, bare.q_lora_rank, bare.num_experts) == (8, 4, 1536, 256)
 
 
 def test_glm4_moe_multi_token_prediction_layers_are_not_read(tmp_path):

@@ -93,6 +93,12 @@ def test_kimi_k2_calls_keep_the_ids_they_write():
                                 f"{v31_call('get_time', '{}')}{CALLS_END}", "", [("get_time", {})]),
     (KimiK2ToolCallParser, kimi_section(kimi_call("no_index", "{}"), kimi_call("functions.get_time:0", "{}")), "",
      [("get_time", {})]),
+    # A call without its end marker ends where the next call, or the section's end, begins.
+    (KimiK2ToolCallParser, "<|tool_calls_section_begin|><|tool_call_begin|>functions.a:0<|tool_call_argument_begin|>"
+                           '{"x": 1}' + kimi_call("functions.b:1", '{"y": 2}') + "<|tool_calls_section_end|>", "",
+     [("a", {"x": 1}), ("b", {"y": 2})]),
+    (DeepSeekV31ToolCallParser, f'{CALLS_BEGIN}{CALL_BEGIN}get_time{SEP}{{"a": 1}}{CALLS_END}\nDone.', "\nDone.",
+     [("get_time", {"a": 1})]),
     # Text after the section is content.
     (KimiK2ToolCallParser, kimi_section(kimi_call("functions.get_time:0", "{}")) + " Done.", " Done.",
      [("get_time", {})]),
