@@ -26,7 +26,7 @@ import json
 from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
-from router.tool_parsers import ContentWithHeldBlanks, ToolCallParser, first_tag, python_literal, tool_properties
+from router.tool_parsers import ContentWithHeldBlanks, SteppedToolCallParser, first_tag, python_literal, tool_properties
 
 
 def glm45_value(raw: str, schema: Any) -> Any:
@@ -47,7 +47,7 @@ def glm45_value(raw: str, schema: Any) -> Any:
     return value
 
 
-class Glm45ToolCallParser(ToolCallParser):
+class Glm45ToolCallParser(SteppedToolCallParser):
     free_form = True
 
     START, END = "<tool_call>", "</tool_call>"
@@ -71,13 +71,6 @@ class Glm45ToolCallParser(ToolCallParser):
         self._key = ""  # the argument being read
         self._keys = 0  # arguments released in the current call
         self._string = False  # the value being read is a string parameter's, streamed as it comes
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._pending += text
-        out = ParsedDelta()
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()

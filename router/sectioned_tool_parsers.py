@@ -25,10 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
-from router.tool_parsers import ContentWithHeldBlanks, ToolCallParser, first_tag
+from router.tool_parsers import ContentWithHeldBlanks, SteppedToolCallParser, first_tag
 
 
-class SectionedToolCallParser(ToolCallParser):
+class SectionedToolCallParser(SteppedToolCallParser):
     free_form = True
 
     SECTION_BEGIN = SECTION_END = CALL_BEGIN = CALL_END = ARGS_BEGIN = ""
@@ -59,13 +59,6 @@ class SectionedToolCallParser(ToolCallParser):
     def _complete(self, args: str) -> str:
         """The whole arguments, once the call has ended."""
         return args
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._pending += text
-        out = ParsedDelta()
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()

@@ -74,6 +74,26 @@ class ToolCallParser:
         return self._new_call_id()
 
 
+class SteppedToolCallParser(ToolCallParser):
+    """A parser written as a state machine over the text not yet consumed (``_pending``): ``feed``
+    appends and steps until a step needs more text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._pending += text
+        out = ParsedDelta()
+        while self._step(out):
+            pass
+        return out
+
+    def _step(self, out: ParsedDelta) -> bool:
+        """Consume what the pending text decides: True when there may be more to read now."""
+        raise NotImplementedError
+
+
 class ContentWithHeldBlanks:
     """Content released but its trailing blanks, which wait for what follows: dropped before a
     call (``drop``), released before more text. So streamed and whole answers agree, and the
@@ -699,7 +719,7 @@ def _literal(node: ast.expr) -> Any:
     return ast.literal_eval(node)
 
 
-class Qwen3CoderToolCallParser(ToolCallParser):
+class Qwen3CoderToolCallParser(SteppedToolCallParser):
     """``auto`` with ``--tool-call-parser qwen3_coder`` (Qwen3-Coder): each call is XML-like,
     ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>``, each tag
     on its own line (a value's first and last newline are layout). The rest is content, as with hermes.
@@ -733,13 +753,6 @@ class Qwen3CoderToolCallParser(ToolCallParser):
         self._call_properties: dict[str, Any] = {}  # the current call's function's parameters
         self._key = ""  # the parameter being read
         self._keys = 0  # parameters released in the current call
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._pending += text
-        out = ParsedDelta()
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
