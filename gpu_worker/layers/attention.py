@@ -72,7 +72,7 @@ def _sinks_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str |
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, softcap: float | None = None, sinks: bool = False,
-                 tiled_prefill: bool = False) -> None:
+                 tiled_prefill_on: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -92,10 +92,11 @@ class PagedAttention(nn.Module):
             self.register_parameter("sinks", None)
         # Scores not through SDPA: soft-capped or sunk.
         self.eager = softcap is not None or sinks
-        # Prefill scores in bounded tiles whatever the device (MLA's 576-value heads over one KV head:
-        # FlashAttention takes heads of 256 at most, and SDPA's fallback would hold every query head's
-        # scores over the whole chunk at once).
-        self.tiled_prefill = self.eager or tiled_prefill
+        # Device types on which prefills take their scores in bounded tiles (eager) rather than SDPA:
+        # MLA's 576-value heads over one KV head on CUDA, where no FlashAttention kernel takes heads
+        # wider than 256 and SDPA's fallback would hold every query head's scores over the whole
+        # chunk at once (on the CPU, SDPA's own kernel tiles them).
+        self.tiled_prefill_on = tiled_prefill_on
         # Bound by the model runner once the cache is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -144,7 +145,7 @@ class PagedAttention(nn.Module):
             s, e = span.token_start, span.token_end
             kp = _gather_kv(k_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
             vp = _gather_kv(v_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
-            if self.tiled_prefill:
+            if self.eager or q.device.type in self.tiled_prefill_on:
                 out[s:e] = self._eager_prefill(q[s:e], kp, vp, span.mask)
                 continue
             qp = q[s:e].transpose(0, 1).unsqueeze(0)

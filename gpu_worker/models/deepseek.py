@@ -12,12 +12,12 @@ head's keys and values:
   q_h . k_h = [W_UK[h]^T q_nope_h, q_pe_h] . [c, k_pe]: each query is moved into the latent's space
   and attends, as one of num_heads query heads over one KV "head" of kv_lora_rank + qk_rope_head_dim
   values (the cache's rows), whose first kv_lora_rank values serve as the value; W_UV[h] then maps
-  the head's output back. The paged attention (the CPU decode kernel, SDPA for decodes elsewhere,
-  the prefix cache) runs unchanged; prefills attend in bounded tiles of scores (PagedAttention's
-  tiled_prefill: no FlashAttention kernel takes such wide heads, and SDPA's fallback would hold
-  every head's scores over a whole chunk at once). The cache stores each row twice (as key and as value): one row of
-  kv_lora_rank + qk_rope_head_dim values per token and layer where vLLM stores it once, and either
-  way about a fiftieth of what the heads' keys and values would take.
+  the head's output back. The paged attention (the CPU decode kernel, SDPA, the prefix cache) runs
+  unchanged, but that on CUDA prefills attend in bounded tiles of scores (PagedAttention's
+  tiled_prefill_on: no FlashAttention kernel takes such wide heads, and SDPA's fallback would hold
+  every head's scores over a whole chunk at once). The cache stores each row twice (as key and as
+  value): one row of kv_lora_rank + qk_rope_head_dim values per token and layer where vLLM stores
+  it once, and either way about a fiftieth of what the heads' keys and values would take.
 * DeepSeek's checkpoints lay each rotary part out in pairs (``rope_interleave``); the rows of the
   projections that make them are reordered into halves at load, so Llama's rotation applies (the
   dot products of queries and keys are the same under any reordering applied to both).
@@ -65,7 +65,7 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=config.o_proj_bias)
         self.num_heads = self.kv_b_proj.output_size_per_partition // (self.nope + self.v_dim)
         self.attn = PagedAttention(self.num_heads, 1, self.kv_lora + self.rope, config.attention_scale,
-                                   tiled_prefill=True)
+                                   tiled_prefill_on=("cuda",))
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, heads, nope = hidden.shape[0], self.num_heads, self.nope

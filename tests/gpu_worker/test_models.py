@@ -518,6 +518,22 @@ def test_glm4_moe_config_as_released():
         ModelConfig.from_dict({**air, "n_group": 8, "topk_group": 1, "num_experts_per_tok": 17})
 
 
+def test_deepseek_prefill_in_tiles_as_on_cuda_equals_transformers(tmp_path, monkeypatch):
+    """On CUDA, MLA's prefills take their scores in bounded tiles (no FlashAttention kernel takes its
+    wide heads): the same path run here, with tiles of a few query rows, answers as transformers."""
+    import gpu_worker.layers.attention as attention
+
+    monkeypatch.setattr(attention, "_SCORES_PER_TILE", 4 * 45 * 3)  # (3 query rows of 4 heads a tile)
+    path = save_tiny_model(tmp_path, "deepseek_v3")
+    runner = make_runner(path, num_blocks=16, block_size=4)
+    for layer in runner.model.attention_layers():
+        layer.tiled_prefill_on = ("cpu",)
+    prompt = [(7 * i + 3) % 256 for i in range(45)]
+    with torch.no_grad():
+        ref = load_hf(path)(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, list(range(12))), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_deepseek_configs_as_released():
     """DeepSeek-V3's config.json (its FP8 block quantization, YaRN with mscale_all_dim, noaux_tc
     routing) and DeepSeek-V2-Lite's (a plain query projection, greedy softmax routing): MLA's cache
