@@ -13,6 +13,9 @@ returns it in ``reasoning_content``.
   its special tokens, as the tool-call parsers' are).
 - ``glm45`` (GLM-4.5, 4.6, 4.7): as ``qwen3`` (GLM's templates close the thinking in the prompt,
   ``<think></think>``, when ``enable_thinking`` is false: the answer is then all content).
+- ``deepseek_v3`` (DeepSeek-V3, V3.1: its template opens the thinking in the prompt under
+  ``chat_template_kwargs: {"thinking": true}`` and closes it otherwise) and ``kimi_k2`` (Kimi K2
+  Thinking): as ``qwen3``.
 - ``openai_gptoss`` (gpt-oss): its answers are harmony messages on channels, not tags; they are read
   by ``router.harmony.HarmonyParser`` (reasoning, content and tool calls together).
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 from router.parsed_output import partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss", "glm45")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss", "glm45", "deepseek_v3", "kimi_k2")
 # The harmony format's parsers (gpt-oss): the reasoning parser and the tool-call parser of that name
 # both read an answer with router.harmony.HarmonyParser.
 HARMONY_REASONING_PARSER, HARMONY_TOOL_CALL_PARSER = "openai_gptoss", "openai"
@@ -33,7 +36,7 @@ HARMONY_REASONING_PARSER, HARMONY_TOOL_CALL_PARSER = "openai_gptoss", "openai"
 START, END = "<think>", "</think>"
 # Each parser's (start, end) tags.
 THINK_TAGS = {"deepseek_r1": (START, END), "qwen3": (START, END), "mistral": ("[THINK]", "[/THINK]"),
-              "glm45": (START, END)}
+              "glm45": (START, END), "deepseek_v3": (START, END), "kimi_k2": (START, END)}
 
 
 def think_tags(name: str | None) -> tuple[str, str]:
@@ -85,8 +88,10 @@ def create_reasoning_parser(name: str, starts_thinking: bool = False) -> Reasoni
     if name == "deepseek_r1":
         return ReasoningParser(needs_start_tag=False)
     # (GLM-4.5's answers think only after their own <think>, as Qwen3's; its template closes the
-    # thinking in the prompt when enable_thinking is false, and GLM-4.7's may open it there.)
-    if name in ("qwen3", "mistral", "glm45"):
+    # thinking in the prompt when enable_thinking is false, and GLM-4.7's may open it there. So do
+    # DeepSeek-V3.1's, whose template opens or closes it by the `thinking` keyword, and DeepSeek-V3's
+    # plain answers have none; Kimi K2 Thinking's open their own.)
+    if name in ("qwen3", "mistral", "glm45", "deepseek_v3", "kimi_k2"):
         return ReasoningParser(needs_start_tag=not starts_thinking, tags=THINK_TAGS[name])
     if name == HARMONY_REASONING_PARSER:
         raise ValueError("openai_gptoss answers are read by router.harmony.HarmonyParser, not a tag parser")

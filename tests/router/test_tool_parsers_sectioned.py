@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from router.parsed_output import ParsedDelta
+from router.reasoning_parsers import create_reasoning_parser
 from router.sectioned_tool_parsers import DeepSeekV3ToolCallParser, DeepSeekV31ToolCallParser, KimiK2ToolCallParser
 from router.tool_parsers import create_tool_call_parser
 
@@ -124,3 +125,11 @@ def test_the_factory_and_the_app():
     assert "".join(d["delta"].get("content") or "" for d in deltas) == "Checking."
     assert streamed(answer, [3] * 40, None, make=lambda _tools: DeepSeekV31ToolCallParser())[1] == [
         {"name": "get_weather", "arguments": WEATHER}]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k2"])
+def test_their_reasoning_parsers_read_thinking_opened_by_the_answer_or_the_prompt(name):
+    assert create_reasoning_parser(name).feed("Plain answer.") == ("", "Plain answer.")  # (V3-0324: no thinking)
+    assert create_reasoning_parser(name).feed("<think>Hmm.</think>Yes.") == ("Hmm.", "Yes.")
+    # DeepSeek-V3.1 with {"thinking": true}: its template ends the prompt with <think>.
+    assert create_reasoning_parser(name, starts_thinking=True).feed("Hmm.</think>Yes.") == ("Hmm.", "Yes.")
