@@ -13,11 +13,11 @@ does not declare) as JSON, else as a Python literal, else as its text without th
 
 Incremental as every parser here. A call is released once its name's line has ended and its first
 ``<arg_key>`` or ``</tool_call>`` follows (a "name" with blanks, quotes, braces or angle brackets in
-it is not one, nor is a line followed by another ``<tool_call>``: such a block is content, released
-as it comes). Its arguments go out as a JSON object that grows by one ``"key": value`` as each value
-ends; a ``string`` parameter's value streams as it is written (a long file's contents arrive as the
-model writes them, as vLLM streams them). A block cut off keeps what it got: the value being written
-ends where the text does, and the object is closed.
+it is not one, nor is a line followed by anything else, prose or another ``<tool_call>``: such a
+block is content, released as it comes). Its arguments go out as a JSON object that grows by one
+``"key": value`` as each value ends; a ``string`` parameter's value streams as it is written (a long
+file's contents arrive as the model writes them, as vLLM streams them). A block cut off keeps what
+it got: the value being written ends where the text does, and the object is closed.
 """
 
 from __future__ import annotations
@@ -116,6 +116,11 @@ class Glm45ToolCallParser(SteppedToolCallParser):
             self._content.add(text[:at], out)
             self._block, self._pending, self._state, self._searched = self.START, text[at + len(self.START):], "name", 0
             return True
+        if state == "named":  # after the name's line, anything but a key or the block's end: text
+            kept = text.lstrip()
+            if kept and not any(kept.startswith(t) or t.startswith(kept) for t in self._ENDS["named"]):
+                self._state, self._searched = "text", 0
+                return True
         if state == "name" and text[:1].isspace():  # (blanks before the name: layout)
             kept = text.lstrip()
             self._block += text[:len(text) - len(kept)]

@@ -103,6 +103,9 @@ def test_a_tag_mentioned_in_prose_does_not_hold_the_answer_back_nor_take_the_nex
     agree(text, "Use <tool_call> tags.\nOK", [("get_weather", {"city": "Rome"})])
     text = "A <tool_call>line\n" + call("get_weather", ("city", "Rome"))  # (a "name" followed by a new block)
     agree(text, "A <tool_call>line", [("get_weather", {"city": "Rome"})])
+    # A "name" line followed by prose is no call, closed or not.
+    agree("See <tool_call>Note\nthis is prose.", "See <tool_call>Note\nthis is prose.", [])
+    agree("See <tool_call>Note\nprose</tool_call> end", "See <tool_call>Note\nprose</tool_call> end", [])
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), [
