@@ -58,7 +58,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM",
                            "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                           "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                           "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                           "OlmoeForCausalLM")
 # Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture).
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
@@ -73,7 +74,7 @@ GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
 # Those whose heads may rotate only their first values (partial_rotary_factor).
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")
 # Vision-language checkpoints whose language model we serve on text (ModelConfig reads their
 # text_config; the decoder's loader skips the vision tower).
 TEXT_DECODER_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -814,6 +815,14 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", defaults[4])),
                     moe_layers=tuple(i >= first_moe and i % every == 0 for i in range(num_layers)))
+    if arch == "OlmoeForCausalLM":
+        # Every layer routed; the experts' width is intermediate_size; not renormalised by default.
+        if cfg.get("clip_qkv") is not None:
+            raise ValueError("clip_qkv (clamping OLMoE's q, k and v) is not served")
+        return dict(num_experts=read("num_experts", 64, "num_local_experts"),
+                    num_experts_per_tok=read("num_experts_per_tok", 8),
+                    moe_intermediate_size=int(cfg.get("intermediate_size", 2048)),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     if arch == "Qwen2MoeForCausalLM":
         defaults = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408}
         shared = read("shared_expert_intermediate_size", 5632)

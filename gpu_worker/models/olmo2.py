@@ -1,4 +1,5 @@
-"""OLMo 2 (Olmo2ForCausalLM: OLMo-2 1B / 7B / 13B / 32B) and OLMo 3 (Olmo3ForCausalLM: OLMo 2's layers with
+"""OLMo 2 (Olmo2ForCausalLM: OLMo-2 1B / 7B / 13B / 32B), OLMoE (OlmoeForCausalLM: Llama's layers with
+these q/k norms and routed experts) and OLMo 3 (Olmo3ForCausalLM: OLMo 2's layers with
 a sliding window on three layers of four, which rotate with plain RoPE of their own: ModelConfig's
 local_rope_theta): the Llama block with two changes.
 
@@ -28,11 +29,11 @@ from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForC
 class ProjectionRMSNorm(nn.Module):
     """RMSNorm over a whole q or k projection of which this rank holds ``width`` values from ``start``
     (its heads'), as transformers' Olmo2RMSNorm computes it: statistics and weight in fp32, then the
-    cast."""
+    cast (``cast_first``: OlmoeRMSNorm's order, the cast, then the weight)."""
 
-    def __init__(self, width: int, start: int, eps: float) -> None:
+    def __init__(self, width: int, start: int, eps: float, cast_first: bool = False) -> None:
         super().__init__()
-        self.start, self.eps = start, eps
+        self.start, self.eps, self.cast_first = start, eps, cast_first
         self.tp_size = tp_rank_and_size(None, None)[1]
         self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -48,17 +49,21 @@ class ProjectionRMSNorm(nn.Module):
         if self.tp_size > 1:
             distributed.all_reduce(squares)
         mean = squares / (x32.shape[-1] * self.tp_size)
+        if self.cast_first:
+            return (self.weight * (x32 * torch.rsqrt(mean + self.eps)).to(x.dtype)).view_as(x)
         return (self.weight.float() * (x32 * torch.rsqrt(mean + self.eps))).to(x.dtype).view_as(x)
 
 
 class Olmo2Attention(LlamaAttention):
     """Llama's attention (its q/k norm path) with the norms over the whole projections."""
 
+    cast_first = False  # (the norms' order of the weight and the cast: OLMoE's casts first)
+
     def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
         super().__init__(config, layer, norm_class)
-        proj = self.qkv_proj
-        self.q_norm = ProjectionRMSNorm(self.q_size, proj.tp_rank * self.q_size, config.rms_norm_eps)
-        self.k_norm = ProjectionRMSNorm(self.kv_size, proj._kv_head_start() * self.head_dim, config.rms_norm_eps)
+        proj, eps = self.qkv_proj, config.rms_norm_eps
+        self.q_norm = ProjectionRMSNorm(self.q_size, proj.tp_rank * self.q_size, eps, self.cast_first)
+        self.k_norm = ProjectionRMSNorm(self.kv_size, proj._kv_head_start() * self.head_dim, eps, self.cast_first)
 
 
 class Olmo2DecoderLayer(LlamaDecoderLayer):
@@ -88,3 +93,24 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
 class Olmo3ForCausalLM(Olmo2ForCausalLM):
     """OLMo 3 (7B, 32B): OLMo 2 with windowed layers (ModelConfig)."""
+
+
+class OlmoeAttention(Olmo2Attention):
+    cast_first = True
+
+
+class OlmoeDecoderLayer(LlamaDecoderLayer):
+    """OLMoE's layer: Llama's (norms before each sublayer), OLMo's whole-projection q/k norms, and
+    routed experts in every layer (SparseMoeBlock: the softmax's top k, not renormalised by default)."""
+
+    attention_class = OlmoeAttention
+
+
+class OlmoeModel(LlamaModel):
+    layer_class = OlmoeDecoderLayer
+
+
+class OlmoeForCausalLM(LlamaForCausalLM):
+    """OLMoE (OLMoE-1B-7B): 64 experts, 8 per token."""
+
+    model_class = OlmoeModel

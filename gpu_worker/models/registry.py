@@ -30,7 +30,7 @@ from gpu_worker.models.llama import (
 )
 from gpu_worker.models.llava import llava_class
 from gpu_worker.models.modernbert import ModernBertModel
-from gpu_worker.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
+from gpu_worker.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from gpu_worker.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
@@ -64,6 +64,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

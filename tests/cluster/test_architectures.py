@@ -18,7 +18,7 @@ from tests.tiny_model import build_tokenizer
 
 KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma3",
          "gpt_oss", "smollm3", "granite", "olmo2", "olmo3", "glm4_moe",
-         "deepseek_v3", "deepseek_v2"]
+         "deepseek_v3", "deepseek_v2", "olmoe"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}}
 # Token-id prompts (the tiny models' vocabulary is 256): two share a 12-token prefix (three blocks).
@@ -57,12 +57,17 @@ def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path
     outputs, _ = run(path, PROMPTS, params, dtype="bfloat16", num_gpu_blocks=32, max_num_batched_tokens=16,
                      max_model_len=128)
     hf = load_hf(path)
-    errors = []
+    moe = "moe" in kind or kind in ("mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2")
+    hf_bf16 = load_hf(path).to(torch.bfloat16) if moe else None
+    errors, hf_bf16_errors = [], []
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         sample = out.outputs[0]
         ids = prompt + sample.token_ids
         with torch.no_grad():
             reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+            if hf_bf16 is not None:
+                theirs = torch.log_softmax(hf_bf16(torch.tensor([ids])).logits[0].float(), dim=-1)
+                hf_bf16_errors += [abs(theirs[i, t] - reference[i, t]).item() for i, t in enumerate(ids[1:])]
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
         rows = out.prompt_logprobs[1:] + sample.logprobs  # row i scores token i + 1, predicted at position i
         assert len(rows) == len(ids) - 1
@@ -70,10 +75,11 @@ def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path
     mean, worst = sum(errors) / len(errors), max(errors)
     # bf16 keeps 8 significant bits: a few parts in a thousand per value, summed over the layers
     # (a wrong rotation, norm or mask costs whole nats). An MoE router's top-k can flip on a rounding,
-    # so only its mean is bounded.
-    assert mean < 0.06, f"mean logprob error {mean:.3f}"
-    assert worst < 0.25 or "moe" in kind or kind in ("mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2"), \
-        f"worst logprob error {worst:.3f}"
+    # so only its mean is bounded, and by what transformers' own bf16 costs where that is more (which
+    # tokens flip is chance: over seeds, ours and transformers' bf16 errors swap places).
+    bound = 0.06 if not moe else max(0.06, 2 * sum(hf_bf16_errors) / len(hf_bf16_errors))
+    assert mean < bound, f"mean logprob error {mean:.3f} (bound {bound:.3f})"
+    assert worst < 0.25 or moe, f"worst logprob error {worst:.3f}"
 
 
 def test_without_a_block_count_the_kv_cache_fills_the_memory_share_it_is_given(tiny_model_dir):

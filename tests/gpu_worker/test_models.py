@@ -80,6 +80,10 @@ CASES = {
     "deepseek_v2_groups_bias": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4,
                                                 "topk_group": 1, "routed_scaling_factor": 16.0,
                                                 "attention_bias": True, "q_lora_rank": 24}),
+    # OLMoE: whole-projection q/k norms (their weight after the cast), routed experts not renormalised
+    # (and renormalised), MQA.
+    "olmoe": ("olmoe", {}),
+    "olmoe_renormalised_mqa": ("olmoe", {"norm_topk_prob": True, "num_key_value_heads": 1}),
     # SmolLM3's NoPE layers (every second one here); with a window on them.
     "smollm3": ("smollm3", {"num_hidden_layers": 3}),
     "smollm3_nope_window": ("smollm3", {"use_sliding_window": True, "sliding_window": 8, "tie_word_embeddings": False}),
@@ -193,7 +197,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Gemma3ForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM",
                                    "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                                    "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM",
-                                   "DeepseekV3ForCausalLM", "BertModel", "RobertaModel",
+                                   "DeepseekV3ForCausalLM", "OlmoeForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
@@ -609,6 +613,16 @@ def test_glm4_moe_multi_token_prediction_layers_are_not_read(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_olmoe_with_clip_qkv_is_refused():
+    base = {"architectures": ["OlmoeForCausalLM"], "hidden_size": 64, "intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
+    config = ModelConfig.from_dict(base)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (64, 8, 32)
+    assert not config.norm_topk_prob and config.rms_norm_eps == 1e-5
+    with pytest.raises(ValueError, match="clip_qkv"):
+        ModelConfig.from_dict({**base, "clip_qkv": 8.0})
 
 
 def test_olmo3_with_longrope_is_refused():

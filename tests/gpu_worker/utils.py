@@ -26,6 +26,7 @@ from transformers import (
     MixtralConfig,
     Olmo2Config,
     Olmo3Config,
+    OlmoeConfig,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -102,6 +103,10 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "olmo3":
         return Olmo3Config(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 8,
                               **kw, "num_hidden_layers": max(4, kw["num_hidden_layers"])})
+    # OLMoE: OLMo 2's whole-projection q/k norms in Llama's layers, 8 experts, 2 per token.
+    if kind == "olmoe":
+        return OlmoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "pad_token_id": 0,
+                              "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Granite: its four scalars away from 1 (Granite 3.x's own values are of these orders).
     if kind == "granite":
         return GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
