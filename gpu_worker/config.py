@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 
 from engine_core.tokenizer_files import read_image_processor_config, read_video_processor_config
 from engine_core.tokenizer_loader import load_tokenizer
+from gpu_worker.layers.rotary import yarn_mscale
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
@@ -753,9 +753,7 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
         raise ValueError(f"qk_rope_head_dim must be even, got {rope}")
     scale = (nope + rope) ** -0.5
     if scaling is not None and scaling.get("mscale_all_dim"):
-        factor, m = float(scaling["factor"]), float(scaling["mscale_all_dim"])
-        mscale = 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-        scale *= mscale * mscale
+        scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
     q_lora = cfg.get("q_lora_rank", 1536)  # (transformers' default; V2-Lite's config says null)
     return dict(kv_lora_rank=int(cfg.get("kv_lora_rank", 512)), q_lora_rank=int(q_lora) if q_lora else 0,
                 qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg.get("v_head_dim", 128)),

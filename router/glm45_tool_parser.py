@@ -26,7 +26,7 @@ import json
 from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
-from router.tool_parsers import ContentWithHeldBlanks, SteppedToolCallParser, first_tag, python_literal, tool_properties
+from router.tool_parsers import SteppedToolCallParser, python_literal, tool_properties
 
 
 def glm45_value(raw: str, schema: Any) -> Any:
@@ -62,11 +62,8 @@ class Glm45ToolCallParser(SteppedToolCallParser):
         # content; name (the block's first line), named (the name read, its first key or the block's
         # end awaited), text (a block that is no call), body, key, before_value, value
         self._state = "content"
-        self._pending = ""  # text read but not yet consumed
         self._block = ""  # the block's text until its call is known (content if it is none)
         self._name = ""
-        self._searched = 0  # how much of the pending text was searched for the current end tags
-        self._content = ContentWithHeldBlanks()
         self._call_properties: dict[str, Any] = {}  # the current call's function's parameters
         self._key = ""  # the argument being read
         self._keys = 0  # arguments released in the current call
@@ -92,13 +89,6 @@ class Glm45ToolCallParser(SteppedToolCallParser):
         self._pending, self._block, self._state = "", "", "content"
         return out
 
-    def _until(self, tags: tuple[str, ...]) -> tuple[int, str]:
-        """The first of ``tags`` in the pending text (searching only what may hold a new one since
-        the last search), or (-1, "")."""
-        at, tag = first_tag(self._pending, tags, max(0, self._searched - max(map(len, tags)) + 1))
-        self._searched = len(self._pending) if at < 0 else 0
-        return at, tag
-
     _ENDS = {"name": ("\n", KEY, END), "named": (KEY, END, START), "text": (END, START), "body": (KEY, END),
              "key": (KEY_END, END), "before_value": (VALUE, KEY, END), "value": (VALUE_END, END)}
 
@@ -107,14 +97,9 @@ class Glm45ToolCallParser(SteppedToolCallParser):
         (there may be more to read), False when the rest must wait for more text."""
         state, text = self._state, self._pending
         if state == "content":
-            at = text.find(self.START)
-            if at < 0:
-                keep = partial_suffix(text, self.START)
-                self._content.add(text[:len(text) - keep], out)
-                self._pending = text[len(text) - keep:]
+            if not self._content_until(self.START, out):
                 return False
-            self._content.add(text[:at], out)
-            self._block, self._pending, self._state, self._searched = self.START, text[at + len(self.START):], "name", 0
+            self._block, self._state = self.START, "name"
             return True
         if state == "named":  # after the name's line, anything but a key or the block's end: text
             kept = text.lstrip()

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
-from router.tool_parsers import ContentWithHeldBlanks, SteppedToolCallParser, first_tag
+from router.tool_parsers import SteppedToolCallParser, first_tag
 
 
 class SectionedToolCallParser(SteppedToolCallParser):
@@ -36,12 +36,10 @@ class SectionedToolCallParser(SteppedToolCallParser):
     def __init__(self) -> None:
         super().__init__()
         self._state = "content"  # content, section, header, arguments, skip (a block that is no call)
-        self._pending = ""
         self._args = ""  # the current call's arguments as written so far
         self._released = ""  # what of them went out
         self._call_index = -1
         self._id = ""  # the id the current call writes (Kimi K2's), or "" for a made one
-        self._content = ContentWithHeldBlanks()
 
     def _name(self, header: str) -> tuple[str, str] | None:
         """(name, the id the model wrote or "") of a call's header, or None: not a call."""

@@ -76,11 +76,34 @@ class ToolCallParser:
 
 class SteppedToolCallParser(ToolCallParser):
     """A parser written as a state machine over the text not yet consumed (``_pending``): ``feed``
-    appends and steps until a step needs more text."""
+    appends and steps until a step needs more text. Content goes out through ``_content``."""
 
     def __init__(self) -> None:
         super().__init__()
         self._pending = ""
+        self._content = ContentWithHeldBlanks()
+        self._searched = 0  # how much of the pending text _until searched without finding its tags
+
+    def _content_until(self, tag: str, out: ParsedDelta) -> bool:
+        """The pending text up to ``tag`` released as content (less what may be the tag's start):
+        True once the tag is found, the pending text then following it."""
+        text = self._pending
+        at = text.find(tag)
+        if at < 0:
+            keep = partial_suffix(text, tag)
+            self._content.add(text[:len(text) - keep], out)
+            self._pending = text[len(text) - keep:]
+            return False
+        self._content.add(text[:at], out)
+        self._pending, self._searched = text[at + len(tag):], 0
+        return True
+
+    def _until(self, tags: tuple[str, ...]) -> tuple[int, str]:
+        """The first of ``tags`` in the pending text, or (-1, ""), searching only what may hold one
+        since the last search that found none (the pending text only grows meanwhile)."""
+        at, tag = first_tag(self._pending, tags, max(0, self._searched - max(map(len, tags)) + 1))
+        self._searched = len(self._pending) if at < 0 else 0
+        return at, tag
 
     def feed(self, text: str) -> ParsedDelta:
         self._pending += text
@@ -746,10 +769,7 @@ class Qwen3CoderToolCallParser(SteppedToolCallParser):
         super().__init__()
         self._properties = tool_properties(tools)
         self._state = "content"  # content, block, name, body, key, value, after
-        self._pending = ""  # text read but not yet consumed
         self._block = ""  # the block's text until its call is known (it is content if none comes)
-        self._searched = 0  # a value's text searched for its end so far
-        self._content = ContentWithHeldBlanks()
         self._call_properties: dict[str, Any] = {}  # the current call's function's parameters
         self._key = ""  # the parameter being read
         self._keys = 0  # parameters released in the current call
@@ -777,14 +797,9 @@ class Qwen3CoderToolCallParser(SteppedToolCallParser):
         (there may be more to read), False when the rest must wait for more text."""
         state, text = self._state, self._pending
         if state == "content":
-            at = text.find(self.START)
-            if at < 0:
-                keep = partial_suffix(text, self.START)
-                self._content.add(text[:len(text) - keep], out)
-                self._pending = text[len(text) - keep:]
+            if not self._content_until(self.START, out):
                 return False
-            self._content.add(text[:at], out)
-            self._block, self._pending, self._state = self.START, text[at + len(self.START):], "block"
+            self._block, self._state = self.START, "block"
             return True
         if state == "name":
             return self._read_name(out)
@@ -796,10 +811,8 @@ class Qwen3CoderToolCallParser(SteppedToolCallParser):
             self._state, self._searched = "value", 0
             return True
         if state == "value":
-            tags = (self.PARAMETER_END, self.PARAMETER, self.FUNCTION_END, self.END)
-            at, tag = first_tag(text, tags, max(0, self._searched - max(map(len, tags)) + 1))
+            at, tag = self._until((self.PARAMETER_END, self.PARAMETER, self.FUNCTION_END, self.END))
             if at < 0:
-                self._searched = len(text)
                 return False
             self._release_parameter(text[:at], out)
             # (A missing </parameter>: the tag that ended the value is read as the body's.)

@@ -68,6 +68,11 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torc
     return interpolated * ramp + extrapolated * (1 - ramp)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude scale for a context ``scale`` times the pretrained one (0.1 m ln(scale) + 1)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     """What cos and sin are scaled by: YaRN's attention factor (its config's, else from its mscale
     as transformers derives it), 1 otherwise. (LongRoPE's is applied with its tables.)"""
@@ -75,14 +80,10 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     factor = float(scaling["factor"])
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
-    return mscale(factor)
+        return yarn_mscale(factor, float(scaling["mscale"])) / yarn_mscale(factor, float(scaling["mscale_all_dim"]))
+    return yarn_mscale(factor)
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

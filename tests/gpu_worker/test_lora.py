@@ -273,14 +273,15 @@ def test_with_a_host_memory_limit_adapters_are_read_again_when_needed(setup, max
     assert runner.lora.remove_adapter(1) and runner.lora.list_adapters() == [2]
 
 
-def _adapter_a_expectations(base, tmp_path, adapter_seed: int, prompt_seed: int) -> tuple[dict, list, dict]:
-    """Adapter "a" (saved in tmp_path / "a" with ``adapter_seed``) and three prompts over a 251-token
-    vocabulary: PEFT's greedy tokens for each, the second prompt adapted, the others on the base
-    model (and the adapter must change the second's)."""
+def _adapter_a_expectations(base, tmp_path, adapter_seed: int, prompt_seed: int,
+                            **adapter) -> tuple[dict, list, dict]:
+    """Adapter "a" (saved in tmp_path / "a" with ``adapter_seed`` and ``adapter``'s other arguments)
+    and three prompts over a 251-token vocabulary: PEFT's greedy tokens for each, the second prompt
+    adapted, the others on the base model (and the adapter must change the second's)."""
     adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
     rng = random.Random(prompt_seed)
     prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
-    adapted = peft_model(base, seed=adapter_seed)
+    adapted = peft_model(base, seed=adapter_seed, **adapter)
     expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
                 for i, p in enumerate(prompts)}
     assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
@@ -330,13 +331,8 @@ def test_an_adapter_on_deepseek_v2s_query_projection_gives_pefts_tokens(tmp_path
     targets = ("q_proj", "o_proj")
     base = save_tiny_model(tmp_path / "base", "deepseek_v2", vocab_size=251)
     save_adapter(base, tmp_path / "a", seed=5, targets=targets)
-    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
-    rng = random.Random(13)
-    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
-    adapted = peft_model(base, seed=5, targets=targets)
-    expected = {f"r{i}": hf_greedy(adapted if i % 3 == 1 else load_hf(base), p, MAX_TOKENS)
-                for i, p in enumerate(prompts)}
-    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=5, prompt_seed=13,
+                                                          targets=targets)
     assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
 
 
