@@ -44,6 +44,7 @@ from typing import Any
 from cluster.config import EngineAutoscaling, ScaledModel
 from cluster.launcher import engine_actor_name, named_actor, start_engine, stop_named_engine
 from engine_core.config import EngineConfig
+from engine_core.engine_actor import wait_until_name_released
 from engine_core.log_setup import configure_actor_logging, logging_runtime_env
 
 logger = logging.getLogger(__name__)
@@ -441,4 +442,6 @@ def stop_autoscaler(namespace: str, stop_engines: bool = False) -> bool:
     _owned.pop(namespace, None)  # (held until it has shut down: the last handle would end it at once)
     with contextlib.suppress(Exception):
         ray.kill(actor, no_restart=True)
+    if not wait_until_name_released(AUTOSCALER_NAME, namespace):
+        logger.warning("the autoscaler of namespace %s is still registered after being killed", namespace)
     return True

@@ -20,7 +20,13 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine_core.config import EngineConfig
-from engine_core.engine_actor import EngineCoreActor, EngineDescription, named_actor, pause_record_key
+from engine_core.engine_actor import (
+    EngineCoreActor,
+    EngineDescription,
+    named_actor,
+    pause_record_key,
+    wait_until_name_released,
+)
 from engine_core.log_setup import logging_runtime_env
 
 logger = logging.getLogger(__name__)
@@ -251,6 +257,8 @@ def stop_named_engine(name: str, namespace: str, graceful: bool = True) -> None:
             logger.warning("%s did not shut down cleanly: %s", name, e)
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
+        if not wait_until_name_released(name, namespace):
+            logger.warning("%s is still registered after being killed", name)
     for group in placement_groups_named(engine_placement_group_name(name, namespace)):
         with contextlib.suppress(Exception):
             remove_placement_group(group)

@@ -689,6 +689,17 @@ def named_actor(name: str, namespace: str) -> Any | None:
         return None
 
 
+def wait_until_name_released(name: str, namespace: str, timeout_s: float = 15.0) -> bool:
+    """Wait until no live actor holds ``name`` (``ray.kill`` returns before Ray has released the
+    name, and an actor started under it meanwhile would be refused); False if it is still held."""
+    deadline = time.monotonic() + timeout_s
+    while named_actor(name, namespace) is not None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def pause_record_key(namespace: str, name: str) -> str:
     """Where the engine actor ``name`` records that it is paused, in Ray's key-value store (which
     outlives the actor): a restarted actor reads it and comes back paused; a new one starts clear."""
