@@ -445,7 +445,8 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "others decode them (kv_consumer), with --kv-transfer-config's other settings.")
     serve.add_argument("--speculative-config", type=_json_object, default=None,
                        help='Speculative decoding (JSON), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.')
+                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; methods ngram, draft_model (with '
+                            '"model") and mtp (DeepSeek-V3 / R1 and GLM-4.5 checkpoints\' own MTP layer).')
     serve.add_argument("--enable-sleep-mode", action=SWITCH, default=False,
                        help="Let the engines sleep (POST /sleep?level=1|2: release the KV cache, and move the "
                             "weights to host memory or discard them) and wake up (POST /wake_up); the endpoints "

@@ -54,7 +54,9 @@ def _require(condition: bool, flag: str, allowed: str, value: object) -> None:
 
 
 # The drafters speculative decoding has (SpeculativeConfig.method).
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's older names of the mtp method, by model family.
+MTP_METHOD_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
 
 # The per-pass token budget when --max-num-batched-tokens is not given (vLLM's default for online serving).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -192,12 +194,15 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's ``--speculative-config``), two drafters:
+    """Speculative decoding (vLLM's ``--speculative-config``), three drafters:
     - ``ngram`` (prompt lookup): the draft is the tokens that followed the earliest occurrence
       of the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``;
     - ``draft_model``: a smaller model of the same vocabulary (``model``) proposes each draft token
       greedily, one pass per token (gpu_worker.draft_model); it runs on the same workers and KV
-      block table as the target, with a cache of its own."""
+      block table as the target, with a cache of its own;
+    - ``mtp``: the model's own multi-token-prediction layer (DeepSeek-V3 / R1, GLM-4.5 and later,
+      whose checkpoints hold one), fed the target's last hidden states, proposes each draft token
+      greedily (gpu_worker.mtp_drafter); also on the target's workers, with a one-layer cache."""
 
     method: str = "ngram"
     # Required, as in vLLM: drafts per request per pass.
@@ -213,6 +218,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method == "[ngram]":  # (vLLM's older spelling)
             object.__setattr__(self, "method", "ngram")
+        if self.method in MTP_METHOD_ALIASES:
+            object.__setattr__(self, "method", "mtp")
         _require(self.method in SPECULATIVE_METHODS, "speculative_config.method",
                  f"one of {', '.join(SPECULATIVE_METHODS)} (the drafters built)", self.method)
         _require(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
@@ -228,6 +235,13 @@ class SpeculativeConfig:
                      or (type(self.draft_tensor_parallel_size) is int and self.draft_tensor_parallel_size >= 1),
                      "speculative_config.draft_tensor_parallel_size", "None or >= 1",
                      self.draft_tensor_parallel_size)
+            return
+        if self.method == "mtp":
+            _require(self.model is None and self.draft_tensor_parallel_size is None, "speculative_config.model",
+                     "unset with method mtp (the drafter is the served model's own MTP layer)", self.model)
+            _require(self.prompt_lookup_min is None and self.prompt_lookup_max is None,
+                     "speculative_config.prompt_lookup_min", "unset with method mtp (ngram's)",
+                     self.prompt_lookup_min if self.prompt_lookup_min is not None else self.prompt_lookup_max)
             return
         _require(self.model is None and self.draft_tensor_parallel_size is None, "speculative_config.model",
                  "unset with method ngram (a draft model needs method draft_model)", self.model)
@@ -247,6 +261,12 @@ class SpeculativeConfig:
     @property
     def uses_draft_model(self) -> bool:
         return self.method == "draft_model"
+
+    @property
+    def proposes_in_workers(self) -> bool:
+        """Whether the drafts come from the workers, after each pass (a draft model, the MTP layer),
+        rather than from the engine's token ids (n-gram)."""
+        return self.method in ("draft_model", "mtp")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -465,9 +485,10 @@ class EngineConfig:
                          "speculative_config.draft_tensor_parallel_size",
                          f"unset or the target's tensor_parallel_size ({self.tensor_parallel_size}): the draft "
                          "model shards over the same workers", spec.draft_tensor_parallel_size)
+            if spec is not None and spec.proposes_in_workers:
                 _require(not self.enable_prompt_embeds, "enable_prompt_embeds",
-                         "off with a draft model (the draft cannot read the target's embeddings)",
-                         self.enable_prompt_embeds)
+                         f"off with speculative method {spec.method} (its drafter reads token ids, not the "
+                         "prompt's embeddings)", self.enable_prompt_embeds)
             _require(not (self.logits_processors and self.speculative_config is not None), "logits_processors",
                      "unset with speculative decoding (custom logits processors see one row per request)",
                      self.logits_processors)

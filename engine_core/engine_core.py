@@ -159,10 +159,11 @@ class EngineCore:
                 executor.shutdown()
                 raise
         # Speculative decoding: drafts are proposed here, from token ids, after every pass.
-        self.drafter = NgramProposer(spec, sched_cfg.max_model_len) if spec is not None and not spec.uses_draft_model \
-            else None
-        # A draft model proposes in the workers, after the pass: the drafts' cache slots come with it.
-        self.model_drafts_k = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
+        self.drafter = NgramProposer(spec, sched_cfg.max_model_len) \
+            if spec is not None and not spec.proposes_in_workers else None
+        # A draft model or MTP layer proposes in the workers, after the pass: the drafts' cache slots
+        # come with it.
+        self.model_drafts_k = spec.num_speculative_tokens if spec is not None and spec.proposes_in_workers else 0
         if self.model_drafts_k:
             self.scheduler.num_lookahead_tokens = self.model_drafts_k
         self.last_stats = SchedulerStats()
@@ -216,8 +217,8 @@ class EngineCore:
                    else "an embedding model decodes nothing" if not info.pooling.generates
                    else "a sliding-window model releases the blocks behind its window"
                    if info.sliding_window is not None
-                   else "a draft model's KV cache is not transferred"
-                   if config.speculative_config is not None and config.speculative_config.uses_draft_model
+                   else "a drafter's KV cache (a draft model's, an MTP layer's) is not transferred"
+                   if config.speculative_config is not None and config.speculative_config.proposes_in_workers
                    else None)
         if problem is not None:
             self.executor.shutdown()

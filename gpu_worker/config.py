@@ -806,13 +806,17 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
             raise ValueError(f"num_experts_per_tok ({top_k}) must fit in topk_group ({kept}) groups of "
                              f"{num_experts // groups} experts, each of two or more")
         first_moe, every = read("first_k_dense_replace", defaults[3]), read("moe_layer_freq", 1) or 1
-        return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+        # (Its multi-token-prediction layers follow the decoder's, numbered on: speculative decoding's
+        # mtp drafter builds the first, routed as the layer of its number would be.)
+        num_mtp = 0 if v2 else int(cfg.get("num_nextn_predict_layers") or 0)
+        return dict(num_mtp_layers=num_mtp, num_experts=num_experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=width,
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", not v2)),
                     shared_expert_intermediate_size=width * read("n_shared_experts", 2 if v2 else 1),
                     shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="softmax" if v2 else "sigmoid",
                     moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", defaults[4])),
-                    moe_layers=tuple(i >= first_moe and i % every == 0 for i in range(num_layers)))
+                    moe_layers=tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp)))
     if arch == "OlmoeForCausalLM":
         # Every layer routed; the experts' width is intermediate_size; not renormalised by default.
         if cfg.get("clip_qkv") is not None:
@@ -895,6 +899,9 @@ class ModelConfig:
     moe_num_groups: int = 1
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # GLM-4.5's and DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), held in the
+    # checkpoint after the decoder's: speculative decoding's mtp drafter (gpu_worker.mtp_drafter).
+    num_mtp_layers: int = 0
     # GPT-OSS: a bias on the router and on every expert's projections, and the experts' clamped SwiGLU
     # ("swigluoai", gpu_worker.layers.fused_moe.swiglu_oai) with its gain and clamp.
     moe_bias: bool = False

@@ -31,6 +31,7 @@ from gpu_worker import distributed
 from gpu_worker.attn_metadata import compute_slot_mapping
 
 if TYPE_CHECKING:
+    from gpu_worker.attn_metadata import AttentionMetadata
     from gpu_worker.block_table import BlockTable
     from gpu_worker.model_runner import ModelRunner, WeightSource
     from gpu_worker.request_state import RequestState
@@ -52,6 +53,9 @@ class PassInputs:
 
 
 class DraftModel:
+    # Whether after_pass needs the target's hidden states (an MTP layer's input).
+    reads_hidden_states = False
+
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = ()) -> None:
         # The draft's own runner: its model, its KV cache and its attention metadata (never its requests).
@@ -95,6 +99,15 @@ class DraftModel:
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int, num_offload_blocks: int | None = None) -> None:
         self.runner.initialize_kv_cache(num_blocks, block_size, num_offload_blocks)
+
+    def after_pass(self, inputs: PassInputs, hidden: torch.Tensor | None, states: list[RequestState],
+                   sample_rows: list[int], sampled: list[list[int]], block_table: BlockTable) -> dict[str, list[int]]:
+        """Every rank, after the target's pass (``inputs``: the pass's ``states``, in its order, and
+        their ``hidden`` states; ``sampled``: each request's new tokens, on the sampling rank): the
+        drafts of the requests at ``sample_rows``. The draft model repeats the pass, then proposes."""
+        del hidden, sampled  # (it reads the token lists only)
+        self.mirror(inputs)
+        return self.proposals([states[i] for i in sample_rows], block_table) if sample_rows else {}
 
     def mirror(self, inputs: PassInputs) -> None:
         """Compute the target's pass in the draft's cache (every rank)."""
@@ -151,18 +164,28 @@ class DraftModel:
                      block_table: BlockTable) -> torch.Tensor:
         """One decode pass of the draft: each request's token at its position in, its greedy next token out."""
         runner = self.runner
+        meta = self._decode_metadata(states, positions, block_table)
+        hidden = runner.model(self._in_vocab(tokens), torch.from_numpy(positions).to(runner.device), meta)
+        return self._greedy(hidden)
+
+    def _decode_metadata(self, states: list[RequestState], positions: np.ndarray, block_table: BlockTable
+                         ) -> AttentionMetadata:
+        """Attention metadata of a drafting pass: one token per request, at ``positions``."""
+        runner = self.runner
         n = len(states)
         num_blocks = np.fromiter((s.num_blocks for s in states), dtype=np.int64, count=n)
         rows = np.fromiter((s.table_row for s in states), dtype=np.int64, count=n)
         table = block_table.gather(rows, int(num_blocks.max()))
         query_start_loc = np.arange(n + 1, dtype=np.int64)
         slots = compute_slot_mapping(table, np.arange(n), positions, runner.block_size)
-        meta = runner.attention_metadata(table, num_blocks, query_start_loc, positions, n, slots, runner.block_size,
+        return runner.attention_metadata(table, num_blocks, query_start_loc, positions, n, slots, runner.block_size,
                                          runner.decode_in_place)
-        hidden = runner.model(self._in_vocab(tokens), torch.from_numpy(positions).to(runner.device), meta)
-        logits = runner.model.compute_logits(hidden)  # (a collective: on TP rank 0 only)
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's most likely next token, on every rank."""
+        logits = self.runner.model.compute_logits(hidden)  # (a collective: on TP rank 0 only)
         picked = (logits.argmax(dim=-1) if logits is not None
-                  else torch.zeros(n, dtype=torch.int64, device=runner.device))
+                  else torch.zeros(hidden.shape[0], dtype=torch.int64, device=self.runner.device))
         if distributed.get_tp_world_size() > 1:
             picked = distributed.all_reduce(picked)
         return picked

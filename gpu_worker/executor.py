@@ -36,6 +36,7 @@ from gpu_worker.model_resolver import (
     worker_reference,
 )
 from gpu_worker.models.llama import pipeline_refusal
+from gpu_worker.models.mtp import mtp_config
 from gpu_worker.pooler_config import (
     DenseProjection,
     PoolerConfig,
@@ -86,6 +87,7 @@ def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, 
         "logits_processors": load_logits_processors(config.logits_processors)
         if config.speculative_config is None else (),
         "draft_model": draft_model_reference(config),
+        "mtp_drafter": config.speculative_config is not None and config.speculative_config.method == "mtp",
         "kv_offloading_bytes": config.kv_offloading_bytes_per_rank(),
         "pp_layer_partition": config.pp_layer_partition if config.pipeline_parallel_size > 1 else None,
     }
@@ -147,11 +149,17 @@ class _ExecutorBase(Executor):
                              "with --runner pooling or auto")
         embeds_only = self.model_config.embedding_only or config.runner == "pooling"
         draft = draft_model_reference(config)
-        if embeds_only and draft is not None:
+        spec = config.speculative_config
+        if embeds_only and spec is not None and spec.proposes_in_workers:
             raise ValueError(f"engine {config.engine_index}: a pooling model generates nothing, so it takes no "
-                             "draft model (--speculative-config)")
+                             f"drafter (--speculative-config method {spec.method})")
         if draft is not None:
             check_model_reference(draft)  # (what the workers would refuse, found before they start)
+        if spec is not None and spec.method == "mtp":
+            try:
+                mtp_config(self.model_config)
+            except ValueError as e:
+                raise ValueError(f"engine {config.engine_index}: {e}") from None
         pp = config.pipeline_parallel_size
         if pp > 1 and (refusal := pipeline_refusal(self.model_config, pp, embeds_only)):
             raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: {refusal}")

@@ -38,7 +38,9 @@ from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 from gpu_worker.lora.layers import LORA_BASE
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
+from gpu_worker.models.mtp import mtp_config
 from gpu_worker.mrope import mrope_positions, pass_positions
+from gpu_worker.mtp_drafter import MtpDrafter
 from gpu_worker.pooler_config import DENSE_ACTIVATIONS, PER_TOKEN_POOLING, DenseProjection, load_dense_weights
 from gpu_worker.quantized_checkpoint import dequantized_weights
 from gpu_worker.rejection_sampler import rejection_sample, rejection_sample_with_logits
@@ -104,8 +106,8 @@ class ModelRunner:
         self.sampler = Sampler(logprobs_mode)
         # Custom logits processors (--logits-processors); None: the engine runs none.
         self.logits_processors = logits_processors
-        # Speculative decoding's draft model (method draft_model; set by load_draft_model), and the
-        # last pass's inputs, which it repeats.
+        # Speculative decoding's draft model or MTP layer (methods draft_model, mtp; set by
+        # load_draft_model, load_mtp_drafter), and the last pass's inputs, which it follows.
         self.drafter: DraftModel | None = None
         self._pass_inputs: PassInputs | None = None
         # KV offloading: the host-memory tier's blocks (each layer's K and V, as the cache's).
@@ -179,6 +181,20 @@ class ModelRunner:
         drafter.weights = weights  # (read again on waking from sleep level 2)
         self.drafter = drafter
 
+    def load_mtp_drafter(self, weights: WeightSource, num_speculative_tokens: int) -> None:
+        """Speculative decoding's drafter of method mtp (gpu_worker/mtp_drafter.py): the model's own
+        multi-token-prediction layer, read from its checkpoint (``weights``), on this runner's device,
+        dtype and KV cache dtype, with the model's embedding and LM head; ValueError when the model
+        has none."""
+        if self.model is None:
+            raise RuntimeError("load_model() must come before load_mtp_drafter()")
+        runner = ModelRunner(mtp_config(self.config), self.device, self.dtype, self.max_model_len, self.max_num_seqs,
+                             self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype)
+        runner.load_model(weights)
+        runner.model.share_with(self.model)
+        # (On waking from sleep level 2 its layer is read again from the target's weights.)
+        self.drafter = MtpDrafter(runner, num_speculative_tokens, self.max_model_len, self.config.eos_token_ids)
+
     def _loaded_model(self, weights: WeightSource) -> nn.Module:
         """A new model with the checkpoint's weights, in eval mode."""
         with torch.device(self.device), _default_dtype(self.dtype):
@@ -245,7 +261,7 @@ class ModelRunner:
             self.sleep_level = 0
         if self.drafter is not None:
             drafter = self.drafter
-            drafter.runner.wake_up(tags, lambda: drafter.weights)
+            drafter.runner.wake_up(tags, weights if drafter.weights is None else lambda: drafter.weights)
 
     def _take_weights_of(self, fresh: nn.Module) -> None:
         """Give the sleeping model's parameters the storage of ``fresh``'s (the same model, loaded
@@ -465,12 +481,13 @@ class ModelRunner:
                 logprobs = self._logprobs_entries(out, sample_rows, sample_states, len(order))
         draft_token_ids = None
         if self.drafter is not None and self._pass_inputs is not None:
-            hidden = logits = rows = None  # (freed before the draft's passes: their peak adds to nothing)
-            self.drafter.mirror(self._pass_inputs)
-            self._pass_inputs = None
-            if sample_rows:
-                draft_token_ids = self.drafter.proposals([states[i] for i in sample_rows],
-                                                         self.requests.block_table) or None
+            # (Freed before the drafter's passes, their peak adds to nothing: the hidden states too,
+            # unless the drafter reads them.)
+            target_hidden = hidden if self.drafter.reads_hidden_states else None
+            hidden = logits = rows = None
+            inputs, self._pass_inputs = self._pass_inputs, None
+            draft_token_ids = self.drafter.after_pass(inputs, target_hidden, states, sample_rows, sampled,
+                                                      self.requests.block_table) or None
         return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
                                  sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                  pooler_output=pooler_output, draft_token_ids=draft_token_ids)

@@ -34,6 +34,7 @@ from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.model_resolver import DtypeRule, local_model_dir
 from gpu_worker.model_runner import ModelRunner, WeightSource
 from gpu_worker.models.llama import pipeline_refusal
+from gpu_worker.models.mtp import mtp_config
 from gpu_worker.pooler_config import DenseProjection
 
 # A picklable source of (hf_name, tensor) pairs, e.g. functools.partial(gguf_to_hf_tensors, path).
@@ -103,7 +104,7 @@ class Worker:
                  logprobs_mode: str = "raw_logprobs", pipeline_parallel_size: int = 1,
                  pp_layer_partition: tuple[int, ...] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None, language_model_only: bool = False,
-                 videos_refused: bool = False) -> None:
+                 videos_refused: bool = False, mtp_drafter: bool = False) -> None:
         # ``rank``: over every stage's ranks (stage rank // world_size); ``world_size``: the
         # tensor-parallel ranks of one stage.
         self.rank = rank
@@ -165,6 +166,10 @@ class Worker:
             check_dtype_supported(self.dtype, self.draft_config)  # (the draft model runs in the target's dtype)
         if self.draft_config is not None and not num_spec_tokens:
             raise ValueError("a draft model needs num_spec_tokens >= 1")
+        # Speculative decoding's method mtp: the config of the model's own multi-token-prediction layer.
+        self.mtp_config = mtp_config(self.model_config) if mtp_drafter else None
+        if mtp_drafter and (not num_spec_tokens or self.draft_config is not None):
+            raise ValueError("the MTP drafter needs num_spec_tokens >= 1, and no draft model beside it")
         # KV offloading: this rank's share of the host-memory tier, in bytes (0: off).
         self.kv_offloading_bytes = kv_offloading_bytes
         self.runner: ModelRunner | None = None
@@ -194,8 +199,8 @@ class Worker:
             raise RuntimeError("init_distributed() must come before load_model() with more than one rank")
         if self.pipeline_parallel_size > 1:
             refusal = pipeline_refusal(self.model_config, self.pipeline_parallel_size)
-            if refusal is None and self.draft_config is not None:
-                refusal = "pipeline parallelism takes no draft model"
+            if refusal is None and (self.draft_config is not None or self.mtp_config is not None):
+                refusal = "pipeline parallelism takes no draft model or MTP drafter"
             if refusal is not None:
                 raise ValueError(refusal)
         self.runner = ModelRunner(self.model_config, self.device, self.dtype, self.max_model_len,
@@ -209,6 +214,8 @@ class Worker:
         self.runner.load_model(self._weight_source())
         if self.draft_config is not None:
             self.runner.load_draft_model(self.draft_config, self.draft_model_dir, self.num_spec_tokens)
+        if self.mtp_config is not None:
+            self.runner.load_mtp_drafter(self._weight_source(), self.num_spec_tokens)
         if self.pooler_dense:
             if self.model_dir is None:
                 raise ValueError("Dense projections are read from a model directory; this worker has none")
@@ -236,11 +243,15 @@ class Worker:
         return self.runner
 
     def bytes_per_block(self, block_size: int) -> int:
-        """A block's bytes on this rank: its stage's layers' KV cache, and the draft model's beside it."""
+        """A block's bytes on this rank: its stage's layers' KV cache, and the drafter's beside it (a
+        draft model's, the MTP layer's)."""
         per_block = model_bytes_per_block(self.model_config, block_size, self.world_size, self.kv_cache_dtype,
                                           self._num_stage_layers())
         if self.draft_config is not None:
             per_block += model_bytes_per_block(self.draft_config, block_size, self.world_size, self.kv_cache_dtype)
+        if self.mtp_config is not None:
+            per_block += model_bytes_per_block(self.mtp_config, block_size, self.world_size, self.kv_cache_dtype,
+                                               num_layers=1)
         return per_block
 
     def _num_stage_layers(self) -> int | None:

@@ -109,39 +109,45 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # (No fused q/k/v: only the MLPs' gate and up are loaded into one projection.)
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def _query_rows_in_halves(self, rows: torch.Tensor) -> torch.Tensor:
-        """A query projection's rows (or a LoRA B's), each head's rotary rows from pairs into halves."""
-        config = self.config
-        per_head = rows.reshape(-1, config.qk_nope_head_dim + config.qk_rope_head_dim, *rows.shape[1:])
-        rotary = per_head[:, config.qk_nope_head_dim:].index_select(1, _halves_order(config.qk_rope_head_dim))
-        return torch.cat((per_head[:, : config.qk_nope_head_dim], rotary), dim=1).reshape(rows.shape)
-
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """The MTP layers left out, and (``rope_interleave``) the rotary rows of the query and latent
         projections reordered from pairs into halves."""
-        config = self.config
-        weights = without_mtp_layers(weights, config.num_hidden_layers)
-        if not config.rope_interleave:
-            yield from weights
-            return
-        order = _halves_order(config.qk_rope_head_dim)
-        others = self.pp_missing_prefixes  # (other pipeline stages' layers: not read, so not reordered)
-        for name, tensor in weights:
-            if others and name.startswith(others):
-                yield name, tensor
-            elif name.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight")):
-                yield name, self._query_rows_in_halves(materialize(tensor))
-            elif name.endswith((".self_attn.kv_a_proj_with_mqa.weight", ".self_attn.kv_a_proj_with_mqa.bias")):
-                rows = materialize(tensor)
-                yield name, torch.cat((rows[: config.kv_lora_rank], rows[config.kv_lora_rank:].index_select(0, order)))
-            else:
-                yield name, tensor
+        # (Other pipeline stages' layers are not read, so not reordered.)
+        return rotary_rows_in_halves(self.config, without_mtp_layers(weights, self.config.num_hidden_layers),
+                                     self.pp_missing_prefixes)
 
     def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
         """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""
         if self.config.rope_interleave and module.endswith(".self_attn.q_proj"):
-            return self._query_rows_in_halves(b)
+            return query_rows_in_halves(self.config, b)
         return b
+
+
+def query_rows_in_halves(config: ModelConfig, rows: torch.Tensor) -> torch.Tensor:
+    """A query projection's rows (or a LoRA B's), each head's rotary rows from pairs into halves."""
+    per_head = rows.reshape(-1, config.qk_nope_head_dim + config.qk_rope_head_dim, *rows.shape[1:])
+    rotary = per_head[:, config.qk_nope_head_dim:].index_select(1, _halves_order(config.qk_rope_head_dim))
+    return torch.cat((per_head[:, : config.qk_nope_head_dim], rotary), dim=1).reshape(rows.shape)
+
+
+def rotary_rows_in_halves(config: ModelConfig, weights: Iterable[tuple[str, WeightLike]],
+                          skipped: tuple[str, ...] = ()) -> Iterator[tuple[str, WeightLike]]:
+    """The checkpoint with (``rope_interleave``) the rotary rows of the query and latent projections
+    reordered from pairs into halves (not those of tensors named from ``skipped``)."""
+    if not config.rope_interleave:
+        yield from weights
+        return
+    order = _halves_order(config.qk_rope_head_dim)
+    for name, tensor in weights:
+        if skipped and name.startswith(skipped):
+            yield name, tensor
+        elif name.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight")):
+            yield name, query_rows_in_halves(config, materialize(tensor))
+        elif name.endswith((".self_attn.kv_a_proj_with_mqa.weight", ".self_attn.kv_a_proj_with_mqa.bias")):
+            rows = materialize(tensor)
+            yield name, torch.cat((rows[: config.kv_lora_rank], rows[config.kv_lora_rank:].index_select(0, order)))
+        else:
+            yield name, tensor
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -30,6 +30,7 @@ from gpu_worker.models.llama import (
 )
 from gpu_worker.models.llava import llava_class
 from gpu_worker.models.modernbert import ModernBertModel
+from gpu_worker.models.mtp import MTP_DRAFTERS
 from gpu_worker.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -74,9 +75,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
+# Speculative decoding's MTP drafters (built for a served model, never served themselves).
+_MTP_MODELS = {drafter.__name__: drafter for drafter in MTP_DRAFTERS.values()}
+
+
 def get_model_class(architecture: str) -> type[nn.Module]:
     try:
-        return MODEL_REGISTRY[architecture]
+        return MODEL_REGISTRY.get(architecture) or _MTP_MODELS[architecture]
     except KeyError:
         raise ValueError(f"architecture must be one of {sorted(MODEL_REGISTRY)}, got {architecture!r}") from None
 

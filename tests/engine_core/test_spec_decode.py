@@ -50,6 +50,15 @@ def test_speculative_config_defaults_and_refusals():
         SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=4, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="speculative_config"):
         SpeculativeConfig.from_dict({"method": "ngram", "draft_model": "x"})
+    # The MTP layer: vLLM's older per-family names are the same method; it names no model.
+    for name in ("mtp", "deepseek_mtp", "glm4_moe_mtp"):
+        mtp = SpeculativeConfig.from_dict({"method": name, "num_speculative_tokens": 1})
+        assert mtp.method == "mtp" and mtp.proposes_in_workers and not mtp.uses_draft_model
+    assert not default.proposes_in_workers
+    with pytest.raises(ValueError, match=r"speculative_config\.model must be unset with method mtp"):
+        SpeculativeConfig.from_dict({"method": "mtp", "model": "d", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match=r"speculative_config\.prompt_lookup_min must be unset with method mtp"):
+        SpeculativeConfig.from_dict({"method": "mtp", "prompt_lookup_min": 2, "num_speculative_tokens": 1})
 
 
 def _decoding(scheduler, prompt_len: int = 8, **kwargs):

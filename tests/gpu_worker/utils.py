@@ -270,3 +270,42 @@ def assert_same_parameters(mine: torch.nn.Module, other: torch.nn.Module) -> Non
     for (name, ours), (other_name, theirs) in zip(mine.named_parameters(), other.named_parameters(), strict=True):
         assert name == other_name
         torch.testing.assert_close(theirs, ours, atol=0, rtol=0)
+
+
+def save_tiny_model_with_mtp(path: Path, kind: str, seed: int = 0, near_bigram: float | None = None,
+                             **overrides) -> Path:
+    """A random-weight GLM-4.5 or DeepSeek-V3 checkpoint holding one multi-token-prediction layer
+    after its decoder's (``model.layers.{num_hidden_layers}``), as the released ones do: transformers
+    has no MTP layer, so it is built as one more decoder layer, with the MTP's norms and projection
+    beside it, and copies of the embedding and head. ``near_bigram``: every layer's output
+    projections (the target's and the MTP's) scaled by it and the MTP's projection close to passing
+    the next token's embedding on, so that the model's next token follows mostly from its last and
+    the MTP layer's guess of the token after mostly agrees with the model's (drafts get accepted)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    layers = overrides.pop("num_hidden_layers", _SMALL["num_hidden_layers"])
+    save_tiny_model(path, kind, seed, num_hidden_layers=layers + 1, **overrides)
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(path / "model.safetensors")
+    width = config["hidden_size"]
+    generator = torch.Generator().manual_seed(seed + 1)
+    prefix = f"model.layers.{layers}."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{prefix}{norm}.weight"] = 1.0 + 0.3 * torch.randn(width, generator=generator)
+    tensors[f"{prefix}eh_proj.weight"] = torch.randn(width, 2 * width, generator=generator) * (2 * width) ** -0.5
+    if near_bigram is not None:
+        for name in tensors:
+            if name.startswith("model.layers.") and ("o_proj" in name or "down_proj" in name):
+                tensors[name] = tensors[name] * near_bigram
+        tensors[f"{prefix}enorm.weight"] = torch.ones(width)
+        tensors[f"{prefix}shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+        tensors[f"{prefix}eh_proj.weight"] = torch.cat(
+            (torch.eye(width), torch.zeros(width, width)), dim=1) + near_bigram * tensors[f"{prefix}eh_proj.weight"]
+    tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path

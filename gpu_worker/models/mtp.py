@@ -1,0 +1,157 @@
+"""A model's multi-token-prediction (MTP) layer, as speculative decoding's drafter (vLLM's ``mtp``
+method): DeepSeek-V3 / V3.1 / R1 and GLM-4.5 / 4.6 / 4.7 were trained with one, and their checkpoints
+hold it after the decoder's layers (``model.layers.{num_hidden_layers}.``).
+
+At position p it takes the token after p (its embedding, normed: ``enorm``) and the target's last
+hidden state at p (after the final norm, normed again: ``hnorm``), projects the two side by side back
+to the hidden width (``eh_proj``), runs one decoder layer of the model's own kind over that (with a
+KV cache of its own), and its output, normed (``shared_head.norm``) through the target's LM head,
+predicts the token after next. The embedding at position 0 is zeroed, as vLLM does. Drafting
+further, the layer takes its own output as the hidden state (gpu_worker/mtp_drafter.py).
+
+The embedding and the LM head are the target model's (the checkpoint's MTP layer holds copies of
+them, ``embed_tokens`` and ``shared_head.head``: DeepSeek-V3's report shares them), so they are
+neither read nor held twice. A checkpoint with several MTP layers is drafted for by the first, as
+vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.attention import PagedAttention
+from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.models.deepseek import DeepseekDecoderLayer, DeepseekV2ForCausalLM, rotary_rows_in_halves
+from gpu_worker.models.llama import Glm4MoeForCausalLM, LlamaDecoderLayer
+
+# The MTP layer's tensors in the checkpoint that the target model's own stand for.
+_SHARED_WITH_TARGET = (".embed_tokens.", ".shared_head.head.")
+
+
+class _MtpStack(nn.Module):
+    """Named as the checkpoint names the layer: ``model.layers.{index}``."""
+
+    def __init__(self, config: ModelConfig, layer: nn.Module, index: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(index): layer})
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
+                                          config.rope_theta, config.rope_scaling)
+
+
+class MtpForCausalLM(nn.Module):
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    packed_modules_mapping: dict[str, tuple[str, int | str]] = {}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if not config.num_mtp_layers:
+            raise ValueError(f"{config.architecture}: the checkpoint's config names no multi-token-prediction "
+                             "layer (num_nextn_predict_layers)")
+        self.config = config
+        self.index = config.num_hidden_layers  # (the first MTP layer's number)
+        layer = self.layer_class(config, self.index)
+        width, eps = config.hidden_size, config.rms_norm_eps
+        layer.enorm = RMSNorm(width, eps)
+        layer.hnorm = RMSNorm(width, eps)
+        layer.eh_proj = nn.Linear(2 * width, width, bias=False).requires_grad_(False)
+        layer.shared_head = nn.Module()
+        layer.shared_head.norm = RMSNorm(width, eps)
+        self.model = _MtpStack(config, layer, self.index)
+        # No head of its own: the checkpoint's copy is not read (``share_with``).
+        self.lm_head = None
+        # The target's embedding and LM head (set by share_with; kept out of this module's parameters).
+        self._target: tuple[nn.Module, nn.Module] | None = None
+
+    @property
+    def layer(self) -> LlamaDecoderLayer:
+        """The MTP layer (registered once, under the checkpoint's name: the loader expects each name)."""
+        return self.model.layers[str(self.index)]
+
+    def share_with(self, target: nn.Module) -> None:
+        """Take the target model's embedding and LM head as this layer's."""
+        self._target = (target.model.embed_tokens, target.lm_head)
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        """The first MTP layer's tensors, without its copies of the embedding and the head."""
+        prefix = f"model.layers.{self.index}."
+        found = False
+        for name, tensor in weights:
+            if name.startswith(prefix) and not any(part in name for part in _SHARED_WITH_TARGET):
+                found = True
+                yield name, tensor
+        if not found:  # (a re-saved or quantized copy may leave it out, and its config not say so)
+            raise ValueError(f"the checkpoint holds no multi-token-prediction layer ({prefix}*), though its config "
+                             f"names {self.config.num_mtp_layers} (num_nextn_predict_layers): speculative method "
+                             "mtp needs the checkpoint as released")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None, intermediate: object = None,
+                previous_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output (before ``shared_head.norm``) at each position, from the token after
+        it (``input_ids``) and the target's (or this layer's own) hidden state there
+        (``previous_hidden``; None: zeros, as the memory profile runs it)."""
+        if self._target is None:
+            raise RuntimeError("share_with(target) must come before the MTP layer runs")
+        layer = self.layer
+        embeds = self._target[0].forward(input_ids) if inputs_embeds is None else inputs_embeds
+        embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        if previous_hidden is None:
+            previous_hidden = torch.zeros_like(embeds)
+        hidden = layer.eh_proj.forward(torch.cat((layer.enorm.forward(embeds),
+                                                  layer.hnorm.forward(previous_hidden)), dim=-1))
+        hidden, residual = layer.forward(self.model.rotary_emb.cos_sin(positions), hidden, None, meta)
+        return hidden + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocab logits of the token after next on TP rank 0, None on the other ranks."""
+        assert self._target is not None
+        return self._target[1](self.layer.shared_head.norm.forward(hidden))
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [self.layer.self_attn.attn]
+
+
+class Glm4MoeMTPModel(MtpForCausalLM):
+    """GLM-4.5's MTP layer: a GLM-4.5 decoder layer (routed experts beside a shared one)."""
+
+    packed_modules_mapping = Glm4MoeForCausalLM.packed_modules_mapping
+
+
+class DeepSeekMTPModel(MtpForCausalLM):
+    """DeepSeek-V3's MTP layer: a DeepSeek decoder layer (latent attention, routed experts), its
+    rotary rows reordered at load as the target's are."""
+
+    layer_class = DeepseekDecoderLayer
+    packed_modules_mapping = DeepseekV2ForCausalLM.packed_modules_mapping
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return rotary_rows_in_halves(self.config, super().checkpoint_tensors(weights))
+
+
+# The architectures whose checkpoints may hold MTP layers -> their MTP drafter (named as vLLM's).
+MTP_DRAFTERS: dict[str, type[MtpForCausalLM]] = {
+    "DeepseekV3ForCausalLM": DeepSeekMTPModel,
+    "Glm4MoeForCausalLM": Glm4MoeMTPModel,
+}
+
+
+def mtp_config(target: ModelConfig) -> ModelConfig:
+    """The configuration the MTP drafter of ``target``'s model is built from; ValueError when the
+    model has no MTP layer to draft with."""
+    import dataclasses
+
+    name = target.architecture
+    if name not in MTP_DRAFTERS or not target.num_mtp_layers:
+        families = "DeepSeek-V3 / R1 (DeepseekV3ForCausalLM), GLM-4.5 and later (Glm4MoeForCausalLM)"
+        why = ("its config names no multi-token-prediction layer (num_nextn_predict_layers)"
+               if name in MTP_DRAFTERS else "its architecture has none")
+        raise ValueError(f"speculative method mtp drafts with the model's own multi-token-prediction layer, and "
+                         f"{name} has none: {why}. Served with one: {families}")
+    return dataclasses.replace(target, architecture=MTP_DRAFTERS[name].__name__)
