@@ -225,19 +225,20 @@ class SpeculativeConfig:
         _require(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
                  and self.num_speculative_tokens >= 1,
                  "speculative_config.num_speculative_tokens", "given, and >= 1", self.num_speculative_tokens)
+        if self.proposes_in_workers:
+            _require(self.draft_tensor_parallel_size is None
+                     or (type(self.draft_tensor_parallel_size) is int and self.draft_tensor_parallel_size >= 1),
+                     "speculative_config.draft_tensor_parallel_size", "None or >= 1",
+                     self.draft_tensor_parallel_size)
         if self.method == "draft_model":
             _require(isinstance(self.model, str) and self.model.strip() != "", "speculative_config.model",
                      "the draft model (a model name, directory or .gguf) with method draft_model", self.model)
             _require(self.prompt_lookup_min is None and self.prompt_lookup_max is None,
                      "speculative_config.prompt_lookup_min", "unset with method draft_model (ngram's)",
                      self.prompt_lookup_min if self.prompt_lookup_min is not None else self.prompt_lookup_max)
-            _require(self.draft_tensor_parallel_size is None
-                     or (type(self.draft_tensor_parallel_size) is int and self.draft_tensor_parallel_size >= 1),
-                     "speculative_config.draft_tensor_parallel_size", "None or >= 1",
-                     self.draft_tensor_parallel_size)
             return
         if self.method == "mtp":
-            _require(self.model is None and self.draft_tensor_parallel_size is None, "speculative_config.model",
+            _require(self.model is None, "speculative_config.model",
                      "unset with method mtp (the drafter is the served model's own MTP layer)", self.model)
             _require(self.prompt_lookup_min is None and self.prompt_lookup_max is None,
                      "speculative_config.prompt_lookup_min", "unset with method mtp (ngram's)",
@@ -480,11 +481,11 @@ class EngineConfig:
                      "unset without the prefix cache (the host tier keeps prefix-cache blocks)",
                      self.kv_offloading_size)
             spec = self.speculative_config
-            if spec is not None and spec.uses_draft_model:
+            if spec is not None and spec.proposes_in_workers:
                 _require(spec.draft_tensor_parallel_size in (None, self.tensor_parallel_size),
                          "speculative_config.draft_tensor_parallel_size",
-                         f"unset or the target's tensor_parallel_size ({self.tensor_parallel_size}): the draft "
-                         "model shards over the same workers", spec.draft_tensor_parallel_size)
+                         f"unset or the target's tensor_parallel_size ({self.tensor_parallel_size}): the drafter "
+                         "shards over the same workers", spec.draft_tensor_parallel_size)
             if spec is not None and spec.proposes_in_workers:
                 _require(not self.enable_prompt_embeds, "enable_prompt_embeds",
                          f"off with speculative method {spec.method} (its drafter reads token ids, not the "

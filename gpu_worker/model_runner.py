@@ -200,6 +200,9 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = build_model(self.config)
         source = iter_safetensors(weights) if isinstance(weights, (str, Path)) else weights
+        if (reads := getattr(model, "reads_checkpoint_tensor", None)) is not None:
+            # (Before dequantizing: GPTQ / AWQ unpack every tensor they are given.)
+            source = ((name, tensor) for name, tensor in source if reads(name))
         if self.config.quantization is not None:  # (quantized weights: the model's dtype from here on)
             source = dequantized_weights(source, self.config.quantization, self.config.quantization_config,
                                          self.config.fp8_weight_block)

@@ -40,7 +40,13 @@ from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike, materialize
-from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, without_mtp_layers
+from gpu_worker.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    is_mtp_layer_tensor,
+    without_mtp_layers,
+)
 
 
 class MLAAttention(nn.Module):
@@ -115,6 +121,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         # (Other pipeline stages' layers are not read, so not reordered.)
         return rotary_rows_in_halves(self.config, without_mtp_layers(weights, self.config.num_hidden_layers),
                                      self.pp_missing_prefixes)
+
+    def reads_checkpoint_tensor(self, name: str) -> bool:
+        """Not the MTP layers' (not even dequantized: speculative decoding's drafter reads them)."""
+        return not is_mtp_layer_tensor(name, self.config.num_hidden_layers)
 
     def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
         """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""

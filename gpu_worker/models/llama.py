@@ -448,17 +448,23 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         return without_mtp_layers(weights, self.config.num_hidden_layers)
 
+    def reads_checkpoint_tensor(self, name: str) -> bool:
+        """Not the MTP layers' (not even dequantized: speculative decoding's drafter reads them)."""
+        return not is_mtp_layer_tensor(name, self.config.num_hidden_layers)
+
+
+def is_mtp_layer_tensor(name: str, num_layers: int) -> bool:
+    """Whether a GLM-4.5 or DeepSeek-V3 checkpoint tensor is a multi-token-prediction layer's (those
+    are numbered from ``num_layers`` on)."""
+    parts = name.split(".")
+    index = parts.index("layers") + 1 if "layers" in parts else 0
+    return bool(index) and index < len(parts) and parts[index].isdigit() and int(parts[index]) >= num_layers
+
 
 def without_mtp_layers(weights: Iterable[tuple[str, WeightLike]], num_layers: int
                        ) -> Iterator[tuple[str, WeightLike]]:
-    """GLM-4.5's and DeepSeek-V3's checkpoints without their multi-token-prediction layers (numbered
-    from ``num_layers`` on)."""
-    for name, tensor in weights:
-        parts = name.split(".")
-        index = parts.index("layers") + 1 if "layers" in parts else 0
-        if index and index < len(parts) and parts[index].isdigit() and int(parts[index]) >= num_layers:
-            continue  # (a multi-token-prediction layer)
-        yield name, tensor
+    """GLM-4.5's and DeepSeek-V3's checkpoints without their multi-token-prediction layers."""
+    return ((name, tensor) for name, tensor in weights if not is_mtp_layer_tensor(name, num_layers))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

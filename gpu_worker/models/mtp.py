@@ -78,12 +78,17 @@ class MtpForCausalLM(nn.Module):
         """Take the target model's embedding and LM head as this layer's."""
         self._target = (target.model.embed_tokens, target.lm_head)
 
+    def reads_checkpoint_tensor(self, name: str) -> bool:
+        """Whether a checkpoint tensor is the first MTP layer's own (not its embedding's or head's
+        copy): the rest of the checkpoint is not read (nor dequantized)."""
+        return name.startswith(f"model.layers.{self.index}.") and not any(part in name for part in _SHARED_WITH_TARGET)
+
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """The first MTP layer's tensors, without its copies of the embedding and the head."""
         prefix = f"model.layers.{self.index}."
         found = False
         for name, tensor in weights:
-            if name.startswith(prefix) and not any(part in name for part in _SHARED_WITH_TARGET):
+            if self.reads_checkpoint_tensor(name):
                 found = True
                 yield name, tensor
         if not found:  # (a re-saved or quantized copy may leave it out, and its config not say so)

@@ -323,6 +323,9 @@ def test_a_draft_model_must_suit_the_target(tiny_model_dir, tmp_path):
     spec = SpeculativeConfig.from_dict({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
     with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
         EngineConfig(model="m", tensor_parallel_size=2, speculative_config=spec)
+    mtp = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
+        EngineConfig(model="m", tensor_parallel_size=2, speculative_config=mtp)
     short = build_tiny_llama(tmp_path / "short", max_positions=64)
     with pytest.raises(ValueError, match="the draft model's context"):
         LLM(model=str(tiny_model_dir), num_gpu_blocks=16, max_model_len=128, speculative_config=_draft(short))

@@ -57,6 +57,11 @@ def test_speculative_config_defaults_and_refusals():
     assert not default.proposes_in_workers
     with pytest.raises(ValueError, match=r"speculative_config\.model must be unset with method mtp"):
         SpeculativeConfig.from_dict({"method": "mtp", "model": "d", "num_speculative_tokens": 1})
+    # (Sharded over the target's workers, as a draft model: its tensor parallelism is theirs.)
+    assert SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 1,
+                                        "draft_tensor_parallel_size": 2}).draft_tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size must be None or >= 1"):
+        SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 0})
     with pytest.raises(ValueError, match=r"speculative_config\.prompt_lookup_min must be unset with method mtp"):
         SpeculativeConfig.from_dict({"method": "mtp", "prompt_lookup_min": 2, "num_speculative_tokens": 1})
 

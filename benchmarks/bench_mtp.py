@@ -1,0 +1,124 @@
+"""Speculative decoding with the model's own MTP layer (``{"method": "mtp"}``) vs plain decoding, in one run.
+
+No checkpoint with an MTP layer fits this machine (the smallest, GLM-4.5-Air, is 106B), so the model
+is a random GLM-4.5 of SmolLM2-135M's shapes (30 layers, 9 heads of 64 rotating half, 8 experts of
+width 768 in 2 groups, 2 per token, a shared expert, the first layer dense) holding one MTP layer,
+with SmolLM2's tokenizer. A random MTP layer's drafts are almost never what the model answers, and a
+trained one's are most of the time (DeepSeek-V3's report: 85-90% of its second tokens accepted), so
+two variants bracket what it costs and returns here:
+  untrained  the random MTP layer: nearly every draft rejected, so the ratio is the drafter's cost
+  agreeing   every layer's output projections (the model's and the MTP layer's) zeroed and the MTP
+             layer passing the next token's embedding on: the model's next token follows from its
+             last alone, and the MTP layer guesses the one after as the model will: nearly every
+             draft accepted (the same work per layer as the untrained model), the ratio its return
+For each: output tokens/s, the ratio to plain on the same model, engine passes, the draft acceptance
+rate; the greedy answers must be identical to plain decoding's (checked).
+Usage: python benchmarks/bench_mtp.py [--num-prompts 8] [--max-tokens 64] [--max-num-seqs 8] [--layers 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cluster import LLM, SamplingParams
+
+SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+                "tie_word_embeddings": False}
+
+
+def glm_with_mtp(out_dir: Path, layers: int, agreeing: bool) -> Path:
+    """A random GLM-4.5 checkpoint of SmolLM2's shapes with one MTP layer after its ``layers``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    from gpu_worker.model_resolver import resolve_model
+
+    torch.manual_seed(0)
+    shapes = {**SMOLLM2_135M, "head_dim": 64, "n_routed_experts": 8, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 768, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+              "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "attention_bias": True,
+              "use_qk_norm": True, "partial_rotary_factor": 0.5, "pad_token_id": 2, "eos_token_id": 2}
+    # (One more decoder layer than the model's: the MTP layer's own, saved under its number.)
+    Glm4MoeForCausalLM(Glm4MoeConfig(**shapes, num_hidden_layers=layers + 1)).save_pretrained(out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers,
+                                                     "num_nextn_predict_layers": 1}))
+    tensors = load_file(out_dir / "model.safetensors")
+    width, prefix = shapes["hidden_size"], f"model.layers.{layers}."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{prefix}{norm}.weight"] = torch.ones(width)
+    tensors[f"{prefix}eh_proj.weight"] = torch.randn(width, 2 * width) * (2 * width) ** -0.5
+    if agreeing:
+        for name in tensors:
+            if name.startswith("model.layers.") and ("o_proj" in name or "down_proj" in name):
+                tensors[name] = torch.zeros_like(tensors[name])
+        tensors[f"{prefix}eh_proj.weight"] = torch.cat((torch.eye(width), torch.zeros(width, width)), dim=1)
+        tensors[f"{prefix}shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    smollm2 = Path(resolve_model("SmolLM2-135M-Instruct").model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2 / name, out_dir / name)
+    return out_dir
+
+
+def measure(model: Path, prompts: list[list[int]], max_tokens: int, max_num_seqs: int, spec: dict | None) -> dict:
+    llm = LLM(model=str(model), dtype="float32", max_num_seqs=max_num_seqs, max_model_len=512,
+              speculative_config=spec)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # (warm-up)
+        before = llm.get_stats()[0]
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        after = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    return {"answers": [o.outputs[0].token_ids for o in outputs],
+            "tok_s": sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed,
+            "steps": after.num_steps - before.num_steps,
+            "acceptance": accepted / draft_tokens if draft_tokens else 0.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="Batch size cap (1: one request at a time).")
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, SMOLLM2_135M["vocab_size"]) for _ in range(args.prompt_len)]
+               for _ in range(args.num_prompts)]
+    modes = [("plain", None)] + [(f"mtp k={k}", {"method": "mtp", "num_speculative_tokens": k}) for k in (1, 2, 3)]
+    print(f"{args.num_prompts} prompts of {args.prompt_len} tokens x {args.max_tokens} tokens, greedy, "
+          f"max_num_seqs={args.max_num_seqs}, fp32, {torch.get_num_threads()} threads")
+    print(f"{'model':10} {'mode':10} {'tok/s':>8} {'vs plain':>9} {'passes':>7} {'accepted':>9}")
+    with tempfile.TemporaryDirectory() as scratch:
+        for variant in ("untrained", "agreeing"):
+            model = glm_with_mtp(Path(scratch) / variant, args.layers, agreeing=variant == "agreeing")
+            base = None
+            for name, spec in modes:
+                r = measure(model, prompts, args.max_tokens, args.max_num_seqs, spec)
+                base = base or r
+                same = r["answers"] == base["answers"]
+                print(f"{variant:10} {name:10} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x {r['steps']:7d} "
+                      f"{r['acceptance']:8.0%}" + ("" if same else "  ANSWERS DIFFER"))
+
+
+if __name__ == "__main__":
+    main()
