@@ -22,13 +22,15 @@ import argparse
 import json
 import random
 import shutil
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from cluster import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_spec_decode import measure
 
 SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
                 "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
@@ -72,27 +74,6 @@ def glm_with_mtp(out_dir: Path, layers: int, agreeing: bool) -> Path:
     return out_dir
 
 
-def measure(model: Path, prompts: list[list[int]], max_tokens: int, max_num_seqs: int, spec: dict | None) -> dict:
-    llm = LLM(model=str(model), dtype="float32", max_num_seqs=max_num_seqs, max_model_len=512,
-              speculative_config=spec)
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # (warm-up)
-        before = llm.get_stats()[0]
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        after = llm.get_stats()[0]
-    finally:
-        llm.shutdown()
-    draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    return {"answers": [o.outputs[0].token_ids for o in outputs],
-            "tok_s": sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed,
-            "steps": after.num_steps - before.num_steps,
-            "acceptance": accepted / draft_tokens if draft_tokens else 0.0}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=8)
@@ -113,7 +94,8 @@ def main() -> None:
             model = glm_with_mtp(Path(scratch) / variant, args.layers, agreeing=variant == "agreeing")
             base = None
             for name, spec in modes:
-                r = measure(model, prompts, args.max_tokens, args.max_num_seqs, spec)
+                r = measure(prompts, args.max_tokens, args.max_num_seqs, spec, model=str(model), dtype="float32",
+                            max_model_len=512)
                 base = base or r
                 same = r["answers"] == base["answers"]
                 print(f"{variant:10} {name:10} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x {r['steps']:7d} "

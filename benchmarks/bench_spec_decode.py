@@ -85,8 +85,11 @@ def layer_skip_draft(model_dir: Path, num_layers: int, out_dir: Path) -> Path:
     return out_dir
 
 
-def measure(prompts, max_tokens: int, max_num_seqs: int, spec: dict | None, structured: dict | None = None):
-    llm = LLM(max_num_seqs=max_num_seqs, speculative_config=spec)
+def measure(prompts, max_tokens: int, max_num_seqs: int, spec: dict | None, structured: dict | None = None,
+            **llm_flags):
+    """One engine (the default model, unless ``llm_flags`` name another) through the prompts, after a
+    warm-up: its greedy answers, output tokens/s, passes, acceptance rate and tokens per draft."""
+    llm = LLM(max_num_seqs=max_num_seqs, speculative_config=spec, **llm_flags)
     try:
         params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) if structured is None
                   else SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=structured))

@@ -38,6 +38,8 @@ class PrefillSpan:
 class AttentionMetadata:
     # Flat cache slot of every new token (block_id * block_size + offset in block).
     slot_mapping: torch.Tensor
+    # The decode rows, the first tokens of the pass (one per decoding request; a request verifying
+    # drafts may have several, each attending as a decode of its own position).
     num_decodes: int
     # [num_decodes, max_blocks] block ids (padded with block 0, masked out) and the keys' extent.
     decode_block_table: torch.Tensor | None
@@ -78,7 +80,9 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
                              window: int | None = None,
                              bidirectional: dict[int, list[tuple[int, int]]] | None = None) -> AttentionMetadata:
     """Arguments are per request (decodes first) except ``query_start_loc`` ([num_reqs + 1]) and
-    ``slot_mapping`` (per token). ``decode_in_place`` selects the kernel that reads the paged cache
+    ``slot_mapping`` (per token). The first ``num_decodes`` requests attend as decodes, each of their
+    query tokens a row of its own that sees its request's keys up to its position (one token each,
+    or a few: a pass verifying drafts). ``decode_in_place`` selects the kernel that reads the paged cache
     where it lies (per-request lengths instead of a padding mask). ``window``: the sliding window
     (None: full causal attention). ``bidirectional``: by request index, position ranges [a, b) whose
     tokens see each other both ways (Gemma 3's images; prefill chunks only)."""
@@ -92,25 +96,33 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
     key_lo = None if window is None else np.maximum(num_computed - window + 1, 0)
 
     decode_table = decode_mask = decode_lens = decode_starts = None
-    decode_max = 0
+    decode_max = num_rows = 0
     if num_decodes:
         dec_lens = seq_lens[:num_decodes]
         dec_lo = None if key_lo is None else key_lo[:num_decodes]
+        dec_table = block_table[:num_decodes]
+        num_rows = int(query_start_loc[num_decodes] - query_start_loc[0])
+        if num_rows != num_decodes:  # (a request of several rows: row j sees keys up to its position)
+            row_request = np.repeat(np.arange(num_decodes), query_lens[:num_decodes])
+            within = np.arange(num_rows) - (query_start_loc[row_request] - query_start_loc[0])
+            dec_lens = num_computed[row_request] + within + 1
+            dec_lo = None if window is None else np.maximum(dec_lens - window, 0)
+            dec_table = block_table[row_request]
         if decode_in_place:
             # The kernel skips the blocks before each request's first key itself.
             decode_max = int(dec_lens.max())
             max_blocks = -(-decode_max // block_size)
-            decode_table = torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks])).to(device)
+            decode_table = torch.from_numpy(np.ascontiguousarray(dec_table[:, :max_blocks])).to(device)
             decode_lens = torch.from_numpy(np.ascontiguousarray(dec_lens, dtype=np.int64)).to(device)
             if dec_lo is not None:
                 decode_starts = torch.from_numpy(np.ascontiguousarray(dec_lo, dtype=np.int64)).to(device)
         elif dec_lo is None or not dec_lo.any():
             decode_max = int(dec_lens.max())
             max_blocks = -(-decode_max // block_size)
-            decode_table = torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks])).to(device)
+            decode_table = torch.from_numpy(np.ascontiguousarray(dec_table[:, :max_blocks])).to(device)
             if int(dec_lens.min()) != decode_max:
                 mask = np.arange(decode_max)[None, :] < dec_lens[:, None]
-                decode_mask = torch.from_numpy(mask).to(device).view(num_decodes, 1, 1, decode_max)
+                decode_mask = torch.from_numpy(mask).to(device).view(num_rows, 1, 1, decode_max)
         else:
             # Each row starts at the block holding its first key: a window's blocks, not the whole sequence.
             first_block = dec_lo // block_size
@@ -118,10 +130,10 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
             decode_max = int((dec_lens - offset).max())
             max_blocks = -(-decode_max // block_size)
             cols = np.minimum(first_block[:, None] + np.arange(max_blocks)[None, :], block_table.shape[1] - 1)
-            decode_table = torch.from_numpy(block_table[np.arange(num_decodes)[:, None], cols]).to(device)
+            decode_table = torch.from_numpy(dec_table[np.arange(num_rows)[:, None], cols]).to(device)
             keys = np.arange(decode_max)[None, :] + offset[:, None]
             mask = (keys >= dec_lo[:, None]) & (keys < dec_lens[:, None])
-            decode_mask = torch.from_numpy(mask).to(device).view(num_decodes, 1, 1, decode_max)
+            decode_mask = torch.from_numpy(mask).to(device).view(num_rows, 1, 1, decode_max)
 
     prefills = []
     for i in range(num_decodes, len(query_lens)):
@@ -149,5 +161,5 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
             token_start=int(query_start_loc[i]), token_end=int(query_start_loc[i + 1]),
             block_ids=torch.from_numpy(np.ascontiguousarray(block_table[i, first_block:needed])).to(device),
             num_keys=seq_len - offset, mask=mask))
-    return AttentionMetadata(slots, num_decodes, decode_table, decode_max, decode_mask, prefills, decode_lens,
+    return AttentionMetadata(slots, num_rows, decode_table, decode_max, decode_mask, prefills, decode_lens,
                              decode_starts, window)

@@ -93,6 +93,9 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         # Speculative decoding: a request may have this many draft tokens, each with its own logits row.
         self.num_spec_tokens = num_spec_tokens
+        # Queries of up to this many tokens attend as decodes, a row per token, where the decode
+        # kernel reads the cache in place (_decode_requests): a pass verifying drafts.
+        self.decode_query_max = 1 + num_spec_tokens
         self.model: nn.Module | None = None
         self.attention_windows: frozenset[int | None] = frozenset({None})
         self.rope_short_offset: int | None = None
@@ -174,6 +177,7 @@ class ModelRunner:
                              f"max_model_len ({self.max_model_len}): lower --max-model-len or choose another draft")
         runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.max_num_seqs,
                              self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype)
+        runner.decode_query_max = self.decode_query_max  # (it repeats the target's passes)
         drafter = DraftModel(runner, num_speculative_tokens, self.max_model_len, self.config.eos_token_ids)
         drafter.check_pairs_with(self, loaded=False)
         runner.load_model(weights)
@@ -190,6 +194,7 @@ class ModelRunner:
             raise RuntimeError("load_model() must come before load_mtp_drafter()")
         runner = ModelRunner(mtp_config(self.config), self.device, self.dtype, self.max_model_len, self.max_num_seqs,
                              self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype)
+        runner.decode_query_max = self.decode_query_max  # (it follows the target's passes)
         runner.load_model(weights)
         runner.model.share_with(self.model)
         # (On waking from sleep level 2 its layer is read again from the target's weights.)
@@ -421,8 +426,10 @@ class ModelRunner:
             raise RuntimeError("the model and KV cache must be initialised before execute_model()")
 
         # Decodes (one token) first: attention handles them as one padded batch.
-        if self.lora is None:
-            order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        if self.lora is None:  # (then the short queries the decode kernel takes too: _decode_requests)
+            short = self.decode_query_max
+            order = sorted(so.num_scheduled_tokens,
+                           key=lambda r: (so.num_scheduled_tokens[r] != 1, so.num_scheduled_tokens[r] > short))
         else:  # and each adapter's decodes (and prefills) side by side: its rows are at most two slices
             order = sorted(so.num_scheduled_tokens, key=lambda r: (so.num_scheduled_tokens[r] != 1,
                                                                    self.requests[r].lora_int_id))
@@ -945,6 +952,8 @@ class ModelRunner:
         upper layers) both, the windowed one hung on the full one. ``bidirectional``: Gemma 3's
         images' position ranges, by request index (see build_attention_metadata)."""
         window, windows = self.config.sliding_window, self.attention_windows
+        if decode_in_place:
+            num_decodes = self._decode_requests(query_start_loc, num_decodes, bidirectional)
         meta = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
                                         block_size, self.device, decode_in_place,
                                         window=None if None in windows else window, bidirectional=bidirectional)
@@ -953,6 +962,19 @@ class ModelRunner:
                                                      meta.slot_mapping, block_size, self.device, decode_in_place,
                                                      window=window, bidirectional=bidirectional)
         return meta
+
+    def _decode_requests(self, query_start_loc: np.ndarray, num_decodes: int,
+                         bidirectional: dict[int, list[tuple[int, int]]] | None) -> int:
+        """How many requests attend as decodes where the kernel reads the cache in place: the
+        ``num_decodes`` one-token ones first, then the short queries after them (a pass verifying up
+        to num_spec_tokens drafts, or a drafter following it), each of whose tokens attends as a
+        decode of its own position: one kernel call for them all rather than a prefill each."""
+        query_lens = np.diff(query_start_loc)
+        n = num_decodes
+        while (n < len(query_lens) and query_lens[n] <= self.decode_query_max
+               and (bidirectional is None or n not in bidirectional)):
+            n += 1
+        return n
 
     def _bidirectional_images(self, states: list[RequestState], starts: np.ndarray, ends: np.ndarray
                               ) -> dict[int, list[tuple[int, int]]] | None:

@@ -49,10 +49,12 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return ((scores.exp() / denominator) @ vv).transpose(0, 1).reshape(n, -1)
 
 
-def run_batch(attn: PagedAttention, reqs: list[dict], decode_in_place: bool = False):
-    """reqs: dicts with start, q, k, v (new tokens only), blocks; decodes (1 token) must come first.
-    Returns the output and the metadata (built for the layer's sliding window)."""
-    num_decodes = sum(1 for r in reqs if r["q"].shape[0] == 1)
+def run_batch(attn: PagedAttention, reqs: list[dict], decode_in_place: bool = False, num_decodes: int | None = None):
+    """reqs: dicts with start, q, k, v (new tokens only), blocks; decodes (1 token) must come first
+    (``num_decodes``: the requests attending as decodes, by default the one-token ones). Returns the
+    output and the metadata (built for the layer's sliding window)."""
+    if num_decodes is None:
+        num_decodes = sum(1 for r in reqs if r["q"].shape[0] == 1)
     nblocks = np.array([len(r["blocks"]) for r in reqs])
     table = np.zeros((len(reqs), nblocks.max()), dtype=np.int64)
     for i, r in enumerate(reqs):
@@ -110,6 +112,34 @@ def test_same_step_prefix_hit_sees_keys_written_in_that_step(attn):
     kb = torch.cat([ka[:shared], tail_k])
     vb = torch.cat([va[:shared], tail_v])
     torch.testing.assert_close(out[n_a:], dense_reference(tail_q, kb, vb, shared), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
+def test_a_few_query_tokens_attend_as_decodes_of_their_own_positions(decode_in_place, window):
+    """A pass verifying drafts: after a one-token decode, a request of 3 tokens (its last token and two
+    drafts) and one of 2 attend as decode rows, each row seeing its request's keys up to its own
+    position (the rows after it are written in the same call, not seen), beside a prefill from 0."""
+    layer = PagedAttention(H, KVH, D, D ** -0.5, sliding_window=window)
+    layer.kv_cache = (torch.zeros(32, BS, KVH, D), torch.zeros(32, BS, KVH, D))
+    torch.manual_seed(8)
+    seqs = {name: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D))
+            for name, n in [("a", 15), ("b", 13), ("c", 11), ("d", 11)]}
+    blocks = {"a": [7, 3, 20, 11], "b": [1, 30, 14, 15], "c": [4, 5, 6], "d": [9, 8, 12]}
+    first = {"a": 14, "b": 10, "c": 9}
+    run_batch(layer, [dict(start=0, q=seqs[n][0][:m], k=seqs[n][1][:m], v=seqs[n][2][:m], blocks=blocks[n])
+                      for n, m in first.items()], decode_in_place)
+    step2 = {"a": (14, 15), "b": (10, 13), "c": (9, 11), "d": (0, 11)}
+    reqs = [dict(start=s, q=seqs[n][0][s:e], k=seqs[n][1][s:e], v=seqs[n][2][s:e], blocks=blocks[n])
+            for n, (s, e) in step2.items()]
+    out, meta = run_batch(layer, reqs, decode_in_place, num_decodes=3)
+    expected = torch.cat([dense_reference(seqs[n][0][s:e], seqs[n][1][:e], seqs[n][2][:e], s, window)
+                          for n, (s, e) in step2.items()])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert meta.num_decodes == 6 and len(meta.prefills) == 1
+    if decode_in_place:
+        assert meta.decode_seq_lens.tolist() == [15, 11, 12, 13, 10, 11]
+        assert meta.decode_block_table[1:4].tolist() == [[1, 30, 14, 15]] * 3
 
 
 def _two_steps_of_four_requests(layer: PagedAttention, decode_in_place: bool, seed: int):
