@@ -102,7 +102,7 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
         dec_lo = None if key_lo is None else key_lo[:num_decodes]
         dec_table = block_table[:num_decodes]
         num_rows = int(query_start_loc[num_decodes] - query_start_loc[0])
-        if num_rows != num_decodes:  # (a request of several rows: row j sees keys up to its position)
+        if (query_lens[:num_decodes] != 1).any():  # (requests of several rows: row j sees keys up to its position)
             row_request = np.repeat(np.arange(num_decodes), query_lens[:num_decodes])
             within = np.arange(num_rows) - (query_start_loc[row_request] - query_start_loc[0])
             dec_lens = num_computed[row_request] + within + 1
