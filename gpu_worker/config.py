@@ -59,7 +59,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM",
                            "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                           "OlmoeForCausalLM")
+                           "OlmoeForCausalLM", "GraniteMoeForCausalLM")
 # Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture).
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
@@ -732,8 +732,8 @@ def _olmo3_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Granite's four scalars (transformers' defaults: 1.0 each)."""
-    if arch != "GraniteForCausalLM":
+    """Granite's four scalars (transformers' defaults: 1.0 each), Granite MoE's too."""
+    if arch not in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
         return {}
     return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
             "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
@@ -825,6 +825,11 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     num_experts_per_tok=read("num_experts_per_tok", 8),
                     moe_intermediate_size=int(cfg.get("intermediate_size", 2048)),
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    if arch == "GraniteMoeForCausalLM":
+        # Every layer routed, the experts' width intermediate_size; the softmax over the top k logits
+        # (transformers' GraniteMoeTopKRouter): the top k's softmax weights renormalised.
+        return dict(num_experts=read("num_local_experts", 8), num_experts_per_tok=read("num_experts_per_tok", 2),
+                    moe_intermediate_size=int(cfg.get("intermediate_size", 1024)), norm_topk_prob=True)
     if arch == "Qwen2MoeForCausalLM":
         defaults = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408}
         shared = read("shared_expert_intermediate_size", 5632)

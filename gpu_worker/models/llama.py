@@ -1,5 +1,5 @@
-"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, and the
-mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5).
+"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Granite, and the
+mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE and GLM-4.5).
 
 The variants differ only in config flags (QKV bias, o_proj bias, Qwen3's per-head q/k norms, tied
 embeddings, RoPE scaling, a sliding window on all or some layers, routed experts in place of some
@@ -422,6 +422,26 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
 class GraniteForCausalLM(LlamaForCausalLM):
     """IBM Granite 3.x is the Llama block with four scalars (ModelConfig's embedding, residual and
     attention multipliers and logits scaling)."""
+
+
+class GraniteMoeForCausalLM(GraniteForCausalLM):
+    """IBM Granite 3.x MoE (granite-3.1-1b-a400m, -3b-a800m): Granite with routed experts in every
+    layer, each layer's experts stored whole (``block_sparse_moe.input_linear``: every expert's gate
+    and up rows, ``output_linear``: their down projections, ``router.layer``: the router)."""
+
+    # The checkpoint's names -> ours (every expert's gate and up rows, then every expert's down
+    # projection: FusedMoE loads such stacks whole).
+    _RENAMED = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+                (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+                (".block_sparse_moe.router.layer.weight", ".mlp.gate.weight"))
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            for theirs, ours in self._RENAMED:
+                if theirs in name:
+                    name = name.replace(theirs, ours)
+                    break
+            yield name, tensor
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -17,6 +17,7 @@ from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.llama import (
     Glm4MoeForCausalLM,
     GraniteForCausalLM,
+    GraniteMoeForCausalLM,
     LlamaForCausalLM,
     Ministral3ForCausalLM,
     MistralForCausalLM,
@@ -66,6 +67,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

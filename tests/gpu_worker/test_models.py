@@ -90,6 +90,11 @@ CASES = {
     # Granite's embedding, residual and attention multipliers and logits scaling.
     "granite": ("granite", {}),
     "granite_bias_mqa": ("granite", {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1}),
+    # Granite MoE: the scalars, each layer's experts stored whole with the router beside them; tied,
+    # MQA, one expert a token.
+    "granitemoe": ("granitemoe", {}),
+    "granitemoe_tied_mqa_top1": ("granitemoe", {"tie_word_embeddings": True, "num_key_value_heads": 1,
+                                               "num_experts_per_tok": 1}),
     # OLMo 2: post-norms, q/k norms over the whole projections (MQA: one KV head's).
     "olmo2": ("olmo2", {}),
     "olmo2_mqa_tied": ("olmo2", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
@@ -197,7 +202,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "Gemma3ForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM",
                                    "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                                    "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM",
-                                   "DeepseekV3ForCausalLM", "OlmoeForCausalLM", "BertModel", "RobertaModel",
+                                   "DeepseekV3ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
+                                   "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

@@ -20,6 +20,7 @@ from transformers import (
     Glm4MoeConfig,
     GptOssConfig,
     GraniteConfig,
+    GraniteMoeConfig,
     LlamaConfig,
     Ministral3Config,
     MistralConfig,
@@ -111,6 +112,11 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "granite":
         return GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                 "attention_multiplier": 0.0625, "logits_scaling": 8.0, **kw})
+    # Granite MoE: Granite's scalars, 8 experts of width 32 in every layer, 2 per token.
+    if kind == "granitemoe":
+        return GraniteMoeConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                   "attention_multiplier": 0.0625, "logits_scaling": 8.0, "num_local_experts": 8,
+                                   "num_experts_per_tok": 2, **kw, "intermediate_size": 32})
     # GPT-OSS: 8 experts, 2 per token, the even layers windowed (8 tokens), YaRN past 16 positions.
     if kind == "gpt_oss":
         return GptOssConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
