@@ -217,8 +217,8 @@ class EngineCore:
                    else "an embedding model decodes nothing" if not info.pooling.generates
                    else "a sliding-window model releases the blocks behind its window"
                    if info.sliding_window is not None
-                   else "a drafter's KV cache (a draft model's, an MTP layer's) is not transferred"
-                   if config.speculative_config is not None and config.speculative_config.proposes_in_workers
+                   else "a draft model's KV cache is not transferred (the MTP drafter's is)"
+                   if config.speculative_config is not None and config.speculative_config.uses_draft_model
                    else None)
         if problem is not None:
             self.executor.shutdown()

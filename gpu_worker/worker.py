@@ -309,11 +309,20 @@ class Worker:
         self.block_size = block_size
         return num_offload_blocks
 
+    def _transferred_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The caches a prompt's KV blocks travel in between engines (prefill/decode disaggregation):
+        the model's layers, then the MTP drafter's layer (of the same geometry; the engines refuse a
+        draft model, whose cache differs, with a transfer)."""
+        runner = self._runner()
+        if self.mtp_config is None or runner.drafter is None:
+            return runner.kv_caches
+        return [*runner.kv_caches, *runner.drafter.runner.kv_caches]
+
     def read_kv_blocks(self, block_ids: list[int]) -> tuple[str, torch.Tensor]:
         """This rank's KV in ``block_ids``, for another engine to read (prefill/decode disaggregation):
         the cache's dtype, and every layer's K and V as one host tensor of the cache's bytes,
         [layers, 2, blocks, block_size, heads, head_dim * element size]."""
-        caches = self._runner().kv_caches
+        caches = self._transferred_caches()
         if not caches:
             raise RuntimeError("this worker holds no KV cache (asleep, or not initialized)")
         device = caches[0][0].device
@@ -334,7 +343,7 @@ class Worker:
     def write_kv_blocks(self, block_ids: list[int], payload: tuple[str, torch.Tensor]) -> None:
         """Put another engine's KV (``read_kv_blocks``' answer) into this rank's ``block_ids``."""
         dtype, data = payload
-        caches = self._runner().kv_caches
+        caches = self._transferred_caches()
         if not caches:
             raise RuntimeError("this worker holds no KV cache (asleep, or not initialized)")
         own_dtype = str(caches[0][0].dtype).removeprefix("torch.")
@@ -344,7 +353,8 @@ class Worker:
         shape = (len(caches), 2, len(block_ids), *caches[0][0].view(torch.uint8).shape[1:])
         if tuple(data.shape) != shape:
             raise ValueError(f"the producer's KV blocks are shaped {tuple(data.shape)}, this engine's {shape}: the "
-                             "same model, block size and tensor-parallel size are needed on both")
+                             "same model, block size and tensor-parallel size are needed on both, and the same "
+                             "speculative method (an MTP layer's cache travels beside the model's)")
         device = caches[0][0].device
         index = torch.tensor(block_ids, dtype=torch.long, device=device)
         for layer, (k, v) in enumerate(caches):  # (a layer at a time on the device, as read)

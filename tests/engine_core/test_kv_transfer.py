@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from engine_core.kv_transfer import KVConnector, KVTransferConfig, kv_digest
 from engine_core.outputs import EngineCoreRequest
@@ -529,3 +530,54 @@ def test_an_engine_without_the_config_computes_such_a_prompt_and_tells_its_produ
         assert engine.stats().kv_transfer_declined == 1
     finally:
         engine.shutdown()
+
+
+def test_the_mtp_drafters_cache_travels_with_the_prompts(tmp_path):
+    """Both engines draft with the model's MTP layer: the producer's prompt rows of that layer's
+    cache are read with the model's (the consumer recomputes only the last prompt token), so the
+    consumer drafts from them as one engine would; the answer is one engine's."""
+    from tests.gpu_worker.utils import save_tiny_model_with_mtp
+    from tests.tiny_model import build_tokenizer
+
+    path = save_tiny_model_with_mtp(tmp_path / "glm", "glm4_moe", near_bigram=0.02)
+    build_tokenizer().save_pretrained(path)
+    mtp = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(45)]
+    reference = _engine(path, None, **mtp)
+    producer = _engine(path, {"kv_role": "kv_producer"}, **mtp)
+    consumer = _engine(path, {"kv_role": "kv_consumer"}, **mtp)
+    consumer.kv_fetcher = reading_from(producer)
+    try:
+        expected = _run(reference, [EngineCoreRequest(request_id="r", prompt_token_ids=prompt,
+                                                      sampling_params=_greedy(10))])["r"]["tokens"]
+        params = _run(producer, [EngineCoreRequest(request_id="p", prompt_token_ids=prompt, sampling_params=_greedy(1),
+                                                   kv_transfer_params={"do_remote_decode": True})])["p"]["params"]
+        consumer.add_request(EngineCoreRequest(request_id="d", prompt_token_ids=prompt, sampling_params=_greedy(10),
+                                               kv_transfer_params=params))
+        tokens: list[int] = []
+        ours = None
+        for _ in range(60):
+            for eco in consumer.step().values():
+                tokens += [t for out in eco.outputs for t in out.new_token_ids]
+            if ours is None and "d" in consumer.scheduler.requests and tokens:
+                ours = list(consumer.scheduler.kv_cache_manager.get_block_ids("d"))
+            if len(tokens) == 10:
+                break
+        assert tokens == expected and consumer.stats().kv_transfer_received_blocks == 3
+        # The MTP layer's rows of the prompt's first 44 positions (blocks of 16), as the producer computed them.
+        theirs = params["remote_block_ids"]
+        (k_theirs, v_theirs), = producer.executor.worker.runner.drafter.runner.kv_caches
+        (k_ours, v_ours), = consumer.executor.worker.runner.drafter.runner.kv_caches
+        for mine, other in ((k_ours, k_theirs), (v_ours, v_theirs)):
+            assert torch.equal(mine[ours[:2]], other[theirs[:2]]) and bool(other[theirs[0]].abs().sum() > 0)
+            assert torch.equal(mine[ours[2], :12], other[theirs[2], :12])
+        assert reference.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        for engine in (reference, producer, consumer):
+            engine.shutdown()
+
+
+def test_a_draft_models_cache_is_not_transferred_so_it_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="a draft model's KV cache is not transferred"):
+        _engine(tiny_model_dir, {"kv_role": "kv_consumer"},
+                speculative_config={"model": str(tiny_model_dir), "num_speculative_tokens": 2})
