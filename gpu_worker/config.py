@@ -59,7 +59,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM",
                            "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                           "OlmoeForCausalLM", "GraniteMoeForCausalLM")
+                           "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM")
 # Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture).
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
@@ -69,10 +69,14 @@ GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": Tru
 # transformers' Glm4MoeConfig defaults for the keys a GLM-4.5 config may leave out (the released
 # configs state them; the experts' are _moe_from_dict's, the partial rotary's from_dict's).
 GLM4_MOE_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "intermediate_size": 10944}
+# transformers' MiniMaxM2Config defaults for the keys a MiniMax-M2 config may leave out (the experts'
+# are _moe_from_dict's).
+MINIMAX_M2_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 196608,
+                       "intermediate_size": 1536, "rope_theta": 5000000.0}
 GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
-PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM")
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")
 # Vision-language checkpoints whose language model we serve on text (ModelConfig reads their
@@ -825,6 +829,16 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     num_experts_per_tok=read("num_experts_per_tok", 8),
                     moe_intermediate_size=int(cfg.get("intermediate_size", 2048)),
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    if arch == "MiniMaxM2ForCausalLM":
+        # Sigmoid scores through a correction bias (use_routing_bias), the top k's renormalised, no
+        # groups, no scaling; every layer routed, the experts' width intermediate_size.
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("shared_intermediate_size"):
+            raise ValueError("MiniMax-M2 is served with sigmoid routing (scoring_func) and no shared experts, got "
+                             f"{cfg.get('scoring_func')!r} and {cfg.get('shared_intermediate_size')!r}")
+        return dict(num_experts=read("num_local_experts", 256), num_experts_per_tok=read("num_experts_per_tok", 8),
+                    moe_intermediate_size=int(cfg.get("intermediate_size") or 1536), norm_topk_prob=True,
+                    moe_grouped_topk=True, moe_scoring="sigmoid",
+                    moe_correction_bias=bool(cfg.get("use_routing_bias", True)))
     if arch == "GraniteMoeForCausalLM":
         # Every layer routed, the experts' width intermediate_size; the softmax over the top k logits
         # (transformers' GraniteMoeTopKRouter): the top k's softmax weights renormalised.
@@ -1165,6 +1179,8 @@ class ModelConfig:
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
         if arch == "Glm4MoeForCausalLM":
             cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+        if arch == "MiniMaxM2ForCausalLM":
+            cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "GptOssForCausalLM":
             cfg = {**GPT_OSS_DEFAULTS, **cfg}
             if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
@@ -1217,6 +1233,9 @@ class ModelConfig:
                              f"got {scaling['rope_type']!r}")
         params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        if arch == "MiniMaxM2ForCausalLM" and "partial_rotary_factor" not in params \
+                and cfg.get("partial_rotary_factor") is None and cfg.get("rotary_dim"):
+            partial = int(cfg["rotary_dim"]) / head_dim  # (as released: rotary_dim, 64 of 128)
         rotary_dim = mla["qk_rope_head_dim"] if mla else int(head_dim * partial)
         if arch == "Glm4MoeForCausalLM" and "partial_rotary_factor" not in params \
                 and cfg.get("partial_rotary_factor") is None:

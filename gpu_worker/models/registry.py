@@ -30,6 +30,7 @@ from gpu_worker.models.llama import (
     SmolLM3ForCausalLM,
 )
 from gpu_worker.models.llava import llava_class
+from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from gpu_worker.models.modernbert import ModernBertModel
 from gpu_worker.models.mtp import MTP_DRAFTERS
 from gpu_worker.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
@@ -68,6 +69,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -90,6 +90,11 @@ CASES = {
     # Granite's embedding, residual and attention multipliers and logits scaling.
     "granite": ("granite", {}),
     "granite_bias_mqa": ("granite", {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1}),
+    # MiniMax-M2: whole-projection q/k norms before a half-head RoPE, sigmoid routing through the
+    # correction bias (renormalised); MQA with a quarter-head RoPE.
+    "minimax_m2": ("minimax_m2", {}),
+    "minimax_m2_mqa_quarter_rope": ("minimax_m2", {"num_key_value_heads": 1, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
     # Granite MoE: the scalars, each layer's experts stored whole with the router beside them; tied,
     # MQA, one expert a token.
     "granitemoe": ("granitemoe", {}),
@@ -203,6 +208,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                                    "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM",
                                    "DeepseekV3ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
+                                   "MiniMaxM2ForCausalLM",
                                    "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
@@ -602,10 +608,12 @@ def test_deepseek_configs_as_released():
     assert (bare.moe_num_groups, bare.moe_topk_groups, bare.q_lora_rank, bare.num_experts) == (8, 4, 1536, 256)
 
 
-def test_glm4_moe_multi_token_prediction_layers_are_not_read(tmp_path):
-    """GLM-4.5's checkpoints hold their MTP module as one more layer (model.layers.{num_hidden_layers}):
-    not served, so skipped at load; the model's own layers answer as transformers' do."""
-    path = save_tiny_model(tmp_path, "glm4_moe")
+@pytest.mark.parametrize("kind", ["glm4_moe", "minimax_m2"])
+def test_multi_token_prediction_layers_are_not_read_by_the_model(tmp_path, kind):
+    """GLM-4.5's and MiniMax-M2's checkpoints hold their MTP modules as more layers
+    (model.layers.{num_hidden_layers}...): skipped at load (the mtp drafter reads GLM's); the
+    model's own layers answer as transformers' do."""
+    path = save_tiny_model(tmp_path, kind)
     hf = load_hf(path)
     file = path / "model.safetensors"
     tensors = load_file(file)
@@ -619,6 +627,32 @@ def test_glm4_moe_multi_token_prediction_layers_are_not_read(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_minimax_m2_config_as_released():
+    """MiniMax-M2's config.json (its keys as released): RoPE over rotary_dim (64 of 128), sigmoid
+    routing through the correction bias, 256 experts, 8 a token; keys left out take transformers'
+    defaults; softmax routing or shared experts are refused."""
+    released = {"architectures": ["MiniMaxM2ForCausalLM"], "attn_type_list": [1] * 62, "head_dim": 128,
+                "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 1536,
+                "max_position_embeddings": 196608, "model_type": "minimax_m2", "mtp_transformer_layers": 1,
+                "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
+                "num_local_experts": 256, "num_mtp_modules": 3, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-06,
+                "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0,
+                "tie_word_embeddings": False, "use_mtp": True, "use_qk_norm": True, "use_routing_bias": True,
+                "vocab_size": 200064}
+    config = ModelConfig.from_dict(released)
+    assert (config.head_dim, config.rotary_dim, config.rope_theta) == (128, 64, 5000000.0)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (256, 8, 1536)
+    assert config.moe_grouped_topk and config.moe_scoring == "sigmoid" and config.moe_correction_bias
+    assert config.norm_topk_prob and (config.moe_num_groups, config.routed_scaling_factor) == (1, 1.0)
+    assert config.layer_is_moe(0) and config.layer_is_moe(61) and config.max_context_len == 196608
+    bare = ModelConfig.from_dict({"architectures": ["MiniMaxM2ForCausalLM"], "hidden_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256})
+    assert (bare.head_dim, bare.rotary_dim, bare.num_experts, bare.rms_norm_eps) == (128, 128, 256, 1e-6)
+    for refused in ({"scoring_func": "softmax"}, {"shared_intermediate_size": 512}):
+        with pytest.raises(ValueError, match="sigmoid routing"):
+            ModelConfig.from_dict({**released, **refused})
 
 
 def test_olmoe_with_clip_qkv_is_refused():

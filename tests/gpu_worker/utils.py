@@ -22,6 +22,7 @@ from transformers import (
     GraniteConfig,
     GraniteMoeConfig,
     LlamaConfig,
+    MiniMaxM2Config,
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
@@ -112,6 +113,12 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "granite":
         return GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                 "attention_multiplier": 0.0625, "logits_scaling": 8.0, **kw})
+    # MiniMax-M2: whole-projection q/k norms, RoPE over half of each 16-dim head, 8 experts chosen by
+    # sigmoid scores through the correction bias, 2 per token.
+    if kind == "minimax_m2":
+        return MiniMaxM2Config(**{"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16,
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.5}, **kw, "intermediate_size": 32})
     # Granite MoE: Granite's scalars, 8 experts of width 32 in every layer, 2 per token.
     if kind == "granitemoe":
         return GraniteMoeConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,

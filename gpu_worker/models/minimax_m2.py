@@ -1,0 +1,27 @@
+"""MiniMax-M2 and M2.1 (MiniMaxM2ForCausalLM, 230B with 10B active): the Llama block (norms before
+each sublayer) with the queries and keys normed over their whole projections before a RoPE over the
+first half of each head (OLMoE's attention: gpu_worker/models/olmo2.py), and routed experts in every
+layer chosen by sigmoid scores through a correction bias, the top k's weights renormalised
+(SparseMoeBlock, with an fp32 router as vLLM keeps it). The checkpoint names the experts as Mixtral's
+(``block_sparse_moe``, w1 / w3 / w2) with the bias beside the router; its multi-token-prediction
+layers (numbered after the decoder's) are not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.models.llama import is_mtp_layer_tensor, without_mtp_layers
+from gpu_worker.models.olmo2 import OlmoeForCausalLM
+
+
+class MiniMaxM2ForCausalLM(OlmoeForCausalLM):
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in without_mtp_layers(weights, self.config.num_hidden_layers):
+            name = name.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+            yield name.replace(".block_sparse_moe.", ".mlp."), tensor
+
+    def reads_checkpoint_tensor(self, name: str) -> bool:
+        """Not the MTP layers' (not even dequantized)."""
+        return not is_mtp_layer_tensor(name, self.config.num_hidden_layers)
