@@ -586,7 +586,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "[TOOL_CALLS][...]; llama3_json: Llama 3.x's JSON objects; pythonic: [f(a=1), ...]; "
                             "qwen3_coder: <tool_call><function=f><parameter=a>1</parameter>...; glm45: <tool_call>f "
                             "<arg_key>a</arg_key><arg_value>1</arg_value>...; openai: gpt-oss's harmony messages; "
-                            "deepseek_v3, deepseek_v31, kimi_k2: DeepSeek's and Kimi K2's tool-call sections).")
+                            "deepseek_v3, deepseek_v31, kimi_k2: DeepSeek's and Kimi K2's tool-call sections; "
+                            "minimax_m2: <minimax:tool_call><invoke name=\"f\"><parameter name=\"a\">1"
+                            "</parameter>...).")
     serve.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="Return chat answers' <think>...</think> as reasoning (and reasoning_content).")
     serve.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,

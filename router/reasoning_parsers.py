@@ -16,6 +16,9 @@ returns it in ``reasoning_content``.
 - ``deepseek_v3`` (DeepSeek-V3, V3.1: its template opens the thinking in the prompt under
   ``chat_template_kwargs: {"thinking": true}`` and closes it otherwise) and ``kimi_k2`` (Kimi K2
   Thinking): as ``qwen3``.
+- ``minimax_m2`` (MiniMax-M2, M2.1): as ``deepseek_r1`` (the model writes no ``<think>``, only
+  ``</think>``); ``minimax_m2_append_think``: nothing split off, the answer all content with its
+  thinking in it behind a ``<think>`` put back in front (for clients that send the thinking back).
 - ``openai_gptoss`` (gpt-oss): its answers are harmony messages on channels, not tags; they are read
   by ``router.harmony.HarmonyParser`` (reasoning, content and tool calls together).
 
@@ -28,7 +31,11 @@ from __future__ import annotations
 
 from router.parsed_output import partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss", "glm45", "deepseek_v3", "kimi_k2")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss", "glm45", "deepseek_v3", "kimi_k2",
+                     "minimax_m2", "minimax_m2_append_think")
+# The parsers whose answers think first, without an opening tag of their own (their templates open
+# the thinking in the prompt, or the model never writes it): an output constraint waits for the end.
+THINKS_FIRST = ("deepseek_r1", "minimax_m2", "minimax_m2_append_think")
 # The harmony format's parsers (gpt-oss): the reasoning parser and the tool-call parser of that name
 # both read an answer with router.harmony.HarmonyParser.
 HARMONY_REASONING_PARSER, HARMONY_TOOL_CALL_PARSER = "openai_gptoss", "openai"
@@ -36,7 +43,8 @@ HARMONY_REASONING_PARSER, HARMONY_TOOL_CALL_PARSER = "openai_gptoss", "openai"
 START, END = "<think>", "</think>"
 # Each parser's (start, end) tags.
 THINK_TAGS = {"deepseek_r1": (START, END), "qwen3": (START, END), "mistral": ("[THINK]", "[/THINK]"),
-              "glm45": (START, END), "deepseek_v3": (START, END), "kimi_k2": (START, END)}
+              "glm45": (START, END), "deepseek_v3": (START, END), "kimi_k2": (START, END),
+              "minimax_m2": (START, END), "minimax_m2_append_think": (START, END)}
 
 
 def think_tags(name: str | None) -> tuple[str, str]:
@@ -82,11 +90,31 @@ class ReasoningParser:
         return (pending, "") if self._state == "reasoning" else ("", pending)
 
 
+class ThinkingInContentParser(ReasoningParser):
+    """``minimax_m2_append_think``: no reasoning is split off; the answer is all content, its
+    thinking kept in it behind the ``<think>`` the model does not write (as vLLM's parser of that
+    name answers, for clients that send MiniMax-M2's thinking back in the next turn)."""
+
+    def __init__(self) -> None:
+        super().__init__(needs_start_tag=False)
+        self._opened = False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if not self._opened:
+            self._opened, text = True, self.start + text
+        return "", text
+
+    def finish(self) -> tuple[str, str]:
+        return self.feed("") if not self._opened else ("", "")
+
+
 def create_reasoning_parser(name: str, starts_thinking: bool = False) -> ReasoningParser:
     """``starts_thinking``: the prompt ended with the start tag (Qwen3's thinking-only templates write
     ``<think>`` there), so the answer reasons up to ``</think>`` without an opening tag of its own."""
-    if name == "deepseek_r1":
+    if name in ("deepseek_r1", "minimax_m2"):  # (MiniMax-M2 never writes the opening tag)
         return ReasoningParser(needs_start_tag=False)
+    if name == "minimax_m2_append_think":
+        return ThinkingInContentParser()
     # (GLM-4.5's answers think only after their own <think>, as Qwen3's; its template closes the
     # thinking in the prompt when enable_thinking is false, and GLM-4.7's may open it there. So do
     # DeepSeek-V3.1's, whose template opens or closes it by the `thinking` keyword, and DeepSeek-V3's

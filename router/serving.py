@@ -93,6 +93,7 @@ from router.protocol import (
 from router.reasoning_parsers import (
     HARMONY_REASONING_PARSER,
     HARMONY_TOOL_CALL_PARSER,
+    THINKS_FIRST,
     create_reasoning_parser,
     think_tags,
 )
@@ -877,7 +878,7 @@ class OpenAIServing:
             return list(self._harmony_final), None
         if not self._answer_may_think(prompt_thinking) or self._think_end_id is None:
             return None, None
-        if self.settings.reasoning_parser == "deepseek_r1" or prompt_thinking == "open":
+        if self.settings.reasoning_parser in THINKS_FIRST or prompt_thinking == "open":
             return [self._think_end_id], None
         if self._think_start_id is not None:
             return [self._think_end_id], self._think_start_id

@@ -29,7 +29,7 @@ from typing import Any
 from router.parsed_output import ParsedDelta, partial_suffix
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai", "glm45", "deepseek_v3",
-                     "deepseek_v31", "kimi_k2")
+                     "deepseek_v31", "kimi_k2", "minimax_m2")
 # Where a JSON call object keeps its arguments.
 ARGUMENTS_KEYS = ("arguments", "parameters")
 
@@ -1005,6 +1005,10 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
             from router.glm45_tool_parser import Glm45ToolCallParser
 
             return Glm45ToolCallParser(tools)
+        if server_parser == "minimax_m2":
+            from router.minimax_m2_tool_parser import MiniMaxM2ToolCallParser
+
+            return MiniMaxM2ToolCallParser(tools)
         if server_parser in ("deepseek_v3", "deepseek_v31", "kimi_k2"):
             from router.sectioned_tool_parsers import SECTIONED_TOOL_CALL_PARSERS
 
