@@ -72,7 +72,7 @@ GLM4_MOE_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "i
 # transformers' MiniMaxM2Config defaults for the keys a MiniMax-M2 config may leave out (the experts'
 # are _moe_from_dict's).
 MINIMAX_M2_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 196608,
-                       "intermediate_size": 1536, "rope_theta": 5000000.0}
+                       "intermediate_size": 1536, "rope_theta": 5000000.0, "num_key_value_heads": 8}
 GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
@@ -832,6 +832,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
     if arch == "MiniMaxM2ForCausalLM":
         # Sigmoid scores through a correction bias (use_routing_bias), the top k's renormalised, no
         # groups, no scaling; every layer routed, the experts' width intermediate_size.
+        if 0 in (cfg.get("attn_type_list") or ()):  # (MiniMax-Text-01's and M1's linear-attention layers)
+            raise ValueError("MiniMax linear-attention layers (attn_type_list 0) are not served")
         if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("shared_intermediate_size"):
             raise ValueError("MiniMax-M2 is served with sigmoid routing (scoring_func) and no shared experts, got "
                              f"{cfg.get('scoring_func')!r} and {cfg.get('shared_intermediate_size')!r}")
@@ -843,7 +845,7 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         # Every layer routed, the experts' width intermediate_size; the softmax over the top k logits
         # (transformers' GraniteMoeTopKRouter): the top k's softmax weights renormalised.
         return dict(num_experts=read("num_local_experts", 8), num_experts_per_tok=read("num_experts_per_tok", 2),
-                    moe_intermediate_size=int(cfg.get("intermediate_size", 1024)), norm_topk_prob=True)
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
     if arch == "Qwen2MoeForCausalLM":
         defaults = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408}
         shared = read("shared_expert_intermediate_size", 5632)

@@ -27,7 +27,10 @@ def fp8_weight_block(quantization: dict[str, Any]) -> tuple[int, int]:
     """The block an fp8 checkpoint's ``quantization_config`` scales its weights by ((0, 0): one scale
     per weight); ValueError, naming what, for a variant not served."""
     for key, served in (("fmt", "e4m3"), ("scale_fmt", "float"), ("expert_dtype", "fp8")):
-        if quantization.get(key, served) != served:
+        value = quantization.get(key, served)
+        if key == "fmt" and value == "float8_e4m3fn":  # (MiniMax-M2's name for it)
+            value = "e4m3"
+        if value != served:
             raise ValueError(f"fp8 checkpoints with {key}={quantization[key]!r} are not served (only {served!r})")
     block = quantization.get("weight_block_size")
     if block is None:

@@ -42,6 +42,9 @@ class MiniMaxM2ToolCallParser(ToolCallParser):
         self._content = ContentWithHeldBlanks()
         self._state = "content"  # content (before the first block), block (in one), between (after one)
         self._held = ""  # a block's text while it has no call (content, should it end with none)
+        # In a block: where the current call starts (-1: not found yet), and how much of the pending
+        # text was searched without finding what ends it (the pending text only grows meanwhile).
+        self._invoke_at, self._searched = -1, 0
 
     def feed(self, text: str) -> ParsedDelta:
         self._pending += text
@@ -77,9 +80,13 @@ class MiniMaxM2ToolCallParser(ToolCallParser):
             self._pending, self._held, self._state = text[at + len(self.START):], self.START, "block"
             return True
         # In a block: the next complete call, or the block's end (a call it cuts off is none).
-        start = text.find(self.INVOKE)
-        close = text.find(self.INVOKE_END, start) if start >= 0 else -1
-        end = text.find(self.END)
+        if self._invoke_at < 0:
+            self._invoke_at = text.find(self.INVOKE, max(0, self._searched - len(self.INVOKE) + 1))
+        start = self._invoke_at
+        close = (text.find(self.INVOKE_END, max(start, self._searched - len(self.INVOKE_END) + 1)) if start >= 0
+                 else -1)
+        end = text.find(self.END, max(0, self._searched - len(self.END) + 1))
+        self._searched = len(text)
         if end >= 0 and (close < 0 or end < close):
             if not self.calls:  # a block without a call is text
                 self._content.add(self._held + text[:end + len(self.END)], out)
@@ -87,6 +94,7 @@ class MiniMaxM2ToolCallParser(ToolCallParser):
             else:
                 self._state = "between"
             self._pending, self._held = text[end + len(self.END):], ""
+            self._invoke_at, self._searched = -1, 0
             return True
         if close < 0:
             return False  # (the call, or the block's end, is still coming)
@@ -98,6 +106,7 @@ class MiniMaxM2ToolCallParser(ToolCallParser):
         elif not self.calls:
             self._held += text[:close + len(self.INVOKE_END)]
         self._pending = text[close + len(self.INVOKE_END):]
+        self._invoke_at, self._searched = -1, 0
         return True
 
     def _call(self, body: str) -> dict[str, Any] | None:
@@ -108,13 +117,16 @@ class MiniMaxM2ToolCallParser(ToolCallParser):
             return None
         schemas = self._properties.get(name, {})
         arguments: dict[str, Any] = {}
-        for part in rest.split(self.PARAMETER)[1:]:
-            inside, found, _ = part.partition(self.PARAMETER_END)
-            key, sep, raw = inside.partition(">")
-            if not found or not sep:
-                continue
+        at = rest.find(self.PARAMETER)
+        while at >= 0:  # (each parameter ends at the first </parameter> after it, as vLLM reads them)
+            end = rest.find(self.PARAMETER_END, at)
+            if end < 0:
+                break
+            key, sep, raw = rest[at + len(self.PARAMETER):end].partition(">")
             key = _unquoted(key)
-            arguments[key] = minimax_m2_value(raw.strip(), schemas.get(key))
+            if sep and key:
+                arguments[key] = minimax_m2_value(raw.strip(), schemas.get(key))
+            at = rest.find(self.PARAMETER, end + len(self.PARAMETER_END))
         return self._start_call(name, json.dumps(arguments, ensure_ascii=False))
 
 
@@ -193,5 +205,9 @@ def _refuse(constant: str) -> Any:
 
 
 def _json(raw: str) -> Any:
-    """JSON text's value (NaN and the infinities refused: no JSON answer can carry them)."""
-    return json.loads(raw, parse_constant=_refuse)
+    """JSON text's value (NaN and the infinities refused: no JSON answer can carry them; nesting
+    too deep to read is no value either)."""
+    try:
+        return json.loads(raw, parse_constant=_refuse)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None

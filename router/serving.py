@@ -929,7 +929,10 @@ class OpenAIServing:
         reasoning = None
         if self._answer_may_think(prompt_thinking) and (
                 request.structured_output is None or self._constraint_start(prompt_thinking)[0] is not None):
-            reasoning = create_reasoning_parser(self.settings.reasoning_parser,  # type: ignore[arg-type]
+            name = self.settings.reasoning_parser
+            if name == "minimax_m2_append_think" and request.structured_output is not None:
+                name = "minimax_m2"  # (a constrained answer is its JSON: the thinking is kept out of it)
+            reasoning = create_reasoning_parser(name,  # type: ignore[arg-type]
                                                 starts_thinking=prompt_thinking == "open")
         if tools is None and reasoning is None:
             return None

@@ -430,10 +430,12 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
     and up rows, ``output_linear``: their down projections, ``router.layer``: the router)."""
 
     # The checkpoint's names -> ours (every expert's gate and up rows, then every expert's down
-    # projection: FusedMoE loads such stacks whole).
+    # projection: FusedMoE loads such stacks whole), as released and as transformers 5 names them.
     _RENAMED = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
                 (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
-                (".block_sparse_moe.router.layer.weight", ".mlp.gate.weight"))
+                (".block_sparse_moe.router.layer.weight", ".mlp.gate.weight"),
+                (".block_sparse_moe.experts.", ".mlp.experts."),
+                (".block_sparse_moe.router.weight", ".mlp.gate.weight"))
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:

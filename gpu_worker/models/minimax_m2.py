@@ -19,7 +19,9 @@ from gpu_worker.models.olmo2 import OlmoeForCausalLM
 class MiniMaxM2ForCausalLM(OlmoeForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in without_mtp_layers(weights, self.config.num_hidden_layers):
-            name = name.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+            # (As released, and as transformers 5 names the bias.)
+            for theirs in (".block_sparse_moe.e_score_correction_bias", ".mlp.e_score_correction_bias"):
+                name = name.replace(theirs, ".mlp.gate.e_score_correction_bias")
             yield name.replace(".block_sparse_moe.", ".mlp."), tensor
 
     def reads_checkpoint_tensor(self, name: str) -> bool:

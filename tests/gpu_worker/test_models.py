@@ -629,6 +629,29 @@ def test_multi_token_prediction_layers_are_not_read_by_the_model(tmp_path, kind)
     torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe"])
+def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
+    """Saved with transformers 5's own names (save_original_format=False: stacked experts, its router
+    and bias names) rather than the released ones: the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.gpu_worker.utils import make_config
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(make_config(kind), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    assert any(".experts.gate_up_proj" in name for name in load_file(tmp_path / "model.safetensors"))
+    runner = make_runner(tmp_path, num_blocks=16, block_size=4)
+    prompt = [(5 * i + 1) % 256 for i in range(20)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_minimax_m2_config_as_released():
     """MiniMax-M2's config.json (its keys as released): RoPE over rotary_dim (64 of 128), sigmoid
     routing through the correction bias, 256 experts, 8 a token; keys left out take transformers'
@@ -640,19 +663,28 @@ def test_minimax_m2_config_as_released():
                 "num_local_experts": 256, "num_mtp_modules": 3, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-06,
                 "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0,
                 "tie_word_embeddings": False, "use_mtp": True, "use_qk_norm": True, "use_routing_bias": True,
-                "vocab_size": 200064}
+                "vocab_size": 200064, "quantization_config": {
+                    "activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                    "weight_block_size": [128, 128]}}
     config = ModelConfig.from_dict(released)
     assert (config.head_dim, config.rotary_dim, config.rope_theta) == (128, 64, 5000000.0)
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (256, 8, 1536)
     assert config.moe_grouped_topk and config.moe_scoring == "sigmoid" and config.moe_correction_bias
     assert config.norm_topk_prob and (config.moe_num_groups, config.routed_scaling_factor) == (1, 1.0)
     assert config.layer_is_moe(0) and config.layer_is_moe(61) and config.max_context_len == 196608
+    from gpu_worker.quantized_checkpoint import weight_quantization
+
+    # (Its release's FP8 blocks: the format named float8_e4m3fn.)
+    assert weight_quantization(released["quantization_config"]) == ("fp8", (128, 128))
     bare = ModelConfig.from_dict({"architectures": ["MiniMaxM2ForCausalLM"], "hidden_size": 64,
-                                  "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256})
+                                  "num_hidden_layers": 2, "num_attention_heads": 16, "vocab_size": 256})
     assert (bare.head_dim, bare.rotary_dim, bare.num_experts, bare.rms_norm_eps) == (128, 128, 256, 1e-6)
+    assert bare.num_key_value_heads == 8
     for refused in ({"scoring_func": "softmax"}, {"shared_intermediate_size": 512}):
         with pytest.raises(ValueError, match="sigmoid routing"):
             ModelConfig.from_dict({**released, **refused})
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        ModelConfig.from_dict({**released, "attn_type_list": [0, 1] * 31})
 
 
 def test_olmoe_with_clip_qkv_is_refused():

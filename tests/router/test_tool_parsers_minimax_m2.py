@@ -80,6 +80,8 @@ def test_schema_types_from_enums_and_options_and_values_json_cannot_carry():
     assert minimax_m2_value("NaN", {"type": "number"}) == "NaN"
     assert minimax_m2_value("[1]", {"type": "object"}) == [1]  # (JSON, even of another kind)
     agree(block(invoke("get_time", ("zone", "UTC"))), "", [("get_time", {"zone": "UTC"})], tools=None)
+    deep = "[" * 5000 + "]" * 5000  # (nested past what the JSON reader takes: the text, not a crash)
+    assert minimax_m2_value(deep, {"type": "array"}) == deep and minimax_m2_value(deep, None) == deep
 
 
 def test_content_streams_at_once_and_each_call_goes_out_whole_when_it_ends():
@@ -107,6 +109,12 @@ def test_content_streams_at_once_and_each_call_goes_out_whole_when_it_ends():
     # Names and keys without quotes, and a parameter without its end (dropped).
     ('<minimax:tool_call><invoke name=get_weather><parameter name=days>2</parameter>'
      '<parameter name="city">Rome</invoke></minimax:tool_call>', "", [("get_weather", {"days": 2})]),
+    # A value mentioning the tag: each parameter ends at the first </parameter> after it (vLLM's).
+    (block(invoke("write_file", ("content", 'see <parameter name="x">1'), ("path", "a.txt"))), "",
+     [("write_file", {"content": 'see <parameter name="x">1', "path": "a.txt"})]),
+    # A parameter without a name is dropped.
+    ('<minimax:tool_call><invoke name="get_time"><parameter name="">v</parameter></invoke></minimax:tool_call>', "",
+     [("get_time", {})]),
     # An invoke without a name is no call.
     ('<minimax:tool_call><invoke name="">x</invoke>' + invoke("get_time") + "</minimax:tool_call>", "",
      [("get_time", {})]),
@@ -162,3 +170,17 @@ def test_minimax_m2_reasoning_and_tool_calls_through_the_app(reasoning):
     assert "".join(d["delta"].get("content") or "" for d in deltas) == content
     assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == (thinking or "")
     assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_append_think_keeps_the_thinking_out_of_a_constrained_answer():
+    """A named tool_choice (an output constraint after the thinking): its arguments are the JSON
+    alone, the thinking split off as minimax_m2 would, not put in front of them."""
+    http, _, _ = _app('Think about Rome.</think>{"city": "Rome"}', parser="minimax_m2",
+                      reasoning="minimax_m2_append_think", think_tokens=True)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    body = {"model": "tiny", "messages": MESSAGES, "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert message["reasoning_content"] == "Think about Rome."
