@@ -16,6 +16,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --gpt-oss  # GPT-OSS: sinks, biased experts, windows
     .venv/bin/python benchmarks/bench_model_runner.py --glm4-moe  # GLM-4.5: sigmoid routing, shared expert
     .venv/bin/python benchmarks/bench_model_runner.py --deepseek-v3  # DeepSeek-V3: MLA, sigmoid routing
+    .venv/bin/python benchmarks/bench_model_runner.py --minimax-m2  # MiniMax-M2: whole-projection q/k norms
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -34,6 +35,9 @@ routed experts of half SmolLM2's MLP width in 2 groups, one kept, chosen by sigm
 experts, and multi-head latent attention (9 heads, a 256-value latent plus 32 rotary values, 64 + 32
 query/key values and 64 value values a head, queries through a 384-value bottleneck): HF expands
 every head's keys and values from its cached latent at each step; ours attends over the latent.
+With --minimax-m2, as a MiniMax-M2 model (64-wide heads, RoPE over half of each, queries and keys
+normed over their whole projections, then --experts (8 by default) routed experts of half SmolLM2's
+MLP width in every layer, chosen by sigmoid scores through a correction bias).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ from transformers import (
     GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MiniMaxM2Config,
+    MiniMaxM2ForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen3MoeConfig,
@@ -175,6 +181,8 @@ def main() -> None:
                     help="run the random model as GLM-4.5 (sigmoid-routed experts in groups, a shared expert)")
     ap.add_argument("--deepseek-v3", action="store_true",
                     help="run the random model as DeepSeek-V3 (multi-head latent attention, sigmoid-routed experts)")
+    ap.add_argument("--minimax-m2", action="store_true",
+                    help="run the random model as MiniMax-M2 (whole-projection q/k norms, sigmoid-routed experts)")
     ap.add_argument("--gemma2", action="store_true",
                     help="run the random model as Gemma 2 (soft caps, windowed even layers)")
     args = ap.parse_args()
@@ -231,6 +239,18 @@ def main() -> None:
         hf = DeepseekV3ForCausalLM(DeepseekV3Config(**shapes)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(shapes)
         weights = iter(hf.state_dict().items())
+    elif args.model == "random" and args.minimax_m2:
+        shapes = {**SMOLLM2_135M, "architectures": ["MiniMaxM2ForCausalLM"], "head_dim": 64,
+                  "num_local_experts": args.experts or 8, "num_experts_per_tok": args.experts_per_token,
+                  "intermediate_size": SMOLLM2_135M["intermediate_size"] // 2, "rotary_dim": 32,
+                  "rope_theta": SMOLLM2_135M["rope_theta"]}
+        hf = MiniMaxM2ForCausalLM(MiniMaxM2Config(**shapes)).to(device=device, dtype=dtype).eval()
+        with torch.no_grad():  # (the router's correction bias: zero at first, of the scores' order)
+            for name, buffer in hf.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.3)
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.gemma2:
         shapes = {**SMOLLM2_135M, "architectures": ["Gemma2ForCausalLM"], "head_dim": 64,
                   "query_pre_attn_scalar": 64, "sliding_window": args.sliding_window or 4096,
@@ -262,7 +282,8 @@ def main() -> None:
     max_batch = max(args.batch_sizes)
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
-    kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3}
+    kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
+             "minimax-m2": args.minimax_m2}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "
