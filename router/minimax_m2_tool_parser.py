@@ -25,10 +25,10 @@ import json
 from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
-from router.tool_parsers import ContentWithHeldBlanks, ToolCallParser, tool_properties
+from router.tool_parsers import SteppedToolCallParser, tool_properties
 
 
-class MiniMaxM2ToolCallParser(ToolCallParser):
+class MiniMaxM2ToolCallParser(SteppedToolCallParser):
     free_form = True
 
     START, END = "<minimax:tool_call>", "</minimax:tool_call>"
@@ -38,20 +38,11 @@ class MiniMaxM2ToolCallParser(ToolCallParser):
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__()
         self._properties = tool_properties(tools)
-        self._pending = ""
-        self._content = ContentWithHeldBlanks()
         self._state = "content"  # content (before the first block), block (in one), between (after one)
         self._held = ""  # a block's text while it has no call (content, should it end with none)
-        # In a block: where the current call starts (-1: not found yet), and how much of the pending
-        # text was searched without finding what ends it (the pending text only grows meanwhile).
-        self._invoke_at, self._searched = -1, 0
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._pending += text
-        out = ParsedDelta()
-        while self._step(out):
-            pass
-        return out
+        # In a block: where the current call starts (-1: not found yet); _searched: how much of the
+        # pending text was searched without finding what ends it (the pending text only grows meanwhile).
+        self._invoke_at = -1
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
@@ -67,16 +58,16 @@ class MiniMaxM2ToolCallParser(ToolCallParser):
 
     def _step(self, out: ParsedDelta) -> bool:
         text = self._pending
-        if self._state in ("content", "between"):
+        if self._state == "content":
+            if not self._content_until(self.START, out):
+                return False
+            self._held, self._state = self.START, "block"
+            return True
+        if self._state == "between":  # (text between blocks is not content)
             at = text.find(self.START)
             if at < 0:
-                keep = partial_suffix(text, self.START)
-                if self._state == "content":
-                    self._content.add(text[:len(text) - keep], out)
-                self._pending = text[len(text) - keep:]
+                self._pending = text[len(text) - partial_suffix(text, self.START):]
                 return False
-            if self._state == "content":
-                self._content.add(text[:at], out)
             self._pending, self._held, self._state = text[at + len(self.START):], self.START, "block"
             return True
         # In a block: the next complete call, or the block's end (a call it cuts off is none).
