@@ -101,11 +101,12 @@ class DraftModel:
         self.runner.initialize_kv_cache(num_blocks, block_size, num_offload_blocks)
 
     def after_pass(self, inputs: PassInputs, hidden: torch.Tensor | None, states: list[RequestState],
-                   sample_rows: list[int], sampled: list[list[int]], block_table: BlockTable) -> dict[str, list[int]]:
+                   sample_rows: list[int], block_table: BlockTable) -> dict[str, list[int]]:
         """Every rank, after the target's pass (``inputs``: the pass's ``states``, in its order, and
-        their ``hidden`` states; ``sampled``: each request's new tokens, on the sampling rank): the
-        drafts of the requests at ``sample_rows``. The draft model repeats the pass, then proposes."""
-        del hidden, sampled  # (it reads the token lists only)
+        their ``hidden`` states, given where ``reads_hidden_states``; the sampling rank's token lists
+        end with the tokens it kept and sampled): the drafts of the requests at ``sample_rows``. The
+        draft model repeats the pass, then proposes."""
+        del hidden  # (it reads the token lists only)
         self.mirror(inputs)
         return self.proposals([states[i] for i in sample_rows], block_table) if sample_rows else {}
 

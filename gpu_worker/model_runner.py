@@ -496,7 +496,7 @@ class ModelRunner:
             target_hidden = hidden if self.drafter.reads_hidden_states else None
             hidden = logits = rows = None
             inputs, self._pass_inputs = self._pass_inputs, None
-            draft_token_ids = self.drafter.after_pass(inputs, target_hidden, states, sample_rows, sampled,
+            draft_token_ids = self.drafter.after_pass(inputs, target_hidden, states, sample_rows,
                                                       self.requests.block_table) or None
         return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
                                  sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,

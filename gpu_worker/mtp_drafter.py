@@ -41,7 +41,7 @@ class MtpDrafter(DraftModel):
     reads_hidden_states = True
 
     def after_pass(self, inputs: PassInputs, hidden: torch.Tensor | None, states: list[RequestState],
-                   sample_rows: list[int], sampled: list[list[int]], block_table: BlockTable) -> dict[str, list[int]]:
+                   sample_rows: list[int], block_table: BlockTable) -> dict[str, list[int]]:
         assert hidden is not None
         runner, device = self.runner, self.runner.device
         qsl, starts = inputs.query_start_loc, inputs.starts
