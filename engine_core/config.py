@@ -486,7 +486,6 @@ class EngineConfig:
                          "speculative_config.draft_tensor_parallel_size",
                          f"unset or the target's tensor_parallel_size ({self.tensor_parallel_size}): the drafter "
                          "shards over the same workers", spec.draft_tensor_parallel_size)
-            if spec is not None and spec.proposes_in_workers:
                 _require(not self.enable_prompt_embeds, "enable_prompt_embeds",
                          f"off with speculative method {spec.method} (its drafter reads token ids, not the "
                          "prompt's embeddings)", self.enable_prompt_embeds)
