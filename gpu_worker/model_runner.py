@@ -46,7 +46,7 @@ from gpu_worker.quantized_checkpoint import dequantized_weights
 from gpu_worker.rejection_sampler import rejection_sample, rejection_sample_with_logits
 from gpu_worker.request_state import RequestState, RequestStateAtDraft, RequestStates, reads_earlier_tokens
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata, grammar_masked, token_logprobs
-from gpu_worker.weights import iter_safetensors, load_weights
+from gpu_worker.weights import iter_safetensors, load_weights, read_by
 
 
 @contextmanager
@@ -204,10 +204,7 @@ class ModelRunner:
         """A new model with the checkpoint's weights, in eval mode."""
         with torch.device(self.device), _default_dtype(self.dtype):
             model = build_model(self.config)
-        source = iter_safetensors(weights) if isinstance(weights, (str, Path)) else weights
-        if (reads := getattr(model, "reads_checkpoint_tensor", None)) is not None:
-            # (Before dequantizing: GPTQ / AWQ unpack every tensor they are given.)
-            source = ((name, tensor) for name, tensor in source if reads(name))
+        source = read_by(model, iter_safetensors(weights) if isinstance(weights, (str, Path)) else weights)
         if self.config.quantization is not None:  # (quantized weights: the model's dtype from here on)
             source = dequantized_weights(source, self.config.quantization, self.config.quantization_config,
                                          self.config.fp8_weight_block)

@@ -180,6 +180,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]],
         raise ValueError(f"checkpoint did not provide: {missing}")
 
 
+def read_by(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) -> Iterable[tuple[str, WeightLike]]:
+    """The checkpoint's tensors ``model`` reads: those its ``reads_checkpoint_tensor`` keeps, where
+    it has one (applied before any dequantization: GPTQ / AWQ unpack every tensor they are given)."""
+    reads = getattr(model, "reads_checkpoint_tensor", None)
+    return weights if reads is None else ((name, tensor) for name, tensor in weights if reads(name))
+
+
 def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
     with torch.no_grad():
-        load_weights(model, iter_safetensors(model_dir))
+        load_weights(model, read_by(model, iter_safetensors(model_dir)))

@@ -26,7 +26,7 @@ import json
 from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
-from router.tool_parsers import SteppedToolCallParser, python_literal, tool_properties
+from router.tool_parsers import SteppedToolCallParser, json_safe, python_literal, tool_properties
 
 
 def glm45_value(raw: str, schema: Any) -> Any:
@@ -40,11 +40,7 @@ def glm45_value(raw: str, schema: Any) -> Any:
         value = json.loads(text)
     except (ValueError, RecursionError):
         value = python_literal(text, text)
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        return text
-    return value
+    return json_safe(value, text)
 
 
 class Glm45ToolCallParser(SteppedToolCallParser):
@@ -82,10 +78,8 @@ class Glm45ToolCallParser(SteppedToolCallParser):
             self._value_text(rest[:len(rest) - max(partial_suffix(rest, t) for t in (self.VALUE_END, self.END))],
                              True, out)
         if state in ("named", "body", "key", "before_value", "value"):
-            self._close(out)
-        if not self.calls:  # a blank answer is still the answer; blanks around calls are not content
-            out.content += self._content.blank
-        self._content.drop()
+            self._close_call(out)
+        self._end_content(out)
         self._pending, self._block, self._state = "", "", "content"
         return out
 
@@ -152,7 +146,7 @@ class Glm45ToolCallParser(SteppedToolCallParser):
             self._pending = text[at + len(tag):] if tag == self.VALUE_END else text[at:]
             self._state = "body"
         elif tag == self.END:  # the block ends (a key it named without a value is dropped)
-            self._close(out)
+            self._close_call(out)
             self._pending, self._state = text[at + len(tag):], "content"
         elif state == "key":
             self._key, self._pending, self._state = text[:at].strip(), text[at + len(tag):], "before_value"
@@ -189,9 +183,6 @@ class Glm45ToolCallParser(SteppedToolCallParser):
         self._pair_start(out)
         value = glm45_value(raw, self._call_properties.get(self._key))
         out.tool_calls[-1]["function"]["arguments"] += json.dumps(value, ensure_ascii=False)
-
-    def _close(self, out: ParsedDelta) -> None:
-        out.tool_calls.append({"index": self.calls - 1, "function": {"arguments": "}"}})
 
 
 def _is_string(schema: Any) -> bool:

@@ -50,9 +50,7 @@ class MiniMaxM2ToolCallParser(SteppedToolCallParser):
             self._content.add(self._pending, out)
         elif self._state == "block" and not self.calls:  # a block cut off without a call: text
             self._content.add(self._held + self._pending, out)
-        if not self.calls:
-            out.content += self._content.blank
-        self._content.drop()
+        self._end_content(out)
         self._pending, self._held, self._state = "", "", "content"
         return out
 

@@ -66,9 +66,7 @@ class SectionedToolCallParser(SteppedToolCallParser):
             keep = max(partial_suffix(self._pending, t) for t in self._tags("arguments"))
             self._args += self._pending[:len(self._pending) - keep]
             self._end_call(out)
-        if not self.calls:  # a blank answer is still the answer; blanks around calls are not content
-            out.content += self._content.blank
-        self._content.drop()
+        self._end_content(out)
         self._pending, self._state = "", "content"
         return out
 

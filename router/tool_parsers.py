@@ -116,6 +116,16 @@ class SteppedToolCallParser(ToolCallParser):
         """Consume what the pending text decides: True when there may be more to read now."""
         raise NotImplementedError
 
+    def _close_call(self, out: ParsedDelta) -> None:
+        """The current call's arguments object closed."""
+        out.tool_calls.append({"index": self.calls - 1, "function": {"arguments": "}"}})
+
+    def _end_content(self, out: ParsedDelta) -> None:
+        """At the answer's end: a blank answer is still the answer; blanks around calls are not content."""
+        if not self.calls:
+            out.content += self._content.blank
+        self._content.drop()
+
 
 class ContentWithHeldBlanks:
     """Content released but its trailing blanks, which wait for what follows: dropped before a
@@ -786,9 +796,7 @@ class Qwen3CoderToolCallParser(SteppedToolCallParser):
             self._release_parameter(rest[:len(rest) - max(partial_suffix(rest, tag) for tag in tags)], out)
         if state in ("body", "key", "value"):
             self._close_call(out)
-        if not self.calls:  # a blank answer is still the answer; blanks around calls are not content
-            out.content += self._content.blank
-        self._content.drop()
+        self._end_content(out)
         self._pending, self._block, self._state = "", "", "content"
         return out
 
@@ -873,9 +881,6 @@ class Qwen3CoderToolCallParser(SteppedToolCallParser):
         out.tool_calls.append({"index": self.calls - 1,
                                "function": {"arguments": ", " + pair if self._keys else pair}})
         self._keys += 1
-
-    def _close_call(self, out: ParsedDelta) -> None:
-        out.tool_calls.append({"index": self.calls - 1, "function": {"arguments": "}"}})
 
 
 def tool_properties(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
@@ -962,10 +967,15 @@ def qwen3_coder_value(raw: str, schema: Any) -> Any:
         value = python_literal(raw, raw)
         if container and isinstance(value, str):
             value = python_literal(value, value)
+    return json_safe(value, raw)
+
+
+def json_safe(value: Any, otherwise: Any) -> Any:
+    """``value`` where JSON can carry it, else ``otherwise`` (NaN, a set, nesting too deep)."""
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError, RecursionError):
-        return raw
+        return otherwise
     return value
 
 

@@ -44,8 +44,7 @@ from gpu_worker.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
-    is_mtp_layer_tensor,
-    without_mtp_layers,
+    SkipsMtpLayers,
 )
 
 
@@ -110,21 +109,15 @@ def _halves_order(width: int) -> torch.Tensor:
     return torch.cat((torch.arange(0, width, 2), torch.arange(1, width, 2)))
 
 
-class DeepseekV2ForCausalLM(LlamaForCausalLM):
+class DeepseekV2ForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
     model_class = DeepseekModel
     # (No fused q/k/v: only the MLPs' gate and up are loaded into one projection.)
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        """The MTP layers left out, and (``rope_interleave``) the rotary rows of the query and latent
-        projections reordered from pairs into halves."""
-        # (Other pipeline stages' layers are not read, so not reordered.)
-        return rotary_rows_in_halves(self.config, without_mtp_layers(weights, self.config.num_hidden_layers),
-                                     self.pp_missing_prefixes)
-
-    def reads_checkpoint_tensor(self, name: str) -> bool:
-        """Not the MTP layers' (not even dequantized: speculative decoding's drafter reads them)."""
-        return not is_mtp_layer_tensor(name, self.config.num_hidden_layers)
+        """(``rope_interleave``) the rotary rows of the query and latent projections reordered from
+        pairs into halves (other pipeline stages' layers are not read, so not reordered)."""
+        return rotary_rows_in_halves(self.config, weights, self.pp_missing_prefixes)
 
     def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
         """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""

@@ -460,33 +460,29 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     shared expert in the sparse layers, dense MLPs in ``mlp_only_layers``."""
 
 
-class Glm4MoeForCausalLM(LlamaForCausalLM):
-    """GLM-4.5 / 4.6 / 4.7 and GLM-4.5-Air: the Llama block with q/k/v biases, RoPE over half of each
-    head, optional q/k norms, dense MLPs in the first layers and then routed experts beside ungated
-    shared ones, chosen by sigmoid scores through a correction bias (SparseMoeBlock). The checkpoint
-    holds its multi-token-prediction layers after the last decoder layer
-    (``model.layers.{num_hidden_layers}...``): not served, so not read."""
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        return without_mtp_layers(weights, self.config.num_hidden_layers)
-
-    def reads_checkpoint_tensor(self, name: str) -> bool:
-        """Not the MTP layers' (not even dequantized: speculative decoding's drafter reads them)."""
-        return not is_mtp_layer_tensor(name, self.config.num_hidden_layers)
-
-
 def is_mtp_layer_tensor(name: str, num_layers: int) -> bool:
-    """Whether a GLM-4.5 or DeepSeek-V3 checkpoint tensor is a multi-token-prediction layer's (those
-    are numbered from ``num_layers`` on)."""
+    """Whether a checkpoint tensor is a multi-token-prediction layer's (numbered from ``num_layers``
+    on, after the decoder's)."""
     parts = name.split(".")
     index = parts.index("layers") + 1 if "layers" in parts else 0
     return bool(index) and index < len(parts) and parts[index].isdigit() and int(parts[index]) >= num_layers
 
 
-def without_mtp_layers(weights: Iterable[tuple[str, WeightLike]], num_layers: int
-                       ) -> Iterator[tuple[str, WeightLike]]:
-    """GLM-4.5's and DeepSeek-V3's checkpoints without their multi-token-prediction layers."""
-    return ((name, tensor) for name, tensor in weights if not is_mtp_layer_tensor(name, num_layers))
+class SkipsMtpLayers:
+    """A model whose checkpoints hold multi-token-prediction layers after its decoder's (GLM-4.5,
+    DeepSeek-V3, MiniMax-M2): it does not read them (weights.read_by; speculative decoding's mtp
+    drafter reads GLM's and DeepSeek's first, gpu_worker/models/mtp.py)."""
+
+    config: ModelConfig
+
+    def reads_checkpoint_tensor(self, name: str) -> bool:
+        return not is_mtp_layer_tensor(name, self.config.num_hidden_layers)
+
+
+class Glm4MoeForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
+    """GLM-4.5 / 4.6 / 4.7 and GLM-4.5-Air: the Llama block with q/k/v biases, RoPE over half of each
+    head, optional q/k norms, dense MLPs in the first layers and then routed experts beside ungated
+    shared ones, chosen by sigmoid scores through a correction bias (SparseMoeBlock)."""
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -12,18 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.llama import is_mtp_layer_tensor, without_mtp_layers
+from gpu_worker.models.llama import SkipsMtpLayers
 from gpu_worker.models.olmo2 import OlmoeForCausalLM
 
 
-class MiniMaxM2ForCausalLM(OlmoeForCausalLM):
+class MiniMaxM2ForCausalLM(SkipsMtpLayers, OlmoeForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        for name, tensor in without_mtp_layers(weights, self.config.num_hidden_layers):
+        for name, tensor in weights:
             # (As released, and as transformers 5 names the bias.)
             for theirs in (".block_sparse_moe.e_score_correction_bias", ".mlp.e_score_correction_bias"):
                 name = name.replace(theirs, ".mlp.gate.e_score_correction_bias")
             yield name.replace(".block_sparse_moe.", ".mlp."), tensor
-
-    def reads_checkpoint_tensor(self, name: str) -> bool:
-        """Not the MTP layers' (not even dequantized)."""
-        return not is_mtp_layer_tensor(name, self.config.num_hidden_layers)

@@ -84,15 +84,15 @@ class MtpForCausalLM(nn.Module):
         return name.startswith(f"model.layers.{self.index}.") and not any(part in name for part in _SHARED_WITH_TARGET)
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        """The first MTP layer's tensors, without its copies of the embedding and the head."""
-        prefix = f"model.layers.{self.index}."
+        """The tensors read (reads_checkpoint_tensor: the first MTP layer's own); ValueError at the end
+        when there were none."""
         found = False
         for name, tensor in weights:
-            if self.reads_checkpoint_tensor(name):
-                found = True
-                yield name, tensor
+            found = True
+            yield name, tensor
         if not found:  # (a re-saved or quantized copy may leave it out, and its config not say so)
-            raise ValueError(f"the checkpoint holds no multi-token-prediction layer ({prefix}*), though its config "
+            raise ValueError(f"the checkpoint holds no multi-token-prediction layer (model.layers.{self.index}.*), "
+                             "though its config "
                              f"names {self.config.num_mtp_layers} (num_nextn_predict_layers): speculative method "
                              "mtp needs the checkpoint as released")
 
