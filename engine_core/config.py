@@ -54,7 +54,9 @@ def _require(condition: bool, flag: str, allowed: str, value: object) -> None:
 
 
 # The drafters speculative decoding has (SpeculativeConfig.method).
-SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
+# The methods whose drafter is a checkpoint of its own (``model``): a draft model, an EAGLE head.
+DRAFT_CHECKPOINT_METHODS = ("draft_model", "eagle", "eagle3")
 # vLLM's older names of the mtp method, by model family.
 MTP_METHOD_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
 
@@ -202,7 +204,10 @@ class SpeculativeConfig:
       block table as the target, with a cache of its own;
     - ``mtp``: the model's own multi-token-prediction layer (DeepSeek-V3 / R1, GLM-4.5 and later,
       whose checkpoints hold one), fed the target's last hidden states, proposes each draft token
-      greedily (gpu_worker.mtp_drafter); also on the target's workers, with a one-layer cache."""
+      greedily (gpu_worker.hidden_state_drafter); also on the target's workers, with a one-layer cache;
+    - ``eagle`` / ``eagle3``: an EAGLE or EAGLE-3 head trained for the target (``model``: its
+      directory), fed the target's last hidden state (EAGLE) or three inner ones (EAGLE-3), drafting
+      as the MTP layer does (gpu_worker.eagle_config, gpu_worker.models.eagle)."""
 
     method: str = "ngram"
     # Required, as in vLLM: drafts per request per pass.
@@ -230,11 +235,13 @@ class SpeculativeConfig:
                      or (type(self.draft_tensor_parallel_size) is int and self.draft_tensor_parallel_size >= 1),
                      "speculative_config.draft_tensor_parallel_size", "None or >= 1",
                      self.draft_tensor_parallel_size)
-        if self.method == "draft_model":
+        if self.method in DRAFT_CHECKPOINT_METHODS:
+            what = ("the draft model (a model name, directory or .gguf)" if self.method == "draft_model"
+                    else "the EAGLE head (a model name or directory)")
             _require(isinstance(self.model, str) and self.model.strip() != "", "speculative_config.model",
-                     "the draft model (a model name, directory or .gguf) with method draft_model", self.model)
+                     f"{what} with method {self.method}", self.model)
             _require(self.prompt_lookup_min is None and self.prompt_lookup_max is None,
-                     "speculative_config.prompt_lookup_min", "unset with method draft_model (ngram's)",
+                     "speculative_config.prompt_lookup_min", f"unset with method {self.method} (ngram's)",
                      self.prompt_lookup_min if self.prompt_lookup_min is not None else self.prompt_lookup_max)
             return
         if self.method == "mtp":
@@ -261,13 +268,14 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        """Whether the drafter is a checkpoint of its own (a draft model, an EAGLE head: ``model``)."""
+        return self.method in DRAFT_CHECKPOINT_METHODS
 
     @property
     def proposes_in_workers(self) -> bool:
-        """Whether the drafts come from the workers, after each pass (a draft model, the MTP layer),
-        rather than from the engine's token ids (n-gram)."""
-        return self.method in ("draft_model", "mtp")
+        """Whether the drafts come from the workers, after each pass (a draft model, the MTP layer,
+        an EAGLE head), rather than from the engine's token ids (n-gram)."""
+        return self.method != "ngram"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SpeculativeConfig | None:

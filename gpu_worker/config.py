@@ -11,7 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,6 +52,9 @@ from gpu_worker.vision_config import (
     vision_config_from_dict,
     with_full_text_config,
 )
+
+if TYPE_CHECKING:
+    from gpu_worker.eagle_config import EagleHead
 
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -921,8 +924,11 @@ class ModelConfig:
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     # GLM-4.5's and DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), held in the
-    # checkpoint after the decoder's: speculative decoding's mtp drafter (gpu_worker.mtp_drafter).
+    # checkpoint after the decoder's: speculative decoding's mtp drafter (gpu_worker.hidden_state_drafter).
     num_mtp_layers: int = 0
+    # Speculative decoding's EAGLE / EAGLE-3 draft head (gpu_worker.eagle_config): its own settings,
+    # where this config is such a head's; None for every served model.
+    eagle: EagleHead | None = None
     # GPT-OSS: a bias on the router and on every expert's projections, and the experts' clamped SwiGLU
     # ("swigluoai", gpu_worker.layers.fused_moe.swiglu_oai) with its gain and clamp.
     moe_bias: bool = False

@@ -28,6 +28,7 @@ from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from engine_core.tokenizer_files import read_image_processor_config
 from gpu_worker.config import ModelConfig, check_dtype_supported, parse_dtype
+from gpu_worker.eagle_config import EAGLE_METHODS, eagle_head_config
 from gpu_worker.model_resolver import (
     DtypeRule,
     check_model_reference,
@@ -87,6 +88,7 @@ def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, 
         "logits_processors": load_logits_processors(config.logits_processors)
         if config.speculative_config is None else (),
         "draft_model": draft_model_reference(config),
+        "draft_method": config.speculative_config.method if config.speculative_config else "draft_model",
         "mtp_drafter": config.speculative_config is not None and config.speculative_config.method == "mtp",
         "kv_offloading_bytes": config.kv_offloading_bytes_per_rank(),
         "pp_layer_partition": config.pp_layer_partition if config.pipeline_parallel_size > 1 else None,
@@ -94,8 +96,8 @@ def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, 
 
 
 def draft_model_reference(config: EngineConfig) -> str | None:
-    """Speculative decoding's draft model (method draft_model) as the engine was given it, or None;
-    each worker resolves it on its own node (a GGUF converted there)."""
+    """Speculative decoding's draft model or EAGLE head (methods draft_model, eagle, eagle3) as the
+    engine was given it, or None; each worker resolves it on its own node (a GGUF converted there)."""
     spec = config.speculative_config
     if spec is None or not spec.uses_draft_model:
         return None
@@ -154,10 +156,16 @@ class _ExecutorBase(Executor):
             raise ValueError(f"engine {config.engine_index}: a pooling model generates nothing, so it takes no "
                              f"drafter (--speculative-config method {spec.method})")
         if draft is not None:
-            check_model_reference(draft)  # (what the workers would refuse, found before they start)
+            # (What the workers would refuse, found before they start; an EAGLE head has no tokenizer.)
+            check_model_reference(draft, needs_tokenizer=spec is not None and spec.method == "draft_model")
         if spec is not None and spec.method == "mtp":
             try:
                 mtp_config(self.model_config)
+            except ValueError as e:
+                raise ValueError(f"engine {config.engine_index}: {e}") from None
+        if draft is not None and spec is not None and spec.method in EAGLE_METHODS:
+            try:  # (the head is read where the engine runs, as the workers will read it)
+                eagle_head_config(draft, spec.method, self.model_config)
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
         pp = config.pipeline_parallel_size

@@ -47,11 +47,12 @@ class ResolvedModel:
     gguf_path: Path | None = None
 
 
-def check_model_reference(model: str, tokenizer: str | None = None) -> None:
+def check_model_reference(model: str, tokenizer: str | None = None, needs_tokenizer: bool = True) -> None:
     """What ``resolve_model`` would refuse, found without loading or converting anything (the CLI
     checks a local model before starting Ray, so a typo is one line, not a dead engine actor); with
-    ``tokenizer`` (--tokenizer), that directory's too."""
-    _locate(model, has_tokenizer=tokenizer is not None)
+    ``tokenizer`` (--tokenizer), that directory's too. ``needs_tokenizer`` false: a directory that
+    is read for its weights alone (an EAGLE head) needs no tokenizer files."""
+    _locate(model, has_tokenizer=tokenizer is not None or not needs_tokenizer)
     if tokenizer is not None:
         check_tokenizer_dir(tokenizer)
 
@@ -180,8 +181,8 @@ def _from_gguf(
 
 def _missing_hf_files(path: Path, need_tokenizer: bool = True) -> list[str]:
     missing = []
-    if not any(path.glob("*.safetensors")):
-        missing.append("*.safetensors weights")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        missing.append("*.safetensors (or pytorch_model.bin) weights")
     if need_tokenizer and not any((path / name).is_file() for name in _TOKENIZER_FILES):
         missing.append(f"tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
     return missing

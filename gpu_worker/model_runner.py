@@ -31,6 +31,7 @@ from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.distributed import get_tp_rank
 from gpu_worker.draft_model import DraftModel, PassInputs
 from gpu_worker.encoder_metadata import EncoderMetadata
+from gpu_worker.hidden_state_drafter import HiddenStateDrafter
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache, copy_kv_blocks
 from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
@@ -38,15 +39,15 @@ from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 from gpu_worker.lora.layers import LORA_BASE
 from gpu_worker.lora.manager import LoRAManager
 from gpu_worker.models import build_model
+from gpu_worker.models.llama import LlamaModel
 from gpu_worker.models.mtp import mtp_config
 from gpu_worker.mrope import mrope_positions, pass_positions
-from gpu_worker.mtp_drafter import MtpDrafter
 from gpu_worker.pooler_config import DENSE_ACTIVATIONS, PER_TOKEN_POOLING, DenseProjection, load_dense_weights
 from gpu_worker.quantized_checkpoint import dequantized_weights
 from gpu_worker.rejection_sampler import rejection_sample, rejection_sample_with_logits
 from gpu_worker.request_state import RequestState, RequestStateAtDraft, RequestStates, reads_earlier_tokens
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata, grammar_masked, token_logprobs
-from gpu_worker.weights import iter_safetensors, load_weights, read_by
+from gpu_worker.weights import iter_checkpoint, load_weights, read_by
 
 
 @contextmanager
@@ -109,8 +110,9 @@ class ModelRunner:
         self.sampler = Sampler(logprobs_mode)
         # Custom logits processors (--logits-processors); None: the engine runs none.
         self.logits_processors = logits_processors
-        # Speculative decoding's draft model or MTP layer (methods draft_model, mtp; set by
-        # load_draft_model, load_mtp_drafter), and the last pass's inputs, which it follows.
+        # Speculative decoding's draft model, MTP layer or EAGLE head (methods draft_model, mtp,
+        # eagle / eagle3; set by load_draft_model, load_mtp_drafter, load_eagle_drafter), and the last
+        # pass's inputs, which it follows.
         self.drafter: DraftModel | None = None
         self._pass_inputs: PassInputs | None = None
         # KV offloading: the host-memory tier's blocks (each layer's K and V, as the cache's).
@@ -198,13 +200,47 @@ class ModelRunner:
         runner.load_model(weights)
         runner.model.share_with(self.model)
         # (On waking from sleep level 2 its layer is read again from the target's weights.)
-        self.drafter = MtpDrafter(runner, num_speculative_tokens, self.max_model_len, self.config.eos_token_ids)
+        self.drafter = HiddenStateDrafter(runner, num_speculative_tokens, self.max_model_len,
+                                          self.config.eos_token_ids)
+
+    def load_eagle_drafter(self, config: ModelConfig, weights: WeightSource, num_speculative_tokens: int) -> None:
+        """Speculative decoding's EAGLE or EAGLE-3 head (methods eagle, eagle3: ``config`` as
+        gpu_worker.eagle_config.eagle_head_config reads it, ``weights`` its checkpoint), on this
+        runner's device, dtype and KV cache dtype, with the model's embedding (and LM head);
+        ValueError when it cannot propose for this model."""
+        if self.model is None:
+            raise RuntimeError("load_model() must come before load_eagle_drafter()")
+        if config.eagle is None:
+            raise ValueError(f"{config.architecture} is not an EAGLE head's config")
+        if self.config.vision is not None:
+            raise ValueError("an EAGLE head proposes for a text decoder here; serve the vision-language model "
+                             "text-only (--limit-mm-per-prompt '{\"image\": 0, \"video\": 0}') or use n-gram "
+                             "speculative decoding")
+        stack = None
+        if config.eagle.aux_layer_ids:
+            stack = getattr(self.model, "model", None)
+            if not isinstance(stack, LlamaModel):
+                raise ValueError(f"an EAGLE-3 head reads the target's inner hidden states, which "
+                                 f"{self.config.architecture} does not give here: use method eagle, draft_model "
+                                 "or ngram")
+        runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.max_num_seqs,
+                             self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype)
+        runner.decode_query_max = self.decode_query_max  # (it follows the target's passes)
+        drafter = HiddenStateDrafter(runner, num_speculative_tokens, self.max_model_len, self.config.eos_token_ids)
+        runner.load_model(weights)
+        drafter.check_pairs_with(self, loaded=True)
+        runner.model.share_with(self.model)
+        drafter.weights = weights  # (read again on waking from sleep level 2)
+        if stack is not None:  # (only once it loaded: until then the target keeps no inner states)
+            drafter.target_stack = stack
+            stack.aux_layer_ids = tuple(runner.model.aux_layer_ids)
+        self.drafter = drafter
 
     def _loaded_model(self, weights: WeightSource) -> nn.Module:
         """A new model with the checkpoint's weights, in eval mode."""
         with torch.device(self.device), _default_dtype(self.dtype):
             model = build_model(self.config)
-        source = read_by(model, iter_safetensors(weights) if isinstance(weights, (str, Path)) else weights)
+        source = read_by(model, iter_checkpoint(weights) if isinstance(weights, (str, Path)) else weights)
         if self.config.quantization is not None:  # (quantized weights: the model's dtype from here on)
             source = dequantized_weights(source, self.config.quantization, self.config.quantization_config,
                                          self.config.fp8_weight_block)

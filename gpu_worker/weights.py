@@ -3,7 +3,7 @@
 Two entry points:
 * ``iter_safetensors(model_dir)`` yields ``(hf_name, LazyTensor)`` from ``*.safetensors`` (sharded
   checkpoints through ``model.safetensors.index.json``); a ``LazyTensor`` reads only the rows or
-  columns a rank asks for.
+  columns a rank asks for. ``iter_checkpoint`` also reads older ``pytorch_model.bin`` files.
 * ``load_weights(model, weights)`` takes any iterable of ``(hf_name, tensor)`` pairs, so a converter
   producing HF-named ``torch.Tensor`` objects (e.g. from GGUF) reuses the same sharding logic.
 """
@@ -59,6 +59,25 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, LazyTensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 yield name, LazyTensor(f.get_slice(name))
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, WeightLike]]:
+    """A checkpoint's tensors: its safetensors files (lazily), or where it has none its older
+    PyTorch files (``pytorch_model.bin``, or the shards its index names: memory-mapped, read as
+    plain tensors only, never as pickled code), as the EAGLE authors' heads are saved."""
+    model_dir = Path(model_dir)
+    if any(model_dir.glob("*.safetensors")):
+        yield from iter_safetensors(model_dir)
+        return
+    index = model_dir / "pytorch_model.bin.index.json"
+    if index.exists():
+        files = sorted({model_dir / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(model_dir.glob("pytorch_model*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model.bin files in {model_dir}")
+    for path in files:
+        yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
 
 
 # One expert's projection in a checkpoint (Qwen-MoE's names, and Mixtral's w1/w3/w2), stored in our
@@ -189,4 +208,4 @@ def read_by(model: nn.Module, weights: Iterable[tuple[str, WeightLike]]) -> Iter
 
 def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
     with torch.no_grad():
-        load_weights(model, read_by(model, iter_safetensors(model_dir)))
+        load_weights(model, read_by(model, iter_checkpoint(model_dir)))

@@ -27,6 +27,7 @@ from gpu_worker.config import (
     parse_dtype,
     with_overrides,
 )
+from gpu_worker.eagle_config import EAGLE_METHODS, eagle_head_config
 from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.logits_processor_batch import LogitsProcessorBatch
@@ -104,7 +105,8 @@ class Worker:
                  logprobs_mode: str = "raw_logprobs", pipeline_parallel_size: int = 1,
                  pp_layer_partition: tuple[int, ...] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None, language_model_only: bool = False,
-                 videos_refused: bool = False, mtp_drafter: bool = False) -> None:
+                 videos_refused: bool = False, mtp_drafter: bool = False,
+                 draft_method: str = "draft_model") -> None:
         # ``rank``: over every stage's ranks (stage rank // world_size); ``world_size``: the
         # tensor-parallel ranks of one stage.
         self.rank = rank
@@ -157,11 +159,18 @@ class Worker:
         self.logprobs_mode = logprobs_mode
         # Custom logits processors (classes or qualified names), beside those of installed entry points.
         self.logits_processors = tuple(logits_processors)
-        # Speculative decoding's draft model (method draft_model): its directory and config; it
-        # proposes num_spec_tokens tokens a pass.
+        # Speculative decoding's draft model or EAGLE head (``draft_method`` draft_model, eagle or
+        # eagle3): its directory and config; it proposes num_spec_tokens tokens a pass.
+        self.draft_method = draft_method
         self.draft_model_dir = None if draft_model is None else local_model_dir(draft_model, dtype=self.dtype)
-        self.draft_config = (None if self.draft_model_dir is None
-                             else ModelConfig.from_pretrained(self.draft_model_dir, None, tokenizer))
+        if self.draft_model_dir is None:
+            self.draft_config = None
+        elif draft_method in EAGLE_METHODS:
+            self.draft_config = eagle_head_config(self.draft_model_dir, draft_method, self.model_config)
+        elif draft_method == "draft_model":
+            self.draft_config = ModelConfig.from_pretrained(self.draft_model_dir, None, tokenizer)
+        else:
+            raise ValueError(f"draft_method must be draft_model, eagle or eagle3, got {draft_method!r}")
         if self.draft_config is not None:
             check_dtype_supported(self.dtype, self.draft_config)  # (the draft model runs in the target's dtype)
         if self.draft_config is not None and not num_spec_tokens:
@@ -200,7 +209,7 @@ class Worker:
         if self.pipeline_parallel_size > 1:
             refusal = pipeline_refusal(self.model_config, self.pipeline_parallel_size)
             if refusal is None and (self.draft_config is not None or self.mtp_config is not None):
-                refusal = "pipeline parallelism takes no draft model or MTP drafter"
+                refusal = "pipeline parallelism takes no draft model, EAGLE head or MTP drafter"
             if refusal is not None:
                 raise ValueError(refusal)
         self.runner = ModelRunner(self.model_config, self.device, self.dtype, self.max_model_len,
@@ -212,7 +221,9 @@ class Worker:
                                   max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
                                   logits_processors=self._logits_processor_batch())
         self.runner.load_model(self._weight_source())
-        if self.draft_config is not None:
+        if self.draft_config is not None and self.draft_config.eagle is not None:
+            self.runner.load_eagle_drafter(self.draft_config, self.draft_model_dir, self.num_spec_tokens)
+        elif self.draft_config is not None:
             self.runner.load_draft_model(self.draft_config, self.draft_model_dir, self.num_spec_tokens)
         if self.mtp_config is not None:
             self.runner.load_mtp_drafter(self._weight_source(), self.num_spec_tokens)

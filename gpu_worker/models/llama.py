@@ -252,6 +252,10 @@ class LlamaModel(nn.Module):
         self.llama_4_scaling = config.llama_4_scaling
         # Granite: the first layer's input (embeddings, or the prompt embeddings given) times this.
         self.embedding_multiplier = config.embedding_multiplier
+        # Speculative decoding's EAGLE-3 head reads the inputs of these layers (set when it loads):
+        # each pass keeps them, in this order, in aux_hidden_states.
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden_states: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None,
@@ -276,19 +280,22 @@ class LlamaModel(nn.Module):
         if self.llama_4_scaling is not None:  # (Ministral 3: each token's query scale, beside its cos and sin)
             rope = (*rope, llama_4_query_scale(positions, *self.llama_4_scaling, hidden.dtype))
         layers = self.layers[self.stage.start:self.stage.end]
-        if self.local_rotary_emb is not None:
-            local = self.local_rotary_emb.cos_sin(positions)
+        local = None if self.local_rotary_emb is None else self.local_rotary_emb.cos_sin(positions)
+        if deepstack is None and not self.aux_layer_ids:
             for layer in layers:
-                hidden, residual = layer.forward(local if layer.local_rope else rope, hidden, residual, meta)
-        elif deepstack is None:
-            for layer in layers:
-                hidden, residual = layer.forward(rope, hidden, residual, meta)
+                hidden, residual = layer.forward(rope if local is None or not layer.local_rope else local, hidden,
+                                                 residual, meta)
         else:
-            rows, values = deepstack
+            rows, values = deepstack if deepstack is not None else (None, ())
+            inputs: dict[int, torch.Tensor] = {}
             for i, layer in enumerate(layers):
-                hidden, residual = layer.forward(rope, hidden, residual, meta)
+                if i in self.aux_layer_ids:  # (the layer's input: EAGLE-3's feature; no pipeline stages then)
+                    inputs[i] = hidden if residual is None else hidden + residual
+                hidden, residual = layer.forward(rope if local is None or not layer.local_rope else local, hidden,
+                                                 residual, meta)
                 if i < len(values):  # (the layer's output is hidden + residual: one of them gains them)
                     hidden = hidden.index_add(0, rows, values[i].to(hidden.dtype))
+            self.aux_hidden_states = [inputs[i] for i in self.aux_layer_ids]
         if not self.stage.last:
             return hidden, residual
         hidden, _ = self.norm.forward(hidden, residual)

@@ -7,7 +7,7 @@ hidden state at p (after the final norm, normed again: ``hnorm``), projects the 
 to the hidden width (``eh_proj``), runs one decoder layer of the model's own kind over that (with a
 KV cache of its own), and its output, normed (``shared_head.norm``) through the target's LM head,
 predicts the token after next. The embedding at position 0 is zeroed, as vLLM does. Drafting
-further, the layer takes its own output as the hidden state (gpu_worker/mtp_drafter.py).
+further, the layer takes its own output as the hidden state (gpu_worker/hidden_state_drafter.py).
 
 The embedding and the LM head are the target model's (the checkpoint's MTP layer holds copies of
 them, ``embed_tokens`` and ``shared_head.head``: DeepSeek-V3's report shares them), so they are
@@ -113,6 +113,10 @@ class MtpForCausalLM(nn.Module):
                                                   layer.hnorm.forward(previous_hidden)), dim=-1))
         hidden, residual = layer.forward(self.model.rotary_emb.cos_sin(positions), hidden, None, meta)
         return hidden + residual
+
+    def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's last hidden states are the layer's input as they are."""
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits of the token after next on TP rank 0, None on the other ranks."""

@@ -8,6 +8,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from gpu_worker.models.eagle import EAGLE_HEADS
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
@@ -79,13 +80,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-# Speculative decoding's MTP drafters (built for a served model, never served themselves).
-_MTP_MODELS = {drafter.__name__: drafter for drafter in MTP_DRAFTERS.values()}
+# Speculative decoding's MTP drafters and EAGLE heads (built for a served model, never served themselves).
+_DRAFTER_MODELS = {**{drafter.__name__: drafter for drafter in MTP_DRAFTERS.values()}, **EAGLE_HEADS}
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     try:
-        return MODEL_REGISTRY.get(architecture) or _MTP_MODELS[architecture]
+        return MODEL_REGISTRY.get(architecture) or _DRAFTER_MODELS[architecture]
     except KeyError:
         raise ValueError(f"architecture must be one of {sorted(MODEL_REGISTRY)}, got {architecture!r}") from None
 

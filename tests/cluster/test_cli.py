@@ -51,7 +51,7 @@ def test_the_access_log_is_on_unless_disabled():
     (["--enable-auto-tool-choice"], {}, "enable_auto_tool_choice needs tool_call_parser"),
     (["--api-key", ""], {}, "api_keys must not be empty strings"),
     (["--chat-template", "{missing}"], {}, "--chat-template: no such file"),
-    (["--speculative-config", '{{"method": "eagle", "num_speculative_tokens": 2}}'], {},
+    (["--speculative-config", '{{"method": "medusa", "num_speculative_tokens": 2}}'], {},
      "speculative_config.method must be one of ngram, draft_model"),
     (["--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 0}}'], {},
      "speculative_config.num_speculative_tokens must be given, and >= 1"),

@@ -319,7 +319,7 @@ def test_a_draft_model_must_suit_the_target(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
         SpeculativeConfig.from_dict({"method": "ngram", "model": "d", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match=r"speculative_config\.method"):
-        SpeculativeConfig.from_dict({"method": "eagle", "model": "d", "num_speculative_tokens": 2})
+        SpeculativeConfig.from_dict({"method": "medusa", "model": "d", "num_speculative_tokens": 2})
     spec = SpeculativeConfig.from_dict({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
     with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
         EngineConfig(model="m", tensor_parallel_size=2, speculative_config=spec)

@@ -43,7 +43,7 @@ def test_speculative_config_defaults_and_refusals():
     cfg = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=4)
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)
     with pytest.raises(ValueError, match="method"):
-        SpeculativeConfig(method="eagle", num_speculative_tokens=3)
+        SpeculativeConfig(method="medusa", num_speculative_tokens=3)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_max"):

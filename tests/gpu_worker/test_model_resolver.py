@@ -138,7 +138,7 @@ def test_directory_with_several_ggufs_is_ambiguous(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))
 
 
-@pytest.mark.parametrize(("remove", "message"), [("model.safetensors", "safetensors weights"),
+@pytest.mark.parametrize(("remove", "message"), [("model.safetensors", r"safetensors \(or pytorch_model.bin\) weights"),
                                                  ("tokenizer.json", "tokenizer files")])
 def test_incomplete_hf_directory_names_missing_files(hf_dir: Path, remove: str, message: str) -> None:
     (hf_dir / remove).unlink()

@@ -1,4 +1,4 @@
-"""Speculative decoding's MTP drafter (gpu_worker/mtp_drafter.py, gpu_worker/models/mtp.py) on tiny
+"""Speculative decoding's MTP drafter (gpu_worker/hidden_state_drafter.py, gpu_worker/models/mtp.py) on tiny
 GLM-4.5 and DeepSeek-V3 checkpoints holding an MTP layer: every draft it proposes is the one an
 independent reference computes from the whole sequence so far (transformers' decoder layer of the
 same kind, loaded with the MTP layer's weights, over every position at once), through chunked

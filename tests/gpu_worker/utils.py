@@ -322,3 +322,114 @@ def save_tiny_model_with_mtp(path: Path, kind: str, seed: int = 0, near_bigram: 
     tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+def save_near_bigram_target(path: Path, seed: int = 0, near_bigram: float = 0.02, **overrides) -> Path:
+    """A tiny Llama (four layers by default) whose every layer's output projections are scaled by
+    ``near_bigram``: each layer's input stays close to the token's embedding, so the model's next
+    token follows mostly from its last (``bigram_successors``), and a head guessing from that agrees."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_model(path, "llama", seed, **{"num_hidden_layers": 4, **overrides})
+    tensors = load_file(path / "model.safetensors")
+    for name in tensors:
+        if name.startswith("model.layers.") and ("o_proj" in name or "down_proj" in name):
+            tensors[name] = tensors[name] * near_bigram
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def bigram_successors(target: dict[str, torch.Tensor], eps: float) -> torch.Tensor:
+    """Each token's successor in a near-bigram target's limit: its head on its normed embedding."""
+    normed = _rms_normed(target["model.embed_tokens.weight"], eps) * target["model.norm.weight"]
+    return (normed @ target["lm_head.weight"].T).argmax(-1)
+
+
+def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, near_bigram: float | None = None,
+                         draft_vocab_size: int | None = None, fc_bias: bool = True, pytorch_bin: bool = False,
+                         config_overrides: dict | None = None) -> Path:
+    """A random-weight EAGLE (``method`` eagle: ``fc.*`` and ``layers.0.*`` without an input norm,
+    as the EAGLE authors save them, ``fc_bias`` or not) or EAGLE-3 head (``midlayer.*`` with a
+    query/key/value input twice the width, ``hidden_norm``, ``fc`` from three hidden states,
+    ``norm``, its own ``lm_head`` over ``draft_vocab_size`` tokens with ``d2t`` / ``t2d``) for the
+    tiny Llama at ``target``; both carry a copy of the target's embedding, as released heads do.
+    ``pytorch_bin``: saved as pytorch_model.bin. ``near_bigram`` (with save_near_bigram_target's
+    target): the head's layer outputs scaled by it, and its fc passing on what predicts the target's
+    next token (EAGLE: the next token's embedding, through the target's head; EAGLE-3: the token's
+    own feature, through a head whose rows pick the successor's successor), so drafts mostly agree."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tcfg = json.loads((target / "config.json").read_text())
+    tensors = load_file(target / "model.safetensors")
+    width, vocab, eps = tcfg["hidden_size"], tcfg["vocab_size"], tcfg["rms_norm_eps"]
+    heads, kv_heads = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+    head_dim = tcfg.get("head_dim") or width // heads
+    inter = tcfg["intermediate_size"]
+    g = torch.Generator().manual_seed(seed + 7)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+
+    scale = 1.0 if near_bigram is None else near_bigram
+    layer = {"self_attn.k_proj.weight": rand(kv_heads * head_dim, width),
+             "self_attn.v_proj.weight": rand(kv_heads * head_dim, width),
+             "self_attn.o_proj.weight": rand(width, heads * head_dim) * scale,
+             "mlp.gate_proj.weight": rand(inter, width), "mlp.up_proj.weight": rand(inter, width),
+             "mlp.down_proj.weight": rand(width, inter) * scale,
+             "self_attn.q_proj.weight": rand(heads * head_dim, width),
+             "post_attention_layernorm.weight": 1.0 + 0.3 * torch.randn(width, generator=g)}
+    head: dict[str, torch.Tensor] = {"embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()}
+    config = {**tcfg, "num_hidden_layers": 1, "model_type": "llama"}
+    if method == "eagle":
+        head.update({f"layers.0.{name}": t for name, t in layer.items()})
+        head["fc.weight"] = rand(width, 2 * width)
+        if near_bigram is not None:  # (the next token's embedding, under the target's final norm weight)
+            head["fc.weight"] = torch.cat((torch.diag(tensors["model.norm.weight"]), torch.zeros(width, width)), 1) \
+                + near_bigram * head["fc.weight"]
+        if fc_bias:
+            head["fc.bias"] = 0.1 * torch.randn(width, generator=g)
+        config["architectures"] = ["LlamaForCausalLM"]
+    else:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            layer[f"self_attn.{name}.weight"] = rand(layer[f"self_attn.{name}.weight"].shape[0], 2 * width)
+        layer["input_layernorm.weight"] = 1.0 + 0.3 * torch.randn(width, generator=g)
+        layer["hidden_norm.weight"] = 1.0 + 0.3 * torch.randn(width, generator=g)
+        head.update({f"midlayer.{name}": t for name, t in layer.items()})
+        draft_vocab = draft_vocab_size or vocab
+        head["fc.weight"] = rand(width, 3 * width)
+        head["norm.weight"] = 1.0 + 0.3 * torch.randn(width, generator=g)
+        lm_head = rand(vocab, width)
+        chosen = torch.randperm(vocab, generator=g)[:draft_vocab]
+        if near_bigram is not None:
+            # The third hidden state passed on (the token's feature), normed plainly; each row of the
+            # head the mean normed embedding of the tokens whose successor's successor it is.
+            head["fc.weight"] = torch.cat((torch.zeros(width, 2 * width), torch.eye(width)), 1) \
+                + near_bigram * head["fc.weight"]
+            head["norm.weight"] = torch.ones(width)
+            after = bigram_successors(tensors, eps)
+            twice = after[after]
+            normed = _rms_normed(tensors["model.embed_tokens.weight"], eps)
+            for token in twice.unique().tolist():
+                lm_head[token] = normed[twice == token].mean(0)
+            rest = torch.tensor([t for t in torch.randperm(vocab, generator=g).tolist()
+                                 if t not in set(twice.tolist())])
+            chosen = torch.cat((twice.unique(), rest))[:draft_vocab]
+        chosen = chosen.sort().values
+        head["lm_head.weight"] = lm_head[chosen].contiguous()
+        head["d2t"] = chosen - torch.arange(draft_vocab)
+        head["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, chosen, True)
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
+    config.update(config_overrides or {})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    if pytorch_bin:
+        torch.save(head, path / "pytorch_model.bin")
+    else:
+        save_file(head, path / "model.safetensors", metadata={"format": "pt"})
+    return path

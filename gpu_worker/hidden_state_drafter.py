@@ -1,9 +1,12 @@
-"""Speculative decoding with the model's own multi-token-prediction layer (vLLM's ``mtp`` method;
-the layer: gpu_worker/models/mtp.py).
+"""Speculative decoding with a drafter that reads the target's hidden states: the model's own
+multi-token-prediction layer (vLLM's ``mtp`` method: gpu_worker/models/mtp.py) or an EAGLE / EAGLE-3
+head (methods ``eagle``, ``eagle3``: gpu_worker/models/eagle.py).
 
-The MTP layer runs on the target's workers, sharded as the target is, with a one-layer KV cache of
-its own laid out on the target's block table (as a draft model's: gpu_worker/draft_model.py). Its
-input at position p is the token at p + 1 and the target's hidden state at p, so after each pass:
+The drafter runs on the target's workers, sharded as the target is, with a KV cache of its own laid
+out on the target's block table (as a draft model's: gpu_worker/draft_model.py). Its input at
+position p is the token at p + 1 and a feature of the target at p (the MTP layer and EAGLE: the last
+hidden state; EAGLE-3: three inner ones, projected by its ``combine_hidden_states``), so after each
+pass:
 
 1. **Follow**: it computes the pass's positions whose hidden states stand: each request's rows up
    to its last accepted token (the rows of rejected drafts are left out), each with the token after
@@ -11,12 +14,12 @@ input at position p is the token at p + 1 and the target's hidden state at p, so
    row the token just sampled. Its cache then holds what the target's holds (a slot written for a
    rejected draft is written again when its position is computed again).
 2. **Propose**: each sampled request's last row gives its first draft; each further draft is one
-   more pass, the draft before it in and the layer's own output as the hidden state, writing the
+   more pass, the draft before it in and the drafter's own output as the feature, writing the
    lookahead slots the scheduler reserved for it (which the next follow writes again).
 
 Drafts are greedy, so speculative decoding stays exact (gpu_worker/rejection_sampler.py). Only the TP
 rank that samples knows the new tokens and what was accepted; it shares them with the other ranks.
-A block the prefix cache hands to another request keeps the layer's row for its last position as
+A block the prefix cache hands to another request keeps the drafter's row for its last position as
 the request that filled it computed it (from the token that followed there): a draft may be the
 worse for it, never an output.
 """
@@ -33,18 +36,29 @@ from gpu_worker import distributed
 from gpu_worker.draft_model import DraftModel, PassInputs
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from gpu_worker.block_table import BlockTable
+    from gpu_worker.model_runner import ModelRunner
     from gpu_worker.request_state import RequestState
 
 
-class MtpDrafter(DraftModel):
+class HiddenStateDrafter(DraftModel):
     reads_hidden_states = True
+
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(runner, num_speculative_tokens, max_model_len, eos_token_ids)
+        # EAGLE-3: the target's decoder stack, which keeps the inputs of the layers the head reads
+        # (its aux_layer_ids) at each pass; None: the drafter reads the target's last hidden states.
+        self.target_stack: nn.Module | None = None
 
     def after_pass(self, inputs: PassInputs, hidden: torch.Tensor | None, states: list[RequestState],
                    sample_rows: list[int], block_table: BlockTable) -> dict[str, list[int]]:
         assert hidden is not None
         runner, device = self.runner, self.runner.device
         qsl, starts = inputs.query_start_loc, inputs.starts
+        features = self._target_features(hidden)
         info = self._rows_kept(states, sample_rows, qsl, starts)
         counts, rooms = info[:, 0].cpu().numpy(), info[:, 2].cpu().numpy()
         # The rows followed: request i's first counts[i] rows of the pass.
@@ -60,7 +74,7 @@ class MtpDrafter(DraftModel):
         meta = runner.attention_metadata(inputs.block_table, inputs.num_blocks, kept_qsl, starts, inputs.num_decodes,
                                          inputs.slot_mapping[rows], runner.block_size, runner.decode_in_place)
         out = runner.model(token_ids, inputs.positions.index_select(0, rows_t), meta,
-                           previous_hidden=hidden.index_select(0, rows_t))
+                           previous_hidden=runner.model.combine_hidden_states(features.index_select(0, rows_t)))
         # Drafts: within what the request may still take and the slots it holds (the scheduler's
         # lookahead); the next token's position is the last row's plus one.
         next_positions = starts + counts
@@ -87,6 +101,15 @@ class MtpDrafter(DraftModel):
             for i, token in zip(active.tolist(), picked.tolist(), strict=True):
                 drafts.setdefault(states[i].req_id, []).append(token)
         return drafts
+
+    def _target_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the drafter reads of the target's pass, a row per token: its last hidden states, or
+        (EAGLE-3) the inner ones its stack kept, side by side (taken: the stack keeps them no longer)."""
+        stack = self.target_stack
+        if stack is None:
+            return hidden
+        kept, stack.aux_hidden_states = stack.aux_hidden_states, []
+        return torch.cat(kept, dim=-1)
 
     def _rows_kept(self, states: list[RequestState], sample_rows: list[int], qsl: np.ndarray, starts: np.ndarray
                    ) -> torch.Tensor:

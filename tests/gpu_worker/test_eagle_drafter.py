@@ -1,0 +1,301 @@
+"""Speculative decoding's EAGLE and EAGLE-3 heads (gpu_worker/models/eagle.py, read by
+gpu_worker/eagle_config.py, run by gpu_worker/hidden_state_drafter.py) on tiny heads for a tiny
+Llama: every draft proposed is the one an independent reference computes from the whole sequence
+so far (the target's hidden states from transformers; the head written out here in plain torch,
+over every position at once), through chunked prefill, accepted and rejected drafts and several
+requests a pass; the answers are the model's own greedy ones; what does not fit is refused."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_core.spec_decode import model_drafts
+from gpu_worker.config import ModelConfig
+from gpu_worker.eagle_config import eagle_head_config
+from gpu_worker.layers.weight_utils import materialize
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.weights import iter_checkpoint
+from gpu_worker.worker import Worker
+from tests.gpu_worker.utils import (
+    greedy_request,
+    hf_greedy,
+    load_hf,
+    make_scheduler,
+    run_to_completion,
+    save_near_bigram_target,
+    save_tiny_eagle_head,
+    save_tiny_model,
+)
+from tests.ports import free_port
+
+K = 3  # drafts a pass
+
+
+class EagleReference:
+    """An EAGLE or EAGLE-3 head's drafts computed from scratch for a whole sequence: the target's
+    hidden states from transformers, then the head's layer over every position at once (causal
+    attention written out here), fed at each position the next token and the feature there; each
+    further draft appends the draft and the head's own output, and runs it all again."""
+
+    def __init__(self, target: Path, head: Path, method: str) -> None:
+        self.target = load_hf(target)
+        self.method = method
+        self.cfg = json.loads((head / "config.json").read_text())
+        self.t = {name: materialize(t) for name, t in iter_checkpoint(head)}
+        prefix = "layers.0." if method == "eagle" else "midlayer."
+        self.w = {name[len(prefix):]: t for name, t in self.t.items() if name.startswith(prefix)}
+        self.eps = self.cfg["rms_norm_eps"]
+        self.heads, self.kv_heads = self.cfg["num_attention_heads"], self.cfg["num_key_value_heads"]
+        self.head_dim = self.cfg["hidden_size"] // self.heads
+        layers = self.target.config.num_hidden_layers
+        ids = (self.cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        self.aux_ids = tuple(ids) if ids else (2, layers // 2, layers - 3)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        n, d = x.shape[0], self.head_dim
+        q = (x @ self.w["self_attn.q_proj.weight"].T).view(n, self.heads, d)
+        k = (x @ self.w["self_attn.k_proj.weight"].T).view(n, self.kv_heads, d)
+        v = (x @ self.w["self_attn.v_proj.weight"].T).view(n, self.kv_heads, d)
+        inv_freq = 1.0 / (self.cfg.get("rope_theta", 10000.0) ** (torch.arange(0, d, 2).float() / d))
+        angles = torch.arange(n).float()[:, None] * inv_freq[None]
+        cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None]
+        sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None]
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:
+            return t * cos + torch.cat((-t[..., d // 2:], t[..., : d // 2]), -1) * sin
+
+        q, k = rotate(q), rotate(k)
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, self.heads * d)
+        return out @ self.w["self_attn.o_proj.weight"].T
+
+    def _layer(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        if self.method == "eagle":
+            fc = torch.cat((embeds, features), -1) @ self.t["fc.weight"].T
+            residual = attention_in = fc + self.t["fc.bias"] if "fc.bias" in self.t else fc
+        else:
+            residual = features
+            attention_in = torch.cat((self._norm(embeds, w["input_layernorm.weight"]),
+                                      self._norm(features, w["hidden_norm.weight"])), -1)
+        residual = residual + self._attention(attention_in)
+        h = self._norm(residual, w["post_attention_layernorm.weight"])
+        mlp = (torch.nn.functional.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) \
+            @ w["mlp.down_proj.weight"].T
+        return mlp + residual
+
+    def _pick(self, out: torch.Tensor) -> int:
+        if self.method == "eagle":
+            return int(self.target.lm_head(out).argmax())
+        logits = self._norm(out, self.t["norm.weight"]) @ self.t["lm_head.weight"].T
+        draft_id = int(logits.argmax())
+        return draft_id + int(self.t["d2t"][draft_id])
+
+    @torch.no_grad()
+    def drafts(self, sequence: list[int], k: int) -> list[int]:
+        ids = torch.tensor([sequence])
+        out = self.target.model(input_ids=ids[:, :-1], output_hidden_states=True)
+        if self.method == "eagle":
+            features = out.last_hidden_state[0]
+        else:
+            features = torch.cat([out.hidden_states[i][0] for i in self.aux_ids], -1) @ self.t["fc.weight"].T
+        embed = self.target.model.embed_tokens
+        embeds = embed(ids[0, 1:])
+        drafts = []
+        for _ in range(k):
+            outputs = self._layer(embeds, features)
+            drafts.append(self._pick(outputs[-1]))
+            embeds = torch.cat((embeds, embed(torch.tensor([drafts[-1]]))))
+            features = torch.cat((features, outputs[-1:]))
+        return drafts
+
+
+def eagle_runner(target: Path, head: Path, method: str, num_blocks: int, block_size: int,
+                 max_num_batched_tokens: int) -> ModelRunner:
+    config = ModelConfig.from_pretrained(target)
+    runner = ModelRunner(config, device="cpu", dtype=torch.float32, max_model_len=256,
+                         max_num_batched_tokens=max_num_batched_tokens, num_spec_tokens=K)
+    runner.load_model(target)
+    runner.load_eagle_drafter(eagle_head_config(head, method, config), head, K)
+    runner.initialize_kv_cache(num_blocks, block_size)
+    return runner
+
+
+HEADS = {  # method, head kwargs
+    "eagle": ("eagle", {}),
+    "eagle-no-fc-bias-bin": ("eagle", {"fc_bias": False, "pytorch_bin": True}),
+    "eagle3": ("eagle3", {"draft_vocab_size": 200}),
+    "eagle3-layer-ids": ("eagle3", {"draft_vocab_size": 200, "config_overrides": {
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 1]}}}),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADS))
+def test_every_eagle_draft_is_the_references_through_chunks_and_rejections(case, tmp_path):
+    method, kwargs = HEADS[case]
+    target = save_near_bigram_target(tmp_path / "target")
+    head = save_tiny_eagle_head(tmp_path / "head", target, method, near_bigram=0.02, **kwargs)
+    reference = EagleReference(target, head, method)
+    block_size, budget = 4, 24
+    runner = eagle_runner(target, head, method, 96, block_size, budget)
+    scheduler = make_scheduler(num_blocks=96, block_size=block_size, max_num_batched_tokens=budget,
+                               num_spec_tokens=K, prefix_caching=False)
+    scheduler.num_lookahead_tokens = K
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 30, 11, 1)]
+    max_tokens = 16
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(greedy_request(f"r{i}", prompt, max_tokens))
+    checked = accepted = rejected = 0
+    outputs: dict[str, list[int]] = {}
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        so = scheduler.schedule()
+        out = runner.execute_model(so)
+        for eco in scheduler.update_from_output(so, out).values():
+            for o in eco.outputs:
+                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        for req_id, drafted in so.scheduled_spec_decode_tokens.items():
+            kept = len(out.sampled_token_ids[out.req_id_to_index[req_id]]) - 1
+            accepted, rejected = accepted + kept, rejected + len(drafted) - kept
+        for req_id, draft in (out.draft_token_ids or {}).items():
+            sequence = list(scheduler.requests[req_id].all_token_ids)
+            assert draft == reference.drafts(sequence, len(draft)), (req_id, len(sequence))
+            checked += 1
+        scheduler.update_draft_token_ids(model_drafts(scheduler.running, out.draft_token_ids, K, 256))
+    else:
+        raise AssertionError("requests did not finish")
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == [hf_greedy(reference.target, p, max_tokens)
+                                                               for p in prompts]
+    assert checked > 10 and accepted > 0 and rejected > 0, (checked, accepted, rejected)
+    # (EAGLE-3: the target kept its layers' inputs for the head, and the head took them.)
+    stack = runner.model.model
+    assert stack.aux_layer_ids == reference.aux_ids if method == "eagle3" else stack.aux_layer_ids == ()
+    assert stack.aux_hidden_states == []
+
+
+def test_what_does_not_fit_is_refused(tmp_path):
+    target = save_tiny_model(tmp_path / "target", num_hidden_layers=4)
+    config = ModelConfig.from_pretrained(target)
+    eagle = save_tiny_eagle_head(tmp_path / "eagle", target, "eagle")
+    eagle3 = save_tiny_eagle_head(tmp_path / "eagle3", target, "eagle3", draft_vocab_size=100)
+    with pytest.raises(ValueError, match=r"is an EAGLE-3 head \(LlamaForCausalLMEagle3\): serve it with "
+                                         r"speculative method 'eagle3'"):
+        eagle_head_config(eagle3, "eagle", config)
+    with pytest.raises(ValueError, match=r"is an EAGLE head .* with speculative method 'eagle', not 'eagle3'"):
+        eagle_head_config(eagle, "eagle3", config)
+    wider = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "wider", hidden_size=96, num_hidden_layers=4))
+    with pytest.raises(ValueError, match=r"width \(64\) is not the target's \(96\)"):
+        eagle_head_config(eagle, "eagle", wider)
+    other_vocab = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "v", vocab_size=300, num_hidden_layers=4))
+    with pytest.raises(ValueError, match=r"vocabulary \(256 tokens\) is not the target's \(300\)"):
+        eagle_head_config(eagle, "eagle", other_vocab)
+    shallow = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "shallow", num_hidden_layers=2))
+    with pytest.raises(ValueError, match=r"reads the inputs of the target's layers \[2, 1, -1\]; the target has 2"):
+        eagle_head_config(eagle3, "eagle3", shallow)
+    (eagle3 / "model.safetensors").unlink()
+    no_map = save_tiny_eagle_head(tmp_path / "no_map", target, "eagle3", draft_vocab_size=100)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(no_map / "model.safetensors")
+    del tensors["d2t"]
+    save_file(tensors, no_map / "model.safetensors")
+    with pytest.raises(ValueError, match="holds no d2t"):
+        eagle_head_config(no_map, "eagle3", config)
+    speculators = tmp_path / "speculators"
+    speculators.mkdir()
+    (speculators / "config.json").write_text(json.dumps({"architectures": ["Eagle3Speculator"],
+                                                         "speculators_model_type": "eagle3"}))
+    with pytest.raises(ValueError, match="speculators library's format"):
+        eagle_head_config(speculators, "eagle3", config)
+
+
+def test_eagle3_is_refused_where_the_target_gives_no_inner_hidden_states(tmp_path):
+    target = save_tiny_model(tmp_path / "gemma", "gemma", num_hidden_layers=4)
+    config = ModelConfig.from_pretrained(target)
+    head = save_tiny_eagle_head(tmp_path / "head", target, "eagle3")
+    runner = ModelRunner(config, device="cpu", dtype=torch.float32, max_model_len=64, num_spec_tokens=K)
+    runner.load_model(target)
+    with pytest.raises(ValueError, match="reads the target's inner hidden states, which GemmaForCausalLM does not"):
+        runner.load_eagle_drafter(eagle_head_config(head, "eagle3", config), head, K)
+
+
+def _drive(execute, prompts: dict[str, list[int]], num_blocks: int) -> tuple[dict[str, list[int]], list[dict]]:
+    """Greedy answers, drafting with the head: (answers, each pass's proposed drafts)."""
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, num_spec_tokens=K)
+    scheduler.num_lookahead_tokens = K
+    for req_id, prompt in prompts.items():
+        scheduler.add_request(greedy_request(req_id, prompt, 10))
+    answers: dict[str, list[int]] = {}
+    proposed: list[dict] = []
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        out = execute(so)
+        for eco in scheduler.update_from_output(so, out).values():
+            for o in eco.outputs:
+                answers.setdefault(o.request_id, []).extend(o.new_token_ids)
+        proposed.append(out.draft_token_ids or {})
+        scheduler.update_draft_token_ids(model_drafts(scheduler.running, out.draft_token_ids, K, 256))
+    return answers, proposed
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_draft_as_one_with_eagle3(tmp_path):
+    """The EAGLE-3 head shards over the target's two workers (its attention by heads, its own head
+    by vocabulary); each rank keeps its target's inner hidden states: the same drafts, pass for
+    pass, and the same answers as one rank, and those are the plain greedy ones."""
+    ray = pytest.importorskip("ray")
+
+    target = save_near_bigram_target(tmp_path / "target", num_key_value_heads=2)
+    head = save_tiny_eagle_head(tmp_path / "head", target, "eagle3", near_bigram=0.02, draft_vocab_size=200)
+    rng = random.Random(5)
+    prompts = {f"r{i}": [rng.randrange(3, 256) for _ in range(rng.randrange(2, 20))] for i in range(4)}
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1)
+    plain = Worker(0, 1, str(target), **kwargs)
+    plain.load_model()
+    plain.initialize_cache(48, 4)
+    tp1 = Worker(0, 1, str(target), num_spec_tokens=K, draft_model=str(head), draft_method="eagle3", **kwargs)
+    tp1.load_model()
+    # (One more layer's cache beside the target's four: of the same geometry.)
+    assert tp1.bytes_per_block(4) == plain.bytes_per_block(4) * 5 // 4
+    tp1.initialize_cache(48, 4)
+    answers, proposed = _drive(tp1.execute_model, prompts, 48)
+    scheduler = make_scheduler(num_blocks=48, block_size=4, max_num_batched_tokens=16)
+    for req_id, prompt in prompts.items():
+        scheduler.add_request(greedy_request(req_id, prompt, 10))
+    assert answers == run_to_completion(scheduler, plain.execute_model)
+    assert any(proposed)
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        remote_worker = ray.remote(num_cpus=1)(Worker)
+        ranks = [remote_worker.remote(rank, 2, str(target), num_spec_tokens=K, draft_model=str(head),
+                                      draft_method="eagle3", **kwargs) for rank in range(2)]
+        port = free_port()
+        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
+        ray.get([w.load_model.remote() for w in ranks])
+        ray.get([w.initialize_cache.remote(48, 4) for w in ranks])
+
+        def execute(so):
+            outs = ray.get([w.execute_model.remote(so) for w in ranks])
+            assert outs[1] is None  # only rank 0 answers
+            return outs[0]
+
+        assert _drive(execute, prompts, 48) == (answers, proposed)
+        ray.get([w.shutdown.remote() for w in ranks])
+    finally:
+        if started_here:
+            ray.shutdown()
