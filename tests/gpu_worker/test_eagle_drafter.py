@@ -132,19 +132,20 @@ def eagle_runner(target: Path, head: Path, method: str, num_blocks: int, block_s
     return runner
 
 
-HEADS = {  # method, head kwargs
-    "eagle": ("eagle", {}),
-    "eagle-no-fc-bias-bin": ("eagle", {"fc_bias": False, "pytorch_bin": True}),
-    "eagle3": ("eagle3", {"draft_vocab_size": 200}),
+HEADS = {  # method, head kwargs, target kind
+    "eagle": ("eagle", {}, "llama"),
+    "eagle-no-fc-bias-bin": ("eagle", {"fc_bias": False, "pytorch_bin": True}, "llama"),
+    "eagle3": ("eagle3", {"draft_vocab_size": 200}, "llama"),
     "eagle3-layer-ids": ("eagle3", {"draft_vocab_size": 200, "config_overrides": {
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 1]}}}),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 1]}}}, "llama"),
+    "eagle3-qwen3-moe": ("eagle3", {"draft_vocab_size": 200}, "qwen3_moe"),
 }
 
 
 @pytest.mark.parametrize("case", list(HEADS))
 def test_every_eagle_draft_is_the_references_through_chunks_and_rejections(case, tmp_path):
-    method, kwargs = HEADS[case]
-    target = save_near_bigram_target(tmp_path / "target")
+    method, kwargs, kind = HEADS[case]
+    target = save_near_bigram_target(tmp_path / "target", kind=kind)
     head = save_tiny_eagle_head(tmp_path / "head", target, method, near_bigram=0.02, **kwargs)
     reference = EagleReference(target, head, method)
     block_size, budget = 4, 24

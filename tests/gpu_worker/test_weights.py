@@ -34,6 +34,33 @@ def test_sharded_checkpoint_loads_every_shard(tmp_path):
     torch.testing.assert_close(prefill_logits(runner, prompt, [0, 1, 2, 3, 4]), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_pytorch_bin_checkpoint_loads_as_its_safetensors_do(tmp_path, sharded):
+    """Older checkpoints (and the EAGLE authors' heads) are pytorch_model.bin files, or shards named
+    by pytorch_model.bin.index.json: read memory-mapped as plain tensors, the same weights."""
+    from gpu_worker.model_resolver import resolve_model
+    from tests.tiny_model import build_tokenizer
+
+    path = save_tiny_model(tmp_path / "m", tie_word_embeddings=False)
+    tensors = load_file(path / "model.safetensors")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((path / "config.json").read_text())
+    if sharded:
+        names = sorted(tensors)
+        shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+        for file, part in shards.items():
+            torch.save({name: tensors[name] for name in part}, tmp_path / "bin" / file)
+        (tmp_path / "bin" / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"weight_map": {name: file for file, part in shards.items() for name in part}}))
+    else:
+        torch.save(tensors, tmp_path / "bin" / "pytorch_model.bin")
+    build_tokenizer().save_pretrained(tmp_path / "bin")
+    assert resolve_model(str(tmp_path / "bin")).model_dir == tmp_path / "bin"
+    tokens = list(range(3, 40))
+    expected = prefill_logits(make_runner(path), tokens, list(range(10)))
+    assert torch.equal(prefill_logits(make_runner(tmp_path / "bin"), tokens, list(range(10))), expected)
+
+
 def test_tied_checkpoint_without_lm_head(tmp_path):
     path = save_tiny_model(tmp_path, tie_word_embeddings=True)
     names = set(load_file(path / "model.safetensors"))

@@ -324,13 +324,15 @@ def save_tiny_model_with_mtp(path: Path, kind: str, seed: int = 0, near_bigram: 
     return path
 
 
-def save_near_bigram_target(path: Path, seed: int = 0, near_bigram: float = 0.02, **overrides) -> Path:
-    """A tiny Llama (four layers by default) whose every layer's output projections are scaled by
-    ``near_bigram``: each layer's input stays close to the token's embedding, so the model's next
-    token follows mostly from its last (``bigram_successors``), and a head guessing from that agrees."""
+def save_near_bigram_target(path: Path, seed: int = 0, near_bigram: float = 0.02, kind: str = "llama",
+                            **overrides) -> Path:
+    """A tiny Llama (or model of another ``kind``; four layers by default) whose every layer's output
+    projections are scaled by ``near_bigram``: each layer's input stays close to the token's
+    embedding, so the model's next token follows mostly from its last (``bigram_successors``), and a
+    head guessing from that agrees."""
     from safetensors.torch import load_file, save_file
 
-    save_tiny_model(path, "llama", seed, **{"num_hidden_layers": 4, **overrides})
+    save_tiny_model(path, kind, seed, **{"num_hidden_layers": 4, **overrides})
     tensors = load_file(path / "model.safetensors")
     for name in tensors:
         if name.startswith("model.layers.") and ("o_proj" in name or "down_proj" in name):
