@@ -395,7 +395,7 @@ def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, n
             head["fc.weight"] = torch.cat((torch.diag(tensors["model.norm.weight"]), torch.zeros(width, width)), 1) \
                 + near_bigram * head["fc.weight"]
         if fc_bias:
-            head["fc.bias"] = 0.1 * torch.randn(width, generator=g)
+            head["fc.bias"] = 0.1 * scale * torch.randn(width, generator=g)
         config["architectures"] = ["LlamaForCausalLM"]
     else:
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -417,11 +417,12 @@ def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, n
             after = bigram_successors(tensors, eps)
             twice = after[after]
             normed = _rms_normed(tensors["model.embed_tokens.weight"], eps)
-            for token in twice.unique().tolist():
-                lm_head[token] = normed[twice == token].mean(0)
-            rest = torch.tensor([t for t in torch.randperm(vocab, generator=g).tolist()
-                                 if t not in set(twice.tolist())])
-            chosen = torch.cat((twice.unique(), rest))[:draft_vocab]
+            sums = torch.zeros(vocab, width).index_add_(0, twice, normed)
+            counts = torch.bincount(twice, minlength=vocab)
+            hit = counts > 0
+            lm_head[hit] = sums[hit] / counts[hit, None]
+            order = torch.randperm(vocab, generator=g)
+            chosen = torch.cat((hit.nonzero()[:, 0], order[~hit[order]]))[:draft_vocab]
         chosen = chosen.sort().values
         head["lm_head.weight"] = lm_head[chosen].contiguous()
         head["d2t"] = chosen - torch.arange(draft_vocab)
