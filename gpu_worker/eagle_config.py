@@ -16,6 +16,8 @@ the token after p and a feature of the target at p, and predicts the token after
   smaller draft vocabulary whose ids map to the target's (``d2t``: the offset of each).
 
 Both take the target's token embedding (the checkpoint's copy, where there is one, is not read).
+EAGLE-3 heads saved by the speculators library (a ``transformer_layer_config`` in their config) are
+read as the EAGLE authors' (_from_speculators_format).
 """
 
 from __future__ import annotations
@@ -74,11 +76,9 @@ def eagle_head_config(model_dir: str | Path, method: str, target: ModelConfig) -
         raise ValueError(f"speculative method {method!r} is not an EAGLE method ({', '.join(EAGLE_METHODS)})")
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
-    named = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if "speculators_model_type" in cfg:
-        raise ValueError(f"{model_dir} is a checkpoint in the speculators library's format "
-                         f"({cfg['speculators_model_type']}), which is not read here: use a head in the EAGLE "
-                         "authors' layout (config.json of a Llama layer, tensors fc.* and layers.0.* or midlayer.*)")
+        cfg = _from_speculators_format(model_dir, cfg)
+    named = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if (named in _EAGLE3_NAMES) != (method == "eagle3"):
         other = "eagle3" if named in _EAGLE3_NAMES else "eagle"
         raise ValueError(f"{model_dir} is an {other.upper().replace('EAGLE3', 'EAGLE-3')} head ({named}): serve it "
@@ -101,8 +101,9 @@ def eagle_head_config(model_dir: str | Path, method: str, target: ModelConfig) -
     else:
         if layer.num_hidden_layers != 1:
             raise ValueError(f"an EAGLE-3 head of {layer.num_hidden_layers} layers is not served (one layer only)")
-        eagle_cfg = cfg.get("eagle_config") or {}
-        ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
+        # (The EAGLE authors' configs name them under eagle_config; the speculators library's at the top.)
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+            or cfg.get("eagle_aux_hidden_state_layer_ids")
         ids = (2, num_target_layers // 2, num_target_layers - 3) if ids is None else tuple(int(i) for i in ids)
         if not ids or any(not 0 <= i < num_target_layers for i in ids):
             raise ValueError(f"the EAGLE-3 head reads the inputs of the target's layers {list(ids)}; the target has "
@@ -125,3 +126,22 @@ def eagle_head_config(model_dir: str | Path, method: str, target: ModelConfig) -
     return dataclasses.replace(layer, architecture=EAGLE_ARCHITECTURES[method],
                                max_position_embeddings=max(layer.max_position_embeddings, target.max_context_len),
                                eos_token_ids=target.eos_token_ids, eagle=head)
+
+
+def _from_speculators_format(model_dir: Path, cfg: dict) -> dict:
+    """The config of an EAGLE-3 head saved by the speculators library (RedHat's ``*.eagle3``
+    checkpoints: a ``transformer_layer_config`` beside the head's settings, tensors named as the
+    EAGLE authors' but ``layers.0.`` for ``midlayer.``), as the EAGLE authors write one: vLLM
+    reads it so (its norm_before_residual true unless it says otherwise)."""
+    kind = cfg["speculators_model_type"]
+    layer = cfg.get("transformer_layer_config")
+    if kind != "eagle3" or not isinstance(layer, dict):
+        raise ValueError(f"{model_dir} is a checkpoint in the speculators library's format of type {kind!r}: only "
+                         "its EAGLE-3 heads (speculators_model_type eagle3, with a transformer_layer_config) are read")
+    out = {**layer, "architectures": ["Eagle3LlamaForCausalLM"],
+           "draft_vocab_size": cfg.get("draft_vocab_size") or layer.get("vocab_size"),
+           "norm_before_residual": cfg.get("norm_before_residual", True)}
+    for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if cfg.get(key) is not None:
+            out[key] = cfg[key]
+    return out

@@ -45,15 +45,19 @@ class EagleReference:
     def __init__(self, target: Path, head: Path, method: str) -> None:
         self.target = load_hf(target)
         self.method = method
-        self.cfg = json.loads((head / "config.json").read_text())
+        cfg = json.loads((head / "config.json").read_text())
+        speculators = "speculators_model_type" in cfg
+        self.cfg = {**cfg["transformer_layer_config"], **cfg} if speculators else cfg
+        self.norm_before_residual = self.cfg.get("norm_before_residual", speculators)
         self.t = {name: materialize(t) for name, t in iter_checkpoint(head)}
-        prefix = "layers.0." if method == "eagle" else "midlayer."
+        prefix = "layers.0." if method == "eagle" or speculators else "midlayer."
         self.w = {name[len(prefix):]: t for name, t in self.t.items() if name.startswith(prefix)}
         self.eps = self.cfg["rms_norm_eps"]
         self.heads, self.kv_heads = self.cfg["num_attention_heads"], self.cfg["num_key_value_heads"]
         self.head_dim = self.cfg["hidden_size"] // self.heads
         layers = self.target.config.num_hidden_layers
-        ids = (self.cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        ids = (self.cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+            or self.cfg.get("eagle_aux_hidden_state_layer_ids")
         self.aux_ids = tuple(ids) if ids else (2, layers // 2, layers - 3)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -86,9 +90,9 @@ class EagleReference:
             fc = torch.cat((embeds, features), -1) @ self.t["fc.weight"].T
             residual = attention_in = fc + self.t["fc.bias"] if "fc.bias" in self.t else fc
         else:
-            residual = features
-            attention_in = torch.cat((self._norm(embeds, w["input_layernorm.weight"]),
-                                      self._norm(features, w["hidden_norm.weight"])), -1)
+            normed = self._norm(features, w["hidden_norm.weight"])
+            residual = normed if self.norm_before_residual else features
+            attention_in = torch.cat((self._norm(embeds, w["input_layernorm.weight"]), normed), -1)
         residual = residual + self._attention(attention_in)
         h = self._norm(residual, w["post_attention_layernorm.weight"])
         mlp = (torch.nn.functional.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) \
@@ -139,6 +143,8 @@ HEADS = {  # method, head kwargs, target kind
     "eagle3-layer-ids": ("eagle3", {"draft_vocab_size": 200, "config_overrides": {
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 1]}}}, "llama"),
     "eagle3-qwen3-moe": ("eagle3", {"draft_vocab_size": 200}, "qwen3_moe"),
+    "eagle3-speculators-format": ("eagle3", {"draft_vocab_size": 200, "speculators": True, "config_overrides": {
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, "llama"),
 }
 
 
@@ -216,10 +222,10 @@ def test_what_does_not_fit_is_refused(tmp_path):
         eagle_head_config(no_map, "eagle3", config)
     speculators = tmp_path / "speculators"
     speculators.mkdir()
-    (speculators / "config.json").write_text(json.dumps({"architectures": ["Eagle3Speculator"],
-                                                         "speculators_model_type": "eagle3"}))
-    with pytest.raises(ValueError, match="speculators library's format"):
-        eagle_head_config(speculators, "eagle3", config)
+    (speculators / "config.json").write_text(json.dumps({"architectures": ["EagleSpeculator"],
+                                                         "speculators_model_type": "eagle"}))
+    with pytest.raises(ValueError, match="speculators library's format of type 'eagle': only its EAGLE-3"):
+        eagle_head_config(speculators, "eagle", config)
 
 
 def test_eagle3_is_refused_where_the_target_gives_no_inner_hidden_states(tmp_path):

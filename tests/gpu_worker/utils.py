@@ -353,13 +353,15 @@ def bigram_successors(target: dict[str, torch.Tensor], eps: float) -> torch.Tens
 
 def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, near_bigram: float | None = None,
                          draft_vocab_size: int | None = None, fc_bias: bool = True, pytorch_bin: bool = False,
-                         config_overrides: dict | None = None) -> Path:
+                         config_overrides: dict | None = None, speculators: bool = False) -> Path:
     """A random-weight EAGLE (``method`` eagle: ``fc.*`` and ``layers.0.*`` without an input norm,
     as the EAGLE authors save them, ``fc_bias`` or not) or EAGLE-3 head (``midlayer.*`` with a
     query/key/value input twice the width, ``hidden_norm``, ``fc`` from three hidden states,
     ``norm``, its own ``lm_head`` over ``draft_vocab_size`` tokens with ``d2t`` / ``t2d``) for the
     tiny Llama at ``target``; both carry a copy of the target's embedding, as released heads do.
-    ``pytorch_bin``: saved as pytorch_model.bin. ``near_bigram`` (with save_near_bigram_target's
+    ``pytorch_bin``: saved as pytorch_model.bin. ``speculators``: an EAGLE-3 head as the speculators
+    library saves it (``layers.0.*``; its config a ``transformer_layer_config`` beside the head's
+    settings, with norm_before_residual). ``near_bigram`` (with save_near_bigram_target's
     target): the head's layer outputs scaled by it, and its fc passing on what predicts the target's
     next token (EAGLE: the next token's embedding, through the target's head; EAGLE-3: the token's
     own feature, through a head whose rows pick the successor's successor), so drafts mostly agree."""
@@ -402,7 +404,7 @@ def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, n
             layer[f"self_attn.{name}.weight"] = rand(layer[f"self_attn.{name}.weight"].shape[0], 2 * width)
         layer["input_layernorm.weight"] = 1.0 + 0.3 * torch.randn(width, generator=g)
         layer["hidden_norm.weight"] = 1.0 + 0.3 * torch.randn(width, generator=g)
-        head.update({f"midlayer.{name}": t for name, t in layer.items()})
+        head.update({f"{'layers.0' if speculators else 'midlayer'}.{name}": t for name, t in layer.items()})
         draft_vocab = draft_vocab_size or vocab
         head["fc.weight"] = rand(width, 3 * width)
         head["norm.weight"] = 1.0 + 0.3 * torch.randn(width, generator=g)
@@ -428,6 +430,12 @@ def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, n
         head["d2t"] = chosen - torch.arange(draft_vocab)
         head["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, chosen, True)
         config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
+        if speculators:
+            config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                      "transformer_layer_config": {**config, "architectures": ["LlamaForCausalLM"]},
+                      "draft_vocab_size": draft_vocab, "norm_before_residual": True,
+                      "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}],
+                                             "verifier": {"name_or_path": str(target)}}}
     config.update(config_overrides or {})
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
