@@ -217,7 +217,7 @@ class EngineCore:
                    else "an embedding model decodes nothing" if not info.pooling.generates
                    else "a sliding-window model releases the blocks behind its window"
                    if info.sliding_window is not None
-                   else "a draft model's KV cache is not transferred (the MTP drafter's is)"
+                   else "a draft model's or EAGLE head's KV cache is not transferred (the MTP drafter's is)"
                    if config.speculative_config is not None and config.speculative_config.uses_draft_model
                    else None)
         if problem is not None:

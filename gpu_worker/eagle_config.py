@@ -45,26 +45,28 @@ class EagleHead:
     method: str
     # The target's width (the feature's, and the embedding's the head takes).
     target_hidden_size: int
-    # EAGLE-3: the target's layers whose inputs make the feature, in order.
+    # EAGLE-3: the target's layers whose inputs make the feature, side by side in the layers' order.
     aux_layer_ids: tuple[int, ...] = ()
     # EAGLE: a bias on fc; the first layer's input norm kept (the EAGLE authors' heads drop it);
     # HASS's norms of the embedding and the feature before fc (add_para_norm).
     fc_bias: bool = False
     first_input_norm: bool = False
     para_norms: bool = False
-    # EAGLE-3: its head's vocabulary (d2t maps each id to the target's), and whether it has a head
-    # at all (without one, the target's, over the whole vocabulary); the feature normed before it
-    # becomes the residual (norm_before_residual) or after.
+    # EAGLE-3: its head's vocabulary (d2t maps each id to the target's: maps_ids), and whether it has
+    # a head at all (without one, the target's, over the whole vocabulary); the feature normed before
+    # it becomes the residual (norm_before_residual) or after.
     draft_vocab_size: int = 0
     own_lm_head: bool = True
+    maps_ids: bool = False
     norm_before_residual: bool = False
 
 
-def checkpoint_tensor_names(model_dir: Path) -> set[str]:
-    """The tensor names a head's checkpoint holds (safetensors, or an older pytorch_model.bin)."""
+def checkpoint_tensor_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """A head checkpoint's tensors' shapes by name, without a leading ``model.`` (the loader reads
+    both spellings), from safetensors or an older pytorch_model.bin."""
     from gpu_worker.weights import iter_checkpoint
 
-    return {name for name, _ in iter_checkpoint(model_dir)}
+    return {name.removeprefix("model."): tuple(tensor.shape) for name, tensor in iter_checkpoint(model_dir)}
 
 
 def eagle_head_config(model_dir: str | Path, method: str, target: ModelConfig) -> ModelConfig:
@@ -75,6 +77,8 @@ def eagle_head_config(model_dir: str | Path, method: str, target: ModelConfig) -
     if method not in EAGLE_METHODS:
         raise ValueError(f"speculative method {method!r} is not an EAGLE method ({', '.join(EAGLE_METHODS)})")
     model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"an EAGLE head is a directory holding its config.json and weights; {model_dir} is not one")
     cfg = json.loads((model_dir / "config.json").read_text())
     if "speculators_model_type" in cfg:
         cfg = _from_speculators_format(model_dir, cfg)
@@ -85,7 +89,11 @@ def eagle_head_config(model_dir: str | Path, method: str, target: ModelConfig) -
                          f"with speculative method {other!r}, not {method!r}")
     if cfg.get("model_type", "llama") != "llama":
         raise ValueError(f"an EAGLE head is a Llama decoder layer; {model_dir} is a {cfg.get('model_type')!r} model")
-    names = checkpoint_tensor_names(model_dir)
+    shapes = checkpoint_tensor_shapes(model_dir)
+    layer_prefix = "layers.0." if method == "eagle" or any(n.startswith("layers.0.") for n in shapes) else "midlayer."
+    if "fc.weight" not in shapes or not any(name.startswith(layer_prefix) for name in shapes):
+        raise ValueError(f"{model_dir} holds no EAGLE head (its checkpoint has no fc.weight beside "
+                         f"{layer_prefix}*): give an EAGLE head's directory, or the model to method draft_model")
     layer = ModelConfig.from_dict({**cfg, "architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False})
     if layer.hidden_size != target.hidden_size:
         raise ValueError(f"the EAGLE head's width ({layer.hidden_size}) is not the target's ({target.hidden_size}): "
@@ -95,32 +103,42 @@ def eagle_head_config(model_dir: str | Path, method: str, target: ModelConfig) -
                          f"({target.vocab_size}): it was trained for another model")
     num_target_layers = target.num_hidden_layers
     if method == "eagle":
-        head = EagleHead("eagle", target.hidden_size, fc_bias="fc.bias" in names,
-                         first_input_norm="layers.0.input_layernorm.weight" in names,
+        head = EagleHead("eagle", target.hidden_size, fc_bias="fc.bias" in shapes,
+                         first_input_norm="layers.0.input_layernorm.weight" in shapes,
                          para_norms=bool(cfg.get("add_para_norm", False)))
     else:
         if layer.num_hidden_layers != 1:
             raise ValueError(f"an EAGLE-3 head of {layer.num_hidden_layers} layers is not served (one layer only)")
         # (The EAGLE authors' configs name them under eagle_config; the speculators library's at the top.)
-        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
-            or cfg.get("eagle_aux_hidden_state_layer_ids")
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if ids is None:
+            ids = cfg.get("eagle_aux_hidden_state_layer_ids")
         ids = (2, num_target_layers // 2, num_target_layers - 3) if ids is None else tuple(int(i) for i in ids)
         if not ids or any(not 0 <= i < num_target_layers for i in ids):
             raise ValueError(f"the EAGLE-3 head reads the inputs of the target's layers {list(ids)}; the target has "
                              f"{num_target_layers} (eagle_config.eagle_aux_hidden_state_layer_ids)")
+        # (Taken in the layers' order, each once, as vLLM's decoder keeps them.)
+        ids = tuple(sorted(set(ids)))
         width = int(cfg.get("target_hidden_size") or target.hidden_size)
         if width != target.hidden_size:
             raise ValueError(f"the EAGLE-3 head was trained on hidden states {width} wide; the target's are "
                              f"{target.hidden_size}")
+        if shapes["fc.weight"][-1] != len(ids) * width:
+            raise ValueError(f"the EAGLE-3 head's fc reads {shapes['fc.weight'][-1]} features, not the "
+                             f"{len(ids)} x {width} of the target's layers {list(ids)} it names")
         draft_vocab = int(cfg.get("draft_vocab_size") or layer.vocab_size)
-        own_head = "lm_head.weight" in names
+        if draft_vocab > target.vocab_size:
+            raise ValueError(f"the EAGLE-3 head's draft vocabulary ({draft_vocab} tokens) is larger than the "
+                             f"target's ({target.vocab_size})")
+        own_head = "lm_head.weight" in shapes
         if not own_head and draft_vocab != target.vocab_size:
             raise ValueError(f"the EAGLE-3 head names a draft vocabulary of {draft_vocab} tokens but holds no "
                              "lm_head")
-        if draft_vocab < target.vocab_size and "d2t" not in names:
+        if draft_vocab < target.vocab_size and "d2t" not in shapes:
             raise ValueError(f"the EAGLE-3 head's vocabulary ({draft_vocab} tokens) is smaller than the target's, "
                              "and its checkpoint holds no d2t mapping its ids to the target's")
         head = EagleHead("eagle3", width, aux_layer_ids=ids, draft_vocab_size=draft_vocab, own_lm_head=own_head,
+                         maps_ids="d2t" in shapes,
                          norm_before_residual=bool(cfg.get("norm_before_residual", False)))
     # (Its positions are the target's: its rotary table reaches the target's context.)
     return dataclasses.replace(layer, architecture=EAGLE_ARCHITECTURES[method],

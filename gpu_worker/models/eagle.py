@@ -67,9 +67,17 @@ class _EagleHeadBase(nn.Module):
     def reads_checkpoint_tensor(self, name: str) -> bool:
         """The head's own tensors: not the checkpoint's copy of the target's embedding, nor a head
         the target's stands for, nor EAGLE-3's target-to-draft mask."""
+        name = name.removeprefix("model.")
         if name.endswith("embed_tokens.weight") or name == "t2d":
             return False
         return not name.startswith("lm_head.") or self.lm_head is not None
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        """Named as the EAGLE authors name them (the loader puts the stack's under ``model.``): some
+        checkpoints hold every name under ``model.``, and EAGLE-3's authors name the layer ``midlayer``."""
+        for name, tensor in weights:
+            bare = name.removeprefix("model.")
+            yield (f"layers.0.{bare[len('midlayer.'):]}" if bare.startswith("midlayer.") else bare), tensor
 
     def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """The feature the head takes from the target's hidden states (as the target gave them)."""
@@ -140,12 +148,7 @@ class Eagle3LlamaForCausalLM(_EagleHeadBase):
         self.lm_head = ParallelLMHead(head.draft_vocab_size, width) if head.own_lm_head else None
         # Each draft id's offset to the target's id (d2t); none when the vocabularies are one.
         self.d2t = (nn.Parameter(torch.zeros(head.draft_vocab_size, dtype=torch.long), requires_grad=False)
-                    if head.draft_vocab_size < config.vocab_size else None)
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        """The EAGLE authors name the layer ``midlayer``."""
-        for name, tensor in weights:
-            yield (f"model.layers.0.{name[len('midlayer.'):]}" if name.startswith("midlayer.") else name), tensor
+                    if head.maps_ids else None)
 
     def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's inner hidden states side by side [tokens, 3 x width] -> the feature."""

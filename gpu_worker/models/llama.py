@@ -252,8 +252,8 @@ class LlamaModel(nn.Module):
         self.llama_4_scaling = config.llama_4_scaling
         # Granite: the first layer's input (embeddings, or the prompt embeddings given) times this.
         self.embedding_multiplier = config.embedding_multiplier
-        # Speculative decoding's EAGLE-3 head reads the inputs of these layers (set when it loads):
-        # each pass keeps them, in this order, in aux_hidden_states.
+        # Speculative decoding's EAGLE-3 head reads the inputs of these layers (ascending; set when it
+        # loads): each pass keeps them, in this order, in aux_hidden_states.
         self.aux_layer_ids: tuple[int, ...] = ()
         self.aux_hidden_states: list[torch.Tensor] = []
 
@@ -287,15 +287,14 @@ class LlamaModel(nn.Module):
                                                  residual, meta)
         else:
             rows, values = deepstack if deepstack is not None else (None, ())
-            inputs: dict[int, torch.Tensor] = {}
+            self.aux_hidden_states = []
             for i, layer in enumerate(layers):
                 if i in self.aux_layer_ids:  # (the layer's input: EAGLE-3's feature; no pipeline stages then)
-                    inputs[i] = hidden if residual is None else hidden + residual
+                    self.aux_hidden_states.append(hidden if residual is None else hidden + residual)
                 hidden, residual = layer.forward(rope if local is None or not layer.local_rope else local, hidden,
                                                  residual, meta)
                 if i < len(values):  # (the layer's output is hidden + residual: one of them gains them)
                     hidden = hidden.index_add(0, rows, values[i].to(hidden.dtype))
-            self.aux_hidden_states = [inputs[i] for i in self.aux_layer_ids]
         if not self.stage.last:
             return hidden, residual
         hidden, _ = self.norm.forward(hidden, residual)

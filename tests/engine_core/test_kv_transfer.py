@@ -578,6 +578,6 @@ def test_the_mtp_drafters_cache_travels_with_the_prompts(tmp_path):
 
 
 def test_a_draft_models_cache_is_not_transferred_so_it_is_refused(tiny_model_dir):
-    with pytest.raises(ValueError, match="a draft model's KV cache is not transferred"):
+    with pytest.raises(ValueError, match="a draft model's or EAGLE head's KV cache is not transferred"):
         _engine(tiny_model_dir, {"kv_role": "kv_consumer"},
                 speculative_config={"model": str(tiny_model_dir), "num_speculative_tokens": 2})

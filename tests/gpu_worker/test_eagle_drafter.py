@@ -49,7 +49,7 @@ class EagleReference:
         speculators = "speculators_model_type" in cfg
         self.cfg = {**cfg["transformer_layer_config"], **cfg} if speculators else cfg
         self.norm_before_residual = self.cfg.get("norm_before_residual", speculators)
-        self.t = {name: materialize(t) for name, t in iter_checkpoint(head)}
+        self.t = {name.removeprefix("model."): materialize(t) for name, t in iter_checkpoint(head)}
         prefix = "layers.0." if method == "eagle" or speculators else "midlayer."
         self.w = {name[len(prefix):]: t for name, t in self.t.items() if name.startswith(prefix)}
         self.eps = self.cfg["rms_norm_eps"]
@@ -58,7 +58,8 @@ class EagleReference:
         layers = self.target.config.num_hidden_layers
         ids = (self.cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
             or self.cfg.get("eagle_aux_hidden_state_layer_ids")
-        self.aux_ids = tuple(ids) if ids else (2, layers // 2, layers - 3)
+        # (Each layer's input once, in the layers' order, as vLLM's decoder keeps them.)
+        self.aux_ids = tuple(sorted(set(ids or (2, layers // 2, layers - 3))))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
@@ -139,10 +140,12 @@ def eagle_runner(target: Path, head: Path, method: str, num_blocks: int, block_s
 HEADS = {  # method, head kwargs, target kind
     "eagle": ("eagle", {}, "llama"),
     "eagle-no-fc-bias-bin": ("eagle", {"fc_bias": False, "pytorch_bin": True}, "llama"),
+    "eagle-names-under-model": ("eagle", {"name_prefix": "model."}, "llama"),
     "eagle3": ("eagle3", {"draft_vocab_size": 200}, "llama"),
     "eagle3-layer-ids": ("eagle3", {"draft_vocab_size": 200, "config_overrides": {
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 1]}}}, "llama"),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 6, 1]}}}, "llama"),
     "eagle3-qwen3-moe": ("eagle3", {"draft_vocab_size": 200}, "qwen3_moe"),
+    "eagle3-whole-vocab-names-under-model": ("eagle3", {"name_prefix": "model."}, "llama"),
     "eagle3-speculators-format": ("eagle3", {"draft_vocab_size": 200, "speculators": True, "config_overrides": {
         "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, "llama"),
 }
@@ -151,7 +154,8 @@ HEADS = {  # method, head kwargs, target kind
 @pytest.mark.parametrize("case", list(HEADS))
 def test_every_eagle_draft_is_the_references_through_chunks_and_rejections(case, tmp_path):
     method, kwargs, kind = HEADS[case]
-    target = save_near_bigram_target(tmp_path / "target", kind=kind)
+    # (EAGLE-3's built guess goes through the target's bigram twice: a target closer to one.)
+    target = save_near_bigram_target(tmp_path / "target", kind=kind, near_bigram=0.02 if method == "eagle" else 0.005)
     head = save_tiny_eagle_head(tmp_path / "head", target, method, near_bigram=0.02, **kwargs)
     reference = EagleReference(target, head, method)
     block_size, budget = 4, 24
@@ -194,7 +198,7 @@ def test_every_eagle_draft_is_the_references_through_chunks_and_rejections(case,
 
 
 def test_what_does_not_fit_is_refused(tmp_path):
-    target = save_tiny_model(tmp_path / "target", num_hidden_layers=4)
+    target = save_tiny_model(tmp_path / "target", num_hidden_layers=8)
     config = ModelConfig.from_pretrained(target)
     eagle = save_tiny_eagle_head(tmp_path / "eagle", target, "eagle")
     eagle3 = save_tiny_eagle_head(tmp_path / "eagle3", target, "eagle3", draft_vocab_size=100)
@@ -203,15 +207,28 @@ def test_what_does_not_fit_is_refused(tmp_path):
         eagle_head_config(eagle3, "eagle", config)
     with pytest.raises(ValueError, match=r"is an EAGLE head .* with speculative method 'eagle', not 'eagle3'"):
         eagle_head_config(eagle, "eagle3", config)
-    wider = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "wider", hidden_size=96, num_hidden_layers=4))
+    wider = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "wider", hidden_size=96, num_hidden_layers=8))
     with pytest.raises(ValueError, match=r"width \(64\) is not the target's \(96\)"):
         eagle_head_config(eagle, "eagle", wider)
-    other_vocab = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "v", vocab_size=300, num_hidden_layers=4))
+    other_vocab = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "v", vocab_size=300, num_hidden_layers=8))
     with pytest.raises(ValueError, match=r"vocabulary \(256 tokens\) is not the target's \(300\)"):
         eagle_head_config(eagle, "eagle", other_vocab)
     shallow = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "shallow", num_hidden_layers=2))
     with pytest.raises(ValueError, match=r"reads the inputs of the target's layers \[2, 1, -1\]; the target has 2"):
         eagle_head_config(eagle3, "eagle3", shallow)
+    for ids, message in (([], r"layers \[\]"), ([1, 2], r"fc reads 192 features, not the 2 x 64 of the target's "
+                                                        r"layers \[1, 2\]"), ([2, 2, 4], "not the 2 x 64")):
+        with_ids = save_tiny_eagle_head(tmp_path / f"ids{len(ids)}{ids[:1]}", target, "eagle3", config_overrides={
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}})
+        with pytest.raises(ValueError, match=message):
+            eagle_head_config(with_ids, "eagle3", config)
+    larger = save_tiny_eagle_head(tmp_path / "larger", target, "eagle3", config_overrides={"draft_vocab_size": 300})
+    with pytest.raises(ValueError, match=r"draft vocabulary \(300 tokens\) is larger than the target's \(256\)"):
+        eagle_head_config(larger, "eagle3", config)
+    with pytest.raises(ValueError, match=r"holds no EAGLE head .* or the model to method draft_model"):
+        eagle_head_config(target, "eagle", config)
+    with pytest.raises(ValueError, match="is not one"):
+        eagle_head_config(target / "model.safetensors", "eagle", config)
     (eagle3 / "model.safetensors").unlink()
     no_map = save_tiny_eagle_head(tmp_path / "no_map", target, "eagle3", draft_vocab_size=100)
     from safetensors.torch import load_file, save_file
@@ -229,7 +246,7 @@ def test_what_does_not_fit_is_refused(tmp_path):
 
 
 def test_eagle3_is_refused_where_the_target_gives_no_inner_hidden_states(tmp_path):
-    target = save_tiny_model(tmp_path / "gemma", "gemma", num_hidden_layers=4)
+    target = save_tiny_model(tmp_path / "gemma", "gemma", num_hidden_layers=8)
     config = ModelConfig.from_pretrained(target)
     head = save_tiny_eagle_head(tmp_path / "head", target, "eagle3")
     runner = ModelRunner(config, device="cpu", dtype=torch.float32, max_model_len=64, num_spec_tokens=K)
@@ -274,8 +291,8 @@ def test_two_tensor_parallel_ranks_draft_as_one_with_eagle3(tmp_path):
     plain.initialize_cache(48, 4)
     tp1 = Worker(0, 1, str(target), num_spec_tokens=K, draft_model=str(head), draft_method="eagle3", **kwargs)
     tp1.load_model()
-    # (One more layer's cache beside the target's four: of the same geometry.)
-    assert tp1.bytes_per_block(4) == plain.bytes_per_block(4) * 5 // 4
+    # (One more layer's cache beside the target's eight: of the same geometry.)
+    assert tp1.bytes_per_block(4) == plain.bytes_per_block(4) * 9 // 8
     tp1.initialize_cache(48, 4)
     answers, proposed = _drive(tp1.execute_model, prompts, 48)
     scheduler = make_scheduler(num_blocks=48, block_size=4, max_num_batched_tokens=16)

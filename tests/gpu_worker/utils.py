@@ -326,13 +326,13 @@ def save_tiny_model_with_mtp(path: Path, kind: str, seed: int = 0, near_bigram: 
 
 def save_near_bigram_target(path: Path, seed: int = 0, near_bigram: float = 0.02, kind: str = "llama",
                             **overrides) -> Path:
-    """A tiny Llama (or model of another ``kind``; four layers by default) whose every layer's output
+    """A tiny Llama (or model of another ``kind``; eight layers by default) whose every layer's output
     projections are scaled by ``near_bigram``: each layer's input stays close to the token's
     embedding, so the model's next token follows mostly from its last (``bigram_successors``), and a
     head guessing from that agrees."""
     from safetensors.torch import load_file, save_file
 
-    save_tiny_model(path, kind, seed, **{"num_hidden_layers": 4, **overrides})
+    save_tiny_model(path, kind, seed, **{"num_hidden_layers": 8, **overrides})
     tensors = load_file(path / "model.safetensors")
     for name in tensors:
         if name.startswith("model.layers.") and ("o_proj" in name or "down_proj" in name):
@@ -353,7 +353,8 @@ def bigram_successors(target: dict[str, torch.Tensor], eps: float) -> torch.Tens
 
 def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, near_bigram: float | None = None,
                          draft_vocab_size: int | None = None, fc_bias: bool = True, pytorch_bin: bool = False,
-                         config_overrides: dict | None = None, speculators: bool = False) -> Path:
+                         config_overrides: dict | None = None, speculators: bool = False,
+                         name_prefix: str = "") -> Path:
     """A random-weight EAGLE (``method`` eagle: ``fc.*`` and ``layers.0.*`` without an input norm,
     as the EAGLE authors save them, ``fc_bias`` or not) or EAGLE-3 head (``midlayer.*`` with a
     query/key/value input twice the width, ``hidden_norm``, ``fc`` from three hidden states,
@@ -361,7 +362,8 @@ def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, n
     tiny Llama at ``target``; both carry a copy of the target's embedding, as released heads do.
     ``pytorch_bin``: saved as pytorch_model.bin. ``speculators``: an EAGLE-3 head as the speculators
     library saves it (``layers.0.*``; its config a ``transformer_layer_config`` beside the head's
-    settings, with norm_before_residual). ``near_bigram`` (with save_near_bigram_target's
+    settings, with norm_before_residual). ``name_prefix``: before every tensor's name (some heads are
+    saved under ``model.``). ``near_bigram`` (with save_near_bigram_target's
     target): the head's layer outputs scaled by it, and its fc passing on what predicts the target's
     next token (EAGLE: the next token's embedding, through the target's head; EAGLE-3: the token's
     own feature, through a head whose rows pick the successor's successor), so drafts mostly agree."""
@@ -439,6 +441,7 @@ def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, n
     config.update(config_overrides or {})
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
+    head = {f"{name_prefix}{name}": tensor for name, tensor in head.items()}
     if pytorch_bin:
         torch.save(head, path / "pytorch_model.bin")
     else:
