@@ -216,6 +216,9 @@ class ModelRunner:
             raise ValueError("an EAGLE head proposes for a text decoder here; serve the vision-language model "
                              "text-only (--limit-mm-per-prompt '{\"image\": 0, \"video\": 0}') or use n-gram "
                              "speculative decoding")
+        if config.max_context_len < self.max_model_len:  # (a YaRN head's reach is its own)
+            raise ValueError(f"the EAGLE head's positions reach {config.max_context_len} tokens, short of "
+                             f"max_model_len ({self.max_model_len}): lower --max-model-len")
         stack = None
         if config.eagle.aux_layer_ids:
             stack = getattr(self.model, "model", None)

@@ -245,6 +245,17 @@ def test_what_does_not_fit_is_refused(tmp_path):
         eagle_head_config(speculators, "eagle", config)
 
 
+def test_a_head_whose_positions_reach_less_than_max_model_len_is_refused(tmp_path):
+    target = save_tiny_model(tmp_path / "target", num_hidden_layers=8)
+    config = ModelConfig.from_pretrained(target)
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    head = save_tiny_eagle_head(tmp_path / "head", target, "eagle", config_overrides={"rope_parameters": yarn})
+    runner = ModelRunner(config, device="cpu", dtype=torch.float32, max_model_len=128, num_spec_tokens=K)
+    runner.load_model(target)
+    with pytest.raises(ValueError, match=r"positions reach 64 tokens, short of max_model_len \(128\)"):
+        runner.load_eagle_drafter(eagle_head_config(head, "eagle", config), head, K)
+
+
 def test_eagle3_is_refused_where_the_target_gives_no_inner_hidden_states(tmp_path):
     target = save_tiny_model(tmp_path / "gemma", "gemma", num_hidden_layers=8)
     config = ModelConfig.from_pretrained(target)
