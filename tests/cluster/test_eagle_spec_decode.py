@@ -7,14 +7,10 @@ is refused before the workers load."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from cluster import LLM, SamplingParams
-from tests.cluster.test_architectures import PROMPTS
-from tests.cluster.test_spec_decode import run
+from cluster import LLM
+from tests.cluster.spec_decode_checks import check_greedy_answers_with_drafts, check_the_drafter_sleeps_and_wakes
 from tests.gpu_worker.utils import (
-    hf_greedy,
-    load_hf,
     save_near_bigram_target,
     save_tiny_eagle_head,
     save_tiny_model,
@@ -33,46 +29,17 @@ def _target_and_head(tmp_path, method: str, **head):
 @pytest.mark.parametrize(("method", "head"), [("eagle", {"pytorch_bin": True}), ("eagle3", {"draft_vocab_size": 200})])
 def test_eagle_drafts_keep_the_greedy_answers_through_preemption_and_the_prefix_cache(tmp_path, method, head):
     target, head_dir = _target_and_head(tmp_path, method, **head)
-    prompts = PROMPTS + PROMPTS[:2]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    spec = {"method": method, "model": str(head_dir), "num_speculative_tokens": 3}
-    outputs, stats = run(target, prompts, params, dtype="float32", block_size=4, num_gpu_blocks=22,
-                         max_num_batched_tokens=16, max_num_seqs=8, max_model_len=80, speculative_config=spec)
-    hf = load_hf(target)
-    with torch.no_grad():
-        expected = [hf_greedy(hf, prompt, 12) for prompt in prompts]
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
-    assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    check_greedy_answers_with_drafts(target, {"method": method, "model": str(head_dir), "num_speculative_tokens": 3},
+                                     num_gpu_blocks=22)
 
 
 def test_the_eagle3_head_sleeps_and_wakes_with_its_model(tmp_path):
     """Level 2 discards the head's weights with the model's and reads them again from the head's
     checkpoint on waking: the same answers and the same drafts."""
     target, head_dir = _target_and_head(tmp_path, "eagle3", draft_vocab_size=200)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    llm = LLM(model=str(target), dtype="float32", num_gpu_blocks=64, max_model_len=128, enable_sleep_mode=True,
-              speculative_config={"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3})
-    try:
-        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        stats = llm.get_stats()[0]
-        drafter = llm._engine.executor.worker.runner.drafter.runner
-        # (Its own layer, fc, norm, head and id map: not the target's embedding, which it shares.)
-        assert {name.split(".")[0] for name, _ in drafter.model.named_parameters()} == {"model", "lm_head", "d2t"}
-        llm.sleep(level=2)
-        assert drafter.kv_caches == [] and all(p.numel() == 0 for p in drafter.model.parameters())
-        llm.wake_up()
-        assert all(p.numel() > 0 for p in drafter.model.parameters()) and len(drafter.kv_caches) == 1
-        after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        again = llm.get_stats()[0]
-    finally:
-        llm.shutdown()
-    assert after == before
-    assert stats.spec_decode_num_accepted_tokens > 0
-    assert (again.spec_decode_num_draft_tokens - stats.spec_decode_num_draft_tokens,
-            again.spec_decode_num_accepted_tokens - stats.spec_decode_num_accepted_tokens) == (
-        stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens)
+    # (Its own layer, fc, norm, head and id map: not the target's embedding, which it shares.)
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}
+    check_the_drafter_sleeps_and_wakes(target, spec, 24, {"model", "lm_head", "d2t"}, root_at=0)
 
 
 def test_a_head_that_does_not_fit_or_none_is_refused_before_the_workers_load(tmp_path):

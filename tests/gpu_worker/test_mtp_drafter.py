@@ -15,21 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_core.spec_decode import model_drafts
 from gpu_worker.config import ModelConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.mtp import mtp_config
-from gpu_worker.worker import Worker
+from tests.gpu_worker.drafter_checks import check_every_draft, check_two_ranks_draft_as_one
 from tests.gpu_worker.utils import (
-    greedy_request,
-    hf_greedy,
     load_hf,
-    make_scheduler,
-    run_to_completion,
     save_tiny_model,
     save_tiny_model_with_mtp,
 )
-from tests.ports import free_port
 
 K = 3  # drafts a pass
 
@@ -100,40 +94,7 @@ def mtp_runner(path: Path, num_blocks: int, block_size: int, max_num_batched_tok
 @pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])
 def test_every_mtp_draft_is_the_references_through_chunks_and_rejections(kind, tmp_path):
     path = save_tiny_model_with_mtp(tmp_path / "model", kind, near_bigram=0.02)
-    reference = MtpReference(path, tmp_path)
-    block_size, budget = 4, 24
-    runner = mtp_runner(path, 96, block_size, budget)
-    scheduler = make_scheduler(num_blocks=96, block_size=block_size, max_num_batched_tokens=budget,
-                               num_spec_tokens=K, prefix_caching=False)
-    scheduler.num_lookahead_tokens = K
-    generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 30, 11, 1)]
-    max_tokens = 16
-    for i, prompt in enumerate(prompts):
-        scheduler.add_request(greedy_request(f"r{i}", prompt, max_tokens))
-    checked = accepted = rejected = 0
-    outputs: dict[str, list[int]] = {}
-    for _ in range(200):
-        if not scheduler.has_unfinished_requests():
-            break
-        so = scheduler.schedule()
-        out = runner.execute_model(so)
-        for eco in scheduler.update_from_output(so, out).values():
-            for o in eco.outputs:
-                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-        for req_id, drafted in so.scheduled_spec_decode_tokens.items():
-            kept = len(out.sampled_token_ids[out.req_id_to_index[req_id]]) - 1
-            accepted, rejected = accepted + kept, rejected + len(drafted) - kept
-        for req_id, draft in (out.draft_token_ids or {}).items():
-            sequence = list(scheduler.requests[req_id].all_token_ids)
-            assert draft == reference.drafts(sequence, len(draft)), (req_id, len(sequence))
-            checked += 1
-        scheduler.update_draft_token_ids(model_drafts(scheduler.running, out.draft_token_ids, K, 256))
-    else:
-        raise AssertionError("requests did not finish")
-    assert [outputs[f"r{i}"] for i in range(len(prompts))] == [hf_greedy(reference.target, p, max_tokens)
-                                                               for p in prompts]
-    assert checked > 10 and accepted > 0 and rejected > 0, (checked, accepted, rejected)
+    check_every_draft(mtp_runner(path, 96, 4, 24), MtpReference(path, tmp_path), K)
 
 
 def test_a_model_without_an_mtp_layer_is_refused(tmp_path):
@@ -152,72 +113,18 @@ def test_a_model_without_an_mtp_layer_is_refused(tmp_path):
         mtp_config(llama)
 
 
-def _drive(execute, prompts: dict[str, list[int]], num_blocks: int) -> tuple[dict[str, list[int]], list[dict]]:
-    """Greedy answers, drafting with the MTP layer: (answers, each pass's proposed drafts)."""
-    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, num_spec_tokens=K)
-    scheduler.num_lookahead_tokens = K
-    for req_id, prompt in prompts.items():
-        scheduler.add_request(greedy_request(req_id, prompt, 10))
-    answers: dict[str, list[int]] = {}
-    proposed: list[dict] = []
-    while scheduler.has_unfinished_requests():
-        so = scheduler.schedule()
-        out = execute(so)
-        for eco in scheduler.update_from_output(so, out).values():
-            for o in eco.outputs:
-                answers.setdefault(o.request_id, []).extend(o.new_token_ids)
-        proposed.append(out.draft_token_ids or {})
-        scheduler.update_draft_token_ids(model_drafts(scheduler.running, out.draft_token_ids, K, 256))
-    return answers, proposed
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "expert_parallel"), [("glm4_moe", True), ("deepseek_v3", False)])
 def test_two_tensor_parallel_ranks_draft_as_one(tmp_path, kind, expert_parallel):
     """The MTP layer shards over the target's two workers (its experts split by width or by expert,
     its latent attention by heads); the sampling rank shares what it accepted and sampled: the same
     drafts, pass for pass, and the same answers as one rank, and those are the plain greedy ones."""
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
 
     path = save_tiny_model_with_mtp(tmp_path / "model", kind, near_bigram=0.02, num_key_value_heads=1,
                                     vocab_size=251)
     rng = random.Random(5)
     prompts = {f"r{i}": [rng.randrange(3, 251) for _ in range(rng.randrange(2, 20))] for i in range(4)}
     kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1, enable_expert_parallel=expert_parallel)
-    plain = Worker(0, 1, str(path), **kwargs)
-    plain.load_model()
-    plain.initialize_cache(48, 4)
-    tp1 = Worker(0, 1, str(path), num_spec_tokens=K, mtp_drafter=True, **kwargs)
-    tp1.load_model()
-    # (One more layer's cache beside the target's: its own block of the same geometry.)
-    assert tp1.bytes_per_block(4) == plain.bytes_per_block(4) * 3 // 2
-    tp1.initialize_cache(48, 4)
-    answers, proposed = _drive(tp1.execute_model, prompts, 48)
-    scheduler = make_scheduler(num_blocks=48, block_size=4, max_num_batched_tokens=16)
-    for req_id, prompt in prompts.items():
-        scheduler.add_request(greedy_request(req_id, prompt, 10))
-    assert answers == run_to_completion(scheduler, plain.execute_model)
-    assert any(proposed)
-
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        remote_worker = ray.remote(num_cpus=1)(Worker)
-        ranks = [remote_worker.remote(rank, 2, str(path), num_spec_tokens=K, mtp_drafter=True, **kwargs)
-                 for rank in range(2)]
-        port = free_port()
-        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
-        ray.get([w.load_model.remote() for w in ranks])
-        ray.get([w.initialize_cache.remote(48, 4) for w in ranks])
-
-        def execute(so):
-            outs = ray.get([w.execute_model.remote(so) for w in ranks])
-            assert outs[1] is None  # only rank 0 answers
-            return outs[0]
-
-        assert _drive(execute, prompts, 48) == (answers, proposed)
-        ray.get([w.shutdown.remote() for w in ranks])
-    finally:
-        if started_here:
-            ray.shutdown()
+    # (One more layer's cache beside the target's two: its own, of the same geometry.)
+    check_two_ranks_draft_as_one(path, prompts, K, kwargs, {"mtp_drafter": True}, (3, 2))
