@@ -20,18 +20,14 @@ Usage: python benchmarks/bench_eagle.py [--num-prompts 8] [--max-tokens 64] [--m
 
 from __future__ import annotations
 
-import argparse
-import random
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_spec_decode import measure
+from benchmarks.bench_spec_decode import drafter_bench, report_modes
 from tests.gpu_worker.utils import save_near_bigram_target, save_tiny_eagle_head, save_tiny_model
 
 SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -59,19 +55,7 @@ def target_and_heads(out_dir: Path, layers: int, agreeing: bool) -> tuple[Path, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="Batch size cap (1: one request at a time).")
-    parser.add_argument("--layers", type=int, default=30)
-    args = parser.parse_args()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, SMOLLM2_135M["vocab_size"]) for _ in range(args.prompt_len)]
-               for _ in range(args.num_prompts)]
-    print(f"{args.num_prompts} prompts of {args.prompt_len} tokens x {args.max_tokens} tokens, greedy, "
-          f"max_num_seqs={args.max_num_seqs}, fp32, {torch.get_num_threads()} threads")
-    print(f"{'target':10} {'mode':11} {'tok/s':>8} {'vs plain':>9} {'passes':>7} {'accepted':>9}")
+    args, prompts = drafter_bench(__doc__, SMOLLM2_135M["vocab_size"])
     with tempfile.TemporaryDirectory() as scratch:
         for variant in ("untrained", "agreeing"):
             variant_dir = Path(scratch) / variant
@@ -80,14 +64,7 @@ def main() -> None:
             modes = [("plain", None)] + [
                 (f"{method} k={k}", {"method": method, "model": str(head), "num_speculative_tokens": k})
                 for method, head in (("eagle", eagle), ("eagle3", eagle3)) for k in (1, 3)]
-            base = None
-            for name, spec in modes:
-                r = measure(prompts, args.max_tokens, args.max_num_seqs, spec, model=str(target), dtype="float32",
-                            max_model_len=512)
-                base = base or r
-                same = r["answers"] == base["answers"]
-                print(f"{variant:10} {name:11} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x "
-                      f"{r['steps']:7d} {r['acceptance']:8.0%}" + ("" if same else "  ANSWERS DIFFER"), flush=True)
+            report_modes(variant, target, modes, prompts, args)
 
 
 if __name__ == "__main__":

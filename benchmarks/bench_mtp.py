@@ -18,9 +18,7 @@ Usage: python benchmarks/bench_mtp.py [--num-prompts 8] [--max-tokens 64] [--max
 
 from __future__ import annotations
 
-import argparse
 import json
-import random
 import shutil
 import sys
 import tempfile
@@ -30,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_spec_decode import measure
+from benchmarks.bench_spec_decode import drafter_bench, report_modes
 
 SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
                 "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
@@ -75,31 +73,12 @@ def glm_with_mtp(out_dir: Path, layers: int, agreeing: bool) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="Batch size cap (1: one request at a time).")
-    parser.add_argument("--layers", type=int, default=30)
-    args = parser.parse_args()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, SMOLLM2_135M["vocab_size"]) for _ in range(args.prompt_len)]
-               for _ in range(args.num_prompts)]
+    args, prompts = drafter_bench(__doc__, SMOLLM2_135M["vocab_size"])
     modes = [("plain", None)] + [(f"mtp k={k}", {"method": "mtp", "num_speculative_tokens": k}) for k in (1, 2, 3)]
-    print(f"{args.num_prompts} prompts of {args.prompt_len} tokens x {args.max_tokens} tokens, greedy, "
-          f"max_num_seqs={args.max_num_seqs}, fp32, {torch.get_num_threads()} threads")
-    print(f"{'model':10} {'mode':10} {'tok/s':>8} {'vs plain':>9} {'passes':>7} {'accepted':>9}")
     with tempfile.TemporaryDirectory() as scratch:
         for variant in ("untrained", "agreeing"):
             model = glm_with_mtp(Path(scratch) / variant, args.layers, agreeing=variant == "agreeing")
-            base = None
-            for name, spec in modes:
-                r = measure(prompts, args.max_tokens, args.max_num_seqs, spec, model=str(model), dtype="float32",
-                            max_model_len=512)
-                base = base or r
-                same = r["answers"] == base["answers"]
-                print(f"{variant:10} {name:10} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x {r['steps']:7d} "
-                      f"{r['acceptance']:8.0%}" + ("" if same else "  ANSWERS DIFFER"))
+            report_modes(variant, model, modes, prompts, args)
 
 
 if __name__ == "__main__":

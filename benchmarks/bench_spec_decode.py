@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from cluster import LLM, SamplingParams
 
 PASSAGES = [
@@ -110,6 +112,38 @@ def measure(prompts, max_tokens: int, max_num_seqs: int, spec: dict | None, stru
     return {"answers": [o.outputs[0].token_ids for o in outputs], "tok_s": tokens / elapsed,
             "steps": after.num_steps - before.num_steps, "acceptance": accepted / draft_tokens if draft_tokens else 0.0,
             "mean_len": 1 + accepted / drafts if drafts else 1.0}
+
+
+def drafter_bench(description: str, vocab_size: int) -> tuple[argparse.Namespace, list[list[int]]]:
+    """The arguments of a drafter's benchmark on a random target (bench_mtp, bench_eagle) and its
+    random prompts; prints the header."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="Batch size cap (1: one request at a time).")
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, vocab_size) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    print(f"{args.num_prompts} prompts of {args.prompt_len} tokens x {args.max_tokens} tokens, greedy, "
+          f"max_num_seqs={args.max_num_seqs}, fp32, {torch.get_num_threads()} threads")
+    print(f"{'model':10} {'mode':11} {'tok/s':>8} {'vs plain':>9} {'passes':>7} {'accepted':>9}")
+    return args, prompts
+
+
+def report_modes(variant: str, model: Path, modes: list[tuple[str, dict | None]], prompts: list[list[int]],
+                 args: argparse.Namespace) -> None:
+    """Each mode (the first: plain decoding) on ``model``, a line each: tokens/s, the ratio to the
+    first, passes, acceptance; answers that differ from the first's are flagged."""
+    base = None
+    for name, spec in modes:
+        r = measure(prompts, args.max_tokens, args.max_num_seqs, spec, model=str(model), dtype="float32",
+                    max_model_len=512)
+        base = base or r
+        same = r["answers"] == base["answers"]
+        print(f"{variant:10} {name:11} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x {r['steps']:7d} "
+              f"{r['acceptance']:8.0%}" + ("" if same else "  ANSWERS DIFFER"), flush=True)
 
 
 def main() -> None:
