@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from engine_core.kv_transfer import KVTransferConfig
@@ -280,7 +281,8 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SpeculativeConfig | None:
         """None or an empty mapping: no speculative decoding (``{}`` turns a cluster-wide default off
-        for one engine in an override list). A ``model`` without a ``method`` is a draft model, as in vLLM."""
+        for one engine in an override list). A ``model`` without a ``method`` is a draft model or an
+        EAGLE head, as vLLM infers it (_implied_by_draft)."""
         if not data:
             return None
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
@@ -288,8 +290,36 @@ class SpeculativeConfig:
         unknown = sorted(set(data) - known)
         _require(not unknown, "speculative_config", f"a mapping of {', '.join(sorted(known))}", unknown)
         if data.get("model") is not None and "method" not in data:
-            data = {**data, "method": "draft_model"}
+            data = {**data, **_implied_by_draft(str(data["model"]), "num_speculative_tokens" in data)}
         return cls(**data)
+
+
+# config.json architectures naming an EAGLE-3 head (the EAGLE authors' and vLLM's).
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def _implied_by_draft(model: str, has_k: bool) -> dict[str, Any]:
+    """What a draft ``model`` given without a ``method`` implies, as vLLM infers it: an EAGLE-3 head
+    (one the speculators library saved, whose proposal also gives num_speculative_tokens where that
+    is not given; one whose architectures name it; "eagle3" in its name), an EAGLE head ("eagle" in
+    its name), else a draft model."""
+    config_file = Path(model).expanduser() / "config.json"
+    try:
+        cfg = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except (OSError, ValueError):
+        cfg = {}
+    name = Path(model).name.lower()
+    implied: dict[str, Any] = {"method": "draft_model"}
+    if cfg.get("speculators_model_type") in ("eagle", "eagle3"):
+        implied["method"] = cfg["speculators_model_type"]
+        methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        if not has_k and isinstance(methods[0].get("speculative_tokens"), int):
+            implied["num_speculative_tokens"] = methods[0]["speculative_tokens"]
+    elif (cfg.get("architectures") or [None])[0] in EAGLE3_ARCHITECTURES or "eagle3" in name:
+        implied["method"] = "eagle3"
+    elif "eagle" in name:
+        implied["method"] = "eagle"
+    return implied
 
 
 @dataclass(frozen=True)

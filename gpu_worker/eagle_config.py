@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine_core.config import EAGLE3_ARCHITECTURES
+
 if TYPE_CHECKING:
     from gpu_worker.config import ModelConfig
 
 EAGLE_METHODS = ("eagle", "eagle3")
 # The head model classes (gpu_worker/models/eagle.py), by method.
 EAGLE_ARCHITECTURES = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
-# config.json architectures naming an EAGLE-3 head (the EAGLE authors' and vLLM's).
-_EAGLE3_NAMES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,8 @@ class EagleHead:
     method: str
     # The target's width (the feature's, and the embedding's the head takes).
     target_hidden_size: int
-    # EAGLE-3: the target's layers whose inputs make the feature, side by side in the layers' order.
+    # EAGLE-3: the target's layers whose inputs make the feature, side by side in the layers' order
+    # (none: its last hidden state is the feature, as for EAGLE: use_aux_hidden_state false).
     aux_layer_ids: tuple[int, ...] = ()
     # EAGLE: a bias on fc; the first layer's input norm kept (the EAGLE authors' heads drop it);
     # HASS's norms of the embedding and the feature before fc (add_para_norm).
@@ -83,16 +84,19 @@ def eagle_head_config(model_dir: str | Path, method: str, target: ModelConfig) -
     if "speculators_model_type" in cfg:
         cfg = _from_speculators_format(model_dir, cfg)
     named = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-    if (named in _EAGLE3_NAMES) != (method == "eagle3"):
-        other = "eagle3" if named in _EAGLE3_NAMES else "eagle"
+    if (named in EAGLE3_ARCHITECTURES) != (method == "eagle3"):
+        other = "eagle3" if named in EAGLE3_ARCHITECTURES else "eagle"
         raise ValueError(f"{model_dir} is an {other.upper().replace('EAGLE3', 'EAGLE-3')} head ({named}): serve it "
                          f"with speculative method {other!r}, not {method!r}")
     if cfg.get("model_type", "llama") != "llama":
         raise ValueError(f"an EAGLE head is a Llama decoder layer; {model_dir} is a {cfg.get('model_type')!r} model")
     shapes = checkpoint_tensor_shapes(model_dir)
     layer_prefix = "layers.0." if method == "eagle" or any(n.startswith("layers.0.") for n in shapes) else "midlayer."
-    if "fc.weight" not in shapes or not any(name.startswith(layer_prefix) for name in shapes):
-        raise ValueError(f"{model_dir} holds no EAGLE head (its checkpoint has no fc.weight beside "
+    # (An EAGLE-3 head may read the target's last hidden state alone, without fc: use_aux_hidden_state false.)
+    reads_aux = method == "eagle3" and (cfg.get("eagle_config") or {}).get("use_aux_hidden_state", True)
+    needs_fc = method == "eagle" or reads_aux
+    if (needs_fc and "fc.weight" not in shapes) or not any(name.startswith(layer_prefix) for name in shapes):
+        raise ValueError(f"{model_dir} holds no EAGLE head (its checkpoint has no {'fc.weight beside ' * needs_fc}"
                          f"{layer_prefix}*): give an EAGLE head's directory, or the model to method draft_model")
     layer = ModelConfig.from_dict({**cfg, "architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False})
     if layer.hidden_size != target.hidden_size:
@@ -114,16 +118,16 @@ def eagle_head_config(model_dir: str | Path, method: str, target: ModelConfig) -
         if ids is None:
             ids = cfg.get("eagle_aux_hidden_state_layer_ids")
         ids = (2, num_target_layers // 2, num_target_layers - 3) if ids is None else tuple(int(i) for i in ids)
-        if not ids or any(not 0 <= i < num_target_layers for i in ids):
+        if reads_aux and (not ids or any(not 0 <= i < num_target_layers for i in ids)):
             raise ValueError(f"the EAGLE-3 head reads the inputs of the target's layers {list(ids)}; the target has "
                              f"{num_target_layers} (eagle_config.eagle_aux_hidden_state_layer_ids)")
         # (Taken in the layers' order, each once, as vLLM's decoder keeps them.)
-        ids = tuple(sorted(set(ids)))
+        ids = tuple(sorted(set(ids))) if reads_aux else ()
         width = int(cfg.get("target_hidden_size") or target.hidden_size)
         if width != target.hidden_size:
             raise ValueError(f"the EAGLE-3 head was trained on hidden states {width} wide; the target's are "
                              f"{target.hidden_size}")
-        if shapes["fc.weight"][-1] != len(ids) * width:
+        if reads_aux and shapes["fc.weight"][-1] != len(ids) * width:
             raise ValueError(f"the EAGLE-3 head's fc reads {shapes['fc.weight'][-1]} features, not the "
                              f"{len(ids)} x {width} of the target's layers {list(ids)} it names")
         draft_vocab = int(cfg.get("draft_vocab_size") or layer.vocab_size)

@@ -38,7 +38,8 @@ class _Identity(nn.Module):
 class _EagleStack(nn.Module):
     def __init__(self, config: ModelConfig, layers: list[nn.Module], fc_in: int, fc_bias: bool) -> None:
         super().__init__()
-        self.fc = nn.Linear(fc_in, config.hidden_size, bias=fc_bias).requires_grad_(False)
+        # (None where the head takes the target's last hidden state as it is.)
+        self.fc = nn.Linear(fc_in, config.hidden_size, bias=fc_bias).requires_grad_(False) if fc_in else None
         self.layers = nn.ModuleList(layers)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
                                           config.rope_theta, config.rope_scaling)
@@ -68,7 +69,7 @@ class _EagleHeadBase(nn.Module):
         """The head's own tensors: not the checkpoint's copy of the target's embedding, nor a head
         the target's stands for, nor EAGLE-3's target-to-draft mask."""
         name = name.removeprefix("model.")
-        if name.endswith("embed_tokens.weight") or name == "t2d":
+        if name.endswith("embed_tokens.weight") or name == "t2d" or (name.startswith("fc.") and self.model.fc is None):
             return False
         return not name.startswith("lm_head.") or self.lm_head is not None
 
@@ -151,8 +152,9 @@ class Eagle3LlamaForCausalLM(_EagleHeadBase):
                     if head.maps_ids else None)
 
     def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's inner hidden states side by side [tokens, 3 x width] -> the feature."""
-        return self.model.fc.forward(hidden)
+        """The target's inner hidden states side by side [tokens, 3 x width] -> the feature (or its
+        last hidden state, as it is)."""
+        return hidden if self.model.fc is None else self.model.fc.forward(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None, intermediate: object = None,

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import LLM
+from cluster import LLM, SamplingParams
 from tests.cluster.spec_decode_checks import check_greedy_answers_with_drafts, check_the_drafter_sleeps_and_wakes
+from tests.cluster.test_architectures import PROMPTS
 from tests.gpu_worker.utils import (
+    hf_greedy,
+    load_hf,
     save_near_bigram_target,
     save_tiny_eagle_head,
     save_tiny_model,
@@ -55,3 +58,22 @@ def test_a_head_that_does_not_fit_or_none_is_refused_before_the_workers_load(tmp
                                                            "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
         LLM(model=str(target), speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+
+
+def test_a_speculators_head_given_alone_implies_its_method_and_drafts(tmp_path):
+    """vLLM's usage of a speculators-library head: the ``model`` alone, its method (eagle3) and its
+    drafts a pass (the proposal's speculative_tokens) read from its config."""
+    target, head_dir = _target_and_head(tmp_path, "eagle3", draft_vocab_size=200, speculators=True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(target), dtype="float32", num_gpu_blocks=64, max_model_len=128,
+              speculative_config={"model": str(head_dir)})
+    try:
+        spec = llm._engine.config.speculative_config
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    assert (spec.method, spec.num_speculative_tokens) == ("eagle3", 3)
+    hf = load_hf(target)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p.prompt_token_ids, 16) for p in outputs]
+    assert stats.spec_decode_num_accepted_tokens > 0

@@ -34,6 +34,34 @@ def test_ngram_draft_follows_the_earliest_occurrence_of_the_longest_suffix():
     assert draft([7]) == []
 
 
+def test_a_draft_given_without_a_method_implies_one_as_vllm_infers_it(tmp_path):
+    import json
+
+    def head(name: str, config: dict) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / name)
+
+    def implied(model: str, **given) -> tuple[str, int]:
+        spec = SpeculativeConfig.from_dict({"model": model, **given})
+        return spec.method, spec.num_speculative_tokens
+
+    speculators = head("llama.speculator", {"speculators_model_type": "eagle3", "speculators_config": {
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]}})
+    assert implied(speculators) == ("eagle3", 3)
+    assert implied(speculators, num_speculative_tokens=5) == ("eagle3", 5)
+    authors = head("heads-v2", {"architectures": ["LlamaForCausalLMEagle3"]})
+    assert implied(authors, num_speculative_tokens=2) == ("eagle3", 2)
+    assert implied(head("EAGLE3-LLaMA3.1-Instruct-8B", {}), num_speculative_tokens=2) == ("eagle3", 2)
+    assert implied(head("EAGLE-LLaMA3-Instruct-8B", {"architectures": ["LlamaForCausalLM"]}),
+                   num_speculative_tokens=2) == ("eagle", 2)
+    assert implied(head("small", {"architectures": ["LlamaForCausalLM"]}), num_speculative_tokens=2) == (
+        "draft_model", 2)
+    assert implied("/no/such/draft", num_speculative_tokens=2) == ("draft_model", 2)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be given"):
+        SpeculativeConfig.from_dict({"model": authors})
+
+
 def test_speculative_config_defaults_and_refusals():
     default = SpeculativeConfig(num_speculative_tokens=3)
     assert (default.prompt_lookup_min, default.prompt_lookup_max) == (5, 5)

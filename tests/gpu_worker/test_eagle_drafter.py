@@ -52,8 +52,10 @@ class EagleReference:
         layers = self.target.config.num_hidden_layers
         ids = (self.cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
             or self.cfg.get("eagle_aux_hidden_state_layer_ids")
-        # (Each layer's input once, in the layers' order, as vLLM's decoder keeps them.)
-        self.aux_ids = tuple(sorted(set(ids or (2, layers // 2, layers - 3))))
+        # (Each layer's input once, in the layers' order, as vLLM's decoder keeps them; none where the
+        # head reads the last hidden state.)
+        reads_aux = method == "eagle3" and (self.cfg.get("eagle_config") or {}).get("use_aux_hidden_state", True)
+        self.aux_ids = tuple(sorted(set(ids or (2, layers // 2, layers - 3)))) if reads_aux else ()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
@@ -105,7 +107,7 @@ class EagleReference:
     def drafts(self, sequence: list[int], k: int) -> list[int]:
         ids = torch.tensor([sequence])
         out = self.target.model(input_ids=ids[:, :-1], output_hidden_states=True)
-        if self.method == "eagle":
+        if not self.aux_ids:
             features = out.last_hidden_state[0]
         else:
             features = torch.cat([out.hidden_states[i][0] for i in self.aux_ids], -1) @ self.t["fc.weight"].T
@@ -139,6 +141,8 @@ HEADS = {  # method, head kwargs, target kind
     "eagle3-layer-ids": ("eagle3", {"draft_vocab_size": 200, "config_overrides": {
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 6, 1]}}}, "llama"),
     "eagle3-qwen3-moe": ("eagle3", {"draft_vocab_size": 200}, "qwen3_moe"),
+    "eagle3-last-hidden-state": ("eagle3", {"draft_vocab_size": 200, "config_overrides": {
+        "eagle_config": {"use_aux_hidden_state": False}}}, "llama"),
     "eagle3-whole-vocab-names-under-model": ("eagle3", {"name_prefix": "model."}, "llama"),
     "eagle3-speculators-format": ("eagle3", {"draft_vocab_size": 200, "speculators": True, "config_overrides": {
         "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, "llama"),
@@ -156,7 +160,7 @@ def test_every_eagle_draft_is_the_references_through_chunks_and_rejections(case,
     check_every_draft(runner, reference, K)
     # (EAGLE-3: the target kept its layers' inputs for the head, and the head took them.)
     stack = runner.model.model
-    assert stack.aux_layer_ids == reference.aux_ids if method == "eagle3" else stack.aux_layer_ids == ()
+    assert stack.aux_layer_ids == reference.aux_ids
     assert stack.aux_hidden_states == []
 
 
