@@ -422,6 +422,9 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             del encoder_cache
         finally:
+            stack = getattr(self.model, "model", None)
+            if getattr(stack, "aux_hidden_states", None):  # (kept for an EAGLE-3 head: not past here)
+                stack.aux_hidden_states = []
             for layer, cache in zip(layers, saved, strict=True):
                 layer.kv_cache = cache
             del caches

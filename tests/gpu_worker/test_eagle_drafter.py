@@ -164,6 +164,26 @@ def test_every_eagle_draft_is_the_references_through_chunks_and_rejections(case,
     assert stack.aux_hidden_states == []
 
 
+def test_the_memory_profile_keeps_no_inner_hidden_states_after_it(tmp_path):
+    """The profile's largest pass keeps the inputs of the layers an EAGLE-3 head reads (their memory
+    counts in its peak), and lets go of them after it."""
+    target = save_near_bigram_target(tmp_path / "target")
+    head = save_tiny_eagle_head(tmp_path / "head", target, "eagle3", draft_vocab_size=200)
+    runner = eagle_runner(target, head, "eagle3", 16, 4, 64)
+    kept = []
+    stack = runner.model.model
+    forward = stack.forward
+
+    def counting(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        kept.append(len(stack.aux_hidden_states))
+        return out
+
+    stack.forward = counting  # (the decoder's forward is called directly, not through hooks)
+    runner.profile_run(4)
+    assert kept == [3] and stack.aux_hidden_states == []
+
+
 def test_what_does_not_fit_is_refused(tmp_path):
     target = save_tiny_model(tmp_path / "target", num_hidden_layers=8)
     config = ModelConfig.from_pretrained(target)
