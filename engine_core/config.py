@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -301,25 +302,30 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 def _implied_by_draft(model: str, has_k: bool) -> dict[str, Any]:
     """What a draft ``model`` given without a ``method`` implies, as vLLM infers it: an EAGLE-3 head
     (one the speculators library saved, whose proposal also gives num_speculative_tokens where that
-    is not given; one whose architectures name it; "eagle3" in its name), an EAGLE head ("eagle" in
-    its name), else a draft model."""
-    config_file = Path(model).expanduser() / "config.json"
+    is not given; one whose architectures name it; "eagle3" in its name), an EAGLE head ("eagle-"
+    in its name), else a draft model (a GGUF, the default model, a directory of another model)."""
+    path = Path(model).expanduser()
     try:
-        cfg = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else None
     except (OSError, ValueError):
-        cfg = {}
-    name = Path(model).name.lower()
-    implied: dict[str, Any] = {"method": "draft_model"}
+        cfg = None
+    if not isinstance(cfg, dict):  # (a GGUF, a model name, an unreadable config: a draft model)
+        return {"method": "draft_model"}
     if cfg.get("speculators_model_type") in ("eagle", "eagle3"):
-        implied["method"] = cfg["speculators_model_type"]
-        methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        if not has_k and isinstance(methods[0].get("speculative_tokens"), int):
-            implied["num_speculative_tokens"] = methods[0]["speculative_tokens"]
-    elif (cfg.get("architectures") or [None])[0] in EAGLE3_ARCHITECTURES or "eagle3" in name:
-        implied["method"] = "eagle3"
-    elif "eagle" in name:
-        implied["method"] = "eagle"
-    return implied
+        implied: dict[str, Any] = {"method": cfg["speculators_model_type"]}
+        methods = (cfg.get("speculators_config") or {}).get("proposal_methods") if isinstance(
+            cfg.get("speculators_config"), dict) else None
+        first = methods[0] if isinstance(methods, list) and methods and isinstance(methods[0], dict) else {}
+        k = first.get("speculative_tokens")
+        if not has_k and type(k) is int:
+            implied["num_speculative_tokens"] = k
+        return implied
+    name = model.lower()
+    if (cfg.get("architectures") or [None])[0] in EAGLE3_ARCHITECTURES or re.search(r"(?<![a-z])eagle3", name):
+        return {"method": "eagle3"}
+    if re.search(r"(?<![a-z])eagle-", name):
+        return {"method": "eagle"}
+    return {"method": "draft_model"}
 
 
 @dataclass(frozen=True)

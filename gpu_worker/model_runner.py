@@ -422,14 +422,14 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             del encoder_cache
         finally:
-            stack = getattr(self.model, "model", None)
-            if getattr(stack, "aux_hidden_states", None):  # (kept for an EAGLE-3 head: not past here)
-                stack.aux_hidden_states = []
             for layer, cache in zip(layers, saved, strict=True):
                 layer.kv_cache = cache
             del caches
         if self.drafter is not None:  # (the draft's passes come after the target's, on a cache of their own)
             self.drafter.runner.profile_run(block_size)
+        stack = getattr(self.model, "model", None)
+        if getattr(stack, "aux_hidden_states", None):  # (kept for an EAGLE-3 head, as a pass's are: not past here)
+            stack.aux_hidden_states = []
 
     # ------------------------------------------------------------------ one step
 

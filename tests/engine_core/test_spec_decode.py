@@ -58,6 +58,14 @@ def test_a_draft_given_without_a_method_implies_one_as_vllm_infers_it(tmp_path):
     assert implied(head("small", {"architectures": ["LlamaForCausalLM"]}), num_speculative_tokens=2) == (
         "draft_model", 2)
     assert implied("/no/such/draft", num_speculative_tokens=2) == ("draft_model", 2)
+    # (Not an EAGLE head for a name that merely holds the word, nor a GGUF, nor a malformed config.)
+    assert implied(head("NeuralBeagle14-7B", {"architectures": ["MistralForCausalLM"]}),
+                   num_speculative_tokens=2) == ("draft_model", 2)
+    assert implied(str(tmp_path / "x-eagle3.gguf"), num_speculative_tokens=2) == ("draft_model", 2)
+    assert implied(head("odd-eagle3", ["x"]), num_speculative_tokens=2) == ("draft_model", 2)
+    malformed = head("malformed", {"speculators_model_type": "eagle3",
+                                   "speculators_config": {"proposal_methods": ["x"]}})
+    assert implied(malformed, num_speculative_tokens=2) == ("eagle3", 2)
     with pytest.raises(ValueError, match="num_speculative_tokens must be given"):
         SpeculativeConfig.from_dict({"model": authors})
 
