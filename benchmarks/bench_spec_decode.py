@@ -1,13 +1,17 @@
-"""Speculative decoding (n-gram drafts, a draft model) vs plain decoding on SmolLM2-135M-Instruct, in one run.
+"""Speculative decoding (n-gram and suffix drafts, a draft model) vs plain decoding on SmolLM2-135M-Instruct,
+in one run.
 
 The same greedy requests go through LLM.generate several ways: plain, ngram with 3 draft tokens and
-ngram with 5, and with ``--draft-layers N`` a draft model: SmolLM2's own first N layers with its
-final norm and head (a layer-skip draft; SmolLM2-135M is the smallest model shipped here, so no
-smaller relative exists). Two workloads, since n-gram drafting only pays when the answer repeats its context:
+ngram with 5, suffix decoding with at most 8 and 24 (its default), and with ``--draft-layers N`` a
+draft model: SmolLM2's own first N layers with its final norm and head (a layer-skip draft;
+SmolLM2-135M is the smallest model shipped here, so no smaller relative exists). Several workloads,
+since model-free drafting only pays when the answer repeats what was seen:
   edit    "rewrite this passage with one change": the answer copies long spans of the prompt
   essay   open-ended essays: little to copy
   json    records copied out of a text into a JSON schema (structured output: drafts are cut at the
           first token the grammar refuses, each position verified under its mask)
+  again   the essays asked a second time (an agent's retries, resampled questions): suffix decoding
+          drafts from the answers it keeps
 For each: output tokens/s, the ratio to plain, engine passes, the draft acceptance rate and mean
 tokens per verified draft; the greedy answers must be identical in all three (checked).
 Usage: python benchmarks/bench_spec_decode.py [--num-prompts 8] [--max-tokens 96] [--max-num-seqs 8]
@@ -88,16 +92,18 @@ def layer_skip_draft(model_dir: Path, num_layers: int, out_dir: Path) -> Path:
 
 
 def measure(prompts, max_tokens: int, max_num_seqs: int, spec: dict | None, structured: dict | None = None,
-            **llm_flags):
+            asked_before: bool = False, **llm_flags):
     """One engine (the default model, unless ``llm_flags`` name another) through the prompts, after a
-    warm-up: its greedy answers, output tokens/s, passes, acceptance rate and tokens per draft."""
+    warm-up (``asked_before``: the same prompts answered once already): its greedy answers, output
+    tokens/s, passes, acceptance rate and tokens per draft."""
     llm = LLM(max_num_seqs=max_num_seqs, speculative_config=spec, **llm_flags)
     try:
         params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) if structured is None
                   else SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=structured))
         # Warm-up (and the grammar compiled: its wait is not a pass of the measured work).
-        llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=structured),
-                     use_tqdm=False)
+        llm.generate(prompts if asked_before else [prompts[0]],
+                     params if asked_before else SamplingParams(max_tokens=8, temperature=0.0,
+                                                                structured_outputs=structured), use_tqdm=False)
         before = llm.get_stats()[0]
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -162,19 +168,21 @@ def main() -> None:
                ("ngram k=3", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
                               "prompt_lookup_max": 4}),
                ("ngram k=5", {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
-                              "prompt_lookup_max": 4})]
+                              "prompt_lookup_max": 4}),
+               ("suffix k=8", {"method": "suffix", "num_speculative_tokens": 8}),
+               ("suffix k=24", {"method": "suffix"})]
     scratch = tempfile.TemporaryDirectory()
     if args.draft_layers:
         draft = layer_skip_draft(model_dir, args.draft_layers, Path(scratch.name))
         configs.append((f"draft L{args.draft_layers} k=3", {"model": str(draft), "num_speculative_tokens": 3}))
     print(f"{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, max_num_seqs={args.max_num_seqs}")
     print(f"{'workload':8} {'mode':14} {'tok/s':>8} {'vs plain':>9} {'passes':>7} {'accepted':>9} {'tok/draft':>10}")
-    for kind in ("edit", "essay", "json"):
-        prompts = make_prompts(tokenizer, kind, args.num_prompts)
+    for kind in ("edit", "essay", "json", "again"):
+        prompts = make_prompts(tokenizer, "essay" if kind == "again" else kind, args.num_prompts)
         base = None
         for name, spec in configs:
             r = measure(prompts, args.max_tokens, args.max_num_seqs, spec,
-                        {"json": RECORD_SCHEMA} if kind == "json" else None)
+                        {"json": RECORD_SCHEMA} if kind == "json" else None, asked_before=kind == "again")
             if base is None:
                 base = r
             same = r["answers"] == base["answers"]

@@ -56,7 +56,11 @@ def _require(condition: bool, flag: str, allowed: str, value: object) -> None:
 
 
 # The drafters speculative decoding has (SpeculativeConfig.method).
-SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "mtp", "eagle", "eagle3")
+# The methods whose drafts the engine proposes from token ids (the others' come from the workers).
+TOKEN_DRAFT_METHODS = ("ngram", "suffix")
+SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 # The methods whose drafter is a checkpoint of its own (``model``): a draft model, an EAGLE head.
 DRAFT_CHECKPOINT_METHODS = ("draft_model", "eagle", "eagle3")
 # vLLM's older names of the mtp method, by model family.
@@ -198,9 +202,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's ``--speculative-config``), three drafters:
+    """Speculative decoding (vLLM's ``--speculative-config``), these drafters:
     - ``ngram`` (prompt lookup): the draft is the tokens that followed the earliest occurrence
       of the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``;
+    - ``suffix`` (suffix decoding): the most frequent continuation of the context's last tokens in
+      the request's prompt and output and in earlier requests' answers (engine_core.suffix_decoding),
+      at most ``num_speculative_tokens`` (by default ``suffix_decoding_max_tree_depth``);
     - ``draft_model``: a smaller model of the same vocabulary (``model``) proposes each draft token
       greedily, one pass per token (gpu_worker.draft_model); it runs on the same workers and KV
       block table as the target, with a cache of its own;
@@ -221,6 +228,12 @@ class SpeculativeConfig:
     # and its tensor parallelism (None, or the target's: the draft shards over the same workers).
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
+    # suffix (vLLM's names and defaults): the windows' depth, answers kept for other requests (-1:
+    # all, 0: none), tokens drafted per token matched, and the least estimated probability drafted.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method == "[ngram]":  # (vLLM's older spelling)
@@ -229,9 +242,18 @@ class SpeculativeConfig:
             object.__setattr__(self, "method", "mtp")
         _require(self.method in SPECULATIVE_METHODS, "speculative_config.method",
                  f"one of {', '.join(SPECULATIVE_METHODS)} (the drafters built)", self.method)
+        if self.method == "suffix":
+            self._check_suffix()
+        else:
+            for name in SUFFIX_FIELDS:
+                _require(getattr(self, name) == SpeculativeConfig.__dataclass_fields__[name].default,
+                         f"speculative_config.{name}", f"unset with method {self.method} (suffix's)",
+                         getattr(self, name))
         _require(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
                  and self.num_speculative_tokens >= 1,
                  "speculative_config.num_speculative_tokens", "given, and >= 1", self.num_speculative_tokens)
+        if self.method == "suffix":
+            return
         if self.proposes_in_workers:
             _require(self.draft_tensor_parallel_size is None
                      or (type(self.draft_tensor_parallel_size) is int and self.draft_tensor_parallel_size >= 1),
@@ -268,6 +290,27 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
 
+    def _check_suffix(self) -> None:
+        depth = self.suffix_decoding_max_tree_depth
+        _require(type(depth) is int and depth >= 1, "speculative_config.suffix_decoding_max_tree_depth", ">= 1",
+                 depth)
+        if self.num_speculative_tokens is None:  # (vLLM's default: as deep as the windows)
+            object.__setattr__(self, "num_speculative_tokens", depth)
+        cached = self.suffix_decoding_max_cached_requests
+        _require(type(cached) is int and cached >= -1, "speculative_config.suffix_decoding_max_cached_requests",
+                 ">= -1 (-1: no limit, 0: no answers kept)", cached)
+        factor = self.suffix_decoding_max_spec_factor
+        _require(isinstance(factor, int | float) and not isinstance(factor, bool) and factor > 0,
+                 "speculative_config.suffix_decoding_max_spec_factor", "> 0", factor)
+        prob = self.suffix_decoding_min_token_prob
+        _require(isinstance(prob, int | float) and not isinstance(prob, bool) and 0 <= prob <= 1,
+                 "speculative_config.suffix_decoding_min_token_prob", "in [0, 1]", prob)
+        _require(self.model is None and self.draft_tensor_parallel_size is None, "speculative_config.model",
+                 "unset with method suffix (it drafts from token ids)", self.model)
+        _require(self.prompt_lookup_min is None and self.prompt_lookup_max is None,
+                 "speculative_config.prompt_lookup_min", "unset with method suffix (ngram's)",
+                 self.prompt_lookup_min if self.prompt_lookup_min is not None else self.prompt_lookup_max)
+
     @property
     def uses_draft_model(self) -> bool:
         """Whether the drafter is a checkpoint of its own (a draft model, an EAGLE head: ``model``)."""
@@ -276,8 +319,8 @@ class SpeculativeConfig:
     @property
     def proposes_in_workers(self) -> bool:
         """Whether the drafts come from the workers, after each pass (a draft model, the MTP layer,
-        an EAGLE head), rather than from the engine's token ids (n-gram)."""
-        return self.method != "ngram"
+        an EAGLE head), rather than from the engine's token ids (n-gram, suffix)."""
+        return self.method not in TOKEN_DRAFT_METHODS
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -287,7 +330,7 @@ class SpeculativeConfig:
         if not data:
             return None
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                 "draft_tensor_parallel_size"}
+                 "draft_tensor_parallel_size", *SUFFIX_FIELDS}
         unknown = sorted(set(data) - known)
         _require(not unknown, "speculative_config", f"a mapping of {', '.join(sorted(known))}", unknown)
         if data.get("model") is not None and "method" not in data:

@@ -36,7 +36,7 @@ from engine_core.sampling_params import logprobs_count
 from engine_core.sched.output import SchedulerOutput
 from engine_core.sched.scheduler import PauseState, Scheduler
 from engine_core.sleep_mode import WAKE_UP_TAGS, check_sleep, wake_up_tags
-from engine_core.spec_decode import NgramProposer, model_drafts
+from engine_core.spec_decode import NgramProposer, SuffixProposer, model_drafts
 from engine_core.structured_output import StructuredOutputManager
 from engine_core.tokenizer_loader import load_tokenizer
 
@@ -159,8 +159,10 @@ class EngineCore:
                 executor.shutdown()
                 raise
         # Speculative decoding: drafts are proposed here, from token ids, after every pass.
-        self.drafter = NgramProposer(spec, sched_cfg.max_model_len) \
-            if spec is not None and not spec.proposes_in_workers else None
+        self.drafter: NgramProposer | SuffixProposer | None = None
+        if spec is not None and not spec.proposes_in_workers:
+            proposer = SuffixProposer if spec.method == "suffix" else NgramProposer
+            self.drafter = proposer(spec, sched_cfg.max_model_len)
         # A draft model or MTP layer proposes in the workers, after the pass: the drafts' cache slots
         # come with it.
         self.model_drafts_k = spec.num_speculative_tokens if spec is not None and spec.proposes_in_workers else 0

@@ -1,5 +1,5 @@
-"""Draft tokens for speculative decoding: the n-gram (prompt lookup) drafter, on token ids only,
-and the rules every drafter follows (a draft model's drafts come from the workers: see
+"""Draft tokens for speculative decoding: the n-gram (prompt lookup) and suffix drafters, on token
+ids only, and the rules every drafter follows (a draft model's drafts come from the workers: see
 gpu_worker/draft_model.py).
 
 After each pass the engine asks the drafter for every running request that is decoding: if the
@@ -19,6 +19,7 @@ import numpy as np
 from engine_core.config import SpeculativeConfig
 from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import SamplingParams
+from engine_core.suffix_decoding import SuffixCache
 
 
 def drafts_allowed(params: SamplingParams) -> bool:
@@ -128,3 +129,67 @@ class NgramProposer:
                 drafts[request.request_id] = draft
         self._arrays = arrays  # (requests that did not draft this pass are forgotten)
         return drafts
+
+
+class SuffixProposer:
+    """Suffix decoding's drafts (engine_core/suffix_decoding.py), proposed here as the n-gram
+    drafter's are: each decoding request's tree holds its prompt and output (fed each pass what it
+    added), the cache holds the answers of the requests before it."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        assert config.num_speculative_tokens is not None
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.factor = config.suffix_decoding_max_spec_factor
+        self.min_prob = config.suffix_decoding_min_token_prob
+        self.cache = SuffixCache(self.depth, config.suffix_decoding_max_cached_requests)
+        # Each request in the cache: its prompt's length and the output tokens the cache has.
+        self._fed: dict[str, tuple[int, int]] = {}
+
+    def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
+        """Drafts for the requests that are decoding; a request no longer running leaves the cache
+        (its answer stays for the others)."""
+        drafts: dict[str, list[int]] = {}
+        running: set[str] = set()
+        for request in requests:
+            if request.status != RequestStatus.RUNNING:
+                continue
+            req_id = request.request_id
+            running.add(req_id)
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # (mid-prefill)
+            self._feed(request)
+            room = draft_room(request.sampling_params, request.num_output_tokens, request.num_tokens, self.k,
+                              self.max_model_len)
+            if room <= 0:
+                continue
+            tokens = request.all_token_ids
+            start = max(request.num_prompt_tokens if request.prompt_embeds is not None else 0,
+                        len(tokens) - self.depth)
+            draft = self.cache.speculate(req_id, tokens[start:], room, self.factor, self.min_prob)
+            if draft:
+                drafts[req_id] = draft
+        for req_id in [r for r in self._fed if r not in running]:
+            self._leave(req_id)
+        return drafts
+
+    def _feed(self, request: Request) -> None:
+        """Bring the request's tree up to its tokens (started anew where its prompt changed or its
+        output was cut back)."""
+        req_id = request.request_id
+        prompt_len, fed = self._fed.get(req_id, (-1, 0))
+        outputs = request.all_token_ids[request.num_prompt_tokens:]
+        if prompt_len != request.num_prompt_tokens or len(outputs) < fed:
+            if prompt_len >= 0:
+                self._leave(req_id)
+            # (A prompt given as embeddings has placeholder ids: nothing to match in it.)
+            prompt = [] if request.prompt_embeds is not None else request.all_token_ids[:request.num_prompt_tokens]
+            self.cache.start(req_id, prompt, outputs)
+        elif len(outputs) > fed:
+            self.cache.add(req_id, outputs[fed:])
+        self._fed[req_id] = (request.num_prompt_tokens, len(outputs))
+
+    def _leave(self, req_id: str) -> None:
+        del self._fed[req_id]
+        self.cache.stop(req_id)
