@@ -52,7 +52,7 @@ def test_the_access_log_is_on_unless_disabled():
     (["--api-key", ""], {}, "api_keys must not be empty strings"),
     (["--chat-template", "{missing}"], {}, "--chat-template: no such file"),
     (["--speculative-config", '{{"method": "medusa", "num_speculative_tokens": 2}}'], {},
-     "speculative_config.method must be one of ngram, draft_model"),
+     "speculative_config.method must be one of ngram, suffix, draft_model"),
     (["--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 0}}'], {},
      "speculative_config.num_speculative_tokens must be given, and >= 1"),
     (["--lora-modules", "a=/x"], {}, "lora_modules need enable_lora"),
