@@ -924,7 +924,7 @@ class EngineCore:
         n-gram drafter's, or those the draft model proposed in the workers. A structured request's
         draft ends before the first token its grammar refuses (vLLM's ``update_draft_token_ids``):
         the scheduler never schedules, nor reserves slots for, the tokens cut."""
-        if self.drafter is not None and self.scheduler.running:
+        if self.drafter is not None:  # (every pass: the suffix drafter also learns of the requests that left)
             drafts = self.drafter.propose(self.scheduler.running)
         elif self.model_drafts_k and model_output.draft_token_ids:
             drafts = model_drafts(self.scheduler.running, model_output.draft_token_ids, self.model_drafts_k,

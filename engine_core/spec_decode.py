@@ -133,8 +133,8 @@ class NgramProposer:
 
 class SuffixProposer:
     """Suffix decoding's drafts (engine_core/suffix_decoding.py), proposed here as the n-gram
-    drafter's are: each decoding request's tree holds its prompt and output (fed each pass what it
-    added), the cache holds the answers of the requests before it."""
+    drafter's are: each request's tree holds its prompt and output (fed each pass what it added,
+    through preemption), the cache holds the answers of the requests before it."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         assert config.num_speculative_tokens is not None
@@ -144,20 +144,15 @@ class SuffixProposer:
         self.factor = config.suffix_decoding_max_spec_factor
         self.min_prob = config.suffix_decoding_min_token_prob
         self.cache = SuffixCache(self.depth, config.suffix_decoding_max_cached_requests)
-        # Each request in the cache: its prompt's length and the output tokens the cache has.
-        self._fed: dict[str, tuple[int, int]] = {}
+        # Each request in the cache: the request, its prompt's length and the output tokens fed.
+        self._fed: dict[str, tuple[Request, int, int]] = {}
 
     def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
-        """Drafts for the requests that are decoding; a request no longer running leaves the cache
-        (its answer stays for the others)."""
+        """Drafts for the requests that are decoding. A request that finished is fed its last
+        tokens and leaves the cache (its answer stays for the others); one preempted stays."""
         drafts: dict[str, list[int]] = {}
-        running: set[str] = set()
         for request in requests:
-            if request.status != RequestStatus.RUNNING:
-                continue
-            req_id = request.request_id
-            running.add(req_id)
-            if request.num_computed_tokens != request.num_tokens - 1:
+            if request.status != RequestStatus.RUNNING or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # (mid-prefill)
             self._feed(request)
             room = draft_room(request.sampling_params, request.num_output_tokens, request.num_tokens, self.k,
@@ -167,28 +162,30 @@ class SuffixProposer:
             tokens = request.all_token_ids
             start = max(request.num_prompt_tokens if request.prompt_embeds is not None else 0,
                         len(tokens) - self.depth)
-            draft = self.cache.speculate(req_id, tokens[start:], room, self.factor, self.min_prob)
+            draft = self.cache.speculate(request.request_id, tokens[start:], room, self.factor, self.min_prob)
             if draft:
-                drafts[req_id] = draft
-        for req_id in [r for r in self._fed if r not in running]:
-            self._leave(req_id)
+                drafts[request.request_id] = draft
+        for req_id, (request, _, _) in list(self._fed.items()):
+            if request.is_finished():
+                self._feed(request)
+                self._leave(req_id)
         return drafts
 
     def _feed(self, request: Request) -> None:
-        """Bring the request's tree up to its tokens (started anew where its prompt changed or its
-        output was cut back)."""
+        """Bring the request's tree up to its tokens (started anew for a new request of a known id,
+        where its prompt changed, or where its output was cut back)."""
         req_id = request.request_id
-        prompt_len, fed = self._fed.get(req_id, (-1, 0))
-        outputs = request.all_token_ids[request.num_prompt_tokens:]
-        if prompt_len != request.num_prompt_tokens or len(outputs) < fed:
-            if prompt_len >= 0:
+        known, prompt_len, fed = self._fed.get(req_id, (None, -1, 0))
+        num_outputs = request.num_tokens - request.num_prompt_tokens
+        if known is not request or prompt_len != request.num_prompt_tokens or num_outputs < fed:
+            if known is not None:
                 self._leave(req_id)
             # (A prompt given as embeddings has placeholder ids: nothing to match in it.)
             prompt = [] if request.prompt_embeds is not None else request.all_token_ids[:request.num_prompt_tokens]
-            self.cache.start(req_id, prompt, outputs)
-        elif len(outputs) > fed:
-            self.cache.add(req_id, outputs[fed:])
-        self._fed[req_id] = (request.num_prompt_tokens, len(outputs))
+            self.cache.start(req_id, prompt, request.all_token_ids[request.num_prompt_tokens:])
+        elif num_outputs > fed:
+            self.cache.add(req_id, request.all_token_ids[request.num_prompt_tokens + fed:])
+        self._fed[req_id] = (request, request.num_prompt_tokens, num_outputs)
 
     def _leave(self, req_id: str) -> None:
         del self._fed[req_id]

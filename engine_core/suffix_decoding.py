@@ -37,6 +37,7 @@ class SuffixTree:
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self.root = _Node(0, {})
+        self.num_nodes = 1
         self.seqs: dict[int, list[int]] = {}
         # Per sequence, its windows still growing (fewer than depth tokens): start -> the explicit
         # node where the window ends, or the tail that holds it.
@@ -65,6 +66,7 @@ class SuffixTree:
             child = node.children.get(token)
             if child is None:
                 growing[start] = node.children[token] = _Node(1, None, seq, start)
+                self.num_nodes += 1
             elif child.children is not None:
                 child.count += 1
                 growing[start] = child
@@ -82,6 +84,7 @@ class SuffixTree:
         holder = tail
         if after < min(start + self.depth, len(tokens)):
             holder = tail.children[tokens[after]] = _Node(1, None, seq, start)
+            self.num_nodes += 1
         growing = self._growing.get(seq)
         if growing is not None and start in growing:
             growing[start] = holder
@@ -154,11 +157,17 @@ class SuffixTree:
         return best
 
 
+# Nodes a generation of answers holds at most (about 150-250 MB of Python objects): repeated text
+# makes up to ``depth`` nodes per token, so a count of requests alone does not bound the memory.
+GENERATION_MAX_NODES = 1_000_000
+
+
 class SuffixCache:
     """The request's own tree (its prompt and output) for each request drafting, and a global tree
     of the answers requests gave (each as it is written), kept for the latest
-    ``max_cached_requests`` requests (-1: all; 0: none) in two generations of half as many: when
-    the newer is full, the older is dropped whole (vLLM drops one answer at a time, oldest first)."""
+    ``max_cached_requests`` requests (-1: all; 0: none) in two generations of half as many (one of
+    one for a single request): when the newer is full (or holds GENERATION_MAX_NODES nodes), the
+    older is dropped whole (vLLM drops one answer at a time, oldest first)."""
 
     def __init__(self, depth: int, max_cached_requests: int) -> None:
         self.depth = depth
@@ -177,10 +186,11 @@ class SuffixCache:
         local.extend(0, output)
         if self.max_cached_requests == 0:
             return
-        half = max(1, (self.max_cached_requests + 1) // 2)
-        if self.max_cached_requests > 0 and self._in_newest >= half:
+        limit = self.max_cached_requests
+        newest = self.generations[-1]
+        if (limit > 0 and self._in_newest >= max(1, limit // 2)) or newest.num_nodes >= GENERATION_MAX_NODES:
             self.generations.append(SuffixTree(self.depth))
-            if len(self.generations) > 2:
+            if len(self.generations) > (2 if limit != 1 else 1):
                 self.generations.pop(0)
             self._in_newest = 0
         self._in_newest += 1

@@ -10,19 +10,30 @@ import pytest
 from cluster import LLM, SamplingParams
 from engine_core.config import SpeculativeConfig
 from tests.cluster.test_llm import PROMPTS, hf_greedy
-from tests.cluster.test_spec_decode import run
 
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 
 
 def test_suffix_drafts_keep_the_greedy_answers_through_chunked_prefill_and_preemption(tiny_model_dir):
+    """And the cache keeps each answer once, whole (its last pass's tokens too, and through
+    preemption), and no request's own tree once all are done."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    outputs, stats = run(tiny_model_dir, PROMPTS, params, num_gpu_blocks=12, max_num_batched_tokens=16,
-                         max_num_seqs=8, max_model_len=128, speculative_config=SUFFIX)
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(tiny_model_dir, PROMPTS, 24)
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks=12, max_num_batched_tokens=16, max_num_seqs=8,
+              max_model_len=128, speculative_config=SUFFIX)
+    try:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        stats = llm.get_stats()[0]
+        cache = llm._engine.drafter.cache
+        kept = sorted(tuple(tokens) for tree in cache.generations for tokens in tree.seqs.values())
+        local = dict(cache.local)
+    finally:
+        llm.shutdown()
+    answers = [o.outputs[0].token_ids for o in outputs]
+    assert answers == hf_greedy(tiny_model_dir, PROMPTS, 24)
     assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
     assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     assert stats.num_free_blocks == stats.num_blocks
+    assert kept == sorted(tuple(answer) for answer in answers) and local == {}
 
 
 def test_a_request_asked_again_drafts_from_the_first_answer(tiny_model_dir):

@@ -140,3 +140,27 @@ def test_the_cache_drafts_from_an_earlier_answer_and_forgets_the_older_generatio
     off.stop("a")
     off.start("b", [2], [])
     assert off.speculate("b", [2, 50, 51], 4, 1.0, 0.1) == []
+
+
+def test_the_cache_keeps_no_more_answers_than_asked_nor_more_nodes_than_its_budget(monkeypatch):
+    from engine_core import suffix_decoding
+
+    def answers_kept(cache: SuffixCache) -> int:
+        return sum(len(tree.seqs) for tree in cache.generations)
+
+    for limit, most in ((1, 1), (2, 2), (3, 2), (4, 4)):
+        cache = SuffixCache(depth=8, max_cached_requests=limit)
+        peak = 0
+        for i in range(9):
+            cache.start(str(i), [1, 2], [3, 4, 5])
+            cache.stop(str(i))
+            peak = max(peak, answers_kept(cache))
+            assert answers_kept(cache) >= min(limit, i + 1, max(1, limit // 2))  # (the latest are kept)
+        assert peak == most, limit
+    monkeypatch.setattr(suffix_decoding, "GENERATION_MAX_NODES", 50)
+    cache = SuffixCache(depth=8, max_cached_requests=-1)
+    rng = random.Random(0)
+    for i in range(20):
+        cache.start(str(i), [1], [rng.randrange(1000) for _ in range(30)])
+        cache.stop(str(i))
+    assert len(cache.generations) == 2 and answers_kept(cache) < 20
