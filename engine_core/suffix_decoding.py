@@ -211,8 +211,8 @@ class SuffixCache:
                 del self._answers[req_id]
 
     def stop(self, req_id: str) -> None:
-        """The request drafts no more (finished, aborted, preempted): its own tree goes, its answer
-        stays in the global tree (until its generation goes)."""
+        """The request drafts no more (finished, aborted, or started anew): its own tree goes, its
+        answer stays in the global tree (until its generation goes)."""
         del self.local[req_id]
         answer = self._answers.pop(req_id, None)
         if answer is not None:
