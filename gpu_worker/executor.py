@@ -88,7 +88,7 @@ def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, 
         "logits_processors": load_logits_processors(config.logits_processors)
         if config.speculative_config is None else (),
         "draft_model": draft_model_reference(config),
-        "draft_method": config.speculative_config.method if config.speculative_config else "draft_model",
+        "draft_method": config.speculative_config.method if draft_model_reference(config) else "draft_model",
         "mtp_drafter": config.speculative_config is not None and config.speculative_config.method == "mtp",
         "kv_offloading_bytes": config.kv_offloading_bytes_per_rank(),
         "pp_layer_partition": config.pp_layer_partition if config.pipeline_parallel_size > 1 else None,

@@ -236,7 +236,7 @@ class ModelRunner:
         drafter.weights = weights  # (read again on waking from sleep level 2)
         if stack is not None:  # (only once it loaded: until then the target keeps no inner states)
             drafter.target_stack = stack
-            stack.aux_layer_ids = tuple(runner.model.aux_layer_ids)
+            stack.aux_layer_ids = config.eagle.aux_layer_ids
         self.drafter = drafter
 
     def _loaded_model(self, weights: WeightSource) -> nn.Module:

@@ -28,13 +28,6 @@ from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
-class _Identity(nn.Module):
-    """The EAGLE authors' first layer has no input norm: its input passes as it is."""
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
-
-
 class _EagleStack(nn.Module):
     def __init__(self, config: ModelConfig, layers: list[nn.Module], fc_in: int, fc_bias: bool) -> None:
         super().__init__()
@@ -47,8 +40,6 @@ class _EagleStack(nn.Module):
 
 class _EagleHeadBase(nn.Module):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
-    # The target's layers whose inputs the head reads (EAGLE-3); none: its last hidden state.
-    aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -102,7 +93,7 @@ class EagleLlamaForCausalLM(_EagleHeadBase):
         width, eps = config.hidden_size, config.rms_norm_eps
         layers = [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
         if not self.head.first_input_norm:
-            layers[0].input_layernorm = _Identity()
+            layers[0].input_layernorm = nn.Identity()  # (the EAGLE authors' first layer has no input norm)
         self.model = _EagleStack(config, layers, 2 * width, self.head.fc_bias)
         if self.head.para_norms:
             self.model.embedding_layernorm = RMSNorm(width, eps)
@@ -145,7 +136,6 @@ class Eagle3LlamaForCausalLM(_EagleHeadBase):
         layer.hidden_norm = RMSNorm(width, eps)
         self.model = _EagleStack(config, [layer], len(head.aux_layer_ids) * head.target_hidden_size, fc_bias=False)
         self.model.norm = RMSNorm(width, eps)
-        self.aux_layer_ids = head.aux_layer_ids
         self.lm_head = ParallelLMHead(head.draft_vocab_size, width) if head.own_lm_head else None
         # Each draft id's offset to the target's id (d2t); none when the vocabularies are one.
         self.d2t = (nn.Parameter(torch.zeros(head.draft_vocab_size, dtype=torch.long), requires_grad=False)
