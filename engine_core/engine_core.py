@@ -125,6 +125,12 @@ class EngineCore:
         if self.model_info.encoder_only and config.enable_prefix_caching:
             # (Cached keys of a prefix depend on the tokens after it: a hit would be wrong.)
             self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
+        if self.model_info.mamba and config.enable_prefix_caching:
+            # (A hit would skip tokens whose recurrent state the cache does not hold, as in vLLM,
+            # which turns it off for such models too.)
+            logger.warning("engine %d: prefix caching is off: %s has Mamba-2 layers, whose per-request state "
+                           "the prefix cache does not keep", config.engine_index, self.model_info.served_model_name)
+            self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
         if config.kv_cache_metrics_sample is not None and not config.enable_prefix_caching:
             # (The residency histograms follow the prefix cache's blocks, as vLLM's: none without it.)
             logger.info("engine %d: --kv-cache-metrics has no effect without prefix caching", config.engine_index)

@@ -16,6 +16,7 @@ position ranges per request), within the window where there is one, as transform
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +57,9 @@ class AttentionMetadata:
     window: int | None = None
     # The same step's metadata for the model's sliding-window layers, when its other layers attend fully.
     windowed: AttentionMetadata | None = None
+    # Granite 4.0-H's Mamba-2 layers: where each request's tokens lie and its state row
+    # (gpu_worker.layers.mamba.MambaStepMetadata); None for a model without them.
+    mamba: Any = None
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata a layer with this sliding window (None: full attention) attends with."""

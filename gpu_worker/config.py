@@ -18,6 +18,7 @@ import torch
 from engine_core.tokenizer_files import read_image_processor_config, read_video_processor_config
 from engine_core.tokenizer_loader import load_tokenizer
 from gpu_worker.layers.rotary import yarn_mscale
+from gpu_worker.mamba_config import Mamba2Config
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
@@ -62,7 +63,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Ministral3ForCausalLM",
                            "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                           "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM")
+                           "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM",
+                           "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
+# IBM Granite's routed-expert models: Granite 3.x MoE, with a shared expert, and Granite 4.0 (its
+# hybrid: Mamba-2 layers beside attention ones, or attention alone, routed experts or a dense MLP).
+GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
 # Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture).
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
@@ -740,12 +745,59 @@ def _olmo3_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Granite's four scalars (transformers' defaults: 1.0 each), Granite MoE's too."""
-    if arch not in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
+    if arch not in ("GraniteForCausalLM", *GRANITE_MOE_ARCHITECTURES):
         return {}
     return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
             "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
             "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
             "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
+
+
+def _time_step_limit(value: Any) -> tuple[float, float]:
+    """A Mamba config's time_step_limit: two numbers (transformers writes infinity as
+    {"__float__": "Infinity"}); (0, inf) when absent."""
+    if value is None:
+        return (0.0, float("inf"))
+    bounds = [float(v["__float__"]) if isinstance(v, dict) else float(v) for v in value]
+    if len(bounds) != 2 or bounds[0] > bounds[1]:
+        raise ValueError(f"time_step_limit must be [low, high], got {value!r}")
+    return bounds[0], bounds[1]
+
+
+def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Granite 4.0's layer kinds (layer_types: "mamba" / "attention" as released, transformers 5's
+    "linear_attention" / "full_attention"; all Mamba when absent, as transformers reads it), its
+    Mamba-2 geometry, and its attention without positions unless position_embedding_type is "rope"
+    (Granite 4.0-H's is "nope")."""
+    if arch != "GraniteMoeHybridForCausalLM":
+        return {}
+    kinds = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * num_layers
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types lists {len(kinds)} layers, the model has {num_layers}")
+    mamba_kinds, attention_kinds = ("mamba", "linear_attention"), ("attention", "full_attention")
+    unknown = sorted({k for k in kinds if k not in mamba_kinds + attention_kinds})
+    if unknown:
+        raise ValueError(f"layer_types: Granite 4.0's layers are 'mamba' or 'attention', got {unknown}")
+    fields: dict[str, Any] = {}
+    mamba_layers = tuple(kind in mamba_kinds for kind in kinds)
+    if any(mamba_layers):
+        hidden, heads = int(cfg["hidden_size"]), int(cfg.get("mamba_n_heads") or 128)
+        width = int(cfg.get("mamba_expand") or 2) * hidden
+        head_dim = cfg.get("mamba_d_head")
+        head_dim = width // heads if head_dim in (None, "auto") else int(head_dim)
+        groups = int(cfg.get("mamba_n_groups") or 1)
+        if head_dim * heads != width or heads % groups:
+            raise ValueError(f"Mamba-2 geometry: mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must be "
+                             f"mamba_expand x hidden_size ({width}), in groups dividing the heads ({groups})")
+        fields["mamba"] = Mamba2Config(
+            num_heads=heads, head_dim=head_dim, num_groups=groups, state_size=int(cfg.get("mamba_d_state") or 256),
+            conv_kernel=int(cfg.get("mamba_d_conv") or 4), chunk_size=int(cfg.get("mamba_chunk_size") or 256),
+            conv_bias=bool(cfg.get("mamba_conv_bias", True)), proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+            time_step_limit=_time_step_limit(cfg.get("time_step_limit")))
+        fields["mamba_layers"] = mamba_layers
+    if cfg.get("position_embedding_type") != "rope":
+        fields["rope_layers"] = (False,) * num_layers
+    return fields
 
 
 def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any]:
@@ -844,11 +896,19 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_intermediate_size=int(cfg.get("intermediate_size") or 1536), norm_topk_prob=True,
                     moe_grouped_topk=True, moe_scoring="sigmoid",
                     moe_correction_bias=bool(cfg.get("use_routing_bias", True)))
-    if arch == "GraniteMoeForCausalLM":
+    if arch in GRANITE_MOE_ARCHITECTURES:
         # Every layer routed, the experts' width intermediate_size; the softmax over the top k logits
-        # (transformers' GraniteMoeTopKRouter): the top k's softmax weights renormalised.
-        return dict(num_experts=read("num_local_experts", 8), num_experts_per_tok=read("num_experts_per_tok", 2),
-                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+        # (transformers' GraniteMoeTopKRouter): the top k's softmax weights renormalised. Granite MoE
+        # Shared and 4.0 add an ungated shared expert of shared_intermediate_size beside them; a Granite
+        # 4.0 without experts has that MLP alone (from_dict makes it the dense MLP).
+        num_experts = read("num_local_experts", 8)
+        shared = 0 if arch == "GraniteMoeForCausalLM" else read(
+            "shared_intermediate_size", 1024 if arch == "GraniteMoeHybridForCausalLM" else 0)
+        if not num_experts:
+            return {}
+        return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 2),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+                    shared_expert_intermediate_size=shared, shared_expert_gated=False)
     if arch == "Qwen2MoeForCausalLM":
         defaults = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408}
         shared = read("shared_expert_intermediate_size", 5632)
@@ -937,6 +997,10 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     # GPT-OSS: a learnt attention sink per query head (one more logit in each head's softmax).
     attention_sinks: bool = False
+    # Granite 4.0-H's Mamba-2 mixers: their geometry, and per layer whether it is one (in place of
+    # self-attention; empty: none is).
+    mamba: Mamba2Config | None = None
+    mamba_layers: tuple[bool, ...] = ()
     # Per layer, whether it rotates its queries and keys (empty: every layer does). SmolLM3 leaves
     # every fourth layer without positions (NoPE).
     rope_layers: tuple[bool, ...] = ()
@@ -1071,6 +1135,14 @@ class ModelConfig:
         if self.attention_multiplier is not None:
             return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_is_mamba(self, layer: int) -> bool:
+        return bool(self.mamba_layers) and self.mamba_layers[layer]
+
+    @property
+    def num_attention_layers(self) -> int:
+        """The layers that keep a KV cache (a Mamba-2 layer keeps a state per request instead)."""
+        return self.num_hidden_layers - sum(self.mamba_layers)
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
@@ -1309,6 +1381,9 @@ class ModelConfig:
             first = int(cfg.get("max_window_layers", 28))
             window_layers = tuple(i >= first for i in range(num_layers))
         moe = _moe_from_dict(arch, cfg, num_layers)
+        hybrid = _granite_hybrid_fields(arch, cfg, num_layers)
+        if arch == "GraniteMoeHybridForCausalLM" and not moe:  # (no experts: the shared MLP is the MLP)
+            cfg = {**cfg, "intermediate_size": int(cfg.get("shared_intermediate_size") or 1024)}
         if moe and act != "silu":
             raise ValueError(f"hidden_act must be 'silu' for a mixture-of-experts model, got {act!r}")
         # generation_config.json is where Llama-3-style checkpoints list their extra EOS ids.
@@ -1358,6 +1433,7 @@ class ModelConfig:
             **_smollm3_fields(arch, cfg, num_layers),
             **_olmo3_fields(arch, cfg),
             **_granite_fields(arch, cfg),
+            **hybrid,
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

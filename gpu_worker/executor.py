@@ -107,6 +107,25 @@ def draft_model_reference(config: EngineConfig) -> str | None:
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
+def _mamba_refusal(config: EngineConfig) -> str | None:
+    """What an engine cannot do for a model with Mamba-2 layers (None: nothing it asks for). Each
+    request's state there covers exactly the tokens computed so far: draft tokens would advance it
+    past rejected ones, and another engine's KV or the prefix cache's would come without it."""
+    if config.tensor_parallel_size > 1:
+        return "they are served on one tensor-parallel rank (tensor_parallel_size 1)"
+    if config.speculative_config is not None:
+        return ("speculative decoding would advance their per-request state past rejected drafts: drop "
+                "--speculative-config")
+    if config.kv_transfer_config is not None:
+        return ("prefill/decode disaggregation hands on KV blocks, not their per-request state: drop "
+                "--kv-transfer-config")
+    if config.kv_offloading_size is not None:
+        return "KV offloading keeps prefix-cache blocks, and their prefix caching is off: drop --kv-offloading-size"
+    if config.lora_config is not None:
+        return "LoRA adapters are not served for them yet: drop --enable-lora"
+    return None
+
+
 def _check_long_max_model_len(engine_index: int, wanted: int, context: int) -> None:
     """A --max-model-len past the model's context length is refused, as vLLM refuses it, unless
     vLLM's switch allows it; here it then runs at the model's length (positions past the model's are
@@ -168,6 +187,9 @@ class _ExecutorBase(Executor):
                 eagle_head_config(draft, spec.method, self.model_config)
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
+        if self.model_config.mamba_layers and (refusal := _mamba_refusal(config)):
+            raise ValueError(f"engine {config.engine_index}: {self.model_config.raw['architectures'][0]} has Mamba-2 "
+                             f"layers: {refusal}")
         pp = config.pipeline_parallel_size
         if pp > 1 and (refusal := pipeline_refusal(self.model_config, pp, embeds_only)):
             raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: {refusal}")
@@ -275,6 +297,7 @@ class _ExecutorBase(Executor):
             max_positions=self.model_config.max_context_len,
             sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after, encoder_only=self.model_config.encoder_only,
+            mamba=bool(self.model_config.mamba_layers),
             pooling=PoolingInfo(generates=not embeds_only, pooling_type=pooler.pooling_type,
                                 normalize=pooler.normalize, unavailable=pooling_unavailable,
                                 labels=self.model_config.labels,

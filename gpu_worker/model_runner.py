@@ -33,6 +33,7 @@ from gpu_worker.draft_model import DraftModel, PassInputs
 from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.hidden_state_drafter import HiddenStateDrafter
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache, copy_kv_blocks
+from gpu_worker.layers.mamba import MambaMixer2, MambaState, mamba_step_metadata
 from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.logits_processor_batch import LogitsProcessorBatch
@@ -102,6 +103,10 @@ class ModelRunner:
         self.rope_short_offset: int | None = None
         self.rope_original_len: int | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Granite 4.0-H's Mamba-2 mixers and their states, a row per held request (by its row of the
+        # block table), allocated beside the KV cache.
+        self.mamba_mixers: list[MambaMixer2] = []
+        self.mamba_states: list[MambaState] = []
         self.block_size = 0
         self.num_blocks = 0
         self.decode_in_place = False
@@ -270,6 +275,9 @@ class ModelRunner:
             for layer in self.model.attention_layers():
                 layer.kv_cache = None
             self.kv_caches = []
+            for mixer in self.mamba_mixers:
+                mixer.state = None
+            self.mamba_states = []
             self.asleep.add("kv_cache")
         if "weights" not in self.asleep or level > self.sleep_level:
             for param in self.model.parameters():
@@ -341,6 +349,8 @@ class ModelRunner:
                                            layers[0].head_dim, self.kv_cache_dtype, self.device) if layers else []
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
+        self.mamba_mixers = self.model.mamba_layers() if hasattr(self.model, "mamba_layers") else []
+        self._bind_mamba_states(self.max_num_seqs)
         self.block_size = block_size
         self.num_blocks = num_blocks
         # Decodes read the paged cache in place where the CPU kernel applies (an fp32 model on the CPU,
@@ -364,9 +374,13 @@ class ModelRunner:
         caches = allocate_kv_cache(len(layers), sum(blocks_per_req), block_size, layers[0].num_kv_heads,
                                    layers[0].head_dim, self.kv_cache_dtype, self.device) if layers else []
         saved = [layer.kv_cache for layer in layers]
+        mixers = self.model.mamba_layers() if hasattr(self.model, "mamba_layers") else []
+        saved_states = [mixer.state for mixer in mixers]
         try:
             for layer, cache in zip(layers, caches, strict=True):
                 layer.kv_cache = cache
+            for mixer in mixers:  # (a state row per request of the pass, thrown away with the caches)
+                mixer.state = MambaState.allocate(mixer.config, len(lens), self.dtype, self.device)
             table = np.zeros((len(lens), max(blocks_per_req)), dtype=np.int64)
             first = np.cumsum([0, *blocks_per_req[:-1]])
             for i, nb in enumerate(blocks_per_req):
@@ -379,6 +393,8 @@ class ModelRunner:
             meta = (EncoderMetadata.build(qsl, self.device, padded) if self.config.encoder_only else
                     self.attention_metadata(table, np.array(blocks_per_req), qsl, np.zeros(len(lens), np.int64),
                                             0, slots, block_size, decode_in_place=False))
+            if mixers:
+                meta.mamba = mamba_step_metadata(np.arange(len(lens)), qsl, self.device)
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             if self.lora is not None:
                 self.lora.set_batch([0] * len(lens), qsl)
@@ -424,6 +440,8 @@ class ModelRunner:
         finally:
             for layer, cache in zip(layers, saved, strict=True):
                 layer.kv_cache = cache
+            for mixer, state in zip(mixers, saved_states, strict=True):
+                mixer.state = state
             del caches
         if self.drafter is not None:  # (the draft's passes come after the target's, on a cache of their own)
             self.drafter.runner.profile_run(block_size)
@@ -826,6 +844,8 @@ class ModelRunner:
                                         self._bidirectional_images(states, starts, ends))
         if self.lora is not None:
             self.lora.set_batch([s.lora_int_id for s in states], query_start_loc)
+        if self.mamba_mixers:
+            meta.mamba = self.mamba_step(rows, starts, query_start_loc)
 
         # A request samples once its chunk reaches the end of everything it knows (prompt done).
         total_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
@@ -976,6 +996,30 @@ class ModelRunner:
         # (Token types only reach a model that takes them: the engine refuses them for the others.)
         hidden = self.model(*inputs) if token_types is None else self.model(*inputs, token_types)
         return hidden, list(range(num_reqs)), query_start_loc[1:] - 1
+
+    def _bind_mamba_states(self, rows: int) -> None:
+        """Zeroed Mamba-2 states of ``rows`` request rows for every mixer (none without mixers)."""
+        self.mamba_states = [MambaState.allocate(mixer.config, rows, self.dtype, self.device)
+                             for mixer in self.mamba_mixers]
+        for mixer, state in zip(self.mamba_mixers, self.mamba_states, strict=True):
+            mixer.state = state
+
+    def mamba_step(self, rows: np.ndarray, starts: np.ndarray, query_start_loc: np.ndarray):
+        """The pass's Mamba-2 metadata; the state rows of requests starting at token 0 (new, or
+        recomputed after preemption) zeroed first. A request's row is its row of the block table,
+        which stays its own while it is held (more rows than max_num_seqs: the states grow)."""
+        needed = int(rows.max()) + 1
+        capacity = self.mamba_states[0].ssm.shape[0]
+        if needed > capacity:
+            for state in self.mamba_states:
+                state.conv = torch.cat((state.conv, state.conv.new_zeros((needed - capacity, *state.conv.shape[1:]))))
+                state.ssm = torch.cat((state.ssm, state.ssm.new_zeros((needed - capacity, *state.ssm.shape[1:]))))
+        fresh = rows[starts == 0]
+        if len(fresh):
+            index = torch.from_numpy(np.ascontiguousarray(fresh, dtype=np.int64)).to(self.device)
+            for state in self.mamba_states:
+                state.zero_rows(index)
+        return mamba_step_metadata(rows, query_start_loc, self.device)
 
     def cacheless_num_blocks(self, block_size: int) -> int:
         """An encoder's KV blocks cost no memory (it keeps no cache): enough for the scheduler to

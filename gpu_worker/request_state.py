@@ -170,9 +170,16 @@ class RequestStates:
         return state
 
     def _hold(self, state: RequestState, block_ids: list[int]) -> None:
-        """Hold ``state`` (replacing one of the same id), its blocks in a row of the table."""
-        self._drop(state.req_id)
-        state.table_row = self.block_table.add(block_ids)
+        """Hold ``state``, its blocks in a row of the table. One replacing a held request of the same
+        id (a streaming session's next turn) keeps its row: a Mamba-2 layer's state for the tokens
+        computed so far lives in that row of its state tensors (gpu_worker.layers.mamba)."""
+        held = self.states.pop(state.req_id, None)
+        if held is None:
+            state.table_row = self.block_table.add(block_ids)
+        else:
+            state.table_row = held.table_row
+            self.block_table.table[held.table_row] = 0
+            self.block_table.write(held.table_row, 0, block_ids)
         self.states[state.req_id] = state
 
     def update(self, so: SchedulerOutput) -> None:

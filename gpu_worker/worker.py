@@ -265,6 +265,13 @@ class Worker:
                                                num_layers=1)
         return per_block
 
+    def mamba_state_bytes(self) -> int:
+        """The Mamba-2 layers' states on this rank: a row for each of max_num_seqs requests."""
+        config = self.model_config
+        if config.mamba is None:
+            return 0
+        return config.mamba.state_bytes(self.dtype) * sum(config.mamba_layers) * self.max_num_seqs
+
     def _num_stage_layers(self) -> int | None:
         if self.pipeline_parallel_size == 1:
             return None
@@ -277,8 +284,9 @@ class Worker:
         """KV blocks for CacheConfig.num_blocks: explicit, from a byte budget, or (CUDA) from what a
         profiled max-size step leaves of ``gpu_memory_utilization`` of the device. Every rank
         returns the group-wide minimum. An encoder keeps no cache: its blocks cost nothing, and
-        only count a pass's tokens for the scheduler."""
-        if num_blocks is None and self.model_config.encoder_only:
+        only count a pass's tokens for the scheduler (as for a model of Mamba-2 layers alone). A
+        model with Mamba-2 layers keeps their states for max_num_seqs requests beside the blocks."""
+        if num_blocks is None and (self.model_config.encoder_only or not self.model_config.num_attention_layers):
             # (On CUDA a full pass is still profiled: weights and activations must fit the share.)
             if self.device.type == "cuda" and self._profile_kv_budget(block_size, gpu_memory_utilization) < 0:
                 raise ValueError(f"the model and a pass of {self._runner().max_num_batched_tokens} tokens need more "
@@ -288,10 +296,10 @@ class Worker:
         if num_blocks is None:
             per_block = self.bytes_per_block(block_size)
             if kv_cache_memory_bytes is not None:
-                num_blocks = num_blocks_for_budget(kv_cache_memory_bytes, per_block)
+                num_blocks = num_blocks_for_budget(kv_cache_memory_bytes - self.mamba_state_bytes(), per_block)
             elif self.device.type == "cuda":
-                num_blocks = num_blocks_for_budget(self._profile_kv_budget(block_size, gpu_memory_utilization),
-                                                   per_block)
+                num_blocks = num_blocks_for_budget(
+                    self._profile_kv_budget(block_size, gpu_memory_utilization) - self.mamba_state_bytes(), per_block)
             else:
                 raise ValueError("on CPU pass num_blocks or kv_cache_memory_bytes")
         return distributed.all_reduce_min(num_blocks, self.device)

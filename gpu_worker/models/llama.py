@@ -28,6 +28,7 @@ from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts, select_experts_grouped
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from gpu_worker.layers.mamba import MambaMixer2
 from gpu_worker.layers.rotary import RotaryEmbedding, llama_4_query_scale
 from gpu_worker.layers.weight_utils import WeightLike
 
@@ -157,7 +158,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = self.attention_class(config, layer, self.norm_class)
+        # Granite 4.0-H: a Mamba-2 mixer in place of self-attention in its Mamba layers.
+        self.mamba = (MambaMixer2(config.hidden_size, config.mamba, config.rms_norm_eps)
+                      if config.layer_is_mamba(layer) and config.mamba is not None else None)
+        self.self_attn = self.attention_class(config, layer, self.norm_class) if self.mamba is None else None
         self.mlp = SparseMoeBlock(config) if config.layer_is_moe(layer) else LlamaMLP(config)
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
@@ -182,13 +186,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def _attention(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input norm (adding the residual) and self-attention: (attention output, residual)."""
+        """The input norm (adding the residual) and self-attention (or the Mamba-2 mixer): (its
+        output, residual)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm.forward(hidden)
         else:
             hidden, residual = self.input_layernorm.forward(hidden, residual)
-        return self.self_attn.forward(rope, hidden, meta), residual
+        mixer = self.self_attn if self.mamba is None else self.mamba
+        return mixer.forward(rope, hidden, meta), residual
 
 
 class PPMissingLayer(nn.Identity):
@@ -202,6 +208,8 @@ def pipeline_refusal(config: ModelConfig, pp_size: int, pooling: bool = False) -
         return "pipeline parallelism serves generative decoders, not encoders, pooling-only or classifier models"
     if config.vision is not None:
         return "pipeline parallelism serves text decoders; a vision-language model's encoder is not split into stages"
+    if config.mamba_layers:
+        return "pipeline parallelism does not split a model with Mamba-2 layers (Granite 4.0-H) yet"
     if config.num_hidden_layers < pp_size:
         return f"the model has only {config.num_hidden_layers} layers to split into {pp_size} stages"
     return None
@@ -366,7 +374,14 @@ class LlamaForCausalLM(nn.Module):
         if self.config.encoder_only:
             return []
         stage = self.model.stage
-        return [layer.self_attn.attn for layer in self.model.layers[stage.start:stage.end]]
+        return [layer.self_attn.attn for layer in self.model.layers[stage.start:stage.end]
+                if layer.self_attn is not None]
+
+    def mamba_layers(self) -> list[MambaMixer2]:
+        """The Mamba-2 mixers, which keep a state per request instead of KV (Granite 4.0-H)."""
+        stage = self.model.stage
+        return [layer.mamba for layer in self.model.layers[stage.start:stage.end]
+                if getattr(layer, "mamba", None) is not None]
 
 
 def _score_head(config: ModelConfig) -> nn.Module:
@@ -450,6 +465,31 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
                     name = name.replace(theirs, ours)
                     break
             yield name, tensor
+
+
+class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
+    """Granite MoE Shared: Granite MoE with an ungated shared expert beside the routed ones
+    (``shared_mlp``: input_linear holds its gate rows, then its up rows; output_linear its down)."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        # (A model without routed experts has the shared MLP alone: it is the layer's MLP.)
+        shared = ".mlp.shared_experts." if self.config.num_experts else ".mlp."
+        for name, tensor in super().checkpoint_tensors(weights):
+            if ".shared_mlp.input_linear." in name:
+                half = tensor.shape[0] // 2
+                yield name.replace(".shared_mlp.input_linear.", f"{shared}gate_proj."), tensor.narrow(0, 0, half)
+                yield name.replace(".shared_mlp.input_linear.", f"{shared}up_proj."), tensor.narrow(0, half, half)
+            elif ".shared_mlp.output_linear." in name:
+                yield name.replace(".shared_mlp.output_linear.", f"{shared}down_proj."), tensor
+            else:
+                yield name, tensor
+
+
+class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
+    """IBM Granite 4.0 (granite-4.0-h-micro / -tiny / -small, and the attention-only granite-4.0-micro):
+    Granite MoE Shared whose ``mamba`` layers are Mamba-2 mixers (gpu_worker.layers.mamba) in place of
+    self-attention, attending without positions unless position_embedding_type is "rope"; a model
+    without routed experts has the shared MLP alone."""
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

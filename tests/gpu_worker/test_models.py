@@ -98,6 +98,15 @@ CASES = {
     # Granite MoE: the scalars, each layer's experts stored whole with the router beside them; tied,
     # MQA, one expert a token.
     "granitemoe": ("granitemoe", {}),
+    "granitemoeshared": ("granitemoeshared", {}),
+    # Granite 4.0-H: Mamba-2 layers beside attention without positions (routed experts and a shared
+    # one); dense with RoPE and one group; the attention-only granite-4.0-micro layout.
+    "granite_hybrid": ("granitemoehybrid", {}),
+    "granite_hybrid_dense_rope": ("granitemoehybrid", {"num_local_experts": 0, "position_embedding_type": "rope",
+                                                       "mamba_n_groups": 1, "layer_types": ["attention", "mamba",
+                                                                                            "mamba", "attention"]}),
+    "granite_hybrid_attention_only": ("granitemoehybrid", {"layer_types": ["attention"] * 4,
+                                                           "position_embedding_type": "rope"}),
     "granitemoe_tied_mqa_top1": ("granitemoe", {"tie_word_embeddings": True, "num_key_value_heads": 1,
                                                "num_experts_per_tok": 1}),
     # OLMo 2: post-norms, q/k norms over the whole projections (MQA: one KV head's).
@@ -208,7 +217,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                                    "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM",
                                    "DeepseekV3ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
-                                   "MiniMaxM2ForCausalLM",
+                                   "MiniMaxM2ForCausalLM", "GraniteMoeSharedForCausalLM",
+                                   "GraniteMoeHybridForCausalLM",
                                    "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())

@@ -21,6 +21,8 @@ from transformers import (
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
+    GraniteMoeHybridConfig,
+    GraniteMoeSharedConfig,
     LlamaConfig,
     MiniMaxM2Config,
     Ministral3Config,
@@ -124,6 +126,23 @@ def make_config(kind: str = "llama", **overrides):
         return GraniteMoeConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                    "attention_multiplier": 0.0625, "logits_scaling": 8.0, "num_local_experts": 8,
                                    "num_experts_per_tok": 2, **kw, "intermediate_size": 32})
+    # Granite MoE Shared: Granite MoE with a shared expert beside the routed ones.
+    if kind == "granitemoeshared":
+        return GraniteMoeSharedConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                         "attention_multiplier": 0.0625, "logits_scaling": 8.0,
+                                         "num_local_experts": 8, "num_experts_per_tok": 2,
+                                         "shared_intermediate_size": 48, **kw, "intermediate_size": 32})
+    # Granite 4.0-H: Mamba-2 layers (8 heads of 16 in 2 groups, states of 16, chunks of 8 tokens so a
+    # prompt spans several) around an attention layer without positions, 4 routed experts and a
+    # shared one (num_local_experts 0: the shared MLP alone).
+    if kind == "granitemoehybrid":
+        kinds = kw.pop("layer_types", ["mamba", "attention", "mamba", "mamba"])
+        return GraniteMoeHybridConfig(**{
+            "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25,
+            "logits_scaling": 3.0, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 48,
+            "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8,
+            "position_embedding_type": "nope", **kw, "intermediate_size": 32, "layer_types": kinds,
+            "num_hidden_layers": len(kinds)})
     # GPT-OSS: 8 experts, 2 per token, the even layers windowed (8 tokens), YaRN past 16 positions.
     if kind == "gpt_oss":
         return GptOssConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
@@ -192,6 +211,12 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # skipped or scaled by w alone.
             if kind.startswith("gemma") and name.endswith("norm.weight"):
                 param.normal_(0.0, 0.5)
+            # Mamba-2's per-head scalars and its gated norm start at fixed values (A = -1..-heads, D
+            # and dt's bias 1, norm 1): drawn apart so each head's are read as its own.
+            if name.endswith(("mamba.A_log", "mamba.D", "mamba.dt_bias", "mamba.conv1d.bias")):
+                param.normal_(0.0, 0.5)
+            if name.endswith("mamba.norm.weight"):
+                param.uniform_(0.5, 1.5)
         # GLM-4.5's and DeepSeek-V3's router correction bias (a buffer, zero at first): of the scores'
         # order, so that it moves the choice.
         for name, buffer in model.named_buffers():
@@ -223,6 +248,8 @@ def prefill_logits(runner: ModelRunner, token_ids: list[int], block_ids: list[in
     slots = compute_slot_mapping(table, req_index, positions, bs)
     meta = runner.attention_metadata(table, np.array([len(block_ids)]), np.array([0, n]), np.array([0]), 0, slots,
                                      bs, decode_in_place=False)
+    if runner.mamba_mixers:  # (Mamba-2 layers: the prompt's state in row 0, from zero)
+        meta.mamba = runner.mamba_step(np.array([0]), np.array([0]), np.array([0, n]))
     with torch.inference_mode():
         hidden = runner.model(torch.tensor(token_ids, device=runner.device), torch.from_numpy(positions), meta)
         return runner.model.compute_logits(hidden)

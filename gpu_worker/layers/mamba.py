@@ -1,0 +1,212 @@
+"""Mamba-2 mixer layers (IBM Granite 4.0-H's recurrent layers), over a flat batch of requests.
+
+A Mamba-2 layer keeps no KV cache: each request carries a fixed-size state from token to token, the
+last ``d_conv - 1`` inputs of its causal convolution and the SSM state ([heads, head_dim, d_state]),
+held in a row of the layer's state tensors (``MambaState``) that the model runner binds and indexes
+by the request's row of the block table. A request's first chunk starts from zero (the runner zeroes
+the rows of requests starting at token 0); later chunks and decodes carry on from the row.
+
+Per pass the mixer takes the decodes (one token each) as one batch through the recurrent update, and
+each longer chunk (a prefill) through the chunked scan of state space duality (SSD): within a chunk
+of ``chunk_size`` tokens the output is a masked quadratic form, across chunks the state carries. The
+arithmetic is in fp32, as the reference kernels accumulate; the SSM state is stored in fp32 too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank_and_size
+from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
+from gpu_worker.mamba_config import Mamba2Config
+
+
+@dataclass
+class MambaStepMetadata:
+    """Where each request of a pass lies in the flat batch and which state row it owns."""
+
+    # The one-token requests: their token indices in the batch and their state rows ([n] int64).
+    decode_tokens: torch.Tensor | None
+    decode_rows: torch.Tensor | None
+    # Every longer chunk: (first token, end token, state row).
+    prefills: list[tuple[int, int, int]]
+
+
+@dataclass
+class MambaState:
+    """A layer's states for every request row: conv [rows, conv_dim, d_conv - 1] (model dtype),
+    ssm [rows, heads, head_dim, d_state] (fp32)."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @classmethod
+    def allocate(cls, config: Mamba2Config, rows: int, dtype: torch.dtype, device: torch.device) -> MambaState:
+        conv, ssm = config.state_shapes()
+        return cls(torch.zeros((rows, *conv), dtype=dtype, device=device),
+                   torch.zeros((rows, *ssm), dtype=torch.float32, device=device))
+
+    def zero_rows(self, rows: torch.Tensor) -> None:
+        self.conv.index_fill_(0, rows, 0)
+        self.ssm.index_fill_(0, rows, 0)
+
+
+def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                   state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's scan, chunk by chunk, all fp32. x: [L, H, P]; dt: [L, H] (discretisation steps,
+    already softplus'd); a: [H] (negative); b, c: [L, H, N] (each head's group's); state: [H, P, N]
+    before the first token. Returns y [L, H, P] (without the D skip) and the state after the last
+    token: h_t = exp(dt_t a) h_{t-1} + dt_t x_t b_t^T, y_t = h_t c_t."""
+    outs = []
+    for start in range(0, x.shape[0], chunk_size):
+        xs, dts = x[start:start + chunk_size], dt[start:start + chunk_size]
+        bs, cs = b[start:start + chunk_size], c[start:start + chunk_size]
+        n = xs.shape[0]
+        decay = torch.cumsum(dts * a, dim=0)  # [n, H]: log of the decay from the chunk's start to t
+        # Within the chunk: y_i = sum_{j <= i} exp(decay_i - decay_j) (c_i . b_j) dt_j x_j.
+        gaps = decay.t()[:, :, None] - decay.t()[:, None, :]  # [H, i, j]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        weights = torch.exp(gaps.masked_fill(~causal, float("-inf")))
+        scores = torch.einsum("ihn,jhn->hij", cs, bs) * weights
+        y = torch.einsum("hij,jhp->ihp", scores, xs * dts[..., None])
+        # From the state the chunk started with: y_i += exp(decay_i) h_0 c_i.
+        y = y + torch.einsum("ihn,hpn->ihp", cs, state) * torch.exp(decay)[..., None]
+        outs.append(y)
+        # The state after the chunk: decayed, plus each token's contribution decayed to the end.
+        to_end = torch.exp(decay[-1][None, :] - decay)  # [n, H]
+        state = (state * torch.exp(decay[-1])[:, None, None]
+                 + torch.einsum("jh,jhp,jhn->hpn", to_end * dts, xs, bs))
+    return torch.cat(outs) if len(outs) > 1 else outs[0], state
+
+
+def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of R requests (fp32): x [R, H, P], dt [R, H], b, c [R, H, N], state
+    [R, H, P, N]. Returns y [R, H, P] (without D) and the new state."""
+    state = state * torch.exp(dt * a)[..., None, None] + (dt[..., None] * x)[..., None] * b[:, :, None, :]
+    return torch.einsum("rhpn,rhn->rhp", state, c), state
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(gate) over each group's channels (Mamba-2's norm before out_proj)."""
+
+    def __init__(self, width: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.group_size, self.eps = group_size, eps
+        self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        h = y.float() * F.silu(gate.float())
+        groups = h.view(*h.shape[:-1], -1, self.group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * groups.view(h.shape).to(dtype)
+
+
+class DepthwiseConv(nn.Module):
+    """The causal depthwise convolution's weights (the checkpoint's ``conv1d``: a Conv1d whose weight
+    [channels, 1, kernel] is kept as [channels, kernel]) and bias."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel), requires_grad=False)
+        self.weight.weight_loader = self._weight_loader
+        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
+
+    @staticmethod
+    def _weight_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+        copy_into(param, materialize(loaded).reshape(param.shape))
+
+
+class MambaMixer2(nn.Module):
+    """Mamba-2's mixer: in_proj to (gate z, xBC, dt), a causal depthwise convolution over xBC with
+    SiLU, the selective scan over x with B and C (groups of heads share them), D's skip, the gated
+    norm, out_proj. Checkpoint names as transformers' (``in_proj``, ``conv1d``, ``A_log``, ``D``,
+    ``dt_bias``, ``norm``, ``out_proj``)."""
+
+    def __init__(self, hidden_size: int, config: Mamba2Config, eps: float) -> None:
+        super().__init__()
+        _, tp_size = tp_rank_and_size(None, None)
+        if tp_size > 1:
+            raise ValueError("Mamba-2 layers are served on one tensor-parallel rank (tensor_parallel_size 1)")
+        self.config = m = config
+        width = m.intermediate_size
+        self.in_proj = ColumnParallelLinear(hidden_size, width + m.conv_dim + m.num_heads, bias=m.proj_bias)
+        self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, m.conv_bias)
+        self.A_log = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(width, width // m.num_groups, eps)
+        self.out_proj = RowParallelLinear(width, hidden_size, bias=m.proj_bias)
+        # Bound by the model runner (as PagedAttention's kv_cache).
+        self.state: MambaState | None = None
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta) -> torch.Tensor:
+        """``hidden`` [T, hidden_size] -> [T, hidden_size]; ``meta.mamba`` says where each request's
+        tokens lie and which state row it owns (``rope`` is not used: the recurrence is the order)."""
+        if self.state is None:
+            raise RuntimeError("Mamba state is not bound: call initialize_cache() first")
+        step: MambaStepMetadata = meta.mamba
+        m = self.config
+        width = m.intermediate_size
+        projected = self.in_proj.forward(hidden)
+        gate, xbc, dt = projected.split([width, m.conv_dim, m.num_heads], dim=-1)
+        a = -torch.exp(self.A_log.float())
+        y = torch.empty(hidden.shape[0], width, dtype=hidden.dtype, device=hidden.device)
+        if step.decode_tokens is not None:
+            rows, tokens = step.decode_rows, step.decode_tokens
+            window = torch.cat((self.state.conv.index_select(0, rows), xbc.index_select(0, tokens)[:, :, None]), dim=2)
+            self.state.conv.index_copy_(0, rows, window[:, :, 1:])
+            conv = (window.float() * self.conv1d.weight.float()).sum(-1)
+            y.index_copy_(0, tokens, self._scan_decodes(conv, dt.index_select(0, tokens), a, rows).to(y.dtype))
+        for start, end, row in step.prefills:
+            # The causal convolution over [the row's last inputs, this chunk], then its last inputs kept.
+            window = torch.cat((self.state.conv[row], xbc[start:end].t()), dim=1)
+            self.state.conv[row] = window[:, -(m.conv_kernel - 1):]
+            conv = F.conv1d(window[None].float(), self.conv1d.weight.float()[:, None, :], groups=m.conv_dim)[0].t()
+            y[start:end] = self._scan_prefill(conv, dt[start:end], a, row).to(y.dtype)
+        return self.out_proj.forward(self.norm.forward(y, gate))
+
+    def _split(self, conv: torch.Tensor, dt: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's output (+ bias, SiLU) as x [R, H, P], b and c [R, H, N] (each head its
+        group's), and dt [R, H] after its bias, softplus and clamp."""
+        m = self.config
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias.float()
+        conv = F.silu(conv)
+        x, b, c = conv.split([m.intermediate_size, m.num_groups * m.state_size, m.num_groups * m.state_size], dim=-1)
+        per_group = m.num_heads // m.num_groups
+        b = b.reshape(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
+        c = c.reshape(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.time_step_limit)
+        return x.reshape(-1, m.num_heads, m.head_dim), dt, b, c
+
+    def _scan_decodes(self, conv: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        x, dt, b, c = self._split(conv, dt)
+        y, state = ssd_step(x, dt, a, b, c, self.state.ssm.index_select(0, rows))
+        self.state.ssm.index_copy_(0, rows, state)
+        return (y + x * self.D.float()[:, None]).flatten(1)
+
+    def _scan_prefill(self, conv: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, row: int) -> torch.Tensor:
+        x, dt, b, c = self._split(conv, dt)
+        y, self.state.ssm[row] = ssd_chunk_scan(x, dt, a, b, c, self.state.ssm[row], self.config.chunk_size)
+        return (y + x * self.D.float()[:, None]).flatten(1)
+
+
+def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: torch.device) -> MambaStepMetadata:
+    """A pass's requests (``rows``: each one's state row; ``query_start_loc``: [num_reqs + 1]) as the
+    mixers take them: the one-token requests batched, every longer chunk on its own."""
+    lens = np.diff(query_start_loc)
+    single = np.flatnonzero(lens == 1)
+    tokens = decode_rows = None
+    if len(single):
+        tokens = torch.from_numpy(np.ascontiguousarray(query_start_loc[single], dtype=np.int64)).to(device)
+        decode_rows = torch.from_numpy(np.ascontiguousarray(rows[single], dtype=np.int64)).to(device)
+    prefills = [(int(query_start_loc[i]), int(query_start_loc[i + 1]), int(rows[i])) for i in np.flatnonzero(lens > 1)]
+    return MambaStepMetadata(tokens, decode_rows, prefills)

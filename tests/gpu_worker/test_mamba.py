@@ -1,0 +1,200 @@
+"""Mamba-2 layers (Granite 4.0-H): the chunked scan against the recurrence, a mixer carrying each
+request's state across passes, and a hybrid model served through the scheduler (chunked prefills,
+batched decodes, rows reused, preemption) against transformers' generation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.mamba import MambaMixer2, MambaState, mamba_step_metadata, ssd_chunk_scan, ssd_step
+from gpu_worker.mamba_config import Mamba2Config
+from gpu_worker.worker import Worker
+from tests.gpu_worker.utils import (
+    greedy_request,
+    hf_greedy,
+    load_hf,
+    make_runner,
+    make_scheduler,
+    run_to_completion,
+    save_tiny_model,
+)
+
+
+def _scan_inputs(length: int, heads: int = 4, head_dim: int = 3, state: int = 5, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(length, heads, head_dim, generator=g)
+    dt = torch.rand(length, heads, generator=g) + 0.05
+    a = -torch.rand(heads, generator=g) * 2
+    b = torch.randn(length, heads, state, generator=g)
+    c = torch.randn(length, heads, state, generator=g)
+    h0 = torch.randn(heads, head_dim, state, generator=g)
+    return x, dt, a, b, c, h0
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 8, 64])
+def test_the_chunked_scan_is_the_recurrence(chunk_size):
+    """21 tokens from a nonzero state, in chunks that divide them or not: every output and the final
+    state are those of the token-by-token recurrence."""
+    x, dt, a, b, c, h0 = _scan_inputs(21)
+    y, state = ssd_chunk_scan(x, dt, a, b, c, h0, chunk_size)
+    h, ys = h0[None], []
+    for t in range(21):
+        out, h = ssd_step(x[t:t + 1], dt[t:t + 1], a, b[t:t + 1], c[t:t + 1], h)
+        ys.append(out[0])
+    torch.testing.assert_close(y, torch.stack(ys), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, h[0], atol=1e-5, rtol=1e-5)
+
+
+def _random_mixer(config: Mamba2Config, hidden: int = 24) -> MambaMixer2:
+    torch.manual_seed(1)
+    mixer = MambaMixer2(hidden, config, 1e-6)
+    with torch.no_grad():
+        for name, param in mixer.named_parameters():
+            param.copy_(torch.randn(param.shape) * (0.3 if param.dim() > 1 else 0.5))
+            if name == "norm.weight":
+                param.uniform_(0.5, 1.5)
+    return mixer
+
+
+class _Meta:
+    def __init__(self, mamba) -> None:
+        self.mamba = mamba
+
+
+def _run(mixer: MambaMixer2, pieces: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+    """One pass over ``pieces`` (state row, its tokens' inputs), in that order in the flat batch."""
+    lens = [p.shape[0] for _, p in pieces]
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    rows = np.array([row for row, _ in pieces], dtype=np.int64)
+    meta = _Meta(mamba_step_metadata(rows, qsl, torch.device("cpu")))
+    out = mixer.forward((), torch.cat([p for _, p in pieces]), meta)
+    return [out[qsl[i]:qsl[i + 1]] for i in range(len(pieces))]
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_mixer_carries_each_requests_state_across_passes(groups):
+    """Two sequences run whole (one prefill each) and run in pieces over five passes, side by side in
+    other rows: prefill chunks longer and shorter than the convolution's window, single tokens
+    batched as decodes. Each piece's outputs are the whole run's at its positions."""
+    config = Mamba2Config(num_heads=4, head_dim=6, num_groups=groups, state_size=5, conv_kernel=4, chunk_size=4)
+    mixer = _random_mixer(config)
+    torch.manual_seed(2)
+    seqs = [torch.randn(13, 24), torch.randn(11, 24)]
+    mixer.state = MambaState.allocate(config, 4, torch.float32, torch.device("cpu"))
+    whole = _run(mixer, [(0, seqs[0]), (1, seqs[1])])
+    mixer.state = MambaState.allocate(config, 4, torch.float32, torch.device("cpu"))
+    # Sequence 0 in rows 3, sequence 1 in row 2: 5 + 1 + 2 + 1 + 4 tokens, and 6 + 1 + 1 + 3 (+ none).
+    plan = [[(3, 0, 5), (2, 0, 6)], [(3, 5, 6), (2, 6, 7)], [(2, 7, 8), (3, 6, 8)], [(3, 8, 9), (2, 8, 11)],
+            [(3, 9, 13)]]
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    for step in plan:
+        # (one-token pieces first, as the runner orders decodes)
+        step = sorted(step, key=lambda piece: piece[2] - piece[1] != 1)
+        outs = _run(mixer, [(row, seqs[3 - row][a:b]) for row, a, b in step])
+        for (row, _, _), out in zip(step, outs, strict=True):
+            got[3 - row].append(out)
+    for i in (0, 1):
+        torch.testing.assert_close(torch.cat(got[i]), whole[i], atol=1e-5, rtol=1e-5)
+
+
+def test_a_tensor_parallel_mixer_is_refused(monkeypatch):
+    from gpu_worker.layers import mamba
+
+    monkeypatch.setattr(mamba, "tp_rank_and_size", lambda rank, size: (0, 2))
+    with pytest.raises(ValueError, match="one tensor-parallel rank"):
+        MambaMixer2(24, Mamba2Config(4, 6, 1, 5, 4, 4), 1e-6)
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("granite_hybrid"), "granitemoehybrid")
+
+
+def _prompts(count: int, vocab: int = 256) -> dict[str, list[int]]:
+    # Lengths 1 (a first pass shaped as a decode), 5, 11, ... 29: chunked by a 12-token budget.
+    return {f"r{i}": [(7 * j + 3 * i + 1) % vocab for j in range(1 if i == 0 else 6 * i - 1)] for i in range(count)}
+
+
+def test_a_hybrid_model_generates_as_transformers_does(hybrid_model):
+    """Six requests through the scheduler, two at a time (rows reused by the later ones, whose state
+    must start from zero), prompts chunked by a 12-token budget beside batched decodes."""
+    runner = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=12)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
+                           prefix_caching=False)
+    prompts = _prompts(6)
+    for rid, prompt in prompts.items():
+        sched.add_request(greedy_request(rid, prompt, 8))
+    chunked = []
+    got = run_to_completion(sched, runner.execute_model,
+                            on_step=lambda step, so: chunked.extend(n for n in so.num_scheduled_tokens.values()
+                                                                    if n > 1))
+    assert chunked and max(chunked) <= 12 and runner.mamba_states[0].ssm.shape[0] == 2
+    hf = load_hf(hybrid_model)
+    for rid, prompt in prompts.items():
+        assert got[rid] == hf_greedy(hf, prompt, 8), rid
+
+
+def test_a_preempted_request_recomputes_its_state(hybrid_model):
+    """A KV cache too small for every request at once: the scheduler preempts, and a resumed request
+    starts its state again from zero (its row may be another's by then)."""
+    runner = make_runner(hybrid_model, num_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    sched = make_scheduler(num_blocks=14, block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
+                           prefix_caching=False)
+    prompts = {f"p{i}": [(11 * j + 5 * i + 2) % 256 for j in range(9 + i)] for i in range(4)}
+    for rid, prompt in prompts.items():
+        sched.add_request(greedy_request(rid, prompt, 12))
+    preempted: list[str] = []
+    got = run_to_completion(sched, runner.execute_model,
+                            on_step=lambda step, so: preempted.extend(so.preempted_req_ids))
+    assert preempted
+    hf = load_hf(hybrid_model)
+    for rid, prompt in prompts.items():
+        assert got[rid] == hf_greedy(hf, prompt, 12), rid
+
+
+def test_released_granite_4_configs_are_read():
+    """Granite 4.0-H's config.json keys as released: "mamba" / "attention" layer types, NoPE, the
+    Mamba-2 geometry (auto head width), no time_step_limit; transformers 5's saved infinity."""
+    base = {"architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": 64, "intermediate_size": 32,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+            "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 8, "mamba_d_head": "auto",
+            "mamba_n_groups": 1, "mamba_d_state": 16, "position_embedding_type": "nope",
+            "num_local_experts": 0, "shared_intermediate_size": 96}
+    config = ModelConfig.from_dict(base)
+    assert config.mamba_layers == (True, False, True) and config.num_attention_layers == 1
+    assert config.mamba == Mamba2Config(num_heads=8, head_dim=16, num_groups=1, state_size=16, conv_kernel=4,
+                                        chunk_size=256)
+    assert config.rope_layers == (False,) * 3 and config.num_experts == 0 and config.intermediate_size == 96
+    saved = ModelConfig.from_dict({**base, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                                   "position_embedding_type": "rope", "num_local_experts": 4,
+                                   "time_step_limit": [0.001, {"__float__": "Infinity"}]})
+    assert saved.mamba_layers == (True, False, True) and saved.rope_layers == ()
+    assert saved.mamba.time_step_limit == (0.001, float("inf"))
+    assert saved.num_experts == 4 and saved.shared_expert_intermediate_size == 96 and saved.intermediate_size == 32
+    with pytest.raises(ValueError, match="'mamba' or 'attention'"):
+        ModelConfig.from_dict({**base, "layer_types": ["mamba", "sliding_attention", "mamba"]})
+    with pytest.raises(ValueError, match="layer_types lists 3 layers, the model has 4"):
+        ModelConfig.from_dict({**base, "num_hidden_layers": 4})
+    with pytest.raises(ValueError, match="Mamba-2 geometry"):
+        ModelConfig.from_dict({**base, "mamba_d_head": 8})
+
+
+def test_the_cache_budget_counts_attention_layers_and_leaves_room_for_the_states(hybrid_model):
+    """KV blocks hold the attention layer's keys and values alone; the Mamba-2 states of max_num_seqs
+    requests come out of the budget first."""
+    worker = Worker(0, 1, str(hybrid_model), device="cpu", dtype="auto", max_model_len=128, num_cpus=1,
+                    max_num_seqs=3)
+    worker.init_distributed()
+    worker.load_model()
+    config = worker.model_config
+    assert worker.bytes_per_block(4) == 2 * 1 * 4 * config.num_key_value_heads * config.head_dim * 4
+    # Per request and Mamba layer: conv [64 + 2 * 2 * 16 channels, 3], ssm [8, 16, 16] in fp32.
+    per_request = (128 + 64) * 3 * 4 + 8 * 16 * 16 * 4
+    assert worker.mamba_state_bytes() == 3 * 3 * per_request
+    budget = worker.mamba_state_bytes() + worker.bytes_per_block(4) * 10 + 5
+    assert worker.determine_num_blocks(4, kv_cache_memory_bytes=budget) == 10
+    worker.initialize_cache(10, 4)
+    assert [tuple(s.ssm.shape) for s in worker.runner.mamba_states] == [(3, 8, 16, 16)] * 3
