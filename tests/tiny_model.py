@@ -61,6 +61,25 @@ def build_tiny_moe(path: Path, seed: int = 0, num_layers: int = 2, hidden: int =
     return _save_random_model(path, config, seed, num_layers, hidden, heads, max_positions)
 
 
+def build_tiny_granite_hybrid(path: Path, seed: int = 0, hidden: int = 64, heads: int = 4,
+                              max_positions: int = 1024) -> Path:
+    """Save a random tiny Granite 4.0-H (Mamba-2 layers around an attention layer without positions,
+    4 routed experts and a shared one) with our tokenizer into ``path``."""
+    from transformers import GraniteMoeHybridConfig
+
+    kinds = ["mamba", "attention", "mamba"]
+
+    def config(**common):
+        return GraniteMoeHybridConfig(intermediate_size=hidden // 2, shared_intermediate_size=hidden,
+                                      num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                      layer_types=kinds, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=1,
+                                      mamba_chunk_size=16,
+                                      position_embedding_type="nope", architectures=["GraniteMoeHybridForCausalLM"],
+                                      **common)
+
+    return _save_random_model(path, config, seed, len(kinds), hidden, heads, max_positions)
+
+
 def build_tiny_gemma2(path: Path, seed: int = 0, num_layers: int = 2, hidden: int = 64, heads: int = 4,
                       max_positions: int = 1024) -> Path:
     """Save a random tiny Gemma 2 (window 8 on its even layers, soft caps that bind: 2 on attention

@@ -49,7 +49,36 @@ def test_greedy_tokens_equal_transformers_through_chunks_preemption_and_the_pref
     assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
 
 
-@pytest.mark.parametrize("kind", KINDS)
+def test_granite_4_hybrid_recomputes_what_a_prefix_cache_would_skip(tmp_path):
+    """Granite 4.0-H (Mamba-2 layers beside attention): the engine turns prefix caching off, since a
+    hit would skip tokens whose recurrent state it does not keep; greedy tokens equal transformers'
+    through chunked prefill and preemption, the repeated prompts computed again."""
+    path = _model(tmp_path, "granitemoehybrid")
+    outputs, stats = run(path, PROMPTS + PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                         dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16, max_num_seqs=8,
+                         max_model_len=128)
+    hf = load_hf(path)
+    with torch.no_grad():
+        expected = [hf_greedy(hf, prompt, 12) for prompt in PROMPTS + PROMPTS[:2]]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
+    assert stats.prefix_cache_hits == 0 and stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
+    ({"kv_offloading_size": 0.01}, "KV offloading"),
+    ({"enable_lora": True}, "LoRA"),
+    ({"kv_transfer_config": {"kv_role": "kv_both"}}, "prefill/decode disaggregation"),
+])
+def test_granite_4_hybrid_refuses_what_its_states_cannot_follow(tmp_path, flags, refusal):
+    path = _model(tmp_path, "granitemoehybrid")
+    with pytest.raises(ValueError, match=f"has Mamba-2 layers: {refusal}"):
+        run(path, [[1, 2]], SamplingParams(max_tokens=1), dtype="float32", num_gpu_blocks=16, max_model_len=64,
+            **flags)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "granitemoehybrid"])
 def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path, kind):
     """Each prompt token's log-probability (prefill) and each greedy token's (decode)."""
     path = _model(tmp_path, kind)

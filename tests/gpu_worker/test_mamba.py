@@ -198,3 +198,59 @@ def test_the_cache_budget_counts_attention_layers_and_leaves_room_for_the_states
     assert worker.determine_num_blocks(4, kv_cache_memory_bytes=budget) == 10
     worker.initialize_cache(10, 4)
     assert [tuple(s.ssm.shape) for s in worker.runner.mamba_states] == [(3, 8, 16, 16)] * 3
+
+
+def test_a_streaming_sessions_next_turn_continues_its_state(hybrid_model):
+    """A resumable session keeps its blocks between turns, and its Mamba state with them (the next
+    turn starts where the computed tokens end, in the row it had): the second turn's tokens are
+    transformers' greedy continuation of everything so far. Another request comes and goes in
+    between, taking and freeing a row."""
+    from engine_core.request import Request
+    from engine_core.sampling_params import SamplingParams
+
+    runner = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                           prefix_caching=False)
+
+    def turn(req_id: str, prompt: list[int], max_tokens: int, resumable: bool) -> Request:
+        return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                       eos_token_id=None, resumable=resumable)
+
+    def run_until_done(req_ids: set[str]) -> dict[str, list[int]]:
+        tokens: dict[str, list[int]] = {}
+        for _ in range(200):
+            so = sched.schedule()
+            for eco in sched.update_from_output(so, runner.execute_model(so)).values():
+                for out in eco.outputs:
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    req_ids.discard(out.request_id) if out.finish_reason is not None else None
+            if not req_ids:
+                return tokens
+        raise AssertionError(f"turns did not finish: {req_ids} {tokens}")
+
+    first = [(5 * j + 2) % 256 for j in range(13)]
+    sched.add_request(turn("s", first, 4, True))
+    sched.add_request(turn("other", [9, 8, 7], 2, False))
+    out = run_until_done({"s", "other"})
+    assert runner.requests["s"].num_computed_tokens == len(first) + 3  # (its last token not yet computed)
+    sched.add_request(turn("later", [4, 4, 4, 4, 4], 6, False))  # (a row of its own, beside the waiting session)
+    second = [17, 23, 29, 31, 37]
+    sched.add_request(turn("s", second, 5, True))
+    out2 = run_until_done({"s", "later"})
+    hf = load_hf(hybrid_model)
+    assert out["s"] == hf_greedy(hf, first, 4)
+    assert out2["s"] == hf_greedy(hf, first + out["s"] + second, 5)
+
+
+@pytest.mark.parametrize("parallel, refusal", [
+    ({"tensor_parallel_size": 2}, "has Mamba-2 layers: they are served on one tensor-parallel rank"),
+    ({"pipeline_parallel_size": 2}, "does not split a model with Mamba-2 layers"),
+])
+def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, refusal):
+    from engine_core.config import EngineConfig, SchedulerConfig
+    from gpu_worker.executor import create_executor
+    from tests.tiny_model import build_tiny_granite_hybrid
+
+    with pytest.raises(ValueError, match=refusal):
+        create_executor(EngineConfig(model=str(build_tiny_granite_hybrid(tmp_path)), device="cpu", num_gpu_blocks=16,
+                                     scheduler=SchedulerConfig(max_model_len=64), **parallel))
