@@ -107,12 +107,14 @@ def draft_model_reference(config: EngineConfig) -> str | None:
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
-def _mamba_refusal(config: EngineConfig) -> str | None:
+def _mamba_refusal(config: EngineConfig, model_config: ModelConfig) -> str | None:
     """What an engine cannot do for a model with Mamba-2 layers (None: nothing it asks for). Each
     request's state there covers exactly the tokens computed so far: draft tokens would advance it
     past rejected ones, and another engine's KV or the prefix cache's would come without it."""
-    if config.tensor_parallel_size > 1:
-        return "they are served on one tensor-parallel rank (tensor_parallel_size 1)"
+    try:
+        model_config.mamba.per_rank(config.tensor_parallel_size)
+    except ValueError as e:
+        return str(e)
     if config.speculative_config is not None:
         return ("speculative decoding would advance their per-request state past rejected drafts: drop "
                 "--speculative-config")
@@ -187,7 +189,7 @@ class _ExecutorBase(Executor):
                 eagle_head_config(draft, spec.method, self.model_config)
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
-        if self.model_config.mamba_layers and (refusal := _mamba_refusal(config)):
+        if self.model_config.mamba_layers and (refusal := _mamba_refusal(config, self.model_config)):
             raise ValueError(f"engine {config.engine_index}: {self.model_config.raw['architectures'][0]} has Mamba-2 "
                              f"layers: {refusal}")
         pp = config.pipeline_parallel_size

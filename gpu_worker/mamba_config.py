@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,26 @@ class Mamba2Config:
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One request's conv state and SSM state, per layer."""
         return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.state_size)
+
+    def groups_split(self, tp_size: int) -> bool:
+        """Whether tensor parallelism splits the groups of B and C among the ranks (else each rank
+        holds the one group whole)."""
+        return self.num_groups % tp_size == 0
+
+    def per_rank(self, tp_size: int) -> Mamba2Config:
+        """One tensor-parallel rank's share: num_heads / tp heads (and their x, z, dt), the groups
+        split likewise when they divide, else (one group) replicated on every rank, as vLLM shards
+        its MambaMixer2."""
+        if tp_size == 1:
+            return self
+        if self.num_heads % tp_size:
+            raise ValueError(f"Mamba-2's {self.num_heads} heads cannot be split evenly over "
+                             f"tensor_parallel_size={tp_size}")
+        if not self.groups_split(tp_size) and self.num_groups != 1:
+            raise ValueError(f"Mamba-2's {self.num_groups} groups cannot be split evenly over "
+                             f"tensor_parallel_size={tp_size} (one group is replicated; more must divide)")
+        groups = self.num_groups // tp_size if self.groups_split(tp_size) else 1
+        return dataclasses.replace(self, num_heads=self.num_heads // tp_size, num_groups=groups)
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """One request's state in one layer: the conv state in ``dtype``, the SSM state in fp32."""

@@ -270,7 +270,8 @@ class Worker:
         config = self.model_config
         if config.mamba is None:
             return 0
-        return config.mamba.state_bytes(self.dtype) * sum(config.mamba_layers) * self.max_num_seqs
+        return (config.mamba.per_rank(self.world_size).state_bytes(self.dtype) * sum(config.mamba_layers)
+                * self.max_num_seqs)
 
     def _num_stage_layers(self) -> int | None:
         if self.pipeline_parallel_size == 1:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker import distributed
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank_and_size
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
 from gpu_worker.mamba_config import Mamba2Config
@@ -93,56 +94,94 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of y * silu(gate) over each group's channels (Mamba-2's norm before out_proj)."""
+    """RMSNorm of y * silu(gate) over each group's channels (Mamba-2's norm before out_proj). Under
+    tensor parallelism a rank holds its heads' channels: whole groups where the groups are split,
+    else a slice of the one group, whose sum of squares is then all-reduced."""
 
-    def __init__(self, width: int, group_size: int, eps: float) -> None:
+    def __init__(self, width: int, group_size: int, eps: float, tp_rank: int = 0, across_ranks: bool = False) -> None:
         super().__init__()
-        self.group_size, self.eps = group_size, eps
+        self.group_size, self.eps, self.tp_rank = group_size, eps, tp_rank
+        self.across_ranks = across_ranks
         self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
+        self.weight.weight_loader = self._weight_loader
+
+    def _weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+        copy_into(param, materialize(loaded).narrow(0, self.tp_rank * param.shape[0], param.shape[0]))
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = y.dtype
         h = y.float() * F.silu(gate.float())
+        if self.across_ranks:  # (one group over every rank's channels)
+            squares = distributed.all_reduce(h.pow(2).sum(-1, keepdim=True))
+            return self.weight * (h * torch.rsqrt(squares / self.group_size + self.eps)).to(dtype)
         groups = h.view(*h.shape[:-1], -1, self.group_size)
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * groups.view(h.shape).to(dtype)
 
 
+def _rank_rows(loaded: WeightLike, sections: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows ``sections`` ((start, count) in the checkpoint's rows) of ``loaded``, concatenated."""
+    tensor = materialize(loaded)
+    return torch.cat([tensor.narrow(0, start, count) for start, count in sections])
+
+
 class DepthwiseConv(nn.Module):
     """The causal depthwise convolution's weights (the checkpoint's ``conv1d``: a Conv1d whose weight
-    [channels, 1, kernel] is kept as [channels, kernel]) and bias."""
+    [channels, 1, kernel] is kept as [channels, kernel]) and bias, this rank's channels of them."""
 
-    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+    def __init__(self, channels: int, kernel: int, bias: bool, sections: list[tuple[int, int]]) -> None:
         super().__init__()
+        self.sections = sections
         self.weight = nn.Parameter(torch.empty(channels, kernel), requires_grad=False)
         self.weight.weight_loader = self._weight_loader
         self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self._weight_loader
 
-    @staticmethod
-    def _weight_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
-        copy_into(param, materialize(loaded).reshape(param.shape))
+    def _weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+        copy_into(param, _rank_rows(loaded, self.sections).reshape(param.shape))
 
 
 class MambaMixer2(nn.Module):
     """Mamba-2's mixer: in_proj to (gate z, xBC, dt), a causal depthwise convolution over xBC with
     SiLU, the selective scan over x with B and C (groups of heads share them), D's skip, the gated
     norm, out_proj. Checkpoint names as transformers' (``in_proj``, ``conv1d``, ``A_log``, ``D``,
-    ``dt_bias``, ``norm``, ``out_proj``)."""
+    ``dt_bias``, ``norm``, ``out_proj``).
+
+    Under tensor parallelism each rank holds num_heads / tp heads (their z, x and dt rows of in_proj,
+    x's convolution channels, A, D, dt's bias, the norm's channels and out_proj's columns) and the
+    groups of B and C that its heads read (split when they divide, else the one group on every
+    rank); out_proj's all-reduce sums the heads' outputs, as vLLM shards its MambaMixer2."""
 
     def __init__(self, hidden_size: int, config: Mamba2Config, eps: float) -> None:
         super().__init__()
-        _, tp_size = tp_rank_and_size(None, None)
-        if tp_size > 1:
-            raise ValueError("Mamba-2 layers are served on one tensor-parallel rank (tensor_parallel_size 1)")
-        self.config = m = config
-        width = m.intermediate_size
-        self.in_proj = ColumnParallelLinear(hidden_size, width + m.conv_dim + m.num_heads, bias=m.proj_bias)
-        self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, m.conv_bias)
+        rank, tp_size = tp_rank_and_size(None, None)
+        full = config
+        # This rank's geometry: its state tensors are this shape.
+        self.config = m = config.per_rank(tp_size)
+        width, bc = m.intermediate_size, m.num_groups * m.state_size
+        bc_start = rank * bc if full.groups_split(tp_size) else 0
+        x_rows = (full.intermediate_size + rank * width, width)
+        b_rows = (2 * full.intermediate_size + bc_start, bc)
+        c_rows = (2 * full.intermediate_size + full.num_groups * full.state_size + bc_start, bc)
+        in_sections = [(rank * width, width), x_rows, b_rows, c_rows,
+                       (full.intermediate_size + full.conv_dim + rank * m.num_heads, m.num_heads)]
+        conv_sections = [(start - full.intermediate_size, count) for start, count in (x_rows, b_rows, c_rows)]
+        self.in_proj = ColumnParallelLinear(hidden_size, width + m.conv_dim + m.num_heads, bias=m.proj_bias,
+                                            tp_rank=0, tp_size=1)
+        for param in (self.in_proj.weight, self.in_proj.bias):
+            if param is not None:
+                param.weight_loader = lambda p, loaded, shard=None: copy_into(p, _rank_rows(loaded, in_sections))
+        self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, m.conv_bias, conv_sections)
         self.A_log = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
-        self.norm = GatedRMSNorm(width, width // m.num_groups, eps)
-        self.out_proj = RowParallelLinear(width, hidden_size, bias=m.proj_bias)
+        heads = [(rank * m.num_heads, m.num_heads)]
+        for param in (self.A_log, self.D, self.dt_bias):
+            param.weight_loader = lambda p, loaded, shard=None: copy_into(p, _rank_rows(loaded, heads))
+        self.norm = GatedRMSNorm(width, full.intermediate_size // full.num_groups, eps, rank,
+                                 across_ranks=tp_size > 1 and not full.groups_split(tp_size))
+        self.out_proj = RowParallelLinear(full.intermediate_size, hidden_size, bias=m.proj_bias)
         # Bound by the model runner (as PagedAttention's kv_cache).
         self.state: MambaState | None = None
 

@@ -100,12 +100,16 @@ def test_a_mixer_carries_each_requests_state_across_passes(groups):
         torch.testing.assert_close(torch.cat(got[i]), whole[i], atol=1e-5, rtol=1e-5)
 
 
-def test_a_tensor_parallel_mixer_is_refused(monkeypatch):
-    from gpu_worker.layers import mamba
-
-    monkeypatch.setattr(mamba, "tp_rank_and_size", lambda rank, size: (0, 2))
-    with pytest.raises(ValueError, match="one tensor-parallel rank"):
-        MambaMixer2(24, Mamba2Config(4, 6, 1, 5, 4, 4), 1e-6)
+def test_a_ranks_share_of_the_heads_and_groups():
+    """Heads split over the ranks; groups too where they divide, else the one group on every rank."""
+    config = Mamba2Config(num_heads=8, head_dim=4, num_groups=2, state_size=5, conv_kernel=4, chunk_size=4)
+    assert config.per_rank(2) == Mamba2Config(4, 4, 1, 5, 4, 4) and config.per_rank(1) is config
+    single = Mamba2Config(num_heads=8, head_dim=4, num_groups=1, state_size=5, conv_kernel=4, chunk_size=4)
+    assert single.per_rank(4) == Mamba2Config(2, 4, 1, 5, 4, 4)
+    with pytest.raises(ValueError, match="8 heads cannot be split evenly over tensor_parallel_size=3"):
+        config.per_rank(3)
+    with pytest.raises(ValueError, match="2 groups cannot be split evenly over tensor_parallel_size=4"):
+        config.per_rank(4)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +247,7 @@ def test_a_streaming_sessions_next_turn_continues_its_state(hybrid_model):
 
 
 @pytest.mark.parametrize("parallel, refusal", [
-    ({"tensor_parallel_size": 2}, "has Mamba-2 layers: they are served on one tensor-parallel rank"),
+    ({"tensor_parallel_size": 3}, "has Mamba-2 layers: Mamba-2's 8 heads cannot be split evenly"),
     ({"pipeline_parallel_size": 2}, "does not split a model with Mamba-2 layers"),
 ])
 def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, refusal):
@@ -254,3 +258,61 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
     with pytest.raises(ValueError, match=refusal):
         create_executor(EngineConfig(model=str(build_tiny_granite_hybrid(tmp_path)), device="cpu", num_gpu_blocks=16,
                                      scheduler=SchedulerConfig(max_model_len=64), **parallel))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("groups", [2, 1], ids=["groups_split", "one_group_replicated"])
+def test_tp2_over_gloo_equals_tp1(tmp_path, groups):
+    """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
+    dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
+    one group whole (the gated norm's sum of squares then all-reduced): the same greedy answers as
+    one rank, over chunked prefills and batched decodes."""
+    import random
+
+    ray = pytest.importorskip("ray")
+    from tests.ports import free_port
+
+    path = save_tiny_model(tmp_path, "granitemoehybrid", num_key_value_heads=1, vocab_size=251,
+                           tie_word_embeddings=True, mamba_n_groups=groups)
+    rng = random.Random(3)
+    prompts = {f"r{i}": [rng.randrange(251) for _ in range(rng.randrange(3, 20))] for i in range(4)}
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1, max_num_seqs=4)
+
+    def drive(execute) -> dict[str, list[int]]:
+        sched = make_scheduler(num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                               prefix_caching=False)
+        for rid, prompt in prompts.items():
+            sched.add_request(greedy_request(rid, prompt, 8))
+        return run_to_completion(sched, execute)
+
+    tp1 = Worker(0, 1, str(path), **kwargs)
+    tp1.load_model()
+    tp1.initialize_cache(40, 4)
+    expected = drive(tp1.execute_model)
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        remote_worker = ray.remote(num_cpus=1)(Worker)
+        ranks = [remote_worker.remote(rank, 2, str(path), **kwargs) for rank in range(2)]
+        port = free_port()
+        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
+        ray.get([w.load_model.remote() for w in ranks])
+        # A rank's states are half of one rank's (with one group, B and C's channels are not halved).
+        state_bytes = ray.get([w.mamba_state_bytes.remote() for w in ranks])
+        assert state_bytes[0] == state_bytes[1] < tp1.mamba_state_bytes()
+        budget = state_bytes[0] + 40 * tp1.bytes_per_block(4) + 1  # (the one KV head is replicated)
+        assert ray.get([w.determine_num_blocks.remote(4, None, budget) for w in ranks]) == [40, 40]
+        ray.get([w.initialize_cache.remote(40, 4) for w in ranks])
+
+        def execute(so):
+            outs = ray.get([w.execute_model.remote(so) for w in ranks])
+            assert outs[1] is None  # only rank 0 answers
+            return outs[0]
+
+        assert drive(execute) == expected
+        ray.get([w.shutdown.remote() for w in ranks])
+    finally:
+        if started_here:
+            ray.shutdown()
