@@ -64,7 +64,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM",
-                           "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
+                           "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
 # IBM Granite's routed-expert models: Granite 3.x MoE, with a shared expert, and Granite 4.0 (its
 # hybrid: Mamba-2 layers beside attention ones, or attention alone, routed experts or a dense MLP).
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
@@ -654,6 +654,11 @@ def _activation(arch: str, cfg: dict[str, Any]) -> str:
         # converts it); hidden_activation, where set, names it.
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         act = "gelu_pytorch_tanh" if act == "gelu" else act
+    elif arch == "NemotronHForCausalLM":  # (its MLP layers: relu(x)^2, ungated)
+        act = cfg.get("mlp_hidden_act") or "relu2"
+        if act != "relu2":
+            raise ValueError(f"mlp_hidden_act must be 'relu2' for {arch}, got {act!r}")
+        return act
     else:
         act = cfg.get("hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
@@ -764,6 +769,78 @@ def _time_step_limit(value: Any) -> tuple[float, float]:
     return bounds[0], bounds[1]
 
 
+# Nemotron-H's hybrid_override_pattern: a character per layer.
+NEMOTRON_H_BLOCKS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# transformers 5's layers_block_type names -> ours.
+_NEMOTRON_H_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention",
+                     "attention": "attention", "mlp": "mlp", "moe": "moe"}
+
+
+def _nemotron_h_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """NVIDIA Nemotron-H's config.json (Nemotron-H 8B / 47B, Nemotron Nano 9B / 12B v2) in the keys
+    ModelConfig reads: one block per layer (hybrid_override_pattern as released, layers_block_type as
+    transformers 5 saves it), each a Mamba-2 mixer, attention without positions, or an ungated
+    relu^2 MLP, behind its own norm."""
+    pattern = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if pattern is None:
+        released = cfg.get("hybrid_override_pattern")
+        if not isinstance(released, str) or set(released) - set(NEMOTRON_H_BLOCKS):
+            raise ValueError(f"hybrid_override_pattern must be a string of {''.join(NEMOTRON_H_BLOCKS)}, "
+                             f"got {released!r}")
+        kinds = [NEMOTRON_H_BLOCKS[c] for c in released]
+    else:
+        unknown = sorted({k for k in pattern if k not in _NEMOTRON_H_KINDS})
+        if unknown:
+            raise ValueError(f"layers_block_type: Nemotron-H's layers are {sorted(_NEMOTRON_H_KINDS)}, got {unknown}")
+        kinds = [_NEMOTRON_H_KINDS[k] for k in pattern]
+    if "moe" in kinds:
+        raise ValueError("Nemotron-H's routed-expert layers (Nemotron 3 Nano's 'E' blocks) are not served yet")
+    if cfg.get("num_hidden_layers") not in (None, len(kinds)):
+        raise ValueError(f"hybrid_override_pattern has {len(kinds)} layers, num_hidden_layers says "
+                         f"{cfg['num_hidden_layers']}")
+    heads = int(cfg.get("num_attention_heads") or 32)
+    return {**cfg, "num_hidden_layers": len(kinds), "block_types": kinds,
+            "head_dim": int(cfg.get("head_dim") or cfg.get("attention_head_dim") or 128),
+            "num_key_value_heads": int(cfg.get("num_key_value_heads") or 8), "num_attention_heads": heads,
+            "rms_norm_eps": float(cfg.get("layer_norm_epsilon") or 1e-5),
+            "intermediate_size": int(cfg.get("intermediate_size") or 21504)}
+
+
+def _mamba2_from_dict(cfg: dict[str, Any], hidden: int, keys: dict[str, str], defaults: dict[str, Any]
+                      ) -> Mamba2Config:
+    """A Mamba-2 mixer's geometry from a config's ``keys`` (ours -> its names), ``defaults`` for
+    those it leaves out; head width "auto" (or none) from expand x hidden over the heads."""
+    def read(ours: str) -> Any:
+        value = cfg.get(keys[ours])
+        return defaults[ours] if value is None else value
+
+    heads, groups = int(read("num_heads")), int(read("num_groups"))
+    width = int(read("expand")) * hidden
+    head_dim = read("head_dim")
+    head_dim = width // heads if head_dim == "auto" else int(head_dim)
+    if heads % groups:
+        raise ValueError(f"Mamba-2 geometry: {heads} heads in {groups} groups (the groups must divide the heads)")
+    return Mamba2Config(num_heads=heads, head_dim=head_dim, num_groups=groups, state_size=int(read("state_size")),
+                        conv_kernel=int(read("conv_kernel")), chunk_size=int(read("chunk_size")),
+                        conv_bias=bool(read("conv_bias")), proj_bias=bool(read("proj_bias")),
+                        time_step_limit=_time_step_limit(cfg.get("time_step_limit")))
+
+
+def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's block kinds and its Mamba-2 geometry (transformers' NemotronHConfig defaults)."""
+    if arch != "NemotronHForCausalLM":
+        return {}
+    kinds = tuple(cfg["block_types"])
+    mamba = _mamba2_from_dict(cfg, int(cfg["hidden_size"]), {
+        "num_heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "num_groups": "n_groups",
+        "state_size": "ssm_state_size", "conv_kernel": "conv_kernel", "chunk_size": "chunk_size", "expand": "expand",
+        "conv_bias": "use_conv_bias", "proj_bias": "use_bias"}, {
+        "num_heads": 128, "head_dim": 64, "num_groups": 8, "state_size": 128, "conv_kernel": 4, "chunk_size": 128,
+        "expand": 2, "conv_bias": True, "proj_bias": False})
+    return {"block_types": kinds, "mamba_layers": tuple(kind == "mamba" for kind in kinds), "mamba": mamba,
+            "rope_layers": (False,) * len(kinds)}
+
+
 def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Granite 4.0's layer kinds (layer_types: "mamba" / "attention" as released, transformers 5's
     "linear_attention" / "full_attention"; all Mamba when absent, as transformers reads it), its
@@ -781,19 +858,18 @@ def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> d
     fields: dict[str, Any] = {}
     mamba_layers = tuple(kind in mamba_kinds for kind in kinds)
     if any(mamba_layers):
-        hidden, heads = int(cfg["hidden_size"]), int(cfg.get("mamba_n_heads") or 128)
+        hidden = int(cfg["hidden_size"])
+        mamba = _mamba2_from_dict(cfg, hidden, {
+            "num_heads": "mamba_n_heads", "head_dim": "mamba_d_head", "num_groups": "mamba_n_groups",
+            "state_size": "mamba_d_state", "conv_kernel": "mamba_d_conv", "chunk_size": "mamba_chunk_size",
+            "expand": "mamba_expand", "conv_bias": "mamba_conv_bias", "proj_bias": "mamba_proj_bias"}, {
+            "num_heads": 128, "head_dim": "auto", "num_groups": 1, "state_size": 256, "conv_kernel": 4,
+            "chunk_size": 256, "expand": 2, "conv_bias": True, "proj_bias": False})
         width = int(cfg.get("mamba_expand") or 2) * hidden
-        head_dim = cfg.get("mamba_d_head")
-        head_dim = width // heads if head_dim in (None, "auto") else int(head_dim)
-        groups = int(cfg.get("mamba_n_groups") or 1)
-        if head_dim * heads != width or heads % groups:
-            raise ValueError(f"Mamba-2 geometry: mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must be "
-                             f"mamba_expand x hidden_size ({width}), in groups dividing the heads ({groups})")
-        fields["mamba"] = Mamba2Config(
-            num_heads=heads, head_dim=head_dim, num_groups=groups, state_size=int(cfg.get("mamba_d_state") or 256),
-            conv_kernel=int(cfg.get("mamba_d_conv") or 4), chunk_size=int(cfg.get("mamba_chunk_size") or 256),
-            conv_bias=bool(cfg.get("mamba_conv_bias", True)), proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-            time_step_limit=_time_step_limit(cfg.get("time_step_limit")))
+        if mamba.intermediate_size != width:
+            raise ValueError(f"Mamba-2 geometry: mamba_n_heads ({mamba.num_heads}) x mamba_d_head ({mamba.head_dim}) "
+                             f"must be mamba_expand x hidden_size ({width})")
+        fields["mamba"] = mamba
         fields["mamba_layers"] = mamba_layers
     if cfg.get("position_embedding_type") != "rope":
         fields["rope_layers"] = (False,) * num_layers
@@ -1001,6 +1077,9 @@ class ModelConfig:
     # self-attention; empty: none is).
     mamba: Mamba2Config | None = None
     mamba_layers: tuple[bool, ...] = ()
+    # Nemotron-H: each layer one block behind its own norm, "mamba", "attention" or "mlp" (empty: the
+    # Llama family's attention-then-MLP layers).
+    block_types: tuple[str, ...] = ()
     # Per layer, whether it rotates its queries and keys (empty: every layer does). SmolLM3 leaves
     # every fourth layer without positions (NoPE).
     rope_layers: tuple[bool, ...] = ()
@@ -1142,6 +1221,8 @@ class ModelConfig:
     @property
     def num_attention_layers(self) -> int:
         """The layers that keep a KV cache (a Mamba-2 layer keeps a state per request instead)."""
+        if self.block_types:
+            return self.block_types.count("attention")
         return self.num_hidden_layers - sum(self.mamba_layers)
 
     def layer_is_moe(self, layer: int) -> bool:
@@ -1257,6 +1338,8 @@ class ModelConfig:
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+        if arch == "NemotronHForCausalLM":
+            cfg = _nemotron_h_config(cfg)
         if arch == "Glm4MoeForCausalLM":
             cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "MiniMaxM2ForCausalLM":
@@ -1434,6 +1517,7 @@ class ModelConfig:
             **_olmo3_fields(arch, cfg),
             **_granite_fields(arch, cfg),
             **hybrid,
+            **_nemotron_h_fields(arch, cfg),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

@@ -186,6 +186,28 @@ def test_released_granite_4_configs_are_read():
         ModelConfig.from_dict({**base, "mamba_d_head": 8})
 
 
+def test_released_nemotron_h_configs_are_read():
+    """Nemotron-H's config.json as released: its hybrid_override_pattern (M: Mamba-2, *: attention,
+    -: MLP), attention_head_dim, the Mamba-2 keys; its routed-expert blocks (E) are refused."""
+    base = {"architectures": ["NemotronHForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "attention_head_dim": 16, "vocab_size": 256,
+            "hybrid_override_pattern": "M-M*-", "num_hidden_layers": 5, "mamba_num_heads": 8, "mamba_head_dim": 16,
+            "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True,
+            "use_bias": False, "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5, "time_step_limit": [0.0, 1e9]}
+    config = ModelConfig.from_dict(base)
+    assert config.block_types == ("mamba", "mlp", "mamba", "attention", "mlp") and config.num_attention_layers == 1
+    assert config.mamba_layers == (True, False, True, False, False) and config.head_dim == 16
+    assert config.mamba == Mamba2Config(num_heads=8, head_dim=16, num_groups=2, state_size=16, conv_kernel=4,
+                                        chunk_size=128, time_step_limit=(0.0, 1e9))
+    assert config.hidden_act == "relu2" and config.rms_norm_eps == 1e-5
+    with pytest.raises(ValueError, match="routed-expert layers"):
+        ModelConfig.from_dict({**base, "hybrid_override_pattern": "M-ME-"})
+    with pytest.raises(ValueError, match="hybrid_override_pattern has 5 layers, num_hidden_layers says 6"):
+        ModelConfig.from_dict({**base, "num_hidden_layers": 6})
+    with pytest.raises(ValueError, match="hybrid_override_pattern must be a string"):
+        ModelConfig.from_dict({**base, "hybrid_override_pattern": "M-X"})
+
+
 def test_the_cache_budget_counts_attention_layers_and_leaves_room_for_the_states(hybrid_model):
     """KV blocks hold the attention layer's keys and values alone; the Mamba-2 states of max_num_seqs
     requests come out of the budget first."""
@@ -261,8 +283,9 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("groups", [2, 1], ids=["groups_split", "one_group_replicated"])
-def test_tp2_over_gloo_equals_tp1(tmp_path, groups):
+@pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h", 2)],
+                         ids=["groups_split", "one_group_replicated", "nemotron_h"])
+def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
     one group whole (the gated norm's sum of squares then all-reduced): the same greedy answers as
@@ -272,8 +295,8 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, groups):
     ray = pytest.importorskip("ray")
     from tests.ports import free_port
 
-    path = save_tiny_model(tmp_path, "granitemoehybrid", num_key_value_heads=1, vocab_size=251,
-                           tie_word_embeddings=True, mamba_n_groups=groups)
+    path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,
+                           **({"mamba_n_groups": groups} if kind == "granitemoehybrid" else {"n_groups": groups}))
     rng = random.Random(3)
     prompts = {f"r{i}": [rng.randrange(251) for _ in range(rng.randrange(3, 20))] for i in range(4)}
     kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1, max_num_seqs=4)

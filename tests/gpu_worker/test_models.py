@@ -107,6 +107,9 @@ CASES = {
                                                                                             "mamba", "attention"]}),
     "granite_hybrid_attention_only": ("granitemoehybrid", {"layer_types": ["attention"] * 4,
                                                            "position_embedding_type": "rope"}),
+    # Nemotron-H: a block per layer (Mamba-2, relu^2 MLP, attention without positions); one group, MQA.
+    "nemotron_h": ("nemotron_h", {}),
+    "nemotron_h_one_group_mqa": ("nemotron_h", {"n_groups": 1, "num_key_value_heads": 1}),
     "granitemoe_tied_mqa_top1": ("granitemoe", {"tie_word_embeddings": True, "num_key_value_heads": 1,
                                                "num_experts_per_tok": 1}),
     # OLMo 2: post-norms, q/k norms over the whole projections (MQA: one KV head's).
@@ -218,7 +221,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM",
                                    "DeepseekV3ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
                                    "MiniMaxM2ForCausalLM", "GraniteMoeSharedForCausalLM",
-                                   "GraniteMoeHybridForCausalLM",
+                                   "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                                    "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())

@@ -28,6 +28,7 @@ from transformers import (
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
+    NemotronHConfig,
     Olmo2Config,
     Olmo3Config,
     OlmoeConfig,
@@ -143,6 +144,12 @@ def make_config(kind: str = "llama", **overrides):
             "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8,
             "position_embedding_type": "nope", **kw, "intermediate_size": 32, "layer_types": kinds,
             "num_hidden_layers": len(kinds)})
+    # Nemotron-H: Mamba-2, MLP and attention blocks (8 heads of 16 in 2 groups, states of 16, chunks of 8).
+    if kind == "nemotron_h":
+        kw.pop("num_hidden_layers")
+        return NemotronHConfig(**{"hybrid_override_pattern": "M-*M-M", "head_dim": 16, "mamba_num_heads": 8,
+                                  "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 8,
+                                  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # GPT-OSS: 8 experts, 2 per token, the even layers windowed (8 tokens), YaRN past 16 positions.
     if kind == "gpt_oss":
         return GptOssConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
@@ -213,9 +220,11 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
                 param.normal_(0.0, 0.5)
             # Mamba-2's per-head scalars and its gated norm start at fixed values (A = -1..-heads, D
             # and dt's bias 1, norm 1): drawn apart so each head's are read as its own.
-            if name.endswith(("mamba.A_log", "mamba.D", "mamba.dt_bias", "mamba.conv1d.bias")):
+            if name.endswith(("mamba.A_log", "mamba.D", "mamba.dt_bias", "mamba.conv1d.bias", "mixer.A_log",
+                              "mixer.D", "mixer.dt_bias", "mixer.conv1d.bias")):
                 param.normal_(0.0, 0.5)
-            if name.endswith("mamba.norm.weight"):
+            if name.endswith(("mamba.norm.weight", "mixer.norm.weight")) or (kind == "nemotron_h"
+                                                                             and name.endswith("norm.weight")):
                 param.uniform_(0.5, 1.5)
         # GLM-4.5's and DeepSeek-V3's router correction bias (a buffer, zero at first): of the scores'
         # order, so that it moves the choice.

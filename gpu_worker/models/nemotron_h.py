@@ -1,0 +1,149 @@
+"""NVIDIA Nemotron-H (Nemotron-H 8B / 47B / 56B, Nemotron Nano 9B v2 and 12B v2): a hybrid decoder whose
+every layer is one block behind its own RMSNorm and residual add: a Mamba-2 mixer (most layers), a
+self-attention without positions (a few), or an ungated MLP of relu(x)^2 (ModelConfig.block_types,
+from the config's hybrid_override_pattern "M", "*", "-").
+
+Checkpoint names as released (``backbone.embeddings``, ``backbone.layers.N.mixer.*``,
+``backbone.norm_f``; transformers 5 saves them so too) are read into ours (``model.embed_tokens``,
+``model.layers.N.mixer.*``, ``model.norm``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.attention import PagedAttention
+from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from gpu_worker.layers.mamba import MambaMixer2
+from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.models.llama import PipelineStage
+
+
+class NemotronHAttention(nn.Module):
+    """Grouped-query attention without positions, no biases, scores scaled by head_dim ** -0.5."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=False)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=False)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.head_dim ** -0.5)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        out = self.attn.forward(q.view(tokens, self.num_heads, self.head_dim),
+                                k.view(tokens, self.num_kv_heads, self.head_dim),
+                                v.view(tokens, self.num_kv_heads, self.head_dim), meta)
+        return self.o_proj.forward(out)
+
+
+class NemotronHMLP(nn.Module):
+    """down(relu(up(x)) ** 2): no gate."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward(torch.relu(self.up_proj.forward(hidden)).square_())
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.kind = config.block_types[layer]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.kind == "mamba":
+            self.mixer: nn.Module = MambaMixer2(config.hidden_size, config.mamba, config.rms_norm_eps)
+        elif self.kind == "attention":
+            self.mixer = NemotronHAttention(config)
+        else:
+            self.mixer = NemotronHMLP(config)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in and out, the residual add fused into the next norm."""
+        if residual is None:
+            residual, hidden = hidden, self.norm.forward(hidden)
+        else:
+            hidden, residual = self.norm.forward(hidden, residual)
+        if self.kind == "mamba":
+            return self.mixer.forward((), hidden, meta), residual
+        if self.kind == "attention":
+            return self.mixer.forward(hidden, meta), residual
+        return self.mixer.forward(hidden), residual
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.stage = PipelineStage(config)  # (one stage: a model with Mamba-2 layers is not split)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer.forward(hidden, residual, meta)
+        hidden, _ = self.norm.forward(hidden, residual)
+        return hidden
+
+
+class NemotronHForCausalLM(nn.Module):
+    packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
+    # The released names -> ours.
+    _RENAMED = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),
+                ("backbone.", "model."))
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = NemotronHModel(config)
+        self.pp_missing_prefixes: tuple[str, ...] = ()
+        self.lm_head = None if config.embedding_only else ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings and self.lm_head is not None:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.score = None
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            for theirs, ours in self._RENAMED:
+                if name.startswith(theirs):
+                    name = ours + name[len(theirs):]
+                    break
+            yield name, tensor
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.model.forward(input_ids, positions, meta, inputs_embeds, intermediate)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens.forward(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.lm_head is None:
+            raise RuntimeError("this model is served for embeddings only: it has no LM head")
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.mixer.attn for layer in self.model.layers if layer.kind == "attention"]
+
+    def mamba_layers(self) -> list[MambaMixer2]:
+        return [layer.mixer for layer in self.model.layers if layer.kind == "mamba"]
