@@ -17,6 +17,8 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --glm4-moe  # GLM-4.5: sigmoid routing, shared expert
     .venv/bin/python benchmarks/bench_model_runner.py --deepseek-v3  # DeepSeek-V3: MLA, sigmoid routing
     .venv/bin/python benchmarks/bench_model_runner.py --minimax-m2  # MiniMax-M2: whole-projection q/k norms
+    .venv/bin/python benchmarks/bench_model_runner.py --granite-hybrid  # Granite 4.0-H: Mamba-2 layers
+    .venv/bin/python benchmarks/bench_model_runner.py --nemotron-h  # Nemotron-H: Mamba-2, MLP, attention blocks
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -38,6 +40,12 @@ every head's keys and values from its cached latent at each step; ours attends o
 With --minimax-m2, as a MiniMax-M2 model (64-wide heads, RoPE over half of each, queries and keys
 normed over their whole projections, then --experts (8 by default) routed experts of half SmolLM2's
 MLP width in every layer, chosen by sigmoid scores through a correction bias).
+With --granite-hybrid, as a dense Granite 4.0-H model (granite-4.0-h-micro's layout): every tenth
+layer attends (without positions), the others are Mamba-2 mixers (18 heads of 64, one group, states
+of 128), each layer with SmolLM2's MLP as its shared MLP; HF runs its PyTorch scan (no mamba-ssm
+kernels here), ours its chunked scan and batched recurrence. With --nemotron-h, as a Nemotron-H
+model of SmolLM2's width: Mamba-2 and relu^2 MLP blocks alternating, every fifth Mamba-2 block an
+attention one instead.
 """
 
 from __future__ import annotations
@@ -65,12 +73,16 @@ from transformers import (
     Glm4MoeForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MiniMaxM2Config,
     MiniMaxM2ForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -185,6 +197,10 @@ def main() -> None:
                     help="run the random model as MiniMax-M2 (whole-projection q/k norms, sigmoid-routed experts)")
     ap.add_argument("--gemma2", action="store_true",
                     help="run the random model as Gemma 2 (soft caps, windowed even layers)")
+    ap.add_argument("--granite-hybrid", action="store_true",
+                    help="run the random model as a dense Granite 4.0-H (Mamba-2 layers, every tenth attending)")
+    ap.add_argument("--nemotron-h", action="store_true",
+                    help="run the random model as Nemotron-H (Mamba-2 / MLP blocks, a few attention ones)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -259,6 +275,26 @@ def main() -> None:
         hf = hf.eval()
         model_config = ModelConfig.from_dict(shapes)
         weights = iter(hf.state_dict().items())
+    elif args.model == "random" and args.granite_hybrid:
+        layers = SMOLLM2_135M["num_hidden_layers"]
+        shapes = {**SMOLLM2_135M, "architectures": ["GraniteMoeHybridForCausalLM"], "num_local_experts": 0,
+                  "shared_intermediate_size": SMOLLM2_135M["intermediate_size"],
+                  "layer_types": ["attention" if i % 10 == 5 else "mamba" for i in range(layers)],
+                  "mamba_n_heads": 18, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
+                  "mamba_chunk_size": 256, "position_embedding_type": "nope"}
+        hf = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
+    elif args.model == "random" and args.nemotron_h:
+        layers = SMOLLM2_135M["num_hidden_layers"]
+        pattern = "".join("-" if i % 2 else ("*" if i % 10 == 4 else "M") for i in range(layers))
+        shapes = {**SMOLLM2_135M, "architectures": ["NemotronHForCausalLM"], "hybrid_override_pattern": pattern,
+                  "head_dim": 64, "mamba_num_heads": 18, "mamba_head_dim": 64, "n_groups": 1, "ssm_state_size": 128,
+                  "chunk_size": 256, "tie_word_embeddings": False}  # (transformers' Nemotron-H never ties)
+        shapes.pop("num_hidden_layers")
+        hf = NemotronHForCausalLM(NemotronHConfig(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf = MistralForCausalLM(MistralConfig(**shapes)).to(device=device, dtype=dtype).eval()
@@ -283,7 +319,7 @@ def main() -> None:
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
-             "minimax-m2": args.minimax_m2}
+             "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "

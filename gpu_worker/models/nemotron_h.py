@@ -5,7 +5,8 @@ from the config's hybrid_override_pattern "M", "*", "-").
 
 Checkpoint names as released (``backbone.embeddings``, ``backbone.layers.N.mixer.*``,
 ``backbone.norm_f``; transformers 5 saves them so too) are read into ours (``model.embed_tokens``,
-``model.layers.N.mixer.*``, ``model.norm``).
+``model.layers.N.mixer.*``, ``model.norm``), as are transformers 5's module names (``model.embeddings``,
+``model.norm_f``).
 """
 
 from __future__ import annotations
@@ -107,9 +108,9 @@ class NemotronHModel(nn.Module):
 
 class NemotronHForCausalLM(nn.Module):
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
-    # The released names -> ours.
+    # The released names (and transformers 5's module names) -> ours.
     _RENAMED = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),
-                ("backbone.", "model."))
+                ("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."), ("model.norm_f.", "model.norm."))
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
