@@ -793,8 +793,6 @@ def _nemotron_h_config(cfg: dict[str, Any]) -> dict[str, Any]:
         if unknown:
             raise ValueError(f"layers_block_type: Nemotron-H's layers are {sorted(_NEMOTRON_H_KINDS)}, got {unknown}")
         kinds = [_NEMOTRON_H_KINDS[k] for k in pattern]
-    if "moe" in kinds:
-        raise ValueError("Nemotron-H's routed-expert layers (Nemotron 3 Nano's 'E' blocks) are not served yet")
     if cfg.get("num_hidden_layers") not in (None, len(kinds)):
         raise ValueError(f"hybrid_override_pattern has {len(kinds)} layers, num_hidden_layers says "
                          f"{cfg['num_hidden_layers']}")
@@ -972,6 +970,22 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_intermediate_size=int(cfg.get("intermediate_size") or 1536), norm_topk_prob=True,
                     moe_grouped_topk=True, moe_scoring="sigmoid",
                     moe_correction_bias=bool(cfg.get("use_routing_bias", True)))
+    if arch == "NemotronHForCausalLM":
+        # Nemotron 3 Nano's "E" blocks: ungated relu^2 experts chosen by sigmoid scores through a
+        # correction bias within groups (DeepSeek-V3's routing, an fp32 router), beside an ungated
+        # shared expert; moe_latent_size: the experts work in a narrower latent (projected in and out).
+        kinds = cfg["block_types"]
+        if "moe" not in kinds:
+            return {}
+        return dict(num_experts=read("n_routed_experts", 8, "num_local_experts"),
+                    num_experts_per_tok=read("num_experts_per_tok", 2),
+                    moe_intermediate_size=read("moe_intermediate_size", 7688),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_grouped_topk=True, moe_scoring="sigmoid",
+                    moe_correction_bias=True, moe_num_groups=read("n_group", 1), moe_topk_groups=read("topk_group", 1),
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+                    shared_expert_intermediate_size=read("moe_shared_expert_intermediate_size", 7688),
+                    shared_expert_gated=False, moe_activation="relu2",
+                    moe_latent_size=read("moe_latent_size", 0), moe_layers=tuple(kind == "moe" for kind in kinds))
     if arch in GRANITE_MOE_ARCHITECTURES:
         # Every layer routed, the experts' width intermediate_size; the softmax over the top k logits
         # (transformers' GraniteMoeTopKRouter): the top k's softmax weights renormalised. Granite MoE
@@ -1069,6 +1083,9 @@ class ModelConfig:
     # ("swigluoai", gpu_worker.layers.fused_moe.swiglu_oai) with its gain and clamp.
     moe_bias: bool = False
     moe_activation: str = "silu"
+    # Nemotron-H's experts' latent width (moe_latent_size; 0: none): they take and give rows of this
+    # width, projected from and back to hidden_size around them.
+    moe_latent_size: int = 0
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     # GPT-OSS: a learnt attention sink per query head (one more logit in each head's softmax).
@@ -1467,7 +1484,7 @@ class ModelConfig:
         hybrid = _granite_hybrid_fields(arch, cfg, num_layers)
         if arch == "GraniteMoeHybridForCausalLM" and not moe:  # (no experts: the shared MLP is the MLP)
             cfg = {**cfg, "intermediate_size": int(cfg.get("shared_intermediate_size") or 1024)}
-        if moe and act != "silu":
+        if moe and act != "silu" and arch != "NemotronHForCausalLM":
             raise ValueError(f"hidden_act must be 'silu' for a mixture-of-experts model, got {act!r}")
         # generation_config.json is where Llama-3-style checkpoints list their extra EOS ids.
         eos = _eos_ids((generation_config or {}).get("eos_token_id")) or _eos_ids(cfg.get("eos_token_id"))

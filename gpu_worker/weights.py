@@ -88,8 +88,9 @@ _EXPERT_PROJECTIONS = {"gate_proj": ("w13_weight", GATE), "w1": ("w13_weight", G
                        "down_proj": ("w2_weight", DOWN), "w2": ("w2_weight", DOWN)}
 # Or every expert of a layer in one tensor, as transformers 5 holds them (no ".weight" suffix), and
 # GPT-OSS's experts' biases.
-_STACKED_EXPERTS = re.compile(r"^(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?$")
-_STACKED_PROJECTIONS = {"gate_up_proj": ("w13", GATE), "down_proj": ("w2", DOWN)}
+_STACKED_EXPERTS = re.compile(r"^(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|up_proj|down_proj)(?P<bias>_bias)?$")
+# (up_proj alone: ungated experts, Nemotron-H's.)
+_STACKED_PROJECTIONS = {"gate_up_proj": ("w13", GATE), "up_proj": ("w13", UP), "down_proj": ("w2", DOWN)}
 
 
 def _expert_parameter(hf_name: str, params: dict[str, nn.Parameter]) -> tuple[str, tuple[int, int]] | None:

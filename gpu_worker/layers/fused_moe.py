@@ -140,15 +140,20 @@ class FusedMoE(nn.Module):
         # The global id of this rank's first expert (0 unless the experts are split).
         self.first_expert = self.tp_rank * self.num_local_experts if self.expert_parallel else 0
         size = self.intermediate_size_per_partition
-        self.w13_weight = _new_expert_weight(self.num_local_experts, 2 * size, hidden_size)
+        # Gated experts (act(gate) * up) hold gate and up rows in w13; Nemotron-H's ("relu2": relu(up)^2)
+        # only up's.
+        self.gated = activation != "relu2"
+        if bias and not self.gated:
+            raise ValueError("ungated (relu2) experts are served without biases")
+        self.w13_weight = _new_expert_weight(self.num_local_experts, (2 if self.gated else 1) * size, hidden_size)
         self.w2_weight = _new_expert_weight(self.num_local_experts, hidden_size, size)
-        for param, projections in ((self.w13_weight, (GATE, UP)), (self.w2_weight, (DOWN,))):
+        for param, projections in ((self.w13_weight, (GATE, UP) if self.gated else (UP,)), (self.w2_weight, (DOWN,))):
             param.weight_loader = self.weight_loader
             # What the checkpoint must provide (every expert, on every rank) for the parameter to count
             # as loaded.
             param.expected_shards = {(e, p) for e in range(num_experts) for p in projections}
-        if activation not in ("silu", "swigluoai"):
-            raise ValueError(f"experts' activation must be 'silu' or 'swigluoai', got {activation!r}")
+        if activation not in ("silu", "swigluoai", "relu2"):
+            raise ValueError(f"experts' activation must be 'silu', 'swigluoai' or 'relu2', got {activation!r}")
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
         if bias:
             # [local experts, 2 * width] (gate, then up) and [local experts, hidden]; loaded whole per
@@ -177,6 +182,9 @@ class FusedMoE(nn.Module):
             if projection == DOWN:
                 self._check_width(mine, 2, full, "down_proj")
                 copy_into(param.data, mine.narrow(2, start, size), "down_proj")
+            elif not self.gated:  # (every expert's up rows)
+                self._check_width(mine, 1, full, "up_proj")
+                copy_into(param.data, mine.narrow(1, start, size), "up_proj")
             else:
                 self._check_width(mine, 1, 2 * full, "gate_up_proj")
                 copy_into(param.data.narrow(1, 0, size), mine.narrow(1, start, size), "gate_up_proj")
@@ -192,8 +200,11 @@ class FusedMoE(nn.Module):
             copy_into(param.data[local], loaded.narrow(1, start, size), "down_proj")
         else:
             name = "gate_proj" if projection == GATE else "up_proj"
+            if not self.gated and projection == GATE:
+                raise ValueError("ungated (relu2) experts have no gate_proj")
             self._check_width(loaded, 0, full, name)
-            copy_into(param.data[local].narrow(0, projection * size, size), loaded.narrow(0, start, size), name)
+            offset = projection * size if self.gated else 0
+            copy_into(param.data[local].narrow(0, offset, size), loaded.narrow(0, start, size), name)
 
     def bias_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
         """Every expert's bias of one projection, shard_id (ALL_EXPERTS, GATE or DOWN): gate_up's
@@ -259,6 +270,8 @@ class FusedMoE(nn.Module):
         return out.index_add_(0, tokens, expert_out.mul_(weights))
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self.gated:  # (relu2: the up rows alone)
+            return torch.relu(gate_up).square_()
         gate, up = gate_up.chunk(2, dim=-1)
         if self.activation == "swigluoai":
             return swiglu_oai(gate, up, self.swiglu_alpha, self.swiglu_limit)

@@ -1,7 +1,8 @@
-"""NVIDIA Nemotron-H (Nemotron-H 8B / 47B / 56B, Nemotron Nano 9B v2 and 12B v2): a hybrid decoder whose
-every layer is one block behind its own RMSNorm and residual add: a Mamba-2 mixer (most layers), a
-self-attention without positions (a few), or an ungated MLP of relu(x)^2 (ModelConfig.block_types,
-from the config's hybrid_override_pattern "M", "*", "-").
+"""NVIDIA Nemotron-H (Nemotron-H 8B / 47B / 56B, Nemotron Nano 9B v2 and 12B v2, Nemotron 3 Nano): a
+hybrid decoder whose every layer is one block behind its own RMSNorm and residual add: a Mamba-2
+mixer (most layers), a self-attention without positions (a few), an ungated MLP of relu(x)^2, or
+(Nemotron 3) routed experts of that MLP beside a shared one (ModelConfig.block_types, from the
+config's hybrid_override_pattern "M", "*", "-", "E").
 
 Checkpoint names as released (``backbone.embeddings``, ``backbone.layers.N.mixer.*``,
 ``backbone.norm_f``; transformers 5 saves them so too) are read into ours (``model.embed_tokens``,
@@ -14,12 +15,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker import distributed
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from gpu_worker.layers.fused_moe import FusedMoE, select_experts_grouped
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gpu_worker.layers.mamba import MambaMixer2
@@ -50,15 +54,61 @@ class NemotronHAttention(nn.Module):
 
 
 class NemotronHMLP(nn.Module):
-    """down(relu(up(x)) ** 2): no gate."""
+    """down(relu(up(x)) ** 2): no gate. ``reduce_results`` False: the caller all-reduces (the MoE
+    block sums it with the experts' partial outputs first)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, width: int | None = None, reduce_results: bool = True) -> None:
         super().__init__()
-        self.up_proj = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        width = width or config.intermediate_size
+        self.up_proj = ColumnParallelLinear(config.hidden_size, width, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, bias=config.mlp_bias,
+                                           reduce_results=reduce_results)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(torch.relu(self.up_proj.forward(hidden)).square_())
+
+
+class NemotronHMoE(nn.Module):
+    """Nemotron 3's routed experts: an fp32 router (``gate``, its ``e_score_correction_bias``) picks
+    each token's top k by sigmoid scores through the bias within the best groups, the weights the
+    unbiased scores renormalised times routed_scaling_factor (DeepSeek-V3's routing); the experts are
+    ungated relu^2 MLPs (optionally in a latent width, ``fc1_latent_proj`` / ``fc2_latent_proj``
+    around them), beside an ungated shared expert. One all-reduce sums every rank's partial outputs."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False, dtype=torch.float32)
+        self.gate.requires_grad_(False)
+        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
+                                                         requires_grad=False)
+        self.renormalize, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.num_groups, self.topk_groups = config.moe_num_groups, config.moe_topk_groups
+        latent = config.moe_latent_size
+        # (Replicated on every rank: the experts' rows are their width.)
+        self.fc1_latent_proj = (nn.Linear(config.hidden_size, latent, bias=config.mlp_bias).requires_grad_(False)
+                                if latent else None)
+        self.fc2_latent_proj = (nn.Linear(latent, config.hidden_size, bias=config.mlp_bias).requires_grad_(False)
+                                if latent else None)
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, latent or config.hidden_size,
+                                config.moe_intermediate_size, expert_parallel=config.expert_parallel,
+                                activation="relu2")
+        self.tp_size = self.experts.tp_size
+        self.shared_experts = NemotronHMLP(config, config.shared_expert_intermediate_size, reduce_results=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts_grouped(self.gate.forward(hidden.float()), self.experts.top_k, self.renormalize,
+                                              self.gate.e_score_correction_bias, self.num_groups, self.topk_groups,
+                                              self.scaling, "sigmoid")
+        rows = hidden if self.fc1_latent_proj is None else self.fc1_latent_proj.forward(hidden)
+        out = self.experts.forward(rows, weights, ids)
+        if self.fc2_latent_proj is not None:  # (linear: each rank's partial sum projects to its share;
+            # a bias only on rank 0, so the all-reduce counts it once)
+            out = F.linear(out, self.fc2_latent_proj.weight,
+                           self.fc2_latent_proj.bias if distributed.get_tp_rank() == 0 else None)
+        out += self.shared_experts.forward(hidden)
+        if self.tp_size > 1:
+            distributed.all_reduce(out)
+        return out
 
 
 class NemotronHBlock(nn.Module):
@@ -70,6 +120,8 @@ class NemotronHBlock(nn.Module):
             self.mixer: nn.Module = MambaMixer2(config.hidden_size, config.mamba, config.rms_norm_eps)
         elif self.kind == "attention":
             self.mixer = NemotronHAttention(config)
+        elif self.kind == "moe":
+            self.mixer = NemotronHMoE(config)
         else:
             self.mixer = NemotronHMLP(config)
 

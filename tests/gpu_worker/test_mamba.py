@@ -188,7 +188,7 @@ def test_released_granite_4_configs_are_read():
 
 def test_released_nemotron_h_configs_are_read():
     """Nemotron-H's config.json as released: its hybrid_override_pattern (M: Mamba-2, *: attention,
-    -: MLP), attention_head_dim, the Mamba-2 keys; its routed-expert blocks (E) are refused."""
+    -: MLP, E: routed experts), attention_head_dim, the Mamba-2 keys, Nemotron 3's experts."""
     base = {"architectures": ["NemotronHForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
             "num_attention_heads": 4, "num_key_value_heads": 2, "attention_head_dim": 16, "vocab_size": 256,
             "hybrid_override_pattern": "M-M*-", "num_hidden_layers": 5, "mamba_num_heads": 8, "mamba_head_dim": 16,
@@ -200,8 +200,15 @@ def test_released_nemotron_h_configs_are_read():
     assert config.mamba == Mamba2Config(num_heads=8, head_dim=16, num_groups=2, state_size=16, conv_kernel=4,
                                         chunk_size=128, time_step_limit=(0.0, 1e9))
     assert config.hidden_act == "relu2" and config.rms_norm_eps == 1e-5
-    with pytest.raises(ValueError, match="routed-expert layers"):
-        ModelConfig.from_dict({**base, "hybrid_override_pattern": "M-ME-"})
+    nano3 = ModelConfig.from_dict({**base, "hybrid_override_pattern": "M-ME-", "n_routed_experts": 16,
+                                   "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                                   "moe_shared_expert_intermediate_size": 64, "n_group": 1, "topk_group": 1,
+                                   "routed_scaling_factor": 2.5, "moe_latent_size": None})
+    assert nano3.block_types == ("mamba", "mlp", "mamba", "moe", "mlp") and nano3.moe_layers[3]
+    assert (nano3.num_experts, nano3.num_experts_per_tok, nano3.moe_intermediate_size) == (16, 4, 32)
+    assert nano3.shared_expert_intermediate_size == 64 and not nano3.shared_expert_gated
+    assert nano3.moe_activation == "relu2" and nano3.moe_scoring == "sigmoid" and nano3.moe_correction_bias
+    assert nano3.routed_scaling_factor == 2.5 and nano3.moe_latent_size == 0 and nano3.norm_topk_prob
     with pytest.raises(ValueError, match="hybrid_override_pattern has 5 layers, num_hidden_layers says 6"):
         ModelConfig.from_dict({**base, "num_hidden_layers": 6})
     with pytest.raises(ValueError, match="hybrid_override_pattern must be a string"):
@@ -283,8 +290,8 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h", 2)],
-                         ids=["groups_split", "one_group_replicated", "nemotron_h"])
+@pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h_moe", 2)],
+                         ids=["groups_split", "one_group_replicated", "nemotron_h_moe"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the

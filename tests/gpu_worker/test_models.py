@@ -110,6 +110,10 @@ CASES = {
     # Nemotron-H: a block per layer (Mamba-2, relu^2 MLP, attention without positions); one group, MQA.
     "nemotron_h": ("nemotron_h", {}),
     "nemotron_h_one_group_mqa": ("nemotron_h", {"n_groups": 1, "num_key_value_heads": 1}),
+    # Nemotron 3 Nano: routed relu^2 experts (sigmoid scores through the correction bias, in groups)
+    # beside a shared one; and in a latent width.
+    "nemotron_h_moe": ("nemotron_h_moe", {}),
+    "nemotron_h_moe_latent": ("nemotron_h_moe", {"moe_latent_size": 24}),
     "granitemoe_tied_mqa_top1": ("granitemoe", {"tie_word_embeddings": True, "num_key_value_heads": 1,
                                                "num_experts_per_tok": 1}),
     # OLMo 2: post-norms, q/k norms over the whole projections (MQA: one KV head's).

@@ -144,12 +144,17 @@ def make_config(kind: str = "llama", **overrides):
             "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8,
             "position_embedding_type": "nope", **kw, "intermediate_size": 32, "layer_types": kinds,
             "num_hidden_layers": len(kinds)})
-    # Nemotron-H: Mamba-2, MLP and attention blocks (8 heads of 16 in 2 groups, states of 16, chunks of 8).
-    if kind == "nemotron_h":
+    # Nemotron-H: Mamba-2, MLP and attention blocks (8 heads of 16 in 2 groups, states of 16, chunks of
+    # 8); Nemotron 3 Nano's routed relu^2 experts (8, 2 a token, in 2 groups of which 1 is kept, scaled
+    # by 2.5) beside a shared one, in its "E" blocks.
+    if kind in ("nemotron_h", "nemotron_h_moe"):
         kw.pop("num_hidden_layers")
+        moe = {"hybrid_override_pattern": "ME*M-E", "n_routed_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48, "n_group": 2,
+               "topk_group": 1, "routed_scaling_factor": 2.5} if kind == "nemotron_h_moe" else {}
         return NemotronHConfig(**{"hybrid_override_pattern": "M-*M-M", "head_dim": 16, "mamba_num_heads": 8,
                                   "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 8,
-                                  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+                                  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **moe, **kw})
     # GPT-OSS: 8 experts, 2 per token, the even layers windowed (8 tokens), YaRN past 16 positions.
     if kind == "gpt_oss":
         return GptOssConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
