@@ -192,6 +192,8 @@ class FusedMoE(nn.Module):
             return
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint expert {expert} is out of range: the model has {self.num_experts}")
+        if not self.gated and projection == GATE:
+            raise ValueError("ungated (relu2) experts have no gate_proj")
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert
@@ -200,8 +202,6 @@ class FusedMoE(nn.Module):
             copy_into(param.data[local], loaded.narrow(1, start, size), "down_proj")
         else:
             name = "gate_proj" if projection == GATE else "up_proj"
-            if not self.gated and projection == GATE:
-                raise ValueError("ungated (relu2) experts have no gate_proj")
             self._check_width(loaded, 0, full, name)
             offset = projection * size if self.gated else 0
             copy_into(param.data[local].narrow(0, offset, size), loaded.narrow(0, start, size), name)

@@ -224,3 +224,36 @@ def test_biased_experts_with_the_clamped_swiglu(grouped_mm, split):
     assert not torch.allclose(expected, _biased_reference(ckpt, biases, x, weights, ids, 1.702, 100.0), atol=1e-2)
     with pytest.raises(ValueError, match="activation"):
         FusedMoE(EXPERTS, 2, HIDDEN, INTERMEDIATE, activation="gelu")
+
+
+@pytest.mark.parametrize("grouped_mm", [None, False], ids=["grouped_mm", "per_expert"])
+@pytest.mark.parametrize("split", ["whole", "width", "experts"])
+@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
+def test_ungated_relu2_experts(grouped_mm, split, layout):
+    """Nemotron 3 Nano's experts: down(relu(up x)^2), no gate; loaded per expert or stacked (up rows
+    alone), whole or split over two ranks, the ranks' sum is the dense reference; a gate is refused."""
+    ckpt = _checkpoint()
+    x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(6))
+    weights, ids = _routing(13, 2)
+    ranks = [(0, 1)] if split == "whole" else [(0, 2), (1, 2)]
+    out = torch.zeros(13, HIDDEN)
+    for rank, size in ranks:
+        moe = FusedMoE(EXPERTS, 2, HIDDEN, INTERMEDIATE, tp_rank=rank, tp_size=size, expert_parallel=split == "experts",
+                       activation="relu2")
+        moe.grouped_mm = grouped_mm
+        if layout == "stacked":
+            moe.weight_loader(moe.w13_weight, torch.stack([ckpt[e][UP] for e in range(EXPERTS)]), (ALL_EXPERTS, UP))
+            moe.weight_loader(moe.w2_weight, torch.stack([ckpt[e][DOWN] for e in range(EXPERTS)]), (ALL_EXPERTS, DOWN))
+        else:
+            for e in range(EXPERTS):
+                moe.weight_loader(moe.w13_weight, ckpt[e][UP], (e, UP))
+                moe.weight_loader(moe.w2_weight, ckpt[e][DOWN], (e, DOWN))
+        out += moe.forward(x, weights, ids)
+    expected = torch.zeros(13, HIDDEN, dtype=torch.float64)
+    for t in range(13):
+        for k in range(2):
+            w = {p: m.double() for p, m in ckpt[int(ids[t, k])].items()}
+            expected[t] += float(weights[t, k]) * (torch.relu(x[t].double() @ w[UP].T) ** 2 @ w[DOWN].T)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="no gate_proj"):
+        moe.weight_loader(moe.w13_weight, ckpt[0][GATE], (0, GATE))
