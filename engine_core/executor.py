@@ -174,7 +174,7 @@ class ModelInfo:
     # An encoder (BERT family): its prompts attend both ways, so each runs whole in one pass and none
     # may start from the prefix cache (the engine turns chunked prefill and prefix caching off).
     encoder_only: bool = False
-    # A model with Mamba-2 layers (Granite 4.0-H): each request carries a recurrent state that only
+    # A model with Mamba-2 layers (Granite 4.0-H, Nemotron-H): each request carries a recurrent state that only
     # its own tokens, computed in order, build, so no prompt may start from the prefix cache (the
     # engine turns prefix caching off).
     mamba: bool = False

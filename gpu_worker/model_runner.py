@@ -103,8 +103,8 @@ class ModelRunner:
         self.rope_short_offset: int | None = None
         self.rope_original_len: int | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Granite 4.0-H's Mamba-2 mixers and their states, a row per held request (by its row of the
-        # block table), allocated beside the KV cache.
+        # The Mamba-2 mixers (Granite 4.0-H, Nemotron-H) and their states, a row per held request (by
+        # its row of the block table), allocated beside the KV cache.
         self.mamba_mixers: list[MambaMixer2] = []
         self.mamba_states: list[MambaState] = []
         self.block_size = 0

@@ -321,7 +321,9 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, block_size: int) -> int:
         """The KV cache, and KV offloading's host tier: how many blocks this rank's share holds (0: off)."""
-        num_offload_blocks = self.kv_offloading_bytes // self.bytes_per_block(block_size)
+        # (Without offloading no division: a model of Mamba-2 layers alone has blocks of no bytes.)
+        num_offload_blocks = (self.kv_offloading_bytes // self.bytes_per_block(block_size)
+                              if self.kv_offloading_bytes else 0)
         if self.kv_offloading_bytes and not num_offload_blocks:
             raise ValueError(f"--kv-offloading-size gives this rank {self.kv_offloading_bytes} bytes, less than one "
                              f"KV block ({self.bytes_per_block(block_size)} bytes)")

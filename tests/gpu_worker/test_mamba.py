@@ -346,3 +346,31 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     finally:
         if started_here:
             ray.shutdown()
+
+
+def test_a_model_of_mamba_layers_alone(tmp_path):
+    """Granite 4.0-H with no attention layer (transformers' default layer_types): no KV cache at all,
+    its blocks only count tokens for the scheduler, and it generates as transformers does."""
+    path = save_tiny_model(tmp_path, "granitemoehybrid", layer_types=["mamba"] * 3)
+    worker = Worker(0, 1, str(path), device="cpu", dtype="auto", max_model_len=128, num_cpus=1, max_num_seqs=2)
+    worker.init_distributed()
+    worker.load_model()
+    assert worker.model_config.num_attention_layers == 0 and worker.bytes_per_block(4) == 0
+    num_blocks = worker.determine_num_blocks(4, kv_cache_memory_bytes=1 << 20)
+    assert num_blocks == worker.runner.cacheless_num_blocks(4)
+    worker.initialize_cache(num_blocks, 4)
+    assert worker.runner.kv_caches == [] and len(worker.runner.mamba_states) == 3
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
+                           prefix_caching=False)
+    prompts = _prompts(3)
+    for rid, prompt in prompts.items():
+        sched.add_request(greedy_request(rid, prompt, 6))
+    got = run_to_completion(sched, worker.execute_model)
+    hf = load_hf(path)
+    for rid, prompt in prompts.items():
+        # (transformers' generate cannot cache a model without attention layers: its whole forward, again.)
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(6):
+                ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        assert got[rid] == ids[len(prompt):], rid
