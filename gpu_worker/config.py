@@ -64,7 +64,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GptOssForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM",
-                           "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
+                           "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
+                           "Mamba2ForCausalLM")
 # IBM Granite's routed-expert models: Granite 3.x MoE, with a shared expert, and Granite 4.0 (its
 # hybrid: Mamba-2 layers beside attention ones, or attention alone, routed experts or a dense MLP).
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
@@ -824,17 +825,32 @@ def _mamba2_from_dict(cfg: dict[str, Any], hidden: int, keys: dict[str, str], de
                         time_step_limit=_time_step_limit(cfg.get("time_step_limit")))
 
 
+def _mamba2_lm_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A pure Mamba-2 language model's config.json (Mamba2ForCausalLM: Mamba-Codestral-7B) as
+    Nemotron-H's of Mamba-2 blocks alone; its attention fields are placeholders nothing reads."""
+    layers = int(cfg.get("num_hidden_layers") or 64)
+    return {**cfg, "num_hidden_layers": layers, "block_types": ["mamba"] * layers, "num_attention_heads": 1,
+            "num_key_value_heads": 1, "intermediate_size": 0,
+            "rms_norm_eps": float(cfg.get("layer_norm_epsilon") or 1e-5)}
+
+
 def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Nemotron-H's block kinds and its Mamba-2 geometry (transformers' NemotronHConfig defaults)."""
-    if arch != "NemotronHForCausalLM":
+    """Nemotron-H's (and a pure Mamba-2 model's) block kinds and Mamba-2 geometry, transformers'
+    NemotronHConfig (Mamba2Config) defaults for the keys a config leaves out."""
+    if arch not in ("NemotronHForCausalLM", "Mamba2ForCausalLM"):
         return {}
     kinds = tuple(cfg["block_types"])
+    if arch == "Mamba2ForCausalLM":
+        keys = {"num_heads": "num_heads", "head_dim": "head_dim", "state_size": "state_size"}
+        defaults = {"num_heads": 128, "head_dim": 64, "chunk_size": 256}
+    else:
+        keys = {"num_heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "state_size": "ssm_state_size"}
+        defaults = {"num_heads": 128, "head_dim": 64, "chunk_size": 128}
     mamba = _mamba2_from_dict(cfg, int(cfg["hidden_size"]), {
-        "num_heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "num_groups": "n_groups",
-        "state_size": "ssm_state_size", "conv_kernel": "conv_kernel", "chunk_size": "chunk_size", "expand": "expand",
+        **keys, "num_groups": "n_groups", "conv_kernel": "conv_kernel", "chunk_size": "chunk_size", "expand": "expand",
         "conv_bias": "use_conv_bias", "proj_bias": "use_bias"}, {
-        "num_heads": 128, "head_dim": 64, "num_groups": 8, "state_size": 128, "conv_kernel": 4, "chunk_size": 128,
-        "expand": 2, "conv_bias": True, "proj_bias": False})
+        **defaults, "num_groups": 8, "state_size": 128, "conv_kernel": 4, "expand": 2, "conv_bias": True,
+        "proj_bias": False})
     return {"block_types": kinds, "mamba_layers": tuple(kind == "mamba" for kind in kinds), "mamba": mamba,
             "rope_layers": (False,) * len(kinds)}
 
@@ -1357,6 +1373,8 @@ class ModelConfig:
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
         if arch == "NemotronHForCausalLM":
             cfg = _nemotron_h_config(cfg)
+        if arch == "Mamba2ForCausalLM":
+            cfg = _mamba2_lm_config(cfg)
         if arch == "Glm4MoeForCausalLM":
             cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "MiniMaxM2ForCausalLM":

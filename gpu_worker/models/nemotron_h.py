@@ -200,3 +200,9 @@ class NemotronHForCausalLM(nn.Module):
 
     def mamba_layers(self) -> list[MambaMixer2]:
         return [layer.mixer for layer in self.model.layers if layer.kind == "mamba"]
+
+
+class Mamba2ForCausalLM(NemotronHForCausalLM):
+    """A pure Mamba-2 language model (Mamba-Codestral-7B): Nemotron-H's blocks, every one a Mamba-2
+    mixer, under the same checkpoint names (``backbone.embeddings``, ``backbone.layers.N.mixer``,
+    ``backbone.norm_f``)."""

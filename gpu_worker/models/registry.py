@@ -36,7 +36,7 @@ from gpu_worker.models.llava import llava_class
 from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from gpu_worker.models.modernbert import ModernBertModel
 from gpu_worker.models.mtp import MTP_DRAFTERS
-from gpu_worker.models.nemotron_h import NemotronHForCausalLM
+from gpu_worker.models.nemotron_h import Mamba2ForCausalLM, NemotronHForCausalLM
 from gpu_worker.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -76,6 +76,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,

@@ -49,11 +49,13 @@ def test_greedy_tokens_equal_transformers_through_chunks_preemption_and_the_pref
     assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
 
 
-@pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h", "nemotron_h_moe"])
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h", "nemotron_h_moe", "mamba2"])
 def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip(tmp_path, kind):
-    """Granite 4.0-H and Nemotron-H (Mamba-2 layers beside attention): the engine turns prefix caching
-    off, since a hit would skip tokens whose recurrent state it does not keep; greedy tokens equal
-    transformers' through chunked prefill and preemption, the repeated prompts computed again."""
+    """Granite 4.0-H and Nemotron-H (Mamba-2 layers beside attention), and a pure Mamba-2 model: the
+    engine turns prefix caching off, since a hit would skip tokens whose recurrent state it does not
+    keep; greedy tokens equal transformers' through chunked prefill and preemption (a model without
+    attention keeps no KV, yet its blocks still bound what runs at once), the repeated prompts computed
+    again."""
     path = _model(tmp_path, kind)
     outputs, stats = run(path, PROMPTS + PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                          dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16, max_num_seqs=8,

@@ -215,6 +215,19 @@ def test_released_nemotron_h_configs_are_read():
         ModelConfig.from_dict({**base, "hybrid_override_pattern": "M-X"})
 
 
+def test_a_released_mamba2_config_is_read():
+    """Mamba-Codestral-7B's config.json keys: Mamba-2 blocks alone, its mixer geometry, no KV."""
+    config = ModelConfig.from_dict({
+        "architectures": ["Mamba2ForCausalLM"], "hidden_size": 4096, "num_heads": 128, "head_dim": 64, "n_groups": 8,
+        "state_size": 128, "expand": 2, "conv_kernel": 4, "chunk_size": 256, "num_hidden_layers": 64,
+        "vocab_size": 32768, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False, "use_bias": False,
+        "use_conv_bias": True, "residual_in_fp32": True})
+    assert config.block_types == ("mamba",) * 64 and config.num_attention_layers == 0
+    assert config.mamba == Mamba2Config(num_heads=128, head_dim=64, num_groups=8, state_size=128, conv_kernel=4,
+                                        chunk_size=256)
+    assert config.rms_norm_eps == 1e-5 and not config.tie_word_embeddings
+
+
 def test_the_cache_budget_counts_attention_layers_and_leaves_room_for_the_states(hybrid_model):
     """KV blocks hold the attention layer's keys and values alone; the Mamba-2 states of max_num_seqs
     requests come out of the budget first."""

@@ -113,6 +113,8 @@ CASES = {
     # Nemotron 3 Nano: routed relu^2 experts (sigmoid scores through the correction bias, in groups)
     # beside a shared one; and in a latent width.
     "nemotron_h_moe": ("nemotron_h_moe", {}),
+    # A pure Mamba-2 model (Mamba-Codestral): Mamba-2 blocks alone, no KV cache.
+    "mamba2": ("mamba2", {}),
     "nemotron_h_moe_latent": ("nemotron_h_moe", {"moe_latent_size": 24}),
     "granitemoe_tied_mqa_top1": ("granitemoe", {"tie_word_embeddings": True, "num_key_value_heads": 1,
                                                "num_experts_per_tok": 1}),
@@ -225,7 +227,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM",
                                    "DeepseekV3ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
                                    "MiniMaxM2ForCausalLM", "GraniteMoeSharedForCausalLM",
-                                   "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
+                                   "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM",
                                    "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())

@@ -24,6 +24,7 @@ from transformers import (
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
     LlamaConfig,
+    Mamba2Config,
     MiniMaxM2Config,
     Ministral3Config,
     MistralConfig,
@@ -144,6 +145,11 @@ def make_config(kind: str = "llama", **overrides):
             "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8,
             "position_embedding_type": "nope", **kw, "intermediate_size": 32, "layer_types": kinds,
             "num_hidden_layers": len(kinds)})
+    # A pure Mamba-2 model (Mamba-Codestral's architecture): 8 heads of 16 in 2 groups, states of 16.
+    if kind == "mamba2":
+        return Mamba2Config(**{"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16, "chunk_size": 8,
+                               "vocab_size": kw["vocab_size"], "hidden_size": kw["hidden_size"], "num_hidden_layers": 3,
+                               "initializer_range": 0.2, "tie_word_embeddings": False, **overrides})
     # Nemotron-H: Mamba-2, MLP and attention blocks (8 heads of 16 in 2 groups, states of 16, chunks of
     # 8); Nemotron 3 Nano's routed relu^2 experts (8, 2 a token, in 2 groups of which 1 is kept, scaled
     # by 2.5) beside a shared one, in its "E" blocks.
