@@ -387,3 +387,26 @@ def test_a_model_of_mamba_layers_alone(tmp_path):
             for _ in range(6):
                 ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
         assert got[rid] == ids[len(prompt):], rid
+
+
+def test_sleep_releases_the_states_and_waking_up_starts_them_afresh(hybrid_model):
+    """vLLM's sleep mode: the Mamba-2 states go with the KV cache (level 2: the weights too); woken
+    up, the runner generates as before."""
+    from gpu_worker.weights import iter_checkpoint
+
+    runner = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=12)
+    prompts = _prompts(3)
+
+    def generate() -> dict[str, list[int]]:
+        sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
+                               prefix_caching=False)
+        for rid, prompt in prompts.items():
+            sched.add_request(greedy_request(f"{rid}-{len(runner.requests)}", prompt, 6))
+        return {rid.split("-")[0]: tokens for rid, tokens in run_to_completion(sched, runner.execute_model).items()}
+
+    before = generate()
+    runner.sleep(2)
+    assert runner.mamba_states == [] and all(mixer.state is None for mixer in runner.mamba_mixers)
+    runner.wake_up(["weights", "kv_cache"], lambda: iter_checkpoint(hybrid_model))
+    assert [tuple(s.ssm.shape) for s in runner.mamba_states] == [(2, 8, 16, 16)] * 3
+    assert generate() == before
