@@ -193,49 +193,56 @@ class MambaMixer2(nn.Module):
         step: MambaStepMetadata = meta.mamba
         m = self.config
         width = m.intermediate_size
-        projected = self.in_proj.forward(hidden)
-        gate, xbc, dt = projected.split([width, m.conv_dim, m.num_heads], dim=-1)
+        gate, xbc, dt = self.in_proj.forward(hidden).split([width, m.conv_dim, m.num_heads], dim=-1)
+        x, dt, b, c = self._split(causal_conv(self.state.conv, self.conv1d, xbc, step), dt)
         a = -torch.exp(self.A_log.float())
-        y = torch.empty(hidden.shape[0], width, dtype=hidden.dtype, device=hidden.device)
+        y = torch.empty_like(x)
         if step.decode_tokens is not None:
             rows, tokens = step.decode_rows, step.decode_tokens
-            window = torch.cat((self.state.conv.index_select(0, rows), xbc.index_select(0, tokens)[:, :, None]), dim=2)
-            self.state.conv.index_copy_(0, rows, window[:, :, 1:])
-            conv = (window.float() * self.conv1d.weight.float()).sum(-1)
-            y.index_copy_(0, tokens, self._scan_decodes(conv, dt.index_select(0, tokens), a, rows).to(y.dtype))
+            out, state = ssd_step(x.index_select(0, tokens), dt.index_select(0, tokens), a, b.index_select(0, tokens),
+                                  c.index_select(0, tokens), self.state.ssm.index_select(0, rows))
+            self.state.ssm.index_copy_(0, rows, state)
+            y.index_copy_(0, tokens, out)
         for start, end, row in step.prefills:
-            # The causal convolution over [the row's last inputs, this chunk], then its last inputs kept.
-            window = torch.cat((self.state.conv[row], xbc[start:end].t()), dim=1)
-            self.state.conv[row] = window[:, -(m.conv_kernel - 1):]
-            conv = F.conv1d(window[None].float(), self.conv1d.weight.float()[:, None, :], groups=m.conv_dim)[0].t()
-            y[start:end] = self._scan_prefill(conv, dt[start:end], a, row).to(y.dtype)
+            y[start:end], self.state.ssm[row] = ssd_chunk_scan(x[start:end], dt[start:end], a, b[start:end],
+                                                               c[start:end], self.state.ssm[row], m.chunk_size)
+        y = (y + x * self.D.float()[:, None]).flatten(1).to(hidden.dtype)
         return self.out_proj.forward(self.norm.forward(y, gate))
 
     def _split(self, conv: torch.Tensor, dt: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolution's output (+ bias, SiLU) as x [R, H, P], b and c [R, H, N] (each head its
-        group's), and dt [R, H] after its bias, softplus and clamp."""
+        """The convolution's output (fp32, bias added) after SiLU as x [T, H, P], b and c [T, H, N]
+        (each head its group's), and dt [T, H] after its bias, softplus and clamp."""
         m = self.config
-        if self.conv1d.bias is not None:
-            conv = conv + self.conv1d.bias.float()
-        conv = F.silu(conv)
-        x, b, c = conv.split([m.intermediate_size, m.num_groups * m.state_size, m.num_groups * m.state_size], dim=-1)
+        x, b, c = F.silu(conv).split([m.intermediate_size, m.num_groups * m.state_size, m.num_groups * m.state_size],
+                                     dim=-1)
         per_group = m.num_heads // m.num_groups
         b = b.reshape(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
         c = c.reshape(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.time_step_limit)
         return x.reshape(-1, m.num_heads, m.head_dim), dt, b, c
 
-    def _scan_decodes(self, conv: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        x, dt, b, c = self._split(conv, dt)
-        y, state = ssd_step(x, dt, a, b, c, self.state.ssm.index_select(0, rows))
-        self.state.ssm.index_copy_(0, rows, state)
-        return (y + x * self.D.float()[:, None]).flatten(1)
 
-    def _scan_prefill(self, conv: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, row: int) -> torch.Tensor:
-        x, dt, b, c = self._split(conv, dt)
-        y, self.state.ssm[row] = ssd_chunk_scan(x, dt, a, b, c, self.state.ssm[row], self.config.chunk_size)
-        return (y + x * self.D.float()[:, None]).flatten(1)
+def causal_conv(conv_state: torch.Tensor, conv1d: DepthwiseConv, x: torch.Tensor, step: MambaStepMetadata
+                ) -> torch.Tensor:
+    """The causal depthwise convolution of every request's new inputs ``x`` [T, channels] over its
+    last ``kernel - 1`` inputs (its row of ``conv_state``, updated in place to end with these):
+    [T, channels] in fp32, the bias added (no activation)."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    kernel = conv1d.weight.shape[1]
+    weight = conv1d.weight.float()
+    if step.decode_tokens is not None:
+        rows, tokens = step.decode_rows, step.decode_tokens
+        window = torch.cat((conv_state.index_select(0, rows), x.index_select(0, tokens)[:, :, None]), dim=2)
+        conv_state.index_copy_(0, rows, window[:, :, 1:])
+        out.index_copy_(0, tokens, (window.float() * weight).sum(-1))
+    for start, end, row in step.prefills:
+        window = torch.cat((conv_state[row], x[start:end].t()), dim=1)
+        conv_state[row] = window[:, -(kernel - 1):]
+        out[start:end] = F.conv1d(window[None].float(), weight[:, None, :], groups=weight.shape[0])[0].t()
+    if conv1d.bias is not None:
+        out += conv1d.bias.float()
+    return out
 
 
 def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: torch.device) -> MambaStepMetadata:
