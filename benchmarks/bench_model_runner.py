@@ -19,6 +19,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --minimax-m2  # MiniMax-M2: whole-projection q/k norms
     .venv/bin/python benchmarks/bench_model_runner.py --granite-hybrid  # Granite 4.0-H: Mamba-2 layers
     .venv/bin/python benchmarks/bench_model_runner.py --nemotron-h  # Nemotron-H: Mamba-2, MLP, attention blocks
+    .venv/bin/python benchmarks/bench_model_runner.py --qwen3-next  # Qwen3-Next: Gated DeltaNet, gated attention
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -45,7 +46,10 @@ layer attends (without positions), the others are Mamba-2 mixers (18 heads of 64
 of 128), each layer with SmolLM2's MLP as its shared MLP; HF runs its PyTorch scan (no mamba-ssm
 kernels here), ours its chunked scan and batched recurrence. With --nemotron-h, as a Nemotron-H
 model of SmolLM2's width: Mamba-2 and relu^2 MLP blocks alternating, every fifth Mamba-2 block an
-attention one instead.
+attention one instead. With --qwen3-next, as a Qwen3-Next model of SmolLM2's width: three Gated
+DeltaNet layers (4 key heads of 64, each for 2 value heads of 64) to one gated attention layer (64-wide
+heads, RoPE over a quarter of each), then --experts (8 by default) routed experts of half SmolLM2's
+MLP width beside a gated shared expert of that width.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ from transformers import (
     NemotronHForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from engine_core.config import CacheConfig, SchedulerConfig
@@ -199,6 +205,8 @@ def main() -> None:
                     help="run the random model as Gemma 2 (soft caps, windowed even layers)")
     ap.add_argument("--granite-hybrid", action="store_true",
                     help="run the random model as a dense Granite 4.0-H (Mamba-2 layers, every tenth attending)")
+    ap.add_argument("--qwen3-next", action="store_true",
+                    help="run the random model as Qwen3-Next (Gated DeltaNet layers, gated attention, experts)")
     ap.add_argument("--nemotron-h", action="store_true",
                     help="run the random model as Nemotron-H (Mamba-2 / MLP blocks, a few attention ones)")
     args = ap.parse_args()
@@ -295,6 +303,16 @@ def main() -> None:
         hf = NemotronHForCausalLM(NemotronHConfig(**shapes)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(shapes)
         weights = iter(hf.state_dict().items())
+    elif args.model == "random" and args.qwen3_next:
+        width = SMOLLM2_135M["intermediate_size"] // 2
+        shapes = {**SMOLLM2_135M, "architectures": ["Qwen3NextForCausalLM"], "head_dim": 64,
+                  "partial_rotary_factor": 0.25, "full_attention_interval": 4, "linear_num_key_heads": 4,
+                  "linear_num_value_heads": 8, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                  "num_experts": args.experts or 8, "num_experts_per_tok": args.experts_per_token,
+                  "moe_intermediate_size": width, "shared_expert_intermediate_size": width, "norm_topk_prob": True}
+        hf = Qwen3NextForCausalLM(Qwen3NextConfig(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf = MistralForCausalLM(MistralConfig(**shapes)).to(device=device, dtype=dtype).eval()
@@ -319,7 +337,8 @@ def main() -> None:
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
-             "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h}
+             "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
+             "qwen3-next": args.qwen3_next}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "

@@ -18,7 +18,7 @@ import torch
 from engine_core.tokenizer_files import read_image_processor_config, read_video_processor_config
 from engine_core.tokenizer_loader import load_tokenizer
 from gpu_worker.layers.rotary import yarn_mscale
-from gpu_worker.mamba_config import Mamba2Config
+from gpu_worker.mamba_config import GatedDeltaNetConfig, Mamba2Config
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
@@ -65,7 +65,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
-                           "Mamba2ForCausalLM")
+                           "Mamba2ForCausalLM", "Qwen3NextForCausalLM")
 # IBM Granite's routed-expert models: Granite 3.x MoE, with a shared expert, and Granite 4.0 (its
 # hybrid: Mamba-2 layers beside attention ones, or attention alone, routed experts or a dense MLP).
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
@@ -85,7 +85,11 @@ MINIMAX_M2_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embe
 GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
-PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM")
+# transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
+QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
+                       "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                       "linear_num_value_heads": 32}
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")
 # Vision-language checkpoints whose language model we serve on text (ModelConfig reads their
@@ -855,6 +859,28 @@ def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "rope_layers": (False,) * len(kinds)}
 
 
+def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3-Next's layer kinds (layer_types, else every full_attention_interval-th layer full, as
+    transformers reads it) and its Gated DeltaNet geometry."""
+    if arch != "Qwen3NextForCausalLM":
+        return {}
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if len(kinds) != num_layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name each of the {num_layers} layers 'linear_attention' or "
+                         f"'full_attention', got {kinds!r}")
+    k_heads, v_heads = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    if v_heads % k_heads:
+        raise ValueError(f"linear_num_value_heads ({v_heads}) must be a multiple of linear_num_key_heads ({k_heads})")
+    return {"mamba": GatedDeltaNetConfig(num_k_heads=k_heads, num_v_heads=v_heads,
+                                         head_k_dim=int(cfg["linear_key_head_dim"]),
+                                         head_v_dim=int(cfg["linear_value_head_dim"]),
+                                         conv_kernel=int(cfg["linear_conv_kernel_dim"])),
+            "mamba_layers": tuple(kind == "linear_attention" for kind in kinds)}
+
+
 def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Granite 4.0's layer kinds (layer_types: "mamba" / "attention" as released, transformers 5's
     "linear_attention" / "full_attention"; all Mamba when absent, as transformers reads it), its
@@ -1021,6 +1047,9 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
     elif arch == "Qwen3MoeForCausalLM":
         defaults = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
         shared = 0
+    elif arch == "Qwen3NextForCausalLM":
+        defaults = {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512}
+        shared = read("shared_expert_intermediate_size", 512)
     else:
         return {}
     num_experts = read("num_experts", defaults["num_experts"], "num_local_experts")
@@ -1106,9 +1135,9 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     # GPT-OSS: a learnt attention sink per query head (one more logit in each head's softmax).
     attention_sinks: bool = False
-    # Granite 4.0-H's Mamba-2 mixers: their geometry, and per layer whether it is one (in place of
-    # self-attention; empty: none is).
-    mamba: Mamba2Config | None = None
+    # The recurrent mixers (Granite 4.0-H's and Nemotron-H's Mamba-2, Qwen3-Next's Gated DeltaNet):
+    # their geometry, and per layer whether it is one (in place of self-attention; empty: none is).
+    mamba: Mamba2Config | GatedDeltaNetConfig | None = None
     mamba_layers: tuple[bool, ...] = ()
     # Nemotron-H: each layer one block behind its own norm, "mamba", "attention" or "mlp" (empty: the
     # Llama family's attention-then-MLP layers).
@@ -1375,6 +1404,8 @@ class ModelConfig:
             cfg = _nemotron_h_config(cfg)
         if arch == "Mamba2ForCausalLM":
             cfg = _mamba2_lm_config(cfg)
+        if arch == "Qwen3NextForCausalLM":
+            cfg = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "Glm4MoeForCausalLM":
             cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "MiniMaxM2ForCausalLM":
@@ -1553,6 +1584,7 @@ class ModelConfig:
             **_granite_fields(arch, cfg),
             **hybrid,
             **_nemotron_h_fields(arch, cfg),
+            **_qwen3_next_fields(arch, cfg, num_layers),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

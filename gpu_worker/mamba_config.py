@@ -1,4 +1,5 @@
-"""A Mamba-2 mixer's geometry, as a model config states it (read by gpu_worker.config)."""
+"""The recurrent mixers' geometry, as a model config states it (read by gpu_worker.config): Mamba-2's
+and Gated DeltaNet's, each with the per-request state shapes the model runner allocates."""
 
 from __future__ import annotations
 
@@ -60,3 +61,44 @@ class Mamba2Config:
         """One request's state in one layer: the conv state in ``dtype``, the SSM state in fp32."""
         conv, ssm = self.state_shapes()
         return conv[0] * conv[1] * dtype.itemsize + ssm[0] * ssm[1] * ssm[2] * 4
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """A Gated DeltaNet mixer's geometry (Qwen3-Next's linear-attention layers: transformers' names
+    linear_num_key_heads, linear_key_head_dim, ...). Each key head serves num_v_heads / num_k_heads
+    value heads; a request's state is [num_v_heads, head_k_dim, head_v_dim] beside the convolution's
+    last inputs."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    # The prefill scan's chunk (the reference kernels' 64).
+    chunk_size: int = 64
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q, k, then v."""
+        return 2 * self.key_dim + self.value_dim
+
+    def per_rank(self, tp_size: int) -> GatedDeltaNetConfig:
+        if tp_size != 1:
+            raise ValueError("Gated DeltaNet layers are served on one tensor-parallel rank (tensor_parallel_size 1)")
+        return self
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        conv, recurrent = self.state_shapes()
+        return conv[0] * conv[1] * dtype.itemsize + recurrent[0] * recurrent[1] * recurrent[2] * 4

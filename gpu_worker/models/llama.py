@@ -155,11 +155,15 @@ class LlamaDecoderLayer(nn.Module):
     # The norms' kind (Gemma's scale by 1 + w), and the attention's (OLMo 2's norms its projections).
     norm_class: type[RMSNorm] = RMSNorm
     attention_class: type[LlamaAttention] = LlamaAttention
+    # The recurrent mixer of the layers ModelConfig.mamba_layers names: Mamba-2 (Granite 4.0-H), Gated
+    # DeltaNet (Qwen3-Next).
+    recurrent_class: type[nn.Module] = MambaMixer2
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        # Granite 4.0-H: a Mamba-2 mixer in place of self-attention in its Mamba layers.
-        self.mamba = (MambaMixer2(config.hidden_size, config.mamba, config.rms_norm_eps)
+        # Granite 4.0-H, Qwen3-Next: a recurrent mixer in place of self-attention in their Mamba-2 /
+        # linear-attention layers.
+        self.mamba = (self.recurrent_class(config.hidden_size, config.mamba, config.rms_norm_eps)
                       if config.layer_is_mamba(layer) and config.mamba is not None else None)
         self.self_attn = self.attention_class(config, layer, self.norm_class) if self.mamba is None else None
         self.mlp = SparseMoeBlock(config) if config.layer_is_moe(layer) else LlamaMLP(config)

@@ -49,9 +49,10 @@ def test_greedy_tokens_equal_transformers_through_chunks_preemption_and_the_pref
     assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
 
 
-@pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h", "nemotron_h_moe", "mamba2"])
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h", "nemotron_h_moe", "mamba2", "qwen3_next"])
 def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip(tmp_path, kind):
-    """Granite 4.0-H and Nemotron-H (Mamba-2 layers beside attention), and a pure Mamba-2 model: the
+    """Granite 4.0-H and Nemotron-H (Mamba-2 layers beside attention), a pure Mamba-2 model, and
+    Qwen3-Next (Gated DeltaNet layers beside attention): the
     engine turns prefix caching off, since a hit would skip tokens whose recurrent state it does not
     keep; greedy tokens equal transformers' through chunked prefill and preemption (a model without
     attention keeps no KV, yet its blocks still bound what runs at once), the repeated prompts computed
@@ -81,7 +82,7 @@ def test_granite_4_hybrid_refuses_what_its_states_cannot_follow(tmp_path, flags,
             **flags)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "granitemoehybrid", "nemotron_h", "nemotron_h_moe"])
+@pytest.mark.parametrize("kind", [*KINDS, "granitemoehybrid", "nemotron_h", "nemotron_h_moe", "qwen3_next"])
 def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path, kind):
     """Each prompt token's log-probability (prefill) and each greedy token's (decode)."""
     path = _model(tmp_path, kind)
@@ -89,7 +90,7 @@ def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path
     outputs, _ = run(path, PROMPTS, params, dtype="bfloat16", num_gpu_blocks=32, max_num_batched_tokens=16,
                      max_model_len=128)
     hf = load_hf(path)
-    moe = "moe" in kind or kind in ("mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2", "minimax_m2")
+    moe = "moe" in kind or kind in ("mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2", "minimax_m2", "qwen3_next")
     hf_bf16 = load_hf(path).to(torch.bfloat16) if moe else None
     errors, hf_bf16_errors = [], []
     for prompt, out in zip(PROMPTS, outputs, strict=True):

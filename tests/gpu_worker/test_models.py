@@ -113,6 +113,10 @@ CASES = {
     # Nemotron 3 Nano: routed relu^2 experts (sigmoid scores through the correction bias, in groups)
     # beside a shared one; and in a latent width.
     "nemotron_h_moe": ("nemotron_h_moe", {}),
+    # Qwen3-Next: Gated DeltaNet layers beside gated attention; and a full layer every other one.
+    "qwen3_next": ("qwen3_next", {}),
+    "qwen3_next_mqa": ("qwen3_next", {"num_key_value_heads": 1, "full_attention_interval": 2,
+                                      "linear_num_key_heads": 4}),
     # A pure Mamba-2 model (Mamba-Codestral): Mamba-2 blocks alone, no KV cache.
     "mamba2": ("mamba2", {}),
     "nemotron_h_moe_latent": ("nemotron_h_moe", {"moe_latent_size": 24}),
@@ -228,6 +232,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "DeepseekV3ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
                                    "MiniMaxM2ForCausalLM", "GraniteMoeSharedForCausalLM",
                                    "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM",
+                                   "Qwen3NextForCausalLM",
                                    "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())

@@ -38,6 +38,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     SmolLM3Config,
 )
 
@@ -145,6 +146,19 @@ def make_config(kind: str = "llama", **overrides):
             "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8,
             "position_embedding_type": "nope", **kw, "intermediate_size": 32, "layer_types": kinds,
             "num_hidden_layers": len(kinds)})
+    # Qwen3-Next: three Gated DeltaNet layers (2 key heads of 16, each for 2 value heads of 16) to one
+    # gated attention (16-dim heads, RoPE over a quarter of each), 8 experts (2 a token) beside a gated
+    # shared expert, the first layer's MLP dense. (Weights drawn half as wide as the others': at 0.2 its
+    # activations grow large enough through the delta rule and the experts that fp32's rounding, ours
+    # and transformers' in different orders, parts their logits by ~5e-4.)
+    if kind == "qwen3_next":
+        kw.pop("num_hidden_layers")
+        return Qwen3NextConfig(**{"num_hidden_layers": 4, "head_dim": 16, "initializer_range": 0.1,
+                                  "linear_num_key_heads": 2,
+                                  "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                                  "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                  "shared_expert_intermediate_size": 48, "mlp_only_layers": [0],
+                                  **{k: v for k, v in kw.items() if k != "initializer_range"}})
     # A pure Mamba-2 model (Mamba-Codestral's architecture): 8 heads of 16 in 2 groups, states of 16.
     if kind == "mamba2":
         return Mamba2Config(**{"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16, "chunk_size": 8,
@@ -232,7 +246,12 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # Mamba-2's per-head scalars and its gated norm start at fixed values (A = -1..-heads, D
             # and dt's bias 1, norm 1): drawn apart so each head's are read as its own.
             if name.endswith(("mamba.A_log", "mamba.D", "mamba.dt_bias", "mamba.conv1d.bias", "mixer.A_log",
-                              "mixer.D", "mixer.dt_bias", "mixer.conv1d.bias")):
+                              "mixer.D", "mixer.dt_bias", "mixer.conv1d.bias", "linear_attn.dt_bias",
+                              "linear_attn.norm.weight")):
+                param.normal_(0.0, 0.5)
+            # Qwen3-Next's (1 + w) norms start at 0.
+            if kind == "qwen3_next" and name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight",
+                                                       "model.norm.weight")):
                 param.normal_(0.0, 0.5)
             if name.endswith(("mamba.norm.weight", "mixer.norm.weight")) or (kind == "nemotron_h"
                                                                              and name.endswith("norm.weight")):

@@ -1,0 +1,136 @@
+"""Gated DeltaNet mixer layers (Qwen3-Next's linear attention), over a flat batch of requests.
+
+Each value head keeps a matrix state S [head_k_dim, head_v_dim] per request. For each token, with q
+and k L2-normalised (q also scaled by head_k_dim ** -0.5), a decay g <= 0 and a write strength beta:
+S is decayed by exp(g); the value it already recalls for k is replaced, in the proportion beta, by v
+(the delta rule: u = beta (v - k S), S += k u^T); the output is q S. Like the Mamba-2 layers
+(gpu_worker.layers.mamba), a request's state lives in its row of the state tensors, beside its
+convolution's last inputs, and starts from zero at token 0; decodes go through the recurrence as one
+batch, each prefill chunk through the chunked form below, all in fp32.
+
+Within a chunk of C tokens (cumulative log decay G_j) the writes u_j solve a unit lower-triangular
+system, (I + A) U = beta (V - exp(G) K S0), with A_jm = beta_j exp(G_j - G_m) (k_j . k_m) for m < j;
+the outputs are exp(G_i) q_i S0 + sum_{j <= i} exp(G_i - G_j) (q_i . k_j) u_j, and the state after it
+exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank_and_size
+from gpu_worker.layers.mamba import DepthwiseConv, MambaState, MambaStepMetadata, causal_conv
+from gpu_worker.mamba_config import GatedDeltaNetConfig
+
+
+def delta_rule_chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q, k [L, H, Dk], v [L, H, Dv], g, beta [L, H], state [H, Dk, Dv] (fp32). Returns
+    the outputs [L, H, Dv] and the state after the last token."""
+    outs = []
+    for start in range(0, q.shape[0], chunk_size):
+        qc, kc, vc = q[start:start + chunk_size], k[start:start + chunk_size], v[start:start + chunk_size]
+        bc, n = beta[start:start + chunk_size].t(), qc.shape[0]  # bc: [H, n]
+        decay = torch.cumsum(g[start:start + chunk_size], dim=0).t()  # [H, n]: G_j
+        gaps = decay[:, :, None] - decay[:, None, :]  # [H, i, j]: G_i - G_j
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        weights = torch.exp(gaps.masked_fill(~lower, float("-inf")))  # exp(G_i - G_j), j <= i
+        strict = weights.masked_fill(torch.eye(n, dtype=torch.bool, device=q.device), 0.0)  # (m < j only)
+        system = torch.einsum("jhd,mhd->hjm", kc, kc) * strict * bc[:, :, None]
+        system = system + torch.eye(n, device=q.device)
+        recalled = torch.einsum("jhd,hdv->hjv", kc, state) * torch.exp(decay)[:, :, None]
+        rhs = bc[:, :, None] * (vc.transpose(0, 1) - recalled)
+        writes = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [H, n, Dv]
+        scores = torch.einsum("ihd,jhd->hij", qc, kc) * weights
+        out = (torch.einsum("ihd,hdv->hiv", qc, state) * torch.exp(decay)[:, :, None]
+               + torch.einsum("hij,hjv->hiv", scores, writes))
+        outs.append(out.transpose(0, 1))
+        to_end = torch.exp(decay[:, -1:] - decay)  # [H, n]
+        state = (state * torch.exp(decay[:, -1])[:, None, None]
+                 + torch.einsum("jhd,hjv->hdv", kc * to_end.t()[:, :, None], writes))
+    return torch.cat(outs) if len(outs) > 1 else outs[0], state
+
+
+def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of R requests (fp32): q, k [R, H, Dk], v [R, H, Dv], g, beta [R, H], state
+    [R, H, Dk, Dv]. Returns the outputs [R, H, Dv] and the new state."""
+    state = state * torch.exp(g)[..., None, None]
+    recalled = torch.einsum("rhd,rhdv->rhv", k, state)
+    write = (v - recalled) * beta[..., None]
+    state = state + k[..., :, None] * write[..., None, :]
+    return torch.einsum("rhd,rhdv->rhv", q, state), state
+
+
+def _l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear attention: ``in_proj_qkvz`` (per key head: its q and k, its value heads' v
+    and z) and ``in_proj_ba`` (per key head: its value heads' beta and decay logits), the causal
+    convolution over q, k, v with SiLU, the gated delta rule, an RMSNorm per value head times
+    silu(z), ``out_proj``. Checkpoint names as transformers' (``conv1d``, ``A_log``, ``dt_bias``,
+    ``norm``)."""
+
+    def __init__(self, hidden_size: int, config: GatedDeltaNetConfig, eps: float) -> None:
+        super().__init__()
+        _, tp_size = tp_rank_and_size(None, None)
+        self.config = m = config.per_rank(tp_size)
+        self.eps = eps
+        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * m.key_dim + 2 * m.value_dim)
+        self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * m.num_v_heads)
+        self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, False, [(0, m.conv_dim)])
+        self.A_log = nn.Parameter(torch.empty(m.num_v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(m.num_v_heads), requires_grad=False)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(m.head_v_dim), requires_grad=False)
+        self.out_proj = RowParallelLinear(m.value_dim, hidden_size)
+        self.state: MambaState | None = None
+
+    def _inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v) as the convolution's channels [T, conv_dim], z [T, Hv, Dv], b and a [T, Hv]:
+        the projections' per-key-head groups put in order."""
+        m = self.config
+        tokens, per_key = hidden.shape[0], m.num_v_heads // m.num_k_heads
+        qkvz = self.in_proj_qkvz.forward(hidden).view(tokens, m.num_k_heads, -1)
+        q, k, v, z = qkvz.split([m.head_k_dim, m.head_k_dim, per_key * m.head_v_dim, per_key * m.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba.forward(hidden).view(tokens, m.num_k_heads, 2 * per_key).split(per_key, dim=-1)
+        qkv = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), dim=-1)
+        return (qkv, z.reshape(tokens, m.num_v_heads, m.head_v_dim), b.reshape(tokens, m.num_v_heads),
+                a.reshape(tokens, m.num_v_heads))
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta) -> torch.Tensor:
+        if self.state is None:
+            raise RuntimeError("Gated DeltaNet state is not bound: call initialize_cache() first")
+        step: MambaStepMetadata = meta.mamba
+        m = self.config
+        tokens, per_key = hidden.shape[0], m.num_v_heads // m.num_k_heads
+        qkv, z, b, a = self._inputs(hidden)
+        conv = F.silu(causal_conv(self.state.conv, self.conv1d, qkv, step))
+        q, k, v = conv.split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        q = _l2_normed(q.reshape(tokens, m.num_k_heads, m.head_k_dim)).repeat_interleave(per_key, dim=1)
+        q = q * m.head_k_dim ** -0.5
+        k = _l2_normed(k.reshape(tokens, m.num_k_heads, m.head_k_dim)).repeat_interleave(per_key, dim=1)
+        v = v.reshape(tokens, m.num_v_heads, m.head_v_dim)
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        out = torch.empty_like(v)
+        if step.decode_tokens is not None:
+            rows, idx = step.decode_rows, step.decode_tokens
+            o, state = delta_rule_step(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx),
+                                       g.index_select(0, idx), beta.index_select(0, idx),
+                                       self.state.ssm.index_select(0, rows))
+            self.state.ssm.index_copy_(0, rows, state)
+            out.index_copy_(0, idx, o)
+        for start, end, row in step.prefills:
+            out[start:end], self.state.ssm[row] = delta_rule_chunk_scan(
+                q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], self.state.ssm[row],
+                m.chunk_size)
+        # RMSNorm over each value head (its weight applied in the model's dtype), then times silu(z).
+        out = out.to(hidden.dtype).float()
+        normed = (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden.dtype)
+        gated = (self.norm.weight * normed).float() * F.silu(z.float())
+        return self.out_proj.forward(gated.to(hidden.dtype).reshape(tokens, m.value_dim))

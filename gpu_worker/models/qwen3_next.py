@@ -1,0 +1,82 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B): a hybrid decoder whose layers are three Gated DeltaNet linear
+attentions (gpu_worker.layers.gated_delta_net) to one gated full attention, each followed by
+Qwen2-MoE's routed experts beside a sigmoid-gated shared expert (or a dense MLP in mlp_only_layers).
+
+Its norms scale by (1 + w), Gemma's (GemmaRMSNorm). The full attention is Qwen3's with two changes:
+q_proj gives each head its queries and, after them, an output gate (the attention's output is
+multiplied by sigmoid(gate) before o_proj), and RoPE rotates the first quarter of each head
+(partial_rotary_factor). The checkpoint's ``linear_attn`` modules are our layers' recurrent mixer
+(``mamba``, as Granite 4.0-H's Mamba-2 layers are named); its multi-token-prediction layers
+(``mtp.*``) are not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.attention import PagedAttention
+from gpu_worker.layers.gated_delta_net import GatedDeltaNet
+from gpu_worker.layers.layernorm import GemmaRMSNorm, RMSNorm
+from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class Qwen3NextAttention(nn.Module):
+    """Gated attention: per head, q_proj's queries then its output gate; (1 + w) q/k norms; partial RoPE."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = GemmaRMSNorm) -> None:
+        super().__init__()
+        self.head_dim = hd = config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        bias = config.qkv_bias
+        self.q_proj = ColumnParallelLinear(config.hidden_size, 2 * self.num_heads * hd, bias=bias)
+        self.k_proj = ColumnParallelLinear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = ColumnParallelLinear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = RowParallelLinear(self.num_heads * hd, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = norm_class(hd, config.rms_norm_eps)
+        self.k_norm = norm_class(hd, config.rms_norm_eps)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, config.attention_scale)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens, hd = hidden.shape[0], self.head_dim
+        q, gate = self.q_proj.forward(hidden).view(tokens, self.num_heads, 2 * hd).split(hd, dim=-1)
+        q = self.q_norm.forward(q.contiguous())
+        k = self.k_norm.forward(self.k_proj.forward(hidden).view(tokens, self.num_kv_heads, hd))
+        qk = RotaryEmbedding.rotate_(torch.cat((q, k), dim=1), rope[0], rope[1])
+        v = self.v_proj.forward(hidden).view(tokens, self.num_kv_heads, hd)
+        out = self.attn.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, meta)
+        return self.o_proj.forward(out * torch.sigmoid(gate.reshape(tokens, -1)))
+
+
+class Qwen3NextDecoderLayer(LlamaDecoderLayer):
+    norm_class = GemmaRMSNorm
+    attention_class = Qwen3NextAttention
+    recurrent_class = GatedDeltaNet
+
+
+class Qwen3NextModel(LlamaModel):
+    layer_class = Qwen3NextDecoderLayer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # (one stage: not split)
+
+
+class Qwen3NextForCausalLM(LlamaForCausalLM):
+    model_class = Qwen3NextModel
+    # (Its projections are separate: only the experts' and the dense MLPs' gate/up are fused.)
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            yield name.replace(".linear_attn.", ".mamba."), tensor
+
+    def reads_checkpoint_tensor(self, name: str) -> bool:
+        return not name.startswith("mtp.")

@@ -1,0 +1,127 @@
+"""Gated DeltaNet layers (Qwen3-Next's linear attention): the chunked delta rule against the token
+recurrence and transformers' reference, and a mixer carrying each request's state across passes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.layers.gated_delta_net import GatedDeltaNet, delta_rule_chunk_scan, delta_rule_step
+from gpu_worker.layers.mamba import MambaState, mamba_step_metadata
+from gpu_worker.mamba_config import GatedDeltaNetConfig
+
+
+def _inputs(length: int, heads: int = 4, dk: int = 8, dv: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(length, heads, dk, generator=g), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(length, heads, dk, generator=g), dim=-1)
+    v = torch.randn(length, heads, dv, generator=g)
+    decay = -torch.rand(length, heads, generator=g) * 2
+    beta = torch.rand(length, heads, generator=g)
+    state = torch.randn(heads, dk, dv, generator=g)
+    return q, k, v, decay, beta, state
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
+def test_the_chunked_delta_rule_is_the_recurrence(chunk_size):
+    """37 tokens from a nonzero state: every output and the final state are the recurrence's."""
+    q, k, v, decay, beta, state = _inputs(37)
+    out, final = delta_rule_chunk_scan(q, k, v, decay, beta, state, chunk_size)
+    s, outs = state[None], []
+    for t in range(37):
+        o, s = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1], s)
+        outs.append(o[0])
+    torch.testing.assert_close(out, torch.stack(outs), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, s[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_delta_rule_is_transformers_reference():
+    """transformers' token-by-token reference (its own L2 norm and query scale) from zero."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 21, 4, 8, generator=g), torch.randn(1, 21, 4, 8, generator=g)
+    v, decay = torch.randn(1, 21, 4, 6, generator=g), -torch.rand(1, 21, 4, generator=g)
+    beta = torch.rand(1, 21, 4, generator=g)
+    ref, ref_state = torch_recurrent_gated_delta_rule(q, k, v, decay, beta, output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True)
+    qn = q[0] * torch.rsqrt(q[0].pow(2).sum(-1, keepdim=True) + 1e-6) * 8 ** -0.5
+    kn = k[0] * torch.rsqrt(k[0].pow(2).sum(-1, keepdim=True) + 1e-6)
+    out, state = delta_rule_chunk_scan(qn, kn, v[0], decay[0], beta[0], torch.zeros(4, 8, 6), 8)
+    torch.testing.assert_close(out, ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, ref_state[0], atol=1e-5, rtol=1e-5)
+
+
+class _Meta:
+    def __init__(self, mamba) -> None:
+        self.mamba = mamba
+
+
+def test_a_mixer_carries_each_requests_state_across_passes():
+    """Two sequences whole, and in pieces over four passes in other rows (chunks, single tokens
+    batched as decodes): the same outputs."""
+    config = GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel=4, chunk_size=4)
+    torch.manual_seed(1)
+    mixer = GatedDeltaNet(24, config, 1e-6)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape) * (0.3 if param.dim() > 1 else 0.5))
+    seqs = [torch.randn(12, 24), torch.randn(9, 24)]
+
+    def run(pieces):
+        lens = [p.shape[0] for _, p in pieces]
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        rows = np.array([row for row, _ in pieces], dtype=np.int64)
+        out = mixer.forward((), torch.cat([p for _, p in pieces]), _Meta(mamba_step_metadata(rows, qsl,
+                                                                                             torch.device("cpu"))))
+        return [out[qsl[i]:qsl[i + 1]] for i in range(len(pieces))]
+
+    mixer.state = MambaState.allocate(config, 4, torch.float32, torch.device("cpu"))
+    whole = run([(0, seqs[0]), (1, seqs[1])])
+    mixer.state = MambaState.allocate(config, 4, torch.float32, torch.device("cpu"))
+    # Sequence 0 in row 3: 5 + 1 + 2 + 4; sequence 1 in row 2: 1 + 6 + 1 + 1.
+    plan = [[(2, 0, 1), (3, 0, 5)], [(3, 5, 6), (2, 1, 7)], [(2, 7, 8), (3, 6, 8)], [(2, 8, 9), (3, 8, 12)]]
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    for step in plan:
+        outs = run([(row, seqs[3 - row][a:b]) for row, a, b in step])
+        for (row, _, _), out in zip(step, outs, strict=True):
+            got[3 - row].append(out)
+    for i in (0, 1):
+        torch.testing.assert_close(torch.cat(got[i]), whole[i], atol=1e-5, rtol=1e-5)
+
+
+def test_tensor_parallel_qwen3_next_is_refused_before_workers_start(tmp_path):
+    from engine_core.config import EngineConfig, SchedulerConfig
+    from gpu_worker.executor import create_executor
+    from tests.gpu_worker.utils import save_tiny_model
+    from tests.tiny_model import build_tokenizer
+
+    path = save_tiny_model(tmp_path, "qwen3_next")
+    build_tokenizer().save_pretrained(path)
+    with pytest.raises(ValueError, match="Gated DeltaNet layers are served on one tensor-parallel rank"):
+        create_executor(EngineConfig(model=str(path), device="cpu", num_gpu_blocks=16, tensor_parallel_size=2,
+                                     scheduler=SchedulerConfig(max_model_len=64)))
+
+
+def test_a_released_qwen3_next_config_is_read():
+    """Qwen3-Next-80B-A3B's config.json keys: full attention every fourth layer (full_attention_interval,
+    no layer_types), RoPE over a quarter of 256-dim heads, its linear-attention and expert geometry."""
+    from gpu_worker.config import ModelConfig
+
+    config = ModelConfig.from_dict({
+        "architectures": ["Qwen3NextForCausalLM"], "hidden_size": 2048, "intermediate_size": 5120,
+        "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "vocab_size": 151936, "rope_theta": 10000000, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 512, "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6, "max_position_embeddings": 262144})
+    assert config.mamba_layers == (True, True, True, False) * 2 and config.num_attention_layers == 2
+    assert config.mamba == GatedDeltaNetConfig(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
+                                               conv_kernel=4)
+    assert config.rotary_dim == 64 and config.head_dim == 256 and config.rope_theta == 10000000
+    assert (config.num_experts, config.num_experts_per_tok, config.shared_expert_intermediate_size) == (512, 10, 512)
+    assert config.shared_expert_gated and config.norm_topk_prob and config.layer_is_moe(0)
+    with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
+        ModelConfig.from_dict({**config.raw, "linear_num_value_heads": 24})
