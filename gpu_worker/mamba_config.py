@@ -92,9 +92,12 @@ class GatedDeltaNetConfig:
         return 2 * self.key_dim + self.value_dim
 
     def per_rank(self, tp_size: int) -> GatedDeltaNetConfig:
-        if tp_size != 1:
-            raise ValueError("Gated DeltaNet layers are served on one tensor-parallel rank (tensor_parallel_size 1)")
-        return self
+        """One tensor-parallel rank's share: num_k_heads / tp key heads with their value heads."""
+        if self.num_k_heads % tp_size:
+            raise ValueError(f"Gated DeltaNet's {self.num_k_heads} key heads cannot be split evenly over "
+                             f"tensor_parallel_size={tp_size}")
+        return dataclasses.replace(self, num_k_heads=self.num_k_heads // tp_size,
+                                   num_v_heads=self.num_v_heads // tp_size)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)

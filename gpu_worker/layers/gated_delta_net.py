@@ -22,6 +22,7 @@ from torch import nn
 
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank_and_size
 from gpu_worker.layers.mamba import DepthwiseConv, MambaState, MambaStepMetadata, causal_conv
+from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
 from gpu_worker.mamba_config import GatedDeltaNetConfig
 
 
@@ -73,21 +74,34 @@ class GatedDeltaNet(nn.Module):
     and z) and ``in_proj_ba`` (per key head: its value heads' beta and decay logits), the causal
     convolution over q, k, v with SiLU, the gated delta rule, an RMSNorm per value head times
     silu(z), ``out_proj``. Checkpoint names as transformers' (``conv1d``, ``A_log``, ``dt_bias``,
-    ``norm``)."""
+    ``norm``).
+
+    Under tensor parallelism each rank holds num_k_heads / tp key heads and their value heads: the
+    projections' rows come grouped by key head, so a rank's are one contiguous slice; its q, k and v
+    convolution channels, its heads' A and dt bias, out_proj's columns (all-reduced), the norm whole."""
 
     def __init__(self, hidden_size: int, config: GatedDeltaNetConfig, eps: float) -> None:
         super().__init__()
-        _, tp_size = tp_rank_and_size(None, None)
+        rank, tp_size = tp_rank_and_size(None, None)
+        full = config
         self.config = m = config.per_rank(tp_size)
         self.eps = eps
-        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * m.key_dim + 2 * m.value_dim)
-        self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * m.num_v_heads)
-        self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, False, [(0, m.conv_dim)])
+        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * full.key_dim + 2 * full.value_dim)
+        self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * full.num_v_heads)
+        self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, False, [
+            (rank * m.key_dim, m.key_dim), (full.key_dim + rank * m.key_dim, m.key_dim),
+            (2 * full.key_dim + rank * m.value_dim, m.value_dim)])
         self.A_log = nn.Parameter(torch.empty(m.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(m.num_v_heads), requires_grad=False)
+        first = rank * m.num_v_heads
+
+        def heads_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+            copy_into(param, materialize(loaded).narrow(0, first, param.shape[0]))
+
+        self.A_log.weight_loader = self.dt_bias.weight_loader = heads_loader
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(m.head_v_dim), requires_grad=False)
-        self.out_proj = RowParallelLinear(m.value_dim, hidden_size)
+        self.out_proj = RowParallelLinear(full.value_dim, hidden_size)
         self.state: MambaState | None = None
 
     def _inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -22,35 +22,39 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.gated_delta_net import GatedDeltaNet
 from gpu_worker.layers.layernorm import GemmaRMSNorm, RMSNorm
-from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear, divide_for_tp, tp_rank_and_size
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 class Qwen3NextAttention(nn.Module):
-    """Gated attention: per head, q_proj's queries then its output gate; (1 + w) q/k norms; partial RoPE."""
+    """Gated attention: per head, q_proj's queries then its output gate; (1 + w) q/k norms; partial RoPE.
+    q_proj's rows are fused with k's and v's as twice the heads (each head's queries and gate rows
+    stay together on its rank; KV heads replicated where there are fewer than ranks)."""
 
     def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = GemmaRMSNorm) -> None:
         super().__init__()
         self.head_dim = hd = config.head_dim
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        bias = config.qkv_bias
-        self.q_proj = ColumnParallelLinear(config.hidden_size, 2 * self.num_heads * hd, bias=bias)
-        self.k_proj = ColumnParallelLinear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = ColumnParallelLinear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = RowParallelLinear(self.num_heads * hd, config.hidden_size, bias=config.o_proj_bias)
+        _, tp_size = tp_rank_and_size(None, None)
+        heads = divide_for_tp(config.num_attention_heads, tp_size, "num_attention_heads")
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, 2 * config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.qkv_bias)
+        self.num_heads, self.num_kv_heads = heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = norm_class(hd, config.rms_norm_eps)
         self.k_norm = norm_class(hd, config.rms_norm_eps)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, config.attention_scale)
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens, hd = hidden.shape[0], self.head_dim
-        q, gate = self.q_proj.forward(hidden).view(tokens, self.num_heads, 2 * hd).split(hd, dim=-1)
+        q_size, kv_size = 2 * self.num_heads * hd, self.num_kv_heads * hd
+        qg, k, v = self.qkv_proj.forward(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q, gate = qg.view(tokens, self.num_heads, 2 * hd).split(hd, dim=-1)
         q = self.q_norm.forward(q.contiguous())
-        k = self.k_norm.forward(self.k_proj.forward(hidden).view(tokens, self.num_kv_heads, hd))
+        k = self.k_norm.forward(k.reshape(tokens, self.num_kv_heads, hd))
         qk = RotaryEmbedding.rotate_(torch.cat((q, k), dim=1), rope[0], rope[1])
-        v = self.v_proj.forward(hidden).view(tokens, self.num_kv_heads, hd)
+        v = v.reshape(tokens, self.num_kv_heads, hd)
         out = self.attn.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, meta)
         return self.o_proj.forward(out * torch.sigmoid(gate.reshape(tokens, -1)))
 
@@ -71,8 +75,9 @@ class Qwen3NextModel(LlamaModel):
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
     model_class = Qwen3NextModel
-    # (Its projections are separate: only the experts' and the dense MLPs' gate/up are fused.)
-    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # (The linear attention's projections stay as they are: in_proj_qkvz and in_proj_ba are whole.)
+    packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:

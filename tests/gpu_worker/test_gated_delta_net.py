@@ -91,7 +91,7 @@ def test_a_mixer_carries_each_requests_state_across_passes():
         torch.testing.assert_close(torch.cat(got[i]), whole[i], atol=1e-5, rtol=1e-5)
 
 
-def test_tensor_parallel_qwen3_next_is_refused_before_workers_start(tmp_path):
+def test_key_heads_that_do_not_divide_the_ranks_are_refused_before_workers_start(tmp_path):
     from engine_core.config import EngineConfig, SchedulerConfig
     from gpu_worker.executor import create_executor
     from tests.gpu_worker.utils import save_tiny_model
@@ -99,8 +99,9 @@ def test_tensor_parallel_qwen3_next_is_refused_before_workers_start(tmp_path):
 
     path = save_tiny_model(tmp_path, "qwen3_next")
     build_tokenizer().save_pretrained(path)
-    with pytest.raises(ValueError, match="Gated DeltaNet layers are served on one tensor-parallel rank"):
-        create_executor(EngineConfig(model=str(path), device="cpu", num_gpu_blocks=16, tensor_parallel_size=2,
+    with pytest.raises(ValueError, match="Gated DeltaNet's 2 key heads cannot be split evenly over "
+                                         "tensor_parallel_size=4"):
+        create_executor(EngineConfig(model=str(path), device="cpu", num_gpu_blocks=16, tensor_parallel_size=4,
                                      scheduler=SchedulerConfig(max_model_len=64)))
 
 

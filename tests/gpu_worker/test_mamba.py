@@ -303,20 +303,24 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h_moe", 2)],
-                         ids=["groups_split", "one_group_replicated", "nemotron_h_moe"])
+@pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h_moe", 2),
+                                         ("qwen3_next", 0)],
+                         ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
     one group whole (the gated norm's sum of squares then all-reduced): the same greedy answers as
-    one rank, over chunked prefills and batched decodes."""
+    one rank, over chunked prefills and batched decodes. Qwen3-Next: each rank one of the two key heads
+    of its Gated DeltaNet layers with their value heads, half of the gated attention's heads (query and
+    gate rows together), the one KV head on both."""
     import random
 
     ray = pytest.importorskip("ray")
     from tests.ports import free_port
 
+    groups_key = {"granitemoehybrid": "mamba_n_groups", "nemotron_h_moe": "n_groups"}.get(kind)
     path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,
-                           **({"mamba_n_groups": groups} if kind == "granitemoehybrid" else {"n_groups": groups}))
+                           **({groups_key: groups} if groups_key else {}))
     rng = random.Random(3)
     prompts = {f"r{i}": [rng.randrange(251) for _ in range(rng.randrange(3, 20))] for i in range(4)}
     kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1, max_num_seqs=4)
