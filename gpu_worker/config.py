@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,8 @@ from gpu_worker.vision_config import (
 
 if TYPE_CHECKING:
     from gpu_worker.eagle_config import EagleHead
+
+logger = logging.getLogger(__name__)
 
 # Architectures whose decoder is the Llama block; the flags below are what tells them apart.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -799,9 +802,15 @@ def _nemotron_h_config(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"layers_block_type: Nemotron-H's layers are {sorted(_NEMOTRON_H_KINDS)}, got {unknown}")
         kinds = [_NEMOTRON_H_KINDS[k] for k in pattern]
     if cfg.get("num_hidden_layers") not in (None, len(kinds)):
-        raise ValueError(f"hybrid_override_pattern has {len(kinds)} layers, num_hidden_layers says "
-                         f"{cfg['num_hidden_layers']}")
+        # (transformers warns and builds the pattern's layers: so does this.)
+        logger.warning("Nemotron-H: hybrid_override_pattern has %d layers, num_hidden_layers says %s; the "
+                       "pattern's are served", len(kinds), cfg["num_hidden_layers"])
     heads = int(cfg.get("num_attention_heads") or 32)
+    # (The Mamba keys' other names, as transformers' NemotronHConfig takes them.)
+    aliases = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+               "mamba_chunk_size": "chunk_size", "mamba_conv_bias": "use_conv_bias",
+               "mamba_dt_limit": "time_step_limit"}
+    cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in aliases.items() if theirs in cfg}}
     return {**cfg, "num_hidden_layers": len(kinds), "block_types": kinds,
             "head_dim": int(cfg.get("head_dim") or cfg.get("attention_head_dim") or 128),
             "num_key_value_heads": int(cfg.get("num_key_value_heads") or 8), "num_attention_heads": heads,
@@ -1059,7 +1068,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
     return dict(num_experts=num_experts,
                 num_experts_per_tok=read("num_experts_per_tok", defaults["num_experts_per_tok"]),
                 moe_intermediate_size=read("moe_intermediate_size", defaults["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                # (transformers' Qwen3-Next renormalises unless told not to; Qwen2/3-MoE's default is off.)
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "Qwen3NextForCausalLM")),
                 shared_expert_intermediate_size=shared, moe_layers=layers)
 
 

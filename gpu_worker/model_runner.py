@@ -421,6 +421,8 @@ class ModelRunner:
                                             getattr(self.model, "image_row_width", self.config.hidden_size),
                                             dtype=self.dtype, device=self.device)
             hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta, None, intermediate)
+            if mixers:
+                self._profile_recurrent_decodes(mixers, block_size)
             if not distributed.is_last_stage():  # (a stage before the last has no head)
                 hidden = None
             rows = min(self.max_num_seqs * (1 + self.num_spec_tokens), num_tokens)
@@ -996,6 +998,21 @@ class ModelRunner:
         # (Token types only reach a model that takes them: the engine refuses them for the others.)
         hidden = self.model(*inputs) if token_types is None else self.model(*inputs, token_types)
         return hidden, list(range(num_reqs)), query_start_loc[1:] - 1
+
+    def _profile_recurrent_decodes(self, mixers: list[nn.Module], block_size: int) -> None:
+        """A pass of max_num_seqs decodes through a model with recurrent layers: each layer gathers
+        their states (one copy of max_num_seqs rows), which a long prefill does not show. They all
+        read one state row (the states' own memory is counted apart: Worker.mamba_state_bytes)."""
+        n = self.max_num_seqs
+        for mixer in mixers:
+            mixer.state = MambaState.allocate(mixer.config, 1, self.dtype, self.device)
+        qsl = np.arange(n + 1, dtype=np.int64)
+        zeros = np.zeros(n, dtype=np.int64)
+        meta = self.attention_metadata(np.zeros((n, 1), dtype=np.int64), np.ones(n, dtype=np.int64), qsl, zeros, n,
+                                       zeros, block_size, decode_in_place=False)
+        meta.mamba = mamba_step_metadata(zeros, qsl, self.device)
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.model(ids, ids, meta)
 
     def _bind_mamba_states(self, rows: int) -> None:
         """Zeroed Mamba-2 states of ``rows`` request rows for every mixer (none without mixers)."""

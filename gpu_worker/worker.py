@@ -285,15 +285,25 @@ class Worker:
         """KV blocks for CacheConfig.num_blocks: explicit, from a byte budget, or (CUDA) from what a
         profiled max-size step leaves of ``gpu_memory_utilization`` of the device. Every rank
         returns the group-wide minimum. An encoder keeps no cache: its blocks cost nothing, and
-        only count a pass's tokens for the scheduler (as for a model of Mamba-2 layers alone). A
-        model with Mamba-2 layers keeps their states for max_num_seqs requests beside the blocks."""
-        if num_blocks is None and (self.model_config.encoder_only or not self.model_config.num_attention_layers):
+        only count a pass's tokens for the scheduler. A model with recurrent (Mamba-2, Gated DeltaNet)
+        layers keeps their states for max_num_seqs requests beside the blocks; with no attention layer
+        at all its blocks cost nothing either, and are as many as max_num_seqs requests of
+        max_model_len tokens need, the states' room still checked against the budget."""
+        cacheless = self.model_config.encoder_only or not self.model_config.num_attention_layers
+        if num_blocks is None and cacheless:
+            states = self.mamba_state_bytes()
             # (On CUDA a full pass is still profiled: weights and activations must fit the share.)
-            if self.device.type == "cuda" and self._profile_kv_budget(block_size, gpu_memory_utilization) < 0:
-                raise ValueError(f"the model and a pass of {self._runner().max_num_batched_tokens} tokens need more "
-                                 f"than gpu_memory_utilization={gpu_memory_utilization} of the device: raise it, or "
-                                 "lower --max-num-batched-tokens / --max-num-seqs")
-            num_blocks = self._runner().cacheless_num_blocks(block_size)
+            budget = (self._profile_kv_budget(block_size, gpu_memory_utilization) if self.device.type == "cuda"
+                      else kv_cache_memory_bytes)
+            if budget is not None and budget - states < 0:
+                room = f" and the recurrent states of {self.max_num_seqs} requests ({states} bytes)" if states else ""
+                share = (f"gpu_memory_utilization={gpu_memory_utilization} of the device"
+                         if self.device.type == "cuda" else f"kv_cache_memory_bytes={kv_cache_memory_bytes}")
+                raise ValueError(f"the model, a pass of {self._runner().max_num_batched_tokens} tokens{room} need more "
+                                 f"than {share}: raise it, or lower --max-num-batched-tokens / --max-num-seqs")
+            runner = self._runner()
+            num_blocks = (runner.cacheless_num_blocks(block_size) if self.model_config.encoder_only
+                          else runner.max_num_seqs * -(-runner.max_model_len // block_size))
         if num_blocks is None:
             per_block = self.bytes_per_block(block_size)
             if kv_cache_memory_bytes is not None:

@@ -57,11 +57,11 @@ def delta_rule_chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of R requests (fp32): q, k [R, H, Dk], v [R, H, Dv], g, beta [R, H], state
-    [R, H, Dk, Dv]. Returns the outputs [R, H, Dv] and the new state."""
-    state = state * torch.exp(g)[..., None, None]
+    [R, H, Dk, Dv], updated in place (no temporary of its size). Returns the outputs [R, H, Dv] and
+    the state."""
+    state.mul_(torch.exp(g)[..., None, None])
     recalled = torch.einsum("rhd,rhdv->rhv", k, state)
-    write = (v - recalled) * beta[..., None]
-    state = state + k[..., :, None] * write[..., None, :]
+    state.addcmul_(k[..., :, None], ((v - recalled) * beta[..., None])[..., None, :])
     return torch.einsum("rhd,rhdv->rhv", q, state), state
 
 

@@ -88,8 +88,9 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
 def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of R requests (fp32): x [R, H, P], dt [R, H], b, c [R, H, N], state
-    [R, H, P, N]. Returns y [R, H, P] (without D) and the new state."""
-    state = state * torch.exp(dt * a)[..., None, None] + (dt[..., None] * x)[..., None] * b[:, :, None, :]
+    [R, H, P, N], updated in place (no temporary of its size: a decode batch's states are the
+    largest tensors of the pass). Returns y [R, H, P] (without D) and the state."""
+    state.mul_(torch.exp(dt * a)[..., None, None]).addcmul_((dt[..., None] * x)[..., None], b[:, :, None, :])
     return torch.einsum("rhpn,rhn->rhp", state, c), state
 
 

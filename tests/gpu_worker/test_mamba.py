@@ -209,8 +209,10 @@ def test_released_nemotron_h_configs_are_read():
     assert nano3.shared_expert_intermediate_size == 64 and not nano3.shared_expert_gated
     assert nano3.moe_activation == "relu2" and nano3.moe_scoring == "sigmoid" and nano3.moe_correction_bias
     assert nano3.routed_scaling_factor == 2.5 and nano3.moe_latent_size == 0 and nano3.norm_topk_prob
-    with pytest.raises(ValueError, match="hybrid_override_pattern has 5 layers, num_hidden_layers says 6"):
-        ModelConfig.from_dict({**base, "num_hidden_layers": 6})
+    # (transformers warns of a num_hidden_layers the pattern contradicts and builds the pattern's layers;
+    # it takes the Mamba keys' other names too.)
+    aliased = ModelConfig.from_dict({**base, "num_hidden_layers": 6, "mamba_n_groups": 4, "mamba_chunk_size": 64})
+    assert aliased.num_hidden_layers == 5 and (aliased.mamba.num_groups, aliased.mamba.chunk_size) == (4, 64)
     with pytest.raises(ValueError, match="hybrid_override_pattern must be a string"):
         ModelConfig.from_dict({**base, "hybrid_override_pattern": "M-X"})
 
@@ -373,8 +375,12 @@ def test_a_model_of_mamba_layers_alone(tmp_path):
     worker.init_distributed()
     worker.load_model()
     assert worker.model_config.num_attention_layers == 0 and worker.bytes_per_block(4) == 0
+    # Blocks of no bytes, as many as max_num_seqs requests of max_model_len tokens hold; the budget
+    # must still hold the states.
     num_blocks = worker.determine_num_blocks(4, kv_cache_memory_bytes=1 << 20)
-    assert num_blocks == worker.runner.cacheless_num_blocks(4)
+    assert num_blocks == 2 * 128 // 4
+    with pytest.raises(ValueError, match="the recurrent states of 2 requests"):
+        worker.determine_num_blocks(4, kv_cache_memory_bytes=worker.mamba_state_bytes() - 1)
     worker.initialize_cache(num_blocks, 4)
     assert worker.runner.kv_caches == [] and len(worker.runner.mamba_states) == 3
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
@@ -414,3 +420,26 @@ def test_sleep_releases_the_states_and_waking_up_starts_them_afresh(hybrid_model
     runner.wake_up(["weights", "kv_cache"], lambda: iter_checkpoint(hybrid_model))
     assert [tuple(s.ssm.shape) for s in runner.mamba_states] == [(2, 8, 16, 16)] * 3
     assert generate() == before
+
+
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "qwen3_next", "mamba2"])
+def test_the_memory_profile_runs_a_prefill_and_a_decode_batch_on_throwaway_states(tmp_path, kind):
+    """profile_run (what the KV budget is measured by on CUDA) passes a full prefill and then
+    max_num_seqs decodes through the recurrent layers, on states of its own: the runner's are left
+    as they were."""
+    path = save_tiny_model(tmp_path, kind)
+    runner = make_runner(path, num_blocks=16, block_size=4, max_num_seqs=5, max_num_batched_tokens=24)
+    states = [(s.conv, s.ssm) for s in runner.mamba_states]
+    mixers = runner.mamba_mixers
+    seen: list[int] = []
+    original = mixers[0].forward
+
+    def counting(rope, hidden, meta):  # (the model calls its layers' forward directly: no hooks fire)
+        seen.append(0 if meta.mamba.decode_tokens is None else len(meta.mamba.decode_tokens))
+        return original(rope, hidden, meta)
+
+    mixers[0].forward = counting
+    runner.profile_run(4)
+    assert seen == [0, 5]  # the prefill, then five decodes
+    assert all(m.state is s and s.conv is conv and s.ssm is ssm
+               for m, s, (conv, ssm) in zip(mixers, runner.mamba_states, states, strict=True))
