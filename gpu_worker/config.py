@@ -68,7 +68,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
-                           "Mamba2ForCausalLM", "Qwen3NextForCausalLM")
+                           "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
+# Vision-language checkpoints served on text alone, always (their vision side is not served here):
+# Qwen3.5's, as its language model.
+TEXT_ONLY_DECODER_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
 # IBM Granite's routed-expert models: Granite 3.x MoE, with a shared expert, and Granite 4.0 (its
 # hybrid: Mamba-2 layers beside attention ones, or attention alone, routed experts or a dense MLP).
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
@@ -88,7 +91,8 @@ MINIMAX_M2_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embe
 GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
-PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM")
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
+                                "Qwen3_5ForCausalLM")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
@@ -869,9 +873,9 @@ def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """Qwen3-Next's layer kinds (layer_types, else every full_attention_interval-th layer full, as
-    transformers reads it) and its Gated DeltaNet geometry."""
-    if arch != "Qwen3NextForCausalLM":
+    """Qwen3-Next's (and Qwen3.5's) layer kinds (layer_types, else every full_attention_interval-th
+    layer full, as transformers reads it) and its Gated DeltaNet geometry."""
+    if arch not in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"):
         return {}
     kinds = cfg.get("layer_types")
     if kinds is None:
@@ -886,7 +890,8 @@ def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[
     return {"mamba": GatedDeltaNetConfig(num_k_heads=k_heads, num_v_heads=v_heads,
                                          head_k_dim=int(cfg["linear_key_head_dim"]),
                                          head_v_dim=int(cfg["linear_value_head_dim"]),
-                                         conv_kernel=int(cfg["linear_conv_kernel_dim"])),
+                                         conv_kernel=int(cfg["linear_conv_kernel_dim"]),
+                                         split_projections=arch == "Qwen3_5ForCausalLM"),
             "mamba_layers": tuple(kind == "linear_attention" for kind in kinds)}
 
 
@@ -1350,6 +1355,10 @@ class ModelConfig:
         if cfg.get("classifier_from_token") is not None and arch not in CLASSIFIER_DECODER_OF:
             raise ValueError(f"classifier_from_token needs a sequence-classification architecture (set "
                              f'"architectures" too, e.g. ["Qwen3ForSequenceClassification"]), got {arch!r}')
+        text_only_of = arch if arch in TEXT_ONLY_DECODER_OF else None
+        if text_only_of is not None:  # (served as its language model: no vision config is built)
+            cfg = _text_config(cfg, TEXT_ONLY_DECODER_OF[arch])
+            arch = TEXT_ONLY_DECODER_OF[arch]
         headed = {**CLASSIFIER_DECODER_OF, **TOKEN_CLASSIFIER_DECODER_OF, **REWARD_DECODER_OF}
         embedding_only = arch in EMBEDDING_DECODER_OF or arch in headed
         always_bidirectional = arch in BIDIRECTIONAL_DECODERS
@@ -1414,8 +1423,14 @@ class ModelConfig:
             cfg = _nemotron_h_config(cfg)
         if arch == "Mamba2ForCausalLM":
             cfg = _mamba2_lm_config(cfg)
-        if arch == "Qwen3NextForCausalLM":
+        if arch in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"):
             cfg = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+        if arch == "Qwen3_5ForCausalLM":
+            # (Its M-RoPE, over text alone, is plain RoPE: a text token's three positions are equal.)
+            for key in ("rope_parameters", "rope_scaling"):
+                if isinstance(cfg.get(key), dict):
+                    cfg = {**cfg, key: {k: v for k, v in cfg[key].items() if k not in ("mrope_section",
+                                                                                      "mrope_interleaved")}}
         if arch == "Glm4MoeForCausalLM":
             cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "MiniMaxM2ForCausalLM":
@@ -1598,6 +1613,7 @@ class ModelConfig:
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),
+            **({"language_model_of": text_only_of} if text_only_of else {}),
         )
 
     @classmethod

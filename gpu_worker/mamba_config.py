@@ -77,6 +77,9 @@ class GatedDeltaNetConfig:
     conv_kernel: int
     # The prefill scan's chunk (the reference kernels' 64).
     chunk_size: int = 64
+    # Qwen3.5's projections: q, k and v in one (each whole), z, b and a apart; Qwen3-Next's: in_proj_qkvz
+    # and in_proj_ba, their rows grouped by key head.
+    split_projections: bool = False
 
     @property
     def key_dim(self) -> int:

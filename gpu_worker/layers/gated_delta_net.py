@@ -65,13 +65,19 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return torch.einsum("rhd,rhdv->rhv", q, state), state
 
 
+def _rows(loaded: WeightLike, sections: list[tuple[int, int]]) -> torch.Tensor:
+    tensor = materialize(loaded)
+    return torch.cat([tensor.narrow(0, start, count) for start, count in sections])
+
+
 def _l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next's linear attention: ``in_proj_qkvz`` (per key head: its q and k, its value heads' v
-    and z) and ``in_proj_ba`` (per key head: its value heads' beta and decay logits), the causal
+    and z) and ``in_proj_ba`` (per key head: its value heads' beta and decay logits) (Qwen3.5's:
+    ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, each whole), the causal
     convolution over q, k, v with SiLU, the gated delta rule, an RMSNorm per value head times
     silu(z), ``out_proj``. Checkpoint names as transformers' (``conv1d``, ``A_log``, ``dt_bias``,
     ``norm``).
@@ -86,11 +92,20 @@ class GatedDeltaNet(nn.Module):
         full = config
         self.config = m = config.per_rank(tp_size)
         self.eps = eps
-        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * full.key_dim + 2 * full.value_dim)
-        self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * full.num_v_heads)
-        self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, False, [
-            (rank * m.key_dim, m.key_dim), (full.key_dim + rank * m.key_dim, m.key_dim),
-            (2 * full.key_dim + rank * m.value_dim, m.value_dim)])
+        # This rank's q, k and v channels (of the convolution, and of Qwen3.5's in_proj_qkv rows).
+        qkv_sections = [(rank * m.key_dim, m.key_dim), (full.key_dim + rank * m.key_dim, m.key_dim),
+                        (2 * full.key_dim + rank * m.value_dim, m.value_dim)]
+        if m.split_projections:
+            self.in_proj_qkv = ColumnParallelLinear(hidden_size, m.conv_dim, tp_rank=0, tp_size=1)
+            self.in_proj_qkv.weight.weight_loader = (
+                lambda p, loaded, shard=None: copy_into(p, _rows(loaded, qkv_sections)))
+            self.in_proj_z = ColumnParallelLinear(hidden_size, full.value_dim)
+            self.in_proj_b = ColumnParallelLinear(hidden_size, full.num_v_heads)
+            self.in_proj_a = ColumnParallelLinear(hidden_size, full.num_v_heads)
+        else:
+            self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * full.key_dim + 2 * full.value_dim)
+            self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * full.num_v_heads)
+        self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, False, qkv_sections)
         self.A_log = nn.Parameter(torch.empty(m.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(m.num_v_heads), requires_grad=False)
         first = rank * m.num_v_heads
@@ -109,6 +124,9 @@ class GatedDeltaNet(nn.Module):
         the projections' per-key-head groups put in order."""
         m = self.config
         tokens, per_key = hidden.shape[0], m.num_v_heads // m.num_k_heads
+        if m.split_projections:
+            return (self.in_proj_qkv.forward(hidden), self.in_proj_z.forward(hidden).view(tokens, m.num_v_heads, -1),
+                    self.in_proj_b.forward(hidden), self.in_proj_a.forward(hidden))
         qkvz = self.in_proj_qkvz.forward(hidden).view(tokens, m.num_k_heads, -1)
         q, k, v, z = qkvz.split([m.head_k_dim, m.head_k_dim, per_key * m.head_v_dim, per_key * m.head_v_dim], dim=-1)
         b, a = self.in_proj_ba.forward(hidden).view(tokens, m.num_k_heads, 2 * per_key).split(per_key, dim=-1)

@@ -85,3 +85,10 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     def reads_checkpoint_tensor(self, name: str) -> bool:
         return not name.startswith("mtp.")
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5's language model (dense): Qwen3-Next's layers with a dense MLP in each and its Gated
+    DeltaNet projections apart (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``); its
+    M-RoPE over text is plain RoPE. A Qwen3_5ForConditionalGeneration checkpoint is served as this
+    (its language model's tensors; the vision tower's are not read)."""

@@ -126,3 +126,39 @@ def test_a_released_qwen3_next_config_is_read():
     assert config.shared_expert_gated and config.norm_topk_prob and config.layer_is_moe(0)
     with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
         ModelConfig.from_dict({**config.raw, "linear_num_value_heads": 24})
+
+
+def test_a_qwen3_5_vision_language_checkpoint_serves_its_language_model(tmp_path):
+    """Qwen3.5 as released (Qwen3_5ForConditionalGeneration: its language model under
+    model.language_model, a vision tower, M-RoPE in its rope parameters): its language model is
+    served on text, the tower not read, with transformers' logits for a text prompt."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+
+    from gpu_worker.config import ModelConfig
+    from tests.gpu_worker.utils import make_runner, prefill_logits
+
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=256, initializer_range=0.1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+    torch.manual_seed(0)
+    hf = AutoModelForImageTextToText.from_config(Qwen3_5Config(
+        text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                             out_hidden_size=64, patch_size=8))).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith(("layernorm.weight", "norm.weight", "linear_attn.dt_bias")):
+                param.normal_(0.0, 0.5)
+    hf.save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert config.architecture == "Qwen3_5ForCausalLM" and config.vision is None
+    assert config.language_model_of == "Qwen3_5ForConditionalGeneration" and config.rotary_dim == 4
+    assert config.mamba.split_projections and config.mamba_layers == (True, True, True, False)
+    runner = make_runner(tmp_path, num_blocks=16, block_size=4)
+    prompt = [(7 * i + 3) % 256 for i in range(45)]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([prompt]), use_cache=False).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, [5, 2, 9, 0, 11, 3, 7, 8, 1, 4, 6, 10]), ref,
+                               atol=1e-4, rtol=1e-4)

@@ -306,15 +306,15 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h_moe", 2),
-                                         ("qwen3_next", 0)],
-                         ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next"])
+                                         ("qwen3_next", 0), ("qwen3_5", 0)],
+                         ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next", "qwen3_5"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
     one group whole (the gated norm's sum of squares then all-reduced): the same greedy answers as
     one rank, over chunked prefills and batched decodes. Qwen3-Next: each rank one of the two key heads
     of its Gated DeltaNet layers with their value heads, half of the gated attention's heads (query and
-    gate rows together), the one KV head on both."""
+    gate rows together), the one KV head on both; Qwen3.5 the same from its projections apart."""
     import random
 
     ray = pytest.importorskip("ray")

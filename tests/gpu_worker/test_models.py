@@ -117,6 +117,8 @@ CASES = {
     "qwen3_next": ("qwen3_next", {}),
     "qwen3_next_mqa": ("qwen3_next", {"num_key_value_heads": 1, "full_attention_interval": 2,
                                       "linear_num_key_heads": 4}),
+    # Qwen3.5's language model: Qwen3-Next's layers, dense, its linear attention's projections apart.
+    "qwen3_5": ("qwen3_5", {}),
     # A pure Mamba-2 model (Mamba-Codestral): Mamba-2 blocks alone, no KV cache.
     "mamba2": ("mamba2", {}),
     "nemotron_h_moe_latent": ("nemotron_h_moe", {"moe_latent_size": 24}),
@@ -232,7 +234,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "DeepseekV3ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
                                    "MiniMaxM2ForCausalLM", "GraniteMoeSharedForCausalLM",
                                    "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM",
-                                   "Qwen3NextForCausalLM",
+                                   "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
                                    "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
