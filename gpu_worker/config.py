@@ -68,10 +68,13 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
-                           "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
+                           "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # Vision-language checkpoints served on text alone, always (their vision side is not served here):
 # Qwen3.5's, as its language model.
-TEXT_ONLY_DECODER_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+TEXT_ONLY_DECODER_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                        "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+# Qwen3-Next's family: Gated DeltaNet layers beside gated attention (Qwen3.5's projections apart).
+QWEN3_NEXT_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # IBM Granite's routed-expert models: Granite 3.x MoE, with a shared expert, and Granite 4.0 (its
 # hybrid: Mamba-2 layers beside attention ones, or attention alone, routed experts or a dense MLP).
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
@@ -92,7 +95,7 @@ GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
-                                "Qwen3_5ForCausalLM")
+                                "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
@@ -875,7 +878,7 @@ def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Qwen3-Next's (and Qwen3.5's) layer kinds (layer_types, else every full_attention_interval-th
     layer full, as transformers reads it) and its Gated DeltaNet geometry."""
-    if arch not in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"):
+    if arch not in QWEN3_NEXT_FAMILY:
         return {}
     kinds = cfg.get("layer_types")
     if kinds is None:
@@ -891,7 +894,7 @@ def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[
                                          head_k_dim=int(cfg["linear_key_head_dim"]),
                                          head_v_dim=int(cfg["linear_value_head_dim"]),
                                          conv_kernel=int(cfg["linear_conv_kernel_dim"]),
-                                         split_projections=arch == "Qwen3_5ForCausalLM"),
+                                         split_projections=arch != "Qwen3NextForCausalLM"),
             "mamba_layers": tuple(kind == "linear_attention" for kind in kinds)}
 
 
@@ -1064,6 +1067,10 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
     elif arch == "Qwen3NextForCausalLM":
         defaults = {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512}
         shared = read("shared_expert_intermediate_size", 512)
+    elif arch == "Qwen3_5MoeForCausalLM":  # (every layer routed; its router always renormalises)
+        defaults = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512}
+        shared = read("shared_expert_intermediate_size", 512)
+        cfg = {**cfg, "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1}
     else:
         return {}
     num_experts = read("num_experts", defaults["num_experts"], "num_local_experts")
@@ -1074,7 +1081,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                 num_experts_per_tok=read("num_experts_per_tok", defaults["num_experts_per_tok"]),
                 moe_intermediate_size=read("moe_intermediate_size", defaults["moe_intermediate_size"]),
                 # (transformers' Qwen3-Next renormalises unless told not to; Qwen2/3-MoE's default is off.)
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "Qwen3NextForCausalLM")),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", arch in ("Qwen3NextForCausalLM",
+                                                                      "Qwen3_5MoeForCausalLM"))),
                 shared_expert_intermediate_size=shared, moe_layers=layers)
 
 
@@ -1423,9 +1431,11 @@ class ModelConfig:
             cfg = _nemotron_h_config(cfg)
         if arch == "Mamba2ForCausalLM":
             cfg = _mamba2_lm_config(cfg)
-        if arch in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"):
+        if arch in QWEN3_NEXT_FAMILY:
             cfg = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
-        if arch == "Qwen3_5ForCausalLM":
+        if arch == "Qwen3_5MoeForCausalLM" and cfg.get("intermediate_size") is None:  # (no dense MLP: unread)
+            cfg = {**cfg, "intermediate_size": int(cfg.get("moe_intermediate_size") or 512)}
+        if arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
             # (Its M-RoPE, over text alone, is plain RoPE: a text token's three positions are equal.)
             for key in ("rope_parameters", "rope_scaling"):
                 if isinstance(cfg.get(key), dict):

@@ -92,3 +92,9 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     DeltaNet projections apart (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``); its
     M-RoPE over text is plain RoPE. A Qwen3_5ForConditionalGeneration checkpoint is served as this
     (its language model's tensors; the vision tower's are not read)."""
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5's mixture-of-experts language model (Qwen3.5-397B-A17B and its smaller MoE sizes):
+    Qwen3.5's layers with routed experts (renormalised top k) beside a gated shared expert in every
+    layer, as Qwen3-Next's. A Qwen3_5MoeForConditionalGeneration checkpoint is served on text as this."""

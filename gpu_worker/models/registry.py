@@ -40,7 +40,7 @@ from gpu_worker.models.nemotron_h import Mamba2ForCausalLM, NemotronHForCausalLM
 from gpu_worker.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
-from gpu_worker.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
+from gpu_worker.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from gpu_worker.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 from gpu_worker.vision_config import (
     Gemma3VisionConfig,
@@ -80,6 +80,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,

@@ -128,12 +128,14 @@ def test_a_released_qwen3_next_config_is_read():
         ModelConfig.from_dict({**config.raw, "linear_num_value_heads": 24})
 
 
-def test_a_qwen3_5_vision_language_checkpoint_serves_its_language_model(tmp_path):
-    """Qwen3.5 as released (Qwen3_5ForConditionalGeneration: its language model under
-    model.language_model, a vision tower, M-RoPE in its rope parameters): its language model is
-    served on text, the tower not read, with transformers' logits for a text prompt."""
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_qwen3_5_vision_language_checkpoint_serves_its_language_model(tmp_path, moe):
+    """Qwen3.5 as released (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration: its
+    language model under model.language_model, a vision tower, M-RoPE in its rope parameters): its
+    language model is served on text, the tower not read, with transformers' logits for a text prompt."""
     from transformers import AutoModelForImageTextToText
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
 
     from gpu_worker.config import ModelConfig
     from tests.gpu_worker.utils import make_runner, prefill_logits
@@ -143,8 +145,11 @@ def test_a_qwen3_5_vision_language_checkpoint_serves_its_language_model(tmp_path
                 linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=256, initializer_range=0.1,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                  "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+    if moe:
+        text = {**{k: v for k, v in text.items() if k != "intermediate_size"}, "num_experts": 8,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
     torch.manual_seed(0)
-    hf = AutoModelForImageTextToText.from_config(Qwen3_5Config(
+    hf = AutoModelForImageTextToText.from_config((Qwen3_5MoeConfig if moe else Qwen3_5Config)(
         text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                              out_hidden_size=64, patch_size=8))).eval()
     with torch.no_grad():
@@ -153,8 +158,9 @@ def test_a_qwen3_5_vision_language_checkpoint_serves_its_language_model(tmp_path
                 param.normal_(0.0, 0.5)
     hf.save_pretrained(tmp_path)
     config = ModelConfig.from_pretrained(tmp_path)
-    assert config.architecture == "Qwen3_5ForCausalLM" and config.vision is None
-    assert config.language_model_of == "Qwen3_5ForConditionalGeneration" and config.rotary_dim == 4
+    expected = "Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"
+    assert config.architecture == expected and config.vision is None and config.num_experts == (8 if moe else 0)
+    assert config.language_model_of == hf.config.architectures[0] and config.rotary_dim == 4
     assert config.mamba.split_projections and config.mamba_layers == (True, True, True, False)
     runner = make_runner(tmp_path, num_blocks=16, block_size=4)
     prompt = [(7 * i + 3) % 256 for i in range(45)]

@@ -119,6 +119,7 @@ CASES = {
                                       "linear_num_key_heads": 4}),
     # Qwen3.5's language model: Qwen3-Next's layers, dense, its linear attention's projections apart.
     "qwen3_5": ("qwen3_5", {}),
+    "qwen3_5_moe": ("qwen3_5_moe", {}),
     # A pure Mamba-2 model (Mamba-Codestral): Mamba-2 blocks alone, no KV cache.
     "mamba2": ("mamba2", {}),
     "nemotron_h_moe_latent": ("nemotron_h_moe", {"moe_latent_size": 24}),
@@ -234,7 +235,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "DeepseekV3ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
                                    "MiniMaxM2ForCausalLM", "GraniteMoeSharedForCausalLM",
                                    "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM",
-                                   "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+                                   "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                                    "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())

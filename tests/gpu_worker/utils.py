@@ -168,6 +168,18 @@ def make_config(kind: str = "llama", **overrides):
                                     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                                     "linear_value_head_dim": 16,
                                     **{k: v for k, v in kw.items() if k != "initializer_range"}})
+    # Qwen3.5's MoE language model: 8 experts (2 a token) beside a gated shared expert in every layer.
+    if kind == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        kw.pop("num_hidden_layers")
+        return Qwen3_5MoeTextConfig(**{"num_hidden_layers": 4, "head_dim": 16, "initializer_range": 0.1,
+                                       "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                       "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 8,
+                                       "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                       "shared_expert_intermediate_size": 48,
+                                       **{k: v for k, v in kw.items() if k not in ("initializer_range",
+                                                                                  "intermediate_size")}})
     # A pure Mamba-2 model (Mamba-Codestral's architecture): 8 heads of 16 in 2 groups, states of 16.
     if kind == "mamba2":
         return Mamba2Config(**{"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16, "chunk_size": 8,
@@ -259,7 +271,7 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
                               "linear_attn.norm.weight")):
                 param.normal_(0.0, 0.5)
             # Qwen3-Next's and Qwen3.5's (1 + w) norms start at 0.
-            if kind in ("qwen3_next", "qwen3_5") and name.endswith(("layernorm.weight", "q_norm.weight",
+            if kind in ("qwen3_next", "qwen3_5", "qwen3_5_moe") and name.endswith(("layernorm.weight", "q_norm.weight",
                                                                     "k_norm.weight", "model.norm.weight")):
                 param.normal_(0.0, 0.5)
             if name.endswith(("mamba.norm.weight", "mixer.norm.weight")) or (kind == "nemotron_h"
