@@ -20,6 +20,7 @@ from tests.gpu_worker.utils import (
     make_scheduler,
     run_to_completion,
     save_tiny_model,
+    two_tp_ranks,
 )
 
 
@@ -318,7 +319,6 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     import random
 
     ray = pytest.importorskip("ray")
-    from tests.ports import free_port
 
     groups_key = {"granitemoehybrid": "mamba_n_groups", "nemotron_h_moe": "n_groups"}.get(kind)
     path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,
@@ -339,32 +339,14 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     tp1.initialize_cache(40, 4)
     expected = drive(tp1.execute_model)
 
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        remote_worker = ray.remote(num_cpus=1)(Worker)
-        ranks = [remote_worker.remote(rank, 2, str(path), **kwargs) for rank in range(2)]
-        port = free_port()
-        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
-        ray.get([w.load_model.remote() for w in ranks])
+    with two_tp_ranks(path, **kwargs) as (ranks, execute):
         # A rank's states are half of one rank's (with one group, B and C's channels are not halved).
         state_bytes = ray.get([w.mamba_state_bytes.remote() for w in ranks])
         assert state_bytes[0] == state_bytes[1] < tp1.mamba_state_bytes()
         budget = state_bytes[0] + 40 * tp1.bytes_per_block(4) + 1  # (the one KV head is replicated)
         assert ray.get([w.determine_num_blocks.remote(4, None, budget) for w in ranks]) == [40, 40]
         ray.get([w.initialize_cache.remote(40, 4) for w in ranks])
-
-        def execute(so):
-            outs = ray.get([w.execute_model.remote(so) for w in ranks])
-            assert outs[1] is None  # only rank 0 answers
-            return outs[0]
-
         assert drive(execute) == expected
-        ray.get([w.shutdown.remote() for w in ranks])
-    finally:
-        if started_here:
-            ray.shutdown()
 
 
 def test_a_model_of_mamba_layers_alone(tmp_path):

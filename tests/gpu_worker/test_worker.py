@@ -19,8 +19,8 @@ from tests.gpu_worker.utils import (
     make_scheduler,
     run_to_completion,
     save_tiny_model,
+    two_tp_ranks,
 )
-from tests.ports import free_port
 
 
 def test_bytes_per_block_formula(tmp_path):
@@ -125,15 +125,7 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     tp1.initialize_cache(40, 4)
     expected = _drive(tp1.execute_model, prompts, 40)
 
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        remote_worker = ray.remote(num_cpus=1)(Worker)
-        ranks = [remote_worker.remote(rank, 2, str(path), **kwargs) for rank in range(2)]
-        port = free_port()
-        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
-        ray.get([w.load_model.remote() for w in ranks])
+    with two_tp_ranks(path, **kwargs) as (ranks, execute):
         # The single KV head is replicated, so a rank's block is as large as a TP=1 block.
         num_blocks = ray.get([w.determine_num_blocks.remote(4, None, 40 * tp1.bytes_per_block(4) + 1)
                               for w in ranks])
@@ -145,20 +137,11 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
 
             assert ray.get([w.__ray_call__.remote(first_expert) for w in ranks]) == [0, 4]
 
-        def execute(so):
-            outs = ray.get([w.execute_model.remote(so) for w in ranks])
-            assert outs[1] is None  # only rank 0 answers
-            return outs[0]
-
         assert _drive(execute, prompts, 40) == expected
         # Speculative decoding: rank 1 never sees which drafts rank 0 kept, only the next pass's diffs.
         drafted: list[int] = []
         assert _drive(execute, prompts, 40, spec=True, drafted=drafted) == expected
         assert drafted, "no pass carried drafts"
-        ray.get([w.shutdown.remote() for w in ranks])
-    finally:
-        if started_here:
-            ray.shutdown()
 
 
 @pytest.mark.parametrize("spec", [False, True])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -534,3 +535,36 @@ def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, n
     else:
         save_file(head, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+@contextmanager
+def two_tp_ranks(path: Path, **worker_kwargs):
+    """Two Worker actors of one tensor-parallel group over gloo (a local Ray cluster of 2 CPUs unless
+    one runs already), their models loaded: yields (the ranks, execute: a pass on both, rank 0's
+    answer). Their caches are the caller's to size; the ranks are shut down after."""
+    import ray
+
+    from gpu_worker.worker import Worker
+    from tests.ports import free_port
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        remote_worker = ray.remote(num_cpus=1)(Worker)
+        ranks = [remote_worker.remote(rank, 2, str(path), **worker_kwargs) for rank in range(2)]
+        port = free_port()
+        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
+        ray.get([w.load_model.remote() for w in ranks])
+
+        def execute(so):
+            outs = ray.get([w.execute_model.remote(so) for w in ranks])
+            assert outs[1] is None  # only rank 0 answers
+            return outs[0]
+
+        yield ranks, execute
+        ray.get([w.shutdown.remote() for w in ranks])
+    finally:
+        if started_here:
+            ray.shutdown()
+
