@@ -155,6 +155,8 @@ class ModelRunner:
     def load_model(self, weights: WeightSource) -> None:
         """``weights``: an HF model directory, or (hf_name, tensor) pairs (e.g. from a converter)."""
         self.model = model = self._loaded_model(weights)
+        # (Their states are bound with the KV cache, and profiled on throwaway ones.)
+        self.mamba_mixers = model.mamba_layers() if hasattr(model, "mamba_layers") else []
         # The sliding windows the layers attend with (None: full attention): one metadata each per step.
         self.attention_windows = frozenset(layer.sliding_window for layer in model.attention_layers())
         # LongRoPE: where the short factors' rotary rows start, and the length above which they stop.
@@ -349,7 +351,6 @@ class ModelRunner:
                                            layers[0].head_dim, self.kv_cache_dtype, self.device) if layers else []
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
-        self.mamba_mixers = self.model.mamba_layers() if hasattr(self.model, "mamba_layers") else []
         self._bind_mamba_states(self.max_num_seqs)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -374,7 +375,7 @@ class ModelRunner:
         caches = allocate_kv_cache(len(layers), sum(blocks_per_req), block_size, layers[0].num_kv_heads,
                                    layers[0].head_dim, self.kv_cache_dtype, self.device) if layers else []
         saved = [layer.kv_cache for layer in layers]
-        mixers = self.model.mamba_layers() if hasattr(self.model, "mamba_layers") else []
+        mixers = self.mamba_mixers
         saved_states = [mixer.state for mixer in mixers]
         try:
             for layer, cache in zip(layers, caches, strict=True):

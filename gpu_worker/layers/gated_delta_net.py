@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank_and_size
-from gpu_worker.layers.mamba import DepthwiseConv, MambaState, MambaStepMetadata, causal_conv
-from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
+from gpu_worker.layers.mamba import DepthwiseConv, MambaState, MambaStepMetadata, causal_conv, rank_rows
+from gpu_worker.layers.weight_utils import copy_into, load_sharded
 from gpu_worker.mamba_config import GatedDeltaNetConfig
 
 
@@ -65,11 +66,6 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return torch.einsum("rhd,rhdv->rhv", q, state), state
 
 
-def _rows(loaded: WeightLike, sections: list[tuple[int, int]]) -> torch.Tensor:
-    tensor = materialize(loaded)
-    return torch.cat([tensor.narrow(0, start, count) for start, count in sections])
-
-
 def _l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
@@ -91,14 +87,13 @@ class GatedDeltaNet(nn.Module):
         rank, tp_size = tp_rank_and_size(None, None)
         full = config
         self.config = m = config.per_rank(tp_size)
-        self.eps = eps
         # This rank's q, k and v channels (of the convolution, and of Qwen3.5's in_proj_qkv rows).
         qkv_sections = [(rank * m.key_dim, m.key_dim), (full.key_dim + rank * m.key_dim, m.key_dim),
                         (2 * full.key_dim + rank * m.value_dim, m.value_dim)]
         if m.split_projections:
             self.in_proj_qkv = ColumnParallelLinear(hidden_size, m.conv_dim, tp_rank=0, tp_size=1)
             self.in_proj_qkv.weight.weight_loader = (
-                lambda p, loaded, shard=None: copy_into(p, _rows(loaded, qkv_sections)))
+                lambda p, loaded, shard=None: copy_into(p, rank_rows(loaded, qkv_sections)))
             self.in_proj_z = ColumnParallelLinear(hidden_size, full.value_dim)
             self.in_proj_b = ColumnParallelLinear(hidden_size, full.num_v_heads)
             self.in_proj_a = ColumnParallelLinear(hidden_size, full.num_v_heads)
@@ -108,14 +103,9 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, False, qkv_sections)
         self.A_log = nn.Parameter(torch.empty(m.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(m.num_v_heads), requires_grad=False)
-        first = rank * m.num_v_heads
-
-        def heads_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
-            copy_into(param, materialize(loaded).narrow(0, first, param.shape[0]))
-
-        self.A_log.weight_loader = self.dt_bias.weight_loader = heads_loader
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(m.head_v_dim), requires_grad=False)
+        for param in (self.A_log, self.dt_bias):  # (this rank's value heads')
+            param.weight_loader = lambda p, loaded, shard=None: load_sharded(p, loaded, 0, rank)
+        self.norm = RMSNorm(m.head_v_dim, eps)  # (over each value head, before the gate)
         self.out_proj = RowParallelLinear(full.value_dim, hidden_size)
         self.state: MambaState | None = None
 
@@ -162,7 +152,6 @@ class GatedDeltaNet(nn.Module):
                 q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], self.state.ssm[row],
                 m.chunk_size)
         # RMSNorm over each value head (its weight applied in the model's dtype), then times silu(z).
-        out = out.to(hidden.dtype).float()
-        normed = (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden.dtype)
-        gated = (self.norm.weight * normed).float() * F.silu(z.float())
+        normed = self.norm.forward(out.to(hidden.dtype).reshape(-1, m.head_v_dim)).view(out.shape)
+        gated = normed.float() * F.silu(z.float())
         return self.out_proj.forward(gated.to(hidden.dtype).reshape(tokens, m.value_dim))

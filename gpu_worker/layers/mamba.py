@@ -23,7 +23,7 @@ from torch import nn
 
 from gpu_worker import distributed
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank_and_size
-from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
+from gpu_worker.layers.weight_utils import WeightLike, copy_into, load_sharded, materialize
 from gpu_worker.mamba_config import Mamba2Config
 
 
@@ -101,13 +101,10 @@ class GatedRMSNorm(nn.Module):
 
     def __init__(self, width: int, group_size: int, eps: float, tp_rank: int = 0, across_ranks: bool = False) -> None:
         super().__init__()
-        self.group_size, self.eps, self.tp_rank = group_size, eps, tp_rank
+        self.group_size, self.eps = group_size, eps
         self.across_ranks = across_ranks
         self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
-        self.weight.weight_loader = self._weight_loader
-
-    def _weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
-        copy_into(param, materialize(loaded).narrow(0, self.tp_rank * param.shape[0], param.shape[0]))
+        self.weight.weight_loader = lambda param, loaded, shard=None: load_sharded(param, loaded, 0, tp_rank)
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = y.dtype
@@ -120,7 +117,7 @@ class GatedRMSNorm(nn.Module):
         return self.weight * groups.view(h.shape).to(dtype)
 
 
-def _rank_rows(loaded: WeightLike, sections: list[tuple[int, int]]) -> torch.Tensor:
+def rank_rows(loaded: WeightLike, sections: list[tuple[int, int]]) -> torch.Tensor:
     """The rows ``sections`` ((start, count) in the checkpoint's rows) of ``loaded``, concatenated."""
     tensor = materialize(loaded)
     return torch.cat([tensor.narrow(0, start, count) for start, count in sections])
@@ -140,7 +137,7 @@ class DepthwiseConv(nn.Module):
             self.bias.weight_loader = self._weight_loader
 
     def _weight_loader(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
-        copy_into(param, _rank_rows(loaded, self.sections).reshape(param.shape))
+        copy_into(param, rank_rows(loaded, self.sections).reshape(param.shape))
 
 
 class MambaMixer2(nn.Module):
@@ -172,14 +169,13 @@ class MambaMixer2(nn.Module):
                                             tp_rank=0, tp_size=1)
         for param in (self.in_proj.weight, self.in_proj.bias):
             if param is not None:
-                param.weight_loader = lambda p, loaded, shard=None: copy_into(p, _rank_rows(loaded, in_sections))
+                param.weight_loader = lambda p, loaded, shard=None: copy_into(p, rank_rows(loaded, in_sections))
         self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, m.conv_bias, conv_sections)
         self.A_log = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
-        heads = [(rank * m.num_heads, m.num_heads)]
-        for param in (self.A_log, self.D, self.dt_bias):
-            param.weight_loader = lambda p, loaded, shard=None: copy_into(p, _rank_rows(loaded, heads))
+        for param in (self.A_log, self.D, self.dt_bias):  # (this rank's heads')
+            param.weight_loader = lambda p, loaded, shard=None: load_sharded(p, loaded, 0, rank)
         self.norm = GatedRMSNorm(width, full.intermediate_size // full.num_groups, eps, rank,
                                  across_ranks=tp_size > 1 and not full.groups_split(tp_size))
         self.out_proj = RowParallelLinear(full.intermediate_size, hidden_size, bias=m.proj_bias)

@@ -25,32 +25,10 @@ from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts_grouped
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from gpu_worker.layers.mamba import MambaMixer2
 from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.llama import PipelineStage
-
-
-class NemotronHAttention(nn.Module):
-    """Grouped-query attention without positions, no biases, scores scaled by head_dim ** -0.5."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=False)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=False)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.head_dim ** -0.5)
-
-    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.forward(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out = self.attn.forward(q.view(tokens, self.num_heads, self.head_dim),
-                                k.view(tokens, self.num_kv_heads, self.head_dim),
-                                v.view(tokens, self.num_kv_heads, self.head_dim), meta)
-        return self.o_proj.forward(out)
+from gpu_worker.models.llama import LlamaAttention, PipelineStage
 
 
 class NemotronHMLP(nn.Module):
@@ -118,8 +96,8 @@ class NemotronHBlock(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.kind == "mamba":
             self.mixer: nn.Module = MambaMixer2(config.hidden_size, config.mamba, config.rms_norm_eps)
-        elif self.kind == "attention":
-            self.mixer = NemotronHAttention(config)
+        elif self.kind == "attention":  # (Llama's attention: rope_layers leave every layer unrotated)
+            self.mixer = LlamaAttention(config, layer)
         elif self.kind == "moe":
             self.mixer = NemotronHMoE(config)
         else:
@@ -135,7 +113,7 @@ class NemotronHBlock(nn.Module):
         if self.kind == "mamba":
             return self.mixer.forward((), hidden, meta), residual
         if self.kind == "attention":
-            return self.mixer.forward(hidden, meta), residual
+            return self.mixer.forward((), hidden, meta), residual
         return self.mixer.forward(hidden), residual
 
 

@@ -425,3 +425,19 @@ def test_the_memory_profile_runs_a_prefill_and_a_decode_batch_on_throwaway_state
     assert seen == [0, 5]  # the prefill, then five decodes
     assert all(m.state is s and s.conv is conv and s.ssm is ssm
                for m, s, (conv, ssm) in zip(mixers, runner.mamba_states, states, strict=True))
+
+
+def test_more_held_requests_than_state_rows_grow_the_states(hybrid_model):
+    """A runner sized for 2 requests fed 4 at once (a scheduler allowed more): the states grow to the
+    rows the requests hold, and each still generates as transformers does."""
+    runner = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=48)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=48, max_num_seqs=4,
+                           prefix_caching=False)
+    prompts = _prompts(4)
+    for rid, prompt in prompts.items():
+        sched.add_request(greedy_request(rid, prompt, 5))
+    got = run_to_completion(sched, runner.execute_model)
+    assert [s.ssm.shape[0] for s in runner.mamba_states] == [4] * 3
+    hf = load_hf(hybrid_model)
+    for rid, prompt in prompts.items():
+        assert got[rid] == hf_greedy(hf, prompt, 5), rid
