@@ -68,7 +68,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Olmo3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
-                           "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+                           "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                           "BambaForCausalLM")
 # Vision-language checkpoints served on text alone, always (their vision side is not served here):
 # Qwen3.5's, as its language model.
 TEXT_ONLY_DECODER_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
@@ -95,7 +96,7 @@ GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
-                                "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+                                "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
@@ -898,12 +899,28 @@ def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[
             "mamba_layers": tuple(kind == "linear_attention" for kind in kinds)}
 
 
+def _bamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Bamba's config in Granite 4.0's terms (Granite 4.0-H grew out of it: the same Mamba-2 keys and
+    layers): its attention layers (attn_layer_indices) as layer_types, RoPE over the first
+    attn_rotary_emb values of each head (half of it where the key is absent: transformers fixes
+    partial_rotary_factor at 0.5), and transformers' BambaConfig defaults."""
+    cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 262144, "num_hidden_layers": 32,
+           **{k: v for k, v in cfg.items() if v is not None}}
+    attention = {int(i) for i in cfg.get("attn_layer_indices") or ()}
+    kinds = ["attention" if i in attention else "mamba" for i in range(int(cfg["num_hidden_layers"]))]
+    head_dim = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    partial = int(cfg["attn_rotary_emb"]) / head_dim if cfg.get("attn_rotary_emb") else 0.5
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None
+    return {**cfg, "layer_types": kinds, "partial_rotary_factor": partial,
+            **({"rope_parameters": {**rope, "partial_rotary_factor": partial}} if rope else {})}
+
+
 def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """Granite 4.0's layer kinds (layer_types: "mamba" / "attention" as released, transformers 5's
-    "linear_attention" / "full_attention"; all Mamba when absent, as transformers reads it), its
-    Mamba-2 geometry, and its attention without positions unless position_embedding_type is "rope"
-    (Granite 4.0-H's is "nope")."""
-    if arch != "GraniteMoeHybridForCausalLM":
+    """Granite 4.0's (and Bamba's) layer kinds (layer_types: "mamba" / "attention" as released,
+    transformers 5's "linear_attention" / "full_attention"; all Mamba when absent, as transformers
+    reads it), its Mamba-2 geometry, and its attention without positions unless
+    position_embedding_type is "rope" (Granite 4.0-H's is "nope"; Bamba's always rotates)."""
+    if arch not in ("GraniteMoeHybridForCausalLM", "BambaForCausalLM"):
         return {}
     kinds = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * num_layers
     if len(kinds) != num_layers:
@@ -928,7 +945,7 @@ def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> d
                              f"must be mamba_expand x hidden_size ({width})")
         fields["mamba"] = mamba
         fields["mamba_layers"] = mamba_layers
-    if cfg.get("position_embedding_type") != "rope":
+    if arch == "GraniteMoeHybridForCausalLM" and cfg.get("position_embedding_type") != "rope":
         fields["rope_layers"] = (False,) * num_layers
     return fields
 
@@ -1431,6 +1448,8 @@ class ModelConfig:
             cfg = _nemotron_h_config(cfg)
         if arch == "Mamba2ForCausalLM":
             cfg = _mamba2_lm_config(cfg)
+        if arch == "BambaForCausalLM":
+            cfg = _bamba_config(cfg)
         if arch in QWEN3_NEXT_FAMILY:
             cfg = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "Qwen3_5MoeForCausalLM" and cfg.get("intermediate_size") is None:  # (no dense MLP: unread)

@@ -496,6 +496,21 @@ class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
     without routed experts has the shared MLP alone."""
 
 
+class BambaForCausalLM(LlamaForCausalLM):
+    """IBM's Bamba (Bamba-9B): the Llama block with Mamba-2 mixers in place of self-attention in all but
+    the layers attn_layer_indices names, whose RoPE turns the first half of each head; its tensors
+    named as transformers' (``feed_forward``, ``pre_ff_layernorm``, ``final_layernorm``)."""
+
+    _RENAMED = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+                ("model.final_layernorm.", "model.norm."))
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            for theirs, ours in self._RENAMED:
+                name = name.replace(theirs, ours)
+            yield name, tensor
+
+
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral is Mistral with every MLP replaced by routed experts (``block_sparse_moe``, whose
     experts name their projections w1 = gate, w3 = up, w2 = down)."""

@@ -108,6 +108,11 @@ CASES = {
     "granite_hybrid_attention_only": ("granitemoehybrid", {"layer_types": ["attention"] * 4,
                                                            "position_embedding_type": "rope"}),
     # Nemotron-H: a block per layer (Mamba-2, relu^2 MLP, attention without positions); one group, MQA.
+    # Bamba: Mamba-2 layers around attention that rotates half of each head (MQA, conv and proj
+    # biases, one group; attention first and last).
+    "bamba": ("bamba", {}),
+    "bamba_mqa_biases_one_group": ("bamba", {"num_key_value_heads": 1, "mamba_proj_bias": True, "mamba_n_groups": 1,
+                                             "attn_layer_indices": [0, 3], "attention_bias": True}),
     "nemotron_h": ("nemotron_h", {}),
     "nemotron_h_one_group_mqa": ("nemotron_h", {"n_groups": 1, "num_key_value_heads": 1}),
     # Nemotron 3 Nano: routed relu^2 experts (sigmoid scores through the correction bias, in groups)

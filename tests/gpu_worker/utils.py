@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BambaConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     Gemma2Config,
@@ -147,6 +148,13 @@ def make_config(kind: str = "llama", **overrides):
             "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8,
             "position_embedding_type": "nope", **kw, "intermediate_size": 32, "layer_types": kinds,
             "num_hidden_layers": len(kinds)})
+    # Bamba: Granite 4.0-H's Mamba-2 layers (8 heads of 16 in 2 groups, states of 16, chunks of 8)
+    # around an attention layer whose RoPE turns half of each head; a dense MLP in every layer.
+    if kind == "bamba":
+        kw.pop("num_hidden_layers")
+        return BambaConfig(**{"num_hidden_layers": 4, "attn_layer_indices": [1], "mamba_n_heads": 8,
+                              "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8, "pad_token_id": 0,
+                              "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Qwen3-Next: three Gated DeltaNet layers (2 key heads of 16, each for 2 value heads of 16) to one
     # gated attention (16-dim heads, RoPE over a quarter of each), 8 experts (2 a token) beside a gated
     # shared expert, the first layer's MLP dense. (Weights drawn half as wide as the others': at 0.2 its
