@@ -20,6 +20,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --granite-hybrid  # Granite 4.0-H: Mamba-2 layers
     .venv/bin/python benchmarks/bench_model_runner.py --nemotron-h  # Nemotron-H: Mamba-2, MLP, attention blocks
     .venv/bin/python benchmarks/bench_model_runner.py --qwen3-next  # Qwen3-Next: Gated DeltaNet, gated attention
+    .venv/bin/python benchmarks/bench_model_runner.py --lfm2  # LFM2: gated short convolutions, a few attention layers
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -49,7 +50,9 @@ model of SmolLM2's width: Mamba-2 and relu^2 MLP blocks alternating, every fifth
 attention one instead. With --qwen3-next, as a Qwen3-Next model of SmolLM2's width: three Gated
 DeltaNet layers (4 key heads of 64, each for 2 value heads of 64) to one gated attention layer (64-wide
 heads, RoPE over a quarter of each), then --experts (8 by default) routed experts of half SmolLM2's
-MLP width beside a gated shared expert of that width.
+MLP width beside a gated shared expert of that width. With --lfm2, as an LFM2 model of SmolLM2's
+shapes: gated short convolutions (3 taps) in three layers of four, attention with q/k norms in the
+fourth, SmolLM2's MLP in each.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ from transformers import (
     GptOssForCausalLM,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
+    Lfm2Config,
+    Lfm2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MiniMaxM2Config,
@@ -207,6 +212,8 @@ def main() -> None:
                     help="run the random model as a dense Granite 4.0-H (Mamba-2 layers, every tenth attending)")
     ap.add_argument("--qwen3-next", action="store_true",
                     help="run the random model as Qwen3-Next (Gated DeltaNet layers, gated attention, experts)")
+    ap.add_argument("--lfm2", action="store_true",
+                    help="run the random model as LFM2 (gated short convolutions, every fourth layer attending)")
     ap.add_argument("--nemotron-h", action="store_true",
                     help="run the random model as Nemotron-H (Mamba-2 / MLP blocks, a few attention ones)")
     args = ap.parse_args()
@@ -313,6 +320,14 @@ def main() -> None:
         hf = Qwen3NextForCausalLM(Qwen3NextConfig(**shapes)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(shapes)
         weights = iter(hf.state_dict().items())
+    elif args.model == "random" and args.lfm2:
+        layers = SMOLLM2_135M["num_hidden_layers"]
+        shapes = {**SMOLLM2_135M, "architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": False,
+                  "layer_types": ["full_attention" if i % 4 == 3 else "conv" for i in range(layers)],
+                  "norm_eps": SMOLLM2_135M["rms_norm_eps"]}
+        hf = Lfm2ForCausalLM(Lfm2Config(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf = MistralForCausalLM(MistralConfig(**shapes)).to(device=device, dtype=dtype).eval()
@@ -338,7 +353,7 @@ def main() -> None:
 
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
              "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
-             "qwen3-next": args.qwen3_next}
+             "qwen3-next": args.qwen3_next, "lfm2": args.lfm2}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "

@@ -128,7 +128,7 @@ class EngineCore:
         if self.model_info.mamba and config.enable_prefix_caching:
             # (A hit would skip tokens whose recurrent state the cache does not hold, as in vLLM,
             # which turns it off for such models too.)
-            logger.warning("engine %d: prefix caching is off: %s has Mamba-2 layers, whose per-request state "
+            logger.warning("engine %d: prefix caching is off: %s has recurrent layers, whose per-request state "
                            "the prefix cache does not keep", config.engine_index, self.model_info.served_model_name)
             self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
         if config.kv_cache_metrics_sample is not None and not config.enable_prefix_caching:

@@ -19,7 +19,7 @@ import torch
 from engine_core.tokenizer_files import read_image_processor_config, read_video_processor_config
 from engine_core.tokenizer_loader import load_tokenizer
 from gpu_worker.layers.rotary import yarn_mscale
-from gpu_worker.mamba_config import GatedDeltaNetConfig, Mamba2Config
+from gpu_worker.mamba_config import GatedDeltaNetConfig, Mamba2Config, ShortConvConfig
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
@@ -69,11 +69,13 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                            "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                           "BambaForCausalLM")
+                           "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 # Vision-language checkpoints served on text alone, always (their vision side is not served here):
 # Qwen3.5's, as its language model.
 TEXT_ONLY_DECODER_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+# Liquid AI's LFM2 (dense) and LFM2-MoE: gated short convolutions beside attention with q/k norms.
+LFM2_ARCHITECTURES = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 # Qwen3-Next's family: Gated DeltaNet layers beside gated attention (Qwen3.5's projections apart).
 QWEN3_NEXT_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # IBM Granite's routed-expert models: Granite 3.x MoE, with a shared expert, and Granite 4.0 (its
@@ -915,6 +917,46 @@ def _bamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
             **({"rope_parameters": {**rope, "partial_rotary_factor": partial}} if rope else {})}
 
 
+def _lfm2_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's config in the Llama family's terms, as transformers' Lfm2Config / Lfm2MoeConfig read it:
+    norm_eps, tie_embedding and block_ff_dim under their usual names, the layer kinds from
+    full_attn_idxs where layer_types is absent, and the dense model's MLP width adjusted as
+    block_auto_adjust_ff_dim says (2/3 of it, times block_ffn_dim_multiplier, rounded up to
+    block_multiple_of: LFM2-1.2B's 12288 is 8192)."""
+    multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)  # (null: no multiplier, no rounding)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    num_layers = int(cfg.get("num_hidden_layers", 32))
+    if not isinstance(cfg.get("layer_types"), list):
+        attention = set(cfg.get("full_attn_idxs", range(num_layers)))
+        cfg["layer_types"] = ["full_attention" if i in attention else "conv" for i in range(num_layers)]
+    width = int(cfg.get("block_ff_dim", cfg.get("intermediate_size", 12288 if arch == "Lfm2ForCausalLM" else 7168)))
+    if arch == "Lfm2ForCausalLM" and cfg.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if multiplier is not None:
+            multiple = int(cfg.get("block_multiple_of", 256))
+            width = multiple * -(-int(float(multiplier) * width) // multiple)
+    return {"max_position_embeddings": 128_000, "num_key_value_heads": 8, "rope_theta": 1_000_000.0, **cfg,
+            "num_hidden_layers": num_layers, "intermediate_size": width,
+            "rms_norm_eps": float(cfg.get("norm_eps", 1e-5)),
+            "tie_word_embeddings": bool(cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True)))}
+
+
+def _lfm2_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """LFM2's short-convolution layers (layer_types "conv") and their geometry."""
+    if arch not in LFM2_ARCHITECTURES:
+        return {}
+    kinds = cfg["layer_types"]
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types lists {len(kinds)} layers, the model has {num_layers}")
+    unknown = sorted({k for k in kinds if k not in ("conv", "full_attention")})
+    if unknown:
+        raise ValueError(f"layer_types: LFM2's layers are 'conv' or 'full_attention', got {unknown}")
+    if "conv" not in kinds:
+        return {}
+    conv = ShortConvConfig(int(cfg["hidden_size"]), int(cfg.get("conv_L_cache", 3)), bool(cfg.get("conv_bias", False)))
+    return dict(mamba=conv, mamba_layers=tuple(kind == "conv" for kind in kinds))
+
+
 def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Granite 4.0's (and Bamba's) layer kinds (layer_types: "mamba" / "attention" as released,
     transformers 5's "linear_attention" / "full_attention"; all Mamba when absent, as transformers
@@ -1026,6 +1068,17 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", defaults[4])),
                     moe_layers=tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp)))
+    if arch == "Lfm2MoeForCausalLM":
+        # LFM2-8B-A1B: routed experts from layer num_dense_layers on, chosen by sigmoid scores through
+        # the correction bias (expert_bias, where use_expert_bias), no groups; the top k renormalised,
+        # times routed_scaling_factor.
+        num_experts = read("num_experts", 32, "num_local_experts")
+        return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 4),
+                    moe_intermediate_size=read("moe_intermediate_size", 1792),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_grouped_topk=True,
+                    moe_scoring="sigmoid", moe_correction_bias=bool(cfg.get("use_expert_bias", True)),
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+                    moe_layers=tuple(num_experts > 0 and i >= read("num_dense_layers", 2) for i in range(num_layers)))
     if arch == "OlmoeForCausalLM":
         # Every layer routed; the experts' width is intermediate_size; not renormalised by default.
         if cfg.get("clip_qkv") is not None:
@@ -1175,9 +1228,10 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     # GPT-OSS: a learnt attention sink per query head (one more logit in each head's softmax).
     attention_sinks: bool = False
-    # The recurrent mixers (Granite 4.0-H's and Nemotron-H's Mamba-2, Qwen3-Next's Gated DeltaNet):
+    # The recurrent mixers (Granite 4.0-H's and Nemotron-H's Mamba-2, Qwen3-Next's Gated DeltaNet,
+    # LFM2's short convolution):
     # their geometry, and per layer whether it is one (in place of self-attention; empty: none is).
-    mamba: Mamba2Config | GatedDeltaNetConfig | None = None
+    mamba: Mamba2Config | GatedDeltaNetConfig | ShortConvConfig | None = None
     mamba_layers: tuple[bool, ...] = ()
     # Nemotron-H: each layer one block behind its own norm, "mamba", "attention" or "mlp" (empty: the
     # Llama family's attention-then-MLP layers).
@@ -1450,6 +1504,8 @@ class ModelConfig:
             cfg = _mamba2_lm_config(cfg)
         if arch == "BambaForCausalLM":
             cfg = _bamba_config(cfg)
+        if arch in LFM2_ARCHITECTURES:
+            cfg = _lfm2_config(arch, cfg)
         if arch in QWEN3_NEXT_FAMILY:
             cfg = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "Qwen3_5MoeForCausalLM" and cfg.get("intermediate_size") is None:  # (no dense MLP: unread)
@@ -1611,7 +1667,7 @@ class ModelConfig:
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
-            or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False))),
+            or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False))) or arch in LFM2_ARCHITECTURES,
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,
@@ -1639,6 +1695,7 @@ class ModelConfig:
             **hybrid,
             **_nemotron_h_fields(arch, cfg),
             **_qwen3_next_fields(arch, cfg, num_layers),
+            **_lfm2_fields(arch, cfg, num_layers),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

@@ -108,9 +108,10 @@ ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 def _mamba_refusal(config: EngineConfig, model_config: ModelConfig) -> str | None:
-    """What an engine cannot do for a model with Mamba-2 layers (None: nothing it asks for). Each
-    request's state there covers exactly the tokens computed so far: draft tokens would advance it
-    past rejected ones, and another engine's KV or the prefix cache's would come without it."""
+    """What an engine cannot do for a model with recurrent layers (Mamba-2, Gated DeltaNet, short
+    convolutions; None: nothing it asks for). Each request's state there covers exactly the tokens
+    computed so far: draft tokens would advance it past rejected ones, and another engine's KV or the
+    prefix cache's would come without it."""
     try:
         model_config.mamba.per_rank(config.tensor_parallel_size)
     except ValueError as e:
@@ -190,8 +191,8 @@ class _ExecutorBase(Executor):
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
         if self.model_config.mamba_layers and (refusal := _mamba_refusal(config, self.model_config)):
-            raise ValueError(f"engine {config.engine_index}: {self.model_config.raw['architectures'][0]} has Mamba-2 "
-                             f"layers: {refusal}")
+            raise ValueError(f"engine {config.engine_index}: {self.model_config.raw['architectures'][0]} has "
+                             f"{self.model_config.mamba.layer_name} layers: {refusal}")
         pp = config.pipeline_parallel_size
         if pp > 1 and (refusal := pipeline_refusal(self.model_config, pp, embeds_only)):
             raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: {refusal}")

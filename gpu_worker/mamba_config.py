@@ -1,10 +1,12 @@
-"""The recurrent mixers' geometry, as a model config states it (read by gpu_worker.config): Mamba-2's
-and Gated DeltaNet's, each with the per-request state shapes the model runner allocates."""
+"""The recurrent mixers' geometry, as a model config states it (read by gpu_worker.config): Mamba-2's,
+Gated DeltaNet's and LFM2's short convolution's, each with the per-request state shapes the model
+runner allocates and the name its layers go by in messages (``layer_name``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -12,6 +14,8 @@ import torch
 @dataclass(frozen=True)
 class Mamba2Config:
     """A Mamba-2 mixer's geometry (transformers' names: mamba_n_heads, mamba_d_head, ...)."""
+
+    layer_name: ClassVar[str] = "Mamba-2"
 
     num_heads: int
     head_dim: int
@@ -70,6 +74,8 @@ class GatedDeltaNetConfig:
     value heads; a request's state is [num_v_heads, head_k_dim, head_v_dim] beside the convolution's
     last inputs."""
 
+    layer_name: ClassVar[str] = "Gated DeltaNet"
+
     num_k_heads: int
     num_v_heads: int
     head_k_dim: int
@@ -108,3 +114,30 @@ class GatedDeltaNetConfig:
     def state_bytes(self, dtype: torch.dtype) -> int:
         conv, recurrent = self.state_shapes()
         return conv[0] * conv[1] * dtype.itemsize + recurrent[0] * recurrent[1] * recurrent[2] * 4
+
+
+@dataclass(frozen=True)
+class ShortConvConfig:
+    """LFM2's gated short convolution (its "conv" layers): in_proj to B, C and x of ``channels``
+    (hidden_size) each, a causal depthwise convolution of ``conv_kernel`` taps (conv_L_cache). A
+    request's state is the convolution's last conv_kernel - 1 inputs alone: its recurrent state has
+    no values (shape (0,)), so the runner's state rows hold the conv part only."""
+
+    layer_name: ClassVar[str] = "short-convolution"
+
+    channels: int
+    conv_kernel: int
+    bias: bool = False
+
+    def per_rank(self, tp_size: int) -> ShortConvConfig:
+        """One tensor-parallel rank's share: channels / tp of B, C and x (the convolution is per channel)."""
+        if self.channels % tp_size:
+            raise ValueError(f"the short convolution's {self.channels} channels cannot be split evenly over "
+                             f"tensor_parallel_size={tp_size}")
+        return dataclasses.replace(self, channels=self.channels // tp_size)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.channels, self.conv_kernel - 1), (0,)
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        return self.channels * (self.conv_kernel - 1) * dtype.itemsize

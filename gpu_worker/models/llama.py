@@ -213,7 +213,7 @@ def pipeline_refusal(config: ModelConfig, pp_size: int, pooling: bool = False) -
     if config.vision is not None:
         return "pipeline parallelism serves text decoders; a vision-language model's encoder is not split into stages"
     if config.mamba_layers:
-        return "pipeline parallelism does not split a model with Mamba-2 layers (Granite 4.0-H) yet"
+        return f"pipeline parallelism does not split a model with {config.mamba.layer_name} layers yet"
     if config.num_hidden_layers < pp_size:
         return f"the model has only {config.num_hidden_layers} layers to split into {pp_size} stages"
     return None

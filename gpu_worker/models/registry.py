@@ -15,6 +15,7 @@ from gpu_worker.models.gpt_oss import GptOssForCausalLM
 from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.language_model_only import language_model_class
+from gpu_worker.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from gpu_worker.models.llama import (
     BambaForCausalLM,
     Glm4MoeForCausalLM,
@@ -78,6 +79,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -3,13 +3,12 @@ recurrence and transformers' reference, and a mixer carrying each request's stat
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from gpu_worker.layers.gated_delta_net import GatedDeltaNet, delta_rule_chunk_scan, delta_rule_step
-from gpu_worker.layers.mamba import MambaState, mamba_step_metadata
 from gpu_worker.mamba_config import GatedDeltaNetConfig
+from tests.gpu_worker.utils import check_mixer_carries_state
 
 
 def _inputs(length: int, heads: int = 4, dk: int = 8, dv: int = 6, seed: int = 0):
@@ -53,11 +52,6 @@ def test_the_delta_rule_is_transformers_reference():
     torch.testing.assert_close(state, ref_state[0], atol=1e-5, rtol=1e-5)
 
 
-class _Meta:
-    def __init__(self, mamba) -> None:
-        self.mamba = mamba
-
-
 def test_a_mixer_carries_each_requests_state_across_passes():
     """Two sequences whole, and in pieces over four passes in other rows (chunks, single tokens
     batched as decodes): the same outputs."""
@@ -68,27 +62,9 @@ def test_a_mixer_carries_each_requests_state_across_passes():
         for param in mixer.parameters():
             param.copy_(torch.randn(param.shape) * (0.3 if param.dim() > 1 else 0.5))
     seqs = [torch.randn(12, 24), torch.randn(9, 24)]
-
-    def run(pieces):
-        lens = [p.shape[0] for _, p in pieces]
-        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        rows = np.array([row for row, _ in pieces], dtype=np.int64)
-        out = mixer.forward((), torch.cat([p for _, p in pieces]), _Meta(mamba_step_metadata(rows, qsl,
-                                                                                             torch.device("cpu"))))
-        return [out[qsl[i]:qsl[i + 1]] for i in range(len(pieces))]
-
-    mixer.state = MambaState.allocate(config, 4, torch.float32, torch.device("cpu"))
-    whole = run([(0, seqs[0]), (1, seqs[1])])
-    mixer.state = MambaState.allocate(config, 4, torch.float32, torch.device("cpu"))
     # Sequence 0 in row 3: 5 + 1 + 2 + 4; sequence 1 in row 2: 1 + 6 + 1 + 1.
     plan = [[(2, 0, 1), (3, 0, 5)], [(3, 5, 6), (2, 1, 7)], [(2, 7, 8), (3, 6, 8)], [(2, 8, 9), (3, 8, 12)]]
-    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    for step in plan:
-        outs = run([(row, seqs[3 - row][a:b]) for row, a, b in step])
-        for (row, _, _), out in zip(step, outs, strict=True):
-            got[3 - row].append(out)
-    for i in (0, 1):
-        torch.testing.assert_close(torch.cat(got[i]), whole[i], atol=1e-5, rtol=1e-5)
+    check_mixer_carries_state(mixer, seqs, plan)
 
 
 def test_key_heads_that_do_not_divide_the_ranks_are_refused_before_workers_start(tmp_path):

@@ -4,15 +4,15 @@ batched decodes, rows reused, preemption) against transformers' generation."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.mamba import MambaMixer2, MambaState, mamba_step_metadata, ssd_chunk_scan, ssd_step
+from gpu_worker.layers.mamba import MambaMixer2, ssd_chunk_scan, ssd_step
 from gpu_worker.mamba_config import Mamba2Config
 from gpu_worker.worker import Worker
 from tests.gpu_worker.utils import (
+    check_mixer_carries_state,
     greedy_request,
     hf_greedy,
     load_hf,
@@ -60,21 +60,6 @@ def _random_mixer(config: Mamba2Config, hidden: int = 24) -> MambaMixer2:
     return mixer
 
 
-class _Meta:
-    def __init__(self, mamba) -> None:
-        self.mamba = mamba
-
-
-def _run(mixer: MambaMixer2, pieces: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-    """One pass over ``pieces`` (state row, its tokens' inputs), in that order in the flat batch."""
-    lens = [p.shape[0] for _, p in pieces]
-    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    rows = np.array([row for row, _ in pieces], dtype=np.int64)
-    meta = _Meta(mamba_step_metadata(rows, qsl, torch.device("cpu")))
-    out = mixer.forward((), torch.cat([p for _, p in pieces]), meta)
-    return [out[qsl[i]:qsl[i + 1]] for i in range(len(pieces))]
-
-
 @pytest.mark.parametrize("groups", [1, 2])
 def test_a_mixer_carries_each_requests_state_across_passes(groups):
     """Two sequences run whole (one prefill each) and run in pieces over five passes, side by side in
@@ -84,21 +69,7 @@ def test_a_mixer_carries_each_requests_state_across_passes(groups):
     mixer = _random_mixer(config)
     torch.manual_seed(2)
     seqs = [torch.randn(13, 24), torch.randn(11, 24)]
-    mixer.state = MambaState.allocate(config, 4, torch.float32, torch.device("cpu"))
-    whole = _run(mixer, [(0, seqs[0]), (1, seqs[1])])
-    mixer.state = MambaState.allocate(config, 4, torch.float32, torch.device("cpu"))
-    # Sequence 0 in rows 3, sequence 1 in row 2: 5 + 1 + 2 + 1 + 4 tokens, and 6 + 1 + 1 + 3 (+ none).
-    plan = [[(3, 0, 5), (2, 0, 6)], [(3, 5, 6), (2, 6, 7)], [(2, 7, 8), (3, 6, 8)], [(3, 8, 9), (2, 8, 11)],
-            [(3, 9, 13)]]
-    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    for step in plan:
-        # (one-token pieces first, as the runner orders decodes)
-        step = sorted(step, key=lambda piece: piece[2] - piece[1] != 1)
-        outs = _run(mixer, [(row, seqs[3 - row][a:b]) for row, a, b in step])
-        for (row, _, _), out in zip(step, outs, strict=True):
-            got[3 - row].append(out)
-    for i in (0, 1):
-        torch.testing.assert_close(torch.cat(got[i]), whole[i], atol=1e-5, rtol=1e-5)
+    check_mixer_carries_state(mixer, seqs)
 
 
 def test_a_ranks_share_of_the_heads_and_groups():
@@ -307,15 +278,18 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h_moe", 2),
-                                         ("qwen3_next", 0), ("qwen3_5", 0)],
-                         ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next", "qwen3_5"])
+                                         ("qwen3_next", 0), ("qwen3_5", 0), ("lfm2_moe", 0)],
+                         ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next", "qwen3_5",
+                              "lfm2_moe"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
     one group whole (the gated norm's sum of squares then all-reduced): the same greedy answers as
     one rank, over chunked prefills and batched decodes. Qwen3-Next: each rank one of the two key heads
     of its Gated DeltaNet layers with their value heads, half of the gated attention's heads (query and
-    gate rows together), the one KV head on both; Qwen3.5 the same from its projections apart."""
+    gate rows together), the one KV head on both; Qwen3.5 the same from its projections apart. LFM2-MoE:
+    each rank half of every short convolution's channels (B, C and x rows of in_proj, the
+    convolution's, out_proj's columns) and of the experts' widths."""
     import random
 
     ray = pytest.importorskip("ray")

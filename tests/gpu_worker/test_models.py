@@ -113,6 +113,14 @@ CASES = {
     "bamba": ("bamba", {}),
     "bamba_mqa_biases_one_group": ("bamba", {"num_key_value_heads": 1, "mamba_proj_bias": True, "mamba_n_groups": 1,
                                              "attn_layer_indices": [0, 3], "attention_bias": True}),
+    # LFM2: gated short convolutions around attention with q/k norms (tied, as released); with conv
+    # biases, MQA, attention first; its intermediate width as given (no adjusting). LFM2-MoE.
+    "lfm2": ("lfm2", {}),
+    "lfm2_biases_mqa_unadjusted": ("lfm2", {"conv_bias": True, "num_key_value_heads": 1, "full_attn_idxs": [0, 2],
+                                            "block_auto_adjust_ff_dim": False, "tie_word_embeddings": False}),
+    "lfm2_moe": ("lfm2_moe", {}),
+    "lfm2_moe_no_expert_bias_mqa": ("lfm2_moe", {"use_expert_bias": False, "norm_topk_prob": False,
+                                                 "num_key_value_heads": 1}),
     "nemotron_h": ("nemotron_h", {}),
     "nemotron_h_one_group_mqa": ("nemotron_h", {"n_groups": 1, "num_key_value_heads": 1}),
     # Nemotron 3 Nano: routed relu^2 experts (sigmoid scores through the correction bias, in groups)
@@ -241,6 +249,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "MiniMaxM2ForCausalLM", "GraniteMoeSharedForCausalLM",
                                    "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM",
                                    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                                   "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
                                    "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())

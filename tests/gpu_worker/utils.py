@@ -25,6 +25,8 @@ from transformers import (
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
+    Lfm2Config,
+    Lfm2MoeConfig,
     LlamaConfig,
     Mamba2Config,
     MiniMaxM2Config,
@@ -155,6 +157,18 @@ def make_config(kind: str = "llama", **overrides):
         return BambaConfig(**{"num_hidden_layers": 4, "attn_layer_indices": [1], "mamba_n_heads": 8,
                               "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8, "pad_token_id": 0,
                               "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # LFM2: short convolutions (3 taps) around one attention layer with q/k norms, the MLP's width
+    # adjusted as LFM2's (2/3 of block_ff_dim 192, rounded up to 32: 128). LFM2-MoE: 8 experts (2 a
+    # token, sigmoid scores through expert_bias, scaled by 2.5) after one dense layer.
+    if kind == "lfm2":
+        kw.pop("num_hidden_layers")
+        return Lfm2Config(**{"num_hidden_layers": 4, "full_attn_idxs": [1], "block_ff_dim": 192,
+                             "block_multiple_of": 32, "norm_eps": 1e-5, **kw})
+    if kind == "lfm2_moe":
+        kw.pop("num_hidden_layers")
+        return Lfm2MoeConfig(**{"num_hidden_layers": 4, "layer_types": ["conv", "conv", "full_attention", "conv"],
+                                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "num_dense_layers": 1, "routed_scaling_factor": 2.5, **kw})
     # Qwen3-Next: three Gated DeltaNet layers (2 key heads of 16, each for 2 value heads of 16) to one
     # gated attention (16-dim heads, RoPE over a quarter of each), 8 experts (2 a token) beside a gated
     # shared expert, the first layer's MLP dense. (Weights drawn half as wide as the others': at 0.2 its
@@ -264,7 +278,7 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
             # Qwen3's per-head norms start at 1, which would hide one applied to the wrong heads.
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if name.endswith(("q_norm.weight", "k_norm.weight", "q_layernorm.weight", "k_layernorm.weight")):
                 param.normal_(1.0, 0.5)
             # GPT-OSS's attention sinks: logits of the order of the scores', so each takes a visible share.
             if name.endswith("self_attn.sinks"):
@@ -289,7 +303,7 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
         # GLM-4.5's and DeepSeek-V3's router correction bias (a buffer, zero at first): of the scores'
         # order, so that it moves the choice.
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.normal_(0.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -576,3 +590,50 @@ def two_tp_ranks(path: Path, **worker_kwargs):
         if started_here:
             ray.shutdown()
 
+
+
+class MixerPassMetadata:
+    """A pass's metadata as the recurrent mixers read it (``meta.mamba``)."""
+
+    def __init__(self, mamba) -> None:
+        self.mamba = mamba
+
+
+def run_mixer_pass(mixer: torch.nn.Module, pieces: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+    """One pass of a recurrent mixer (Mamba-2, Gated DeltaNet, short convolution) over ``pieces``
+    (state row, its tokens' inputs), in that order in the flat batch: each piece's outputs."""
+    from gpu_worker.layers.mamba import mamba_step_metadata
+
+    lens = [p.shape[0] for _, p in pieces]
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    rows = np.array([row for row, _ in pieces], dtype=np.int64)
+    out = mixer.forward((), torch.cat([p for _, p in pieces]),
+                        MixerPassMetadata(mamba_step_metadata(rows, qsl, torch.device("cpu"))))
+    return [out[qsl[i]:qsl[i + 1]] for i in range(len(pieces))]
+
+
+# Two sequences of 13 and 11 tokens in pieces over five passes, sequence 0 in state row 3 (5 + 1 + 2 +
+# 1 + 4 tokens), sequence 1 in row 2 (6 + 1 + 1 + 3): prefill chunks longer and shorter than a
+# convolution's window, single tokens batched as decodes. Each piece: (row, first token, end token).
+MIXER_PIECES_PLAN = [[(3, 0, 5), (2, 0, 6)], [(3, 5, 6), (2, 6, 7)], [(2, 7, 8), (3, 6, 8)], [(3, 8, 9), (2, 8, 11)],
+                     [(3, 9, 13)]]
+
+
+def check_mixer_carries_state(mixer: torch.nn.Module, seqs: list[torch.Tensor],
+                              plan: list[list[tuple[int, int, int]]] = MIXER_PIECES_PLAN) -> None:
+    """``seqs`` (two sequences of mixer inputs) run whole, one prefill each, then in pieces over the
+    passes of ``plan`` in other rows (sequence 0 in row 3, sequence 1 in row 2), on fresh states of
+    four rows: each piece's outputs are the whole run's at its positions."""
+    from gpu_worker.layers.mamba import MambaState
+
+    mixer.state = MambaState.allocate(mixer.config, 4, torch.float32, torch.device("cpu"))
+    whole = run_mixer_pass(mixer, [(0, seqs[0]), (1, seqs[1])])
+    mixer.state = MambaState.allocate(mixer.config, 4, torch.float32, torch.device("cpu"))
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    for step in plan:
+        step = sorted(step, key=lambda piece: piece[2] - piece[1] != 1)  # (decodes first, as the runner orders them)
+        outs = run_mixer_pass(mixer, [(row, seqs[3 - row][a:b]) for row, a, b in step])
+        for (row, _, _), out in zip(step, outs, strict=True):
+            got[3 - row].append(out)
+    for i in (0, 1):
+        torch.testing.assert_close(torch.cat(got[i]), whole[i], atol=1e-5, rtol=1e-5)
