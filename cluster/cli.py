@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.config import API_KEY_ENV, default_api_keys, env_switch
-from engine_core.config import KV_CACHE_DTYPE_NAMES, LOGPROBS_MODES
+from engine_core.config import KV_CACHE_DTYPE_NAMES, LOGPROBS_MODES, MAMBA_CACHE_DTYPE_NAMES
 from router.content_format import CONTENT_FORMATS
 from router.multimodal import DEFAULT_LIMIT_PER_PROMPT, DEFAULT_PROCESSOR_CACHE_GB
 from router.reasoning_parsers import REASONING_PARSERS
@@ -377,6 +377,13 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="KV cache storage: auto (the model's dtype), bfloat16 (two bytes per element), or "
                             "fp8 (= fp8_e4m3), fp8_e5m2 (one byte per element: 2x (bf16) or 4x (fp32) the KV "
                             "blocks in the same memory).")
+    serve.add_argument("--mamba-cache-dtype", choices=list(MAMBA_CACHE_DTYPE_NAMES), default=None,
+                       help="Models with recurrent layers (Mamba-2, Gated DeltaNet, short convolutions): the "
+                            "storage dtype of each request's conv and recurrent states. auto: the conv state in "
+                            "the model's dtype, the recurrent state in float32.")
+    serve.add_argument("--mamba-ssm-cache-dtype", choices=list(MAMBA_CACHE_DTYPE_NAMES), default=None,
+                       help="The recurrent (SSM) state's storage dtype alone; auto: as --mamba-cache-dtype says. "
+                            "bfloat16 halves the states' memory (the scans still compute in float32).")
     serve.add_argument("--enable-expert-parallel", "-ep", action=SWITCH, default=None,
                        help="Mixture-of-experts models: each of the --tensor-parallel-size ranks holds "
                             "num_experts / tp whole experts, instead of a slice of every expert.")
@@ -690,6 +697,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "enable_chunked_prefill": args.enable_chunked_prefill,
                 "disable_chunked_mm_input": args.disable_chunked_mm_input, "device": args.device, "dtype": args.dtype,
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
+                "mamba_cache_dtype": args.mamba_cache_dtype, "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
                 "mm_processor_kwargs": args.mm_processor_kwargs,
                 "generation_config": _local_dir_path(args.generation_config),

@@ -25,6 +25,7 @@ from engine_core.config import (
     KVCacheDType,
     LogprobsMode,
     LoRAConfig,
+    MambaCacheDType,
     SchedulerConfig,
     SpeculativeConfig,
     layer_partition_from_env,
@@ -74,6 +75,13 @@ class EngineSpec(BaseModel):
     kv_cache_dtype: KVCacheDType | None = Field(
         None, description="KV cache storage dtype (--kv-cache-dtype): auto is the model's; fp8 stores one byte "
                           "per element, for 2x (bf16 models) or 4x (fp32) the blocks in the same memory.")
+    mamba_cache_dtype: MambaCacheDType | None = Field(
+        None, description="Models with recurrent layers (Mamba-2, Gated DeltaNet, short convolutions): the "
+                          "storage dtype of their per-request conv and recurrent states (--mamba-cache-dtype); "
+                          "auto: the conv state in the model's dtype, the recurrent state in float32.")
+    mamba_ssm_cache_dtype: MambaCacheDType | None = Field(
+        None, description="The recurrent (SSM) state's storage dtype alone (--mamba-ssm-cache-dtype); auto: as "
+                          "mamba_cache_dtype says. bfloat16 halves the states' memory.")
     enable_expert_parallel: bool | None = Field(
         None, description="Mixture-of-experts models: each TP rank holds num_experts / tp whole experts "
                           "(--enable-expert-parallel) instead of a slice of every expert.")
@@ -157,7 +165,7 @@ _DEFAULTS = EngineSpec(
     disable_chunked_mm_input=False, scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True,
     gpu_memory_utilization=0.9,
     tensor_parallel_size=1, pipeline_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto",
-    enable_expert_parallel=False,
+    mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto", enable_expert_parallel=False,
     runner="auto", generation_config="auto", max_logprobs=20, logprobs_mode="raw_logprobs", disable_log_stats=False,
     placement_strategy="PACK", num_cpus_per_worker=1.0, kv_cache_metrics=False,
     kv_cache_metrics_sample=0.01, enable_sleep_mode=False, enable_prompt_embeds=False,
@@ -887,6 +895,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         tensor_parallel_size=s["tensor_parallel_size"], pipeline_parallel_size=s["pipeline_parallel_size"],
         pp_layer_partition=layer_partition_from_env(s["pipeline_parallel_size"]),
         device=s["device"], dtype=s["dtype"], kv_cache_dtype=s["kv_cache_dtype"],
+        mamba_cache_dtype=s["mamba_cache_dtype"], mamba_ssm_cache_dtype=s["mamba_ssm_cache_dtype"],
         enable_expert_parallel=s["enable_expert_parallel"],
         runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                           for k, v in (s["pooler_config"] or {}).items())),

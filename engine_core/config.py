@@ -18,6 +18,9 @@ from engine_core.lora import LoRAModule
 
 # vLLM's --kv-cache-dtype choices that this engine stores (the workers map them to torch dtypes).
 KVCacheDType = Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+# The recurrent layers' state dtypes (vLLM's --mamba-cache-dtype, --mamba-ssm-cache-dtype).
+MambaCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
+MAMBA_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(MambaCacheDType)
 KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDType)
 
 # vLLM's --logprobs-mode: what the sampled tokens' logprobs (and top logprobs) are. raw_*: the model's
@@ -419,6 +422,12 @@ class EngineConfig:
     # The KV cache's storage dtype (vLLM's --kv-cache-dtype): "auto" (the model's), "bfloat16", or
     # "fp8" / "fp8_e4m3" / "fp8_e5m2" (one byte per element: more blocks for the same memory).
     kv_cache_dtype: KVCacheDType = "auto"
+    # Models with recurrent layers (Mamba-2, Gated DeltaNet, short convolutions): their per-request
+    # states' storage dtypes (vLLM's --mamba-cache-dtype: the conv and recurrent states; and
+    # --mamba-ssm-cache-dtype: the recurrent state alone). "auto": the conv state in the model's
+    # dtype, the recurrent state in fp32 (gpu_worker.mamba_config.resolve_mamba_state_dtypes).
+    mamba_cache_dtype: MambaCacheDType = "auto"
+    mamba_ssm_cache_dtype: MambaCacheDType = "auto"
     # Mixture-of-experts models: split the experts over the TP ranks (each holds E / tp of them whole)
     # instead of splitting every expert's width (vLLM's --enable-expert-parallel).
     enable_expert_parallel: bool = False
@@ -527,6 +536,9 @@ class EngineConfig:
                      "dtype", f"one of {', '.join(MODEL_DTYPE_NAMES)}", self.dtype)
             _require(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES, "kv_cache_dtype",
                      f"one of {', '.join(KV_CACHE_DTYPE_NAMES)}", self.kv_cache_dtype)
+            for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+                _require(getattr(self, name) in MAMBA_CACHE_DTYPE_NAMES, name,
+                         f"one of {', '.join(MAMBA_CACHE_DTYPE_NAMES)}", getattr(self, name))
             _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1",
                      self.block_size)
             _require(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks",

@@ -165,7 +165,9 @@ class EngineMetrics:
         self.cache_config = {"block_size": str(config.block_size), "cache_dtype": config.kv_cache_dtype,
                              "enable_prefix_caching": str(config.enable_prefix_caching),
                              "num_gpu_blocks": str(num_blocks),
-                             "gpu_memory_utilization": str(config.gpu_memory_utilization)}
+                             "gpu_memory_utilization": str(config.gpu_memory_utilization),
+                             "mamba_cache_dtype": config.mamba_cache_dtype,
+                             "mamba_ssm_cache_dtype": config.mamba_ssm_cache_dtype}
         self._policy = scheduler_config.policy
         spec = config.speculative_config
         if spec is not None:

@@ -10,6 +10,23 @@ from typing import ClassVar
 
 import torch
 
+from engine_core.config import MAMBA_CACHE_DTYPE_NAMES
+
+
+def resolve_mamba_state_dtypes(mamba_cache_dtype: str, mamba_ssm_cache_dtype: str,
+                               model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """The recurrent layers' (conv state, recurrent state) storage dtypes from vLLM's two flags:
+    mamba_cache_dtype sets both, mamba_ssm_cache_dtype the recurrent (SSM, delta-rule) state alone.
+    Their "auto": the conv state in the model's dtype and the recurrent state in fp32, which the
+    scans accumulate in (vLLM's auto is the model's dtype for both, and model cards such as
+    Nemotron-H's ask for float32 here); bfloat16 halves the states' memory at some precision."""
+    for flag, name in (("mamba_cache_dtype", mamba_cache_dtype), ("mamba_ssm_cache_dtype", mamba_ssm_cache_dtype)):
+        if name not in MAMBA_CACHE_DTYPE_NAMES:
+            raise ValueError(f"{flag} must be one of {', '.join(MAMBA_CACHE_DTYPE_NAMES)}, got {name!r}")
+    conv = model_dtype if mamba_cache_dtype == "auto" else getattr(torch, mamba_cache_dtype)
+    ssm_name = mamba_cache_dtype if mamba_ssm_cache_dtype == "auto" else mamba_ssm_cache_dtype
+    return conv, torch.float32 if ssm_name == "auto" else getattr(torch, ssm_name)
+
 
 @dataclass(frozen=True)
 class Mamba2Config:
@@ -61,10 +78,10 @@ class Mamba2Config:
         groups = self.num_groups // tp_size if self.groups_split(tp_size) else 1
         return dataclasses.replace(self, num_heads=self.num_heads // tp_size, num_groups=groups)
 
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        """One request's state in one layer: the conv state in ``dtype``, the SSM state in fp32."""
+    def state_bytes(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
+        """One request's state in one layer: the conv state in ``dtype``, the SSM state in ``ssm_dtype``."""
         conv, ssm = self.state_shapes()
-        return conv[0] * conv[1] * dtype.itemsize + ssm[0] * ssm[1] * ssm[2] * 4
+        return conv[0] * conv[1] * dtype.itemsize + ssm[0] * ssm[1] * ssm[2] * ssm_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -111,9 +128,9 @@ class GatedDeltaNetConfig:
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
-    def state_bytes(self, dtype: torch.dtype) -> int:
+    def state_bytes(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
         conv, recurrent = self.state_shapes()
-        return conv[0] * conv[1] * dtype.itemsize + recurrent[0] * recurrent[1] * recurrent[2] * 4
+        return conv[0] * conv[1] * dtype.itemsize + recurrent[0] * recurrent[1] * recurrent[2] * ssm_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -139,5 +156,5 @@ class ShortConvConfig:
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.channels, self.conv_kernel - 1), (0,)
 
-    def state_bytes(self, dtype: torch.dtype) -> int:
+    def state_bytes(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
         return self.channels * (self.conv_kernel - 1) * dtype.itemsize

@@ -79,7 +79,8 @@ class ModelRunner:
                  max_lora_rank: int | None = None, max_resident_loras: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, max_cpu_loras: int | None = None,
                  max_logprobs: int = 20, logits_processors: LogitsProcessorBatch | None = None,
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs",
+                 mamba_state_dtypes: tuple[torch.dtype, torch.dtype] | None = None) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -103,8 +104,11 @@ class ModelRunner:
         self.rope_short_offset: int | None = None
         self.rope_original_len: int | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # The Mamba-2 mixers (Granite 4.0-H, Nemotron-H) and their states, a row per held request (by
-        # its row of the block table), allocated beside the KV cache.
+        # The recurrent mixers (Mamba-2, Gated DeltaNet, short convolutions) and their states, a row
+        # per held request (by its row of the block table), allocated beside the KV cache: the conv
+        # and recurrent states' dtypes (None: the model's and fp32; --mamba-cache-dtype and
+        # --mamba-ssm-cache-dtype).
+        self.mamba_state_dtypes = mamba_state_dtypes or (dtype, torch.float32)
         self.mamba_mixers: list[MambaMixer2] = []
         self.mamba_states: list[MambaState] = []
         self.block_size = 0
@@ -381,7 +385,7 @@ class ModelRunner:
             for layer, cache in zip(layers, caches, strict=True):
                 layer.kv_cache = cache
             for mixer in mixers:  # (a state row per request of the pass, thrown away with the caches)
-                mixer.state = MambaState.allocate(mixer.config, len(lens), self.dtype, self.device)
+                mixer.state = self._new_mamba_state(mixer, len(lens))
             table = np.zeros((len(lens), max(blocks_per_req)), dtype=np.int64)
             first = np.cumsum([0, *blocks_per_req[:-1]])
             for i, nb in enumerate(blocks_per_req):
@@ -1006,7 +1010,7 @@ class ModelRunner:
         read one state row (the states' own memory is counted apart: Worker.mamba_state_bytes)."""
         n = self.max_num_seqs
         for mixer in mixers:
-            mixer.state = MambaState.allocate(mixer.config, 1, self.dtype, self.device)
+            mixer.state = self._new_mamba_state(mixer, 1)
         qsl = np.arange(n + 1, dtype=np.int64)
         zeros = np.zeros(n, dtype=np.int64)
         meta = self.attention_metadata(np.zeros((n, 1), dtype=np.int64), np.ones(n, dtype=np.int64), qsl, zeros, n,
@@ -1015,10 +1019,13 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.model(ids, ids, meta)
 
+    def _new_mamba_state(self, mixer: nn.Module, rows: int) -> MambaState:
+        conv_dtype, ssm_dtype = self.mamba_state_dtypes
+        return MambaState.allocate(mixer.config, rows, conv_dtype, self.device, ssm_dtype)
+
     def _bind_mamba_states(self, rows: int) -> None:
-        """Zeroed Mamba-2 states of ``rows`` request rows for every mixer (none without mixers)."""
-        self.mamba_states = [MambaState.allocate(mixer.config, rows, self.dtype, self.device)
-                             for mixer in self.mamba_mixers]
+        """Zeroed recurrent states of ``rows`` request rows for every mixer (none without mixers)."""
+        self.mamba_states = [self._new_mamba_state(mixer, rows) for mixer in self.mamba_mixers]
         for mixer, state in zip(self.mamba_mixers, self.mamba_states, strict=True):
             mixer.state = state
 

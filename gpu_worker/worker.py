@@ -32,6 +32,7 @@ from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget, re
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 from gpu_worker.lora.manager import LoRAManager
+from gpu_worker.mamba_config import resolve_mamba_state_dtypes
 from gpu_worker.model_resolver import DtypeRule, local_model_dir
 from gpu_worker.model_runner import ModelRunner, WeightSource
 from gpu_worker.models.llama import pipeline_refusal
@@ -106,7 +107,8 @@ class Worker:
                  pp_layer_partition: tuple[int, ...] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None, language_model_only: bool = False,
                  videos_refused: bool = False, mtp_drafter: bool = False,
-                 draft_method: str = "draft_model") -> None:
+                 draft_method: str = "draft_model", mamba_cache_dtype: str = "auto",
+                 mamba_ssm_cache_dtype: str = "auto") -> None:
         # ``rank``: over every stage's ranks (stage rank // world_size); ``world_size``: the
         # tensor-parallel ranks of one stage.
         self.rank = rank
@@ -144,6 +146,8 @@ class Worker:
         self.dtype = resolve_dtype(dtype, self.model_config, self.device,
                                    pooling=embedding_only or self.model_config.encoder_only)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        # The recurrent layers' (conv, recurrent) state dtypes.
+        self.mamba_state_dtypes = resolve_mamba_state_dtypes(mamba_cache_dtype, mamba_ssm_cache_dtype, self.dtype)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -219,7 +223,8 @@ class Worker:
                                   self.max_loras if self.device.type != "cpu" else None,
                                   kv_cache_dtype=self.kv_cache_dtype, max_cpu_loras=self.max_cpu_loras,
                                   max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
-                                  logits_processors=self._logits_processor_batch())
+                                  logits_processors=self._logits_processor_batch(),
+                                  mamba_state_dtypes=self.mamba_state_dtypes)
         self.runner.load_model(self._weight_source())
         if self.draft_config is not None and self.draft_config.eagle is not None:
             self.runner.load_eagle_drafter(self.draft_config, self.draft_model_dir, self.num_spec_tokens)
@@ -266,11 +271,11 @@ class Worker:
         return per_block
 
     def mamba_state_bytes(self) -> int:
-        """The Mamba-2 layers' states on this rank: a row for each of max_num_seqs requests."""
+        """The recurrent layers' states on this rank: a row for each of max_num_seqs requests."""
         config = self.model_config
         if config.mamba is None:
             return 0
-        return (config.mamba.per_rank(self.world_size).state_bytes(self.dtype) * sum(config.mamba_layers)
+        return (config.mamba.per_rank(self.world_size).state_bytes(*self.mamba_state_dtypes) * sum(config.mamba_layers)
                 * self.max_num_seqs)
 
     def _num_stage_layers(self) -> int | None:

@@ -144,13 +144,13 @@ class GatedDeltaNet(nn.Module):
             rows, idx = step.decode_rows, step.decode_tokens
             o, state = delta_rule_step(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx),
                                        g.index_select(0, idx), beta.index_select(0, idx),
-                                       self.state.ssm.index_select(0, rows))
-            self.state.ssm.index_copy_(0, rows, state)
+                                       self.state.gather_ssm(rows))
+            self.state.scatter_ssm(rows, state)
             out.index_copy_(0, idx, o)
         for start, end, row in step.prefills:
             out[start:end], self.state.ssm[row] = delta_rule_chunk_scan(
-                q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], self.state.ssm[row],
-                m.chunk_size)
+                q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
+                self.state.ssm[row].float(), m.chunk_size)
         # RMSNorm over each value head (its weight applied in the model's dtype), then times silu(z).
         normed = self.norm.forward(out.to(hidden.dtype).reshape(-1, m.head_v_dim)).view(out.shape)
         gated = normed.float() * F.silu(z.float())

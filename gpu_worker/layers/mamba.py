@@ -40,21 +40,30 @@ class MambaStepMetadata:
 
 @dataclass
 class MambaState:
-    """A layer's states for every request row: conv [rows, conv_dim, d_conv - 1] (model dtype),
-    ssm [rows, heads, head_dim, d_state] (fp32)."""
+    """A layer's states for every request row: conv [rows, conv_dim, d_conv - 1] (the model's dtype
+    unless --mamba-cache-dtype says), ssm [rows, heads, head_dim, d_state] (fp32 unless
+    --mamba-ssm-cache-dtype says; the mixers compute in fp32 whatever it is stored in)."""
 
     conv: torch.Tensor
     ssm: torch.Tensor
 
     @classmethod
-    def allocate(cls, config: Mamba2Config, rows: int, dtype: torch.dtype, device: torch.device) -> MambaState:
+    def allocate(cls, config: Mamba2Config, rows: int, dtype: torch.dtype, device: torch.device,
+                 ssm_dtype: torch.dtype = torch.float32) -> MambaState:
         conv, ssm = config.state_shapes()
         return cls(torch.zeros((rows, *conv), dtype=dtype, device=device),
-                   torch.zeros((rows, *ssm), dtype=torch.float32, device=device))
+                   torch.zeros((rows, *ssm), dtype=ssm_dtype, device=device))
 
     def zero_rows(self, rows: torch.Tensor) -> None:
         self.conv.index_fill_(0, rows, 0)
         self.ssm.index_fill_(0, rows, 0)
+
+    def gather_ssm(self, rows: torch.Tensor) -> torch.Tensor:
+        """The SSM states of ``rows``, in fp32 (a copy)."""
+        return self.ssm.index_select(0, rows).float()
+
+    def scatter_ssm(self, rows: torch.Tensor, states: torch.Tensor) -> None:
+        self.ssm.index_copy_(0, rows, states.to(self.ssm.dtype))
 
 
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -197,12 +206,13 @@ class MambaMixer2(nn.Module):
         if step.decode_tokens is not None:
             rows, tokens = step.decode_rows, step.decode_tokens
             out, state = ssd_step(x.index_select(0, tokens), dt.index_select(0, tokens), a, b.index_select(0, tokens),
-                                  c.index_select(0, tokens), self.state.ssm.index_select(0, rows))
-            self.state.ssm.index_copy_(0, rows, state)
+                                  c.index_select(0, tokens), self.state.gather_ssm(rows))
+            self.state.scatter_ssm(rows, state)
             y.index_copy_(0, tokens, out)
         for start, end, row in step.prefills:
             y[start:end], self.state.ssm[row] = ssd_chunk_scan(x[start:end], dt[start:end], a, b[start:end],
-                                                               c[start:end], self.state.ssm[row], m.chunk_size)
+                                                               c[start:end], self.state.ssm[row].float(),
+                                                               m.chunk_size)
         y = (y + x * self.D.float()[:, None]).flatten(1).to(hidden.dtype)
         return self.out_proj.forward(self.norm.forward(y, gate))
 
@@ -223,18 +233,19 @@ class MambaMixer2(nn.Module):
 def causal_conv(conv_state: torch.Tensor, conv1d: DepthwiseConv, x: torch.Tensor, step: MambaStepMetadata
                 ) -> torch.Tensor:
     """The causal depthwise convolution of every request's new inputs ``x`` [T, channels] over its
-    last ``kernel - 1`` inputs (its row of ``conv_state``, updated in place to end with these):
-    [T, channels] in fp32, the bias added (no activation)."""
+    last ``kernel - 1`` inputs (its row of ``conv_state``, updated in place to end with these, in
+    its own dtype): [T, channels] in fp32, the bias added (no activation)."""
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     kernel = conv1d.weight.shape[1]
     weight = conv1d.weight.float()
     if step.decode_tokens is not None:
         rows, tokens = step.decode_rows, step.decode_tokens
-        window = torch.cat((conv_state.index_select(0, rows), x.index_select(0, tokens)[:, :, None]), dim=2)
-        conv_state.index_copy_(0, rows, window[:, :, 1:])
+        window = torch.cat((conv_state.index_select(0, rows).to(x.dtype), x.index_select(0, tokens)[:, :, None]),
+                           dim=2)
+        conv_state.index_copy_(0, rows, window[:, :, 1:].to(conv_state.dtype))
         out.index_copy_(0, tokens, (window.float() * weight).sum(-1))
     for start, end, row in step.prefills:
-        window = torch.cat((conv_state[row], x[start:end].t()), dim=1)
+        window = torch.cat((conv_state[row].to(x.dtype), x[start:end].t()), dim=1)
         conv_state[row] = window[:, -(kernel - 1):]
         out[start:end] = F.conv1d(window[None].float(), weight[:, None, :], groups=weight.shape[0])[0].t()
     if conv1d.bias is not None:

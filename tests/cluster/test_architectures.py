@@ -117,6 +117,33 @@ def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path
     assert worst < 0.25 or moe, f"worst logprob error {worst:.3f}"
 
 
+@pytest.mark.parametrize("kind, flags", [("granitemoehybrid", {"mamba_ssm_cache_dtype": "bfloat16"}),
+                                         ("qwen3_5", {"mamba_cache_dtype": "bfloat16"}),
+                                         ("lfm2", {"mamba_cache_dtype": "float16"})])
+def test_recurrent_states_stored_in_half_precision_cost_only_its_rounding(tmp_path, kind, flags):
+    """An fp32 model whose recurrent states are kept in bf16 or fp16 (--mamba-ssm-cache-dtype,
+    --mamba-cache-dtype) between prefill chunks and decodes: each prompt token's log-probability, and
+    each generated one's while the greedy tokens agree, within that rounding of the fp32 states'
+    (bf16's bounds), and not exactly theirs (the states were rounded)."""
+    path = _model(tmp_path, kind)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    engine = dict(dtype="float32", num_gpu_blocks=32, max_num_batched_tokens=8, max_model_len=128)
+    (full, _), (rounded, _) = run(path, PROMPTS, params, **engine), run(path, PROMPTS, params, **engine, **flags)
+    errors = []
+    for exact, out in zip(full, rounded, strict=True):
+        agreed = 0  # (the generated tokens while both runs chose the same: the same context to score)
+        while agreed < 4 and out.outputs[0].token_ids[agreed] == exact.outputs[0].token_ids[agreed]:
+            agreed += 1
+        theirs = exact.prompt_logprobs[1:] + exact.outputs[0].logprobs[:agreed + 1]
+        ours = out.prompt_logprobs[1:] + out.outputs[0].logprobs[:agreed + 1]
+        ids = exact.prompt_token_ids + exact.outputs[0].token_ids
+        errors += [abs(row[ids[i + 1]].logprob - reference[ids[i + 1]].logprob)
+                   for i, (row, reference) in enumerate(zip(ours, theirs, strict=True)) if ids[i + 1] in row]
+    mean, worst = sum(errors) / len(errors), max(errors)
+    assert mean < 0.06 and worst < 0.25, f"logprob change: mean {mean:.4f}, worst {worst:.4f}"
+    assert worst > 0, "the states were meant to be rounded"
+
+
 def test_without_a_block_count_the_kv_cache_fills_the_memory_share_it_is_given(tiny_model_dir):
     """CUDA: what a profiled full-size pass leaves of --gpu-memory-utilization; the CPU: the byte budget."""
     # The tiny Llama: K and V, 2 layers, 2 KV heads of 16 values, 16 tokens, fp32.

@@ -11,7 +11,7 @@ from cluster.app import router_deployment
 from cluster.cli import build_parser, cluster_config_from_args, main, served_models_line
 from cluster.config import ClusterConfig, EngineSpec
 from cluster.launcher import engine_actor_name
-from engine_core.config import KV_CACHE_DTYPE_NAMES, EngineConfig
+from engine_core.config import KV_CACHE_DTYPE_NAMES, MAMBA_CACHE_DTYPE_NAMES, EngineConfig
 
 
 def _config(*flags: str):
@@ -276,6 +276,23 @@ def test_the_kv_cache_dtype_reaches_every_engine_and_can_differ_per_engine(tmp_p
     assert get_args(get_args(EngineSpec.model_fields["kv_cache_dtype"].annotation)[0]) == KV_CACHE_DTYPE_NAMES
     with pytest.raises(ValueError, match="engine 0: kv_cache_dtype must be one of auto, bfloat16, fp8"):
         EngineConfig(kv_cache_dtype="int8")
+
+
+def test_the_recurrent_state_dtypes_reach_every_engine_and_can_differ_per_engine(tmp_path):
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {mamba_ssm_cache_dtype: float32}\n")
+    engines = _config("--num-engines", "2", "--mamba-ssm-cache-dtype", "bfloat16", "--mamba-cache-dtype", "float16",
+                      "--engine-config", str(overrides)).engine_configs()
+    assert [(e.mamba_cache_dtype, e.mamba_ssm_cache_dtype) for e in engines] == [("float16", "bfloat16"),
+                                                                                 ("float16", "float32")]
+    assert (_config().engine_configs()[0].mamba_cache_dtype, _config().engine_configs()[0].mamba_ssm_cache_dtype) \
+        == ("auto", "auto")
+    assert get_args(get_args(EngineSpec.model_fields["mamba_ssm_cache_dtype"].annotation)[0]) == MAMBA_CACHE_DTYPE_NAMES
+    with pytest.raises(ValueError, match="engine 0: mamba_ssm_cache_dtype must be one of auto, float32, float16, "
+                                         "bfloat16"):
+        EngineConfig(mamba_ssm_cache_dtype="fp8")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--mamba-cache-dtype", "int8"])
 
 
 def test_the_responses_store_is_off_unless_asked_for(monkeypatch):

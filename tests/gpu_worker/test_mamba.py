@@ -220,6 +220,26 @@ def test_the_cache_budget_counts_attention_layers_and_leaves_room_for_the_states
     assert [tuple(s.ssm.shape) for s in worker.runner.mamba_states] == [(3, 8, 16, 16)] * 3
 
 
+@pytest.mark.parametrize("flags, conv_dtype, ssm_dtype", [
+    ({"mamba_ssm_cache_dtype": "bfloat16"}, torch.float32, torch.bfloat16),
+    ({"mamba_cache_dtype": "float16"}, torch.float16, torch.float16),
+    ({"mamba_cache_dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}, torch.bfloat16, torch.float32),
+])
+def test_the_states_are_stored_and_counted_in_the_dtypes_asked_for(hybrid_model, flags, conv_dtype, ssm_dtype):
+    """--mamba-cache-dtype sets the conv and SSM states' storage, --mamba-ssm-cache-dtype the SSM
+    state's alone; the budget counts them at those sizes."""
+    worker = Worker(0, 1, str(hybrid_model), device="cpu", dtype="float32", max_model_len=128, num_cpus=1,
+                    max_num_seqs=3, **flags)
+    worker.init_distributed()
+    worker.load_model()
+    per_request = (128 + 64) * 3 * conv_dtype.itemsize + 8 * 16 * 16 * ssm_dtype.itemsize
+    assert worker.mamba_state_bytes() == 3 * 3 * per_request
+    worker.initialize_cache(10, 4)
+    assert {(s.conv.dtype, s.ssm.dtype) for s in worker.runner.mamba_states} == {(conv_dtype, ssm_dtype)}
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of auto, float32, float16, bfloat16"):
+        Worker(0, 1, str(hybrid_model), device="cpu", mamba_ssm_cache_dtype="fp8")
+
+
 def test_a_streaming_sessions_next_turn_continues_its_state(hybrid_model):
     """A resumable session keeps its blocks between turns, and its Mamba state with them (the next
     turn starts where the computed tokens end, in the row it had): the second turn's tokens are
