@@ -21,6 +21,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --nemotron-h  # Nemotron-H: Mamba-2, MLP, attention blocks
     .venv/bin/python benchmarks/bench_model_runner.py --qwen3-next  # Qwen3-Next: Gated DeltaNet, gated attention
     .venv/bin/python benchmarks/bench_model_runner.py --lfm2  # LFM2: gated short convolutions, a few attention layers
+    .venv/bin/python benchmarks/bench_model_runner.py --falcon-h1  # Falcon-H1: attention and Mamba-2 in every layer
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -52,7 +53,9 @@ DeltaNet layers (4 key heads of 64, each for 2 value heads of 64) to one gated a
 heads, RoPE over a quarter of each), then --experts (8 by default) routed experts of half SmolLM2's
 MLP width beside a gated shared expert of that width. With --lfm2, as an LFM2 model of SmolLM2's
 shapes: gated short convolutions (3 taps) in three layers of four, attention with q/k norms in the
-fourth, SmolLM2's MLP in each.
+fourth, SmolLM2's MLP in each. With --falcon-h1, as a Falcon-H1 model of SmolLM2's shapes: every
+layer's attention and a Mamba-2 mixer (12 heads of 64, states of 128) side by side, Falcon-H1-0.5B's
+muP multipliers.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     DynamicCache,
+    FalconH1Config,
+    FalconH1ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Glm4MoeConfig,
@@ -214,6 +219,8 @@ def main() -> None:
                     help="run the random model as Qwen3-Next (Gated DeltaNet layers, gated attention, experts)")
     ap.add_argument("--lfm2", action="store_true",
                     help="run the random model as LFM2 (gated short convolutions, every fourth layer attending)")
+    ap.add_argument("--falcon-h1", action="store_true",
+                    help="run the random model as Falcon-H1 (attention and Mamba-2 side by side in every layer)")
     ap.add_argument("--nemotron-h", action="store_true",
                     help="run the random model as Nemotron-H (Mamba-2 / MLP blocks, a few attention ones)")
     args = ap.parse_args()
@@ -328,6 +335,16 @@ def main() -> None:
         hf = Lfm2ForCausalLM(Lfm2Config(**shapes)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(shapes)
         weights = iter(hf.state_dict().items())
+    elif args.model == "random" and args.falcon_h1:
+        shapes = {**SMOLLM2_135M, "architectures": ["FalconH1ForCausalLM"], "head_dim": 64, "mamba_n_heads": 12,
+                  "mamba_d_head": 64, "mamba_d_ssm": 768, "mamba_d_state": 128, "mamba_n_groups": 1,
+                  "mamba_chunk_size": 128, "mamba_rms_norm": False, "attention_out_multiplier": 0.9375,
+                  "embedding_multiplier": 5.66, "key_multiplier": 0.39, "lm_head_multiplier": 0.039,
+                  "mlp_multipliers": [0.88, 0.59], "ssm_in_multiplier": 1.25, "ssm_out_multiplier": 0.24,
+                  "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.35]}
+        hf = FalconH1ForCausalLM(FalconH1Config(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf = MistralForCausalLM(MistralConfig(**shapes)).to(device=device, dtype=dtype).eval()
@@ -353,7 +370,7 @@ def main() -> None:
 
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
              "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
-             "qwen3-next": args.qwen3_next, "lfm2": args.lfm2}
+             "qwen3-next": args.qwen3_next, "lfm2": args.lfm2, "falcon-h1": args.falcon_h1}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "

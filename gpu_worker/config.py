@@ -69,7 +69,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                            "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                           "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+                           "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM")
 # Vision-language checkpoints served on text alone, always (their vision side is not served here):
 # Qwen3.5's, as its language model.
 TEXT_ONLY_DECODER_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
@@ -957,6 +957,47 @@ def _lfm2_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, A
     return dict(mamba=conv, mamba_layers=tuple(kind == "conv" for kind in kinds))
 
 
+def _falcon_h1_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Falcon-H1's config with transformers' FalconH1Config defaults for the keys it may leave out, and
+    its Mamba-2 heads' width resolved: mamba_d_ssm channels (expand x hidden where null; the heads'
+    mamba_n_heads x mamba_d_head where the key is absent and they are given, else transformers'
+    1024) over mamba_n_heads where mamba_d_head is "auto"."""
+    cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+           **{k: v for k, v in cfg.items() if v is not None or k == "mamba_d_ssm"}}
+    hidden, heads = int(cfg["hidden_size"]), int(cfg.get("mamba_n_heads", 128))
+    if "mamba_d_ssm" in cfg:
+        width = int(cfg["mamba_d_ssm"]) if cfg["mamba_d_ssm"] is not None else int(cfg.get("mamba_expand", 2)) * hidden
+    else:
+        width = 1024 if cfg.get("mamba_d_head", "auto") == "auto" else heads * int(cfg["mamba_d_head"])
+    if cfg.get("mamba_d_head", "auto") == "auto":
+        cfg["mamba_d_head"] = width // heads
+    if heads * int(cfg["mamba_d_head"]) != width:
+        raise ValueError(f"Falcon-H1's Mamba-2 geometry: mamba_n_heads ({heads}) x mamba_d_head "
+                         f"({cfg['mamba_d_head']}) must be mamba_d_ssm ({width})")
+    return cfg
+
+
+def _falcon_h1_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Falcon-H1's Mamba-2 mixer (beside attention in every layer; its optional gated norm and
+    out_proj's own bias, projectors_bias) and its embedding and LM-head multipliers (the others, by
+    which its projections' outputs are scaled, are folded into their weights as the checkpoint is
+    read: FalconH1ForCausalLM)."""
+    if arch != "FalconH1ForCausalLM":
+        return {}
+    mamba = _mamba2_from_dict(cfg, int(cfg["hidden_size"]), {
+        "num_heads": "mamba_n_heads", "head_dim": "mamba_d_head", "num_groups": "mamba_n_groups",
+        "state_size": "mamba_d_state", "conv_kernel": "mamba_d_conv", "chunk_size": "mamba_chunk_size",
+        "expand": "mamba_expand", "conv_bias": "mamba_conv_bias", "proj_bias": "mamba_proj_bias"}, {
+        "num_heads": 128, "head_dim": "auto", "num_groups": 1, "state_size": 256, "conv_kernel": 4,
+        "chunk_size": 256, "expand": 2, "conv_bias": True, "proj_bias": False})
+    mamba = dataclasses.replace(mamba, gated_norm=bool(cfg.get("mamba_rms_norm", False)),
+                                norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
+                                out_proj_bias=bool(cfg.get("projectors_bias", False)))
+    return {"mamba": mamba, "mamba_layers": (True,) * num_layers, "parallel_hybrid": True,
+            "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "logits_scaling": 1.0 / float(cfg.get("lm_head_multiplier", 1.0))}
+
+
 def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Granite 4.0's (and Bamba's) layer kinds (layer_types: "mamba" / "attention" as released,
     transformers 5's "linear_attention" / "full_attention"; all Mamba when absent, as transformers
@@ -1233,6 +1274,9 @@ class ModelConfig:
     # their geometry, and per layer whether it is one (in place of self-attention; empty: none is).
     mamba: Mamba2Config | GatedDeltaNetConfig | ShortConvConfig | None = None
     mamba_layers: tuple[bool, ...] = ()
+    # Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side on the same input (their
+    # outputs summed), so every layer keeps KV as well as a recurrent state.
+    parallel_hybrid: bool = False
     # Nemotron-H: each layer one block behind its own norm, "mamba", "attention" or "mlp" (empty: the
     # Llama family's attention-then-MLP layers).
     block_types: tuple[str, ...] = ()
@@ -1376,7 +1420,10 @@ class ModelConfig:
 
     @property
     def num_attention_layers(self) -> int:
-        """The layers that keep a KV cache (a Mamba-2 layer keeps a state per request instead)."""
+        """The layers that keep a KV cache (a Mamba-2 layer keeps a state per request instead, unless
+        it runs beside attention: Falcon-H1's)."""
+        if self.parallel_hybrid:
+            return self.num_hidden_layers
         if self.block_types:
             return self.block_types.count("attention")
         return self.num_hidden_layers - sum(self.mamba_layers)
@@ -1506,6 +1553,8 @@ class ModelConfig:
             cfg = _bamba_config(cfg)
         if arch in LFM2_ARCHITECTURES:
             cfg = _lfm2_config(arch, cfg)
+        if arch == "FalconH1ForCausalLM":
+            cfg = _falcon_h1_config(cfg)
         if arch in QWEN3_NEXT_FAMILY:
             cfg = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "Qwen3_5MoeForCausalLM" and cfg.get("intermediate_size") is None:  # (no dense MLP: unread)
@@ -1696,6 +1745,7 @@ class ModelConfig:
             **_nemotron_h_fields(arch, cfg),
             **_qwen3_next_fields(arch, cfg, num_layers),
             **_lfm2_fields(arch, cfg, num_layers),
+            **_falcon_h1_fields(arch, cfg, num_layers),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

@@ -44,6 +44,12 @@ class Mamba2Config:
     proj_bias: bool = False
     # dt is clamped to this range after softplus ((0, inf): not at all).
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    # The gated RMSNorm before out_proj (Falcon-H1 may leave it out, mamba_rms_norm: then y * silu(z)),
+    # over y * silu(z), or over y and then times silu(z) (Falcon-H1's mamba_norm_before_gate).
+    gated_norm: bool = True
+    norm_before_gate: bool = False
+    # out_proj's bias where it is not in_proj's (Falcon-H1's projectors_bias; None: proj_bias).
+    out_proj_bias: bool | None = None
 
     @property
     def intermediate_size(self) -> int:

@@ -104,26 +104,32 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of y * silu(gate) over each group's channels (Mamba-2's norm before out_proj). Under
-    tensor parallelism a rank holds its heads' channels: whole groups where the groups are split,
-    else a slice of the one group, whose sum of squares is then all-reduced."""
+    """RMSNorm of y * silu(gate) over each group's channels (Mamba-2's norm before out_proj), or of y
+    and then times silu(gate) (``norm_before_gate``: Falcon-H1's option). Under tensor parallelism a
+    rank holds its heads' channels: whole groups where the groups are split, else a slice of the one
+    group, whose sum of squares is then all-reduced."""
 
-    def __init__(self, width: int, group_size: int, eps: float, tp_rank: int = 0, across_ranks: bool = False) -> None:
+    def __init__(self, width: int, group_size: int, eps: float, tp_rank: int = 0, across_ranks: bool = False,
+                 norm_before_gate: bool = False) -> None:
         super().__init__()
         self.group_size, self.eps = group_size, eps
         self.across_ranks = across_ranks
+        self.norm_before_gate = norm_before_gate
         self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
         self.weight.weight_loader = lambda param, loaded, shard=None: load_sharded(param, loaded, 0, tp_rank)
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = y.dtype
-        h = y.float() * F.silu(gate.float())
+        h = y.float() if self.norm_before_gate else y.float() * F.silu(gate.float())
         if self.across_ranks:  # (one group over every rank's channels)
             squares = distributed.all_reduce(h.pow(2).sum(-1, keepdim=True))
-            return self.weight * (h * torch.rsqrt(squares / self.group_size + self.eps)).to(dtype)
-        groups = h.view(*h.shape[:-1], -1, self.group_size)
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * groups.view(h.shape).to(dtype)
+            normed = h * torch.rsqrt(squares / self.group_size + self.eps)
+        else:
+            groups = h.view(*h.shape[:-1], -1, self.group_size)
+            normed = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
+        if self.norm_before_gate:
+            return (self.weight.float() * normed * F.silu(gate.float())).to(dtype)
+        return self.weight * normed.to(dtype)
 
 
 def rank_rows(loaded: WeightLike, sections: list[tuple[int, int]]) -> torch.Tensor:
@@ -185,9 +191,11 @@ class MambaMixer2(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
         for param in (self.A_log, self.D, self.dt_bias):  # (this rank's heads')
             param.weight_loader = lambda p, loaded, shard=None: load_sharded(p, loaded, 0, rank)
-        self.norm = GatedRMSNorm(width, full.intermediate_size // full.num_groups, eps, rank,
-                                 across_ranks=tp_size > 1 and not full.groups_split(tp_size))
-        self.out_proj = RowParallelLinear(full.intermediate_size, hidden_size, bias=m.proj_bias)
+        self.norm = (GatedRMSNorm(width, full.intermediate_size // full.num_groups, eps, rank,
+                                  across_ranks=tp_size > 1 and not full.groups_split(tp_size),
+                                  norm_before_gate=m.norm_before_gate) if m.gated_norm else None)
+        self.out_proj = RowParallelLinear(full.intermediate_size, hidden_size,
+                                          bias=m.proj_bias if m.out_proj_bias is None else m.out_proj_bias)
         # Bound by the model runner (as PagedAttention's kv_cache).
         self.state: MambaState | None = None
 
@@ -214,6 +222,8 @@ class MambaMixer2(nn.Module):
                                                                c[start:end], self.state.ssm[row].float(),
                                                                m.chunk_size)
         y = (y + x * self.D.float()[:, None]).flatten(1).to(hidden.dtype)
+        if self.norm is None:  # (Falcon-H1 without mamba_rms_norm: the gate alone)
+            return self.out_proj.forward((y.float() * F.silu(gate.float())).to(hidden.dtype))
         return self.out_proj.forward(self.norm.forward(y, gate))
 
     def _split(self, conv: torch.Tensor, dt: torch.Tensor

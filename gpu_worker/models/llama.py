@@ -190,15 +190,18 @@ class LlamaDecoderLayer(nn.Module):
 
     def _attention(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input norm (adding the residual) and self-attention (or the Mamba-2 mixer): (its
-        output, residual)."""
+        """The input norm (adding the residual) and the token mixer: (its output, residual)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm.forward(hidden)
         else:
             hidden, residual = self.input_layernorm.forward(hidden, residual)
+        return self._mix(rope, hidden, meta), residual
+
+    def _mix(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Self-attention, or the recurrent mixer in its place."""
         mixer = self.self_attn if self.mamba is None else self.mamba
-        return mixer.forward(rope, hidden, meta), residual
+        return mixer.forward(rope, hidden, meta)
 
 
 class PPMissingLayer(nn.Identity):

@@ -9,6 +9,7 @@ from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from gpu_worker.models.eagle import EAGLE_HEADS
+from gpu_worker.models.falcon_h1 import FalconH1ForCausalLM
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
@@ -81,6 +82,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -298,9 +298,9 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h_moe", 2),
-                                         ("qwen3_next", 0), ("qwen3_5", 0), ("lfm2_moe", 0)],
+                                         ("qwen3_next", 0), ("qwen3_5", 0), ("lfm2_moe", 0), ("falcon_h1", 2)],
                          ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next", "qwen3_5",
-                              "lfm2_moe"])
+                              "lfm2_moe", "falcon_h1"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
@@ -309,12 +309,14 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     of its Gated DeltaNet layers with their value heads, half of the gated attention's heads (query and
     gate rows together), the one KV head on both; Qwen3.5 the same from its projections apart. LFM2-MoE:
     each rank half of every short convolution's channels (B, C and x rows of in_proj, the
-    convolution's, out_proj's columns) and of the experts' widths."""
+    convolution's, out_proj's columns) and of the experts' widths. Falcon-H1: both halves of every layer
+    split, their muP multipliers folded before the split."""
     import random
 
     ray = pytest.importorskip("ray")
 
-    groups_key = {"granitemoehybrid": "mamba_n_groups", "nemotron_h_moe": "n_groups"}.get(kind)
+    groups_key = {"granitemoehybrid": "mamba_n_groups", "nemotron_h_moe": "n_groups", "falcon_h1": "mamba_n_groups"
+                  }.get(kind)
     path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,
                            **({groups_key: groups} if groups_key else {}))
     rng = random.Random(3)
@@ -435,3 +437,39 @@ def test_more_held_requests_than_state_rows_grow_the_states(hybrid_model):
     hf = load_hf(hybrid_model)
     for rid, prompt in prompts.items():
         assert got[rid] == hf_greedy(hf, prompt, 5), rid
+
+
+# Falcon-H1-0.5B's config.json as released (the keys this reader takes).
+FALCON_H1_0_5B = {"architectures": ["FalconH1ForCausalLM"], "attention_bias": False, "attention_in_multiplier": 1.0,
+                  "attention_out_multiplier": 0.9375, "embedding_multiplier": 5.656854249492381, "head_dim": 64,
+                  "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 2048,
+                  "key_multiplier": 0.39062499999999994, "lm_head_multiplier": 0.0390625, "mamba_chunk_size": 128,
+                  "mamba_conv_bias": True, "mamba_d_conv": 4, "mamba_d_head": 64, "mamba_d_ssm": 1536,
+                  "mamba_d_state": 128, "mamba_expand": 2, "mamba_n_groups": 1, "mamba_n_heads": 24,
+                  "mamba_norm_before_gate": False, "mamba_proj_bias": False, "mamba_rms_norm": False,
+                  "max_position_embeddings": 16384, "mlp_bias": False,
+                  "mlp_multipliers": [0.8838834764831844, 0.5859375], "model_type": "falcon_h1",
+                  "num_attention_heads": 8, "num_hidden_layers": 36, "num_key_value_heads": 2,
+                  "projectors_bias": False, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 100000000000.0,
+                  "ssm_in_multiplier": 1.25,
+                  "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+                  "ssm_out_multiplier": 0.23570226039551587, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                  "vocab_size": 32784}
+
+
+def test_a_released_falcon_h1_config_is_read():
+    """Falcon-H1-0.5B: every layer attends (8 heads of 64, 2 KV heads) and runs a Mamba-2 mixer (24 heads
+    of 64: mamba_d_ssm 1536, not 2 x hidden) without its gated norm; the embedding and LM-head
+    multipliers; KV blocks count all 36 layers. Without mamba_d_ssm, the heads' width stands."""
+    config = ModelConfig.from_dict(FALCON_H1_0_5B)
+    assert config.mamba == Mamba2Config(num_heads=24, head_dim=64, num_groups=1, state_size=128, conv_kernel=4,
+                                        chunk_size=128, gated_norm=False, norm_before_gate=False,
+                                        out_proj_bias=False)
+    assert config.parallel_hybrid and config.num_attention_layers == 36 and sum(config.mamba_layers) == 36
+    assert config.head_dim == 64 and config.num_key_value_heads == 2 and config.rope_theta == 1e11
+    assert config.embedding_multiplier == FALCON_H1_0_5B["embedding_multiplier"]
+    assert config.logits_scaling == 1 / 0.0390625 and config.max_context_len == 16384
+    without = {k: v for k, v in FALCON_H1_0_5B.items() if k != "mamba_d_ssm"}
+    assert ModelConfig.from_dict(without).mamba.intermediate_size == 1536
+    with pytest.raises(ValueError, match=r"mamba_n_heads \(24\) x mamba_d_head \(64\) must be mamba_d_ssm \(2048\)"):
+        ModelConfig.from_dict({**FALCON_H1_0_5B, "mamba_d_ssm": 2048})

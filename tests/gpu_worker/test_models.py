@@ -113,6 +113,15 @@ CASES = {
     "bamba": ("bamba", {}),
     "bamba_mqa_biases_one_group": ("bamba", {"num_key_value_heads": 1, "mamba_proj_bias": True, "mamba_n_groups": 1,
                                              "attn_layer_indices": [0, 3], "attention_bias": True}),
+    # Falcon-H1: attention and Mamba-2 side by side in every layer, muP multipliers folded into the
+    # projections; with the gated norm (after the gate, and before it), biases everywhere, MQA.
+    "falcon_h1": ("falcon_h1", {}),
+    "falcon_h1_norm_after_gate_biases_mqa": ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": False,
+                                                         "attention_bias": True, "mlp_bias": True,
+                                                         "mamba_proj_bias": True, "projectors_bias": True,
+                                                         "num_key_value_heads": 1}),
+    "falcon_h1_norm_before_gate_tied": ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": True,
+                                                    "tie_word_embeddings": True, "mamba_n_groups": 1}),
     # LFM2: gated short convolutions around attention with q/k norms (tied, as released); with conv
     # biases, MQA, attention first; its intermediate width as given (no adjusting). LFM2-MoE.
     "lfm2": ("lfm2", {}),
@@ -250,7 +259,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM",
                                    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                                    "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
-                                   "BertModel", "RobertaModel",
+                                   "FalconH1ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

@@ -15,6 +15,7 @@ from transformers import (
     BambaConfig,
     DeepseekV2Config,
     DeepseekV3Config,
+    FalconH1Config,
     Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
@@ -157,6 +158,18 @@ def make_config(kind: str = "llama", **overrides):
         return BambaConfig(**{"num_hidden_layers": 4, "attn_layer_indices": [1], "mamba_n_heads": 8,
                               "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8, "pad_token_id": 0,
                               "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Falcon-H1: attention (16-dim heads) and a Mamba-2 mixer (8 heads of 8 in 2 groups, states of 16,
+    # chunks of 8: mamba_d_ssm 64) side by side in every layer, with muP multipliers away from 1 on
+    # every projection (of the orders Falcon-H1-0.5B's are), no gated norm (as released).
+    if kind == "falcon_h1":
+        kw.pop("num_hidden_layers")
+        return FalconH1Config(**{"num_hidden_layers": 3, "head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 8,
+                                 "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8,
+                                 "mamba_rms_norm": False, "embedding_multiplier": 5.6, "lm_head_multiplier": 0.04,
+                                 "attention_in_multiplier": 1.5, "attention_out_multiplier": 0.9,
+                                 "key_multiplier": 0.4, "ssm_in_multiplier": 1.25, "ssm_out_multiplier": 0.24,
+                                 "mlp_multipliers": [0.9, 0.6], "ssm_multipliers": [0.4, 0.3, 0.5, 0.2, 1.3],
+                                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # LFM2: short convolutions (3 taps) around one attention layer with q/k norms, the MLP's width
     # adjusted as LFM2's (2/3 of block_ff_dim 192, rounded up to 32: 128). LFM2-MoE: 8 experts (2 a
     # token, sigmoid scores through expert_bias, scaled by 2.5) after one dense layer.
