@@ -22,6 +22,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --qwen3-next  # Qwen3-Next: Gated DeltaNet, gated attention
     .venv/bin/python benchmarks/bench_model_runner.py --lfm2  # LFM2: gated short convolutions, a few attention layers
     .venv/bin/python benchmarks/bench_model_runner.py --falcon-h1  # Falcon-H1: attention and Mamba-2 in every layer
+    .venv/bin/python benchmarks/bench_model_runner.py --jamba  # Jamba: Mamba-1 layers, every eighth attending
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -55,7 +56,8 @@ MLP width beside a gated shared expert of that width. With --lfm2, as an LFM2 mo
 shapes: gated short convolutions (3 taps) in three layers of four, attention with q/k norms in the
 fourth, SmolLM2's MLP in each. With --falcon-h1, as a Falcon-H1 model of SmolLM2's shapes: every
 layer's attention and a Mamba-2 mixer (12 heads of 64, states of 128) side by side, Falcon-H1-0.5B's
-muP multipliers.
+muP multipliers. With --jamba, as a dense Jamba model of SmolLM2's shapes: Mamba-1 mixers (1152
+channels, states of 16) but every eighth layer, which attends without positions.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ from transformers import (
     GptOssForCausalLM,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
+    JambaConfig,
+    JambaForCausalLM,
     Lfm2Config,
     Lfm2ForCausalLM,
     LlamaConfig,
@@ -221,6 +225,8 @@ def main() -> None:
                     help="run the random model as LFM2 (gated short convolutions, every fourth layer attending)")
     ap.add_argument("--falcon-h1", action="store_true",
                     help="run the random model as Falcon-H1 (attention and Mamba-2 side by side in every layer)")
+    ap.add_argument("--jamba", action="store_true",
+                    help="run the random model as a dense Jamba (Mamba-1 layers, every eighth attending)")
     ap.add_argument("--nemotron-h", action="store_true",
                     help="run the random model as Nemotron-H (Mamba-2 / MLP blocks, a few attention ones)")
     args = ap.parse_args()
@@ -345,6 +351,12 @@ def main() -> None:
         hf = FalconH1ForCausalLM(FalconH1Config(**shapes)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(shapes)
         weights = iter(hf.state_dict().items())
+    elif args.model == "random" and args.jamba:
+        shapes = {**SMOLLM2_135M, "architectures": ["JambaForCausalLM"], "num_experts": 1, "attn_layer_period": 8,
+                  "attn_layer_offset": 4, "mamba_d_state": 16}
+        hf = JambaForCausalLM(JambaConfig(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf = MistralForCausalLM(MistralConfig(**shapes)).to(device=device, dtype=dtype).eval()
@@ -370,7 +382,8 @@ def main() -> None:
 
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
              "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
-             "qwen3-next": args.qwen3_next, "lfm2": args.lfm2, "falcon-h1": args.falcon_h1}
+             "qwen3-next": args.qwen3_next, "lfm2": args.lfm2, "falcon-h1": args.falcon_h1,
+             "jamba": args.jamba}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "

@@ -19,7 +19,7 @@ import torch
 from engine_core.tokenizer_files import read_image_processor_config, read_video_processor_config
 from engine_core.tokenizer_loader import load_tokenizer
 from gpu_worker.layers.rotary import yarn_mscale
-from gpu_worker.mamba_config import GatedDeltaNetConfig, Mamba2Config, ShortConvConfig
+from gpu_worker.mamba_config import GatedDeltaNetConfig, Mamba1Config, Mamba2Config, ShortConvConfig
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
@@ -69,7 +69,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "MiniMaxM2ForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                            "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                           "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM")
+                           "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM",
+                           "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM")
+# Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
+MAMBA1_LM_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM")
 # Vision-language checkpoints served on text alone, always (their vision side is not served here):
 # Qwen3.5's, as its language model.
 TEXT_ONLY_DECODER_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
@@ -857,9 +860,66 @@ def _mamba2_lm_config(cfg: dict[str, Any]) -> dict[str, Any]:
             "rms_norm_eps": float(cfg.get("layer_norm_epsilon") or 1e-5)}
 
 
+def _mamba1_from_dict(cfg: dict[str, Any], keys: dict[str, str], defaults: dict[str, Any], dt_bc_norm: str | None,
+                      norm_eps: float) -> Mamba1Config:
+    """A Mamba-1 mixer's geometry from a config's ``keys`` (ours -> its names), ``defaults`` for those
+    it leaves out; dt's rank "auto" is ceil(hidden / 16), as transformers reads it."""
+    def read(ours: str) -> Any:
+        value = cfg.get(keys[ours])
+        return defaults[ours] if value is None else value
+
+    hidden = int(cfg["hidden_size"])
+    rank = read("dt_rank")
+    return Mamba1Config(intermediate_size=int(read("expand")) * hidden, state_size=int(read("state_size")),
+                        conv_kernel=int(read("conv_kernel")), dt_rank=-(-hidden // 16) if rank == "auto" else int(rank),
+                        conv_bias=bool(read("conv_bias")), proj_bias=bool(read("proj_bias")), dt_bc_norm=dt_bc_norm,
+                        norm_eps=norm_eps)
+
+
+def _jamba_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """AI21's Jamba: Mamba-1 mixers (dt, B and C RMS-normed with weights) in place of self-attention
+    in all but every attn_layer_period-th layer (from attn_layer_offset), whose attention has no
+    positions; transformers' JambaConfig defaults."""
+    if arch != "JambaForCausalLM":
+        return {}
+    period, offset = int(cfg.get("attn_layer_period", 8)), int(cfg.get("attn_layer_offset", 4))
+    mamba = _mamba1_from_dict(cfg, {"expand": "mamba_expand", "state_size": "mamba_d_state",
+                                    "conv_kernel": "mamba_d_conv", "dt_rank": "mamba_dt_rank",
+                                    "conv_bias": "mamba_conv_bias", "proj_bias": "mamba_proj_bias"},
+                              {"expand": 2, "state_size": 16, "conv_kernel": 4, "dt_rank": "auto", "conv_bias": True,
+                               "proj_bias": False}, "weighted", float(cfg.get("rms_norm_eps", 1e-6)))
+    return {"mamba": mamba, "mamba_layers": tuple(i % period != offset for i in range(num_layers)),
+            "rope_layers": (False,) * num_layers}
+
+
+def _mamba1_lm_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Mamba or Falcon-Mamba language model's config.json as Nemotron-H's of Mamba blocks alone (the
+    same checkpoint names: backbone.embeddings, backbone.layers.N.{norm, mixer}, backbone.norm_f);
+    its attention fields are placeholders nothing reads. Both tie their embeddings unless told not to."""
+    layers = int(cfg.get("num_hidden_layers") or 32)
+    return {"tie_word_embeddings": True, **cfg, "num_hidden_layers": layers, "block_types": ["mamba"] * layers,
+            "num_attention_heads": 1, "num_key_value_heads": 1, "intermediate_size": 0,
+            "rms_norm_eps": float(cfg.get("layer_norm_epsilon") or 1e-5)}
+
+
+def _mamba1_lm_geometry(arch: str, cfg: dict[str, Any]) -> Mamba1Config:
+    """A Mamba or Falcon-Mamba language model's mixers (Falcon-Mamba's dt, B and C RMS-normed
+    without weights), transformers' MambaConfig defaults for the keys a config leaves out."""
+    return _mamba1_from_dict(cfg, {"expand": "expand", "state_size": "state_size", "conv_kernel": "conv_kernel",
+                                   "dt_rank": "time_step_rank", "conv_bias": "use_conv_bias", "proj_bias": "use_bias"},
+                             {"expand": 2, "state_size": 16, "conv_kernel": 4, "dt_rank": "auto", "conv_bias": True,
+                              "proj_bias": False},
+                             "weightless" if arch == "FalconMambaForCausalLM" else None,
+                             float(cfg.get("mixer_rms_eps") or 1e-6))
+
+
 def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Nemotron-H's (and a pure Mamba-2 model's) block kinds and Mamba-2 geometry, transformers'
     NemotronHConfig (Mamba2Config) defaults for the keys a config leaves out."""
+    if arch in MAMBA1_LM_ARCHITECTURES:
+        kinds = tuple(cfg["block_types"])
+        return {"block_types": kinds, "mamba_layers": (True,) * len(kinds), "mamba": _mamba1_lm_geometry(arch, cfg),
+                "rope_layers": (False,) * len(kinds)}
     if arch not in ("NemotronHForCausalLM", "Mamba2ForCausalLM"):
         return {}
     kinds = tuple(cfg["block_types"])
@@ -1109,6 +1169,16 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", defaults[4])),
                     moe_layers=tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp)))
+    if arch == "JambaForCausalLM":
+        # Routed experts (intermediate_size wide) in every expert_layer_period-th layer from
+        # expert_layer_offset, a dense MLP in the others; the softmax's top k, not renormalised.
+        num_experts, period = read("num_experts", 16), read("expert_layer_period", 2)
+        offset = read("expert_layer_offset", 1)
+        if num_experts <= 1:
+            return {}
+        return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 2),
+                    moe_intermediate_size=int(cfg.get("intermediate_size", 14336)), norm_topk_prob=False,
+                    moe_layers=tuple(i % period == offset for i in range(num_layers)))
     if arch == "Lfm2MoeForCausalLM":
         # LFM2-8B-A1B: routed experts from layer num_dense_layers on, chosen by sigmoid scores through
         # the correction bias (expert_bias, where use_expert_bias), no groups; the top k renormalised,
@@ -1272,7 +1342,7 @@ class ModelConfig:
     # The recurrent mixers (Granite 4.0-H's and Nemotron-H's Mamba-2, Qwen3-Next's Gated DeltaNet,
     # LFM2's short convolution):
     # their geometry, and per layer whether it is one (in place of self-attention; empty: none is).
-    mamba: Mamba2Config | GatedDeltaNetConfig | ShortConvConfig | None = None
+    mamba: Mamba2Config | Mamba1Config | GatedDeltaNetConfig | ShortConvConfig | None = None
     mamba_layers: tuple[bool, ...] = ()
     # Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side on the same input (their
     # outputs summed), so every layer keeps KV as well as a recurrent state.
@@ -1549,12 +1619,17 @@ class ModelConfig:
             cfg = _nemotron_h_config(cfg)
         if arch == "Mamba2ForCausalLM":
             cfg = _mamba2_lm_config(cfg)
+        if arch in MAMBA1_LM_ARCHITECTURES:
+            cfg = _mamba1_lm_config(cfg)
         if arch == "BambaForCausalLM":
             cfg = _bamba_config(cfg)
         if arch in LFM2_ARCHITECTURES:
             cfg = _lfm2_config(arch, cfg)
         if arch == "FalconH1ForCausalLM":
             cfg = _falcon_h1_config(cfg)
+        if arch == "JambaForCausalLM":  # (transformers' JambaConfig defaults)
+            cfg = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-6, **{k: v for k, v in cfg.items()
+                                                                               if v is not None}}
         if arch in QWEN3_NEXT_FAMILY:
             cfg = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "Qwen3_5MoeForCausalLM" and cfg.get("intermediate_size") is None:  # (no dense MLP: unread)
@@ -1746,6 +1821,7 @@ class ModelConfig:
             **_qwen3_next_fields(arch, cfg, num_layers),
             **_lfm2_fields(arch, cfg, num_layers),
             **_falcon_h1_fields(arch, cfg, num_layers),
+            **_jamba_fields(arch, cfg, num_layers),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

@@ -164,3 +164,38 @@ class ShortConvConfig:
 
     def state_bytes(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
         return self.channels * (self.conv_kernel - 1) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Mamba1Config:
+    """A Mamba (selective SSM, "Mamba-1") mixer's geometry: intermediate_size channels, each with its
+    own state of state_size values and its own decay per state value (A [channels, state_size]);
+    dt through a dt_rank bottleneck (x_proj then dt_proj); B and C shared by every channel. dt, B and
+    C may be RMS-normed first: Falcon-Mamba's without weights ("weightless"), Jamba's with them
+    ("weighted")."""
+
+    layer_name: ClassVar[str] = "Mamba"
+
+    intermediate_size: int
+    state_size: int
+    conv_kernel: int
+    dt_rank: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_bc_norm: str | None = None
+    norm_eps: float = 1e-6
+
+    def per_rank(self, tp_size: int) -> Mamba1Config:
+        """One tensor-parallel rank's share: intermediate_size / tp channels (x_proj's all-reduce gives
+        every rank the whole dt, B and C)."""
+        if self.intermediate_size % tp_size:
+            raise ValueError(f"Mamba's {self.intermediate_size} channels cannot be split evenly over "
+                             f"tensor_parallel_size={tp_size}")
+        return dataclasses.replace(self, intermediate_size=self.intermediate_size // tp_size)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.intermediate_size, self.conv_kernel - 1), (self.intermediate_size, self.state_size)
+
+    def state_bytes(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
+        conv, ssm = self.state_shapes()
+        return conv[0] * conv[1] * dtype.itemsize + ssm[0] * ssm[1] * ssm_dtype.itemsize

@@ -27,7 +27,9 @@ from gpu_worker.layers.fused_moe import FusedMoE, select_experts_grouped
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from gpu_worker.layers.mamba import MambaMixer2
+from gpu_worker.layers.mamba1 import MambaMixer
 from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.mamba_config import Mamba1Config
 from gpu_worker.models.llama import LlamaAttention, PipelineStage
 
 
@@ -95,7 +97,8 @@ class NemotronHBlock(nn.Module):
         self.kind = config.block_types[layer]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.kind == "mamba":
-            self.mixer: nn.Module = MambaMixer2(config.hidden_size, config.mamba, config.rms_norm_eps)
+            mixer_class = MambaMixer if isinstance(config.mamba, Mamba1Config) else MambaMixer2
+            self.mixer: nn.Module = mixer_class(config.hidden_size, config.mamba, config.rms_norm_eps)
         elif self.kind == "attention":  # (Llama's attention: rope_layers leave every layer unrotated)
             self.mixer = LlamaAttention(config, layer)
         elif self.kind == "moe":
@@ -184,3 +187,13 @@ class Mamba2ForCausalLM(NemotronHForCausalLM):
     """A pure Mamba-2 language model (Mamba-Codestral-7B): Nemotron-H's blocks, every one a Mamba-2
     mixer, under the same checkpoint names (``backbone.embeddings``, ``backbone.layers.N.mixer``,
     ``backbone.norm_f``)."""
+
+
+class MambaForCausalLM(NemotronHForCausalLM):
+    """A Mamba (selective SSM, "Mamba-1") language model (state-spaces' mamba-130m ... 2.8b):
+    Nemotron-H's blocks, every one a Mamba mixer (gpu_worker.layers.mamba1), under the same checkpoint
+    names (``backbone.embeddings``, ``backbone.layers.N.mixer``, ``backbone.norm_f``)."""
+
+
+class FalconMambaForCausalLM(MambaForCausalLM):
+    """TII's Falcon-Mamba-7B: Mamba's blocks, dt, B and C RMS-normed (without weights) before the scan."""

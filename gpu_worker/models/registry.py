@@ -15,6 +15,7 @@ from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
 from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internvl import internvl_class
+from gpu_worker.models.jamba import JambaForCausalLM
 from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from gpu_worker.models.llama import (
@@ -39,7 +40,12 @@ from gpu_worker.models.llava import llava_class
 from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from gpu_worker.models.modernbert import ModernBertModel
 from gpu_worker.models.mtp import MTP_DRAFTERS
-from gpu_worker.models.nemotron_h import Mamba2ForCausalLM, NemotronHForCausalLM
+from gpu_worker.models.nemotron_h import (
+    FalconMambaForCausalLM,
+    Mamba2ForCausalLM,
+    MambaForCausalLM,
+    NemotronHForCausalLM,
+)
 from gpu_worker.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -83,6 +89,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
+    "MambaForCausalLM": MambaForCausalLM,
+    "FalconMambaForCausalLM": FalconMambaForCausalLM,
+    "JambaForCausalLM": JambaForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

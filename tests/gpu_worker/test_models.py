@@ -144,6 +144,17 @@ CASES = {
     "qwen3_5_moe": ("qwen3_5_moe", {}),
     # A pure Mamba-2 model (Mamba-Codestral): Mamba-2 blocks alone, no KV cache.
     "mamba2": ("mamba2", {}),
+    # Mamba-1: every layer a selective-SSM mixer (per-channel states); tied, with biases, a wider state
+    # and dt rank; Falcon-Mamba's weightless dt / B / C norms.
+    "mamba": ("mamba", {}),
+    "mamba_tied_biases": ("mamba", {"tie_word_embeddings": True, "use_bias": True, "state_size": 24,
+                                    "time_step_rank": 8, "conv_kernel": 3}),
+    "falcon_mamba": ("falcon_mamba", {}),
+    # Jamba: Mamba-1 layers with weighted dt / B / C norms around attention without positions, experts in
+    # every other layer; MQA, attention first, one expert a token, biases.
+    "jamba": ("jamba", {}),
+    "jamba_mqa_top1_biases": ("jamba", {"num_key_value_heads": 1, "attn_layer_offset": 0, "num_experts_per_tok": 1,
+                                        "mamba_proj_bias": True, "mamba_dt_rank": 8}),
     "nemotron_h_moe_latent": ("nemotron_h_moe", {"moe_latent_size": 24}),
     "granitemoe_tied_mqa_top1": ("granitemoe", {"tie_word_embeddings": True, "num_key_value_heads": 1,
                                                "num_experts_per_tok": 1}),
@@ -259,7 +270,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM",
                                    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                                    "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
-                                   "FalconH1ForCausalLM", "BertModel", "RobertaModel",
+                                   "FalconH1ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
+                                   "JambaForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

@@ -16,6 +16,7 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     FalconH1Config,
+    FalconMambaConfig,
     Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
@@ -26,10 +27,12 @@ from transformers import (
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
+    JambaConfig,
     Lfm2Config,
     Lfm2MoeConfig,
     LlamaConfig,
     Mamba2Config,
+    MambaConfig,
     MiniMaxM2Config,
     Ministral3Config,
     MistralConfig,
@@ -221,6 +224,20 @@ def make_config(kind: str = "llama", **overrides):
         return Mamba2Config(**{"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16, "chunk_size": 8,
                                "vocab_size": kw["vocab_size"], "hidden_size": kw["hidden_size"], "num_hidden_layers": 3,
                                "initializer_range": 0.2, "tie_word_embeddings": False, **overrides})
+    # Jamba: Mamba-1 layers (128 channels, states of 16) but every fourth from the second, which attends
+    # without positions; 8 experts (2 a token, not renormalised) in every other layer.
+    if kind == "jamba":
+        kw.pop("num_hidden_layers")
+        return JambaConfig(**{"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 1,
+                              "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 8,
+                              "num_experts_per_tok": 2, "mamba_d_state": 16,
+                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Mamba (Mamba-1) and Falcon-Mamba language models: 128 channels, states of 16, dt's rank 4 (64 / 16).
+    if kind in ("mamba", "falcon_mamba"):
+        config_class = MambaConfig if kind == "mamba" else FalconMambaConfig
+        return config_class(**{"state_size": 16, "vocab_size": kw["vocab_size"], "hidden_size": kw["hidden_size"],
+                               "num_hidden_layers": 3, "initializer_range": 0.2, "tie_word_embeddings": False,
+                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides})
     # Nemotron-H: Mamba-2, MLP and attention blocks (8 heads of 16 in 2 groups, states of 16, chunks of
     # 8); Nemotron 3 Nano's routed relu^2 experts (8, 2 a token, in 2 groups of which 1 is kept, scaled
     # by 2.5) beside a shared one, in its "E" blocks.
@@ -303,6 +320,8 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # Mamba-2's per-head scalars and its gated norm start at fixed values (A = -1..-heads, D
             # and dt's bias 1, norm 1): drawn apart so each head's are read as its own.
             if name.endswith(("mamba.A_log", "mamba.D", "mamba.dt_bias", "mamba.conv1d.bias", "mixer.A_log",
+                              "mixer.dt_proj.bias", "mamba.dt_proj.bias", "dt_layernorm.weight",
+                              "b_layernorm.weight", "c_layernorm.weight",
                               "mixer.D", "mixer.dt_bias", "mixer.conv1d.bias", "linear_attn.dt_bias",
                               "linear_attn.norm.weight")):
                 param.normal_(0.0, 0.5)
