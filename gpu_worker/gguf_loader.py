@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 # Bumped whenever the converted directory changes (a cached conversion of an older version is redone).
 # 2: linear RoPE from scale_linear / a factor without a type; end-of-turn/message ids stop generation.
 # 3: Gemma, Gemma 2 and Gemma 3 files.
-CONVERTER_VERSION = 3
+# 4: LFM2 files.
+CONVERTER_VERSION = 4
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -81,6 +82,26 @@ _SANDWICH_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# LFM2's (its convert_hf_to_gguf.py names): the short convolutions, the attention's output and q/k
+# norms, the SwiGLU's w1 / w3 / w2, and its two norms a layer.
+_LFM2_BLOCK_NAMES = {
+    "attn_norm": "operator_norm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.conv": "conv.conv",
+    "shortconv.out_proj": "conv.out_proj",
+}
+# (LFM2's final norm, after the last layer, is transformers' embedding_norm: llama.cpp's token_embd_norm.)
+_LFM2_TOP_LEVEL_NAMES = {**_TOP_LEVEL_NAMES, "token_embd_norm": "model.embedding_norm"}
 # GGUF general.architecture -> HF (architecture, model_type); only "llama" files have permuted q/k rows.
 _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -89,12 +110,13 @@ _ARCHITECTURES = {
     "gemma": ("GemmaForCausalLM", "gemma"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "lfm2": ("Lfm2ForCausalLM", "lfm2"),
 }
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # llama.cpp tells the 27B Gemma 2 / Gemma 3 apart by their layer counts, and scales their attention
 # by 1 / sqrt(hidden / heads) instead of 1 / sqrt(head_dim) (transformers' query_pre_attn_scalar).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -230,7 +252,9 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
 
     hidden = int(_require_key(meta, f"{arch}.embedding_length"))
     n_heads = int(_require_key(meta, f"{arch}.attention.head_count"))
-    n_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", n_heads)
+    # (LFM2 lists them per layer, 0 in its short-convolution layers.)
+    n_kv_heads = max(int(k) for k in kv_heads) if isinstance(kv_heads, list) else int(kv_heads)
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
     rope_theta = _float32(meta.get(f"{arch}.rope.freq_base", 10000.0))
     embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
@@ -271,9 +295,27 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
     }
     if arch in _GEMMA_ARCHITECTURES:
         config.update(_gemma_config(meta, arch, config))
+    elif arch == "lfm2":
+        config.update(_lfm2_config(meta, kv_heads, config, tensor_names))
     elif model_type != "llama":
         config["use_sliding_window"] = False  # (llama.cpp's Qwen files run full attention in every layer)
     return config
+
+
+def _lfm2_config(meta: dict[str, Any], kv_heads: Any, config: dict[str, Any], tensor_names: set[str]
+                 ) -> dict[str, Any]:
+    """LFM2's config keys: its layer kinds (a layer with KV heads attends, else it is a short
+    convolution), the convolution's taps, its norm epsilon's name; feed_forward_length is the MLP's
+    width already adjusted (no block_auto_adjust_ff_dim)."""
+    layers = int(config["num_hidden_layers"])
+    per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    if len(per_layer) != layers:
+        raise ValueError(f"lfm2.attention.head_count_kv lists {len(per_layer)} layers, the file has {layers}")
+    return {"layer_types": ["full_attention" if int(k) else "conv" for k in per_layer],
+            "conv_L_cache": int(_require_key(meta, "lfm2.shortconv.l_cache")),
+            "conv_bias": any(name.startswith("blk.") and ".shortconv." in name and name.endswith(".bias")
+                             for name in tensor_names),
+            "norm_eps": config["rms_norm_eps"], "block_auto_adjust_ff_dim": False}
 
 
 def _gemma_config(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -337,13 +379,15 @@ def gguf_to_hf_name(name: str, model_type: str = "llama") -> str:
     block = _BLOCK_RE.match(name)
     if block:
         layer, part, kind = block.groups()
-        names = _SANDWICH_BLOCK_NAMES if model_type in ("gemma2", "gemma3_text") else _BLOCK_NAMES
+        names = (_SANDWICH_BLOCK_NAMES if model_type in ("gemma2", "gemma3_text")
+                 else _LFM2_BLOCK_NAMES if model_type == "lfm2" else _BLOCK_NAMES)
         if part not in names:
             raise ValueError(f"unexpected GGUF tensor {name!r}: unknown block component {part!r}")
         return f"model.layers.{layer}.{names[part]}.{kind}"
     top = _TOP_RE.match(name)
-    if top and top.group(1) in _TOP_LEVEL_NAMES:
-        return f"{_TOP_LEVEL_NAMES[top.group(1)]}.{top.group(2)}"
+    top_names = _LFM2_TOP_LEVEL_NAMES if model_type == "lfm2" else _TOP_LEVEL_NAMES
+    if top and top.group(1) in top_names:
+        return f"{top_names[top.group(1)]}.{top.group(2)}"
     raise ValueError(f"unexpected GGUF tensor {name!r}: no Hugging Face equivalent")
 
 
@@ -383,6 +427,8 @@ def _hf_tensors(
         array = np.array(weights, dtype=np.float32, order="C", copy=True)
         if config["model_type"].startswith("gemma") and tensor.name.endswith("norm.weight"):
             array -= 1.0  # (llama.cpp stored Gemma's 1 + w)
+        if tensor.name.endswith(".shortconv.conv.weight"):
+            array = array[:, None, :]  # (llama.cpp squeezed LFM2's Conv1d weight [channels, 1, taps])
         yield gguf_to_hf_name(tensor.name, config["model_type"]), torch.from_numpy(array).to(dtype)
 
 

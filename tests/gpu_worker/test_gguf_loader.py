@@ -25,7 +25,7 @@ from gpu_worker.gguf_loader import (
 )
 from gpu_worker.model_resolver import find_default_gguf
 
-from .tiny_gguf import CHAT_TEMPLATE, llama_cpp_permute, tiny_llama, write_tiny_gguf
+from .tiny_gguf import CHAT_TEMPLATE, llama_cpp_permute, tiny_lfm2, tiny_llama, write_tiny_gguf, write_tiny_lfm2_gguf
 from .utils import make_runner, prefill_logits
 
 PROMPT_IDS = torch.tensor([[1, 120, 118, 263, 13, 107, 108, 261, 117, 104, 2, 13]])
@@ -210,6 +210,26 @@ def test_gemma_files_convert_with_their_norms_and_settings(tmp_path: Path, kind:
     if kind == "gemma3":
         assert config["layer_types"] == source.config.layer_types and config["rope_local_base_freq"] == 10000.0
         assert config["rope_parameters"]["full_attention"]["factor"] == 2.0
+
+
+@pytest.mark.parametrize("conv_bias, quant", [(False, GGMLQuantizationType.F32), (True, GGMLQuantizationType.Q8_0)])
+def test_lfm2_files_convert_with_their_short_convolutions(tmp_path: Path, conv_bias: bool, quant) -> None:
+    """llama.cpp's LFM2 files: the layer kinds from the per-layer KV head counts, the convolution's
+    taps, its weights squeezed to 2-D, the final norm as token_embd_norm, the MLP's adjusted width.
+    The converted directory gives the source model's logits, in transformers and in our runner."""
+    source = tiny_lfm2(seed=4, conv_bias=conv_bias)
+    model_dir = ensure_converted(write_tiny_lfm2_gguf(tmp_path / "tiny-lfm2.gguf", source, quant), tmp_path / "cache")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["Lfm2ForCausalLM"] and config["layer_types"] == source.config.layer_types
+    assert config["intermediate_size"] == 128 and config["conv_L_cache"] == 3 and config["conv_bias"] == conv_bias
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert type(loaded) is type(source) and loaded.config.tie_word_embeddings
+    if quant == GGMLQuantizationType.F32:
+        for name, param in source.state_dict().items():
+            torch.testing.assert_close(loaded.state_dict()[name], param, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(_logits(loaded), _logits(source), rtol=0, atol=0.05)
+    ours = prefill_logits(make_runner(model_dir, num_blocks=8, block_size=4), PROMPT_IDS[0].tolist(), [3, 1, 0])
+    torch.testing.assert_close(ours, _logits(loaded)[0], rtol=1e-4, atol=1e-4)
 
 
 def test_gemma_27b_files_scale_attention_by_hidden_over_heads() -> None:

@@ -1,5 +1,5 @@
-"""Build tiny Llama, Qwen2, Qwen3 and Gemma (1, 2, 3) GGUFs the way llama.cpp's convert_hf_to_gguf.py
-does, for loader tests."""
+"""Build tiny Llama, Qwen2, Qwen3, Gemma (1, 2, 3) and LFM2 GGUFs the way llama.cpp's
+convert_hf_to_gguf.py does, for loader tests."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    Lfm2Config,
+    Lfm2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -212,3 +214,72 @@ def _add_tokenizer(writer: GGUFWriter) -> None:
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+
+
+# LFM2's names (llama.cpp's LFM2 tensor map): its norms, q/k norms, SwiGLU and short convolutions.
+_LFM2_HF_TO_GGUF = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output",
+                    "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+                    "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+                    "conv.in_proj": "shortconv.in_proj", "conv.conv": "shortconv.conv",
+                    "conv.out_proj": "shortconv.out_proj"}
+
+
+def tiny_lfm2(seed: int = 0, conv_bias: bool = False) -> Lfm2ForCausalLM:
+    """A tiny random LFM2: short convolutions around an attention layer, tied embeddings, its MLP
+    width adjusted from block_ff_dim 192 (128)."""
+    config = Lfm2Config(vocab_size=len(tiny_vocab()), hidden_size=64, block_ff_dim=192, block_multiple_of=32,
+                        num_hidden_layers=4, full_attn_idxs=[1], num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=128, norm_eps=1e-5, conv_bias=conv_bias, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = Lfm2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                param.add_(0.3 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    return model
+
+
+def write_tiny_lfm2_gguf(path: Path, model: Lfm2ForCausalLM,
+                         quant: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+    """``model`` as llama.cpp's LFM2Model converter writes it: KV heads per layer (0 in the short
+    convolutions), the adjusted MLP width, conv_L_cache, the Conv1d weights squeezed to 2-D."""
+    config = model.config
+    writer = GGUFWriter(str(path), "lfm2")
+    writer.add_name("tiny-lfm2")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(model.model.layers[0].feed_forward.w1.out_features)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv([config.num_key_value_heads if kind != "conv" else 0 for kind in config.layer_types])
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_shortconv_l_cache(config.conv_L_cache)
+    _add_tokenizer(writer)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.embedding_norm.weight": "token_embd_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy().copy()
+        if hf_name.endswith(".conv.conv.weight"):
+            data = data.squeeze(1)
+        if hf_name in top:
+            name = top[hf_name]
+        else:
+            _, _, layer, *rest = hf_name.split(".")
+            name = f"blk.{layer}.{_LFM2_HF_TO_GGUF['.'.join(rest[:-1])]}.{rest[-1]}"
+        if data.ndim == 2 and quant != GGMLQuantizationType.F32 and ".shortconv.conv." not in name:
+            writer.add_tensor(name, quantize(data, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
