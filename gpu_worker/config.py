@@ -861,16 +861,17 @@ def _mamba2_lm_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mamba1_from_dict(cfg: dict[str, Any], keys: dict[str, str], defaults: dict[str, Any], dt_bc_norm: str | None,
-                      norm_eps: float) -> Mamba1Config:
+                      norm_eps: float, width: int | None = None) -> Mamba1Config:
     """A Mamba-1 mixer's geometry from a config's ``keys`` (ours -> its names), ``defaults`` for those
-    it leaves out; dt's rank "auto" is ceil(hidden / 16), as transformers reads it."""
+    it leaves out; its channels ``width``, else expand x hidden; dt's rank "auto" is ceil(hidden /
+    16), as transformers reads it."""
     def read(ours: str) -> Any:
         value = cfg.get(keys[ours])
         return defaults[ours] if value is None else value
 
     hidden = int(cfg["hidden_size"])
     rank = read("dt_rank")
-    return Mamba1Config(intermediate_size=int(read("expand")) * hidden, state_size=int(read("state_size")),
+    return Mamba1Config(intermediate_size=width or int(read("expand")) * hidden, state_size=int(read("state_size")),
                         conv_kernel=int(read("conv_kernel")), dt_rank=-(-hidden // 16) if rank == "auto" else int(rank),
                         conv_bias=bool(read("conv_bias")), proj_bias=bool(read("proj_bias")), dt_bc_norm=dt_bc_norm,
                         norm_eps=norm_eps)
@@ -895,10 +896,13 @@ def _jamba_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, 
 def _mamba1_lm_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A Mamba or Falcon-Mamba language model's config.json as Nemotron-H's of Mamba blocks alone (the
     same checkpoint names: backbone.embeddings, backbone.layers.N.{norm, mixer}, backbone.norm_f);
-    its attention fields are placeholders nothing reads. Both tie their embeddings unless told not to."""
+    its attention fields are placeholders nothing reads. Both tie their embeddings unless told not to.
+    A config's intermediate_size, where it states one, is the mixers' width (transformers lets it
+    override expand x hidden: Falcon-Mamba-7B's expand of 16 with intermediate_size 8192)."""
     layers = int(cfg.get("num_hidden_layers") or 32)
     return {"tie_word_embeddings": True, **cfg, "num_hidden_layers": layers, "block_types": ["mamba"] * layers,
             "num_attention_heads": 1, "num_key_value_heads": 1, "intermediate_size": 0,
+            "mamba_intermediate_size": cfg.get("intermediate_size"),
             "rms_norm_eps": float(cfg.get("layer_norm_epsilon") or 1e-5)}
 
 
@@ -910,7 +914,7 @@ def _mamba1_lm_geometry(arch: str, cfg: dict[str, Any]) -> Mamba1Config:
                              {"expand": 2, "state_size": 16, "conv_kernel": 4, "dt_rank": "auto", "conv_bias": True,
                               "proj_bias": False},
                              "weightless" if arch == "FalconMambaForCausalLM" else None,
-                             float(cfg.get("mixer_rms_eps") or 1e-6))
+                             float(cfg.get("mixer_rms_eps") or 1e-6), width=cfg.get("mamba_intermediate_size"))
 
 
 def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -967,7 +971,7 @@ def _bamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
     attn_rotary_emb values of each head (half of it where the key is absent: transformers fixes
     partial_rotary_factor at 0.5), and transformers' BambaConfig defaults."""
     cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 262144, "num_hidden_layers": 32,
-           **{k: v for k, v in cfg.items() if v is not None}}
+           "num_key_value_heads": 8, **{k: v for k, v in cfg.items() if v is not None}}
     attention = {int(i) for i in cfg.get("attn_layer_indices") or ()}
     kinds = ["attention" if i in attention else "mamba" for i in range(int(cfg["num_hidden_layers"]))]
     head_dim = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
@@ -1022,7 +1026,7 @@ def _falcon_h1_config(cfg: dict[str, Any]) -> dict[str, Any]:
     its Mamba-2 heads' width resolved: mamba_d_ssm channels (expand x hidden where null; the heads'
     mamba_n_heads x mamba_d_head where the key is absent and they are given, else transformers'
     1024) over mamba_n_heads where mamba_d_head is "auto"."""
-    cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+    cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "num_key_value_heads": 8,
            **{k: v for k, v in cfg.items() if v is not None or k == "mamba_d_ssm"}}
     hidden, heads = int(cfg["hidden_size"]), int(cfg.get("mamba_n_heads", 128))
     if "mamba_d_ssm" in cfg:
@@ -1628,8 +1632,8 @@ class ModelConfig:
         if arch == "FalconH1ForCausalLM":
             cfg = _falcon_h1_config(cfg)
         if arch == "JambaForCausalLM":  # (transformers' JambaConfig defaults)
-            cfg = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-6, **{k: v for k, v in cfg.items()
-                                                                               if v is not None}}
+            cfg = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "num_key_value_heads": 8,
+                   **{k: v for k, v in cfg.items() if v is not None}}
         if arch in QWEN3_NEXT_FAMILY:
             cfg = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "Qwen3_5MoeForCausalLM" and cfg.get("intermediate_size") is None:  # (no dense MLP: unread)

@@ -57,13 +57,13 @@ def selective_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: 
     [L, N]; state: [D, N] before the first token. Returns y [L, D] (without D's skip) and the state
     after the last token."""
     channels, size = a.shape
-    log_decay = dt[:, :, None] * a  # [L, D, N], <= 0
-    steepest = (-log_decay).amax(dim=(1, 2)).tolist()
+    # (Each token's steepest log decay, from [L, D] values: the [L, D, N] decays are made piece by piece.)
+    steepest = (dt * (-a).amax(dim=1)).amax(dim=1).tolist()
     outs = []
     for start, end in _scan_pieces(steepest, max(1, _PIECE_VALUES // (channels * size))):
         # R: the decay after the piece's first token (summed from zero, not as a difference of large
         # sums, which would round it), in [-_MAX_LOG_DECAY, 0]: exp(R) and exp(-R) stay finite.
-        steps = log_decay[start:end].clone()
+        steps = dt[start:end, :, None] * a  # [n, D, N], <= 0
         first = steps[0].clone()
         steps[0] = 0
         rel = torch.cumsum(steps, dim=0)

@@ -66,7 +66,7 @@ class FalconH1ForCausalLM(BambaForCausalLM):
                     if isinstance(scale, torch.Tensor) or scale != 1.0:
                         loaded = materialize(tensor)
                         if isinstance(scale, torch.Tensor):  # (one per output row)
-                            scale = scale.view(-1, *([1] * (loaded.dim() - 1)))
+                            scale = scale.to(loaded.device).view(-1, *([1] * (loaded.dim() - 1)))
                         tensor = (loaded.float() * scale).to(loaded.dtype)
                     break
             yield name, tensor

@@ -64,8 +64,9 @@ def test_a_ranks_share_of_the_channels():
 
 
 def test_released_mamba_configs_are_read():
-    """state-spaces/mamba-130m-hf's (dt's rank 48, tied embeddings by default) and a Falcon-Mamba config
-    4096 wide (dt's rank "auto": 256; its weightless dt / B / C norms; untied embeddings)."""
+    """state-spaces/mamba-130m-hf's (dt's rank 48, tied embeddings by default) and Falcon-Mamba-7B's
+    (dt's rank "auto": 256; its intermediate_size, 8192, over expand x hidden = 65536, as transformers
+    reads it; weightless dt / B / C norms; untied embeddings)."""
     mamba = ModelConfig.from_dict({"architectures": ["MambaForCausalLM"], "hidden_size": 768, "state_size": 16,
                                    "num_hidden_layers": 24, "vocab_size": 50280, "expand": 2, "conv_kernel": 4,
                                    "time_step_rank": 48, "use_bias": False, "use_conv_bias": True,
@@ -73,8 +74,9 @@ def test_released_mamba_configs_are_read():
     assert mamba.mamba == Mamba1Config(1536, 16, 4, 48) and mamba.tie_word_embeddings
     assert mamba.num_attention_layers == 0 and mamba.rms_norm_eps == 1e-5
     falcon = ModelConfig.from_dict({"architectures": ["FalconMambaForCausalLM"], "hidden_size": 4096,
-                                    "state_size": 16, "num_hidden_layers": 64, "vocab_size": 65024, "expand": 4,
+                                    "state_size": 16, "num_hidden_layers": 64, "vocab_size": 65024, "expand": 16,
+                                    "intermediate_size": 8192,
                                     "conv_kernel": 4, "time_step_rank": "auto", "tie_word_embeddings": False,
                                     "mixer_rms_eps": 1e-6, "layer_norm_epsilon": 1e-5})
-    assert falcon.mamba == Mamba1Config(16384, 16, 4, 256, dt_bc_norm="weightless")
+    assert falcon.mamba == Mamba1Config(8192, 16, 4, 256, dt_bc_norm="weightless")
     assert not falcon.tie_word_embeddings and falcon.num_hidden_layers == 64
