@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 # 2: linear RoPE from scale_linear / a factor without a type; end-of-turn/message ids stop generation.
 # 3: Gemma, Gemma 2 and Gemma 3 files.
 # 4: LFM2 files.
-CONVERTER_VERSION = 4
+# 5: Qwen3-MoE and LFM2-MoE files (their stacked experts split into each expert's projections).
+CONVERTER_VERSION = 5
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -111,13 +112,25 @@ _ARCHITECTURES = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "lfm2": ("Lfm2ForCausalLM", "lfm2"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe"),
 }
+# Mixture-of-experts files convert for these; their stacked experts (ffn_{gate,up,down}_exps:
+# [experts, rows, columns]) become each expert's projections, named as the model's checkpoints name them.
+_EXPERT_NAMES = {"qwen3_moe": ("mlp.experts", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                                              "ffn_down_exps": "down_proj"}),
+                 "lfm2_moe": ("feed_forward.experts", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3",
+                                                       "ffn_down_exps": "w2"})}
+_MOE_BLOCK_NAMES = {"qwen3_moe": {**_BLOCK_NAMES, "ffn_gate_inp": "mlp.gate"},
+                    "lfm2_moe": {**_LFM2_BLOCK_NAMES, "ffn_gate_inp": "feed_forward.gate",
+                                 "exp_probs_b": "feed_forward.expert_bias"}}
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # llama.cpp tells the 27B Gemma 2 / Gemma 3 apart by their layer counts, and scales their attention
 # by 1 / sqrt(hidden / heads) instead of 1 / sqrt(head_dim) (transformers' query_pre_attn_scalar).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+_EXPERT_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -245,9 +258,10 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
                          "can be converted")
     architecture, model_type = _ARCHITECTURES[arch]
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
-    if experts:
-        raise ValueError(f"GGUF mixture-of-experts files ({experts} experts) are not converted; serve the model's "
-                         "Hugging Face checkpoint directory instead (Mixtral and Qwen-MoE are served from it)")
+    if experts and model_type not in _EXPERT_NAMES:
+        raise ValueError(f"GGUF mixture-of-experts files ({experts} experts) of {arch!r} are not converted (Qwen3-MoE "
+                         "and LFM2-MoE ones are); serve the model's Hugging Face checkpoint directory instead "
+                         "(Mixtral and Qwen2-MoE are served from it)")
     tensor_names = {t.name for t in tensors}
 
     hidden = int(_require_key(meta, f"{arch}.embedding_length"))
@@ -295,15 +309,34 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
     }
     if arch in _GEMMA_ARCHITECTURES:
         config.update(_gemma_config(meta, arch, config))
-    elif arch == "lfm2":
-        config.update(_lfm2_config(meta, kv_heads, config, tensor_names))
+    elif arch in ("lfm2", "lfm2moe"):
+        config.update(_lfm2_config(meta, kv_heads, config, tensor_names, arch))
+    if experts:
+        config.update(_experts_config(meta, arch, experts, tensor_names))
     elif model_type != "llama":
         config["use_sliding_window"] = False  # (llama.cpp's Qwen files run full attention in every layer)
     return config
 
 
-def _lfm2_config(meta: dict[str, Any], kv_heads: Any, config: dict[str, Any], tensor_names: set[str]
-                 ) -> dict[str, Any]:
+def _experts_config(meta: dict[str, Any], arch: str, experts: int, tensor_names: set[str]) -> dict[str, Any]:
+    """A mixture-of-experts file's routing, as llama.cpp runs it: Qwen3-MoE's softmax top k renormalised
+    in every layer; LFM2-MoE's sigmoid scores through the expert bias (exp_probs_b), renormalised and
+    scaled (expert_weights_scale), after leading_dense_block_count dense layers."""
+    config: dict[str, Any] = {"num_experts": experts,
+                              "num_experts_per_tok": int(_require_key(meta, f"{arch}.expert_used_count")),
+                              "moe_intermediate_size": int(_require_key(meta, f"{arch}.expert_feed_forward_length")),
+                              "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True))}
+    if arch == "qwen3moe":
+        config.update(decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        config.update(num_dense_layers=int(meta.get(f"{arch}.leading_dense_block_count", 0)),
+                      use_expert_bias=any(name.endswith(".exp_probs_b.bias") for name in tensor_names),
+                      routed_scaling_factor=_float32(meta.get(f"{arch}.expert_weights_scale", 1.0) or 1.0))
+    return config
+
+
+def _lfm2_config(meta: dict[str, Any], kv_heads: Any, config: dict[str, Any], tensor_names: set[str],
+                 arch: str = "lfm2") -> dict[str, Any]:
     """LFM2's config keys: its layer kinds (a layer with KV heads attends, else it is a short
     convolution), the convolution's taps, its norm epsilon's name; feed_forward_length is the MLP's
     width already adjusted (no block_auto_adjust_ff_dim)."""
@@ -312,7 +345,7 @@ def _lfm2_config(meta: dict[str, Any], kv_heads: Any, config: dict[str, Any], te
     if len(per_layer) != layers:
         raise ValueError(f"lfm2.attention.head_count_kv lists {len(per_layer)} layers, the file has {layers}")
     return {"layer_types": ["full_attention" if int(k) else "conv" for k in per_layer],
-            "conv_L_cache": int(_require_key(meta, "lfm2.shortconv.l_cache")),
+            "conv_L_cache": int(_require_key(meta, f"{arch}.shortconv.l_cache")),
             "conv_bias": any(name.startswith("blk.") and ".shortconv." in name and name.endswith(".bias")
                              for name in tensor_names),
             "norm_eps": config["rms_norm_eps"], "block_auto_adjust_ff_dim": False}
@@ -380,12 +413,14 @@ def gguf_to_hf_name(name: str, model_type: str = "llama") -> str:
     if block:
         layer, part, kind = block.groups()
         names = (_SANDWICH_BLOCK_NAMES if model_type in ("gemma2", "gemma3_text")
-                 else _LFM2_BLOCK_NAMES if model_type == "lfm2" else _BLOCK_NAMES)
+                 else _LFM2_BLOCK_NAMES if model_type == "lfm2" else _MOE_BLOCK_NAMES.get(model_type, _BLOCK_NAMES))
         if part not in names:
             raise ValueError(f"unexpected GGUF tensor {name!r}: unknown block component {part!r}")
+        if part == "exp_probs_b":  # (LFM2-MoE's expert_bias: a bare tensor, which its converter named ".bias")
+            return f"model.layers.{layer}.{names[part]}"
         return f"model.layers.{layer}.{names[part]}.{kind}"
     top = _TOP_RE.match(name)
-    top_names = _LFM2_TOP_LEVEL_NAMES if model_type == "lfm2" else _TOP_LEVEL_NAMES
+    top_names = _LFM2_TOP_LEVEL_NAMES if model_type in ("lfm2", "lfm2_moe") else _TOP_LEVEL_NAMES
     if top and top.group(1) in top_names:
         return f"{top_names[top.group(1)]}.{top.group(2)}"
     raise ValueError(f"unexpected GGUF tensor {name!r}: no Hugging Face equivalent")
@@ -429,6 +464,14 @@ def _hf_tensors(
             array -= 1.0  # (llama.cpp stored Gemma's 1 + w)
         if tensor.name.endswith(".shortconv.conv.weight"):
             array = array[:, None, :]  # (llama.cpp squeezed LFM2's Conv1d weight [channels, 1, taps])
+        stacked = _EXPERT_BLOCK_RE.match(tensor.name)
+        if stacked is not None:
+            prefix, projections = _EXPERT_NAMES[config["model_type"]]
+            layer, part = stacked.groups()
+            for expert in range(array.shape[0]):
+                name = f"model.layers.{layer}.{prefix}.{expert}.{projections[part]}.weight"
+                yield name, torch.from_numpy(array[expert].copy()).to(dtype)
+            continue
         yield gguf_to_hf_name(tensor.name, config["model_type"]), torch.from_numpy(array).to(dtype)
 
 

@@ -152,8 +152,28 @@ def test_other_architectures_are_rejected(tmp_path: Path, tiny_model: LlamaForCa
 def test_mixture_of_experts_files_are_refused(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
     """Mixtral's GGUF says llama and stacks its experts (ffn_*_exps): refused with the way out."""
     path = write_tiny_gguf(tmp_path / "moe.gguf", tiny_model, expert_count=8)
-    with pytest.raises(ValueError, match=r"mixture-of-experts .*8 experts.*Hugging Face checkpoint"):
+    with pytest.raises(ValueError, match=r"mixture-of-experts .*8 experts.*'llama'.*Hugging Face checkpoint"):
         load_gguf(path)
+
+
+def test_qwen3_moe_files_convert_their_stacked_experts(tmp_path: Path) -> None:
+    """llama.cpp's Qwen3-MoE files stack each layer's experts ([experts, rows, columns] per projection)
+    and name the router ffn_gate_inp: each expert's projections come back under the checkpoint's
+    names, the routing (8 experts, 2 a token, renormalised) from the metadata. Q8_0 weights: the
+    source's logits within quantisation, in transformers and exactly transformers' in our runner."""
+    source = tiny_llama(kind="qwen3_moe", seed=5)
+    model_dir = ensure_converted(write_tiny_gguf(tmp_path / "tiny-qwen3moe.Q8_0.gguf", source,
+                                                 GGMLQuantizationType.Q8_0), tmp_path / "cache")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 8
+    assert (config["num_experts_per_tok"], config["moe_intermediate_size"], config["norm_topk_prob"]) == (2, 32, True)
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    experts = source.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
+    torch.testing.assert_close(loaded.state_dict()["model.layers.1.mlp.experts.gate_up_proj"], experts, rtol=0,
+                               atol=0.02)
+    torch.testing.assert_close(_logits(loaded), _logits(source), rtol=0, atol=0.05)
+    ours = prefill_logits(make_runner(model_dir, num_blocks=8, block_size=4), PROMPT_IDS[0].tolist(), [3, 1, 0])
+    torch.testing.assert_close(ours, _logits(loaded)[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
@@ -212,16 +232,25 @@ def test_gemma_files_convert_with_their_norms_and_settings(tmp_path: Path, kind:
         assert config["rope_parameters"]["full_attention"]["factor"] == 2.0
 
 
-@pytest.mark.parametrize("conv_bias, quant", [(False, GGMLQuantizationType.F32), (True, GGMLQuantizationType.Q8_0)])
-def test_lfm2_files_convert_with_their_short_convolutions(tmp_path: Path, conv_bias: bool, quant) -> None:
+@pytest.mark.parametrize("conv_bias, quant, moe", [(False, GGMLQuantizationType.F32, False),
+                                                   (True, GGMLQuantizationType.Q8_0, False),
+                                                   (False, GGMLQuantizationType.F32, True)],
+                         ids=["lfm2", "lfm2_biases_q8_0", "lfm2_moe"])
+def test_lfm2_files_convert_with_their_short_convolutions(tmp_path: Path, conv_bias: bool, quant, moe: bool) -> None:
     """llama.cpp's LFM2 files: the layer kinds from the per-layer KV head counts, the convolution's
-    taps, its weights squeezed to 2-D, the final norm as token_embd_norm, the MLP's adjusted width.
-    The converted directory gives the source model's logits, in transformers and in our runner."""
-    source = tiny_lfm2(seed=4, conv_bias=conv_bias)
+    taps, its weights squeezed to 2-D, the final norm as token_embd_norm, the MLP's adjusted width;
+    LFM2-MoE's (lfm2moe) stacked experts, expert bias, dense layers and scale. The converted
+    directory gives the source model's logits, in transformers and in our runner."""
+    source = tiny_lfm2(seed=4, conv_bias=conv_bias, moe=moe)
     model_dir = ensure_converted(write_tiny_lfm2_gguf(tmp_path / "tiny-lfm2.gguf", source, quant), tmp_path / "cache")
     config = json.loads((model_dir / "config.json").read_text())
-    assert config["architectures"] == ["Lfm2ForCausalLM"] and config["layer_types"] == source.config.layer_types
-    assert config["intermediate_size"] == 128 and config["conv_L_cache"] == 3 and config["conv_bias"] == conv_bias
+    assert config["architectures"] == [type(source).__name__] and config["layer_types"] == source.config.layer_types
+    assert config["conv_L_cache"] == 3 and config["conv_bias"] == conv_bias
+    if moe:
+        assert (config["num_experts"], config["num_dense_layers"], config["routed_scaling_factor"]) == (8, 1, 2.5)
+        assert config["use_expert_bias"] and config["intermediate_size"] == 96
+    else:
+        assert config["intermediate_size"] == 128
     loaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     assert type(loaded) is type(source) and loaded.config.tie_word_embeddings
     if quant == GGMLQuantizationType.F32:

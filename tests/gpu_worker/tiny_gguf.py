@@ -1,5 +1,5 @@
-"""Build tiny Llama, Qwen2, Qwen3, Gemma (1, 2, 3) and LFM2 GGUFs the way llama.cpp's
-convert_hf_to_gguf.py does, for loader tests."""
+"""Build tiny Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma (1, 2, 3), LFM2 and LFM2-MoE GGUFs the way
+llama.cpp's convert_hf_to_gguf.py does, for loader tests."""
 
 from __future__ import annotations
 
@@ -19,14 +19,18 @@ from transformers import (
     GemmaForCausalLM,
     Lfm2Config,
     Lfm2ForCausalLM,
+    Lfm2MoeConfig,
+    Lfm2MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -70,11 +74,15 @@ def tiny_vocab() -> list[str]:
 
 
 _KINDS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, HFQwen2ForCausalLM),
-          "qwen3": (Qwen3Config, HFQwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
+          "qwen3": (Qwen3Config, HFQwen3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, HFQwen3MoeForCausalLM),
+          "gemma": (GemmaConfig, GemmaForCausalLM),
           "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
-# Gemma 2 and 3's extra keys: a window of 8 (every other layer for Gemma 2; Gemma 3's pattern of 2),
-# soft caps that bind for Gemma 2; their scale is 1 / sqrt(head_dim), as llama.cpp assumes below 27B.
-_GEMMA_KEYS = {"gemma2": {"sliding_window": 8, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0,
+# Qwen3-MoE's experts; Gemma 2 and 3's extra keys: a window of 8 (every other layer for Gemma 2;
+# Gemma 3's pattern of 2), soft caps that bind for Gemma 2; their scale is 1 / sqrt(head_dim), as
+# llama.cpp assumes below 27B.
+_EXTRA_KEYS = {"qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                            "norm_topk_prob": True},
+               "gemma2": {"sliding_window": 8, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0,
                           "final_logit_softcapping": 5.0},
                "gemma3": {"sliding_window": 8, "query_pre_attn_scalar": 16, "sliding_window_pattern": 2,
                           "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
@@ -87,15 +95,15 @@ _SANDWICH_HF_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_
 
 def tiny_llama(tie_word_embeddings: bool = False, seed: int = 0, kind: str = "llama") -> PreTrainedModel:
     """A tiny random model of ``kind`` (llama; qwen2, with q/k/v biases; qwen3, with per-head q/k
-    norms and a head_dim of its own)."""
+    norms and a head_dim of its own; qwen3_moe, Qwen3's attention and 8 experts, 2 a token)."""
     config_class, model_class = _KINDS[kind]
     rope = {} if kind == "gemma3" else {"rope_theta": 10000.0}
     config = config_class(
         vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=128,
         num_hidden_layers=3 if kind.startswith("gemma") else 2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24 if kind == "qwen3" else 16,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24 if kind.startswith("qwen3") else 16,
         max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, **rope, **_GEMMA_KEYS.get(kind, {}),
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **rope, **_EXTRA_KEYS.get(kind, {}),
     )
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -142,6 +150,9 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         data = tensor.detach().float().numpy().copy()
+        if ".mlp.experts." in hf_name or hf_name.endswith(".mlp.gate.weight"):
+            out.update(_stacked_experts(hf_name, data, "mlp"))
+            continue
         permuted = config.model_type == "llama"
         if permuted and ".q_proj." in hf_name:
             data = llama_cpp_permute(data, config.num_attention_heads, config.num_attention_heads)
@@ -161,7 +172,7 @@ def write_tiny_gguf(
     ``quant``, norms and biases stay F32 as in llama.cpp. ``expert_count`` writes the key a
     mixture-of-experts file (Mixtral's, under ``llama``) carries."""
     config = model.config
-    arch = architecture or {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
+    arch = architecture or {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(config.model_type, config.model_type)
     writer = GGUFWriter(str(path), arch)
     writer.add_name("tiny-llama")
     writer.add_block_count(config.num_hidden_layers)
@@ -187,8 +198,11 @@ def write_tiny_gguf(
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
-    if expert_count:
-        writer.add_expert_count(expert_count)
+    if expert_count or getattr(config, "num_experts", 0):
+        writer.add_expert_count(expert_count or config.num_experts)
+    if getattr(config, "num_experts", 0):  # (Qwen3-MoE's: llama.cpp renormalises its top k)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     _add_tokenizer(writer)
     for name, data in gguf_tensors(model).items():
         if data.ndim == 2 and quant != GGMLQuantizationType.F32:
@@ -225,30 +239,57 @@ _LFM2_HF_TO_GGUF = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_
                     "conv.out_proj": "shortconv.out_proj"}
 
 
-def tiny_lfm2(seed: int = 0, conv_bias: bool = False) -> Lfm2ForCausalLM:
+def _stacked_experts(hf_name: str, data: np.ndarray, block: str) -> dict[str, np.ndarray]:
+    """A layer's experts as llama.cpp's MoE converters write them: every expert's gate, up and down
+    stacked [experts, rows, columns] (ffn_{gate,up,down}_exps), the router as ffn_gate_inp; from
+    transformers 5's fused gate_up_proj / down_proj (the gate's rows first)."""
+    layer = hf_name.split(".")[2]
+    if hf_name.endswith(f".{block}.gate.weight"):
+        return {f"blk.{layer}.ffn_gate_inp.weight": data}
+    if hf_name.endswith(".experts.gate_up_proj"):
+        half = data.shape[1] // 2
+        return {f"blk.{layer}.ffn_gate_exps.weight": data[:, :half].copy(),
+                f"blk.{layer}.ffn_up_exps.weight": data[:, half:].copy()}
+    if hf_name.endswith(".experts.down_proj"):
+        return {f"blk.{layer}.ffn_down_exps.weight": data}
+    raise ValueError(f"unexpected expert tensor {hf_name!r}")
+
+
+def tiny_lfm2(seed: int = 0, conv_bias: bool = False, moe: bool = False) -> Lfm2ForCausalLM | Lfm2MoeForCausalLM:
     """A tiny random LFM2: short convolutions around an attention layer, tied embeddings, its MLP
-    width adjusted from block_ff_dim 192 (128)."""
-    config = Lfm2Config(vocab_size=len(tiny_vocab()), hidden_size=64, block_ff_dim=192, block_multiple_of=32,
-                        num_hidden_layers=4, full_attn_idxs=[1], num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=128, norm_eps=1e-5, conv_bias=conv_bias, bos_token_id=1,
-                        eos_token_id=2, pad_token_id=0)
+    width adjusted from block_ff_dim 192 (128); LFM2-MoE (``moe``): 8 experts, 2 a token, chosen
+    through a (random) expert bias after one dense layer, scaled by 2.5."""
+    common = dict(vocab_size=len(tiny_vocab()), hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, conv_bias=conv_bias, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    if moe:
+        config = Lfm2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                               num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=2.5,
+                               layer_types=["conv", "full_attention", "conv", "conv"], norm_eps=1e-5)
+    else:
+        config = Lfm2Config(**common, block_ff_dim=192, block_multiple_of=32, full_attn_idxs=[1], norm_eps=1e-5)
     torch.manual_seed(seed)
-    model = Lfm2ForCausalLM(config).eval()
+    model = (Lfm2MoeForCausalLM if moe else Lfm2ForCausalLM)(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "layernorm.weight")):
                 param.add_(0.3 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.normal_(0.0, 0.3)
     return model
 
 
-def write_tiny_lfm2_gguf(path: Path, model: Lfm2ForCausalLM,
+def write_tiny_lfm2_gguf(path: Path, model: Lfm2ForCausalLM | Lfm2MoeForCausalLM,
                          quant: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
-    """``model`` as llama.cpp's LFM2Model converter writes it: KV heads per layer (0 in the short
-    convolutions), the adjusted MLP width, conv_L_cache, the Conv1d weights squeezed to 2-D."""
+    """``model`` as llama.cpp's LFM2Model (LFM2MoeModel) converter writes it: KV heads per layer (0 in
+    the short convolutions), the adjusted MLP width, conv_L_cache, the Conv1d weights squeezed to
+    2-D; LFM2-MoE's experts stacked, its expert bias as exp_probs_b.bias, its dense layers' count."""
     config = model.config
-    writer = GGUFWriter(str(path), "lfm2")
+    moe = config.model_type == "lfm2_moe"
+    writer = GGUFWriter(str(path), "lfm2moe" if moe else "lfm2")
     writer.add_name("tiny-lfm2")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -260,6 +301,13 @@ def write_tiny_lfm2_gguf(path: Path, model: Lfm2ForCausalLM,
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
     writer.add_shortconv_l_cache(config.conv_L_cache)
+    if moe:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_leading_dense_block_count(config.num_dense_layers)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     _add_tokenizer(writer)
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.embedding_norm.weight": "token_embd_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -269,6 +317,13 @@ def write_tiny_lfm2_gguf(path: Path, model: Lfm2ForCausalLM,
         data = tensor.detach().float().numpy().copy()
         if hf_name.endswith(".conv.conv.weight"):
             data = data.squeeze(1)
+        if ".feed_forward.experts." in hf_name or hf_name.endswith(".feed_forward.gate.weight"):
+            for name, stacked in _stacked_experts(hf_name, data, "feed_forward").items():
+                writer.add_tensor(name, stacked)
+            continue
+        if hf_name.endswith(".feed_forward.expert_bias"):
+            writer.add_tensor(f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias", data)
+            continue
         if hf_name in top:
             name = top[hf_name]
         else:
