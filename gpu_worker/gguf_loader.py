@@ -288,7 +288,9 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _float32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        # (LFM2's default is 1e-5 where a file leaves the key out, as transformers' Lfm2Config has it.)
+        "rms_norm_eps": _float32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon",
+                                          1e-5 if arch in ("lfm2", "lfm2moe") else 1e-6)),
         # Both spellings: transformers 4.x reads rope_theta/rope_scaling, 5.x reads rope_parameters.
         "rope_theta": rope_theta,
         "rope_scaling": None if rope_parameters["rope_type"] == "default" else rope_parameters,
