@@ -18,10 +18,10 @@ from engine_core.lora import LoRAModule
 
 # vLLM's --kv-cache-dtype choices that this engine stores (the workers map them to torch dtypes).
 KVCacheDType = Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDType)
 # The recurrent layers' state dtypes (vLLM's --mamba-cache-dtype, --mamba-ssm-cache-dtype).
 MambaCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
 MAMBA_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(MambaCacheDType)
-KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDType)
 
 # vLLM's --logprobs-mode: what the sampled tokens' logprobs (and top logprobs) are. raw_*: the model's
 # logits (after a grammar's mask only), log-softmaxed or not; processed_*: the logits the token is
@@ -422,8 +422,8 @@ class EngineConfig:
     # The KV cache's storage dtype (vLLM's --kv-cache-dtype): "auto" (the model's), "bfloat16", or
     # "fp8" / "fp8_e4m3" / "fp8_e5m2" (one byte per element: more blocks for the same memory).
     kv_cache_dtype: KVCacheDType = "auto"
-    # Models with recurrent layers (Mamba-2, Gated DeltaNet, short convolutions): their per-request
-    # states' storage dtypes (vLLM's --mamba-cache-dtype: the conv and recurrent states; and
+    # Models with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, short convolutions): their
+    # per-request states' storage dtypes (vLLM's --mamba-cache-dtype: the conv and recurrent states; and
     # --mamba-ssm-cache-dtype: the recurrent state alone). "auto": the conv state in the model's
     # dtype, the recurrent state in fp32 (gpu_worker.mamba_config.resolve_mamba_state_dtypes).
     mamba_cache_dtype: MambaCacheDType = "auto"

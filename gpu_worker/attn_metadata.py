@@ -57,8 +57,8 @@ class AttentionMetadata:
     window: int | None = None
     # The same step's metadata for the model's sliding-window layers, when its other layers attend fully.
     windowed: AttentionMetadata | None = None
-    # Granite 4.0-H's Mamba-2 layers: where each request's tokens lie and its state row
-    # (gpu_worker.layers.mamba.MambaStepMetadata); None for a model without them.
+    # The recurrent layers (Mamba-2, Mamba, Gated DeltaNet, short convolutions): where each request's
+    # tokens lie and its state row (gpu_worker.layers.mamba.MambaStepMetadata); None without them.
     mamba: Any = None
 
     def for_window(self, window: int | None) -> AttentionMetadata:

@@ -58,7 +58,7 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads_per_
 
 def model_bytes_per_block(config: ModelConfig, block_size: int, tp_size: int, dtype: torch.dtype,
                           num_layers: int | None = None) -> int:
-    """``num_layers``: the layers one pipeline stage holds (default: all that attend; Mamba-2 layers
+    """``num_layers``: the layers one pipeline stage holds (default: all that attend; recurrent layers
     keep no KV)."""
     return kv_cache_bytes_per_block(config.num_attention_layers if num_layers is None else num_layers, block_size,
                                     num_kv_heads_per_rank(config.num_key_value_heads, tp_size),

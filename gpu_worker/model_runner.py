@@ -104,9 +104,9 @@ class ModelRunner:
         self.rope_short_offset: int | None = None
         self.rope_original_len: int | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # The recurrent mixers (Mamba-2, Gated DeltaNet, short convolutions) and their states, a row
-        # per held request (by its row of the block table), allocated beside the KV cache: the conv
-        # and recurrent states' dtypes (None: the model's and fp32; --mamba-cache-dtype and
+        # The recurrent mixers (Mamba, Mamba-2, Gated DeltaNet, short convolutions) and their states, a
+        # row per held request (by its row of the block table), allocated beside the KV cache: the
+        # conv and recurrent states' dtypes (None: the model's and fp32; --mamba-cache-dtype and
         # --mamba-ssm-cache-dtype).
         self.mamba_state_dtypes = mamba_state_dtypes or (dtype, torch.float32)
         self.mamba_mixers: list[MambaMixer2] = []
@@ -1030,7 +1030,7 @@ class ModelRunner:
             mixer.state = state
 
     def mamba_step(self, rows: np.ndarray, starts: np.ndarray, query_start_loc: np.ndarray):
-        """The pass's Mamba-2 metadata; the state rows of requests starting at token 0 (new, or
+        """The pass's recurrent-layer metadata; the state rows of requests starting at token 0 (new, or
         recomputed after preemption) zeroed first. A request's row is its row of the block table,
         which stays its own while it is held (more rows than max_num_seqs: the states grow)."""
         needed = int(rows.max()) + 1

@@ -172,7 +172,8 @@ class RequestStates:
     def _hold(self, state: RequestState, block_ids: list[int]) -> None:
         """Hold ``state``, its blocks in a row of the table. One replacing a held request of the same
         id (a streaming session's next turn) keeps its row: a Mamba-2 layer's state for the tokens
-        computed so far lives in that row of its state tensors (gpu_worker.layers.mamba)."""
+        computed so far lives in that row of its state tensors (gpu_worker.layers.mamba; the other
+        recurrent layers' likewise)."""
         held = self.states.pop(state.req_id, None)
         if held is None:
             state.table_row = self.block_table.add(block_ids)

@@ -290,10 +290,11 @@ class Worker:
         """KV blocks for CacheConfig.num_blocks: explicit, from a byte budget, or (CUDA) from what a
         profiled max-size step leaves of ``gpu_memory_utilization`` of the device. Every rank
         returns the group-wide minimum. An encoder keeps no cache: its blocks cost nothing, and
-        only count a pass's tokens for the scheduler. A model with recurrent (Mamba-2, Gated DeltaNet)
-        layers keeps their states for max_num_seqs requests beside the blocks; with no attention layer
-        at all its blocks cost nothing either, and are as many as max_num_seqs requests of
-        max_model_len tokens need, the states' room still checked against the budget."""
+        only count a pass's tokens for the scheduler. A model with recurrent (Mamba, Mamba-2, Gated
+        DeltaNet, short-convolution) layers keeps their states for max_num_seqs requests beside the
+        blocks; with no attention layer at all its blocks cost nothing either, and are as many as
+        max_num_seqs requests of max_model_len tokens need, the states' room still checked against
+        the budget."""
         cacheless = self.model_config.encoder_only or not self.model_config.num_attention_layers
         if num_blocks is None and cacheless:
             states = self.mamba_state_bytes()

@@ -632,7 +632,7 @@ class MixerPassMetadata:
 
 
 def run_mixer_pass(mixer: torch.nn.Module, pieces: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-    """One pass of a recurrent mixer (Mamba-2, Gated DeltaNet, short convolution) over ``pieces``
+    """One pass of a recurrent mixer (Mamba, Mamba-2, Gated DeltaNet, short convolution) over ``pieces``
     (state row, its tokens' inputs), in that order in the flat batch: each piece's outputs."""
     from gpu_worker.layers.mamba import mamba_step_metadata
 
