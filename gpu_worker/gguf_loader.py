@@ -313,10 +313,10 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         config.update(_gemma_config(meta, arch, config))
     elif arch in ("lfm2", "lfm2moe"):
         config.update(_lfm2_config(meta, kv_heads, config, tensor_names, arch))
-    if experts:
-        config.update(_experts_config(meta, arch, experts, tensor_names))
     elif model_type != "llama":
         config["use_sliding_window"] = False  # (llama.cpp's Qwen files run full attention in every layer)
+    if experts:
+        config.update(_experts_config(meta, arch, experts, tensor_names))
     return config
 
 

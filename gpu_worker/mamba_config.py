@@ -5,6 +5,7 @@ runner allocates and the name its layers go by in messages (``layer_name``)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,8 +29,21 @@ def resolve_mamba_state_dtypes(mamba_cache_dtype: str, mamba_ssm_cache_dtype: st
     return conv, torch.float32 if ssm_name == "auto" else getattr(torch, ssm_name)
 
 
+class _RecurrentState:
+    """What every recurrent mixer's geometry shares: one request's state in one layer, in bytes, from
+    its (conv, recurrent) ``state_shapes``."""
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        raise NotImplementedError
+
+    def state_bytes(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
+        """The conv state in ``dtype``, the recurrent (SSM, delta-rule) state in ``ssm_dtype``."""
+        conv, recurrent = self.state_shapes()
+        return math.prod(conv) * dtype.itemsize + math.prod(recurrent) * ssm_dtype.itemsize
+
+
 @dataclass(frozen=True)
-class Mamba2Config:
+class Mamba2Config(_RecurrentState):
     """A Mamba-2 mixer's geometry (transformers' names: mamba_n_heads, mamba_d_head, ...)."""
 
     layer_name: ClassVar[str] = "Mamba-2"
@@ -84,14 +98,10 @@ class Mamba2Config:
         groups = self.num_groups // tp_size if self.groups_split(tp_size) else 1
         return dataclasses.replace(self, num_heads=self.num_heads // tp_size, num_groups=groups)
 
-    def state_bytes(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
-        """One request's state in one layer: the conv state in ``dtype``, the SSM state in ``ssm_dtype``."""
-        conv, ssm = self.state_shapes()
-        return conv[0] * conv[1] * dtype.itemsize + ssm[0] * ssm[1] * ssm[2] * ssm_dtype.itemsize
 
 
 @dataclass(frozen=True)
-class GatedDeltaNetConfig:
+class GatedDeltaNetConfig(_RecurrentState):
     """A Gated DeltaNet mixer's geometry (Qwen3-Next's linear-attention layers: transformers' names
     linear_num_key_heads, linear_key_head_dim, ...). Each key head serves num_v_heads / num_k_heads
     value heads; a request's state is [num_v_heads, head_k_dim, head_v_dim] beside the convolution's
@@ -134,13 +144,10 @@ class GatedDeltaNetConfig:
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
-    def state_bytes(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
-        conv, recurrent = self.state_shapes()
-        return conv[0] * conv[1] * dtype.itemsize + recurrent[0] * recurrent[1] * recurrent[2] * ssm_dtype.itemsize
 
 
 @dataclass(frozen=True)
-class ShortConvConfig:
+class ShortConvConfig(_RecurrentState):
     """LFM2's gated short convolution (its "conv" layers): in_proj to B, C and x of ``channels``
     (hidden_size) each, a causal depthwise convolution of ``conv_kernel`` taps (conv_L_cache). A
     request's state is the convolution's last conv_kernel - 1 inputs alone: its recurrent state has
@@ -162,12 +169,10 @@ class ShortConvConfig:
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.channels, self.conv_kernel - 1), (0,)
 
-    def state_bytes(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
-        return self.channels * (self.conv_kernel - 1) * dtype.itemsize
 
 
 @dataclass(frozen=True)
-class Mamba1Config:
+class Mamba1Config(_RecurrentState):
     """A Mamba (selective SSM, "Mamba-1") mixer's geometry: intermediate_size channels, each with its
     own state of state_size values and its own decay per state value (A [channels, state_size]);
     dt through a dt_rank bottleneck (x_proj then dt_proj); B and C shared by every channel. dt, B and
@@ -196,6 +201,3 @@ class Mamba1Config:
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.intermediate_size, self.conv_kernel - 1), (self.intermediate_size, self.state_size)
 
-    def state_bytes(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
-        conv, ssm = self.state_shapes()
-        return conv[0] * conv[1] * dtype.itemsize + ssm[0] * ssm[1] * ssm_dtype.itemsize
