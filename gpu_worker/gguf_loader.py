@@ -1,5 +1,5 @@
-"""Turn a llama.cpp GGUF checkpoint (Llama, Qwen2, Qwen3, Gemma, Gemma 2 or Gemma 3 architecture)
-into a Hugging Face model directory.
+"""Turn a llama.cpp GGUF checkpoint (Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Gemma 2,
+Gemma 3, LFM2 or LFM2-MoE architecture) into a Hugging Face model directory.
 
 The engine only knows how to load HF-style directories (config.json + safetensors + tokenizer files),
 so a GGUF file is converted once, dequantised, and cached on disk. Later starts reuse the cached
@@ -7,7 +7,7 @@ directory, which loads in seconds instead of re-reading and dequantising the GGU
 
 What differs between GGUF and HF Llama checkpoints, and is undone here:
   * tensor names (``blk.N.attn_q`` vs ``model.layers.N.self_attn.q_proj``);
-  * for Llama only, llama.cpp's converter permutes the rows of q_proj/k_proj so its rotary kernel can
+  * for Llama (and Mixtral) only, llama.cpp's converter permutes the rows of q_proj/k_proj so its rotary kernel can
     rotate adjacent pairs, whereas HF rotates the two halves of each head (``rotate_half``); Qwen's
     files keep HF's order (llama.cpp rotates them NeoX-style, halves as HF does);
   * quantised blocks, expanded back to floats with ``gguf.quants.dequantize``;
@@ -16,7 +16,9 @@ What differs between GGUF and HF Llama checkpoints, and is undone here:
     are named post_attention_norm / ffn_norm / post_ffw_norm there; their attention scale, local
     RoPE base and window pattern are what llama.cpp derives when the file does not state them;
   * Llama 3.x's llama3 RoPE scaling, which llama.cpp writes as a ``rope_freqs`` tensor of
-    per-frequency divisors: read back into the llama3 parameters that give them.
+    per-frequency divisors: read back into the llama3 parameters that give them;
+  * mixture-of-experts layers, whose experts llama.cpp stacks into one tensor per projection
+    (``ffn_gate_exps`` ...: [experts, rows, columns]): split back into each expert's.
 A split file (``<prefix>-00001-of-00003.gguf`` and its siblings) is converted from all its shards.
 GGUF lists tensor dims innermost first (``[in, out]``); ``GGUFReader`` already exposes the data in
 numpy (row-major) order, so the dequantised array has torch's ``[out, in]`` shape with no transpose.
@@ -54,7 +56,8 @@ logger = logging.getLogger(__name__)
 # 3: Gemma, Gemma 2 and Gemma 3 files.
 # 4: LFM2 files.
 # 5: Qwen3-MoE and LFM2-MoE files (their stacked experts split into each expert's projections).
-CONVERTER_VERSION = 5
+# 6: Mixtral (llama files with experts, stacked or one tensor per expert) and Qwen2-MoE files.
+CONVERTER_VERSION = 6
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -103,7 +106,8 @@ _LFM2_BLOCK_NAMES = {
 }
 # (LFM2's final norm, after the last layer, is transformers' embedding_norm: llama.cpp's token_embd_norm.)
 _LFM2_TOP_LEVEL_NAMES = {**_TOP_LEVEL_NAMES, "token_embd_norm": "model.embedding_norm"}
-# GGUF general.architecture -> HF (architecture, model_type); only "llama" files have permuted q/k rows.
+# GGUF general.architecture -> HF (architecture, model_type); only "llama" files have permuted q/k rows
+# (Mixtral's among them: a "llama" file with experts, _MIXTRAL).
 _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
@@ -112,16 +116,29 @@ _ARCHITECTURES = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "lfm2": ("Lfm2ForCausalLM", "lfm2"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe"),
 }
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
+_PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral")
 # Mixture-of-experts files convert for these; their stacked experts (ffn_{gate,up,down}_exps:
-# [experts, rows, columns]) become each expert's projections, named as the model's checkpoints name them.
-_EXPERT_NAMES = {"qwen3_moe": ("mlp.experts", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                                              "ffn_down_exps": "down_proj"}),
+# [experts, rows, columns]; older Mixtral files: one tensor per expert, ffn_{gate,up,down}.E) become each
+# expert's projections, named as the model's checkpoints name them.
+_QWEN_EXPERTS = ("mlp.experts", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"})
+_EXPERT_NAMES = {"mixtral": ("block_sparse_moe.experts", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3",
+                                                          "ffn_down_exps": "w2"}),
+                 "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS,
                  "lfm2_moe": ("feed_forward.experts", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3",
                                                        "ffn_down_exps": "w2"})}
-_MOE_BLOCK_NAMES = {"qwen3_moe": {**_BLOCK_NAMES, "ffn_gate_inp": "mlp.gate"},
+# Their routers (ffn_gate_inp), Qwen2-MoE's shared expert and its sigmoid gate, LFM2-MoE's expert bias.
+_MOE_BLOCK_NAMES = {"mixtral": {**_BLOCK_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
+                    "qwen2_moe": {**_BLOCK_NAMES, "ffn_gate_inp": "mlp.gate",
+                                  "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                                  "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                                  "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                                  "ffn_gate_inp_shexp": "mlp.shared_expert_gate"},
+                    "qwen3_moe": {**_BLOCK_NAMES, "ffn_gate_inp": "mlp.gate"},
                     "lfm2_moe": {**_LFM2_BLOCK_NAMES, "ffn_gate_inp": "feed_forward.gate",
                                  "exp_probs_b": "feed_forward.expert_bias"}}
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
@@ -131,6 +148,7 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 _EXPERT_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
+_SPLIT_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -258,10 +276,12 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
                          "can be converted")
     architecture, model_type = _ARCHITECTURES[arch]
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if experts and arch == "llama":  # (llama.cpp's Mixtral files)
+        architecture, model_type = _MIXTRAL
     if experts and model_type not in _EXPERT_NAMES:
-        raise ValueError(f"GGUF mixture-of-experts files ({experts} experts) of {arch!r} are not converted (Qwen3-MoE "
-                         "and LFM2-MoE ones are); serve the model's Hugging Face checkpoint directory instead "
-                         "(Mixtral and Qwen2-MoE are served from it)")
+        raise ValueError(f"GGUF mixture-of-experts files ({experts} experts) of {arch!r} are not converted (Mixtral, "
+                         "Qwen2-MoE, Qwen3-MoE and LFM2-MoE ones are); serve the model's Hugging Face checkpoint "
+                         "directory instead")
     tensor_names = {t.name for t in tensors}
 
     hidden = int(_require_key(meta, f"{arch}.embedding_length"))
@@ -313,7 +333,7 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         config.update(_gemma_config(meta, arch, config))
     elif arch in ("lfm2", "lfm2moe"):
         config.update(_lfm2_config(meta, kv_heads, config, tensor_names, arch))
-    elif model_type != "llama":
+    elif model_type.startswith("qwen"):
         config["use_sliding_window"] = False  # (llama.cpp's Qwen files run full attention in every layer)
     if experts:
         config.update(_experts_config(meta, arch, experts, tensor_names))
@@ -321,16 +341,26 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
 
 
 def _experts_config(meta: dict[str, Any], arch: str, experts: int, tensor_names: set[str]) -> dict[str, Any]:
-    """A mixture-of-experts file's routing, as llama.cpp runs it: Qwen3-MoE's softmax top k renormalised
-    in every layer; LFM2-MoE's sigmoid scores through the expert bias (exp_probs_b), renormalised and
+    """A mixture-of-experts file's routing, as llama.cpp runs it: Mixtral's softmax top k renormalised,
+    its experts feed_forward_length wide; Qwen2-MoE's not renormalised, beside a shared expert
+    (expert_shared_feed_forward_length) behind a sigmoid gate; Qwen3-MoE's renormalised; all three in
+    every layer. LFM2-MoE's sigmoid scores through the expert bias (exp_probs_b), renormalised and
     scaled (expert_weights_scale), after leading_dense_block_count dense layers."""
-    config: dict[str, Any] = {"num_experts": experts,
-                              "num_experts_per_tok": int(_require_key(meta, f"{arch}.expert_used_count")),
+    used = int(_require_key(meta, f"{arch}.expert_used_count"))
+    if arch == "llama":  # (Mixtral: transformers' MixtralConfig names; no sliding window in llama.cpp)
+        width = meta.get(f"{arch}.expert_feed_forward_length") or _require_key(meta, f"{arch}.feed_forward_length")
+        return {"num_local_experts": experts, "num_experts_per_tok": used, "intermediate_size": int(width),
+                "sliding_window": None}
+    config: dict[str, Any] = {"num_experts": experts, "num_experts_per_tok": used,
                               "moe_intermediate_size": int(_require_key(meta, f"{arch}.expert_feed_forward_length")),
-                              "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True))}
-    if arch == "qwen3moe":
+                              "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", arch != "qwen2moe"))}
+    if arch in ("qwen2moe", "qwen3moe"):
         config.update(decoder_sparse_step=1, mlp_only_layers=[])
-    else:
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = int(
+            _require_key(meta, f"{arch}.expert_shared_feed_forward_length")
+            if any(name.endswith(".ffn_up_shexp.weight") for name in tensor_names) else 0)
+    elif arch == "lfm2moe":
         config.update(num_dense_layers=int(meta.get(f"{arch}.leading_dense_block_count", 0)),
                       use_expert_bias=any(name.endswith(".exp_probs_b.bias") for name in tensor_names),
                       routed_scaling_factor=_float32(meta.get(f"{arch}.expert_weights_scale", 1.0) or 1.0))
@@ -430,7 +460,7 @@ def gguf_to_hf_name(name: str, model_type: str = "llama") -> str:
 
 def _heads_for(name: str, config: dict[str, Any]) -> int | None:
     """The heads whose rows llama.cpp permuted in this tensor (None: not permuted)."""
-    if config["model_type"] != "llama":
+    if config["model_type"] not in _PERMUTED_QK_MODEL_TYPES:
         return None
     if ".attn_q." in name:
         return int(config["num_attention_heads"])
@@ -466,13 +496,20 @@ def _hf_tensors(
             array -= 1.0  # (llama.cpp stored Gemma's 1 + w)
         if tensor.name.endswith(".shortconv.conv.weight"):
             array = array[:, None, :]  # (llama.cpp squeezed LFM2's Conv1d weight [channels, 1, taps])
-        stacked = _EXPERT_BLOCK_RE.match(tensor.name)
-        if stacked is not None:
+        if tensor.name.endswith(".ffn_gate_inp_shexp.weight"):
+            array = array.reshape(1, -1)  # (Qwen2-MoE's shared expert gate: one output, [1, hidden])
+        stacked, split = _EXPERT_BLOCK_RE.match(tensor.name), _SPLIT_EXPERT_RE.match(tensor.name)
+        if stacked is not None or split is not None:
             prefix, projections = _EXPERT_NAMES[config["model_type"]]
-            layer, part = stacked.groups()
-            for expert in range(array.shape[0]):
+            if stacked is not None:
+                layer, part = stacked.groups()
+                per_expert = list(enumerate(array))
+            else:  # (one expert's projection: older Mixtral files)
+                layer, kind, expert = split.groups()
+                part, per_expert = f"ffn_{kind}_exps", [(int(expert), array)]
+            for expert, weights in per_expert:
                 name = f"model.layers.{layer}.{prefix}.{expert}.{projections[part]}.weight"
-                yield name, torch.from_numpy(array[expert].copy()).to(dtype)
+                yield name, torch.from_numpy(np.ascontiguousarray(weights)).to(dtype)
             continue
         yield gguf_to_hf_name(tensor.name, config["model_type"]), torch.from_numpy(array).to(dtype)
 

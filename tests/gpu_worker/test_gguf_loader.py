@@ -149,28 +149,53 @@ def test_other_architectures_are_rejected(tmp_path: Path, tiny_model: LlamaForCa
         load_gguf(path)
 
 
-def test_mixture_of_experts_files_are_refused(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
-    """Mixtral's GGUF says llama and stacks its experts (ffn_*_exps): refused with the way out."""
-    path = write_tiny_gguf(tmp_path / "moe.gguf", tiny_model, expert_count=8)
-    with pytest.raises(ValueError, match=r"mixture-of-experts .*8 experts.*'llama'.*Hugging Face checkpoint"):
+def test_mixture_of_experts_files_of_other_architectures_are_refused(tmp_path: Path,
+                                                                     tiny_model: LlamaForCausalLM) -> None:
+    """Experts under an architecture whose MoE files are not converted (a Qwen2 file that says it has
+    some): refused with the way out."""
+    path = write_tiny_gguf(tmp_path / "moe.gguf", tiny_model, architecture="qwen2", expert_count=8)
+    with pytest.raises(ValueError, match=r"mixture-of-experts .*8 experts.*'qwen2'.*Hugging Face checkpoint"):
         load_gguf(path)
 
 
-def test_qwen3_moe_files_convert_their_stacked_experts(tmp_path: Path) -> None:
-    """llama.cpp's Qwen3-MoE files stack each layer's experts ([experts, rows, columns] per projection)
-    and name the router ffn_gate_inp: each expert's projections come back under the checkpoint's
-    names, the routing (8 experts, 2 a token, renormalised) from the metadata. Q8_0 weights: the
-    source's logits within quantisation, in transformers and exactly transformers' in our runner."""
-    source = tiny_llama(kind="qwen3_moe", seed=5)
-    model_dir = ensure_converted(write_tiny_gguf(tmp_path / "tiny-qwen3moe.Q8_0.gguf", source,
-                                                 GGMLQuantizationType.Q8_0), tmp_path / "cache")
+# Per kind: its architecture, and the routing keys the converted config.json must hold.
+_MOE_FILES = {
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                          "norm_topk_prob": True}),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                          "norm_topk_prob": False, "shared_expert_intermediate_size": 96}),
+    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 128}),
+}
+
+
+@pytest.mark.parametrize("kind, split_experts", [("qwen3_moe", False), ("qwen2_moe", False), ("mixtral", False),
+                                                 ("mixtral", True)],
+                         ids=["qwen3_moe", "qwen2_moe", "mixtral", "mixtral_one_tensor_per_expert"])
+def test_mixture_of_experts_files_convert_their_experts(tmp_path: Path, kind: str, split_experts: bool) -> None:
+    """llama.cpp's MoE files stack each layer's experts ([experts, rows, columns] per projection; older
+    Mixtral files: a tensor per expert) and name the router ffn_gate_inp; Mixtral's say "llama" (their
+    q/k rows permuted), Qwen2-MoE's add a shared expert and its gate. Each expert's projections come
+    back under the checkpoint's names, the routing from the metadata. Q8_0 weights: the source's
+    logits within quantisation, in transformers and exactly transformers' in our runner."""
+    architecture, routing = _MOE_FILES[kind]
+    source = tiny_llama(kind=kind, seed=5)
+    path = write_tiny_gguf(tmp_path / f"tiny-{kind}.Q8_0.gguf", source, GGMLQuantizationType.Q8_0,
+                           split_experts=split_experts)
+    model_dir = ensure_converted(path, tmp_path / "cache")
     config = json.loads((model_dir / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 8
-    assert (config["num_experts_per_tok"], config["moe_intermediate_size"], config["norm_topk_prob"]) == (2, 32, True)
+    assert config["architectures"] == [architecture]
+    assert {key: config[key] for key in routing} == routing
     loaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert type(loaded) is type(source)
     experts = source.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
     torch.testing.assert_close(loaded.state_dict()["model.layers.1.mlp.experts.gate_up_proj"], experts, rtol=0,
                                atol=0.02)
+    for proj in ("q_proj", "k_proj"):  # (Mixtral's rows un-permuted; too small an effect on these logits to show)
+        name = f"model.layers.1.self_attn.{proj}.weight"
+        torch.testing.assert_close(loaded.state_dict()[name], source.state_dict()[name], rtol=0, atol=0.02)
+    if kind == "qwen2_moe":  # (its shared expert's gate: an F32 vector in the file, [1, hidden] here)
+        gate = "model.layers.1.mlp.shared_expert_gate.weight"
+        torch.testing.assert_close(loaded.state_dict()[gate], source.state_dict()[gate], rtol=0, atol=0)
     torch.testing.assert_close(_logits(loaded), _logits(source), rtol=0, atol=0.05)
     ours = prefill_logits(make_runner(model_dir, num_blocks=8, block_size=4), PROMPT_IDS[0].tolist(), [3, 1, 0])
     torch.testing.assert_close(ours, _logits(loaded)[0], rtol=1e-4, atol=1e-4)

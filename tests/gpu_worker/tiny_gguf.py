@@ -1,4 +1,4 @@
-"""Build tiny Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma (1, 2, 3), LFM2 and LFM2-MoE GGUFs the way
+"""Build tiny Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma (1, 2, 3), LFM2 and LFM2-MoE GGUFs the way
 llama.cpp's convert_hf_to_gguf.py does, for loader tests."""
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ from transformers import (
     Lfm2MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
+from transformers import Qwen2MoeForCausalLM as HFQwen2MoeForCausalLM
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
@@ -51,6 +55,10 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",  # Qwen2-MoE's shared expert and its gate
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -75,13 +83,17 @@ def tiny_vocab() -> list[str]:
 
 _KINDS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, HFQwen2ForCausalLM),
           "qwen3": (Qwen3Config, HFQwen3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, HFQwen3MoeForCausalLM),
+          "mixtral": (MixtralConfig, MixtralForCausalLM), "qwen2_moe": (Qwen2MoeConfig, HFQwen2MoeForCausalLM),
           "gemma": (GemmaConfig, GemmaForCausalLM),
           "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
-# Qwen3-MoE's experts; Gemma 2 and 3's extra keys: a window of 8 (every other layer for Gemma 2;
-# Gemma 3's pattern of 2), soft caps that bind for Gemma 2; their scale is 1 / sqrt(head_dim), as
-# llama.cpp assumes below 27B.
+# Qwen3-MoE's, Mixtral's and Qwen2-MoE's experts (Qwen2-MoE's shared expert too); Gemma 2 and 3's
+# extra keys: a window of 8 (every other layer for Gemma 2; Gemma 3's pattern of 2), soft caps that
+# bind for Gemma 2; their scale is 1 / sqrt(head_dim), as llama.cpp assumes below 27B.
 _EXTRA_KEYS = {"qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                             "norm_topk_prob": True},
+               "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+               "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                             "shared_expert_intermediate_size": 96, "norm_topk_prob": False},
                "gemma2": {"sliding_window": 8, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0,
                           "final_logit_softcapping": 5.0},
                "gemma3": {"sliding_window": 8, "query_pre_attn_scalar": 16, "sliding_window_pattern": 2,
@@ -95,7 +107,9 @@ _SANDWICH_HF_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_
 
 def tiny_llama(tie_word_embeddings: bool = False, seed: int = 0, kind: str = "llama") -> PreTrainedModel:
     """A tiny random model of ``kind`` (llama; qwen2, with q/k/v biases; qwen3, with per-head q/k
-    norms and a head_dim of its own; qwen3_moe, Qwen3's attention and 8 experts, 2 a token)."""
+    norms and a head_dim of its own; qwen3_moe, Qwen3's attention and 8 experts, 2 a token; mixtral,
+    Llama's attention and 8 experts of intermediate_size, 2 a token; qwen2_moe, Qwen2's attention, 8
+    experts, 2 a token, not renormalised, and a gated shared expert)."""
     config_class, model_class = _KINDS[kind]
     rope = {} if kind == "gemma3" else {"rope_theta": 10000.0}
     config = config_class(
@@ -153,7 +167,9 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
         if ".mlp.experts." in hf_name or hf_name.endswith(".mlp.gate.weight"):
             out.update(_stacked_experts(hf_name, data, "mlp"))
             continue
-        permuted = config.model_type == "llama"
+        if hf_name.endswith(".mlp.shared_expert_gate.weight"):
+            data = data.reshape(-1)  # (llama.cpp holds Qwen2-MoE's [1, hidden] gate as an F32 vector)
+        permuted = config.model_type in ("llama", "mixtral")
         if permuted and ".q_proj." in hf_name:
             data = llama_cpp_permute(data, config.num_attention_heads, config.num_attention_heads)
         elif permuted and ".k_proj." in hf_name:
@@ -166,13 +182,15 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
 
 def write_tiny_gguf(
     path: Path, model: PreTrainedModel, quant: GGMLQuantizationType = GGMLQuantizationType.F32,
-    architecture: str | None = None, expert_count: int = 0,
+    architecture: str | None = None, expert_count: int = 0, split_experts: bool = False,
 ) -> Path:
     """Write ``model`` as GGUF (its own architecture unless one is named); 2-D weights use
     ``quant``, norms and biases stay F32 as in llama.cpp. ``expert_count`` writes the key a
-    mixture-of-experts file (Mixtral's, under ``llama``) carries."""
+    mixture-of-experts file carries (for a model without experts). ``split_experts``: each expert's
+    projections as their own tensors (ffn_gate.E ...), as older Mixtral files hold them."""
     config = model.config
-    arch = architecture or {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(config.model_type, config.model_type)
+    arch = architecture or {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+                            "qwen2_moe": "qwen2moe"}.get(config.model_type, config.model_type)
     writer = GGUFWriter(str(path), arch)
     writer.add_name("tiny-llama")
     writer.add_block_count(config.num_hidden_layers)
@@ -198,13 +216,20 @@ def write_tiny_gguf(
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
-    if expert_count or getattr(config, "num_experts", 0):
-        writer.add_expert_count(expert_count or config.num_experts)
-    if getattr(config, "num_experts", 0):  # (Qwen3-MoE's: llama.cpp renormalises its top k)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    if expert_count or experts:
+        writer.add_expert_count(expert_count or experts)
+    if experts:  # (Mixtral's experts are feed_forward_length wide: its converter writes no expert width)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if config.model_type != "mixtral":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     _add_tokenizer(writer)
-    for name, data in gguf_tensors(model).items():
+    tensors = gguf_tensors(model)
+    if split_experts:
+        tensors = dict(_split_experts(tensors))
+    for name, data in tensors.items():
         if data.ndim == 2 and quant != GGMLQuantizationType.F32:
             writer.add_tensor(name, quantize(data, quant), raw_dtype=quant)
         else:
@@ -253,6 +278,18 @@ def _stacked_experts(hf_name: str, data: np.ndarray, block: str) -> dict[str, np
     if hf_name.endswith(".experts.down_proj"):
         return {f"blk.{layer}.ffn_down_exps.weight": data}
     raise ValueError(f"unexpected expert tensor {hf_name!r}")
+
+
+def _split_experts(tensors: dict[str, np.ndarray]):
+    """Stacked ffn_{gate,up,down}_exps [experts, rows, columns] as one tensor per expert
+    (blk.N.ffn_gate.E.weight ...), the layout of Mixtral GGUFs written before llama.cpp stacked them."""
+    for name, data in tensors.items():
+        if name.endswith("_exps.weight"):
+            prefix, part = name.removesuffix(".weight").rsplit(".", 1)
+            for expert, weights in enumerate(data):
+                yield f"{prefix}.{part.removesuffix('_exps')}.{expert}.weight", weights.copy()
+        else:
+            yield name, data
 
 
 def tiny_lfm2(seed: int = 0, conv_bias: bool = False, moe: bool = False) -> Lfm2ForCausalLM | Lfm2MoeForCausalLM:
