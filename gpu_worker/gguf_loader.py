@@ -1,5 +1,5 @@
 """Turn a llama.cpp GGUF checkpoint (Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Gemma 2,
-Gemma 3, LFM2 or LFM2-MoE architecture) into a Hugging Face model directory.
+Gemma 3, LFM2, LFM2-MoE, or IBM Granite's: gpu_worker.gguf_granite) into a Hugging Face model directory.
 
 The engine only knows how to load HF-style directories (config.json + safetensors + tokenizer files),
 so a GGUF file is converted once, dequantised, and cached on disk. Later starts reuse the cached
@@ -47,6 +47,7 @@ from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from gpu_worker.gguf_granite import GRANITE_ARCHITECTURES, GRANITE_MODEL_TYPES, GraniteTensors, granite_config
 from gpu_worker.layers.rotary import compute_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ logger = logging.getLogger(__name__)
 # 4: LFM2 files.
 # 5: Qwen3-MoE and LFM2-MoE files (their stacked experts split into each expert's projections).
 # 6: Mixtral (llama files with experts, stacked or one tensor per expert) and Qwen2-MoE files.
-CONVERTER_VERSION = 6
+# 7: IBM Granite files (granite, granitemoe, granitehybrid).
+CONVERTER_VERSION = 7
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -119,9 +121,10 @@ _ARCHITECTURES = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe"),
+    **GRANITE_ARCHITECTURES,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
-_PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral")
+_PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral", *GRANITE_MODEL_TYPES)
 # Mixture-of-experts files convert for these; their stacked experts (ffn_{gate,up,down}_exps:
 # [experts, rows, columns]; older Mixtral files: one tensor per expert, ffn_{gate,up,down}.E) become each
 # expert's projections, named as the model's checkpoints name them.
@@ -278,7 +281,7 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
     if experts and arch == "llama":  # (llama.cpp's Mixtral files)
         architecture, model_type = _MIXTRAL
-    if experts and model_type not in _EXPERT_NAMES:
+    if experts and model_type not in _EXPERT_NAMES and arch not in ("granitemoe", "granitehybrid"):
         raise ValueError(f"GGUF mixture-of-experts files ({experts} experts) of {arch!r} are not converted (Mixtral, "
                          "Qwen2-MoE, Qwen3-MoE and LFM2-MoE ones are); serve the model's Hugging Face checkpoint "
                          "directory instead")
@@ -287,7 +290,7 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
     hidden = int(_require_key(meta, f"{arch}.embedding_length"))
     n_heads = int(_require_key(meta, f"{arch}.attention.head_count"))
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", n_heads)
-    # (LFM2 lists them per layer, 0 in its short-convolution layers.)
+    # (LFM2 and Granite 4.0-H list them per layer, 0 in their recurrent layers.)
     n_kv_heads = max(int(k) for k in kv_heads) if isinstance(kv_heads, list) else int(kv_heads)
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
     rope_theta = _float32(meta.get(f"{arch}.rope.freq_base", 10000.0))
@@ -319,7 +322,7 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         # The embedding rows, not the optional vocab_size key: the weights must fit the config exactly.
         "vocab_size": int(embed.shape[-1]),
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "initializer_range": 0.02,
@@ -335,7 +338,9 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         config.update(_lfm2_config(meta, kv_heads, config, tensor_names, arch))
     elif model_type.startswith("qwen"):
         config["use_sliding_window"] = False  # (llama.cpp's Qwen files run full attention in every layer)
-    if experts:
+    if arch in GRANITE_ARCHITECTURES:
+        config.update(granite_config(meta, arch, config, kv_heads, experts, tensor_names))
+    elif experts:
         config.update(_experts_config(meta, arch, experts, tensor_names))
     return config
 
@@ -479,6 +484,8 @@ def iter_hf_tensors(
 def _hf_tensors(
     tensors: list[ReaderTensor], config: dict[str, Any], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    granite = (GraniteTensors(config, lambda name: gguf_to_hf_name(name, "llama"))
+               if config["model_type"] in GRANITE_MODEL_TYPES else None)
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # (read into the config's rope scaling)
@@ -492,6 +499,10 @@ def _hf_tensors(
             weights = unpermute_qk(weights, heads)
         # Copy: F32/F16 tensors come back as views of the read-only memory map.
         array = np.array(weights, dtype=np.float32, order="C", copy=True)
+        if granite is not None:
+            for name, converted in granite.convert(tensor.name, array):
+                yield name, torch.from_numpy(np.ascontiguousarray(converted)).to(dtype)
+            continue
         if config["model_type"].startswith("gemma") and tensor.name.endswith("norm.weight"):
             array -= 1.0  # (llama.cpp stored Gemma's 1 + w)
         if tensor.name.endswith(".shortconv.conv.weight"):
@@ -512,6 +523,8 @@ def _hf_tensors(
                 yield name, torch.from_numpy(np.ascontiguousarray(weights)).to(dtype)
             continue
         yield gguf_to_hf_name(tensor.name, config["model_type"]), torch.from_numpy(array).to(dtype)
+    if granite is not None:
+        granite.finish()
 
 
 def load_gguf(

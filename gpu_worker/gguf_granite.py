@@ -1,0 +1,164 @@
+"""IBM Granite's GGUF files back to Hugging Face checkpoints: ``granite`` (Granite 3.x dense, and
+Granite 4.0 models without Mamba layers: granite-4.0-micro), ``granitemoe`` (Granite 3.x MoE, with or
+without a shared expert) and ``granitehybrid`` (Granite 4.0-H: Mamba-2 layers beside attention without
+positions, routed experts beside a shared MLP or the shared MLP alone). Used by gpu_worker.gguf_loader.
+
+What llama.cpp's converter changed, and is undone here:
+  * Granite's four multipliers as attention.scale, embedding_scale, residual_scale and logit_scale;
+  * the experts' merged gate-and-up tensor (``block_sparse_moe.input_linear``: [experts, 2 x width,
+    hidden]) split into ffn_gate_exps and ffn_up_exps, and the shared MLP's (``shared_mlp.input_linear``)
+    into ffn_gate_shexp / ffn_up_shexp (ffn_gate / ffn_up where there are no experts): merged again;
+  * the Mamba-2 layers: A_log written as A = -exp(A_log) with a trailing unit dimension (``ssm_a``,
+    no suffix), D likewise (``ssm_d``), dt_bias as ``ssm_dt.bias``, the convolution's [channels, 1,
+    taps] weight squeezed, the gated norm's weight as [groups, channels / groups];
+  * the layer kinds, as per-layer KV head counts (0 in a Mamba layer); RoPE marked off by
+    rope.scaling.finetuned = false (and a context length of 2^20) in a hybrid without positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+# GGUF general.architecture -> HF (architecture, model_type); granitemoe with a shared expert is
+# GraniteMoeShared (GRANITE_MOE_SHARED).
+GRANITE_ARCHITECTURES = {
+    "granite": ("GraniteForCausalLM", "granite"),
+    "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
+    "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
+}
+GRANITE_MOE_SHARED = ("GraniteMoeSharedForCausalLM", "granitemoeshared")
+GRANITE_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
+
+# llama.cpp's block names -> the released checkpoints' (the plain ones: gpu_worker.gguf_loader's).
+_GRANITE_BLOCK_NAMES = {
+    "ffn_gate_inp": "block_sparse_moe.router.layer",
+    "ffn_down_exps": "block_sparse_moe.output_linear",
+    "ffn_down_shexp": "shared_mlp.output_linear",
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_norm": "mamba.norm",
+    "ssm_out": "mamba.out_proj",
+}
+# Halves merged again into one tensor: (gate part, up part) -> the merged tensor's name.
+_MERGED = {("ffn_gate_exps", "ffn_up_exps"): "block_sparse_moe.input_linear",
+           ("ffn_gate_shexp", "ffn_up_shexp"): "shared_mlp.input_linear"}
+# Granite 4.0-H without experts: its shared MLP, under the dense names.
+_DENSE_SHARED_MLP = {("ffn_gate", "ffn_up"): "shared_mlp.input_linear"}
+
+
+def granite_config(meta: dict[str, Any], arch: str, config: dict[str, Any], kv_heads: Any, experts: int,
+                   tensor_names: set[str]) -> dict[str, Any]:
+    """The Granite keys of a converted config.json: the multipliers (transformers' 1.0 where a file
+    leaves one out); the experts (intermediate_size wide) and shared expert; a hybrid's layer kinds,
+    Mamba-2 geometry and positions."""
+    extra: dict[str, Any] = {
+        "attention_multiplier": float(meta.get(f"{arch}.attention.scale", 1.0)),
+        "embedding_multiplier": float(meta.get(f"{arch}.embedding_scale", 1.0)),
+        "residual_multiplier": float(meta.get(f"{arch}.residual_scale", 1.0)),
+        "logits_scaling": float(meta.get(f"{arch}.logit_scale", 1.0)),
+        "head_dim": config["hidden_size"] // config["num_attention_heads"],
+    }
+    shared = any(name.endswith(".ffn_up_shexp.weight") for name in tensor_names)
+    if experts:
+        extra.update(num_local_experts=experts,
+                     num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]))
+    if shared or arch == "granitehybrid":
+        width = meta.get(f"{arch}.expert_shared_feed_forward_length")
+        if width is None:
+            raise ValueError(f"GGUF {arch} file: its shared MLP's width ({arch}.expert_shared_feed_forward_length) "
+                             "is missing")
+        extra["shared_intermediate_size"] = int(width)
+    if arch == "granitemoe" and shared:
+        extra["architectures"], extra["model_type"] = [GRANITE_MOE_SHARED[0]], GRANITE_MOE_SHARED[1]
+    if arch == "granitehybrid":
+        extra.update(_hybrid_config(meta, arch, config, kv_heads, experts, tensor_names))
+    return extra
+
+
+def _hybrid_config(meta: dict[str, Any], arch: str, config: dict[str, Any], kv_heads: Any, experts: int,
+                   tensor_names: set[str]) -> dict[str, Any]:
+    layers = int(config["num_hidden_layers"])
+    per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    if len(per_layer) != layers:
+        raise ValueError(f"{arch}.attention.head_count_kv lists {len(per_layer)} layers, the file has {layers}")
+    if bool(meta.get(f"{arch}.rope.scaling.finetuned", False)) and any(int(k) == 0 for k in per_layer):
+        raise ValueError("GGUF Bamba files (granitehybrid with RoPE) are not converted; serve the model's Hugging "
+                         "Face checkpoint directory instead")
+    hidden = int(config["hidden_size"])
+    inner, heads = int(meta[f"{arch}.ssm.inner_size"]), int(meta[f"{arch}.ssm.time_step_rank"])
+    if inner % hidden or inner % heads:
+        raise ValueError(f"GGUF {arch} file: ssm.inner_size {inner} is not a whole multiple of the hidden size "
+                         f"({hidden}) and of ssm.time_step_rank ({heads})")
+    return {
+        "layer_types": ["attention" if int(k) else "mamba" for k in per_layer],
+        "position_embedding_type": "rope" if meta.get(f"{arch}.rope.scaling.finetuned", True) else "nope",
+        "mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_expand": inner // hidden,
+        "mamba_n_groups": int(meta[f"{arch}.ssm.group_count"]), "mamba_d_state": int(meta[f"{arch}.ssm.state_size"]),
+        "mamba_d_conv": int(meta[f"{arch}.ssm.conv_kernel"]),
+        "mamba_conv_bias": any(name.endswith(".ssm_conv1d.bias") for name in tensor_names),
+        "mamba_proj_bias": any(name.endswith(".ssm_in.bias") for name in tensor_names),
+        "num_local_experts": experts,
+    }
+
+
+class GraniteTensors:
+    """Renames a Granite file's tensors (already dequantised, q/k rows un-permuted) to the released
+    checkpoints' names, undoing the converter's reshapes, and merges the halves it split: feed each
+    tensor to ``convert``; ``finish`` says if a half never met its other."""
+
+    def __init__(self, config: dict[str, Any], plain_name: Callable[[str], str]) -> None:
+        self.plain_name = plain_name  # (gguf_loader's renaming of the tensors Granite shares with Llama)
+        self.dense_hybrid = config["model_type"] == "granitemoehybrid" and not config.get("num_local_experts")
+        self.pairs = {**_MERGED, **(_DENSE_SHARED_MLP if self.dense_hybrid else {})}
+        self.pending: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+
+    def convert(self, name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+        parts = name.split(".")
+        if parts[0] != "blk":
+            yield self.plain_name(name), array
+            return
+        layer, part, kind = parts[1], parts[2], ".".join(parts[3:])
+        prefix = f"model.layers.{layer}"
+        if part == "ssm_a":  # (A = -exp(A_log), [heads, 1])
+            yield f"{prefix}.mamba.A_log", np.log(-array.reshape(-1)).astype(np.float32)
+        elif part == "ssm_d":
+            yield f"{prefix}.mamba.D", array.reshape(-1)
+        elif part == "ssm_dt":
+            yield f"{prefix}.mamba.dt_bias", array
+        elif part == "ssm_conv1d" and kind == "weight":
+            yield f"{prefix}.mamba.conv1d.weight", array[:, None, :]
+        elif part == "ssm_norm":
+            yield f"{prefix}.mamba.norm.weight", array.reshape(-1)
+        elif (pair := self._pair_of(part)) is not None:
+            merged = self._merge(layer, part, pair, array)
+            if merged is not None:
+                yield merged
+        elif part == "ffn_down" and self.dense_hybrid:
+            yield f"{prefix}.shared_mlp.output_linear.{kind}", array
+        elif part in _GRANITE_BLOCK_NAMES:
+            yield f"{prefix}.{_GRANITE_BLOCK_NAMES[part]}.{kind}", array
+        else:
+            yield self.plain_name(name), array
+
+    def _pair_of(self, part: str) -> tuple[str, str] | None:
+        """The (gate, up) pair ``part`` is a half of (None: not a split tensor)."""
+        return next((pair for pair in self.pairs if part in pair), None)
+
+    def _merge(self, layer: str, part: str, pair: tuple[str, str], array: np.ndarray) -> tuple[str, np.ndarray] | None:
+        """The merged tensor once both halves of ``pair`` are in (None: the other is still to come)."""
+        name = self.pairs[pair]
+        halves = self.pending.setdefault((layer, name), {})
+        halves[part] = array
+        if len(halves) < 2:
+            return None
+        del self.pending[(layer, name)]
+        # (gate rows then up rows: along the rows of a projection, axis -2 of the stacked experts)
+        return f"model.layers.{layer}.{name}.weight", np.concatenate([halves[pair[0]], halves[pair[1]]], axis=-2)
+
+    def finish(self) -> None:
+        if self.pending:
+            (layer, name), halves = next(iter(self.pending.items()))
+            raise ValueError(f"GGUF Granite file: layer {layer}'s {name} has only {', '.join(halves)}")

@@ -1,0 +1,167 @@
+"""Tiny IBM Granite models (Granite 3.x dense, Granite MoE with a shared expert, Granite 4.0-H with and
+without experts) and their GGUF files written the way llama.cpp's convert_hf_to_gguf.py writes them
+(GraniteModel, GraniteMoeModel, GraniteHybridModel), for the loader's tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
+    GraniteMoeSharedConfig,
+    GraniteMoeSharedForCausalLM,
+    PreTrainedModel,
+)
+
+from .tiny_gguf import _add_tokenizer, gguf_tensor_name, llama_cpp_permute, tiny_vocab
+
+# Granite's muP multipliers, away from 1 so a lost one shows.
+_MULTIPLIERS = dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)
+GRANITE_KINDS = ("granite", "granitemoeshared", "granitehybrid", "granitehybrid_dense")
+_ARCH = {"granite": "granite", "granitemoeshared": "granitemoe", "granitehybrid": "granitehybrid",
+         "granitehybrid_dense": "granitehybrid"}
+# The tensors llama.cpp quantizes (matrix multiplications); norms, the SSM's A, D, dt bias and
+# convolution stay F32.
+_QUANTIZED = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp",
+              "ffn_up_shexp", "ffn_down_shexp", "ssm_in", "ssm_out", "token_embd", "output")
+
+
+def tiny_granite(kind: str, seed: int = 0) -> PreTrainedModel:
+    """A tiny random Granite of ``kind`` (GRANITE_KINDS): granite, a dense Granite 3.x; granitemoeshared,
+    8 experts (2 a token) beside a shared expert; granitehybrid, Granite 4.0-H's Mamba-2 layers around
+    an attention layer without positions, experts and a shared expert; granitehybrid_dense, its
+    shared MLP alone."""
+    common = dict(vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=kind != "granite", **_MULTIPLIERS)
+    if kind == "granite":
+        model: PreTrainedModel = GraniteForCausalLM(GraniteConfig(**common, num_hidden_layers=2))
+    elif kind == "granitemoeshared":
+        model = GraniteMoeSharedForCausalLM(GraniteMoeSharedConfig(
+            **common, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=64))
+    else:
+        model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+            **common, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+            num_local_experts=8 if kind == "granitehybrid" else 0, num_experts_per_tok=2,
+            shared_intermediate_size=64, position_embedding_type="nope", mamba_n_heads=8, mamba_d_head=16,
+            mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4,
+            mamba_conv_bias=True, mamba_proj_bias=False))
+    torch.manual_seed(seed)
+    model = type(model)(model.config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.3 * torch.randn_like(param))
+            elif name.endswith(("bias", "dt_bias", ".D")):
+                param.normal_(0.0, 0.5)
+    return model
+
+
+def write_tiny_granite_gguf(path: Path, model: PreTrainedModel, kind: str,
+                            quant: GGMLQuantizationType = GGMLQuantizationType.F32, rope: bool = False) -> Path:
+    """``model`` as llama.cpp writes a Granite file: the multipliers as *_scale keys, q/k rows
+    permuted, the merged gate-and-up tensors split, a hybrid's KV heads per layer (0 in its Mamba
+    layers), no RoPE and a 2^20 context (``rope``: marked as rotating, as a Bamba file is), its SSM
+    tensors reshaped (A as -exp(A_log))."""
+    config, arch = model.config, _ARCH[kind]
+    hybrid, experts = arch == "granitehybrid", getattr(config, "num_local_experts", 0)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{kind}")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(2**20 if hybrid and not rope else config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv([config.num_key_value_heads if t in ("attention", "full_attention") else 0
+                              for t in config.layer_types]
+                             if hybrid else config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "shared_intermediate_size", 0):
+        writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    if hybrid:
+        inner = config.mamba_n_heads * config.mamba_d_head
+        writer.add_ssm_conv_kernel(config.mamba_d_conv)
+        writer.add_ssm_state_size(config.mamba_d_state)
+        writer.add_ssm_group_count(config.mamba_n_groups)
+        writer.add_ssm_inner_size(inner)
+        writer.add_ssm_time_step_rank(config.mamba_n_heads)
+        writer.add_rope_scaling_finetuned(rope)
+    _add_tokenizer(writer)
+    for name, data in _granite_tensors(model, experts).items():
+        if quant != GGMLQuantizationType.F32 and name.split(".")[-2] in _QUANTIZED:
+            writer.add_tensor(name, quantize(data, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _granite_tensors(model: PreTrainedModel, experts: int) -> dict[str, np.ndarray]:
+    config, out = model.config, {}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy().copy()
+        if not hf_name.startswith("model.layers."):
+            out[gguf_tensor_name(hf_name)] = data
+            continue
+        _, _, layer, *rest = hf_name.split(".")
+        module, blk = ".".join(rest), f"blk.{layer}"
+        if module == "block_sparse_moe.router.weight":
+            out[f"{blk}.ffn_gate_inp.weight"] = data
+        elif module == "block_sparse_moe.experts.gate_up_proj":  # ([experts, 2 x width, hidden], gate rows first)
+            half = data.shape[1] // 2
+            out[f"{blk}.ffn_gate_exps.weight"], out[f"{blk}.ffn_up_exps.weight"] = data[:, :half], data[:, half:]
+        elif module == "block_sparse_moe.experts.down_proj":
+            out[f"{blk}.ffn_down_exps.weight"] = data
+        elif module == "shared_mlp.input_linear.weight":
+            half, suffix = data.shape[0] // 2, "_shexp" if experts else ""
+            out[f"{blk}.ffn_gate{suffix}.weight"], out[f"{blk}.ffn_up{suffix}.weight"] = data[:half], data[half:]
+        elif module == "shared_mlp.output_linear.weight":
+            out[f"{blk}.ffn_down{'_shexp' if experts else ''}.weight"] = data
+        elif module.startswith("mamba."):
+            out.update(_mamba_tensor(blk, module.removeprefix("mamba."), data, config.mamba_n_groups))
+        else:
+            if module == "self_attn.q_proj.weight":
+                data = llama_cpp_permute(data, config.num_attention_heads, config.num_attention_heads)
+            elif module == "self_attn.k_proj.weight":
+                data = llama_cpp_permute(data, config.num_attention_heads, config.num_key_value_heads)
+            out[gguf_tensor_name(hf_name)] = data
+    return {name: np.ascontiguousarray(data) for name, data in out.items()}
+
+
+def _mamba_tensor(blk: str, name: str, data: np.ndarray, groups: int) -> dict[str, np.ndarray]:
+    """One Mamba-2 tensor as llama.cpp's Mamba2Model writes it."""
+    if name == "A_log":
+        return {f"{blk}.ssm_a": -np.exp(data)[:, None]}
+    if name == "D":
+        return {f"{blk}.ssm_d": data[:, None]}
+    if name == "dt_bias":
+        return {f"{blk}.ssm_dt.bias": data}
+    if name == "conv1d.weight":
+        return {f"{blk}.ssm_conv1d.weight": data.squeeze(1)}
+    if name == "norm.weight":
+        return {f"{blk}.ssm_norm.weight": data.reshape(groups, -1)}
+    renamed = {"in_proj": "ssm_in", "conv1d": "ssm_conv1d", "out_proj": "ssm_out"}
+    module, kind = name.rsplit(".", 1)
+    return {f"{blk}.{renamed[module]}.{kind}": data}
