@@ -8,9 +8,7 @@ What llama.cpp's converter changed, and is undone here:
   * the experts' merged gate-and-up tensor (``block_sparse_moe.input_linear``: [experts, 2 x width,
     hidden]) split into ffn_gate_exps and ffn_up_exps, and the shared MLP's (``shared_mlp.input_linear``)
     into ffn_gate_shexp / ffn_up_shexp (ffn_gate / ffn_up where there are no experts): merged again;
-  * the Mamba-2 layers: A_log written as A = -exp(A_log) with a trailing unit dimension (``ssm_a``,
-    no suffix), D likewise (``ssm_d``), dt_bias as ``ssm_dt.bias``, the convolution's [channels, 1,
-    taps] weight squeezed, the gated norm's weight as [groups, channels / groups];
+  * the Mamba-2 layers' tensors reshaped and renamed (gpu_worker.gguf_mamba2);
   * the layer kinds, as per-layer KV head counts (0 in a Mamba layer); RoPE marked off by
     rope.scaling.finetuned = false (and a context length of 2^20) in a hybrid without positions.
 """
@@ -21,6 +19,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+
+from gpu_worker.gguf_mamba2 import mamba2_geometry, per_layer, undo_mamba2
 
 # GGUF general.architecture -> HF (architecture, model_type); granitemoe with a shared expert is
 # GraniteMoeShared (GRANITE_MOE_SHARED).
@@ -37,10 +37,6 @@ _GRANITE_BLOCK_NAMES = {
     "ffn_gate_inp": "block_sparse_moe.router.layer",
     "ffn_down_exps": "block_sparse_moe.output_linear",
     "ffn_down_shexp": "shared_mlp.output_linear",
-    "ssm_in": "mamba.in_proj",
-    "ssm_conv1d": "mamba.conv1d",
-    "ssm_norm": "mamba.norm",
-    "ssm_out": "mamba.out_proj",
 }
 # Halves merged again into one tensor: (gate part, up part) -> the merged tensor's name.
 _MERGED = {("ffn_gate_exps", "ffn_up_exps"): "block_sparse_moe.input_linear",
@@ -80,27 +76,21 @@ def granite_config(meta: dict[str, Any], arch: str, config: dict[str, Any], kv_h
 
 def _hybrid_config(meta: dict[str, Any], arch: str, config: dict[str, Any], kv_heads: Any, experts: int,
                    tensor_names: set[str]) -> dict[str, Any]:
-    layers = int(config["num_hidden_layers"])
-    per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
-    if len(per_layer) != layers:
-        raise ValueError(f"{arch}.attention.head_count_kv lists {len(per_layer)} layers, the file has {layers}")
-    if bool(meta.get(f"{arch}.rope.scaling.finetuned", False)) and any(int(k) == 0 for k in per_layer):
+    kv = per_layer(kv_heads, int(config["num_hidden_layers"]), f"{arch}.attention.head_count_kv")
+    if bool(meta.get(f"{arch}.rope.scaling.finetuned", False)) and 0 in kv:
         raise ValueError("GGUF Bamba files (granitehybrid with RoPE) are not converted; serve the model's Hugging "
                          "Face checkpoint directory instead")
-    hidden = int(config["hidden_size"])
-    inner, heads = int(meta[f"{arch}.ssm.inner_size"]), int(meta[f"{arch}.ssm.time_step_rank"])
-    if inner % hidden or inner % heads:
-        raise ValueError(f"GGUF {arch} file: ssm.inner_size {inner} is not a whole multiple of the hidden size "
-                         f"({hidden}) and of ssm.time_step_rank ({heads})")
+    hidden, mamba = int(config["hidden_size"]), mamba2_geometry(meta, arch, tensor_names)
+    if mamba["inner_size"] % hidden:
+        raise ValueError(f"GGUF {arch} file: ssm.inner_size {mamba['inner_size']} is not a whole multiple of the "
+                         f"hidden size ({hidden})")
     return {
-        "layer_types": ["attention" if int(k) else "mamba" for k in per_layer],
+        "layer_types": ["attention" if k else "mamba" for k in kv],
         "position_embedding_type": "rope" if meta.get(f"{arch}.rope.scaling.finetuned", True) else "nope",
-        "mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_expand": inner // hidden,
-        "mamba_n_groups": int(meta[f"{arch}.ssm.group_count"]), "mamba_d_state": int(meta[f"{arch}.ssm.state_size"]),
-        "mamba_d_conv": int(meta[f"{arch}.ssm.conv_kernel"]),
-        "mamba_conv_bias": any(name.endswith(".ssm_conv1d.bias") for name in tensor_names),
-        "mamba_proj_bias": any(name.endswith(".ssm_in.bias") for name in tensor_names),
-        "num_local_experts": experts,
+        "mamba_n_heads": mamba["num_heads"], "mamba_d_head": mamba["head_dim"],
+        "mamba_expand": mamba["inner_size"] // hidden, "mamba_n_groups": mamba["num_groups"],
+        "mamba_d_state": mamba["state_size"], "mamba_d_conv": mamba["conv_kernel"],
+        "mamba_conv_bias": mamba["conv_bias"], "mamba_proj_bias": mamba["proj_bias"], "num_local_experts": experts,
     }
 
 
@@ -122,16 +112,8 @@ class GraniteTensors:
             return
         layer, part, kind = parts[1], parts[2], ".".join(parts[3:])
         prefix = f"model.layers.{layer}"
-        if part == "ssm_a":  # (A = -exp(A_log), [heads, 1])
-            yield f"{prefix}.mamba.A_log", np.log(-array.reshape(-1)).astype(np.float32)
-        elif part == "ssm_d":
-            yield f"{prefix}.mamba.D", array.reshape(-1)
-        elif part == "ssm_dt":
-            yield f"{prefix}.mamba.dt_bias", array
-        elif part == "ssm_conv1d" and kind == "weight":
-            yield f"{prefix}.mamba.conv1d.weight", array[:, None, :]
-        elif part == "ssm_norm":
-            yield f"{prefix}.mamba.norm.weight", array.reshape(-1)
+        if (mamba := undo_mamba2(part, kind, array)) is not None:
+            yield f"{prefix}.mamba.{mamba[0]}", mamba[1]
         elif (pair := self._pair_of(part)) is not None:
             merged = self._merge(layer, part, pair, array)
             if merged is not None:

@@ -1,5 +1,6 @@
 """Turn a llama.cpp GGUF checkpoint (Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Gemma 2,
-Gemma 3, LFM2, LFM2-MoE, or IBM Granite's: gpu_worker.gguf_granite) into a Hugging Face model directory.
+Gemma 3, LFM2, LFM2-MoE, IBM Granite's: gpu_worker.gguf_granite, or NVIDIA Nemotron-H's:
+gpu_worker.gguf_nemotron_h) into a Hugging Face model directory.
 
 The engine only knows how to load HF-style directories (config.json + safetensors + tokenizer files),
 so a GGUF file is converted once, dequantised, and cached on disk. Later starts reuse the cached
@@ -48,6 +49,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from gpu_worker.gguf_granite import GRANITE_ARCHITECTURES, GRANITE_MODEL_TYPES, GraniteTensors, granite_config
+from gpu_worker.gguf_nemotron_h import NEMOTRON_H_ARCHITECTURES, nemotron_h_config, nemotron_h_tensors
 from gpu_worker.layers.rotary import compute_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ logger = logging.getLogger(__name__)
 # 4: LFM2 files.
 # 5: Qwen3-MoE and LFM2-MoE files (their stacked experts split into each expert's projections).
 # 6: Mixtral (llama files with experts, stacked or one tensor per expert) and Qwen2-MoE files.
-# 7: IBM Granite files (granite, granitemoe, granitehybrid).
+# 7: IBM Granite files (granite, granitemoe, granitehybrid) and NVIDIA Nemotron-H's (nemotron_h).
 CONVERTER_VERSION = 7
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -122,9 +124,10 @@ _ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe"),
     **GRANITE_ARCHITECTURES,
+    **NEMOTRON_H_ARCHITECTURES,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
-_PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral", *GRANITE_MODEL_TYPES)
+_PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral", "nemotron_h", *GRANITE_MODEL_TYPES)
 # Mixture-of-experts files convert for these; their stacked experts (ffn_{gate,up,down}_exps:
 # [experts, rows, columns]; older Mixtral files: one tensor per expert, ffn_{gate,up,down}.E) become each
 # expert's projections, named as the model's checkpoints name them.
@@ -290,7 +293,7 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
     hidden = int(_require_key(meta, f"{arch}.embedding_length"))
     n_heads = int(_require_key(meta, f"{arch}.attention.head_count"))
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", n_heads)
-    # (LFM2 and Granite 4.0-H list them per layer, 0 in their recurrent layers.)
+    # (LFM2, Granite 4.0-H and Nemotron-H list them per layer, 0 in their recurrent (and MLP) layers.)
     n_kv_heads = max(int(k) for k in kv_heads) if isinstance(kv_heads, list) else int(kv_heads)
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
     rope_theta = _float32(meta.get(f"{arch}.rope.freq_base", 10000.0))
@@ -305,7 +308,9 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         "architectures": [architecture],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_require_key(meta, f"{arch}.feed_forward_length")),
+        # (Nemotron-H lists it per layer, 0 but in its MLP layers.)
+        "intermediate_size": max(int(v) for v in ffn) if isinstance(ffn := _require_key(
+            meta, f"{arch}.feed_forward_length"), list) else int(ffn),
         "num_hidden_layers": int(_require_key(meta, f"{arch}.block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
@@ -340,6 +345,9 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         config["use_sliding_window"] = False  # (llama.cpp's Qwen files run full attention in every layer)
     if arch in GRANITE_ARCHITECTURES:
         config.update(granite_config(meta, arch, config, kv_heads, experts, tensor_names))
+    elif arch in NEMOTRON_H_ARCHITECTURES:
+        config.update(nemotron_h_config(meta, arch, config, kv_heads, tensor_names))
+        del config["rope_scaling"]  # (no positions: transformers' NemotronHConfig would warn of the key)
     elif experts:
         config.update(_experts_config(meta, arch, experts, tensor_names))
     return config
@@ -484,8 +492,12 @@ def iter_hf_tensors(
 def _hf_tensors(
     tensors: list[ReaderTensor], config: dict[str, Any], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    granite = (GraniteTensors(config, lambda name: gguf_to_hf_name(name, "llama"))
-               if config["model_type"] in GRANITE_MODEL_TYPES else None)
+    def plain_name(name: str) -> str:
+        return gguf_to_hf_name(name, "llama")
+
+    # (The hybrids' renaming, reshaping and merging: their own modules'.)
+    granite = GraniteTensors(config, plain_name) if config["model_type"] in GRANITE_MODEL_TYPES else None
+    nemotron_h = config["model_type"] == "nemotron_h"
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # (read into the config's rope scaling)
@@ -499,8 +511,10 @@ def _hf_tensors(
             weights = unpermute_qk(weights, heads)
         # Copy: F32/F16 tensors come back as views of the read-only memory map.
         array = np.array(weights, dtype=np.float32, order="C", copy=True)
-        if granite is not None:
-            for name, converted in granite.convert(tensor.name, array):
+        if granite is not None or nemotron_h:
+            renamed = (granite.convert(tensor.name, array) if granite is not None
+                       else nemotron_h_tensors(tensor.name, array, plain_name))
+            for name, converted in renamed:
                 yield name, torch.from_numpy(np.ascontiguousarray(converted)).to(dtype)
             continue
         if config["model_type"].startswith("gemma") and tensor.name.endswith("norm.weight"):

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from gpu_worker.gguf_loader import ensure_converted, load_gguf
 
-from .tiny_granite_gguf import GRANITE_KINDS, tiny_granite, write_tiny_granite_gguf
+from .tiny_hybrid_gguf import GRANITE_KINDS, tiny_granite, write_tiny_granite_gguf
 from .utils import make_runner, prefill_logits
 
 PROMPT_IDS = torch.tensor([[1, 120, 118, 263, 13, 107, 108, 261, 117, 104, 2, 13]])

@@ -1,6 +1,7 @@
 """Tiny IBM Granite models (Granite 3.x dense, Granite MoE with a shared expert, Granite 4.0-H with and
-without experts) and their GGUF files written the way llama.cpp's convert_hf_to_gguf.py writes them
-(GraniteModel, GraniteMoeModel, GraniteHybridModel), for the loader's tests."""
+without experts) and NVIDIA Nemotron-H models, and their GGUF files written the way llama.cpp's
+convert_hf_to_gguf.py writes them (GraniteModel, GraniteMoeModel, GraniteHybridModel, NemotronHModel),
+for the loader's tests."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from transformers import (
     GraniteMoeHybridForCausalLM,
     GraniteMoeSharedConfig,
     GraniteMoeSharedForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
     PreTrainedModel,
 )
 
@@ -53,6 +56,12 @@ def tiny_granite(kind: str, seed: int = 0) -> PreTrainedModel:
             shared_intermediate_size=64, position_embedding_type="nope", mamba_n_heads=8, mamba_d_head=16,
             mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4,
             mamba_conv_bias=True, mamba_proj_bias=False))
+    return _perturbed(model, seed)
+
+
+def _perturbed(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """``model``'s architecture with fresh random weights, norms and biases away from 1 and 0 (so a
+    swapped norm or a lost bias shows)."""
     torch.manual_seed(seed)
     model = type(model)(model.config).eval()
     with torch.no_grad():
@@ -165,3 +174,73 @@ def _mamba_tensor(blk: str, name: str, data: np.ndarray, groups: int) -> dict[st
     renamed = {"in_proj": "ssm_in", "conv1d": "ssm_conv1d", "out_proj": "ssm_out"}
     module, kind = name.rsplit(".", 1)
     return {f"{blk}.{renamed[module]}.{kind}": data}
+
+
+def tiny_nemotron_h(seed: int = 0) -> NemotronHForCausalLM:
+    """A tiny random Nemotron-H: Mamba-2 (8 heads of 16 in 2 groups), relu^2 MLP and attention blocks."""
+    config = NemotronHConfig(vocab_size=len(tiny_vocab()), hidden_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=32, hybrid_override_pattern="M-*M-M",
+                             mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=8,
+                             conv_kernel=4, use_conv_bias=True, layer_norm_epsilon=1e-5, bos_token_id=1,
+                             eos_token_id=2, pad_token_id=0)
+    return _perturbed(NemotronHForCausalLM(config), seed)
+
+
+def write_tiny_nemotron_h_gguf(path: Path, model: NemotronHForCausalLM,
+                               quant: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+    """``model`` as llama.cpp's NemotronHModel writes it: the block kinds as per-layer KV heads
+    (attention) and feed_forward_length (MLP), both 0 in a Mamba-2 block; q/k rows permuted; the
+    Mamba-2 tensors reshaped; no RoPE and a 2^20 context."""
+    config = model.config
+    kinds = "".join({"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-"}[k]
+                    for k in config.layers_block_type)
+    writer = GGUFWriter(str(path), "nemotron_h")
+    writer.add_name("tiny-nemotron-h")
+    writer.add_block_count(len(kinds))
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length([config.intermediate_size if k == "-" else 0 for k in kinds])
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv([config.num_key_value_heads if k == "*" else 0 for k in kinds])
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_ssm_conv_kernel(config.conv_kernel)
+    writer.add_ssm_state_size(config.ssm_state_size)
+    writer.add_ssm_group_count(config.n_groups)
+    writer.add_ssm_inner_size(config.mamba_num_heads * config.mamba_head_dim)
+    writer.add_ssm_time_step_rank(config.mamba_num_heads)
+    writer.add_rope_scaling_finetuned(False)
+    _add_tokenizer(writer)
+    top = {"model.embeddings.weight": "token_embd.weight", "model.norm_f.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    block = {"norm": "attn_norm", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k", "mixer.v_proj": "attn_v",
+             "mixer.o_proj": "attn_output", "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down"}
+    tensors = {}
+    for hf_name, tensor in model.state_dict().items():
+        data = tensor.detach().float().numpy().copy()
+        if hf_name in top:
+            tensors[top[hf_name]] = data
+            continue
+        _, _, layer, *rest = hf_name.split(".")
+        module, kind = ".".join(rest[:-1]), rest[-1]
+        if kinds[int(layer)] == "M" and module != "norm":  # (its mixer's; the block's norm is attn_norm)
+            tensors.update(_mamba_tensor(f"blk.{layer}", ".".join(rest[1:]), data, config.n_groups))
+            continue
+        if module == "mixer.q_proj":
+            data = llama_cpp_permute(data, config.num_attention_heads, config.num_attention_heads)
+        elif module == "mixer.k_proj":
+            data = llama_cpp_permute(data, config.num_attention_heads, config.num_key_value_heads)
+        tensors[f"blk.{layer}.{block[module]}.{kind}"] = data
+    for name, data in tensors.items():
+        data = np.ascontiguousarray(data)
+        if quant != GGMLQuantizationType.F32 and name.split(".")[-2] in _QUANTIZED:
+            writer.add_tensor(name, quantize(data, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
