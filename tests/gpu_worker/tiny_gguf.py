@@ -3,6 +3,7 @@ llama.cpp's convert_hf_to_gguf.py does, for loader tests."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -229,8 +230,16 @@ def write_tiny_gguf(
     tensors = gguf_tensors(model)
     if split_experts:
         tensors = dict(_split_experts(tensors))
+    return write_tensors_and_close(writer, path, tensors, quant, lambda name, data: data.ndim == 2)
+
+
+def write_tensors_and_close(writer: GGUFWriter, path: Path, tensors: dict[str, np.ndarray],
+                            quant: GGMLQuantizationType, quantized: Callable[[str, np.ndarray], bool]) -> Path:
+    """Add ``tensors`` to ``writer`` (those ``quantized`` says in ``quant``, the others as they are),
+    write the file out and close it."""
     for name, data in tensors.items():
-        if data.ndim == 2 and quant != GGMLQuantizationType.F32:
+        data = np.ascontiguousarray(data)
+        if quant != GGMLQuantizationType.F32 and quantized(name, data):
             writer.add_tensor(name, quantize(data, quant), raw_dtype=quant)
         else:
             writer.add_tensor(name, data)
@@ -348,6 +357,7 @@ def write_tiny_lfm2_gguf(path: Path, model: Lfm2ForCausalLM | Lfm2MoeForCausalLM
     _add_tokenizer(writer)
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.embedding_norm.weight": "token_embd_norm.weight",
            "lm_head.weight": "output.weight"}
+    tensors, unquantized = {}, set()  # (the experts' tensors and the router stay F32 here)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -355,23 +365,19 @@ def write_tiny_lfm2_gguf(path: Path, model: Lfm2ForCausalLM | Lfm2MoeForCausalLM
         if hf_name.endswith(".conv.conv.weight"):
             data = data.squeeze(1)
         if ".feed_forward.experts." in hf_name or hf_name.endswith(".feed_forward.gate.weight"):
-            for name, stacked in _stacked_experts(hf_name, data, "feed_forward").items():
-                writer.add_tensor(name, stacked)
+            stacked = _stacked_experts(hf_name, data, "feed_forward")
+            tensors.update(stacked)
+            unquantized.update(stacked)
             continue
         if hf_name.endswith(".feed_forward.expert_bias"):
-            writer.add_tensor(f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias", data)
+            tensors[f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias"] = data
             continue
         if hf_name in top:
             name = top[hf_name]
         else:
             _, _, layer, *rest = hf_name.split(".")
             name = f"blk.{layer}.{_LFM2_HF_TO_GGUF['.'.join(rest[:-1])]}.{rest[-1]}"
-        if data.ndim == 2 and quant != GGMLQuantizationType.F32 and ".shortconv.conv." not in name:
-            writer.add_tensor(name, quantize(data, quant), raw_dtype=quant)
-        else:
-            writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        tensors[name] = data
+    return write_tensors_and_close(
+        writer, path, tensors, quant,
+        lambda name, data: data.ndim == 2 and ".shortconv.conv." not in name and name not in unquantized)

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import quantize
 from transformers import (
     GraniteConfig,
     GraniteForCausalLM,
@@ -23,7 +22,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from .tiny_gguf import _add_tokenizer, gguf_tensor_name, llama_cpp_permute, tiny_vocab
+from .tiny_gguf import _add_tokenizer, gguf_tensor_name, llama_cpp_permute, tiny_vocab, write_tensors_and_close
 
 # Granite's muP multipliers, away from 1 so a lost one shows.
 _MULTIPLIERS = dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)
@@ -113,16 +112,11 @@ def write_tiny_granite_gguf(path: Path, model: PreTrainedModel, kind: str,
         writer.add_ssm_time_step_rank(config.mamba_n_heads)
         writer.add_rope_scaling_finetuned(rope)
     _add_tokenizer(writer)
-    for name, data in _granite_tensors(model, experts).items():
-        if quant != GGMLQuantizationType.F32 and name.split(".")[-2] in _QUANTIZED:
-            writer.add_tensor(name, quantize(data, quant), raw_dtype=quant)
-        else:
-            writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tensors_and_close(writer, path, _granite_tensors(model, experts), quant, _matmul)
+
+
+def _matmul(name: str, data: np.ndarray) -> bool:
+    return name.split(".")[-2] in _QUANTIZED
 
 
 def _granite_tensors(model: PreTrainedModel, experts: int) -> dict[str, np.ndarray]:
@@ -233,14 +227,4 @@ def write_tiny_nemotron_h_gguf(path: Path, model: NemotronHForCausalLM,
         elif module == "mixer.k_proj":
             data = llama_cpp_permute(data, config.num_attention_heads, config.num_key_value_heads)
         tensors[f"blk.{layer}.{block[module]}.{kind}"] = data
-    for name, data in tensors.items():
-        data = np.ascontiguousarray(data)
-        if quant != GGMLQuantizationType.F32 and name.split(".")[-2] in _QUANTIZED:
-            writer.add_tensor(name, quantize(data, quant), raw_dtype=quant)
-        else:
-            writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tensors_and_close(writer, path, tensors, quant, _matmul)
