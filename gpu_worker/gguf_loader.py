@@ -1,6 +1,6 @@
 """Turn a llama.cpp GGUF checkpoint (Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Gemma 2,
-Gemma 3, LFM2, LFM2-MoE, IBM Granite's: gpu_worker.gguf_granite, or NVIDIA Nemotron-H's:
-gpu_worker.gguf_nemotron_h) into a Hugging Face model directory.
+Gemma 3, LFM2, LFM2-MoE; IBM Granite's, NVIDIA Nemotron-H's and TII Falcon-H1's in their own modules:
+gpu_worker.gguf_granite, gguf_nemotron_h, gguf_falcon_h1) into a Hugging Face model directory.
 
 The engine only knows how to load HF-style directories (config.json + safetensors + tokenizer files),
 so a GGUF file is converted once, dequantised, and cached on disk. Later starts reuse the cached
@@ -48,8 +48,10 @@ from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from gpu_worker.gguf_falcon_h1 import FALCON_H1_ARCHITECTURES, FALCON_H1_NAMES, falcon_h1_config
 from gpu_worker.gguf_granite import GRANITE_ARCHITECTURES, GRANITE_MODEL_TYPES, GraniteTensors, granite_config
-from gpu_worker.gguf_nemotron_h import NEMOTRON_H_ARCHITECTURES, nemotron_h_config, nemotron_h_tensors
+from gpu_worker.gguf_mamba2 import rename_hybrid_tensor
+from gpu_worker.gguf_nemotron_h import NEMOTRON_H_ARCHITECTURES, NEMOTRON_H_NAMES, nemotron_h_config
 from gpu_worker.layers.rotary import compute_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,8 @@ logger = logging.getLogger(__name__)
 # 4: LFM2 files.
 # 5: Qwen3-MoE and LFM2-MoE files (their stacked experts split into each expert's projections).
 # 6: Mixtral (llama files with experts, stacked or one tensor per expert) and Qwen2-MoE files.
-# 7: IBM Granite files (granite, granitemoe, granitehybrid) and NVIDIA Nemotron-H's (nemotron_h).
+# 7: IBM Granite files (granite, granitemoe, granitehybrid), NVIDIA Nemotron-H's (nemotron_h) and TII
+#    Falcon-H1's (falcon-h1).
 CONVERTER_VERSION = 7
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -125,6 +128,7 @@ _ARCHITECTURES = {
     "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe"),
     **GRANITE_ARCHITECTURES,
     **NEMOTRON_H_ARCHITECTURES,
+    **FALCON_H1_ARCHITECTURES,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 _PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral", "nemotron_h", *GRANITE_MODEL_TYPES)
@@ -348,6 +352,8 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
     elif arch in NEMOTRON_H_ARCHITECTURES:
         config.update(nemotron_h_config(meta, arch, config, kv_heads, tensor_names))
         del config["rope_scaling"]  # (no positions: transformers' NemotronHConfig would warn of the key)
+    elif arch in FALCON_H1_ARCHITECTURES:
+        config.update(falcon_h1_config(meta, arch, config, tensor_names))
     elif experts:
         config.update(_experts_config(meta, arch, experts, tensor_names))
     return config
@@ -497,7 +503,7 @@ def _hf_tensors(
 
     # (The hybrids' renaming, reshaping and merging: their own modules'.)
     granite = GraniteTensors(config, plain_name) if config["model_type"] in GRANITE_MODEL_TYPES else None
-    nemotron_h = config["model_type"] == "nemotron_h"
+    hybrid_names = {"nemotron_h": NEMOTRON_H_NAMES, "falcon_h1": FALCON_H1_NAMES}.get(config["model_type"])
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # (read into the config's rope scaling)
@@ -511,9 +517,9 @@ def _hf_tensors(
             weights = unpermute_qk(weights, heads)
         # Copy: F32/F16 tensors come back as views of the read-only memory map.
         array = np.array(weights, dtype=np.float32, order="C", copy=True)
-        if granite is not None or nemotron_h:
+        if granite is not None or hybrid_names is not None:
             renamed = (granite.convert(tensor.name, array) if granite is not None
-                       else nemotron_h_tensors(tensor.name, array, plain_name))
+                       else rename_hybrid_tensor(tensor.name, array, hybrid_names, plain_name))
             for name, converted in renamed:
                 yield name, torch.from_numpy(np.ascontiguousarray(converted)).to(dtype)
             continue

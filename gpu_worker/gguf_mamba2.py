@@ -10,9 +10,25 @@ as ssm.inner_size).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class HybridNames:
+    """A hybrid family's checkpoint names for llama.cpp's: its top-level tensors (token_embd ...), its
+    layers' prefix ("model.layers"), its Mamba-2 mixer's name within a layer, its layers' other parts
+    (attn_q ...), and the family's name for messages."""
+
+    top_level: dict[str, str]
+    layers: str
+    mixer: str
+    block: dict[str, str]
+    family: str
+
 
 # llama.cpp's names for the mixer's projections -> the checkpoints' (under the mixer's own prefix).
 _PROJECTIONS = {"ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_out": "out_proj"}
@@ -55,3 +71,24 @@ def per_layer(value: Any, layers: int, key: str) -> list[int]:
     if len(values) != layers:
         raise ValueError(f"GGUF {key} lists {len(values)} layers, the file has {layers}")
     return values
+
+
+def rename_hybrid_tensor(name: str, array: np.ndarray, names: HybridNames, plain_name: Callable[[str], str]
+                         ) -> Iterator[tuple[str, np.ndarray]]:
+    """One tensor of a hybrid's file (dequantised, q/k rows un-permuted where they were permuted) under
+    its checkpoint's name: the Mamba-2 mixer's undone as above, the others' from ``names``."""
+    parts = name.split(".")
+    if parts[0] != "blk":
+        if parts[0] not in names.top_level:
+            yield plain_name(name), array  # (refused there, with the name)
+            return
+        yield f"{names.top_level[parts[0]]}.{parts[1]}", array
+        return
+    layer, part, kind = parts[1], parts[2], ".".join(parts[3:])
+    prefix = f"{names.layers}.{layer}"
+    if (mamba := undo_mamba2(part, kind, array)) is not None:
+        yield f"{prefix}.{names.mixer}.{mamba[0]}", mamba[1]
+    elif part in names.block:
+        yield f"{prefix}.{names.block[part]}.{kind}", array
+    else:
+        raise ValueError(f"unexpected GGUF tensor {name!r}: unknown {names.family} block component {part!r}")

@@ -11,18 +11,18 @@ Nemotron 3 Nano) is not converted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
-
-from gpu_worker.gguf_mamba2 import mamba2_geometry, per_layer, undo_mamba2
+from gpu_worker.gguf_mamba2 import HybridNames, mamba2_geometry, per_layer
 
 NEMOTRON_H_ARCHITECTURES = {"nemotron_h": ("NemotronHForCausalLM", "nemotron_h")}
 # llama.cpp's names -> the released checkpoint's (backbone.*).
-_TOP_LEVEL = {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"}
-_BLOCK = {"attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
-          "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"}
+NEMOTRON_H_NAMES = HybridNames(
+    top_level={"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"},
+    layers="backbone.layers", mixer="mixer",
+    block={"attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
+           "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"},
+    family="Nemotron-H")
 
 
 def nemotron_h_config(meta: dict[str, Any], arch: str, config: dict[str, Any], kv_heads: Any,
@@ -43,23 +43,3 @@ def nemotron_h_config(meta: dict[str, Any], arch: str, config: dict[str, Any], k
         "use_conv_bias": mamba["conv_bias"], "use_bias": mamba["proj_bias"],
         "mlp_bias": any(name.endswith(".ffn_up.bias") for name in tensor_names),
     }
-
-
-def nemotron_h_tensors(name: str, array: np.ndarray, plain_name: Callable[[str], str]
-                       ) -> Iterator[tuple[str, np.ndarray]]:
-    """One tensor of a Nemotron-H file (dequantised, q/k rows un-permuted) under the released name."""
-    parts = name.split(".")
-    if parts[0] != "blk":
-        if parts[0] not in _TOP_LEVEL:
-            yield plain_name(name), array  # (refused there, with the name)
-            return
-        yield f"{_TOP_LEVEL[parts[0]]}.{parts[1]}", array
-        return
-    layer, part, kind = parts[1], parts[2], ".".join(parts[3:])
-    prefix = f"backbone.layers.{layer}"
-    if (mamba := undo_mamba2(part, kind, array)) is not None:
-        yield f"{prefix}.mixer.{mamba[0]}", mamba[1]
-    elif part in _BLOCK:
-        yield f"{prefix}.{_BLOCK[part]}.{kind}", array
-    else:
-        raise ValueError(f"unexpected GGUF tensor {name!r}: unknown Nemotron-H block component {part!r}")

@@ -192,15 +192,9 @@ def write_tiny_gguf(
     config = model.config
     arch = architecture or {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
                             "qwen2_moe": "qwen2moe"}.get(config.model_type, config.model_type)
-    writer = GGUFWriter(str(path), arch)
-    writer.add_name("tiny-llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = start_gguf(path, arch, "tiny-llama", config.num_hidden_layers, config.max_position_embeddings,
+                        config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                        config.num_key_value_heads, config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":
@@ -233,12 +227,27 @@ def write_tiny_gguf(
     return write_tensors_and_close(writer, path, tensors, quant, lambda name, data: data.ndim == 2)
 
 
+def start_gguf(path: Path, arch: str, name: str, layers: int, context: int, hidden: int, ffn: int | list[int],
+               heads: int, kv_heads: int | list[int], eps: float) -> GGUFWriter:
+    """A writer of ``arch`` holding the keys every file has (its shape; per-layer lists where given)."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(eps)
+    return writer
+
+
 def write_tensors_and_close(writer: GGUFWriter, path: Path, tensors: dict[str, np.ndarray],
                             quant: GGMLQuantizationType, quantized: Callable[[str, np.ndarray], bool]) -> Path:
     """Add ``tensors`` to ``writer`` (those ``quantized`` says in ``quant``, the others as they are),
     write the file out and close it."""
     for name, data in tensors.items():
-        data = np.ascontiguousarray(data)
+        data = np.ascontiguousarray(data, dtype=np.float32)
         if quant != GGMLQuantizationType.F32 and quantized(name, data):
             writer.add_tensor(name, quantize(data, quant), raw_dtype=quant)
         else:
@@ -335,15 +344,11 @@ def write_tiny_lfm2_gguf(path: Path, model: Lfm2ForCausalLM | Lfm2MoeForCausalLM
     2-D; LFM2-MoE's experts stacked, its expert bias as exp_probs_b.bias, its dense layers' count."""
     config = model.config
     moe = config.model_type == "lfm2_moe"
-    writer = GGUFWriter(str(path), "lfm2moe" if moe else "lfm2")
-    writer.add_name("tiny-lfm2")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(model.model.layers[0].feed_forward.w1.out_features)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv([config.num_key_value_heads if kind != "conv" else 0 for kind in config.layer_types])
-    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer = start_gguf(path, "lfm2moe" if moe else "lfm2", "tiny-lfm2", config.num_hidden_layers,
+                        config.max_position_embeddings, config.hidden_size,
+                        model.model.layers[0].feed_forward.w1.out_features, config.num_attention_heads,
+                        [config.num_key_value_heads if kind != "conv" else 0 for kind in config.layer_types],
+                        config.norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
     writer.add_shortconv_l_cache(config.conv_L_cache)

@@ -1,7 +1,7 @@
 """Tiny IBM Granite models (Granite 3.x dense, Granite MoE with a shared expert, Granite 4.0-H with and
-without experts) and NVIDIA Nemotron-H models, and their GGUF files written the way llama.cpp's
-convert_hf_to_gguf.py writes them (GraniteModel, GraniteMoeModel, GraniteHybridModel, NemotronHModel),
-for the loader's tests."""
+without experts), NVIDIA Nemotron-H and TII Falcon-H1 models, and their GGUF files written the way
+llama.cpp's convert_hf_to_gguf.py writes them (GraniteModel, GraniteMoeModel, GraniteHybridModel,
+NemotronHModel, FalconH1Model), for the loader's tests."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from transformers import (
+    FalconH1ForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     GraniteMoeHybridConfig,
@@ -22,7 +23,15 @@ from transformers import (
     PreTrainedModel,
 )
 
-from .tiny_gguf import _add_tokenizer, gguf_tensor_name, llama_cpp_permute, tiny_vocab, write_tensors_and_close
+from .tiny_gguf import (
+    _add_tokenizer,
+    gguf_tensor_name,
+    llama_cpp_permute,
+    start_gguf,
+    tiny_vocab,
+    write_tensors_and_close,
+)
+from .utils import make_config
 
 # Granite's muP multipliers, away from 1 so a lost one shows.
 _MULTIPLIERS = dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)
@@ -80,17 +89,12 @@ def write_tiny_granite_gguf(path: Path, model: PreTrainedModel, kind: str,
     tensors reshaped (A as -exp(A_log))."""
     config, arch = model.config, _ARCH[kind]
     hybrid, experts = arch == "granitehybrid", getattr(config, "num_local_experts", 0)
-    writer = GGUFWriter(str(path), arch)
-    writer.add_name(f"tiny-{kind}")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(2**20 if hybrid and not rope else config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv([config.num_key_value_heads if t in ("attention", "full_attention") else 0
-                              for t in config.layer_types]
-                             if hybrid else config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = start_gguf(path, arch, f"tiny-{kind}", config.num_hidden_layers,
+                        2**20 if hybrid and not rope else config.max_position_embeddings, config.hidden_size,
+                        config.intermediate_size, config.num_attention_heads,
+                        [config.num_key_value_heads if t in ("attention", "full_attention") else 0
+                         for t in config.layer_types] if hybrid else config.num_key_value_heads,
+                        config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
@@ -104,12 +108,8 @@ def write_tiny_granite_gguf(path: Path, model: PreTrainedModel, kind: str,
     if getattr(config, "shared_intermediate_size", 0):
         writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
     if hybrid:
-        inner = config.mamba_n_heads * config.mamba_d_head
-        writer.add_ssm_conv_kernel(config.mamba_d_conv)
-        writer.add_ssm_state_size(config.mamba_d_state)
-        writer.add_ssm_group_count(config.mamba_n_groups)
-        writer.add_ssm_inner_size(inner)
-        writer.add_ssm_time_step_rank(config.mamba_n_heads)
+        _add_ssm_keys(writer, config.mamba_d_conv, config.mamba_d_state, config.mamba_n_groups,
+                      config.mamba_n_heads, config.mamba_d_head)
         writer.add_rope_scaling_finetuned(rope)
     _add_tokenizer(writer)
     return write_tensors_and_close(writer, path, _granite_tensors(model, experts), quant, _matmul)
@@ -153,6 +153,15 @@ def _granite_tensors(model: PreTrainedModel, experts: int) -> dict[str, np.ndarr
     return {name: np.ascontiguousarray(data) for name, data in out.items()}
 
 
+def _add_ssm_keys(writer: GGUFWriter, conv: int, state: int, groups: int, heads: int, head_dim: int) -> None:
+    """The Mamba-2 keys llama.cpp writes: the heads as ssm.time_step_rank, their width as ssm.inner_size."""
+    writer.add_ssm_conv_kernel(conv)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_group_count(groups)
+    writer.add_ssm_inner_size(heads * head_dim)
+    writer.add_ssm_time_step_rank(heads)
+
+
 def _mamba_tensor(blk: str, name: str, data: np.ndarray, groups: int) -> dict[str, np.ndarray]:
     """One Mamba-2 tensor as llama.cpp's Mamba2Model writes it."""
     if name == "A_log":
@@ -188,23 +197,14 @@ def write_tiny_nemotron_h_gguf(path: Path, model: NemotronHForCausalLM,
     config = model.config
     kinds = "".join({"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-"}[k]
                     for k in config.layers_block_type)
-    writer = GGUFWriter(str(path), "nemotron_h")
-    writer.add_name("tiny-nemotron-h")
-    writer.add_block_count(len(kinds))
-    writer.add_context_length(2**20)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length([config.intermediate_size if k == "-" else 0 for k in kinds])
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv([config.num_key_value_heads if k == "*" else 0 for k in kinds])
+    writer = start_gguf(path, "nemotron_h", "tiny-nemotron-h", len(kinds), 2**20, config.hidden_size,
+                        [config.intermediate_size if k == "-" else 0 for k in kinds], config.num_attention_heads,
+                        [config.num_key_value_heads if k == "*" else 0 for k in kinds], config.layer_norm_epsilon)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_ssm_conv_kernel(config.conv_kernel)
-    writer.add_ssm_state_size(config.ssm_state_size)
-    writer.add_ssm_group_count(config.n_groups)
-    writer.add_ssm_inner_size(config.mamba_num_heads * config.mamba_head_dim)
-    writer.add_ssm_time_step_rank(config.mamba_num_heads)
+    _add_ssm_keys(writer, config.conv_kernel, config.ssm_state_size, config.n_groups, config.mamba_num_heads,
+                  config.mamba_head_dim)
     writer.add_rope_scaling_finetuned(False)
     _add_tokenizer(writer)
     top = {"model.embeddings.weight": "token_embd.weight", "model.norm_f.weight": "output_norm.weight",
@@ -227,4 +227,63 @@ def write_tiny_nemotron_h_gguf(path: Path, model: NemotronHForCausalLM,
         elif module == "mixer.k_proj":
             data = llama_cpp_permute(data, config.num_attention_heads, config.num_key_value_heads)
         tensors[f"blk.{layer}.{block[module]}.{kind}"] = data
+    return write_tensors_and_close(writer, path, tensors, quant, _matmul)
+
+
+def tiny_falcon_h1(seed: int = 0, rms_norm: bool = False) -> FalconH1ForCausalLM:
+    """A tiny random Falcon-H1 (tests.gpu_worker.utils' falcon_h1: muP multipliers away from 1 on every
+    projection); ``rms_norm``: with the mixer's gated norm (after the gate, as llama.cpp computes it)."""
+    config = make_config("falcon_h1", vocab_size=len(tiny_vocab()), mamba_rms_norm=rms_norm,
+                         mamba_norm_before_gate=False)
+    return _perturbed(FalconH1ForCausalLM(config), seed)
+
+
+def write_tiny_falcon_h1_gguf(path: Path, model: FalconH1ForCausalLM,
+                              quant: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+    """``model`` as llama.cpp's FalconH1Model writes it: every muP multiplier folded into its weights
+    (in_proj's z, x, B, C and dt rows each by their own), q/k rows as they are, the Mamba-2 tensors
+    reshaped."""
+    config = model.config
+    inner, bc = config.mamba_d_ssm, config.mamba_n_groups * config.mamba_d_state
+    writer = start_gguf(path, "falcon-h1", "tiny-falcon-h1", config.num_hidden_layers, config.max_position_embeddings,
+                        config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                        config.num_key_value_heads, config.rms_norm_eps)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    _add_ssm_keys(writer, config.mamba_d_conv, config.mamba_d_state, config.mamba_n_groups,
+                  inner // config.mamba_d_head, config.mamba_d_head)
+    _add_tokenizer(writer)
+    scale = {"feed_forward.down_proj": config.mlp_multipliers[1], "feed_forward.gate_proj": config.mlp_multipliers[0],
+             "self_attn.k_proj": config.key_multiplier * config.attention_in_multiplier,
+             "self_attn.q_proj": config.attention_in_multiplier, "self_attn.v_proj": config.attention_in_multiplier,
+             "self_attn.o_proj": config.attention_out_multiplier, "mamba.out_proj": config.ssm_out_multiplier}
+    top = {"model.embed_tokens.weight": ("token_embd.weight", config.embedding_multiplier),
+           "model.final_layernorm.weight": ("output_norm.weight", 1.0),
+           "lm_head.weight": ("output.weight", config.lm_head_multiplier)}
+    block = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "pre_ff_layernorm": "ffn_norm",
+             "feed_forward.gate_proj": "ffn_gate", "feed_forward.up_proj": "ffn_up",
+             "feed_forward.down_proj": "ffn_down"}
+    tensors = {}
+    for hf_name, tensor in model.state_dict().items():
+        data = tensor.detach().float().numpy().copy()
+        if hf_name in top:
+            name, multiplier = top[hf_name]
+            tensors[name] = data * multiplier
+            continue
+        _, _, layer, *rest = hf_name.split(".")
+        module, kind = ".".join(rest[:-1]), rest[-1]
+        if module == "mamba.in_proj":
+            rows = np.concatenate([np.full(count, m) for count, m in zip(
+                (inner, inner, bc, bc, data.shape[0] - 2 * inner - 2 * bc), config.ssm_multipliers, strict=True)])
+            data = data * config.ssm_in_multiplier * rows[:, None]
+        data = data * scale.get(module, 1.0)
+        if rest[0] == "mamba" and module != "mamba.out_proj" and module != "mamba.in_proj":
+            tensors.update(_mamba_tensor(f"blk.{layer}", ".".join(rest[1:]), data, config.mamba_n_groups))
+        elif module in ("mamba.in_proj", "mamba.out_proj"):
+            tensors[f"blk.{layer}.{'ssm_in' if module == 'mamba.in_proj' else 'ssm_out'}.{kind}"] = data
+        else:
+            tensors[f"blk.{layer}.{block[module]}.{kind}"] = data
     return write_tensors_and_close(writer, path, tensors, quant, _matmul)
