@@ -15,12 +15,12 @@ What llama.cpp's converter changed, and is undone here:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from gpu_worker.gguf_mamba2 import mamba2_geometry, per_layer, undo_mamba2
+from gpu_worker.gguf_mamba2 import HybridNames, mamba2_geometry, per_layer, rename_hybrid_tensor
 
 # GGUF general.architecture -> HF (architecture, model_type); granitemoe with a shared expert is
 # GraniteMoeShared (GRANITE_MOE_SHARED).
@@ -46,10 +46,13 @@ _DENSE_SHARED_MLP = {("ffn_gate", "ffn_up"): "shared_mlp.input_linear"}
 
 
 def granite_config(meta: dict[str, Any], arch: str, config: dict[str, Any], kv_heads: Any, experts: int,
-                   tensor_names: set[str]) -> dict[str, Any]:
+                   tensors: list[Any]) -> dict[str, Any]:
     """The Granite keys of a converted config.json: the multipliers (transformers' 1.0 where a file
     leaves one out); the experts (intermediate_size wide) and shared expert; a hybrid's layer kinds,
-    Mamba-2 geometry and positions."""
+    Mamba-2 geometry and positions. A dense file's MLP width is its ffn_gate's rows (granite-4.0-micro,
+    written as "granite" from a hybrid's config, may state another feed_forward_length)."""
+    tensor_names = {t.name for t in tensors}
+    gate = next((t for t in tensors if t.name.endswith(".ffn_gate.weight")), None)
     extra: dict[str, Any] = {
         "attention_multiplier": float(meta.get(f"{arch}.attention.scale", 1.0)),
         "embedding_multiplier": float(meta.get(f"{arch}.embedding_scale", 1.0)),
@@ -67,6 +70,8 @@ def granite_config(meta: dict[str, Any], arch: str, config: dict[str, Any], kv_h
             raise ValueError(f"GGUF {arch} file: its shared MLP's width ({arch}.expert_shared_feed_forward_length) "
                              "is missing")
         extra["shared_intermediate_size"] = int(width)
+    if arch == "granite" and gate is not None:  # ([hidden, width] as GGUF lists a matrix's dimensions)
+        extra["intermediate_size"] = int(gate.shape[1])
     if arch == "granitemoe" and shared:
         extra["architectures"], extra["model_type"] = [GRANITE_MOE_SHARED[0]], GRANITE_MOE_SHARED[1]
     if arch == "granitehybrid":
@@ -77,7 +82,9 @@ def granite_config(meta: dict[str, Any], arch: str, config: dict[str, Any], kv_h
 def _hybrid_config(meta: dict[str, Any], arch: str, config: dict[str, Any], kv_heads: Any, experts: int,
                    tensor_names: set[str]) -> dict[str, Any]:
     kv = per_layer(kv_heads, int(config["num_hidden_layers"]), f"{arch}.attention.head_count_kv")
-    if bool(meta.get(f"{arch}.rope.scaling.finetuned", False)) and 0 in kv:
+    # (rope.scaling.finetuned switches Granite's RoPE; llama.cpp reads it as true when absent)
+    rope = bool(meta.get(f"{arch}.rope.scaling.finetuned", True))
+    if rope and 0 in kv:
         raise ValueError("GGUF Bamba files (granitehybrid with RoPE) are not converted; serve the model's Hugging "
                          "Face checkpoint directory instead")
     hidden, mamba = int(config["hidden_size"]), mamba2_geometry(meta, arch, tensor_names)
@@ -86,7 +93,7 @@ def _hybrid_config(meta: dict[str, Any], arch: str, config: dict[str, Any], kv_h
                          f"hidden size ({hidden})")
     return {
         "layer_types": ["attention" if k else "mamba" for k in kv],
-        "position_embedding_type": "rope" if meta.get(f"{arch}.rope.scaling.finetuned", True) else "nope",
+        "position_embedding_type": "rope" if rope else "nope",
         "mamba_n_heads": mamba["num_heads"], "mamba_d_head": mamba["head_dim"],
         "mamba_expand": mamba["inner_size"] // hidden, "mamba_n_groups": mamba["num_groups"],
         "mamba_d_state": mamba["state_size"], "mamba_d_conv": mamba["conv_kernel"],
@@ -99,31 +106,23 @@ class GraniteTensors:
     checkpoints' names, undoing the converter's reshapes, and merges the halves it split: feed each
     tensor to ``convert``; ``finish`` says if a half never met its other."""
 
-    def __init__(self, config: dict[str, Any], plain_name: Callable[[str], str]) -> None:
-        self.plain_name = plain_name  # (gguf_loader's renaming of the tensors Granite shares with Llama)
+    def __init__(self, config: dict[str, Any], llama_top_level: dict[str, str], llama_block: dict[str, str]) -> None:
+        """``llama_top_level``, ``llama_block``: gguf_loader's names of the tensors Granite shares with Llama."""
         self.dense_hybrid = config["model_type"] == "granitemoehybrid" and not config.get("num_local_experts")
         self.pairs = {**_MERGED, **(_DENSE_SHARED_MLP if self.dense_hybrid else {})}
+        block = {**llama_block, **_GRANITE_BLOCK_NAMES,
+                 **({"ffn_down": "shared_mlp.output_linear"} if self.dense_hybrid else {})}
+        self.names = HybridNames(llama_top_level, "model.layers", "mamba", block, "Granite")
         self.pending: dict[tuple[str, str], dict[str, np.ndarray]] = {}
 
     def convert(self, name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
         parts = name.split(".")
-        if parts[0] != "blk":
-            yield self.plain_name(name), array
-            return
-        layer, part, kind = parts[1], parts[2], ".".join(parts[3:])
-        prefix = f"model.layers.{layer}"
-        if (mamba := undo_mamba2(part, kind, array)) is not None:
-            yield f"{prefix}.mamba.{mamba[0]}", mamba[1]
-        elif (pair := self._pair_of(part)) is not None:
-            merged = self._merge(layer, part, pair, array)
+        if parts[0] == "blk" and (pair := self._pair_of(parts[2])) is not None:
+            merged = self._merge(parts[1], parts[2], pair, array)
             if merged is not None:
                 yield merged
-        elif part == "ffn_down" and self.dense_hybrid:
-            yield f"{prefix}.shared_mlp.output_linear.{kind}", array
-        elif part in _GRANITE_BLOCK_NAMES:
-            yield f"{prefix}.{_GRANITE_BLOCK_NAMES[part]}.{kind}", array
-        else:
-            yield self.plain_name(name), array
+            return
+        yield from rename_hybrid_tensor(name, array, self.names)
 
     def _pair_of(self, part: str) -> tuple[str, str] | None:
         """The (gate, up) pair ``part`` is a half of (None: not a split tensor)."""

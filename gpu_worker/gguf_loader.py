@@ -113,8 +113,9 @@ _LFM2_BLOCK_NAMES = {
 }
 # (LFM2's final norm, after the last layer, is transformers' embedding_norm: llama.cpp's token_embd_norm.)
 _LFM2_TOP_LEVEL_NAMES = {**_TOP_LEVEL_NAMES, "token_embd_norm": "model.embedding_norm"}
-# GGUF general.architecture -> HF (architecture, model_type); only "llama" files have permuted q/k rows
-# (Mixtral's among them: a "llama" file with experts, _MIXTRAL).
+# GGUF general.architecture -> HF (architecture, model_type). Only files of Llama's converter lineage have
+# permuted q/k rows (_PERMUTED_QK_MODEL_TYPES: Llama, Mixtral — a "llama" file with experts, _MIXTRAL —
+# IBM Granite's and Nemotron-H's).
 _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
@@ -348,37 +349,48 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
     elif model_type.startswith("qwen"):
         config["use_sliding_window"] = False  # (llama.cpp's Qwen files run full attention in every layer)
     if arch in GRANITE_ARCHITECTURES:
-        config.update(granite_config(meta, arch, config, kv_heads, experts, tensor_names))
+        config.update(granite_config(meta, arch, config, kv_heads, experts, tensors))
     elif arch in NEMOTRON_H_ARCHITECTURES:
         config.update(nemotron_h_config(meta, arch, config, kv_heads, tensor_names))
         del config["rope_scaling"]  # (no positions: transformers' NemotronHConfig would warn of the key)
     elif arch in FALCON_H1_ARCHITECTURES:
         config.update(falcon_h1_config(meta, arch, config, tensor_names))
     elif experts:
-        config.update(_experts_config(meta, arch, experts, tensor_names))
+        config.update(_experts_config(meta, arch, experts, tensors))
     return config
 
 
-def _experts_config(meta: dict[str, Any], arch: str, experts: int, tensor_names: set[str]) -> dict[str, Any]:
+def _output_rows(tensors: list[ReaderTensor], suffix: str) -> int | None:
+    """The output rows of the first tensor named ``...suffix`` (GGUF lists a matrix's dimensions
+    columns first: [in, out] or, stacked, [in, out, experts]); None without one."""
+    tensor = next((t for t in tensors if t.name.endswith(suffix)), None)
+    return None if tensor is None else int(tensor.shape[1])
+
+
+def _experts_config(meta: dict[str, Any], arch: str, experts: int, tensors: list[ReaderTensor]) -> dict[str, Any]:
     """A mixture-of-experts file's routing, as llama.cpp runs it: Mixtral's softmax top k renormalised,
-    its experts feed_forward_length wide; Qwen2-MoE's not renormalised, beside a shared expert
-    (expert_shared_feed_forward_length) behind a sigmoid gate; Qwen3-MoE's renormalised; all three in
-    every layer. LFM2-MoE's sigmoid scores through the expert bias (exp_probs_b), renormalised and
-    scaled (expert_weights_scale), after leading_dense_block_count dense layers."""
+    its experts feed_forward_length wide; Qwen2-MoE's not renormalised, beside a shared expert behind
+    a sigmoid gate; Qwen3-MoE's renormalised; all three in every layer. LFM2-MoE's sigmoid scores
+    through the expert bias (exp_probs_b), renormalised and scaled (expert_weights_scale), after
+    leading_dense_block_count dense layers. The experts' (and shared expert's) widths where a file
+    leaves their keys out (early Qwen1.5-MoE conversions): their tensors' rows."""
+    tensor_names = {t.name for t in tensors}
     used = int(_require_key(meta, f"{arch}.expert_used_count"))
     if arch == "llama":  # (Mixtral: transformers' MixtralConfig names; no sliding window in llama.cpp)
         width = meta.get(f"{arch}.expert_feed_forward_length") or _require_key(meta, f"{arch}.feed_forward_length")
         return {"num_local_experts": experts, "num_experts_per_tok": used, "intermediate_size": int(width),
                 "sliding_window": None}
-    config: dict[str, Any] = {"num_experts": experts, "num_experts_per_tok": used,
-                              "moe_intermediate_size": int(_require_key(meta, f"{arch}.expert_feed_forward_length")),
+    width = meta.get(f"{arch}.expert_feed_forward_length") or _output_rows(tensors, ".ffn_up_exps.weight")
+    if width is None:
+        raise ValueError(f"GGUF file: no {arch}.expert_feed_forward_length and no ffn_up_exps tensor to read the "
+                         "experts' width from")
+    config: dict[str, Any] = {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": int(width),
                               "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", arch != "qwen2moe"))}
     if arch in ("qwen2moe", "qwen3moe"):
         config.update(decoder_sparse_step=1, mlp_only_layers=[])
     if arch == "qwen2moe":
-        config["shared_expert_intermediate_size"] = int(
-            _require_key(meta, f"{arch}.expert_shared_feed_forward_length")
-            if any(name.endswith(".ffn_up_shexp.weight") for name in tensor_names) else 0)
+        config["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length")
+                                                        or _output_rows(tensors, ".ffn_up_shexp.weight") or 0)
     elif arch == "lfm2moe":
         config.update(num_dense_layers=int(meta.get(f"{arch}.leading_dense_block_count", 0)),
                       use_expert_bias=any(name.endswith(".exp_probs_b.bias") for name in tensor_names),
@@ -498,11 +510,9 @@ def iter_hf_tensors(
 def _hf_tensors(
     tensors: list[ReaderTensor], config: dict[str, Any], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    def plain_name(name: str) -> str:
-        return gguf_to_hf_name(name, "llama")
-
     # (The hybrids' renaming, reshaping and merging: their own modules'.)
-    granite = GraniteTensors(config, plain_name) if config["model_type"] in GRANITE_MODEL_TYPES else None
+    granite = (GraniteTensors(config, _TOP_LEVEL_NAMES, _BLOCK_NAMES) if config["model_type"] in GRANITE_MODEL_TYPES
+               else None)
     hybrid_names = {"nemotron_h": NEMOTRON_H_NAMES, "falcon_h1": FALCON_H1_NAMES}.get(config["model_type"])
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
@@ -519,7 +529,7 @@ def _hf_tensors(
         array = np.array(weights, dtype=np.float32, order="C", copy=True)
         if granite is not None or hybrid_names is not None:
             renamed = (granite.convert(tensor.name, array) if granite is not None
-                       else rename_hybrid_tensor(tensor.name, array, hybrid_names, plain_name))
+                       else rename_hybrid_tensor(tensor.name, array, hybrid_names))
             for name, converted in renamed:
                 yield name, torch.from_numpy(np.ascontiguousarray(converted)).to(dtype)
             continue

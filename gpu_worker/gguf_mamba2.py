@@ -1,5 +1,6 @@
-"""Mamba-2 layers in llama.cpp's GGUF files (Granite 4.0-H's, Nemotron-H's), back to the checkpoints'
-tensors and geometry. Used by gpu_worker.gguf_granite and gpu_worker.gguf_nemotron_h.
+"""Mamba-2 layers in llama.cpp's GGUF files (Granite 4.0-H's, Nemotron-H's, Falcon-H1's), back to the
+checkpoints' tensors and geometry, and the hybrids' tensor renaming. Used by gpu_worker.gguf_granite,
+gguf_nemotron_h, gguf_falcon_h1 and gguf_loader.
 
 llama.cpp's Mamba2Model converter writes A_log as A = -exp(A_log) with a trailing unit dimension
 (``ssm_a``, no suffix), D likewise (``ssm_d``), dt_bias as ``ssm_dt.bias``, the convolution's
@@ -10,7 +11,7 @@ as ssm.inner_size).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,15 +74,13 @@ def per_layer(value: Any, layers: int, key: str) -> list[int]:
     return values
 
 
-def rename_hybrid_tensor(name: str, array: np.ndarray, names: HybridNames, plain_name: Callable[[str], str]
-                         ) -> Iterator[tuple[str, np.ndarray]]:
+def rename_hybrid_tensor(name: str, array: np.ndarray, names: HybridNames) -> Iterator[tuple[str, np.ndarray]]:
     """One tensor of a hybrid's file (dequantised, q/k rows un-permuted where they were permuted) under
     its checkpoint's name: the Mamba-2 mixer's undone as above, the others' from ``names``."""
     parts = name.split(".")
     if parts[0] != "blk":
         if parts[0] not in names.top_level:
-            yield plain_name(name), array  # (refused there, with the name)
-            return
+            raise ValueError(f"unexpected GGUF tensor {name!r}: no {names.family} equivalent")
         yield f"{names.top_level[parts[0]]}.{parts[1]}", array
         return
     layer, part, kind = parts[1], parts[2], ".".join(parts[3:])

@@ -37,7 +37,7 @@ def nemotron_h_config(meta: dict[str, Any], arch: str, config: dict[str, Any], k
     mamba = mamba2_geometry(meta, arch, tensor_names)
     return {
         "hybrid_override_pattern": "".join("*" if k else "-" if f else "M" for k, f in zip(kv, ffn, strict=True)),
-        "intermediate_size": max(ffn), "mlp_hidden_act": "relu2", "layer_norm_epsilon": config["rms_norm_eps"],
+        "mlp_hidden_act": "relu2", "layer_norm_epsilon": config["rms_norm_eps"],
         "mamba_num_heads": mamba["num_heads"], "mamba_head_dim": mamba["head_dim"], "n_groups": mamba["num_groups"],
         "ssm_state_size": mamba["state_size"], "conv_kernel": mamba["conv_kernel"],
         "use_conv_bias": mamba["conv_bias"], "use_bias": mamba["proj_bias"],

@@ -168,19 +168,23 @@ _MOE_FILES = {
 }
 
 
-@pytest.mark.parametrize("kind, split_experts", [("qwen3_moe", False), ("qwen2_moe", False), ("mixtral", False),
-                                                 ("mixtral", True)],
-                         ids=["qwen3_moe", "qwen2_moe", "mixtral", "mixtral_one_tensor_per_expert"])
-def test_mixture_of_experts_files_convert_their_experts(tmp_path: Path, kind: str, split_experts: bool) -> None:
+@pytest.mark.parametrize("kind, split_experts, expert_widths",
+                         [("qwen3_moe", False, True), ("qwen2_moe", False, True), ("qwen2_moe", False, False),
+                          ("mixtral", False, True), ("mixtral", True, True)],
+                         ids=["qwen3_moe", "qwen2_moe", "qwen2_moe_widths_from_tensors", "mixtral",
+                              "mixtral_one_tensor_per_expert"])
+def test_mixture_of_experts_files_convert_their_experts(tmp_path: Path, kind: str, split_experts: bool,
+                                                        expert_widths: bool) -> None:
     """llama.cpp's MoE files stack each layer's experts ([experts, rows, columns] per projection; older
     Mixtral files: a tensor per expert) and name the router ffn_gate_inp; Mixtral's say "llama" (their
     q/k rows permuted), Qwen2-MoE's add a shared expert and its gate. Each expert's projections come
     back under the checkpoint's names, the routing from the metadata. Q8_0 weights: the source's
-    logits within quantisation, in transformers and exactly transformers' in our runner."""
+    logits within quantisation, in transformers and exactly transformers' in our runner. A file
+    without the experts' widths (early Qwen1.5-MoE conversions) has them read from its tensors."""
     architecture, routing = _MOE_FILES[kind]
     source = tiny_llama(kind=kind, seed=5)
     path = write_tiny_gguf(tmp_path / f"tiny-{kind}.Q8_0.gguf", source, GGMLQuantizationType.Q8_0,
-                           split_experts=split_experts)
+                           split_experts=split_experts, expert_widths=expert_widths)
     model_dir = ensure_converted(path, tmp_path / "cache")
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == [architecture]

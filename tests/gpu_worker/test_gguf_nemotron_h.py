@@ -33,7 +33,7 @@ def test_nemotron_h_files_convert_to_the_source_model(tmp_path: Path, quant: GGM
     assert {key: config[key] for key in ("hybrid_override_pattern", "intermediate_size", "head_dim",
                                          "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
                                          "use_conv_bias")} == {
-        "hybrid_override_pattern": "M-*M-M", "intermediate_size": 32, "head_dim": 16, "mamba_num_heads": 8,
+        "hybrid_override_pattern": "M-*M-M", "intermediate_size": 32, "head_dim": 24, "mamba_num_heads": 8,
         "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "use_conv_bias": True}
     loaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     assert type(loaded) is type(source)

@@ -183,12 +183,13 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
 
 def write_tiny_gguf(
     path: Path, model: PreTrainedModel, quant: GGMLQuantizationType = GGMLQuantizationType.F32,
-    architecture: str | None = None, expert_count: int = 0, split_experts: bool = False,
+    architecture: str | None = None, expert_count: int = 0, split_experts: bool = False, expert_widths: bool = True,
 ) -> Path:
     """Write ``model`` as GGUF (its own architecture unless one is named); 2-D weights use
     ``quant``, norms and biases stay F32 as in llama.cpp. ``expert_count`` writes the key a
     mixture-of-experts file carries (for a model without experts). ``split_experts``: each expert's
-    projections as their own tensors (ffn_gate.E ...), as older Mixtral files hold them."""
+    projections as their own tensors (ffn_gate.E ...), as older Mixtral files hold them. Without
+    ``expert_widths``, the experts' and shared expert's widths are left out (early Qwen1.5-MoE files)."""
     config = model.config
     arch = architecture or {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
                             "qwen2_moe": "qwen2moe"}.get(config.model_type, config.model_type)
@@ -216,9 +217,9 @@ def write_tiny_gguf(
         writer.add_expert_count(expert_count or experts)
     if experts:  # (Mixtral's experts are feed_forward_length wide: its converter writes no expert width)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        if config.model_type != "mixtral":
+        if config.model_type != "mixtral" and expert_widths:
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if getattr(config, "shared_expert_intermediate_size", 0):
+    if getattr(config, "shared_expert_intermediate_size", 0) and expert_widths:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     _add_tokenizer(writer)
     tensors = gguf_tensors(model)

@@ -35,9 +35,9 @@ from .utils import make_config
 
 # Granite's muP multipliers, away from 1 so a lost one shows.
 _MULTIPLIERS = dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)
-GRANITE_KINDS = ("granite", "granitemoeshared", "granitehybrid", "granitehybrid_dense")
+GRANITE_KINDS = ("granite", "granitemoeshared", "granitehybrid", "granitehybrid_dense", "granite4_micro")
 _ARCH = {"granite": "granite", "granitemoeshared": "granitemoe", "granitehybrid": "granitehybrid",
-         "granitehybrid_dense": "granitehybrid"}
+         "granitehybrid_dense": "granitehybrid", "granite4_micro": "granite"}
 # The tensors llama.cpp quantizes (matrix multiplications); norms, the SSM's A, D, dt bias and
 # convolution stay F32.
 _QUANTIZED = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp",
@@ -48,7 +48,9 @@ def tiny_granite(kind: str, seed: int = 0) -> PreTrainedModel:
     """A tiny random Granite of ``kind`` (GRANITE_KINDS): granite, a dense Granite 3.x; granitemoeshared,
     8 experts (2 a token) beside a shared expert; granitehybrid, Granite 4.0-H's Mamba-2 layers around
     an attention layer without positions, experts and a shared expert; granitehybrid_dense, its
-    shared MLP alone."""
+    shared MLP alone; granite4_micro, Granite 4.0's architecture with attention (and RoPE) in every
+    layer and the shared MLP alone (granite-4.0-micro), whose shared MLP is wider than the
+    intermediate_size its config states."""
     common = dict(vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=32, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=kind != "granite", **_MULTIPLIERS)
@@ -57,6 +59,10 @@ def tiny_granite(kind: str, seed: int = 0) -> PreTrainedModel:
     elif kind == "granitemoeshared":
         model = GraniteMoeSharedForCausalLM(GraniteMoeSharedConfig(
             **common, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=64))
+    elif kind == "granite4_micro":
+        model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+            **common, num_hidden_layers=2, layer_types=["attention", "attention"], num_local_experts=0,
+            shared_intermediate_size=64, position_embedding_type="rope"))
     else:
         model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
             **common, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
@@ -89,11 +95,13 @@ def write_tiny_granite_gguf(path: Path, model: PreTrainedModel, kind: str,
     tensors reshaped (A as -exp(A_log))."""
     config, arch = model.config, _ARCH[kind]
     hybrid, experts = arch == "granitehybrid", getattr(config, "num_local_experts", 0)
+    # (llama.cpp writes a hybrid config's keys even where it converts it as "granite": granite-4.0-micro)
+    from_hybrid = config.model_type == "granitemoehybrid"
     writer = start_gguf(path, arch, f"tiny-{kind}", config.num_hidden_layers,
                         2**20 if hybrid and not rope else config.max_position_embeddings, config.hidden_size,
                         config.intermediate_size, config.num_attention_heads,
                         [config.num_key_value_heads if t in ("attention", "full_attention") else 0
-                         for t in config.layer_types] if hybrid else config.num_key_value_heads,
+                         for t in config.layer_types] if from_hybrid else config.num_key_value_heads,
                         config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
@@ -102,12 +110,13 @@ def write_tiny_granite_gguf(path: Path, model: PreTrainedModel, kind: str,
     writer.add_embedding_scale(config.embedding_multiplier)
     writer.add_residual_scale(config.residual_multiplier)
     writer.add_logit_scale(config.logits_scaling)
-    if experts:
+    if experts or from_hybrid:
         writer.add_expert_count(experts)
+    if experts:
         writer.add_expert_used_count(config.num_experts_per_tok)
     if getattr(config, "shared_intermediate_size", 0):
         writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
-    if hybrid:
+    if from_hybrid:
         _add_ssm_keys(writer, config.mamba_d_conv, config.mamba_d_state, config.mamba_n_groups,
                       config.mamba_n_heads, config.mamba_d_head)
         writer.add_rope_scaling_finetuned(rope)
@@ -180,9 +189,10 @@ def _mamba_tensor(blk: str, name: str, data: np.ndarray, groups: int) -> dict[st
 
 
 def tiny_nemotron_h(seed: int = 0) -> NemotronHForCausalLM:
-    """A tiny random Nemotron-H: Mamba-2 (8 heads of 16 in 2 groups), relu^2 MLP and attention blocks."""
+    """A tiny random Nemotron-H: Mamba-2 (8 heads of 16 in 2 groups), relu^2 MLP and attention blocks
+    (heads of 24: not hidden / heads, as Nemotron Nano 9B v2's 128 are not 4480 / 40)."""
     config = NemotronHConfig(vocab_size=len(tiny_vocab()), hidden_size=64, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=16, intermediate_size=32, hybrid_override_pattern="M-*M-M",
+                             num_key_value_heads=2, head_dim=24, intermediate_size=32, hybrid_override_pattern="M-*M-M",
                              mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=8,
                              conv_kernel=4, use_conv_bias=True, layer_norm_epsilon=1e-5, bos_token_id=1,
                              eos_token_id=2, pad_token_id=0)
