@@ -1,6 +1,7 @@
 """Turn a llama.cpp GGUF checkpoint (Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Gemma 2,
-Gemma 3, LFM2, LFM2-MoE; IBM Granite's, NVIDIA Nemotron-H's and TII Falcon-H1's in their own modules:
-gpu_worker.gguf_granite, gguf_nemotron_h, gguf_falcon_h1) into a Hugging Face model directory.
+Gemma 3, LFM2, LFM2-MoE; IBM Granite's, NVIDIA Nemotron-H's, TII Falcon-H1's and Mamba's in their own
+modules: gpu_worker.gguf_granite, gguf_nemotron_h, gguf_falcon_h1, gguf_mamba1) into a Hugging Face model
+directory.
 
 The engine only knows how to load HF-style directories (config.json + safetensors + tokenizer files),
 so a GGUF file is converted once, dequantised, and cached on disk. Later starts reuse the cached
@@ -50,6 +51,7 @@ from safetensors.torch import save_file
 
 from gpu_worker.gguf_falcon_h1 import FALCON_H1_ARCHITECTURES, FALCON_H1_NAMES, falcon_h1_config
 from gpu_worker.gguf_granite import GRANITE_ARCHITECTURES, GRANITE_MODEL_TYPES, GraniteTensors, granite_config
+from gpu_worker.gguf_mamba1 import MAMBA1_ARCHITECTURES, MAMBA1_NAMES, mamba1_config
 from gpu_worker.gguf_mamba2 import rename_hybrid_tensor
 from gpu_worker.gguf_nemotron_h import NEMOTRON_H_ARCHITECTURES, NEMOTRON_H_NAMES, nemotron_h_config
 from gpu_worker.layers.rotary import compute_inv_freq
@@ -62,8 +64,8 @@ logger = logging.getLogger(__name__)
 # 4: LFM2 files.
 # 5: Qwen3-MoE and LFM2-MoE files (their stacked experts split into each expert's projections).
 # 6: Mixtral (llama files with experts, stacked or one tensor per expert) and Qwen2-MoE files.
-# 7: IBM Granite files (granite, granitemoe, granitehybrid), NVIDIA Nemotron-H's (nemotron_h) and TII
-#    Falcon-H1's (falcon-h1).
+# 7: IBM Granite files (granite, granitemoe, granitehybrid), NVIDIA Nemotron-H's (nemotron_h), TII
+#    Falcon-H1's (falcon-h1) and Mamba / Falcon-Mamba's (mamba).
 CONVERTER_VERSION = 7
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -130,6 +132,7 @@ _ARCHITECTURES = {
     **GRANITE_ARCHITECTURES,
     **NEMOTRON_H_ARCHITECTURES,
     **FALCON_H1_ARCHITECTURES,
+    **MAMBA1_ARCHITECTURES,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 _PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral", "nemotron_h", *GRANITE_MODEL_TYPES)
@@ -300,7 +303,8 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", n_heads)
     # (LFM2, Granite 4.0-H and Nemotron-H list them per layer, 0 in their recurrent (and MLP) layers.)
     n_kv_heads = max(int(k) for k in kv_heads) if isinstance(kv_heads, list) else int(kv_heads)
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
+    # (A Mamba file's head count is a placeholder 0.)
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads if n_heads else 0))
     rope_theta = _float32(meta.get(f"{arch}.rope.freq_base", 10000.0))
     embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embed is None:
@@ -352,9 +356,13 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         config.update(granite_config(meta, arch, config, kv_heads, experts, tensors))
     elif arch in NEMOTRON_H_ARCHITECTURES:
         config.update(nemotron_h_config(meta, arch, config, kv_heads, tensor_names))
-        del config["rope_scaling"]  # (no positions: transformers' NemotronHConfig would warn of the key)
     elif arch in FALCON_H1_ARCHITECTURES:
         config.update(falcon_h1_config(meta, arch, config, tensor_names))
+    elif arch in MAMBA1_ARCHITECTURES:
+        config.update(mamba1_config(meta, arch, config, tensor_names))
+        del config["max_position_embeddings"]  # (the file's 2^20 is a placeholder; Mamba states no length)
+    if arch in NEMOTRON_H_ARCHITECTURES or arch in MAMBA1_ARCHITECTURES:
+        del config["rope_scaling"]  # (no positions: transformers' configs would warn of the key)
     elif experts:
         config.update(_experts_config(meta, arch, experts, tensors))
     return config
@@ -513,7 +521,8 @@ def _hf_tensors(
     # (The hybrids' renaming, reshaping and merging: their own modules'.)
     granite = (GraniteTensors(config, _TOP_LEVEL_NAMES, _BLOCK_NAMES) if config["model_type"] in GRANITE_MODEL_TYPES
                else None)
-    hybrid_names = {"nemotron_h": NEMOTRON_H_NAMES, "falcon_h1": FALCON_H1_NAMES}.get(config["model_type"])
+    hybrid_names = {"nemotron_h": NEMOTRON_H_NAMES, "falcon_h1": FALCON_H1_NAMES, "mamba": MAMBA1_NAMES,
+                    "falcon_mamba": MAMBA1_NAMES}.get(config["model_type"])
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # (read into the config's rope scaling)
@@ -651,10 +660,11 @@ def build_tokenizer(gguf_path: Path) -> Any:
     return tokenizer
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path, max_length: int) -> None:
+def _save_tokenizer(gguf_path: Path, out_dir: Path, max_length: int | None) -> None:
     tokenizer = build_tokenizer(gguf_path)
     # Otherwise transformers records "unlimited" and never warns about over-long prompts.
-    tokenizer.model_max_length = max_length
+    if max_length is not None:  # (a Mamba model's states no length: the tokenizer keeps no limit)
+        tokenizer.model_max_length = int(max_length)
     tokenizer.save_pretrained(os.fspath(out_dir))
     config_path = out_dir / "tokenizer_config.json"
     tokenizer_config = json.loads(config_path.read_text())
@@ -765,7 +775,7 @@ def convert_gguf_to_hf(
     reader = GGUFReader(gguf_path)
     _write_json(out / "generation_config.json",
                 _generation_config(config, read_metadata(reader), _end_of_turn_by_text(reader)))
-    _save_tokenizer(gguf_path, out, int(config["max_position_embeddings"]))
+    _save_tokenizer(gguf_path, out, config.get("max_position_embeddings"))
     stat = gguf_path.stat()
     source = {"gguf_path": os.fspath(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
               "converter_version": CONVERTER_VERSION, "dtype": _DTYPE_NAMES[dtype]}

@@ -11,7 +11,7 @@ as ssm.inner_size).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,15 +20,17 @@ import numpy as np
 
 @dataclass(frozen=True)
 class HybridNames:
-    """A hybrid family's checkpoint names for llama.cpp's: its top-level tensors (token_embd ...), its
-    layers' prefix ("model.layers"), its Mamba-2 mixer's name within a layer, its layers' other parts
-    (attn_q ...), and the family's name for messages."""
+    """A family's checkpoint names for llama.cpp's: its top-level tensors (token_embd ...), its layers'
+    prefix ("model.layers"), its recurrent mixer's name within a layer, its layers' other parts
+    (attn_q ...), the family's name for messages, and how its mixer's reshaped tensors are undone
+    (None: Mamba-2's, undo_mamba2)."""
 
     top_level: dict[str, str]
     layers: str
     mixer: str
     block: dict[str, str]
     family: str
+    undo: Callable[[str, str, np.ndarray], tuple[str, np.ndarray] | None] | None = None
 
 
 # llama.cpp's names for the mixer's projections -> the checkpoints' (under the mixer's own prefix).
@@ -85,7 +87,7 @@ def rename_hybrid_tensor(name: str, array: np.ndarray, names: HybridNames) -> It
         return
     layer, part, kind = parts[1], parts[2], ".".join(parts[3:])
     prefix = f"{names.layers}.{layer}"
-    if (mamba := undo_mamba2(part, kind, array)) is not None:
+    if (mamba := (names.undo or undo_mamba2)(part, kind, array)) is not None:
         yield f"{prefix}.{names.mixer}.{mamba[0]}", mamba[1]
     elif part in names.block:
         yield f"{prefix}.{names.block[part]}.{kind}", array

@@ -1,7 +1,7 @@
 """Tiny IBM Granite models (Granite 3.x dense, Granite MoE with a shared expert, Granite 4.0-H with and
-without experts), NVIDIA Nemotron-H and TII Falcon-H1 models, and their GGUF files written the way
-llama.cpp's convert_hf_to_gguf.py writes them (GraniteModel, GraniteMoeModel, GraniteHybridModel,
-NemotronHModel, FalconH1Model), for the loader's tests."""
+without experts), NVIDIA Nemotron-H, TII Falcon-H1 and Mamba / Falcon-Mamba models, and their GGUF files
+written the way llama.cpp's convert_hf_to_gguf.py writes them (GraniteModel, GraniteMoeModel,
+GraniteHybridModel, NemotronHModel, FalconH1Model, MambaModel), for the loader's tests."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from transformers import (
     FalconH1ForCausalLM,
+    FalconMambaForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
     GraniteMoeSharedConfig,
     GraniteMoeSharedForCausalLM,
+    MambaForCausalLM,
     NemotronHConfig,
     NemotronHForCausalLM,
     PreTrainedModel,
@@ -297,3 +299,50 @@ def write_tiny_falcon_h1_gguf(path: Path, model: FalconH1ForCausalLM,
         else:
             tensors[f"blk.{layer}.{block[module]}.{kind}"] = data
     return write_tensors_and_close(writer, path, tensors, quant, _matmul)
+
+
+def tiny_mamba(kind: str, seed: int = 0, tied: bool = False) -> MambaForCausalLM | FalconMambaForCausalLM:
+    """A tiny random Mamba or Falcon-Mamba (``kind``: "mamba" / "falcon_mamba"; tests.gpu_worker.utils'
+    geometry: 128 channels, states of 16, dt's rank 4)."""
+    config = make_config(kind, vocab_size=len(tiny_vocab()), tie_word_embeddings=tied)
+    return _perturbed((MambaForCausalLM if kind == "mamba" else FalconMambaForCausalLM)(config), seed)
+
+
+def write_tiny_mamba_gguf(path: Path, model: MambaForCausalLM | FalconMambaForCausalLM) -> Path:
+    """``model`` as llama.cpp's MambaModel writes it: head count and feed_forward_length 0, a 2^20
+    context, A as -exp(A_log), the convolution squeezed, the LM head left out where it is the
+    embedding, Falcon-Mamba's dt/B/C norms as ssm.dt_b_c_rms."""
+    config = model.config
+    writer = start_gguf(path, "mamba", "tiny-mamba", config.num_hidden_layers, 2**20, config.hidden_size, 0, 0, 0,
+                        config.layer_norm_epsilon)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_ssm_conv_kernel(config.conv_kernel)
+    writer.add_ssm_inner_size(config.intermediate_size)
+    writer.add_ssm_state_size(config.state_size)
+    writer.add_ssm_time_step_rank(config.time_step_rank)
+    writer.add_ssm_dt_b_c_rms(config.model_type == "falcon_mamba")
+    _add_tokenizer(writer)
+    renamed = {"norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d", "mixer.x_proj": "ssm_x",
+               "mixer.dt_proj": "ssm_dt", "mixer.out_proj": "ssm_out"}
+    top = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    state = model.state_dict()
+    tensors = {}
+    for hf_name, tensor in state.items():
+        data = tensor.detach().float().numpy().copy()
+        if hf_name == "lm_head.weight" and np.array_equal(data, state["backbone.embeddings.weight"].numpy()):
+            continue  # (llama.cpp omits an output equal to the embedding)
+        if hf_name in top:
+            tensors[top[hf_name]] = data
+            continue
+        _, _, layer, *rest = hf_name.split(".")
+        module, kind = ".".join(rest[:-1]), rest[-1]
+        if module == "mixer" and kind == "A_log":
+            tensors[f"blk.{layer}.ssm_a"] = -np.exp(data)
+        elif module == "mixer" and kind == "D":
+            tensors[f"blk.{layer}.ssm_d"] = data
+        elif module == "mixer.conv1d" and kind == "weight":
+            tensors[f"blk.{layer}.ssm_conv1d.weight"] = data.squeeze(1)
+        else:
+            tensors[f"blk.{layer}.{renamed[module]}.{kind}"] = data
+    return write_tensors_and_close(writer, path, tensors, GGMLQuantizationType.F32, _matmul)
