@@ -1,6 +1,6 @@
 """Turn a llama.cpp GGUF checkpoint (Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Gemma 2,
 Gemma 3, LFM2, LFM2-MoE; IBM Granite's, NVIDIA Nemotron-H's, TII Falcon-H1's and Mamba's in their own
-modules: gpu_worker.gguf_granite, gguf_nemotron_h, gguf_falcon_h1, gguf_mamba1) into a Hugging Face model
+modules: gpu_worker.gguf_granite, gguf_nemotron_h, gguf_falcon_h1, gguf_mamba_lm) into a Hugging Face model
 directory.
 
 The engine only knows how to load HF-style directories (config.json + safetensors + tokenizer files),
@@ -51,8 +51,15 @@ from safetensors.torch import save_file
 
 from gpu_worker.gguf_falcon_h1 import FALCON_H1_ARCHITECTURES, FALCON_H1_NAMES, falcon_h1_config
 from gpu_worker.gguf_granite import GRANITE_ARCHITECTURES, GRANITE_MODEL_TYPES, GraniteTensors, granite_config
-from gpu_worker.gguf_mamba1 import MAMBA1_ARCHITECTURES, MAMBA1_NAMES, mamba1_config
 from gpu_worker.gguf_mamba2 import rename_hybrid_tensor
+from gpu_worker.gguf_mamba_lm import (
+    MAMBA1_ARCHITECTURES,
+    MAMBA1_NAMES,
+    MAMBA2_ARCHITECTURES,
+    MAMBA2_LM_NAMES,
+    mamba1_config,
+    mamba2_lm_config,
+)
 from gpu_worker.gguf_nemotron_h import NEMOTRON_H_ARCHITECTURES, NEMOTRON_H_NAMES, nemotron_h_config
 from gpu_worker.layers.rotary import compute_inv_freq
 
@@ -65,7 +72,7 @@ logger = logging.getLogger(__name__)
 # 5: Qwen3-MoE and LFM2-MoE files (their stacked experts split into each expert's projections).
 # 6: Mixtral (llama files with experts, stacked or one tensor per expert) and Qwen2-MoE files.
 # 7: IBM Granite files (granite, granitemoe, granitehybrid), NVIDIA Nemotron-H's (nemotron_h), TII
-#    Falcon-H1's (falcon-h1) and Mamba / Falcon-Mamba's (mamba).
+#    Falcon-H1's (falcon-h1), Mamba / Falcon-Mamba's (mamba) and Mamba-2's (mamba2).
 CONVERTER_VERSION = 7
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -133,6 +140,7 @@ _ARCHITECTURES = {
     **NEMOTRON_H_ARCHITECTURES,
     **FALCON_H1_ARCHITECTURES,
     **MAMBA1_ARCHITECTURES,
+    **MAMBA2_ARCHITECTURES,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 _PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral", "nemotron_h", *GRANITE_MODEL_TYPES)
@@ -358,10 +366,11 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         config.update(nemotron_h_config(meta, arch, config, kv_heads, tensor_names))
     elif arch in FALCON_H1_ARCHITECTURES:
         config.update(falcon_h1_config(meta, arch, config, tensor_names))
-    elif arch in MAMBA1_ARCHITECTURES:
-        config.update(mamba1_config(meta, arch, config, tensor_names))
+    elif arch in MAMBA1_ARCHITECTURES or arch in MAMBA2_ARCHITECTURES:
+        config.update((mamba1_config if arch in MAMBA1_ARCHITECTURES else mamba2_lm_config)(
+            meta, arch, config, tensor_names))
         del config["max_position_embeddings"]  # (the file's 2^20 is a placeholder; Mamba states no length)
-    if arch in NEMOTRON_H_ARCHITECTURES or arch in MAMBA1_ARCHITECTURES:
+    if arch in NEMOTRON_H_ARCHITECTURES or arch in MAMBA1_ARCHITECTURES or arch in MAMBA2_ARCHITECTURES:
         del config["rope_scaling"]  # (no positions: transformers' configs would warn of the key)
     elif experts:
         config.update(_experts_config(meta, arch, experts, tensors))
@@ -522,7 +531,7 @@ def _hf_tensors(
     granite = (GraniteTensors(config, _TOP_LEVEL_NAMES, _BLOCK_NAMES) if config["model_type"] in GRANITE_MODEL_TYPES
                else None)
     hybrid_names = {"nemotron_h": NEMOTRON_H_NAMES, "falcon_h1": FALCON_H1_NAMES, "mamba": MAMBA1_NAMES,
-                    "falcon_mamba": MAMBA1_NAMES}.get(config["model_type"])
+                    "falcon_mamba": MAMBA1_NAMES, "mamba2": MAMBA2_LM_NAMES}.get(config["model_type"])
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # (read into the config's rope scaling)

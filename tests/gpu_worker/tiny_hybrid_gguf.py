@@ -19,6 +19,7 @@ from transformers import (
     GraniteMoeHybridForCausalLM,
     GraniteMoeSharedConfig,
     GraniteMoeSharedForCausalLM,
+    Mamba2ForCausalLM,
     MambaForCausalLM,
     NemotronHConfig,
     NemotronHForCausalLM,
@@ -301,26 +302,35 @@ def write_tiny_falcon_h1_gguf(path: Path, model: FalconH1ForCausalLM,
     return write_tensors_and_close(writer, path, tensors, quant, _matmul)
 
 
-def tiny_mamba(kind: str, seed: int = 0, tied: bool = False) -> MambaForCausalLM | FalconMambaForCausalLM:
-    """A tiny random Mamba or Falcon-Mamba (``kind``: "mamba" / "falcon_mamba"; tests.gpu_worker.utils'
-    geometry: 128 channels, states of 16, dt's rank 4)."""
+_STATE_SPACE_MODELS = {"mamba": MambaForCausalLM, "falcon_mamba": FalconMambaForCausalLM, "mamba2": Mamba2ForCausalLM}
+
+
+def tiny_mamba(kind: str, seed: int = 0, tied: bool = False) -> PreTrainedModel:
+    """A tiny random Mamba, Falcon-Mamba or Mamba-2 (``kind``: "mamba" / "falcon_mamba" / "mamba2";
+    tests.gpu_worker.utils' geometries)."""
     config = make_config(kind, vocab_size=len(tiny_vocab()), tie_word_embeddings=tied)
-    return _perturbed((MambaForCausalLM if kind == "mamba" else FalconMambaForCausalLM)(config), seed)
+    return _perturbed(_STATE_SPACE_MODELS[kind](config), seed)
 
 
-def write_tiny_mamba_gguf(path: Path, model: MambaForCausalLM | FalconMambaForCausalLM) -> Path:
-    """``model`` as llama.cpp's MambaModel writes it: head count and feed_forward_length 0, a 2^20
-    context, A as -exp(A_log), the convolution squeezed, the LM head left out where it is the
-    embedding, Falcon-Mamba's dt/B/C norms as ssm.dt_b_c_rms."""
+def write_tiny_mamba_gguf(path: Path, model: PreTrainedModel) -> Path:
+    """``model`` as llama.cpp's MambaModel (Mamba2Model) writes it: head count and feed_forward_length
+    0, a 2^20 context, A as -exp(A_log), the convolution squeezed (Mamba-2's tensors as _mamba_tensor
+    writes them), the LM head left out where it is the embedding, Falcon-Mamba's dt/B/C norms as
+    ssm.dt_b_c_rms."""
     config = model.config
-    writer = start_gguf(path, "mamba", "tiny-mamba", config.num_hidden_layers, 2**20, config.hidden_size, 0, 0, 0,
-                        config.layer_norm_epsilon)
+    mamba2 = config.model_type == "mamba2"
+    writer = start_gguf(path, "mamba2" if mamba2 else "mamba", "tiny-mamba", config.num_hidden_layers, 2**20,
+                        config.hidden_size, 0, 0, 0, config.layer_norm_epsilon)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_ssm_conv_kernel(config.conv_kernel)
-    writer.add_ssm_inner_size(config.intermediate_size)
-    writer.add_ssm_state_size(config.state_size)
-    writer.add_ssm_time_step_rank(config.time_step_rank)
-    writer.add_ssm_dt_b_c_rms(config.model_type == "falcon_mamba")
+    if mamba2:
+        _add_ssm_keys(writer, config.conv_kernel, config.state_size, config.n_groups, config.num_heads,
+                      config.head_dim)
+    else:
+        writer.add_ssm_conv_kernel(config.conv_kernel)
+        writer.add_ssm_inner_size(config.intermediate_size)
+        writer.add_ssm_state_size(config.state_size)
+        writer.add_ssm_time_step_rank(config.time_step_rank)
+        writer.add_ssm_dt_b_c_rms(config.model_type == "falcon_mamba")
     _add_tokenizer(writer)
     renamed = {"norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d", "mixer.x_proj": "ssm_x",
                "mixer.dt_proj": "ssm_dt", "mixer.out_proj": "ssm_out"}
@@ -337,7 +347,9 @@ def write_tiny_mamba_gguf(path: Path, model: MambaForCausalLM | FalconMambaForCa
             continue
         _, _, layer, *rest = hf_name.split(".")
         module, kind = ".".join(rest[:-1]), rest[-1]
-        if module == "mixer" and kind == "A_log":
+        if mamba2 and rest[0] == "mixer":
+            tensors.update(_mamba_tensor(f"blk.{layer}", ".".join(rest[1:]), data, config.n_groups))
+        elif module == "mixer" and kind == "A_log":
             tensors[f"blk.{layer}.ssm_a"] = -np.exp(data)
         elif module == "mixer" and kind == "D":
             tensors[f"blk.{layer}.ssm_d"] = data

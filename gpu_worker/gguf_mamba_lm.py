@@ -1,11 +1,14 @@
-"""Mamba (selective SSM, "Mamba-1") language models' GGUF files (``mamba``: state-spaces' mamba-130m ...
-2.8b, TII's Falcon-Mamba-7B) back to Hugging Face checkpoints. Used by gpu_worker.gguf_loader.
+"""State-space language models' GGUF files back to Hugging Face checkpoints: Mamba (selective SSM,
+"Mamba-1": ``mamba``, state-spaces' mamba-130m ... 2.8b, TII's Falcon-Mamba-7B) and pure Mamba-2
+(``mamba2``: Mamba-Codestral-7B, whose tensors gpu_worker.gguf_mamba2 undoes). Used by
+gpu_worker.gguf_loader.
 
 llama.cpp's MambaModel converter writes A_log as A = -exp(A_log) ([channels, state], ``ssm_a``, no
 suffix), the convolution's [channels, 1, taps] weight squeezed, x_proj as ``ssm_x``, dt_proj (weight
 and bias) as ``ssm_dt``; the geometry as ssm.* keys (dt's rank as ssm.time_step_rank) and Falcon-Mamba's
-RMS norms of dt, B and C as ssm.dt_b_c_rms. Its head count and context length are placeholders (0 and
-2^20): the converted config has no max_position_embeddings, as a Mamba checkpoint's has none.
+RMS norms of dt, B and C as ssm.dt_b_c_rms. Both converters' head count and context length are
+placeholders (0 and 2^20): the converted config has no max_position_embeddings, as a Mamba checkpoint's
+has none.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from gpu_worker.gguf_mamba2 import HybridNames
+from gpu_worker.gguf_mamba2 import HybridNames, mamba2_geometry
 
 MAMBA1_ARCHITECTURES = {"mamba": ("MambaForCausalLM", "mamba")}
+MAMBA2_ARCHITECTURES = {"mamba2": ("Mamba2ForCausalLM", "mamba2")}
 FALCON_MAMBA = ("FalconMambaForCausalLM", "falcon_mamba")
 
 
@@ -37,6 +41,16 @@ def mamba1_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tenso
     return extra
 
 
+def mamba2_lm_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tensor_names: set[str]
+                     ) -> dict[str, Any]:
+    """A pure Mamba-2 model's keys (transformers' Mamba2Config names)."""
+    mamba = mamba2_geometry(meta, arch, tensor_names)
+    return {"num_heads": mamba["num_heads"], "head_dim": mamba["head_dim"], "n_groups": mamba["num_groups"],
+            "state_size": mamba["state_size"], "conv_kernel": mamba["conv_kernel"],
+            "expand": max(1, mamba["inner_size"] // int(config["hidden_size"])), "use_conv_bias": mamba["conv_bias"],
+            "use_bias": mamba["proj_bias"], "layer_norm_epsilon": config["rms_norm_eps"]}
+
+
 def undo_mamba1(part: str, kind: str, array: np.ndarray) -> tuple[str, np.ndarray] | None:
     """A Mamba-1 tensor reshaped back (named within the mixer), or None for one kept as it is."""
     if part == "ssm_a":  # (A = -exp(A_log), [channels, state])
@@ -54,3 +68,5 @@ MAMBA1_NAMES = HybridNames(
     block={"attn_norm": "norm", "ssm_in": "mixer.in_proj", "ssm_x": "mixer.x_proj", "ssm_dt": "mixer.dt_proj",
            "ssm_out": "mixer.out_proj", "ssm_conv1d": "mixer.conv1d"},
     family="Mamba", undo=undo_mamba1)
+# (a pure Mamba-2 model's: the same layout, Mamba-2's tensors)
+MAMBA2_LM_NAMES = HybridNames(MAMBA1_NAMES.top_level, "backbone.layers", "mixer", {"attn_norm": "norm"}, "Mamba-2")

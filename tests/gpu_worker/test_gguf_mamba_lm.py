@@ -1,5 +1,5 @@
-"""Mamba and Falcon-Mamba GGUF files (mamba) converted back to checkpoints that give the source model's
-logits, in transformers and in our runner."""
+"""Mamba, Falcon-Mamba (mamba) and Mamba-2 (mamba2) GGUF files converted back to checkpoints that give the
+source model's logits, in transformers and in our runner."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ from .utils import make_runner, prefill_logits
 PROMPT_IDS = torch.tensor([[1, 120, 118, 263, 13, 107, 108, 261, 117, 104, 2, 13]])
 
 
-@pytest.mark.parametrize("kind, tied", [("mamba", True), ("falcon_mamba", False)], ids=["mamba_tied", "falcon_mamba"])
+# Per kind: the geometry the converted config must state.
+_GEOMETRY = {"mamba": {"intermediate_size": 128, "state_size": 16, "conv_kernel": 4, "time_step_rank": 4},
+             "falcon_mamba": {"intermediate_size": 128, "state_size": 16, "conv_kernel": 4, "time_step_rank": 4},
+             "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16, "conv_kernel": 4}}
+
+
+@pytest.mark.parametrize("kind, tied", [("mamba", True), ("falcon_mamba", False), ("mamba2", False)],
+                         ids=["mamba_tied", "falcon_mamba", "mamba2"])
 def test_mamba_files_convert_to_the_source_model(tmp_path: Path, kind: str, tied: bool) -> None:
     """A from -exp(A_log), the squeezed convolution, dt's rank and Falcon-Mamba's dt/B/C norms come
     back from the file; the converted checkpoint states no length (the file's 2^20 is a placeholder);
@@ -29,10 +36,8 @@ def test_mamba_files_convert_to_the_source_model(tmp_path: Path, kind: str, tied
     model_dir = ensure_converted(write_tiny_mamba_gguf(tmp_path / f"tiny-{kind}.gguf", source), tmp_path / "cache")
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == [type(source).__name__]
-    assert {key: config[key] for key in ("intermediate_size", "state_size", "conv_kernel", "time_step_rank",
-                                         "use_conv_bias", "tie_word_embeddings")} == {
-        "intermediate_size": 128, "state_size": 16, "conv_kernel": 4, "time_step_rank": 4, "use_conv_bias": True,
-        "tie_word_embeddings": tied}
+    expected = {**_GEOMETRY[kind], "use_conv_bias": True, "tie_word_embeddings": tied}
+    assert {key: config[key] for key in expected} == expected
     assert "max_position_embeddings" not in config
     loaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     assert type(loaded) is type(source)
