@@ -360,6 +360,7 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         config.update(_lfm2_config(meta, kv_heads, config, tensor_names, arch))
     elif model_type.startswith("qwen"):
         config["use_sliding_window"] = False  # (llama.cpp's Qwen files run full attention in every layer)
+    # (each family's own keys; the Granite family reads its experts itself)
     if arch in GRANITE_ARCHITECTURES:
         config.update(granite_config(meta, arch, config, kv_heads, experts, tensors))
     elif arch in NEMOTRON_H_ARCHITECTURES:
@@ -370,10 +371,10 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         config.update((mamba1_config if arch in MAMBA1_ARCHITECTURES else mamba2_lm_config)(
             meta, arch, config, tensor_names))
         del config["max_position_embeddings"]  # (the file's 2^20 is a placeholder; Mamba states no length)
-    if arch in NEMOTRON_H_ARCHITECTURES or arch in MAMBA1_ARCHITECTURES or arch in MAMBA2_ARCHITECTURES:
-        del config["rope_scaling"]  # (no positions: transformers' configs would warn of the key)
     elif experts:
         config.update(_experts_config(meta, arch, experts, tensors))
+    if arch in NEMOTRON_H_ARCHITECTURES or arch in MAMBA1_ARCHITECTURES or arch in MAMBA2_ARCHITECTURES:
+        del config["rope_scaling"]  # (no positions: transformers' configs would warn of the key)
     return config
 
 

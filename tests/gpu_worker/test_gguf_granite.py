@@ -52,6 +52,7 @@ def test_granite_files_convert_to_the_source_model(tmp_path: Path, kind: str) ->
     architecture, expected = _EXPECTED[kind]
     assert config["architectures"] == [architecture]
     assert {key: config[key] for key in expected} == expected
+    assert "num_experts" not in config  # (Granite's experts are num_local_experts alone)
     assert (config["embedding_multiplier"], config["attention_multiplier"], config["residual_multiplier"],
             config["logits_scaling"]) == (3.0, pytest.approx(0.2), 0.5, 2.0)
     loaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
