@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -518,6 +519,11 @@ def _heads_for(name: str, config: dict[str, Any]) -> int | None:
     return None
 
 
+# The state-space families' checkpoint names, by model type (their tensors renamed by rename_hybrid_tensor).
+_FAMILY_NAMES = {"nemotron_h": NEMOTRON_H_NAMES, "falcon_h1": FALCON_H1_NAMES, "mamba": MAMBA1_NAMES,
+                 "falcon_mamba": MAMBA1_NAMES, "mamba2": MAMBA2_LM_NAMES}
+
+
 def iter_hf_tensors(
     reader: GGUFReader, config: dict[str, Any], dtype: torch.dtype = torch.float32
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -528,11 +534,12 @@ def iter_hf_tensors(
 def _hf_tensors(
     tensors: list[ReaderTensor], config: dict[str, Any], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    # (The hybrids' renaming, reshaping and merging: their own modules'.)
+    # (Granite's and the state-space families' renaming, reshaping and merging: their own modules'.)
     granite = (GraniteTensors(config, _TOP_LEVEL_NAMES, _BLOCK_NAMES) if config["model_type"] in GRANITE_MODEL_TYPES
                else None)
-    hybrid_names = {"nemotron_h": NEMOTRON_H_NAMES, "falcon_h1": FALCON_H1_NAMES, "mamba": MAMBA1_NAMES,
-                    "falcon_mamba": MAMBA1_NAMES, "mamba2": MAMBA2_LM_NAMES}.get(config["model_type"])
+    family_names = _FAMILY_NAMES.get(config["model_type"])
+    convert = (granite.convert if granite is not None
+               else functools.partial(rename_hybrid_tensor, names=family_names) if family_names is not None else None)
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # (read into the config's rope scaling)
@@ -546,10 +553,8 @@ def _hf_tensors(
             weights = unpermute_qk(weights, heads)
         # Copy: F32/F16 tensors come back as views of the read-only memory map.
         array = np.array(weights, dtype=np.float32, order="C", copy=True)
-        if granite is not None or hybrid_names is not None:
-            renamed = (granite.convert(tensor.name, array) if granite is not None
-                       else rename_hybrid_tensor(tensor.name, array, hybrid_names))
-            for name, converted in renamed:
+        if convert is not None:
+            for name, converted in convert(tensor.name, array):
                 yield name, torch.from_numpy(np.ascontiguousarray(converted)).to(dtype)
             continue
         if config["model_type"].startswith("gemma") and tensor.name.endswith("norm.weight"):
