@@ -23,6 +23,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --lfm2  # LFM2: gated short convolutions, a few attention layers
     .venv/bin/python benchmarks/bench_model_runner.py --falcon-h1  # Falcon-H1: attention and Mamba-2 in every layer
     .venv/bin/python benchmarks/bench_model_runner.py --jamba  # Jamba: Mamba-1 layers, every eighth attending
+    .venv/bin/python benchmarks/bench_model_runner.py --zamba2  # Zamba2: Mamba-2 layers, shared attention blocks
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -57,7 +58,10 @@ shapes: gated short convolutions (3 taps) in three layers of four, attention wit
 fourth, SmolLM2's MLP in each. With --falcon-h1, as a Falcon-H1 model of SmolLM2's shapes: every
 layer's attention and a Mamba-2 mixer (12 heads of 64, states of 128) side by side, Falcon-H1-0.5B's
 muP multipliers. With --jamba, as a dense Jamba model of SmolLM2's shapes: Mamba-1 mixers (1152
-channels, states of 16) but every eighth layer, which attends without positions.
+channels, states of 16) but every eighth layer, which attends without positions. With --zamba2, as a
+Zamba2 model of SmolLM2's shapes: Mamba-2 layers (18 heads of 64, states of 64), every sixth running
+one of two shared attention-and-MLP blocks first (9 heads of 128 over twice the width, RoPE, adapters
+of rank 128 on q, k, v and the MLP).
 """
 
 from __future__ import annotations
@@ -105,6 +109,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
+    Zamba2Config,
+    Zamba2ForCausalLM,
 )
 
 from engine_core.config import CacheConfig, SchedulerConfig
@@ -227,6 +233,8 @@ def main() -> None:
                     help="run the random model as Falcon-H1 (attention and Mamba-2 side by side in every layer)")
     ap.add_argument("--jamba", action="store_true",
                     help="run the random model as a dense Jamba (Mamba-1 layers, every eighth attending)")
+    ap.add_argument("--zamba2", action="store_true",
+                    help="run the random model as Zamba2 (Mamba-2 layers, every sixth running a shared block)")
     ap.add_argument("--nemotron-h", action="store_true",
                     help="run the random model as Nemotron-H (Mamba-2 / MLP blocks, a few attention ones)")
     args = ap.parse_args()
@@ -357,6 +365,16 @@ def main() -> None:
         hf = JambaForCausalLM(JambaConfig(**shapes)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(shapes)
         weights = iter(hf.state_dict().items())
+    elif args.model == "random" and args.zamba2:
+        layers = SMOLLM2_135M["num_hidden_layers"]
+        shapes = {**SMOLLM2_135M, "architectures": ["Zamba2ForCausalLM"], "num_key_value_heads": None,
+                  "layers_block_type": ["hybrid" if i % 6 == 5 else "mamba" for i in range(layers)],
+                  "n_mamba_heads": 18, "mamba_d_state": 64, "mamba_ngroups": 1, "chunk_size": 256, "num_mem_blocks": 2,
+                  "use_shared_attention_adapter": True, "adapter_rank": 128, "use_mem_rope": True,
+                  "hidden_act": "gelu"}
+        hf = Zamba2ForCausalLM(Zamba2Config(**shapes)).to(device=device, dtype=dtype).eval()
+        model_config = ModelConfig.from_dict(shapes)
+        weights = iter(hf.state_dict().items())
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf = MistralForCausalLM(MistralConfig(**shapes)).to(device=device, dtype=dtype).eval()
@@ -383,7 +401,7 @@ def main() -> None:
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
              "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
              "qwen3-next": args.qwen3_next, "lfm2": args.lfm2, "falcon-h1": args.falcon_h1,
-             "jamba": args.jamba}
+             "jamba": args.jamba, "zamba2": args.zamba2}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "

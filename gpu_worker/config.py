@@ -70,7 +70,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                            "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                            "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM",
-                           "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM")
+                           "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Zamba2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
 MAMBA1_LM_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM")
 # Vision-language checkpoints served on text alone, always (their vision side is not served here):
@@ -1062,6 +1062,62 @@ def _falcon_h1_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[s
             "logits_scaling": 1.0 / float(cfg.get("lm_head_multiplier", 1.0))}
 
 
+def _zamba2_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Zyphra's Zamba2 config as transformers' Zamba2Config reads it: its defaults for the keys a
+    config leaves out, and what it derives whatever the file says: the shared blocks' attention over
+    2 x hidden_size (heads of 2 x hidden / heads values), the MLP's width (4 x hidden where null),
+    16,384 positions under use_long_context. Its attention is multi-head: the per-use adapters of q,
+    k and v are each as wide as all the heads."""
+    cfg = {"vocab_size": 32000, "max_position_embeddings": 4096, "num_hidden_layers": 54, "hidden_act": "gelu",
+           "num_attention_heads": 32, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+           **{k: v for k, v in cfg.items() if v is not None}}
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    if int(cfg.get("num_key_value_heads", heads)) != heads:
+        raise ValueError(f"Zamba2's shared attention is multi-head: num_key_value_heads "
+                         f"({cfg['num_key_value_heads']}) must be num_attention_heads ({heads})")
+    if (2 * hidden) % heads:
+        raise ValueError(f"Zamba2's attention over 2 x hidden_size ({2 * hidden}) must split into "
+                         f"num_attention_heads ({heads}) heads")
+    kinds = cfg.get("layers_block_type")
+    if kinds is None:  # (transformers' default: Zamba2-2.7B's 54 layers)
+        kinds = ["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"] + ["mamba"] * 3 \
+            + ["hybrid"] + ["mamba"] * 2
+    return {**cfg, "num_hidden_layers": len(kinds), "layers_block_type": list(kinds), "num_key_value_heads": heads,
+            "head_dim": 2 * hidden // heads, "intermediate_size": int(cfg.get("intermediate_size") or 4 * hidden),
+            **({"max_position_embeddings": 16384} if cfg.get("use_long_context") else {})}
+
+
+def _zamba2_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Zamba2's layers: every one a Mamba-2 mixer, the "hybrid" ones (layers_block_type) running a
+    shared attention-and-MLP block first, each with a KV cache of its own; the mixers' geometry
+    (head width expand x hidden over n_mamba_heads), the attention's scale (head_dim / 2) ** -0.5,
+    and RoPE only under use_mem_rope."""
+    if arch != "Zamba2ForCausalLM":
+        return {}
+    kinds = cfg["layers_block_type"]
+    unknown = sorted({k for k in kinds if k not in ("mamba", "linear_attention", "hybrid")})
+    if unknown:
+        raise ValueError(f"layers_block_type: Zamba2's layers are 'mamba' or 'hybrid', got {unknown}")
+    mamba = _mamba2_from_dict(cfg, int(cfg["hidden_size"]), {
+        "num_heads": "n_mamba_heads", "head_dim": "mamba_headdim", "num_groups": "mamba_ngroups",
+        "state_size": "mamba_d_state", "conv_kernel": "mamba_d_conv", "chunk_size": "chunk_size",
+        "expand": "mamba_expand", "conv_bias": "use_conv_bias", "proj_bias": "add_bias_linear"}, {
+        "num_heads": 8, "head_dim": "auto", "num_groups": 1, "state_size": 64, "conv_kernel": 4, "chunk_size": 256,
+        "expand": 2, "conv_bias": True, "proj_bias": False})
+    # (transformers derives the head width whatever the file says, as here.)
+    width = int(cfg.get("mamba_expand") or 2) * int(cfg["hidden_size"])
+    mamba = dataclasses.replace(mamba, head_dim=width // mamba.num_heads)
+    if mamba.intermediate_size != width:
+        raise ValueError(f"Zamba2's Mamba-2 geometry: n_mamba_heads ({mamba.num_heads}) must divide "
+                         f"mamba_expand x hidden_size ({width})")
+    num_layers = len(kinds)
+    return {"mamba": mamba, "mamba_layers": (True,) * num_layers,
+            "shared_attention_layers": tuple(i for i, kind in enumerate(kinds) if kind == "hybrid"),
+            "rope_layers": (bool(cfg.get("use_mem_rope", False)),) * num_layers,
+            "attention_multiplier": (int(cfg["head_dim"]) / 2) ** -0.5,
+            "mlp_bias": bool(cfg.get("add_bias_linear", False))}
+
+
 def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Granite 4.0's (and Bamba's) layer kinds (layer_types: "mamba" / "attention" as released,
     transformers 5's "linear_attention" / "full_attention"; all Mamba when absent, as transformers
@@ -1351,6 +1407,9 @@ class ModelConfig:
     # Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side on the same input (their
     # outputs summed), so every layer keeps KV as well as a recurrent state.
     parallel_hybrid: bool = False
+    # Zamba2: the layers that run a shared attention-and-MLP block before their Mamba-2 mixer (each
+    # use of a block keeps a KV cache of its own); empty for other models.
+    shared_attention_layers: tuple[int, ...] = ()
     # Nemotron-H: each layer one block behind its own norm, "mamba", "attention" or "mlp" (empty: the
     # Llama family's attention-then-MLP layers).
     block_types: tuple[str, ...] = ()
@@ -1498,6 +1557,8 @@ class ModelConfig:
         it runs beside attention: Falcon-H1's)."""
         if self.parallel_hybrid:
             return self.num_hidden_layers
+        if self.shared_attention_layers:
+            return len(self.shared_attention_layers)
         if self.block_types:
             return self.block_types.count("attention")
         return self.num_hidden_layers - sum(self.mamba_layers)
@@ -1631,6 +1692,8 @@ class ModelConfig:
             cfg = _lfm2_config(arch, cfg)
         if arch == "FalconH1ForCausalLM":
             cfg = _falcon_h1_config(cfg)
+        if arch == "Zamba2ForCausalLM":
+            cfg = _zamba2_config(cfg)
         if arch == "JambaForCausalLM":  # (transformers' JambaConfig defaults)
             cfg = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "num_key_value_heads": 8,
                    **{k: v for k, v in cfg.items() if v is not None}}
@@ -1793,7 +1856,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or arch == "SmolLM3ForCausalLM")),
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            **({} if arch == "Zamba2ForCausalLM" else {"mlp_bias": bool(cfg.get("mlp_bias", False))}),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False))) or arch in LFM2_ARCHITECTURES,
             eos_token_ids=eos,
@@ -1826,6 +1889,7 @@ class ModelConfig:
             **_lfm2_fields(arch, cfg, num_layers),
             **_falcon_h1_fields(arch, cfg, num_layers),
             **_jamba_fields(arch, cfg, num_layers),
+            **_zamba2_fields(arch, cfg),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

@@ -51,6 +51,7 @@ from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from gpu_worker.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from gpu_worker.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+from gpu_worker.models.zamba2 import Zamba2ForCausalLM
 from gpu_worker.vision_config import (
     Gemma3VisionConfig,
     Idefics3VisionConfig,
@@ -92,6 +93,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MambaForCausalLM": MambaForCausalLM,
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
+    "Zamba2ForCausalLM": Zamba2ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

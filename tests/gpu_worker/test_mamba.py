@@ -299,9 +299,9 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h_moe", 2),
                                          ("qwen3_next", 0), ("qwen3_5", 0), ("lfm2_moe", 0), ("falcon_h1", 2),
-                                         ("jamba", 0)],
+                                         ("jamba", 0), ("zamba2", 2)],
                          ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next", "qwen3_5",
-                              "lfm2_moe", "falcon_h1", "jamba"])
+                              "lfm2_moe", "falcon_h1", "jamba", "zamba2"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
@@ -312,13 +312,14 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
     each rank half of every short convolution's channels (B, C and x rows of in_proj, the
     convolution's, out_proj's columns) and of the experts' widths. Falcon-H1: both halves of every layer
     split, their muP multipliers folded before the split. Jamba: each rank half of every Mamba-1
-    mixer's channels (x_proj's all-reduce gives both the whole dt, B and C)."""
+    mixer's channels (x_proj's all-reduce gives both the whole dt, B and C). Zamba2: the shared blocks'
+    heads and MLP width split, each use's adapters' B by the same rows (A whole on both)."""
     import random
 
     ray = pytest.importorskip("ray")
 
-    groups_key = {"granitemoehybrid": "mamba_n_groups", "nemotron_h_moe": "n_groups", "falcon_h1": "mamba_n_groups"
-                  }.get(kind)
+    groups_key = {"granitemoehybrid": "mamba_n_groups", "nemotron_h_moe": "n_groups", "falcon_h1": "mamba_n_groups",
+                  "zamba2": "mamba_ngroups"}.get(kind)
     path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,
                            **({groups_key: groups} if groups_key else {}))
     rng = random.Random(3)
@@ -341,7 +342,8 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
         # A rank's states are half of one rank's (with one group, B and C's channels are not halved).
         state_bytes = ray.get([w.mamba_state_bytes.remote() for w in ranks])
         assert state_bytes[0] == state_bytes[1] < tp1.mamba_state_bytes()
-        budget = state_bytes[0] + 40 * tp1.bytes_per_block(4) + 1  # (the one KV head is replicated)
+        # (A rank's blocks: the one KV head replicated, or Zamba2's heads halved.)
+        budget = state_bytes[0] + 40 * ray.get(ranks[0].bytes_per_block.remote(4)) + 1
         assert ray.get([w.determine_num_blocks.remote(4, None, budget) for w in ranks]) == [40, 40]
         ray.get([w.initialize_cache.remote(40, 4) for w in ranks])
         assert drive(execute) == expected

@@ -156,6 +156,12 @@ CASES = {
     "jamba_mqa_top1_biases": ("jamba", {"num_key_value_heads": 1, "attn_layer_offset": 0, "num_experts_per_tok": 1,
                                         "mamba_proj_bias": True, "mamba_dt_rank": 8}),
     "nemotron_h_moe_latent": ("nemotron_h_moe", {"moe_latent_size": 24}),
+    # Zamba2: Mamba-2 layers, three of them running two shared blocks in turn with their own adapters
+    # and RoPE; one block for every hybrid layer (stored under each), no attention adapters, no RoPE,
+    # biases on the mixers' and the MLP's projections.
+    "zamba2": ("zamba2", {}),
+    "zamba2_one_block_biases_no_rope": ("zamba2", {"num_mem_blocks": 1, "use_shared_attention_adapter": False,
+                                                   "use_mem_rope": False, "add_bias_linear": True}),
     "granitemoe_tied_mqa_top1": ("granitemoe", {"tie_word_embeddings": True, "num_key_value_heads": 1,
                                                "num_experts_per_tok": 1}),
     # OLMo 2: post-norms, q/k norms over the whole projections (MQA: one KV head's).
@@ -271,7 +277,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                                    "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
                                    "FalconH1ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
-                                   "JambaForCausalLM", "BertModel", "RobertaModel",
+                                   "JambaForCausalLM", "Zamba2ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
