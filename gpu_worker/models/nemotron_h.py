@@ -22,7 +22,7 @@ from gpu_worker import distributed
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.attention import PagedAttention
-from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts_grouped
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -31,6 +31,7 @@ from gpu_worker.layers.mamba1 import MambaMixer
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.mamba_config import Mamba1Config
 from gpu_worker.models.llama import LlamaAttention, PipelineStage
+from gpu_worker.models.single_stage import SingleStageCausalLM
 
 
 class NemotronHMLP(nn.Module):
@@ -139,21 +140,13 @@ class NemotronHModel(nn.Module):
         return hidden
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(SingleStageCausalLM):
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
     # The released names (and transformers 5's module names) -> ours.
     _RENAMED = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),
                 ("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."), ("model.norm_f.", "model.norm."))
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = NemotronHModel(config)
-        self.pp_missing_prefixes: tuple[str, ...] = ()
-        self.lm_head = None if config.embedding_only else ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings and self.lm_head is not None:
-            self.lm_head.tie_to(self.model.embed_tokens)
-        self.score = None
+    model_class = NemotronHModel
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
@@ -162,19 +155,6 @@ class NemotronHForCausalLM(nn.Module):
                     name = ours + name[len(theirs):]
                     break
             yield name, tensor
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        return self.model.forward(input_ids, positions, meta, inputs_embeds, intermediate)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens.forward(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.lm_head is None:
-            raise RuntimeError("this model is served for embeddings only: it has no LM head")
-        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.mixer.attn for layer in self.model.layers if layer.kind == "attention"]

@@ -29,7 +29,7 @@ from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.activation import gated_activation
 from gpu_worker.layers.attention import PagedAttention
-from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import (
     ColumnParallelLinear,
@@ -41,6 +41,7 @@ from gpu_worker.layers.mamba import MambaMixer2
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike, materialize
 from gpu_worker.models.llama import PipelineStage
+from gpu_worker.models.single_stage import SingleStageCausalLM
 
 # The gated norm of Zamba2's mixers (transformers fixes it; vLLM reads rms_norm_eps, 1e-5 as released).
 MIXER_NORM_EPS = 1e-5
@@ -178,7 +179,7 @@ class Zamba2Model(nn.Module):
         return self.final_layernorm.forward(hidden)
 
 
-class Zamba2ForCausalLM(nn.Module):
+class Zamba2ForCausalLM(SingleStageCausalLM):
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                               "b_gate": ("b_gate_up", 0), "b_up": ("b_gate_up", 1)}
@@ -187,15 +188,7 @@ class Zamba2ForCausalLM(nn.Module):
     _ADAPTER = re.compile(r"(self_attn\.linear_([qkv])_adapter_list|feed_forward\.gate_up_proj_adapter_list)"
                           r"\.(\d+)\.([01])\.weight")
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = Zamba2Model(config)
-        self.pp_missing_prefixes: tuple[str, ...] = ()
-        self.lm_head = None if config.embedding_only else ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings and self.lm_head is not None:
-            self.lm_head.tie_to(self.model.embed_tokens)
-        self.score = None
+    model_class = Zamba2Model
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """The checkpoint's shared-block tensors into ``model.blocks``, its adapters into their hybrid
@@ -244,19 +237,6 @@ class Zamba2ForCausalLM(nn.Module):
                 yield f"{prefix}feed_forward.up_proj.{end}", tensor.narrow(0, half, half)
             else:
                 yield prefix + rest, tensor
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        return self.model.forward(input_ids, positions, meta, inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens.forward(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.lm_head is None:
-            raise RuntimeError("this model is served for embeddings only: it has no LM head")
-        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.attn for layer in self.model.layers if isinstance(layer, Zamba2HybridLayer)]
