@@ -1069,7 +1069,7 @@ def _zamba2_config(cfg: dict[str, Any]) -> dict[str, Any]:
     16,384 positions under use_long_context. Its attention is multi-head: the per-use adapters of q,
     k and v are each as wide as all the heads."""
     cfg = {"vocab_size": 32000, "max_position_embeddings": 4096, "num_hidden_layers": 54, "hidden_act": "gelu",
-           "num_attention_heads": 32, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+           "hidden_size": 2560, "num_attention_heads": 32, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
            **{k: v for k, v in cfg.items() if v is not None}}
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     if int(cfg.get("num_key_value_heads", heads)) != heads:
@@ -1082,6 +1082,8 @@ def _zamba2_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if kinds is None:  # (transformers' default: Zamba2-2.7B's 54 layers)
         kinds = ["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"] + ["mamba"] * 3 \
             + ["hybrid"] + ["mamba"] * 2
+    # (use_long_context: transformers 5 and vLLM lengthen the positions alone; Zyphra's own code also
+    # raised the RoPE base, which neither does.)
     return {**cfg, "num_hidden_layers": len(kinds), "layers_block_type": list(kinds), "num_key_value_heads": heads,
             "head_dim": 2 * hidden // heads, "intermediate_size": int(cfg.get("intermediate_size") or 4 * hidden),
             **({"max_position_embeddings": 16384} if cfg.get("use_long_context") else {})}
@@ -1090,8 +1092,9 @@ def _zamba2_config(cfg: dict[str, Any]) -> dict[str, Any]:
 def _zamba2_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Zamba2's layers: every one a Mamba-2 mixer, the "hybrid" ones (layers_block_type) running a
     shared attention-and-MLP block first, each with a KV cache of its own; the mixers' geometry
-    (head width expand x hidden over n_mamba_heads), the attention's scale (head_dim / 2) ** -0.5,
-    and RoPE only under use_mem_rope."""
+    (head width expand x hidden over n_mamba_heads; the convolution's bias always, as transformers'
+    and Zyphra's mixers have it whatever use_conv_bias says), the attention's scale
+    (head_dim / 2) ** -0.5, and RoPE only under use_mem_rope."""
     if arch != "Zamba2ForCausalLM":
         return {}
     kinds = cfg["layers_block_type"]
@@ -1105,8 +1108,8 @@ def _zamba2_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "num_heads": 8, "head_dim": "auto", "num_groups": 1, "state_size": 64, "conv_kernel": 4, "chunk_size": 256,
         "expand": 2, "conv_bias": True, "proj_bias": False})
     # (transformers derives the head width whatever the file says, as here.)
-    width = int(cfg.get("mamba_expand") or 2) * int(cfg["hidden_size"])
-    mamba = dataclasses.replace(mamba, head_dim=width // mamba.num_heads)
+    width = int(float(cfg.get("mamba_expand") or 2) * int(cfg["hidden_size"]))
+    mamba = dataclasses.replace(mamba, head_dim=width // mamba.num_heads, conv_bias=True)
     if mamba.intermediate_size != width:
         raise ValueError(f"Zamba2's Mamba-2 geometry: n_mamba_heads ({mamba.num_heads}) must divide "
                          f"mamba_expand x hidden_size ({width})")

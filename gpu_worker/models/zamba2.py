@@ -156,7 +156,8 @@ class Zamba2Model(nn.Module):
         super().__init__()
         self.stage = PipelineStage(config)  # (one stage: a model with Mamba-2 layers is not split)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        num_blocks = int(config.raw.get("num_mem_blocks", 1))
+        # (A block no hybrid layer would take is not built: transformers builds none, checkpoints hold none.)
+        num_blocks = min(int(config.raw.get("num_mem_blocks", 1)), len(config.shared_attention_layers))
         self.blocks = nn.ModuleList(Zamba2SharedBlock(config) for _ in range(num_blocks))
         # The hybrid layers take the blocks in turn: the use-th hybrid layer runs block use % num_blocks.
         uses = {layer: use for use, layer in enumerate(config.shared_attention_layers)}
@@ -183,8 +184,9 @@ class Zamba2ForCausalLM(SingleStageCausalLM):
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                               "b_gate": ("b_gate_up", 0), "b_up": ("b_gate_up", 1)}
-    # The checkpoint's shared-block tensors (under a hybrid layer) and its per-use adapters.
-    _SHARED = re.compile(r"model\.layers\.(\d+)\.shared_transformer\.(.+)")
+    # The checkpoint's shared-block tensors (under a hybrid layer; "model." left out by a bare decoder's
+    # save) and its per-use adapters.
+    _SHARED = re.compile(r"(?:model\.)?layers\.(\d+)\.shared_transformer\.(.+)")
     _ADAPTER = re.compile(r"(self_attn\.linear_([qkv])_adapter_list|feed_forward\.gate_up_proj_adapter_list)"
                           r"\.(\d+)\.([01])\.weight")
 
@@ -192,14 +194,14 @@ class Zamba2ForCausalLM(SingleStageCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """The checkpoint's shared-block tensors into ``model.blocks``, its adapters into their hybrid
-        layers, gate/up stacks into their two halves. Copies of a block stored under several of its
-        layers must be equal (each copy's sum and sum of squares are compared with the first's): a
-        checkpoint whose copies differ (transformers saves Zamba2 so when its embeddings are untied,
-        and then runs each hybrid layer with its own block) is refused, not silently served with one."""
+        layers, gate/up stacks into their two halves. A tensor stored again under another layer's copy
+        of its block (a block's weights, or a use's adapter) must equal the first copy: a checkpoint
+        whose copies differ (transformers saves Zamba2 so when its embeddings are untied, and then
+        runs each hybrid layer with a block of its own) is refused, not served with one of them."""
         hybrid = self.config.shared_attention_layers
         use_of = {layer: use for use, layer in enumerate(hybrid)}
         num_blocks = len(self.model.blocks)
-        first_copy: dict[str, tuple[int, tuple[float, float]]] = {}
+        first_copy: dict[str, tuple[int, WeightLike]] = {}
         for name, tensor in weights:
             shared = self._SHARED.fullmatch(name)
             if shared is None:
@@ -211,32 +213,38 @@ class Zamba2ForCausalLM(SingleStageCausalLM):
                                  f"config (layers_block_type)")
             adapter = self._ADAPTER.fullmatch(rest)
             if adapter is not None:  # (the adapter of use N, whichever layer's copy of the block holds it)
+                use = int(adapter.group(3))
+                if use >= len(hybrid) or use % num_blocks != use_of[layer] % num_blocks:
+                    raise ValueError(f"checkpoint tensor {name!r}: no use {use} of layer {layer}'s shared block "
+                                     f"among the config's {len(hybrid)} hybrid layers")
                 part = f"{adapter.group(2)}_adapter" if adapter.group(2) else "gate_up_adapter"
-                target = f"model.layers.{hybrid[int(adapter.group(3))]}.{part}"
-                if adapter.group(4) == "0":
-                    yield f"{target}.a.weight", tensor
-                elif adapter.group(2):
-                    yield f"{target}.b.weight", tensor
-                else:  # (gate rows, then up rows: split so each rank takes its share of both)
-                    half = tensor.shape[0] // 2
-                    yield f"{target}.b_gate.weight", tensor.narrow(0, 0, half)
-                    yield f"{target}.b_up.weight", tensor.narrow(0, half, half)
-                continue
-            prefix = f"model.blocks.{use_of[layer] % num_blocks}."
-            tensor = materialize(tensor)
-            fingerprint = (tensor.double().sum().item(), tensor.double().square().sum().item())
-            first = first_copy.setdefault(prefix + rest, (layer, fingerprint))
-            if first[1] != fingerprint:
-                raise ValueError(f"this Zamba2 checkpoint stores different weights for a shared block under layers "
-                                 f"{first[0]} and {layer} ({rest}): its hybrid layers do not share their blocks "
-                                 f"(transformers saves them so when tie_word_embeddings is false); not served")
-            if rest.startswith("feed_forward.gate_up_proj."):
-                half = tensor.shape[0] // 2
-                end = rest.removeprefix("feed_forward.gate_up_proj.")
-                yield f"{prefix}feed_forward.gate_proj.{end}", tensor.narrow(0, 0, half)
-                yield f"{prefix}feed_forward.up_proj.{end}", tensor.narrow(0, half, half)
+                target = f"model.layers.{hybrid[use]}.{part}"
             else:
-                yield prefix + rest, tensor
+                target = f"model.blocks.{use_of[layer] % num_blocks}.{rest}"
+            key = target if adapter is None else f"{target}.{adapter.group(4)}"
+            first = first_copy.setdefault(key, (layer, tensor))
+            if first[1] is not tensor:
+                if not torch.equal(materialize(first[1]), materialize(tensor)):
+                    raise ValueError(f"this Zamba2 checkpoint stores different weights for a shared block under "
+                                     f"layers {first[0]} and {layer} ({rest}): its hybrid layers do not share "
+                                     f"their blocks (transformers saves them so when tie_word_embeddings is false); "
+                                     f"not served")
+                continue  # (loaded from the first copy)
+            if adapter is not None and adapter.group(4) == "0":
+                yield f"{target}.a.weight", tensor
+            elif adapter is not None and adapter.group(2):
+                yield f"{target}.b.weight", tensor
+            elif adapter is not None or rest.startswith("feed_forward.gate_up_proj."):
+                # (gate rows, then up rows: split so each rank takes its share of both)
+                half = tensor.shape[0] // 2
+                if adapter is not None:
+                    gate, up = f"{target}.b_gate.weight", f"{target}.b_up.weight"
+                else:
+                    gate, up = (target.replace(".gate_up_proj.", f".{kind}.") for kind in ("gate_proj", "up_proj"))
+                yield gate, tensor.narrow(0, 0, half)
+                yield up, tensor.narrow(0, half, half)
+            else:
+                yield target, tensor
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.attn for layer in self.model.layers if isinstance(layer, Zamba2HybridLayer)]

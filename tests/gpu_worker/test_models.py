@@ -157,8 +157,8 @@ CASES = {
                                         "mamba_proj_bias": True, "mamba_dt_rank": 8}),
     "nemotron_h_moe_latent": ("nemotron_h_moe", {"moe_latent_size": 24}),
     # Zamba2: Mamba-2 layers, three of them running two shared blocks in turn with their own adapters
-    # and RoPE; one block for every hybrid layer (stored under each), no attention adapters, no RoPE,
-    # biases on the mixers' and the MLP's projections.
+    # and RoPE; one block for every hybrid layer, no attention adapters, no RoPE, biases on the mixers'
+    # and the MLP's projections.
     "zamba2": ("zamba2", {}),
     "zamba2_one_block_biases_no_rope": ("zamba2", {"num_mem_blocks": 1, "use_shared_attention_adapter": False,
                                                    "use_mem_rope": False, "add_bias_linear": True}),

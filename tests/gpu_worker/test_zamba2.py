@@ -33,16 +33,36 @@ def test_hybrid_layers_take_the_shared_blocks_in_turn_each_with_its_own_cache_an
 
 
 def test_a_checkpoint_storing_a_block_under_each_of_its_layers_loads_as_one_storing_it_once(tmp_path):
-    """transformers saves a tied block under its first layer only (two blocks here) or under each
-    layer (one block): copies under every hybrid layer load as the single copy does."""
+    """transformers saves a tied block under the first layer that runs it; a checkpoint may hold a copy
+    under every layer (block and adapters): equal copies load as the single one does, a copy that
+    differs (here one use's adapter) is refused."""
     path = save_tiny_model(tmp_path, "zamba2")
     tensors = load_file(path / "model.safetensors")
-    assert not any(name.startswith("model.layers.4.shared_transformer.self_attn.q_proj") for name in tensors)
+    assert not any(name.startswith("model.layers.4.shared_transformer.") for name in tensors)
     expected = prefill_logits(make_runner(path, num_blocks=16), PROMPT, list(range(8)))
-    for name in [n for n in tensors if n.startswith("model.layers.1.shared_transformer.") and "adapter" not in n]:
+    for name in [n for n in tensors if n.startswith("model.layers.1.shared_transformer.")]:
         tensors[name.replace("layers.1.", "layers.4.")] = tensors[name].clone()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     torch.testing.assert_close(prefill_logits(make_runner(path, num_blocks=16), PROMPT, list(range(8))), expected)
+    tensors["model.layers.4.shared_transformer.self_attn.linear_v_adapter_list.2.1.weight"] += 0.01
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"under layers 1 and 4 \(self_attn.linear_v_adapter_list.2.1.weight\)"):
+        make_runner(path, num_blocks=16)
+
+
+def test_a_bare_decoders_checkpoint_and_spare_blocks(tmp_path):
+    """Names saved without "model." (a bare Zamba2Model) load; more blocks than hybrid layers build
+    only the blocks some layer runs (transformers builds no others), as transformers computes."""
+    path = save_tiny_model(tmp_path, "zamba2", num_mem_blocks=4)
+    runner = make_runner(path, num_blocks=16)
+    assert len(runner.model.model.blocks) == 3
+    logits = prefill_logits(runner, PROMPT, list(range(8)))
+    with torch.no_grad():
+        torch.testing.assert_close(logits, load_hf(path)(torch.tensor([PROMPT])).logits[0], atol=1e-4, rtol=1e-4)
+    tensors = load_file(path / "model.safetensors")
+    save_file({name.removeprefix("model."): tensor for name, tensor in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    torch.testing.assert_close(prefill_logits(make_runner(path, num_blocks=16), PROMPT, list(range(8))), logits)
 
 
 def test_a_checkpoint_whose_copies_of_a_block_differ_is_refused(tmp_path):
@@ -70,6 +90,8 @@ def test_the_config_is_read_as_transformers_derives_it():
     assert config.mamba_layers == (True,) * 3 and config.shared_attention_layers == (1,)
     assert config.tie_word_embeddings and config.max_position_embeddings == 4096 and config.hidden_act == "gelu"
     assert config.rope_layers == (False,) * 3
+    # (The convolution's bias whatever use_conv_bias says, as transformers' mixer has it.)
+    assert ModelConfig.from_dict({**BASE, "use_conv_bias": False}).mamba.conv_bias
     renamed = ModelConfig.from_dict({**BASE, "layers_block_type": ["linear_attention", "hybrid", "linear_attention"],
                                      "use_mem_rope": True, "use_long_context": True})
     assert renamed.shared_attention_layers == (1,) and renamed.rope_layers == (True,) * 3
