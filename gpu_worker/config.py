@@ -70,7 +70,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                            "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                            "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM",
-                           "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Zamba2ForCausalLM")
+                           "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Zamba2ForCausalLM",
+                           "CohereForCausalLM", "Cohere2ForCausalLM")
+# Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
+COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
 MAMBA1_LM_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM")
 # Vision-language checkpoints served on text alone, always (their vision side is not served here):
@@ -1062,6 +1065,35 @@ def _falcon_h1_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[s
             "logits_scaling": 1.0 / float(cfg.get("lm_head_multiplier", 1.0))}
 
 
+def _cohere_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Cohere config as transformers' CohereConfig / Cohere2Config read it: their defaults for the keys
+    a config leaves out, layer_norm_eps as the norms' epsilon; Cohere2's heads hidden / heads wide
+    whatever the file says, and its layer kinds from sliding_window_pattern (three windowed layers of
+    four by default) where layer_types is absent."""
+    cfg = {"vocab_size": 256000, "hidden_size": 8192, "intermediate_size": 22528, "num_hidden_layers": 40,
+           "num_attention_heads": 64, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+           "logit_scale": 0.0625, **({"sliding_window": 4096} if arch == "Cohere2ForCausalLM" else {}),
+           **{k: v for k, v in cfg.items() if v is not None}}
+    cfg["rms_norm_eps"] = float(cfg.get("layer_norm_eps") or 1e-5)
+    if arch == "Cohere2ForCausalLM":
+        cfg["head_dim"] = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+        if not isinstance(cfg.get("layer_types"), list):
+            pattern = int(cfg.get("sliding_window_pattern") or 4)
+            cfg["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                  for i in range(int(cfg["num_hidden_layers"]))]
+    return cfg
+
+
+def _cohere_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Cohere's logit scale (as the logits' divisor), and Cohere2's RoPE only in its windowed layers."""
+    if arch not in COHERE_ARCHITECTURES:
+        return {}
+    fields: dict[str, Any] = {"logits_scaling": 1.0 / float(cfg["logit_scale"])}
+    if arch == "Cohere2ForCausalLM":
+        fields["rope_layers"] = tuple(kind == "sliding_attention" for kind in cfg["layer_types"])
+    return fields
+
+
 def _zamba2_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Zyphra's Zamba2 config as transformers' Zamba2Config reads it: its defaults for the keys a
     config leaves out, and what it derives whatever the file says: the shared blocks' attention over
@@ -1697,6 +1729,8 @@ class ModelConfig:
             cfg = _falcon_h1_config(cfg)
         if arch == "Zamba2ForCausalLM":
             cfg = _zamba2_config(cfg)
+        if arch in COHERE_ARCHITECTURES:
+            cfg = _cohere_config(arch, cfg)
         if arch == "JambaForCausalLM":  # (transformers' JambaConfig defaults)
             cfg = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "num_key_value_heads": 8,
                    **{k: v for k, v in cfg.items() if v is not None}}
@@ -1802,7 +1836,8 @@ class ModelConfig:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
             sliding = (cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Ministral3ForCausalLM",
-                                                             "MixtralForCausalLM", "Phi3ForCausalLM") else None)
+                                                             "MixtralForCausalLM", "Phi3ForCausalLM",
+                                                             "Cohere2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
             if arch == "Olmo3ForCausalLM":  # (transformers' default window, on three layers of four)
@@ -1893,6 +1928,7 @@ class ModelConfig:
             **_falcon_h1_fields(arch, cfg, num_layers),
             **_jamba_fields(arch, cfg, num_layers),
             **_zamba2_fields(arch, cfg),
+            **_cohere_fields(arch, cfg),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

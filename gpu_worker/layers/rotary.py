@@ -144,6 +144,13 @@ def llama_4_query_scale(positions: torch.Tensor, beta: float, length: int, dtype
     return scale.to(dtype)[:, None, None]
 
 
+def pairs_to_halves_order(width: int) -> torch.Tensor:
+    """Rotary values turned in pairs (0, 1), (2, 3), ... (GPT-J's, Cohere's, DeepSeek's interleaved
+    RoPE) -> the evens, then the odds: the order in which Llama's rotation, by halves, turns the same
+    pairs. (Reordering a query's and its keys' values alike leaves their dot products as they were.)"""
+    return torch.cat((torch.arange(0, width, 2), torch.arange(1, width, 2)))
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, dtype: torch.dtype | None = None,

@@ -38,7 +38,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
-from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves_order
 from gpu_worker.layers.weight_utils import WeightLike, materialize
 from gpu_worker.models.llama import (
     LlamaDecoderLayer,
@@ -104,11 +104,6 @@ class DeepseekModel(LlamaModel):
     layer_class = DeepseekDecoderLayer
 
 
-def _halves_order(width: int) -> torch.Tensor:
-    """Rotary values in pairs (0, 1), (2, 3), ... -> the evens, then the odds (Llama's halves)."""
-    return torch.cat((torch.arange(0, width, 2), torch.arange(1, width, 2)))
-
-
 class DeepseekV2ForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
     model_class = DeepseekModel
     # (No fused q/k/v: only the MLPs' gate and up are loaded into one projection.)
@@ -129,7 +124,7 @@ class DeepseekV2ForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
 def query_rows_in_halves(config: ModelConfig, rows: torch.Tensor) -> torch.Tensor:
     """A query projection's rows (or a LoRA B's), each head's rotary rows from pairs into halves."""
     per_head = rows.reshape(-1, config.qk_nope_head_dim + config.qk_rope_head_dim, *rows.shape[1:])
-    rotary = per_head[:, config.qk_nope_head_dim:].index_select(1, _halves_order(config.qk_rope_head_dim))
+    rotary = per_head[:, config.qk_nope_head_dim:].index_select(1, pairs_to_halves_order(config.qk_rope_head_dim))
     return torch.cat((per_head[:, : config.qk_nope_head_dim], rotary), dim=1).reshape(rows.shape)
 
 
@@ -140,7 +135,7 @@ def rotary_rows_in_halves(config: ModelConfig, weights: Iterable[tuple[str, Weig
     if not config.rope_interleave:
         yield from weights
         return
-    order = _halves_order(config.qk_rope_head_dim)
+    order = pairs_to_halves_order(config.qk_rope_head_dim)
     for name, tensor in weights:
         if skipped and name.startswith(skipped):
             yield name, tensor

@@ -7,6 +7,7 @@ from torch import nn
 from gpu_worker.config import ModelConfig
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
+from gpu_worker.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from gpu_worker.models.eagle import EAGLE_HEADS
 from gpu_worker.models.falcon_h1 import FalconH1ForCausalLM
@@ -94,6 +95,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     "Zamba2ForCausalLM": Zamba2ForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -336,6 +336,17 @@ def test_an_adapter_on_deepseek_v2s_query_projection_gives_pefts_tokens(tmp_path
     assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
 
 
+def test_an_adapter_on_cohere_gives_pefts_tokens(tmp_path):
+    """Command-R's query and key rows (and its per-head q/k norms) were reordered at load from RoPE's
+    pairs into halves: an adapter's B rows on q_proj and k_proj are reordered alike."""
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    base = save_tiny_model(tmp_path / "base", "cohere", vocab_size=251, use_qk_norm=True)
+    save_adapter(base, tmp_path / "a", seed=7, targets=targets)
+    adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=7, prompt_seed=15,
+                                                          targets=targets)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
+
+
 def test_an_adapter_on_phi3s_fused_projections_gives_pefts_tokens(tmp_path):
     """Phi-3's checkpoint, and so PEFT's adapters for it, hold q/k/v and gate/up fused
     (``qkv_proj``, ``gate_up_proj``): one A for the whole projection, B's rows in q, k, v order."""

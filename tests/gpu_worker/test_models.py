@@ -156,6 +156,13 @@ CASES = {
     "jamba_mqa_top1_biases": ("jamba", {"num_key_value_heads": 1, "attn_layer_offset": 0, "num_experts_per_tok": 1,
                                         "mamba_proj_bias": True, "mamba_dt_rank": 8}),
     "nemotron_h_moe_latent": ("nemotron_h_moe", {"moe_latent_size": 24}),
+    # Cohere: attention beside the MLP, bias-free LayerNorms, RoPE in pairs, the logit scale; Command-R+'s
+    # per-head q/k norms (with biases, one KV head); Cohere2: windowed rotating layers and a full one
+    # without positions.
+    "cohere": ("cohere", {}),
+    "cohere_qk_norm_bias_mqa_untied": ("cohere", {"use_qk_norm": True, "attention_bias": True,
+                                                  "num_key_value_heads": 1, "tie_word_embeddings": False}),
+    "cohere2": ("cohere2", {}),
     # Zamba2: Mamba-2 layers, three of them running two shared blocks in turn with their own adapters
     # and RoPE; one block for every hybrid layer, no attention adapters, no RoPE, biases on the mixers'
     # and the MLP's projections.
@@ -277,7 +284,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                                    "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
                                    "FalconH1ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
-                                   "JambaForCausalLM", "Zamba2ForCausalLM", "BertModel", "RobertaModel",
+                                   "JambaForCausalLM", "Zamba2ForCausalLM", "CohereForCausalLM",
+                                   "Cohere2ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

@@ -99,9 +99,10 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("olmoe", {}, True),
     ("granitemoe", {}, True),
     ("minimax_m2", {}, False),
+    ("cohere", {"use_qk_norm": True, "initializer_range": 0.3}, False),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
-        "granitemoe_expert_parallel", "minimax_m2"])
+        "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
@@ -110,7 +111,9 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     parallelism). OLMo 2: the q/k norms over the whole projections, from each rank's heads (the one KV
     head replicated on both). GLM-4.5: the fp32 router and its correction bias replicated, the
     ungated shared expert split by width. DeepSeek: each rank its heads' query, latent-to-key/value
-    and output rows, the latent's projection and the cache's one row per token on both."""
+    and output rows, the latent's projection and the cache's one row per token on both. Command-R+:
+    each rank its query heads' norm weights, the one KV head's on both. (Cohere's weights drawn wider,
+    0.3: with the default the tiny model's greedy answers repeat nothing for n-gram drafts to find.)"""
     ray = pytest.importorskip("ray")
     # One KV head for two ranks (replicated), an odd vocab (padded shards) and tied embeddings.
     path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,

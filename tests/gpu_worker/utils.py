@@ -13,6 +13,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     BambaConfig,
+    Cohere2Config,
+    CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     FalconH1Config,
@@ -233,6 +235,14 @@ def make_config(kind: str = "llama", **overrides):
                               "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 8,
                               "num_experts_per_tok": 2, "mamba_d_state": 16,
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Cohere (Command-R): attention beside the MLP after one bias-free LayerNorm, RoPE in pairs, the
+    # logits scaled by 0.25; Command-R+'s per-head q/k norms where use_qk_norm. Cohere2 (Command-R7B):
+    # three windowed (8 tokens), rotating layers to one full layer without positions.
+    if kind == "cohere":
+        return CohereConfig(**{"logit_scale": 0.25, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    if kind == "cohere2":
+        return Cohere2Config(**{"logit_scale": 0.25, "sliding_window": 8, "pad_token_id": 0, "bos_token_id": 1,
+                                "eos_token_id": 2, **kw, "num_hidden_layers": max(4, kw["num_hidden_layers"])})
     # Zamba2: Mamba-2 layers (8 heads of 16 in 2 groups, states of 16, chunks of 8), three of them
     # hybrid, taking two shared blocks in turn (0, 1, 0), each use with adapters of rank 8 on q, k, v
     # and the MLP; RoPE in the shared attention (multi-head: 4 heads of 32 over 2 x hidden). (Weights

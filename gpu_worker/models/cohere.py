@@ -1,0 +1,149 @@
+"""Cohere's Command models: Command-R / R+ and Aya 23 / Aya Expanse (CohereForCausalLM), Command-R7B
+and Command-A (Cohere2ForCausalLM).
+
+Both run each layer's attention and SwiGLU MLP side by side on the same normed input and add both
+outputs to the residual (no norm between them); their norms are LayerNorms without a bias (the mean
+taken out, fp32 statistics); the logits are scaled by logit_scale (ModelConfig.logits_scaling is its
+inverse). Command-R+ norms each query and key head with weights of its own (use_qk_norm). Cohere2
+windows three layers of four (layer_types, sliding_window) and rotates only in those: its
+full-attention layers have no positions.
+
+Their RoPE turns each head's values in pairs (0, 1), (2, 3), ... where Llama turns halves: the
+query and key projections' rows (and a per-head norm's weights, and a LoRA adapter's B) are reordered
+from pairs into halves as they are read, which leaves every dot product of a query and a key as it
+was, so Llama's rotation then computes Cohere's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves_order
+from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
+from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class CohereLayerNorm(RMSNorm):
+    """LayerNorm without a bias: (x - mean) / sqrt(var + eps) * w, statistics and scale in fp32, as
+    transformers' CohereLayerNorm; with ``residual``, the add fused in as RMSNorm's."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class HeadLayerNorm(nn.Module):
+    """Command-R+'s query (or key) norm: a bias-free LayerNorm over each head's values, with weights of
+    each head's own ([this rank's heads, head_dim]; ``first_head``: the first of them in the
+    checkpoint's [heads, head_dim])."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float, first_head: int) -> None:
+        super().__init__()
+        self.eps, self.first_head = eps, first_head
+        self.weight = nn.Parameter(torch.ones(num_heads, head_dim), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+        copy_into(param, loaded.narrow(0, self.first_head, param.shape[0]))
+
+    def forward(self, heads: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, head_dim] -> the same, normed."""
+        normed = F.layer_norm(heads.float(), heads.shape[-1:], None, None, self.eps)
+        return (normed * self.weight.float()).to(heads.dtype)
+
+
+class CohereAttention(LlamaAttention):
+    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
+        super().__init__(config, layer, norm_class)
+        qkv = self.qkv_proj
+        if config.raw.get("use_qk_norm"):
+            self.q_norm = HeadLayerNorm(self.num_heads, self.head_dim, config.rms_norm_eps,
+                                        qkv.tp_rank * self.num_heads)
+            self.k_norm = HeadLayerNorm(self.num_kv_heads, self.head_dim, config.rms_norm_eps, qkv._kv_head_start())
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.q_norm is None:
+            return super().forward(rope, hidden, meta)
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj.forward(hidden)
+        q = self.q_norm.forward(qkv[:, : self.q_size].reshape(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm.forward(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(
+            num_tokens, self.num_kv_heads, self.head_dim))
+        qk = torch.cat((q, k), dim=1)
+        if self.rotates:
+            RotaryEmbedding.rotate_(qk, rope[0], rope[1])
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj.forward(self.attn.forward(qk[:, : self.num_heads], qk[:, self.num_heads:], v, meta))
+
+
+class CohereDecoderLayer(LlamaDecoderLayer):
+    norm_class = CohereLayerNorm
+    attention_class = CohereAttention
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.post_attention_layernorm = None  # (one norm a layer: attention and MLP read the same input)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm.forward(hidden)
+        else:
+            normed, residual = self.input_layernorm.forward(hidden, residual)
+        return self.self_attn.forward(rope, normed, meta) + self.mlp.forward(normed), residual
+
+
+class CohereModel(LlamaModel):
+    layer_class = CohereDecoderLayer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        if self.stage.last:
+            self.norm = CohereLayerNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def rows_in_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A query or key projection's rows (weight, bias, or a LoRA B's), each head's from pairs into halves."""
+    per_head = rows.reshape(-1, head_dim, *rows.shape[1:])
+    return per_head.index_select(1, pairs_to_halves_order(head_dim).to(rows.device)).reshape(rows.shape)
+
+
+class CohereForCausalLM(LlamaForCausalLM):
+    model_class = CohereModel
+    # Tensors whose rows (or, for the head norms, columns) follow each query / key head's values.
+    _PAIRED_ROWS = (".self_attn.q_proj.", ".self_attn.k_proj.")
+    _PAIRED_COLUMNS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        head_dim = self.config.head_dim
+        for name, tensor in weights:
+            if any(part in name for part in self._PAIRED_ROWS) and not name.startswith(self.pp_missing_prefixes):
+                yield name, rows_in_halves(materialize(tensor), head_dim)
+            elif name.endswith(self._PAIRED_COLUMNS) and not name.startswith(self.pp_missing_prefixes):
+                yield name, materialize(tensor).index_select(-1, pairs_to_halves_order(head_dim))
+            else:
+                yield name, tensor
+
+    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""
+        if module.endswith((".self_attn.q_proj", ".self_attn.k_proj")):
+            return rows_in_halves(b, self.config.head_dim)
+        return b
+
+
+class Cohere2ForCausalLM(CohereForCausalLM):
+    """Command-R7B / Command-A: Cohere's layers, three of four windowed and rotating, the fourth
+    attending to everything without positions."""
