@@ -71,7 +71,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                            "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Zamba2ForCausalLM",
-                           "CohereForCausalLM", "Cohere2ForCausalLM")
+                           "CohereForCausalLM", "Cohere2ForCausalLM", "Glm4ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -96,6 +96,10 @@ GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": Tru
 # transformers' Glm4MoeConfig defaults for the keys a GLM-4.5 config may leave out (the released
 # configs state them; the experts' are _moe_from_dict's, the partial rotary's from_dict's).
 GLM4_MOE_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "intermediate_size": 10944}
+# transformers' Glm4Config defaults (GLM-4-0414, dense) for the keys a config may leave out.
+GLM4_DEFAULTS = {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "intermediate_size": 13696,
+                 "head_dim": 128, "num_key_value_heads": 2, "attention_bias": True,
+                 "eos_token_id": [151329, 151336, 151338]}
 # transformers' MiniMaxM2Config defaults for the keys a MiniMax-M2 config may leave out (the experts'
 # are _moe_from_dict's).
 MINIMAX_M2_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 196608,
@@ -104,7 +108,7 @@ GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
-                                "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM")
+                                "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
@@ -1746,6 +1750,8 @@ class ModelConfig:
                                                                                       "mrope_interleaved")}}
         if arch == "Glm4MoeForCausalLM":
             cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+        if arch == "Glm4ForCausalLM":
+            cfg = {**GLM4_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "MiniMaxM2ForCausalLM":
             cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "GptOssForCausalLM":
@@ -1804,9 +1810,9 @@ class ModelConfig:
                 and cfg.get("partial_rotary_factor") is None and cfg.get("rotary_dim"):
             partial = int(cfg["rotary_dim"]) / head_dim  # (as released: rotary_dim, 64 of 128)
         rotary_dim = mla["qk_rope_head_dim"] if mla else int(head_dim * partial)
-        if arch == "Glm4MoeForCausalLM" and "partial_rotary_factor" not in params \
+        if arch in ("Glm4MoeForCausalLM", "Glm4ForCausalLM") and "partial_rotary_factor" not in params \
                 and cfg.get("partial_rotary_factor") is None:
-            partial, rotary_dim = 0.5, head_dim // 2  # (transformers' default for GLM-4.5: half of each head)
+            partial, rotary_dim = 0.5, head_dim // 2  # (transformers' default for GLM-4 and 4.5: half of each head)
         # Phi-4-mini rotates 3/4 of each head, GLM-4.5 half (the first values of each, in halves as
         # Llama's); the Llama-family code of the others rotates whole heads.
         if partial != 1.0 and (arch not in PARTIAL_ROTARY_ARCHITECTURES or not 0 < rotary_dim <= head_dim
@@ -1824,7 +1830,7 @@ class ModelConfig:
         elif arch == "GptOssForCausalLM":
             qkv_bias = o_bias = bool(cfg["attention_bias"])
             sliding = cfg.get("sliding_window")
-        elif arch == "Glm4MoeForCausalLM":  # (attention_bias: q, k and v's; o_proj has none)
+        elif arch in ("Glm4MoeForCausalLM", "Glm4ForCausalLM"):  # (attention_bias: q, k and v's; o_proj has none)
             qkv_bias, o_bias, sliding = bool(cfg.get("attention_bias", False)), False, None
         elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))

@@ -151,6 +151,16 @@ def pairs_to_halves_order(width: int) -> torch.Tensor:
     return torch.cat((torch.arange(0, width, 2), torch.arange(1, width, 2)))
 
 
+def head_rows_in_halves(rows: torch.Tensor, head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """A query or key projection's rows (its weight, bias, or a LoRA adapter's B), each head's first
+    ``rotary_dim`` (all, by default) from rotary pairs into halves: checkpoints of interleaved RoPE
+    (Cohere's, GLM-4's) then rotate as Llama's do."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    order = torch.cat((pairs_to_halves_order(rotary_dim), torch.arange(rotary_dim, head_dim))).to(rows.device)
+    per_head = rows.reshape(-1, head_dim, *rows.shape[1:])
+    return per_head.index_select(1, order).reshape(rows.shape)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, dtype: torch.dtype | None = None,

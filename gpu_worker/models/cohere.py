@@ -25,7 +25,7 @@ from torch import nn
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves_order
+from gpu_worker.layers.rotary import RotaryEmbedding, head_rows_in_halves, pairs_to_halves_order
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -115,12 +115,6 @@ class CohereModel(LlamaModel):
             self.norm = CohereLayerNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def rows_in_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A query or key projection's rows (weight, bias, or a LoRA B's), each head's from pairs into halves."""
-    per_head = rows.reshape(-1, head_dim, *rows.shape[1:])
-    return per_head.index_select(1, pairs_to_halves_order(head_dim).to(rows.device)).reshape(rows.shape)
-
-
 class CohereForCausalLM(LlamaForCausalLM):
     model_class = CohereModel
     # Tensors whose rows (or, for the head norms, columns) follow each query / key head's values.
@@ -131,7 +125,7 @@ class CohereForCausalLM(LlamaForCausalLM):
         head_dim = self.config.head_dim
         for name, tensor in weights:
             if any(part in name for part in self._PAIRED_ROWS) and not name.startswith(self.pp_missing_prefixes):
-                yield name, rows_in_halves(materialize(tensor), head_dim)
+                yield name, head_rows_in_halves(materialize(tensor), head_dim)
             elif name.endswith(self._PAIRED_COLUMNS) and not name.startswith(self.pp_missing_prefixes):
                 yield name, materialize(tensor).index_select(-1, pairs_to_halves_order(head_dim))
             else:
@@ -140,7 +134,7 @@ class CohereForCausalLM(LlamaForCausalLM):
     def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
         """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""
         if module.endswith((".self_attn.q_proj", ".self_attn.k_proj")):
-            return rows_in_halves(b, self.config.head_dim)
+            return head_rows_in_halves(b, self.config.head_dim)
         return b
 
 

@@ -13,6 +13,7 @@ from gpu_worker.models.eagle import EAGLE_HEADS
 from gpu_worker.models.falcon_h1 import FalconH1ForCausalLM
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
+from gpu_worker.models.glm4 import Glm4ForCausalLM
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
 from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internvl import internvl_class
@@ -97,6 +98,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Zamba2ForCausalLM": Zamba2ForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -347,6 +347,18 @@ def test_an_adapter_on_cohere_gives_pefts_tokens(tmp_path):
     assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
 
 
+def test_an_adapter_on_glm4_gives_pefts_tokens(tmp_path):
+    """GLM-4's query and key rows were reordered at load from RoPE's pairs into halves over the rotary
+    half of each head, and its checkpoint's fused gate/up projection split: an adapter's B rows on
+    q_proj and k_proj are reordered alike, one on the fused gate_up_proj split as its weight."""
+    targets = ("q_proj", "k_proj", "o_proj", "gate_up_proj", "down_proj")
+    base = save_tiny_model(tmp_path / "base", "glm4", vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=8, targets=targets)
+    adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=8, prompt_seed=17,
+                                                          targets=targets)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
+
+
 def test_an_adapter_on_phi3s_fused_projections_gives_pefts_tokens(tmp_path):
     """Phi-3's checkpoint, and so PEFT's adapters for it, hold q/k/v and gate/up fused
     (``qkv_proj``, ``gate_up_proj``): one A for the whole projection, B's rows in q, k, v order."""

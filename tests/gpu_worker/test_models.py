@@ -163,6 +163,11 @@ CASES = {
     "cohere_qk_norm_bias_mqa_untied": ("cohere", {"use_qk_norm": True, "attention_bias": True,
                                                   "num_key_value_heads": 1, "tie_word_embeddings": False}),
     "cohere2": ("cohere2", {}),
+    # GLM-4 (0414): RoPE in pairs over half of each head, q/k/v biases, norms after attention and MLP;
+    # the gate/up projection fused in the checkpoint.
+    "glm4": ("glm4", {}),
+    "glm4_mqa_tied_no_bias": ("glm4", {"num_key_value_heads": 1, "tie_word_embeddings": True,
+                                       "attention_bias": False}),
     # Zamba2: Mamba-2 layers, three of them running two shared blocks in turn with their own adapters
     # and RoPE; one block for every hybrid layer, no attention adapters, no RoPE, biases on the mixers'
     # and the MLP's projections.
@@ -285,7 +290,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
                                    "FalconH1ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
                                    "JambaForCausalLM", "Zamba2ForCausalLM", "CohereForCausalLM",
-                                   "Cohere2ForCausalLM", "BertModel", "RobertaModel",
+                                   "Cohere2ForCausalLM", "Glm4ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

@@ -23,6 +23,7 @@ from transformers import (
     Gemma3Config,
     Gemma3TextConfig,
     GemmaConfig,
+    Glm4Config,
     Glm4MoeConfig,
     GptOssConfig,
     GraniteConfig,
@@ -235,6 +236,10 @@ def make_config(kind: str = "llama", **overrides):
                               "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 8,
                               "num_experts_per_tok": 2, "mamba_d_state": 16,
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # GLM-4 (0414, dense): q/k/v biases, RoPE in pairs over half of each 16-dim head, a norm after the
+    # attention and after the MLP too.
+    if kind == "glm4":
+        return Glm4Config(**{"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Cohere (Command-R): attention beside the MLP after one bias-free LayerNorm, RoPE in pairs, the
     # logits scaled by 0.25; Command-R+'s per-head q/k norms where use_qk_norm. Cohere2 (Command-R7B):
     # three windowed (8 tokens), rotating layers to one full layer without positions.

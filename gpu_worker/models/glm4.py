@@ -1,0 +1,68 @@
+"""Zhipu's GLM-4 (Glm4ForCausalLM: GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1-9B / 32B, GLM-Z1-Rumination):
+Llama's attention with q/k/v biases (none on o_proj) and RoPE over the first half of each head, and
+two more norms a layer: one on the attention's output and one on the MLP's, each before its residual
+add (``post_self_attn_layernorm``, ``post_mlp_layernorm``; ``post_attention_layernorm`` is the norm
+before the MLP, as in Llama).
+
+Its RoPE turns pairs of neighbouring values (GPT-J's) where Llama's turns halves: each head's rotary
+rows of the query and key projections (and of a LoRA adapter's B) are reordered into halves as they
+are read. Its checkpoints store the MLP's gate and up projections as one (``gate_up_proj``), split
+at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.rotary import head_rows_in_halves
+from gpu_worker.layers.weight_utils import WeightLike, materialize
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class Glm4DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self._attention(rope, hidden, residual, meta)
+        hidden = self.post_self_attn_layernorm.forward(hidden)
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.post_mlp_layernorm.forward(self.mlp.forward(hidden)), residual
+
+
+class Glm4Model(LlamaModel):
+    layer_class = Glm4DecoderLayer
+
+
+class Glm4ForCausalLM(LlamaForCausalLM):
+    model_class = Glm4Model
+
+    def _rotary_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return head_rows_in_halves(rows, self.config.head_dim, self.config.rotary_dim)
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            if name.startswith(self.pp_missing_prefixes):
+                yield name, tensor
+            elif ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+                yield name, self._rotary_rows(materialize(tensor))
+            elif ".mlp.gate_up_proj." in name:  # (gate rows, then up rows)
+                half = tensor.shape[0] // 2
+                yield name.replace(".gate_up_proj.", ".gate_proj."), tensor.narrow(0, 0, half)
+                yield name.replace(".gate_up_proj.", ".up_proj."), tensor.narrow(0, half, half)
+            else:
+                yield name, tensor
+
+    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""
+        if module.endswith((".self_attn.q_proj", ".self_attn.k_proj")):
+            return self._rotary_rows(b)
+        return b
