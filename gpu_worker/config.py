@@ -71,7 +71,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                            "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Zamba2ForCausalLM",
-                           "CohereForCausalLM", "Cohere2ForCausalLM", "Glm4ForCausalLM")
+                           "CohereForCausalLM", "Cohere2ForCausalLM", "Glm4ForCausalLM", "SeedOssForCausalLM",
+                           "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "Exaone4ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -96,6 +97,16 @@ GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": Tru
 # transformers' Glm4MoeConfig defaults for the keys a GLM-4.5 config may leave out (the released
 # configs state them; the experts' are _moe_from_dict's, the partial rotary's from_dict's).
 GLM4_MOE_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "intermediate_size": 10944}
+# transformers' defaults for the keys a config of these Llama-like families may leave out.
+LLAMA_LIKE_DEFAULTS = {
+    "SeedOssForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 524288,
+                           "num_key_value_heads": 8, "attention_bias": True},
+    "HeliumForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-8, "max_position_embeddings": 4096},
+    "Ernie4_5ForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                            "num_key_value_heads": 2, "tie_word_embeddings": True},
+    "ArceeForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "hidden_act": "relu2"},
+    "Exaone4ForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
+}
 # transformers' Glm4Config defaults (GLM-4-0414, dense) for the keys a config may leave out.
 GLM4_DEFAULTS = {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "intermediate_size": 13696,
                  "head_dim": 128, "num_key_value_heads": 2, "attention_bias": True,
@@ -682,10 +693,11 @@ def _activation(arch: str, cfg: dict[str, Any]) -> str:
         # converts it); hidden_activation, where set, names it.
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         act = "gelu_pytorch_tanh" if act == "gelu" else act
-    elif arch == "NemotronHForCausalLM":  # (its MLP layers: relu(x)^2, ungated)
-        act = cfg.get("mlp_hidden_act") or "relu2"
+    elif arch in ("NemotronHForCausalLM", "ArceeForCausalLM"):  # (their MLPs: relu(x)^2, ungated)
+        key = "mlp_hidden_act" if arch == "NemotronHForCausalLM" else "hidden_act"
+        act = cfg.get(key) or "relu2"
         if act != "relu2":
-            raise ValueError(f"mlp_hidden_act must be 'relu2' for {arch}, got {act!r}")
+            raise ValueError(f"{key} must be 'relu2' for {arch}, got {act!r}")
         return act
     else:
         act = cfg.get("hidden_act", "silu")
@@ -1067,6 +1079,33 @@ def _falcon_h1_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[s
     return {"mamba": mamba, "mamba_layers": (True,) * num_layers, "parallel_hybrid": True,
             "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
             "logits_scaling": 1.0 / float(cfg.get("lm_head_multiplier", 1.0))}
+
+
+def _exaone4_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4.0's layer kinds as transformers' Exaone4Config reads them: a window of sliding_window
+    (4096 where the key is absent; none where it is null) on the layers layer_types names, else on
+    all but every sliding_window_pattern-th (4; as released a string, "LLLG": L windowed, G full);
+    without a window every layer attends fully. Its windowed layers rotate and its full ones attend
+    without positions where it has a window (ModelConfig.rope_layers), every layer rotates without."""
+    window = cfg.get("sliding_window", 4096)
+    layers = int(cfg.get("num_hidden_layers") or 32)
+    kinds = cfg.get("layer_types")
+    if not window:
+        kinds = ["full_attention"] * layers
+    elif not isinstance(kinds, list):
+        pattern = cfg.get("sliding_window_pattern", 4)
+        if isinstance(pattern, str):
+            kinds = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+                     for i in range(layers)]
+        else:
+            kinds = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
+    return {**cfg, "sliding_window": window or None, "layer_types": kinds}
+
+
+def _exaone4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    if arch != "Exaone4ForCausalLM" or not cfg.get("sliding_window"):
+        return {}
+    return {"rope_layers": tuple(kind == "sliding_attention" for kind in cfg["layer_types"])}
 
 
 def _cohere_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1752,6 +1791,10 @@ class ModelConfig:
             cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "Glm4ForCausalLM":
             cfg = {**GLM4_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+        if arch == "Exaone4ForCausalLM":  # (before the defaults: a null sliding_window means none)
+            cfg = _exaone4_config(cfg)
+        if arch in LLAMA_LIKE_DEFAULTS:
+            cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "MiniMaxM2ForCausalLM":
             cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "GptOssForCausalLM":
@@ -1830,7 +1873,8 @@ class ModelConfig:
         elif arch == "GptOssForCausalLM":
             qkv_bias = o_bias = bool(cfg["attention_bias"])
             sliding = cfg.get("sliding_window")
-        elif arch in ("Glm4MoeForCausalLM", "Glm4ForCausalLM"):  # (attention_bias: q, k and v's; o_proj has none)
+        elif arch in ("Glm4MoeForCausalLM", "Glm4ForCausalLM", "HeliumForCausalLM"):
+            # (attention_bias: q, k and v's; o_proj has none)
             qkv_bias, o_bias, sliding = bool(cfg.get("attention_bias", False)), False, None
         elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
@@ -1839,11 +1883,13 @@ class ModelConfig:
                 # EmbeddingGemma's windowed layers: |i - j| < sliding_window // 2 + 1, as transformers reads it.
                 sliding = int(sliding) // 2
         else:
-            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", cfg.get("use_bias", False)))  # (ERNIE: use_bias)
+            if arch == "SeedOssForCausalLM":  # (o_proj's bias is its own)
+                o_bias = bool(cfg.get("attention_out_bias", False))
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
             sliding = (cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Ministral3ForCausalLM",
                                                              "MixtralForCausalLM", "Phi3ForCausalLM",
-                                                             "Cohere2ForCausalLM") else None)
+                                                             "Cohere2ForCausalLM", "Exaone4ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
             if arch == "Olmo3ForCausalLM":  # (transformers' default window, on three layers of four)
@@ -1900,9 +1946,12 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or arch == "SmolLM3ForCausalLM")),
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
-            **({} if arch == "Zamba2ForCausalLM" else {"mlp_bias": bool(cfg.get("mlp_bias", False))}),
+            # (ERNIE 4.5's use_bias covers its MLP too.)
+            **({} if arch == "Zamba2ForCausalLM" else
+               {"mlp_bias": bool(cfg.get("mlp_bias", cfg.get("use_bias", False)))}),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
-            or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False))) or arch in LFM2_ARCHITECTURES,
+            or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
+            or arch in (*LFM2_ARCHITECTURES, "Exaone4ForCausalLM"),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,
@@ -1935,6 +1984,7 @@ class ModelConfig:
             **_jamba_fields(arch, cfg, num_layers),
             **_zamba2_fields(arch, cfg),
             **_cohere_fields(arch, cfg),
+            **_exaone4_fields(arch, cfg),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

@@ -25,9 +25,10 @@ from torch import nn
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.rotary import RotaryEmbedding, head_rows_in_halves, pairs_to_halves_order
+from gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves_order
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
-from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
+from gpu_worker.models.paired_rope import PairedRopeForCausalLM
 
 
 class CohereLayerNorm(RMSNorm):
@@ -115,27 +116,20 @@ class CohereModel(LlamaModel):
             self.norm = CohereLayerNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class CohereForCausalLM(LlamaForCausalLM):
+class CohereForCausalLM(PairedRopeForCausalLM):
     model_class = CohereModel
-    # Tensors whose rows (or, for the head norms, columns) follow each query / key head's values.
-    _PAIRED_ROWS = (".self_attn.q_proj.", ".self_attn.k_proj.")
-    _PAIRED_COLUMNS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+    # Command-R+'s head norms: their columns follow each head's values.
+    _HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        head_dim = self.config.head_dim
+        return super().checkpoint_tensors(self._head_norms_in_halves(weights))
+
+    def _head_norms_in_halves(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
-            if any(part in name for part in self._PAIRED_ROWS) and not name.startswith(self.pp_missing_prefixes):
-                yield name, head_rows_in_halves(materialize(tensor), head_dim)
-            elif name.endswith(self._PAIRED_COLUMNS) and not name.startswith(self.pp_missing_prefixes):
-                yield name, materialize(tensor).index_select(-1, pairs_to_halves_order(head_dim))
+            if name.endswith(self._HEAD_NORMS) and not name.startswith(self.pp_missing_prefixes):
+                yield name, materialize(tensor).index_select(-1, pairs_to_halves_order(self.config.head_dim))
             else:
                 yield name, tensor
-
-    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""
-        if module.endswith((".self_attn.q_proj", ".self_attn.k_proj")):
-            return head_rows_in_halves(b, self.config.head_dim)
-        return b
 
 
 class Cohere2ForCausalLM(CohereForCausalLM):

@@ -19,9 +19,9 @@ import torch
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.rotary import head_rows_in_halves
-from gpu_worker.layers.weight_utils import WeightLike, materialize
-from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaModel
+from gpu_worker.models.paired_rope import PairedRopeForCausalLM
 
 
 class Glm4DecoderLayer(LlamaDecoderLayer):
@@ -42,27 +42,18 @@ class Glm4Model(LlamaModel):
     layer_class = Glm4DecoderLayer
 
 
-class Glm4ForCausalLM(LlamaForCausalLM):
+class Glm4ForCausalLM(PairedRopeForCausalLM):
     model_class = Glm4Model
 
-    def _rotary_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return head_rows_in_halves(rows, self.config.head_dim, self.config.rotary_dim)
-
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return super().checkpoint_tensors(self._split_gate_up(weights))
+
+    @staticmethod
+    def _split_gate_up(weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
-            if name.startswith(self.pp_missing_prefixes):
-                yield name, tensor
-            elif ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
-                yield name, self._rotary_rows(materialize(tensor))
-            elif ".mlp.gate_up_proj." in name:  # (gate rows, then up rows)
+            if ".mlp.gate_up_proj." in name:  # (gate rows, then up rows)
                 half = tensor.shape[0] // 2
                 yield name.replace(".gate_up_proj.", ".gate_proj."), tensor.narrow(0, 0, half)
                 yield name.replace(".gate_up_proj.", ".up_proj."), tensor.narrow(0, half, half)
             else:
                 yield name, tensor
-
-    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""
-        if module.endswith((".self_attn.q_proj", ".self_attn.k_proj")):
-            return self._rotary_rows(b)
-        return b

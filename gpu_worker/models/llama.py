@@ -158,6 +158,8 @@ class LlamaDecoderLayer(nn.Module):
     # The recurrent mixer of the layers ModelConfig.mamba_layers names: Mamba-2 (Granite 4.0-H), Gated
     # DeltaNet (Qwen3-Next).
     recurrent_class: type[nn.Module] = MambaMixer2
+    # The dense MLP (Arcee's is ungated).
+    mlp_class: type[nn.Module] = LlamaMLP
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -166,7 +168,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mamba = (self.recurrent_class(config.hidden_size, config.mamba, config.rms_norm_eps)
                       if config.layer_is_mamba(layer) and config.mamba is not None else None)
         self.self_attn = self.attention_class(config, layer, self.norm_class) if self.mamba is None else None
-        self.mlp = SparseMoeBlock(config) if config.layer_is_moe(layer) else LlamaMLP(config)
+        self.mlp = SparseMoeBlock(config) if config.layer_is_moe(layer) else self.mlp_class(config)
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         # Granite scales each attention and MLP output before its residual add.
@@ -416,6 +418,11 @@ class Ministral3ForCausalLM(MistralForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 is the Llama block with a q/k/v bias (resolved in ModelConfig)."""
+
+
+class SeedOssForCausalLM(LlamaForCausalLM):
+    """ByteDance's Seed-OSS (Seed-OSS-36B): the Llama block with q/k/v biases (attention_bias) and
+    o_proj's apart (attention_out_bias)."""
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

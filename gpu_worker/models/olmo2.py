@@ -95,6 +95,24 @@ class Olmo3ForCausalLM(Olmo2ForCausalLM):
     """OLMo 3 (7B, 32B): OLMo 2 with windowed layers (ModelConfig)."""
 
 
+class Exaone4DecoderLayer(Olmo2DecoderLayer):
+    """LG's EXAONE 4.0: OLMo 2's norms after each sublayer, with Qwen3's q/k norms (one per head,
+    ModelConfig.qk_norm) in Llama's attention."""
+
+    attention_class = LlamaAttention
+
+
+class Exaone4Model(LlamaModel):
+    layer_class = Exaone4DecoderLayer
+
+
+class Exaone4ForCausalLM(LlamaForCausalLM):
+    """EXAONE 4.0 (1.2B, 32B): OLMo 2's post-norms, per-head q/k norms; the 32B's windowed layers (three
+    of four) rotate, its full layers attend without positions (ModelConfig)."""
+
+    model_class = Exaone4Model
+
+
 class OlmoeAttention(Olmo2Attention):
     cast_first = True
 

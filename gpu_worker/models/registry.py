@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from gpu_worker.config import ModelConfig
+from gpu_worker.models.arcee import ArceeForCausalLM
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
@@ -36,6 +37,7 @@ from gpu_worker.models.llama import (
     Qwen2MoeForCausalLM,
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
+    SeedOssForCausalLM,
     SmolLM3ForCausalLM,
 )
 from gpu_worker.models.llava import llava_class
@@ -48,7 +50,8 @@ from gpu_worker.models.nemotron_h import (
     MambaForCausalLM,
     NemotronHForCausalLM,
 )
-from gpu_worker.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
+from gpu_worker.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
+from gpu_worker.models.paired_rope import Ernie4_5ForCausalLM, HeliumForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from gpu_worker.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
@@ -99,6 +102,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "SeedOssForCausalLM": SeedOssForCausalLM,
+    "HeliumForCausalLM": HeliumForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "ArceeForCausalLM": ArceeForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

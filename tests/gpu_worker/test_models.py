@@ -168,6 +168,15 @@ CASES = {
     "glm4": ("glm4", {}),
     "glm4_mqa_tied_no_bias": ("glm4", {"num_key_value_heads": 1, "tie_word_embeddings": True,
                                        "attention_bias": False}),
+    # Seed-OSS (o_proj's bias apart), Helium and ERNIE 4.5 (RoPE in pairs; ERNIE's biases), Arcee (an
+    # ungated relu^2 MLP), EXAONE 4.0 (post-norms, per-head q/k norms, windowed rotating layers beside a
+    # full one without positions; without a window, every layer full and rotating).
+    "seed_oss": ("seed_oss", {}),
+    "helium_mqa_tied": ("helium", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "ernie4_5": ("ernie4_5", {}),
+    "arcee": ("arcee", {}),
+    "exaone4": ("exaone4", {}),
+    "exaone4_no_window": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
     # Zamba2: Mamba-2 layers, three of them running two shared blocks in turn with their own adapters
     # and RoPE; one block for every hybrid layer, no attention adapters, no RoPE, biases on the mixers'
     # and the MLP's projections.
@@ -276,6 +285,23 @@ def test_config_rejects_unsupported():
     assert su.max_context_len == 64
 
 
+def test_exaone4s_layer_kinds_are_read_as_transformers_and_its_releases_state_them():
+    """EXAONE 4.0: a window on the layers layer_types names, else every layer but each pattern-th
+    (released as the string "LLLG"); the windowed layers rotate, the full ones do not; a null window
+    leaves every layer full and rotating. Arcee's MLP is relu^2 only."""
+    base = {"architectures": ["Exaone4ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 8, "num_attention_heads": 4, "vocab_size": 256}
+    released = ModelConfig.from_dict({**base, "sliding_window": 16, "sliding_window_pattern": "LLLG"})
+    assert released.sliding_window_layers == (True, True, True, False) * 2 and released.sliding_window == 16
+    assert released.rope_layers == released.sliding_window_layers and released.qk_norm
+    default = ModelConfig.from_dict(base)  # (transformers' 4096-token window, a pattern of 4)
+    assert default.sliding_window == 4096 and default.sliding_window_layers == (True, True, True, False) * 2
+    unwindowed = ModelConfig.from_dict({**base, "sliding_window": None})
+    assert unwindowed.sliding_window is None and unwindowed.rope_layers == ()
+    with pytest.raises(ValueError, match="hidden_act must be 'relu2' for ArceeForCausalLM"):
+        ModelConfig.from_dict({**base, "architectures": ["ArceeForCausalLM"], "hidden_act": "silu"})
+
+
 def test_registry_maps_architectures(tmp_path):
     assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
@@ -290,7 +316,9 @@ def test_registry_maps_architectures(tmp_path):
                                    "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
                                    "FalconH1ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
                                    "JambaForCausalLM", "Zamba2ForCausalLM", "CohereForCausalLM",
-                                   "Cohere2ForCausalLM", "Glm4ForCausalLM", "BertModel", "RobertaModel",
+                                   "Cohere2ForCausalLM", "Glm4ForCausalLM", "SeedOssForCausalLM",
+                                   "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM",
+                                   "Exaone4ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

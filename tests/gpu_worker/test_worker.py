@@ -101,9 +101,10 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("minimax_m2", {}, False),
     ("cohere", {"use_qk_norm": True, "initializer_range": 0.3}, False),
     ("glm4", {}, False),
+    ("exaone4", {}, False),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
-        "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4"])
+        "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.

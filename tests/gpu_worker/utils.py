@@ -11,12 +11,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 from transformers import (
+    ArceeConfig,
     AutoModelForCausalLM,
     BambaConfig,
     Cohere2Config,
     CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
+    Ernie4_5Config,
+    Exaone4Config,
     FalconH1Config,
     FalconMambaConfig,
     Gemma2Config,
@@ -30,6 +33,7 @@ from transformers import (
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
+    HeliumConfig,
     JambaConfig,
     Lfm2Config,
     Lfm2MoeConfig,
@@ -50,6 +54,7 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    SeedOssConfig,
     SmolLM3Config,
     Zamba2Config,
 )
@@ -236,6 +241,25 @@ def make_config(kind: str = "llama", **overrides):
                               "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 8,
                               "num_experts_per_tok": 2, "mamba_d_state": 16,
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Seed-OSS: q/k/v biases, o_proj's own (attention_out_bias). Helium and ERNIE 4.5: RoPE in pairs
+    # (ERNIE's biases everywhere under use_bias). Arcee: an ungated relu^2 MLP. EXAONE 4.0: norms after
+    # each sublayer, per-head q/k norms, three windowed (8 tokens) rotating layers to one full layer
+    # without positions.
+    if kind == "seed_oss":
+        return SeedOssConfig(**{"head_dim": 16, "attention_out_bias": True, "pad_token_id": 0, "bos_token_id": 1,
+                                "eos_token_id": 2, **kw})
+    if kind == "helium":
+        return HeliumConfig(**{"head_dim": 16, "attention_bias": True, "pad_token_id": 0, "bos_token_id": 1,
+                               "eos_token_id": 2, **kw})
+    if kind == "ernie4_5":
+        return Ernie4_5Config(**{"head_dim": 16, "use_bias": True, "pad_token_id": 0, "bos_token_id": 1,
+                                 "eos_token_id": 2, **kw})
+    if kind == "arcee":
+        return ArceeConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    if kind == "exaone4":
+        return Exaone4Config(**{"sliding_window": 8, "sliding_window_pattern": 4, "pad_token_id": 0,
+                                "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                "num_hidden_layers": max(4, kw["num_hidden_layers"])})
     # GLM-4 (0414, dense): q/k/v biases, RoPE in pairs over half of each 16-dim head, a norm after the
     # attention and after the MLP too.
     if kind == "glm4":
