@@ -25,7 +25,7 @@ from torch import nn
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves_order
+from gpu_worker.layers.rotary import pairs_to_halves_order
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
 from gpu_worker.models.paired_rope import PairedRopeForCausalLM
@@ -67,6 +67,8 @@ class HeadLayerNorm(nn.Module):
 
 
 class CohereAttention(LlamaAttention):
+    """Llama's attention (its q/k norm path) with Command-R+'s norms of each head's own weights."""
+
     def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
         super().__init__(config, layer, norm_class)
         qkv = self.qkv_proj
@@ -74,20 +76,6 @@ class CohereAttention(LlamaAttention):
             self.q_norm = HeadLayerNorm(self.num_heads, self.head_dim, config.rms_norm_eps,
                                         qkv.tp_rank * self.num_heads)
             self.k_norm = HeadLayerNorm(self.num_kv_heads, self.head_dim, config.rms_norm_eps, qkv._kv_head_start())
-
-    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.q_norm is None:
-            return super().forward(rope, hidden, meta)
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj.forward(hidden)
-        q = self.q_norm.forward(qkv[:, : self.q_size].reshape(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm.forward(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(
-            num_tokens, self.num_kv_heads, self.head_dim))
-        qk = torch.cat((q, k), dim=1)
-        if self.rotates:
-            RotaryEmbedding.rotate_(qk, rope[0], rope[1])
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj.forward(self.attn.forward(qk[:, : self.num_heads], qk[:, self.num_heads:], v, meta))
 
 
 class CohereDecoderLayer(LlamaDecoderLayer):
