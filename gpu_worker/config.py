@@ -72,7 +72,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Zamba2ForCausalLM",
                            "CohereForCausalLM", "Cohere2ForCausalLM", "Glm4ForCausalLM", "SeedOssForCausalLM",
-                           "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "Exaone4ForCausalLM")
+                           "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "Exaone4ForCausalLM",
+                           "Ernie4_5_MoeForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -104,6 +105,8 @@ LLAMA_LIKE_DEFAULTS = {
     "HeliumForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-8, "max_position_embeddings": 4096},
     "Ernie4_5ForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
                             "num_key_value_heads": 2, "tie_word_embeddings": True},
+    "Ernie4_5_MoeForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "num_key_value_heads": 4,
+                                "tie_word_embeddings": True, "intermediate_size": 12288},
     "ArceeForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "hidden_act": "relu2"},
     "Exaone4ForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
 }
@@ -252,7 +255,8 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
     """(rope_theta, scaling dict with a ``rope_type`` key, or None for plain RoPE): the RoPE of the
     full-attention layers, where a config gives one per layer type (Gemma 3)."""
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
-                     "Olmo3ForCausalLM": 500_000.0}.get(arch, 10000.0)
+                     "Olmo3ForCausalLM": 500_000.0, "CohereForCausalLM": 500_000.0, "HeliumForCausalLM": 100_000.0,
+                     "Ernie4_5ForCausalLM": 500_000.0, "Ernie4_5_MoeForCausalLM": 500_000.0}.get(arch, 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -1307,6 +1311,19 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", defaults[4])),
                     moe_layers=tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp)))
+    if arch == "Ernie4_5_MoeForCausalLM":
+        # ERNIE 4.5's: routed experts in every moe_layer_interval-th layer (counting from 1) from
+        # moe_layer_start_index to moe_layer_end_index (-1: the last), chosen by the softmax's scores
+        # through the correction bias (moe_statics) in an fp32 router and renormalised, beside
+        # moe_num_shared_experts ungated shared experts (one MLP that many experts wide).
+        width, every = read("moe_intermediate_size", 1536), read("moe_layer_interval", 1) or 1
+        start, end = read("moe_layer_start_index", 1), read("moe_layer_end_index", -1)
+        end = num_layers - 1 if end == -1 else end
+        return dict(num_experts=read("moe_num_experts", 64, "num_experts"),
+                    num_experts_per_tok=read("moe_k", 6, "num_experts_per_tok"), moe_intermediate_size=width,
+                    norm_topk_prob=True, shared_expert_intermediate_size=width * read("moe_num_shared_experts", 2),
+                    shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="softmax", moe_correction_bias=True,
+                    moe_layers=tuple((i + 1) % every == 0 and start <= i <= end for i in range(num_layers)))
     if arch == "JambaForCausalLM":
         # Routed experts (intermediate_size wide) in every expert_layer_period-th layer from
         # expert_layer_offset, a dense MLP in the others; the softmax's top k, not renormalised.

@@ -41,3 +41,27 @@ class HeliumForCausalLM(PairedRopeForCausalLM):
 class Ernie4_5ForCausalLM(PairedRopeForCausalLM):
     """Baidu's ERNIE 4.5 dense (ERNIE-4.5-0.3B): the Llama block with RoPE in pairs and, under use_bias,
     biases on every attention and MLP projection."""
+
+
+class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
+    """ERNIE 4.5's mixture-of-experts models (ERNIE-4.5-21B-A3B, -300B-A47B): ERNIE's layers with routed
+    experts beside shared ones (SparseMoeBlock, ModelConfig's routing). The correction bias is read
+    from Baidu's name (``mlp.moe_statics``) or transformers' (``mlp.gate.moe_statics``); the
+    multi-token-prediction layers (``mtp_*``) are not read."""
+
+    _STATICS = (".mlp.moe_statics.e_score_correction_bias", ".mlp.gate.moe_statics.e_score_correction_bias")
+
+    def reads_checkpoint_tensor(self, name: str) -> bool:
+        return "mtp" not in name
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return super().checkpoint_tensors(self._statics_renamed(weights))
+
+    def _statics_renamed(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            statics = next((part for part in self._STATICS if name.endswith(part)), None)
+            if statics is None:
+                yield name, tensor
+            else:  # ([1, experts] as stored: one group)
+                yield (name.removesuffix(statics) + ".mlp.gate.e_score_correction_bias",
+                       materialize(tensor).reshape(-1))

@@ -51,7 +51,7 @@ from gpu_worker.models.nemotron_h import (
     NemotronHForCausalLM,
 )
 from gpu_worker.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
-from gpu_worker.models.paired_rope import Ernie4_5ForCausalLM, HeliumForCausalLM
+from gpu_worker.models.paired_rope import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM, HeliumForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from gpu_worker.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
@@ -105,6 +105,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,

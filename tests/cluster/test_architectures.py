@@ -19,7 +19,7 @@ from tests.tiny_model import build_tokenizer
 KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma3",
          "gpt_oss", "smollm3", "granite", "olmo2", "olmo3", "glm4_moe",
          "deepseek_v3", "deepseek_v2", "olmoe", "granitemoe", "minimax_m2", "cohere", "cohere2", "glm4", "seed_oss",
-         "helium", "ernie4_5", "arcee", "exaone4"]
+         "helium", "ernie4_5", "ernie4_5_moe", "arcee", "exaone4"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True}}
 # Token-id prompts (the tiny models' vocabulary is 256): two share a 12-token prefix (three blocks).

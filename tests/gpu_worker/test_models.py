@@ -174,6 +174,10 @@ CASES = {
     "seed_oss": ("seed_oss", {}),
     "helium_mqa_tied": ("helium", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
     "ernie4_5": ("ernie4_5", {}),
+    # ERNIE 4.5 MoE: routed experts through the correction bias beside a shared one; every other layer.
+    "ernie4_5_moe": ("ernie4_5_moe", {}),
+    "ernie4_5_moe_interval_untied": ("ernie4_5_moe", {"num_hidden_layers": 3, "moe_layer_interval": 2,
+                                                      "tie_word_embeddings": False}),
     "arcee": ("arcee", {}),
     "exaone4": ("exaone4", {}),
     "exaone4_no_window": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
@@ -285,6 +289,28 @@ def test_config_rejects_unsupported():
     assert su.max_context_len == 64
 
 
+def test_ernie4_5_moe_reads_stacked_experts_and_transformers_names_and_skips_mtp_layers(tmp_path):
+    """Baidu's layout (each expert's projections, ``mlp.moe_statics``), as transformers saves it, and
+    transformers' own (stacked experts, ``mlp.gate.moe_statics``) load alike; the checkpoint's
+    multi-token-prediction tensors are not read."""
+    path = save_tiny_model(tmp_path, "ernie4_5_moe")
+    prompt = [(5 * i + 2) % 256 for i in range(30)]
+    expected = prefill_logits(make_runner(path, num_blocks=16), prompt, list(range(8)))
+    tensors = load_file(path / "model.safetensors")
+    prefix = "model.layers.1.mlp."
+    experts = range(8)
+    tensors[prefix + "experts.gate_up_proj"] = torch.stack([torch.cat(
+        (tensors.pop(f"{prefix}experts.{e}.gate_proj.weight"), tensors.pop(f"{prefix}experts.{e}.up_proj.weight")))
+        for e in experts])
+    tensors[prefix + "experts.down_proj"] = torch.stack([tensors.pop(f"{prefix}experts.{e}.down_proj.weight")
+                                                         for e in experts])
+    tensors[prefix + "gate.moe_statics.e_score_correction_bias"] = tensors.pop(
+        prefix + "moe_statics.e_score_correction_bias")
+    tensors["model.mtp_block.0.mlp.gate_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    torch.testing.assert_close(prefill_logits(make_runner(path, num_blocks=16), prompt, list(range(8))), expected)
+
+
 def test_exaone4s_layer_kinds_are_read_as_transformers_and_its_releases_state_them():
     """EXAONE 4.0: a window on the layers layer_types names, else every layer but each pattern-th
     (released as the string "LLLG"); the windowed layers rotate, the full ones do not; a null window
@@ -318,7 +344,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "JambaForCausalLM", "Zamba2ForCausalLM", "CohereForCausalLM",
                                    "Cohere2ForCausalLM", "Glm4ForCausalLM", "SeedOssForCausalLM",
                                    "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM",
-                                   "Exaone4ForCausalLM", "BertModel", "RobertaModel",
+                                   "Exaone4ForCausalLM", "Ernie4_5_MoeForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

@@ -18,6 +18,7 @@ from transformers import (
     CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
+    Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
     FalconH1Config,
@@ -254,6 +255,12 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "ernie4_5":
         return Ernie4_5Config(**{"head_dim": 16, "use_bias": True, "pad_token_id": 0, "bos_token_id": 1,
                                  "eos_token_id": 2, **kw})
+    # ERNIE 4.5 MoE: 8 experts (2 a token, chosen through the correction bias) beside a shared one
+    # from the second layer on.
+    if kind == "ernie4_5_moe":
+        return Ernie4_5_MoeConfig(**{"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
+                                     "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "pad_token_id": 0,
+                                     "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "arcee":
         return ArceeConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "exaone4":
