@@ -52,6 +52,12 @@ from safetensors.torch import save_file
 
 from gpu_worker.gguf_falcon_h1 import FALCON_H1_ARCHITECTURES, FALCON_H1_NAMES, falcon_h1_config
 from gpu_worker.gguf_granite import GRANITE_ARCHITECTURES, GRANITE_MODEL_TYPES, GraniteTensors, granite_config
+from gpu_worker.gguf_llama_like import (
+    LLAMA_LIKE_ARCHITECTURES,
+    LLAMA_LIKE_BLOCK_NAMES,
+    LLAMA_LIKE_PERMUTED_QK,
+    llama_like_config,
+)
 from gpu_worker.gguf_mamba2 import rename_hybrid_tensor
 from gpu_worker.gguf_mamba_lm import (
     MAMBA1_ARCHITECTURES,
@@ -74,7 +80,9 @@ logger = logging.getLogger(__name__)
 # 6: Mixtral (llama files with experts, stacked or one tensor per expert) and Qwen2-MoE files.
 # 7: IBM Granite files (granite, granitemoe, granitehybrid), NVIDIA Nemotron-H's (nemotron_h), TII
 #    Falcon-H1's (falcon-h1), Mamba / Falcon-Mamba's (mamba) and Mamba-2's (mamba2).
-CONVERTER_VERSION = 7
+# 8: Cohere's (command-r, cohere2), GLM-4's (glm4), Seed-OSS's, EXAONE 4.0's, ERNIE 4.5's (ernie4_5,
+#    ernie4_5-moe) and Arcee's files.
+CONVERTER_VERSION = 8
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -142,16 +150,17 @@ _ARCHITECTURES = {
     **FALCON_H1_ARCHITECTURES,
     **MAMBA1_ARCHITECTURES,
     **MAMBA2_ARCHITECTURES,
+    **LLAMA_LIKE_ARCHITECTURES,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
-_PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral", "nemotron_h", *GRANITE_MODEL_TYPES)
+_PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral", "nemotron_h", *GRANITE_MODEL_TYPES, *LLAMA_LIKE_PERMUTED_QK)
 # Mixture-of-experts files convert for these; their stacked experts (ffn_{gate,up,down}_exps:
 # [experts, rows, columns]; older Mixtral files: one tensor per expert, ffn_{gate,up,down}.E) become each
 # expert's projections, named as the model's checkpoints name them.
 _QWEN_EXPERTS = ("mlp.experts", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"})
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe.experts", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3",
                                                           "ffn_down_exps": "w2"}),
-                 "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS,
+                 "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS, "ernie4_5_moe": _QWEN_EXPERTS,
                  "lfm2_moe": ("feed_forward.experts", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3",
                                                        "ffn_down_exps": "w2"})}
 # Their routers (ffn_gate_inp), Qwen2-MoE's shared expert and its sigmoid gate, LFM2-MoE's expert bias.
@@ -164,6 +173,9 @@ _MOE_BLOCK_NAMES = {"mixtral": {**_BLOCK_NAMES, "ffn_gate_inp": "block_sparse_mo
                     "qwen3_moe": {**_BLOCK_NAMES, "ffn_gate_inp": "mlp.gate"},
                     "lfm2_moe": {**_LFM2_BLOCK_NAMES, "ffn_gate_inp": "feed_forward.gate",
                                  "exp_probs_b": "feed_forward.expert_bias"}}
+# Each family's block names where they are not Llama's: the MoE models' above, the Llama-like families'.
+_FAMILY_BLOCK_NAMES = {**_MOE_BLOCK_NAMES, **{model_type: {**_BLOCK_NAMES, **names}
+                                              for model_type, names in LLAMA_LIKE_BLOCK_NAMES.items()}}
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # llama.cpp tells the 27B Gemma 2 / Gemma 3 apart by their layer counts, and scales their attention
 # by 1 / sqrt(hidden / heads) instead of 1 / sqrt(head_dim) (transformers' query_pre_attn_scalar).
@@ -372,6 +384,8 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         config.update((mamba1_config if arch in MAMBA1_ARCHITECTURES else mamba2_lm_config)(
             meta, arch, config, tensor_names))
         del config["max_position_embeddings"]  # (the file's 2^20 is a placeholder; Mamba states no length)
+    elif arch in LLAMA_LIKE_ARCHITECTURES:
+        config.update(llama_like_config(meta, arch, config, tensor_names, _float32))
     elif experts:
         config.update(_experts_config(meta, arch, experts, tensors))
     if arch in NEMOTRON_H_ARCHITECTURES or arch in MAMBA1_ARCHITECTURES or arch in MAMBA2_ARCHITECTURES:
@@ -495,7 +509,7 @@ def gguf_to_hf_name(name: str, model_type: str = "llama") -> str:
     if block:
         layer, part, kind = block.groups()
         names = (_SANDWICH_BLOCK_NAMES if model_type in ("gemma2", "gemma3_text")
-                 else _LFM2_BLOCK_NAMES if model_type == "lfm2" else _MOE_BLOCK_NAMES.get(model_type, _BLOCK_NAMES))
+                 else _LFM2_BLOCK_NAMES if model_type == "lfm2" else _FAMILY_BLOCK_NAMES.get(model_type, _BLOCK_NAMES))
         if part not in names:
             raise ValueError(f"unexpected GGUF tensor {name!r}: unknown block component {part!r}")
         if part == "exp_probs_b":  # (LFM2-MoE's expert_bias: a bare tensor, which its converter named ".bias")
@@ -563,6 +577,8 @@ def _hf_tensors(
             array = array[:, None, :]  # (llama.cpp squeezed LFM2's Conv1d weight [channels, 1, taps])
         if tensor.name.endswith(".ffn_gate_inp_shexp.weight"):
             array = array.reshape(1, -1)  # (Qwen2-MoE's shared expert gate: one output, [1, hidden])
+        if config["model_type"] == "ernie4_5_moe" and tensor.name.endswith(".exp_probs_b.bias"):
+            array = array.reshape(1, -1)  # (ERNIE's correction bias: one group's, [1, experts])
         stacked, split = _EXPERT_BLOCK_RE.match(tensor.name), _SPLIT_EXPERT_RE.match(tensor.name)
         if stacked is not None or split is not None:
             prefix, projections = _EXPERT_NAMES[config["model_type"]]
