@@ -73,7 +73,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Zamba2ForCausalLM",
                            "CohereForCausalLM", "Cohere2ForCausalLM", "Glm4ForCausalLM", "SeedOssForCausalLM",
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "Exaone4ForCausalLM",
-                           "Ernie4_5_MoeForCausalLM")
+                           "Ernie4_5_MoeForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -109,6 +109,9 @@ LLAMA_LIKE_DEFAULTS = {
                                 "tie_word_embeddings": True, "intermediate_size": 12288},
     "ArceeForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "hidden_act": "relu2"},
     "Exaone4ForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
+    "Starcoder2ForCausalLM": {"max_position_embeddings": 4096, "hidden_act": "gelu_pytorch_tanh",
+                              "tie_word_embeddings": True, "use_bias": True, "num_key_value_heads": 2},
+    "StableLmForCausalLM": {"max_position_embeddings": 4096, "partial_rotary_factor": 0.25},
 }
 # transformers' Glm4Config defaults (GLM-4-0414, dense) for the keys a config may leave out.
 GLM4_DEFAULTS = {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "intermediate_size": 13696,
@@ -122,7 +125,8 @@ GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
-                                "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM")
+                                "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM",
+                                "StableLmForCausalLM")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
@@ -1812,6 +1816,8 @@ class ModelConfig:
             cfg = _exaone4_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
+        if arch in ("Starcoder2ForCausalLM", "StableLmForCausalLM"):  # (their LayerNorms' epsilon)
+            cfg["rms_norm_eps"] = float(cfg.get("norm_epsilon", cfg.get("layer_norm_eps")) or 1e-5)
         if arch == "MiniMaxM2ForCausalLM":
             cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "GptOssForCausalLM":
@@ -1903,10 +1909,13 @@ class ModelConfig:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", cfg.get("use_bias", False)))  # (ERNIE: use_bias)
             if arch == "SeedOssForCausalLM":  # (o_proj's bias is its own)
                 o_bias = bool(cfg.get("attention_out_bias", False))
+            if arch == "StableLmForCausalLM":  # (q, k and v's alone)
+                qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
             sliding = (cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Ministral3ForCausalLM",
                                                              "MixtralForCausalLM", "Phi3ForCausalLM",
-                                                             "Cohere2ForCausalLM", "Exaone4ForCausalLM") else None)
+                                                             "Cohere2ForCausalLM", "Exaone4ForCausalLM",
+                                                             "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
             if arch == "Olmo3ForCausalLM":  # (transformers' default window, on three layers of four)

@@ -27,6 +27,17 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate=self.approximate).mul_(up)
 
 
+def ungated_activation(name: str):
+    """An ungated MLP's activation for a config's ``hidden_act``: relu(x)^2 (Nemotron-H's, Arcee's), exact
+    gelu, or its tanh form (StarCoder2's gelu_pytorch_tanh, GPT-2's gelu_new)."""
+    if name == "relu2":
+        return lambda x: torch.relu(x).square_()
+    if name in ("gelu", "gelu_pytorch_tanh", "gelu_new"):
+        approximate = "none" if name == "gelu" else "tanh"
+        return lambda x: F.gelu(x, approximate=approximate)
+    raise ValueError(f"unsupported activation {name!r}")
+
+
 def gated_activation(name: str) -> nn.Module:
     """The gated activation for a config's ``hidden_act`` (gpu_worker.config.SUPPORTED_ACTIVATIONS)."""
     if name == "silu":

@@ -45,6 +45,28 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+class LayerNorm(RMSNorm):
+    """LayerNorm, (x - mean) / sqrt(var + eps) * w + b (the classic transformer's: StarCoder2's,
+    StableLM's), computed as torch's nn.LayerNorm computes it; ``bias`` False: without b. With
+    ``residual``, the add fused in as RMSNorm's."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__(hidden_size, eps)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores w and the norm scales by (1 + w), all in fp32 before
     the cast back (Llama's casts first, then scales). The parameter holds 1 + w in fp32, so the fp32

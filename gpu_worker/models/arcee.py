@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from gpu_worker.models.nemotron_h import NemotronHMLP
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, UngatedMLP
 
 
 class ArceeDecoderLayer(LlamaDecoderLayer):
-    mlp_class = NemotronHMLP
+    mlp_class = UngatedMLP
 
 
 class ArceeModel(LlamaModel):

@@ -24,26 +24,22 @@ from torch import nn
 
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.layernorm import LayerNorm, RMSNorm
 from gpu_worker.layers.rotary import pairs_to_halves_order
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
 from gpu_worker.models.paired_rope import PairedRopeForCausalLM
 
 
-class CohereLayerNorm(RMSNorm):
+class CohereLayerNorm(LayerNorm):
     """LayerNorm without a bias: (x - mean) / sqrt(var + eps) * w, statistics and scale in fp32, as
-    transformers' CohereLayerNorm; with ``residual``, the add fused in as RMSNorm's."""
+    transformers' CohereLayerNorm."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps, bias=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
 
 
 class HeadLayerNorm(nn.Module):
@@ -88,20 +84,11 @@ class CohereDecoderLayer(LlamaDecoderLayer):
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm.forward(hidden)
-        else:
-            normed, residual = self.input_layernorm.forward(hidden, residual)
-        return self.self_attn.forward(rope, normed, meta) + self.mlp.forward(normed), residual
+        return self.parallel_forward(rope, hidden, residual, meta)
 
 
 class CohereModel(LlamaModel):
     layer_class = CohereDecoderLayer
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        if self.stage.last:
-            self.norm = CohereLayerNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CohereForCausalLM(PairedRopeForCausalLM):

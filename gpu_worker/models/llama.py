@@ -21,13 +21,18 @@ from torch import nn
 from gpu_worker import distributed
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.activation import gated_activation
+from gpu_worker.layers.activation import gated_activation, ungated_activation
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts, select_experts_grouped
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from gpu_worker.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from gpu_worker.layers.mamba import MambaMixer2
 from gpu_worker.layers.rotary import RotaryEmbedding, llama_4_query_scale
 from gpu_worker.layers.weight_utils import WeightLike
@@ -93,6 +98,28 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(x)))
+
+
+class UngatedMLP(nn.Module):
+    """down(act(up(x))): no gate (Nemotron-H's and Arcee's relu^2, StarCoder2's gelu); its projections
+    named ``in_name`` / ``out_name`` as the checkpoint names them. ``reduce_results`` False: the caller
+    all-reduces (an MoE block sums it with the experts' partial outputs first)."""
+
+    in_name, out_name = "up_proj", "down_proj"
+
+    def __init__(self, config: ModelConfig, width: int | None = None, reduce_results: bool = True) -> None:
+        super().__init__()
+        width = width or config.intermediate_size
+        up = ColumnParallelLinear(config.hidden_size, width, bias=config.mlp_bias)
+        down = RowParallelLinear(width, config.hidden_size, bias=config.mlp_bias, reduce_results=reduce_results)
+        setattr(self, self.in_name, up)
+        setattr(self, self.out_name, down)
+        self._projections = (up, down)  # (a tuple: registered once, under the names above)
+        self.act = ungated_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, down = self._projections
+        return down.forward(self.act(up.forward(x)))
 
 
 class SparseMoeBlock(nn.Module):
@@ -190,6 +217,16 @@ class LlamaDecoderLayer(nn.Module):
             hidden.mul_(self.residual_multiplier)
         return hidden, residual
 
+    def parallel_forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention and MLP side by side on one normed input, both added to the residual (Cohere's
+        layers, GPT-NeoX's parallel residual: StableLM 2 12B's)."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm.forward(hidden)
+        else:
+            normed, residual = self.input_layernorm.forward(hidden, residual)
+        return self.self_attn.forward(rope, normed, meta) + self.mlp.forward(normed), residual
+
     def _attention(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The input norm (adding the residual) and the token mixer: (its output, residual)."""
@@ -265,7 +302,9 @@ class LlamaModel(nn.Module):
                                  RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
                                                  config.local_rope_theta))
         self.layers = stage.layers(config, self.layer_class)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else PPMissingLayer()
+        # (The layers' kind of norm: Cohere's, StarCoder2's LayerNorms.)
+        self.norm = (self.layer_class.norm_class(config.hidden_size, config.rms_norm_eps) if stage.last
+                     else PPMissingLayer())
         self.llama_4_scaling = config.llama_4_scaling
         # Granite: the first layer's input (embeddings, or the prompt embeddings given) times this.
         self.embedding_multiplier = config.embedding_multiplier

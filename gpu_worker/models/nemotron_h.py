@@ -25,28 +25,12 @@ from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts_grouped
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from gpu_worker.layers.mamba import MambaMixer2
 from gpu_worker.layers.mamba1 import MambaMixer
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.mamba_config import Mamba1Config
-from gpu_worker.models.llama import LlamaAttention, PipelineStage
+from gpu_worker.models.llama import LlamaAttention, PipelineStage, UngatedMLP
 from gpu_worker.models.single_stage import SingleStageCausalLM
-
-
-class NemotronHMLP(nn.Module):
-    """down(relu(up(x)) ** 2): no gate. ``reduce_results`` False: the caller all-reduces (the MoE
-    block sums it with the experts' partial outputs first)."""
-
-    def __init__(self, config: ModelConfig, width: int | None = None, reduce_results: bool = True) -> None:
-        super().__init__()
-        width = width or config.intermediate_size
-        self.up_proj = ColumnParallelLinear(config.hidden_size, width, bias=config.mlp_bias)
-        self.down_proj = RowParallelLinear(width, config.hidden_size, bias=config.mlp_bias,
-                                           reduce_results=reduce_results)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(torch.relu(self.up_proj.forward(hidden)).square_())
 
 
 class NemotronHMoE(nn.Module):
@@ -74,7 +58,7 @@ class NemotronHMoE(nn.Module):
                                 config.moe_intermediate_size, expert_parallel=config.expert_parallel,
                                 activation="relu2")
         self.tp_size = self.experts.tp_size
-        self.shared_experts = NemotronHMLP(config, config.shared_expert_intermediate_size, reduce_results=False)
+        self.shared_experts = UngatedMLP(config, config.shared_expert_intermediate_size, reduce_results=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts_grouped(self.gate.forward(hidden.float()), self.experts.top_k, self.renormalize,
@@ -105,7 +89,7 @@ class NemotronHBlock(nn.Module):
         elif self.kind == "moe":
             self.mixer = NemotronHMoE(config)
         else:
-            self.mixer = NemotronHMLP(config)
+            self.mixer = UngatedMLP(config)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:

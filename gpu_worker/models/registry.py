@@ -8,6 +8,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.models.arcee import ArceeForCausalLM
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
+from gpu_worker.models.classic import StableLmForCausalLM, Starcoder2ForCausalLM
 from gpu_worker.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from gpu_worker.models.eagle import EAGLE_HEADS
@@ -108,6 +109,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

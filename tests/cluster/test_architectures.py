@@ -19,9 +19,10 @@ from tests.tiny_model import build_tokenizer
 KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma3",
          "gpt_oss", "smollm3", "granite", "olmo2", "olmo3", "glm4_moe",
          "deepseek_v3", "deepseek_v2", "olmoe", "granitemoe", "minimax_m2", "cohere", "cohere2", "glm4", "seed_oss",
-         "helium", "ernie4_5", "ernie4_5_moe", "arcee", "exaone4"]
+         "helium", "ernie4_5", "ernie4_5_moe", "arcee", "exaone4", "starcoder2", "stablelm"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
-OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True}}
+OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
+             "stablelm": {"use_parallel_residual": True, "qk_layernorm": True}}
 # Token-id prompts (the tiny models' vocabulary is 256): two share a 12-token prefix (three blocks).
 _PREFIX = [(7 * i + 3) % 256 for i in range(12)]
 PROMPTS = [_PREFIX + [5, 9], _PREFIX + [40, 41, 42], [(11 * i + 5) % 256 for i in range(45)], [17, 18],
@@ -38,9 +39,9 @@ def _model(tmp_path, kind: str):
 def test_greedy_tokens_equal_transformers_through_chunks_preemption_and_the_prefix_cache(tmp_path, kind):
     path = _model(tmp_path, kind)
     # 40 blocks of 4 tokens hold about four of the eight requests: the others wait or are preempted
-    # (Mistral's requests keep only their window's blocks: 12 blocks).
+    # (Mistral's and StarCoder2's requests keep only their window's blocks: 12 blocks).
     outputs, stats = run(path, PROMPTS + PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                         dtype="float32", block_size=4, num_gpu_blocks=12 if kind == "mistral" else 40,
+                         dtype="float32", block_size=4, num_gpu_blocks=12 if kind in ("mistral", "starcoder2") else 40,
                          max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
     hf = load_hf(path)
     with torch.no_grad():

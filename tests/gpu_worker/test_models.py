@@ -179,6 +179,14 @@ CASES = {
     "ernie4_5_moe_interval_untied": ("ernie4_5_moe", {"num_hidden_layers": 3, "moe_layer_interval": 2,
                                                       "tie_word_embeddings": False}),
     "arcee": ("arcee", {}),
+    # StarCoder2 (LayerNorms, biases, an ungated gelu MLP, windows; without biases, untied) and StableLM
+    # (LayerNorms, a quarter of each head rotating; StableLM 2 12B's parallel residual and per-head
+    # q/k LayerNorms, one KV head).
+    "starcoder2": ("starcoder2", {}),
+    "starcoder2_no_bias_untied": ("starcoder2", {"use_bias": False, "tie_word_embeddings": False}),
+    "stablelm": ("stablelm", {}),
+    "stablelm_2_12b_style_mqa": ("stablelm", {"use_parallel_residual": True, "qk_layernorm": True,
+                                              "num_key_value_heads": 1}),
     "exaone4": ("exaone4", {}),
     "exaone4_no_window": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
     # Zamba2: Mamba-2 layers, three of them running two shared blocks in turn with their own adapters
@@ -344,7 +352,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "JambaForCausalLM", "Zamba2ForCausalLM", "CohereForCausalLM",
                                    "Cohere2ForCausalLM", "Glm4ForCausalLM", "SeedOssForCausalLM",
                                    "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM",
-                                   "Exaone4ForCausalLM", "Ernie4_5_MoeForCausalLM", "BertModel", "RobertaModel",
+                                   "Exaone4ForCausalLM", "Ernie4_5_MoeForCausalLM", "Starcoder2ForCausalLM",
+                                   "StableLmForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

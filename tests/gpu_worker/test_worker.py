@@ -103,10 +103,11 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("glm4", {}, False),
     ("exaone4", {}, False),
     ("ernie4_5_moe", {"moe_num_shared_experts": 2}, True),
+    ("stablelm", {"use_parallel_residual": True, "qk_layernorm": True}, False),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
-        "ernie4_5_moe_expert_parallel"])
+        "ernie4_5_moe_expert_parallel", "stablelm_2_12b_style"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.

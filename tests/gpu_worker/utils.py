@@ -57,6 +57,8 @@ from transformers import (
     Qwen3NextConfig,
     SeedOssConfig,
     SmolLM3Config,
+    StableLmConfig,
+    Starcoder2Config,
     Zamba2Config,
 )
 
@@ -261,6 +263,14 @@ def make_config(kind: str = "llama", **overrides):
         return Ernie4_5_MoeConfig(**{"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
                                      "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "pad_token_id": 0,
                                      "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # StarCoder2: LayerNorms, biases everywhere, an ungated gelu MLP, windows of 8. StableLM: LayerNorms,
+    # RoPE over a quarter of each 16-dim head, q/k/v biases; StableLM 2 12B's parallel residual and
+    # per-head q/k LayerNorms where asked.
+    if kind == "starcoder2":
+        return Starcoder2Config(**{"sliding_window": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    if kind == "stablelm":
+        return StableLmConfig(**{"use_qkv_bias": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                 **kw})
     if kind == "arcee":
         return ArceeConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "exaone4":
@@ -369,7 +379,8 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
             # Qwen3's per-head norms start at 1, which would hide one applied to the wrong heads.
-            if name.endswith(("q_norm.weight", "k_norm.weight", "q_layernorm.weight", "k_layernorm.weight")):
+            if name.endswith(("q_norm.weight", "k_norm.weight", "q_layernorm.weight", "k_layernorm.weight")) \
+                    or "_layernorm.norms." in name:  # (StableLM's: one norm a head)
                 param.normal_(1.0, 0.5)
             # GPT-OSS's attention sinks: logits of the order of the scores', so each takes a visible share.
             if name.endswith("self_attn.sinks"):

@@ -1,0 +1,99 @@
+"""Decoders of the classic transformer's LayerNorms (with biases): BigCode's StarCoder2
+(Starcoder2ForCausalLM: starcoder2-3b / 7b / 15b) and Stability's StableLM (StableLmForCausalLM:
+stablelm-2-1_6b, stablelm-2-12b, stablelm-3b-4e1t, stablelm-zephyr).
+
+StarCoder2: LayerNorms, biases on every projection (use_bias), an ungated gelu MLP (``c_fc``,
+``c_proj``), RoPE over whole heads, optionally a sliding window in every layer.
+
+StableLM: LayerNorms, RoPE over the first quarter of each head (partial_rotary_factor), q/k/v biases
+(use_qkv_bias), a SwiGLU MLP; StableLM 2 12B runs attention and MLP side by side on one normed input
+(use_parallel_residual) and norms each query and key head with weights of its own (qk_layernorm:
+its checkpoint's ``q_layernorm.norms.{head}``, stacked into one tensor per layer at load).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.layernorm import LayerNorm, RMSNorm
+from gpu_worker.layers.weight_utils import WeightLike, materialize
+from gpu_worker.models.cohere import HeadLayerNorm
+from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, UngatedMLP
+
+
+class Starcoder2MLP(UngatedMLP):
+    in_name, out_name = "c_fc", "c_proj"
+
+
+class Starcoder2DecoderLayer(LlamaDecoderLayer):
+    norm_class = LayerNorm
+    mlp_class = Starcoder2MLP
+
+
+class Starcoder2Model(LlamaModel):
+    layer_class = Starcoder2DecoderLayer
+
+
+class Starcoder2ForCausalLM(LlamaForCausalLM):
+    model_class = Starcoder2Model
+
+
+class StableLmAttention(LlamaAttention):
+    """Llama's attention (its q/k norm path) with StableLM's per-head LayerNorms where qk_layernorm."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
+        super().__init__(config, layer, norm_class)
+        if config.raw.get("qk_layernorm"):
+            qkv, eps = self.qkv_proj, config.rms_norm_eps
+            self.q_norm = HeadLayerNorm(self.num_heads, self.head_dim, eps, qkv.tp_rank * self.num_heads)
+            self.k_norm = HeadLayerNorm(self.num_kv_heads, self.head_dim, eps, qkv._kv_head_start())
+
+
+class StableLmDecoderLayer(LlamaDecoderLayer):
+    norm_class = LayerNorm
+    attention_class = StableLmAttention
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.parallel = bool(config.raw.get("use_parallel_residual"))
+        if self.parallel:
+            self.post_attention_layernorm = None  # (one norm a layer)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.parallel:
+            return self.parallel_forward(rope, hidden, residual, meta)
+        return super().forward(rope, hidden, residual, meta)
+
+
+class StableLmModel(LlamaModel):
+    layer_class = StableLmDecoderLayer
+
+
+class StableLmForCausalLM(LlamaForCausalLM):
+    model_class = StableLmModel
+    _HEAD_NORM = re.compile(r"(.+\.self_attn\.)(q|k)_layernorm\.norms\.(\d+)\.weight")
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        """Each layer's per-head q / k norms (one LayerNorm a head in the checkpoint) stacked into the
+        [heads, head_dim] weights of our per-head norm, once all of a layer's heads are read."""
+        heads = {"q": self.config.num_attention_heads, "k": self.config.num_key_value_heads}
+        pending: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        for name, tensor in weights:
+            match = self._HEAD_NORM.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            prefix, part, head = match.group(1), match.group(2), int(match.group(3))
+            norms = pending.setdefault((prefix, part), {})
+            norms[head] = materialize(tensor)
+            if len(norms) == heads[part]:
+                yield f"{prefix}{part}_norm.weight", torch.stack([norms[h] for h in range(heads[part])])
+                del pending[(prefix, part)]
+        if pending:
+            raise ValueError(f"checkpoint lacks some heads' q/k norms: {sorted(pending)}")
