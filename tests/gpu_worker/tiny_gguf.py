@@ -3,7 +3,7 @@ llama.cpp's convert_hf_to_gguf.py does, for loader tests."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gguf
@@ -160,14 +160,8 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
     """HF state dict renamed and, for Llama, with q/k rows permuted as llama.cpp writes them (its
     Qwen converters keep HF's order)."""
     config = model.config
-    out = {}
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        data = tensor.detach().float().numpy().copy()
-        if ".mlp.experts." in hf_name or hf_name.endswith(".mlp.gate.weight"):
-            out.update(_stacked_experts(hf_name, data, "mlp"))
-            continue
+    out: dict[str, np.ndarray] = {}
+    for hf_name, data in state_arrays(model, out):
         if hf_name.endswith(".mlp.shared_expert_gate.weight"):
             data = data.reshape(-1)  # (llama.cpp holds Qwen2-MoE's [1, hidden] gate as an F32 vector)
         permuted = config.model_type in ("llama", "mixtral")
@@ -179,6 +173,19 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
             data = data + 1  # (llama.cpp's Gemma converters store 1 + w)
         out[gguf_tensor_name(hf_name, config.model_type)] = data
     return out
+
+
+def state_arrays(model: PreTrainedModel, out: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """``model``'s tensors as float32 arrays (the head left out where tied), but the experts' and their
+    router's, which go into ``out`` under llama.cpp's stacked names."""
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy().copy()
+        if ".mlp.experts." in hf_name or hf_name.endswith(".mlp.gate.weight"):
+            out.update(_stacked_experts(hf_name, data, "mlp"))
+        else:
+            yield hf_name, data
 
 
 def write_tiny_gguf(

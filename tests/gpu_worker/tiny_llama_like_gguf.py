@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from .tiny_gguf import (
     _HF_TO_GGUF_BLOCK,
     _add_tokenizer,
-    _stacked_experts,
     llama_cpp_permute,
     start_gguf,
+    state_arrays,
     tiny_vocab,
     write_tensors_and_close,
 )
@@ -52,13 +52,7 @@ def _gguf_tensors(model: PreTrainedModel, kind: str) -> dict[str, np.ndarray]:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     out: dict[str, np.ndarray] = {}
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        data = tensor.detach().float().numpy().copy()
-        if ".mlp.experts." in hf_name or hf_name.endswith(".mlp.gate.weight"):
-            out.update(_stacked_experts(hf_name, data, "mlp"))
-            continue
+    for hf_name, data in state_arrays(model, out):
         if hf_name in top:
             out[top[hf_name]] = data
             continue
