@@ -73,14 +73,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Zamba2ForCausalLM",
                            "CohereForCausalLM", "Cohere2ForCausalLM", "Glm4ForCausalLM", "SeedOssForCausalLM",
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "Exaone4ForCausalLM",
-                           "Ernie4_5_MoeForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM")
+                           "Ernie4_5_MoeForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM",
+                           "Llama4ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
 MAMBA1_LM_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM")
 # Vision-language checkpoints served on text alone, always (their vision side is not served here):
 # Qwen3.5's, as its language model.
-TEXT_ONLY_DECODER_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+TEXT_ONLY_DECODER_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+                        "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 # Liquid AI's LFM2 (dense) and LFM2-MoE: gated short convolutions beside attention with q/k norms.
 LFM2_ARCHITECTURES = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
@@ -112,6 +114,9 @@ LLAMA_LIKE_DEFAULTS = {
     "Starcoder2ForCausalLM": {"max_position_embeddings": 4096, "hidden_act": "gelu_pytorch_tanh",
                               "tie_word_embeddings": True, "use_bias": True, "num_key_value_heads": 2},
     "StableLmForCausalLM": {"max_position_embeddings": 4096, "partial_rotary_factor": 0.25},
+    "Llama4ForCausalLM": {"vocab_size": 202048, "hidden_size": 5120, "num_hidden_layers": 48,
+                          "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+                          "max_position_embeddings": 131072, "rope_theta": 500000.0},
 }
 # transformers' Glm4Config defaults (GLM-4-0414, dense) for the keys a config may leave out.
 GLM4_DEFAULTS = {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "intermediate_size": 13696,
@@ -1089,6 +1094,38 @@ def _falcon_h1_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[s
             "logits_scaling": 1.0 / float(cfg.get("lm_head_multiplier", 1.0))}
 
 
+def _llama4_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's config as transformers' Llama4TextConfig reads it: the experts' width (its
+    intermediate_size, 8192 by default) kept as moe_intermediate_size, the dense layers' MLP
+    (intermediate_size_mlp, 16384) as intermediate_size; the layers that rotate (no_rope_layers: 1
+    where a layer rotates; by default all but every no_rope_layer_interval-th) and those of routed
+    experts (moe_layers; by default every interleave_moe_layer_step-th from its last)."""
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    layers = int(cfg.get("num_hidden_layers") or 48)
+    interval, step = int(cfg.get("no_rope_layer_interval") or 4), int(cfg.get("interleave_moe_layer_step") or 1)
+    rotating = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    moe_layers = cfg.get("moe_layers")
+    if moe_layers is None:
+        moe_layers = list(range(step - 1, layers, step))
+    if len(rotating) != layers:
+        raise ValueError(f"no_rope_layers lists {len(rotating)} layers, the model has {layers}")
+    return {**cfg, "num_hidden_layers": layers, "no_rope_layers": list(rotating), "moe_layers": list(moe_layers),
+            "moe_intermediate_size": int(cfg.get("intermediate_size") or 8192),
+            "intermediate_size": int(cfg.get("intermediate_size_mlp") or 16384)}
+
+
+def _llama4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's rotating layers, its no-position layers' query temperature (attn_scale, floor_scale)
+    and its chunked attention's chunk (attention_chunk_size: the longest context served)."""
+    if arch != "Llama4ForCausalLM":
+        return {}
+    chunk = cfg.get("attention_chunk_size", 8192)
+    return {"rope_layers": tuple(bool(r) for r in cfg["no_rope_layers"]),
+            "llama4_temperature": ((float(cfg.get("attn_scale", 0.1)), int(cfg.get("floor_scale", 8192)))
+                                   if cfg.get("attn_temperature_tuning", True) else None),
+            "attention_chunk_size": int(chunk) if chunk else None}
+
+
 def _exaone4_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """EXAONE 4.0's layer kinds as transformers' Exaone4Config reads them: a window of sliding_window
     (4096 where the key is absent; none where it is null) on the layers layer_types names, else on
@@ -1315,6 +1352,13 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", defaults[4])),
                     moe_layers=tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp)))
+    if arch == "Llama4ForCausalLM":
+        # Llama 4's: routed experts (moe_intermediate_size wide) in the moe_layers, the top k by logit
+        # weighted by their sigmoid (on the experts' inputs: Llama4MoE), beside a shared expert as wide.
+        width, moe_layers = int(cfg["moe_intermediate_size"]), {int(i) for i in cfg["moe_layers"]}
+        return dict(num_experts=read("num_local_experts", 16), num_experts_per_tok=read("num_experts_per_tok", 1),
+                    moe_intermediate_size=width, shared_expert_intermediate_size=width, shared_expert_gated=False,
+                    norm_topk_prob=False, moe_layers=tuple(i in moe_layers for i in range(num_layers)))
     if arch == "Ernie4_5_MoeForCausalLM":
         # ERNIE 4.5's: routed experts in every moe_layer_interval-th layer (counting from 1) from
         # moe_layer_start_index to moe_layer_end_index (-1: the last), chosen by the softmax's scores
@@ -1506,6 +1550,10 @@ class ModelConfig:
     # Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side on the same input (their
     # outputs summed), so every layer keeps KV as well as a recurrent state.
     parallel_hybrid: bool = False
+    # Llama 4: (attn_scale, floor_scale) of its no-position layers' query temperature; its rotating
+    # layers' attention chunk (chunked attention: served up to one chunk, max_context_len).
+    llama4_temperature: tuple[float, int] | None = None
+    attention_chunk_size: int | None = None
     # Zamba2: the layers that run a shared attention-and-MLP block before their Mamba-2 mixer (each
     # use of a block keeps a KV cache of its own); empty for other models.
     shared_attention_layers: tuple[int, ...] = ()
@@ -1690,7 +1738,8 @@ class ModelConfig:
         """The longest sequence the model serves: linear RoPE scaling stretches the trained positions
         by its factor, YaRN the pretrained length by its factor (as vLLM derives them; llama3
         configs already state their extended length). A sliding window does not bound it: those
-        layers attend to the window's keys at any length."""
+        layers attend to the window's keys at any length. Llama 4's chunked attention does: up to one
+        chunk every rotating layer attends to every key, as served here; past it, not yet."""
         if self.rope_scaling and self.rope_scaling.get("rope_type") == "yarn":
             return int(self.rope_scaling["original_max_position_embeddings"] * float(self.rope_scaling["factor"]))
         length = self.max_position_embeddings
@@ -1698,6 +1747,8 @@ class ModelConfig:
         if (self.rope_scaling and self.rope_scaling.get("rope_type") == "linear"
                 and self.architecture != "Gemma3ForCausalLM"):
             length = int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
+        if self.attention_chunk_size:
+            length = min(length, self.attention_chunk_size)
         return length
 
     @property
@@ -1812,6 +1863,8 @@ class ModelConfig:
             cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "Glm4ForCausalLM":
             cfg = {**GLM4_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+        if arch == "Llama4ForCausalLM":  # (before the defaults: its two MLP widths)
+            cfg = _llama4_config(cfg)
         if arch == "Exaone4ForCausalLM":  # (before the defaults: a null sliding_window means none)
             cfg = _exaone4_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
@@ -2011,6 +2064,7 @@ class ModelConfig:
             **_zamba2_fields(arch, cfg),
             **_cohere_fields(arch, cfg),
             **_exaone4_fields(arch, cfg),
+            **_llama4_fields(arch, cfg),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

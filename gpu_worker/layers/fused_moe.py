@@ -122,7 +122,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  tp_rank: int | None = None, tp_size: int | None = None, expert_parallel: bool = False,
                  bias: bool = False, activation: str = "silu", swiglu_alpha: float = 1.702,
-                 swiglu_limit: float = 7.0) -> None:
+                 swiglu_limit: float = 7.0, weights_on_inputs: bool = False) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
@@ -155,6 +155,8 @@ class FusedMoE(nn.Module):
         if activation not in ("silu", "swigluoai", "relu2"):
             raise ValueError(f"experts' activation must be 'silu', 'swigluoai' or 'relu2', got {activation!r}")
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
+        # Llama 4's: each routing weight scales the token's input to its expert, not the expert's output.
+        self.weights_on_inputs = weights_on_inputs
         if bias:
             # [local experts, 2 * width] (gate, then up) and [local experts, hidden]; loaded whole per
             # layer (ALL_EXPERTS), as GPT-OSS stores them.
@@ -255,6 +257,8 @@ class FusedMoE(nn.Module):
         tokens = order // self.top_k
         weights = topk_weights.reshape(-1)[order].to(hidden.dtype).unsqueeze(1)
         rows = hidden.index_select(0, tokens)
+        if self.weights_on_inputs:
+            rows = rows * weights
         if self.use_grouped_mm(hidden):
             # Where each expert's rows end: the number of sorted ids up to it (computed on the device).
             ends = torch.arange(1, num_local + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
@@ -267,7 +271,7 @@ class FusedMoE(nn.Module):
             # The rows routed elsewhere were not computed (whatever they hold): they add nothing here.
             expert_out = torch.where((sorted_ids < num_local).unsqueeze(1), expert_out, 0)
         out = torch.zeros_like(hidden)
-        return out.index_add_(0, tokens, expert_out.mul_(weights))
+        return out.index_add_(0, tokens, expert_out if self.weights_on_inputs else expert_out.mul_(weights))
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not self.gated:  # (relu2: the up rows alone)

@@ -21,7 +21,7 @@ from gpu_worker.models.qwen3_vl import stacked_experts_as_ours
 # Qwen2-VL checkpoints name it as a text model does.) The vision sides: LLaVA-style towers and
 # projectors, Qwen-VL's towers, LLaVA-NeXT's newline row, Idefics3's tower and connector.
 VISION_PREFIXES = (*VISION_SIDE_PREFIXES, "visual.", "model.visual.", "image_newline", "model.image_newline",
-                   "model.vision_model.", "model.connector.")
+                   "model.vision_model.", "model.connector.", "vision_model.")  # (the last: Llama 4's)
 
 
 class LanguageModelOnlyMixin(nn.Module):

@@ -185,8 +185,9 @@ class LlamaDecoderLayer(nn.Module):
     # The recurrent mixer of the layers ModelConfig.mamba_layers names: Mamba-2 (Granite 4.0-H), Gated
     # DeltaNet (Qwen3-Next).
     recurrent_class: type[nn.Module] = MambaMixer2
-    # The dense MLP (Arcee's is ungated).
+    # The dense MLP (Arcee's is ungated), and the routed experts' block (Llama 4's is its own).
     mlp_class: type[nn.Module] = LlamaMLP
+    moe_class: type[nn.Module] = SparseMoeBlock
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -195,7 +196,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mamba = (self.recurrent_class(config.hidden_size, config.mamba, config.rms_norm_eps)
                       if config.layer_is_mamba(layer) and config.mamba is not None else None)
         self.self_attn = self.attention_class(config, layer, self.norm_class) if self.mamba is None else None
-        self.mlp = SparseMoeBlock(config) if config.layer_is_moe(layer) else self.mlp_class(config)
+        self.mlp = self.moe_class(config) if config.layer_is_moe(layer) else self.mlp_class(config)
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         # Granite scales each attention and MLP output before its residual add.
@@ -313,6 +314,11 @@ class LlamaModel(nn.Module):
         self.aux_layer_ids: tuple[int, ...] = ()
         self.aux_hidden_states: list[torch.Tensor] = []
 
+    def query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Each token's query scale by position ([tokens, 1, 1]; None: none): Ministral 3's attention
+        temperature (Llama 4's, ModelConfig.llama_4_scaling)."""
+        return None if self.llama_4_scaling is None else llama_4_query_scale(positions, *self.llama_4_scaling, dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -333,8 +339,9 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate
         rope: tuple[torch.Tensor, ...] = self.rotary_emb.cos_sin(positions)
-        if self.llama_4_scaling is not None:  # (Ministral 3: each token's query scale, beside its cos and sin)
-            rope = (*rope, llama_4_query_scale(positions, *self.llama_4_scaling, hidden.dtype))
+        scale = self.query_scale(positions, hidden.dtype)
+        if scale is not None:  # (each token's query scale, beside its cos and sin)
+            rope = (*rope, scale)
         layers = self.layers[self.stage.start:self.stage.end]
         local = None if self.local_rotary_emb is None else self.local_rotary_emb.cos_sin(positions)
         if deepstack is None and not self.aux_layer_ids:

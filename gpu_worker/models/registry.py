@@ -41,6 +41,7 @@ from gpu_worker.models.llama import (
     SeedOssForCausalLM,
     SmolLM3ForCausalLM,
 )
+from gpu_worker.models.llama4 import Llama4ForCausalLM
 from gpu_worker.models.llava import llava_class
 from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from gpu_worker.models.modernbert import ModernBertModel
@@ -111,6 +112,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -182,6 +182,12 @@ CASES = {
     # StarCoder2 (LayerNorms, biases, an ungated gelu MLP, windows; without biases, untied) and StableLM
     # (LayerNorms, a quarter of each head rotating; StableLM 2 12B's parallel residual and per-head
     # q/k LayerNorms, one KV head).
+    # Llama 4 (text): L2 q/k norms in the rotating layers, the no-position layers' query temperature,
+    # experts weighted on their inputs beside a shared one; without norms or temperature, every layer
+    # routed, two experts a token.
+    "llama4": ("llama4", {}),
+    "llama4_plain_every_layer_top2": ("llama4", {"use_qk_norm": False, "attn_temperature_tuning": False,
+                                                 "interleave_moe_layer_step": 1, "num_experts_per_tok": 2}),
     "starcoder2": ("starcoder2", {}),
     "starcoder2_no_bias_untied": ("starcoder2", {"use_bias": False, "tie_word_embeddings": False}),
     "stablelm": ("stablelm", {}),
@@ -319,6 +325,31 @@ def test_ernie4_5_moe_reads_stacked_experts_and_transformers_names_and_skips_mtp
     torch.testing.assert_close(prefill_logits(make_runner(path, num_blocks=16), prompt, list(range(8))), expected)
 
 
+def test_llama4s_released_checkpoint_is_served_on_text_up_to_one_attention_chunk(tmp_path):
+    """Llama4ForConditionalGeneration (as Llama 4 Scout and Maverick are released): its language model
+    alone, the vision side neither built nor read; the context served stops at attention_chunk_size,
+    within which the chunked layers attend to every key (past it they are not served)."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from tests.gpu_worker.utils import make_config
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    torch.manual_seed(0)
+    source = Llama4ForConditionalGeneration(Llama4Config(text_config=make_config("llama4").to_dict(),
+                                                         vision_config=vision, image_token_index=250)).eval()
+    source.save_pretrained(tmp_path)
+    runner = make_runner(tmp_path, num_blocks=16)
+    config = runner.model.config
+    assert (config.architecture, config.language_model_of) == ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
+    assert config.max_context_len == 128 and config.max_position_embeddings == 256
+    assert not any("vision" in name for name, _ in runner.model.named_parameters())
+    prompt = [(7 * i + 3) % 200 for i in range(45)]
+    with torch.no_grad():
+        expected = source(input_ids=torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, list(range(12))), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_exaone4s_layer_kinds_are_read_as_transformers_and_its_releases_state_them():
     """EXAONE 4.0: a window on the layers layer_types names, else every layer but each pattern-th
     (released as the string "LLLG"); the windowed layers rotate, the full ones do not; a null window
@@ -353,7 +384,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Cohere2ForCausalLM", "Glm4ForCausalLM", "SeedOssForCausalLM",
                                    "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM",
                                    "Exaone4ForCausalLM", "Ernie4_5_MoeForCausalLM", "Starcoder2ForCausalLM",
-                                   "StableLmForCausalLM", "BertModel", "RobertaModel",
+                                   "StableLmForCausalLM", "Llama4ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

@@ -104,10 +104,11 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("exaone4", {}, False),
     ("ernie4_5_moe", {"moe_num_shared_experts": 2}, True),
     ("stablelm", {"use_parallel_residual": True, "qk_layernorm": True}, False),
+    ("llama4", {"num_local_experts": 8}, True),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
-        "ernie4_5_moe_expert_parallel", "stablelm_2_12b_style"])
+        "ernie4_5_moe_expert_parallel", "stablelm_2_12b_style", "llama4_expert_parallel"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
@@ -120,7 +121,8 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     each rank its query heads' norm weights, the one KV head's on both. (Cohere's weights drawn wider,
     0.3: with the default the tiny model's greedy answers repeat nothing for n-gram drafts to find.)
     ERNIE 4.5 MoE: half of the experts whole on each rank, the fp32 router and its correction bias on
-    both, the two shared experts (one MLP twice as wide) split by width."""
+    both, the two shared experts (one MLP twice as wide) split by width. Llama 4: half of the experts
+    whole on each rank, each weighted on its input, the shared expert split by width."""
     ray = pytest.importorskip("ray")
     # One KV head for two ranks (replicated), an odd vocab (padded shards) and tied embeddings.
     path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,
